@@ -1,0 +1,68 @@
+"""reach-mesh: the reachability layer for fleets of AI agents, on NATS JetStream.
+
+Callers use :class:`Client`; agents use :class:`reach_mesh.agent.Agent`; hubs run with
+``reach-mesh hub`` or :class:`reach_mesh.hub.Hub`.
+"""
+
+from __future__ import annotations
+
+from reach_mesh.client import Client, TaskResult
+from reach_mesh.config import MeshSettings, load_settings
+from reach_mesh.errors import (
+    AgentBusyError,
+    BadLeaseError,
+    BadRequestError,
+    HandlerError,
+    InternalError,
+    InvalidAgentIdError,
+    InvalidCapabilityError,
+    MeshTimeoutError,
+    MeshUnavailableError,
+    NoHandlerError,
+    NoMatchError,
+    PayloadTooLargeError,
+    ReachError,
+    SelectorError,
+    StaleAttemptError,
+    ThrottledError,
+    UnknownAgentError,
+    WorkflowSpecError,
+)
+from reach_mesh.models import AgentInfo, AgentState, RouteDecision, TaskState, ToolSpec
+from reach_mesh.selector import Selector
+from reach_mesh.server import EmbeddedNats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentBusyError",
+    "AgentInfo",
+    "AgentState",
+    "BadLeaseError",
+    "BadRequestError",
+    "Client",
+    "EmbeddedNats",
+    "HandlerError",
+    "InternalError",
+    "InvalidAgentIdError",
+    "InvalidCapabilityError",
+    "MeshSettings",
+    "MeshTimeoutError",
+    "MeshUnavailableError",
+    "NoHandlerError",
+    "NoMatchError",
+    "PayloadTooLargeError",
+    "ReachError",
+    "RouteDecision",
+    "Selector",
+    "SelectorError",
+    "StaleAttemptError",
+    "TaskResult",
+    "TaskState",
+    "ThrottledError",
+    "ToolSpec",
+    "UnknownAgentError",
+    "WorkflowSpecError",
+    "__version__",
+    "load_settings",
+]

@@ -1,0 +1,96 @@
+"""Connecting to NATS and creating JetStream resources, with nats errors translated at the edge."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KeyValue
+
+from reach_mesh.errors import MeshUnavailableError
+
+__all__ = ["connect", "ensure_kv"]
+
+
+async def connect(
+    url: str | None,
+    *,
+    name: str,
+    timeout: float = 5.0,
+    **options: Any,
+) -> NATS:
+    """Connect to ``url`` (comma-separated list allowed) or raise ``MeshUnavailableError``.
+
+    A dead URL makes nats-py retry for minutes; the connect is bounded by ``timeout`` and
+    reconnection after a successful connect is unlimited (a hub or agent outlives a server
+    restart or a cluster failover).
+    """
+    if not url:
+        raise MeshUnavailableError(
+            "no NATS URL: pass --nats URL / set REACH_NATS_URL, or run `reach-mesh up`"
+        )
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    opts: dict[str, Any] = {
+        "name": name,
+        "servers": servers,
+        "connect_timeout": min(timeout, 2.0),
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.25,
+        "allow_reconnect": True,
+        "pending_size": 64 * 1024 * 1024,
+    }
+    opts.update(options)
+
+    async def _quiet(_: Exception) -> None:
+        return None
+
+    opts.setdefault("error_cb", _quiet)
+    nc = NATS()
+    try:
+        await asyncio.wait_for(_first_connect(nc, opts), timeout)
+    except (TimeoutError, OSError, nats.errors.Error) as err:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise MeshUnavailableError(f"cannot connect to NATS at {url}: {err!r}") from err
+    return nc
+
+
+async def _first_connect(nc: NATS, opts: dict[str, Any]) -> None:
+    # During the first connect nats-py only retries when reconnects are allowed; keep them on
+    # and let the outer wait_for bound the time.
+    await nc.connect(**opts)
+
+
+async def ensure_kv(
+    js: JetStreamContext,
+    bucket: str,
+    *,
+    replicas: int = 1,
+    history: int = 1,
+    ttl: float | None = None,
+    description: str = "",
+) -> KeyValue:
+    """Bind to ``bucket``, creating it if it does not exist yet (idempotent across hubs)."""
+    try:
+        return await js.key_value(bucket)
+    except BucketNotFoundError:
+        pass
+    cfg = KeyValueConfig(
+        bucket=bucket,
+        description=description,
+        history=history,
+        ttl=ttl,
+        replicas=replicas,
+        storage=StorageType.FILE,
+    )
+    try:
+        return await js.create_key_value(cfg)
+    except nats.js.errors.BadRequestError:
+        # Another hub created it first with the same config (or a compatible one).
+        return await js.key_value(bucket)

@@ -1,0 +1,636 @@
+"""The agent SDK: register, heartbeat under a lease, serve handlers with bounded concurrency,
+keep recent results for idempotency, drain gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import inspect
+import json
+import logging
+import random
+import time
+import typing
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, TypeVar
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from reach_mesh import protocol
+from reach_mesh._nats import connect
+from reach_mesh.agent._task import Task
+from reach_mesh.config import MeshSettings, load_settings
+from reach_mesh.errors import (
+    AgentBusyError,
+    BadRequestError,
+    HandlerError,
+    InvalidCapabilityError,
+    MeshTimeoutError,
+    MeshUnavailableError,
+    NoHandlerError,
+    ReachError,
+    ThrottledError,
+    UnknownAgentError,
+)
+from reach_mesh.models import (
+    AgentCard,
+    AgentState,
+    ErrorBody,
+    Heartbeat,
+    HeartbeatReply,
+    RegisterReply,
+    RegisterRequest,
+    TaskEnvelope,
+    TaskReply,
+    TaskState,
+    ToolSpec,
+    UnregisterRequest,
+)
+from reach_mesh.tracing import SPAN_HANDLE, SpanKind, inject, span, trace_id_from_headers
+
+__all__ = ["Agent", "AgentStatus"]
+
+log = logging.getLogger("reach_mesh.agent")
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+_AGENT_QUEUE: Final = "reach-agent"
+_RESULT_CACHE: Final = 10_000
+
+
+class AgentStatus(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class _Handler:
+    capability: str
+    fn: Callable[[Task[Any]], Awaitable[Any]]
+    payload: TypeAdapter[Any]
+    result: TypeAdapter[Any] | None
+
+
+@dataclass(slots=True)
+class _Entry:
+    """What the agent remembers about one task id (idempotency and fencing)."""
+
+    attempt: int
+    state: TaskState
+    reply: TaskReply | None = None
+    done: asyncio.Future[TaskReply] | None = None
+
+
+class Agent:
+    """An agent on the mesh.
+
+    ::
+
+        agent = Agent("finance.query.a1", labels={"region": "cn-east"}, nats_url=url)
+
+        @agent.handler("data:query:v1")
+        async def query(task: Task[QueryIn]) -> QueryOut: ...
+
+        async with agent:
+            await agent.wait_closed()
+    """
+
+    def __init__(
+        self,
+        agent_id: str,
+        capabilities: Iterable[str] = (),
+        labels: Mapping[str, str] | None = None,
+        *,
+        nats_url: str | None = None,
+        max_concurrency: int = 16,
+        max_queue: int | None = None,
+        weight: float = 1.0,
+        region: str | None = None,
+        zone: str | None = None,
+        tools: Iterable[ToolSpec] = (),
+        metadata: Mapping[str, Any] | None = None,
+        version: str | None = None,
+        settings: MeshSettings | None = None,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        protocol.validate_agent_id(agent_id)
+        self.agent_id = agent_id
+        self.namespace = protocol.namespace_of(agent_id)
+        self._capabilities = {protocol.validate_capability(c) for c in capabilities}
+        self._labels = dict(labels or {})
+        self.settings = settings or load_settings(nats_url=nats_url)
+        self.nats_url = nats_url or self.settings.nats_url
+        if max_concurrency < 1:
+            raise BadRequestError("max_concurrency must be >= 1")
+        self.max_concurrency = max_concurrency
+        #: Tasks that may wait for a slot; beyond that the agent answers REACH_AGENT_BUSY.
+        self.max_queue = max_concurrency if max_queue is None else max_queue
+        self._weight = weight
+        self._region = region
+        self._zone = zone
+        self._tools = list(tools)
+        self._metadata = dict(metadata or {})
+        self._version = version
+        self.drain_timeout = drain_timeout
+        self._handlers: dict[str, _Handler] = {}
+        self.status = AgentStatus.NEW
+        self.session = uuid.uuid4().hex
+        self.unavailable: set[str] = set()
+        self.pressure = 0.0
+        self.state: AgentState | None = None
+        self._nc: NATS | None = None
+        self._subs: list[Subscription] = []
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._running = 0
+        self._waiting = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._results: OrderedDict[str, _Entry] = OrderedDict()
+        self._hb_task: asyncio.Task[None] | None = None
+        self._closed = asyncio.Event()
+        self._registered = asyncio.Event()
+        self.handled = 0
+
+    # ------------------------------------------------------------------ handlers
+
+    def handler(self, capability: str) -> Callable[[F], F]:
+        """Register an ``async def handler(task: Task[Payload]) -> Result`` for a capability.
+
+        Checked at decoration time: it must be ``async def`` with an annotated ``Task[...]``
+        parameter. The payload is validated with pydantic before the handler runs.
+        """
+        protocol.validate_capability(capability)
+        if self.status is not AgentStatus.NEW:
+            raise RuntimeError("add handlers before the agent starts")
+
+        def decorate(fn: F) -> F:
+            if not inspect.iscoroutinefunction(fn):
+                raise TypeError(f"handler for {capability} must be an async def function")
+            params = list(inspect.signature(fn).parameters.values())
+            if len(params) != 1:
+                raise TypeError(f"handler for {capability} must take exactly one Task argument")
+            hints = typing.get_type_hints(fn)
+            ann = hints.get(params[0].name)
+            if ann is None:
+                raise TypeError(
+                    f"handler for {capability}: annotate the parameter as Task[PayloadType]"
+                )
+            payload_type: Any = Any
+            args = typing.get_args(ann)
+            if typing.get_origin(ann) is Task and args:
+                payload_type = args[0]
+            elif ann is not Task:
+                raise TypeError(
+                    f"handler for {capability}: parameter must be Task[PayloadType], got {ann!r}"
+                )
+            ret = hints.get("return")
+            result_adapter = TypeAdapter(ret) if ret not in (None, Any, type(None)) else None
+            self._handlers[capability] = _Handler(
+                capability, fn, TypeAdapter(payload_type), result_adapter
+            )
+            self._capabilities.add(capability)
+            return typing.cast(F, fn)
+
+        return decorate
+
+    @property
+    def capabilities(self) -> list[str]:
+        return sorted(self._capabilities)
+
+    def card(self) -> AgentCard:
+        return AgentCard(
+            agent_id=self.agent_id,
+            capabilities=self.capabilities,
+            labels=self._labels,
+            tools=self._tools,
+            max_concurrency=self.max_concurrency,
+            weight=self._weight,
+            region=self._region,
+            zone=self._zone,
+            metadata=self._metadata,
+            version=self._version,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None:
+            raise RuntimeError("agent is not started")
+        return self._nc
+
+    @property
+    def inflight(self) -> int:
+        return self._running
+
+    async def start(self) -> None:
+        """Connect, subscribe, register (retrying with backoff), start heartbeating."""
+        if self.status is not AgentStatus.NEW:
+            raise RuntimeError(f"agent cannot start from state {self.status.value}")
+        if not self._capabilities:
+            raise InvalidCapabilityError(
+                f"agent {self.agent_id} has no capabilities: add a handler or list them"
+            )
+        self.status = AgentStatus.RUNNING
+        try:
+            self._nc = await connect(
+                self.nats_url, name=self.agent_id, timeout=self.settings.connect_timeout
+            )
+            self._subs.append(
+                await self.nc.subscribe(
+                    protocol.agent_task(self.agent_id),
+                    queue=_AGENT_QUEUE,
+                    cb=self._on_task,
+                    pending_msgs_limit=-1,
+                )
+            )
+            self._subs.append(
+                await self.nc.subscribe(protocol.agent_ctl(self.agent_id), cb=self._on_ctl)
+            )
+            await self.nc.flush()
+            await self._register()
+            self._hb_task = asyncio.create_task(self._heartbeat_loop(), name="reach-heartbeat")
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _register(self) -> None:
+        s = self.settings
+        req = RegisterRequest(
+            card=self.card(),
+            session=self.session,
+            heartbeat_interval=s.heartbeat_interval,
+            lease_timeout=s.lease_timeout,
+        )
+        subject = protocol.hub_subject(self.namespace, "register")
+        delay = 0.05
+        deadline = time.monotonic() + max(s.connect_timeout, 10.0)
+        while True:
+            try:
+                msg = await self.nc.request(subject, protocol.encode(req), timeout=5.0)
+                reply = protocol.parse_reply(msg.data, RegisterReply)
+                self.state = reply.state
+                self._registered.set()
+                log.info("agent %s registered with %s", self.agent_id, reply.hub_id)
+                return
+            except ThrottledError as err:
+                wait = err.retry_after
+            except (NoRespondersError, NatsTimeoutError, TimeoutError) as err:
+                if time.monotonic() > deadline and not self._registered.is_set():
+                    raise MeshUnavailableError(
+                        f"no hub answered the registration of {self.agent_id}"
+                    ) from err
+                wait = delay
+            # Exponential backoff with full jitter: a storm of agents spreads out.
+            await asyncio.sleep(random.uniform(0, wait) + wait / 2)
+            delay = min(delay * 2, 5.0)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.heartbeat_interval
+        subject = protocol.hub_subject(self.namespace, "heartbeat")
+        while True:
+            await asyncio.sleep(interval * random.uniform(0.9, 1.0))
+            try:
+                await self._beat(subject, timeout=max(interval, 1.0))
+            except UnknownAgentError:
+                log.warning("hub does not know %s: registering again", self.agent_id)
+                with contextlib.suppress(ReachError):
+                    await self._register()
+            except (NoRespondersError, NatsTimeoutError, TimeoutError, ReachError) as err:
+                log.warning("heartbeat of %s failed: %r", self.agent_id, err)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("heartbeat of %s failed", self.agent_id)
+
+    async def _beat(self, subject: str, timeout: float) -> None:
+        hb = Heartbeat(
+            agent_id=self.agent_id,
+            session=self.session,
+            inflight=self._running,
+            queue_depth=self._waiting,
+            pressure=self.pressure,
+            unavailable=sorted(self.unavailable),
+            draining=self.status is AgentStatus.DRAINING,
+        )
+        msg = await self.nc.request(subject, protocol.encode(hb), timeout=timeout)
+        reply = protocol.parse_reply(msg.data, HeartbeatReply)
+        self.state = reply.state
+
+    async def heartbeat_now(self) -> None:
+        """Send a heartbeat at once (e.g. after changing ``unavailable`` or ``pressure``)."""
+        await self._beat(protocol.hub_subject(self.namespace, "heartbeat"), timeout=5.0)
+
+    async def close(self) -> None:
+        """Graceful stop: refuse new work, tell the hubs (DRAINING), finish in-flight tasks
+        (up to ``drain_timeout``), unregister, drain the connection. Idempotent."""
+        if self.status in (AgentStatus.DRAINING, AgentStatus.CLOSED):
+            await self._closed.wait()
+            return
+        was_running = self.status is AgentStatus.RUNNING
+        self.status = AgentStatus.DRAINING
+        try:
+            if was_running and self._nc is not None and self._registered.is_set():
+                with contextlib.suppress(Exception):
+                    await self.heartbeat_now()  # hubs stop routing to us at once
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=self.drain_timeout)
+            if self._hb_task is not None:
+                self._hb_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._hb_task
+            if self._nc is not None and self._registered.is_set():
+                with contextlib.suppress(Exception):
+                    await self.nc.request(
+                        protocol.hub_subject(self.namespace, "unregister"),
+                        protocol.encode(
+                            UnregisterRequest(agent_id=self.agent_id, session=self.session)
+                        ),
+                        timeout=2.0,
+                    )
+            for task in list(self._tasks):
+                task.cancel()
+            if self._nc is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._nc.drain(), timeout=5)
+                with contextlib.suppress(Exception):
+                    await self._nc.close()
+        finally:
+            self.status = AgentStatus.CLOSED
+            self._closed.set()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ serving
+
+    async def _on_task(self, msg: Msg) -> None:
+        # Runs on the subscription's reader: never block here.
+        try:
+            env = protocol.decode(
+                msg.data, TaskEnvelope, max_size=self.settings.max_payload + 16 * 1024
+            )
+        except ReachError as err:
+            await self._respond(msg, protocol.encode_error(err))
+            return
+        entry = self._results.get(env.task_id)
+        if entry is not None:
+            self._spawn(self._duplicate(msg, env, entry))
+            return
+        if self.status is not AgentStatus.RUNNING:
+            await self._respond(
+                msg, protocol.encode_error(AgentBusyError(f"{self.agent_id} is draining"))
+            )
+            return
+        if self._running + self._waiting >= self.max_concurrency + self.max_queue:
+            await self._respond(
+                msg,
+                protocol.encode_error(
+                    AgentBusyError(
+                        f"{self.agent_id} is full ({self._running} running, "
+                        f"{self._waiting} queued)",
+                        agent_id=self.agent_id,
+                    )
+                ),
+            )
+            return
+        handler = self._pick_handler(env.capability)
+        if handler is None:
+            await self._respond(
+                msg,
+                protocol.encode_error(
+                    NoHandlerError(
+                        f"{self.agent_id} has no handler for {env.capability!r}",
+                        agent_id=self.agent_id,
+                        capabilities=self.capabilities,
+                    )
+                ),
+            )
+            return
+        done: asyncio.Future[TaskReply] = asyncio.get_running_loop().create_future()
+        self._remember(env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done))
+        self._waiting += 1
+        self._spawn(self._run(msg, env, handler, done))
+
+    def _pick_handler(self, capability: str | None) -> _Handler | None:
+        if capability is None:
+            return next(iter(self._handlers.values())) if len(self._handlers) == 1 else None
+        return self._handlers.get(capability)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _remember(self, task_id: str, entry: _Entry) -> None:
+        self._results[task_id] = entry
+        self._results.move_to_end(task_id)
+        while len(self._results) > _RESULT_CACHE:
+            self._results.popitem(last=False)
+
+    async def _duplicate(self, msg: Msg, env: TaskEnvelope, entry: _Entry) -> None:
+        """Same task again: never run a finished or running task twice."""
+        if entry.done is not None and not entry.done.done():
+            reply = await asyncio.shield(entry.done)  # still running: answer when it ends
+        else:
+            assert entry.reply is not None
+            reply = entry.reply
+            if reply.state is not TaskState.SUCCEEDED and env.attempt > entry.attempt:
+                # A retry of a failed/timed-out attempt: run it again.
+                handler = self._pick_handler(env.capability)
+                if handler is not None and self.status is AgentStatus.RUNNING:
+                    done: asyncio.Future[TaskReply] = asyncio.get_running_loop().create_future()
+                    self._remember(env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done))
+                    self._waiting += 1
+                    await self._run(msg, env, handler, done)
+                    return
+        await self._respond(msg, protocol.encode(reply.model_copy(update={"cached": True})))
+
+    async def _run(
+        self, msg: Msg, env: TaskEnvelope, handler: _Handler, done: asyncio.Future[TaskReply]
+    ) -> None:
+        t_queued = time.perf_counter()
+        headers = dict(msg.headers or {})
+        try:
+            async with self._sem:
+                self._waiting -= 1
+                self._running += 1
+                t_start = time.perf_counter()
+                try:
+                    reply = await self._call(env, handler, headers)
+                finally:
+                    self._running -= 1
+        except asyncio.CancelledError:
+            reply = TaskReply(
+                task_id=env.task_id,
+                attempt=env.attempt,
+                agent_id=self.agent_id,
+                state=TaskState.FAILED,
+                error=ErrorBody(code="REACH_CANCELLED", message="agent shut down"),
+            )
+            t_start = time.perf_counter()
+        reply.duration_ms = round((time.perf_counter() - t_start) * 1000, 3)
+        reply.queued_ms = round((t_start - t_queued) * 1000, 3)
+        self.handled += 1
+        entry = self._results.get(env.task_id)
+        if entry is not None and entry.done is done:
+            entry.state = reply.state
+            entry.reply = reply
+            entry.done = None
+        if not done.done():
+            done.set_result(reply)
+        await self._respond(msg, protocol.encode(reply), headers)
+
+    async def _call(
+        self, env: TaskEnvelope, handler: _Handler, headers: dict[str, str]
+    ) -> TaskReply:
+        base = {"task_id": env.task_id, "attempt": env.attempt, "agent_id": self.agent_id}
+        with span(
+            SPAN_HANDLE,
+            kind=SpanKind.CONSUMER,
+            parent_headers=headers,
+            destination=protocol.agent_task(self.agent_id),
+            attributes={"reach.task_id": env.task_id, "reach.capability": handler.capability},
+        ) as sp:
+            try:
+                payload = handler.payload.validate_python(env.payload)
+            except ValidationError as err:
+                first = err.errors(include_url=False)[0]
+                where = ".".join(str(p) for p in first["loc"]) or "payload"
+                return TaskReply(
+                    **base,
+                    state=TaskState.FAILED,
+                    error=ErrorBody(
+                        code=BadRequestError.code,
+                        message=f"invalid payload for {handler.capability} at {where!r}: "
+                        f"{first['msg']}",
+                        details={"retryable": False},
+                    ),
+                )
+            task: Task[Any] = Task(
+                payload=payload,
+                task_id=env.task_id,
+                attempt=env.attempt,
+                capability=handler.capability,
+                agent_id=self.agent_id,
+                namespace=env.namespace,
+                trace_id=trace_id_from_headers(headers),
+                workflow_id=env.workflow_id,
+                step=env.step,
+                timeout=env.timeout,
+            )
+            if sp.is_recording():
+                sp.add_event(TaskState.ACCEPTED.value)
+            try:
+                async with asyncio.timeout(env.timeout):
+                    result = await handler.fn(task)
+            except TimeoutError:
+                return TaskReply(
+                    **base,
+                    state=TaskState.TIMEOUT,
+                    error=ErrorBody(
+                        code=MeshTimeoutError.code,
+                        message=f"handler did not finish within {env.timeout:.3g}s",
+                    ),
+                )
+            except ReachError as err:
+                return TaskReply(**base, state=TaskState.FAILED, error=_error_body(err))
+            except Exception as err:
+                log.info("handler %s failed: %r", handler.capability, err)
+                return TaskReply(
+                    **base,
+                    state=TaskState.FAILED,
+                    error=ErrorBody(
+                        code=HandlerError.code,
+                        message=f"{type(err).__name__}: {err}"[:2000],
+                        details={"type": type(err).__name__},
+                    ),
+                )
+            try:
+                dumped = _dump(handler, result)
+            except Exception as err:
+                return TaskReply(
+                    **base,
+                    state=TaskState.FAILED,
+                    error=ErrorBody(
+                        code=HandlerError.code,
+                        message=f"handler result is not JSON-serialisable: {err}"[:2000],
+                    ),
+                )
+            return TaskReply(**base, state=TaskState.SUCCEEDED, result=dumped)
+
+    async def _respond(self, msg: Msg, body: bytes, headers: dict[str, str] | None = None) -> None:
+        if not msg.reply or self._nc is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._nc.publish(msg.reply, body, headers=inject(headers or {}))
+
+    async def _on_ctl(self, msg: Msg) -> None:
+        try:
+            body = json.loads(msg.data or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequestError("expected a JSON object")
+            op = body.get("op", "ping")
+            if op == "ping":
+                out: dict[str, Any] = {
+                    "agent_id": self.agent_id,
+                    "status": self.status.value,
+                    "inflight": self._running,
+                    "queued": self._waiting,
+                    "session": self.session,
+                }
+                data = protocol.dumps(out)
+            elif op == "task_state":
+                task_id = protocol.validate_task_id(str(body.get("task_id")))
+                entry = self._results.get(task_id)
+                if entry is None:
+                    data = protocol.dumps({"task_id": task_id, "state": TaskState.PENDING})
+                elif entry.reply is not None:
+                    data = protocol.encode(entry.reply)
+                else:
+                    data = protocol.dumps(
+                        {"task_id": task_id, "attempt": entry.attempt, "state": entry.state}
+                    )
+            else:
+                raise BadRequestError(f"unknown ctl op {op!r}")
+        except ValueError as err:
+            data = protocol.encode_error(BadRequestError(f"malformed JSON: {err}"))
+        except ReachError as err:
+            data = protocol.encode_error(err)
+        await self._respond(msg, data)
+
+
+def _dump(handler: _Handler, result: Any) -> Any:
+    if handler.result is not None:
+        return handler.result.dump_python(result, mode="json")
+    if isinstance(result, BaseModel):
+        return result.model_dump(mode="json")
+    json.dumps(result)  # raises early for non-JSON results
+    return result
+
+
+def _error_body(err: ReachError) -> ErrorBody:
+    return ErrorBody(code=err.code, message=err.message, details=err.details)

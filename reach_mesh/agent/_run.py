@@ -1,0 +1,32 @@
+"""Process entry point for agents: installs SIGTERM/SIGINT handlers (the library itself never
+does) and drains the agents gracefully on either."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from reach_mesh.agent._agent import Agent
+
+__all__ = ["run", "serve"]
+
+
+async def serve(*agents: Agent) -> None:
+    """Start ``agents`` and serve until SIGTERM/SIGINT, then close them gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for agent in agents:
+            await agent.start()
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await asyncio.gather(*(a.close() for a in agents), return_exceptions=True)
+
+
+def run(*agents: Agent) -> None:
+    """Blocking: ``reach_mesh.agent.run(agent)`` in a script's ``__main__``."""
+    asyncio.run(serve(*agents))

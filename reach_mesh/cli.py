@@ -1,0 +1,310 @@
+"""``reach-mesh``: run the mesh, talk to it, inspect it.
+
+Every command that talks to a mesh takes ``--nats URL`` (default: ``$REACH_NATS_URL``).
+``up`` and ``demo`` start an embedded nats-server when no URL is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from reach_mesh.client import Client
+from reach_mesh.config import MeshSettings, load_settings
+from reach_mesh.errors import ReachError
+from reach_mesh.logs import configure_logging
+from reach_mesh.models import AgentInfo, RouteDecision
+from reach_mesh.server import EmbeddedNats
+
+__all__ = ["main"]
+
+
+def _settings(args: argparse.Namespace, **extra: Any) -> MeshSettings:
+    extra.setdefault("nats_url", args.nats)
+    return load_settings(getattr(args, "config", None), **extra)
+
+
+@contextlib.asynccontextmanager
+async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
+    """The URL to use: ``--nats``/``$REACH_NATS_URL``, or an embedded server for this run."""
+    url = args.nats or os.environ.get("REACH_NATS_URL")
+    if url:
+        yield url
+        return
+    server = EmbeddedNats(getattr(args, "data_dir", None))
+    await server.astart()
+    try:
+        yield server.url
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def _until_signal() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+async def cmd_up(args: argparse.Namespace) -> int:
+    from reach_mesh.hub import Hub
+
+    async with _nats(args) as url:
+        settings = _settings(args, nats_url=url, http_port=args.http_port)
+        hubs = [Hub(settings=settings) for _ in range(args.hubs)]
+        for hub in hubs:
+            await hub.start()
+        try:
+            print(f"reach-mesh up: NATS {url}, {len(hubs)} hub(s)", flush=True)
+            for hub in hubs:
+                if getattr(hub, "http_url", None):
+                    print(
+                        f"  {hub.hub_id}: metrics {hub.http_url}/metrics, "
+                        f"dashboard {hub.http_url}/",
+                        flush=True,
+                    )
+            print(f"  export REACH_NATS_URL={url}   # then: reach-mesh agents", flush=True)
+            await _until_signal()
+        finally:
+            for hub in hubs:
+                await hub.close()
+    return 0
+
+
+async def cmd_hub(args: argparse.Namespace) -> int:
+    from reach_mesh.hub import Hub
+
+    settings = _settings(args, http_port=args.http_port)
+    async with Hub(settings=settings) as hub:
+        print(f"hub {hub.hub_id} serving on {settings.nats_url}", flush=True)
+        await _until_signal()
+    return 0
+
+
+async def cmd_demo(args: argparse.Namespace) -> int:
+    from reach_mesh.demo import run_demo
+
+    async with _nats(args) as url:
+        failures = await run_demo(_settings(args, nats_url=url))
+    return 1 if failures else 0
+
+
+async def cmd_agents(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args), namespace=args.namespace) as c:
+        infos = await c.agents(all_namespaces=args.all)
+    if args.json:
+        print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
+        return 0
+    _print_agents(infos)
+    return 0
+
+
+def _print_agents(infos: Sequence[AgentInfo]) -> None:
+    rows = [("AGENT", "STATE", "LOAD", "INFLIGHT", "LEASE", "HEALTH", "CAPABILITIES")]
+    for i in infos:
+        rows.append(
+            (
+                i.agent_id,
+                i.state.value,
+                f"{i.load:.2f}",
+                f"{i.inflight}/{i.max_concurrency}",
+                f"{i.lease_left:.1f}s",
+                f"{i.health:g}",
+                ",".join(i.capabilities),
+            )
+        )
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if len(rows) == 1:
+        print("(no agents)")
+
+
+async def cmd_inspect(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args)) as c:
+        info = await c.inspect(args.agent_id)
+    print(json.dumps(info.model_dump(mode="json"), indent=2))
+    return 0
+
+
+async def cmd_reach(args: argparse.Namespace) -> int:
+    payload = json.loads(args.payload) if args.payload else None
+    async with Client(settings=_settings(args), namespace=args.namespace) as c:
+        if args.dry_run:
+            decision = await c.route(
+                agent_id=args.agent,
+                capability=args.capability,
+                selector=args.selector,
+                strategy=args.strategy,
+                session_id=args.session,
+            )
+            print_decision(decision)
+            return 0
+        res = await c.request(
+            agent_id=args.agent,
+            capability=args.capability,
+            selector=args.selector,
+            payload=payload,
+            timeout=args.timeout,
+            strategy=args.strategy,
+            session_id=args.session,
+            explain=args.show_decision,
+            mode=args.mode,
+        )
+    if args.show_decision and res.decision is not None:
+        print_decision(res.decision)
+    print(
+        json.dumps(
+            {
+                "state": res.state.value,
+                "agent_id": res.agent_id,
+                "task_id": res.task_id,
+                "attempt": res.attempt,
+                "result": res.result,
+                "error": None if res.error is None else res.error.to_wire()["error"],
+                "duration_ms": round(res.duration * 1000, 3),
+                "trace_id": res.trace_id,
+            },
+            indent=2,
+        )
+    )
+    return 0 if res.ok else 1
+
+
+def print_decision(d: RouteDecision) -> None:
+    """The explain output as a readable table."""
+    print(f"request {d.request_id} on {d.hub_id}: {d.target}")
+    print(
+        f"  strategy {d.strategy}, sticky {d.sticky}, {len(d.candidates)} candidate(s), "
+        f"decided in {d.elapsed_us:.0f} us"
+    )
+    rows = [("AGENT", "VERDICT", "DETAIL")]
+    filtered = {f.agent_id: f.reason for f in d.filtered}
+    for agent_id in d.candidates:
+        if agent_id == d.chosen:
+            rows.append((agent_id, "CHOSEN", f"score {d.scores.get(agent_id, 0):g}"))
+        elif agent_id in filtered:
+            rows.append((agent_id, "filtered", filtered[agent_id]))
+        else:
+            rows.append((agent_id, "candidate", f"score {d.scores.get(agent_id, 0):g}"))
+    widths = [max(len(r[k]) for r in rows) for k in range(3)]
+    for r in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if d.fallback:
+        print(f"  fallback: {d.fallback}")
+    if d.nearest:
+        print(f"  nearest: {json.dumps(d.nearest)}")
+
+
+async def cmd_admin(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args)) as c:
+        out = await c.admin(args.command, args.agent_id)
+    print(json.dumps(out))
+    return 0
+
+
+# ---------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reach-mesh", description=__doc__.split("\n")[0])
+    p.add_argument("--log-level", default=os.environ.get("REACH_LOG_LEVEL", "WARNING"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def cmd(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.add_argument(
+            "--nats",
+            default=os.environ.get("REACH_NATS_URL"),
+            help="NATS URL (default: $REACH_NATS_URL)",
+        )
+        sp.add_argument("--config", help="YAML settings file (default: $REACH_CONFIG)")
+        return sp
+
+    up = cmd("up", "run the mesh (embedded NATS unless --nats) until Ctrl-C")
+    up.add_argument("--hubs", type=int, default=1, help="hub instances to run")
+    up.add_argument("--http-port", type=int, default=None, help="hub HTTP port (0 = any)")
+    up.add_argument("--data-dir", help="JetStream store dir for the embedded server")
+    up.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
+    up.set_defaults(func=cmd_up)
+
+    hub = cmd("hub", "run one hub instance against an existing NATS")
+    hub.add_argument("--http-port", type=int, default=None)
+    hub.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
+    hub.set_defaults(func=cmd_hub)
+
+    demo = cmd("demo", "start a hub and three demo agents, send tasks, print results")
+    demo.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
+    demo.set_defaults(func=cmd_demo)
+
+    agents = cmd("agents", "list agents: state, load, lease left, capabilities")
+    agents.add_argument("--namespace", default=None)
+    agents.add_argument("--all", action="store_true", help="every namespace")
+    agents.add_argument("--json", action="store_true")
+    agents.set_defaults(func=cmd_agents)
+
+    inspect = cmd("inspect", "one agent in detail")
+    inspect.add_argument("agent_id")
+    inspect.set_defaults(func=cmd_inspect)
+
+    reach = cmd("reach", "send one task through the mesh and print the result")
+    target = reach.add_mutually_exclusive_group(required=True)
+    target.add_argument("--agent", help="agent id")
+    target.add_argument("--selector", help="e.g. 'cap=email:send:v1 AND region=eu'")
+    reach.add_argument("--capability", help="capability (alone, or the handler with --agent)")
+    reach.add_argument("--payload", help="JSON payload")
+    reach.add_argument("--timeout", type=float, default=30.0)
+    reach.add_argument("--strategy", default=None)
+    reach.add_argument("--session", default=None, help="sticky session id")
+    reach.add_argument("--mode", choices=["proxy", "direct"], default="proxy")
+    reach.add_argument("--namespace", default=None)
+    reach.add_argument("--show-decision", action="store_true", help="print the routing decision")
+    reach.add_argument("--dry-run", action="store_true", help="decide only, send nothing")
+    reach.set_defaults(func=cmd_reach)
+
+    for op, text in (
+        ("cordon", "stop routing new work to an agent"),
+        ("uncordon", "route to a cordoned agent again"),
+        ("remove", "force-remove an agent from the registry"),
+    ):
+        sp = cmd(op, text)
+        sp.add_argument("agent_id")
+        sp.set_defaults(func=cmd_admin)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `reach --capability X` alone is a target too.
+    args = parser.parse_args(argv)
+    configure_logging(args.log_level)
+    if getattr(args, "trace", None):
+        from reach_mesh.tracing import configure_tracing
+
+        configure_tracing("reach-mesh", exporter=args.trace)
+    try:
+        code: int = asyncio.run(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+    except ReachError as err:
+        print(f"error {err.code}: {err.message}", file=sys.stderr)
+        if err.details:
+            print(json.dumps(err.details, indent=2, default=str), file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

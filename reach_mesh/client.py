@@ -1,0 +1,368 @@
+"""The caller SDK: send a task to the right live agent and get an honest answer back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal
+
+from nats.aio.client import Client as NATS
+from nats.errors import MaxPayloadError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from reach_mesh import protocol
+from reach_mesh._nats import connect
+from reach_mesh.config import MeshSettings, load_settings
+from reach_mesh.errors import (
+    AgentBusyError,
+    MeshTimeoutError,
+    MeshUnavailableError,
+    NoHandlerError,
+    PayloadTooLargeError,
+    ReachError,
+    ThrottledError,
+    UnknownAgentError,
+    error_from_wire,
+)
+from reach_mesh.models import (
+    AgentInfo,
+    RouteDecision,
+    RouteReply,
+    RouteRequest,
+    TaskEnvelope,
+    TaskReply,
+    TaskState,
+)
+from reach_mesh.tracing import inject, trace_id_from_headers
+
+__all__ = ["Client", "TaskResult"]
+
+#: Extra time the caller waits beyond the task timeout for the hub's own reply.
+_REPLY_SLACK = 2.0
+
+
+@dataclass(slots=True)
+class TaskResult:
+    """The final answer for one task."""
+
+    state: TaskState
+    task_id: str
+    agent_id: str | None
+    attempt: int
+    result: Any = None
+    error: ReachError | None = None
+    #: Caller-side seconds from request to answer.
+    duration: float = 0.0
+    trace_id: str | None = None
+    request_id: str | None = None
+    decision: RouteDecision | None = None
+    cached: bool = False
+    handler_ms: float = field(default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TaskState.SUCCEEDED
+
+    def raise_for_error(self) -> TaskResult:
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Client:
+    """``async with Client(url) as mesh: await mesh.request(capability=..., payload=...)``."""
+
+    def __init__(
+        self,
+        nats_url: str | None = None,
+        *,
+        namespace: str | None = None,
+        settings: MeshSettings | None = None,
+        name: str = "reach-client",
+        nc: NATS | None = None,
+    ) -> None:
+        self.settings = settings or load_settings(nats_url=nats_url)
+        self.nats_url = nats_url or self.settings.nats_url
+        self.namespace = protocol.validate_namespace(namespace or self.settings.namespace)
+        self._name = name
+        self._nc = nc
+        self._own_nc = nc is None
+        self._state = _State.NEW
+
+    @property
+    def nc(self) -> NATS:
+        if self._nc is None:
+            raise RuntimeError("client is not connected: use `async with Client(...)`")
+        return self._nc
+
+    async def connect(self) -> Client:
+        if self._state is not _State.NEW:
+            raise RuntimeError("client already connected or closed")
+        if self._nc is None:
+            self._nc = await connect(
+                self.nats_url, name=self._name, timeout=self.settings.connect_timeout
+            )
+        self._state = _State.OPEN
+        return self
+
+    async def close(self) -> None:
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        if self._nc is not None and self._own_nc:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._nc.drain(), timeout=5)
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+
+    async def __aenter__(self) -> Client:
+        return await self.connect()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ requests
+
+    async def request(
+        self,
+        *,
+        agent_id: str | None = None,
+        capability: str | None = None,
+        selector: str | None = None,
+        payload: Any = None,
+        timeout: float | None = None,
+        task_id: str | None = None,
+        session_id: str | None = None,
+        strategy: str | None = None,
+        hash_key: str | None = None,
+        region: str | None = None,
+        zone: str | None = None,
+        mode: Literal["proxy", "direct"] = "proxy",
+        explain: bool = False,
+    ) -> TaskResult:
+        """Route one task and wait for its final state.
+
+        Raises ``NoMatchError`` when no live agent can take it, ``MeshTimeoutError`` when no
+        answer arrives in ``timeout``, ``ThrottledError`` when throttled past the deadline, and
+        typed ``BadRequestError``\\ s for bad input. A handler failure is *returned*:
+        ``TaskResult(state=FAILED, error=...)``.
+        """
+        timeout = timeout or self.settings.request_timeout
+        req = RouteRequest(
+            agent_id=agent_id,
+            capability=capability,
+            selector=selector,
+            payload=payload,
+            task_id=task_id or uuid.uuid4().hex,
+            timeout=timeout,
+            mode=mode,
+            strategy=strategy,
+            session_id=session_id,
+            hash_key=hash_key,
+            region=region,
+            zone=zone,
+            explain=explain,
+        )
+        ns = protocol.namespace_of(agent_id) if agent_id else self.namespace
+        body = protocol.encode(req)
+        if len(body) > self.settings.max_payload + 16 * 1024:
+            raise PayloadTooLargeError(
+                f"request of {len(body)} bytes exceeds the maximum payload of "
+                f"{self.settings.max_payload} bytes",
+                size=len(body),
+                max_size=self.settings.max_payload,
+            )
+        headers = inject({})
+        trace_id = trace_id_from_headers(headers)
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        reply = await self._call_hub(ns, "route", body, headers, deadline, timeout + _REPLY_SLACK)
+        route = RouteReply.model_validate_json(reply)
+        if mode == "direct":
+            task = await self._direct(req, route, headers, deadline)
+        else:
+            assert route.task is not None
+            task = route.task
+        return self._result(task, route, trace_id, t0)
+
+    async def _direct(
+        self, req: RouteRequest, route: RouteReply, headers: dict[str, str], deadline: float
+    ) -> TaskReply:
+        """Direct mode: the hub only decided; call the agent ourselves."""
+        attempt = 0
+        while True:
+            attempt += 1
+            assert route.subject is not None and req.task_id is not None
+            env = TaskEnvelope(
+                task_id=req.task_id,
+                attempt=attempt,
+                capability=req.capability or _first_cap(route),
+                payload=req.payload,
+                namespace=self.namespace,
+                timeout=max(deadline - time.monotonic(), 0.001),
+            )
+            try:
+                msg = await self.nc.request(
+                    route.subject,
+                    protocol.encode(env),
+                    timeout=max(deadline - time.monotonic(), 0.001),
+                    headers=headers,
+                )
+                return protocol.parse_reply(msg.data, TaskReply)
+            except (AgentBusyError, NoHandlerError, NoRespondersError) as err:
+                if attempt >= self.settings.route_attempts or time.monotonic() >= deadline:
+                    if isinstance(err, ReachError):
+                        raise
+                    raise UnknownAgentError(f"{route.agent_id} is gone") from err
+                body = protocol.encode(req)
+                ns = protocol.namespace_of(req.agent_id) if req.agent_id else self.namespace
+                data = await self._call_hub(ns, "route", body, headers, deadline, 5.0)
+                route = RouteReply.model_validate_json(data)
+            except (NatsTimeoutError, TimeoutError) as err:
+                raise MeshTimeoutError(
+                    f"agent {route.agent_id} did not answer task {req.task_id}",
+                    task_id=req.task_id,
+                    agent_id=route.agent_id,
+                ) from err
+
+    def _result(
+        self, task: TaskReply, route: RouteReply, trace_id: str | None, t0: float
+    ) -> TaskResult:
+        error = error_from_wire(task.error.model_dump()) if task.error is not None else None
+        if task.state is TaskState.TIMEOUT and error is not None:
+            raise MeshTimeoutError(error.message, task_id=task.task_id, agent_id=task.agent_id)
+        return TaskResult(
+            state=task.state,
+            task_id=task.task_id,
+            agent_id=task.agent_id,
+            attempt=task.attempt,
+            result=task.result,
+            error=error,
+            duration=time.perf_counter() - t0,
+            trace_id=trace_id,
+            request_id=route.request_id,
+            decision=route.decision,
+            cached=task.cached,
+            handler_ms=task.duration_ms,
+        )
+
+    async def route(
+        self,
+        *,
+        agent_id: str | None = None,
+        capability: str | None = None,
+        selector: str | None = None,
+        strategy: str | None = None,
+        session_id: str | None = None,
+        hash_key: str | None = None,
+        region: str | None = None,
+        zone: str | None = None,
+    ) -> RouteDecision:
+        """Ask a hub which agent it would pick, and why, without sending anything."""
+        req = RouteRequest(
+            agent_id=agent_id,
+            capability=capability,
+            selector=selector,
+            strategy=strategy,
+            session_id=session_id,
+            hash_key=hash_key,
+            region=region,
+            zone=zone,
+            dry_run=True,
+            explain=True,
+        )
+        ns = protocol.namespace_of(agent_id) if agent_id else self.namespace
+        deadline = time.monotonic() + 10.0
+        data = await self._call_hub(ns, "route", protocol.encode(req), inject({}), deadline, 5.0)
+        route = RouteReply.model_validate_json(data)
+        assert route.decision is not None
+        return route.decision
+
+    async def _call_hub(
+        self,
+        ns: str,
+        verb: str,
+        body: bytes,
+        headers: dict[str, str],
+        deadline: float,
+        timeout: float,
+    ) -> bytes:
+        """Request a hub; retry while no hub answers or we are throttled, until the deadline."""
+        subject = protocol.hub_subject(ns, verb)
+        delay = 0.02
+        while True:
+            try:
+                msg = await self.nc.request(subject, body, timeout=timeout, headers=headers)
+            except NoRespondersError as err:
+                if time.monotonic() + delay >= deadline:
+                    raise MeshUnavailableError(
+                        f"no hub answered on {subject}: is `reach-mesh hub` running?"
+                    ) from err
+                wait = delay
+            except MaxPayloadError as err:
+                raise PayloadTooLargeError(
+                    f"request exceeds the server's max payload: {err}"
+                ) from err
+            except (NatsTimeoutError, TimeoutError) as err:
+                raise MeshTimeoutError(f"no answer on {subject} within {timeout:g}s") from err
+            else:
+                try:
+                    protocol.raise_for_error(msg.data)
+                except ThrottledError as err:
+                    if time.monotonic() + err.retry_after >= deadline:
+                        raise
+                    wait = err.retry_after
+                else:
+                    return msg.data
+            # Backoff with jitter: many callers retrying together do not stampede.
+            await asyncio.sleep(wait * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 1.0)
+
+    # ------------------------------------------------------------------ fleet queries
+
+    async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
+        data = await self._query("agents", {"all_namespaces": all_namespaces})
+        return [AgentInfo.model_validate(a) for a in json.loads(data)["agents"]]
+
+    async def inspect(self, agent_id: str) -> AgentInfo:
+        protocol.validate_agent_id(agent_id)
+        data = await self._query(
+            "agents", {"agent_id": agent_id}, ns=protocol.namespace_of(agent_id)
+        )
+        return AgentInfo.model_validate_json(data)
+
+    async def admin(self, op: str, agent_id: str) -> dict[str, Any]:
+        protocol.validate_agent_id(agent_id)
+        data = await self._query(
+            "admin", {"op": op, "agent_id": agent_id}, ns=protocol.namespace_of(agent_id)
+        )
+        out: dict[str, Any] = json.loads(data)
+        return out
+
+    async def _query(self, verb: str, body: dict[str, Any], ns: str | None = None) -> bytes:
+        deadline = time.monotonic() + 10.0
+        return await self._call_hub(
+            ns or self.namespace, verb, protocol.dumps(body), inject({}), deadline, 5.0
+        )
+
+
+def _first_cap(route: RouteReply) -> str | None:
+    return None

@@ -1,0 +1,92 @@
+"""One frozen settings object for every reach-mesh process.
+
+Built in code (tests), from a YAML file, and from ``REACH_*`` environment variables, in that
+order of precedence (lowest first): defaults < YAML < environment < explicit keyword overrides.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from reach_mesh.errors import BadLeaseError, BadRequestError
+
+__all__ = ["MeshSettings", "load_settings"]
+
+ENV_PREFIX: Final = "REACH_"
+
+
+class MeshSettings(BaseModel):
+    """Settings shared by hub, agent and client. Times are float seconds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: NATS URL(s), comma separated. ``None``: ``reach-mesh up`` starts an embedded server.
+    nats_url: str | None = None
+    namespace: str = "default"
+
+    # liveness
+    heartbeat_interval: float = Field(default=5.0, gt=0)
+    lease_timeout: float = Field(default=15.0, gt=0)
+    suspect_timeout: float = Field(default=30.0, ge=0)
+    #: How often a hub re-grades leases (SUSPECT/LOST); small so expiry is prompt.
+    liveness_interval: float = Field(default=0.5, gt=0)
+
+    # requests
+    request_timeout: float = Field(default=30.0, gt=0)
+    connect_timeout: float = Field(default=5.0, gt=0)
+    max_payload: int = Field(default=1 << 20, gt=0)
+    #: Concurrent requests a hub (or agent) works on before it stops reading more.
+    hub_concurrency: int = Field(default=2048, ge=1)
+    #: Delivery attempts a hub makes (to different agents) before an ACCEPT.
+    route_attempts: int = Field(default=3, ge=1, le=20)
+    default_strategy: str = "least_loaded"
+
+    # JetStream
+    kv_replicas: int = Field(default=1, ge=1, le=5)
+
+    # backpressure: per-namespace token buckets (requests/s and burst)
+    route_rate: float = Field(default=50_000.0, gt=0)
+    route_burst: float = Field(default=100_000.0, gt=0)
+    register_rate: float = Field(default=2_000.0, gt=0)
+    register_burst: float = Field(default=5_000.0, gt=0)
+
+    # hub HTTP (metrics, REST, dashboard). 0 = pick a free port, None = off.
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+
+    @model_validator(mode="after")
+    def _lease(self) -> MeshSettings:
+        if self.lease_timeout < 3 * self.heartbeat_interval - 1e-9:
+            raise BadLeaseError(
+                f"lease_timeout {self.lease_timeout:g}s must be at least 3 x heartbeat_interval "
+                f"({3 * self.heartbeat_interval:g}s)"
+            )
+        return self
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> MeshSettings:
+    """Defaults < YAML file (``path`` or ``$REACH_CONFIG``) < ``REACH_*`` env < ``overrides``."""
+    values: dict[str, Any] = {}
+    path = path or os.environ.get(f"{ENV_PREFIX}CONFIG")
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise BadRequestError(f"cannot read settings file {path}: {err}") from err
+        if not isinstance(loaded, dict):
+            raise BadRequestError(f"settings file {path} must hold a mapping")
+        values.update(loaded)
+    fields = MeshSettings.model_fields
+    for name in fields:
+        env = os.environ.get(f"{ENV_PREFIX}{name.upper()}")
+        if env is not None:
+            values[name] = env
+    if os.environ.get(f"{ENV_PREFIX}NATS_URL") is not None and "nats_url" not in overrides:
+        values["nats_url"] = os.environ[f"{ENV_PREFIX}NATS_URL"] or None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return MeshSettings.model_validate(values)

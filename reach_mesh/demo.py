@@ -1,0 +1,139 @@
+"""The demo fleet: a hub and three agents in one process, a few tasks, results printed.
+
+``reach-mesh demo`` (and ``make demo``) runs it against an embedded nats-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from reach_mesh.agent import Agent, Task
+from reach_mesh.client import Client
+from reach_mesh.config import MeshSettings
+from reach_mesh.errors import NoMatchError
+from reach_mesh.hub import Hub
+from reach_mesh.models import ToolSpec
+
+__all__ = ["demo_agents", "run_demo"]
+
+
+class Text(BaseModel):
+    text: str
+    lang: str = "en"
+
+
+class Numbers(BaseModel):
+    values: list[float]
+
+
+def demo_agents(settings: MeshSettings) -> list[Agent]:
+    """Three small agents: a translator, a summarizer and a calculator."""
+    translator = Agent(
+        "demo.translator.t1",
+        labels={"region": "eu-west", "gpu": "false"},
+        settings=settings,
+        tools=[
+            ToolSpec(name="translate", description="Translate text", capability="text:translate:v1")
+        ],
+    )
+    summarizer = Agent(
+        "demo.summarizer.s1",
+        labels={"region": "eu-west", "mem_gb": "16", "gpu": "true"},
+        settings=settings,
+    )
+    calculator = Agent("demo.calc.c1", labels={"region": "us-east"}, settings=settings)
+
+    @translator.handler("text:translate:v1")
+    async def translate(task: Task[Text]) -> dict[str, str]:
+        words = {"hello": "bonjour", "world": "monde", "agents": "agents", "mesh": "maillage"}
+        out = " ".join(words.get(w.lower(), w) for w in task.payload.text.split())
+        return {"text": out, "lang": task.payload.lang}
+
+    @summarizer.handler("text:summarize:v1")
+    async def summarize(task: Task[Text]) -> dict[str, Any]:
+        words = task.payload.text.split()
+        return {
+            "summary": " ".join(words[:6]) + (" ..." if len(words) > 6 else ""),
+            "words": len(words),
+        }
+
+    @calculator.handler("math:stats:v1")
+    async def stats(task: Task[Numbers]) -> dict[str, float]:
+        vals = task.payload.values
+        return {"n": len(vals), "sum": sum(vals), "mean": sum(vals) / len(vals) if vals else 0.0}
+
+    return [translator, summarizer, calculator]
+
+
+@contextlib.asynccontextmanager
+async def _fleet(settings: MeshSettings) -> AsyncIterator[list[Agent]]:
+    agents = demo_agents(settings)
+    async with Hub(settings=settings):
+        try:
+            for agent in agents:
+                await agent.start()
+            yield agents
+        finally:
+            await asyncio.gather(*(a.close() for a in agents), return_exceptions=True)
+
+
+async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -> int:
+    """Run the demo against ``settings.nats_url``; returns the number of failed tasks."""
+    failures = 0
+    async with _fleet(settings) as agents, Client(settings=settings, namespace="demo") as mesh:
+        out(f"mesh up: 1 hub, {len(agents)} agents: " + ", ".join(a.agent_id for a in agents))
+        jobs: list[tuple[str, dict[str, Any]]] = [
+            (
+                "by id      demo.calc.c1",
+                dict(agent_id="demo.calc.c1", payload={"values": [3, 4, 5]}),
+            ),
+            (
+                "by cap     text:translate:v1",
+                dict(capability="text:translate:v1", payload={"text": "hello world", "lang": "fr"}),
+            ),
+            (
+                "selector   cap=text:summarize:v1 AND gpu=true AND mem_gte=8GiB",
+                dict(
+                    selector="cap=text:summarize:v1 AND gpu=true AND mem_gte=8GiB",
+                    payload={
+                        "text": "reach mesh makes a fleet of agents findable reachable "
+                        "and accountable"
+                    },
+                ),
+            ),
+        ]
+        for title, kwargs in jobs:
+            res = await mesh.request(timeout=10, **kwargs)
+            status = "ok " if res.ok else "ERR"
+            if not res.ok:
+                failures += 1
+            out(
+                f"[{status}] {title:<66} -> {res.agent_id} {res.state.value} "
+                f"{res.result if res.ok else res.error} ({res.duration * 1000:.1f} ms, "
+                f"trace {res.trace_id})"
+            )
+        try:
+            await mesh.request(capability="text:translate:v2", payload={"text": "x"})
+        except NoMatchError as err:
+            out(
+                f"[ok ] no match is typed: {err.code}; nearest capabilities: "
+                f"{err.details.get('similar_capabilities')}"
+            )
+        decision = await mesh.route(selector="cap=text:translate:v1 AND region=eu-west")
+        out(
+            f"[ok ] explained: {decision.target} -> {decision.chosen} "
+            f"(strategy {decision.strategy}, {len(decision.candidates)} candidate(s))"
+        )
+        agents_info = await mesh.agents()
+        for info in agents_info:
+            out(
+                f"      {info.agent_id:<22} {info.state.value:<8} load {info.load:.2f} "
+                f"lease {info.lease_left:4.1f}s  {', '.join(info.capabilities)}"
+            )
+    out("demo finished: " + ("all tasks succeeded" if failures == 0 else f"{failures} failed"))
+    return failures

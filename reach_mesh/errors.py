@@ -1,0 +1,188 @@
+"""The reach-mesh error tree.
+
+Every error carries a stable wire ``code`` so that clients in any language can act on it::
+
+    ReachError                      REACH_ERROR
+    ├── BadRequestError             REACH_BAD_REQUEST      malformed JSON, wrong types
+    │   ├── InvalidAgentIdError     REACH_BAD_AGENT_ID
+    │   ├── InvalidCapabilityError  REACH_BAD_CAPABILITY
+    │   ├── SelectorError           REACH_BAD_SELECTOR     (names the position)
+    │   ├── BadLeaseError           REACH_BAD_LEASE
+    │   ├── PayloadTooLargeError    REACH_PAYLOAD_TOO_LARGE
+    │   └── WorkflowSpecError       REACH_BAD_WORKFLOW
+    ├── UnknownAgentError           REACH_UNKNOWN_AGENT    (heartbeat: re-register)
+    ├── NoMatchError                REACH_NO_MATCH         (with the nearest things that exist)
+    ├── ThrottledError              REACH_THROTTLED        (with retry_after_ms)
+    ├── AgentBusyError              REACH_AGENT_BUSY       (not accepted: safe to retry)
+    ├── NoHandlerError              REACH_NO_HANDLER       (agent lacks the capability)
+    ├── HandlerError                REACH_HANDLER_FAILED   (the user's handler raised)
+    ├── StaleAttemptError           REACH_STALE_ATTEMPT    (fenced)
+    ├── MeshTimeoutError            REACH_TIMEOUT          (also a ``TimeoutError``)
+    ├── MeshUnavailableError        REACH_UNAVAILABLE      (no hub / NATS not reachable)
+    └── InternalError               REACH_INTERNAL
+
+Errors cross the wire as ``{"error": {"code": ..., "message": ..., "details": {...}}}``;
+:func:`error_from_wire` turns such a body back into the matching class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Final
+
+__all__ = [
+    "AgentBusyError",
+    "BadLeaseError",
+    "BadRequestError",
+    "HandlerError",
+    "InternalError",
+    "InvalidAgentIdError",
+    "InvalidCapabilityError",
+    "MeshTimeoutError",
+    "MeshUnavailableError",
+    "NoHandlerError",
+    "NoMatchError",
+    "PayloadTooLargeError",
+    "ReachError",
+    "SelectorError",
+    "StaleAttemptError",
+    "ThrottledError",
+    "UnknownAgentError",
+    "WorkflowSpecError",
+    "error_from_wire",
+]
+
+
+class ReachError(Exception):
+    """Base of every reach-mesh error. ``code`` is stable on the wire."""
+
+    code: ClassVar[str] = "REACH_ERROR"
+    #: Whether retrying the same request (possibly on another agent) is safe and may succeed.
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = details
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON-able body sent for this error."""
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.details:
+            body["details"] = self.details
+        return {"error": body}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code}: {self.message!r})"
+
+
+class BadRequestError(ReachError):
+    """The request could not be parsed or failed validation."""
+
+    code = "REACH_BAD_REQUEST"
+
+
+class InvalidAgentIdError(BadRequestError):
+    code = "REACH_BAD_AGENT_ID"
+
+
+class InvalidCapabilityError(BadRequestError):
+    code = "REACH_BAD_CAPABILITY"
+
+
+class SelectorError(BadRequestError):
+    """A selector did not parse; ``details`` has ``position`` and ``expected``."""
+
+    code = "REACH_BAD_SELECTOR"
+
+
+class BadLeaseError(BadRequestError):
+    code = "REACH_BAD_LEASE"
+
+
+class PayloadTooLargeError(BadRequestError):
+    code = "REACH_PAYLOAD_TOO_LARGE"
+
+
+class WorkflowSpecError(BadRequestError):
+    code = "REACH_BAD_WORKFLOW"
+
+
+class UnknownAgentError(ReachError):
+    """The agent id is not registered (a heartbeat reply means: register again)."""
+
+    code = "REACH_UNKNOWN_AGENT"
+
+
+class NoMatchError(ReachError):
+    """No routable agent matches; ``details`` may carry ``nearest`` suggestions."""
+
+    code = "REACH_NO_MATCH"
+
+
+class ThrottledError(ReachError):
+    """The namespace is over its rate; ``details['retry_after_ms']`` says when to retry."""
+
+    code = "REACH_THROTTLED"
+    retryable = True
+
+    @property
+    def retry_after(self) -> float:
+        return float(self.details.get("retry_after_ms", 100)) / 1000.0
+
+
+class AgentBusyError(ReachError):
+    """The agent refused the task before accepting it (full, draining). Safe to retry."""
+
+    code = "REACH_AGENT_BUSY"
+    retryable = True
+
+
+class NoHandlerError(ReachError):
+    code = "REACH_NO_HANDLER"
+    retryable = True
+
+
+class HandlerError(ReachError):
+    """The agent's handler raised; ``details`` has the handler's error type."""
+
+    code = "REACH_HANDLER_FAILED"
+
+
+class StaleAttemptError(ReachError):
+    code = "REACH_STALE_ATTEMPT"
+
+
+class MeshTimeoutError(ReachError, TimeoutError):
+    code = "REACH_TIMEOUT"
+
+
+class MeshUnavailableError(ReachError):
+    code = "REACH_UNAVAILABLE"
+    retryable = True
+
+
+class InternalError(ReachError):
+    code = "REACH_INTERNAL"
+
+
+_BY_CODE: Final[dict[str, type[ReachError]]] = {}
+
+
+def _collect(cls: type[ReachError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _collect(sub)
+
+
+_collect(ReachError)
+
+
+def error_from_wire(body: dict[str, Any]) -> ReachError:
+    """Build the error instance for a wire ``{"code", "message", "details"}`` object."""
+    code = str(body.get("code", ReachError.code))
+    cls = _BY_CODE.get(code, ReachError)
+    details = body.get("details") or {}
+    err = cls(str(body.get("message", code)), **(details if isinstance(details, dict) else {}))
+    if cls is ReachError and code != ReachError.code:
+        err.details.setdefault("code", code)
+    return err

@@ -1,0 +1,231 @@
+"""Per-agent failure accounting: a circuit breaker and a health score.
+
+Pure (no I/O); the clock is injected so tests never sleep. The health module of the hub maps
+an open breaker to the ``QUARANTINED`` state and a health score below the threshold to
+"not routable", recording the reason (``REACH-QUARANTINE``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Final
+
+__all__ = ["HEALTH_THRESHOLD", "BreakerState", "CircuitBreaker", "HealthScore"]
+
+#: Below this health score an agent is not routable.
+HEALTH_THRESHOLD: Final = 60.0
+
+
+class BreakerState(enum.Enum):
+    """``CLOSED``: traffic flows. ``OPEN``: quarantined. ``HALF_OPEN``: one probe may pass."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Opens when failures are at least ``failure_ratio`` of the outcomes in the last ``window``
+    seconds, provided there were at least ``min_requests`` of them.
+
+    Outcomes are counted in one-second buckets (``bucket`` seconds), so memory is bounded by
+    ``window / bucket`` whatever the request rate. After ``open_timeout`` seconds ``OPEN`` turns
+    into ``HALF_OPEN`` (on the next read of :attr:`state` or :meth:`allow`), where
+    :meth:`allow` hands out exactly one probe; its outcome closes the breaker (with a fresh
+    window) or opens it again. A probe that never reports is re-issued after ``probe_timeout``
+    so that a lost probe cannot wedge the agent in ``HALF_OPEN``.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: float = 60.0,
+        bucket: float = 1.0,
+        failure_ratio: float = 0.5,
+        min_requests: int = 5,
+        open_timeout: float = 30.0,
+        probe_timeout: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if window <= 0.0 or bucket <= 0.0 or bucket > window:
+            raise ValueError("need 0 < bucket <= window")
+        self.window = window
+        self.bucket = bucket
+        self.failure_ratio = failure_ratio
+        self.min_requests = min_requests
+        self.open_timeout = open_timeout
+        self.probe_timeout = probe_timeout
+        self._clock = clock
+        self._nbuckets = max(1, round(window / bucket))
+        # [bucket index, successes, failures], oldest first; totals kept alongside so a record
+        # is O(1) amortised instead of summing the window.
+        self._buckets: deque[list[int]] = deque()
+        self._successes = 0
+        self._failures = 0
+        self._state = BreakerState.CLOSED
+        self._opened_at = 0.0
+        self._probe_at: float | None = None
+
+    @property
+    def state(self) -> BreakerState:
+        """The current state; ``OPEN`` becomes ``HALF_OPEN`` once ``open_timeout`` has passed."""
+        if (
+            self._state is BreakerState.OPEN
+            and self._clock() - self._opened_at >= self.open_timeout
+        ):
+            self._state = BreakerState.HALF_OPEN
+            self._probe_at = None
+        return self._state
+
+    @property
+    def probe_available(self) -> bool:
+        """Whether :meth:`allow` would return ``True`` now, without handing anything out."""
+        state = self.state
+        if state is not BreakerState.HALF_OPEN:
+            return state is BreakerState.CLOSED
+        return self._probe_at is None or self._clock() - self._probe_at >= self.probe_timeout
+
+    def allow(self) -> bool:
+        """Whether a request may go to the agent now. In ``HALF_OPEN`` this hands out the
+        single probe: the first call returns ``True``, later ones ``False`` until it reports."""
+        state = self.state
+        if state is BreakerState.CLOSED:
+            return True
+        if state is BreakerState.OPEN:
+            return False
+        now = self._clock()
+        if self._probe_at is None or now - self._probe_at >= self.probe_timeout:
+            self._probe_at = now
+            return True
+        return False
+
+    def record(self, success: bool) -> None:
+        """Record an outcome. In ``HALF_OPEN`` any outcome counts as the probe's verdict; in
+        ``OPEN`` outcomes (late replies from before it opened) are ignored."""
+        state = self.state
+        now = self._clock()
+        if state is BreakerState.OPEN:
+            return
+        if state is BreakerState.HALF_OPEN:
+            if success:
+                self._state = BreakerState.CLOSED
+                self._reset_window()
+            else:
+                self._open(now)
+            return
+        self._add(now, success)
+        total = self._successes + self._failures
+        if total >= self.min_requests and self._failures >= self.failure_ratio * total:
+            self._open(now)
+
+    def counts(self) -> tuple[int, int]:
+        """``(successes, failures)`` within the current window."""
+        self._expire(int(self._clock() // self.bucket))
+        return self._successes, self._failures
+
+    def reset(self) -> None:
+        """Close the breaker and forget the window (operator action)."""
+        self._state = BreakerState.CLOSED
+        self._probe_at = None
+        self._reset_window()
+
+    def _open(self, now: float) -> None:
+        self._state = BreakerState.OPEN
+        self._opened_at = now
+        self._probe_at = None
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._buckets.clear()
+        self._successes = self._failures = 0
+
+    def _expire(self, index: int) -> None:
+        buckets = self._buckets
+        oldest = index - self._nbuckets
+        while buckets and buckets[0][0] <= oldest:
+            _, ok, failed = buckets.popleft()
+            self._successes -= ok
+            self._failures -= failed
+
+    def _add(self, now: float, success: bool) -> None:
+        index = int(now // self.bucket)
+        self._expire(index)
+        buckets = self._buckets
+        if not buckets or buckets[-1][0] < index:
+            buckets.append([index, 0, 0])
+        # A clock that steps back lands in the newest bucket rather than reordering the deque.
+        if success:
+            buckets[-1][1] += 1
+            self._successes += 1
+        else:
+            buckets[-1][2] += 1
+            self._failures += 1
+
+
+class HealthScore:
+    """A 0..``maximum`` score per agent: failures cost points, successes earn one back.
+
+    Defaults: start at 100; delivery failure -10, accept timeout -5, overloaded -20, success +1
+    (capped at 100); floor 0; :attr:`healthy` while the score is at least ``threshold`` (60).
+    """
+
+    __slots__ = (
+        "_value",
+        "accept_timeout_penalty",
+        "delivery_failure_penalty",
+        "maximum",
+        "overloaded_penalty",
+        "success_bonus",
+        "threshold",
+    )
+
+    def __init__(
+        self,
+        *,
+        initial: float = 100.0,
+        maximum: float = 100.0,
+        threshold: float = HEALTH_THRESHOLD,
+        delivery_failure_penalty: float = 10.0,
+        accept_timeout_penalty: float = 5.0,
+        overloaded_penalty: float = 20.0,
+        success_bonus: float = 1.0,
+    ) -> None:
+        self.maximum = maximum
+        self.threshold = threshold
+        self.delivery_failure_penalty = delivery_failure_penalty
+        self.accept_timeout_penalty = accept_timeout_penalty
+        self.overloaded_penalty = overloaded_penalty
+        self.success_bonus = success_bonus
+        self._value = min(max(initial, 0.0), maximum)
+
+    @property
+    def value(self) -> float:
+        """The current score, between 0 and ``maximum``."""
+        return self._value
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the score is at least ``threshold``."""
+        return self._value >= self.threshold
+
+    def _add(self, delta: float) -> None:
+        self._value = min(max(self._value + delta, 0.0), self.maximum)
+
+    def success(self) -> None:
+        """A task was accepted and finished: earn ``success_bonus`` back."""
+        self._add(self.success_bonus)
+
+    def delivery_failure(self) -> None:
+        """A delivery failed (no responder, transport error)."""
+        self._add(-self.delivery_failure_penalty)
+
+    def accept_timeout(self) -> None:
+        """The agent did not accept a delivered task in time."""
+        self._add(-self.accept_timeout_penalty)
+
+    def overloaded(self) -> None:
+        """The agent refused work as busy."""
+        self._add(-self.overloaded_penalty)

@@ -1,0 +1,470 @@
+"""The hub's view of the fleet: JetStream KV buckets mirrored into an in-memory index.
+
+Writes (register, heartbeat, unregister, lease cleanup) go to KV; every hub instance watches the
+buckets and applies each change to its own :class:`AgentView` map and :class:`AgentIndex`, so all
+hubs converge on one registry and any of them can answer any request.
+
+Time is the hub's: a heartbeat's arrival is stamped with this hub's monotonic clock when the watch
+delivers it (entries loaded at start-up are aged by the JetStream server's timestamp). Nothing a
+client sends is used as a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from pydantic import ValidationError
+
+from reach_mesh import protocol
+from reach_mesh._nats import ensure_kv
+from reach_mesh.config import MeshSettings
+from reach_mesh.errors import ReachError, UnknownAgentError
+from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
+from reach_mesh.hub.index import AgentIndex
+from reach_mesh.logs import LEASE_EXPIRED, log_event
+from reach_mesh.models import (
+    AgentInfo,
+    AgentRecord,
+    AgentState,
+    Heartbeat,
+    HeartbeatRecord,
+    RegisterRequest,
+)
+
+__all__ = ["AgentView", "Registry"]
+
+log = logging.getLogger("reach_mesh.hub.registry")
+
+_ROUTABLE: Final = frozenset({AgentState.ONLINE, AgentState.SUSPECT})
+_RECENT_TAU: Final = 1.0
+
+
+@dataclass(slots=True, eq=False)
+class AgentView:
+    """One registered agent as this hub sees it. Mutated only on the event loop."""
+
+    record: AgentRecord
+    revision: int
+    #: This hub's monotonic time of the last heartbeat (or registration) it observed.
+    last_seen: float
+    state: AgentState = AgentState.ONLINE
+    inflight: int = 0
+    queue_depth: int = 0
+    pressure: float = 0.0
+    unavailable: frozenset[str] = frozenset()
+    draining: bool = False
+    #: Tasks this hub has delivered to the agent and not yet seen finish.
+    outstanding: int = 0
+    #: Decaying count of this hub's recent assignments (time constant ``_RECENT_TAU``) so a
+    #: burst between heartbeats spreads out instead of piling on one "idle" agent.
+    recent: float = 0.0
+    recent_at: float = 0.0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    health: HealthScore = field(default_factory=HealthScore)
+
+    @property
+    def agent_id(self) -> str:
+        return self.record.card.agent_id
+
+    @property
+    def busy(self) -> int:
+        """In-flight tasks known for sure: the agent's report or this hub's own deliveries."""
+        return max(self.inflight, self.outstanding)
+
+    def assigned(self, now: float) -> None:
+        """Count one assignment by this hub (for load estimates between heartbeats)."""
+        self.recent = self.recent * math.exp((self.recent_at - now) / _RECENT_TAU) + 1.0
+        self.recent_at = now
+
+    def estimated_inflight(self, now: float) -> float:
+        """Best estimate of in-flight work: known work plus recent direct-mode assignments."""
+        recent = self.recent * math.exp((self.recent_at - now) / _RECENT_TAU)
+        return max(self.inflight + recent, float(self.outstanding))
+
+    @property
+    def load(self) -> float:
+        return self.busy / self.record.card.max_concurrency
+
+    def lease_left(self, now: float) -> float:
+        return self.last_seen + self.record.lease_timeout - now
+
+    def info(self, now: float) -> AgentInfo:
+        card = self.record.card
+        return AgentInfo(
+            agent_id=card.agent_id,
+            state=self.state,
+            capabilities=card.capabilities,
+            labels=card.all_labels(),
+            inflight=self.busy,
+            max_concurrency=card.max_concurrency,
+            load=round(self.load, 4),
+            lease_left=round(self.lease_left(now), 3),
+            last_heartbeat_age=round(now - self.last_seen, 3),
+            health=self.health.value,
+            breaker=self.breaker.state.value,
+            session=self.record.session,
+            unavailable=sorted(self.unavailable),
+            tools=card.tools,
+            region=card.region,
+            zone=card.zone,
+            weight=card.weight,
+            metadata=card.metadata,
+        )
+
+
+StateListener = Callable[[AgentView, AgentState, AgentState], None]
+
+
+class Registry:
+    """Registry state of one hub: KV buckets + watchers + index + lease grading."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        settings: MeshSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._js = js
+        self._settings = settings
+        self._clock = clock
+        self.agents: dict[str, AgentView] = {}
+        self.index = AgentIndex()
+        self._agents_kv: KeyValue | None = None
+        self._hb_kv: KeyValue | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._listeners: list[StateListener] = []
+        self._ready = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        s = self._settings
+        self._agents_kv = await ensure_kv(
+            self._js, protocol.KV_AGENTS, replicas=s.kv_replicas, description="reach-mesh agents"
+        )
+        self._hb_kv = await ensure_kv(
+            self._js,
+            protocol.KV_HEARTBEATS,
+            replicas=s.kv_replicas,
+            description="reach-mesh agent heartbeats (load reports)",
+        )
+        agents_loaded = asyncio.Event()
+        hbs_loaded = asyncio.Event()
+        self._tasks = [
+            asyncio.create_task(self._watch_agents(agents_loaded), name="reach-watch-agents"),
+            asyncio.create_task(self._watch_heartbeats(hbs_loaded, agents_loaded)),
+            asyncio.create_task(self._grade_loop(), name="reach-liveness"),
+        ]
+        await asyncio.wait_for(asyncio.gather(agents_loaded.wait(), hbs_loaded.wait()), timeout=30)
+        self._ready.set()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+
+    def on_state_change(self, listener: StateListener) -> None:
+        self._listeners.append(listener)
+
+    @property
+    def now(self) -> float:
+        return self._clock()
+
+    # ------------------------------------------------------------------ watchers
+
+    async def _watch_agents(self, loaded: asyncio.Event) -> None:
+        assert self._agents_kv is not None
+        watcher = await self._agents_kv.watchall()
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    loaded.set()
+                    continue
+                try:
+                    self._apply_agent(entry, initial=not loaded.is_set())
+                except Exception:  # a bad record must never stop the watcher
+                    log.exception("cannot apply agent record %s", entry.key)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _watch_heartbeats(self, loaded: asyncio.Event, agents_loaded: asyncio.Event) -> None:
+        assert self._hb_kv is not None
+        await agents_loaded.wait()
+        watcher = await self._hb_kv.watchall()
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    loaded.set()
+                    continue
+                try:
+                    self._apply_heartbeat(entry, initial=not loaded.is_set())
+                except Exception:
+                    log.exception("cannot apply heartbeat %s", entry.key)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    def _seen_at(self, entry: KeyValue.Entry, initial: bool) -> float:
+        now = self._clock()
+        created: Any = entry.created
+        if initial and created is not None:
+            # Age entries loaded at start-up by the server's own timestamp.
+            age = max(0.0, time.time() - float(created.timestamp()))
+            return now - age
+        return now
+
+    def _apply_agent(self, entry: KeyValue.Entry, *, initial: bool) -> None:
+        agent_id = entry.key
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            self._drop(agent_id)
+            return
+        try:
+            record = AgentRecord.model_validate_json(entry.value)
+        except ValidationError:
+            log.warning("ignoring malformed agent record %s", agent_id)
+            return
+        self.apply_record(record, entry.revision or 0, seen_at=self._seen_at(entry, initial))
+
+    def apply_record(self, record: AgentRecord, revision: int, *, seen_at: float) -> AgentView:
+        """Install (or replace) an agent record in memory and in the index."""
+        agent_id = record.card.agent_id
+        view = self.agents.get(agent_id)
+        if view is not None and view.revision > revision:
+            return view  # an older write arriving late (we applied a newer one locally)
+        if view is None or view.record.session != record.session:
+            view = AgentView(record=record, revision=revision, last_seen=seen_at)
+            old_state = AgentState.LOST
+            self.agents[agent_id] = view
+        else:
+            old_state = view.state
+            view.record = record
+            view.revision = revision
+            view.last_seen = max(view.last_seen, seen_at)
+        # Replace the index entry wholesale: no ghost capabilities from an earlier card.
+        self.index.upsert(agent_id, record.card.capabilities, record.card.all_labels())
+        self._grade(view, self._clock())
+        if view.state != old_state:
+            self._notify(view, old_state)
+        return view
+
+    def _apply_heartbeat(self, entry: KeyValue.Entry, *, initial: bool) -> None:
+        view = self.agents.get(entry.key)
+        if view is None or entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            return
+        try:
+            hb = HeartbeatRecord.model_validate_json(entry.value)
+        except ValidationError:
+            return
+        if hb.session != view.record.session:
+            return  # from an older incarnation of this agent id
+        self.apply_heartbeat(view, hb, seen_at=self._seen_at(entry, initial))
+
+    def apply_heartbeat(self, view: AgentView, hb: HeartbeatRecord, *, seen_at: float) -> None:
+        view.last_seen = max(view.last_seen, seen_at)
+        view.inflight = hb.inflight
+        view.queue_depth = hb.queue_depth
+        view.pressure = hb.pressure
+        view.unavailable = frozenset(hb.unavailable)
+        view.draining = hb.draining
+        old = view.state
+        self._grade(view, self._clock())
+        if view.state != old:
+            self._notify(view, old)
+
+    def _drop(self, agent_id: str) -> None:
+        view = self.agents.pop(agent_id, None)
+        self.index.remove(agent_id)
+        if view is not None:
+            old = view.state
+            view.state = AgentState.LOST
+            self._notify(view, old)
+
+    # ------------------------------------------------------------------ liveness
+
+    def _grade(self, view: AgentView, now: float) -> None:
+        """Derive the agent's state from its lease, flags and breaker."""
+        age = now - view.last_seen
+        rec = view.record
+        if age > rec.lease_timeout + self._settings.suspect_timeout:
+            view.state = AgentState.LOST
+        elif rec.cordoned:
+            view.state = AgentState.CORDONED
+        elif view.draining:
+            view.state = AgentState.DRAINING
+        elif age > rec.lease_timeout:
+            view.state = AgentState.SUSPECT
+        elif view.breaker.state is BreakerState.OPEN:
+            view.state = AgentState.QUARANTINED
+        else:
+            view.state = AgentState.ONLINE
+
+    def regrade(self, view: AgentView) -> None:
+        old = view.state
+        self._grade(view, self._clock())
+        if view.state != old:
+            self._notify(view, old)
+
+    async def _grade_loop(self) -> None:
+        interval = self._settings.liveness_interval
+        while True:
+            await asyncio.sleep(interval)
+            now = self._clock()
+            lost: list[AgentView] = []
+            for view in list(self.agents.values()):
+                old = view.state
+                self._grade(view, now)
+                if view.state != old:
+                    self._notify(view, old)
+                if view.state is AgentState.LOST:
+                    lost.append(view)
+            for view in lost:
+                await self._expire(view)
+
+    async def _expire(self, view: AgentView) -> None:
+        """Remove a LOST agent from memory, and from KV unless it re-registered meanwhile."""
+        agent_id = view.agent_id
+        if self.agents.get(agent_id) is view:
+            self._drop(agent_id)
+        assert self._agents_kv is not None and self._hb_kv is not None
+        # CAS on the revision we graded: every hub may try, one wins, and a fresh
+        # registration (new revision) is never deleted by a stale decision.
+        with contextlib.suppress(KeyWrongLastSequenceError, KeyNotFoundError, Exception):
+            await self._agents_kv.delete(agent_id, last=view.revision)
+            await self._hb_kv.delete(agent_id)
+
+    def _notify(self, view: AgentView, old: AgentState) -> None:
+        if view.state is AgentState.SUSPECT and old is AgentState.ONLINE:
+            log_event(
+                log,
+                LEASE_EXPIRED,
+                "lease expired, agent is SUSPECT",
+                agent_id=view.agent_id,
+                lease_timeout=view.record.lease_timeout,
+            )
+        for listener in self._listeners:
+            try:
+                listener(view, old, view.state)
+            except Exception:
+                log.exception("state listener failed")
+
+    # ------------------------------------------------------------------ writes
+
+    async def register(self, req: RegisterRequest, task_subject: str) -> AgentView:
+        assert self._agents_kv is not None and self._hb_kv is not None
+        record = AgentRecord(
+            card=req.card,
+            session=req.session,
+            heartbeat_interval=req.heartbeat_interval,
+            lease_timeout=req.lease_timeout,
+            task_subject=task_subject,
+            registered_at=time.time(),
+        )
+        agent_id = req.card.agent_id
+        existing = self.agents.get(agent_id)
+        if existing is not None and existing.record.cordoned:
+            record.cordoned = True  # an operator's cordon survives a restart of the agent
+        hb = HeartbeatRecord(session=req.session)
+        # Heartbeat first: watchers that see the record find a matching load report.
+        await self._hb_kv.put(agent_id, protocol.encode(hb))
+        rev = await self._agents_kv.put(agent_id, protocol.encode(record))
+        return self.apply_record(record, rev, seen_at=self._clock())
+
+    async def heartbeat(self, hb: Heartbeat) -> AgentView:
+        view = self.agents.get(hb.agent_id)
+        if view is None or view.record.session != hb.session:
+            raise UnknownAgentError(
+                f"agent {hb.agent_id!r} is not registered"
+                + ("" if view is None else " under this session")
+                + ": register again",
+                agent_id=hb.agent_id,
+            )
+        assert self._hb_kv is not None
+        record = HeartbeatRecord(
+            session=hb.session,
+            inflight=hb.inflight,
+            queue_depth=hb.queue_depth,
+            pressure=hb.pressure,
+            unavailable=hb.unavailable,
+            draining=hb.draining,
+        )
+        await self._hb_kv.put(hb.agent_id, protocol.encode(record))
+        self.apply_heartbeat(view, record, seen_at=self._clock())
+        return view
+
+    async def unregister(self, agent_id: str, session: str | None) -> bool:
+        assert self._agents_kv is not None and self._hb_kv is not None
+        view = self.agents.get(agent_id)
+        if view is None:
+            return False
+        if session is not None and view.record.session != session:
+            return False  # a newer incarnation owns the id now
+        self._drop(agent_id)
+        with contextlib.suppress(KeyNotFoundError):
+            await self._agents_kv.delete(agent_id)
+        with contextlib.suppress(KeyNotFoundError):
+            await self._hb_kv.delete(agent_id)
+        return True
+
+    async def set_cordon(self, agent_id: str, cordoned: bool) -> AgentView:
+        view = self.require(agent_id)
+        assert self._agents_kv is not None
+        record = view.record.model_copy(update={"cordoned": cordoned})
+        rev = await self._agents_kv.update(agent_id, protocol.encode(record), last=view.revision)
+        return self.apply_record(record, rev, seen_at=view.last_seen)
+
+    async def fetch(self, agent_id: str) -> AgentView | None:
+        """Read one agent from KV (for a registration this hub's watch has not delivered yet)."""
+        assert self._agents_kv is not None
+        try:
+            entry = await self._agents_kv.get(agent_id)
+        except (KeyNotFoundError, ReachError):
+            return None
+        except Exception:
+            return None
+        if not entry.value:
+            return None
+        try:
+            record = AgentRecord.model_validate_json(entry.value)
+        except ValidationError:
+            return None
+        return self.apply_record(record, entry.revision or 0, seen_at=self._clock())
+
+    # ------------------------------------------------------------------ reads
+
+    def require(self, agent_id: str) -> AgentView:
+        view = self.agents.get(agent_id)
+        if view is None:
+            raise UnknownAgentError(f"agent {agent_id!r} is not registered", agent_id=agent_id)
+        return view
+
+    def routable(self, view: AgentView) -> bool:
+        return view.state in _ROUTABLE
+
+    def __iter__(self) -> Iterator[AgentView]:
+        return iter(self.agents.values())
+
+    def __len__(self) -> int:
+        return len(self.agents)
+
+    def infos(self, namespace: str | None = None) -> list[AgentInfo]:
+        now = self._clock()
+        return [
+            v.info(now)
+            for v in sorted(self.agents.values(), key=lambda v: v.agent_id)
+            if namespace is None or v.record.card.namespace == namespace
+        ]

@@ -1,0 +1,197 @@
+"""Structured logging.
+
+The library only creates loggers (under ``reach_mesh``) and emits records; it configures nothing.
+Process entry points (the CLI, ``reach_mesh.agent.run``) call :func:`configure_logging`, which
+writes one JSON object per line when stderr is not a terminal and a short human line when it is.
+
+Decision and lifecycle lines go through :func:`log_event` with one of the keywords below, so an
+operator can grep or alert on ``event=REACH-...`` whatever the message text says. Extra fields
+(``trace_id``, ``agent_id``, ``request_id``, ...) become top-level JSON keys.
+"""
+
+from __future__ import annotations
+
+import json as _json
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Final, TextIO
+
+from reach_mesh.tracing import current_trace_id
+
+__all__ = [
+    "LEASE_EXPIRED",
+    "QUARANTINE",
+    "ROUTE_LATENCY",
+    "SELECT_EMPTY",
+    "HumanFormatter",
+    "JsonFormatter",
+    "configure_logging",
+    "get_logger",
+    "log_event",
+]
+
+SELECT_EMPTY: Final = "REACH-SELECT-EMPTY"
+"""A route request found no routable candidate (the line carries the explain summary)."""
+LEASE_EXPIRED: Final = "REACH-LEASE-EXPIRED"
+"""An agent's lease ran out: ONLINE → SUSPECT, or SUSPECT → LOST."""
+QUARANTINE: Final = "REACH-QUARANTINE"
+"""An agent's breaker opened (QUARANTINED) or closed again."""
+ROUTE_LATENCY: Final = "REACH-ROUTE-LATENCY"
+"""A routing decision slower than the configured threshold."""
+
+# Default level per keyword: the three that mean "something is not reachable" are warnings.
+_EVENT_LEVELS: Final[Mapping[str, int]] = {
+    SELECT_EMPTY: logging.WARNING,
+    LEASE_EXPIRED: logging.WARNING,
+    QUARANTINE: logging.WARNING,
+    ROUTE_LATENCY: logging.INFO,
+}
+
+# Attributes every LogRecord has; anything else on a record came from ``extra=`` and is a field.
+_RECORD_ATTRS: Final[frozenset[str]] = frozenset(
+    logging.LogRecord("", 0, "", 0, "", None, None).__dict__
+) | {"message", "asctime", "taskName"}
+
+_ROOT_LOGGER: Final = "reach_mesh"
+
+# A library must not print "No handlers could be found" nor fall back to the last-resort handler.
+logging.getLogger(_ROOT_LOGGER).addHandler(logging.NullHandler())
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger for ``name`` (pass ``__name__``); names outside the package are nested under it.
+
+    Keeping every logger under ``reach_mesh`` lets an application tune the whole library with one
+    ``logging.getLogger("reach_mesh").setLevel(...)``.
+    """
+    if name != _ROOT_LOGGER and not name.startswith(_ROOT_LOGGER + "."):
+        name = f"{_ROOT_LOGGER}.{name}"
+    return logging.getLogger(name)
+
+
+def log_event(
+    logger: logging.Logger,
+    keyword: str,
+    msg: str,
+    /,
+    *,
+    level: int | None = None,
+    **fields: Any,
+) -> None:
+    """Emit one line with ``event=keyword`` and ``fields`` as structured extras.
+
+    ``level`` defaults per keyword (warning for SELECT_EMPTY, LEASE_EXPIRED, QUARANTINE; info
+    otherwise). Nothing is built when the level is disabled. ``trace_id`` is filled from the
+    current span when not given. Field names that clash with ``LogRecord`` attributes get a
+    trailing underscore instead of making ``logging`` raise.
+    """
+    if level is None:
+        level = _EVENT_LEVELS.get(keyword, logging.INFO)
+    if not logger.isEnabledFor(level):
+        return
+    extra: dict[str, Any] = {"event": keyword}
+    for key, value in fields.items():
+        extra[f"{key}_" if key in _RECORD_ATTRS else key] = value
+    if extra.get("trace_id") is None:
+        trace_id = current_trace_id()
+        if trace_id is not None:
+            extra["trace_id"] = trace_id
+    # stacklevel=2: the record names the caller's function and line, not this helper.
+    logger.log(level, msg, extra=extra, stacklevel=2)
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in record.__dict__.items() if k not in _RECORD_ATTRS}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg``, then the extra fields.
+
+    ``ts`` is UTC ISO 8601 with milliseconds. Values JSON cannot encode are written with
+    ``str()`` — a log line is never lost to an odd field. Exceptions go in ``exc``.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render ``record`` as one line of JSON."""
+        seconds = time.gmtime(record.created)
+        millis = int(record.created * 1000) % 1000
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", seconds) + f".{millis:03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in _fields(record).items():
+            # The four fixed keys win; a clashing extra keeps its value under a suffixed key.
+            entry[f"{key}_" if key in entry else key] = value
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = record.stack_info
+        return _json.dumps(entry, default=str, ensure_ascii=False, separators=(",", ":"))
+
+
+class HumanFormatter(logging.Formatter):
+    """A concise line for a terminal: ``12:00:01.234 WARNING reach_mesh.hub [EVENT] msg k=v``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render ``record`` as one human-readable line (plus a traceback, if any)."""
+        fields = _fields(record)
+        event = fields.pop("event", None)
+        clock = time.strftime("%H:%M:%S", time.localtime(record.created))
+        millis = int(record.created * 1000) % 1000
+        parts = [f"{clock}.{millis:03d}", f"{record.levelname:<7}", record.name]
+        if event is not None:
+            parts.append(f"[{event}]")
+        parts.append(record.getMessage())
+        parts.extend(f"{key}={value}" for key, value in fields.items())
+        line = " ".join(parts)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        if record.stack_info:
+            line += "\n" + record.stack_info
+        return line
+
+
+class _ReachHandler(logging.StreamHandler[TextIO]):
+    """Marks the handler :func:`configure_logging` installed, so a second call replaces it."""
+
+
+def configure_logging(level: str | int = "INFO", json: bool | None = None) -> None:
+    """Send log records to stderr: JSON lines, or human lines on a terminal.
+
+    For process entry points only (the CLI). Idempotent: calling it again replaces the handler it
+    installed before and leaves handlers installed by anyone else alone.
+
+    Args:
+        level: a level name (``"debug"``, ``"INFO"``, ...) or number, applied to the root logger.
+        json: force JSON (``True``) or human (``False``); ``None`` chooses JSON unless stderr is
+            a terminal.
+
+    Raises:
+        ValueError: an unknown level name.
+    """
+    if isinstance(level, str):
+        numeric = logging.getLevelNamesMapping().get(level.strip().upper())
+        if numeric is None:
+            raise ValueError(f"unknown log level {level!r}")
+        level = numeric
+    if json is None:
+        json = not _isatty(sys.stderr)
+    root = logging.getLogger()
+    for existing in list(root.handlers):
+        if isinstance(existing, _ReachHandler):
+            root.removeHandler(existing)
+    handler = _ReachHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if json else HumanFormatter())
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed stream
+        return False

@@ -1,0 +1,375 @@
+"""Pydantic v2 wire models: what crosses NATS, as JSON.
+
+Field names here are the protocol (``docs/protocol.md``). Validation errors are turned into typed
+``ReachError``\\ s by :func:`reach_mesh.protocol.decode`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from reach_mesh.errors import BadLeaseError
+from reach_mesh.protocol import (
+    CAPABILITY_RE,
+    validate_agent_id,
+    validate_capability,
+    validate_task_id,
+)
+
+__all__ = [
+    "AgentCard",
+    "AgentInfo",
+    "AgentRecord",
+    "AgentState",
+    "ErrorBody",
+    "FilteredAgent",
+    "Heartbeat",
+    "HeartbeatRecord",
+    "HeartbeatReply",
+    "RegisterReply",
+    "RegisterRequest",
+    "RouteDecision",
+    "RouteReply",
+    "RouteRequest",
+    "TaskEnvelope",
+    "TaskReply",
+    "TaskState",
+    "ToolSpec",
+    "UnregisterRequest",
+]
+
+
+class TaskState(enum.StrEnum):
+    """The six-state ACK machine (plus PENDING before delivery)."""
+
+    PENDING = "PENDING"
+    DELIVERED = "DELIVERED"
+    ACCEPTED = "ACCEPTED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    TIMEOUT = "TIMEOUT"
+
+    @property
+    def final(self) -> bool:
+        return self in _FINAL
+
+
+_FINAL = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.TIMEOUT})
+
+
+class AgentState(enum.StrEnum):
+    """Graded liveness of an agent, as a hub sees it."""
+
+    PRE_ONLINE = "PRE_ONLINE"
+    ONLINE = "ONLINE"
+    SUSPECT = "SUSPECT"
+    LOST = "LOST"
+    QUARANTINED = "QUARANTINED"
+    DRAINING = "DRAINING"
+    CORDONED = "CORDONED"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=False, str_max_length=1 << 20)
+
+
+Label = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class ToolSpec(_Wire):
+    """A tool an agent offers: name, description and JSON Schema of its parameters."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str = Field(default="", max_length=4096)
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    capability: str | None = None
+
+
+class AgentCard(_Wire):
+    """Who an agent is and what it can do."""
+
+    agent_id: str
+    capabilities: list[str] = Field(min_length=1, max_length=256)
+    labels: dict[Label, Label] = Field(default_factory=dict, max_length=128)
+    tools: list[ToolSpec] = Field(default_factory=list, max_length=256)
+    max_concurrency: int = Field(default=16, ge=1, le=100_000)
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    region: str | None = Field(default=None, max_length=64)
+    zone: str | None = Field(default=None, max_length=64)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    version: str | None = Field(default=None, max_length=64)
+
+    @field_validator("agent_id")
+    @classmethod
+    def _agent_id(cls, v: str) -> str:
+        return validate_agent_id(v)
+
+    @field_validator("capabilities")
+    @classmethod
+    def _caps(cls, v: list[str]) -> list[str]:
+        for cap in v:
+            if not CAPABILITY_RE.match(cap):
+                validate_capability(cap)  # raises with the bad value named
+        return sorted(set(v))
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not key[0].isalnum() or not all(c.isalnum() or c in "_.-" for c in key):
+                raise ValueError(f"invalid label key {key!r}: expected [a-z0-9][a-z0-9_.-]*")
+        return {k.lower(): val for k, val in v.items()}
+
+    @property
+    def namespace(self) -> str:
+        return self.agent_id.split(".", 1)[0]
+
+    def all_labels(self) -> dict[str, str]:
+        """Labels plus ``region``/``zone`` as labels, as the selector sees them."""
+        labels = dict(self.labels)
+        if self.region:
+            labels.setdefault("region", self.region)
+        if self.zone:
+            labels.setdefault("zone", self.zone)
+        return labels
+
+
+class RegisterRequest(_Wire):
+    """agent → hub on ``reach.hub.<ns>.register``."""
+
+    card: AgentCard
+    #: A fresh id per agent process start; fences heartbeats from an older incarnation.
+    session: str = Field(min_length=1, max_length=64)
+    heartbeat_interval: float = Field(default=5.0, gt=0, le=3600)
+    lease_timeout: float = Field(default=15.0, gt=0, le=86400)
+
+    @model_validator(mode="after")
+    def _lease(self) -> RegisterRequest:
+        if self.lease_timeout < 3 * self.heartbeat_interval - 1e-9:
+            raise BadLeaseError(
+                f"lease_timeout {self.lease_timeout:g}s is shorter than 3 x heartbeat_interval "
+                f"({3 * self.heartbeat_interval:g}s)",
+                lease_timeout=self.lease_timeout,
+                heartbeat_interval=self.heartbeat_interval,
+            )
+        return self
+
+
+class RegisterReply(_Wire):
+    agent_id: str
+    session: str
+    state: AgentState
+    heartbeat_interval: float
+    lease_timeout: float
+    hub_id: str
+
+
+class Heartbeat(_Wire):
+    """agent → hub on ``reach.hub.<ns>.heartbeat``. Carries load, never a timestamp."""
+
+    agent_id: str
+    session: str = Field(min_length=1, max_length=64)
+    inflight: int = Field(default=0, ge=0)
+    queue_depth: int = Field(default=0, ge=0)
+    pressure: float = Field(default=0.0, ge=0.0, le=1.0)
+    #: Capabilities the agent reports it cannot serve right now (e.g. a dependency is down).
+    unavailable: list[str] = Field(default_factory=list, max_length=256)
+    draining: bool = False
+
+    @field_validator("agent_id")
+    @classmethod
+    def _agent_id(cls, v: str) -> str:
+        return validate_agent_id(v)
+
+
+class HeartbeatReply(_Wire):
+    state: AgentState
+    lease_timeout: float
+
+
+class UnregisterRequest(_Wire):
+    agent_id: str
+    session: str | None = None
+
+    @field_validator("agent_id")
+    @classmethod
+    def _agent_id(cls, v: str) -> str:
+        return validate_agent_id(v)
+
+
+class AgentRecord(_Wire):
+    """Value in the ``reach_agents`` KV bucket."""
+
+    card: AgentCard
+    session: str
+    heartbeat_interval: float
+    lease_timeout: float
+    task_subject: str
+    #: Server-side wall time (seconds since epoch) of the hub that accepted the registration.
+    registered_at: float
+    cordoned: bool = False
+
+
+class HeartbeatRecord(_Wire):
+    """Value in the ``reach_heartbeats`` KV bucket (written by the hub that got the beat)."""
+
+    session: str
+    inflight: int = 0
+    queue_depth: int = 0
+    pressure: float = 0.0
+    unavailable: list[str] = Field(default_factory=list)
+    draining: bool = False
+
+
+class ErrorBody(_Wire):
+    code: str
+    message: str
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+Mode = Literal["proxy", "direct"]
+
+
+class RouteRequest(_Wire):
+    """caller → hub on ``reach.hub.<ns>.route``. Exactly one of agent_id/capability/selector."""
+
+    agent_id: str | None = None
+    capability: str | None = None
+    selector: str | None = Field(default=None, max_length=4096)
+    payload: Any = None
+    task_id: str | None = None
+    timeout: float = Field(default=30.0, gt=0, le=86400)
+    mode: Mode = "proxy"
+    strategy: str | None = Field(default=None, max_length=32)
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    hash_key: str | None = Field(default=None, max_length=1024)
+    region: str | None = Field(default=None, max_length=64)
+    zone: str | None = Field(default=None, max_length=64)
+    explain: bool = False
+    #: Only decide; do not deliver (implies ``explain``).
+    dry_run: bool = False
+
+    @field_validator("agent_id")
+    @classmethod
+    def _agent_id(cls, v: str | None) -> str | None:
+        return None if v is None else validate_agent_id(v)
+
+    @field_validator("capability")
+    @classmethod
+    def _capability(cls, v: str | None) -> str | None:
+        return None if v is None else validate_capability(v)
+
+    @field_validator("task_id")
+    @classmethod
+    def _task_id(cls, v: str | None) -> str | None:
+        return None if v is None else validate_task_id(v)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> RouteRequest:
+        # agent_id may name the handler with capability; otherwise exactly one target.
+        given = [n for n in ("agent_id", "capability", "selector") if getattr(self, n)]
+        if given == ["agent_id", "capability"]:
+            return self
+        if len(given) != 1:
+            raise ValueError(
+                "exactly one of agent_id, capability, selector is required"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        return self
+
+
+class TaskEnvelope(_Wire):
+    """hub/caller → agent on ``reach.agent.<agent_id>.task``: one attempt of one task."""
+
+    task_id: str
+    attempt: int = Field(default=1, ge=1)
+    #: The handler to run; ``None`` means the agent's only handler.
+    capability: str | None = None
+    payload: Any = None
+    namespace: str = "default"
+    #: Seconds the handler may take (relative: the agent measures it on its own clock).
+    timeout: float = Field(default=30.0, gt=0)
+    workflow_id: str | None = None
+    step: int | None = None
+    #: Publish status events (DELIVERED/ACCEPTED/RUNNING/final) on reach.task.<ns>.<id>.status.
+    track: bool = False
+
+
+class TaskReply(_Wire):
+    """agent → hub/caller: the final (or current, for a state query) state of an attempt."""
+
+    task_id: str
+    attempt: int
+    agent_id: str
+    state: TaskState
+    result: Any = None
+    error: ErrorBody | None = None
+    #: Handler run time and time spent queued in the agent, in milliseconds (agent clock).
+    duration_ms: float = 0.0
+    queued_ms: float = 0.0
+    #: True when this result was served from the agent's idempotency cache.
+    cached: bool = False
+
+
+class FilteredAgent(_Wire):
+    agent_id: str
+    reason: str
+
+
+class RouteDecision(_Wire):
+    """How the hub chose: the explain output of one routing decision."""
+
+    request_id: str
+    hub_id: str
+    target: str
+    strategy: str
+    candidates: list[str] = Field(default_factory=list)
+    filtered: list[FilteredAgent] = Field(default_factory=list)
+    scores: dict[str, float] = Field(default_factory=dict)
+    sticky: Literal["hit", "miss", "none"] = "none"
+    chosen: str | None = None
+    fallback: str | None = None
+    nearest: dict[str, Any] | None = None
+    elapsed_us: float = 0.0
+
+
+class RouteReply(_Wire):
+    """hub → caller. ``task`` in proxy mode; ``subject`` to call in direct mode."""
+
+    request_id: str
+    agent_id: str | None = None
+    subject: str | None = None
+    task: TaskReply | None = None
+    decision: RouteDecision | None = None
+    attempts: int = 1
+
+
+class AgentInfo(_Wire):
+    """One agent as a hub sees it (``agents``/``inspect`` replies, snapshots)."""
+
+    agent_id: str
+    state: AgentState
+    capabilities: list[str]
+    labels: dict[str, str]
+    inflight: int
+    max_concurrency: int
+    load: float
+    lease_left: float
+    last_heartbeat_age: float
+    health: float
+    breaker: str
+    session: str
+    unavailable: list[str] = Field(default_factory=list)
+    tools: list[ToolSpec] = Field(default_factory=list)
+    region: str | None = None
+    zone: str | None = None
+    weight: float = 1.0
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+def _check_task_id(v: str) -> str:  # used by SDKs
+    return validate_task_id(v)

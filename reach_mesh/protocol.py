@@ -1,0 +1,238 @@
+"""Subjects, header names, bucket/stream names and the JSON codec — the wire, in one place.
+
+Pure: no I/O. Every subject the mesh uses is built by a function here, so the protocol can be read
+(and changed) in one file. See ``docs/protocol.md`` for the same facts in prose.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Final, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from reach_mesh.errors import (
+    BadLeaseError,
+    BadRequestError,
+    InvalidAgentIdError,
+    InvalidCapabilityError,
+    PayloadTooLargeError,
+    ReachError,
+    error_from_wire,
+)
+
+__all__ = [
+    "AGENT_ID_RE",
+    "CAPABILITY_RE",
+    "DEFAULT_NAMESPACE",
+    "HDR_REQUEST_ID",
+    "HUB_QUEUE",
+    "KV_AGENTS",
+    "KV_HEARTBEATS",
+    "PROTOCOL_VERSION",
+    "TASK_ID_RE",
+    "agent_ctl",
+    "agent_task",
+    "decode",
+    "encode",
+    "encode_error",
+    "hub_subject",
+    "namespace_of",
+    "parse_reply",
+    "raise_for_error",
+    "task_status",
+    "validate_agent_id",
+    "validate_capability",
+    "validate_namespace",
+    "validate_task_id",
+]
+
+PROTOCOL_VERSION: Final = 1
+DEFAULT_NAMESPACE: Final = "default"
+
+#: Queue group every hub instance joins for request-reply subjects.
+HUB_QUEUE: Final = "reach-hubs"
+
+#: JetStream KV buckets.
+KV_AGENTS: Final = "reach_agents"  # agent_id -> AgentRecord (registration)
+KV_HEARTBEATS: Final = "reach_heartbeats"  # agent_id -> HeartbeatRecord (latest load report)
+KV_SESSIONS: Final = "reach_sessions"  # session key -> agent_id (sticky routing)
+
+#: Header carrying the request id the hub assigns (and echoes in replies and logs).
+HDR_REQUEST_ID: Final = "Reach-Request-Id"
+HDR_MSG_ID: Final = "Nats-Msg-Id"
+
+_TOKEN: Final = r"[a-z0-9][a-z0-9_-]*"
+TOKEN_RE: Final = re.compile(rf"^{_TOKEN}$")
+AGENT_ID_RE: Final = re.compile(rf"^{_TOKEN}\.{_TOKEN}\.{_TOKEN}$")
+CAPABILITY_RE: Final = re.compile(rf"^{_TOKEN}:{_TOKEN}:v[0-9]+$")
+TASK_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_MAX_TOKEN_LEN: Final = 64
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_namespace(ns: str) -> str:
+    """Return ``ns`` if it is a valid namespace token, else raise ``BadRequestError``."""
+    if not isinstance(ns, str) or len(ns) > _MAX_TOKEN_LEN or not TOKEN_RE.match(ns):
+        raise BadRequestError(
+            f"invalid namespace {ns!r}: expected a token matching [a-z0-9][a-z0-9_-]*",
+            field="namespace",
+            value=str(ns)[:100],
+        )
+    return ns
+
+
+def validate_agent_id(agent_id: str) -> str:
+    """Return ``agent_id`` if it is ``<namespace>.<service>.<instance>``, else raise."""
+    if (
+        not isinstance(agent_id, str)
+        or len(agent_id) > 3 * _MAX_TOKEN_LEN + 2
+        or not AGENT_ID_RE.match(agent_id)
+    ):
+        raise InvalidAgentIdError(
+            f"invalid agent_id {agent_id!r}: expected <namespace>.<service>.<instance>, "
+            "each token [a-z0-9][a-z0-9_-]*",
+            value=str(agent_id)[:200],
+        )
+    return agent_id
+
+
+def validate_capability(cap: str) -> str:
+    """Return ``cap`` if it is ``domain:action:vN``, else raise ``InvalidCapabilityError``."""
+    if (
+        not isinstance(cap, str)
+        or len(cap) > 2 * _MAX_TOKEN_LEN + 10
+        or not CAPABILITY_RE.match(cap)
+    ):
+        raise InvalidCapabilityError(
+            f"invalid capability {cap!r}: expected domain:action:vN (e.g. email:send:v1)",
+            value=str(cap)[:200],
+        )
+    return cap
+
+
+def validate_task_id(task_id: str) -> str:
+    if not isinstance(task_id, str) or not TASK_ID_RE.match(task_id):
+        raise BadRequestError(
+            f"invalid task_id {task_id!r}: expected 1-64 characters of [A-Za-z0-9_-]",
+            field="task_id",
+            value=str(task_id)[:100],
+        )
+    return task_id
+
+
+def namespace_of(agent_id: str) -> str:
+    """The namespace (tenant) token of a valid agent id."""
+    return agent_id.split(".", 1)[0]
+
+
+# --------------------------------------------------------------------------- subjects
+
+
+def hub_subject(namespace: str, verb: str) -> str:
+    """``reach.hub.<ns>.<verb>`` — verbs: register, heartbeat, unregister, route, report, agents,
+    admin. ``namespace`` may be ``*`` for the hub's wildcard subscriptions."""
+    return f"reach.hub.{namespace}.{verb}"
+
+
+def agent_task(agent_id: str) -> str:
+    """``reach.agent.<agent_id>.task`` — request-reply delivery of one task attempt."""
+    return f"reach.agent.{agent_id}.task"
+
+
+def agent_ctl(agent_id: str) -> str:
+    """``reach.agent.<agent_id>.ctl`` — control requests (ping, task state, drain)."""
+    return f"reach.agent.{agent_id}.ctl"
+
+
+def task_status(namespace: str, task_id: str) -> str:
+    """``reach.task.<ns>.<task_id>.status`` — six-state status events of a task."""
+    return f"reach.task.{namespace}.{task_id}.status"
+
+
+# --------------------------------------------------------------------------- codec
+
+M = TypeVar("M", bound=BaseModel)
+
+_FIELD_ERRORS: Final[dict[str, type[BadRequestError]]] = {
+    "agent_id": InvalidAgentIdError,
+    "capabilities": InvalidCapabilityError,
+    "capability": InvalidCapabilityError,
+    "lease_timeout": BadLeaseError,
+    "heartbeat_interval": BadLeaseError,
+}
+
+
+def encode(model: BaseModel) -> bytes:
+    """Serialise a wire model (``None`` fields left out)."""
+    return model.model_dump_json(exclude_none=True).encode()
+
+
+def encode_error(err: ReachError) -> bytes:
+    return json.dumps(err.to_wire(), separators=(",", ":")).encode()
+
+
+def decode(data: bytes, model: type[M], *, max_size: int | None = None) -> M:
+    """Parse and validate ``data`` as ``model``; raise a typed ``BadRequestError`` naming the
+    bad field and value. Never raises anything else."""
+    if max_size is not None and len(data) > max_size:
+        raise PayloadTooLargeError(
+            f"message of {len(data)} bytes exceeds the maximum of {max_size} bytes",
+            size=len(data),
+            max_size=max_size,
+        )
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as err:
+        raise _translate(err, model) from err
+    except (ValueError, TypeError) as err:  # pragma: no cover - pydantic wraps these
+        raise BadRequestError(f"malformed {model.__name__}: {err}") from err
+
+
+def _translate(err: ValidationError, model: type[BaseModel]) -> BadRequestError:
+    first = err.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return BadRequestError(
+            f"malformed JSON in {model.__name__}: {first['msg']}", type="json_invalid"
+        )
+    loc = [str(p) for p in first["loc"]]
+    where = ".".join(loc) or model.__name__
+    cls: type[BadRequestError] = BadRequestError
+    for part in loc:
+        if part in _FIELD_ERRORS:
+            cls = _FIELD_ERRORS[part]
+            break
+    value = first.get("input")
+    shown = "" if not loc or isinstance(value, dict) else f" (got {repr(value)[:200]})"
+    msg = first["msg"].removeprefix("Value error, ")
+    what = f"field {where!r}" if loc else "request"
+    return cls(
+        f"invalid {model.__name__} {what}: {msg}{shown}",
+        field=where,
+        type=first["type"],
+        errors=len(err.errors()),
+    )
+
+
+def raise_for_error(data: bytes) -> None:
+    """Raise the typed ``ReachError`` if ``data`` is an error body (``{"error": {...}}``)."""
+    head = data[:24].lstrip()
+    if head[:1] == b"{" and head[1:].lstrip().startswith(b'"error"'):
+        try:
+            body = json.loads(data)
+            err = body["error"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadRequestError(f"malformed error reply: {exc}") from exc
+        raise error_from_wire(err if isinstance(err, dict) else {"message": str(err)})
+
+
+def parse_reply(data: bytes, model: type[M]) -> M:
+    """Parse a reply: raise the typed ``ReachError`` if it is an error body."""
+    raise_for_error(data)
+    return model.model_validate_json(data)
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

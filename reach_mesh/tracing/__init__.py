@@ -1,0 +1,42 @@
+"""Tracing and metrics for reach-mesh: W3C trace context over NATS headers, span helpers,
+OpenTelemetry setup. Prometheus metrics live in :mod:`reach_mesh.tracing.metrics`.
+
+Every message carries a ``traceparent`` even with tracing off, so one trace_id follows a task
+across every hop and every log line; spans are recorded only when a tracer provider is set up
+(:func:`configure_tracing`, ``OTEL_TRACES_EXPORTER``, or the application's own).
+"""
+
+from __future__ import annotations
+
+from opentelemetry.trace import SpanKind
+
+from ._propagation import (
+    TRACEPARENT,
+    TRACESTATE,
+    current_trace_id,
+    extract,
+    inject,
+    trace_id_from_headers,
+)
+from ._setup import ExporterName, configure_tracing, memory_exporter, tracing_enabled
+from ._spans import SPAN_DELIVER, SPAN_HANDLE, SPAN_ROUTE, SPAN_STEP, SPAN_WORKFLOW, span
+
+__all__ = [
+    "SPAN_DELIVER",
+    "SPAN_HANDLE",
+    "SPAN_ROUTE",
+    "SPAN_STEP",
+    "SPAN_WORKFLOW",
+    "TRACEPARENT",
+    "TRACESTATE",
+    "ExporterName",
+    "SpanKind",
+    "configure_tracing",
+    "current_trace_id",
+    "extract",
+    "inject",
+    "memory_exporter",
+    "span",
+    "trace_id_from_headers",
+    "tracing_enabled",
+]

@@ -1,0 +1,207 @@
+"""Prometheus metrics for hubs and agents.
+
+Each :class:`HubMetrics` / :class:`AgentMetrics` owns its own ``CollectorRegistry`` instead of
+using prometheus-client's global one: several hubs and agents live in one test process (and one
+``reach-mesh demo``), and the global registry refuses a second metric of the same name.
+
+The hub updates metrics by plain attribute access, e.g.
+``metrics.task_total.labels(ns, mode, state).inc()``; ``render()`` produces the ``/metrics`` body.
+Every metric is documented in ``docs/operations.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from reach_mesh._http import Handler, HttpRequest, HttpResponse, HttpServer
+
+__all__ = [
+    "CONTENT_TYPE",
+    "DURATION_BUCKETS",
+    "LATENCY_BUCKETS",
+    "AgentMetrics",
+    "HubMetrics",
+    "metrics_handler",
+    "serve_metrics",
+]
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+"""Content type of :meth:`HubMetrics.render` output (Prometheus text format 0.0.4)."""
+
+LATENCY_BUCKETS: Final[tuple[float, ...]] = (
+    0.0001, 0.00025, 0.0005,
+    0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0,
+)  # fmt: skip
+"""Routing and hand-over latencies: 100 µs to 5 s (a route decision is sub-millisecond)."""
+
+DURATION_BUCKETS: Final[tuple[float, ...]] = (
+    0.01, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
+)  # fmt: skip
+"""Task and workflow run times: 10 ms to the default task TTL of 2 h (LLM calls take seconds)."""
+
+_ACCEPT_BUCKETS: Final[tuple[float, ...]] = (
+    0.0005, 0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+class HubMetrics:
+    """The metrics one hub exports on ``/metrics``; see ``docs/operations.md``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.task_total = Counter(
+            "reach_task",
+            "Task attempts that reached a state, by namespace, delivery mode and state.",
+            ["namespace", "mode", "state"],
+            registry=r,
+        )
+        self.route_duration_seconds = Histogram(
+            "reach_route_duration_seconds",
+            "Time for the hub to decide a route (request received to decision).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.delivered_to_accepted_seconds = Histogram(
+            "reach_delivered_to_accepted_seconds",
+            "Time from DELIVERED to ACCEPTED: how long an agent takes to start a handler.",
+            buckets=_ACCEPT_BUCKETS,
+            registry=r,
+        )
+        self.task_duration_seconds = Histogram(
+            "reach_task_duration_seconds",
+            "Time from ACCEPTED to a final state, by capability.",
+            ["capability"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.pending_count = Gauge(
+            "reach_pending_count",
+            "Tasks and workflow steps waiting for an agent (PENDING).",
+            registry=r,
+        )
+        self.agents = Gauge(
+            "reach_agents",
+            "Registered agents by namespace and liveness state.",
+            ["namespace", "state"],
+            registry=r,
+        )
+        self.preonline_count = Gauge(
+            "reach_preonline_count",
+            "Agents held in PRE_ONLINE (returned after LOST, stale attempts not yet fenced).",
+            registry=r,
+        )
+        self.throttled_total = Counter(
+            "reach_throttled",
+            "Requests refused with REACH_THROTTLED, by namespace.",
+            ["namespace"],
+            registry=r,
+        )
+        self.quarantine_total = Counter(
+            "reach_quarantine",
+            "Times an agent's breaker opened (agent QUARANTINED).",
+            registry=r,
+        )
+        self.duplicate_delivery_total = Counter(
+            "reach_duplicate_delivery",
+            "Deliveries an agent reported as duplicates of an attempt it already had.",
+            registry=r,
+        )
+        self.retry_total = Counter(
+            "reach_retry",
+            "Task attempts after the first (retries and re-queues).",
+            registry=r,
+        )
+        self.heartbeat_total = Counter(
+            "reach_heartbeat",
+            "Heartbeats received.",
+            registry=r,
+        )
+        self.workflow_total = Counter(
+            "reach_workflow",
+            "Workflows that reached a final state, by kind (fanout, chain) and state.",
+            ["kind", "state"],
+            registry=r,
+        )
+        self.workflow_duration_seconds = Histogram(
+            "reach_workflow_duration_seconds",
+            "Time from workflow submission to its final state, by kind.",
+            ["kind"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format (``CONTENT_TYPE``)."""
+        return bytes(generate_latest(self.registry))
+
+
+class AgentMetrics:
+    """The metrics one agent process can export (the SDK updates them; serving is optional)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.inflight = Gauge(
+            "reach_agent_inflight",
+            "Tasks the agent's handlers are running now.",
+            registry=r,
+        )
+        self.handled_total = Counter(
+            "reach_agent_handled",
+            "Task attempts that reached a final state on this agent, by capability and state.",
+            ["capability", "state"],
+            registry=r,
+        )
+        self.failures_total = Counter(
+            "reach_agent_failures",
+            "Handler failures by capability and error code (REACH_HANDLER_FAILED, ...).",
+            ["capability", "code"],
+            registry=r,
+        )
+        self.handler_duration_seconds = Histogram(
+            "reach_agent_handler_duration_seconds",
+            "Handler run time by capability.",
+            ["capability"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format (``CONTENT_TYPE``)."""
+        return bytes(generate_latest(self.registry))
+
+
+async def serve_metrics(
+    render: Callable[[], bytes], host: str = "127.0.0.1", port: int = 0
+) -> HttpServer:
+    """Serve ``GET /metrics`` from ``render`` (e.g. ``HubMetrics().render``) on ``host:port``.
+
+    For processes with nothing else to serve (an agent); the hub mounts the same route on its
+    own :class:`~reach_mesh._http.HttpServer`. Returns the started server: ``.port`` tells the
+    port, ``await .close()`` stops it.
+    """
+    server = HttpServer()
+    server.route("GET", "/metrics", metrics_handler(render))
+    await server.start(host, port)
+    return server
+
+
+def metrics_handler(render: Callable[[], bytes]) -> Handler:
+    """An :class:`~reach_mesh._http.HttpServer` handler answering with ``render()``."""
+
+    async def handle(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(200, render(), CONTENT_TYPE)
+
+    return handle

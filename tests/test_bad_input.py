@@ -1,0 +1,221 @@
+"""Bad input gets a typed error with a stable code naming the bad value; the hub keeps serving
+and nothing registered is lost. Requests are sent raw, as a client in another language would."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from reach_mesh import Client, MeshSettings, PayloadTooLargeError, protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+async def agent(hub: Hub, settings: MeshSettings, namespace: str) -> AsyncIterator[Agent]:
+    a = Agent(f"{namespace}.echo.a1", settings=settings)
+
+    @a.handler("text:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with a:
+        yield a
+
+
+async def ask(nc: NATS, subject: str, body: bytes | dict[str, Any]) -> dict[str, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    msg = await nc.request(subject, data, timeout=5)
+    out: dict[str, Any] = json.loads(msg.data)
+    return out
+
+
+def register_body(ns: str, **card: Any) -> dict[str, Any]:
+    base = {"agent_id": f"{ns}.svc.i1", "capabilities": ["text:echo:v1"]}
+    base.update(card)
+    return {"card": base, "session": "s1"}
+
+
+CASES = [
+    ("register", b"{not json", "REACH_BAD_REQUEST", "malformed JSON"),
+    ("register", b"[1,2]", "REACH_BAD_REQUEST", "RegisterRequest"),
+    ("register", {"card": {"agent_id": "x.y.z"}}, None, "capabilities"),  # ns mismatch or missing
+    (
+        "register",
+        {"card": {"agent_id": "Bad Id", "capabilities": ["a:b:v1"]}, "session": "s"},
+        "REACH_BAD_AGENT_ID",
+        "Bad Id",
+    ),
+    (
+        "register",
+        {"card": {"agent_id": "{ns}.svc.i1", "capabilities": ["nope"]}, "session": "s"},
+        "REACH_BAD_CAPABILITY",
+        "nope",
+    ),
+    (
+        "register",
+        {"card": {"agent_id": "{ns}.svc.i1", "capabilities": []}, "session": "s"},
+        "REACH_BAD_CAPABILITY",
+        "at least 1",
+    ),
+    (
+        "register",
+        {
+            "card": {
+                "agent_id": "{ns}.svc.i1",
+                "capabilities": ["a:b:v1"],
+                "max_concurrency": "lots",
+            },
+            "session": "s",
+        },
+        "REACH_BAD_REQUEST",
+        "max_concurrency",
+    ),
+    (
+        "register",
+        {
+            "card": {"agent_id": "{ns}.svc.i1", "capabilities": ["a:b:v1"]},
+            "session": "s",
+            "heartbeat_interval": 5,
+            "lease_timeout": 10,
+        },
+        "REACH_BAD_LEASE",
+        "3 x heartbeat_interval",
+    ),
+    ("heartbeat", {"agent_id": "{ns}.ghost.i1", "session": "s"}, "REACH_UNKNOWN_AGENT", "ghost"),
+    (
+        "heartbeat",
+        {"agent_id": "{ns}.svc.i1", "session": "s", "inflight": -3},
+        "REACH_BAD_REQUEST",
+        "inflight",
+    ),
+    ("route", {"agent_id": "{ns}.nobody.i1", "payload": 1}, "REACH_NO_MATCH", "nobody"),
+    ("route", {"payload": 1}, "REACH_BAD_REQUEST", "exactly one of"),
+    ("route", {"capability": "text:echo", "payload": 1}, "REACH_BAD_CAPABILITY", "text:echo"),
+    (
+        "route",
+        {"selector": "cap=text:echo:v1 AND region=x OR gpu exists"},
+        "REACH_BAD_SELECTOR",
+        "position",
+    ),
+    ("route", {"capability": "text:echo:v1", "timeout": "soon"}, "REACH_BAD_REQUEST", "timeout"),
+    ("route", {"capability": "text:echo:v1", "strategy": "magic"}, "REACH_BAD_REQUEST", "magic"),
+    ("agents", b"{oops", "REACH_BAD_REQUEST", "malformed JSON"),
+    ("admin", {"op": "explode", "agent_id": "{ns}.echo.a1"}, "REACH_BAD_REQUEST", "explode"),
+]
+
+
+@pytest.mark.parametrize(("verb", "body", "code", "needle"), CASES)
+async def test_bad_input_typed_error(
+    nc: NATS,
+    agent: Agent,
+    hub: Hub,
+    namespace: str,
+    verb: str,
+    body: bytes | dict[str, Any],
+    code: str | None,
+    needle: str,
+) -> None:
+    if isinstance(body, dict):
+        body = json.loads(json.dumps(body).replace("{ns}", namespace))
+    out = await ask(nc, protocol.hub_subject(namespace, verb), body)
+    assert "error" in out, out
+    err = out["error"]
+    if code is not None:
+        assert err["code"] == code, err
+    else:
+        assert err["code"].startswith("REACH_"), err
+    assert needle in err["message"] or needle in json.dumps(err), err
+    # The hub keeps serving and the registered agent is untouched.
+    ok = await ask(
+        nc,
+        protocol.hub_subject(namespace, "route"),
+        {"agent_id": agent.agent_id, "payload": "still here"},
+    )
+    assert ok["task"]["result"] == "still here"
+    assert agent.agent_id in hub.registry.agents
+
+
+async def test_invalid_namespace_subject(nc: NATS, hub: Hub) -> None:
+    out = await ask(nc, "reach.hub.BAD_NS.route", {"capability": "a:b:v1"})
+    assert out["error"]["code"] == "REACH_BAD_REQUEST"
+    assert "BAD_NS" in out["error"]["message"]
+
+
+async def test_register_in_wrong_namespace(nc: NATS, hub: Hub, namespace: str) -> None:
+    out = await ask(nc, protocol.hub_subject(namespace, "register"), register_body("othertenant"))
+    assert out["error"]["code"] == "REACH_BAD_REQUEST"
+    assert "othertenant" in out["error"]["message"]
+
+
+async def test_oversized_payload(
+    nc: NATS, agent: Agent, settings: MeshSettings, namespace: str
+) -> None:
+    big = "x" * (settings.max_payload + 32 * 1024)
+    out = await ask(
+        nc, protocol.hub_subject(namespace, "route"), {"agent_id": agent.agent_id, "payload": big}
+    )
+    assert out["error"]["code"] == "REACH_PAYLOAD_TOO_LARGE"
+    async with Client(settings=settings) as c:
+        with pytest.raises(PayloadTooLargeError):
+            await c.request(agent_id=agent.agent_id, payload=big)
+        res = await c.request(agent_id=agent.agent_id, payload="small")
+        assert res.result == "small"
+
+
+async def test_bad_payload_type_fails_task_not_agent(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    a = Agent(f"{namespace}.typed.a1", settings=settings)
+
+    @a.handler("math:double:v1")
+    async def double(task: Task[int]) -> int:
+        return task.payload * 2
+
+    async with a, Client(settings=settings) as c:
+        res = await c.request(capability="math:double:v1", payload="not a number")
+        assert res.state.value == "FAILED"
+        assert res.error is not None and res.error.code == "REACH_BAD_REQUEST"
+        assert (await c.request(capability="math:double:v1", payload=21)).result == 42
+
+
+async def test_agent_task_subject_rejects_garbage(nc: NATS, agent: Agent) -> None:
+    out = await ask(nc, protocol.agent_task(agent.agent_id), b"\x00\xff garbage")
+    assert out["error"]["code"] == "REACH_BAD_REQUEST"
+    out = await ask(nc, protocol.agent_ctl(agent.agent_id), {"op": "nope"})
+    assert out["error"]["code"] == "REACH_BAD_REQUEST"
+    out = await ask(nc, protocol.agent_ctl(agent.agent_id), {"op": "ping"})
+    assert out["agent_id"] == agent.agent_id
+
+
+def test_sdk_validates_early() -> None:
+    from reach_mesh.errors import InvalidAgentIdError, InvalidCapabilityError
+
+    with pytest.raises(InvalidAgentIdError):
+        Agent("no-dots")
+    a = Agent("ns.svc.i1")
+    with pytest.raises(InvalidCapabilityError):
+        a.handler("bad")
+    with pytest.raises(TypeError, match="async def"):
+
+        @a.handler("a:b:v1")
+        def sync_handler(task: Task[int]) -> int:  # type: ignore[type-var]
+            return 1
+
+    with pytest.raises(TypeError, match="annotate"):
+
+        @a.handler("a:b:v1")
+        async def unannotated(task) -> int:  # type: ignore[no-untyped-def]
+            return 1
