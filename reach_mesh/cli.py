@@ -13,7 +13,9 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from reach_mesh.client import Client
@@ -214,6 +216,68 @@ async def cmd_admin(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_audit(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args)) as c:
+        events = await c.audit(
+            request_id=args.request_id,
+            agent_id=args.agent,
+            trace_id=args.trace_id,
+            task_id=args.task_id,
+            namespace=args.namespace,
+            since=args.since,
+            limit=args.limit,
+        )
+    if args.json:
+        print(json.dumps(events, indent=2))
+        return 0
+    for ev in events:
+        ts = time.strftime("%H:%M:%S", time.localtime(ev.get("ts", 0)))
+        rest = {k: v for k, v in ev.items() if k not in ("ts", "kind", "seq", "hub_id")}
+        print(
+            f"{ts} #{ev.get('seq')} {ev.get('kind', '?'):<10} {ev.get('hub_id', '')}  "
+            + " ".join(f"{k}={v}" for k, v in rest.items())
+        )
+    if not events:
+        print("(no matching audit events)")
+    return 0
+
+
+async def cmd_snapshot(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args)) as c:
+        infos = await c.agents(all_namespaces=True)
+    by_state: dict[str, int] = {}
+    for info in infos:
+        by_state[info.state.value] = by_state.get(info.state.value, 0) + 1
+    snap = {
+        "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "by_state": by_state,
+        "agents": [i.model_dump(mode="json") for i in infos],
+    }
+    text = json.dumps(snap, indent=2)
+    if args.output:
+        await asyncio.to_thread(Path(args.output).write_text, text + "\n")
+        print(f"wrote {len(infos)} agents to {args.output}")
+    else:
+        print(text)
+    return 0
+
+
+async def cmd_tools(args: argparse.Namespace) -> int:
+    async with Client(settings=_settings(args), namespace=args.namespace) as c:
+        infos = await c.agents(all_namespaces=args.namespace is None)
+    menu: dict[str, list[str]] = {}
+    described: dict[str, str] = {}
+    for info in infos:
+        for tool in info.tools:
+            menu.setdefault(tool.name, []).append(info.agent_id)
+            described[tool.name] = tool.description
+    for name in sorted(menu):
+        print(f"{name:<24} {described[name][:50]:<50} {', '.join(menu[name])}")
+    if not menu:
+        print("(no tools)")
+    return 0
+
+
 # ---------------------------------------------------------------------------- parser
 
 
@@ -273,9 +337,30 @@ def build_parser() -> argparse.ArgumentParser:
     reach.add_argument("--dry-run", action="store_true", help="decide only, send nothing")
     reach.set_defaults(func=cmd_reach)
 
+    audit = cmd("audit", "show audit events: routing decisions, registrations, state changes")
+    audit.add_argument("--request-id")
+    audit.add_argument("--agent")
+    audit.add_argument("--trace-id")
+    audit.add_argument("--task-id")
+    audit.add_argument("--namespace")
+    audit.add_argument("--since", type=float, default=3600.0, help="seconds back (default 1 h)")
+    audit.add_argument("--limit", type=int, default=1000)
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(func=cmd_audit)
+
+    snapshot = cmd("snapshot", "export the registry (states, health, heartbeat age) as JSON")
+    snapshot.add_argument("-o", "--output", help="file to write (default: stdout)")
+    snapshot.set_defaults(func=cmd_snapshot)
+
+    tools = cmd("tools", "the mesh's tool menu: tools offered by live agents")
+    tools.add_argument("--namespace")
+    tools.set_defaults(func=cmd_tools)
+
     for op, text in (
         ("cordon", "stop routing new work to an agent"),
         ("uncordon", "route to a cordoned agent again"),
+        ("quarantine", "open the agent's circuit breaker on every hub"),
+        ("release", "close the agent's circuit breaker on every hub"),
         ("remove", "force-remove an agent from the registry"),
     ):
         sp = cmd(op, text)

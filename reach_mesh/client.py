@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import datetime
 import enum
 import json
 import random
@@ -13,9 +15,11 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from reach_mesh import protocol
 from reach_mesh._nats import connect
@@ -33,6 +37,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.models import (
     AgentInfo,
+    FailureReport,
     RouteDecision,
     RouteReply,
     RouteRequest,
@@ -226,8 +231,18 @@ class Client:
                     timeout=max(deadline - time.monotonic(), 0.001),
                     headers=headers,
                 )
-                return protocol.parse_reply(msg.data, TaskReply)
+                reply = protocol.parse_reply(msg.data, TaskReply)
+                # The hub did not see this call: tell it how the agent did.
+                await self.report(
+                    route.agent_id or "",
+                    success=reply.state is not TaskState.FAILED,
+                    code=reply.error.code if reply.error else None,
+                    task_id=req.task_id,
+                )
+                return reply
             except (AgentBusyError, NoHandlerError, NoRespondersError) as err:
+                if isinstance(err, NoRespondersError) and route.agent_id:
+                    await self.report(route.agent_id, success=False, code="REACH_UNAVAILABLE")
                 if attempt >= self.settings.route_attempts or time.monotonic() >= deadline:
                     if isinstance(err, ReachError):
                         raise
@@ -356,6 +371,75 @@ class Client:
         )
         out: dict[str, Any] = json.loads(data)
         return out
+
+    async def report(
+        self,
+        agent_id: str,
+        *,
+        success: bool,
+        code: str | None = None,
+        task_id: str | None = None,
+    ) -> None:
+        """Tell every hub how a call to ``agent_id`` went (feeds its circuit breaker).
+
+        The SDK does this itself in direct mode; use it for calls made outside the mesh."""
+        report = FailureReport(agent_id=agent_id, success=success, code=code, task_id=task_id)
+        await self.nc.publish(
+            protocol.hub_subject(protocol.namespace_of(agent_id), "report"),
+            protocol.encode(report),
+        )
+
+    async def audit(
+        self,
+        *,
+        request_id: str | None = None,
+        agent_id: str | None = None,
+        trace_id: str | None = None,
+        task_id: str | None = None,
+        namespace: str | None = None,
+        since: float = 3600.0,
+        limit: int = 1000,
+    ) -> list[dict[str, Any]]:
+        """Audit events of the last ``since`` seconds matching every given filter, oldest
+        first (at most ``limit``, the newest ones)."""
+        js = self.nc.jetstream()
+        start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=since)
+        subject = protocol.audit_subject(namespace or "*", "*")
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
+        try:
+            info = await js.stream_info(protocol.STREAM_AUDIT)
+        except nats.js.errors.NotFoundError:
+            return []
+        if info.state.messages == 0:
+            return []
+        sub = await js.subscribe(subject, ordered_consumer=True, config=config)
+        wanted = {
+            "request_id": request_id,
+            "agent_id": agent_id,
+            "trace_id": trace_id,
+            "task_id": task_id,
+        }
+        wanted = {k: v for k, v in wanted.items() if v is not None}
+        events: collections.deque[dict[str, Any]] = collections.deque(maxlen=limit)
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                except (NatsTimeoutError, TimeoutError):
+                    break
+                try:
+                    event = json.loads(msg.data)
+                except ValueError:
+                    continue
+                if all(event.get(k) == v for k, v in wanted.items()):
+                    event["seq"] = msg.metadata.sequence.stream
+                    events.append(event)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return list(events)
 
     async def _query(self, verb: str, body: dict[str, Any], ns: str | None = None) -> bytes:
         deadline = time.monotonic() + 10.0

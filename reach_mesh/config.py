@@ -55,6 +55,52 @@ class MeshSettings(BaseModel):
     register_rate: float = Field(default=2_000.0, gt=0)
     register_burst: float = Field(default=5_000.0, gt=0)
 
+    # sticky sessions: how long an idle session keeps its agent
+    sticky_ttl: float = Field(default=1800.0, gt=0)
+
+    # circuit breaker (per agent, per hub): window, failure ratio, minimum requests, open time
+    breaker_window: float = Field(default=60.0, gt=0)
+    breaker_failure_ratio: float = Field(default=0.5, gt=0, le=1)
+    breaker_min_requests: int = Field(default=5, ge=1)
+    breaker_open_timeout: float = Field(default=30.0, gt=0)
+
+    # audit stream
+    audit_enabled: bool = True
+    audit_max_age: float = Field(default=7 * 24 * 3600.0, gt=0)
+    audit_max_bytes: int = Field(default=1 << 30, gt=0)
+
+    # durable workflows (docs/workflows.md); every interval can also be set per step
+    #: Ack wait of the hubs' shared workflow consumer: how soon another hub takes over the
+    #: workflows of a hub that died (the owner sends +WPI every third of it).
+    workflow_ack_wait: float = Field(default=30.0, gt=0)
+    #: Ack wait of an agent's work consumer (the SDK sends +WPI while a handler runs).
+    work_ack_wait: float = Field(default=30.0, gt=0)
+    #: Workflows one hub runs at once (it stops pulling submissions beyond that).
+    workflow_concurrency: int = Field(default=1024, ge=1)
+    #: PENDING -> DELIVERED deadline of one attempt; past it a retry is safe (not accepted).
+    step_deliver_timeout: float = Field(default=5.0, gt=0)
+    #: A step still running after this long reports RUNNING, and again at this interval.
+    step_running_interval: float = Field(default=5.0, gt=0)
+    #: No status event from an accepted attempt for this long: ask the agent (ctl task_state).
+    step_silence_timeout: float = Field(default=15.0, gt=0)
+    #: Handler failures retried per step (retryable errors only).
+    step_retries: int = Field(default=2, ge=0, le=100)
+    #: Delivery attempts with exponential backoff before slow pending re-delivery.
+    step_fast_attempts: int = Field(default=3, ge=0, le=100)
+    #: Backoff: base * 2**(n-1), capped, with jitter.
+    retry_base: float = Field(default=1.0, gt=0)
+    retry_cap: float = Field(default=32.0, gt=0)
+    #: Re-delivery interval of a step no agent could take, until ``task_ttl``.
+    pending_interval: float = Field(default=30.0, gt=0)
+    #: How long a step may stay unfinished (retrying / pending) before it is TIMEOUT.
+    task_ttl: float = Field(default=7200.0, gt=0)
+    #: Age of workflow records, task records, stored results and events in JetStream.
+    workflow_retention: float = Field(default=86400.0, gt=0)
+    #: Duplicate window of workflow submissions and work messages (``Nats-Msg-Id``).
+    dedup_window: float = Field(default=600.0, gt=0)
+    #: Results an agent keeps in memory for idempotency (all are also kept in KV).
+    result_cache: int = Field(default=10_000, ge=16)
+
     # hub HTTP (metrics, REST, dashboard). 0 = pick a free port, None = off.
     http_host: str = "127.0.0.1"
     http_port: int | None = None

@@ -25,6 +25,7 @@ __all__ = [
     "AgentRecord",
     "AgentState",
     "ErrorBody",
+    "FailureReport",
     "FilteredAgent",
     "Heartbeat",
     "HeartbeatRecord",
@@ -313,6 +314,21 @@ class TaskReply(_Wire):
     queued_ms: float = 0.0
     #: True when this result was served from the agent's idempotency cache.
     cached: bool = False
+
+
+class FailureReport(_Wire):
+    """caller → every hub on ``reach.hub.<ns>.report`` (publish): an outcome the hub did not see
+    itself (direct mode, or a caller-side failure), fed to the agent's circuit breaker."""
+
+    agent_id: str
+    success: bool = False
+    code: str | None = Field(default=None, max_length=64)
+    task_id: str | None = None
+
+    @field_validator("agent_id")
+    @classmethod
+    def _agent_id(cls, v: str) -> str:
+        return validate_agent_id(v)
 
 
 class FilteredAgent(_Wire):

@@ -6,6 +6,7 @@ Pure: no I/O. Every subject the mesh uses is built by a function here, so the pr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from typing import Any, Final, TypeVar
@@ -30,10 +31,19 @@ __all__ = [
     "HUB_QUEUE",
     "KV_AGENTS",
     "KV_HEARTBEATS",
+    "KV_RESULTS",
+    "KV_TASKS",
+    "KV_WORKFLOWS",
     "PROTOCOL_VERSION",
+    "STREAM_STATUS",
+    "STREAM_WF",
+    "STREAM_WF_EVENTS",
+    "STREAM_WORK",
     "TASK_ID_RE",
     "agent_ctl",
     "agent_task",
+    "attempt_msg_id",
+    "audit_subject",
     "decode",
     "encode",
     "encode_error",
@@ -41,11 +51,21 @@ __all__ = [
     "namespace_of",
     "parse_reply",
     "raise_for_error",
+    "result_key",
+    "task_key",
     "task_status",
     "validate_agent_id",
     "validate_capability",
     "validate_namespace",
     "validate_task_id",
+    "validate_workflow_id",
+    "wf_all",
+    "wf_done",
+    "wf_event",
+    "wf_submit",
+    "work_consumer",
+    "work_subject",
+    "workflow_key",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -58,6 +78,21 @@ HUB_QUEUE: Final = "reach-hubs"
 KV_AGENTS: Final = "reach_agents"  # agent_id -> AgentRecord (registration)
 KV_HEARTBEATS: Final = "reach_heartbeats"  # agent_id -> HeartbeatRecord (latest load report)
 KV_SESSIONS: Final = "reach_sessions"  # session key -> agent_id (sticky routing)
+
+#: JetStream streams.
+STREAM_AUDIT: Final = "REACH_AUDIT"  # reach.audit.<ns>.<kind>
+
+# Workflows (docs/workflows.md, docs/protocol-workflows.md).
+KV_WORKFLOWS: Final = "reach_workflows"  # <ns>.<workflow_id> -> WorkflowRecord
+KV_TASKS: Final = "reach_tasks"  # <ns>.<task_id> -> TaskRecord (current attempt = the fence)
+KV_RESULTS: Final = "reach_results"  # <agent_id>.<task_id> -> TaskReply (agent idempotency)
+STREAM_WF: Final = "REACH_WF"  # reach.wf.<ns>.submit (work queue, dedup on workflow_id)
+STREAM_WF_EVENTS: Final = "REACH_WF_EVENTS"  # reach.wf.<ns>.<wf_id>.event / .done
+STREAM_WORK: Final = "REACH_WORK"  # reach.work.<ns>.<agent_id> (work queue)
+STREAM_STATUS: Final = "REACH_STATUS"  # reach.task.<ns>.<task_id>.status
+#: The durable pull consumer every hub shares on ``REACH_WF``.
+CONSUMER_HUBS: Final = "reach-hubs"
+WORKFLOW_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
 #: Header carrying the request id the hub assigns (and echoes in replies and logs).
 HDR_REQUEST_ID: Final = "Reach-Request-Id"
@@ -147,9 +182,80 @@ def agent_ctl(agent_id: str) -> str:
     return f"reach.agent.{agent_id}.ctl"
 
 
+def audit_subject(namespace: str, kind: str) -> str:
+    """``reach.audit.<ns>.<kind>`` — audit events (captured by the ``REACH_AUDIT`` stream).
+
+    Kinds: route, register, unregister, state, admin (``*`` for subscriptions)."""
+    return f"reach.audit.{namespace}.{kind}"
+
+
 def task_status(namespace: str, task_id: str) -> str:
     """``reach.task.<ns>.<task_id>.status`` — six-state status events of a task."""
     return f"reach.task.{namespace}.{task_id}.status"
+
+
+def wf_submit(namespace: str) -> str:
+    """``reach.wf.<ns>.submit`` — workflow submissions (``REACH_WF``, ``Nats-Msg-Id`` =
+    workflow_id). ``namespace`` may be ``*``."""
+    return f"reach.wf.{namespace}.submit"
+
+
+def wf_event(namespace: str, workflow_id: str) -> str:
+    """``reach.wf.<ns>.<wf_id>.event`` — step progress of one workflow (``REACH_WF_EVENTS``)."""
+    return f"reach.wf.{namespace}.{workflow_id}.event"
+
+
+def wf_done(namespace: str, workflow_id: str) -> str:
+    """``reach.wf.<ns>.<wf_id>.done`` — the final ``WorkflowResult`` (``REACH_WF_EVENTS``)."""
+    return f"reach.wf.{namespace}.{workflow_id}.done"
+
+
+def wf_all(namespace: str, workflow_id: str) -> str:
+    """``reach.wf.<ns>.<wf_id>.*`` — events and the final result of one workflow."""
+    return f"reach.wf.{namespace}.{workflow_id}.*"
+
+
+def work_subject(namespace: str, agent_id: str) -> str:
+    """``reach.work.<ns>.<agent_id>`` — durable step delivery to one agent (``REACH_WORK``)."""
+    return f"reach.work.{namespace}.{agent_id}"
+
+
+def work_consumer(agent_id: str) -> str:
+    """Durable consumer name of ``agent_id`` on ``REACH_WORK`` (dots are not allowed in names;
+    a digest keeps ``a.b_c.d`` and ``a_b.c.d`` apart)."""
+    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:10]
+    return f"work-{agent_id.replace('.', '_')}-{digest}"[:200]
+
+
+def task_key(namespace: str, task_id: str) -> str:
+    """Key of a task record in ``reach_tasks``."""
+    return f"{namespace}.{task_id}"
+
+
+def workflow_key(namespace: str, workflow_id: str) -> str:
+    """Key of a workflow record in ``reach_workflows``."""
+    return f"{namespace}.{workflow_id}"
+
+
+def result_key(agent_id: str, task_id: str) -> str:
+    """Key of an agent's stored result in ``reach_results``."""
+    return f"{agent_id}.{task_id}"
+
+
+def attempt_msg_id(task_id: str, attempt: int) -> str:
+    """``task_id#n`` — the ``Nats-Msg-Id`` of one attempt's work message."""
+    return f"{task_id}#{attempt}"
+
+
+def validate_workflow_id(workflow_id: str) -> str:
+    """Return ``workflow_id`` if it is 1-48 characters of ``[A-Za-z0-9_-]``, else raise."""
+    if not isinstance(workflow_id, str) or not WORKFLOW_ID_RE.match(workflow_id):
+        raise BadRequestError(
+            f"invalid workflow_id {workflow_id!r}: expected 1-48 characters of [A-Za-z0-9_-]",
+            field="workflow_id",
+            value=str(workflow_id)[:100],
+        )
+    return workflow_id
 
 
 # --------------------------------------------------------------------------- codec

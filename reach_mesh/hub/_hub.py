@@ -40,13 +40,16 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownAgentError,
 )
+from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
+from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.throttle import Throttle
-from reach_mesh.logs import ROUTE_LATENCY, SELECT_EMPTY, log_event
+from reach_mesh.logs import QUARANTINE, ROUTE_LATENCY, SELECT_EMPTY, log_event
 from reach_mesh.models import (
     AgentState,
     ErrorBody,
+    FailureReport,
     Heartbeat,
     HeartbeatReply,
     RegisterReply,
@@ -58,7 +61,15 @@ from reach_mesh.models import (
     TaskState,
     UnregisterRequest,
 )
-from reach_mesh.tracing import SPAN_DELIVER, SPAN_ROUTE, SpanKind, inject, span
+from reach_mesh.tracing import (
+    SPAN_DELIVER,
+    SPAN_ROUTE,
+    SpanKind,
+    inject,
+    span,
+    trace_id_from_headers,
+)
+from reach_mesh.tracing.metrics import HubMetrics
 
 __all__ = ["Hub", "HubState"]
 
@@ -67,6 +78,10 @@ log = logging.getLogger("reach_mesh.hub")
 #: Bytes allowed on top of ``max_payload`` for the request's own fields.
 _ENVELOPE_SLACK: Final = 16 * 1024
 _SLOW_ROUTE: Final = 0.25
+ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove")
+#: Report codes for operator quarantine / release, broadcast so every hub's breaker follows.
+QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
+RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
 
 
 class HubState(enum.Enum):
@@ -97,12 +112,17 @@ class Hub:
         self._js: JetStreamContext | None = None
         self._subs: list[Subscription] = []
         self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight_bg: set[asyncio.Future[None]] = set()
         self._sem = asyncio.Semaphore(self.settings.hub_concurrency)
         s = self.settings
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
+        self.metrics = HubMetrics()
         self.registry: Registry
         self.router: Router
+        self.sessions: SessionStore
+        self.audit: AuditLog
+        self.http: Any = None  # reach_mesh.hub.http.HubHttp when settings.http_port is set
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,10 +141,29 @@ class Hub:
                 self.nats_url, name=self.hub_id, timeout=self.settings.connect_timeout
             )
             self._js = self._nc.jetstream(timeout=10.0)
+            s = self.settings
+            self.audit = AuditLog(
+                self._nc,
+                self._js,
+                self.hub_id,
+                max_age=s.audit_max_age,
+                max_bytes=s.audit_max_bytes,
+                replicas=s.kv_replicas,
+                enabled=s.audit_enabled,
+            )
+            await self.audit.start()
             self.registry = Registry(self._js, self.settings)
+            self.registry.on_state_change(self._on_state_change)
             await self.registry.start()
+            self.sessions = SessionStore(self._js, ttl=s.sticky_ttl, replicas=s.kv_replicas)
+            await self.sessions.start()
             self.router = Router(self.registry, self.settings, self.hub_id)
             await self._subscribe()
+            if s.http_port is not None:
+                from reach_mesh.hub.http import HubHttp
+
+                self.http = HubHttp(self)
+                await self.http.start(s.http_host, s.http_port)
         except BaseException:
             await self.close()
             raise
@@ -146,7 +185,16 @@ class Hub:
                 subject, queue=queue or "", cb=self._dispatcher(handler), pending_msgs_limit=-1
             )
             self._subs.append(sub)
+        # Failure reports go to every hub (no queue group): each keeps its own breakers.
+        self._subs.append(
+            await self.nc.subscribe(protocol.hub_subject("*", "report"), cb=self._on_report)
+        )
         await self.nc.flush()
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of this hub's HTTP endpoints (metrics, REST, dashboard), if enabled."""
+        return None if self.http is None else str(self.http.url)
 
     async def close(self) -> None:
         """Stop taking requests, finish in-flight ones, drain the connection. Idempotent."""
@@ -157,6 +205,9 @@ class Hub:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs = []
+        if self.http is not None:
+            with contextlib.suppress(Exception):
+                await self.http.close()
         if self._inflight:
             await asyncio.wait(self._inflight, timeout=5)
         for task in list(self._inflight):
@@ -220,6 +271,7 @@ class Hub:
     async def _on_register(self, msg: Msg, ns: str) -> bytes:
         retry = self._register_throttle.check(ns)
         if retry > 0:
+            self.metrics.throttled_total.labels(ns).inc()
             raise ThrottledError(
                 f"namespace {ns!r} is registering too fast", retry_after_ms=int(retry * 1000) + 1
             )
@@ -231,6 +283,14 @@ class Hub:
                 field="card.agent_id",
             )
         view = await self.registry.register(req, protocol.agent_task(req.card.agent_id))
+        await self.audit.record(
+            ns,
+            "register",
+            agent_id=view.agent_id,
+            session=req.session,
+            capabilities=req.card.capabilities,
+            state=view.state.value,
+        )
         return protocol.encode(
             RegisterReply(
                 agent_id=view.agent_id,
@@ -247,6 +307,7 @@ class Hub:
         if protocol.namespace_of(hb.agent_id) != ns:
             raise BadRequestError(f"agent {hb.agent_id!r} is not in namespace {ns!r}")
         view = await self.registry.heartbeat(hb)
+        self.metrics.heartbeat_total.inc()
         return protocol.encode(
             HeartbeatReply(state=view.state, lease_timeout=view.record.lease_timeout)
         )
@@ -254,6 +315,8 @@ class Hub:
     async def _on_unregister(self, msg: Msg, ns: str) -> bytes:
         req = protocol.decode(msg.data, UnregisterRequest, max_size=64 * 1024)
         removed = await self.registry.unregister(req.agent_id, req.session)
+        if removed:
+            await self.audit.record(ns, "unregister", agent_id=req.agent_id, reason="graceful")
         return protocol.dumps({"agent_id": req.agent_id, "removed": removed})
 
     # ------------------------------------------------------------------ routing
@@ -265,6 +328,8 @@ class Hub:
         )
         retry = self._route_throttle.check(ns)
         if retry > 0:
+            self.metrics.throttled_total.labels(ns).inc()
+            self.metrics.task_total.labels(ns, req.mode, "THROTTLED").inc()
             raise ThrottledError(
                 f"namespace {ns!r} is over its route rate", retry_after_ms=int(retry * 1000) + 1
             )
@@ -276,14 +341,43 @@ class Hub:
             )
         request_id = uuid.uuid4().hex[:16]
         headers = dict(msg.headers or {})
+        trace_id = trace_id_from_headers(headers)
         with span(
             SPAN_ROUTE, kind=SpanKind.SERVER, parent_headers=headers, destination=msg.subject
         ) as sp:
-            reply = await self._route(req, ns, request_id, t0)
+            try:
+                reply = await self._route(req, ns, request_id)
+            except ReachError as err:
+                self.metrics.task_total.labels(ns, req.mode, err.code.removeprefix("REACH_")).inc()
+                await self.audit.record(
+                    ns,
+                    "route",
+                    request_id=request_id,
+                    trace_id=trace_id,
+                    task_id=req.task_id,
+                    target=req.agent_id or req.capability or req.selector,
+                    error=err.code,
+                    reason=err.message,
+                )
+                raise
             if sp.is_recording():
                 sp.set_attribute("reach.request_id", request_id)
                 sp.set_attribute("reach.agent_id", reply.agent_id or "")
                 sp.set_attribute("reach.attempts", reply.attempts)
+        task = reply.task
+        state = task.state.value if task is not None else "ROUTED"
+        self.metrics.task_total.labels(ns, req.mode, state).inc()
+        await self.audit.record(
+            ns,
+            "route",
+            request_id=request_id,
+            trace_id=trace_id,
+            task_id=task.task_id if task else req.task_id,
+            agent_id=reply.agent_id,
+            target=req.agent_id or req.capability or req.selector,
+            state=state,
+            attempts=reply.attempts,
+        )
         elapsed = time.perf_counter() - t0
         if elapsed > _SLOW_ROUTE:
             log_event(
@@ -296,20 +390,23 @@ class Hub:
             )
         return protocol.encode(reply)
 
-    async def _route(self, req: RouteRequest, ns: str, request_id: str, t0: float) -> RouteReply:
+    async def _route(self, req: RouteRequest, ns: str, request_id: str) -> RouteReply:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.timeout
         task_id = req.task_id or uuid.uuid4().hex
         exclude: set[str] = set()
         attempt = 0
         last_error: ReachError | None = None
+        sticky = await self.sessions.get(ns, req.session_id) if req.session_id is not None else None
         while True:
             attempt += 1
             if req.agent_id is not None and req.agent_id not in self.registry.agents:
                 # Registered a moment ago through another hub; our watch may lag by a message.
                 await self.registry.fetch(req.agent_id)
             try:
-                choice = self.router.decide(req, ns, request_id, exclude=frozenset(exclude))
+                choice = self.router.decide(
+                    req, ns, request_id, exclude=frozenset(exclude), sticky_agent=sticky
+                )
             except NoMatchError as err:
                 if last_error is not None and exclude:
                     raise last_error from err  # every candidate refused: say why
@@ -323,6 +420,7 @@ class Hub:
                 raise
             view = choice.view
             assert view is not None
+            self.metrics.route_duration_seconds.observe(choice.decision.elapsed_us / 1e6)
             decision = choice.decision if (req.explain or req.dry_run) else None
             if req.dry_run:
                 return RouteReply(
@@ -361,7 +459,10 @@ class Hub:
                 exclude.add(view.agent_id)
                 if attempt >= self.settings.route_attempts or req.agent_id is not None:
                     raise
+                self.metrics.retry_total.inc()
                 continue
+            if task.state is TaskState.SUCCEEDED and req.session_id is not None:
+                await self.sessions.put(ns, req.session_id, view.agent_id)
             return RouteReply(
                 request_id=request_id,
                 agent_id=view.agent_id,
@@ -410,6 +511,11 @@ class Hub:
         except Exception as err:
             self._failed(view, delivery=True)
             raise InternalError(f"agent {view.agent_id} sent a malformed reply: {err}") from err
+        m = self.metrics
+        m.delivered_to_accepted_seconds.observe(reply.queued_ms / 1000)
+        m.task_duration_seconds.labels(envelope.capability or "-").observe(reply.duration_ms / 1000)
+        if reply.cached:
+            m.duplicate_delivery_total.inc()
         if reply.state is TaskState.SUCCEEDED:
             view.health.success()
             view.breaker.record(True)
@@ -423,6 +529,48 @@ class Hub:
             view.health.delivery_failure()
         view.breaker.record(False)
         self.registry.regrade(view)
+
+    async def _on_report(self, msg: Msg) -> None:
+        """A caller's (or another component's) word on an agent: feeds this hub's breaker."""
+        try:
+            report = protocol.decode(msg.data, FailureReport, max_size=64 * 1024)
+        except ReachError:
+            return  # publish-only subject: nobody to answer; never crash on it
+        view = self.registry.agents.get(report.agent_id)
+        if view is None:
+            return
+        if report.code == QUARANTINE_CODE:
+            view.breaker.trip()
+        elif report.code == RELEASE_CODE:
+            view.breaker.reset()
+        elif report.success:
+            view.breaker.record(True)
+            view.health.success()
+        else:
+            view.breaker.record(False)
+            if report.code in ("REACH_TIMEOUT",):
+                view.health.accept_timeout()
+            else:
+                view.health.delivery_failure()
+        self.registry.regrade(view)
+
+    def _on_state_change(self, view: AgentView, old: AgentState, new: AgentState) -> None:
+        ns = view.record.card.namespace
+        if new is AgentState.QUARANTINED:
+            self.metrics.quarantine_total.inc()
+            log_event(
+                log,
+                QUARANTINE,
+                "circuit breaker open: agent quarantined",
+                agent_id=view.agent_id,
+                open_for_s=view.breaker.open_timeout,
+            )
+        if self._nc is not None and not self._nc.is_closed:
+            task = asyncio.ensure_future(
+                self.audit.record(ns, "state", agent_id=view.agent_id, old=old.value, new=new.value)
+            )
+            self._inflight_bg.add(task)
+            task.add_done_callback(self._inflight_bg.discard)
 
     # ------------------------------------------------------------------ queries & admin
 
@@ -447,14 +595,24 @@ class Hub:
         agent_id = protocol.validate_agent_id(str(body.get("agent_id", "")))
         if op in ("cordon", "uncordon"):
             view = await self.registry.set_cordon(agent_id, op == "cordon")
+        elif op in ("quarantine", "release"):
+            view = self.registry.require(agent_id)
+            code = QUARANTINE_CODE if op == "quarantine" else RELEASE_CODE
+            report = FailureReport(agent_id=agent_id, code=code)
+            await self.nc.publish(protocol.hub_subject(ns, "report"), protocol.encode(report))
+            await self.nc.flush()
+            (view.breaker.trip if op == "quarantine" else view.breaker.reset)()
+            self.registry.regrade(view)
         elif op == "remove":
             self.registry.require(agent_id)
             await self.registry.unregister(agent_id, None)
+            await self.audit.record(ns, "admin", agent_id=agent_id, op=op)
             return protocol.dumps({"agent_id": agent_id, "op": op, "state": AgentState.LOST})
         else:
             raise BadRequestError(
-                f"unknown admin op {op!r}: expected cordon, uncordon or remove", field="op"
+                f"unknown admin op {op!r}: expected one of {', '.join(ADMIN_OPS)}", field="op"
             )
+        await self.audit.record(ns, "admin", agent_id=agent_id, op=op)
         return protocol.dumps({"agent_id": agent_id, "op": op, "state": view.state})
 
 

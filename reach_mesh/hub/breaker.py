@@ -126,6 +126,10 @@ class CircuitBreaker:
         self._expire(int(self._clock() // self.bucket))
         return self._successes, self._failures
 
+    def trip(self) -> None:
+        """Open the breaker now (operator quarantine); it half-opens after ``open_timeout``."""
+        self._open(self._clock())
+
     def reset(self) -> None:
         """Close the breaker and forget the window (operator action)."""
         self._state = BreakerState.CLOSED

@@ -177,6 +177,16 @@ class Registry:
                 await task
         self._tasks = []
 
+    def _breaker(self) -> CircuitBreaker:
+        s = self._settings
+        return CircuitBreaker(
+            window=s.breaker_window,
+            failure_ratio=s.breaker_failure_ratio,
+            min_requests=s.breaker_min_requests,
+            open_timeout=s.breaker_open_timeout,
+            clock=self._clock,
+        )
+
     def on_state_change(self, listener: StateListener) -> None:
         self._listeners.append(listener)
 
@@ -247,7 +257,9 @@ class Registry:
         if view is not None and view.revision > revision:
             return view  # an older write arriving late (we applied a newer one locally)
         if view is None or view.record.session != record.session:
-            view = AgentView(record=record, revision=revision, last_seen=seen_at)
+            view = AgentView(
+                record=record, revision=revision, last_seen=seen_at, breaker=self._breaker()
+            )
             old_state = AgentState.LOST
             self.agents[agent_id] = view
         else:

@@ -1,0 +1,295 @@
+"""Metrics, HTTP surfaces, audit stream and one trace_id across every hop — on a real mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
+from prometheus_client.parser import text_string_to_metric_families
+
+from reach_mesh import Client, MeshSettings, NoMatchError
+from reach_mesh.agent import Agent, Task
+from reach_mesh.cli import main as cli_main
+from reach_mesh.hub import Hub
+from reach_mesh.models import ToolSpec
+
+from .helpers import eventually
+
+
+def echo_agent(agent_id: str, settings: MeshSettings, **kw: Any) -> Agent:
+    agent = Agent(agent_id, settings=settings, **kw)
+
+    @agent.handler("work:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return {"payload": task.payload, "trace_id": task.trace_id}
+
+    return agent
+
+
+@pytest.fixture
+async def http_hub(settings: MeshSettings) -> AsyncIterator[Hub]:
+    async with Hub(settings=settings.model_copy(update={"http_port": 0})) as hub:
+        yield hub
+
+
+async def fetch(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
+    def call() -> tuple[int, bytes]:
+        req = urllib.request.Request(url, data=body, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    return await asyncio.to_thread(call)
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+async def test_metrics_match_what_was_sent(
+    http_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    async with agent, Client(settings=settings) as c:
+        for i in range(7):
+            await c.request(capability="work:echo:v1", payload=i)
+        with pytest.raises(NoMatchError):
+            await c.request(capability="work:none:v1", payload=0)
+        status, body = await fetch(f"{http_hub.http_url}/metrics")
+    assert status == 200
+    text = body.decode()
+    tasks = samples(text, "reach_task_total")
+    assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "SUCCEEDED"))] == 7
+    assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "NO_MATCH"))] == 1
+    assert samples(text, "reach_route_duration_seconds_count")[()] == 7
+    agents = samples(text, "reach_agents")
+    assert agents[(("namespace", namespace), ("state", "ONLINE"))] == 1
+    assert samples(text, "reach_heartbeat_total")[()] >= 0
+
+
+async def test_rest_gateway_dashboard_and_openapi(
+    http_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent = echo_agent(
+        f"{namespace}.w.a1",
+        settings,
+        tools=[
+            ToolSpec(
+                name="echo",
+                description="Echo back",
+                capability="work:echo:v1",
+                parameters={"type": "object", "properties": {"x": {"type": "integer"}}},
+            )
+        ],
+    )
+    base = http_hub.http_url
+    async with agent:
+        status, body = await fetch(
+            f"{base}/api/route?namespace={namespace}",
+            "POST",
+            json.dumps({"capability": "work:echo:v1", "payload": 5}).encode(),
+        )
+        assert status == 200, body
+        assert json.loads(body)["task"]["result"]["payload"] == 5
+        status, body = await fetch(f"{base}/api/route?namespace={namespace}", "POST", b"{bad")
+        assert status == 400 and json.loads(body)["error"]["code"] == "REACH_BAD_REQUEST"
+        status, body = await fetch(
+            f"{base}/api/route?namespace={namespace}",
+            "POST",
+            json.dumps({"capability": "work:nope:v1"}).encode(),
+        )
+        assert status == 404 and json.loads(body)["error"]["code"] == "REACH_NO_MATCH"
+        status, body = await fetch(f"{base}/api/agents?namespace={namespace}")
+        assert [a["agent_id"] for a in json.loads(body)["agents"]] == [agent.agent_id]
+        status, body = await fetch(f"{base}/api/agents/{namespace}.ghost.x")
+        assert status == 404
+        status, body = await fetch(f"{base}/")
+        assert status == 200 and b"reach-mesh" in body
+        status, body = await fetch(f"{base}/openapi.json")
+        assert json.loads(body)["openapi"].startswith("3.")
+        # Operator drill from the dashboard: simulate a lost heartbeat, then cordon.
+        status, body = await fetch(f"{base}/api/agents/{agent.agent_id}/simulate-lost", "POST")
+        assert status == 200 and json.loads(body)["state"] == "SUSPECT"
+        status, body = await fetch(f"{base}/api/agents/{agent.agent_id}/cordon", "POST")
+        assert status == 200, body
+        await eventually(lambda: http_hub.registry.agents[agent.agent_id].state.value == "CORDONED")
+        status, body = await fetch(f"{base}/api/agents/{agent.agent_id}/explode", "POST")
+        assert status == 400
+        # MCP tool menu and a tool call routed to the live agent.
+        await fetch(f"{base}/api/agents/{agent.agent_id}/uncordon", "POST")
+        await eventually(lambda: http_hub.registry.agents[agent.agent_id].state.value == "ONLINE")
+        rpc = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+        status, body = await fetch(f"{base}/mcp", "POST", json.dumps(rpc).encode())
+        tools = json.loads(body)["result"]["tools"]
+        assert tools[0]["name"] == "echo" and "inputSchema" in tools[0]
+        rpc = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "echo", "arguments": {"x": 3}},
+        }
+        status, body = await fetch(f"{base}/mcp", "POST", json.dumps(rpc).encode())
+        result = json.loads(body)["result"]
+        assert result["isError"] is False
+        assert json.loads(result["content"][0]["text"])["payload"] == {"x": 3}
+
+
+async def test_audit_stream_tells_the_story(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    async with agent, Client(settings=settings) as c:
+        res = await c.request(capability="work:echo:v1", payload=1)
+        await c.admin("cordon", agent.agent_id)
+        await eventually(lambda: hub.registry.agents[agent.agent_id].state.value == "CORDONED")
+        events = await c.audit(request_id=res.request_id)
+        assert len(events) == 1
+        ev = events[0]
+        assert ev["kind"] == "route" and ev["agent_id"] == agent.agent_id
+        assert ev["trace_id"] == res.trace_id and ev["state"] == "SUCCEEDED"
+        story = await c.audit(agent_id=agent.agent_id, namespace=namespace)
+        kinds = [e["kind"] for e in story]
+        assert kinds[0] == "register"
+        assert "route" in kinds and "admin" in kinds and "state" in kinds
+        by_trace = await c.audit(trace_id=res.trace_id)
+        assert [e["request_id"] for e in by_trace] == [res.request_id]
+
+
+def test_cli_against_a_running_mesh(
+    nats_url: str, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def scenario() -> None:
+        settings = MeshSettings(nats_url=nats_url, namespace=namespace)
+        async with Hub(settings=settings), echo_agent(f"{namespace}.w.a1", settings):
+            loop = asyncio.get_running_loop()
+
+            def run(*argv: str) -> int:
+                return cli_main([*argv])
+
+            assert (
+                await loop.run_in_executor(
+                    None, run, "agents", "--nats", nats_url, "--namespace", namespace
+                )
+                == 0
+            )
+            assert (
+                await loop.run_in_executor(
+                    None,
+                    run,
+                    "reach",
+                    "--nats",
+                    nats_url,
+                    "--namespace",
+                    namespace,
+                    "--selector",
+                    "cap=work:echo:v1",
+                    "--payload",
+                    '{"a": 1}',
+                    "--show-decision",
+                )
+                == 0
+            )
+            assert (
+                await loop.run_in_executor(
+                    None, run, "inspect", "--nats", nats_url, f"{namespace}.w.a1"
+                )
+                == 0
+            )
+            assert await loop.run_in_executor(None, run, "snapshot", "--nats", nats_url) == 0
+            assert (
+                await loop.run_in_executor(
+                    None, run, "audit", "--nats", nats_url, "--agent", f"{namespace}.w.a1"
+                )
+                == 0
+            )
+            assert (
+                await loop.run_in_executor(
+                    None,
+                    run,
+                    "reach",
+                    "--nats",
+                    nats_url,
+                    "--namespace",
+                    namespace,
+                    "--selector",
+                    "cap=work:echo:v1 AND",
+                    "--payload",
+                    "1",
+                )
+                == 2
+            )
+
+    asyncio.run(scenario())
+    out = capsys.readouterr()
+    assert f"{namespace}.w.a1" in out.out and "ONLINE" in out.out
+    assert "CHOSEN" in out.out  # the decision table
+    assert '"state": "SUCCEEDED"' in out.out
+    assert "REACH_BAD_SELECTOR" in out.err
+
+
+# ---------------------------------------------------------------------------- tracing
+
+
+@pytest.fixture
+def exporter() -> Iterator[InMemorySpanExporter]:
+    """An SDK provider installed globally for this test, then the old global put back."""
+    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)
+    trace._TRACER_PROVIDER = None
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    span_exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    trace.set_tracer_provider(provider)
+    try:
+        yield span_exporter
+    finally:
+        provider.shutdown()
+        trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+
+
+async def test_one_trace_id_across_caller_hub_agent(
+    exporter: InMemorySpanExporter, hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    tracer = trace.get_tracer("test")
+    async with agent, Client(settings=settings) as c:
+        with tracer.start_as_current_span("caller") as root:
+            res = await c.request(capability="work:echo:v1", payload=1)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    assert res.trace_id == trace_id
+    assert res.result["trace_id"] == trace_id  # the handler sees it too
+    for name in ("reach.route", "reach.deliver", "reach.handle"):
+        assert format(spans[name].context.trace_id, "032x") == trace_id, name
+    assert spans["reach.route"].parent.span_id == root.get_span_context().span_id
+    assert spans["reach.deliver"].parent.span_id == spans["reach.route"].context.span_id
+    assert spans["reach.handle"].parent.span_id == spans["reach.deliver"].context.span_id
+    attrs = spans["reach.route"].attributes
+    assert attrs["messaging.system"] == "nats"
+    assert attrs["reach.agent_id"] == agent.agent_id
+
+
+async def test_trace_id_without_tracing_configured(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    async with agent, Client(settings=settings) as c:
+        res = await c.request(capability="work:echo:v1", payload=1)
+    assert res.trace_id and len(res.trace_id) == 32
+    assert res.result["trace_id"] == res.trace_id

@@ -1,0 +1,352 @@
+"""The routing engine against a real nats-server: selectors, strategies, sticky sessions,
+graded liveness, circuit breaker, backpressure, explained decisions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import nats
+import pytest
+
+from reach_mesh import Client, MeshSettings, NoMatchError, ThrottledError, protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.hub.breaker import BreakerState
+from reach_mesh.models import AgentState, FailureReport
+
+from .helpers import eventually
+
+
+def echo_agent(
+    agent_id: str, settings: MeshSettings, cap: str = "work:echo:v1", **kw: Any
+) -> Agent:
+    agent = Agent(agent_id, settings=settings, **kw)
+
+    @agent.handler(cap)
+    async def echo(task: Task[Any]) -> Any:
+        return {"by": task.agent_id, "payload": task.payload}
+
+    return agent
+
+
+async def start_all(*agents: Agent) -> None:
+    for a in agents:
+        await a.start()
+
+
+async def close_all(*agents: Agent) -> None:
+    await asyncio.gather(*(a.close() for a in agents))
+
+
+async def test_selector_routing_with_units_and_labels(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    small = echo_agent(
+        f"{namespace}.w.small", settings, labels={"mem_gb": "4", "region": "cn-east"}
+    )
+    big = echo_agent(
+        f"{namespace}.w.big", settings, labels={"mem_gb": "16", "region": "cn-east", "gpu": "true"}
+    )
+    far = echo_agent(f"{namespace}.w.far", settings, labels={"mem_gb": "64", "region": "us-west"})
+    await start_all(small, big, far)
+    try:
+        async with Client(settings=settings) as c:
+            sel = "cap=work:echo:v1 AND region=cn-east AND mem_gte=8GiB AND gpu exists"
+            for _ in range(3):
+                res = await c.request(selector=sel, payload=1)
+                assert res.agent_id == big.agent_id
+            res = await c.request(
+                selector="cap=work:echo:v1 AND gpu !exists AND mem_lt=8GB", payload=1
+            )
+            assert res.agent_id == small.agent_id
+            res = await c.request(selector="cap=work:echo:v1 AND region!=cn-east", payload=1)
+            assert res.agent_id == far.agent_id
+    finally:
+        await close_all(small, big, far)
+
+
+async def test_no_match_explains_nearest(hub: Hub, settings: MeshSettings, namespace: str) -> None:
+    a = echo_agent(f"{namespace}.w.a1", settings, labels={"region": "cn-east"})
+    async with a, Client(settings=settings) as c:
+        with pytest.raises(NoMatchError) as info:
+            await c.request(selector="cap=work:echo:v1 AND region=cn_east", payload=1)
+        details = info.value.details
+        assert details["similar_values"] == {"region": ["cn-east"]}
+        assert details["partial"] == [{"agent_id": a.agent_id, "failed": "region=cn_east"}]
+        with pytest.raises(NoMatchError) as info:
+            await c.request(capability="work:echo:v2", payload=1)
+        assert "work:echo:v1" in info.value.details["similar_capabilities"]
+
+
+async def test_explained_decision_lists_filters_and_scores(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    ok = echo_agent(f"{namespace}.w.ok", settings)
+    cordoned = echo_agent(f"{namespace}.w.cordoned", settings)
+    await start_all(ok, cordoned)
+    try:
+        async with Client(settings=settings) as c:
+            await c.admin("cordon", cordoned.agent_id)
+            await eventually(
+                lambda: hub.registry.agents[cordoned.agent_id].state is AgentState.CORDONED
+            )
+            decision = await c.route(capability="work:echo:v1")
+            assert decision.chosen == ok.agent_id
+            assert sorted(decision.candidates) == sorted([ok.agent_id, cordoned.agent_id])
+            assert [(f.agent_id, f.reason) for f in decision.filtered] == [
+                (cordoned.agent_id, "state CORDONED")
+            ]
+            assert ok.agent_id in decision.scores
+            await c.admin("uncordon", cordoned.agent_id)
+            await eventually(
+                lambda: hub.registry.agents[cordoned.agent_id].state is AgentState.ONLINE
+            )
+    finally:
+        await close_all(ok, cordoned)
+
+
+async def test_round_robin_and_consistent_hash(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agents = [echo_agent(f"{namespace}.w.a{i}", settings) for i in range(3)]
+    await start_all(*agents)
+    try:
+        async with Client(settings=settings) as c:
+            rr = [
+                (
+                    await c.request(capability="work:echo:v1", payload=i, strategy="round_robin")
+                ).agent_id
+                for i in range(6)
+            ]
+            assert Counter(rr) == Counter({a.agent_id: 2 for a in agents})
+            assert rr[:3] != rr[3:][::-1] or len(set(rr[:3])) == 3
+            keyed = {
+                (
+                    await c.request(
+                        capability="work:echo:v1",
+                        payload=i,
+                        strategy="consistent_hash",
+                        hash_key="user-42",
+                    )
+                ).agent_id
+                for i in range(5)
+            }
+            assert len(keyed) == 1
+    finally:
+        await close_all(*agents)
+
+
+async def test_sticky_session_hit_and_fallback(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agents = [echo_agent(f"{namespace}.w.a{i}", settings) for i in range(3)]
+    await start_all(*agents)
+    try:
+        async with Client(settings=settings) as c:
+            first = await c.request(capability="work:echo:v1", payload=0, session_id="conv-1")
+            for i in range(4):
+                res = await c.request(
+                    capability="work:echo:v1", payload=i, session_id="conv-1", explain=True
+                )
+                assert res.agent_id == first.agent_id
+                assert res.decision is not None and res.decision.sticky == "hit"
+            owner = next(a for a in agents if a.agent_id == first.agent_id)
+            await owner.close()
+            await eventually(lambda: owner.agent_id not in hub.registry.agents)
+            res = await c.request(
+                capability="work:echo:v1", payload=9, session_id="conv-1", explain=True
+            )
+            assert res.ok and res.agent_id != owner.agent_id
+            assert res.decision is not None and res.decision.sticky == "miss"
+            again = await c.request(capability="work:echo:v1", payload=9, session_id="conv-1")
+            assert again.agent_id == res.agent_id  # the new owner sticks
+    finally:
+        await close_all(*agents)
+
+
+async def test_breaker_open_half_open_closed(
+    nats_url: str, settings: MeshSettings, namespace: str
+) -> None:
+    s = settings.model_copy(update={"breaker_min_requests": 3, "breaker_open_timeout": 0.4})
+    flaky_ok = False
+    async with Hub(settings=s) as hub:
+        flaky = Agent(f"{namespace}.w.flaky", settings=s)
+        steady = echo_agent(f"{namespace}.w.steady", s, cap="work:flaky:v1")
+
+        @flaky.handler("work:flaky:v1")
+        async def maybe(task: Task[Any]) -> str:
+            if not flaky_ok:
+                raise RuntimeError("dependency down")
+            return "fine"
+
+        async with flaky, steady, Client(settings=s) as c:
+            for _ in range(3):
+                await c.request(agent_id=flaky.agent_id, payload=0)
+            view = hub.registry.agents[flaky.agent_id]
+            assert view.state is AgentState.QUARANTINED
+            assert hub.metrics.quarantine_total._value.get() >= 1
+            # Quarantined: by capability every task goes to the steady agent.
+            for _ in range(4):
+                res = await c.request(capability="work:flaky:v1", payload=0)
+                assert res.agent_id == steady.agent_id
+            flaky_ok = True
+            with pytest.raises(NoMatchError, match="QUARANTINED"):
+                await c.request(agent_id=flaky.agent_id, payload=0)
+            await eventually(lambda: view.breaker.state is BreakerState.HALF_OPEN)
+            await eventually(lambda: view.state is AgentState.ONLINE)
+            # Half-open: one probe goes through; its success closes the breaker.
+            res = await c.request(agent_id=flaky.agent_id, payload=0)
+            assert res.result == "fine"
+            assert view.breaker.state is BreakerState.CLOSED
+            assert view.state is AgentState.ONLINE
+
+
+async def test_caller_reports_feed_the_breaker(
+    hub: Hub, settings: MeshSettings, namespace: str, nats_url: str
+) -> None:
+    a = echo_agent(f"{namespace}.w.a1", settings)
+    async with a:
+        nc = await nats.connect(nats_url)
+        try:
+            for _ in range(6):
+                report = FailureReport(agent_id=a.agent_id, code="REACH_TIMEOUT")
+                await nc.publish(protocol.hub_subject(namespace, "report"), protocol.encode(report))
+            await nc.publish(protocol.hub_subject(namespace, "report"), b"garbage")
+            await nc.flush()
+        finally:
+            await nc.close()
+        await eventually(lambda: hub.registry.agents[a.agent_id].state is AgentState.QUARANTINED)
+
+
+async def test_unavailable_capability_is_filtered(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    a = echo_agent(f"{namespace}.w.a1", settings)
+    b = echo_agent(f"{namespace}.w.b1", settings)
+    await start_all(a, b)
+    try:
+        a.unavailable.add("work:echo:v1")
+        await a.heartbeat_now()
+        async with Client(settings=settings) as c:
+            decision = await c.route(capability="work:echo:v1")
+            assert decision.chosen == b.agent_id
+            assert (a.agent_id, "reports work:echo:v1 unavailable") in [
+                (f.agent_id, f.reason) for f in decision.filtered
+            ]
+    finally:
+        await close_all(a, b)
+
+
+async def test_draining_agent_gets_no_new_work(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    release = asyncio.Event()
+    slow = Agent(f"{namespace}.w.slow", settings=settings)
+
+    @slow.handler("work:echo:v1")
+    async def hold(task: Task[Any]) -> str:
+        await release.wait()
+        return "done"
+
+    other = echo_agent(f"{namespace}.w.other", settings)
+    await start_all(slow, other)
+    async with Client(settings=settings) as c:
+        held = asyncio.create_task(c.request(agent_id=slow.agent_id, payload=0))
+        await eventually(lambda: slow.inflight == 1)
+        closing = asyncio.create_task(slow.close())
+        await eventually(lambda: hub.registry.agents[slow.agent_id].state is AgentState.DRAINING)
+        res = await c.request(capability="work:echo:v1", payload=1)
+        assert res.agent_id == other.agent_id
+        release.set()
+        assert (await held).result == "done"  # in-flight work finishes during the drain
+        await closing
+    await other.close()
+
+
+async def test_route_throttling_and_client_backoff(
+    nats_url: str, settings: MeshSettings, namespace: str
+) -> None:
+    s = settings.model_copy(update={"route_rate": 20.0, "route_burst": 3.0})
+    async with Hub(settings=s) as hub, echo_agent(f"{namespace}.w.a1", s) as a:
+        nc = await nats.connect(nats_url)
+        try:
+            bodies = []
+            for _ in range(6):
+                msg = await nc.request(
+                    protocol.hub_subject(namespace, "route"),
+                    json.dumps({"agent_id": a.agent_id}).encode(),
+                    timeout=5,
+                )
+                bodies.append(json.loads(msg.data))
+            codes = [b["error"]["code"] if "error" in b else "OK" for b in bodies]
+            assert codes[:3] == ["OK"] * 3 and "REACH_THROTTLED" in codes
+            throttled = next(b for b in bodies if "error" in b)
+            assert throttled["error"]["details"]["retry_after_ms"] > 0
+        finally:
+            await nc.close()
+        # The SDK honours retry_after with backoff and jitter: every request succeeds.
+        async with Client(settings=s) as c:
+            results = await asyncio.gather(
+                *(c.request(agent_id=a.agent_id, payload=i) for i in range(10))
+            )
+        assert all(r.ok for r in results)
+        assert hub.metrics.throttled_total.labels(namespace)._value.get() > 0
+
+
+async def test_throttled_error_surfaces_past_deadline(
+    nats_url: str, settings: MeshSettings, namespace: str
+) -> None:
+    s = settings.model_copy(update={"route_rate": 0.5, "route_burst": 1.0})
+    async with Hub(settings=s), echo_agent(f"{namespace}.w.a1", s) as a, Client(settings=s) as c:
+        await c.request(agent_id=a.agent_id, payload=0)
+        with pytest.raises(ThrottledError):
+            await c.request(agent_id=a.agent_id, payload=1, timeout=0.2)
+
+
+async def test_registration_storm_is_absorbed(
+    nats_url: str, settings: MeshSettings, namespace: str
+) -> None:
+    """Far more agents than the register rate allows at once: all register eventually and
+    the hub keeps answering routes meanwhile."""
+    s = settings.model_copy(
+        update={
+            "register_rate": 100.0,
+            "register_burst": 10.0,
+            "heartbeat_interval": 1.0,
+            "lease_timeout": 5.0,
+        }
+    )
+    async with Hub(settings=s) as hub:
+        agents = [echo_agent(f"{namespace}.storm.a{i}", s) for i in range(60)]
+        starts = asyncio.gather(*(a.start() for a in agents))
+        async with Client(settings=s) as c:
+            await eventually(lambda: len(hub.registry.agents) >= 1)
+            res = await c.request(capability="work:echo:v1", payload="during the storm")
+            assert res.ok
+        await starts
+        assert len([v for v in hub.registry if v.record.card.namespace == namespace]) == 60
+        assert hub.metrics.throttled_total.labels(namespace)._value.get() > 0
+        await close_all(*agents)
+
+
+async def test_region_preference(hub: Hub, settings: MeshSettings, namespace: str) -> None:
+    eu = echo_agent(f"{namespace}.w.eu", settings, region="eu-west")
+    us = echo_agent(f"{namespace}.w.us", settings, region="us-east")
+    await start_all(eu, us)
+    try:
+        async with Client(settings=settings) as c:
+            for _ in range(4):
+                res = await c.request(capability="work:echo:v1", payload=0, region="us-east")
+                assert res.agent_id == us.agent_id
+    finally:
+        await close_all(eu, us)
+
+
+async def test_direct_mode(hub: Hub, settings: MeshSettings, namespace: str) -> None:
+    a = echo_agent(f"{namespace}.w.a1", settings)
+    async with a, Client(settings=settings) as c:
+        res = await c.request(capability="work:echo:v1", payload={"x": 1}, mode="direct")
+        assert res.ok and res.result == {"by": a.agent_id, "payload": {"x": 1}}
