@@ -57,7 +57,12 @@ class Router:
         self._registry = registry
         self._settings = settings
         self._hub_id = hub_id
-        self._weights = weights or LoadWeights()
+        self._weights = weights or LoadWeights(
+            inflight=settings.load_weight_inflight,
+            queue=settings.load_weight_queue,
+            pressure=settings.load_weight_pressure,
+            saturation=settings.load_saturation,
+        )
         self._rng = rng or random.Random()
         self._selectors: OrderedDict[str, Selector] = OrderedDict()
         # One instance per name: round_robin keeps its position across requests.
