@@ -45,6 +45,12 @@ class MeshSettings(BaseModel):
     #: Delivery attempts a hub makes (to different agents) before an ACCEPT.
     route_attempts: int = Field(default=3, ge=1, le=20)
     default_strategy: str = "least_loaded"
+    #: least_loaded scoring: in-flight/max_concurrency, queue depth and pressure coefficients,
+    #: and the utilisation above which an agent is steeply de-weighted (docs/selectors.md).
+    load_weight_inflight: float = Field(default=1.0, ge=0)
+    load_weight_queue: float = Field(default=0.5, ge=0)
+    load_weight_pressure: float = Field(default=0.5, ge=0)
+    load_saturation: float = Field(default=0.85, gt=0, lt=1)
 
     # JetStream
     kv_replicas: int = Field(default=1, ge=1, le=5)
