@@ -63,8 +63,11 @@ async def cmd_up(args: argparse.Namespace) -> int:
     from reach_mesh.hub import Hub
 
     async with _nats(args) as url:
-        settings = _settings(args, nats_url=url, http_port=args.http_port)
-        hubs = [Hub(settings=settings) for _ in range(args.hubs)]
+        settings = _settings(args, nats_url=url)
+        hubs = []
+        for i in range(args.hubs):
+            port = None if args.http_port < 0 else (args.http_port if i == 0 else 0)
+            hubs.append(Hub(settings=settings.model_copy(update={"http_port": port})))
         for hub in hubs:
             await hub.start()
         try:
@@ -298,13 +301,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = cmd("up", "run the mesh (embedded NATS unless --nats) until Ctrl-C")
     up.add_argument("--hubs", type=int, default=1, help="hub instances to run")
-    up.add_argument("--http-port", type=int, default=None, help="hub HTTP port (0 = any)")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="first hub's HTTP port for /metrics, REST, dashboard (0 = any free port; -1 = off)",
+    )
     up.add_argument("--data-dir", help="JetStream store dir for the embedded server")
     up.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
     up.set_defaults(func=cmd_up)
 
     hub = cmd("hub", "run one hub instance against an existing NATS")
-    hub.add_argument("--http-port", type=int, default=None)
+    hub.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="HTTP port for /metrics, REST, dashboard ($REACH_HTTP_PORT; 0 = any; default off)",
+    )
     hub.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
     hub.set_defaults(func=cmd_hub)
 
