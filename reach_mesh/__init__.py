@@ -31,6 +31,7 @@ from reach_mesh.errors import (
 from reach_mesh.models import AgentInfo, AgentState, RouteDecision, TaskState, ToolSpec
 from reach_mesh.selector import Selector
 from reach_mesh.server import EmbeddedNats
+from reach_mesh.workflow import RetryPolicy, Step, StepResult, WorkflowEvent, WorkflowResult
 
 __version__ = "0.1.0"
 
@@ -53,15 +54,20 @@ __all__ = [
     "NoMatchError",
     "PayloadTooLargeError",
     "ReachError",
+    "RetryPolicy",
     "RouteDecision",
     "Selector",
     "SelectorError",
     "StaleAttemptError",
+    "Step",
+    "StepResult",
     "TaskResult",
     "TaskState",
     "ThrottledError",
     "ToolSpec",
     "UnknownAgentError",
+    "WorkflowEvent",
+    "WorkflowResult",
     "WorkflowSpecError",
     "__version__",
     "load_settings",

@@ -11,6 +11,7 @@ import json
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
@@ -20,6 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._nats import connect
@@ -33,6 +35,7 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
     UnknownAgentError,
+    WorkflowSpecError,
     error_from_wire,
 )
 from reach_mesh.models import (
@@ -46,6 +49,15 @@ from reach_mesh.models import (
     TaskState,
 )
 from reach_mesh.tracing import inject, trace_id_from_headers
+from reach_mesh.workflow import (
+    Step,
+    WorkflowEvent,
+    WorkflowRecord,
+    WorkflowResult,
+    WorkflowSpec,
+    new_workflow_id,
+    validate_spec,
+)
 
 __all__ = ["Client", "TaskResult"]
 
@@ -351,6 +363,200 @@ class Client:
             await asyncio.sleep(wait * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
 
+    # ------------------------------------------------------------------ workflows
+
+    async def fanout(
+        self,
+        steps: Sequence[Step],
+        *,
+        policy: str = "all",
+        timeout: float = 30.0,
+        workflow_id: str | None = None,
+    ) -> WorkflowResult:
+        """Run ``steps`` in parallel, durably, and wait for the aggregated result.
+
+        ``policy``: ``all`` (every branch; the first failure is reported as ``error``), ``any``
+        (first success wins, the rest are cancelled) or ``quorum(k)``. Branches still
+        unfinished at ``timeout`` end TIMEOUT. Malformed specs raise typed errors
+        (``WorkflowSpecError``, ``SelectorError``, ...) before anything is sent; a workflow
+        that fails is *returned* (``result.state``), not raised.
+        """
+        spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
+        return await self._run_workflow(spec, timeout)
+
+    async def chain(
+        self, steps: Sequence[Step], *, timeout: float = 30.0, workflow_id: str | None = None
+    ) -> WorkflowResult:
+        """Run ``steps`` in order; each step's input is the previous output merged with its own
+        payload (see :func:`reach_mesh.workflow.merge_payload`). ``result.result`` is the last
+        step's output."""
+        spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
+        return await self._run_workflow(spec, timeout)
+
+    async def submit_fanout(
+        self,
+        steps: Sequence[Step],
+        *,
+        policy: str = "all",
+        timeout: float | None = None,
+        workflow_id: str | None = None,
+    ) -> str:
+        """Submit a fanout without waiting; returns the workflow id (re-submitting the same id
+        is a no-op). ``timeout=None``: the steps' TTL (``task_ttl``) bounds it."""
+        spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
+        await self._submit(spec, inject({}))
+        return spec.workflow_id
+
+    async def submit_chain(
+        self,
+        steps: Sequence[Step],
+        *,
+        timeout: float | None = None,
+        workflow_id: str | None = None,
+    ) -> str:
+        """Submit a chain without waiting; returns the workflow id."""
+        spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
+        await self._submit(spec, inject({}))
+        return spec.workflow_id
+
+    async def workflow(self, workflow_id: str, *, timeout: float = 30.0) -> WorkflowResult:
+        """Wait for (or fetch, if already finished) the result of a submitted workflow."""
+        protocol.validate_workflow_id(workflow_id)
+        sub = await self.nc.subscribe(protocol.wf_done(self.namespace, workflow_id), max_msgs=1)
+        try:
+            found = await self._stored_result(workflow_id)
+            if found is not None:
+                return found
+            return await self._await_done(sub, workflow_id, timeout)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def workflow_events(
+        self, workflow_id: str, *, timeout: float | None = None
+    ) -> AsyncIterator[WorkflowEvent]:
+        """Every event of a workflow from its start (replayed from JetStream), ending with a
+        ``kind="done"`` event that carries the ``WorkflowResult``."""
+        protocol.validate_workflow_id(workflow_id)
+        js = self.nc.jetstream()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            sub = await js.subscribe(
+                protocol.wf_all(self.namespace, workflow_id),
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL,
+            )
+        except nats.js.errors.Error as err:
+            raise MeshUnavailableError(f"cannot read workflow events: {err}") from err
+        try:
+            while True:
+                left = 3600.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise MeshTimeoutError(f"workflow {workflow_id} did not finish in time")
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except (NatsTimeoutError, TimeoutError) as err:
+                    if deadline is None:
+                        continue
+                    raise MeshTimeoutError(
+                        f"workflow {workflow_id} did not finish in time"
+                    ) from err
+                if msg.subject.endswith(".done"):
+                    result = WorkflowResult.model_validate_json(msg.data)
+                    yield WorkflowEvent(
+                        workflow_id=workflow_id, kind="done", state=result.state, result=result
+                    )
+                    return
+                with contextlib.suppress(ValueError):
+                    yield WorkflowEvent.model_validate_json(msg.data)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _workflow_spec(
+        self,
+        kind: Literal["fanout", "chain"],
+        steps: Sequence[Step],
+        policy: str,
+        timeout: float | None,
+        workflow_id: str | None,
+    ) -> WorkflowSpec:
+        try:
+            spec = WorkflowSpec(
+                workflow_id=workflow_id or new_workflow_id(),
+                kind=kind,
+                steps=[s.spec() if isinstance(s, Step) else _bad_step(s) for s in steps],
+                policy=policy,
+                timeout=timeout,
+                namespace=self.namespace,
+            )
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "workflow"
+            raise WorkflowSpecError(
+                f"invalid workflow: {where}: {first['msg']}", field=where
+            ) from err
+        validate_spec(spec)  # typed errors here, before anything is sent
+        return spec
+
+    async def _run_workflow(self, spec: WorkflowSpec, timeout: float) -> WorkflowResult:
+        headers = inject({})
+        # Subscribe to the result before submitting: no window in which it could be missed.
+        sub = await self.nc.subscribe(
+            protocol.wf_done(spec.namespace, spec.workflow_id), max_msgs=1
+        )
+        try:
+            duplicate = await self._submit(spec, headers)
+            if duplicate:
+                found = await self._stored_result(spec.workflow_id)
+                if found is not None:
+                    return found
+            return await self._await_done(sub, spec.workflow_id, timeout + _REPLY_SLACK)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _submit(self, spec: WorkflowSpec, headers: dict[str, str]) -> bool:
+        """Publish to ``reach.wf.<ns>.submit``; True when JetStream saw the id before."""
+        body = protocol.encode(spec)
+        headers[protocol.HDR_MSG_ID] = spec.workflow_id
+        try:
+            ack = await self.nc.jetstream().publish(
+                protocol.wf_submit(spec.namespace),
+                body,
+                headers=headers,
+                stream=protocol.STREAM_WF,
+            )
+        except nats.js.errors.NoStreamResponseError as err:
+            raise MeshUnavailableError(
+                "no workflow stream: is a hub (`reach-mesh hub`) running?"
+            ) from err
+        except MaxPayloadError as err:
+            raise PayloadTooLargeError(f"workflow exceeds the max payload: {err}") from err
+        return bool(ack.duplicate)
+
+    async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
+        try:
+            kv = await self.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+            entry = await kv.get(protocol.workflow_key(self.namespace, workflow_id))
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+            return None
+        if not entry.value:
+            return None
+        record = WorkflowRecord.model_validate_json(entry.value)
+        return record.result if record.state.final else None
+
+    async def _await_done(self, sub: Any, workflow_id: str, timeout: float) -> WorkflowResult:
+        try:
+            msg = await sub.next_msg(timeout=timeout)
+        except (NatsTimeoutError, TimeoutError) as err:
+            raise MeshTimeoutError(
+                f"no result for workflow {workflow_id} within {timeout:g}s "
+                "(it keeps running; `await mesh.workflow(id)` later)",
+                workflow_id=workflow_id,
+            ) from err
+        return WorkflowResult.model_validate_json(msg.data)
+
     # ------------------------------------------------------------------ fleet queries
 
     async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
@@ -446,6 +652,10 @@ class Client:
         return await self._call_hub(
             ns or self.namespace, verb, protocol.dumps(body), inject({}), deadline, 5.0
         )
+
+
+def _bad_step(step: object) -> Any:
+    raise WorkflowSpecError(f"expected reach_mesh.Step, got {type(step).__name__}")
 
 
 def _first_cap(route: RouteReply) -> str | None:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from reach_mesh import protocol
 from reach_mesh._nats import connect
 from reach_mesh.agent._task import Task
+from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
@@ -161,6 +162,8 @@ class Agent:
         self._closed = asyncio.Event()
         self._registered = asyncio.Event()
         self.handled = 0
+        #: Durable workflow steps over JetStream (``reach.work.<ns>.<agent_id>``).
+        self.work: WorkConsumer | None = None
 
     # ------------------------------------------------------------------ handlers
 
@@ -259,6 +262,9 @@ class Agent:
                 await self.nc.subscribe(protocol.agent_ctl(self.agent_id), cb=self._on_ctl)
             )
             await self.nc.flush()
+            # Durable workflow steps (JetStream): consumer ready before hubs can route to us.
+            self.work = WorkConsumer(self)
+            await self.work.start()
             await self._register()
             self._hb_task = asyncio.create_task(self._heartbeat_loop(), name="reach-heartbeat")
         except BaseException:
@@ -275,7 +281,8 @@ class Agent:
         )
         subject = protocol.hub_subject(self.namespace, "register")
         delay = 0.05
-        deadline = time.monotonic() + max(s.connect_timeout, 10.0)
+        # Long enough to ride out a JetStream leader election (seconds) or a hub restart.
+        deadline = time.monotonic() + max(s.connect_timeout, 30.0)
         while True:
             try:
                 msg = await self.nc.request(subject, protocol.encode(req), timeout=5.0)
@@ -286,10 +293,10 @@ class Agent:
                 return
             except ThrottledError as err:
                 wait = err.retry_after
-            except (NoRespondersError, NatsTimeoutError, TimeoutError) as err:
+            except (NoRespondersError, NatsTimeoutError, TimeoutError, MeshUnavailableError) as err:
                 if time.monotonic() > deadline and not self._registered.is_set():
                     raise MeshUnavailableError(
-                        f"no hub answered the registration of {self.agent_id}"
+                        f"no hub answered the registration of {self.agent_id}: {err!r}"
                     ) from err
                 wait = delay
             # Exponential backoff with full jitter: a storm of agents spreads out.
@@ -305,6 +312,11 @@ class Agent:
                 await self._beat(subject, timeout=max(interval, 1.0))
             except UnknownAgentError:
                 log.warning("hub does not know %s: registering again", self.agent_id)
+                if self.work is not None:
+                    # Declared LOST: stay PRE_ONLINE until our superseded attempts are fenced.
+                    self.state = AgentState.PRE_ONLINE
+                    with contextlib.suppress(Exception):
+                        await self.work.fence_stale()
                 with contextlib.suppress(ReachError):
                     await self._register()
             except (NoRespondersError, NatsTimeoutError, TimeoutError, ReachError) as err:
@@ -344,6 +356,8 @@ class Agent:
             if was_running and self._nc is not None and self._registered.is_set():
                 with contextlib.suppress(Exception):
                     await self.heartbeat_now()  # hubs stop routing to us at once
+            if self.work is not None:
+                await self.work.stop()  # no new workflow steps; in-flight ones finish below
             if self._tasks:
                 await asyncio.wait(set(self._tasks), timeout=self.drain_timeout)
             if self._hb_task is not None:
@@ -505,8 +519,18 @@ class Agent:
         await self._respond(msg, protocol.encode(reply), headers)
 
     async def _call(
-        self, env: TaskEnvelope, handler: _Handler, headers: dict[str, str]
+        self,
+        env: TaskEnvelope,
+        handler: _Handler,
+        headers: dict[str, str],
+        *,
+        on_accept: Callable[[], None] | None = None,
+        progress: Callable[[Any], Awaitable[None]] | None = None,
     ) -> TaskReply:
+        """Validate the payload and run the handler under the attempt's timeout.
+
+        ``on_accept`` runs when the handler is about to start (ACCEPTED); ``progress`` backs
+        ``task.progress()`` (both used by durable workflow steps, see ``_work.py``)."""
         base = {"task_id": env.task_id, "attempt": env.attempt, "agent_id": self.agent_id}
         with span(
             SPAN_HANDLE,
@@ -541,9 +565,12 @@ class Agent:
                 workflow_id=env.workflow_id,
                 step=env.step,
                 timeout=env.timeout,
+                _progress=progress,
             )
             if sp.is_recording():
                 sp.add_event(TaskState.ACCEPTED.value)
+            if on_accept is not None:
+                on_accept()
             try:
                 async with asyncio.timeout(env.timeout):
                     result = await handler.fn(task)

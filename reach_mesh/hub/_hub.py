@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, Final
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -34,6 +35,7 @@ from reach_mesh.errors import (
     BadRequestError,
     InternalError,
     MeshTimeoutError,
+    MeshUnavailableError,
     NoHandlerError,
     NoMatchError,
     ReachError,
@@ -45,6 +47,7 @@ from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.throttle import Throttle
+from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.logs import QUARANTINE, ROUTE_LATENCY, SELECT_EMPTY, log_event
 from reach_mesh.models import (
     AgentState,
@@ -123,6 +126,7 @@ class Hub:
         self.sessions: SessionStore
         self.audit: AuditLog
         self.http: Any = None  # reach_mesh.hub.http.HubHttp when settings.http_port is set
+        self.workflows: WorkflowEngine | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -159,6 +163,11 @@ class Hub:
             await self.sessions.start()
             self.router = Router(self.registry, self.settings, self.hub_id)
             await self._subscribe()
+            # Durable workflows: after the registry and router, which the engine routes with.
+            self.workflows = WorkflowEngine(
+                self._nc, self._js, self.registry, self.router, s, self.hub_id, metrics=self.metrics
+            )
+            await self.workflows.start()
             if s.http_port is not None:
                 from reach_mesh.hub.http import HubHttp
 
@@ -208,6 +217,10 @@ class Hub:
         if self.http is not None:
             with contextlib.suppress(Exception):
                 await self.http.close()
+        if self.workflows is not None:
+            # Hand running workflows back (nak) so another hub resumes them at once.
+            with contextlib.suppress(Exception):
+                await self.workflows.stop()
         if self._inflight:
             await asyncio.wait(self._inflight, timeout=5)
         for task in list(self._inflight):
@@ -255,16 +268,18 @@ class Hub:
             body = await handler(msg, ns)
         except ReachError as err:
             body = protocol.encode_error(err)
+        except nats.errors.Error as err:
+            # JetStream briefly unavailable (e.g. a raft election after a node loss): retryable.
+            log.warning("NATS/JetStream error on %s: %r", msg.subject, err)
+            body = protocol.encode_error(
+                MeshUnavailableError(f"JetStream unavailable, retry: {type(err).__name__}")
+            )
         except Exception as err:  # the hub never crashes on input
             log.exception("internal error on %s", msg.subject)
             body = protocol.encode_error(InternalError(f"internal error: {type(err).__name__}"))
         if body is not None and msg.reply:
             with contextlib.suppress(Exception):
                 await self.nc.publish(msg.reply, body)
-
-    def _check_size(self, msg: Msg) -> int:
-        limit = self.settings.max_payload + _ENVELOPE_SLACK
-        return limit
 
     # ------------------------------------------------------------------ registry verbs
 

@@ -414,8 +414,11 @@ class Registry:
             unavailable=hb.unavailable,
             draining=hb.draining,
         )
-        await self._hb_kv.put(hb.agent_id, protocol.encode(record))
+        # This hub counts the beat at once; the KV write tells the other hubs. If JetStream is
+        # briefly unavailable (leader election) the beat still renews the lease here and the
+        # error goes back to the agent, whose next beat writes again.
         self.apply_heartbeat(view, record, seen_at=self._clock())
+        await self._hb_kv.put(hb.agent_id, protocol.encode(record))
         return view
 
     async def unregister(self, agent_id: str, session: str | None) -> bool:

@@ -1,0 +1,189 @@
+"""A continuous pull consumer for JetStream: messages are handed over the moment they arrive.
+
+nats-py 2.16's ``fetch(batch>1)`` returns early only when the whole batch is there, so a
+half-full batch waits for the full timeout — fatal for latency. This keeps pull requests
+outstanding on the consumer's ``MSG.NEXT`` API (the "consume" pattern of the newer clients):
+each message goes to ``on_msg`` immediately, and more are requested as capacity frees up.
+
+Bounded: at most ``capacity`` messages are held (handed over and not yet released) plus
+outstanding requests. A watchdog re-pulls when a request was lost (reconnect, server restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Final
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+
+from reach_mesh import protocol
+
+__all__ = ["PullConsumer", "ensure_stream", "status_stream_config", "work_stream_config"]
+
+log = logging.getLogger("reach_mesh.consume")
+
+_STATUS: Final = "Status"
+_PENDING: Final = "Nats-Pending-Messages"
+
+
+class PullConsumer:
+    """Keeps pulls outstanding on ``durable`` of ``stream``; ``on_msg`` must not block and must
+    lead to exactly one :meth:`release` per message."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        stream: str,
+        durable: str,
+        on_msg: Callable[[Msg], None],
+        capacity: int,
+        *,
+        expires: float = 5.0,
+    ) -> None:
+        self._nc = nc
+        self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self._on_msg = on_msg
+        self.capacity = max(1, capacity)
+        self._expires = expires
+        self._held = 0
+        self._outstanding = 0
+        self._last_seen = time.monotonic()
+        self._sub: Subscription | None = None
+        self._inbox = ""
+        self._watchdog: asyncio.Task[None] | None = None
+        self._bg: set[asyncio.Task[None]] = set()
+        self._stopped = False
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    async def start(self) -> None:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._inbox, cb=self._cb, pending_msgs_limit=-1)
+        self._watchdog = asyncio.create_task(self._watch(), name="reach-pull-watchdog")
+        self._maybe_pull()
+
+    async def stop(self) -> None:
+        """Stop pulling. Messages already handed over are still released by their owners."""
+        self._stopped = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watchdog
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    def release(self) -> None:
+        """One handed-over message is done (acked, nak'd or termed)."""
+        self._held = max(0, self._held - 1)
+        self._maybe_pull()
+
+    async def _cb(self, msg: Msg) -> None:
+        self._last_seen = time.monotonic()
+        headers = msg.headers
+        if headers and not msg.data and _STATUS in headers:
+            status = headers.get(_STATUS, "")
+            if status == "100":
+                return  # idle heartbeat
+            # 404/408/409: this pull request is over; its unfilled part is no longer owed.
+            pending = headers.get(_PENDING)
+            if pending is not None and pending.isdigit():
+                self._outstanding = max(0, self._outstanding - int(pending))
+            else:
+                self._outstanding = 0
+            if status not in ("404", "408"):
+                log.debug("pull on %s ended: %s %s", self._api, status, headers)
+            self._maybe_pull()
+            return
+        self._outstanding = max(0, self._outstanding - 1)
+        self._held += 1
+        try:
+            self._on_msg(msg)
+        except Exception:
+            log.exception("pull consumer handler failed")
+            self.release()
+
+    def _maybe_pull(self) -> None:
+        if self._stopped or self._sub is None:
+            return
+        want = self.capacity - self._held - self._outstanding
+        # Top up in chunks: one request per message would double the protocol traffic.
+        if want <= 0 or (self._outstanding > 0 and want < max(1, self.capacity // 2)):
+            return
+        self._outstanding += want
+        body = json.dumps({"batch": want, "expires": int(self._expires * 1e9)}).encode()
+        task = asyncio.create_task(self._publish(body))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _publish(self, body: bytes) -> None:
+        try:
+            await self._nc.publish(self._api, body, reply=self._inbox)
+        except Exception:
+            self._outstanding = 0  # the watchdog will try again
+
+    async def _watch(self) -> None:
+        # A pull request normally ends with a 408 after ``expires``; if nothing at all arrived
+        # for two periods, the request was lost (reconnect, server restart): ask again.
+        while True:
+            await asyncio.sleep(self._expires)
+            if time.monotonic() - self._last_seen > 2 * self._expires + 1:
+                self._outstanding = 0
+                self._last_seen = time.monotonic()
+            self._maybe_pull()
+
+
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    """Create the stream unless it exists (idempotent across hubs and agents)."""
+    assert config.name is not None
+    try:
+        await js.stream_info(config.name)
+        return
+    except NotFoundError:
+        pass
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        # Created meanwhile by another process (same name): use it as it is.
+        await js.stream_info(config.name)
+
+
+def work_stream_config(retention: float, dedup_window: float, replicas: int) -> StreamConfig:
+    """``REACH_WORK``: a work queue (a message is gone once acked), deduplicated on
+    ``task_id#n``; messages nobody took age out after the retention period."""
+    return StreamConfig(
+        name=protocol.STREAM_WORK,
+        subjects=[protocol.work_subject("*", ">")],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        max_age=retention,
+        duplicate_window=min(dedup_window, retention),
+        num_replicas=replicas,
+        description="reach-mesh durable workflow steps, one subject per agent",
+    )
+
+
+def status_stream_config(retention: float, replicas: int) -> StreamConfig:
+    """``REACH_STATUS``: every status event of every tracked task, so a hub can rebuild state."""
+    return StreamConfig(
+        name=protocol.STREAM_STATUS,
+        subjects=[protocol.task_status("*", "*")],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=retention,
+        num_replicas=replicas,
+        description="reach-mesh six-state status events",
+    )

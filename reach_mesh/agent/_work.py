@@ -1,0 +1,581 @@
+"""Durable workflow steps on the agent: consume ``reach.work.<ns>.<agent_id>`` from JetStream.
+
+For every work message (one attempt ``task_id#n`` of one step) the SDK:
+
+1. drops it when it is a duplicate of an attempt it has (re-publishing the final status if that
+   attempt is finished), answers from its stored result when an earlier attempt of the task
+   SUCCEEDED, and drops it when the hub's task record says the attempt is no longer current
+   (fenced: another attempt superseded it, or the workflow no longer needs it);
+2. publishes ``DELIVERED``, ``ACCEPTED`` when the handler starts, ``RUNNING`` every
+   ``step_running_interval`` while it runs (plus ``task.progress()``), then the final state,
+   all on ``reach.task.<ns>.<task_id>.status`` (captured by ``REACH_STATUS``);
+3. sends ``+WPI`` (in progress) while the handler runs, stores the final reply in the
+   ``reach_results`` bucket (so a restart keeps the idempotency), and acks the message only
+   after the final status is stored by JetStream.
+
+Concurrency is the agent's own: the same semaphore and counters as request-reply tasks, and at
+most ``max_concurrency + max_queue`` work messages are held at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from pydantic import ValidationError
+
+from reach_mesh import protocol
+from reach_mesh._consume import (
+    PullConsumer,
+    ensure_stream,
+    status_stream_config,
+    work_stream_config,
+)
+from reach_mesh._nats import ensure_kv
+from reach_mesh.errors import NoHandlerError, ReachError
+from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
+from reach_mesh.tracing import inject
+from reach_mesh.workflow import TaskRecord, TaskStatusEvent
+
+if TYPE_CHECKING:
+    from reach_mesh.agent._agent import Agent, _Entry, _Handler
+
+__all__ = ["WorkConsumer"]
+
+log = logging.getLogger("reach_mesh.agent.work")
+
+_TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+@dataclass(slots=True, eq=False)
+class _Held:
+    """One work message this agent holds while its attempt runs."""
+
+    msg: Msg
+    env: TaskEnvelope
+    headers: dict[str, str]
+    task: asyncio.Task[None] | None = None
+    accepted_at: float | None = None
+    last_running: float = 0.0
+    fenced: bool = False
+    #: Other copies of the same attempt (duplicate deliveries): acked together with ``msg``.
+    extra: list[Msg] = field(default_factory=list)
+
+
+class WorkConsumer:
+    """The agent's JetStream work consumer (created by :class:`~reach_mesh.agent.Agent`)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        s = agent.settings
+        self._settings = s
+        self._js: JetStreamContext | None = None
+        self._results_kv: KeyValue | None = None
+        self._tasks_kv: KeyValue | None = None
+        self._pull: PullConsumer | None = None
+        self._held: dict[str, _Held] = {}
+        self._checking: set[str] = set()
+        self._ticker: asyncio.Task[None] | None = None
+        self._retry: asyncio.Task[None] | None = None
+        #: Duplicate deliveries of an attempt this agent already had (not run again).
+        self.duplicates = 0
+        #: Work messages dropped because their attempt was fenced (superseded or cancelled).
+        self.fenced = 0
+        #: Later attempts answered from a stored result without running the handler.
+        self.cached = 0
+
+    async def start(self) -> None:
+        """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
+        leader): then the agent still starts — request-reply is core NATS — and the consumer
+        is set up in the background; steps wait in the stream meanwhile."""
+        try:
+            await asyncio.wait_for(self._setup(), timeout=self._settings.connect_timeout)
+        except (TimeoutError, Exception) as err:
+            log.warning(
+                "workflow steps not available yet on %s (%r): retrying in the background",
+                self._agent.agent_id,
+                err,
+            )
+            self._retry = asyncio.create_task(self._setup_later(), name="reach-work-setup")
+
+    async def _setup_later(self) -> None:
+        delay = 0.5
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await asyncio.wait_for(self._setup(), timeout=10.0)
+            except (TimeoutError, Exception) as err:
+                log.debug("work consumer setup failed: %r", err)
+                delay = min(delay * 2, 5.0)
+                continue
+            log.info("workflow steps available on %s", self._agent.agent_id)
+            return
+
+    async def _setup(self) -> None:
+        agent = self._agent
+        s = self._settings
+        js = self._js = agent.nc.jetstream(timeout=10.0)
+        await ensure_stream(
+            js, work_stream_config(s.workflow_retention, s.dedup_window, s.kv_replicas)
+        )
+        await ensure_stream(js, status_stream_config(s.workflow_retention, s.kv_replicas))
+        self._results_kv = await ensure_kv(
+            js,
+            protocol.KV_RESULTS,
+            replicas=s.kv_replicas,
+            ttl=s.workflow_retention,
+            description="reach-mesh agent results (idempotency across restarts)",
+        )
+        self._tasks_kv = await ensure_kv(
+            js,
+            protocol.KV_TASKS,
+            replicas=s.kv_replicas,
+            ttl=s.workflow_retention,
+            description="reach-mesh workflow task records (current attempt = fence)",
+        )
+        capacity = agent.max_concurrency + agent.max_queue
+        durable = protocol.work_consumer(agent.agent_id)
+        # The agent creates its own consumer (idempotent): a step published before we ever
+        # started waits in the work-queue stream and is delivered from the start.
+        await js.add_consumer(
+            protocol.STREAM_WORK,
+            ConsumerConfig(
+                durable_name=durable,
+                filter_subject=protocol.work_subject(agent.namespace, agent.agent_id),
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=s.work_ack_wait,
+                max_deliver=-1,
+                max_ack_pending=max(capacity * 2, 64),
+                inactive_threshold=s.workflow_retention,
+            ),
+        )
+        await self._load_results()
+        self._pull = PullConsumer(
+            agent.nc, protocol.STREAM_WORK, durable, self._on_msg, capacity, expires=5.0
+        )
+        await self._pull.start()
+        self._ticker = asyncio.create_task(self._tick(), name="reach-work-ticker")
+
+    async def stop(self) -> None:
+        """Stop taking new steps (in-flight ones finish through the agent's drain)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._pull is not None:
+            await self._pull.stop()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._ticker
+            self._ticker = None
+
+    async def _load_results(self) -> None:
+        """Warm the idempotency cache from KV: results survive an agent restart."""
+        from reach_mesh.agent._agent import _Entry
+
+        assert self._results_kv is not None
+        agent = self._agent
+        try:
+            watcher = await self._results_kv.watch(
+                f"{agent.agent_id}.>", ignore_deletes=True, meta_only=False
+            )
+        except Exception:
+            log.warning("cannot load stored results of %s", agent.agent_id, exc_info=True)
+            return
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    break
+                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                    continue
+                try:
+                    reply = TaskReply.model_validate_json(entry.value)
+                except ValidationError:
+                    continue
+                agent._remember(reply.task_id, _Entry(reply.attempt, reply.state, reply=reply))
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    # ------------------------------------------------------------------ receiving
+
+    def _on_msg(self, msg: Msg) -> None:
+        self._agent._spawn(self._handle(msg))
+
+    def _release(self) -> None:
+        if self._pull is not None:
+            self._pull.release()
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            await self._handle_inner(msg)
+        except Exception:
+            log.exception("work message failed on %s", self._agent.agent_id)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            self._release()
+
+    async def _handle_inner(self, msg: Msg) -> None:
+        from reach_mesh.agent._agent import _Entry
+
+        agent = self._agent
+        try:
+            env = protocol.decode(
+                msg.data, TaskEnvelope, max_size=self._settings.max_payload + 16 * 1024
+            )
+        except ReachError:
+            log.warning("dropping a malformed work message on %s", msg.subject)
+            with contextlib.suppress(Exception):
+                await msg.term()
+            self._release()
+            return
+        # Only the trace context travels on: the JetStream headers (Nats-Msg-Id, expected
+        # stream) belong to the work message, not to the status events we publish.
+        headers = _trace_headers(msg.headers)
+        entry = agent._results.get(env.task_id)
+        if entry is not None and await self._known(msg, env, headers, entry):
+            return
+        if env.task_id in self._checking:
+            # A second copy while the first is between its fence check and its start: let it
+            # come back in a moment, when the first is known (then it is a duplicate).
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=0.2)
+            self._release()
+            return
+        self._checking.add(env.task_id)
+        try:
+            record = await self._record(env)
+        finally:
+            self._checking.discard(env.task_id)
+        if record is not None and _superseded(record, env, agent.agent_id):
+            # Fenced before it ran: the hub moved on (another attempt, cancelled, finished).
+            self.fenced += 1
+            with contextlib.suppress(Exception):
+                await msg.ack()
+            self._release()
+            return
+        handler = agent._pick_handler(env.capability)
+        if handler is None:
+            err = NoHandlerError(
+                f"{agent.agent_id} has no handler for {env.capability!r}",
+                agent_id=agent.agent_id,
+            )
+            self._publish(env, TaskState.DELIVERED, headers)
+            await self._final(
+                env,
+                headers,
+                TaskReply(
+                    task_id=env.task_id,
+                    attempt=env.attempt,
+                    agent_id=agent.agent_id,
+                    state=TaskState.FAILED,
+                    error=ErrorBody(code=err.code, message=err.message, details=err.details),
+                ),
+                [msg],
+            )
+            return
+        done: asyncio.Future[TaskReply] = asyncio.get_running_loop().create_future()
+        agent._remember(env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done))
+        held = _Held(msg=msg, env=env, headers=headers)
+        self._held[env.task_id] = held
+        self._publish(env, TaskState.DELIVERED, headers)
+        held.task = asyncio.current_task()
+        await self._run(held, handler, done)
+
+    async def _known(
+        self, msg: Msg, env: TaskEnvelope, headers: dict[str, str], entry: _Entry
+    ) -> bool:
+        """A task this agent has seen. True when handled here (not run again)."""
+        held = self._held.get(env.task_id)
+        if entry.reply is None:
+            # Still running (an earlier or the same attempt).
+            self.duplicates += 1
+            if held is not None:
+                if env.attempt > held.env.attempt:
+                    # The hub re-sent while we run it: answer for the newest attempt.
+                    held.env = held.env.model_copy(update={"attempt": env.attempt})
+                    entry.attempt = env.attempt
+                    self._publish(held.env, TaskState.DELIVERED, headers)
+                    self._publish(held.env, TaskState.ACCEPTED, headers)
+                    self._publish(held.env, TaskState.RUNNING, headers)
+                held.extra.append(msg)
+            else:
+                with contextlib.suppress(Exception):
+                    await msg.ack()
+            self._release()
+            return True
+        reply = entry.reply
+        if env.attempt < entry.attempt:
+            # An older attempt redelivered: superseded here already.
+            self.fenced += 1
+            with contextlib.suppress(Exception):
+                await msg.ack()
+            self._release()
+            return True
+        if env.attempt == entry.attempt:
+            # The same attempt again (a lost ack or status): never run it twice; repeat the
+            # final status in case the hub missed it.
+            self.duplicates += 1
+            self._publish(env, TaskState.DELIVERED, headers)
+            await self._final(env, headers, reply.model_copy(update={"cached": True}), [msg])
+            return True
+        if reply.state is TaskState.SUCCEEDED:
+            # A later attempt of a task that already succeeded here: the stored result.
+            self.cached += 1
+            entry.attempt = env.attempt
+            self._publish(env, TaskState.DELIVERED, headers)
+            await self._final(
+                env,
+                headers,
+                reply.model_copy(update={"attempt": env.attempt, "cached": True}),
+                [msg],
+                store=True,
+            )
+            return True
+        return False  # a retry of a failed attempt: run again
+
+    async def _record(self, env: TaskEnvelope) -> TaskRecord | None:
+        """The hub's task record (the fence), or None for work sent without one."""
+        if self._tasks_kv is None or env.workflow_id is None:
+            return None
+        try:
+            entry = await self._tasks_kv.get(protocol.task_key(env.namespace, env.task_id))
+        except KeyNotFoundError:
+            return None
+        except Exception:
+            log.warning("cannot read the task record of %s", env.task_id, exc_info=True)
+            return None
+        if not entry.value:
+            return None
+        try:
+            return TaskRecord.model_validate_json(entry.value)
+        except ValidationError:
+            return None
+
+    # ------------------------------------------------------------------ running
+
+    async def _run(self, held: _Held, handler: _Handler, done: asyncio.Future[TaskReply]) -> None:
+        agent = self._agent
+        env = held.env
+        t_queued = time.perf_counter()
+        t_start = t_queued
+        agent._waiting += 1
+        waiting = True
+
+        def on_accept() -> None:
+            held.accepted_at = held.last_running = time.monotonic()
+            entry = agent._results.get(env.task_id)
+            if entry is not None and entry.done is done:
+                entry.state = TaskState.ACCEPTED
+            self._publish(held.env, TaskState.ACCEPTED, held.headers)
+
+        async def progress(info: Any) -> None:
+            held.last_running = time.monotonic()
+            self._publish(held.env, TaskState.RUNNING, held.headers, progress=info)
+
+        try:
+            async with agent._sem:
+                agent._waiting -= 1
+                waiting = False
+                agent._running += 1
+                t_start = time.perf_counter()
+                try:
+                    reply = await agent._call(
+                        env, handler, held.headers, on_accept=on_accept, progress=progress
+                    )
+                finally:
+                    agent._running -= 1
+        except asyncio.CancelledError:
+            if waiting:
+                agent._waiting -= 1  # cancelled while queued for a slot
+            self._held.pop(env.task_id, None)
+            entry = agent._results.get(env.task_id)
+            if entry is not None and entry.done is done:
+                agent._results.pop(env.task_id, None)
+            if not done.done():
+                done.cancel()
+            if held.fenced:
+                # Superseded while we were away (PRE_ONLINE): the result would be rejected.
+                for m in [held.msg, *held.extra]:
+                    with contextlib.suppress(Exception):
+                        await m.ack()
+            # Otherwise (shutdown) leave it un-acked: JetStream redelivers it after ack_wait.
+            self._release()
+            raise
+        reply.attempt = held.env.attempt
+        reply.duration_ms = round((time.perf_counter() - t_start) * 1000, 3)
+        reply.queued_ms = round((t_start - t_queued) * 1000, 3)
+        agent.handled += 1
+        entry = agent._results.get(env.task_id)
+        if entry is not None and entry.done is done:
+            entry.state = reply.state
+            entry.reply = reply
+            entry.attempt = reply.attempt
+            entry.done = None
+        if not done.done():
+            done.set_result(reply)
+        self._held.pop(env.task_id, None)
+        await self._final(held.env, held.headers, reply, [held.msg, *held.extra], store=True)
+
+    async def _final(
+        self,
+        env: TaskEnvelope,
+        headers: dict[str, str],
+        reply: TaskReply,
+        msgs: list[Msg],
+        *,
+        store: bool = False,
+    ) -> None:
+        """Publish the final status (stored by JetStream), keep the result, then ack."""
+        assert self._js is not None
+        event = _event(env, reply.state, self._agent.agent_id, reply=reply)
+        publish = self._js.publish(
+            protocol.task_status(env.namespace, env.task_id),
+            protocol.encode(event),
+            headers=inject(dict(headers)),
+        )
+        jobs: list[Any] = [publish]
+        if store and self._results_kv is not None and reply.state is not TaskState.FAILED:
+            # FAILED is not stored: a later attempt should run again. SUCCEEDED and TIMEOUT
+            # are (a TIMEOUT is re-run too: only SUCCEEDED answers a later attempt).
+            jobs.append(
+                self._results_kv.put(
+                    protocol.result_key(self._agent.agent_id, env.task_id),
+                    protocol.encode(reply),
+                )
+            )
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            # The status is not durable: let JetStream redeliver; the duplicate re-publishes.
+            log.warning(
+                "final status of %s not stored: %r %s",
+                env.task_id,
+                failed[0],
+                getattr(failed[0], "description", ""),
+            )
+            for m in msgs:
+                with contextlib.suppress(Exception):
+                    await m.nak(delay=1.0)
+        else:
+            for m in msgs:
+                with contextlib.suppress(Exception):
+                    await m.ack()
+        self._release()
+
+    def _publish(
+        self,
+        env: TaskEnvelope,
+        state: TaskState,
+        headers: dict[str, str],
+        *,
+        progress: Any = None,
+    ) -> None:
+        """Publish a non-final status event (core publish; the status stream captures it)."""
+        agent = self._agent
+        if agent._nc is None:
+            return
+        event = _event(env, state, agent.agent_id, progress=progress)
+        task = asyncio.ensure_future(
+            agent._nc.publish(
+                protocol.task_status(env.namespace, env.task_id),
+                protocol.encode(event),
+                headers=inject(dict(headers)),
+            )
+        )
+        task.add_done_callback(_ignore)
+
+    async def _tick(self) -> None:
+        """One loop for every held message: +WPI and RUNNING keep-alives."""
+        s = self._settings
+        interval = min(s.step_running_interval, s.work_ack_wait / 3) / 2
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for held in list(self._held.values()):
+                for m in [held.msg, *held.extra]:
+                    with contextlib.suppress(Exception):
+                        await m.in_progress()
+                if (
+                    held.accepted_at is not None
+                    and now - held.last_running >= s.step_running_interval
+                ):
+                    held.last_running = now
+                    self._publish(held.env, TaskState.RUNNING, held.headers)
+
+    # ------------------------------------------------------------------ fencing after LOST
+
+    async def fence_stale(self) -> int:
+        """Back after being declared LOST (the agent is PRE_ONLINE): cancel every attempt the
+        hubs have superseded meanwhile, so no stale result is even produced. Returns how many
+        were fenced; the agent registers again afterwards."""
+        agent = self._agent
+        agent.state = AgentState.PRE_ONLINE
+        fenced = 0
+        for held in list(self._held.values()):
+            record = await self._record(held.env)
+            if record is not None and _superseded(record, held.env, agent.agent_id):
+                held.fenced = True
+                if held.task is not None:
+                    held.task.cancel()
+                fenced += 1
+        self.fenced += fenced
+        if fenced:
+            log.warning("%s fenced %d stale attempt(s) before rejoining", agent.agent_id, fenced)
+        return fenced
+
+
+def _trace_headers(headers: dict[str, str] | None) -> dict[str, str]:
+    if not headers:
+        return {}
+    return {k: v for k, v in headers.items() if k in _TRACE_HEADERS}
+
+
+def _superseded(record: TaskRecord, env: TaskEnvelope, agent_id: str) -> bool:
+    return (
+        record.attempt != env.attempt
+        or record.cancelled
+        or record.state.final
+        or (record.agent_id is not None and record.agent_id != agent_id)
+    )
+
+
+def _event(
+    env: TaskEnvelope,
+    state: TaskState,
+    agent_id: str,
+    *,
+    reply: TaskReply | None = None,
+    progress: Any = None,
+) -> TaskStatusEvent:
+    event = TaskStatusEvent(
+        task_id=env.task_id,
+        attempt=env.attempt,
+        agent_id=agent_id,
+        state=state,
+        workflow_id=env.workflow_id,
+        step=env.step,
+        progress=progress,
+    )
+    if reply is not None:
+        event.result = reply.result
+        event.error = reply.error
+        event.cached = reply.cached
+        event.duration_ms = reply.duration_ms
+        event.queued_ms = reply.queued_ms
+    return event
+
+
+def _ignore(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()

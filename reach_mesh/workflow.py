@@ -1,0 +1,403 @@
+"""Durable workflows: what a caller writes (:class:`Step`), what crosses the wire
+(:class:`WorkflowSpec`, :class:`TaskStatusEvent`, records in KV) and what comes back
+(:class:`WorkflowResult`).
+
+Pure: no I/O. The engine lives in :mod:`reach_mesh.hub.workflows`, the agent side in
+:mod:`reach_mesh.agent._work`; ``docs/workflows.md`` explains the design and
+``docs/protocol-workflows.md`` the wire format.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from reach_mesh import protocol
+from reach_mesh.errors import (
+    BadRequestError,
+    ReachError,
+    SelectorError,
+    WorkflowSpecError,
+    error_from_wire,
+)
+from reach_mesh.models import ErrorBody, TaskState
+from reach_mesh.selector import Selector
+
+__all__ = [
+    "MAX_STEPS",
+    "RetryPolicy",
+    "Step",
+    "StepResult",
+    "StepSpec",
+    "TaskRecord",
+    "TaskStatusEvent",
+    "WorkflowEvent",
+    "WorkflowKind",
+    "WorkflowRecord",
+    "WorkflowResult",
+    "WorkflowSpec",
+    "merge_payload",
+    "parse_policy",
+    "step_task_id",
+    "validate_spec",
+]
+
+MAX_STEPS: Final = 256
+WorkflowKind = Literal["fanout", "chain"]
+_QUORUM_RE: Final = re.compile(r"^quorum\(\s*(\d+)\s*\)$")
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", str_max_length=1 << 20)
+
+
+class RetryPolicy(_Wire):
+    """Per-step retry and delivery intervals; ``None`` fields take the hub's settings."""
+
+    #: Handler failures (retryable ones) to retry.
+    retries: int | None = Field(default=None, ge=0, le=100)
+    #: Delivery attempts with exponential backoff before slow pending re-delivery.
+    fast_attempts: int | None = Field(default=None, ge=0, le=100)
+    backoff_base: float | None = Field(default=None, gt=0)
+    backoff_cap: float | None = Field(default=None, gt=0)
+    pending_interval: float | None = Field(default=None, gt=0)
+    #: How long the step may stay unfinished before it is TIMEOUT.
+    ttl: float | None = Field(default=None, gt=0)
+    deliver_timeout: float | None = Field(default=None, gt=0)
+    silence_timeout: float | None = Field(default=None, gt=0)
+
+
+class StepSpec(_Wire):
+    """One branch of a fanout or one step of a chain, on the wire."""
+
+    agent_id: str | None = None
+    capability: str | None = None
+    selector: str | None = Field(default=None, max_length=4096)
+    payload: Any = None
+    #: Seconds one attempt's handler may run (enforced by the agent).
+    timeout: float = Field(default=30.0, gt=0, le=86400)
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    task_id: str | None = None
+    strategy: str | None = Field(default=None, max_length=32)
+
+
+class WorkflowSpec(_Wire):
+    """caller → hubs on ``reach.wf.<ns>.submit`` (``Nats-Msg-Id`` = ``workflow_id``)."""
+
+    workflow_id: str
+    kind: WorkflowKind
+    steps: list[StepSpec] = Field(max_length=MAX_STEPS)
+    policy: str = "all"
+    #: Seconds from submission (JetStream server time) until unfinished steps are TIMEOUT.
+    timeout: float | None = Field(default=None, gt=0)
+    namespace: str = protocol.DEFAULT_NAMESPACE
+
+
+class Step:
+    """One step of a workflow, as a caller writes it.
+
+    Exactly one target: ``agent_id`` (that agent), ``capability`` (any agent with it) or
+    ``selector`` (``"cap=nlp:intent:v1 AND region=cn-east"``). ``timeout`` bounds one attempt of
+    the handler; ``retries`` is how many retryable handler failures are retried; ``retry`` sets
+    the rest of the retry policy (backoff, pending interval, ttl). ``task_id`` defaults to
+    ``<workflow_id>-<index>`` so a re-submitted workflow finds its steps again.
+    """
+
+    __slots__ = ("agent_id", "capability", "payload", "retry", "selector", "task_id", "timeout")
+
+    def __init__(
+        self,
+        *,
+        agent_id: str | None = None,
+        capability: str | None = None,
+        selector: str | None = None,
+        payload: Any = None,
+        timeout: float = 30.0,
+        retries: int | None = None,
+        retry: RetryPolicy | None = None,
+        task_id: str | None = None,
+    ) -> None:
+        self.agent_id = agent_id
+        self.capability = capability
+        self.selector = selector
+        self.payload = payload
+        self.timeout = timeout
+        policy = retry or RetryPolicy()
+        if retries is not None:
+            policy = policy.model_copy(update={"retries": retries})
+        self.retry = policy
+        self.task_id = task_id
+
+    def spec(self) -> StepSpec:
+        """The wire form (validated by :func:`validate_spec`)."""
+        return StepSpec(
+            agent_id=self.agent_id,
+            capability=self.capability,
+            selector=self.selector,
+            payload=self.payload,
+            timeout=self.timeout,
+            retry=self.retry,
+            task_id=self.task_id,
+        )
+
+    def __repr__(self) -> str:
+        target = self.agent_id or self.capability or self.selector
+        return f"Step({target!r})"
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def parse_policy(policy: str, branches: int) -> int:
+    """How many successes complete a fanout: ``all`` → branches, ``any`` → 1,
+    ``quorum(k)`` → k. Raises ``WorkflowSpecError`` for anything else."""
+    if policy == "all":
+        return branches
+    if policy == "any":
+        return 1
+    m = _QUORUM_RE.match(policy)
+    if m is None:
+        raise WorkflowSpecError(
+            f"unknown policy {policy!r}: expected 'all', 'any' or 'quorum(k)'",
+            field="policy",
+            value=policy[:100],
+        )
+    k = int(m.group(1))
+    if not 1 <= k <= branches:
+        raise WorkflowSpecError(
+            f"policy {policy!r} needs {k} successes but the fanout has {branches} branches",
+            field="policy",
+            value=policy,
+            branches=branches,
+        )
+    return k
+
+
+def validate_spec(spec: WorkflowSpec) -> int:
+    """Check a workflow spec; return the number of successes that complete it.
+
+    Raises ``WorkflowSpecError`` (empty, unknown policy, quorum > branches, a step without
+    exactly one target), ``InvalidAgentIdError``, ``InvalidCapabilityError``,
+    ``SelectorError`` (with the position) or ``BadRequestError`` for a bad id.
+    """
+    protocol.validate_workflow_id(spec.workflow_id)
+    protocol.validate_namespace(spec.namespace)
+    if not spec.steps:
+        raise WorkflowSpecError(f"a {spec.kind} needs at least one step", field="steps")
+    need = parse_policy(spec.policy, len(spec.steps)) if spec.kind == "fanout" else len(spec.steps)
+    if spec.kind == "chain" and spec.policy != "all":
+        raise WorkflowSpecError("a chain has no completion policy", field="policy")
+    task_ids: set[str] = set()
+    for i, step in enumerate(spec.steps):
+        given = [n for n in ("agent_id", "capability", "selector") if getattr(step, n)]
+        if len(given) != 1:
+            raise WorkflowSpecError(
+                f"step {i}: exactly one of agent_id, capability, selector is required"
+                + (f" (got {', '.join(given)})" if given else ""),
+                field=f"steps.{i}",
+                step=i,
+            )
+        try:
+            if step.agent_id is not None:
+                protocol.validate_agent_id(step.agent_id)
+                if protocol.namespace_of(step.agent_id) != spec.namespace:
+                    raise WorkflowSpecError(
+                        f"step {i}: agent {step.agent_id!r} is not in namespace {spec.namespace!r}",
+                        field=f"steps.{i}.agent_id",
+                        step=i,
+                    )
+            elif step.capability is not None:
+                protocol.validate_capability(step.capability)
+            elif step.selector is not None:
+                Selector.parse(step.selector)
+            if step.task_id is not None:
+                protocol.validate_task_id(step.task_id)
+        except (BadRequestError, SelectorError) as err:
+            err.details.setdefault("step", i)
+            err.message = f"step {i}: {err.message}"
+            err.args = (err.message,)
+            raise
+        tid = step_task_id(spec.workflow_id, i, step)
+        if tid in task_ids:
+            raise WorkflowSpecError(f"step {i}: duplicate task_id {tid!r}", step=i)
+        task_ids.add(tid)
+    return need
+
+
+def step_task_id(workflow_id: str, index: int, step: StepSpec) -> str:
+    """The task id of a step: the caller's, else ``<workflow_id>-<index>`` (deterministic, so a
+    hub that takes the workflow over finds the step's record)."""
+    return step.task_id or f"{workflow_id}-{index}"
+
+
+def new_workflow_id() -> str:
+    return uuid.uuid4().hex
+
+
+def merge_payload(previous: Any, own: Any) -> Any:
+    """The input of a chain step from the previous step's output and the step's own payload.
+
+    - no own payload: the previous output, unchanged;
+    - both are objects: the previous output with the step's keys added or overriding;
+    - own payload is an object, the previous output is not: ``{"input": previous, **own}``;
+    - own payload is not an object: the step's payload (it said exactly what it wants).
+    """
+    if own is None:
+        return previous
+    if isinstance(own, dict):
+        if isinstance(previous, dict):
+            return {**previous, **own}
+        if previous is None:
+            return own
+        return {"input": previous, **own}
+    return own
+
+
+# --------------------------------------------------------------------------- status & records
+
+
+class TaskStatusEvent(_Wire):
+    """agent → hubs on ``reach.task.<ns>.<task_id>.status``: one six-state transition of one
+    attempt (captured by the ``REACH_STATUS`` stream)."""
+
+    task_id: str
+    attempt: int = Field(ge=1)
+    agent_id: str
+    state: TaskState
+    workflow_id: str | None = None
+    step: int | None = None
+    result: Any = None
+    error: ErrorBody | None = None
+    #: Free-form progress from ``task.progress(info)`` (RUNNING events).
+    progress: Any = None
+    cached: bool = False
+    duration_ms: float = 0.0
+    queued_ms: float = 0.0
+
+
+class AttemptRecord(_Wire):
+    attempt: int
+    agent_id: str | None = None
+    state: TaskState = TaskState.PENDING
+    code: str | None = None
+
+
+class TaskRecord(_Wire):
+    """Value in ``reach_tasks`` (key ``<ns>.<task_id>``), written by the owning hub with CAS.
+
+    ``attempt`` is the fence: a status from any other attempt is stale. An agent reads it before
+    running a work message and drops attempts that are no longer current.
+    """
+
+    task_id: str
+    workflow_id: str
+    step: int
+    namespace: str
+    attempt: int = 0
+    agent_id: str | None = None
+    state: TaskState = TaskState.PENDING
+    result: Any = None
+    error: ErrorBody | None = None
+    handler_failures: int = 0
+    delivery_failures: int = 0
+    history: list[AttemptRecord] = Field(default_factory=list)
+    #: Results rejected because their attempt was no longer current.
+    stale: int = 0
+    cancelled: bool = False
+    cached: bool = False
+    #: Hub wall time (seconds since epoch) of creation and last write.
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    duration_ms: float = 0.0
+
+
+class StepResult(_Wire):
+    """The outcome of one step."""
+
+    index: int
+    task_id: str
+    state: TaskState
+    agent_id: str | None = None
+    attempts: int = 0
+    result: Any = None
+    error: ErrorBody | None = None
+    #: Not run to the end: the policy was met without it, or an earlier chain step failed.
+    cancelled: bool = False
+    cached: bool = False
+    stale: int = 0
+    #: Handler time of the deciding attempt (agent clock) and wall time in the workflow.
+    duration_ms: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TaskState.SUCCEEDED
+
+    @property
+    def exception(self) -> ReachError | None:
+        """``error`` as the typed ``ReachError``."""
+        return None if self.error is None else error_from_wire(self.error.model_dump())
+
+
+class WorkflowResult(_Wire):
+    """The honest, complete answer for one workflow (also the body of ``...<wf_id>.done``)."""
+
+    workflow_id: str
+    kind: WorkflowKind
+    state: TaskState
+    policy: str = "all"
+    steps: list[StepResult] = Field(default_factory=list)
+    #: A chain's final output; a fanout's list of branch results (``None`` where unfinished).
+    result: Any = None
+    #: The first failure (or the spec error), when ``state`` is not SUCCEEDED.
+    error: ErrorBody | None = None
+    trace_id: str | None = None
+    hub_id: str | None = None
+    submitted_at: float | None = None
+    finished_at: float | None = None
+    duration_ms: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TaskState.SUCCEEDED
+
+    @property
+    def exception(self) -> ReachError | None:
+        return None if self.error is None else error_from_wire(self.error.model_dump())
+
+    def raise_for_error(self) -> WorkflowResult:
+        """Raise the typed error unless the workflow SUCCEEDED."""
+        err = self.exception
+        if err is not None and not self.ok:
+            raise err
+        return self
+
+
+class WorkflowRecord(_Wire):
+    """Value in ``reach_workflows`` (key ``<ns>.<workflow_id>``)."""
+
+    spec: WorkflowSpec | None = None
+    state: TaskState = TaskState.RUNNING
+    owner: str | None = None
+    trace_id: str | None = None
+    submitted_at: float | None = None
+    result: WorkflowResult | None = None
+
+
+class WorkflowEvent(_Wire):
+    """hub → ``reach.wf.<ns>.<wf_id>.event``: a step changed state (``kind=step``), or the
+    workflow started (``kind=start``). The final result is on ``.done``."""
+
+    workflow_id: str
+    kind: Literal["start", "step", "done"]
+    state: TaskState
+    step: int | None = None
+    task_id: str | None = None
+    attempt: int | None = None
+    agent_id: str | None = None
+    error: ErrorBody | None = None
+    result: WorkflowResult | None = None

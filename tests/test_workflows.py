@@ -1,0 +1,699 @@
+"""Durable fanout and chain workflows on a real nats-server, with fault injection.
+
+Every interval is shrunk (ack waits ~1 s, backoff tens of ms) so failures play out in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from nats.js.api import DeliverPolicy
+
+from reach_mesh import (
+    Client,
+    InvalidCapabilityError,
+    MeshSettings,
+    RetryPolicy,
+    SelectorError,
+    Step,
+    TaskState,
+    WorkflowSpecError,
+    protocol,
+)
+from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.hub import Hub
+from reach_mesh.models import TaskEnvelope
+from reach_mesh.workflow import TaskStatusEvent, merge_payload
+
+from .helpers import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def wf_settings(settings: MeshSettings) -> MeshSettings:
+    return settings.model_copy(
+        update={
+            "workflow_ack_wait": 1.0,
+            "work_ack_wait": 1.0,
+            "step_deliver_timeout": 1.0,
+            "step_running_interval": 0.2,
+            "step_silence_timeout": 0.8,
+            "retry_base": 0.02,
+            "retry_cap": 0.1,
+            "pending_interval": 0.2,
+        }
+    )
+
+
+@pytest.fixture
+async def wf_hub(wf_settings: MeshSettings) -> AsyncIterator[Hub]:
+    async with Hub(settings=wf_settings) as h:
+        yield h
+
+
+class Fleet:
+    """Agents started for one test, closed at its end."""
+
+    def __init__(self, settings: MeshSettings) -> None:
+        self.settings = settings
+        self.agents: list[Agent] = []
+        self.runs: Counter[str] = Counter()  # task_id -> handler runs
+
+    def agent(self, name: str, **kw: Any) -> Agent:
+        agent = Agent(f"{self.settings.namespace}.{name}", settings=self.settings, **kw)
+        self.agents.append(agent)
+        return agent
+
+    async def close(self) -> None:
+        for agent in self.agents:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(agent.close(), timeout=5)
+
+
+@pytest.fixture
+async def fleet(wf_settings: MeshSettings) -> AsyncIterator[Fleet]:
+    f = Fleet(wf_settings)
+    yield f
+    await f.close()
+
+
+def echo_agent(fleet: Fleet, name: str, cap: str = "wf:echo:v1", **kw: Any) -> Agent:
+    agent = fleet.agent(name, **kw)
+
+    @agent.handler(cap)
+    async def echo(task: Task[Any]) -> Any:
+        fleet.runs[task.task_id] += 1
+        return {"by": task.agent_id, "in": task.payload}
+
+    return agent
+
+
+async def status_events(client: Client, ns: str, task_id: str) -> list[TaskStatusEvent]:
+    """Every status event the REACH_STATUS stream holds for a task."""
+    js = client.nc.jetstream()
+    sub = await js.subscribe(
+        protocol.task_status(ns, task_id),
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.ALL,
+    )
+    out: list[TaskStatusEvent] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.3)
+            except Exception:
+                break
+            out.append(TaskStatusEvent.model_validate_json(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+async def test_fanout_all(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+    ns = wf_settings.namespace
+    a = fleet.agent("intent.a1")
+    b = fleet.agent("slots.a1")
+
+    @a.handler("nlp:intent:v1")
+    async def intent(task: Task[dict[str, str]]) -> str:
+        return "refund:" + task.payload["text"]
+
+    traces: set[str | None] = set()
+
+    @b.handler("nlp:slots:v1")
+    async def slots(task: Task[dict[str, str]]) -> dict[str, int]:
+        traces.add(task.trace_id)
+        return {"n": len(task.payload["text"])}
+
+    c = echo_agent(fleet, "policy.p1")
+    for agent in (a, b, c):
+        await agent.start()
+    p = {"text": "hello"}
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [
+                Step(selector="cap=nlp:intent:v1", payload=p),
+                Step(capability="nlp:slots:v1", payload=p),
+                Step(agent_id=f"{ns}.policy.p1", payload=p),
+            ],
+            policy="all",
+            timeout=10,
+        )
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.ok and res.error is None
+    assert [s.state for s in res.steps] == [TaskState.SUCCEEDED] * 3
+    assert res.result == ["refund:hello", {"n": 5}, {"by": f"{ns}.policy.p1", "in": p}]
+    assert [s.agent_id for s in res.steps] == [a.agent_id, b.agent_id, c.agent_id]
+    assert all(s.attempts == 1 for s in res.steps)
+    assert res.trace_id is not None and len(res.trace_id) == 32
+    assert traces == {res.trace_id}  # one trace from the caller through hub to the handler
+    await eventually(
+        lambda: b'reach_workflow_total{kind="fanout",state="SUCCEEDED"}' in wf_hub.metrics.render()
+    )
+    assert res.workflow_id and res.kind == "fanout"
+
+
+async def test_fanout_any_cancels_the_rest(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    release = asyncio.Event()
+    fast = echo_agent(fleet, "fast.a1", "wf:fast:v1")
+    slow = fleet.agent("slow.a1")
+
+    @slow.handler("wf:slow:v1")
+    async def wait(task: Task[Any]) -> str:
+        await release.wait()
+        return "late"
+
+    await fast.start()
+    await slow.start()
+    try:
+        async with Client(settings=wf_settings) as mesh:
+            res = await mesh.fanout(
+                [
+                    Step(capability="wf:slow:v1"),
+                    Step(capability="wf:fast:v1", payload=1),
+                    Step(capability="wf:slow:v1"),
+                ],
+                policy="any",
+                timeout=10,
+            )
+        assert res.state is TaskState.SUCCEEDED
+        assert res.steps[1].ok
+        assert res.steps[0].cancelled and res.steps[2].cancelled
+        assert not res.steps[0].state.final
+    finally:
+        release.set()
+
+
+async def test_fanout_quorum(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+    good = echo_agent(fleet, "good.a1", "wf:good:v1")
+    bad = fleet.agent("bad.a1")
+
+    @bad.handler("wf:bad:v1")
+    async def fail(task: Task[Any]) -> None:
+        raise TaskFailed("no", retryable=False)
+
+    await good.start()
+    await bad.start()
+    async with Client(settings=wf_settings) as mesh:
+        ok = await mesh.fanout(
+            [
+                Step(capability="wf:good:v1"),
+                Step(capability="wf:bad:v1"),
+                Step(capability="wf:good:v1"),
+            ],
+            policy="quorum(2)",
+            timeout=10,
+        )
+        assert ok.state is TaskState.SUCCEEDED
+        assert sum(s.ok for s in ok.steps) == 2
+        no = await mesh.fanout(
+            [
+                Step(capability="wf:bad:v1"),
+                Step(capability="wf:bad:v1"),
+                Step(capability="wf:good:v1"),
+            ],
+            policy="quorum(2)",
+            timeout=10,
+        )
+        assert no.state is TaskState.FAILED
+        assert no.error is not None and no.error.code == "REACH_HANDLER_FAILED"
+        # all: the first failure is reported as such
+        allp = await mesh.fanout(
+            [Step(capability="wf:good:v1"), Step(capability="wf:bad:v1")], timeout=10
+        )
+        assert allp.state is TaskState.FAILED
+        assert allp.steps[0].ok and allp.steps[1].state is TaskState.FAILED
+        assert allp.steps[1].attempts == 1  # non-retryable: failed at once
+
+
+async def test_chain_passes_outputs(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+    agent = fleet.agent("doc.a1")
+
+    @agent.handler("doc:fetch:v1")
+    async def fetch(task: Task[dict[str, str]]) -> dict[str, str]:
+        return {"text": f"content of {task.payload['url']}"}
+
+    @agent.handler("doc:summarize:v1")
+    async def summarize(task: Task[dict[str, str]]) -> dict[str, str]:
+        return {"summary": task.payload["text"][:10]}
+
+    @agent.handler("doc:translate:v1")
+    async def translate(task: Task[dict[str, str]]) -> str:
+        return f"[{task.payload['lang']}] {task.payload['summary']}"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        out = await mesh.chain(
+            [
+                Step(capability="doc:fetch:v1", payload={"url": "u"}),
+                Step(capability="doc:summarize:v1"),
+                Step(capability="doc:translate:v1", payload={"lang": "en"}),
+            ],
+            timeout=10,
+        )
+    assert out.state is TaskState.SUCCEEDED, out
+    assert out.result == "[en] content of"
+    assert [s.state for s in out.steps] == [TaskState.SUCCEEDED] * 3
+
+
+def test_merge_payload_rules() -> None:
+    assert merge_payload({"a": 1}, None) == {"a": 1}
+    assert merge_payload({"a": 1, "b": 2}, {"b": 3}) == {"a": 1, "b": 3}
+    assert merge_payload("x", {"k": 1}) == {"input": "x", "k": 1}
+    assert merge_payload({"a": 1}, 5) == 5
+
+
+async def test_chain_stops_at_failure(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+    agent = fleet.agent("c.a1")
+
+    @agent.handler("c:boom:v1")
+    async def boom(task: Task[Any]) -> None:
+        raise TaskFailed("bad input", retryable=False)
+
+    @agent.handler("c:ok:v1")
+    async def ok(task: Task[Any]) -> int:
+        return 1
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        out = await mesh.chain(
+            [Step(capability="c:ok:v1"), Step(capability="c:boom:v1"), Step(capability="c:ok:v1")],
+            timeout=10,
+        )
+    assert out.state is TaskState.FAILED
+    assert out.steps[1].state is TaskState.FAILED and out.steps[2].cancelled
+    assert out.error is not None and "bad input" in out.error.message
+
+
+# --------------------------------------------------------------------------- retries
+
+
+async def test_handler_fails_then_succeeds(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    calls: Counter[str] = Counter()
+    agent = fleet.agent("flaky.a1")
+
+    @agent.handler("wf:flaky:v1")
+    async def flaky(task: Task[Any]) -> str:
+        calls[task.task_id] += 1
+        if task.attempt == 1:
+            raise RuntimeError("transient")
+        return f"ok on attempt {task.attempt}"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:flaky:v1", retries=2)], timeout=10)
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[0].attempts == 2
+    assert res.steps[0].result == "ok on attempt 2"
+    assert wf_hub.workflows is not None and wf_hub.workflows.retry_total >= 1
+
+
+async def test_retries_exhausted_fail(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+    agent = fleet.agent("broken.a1")
+
+    @agent.handler("wf:broken:v1")
+    async def broken(task: Task[Any]) -> None:
+        raise RuntimeError("always")
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:broken:v1", retries=1)], timeout=10)
+    assert res.state is TaskState.FAILED
+    assert res.steps[0].attempts == 2
+
+
+# --------------------------------------------------------------------------- faults
+
+
+async def test_agent_killed_mid_step(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+    ns = wf_settings.namespace
+    started = asyncio.Event()
+    hold = asyncio.Event()
+    doomed = fleet.agent("work.doomed", drain_timeout=0.2)
+
+    @doomed.handler("wf:work:v1")
+    async def stuck(task: Task[Any]) -> str:
+        started.set()
+        await hold.wait()
+        return "from the dead"
+
+    await doomed.start()
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:work:v1", payload=7)], timeout=20)
+        await asyncio.wait_for(started.wait(), 5)
+        survivor = echo_agent(fleet, "work.survivor", "wf:work:v1")
+        await survivor.start()
+        await doomed.nc.close()  # abrupt: no unregister, no final status
+        res = await mesh.workflow(wf_id, timeout=15)
+        assert res.state is TaskState.SUCCEEDED, res
+        assert res.steps[0].agent_id == survivor.agent_id
+        assert res.steps[0].attempts == 2
+        events = await status_events(mesh, ns, res.steps[0].task_id)
+        assert [e.state for e in events].count(TaskState.SUCCEEDED) == 1
+    hold.set()
+
+
+async def test_lost_status_and_duplicate_delivery_run_once(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    agent = echo_agent(fleet, "dup.a1", "wf:dup:v1")
+    await agent.start()
+    engine = wf_hub.workflows
+    assert engine is not None
+    dropped: list[TaskStatusEvent] = []
+
+    def lose_first_final(ev: TaskStatusEvent) -> bool:
+        if ev.state.final and not dropped:
+            dropped.append(ev)
+            return False
+        return True
+
+    engine.status_filter = lose_first_final  # the final status never reaches the hub
+    try:
+        async with Client(settings=wf_settings) as mesh:
+            res = await mesh.fanout([Step(capability="wf:dup:v1", payload="x")], timeout=10)
+            assert res.state is TaskState.SUCCEEDED, res
+            assert dropped, "the fault was not injected"
+            task_id = res.steps[0].task_id
+            assert fleet.runs[task_id] == 1
+            assert res.steps[0].attempts == 1  # recovered from the status stream, not re-sent
+            stale_before = engine.stale_total
+            # Duplicate delivery of the same attempt (a lost ack): answered, not run again.
+            env = TaskEnvelope(
+                task_id=task_id,
+                attempt=1,
+                capability="wf:dup:v1",
+                payload="x",
+                namespace=ns,
+                workflow_id=res.workflow_id,
+                step=0,
+                track=True,
+            )
+            await mesh.nc.jetstream().publish(
+                protocol.work_subject(ns, agent.agent_id),
+                protocol.encode(env),
+                headers={"Nats-Msg-Id": f"{task_id}#1-again"},
+            )
+            assert agent.work is not None
+            await eventually(lambda: agent.work is not None and agent.work.duplicates == 1)
+            assert fleet.runs[task_id] == 1
+            await asyncio.sleep(0.2)
+            assert engine.stale_total == stale_before  # a repeat of the answer is not stale
+    finally:
+        engine.status_filter = None
+
+
+async def test_hub_killed_mid_workflow(fleet: Fleet, wf_settings: MeshSettings) -> None:
+    started = asyncio.Event()
+    hold = asyncio.Event()
+    agent = fleet.agent("chain.a1")
+    runs: Counter[int] = Counter()
+
+    @agent.handler("wf:first:v1")
+    async def first(task: Task[Any]) -> dict[str, int]:
+        runs[0] += 1
+        return {"x": 1}
+
+    @agent.handler("wf:second:v1")
+    async def second(task: Task[dict[str, int]]) -> int:
+        runs[1] += 1
+        started.set()
+        await hold.wait()
+        return task.payload["x"] + 1
+
+    hub_a = Hub(settings=wf_settings, hub_id="hub-a")
+    await hub_a.start()
+    hub_b: Hub | None = None
+    try:
+        await agent.start()
+        async with Client(settings=wf_settings) as mesh:
+            wf_id = await mesh.submit_chain(
+                [Step(capability="wf:first:v1"), Step(capability="wf:second:v1")], timeout=20
+            )
+            await asyncio.wait_for(started.wait(), 5)
+            await hub_a.nc.close()  # hub A dies: no ack, no nak, no more +WPI
+            hub_b = Hub(settings=wf_settings, hub_id="hub-b")
+            await hub_b.start()
+            hold.set()
+            res = await mesh.workflow(wf_id, timeout=15)
+        assert res.state is TaskState.SUCCEEDED, res
+        assert res.result == 2
+        assert res.hub_id == "hub-b"
+        assert runs == Counter({0: 1, 1: 1})  # no step ran twice
+    finally:
+        hold.set()
+        await hub_a.close()
+        if hub_b is not None:
+            await hub_b.close()
+
+
+async def test_stale_result_is_fenced(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+    a_started, a_release = asyncio.Event(), asyncio.Event()
+    b_started, b_release = asyncio.Event(), asyncio.Event()
+    a = fleet.agent("fence.a")
+    b = fleet.agent("fence.b")
+
+    @a.handler("wf:fence:v1")
+    async def on_a(task: Task[Any]) -> str:
+        a_started.set()
+        await a_release.wait()
+        return "stale answer"
+
+    @b.handler("wf:fence:v1")
+    async def on_b(task: Task[Any]) -> str:
+        b_started.set()
+        await b_release.wait()
+        return "current answer"
+
+    engine = wf_hub.workflows
+    assert engine is not None
+    await a.start()
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:fence:v1")], timeout=20)
+        await asyncio.wait_for(a_started.wait(), 5)
+        await b.start()
+        assert a._hb_task is not None
+        a._hb_task.cancel()  # A goes silent (partitioned) but keeps running the handler
+        await asyncio.wait_for(b_started.wait(), 10)  # LOST -> re-routed to B (attempt 2)
+        before = engine.stale_total
+        a_release.set()  # A's attempt-1 result arrives after the fence
+        await eventually(lambda: engine.stale_total == before + 1, timeout=5)
+        b_release.set()
+        res = await mesh.workflow(wf_id, timeout=10)
+    assert res.state is TaskState.SUCCEEDED
+    assert res.result == ["current answer"]
+    assert res.steps[0].agent_id == b.agent_id and res.steps[0].attempts == 2
+    assert res.steps[0].stale == 1
+
+
+async def test_returning_agent_fences_its_stale_attempts(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    cancelled = asyncio.Event()
+    started = asyncio.Event()
+    a = fleet.agent("back.a")
+
+    @a.handler("wf:back:v1")
+    async def on_a(task: Task[Any]) -> str:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "never"
+
+    b = echo_agent(fleet, "back.b", "wf:back:v1")
+    await a.start()
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:back:v1")], timeout=20)
+        await asyncio.wait_for(started.wait(), 5)
+        await b.start()
+        assert a._hb_task is not None
+        a._hb_task.cancel()
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.steps[0].agent_id == b.agent_id
+        # A comes back: told it is unknown, it stays PRE_ONLINE and fences attempt 1 first.
+        a._hb_task = asyncio.create_task(a._heartbeat_loop())
+        await asyncio.wait_for(cancelled.wait(), 5)
+        assert a.work is not None and a.work.fenced >= 1
+        await eventually(lambda: a.agent_id in wf_hub.registry.agents, timeout=5)
+
+
+async def test_ttl_expiry_is_timeout(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+    hold = asyncio.Event()
+    agent = fleet.agent("ttl.a1")
+
+    @agent.handler("wf:hang:v1")
+    async def hang(task: Task[Any]) -> None:
+        await hold.wait()
+
+    await agent.start()
+    try:
+        async with Client(settings=wf_settings) as mesh:
+            # Nobody offers the capability: pending re-delivery until the step's TTL.
+            res = await mesh.fanout(
+                [Step(capability="wf:nobody:v1", retry=RetryPolicy(ttl=0.6))], timeout=10
+            )
+            assert res.state is TaskState.TIMEOUT
+            assert res.steps[0].state is TaskState.TIMEOUT
+            assert res.error is not None and res.error.code == "REACH_TIMEOUT"
+            # A running step past the workflow's deadline: TIMEOUT, fenced.
+            res = await mesh.fanout([Step(capability="wf:hang:v1")], timeout=0.8)
+            assert res.state is TaskState.TIMEOUT
+            assert res.steps[0].state is TaskState.TIMEOUT
+    finally:
+        hold.set()
+
+
+# --------------------------------------------------------------------------- API surface
+
+
+async def test_submit_then_result_events_and_resubmit(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    agent = echo_agent(fleet, "sub.a1", "wf:sub:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability="wf:sub:v1", payload=i) for i in range(2)]
+        wf_id = await mesh.submit_fanout(steps, workflow_id="my-wf-1")
+        assert wf_id == "my-wf-1"
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED
+        events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
+        assert events[0].kind == "start"
+        assert events[-1].kind == "done" and events[-1].result is not None
+        assert {e.state for e in events if e.kind == "step"} >= {TaskState.SUCCEEDED}
+        # Same id again: a no-op, the stored answer comes back, nothing runs again.
+        again = await mesh.fanout(steps, workflow_id="my-wf-1", timeout=5)
+        assert again.state is TaskState.SUCCEEDED
+        assert sum(fleet.runs.values()) == 2
+        # And after the fact, by id.
+        assert (await mesh.workflow(wf_id, timeout=1)).workflow_id == wf_id
+
+
+async def test_agent_restart_keeps_results(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    first = echo_agent(fleet, "keep.a1", "wf:keep:v1")
+    await first.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:keep:v1", payload=1)], timeout=10)
+        task_id = res.steps[0].task_id
+        await first.close()
+        second = echo_agent(fleet, "keep.a1", "wf:keep:v1")
+        await second.start()
+        # A later attempt of the task that already succeeded: the stored result, not a run.
+        env = TaskEnvelope(task_id=task_id, attempt=5, payload=1, namespace=ns, track=True)
+        sub = await mesh.nc.subscribe(protocol.task_status(ns, task_id))
+        await mesh.nc.jetstream().publish(
+            protocol.work_subject(ns, second.agent_id), protocol.encode(env)
+        )
+        final = None
+        while final is None:
+            msg = await sub.next_msg(timeout=5)
+            ev = TaskStatusEvent.model_validate_json(msg.data)
+            if ev.state.final:
+                final = ev
+        assert final.state is TaskState.SUCCEEDED and final.cached
+        assert final.result == {"by": first.agent_id, "in": 1}
+        assert fleet.runs[task_id] == 1
+
+
+async def test_malformed_specs_raise_typed_errors(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    async with Client(settings=wf_settings) as mesh:
+        with pytest.raises(WorkflowSpecError):
+            await mesh.fanout([])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.fanout([Step(capability="a:b:v1")], policy="most")
+        with pytest.raises(WorkflowSpecError):
+            await mesh.fanout([Step(capability="a:b:v1")] * 3, policy="quorum(4)")
+        with pytest.raises(SelectorError) as sel:
+            await mesh.fanout([Step(selector="cap=a:b:v1 AND AND")])
+        assert sel.value.details.get("step") == 0
+        with pytest.raises(InvalidCapabilityError):
+            await mesh.chain([Step(capability="not a capability")])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.chain([Step(capability="a:b:v1", selector="cap=a:b:v1")])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.chain([Step()])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.chain([Step(capability="a:b:v1", timeout=-1)])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.fanout([Step(capability="a:b:v1")] * 300)
+
+
+async def test_hub_survives_malformed_submissions(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    agent = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        js = mesh.nc.jetstream()
+        subject = protocol.wf_submit(ns)
+        await js.publish(subject, b"not json", headers={"Nats-Msg-Id": "garbage-1"})
+        bad = {"workflow_id": "empty-1", "kind": "fanout", "steps": [], "namespace": ns}
+        await js.publish(subject, json.dumps(bad).encode(), headers={"Nats-Msg-Id": "empty-1"})
+        r1 = await mesh.workflow("garbage-1", timeout=5)
+        assert r1.state is TaskState.FAILED and r1.error is not None
+        assert r1.error.code == "REACH_BAD_REQUEST"
+        r2 = await mesh.workflow("empty-1", timeout=5)
+        assert r2.error is not None and r2.error.code == "REACH_BAD_WORKFLOW"
+        ok = await mesh.fanout([Step(capability="wf:ok:v1")], timeout=10)
+        assert ok.state is TaskState.SUCCEEDED
+
+
+async def test_work_consumer_is_durable(fleet: Fleet, wf_settings: MeshSettings) -> None:
+    """A step submitted while no agent is up waits (PENDING) and runs when one arrives."""
+    async with Hub(settings=wf_settings) as _hub, Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:later:v1", payload=3)], timeout=20)
+        await asyncio.sleep(0.3)
+        agent = echo_agent(fleet, "later.a1", "wf:later:v1")
+        await agent.start()
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED
+        assert res.steps[0].result == {"by": agent.agent_id, "in": 3}
+
+
+async def test_status_events_follow_the_six_states(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    agent = fleet.agent("prog.a1")
+
+    @agent.handler("wf:prog:v1")
+    async def slow(task: Task[Any]) -> str:
+        await task.progress({"pct": 50})
+        await asyncio.sleep(0.5)  # > step_running_interval: RUNNING keep-alives
+        return "done"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:prog:v1")], timeout=10)
+        assert res.state is TaskState.SUCCEEDED
+        events = await status_events(mesh, ns, res.steps[0].task_id)
+    states = [e.state for e in events]
+    assert states[:3] == [TaskState.DELIVERED, TaskState.ACCEPTED, TaskState.RUNNING]
+    assert states[-1] is TaskState.SUCCEEDED and states.count(TaskState.SUCCEEDED) == 1
+    assert states.count(TaskState.RUNNING) >= 2  # progress + at least one keep-alive
+    assert events[2].progress == {"pct": 50}
+    assert all(e.attempt == 1 and e.agent_id == agent.agent_id for e in events)
