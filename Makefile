@@ -32,7 +32,13 @@ fmt: $(STAMP)
 # make bench            full run (writes bench/results/latest.json and docs/benchmarks.md)
 # make bench QUICK=1    under a minute
 # make bench PROFILE=1  also profile the hub under the routed scenario
-bench: $(STAMP)
+BENCH_STAMP := $(VENV)/.bench-stamp
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) -m bench $(if $(QUICK),--quick) $(if $(PROFILE),--profile)
 
 clean:

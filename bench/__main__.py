@@ -1,0 +1,185 @@
+"""``python -m bench [--quick] [--profile]`` — run every scenario, write the results.
+
+Writes ``bench/results/latest.json`` and regenerates ``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from bench import registry_scale, report, routed
+from bench._system import machine_info
+from reach_mesh.server import EmbeddedNats, find_nats_server
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
+async def _scenario(
+    name: str, fn: Callable[[], Awaitable[dict[str, Any]]], timeout: float
+) -> dict[str, Any]:
+    """Run one scenario, bounded in time; a failure is recorded, never fatal to the run."""
+    log(f"[{name}]")
+    t0 = time.perf_counter()
+    try:
+        out = await asyncio.wait_for(fn(), timeout)
+    except Exception as err:
+        log(f"  FAILED: {err!r}")
+        return {
+            "available": False,
+            "reason": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(limit=6),
+        }
+    out.setdefault("available", True)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+async def _workflows(url: str, quick: bool) -> dict[str, Any]:
+    """``bench.workflow_bench.run_workflow_bench`` if its author has shipped it."""
+    try:
+        module = importlib.import_module("bench.workflow_bench")
+        fn = module.run_workflow_bench
+    except (ImportError, AttributeError) as err:
+        return {"available": False, "reason": f"bench/workflow_bench.py not usable: {err!r}"}
+    result = await fn(url, quick)
+    return {"available": True, "result": result}
+
+
+def _tracing_micro(quick: bool) -> dict[str, Any]:
+    """bench/tracing_overhead.py (its own process: it installs a global tracer provider)."""
+    number = "2000" if quick else "20000"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "tracing_overhead.py"), "--number", number],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    if out.returncode != 0:
+        return {"available": False, "reason": out.stderr[-2000:]}
+    data: dict[str, Any] = json.loads(out.stdout)
+    return data
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    quick: bool = args.quick
+    plan = routed.Plan(quick)
+    t_start = time.perf_counter()
+    results: dict[str, Any] = {
+        "mode": "quick" if quick else "full",
+        "command": "make bench"
+        + (" QUICK=1" if quick else "")
+        + (" PROFILE=1" if args.profile else ""),
+        "machine": machine_info(find_nats_server()),
+        "plan": {
+            "loads_rps": list(plan.loads),
+            "seconds_per_point": plan.point_s,
+            "warmup_s": plan.warmup_s,
+            "repeats": plan.repeats,
+            "peak_concurrency": plan.concurrency,
+        },
+    }
+    log(f"reach-mesh bench ({results['mode']}) on {results['machine']['cpu_model']}")
+    async with EmbeddedNats() as server:
+        assert server.proc is not None
+        url, spid = server.url, server.proc.pid
+        results["routed"] = await _scenario(
+            "routed request-reply and peers",
+            lambda: routed.run_routed(url, spid, plan, log),
+            900,
+        )
+        results["tracing"] = await _scenario(
+            "tracing overhead", lambda: routed.run_tracing(url, spid, plan, log), 600
+        )
+        if args.profile:
+            results["profile"] = await _scenario(
+                "hub profile", lambda: routed.run_profile(url, plan, RESULTS, log), 300
+            )
+        results["workflows"] = await _scenario(
+            "workflows", lambda: _workflows(url, quick), 60 if quick else 600
+        )
+        results["registry_scale"] = await _scenario(
+            "registry scale",
+            lambda: registry_scale.run_registry_scale(url, spid, quick, log),
+            900,
+        )
+    results["selector"] = await _scenario(
+        "selector evaluation",
+        lambda: asyncio.to_thread(registry_scale.run_selector_micro, quick),
+        300,
+    )
+    results["tracing_micro"] = await _scenario(
+        "tracing micro-benchmark",
+        lambda: asyncio.to_thread(_tracing_micro, quick),
+        300,
+    )
+    results["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="short run (under a minute)")
+    parser.add_argument("--profile", action="store_true", help="profile the hub (pyinstrument)")
+    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="only regenerate docs/benchmarks.md from bench/results/latest.json",
+    )
+    args = parser.parse_args(argv)
+    if args.render_only:
+        DOC.write_text(report.render(json.loads((RESULTS / "latest.json").read_text())))
+        log(f"wrote {DOC.relative_to(ROOT)}")
+        return 0
+    try:
+        import uvloop
+
+        runner: Callable[[Any], Any] = uvloop.run
+        loop_name = "uvloop"
+    except ImportError:
+        runner = asyncio.run
+        loop_name = "asyncio"
+    results: dict[str, Any] = runner(run(args))
+    results["machine"]["load_generator_loop"] = loop_name
+    if args.profile is False:
+        previous = RESULTS / "latest.json"
+        if previous.exists():
+            # Keep the last profile's hot spots on the page when this run did not profile.
+            try:
+                old = json.loads(previous.read_text())
+                if old.get("profile", {}).get("available"):
+                    results["profile"] = {
+                        **old["profile"],
+                        "from_earlier_run": old["machine"]["date"],
+                    }
+            except (ValueError, KeyError):
+                pass
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    table = report.summary_table(results)
+    print(table)
+    if not args.no_doc:
+        DOC.write_text(report.render(results))
+        log(f"wrote {DOC.relative_to(ROOT)} and bench/results/latest.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

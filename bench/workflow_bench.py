@@ -1,0 +1,290 @@
+"""Durable workflow benchmark: fanout(3) and chain(3) end to end, with the JetStream floor.
+
+Runs an embedded nats-server (or uses ``--nats URL``), one hub and three agents in this process,
+and measures, in the same run:
+
+* fanout of 3 and chain of 3: sequential end-to-end latency (p50/p99) as a caller sees it
+  (submit → result), and sustained workflows/s with many in flight;
+* the floor: JetStream publish with a synchronous ack (p50/p99, msg/s) and pull-consume of the
+  same number of messages (msg/s) — every workflow needs several such round trips.
+
+``python bench/workflow_bench.py --quick`` prints one JSON object. The bench harness imports
+:func:`run_workflow_bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import nats
+
+from reach_mesh import Client, MeshSettings, Step
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.server import EmbeddedNats
+
+__all__ = ["run_workflow_bench"]
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
+
+
+def _lat(values_s: list[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    return {
+        "n": len(ms),
+        "p50_ms": round(_pct(ms, 0.50), 3),
+        "p99_ms": round(_pct(ms, 0.99), 3),
+        "mean_ms": round(sum(ms) / len(ms), 3) if ms else 0.0,
+    }
+
+
+async def _sequential(call: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def _sustained(call: Any, concurrency: int, duration: float) -> dict[str, float]:
+    done = 0
+    errors = 0
+    stop = time.perf_counter() + duration
+
+    async def worker() -> None:
+        nonlocal done, errors
+        while time.perf_counter() < stop:
+            try:
+                await call()
+                done += 1
+            except Exception:
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    return {
+        "concurrency": concurrency,
+        "seconds": round(elapsed, 3),
+        "completed": done,
+        "errors": errors,
+        "per_s": round(done / elapsed, 1),
+    }
+
+
+async def _floor(nats_url: str, n: int) -> dict[str, Any]:
+    """JetStream publish-with-ack and pull-consume of ``n`` messages (R1, file storage)."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    stream = f"BENCH_FLOOR_{uuid.uuid4().hex[:8]}"
+    subject = f"bench.floor.{stream.lower()}"
+    await js.add_stream(name=stream, subjects=[subject])
+    try:
+        body = b'{"payload": 1}'
+        lat = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            t = time.perf_counter()
+            await js.publish(subject, body)
+            lat.append(time.perf_counter() - t)
+        pub_s = time.perf_counter() - t0
+        sub = await js.pull_subscribe(subject, durable="floor", stream=stream)
+        got = 0
+        t0 = time.perf_counter()
+        while got < n:
+            msgs = await sub.fetch(min(256, n - got), timeout=5)
+            for m in msgs:
+                await m.ack()
+            got += len(msgs)
+        pull_s = time.perf_counter() - t0
+        return {
+            "js_publish_ack": {**_lat(lat), "per_s": round(n / pub_s, 1)},
+            "js_pull_consume": {"n": n, "per_s": round(n / pull_s, 1)},
+        }
+    finally:
+        await js.delete_stream(stream)
+        await nc.close()
+
+
+def _agents(settings: MeshSettings) -> list[Agent]:
+    agents = []
+    for i in range(3):
+        agent = Agent(f"{settings.namespace}.echo.a{i}", settings=settings, max_concurrency=256)
+
+        @agent.handler("bench:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        agents.append(agent)
+    return agents
+
+
+async def _child(role: str, nats_url: str, ns: str) -> None:
+    """``--role hub|agents``: serve until stdin closes (the parent exits or kills us)."""
+    settings = MeshSettings(nats_url=nats_url, namespace=ns)
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+    loop.add_reader(sys.stdin.fileno(), lambda: stop.done() or stop.set_result(None))
+    if role == "hub":
+        async with Hub(settings=settings):
+            print("READY", flush=True)
+            await stop
+    else:
+        agents = _agents(settings)
+        for agent in agents:
+            await agent.start()
+        print("READY", flush=True)
+        await stop
+        for agent in agents:
+            await agent.close()
+
+
+@contextlib.asynccontextmanager
+async def _processes(nats_url: str, ns: str) -> AsyncIterator[None]:
+    procs = []
+    try:
+        for role in ("hub", "agents"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                __file__,
+                "--role",
+                role,
+                "--nats",
+                nats_url,
+                "--ns",
+                ns,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            procs.append(proc)
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+            if not line.startswith(b"READY"):
+                raise RuntimeError(f"{role} process did not start")
+        yield
+    finally:
+        for proc in reversed(procs):
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+
+
+async def run_workflow_bench(nats_url: str, quick: bool, *, split: bool = False) -> dict[str, Any]:
+    """Fanout(3)/chain(3) latency and throughput plus the JetStream floor, as one dict.
+
+    ``split``: the hub and the agents run in their own processes (the caller stays here);
+    otherwise all three share this process and its event loop.
+    """
+    ns = f"wfb{uuid.uuid4().hex[:6]}"
+    settings = MeshSettings(nats_url=nats_url, namespace=ns)
+    n_seq = 200 if quick else 1000
+    duration = 3.0 if quick else 10.0
+    concurrency = 64
+    agents: list[Agent] = []
+    async with contextlib.AsyncExitStack() as stack:
+        if split:
+            await stack.enter_async_context(_processes(nats_url, ns))
+        else:
+            await stack.enter_async_context(Hub(settings=settings))
+            agents = _agents(settings)
+            for agent in agents:
+                await agent.start()
+        try:
+            async with Client(settings=settings) as mesh:
+                fan = [Step(capability="bench:echo:v1", payload={"i": i}) for i in range(3)]
+                chain = [Step(capability="bench:echo:v1", payload={"i": 0}), *fan[1:]]
+
+                async def one_fanout() -> None:
+                    res = await mesh.fanout(fan, timeout=30)
+                    if not res.ok:
+                        raise RuntimeError(res.state)
+
+                async def one_chain() -> None:
+                    res = await mesh.chain(chain, timeout=30)
+                    if not res.ok:
+                        raise RuntimeError(res.state)
+
+                await _sequential(one_fanout, 20)  # warm-up
+                await _sequential(one_chain, 20)
+                fan_lat = await _sequential(one_fanout, n_seq)
+                chain_lat = await _sequential(one_chain, n_seq)
+                fan_tp = await _sustained(one_fanout, concurrency, duration)
+                chain_tp = await _sustained(one_chain, concurrency, duration)
+        finally:
+            for agent in agents:
+                await agent.close()
+    floor = await _floor(nats_url, n_seq)
+    pub_p50 = floor["js_publish_ack"]["p50_ms"] or 1e-9
+    fan = {**_lat(fan_lat), "sustained": fan_tp}
+    chn = {**_lat(chain_lat), "sustained": chain_tp}
+    return {
+        "quick": quick,
+        "fanout3": fan,
+        "chain3": chn,
+        "floor": floor,
+        "ratios": {
+            "fanout3_p50_over_js_publish_p50": round(fan["p50_ms"] / pub_p50, 2),
+            "chain3_p50_over_js_publish_p50": round(chn["p50_ms"] / pub_p50, 2),
+            "fanout3_per_s_over_js_publish_per_s": round(
+                fan_tp["per_s"] / floor["js_publish_ack"]["per_s"], 4
+            ),
+        },
+        "targets": {
+            "fanout3_p50_le_10ms": fan["p50_ms"] <= 10.0,
+            "fanout3_ge_500_per_s": fan_tp["per_s"] >= 500,
+        },
+        "setup": (
+            "nats-server; hub, 3 agents (one process) and caller each in their own process"
+            if split
+            else "nats-server; hub, 3 agents and the caller in one process (one event loop)"
+        ),
+    }
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.nats:
+        return await run_workflow_bench(args.nats, args.quick, split=args.split)
+    async with EmbeddedNats() as server:
+        return await run_workflow_bench(server.url, args.quick, split=args.split)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (~15 s)")
+    parser.add_argument("--nats", default=None, help="use this NATS URL instead of embedding")
+    parser.add_argument(
+        "--split", action="store_true", help="hub and agents in their own processes"
+    )
+    parser.add_argument("--role", choices=["hub", "agents"], help=argparse.SUPPRESS)
+    parser.add_argument("--ns", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    if args.role:
+        asyncio.run(_child(args.role, args.nats, args.ns))
+        return
+    print(json.dumps(asyncio.run(_main(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
