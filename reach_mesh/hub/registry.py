@@ -198,36 +198,58 @@ class Registry:
 
     async def _watch_agents(self, loaded: asyncio.Event) -> None:
         assert self._agents_kv is not None
-        watcher = await self._agents_kv.watchall()
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    loaded.set()
-                    continue
-                try:
-                    self._apply_agent(entry, initial=not loaded.is_set())
-                except Exception:  # a bad record must never stop the watcher
-                    log.exception("cannot apply agent record %s", entry.key)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+        await self._watch(protocol.KV_AGENTS, self._agents_kv, self._apply_agent, loaded)
 
     async def _watch_heartbeats(self, loaded: asyncio.Event, agents_loaded: asyncio.Event) -> None:
         assert self._hb_kv is not None
-        await agents_loaded.wait()
-        watcher = await self._hb_kv.watchall()
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    loaded.set()
-                    continue
-                try:
-                    self._apply_heartbeat(entry, initial=not loaded.is_set())
-                except Exception:
-                    log.exception("cannot apply heartbeat %s", entry.key)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+        await agents_loaded.wait()  # a heartbeat is only applied to a known agent
+        await self._watch(protocol.KV_HEARTBEATS, self._hb_kv, self._apply_heartbeat, loaded)
+
+    async def _watch(
+        self,
+        name: str,
+        kv: KeyValue,
+        apply: Callable[..., None],
+        loaded: asyncio.Event,
+    ) -> None:
+        """Apply every change of ``kv`` for as long as the hub runs.
+
+        ``loaded`` is set once the initial values have been applied. If the watch ends or
+        fails (e.g. its consumer was lost while the server restarted) it is started again:
+        the initial values are replayed, which is harmless because applying is idempotent and
+        guarded by KV revisions.
+        """
+        delay = 0.1
+        while True:
+            try:
+                watcher = await kv.watchall()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                log.warning("cannot watch %s (%r); retrying", name, err)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.1
+            replaying = True
+            try:
+                async for entry in watcher:
+                    if entry is None:
+                        replaying = False
+                        loaded.set()
+                        continue
+                    try:
+                        apply(entry, initial=replaying and not loaded.is_set())
+                    except Exception:  # a bad record must never stop the watcher
+                        log.exception("cannot apply %s entry %s", name, entry.key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:
+                log.warning("watch of %s failed (%r); restarting it", name, err)
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(delay)
 
     def _seen_at(self, entry: KeyValue.Entry, initial: bool) -> float:
         now = self._clock()
