@@ -18,6 +18,7 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NoMatchError
 from reach_mesh.hub import Hub
 from reach_mesh.models import ToolSpec
+from reach_mesh.workflow import Step
 
 __all__ = ["demo_agents", "run_demo"]
 
@@ -117,6 +118,41 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
                 f"{res.result if res.ok else res.error} ({res.duration * 1000:.1f} ms, "
                 f"trace {res.trace_id})"
             )
+        chain = await mesh.chain(
+            [
+                Step(
+                    capability="text:translate:v1",
+                    payload={"text": "hello agents of the mesh", "lang": "fr"},
+                ),
+                Step(capability="text:summarize:v1"),
+            ],
+            timeout=20,
+        )
+        if not chain.ok:
+            failures += 1
+        out(
+            f"[{'ok ' if chain.ok else 'ERR'}] {'chain      translate -> summarize':<66} -> "
+            f"{chain.state.value} {chain.result} "
+            f"({chain.duration_ms:.1f} ms, {len(chain.steps)} steps over JetStream)"
+        )
+        fan = await mesh.fanout(
+            [
+                Step(capability="text:translate:v1", payload={"text": "hello world"}),
+                Step(
+                    selector="cap=text:summarize:v1 AND gpu=true", payload={"text": "one two three"}
+                ),
+                Step(agent_id="demo.calc.c1", payload={"values": [1, 2, 3]}),
+            ],
+            policy="all",
+            timeout=20,
+        )
+        if not fan.ok:
+            failures += 1
+        out(
+            f"[{'ok ' if fan.ok else 'ERR'}] {'fanout     3 branches, policy all':<66} -> "
+            f"{fan.state.value} by {', '.join(str(st.agent_id) for st in fan.steps)} "
+            f"({fan.duration_ms:.1f} ms)"
+        )
         try:
             await mesh.request(capability="text:translate:v2", payload={"text": "x"})
         except NoMatchError as err:
