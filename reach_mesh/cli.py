@@ -20,7 +20,7 @@ from typing import Any
 
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
-from reach_mesh.errors import ReachError
+from reach_mesh.errors import BadRequestError, ReachError
 from reach_mesh.logs import configure_logging
 from reach_mesh.models import AgentInfo, RouteDecision
 from reach_mesh.server import EmbeddedNats
@@ -144,6 +144,8 @@ async def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 async def cmd_reach(args: argparse.Namespace) -> int:
+    if not (args.agent or args.selector or args.capability):
+        raise BadRequestError("reach needs a target: --agent, --capability or --selector")
     payload = json.loads(args.payload) if args.payload else None
     async with Client(settings=_settings(args), namespace=args.namespace) as c:
         if args.dry_run:
@@ -336,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(func=cmd_inspect)
 
     reach = cmd("reach", "send one task through the mesh and print the result")
-    target = reach.add_mutually_exclusive_group(required=True)
+    target = reach.add_mutually_exclusive_group()
     target.add_argument("--agent", help="agent id")
     target.add_argument("--selector", help="e.g. 'cap=email:send:v1 AND region=eu'")
     reach.add_argument("--capability", help="capability (alone, or the handler with --agent)")
