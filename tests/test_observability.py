@@ -293,3 +293,45 @@ async def test_trace_id_without_tracing_configured(
         res = await c.request(capability="work:echo:v1", payload=1)
     assert res.trace_id and len(res.trace_id) == 32
     assert res.result["trace_id"] == res.trace_id
+
+
+async def test_chain_spans_share_one_trace(
+    exporter: InMemorySpanExporter, hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """caller → hub (workflow, steps) → agent 1 → agent 2: one trace, linked spans."""
+    from reach_mesh import Step
+
+    first = echo_agent(f"{namespace}.w.first", settings)
+    second = Agent(f"{namespace}.w.second", settings=settings)
+
+    @second.handler("work:upper:v1")
+    async def upper(task: Task[Any]) -> Any:
+        return {"trace_id": task.trace_id, "seen": task.payload}
+
+    tracer = trace.get_tracer("test")
+    async with first, second, Client(settings=settings) as c:
+        with tracer.start_as_current_span("caller") as root:
+            res = await c.chain(
+                [
+                    Step(capability="work:echo:v1", payload={"x": 1}),
+                    Step(capability="work:upper:v1"),
+                ],
+                timeout=20,
+            )
+    assert res.ok, res
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    assert res.trace_id == trace_id
+    assert res.result["trace_id"] == trace_id
+    spans = exporter.get_finished_spans()
+    names = [s.name for s in spans]
+    assert "reach.workflow" in names and names.count("reach.step") >= 2
+    assert names.count("reach.handle") == 2
+    ids = {s.context.span_id: s for s in spans}
+    for s in spans:
+        if s.name.startswith("reach."):
+            assert format(s.context.trace_id, "032x") == trace_id, s.name
+            assert s.parent is not None and s.parent.span_id in ids | {
+                root.get_span_context().span_id: root
+            }, s.name
+    handles = [s for s in spans if s.name == "reach.handle"]
+    assert all(ids[h.parent.span_id].name == "reach.step" for h in handles if h.parent)
