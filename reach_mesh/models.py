@@ -23,6 +23,7 @@ __all__ = [
     "AgentCard",
     "AgentInfo",
     "AgentRecord",
+    "AgentRef",
     "AgentState",
     "ErrorBody",
     "FailureReport",
@@ -103,6 +104,8 @@ class AgentCard(_Wire):
     zone: str | None = Field(default=None, max_length=64)
     metadata: dict[str, Any] = Field(default_factory=dict)
     version: str | None = Field(default=None, max_length=64)
+    #: False: the agent has no JetStream work consumer; hubs do not offer it workflow steps.
+    durable_work: bool = True
 
     @field_validator("agent_id")
     @classmethod
@@ -343,7 +346,11 @@ class RouteDecision(_Wire):
     hub_id: str
     target: str
     strategy: str
+    #: Matching agent ids, sorted; at most the first 100 (``candidate_count`` is the total).
     candidates: list[str] = Field(default_factory=list)
+    candidate_count: int | None = None
+    #: Set when the strategy looked at a random sample of this many candidates (large sets).
+    sampled: int | None = None
     filtered: list[FilteredAgent] = Field(default_factory=list)
     scores: dict[str, float] = Field(default_factory=dict)
     sticky: Literal["hit", "miss", "none"] = "none"
@@ -351,6 +358,13 @@ class RouteDecision(_Wire):
     fallback: str | None = None
     nearest: dict[str, Any] | None = None
     elapsed_us: float = 0.0
+
+
+class AgentRef(_Wire):
+    """An agent a caller may call itself (direct mode): its id and task subject."""
+
+    agent_id: str
+    subject: str
 
 
 class RouteReply(_Wire):
@@ -362,6 +376,9 @@ class RouteReply(_Wire):
     task: TaskReply | None = None
     decision: RouteDecision | None = None
     attempts: int = 1
+    #: Direct mode: other routable agents, best first, that the caller may use instead of
+    #: ``agent_id`` (spreading load, failing over) while it caches this decision.
+    alternates: list[AgentRef] = Field(default_factory=list)
 
 
 class AgentInfo(_Wire):

@@ -1,5 +1,5 @@
 """The agent SDK: register, heartbeat under a lease, serve handlers with bounded concurrency,
-keep recent results for idempotency, drain gracefully."""
+keep recent results for idempotency, drain gracefully; count what it handled (``/metrics``)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._http import HttpServer
 from reach_mesh._nats import connect
 from reach_mesh.agent._task import Task
 from reach_mesh.agent._work import WorkConsumer
@@ -58,6 +59,7 @@ from reach_mesh.models import (
     UnregisterRequest,
 )
 from reach_mesh.tracing import SPAN_HANDLE, SpanKind, inject, span, trace_id_from_headers
+from reach_mesh.tracing.metrics import AgentMetrics, serve_metrics
 
 __all__ = ["Agent", "AgentStatus"]
 
@@ -70,6 +72,8 @@ _RESULT_CACHE: Final = 10_000
 
 
 class AgentStatus(enum.Enum):
+    """Lifecycle of an :class:`Agent`: ``NEW → RUNNING → DRAINING → CLOSED``."""
+
     NEW = "new"
     RUNNING = "running"
     DRAINING = "draining"
@@ -106,6 +110,12 @@ class Agent:
 
         async with agent:
             await agent.wait_closed()
+
+    ``metrics_port`` serves the agent's own Prometheus ``GET /metrics`` (0 = any free port,
+    see :attr:`metrics_url`); the counters in :attr:`metrics` are kept either way.
+    ``durable_work=False`` skips the JetStream work consumer: the agent serves request-reply
+    tasks only and hubs do not offer it workflow steps (one consumer and an idle pull every few
+    seconds per agent add up in a large fleet that never runs workflows).
     """
 
     def __init__(
@@ -125,6 +135,9 @@ class Agent:
         version: str | None = None,
         settings: MeshSettings | None = None,
         drain_timeout: float = 30.0,
+        durable_work: bool = True,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         protocol.validate_agent_id(agent_id)
         self.agent_id = agent_id
@@ -145,6 +158,15 @@ class Agent:
         self._metadata = dict(metadata or {})
         self._version = version
         self.drain_timeout = drain_timeout
+        #: Whether this agent takes durable workflow steps (a JetStream work consumer).
+        self.durable_work = durable_work
+        self._metrics_port = metrics_port
+        self._metrics_host = metrics_host
+        self._metrics_server: HttpServer | None = None
+        #: Always kept (a few counter increments per task); served only with ``metrics_port``.
+        self.metrics = AgentMetrics()
+        # Read at scrape time: no bookkeeping on the hot path, and never out of step.
+        self.metrics.inflight.set_function(lambda: self._running)
         self._handlers: dict[str, _Handler] = {}
         self.status = AgentStatus.NEW
         self.session = uuid.uuid4().hex
@@ -167,15 +189,23 @@ class Agent:
 
     # ------------------------------------------------------------------ handlers
 
-    def handler(self, capability: str) -> Callable[[F], F]:
+    def handler(
+        self, capability: str, *, tool: str | None = None, description: str | None = None
+    ) -> Callable[[F], F]:
         """Register an ``async def handler(task: Task[Payload]) -> Result`` for a capability.
 
         Checked at decoration time: it must be ``async def`` with an annotated ``Task[...]``
         parameter. The payload is validated with pydantic before the handler runs.
+
+        ``tool="name"`` also publishes the handler as a tool (REST ``/api/tools``, MCP
+        ``tools/list``): its parameters are the JSON Schema of the payload type, its
+        description ``description`` or else the handler's docstring.
         """
         protocol.validate_capability(capability)
         if self.status is not AgentStatus.NEW:
             raise RuntimeError("add handlers before the agent starts")
+        if tool is not None and any(t.name == tool for t in self._tools):
+            raise ValueError(f"tool {tool!r} is declared twice")
 
         def decorate(fn: F) -> F:
             if not inspect.iscoroutinefunction(fn):
@@ -199,9 +229,12 @@ class Agent:
                 )
             ret = hints.get("return")
             result_adapter = TypeAdapter(ret) if ret not in (None, Any, type(None)) else None
-            self._handlers[capability] = _Handler(
-                capability, fn, TypeAdapter(payload_type), result_adapter
-            )
+            payload_adapter: TypeAdapter[Any] = TypeAdapter(payload_type)
+            if tool is not None:
+                self._tools.append(
+                    _tool_spec(tool, capability, payload_adapter, description or fn.__doc__)
+                )
+            self._handlers[capability] = _Handler(capability, fn, payload_adapter, result_adapter)
             self._capabilities.add(capability)
             return typing.cast(F, fn)
 
@@ -209,9 +242,23 @@ class Agent:
 
     @property
     def capabilities(self) -> list[str]:
+        """The capabilities this agent registers (listed ones plus those with a handler)."""
         return sorted(self._capabilities)
 
+    @property
+    def tools(self) -> list[ToolSpec]:
+        """The tools this agent registers (given ones plus ``handler(..., tool=...)``)."""
+        return list(self._tools)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://host:port/metrics`` while the agent serves metrics, else None."""
+        if self._metrics_server is None:
+            return None
+        return f"http://{self._metrics_host}:{self._metrics_server.port}/metrics"
+
     def card(self) -> AgentCard:
+        """The :class:`AgentCard` this agent registers with."""
         return AgentCard(
             agent_id=self.agent_id,
             capabilities=self.capabilities,
@@ -223,18 +270,21 @@ class Agent:
             zone=self._zone,
             metadata=self._metadata,
             version=self._version,
+            durable_work=self.durable_work,
         )
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
     def nc(self) -> NATS:
+        """The agent's NATS connection (only while started)."""
         if self._nc is None:
             raise RuntimeError("agent is not started")
         return self._nc
 
     @property
     def inflight(self) -> int:
+        """Handlers running now."""
         return self._running
 
     async def start(self) -> None:
@@ -247,6 +297,10 @@ class Agent:
             )
         self.status = AgentStatus.RUNNING
         try:
+            if self._metrics_port is not None:
+                self._metrics_server = await serve_metrics(
+                    self.metrics.render, self._metrics_host, self._metrics_port
+                )
             self._nc = await connect(
                 self.nats_url, name=self.agent_id, timeout=self.settings.connect_timeout
             )
@@ -262,9 +316,10 @@ class Agent:
                 await self.nc.subscribe(protocol.agent_ctl(self.agent_id), cb=self._on_ctl)
             )
             await self.nc.flush()
-            # Durable workflow steps (JetStream): consumer ready before hubs can route to us.
-            self.work = WorkConsumer(self)
-            await self.work.start()
+            if self.durable_work:
+                # Durable workflow steps (JetStream): consumer ready before hubs route to us.
+                self.work = WorkConsumer(self)
+                await self.work.start()
             await self._register()
             self._hb_task = asyncio.create_task(self._heartbeat_loop(), name="reach-heartbeat")
         except BaseException:
@@ -381,10 +436,16 @@ class Agent:
                 with contextlib.suppress(Exception):
                     await self._nc.close()
         finally:
+            if self._metrics_server is not None:
+                # Last: a scrape during the drain still sees the final counts.
+                with contextlib.suppress(Exception):
+                    await self._metrics_server.close()
+                self._metrics_server = None
             self.status = AgentStatus.CLOSED
             self._closed.set()
 
     async def wait_closed(self) -> None:
+        """Wait until :meth:`close` has finished."""
         await self._closed.wait()
 
     async def __aenter__(self) -> Agent:
@@ -527,6 +588,38 @@ class Agent:
         on_accept: Callable[[], None] | None = None,
         progress: Callable[[Any], Awaitable[None]] | None = None,
     ) -> TaskReply:
+        """Run one attempt (:meth:`_invoke`) and count it in :attr:`metrics`.
+
+        Both request-reply tasks and durable workflow steps come through here, so the agent's
+        metrics cover both; duplicates answered from the idempotency cache never do."""
+        m = self.metrics
+        cap = handler.capability
+        t0 = time.perf_counter()
+        try:
+            reply = await self._invoke(
+                env, handler, headers, on_accept=on_accept, progress=progress
+            )
+        except asyncio.CancelledError:
+            # Shutdown or fencing: the attempt ends here without a result.
+            m.handler_duration_seconds.labels(cap).observe(time.perf_counter() - t0)
+            m.handled_total.labels(cap, TaskState.FAILED.value).inc()
+            m.failures_total.labels(cap, "REACH_CANCELLED").inc()
+            raise
+        m.handler_duration_seconds.labels(cap).observe(time.perf_counter() - t0)
+        m.handled_total.labels(cap, reply.state.value).inc()
+        if reply.error is not None:
+            m.failures_total.labels(cap, reply.error.code).inc()
+        return reply
+
+    async def _invoke(
+        self,
+        env: TaskEnvelope,
+        handler: _Handler,
+        headers: dict[str, str],
+        *,
+        on_accept: Callable[[], None] | None,
+        progress: Callable[[Any], Awaitable[None]] | None,
+    ) -> TaskReply:
         """Validate the payload and run the handler under the attempt's timeout.
 
         ``on_accept`` runs when the handler is about to start (ACCEPTED); ``progress`` backs
@@ -657,6 +750,27 @@ def _dump(handler: _Handler, result: Any) -> Any:
         return result.model_dump(mode="json")
     json.dumps(result)  # raises early for non-JSON results
     return result
+
+
+def _tool_spec(
+    name: str, capability: str, payload: TypeAdapter[Any], description: str | None
+) -> ToolSpec:
+    """A tool from a handler: the payload type's JSON Schema as its parameters."""
+    try:
+        schema = payload.json_schema()
+    except Exception as err:  # pydantic cannot express every type as JSON Schema
+        raise TypeError(f"tool {name!r}: no JSON Schema for the payload type: {err}") from err
+    if not schema:
+        schema = {"type": "object"}  # ``Task[Any]``: any arguments
+    elif schema.get("type", "object") != "object":
+        # MCP passes a tool's arguments as one JSON object, which becomes the payload.
+        raise TypeError(f"tool {name!r}: the payload type must be an object, e.g. a model")
+    return ToolSpec(
+        name=name,
+        description=inspect.cleandoc(description or "")[:4096],
+        parameters=schema,
+        capability=capability,
+    )
 
 
 def _error_body(err: ReachError) -> ErrorBody:

@@ -192,6 +192,9 @@ class WorkflowEngine:
         self.workflows_done = 0
         #: Test seam (fault injection): return False to drop a status event as if lost.
         self.status_filter: Any = None
+        #: Agents registered with ``durable_work=False`` (no work consumer): never offered a
+        #: step. Kept from state changes so choosing a step does not scan the registry.
+        self._no_work: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -256,6 +259,7 @@ class WorkflowEngine:
             protocol.task_status("*", "*"), cb=self._on_status, pending_msgs_limit=-1
         )
         self._registry.on_state_change(self._on_agent_state)
+        self._no_work.update(v.agent_id for v in self._registry if not v.record.card.durable_work)
         self._pull = PullConsumer(
             self._nc,
             protocol.STREAM_WF,
@@ -661,6 +665,8 @@ class WorkflowEngine:
         # Fast path: choose an agent and create the record with attempt 1 in one write. A
         # record that exists already (a hub taking the workflow over) is read instead.
         view, capability = await self._choose(route, ns, set())
+        # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
+        no_work = self._no_work_reason(route, ns) if view is None else None
         now = time.time()
         rec = TaskRecord(
             task_id=task_id,
@@ -719,8 +725,11 @@ class WorkflowEngine:
                 while True:
                     if outcome is None:
                         if loop.time() >= deadline:
-                            return await self._finish(key, rec, rev, track, None, pol)
+                            return await self._finish(
+                                key, rec, rev, track, None, pol, reason=no_work
+                            )
                         view, capability = await self._choose(route, ns, exclude)
+                        no_work = self._no_work_reason(route, ns) if view is None else None
                         if view is None:
                             outcome = ("nomatch", None)
                         else:
@@ -763,7 +772,9 @@ class WorkflowEngine:
                             exclude.add(rec.agent_id)
                         delay = _backoff(rec.handler_failures, pol.base, pol.cap)
                     elif kind == "deadline":
-                        return await self._finish(key, rec, rev, track, None, pol, wf=wf)
+                        return await self._finish(
+                            key, rec, rev, track, None, pol, wf=wf, reason=no_work
+                        )
                     else:
                         # Not delivered / agent lost / no agent: safe to send elsewhere.
                         rec.delivery_failures += 1
@@ -823,18 +834,51 @@ class WorkflowEngine:
     ) -> tuple[AgentView | None, str | None]:
         if route.agent_id is not None and route.agent_id not in self._registry.agents:
             await self._registry.fetch(route.agent_id)
-        for attempt_exclude in (frozenset(exclude), frozenset()):
-            try:
-                choice = self._router.decide(route, ns, "wf", exclude=attempt_exclude)
-            except NoMatchError:
-                if not attempt_exclude:
-                    return None, None
-                continue  # better an agent that failed before than none
-            if choice.view is not None:
+        for tried in (exclude, set()):
+            skip = frozenset(tried | self._no_work)
+            while True:
+                try:
+                    choice = self._router.decide(route, ns, "wf", exclude=skip)
+                except NoMatchError:
+                    break  # retry without ``tried``: better an agent that failed before
+                view = choice.view
+                if not view.record.card.durable_work:
+                    # Not known yet (registered before this engine listened): skip it.
+                    self._no_work.add(view.agent_id)
+                    skip = skip | {view.agent_id}
+                    continue
                 # Count it now, before any await: concurrent branches see the load at once.
-                choice.view.outstanding += 1
-                return choice.view, choice.capability
+                view.outstanding += 1
+                return view, choice.capability
+            if not tried:
+                break
         return None, None
+
+    def _no_work_reason(self, route: RouteRequest, ns: str) -> str | None:
+        """Which agents matching ``route`` were passed over for having no durable work
+        consumer, as a sentence for the step's error; None when that is not why."""
+        if not self._no_work:
+            return None
+        if route.agent_id is not None:
+            ids: set[str] | frozenset[str] = {route.agent_id}
+        elif route.capability is not None:
+            ids = self._registry.index.by_capability(route.capability)
+        elif route.selector is not None:
+            try:
+                ids = self._registry.index.candidates(self._router.parse_selector(route.selector))
+            except ReachError:
+                return None
+        else:
+            return None
+        skipped = sorted(
+            a
+            for a in ids & self._no_work
+            if (v := self._registry.agents.get(a)) is not None and v.record.card.namespace == ns
+        )
+        if not skipped:
+            return None
+        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        return f"not offered to {', '.join(skipped[:5])}{more}: registered with durable_work=false"
 
     async def _send(
         self,
@@ -876,13 +920,14 @@ class WorkflowEngine:
         pol: _Policy,
         *,
         wf: _Workflow | None = None,
+        reason: str | None = None,
     ) -> TaskRecord:
         if event is None:
             rec.state = TaskState.TIMEOUT
             last = track.machine.state.value if track is not None else TaskState.PENDING.value
             err = MeshTimeoutError(
                 f"step {rec.step} ({rec.task_id}) did not finish in time "
-                f"(last state {last}, attempt {rec.attempt})",
+                f"(last state {last}, attempt {rec.attempt})" + (f"; {reason}" if reason else ""),
                 task_id=rec.task_id,
                 attempt=rec.attempt,
             )
@@ -1120,6 +1165,10 @@ class WorkflowEngine:
         )
 
     def _on_agent_state(self, view: AgentView, old: AgentState, new: AgentState) -> None:
+        if new is AgentState.LOST or view.record.card.durable_work:
+            self._no_work.discard(view.agent_id)
+        else:
+            self._no_work.add(view.agent_id)
         if new is not AgentState.LOST:
             return
         for track in self._tracks.values():

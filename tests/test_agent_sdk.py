@@ -1,0 +1,295 @@
+"""The agent SDK's own surfaces: its ``/metrics``, opting out of durable work, tools from
+type hints — each on a real mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from nats.js.errors import NotFoundError
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
+
+from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.hub import Hub
+
+pytestmark = pytest.mark.timeout(60)
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+CAP = (("capability", "calc:double:v1"),)
+
+
+async def fetch(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
+    def call() -> tuple[int, bytes]:
+        req = urllib.request.Request(url, data=body, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    return await asyncio.to_thread(call)
+
+
+def parse(text: bytes) -> Samples:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+    }
+
+
+@pytest.fixture
+def wf_settings(settings: MeshSettings) -> MeshSettings:
+    """Short workflow intervals: a step with no taker gives up within a second or two."""
+    return settings.model_copy(
+        update={
+            "workflow_ack_wait": 1.0,
+            "work_ack_wait": 1.0,
+            "step_deliver_timeout": 1.0,
+            "step_running_interval": 0.2,
+            "step_silence_timeout": 0.8,
+            "retry_base": 0.02,
+            "retry_cap": 0.1,
+            "pending_interval": 0.2,
+            "http_port": 0,
+        }
+    )
+
+
+@pytest.fixture
+async def wf_hub(wf_settings: MeshSettings) -> AsyncIterator[Hub]:
+    async with Hub(settings=wf_settings) as h:
+        yield h
+
+
+def counting_agent(agent_id: str, settings: MeshSettings, **kw: Any) -> Agent:
+    agent = Agent(agent_id, settings=settings, **kw)
+
+    @agent.handler("calc:double:v1")
+    async def double(task: Task[dict[str, Any]]) -> dict[str, int]:
+        if task.payload.get("fail"):
+            raise TaskFailed("asked to fail", retryable=False)
+        return {"out": 2 * int(task.payload["n"])}
+
+    return agent
+
+
+# --------------------------------------------------------------------------- /metrics
+
+
+async def test_agent_metrics_count_tasks_and_steps(
+    wf_hub: Hub, wf_settings: MeshSettings, namespace: str
+) -> None:
+    cap = CAP
+    agent = counting_agent(f"{namespace}.calc.a1", wf_settings, metrics_port=0)
+    assert agent.metrics_url is None  # not serving before start
+    async with agent, Client(settings=wf_settings) as mesh:
+        url = agent.metrics_url
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        assert url.endswith("/metrics")
+        for n in range(4):
+            res = await mesh.request(capability="calc:double:v1", payload={"n": n})
+            assert res.state is TaskState.SUCCEEDED
+        failed = await mesh.request(capability="calc:double:v1", payload={"fail": True})
+        assert failed.state is TaskState.FAILED
+        bad = await mesh.request(capability="calc:double:v1", payload=[1])  # not a dict
+        assert bad.state is TaskState.FAILED
+        # A durable workflow step goes through the same counters.
+        wf = await mesh.chain([Step(capability="calc:double:v1", payload={"n": 5})], timeout=10)
+        assert wf.state is TaskState.SUCCEEDED and wf.result == {"out": 10}
+
+        status, body = await fetch(url)
+        assert status == 200
+        samples = parse(body)
+        assert samples[("reach_agent_handled_total", (*cap, ("state", "SUCCEEDED")))] == 5
+        assert samples[("reach_agent_handled_total", (*cap, ("state", "FAILED")))] == 2
+        failures = samples[("reach_agent_failures_total", (*cap, ("code", "REACH_HANDLER_FAILED")))]
+        assert failures == 1
+        assert samples[("reach_agent_failures_total", (*cap, ("code", "REACH_BAD_REQUEST")))] == 1
+        assert samples[("reach_agent_handler_duration_seconds_count", cap)] == 7
+        assert samples[("reach_agent_inflight", ())] == 0
+        # The same numbers are kept without an HTTP port (``agent.metrics``).
+        local = parse(agent.metrics.render())
+        assert local[("reach_agent_handled_total", (*cap, ("state", "SUCCEEDED")))] == 5
+    assert agent.metrics_url is None  # closed with the agent
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0]))
+
+
+async def test_agent_inflight_gauge_reads_running_handlers(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    release = asyncio.Event()
+    started = asyncio.Event()
+    agent = Agent(f"{namespace}.slow.a1", settings=settings, durable_work=False)
+
+    @agent.handler("slow:wait:v1")
+    async def wait(task: Task[Any]) -> str:
+        started.set()
+        await release.wait()
+        return "done"
+
+    async with agent, Client(settings=settings) as mesh:
+        call = asyncio.ensure_future(mesh.request(capability="slow:wait:v1", payload={}))
+        await asyncio.wait_for(started.wait(), 5)
+        assert parse(agent.metrics.render())[("reach_agent_inflight", ())] == 1
+        release.set()
+        assert (await call).state is TaskState.SUCCEEDED
+        assert parse(agent.metrics.render())[("reach_agent_inflight", ())] == 0
+
+
+# --------------------------------------------------------------------------- durable_work
+
+
+async def test_agent_without_durable_work_has_no_consumer_and_gets_no_steps(
+    wf_hub: Hub, wf_settings: MeshSettings, namespace: str
+) -> None:
+    light = counting_agent(f"{namespace}.calc.light", wf_settings, durable_work=False)
+    async with light, Client(settings=wf_settings) as mesh:
+        assert light.work is None
+        assert light.card().durable_work is False
+        assert wf_hub.registry.agents[light.agent_id].record.card.durable_work is False
+        js = mesh.nc.jetstream()
+        with pytest.raises(NotFoundError):
+            await js.consumer_info(protocol.STREAM_WORK, protocol.work_consumer(light.agent_id))
+        # Request-reply still works.
+        res = await mesh.request(capability="calc:double:v1", payload={"n": 2})
+        assert res.state is TaskState.SUCCEEDED and res.result == {"out": 4}
+        # A step it could serve waits for an agent that takes steps, and says why it ended.
+        wf = await mesh.chain([Step(capability="calc:double:v1", payload={"n": 1})], timeout=1.5)
+        assert wf.state is TaskState.TIMEOUT
+        error = wf.steps[0].error
+        assert error is not None and "durable_work=false" in error.message
+        assert light.agent_id in error.message
+        # Named by id: same answer, the agent is never offered the step.
+        wf = await mesh.fanout([Step(agent_id=light.agent_id, payload={"n": 1})], timeout=1.5)
+        assert wf.state is TaskState.TIMEOUT
+        assert wf.steps[0].agent_id is None and wf.steps[0].attempts == 0
+        # A durable agent with the same capability joins: steps go to it, never to ``light``.
+        heavy = counting_agent(f"{namespace}.calc.heavy", wf_settings)
+        async with heavy:
+            assert heavy.work is not None
+            for n in range(3):
+                wf = await mesh.chain(
+                    [Step(capability="calc:double:v1", payload={"n": n})], timeout=10
+                )
+                assert wf.state is TaskState.SUCCEEDED
+                assert wf.steps[0].agent_id == heavy.agent_id
+    handled = parse(light.metrics.render())
+    assert handled[("reach_agent_handled_total", (*CAP, ("state", "SUCCEEDED")))] == 1
+
+
+async def test_agent_without_durable_work_registered_before_the_hub(
+    wf_settings: MeshSettings, namespace: str
+) -> None:
+    """A hub that starts after the agent registered learns the flag from the KV record."""
+    first = Hub(settings=wf_settings)
+    await first.start()
+    light = counting_agent(f"{namespace}.calc.light", wf_settings, durable_work=False)
+    heavy = counting_agent(f"{namespace}.calc.heavy", wf_settings)
+    try:
+        await light.start()
+        await heavy.start()
+        await first.close()
+        async with Hub(settings=wf_settings), Client(settings=wf_settings) as mesh:
+            for n in range(4):
+                wf = await mesh.chain(
+                    [Step(capability="calc:double:v1", payload={"n": n})], timeout=10
+                )
+                assert wf.steps[0].agent_id == heavy.agent_id
+    finally:
+        await light.close()
+        await heavy.close()
+        await first.close()
+
+
+# --------------------------------------------------------------------------- tools
+
+
+class Invoice(BaseModel):
+    """What ``create_invoice`` takes."""
+
+    customer: str
+    amount: float
+    currency: str = "EUR"
+
+
+async def test_handler_tool_from_type_hints(
+    wf_hub: Hub, wf_settings: MeshSettings, namespace: str
+) -> None:
+    agent = Agent(f"{namespace}.billing.b1", settings=wf_settings, durable_work=False)
+
+    @agent.handler("invoice:create:v1", tool="create_invoice")
+    async def create(task: Task[Invoice]) -> dict[str, Any]:
+        """Create an invoice for a customer.
+
+        Returns the invoice number.
+        """
+        return {"number": 7, "total": task.payload.amount}
+
+    (spec,) = agent.tools
+    assert spec.name == "create_invoice" and spec.capability == "invoice:create:v1"
+    assert spec.description == "Create an invoice for a customer.\n\nReturns the invoice number."
+    assert spec.parameters["required"] == ["customer", "amount"]
+    assert spec.parameters["properties"]["amount"]["type"] == "number"
+
+    async with agent:
+        status, body = await fetch(f"{wf_hub.http_url}/api/tools?namespace={namespace}")
+        assert status == 200
+        (tool,) = json.loads(body)["tools"]
+        assert tool["name"] == "create_invoice"
+        assert tool["inputSchema"] == spec.parameters
+        assert tool["agents"] == [agent.agent_id]
+
+        rpc = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+        _, body = await fetch(
+            f"{wf_hub.http_url}/mcp?namespace={namespace}", "POST", json.dumps(rpc).encode()
+        )
+        (listed,) = json.loads(body)["result"]["tools"]
+        assert listed == {
+            "name": "create_invoice",
+            "description": spec.description,
+            "inputSchema": spec.parameters,
+        }
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "create_invoice", "arguments": {"customer": "c1", "amount": 9.5}},
+        }
+        _, body = await fetch(
+            f"{wf_hub.http_url}/mcp?namespace={namespace}", "POST", json.dumps(call).encode()
+        )
+        result = json.loads(body)["result"]
+        assert result["isError"] is False
+        assert json.loads(result["content"][0]["text"]) == {"number": 7, "total": 9.5}
+
+
+def test_handler_tool_is_checked_at_decoration(settings: MeshSettings) -> None:
+    agent = Agent("t0.tools.a1", settings=settings)
+
+    @agent.handler("any:thing:v1", tool="anything", description="Takes anything.")
+    async def anything(task: Task[Any]) -> None:
+        return None
+
+    assert agent.tools[0].parameters == {"type": "object"}
+    assert agent.tools[0].description == "Takes anything."
+
+    with pytest.raises(TypeError, match="must be an object"):
+
+        @agent.handler("num:thing:v1", tool="number")
+        async def number(task: Task[int]) -> None:
+            return None
+
+    with pytest.raises(ValueError, match="declared twice"):
+
+        @agent.handler("other:thing:v1", tool="anything")
+        async def again(task: Task[Any]) -> None:
+            return None
