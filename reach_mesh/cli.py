@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from reach_mesh import _runner
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import BadRequestError, ReachError
@@ -395,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure_tracing("reach-mesh", exporter=args.trace)
     try:
-        code: int = asyncio.run(args.func(args))
+        code: int = _runner.run(args.func(args))
     except KeyboardInterrupt:
         return 130
     except ReachError as err:

@@ -63,6 +63,30 @@ __all__ = ["Client", "TaskResult"]
 
 #: Extra time the caller waits beyond the task timeout for the hub's own reply.
 _REPLY_SLACK = 2.0
+#: After reporting an agent failing, also report its successes for this long (direct mode), so
+#: that the hubs' breakers see the half-open probe succeed.
+_REPORT_SUCCESS_FOR = 60.0
+#: Routing keys whose direct-mode decisions a client caches at most.
+_ROUTE_CACHE = 1024
+
+#: (namespace, agent_id, capability, selector, strategy, region, zone)
+_CacheKey = tuple[str, str | None, str | None, str | None, str | None, str | None, str | None]
+
+
+@dataclass(slots=True)
+class _Cached:
+    """One agent of a cached direct-mode decision."""
+
+    agent_id: str
+    subject: str
+    #: The hub decision it came from.
+    request_id: str
+
+
+@dataclass(slots=True)
+class _Route:
+    agents: list[_Cached]
+    expires: float
 
 
 @dataclass(slots=True)
@@ -78,6 +102,7 @@ class TaskResult:
     #: Caller-side seconds from request to answer.
     duration: float = 0.0
     trace_id: str | None = None
+    #: The hub's routing decision id (direct mode with a cached decision: the cached one's).
     request_id: str | None = None
     decision: RouteDecision | None = None
     cached: bool = False
@@ -118,6 +143,11 @@ class Client:
         self._nc = nc
         self._own_nc = nc is None
         self._state = _State.NEW
+        # Direct mode: cached decisions per routing key, this client's requests in flight per
+        # agent (to spread over a cached decision), and when we last reported an agent failing.
+        self._routes: collections.OrderedDict[_CacheKey, _Route] = collections.OrderedDict()
+        self._outstanding: dict[str, int] = {}
+        self._failed_at: dict[str, float] = {}
 
     @property
     def nc(self) -> NATS:
@@ -178,8 +208,10 @@ class Client:
         """Route one task and wait for its final state.
 
         Raises ``NoMatchError`` when no live agent can take it, ``MeshTimeoutError`` when no
-        answer arrives in ``timeout``, ``ThrottledError`` when throttled past the deadline, and
-        typed ``BadRequestError``\\ s for bad input. A handler failure is *returned*:
+        answer arrives in ``timeout``; retryable refusals (``ThrottledError``,
+        ``AgentBusyError``, ``MeshUnavailableError``) are retried with backoff and jitter and
+        raised only when the deadline leaves no room for another try; typed
+        ``BadRequestError``\\ s for bad input. A handler failure is *returned*:
         ``TaskResult(state=FAILED, error=...)``.
         """
         timeout = timeout or self.settings.request_timeout
@@ -199,6 +231,20 @@ class Client:
             explain=explain,
         )
         ns = protocol.namespace_of(agent_id) if agent_id else self.namespace
+        headers = inject({})
+        trace_id = trace_id_from_headers(headers)
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        if mode == "direct":
+            task, request_id, decision = await self._direct(req, ns, headers, deadline)
+            return self._result(task, request_id, decision, trace_id, t0)
+        body = self._encode_route(req)
+        reply = await self._call_hub(ns, "route", body, headers, deadline, timeout + _REPLY_SLACK)
+        route = RouteReply.model_validate_json(reply)
+        assert route.task is not None
+        return self._result(route.task, route.request_id, route.decision, trace_id, t0)
+
+    def _encode_route(self, req: RouteRequest) -> bytes:
         body = protocol.encode(req)
         if len(body) > self.settings.max_payload + 16 * 1024:
             raise PayloadTooLargeError(
@@ -207,71 +253,173 @@ class Client:
                 size=len(body),
                 max_size=self.settings.max_payload,
             )
-        headers = inject({})
-        trace_id = trace_id_from_headers(headers)
-        t0 = time.perf_counter()
-        deadline = time.monotonic() + timeout
-        reply = await self._call_hub(ns, "route", body, headers, deadline, timeout + _REPLY_SLACK)
-        route = RouteReply.model_validate_json(reply)
-        if mode == "direct":
-            task = await self._direct(req, route, headers, deadline)
-        else:
-            assert route.task is not None
-            task = route.task
-        return self._result(task, route, trace_id, t0)
+        return body
 
     async def _direct(
-        self, req: RouteRequest, route: RouteReply, headers: dict[str, str], deadline: float
-    ) -> TaskReply:
-        """Direct mode: the hub only decided; call the agent ourselves."""
+        self, req: RouteRequest, ns: str, headers: dict[str, str], deadline: float
+    ) -> tuple[TaskReply, str | None, RouteDecision | None]:
+        """Direct mode: a hub decides (or a cached decision does); call the agent ourselves.
+
+        Decisions are cached per routing key for ``direct_cache_ttl`` together with the hub's
+        alternates, and requests spread over them by this client's own outstanding count, so a
+        steady stream of requests costs one agent round trip each, not two. A session id or
+        hash key asks for per-request routing: never cached. An agent that refuses
+        (``REACH_AGENT_BUSY``, ``REACH_NO_HANDLER``) or is gone (no responders) is dropped from
+        the cache and reported; the next cached agent is tried at once, and when none is left a
+        hub is asked again after a backoff with jitter, until the deadline.
+        """
+        assert req.task_id is not None
+        key = self._cache_key(req, ns)
+        tried: set[str] = set()
         attempt = 0
+        delay = 0.02
+        body: bytes | None = None
+        request_id: str | None = None
+        decision: RouteDecision | None = None
+        last: ReachError | None = None
         while True:
+            target = self._cached(key, tried) if key is not None else None
+            if target is None:
+                if last is not None:
+                    # Every agent we knew of refused: back off before asking a hub again.
+                    wait = delay * random.uniform(0.5, 1.5)
+                    if time.monotonic() + wait >= deadline:
+                        raise last
+                    await asyncio.sleep(wait)
+                    delay = min(delay * 2, 1.0)
+                    tried.clear()
+                if body is None:
+                    body = self._encode_route(req)
+                left = deadline - time.monotonic()
+                data = await self._call_hub(ns, "route", body, headers, deadline, left + 5.0)
+                route = RouteReply.model_validate_json(data)
+                assert route.agent_id is not None and route.subject is not None
+                decision = route.decision
+                target = _Cached(route.agent_id, route.subject, route.request_id)
+                if key is not None and self.settings.direct_cache_ttl > 0:
+                    self._store(key, route)
+            request_id = target.request_id
             attempt += 1
-            assert route.subject is not None and req.task_id is not None
+            agent = target.agent_id
+            left = max(deadline - time.monotonic(), 0.001)
             env = TaskEnvelope(
                 task_id=req.task_id,
                 attempt=attempt,
-                capability=req.capability or _first_cap(route),
+                capability=req.capability,
                 payload=req.payload,
-                namespace=self.namespace,
-                timeout=max(deadline - time.monotonic(), 0.001),
+                namespace=ns,
+                timeout=left,
             )
+            outstanding = self._outstanding
+            outstanding[agent] = outstanding.get(agent, 0) + 1
             try:
                 msg = await self.nc.request(
-                    route.subject,
-                    protocol.encode(env),
-                    timeout=max(deadline - time.monotonic(), 0.001),
-                    headers=headers,
+                    target.subject, protocol.encode(env), timeout=left, headers=headers
                 )
                 reply = protocol.parse_reply(msg.data, TaskReply)
-                # The hub did not see this call: tell it how the agent did.
-                await self.report(
-                    route.agent_id or "",
-                    success=reply.state is not TaskState.FAILED,
-                    code=reply.error.code if reply.error else None,
-                    task_id=req.task_id,
-                )
-                return reply
             except (AgentBusyError, NoHandlerError, NoRespondersError) as err:
-                if isinstance(err, NoRespondersError) and route.agent_id:
-                    await self.report(route.agent_id, success=False, code="REACH_UNAVAILABLE")
-                if attempt >= self.settings.route_attempts or time.monotonic() >= deadline:
-                    if isinstance(err, ReachError):
-                        raise
-                    raise UnknownAgentError(f"{route.agent_id} is gone") from err
-                body = protocol.encode(req)
-                ns = protocol.namespace_of(req.agent_id) if req.agent_id else self.namespace
-                data = await self._call_hub(ns, "route", body, headers, deadline, 5.0)
-                route = RouteReply.model_validate_json(data)
+                if isinstance(err, ReachError):
+                    last, code = err, err.code
+                else:
+                    last = UnknownAgentError(f"{agent} has no subscriber on {target.subject}")
+                    last.__cause__ = err
+                    code = MeshUnavailableError.code
+                tried.add(agent)
+                if key is not None:
+                    self._drop(key, agent)
+                await self._report_failure(agent, code, req.task_id)
+                if time.monotonic() >= deadline:
+                    raise last from err
+                continue
             except (NatsTimeoutError, TimeoutError) as err:
+                await self._report_failure(agent, MeshTimeoutError.code, req.task_id)
                 raise MeshTimeoutError(
-                    f"agent {route.agent_id} did not answer task {req.task_id}",
+                    f"agent {agent} did not answer task {req.task_id}",
                     task_id=req.task_id,
-                    agent_id=route.agent_id,
+                    agent_id=agent,
                 ) from err
+            finally:
+                n = outstanding[agent] - 1
+                if n:
+                    outstanding[agent] = n
+                else:
+                    del outstanding[agent]
+            # The hub did not see this call. Failures feed its breaker; a success is news only
+            # for an agent we reported failing lately (it may be the breaker's half-open probe).
+            if reply.state is TaskState.FAILED:
+                await self._report_failure(
+                    agent, reply.error.code if reply.error else None, req.task_id
+                )
+            elif self._failed_at:
+                failed = self._failed_at.get(agent)
+                if failed is not None and time.monotonic() - failed < _REPORT_SUCCESS_FOR:
+                    await self.report(agent, success=True, task_id=req.task_id)
+            return reply, request_id, decision
+
+    def _cache_key(self, req: RouteRequest, ns: str) -> _CacheKey | None:
+        if (
+            req.session_id is not None
+            or req.hash_key is not None
+            or req.explain
+            or self.settings.direct_cache_ttl <= 0
+        ):
+            return None
+        return (ns, req.agent_id, req.capability, req.selector, req.strategy, req.region, req.zone)
+
+    def _cached(self, key: _CacheKey, tried: set[str]) -> _Cached | None:
+        """The cached agent for ``key`` with the fewest of our requests outstanding."""
+        entry = self._routes.get(key)
+        if entry is None:
+            return None
+        if entry.expires <= time.monotonic():
+            del self._routes[key]
+            return None
+        best: _Cached | None = None
+        best_n = 0
+        outstanding = self._outstanding
+        for cand in entry.agents:  # best first: ties go to the hub's preference
+            if cand.agent_id in tried:
+                continue
+            n = outstanding.get(cand.agent_id, 0)
+            if best is None or n < best_n:
+                best, best_n = cand, n
+                if n == 0:
+                    break
+        return best
+
+    def _store(self, key: _CacheKey, route: RouteReply) -> None:
+        assert route.agent_id is not None and route.subject is not None
+        agents = [_Cached(route.agent_id, route.subject, route.request_id)]
+        agents += (_Cached(a.agent_id, a.subject, route.request_id) for a in route.alternates)
+        self._routes[key] = _Route(agents, time.monotonic() + self.settings.direct_cache_ttl)
+        self._routes.move_to_end(key)
+        if len(self._routes) > _ROUTE_CACHE:
+            self._routes.popitem(last=False)
+
+    def _drop(self, key: _CacheKey, agent_id: str) -> None:
+        entry = self._routes.get(key)
+        if entry is not None:
+            entry.agents = [a for a in entry.agents if a.agent_id != agent_id]
+            if not entry.agents:
+                del self._routes[key]
+
+    async def _report_failure(self, agent_id: str, code: str | None, task_id: str) -> None:
+        now = time.monotonic()
+        self._failed_at[agent_id] = now
+        if len(self._failed_at) > _ROUTE_CACHE:  # forget the stale ones
+            self._failed_at = {
+                a: t for a, t in self._failed_at.items() if now - t < _REPORT_SUCCESS_FOR
+            }
+        with contextlib.suppress(Exception):  # a report must never fail the call
+            await self.report(agent_id, success=False, code=code, task_id=task_id)
 
     def _result(
-        self, task: TaskReply, route: RouteReply, trace_id: str | None, t0: float
+        self,
+        task: TaskReply,
+        request_id: str | None,
+        decision: RouteDecision | None,
+        trace_id: str | None,
+        t0: float,
     ) -> TaskResult:
         error = error_from_wire(task.error.model_dump()) if task.error is not None else None
         if task.state is TaskState.TIMEOUT and error is not None:
@@ -285,8 +433,8 @@ class Client:
             error=error,
             duration=time.perf_counter() - t0,
             trace_id=trace_id,
-            request_id=route.request_id,
-            decision=route.decision,
+            request_id=request_id,
+            decision=decision,
             cached=task.cached,
             handler_ms=task.duration_ms,
         )
@@ -332,17 +480,29 @@ class Client:
         deadline: float,
         timeout: float,
     ) -> bytes:
-        """Request a hub; retry while no hub answers or we are throttled, until the deadline."""
+        """Request a hub; retry what is retryable until the deadline, then raise the last.
+
+        Retryable: no hub answered (no responders), ``REACH_THROTTLED`` (after at least
+        ``retry_after``), ``REACH_AGENT_BUSY`` (every candidate refused before accepting) and
+        ``REACH_UNAVAILABLE`` (JetStream briefly down). Backoff doubles from 20 ms to 1 s, with
+        jitter so that many callers retrying together do not stampede.
+        """
         subject = protocol.hub_subject(ns, verb)
         delay = 0.02
         while True:
+            left = deadline - time.monotonic()
             try:
-                msg = await self.nc.request(subject, body, timeout=timeout, headers=headers)
+                msg = await self.nc.request(
+                    subject,
+                    body,
+                    timeout=min(timeout, max(left, 0.0) + _REPLY_SLACK),
+                    headers=headers,
+                )
             except NoRespondersError as err:
-                if time.monotonic() + delay >= deadline:
-                    raise MeshUnavailableError(
-                        f"no hub answered on {subject}: is `reach-mesh hub` running?"
-                    ) from err
+                last: ReachError = MeshUnavailableError(
+                    f"no hub answered on {subject}: is `reach-mesh hub` running?"
+                )
+                last.__cause__ = err
                 wait = delay
             except MaxPayloadError as err:
                 raise PayloadTooLargeError(
@@ -354,12 +514,13 @@ class Client:
                 try:
                     protocol.raise_for_error(msg.data)
                 except ThrottledError as err:
-                    if time.monotonic() + err.retry_after >= deadline:
-                        raise
-                    wait = err.retry_after
+                    last, wait = err, err.retry_after
+                except (AgentBusyError, MeshUnavailableError) as err:
+                    last, wait = err, delay
                 else:
                     return msg.data
-            # Backoff with jitter: many callers retrying together do not stampede.
+            if time.monotonic() + wait >= deadline:
+                raise last
             await asyncio.sleep(wait * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
 
@@ -633,19 +794,25 @@ class Client:
                     msg = await sub.next_msg(timeout=1.0)
                 except (NatsTimeoutError, TimeoutError):
                     break
-                try:
-                    event = json.loads(msg.data)
-                except ValueError:
-                    continue
-                if all(event.get(k) == v for k, v in wanted.items()):
-                    event["seq"] = msg.metadata.sequence.stream
-                    events.append(event)
+                # A message holds a batch of events, one JSON object per line.
+                for line in msg.data.splitlines():
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue
+                    if not isinstance(event, dict):
+                        continue
+                    if all(event.get(k) == v for k, v in wanted.items()):
+                        event["seq"] = msg.metadata.sequence.stream
+                        events.append(event)
                 if msg.metadata.num_pending == 0:
                     break
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        return list(events)
+        # Hubs publish events in batches per subject, so stream order is not event order:
+        # order by the hub's timestamp (stable, so one batch keeps its own order).
+        return sorted(events, key=lambda e: e.get("ts", 0.0))
 
     async def _query(self, verb: str, body: dict[str, Any], ns: str | None = None) -> bytes:
         deadline = time.monotonic() + 10.0
@@ -656,7 +823,3 @@ class Client:
 
 def _bad_step(step: object) -> Any:
     raise WorkflowSpecError(f"expected reach_mesh.Step, got {type(step).__name__}")
-
-
-def _first_cap(route: RouteReply) -> str | None:
-    return None

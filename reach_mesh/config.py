@@ -45,6 +45,9 @@ class MeshSettings(BaseModel):
     #: Delivery attempts a hub makes (to different agents) before an ACCEPT.
     route_attempts: int = Field(default=3, ge=1, le=20)
     default_strategy: str = "least_loaded"
+    #: Direct mode: how long a Client reuses a hub's decision (and its alternates) for the same
+    #: target, strategy and region/zone. 0 = ask a hub on every request.
+    direct_cache_ttl: float = Field(default=1.0, ge=0)
     #: least_loaded scoring: in-flight/max_concurrency, queue depth and pressure coefficients,
     #: and the utilisation above which an agent is steeply de-weighted (docs/selectors.md).
     load_weight_inflight: float = Field(default=1.0, ge=0)

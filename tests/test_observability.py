@@ -158,6 +158,9 @@ async def test_audit_stream_tells_the_story(
         res = await c.request(capability="work:echo:v1", payload=1)
         await c.admin("cordon", agent.agent_id)
         await eventually(lambda: hub.registry.agents[agent.agent_id].state.value == "CORDONED")
+        # Audit events are batched (up to ~75 ms); publish what is buffered now.
+        await hub.audit.flush()
+        await hub.nc.flush()
         events = await c.audit(request_id=res.request_id)
         assert len(events) == 1
         ev = events[0]

@@ -11,7 +11,15 @@ from typing import Any
 import nats
 import pytest
 
-from reach_mesh import Client, MeshSettings, NoMatchError, ThrottledError, protocol
+from reach_mesh import (
+    AgentBusyError,
+    Client,
+    MeshSettings,
+    MeshUnavailableError,
+    NoMatchError,
+    ThrottledError,
+    protocol,
+)
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import BreakerState
@@ -350,3 +358,90 @@ async def test_direct_mode(hub: Hub, settings: MeshSettings, namespace: str) -> 
     async with a, Client(settings=settings) as c:
         res = await c.request(capability="work:echo:v1", payload={"x": 1}, mode="direct")
         assert res.ok and res.result == {"by": a.agent_id, "payload": {"x": 1}}
+
+
+async def test_agent_at_capacity_queues_instead_of_no_match(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """3x more concurrent requests than one agent's max_concurrency + max_queue: the hub never
+    answers NO_MATCH because the agent is saturated; the agent queues, refuses when really full
+    (REACH_AGENT_BUSY, retryable) and the client retries until its deadline."""
+    agent = Agent(f"{namespace}.w.slow", settings=settings, max_concurrency=2, max_queue=2)
+
+    @agent.handler("work:slow:v1")
+    async def slow(task: Task[Any]) -> Any:
+        await asyncio.sleep(0.05)
+        return task.payload
+
+    async with agent, Client(settings=settings) as c:
+        results = await asyncio.gather(
+            *(c.request(capability="work:slow:v1", payload=i, timeout=10.0) for i in range(12)),
+            return_exceptions=True,
+        )
+    for i, res in enumerate(results):
+        assert not isinstance(res, NoMatchError), res
+        if isinstance(res, BaseException):
+            assert isinstance(res, AgentBusyError | MeshUnavailableError | ThrottledError), res
+        else:
+            assert res.ok and res.result == i
+
+
+def _routed(hub: Hub, namespace: str) -> float:
+    value: float = hub.metrics.task_total.labels(namespace, "direct", "ROUTED")._value.get()
+    return value
+
+
+async def test_direct_mode_caches_decisions_and_reports_failures_only(
+    hub: Hub, settings: MeshSettings, namespace: str, nats_url: str
+) -> None:
+    agents = [echo_agent(f"{namespace}.w.a{i}", settings) for i in range(3)]
+    await start_all(*agents)
+    reports: list[FailureReport] = []
+    nc = await nats.connect(nats_url)
+    try:
+
+        async def on_report(msg: Any) -> None:
+            reports.append(FailureReport.model_validate_json(msg.data))
+
+        await nc.subscribe(protocol.hub_subject(namespace, "report"), cb=on_report)
+        await nc.flush()
+        cached = settings.model_copy(update={"direct_cache_ttl": 30.0})
+        async with Client(settings=cached) as c:
+            for i in range(10):
+                res = await c.request(capability="work:echo:v1", payload=i, mode="direct")
+                assert res.ok and res.result["payload"] == i
+            assert _routed(hub, namespace) == 1  # one hub decision, nine cache hits
+            # Concurrent requests spread over the cached decision and its alternates.
+            many = await asyncio.gather(
+                *(c.request(capability="work:echo:v1", payload=i, mode="direct") for i in range(30))
+            )
+            assert len({r.agent_id for r in many}) > 1
+            await nc.flush()
+            assert reports == []  # successes of healthy agents are not reported
+            # An agent that vanished: dropped from the cache, reported, the next one serves.
+            gone = next(a for a in agents if a.agent_id == res.agent_id)  # the cache's first
+            await gone.close()
+            for i in range(6):
+                res = await c.request(capability="work:echo:v1", payload=i, mode="direct")
+                assert res.ok and res.agent_id != gone.agent_id
+            await eventually(lambda: len(reports) >= 1)
+            assert {r.agent_id for r in reports} == {gone.agent_id}
+            assert all(not r.success for r in reports)
+        async with Client(settings=settings.model_copy(update={"direct_cache_ttl": 0.0})) as c:
+            before = _routed(hub, namespace)
+            for i in range(3):
+                await c.request(capability="work:echo:v1", payload=i, mode="direct")
+            assert _routed(hub, namespace) == before + 3  # cache off: a hub trip each
+    finally:
+        await nc.close()
+        await close_all(*agents)
+
+
+async def test_direct_mode_session_requests_are_routed_each_time(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    a = echo_agent(f"{namespace}.w.a1", settings)
+    async with a, Client(settings=settings) as c:
+        for i in range(3):
+            await c.request(capability="work:echo:v1", payload=i, mode="direct", session_id="s1")
+        assert _routed(hub, namespace) == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
+from reach_mesh import _runner
 from reach_mesh.agent._agent import Agent
 
 __all__ = ["run", "serve"]
@@ -28,5 +29,6 @@ async def serve(*agents: Agent) -> None:
 
 
 def run(*agents: Agent) -> None:
-    """Blocking: ``reach_mesh.agent.run(agent)`` in a script's ``__main__``."""
-    asyncio.run(serve(*agents))
+    """Blocking: ``reach_mesh.agent.run(agent)`` in a script's ``__main__``; on uvloop when it
+    is installed (a process entry point may choose the loop; the library does not)."""
+    _runner.run(serve(*agents))

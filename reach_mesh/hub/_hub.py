@@ -13,9 +13,12 @@ import contextlib
 import enum
 import json
 import logging
+import os
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
 
@@ -26,6 +29,8 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from pydantic import BaseModel, ConfigDict
+from pydantic_core import to_json
 
 from reach_mesh import protocol
 from reach_mesh._nats import connect
@@ -57,20 +62,22 @@ from reach_mesh.models import (
     HeartbeatReply,
     RegisterReply,
     RegisterRequest,
-    RouteReply,
+    RouteDecision,
     RouteRequest,
     TaskEnvelope,
-    TaskReply,
     TaskState,
     UnregisterRequest,
 )
 from reach_mesh.tracing import (
     SPAN_DELIVER,
     SPAN_ROUTE,
+    TRACEPARENT,
+    TRACESTATE,
     SpanKind,
     inject,
     span,
     trace_id_from_headers,
+    tracing_enabled,
 )
 from reach_mesh.tracing.metrics import HubMetrics
 
@@ -85,6 +92,48 @@ ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove")
 #: Report codes for operator quarantine / release, broadcast so every hub's breaker follows.
 QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
 RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
+#: Other routable agents a direct-mode reply lists for the caller to cache and spread over.
+DIRECT_ALTERNATES: Final = 3
+_BUSY_CODE: Final = AgentBusyError.code
+# Request ids only need to be unique, not secret: 64 random bits from a private generator
+# (a uuid4 per request showed up in the hub profile). Reseeded in a forked child so that two
+# hub processes forked from one parent never mint the same ids.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
+def _new_id() -> str:
+    return f"{_ids.getrandbits(64):016x}"
+
+
+class _ReplyHead(BaseModel):
+    """The parts of an agent's ``TaskReply`` the hub acts on (metrics, breaker). Parsing
+    skips building ``result``; the reply bytes themselves are passed on to the caller as they
+    came (spliced into the ``RouteReply``), never re-encoded."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    task_id: str
+    attempt: int
+    agent_id: str
+    state: TaskState
+    error: ErrorBody | None = None
+    duration_ms: float = 0.0
+    queued_ms: float = 0.0
+    cached: bool = False
+
+
+@dataclass(slots=True)
+class _Routed:
+    """What ``_route`` found: encoded into a ``RouteReply`` by ``_reply_bytes``."""
+
+    agent_id: str
+    subject: str | None = None
+    task: bytes | None = None
+    head: _ReplyHead | None = None
+    decision: RouteDecision | None = None
+    attempts: int = 1
+    alternates: list[AgentView] = field(default_factory=list)
 
 
 class HubState(enum.Enum):
@@ -115,12 +164,17 @@ class Hub:
         self._js: JetStreamContext | None = None
         self._subs: list[Subscription] = []
         self._inflight: set[asyncio.Task[None]] = set()
-        self._inflight_bg: set[asyncio.Future[None]] = set()
         self._sem = asyncio.Semaphore(self.settings.hub_concurrency)
         s = self.settings
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
         self.metrics = HubMetrics()
+        # Labelled metric children by label values: Counter.labels() costs a lock and a dict
+        # build per call, on every request.
+        self._task_counters: dict[tuple[str, str, str], Any] = {}
+        self._duration_children: dict[str, Any] = {}
+        # Namespaces already validated (bounded: cleared when it grows past any real fleet).
+        self._namespaces: set[str] = set()
         self.registry: Registry
         self.router: Router
         self.sessions: SessionStore
@@ -227,6 +281,9 @@ class Hub:
             task.cancel()
         if hasattr(self, "registry"):
             await self.registry.stop()
+        if hasattr(self, "audit"):
+            with contextlib.suppress(Exception):
+                await self.audit.close()  # buffered events go out before the drain
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._nc.drain(), timeout=5)
@@ -264,7 +321,11 @@ class Hub:
     async def _serve(self, msg: Msg, handler: Handler) -> None:
         try:
             ns = msg.subject.split(".", 3)[2]
-            protocol.validate_namespace(ns)
+            if ns not in self._namespaces:
+                protocol.validate_namespace(ns)
+                if len(self._namespaces) > 10_000:
+                    self._namespaces.clear()
+                self._namespaces.add(ns)
             body = await handler(msg, ns)
         except ReachError as err:
             body = protocol.encode_error(err)
@@ -336,6 +397,13 @@ class Hub:
 
     # ------------------------------------------------------------------ routing
 
+    def _count(self, ns: str, mode: str, state: str) -> None:
+        key = (ns, mode, state)
+        child = self._task_counters.get(key)
+        if child is None:
+            child = self._task_counters[key] = self.metrics.task_total.labels(ns, mode, state)
+        child.inc()
+
     async def _on_route(self, msg: Msg, ns: str) -> bytes:
         t0 = time.perf_counter()
         req = protocol.decode(
@@ -344,7 +412,7 @@ class Hub:
         retry = self._route_throttle.check(ns)
         if retry > 0:
             self.metrics.throttled_total.labels(ns).inc()
-            self.metrics.task_total.labels(ns, req.mode, "THROTTLED").inc()
+            self._count(ns, req.mode, "THROTTLED")
             raise ThrottledError(
                 f"namespace {ns!r} is over its route rate", retry_after_ms=int(retry * 1000) + 1
             )
@@ -354,44 +422,39 @@ class Hub:
                 f"reach.hub.{protocol.namespace_of(req.agent_id)}.route",
                 field="agent_id",
             )
-        request_id = uuid.uuid4().hex[:16]
-        headers = dict(msg.headers or {})
-        trace_id = trace_id_from_headers(headers)
-        with span(
-            SPAN_ROUTE, kind=SpanKind.SERVER, parent_headers=headers, destination=msg.subject
-        ) as sp:
-            try:
-                reply = await self._route(req, ns, request_id)
-            except ReachError as err:
-                self.metrics.task_total.labels(ns, req.mode, err.code.removeprefix("REACH_")).inc()
-                await self.audit.record(
-                    ns,
-                    "route",
-                    request_id=request_id,
-                    trace_id=trace_id,
-                    task_id=req.task_id,
-                    target=req.agent_id or req.capability or req.selector,
-                    error=err.code,
-                    reason=err.message,
-                )
-                raise
-            if sp.is_recording():
-                sp.set_attribute("reach.request_id", request_id)
-                sp.set_attribute("reach.agent_id", reply.agent_id or "")
-                sp.set_attribute("reach.attempts", reply.attempts)
-        task = reply.task
-        state = task.state.value if task is not None else "ROUTED"
-        self.metrics.task_total.labels(ns, req.mode, state).inc()
-        await self.audit.record(
+        request_id = _new_id()
+        if tracing_enabled():
+            headers = dict(msg.headers or {})
+            trace_id = trace_id_from_headers(headers)
+            with span(
+                SPAN_ROUTE, kind=SpanKind.SERVER, parent_headers=headers, destination=msg.subject
+            ) as sp:
+                # headers=None: _deliver injects the context of its own span.
+                out = await self._route_counted(req, ns, request_id, trace_id, None)
+                if sp.is_recording():
+                    sp.set_attribute("reach.request_id", request_id)
+                    sp.set_attribute("reach.agent_id", out.agent_id)
+                    sp.set_attribute("reach.attempts", out.attempts)
+        else:
+            # Tracing off: nothing is recorded, so no span and no OTel context; the caller's
+            # trace context is forwarded to the agent as the strings it came as.
+            fwd, trace_id = _forward_trace(msg.headers)
+            out = await self._route_counted(req, ns, request_id, trace_id, fwd)
+        head = out.head
+        state = head.state.value if head is not None else "ROUTED"
+        self._count(ns, req.mode, state)
+        self.audit.add(
             ns,
             "route",
-            request_id=request_id,
-            trace_id=trace_id,
-            task_id=task.task_id if task else req.task_id,
-            agent_id=reply.agent_id,
-            target=req.agent_id or req.capability or req.selector,
-            state=state,
-            attempts=reply.attempts,
+            {
+                "request_id": request_id,
+                "trace_id": trace_id,
+                "task_id": head.task_id if head is not None else req.task_id,
+                "agent_id": out.agent_id,
+                "target": req.agent_id or req.capability or req.selector,
+                "state": state,
+                "attempts": out.attempts,
+            },
         )
         elapsed = time.perf_counter() - t0
         if elapsed > _SLOW_ROUTE:
@@ -400,19 +463,55 @@ class Hub:
                 ROUTE_LATENCY,
                 "slow route",
                 request_id=request_id,
-                agent_id=reply.agent_id,
+                agent_id=out.agent_id,
                 elapsed_ms=round(elapsed * 1000, 2),
             )
-        return protocol.encode(reply)
+        return _reply_bytes(request_id, out)
 
-    async def _route(self, req: RouteRequest, ns: str, request_id: str) -> RouteReply:
+    async def _route_counted(
+        self,
+        req: RouteRequest,
+        ns: str,
+        request_id: str,
+        trace_id: str | None,
+        headers: dict[str, str] | None,
+    ) -> _Routed:
+        """``_route``, with a failure counted and audited."""
+        try:
+            return await self._route(req, ns, request_id, headers)
+        except ReachError as err:
+            self._count(ns, req.mode, err.code.removeprefix("REACH_"))
+            self.audit.add(
+                ns,
+                "route",
+                {
+                    "request_id": request_id,
+                    "trace_id": trace_id,
+                    "task_id": req.task_id,
+                    "target": req.agent_id or req.capability or req.selector,
+                    "error": err.code,
+                    "reason": err.message,
+                },
+            )
+            raise
+
+    async def _route(
+        self, req: RouteRequest, ns: str, request_id: str, headers: dict[str, str] | None
+    ) -> _Routed:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.timeout
-        task_id = req.task_id or uuid.uuid4().hex
+        task_id = req.task_id or _new_id() + _new_id()
         exclude: set[str] = set()
         attempt = 0
         last_error: ReachError | None = None
         sticky = await self.sessions.get(ns, req.session_id) if req.session_id is not None else None
+        # Alternates let a direct-mode caller cache the decision; a session or hash key asks
+        # for per-request routing, so those get none.
+        want_alternates = (
+            DIRECT_ALTERNATES
+            if req.mode == "direct" and req.session_id is None and req.hash_key is None
+            else 0
+        )
         while True:
             attempt += 1
             if req.agent_id is not None and req.agent_id not in self.registry.agents:
@@ -420,7 +519,12 @@ class Hub:
                 await self.registry.fetch(req.agent_id)
             try:
                 choice = self.router.decide(
-                    req, ns, request_id, exclude=frozenset(exclude), sticky_agent=sticky
+                    req,
+                    ns,
+                    request_id,
+                    exclude=frozenset(exclude),
+                    sticky_agent=sticky,
+                    alternates=want_alternates,
                 )
             except NoMatchError as err:
                 if last_error is not None and exclude:
@@ -434,31 +538,27 @@ class Hub:
                 )
                 raise
             view = choice.view
-            assert view is not None
-            self.metrics.route_duration_seconds.observe(choice.decision.elapsed_us / 1e6)
-            decision = choice.decision if (req.explain or req.dry_run) else None
+            self.metrics.route_duration_seconds.observe(choice.elapsed_us / 1e6)
+            decision = choice.decision
             if req.dry_run:
-                return RouteReply(
-                    request_id=request_id,
-                    agent_id=view.agent_id,
-                    subject=view.record.task_subject,
-                    decision=decision,
-                )
+                return _Routed(view.agent_id, subject=view.record.task_subject, decision=decision)
             if req.mode == "direct":
                 view.assigned(self.registry.now)
-                return RouteReply(
-                    request_id=request_id,
-                    agent_id=view.agent_id,
+                return _Routed(
+                    view.agent_id,
                     subject=view.record.task_subject,
                     decision=decision,
                     attempts=attempt,
+                    alternates=choice.alternates,
                 )
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise MeshTimeoutError(
                     f"task {task_id} not delivered within {req.timeout:g}s", task_id=task_id
                 )
-            envelope = TaskEnvelope(
+            # Built from values validated already (the RouteRequest, the router's choice):
+            # no second validation on the hot path.
+            envelope = TaskEnvelope.model_construct(
                 task_id=task_id,
                 attempt=attempt,
                 capability=choice.capability,
@@ -467,7 +567,7 @@ class Hub:
                 timeout=remaining,
             )
             try:
-                task = await self._deliver(view, envelope, remaining)
+                data, head = await self._deliver(view, envelope, remaining, headers)
             except (AgentBusyError, NoHandlerError, UnknownAgentError) as err:
                 # Refused before ACCEPTED: safe to try another agent.
                 last_error = err
@@ -476,48 +576,37 @@ class Hub:
                     raise
                 self.metrics.retry_total.inc()
                 continue
-            if task.state is TaskState.SUCCEEDED and req.session_id is not None:
+            if head.state is TaskState.SUCCEEDED and req.session_id is not None:
                 await self.sessions.put(ns, req.session_id, view.agent_id)
-            return RouteReply(
-                request_id=request_id,
-                agent_id=view.agent_id,
-                task=task,
-                decision=decision,
-                attempts=attempt,
-            )
+            return _Routed(view.agent_id, task=data, head=head, decision=decision, attempts=attempt)
 
-    async def _deliver(self, view: AgentView, envelope: TaskEnvelope, timeout: float) -> TaskReply:
-        """Send one attempt to ``view`` and wait for its reply (proxy mode)."""
+    async def _deliver(
+        self,
+        view: AgentView,
+        envelope: TaskEnvelope,
+        timeout: float,
+        headers: dict[str, str] | None,
+    ) -> tuple[bytes, _ReplyHead]:
+        """Send one attempt to ``view`` and wait for its reply (proxy mode).
+
+        ``headers``: the trace context to send; ``None`` (tracing on) opens a deliver span and
+        sends its context. Returns the reply's bytes as the agent sent them and its parsed head.
+        """
         subject = view.record.task_subject
+        body = _envelope_bytes(envelope)
         view.outstanding += 1
         try:
-            with span(SPAN_DELIVER, kind=SpanKind.CLIENT, destination=subject):
-                headers = inject({})
-                try:
-                    msg = await self.nc.request(
-                        subject, protocol.encode(envelope), timeout=timeout, headers=headers
-                    )
-                except NoRespondersError as err:
-                    self._failed(view, delivery=True)
-                    raise UnknownAgentError(
-                        f"agent {view.agent_id} has no subscriber on {subject}",
-                        agent_id=view.agent_id,
-                    ) from err
-                except (TimeoutError, NatsTimeoutError) as err:
-                    view.health.accept_timeout()
-                    view.breaker.record(False)
-                    self.registry.regrade(view)
-                    raise MeshTimeoutError(
-                        f"agent {view.agent_id} did not answer task {envelope.task_id} "
-                        f"attempt {envelope.attempt} within {timeout:.3g}s",
-                        agent_id=view.agent_id,
-                        task_id=envelope.task_id,
-                        attempt=envelope.attempt,
-                    ) from err
+            if headers is None:
+                with span(SPAN_DELIVER, kind=SpanKind.CLIENT, destination=subject):
+                    msg = await self._request(view, envelope, subject, body, timeout, inject({}))
+            else:
+                msg = await self._request(view, envelope, subject, body, timeout, headers)
         finally:
             view.outstanding -= 1
+        data: bytes = msg.data
         try:
-            reply = protocol.parse_reply(msg.data, TaskReply)
+            protocol.raise_for_error(data)
+            head = _ReplyHead.model_validate_json(data)
         except AgentBusyError:
             view.health.overloaded()
             raise
@@ -527,17 +616,50 @@ class Hub:
             self._failed(view, delivery=True)
             raise InternalError(f"agent {view.agent_id} sent a malformed reply: {err}") from err
         m = self.metrics
-        m.delivered_to_accepted_seconds.observe(reply.queued_ms / 1000)
-        m.task_duration_seconds.labels(envelope.capability or "-").observe(reply.duration_ms / 1000)
-        if reply.cached:
+        m.delivered_to_accepted_seconds.observe(head.queued_ms / 1000)
+        cap = envelope.capability or "-"
+        child = self._duration_children.get(cap)
+        if child is None:
+            child = self._duration_children[cap] = m.task_duration_seconds.labels(cap)
+        child.observe(head.duration_ms / 1000)
+        if head.cached:
             m.duplicate_delivery_total.inc()
-        if reply.state is TaskState.SUCCEEDED:
+        if head.state is TaskState.SUCCEEDED:
             view.health.success()
             view.breaker.record(True)
-        elif reply.state is TaskState.FAILED:
+        elif head.state is TaskState.FAILED:
             view.breaker.record(False)
         self.registry.regrade(view)
-        return reply
+        return data, head
+
+    async def _request(
+        self,
+        view: AgentView,
+        envelope: TaskEnvelope,
+        subject: str,
+        body: bytes,
+        timeout: float,
+        headers: dict[str, str],
+    ) -> Msg:
+        try:
+            return await self.nc.request(subject, body, timeout=timeout, headers=headers)
+        except NoRespondersError as err:
+            self._failed(view, delivery=True)
+            raise UnknownAgentError(
+                f"agent {view.agent_id} has no subscriber on {subject}",
+                agent_id=view.agent_id,
+            ) from err
+        except (TimeoutError, NatsTimeoutError) as err:
+            view.health.accept_timeout()
+            view.breaker.record(False)
+            self.registry.regrade(view)
+            raise MeshTimeoutError(
+                f"agent {view.agent_id} did not answer task {envelope.task_id} "
+                f"attempt {envelope.attempt} within {timeout:.3g}s",
+                agent_id=view.agent_id,
+                task_id=envelope.task_id,
+                attempt=envelope.attempt,
+            ) from err
 
     def _failed(self, view: AgentView, *, delivery: bool) -> None:
         if delivery:
@@ -561,6 +683,9 @@ class Hub:
         elif report.success:
             view.breaker.record(True)
             view.health.success()
+        elif report.code == _BUSY_CODE:
+            # Refused before accepting: overload, not a fault (as in proxy mode, no breaker).
+            view.health.overloaded()
         else:
             view.breaker.record(False)
             if report.code in ("REACH_TIMEOUT",):
@@ -581,11 +706,14 @@ class Hub:
                 open_for_s=view.breaker.open_timeout,
             )
         if self._nc is not None and not self._nc.is_closed:
-            task = asyncio.ensure_future(
-                self.audit.record(ns, "state", agent_id=view.agent_id, old=old.value, new=new.value)
+            # Soon, not now: the change is a consequence of the action being handled (e.g. a
+            # registration), whose own event should come first in the story.
+            asyncio.get_running_loop().call_soon(
+                self.audit.add,
+                ns,
+                "state",
+                {"agent_id": view.agent_id, "old": old.value, "new": new.value},
             )
-            self._inflight_bg.add(task)
-            task.add_done_callback(self._inflight_bg.discard)
 
     # ------------------------------------------------------------------ queries & admin
 
@@ -629,6 +757,62 @@ class Hub:
             )
         await self.audit.record(ns, "admin", agent_id=agent_id, op=op)
         return protocol.dumps({"agent_id": agent_id, "op": op, "state": view.state})
+
+
+def _forward_trace(headers: dict[str, str] | None) -> tuple[dict[str, str], str]:
+    """The trace headers to send on (tracing off) and the trace id: the caller's
+    ``traceparent``/``tracestate`` as received, or a new trace when it sent none valid."""
+    if headers:
+        trace_id = trace_id_from_headers(headers)
+        if trace_id is not None:
+            out = {TRACEPARENT: headers[TRACEPARENT]}
+            state = headers.get(TRACESTATE)
+            if state:
+                out[TRACESTATE] = state
+            return out, trace_id
+    out = inject({})
+    return out, out[TRACEPARENT][3:35]
+
+
+def _envelope_bytes(env: TaskEnvelope) -> bytes:
+    """A proxy-mode ``TaskEnvelope`` as JSON, written directly (pydantic's ``model_construct``
+    plus ``model_dump_json`` cost several times more on every request). Ids, capability and
+    namespace are validated protocol tokens: quoted without escaping; the payload goes through
+    pydantic's JSON serialiser, as ``protocol.encode`` would."""
+    parts = [b'{"task_id":"', env.task_id.encode(), b'","attempt":', str(env.attempt).encode()]
+    if env.capability is not None:
+        parts += (b',"capability":"', env.capability.encode(), b'"')
+    if env.payload is not None:
+        parts += (b',"payload":', to_json(env.payload))
+    parts += (
+        b',"namespace":"',
+        env.namespace.encode(),
+        b'","timeout":',
+        repr(env.timeout).encode(),
+    )
+    parts.append(b"}")
+    return b"".join(parts)
+
+
+def _reply_bytes(request_id: str, out: _Routed) -> bytes:
+    """The ``RouteReply`` JSON, with the agent's ``TaskReply`` bytes spliced in unchanged.
+
+    Ids and subjects are validated protocol tokens (``[a-z0-9_-]`` and dots), so they are
+    written between quotes without escaping.
+    """
+    parts = [b'{"request_id":"', request_id.encode(), b'","agent_id":"', out.agent_id.encode()]
+    if out.subject is not None:
+        parts += (b'","subject":"', out.subject.encode())
+    parts.append(b'"')
+    if out.task is not None:
+        parts += (b',"task":', out.task)
+    if out.decision is not None:
+        parts += (b',"decision":', out.decision.model_dump_json(exclude_none=True).encode())
+    if out.alternates:
+        refs = [{"agent_id": v.agent_id, "subject": v.record.task_subject} for v in out.alternates]
+        parts += (b',"alternates":', protocol.dumps(refs))
+    parts += (b',"attempts":', str(out.attempts).encode(), b"}")
+    return b"".join(parts)
 
 
 def _json_object(data: bytes) -> dict[str, Any]:

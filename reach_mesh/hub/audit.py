@@ -1,28 +1,41 @@
 """The audit log: routing decisions, registrations, state changes and operator actions, appended
 to a JetStream stream with bounded retention.
 
-Events are published with core NATS publish into the stream's subjects (no ack round trip on the
-hot path); the stream stores them. ``reach-mesh audit`` reads them back filtered by request id,
-agent id or trace id.
+Events are buffered per subject (``reach.audit.<ns>.<kind>``) and published in batches: one
+message of newline-delimited JSON objects per subject every :data:`FLUSH_INTERVAL` (or as soon as
+a subject holds :data:`FLUSH_EVENTS` events), and on close. One JetStream message per routed
+request would cost the hub a JSON dump and a publish per request and the server a stored message
+per request; a batch costs one of each per subject per interval. Publishing is core NATS publish
+(no ack round trip); the stream stores what it captures. An event can therefore be up to one
+interval late, and a hub that dies without closing loses at most the last interval's events.
+``reach-mesh audit`` (``Client.audit``) splits the batches back into events and filters them by
+request id, agent id, task id or trace id.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import logging
 import time
-from typing import Any
+from typing import Any, Final
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from pydantic_core import to_json
 
 from reach_mesh import protocol
 
-__all__ = ["AuditLog"]
+__all__ = ["FLUSH_EVENTS", "FLUSH_INTERVAL", "AuditLog"]
 
 log = logging.getLogger("reach_mesh.hub.audit")
+
+#: Longest an event waits in the buffer before it is published.
+FLUSH_INTERVAL: Final = 0.075
+#: A subject's buffer is published at once when it holds this many events (keeps one message
+#: far below the server's max payload: an event is a few hundred bytes).
+FLUSH_EVENTS: Final = 512
 
 
 class AuditLog:
@@ -36,6 +49,7 @@ class AuditLog:
         max_bytes: int,
         replicas: int = 1,
         enabled: bool = True,
+        flush_interval: float = FLUSH_INTERVAL,
     ) -> None:
         self._nc = nc
         self._js = js
@@ -43,7 +57,11 @@ class AuditLog:
         self._max_age = max_age
         self._max_bytes = max_bytes
         self._replicas = replicas
+        self._flush_interval = flush_interval
         self.enabled = enabled
+        self._buffers: dict[str, list[dict[str, Any]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._flushing: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         if not self.enabled:
@@ -65,16 +83,54 @@ class AuditLog:
             with contextlib.suppress(Exception):
                 await self._js.update_stream(config)
 
-    async def record(self, namespace: str, kind: str, **fields: Any) -> None:
-        """Append one event (fire-and-forget; an audit failure never fails a request)."""
+    def add(self, namespace: str, kind: str, fields: dict[str, Any]) -> None:
+        """Buffer one event (no I/O here; an audit failure never fails a request).
+
+        ``fields`` is taken over (not copied); ``None`` values are left out of the event."""
         if not self.enabled:
             return
-        event = {"ts": round(time.time(), 6), "kind": kind, "hub_id": self._hub_id}
-        event.update({k: v for k, v in fields.items() if v is not None})
-        try:
-            await self._nc.publish(
-                protocol.audit_subject(namespace, kind),
-                json.dumps(event, separators=(",", ":"), default=str).encode(),
+        fields["ts"] = round(time.time(), 6)
+        fields["kind"] = kind
+        fields["hub_id"] = self._hub_id
+        subject = protocol.audit_subject(namespace, kind)
+        buf = self._buffers.get(subject)
+        if buf is None:
+            buf = self._buffers[subject] = []
+        buf.append(fields)
+        if len(buf) >= FLUSH_EVENTS:
+            self._spawn_flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(
+                self._flush_interval, self._spawn_flush
             )
-        except Exception as err:  # pragma: no cover - connection gone
-            log.debug("audit publish failed: %r", err)
+
+    async def record(self, namespace: str, kind: str, **fields: Any) -> None:
+        """Buffer one event (kept as a coroutine for callers that await it)."""
+        self.add(namespace, kind, fields)
+
+    def _spawn_flush(self) -> None:
+        task = asyncio.ensure_future(self.flush())
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def flush(self) -> None:
+        """Publish everything buffered now, one message per subject."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        buffers, self._buffers = self._buffers, {}
+        for subject, events in buffers.items():
+            body = b"\n".join(
+                to_json({k: v for k, v in ev.items() if v is not None}, fallback=str)
+                for ev in events
+            )
+            try:
+                await self._nc.publish(subject, body)
+            except Exception as err:  # connection gone: nothing to do but say so
+                log.warning("audit publish of %d events failed: %r", len(events), err)
+
+    async def close(self) -> None:
+        """Flush what is buffered and wait for flushes under way (call before draining)."""
+        if self._flushing:
+            await asyncio.gather(*self._flushing, return_exceptions=True)
+        await self.flush()

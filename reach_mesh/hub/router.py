@@ -2,8 +2,13 @@
 
 Stages (each recorded in the :class:`RouteDecision` when ``explain`` is asked for):
 candidates (by id, or capability/selector through the inverted index) → filters (state, lease,
-breaker, capability health, capacity, health score, tried already) → region/zone preference →
-sticky session → strategy.
+breaker, capability health, health score, tried already) → fallback tiers (saturated, then
+SUSPECT) → region/zone preference → sticky session → strategy.
+
+``decide`` runs on the event loop for every request, so the common path allocates little: the
+pydantic :class:`RouteDecision` is built only when it is returned (``explain``/``dry_run``) or on
+a miss, a lone remaining candidate is taken without scoring, and load-based strategies look at a
+bounded random sample of a very large candidate set (see :data:`SAMPLE_SIZE`).
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Literal
 
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NoMatchError
@@ -23,25 +29,45 @@ from reach_mesh.hub.strategies import (
     LoadWeights,
     Strategy,
     get_strategy,
+    load_score,
     prefer_region,
 )
 from reach_mesh.models import AgentState, FilteredAgent, RouteDecision, RouteRequest
 from reach_mesh.selector import Selector
 
-__all__ = ["Choice", "Router"]
+__all__ = ["EXPLAIN_CANDIDATES", "SAMPLE_SIZE", "Choice", "Router"]
 
 _HEALTH_MIN: Final = 60.0
 _SELECTOR_CACHE: Final = 1024
+#: Candidates a load-based strategy (least_loaded, power_of_two, weighted_random) looks at when
+#: a target matches more agents than this: a random sample of this size, taken before filtering
+#: (the full set is scanned only when the sample leaves nobody routable). Picking the least
+#: loaded of 64 random agents spreads load about as well as of all of them, at a constant cost.
+#: round_robin and consistent_hash need the whole set (a rotation / the key's owner), and a
+#: region/zone preference may hinge on a few agents, so those always scan everything.
+SAMPLE_SIZE: Final = 64
+_SAMPLED_STRATEGIES: Final = frozenset({"least_loaded", "power_of_two", "weighted_random"})
+#: Candidate ids listed in an explained decision; ``candidate_count`` gives the full number.
+EXPLAIN_CANDIDATES: Final = 100
+#: Filter verdicts that are not exclusions but fallback tiers.
+_SUSPECT: Final = "suspect"
+_SATURATED: Final = "saturated"
+_UNHEALTHY: Final = "unhealthy"
 
 
 @dataclass(slots=True)
 class Choice:
-    """The router's answer: the agent (or None), the capability to call, and the decision."""
+    """The router's answer: the agent, the capability to call, and (explain only) the decision.
 
-    view: AgentView | None
+    ``alternates`` are the next-best routable agents in preference order, filled only when
+    asked for (direct mode: the caller may spread over them and fail over without a hub trip).
+    """
+
+    view: AgentView
     capability: str | None
-    decision: RouteDecision
-    filtered: list[FilteredAgent] = field(default_factory=list)
+    elapsed_us: float
+    decision: RouteDecision | None = None
+    alternates: list[AgentView] = field(default_factory=list)
 
 
 class Router:
@@ -88,23 +114,25 @@ class Router:
         *,
         exclude: frozenset[str] = frozenset(),
         sticky_agent: str | None = None,
+        alternates: int = 0,
     ) -> Choice:
-        """Choose an agent for ``req`` or raise ``NoMatchError`` carrying the decision."""
+        """Choose an agent for ``req`` or raise ``NoMatchError`` carrying the decision.
+
+        ``alternates``: also return up to that many other routable agents, best first.
+        """
         t0 = time.perf_counter()
         reg = self._registry
         selector: Selector | None = None
         capability = req.capability
         forced = req.agent_id is not None
+        ids: Collection[str]
         if req.agent_id is not None:
-            target = f"agent_id={req.agent_id}"
-            ids: set[str] | frozenset[str] = {req.agent_id} if req.agent_id in reg.agents else set()
+            ids = (req.agent_id,) if req.agent_id in reg.agents else ()
         elif req.capability is not None:
-            target = f"cap={req.capability}"
             ids = reg.index.by_capability(req.capability)
         else:
             assert req.selector is not None
             selector = self.parse_selector(req.selector)
-            target = str(selector)
             ids = reg.index.candidates(selector)
             caps = selector.capabilities
             capability = caps[0] if caps else None
@@ -112,59 +140,144 @@ class Router:
         strategy = self._strategies.get(strategy_name)
         if strategy is None:
             strategy = self._strategies[strategy_name] = get_strategy(strategy_name)
-        decision = RouteDecision(
-            request_id=request_id, hub_id=self._hub_id, target=target, strategy=strategy_name
-        )
         explain = req.explain or req.dry_run
-        if explain:
-            decision.candidates = sorted(ids)
 
+        pool: Collection[str] = ids
+        sampled = False
+        if (
+            len(ids) > SAMPLE_SIZE
+            and strategy_name in _SAMPLED_STRATEGIES
+            and req.region is None
+            and req.zone is None
+        ):
+            pool = self._rng.sample(tuple(ids), SAMPLE_SIZE)
+            if sticky_agent is not None and sticky_agent in ids and sticky_agent not in pool:
+                pool.append(sticky_agent)  # a sticky session must not lose to the dice
+            sampled = True
+        live, tier, filtered = self._admit(pool, namespace, capability, forced, exclude, explain)
+        if not live and sampled:
+            # The sample was unlucky (or most of the set is unroutable): look at everything.
+            sampled = False
+            live, tier, filtered = self._admit(ids, namespace, capability, forced, exclude, explain)
+        if not live:
+            elapsed = (time.perf_counter() - t0) * 1e6
+            decision = self._decision(request_id, req, selector, strategy_name, ids, sampled)
+            decision.elapsed_us = elapsed
+            if filtered is None:  # explain was off: redo the pass that says why
+                filtered = self._admit(ids, namespace, capability, forced, exclude, True)[2]
+            raise self._no_match(req, namespace, decision, filtered or [], selector)
+
+        chosen: AgentView | None = None
+        sticky: Literal["hit", "miss", "none"] = "none"
+        if sticky_agent is not None:
+            chosen = next((v for v in live if v.agent_id == sticky_agent), None)
+            sticky = "hit" if chosen is not None else "miss"
+        scores: dict[str, float] | None = None
+        cands: list[Candidate] | None = None
+        if chosen is None:
+            if len(live) == 1 and not explain:
+                chosen = live[0]  # nothing to compare: skip building and scoring candidates
+            else:
+                now = reg.now
+                cands = [self._candidate(v, now) for v in live]
+                narrowed = cands
+                if req.region or req.zone:
+                    narrowed = list(prefer_region(cands, req.region, req.zone))
+                pick, scores = strategy.choose(
+                    narrowed, req.hash_key or req.session_id, self._weights, self._rng
+                )
+                chosen = reg.agents[pick.agent_id]
+        if chosen.breaker.state is BreakerState.HALF_OPEN:
+            chosen.breaker.allow()  # hand out the single probe
+        others: list[AgentView] = []
+        if alternates > 0 and len(live) > 1:
+            others = self._alternates(live, chosen, cands, alternates)
+        elapsed = (time.perf_counter() - t0) * 1e6
+        choice = Choice(view=chosen, capability=capability, elapsed_us=elapsed, alternates=others)
+        if explain:
+            decision = self._decision(request_id, req, selector, strategy_name, ids, sampled)
+            decision.filtered = filtered or []
+            decision.fallback = tier
+            decision.sticky = sticky
+            if scores is not None:
+                decision.scores = {k: round(v, 4) for k, v in scores.items()}
+            decision.chosen = chosen.agent_id
+            decision.elapsed_us = elapsed
+            choice.decision = decision
+        return choice
+
+    def _admit(
+        self,
+        ids: Collection[str],
+        namespace: str,
+        capability: str | None,
+        forced: bool,
+        exclude: frozenset[str],
+        explain: bool,
+    ) -> tuple[list[AgentView], str | None, list[FilteredAgent] | None]:
+        """Filter ``ids`` into the routable tier: (routable agents, fallback tier, filtered).
+
+        Tiers, best first: unsaturated ONLINE agents; else the *saturated* ones (at
+        ``max_concurrency`` by this hub's count: they queue up to their ``max_queue`` and answer
+        ``REACH_AGENT_BUSY`` when really full, which the hub retries elsewhere — better than
+        ``REACH_NO_MATCH``, which a caller must not retry); else the *unhealthy* ones (health
+        below 60: a burst of BUSY refusals costs 20 points each, and an agent that is never
+        routed never earns them back); else SUSPECT ones (lease lapsed, maybe gone). The
+        fallback tiers yield one agent each, the least loaded / healthiest. ``filtered``
+        (reasons) is built only when ``explain``.
+        """
+        agents = self._registry.agents
         live: list[AgentView] = []
+        saturated: list[AgentView] = []
+        unhealthy: list[AgentView] = []
         suspects: list[AgentView] = []
-        filtered: list[FilteredAgent] = []
+        filtered: list[FilteredAgent] | None = [] if explain else None
         for agent_id in ids:
-            view = reg.agents.get(agent_id)
+            view = agents.get(agent_id)
             if view is None:
                 continue
             reason = self._filter(view, namespace, capability, forced, exclude)
             if reason is None:
                 live.append(view)
-            elif reason == "suspect":
+                continue
+            if reason == _SATURATED:
+                saturated.append(view)
+                if filtered is not None:
+                    card = view.record.card
+                    filtered.append(
+                        FilteredAgent(
+                            agent_id=agent_id,
+                            reason=f"at capacity ({view.busy}/{card.max_concurrency})",
+                        )
+                    )
+            elif reason == _UNHEALTHY:
+                unhealthy.append(view)
+                if filtered is not None:
+                    score = view.health.value
+                    filtered.append(
+                        FilteredAgent(
+                            agent_id=agent_id, reason=f"health {score:g} < {_HEALTH_MIN:g}"
+                        )
+                    )
+            elif reason == _SUSPECT:
                 suspects.append(view)
-                filtered.append(FilteredAgent(agent_id=agent_id, reason="SUSPECT (lease lapsed)"))
-            else:
+                if filtered is not None:
+                    filtered.append(
+                        FilteredAgent(agent_id=agent_id, reason="SUSPECT (lease lapsed)")
+                    )
+            elif filtered is not None:
                 filtered.append(FilteredAgent(agent_id=agent_id, reason=reason))
-        if not live and suspects:
-            # Avoided, but better than nothing: used only when no ONLINE agent matches.
-            live = suspects
-            decision.fallback = "suspect"
-        if explain:
-            decision.filtered = filtered
-
-        if not live:
-            decision.elapsed_us = (time.perf_counter() - t0) * 1e6
-            raise self._no_match(req, namespace, decision, filtered, selector)
-
-        chosen: AgentView | None = None
-        if sticky_agent is not None:
-            chosen = next((v for v in live if v.agent_id == sticky_agent), None)
-            decision.sticky = "hit" if chosen is not None else "miss"
-        if chosen is None:
-            now = reg.now
-            cands = [self._candidate(v, now) for v in live]
-            if req.region or req.zone:
-                cands = list(prefer_region(cands, req.region, req.zone))
-            pick, scores = strategy.choose(
-                cands, req.hash_key or req.session_id, self._weights, self._rng
-            )
-            chosen = reg.agents[pick.agent_id]
-            if explain:
-                decision.scores = {k: round(v, 4) for k, v in scores.items()}
-        if chosen.breaker.state is BreakerState.HALF_OPEN:
-            chosen.breaker.allow()  # hand out the single probe
-        decision.chosen = chosen.agent_id
-        decision.elapsed_us = (time.perf_counter() - t0) * 1e6
-        return Choice(view=chosen, capability=capability, decision=decision, filtered=filtered)
+        if live:
+            return live, None, filtered
+        if saturated:
+            # Least loaded first, as one candidate: the strategy has nothing useful to weigh.
+            best = min(saturated, key=lambda v: v.busy / v.record.card.max_concurrency)
+            return [best], _SATURATED, filtered
+        if unhealthy:
+            return [max(unhealthy, key=lambda v: v.health.value)], _UNHEALTHY, filtered
+        if suspects:
+            return suspects, _SUSPECT, filtered
+        return [], None, filtered
 
     def _filter(
         self,
@@ -174,14 +287,17 @@ class Router:
         forced: bool,
         exclude: frozenset[str],
     ) -> str | None:
-        """Why ``view`` cannot take this request, or None. ``"suspect"`` = fallback only."""
+        """Why ``view`` cannot take this request, or None. ``"saturated"``, ``"unhealthy"`` and
+        ``"suspect"`` mean fallback only."""
         if view.agent_id in exclude:
             return "already tried for this request"
-        if view.record.card.namespace != namespace:
-            return f"namespace {view.record.card.namespace} != {namespace}"
+        card = view.record.card
+        # agent ids are <namespace>.<service>.<instance>: a prefix test, no split per agent.
+        if not view.agent_id.startswith(namespace) or view.agent_id[len(namespace)] != ".":
+            return f"namespace {card.namespace} != {namespace}"
         state = view.state
         if state is AgentState.SUSPECT:
-            return "suspect"
+            return _SUSPECT
         if state is not AgentState.ONLINE:
             return f"state {state.value}"
         if view.breaker.state is BreakerState.HALF_OPEN and not view.breaker.probe_available:
@@ -190,12 +306,56 @@ class Router:
             return f"reports {capability} unavailable"
         if forced:
             return None  # the caller chose this agent: capacity and health are its call
-        card = view.record.card
-        if view.busy >= card.max_concurrency:
-            return f"at capacity ({view.busy}/{card.max_concurrency})"
         if view.health.value < _HEALTH_MIN:
-            return f"health {view.health.value:g} < {_HEALTH_MIN:g}"
+            return _UNHEALTHY
+        if view.busy >= card.max_concurrency:
+            return _SATURATED
         return None
+
+    def _alternates(
+        self,
+        live: list[AgentView],
+        chosen: AgentView,
+        cands: list[Candidate] | None,
+        n: int,
+    ) -> list[AgentView]:
+        """Up to ``n`` routable agents other than ``chosen``, least loaded first."""
+        if cands is None:
+            now = self._registry.now
+            cands = [self._candidate(v, now) for v in live]
+        w = self._weights
+        ranked = sorted(
+            (c for c in cands if c.agent_id != chosen.agent_id),
+            key=lambda c: load_score(c, w),
+        )
+        agents = self._registry.agents
+        return [agents[c.agent_id] for c in ranked[:n]]
+
+    def _decision(
+        self,
+        request_id: str,
+        req: RouteRequest,
+        selector: Selector | None,
+        strategy: str,
+        ids: Collection[str],
+        sampled: bool,
+    ) -> RouteDecision:
+        if req.agent_id is not None:
+            target = f"agent_id={req.agent_id}"
+        elif req.capability is not None:
+            target = f"cap={req.capability}"
+        else:
+            target = str(selector)
+        listed = sorted(ids)[:EXPLAIN_CANDIDATES] if len(ids) > EXPLAIN_CANDIDATES else sorted(ids)
+        return RouteDecision(
+            request_id=request_id,
+            hub_id=self._hub_id,
+            target=target,
+            strategy=strategy,
+            candidates=listed,
+            candidate_count=len(ids),
+            sampled=SAMPLE_SIZE if sampled else None,
+        )
 
     @staticmethod
     def _candidate(view: AgentView, now: float) -> Candidate:

@@ -1,0 +1,104 @@
+"""Router.decide against a registry snapshot fed in memory (no NATS): fallback tiers, sampling
+of large candidate sets, the explain output's bounds, direct-mode alternates."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from reach_mesh import MeshSettings, NoMatchError
+from reach_mesh.hub.registry import Registry
+from reach_mesh.hub.router import EXPLAIN_CANDIDATES, SAMPLE_SIZE, Router
+from reach_mesh.models import AgentCard, AgentRecord, RouteRequest
+
+CAP = "work:echo:v1"
+
+
+def fleet(n: int, **card: Any) -> tuple[Registry, Router]:
+    settings = MeshSettings(namespace="ns")
+    registry = Registry(None, settings)  # type: ignore[arg-type]  # no KV: fed in memory
+    for i in range(n):
+        record = AgentRecord(
+            card=AgentCard(agent_id=f"ns.w.a{i:05d}", capabilities=[CAP], **card),
+            session="s",
+            heartbeat_interval=5.0,
+            lease_timeout=15.0,
+            task_subject=f"reach.agent.ns.w.a{i:05d}.task",
+            registered_at=0.0,
+        )
+        registry.apply_record(record, 1, seen_at=registry.now)
+    return registry, Router(registry, settings, "hub-test", rng=random.Random(7))
+
+
+def test_saturated_agents_are_a_fallback_not_a_miss() -> None:
+    registry, router = fleet(3, max_concurrency=2)
+    views = sorted(registry.agents.values(), key=lambda v: v.agent_id)
+    views[0].outstanding, views[1].outstanding, views[2].outstanding = 2, 3, 2
+    views[0].inflight = 2
+    req = RouteRequest(capability=CAP, explain=True)
+    choice = router.decide(req, "ns", "r1")
+    assert choice.decision is not None and choice.decision.fallback == "saturated"
+    assert choice.view.agent_id in (views[0].agent_id, views[2].agent_id)  # least loaded
+    assert {f.reason.split(" (")[0] for f in choice.decision.filtered} == {"at capacity"}
+    # One unsaturated agent wins over every saturated one.
+    views[2].outstanding = 1
+    choice = router.decide(RouteRequest(capability=CAP), "ns", "r2")
+    assert choice.view is views[2] and choice.decision is None  # no decision unless explained
+
+
+def test_no_match_still_explains_without_explain() -> None:
+    registry, router = fleet(2)
+    for view in registry.agents.values():
+        view.record.cordoned = True
+        registry.regrade(view)
+    with pytest.raises(NoMatchError) as info:
+        router.decide(RouteRequest(capability=CAP), "ns", "r1")
+    filtered = info.value.details["decision"]["filtered"]
+    assert [f["reason"] for f in filtered] == ["state CORDONED"] * 2
+
+
+def test_large_candidate_sets_are_sampled_and_explain_is_capped() -> None:
+    _, router = fleet(SAMPLE_SIZE * 4)
+    choice = router.decide(RouteRequest(capability=CAP, explain=True), "ns", "r1")
+    decision = choice.decision
+    assert decision is not None and decision.sampled == SAMPLE_SIZE
+    assert len(decision.scores) == SAMPLE_SIZE
+    assert decision.candidate_count == SAMPLE_SIZE * 4
+    assert len(decision.candidates) == EXPLAIN_CANDIDATES
+    # round_robin needs the whole set: no sampling.
+    rr = router.decide(
+        RouteRequest(capability=CAP, strategy="round_robin", explain=True), "ns", "r"
+    )
+    assert rr.decision is not None and rr.decision.sampled is None
+    assert len(rr.decision.scores) == SAMPLE_SIZE * 4
+
+
+def test_an_unlucky_sample_falls_back_to_the_full_scan() -> None:
+    registry, router = fleet(SAMPLE_SIZE * 20)
+    keep = "ns.w.a00007"
+    for view in registry.agents.values():
+        if view.agent_id != keep:
+            view.record.cordoned = True
+            registry.regrade(view)
+    for i in range(5):
+        assert router.decide(RouteRequest(capability=CAP), "ns", f"r{i}").view.agent_id == keep
+
+
+def test_sticky_agent_survives_sampling() -> None:
+    _, router = fleet(SAMPLE_SIZE * 10)
+    sticky = "ns.w.a00123"
+    for i in range(20):
+        choice = router.decide(RouteRequest(capability=CAP), "ns", f"r{i}", sticky_agent=sticky)
+        assert choice.view.agent_id == sticky
+
+
+def test_alternates_are_distinct_and_ranked() -> None:
+    registry, router = fleet(5)
+    views = sorted(registry.agents.values(), key=lambda v: v.agent_id)
+    for load, view in enumerate(views):
+        view.outstanding = load
+    choice = router.decide(RouteRequest(capability=CAP, mode="direct"), "ns", "r", alternates=3)
+    assert choice.view is views[0]
+    assert [v.agent_id for v in choice.alternates] == [v.agent_id for v in views[1:4]]
