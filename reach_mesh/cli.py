@@ -25,6 +25,7 @@ from reach_mesh.errors import BadRequestError, ReachError
 from reach_mesh.logs import configure_logging
 from reach_mesh.models import AgentInfo, RouteDecision
 from reach_mesh.server import EmbeddedNats
+from reach_mesh.tracing import configure_tracing
 
 __all__ = ["main"]
 
@@ -94,6 +95,8 @@ async def cmd_hub(args: argparse.Namespace) -> int:
     settings = _settings(args, http_port=args.http_port)
     async with Hub(settings=settings) as hub:
         print(f"hub {hub.hub_id} serving on {settings.nats_url}", flush=True)
+        if hub.http_url:
+            print(f"  metrics {hub.http_url}/metrics, dashboard {hub.http_url}/", flush=True)
         await _until_signal()
     return 0
 
@@ -147,7 +150,10 @@ async def cmd_inspect(args: argparse.Namespace) -> int:
 async def cmd_reach(args: argparse.Namespace) -> int:
     if not (args.agent or args.selector or args.capability):
         raise BadRequestError("reach needs a target: --agent, --capability or --selector")
-    payload = json.loads(args.payload) if args.payload else None
+    try:
+        payload = json.loads(args.payload) if args.payload else None
+    except ValueError as err:
+        raise BadRequestError(f"--payload is not valid JSON: {err}") from err
     async with Client(settings=_settings(args), namespace=args.namespace) as c:
         if args.dry_run:
             decision = await c.route(
@@ -388,13 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `reach --capability X` alone is a target too.
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    if getattr(args, "trace", None):
-        from reach_mesh.tracing import configure_tracing
-
-        configure_tracing("reach-mesh", exporter=args.trace)
+    # --trace wins; without it the standard OTEL_* environment decides (off when unset).
+    provider = configure_tracing(
+        f"reach-mesh-{args.command}", exporter=getattr(args, "trace", None)
+    )
     try:
         code: int = _runner.run(args.func(args))
     except KeyboardInterrupt:
@@ -404,6 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if err.details:
             print(json.dumps(err.details, indent=2, default=str), file=sys.stderr)
         return 2
+    finally:
+        if provider is not None:
+            provider.shutdown()  # flush batched spans before the process exits
     return code
 
 

@@ -402,6 +402,7 @@ class AgentInfo(_Wire):
     zone: str | None = None
     weight: float = 1.0
     metadata: dict[str, Any] = Field(default_factory=dict)
+    durable_work: bool = True
 
 
 def _check_task_id(v: str) -> str:  # used by SDKs

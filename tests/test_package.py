@@ -85,3 +85,21 @@ def test_demo_command_with_embedded_server() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "demo finished: all tasks succeeded" in out.stdout
+
+
+def test_otel_environment_turns_tracing_on_in_the_cli() -> None:
+    """The standard OTel environment alone turns span export on in a reach-mesh process."""
+    env = {k: v for k, v in os.environ.items() if k != "REACH_NATS_URL"}
+    env.update({"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "demo-under-test"})
+    out = subprocess.run(
+        [sys.executable, "-m", "reach_mesh.cli", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    for name in ('"name": "reach.route"', '"name": "reach.handle"', '"name": "reach.workflow"'):
+        assert name in out.stdout, name
+    assert "demo-under-test" in out.stdout

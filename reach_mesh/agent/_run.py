@@ -8,6 +8,7 @@ import signal
 
 from reach_mesh import _runner
 from reach_mesh.agent._agent import Agent
+from reach_mesh.tracing import configure_tracing
 
 __all__ = ["run", "serve"]
 
@@ -30,5 +31,13 @@ async def serve(*agents: Agent) -> None:
 
 def run(*agents: Agent) -> None:
     """Blocking: ``reach_mesh.agent.run(agent)`` in a script's ``__main__``; on uvloop when it
-    is installed (a process entry point may choose the loop; the library does not)."""
-    _runner.run(serve(*agents))
+    is installed (a process entry point may choose the loop; the library does not).
+
+    Tracing follows the standard OpenTelemetry environment (``OTEL_TRACES_EXPORTER`` …; off
+    when unset), with the first agent's id as the default service name."""
+    provider = configure_tracing(agents[0].agent_id if agents else "reach-mesh-agent")
+    try:
+        _runner.run(serve(*agents))
+    finally:
+        if provider is not None:
+            provider.shutdown()

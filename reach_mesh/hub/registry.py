@@ -119,6 +119,7 @@ class AgentView:
             zone=card.zone,
             weight=card.weight,
             metadata=card.metadata,
+            durable_work=card.durable_work,
         )
 
 
@@ -315,6 +316,9 @@ class Registry:
         view.pressure = hb.pressure
         view.unavailable = frozenset(hb.unavailable)
         view.draining = hb.draining
+        # A live heartbeat slowly restores health (+1 per beat): an agent demoted by past
+        # failures is not left in the fallback tier forever once it behaves.
+        view.health.success()
         old = view.state
         self._grade(view, self._clock())
         if view.state != old:
