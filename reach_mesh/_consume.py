@@ -25,8 +25,11 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
 
 from reach_mesh import protocol
+from reach_mesh._nats import ensure_kv
+from reach_mesh.config import MeshSettings
 
 __all__ = ["PullConsumer", "ensure_stream", "status_stream_config", "work_stream_config"]
 
@@ -159,6 +162,21 @@ async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     except BadRequestError:
         # Created meanwhile by another process (same name): use it as it is.
         await js.stream_info(config.name)
+
+
+async def ensure_task_resources(js: JetStreamContext, settings: MeshSettings) -> KeyValue:
+    """What both sides of a durable step need: the work and status streams and the task-record
+    bucket (whose current attempt is the fence). Returns the ``reach_tasks`` bucket."""
+    s = settings
+    await ensure_stream(js, work_stream_config(s.workflow_retention, s.dedup_window, s.kv_replicas))
+    await ensure_stream(js, status_stream_config(s.workflow_retention, s.kv_replicas))
+    return await ensure_kv(
+        js,
+        protocol.KV_TASKS,
+        replicas=s.kv_replicas,
+        ttl=s.workflow_retention,
+        description="reach-mesh workflow task records (current attempt = fence)",
+    )
 
 
 def work_stream_config(retention: float, dedup_window: float, replicas: int) -> StreamConfig:

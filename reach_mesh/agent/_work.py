@@ -34,12 +34,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._consume import (
-    PullConsumer,
-    ensure_stream,
-    status_stream_config,
-    work_stream_config,
-)
+from reach_mesh._consume import PullConsumer, ensure_task_resources
 from reach_mesh._nats import ensure_kv
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
@@ -124,23 +119,13 @@ class WorkConsumer:
         agent = self._agent
         s = self._settings
         js = self._js = agent.nc.jetstream(timeout=10.0)
-        await ensure_stream(
-            js, work_stream_config(s.workflow_retention, s.dedup_window, s.kv_replicas)
-        )
-        await ensure_stream(js, status_stream_config(s.workflow_retention, s.kv_replicas))
+        self._tasks_kv = await ensure_task_resources(js, s)
         self._results_kv = await ensure_kv(
             js,
             protocol.KV_RESULTS,
             replicas=s.kv_replicas,
             ttl=s.workflow_retention,
             description="reach-mesh agent results (idempotency across restarts)",
-        )
-        self._tasks_kv = await ensure_kv(
-            js,
-            protocol.KV_TASKS,
-            replicas=s.kv_replicas,
-            ttl=s.workflow_retention,
-            description="reach-mesh workflow task records (current attempt = fence)",
         )
         capacity = agent.max_concurrency + agent.max_queue
         durable = protocol.work_consumer(agent.agent_id)

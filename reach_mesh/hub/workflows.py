@@ -45,12 +45,7 @@ from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._consume import (
-    PullConsumer,
-    ensure_stream,
-    status_stream_config,
-    work_stream_config,
-)
+from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -226,23 +221,13 @@ class WorkflowEngine:
                 description="reach-mesh workflow step events and results",
             ),
         )
-        await ensure_stream(
-            js, work_stream_config(s.workflow_retention, s.dedup_window, s.kv_replicas)
-        )
-        await ensure_stream(js, status_stream_config(s.workflow_retention, s.kv_replicas))
+        self._tasks_kv = await ensure_task_resources(js, s)
         self._wf_kv = await ensure_kv(
             js,
             protocol.KV_WORKFLOWS,
             replicas=s.kv_replicas,
             ttl=s.workflow_retention,
             description="reach-mesh workflow records",
-        )
-        self._tasks_kv = await ensure_kv(
-            js,
-            protocol.KV_TASKS,
-            replicas=s.kv_replicas,
-            ttl=s.workflow_retention,
-            description="reach-mesh workflow task records (current attempt = fence)",
         )
         await js.add_consumer(
             protocol.STREAM_WF,
