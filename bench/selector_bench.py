@@ -2,8 +2,9 @@
 
 Run: ``.venv/bin/python bench/selector_bench.py [--agents N] [--iterations N]``. Prints one JSON
 object with p50/p99 (µs) of ``AgentIndex.candidates`` for a selective and a broad 4-term
-selector, of parsing (cached
-and uncached), and of the brute-force reference for comparison.
+selector, of what the router does with a broad one (``AgentIndex.select``: count the matches and
+sample 64 of them, no set of ids built), of parsing (cached and uncached), and of the brute-force
+reference for comparison.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def main() -> None:
     brute = {a for a, c, labels in agents if selector.matches(c, labels)}
     assert matches == brute, "index disagrees with brute force"
     assert index.candidates(broad) == {a for a, c, labels in agents if broad.matches(c, labels)}
+    assert set(index.select(broad)) == index.candidates(broad)
+    sample_rng = random.Random(2)
+
+    def route_broad() -> None:
+        # The router's use: how many match, and a random sample of 64 to pick from.
+        matches = index.select(broad)
+        if len(matches) > 64:
+            matches.sample(sample_rng, 64)
 
     # Upsert with a changed label: the hot path of a registration update.
     def update() -> None:
@@ -98,6 +107,7 @@ def main() -> None:
         "broad_selector": BROAD,
         "broad_matches": len(index.candidates(broad)),
         "candidates_broad": percentiles(lambda: index.candidates(broad), args.iterations // 5),
+        "select_broad_sample64": percentiles(route_broad, args.iterations // 5),
         "parse_cached": percentiles(lambda: Selector.parse(SELECTOR), args.iterations),
         "parse_uncached": percentiles(
             lambda: Selector.parse(f"{SELECTOR} AND n!={rng.random()}"), args.iterations

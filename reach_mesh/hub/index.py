@@ -5,31 +5,49 @@ candidates on every request. :meth:`AgentIndex.candidates` must return exactly t
 which :meth:`Selector.matches <reach_mesh.selector.Selector.matches>` is true; the test suite
 checks that against the brute-force semantics with hypothesis.
 
-Layout: capability → ids, key → value → ids (for ``=``/``!=``), key → ids (for ``exists``), and
-per numeric key two lists of ``(quantity, agent_id)`` sorted with :mod:`bisect` — one of each
-agent's largest quantity (answers ``>=``/``>``) and one of its smallest (answers ``<=``/``<``),
-plus the same extremes by agent id for filtering a working set that is already small.
+Layout: capability → ids, key → value → ids (for ``=``/``!=``), key → ids (for ``exists``), as
+sets of ids (``by_capability``, listings, suggestions) and as **bitmaps**, and per numeric key
+bitmaps by each agent's largest quantity (answers ``>=``/``>``) and smallest (``<=``/``<``).
+
+Selectors are answered on the bitmaps: each agent holds a small integer slot (freed slots are
+reused, so bitmaps stay as long as the fleet is large), and a bitmap is a Python ``int`` with
+the agents' slot bits set. A selector is then a handful of
+big-integer ``&`` / ``& ~`` operations (C loops over 64-bit words: ~160 words for 10k agents)
+instead of building and intersecting Python sets of thousands of ids; ids are materialised only
+for the final result (:meth:`AgentIndex.candidates`), or not at all for callers that count or
+sample (:meth:`AgentIndex.select`, which the router uses). Numeric comparisons use, per key, the
+agents' slots by largest and by smallest quantity, OR-ed into suffix/prefix bitmaps over the
+sorted distinct quantities when first asked after a change (cheap for the usual handful of
+distinct values per key; O(distinct values) big-int ORs for a key that is unique per agent).
 """
 
 from __future__ import annotations
 
 import difflib
-from bisect import bisect_left, bisect_right, insort
-from collections.abc import Iterable, Iterator, Mapping
+import heapq
+import random
+import re
+from bisect import bisect_left, bisect_right
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import compress
 from typing import Final
 
-from reach_mesh.selector import CAPABILITY_KEY, Selector, Term, label_quantities
+from reach_mesh.selector import CAPABILITY_KEY, Selector, label_quantities
 
-__all__ = ["AgentIndex", "NearMiss"]
+__all__ = ["AgentIndex", "Matches", "NearMiss"]
 
 _EMPTY: Final[frozenset[str]] = frozenset()
-_FIRST: Final = itemgetter(0)
-_NEG_INF: Final = float("-inf")
-_POS_INF: Final = float("inf")
 # difflib's default; low enough for ``cn_east``/``cn-east``, high enough to skip noise.
 _SIMILARITY_CUTOFF: Final = 0.6
+# format(bits, "b") is ASCII 0/1, most significant first; as 0/1 bytes it drives compress().
+_BIT_FLAGS: Final = bytes.maketrans(b"01", b"\x00\x01")
+_NONZERO_BYTE: Final = re.compile(rb"[^\x00]")
+_BYTE_BITS: Final = tuple(tuple(i for i in range(8) if byte >> i & 1) for byte in range(256))
+# Up to this many matches the byte scan beats writing out the whole bitmap (measured, 10k slots).
+_SPARSE_MAX: Final = 400
+# Registration changes a numeric key's range bitmaps absorb per query before they are rebuilt.
+_DELTA_MAX: Final = 64
 
 
 @dataclass
@@ -59,55 +77,222 @@ class _Entry:
     keys: frozenset[str]
     # key -> (smallest, largest) quantity of that key on this agent
     bounds: dict[str, tuple[float, float]]
+    slot: int
 
 
 class _SortedQuantities:
-    """Per numeric key: agents sorted by their smallest and by their largest quantity.
+    """Per numeric key: agents' slots by their smallest and by their largest quantity.
 
     An agent matches ``key >= x`` iff its largest quantity does, and ``key <= x`` iff its
-    smallest does, so each agent is one entry per list and ranges are exact bisect slices.
+    smallest does, so a range is the OR of the bitmaps of the distinct quantities in it: one
+    suffix (or prefix) bitmap, looked up by bisecting the sorted distinct quantities.
+
+    Those prefix/suffix bitmaps cost O(distinct quantities) big-int ORs to build, which is a
+    lot for a key that is unique per agent (10k ORs) if every registration change threw them
+    away. So a change is only noted (``_delta``: slot → its quantities now, or None when gone)
+    and applied to the looked-up bitmap per query; past :data:`_DELTA_MAX` noted changes they
+    are dropped and rebuilt when next asked.
     """
 
-    __slots__ = ("by_max", "by_min", "high", "low")
+    __slots__ = (
+        "_agents",
+        "_delta",
+        "_highs",
+        "_lows",
+        "_prefix",
+        "_suffix",
+        "bits_high",
+        "bits_low",
+    )
 
-    def __init__(self) -> None:
-        self.by_min: list[tuple[float, str]] = []
-        self.by_max: list[tuple[float, str]] = []
-        # The same extremes by agent, for filtering an already small working set.
-        self.low: dict[str, float] = {}
-        self.high: dict[str, float] = {}
+    def __init__(self, agents: list[str]) -> None:
+        self._agents = agents  # the index's slot -> id list (shared, for the views below)
+        # Slot bitmaps of the agents by smallest / largest quantity (disjoint per value).
+        self.bits_low: dict[float, int] = {}
+        self.bits_high: dict[float, int] = {}
+        # Built on demand (None: not built): sorted distinct quantities; _prefix[i] is the OR
+        # of bits_low over _lows[:i], _suffix[i] the OR of bits_high over _highs[i:].
+        self._lows: list[float] = []
+        self._highs: list[float] = []
+        self._prefix: list[int] | None = None
+        self._suffix: list[int] | None = None
+        self._delta: dict[int, tuple[float, float] | None] = {}  # slot -> quantities now
 
-    def add(self, agent_id: str, low: float, high: float) -> None:
-        insort(self.by_min, (low, agent_id))
-        insort(self.by_max, (high, agent_id))
-        self.low[agent_id] = low
-        self.high[agent_id] = high
+    def add(self, slot: int, low: float, high: float) -> None:
+        bit = 1 << slot
+        self.bits_low[low] = self.bits_low.get(low, 0) | bit
+        self.bits_high[high] = self.bits_high.get(high, 0) | bit
+        self._note(slot, (low, high))
 
-    def discard(self, agent_id: str, low: float, high: float) -> None:
-        self.low.pop(agent_id, None)
-        self.high.pop(agent_id, None)
-        # Exact (quantity, id) lookup: O(log n) even when thousands of agents share a value.
-        for seq, item in ((self.by_min, (low, agent_id)), (self.by_max, (high, agent_id))):
-            i = bisect_left(seq, item)
-            if i < len(seq) and seq[i] == item:
-                del seq[i]
+    def discard(self, slot: int, low: float, high: float) -> None:
+        keep = ~(1 << slot)
+        for bits, q in ((self.bits_low, low), (self.bits_high, high)):
+            rest = bits.get(q, 0) & keep
+            if rest:
+                bits[q] = rest
+            else:
+                bits.pop(q, None)
+        self._note(slot, None)
+
+    def _note(self, slot: int, now: tuple[float, float] | None) -> None:
+        if self._prefix is None:
+            return  # nothing built: the next query builds from the bitmaps as they are
+        if len(self._delta) >= _DELTA_MAX:
+            self._prefix = self._suffix = None  # too many changes: rebuild when next asked
+            self._delta.clear()
+        else:
+            self._delta[slot] = now
 
     def __len__(self) -> int:
-        return len(self.by_min)
+        return len(self.bits_low)
 
-    def span(self, op: str, bound: float) -> tuple[list[tuple[float, str]], int, int]:
-        """The list and the ``[lo, hi)`` slice of it holding the agents that satisfy the term."""
+    def bits(self, op: str, bound: float) -> int:
+        """Slot bitmap of the agents that satisfy ``key <op> bound``."""
+        if self._prefix is None or self._suffix is None:
+            self._rebuild()
+            assert self._prefix is not None and self._suffix is not None
         if op == ">=":
-            return self.by_max, bisect_left(self.by_max, bound, key=_FIRST), len(self.by_max)
-        if op == ">":
-            return self.by_max, bisect_right(self.by_max, bound, key=_FIRST), len(self.by_max)
-        if op == "<=":
-            return self.by_min, 0, bisect_right(self.by_min, bound, key=_FIRST)
-        return self.by_min, 0, bisect_left(self.by_min, bound, key=_FIRST)
+            result = self._suffix[bisect_left(self._highs, bound)]
+        elif op == ">":
+            result = self._suffix[bisect_right(self._highs, bound)]
+        elif op == "<=":
+            result = self._prefix[bisect_right(self._lows, bound)]
+        else:
+            result = self._prefix[bisect_left(self._lows, bound)]
+        # Slots changed since the build: each one's state now decides (slots are independent).
+        for slot, now in self._delta.items():
+            if now is not None and _satisfies(op, now, bound):
+                result |= 1 << slot
+            else:
+                result &= ~(1 << slot)
+        return result
+
+    def _rebuild(self) -> None:
+        self._highs = sorted(self.bits_high)
+        suffix = [0] * (len(self._highs) + 1)
+        acc = 0
+        for i in range(len(self._highs) - 1, -1, -1):
+            acc |= self.bits_high[self._highs[i]]
+            suffix[i] = acc
+        self._lows = sorted(self.bits_low)
+        prefix = [0]
+        acc = 0
+        for q in self._lows:
+            acc |= self.bits_low[q]
+            prefix.append(acc)
+        self._prefix, self._suffix = prefix, suffix
+        self._delta.clear()
+
+    # Views by agent id, derived from the bitmaps (introspection; queries never use them).
+
+    @property
+    def by_min(self) -> list[tuple[float, str]]:
+        """``(smallest quantity, agent_id)`` of every agent, sorted."""
+        return sorted((q, a) for q, bits in self.bits_low.items() for a in self._ids(bits))
+
+    @property
+    def by_max(self) -> list[tuple[float, str]]:
+        """``(largest quantity, agent_id)`` of every agent, sorted."""
+        return sorted((q, a) for q, bits in self.bits_high.items() for a in self._ids(bits))
+
+    @property
+    def low(self) -> dict[str, float]:
+        """agent_id -> its smallest quantity of the key."""
+        return {a: q for q, bits in self.bits_low.items() for a in self._ids(bits)}
+
+    @property
+    def high(self) -> dict[str, float]:
+        """agent_id -> its largest quantity of the key."""
+        return {a: q for q, bits in self.bits_high.items() for a in self._ids(bits)}
+
+    def _ids(self, bits: int) -> list[str]:
+        return _ids_of(self._agents, bits)
+
+
+class Matches(Collection[str]):
+    """The agents a selector admits, as a slot bitmap of an :class:`AgentIndex`.
+
+    ``len()`` is a popcount; ids are materialised (once, in slot order) only when iterated or
+    sampled. A snapshot of the index as it was: use it before the index changes again (the
+    router does, within one synchronous decision), since freed slots are reused.
+    """
+
+    __slots__ = ("_agents", "_bits", "_ids", "_len", "_slots")
+
+    def __init__(self, index: AgentIndex, bits: int) -> None:
+        self._bits = bits
+        self._agents = index._agents
+        self._slots = index._slots
+        self._len = bits.bit_count()
+        self._ids: list[str] | None = None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, agent_id: object) -> bool:
+        slot = self._slots.get(agent_id) if isinstance(agent_id, str) else None
+        return slot is not None and (self._bits >> slot) & 1 == 1
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.ids())
+
+    def ids(self) -> list[str]:
+        """The matching ids, in slot order (a list shared by later calls: do not mutate)."""
+        if self._ids is None:
+            self._ids = _ids_of(self._agents, self._bits)
+        return self._ids
+
+    def sample(self, rng: random.Random, k: int) -> list[str]:
+        """``k`` distinct matching ids, a uniform random sample (like ``rng.sample``)."""
+        bits = self._bits
+        width = bits.bit_length()
+        if self._ids is not None or self._len <= _SPARSE_MAX or 8 * self._len < width:
+            return rng.sample(self.ids(), k)
+        if k > self._len // 2:
+            return rng.sample(self.ids(), k)
+        # A dense set: draw random slots and keep those in the set (rejection sampling, exactly
+        # uniform) instead of materialising every id; at >= 1/8 density, ~k/density draws.
+        # flags[j] is slot width-1-j (binary text is most significant first).
+        flags = format(bits, "b").encode().translate(_BIT_FLAGS)
+        agents = self._agents
+        draw = rng.getrandbits
+        draw_width = width.bit_length()
+        seen: set[int] = set()
+        out: list[str] = []
+        while len(out) < k:
+            j = draw(draw_width)
+            if j < width and flags[j] and j not in seen:
+                seen.add(j)
+                out.append(agents[width - 1 - j])
+        return out
+
+
+def _ids_of(agents: list[str], bits: int) -> list[str]:
+    """The ids whose slot bits are set in ``bits``, in slot order.
+
+    Dense results: the bitmap is written out as ASCII binary (C), turned into 0/1 bytes and
+    reversed so that byte ``i`` is slot ``i``, and ``itertools.compress`` picks the ids (C), with
+    no Python-level loop over bits (~60 µs for 10k slots whatever the count). Sparse results:
+    a regex finds the non-zero bytes (C) and a table gives each one's bits (a few µs for a few
+    ids). ``agents`` has a placeholder at free slots, whose bits are never set.
+    """
+    if not bits:
+        return []
+    if bits.bit_count() > _SPARSE_MAX:
+        flags = format(bits, "b").encode().translate(_BIT_FLAGS)[::-1]
+        return list(compress(agents, flags))
+    raw = bits.to_bytes((bits.bit_length() + 7) // 8, "little")
+    out: list[str] = []
+    for match in _NONZERO_BYTE.finditer(raw):
+        i = match.start()
+        base = i << 3
+        out.extend([agents[base + b] for b in _BYTE_BITS[raw[i]]])
+    return out
 
 
 class AgentIndex:
-    """Inverted index over agents' capabilities and labels, answering selectors by set algebra.
+    """Inverted index over agents' capabilities and labels, answering selectors by set algebra
+    on slot bitmaps (see the module docstring).
 
     Not thread-safe; the hub uses it from one event loop.
     """
@@ -118,6 +303,16 @@ class AgentIndex:
         self._by_value: dict[str, dict[str, set[str]]] = {}
         self._by_key: dict[str, set[str]] = {}
         self._quantities: dict[str, _SortedQuantities] = {}
+        # Slots: agent -> slot, slot -> agent ("" when free), free slots (a min-heap: the lowest
+        # is reused first, which keeps bitmaps short), and the bitmap of every indexed agent.
+        self._slots: dict[str, int] = {}
+        self._agents: list[str] = []
+        self._free: list[int] = []
+        self._all = 0
+        # The bitmap twins of _by_cap, _by_value and _by_key.
+        self._cap_bits: dict[str, int] = {}
+        self._value_bits: dict[str, dict[str, int]] = {}
+        self._key_bits: dict[str, int] = {}
 
     # -- maintenance -------------------------------------------------------------------------
 
@@ -131,45 +326,89 @@ class AgentIndex:
             if old.capabilities == caps and old.labels == labels:
                 return
             self._unindex(agent_id, old)
+            slot = old.slot  # keeps its slot: the other bitmaps need no change
+        else:
+            slot = self._take_slot(agent_id)
+        bit = 1 << slot
         bounds: dict[str, tuple[float, float]] = {}
         for key, value in labels.items():
             for qkey, q in label_quantities(key, value):
                 low, high = bounds.get(qkey, (q, q))
                 bounds[qkey] = (min(low, q), max(high, q))
-        entry = _Entry(caps, labels, frozenset(labels) | frozenset(bounds), bounds)
+        entry = _Entry(caps, labels, frozenset(labels) | frozenset(bounds), bounds, slot)
         self._entries[agent_id] = entry
+        cap_bits = self._cap_bits
         for cap in caps:
             self._by_cap.setdefault(cap, set()).add(agent_id)
+            cap_bits[cap] = cap_bits.get(cap, 0) | bit
         for key, value in labels.items():
             self._by_value.setdefault(key, {}).setdefault(value, set()).add(agent_id)
+            values = self._value_bits.setdefault(key, {})
+            values[value] = values.get(value, 0) | bit
+        key_bits = self._key_bits
         for key in entry.keys:
             self._by_key.setdefault(key, set()).add(agent_id)
+            key_bits[key] = key_bits.get(key, 0) | bit
         for key, (low, high) in bounds.items():
             sq = self._quantities.get(key)
             if sq is None:
-                sq = self._quantities[key] = _SortedQuantities()
-            sq.add(agent_id, low, high)
+                sq = self._quantities[key] = _SortedQuantities(self._agents)
+            sq.add(slot, low, high)
 
     def remove(self, agent_id: str) -> None:
         """Forget an agent; unknown ids are ignored (removal is idempotent)."""
         entry = self._entries.pop(agent_id, None)
         if entry is not None:
             self._unindex(agent_id, entry)
+            self._release_slot(agent_id, entry.slot)
+
+    def _take_slot(self, agent_id: str) -> int:
+        if self._free:
+            slot = heapq.heappop(self._free)
+            self._agents[slot] = agent_id
+        else:
+            slot = len(self._agents)
+            self._agents.append(agent_id)
+        self._slots[agent_id] = slot
+        self._all |= 1 << slot
+        return slot
+
+    def _release_slot(self, agent_id: str, slot: int) -> None:
+        del self._slots[agent_id]
+        self._all &= ~(1 << slot)
+        self._agents[slot] = ""
+        if slot == len(self._agents) - 1:
+            # Trim the tail (and free slots now at the end) so the slot list shrinks back.
+            agents = self._agents
+            agents.pop()
+            while agents and not agents[-1]:
+                agents.pop()
+            self._free = [s for s in self._free if s < len(agents)]
+            heapq.heapify(self._free)
+        else:
+            heapq.heappush(self._free, slot)
 
     def _unindex(self, agent_id: str, entry: _Entry) -> None:
         # Empty buckets are deleted so that key/value listings (and suggestions) stay truthful.
+        keep = ~(1 << entry.slot)
         for cap in entry.capabilities:
             _discard(self._by_cap, cap, agent_id)
+            _clear_bit(self._cap_bits, cap, keep)
         for key, value in entry.labels.items():
             values = self._by_value[key]
             _discard(values, value, agent_id)
             if not values:
                 del self._by_value[key]
+            value_bits = self._value_bits[key]
+            _clear_bit(value_bits, value, keep)
+            if not value_bits:
+                del self._value_bits[key]
         for key in entry.keys:
             _discard(self._by_key, key, agent_id)
+            _clear_bit(self._key_bits, key, keep)
         for key, (low, high) in entry.bounds.items():
             sq = self._quantities[key]
-            sq.discard(agent_id, low, high)
+            sq.discard(entry.slot, low, high)
             if not sq:
                 del self._quantities[key]
 
@@ -198,97 +437,49 @@ class AgentIndex:
         return set(self._by_value.get(key, ()))
 
     def candidates(self, selector: Selector) -> set[str]:
-        """The ids of agents matching every term of ``selector`` (a new set).
+        """The ids of agents matching every term of ``selector`` (a new set)."""
+        return set(_ids_of(self._agents, self._bits(selector)))
 
-        Positive terms are ordered by their exact result size and evaluated smallest first, so
-        the working set only shrinks; a numeric term that is not the smallest filters the working
-        set by each agent's (min, max) instead of materialising its range. Negative terms
-        (``!=``, ``!exists``) are subtracted at the end.
-        """
-        positive: list[tuple[int, Term]] = []
-        negative: list[Term] = []
+    def select(self, selector: Selector) -> Matches:
+        """The agents matching every term of ``selector``, as :class:`Matches`: counted and
+        sampled without building a set of ids (what the router needs for large sets)."""
+        return Matches(self, self._bits(selector))
+
+    def _bits(self, selector: Selector) -> int:
+        """Slot bitmap of the agents matching every term: positive terms AND-ed (stopping at
+        the first empty result), negative terms (``!=``, ``!exists``) AND-NOT-ed."""
+        result = self._all
+        negative = 0
         for term in selector.terms:
-            size = self._size(term)
-            if size is None:
-                negative.append(term)
-            elif size == 0:
-                return set()
-            else:
-                positive.append((size, term))
-
-        if positive:
-            positive.sort(key=_FIRST)
-            result = self._materialise(positive[0][1])
-            for _, term in positive[1:]:
-                if term.number is not None:
-                    result = self._filter_numeric(result, term)
+            op = term.op
+            key = term.key
+            if op == "!=" or op == "!exists":
+                if key == CAPABILITY_KEY:
+                    negative |= self._cap_bits.get(term.value or "", 0)
+                elif op == "!=":
+                    negative |= self._value_bits.get(key, {}).get(term.value or "", 0)
                 else:
-                    result &= self._ids(term)
-                if not result:
-                    return result
-        else:
-            result = set(self._entries)
-        for term in negative:
-            if term.key == CAPABILITY_KEY:
-                result -= self._by_cap.get(term.value or "", _EMPTY)
-            elif term.op == "!=":
-                result -= self._by_value.get(term.key, {}).get(term.value or "", _EMPTY)
-            else:  # !exists
-                result -= self._by_key.get(term.key, _EMPTY)
-        return result
-
-    def _size(self, term: Term) -> int | None:
-        """Exact number of agents a positive term admits; ``None`` for negative terms."""
-        op = term.op
-        if op == "!=" or op == "!exists":
-            return None
-        if term.number is not None:
-            sq = self._quantities.get(term.key)
-            if sq is None:
+                    negative |= self._key_bits.get(key, 0)
+                continue
+            if key == CAPABILITY_KEY:
+                bits = self._cap_bits.get(term.value or "", 0)
+            elif term.number is not None:
+                sq = self._quantities.get(key)
+                bits = sq.bits(op, term.number) if sq is not None else 0
+            elif op == "=":
+                bits = self._value_bits.get(key, {}).get(term.value or "", 0)
+            else:  # exists
+                bits = self._key_bits.get(key, 0)
+            result &= bits
+            if not result:
                 return 0
-            _, lo, hi = sq.span(op, term.number)
-            return hi - lo
-        return len(self._ids(term))
-
-    def _ids(self, term: Term) -> set[str] | frozenset[str]:
-        """The (internal, do-not-mutate) id set of a positive set-backed term."""
-        if term.key == CAPABILITY_KEY:
-            return self._by_cap.get(term.value or "", _EMPTY)
-        if term.op == "=":
-            return self._by_value.get(term.key, {}).get(term.value or "", _EMPTY)
-        return self._by_key.get(term.key, _EMPTY)  # exists
-
-    def _materialise(self, term: Term) -> set[str]:
-        if term.number is None:
-            return set(self._ids(term))
-        seq, lo, hi = self._quantities[term.key].span(term.op, term.number)
-        return {agent_id for _, agent_id in seq[lo:hi]}
-
-    def _filter_numeric(self, ids: set[str], term: Term) -> set[str]:
-        sq = self._quantities.get(term.key)
-        bound = term.number
-        if sq is None or bound is None:
-            return set()
-        op = term.op
-        # One comprehension per operator over a flat agent -> extreme dict: one dict lookup and
-        # one comparison per agent, no per-agent calls. Agents without the key get the infinity
-        # that fails every finite bound.
-        if op == ">=":
-            high = sq.high
-            return {a for a in ids if high.get(a, _NEG_INF) >= bound}
-        if op == ">":
-            high = sq.high
-            return {a for a in ids if high.get(a, _NEG_INF) > bound}
-        low = sq.low
-        if op == "<=":
-            return {a for a in ids if low.get(a, _POS_INF) <= bound}
-        return {a for a in ids if low.get(a, _POS_INF) < bound}
+        return result & ~negative if negative else result
 
     def nearest(self, selector: Selector, limit: int = 5) -> NearMiss:
         """Suggestions for a selector that matched nothing (or too little).
 
-        Cost is one :meth:`candidates` call per term plus difflib over known capabilities and
-        the values of the unmatched keys; it runs on the (rare) no-match path only.
+        Cost is two bitmap evaluations per term plus difflib over known capabilities and the
+        values of the unmatched keys; it runs on the (rare) no-match path only.
         """
         near = NearMiss()
         terms = selector.terms
@@ -296,8 +487,9 @@ class AgentIndex:
             seen: set[str] = set()
             for i, term in enumerate(terms):
                 rest = Selector(terms[:i] + terms[i + 1 :])
-                misses = self.candidates(rest) - self.candidates(Selector((term,)))
-                for agent_id in sorted(misses - seen):
+                # On bitmaps: only the (few) near misses are turned into ids.
+                misses = self._bits(rest) & ~self._bits(Selector((term,)))
+                for agent_id in sorted(set(_ids_of(self._agents, misses)) - seen):
                     if len(near.partial) >= limit:
                         break
                     seen.add(agent_id)
@@ -334,3 +526,23 @@ def _discard(mapping: dict[str, set[str]], key: str, agent_id: str) -> None:
         ids.discard(agent_id)
         if not ids:
             del mapping[key]
+
+
+def _clear_bit(mapping: dict[str, int], key: str, keep: int) -> None:
+    bits = mapping.get(key, 0) & keep
+    if bits:
+        mapping[key] = bits
+    else:
+        mapping.pop(key, None)
+
+
+def _satisfies(op: str, quantities: tuple[float, float], bound: float) -> bool:
+    """Whether an agent with (smallest, largest) ``quantities`` of a key satisfies the term."""
+    low, high = quantities
+    if op == ">=":
+        return high >= bound
+    if op == ">":
+        return high > bound
+    if op == "<=":
+        return low <= bound
+    return low < bound

@@ -23,6 +23,7 @@ from typing import Final, Literal
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NoMatchError
 from reach_mesh.hub.breaker import BreakerState
+from reach_mesh.hub.index import Matches
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.strategies import (
     Candidate,
@@ -133,7 +134,8 @@ class Router:
         else:
             assert req.selector is not None
             selector = self.parse_selector(req.selector)
-            ids = reg.index.candidates(selector)
+            # A bitmap: counted and sampled below without building a set of every match.
+            ids = reg.index.select(selector)
             caps = selector.capabilities
             capability = caps[0] if caps else None
         strategy_name = req.strategy or self._settings.default_strategy
@@ -150,7 +152,10 @@ class Router:
             and req.region is None
             and req.zone is None
         ):
-            pool = self._rng.sample(tuple(ids), SAMPLE_SIZE)
+            if isinstance(ids, Matches):
+                pool = ids.sample(self._rng, SAMPLE_SIZE)
+            else:
+                pool = self._rng.sample(tuple(ids), SAMPLE_SIZE)
             if sticky_agent is not None and sticky_agent in ids and sticky_agent not in pool:
                 pool.append(sticky_agent)  # a sticky session must not lose to the dice
             sampled = True
