@@ -697,3 +697,37 @@ async def test_status_events_follow_the_six_states(
     assert states.count(TaskState.RUNNING) >= 2  # progress + at least one keep-alive
     assert events[2].progress == {"pct": 50}
     assert all(e.attempt == 1 and e.agent_id == agent.agent_id for e in events)
+
+
+async def test_any_policy_stops_the_branches_it_no_longer_needs(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """fanout(any): once one branch succeeds, a branch still running is cancelled on its agent
+    (its handler sees CancelledError) instead of running on for nothing."""
+    stopped = asyncio.Event()
+    fast = Agent(f"{namespace}.any.fast", settings=settings)
+    slow = Agent(f"{namespace}.any.slow", settings=settings)
+
+    @fast.handler("any:fast:v1")
+    async def quick(task: Task[Any]) -> str:
+        return "fast"
+
+    @slow.handler("any:slow:v1")
+    async def crawl(task: Task[Any]) -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+        return "slow"
+
+    async with fast, slow, Client(settings=settings) as c:
+        res = await c.fanout(
+            [Step(capability="any:slow:v1"), Step(capability="any:fast:v1")],
+            policy="any",
+            timeout=20,
+        )
+        assert res.ok and res.steps[1].result == "fast"
+        assert res.steps[0].cancelled
+        await asyncio.wait_for(stopped.wait(), timeout=5)
+        assert slow.inflight == 0

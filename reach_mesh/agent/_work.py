@@ -498,6 +498,18 @@ class WorkConsumer:
                     held.last_running = now
                     self._publish(held.env, TaskState.RUNNING, held.headers)
 
+    def cancel(self, task_id: str, attempt: int) -> bool:
+        """The hub no longer needs this attempt (an ``any``/``quorum`` branch past its policy):
+        stop its handler and ack the message without a result. Returns whether it was held."""
+        held = self._held.get(task_id)
+        if held is None or held.env.attempt != attempt:
+            return False
+        held.fenced = True
+        if held.task is not None:
+            held.task.cancel()
+        self.fenced += 1
+        return True
+
     # ------------------------------------------------------------------ fencing after LOST
 
     async def fence_stale(self) -> int:

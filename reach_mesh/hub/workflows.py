@@ -618,6 +618,12 @@ class WorkflowEngine:
         with contextlib.suppress(Exception):
             await self._tasks_kv.update(key, protocol.encode(rec), last=got[1])
         self._forget(key, rec.attempt)
+        if rec.agent_id is not None and rec.attempt > 0:
+            # Stop a handler that is already running (best effort: the fence above already
+            # makes its result irrelevant; this frees the agent's slot sooner).
+            body = protocol.dumps({"op": "cancel", "task_id": rec.task_id, "attempt": rec.attempt})
+            with contextlib.suppress(Exception):
+                await self._nc.request(protocol.agent_ctl(rec.agent_id), body, timeout=1.0)
 
     # ------------------------------------------------------------------ one step
 
