@@ -403,7 +403,3 @@ class AgentInfo(_Wire):
     weight: float = 1.0
     metadata: dict[str, Any] = Field(default_factory=dict)
     durable_work: bool = True
-
-
-def _check_task_id(v: str) -> str:  # used by SDKs
-    return validate_task_id(v)

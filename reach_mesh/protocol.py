@@ -27,7 +27,6 @@ __all__ = [
     "AGENT_ID_RE",
     "CAPABILITY_RE",
     "DEFAULT_NAMESPACE",
-    "HDR_REQUEST_ID",
     "HUB_QUEUE",
     "KV_AGENTS",
     "KV_HEARTBEATS",
@@ -94,8 +93,6 @@ STREAM_STATUS: Final = "REACH_STATUS"  # reach.task.<ns>.<task_id>.status
 CONSUMER_HUBS: Final = "reach-hubs"
 WORKFLOW_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
-#: Header carrying the request id the hub assigns (and echoes in replies and logs).
-HDR_REQUEST_ID: Final = "Reach-Request-Id"
 HDR_MSG_ID: Final = "Nats-Msg-Id"
 
 _TOKEN: Final = r"[a-z0-9][a-z0-9_-]*"

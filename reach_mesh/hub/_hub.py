@@ -825,7 +825,3 @@ def _json_object(data: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequestError("expected a JSON object")
     return body
-
-
-def _error_body(err: ReachError) -> ErrorBody:
-    return ErrorBody(code=err.code, message=err.message, details=err.details)
