@@ -49,3 +49,27 @@ def settings(nats_url: str, namespace: str) -> MeshSettings:
 async def hub(settings: MeshSettings) -> AsyncIterator[Hub]:
     async with Hub(settings=settings) as h:
         yield h
+
+
+@pytest.fixture
+def wf_settings(settings: MeshSettings) -> MeshSettings:
+    """Short workflow intervals: a step with no taker gives up within a second or two, and a
+    hub's workflows are taken over one second after it dies."""
+    return settings.model_copy(
+        update={
+            "workflow_ack_wait": 1.0,
+            "work_ack_wait": 1.0,
+            "step_deliver_timeout": 1.0,
+            "step_running_interval": 0.2,
+            "step_silence_timeout": 0.8,
+            "retry_base": 0.02,
+            "retry_cap": 0.1,
+            "pending_interval": 0.2,
+        }
+    )
+
+
+@pytest.fixture
+async def wf_hub(wf_settings: MeshSettings) -> AsyncIterator[Hub]:
+    async with Hub(settings=wf_settings) as h:
+        yield h

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.error
-import urllib.request
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -19,22 +16,12 @@ from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 
+from .helpers import fetch
+
 pytestmark = pytest.mark.timeout(60)
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 CAP = (("capability", "calc:double:v1"),)
-
-
-async def fetch(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
-    def call() -> tuple[int, bytes]:
-        req = urllib.request.Request(url, data=body, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-
-    return await asyncio.to_thread(call)
 
 
 def parse(text: bytes) -> Samples:
@@ -46,27 +33,9 @@ def parse(text: bytes) -> Samples:
 
 
 @pytest.fixture
-def wf_settings(settings: MeshSettings) -> MeshSettings:
-    """Short workflow intervals: a step with no taker gives up within a second or two."""
-    return settings.model_copy(
-        update={
-            "workflow_ack_wait": 1.0,
-            "work_ack_wait": 1.0,
-            "step_deliver_timeout": 1.0,
-            "step_running_interval": 0.2,
-            "step_silence_timeout": 0.8,
-            "retry_base": 0.02,
-            "retry_cap": 0.1,
-            "pending_interval": 0.2,
-            "http_port": 0,
-        }
-    )
-
-
-@pytest.fixture
-async def wf_hub(wf_settings: MeshSettings) -> AsyncIterator[Hub]:
-    async with Hub(settings=wf_settings) as h:
-        yield h
+def wf_settings(wf_settings: MeshSettings) -> MeshSettings:
+    """The shared short workflow intervals, plus the hub's HTTP (for /api/tools)."""
+    return wf_settings.model_copy(update={"http_port": 0})
 
 
 def counting_agent(agent_id: str, settings: MeshSettings, **kw: Any) -> Agent:

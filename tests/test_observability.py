@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ from reach_mesh.cli import main as cli_main
 from reach_mesh.hub import Hub
 from reach_mesh.models import ToolSpec
 
-from .helpers import eventually
+from .helpers import eventually, fetch
 
 
 def echo_agent(agent_id: str, settings: MeshSettings, **kw: Any) -> Agent:
@@ -39,18 +38,6 @@ def echo_agent(agent_id: str, settings: MeshSettings, **kw: Any) -> Agent:
 async def http_hub(settings: MeshSettings) -> AsyncIterator[Hub]:
     async with Hub(settings=settings.model_copy(update={"http_port": 0})) as hub:
         yield hub
-
-
-async def fetch(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
-    def call() -> tuple[int, bytes]:
-        req = urllib.request.Request(url, data=body, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as err:
-            return err.code, err.read()
-
-    return await asyncio.to_thread(call)
 
 
 def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:

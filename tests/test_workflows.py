@@ -36,28 +36,6 @@ from .helpers import eventually
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def wf_settings(settings: MeshSettings) -> MeshSettings:
-    return settings.model_copy(
-        update={
-            "workflow_ack_wait": 1.0,
-            "work_ack_wait": 1.0,
-            "step_deliver_timeout": 1.0,
-            "step_running_interval": 0.2,
-            "step_silence_timeout": 0.8,
-            "retry_base": 0.02,
-            "retry_cap": 0.1,
-            "pending_interval": 0.2,
-        }
-    )
-
-
-@pytest.fixture
-async def wf_hub(wf_settings: MeshSettings) -> AsyncIterator[Hub]:
-    async with Hub(settings=wf_settings) as h:
-        yield h
-
-
 class Fleet:
     """Agents started for one test, closed at its end."""
 
