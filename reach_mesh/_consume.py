@@ -139,11 +139,18 @@ class PullConsumer:
             self._outstanding = 0  # the watchdog will try again
 
     async def _watch(self) -> None:
-        # A pull request normally ends with a 408 after ``expires``; if nothing at all arrived
-        # for two periods, the request was lost (reconnect, server restart): ask again.
+        # Pull requests live on the server: a reconnect (server restart, failover to another
+        # node) loses them. Re-pull at once when the connection's reconnect count moves, and
+        # as a backstop when nothing at all (not even the 408 that normally ends a request
+        # after ``expires``) arrived for two periods.
+        reconnects = self._nc.stats.get("reconnects", 0)
+        tick = min(self._expires, 0.5)
         while True:
-            await asyncio.sleep(self._expires)
-            if time.monotonic() - self._last_seen > 2 * self._expires + 1:
+            await asyncio.sleep(tick)
+            now_reconnects = self._nc.stats.get("reconnects", 0)
+            lost = now_reconnects != reconnects and self._nc.is_connected
+            if lost or time.monotonic() - self._last_seen > 2 * self._expires + 1:
+                reconnects = now_reconnects
                 self._outstanding = 0
                 self._last_seen = time.monotonic()
             self._maybe_pull()
