@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from typing import Any
 
 import nats
@@ -13,6 +14,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
+from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshUnavailableError
 
 __all__ = ["connect", "ensure_kv"]
@@ -22,19 +24,24 @@ async def connect(
     url: str | None,
     *,
     name: str,
-    timeout: float = 5.0,
+    settings: MeshSettings | None = None,
+    timeout: float | None = None,
     **options: Any,
 ) -> NATS:
     """Connect to ``url`` (comma-separated list allowed) or raise ``MeshUnavailableError``.
 
-    A dead URL makes nats-py retry for minutes; the connect is bounded by ``timeout`` and
-    reconnection after a successful connect is unlimited (a hub or agent outlives a server
-    restart or a cluster failover).
+    A dead URL makes nats-py retry for minutes; the connect is bounded by ``timeout``
+    (default ``settings.connect_timeout``) and reconnection after a successful connect is
+    unlimited (a hub or agent outlives a server restart or a cluster failover). Credentials
+    and TLS come from ``settings`` (``nats_creds``, ``nats_token``, ``nats_tls_*``); a user and
+    password may also be given in the URL.
     """
     if not url:
         raise MeshUnavailableError(
             "no NATS URL: pass --nats URL / set REACH_NATS_URL, or run `reach-mesh up`"
         )
+    if timeout is None:
+        timeout = settings.connect_timeout if settings is not None else 5.0
     servers = [u.strip() for u in url.split(",") if u.strip()]
     opts: dict[str, Any] = {
         "name": name,
@@ -45,6 +52,8 @@ async def connect(
         "allow_reconnect": True,
         "pending_size": 64 * 1024 * 1024,
     }
+    if settings is not None:
+        opts.update(_auth_options(settings))
     opts.update(options)
 
     async def _quiet(_: Exception) -> None:
@@ -59,6 +68,20 @@ async def connect(
             await nc.close()
         raise MeshUnavailableError(f"cannot connect to NATS at {url}: {err!r}") from err
     return nc
+
+
+def _auth_options(settings: MeshSettings) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if settings.nats_creds:
+        opts["user_credentials"] = settings.nats_creds
+    if settings.nats_token:
+        opts["token"] = settings.nats_token
+    if settings.nats_tls_ca or settings.nats_tls_cert:
+        ctx = ssl.create_default_context(cafile=settings.nats_tls_ca)
+        if settings.nats_tls_cert:
+            ctx.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
+        opts["tls"] = ctx
+    return opts
 
 
 async def _first_connect(nc: NATS, opts: dict[str, Any]) -> None:

@@ -159,9 +159,7 @@ class Client:
         if self._state is not _State.NEW:
             raise RuntimeError("client already connected or closed")
         if self._nc is None:
-            self._nc = await connect(
-                self.nats_url, name=self._name, timeout=self.settings.connect_timeout
-            )
+            self._nc = await connect(self.nats_url, name=self._name, settings=self.settings)
         self._state = _State.OPEN
         return self
 

@@ -27,6 +27,15 @@ class MeshSettings(BaseModel):
 
     #: NATS URL(s), comma separated. ``None``: ``reach-mesh up`` starts an embedded server.
     nats_url: str | None = None
+    #: NATS credentials: a ``.creds`` file (JWT + nkey), or a token. A user and password can be
+    #: given in the URL (``nats://user:pass@host:4222``).
+    nats_creds: str | None = None
+    nats_token: str | None = Field(default=None, repr=False)
+    #: TLS: CA bundle to verify the server, and a client certificate/key for mutual TLS.
+    #: ``tls://`` URLs use the system CAs when no bundle is given.
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
     namespace: str = "default"
 
     # liveness

@@ -75,6 +75,7 @@ class EmbeddedNats:
         http_port: int | None = None,
         binary: str | None = None,
         startup_timeout: float = 15.0,
+        auth_token: str | None = None,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -91,6 +92,7 @@ class EmbeddedNats:
         self.http_port = http_port
         self.binary = binary
         self.startup_timeout = startup_timeout
+        self.auth_token = auth_token
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: Path | None = None
 
@@ -113,6 +115,8 @@ class EmbeddedNats:
             lines.insert(0, f"server_name: {self.server_name}")
         if self.http_port is not None:
             lines.append(f"http: {self.host}:{self.http_port}")
+        if self.auth_token:
+            lines += ["authorization {", f'  token: "{self.auth_token}"', "}"]
         if self.cluster_name:
             lines += [
                 "cluster {",

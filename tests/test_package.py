@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from reach_mesh import BadLeaseError, MeshSettings, load_settings
+from reach_mesh import BadLeaseError, Client, MeshSettings, MeshUnavailableError, load_settings
+from reach_mesh.agent import Agent, Task
 from reach_mesh.demo import run_demo
+from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats, NatsServerNotFoundError, find_nats_server
 
 
@@ -103,3 +106,22 @@ def test_otel_environment_turns_tracing_on_in_the_cli() -> None:
     for name in ('"name": "reach.route"', '"name": "reach.handle"', '"name": "reach.workflow"'):
         assert name in out.stdout, name
     assert "demo-under-test" in out.stdout
+
+
+async def test_token_auth(tmp_path: Path) -> None:
+    """A NATS server that requires a token: the mesh connects with nats_token, and without it
+    fails with a typed REACH_UNAVAILABLE naming the server."""
+    async with EmbeddedNats(tmp_path, auth_token="s3cret") as server:
+        good = MeshSettings(nats_url=server.url, nats_token="s3cret", namespace="auth")
+        agent = Agent("auth.echo.a1", settings=good)
+
+        @agent.handler("auth:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        async with Hub(settings=good), agent, Client(settings=good) as c:
+            assert (await c.request(capability="auth:echo:v1", payload=7)).result == 7
+        bad = MeshSettings(nats_url=server.url, namespace="auth", connect_timeout=1.0)
+        with pytest.raises(MeshUnavailableError, match=server.url):
+            await Client(settings=bad).connect()
+        assert "s3cret" not in repr(good)

@@ -461,9 +461,7 @@ class Agent:
                 self._metrics_server = await serve_metrics(
                     self.metrics.render, self._metrics_host, self._metrics_port
                 )
-            self._nc = await connect(
-                self.nats_url, name=self.agent_id, timeout=self.settings.connect_timeout
-            )
+            self._nc = await connect(self.nats_url, name=self.agent_id, settings=self.settings)
             self._subs.append(
                 await self.nc.subscribe(
                     self._task_subject,

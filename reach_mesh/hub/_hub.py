@@ -195,9 +195,7 @@ class Hub:
             raise RuntimeError(f"hub cannot start from state {self.state.value}")
         self.state = HubState.RUNNING
         try:
-            self._nc = await connect(
-                self.nats_url, name=self.hub_id, timeout=self.settings.connect_timeout
-            )
+            self._nc = await connect(self.nats_url, name=self.hub_id, settings=self.settings)
             self._js = self._nc.jetstream(timeout=10.0)
             s = self.settings
             self.audit = AuditLog(
