@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -98,6 +99,43 @@ async def cmd_hub(args: argparse.Namespace) -> int:
         if hub.http_url:
             print(f"  metrics {hub.http_url}/metrics, dashboard {hub.http_url}/", flush=True)
         await _until_signal()
+    return 0
+
+
+def load_agents(spec: str) -> list[Any]:
+    """``module:attr`` → the Agent(s) it names: an ``Agent``, a list of them, or a function
+    returning either (called with no arguments)."""
+    from reach_mesh.agent import Agent
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise BadRequestError(f"expected module:attribute, got {spec!r}")
+    sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise BadRequestError(f"cannot import {module_name!r}: {err}") from err
+    try:
+        obj = getattr(module, attr)
+    except AttributeError as err:
+        raise BadRequestError(f"{module_name!r} has no attribute {attr!r}") from err
+    if callable(obj) and not isinstance(obj, Agent):
+        obj = obj()
+    agents = list(obj) if isinstance(obj, list | tuple) else [obj]
+    if not agents or not all(isinstance(a, Agent) for a in agents):
+        raise BadRequestError(f"{spec!r} is not an Agent or a list of Agents")
+    return agents
+
+
+async def cmd_agent(args: argparse.Namespace) -> int:
+    from reach_mesh.agent._run import serve
+
+    if args.nats:
+        # Agents built at import time read their settings from the environment.
+        os.environ["REACH_NATS_URL"] = args.nats
+    agents = load_agents(args.target)
+    print("serving " + ", ".join(a.agent_id for a in agents), flush=True)
+    await serve(*agents)
     return 0
 
 
@@ -329,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hub.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
     hub.set_defaults(func=cmd_hub)
+
+    agent = cmd("agent", "run the Agent(s) named by module:attribute until SIGTERM/Ctrl-C")
+    agent.add_argument("target", help="e.g. myagents:translator (an Agent, a list, or a factory)")
+    agent.set_defaults(func=cmd_agent)
 
     demo = cmd("demo", "start a hub and three demo agents, send tasks, print results")
     demo.add_argument("--trace", choices=["none", "console", "otlp"], default=None)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -325,3 +329,43 @@ async def test_chain_spans_share_one_trace(
             }, s.name
     handles = [s for s in spans if s.name == "reach.handle"]
     assert all(ids[h.parent.span_id].name == "reach.step" for h in handles if h.parent)
+
+
+async def test_cli_agent_command_serves_a_module(
+    hub: Hub, settings: MeshSettings, namespace: str, nats_url: str, tmp_path: Path
+) -> None:
+    """`reach-mesh agent module:attr` runs a user's agent until SIGTERM, then drains."""
+    (tmp_path / "myagents.py").write_text(
+        "from typing import Any\n"
+        "from reach_mesh.agent import Agent, Task\n"
+        f"agent = Agent('{namespace}.cli.a1')\n"
+        "@agent.handler('cli:echo:v1')\n"
+        "async def echo(task: Task[Any]) -> Any:\n"
+        "    return {'echo': task.payload}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reach_mesh.cli",
+        "agent",
+        "myagents:agent",
+        "--nats",
+        nats_url,
+        cwd=tmp_path,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        await eventually(lambda: f"{namespace}.cli.a1" in hub.registry.agents, timeout=15)
+        async with Client(settings=settings) as c:
+            res = await c.request(capability="cli:echo:v1", payload=5)
+            assert res.result == {"echo": 5}
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=15) == 0
+        await eventually(lambda: f"{namespace}.cli.a1" not in hub.registry.agents, timeout=5)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
