@@ -168,66 +168,29 @@ async def test_audit_stream_tells_the_story(
 def test_cli_against_a_running_mesh(
     nats_url: str, namespace: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    agent_id = f"{namespace}.w.a1"
+    nats = ("--nats", nats_url)
+    ns = ("--namespace", namespace)
+
     async def scenario() -> None:
         settings = MeshSettings(nats_url=nats_url, namespace=namespace)
-        async with Hub(settings=settings), echo_agent(f"{namespace}.w.a1", settings):
-            loop = asyncio.get_running_loop()
+        async with Hub(settings=settings), echo_agent(agent_id, settings):
 
-            def run(*argv: str) -> int:
-                return cli_main([*argv])
+            async def cli(*argv: str) -> int:
+                # The CLI runs its own event loop: call it from a worker thread.
+                return await asyncio.to_thread(cli_main, list(argv))
 
+            assert await cli("agents", *nats, *ns) == 0
+            sel = ("--selector", "cap=work:echo:v1")
             assert (
-                await loop.run_in_executor(
-                    None, run, "agents", "--nats", nats_url, "--namespace", namespace
-                )
+                await cli("reach", *nats, *ns, *sel, "--payload", '{"a": 1}', "--show-decision")
                 == 0
             )
-            assert (
-                await loop.run_in_executor(
-                    None,
-                    run,
-                    "reach",
-                    "--nats",
-                    nats_url,
-                    "--namespace",
-                    namespace,
-                    "--selector",
-                    "cap=work:echo:v1",
-                    "--payload",
-                    '{"a": 1}',
-                    "--show-decision",
-                )
-                == 0
-            )
-            assert (
-                await loop.run_in_executor(
-                    None, run, "inspect", "--nats", nats_url, f"{namespace}.w.a1"
-                )
-                == 0
-            )
-            assert await loop.run_in_executor(None, run, "snapshot", "--nats", nats_url) == 0
-            assert (
-                await loop.run_in_executor(
-                    None, run, "audit", "--nats", nats_url, "--agent", f"{namespace}.w.a1"
-                )
-                == 0
-            )
-            assert (
-                await loop.run_in_executor(
-                    None,
-                    run,
-                    "reach",
-                    "--nats",
-                    nats_url,
-                    "--namespace",
-                    namespace,
-                    "--selector",
-                    "cap=work:echo:v1 AND",
-                    "--payload",
-                    "1",
-                )
-                == 2
-            )
+            assert await cli("inspect", *nats, agent_id) == 0
+            assert await cli("snapshot", *nats) == 0
+            assert await cli("audit", *nats, "--agent", agent_id) == 0
+            bad = ("--selector", "cap=work:echo:v1 AND")
+            assert await cli("reach", *nats, *ns, *bad, "--payload", "1") == 2
 
     asyncio.run(scenario())
     out = capsys.readouterr()
