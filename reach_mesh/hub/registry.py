@@ -63,6 +63,9 @@ class AgentView:
     pressure: float = 0.0
     unavailable: frozenset[str] = frozenset()
     draining: bool = False
+    #: KV revision of the newest heartbeat applied (this hub's own writes are not re-applied
+    #: when its watch delivers them back).
+    hb_revision: int = 0
     #: Tasks this hub has delivered to the agent and not yet seen finish.
     outstanding: int = 0
     #: Decaying count of this hub's recent assignments (time constant ``_RECENT_TAU``) so a
@@ -307,6 +310,10 @@ class Registry:
             return
         if hb.session != view.record.session:
             return  # from an older incarnation of this agent id
+        revision = entry.revision or 0
+        if revision <= view.hb_revision:
+            return  # our own write coming back (already applied), or an older one
+        view.hb_revision = revision
         self.apply_heartbeat(view, hb, seen_at=self._seen_at(entry, initial))
 
     def apply_heartbeat(self, view: AgentView, hb: HeartbeatRecord, *, seen_at: float) -> None:
@@ -444,7 +451,8 @@ class Registry:
         # briefly unavailable (leader election) the beat still renews the lease here and the
         # error goes back to the agent, whose next beat writes again.
         self.apply_heartbeat(view, record, seen_at=self._clock())
-        await self._hb_kv.put(hb.agent_id, protocol.encode(record))
+        revision = await self._hb_kv.put(hb.agent_id, protocol.encode(record))
+        view.hb_revision = max(view.hb_revision, revision)
         return view
 
     async def unregister(self, agent_id: str, session: str | None) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -39,7 +38,6 @@ from reach_mesh.selector import Selector
 __all__ = ["EXPLAIN_CANDIDATES", "SAMPLE_SIZE", "Choice", "Router"]
 
 _HEALTH_MIN: Final = 60.0
-_SELECTOR_CACHE: Final = 1024
 #: Candidates a load-based strategy (least_loaded, power_of_two, weighted_random) looks at when
 #: a target matches more agents than this: a random sample of this size, taken before filtering
 #: (the full set is scanned only when the sample leaves nobody routable). Picking the least
@@ -91,21 +89,8 @@ class Router:
             saturation=settings.load_saturation,
         )
         self._rng = rng or random.Random()
-        self._selectors: OrderedDict[str, Selector] = OrderedDict()
         # One instance per name: round_robin keeps its position across requests.
         self._strategies: dict[str, Strategy] = {}
-
-    def parse_selector(self, text: str) -> Selector:
-        """Parse with a small LRU cache: callers repeat the same few selectors."""
-        sel = self._selectors.get(text)
-        if sel is None:
-            sel = Selector.parse(text)
-            self._selectors[text] = sel
-            if len(self._selectors) > _SELECTOR_CACHE:
-                self._selectors.popitem(last=False)
-        else:
-            self._selectors.move_to_end(text)
-        return sel
 
     def decide(
         self,
@@ -133,7 +118,7 @@ class Router:
             ids = reg.index.by_capability(req.capability)
         else:
             assert req.selector is not None
-            selector = self.parse_selector(req.selector)
+            selector = Selector.parse(req.selector)  # parse results are cached (lru)
             # A bitmap: counted and sampled below without building a set of every match.
             ids = reg.index.select(selector)
             caps = selector.capabilities

@@ -59,6 +59,7 @@ from reach_mesh.hub.acks import AckMachine
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.models import AgentState, ErrorBody, RouteRequest, TaskEnvelope, TaskState
+from reach_mesh.selector import Selector
 from reach_mesh.tracing import SPAN_STEP, SPAN_WORKFLOW, SpanKind, inject, span
 from reach_mesh.workflow import (
     AttemptRecord,
@@ -856,7 +857,7 @@ class WorkflowEngine:
             ids = self._registry.index.by_capability(route.capability)
         elif route.selector is not None:
             try:
-                ids = self._registry.index.candidates(self._router.parse_selector(route.selector))
+                ids = self._registry.index.candidates(Selector.parse(route.selector))
             except ReachError:
                 return None
         else:
