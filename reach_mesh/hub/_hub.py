@@ -2,8 +2,10 @@
 
 Every hub instance joins one queue group on ``reach.hub.*.<verb>``, so any number of hubs share the
 load and any of them can answer any request (they converge through the KV registry).
-Message callbacks never block the subscription: each request runs in its own task, bounded by one
-semaphore per hub (when it is full the subscription stops reading and NATS buffers).
+Message callbacks never block the subscription. A route is a *flight* finished by the callback that
+gets the agent's reply (see the routing section); every other request runs in its own task. Both
+are bounded per hub (``hub_concurrency``): when full, the subscription stops reading and NATS
+buffers.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import heapq
 import json
 import logging
 import os
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final
@@ -26,9 +29,8 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
+from opentelemetry.trace import Span, Status, StatusCode
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_json
 
@@ -64,7 +66,6 @@ from reach_mesh.models import (
     RegisterRequest,
     RouteDecision,
     RouteRequest,
-    TaskEnvelope,
     TaskState,
     UnregisterRequest,
 )
@@ -75,7 +76,8 @@ from reach_mesh.tracing import (
     TRACESTATE,
     SpanKind,
     inject,
-    span,
+    inject_span,
+    open_span,
     trace_id_from_headers,
     tracing_enabled,
 )
@@ -88,6 +90,8 @@ log = logging.getLogger("reach_mesh.hub")
 #: Bytes allowed on top of ``max_payload`` for the request's own fields.
 _ENVELOPE_SLACK: Final = 16 * 1024
 _SLOW_ROUTE: Final = 0.25
+#: How often unanswered proxy attempts are checked against their deadline (seconds).
+_SWEEP_INTERVAL: Final = 0.005
 ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove")
 #: Report codes for operator quarantine / release, broadcast so every hub's breaker follows.
 QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
@@ -123,17 +127,33 @@ class _ReplyHead(BaseModel):
     cached: bool = False
 
 
-@dataclass(slots=True)
-class _Routed:
-    """What ``_route`` found: encoded into a ``RouteReply`` by ``_reply_bytes``."""
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """One route from its request to its answer: what the callbacks that continue it need.
 
-    agent_id: str
-    subject: str | None = None
-    task: bytes | None = None
-    head: _ReplyHead | None = None
+    Times are ``time.perf_counter()`` on this hub (never the caller's clock)."""
+
+    req: RouteRequest
+    ns: str
+    request_id: str
+    reply_to: str
+    t0: float
+    deadline: float
+    task_id: str
+    trace_id: str | None = None
+    #: The trace headers sent to the agent (tracing off: the caller's, as received).
+    headers: dict[str, str] | None = None
+    sticky: str | None = None
+    attempt: int = 0
+    exclude: set[str] = field(default_factory=set)
+    last_error: ReachError | None = None
+    view: AgentView | None = None
+    capability: str | None = None
     decision: RouteDecision | None = None
-    attempts: int = 1
-    alternates: list[AgentView] = field(default_factory=list)
+    #: The reply-subject token of the attempt in flight.
+    token: str = ""
+    span: Span | None = None
+    deliver_span: Span | None = None
 
 
 class HubState(enum.Enum):
@@ -165,6 +185,15 @@ class Hub:
         self._subs: list[Subscription] = []
         self._inflight: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(self.settings.hub_concurrency)
+        # Proxy attempts awaiting their agent's reply, by reply token; their deadlines in a
+        # heap (entries of answered attempts are dropped lazily); routes not yet answered.
+        self._flights: dict[str, _Flight] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._routing = 0
+        self._room = asyncio.Event()
+        self._reply_prefix = ""
+        self._reply_prefix_len = 0
+        self._sweeper: asyncio.Task[None] | None = None
         s = self.settings
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
@@ -173,6 +202,8 @@ class Hub:
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}
         self._duration_children: dict[str, Any] = {}
+        self._route_seconds = self.metrics.route_duration_seconds
+        self._accepted_seconds = self.metrics.delivered_to_accepted_seconds
         # Namespaces already validated (bounded: cleared when it grows past any real fleet).
         self._namespaces: set[str] = set()
         self.registry: Registry
@@ -236,7 +267,6 @@ class Hub:
             ("register", self._on_register, q),
             ("heartbeat", self._on_heartbeat, q),
             ("unregister", self._on_unregister, q),
-            ("route", self._on_route, q),
             ("agents", self._on_agents, q),
             ("admin", self._on_admin, q),
         ]
@@ -246,6 +276,21 @@ class Hub:
                 subject, queue=queue or "", cb=self._dispatcher(handler), pending_msgs_limit=-1
             )
             self._subs.append(sub)
+        # Agents answer proxy attempts on this hub's own reply subjects.
+        self._reply_prefix = self.nc.new_inbox() + "."
+        self._reply_prefix_len = len(self._reply_prefix)
+        self._reply_sub = await self.nc.subscribe(
+            self._reply_prefix + "*", cb=self._on_agent_reply, pending_msgs_limit=-1
+        )
+        self._sweeper = asyncio.create_task(self._sweep_deadlines())
+        self._subs.append(
+            await self.nc.subscribe(
+                protocol.hub_subject("*", "route"),
+                queue=q,
+                cb=self._on_route_msg,
+                pending_msgs_limit=-1,
+            )
+        )
         # Failure reports go to every hub (no queue group): each keeps its own breakers.
         self._subs.append(
             await self.nc.subscribe(protocol.hub_subject("*", "report"), cb=self._on_report)
@@ -273,10 +318,17 @@ class Hub:
             # Hand running workflows back (nak) so another hub resumes them at once.
             with contextlib.suppress(Exception):
                 await self.workflows.stop()
-        if self._inflight:
-            await asyncio.wait(self._inflight, timeout=5)
+        # Routes in flight get their answers (or their deadline) for up to 5 s.
+        for _ in range(500):
+            if not self._inflight and self._routing <= 0:
+                break
+            await asyncio.sleep(0.01)
         for task in list(self._inflight):
             task.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._sweeper
         if hasattr(self, "registry"):
             await self.registry.stop()
         if hasattr(self, "audit"):
@@ -316,14 +368,25 @@ class Hub:
         self._inflight.discard(task)
         self._sem.release()
 
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task the hub waits for when it closes."""
+        task = asyncio.create_task(coro)
+        self._inflight.add(task)
+        task.add_done_callback(self._inflight.discard)
+
+    def _namespace(self, subject: str) -> str:
+        """The namespace token of ``reach.hub.<ns>.<verb>``, validated (and remembered)."""
+        ns = subject.split(".", 3)[2]
+        if ns not in self._namespaces:
+            protocol.validate_namespace(ns)
+            if len(self._namespaces) > 10_000:
+                self._namespaces.clear()
+            self._namespaces.add(ns)
+        return ns
+
     async def _serve(self, msg: Msg, handler: Handler) -> None:
         try:
-            ns = msg.subject.split(".", 3)[2]
-            if ns not in self._namespaces:
-                protocol.validate_namespace(ns)
-                if len(self._namespaces) > 10_000:
-                    self._namespaces.clear()
-                self._namespaces.add(ns)
+            ns = self._namespace(msg.subject)
             body = await handler(msg, ns)
         except ReachError as err:
             body = protocol.encode_error(err)
@@ -394,6 +457,14 @@ class Hub:
         return protocol.dumps({"agent_id": req.agent_id, "removed": removed})
 
     # ------------------------------------------------------------------ routing
+    #
+    # A route is a flight: the request's callback decides and publishes the task to the agent
+    # with a reply subject of this hub's own (``<inbox>.<token>``), and returns; the agent's
+    # reply arrives in another callback, which finishes the flight (or tries the next agent),
+    # and a deadline sweep finishes the flights nobody answered. No task, future or timer per
+    # request: the hot path is two message callbacks and two publishes. Only a route that needs
+    # the KV first (a sticky session, an agent registered through another hub a moment ago)
+    # runs that lookup in a task before its first attempt.
 
     def _count(self, ns: str, mode: str, state: str) -> None:
         key = (ns, mode, state)
@@ -402,8 +473,36 @@ class Hub:
             child = self._task_counters[key] = self.metrics.task_total.labels(ns, mode, state)
         child.inc()
 
-    async def _on_route(self, msg: Msg, ns: str) -> bytes:
-        t0 = time.perf_counter()
+    async def _on_route_msg(self, msg: Msg) -> None:
+        """The route subscription's callback: admit the request, start its first attempt."""
+        while self._routing >= self.settings.hub_concurrency:
+            # Full: stop reading this subscription (NATS buffers) until a flight ends.
+            self._room.clear()
+            await self._room.wait()
+        try:
+            ns = self._namespace(msg.subject)
+            flight = self._admit(msg, ns)
+        except ReachError as err:
+            await self._answer(msg.reply, protocol.encode_error(err))
+            return
+        except Exception as err:  # the hub never crashes on input
+            log.exception("internal error on %s", msg.subject)
+            await self._answer(
+                msg.reply,
+                protocol.encode_error(InternalError(f"internal error: {type(err).__name__}")),
+            )
+            return
+        self._routing += 1
+        req = flight.req
+        if req.session_id is not None or (
+            req.agent_id is not None and req.agent_id not in self.registry.agents
+        ):
+            self._spawn(self._lookup_then_attempt(flight))
+        else:
+            await self._attempt(flight)
+
+    def _admit(self, msg: Msg, ns: str) -> _Flight:
+        """Decode and check a route request; raise the typed error that answers it."""
         req = protocol.decode(
             msg.data, RouteRequest, max_size=self.settings.max_payload + _ENVELOPE_SLACK
         )
@@ -420,188 +519,182 @@ class Hub:
                 f"reach.hub.{protocol.namespace_of(req.agent_id)}.route",
                 field="agent_id",
             )
-        request_id = _new_id()
-        if tracing_enabled():
-            headers = dict(msg.headers or {})
-            trace_id = trace_id_from_headers(headers)
-            with span(
-                SPAN_ROUTE, kind=SpanKind.SERVER, parent_headers=headers, destination=msg.subject
-            ) as sp:
-                # headers=None: _deliver injects the context of its own span.
-                out = await self._route_counted(req, ns, request_id, trace_id, None)
-                if sp.is_recording():
-                    sp.set_attribute("reach.request_id", request_id)
-                    sp.set_attribute("reach.agent_id", out.agent_id)
-                    sp.set_attribute("reach.attempts", out.attempts)
-        else:
-            # Tracing off: nothing is recorded, so no span and no OTel context; the caller's
-            # trace context is forwarded to the agent as the strings it came as.
-            fwd, trace_id = _forward_trace(msg.headers)
-            out = await self._route_counted(req, ns, request_id, trace_id, fwd)
-        head = out.head
-        state = head.state.value if head is not None else "ROUTED"
-        self._count(ns, req.mode, state)
-        self.audit.add(
-            ns,
-            "route",
-            {
-                "request_id": request_id,
-                "trace_id": trace_id,
-                "task_id": head.task_id if head is not None else req.task_id,
-                "agent_id": out.agent_id,
-                "target": req.agent_id or req.capability or req.selector,
-                "state": state,
-                "attempts": out.attempts,
-            },
+        now = time.perf_counter()
+        flight = _Flight(
+            req=req,
+            ns=ns,
+            request_id=_new_id(),
+            reply_to=msg.reply,
+            t0=now,
+            deadline=now + req.timeout,
+            task_id=req.task_id or _new_id() + _new_id(),
         )
-        elapsed = time.perf_counter() - t0
-        if elapsed > _SLOW_ROUTE:
+        if tracing_enabled():
+            sp = open_span(
+                SPAN_ROUTE,
+                kind=SpanKind.SERVER,
+                parent_headers=msg.headers,
+                destination=msg.subject,
+                attributes={"reach.request_id": flight.request_id},
+            )
+            flight.span = sp
+            flight.trace_id = f"{sp.get_span_context().trace_id:032x}"
+        else:
+            # Nothing is recorded: the caller's trace context goes on to the agent as the
+            # strings it came as (or a new trace starts here).
+            flight.headers, flight.trace_id = _forward_trace(msg.headers)
+        return flight
+
+    async def _lookup_then_attempt(self, flight: _Flight) -> None:
+        """The KV reads a route needs before it can decide: its session's agent, or an agent
+        registered through another hub that this hub's watch has not shown yet."""
+        req = flight.req
+        try:
+            if req.session_id is not None:
+                flight.sticky = await self.sessions.get(flight.ns, req.session_id)
+            if req.agent_id is not None and req.agent_id not in self.registry.agents:
+                await self.registry.fetch(req.agent_id)
+        except Exception as err:
+            log.warning("route %s: KV lookup failed: %r", flight.request_id, err)
+        await self._attempt(flight)
+
+    async def _attempt(self, flight: _Flight) -> None:
+        """Decide, then answer (direct mode, dry run, no match) or send the task (proxy)."""
+        req = flight.req
+        flight.attempt += 1
+        try:
+            choice = self.router.decide(
+                req,
+                flight.ns,
+                flight.request_id,
+                exclude=frozenset(flight.exclude),
+                sticky_agent=flight.sticky,
+                # Alternates let a direct-mode caller cache the decision; a session or hash key
+                # asks for per-request routing, so those get none.
+                alternates=DIRECT_ALTERNATES
+                if req.mode == "direct" and req.session_id is None and req.hash_key is None
+                else 0,
+            )
+        except NoMatchError as err:
+            if flight.last_error is not None and flight.exclude:
+                await self._finish(flight, error=flight.last_error)  # every candidate refused
+                return
             log_event(
                 log,
-                ROUTE_LATENCY,
-                "slow route",
-                request_id=request_id,
-                agent_id=out.agent_id,
-                elapsed_ms=round(elapsed * 1000, 2),
+                SELECT_EMPTY,
+                "no routable agent",
+                request_id=flight.request_id,
+                trace_id=flight.trace_id,
+                target=req.agent_id or req.capability or req.selector,
             )
-        return _reply_bytes(request_id, out)
-
-    async def _route_counted(
-        self,
-        req: RouteRequest,
-        ns: str,
-        request_id: str,
-        trace_id: str | None,
-        headers: dict[str, str] | None,
-    ) -> _Routed:
-        """``_route``, with a failure counted and audited."""
-        try:
-            return await self._route(req, ns, request_id, headers)
+            await self._finish(flight, error=err)
+            return
         except ReachError as err:
-            self._count(ns, req.mode, err.code.removeprefix("REACH_"))
-            self.audit.add(
-                ns,
-                "route",
-                {
-                    "request_id": request_id,
-                    "trace_id": trace_id,
-                    "task_id": req.task_id,
-                    "target": req.agent_id or req.capability or req.selector,
-                    "error": err.code,
-                    "reason": err.message,
-                },
+            await self._finish(flight, error=err)
+            return
+        view = choice.view
+        self._route_seconds.observe(choice.elapsed_us / 1e6)
+        flight.view = view
+        flight.decision = choice.decision
+        if req.dry_run:
+            await self._finish(flight, subject=view.record.task_subject)
+            return
+        if req.mode == "direct":
+            view.assigned(self.registry.now)
+            await self._finish(
+                flight, subject=view.record.task_subject, alternates=choice.alternates
             )
-            raise
-
-    async def _route(
-        self, req: RouteRequest, ns: str, request_id: str, headers: dict[str, str] | None
-    ) -> _Routed:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + req.timeout
-        task_id = req.task_id or _new_id() + _new_id()
-        exclude: set[str] = set()
-        attempt = 0
-        last_error: ReachError | None = None
-        sticky = await self.sessions.get(ns, req.session_id) if req.session_id is not None else None
-        # Alternates let a direct-mode caller cache the decision; a session or hash key asks
-        # for per-request routing, so those get none.
-        want_alternates = (
-            DIRECT_ALTERNATES
-            if req.mode == "direct" and req.session_id is None and req.hash_key is None
-            else 0
-        )
-        while True:
-            attempt += 1
-            if req.agent_id is not None and req.agent_id not in self.registry.agents:
-                # Registered a moment ago through another hub; our watch may lag by a message.
-                await self.registry.fetch(req.agent_id)
-            try:
-                choice = self.router.decide(
-                    req,
-                    ns,
-                    request_id,
-                    exclude=frozenset(exclude),
-                    sticky_agent=sticky,
-                    alternates=want_alternates,
-                )
-            except NoMatchError as err:
-                if last_error is not None and exclude:
-                    raise last_error from err  # every candidate refused: say why
-                log_event(
-                    log,
-                    SELECT_EMPTY,
-                    "no routable agent",
-                    request_id=request_id,
-                    target=req.agent_id or req.capability or req.selector,
-                )
-                raise
-            view = choice.view
-            self.metrics.route_duration_seconds.observe(choice.elapsed_us / 1e6)
-            decision = choice.decision
-            if req.dry_run:
-                return _Routed(view.agent_id, subject=view.record.task_subject, decision=decision)
-            if req.mode == "direct":
-                view.assigned(self.registry.now)
-                return _Routed(
-                    view.agent_id,
-                    subject=view.record.task_subject,
-                    decision=decision,
-                    attempts=attempt,
-                    alternates=choice.alternates,
-                )
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise MeshTimeoutError(
-                    f"task {task_id} not delivered within {req.timeout:g}s", task_id=task_id
-                )
-            # Built from values validated already (the RouteRequest, the router's choice):
-            # no second validation on the hot path.
-            envelope = TaskEnvelope.model_construct(
-                task_id=task_id,
-                attempt=attempt,
-                capability=choice.capability,
-                payload=req.payload,
-                namespace=ns,
-                timeout=remaining,
+            return
+        remaining = flight.deadline - time.perf_counter()
+        if remaining <= 0:
+            late = MeshTimeoutError(
+                f"task {flight.task_id} not delivered within {req.timeout:g}s",
+                task_id=flight.task_id,
             )
-            try:
-                data, head = await self._deliver(view, envelope, remaining, headers)
-            except (AgentBusyError, NoHandlerError, UnknownAgentError) as err:
-                # Refused before ACCEPTED: safe to try another agent.
-                last_error = err
-                exclude.add(view.agent_id)
-                if attempt >= self.settings.route_attempts or req.agent_id is not None:
-                    raise
-                self.metrics.retry_total.inc()
-                continue
-            if head.state is TaskState.SUCCEEDED and req.session_id is not None:
-                await self.sessions.put(ns, req.session_id, view.agent_id)
-            return _Routed(view.agent_id, task=data, head=head, decision=decision, attempts=attempt)
-
-    async def _deliver(
-        self,
-        view: AgentView,
-        envelope: TaskEnvelope,
-        timeout: float,
-        headers: dict[str, str] | None,
-    ) -> tuple[bytes, _ReplyHead]:
-        """Send one attempt to ``view`` and wait for its reply (proxy mode).
-
-        ``headers``: the trace context to send; ``None`` (tracing on) opens a deliver span and
-        sends its context. Returns the reply's bytes as the agent sent them and its parsed head.
-        """
+            await self._finish(flight, error=late)
+            return
+        flight.capability = choice.capability
         subject = view.record.task_subject
-        body = _envelope_bytes(envelope)
+        # Written from values validated already (the RouteRequest, the router's choice).
+        body = _envelope_bytes(
+            flight.task_id, flight.attempt, choice.capability, req.payload, flight.ns, remaining
+        )
+        if flight.span is not None:
+            flight.deliver_span = open_span(
+                SPAN_DELIVER, kind=SpanKind.CLIENT, parent=flight.span, destination=subject
+            )
+            headers = inject_span(flight.deliver_span)
+        else:
+            assert flight.headers is not None
+            headers = flight.headers
+        token = _new_id()
+        flight.token = token
+        self._flights[token] = flight
+        heapq.heappush(self._deadlines, (flight.deadline, token))
         view.outstanding += 1
         try:
-            if headers is None:
-                with span(SPAN_DELIVER, kind=SpanKind.CLIENT, destination=subject):
-                    msg = await self._request(view, envelope, subject, body, timeout, inject({}))
+            await self.nc.publish(subject, body, reply=self._reply_prefix + token, headers=headers)
+        except Exception as err:  # the connection is closing or gone
+            if self._flights.pop(token, None) is not None:
+                view.outstanding -= 1
+                await self._finish(
+                    flight, error=MeshUnavailableError(f"cannot reach NATS: {type(err).__name__}")
+                )
+
+    async def _on_agent_reply(self, msg: Msg) -> None:
+        """An agent's answer to an attempt (or NATS saying nobody listens on its subject)."""
+        flight = self._flights.pop(msg.subject[self._reply_prefix_len :], None)
+        if flight is None:
+            self.metrics.late_reply_total.inc()  # that attempt timed out already
+            return
+        view = flight.view
+        assert view is not None
+        view.outstanding -= 1
+        try:
+            data = msg.data
+            if not data and msg.headers and msg.headers.get("Status") == "503":
+                self._failed(view, delivery=True)
+                raise UnknownAgentError(
+                    f"agent {view.agent_id} has no subscriber on {view.record.task_subject}",
+                    agent_id=view.agent_id,
+                )
+            head = self._read_reply(view, flight.capability, data)
+        except (AgentBusyError, NoHandlerError, UnknownAgentError) as err:
+            # Refused before ACCEPTED: safe to try another agent.
+            self._end_deliver(flight, err)
+            flight.last_error = err
+            flight.exclude.add(view.agent_id)
+            if flight.attempt >= self.settings.route_attempts or flight.req.agent_id is not None:
+                await self._finish(flight, error=err)
             else:
-                msg = await self._request(view, envelope, subject, body, timeout, headers)
-        finally:
-            view.outstanding -= 1
-        data: bytes = msg.data
+                self.metrics.retry_total.inc()
+                await self._attempt(flight)
+            return
+        except ReachError as err:
+            self._end_deliver(flight, err)
+            await self._finish(flight, error=err)
+            return
+        self._end_deliver(flight, None)
+        if head.state is TaskState.SUCCEEDED and flight.req.session_id is not None:
+            self._spawn(self._remember_session(flight, view.agent_id, data, head))
+        else:
+            await self._finish(flight, task=data, head=head)
+
+    async def _remember_session(
+        self, flight: _Flight, agent_id: str, data: bytes, head: _ReplyHead
+    ) -> None:
+        """Map the session to the agent that served it, then answer: the caller's next request,
+        through any hub, finds the mapping in KV."""
+        assert flight.req.session_id is not None
+        try:
+            await self.sessions.put(flight.ns, flight.req.session_id, agent_id)
+        except Exception as err:
+            log.warning("session %s: KV put failed: %r", flight.req.session_id, err)
+        await self._finish(flight, task=data, head=head)
+
+    def _read_reply(self, view: AgentView, capability: str | None, data: bytes) -> _ReplyHead:
+        """Parse an agent's reply for what the hub acts on, and feed its health, breaker and
+        metrics; raise the typed error an error body carries."""
         try:
             protocol.raise_for_error(data)
             head = _ReplyHead.model_validate_json(data)
@@ -613,51 +706,140 @@ class Hub:
         except Exception as err:
             self._failed(view, delivery=True)
             raise InternalError(f"agent {view.agent_id} sent a malformed reply: {err}") from err
-        m = self.metrics
-        m.delivered_to_accepted_seconds.observe(head.queued_ms / 1000)
-        cap = envelope.capability or "-"
+        self._accepted_seconds.observe(head.queued_ms / 1000)
+        cap = capability or "-"
         child = self._duration_children.get(cap)
         if child is None:
-            child = self._duration_children[cap] = m.task_duration_seconds.labels(cap)
+            child = self._duration_children[cap] = self.metrics.task_duration_seconds.labels(cap)
         child.observe(head.duration_ms / 1000)
         if head.cached:
-            m.duplicate_delivery_total.inc()
+            self.metrics.duplicate_delivery_total.inc()
         if head.state is TaskState.SUCCEEDED:
             view.health.success()
             view.breaker.record(True)
         elif head.state is TaskState.FAILED:
             view.breaker.record(False)
         self.registry.regrade(view)
-        return data, head
+        return head
 
-    async def _request(
+    async def _sweep_deadlines(self) -> None:
+        """Finish the attempts whose deadline passed without an answer (every few ms)."""
+        heap = self._deadlines
+        while True:
+            await asyncio.sleep(_SWEEP_INTERVAL)
+            now = time.perf_counter()
+            while heap and heap[0][0] <= now:
+                _, token = heapq.heappop(heap)
+                flight = self._flights.pop(token, None)
+                if flight is not None:
+                    await self._expired(flight)
+            # Answered attempts leave their entry behind; drop them once they outnumber the
+            # live ones, so the heap stays the size of what is in flight.
+            if len(heap) > 2 * len(self._flights) + 1024:
+                live = self._flights
+                self._deadlines = heap = [e for e in heap if e[1] in live]
+                heapq.heapify(heap)
+
+    async def _expired(self, flight: _Flight) -> None:
+        view = flight.view
+        assert view is not None
+        view.outstanding -= 1
+        view.health.accept_timeout()
+        view.breaker.record(False)
+        self.registry.regrade(view)
+        err = MeshTimeoutError(
+            f"agent {view.agent_id} did not answer task {flight.task_id} "
+            f"attempt {flight.attempt} within {flight.req.timeout:.3g}s",
+            agent_id=view.agent_id,
+            task_id=flight.task_id,
+            attempt=flight.attempt,
+        )
+        self._end_deliver(flight, err)
+        await self._finish(flight, error=err)
+
+    def _end_deliver(self, flight: _Flight, error: ReachError | None) -> None:
+        sp, flight.deliver_span = flight.deliver_span, None
+        if sp is not None:
+            if error is not None:
+                sp.set_status(Status(StatusCode.ERROR, error.code))
+            sp.end()
+
+    async def _finish(
         self,
-        view: AgentView,
-        envelope: TaskEnvelope,
-        subject: str,
-        body: bytes,
-        timeout: float,
-        headers: dict[str, str],
-    ) -> Msg:
-        try:
-            return await self.nc.request(subject, body, timeout=timeout, headers=headers)
-        except NoRespondersError as err:
-            self._failed(view, delivery=True)
-            raise UnknownAgentError(
-                f"agent {view.agent_id} has no subscriber on {subject}",
-                agent_id=view.agent_id,
-            ) from err
-        except (TimeoutError, NatsTimeoutError) as err:
-            view.health.accept_timeout()
-            view.breaker.record(False)
-            self.registry.regrade(view)
-            raise MeshTimeoutError(
-                f"agent {view.agent_id} did not answer task {envelope.task_id} "
-                f"attempt {envelope.attempt} within {timeout:.3g}s",
-                agent_id=view.agent_id,
-                task_id=envelope.task_id,
-                attempt=envelope.attempt,
-            ) from err
+        flight: _Flight,
+        *,
+        task: bytes | None = None,
+        head: _ReplyHead | None = None,
+        subject: str | None = None,
+        alternates: list[AgentView] | None = None,
+        error: ReachError | None = None,
+    ) -> None:
+        """The one way a route ends: count it, audit it, close its span, answer the caller."""
+        req, ns = flight.req, flight.ns
+        view = flight.view
+        target = req.agent_id or req.capability or req.selector
+        if error is not None:
+            self._count(ns, req.mode, error.code.removeprefix("REACH_"))
+            event: dict[str, Any] = {
+                "request_id": flight.request_id,
+                "trace_id": flight.trace_id,
+                "task_id": req.task_id,
+                "target": target,
+                "error": error.code,
+                "reason": error.message,
+            }
+            body = protocol.encode_error(error)
+        else:
+            assert view is not None
+            state = head.state.value if head is not None else "ROUTED"
+            self._count(ns, req.mode, state)
+            event = {
+                "request_id": flight.request_id,
+                "trace_id": flight.trace_id,
+                "task_id": head.task_id if head is not None else req.task_id,
+                "agent_id": view.agent_id,
+                "target": target,
+                "state": state,
+                "attempts": flight.attempt,
+            }
+            body = _reply_bytes(
+                flight.request_id,
+                view.agent_id,
+                subject=subject,
+                task=task,
+                decision=flight.decision,
+                alternates=alternates,
+                attempts=flight.attempt,
+            )
+        self.audit.add(ns, "route", event)
+        elapsed = time.perf_counter() - flight.t0
+        if elapsed > _SLOW_ROUTE:
+            log_event(
+                log,
+                ROUTE_LATENCY,
+                "slow route",
+                request_id=flight.request_id,
+                trace_id=flight.trace_id,
+                agent_id=view.agent_id if view is not None else None,
+                elapsed_ms=round(elapsed * 1000, 2),
+            )
+        sp = flight.span
+        if sp is not None:
+            if view is not None:
+                sp.set_attribute("reach.agent_id", view.agent_id)
+            sp.set_attribute("reach.attempts", flight.attempt)
+            if error is not None:
+                sp.set_status(Status(StatusCode.ERROR, error.code))
+            sp.end()
+        self._routing -= 1
+        if self._routing < self.settings.hub_concurrency:
+            self._room.set()
+        await self._answer(flight.reply_to, body)
+
+    async def _answer(self, reply: str, body: bytes) -> None:
+        if reply:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(reply, body)
 
     def _failed(self, view: AgentView, *, delivery: bool) -> None:
         if delivery:
@@ -772,44 +954,54 @@ def _forward_trace(headers: dict[str, str] | None) -> tuple[dict[str, str], str]
     return out, out[TRACEPARENT][3:35]
 
 
-def _envelope_bytes(env: TaskEnvelope) -> bytes:
+def _envelope_bytes(
+    task_id: str,
+    attempt: int,
+    capability: str | None,
+    payload: Any,
+    namespace: str,
+    timeout: float,
+) -> bytes:
     """A proxy-mode ``TaskEnvelope`` as JSON, written directly (pydantic's ``model_construct``
     plus ``model_dump_json`` cost several times more on every request). Ids, capability and
     namespace are validated protocol tokens: quoted without escaping; the payload goes through
     pydantic's JSON serialiser, as ``protocol.encode`` would."""
-    parts = [b'{"task_id":"', env.task_id.encode(), b'","attempt":', str(env.attempt).encode()]
-    if env.capability is not None:
-        parts += (b',"capability":"', env.capability.encode(), b'"')
-    if env.payload is not None:
-        parts += (b',"payload":', to_json(env.payload))
-    parts += (
-        b',"namespace":"',
-        env.namespace.encode(),
-        b'","timeout":',
-        repr(env.timeout).encode(),
-    )
-    parts.append(b"}")
+    parts = [b'{"task_id":"', task_id.encode(), b'","attempt":', str(attempt).encode()]
+    if capability is not None:
+        parts += (b',"capability":"', capability.encode(), b'"')
+    if payload is not None:
+        parts += (b',"payload":', to_json(payload))
+    parts += (b',"namespace":"', namespace.encode(), b'","timeout":', repr(timeout).encode(), b"}")
     return b"".join(parts)
 
 
-def _reply_bytes(request_id: str, out: _Routed) -> bytes:
+def _reply_bytes(
+    request_id: str,
+    agent_id: str,
+    *,
+    subject: str | None,
+    task: bytes | None,
+    decision: RouteDecision | None,
+    alternates: list[AgentView] | None,
+    attempts: int,
+) -> bytes:
     """The ``RouteReply`` JSON, with the agent's ``TaskReply`` bytes spliced in unchanged.
 
     Ids and subjects are validated protocol tokens (``[a-z0-9_-]`` and dots), so they are
     written between quotes without escaping.
     """
-    parts = [b'{"request_id":"', request_id.encode(), b'","agent_id":"', out.agent_id.encode()]
-    if out.subject is not None:
-        parts += (b'","subject":"', out.subject.encode())
+    parts = [b'{"request_id":"', request_id.encode(), b'","agent_id":"', agent_id.encode()]
+    if subject is not None:
+        parts += (b'","subject":"', subject.encode())
     parts.append(b'"')
-    if out.task is not None:
-        parts += (b',"task":', out.task)
-    if out.decision is not None:
-        parts += (b',"decision":', out.decision.model_dump_json(exclude_none=True).encode())
-    if out.alternates:
-        refs = [{"agent_id": v.agent_id, "subject": v.record.task_subject} for v in out.alternates]
+    if task is not None:
+        parts += (b',"task":', task)
+    if decision is not None:
+        parts += (b',"decision":', decision.model_dump_json(exclude_none=True).encode())
+    if alternates:
+        refs = [{"agent_id": v.agent_id, "subject": v.record.task_subject} for v in alternates]
         parts += (b',"alternates":', protocol.dumps(refs))
-    parts += (b',"attempts":', str(out.attempts).encode(), b"}")
+    parts += (b',"attempts":', str(attempts).encode(), b"}")
     return b"".join(parts)
 
 

@@ -19,7 +19,16 @@ from ._propagation import (
     trace_id_from_headers,
 )
 from ._setup import ExporterName, configure_tracing, memory_exporter, tracing_enabled
-from ._spans import SPAN_DELIVER, SPAN_HANDLE, SPAN_ROUTE, SPAN_STEP, SPAN_WORKFLOW, span
+from ._spans import (
+    SPAN_DELIVER,
+    SPAN_HANDLE,
+    SPAN_ROUTE,
+    SPAN_STEP,
+    SPAN_WORKFLOW,
+    inject_span,
+    open_span,
+    span,
+)
 
 __all__ = [
     "SPAN_DELIVER",
@@ -35,7 +44,9 @@ __all__ = [
     "current_trace_id",
     "extract",
     "inject",
+    "inject_span",
     "memory_exporter",
+    "open_span",
     "span",
     "trace_id_from_headers",
     "tracing_enabled",

@@ -20,7 +20,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from ._propagation import _CarriedSpan, _fresh_span, _span_from_headers
+from ._propagation import TRACEPARENT, _CarriedSpan, _format, _fresh_span, _span_from_headers
 from ._setup import _tracer, tracing_enabled
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "SPAN_ROUTE",
     "SPAN_STEP",
     "SPAN_WORKFLOW",
+    "open_span",
     "span",
 ]
 
@@ -77,6 +78,60 @@ def span(
     no-ops and the only cost is making the trace context current.
     """
     return _SpanScope(name, kind, parent_headers, attributes, destination, operation)
+
+
+def open_span(
+    name: str,
+    *,
+    kind: SpanKind,
+    parent_headers: Mapping[str, str] | None = None,
+    parent: trace.Span | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
+    destination: str | None = None,
+) -> trace.Span:
+    """Start a recording span that is *not* made current; the caller ends it (``span.end()``).
+
+    For work that outlives one callback: the hub's proxy route opens ``reach.route`` when the
+    request arrives and ends it in the callback that gets the agent's reply. The parent is
+    ``parent`` if given, else the ``traceparent`` in ``parent_headers``, else the current
+    context. Call it only with tracing on (:func:`tracing_enabled`); :func:`inject_span` writes
+    its context into headers.
+    """
+    if parent is not None:
+        context: Context | None = trace.set_span_in_context(parent)
+    elif parent_headers:
+        context = propagate.extract(parent_headers, context=otel_context.get_current())
+    else:
+        context = None
+    return _tracer().start_span(
+        name, context=context, kind=kind, attributes=_attributes(kind, attributes, destination)
+    )
+
+
+def inject_span(span: trace.Span) -> dict[str, str]:
+    """NATS headers carrying ``span``'s context (what :func:`inject` writes inside it)."""
+    headers: dict[str, str] = {}
+    propagate.inject(headers, context=trace.set_span_in_context(span))
+    headers.setdefault(TRACEPARENT, _format(span.get_span_context()))
+    return headers
+
+
+def _attributes(
+    kind: SpanKind,
+    extra: Mapping[str, AttributeValue] | None,
+    destination: str | None,
+    operation: str | None = None,
+) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {}
+    if destination is not None:
+        attributes["messaging.system"] = "nats"
+        attributes["messaging.destination.name"] = destination
+        operation = operation or _OPERATION_BY_KIND.get(kind)
+        if operation is not None:
+            attributes["messaging.operation.type"] = operation
+    if extra:
+        attributes.update(extra)
+    return attributes
 
 
 class _SpanScope:
@@ -143,15 +198,7 @@ class _SpanScope:
             parent_context = propagate.extract(
                 self._parent_headers, context=otel_context.get_current()
             )
-        attributes: dict[str, AttributeValue] = {}
-        if self._destination is not None:
-            attributes["messaging.system"] = "nats"
-            attributes["messaging.destination.name"] = self._destination
-            operation = self._operation or _OPERATION_BY_KIND.get(self._kind)
-            if operation is not None:
-                attributes["messaging.operation.type"] = operation
-        if self._attributes:
-            attributes.update(self._attributes)
+        attributes = _attributes(self._kind, self._attributes, self._destination, self._operation)
         manager = _tracer().start_as_current_span(
             self._name, context=parent_context, kind=self._kind, attributes=attributes
         )

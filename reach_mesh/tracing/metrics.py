@@ -123,6 +123,11 @@ class HubMetrics:
             "Task attempts after the first (retries and re-queues).",
             registry=r,
         )
+        self.late_reply_total = Counter(
+            "reach_late_reply",
+            "Agent replies to a proxy attempt that had already timed out (answer dropped).",
+            registry=r,
+        )
         self.heartbeat_total = Counter(
             "reach_heartbeat",
             "Heartbeats received.",

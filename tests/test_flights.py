@@ -1,0 +1,156 @@
+"""The hub's proxy routes end to end: deadlines on the hub's clock, late replies, agents that
+are registered but not listening, and a hub closing with routes in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from reach_mesh import Client, MeshSettings, TaskState, protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import MeshTimeoutError, UnknownAgentError
+from reach_mesh.hub import Hub
+from reach_mesh.models import AgentCard, RegisterRequest, TaskEnvelope, TaskReply
+
+from .helpers import eventually
+
+CAP = "work:do:v1"
+
+
+@asynccontextmanager
+async def raw_agent(
+    settings: MeshSettings, agent_id: str, *, listen: bool
+) -> AsyncIterator[list[Msg]]:
+    """An agent that speaks the wire protocol by hand: it registers (long lease, so no heartbeat
+    is needed during the test) and, if ``listen``, takes task messages without ever answering.
+    Yields the task messages it received."""
+    nc: NATS = await nats.connect(settings.nats_url)
+    received: list[Msg] = []
+
+    async def take(msg: Msg) -> None:
+        received.append(msg)
+
+    try:
+        if listen:
+            await nc.subscribe(protocol.agent_task(agent_id), cb=take)
+        req = RegisterRequest(
+            card=AgentCard(agent_id=agent_id, capabilities=[CAP]),
+            session=uuid.uuid4().hex,
+            heartbeat_interval=20,
+            lease_timeout=60,
+        )
+        reply = await nc.request(
+            protocol.hub_subject(settings.namespace, "register"), protocol.encode(req), timeout=5
+        )
+        protocol.raise_for_error(reply.data)
+        yield received
+    finally:
+        await nc.close()
+
+
+def echo_agent(agent_id: str, settings: MeshSettings, delay: float = 0.0) -> Agent:
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler(CAP)
+    async def work(task: Task[dict[str, int]]) -> dict[str, int]:
+        await asyncio.sleep(delay)
+        return task.payload
+
+    return agent
+
+
+async def test_hung_agent_times_out_on_the_hub_and_its_late_reply_is_dropped(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent_id = f"{namespace}.hung.a1"
+    async with (
+        raw_agent(settings, agent_id, listen=True) as received,
+        Client(settings=settings) as c,
+    ):
+        t0 = time.monotonic()
+        with pytest.raises(MeshTimeoutError) as info:
+            await c.request(agent_id=agent_id, payload={"n": 1}, timeout=0.3)
+        elapsed = time.monotonic() - t0
+        # The hub answers at its deadline (swept every few ms), not the caller's own timeout.
+        assert 0.3 <= elapsed < 0.3 + 0.25
+        assert info.value.details.get("agent_id") == agent_id
+        view = hub.registry.agents[agent_id]
+        assert view.health.value < 100  # accept timeout
+        assert view.outstanding == 0
+
+        # The agent answers after all: nobody is waiting for it any more.
+        assert len(received) == 1
+        env = TaskEnvelope.model_validate_json(received[0].data)
+        late = TaskReply(
+            task_id=env.task_id, attempt=env.attempt, agent_id=agent_id, state=TaskState.SUCCEEDED
+        )
+        nc = await nats.connect(settings.nats_url)
+        try:
+            await nc.publish(received[0].reply, protocol.encode(late))
+            await nc.flush()
+        finally:
+            await nc.close()
+        await eventually(lambda: hub.metrics.late_reply_total._value.get() == 1)
+
+
+async def test_registered_agent_without_subscriber_is_skipped(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    dead = f"{namespace}.work.dead"
+    live = f"{namespace}.work.live"
+    async with (
+        raw_agent(settings, dead, listen=False),
+        echo_agent(live, settings),
+        Client(settings=settings) as c,
+    ):
+        retries = hub.metrics.retry_total._value.get()
+        for i in range(6):
+            # round_robin reaches the dead agent every other time: NATS answers "no
+            # responders" and the hub tries the live agent in the same request.
+            res = await c.request(capability=CAP, payload={"n": i}, strategy="round_robin")
+            assert res.state is TaskState.SUCCEEDED and res.agent_id == live
+            assert res.result == {"n": i}
+        assert hub.metrics.retry_total._value.get() > retries
+        assert hub.registry.agents[dead].health.value < 100
+        # Named by id there is nobody else to try: the caller is told who is missing.
+        with pytest.raises(UnknownAgentError):
+            await c.request(agent_id=dead, payload={}, timeout=1.0)
+
+
+async def test_hub_closing_finishes_routes_in_flight(
+    settings: MeshSettings, namespace: str
+) -> None:
+    async with (
+        Hub(settings=settings) as hub,
+        echo_agent(f"{namespace}.work.slow", settings, delay=0.3),
+        Client(settings=settings) as c,
+    ):
+        pending = asyncio.create_task(c.request(capability=CAP, payload={"n": 7}))
+        await eventually(lambda: hub._routing == 1)
+        await hub.close()
+        res = await pending
+        assert res.state is TaskState.SUCCEEDED and res.result == {"n": 7}
+
+
+async def test_many_routes_in_flight_at_once(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    async with (
+        echo_agent(f"{namespace}.work.a1", settings, delay=0.05),
+        echo_agent(f"{namespace}.work.a2", settings, delay=0.05),
+        Client(settings=settings) as c,
+    ):
+        results = await asyncio.gather(
+            *(c.request(capability=CAP, payload={"n": i}) for i in range(300))
+        )
+        assert [r.result for r in results] == [{"n": i} for i in range(300)]
+        assert {r.agent_id for r in results} == {f"{namespace}.work.a1", f"{namespace}.work.a2"}
+        await eventually(lambda: not hub._flights and hub._routing == 0)
