@@ -243,22 +243,23 @@ _HOT_SPOT_NOTES: list[tuple[str, tuple[str, ...], str]] = [
         "pydantic JSON validation with field validators (regex on capability, task id)",
     ),
     (
-        "delivery (`Hub._deliver`, nats-py `request` included)",
-        ("_deliver (reach_mesh/hub/_hub.py",),
-        "the envelope is written as JSON directly and the agent's reply is parsed once (its "
-        "head only) and spliced into the `RouteReply` unchanged; most of the rest is nats-py's "
-        "request machinery (inbox, future, header encoding)",
+        "sending attempts (`Hub._send`: batches and single task messages, publish included)",
+        ("_send (reach_mesh/hub/_hub.py",),
+        "attempts decided in one pass of the event loop go to an agent as one batch message "
+        "(agents with `card.batch`); the envelope is written as JSON directly",
+    ),
+    (
+        "agent replies (`Hub._on_agent_reply`: parse the reply head, breaker, health, metrics, "
+        "audit, publish the `RouteReply`)",
+        ("_on_agent_reply (reach_mesh/hub/_hub.py",),
+        "the reply is parsed once (its head only) and spliced into the `RouteReply` unchanged; "
+        "a batch of replies is split on newlines",
     ),
     (
         "audit batches (`AuditLog.flush`)",
         ("flush (reach_mesh/hub/audit.py",),
         "one newline-delimited JSON message per subject every 75 ms instead of one publish "
         "per route",
-    ),
-    (
-        "per-message task spawn (`on_msg`)",
-        ("on_msg (reach_mesh/hub/_hub.py",),
-        "an `asyncio.Task` and a semaphore round per message",
     ),
 ]
 
@@ -279,9 +280,10 @@ def _hot_spot_reading(prof: dict[str, Any]) -> str:
             "- **I/O and the event loop: "
             + (f"`socket.send` {send:.1f} %, " if send else "")
             + f"nats-py's own frames "
-            f"{nats_py:.1f} %, asyncio {loop:.1f} %** (self time, top entries only) — two "
-            "publishes per request (delivery, reply) plus the parse of two incoming messages, in "
-            "nats-py; the event loop is uvloop (the entry points' choice)."
+            f"{nats_py:.1f} %, asyncio {loop:.1f} %** (self time, top entries only) — per "
+            "request the route message and the reply to the caller, plus the attempt and its "
+            "reply (shared by a batch), in nats-py; the event loop is uvloop (the entry points' "
+            "choice)."
         )
     if not lines:
         return ""

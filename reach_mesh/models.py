@@ -106,6 +106,8 @@ class AgentCard(_Wire):
     version: str | None = Field(default=None, max_length=64)
     #: False: the agent has no JetStream work consumer; hubs do not offer it workflow steps.
     durable_work: bool = True
+    #: True: the agent also takes task batches on ``reach.agent.<id>.batch`` (see protocol.md).
+    batch: bool = False
 
     @field_validator("agent_id")
     @classmethod

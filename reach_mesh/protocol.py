@@ -39,6 +39,7 @@ __all__ = [
     "STREAM_WF_EVENTS",
     "STREAM_WORK",
     "TASK_ID_RE",
+    "agent_batch",
     "agent_ctl",
     "agent_task",
     "attempt_msg_id",
@@ -172,6 +173,12 @@ def hub_subject(namespace: str, verb: str) -> str:
 def agent_task(agent_id: str) -> str:
     """``reach.agent.<agent_id>.task`` — request-reply delivery of one task attempt."""
     return f"reach.agent.{agent_id}.task"
+
+
+def agent_batch(agent_id: str) -> str:
+    """``reach.agent.<agent_id>.batch`` — several task attempts in one message, for agents whose
+    card says ``batch: true``: one line each, ``<reply subject> <traceparent> <TaskEnvelope>``."""
+    return f"reach.agent.{agent_id}.batch"
 
 
 def agent_ctl(agent_id: str) -> str:

@@ -18,7 +18,13 @@ from reach_mesh import Client, MeshSettings, TaskState, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import MeshTimeoutError, UnknownAgentError
 from reach_mesh.hub import Hub
-from reach_mesh.models import AgentCard, RegisterRequest, TaskEnvelope, TaskReply
+from reach_mesh.models import (
+    AgentCard,
+    RegisterRequest,
+    TaskEnvelope,
+    TaskReply,
+    UnregisterRequest,
+)
 
 from .helpers import eventually
 
@@ -27,22 +33,53 @@ CAP = "work:do:v1"
 
 @asynccontextmanager
 async def raw_agent(
-    settings: MeshSettings, agent_id: str, *, listen: bool
+    settings: MeshSettings,
+    agent_id: str,
+    *,
+    listen: bool,
+    batch: bool = False,
+    answer: bool = False,
 ) -> AsyncIterator[list[Msg]]:
     """An agent that speaks the wire protocol by hand: it registers (long lease, so no heartbeat
-    is needed during the test) and, if ``listen``, takes task messages without ever answering.
-    Yields the task messages it received."""
+    is needed during the test) and, if ``listen``, takes task messages (and, with ``batch``,
+    batches) — answering them only if ``answer``: a batch with one batch of replies.
+    Yields the messages it received."""
     nc: NATS = await nats.connect(settings.nats_url)
     received: list[Msg] = []
 
+    def answer_for(env: TaskEnvelope) -> bytes:
+        return protocol.encode(
+            TaskReply(
+                task_id=env.task_id,
+                attempt=env.attempt,
+                agent_id=agent_id,
+                state=TaskState.SUCCEEDED,
+                result=env.payload,
+            )
+        )
+
     async def take(msg: Msg) -> None:
         received.append(msg)
+        if answer:
+            await nc.publish(msg.reply, answer_for(TaskEnvelope.model_validate_json(msg.data)))
+
+    async def take_batch(msg: Msg) -> None:
+        received.append(msg)
+        if answer:
+            lines = []
+            for line in msg.data.split(b"\n"):
+                subject, traceparent, body = line.split(b" ", 2)
+                assert traceparent.startswith(b"00-")
+                lines.append(subject + b" " + answer_for(TaskEnvelope.model_validate_json(body)))
+            await nc.publish(msg.reply, b"\n".join(lines))
 
     try:
         if listen:
             await nc.subscribe(protocol.agent_task(agent_id), cb=take)
+            if batch:
+                await nc.subscribe(protocol.agent_batch(agent_id), cb=take_batch)
         req = RegisterRequest(
-            card=AgentCard(agent_id=agent_id, capabilities=[CAP]),
+            card=AgentCard(agent_id=agent_id, capabilities=[CAP], batch=batch),
             session=uuid.uuid4().hex,
             heartbeat_interval=20,
             lease_timeout=60,
@@ -52,6 +89,10 @@ async def raw_agent(
         )
         protocol.raise_for_error(reply.data)
         yield received
+        bye = UnregisterRequest(agent_id=agent_id, session=req.session)
+        await nc.request(
+            protocol.hub_subject(settings.namespace, "unregister"), protocol.encode(bye), timeout=5
+        )
     finally:
         await nc.close()
 
@@ -154,3 +195,43 @@ async def test_many_routes_in_flight_at_once(
         assert [r.result for r in results] == [{"n": i} for i in range(300)]
         assert {r.agent_id for r in results} == {f"{namespace}.work.a1", f"{namespace}.work.a2"}
         await eventually(lambda: not hub._flights and hub._routing == 0)
+
+
+async def test_attempts_decided_together_go_to_a_batch_agent_as_one_message(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent_id = f"{namespace}.batch.a1"
+    async with raw_agent(settings, agent_id, listen=True, batch=True, answer=True) as received:
+        async with Client(settings=settings) as c:
+            results = await asyncio.gather(
+                *(c.request(capability=CAP, payload={"n": i}) for i in range(50))
+            )
+        assert [r.result for r in results] == [{"n": i} for i in range(50)]
+        assert all(r.agent_id == agent_id and r.attempt == 1 for r in results)
+        batches = [m for m in received if m.subject == protocol.agent_batch(agent_id)]
+        singles = [m for m in received if m.subject == protocol.agent_task(agent_id)]
+        assert batches, "50 requests at once: some attempts are decided in the same pass"
+        lines = sum(len(m.data.split(b"\n")) for m in batches)
+        assert lines + len(singles) == 50
+        assert max(len(m.data.split(b"\n")) for m in batches) > 1
+
+
+async def test_a_batch_nobody_listens_to_is_retried_elsewhere(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    dead = f"{namespace}.batch.dead"
+    live = f"{namespace}.batch.live"
+    async with (
+        raw_agent(settings, dead, listen=False, batch=True),
+        echo_agent(live, settings),
+        Client(settings=settings) as c,
+    ):
+        results = await asyncio.gather(
+            *(
+                c.request(capability=CAP, payload={"n": i}, strategy="round_robin")
+                for i in range(40)
+            )
+        )
+        assert all(r.ok and r.agent_id == live for r in results)
+        assert [r.result for r in results] == [{"n": i} for i in range(40)]
+        assert any(r.attempt == 2 for r in results)

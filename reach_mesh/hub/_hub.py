@@ -90,6 +90,9 @@ log = logging.getLogger("reach_mesh.hub")
 #: Bytes allowed on top of ``max_payload`` for the request's own fields.
 _ENVELOPE_SLACK: Final = 16 * 1024
 _SLOW_ROUTE: Final = 0.25
+#: Most attempts one batch message carries, and most bytes of envelopes in it.
+_BATCH_ITEMS: Final = 64
+_BATCH_BYTES: Final = 256 * 1024
 #: How often unanswered proxy attempts are checked against their deadline (seconds).
 _SWEEP_INTERVAL: Final = 0.005
 ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove")
@@ -156,6 +159,16 @@ class _Flight:
     deliver_span: Span | None = None
 
 
+@dataclass(slots=True, eq=False)
+class _Outbox:
+    """Attempts for one agent decided in this pass of the event loop: (token, body, headers)."""
+
+    view: AgentView
+    token: str
+    items: list[tuple[str, bytes, dict[str, str]]] = field(default_factory=list)
+    size: int = 0
+
+
 class HubState(enum.Enum):
     NEW = "new"
     RUNNING = "running"
@@ -192,7 +205,13 @@ class Hub:
         self._routing = 0
         self._room = asyncio.Event()
         self._reply_prefix = ""
+        self._reply_prefix_b = b""
         self._reply_prefix_len = 0
+        # Attempts decided in this pass of the event loop, per agent, and batches already full;
+        # one task sends them all when the pass ends.
+        self._outboxes: dict[str, _Outbox] = {}
+        self._full: list[_Outbox] = []
+        self._sender: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         s = self.settings
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
@@ -278,9 +297,10 @@ class Hub:
             self._subs.append(sub)
         # Agents answer proxy attempts on this hub's own reply subjects.
         self._reply_prefix = self.nc.new_inbox() + "."
+        self._reply_prefix_b = self._reply_prefix.encode()
         self._reply_prefix_len = len(self._reply_prefix)
         self._reply_sub = await self.nc.subscribe(
-            self._reply_prefix + "*", cb=self._on_agent_reply, pending_msgs_limit=-1
+            self._reply_prefix + ">", cb=self._on_agent_reply, pending_msgs_limit=-1
         )
         self._sweeper = asyncio.create_task(self._sweep_deadlines())
         self._subs.append(
@@ -627,48 +647,148 @@ class Hub:
         else:
             assert flight.headers is not None
             headers = flight.headers
-        token = _new_id()
+        self._enqueue(flight, view, body, headers)
+
+    # Attempts leave in batches: those decided for one agent in one pass of the event loop
+    # (a burst of route messages read together) go out together when the pass ends — one NATS
+    # message on reach.agent.<id>.batch if the agent takes batches and there are several, else
+    # one message each. Nothing waits for a batch to fill: at low load every batch is one
+    # attempt, sent at the end of the pass that decided it.
+
+    def _enqueue(
+        self, flight: _Flight, view: AgentView, body: bytes, headers: dict[str, str]
+    ) -> None:
+        box = self._outboxes.get(view.agent_id)
+        if box is not None and (
+            len(box.items) >= _BATCH_ITEMS or box.size + len(body) > _BATCH_BYTES
+        ):
+            self._full.append(box)
+            box = None
+        if box is None:
+            box = self._outboxes[view.agent_id] = _Outbox(view, _new_id())
+            if self._sender is None:
+                self._sender = asyncio.get_running_loop().create_task(self._send_outboxes())
+        # An attempt's reply subject is <inbox>.<batch token>.<index>: NATS' "no responders"
+        # for a whole batch (sent with reply subject <inbox>.<batch token>) finds its attempts.
+        token = f"{box.token}.{len(box.items)}"
+        box.items.append((token, body, headers))
+        box.size += len(body)
         flight.token = token
         self._flights[token] = flight
         heapq.heappush(self._deadlines, (flight.deadline, token))
         view.outstanding += 1
+
+    async def _send_outboxes(self) -> None:
+        self._sender = None
+        boxes = self._full
+        boxes.extend(self._outboxes.values())
+        self._full = []
+        self._outboxes = {}
+        for box in boxes:
+            await self._send(box)
+
+    async def _send(self, box: _Outbox) -> None:
+        view = box.view
+        prefix = self._reply_prefix
+        flights = self._flights
+        # An attempt whose deadline passed before the pass ended has been answered already.
+        items = [item for item in box.items if item[0] in flights]
         try:
-            await self.nc.publish(subject, body, reply=self._reply_prefix + token, headers=headers)
+            if len(items) > 1 and view.record.card.batch:
+                # A batch line carries one traceparent; richer trace context goes on its own.
+                lines = [
+                    b" ".join(((prefix + token).encode(), headers[TRACEPARENT].encode(), body))
+                    for token, body, headers in items
+                    if len(headers) == 1
+                ]
+                if len(lines) > 1:
+                    items = [item for item in items if len(item[2]) != 1]
+                    await self.nc.publish(
+                        protocol.agent_batch(view.agent_id),
+                        b"\n".join(lines),
+                        reply=prefix + box.token,
+                    )
+            subject = view.record.task_subject
+            for token, body, headers in items:
+                await self.nc.publish(subject, body, reply=prefix + token, headers=headers)
         except Exception as err:  # the connection is closing or gone
-            if self._flights.pop(token, None) is not None:
-                view.outstanding -= 1
-                await self._finish(
-                    flight, error=MeshUnavailableError(f"cannot reach NATS: {type(err).__name__}")
-                )
+            unavailable = MeshUnavailableError(f"cannot reach NATS: {type(err).__name__}")
+            for token, _, _ in box.items:
+                flight = flights.pop(token, None)
+                if flight is not None:
+                    view.outstanding -= 1
+                    self._end_deliver(flight, unavailable)
+                    await self._finish(flight, error=unavailable)
 
     async def _on_agent_reply(self, msg: Msg) -> None:
-        """An agent's answer to an attempt (or NATS saying nobody listens on its subject)."""
-        flight = self._flights.pop(msg.subject[self._reply_prefix_len :], None)
-        if flight is None:
-            self.metrics.late_reply_total.inc()  # that attempt timed out already
+        """Answers on this hub's reply subjects: an attempt's reply, a batch of replies, or
+        NATS saying nobody listens on an agent's subject (status 503, no data)."""
+        token = msg.subject[self._reply_prefix_len :]
+        data = msg.data
+        headers = msg.headers
+        no_responders = not data and headers is not None and headers.get("Status") == "503"
+        if "." in token:  # one attempt's own reply subject
+            flight = self._flights.pop(token, None)
+            if flight is None:
+                self.metrics.late_reply_total.inc()  # that attempt timed out already
+            elif no_responders:
+                await self._unreachable(flight)
+            else:
+                await self._answered(flight, data)
             return
+        if no_responders:  # a whole batch found nobody
+            for i in range(_BATCH_ITEMS):
+                flight = self._flights.pop(f"{token}.{i}", None)
+                if flight is not None:
+                    await self._unreachable(flight)
+            return
+        # A batch of replies: one line each, "<reply subject> <TaskReply JSON>".
+        prefix = self._reply_prefix_b
+        start = len(prefix)
+        for line in data.split(b"\n"):
+            subject, _, body = line.partition(b" ")
+            if not subject.startswith(prefix):
+                continue  # not ours: nothing in it can finish one of our routes
+            flight = self._flights.pop(subject[start:].decode(errors="replace"), None)
+            if flight is None:
+                self.metrics.late_reply_total.inc()
+            else:
+                await self._answered(flight, body)
+
+    async def _unreachable(self, flight: _Flight) -> None:
+        view = flight.view
+        assert view is not None
+        view.outstanding -= 1
+        self._failed(view, delivery=True)
+        err = UnknownAgentError(
+            f"agent {view.agent_id} has no subscriber on {view.record.task_subject}",
+            agent_id=view.agent_id,
+        )
+        await self._refused(flight, err)
+
+    async def _refused(
+        self, flight: _Flight, err: AgentBusyError | NoHandlerError | UnknownAgentError
+    ) -> None:
+        """Refused before ACCEPTED: safe to try another agent."""
+        view = flight.view
+        assert view is not None
+        self._end_deliver(flight, err)
+        flight.last_error = err
+        flight.exclude.add(view.agent_id)
+        if flight.attempt >= self.settings.route_attempts or flight.req.agent_id is not None:
+            await self._finish(flight, error=err)
+        else:
+            self.metrics.retry_total.inc()
+            await self._attempt(flight)
+
+    async def _answered(self, flight: _Flight, data: bytes) -> None:
         view = flight.view
         assert view is not None
         view.outstanding -= 1
         try:
-            data = msg.data
-            if not data and msg.headers and msg.headers.get("Status") == "503":
-                self._failed(view, delivery=True)
-                raise UnknownAgentError(
-                    f"agent {view.agent_id} has no subscriber on {view.record.task_subject}",
-                    agent_id=view.agent_id,
-                )
             head = self._read_reply(view, flight.capability, data)
         except (AgentBusyError, NoHandlerError, UnknownAgentError) as err:
-            # Refused before ACCEPTED: safe to try another agent.
-            self._end_deliver(flight, err)
-            flight.last_error = err
-            flight.exclude.add(view.agent_id)
-            if flight.attempt >= self.settings.route_attempts or flight.req.agent_id is not None:
-                await self._finish(flight, error=err)
-            else:
-                self.metrics.retry_total.inc()
-                await self._attempt(flight)
+            await self._refused(flight, err)
             return
         except ReachError as err:
             self._end_deliver(flight, err)
