@@ -16,11 +16,13 @@ from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, TaskState, protocol
 from reach_mesh.agent import Agent, Task
-from reach_mesh.errors import MeshTimeoutError, UnknownAgentError
-from reach_mesh.hub import Hub
+from reach_mesh.errors import BadRequestError, MeshTimeoutError, UnknownAgentError
+from reach_mesh.hub import Hub, HubState
 from reach_mesh.models import (
     AgentCard,
     RegisterRequest,
+    RouteReply,
+    RouteRequest,
     TaskEnvelope,
     TaskReply,
     UnregisterRequest,
@@ -235,3 +237,55 @@ async def test_a_batch_nobody_listens_to_is_retried_elsewhere(
         assert all(r.ok and r.agent_id == live for r in results)
         assert [r.result for r in results] == [{"n": i} for i in range(40)]
         assert any(r.attempt == 2 for r in results)
+
+
+async def test_route_requests_in_one_batch_are_answered_in_one_batch(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    traceparent = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    async with echo_agent(f"{namespace}.work.a1", settings):
+        nc = await nats.connect(settings.nats_url)
+        try:
+            inbox = nc.new_inbox()
+            answers: asyncio.Queue[Msg] = asyncio.Queue()
+
+            async def collect(msg: Msg) -> None:
+                await answers.put(msg)
+
+            await nc.subscribe(inbox + ".>", cb=collect)
+            good = [
+                protocol.encode(RouteRequest(capability=CAP, payload={"n": i})) for i in range(3)
+            ]
+            bad = b'{"capability": "NOT A CAPABILITY"}'
+            lines = [
+                b"%s.%d %s %s" % (inbox.encode(), i, traceparent, g) for i, g in enumerate(good)
+            ]
+            lines.append(b"%s.bad %s %s" % (inbox.encode(), traceparent, bad))
+            lines.append(b"no-fields-here")  # nobody to answer: dropped (and logged)
+            lines.append(b"bad*subject " + traceparent + b" " + good[0])  # never published to
+            await nc.publish(
+                protocol.hub_subject(namespace, "route_batch"),
+                b"\n".join(lines),
+                reply=inbox + ".batch",
+            )
+            got: dict[str, bytes] = {}
+            while len(got) < 4:
+                msg = await asyncio.wait_for(answers.get(), 5)
+                if msg.subject == inbox + ".batch":
+                    for line in msg.data.split(b"\n"):
+                        subject, _, body = line.partition(b" ")
+                        got[subject.decode()] = body
+                else:
+                    got[msg.subject] = msg.data
+            for i in range(3):
+                reply = RouteReply.model_validate_json(got[f"{inbox}.{i}"])
+                assert reply.task is not None and reply.task.result == {"n": i}
+                # The traceparent of the line is the trace the agent ran in.
+                assert reply.task.state is TaskState.SUCCEEDED
+            with pytest.raises(BadRequestError):
+                protocol.raise_for_error(got[f"{inbox}.bad"])
+            await asyncio.sleep(0.1)
+            assert answers.empty()
+            assert hub.state is HubState.RUNNING
+        finally:
+            await nc.close()

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -93,6 +94,9 @@ _SLOW_ROUTE: Final = 0.25
 #: Most attempts one batch message carries, and most bytes of envelopes in it.
 _BATCH_ITEMS: Final = 64
 _BATCH_BYTES: Final = 256 * 1024
+#: A NATS subject a client may name as a reply subject inside a batch: printable ASCII tokens
+#: without wildcards, separated by dots.
+_REPLY_SUBJECT_RE: Final = re.compile(rb"[!-)+-\-/-=?-~]{1,256}(?:\.[!-)+-\-/-=?-~]{1,256}){0,15}")
 #: How often unanswered proxy attempts are checked against their deadline (seconds).
 _SWEEP_INTERVAL: Final = 0.005
 ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove")
@@ -155,6 +159,8 @@ class _Flight:
     decision: RouteDecision | None = None
     #: The reply-subject token of the attempt in flight.
     token: str = ""
+    #: Where the answer goes with others, if the request came in a batch.
+    batch_reply: str | None = None
     span: Span | None = None
     deliver_span: Span | None = None
 
@@ -166,6 +172,15 @@ class _Outbox:
     view: AgentView
     token: str
     items: list[tuple[str, bytes, dict[str, str]]] = field(default_factory=list)
+    size: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Answers:
+    """Answers to route requests that came batched to ``subject``: (reply subject, body)."""
+
+    subject: str
+    lines: list[tuple[str, bytes]] = field(default_factory=list)
     size: int = 0
 
 
@@ -211,6 +226,9 @@ class Hub:
         # one task sends them all when the pass ends.
         self._outboxes: dict[str, _Outbox] = {}
         self._full: list[_Outbox] = []
+        # Answers to batched route requests, per batch reply subject, likewise.
+        self._answers: dict[str, _Answers] = {}
+        self._full_answers: list[_Answers] = []
         self._sender: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         s = self.settings
@@ -303,14 +321,12 @@ class Hub:
             self._reply_prefix + ">", cb=self._on_agent_reply, pending_msgs_limit=-1
         )
         self._sweeper = asyncio.create_task(self._sweep_deadlines())
-        self._subs.append(
-            await self.nc.subscribe(
-                protocol.hub_subject("*", "route"),
-                queue=q,
-                cb=self._on_route_msg,
-                pending_msgs_limit=-1,
+        for verb, cb in (("route", self._on_route_msg), ("route_batch", self._on_route_batch)):
+            self._subs.append(
+                await self.nc.subscribe(
+                    protocol.hub_subject("*", verb), queue=q, cb=cb, pending_msgs_limit=-1
+                )
             )
-        )
         # Failure reports go to every hub (no queue group): each keeps its own breakers.
         self._subs.append(
             await self.nc.subscribe(protocol.hub_subject("*", "report"), cb=self._on_report)
@@ -495,23 +511,50 @@ class Hub:
 
     async def _on_route_msg(self, msg: Msg) -> None:
         """The route subscription's callback: admit the request, start its first attempt."""
+        await self._route_one(msg.subject, msg.data, msg.reply, msg.headers, None)
+
+    async def _on_route_batch(self, msg: Msg) -> None:
+        """``reach.hub.<ns>.route_batch``: several route requests in one message, one line each,
+        ``<reply subject> <traceparent> <RouteRequest JSON>``. Each is routed as if it had come
+        alone; their answers go back batched to the message's reply subject."""
+        for line in msg.data.split(b"\n"):
+            parts = line.split(b" ", 2)
+            if len(parts) != 3 or not _REPLY_SUBJECT_RE.fullmatch(parts[0]):
+                # No reply subject to answer on: nothing can be told to anyone but the log.
+                log.warning("malformed route batch line on %s: %.80r", msg.subject, line)
+                continue
+            reply, traceparent, body = parts
+            await self._route_one(
+                msg.subject, body, reply.decode(), {TRACEPARENT: traceparent.decode()}, msg.reply
+            )
+
+    async def _route_one(
+        self,
+        subject: str,
+        data: bytes,
+        reply: str,
+        headers: dict[str, str] | None,
+        batch_reply: str | None,
+    ) -> None:
         while self._routing >= self.settings.hub_concurrency:
             # Full: stop reading this subscription (NATS buffers) until a flight ends.
             self._room.clear()
             await self._room.wait()
         try:
-            ns = self._namespace(msg.subject)
-            flight = self._admit(msg, ns)
+            ns = self._namespace(subject)
+            flight = self._admit(data, reply, headers, subject, ns)
         except ReachError as err:
-            await self._answer(msg.reply, protocol.encode_error(err))
+            await self._answer(reply, protocol.encode_error(err), batch_reply)
             return
         except Exception as err:  # the hub never crashes on input
-            log.exception("internal error on %s", msg.subject)
+            log.exception("internal error on %s", subject)
             await self._answer(
-                msg.reply,
+                reply,
                 protocol.encode_error(InternalError(f"internal error: {type(err).__name__}")),
+                batch_reply,
             )
             return
+        flight.batch_reply = batch_reply
         self._routing += 1
         req = flight.req
         if req.session_id is not None or (
@@ -521,10 +564,12 @@ class Hub:
         else:
             await self._attempt(flight)
 
-    def _admit(self, msg: Msg, ns: str) -> _Flight:
+    def _admit(
+        self, data: bytes, reply: str, headers: dict[str, str] | None, subject: str, ns: str
+    ) -> _Flight:
         """Decode and check a route request; raise the typed error that answers it."""
         req = protocol.decode(
-            msg.data, RouteRequest, max_size=self.settings.max_payload + _ENVELOPE_SLACK
+            data, RouteRequest, max_size=self.settings.max_payload + _ENVELOPE_SLACK
         )
         retry = self._route_throttle.check(ns)
         if retry > 0:
@@ -544,7 +589,7 @@ class Hub:
             req=req,
             ns=ns,
             request_id=_new_id(),
-            reply_to=msg.reply,
+            reply_to=reply,
             t0=now,
             deadline=now + req.timeout,
             task_id=req.task_id or _new_id() + _new_id(),
@@ -553,8 +598,8 @@ class Hub:
             sp = open_span(
                 SPAN_ROUTE,
                 kind=SpanKind.SERVER,
-                parent_headers=msg.headers,
-                destination=msg.subject,
+                parent_headers=headers,
+                destination=subject,
                 attributes={"reach.request_id": flight.request_id},
             )
             flight.span = sp
@@ -562,7 +607,7 @@ class Hub:
         else:
             # Nothing is recorded: the caller's trace context goes on to the agent as the
             # strings it came as (or a new trace starts here).
-            flight.headers, flight.trace_id = _forward_trace(msg.headers)
+            flight.headers, flight.trace_id = _forward_trace(headers)
         return flight
 
     async def _lookup_then_attempt(self, flight: _Flight) -> None:
@@ -667,7 +712,7 @@ class Hub:
         if box is None:
             box = self._outboxes[view.agent_id] = _Outbox(view, _new_id())
             if self._sender is None:
-                self._sender = asyncio.get_running_loop().create_task(self._send_outboxes())
+                self._sender = asyncio.get_running_loop().create_task(self._send_pass())
         # An attempt's reply subject is <inbox>.<batch token>.<index>: NATS' "no responders"
         # for a whole batch (sent with reply subject <inbox>.<batch token>) finds its attempts.
         token = f"{box.token}.{len(box.items)}"
@@ -678,14 +723,22 @@ class Hub:
         heapq.heappush(self._deadlines, (flight.deadline, token))
         view.outstanding += 1
 
-    async def _send_outboxes(self) -> None:
+    async def _send_pass(self) -> None:
+        """Send what this pass of the event loop decided: attempts to agents, answers to
+        batches of route requests."""
         self._sender = None
         boxes = self._full
         boxes.extend(self._outboxes.values())
         self._full = []
         self._outboxes = {}
+        answers = self._full_answers
+        answers.extend(self._answers.values())
+        self._full_answers = []
+        self._answers = {}
         for box in boxes:
             await self._send(box)
+        for group in answers:
+            await self._send_answers(group)
 
     async def _send(self, box: _Outbox) -> None:
         view = box.view
@@ -954,12 +1007,36 @@ class Hub:
         self._routing -= 1
         if self._routing < self.settings.hub_concurrency:
             self._room.set()
-        await self._answer(flight.reply_to, body)
+        await self._answer(flight.reply_to, body, flight.batch_reply)
 
-    async def _answer(self, reply: str, body: bytes) -> None:
-        if reply:
-            with contextlib.suppress(Exception):
-                await self.nc.publish(reply, body)
+    async def _answer(self, reply: str, body: bytes, batch_reply: str | None = None) -> None:
+        """Send a route's answer: now, or — for a request that came in a batch — with the other
+        answers to that batch's reply subject that are ready in this pass of the event loop."""
+        if not reply:
+            return
+        if batch_reply and len(body) < _BATCH_BYTES:
+            answers = self._answers.get(batch_reply)
+            if answers is not None and answers.size + len(body) > _BATCH_BYTES:
+                self._full_answers.append(answers)
+                answers = None
+            if answers is None:
+                answers = self._answers[batch_reply] = _Answers(batch_reply)
+                if self._sender is None:
+                    self._sender = asyncio.get_running_loop().create_task(self._send_pass())
+            answers.lines.append((reply, body))
+            answers.size += len(body)
+            return
+        with contextlib.suppress(Exception):
+            await self.nc.publish(reply, body)
+
+    async def _send_answers(self, answers: _Answers) -> None:
+        lines = answers.lines
+        with contextlib.suppress(Exception):
+            if len(lines) == 1:
+                await self.nc.publish(*lines[0])
+            else:
+                body = b"\n".join(b"%s %s" % (reply.encode(), data) for reply, data in lines)
+                await self.nc.publish(answers.subject, body)
 
     def _failed(self, view: AgentView, *, delivery: bool) -> None:
         if delivery:
