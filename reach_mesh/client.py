@@ -26,6 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic validates only this one on 3.11
 
 from reach_mesh import protocol
+from reach_mesh._batch import RouteBatcher
 from reach_mesh._nats import connect
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
@@ -202,6 +203,7 @@ class Client:
         self._name = name
         self._nc = nc
         self._own_nc = nc is None
+        self._batcher: RouteBatcher | None = None
         self._state = _State.NEW
         # Direct mode: cached decisions per routing key, this client's requests in flight per
         # agent (to spread over a cached decision), and when we last reported an agent failing.
@@ -223,10 +225,23 @@ class Client:
         self._state = _State.OPEN
         return self
 
+    async def _start_batcher(self) -> RouteBatcher:
+        if self._batcher is None:
+            batcher = RouteBatcher(self.nc)
+            await batcher.start()
+            if self._batcher is None:
+                self._batcher = batcher
+            else:  # another request started one meanwhile
+                await batcher.stop()
+        return self._batcher
+
     async def close(self) -> None:
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        if self._batcher is not None:
+            with contextlib.suppress(Exception):
+                await self._batcher.stop()
         if self._nc is not None and self._own_nc:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._nc.drain(), timeout=5)
@@ -554,13 +569,16 @@ class Client:
         delay = 0.02
         while True:
             left = deadline - time.monotonic()
+            wait_s = min(timeout, max(left, 0.0) + _REPLY_SLACK)
             try:
-                msg = await self.nc.request(
-                    subject,
-                    body,
-                    timeout=min(timeout, max(left, 0.0) + _REPLY_SLACK),
-                    headers=headers,
-                )
+                if verb == "route":
+                    # Routes made in one pass of the event loop leave in one message.
+                    batcher = self._batcher or await self._start_batcher()
+                    data = await batcher.request(ns, body, headers, wait_s)
+                else:
+                    data = (
+                        await self.nc.request(subject, body, timeout=wait_s, headers=headers)
+                    ).data
             except NoRespondersError as err:
                 last: ReachError = MeshUnavailableError(
                     f"no hub answered on {subject}: is `reach-mesh hub` running?"
@@ -575,13 +593,13 @@ class Client:
                 raise MeshTimeoutError(f"no answer on {subject} within {timeout:g}s") from err
             else:
                 try:
-                    protocol.raise_for_error(msg.data)
+                    protocol.raise_for_error(data)
                 except ThrottledError as err:
                     last, wait = err, err.retry_after
                 except (AgentBusyError, MeshUnavailableError) as err:
                     last, wait = err, delay
                 else:
-                    return msg.data
+                    return data
             if time.monotonic() + wait >= deadline:
                 raise last
             await asyncio.sleep(wait * random.uniform(0.5, 1.5))

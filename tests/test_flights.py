@@ -16,7 +16,12 @@ from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, TaskState, protocol
 from reach_mesh.agent import Agent, Task
-from reach_mesh.errors import BadRequestError, MeshTimeoutError, UnknownAgentError
+from reach_mesh.errors import (
+    BadRequestError,
+    MeshTimeoutError,
+    MeshUnavailableError,
+    UnknownAgentError,
+)
 from reach_mesh.hub import Hub, HubState
 from reach_mesh.models import (
     AgentCard,
@@ -289,3 +294,38 @@ async def test_route_requests_in_one_batch_are_answered_in_one_batch(
             assert hub.state is HubState.RUNNING
         finally:
             await nc.close()
+
+
+async def test_client_sends_concurrent_routes_as_batches(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    nc = await nats.connect(settings.nats_url)
+    seen: list[int] = []
+
+    async def watch(msg: Msg) -> None:
+        seen.append(len(msg.data.split(b"\n")))
+
+    try:
+        # Not in the hubs' queue group: sees a copy of every batch.
+        await nc.subscribe(protocol.hub_subject(namespace, "route_batch"), cb=watch)
+        await nc.flush()
+        async with echo_agent(f"{namespace}.work.a1", settings), Client(settings=settings) as c:
+            results = await asyncio.gather(
+                *(c.request(capability=CAP, payload={"n": i}) for i in range(100))
+            )
+            assert [r.result for r in results] == [{"n": i} for i in range(100)]
+            alone = await c.request(capability=CAP, payload={"n": -1})
+            assert alone.result == {"n": -1}
+        # Retries (a throttled request tries again) ride in later batches.
+        assert seen and max(seen) > 1 and sum(seen) >= 100
+    finally:
+        await nc.close()
+
+
+async def test_client_batch_with_no_hub_is_unavailable(settings: MeshSettings) -> None:
+    async with Client(settings=settings) as c:
+        with pytest.raises(MeshUnavailableError):
+            await asyncio.gather(
+                *(c.request(capability=CAP, payload={}, timeout=0.3) for _ in range(5))
+            )
+        assert c._batcher is not None and c._batcher._plain_until > 0

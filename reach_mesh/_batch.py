@@ -1,0 +1,188 @@
+"""Route requests sent in batches: what a ``Client`` with many requests outstanding does.
+
+The requests a client makes in one pass of its event loop (say, two hundred coroutines each
+awaiting ``request()``) leave together when the pass ends: one message on
+``reach.hub.<ns>.route_batch`` with one line per request, ``<reply subject> <traceparent>
+<RouteRequest JSON>`` (docs/protocol.md, "Route batches"). A request alone in its pass goes as a
+plain request on ``reach.hub.<ns>.route``. Nothing waits for a batch to fill.
+
+Replies come to this client's own subjects, ``<inbox>.<batch token>.<index>`` per request (or
+several at once, one line each, to ``<inbox>.<batch token>``), and resolve one future each.
+NATS' "no responders" on a batch fails its requests with ``NoRespondersError``, as a plain
+request would; a hub that does not take batches looks the same, so after one such answer the
+client sends plain requests for a minute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from reach_mesh import protocol
+from reach_mesh.tracing import TRACEPARENT
+
+__all__ = ["RouteBatcher"]
+
+#: Most requests in one batch, and most bytes of request bodies in it.
+BATCH_ITEMS: Final = 64
+BATCH_BYTES: Final = 256 * 1024
+#: How long a client sends plain requests after a batch found no hub.
+_PLAIN_FOR: Final = 60.0
+
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
+@dataclass(slots=True, eq=False)
+class _Batch:
+    token: str
+    ns: str
+    #: (request token, body, traceparent)
+    items: list[tuple[str, bytes, str]] = field(default_factory=list)
+    size: int = 0
+
+
+class RouteBatcher:
+    """Sends route requests for one connection, batched per pass of the event loop."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._prefix = nc.new_inbox() + "."
+        self._prefix_b = self._prefix.encode()
+        self._futures: dict[str, asyncio.Future[bytes]] = {}
+        self._open: dict[str, _Batch] = {}
+        self._full: list[_Batch] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._plain_until = 0.0
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(
+            self._prefix + ">", cb=self._on_reply, pending_msgs_limit=-1
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+
+    async def request(self, ns: str, body: bytes, headers: dict[str, str], timeout: float) -> bytes:
+        """One route request; its reply's bytes. Raises nats-py's ``NoRespondersError`` and
+        ``TimeoutError`` as ``nc.request`` would."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bytes] = loop.create_future()
+        traceparent = headers.get(TRACEPARENT)
+        if (
+            traceparent is None
+            or len(headers) != 1
+            or len(body) >= BATCH_BYTES
+            or time.monotonic() < self._plain_until
+        ):
+            # A plain request: trace context that a batch line cannot carry, a large body, or
+            # a hub that does not take batches.
+            token = f"{_ids.getrandbits(64):016x}.0"
+            self._futures[token] = future
+            await self._nc.publish(
+                protocol.hub_subject(ns, "route"),
+                body,
+                reply=self._prefix + token,
+                headers=headers,
+            )
+        else:
+            batch = self._open.get(ns)
+            if batch is not None and (
+                len(batch.items) >= BATCH_ITEMS or batch.size + len(body) > BATCH_BYTES
+            ):
+                self._full.append(batch)
+                batch = None
+            if batch is None:
+                batch = self._open[ns] = _Batch(f"{_ids.getrandbits(64):016x}", ns)
+                if self._sender is None:
+                    self._sender = loop.create_task(self._send_pass())
+            token = f"{batch.token}.{len(batch.items)}"
+            self._futures[token] = future
+            batch.items.append((token, body, traceparent))
+            batch.size += len(body)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError as err:
+            raise NatsTimeoutError from err
+        finally:
+            self._futures.pop(token, None)
+
+    async def _send_pass(self) -> None:
+        self._sender = None
+        batches = self._full
+        batches.extend(self._open.values())
+        self._full = []
+        self._open = {}
+        for batch in batches:
+            try:
+                await self._send(batch)
+            except Exception as err:  # the connection is closing or gone
+                for token, _, _ in batch.items:
+                    future = self._futures.get(token)
+                    if future is not None and not future.done():
+                        future.set_exception(err)
+
+    async def _send(self, batch: _Batch) -> None:
+        prefix = self._prefix
+        items = [item for item in batch.items if item[0] in self._futures]  # not timed out
+        if len(items) == 1:
+            token, body, traceparent = items[0]
+            await self._nc.publish(
+                protocol.hub_subject(batch.ns, "route"),
+                body,
+                reply=prefix + token,
+                headers={TRACEPARENT: traceparent},
+            )
+        elif items:
+            lines = [
+                b" ".join(((prefix + token).encode(), traceparent.encode(), body))
+                for token, body, traceparent in items
+            ]
+            await self._nc.publish(
+                protocol.hub_subject(batch.ns, "route_batch"),
+                b"\n".join(lines),
+                reply=prefix + batch.token,
+            )
+
+    async def _on_reply(self, msg: Msg) -> None:
+        token = msg.subject[len(self._prefix) :]
+        data = msg.data
+        headers = msg.headers
+        no_responders = not data and headers is not None and headers.get("Status") == "503"
+        futures = self._futures
+        if "." in token:  # one request's own reply subject
+            self._resolve(futures.get(token), data, no_responders)
+            return
+        if no_responders:  # a batch found no hub (or only hubs that do not take batches)
+            self._plain_until = time.monotonic() + _PLAIN_FOR
+            for i in range(BATCH_ITEMS):
+                self._resolve(futures.get(f"{token}.{i}"), b"", True)
+            return
+        prefix = self._prefix_b
+        start = len(prefix)
+        for line in data.split(b"\n"):
+            subject, _, body = line.partition(b" ")
+            if subject.startswith(prefix):
+                self._resolve(futures.get(subject[start:].decode(errors="replace")), body, False)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future[bytes] | None, data: bytes, no_responders: bool) -> None:
+        if future is None or future.done():
+            return  # timed out already
+        if no_responders:
+            future.set_exception(NoRespondersError())
+        else:
+            future.set_result(data)
