@@ -53,6 +53,8 @@ _RECENT_TAU: Final = 1.0
 class AgentView:
     """One registered agent as this hub sees it. Mutated only on the event loop."""
 
+    #: ``record.card.agent_id``, which never changes for a view (read on every route).
+    agent_id: str
     record: AgentRecord
     revision: int
     #: This hub's monotonic time of the last heartbeat (or registration) it observed.
@@ -74,10 +76,6 @@ class AgentView:
     recent_at: float = 0.0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     health: HealthScore = field(default_factory=HealthScore)
-
-    @property
-    def agent_id(self) -> str:
-        return self.record.card.agent_id
 
     @property
     def busy(self) -> int:
@@ -284,7 +282,11 @@ class Registry:
             return view  # an older write arriving late (we applied a newer one locally)
         if view is None or view.record.session != record.session:
             view = AgentView(
-                record=record, revision=revision, last_seen=seen_at, breaker=self._breaker()
+                agent_id=agent_id,
+                record=record,
+                revision=revision,
+                last_seen=seen_at,
+                breaker=self._breaker(),
             )
             old_state = AgentState.LOST
             self.agents[agent_id] = view
