@@ -175,6 +175,11 @@ def agent_task(agent_id: str) -> str:
     return f"reach.agent.{agent_id}.task"
 
 
+#: A reply subject named inside a batch line (docs/protocol.md): printable ASCII tokens without
+#: wildcards or spaces, separated by dots — checked before anything is published to it.
+REPLY_SUBJECT_RE: Final = re.compile(rb"[!-)+-\-/-=?-~]{1,256}(?:\.[!-)+-\-/-=?-~]{1,256}){0,15}")
+
+
 def agent_batch(agent_id: str) -> str:
     """``reach.agent.<agent_id>.batch`` — several task attempts in one message, for agents whose
     card says ``batch: true``: one line each, ``<reply subject> <traceparent> <TaskEnvelope>``."""

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import random
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -94,9 +93,6 @@ _SLOW_ROUTE: Final = 0.25
 #: Most attempts one batch message carries, and most bytes of envelopes in it.
 _BATCH_ITEMS: Final = 64
 _BATCH_BYTES: Final = 256 * 1024
-#: A NATS subject a client may name as a reply subject inside a batch: printable ASCII tokens
-#: without wildcards, separated by dots.
-_REPLY_SUBJECT_RE: Final = re.compile(rb"[!-)+-\-/-=?-~]{1,256}(?:\.[!-)+-\-/-=?-~]{1,256}){0,15}")
 #: How often unanswered proxy attempts are checked against their deadline (seconds).
 _SWEEP_INTERVAL: Final = 0.005
 ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove")
@@ -519,7 +515,7 @@ class Hub:
         alone; their answers go back batched to the message's reply subject."""
         for line in msg.data.split(b"\n"):
             parts = line.split(b" ", 2)
-            if len(parts) != 3 or not _REPLY_SUBJECT_RE.fullmatch(parts[0]):
+            if len(parts) != 3 or not protocol.REPLY_SUBJECT_RE.fullmatch(parts[0]):
                 # No reply subject to answer on: nothing can be told to anyone but the log.
                 log.warning("malformed route batch line on %s: %.80r", msg.subject, line)
                 continue
