@@ -34,6 +34,7 @@ __all__ = [
     "KV_TASKS",
     "KV_WORKFLOWS",
     "PROTOCOL_VERSION",
+    "REPLY_SUBJECT_RE",
     "STREAM_STATUS",
     "STREAM_WF",
     "STREAM_WF_EVENTS",
