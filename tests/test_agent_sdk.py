@@ -262,3 +262,37 @@ def test_handler_tool_is_checked_at_decoration(settings: MeshSettings) -> None:
         @agent.handler("other:thing:v1", tool="anything")
         async def again(task: Task[Any]) -> None:
             return None
+
+
+# --------------------------------------------------------------------------- handler slots
+
+
+async def test_handler_slots_go_in_line_and_past_cancelled_waiters(
+    settings: MeshSettings,
+) -> None:
+    """``max_concurrency`` slots: a freed slot goes to the first task still waiting, skipping
+    one cancelled while it waited; one cancelled just after being handed a slot passes it on."""
+    agent = Agent("t0.slots.a1", settings=settings, max_concurrency=1)
+    await agent._slot()  # free: taken at once
+    got: list[int] = []
+
+    async def wait(i: int) -> None:
+        await agent._slot()
+        got.append(i)
+
+    waiting = [asyncio.create_task(wait(i)) for i in range(3)]
+    await asyncio.sleep(0)
+    assert agent.inflight == 1 and not got
+
+    waiting[0].cancel()  # cancelled while it waits
+    await asyncio.sleep(0)
+    agent._release_slot()  # to waiting[1] ...
+    waiting[1].cancel()  # ... cancelled before it runs: on to waiting[2]
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert waiting[0].cancelled() and waiting[1].cancelled()
+    assert got == [2] and agent.inflight == 1
+
+    agent._release_slot()
+    assert agent.inflight == 0
+    await agent._slot()
+    assert agent.inflight == 1

@@ -16,8 +16,9 @@ import random
 import time
 import typing
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -27,6 +28,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from reach_mesh import protocol
@@ -64,6 +67,7 @@ from reach_mesh.models import (
 from reach_mesh.tracing import (
     SPAN_HANDLE,
     SpanKind,
+    carried_span,
     inject,
     span,
     trace_id_from_headers,
@@ -333,10 +337,12 @@ class Agent:
         # Labelled metric children by capability / (capability, state): labels() costs more
         # than the increment it is for.
         self._durations: dict[str, Histogram] = {}
+        self._succeeded_total: dict[str, Counter] = {}
         self._counters: dict[tuple[str, TaskState], Counter] = {}
         self._deadlines = _Deadlines()
-        self._sem = asyncio.Semaphore(max_concurrency)
+        #: Handler slots taken (of ``max_concurrency``), and the tasks waiting for one.
         self._running = 0
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._waiting = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._results: OrderedDict[str, _Entry] = OrderedDict()
@@ -623,8 +629,11 @@ class Agent:
     # The request-reply path runs once per task and is what bounds an agent's throughput, so it
     # avoids what it can: no TaskReply model on success (the reply JSON is written directly and
     # parsed back only if a duplicate or a state query asks for it), cached labelled metric
-    # children, one timer shared by all running handlers instead of ``asyncio.timeout()``, and
-    # the request's trace headers echoed on the reply instead of re-injected.
+    # children, handler slots counted here instead of by an ``asyncio.Semaphore``, one timer
+    # shared by all running handlers instead of ``asyncio.timeout()``, with tracing off the
+    # request's trace context made current without a span scope (``span()`` would do the same
+    # work and more), and the request's trace headers echoed on the reply instead of
+    # re-injected.
 
     async def _on_task(self, msg: Msg) -> None:
         # Runs on the subscription's reader: never block here.
@@ -683,10 +692,12 @@ class Agent:
         task.add_done_callback(self._tasks.discard)
 
     def _remember(self, task_id: str, entry: _Entry) -> None:
-        self._results[task_id] = entry
-        self._results.move_to_end(task_id)
-        while len(self._results) > _RESULT_CACHE:
-            self._results.popitem(last=False)
+        results = self._results
+        if task_id in results:
+            results.move_to_end(task_id)  # a retry: its new attempt is the newest entry
+        results[task_id] = entry
+        while len(results) > _RESULT_CACHE:
+            results.popitem(last=False)
 
     async def _duplicate(self, msg: Msg, env: TaskEnvelope, entry: _Entry) -> None:
         """Same task again: never run a finished or running task twice."""
@@ -711,30 +722,49 @@ class Agent:
         """Run one request-reply attempt (``entry`` is its idempotency record) and answer."""
         t_queued = time.perf_counter()
         headers = dict(msg.headers) if msg.headers else {}
-        trace_id = trace_id_from_headers(headers)
+        # Tracing off (the common case): the traceparent is parsed once, here, into the span
+        # that the handler runs under. Otherwise, or without a valid one, span() decides.
+        parent = None if tracing_enabled() else carried_span(headers)
+        trace_id = parent.trace_id if parent is not None else trace_id_from_headers(headers)
         out: bytes | TaskReply
+        queued = True
         try:
-            async with self._sem:
-                self._waiting -= 1
-                self._running += 1
-                t_start = time.perf_counter()
-                try:
-                    out = await self._invoke(env, handler, headers, trace_id, None, None)
-                except asyncio.CancelledError:
-                    self._count_cancelled(handler.capability, time.perf_counter() - t_start)
-                    raise
-                finally:
-                    self._running -= 1
-                self._count(handler.capability, out, time.perf_counter() - t_start)
+            if self._running < self.max_concurrency:
+                self._running += 1  # what _slot() does first, without a coroutine
+            else:
+                await self._slot()
+            queued = False
+            self._waiting -= 1
+            t_start = time.perf_counter()
+            try:
+                if parent is None:
+                    with self._handle_span(env, handler, headers) as sp:
+                        out = await self._attempt(env, handler, trace_id, sp, None, None)
+                else:
+                    # What span() does with tracing off, minus its scope object and a parse.
+                    token = otel_context.attach(trace.set_span_in_context(parent))
+                    try:
+                        out = await self._attempt(env, handler, trace_id, parent, None, None)
+                    finally:
+                        otel_context.detach(token)
+            except asyncio.CancelledError:
+                self._count_cancelled(handler.capability, time.perf_counter() - t_start)
+                raise
+            finally:
+                self._release_slot()
+            t_end = time.perf_counter()
+            self._count(handler.capability, out, t_end - t_start)
         except asyncio.CancelledError:
+            if queued:
+                self._waiting -= 1  # cancelled while it waited for a slot
             out = self._reply(
                 env,
                 TaskState.FAILED,
                 error=ErrorBody(code="REACH_CANCELLED", message="agent shut down"),
             )
-            t_start = time.perf_counter()
-        duration_ms = round((time.perf_counter() - t_start) * 1000, 3)
-        queued_ms = round((t_start - t_queued) * 1000, 3)
+            t_start = t_end = time.perf_counter()
+        duration_ms = (t_end - t_start) * 1000
+        queued_ms = (t_start - t_queued) * 1000
         self.handled += 1
         reply: TaskReply | None = None
         if type(out) is bytes:
@@ -742,8 +772,8 @@ class Agent:
             state = TaskState.SUCCEEDED
         else:
             reply = typing.cast(TaskReply, out)
-            reply.duration_ms = duration_ms
-            reply.queued_ms = queued_ms
+            reply.duration_ms = round(duration_ms, 3)
+            reply.queued_ms = round(queued_ms, 3)
             body = protocol.encode(reply)
             state = reply.state
         # Our own record, even if the cache has moved on (evicted, or a newer attempt): whoever
@@ -752,7 +782,7 @@ class Agent:
         waiter, entry.done = entry.done, None
         if waiter is not None and not waiter.done():
             waiter.set_result(reply or TaskReply.model_validate_json(body))
-        if trace_id is None or tracing_enabled():
+        if parent is None:  # tracing on, or no valid traceparent came
             headers = inject(headers)
         # else: the request's valid traceparent (and tracestate) go back as they came, which is
         # what inject() would leave there; no parsing or formatting on the hot path.
@@ -760,29 +790,41 @@ class Agent:
             with contextlib.suppress(Exception):
                 await self._nc.publish(msg.reply, body, headers=headers)
 
+    async def _slot(self) -> None:
+        """Take a handler slot (``_running`` counts the taken ones), in line if none is free."""
+        if self._running < self.max_concurrency:
+            self._running += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release_slot()  # handed one just as we were cancelled: pass it on
+            raise
+
+    def _release_slot(self) -> None:
+        """Give a handler slot back: to the first task still waiting for one, if any."""
+        waiters = self._slot_waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():  # else cancelled while it waited
+                waiter.set_result(None)  # the slot changes hands: ``_running`` stays
+                return
+        self._running -= 1
+
     def _success(
         self, env: TaskEnvelope, result: bytes, duration_ms: float, queued_ms: float
     ) -> bytes:
-        """A SUCCEEDED ``TaskReply`` as ``protocol.encode`` writes it (``None`` fields left out),
-        built from the result's JSON: several times cheaper than the model and its serialiser.
-        ``task_id`` came from the wire unvalidated, so it is escaped; ``agent_id`` is ours."""
-        parts = [
-            b'{"task_id":',
-            _json_string(env.task_id).encode(),
-            b',"attempt":',
-            str(env.attempt).encode(),
-            self._succeeded,
-        ]
-        if result != b"null":
-            parts += (b',"result":', result)
-        parts += (
-            b',"duration_ms":',
-            repr(duration_ms).encode(),
-            b',"queued_ms":',
-            repr(queued_ms).encode(),
-            b',"cached":false}',
-        )
-        return b"".join(parts)
+        """A SUCCEEDED ``TaskReply`` as ``protocol.encode`` writes it (``None`` fields left out,
+        times rounded to the µs), built from the result's JSON: several times cheaper than the
+        model and its serialiser. ``task_id`` came from the wire unvalidated, so it is escaped;
+        ``agent_id`` is ours."""
+        task_id = _json_string(env.task_id).encode()
+        if result == b"null":
+            return _SUCCEEDED_NULL % (task_id, env.attempt, self._succeeded, duration_ms, queued_ms)
+        return _SUCCEEDED % (task_id, env.attempt, self._succeeded, result, duration_ms, queued_ms)
 
     def _reply(
         self,
@@ -810,7 +852,7 @@ class Agent:
         on_accept: Callable[[], None] | None = None,
         progress: Callable[[Any], Awaitable[None]] | None = None,
     ) -> TaskReply:
-        """Run one attempt (:meth:`_invoke`) and count it in :attr:`metrics`.
+        """Run one attempt (:meth:`_attempt`) and count it in :attr:`metrics`.
 
         Durable workflow steps come through here (request-reply tasks take the same steps in
         :meth:`_run`), so the agent's metrics cover both; duplicates answered from the
@@ -818,9 +860,10 @@ class Agent:
         cap = handler.capability
         t0 = time.perf_counter()
         try:
-            out = await self._invoke(
-                env, handler, headers, trace_id_from_headers(headers), on_accept, progress
-            )
+            with self._handle_span(env, handler, headers) as sp:
+                out = await self._attempt(
+                    env, handler, trace_id_from_headers(headers), sp, on_accept, progress
+                )
         except asyncio.CancelledError:
             # Shutdown or fencing: the attempt ends here without a result.
             self._count_cancelled(cap, time.perf_counter() - t0)
@@ -832,26 +875,30 @@ class Agent:
 
     def _count(self, capability: str, out: bytes | TaskReply, elapsed: float) -> None:
         """Count one finished attempt: duration, final state, failure code."""
-        if type(out) is bytes:
-            state, error = TaskState.SUCCEEDED, None
-        else:
-            reply = typing.cast(TaskReply, out)
-            state, error = reply.state, reply.error
         duration = self._durations.get(capability)
         if duration is None:
             duration = self._durations[capability] = self.metrics.handler_duration_seconds.labels(
                 capability
             )
         duration.observe(elapsed)
-        key = (capability, state)
+        if type(out) is bytes:
+            succeeded = self._succeeded_total.get(capability)
+            if succeeded is None:
+                succeeded = self._succeeded_total[capability] = self.metrics.handled_total.labels(
+                    capability, TaskState.SUCCEEDED.value
+                )
+            succeeded.inc()
+            return
+        reply = typing.cast(TaskReply, out)
+        key = (capability, reply.state)
         handled = self._counters.get(key)
         if handled is None:
             handled = self._counters[key] = self.metrics.handled_total.labels(
-                capability, state.value
+                capability, reply.state.value
             )
         handled.inc()
-        if error is not None:
-            self.metrics.failures_total.labels(capability, error.code).inc()
+        if reply.error is not None:
+            self.metrics.failures_total.labels(capability, reply.error.code).inc()
 
     def _count_cancelled(self, capability: str, elapsed: float) -> None:
         m = self.metrics
@@ -859,103 +906,109 @@ class Agent:
         m.handled_total.labels(capability, TaskState.FAILED.value).inc()
         m.failures_total.labels(capability, "REACH_CANCELLED").inc()
 
-    async def _invoke(
-        self,
-        env: TaskEnvelope,
-        handler: _Handler,
-        headers: dict[str, str],
-        trace_id: str | None,
-        on_accept: Callable[[], None] | None,
-        progress: Callable[[Any], Awaitable[None]] | None,
-    ) -> bytes | TaskReply:
-        """Validate the payload and run the handler under the attempt's timeout.
-
-        Returns the result's JSON when the handler succeeded, else the failed (or timed-out)
-        reply. ``trace_id`` is the one in ``headers`` (the handler's ``task.trace_id``).
-        ``on_accept`` runs when the handler is about to start (ACCEPTED); ``progress`` backs
-        ``task.progress()`` (both used by durable workflow steps, see ``_work.py``)."""
-        # With tracing off this still makes the request's trace context current (no span is
-        # recorded): the handler's log lines and its own mesh calls carry the same trace id.
-        with span(
+    def _handle_span(
+        self, env: TaskEnvelope, handler: _Handler, headers: dict[str, str]
+    ) -> AbstractContextManager[trace.Span]:
+        """The span a handler runs under. With tracing off it records nothing but still makes
+        the request's trace context current: the handler's log lines and its own mesh calls
+        carry the same trace id."""
+        return span(
             SPAN_HANDLE,
             kind=SpanKind.CONSUMER,
             parent_headers=headers,
             destination=self._task_subject,
             attributes={"reach.task_id": env.task_id, "reach.capability": handler.capability},
-        ) as sp:
-            try:
-                payload = handler.payload.validate_python(env.payload)
-            except ValidationError as err:
-                first = err.errors(include_url=False)[0]
-                where = ".".join(str(p) for p in first["loc"]) or "payload"
-                return self._reply(
-                    env,
-                    TaskState.FAILED,
-                    error=ErrorBody(
-                        code=BadRequestError.code,
-                        message=f"invalid payload for {handler.capability} at {where!r}: "
-                        f"{first['msg']}",
-                        details={"retryable": False},
-                    ),
-                )
-            task: Task[Any] = Task(
-                payload=payload,
-                task_id=env.task_id,
-                attempt=env.attempt,
-                capability=handler.capability,
-                agent_id=self.agent_id,
-                namespace=env.namespace,
-                trace_id=trace_id,
-                workflow_id=env.workflow_id,
-                step=env.step,
-                timeout=env.timeout,
-                _progress=progress,
+        )
+
+    async def _attempt(
+        self,
+        env: TaskEnvelope,
+        handler: _Handler,
+        trace_id: str | None,
+        sp: trace.Span,
+        on_accept: Callable[[], None] | None,
+        progress: Callable[[Any], Awaitable[None]] | None,
+    ) -> bytes | TaskReply:
+        """Validate the payload and run the handler under the attempt's timeout, inside its
+        span ``sp`` (see :meth:`_handle_span`).
+
+        Returns the result's JSON when the handler succeeded, else the failed (or timed-out)
+        reply. ``trace_id`` is the request's (the handler's ``task.trace_id``). ``on_accept``
+        runs when the handler is about to start (ACCEPTED); ``progress`` backs
+        ``task.progress()`` (both used by durable workflow steps, see ``_work.py``)."""
+        try:
+            payload = handler.payload.validate_python(env.payload)
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "payload"
+            return self._reply(
+                env,
+                TaskState.FAILED,
+                error=ErrorBody(
+                    code=BadRequestError.code,
+                    message=f"invalid payload for {handler.capability} at {where!r}: "
+                    f"{first['msg']}",
+                    details={"retryable": False},
+                ),
             )
-            if sp.is_recording():
-                sp.add_event(TaskState.ACCEPTED.value)
-            if on_accept is not None:
-                on_accept()
-            try:
-                with self._deadlines.arm(env.timeout):
-                    result = await handler.fn(task)
-            except TimeoutError:
-                return self._reply(
-                    env,
-                    TaskState.TIMEOUT,
-                    error=ErrorBody(
-                        code=MeshTimeoutError.code,
-                        message=f"handler did not finish within {env.timeout:.3g}s",
-                    ),
-                )
-            except ReachError as err:
-                return self._reply(env, TaskState.FAILED, error=_error_body(err))
-            except Exception as err:
-                log.info("handler %s failed: %r", handler.capability, err)
-                return self._reply(
-                    env,
-                    TaskState.FAILED,
-                    error=ErrorBody(
-                        code=HandlerError.code,
-                        message=f"{type(err).__name__}: {err}"[:2000],
-                        details={"type": type(err).__name__},
-                    ),
-                )
-            try:
-                return _result_json(handler, result)
-            except Exception:
-                pass  # below, the general path decides (and words the error as it always has)
-            try:
-                dumped = _dump(handler, result)
-            except Exception as err:
-                return self._reply(
-                    env,
-                    TaskState.FAILED,
-                    error=ErrorBody(
-                        code=HandlerError.code,
-                        message=f"handler result is not JSON-serialisable: {err}"[:2000],
-                    ),
-                )
-            return self._reply(env, TaskState.SUCCEEDED, result=dumped)
+        task: Task[Any] = Task(
+            payload=payload,
+            task_id=env.task_id,
+            attempt=env.attempt,
+            capability=handler.capability,
+            agent_id=self.agent_id,
+            namespace=env.namespace,
+            trace_id=trace_id,
+            workflow_id=env.workflow_id,
+            step=env.step,
+            timeout=env.timeout,
+            _progress=progress,
+        )
+        if sp.is_recording():
+            sp.add_event(TaskState.ACCEPTED.value)
+        if on_accept is not None:
+            on_accept()
+        try:
+            with self._deadlines.arm(env.timeout):
+                result = await handler.fn(task)
+        except TimeoutError:
+            return self._reply(
+                env,
+                TaskState.TIMEOUT,
+                error=ErrorBody(
+                    code=MeshTimeoutError.code,
+                    message=f"handler did not finish within {env.timeout:.3g}s",
+                ),
+            )
+        except ReachError as err:
+            return self._reply(env, TaskState.FAILED, error=_error_body(err))
+        except Exception as err:
+            log.info("handler %s failed: %r", handler.capability, err)
+            return self._reply(
+                env,
+                TaskState.FAILED,
+                error=ErrorBody(
+                    code=HandlerError.code,
+                    message=f"{type(err).__name__}: {err}"[:2000],
+                    details={"type": type(err).__name__},
+                ),
+            )
+        try:
+            return _result_json(handler, result)
+        except Exception:
+            pass  # below, the general path decides (and words the error as it always has)
+        try:
+            dumped = _dump(handler, result)
+        except Exception as err:
+            return self._reply(
+                env,
+                TaskState.FAILED,
+                error=ErrorBody(
+                    code=HandlerError.code,
+                    message=f"handler result is not JSON-serialisable: {err}"[:2000],
+                ),
+            )
+        return self._reply(env, TaskState.SUCCEEDED, result=dumped)
 
     async def _respond(self, msg: Msg, body: bytes) -> None:
         if not msg.reply or self._nc is None:
@@ -1010,6 +1063,22 @@ class Agent:
 #: refusing NaN/Infinity (those take the general path, where pydantic writes them as null).
 _JSON: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _json_string: Final[Callable[[str], str]] = json.encoder.encode_basestring_ascii
+#: The C writer behind ``_JSON.encode``, made once: ``encode`` builds it anew on every call (half
+#: its cost for a small result). No circular-reference check (``markers``): a circular result
+#: hits the recursion limit instead, and the general path then words the error.
+_make_encoder: Any = getattr(json.encoder, "c_make_encoder", None)  # untyped in typeshed
+_encode_json: Final[Callable[[Any, int], Iterable[str]] | None] = (
+    None
+    if _make_encoder is None
+    else _make_encoder(None, _JSON.default, _json_string, None, ":", ",", False, False, False)
+)
+#: A SUCCEEDED reply around the result's JSON (``Agent._success``).
+_SUCCEEDED: Final = (
+    b'{"task_id":%b,"attempt":%d%b,"result":%b,"duration_ms":%.3f,"queued_ms":%.3f,"cached":false}'
+)
+_SUCCEEDED_NULL: Final = (
+    b'{"task_id":%b,"attempt":%d%b,"duration_ms":%.3f,"queued_ms":%.3f,"cached":false}'
+)
 
 
 def _result_json(handler: _Handler, result: Any) -> bytes:
@@ -1019,7 +1088,9 @@ def _result_json(handler: _Handler, result: Any) -> bytes:
         out = handler.result.dump_json(result)
     elif isinstance(result, BaseModel):
         out = result.model_dump_json().encode()
-    else:
+    elif _encode_json is not None:
+        return "".join(_encode_json(result, 0)).encode()
+    else:  # pragma: no cover - CPython has the C writer
         return _JSON.encode(result).encode()
     if b"NaN" in out or b"Infinity" in out:
         # pydantic's dump_json writes non-finite floats as NaN/Infinity (not JSON); inside a

@@ -369,17 +369,16 @@ class WorkConsumer:
             self._publish(held.env, TaskState.RUNNING, held.headers, progress=info)
 
         try:
-            async with agent._sem:
-                agent._waiting -= 1
-                waiting = False
-                agent._running += 1
-                t_start = time.perf_counter()
-                try:
-                    reply = await agent._call(
-                        env, handler, held.headers, on_accept=on_accept, progress=progress
-                    )
-                finally:
-                    agent._running -= 1
+            await agent._slot()
+            agent._waiting -= 1
+            waiting = False
+            t_start = time.perf_counter()
+            try:
+                reply = await agent._call(
+                    env, handler, held.headers, on_accept=on_accept, progress=progress
+                )
+            finally:
+                agent._release_slot()
         except asyncio.CancelledError:
             if waiting:
                 agent._waiting -= 1  # cancelled while queued for a slot

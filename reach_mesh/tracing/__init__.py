@@ -13,6 +13,7 @@ from opentelemetry.trace import SpanKind
 from ._propagation import (
     TRACEPARENT,
     TRACESTATE,
+    carried_span,
     current_trace_id,
     extract,
     inject,
@@ -40,6 +41,7 @@ __all__ = [
     "TRACESTATE",
     "ExporterName",
     "SpanKind",
+    "carried_span",
     "configure_tracing",
     "current_trace_id",
     "extract",

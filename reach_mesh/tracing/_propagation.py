@@ -35,6 +35,7 @@ from ._setup import tracing_enabled
 __all__ = [
     "TRACEPARENT",
     "TRACESTATE",
+    "carried_span",
     "current_trace_id",
     "extract",
     "inject",
@@ -162,8 +163,11 @@ class _CarriedSpan(NonRecordingSpan):
         return self._context
 
 
-def _span_from_headers(headers: Mapping[str, str]) -> _CarriedSpan | None:
-    """A remote, non-recording span for the headers' trace context (the tracing-off path)."""
+def carried_span(headers: Mapping[str, str]) -> _CarriedSpan | None:
+    """A remote, non-recording span for the headers' trace context, or ``None`` without a valid
+    ``traceparent``. With tracing off, making it current (``trace.set_span_in_context``) is what
+    ``span()`` does — the handler's logs and its own mesh calls then carry the caller's trace —
+    without parsing the header twice. Its ``trace_id`` attribute is the 32-hex id."""
     parsed = _parse(headers.get(TRACEPARENT))
     if parsed is None:
         return None

@@ -20,7 +20,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from ._propagation import TRACEPARENT, _CarriedSpan, _format, _fresh_span, _span_from_headers
+from ._propagation import TRACEPARENT, _CarriedSpan, _format, _fresh_span, carried_span
 from ._setup import _tracer, tracing_enabled
 
 __all__ = [
@@ -170,7 +170,7 @@ class _SpanScope:
         if tracing_enabled():
             return self._enter_recording()
         parent = self._parent_headers
-        current = _span_from_headers(parent) if parent else None
+        current = carried_span(parent) if parent else None
         if current is None:
             active = trace.get_current_span()
             if type(active) is _CarriedSpan or active.get_span_context().is_valid:
