@@ -329,3 +329,76 @@ async def test_client_batch_with_no_hub_is_unavailable(settings: MeshSettings) -
                 *(c.request(capability=CAP, payload={}, timeout=0.3) for _ in range(5))
             )
         assert c._batcher is not None and c._batcher._plain_until > 0
+
+
+async def test_sdk_agent_takes_batches_and_answers_them_together(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent_id = f"{namespace}.work.a1"
+    nc = await nats.connect(settings.nats_url)
+    batches: list[int] = []
+    answers: list[int] = []
+
+    async def watch_batches(msg: Msg) -> None:
+        batches.append(len(msg.data.split(b"\n")))
+
+    async def watch_answers(msg: Msg) -> None:
+        answers.append(len(msg.data.split(b"\n")))
+
+    try:
+        async with echo_agent(agent_id, settings) as agent, Client(settings=settings) as c:
+            assert agent.card().batch
+            # Copies of what goes to the agent's batch subject and to the hub's batch reply
+            # subjects (one token after the hub's prefix; single replies have two).
+            await nc.subscribe(protocol.agent_batch(agent_id), cb=watch_batches)
+            await nc.subscribe(hub._reply_prefix + "*", cb=watch_answers)
+            await nc.flush()
+            results = await asyncio.gather(
+                *(c.request(capability=CAP, payload={"n": i}) for i in range(12))
+            )
+            assert [r.result for r in results] == [{"n": i} for i in range(12)]
+            assert all(r.agent_id == agent_id for r in results)
+        assert batches and max(batches) > 1
+        assert answers and max(answers) > 1
+    finally:
+        await nc.close()
+
+
+async def test_sdk_agent_answers_bad_batch_lines_and_keeps_serving(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent_id = f"{namespace}.work.a1"
+    traceparent = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    async with echo_agent(agent_id, settings), Client(settings=settings) as c:
+        nc = await nats.connect(settings.nats_url)
+        try:
+            inbox = nc.new_inbox()
+            got: asyncio.Queue[Msg] = asyncio.Queue()
+
+            async def collect(msg: Msg) -> None:
+                await got.put(msg)
+
+            await nc.subscribe(inbox + ".>", cb=collect)
+            good = protocol.encode(TaskEnvelope(task_id="t" * 32, capability=CAP, payload={}))
+            lines = [
+                b"garbage",
+                b"%s.1 %s {not json" % (inbox.encode(), traceparent),
+                b"%s.2 %s %s" % (inbox.encode(), traceparent, good),
+                b"bad*reply %s %s" % (traceparent, good),
+            ]
+            await nc.publish(protocol.agent_batch(agent_id), b"\n".join(lines), reply=inbox + ".b")
+            answers: dict[str, bytes] = {}
+            while len(answers) < 2:
+                msg = await asyncio.wait_for(got.get(), 5)
+                for line in msg.data.split(b"\n") if msg.subject == inbox + ".b" else []:
+                    subject, _, body = line.partition(b" ")
+                    answers[subject.decode()] = body
+                if msg.subject != inbox + ".b":
+                    answers[msg.subject] = msg.data
+            with pytest.raises(BadRequestError):
+                protocol.raise_for_error(answers[inbox + ".1"])
+            assert TaskReply.model_validate_json(answers[inbox + ".2"]).state is TaskState.SUCCEEDED
+        finally:
+            await nc.close()
+        res = await c.request(agent_id=agent_id, payload={"n": 1})
+        assert res.result == {"n": 1}

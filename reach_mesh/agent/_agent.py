@@ -19,7 +19,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
@@ -66,6 +66,7 @@ from reach_mesh.models import (
 )
 from reach_mesh.tracing import (
     SPAN_HANDLE,
+    TRACEPARENT,
     SpanKind,
     carried_span,
     inject,
@@ -86,6 +87,28 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 _AGENT_QUEUE: Final = "reach-agent"
 _RESULT_CACHE: Final = 10_000
+#: Most bytes of replies sent together to one batch reply subject (a larger reply goes alone).
+_BATCH_BYTES: Final = 256 * 1024
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    """Where a task attempt came from: its reply subject, its headers (the trace context), and
+    — for an attempt that came in a batch — the batch's reply subject, where its answer may go
+    together with others."""
+
+    reply: str
+    headers: dict[str, str] | None
+    batch: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Answers:
+    """Answers to attempts of batches with one reply subject, ready in this pass of the loop."""
+
+    subject: str
+    lines: list[tuple[str, bytes]] = field(default_factory=list)
+    size: int = 0
 
 
 class AgentStatus(enum.Enum):
@@ -346,6 +369,10 @@ class Agent:
         self._waiting = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._results: OrderedDict[str, _Entry] = OrderedDict()
+        # Answers to batched attempts waiting for the end of this pass of the event loop.
+        self._answers: dict[str, _Answers] = {}
+        self._full_answers: list[_Answers] = []
+        self._answering = False
         self._hb_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._registered = asyncio.Event()
@@ -437,6 +464,7 @@ class Agent:
             metadata=self._metadata,
             version=self._version,
             durable_work=self.durable_work,
+            batch=True,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -473,6 +501,14 @@ class Agent:
                     self._task_subject,
                     queue=_AGENT_QUEUE,
                     cb=self._on_task,
+                    pending_msgs_limit=-1,
+                )
+            )
+            self._subs.append(
+                await self.nc.subscribe(
+                    protocol.agent_batch(self.agent_id),
+                    queue=_AGENT_QUEUE,
+                    cb=self._on_batch,
                     pending_msgs_limit=-1,
                 )
             )
@@ -636,24 +672,42 @@ class Agent:
     # re-injected.
 
     async def _on_task(self, msg: Msg) -> None:
+        await self._take(msg.data, _Request(msg.reply, msg.headers))
+
+    async def _on_batch(self, msg: Msg) -> None:
+        """``reach.agent.<id>.batch``: attempts a hub decided together, one line each,
+        ``<reply subject> <traceparent> <TaskEnvelope JSON>``; each is taken as if it had come
+        alone (docs/protocol.md, "Task batches")."""
+        batch = msg.reply or None
+        for line in msg.data.split(b"\n"):
+            parts = line.split(b" ", 2)
+            if len(parts) != 3 or not protocol.REPLY_SUBJECT_RE.fullmatch(parts[0]):
+                log.warning("malformed batch line on %s: %.80r", msg.subject, line)
+                continue  # no reply subject to answer on
+            reply, traceparent, data = parts
+            await self._take(
+                data, _Request(reply.decode(), {TRACEPARENT: traceparent.decode()}, batch)
+            )
+
+    async def _take(self, data: bytes, req: _Request) -> None:
         # Runs on the subscription's reader: never block here.
         try:
-            env = protocol.decode(msg.data, TaskEnvelope, max_size=self._max_envelope)
+            env = protocol.decode(data, TaskEnvelope, max_size=self._max_envelope)
         except ReachError as err:
-            await self._respond(msg, protocol.encode_error(err))
+            await self._respond(req, protocol.encode_error(err))
             return
         entry = self._results.get(env.task_id)
         if entry is not None:
-            self._spawn(self._duplicate(msg, env, entry))
+            self._spawn(self._duplicate(req, env, entry))
             return
         if self.status is not AgentStatus.RUNNING:
             await self._respond(
-                msg, protocol.encode_error(AgentBusyError(f"{self.agent_id} is draining"))
+                req, protocol.encode_error(AgentBusyError(f"{self.agent_id} is draining"))
             )
             return
         if self._running + self._waiting >= self.max_concurrency + self.max_queue:
             await self._respond(
-                msg,
+                req,
                 protocol.encode_error(
                     AgentBusyError(
                         f"{self.agent_id} is full ({self._running} running, "
@@ -666,7 +720,7 @@ class Agent:
         handler = self._pick_handler(env.capability)
         if handler is None:
             await self._respond(
-                msg,
+                req,
                 protocol.encode_error(
                     NoHandlerError(
                         f"{self.agent_id} has no handler for {env.capability!r}",
@@ -679,7 +733,7 @@ class Agent:
         entry = _Entry(env.attempt, TaskState.DELIVERED)
         self._remember(env.task_id, entry)
         self._waiting += 1
-        self._spawn(self._run(msg, env, handler, entry))
+        self._spawn(self._run(req, env, handler, entry))
 
     def _pick_handler(self, capability: str | None) -> _Handler | None:
         if capability is None:
@@ -699,7 +753,7 @@ class Agent:
         while len(results) > _RESULT_CACHE:
             results.popitem(last=False)
 
-    async def _duplicate(self, msg: Msg, env: TaskEnvelope, entry: _Entry) -> None:
+    async def _duplicate(self, req: _Request, env: TaskEnvelope, entry: _Entry) -> None:
         """Same task again: never run a finished or running task twice."""
         reply = entry.reply
         if reply is None:
@@ -714,14 +768,16 @@ class Agent:
                 fresh = _Entry(env.attempt, TaskState.DELIVERED)
                 self._remember(env.task_id, fresh)
                 self._waiting += 1
-                await self._run(msg, env, handler, fresh)
+                await self._run(req, env, handler, fresh)
                 return
-        await self._respond(msg, protocol.encode(reply.model_copy(update={"cached": True})))
+        await self._respond(req, protocol.encode(reply.model_copy(update={"cached": True})))
 
-    async def _run(self, msg: Msg, env: TaskEnvelope, handler: _Handler, entry: _Entry) -> None:
+    async def _run(
+        self, req: _Request, env: TaskEnvelope, handler: _Handler, entry: _Entry
+    ) -> None:
         """Run one request-reply attempt (``entry`` is its idempotency record) and answer."""
         t_queued = time.perf_counter()
-        headers = dict(msg.headers) if msg.headers else {}
+        headers = dict(req.headers) if req.headers else {}
         # Tracing off (the common case): the traceparent is parsed once, here, into the span
         # that the handler runs under. Otherwise, or without a valid one, span() decides.
         parent = None if tracing_enabled() else carried_span(headers)
@@ -786,9 +842,7 @@ class Agent:
             headers = inject(headers)
         # else: the request's valid traceparent (and tracestate) go back as they came, which is
         # what inject() would leave there; no parsing or formatting on the hot path.
-        if msg.reply and self._nc is not None:
-            with contextlib.suppress(Exception):
-                await self._nc.publish(msg.reply, body, headers=headers)
+        await self._answer(req, body, headers)
 
     async def _slot(self) -> None:
         """Take a handler slot (``_running`` counts the taken ones), in line if none is free."""
@@ -1010,11 +1064,50 @@ class Agent:
             )
         return self._reply(env, TaskState.SUCCEEDED, result=dumped)
 
-    async def _respond(self, msg: Msg, body: bytes) -> None:
-        if not msg.reply or self._nc is None:
+    async def _respond(self, req: _Request, body: bytes) -> None:
+        """Answer before (or instead of) running a handler: refusals, bad input, duplicates."""
+        await self._answer(req, body, None if req.batch else inject({}))
+
+    async def _answer(self, req: _Request, body: bytes, headers: dict[str, str] | None) -> None:
+        """Send an attempt's answer: now on its reply subject, or — for an attempt that came in
+        a batch — with the other answers to that batch ready in this pass of the event loop, as
+        one message of ``<reply subject> <answer>`` lines (no headers: the hub knows its trace).
+        """
+        if not req.reply or self._nc is None:
+            return
+        if req.batch is not None and len(body) < _BATCH_BYTES:
+            group = self._answers.get(req.batch)
+            if group is not None and group.size + len(body) > _BATCH_BYTES:
+                self._full_answers.append(group)
+                group = None
+            if group is None:
+                group = self._answers[req.batch] = _Answers(req.batch)
+                if not self._answering:
+                    self._answering = True
+                    self._spawn(self._send_answers())
+            group.lines.append((req.reply, body))
+            group.size += len(body)
             return
         with contextlib.suppress(Exception):
-            await self._nc.publish(msg.reply, body, headers=inject({}))
+            await self._nc.publish(req.reply, body, headers=headers if req.batch is None else None)
+
+    async def _send_answers(self) -> None:
+        self._answering = False
+        groups = self._full_answers
+        groups.extend(self._answers.values())
+        self._full_answers = []
+        self._answers = {}
+        nc = self._nc
+        if nc is None:
+            return
+        for group in groups:
+            lines = group.lines
+            with contextlib.suppress(Exception):
+                if len(lines) == 1:
+                    await nc.publish(*lines[0])
+                else:
+                    body = b"\n".join(b"%s %s" % (reply.encode(), data) for reply, data in lines)
+                    await nc.publish(group.subject, body)
 
     async def _on_ctl(self, msg: Msg) -> None:
         try:
@@ -1056,7 +1149,7 @@ class Agent:
             data = protocol.encode_error(BadRequestError(f"malformed JSON: {err}"))
         except ReachError as err:
             data = protocol.encode_error(err)
-        await self._respond(msg, data)
+        await self._respond(_Request(msg.reply, None), data)
 
 
 #: Python's JSON writer, as the handler-result check has always used it, but compact and
