@@ -177,6 +177,7 @@ async def _run_hub(args: argparse.Namespace) -> None:
             "http_url": getattr(hub, "http_url", None),
         }
         print("READY " + json.dumps(ready), flush=True)
+        _runner.settle()  # as the entry points do once started
         await stop.wait()
         if profiling is not None:
             profiling.stop()
@@ -289,6 +290,7 @@ async def _run_responders(args: argparse.Namespace) -> None:
     async with agent:
         ready = {"agent": ECHO_AGENT, "agentbus": agentbus_reason or "ok"}
         print("READY " + json.dumps(ready), flush=True)
+        _runner.settle()  # as the entry points do once started
         await stop.wait()
     for close in closers:
         with contextlib.suppress(Exception):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import signal
 import statistics
@@ -248,10 +249,14 @@ async def _measure_system(
     await closed_loop(call, 16, plan.warmup_s)  # warm-up: connections, caches, JIT-free paths
     out: dict[str, Any] = {"open_loop": {}}
     for rate in plan.loads:
+        # The load generator's own full garbage collections (10-15 ms, every few seconds of
+        # this much traffic) would land in whichever point runs then: collect between points.
+        gc.collect()
         watch = _CpuWatch(pids)
         res = await open_loop(call, rate, plan.point_s)
         res["cpu"] = watch.done(res["ok"])
         out["open_loop"][str(rate)] = res
+    gc.collect()
     watch = _CpuWatch(pids)
     peak = await closed_loop(call, plan.concurrency, plan.point_s)
     peak["cpu"] = watch.done(peak["ok"])

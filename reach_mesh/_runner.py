@@ -10,10 +10,11 @@ application that embeds it.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["loop_name", "run"]
+__all__ = ["loop_name", "run", "settle"]
 
 T = TypeVar("T")
 
@@ -36,3 +37,17 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)``, on uvloop when available."""
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(main)
+
+
+def settle() -> None:
+    """Call once a long-running process has started (hub or agents up): collect garbage, then
+    move every object that exists now — modules, pydantic schemas, connections — out of the
+    collector's sight (``gc.freeze``).
+
+    A full collection otherwise walks those ~10⁵ objects every time and stalls the event loop
+    15-25 ms (measured in a hub and an agent process under load); frozen, it walks only what was
+    made since. For process entry points only, like :func:`run`: an application that embeds the
+    library decides its own garbage collection.
+    """
+    gc.collect()
+    gc.freeze()

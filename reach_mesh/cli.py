@@ -52,6 +52,7 @@ async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
 
 
 async def _until_signal() -> None:
+    _runner.settle()  # started: what exists now stays for the life of the process
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -22,6 +22,7 @@ async def serve(*agents: Agent) -> None:
     try:
         for agent in agents:
             await agent.start()
+        _runner.settle()
         await stop.wait()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
