@@ -294,3 +294,24 @@ async def test_serve_metrics() -> None:
         assert b"reach_agent_inflight 3.0" in _body(response)
     finally:
         await http.close()
+
+
+def test_loop_histogram_renders_as_prometheus_client_histogram() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from reach_mesh.tracing.metrics import LATENCY_BUCKETS, LoopHistogram
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    mine = LoopHistogram("x_seconds", "doc", ["cap"], buckets=LATENCY_BUCKETS, registry=ours)
+    ref = Histogram("x_seconds", "doc", ["cap"], buckets=LATENCY_BUCKETS, registry=theirs)
+    # On a bound, between bounds, below the first, past the last (+Inf), and 0.
+    for value in (0.0005, 0.0004, 0.00001, 7.0, 0.0, 2.5, 0.3):
+        for cap in ("a", "b:c"):
+            mine.labels(cap).observe(value)
+            ref.labels(cap).observe(value)
+
+    def lines(registry: CollectorRegistry) -> list[str]:
+        text = generate_latest(registry).decode()
+        return sorted(line for line in text.splitlines() if "_created" not in line)
+
+    assert lines(ours) == lines(theirs)

@@ -77,7 +77,9 @@ from reach_mesh.tracing import (
 from reach_mesh.tracing.metrics import AgentMetrics, serve_metrics
 
 if typing.TYPE_CHECKING:
-    from prometheus_client import Counter, Histogram
+    from prometheus_client import Counter
+
+    from reach_mesh.tracing.metrics import HistogramChild
 
 __all__ = ["Agent", "AgentStatus"]
 
@@ -359,7 +361,7 @@ class Agent:
         self._succeeded = f',"agent_id":"{agent_id}","state":"SUCCEEDED"'.encode()
         # Labelled metric children by capability / (capability, state): labels() costs more
         # than the increment it is for.
-        self._durations: dict[str, Histogram] = {}
+        self._durations: dict[str, HistogramChild] = {}
         self._succeeded_total: dict[str, Counter] = {}
         self._counters: dict[tuple[str, TaskState], Counter] = {}
         self._deadlines = _Deadlines()

@@ -11,10 +11,14 @@ Every metric is documented in ``docs/operations.md``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from reach_mesh._http import Handler, HttpRequest, HttpResponse, HttpServer
 
@@ -23,10 +27,15 @@ __all__ = [
     "DURATION_BUCKETS",
     "LATENCY_BUCKETS",
     "AgentMetrics",
+    "HistogramChild",
     "HubMetrics",
+    "LoopHistogram",
     "metrics_handler",
     "serve_metrics",
 ]
+
+#: How prometheus-client writes a bucket bound (``le``); the library leaves it untyped.
+_go_float: Callable[[float], str] = floatToGoString
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 """Content type of :meth:`HubMetrics.render` output (Prometheus text format 0.0.4)."""
@@ -55,6 +64,79 @@ _ACCEPT_BUCKETS: Final[tuple[float, ...]] = (
 )  # fmt: skip
 
 
+class HistogramChild:
+    """One label set of a :class:`LoopHistogram`: a count per bucket and a sum."""
+
+    __slots__ = ("_bounds", "counts", "total")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: a value equal to a bound falls in that bound's bucket (le = "<=").
+        self.counts[bisect_left(self._bounds, value)] += 1
+        self.total += value
+
+
+class LoopHistogram(Collector):
+    """A Prometheus histogram for code that runs on one event loop, registered in a
+    prometheus-client registry and rendered by it in the usual text format.
+
+    ``observe()`` is a bisect and two additions. prometheus-client's own ``Histogram`` is
+    thread-safe — a lock for the sum and one for the bucket on every observation, four times
+    the cost —, which the hub and the agent, whose metrics are only touched on their event
+    loop, pay per request for nothing. Counters and gauges stay prometheus-client's.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._bounds = sorted(float(b) for b in buckets if b != float("inf"))
+        self._le = [_go_float(b) for b in self._bounds] + ["+Inf"]
+        self._children: dict[tuple[str, ...], HistogramChild] = {}
+        if not self._labelnames:
+            self._children[()] = HistogramChild(self._bounds)
+        registry.register(self)
+
+    def labels(self, *values: str) -> HistogramChild:
+        """The histogram for these label values (created on first use)."""
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values!r}")
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = HistogramChild(self._bounds)
+        return child
+
+    def observe(self, value: float) -> None:
+        """Observe ``value`` (a histogram without labels)."""
+        self._children[()].observe(value)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            self._name, self._documentation, labels=list(self._labelnames)
+        )
+        for key, child in self._children.items():
+            running = 0
+            buckets = []
+            for le, count in zip(self._le, child.counts, strict=True):
+                running += count
+                buckets.append((le, float(running)))
+            family.add_metric(list(key), buckets, child.total)
+        yield family
+
+
 class HubMetrics:
     """The metrics one hub exports on ``/metrics``; see ``docs/operations.md``."""
 
@@ -67,19 +149,19 @@ class HubMetrics:
             ["namespace", "mode", "state"],
             registry=r,
         )
-        self.route_duration_seconds = Histogram(
+        self.route_duration_seconds = LoopHistogram(
             "reach_route_duration_seconds",
             "Time for the hub to decide a route (request received to decision).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.delivered_to_accepted_seconds = Histogram(
+        self.delivered_to_accepted_seconds = LoopHistogram(
             "reach_delivered_to_accepted_seconds",
             "Time from DELIVERED to ACCEPTED: how long an agent takes to start a handler.",
             buckets=_ACCEPT_BUCKETS,
             registry=r,
         )
-        self.task_duration_seconds = Histogram(
+        self.task_duration_seconds = LoopHistogram(
             "reach_task_duration_seconds",
             "Time from ACCEPTED to a final state, by capability.",
             ["capability"],
@@ -175,7 +257,7 @@ class AgentMetrics:
             ["capability", "code"],
             registry=r,
         )
-        self.handler_duration_seconds = Histogram(
+        self.handler_duration_seconds = LoopHistogram(
             "reach_agent_handler_duration_seconds",
             "Handler run time by capability.",
             ["capability"],
