@@ -1,16 +1,17 @@
-"""Route requests sent in batches: what a ``Client`` with many requests outstanding does.
+"""Requests sent in batches: what a ``Client`` with many requests outstanding does.
 
-The requests a client makes in one pass of its event loop (say, two hundred coroutines each
-awaiting ``request()``) leave together when the pass ends: one message on
-``reach.hub.<ns>.route_batch`` with one line per request, ``<reply subject> <traceparent>
-<RouteRequest JSON>`` (docs/protocol.md, "Route batches"). A request alone in its pass goes as a
-plain request on ``reach.hub.<ns>.route``. Nothing waits for a batch to fill.
+The requests a client makes to one destination in one pass of its event loop (say, two hundred
+coroutines each awaiting ``request()``) leave together when the pass ends: one message on the
+destination's batch subject with one line per request, ``<reply subject> <traceparent> <body>``
+— route requests to ``reach.hub.<ns>.route_batch``, task envelopes (direct mode) to
+``reach.agent.<id>.batch`` for agents that take batches (docs/protocol.md). A request alone in
+its pass goes as a plain request. Nothing waits for a batch to fill.
 
 Replies come to this client's own subjects, ``<inbox>.<batch token>.<index>`` per request (or
 several at once, one line each, to ``<inbox>.<batch token>``), and resolve one future each.
 NATS' "no responders" on a batch fails its requests with ``NoRespondersError``, as a plain
-request would; a hub that does not take batches looks the same, so after one such answer the
-client sends plain requests for a minute.
+request would; a responder that does not take batches looks the same, so after one such answer
+the client sends plain requests to that destination for a minute.
 """
 
 from __future__ import annotations
@@ -28,10 +29,9 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from reach_mesh import protocol
 from reach_mesh.tracing import TRACEPARENT
 
-__all__ = ["RouteBatcher"]
+__all__ = ["Batcher"]
 
 #: Most requests in one batch, and most bytes of request bodies in it.
 BATCH_ITEMS: Final = 64
@@ -46,14 +46,15 @@ os.register_at_fork(after_in_child=_ids.seed)
 @dataclass(slots=True, eq=False)
 class _Batch:
     token: str
-    ns: str
+    subject: str
+    batch_subject: str
     #: (request token, body, traceparent)
     items: list[tuple[str, bytes, str]] = field(default_factory=list)
     size: int = 0
 
 
-class RouteBatcher:
-    """Sends route requests for one connection, batched per pass of the event loop."""
+class Batcher:
+    """Sends requests for one connection, batched per destination and pass of the loop."""
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
@@ -63,7 +64,10 @@ class RouteBatcher:
         self._open: dict[str, _Batch] = {}
         self._full: list[_Batch] = []
         self._sender: asyncio.Task[None] | None = None
-        self._plain_until = 0.0
+        #: Batch subjects that found no responder lately, with when to try batches again.
+        self._plain_until: dict[str, float] = {}
+        #: Batch subject by batch token, until its first answer (kept for NATS' 503 on it).
+        self._batches: dict[str, str] = {}
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
@@ -76,37 +80,43 @@ class RouteBatcher:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
 
-    async def request(self, ns: str, body: bytes, headers: dict[str, str], timeout: float) -> bytes:
-        """One route request; its reply's bytes. Raises nats-py's ``NoRespondersError`` and
-        ``TimeoutError`` as ``nc.request`` would."""
+    async def request(
+        self,
+        subject: str,
+        batch_subject: str | None,
+        body: bytes,
+        headers: dict[str, str],
+        timeout: float,
+    ) -> bytes:
+        """One request to ``subject``, or in a batch to ``batch_subject`` (``None``: the
+        destination takes no batches); its reply's bytes. Raises nats-py's
+        ``NoRespondersError`` and ``TimeoutError`` as ``nc.request`` would."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bytes] = loop.create_future()
         traceparent = headers.get(TRACEPARENT)
         if (
-            traceparent is None
+            batch_subject is None
+            or traceparent is None
             or len(headers) != 1
             or len(body) >= BATCH_BYTES
-            or time.monotonic() < self._plain_until
+            or (batch_subject in self._plain_until and self._plain(batch_subject))
         ):
-            # A plain request: trace context that a batch line cannot carry, a large body, or
-            # a hub that does not take batches.
+            # A plain request: no batch subject, trace context that a batch line cannot
+            # carry, a large body, or a destination that did not take batches lately.
             token = f"{_ids.getrandbits(64):016x}.0"
             self._futures[token] = future
-            await self._nc.publish(
-                protocol.hub_subject(ns, "route"),
-                body,
-                reply=self._prefix + token,
-                headers=headers,
-            )
+            await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
         else:
-            batch = self._open.get(ns)
+            batch = self._open.get(batch_subject)
             if batch is not None and (
                 len(batch.items) >= BATCH_ITEMS or batch.size + len(body) > BATCH_BYTES
             ):
                 self._full.append(batch)
                 batch = None
             if batch is None:
-                batch = self._open[ns] = _Batch(f"{_ids.getrandbits(64):016x}", ns)
+                batch = self._open[batch_subject] = _Batch(
+                    f"{_ids.getrandbits(64):016x}", subject, batch_subject
+                )
                 if self._sender is None:
                     self._sender = loop.create_task(self._send_pass())
             token = f"{batch.token}.{len(batch.items)}"
@@ -119,6 +129,12 @@ class RouteBatcher:
             raise NatsTimeoutError from err
         finally:
             self._futures.pop(token, None)
+
+    def _plain(self, batch_subject: str) -> bool:
+        if time.monotonic() < self._plain_until[batch_subject]:
+            return True
+        del self._plain_until[batch_subject]
+        return False
 
     async def _send_pass(self) -> None:
         self._sender = None
@@ -141,20 +157,18 @@ class RouteBatcher:
         if len(items) == 1:
             token, body, traceparent = items[0]
             await self._nc.publish(
-                protocol.hub_subject(batch.ns, "route"),
-                body,
-                reply=prefix + token,
-                headers={TRACEPARENT: traceparent},
+                batch.subject, body, reply=prefix + token, headers={TRACEPARENT: traceparent}
             )
         elif items:
             lines = [
                 b" ".join(((prefix + token).encode(), traceparent.encode(), body))
                 for token, body, traceparent in items
             ]
+            if len(self._batches) > 4096:  # answered without a reply to this token: forget
+                self._batches.clear()
+            self._batches[batch.token] = batch.batch_subject
             await self._nc.publish(
-                protocol.hub_subject(batch.ns, "route_batch"),
-                b"\n".join(lines),
-                reply=prefix + batch.token,
+                batch.batch_subject, b"\n".join(lines), reply=prefix + batch.token
             )
 
     async def _on_reply(self, msg: Msg) -> None:
@@ -166,8 +180,12 @@ class RouteBatcher:
         if "." in token:  # one request's own reply subject
             self._resolve(futures.get(token), data, no_responders)
             return
-        if no_responders:  # a batch found no hub (or only hubs that do not take batches)
-            self._plain_until = time.monotonic() + _PLAIN_FOR
+        batch_subject = self._batches.pop(token, None)
+        if no_responders:  # a batch found nobody (or only responders that take no batches)
+            if batch_subject is not None:
+                if len(self._plain_until) > 1024:
+                    self._plain_until.clear()
+                self._plain_until[batch_subject] = time.monotonic() + _PLAIN_FOR
             for i in range(BATCH_ITEMS):
                 self._resolve(futures.get(f"{token}.{i}"), b"", True)
             return

@@ -26,7 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic validates only this one on 3.11
 
 from reach_mesh import protocol
-from reach_mesh._batch import RouteBatcher
+from reach_mesh._batch import Batcher
 from reach_mesh._nats import connect
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
@@ -142,6 +142,8 @@ class _Cached:
     subject: str
     #: The hub decision it came from.
     request_id: str
+    #: The agent's batch subject, if it takes task batches.
+    batch_subject: str | None = None
 
 
 @dataclass(slots=True)
@@ -203,7 +205,7 @@ class Client:
         self._name = name
         self._nc = nc
         self._own_nc = nc is None
-        self._batcher: RouteBatcher | None = None
+        self._batcher: Batcher | None = None
         self._state = _State.NEW
         # Direct mode: cached decisions per routing key, this client's requests in flight per
         # agent (to spread over a cached decision), and when we last reported an agent failing.
@@ -225,9 +227,9 @@ class Client:
         self._state = _State.OPEN
         return self
 
-    async def _start_batcher(self) -> RouteBatcher:
+    async def _start_batcher(self) -> Batcher:
         if self._batcher is None:
-            batcher = RouteBatcher(self.nc)
+            batcher = Batcher(self.nc)
             await batcher.start()
             if self._batcher is None:
                 self._batcher = batcher
@@ -370,7 +372,9 @@ class Client:
                 if route.agent_id is None or route.subject is None:
                     raise InternalError(f"hub reply to task {task_id} names no agent to call")
                 decision = route.decision
-                target = _Cached(route.agent_id, route.subject, route.request_id)
+                target = _Cached(
+                    route.agent_id, route.subject, route.request_id, route.batch_subject
+                )
                 if key is not None and self.settings.direct_cache_ttl > 0:
                     self._store(key, route)
             request_id = target.request_id
@@ -381,9 +385,13 @@ class Client:
             outstanding = self._outstanding
             outstanding[agent] = outstanding.get(agent, 0) + 1
             try:
-                msg = await self.nc.request(target.subject, envelope, timeout=left, headers=headers)
-                protocol.raise_for_error(msg.data)
-                reply = _parse(_TASK_REPLY, msg.data, "TaskReply")
+                # Calls to one agent made in one pass of the event loop leave in one message.
+                batcher = self._batcher or await self._start_batcher()
+                data = await batcher.request(
+                    target.subject, target.batch_subject, envelope, headers, left
+                )
+                protocol.raise_for_error(data)
+                reply = _parse(_TASK_REPLY, data, "TaskReply")
             except (AgentBusyError, NoHandlerError, NoRespondersError) as err:
                 if isinstance(err, ReachError):
                     last, code = err, err.code
@@ -463,8 +471,11 @@ class Client:
 
     def _store(self, key: _CacheKey, route: RouteReply) -> None:
         assert route.agent_id is not None and route.subject is not None
-        agents = [_Cached(route.agent_id, route.subject, route.request_id)]
-        agents += (_Cached(a.agent_id, a.subject, route.request_id) for a in route.alternates)
+        agents = [_Cached(route.agent_id, route.subject, route.request_id, route.batch_subject)]
+        agents += (
+            _Cached(a.agent_id, a.subject, route.request_id, a.batch_subject)
+            for a in route.alternates
+        )
         self._routes[key] = _Route(agents, time.monotonic() + self.settings.direct_cache_ttl)
         self._routes.move_to_end(key)
         if len(self._routes) > _ROUTE_CACHE:
@@ -574,7 +585,9 @@ class Client:
                 if verb == "route":
                     # Routes made in one pass of the event loop leave in one message.
                     batcher = self._batcher or await self._start_batcher()
-                    data = await batcher.request(ns, body, headers, wait_s)
+                    data = await batcher.request(
+                        subject, protocol.hub_subject(ns, "route_batch"), body, headers, wait_s
+                    )
                 else:
                     data = (
                         await self.nc.request(subject, body, timeout=wait_s, headers=headers)

@@ -367,6 +367,8 @@ class AgentRef(_Wire):
 
     agent_id: str
     subject: str
+    #: ``reach.agent.<id>.batch`` if the agent takes task batches, else absent.
+    batch_subject: str | None = None
 
 
 class RouteReply(_Wire):
@@ -375,6 +377,8 @@ class RouteReply(_Wire):
     request_id: str
     agent_id: str | None = None
     subject: str | None = None
+    #: Direct mode: the agent's batch subject, if it takes task batches (``card.batch``).
+    batch_subject: str | None = None
     task: TaskReply | None = None
     decision: RouteDecision | None = None
     attempts: int = 1

@@ -328,7 +328,11 @@ async def test_client_batch_with_no_hub_is_unavailable(settings: MeshSettings) -
             await asyncio.gather(
                 *(c.request(capability=CAP, payload={}, timeout=0.3) for _ in range(5))
             )
-        assert c._batcher is not None and c._batcher._plain_until > 0
+        # Until it is tried again, requests to that namespace go plain.
+        assert c._batcher is not None
+        assert list(c._batcher._plain_until) == [
+            protocol.hub_subject(settings.namespace, "route_batch")
+        ]
 
 
 async def test_sdk_agent_takes_batches_and_answers_them_together(
@@ -402,3 +406,28 @@ async def test_sdk_agent_answers_bad_batch_lines_and_keeps_serving(
             await nc.close()
         res = await c.request(agent_id=agent_id, payload={"n": 1})
         assert res.result == {"n": 1}
+
+
+async def test_direct_mode_calls_a_batch_agent_in_batches(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent_id = f"{namespace}.work.a1"
+    nc = await nats.connect(settings.nats_url)
+    batches: list[int] = []
+
+    async def watch(msg: Msg) -> None:
+        batches.append(len(msg.data.split(b"\n")))
+
+    try:
+        await nc.subscribe(protocol.agent_batch(agent_id), cb=watch)
+        await nc.flush()
+        async with echo_agent(agent_id, settings), Client(settings=settings) as c:
+            first = await c.request(capability=CAP, payload={"n": -1}, mode="direct")
+            assert first.result == {"n": -1}  # the decision is cached from here on
+            results = await asyncio.gather(
+                *(c.request(capability=CAP, payload={"n": i}, mode="direct") for i in range(12))
+            )
+            assert [r.result for r in results] == [{"n": i} for i in range(12)]
+        assert batches and max(batches) > 1
+    finally:
+        await nc.close()

@@ -975,6 +975,7 @@ class Hub:
                 flight.request_id,
                 view.agent_id,
                 subject=subject,
+                batch_subject=_batch_subject(view) if subject is not None else None,
                 task=task,
                 decision=flight.decision,
                 alternates=alternates,
@@ -1173,6 +1174,7 @@ def _reply_bytes(
     agent_id: str,
     *,
     subject: str | None,
+    batch_subject: str | None,
     task: bytes | None,
     decision: RouteDecision | None,
     alternates: list[AgentView] | None,
@@ -1186,16 +1188,31 @@ def _reply_bytes(
     parts = [b'{"request_id":"', request_id.encode(), b'","agent_id":"', agent_id.encode()]
     if subject is not None:
         parts += (b'","subject":"', subject.encode())
+    if batch_subject is not None:
+        parts += (b'","batch_subject":"', batch_subject.encode())
     parts.append(b'"')
     if task is not None:
         parts += (b',"task":', task)
     if decision is not None:
         parts += (b',"decision":', decision.model_dump_json(exclude_none=True).encode())
     if alternates:
-        refs = [{"agent_id": v.agent_id, "subject": v.record.task_subject} for v in alternates]
+        refs = [_agent_ref(v) for v in alternates]
         parts += (b',"alternates":', protocol.dumps(refs))
     parts += (b',"attempts":', str(attempts).encode(), b"}")
     return b"".join(parts)
+
+
+def _batch_subject(view: AgentView) -> str | None:
+    return protocol.agent_batch(view.agent_id) if view.record.card.batch else None
+
+
+def _agent_ref(view: AgentView) -> dict[str, str]:
+    """An ``AgentRef`` for a direct-mode caller: where to send it tasks, alone or batched."""
+    ref = {"agent_id": view.agent_id, "subject": view.record.task_subject}
+    batch = _batch_subject(view)
+    if batch is not None:
+        ref["batch_subject"] = batch
+    return ref
 
 
 def _json_object(data: bytes) -> dict[str, Any]:
