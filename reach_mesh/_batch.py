@@ -195,6 +195,8 @@ class Batcher:
             subject, _, body = line.partition(b" ")
             if subject.startswith(prefix):
                 self._resolve(futures.get(subject[start:].decode(errors="replace")), body, False)
+        # The callers woken here send their next requests before the next batch is read.
+        await asyncio.sleep(0)
 
     @staticmethod
     def _resolve(future: asyncio.Future[bytes] | None, data: bytes, no_responders: bool) -> None:

@@ -690,6 +690,8 @@ class Agent:
             await self._take(
                 data, _Request(reply.decode(), {TRACEPARENT: traceparent.decode()}, batch)
             )
+        # Let this batch's handlers run (and answer) before the next batch is read.
+        await asyncio.sleep(0)
 
     async def _take(self, data: bytes, req: _Request) -> None:
         # Runs on the subscription's reader: never block here.

@@ -523,6 +523,9 @@ class Hub:
             await self._route_one(
                 msg.subject, body, reply.decode(), {TRACEPARENT: traceparent.decode()}, msg.reply
             )
+        # Let this batch's attempts leave before the next batch is read: the agent starts on
+        # them while this hub decides the next ones.
+        await asyncio.sleep(0)
 
     async def _route_one(
         self,
@@ -803,6 +806,7 @@ class Hub:
                 self.metrics.late_reply_total.inc()
             else:
                 await self._answered(flight, body)
+        await asyncio.sleep(0)  # these answers leave before the next batch of replies is read
 
     async def _unreachable(self, flight: _Flight) -> None:
         view = flight.view
