@@ -487,17 +487,22 @@ def _where_time_goes(res: dict[str, Any]) -> str:
         f"{c(raw, 'responders')} µs in its responder, {c(raw, 'nats_server')} µs in nats-server "
         "and "
         f"{c(raw, 'load_generator')} µs in the caller. On two cores shared by all four processes "
-        "the sum of these is what bounds throughput. A proxy request is four messages through "
-        "nats-server (caller → hub, hub → agent, agent → hub, hub → caller), and its payload is "
-        "JSON-decoded three times in three Python processes (`RouteRequest` in the hub, "
-        "`TaskEnvelope` in the agent, `RouteReply` in the caller; the hub splices the agent's "
-        "reply bytes instead of re-encoding them); the raw floor is two messages and one "
-        "decode. The agent SDK's own cost per task (the responder column) is the largest "
-        "fixed part that is not the hub: with it, nats-server and a Python caller, the two "
-        "cores are spent before the hub is. Direct mode caches the hub's decision (and "
-        "ranked alternates) in the `Client` for `direct_cache_ttl` (1 s), so at peak almost "
-        f"no request touches the hub (hub {c(direct, 'hub')} µs/req): a direct request is one "
-        "round trip to the agent, bounded by the agent SDK "
+        "the sum of these is what bounds throughput. A proxy request is four hops through "
+        "nats-server (caller → hub, hub → agent, agent → hub, hub → caller) against the raw "
+        "floor's two, and its payload is JSON-decoded three times in three Python processes "
+        "(`RouteRequest` in the hub, `TaskEnvelope` in the agent, `RouteReply` in the caller; "
+        "the hub splices the agent's reply bytes instead of re-encoding them). Under load the "
+        "hops are *batched*: the requests the `Client` makes in one pass of its event loop go "
+        "to a hub as one message, the attempts a hub decides for one agent in one pass go as "
+        "one message, and answers ready in one pass go back together (docs/architecture.md, "
+        "“Batches”). Nothing waits for a batch to fill, so at 1,000 req/s most messages still "
+        "carry one request; at peak the per-message costs (a NATS frame, header parsing, a "
+        "syscall's share) are paid per batch, which is why the nats-server column is small. "
+        "What is left is per-request Python work in each process: decode, validate, route, "
+        "account, encode. Direct mode caches the hub's decision (and ranked alternates) in the "
+        "`Client` for `direct_cache_ttl` (1 s), so at peak almost no request touches the hub "
+        f"(hub {c(direct, 'hub')} µs/req): a direct request is one round trip to the agent "
+        "(batched the same way), bounded by the agent SDK "
         f"({c(direct, 'responders')} µs/req) and the Python caller "
         f"({c(direct, 'load_generator')} µs/req) against a raw responder's "
         f"{c(raw, 'responders')} µs. "
@@ -585,8 +590,11 @@ duration; completed requests per second.
 - *raw*: `nc.request("bench.raw.echo", body)` to the queue-group echo — the floor: one round trip.
 - *proxy*: `Client.request(capability="bench:echo:v1", payload=..., mode="proxy")`: caller → hub
   (decode, throttle, route) → agent → hub → caller: two round trips and three Python processes.
+  Requests made in one pass of an event loop travel batched on each hop (see "Where the time
+  goes"); the raw floor's caller sends one message per request, as nats-py does.
 - *direct*: `mode="direct"`: the hub only decides and returns the agent's subject; the caller
-  then requests the agent itself — also two round trips, the hub off the data path.
+  then requests the agent itself (batched the same way) — the hub off the data path once the
+  `Client` has cached the decision.
 - *micro*: a `nats.micro` service (`add_service`, one endpoint, queue group) that decodes and
   re-encodes the JSON — what a user writes without reach-mesh. No registry, no routing choice.
 - *agentbus*: agentbus {v["agentbus"]} from PyPI, driven through its own API: `publish_task` (with
