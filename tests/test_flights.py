@@ -266,6 +266,8 @@ async def test_route_requests_in_one_batch_are_answered_in_one_batch(
                 b"%s.%d %s %s" % (inbox.encode(), i, traceparent, g) for i, g in enumerate(good)
             ]
             lines.append(b"%s.bad %s %s" % (inbox.encode(), traceparent, bad))
+            # Not a traceparent (not even UTF-8): the request starts a trace of its own.
+            lines.append(b"%s.utf %s %s" % (inbox.encode(), b"\xff\xfe", good[1]))
             lines.append(b"no-fields-here")  # nobody to answer: dropped (and logged)
             lines.append(b"bad*subject " + traceparent + b" " + good[0])  # never published to
             await nc.publish(
@@ -274,7 +276,7 @@ async def test_route_requests_in_one_batch_are_answered_in_one_batch(
                 reply=inbox + ".batch",
             )
             got: dict[str, bytes] = {}
-            while len(got) < 4:
+            while len(got) < 5:
                 msg = await asyncio.wait_for(answers.get(), 5)
                 if msg.subject == inbox + ".batch":
                     for line in msg.data.split(b"\n"):
@@ -289,6 +291,8 @@ async def test_route_requests_in_one_batch_are_answered_in_one_batch(
                 assert reply.task.state is TaskState.SUCCEEDED
             with pytest.raises(BadRequestError):
                 protocol.raise_for_error(got[f"{inbox}.bad"])
+            odd = RouteReply.model_validate_json(got[f"{inbox}.utf"])
+            assert odd.task is not None and odd.task.result == {"n": 1}
             await asyncio.sleep(0.1)
             assert answers.empty()
             assert hub.state is HubState.RUNNING
@@ -388,11 +392,12 @@ async def test_sdk_agent_answers_bad_batch_lines_and_keeps_serving(
                 b"garbage",
                 b"%s.1 %s {not json" % (inbox.encode(), traceparent),
                 b"%s.2 %s %s" % (inbox.encode(), traceparent, good),
+                b"%s.3 \xff\xfe %s" % (inbox.encode(), good.replace(b"t" * 32, b"u" * 32)),
                 b"bad*reply %s %s" % (traceparent, good),
             ]
             await nc.publish(protocol.agent_batch(agent_id), b"\n".join(lines), reply=inbox + ".b")
             answers: dict[str, bytes] = {}
-            while len(answers) < 2:
+            while len(answers) < 3:
                 msg = await asyncio.wait_for(got.get(), 5)
                 for line in msg.data.split(b"\n") if msg.subject == inbox + ".b" else []:
                     subject, _, body = line.partition(b" ")
@@ -402,6 +407,7 @@ async def test_sdk_agent_answers_bad_batch_lines_and_keeps_serving(
             with pytest.raises(BadRequestError):
                 protocol.raise_for_error(answers[inbox + ".1"])
             assert TaskReply.model_validate_json(answers[inbox + ".2"]).state is TaskState.SUCCEEDED
+            assert TaskReply.model_validate_json(answers[inbox + ".3"]).state is TaskState.SUCCEEDED
         finally:
             await nc.close()
         res = await c.request(agent_id=agent_id, payload={"n": 1})

@@ -688,7 +688,10 @@ class Agent:
                 continue  # no reply subject to answer on
             reply, traceparent, data = parts
             await self._take(
-                data, _Request(reply.decode(), {TRACEPARENT: traceparent.decode()}, batch)
+                data,
+                _Request(
+                    reply.decode(), {TRACEPARENT: traceparent.decode(errors="replace")}, batch
+                ),
             )
         # Let this batch's handlers run (and answer) before the next batch is read.
         await asyncio.sleep(0)

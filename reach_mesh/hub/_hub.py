@@ -521,7 +521,11 @@ class Hub:
                 continue
             reply, traceparent, body = parts
             await self._route_one(
-                msg.subject, body, reply.decode(), {TRACEPARENT: traceparent.decode()}, msg.reply
+                msg.subject,
+                body,
+                reply.decode(),
+                {TRACEPARENT: traceparent.decode(errors="replace")},
+                msg.reply,
             )
         # Let this batch's attempts leave before the next batch is read: the agent starts on
         # them while this hub decides the next ones.
@@ -624,6 +628,16 @@ class Hub:
 
     async def _attempt(self, flight: _Flight) -> None:
         """Decide, then answer (direct mode, dry run, no match) or send the task (proxy)."""
+        try:
+            await self._decide_and_send(flight)
+        except Exception as err:  # a bug, not the input: the route still gets its answer
+            log.exception("route %s failed", flight.request_id)
+            if flight.token not in self._flights:  # not handed to an agent yet
+                await self._finish(
+                    flight, error=InternalError(f"internal error: {type(err).__name__}")
+                )
+
+    async def _decide_and_send(self, flight: _Flight) -> None:
         req = flight.req
         flight.attempt += 1
         try:
