@@ -36,7 +36,7 @@ __all__ = ["Batcher"]
 #: Most requests in one batch, and most bytes of request bodies in it.
 BATCH_ITEMS: Final = 64
 BATCH_BYTES: Final = 256 * 1024
-#: How long a client sends plain requests after a batch found no hub.
+#: How long a client sends plain requests to a destination after a batch there found nobody.
 _PLAIN_FOR: Final = 60.0
 
 _ids = random.Random()
