@@ -25,6 +25,7 @@ from reach_mesh.errors import (
     SelectorError,
     StaleAttemptError,
     ThrottledError,
+    UnauthorizedError,
     UnknownAgentError,
     WorkflowSpecError,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "TaskState",
     "ThrottledError",
     "ToolSpec",
+    "UnauthorizedError",
     "UnknownAgentError",
     "WorkflowEvent",
     "WorkflowResult",

@@ -46,6 +46,7 @@ __all__ = [
     "SelectorError",
     "StaleAttemptError",
     "ThrottledError",
+    "UnauthorizedError",
     "UnknownAgentError",
     "WorkflowSpecError",
     "error_from_wire",
@@ -163,6 +164,12 @@ class MeshUnavailableError(ReachError):
 
 class InternalError(ReachError):
     code = "REACH_INTERNAL"
+
+
+class UnauthorizedError(ReachError):
+    """The hub's HTTP API wants ``Authorization: Bearer <http_token>`` (HTTP 401)."""
+
+    code = "REACH_UNAUTHORIZED"
 
 
 _BY_CODE: Final[dict[str, type[ReachError]]] = {}

@@ -21,11 +21,16 @@ async def eventually(
     raise AssertionError(f"condition not met within {timeout}s")
 
 
-async def fetch(url: str, method: str = "GET", body: bytes | None = None) -> tuple[int, bytes]:
+async def fetch(
+    url: str,
+    method: str = "GET",
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes]:
     """One HTTP request (in a thread, stdlib only): status and body, also for 4xx/5xx."""
 
     def call() -> tuple[int, bytes]:
-        req = urllib.request.Request(url, data=body, method=method)
+        req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, resp.read()

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.util._once import Once
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from reach_mesh import Client, MeshSettings, NoMatchError
 from reach_mesh.agent import Agent, Task
@@ -334,3 +335,46 @@ async def test_cli_agent_command_serves_a_module(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_http_token_guards_the_api_not_metrics_or_probes(
+    settings: MeshSettings, namespace: str
+) -> None:
+    token = "s3cret-token-of-the-hub"
+    hub_settings = settings.model_copy(update={"http_port": 0, "http_token": token})
+    async with Hub(settings=hub_settings) as hub, echo_agent(f"{namespace}.w.a1", settings):
+        base = hub.http_url
+        good = {"Authorization": f"Bearer {token}"}
+        for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+            status, body = await fetch(f"{base}/api/agents?namespace={namespace}", headers=headers)
+            assert status == 401
+            assert json.loads(body)["error"]["code"] == "REACH_UNAUTHORIZED"
+        rpc = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).encode()
+        for method, path, body_in in (
+            ("POST", f"/api/agents/{namespace}.w.a1/cordon", None),
+            ("POST", f"/api/route?namespace={namespace}", b"{}"),
+            ("GET", "/api/tools", None),
+            ("POST", "/mcp", rpc),
+        ):
+            status, _ = await fetch(base + path, method, body_in)
+            assert status == 401, path
+        # Nothing was done by the refused calls.
+        assert hub.registry.agents[f"{namespace}.w.a1"].state.value == "ONLINE"
+        status, body = await fetch(f"{base}/api/agents?namespace={namespace}", headers=good)
+        assert status == 200
+        assert [a["agent_id"] for a in json.loads(body)["agents"]] == [f"{namespace}.w.a1"]
+        status, body = await fetch(
+            f"{base}/api/route?namespace={namespace}",
+            "POST",
+            json.dumps({"capability": "work:echo:v1", "payload": 1}).encode(),
+            headers=good,
+        )
+        assert status == 200, body
+        for path in ("/metrics", "/healthz", "/", "/openapi.json"):
+            status, _ = await fetch(base + path)
+            assert status == 200, path
+
+
+def test_http_token_must_not_be_guessable() -> None:
+    with pytest.raises(ValidationError):
+        MeshSettings(http_token="short")

@@ -7,6 +7,7 @@ so any hub in the queue group may answer and the HTTP path adds no second routin
 
 from __future__ import annotations
 
+import hmac
 import json
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
@@ -15,13 +16,14 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from reach_mesh import protocol
-from reach_mesh._http import HttpError, HttpRequest, HttpResponse, HttpServer
+from reach_mesh._http import Handler, HttpError, HttpRequest, HttpResponse, HttpServer
 from reach_mesh.errors import (
     BadRequestError,
     MeshTimeoutError,
     NoMatchError,
     ReachError,
     ThrottledError,
+    UnauthorizedError,
     UnknownAgentError,
 )
 from reach_mesh.models import AgentState, RouteRequest
@@ -60,18 +62,44 @@ class HubHttp:
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
         self.server = HttpServer(max_body_size=hub.settings.max_payload + 64 * 1024)
+        self._token = hub.settings.http_token
         r = self.server.route
+        # Open: what a browser, a prober or Prometheus fetches.
         r("GET", "/", self.dashboard)
         r("GET", "/metrics", self.metrics)
         r("GET", "/healthz", self.healthz)
         r("GET", "/openapi.json", self.openapi)
-        r("GET", "/api/agents", self.list_agents)
-        r("GET", "/api/agents/{agent_id}", self.get_agent)
-        r("POST", "/api/agents/{agent_id}/{op}", self.agent_op)
-        r("POST", "/api/route", self.route)
-        r("GET", "/api/tools", self.tools)
-        r("POST", "/mcp", self.mcp)
+        # Behind the bearer token when ``http_token`` is set: fleet data, operator actions,
+        # the task gateway.
+        g = self._guarded
+        r("GET", "/api/agents", g(self.list_agents))
+        r("GET", "/api/agents/{agent_id}", g(self.get_agent))
+        r("POST", "/api/agents/{agent_id}/{op}", g(self.agent_op))
+        r("POST", "/api/route", g(self.route))
+        r("GET", "/api/tools", g(self.tools))
+        r("POST", "/mcp", g(self.mcp))
         self._host = "127.0.0.1"
+
+    def _guarded(self, handler: Handler) -> Handler:
+        """``handler``, answering 401 ``REACH_UNAUTHORIZED`` unless the request carries
+        ``Authorization: Bearer <http_token>`` (no check when no token is configured)."""
+        token = self._token
+        if token is None:
+            return handler
+        expected = f"Bearer {token}".encode()
+
+        async def guarded(request: HttpRequest) -> HttpResponse:
+            given = request.headers.get("authorization", "").encode()
+            if hmac.compare_digest(given, expected):
+                return await handler(request)
+            err = UnauthorizedError(
+                "this hub's HTTP API wants 'Authorization: Bearer <token>' (REACH_HTTP_TOKEN)"
+            )
+            return HttpResponse.json(
+                err.to_wire(), 401, {"WWW-Authenticate": 'Bearer realm="reach-mesh"'}
+            )
+
+        return guarded
 
     async def start(self, host: str, port: int) -> None:
         self._host = host
