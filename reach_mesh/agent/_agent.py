@@ -681,11 +681,12 @@ class Agent:
         ``<reply subject> <traceparent> <TaskEnvelope JSON>``; each is taken as if it had come
         alone (docs/protocol.md, "Task batches")."""
         batch = msg.reply or None
+        malformed = 0
         for line in msg.data.split(b"\n"):
             parts = line.split(b" ", 2)
             if len(parts) != 3 or not protocol.REPLY_SUBJECT_RE.fullmatch(parts[0]):
-                log.warning("malformed batch line on %s: %.80r", msg.subject, line)
-                continue  # no reply subject to answer on
+                malformed += 1  # no reply subject to answer on: only the log can be told
+                continue
             reply, traceparent, data = parts
             await self._take(
                 data,
@@ -693,6 +694,8 @@ class Agent:
                     reply.decode(), {TRACEPARENT: traceparent.decode(errors="replace")}, batch
                 ),
             )
+        if malformed:
+            log.warning("batch on %s: %d malformed line(s) dropped", msg.subject, malformed)
         # Let this batch's handlers run (and answer) before the next batch is read.
         await asyncio.sleep(0)
 

@@ -513,11 +513,11 @@ class Hub:
         """``reach.hub.<ns>.route_batch``: several route requests in one message, one line each,
         ``<reply subject> <traceparent> <RouteRequest JSON>``. Each is routed as if it had come
         alone; their answers go back batched to the message's reply subject."""
+        malformed = 0
         for line in msg.data.split(b"\n"):
             parts = line.split(b" ", 2)
             if len(parts) != 3 or not protocol.REPLY_SUBJECT_RE.fullmatch(parts[0]):
-                # No reply subject to answer on: nothing can be told to anyone but the log.
-                log.warning("malformed route batch line on %s: %.80r", msg.subject, line)
+                malformed += 1  # no reply subject to answer on: only the log can be told
                 continue
             reply, traceparent, body = parts
             await self._route_one(
@@ -527,6 +527,8 @@ class Hub:
                 {TRACEPARENT: traceparent.decode(errors="replace")},
                 msg.reply,
             )
+        if malformed:
+            log.warning("route batch on %s: %d malformed line(s) dropped", msg.subject, malformed)
         # Let this batch's attempts leave before the next batch is read: the agent starts on
         # them while this hub decides the next ones.
         await asyncio.sleep(0)
