@@ -17,6 +17,7 @@ the client sends plain requests to that destination for a minute.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -29,15 +30,18 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from reach_mesh import protocol
 from reach_mesh.tracing import TRACEPARENT
 
-__all__ = ["Batcher"]
+__all__ = ["BATCH_BYTES", "BATCH_ITEMS", "AnswerBatcher", "Batcher"]
 
-#: Most requests in one batch, and most bytes of request bodies in it.
+#: Most requests in one batch message, and most bytes of bodies in it (hubs, agents, clients).
 BATCH_ITEMS: Final = 64
 BATCH_BYTES: Final = 256 * 1024
 #: How long a client sends plain requests to a destination after a batch there found nobody.
 _PLAIN_FOR: Final = 60.0
+
+log = logging.getLogger("reach_mesh.batch")
 
 _ids = random.Random()
 os.register_at_fork(after_in_child=_ids.seed)
@@ -161,7 +165,7 @@ class Batcher:
             )
         elif items:
             lines = [
-                b" ".join(((prefix + token).encode(), traceparent.encode(), body))
+                protocol.batch_line(prefix + token, traceparent, body)
                 for token, body, traceparent in items
             ]
             if len(self._batches) > 4096:  # answered without a reply to this token: forget
@@ -189,12 +193,8 @@ class Batcher:
             for i in range(BATCH_ITEMS):
                 self._resolve(futures.get(f"{token}.{i}"), b"", True)
             return
-        prefix = self._prefix_b
-        start = len(prefix)
-        for line in data.split(b"\n"):
-            subject, _, body = line.partition(b" ")
-            if subject.startswith(prefix):
-                self._resolve(futures.get(subject[start:].decode(errors="replace")), body, False)
+        for request_token, body in protocol.split_answers(data, self._prefix_b):
+            self._resolve(futures.get(request_token), body, False)
         # The callers woken here send their next requests before the next batch is read.
         await asyncio.sleep(0)
 
@@ -206,3 +206,61 @@ class Batcher:
             future.set_exception(NoRespondersError())
         else:
             future.set_result(data)
+
+
+@dataclass(slots=True, eq=False)
+class _Answers:
+    subject: str
+    #: (reply subject, answer)
+    lines: list[tuple[str, bytes]] = field(default_factory=list)
+    size: int = 0
+
+
+class AnswerBatcher:
+    """Answers to requests that came in batches, for a hub or an agent: those ready in one pass
+    of the event loop go back together, one message per batch reply subject of
+    ``<reply subject> <answer>`` lines (docs/protocol.md); one answer alone goes to its own
+    reply subject. Nothing waits for more answers."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._open: dict[str, _Answers] = {}
+        self._full: list[_Answers] = []
+        self._sender: asyncio.Task[None] | None = None
+
+    def add(self, batch_reply: str, reply: str, body: bytes) -> bool:
+        """Queue ``body`` for ``reply``; ``False`` if it is too large to share a message (then
+        the caller sends it on its own)."""
+        if len(body) >= BATCH_BYTES:
+            return False
+        group = self._open.get(batch_reply)
+        if group is not None and group.size + len(body) > BATCH_BYTES:
+            self._full.append(group)
+            group = None
+        if group is None:
+            group = self._open[batch_reply] = _Answers(batch_reply)
+            if self._sender is None:
+                self._sender = asyncio.get_running_loop().create_task(self._send_pass())
+        group.lines.append((reply, body))
+        group.size += len(body)
+        return True
+
+    async def flush(self) -> None:
+        """Send what is queued now (before the connection drains)."""
+        await self._send_pass()
+
+    async def _send_pass(self) -> None:
+        self._sender = None
+        groups = self._full
+        groups.extend(self._open.values())
+        self._full = []
+        self._open = {}
+        for group in groups:
+            lines = group.lines
+            try:
+                if len(lines) == 1:
+                    await self._nc.publish(*lines[0])
+                else:
+                    await self._nc.publish(group.subject, protocol.join_answers(lines))
+            except Exception as err:  # the connection is closing or gone: nobody to tell
+                log.debug("answers to %s not sent: %r", group.subject, err)

@@ -45,14 +45,18 @@ __all__ = [
     "agent_task",
     "attempt_msg_id",
     "audit_subject",
+    "batch_line",
     "decode",
     "encode",
     "encode_error",
     "hub_subject",
+    "join_answers",
     "namespace_of",
     "parse_reply",
     "raise_for_error",
     "result_key",
+    "split_answers",
+    "split_batch",
     "task_key",
     "task_status",
     "validate_agent_id",
@@ -179,6 +183,43 @@ def agent_task(agent_id: str) -> str:
 #: A reply subject named inside a batch line (docs/protocol.md): printable ASCII tokens without
 #: wildcards or spaces, separated by dots — checked before anything is published to it.
 REPLY_SUBJECT_RE: Final = re.compile(rb"[!-)+-\-/-=?-~]{1,256}(?:\.[!-)+-\-/-=?-~]{1,256}){0,15}")
+
+
+def batch_line(reply: str, traceparent: str, body: bytes) -> bytes:
+    """One request of a batch: ``<reply subject> <traceparent> <body>`` (docs/protocol.md)."""
+    return b" ".join((reply.encode(), traceparent.encode(), body))
+
+
+def split_batch(data: bytes) -> tuple[list[tuple[str, str, bytes]], int]:
+    """The requests of a batch message as (reply subject, traceparent, body), and how many lines
+    could not be used (no valid reply subject: nobody to answer)."""
+    requests = []
+    malformed = 0
+    for line in data.split(b"\n"):
+        parts = line.split(b" ", 2)
+        if len(parts) != 3 or not REPLY_SUBJECT_RE.fullmatch(parts[0]):
+            malformed += 1
+            continue
+        reply, traceparent, body = parts
+        requests.append((reply.decode(), traceparent.decode(errors="replace"), body))
+    return requests, malformed
+
+
+def join_answers(answers: list[tuple[str, bytes]]) -> bytes:
+    """Answers to requests of batches, one message: ``<reply subject> <answer>`` per line."""
+    return b"\n".join(b"%s %s" % (reply.encode(), body) for reply, body in answers)
+
+
+def split_answers(data: bytes, prefix: bytes) -> list[tuple[str, bytes]]:
+    """The answers in a message of ``<reply subject> <answer>`` lines whose reply subject starts
+    with ``prefix``, as (the rest of the subject, answer); other lines are not ours."""
+    start = len(prefix)
+    out = []
+    for line in data.split(b"\n"):
+        subject, _, body = line.partition(b" ")
+        if subject.startswith(prefix):
+            out.append((subject[start:].decode(errors="replace"), body))
+    return out
 
 
 def agent_batch(agent_id: str) -> str:

@@ -19,7 +19,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final, TypeVar
 
@@ -33,6 +33,7 @@ from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._batch import AnswerBatcher
 from reach_mesh._http import HttpServer
 from reach_mesh._nats import connect
 from reach_mesh.agent._task import Task
@@ -89,8 +90,6 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 _AGENT_QUEUE: Final = "reach-agent"
 _RESULT_CACHE: Final = 10_000
-#: Most bytes of replies sent together to one batch reply subject (a larger reply goes alone).
-_BATCH_BYTES: Final = 256 * 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -102,15 +101,6 @@ class _Request:
     reply: str
     headers: dict[str, str] | None
     batch: str | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Answers:
-    """Answers to attempts of batches with one reply subject, ready in this pass of the loop."""
-
-    subject: str
-    lines: list[tuple[str, bytes]] = field(default_factory=list)
-    size: int = 0
 
 
 class AgentStatus(enum.Enum):
@@ -371,10 +361,8 @@ class Agent:
         self._waiting = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._results: OrderedDict[str, _Entry] = OrderedDict()
-        # Answers to batched attempts waiting for the end of this pass of the event loop.
-        self._answers: dict[str, _Answers] = {}
-        self._full_answers: list[_Answers] = []
-        self._answering = False
+        # Answers to attempts that came in batches (made once connected).
+        self._answers: AnswerBatcher
         self._hb_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._registered = asyncio.Event()
@@ -498,6 +486,7 @@ class Agent:
                     self.metrics.render, self._metrics_host, self._metrics_port
                 )
             self._nc = await connect(self.nats_url, name=self.agent_id, settings=self.settings)
+            self._answers = AnswerBatcher(self._nc)
             self._subs.append(
                 await self.nc.subscribe(
                     self._task_subject,
@@ -630,9 +619,14 @@ class Agent:
                         ),
                         timeout=2.0,
                     )
-            for task in list(self._tasks):
+            late = list(self._tasks)
+            for task in late:
                 task.cancel()
+            if late:  # they answer REACH_CANCELLED
+                await asyncio.wait(late, timeout=1.0)
             if self._nc is not None:
+                with contextlib.suppress(Exception):
+                    await self._answers.flush()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._nc.drain(), timeout=5)
                 with contextlib.suppress(Exception):
@@ -681,20 +675,10 @@ class Agent:
         ``<reply subject> <traceparent> <TaskEnvelope JSON>``; each is taken as if it had come
         alone (docs/protocol.md, "Task batches")."""
         batch = msg.reply or None
-        malformed = 0
-        for line in msg.data.split(b"\n"):
-            parts = line.split(b" ", 2)
-            if len(parts) != 3 or not protocol.REPLY_SUBJECT_RE.fullmatch(parts[0]):
-                malformed += 1  # no reply subject to answer on: only the log can be told
-                continue
-            reply, traceparent, data = parts
-            await self._take(
-                data,
-                _Request(
-                    reply.decode(), {TRACEPARENT: traceparent.decode(errors="replace")}, batch
-                ),
-            )
-        if malformed:
+        requests, malformed = protocol.split_batch(msg.data)
+        for reply, traceparent, data in requests:
+            await self._take(data, _Request(reply, {TRACEPARENT: traceparent}, batch))
+        if malformed:  # no reply subject to answer on: only the log can be told
             log.warning("batch on %s: %d malformed line(s) dropped", msg.subject, malformed)
         # Let this batch's handlers run (and answer) before the next batch is read.
         await asyncio.sleep(0)
@@ -1085,39 +1069,10 @@ class Agent:
         """
         if not req.reply or self._nc is None:
             return
-        if req.batch is not None and len(body) < _BATCH_BYTES:
-            group = self._answers.get(req.batch)
-            if group is not None and group.size + len(body) > _BATCH_BYTES:
-                self._full_answers.append(group)
-                group = None
-            if group is None:
-                group = self._answers[req.batch] = _Answers(req.batch)
-                if not self._answering:
-                    self._answering = True
-                    self._spawn(self._send_answers())
-            group.lines.append((req.reply, body))
-            group.size += len(body)
+        if req.batch is not None and self._answers.add(req.batch, req.reply, body):
             return
         with contextlib.suppress(Exception):
             await self._nc.publish(req.reply, body, headers=headers if req.batch is None else None)
-
-    async def _send_answers(self) -> None:
-        self._answering = False
-        groups = self._full_answers
-        groups.extend(self._answers.values())
-        self._full_answers = []
-        self._answers = {}
-        nc = self._nc
-        if nc is None:
-            return
-        for group in groups:
-            lines = group.lines
-            with contextlib.suppress(Exception):
-                if len(lines) == 1:
-                    await nc.publish(*lines[0])
-                else:
-                    body = b"\n".join(b"%s %s" % (reply.encode(), data) for reply, data in lines)
-                    await nc.publish(group.subject, body)
 
     async def _on_ctl(self, msg: Msg) -> None:
         try:

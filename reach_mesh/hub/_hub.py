@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_json
 
 from reach_mesh import protocol
+from reach_mesh._batch import BATCH_BYTES, BATCH_ITEMS, AnswerBatcher
 from reach_mesh._nats import connect
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
@@ -90,9 +91,6 @@ log = logging.getLogger("reach_mesh.hub")
 #: Bytes allowed on top of ``max_payload`` for the request's own fields.
 _ENVELOPE_SLACK: Final = 16 * 1024
 _SLOW_ROUTE: Final = 0.25
-#: Most attempts one batch message carries, and most bytes of envelopes in it.
-_BATCH_ITEMS: Final = 64
-_BATCH_BYTES: Final = 256 * 1024
 #: How often unanswered proxy attempts are checked against their deadline (seconds).
 _SWEEP_INTERVAL: Final = 0.005
 ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove")
@@ -171,15 +169,6 @@ class _Outbox:
     size: int = 0
 
 
-@dataclass(slots=True, eq=False)
-class _Answers:
-    """Answers to route requests that came batched to ``subject``: (reply subject, body)."""
-
-    subject: str
-    lines: list[tuple[str, bytes]] = field(default_factory=list)
-    size: int = 0
-
-
 class HubState(enum.Enum):
     NEW = "new"
     RUNNING = "running"
@@ -222,9 +211,8 @@ class Hub:
         # one task sends them all when the pass ends.
         self._outboxes: dict[str, _Outbox] = {}
         self._full: list[_Outbox] = []
-        # Answers to batched route requests, per batch reply subject, likewise.
-        self._answers: dict[str, _Answers] = {}
-        self._full_answers: list[_Answers] = []
+        # Answers to route requests that came in batches (made once connected).
+        self._answers: AnswerBatcher
         self._sender: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
         s = self.settings
@@ -309,6 +297,7 @@ class Hub:
                 subject, queue=queue or "", cb=self._dispatcher(handler), pending_msgs_limit=-1
             )
             self._subs.append(sub)
+        self._answers = AnswerBatcher(self.nc)
         # Agents answer proxy attempts on this hub's own reply subjects.
         self._reply_prefix = self.nc.new_inbox() + "."
         self._reply_prefix_b = self._reply_prefix.encode()
@@ -366,6 +355,9 @@ class Hub:
         if hasattr(self, "audit"):
             with contextlib.suppress(Exception):
                 await self.audit.close()  # buffered events go out before the drain
+        if hasattr(self, "_answers"):
+            with contextlib.suppress(Exception):
+                await self._answers.flush()
         if self._nc is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._nc.drain(), timeout=5)
@@ -513,21 +505,10 @@ class Hub:
         """``reach.hub.<ns>.route_batch``: several route requests in one message, one line each,
         ``<reply subject> <traceparent> <RouteRequest JSON>``. Each is routed as if it had come
         alone; their answers go back batched to the message's reply subject."""
-        malformed = 0
-        for line in msg.data.split(b"\n"):
-            parts = line.split(b" ", 2)
-            if len(parts) != 3 or not protocol.REPLY_SUBJECT_RE.fullmatch(parts[0]):
-                malformed += 1  # no reply subject to answer on: only the log can be told
-                continue
-            reply, traceparent, body = parts
-            await self._route_one(
-                msg.subject,
-                body,
-                reply.decode(),
-                {TRACEPARENT: traceparent.decode(errors="replace")},
-                msg.reply,
-            )
-        if malformed:
+        requests, malformed = protocol.split_batch(msg.data)
+        for reply, traceparent, body in requests:
+            await self._route_one(msg.subject, body, reply, {TRACEPARENT: traceparent}, msg.reply)
+        if malformed:  # no reply subject to answer on: only the log can be told
             log.warning("route batch on %s: %d malformed line(s) dropped", msg.subject, malformed)
         # Let this batch's attempts leave before the next batch is read: the agent starts on
         # them while this hub decides the next ones.
@@ -720,14 +701,14 @@ class Hub:
     ) -> None:
         box = self._outboxes.get(view.agent_id)
         if box is not None and (
-            len(box.items) >= _BATCH_ITEMS or box.size + len(body) > _BATCH_BYTES
+            len(box.items) >= BATCH_ITEMS or box.size + len(body) > BATCH_BYTES
         ):
             self._full.append(box)
             box = None
         if box is None:
             box = self._outboxes[view.agent_id] = _Outbox(view, _new_id())
             if self._sender is None:
-                self._sender = asyncio.get_running_loop().create_task(self._send_pass())
+                self._sender = asyncio.get_running_loop().create_task(self._send_outboxes())
         # An attempt's reply subject is <inbox>.<batch token>.<index>: NATS' "no responders"
         # for a whole batch (sent with reply subject <inbox>.<batch token>) finds its attempts.
         token = f"{box.token}.{len(box.items)}"
@@ -738,22 +719,15 @@ class Hub:
         heapq.heappush(self._deadlines, (flight.deadline, token))
         view.outstanding += 1
 
-    async def _send_pass(self) -> None:
-        """Send what this pass of the event loop decided: attempts to agents, answers to
-        batches of route requests."""
+    async def _send_outboxes(self) -> None:
+        """Send the attempts this pass of the event loop decided."""
         self._sender = None
         boxes = self._full
         boxes.extend(self._outboxes.values())
         self._full = []
         self._outboxes = {}
-        answers = self._full_answers
-        answers.extend(self._answers.values())
-        self._full_answers = []
-        self._answers = {}
         for box in boxes:
             await self._send(box)
-        for group in answers:
-            await self._send_answers(group)
 
     async def _send(self, box: _Outbox) -> None:
         view = box.view
@@ -765,7 +739,7 @@ class Hub:
             if len(items) > 1 and view.record.card.batch:
                 # A batch line carries one traceparent; richer trace context goes on its own.
                 lines = [
-                    b" ".join(((prefix + token).encode(), headers[TRACEPARENT].encode(), body))
+                    protocol.batch_line(prefix + token, headers[TRACEPARENT], body)
                     for token, body, headers in items
                     if len(headers) == 1
                 ]
@@ -805,19 +779,14 @@ class Hub:
                 await self._answered(flight, data)
             return
         if no_responders:  # a whole batch found nobody
-            for i in range(_BATCH_ITEMS):
+            for i in range(BATCH_ITEMS):
                 flight = self._flights.pop(f"{token}.{i}", None)
                 if flight is not None:
                     await self._unreachable(flight)
             return
         # A batch of replies: one line each, "<reply subject> <TaskReply JSON>".
-        prefix = self._reply_prefix_b
-        start = len(prefix)
-        for line in data.split(b"\n"):
-            subject, _, body = line.partition(b" ")
-            if not subject.startswith(prefix):
-                continue  # not ours: nothing in it can finish one of our routes
-            flight = self._flights.pop(subject[start:].decode(errors="replace"), None)
+        for attempt_token, body in protocol.split_answers(data, self._reply_prefix_b):
+            flight = self._flights.pop(attempt_token, None)
             if flight is None:
                 self.metrics.late_reply_total.inc()
             else:
@@ -1031,29 +1000,10 @@ class Hub:
         answers to that batch's reply subject that are ready in this pass of the event loop."""
         if not reply:
             return
-        if batch_reply and len(body) < _BATCH_BYTES:
-            answers = self._answers.get(batch_reply)
-            if answers is not None and answers.size + len(body) > _BATCH_BYTES:
-                self._full_answers.append(answers)
-                answers = None
-            if answers is None:
-                answers = self._answers[batch_reply] = _Answers(batch_reply)
-                if self._sender is None:
-                    self._sender = asyncio.get_running_loop().create_task(self._send_pass())
-            answers.lines.append((reply, body))
-            answers.size += len(body)
+        if batch_reply and self._answers.add(batch_reply, reply, body):
             return
         with contextlib.suppress(Exception):
             await self.nc.publish(reply, body)
-
-    async def _send_answers(self, answers: _Answers) -> None:
-        lines = answers.lines
-        with contextlib.suppress(Exception):
-            if len(lines) == 1:
-                await self.nc.publish(*lines[0])
-            else:
-                body = b"\n".join(b"%s %s" % (reply.encode(), data) for reply, data in lines)
-                await self.nc.publish(answers.subject, body)
 
     def _failed(self, view: AgentView, *, delivery: bool) -> None:
         if delivery:
