@@ -11,7 +11,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
+from nats.aio.msg import Msg
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -243,6 +245,40 @@ async def test_one_trace_id_across_caller_hub_agent(
     attrs = spans["reach.route"].attributes
     assert attrs["messaging.system"] == "nats"
     assert attrs["reach.agent_id"] == agent.agent_id
+
+
+async def test_batched_requests_keep_one_trace_each(
+    exporter: InMemorySpanExporter, hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """Concurrent requests travel in batches on every hop; each keeps its own trace."""
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    tracer = trace.get_tracer("test")
+    watcher = await nats.connect(settings.nats_url)
+    lines: list[int] = []
+
+    async def watch(msg: Msg) -> None:
+        lines.append(len(msg.data.split(b"\n")))
+
+    await watcher.subscribe(f"reach.hub.{namespace}.route_batch", cb=watch)
+    await watcher.subscribe(f"reach.agent.{namespace}.w.a1.batch", cb=watch)
+    await watcher.flush()
+    async with agent, Client(settings=settings) as c:
+
+        async def one(i: int) -> tuple[str, Any]:
+            with tracer.start_as_current_span(f"caller-{i}") as root:
+                res = await c.request(capability="work:echo:v1", payload=i)
+            return format(root.get_span_context().trace_id, "032x"), res
+
+        results = await asyncio.gather(*(one(i) for i in range(10)))
+    await watcher.close()
+    assert lines and max(lines) > 1  # they did travel in batches
+    spans = exporter.get_finished_spans()
+    for trace_id, res in results:
+        assert res.trace_id == trace_id and res.result["trace_id"] == trace_id
+        mine = {s.name: s for s in spans if format(s.context.trace_id, "032x") == trace_id}
+        assert set(mine) >= {"reach.route", "reach.deliver", "reach.handle"}
+        assert mine["reach.deliver"].parent.span_id == mine["reach.route"].context.span_id
+        assert mine["reach.handle"].parent.span_id == mine["reach.deliver"].context.span_id
 
 
 async def test_trace_id_without_tracing_configured(
