@@ -27,6 +27,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnauthorizedError,
     UnknownAgentError,
+    WorkflowConflictError,
     WorkflowSpecError,
 )
 from reach_mesh.models import AgentInfo, AgentState, RouteDecision, TaskState, ToolSpec
@@ -68,6 +69,7 @@ __all__ = [
     "ToolSpec",
     "UnauthorizedError",
     "UnknownAgentError",
+    "WorkflowConflictError",
     "WorkflowEvent",
     "WorkflowResult",
     "WorkflowSpecError",

@@ -17,6 +17,7 @@ Every error carries a stable wire ``code`` so that clients in any language can a
     ├── NoHandlerError              REACH_NO_HANDLER       (agent lacks the capability)
     ├── HandlerError                REACH_HANDLER_FAILED   (the user's handler raised)
     ├── StaleAttemptError           REACH_STALE_ATTEMPT    (fenced)
+    ├── WorkflowConflictError       REACH_WORKFLOW_CONFLICT (workflow id taken by another spec)
     ├── MeshTimeoutError            REACH_TIMEOUT          (also a ``TimeoutError``)
     ├── MeshUnavailableError        REACH_UNAVAILABLE      (no hub / NATS not reachable)
     └── InternalError               REACH_INTERNAL
@@ -48,6 +49,7 @@ __all__ = [
     "ThrottledError",
     "UnauthorizedError",
     "UnknownAgentError",
+    "WorkflowConflictError",
     "WorkflowSpecError",
     "error_from_wire",
 ]
@@ -151,6 +153,13 @@ class HandlerError(ReachError):
 
 class StaleAttemptError(ReachError):
     code = "REACH_STALE_ATTEMPT"
+
+
+class WorkflowConflictError(ReachError):
+    """A workflow id was submitted again with a different spec: the first spec stands, the
+    second is refused (the same id with the same spec is a no-op)."""
+
+    code = "REACH_WORKFLOW_CONFLICT"
 
 
 class MeshTimeoutError(ReachError, TimeoutError):

@@ -293,6 +293,12 @@ def result_key(agent_id: str, task_id: str) -> str:
     return f"{agent_id}.{task_id}"
 
 
+def done_msg_id(workflow_id: str) -> str:
+    """``<workflow_id>.done`` — the ``Nats-Msg-Id`` of a workflow's final result on ``.done``
+    (published once per stored result; a repeat within the dedup window is dropped)."""
+    return f"{workflow_id}.done"
+
+
 def attempt_msg_id(task_id: str, attempt: int) -> str:
     """``task_id#n`` — the ``Nats-Msg-Id`` of one attempt's work message."""
     return f"{task_id}#{attempt}"

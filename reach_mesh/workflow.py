@@ -9,6 +9,7 @@ Pure: no I/O. The engine lives in :mod:`reach_mesh.hub.workflows`, the agent sid
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from typing import Any, Final, Literal
@@ -41,6 +42,7 @@ __all__ = [
     "WorkflowSpec",
     "merge_payload",
     "parse_policy",
+    "spec_digest",
     "step_task_id",
     "validate_spec",
 ]
@@ -233,6 +235,12 @@ def step_task_id(workflow_id: str, index: int, step: StepSpec) -> str:
     return step.task_id or f"{workflow_id}-{index}"
 
 
+def spec_digest(spec: WorkflowSpec) -> str:
+    """A digest of the canonical encoding of ``spec``: two submissions under one workflow id
+    are the same workflow only when their digests match (otherwise: a conflict)."""
+    return hashlib.sha256(protocol.encode(spec)).hexdigest()[:32]
+
+
 def new_workflow_id() -> str:
     return uuid.uuid4().hex
 
@@ -381,6 +389,9 @@ class WorkflowRecord(_Wire):
     """Value in ``reach_workflows`` (key ``<ns>.<workflow_id>``)."""
 
     spec: WorkflowSpec | None = None
+    #: :func:`spec_digest` of the spec this id was first submitted with (kept in the final
+    #: record, whose spec is dropped): a re-submission with another digest is a conflict.
+    spec_digest: str | None = None
     state: TaskState = TaskState.RUNNING
     owner: str | None = None
     trace_id: str | None = None

@@ -440,43 +440,77 @@ async def test_hub_killed_mid_workflow(fleet: Fleet, wf_settings: MeshSettings) 
             await hub_b.close()
 
 
-async def test_stale_result_is_fenced(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
+async def _partitioned_pair(
+    fleet: Fleet, mesh: Client, name: str
+) -> tuple[str, asyncio.Event, asyncio.Event, asyncio.Event]:
+    """A step starts on agent A, A goes silent (LOST) but keeps running its handler, and the
+    step is re-routed to B (attempt 2). Returns the workflow id and the release events of A
+    and B, and an event set when B's handler is cancelled."""
     a_started, a_release = asyncio.Event(), asyncio.Event()
-    b_started, b_release = asyncio.Event(), asyncio.Event()
-    a = fleet.agent("fence.a")
-    b = fleet.agent("fence.b")
+    b_started, b_release, b_cancelled = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    cap = f"wf:{name}:v1"
+    a = fleet.agent(f"{name}.a")
+    b = fleet.agent(f"{name}.b")
 
-    @a.handler("wf:fence:v1")
+    @a.handler(cap)
     async def on_a(task: Task[Any]) -> str:
         a_started.set()
         await a_release.wait()
-        return "stale answer"
+        return "answer of A"
 
-    @b.handler("wf:fence:v1")
+    @b.handler(cap)
     async def on_b(task: Task[Any]) -> str:
         b_started.set()
-        await b_release.wait()
-        return "current answer"
+        try:
+            await b_release.wait()
+        except asyncio.CancelledError:
+            b_cancelled.set()
+            raise
+        return "answer of B"
 
+    await a.start()
+    wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=20)
+    await asyncio.wait_for(a_started.wait(), 5)
+    await b.start()
+    assert a._hb_task is not None
+    a._hb_task.cancel()  # A goes silent (partitioned) but keeps running the handler
+    await asyncio.wait_for(b_started.wait(), 10)  # LOST -> re-routed to B (attempt 2)
+    return wf_id, a_release, b_release, b_cancelled
+
+
+async def test_first_outcome_wins_even_from_a_superseded_attempt(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A valid result is never thrown away: A's attempt 1 finishes first and decides the step,
+    although attempt 2 is running on B; B's now useless handler is cancelled."""
+    async with Client(settings=wf_settings) as mesh:
+        wf_id, a_release, _b_release, b_cancelled = await _partitioned_pair(fleet, mesh, "win")
+        a_release.set()
+        res = await mesh.workflow(wf_id, timeout=10)
+        await asyncio.wait_for(b_cancelled.wait(), 5)
+    assert res.state is TaskState.SUCCEEDED
+    assert res.result == ["answer of A"]
+    assert res.steps[0].agent_id == f"{wf_settings.namespace}.win.a"
+    assert res.steps[0].attempts == 2
+
+
+async def test_outcome_after_the_decision_is_counted_never_applied(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
     engine = wf_hub.workflows
     assert engine is not None
-    await a.start()
     async with Client(settings=wf_settings) as mesh:
-        wf_id = await mesh.submit_fanout([Step(capability="wf:fence:v1")], timeout=20)
-        await asyncio.wait_for(a_started.wait(), 5)
-        await b.start()
-        assert a._hb_task is not None
-        a._hb_task.cancel()  # A goes silent (partitioned) but keeps running the handler
-        await asyncio.wait_for(b_started.wait(), 10)  # LOST -> re-routed to B (attempt 2)
-        before = engine.stale_total
-        a_release.set()  # A's attempt-1 result arrives after the fence
-        await eventually(lambda: engine.stale_total == before + 1, timeout=5)
-        b_release.set()
+        wf_id, a_release, b_release, _ = await _partitioned_pair(fleet, mesh, "late")
+        b_release.set()  # B decides the step
         res = await mesh.workflow(wf_id, timeout=10)
+        before = engine.stale_total
+        a_release.set()  # A's attempt-1 result arrives after the decision
+        await eventually(lambda: engine.stale_total == before + 1, timeout=5)
+        again = await mesh.workflow(wf_id, timeout=5)
     assert res.state is TaskState.SUCCEEDED
-    assert res.result == ["current answer"]
-    assert res.steps[0].agent_id == b.agent_id and res.steps[0].attempts == 2
-    assert res.steps[0].stale == 1
+    assert res.result == ["answer of B"] == again.result
+    assert res.steps[0].agent_id == f"{wf_settings.namespace}.late.b"
+    assert res.steps[0].attempts == 2
 
 
 async def test_returning_agent_fences_its_stale_attempts(

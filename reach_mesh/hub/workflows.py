@@ -21,15 +21,13 @@ import json
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -39,9 +37,8 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
-from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from reach_mesh import protocol
@@ -55,7 +52,8 @@ from reach_mesh.errors import (
     ReachError,
     WorkflowSpecError,
 )
-from reach_mesh.hub.acks import AckMachine
+from reach_mesh.hub import _durable
+from reach_mesh.hub._tracking import StatusTracker, StepTrack
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.models import AgentState, ErrorBody, RouteRequest, TaskEnvelope, TaskState
@@ -72,6 +70,7 @@ from reach_mesh.workflow import (
     WorkflowResult,
     WorkflowSpec,
     merge_payload,
+    spec_digest,
     step_task_id,
     validate_spec,
 )
@@ -80,8 +79,8 @@ __all__ = ["WorkflowEngine"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
-_RECENT: Final = 50_000
-_CTL_TIMEOUT: Final = 1.0
+T = TypeVar("T")
+
 _HISTORY: Final = 32
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
 
@@ -90,6 +89,10 @@ Outcome = Literal["final", "undelivered", "lost", "nomatch", "deadline"]
 
 class _NotOwnerError(Exception):
     """Another hub wrote this workflow's records: it owns the workflow now."""
+
+
+class _ConflictError(Exception):
+    """The workflow id is taken by a submission with another spec."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,25 +108,6 @@ class _Policy:
 
 
 @dataclass(slots=True, eq=False)
-class _Track:
-    """The current attempt of one step, fed by the status subscription."""
-
-    key: str
-    task_id: str
-    namespace: str
-    attempt: int
-    agent_id: str
-    machine: AckMachine
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    final: TaskStatusEvent | None = None
-    dispatched_at: float = 0.0
-    last_event: float = 0.0
-    lost: bool = False
-    stale: int = 0
-    view: AgentView | None = None
-
-
-@dataclass(slots=True, eq=False)
 class _Workflow:
     spec: WorkflowSpec
     need: int
@@ -131,7 +115,10 @@ class _Workflow:
     submitted_at: float  # server wall time
     headers: dict[str, str]
     trace_id: str | None
+    digest: str
     records: dict[int, TaskRecord] = field(default_factory=dict)
+    #: Revision of this hub's write of the workflow record (the final write is a CAS on it).
+    rev: int = 0
 
     @property
     def ns(self) -> str:
@@ -147,7 +134,8 @@ class WorkflowEngine:
 
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
     ``workflow_total``, ``workflow_duration_seconds``, ``retry_total``,
-    ``duplicate_delivery_total`` and ``pending_count`` are kept.
+    ``duplicate_delivery_total``, ``infra_retry_total``, ``stale_result_total`` and
+    ``pending_count`` are kept.
     """
 
     def __init__(
@@ -172,25 +160,38 @@ class WorkflowEngine:
         self._tasks_kv: KeyValue | None = None
         self._pull: PullConsumer | None = None
         self._status_sub: Subscription | None = None
-        self._tracks: dict[str, _Track] = {}
-        #: Finished (or superseded) tasks -> their deciding attempt, for stale detection.
-        self._recent: OrderedDict[str, int] = OrderedDict()
+        self._tracker = StatusTracker(nc, js, registry)
         self._running: dict[asyncio.Task[None], Msg] = {}
         self._bg: set[asyncio.Task[Any]] = set()
         self._pending = 0
         self._stopping = False
-        #: Results rejected because their attempt was no longer current (fenced).
-        self.stale_total = 0
         #: Final answers that came from an agent's idempotency cache (a duplicate delivery).
         self.duplicate_total = 0
         #: Attempts after the first.
         self.retry_total = 0
+        #: JetStream operations repeated after an infrastructure error (never an outcome).
+        self.infra_retry_total = 0
+        #: Submissions refused because their workflow id was taken by another spec.
+        self.conflict_total = 0
         self.workflows_done = 0
-        #: Test seam (fault injection): return False to drop a status event as if lost.
-        self.status_filter: Any = None
         #: Agents registered with ``durable_work=False`` (no work consumer): never offered a
         #: step. Kept from state changes so choosing a step does not scan the registry.
         self._no_work: set[str] = set()
+
+    @property
+    def stale_total(self) -> int:
+        """Final statuses not applied: from an attempt or agent the step did not send to, or
+        arriving after the step was decided (a duplicate run)."""
+        return self._tracker.stale_total
+
+    @property
+    def status_filter(self) -> Callable[[TaskStatusEvent], bool] | None:
+        """Test seam (fault injection): return False to drop a status event as if lost."""
+        return self._tracker.status_filter
+
+    @status_filter.setter
+    def status_filter(self, value: Callable[[TaskStatusEvent], bool] | None) -> None:
+        self._tracker.status_filter = value
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -305,21 +306,34 @@ class WorkflowEngine:
             return
         keepalive = asyncio.create_task(self._keepalive(msg))
         try:
-            result = await self._run(wf)
+            result, stored = await self._run(wf)
+            if not stored:
+                result = await self._store(wf, result)
+            await self._publish_done(wf, result)
         except _NotOwnerError:
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
+        except _ConflictError:
+            self.conflict_total += 1
+            log.warning("workflow %s: submission refused, the id is taken by another spec", wf.id)
+            with contextlib.suppress(Exception):
+                await msg.term()
+            return
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            # Transient trouble (NATS down, ...): give the workflow back for a retry.
+            # The infrastructure outlived our retries (NATS down, ...): give the workflow back;
+            # whoever takes it resumes from the records. Never an outcome.
             log.warning("workflow %s interrupted: %r", wf.id, err)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             return
         finally:
             keepalive.cancel()
-        await self._complete(wf, result, msg)
+        with contextlib.suppress(Exception):
+            await msg.ack()
+        if not stored:
+            self._count_done(wf.spec.kind, result)
 
     def _admit(self, msg: Msg, headers: dict[str, str]) -> _Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
@@ -346,10 +360,12 @@ class WorkflowEngine:
             submitted_at=submitted,
             headers=headers,
             trace_id=trace_id_from_headers(headers),
+            digest=spec_digest(spec),
         )
 
     async def _reject(self, msg: Msg, headers: dict[str, str], err: ReachError) -> None:
-        """A malformed submission: term it (never redelivered) and publish a failed result."""
+        """A malformed submission: term it (never redelivered) and, unless the id belongs to a
+        workflow already, store and publish a failed result."""
         log.info("rejecting workflow submission on %s: %s", msg.subject, err.message)
         parts = msg.subject.split(".")
         wf_id = (msg.headers or {}).get(protocol.HDR_MSG_ID, "")
@@ -373,10 +389,25 @@ class WorkflowEngine:
             hub_id=self.hub_id,
             finished_at=time.time(),
         )
-        with contextlib.suppress(Exception):
-            await self._store_result(ns, result, headers)
-        if self._metrics is not None:
-            self._metrics.workflow_total.labels(kind, TaskState.FAILED.value).inc()
+        assert self._wf_kv is not None
+        record = WorkflowRecord(state=result.state, owner=self.hub_id, result=result)
+        try:
+            await _durable.create(
+                self._wf_kv,
+                protocol.workflow_key(ns, wf_id),
+                protocol.encode(record),
+                self._io_deadline(),
+                on_retry=self._infra_retry,
+            )
+            await self._publish_done_raw(ns, result, headers)
+        except KeyWrongLastSequenceError:
+            # The id is a workflow's already: its own record and result stand.
+            self.conflict_total += 1
+            return
+        except Exception as e:
+            log.warning("cannot store the rejection of workflow %s: %r", wf_id, e)
+            return
+        self._count_done(kind, result)
 
     async def _keepalive(self, msg: Msg) -> None:
         interval = self._settings.workflow_ack_wait / 3
@@ -385,66 +416,127 @@ class WorkflowEngine:
             with contextlib.suppress(Exception):
                 await msg.in_progress()
 
-    async def _complete(self, wf: _Workflow, result: WorkflowResult, msg: Msg) -> None:
-        try:
-            await self._store_result(wf.ns, result, wf.headers)
-        except Exception as err:
-            log.warning("cannot store result of workflow %s: %r", wf.id, err)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1.0)
-            return
-        with contextlib.suppress(Exception):
-            await msg.ack()
-        self.workflows_done += 1
-        if self._metrics is not None:
-            self._metrics.workflow_total.labels(wf.spec.kind, result.state.value).inc()
-            self._metrics.workflow_duration_seconds.labels(wf.spec.kind).observe(
-                result.duration_ms / 1000
-            )
-
-    async def _store_result(self, ns: str, result: WorkflowResult, headers: dict[str, str]) -> None:
+    async def _store(self, wf: _Workflow, result: WorkflowResult) -> WorkflowResult:
+        """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
+        result that is final — ours, or one another hub stored first."""
         assert self._wf_kv is not None
+        key = protocol.workflow_key(wf.ns, wf.id)
         record = WorkflowRecord(
+            spec_digest=wf.digest,
             state=result.state,
             owner=self.hub_id,
             trace_id=result.trace_id,
             submitted_at=result.submitted_at,
             result=result,
         )
+        try:
+            wf.rev = await _durable.cas(
+                self._wf_kv,
+                key,
+                protocol.encode(record),
+                wf.rev,
+                self._io_deadline(wf.deadline),
+                on_retry=self._infra_retry,
+            )
+        except KeyWrongLastSequenceError as err:
+            kv = self._wf_kv
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            stored = _final_result(got)
+            if stored is None:
+                raise _NotOwnerError(key) from err
+            return stored
+        return result
+
+    async def _publish_done(self, wf: _Workflow, result: WorkflowResult) -> None:
+        await self._publish_done_raw(wf.ns, result, wf.headers, deadline=wf.deadline)
+
+    async def _publish_done_raw(
+        self,
+        ns: str,
+        result: WorkflowResult,
+        headers: dict[str, str],
+        *,
+        deadline: float | None = None,
+    ) -> None:
+        """Announce the stored final result on ``.done``: derived from the record, written
+        after it, deduplicated by JetStream (``Nats-Msg-Id = <workflow_id>.done``)."""
+        out = inject(dict(headers))
+        out[protocol.HDR_MSG_ID] = protocol.done_msg_id(result.workflow_id)
         body = protocol.encode(result)
-        await asyncio.gather(
-            self._wf_kv.put(protocol.workflow_key(ns, result.workflow_id), protocol.encode(record)),
-            self._js.publish(
-                protocol.wf_done(ns, result.workflow_id),
-                body,
-                headers=inject(dict(headers)),
-                stream=protocol.STREAM_WF_EVENTS,
-            ),
+        subject = protocol.wf_done(ns, result.workflow_id)
+        await self._io(
+            f"publish {subject}",
+            lambda: self._js.publish(subject, body, headers=out, stream=protocol.STREAM_WF_EVENTS),
+            deadline,
         )
+
+    def _count_done(self, kind: str, result: WorkflowResult) -> None:
+        self.workflows_done += 1
+        if self._metrics is not None:
+            self._metrics.workflow_total.labels(kind, result.state.value).inc()
+            self._metrics.workflow_duration_seconds.labels(kind).observe(result.duration_ms / 1000)
+
+    # ------------------------------------------------------------------ infrastructure
+
+    def _io_deadline(self, deadline: float | None = None) -> float:
+        """How long an infrastructure error is retried: to ``deadline`` (loop time), and at
+        least ``workflow_ack_wait`` from now (past a deadline the TIMEOUT must be written)."""
+        now = asyncio.get_running_loop().time()
+        floor = now + self._settings.workflow_ack_wait
+        return floor if deadline is None else max(deadline, floor)
+
+    async def _io(self, what: str, op: Callable[[], Awaitable[T]], deadline: float | None) -> T:
+        return await _durable.retrying(
+            what, op, self._io_deadline(deadline), on_retry=self._infra_retry
+        )
+
+    def _infra_retry(self) -> None:
+        self.infra_retry_total += 1
+        if self._metrics is not None:
+            self._metrics.infra_retry_total.inc()
 
     # ------------------------------------------------------------------ running
 
-    async def _run(self, wf: _Workflow) -> WorkflowResult:
+    async def _run(self, wf: _Workflow) -> tuple[WorkflowResult, bool]:
+        """Run the workflow to its result; ``(result, True)`` when it was final already."""
         assert self._wf_kv is not None
+        kv = self._wf_kv
         key = protocol.workflow_key(wf.ns, wf.id)
         start = protocol.encode(
             WorkflowRecord(
-                spec=wf.spec, owner=self.hub_id, trace_id=wf.trace_id, submitted_at=wf.submitted_at
+                spec=wf.spec,
+                spec_digest=wf.digest,
+                owner=self.hub_id,
+                trace_id=wf.trace_id,
+                submitted_at=wf.submitted_at,
             )
         )
         # One write for a new workflow; only an existing record (a takeover, or a re-submit
         # after the dedup window) costs a read.
         try:
-            await self._wf_kv.create(key, start)
+            wf.rev = await _durable.create(
+                kv, key, start, self._io_deadline(wf.deadline), on_retry=self._infra_retry
+            )
         except KeyWrongLastSequenceError:
-            existing = await _get(self._wf_kv, key)
-            rec: WorkflowRecord | None = None
-            if existing is not None:
-                with contextlib.suppress(ValidationError):
-                    rec = WorkflowRecord.model_validate_json(existing[0])
-            if rec is not None and rec.result is not None and rec.state.final:
-                return rec.result  # finished before: never run again
-            await self._wf_kv.put(key, start)  # take the workflow over
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            rec = _record(got)
+            if rec is not None and rec.spec_digest not in (None, wf.digest):
+                raise _ConflictError(key) from None
+            stored = _final_result(got)
+            if stored is not None:
+                return stored, True  # finished before: never run again
+            # Take the workflow over: a CAS, so of two hubs resuming it one wins.
+            try:
+                wf.rev = await _durable.cas(
+                    kv,
+                    key,
+                    start,
+                    got[1] if got is not None else 0,
+                    self._io_deadline(wf.deadline),
+                    on_retry=self._infra_retry,
+                )
+            except KeyWrongLastSequenceError as err:
+                raise _NotOwnerError(key) from err
         t0 = time.time()
         with span(
             SPAN_WORKFLOW,
@@ -468,7 +560,7 @@ class WorkflowEngine:
         result.submitted_at = wf.submitted_at
         result.finished_at = time.time()
         result.duration_ms = round((result.finished_at - min(t0, wf.submitted_at)) * 1000, 3)
-        return result
+        return result, False
 
     async def _fanout(self, wf: _Workflow) -> WorkflowResult:
         spec = wf.spec
@@ -550,7 +642,10 @@ class WorkflowEngine:
 
     def _record_of(self, wf: _Workflow, index: int, task: asyncio.Task[TaskRecord]) -> TaskRecord:
         exc = task.exception()
-        if isinstance(exc, _NotOwnerError):
+        if isinstance(exc, _NotOwnerError | _durable.RetriesExhausted) or (
+            exc is not None and _durable.transient(exc)
+        ):
+            # Not an outcome: the workflow goes back to JetStream and resumes from the records.
             raise exc
         if exc is not None:
             log.error("step %d of workflow %s crashed", index, wf.id, exc_info=exc)
@@ -604,9 +699,10 @@ class WorkflowEngine:
     async def _cancel_step(self, wf: _Workflow, index: int) -> None:
         """Mark a branch the policy no longer needs: agents drop its undelivered attempts."""
         assert self._tasks_kv is not None
+        kv = self._tasks_kv
         step = wf.spec.steps[index]
         key = protocol.task_key(wf.ns, step_task_id(wf.id, index, step))
-        got = await _get(self._tasks_kv, key)
+        got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
         if got is None:
             return
         rec = TaskRecord.model_validate_json(got[0])
@@ -617,14 +713,15 @@ class WorkflowEngine:
         rec.updated_at = time.time()
         wf.records[index] = rec
         with contextlib.suppress(Exception):
-            await self._tasks_kv.update(key, protocol.encode(rec), last=got[1])
-        self._forget(key, rec.attempt)
+            await _durable.cas(kv, key, protocol.encode(rec), got[1], self._io_deadline())
         if rec.agent_id is not None and rec.attempt > 0:
-            # Stop a handler that is already running (best effort: the fence above already
-            # makes its result irrelevant; this frees the agent's slot sooner).
-            body = protocol.dumps({"op": "cancel", "task_id": rec.task_id, "attempt": rec.attempt})
-            with contextlib.suppress(Exception):
-                await self._nc.request(protocol.agent_ctl(rec.agent_id), body, timeout=1.0)
+            self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
+
+    def _cancel_attempt(self, agent_id: str, task_id: str, attempt: int) -> None:
+        """Stop a handler that is already running, in the background (best effort: the task
+        record already fences its result; this frees the agent's slot sooner)."""
+        body = protocol.dumps({"op": "cancel", "task_id": task_id, "attempt": attempt})
+        self._background(self._nc.request(protocol.agent_ctl(agent_id), body, timeout=1.0))
 
     # ------------------------------------------------------------------ one step
 
@@ -642,7 +739,16 @@ class WorkflowEngine:
         )
 
     async def _step(self, wf: _Workflow, index: int, step: StepSpec, payload: Any) -> TaskRecord:
+        """Run one step to its outcome and record it; returns the final (or cancelled) record.
+
+        The task record is the fence. Each attempt is recorded before it is sent; when the
+        step must try again, the next attempt number is recorded at once (with no agent yet),
+        so an earlier attempt still queued somewhere is dropped unrun by its agent. Any attempt
+        that was sent may still deliver its outcome until the step is decided: the first one
+        wins (``StatusTracker.offer``), later ones are counted as stale.
+        """
         assert self._tasks_kv is not None
+        kv = self._tasks_kv
         loop = asyncio.get_running_loop()
         ns = wf.ns
         task_id = step_task_id(wf.id, index, step)
@@ -674,7 +780,13 @@ class WorkflowEngine:
             rec.history = [AttemptRecord(attempt=1, agent_id=view.agent_id)]
         fresh = True
         try:
-            rev = await self._tasks_kv.create(key, protocol.encode(rec))
+            rev = await _durable.create(
+                kv,
+                key,
+                protocol.encode(rec),
+                self._io_deadline(wf.deadline),
+                on_retry=self._infra_retry,
+            )
         except BaseException as err:
             if view is not None:
                 view.outstanding = max(0, view.outstanding - 1)
@@ -682,7 +794,7 @@ class WorkflowEngine:
             if not isinstance(err, KeyWrongLastSequenceError):
                 raise
             fresh = False
-            got = await _get(self._tasks_kv, key)
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
             if got is None:
                 raise _NotOwnerError(key) from err
             rec = TaskRecord.model_validate_json(got[0])
@@ -692,40 +804,42 @@ class WorkflowEngine:
         ttl_left = rec.created_at + pol.ttl - time.time()
         deadline = min(wf.deadline, loop.time() + max(0.0, ttl_left))
         exclude: set[str] = set()
-        track: _Track | None = None
         with span(
             SPAN_STEP,
             kind=SpanKind.INTERNAL,
             attributes={"reach.task_id": task_id, "reach.step": index},
         ) as sp:
+            track = self._tracker.open(rec, key, sp)
+            decided: int | None = None
             try:
                 outcome: tuple[Outcome, TaskStatusEvent | None] | None = None
                 if fresh and view is not None:
-                    track = self._new_track(key, rec, sp, view)
+                    track.view = view
                     outcome = await self._attempt(
                         wf, index, step, rec, capability, payload, track, pol, deadline
                     )
                 elif fresh:
                     outcome = ("nomatch", None)
-                elif rec.attempt > 0 and rec.agent_id is not None:
+                elif rec.agent_id is not None and rec.attempt > 0:
                     # Taken over mid-attempt: adopt it instead of sending it again.
-                    track = self._new_track(key, rec, sp)
-                    last = await self._last_status(ns, task_id)
-                    if last is not None and last.attempt == rec.attempt:
-                        self._apply(track, last)
+                    await self._tracker.catch_up(track)
                     outcome = await self._watch(track, pol, deadline)
+                # else: taken over between recording an attempt and sending it: send it now.
                 while True:
+                    if outcome is None and track.final is not None:
+                        outcome = ("final", track.final)  # an earlier attempt delivered
                     if outcome is None:
                         if loop.time() >= deadline:
-                            return await self._finish(
-                                key, rec, rev, track, None, pol, reason=no_work
+                            rec, decided = await self._finish(
+                                wf, key, rec, rev, track, None, reason=no_work
                             )
+                            return rec
                         view, capability = await self._choose(route, ns, exclude)
                         no_work = self._no_work_reason(route, ns) if view is None else None
                         if view is None:
                             outcome = ("nomatch", None)
                         else:
-                            rec.attempt += 1
+                            rec.attempt = max(rec.attempt, 1)
                             rec.agent_id = view.agent_id
                             rec.state = TaskState.PENDING
                             rec.history = [
@@ -733,14 +847,12 @@ class WorkflowEngine:
                                 AttemptRecord(attempt=rec.attempt, agent_id=view.agent_id),
                             ]
                             rec.updated_at = time.time()
-                            if track is not None:
-                                self._retire(track)
                             try:
-                                rev = await self._cas(key, rec, rev)
+                                rev = await self._cas(key, rec, rev, wf.deadline)
                             except BaseException:
                                 view.outstanding = max(0, view.outstanding - 1)
                                 raise
-                            track = self._new_track(key, rec, sp, view)
+                            self._tracker.dispatch(track, rec.attempt, view)
                             if rec.attempt > 1:
                                 self.retry_total += 1
                                 if self._metrics is not None:
@@ -752,21 +864,23 @@ class WorkflowEngine:
                     kind, event = outcome
                     outcome = None
                     if kind == "final" and event is not None:
-                        if rec.history:
-                            rec.history[-1].state = event.state
-                            rec.history[-1].code = event.error.code if event.error else None
+                        _note(rec, event)
                         if event.state is TaskState.SUCCEEDED or not _retryable(event):
-                            return await self._finish(key, rec, rev, track, event, pol, wf=wf)
+                            rec, decided = await self._finish(wf, key, rec, rev, track, event)
+                            return rec
                         rec.handler_failures += 1
                         if rec.handler_failures > pol.retries:
-                            return await self._finish(key, rec, rev, track, event, pol, wf=wf)
-                        if rec.agent_id is not None and step.agent_id is None:
-                            exclude.add(rec.agent_id)
+                            rec, decided = await self._finish(wf, key, rec, rev, track, event)
+                            return rec
+                        if step.agent_id is None:
+                            exclude.add(event.agent_id)
+                        track.final = None  # a retryable failure: the step goes on
                         delay = _backoff(rec.handler_failures, pol.base, pol.cap)
                     elif kind == "deadline":
-                        return await self._finish(
-                            key, rec, rev, track, None, pol, wf=wf, reason=no_work
+                        rec, decided = await self._finish(
+                            wf, key, rec, rev, track, None, reason=no_work
                         )
+                        return rec
                     else:
                         # Not delivered / agent lost / no agent: safe to send elsewhere.
                         rec.delivery_failures += 1
@@ -779,19 +893,24 @@ class WorkflowEngine:
                         else:
                             delay = pol.pending_interval
                             exclude.clear()  # slow phase: any suitable agent again
-                    if track is not None:
-                        self._retire(track)
-                        track = None
+                    if rec.agent_id is not None:
+                        # Fence first: record the next attempt (no agent yet) before waiting,
+                        # so the attempt we gave up on is dropped unrun if it turns up.
+                        rec.attempt += 1
+                        rec.agent_id = None
+                        rec.state = TaskState.PENDING
+                        rec.updated_at = time.time()
+                        rev = await self._cas(key, rec, rev, wf.deadline)
+                        self._tracker.fence(track, rec.attempt)
                     remaining = deadline - loop.time()
                     if remaining > 0:
                         self._pending_delta(1)
                         try:
-                            await asyncio.sleep(min(delay, remaining))
+                            await track.wait_outcome(min(delay, remaining))
                         finally:
                             self._pending_delta(-1)
             finally:
-                if track is not None:
-                    self._retire(track)
+                self._tracker.close(track, decided)
 
     async def _attempt(
         self,
@@ -801,11 +920,11 @@ class WorkflowEngine:
         rec: TaskRecord,
         capability: str | None,
         payload: Any,
-        track: _Track,
+        track: StepTrack,
         pol: _Policy,
         deadline: float,
     ) -> tuple[Outcome, TaskStatusEvent | None]:
-        """Send the current attempt (its record is written) and watch it to an outcome."""
+        """Send the current attempt (its record is written) and watch the step to an outcome."""
         await self._send(wf, index, step, rec, capability, payload)
         self._event(
             wf,
@@ -894,29 +1013,33 @@ class WorkflowEngine:
             track=True,
         )
         headers = inject({})
+        # The attempt's id: a repeat after an infrastructure error is dropped by JetStream.
         headers[protocol.HDR_MSG_ID] = protocol.attempt_msg_id(rec.task_id, rec.attempt)
-        await self._js.publish(
-            protocol.work_subject(wf.ns, rec.agent_id),
-            protocol.encode(env),
-            headers=headers,
-            stream=protocol.STREAM_WORK,
+        subject = protocol.work_subject(wf.ns, rec.agent_id)
+        body = protocol.encode(env)
+        await self._io(
+            f"publish {subject}",
+            lambda: self._js.publish(subject, body, headers=headers, stream=protocol.STREAM_WORK),
+            wf.deadline,
         )
 
     async def _finish(
         self,
+        wf: _Workflow,
         key: str,
         rec: TaskRecord,
         rev: int,
-        track: _Track | None,
+        track: StepTrack,
         event: TaskStatusEvent | None,
-        pol: _Policy,
         *,
-        wf: _Workflow | None = None,
         reason: str | None = None,
-    ) -> TaskRecord:
+    ) -> tuple[TaskRecord, int]:
+        """Record the step's outcome (``event``, or TIMEOUT when None); returns the record and
+        the attempt that decided it."""
         if event is None:
+            decided = rec.attempt
             rec.state = TaskState.TIMEOUT
-            last = track.machine.state.value if track is not None else TaskState.PENDING.value
+            last = track.machine.state.value if track.agent_id is not None else "PENDING"
             err = MeshTimeoutError(
                 f"step {rec.step} ({rec.task_id}) did not finish in time "
                 f"(last state {last}, attempt {rec.attempt})" + (f"; {reason}" if reason else ""),
@@ -924,10 +1047,12 @@ class WorkflowEngine:
                 attempt=rec.attempt,
             )
             rec.error = ErrorBody(code=err.code, message=err.message, details=err.details)
-            if rec.history:
+            if rec.history and rec.history[-1].attempt == rec.attempt:
                 rec.history[-1].state = TaskState.TIMEOUT
         else:
+            decided = event.attempt
             rec.state = event.state
+            rec.agent_id = event.agent_id
             rec.result = event.result
             rec.error = event.error
             rec.cached = event.cached
@@ -936,86 +1061,48 @@ class WorkflowEngine:
                 self.duplicate_total += 1
                 if self._metrics is not None:
                     self._metrics.duplicate_delivery_total.inc()
-        if track is not None:
-            rec.stale += track.stale
-            self._retire(track, superseded=False)  # the deciding attempt, not a stale one
+            current = track.agent_id
+            if event.attempt != track.attempt and current is not None:
+                # An earlier attempt decided the step: the current one is not needed.
+                self._cancel_attempt(current, rec.task_id, track.attempt)
+        rec.stale += track.stale
         rec.updated_at = time.time()
-        await self._cas(key, rec, rev)
-        self._forget(key, rec.attempt)
-        if wf is not None:
-            self._event(
-                wf,
-                WorkflowEvent(
-                    workflow_id=wf.id,
-                    kind="step",
-                    state=rec.state,
-                    step=rec.step,
-                    task_id=rec.task_id,
-                    attempt=rec.attempt,
-                    agent_id=rec.agent_id,
-                    error=rec.error,
-                ),
-            )
-        return rec
+        await self._cas(key, rec, rev, wf.deadline)
+        self._event(
+            wf,
+            WorkflowEvent(
+                workflow_id=wf.id,
+                kind="step",
+                state=rec.state,
+                step=rec.step,
+                task_id=rec.task_id,
+                attempt=decided,
+                agent_id=rec.agent_id,
+                error=rec.error,
+            ),
+        )
+        return rec, decided
 
-    async def _cas(self, key: str, rec: TaskRecord, rev: int) -> int:
+    async def _cas(self, key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
         assert self._tasks_kv is not None
         try:
-            return int(await self._tasks_kv.update(key, protocol.encode(rec), last=rev))
+            return await _durable.cas(
+                self._tasks_kv,
+                key,
+                protocol.encode(rec),
+                rev,
+                self._io_deadline(deadline),
+                on_retry=self._infra_retry,
+            )
         except KeyWrongLastSequenceError as err:
             raise _NotOwnerError(key) from err
 
     # ------------------------------------------------------------------ watching an attempt
 
-    def _new_track(
-        self, key: str, rec: TaskRecord, sp: Span, view: AgentView | None = None
-    ) -> _Track:
-        assert rec.agent_id is not None
-        loop_now = asyncio.get_running_loop().time()
-
-        def on_transition(old: TaskState, new: TaskState) -> None:
-            if sp.is_recording():
-                sp.add_event(new.value, {"reach.attempt": rec.attempt, "reach.from": old.value})
-
-        track = _Track(
-            key=key,
-            task_id=rec.task_id,
-            namespace=rec.namespace,
-            attempt=rec.attempt,
-            agent_id=rec.agent_id,
-            machine=AckMachine(on_transition=on_transition),
-            dispatched_at=loop_now,
-            last_event=loop_now,
-            view=view,
-        )
-        self._tracks[key] = track
-        return track
-
-    def _retire(self, track: _Track, *, superseded: bool = True) -> None:
-        """Stop tracking an attempt; a superseded one is remembered so its late result is
-        recognised as stale."""
-        if self._tracks.get(track.key) is track:
-            del self._tracks[track.key]
-            if superseded:
-                self._remember(track.key, track.attempt, final=False)
-        if track.view is not None:
-            track.view.outstanding = max(0, track.view.outstanding - 1)
-            track.view = None
-
-    def _forget(self, key: str, attempt: int) -> None:
-        self._remember(key, attempt, final=True)
-
-    def _remember(self, key: str, attempt: int, *, final: bool) -> None:
-        # A superseded attempt is remembered as "current = attempt + 1" so that its late
-        # result is recognised as stale even after the step finished.
-        self._recent[key] = attempt if final else attempt + 1
-        self._recent.move_to_end(key)
-        while len(self._recent) > _RECENT:
-            self._recent.popitem(last=False)
-
     async def _watch(
-        self, track: _Track, pol: _Policy, deadline: float
+        self, track: StepTrack, pol: _Policy, deadline: float
     ) -> tuple[Outcome, TaskStatusEvent | None]:
+        """Wait for the current attempt's outcome (or any earlier attempt's, first wins)."""
         loop = asyncio.get_running_loop()
         while True:
             if track.final is not None:
@@ -1031,157 +1118,53 @@ class WorkflowEngine:
                 wait_until = track.last_event + pol.silence_timeout
             timeout = min(wait_until, deadline) - now
             if timeout <= 0:
-                verdict = await self._probe(track)
+                verdict = await self._tracker.probe(track)
                 if track.final is not None:
                     continue
+                if verdict == "unknown" and track.agent_id is not None:
+                    # No usable answer (a busy agent answers late): its lease decides.
+                    verdict = "alive" if self._tracker.lease_alive(track.agent_id) else "gone"
                 if verdict == "alive":
                     # The agent has it (we missed DELIVERED, or it is queued for a slot).
                     track.machine.catch_up(TaskState.DELIVERED)
                     track.last_event = track.dispatched_at = loop.time()
                     continue
-                if verdict == "lost" or track.machine.state is TaskState.PENDING:
-                    return (
-                        "undelivered" if track.machine.state is TaskState.PENDING else "lost"
-                    ), None
-                track.last_event = loop.time()
-                continue
+                return ("undelivered" if track.machine.state is TaskState.PENDING else "lost"), None
             track.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(track.changed.wait(), timeout)
-
-    async def _probe(self, track: _Track) -> str:
-        """Silence: read the status stream, then ask the agent. ``alive``/``lost``/``done``."""
-        last = await self._last_status(track.namespace, track.task_id)
-        if last is not None and last.attempt == track.attempt:
-            self._apply(track, last)
-            if track.final is not None:
-                return "done"
-        try:
-            msg = await self._nc.request(
-                protocol.agent_ctl(track.agent_id),
-                protocol.dumps({"op": "task_state", "task_id": track.task_id}),
-                timeout=_CTL_TIMEOUT,
-            )
-        except NoRespondersError:
-            return "lost"
-        except (NatsTimeoutError, TimeoutError):
-            # A busy agent may answer late: its lease decides (LOST re-routes at once).
-            view = self._registry.agents.get(track.agent_id)
-            return "alive" if view is not None and view.state is not AgentState.LOST else "lost"
-        try:
-            body = json.loads(msg.data)
-        except ValueError:
-            return "lost"
-        if not isinstance(body, dict) or "error" in body:
-            return "lost"
-        state = body.get("state")
-        attempt = body.get("attempt")
-        if state in (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.TIMEOUT):
-            if attempt == track.attempt:
-                with contextlib.suppress(ValidationError):
-                    event = TaskStatusEvent.model_validate(
-                        {**body, "agent_id": track.agent_id, "task_id": track.task_id}
-                    )
-                    self._apply(track, event)
-                    return "done"
-            return "lost"
-        running = (TaskState.DELIVERED, TaskState.ACCEPTED, TaskState.RUNNING)
-        if state in running and (attempt is None or attempt >= track.attempt):
-            return "alive"
-        return "lost"
-
-    async def _last_status(self, ns: str, task_id: str) -> TaskStatusEvent | None:
-        try:
-            raw = await self._js.get_last_msg(
-                protocol.STREAM_STATUS, protocol.task_status(ns, task_id)
-            )
-        except NotFoundError:
-            return None
-        except Exception:
-            log.debug("cannot read the last status of %s", task_id, exc_info=True)
-            return None
-        if not raw.data:
-            return None
-        try:
-            return TaskStatusEvent.model_validate_json(raw.data)
-        except ValidationError:
-            return None
-
-    def _apply(self, track: _Track, event: TaskStatusEvent) -> None:
-        if track.final is not None:
-            return
-        if not track.machine.catch_up(event.state):
-            return  # a repeat or an out-of-order older state
-        track.last_event = asyncio.get_running_loop().time()
-        if event.state.final:
-            track.final = event
-        track.changed.set()
 
     # ------------------------------------------------------------------ subscriptions
 
     async def _on_status(self, msg: Msg) -> None:
         # On the subscription's reader: no awaits, no I/O — dictionary lookups and a parse.
-        parts = msg.subject.split(".")
-        if len(parts) != 5:
-            return
-        key = protocol.task_key(parts[2], parts[3])
-        track = self._tracks.get(key)
-        if track is None:
-            current = self._recent.get(key)
-            if current is None:
-                return  # not ours (another hub's workflow, or a request-reply task)
-            event = _parse_status(msg.data)
-            if event is not None and event.state.final and event.attempt != current:
-                self._stale(key, event)
-            return
-        event = _parse_status(msg.data)
-        if event is None:
-            return
-        if self.status_filter is not None and not self.status_filter(event):
-            return
-        if event.attempt != track.attempt or event.agent_id != track.agent_id:
-            if event.state.final:
-                track.stale += 1
-                self._stale(key, event)
-            return
-        self._apply(track, event)
-
-    def _stale(self, key: str, event: TaskStatusEvent) -> None:
-        self.stale_total += 1
-        log.warning(
-            "stale %s from %s for %s attempt %d rejected (fenced)",
-            event.state.value,
-            event.agent_id,
-            event.task_id,
-            event.attempt,
-        )
+        self._tracker.on_status(msg)
 
     def _on_agent_state(self, view: AgentView, old: AgentState, new: AgentState) -> None:
         if new is AgentState.LOST or view.record.card.durable_work:
             self._no_work.discard(view.agent_id)
         else:
             self._no_work.add(view.agent_id)
-        if new is not AgentState.LOST:
-            return
-        for track in self._tracks.values():
-            if track.agent_id == view.agent_id and track.final is None:
-                track.lost = True
-                track.changed.set()
+        if new is AgentState.LOST:
+            self._tracker.mark_lost(view.agent_id)
 
     # ------------------------------------------------------------------ events
 
     def _event(self, wf: _Workflow, event: WorkflowEvent) -> None:
-        task = asyncio.ensure_future(
+        self._background(
             self._nc.publish(
                 protocol.wf_event(wf.ns, wf.id),
                 protocol.encode(event),
                 headers=inject(dict(wf.headers)),
             )
         )
+
+    def _background(self, aw: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(aw)
         self._bg.add(task)
         task.add_done_callback(self._bg_done)
 
-    def _bg_done(self, task: asyncio.Task[Any]) -> None:
+    def _bg_done(self, task: asyncio.Future[Any]) -> None:
         self._bg.discard(task)
         if not task.cancelled():
             task.exception()
@@ -1195,21 +1178,30 @@ class WorkflowEngine:
 # --------------------------------------------------------------------------- helpers
 
 
-async def _get(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
-    try:
-        entry = await kv.get(key)
-    except KeyNotFoundError:
+def _record(got: tuple[bytes, int] | None) -> WorkflowRecord | None:
+    if got is None:
         return None
-    if not entry.value:
-        return None
-    return entry.value, int(entry.revision or 0)
-
-
-def _parse_status(data: bytes) -> TaskStatusEvent | None:
     try:
-        return TaskStatusEvent.model_validate_json(data)
+        return WorkflowRecord.model_validate_json(got[0])
     except ValidationError:
         return None
+
+
+def _final_result(got: tuple[bytes, int] | None) -> WorkflowResult | None:
+    """The stored final result of a workflow record, if it has one."""
+    rec = _record(got)
+    if rec is not None and rec.result is not None and rec.state.final:
+        return rec.result
+    return None
+
+
+def _note(rec: TaskRecord, event: TaskStatusEvent) -> None:
+    """Write an attempt's final state into the record's history."""
+    for h in reversed(rec.history):
+        if h.attempt == event.attempt:
+            h.state = event.state
+            h.code = event.error.code if event.error else None
+            return
 
 
 def _retryable(event: TaskStatusEvent) -> bool:

@@ -205,6 +205,18 @@ class HubMetrics:
             "Task attempts after the first (retries and re-queues).",
             registry=r,
         )
+        self.infra_retry_total = Counter(
+            "reach_infra_retry",
+            "JetStream operations of the workflow engine repeated after an infrastructure "
+            "error (no leader, timeout, reconnect); never a step outcome.",
+            registry=r,
+        )
+        self.stale_result_total = Counter(
+            "reach_stale_result",
+            "Final step statuses not applied: from an attempt or agent the step did not send "
+            "to, or after the step was decided (a duplicate run).",
+            registry=r,
+        )
         self.late_reply_total = Counter(
             "reach_late_reply",
             "Agent replies to a proxy attempt that had already timed out (answer dropped).",

@@ -1,0 +1,345 @@
+"""Which attempt of which step is where: the workflow engine's view of status events.
+
+One :class:`StepTrack` per step this hub runs, from its first dispatch to its outcome. It knows
+every attempt that was sent (attempt number → agent) because any of them may still deliver: the
+first outcome of any attempt decides the step (docs/workflows.md, "First outcome wins"). Status
+events are accepted only from the agent recorded for their attempt; anything else final is
+counted as stale and never applied.
+
+After a step is decided it is remembered (bounded) with its deciding attempt, so a later final
+status of the same step — a duplicate run somebody could not prevent — is recognised, counted
+and logged, never applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from opentelemetry.trace import Span
+from pydantic import ValidationError
+
+from reach_mesh import protocol
+from reach_mesh.hub.acks import AckMachine
+from reach_mesh.hub.registry import AgentView, Registry
+from reach_mesh.models import AgentState, TaskState
+from reach_mesh.workflow import TaskRecord, TaskStatusEvent
+
+__all__ = ["StatusTracker", "StepTrack", "Verdict", "decisive", "parse_task_state"]
+
+log = logging.getLogger("reach_mesh.hub.workflows")
+
+_RECENT: Final = 50_000
+_CTL_TIMEOUT: Final = 1.0
+
+#: What asking an agent about the current attempt told us.
+#: ``done``: its outcome is now known; ``alive``: the agent has it (or an older attempt of the
+#: step) in hand; ``gone``: the agent does not have it or is not there; ``unknown``: no usable
+#: answer (the agent's lease decides).
+Verdict = Literal["done", "alive", "gone", "unknown"]
+
+
+@dataclass(slots=True, eq=False)
+class StepTrack:
+    """One step while it runs on this hub, fed by the status subscription."""
+
+    key: str
+    task_id: str
+    namespace: str
+    #: The current attempt; ``agent_id`` is None while it is recorded but not yet sent.
+    attempt: int
+    agent_id: str | None
+    machine: AckMachine
+    on_transition: Callable[[TaskState, TaskState], None]
+    #: Every attempt ever sent for this step -> its agent (any of them may still deliver).
+    sent: dict[int, str] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    final: TaskStatusEvent | None = None
+    dispatched_at: float = 0.0
+    last_event: float = 0.0
+    lost: bool = False
+    stale: int = 0
+    view: AgentView | None = None
+
+    def release_view(self) -> None:
+        """Give back the load this hub counted on the current attempt's agent."""
+        if self.view is not None:
+            self.view.outstanding = max(0, self.view.outstanding - 1)
+            self.view = None
+
+    async def wait_outcome(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds, less if an outcome arrives."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self.final is None:
+            left = end - loop.time()
+            if left <= 0:
+                return
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), left)
+            except TimeoutError:
+                return
+
+
+def decisive(event: TaskStatusEvent) -> bool:
+    """A final event that ends its step whatever attempt sent it: a success, or a failure the
+    handler marked as not worth retrying."""
+    if event.state is TaskState.SUCCEEDED:
+        return True
+    if event.state is TaskState.FAILED and event.error is not None:
+        return event.error.details.get("retryable", True) is False
+    return False
+
+
+def parse_task_state(data: bytes) -> tuple[TaskState, int | None, dict[str, Any]] | None:
+    """An agent's answer to ``{"op": "task_state"}`` (docs/protocol.md): ``(state, attempt,
+    body)``; None when it is not such an answer (an error body, or not JSON).
+
+    The answer is a ``TaskReply`` when the agent finished the task and ``{"task_id",
+    "attempt", "state"}`` otherwise; ``error`` belongs to the TaskReply and may be absent,
+    null or an ``ErrorBody`` — it never makes the answer an error. An error *answer* (the ctl
+    request itself failed) has no ``state``.
+    """
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(body, dict):
+        return None
+    try:
+        state = TaskState(str(body.get("state")))
+    except ValueError:
+        return None
+    attempt = body.get("attempt")
+    if isinstance(attempt, bool) or not isinstance(attempt, int):
+        attempt = None
+    return state, attempt, body
+
+
+class StatusTracker:
+    """The steps running on this hub and the recently decided ones; owns the status
+    subscription's callback. Everything here runs on the event loop without locks."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, registry: Registry) -> None:
+        self._nc = nc
+        self._js = js
+        self._registry = registry
+        self._tracks: dict[str, StepTrack] = {}
+        #: Decided steps -> their deciding attempt, for duplicate detection.
+        self._decided: OrderedDict[str, int] = OrderedDict()
+        #: Final statuses that could not be applied: from an agent or attempt the step never
+        #: sent to, or arriving after the step was decided (a duplicate run).
+        self.stale_total = 0
+        #: Test seam (fault injection): return False to drop a status event as if lost.
+        self.status_filter: Callable[[TaskStatusEvent], bool] | None = None
+
+    # ------------------------------------------------------------------ tracks
+
+    def open(self, rec: TaskRecord, key: str, sp: Span) -> StepTrack:
+        """Start tracking a step from its record (a fresh one, or one taken over)."""
+
+        def on_transition(old: TaskState, new: TaskState) -> None:
+            if sp.is_recording():
+                sp.add_event(new.value, {"reach.attempt": track.attempt, "reach.from": old.value})
+
+        now = asyncio.get_running_loop().time()
+        track = StepTrack(
+            key=key,
+            task_id=rec.task_id,
+            namespace=rec.namespace,
+            attempt=rec.attempt,
+            agent_id=rec.agent_id,
+            machine=AckMachine(on_transition=on_transition),
+            on_transition=on_transition,
+            sent={h.attempt: h.agent_id for h in rec.history if h.agent_id is not None},
+            dispatched_at=now,
+            last_event=now,
+        )
+        if rec.agent_id is not None and rec.attempt > 0:
+            track.sent[rec.attempt] = rec.agent_id
+        self._tracks[key] = track
+        return track
+
+    def dispatch(self, track: StepTrack, attempt: int, view: AgentView) -> None:
+        """``attempt`` (already recorded) goes to ``view``'s agent now."""
+        now = asyncio.get_running_loop().time()
+        track.release_view()
+        track.attempt = attempt
+        track.agent_id = view.agent_id
+        track.sent[attempt] = view.agent_id
+        track.machine = AckMachine(on_transition=track.on_transition)
+        track.dispatched_at = track.last_event = now
+        track.lost = False
+        track.view = view
+
+    def fence(self, track: StepTrack, attempt: int) -> None:
+        """``attempt`` is recorded with no agent yet: earlier attempts can no longer start."""
+        track.release_view()
+        track.attempt = attempt
+        track.agent_id = None
+        track.lost = False
+
+    def close(self, track: StepTrack, decided_by: int | None) -> None:
+        """Stop tracking; ``decided_by`` is the attempt whose outcome (or deadline) decided the
+        step, None when the step stops undecided (cancelled, hub stopping)."""
+        track.release_view()
+        if self._tracks.get(track.key) is track:
+            del self._tracks[track.key]
+        if decided_by is not None:
+            self._decided[track.key] = decided_by
+            self._decided.move_to_end(track.key)
+            while len(self._decided) > _RECENT:
+                self._decided.popitem(last=False)
+
+    def mark_lost(self, agent_id: str) -> None:
+        """The registry declared ``agent_id`` LOST: its current attempts will not deliver."""
+        for track in self._tracks.values():
+            if track.agent_id == agent_id and track.final is None:
+                track.lost = True
+                track.changed.set()
+
+    # ------------------------------------------------------------------ status events
+
+    def on_status(self, msg: Msg) -> None:
+        """The status subscription's callback: a parse and dictionary lookups, no I/O."""
+        parts = msg.subject.split(".")
+        if len(parts) != 5:
+            return
+        key = protocol.task_key(parts[2], parts[3])
+        track = self._tracks.get(key)
+        if track is None:
+            decided = self._decided.get(key)
+            if decided is None:
+                return  # not ours (another hub's workflow, or a request-reply task)
+            event = _parse_status(msg.data)
+            if event is not None and event.state.final and event.attempt != decided:
+                self._stale(event, "after its step was decided")
+            return
+        event = _parse_status(msg.data)
+        if event is None or event.task_id != track.task_id:
+            return
+        if self.status_filter is not None and not self.status_filter(event):
+            return
+        self.offer(track, event)
+
+    def offer(self, track: StepTrack, event: TaskStatusEvent) -> None:
+        """Apply ``event`` if it comes from an attempt the step sent, from that attempt's agent.
+
+        The current attempt's events drive its ACK machine; an earlier attempt's final event
+        decides the step if it is :func:`decisive` (first outcome wins)."""
+        agent = track.sent.get(event.attempt)
+        if agent is None or agent != event.agent_id:
+            if event.state.final:
+                track.stale += 1
+                self._stale(event, "from an attempt this step did not send to that agent")
+            return
+        if track.final is not None:
+            return
+        if event.attempt == track.attempt:
+            if not track.machine.catch_up(event.state):
+                return  # a repeat or an out-of-order older state
+            track.last_event = asyncio.get_running_loop().time()
+            if event.state.final:
+                track.final = event
+            track.changed.set()
+        elif event.state.final and decisive(event):
+            track.final = event
+            track.changed.set()
+
+    def _stale(self, event: TaskStatusEvent, why: str) -> None:
+        self.stale_total += 1
+        log.warning(
+            "%s from %s for %s attempt %d not applied: %s",
+            event.state.value,
+            event.agent_id,
+            event.task_id,
+            event.attempt,
+            why,
+        )
+
+    # ------------------------------------------------------------------ asking
+
+    async def last_status(self, ns: str, task_id: str) -> TaskStatusEvent | None:
+        """The newest status event of a task in ``REACH_STATUS`` (any attempt)."""
+        try:
+            raw = await self._js.get_last_msg(
+                protocol.STREAM_STATUS, protocol.task_status(ns, task_id)
+            )
+        except NotFoundError:
+            return None
+        except Exception:
+            log.debug("cannot read the last status of %s", task_id, exc_info=True)
+            return None
+        return _parse_status(raw.data) if raw.data else None
+
+    async def catch_up(self, track: StepTrack) -> None:
+        """Apply the newest stored status of the step (a status we may have missed)."""
+        last = await self.last_status(track.namespace, track.task_id)
+        if last is not None:
+            self.offer(track, last)
+
+    async def probe(self, track: StepTrack) -> Verdict:
+        """Silence on the current attempt: read the status stream, then ask its agent."""
+        await self.catch_up(track)
+        if track.final is not None:
+            return "done"
+        agent_id = track.agent_id
+        if agent_id is None:
+            return "gone"
+        try:
+            msg = await self._nc.request(
+                protocol.agent_ctl(agent_id),
+                protocol.dumps({"op": "task_state", "task_id": track.task_id}),
+                timeout=_CTL_TIMEOUT,
+            )
+        except NoRespondersError:
+            return "gone"
+        except (NatsTimeoutError, TimeoutError):
+            return "unknown"
+        except Exception:
+            log.debug("task_state of %s failed", track.task_id, exc_info=True)
+            return "unknown"
+        answer = parse_task_state(msg.data)
+        if answer is None:
+            return "unknown"
+        state, attempt, body = answer
+        if state.final:
+            if attempt is not None and track.sent.get(attempt) == agent_id:
+                try:
+                    event = TaskStatusEvent.model_validate(
+                        {**body, "agent_id": agent_id, "task_id": track.task_id}
+                    )
+                except ValidationError:
+                    return "unknown"
+                self.offer(track, event)
+                if track.final is not None:
+                    return "done"
+            # An older attempt's retryable failure: the agent does not have this one.
+            return "gone"
+        if state in (TaskState.DELIVERED, TaskState.ACCEPTED, TaskState.RUNNING):
+            # This attempt or an earlier one of the same step: either may deliver.
+            return "alive"
+        return "gone"  # PENDING: the agent never saw it
+
+    def lease_alive(self, agent_id: str) -> bool:
+        view = self._registry.agents.get(agent_id)
+        return view is not None and view.state is not AgentState.LOST
+
+
+def _parse_status(data: bytes) -> TaskStatusEvent | None:
+    try:
+        return TaskStatusEvent.model_validate_json(data)
+    except ValidationError:
+        return None
