@@ -28,6 +28,7 @@ from typing_extensions import TypedDict  # pydantic validates only this one on 3
 from reach_mesh import protocol
 from reach_mesh._batch import Batcher
 from reach_mesh._nats import connect
+from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
@@ -40,6 +41,7 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
     UnknownAgentError,
+    WorkflowConflictError,
     WorkflowSpecError,
     error_from_wire,
 )
@@ -60,6 +62,7 @@ from reach_mesh.workflow import (
     WorkflowResult,
     WorkflowSpec,
     new_workflow_id,
+    spec_digest,
     validate_spec,
 )
 
@@ -67,6 +70,11 @@ __all__ = ["Client", "TaskResult"]
 
 #: Extra time the caller waits beyond the task timeout for the hub's own reply.
 _REPLY_SLACK = 2.0
+#: How long a workflow submission rides out JetStream being unavailable (a leader election
+#: takes 4-9 s) before it raises ``MeshUnavailableError``; a repeat is deduplicated.
+_SUBMIT_RETRY: Final = 15.0
+#: How long a duplicate submission waits for the first one's record, to compare the specs.
+_CONFLICT_WAIT: Final = 2.0
 #: After reporting an agent failing, also report its successes for this long (direct mode), so
 #: that the hubs' breakers see the half-open probe succeed.
 _REPORT_SUCCESS_FOR = 60.0
@@ -212,6 +220,7 @@ class Client:
         self._routes: collections.OrderedDict[_CacheKey, _Route] = collections.OrderedDict()
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
+        self._wf_kv: Any = None
 
     @property
     def nc(self) -> NATS:
@@ -772,39 +781,95 @@ class Client:
                 await sub.unsubscribe()
 
     async def _submit(self, spec: WorkflowSpec, headers: dict[str, str]) -> bool:
-        """Publish to ``reach.wf.<ns>.submit``; True when JetStream saw the id before."""
+        """Publish to ``reach.wf.<ns>.submit``; True when JetStream saw the id before.
+
+        Infrastructure errors (no stream leader during an election, a reconnect) are retried
+        for up to ``_SUBMIT_RETRY`` seconds: the ``Nats-Msg-Id`` makes a repeat a no-op. The same
+        id with another spec raises ``WorkflowConflictError``."""
         body = protocol.encode(spec)
         headers[protocol.HDR_MSG_ID] = spec.workflow_id
+        js = self.nc.jetstream()
+        subject = protocol.wf_submit(spec.namespace)
+
+        async def publish() -> Any:
+            try:
+                return await js.publish(subject, body, headers=headers, stream=protocol.STREAM_WF)
+            except nats.js.errors.NoStreamResponseError:
+                # No stream answered: none exists (no hub ever ran), or it has no leader now.
+                if not await _stream_may_exist(js, protocol.STREAM_WF):
+                    raise MeshUnavailableError(
+                        "no workflow stream: is a hub (`reach-mesh hub`) running?"
+                    ) from None
+                raise
+
+        budget = _SUBMIT_RETRY if spec.timeout is None else min(_SUBMIT_RETRY, spec.timeout)
         try:
-            ack = await self.nc.jetstream().publish(
-                protocol.wf_submit(spec.namespace),
-                body,
-                headers=headers,
-                stream=protocol.STREAM_WF,
+            ack = await retrying(
+                f"submit {spec.workflow_id}", publish, asyncio.get_running_loop().time() + budget
             )
-        except nats.js.errors.NoStreamResponseError as err:
+        except RetriesExhausted as err:
             raise MeshUnavailableError(
-                "no workflow stream: is a hub (`reach-mesh hub`) running?"
+                f"JetStream did not take workflow {spec.workflow_id} within {budget:g}s "
+                f"({err.__cause__!r}): the cluster may be electing a leader or unreachable; "
+                "submitting the same workflow id again is safe",
+                workflow_id=spec.workflow_id,
             ) from err
         except MaxPayloadError as err:
             raise PayloadTooLargeError(f"workflow exceeds the max payload: {err}") from err
+        await self._check_conflict(spec, duplicate=bool(ack.duplicate))
         return bool(ack.duplicate)
 
-    async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
+    async def _check_conflict(self, spec: WorkflowSpec, *, duplicate: bool) -> None:
+        """Refuse a workflow id that a submission with another spec took first."""
+        record = await self._workflow_record(spec.workflow_id)
+        if record is None and duplicate:
+            # Deduplicated by JetStream, not yet taken by a hub: wait a moment for its record.
+            deadline = time.monotonic() + _CONFLICT_WAIT
+            while record is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                record = await self._workflow_record(spec.workflow_id)
+        if record is None or record.spec_digest is None:
+            return
+        if record.spec_digest != spec_digest(spec):
+            raise WorkflowConflictError(
+                f"workflow id {spec.workflow_id!r} was submitted before with another spec; "
+                "the first spec stands (submit the same spec again, or use a new id)",
+                workflow_id=spec.workflow_id,
+            )
+
+    async def _workflow_record(self, workflow_id: str) -> WorkflowRecord | None:
+        """The stored record of a workflow of this namespace; None when there is none (or it
+        cannot be read right now)."""
         try:
-            kv = await self.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
-            entry = await kv.get(protocol.workflow_key(self.namespace, workflow_id))
+            if self._wf_kv is None:
+                self._wf_kv = await self.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+            entry = await self._wf_kv.get(protocol.workflow_key(self.namespace, workflow_id))
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+            return None
+        except (nats.errors.Error, TimeoutError):
             return None
         if not entry.value:
             return None
-        record = WorkflowRecord.model_validate_json(entry.value)
-        return record.result if record.state.final else None
+        try:
+            return WorkflowRecord.model_validate_json(entry.value)
+        except ValidationError:
+            return None
+
+    async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
+        record = await self._workflow_record(workflow_id)
+        if record is None or not record.state.final:
+            return None
+        return record.result
 
     async def _await_done(self, sub: Any, workflow_id: str, timeout: float) -> WorkflowResult:
         try:
             msg = await sub.next_msg(timeout=timeout)
         except (NatsTimeoutError, TimeoutError) as err:
+            # The record is the source of truth: the result may be stored while its .done
+            # announcement is still on the way (a hub died between the two).
+            found = await self._stored_result(workflow_id)
+            if found is not None:
+                return found
             raise MeshTimeoutError(
                 f"no result for workflow {workflow_id} within {timeout:g}s "
                 "(it keeps running; `await mesh.workflow(id)` later)",
@@ -1034,3 +1099,14 @@ def _parse(adapter: TypeAdapter[_T], data: bytes, what: str) -> _T:
         raise BadRequestError(
             f"malformed {what}: {where}: {first['msg']}", field=where, type=first["type"]
         ) from err
+
+
+async def _stream_may_exist(js: Any, stream: str) -> bool:
+    """False only when JetStream says ``stream`` does not exist."""
+    try:
+        await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        return False
+    except Exception:
+        return True  # cannot tell now (no leader, timeout): treat as there
+    return True

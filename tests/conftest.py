@@ -11,6 +11,8 @@ from reach_mesh import MeshSettings
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
+from .helpers import Fleet
+
 _ns_counter = itertools.count(1)
 
 
@@ -73,3 +75,10 @@ def wf_settings(settings: MeshSettings) -> MeshSettings:
 async def wf_hub(wf_settings: MeshSettings) -> AsyncIterator[Hub]:
     async with Hub(settings=wf_settings) as h:
         yield h
+
+
+@pytest.fixture
+async def fleet(wf_settings: MeshSettings) -> AsyncIterator[Fleet]:
+    f = Fleet(wf_settings)
+    yield f
+    await f.close()

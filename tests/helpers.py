@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
+
+from reach_mesh import MeshSettings
+from reach_mesh.agent import Agent, Task
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (for a server that must keep its port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 async def eventually(
@@ -38,3 +52,33 @@ async def fetch(
             return err.code, err.read()
 
     return await asyncio.to_thread(call)
+
+
+class Fleet:
+    """Agents started for one test, closed at its end."""
+
+    def __init__(self, settings: MeshSettings) -> None:
+        self.settings = settings
+        self.agents: list[Agent] = []
+        self.runs: Counter[str] = Counter()  # task_id -> handler runs
+
+    def agent(self, name: str, **kw: Any) -> Agent:
+        agent = Agent(f"{self.settings.namespace}.{name}", settings=self.settings, **kw)
+        self.agents.append(agent)
+        return agent
+
+    async def close(self) -> None:
+        for agent in self.agents:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(agent.close(), timeout=5)
+
+
+def echo_agent(fleet: Fleet, name: str, cap: str = "wf:echo:v1", **kw: Any) -> Agent:
+    agent = fleet.agent(name, **kw)
+
+    @agent.handler(cap)
+    async def echo(task: Task[Any]) -> Any:
+        fleet.runs[task.task_id] += 1
+        return {"by": task.agent_id, "in": task.payload}
+
+    return agent

@@ -4,7 +4,6 @@ different nodes; a node is SIGKILLed and the mesh keeps routing and registering.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,24 +17,18 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .helpers import eventually, free_port
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedNats]]:
     base: Path = tmp_path_factory.mktemp("cluster")
-    cports = [_free_port() for _ in range(3)]
+    cports = [free_port() for _ in range(3)]
     routes = [f"nats://127.0.0.1:{p}" for p in cports]
     nodes = [
         EmbeddedNats(
             base / f"n{i}",
-            port=_free_port(),
+            port=free_port(),
             server_name=f"n{i}",
             cluster_name="mesh",
             cluster_port=cports[i],

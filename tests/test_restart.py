@@ -3,7 +3,6 @@ registry is intact, new registrations are seen, and durable workflows run again 
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +12,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .helpers import eventually, free_port
 
 
 def _agent(agent_id: str, cap: str, settings: MeshSettings) -> Agent:
@@ -33,7 +26,7 @@ def _agent(agent_id: str, cap: str, settings: MeshSettings) -> Agent:
 
 
 async def test_server_restart(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     server = EmbeddedNats(tmp_path, port=port)
     await server.astart()
     s = MeshSettings(

@@ -6,10 +6,8 @@ Every interval is shrunk (ack waits ~1 s, backoff tens of ms) so failures play o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -31,46 +29,9 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope
 from reach_mesh.workflow import TaskStatusEvent, merge_payload
 
-from .helpers import eventually
+from .helpers import Fleet, echo_agent, eventually
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Fleet:
-    """Agents started for one test, closed at its end."""
-
-    def __init__(self, settings: MeshSettings) -> None:
-        self.settings = settings
-        self.agents: list[Agent] = []
-        self.runs: Counter[str] = Counter()  # task_id -> handler runs
-
-    def agent(self, name: str, **kw: Any) -> Agent:
-        agent = Agent(f"{self.settings.namespace}.{name}", settings=self.settings, **kw)
-        self.agents.append(agent)
-        return agent
-
-    async def close(self) -> None:
-        for agent in self.agents:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(agent.close(), timeout=5)
-
-
-@pytest.fixture
-async def fleet(wf_settings: MeshSettings) -> AsyncIterator[Fleet]:
-    f = Fleet(wf_settings)
-    yield f
-    await f.close()
-
-
-def echo_agent(fleet: Fleet, name: str, cap: str = "wf:echo:v1", **kw: Any) -> Agent:
-    agent = fleet.agent(name, **kw)
-
-    @agent.handler(cap)
-    async def echo(task: Task[Any]) -> Any:
-        fleet.runs[task.task_id] += 1
-        return {"by": task.agent_id, "in": task.payload}
-
-    return agent
 
 
 async def status_events(client: Client, ns: str, task_id: str) -> list[TaskStatusEvent]:

@@ -240,6 +240,14 @@ class WorkConsumer:
         self._checking.add(env.task_id)
         try:
             record = await self._record(env)
+        except Exception as exc:
+            # The fence cannot be read (JetStream electing a leader, a reconnect): never run
+            # unfenced — the step may be decided already. JetStream redelivers it shortly.
+            log.info("task record of %s unreadable (%r): retrying it later", env.task_id, exc)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=0.5)
+            self._release()
+            return
         finally:
             self._checking.discard(env.task_id)
         if record is not None and _superseded(record, env, agent.agent_id):
@@ -330,15 +338,13 @@ class WorkConsumer:
         return False  # a retry of a failed attempt: run again
 
     async def _record(self, env: TaskEnvelope) -> TaskRecord | None:
-        """The hub's task record (the fence), or None for work sent without one."""
+        """The hub's task record (the fence), or None for work sent without one. Raises when
+        the record cannot be read now."""
         if self._tasks_kv is None or env.workflow_id is None:
             return None
         try:
             entry = await self._tasks_kv.get(protocol.task_key(env.namespace, env.task_id))
         except KeyNotFoundError:
-            return None
-        except Exception:
-            log.warning("cannot read the task record of %s", env.task_id, exc_info=True)
             return None
         if not entry.value:
             return None

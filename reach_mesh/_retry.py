@@ -1,0 +1,84 @@
+"""Retrying operations on NATS/JetStream through infrastructure errors.
+
+A NATS node dying, a raft election, a reconnect — for a few seconds JetStream answers
+``NoStreamResponseError``, 503 or nothing at all. :func:`transient` tells such errors from
+answers (a wrong revision, a missing key, a refused request), and :func:`retrying` repeats an
+operation through them with backoff until a deadline. Only repeat operations whose repeat is
+harmless (a publish with a ``Nats-Msg-Id``, a read, a compare-and-set that is read back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Final, TypeVar
+
+import nats.errors
+import nats.js.errors
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+__all__ = ["RetriesExhausted", "retrying", "transient"]
+
+log = logging.getLogger("reach_mesh.retry")
+
+T = TypeVar("T")
+
+_FIRST_DELAY: Final = 0.05
+_MAX_DELAY: Final = 2.0
+#: JetStream API error codes that mean "the cluster cannot answer right now".
+_UNAVAILABLE_CODES: Final = frozenset({408, 500, 503})
+
+_TRANSIENT: Final = (
+    nats.errors.TimeoutError,  # also FlushTimeoutError, nats.js FetchTimeoutError
+    asyncio.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.ServerError,
+    ConnectionError,
+)
+
+
+class RetriesExhausted(Exception):
+    """An infrastructure error outlived the deadline of the operation; ``__cause__`` is it."""
+
+
+def transient(err: BaseException) -> bool:
+    """True for errors of the infrastructure (retry), False for answers (act on them)."""
+    if isinstance(err, KeyWrongLastSequenceError | KeyNotFoundError):
+        return False
+    if isinstance(err, _TRANSIENT):
+        return True
+    return isinstance(err, nats.js.errors.APIError) and err.code in _UNAVAILABLE_CODES
+
+
+async def retrying(
+    what: str,
+    op: Callable[[], Awaitable[T]],
+    deadline: float,
+    *,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
+    """``await op()``, again after each transient error (backoff 50 ms doubling to 2 s) until
+    ``deadline`` (event-loop time); then :class:`RetriesExhausted`. Other errors propagate."""
+    loop = asyncio.get_running_loop()
+    delay = _FIRST_DELAY
+    while True:
+        try:
+            return await op()
+        except Exception as err:
+            if not transient(err):
+                raise
+            left = deadline - loop.time()
+            if left <= 0:
+                raise RetriesExhausted(f"{what}: {err!r}") from err
+            log.info("%s: %r; retrying", what, err)
+            if on_retry is not None:
+                on_retry()
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, _MAX_DELAY)

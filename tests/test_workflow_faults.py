@@ -1,0 +1,336 @@
+"""Workflows keep their promise under faults (regressions of issue 10), on real nats-servers.
+
+- NATS unavailable while steps run: retried, never a step's FAILED; each handler runs once.
+- The ``.done`` announcement follows the stored record and says the same thing.
+- An attempt given up on (not delivered in time) is fenced before the backoff: when it turns up
+  later its agent drops it unrun, so the step runs once.
+- The task-state probe reads the documented answer: ``"error": null`` is no error, and a
+  FAILED read from the agent is an outcome, not a lost attempt.
+- A workflow id submitted again with another spec is a conflict; with the same spec a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.aio.msg import Msg
+from opentelemetry.trace import INVALID_SPAN
+
+from reach_mesh import (
+    Client,
+    MeshSettings,
+    RetryPolicy,
+    Step,
+    TaskState,
+    WorkflowConflictError,
+    protocol,
+)
+from reach_mesh.agent import Task, TaskFailed
+from reach_mesh.hub import Hub
+from reach_mesh.hub._tracking import StatusTracker, parse_task_state
+from reach_mesh.server import EmbeddedNats
+from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowResult
+
+from .helpers import Fleet, echo_agent, eventually, free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def _task_record(mesh: Client, ns: str, task_id: str) -> TaskRecord | None:
+    kv = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+    try:
+        entry = await kv.get(protocol.task_key(ns, task_id))
+    except Exception:
+        return None
+    return TaskRecord.model_validate_json(entry.value) if entry.value else None
+
+
+# --------------------------------------------------------------------------- NATS outage
+
+
+async def test_nats_outage_is_never_a_step_outcome(tmp_path: Path) -> None:
+    """The server dies while workflows are submitted and steps run, and comes back 6 s later
+    (same port, same store): every workflow succeeds, no step is FAILED for it, and no handler
+    ran twice."""
+    port = free_port()
+    server = EmbeddedNats(tmp_path, port=port)
+    await server.astart()
+    s = MeshSettings(
+        nats_url=server.url,
+        namespace="outage",
+        heartbeat_interval=0.5,
+        lease_timeout=6.0,
+        suspect_timeout=6.0,
+        audit_enabled=False,
+        workflow_ack_wait=5.0,
+        work_ack_wait=3.0,
+        step_deliver_timeout=4.0,
+        step_silence_timeout=6.0,
+        step_running_interval=0.5,
+        retry_base=0.05,
+        retry_cap=0.2,
+        pending_interval=0.3,
+    )
+    fleet = Fleet(s)
+    started = asyncio.Event()
+    for i in range(2):
+        agent = fleet.agent(f"slow.a{i}")
+
+        @agent.handler("outage:slow:v1")
+        async def slow(task: Task[Any]) -> Any:
+            fleet.runs[task.task_id] += 1
+            started.set()
+            await asyncio.sleep(0.3)
+            return task.payload
+
+    try:
+        async with Hub(settings=s), Client(settings=s) as mesh:
+            for agent in fleet.agents:
+                await agent.start()
+            ids: list[str] = []
+
+            async def submit(n: int) -> None:
+                for i in range(n):
+                    steps = [Step(capability="outage:slow:v1", payload=[i, k]) for k in range(3)]
+                    if i % 2:
+                        ids.append(await mesh.submit_chain(steps[:2], timeout=60))
+                    else:
+                        ids.append(await mesh.submit_fanout(steps, timeout=60))
+                    await asyncio.sleep(0.02)
+
+            # Workflows keep coming while the server dies: the hub is creating records and
+            # sending steps when its writes start to fail.
+            feeder = asyncio.create_task(submit(40))
+            await asyncio.wait_for(started.wait(), 10)
+            server.kill()
+            # Longer than nats-py's JetStream request timeout (5 s): writes fail, not just wait.
+            await asyncio.sleep(6.0)
+            server = EmbeddedNats(tmp_path, port=port)
+            await server.astart()
+            await feeder  # submissions during the outage were retried, not refused
+            results = [await mesh.workflow(wf_id, timeout=60) for wf_id in ids]
+    finally:
+        await fleet.close()
+        server.stop()
+    for res in results:
+        assert res.state is TaskState.SUCCEEDED, res.error
+        assert all(step.state is TaskState.SUCCEEDED for step in res.steps)
+    assert fleet.runs and max(fleet.runs.values()) == 1, fleet.runs
+
+
+# --------------------------------------------------------------------------- one final result
+
+
+async def test_done_announcement_follows_the_stored_record(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    echo_agent(fleet, "done.a1")
+    failing = fleet.agent("done.f1")
+
+    @failing.handler("wf:fail:v1")
+    async def fail(task: Task[Any]) -> None:
+        raise TaskFailed("no", retryable=False)
+
+    for agent in fleet.agents:
+        await agent.start()
+    seen: list[tuple[WorkflowResult, WorkflowRecord | None]] = []
+    async with Client(settings=wf_settings) as mesh:
+        kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+
+        async def on_done(msg: Msg) -> None:
+            result = WorkflowResult.model_validate_json(msg.data)
+            entry = await kv.get(protocol.workflow_key(ns, result.workflow_id))
+            record = WorkflowRecord.model_validate_json(entry.value) if entry.value else None
+            seen.append((result, record))
+
+        sub = await mesh.nc.subscribe(protocol.wf_done(ns, "*"), cb=on_done)
+        ids = []
+        for i in range(10):
+            cap = "wf:fail:v1" if i % 3 == 0 else "wf:echo:v1"
+            ids.append(await mesh.submit_fanout([Step(capability=cap, payload=i)], timeout=10))
+        results = {wf_id: await mesh.workflow(wf_id, timeout=10) for wf_id in ids}
+        await eventually(lambda: len(seen) == len(ids), timeout=5)
+        await sub.unsubscribe()
+    for announced, record in seen:
+        assert record is not None and record.state.final
+        assert record.result is not None
+        assert record.result.model_dump() == announced.model_dump()
+        assert results[announced.workflow_id].model_dump() == announced.model_dump()
+    assert {r.state for r in results.values()} == {TaskState.SUCCEEDED, TaskState.FAILED}
+
+
+# --------------------------------------------------------------------------- backoff window
+
+
+async def test_attempt_given_up_on_is_fenced_before_the_backoff(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A's only slot is busy, so the step's attempt 1 waits undelivered; the engine gives up on
+    it and retries after a long backoff. A frees up during the backoff and receives attempt 1:
+    the record already names attempt 2, so A drops it unrun, and B runs the step once."""
+    ns = wf_settings.namespace
+    release = asyncio.Event()
+    a = fleet.agent("window.a", max_concurrency=1, max_queue=0)
+
+    @a.handler("wf:block:v1")
+    async def block(task: Task[Any]) -> str:
+        await release.wait()
+        return "unblocked"
+
+    @a.handler("wf:step:v1")
+    async def step_a(task: Task[Any]) -> str:
+        fleet.runs[task.task_id] += 1
+        return "by A"
+
+    b = fleet.agent("window.b")
+
+    @b.handler("wf:step:v1")
+    async def step_b(task: Task[Any]) -> str:
+        fleet.runs[task.task_id] += 1
+        return "by B"
+
+    await a.start()
+    slow = RetryPolicy(backoff_base=2.5, backoff_cap=2.5)
+    async with Client(settings=wf_settings) as mesh:
+        blocker = await mesh.submit_fanout([Step(capability="wf:block:v1")], timeout=30)
+        await eventually(lambda: a._running == 1, timeout=5)
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:step:v1", task_id="window-step", retry=slow)], timeout=30
+        )
+
+        engine = wf_hub.workflows
+        assert engine is not None
+        # The deliver timeout (1 s) passes, the engine gives up on attempt 1 and backs off.
+        await eventually(lambda: engine._pending == 1, timeout=10)
+        rec = await _task_record(mesh, ns, "window-step")
+        assert rec is not None and rec.attempt == 2 and rec.agent_id is None  # fenced
+        release.set()  # A takes attempt 1 now, inside the backoff
+        await b.start()
+        res = await mesh.workflow(wf_id, timeout=20)
+        assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
+    assert res.state is TaskState.SUCCEEDED
+    assert res.result == ["by B"]
+    assert fleet.runs["window-step"] == 1
+    assert a.work is not None
+    await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+def test_task_state_answers_parse_by_the_protocol() -> None:
+    reply = {"task_id": "t", "attempt": 2, "agent_id": "n.s.i", "state": "SUCCEEDED"}
+    assert parse_task_state(json.dumps({**reply, "error": None}).encode()) == (
+        TaskState.SUCCEEDED,
+        2,
+        {**reply, "error": None},
+    )
+    running = parse_task_state(b'{"task_id": "t", "attempt": 1, "state": "RUNNING"}')
+    assert running is not None and running[:2] == (TaskState.RUNNING, 1)
+    unknown = parse_task_state(b'{"task_id": "t", "state": "PENDING"}')
+    assert unknown is not None and unknown[:2] == (TaskState.PENDING, None)
+    # An error *answer* (the ctl request failed) has no state.
+    assert parse_task_state(b'{"error": {"code": "REACH_BAD_REQUEST", "message": "x"}}') is None
+    assert parse_task_state(b"not json") is None
+    assert parse_task_state(b'{"state": 3}') is None
+
+
+@pytest.mark.parametrize(
+    ("answer", "state", "decided"),
+    [
+        # The protocol doc's own TaskReply shape, with a present-but-null error.
+        ({"state": "SUCCEEDED", "result": 42, "error": None}, TaskState.SUCCEEDED, True),
+        (
+            {
+                "state": "FAILED",
+                "error": {"code": "REACH_HANDLER_FAILED", "message": "bad", "details": {}},
+            },
+            TaskState.FAILED,
+            True,
+        ),
+        ({"state": "RUNNING"}, None, False),
+    ],
+)
+async def test_probe_reads_a_raw_agents_answer(
+    settings: MeshSettings, answer: dict[str, Any], state: TaskState | None, decided: bool
+) -> None:
+    """The hub's probe against an agent written from docs/protocol.md (raw NATS)."""
+    agent_id = f"{settings.namespace}.raw.a1"
+    async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
+
+        async def ctl(msg: Msg) -> None:
+            body = json.loads(msg.data)
+            assert body == {"op": "task_state", "task_id": "raw-task"}
+            out = {"task_id": "raw-task", "attempt": 1, "agent_id": agent_id, **answer}
+            await msg.respond(json.dumps(out).encode())
+
+        sub = await mesh.nc.subscribe(protocol.agent_ctl(agent_id), cb=ctl)
+        js = hub.nc.jetstream()
+        tracker = StatusTracker(hub.nc, js, hub.registry)
+        rec = TaskRecord(
+            task_id="raw-task",
+            workflow_id="raw",
+            step=0,
+            namespace=settings.namespace,
+            attempt=1,
+            agent_id=agent_id,
+        )
+        track = tracker.open(rec, protocol.task_key(settings.namespace, "raw-task"), INVALID_SPAN)
+        verdict = await tracker.probe(track)
+        await sub.unsubscribe()
+    if decided:
+        assert verdict == "done"
+        assert track.final is not None and track.final.state is state
+        if state is TaskState.SUCCEEDED:
+            assert track.final.result == 42
+    else:
+        assert verdict == "alive" and track.final is None
+
+
+# --------------------------------------------------------------------------- re-submission
+
+
+async def test_resubmit_with_another_spec_is_a_conflict(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    hold = asyncio.Event()
+    agent = fleet.agent("resub.a1")
+
+    @agent.handler("wf:hold:v1")
+    async def held(task: Task[Any]) -> Any:
+        await hold.wait()
+        return task.payload
+
+    await agent.start()
+    engine = wf_hub.workflows
+    assert engine is not None
+    first = [Step(capability="wf:hold:v1", payload="first")]
+    second = [Step(capability="wf:hold:v1", payload="second")]
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout(first, timeout=20)
+        # The same spec again: a no-op.
+        assert await mesh.submit_fanout(first, timeout=20, workflow_id=wf_id) == wf_id
+        # Another spec under the same id: refused with a typed error.
+        with pytest.raises(WorkflowConflictError) as info:
+            await mesh.submit_fanout(second, timeout=20, workflow_id=wf_id)
+        assert info.value.code == "REACH_WORKFLOW_CONFLICT"
+        # A raw publish of the other spec with a new Nats-Msg-Id gets past JetStream's dedup:
+        # the hub refuses it and leaves the running workflow alone.
+        spec = mesh._workflow_spec("fanout", second, "all", 20, wf_id)
+        conflicts = engine.conflict_total
+        await mesh.nc.jetstream().publish(
+            protocol.wf_submit(ns),
+            protocol.encode(spec),
+            headers={protocol.HDR_MSG_ID: f"{wf_id}-other"},
+        )
+        await eventually(lambda: engine.conflict_total == conflicts + 1, timeout=5)
+        hold.set()
+        res = await mesh.workflow(wf_id, timeout=10)
+    assert res.state is TaskState.SUCCEEDED
+    assert res.result == ["first"]
