@@ -236,9 +236,11 @@ def step_task_id(workflow_id: str, index: int, step: StepSpec) -> str:
 
 
 def spec_digest(spec: WorkflowSpec) -> str:
-    """A digest of the canonical encoding of ``spec``: two submissions under one workflow id
-    are the same workflow only when their digests match (otherwise: a conflict)."""
-    return hashlib.sha256(protocol.encode(spec)).hexdigest()[:32]
+    """A digest of what a workflow runs — kind, policy, namespace and steps, canonically
+    encoded; not its ``timeout``, which says how long, not what. Two submissions under one
+    workflow id are the same workflow only when their digests match (else: a conflict)."""
+    what = spec.model_dump_json(exclude_none=True, include={"kind", "policy", "namespace", "steps"})
+    return hashlib.sha256(what.encode()).hexdigest()[:32]
 
 
 def new_workflow_id() -> str:
