@@ -3,6 +3,7 @@ registry is intact, new registrations are seen, and durable workflows run again 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,37 @@ async def test_server_restart(tmp_path: Path) -> None:
             assert hub.registry.agents["rs.echo.a1"].state is AgentState.ONLINE
     finally:
         server.stop()
+
+
+async def test_outage_longer_than_the_lease_declares_nobody_lost(tmp_path: Path) -> None:
+    """NATS is gone for longer than lease + suspect grace: the hub saw no heartbeat, but it
+    also could not see any, so it declares nobody LOST; the agent is ONLINE again after."""
+    port = free_port()
+    server = EmbeddedNats(tmp_path, port=port)
+    await server.astart()
+    s = MeshSettings(
+        nats_url=server.url,
+        namespace="blind",
+        heartbeat_interval=0.3,
+        lease_timeout=1.0,
+        suspect_timeout=0.5,
+        liveness_interval=0.05,
+        audit_enabled=False,
+    )
+    transitions: list[AgentState] = []
+    try:
+        async with Hub(settings=s) as hub, _agent("blind.echo.a1", "blind:echo:v1", s):
+            hub.registry.on_state_change(lambda view, old, new: transitions.append(new))
+            await eventually(lambda: "blind.echo.a1" in hub.registry.agents, timeout=5)
+            server.kill()
+            await asyncio.sleep(3.0)  # 2x lease + grace without a single heartbeat
+            server = EmbeddedNats(tmp_path, port=port)
+            await server.astart()
+            await eventually(
+                lambda: hub.registry.agents["blind.echo.a1"].state is AgentState.ONLINE,
+                timeout=10,
+            )
+            during = list(transitions)  # (the agent's own exit adds DRAINING, LOST)
+    finally:
+        server.stop()
+    assert AgentState.SUSPECT in during and AgentState.LOST not in during

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -36,7 +36,7 @@ from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.models import AgentState, TaskState
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
-__all__ = ["StatusTracker", "StepTrack", "Verdict", "decisive", "parse_task_state"]
+__all__ = ["StatusTracker", "StepTrack", "Verdict", "parse_task_state"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
@@ -65,12 +65,24 @@ class StepTrack:
     #: Every attempt ever sent for this step -> its agent (any of them may still deliver).
     sent: dict[int, str] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
-    final: TaskStatusEvent | None = None
+    #: Final statuses of sent attempts not yet acted on, oldest first (one per attempt).
+    outcomes: deque[TaskStatusEvent] = field(default_factory=deque)
+    #: Attempts whose final status was queued in ``outcomes`` (a repeat is not queued again).
+    finished: set[int] = field(default_factory=set)
     dispatched_at: float = 0.0
     last_event: float = 0.0
     lost: bool = False
     stale: int = 0
     view: AgentView | None = None
+
+    @property
+    def final(self) -> TaskStatusEvent | None:
+        """The next outcome to act on, if any."""
+        return self.outcomes[0] if self.outcomes else None
+
+    def take(self) -> TaskStatusEvent:
+        """Act on the next outcome (remove it from the queue)."""
+        return self.outcomes.popleft()
 
     def release_view(self) -> None:
         """Give back the load this hub counted on the current attempt's agent."""
@@ -91,16 +103,6 @@ class StepTrack:
                 await asyncio.wait_for(self.changed.wait(), left)
             except TimeoutError:
                 return
-
-
-def decisive(event: TaskStatusEvent) -> bool:
-    """A final event that ends its step whatever attempt sent it: a success, or a failure the
-    handler marked as not worth retrying."""
-    if event.state is TaskState.SUCCEEDED:
-        return True
-    if event.state is TaskState.FAILED and event.error is not None:
-        return event.error.details.get("retryable", True) is False
-    return False
 
 
 def parse_task_state(data: bytes) -> tuple[TaskState, int | None, dict[str, Any]] | None:
@@ -195,6 +197,9 @@ class StatusTracker:
         """Stop tracking; ``decided_by`` is the attempt whose outcome (or deadline) decided the
         step, None when the step stops undecided (cancelled, hub stopping)."""
         track.release_view()
+        for event in track.outcomes:  # outcomes the step did not need: duplicates
+            self._stale(event, "after its step was decided")
+        track.outcomes.clear()
         if self._tracks.get(track.key) is track:
             del self._tracks[track.key]
         if decided_by is not None:
@@ -235,28 +240,25 @@ class StatusTracker:
         self.offer(track, event)
 
     def offer(self, track: StepTrack, event: TaskStatusEvent) -> None:
-        """Apply ``event`` if it comes from an attempt the step sent, from that attempt's agent.
+        """Take ``event`` if it comes from an attempt the step sent, from that attempt's agent.
 
-        The current attempt's events drive its ACK machine; an earlier attempt's final event
-        decides the step if it is :func:`decisive` (first outcome wins)."""
+        The current attempt's events drive its ACK machine. The final status of any sent
+        attempt is queued as an outcome for the step to act on (first outcome wins: an earlier
+        attempt's success decides the step even while a later attempt runs)."""
         agent = track.sent.get(event.attempt)
         if agent is None or agent != event.agent_id:
             if event.state.final:
                 track.stale += 1
                 self._stale(event, "from an attempt this step did not send to that agent")
             return
-        if track.final is not None:
-            return
         if event.attempt == track.attempt:
             if not track.machine.catch_up(event.state):
                 return  # a repeat or an out-of-order older state
             track.last_event = asyncio.get_running_loop().time()
-            if event.state.final:
-                track.final = event
-            track.changed.set()
-        elif event.state.final and decisive(event):
-            track.final = event
-            track.changed.set()
+        if event.state.final and event.attempt not in track.finished:
+            track.finished.add(event.attempt)
+            track.outcomes.append(event)
+        track.changed.set()
 
     def _stale(self, event: TaskStatusEvent, why: str) -> None:
         self.stale_total += 1

@@ -147,6 +147,10 @@ class Registry:
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[StateListener] = []
         self._ready = asyncio.Event()
+        #: When this hub last failed to read or write the registry buckets (its clock). A hub
+        #: that could not see heartbeats lately does not declare anybody LOST: absence of
+        #: evidence during a JetStream election is not evidence of death.
+        self._blind_at = float("-inf")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -228,6 +232,7 @@ class Registry:
             except asyncio.CancelledError:
                 raise
             except Exception as err:
+                self._blind_at = self._clock()
                 log.warning("cannot watch %s (%r); retrying", name, err)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -247,6 +252,7 @@ class Registry:
             except asyncio.CancelledError:
                 raise
             except Exception as err:
+                self._blind_at = self._clock()
                 log.warning("watch of %s failed (%r); restarting it", name, err)
             finally:
                 with contextlib.suppress(Exception):
@@ -347,18 +353,39 @@ class Registry:
         """Derive the agent's state from its lease, flags and breaker."""
         age = now - view.last_seen
         rec = view.record
-        if age > rec.lease_timeout + self._settings.suspect_timeout:
+        if age > rec.lease_timeout + self._settings.suspect_timeout and not self._blind(
+            now, rec.lease_timeout
+        ):
             view.state = AgentState.LOST
         elif rec.cordoned:
             view.state = AgentState.CORDONED
         elif view.draining:
             view.state = AgentState.DRAINING
         elif age > rec.lease_timeout:
-            view.state = AgentState.SUSPECT
+            view.state = AgentState.SUSPECT  # (also: overdue, but this hub was blind lately)
         elif view.breaker.state is BreakerState.OPEN:
             view.state = AgentState.QUARANTINED
         else:
             view.state = AgentState.ONLINE
+
+    def _blind(self, now: float, lease: float) -> bool:
+        """True while this hub cannot trust that it saw every heartbeat of the last lease."""
+        return now - self._blind_at < lease
+
+    async def _confirm_overdue(self, view: AgentView) -> None:
+        """Before an agent is declared LOST, read its heartbeat from KV: a beat this hub
+        missed (a watch that lagged) renews the lease; a failed read makes the hub blind."""
+        assert self._hb_kv is not None
+        try:
+            entry = await self._hb_kv.get(view.agent_id)
+        except KeyNotFoundError:
+            return
+        except Exception as err:
+            self._blind_at = self._clock()
+            log.info("cannot confirm %s is overdue (%r): not declaring it LOST", view.agent_id, err)
+            return
+        with contextlib.suppress(Exception):
+            self._apply_heartbeat(entry, initial=True)
 
     def regrade(self, view: AgentView) -> None:
         old = view.state
@@ -370,6 +397,12 @@ class Registry:
         interval = self._settings.liveness_interval
         while True:
             await asyncio.sleep(interval)
+            now = self._clock()
+            grace = self._settings.suspect_timeout
+            for view in [v for v in self.agents.values() if v.state is not AgentState.LOST]:
+                lease = view.record.lease_timeout
+                if now - view.last_seen > lease + grace and not self._blind(now, lease):
+                    await self._confirm_overdue(view)
             now = self._clock()
             lost: list[AgentView] = []
             for view in list(self.agents.values()):
@@ -453,7 +486,13 @@ class Registry:
         # briefly unavailable (leader election) the beat still renews the lease here and the
         # error goes back to the agent, whose next beat writes again.
         self.apply_heartbeat(view, record, seen_at=self._clock())
-        revision = await self._hb_kv.put(hb.agent_id, protocol.encode(record))
+        try:
+            revision = await self._hb_kv.put(hb.agent_id, protocol.encode(record))
+        except Exception:
+            # The other hubs will not see this beat, and we may be missing theirs: trust no
+            # silence for a while (the agent's next beat writes again).
+            self._blind_at = self._clock()
+            raise
         view.hb_revision = max(view.hb_revision, revision)
         return view
 

@@ -589,6 +589,9 @@ class WorkflowEngine:
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+            for t in tasks:  # a branch's error is reported once, by the branch we acted on
+                if t.done() and not t.cancelled():
+                    t.exception()
         if pending:
             await asyncio.gather(
                 *(self._cancel_step(wf, tasks[t]) for t in pending), return_exceptions=True
@@ -864,6 +867,7 @@ class WorkflowEngine:
                     kind, event = outcome
                     outcome = None
                     if kind == "final" and event is not None:
+                        track.take()
                         _note(rec, event)
                         if event.state is TaskState.SUCCEEDED or not _retryable(event):
                             rec, decided = await self._finish(wf, key, rec, rev, track, event)
@@ -874,7 +878,11 @@ class WorkflowEngine:
                             return rec
                         if step.agent_id is None:
                             exclude.add(event.agent_id)
-                        track.final = None  # a retryable failure: the step goes on
+                        if event.attempt != track.attempt and track.agent_id is not None:
+                            # An earlier attempt failed while the current one is out there:
+                            # a handler failure counted, and the current attempt goes on.
+                            outcome = await self._watch(track, pol, deadline)
+                            continue
                         delay = _backoff(rec.handler_failures, pol.base, pol.cap)
                     elif kind == "deadline":
                         rec, decided = await self._finish(
