@@ -134,8 +134,16 @@ class StatusTracker:
     """The steps running on this hub and the recently decided ones; owns the status
     subscription's callback. Everything here runs on the event loop without locks."""
 
-    def __init__(self, nc: NATS, js: JetStreamContext, registry: Registry) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        js: JetStreamContext,
+        registry: Registry,
+        *,
+        on_stale: Callable[[], None] | None = None,
+    ) -> None:
         self._nc = nc
+        self._on_stale = on_stale
         self._js = js
         self._registry = registry
         self._tracks: dict[str, StepTrack] = {}
@@ -262,6 +270,8 @@ class StatusTracker:
 
     def _stale(self, event: TaskStatusEvent, why: str) -> None:
         self.stale_total += 1
+        if self._on_stale is not None:
+            self._on_stale()
         log.warning(
             "%s from %s for %s attempt %d not applied: %s",
             event.state.value,

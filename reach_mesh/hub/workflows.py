@@ -7,10 +7,14 @@ redelivers the submission to another hub, which resumes from the task records in
 steps are not run again, an attempt still in flight is adopted (its status events, the last one
 read back from the ``REACH_STATUS`` stream), and only unfinished work is dispatched.
 
-Steps: each attempt of each step is one JetStream message on ``reach.work.<ns>.<agent_id>``
-(``Nats-Msg-Id = task_id#n``). The task record in ``reach_tasks`` names the current attempt and
-is written (CAS) *before* the message is published: it is the fence. Status events from any
-other attempt are stale — counted, never the answer. See ``docs/workflows.md``.
+One source of truth: the workflow record in ``reach_workflows``. Its final write is a CAS on
+the owner's revision, and the ``.done`` announcement is published only after it, carrying the
+same result. A submission whose id is taken by another spec is refused (terminated).
+
+Steps are run by the base class, :class:`~reach_mesh.hub._steps.StepRunner`: each attempt is
+recorded in ``reach_tasks`` (the fence) before it is sent, the first outcome of any attempt
+decides the step, and infrastructure errors are retried, never an outcome. See
+``docs/workflows.md``.
 """
 
 from __future__ import annotations
@@ -19,11 +23,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import random
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar
+from collections.abc import Callable
+from typing import Any, Final, Literal
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -47,22 +49,18 @@ from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     InternalError,
-    MeshTimeoutError,
-    NoMatchError,
     ReachError,
     WorkflowSpecError,
 )
 from reach_mesh.hub import _durable
-from reach_mesh.hub._tracking import StatusTracker, StepTrack
+from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
+from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
-from reach_mesh.models import AgentState, ErrorBody, RouteRequest, TaskEnvelope, TaskState
-from reach_mesh.selector import Selector
-from reach_mesh.tracing import SPAN_STEP, SPAN_WORKFLOW, SpanKind, inject, span
+from reach_mesh.models import AgentState, ErrorBody, TaskState
+from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, inject, span
 from reach_mesh.workflow import (
-    AttemptRecord,
     StepResult,
-    StepSpec,
     TaskRecord,
     TaskStatusEvent,
     WorkflowEvent,
@@ -79,57 +77,14 @@ __all__ = ["WorkflowEngine"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
-T = TypeVar("T")
-
-_HISTORY: Final = 32
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
-
-Outcome = Literal["final", "undelivered", "lost", "nomatch", "deadline"]
-
-
-class _NotOwnerError(Exception):
-    """Another hub wrote this workflow's records: it owns the workflow now."""
 
 
 class _ConflictError(Exception):
     """The workflow id is taken by a submission with another spec."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Policy:
-    retries: int
-    fast_attempts: int
-    base: float
-    cap: float
-    pending_interval: float
-    ttl: float
-    deliver_timeout: float
-    silence_timeout: float
-
-
-@dataclass(slots=True, eq=False)
-class _Workflow:
-    spec: WorkflowSpec
-    need: int
-    deadline: float  # loop time
-    submitted_at: float  # server wall time
-    headers: dict[str, str]
-    trace_id: str | None
-    digest: str
-    records: dict[int, TaskRecord] = field(default_factory=dict)
-    #: Revision of this hub's write of the workflow record (the final write is a CAS on it).
-    rev: int = 0
-
-    @property
-    def ns(self) -> str:
-        return self.spec.namespace
-
-    @property
-    def id(self) -> str:
-        return self.spec.workflow_id
-
-
-class WorkflowEngine:
+class WorkflowEngine(StepRunner):
     """Runs the workflows this hub owns. Started and stopped by :class:`~reach_mesh.hub.Hub`.
 
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
@@ -160,9 +115,14 @@ class WorkflowEngine:
         self._tasks_kv: KeyValue | None = None
         self._pull: PullConsumer | None = None
         self._status_sub: Subscription | None = None
-        self._tracker = StatusTracker(nc, js, registry)
+        self._tracker = StatusTracker(
+            nc,
+            js,
+            registry,
+            on_stale=None if metrics is None else metrics.stale_result_total.inc,
+        )
         self._running: dict[asyncio.Task[None], Msg] = {}
-        self._bg: set[asyncio.Task[Any]] = set()
+        self._bg: set[asyncio.Future[Any]] = set()
         self._pending = 0
         self._stopping = False
         #: Final answers that came from an agent's idempotency cache (a duplicate delivery).
@@ -310,7 +270,7 @@ class WorkflowEngine:
             if not stored:
                 result = await self._store(wf, result)
             await self._publish_done(wf, result)
-        except _NotOwnerError:
+        except NotOwnerError:
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
         except _ConflictError:
@@ -335,7 +295,7 @@ class WorkflowEngine:
         if not stored:
             self._count_done(wf.spec.kind, result)
 
-    def _admit(self, msg: Msg, headers: dict[str, str]) -> _Workflow:
+    def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
         ns = msg.subject.split(".")[2]
         if spec.namespace != ns:
@@ -353,7 +313,7 @@ class WorkflowEngine:
         loop = asyncio.get_running_loop()
         from reach_mesh.tracing import trace_id_from_headers
 
-        return _Workflow(
+        return Workflow(
             spec=spec,
             need=need,
             deadline=loop.time() + max(0.0, remaining),
@@ -416,7 +376,7 @@ class WorkflowEngine:
             with contextlib.suppress(Exception):
                 await msg.in_progress()
 
-    async def _store(self, wf: _Workflow, result: WorkflowResult) -> WorkflowResult:
+    async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
         """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
         result that is final — ours, or one another hub stored first."""
         assert self._wf_kv is not None
@@ -443,11 +403,11 @@ class WorkflowEngine:
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
             stored = _final_result(got)
             if stored is None:
-                raise _NotOwnerError(key) from err
+                raise NotOwnerError(key) from err
             return stored
         return result
 
-    async def _publish_done(self, wf: _Workflow, result: WorkflowResult) -> None:
+    async def _publish_done(self, wf: Workflow, result: WorkflowResult) -> None:
         await self._publish_done_raw(wf.ns, result, wf.headers, deadline=wf.deadline)
 
     async def _publish_done_raw(
@@ -476,28 +436,9 @@ class WorkflowEngine:
             self._metrics.workflow_total.labels(kind, result.state.value).inc()
             self._metrics.workflow_duration_seconds.labels(kind).observe(result.duration_ms / 1000)
 
-    # ------------------------------------------------------------------ infrastructure
-
-    def _io_deadline(self, deadline: float | None = None) -> float:
-        """How long an infrastructure error is retried: to ``deadline`` (loop time), and at
-        least ``workflow_ack_wait`` from now (past a deadline the TIMEOUT must be written)."""
-        now = asyncio.get_running_loop().time()
-        floor = now + self._settings.workflow_ack_wait
-        return floor if deadline is None else max(deadline, floor)
-
-    async def _io(self, what: str, op: Callable[[], Awaitable[T]], deadline: float | None) -> T:
-        return await _durable.retrying(
-            what, op, self._io_deadline(deadline), on_retry=self._infra_retry
-        )
-
-    def _infra_retry(self) -> None:
-        self.infra_retry_total += 1
-        if self._metrics is not None:
-            self._metrics.infra_retry_total.inc()
-
     # ------------------------------------------------------------------ running
 
-    async def _run(self, wf: _Workflow) -> tuple[WorkflowResult, bool]:
+    async def _run(self, wf: Workflow) -> tuple[WorkflowResult, bool]:
         """Run the workflow to its result; ``(result, True)`` when it was final already."""
         assert self._wf_kv is not None
         kv = self._wf_kv
@@ -536,7 +477,7 @@ class WorkflowEngine:
                     on_retry=self._infra_retry,
                 )
             except KeyWrongLastSequenceError as err:
-                raise _NotOwnerError(key) from err
+                raise NotOwnerError(key) from err
         t0 = time.time()
         with span(
             SPAN_WORKFLOW,
@@ -562,7 +503,7 @@ class WorkflowEngine:
         result.duration_ms = round((result.finished_at - min(t0, wf.submitted_at)) * 1000, 3)
         return result, False
 
-    async def _fanout(self, wf: _Workflow) -> WorkflowResult:
+    async def _fanout(self, wf: Workflow) -> WorkflowResult:
         spec = wf.spec
         tasks = {
             asyncio.create_task(self._step(wf, i, s, s.payload)): i
@@ -619,7 +560,7 @@ class WorkflowEngine:
             else _step_error(first_error),
         )
 
-    async def _chain(self, wf: _Workflow) -> WorkflowResult:
+    async def _chain(self, wf: Workflow) -> WorkflowResult:
         spec = wf.spec
         previous: Any = None
         state = TaskState.SUCCEEDED
@@ -643,9 +584,9 @@ class WorkflowEngine:
             error=error,
         )
 
-    def _record_of(self, wf: _Workflow, index: int, task: asyncio.Task[TaskRecord]) -> TaskRecord:
+    def _record_of(self, wf: Workflow, index: int, task: asyncio.Task[TaskRecord]) -> TaskRecord:
         exc = task.exception()
-        if isinstance(exc, _NotOwnerError | _durable.RetriesExhausted) or (
+        if isinstance(exc, NotOwnerError | _durable.RetriesExhausted) or (
             exc is not None and _durable.transient(exc)
         ):
             # Not an outcome: the workflow goes back to JetStream and resumes from the records.
@@ -666,7 +607,7 @@ class WorkflowEngine:
         wf.records[index] = rec
         return rec
 
-    def _step_results(self, wf: _Workflow) -> list[StepResult]:
+    def _step_results(self, wf: Workflow) -> list[StepResult]:
         out: list[StepResult] = []
         for i, step in enumerate(wf.spec.steps):
             rec = wf.records.get(i)
@@ -699,7 +640,7 @@ class WorkflowEngine:
             )
         return out
 
-    async def _cancel_step(self, wf: _Workflow, index: int) -> None:
+    async def _cancel_step(self, wf: Workflow, index: int) -> None:
         """Mark a branch the policy no longer needs: agents drop its undelivered attempts."""
         assert self._tasks_kv is not None
         kv = self._tasks_kv
@@ -720,428 +661,6 @@ class WorkflowEngine:
         if rec.agent_id is not None and rec.attempt > 0:
             self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
 
-    def _cancel_attempt(self, agent_id: str, task_id: str, attempt: int) -> None:
-        """Stop a handler that is already running, in the background (best effort: the task
-        record already fences its result; this frees the agent's slot sooner)."""
-        body = protocol.dumps({"op": "cancel", "task_id": task_id, "attempt": attempt})
-        self._background(self._nc.request(protocol.agent_ctl(agent_id), body, timeout=1.0))
-
-    # ------------------------------------------------------------------ one step
-
-    def _policy(self, step: StepSpec) -> _Policy:
-        s, r = self._settings, step.retry
-        return _Policy(
-            retries=s.step_retries if r.retries is None else r.retries,
-            fast_attempts=s.step_fast_attempts if r.fast_attempts is None else r.fast_attempts,
-            base=r.backoff_base or s.retry_base,
-            cap=r.backoff_cap or s.retry_cap,
-            pending_interval=r.pending_interval or s.pending_interval,
-            ttl=r.ttl or s.task_ttl,
-            deliver_timeout=r.deliver_timeout or s.step_deliver_timeout,
-            silence_timeout=r.silence_timeout or s.step_silence_timeout,
-        )
-
-    async def _step(self, wf: _Workflow, index: int, step: StepSpec, payload: Any) -> TaskRecord:
-        """Run one step to its outcome and record it; returns the final (or cancelled) record.
-
-        The task record is the fence. Each attempt is recorded before it is sent; when the
-        step must try again, the next attempt number is recorded at once (with no agent yet),
-        so an earlier attempt still queued somewhere is dropped unrun by its agent. Any attempt
-        that was sent may still deliver its outcome until the step is decided: the first one
-        wins (``StatusTracker.offer``), later ones are counted as stale.
-        """
-        assert self._tasks_kv is not None
-        kv = self._tasks_kv
-        loop = asyncio.get_running_loop()
-        ns = wf.ns
-        task_id = step_task_id(wf.id, index, step)
-        key = protocol.task_key(ns, task_id)
-        pol = self._policy(step)
-        route = RouteRequest(
-            agent_id=step.agent_id,
-            capability=step.capability,
-            selector=step.selector,
-            strategy=step.strategy,
-        )
-        # Fast path: choose an agent and create the record with attempt 1 in one write. A
-        # record that exists already (a hub taking the workflow over) is read instead.
-        view, capability = await self._choose(route, ns, set())
-        # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
-        no_work = self._no_work_reason(route, ns) if view is None else None
-        now = time.time()
-        rec = TaskRecord(
-            task_id=task_id,
-            workflow_id=wf.id,
-            step=index,
-            namespace=ns,
-            created_at=now,
-            updated_at=now,
-        )
-        if view is not None:
-            rec.attempt = 1
-            rec.agent_id = view.agent_id
-            rec.history = [AttemptRecord(attempt=1, agent_id=view.agent_id)]
-        fresh = True
-        try:
-            rev = await _durable.create(
-                kv,
-                key,
-                protocol.encode(rec),
-                self._io_deadline(wf.deadline),
-                on_retry=self._infra_retry,
-            )
-        except BaseException as err:
-            if view is not None:
-                view.outstanding = max(0, view.outstanding - 1)
-                view = None
-            if not isinstance(err, KeyWrongLastSequenceError):
-                raise
-            fresh = False
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            if got is None:
-                raise _NotOwnerError(key) from err
-            rec = TaskRecord.model_validate_json(got[0])
-            rev = got[1]
-        if rec.state.final or rec.cancelled:
-            return rec  # finished before a takeover: never run again
-        ttl_left = rec.created_at + pol.ttl - time.time()
-        deadline = min(wf.deadline, loop.time() + max(0.0, ttl_left))
-        exclude: set[str] = set()
-        with span(
-            SPAN_STEP,
-            kind=SpanKind.INTERNAL,
-            attributes={"reach.task_id": task_id, "reach.step": index},
-        ) as sp:
-            track = self._tracker.open(rec, key, sp)
-            decided: int | None = None
-            try:
-                outcome: tuple[Outcome, TaskStatusEvent | None] | None = None
-                if fresh and view is not None:
-                    track.view = view
-                    outcome = await self._attempt(
-                        wf, index, step, rec, capability, payload, track, pol, deadline
-                    )
-                elif fresh:
-                    outcome = ("nomatch", None)
-                elif rec.agent_id is not None and rec.attempt > 0:
-                    # Taken over mid-attempt: adopt it instead of sending it again.
-                    await self._tracker.catch_up(track)
-                    outcome = await self._watch(track, pol, deadline)
-                # else: taken over between recording an attempt and sending it: send it now.
-                while True:
-                    if outcome is None and track.final is not None:
-                        outcome = ("final", track.final)  # an earlier attempt delivered
-                    if outcome is None:
-                        if loop.time() >= deadline:
-                            rec, decided = await self._finish(
-                                wf, key, rec, rev, track, None, reason=no_work
-                            )
-                            return rec
-                        view, capability = await self._choose(route, ns, exclude)
-                        no_work = self._no_work_reason(route, ns) if view is None else None
-                        if view is None:
-                            outcome = ("nomatch", None)
-                        else:
-                            rec.attempt = max(rec.attempt, 1)
-                            rec.agent_id = view.agent_id
-                            rec.state = TaskState.PENDING
-                            rec.history = [
-                                *rec.history[-_HISTORY + 1 :],
-                                AttemptRecord(attempt=rec.attempt, agent_id=view.agent_id),
-                            ]
-                            rec.updated_at = time.time()
-                            try:
-                                rev = await self._cas(key, rec, rev, wf.deadline)
-                            except BaseException:
-                                view.outstanding = max(0, view.outstanding - 1)
-                                raise
-                            self._tracker.dispatch(track, rec.attempt, view)
-                            if rec.attempt > 1:
-                                self.retry_total += 1
-                                if self._metrics is not None:
-                                    self._metrics.retry_total.inc()
-                            outcome = await self._attempt(
-                                wf, index, step, rec, capability, payload, track, pol, deadline
-                            )
-                    assert outcome is not None
-                    kind, event = outcome
-                    outcome = None
-                    if kind == "final" and event is not None:
-                        track.take()
-                        _note(rec, event)
-                        if event.state is TaskState.SUCCEEDED or not _retryable(event):
-                            rec, decided = await self._finish(wf, key, rec, rev, track, event)
-                            return rec
-                        rec.handler_failures += 1
-                        if rec.handler_failures > pol.retries:
-                            rec, decided = await self._finish(wf, key, rec, rev, track, event)
-                            return rec
-                        if step.agent_id is None:
-                            exclude.add(event.agent_id)
-                        if event.attempt != track.attempt and track.agent_id is not None:
-                            # An earlier attempt failed while the current one is out there:
-                            # a handler failure counted, and the current attempt goes on.
-                            outcome = await self._watch(track, pol, deadline)
-                            continue
-                        delay = _backoff(rec.handler_failures, pol.base, pol.cap)
-                    elif kind == "deadline":
-                        rec, decided = await self._finish(
-                            wf, key, rec, rev, track, None, reason=no_work
-                        )
-                        return rec
-                    else:
-                        # Not delivered / agent lost / no agent: safe to send elsewhere.
-                        rec.delivery_failures += 1
-                        if kind != "nomatch" and rec.history:
-                            rec.history[-1].code = kind
-                        if rec.agent_id is not None and step.agent_id is None:
-                            exclude.add(rec.agent_id)
-                        if rec.delivery_failures <= pol.fast_attempts:
-                            delay = _backoff(rec.delivery_failures, pol.base, pol.cap)
-                        else:
-                            delay = pol.pending_interval
-                            exclude.clear()  # slow phase: any suitable agent again
-                    if rec.agent_id is not None:
-                        # Fence first: record the next attempt (no agent yet) before waiting,
-                        # so the attempt we gave up on is dropped unrun if it turns up.
-                        rec.attempt += 1
-                        rec.agent_id = None
-                        rec.state = TaskState.PENDING
-                        rec.updated_at = time.time()
-                        rev = await self._cas(key, rec, rev, wf.deadline)
-                        self._tracker.fence(track, rec.attempt)
-                    remaining = deadline - loop.time()
-                    if remaining > 0:
-                        self._pending_delta(1)
-                        try:
-                            await track.wait_outcome(min(delay, remaining))
-                        finally:
-                            self._pending_delta(-1)
-            finally:
-                self._tracker.close(track, decided)
-
-    async def _attempt(
-        self,
-        wf: _Workflow,
-        index: int,
-        step: StepSpec,
-        rec: TaskRecord,
-        capability: str | None,
-        payload: Any,
-        track: StepTrack,
-        pol: _Policy,
-        deadline: float,
-    ) -> tuple[Outcome, TaskStatusEvent | None]:
-        """Send the current attempt (its record is written) and watch the step to an outcome."""
-        await self._send(wf, index, step, rec, capability, payload)
-        self._event(
-            wf,
-            WorkflowEvent(
-                workflow_id=wf.id,
-                kind="step",
-                state=TaskState.PENDING,
-                step=index,
-                task_id=rec.task_id,
-                attempt=rec.attempt,
-                agent_id=rec.agent_id,
-            ),
-        )
-        return await self._watch(track, pol, deadline)
-
-    async def _choose(
-        self, route: RouteRequest, ns: str, exclude: set[str]
-    ) -> tuple[AgentView | None, str | None]:
-        if route.agent_id is not None and route.agent_id not in self._registry.agents:
-            await self._registry.fetch(route.agent_id)
-        for tried in (exclude, set()):
-            skip = frozenset(tried | self._no_work)
-            while True:
-                try:
-                    choice = self._router.decide(route, ns, "wf", exclude=skip)
-                except NoMatchError:
-                    break  # retry without ``tried``: better an agent that failed before
-                view = choice.view
-                if not view.record.card.durable_work:
-                    # Not known yet (registered before this engine listened): skip it.
-                    self._no_work.add(view.agent_id)
-                    skip = skip | {view.agent_id}
-                    continue
-                # Count it now, before any await: concurrent branches see the load at once.
-                view.outstanding += 1
-                return view, choice.capability
-            if not tried:
-                break
-        return None, None
-
-    def _no_work_reason(self, route: RouteRequest, ns: str) -> str | None:
-        """Which agents matching ``route`` were passed over for having no durable work
-        consumer, as a sentence for the step's error; None when that is not why."""
-        if not self._no_work:
-            return None
-        if route.agent_id is not None:
-            ids: set[str] | frozenset[str] = {route.agent_id}
-        elif route.capability is not None:
-            ids = self._registry.index.by_capability(route.capability)
-        elif route.selector is not None:
-            try:
-                ids = self._registry.index.candidates(Selector.parse(route.selector))
-            except ReachError:
-                return None
-        else:
-            return None
-        skipped = sorted(
-            a
-            for a in ids & self._no_work
-            if (v := self._registry.agents.get(a)) is not None and v.record.card.namespace == ns
-        )
-        if not skipped:
-            return None
-        more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
-        return f"not offered to {', '.join(skipped[:5])}{more}: registered with durable_work=false"
-
-    async def _send(
-        self,
-        wf: _Workflow,
-        index: int,
-        step: StepSpec,
-        rec: TaskRecord,
-        capability: str | None,
-        payload: Any,
-    ) -> None:
-        assert rec.agent_id is not None
-        env = TaskEnvelope(
-            task_id=rec.task_id,
-            attempt=rec.attempt,
-            capability=capability,
-            payload=payload,
-            namespace=wf.ns,
-            timeout=step.timeout,
-            workflow_id=wf.id,
-            step=index,
-            track=True,
-        )
-        headers = inject({})
-        # The attempt's id: a repeat after an infrastructure error is dropped by JetStream.
-        headers[protocol.HDR_MSG_ID] = protocol.attempt_msg_id(rec.task_id, rec.attempt)
-        subject = protocol.work_subject(wf.ns, rec.agent_id)
-        body = protocol.encode(env)
-        await self._io(
-            f"publish {subject}",
-            lambda: self._js.publish(subject, body, headers=headers, stream=protocol.STREAM_WORK),
-            wf.deadline,
-        )
-
-    async def _finish(
-        self,
-        wf: _Workflow,
-        key: str,
-        rec: TaskRecord,
-        rev: int,
-        track: StepTrack,
-        event: TaskStatusEvent | None,
-        *,
-        reason: str | None = None,
-    ) -> tuple[TaskRecord, int]:
-        """Record the step's outcome (``event``, or TIMEOUT when None); returns the record and
-        the attempt that decided it."""
-        if event is None:
-            decided = rec.attempt
-            rec.state = TaskState.TIMEOUT
-            last = track.machine.state.value if track.agent_id is not None else "PENDING"
-            err = MeshTimeoutError(
-                f"step {rec.step} ({rec.task_id}) did not finish in time "
-                f"(last state {last}, attempt {rec.attempt})" + (f"; {reason}" if reason else ""),
-                task_id=rec.task_id,
-                attempt=rec.attempt,
-            )
-            rec.error = ErrorBody(code=err.code, message=err.message, details=err.details)
-            if rec.history and rec.history[-1].attempt == rec.attempt:
-                rec.history[-1].state = TaskState.TIMEOUT
-        else:
-            decided = event.attempt
-            rec.state = event.state
-            rec.agent_id = event.agent_id
-            rec.result = event.result
-            rec.error = event.error
-            rec.cached = event.cached
-            rec.duration_ms = event.duration_ms
-            if event.cached:
-                self.duplicate_total += 1
-                if self._metrics is not None:
-                    self._metrics.duplicate_delivery_total.inc()
-            current = track.agent_id
-            if event.attempt != track.attempt and current is not None:
-                # An earlier attempt decided the step: the current one is not needed.
-                self._cancel_attempt(current, rec.task_id, track.attempt)
-        rec.stale += track.stale
-        rec.updated_at = time.time()
-        await self._cas(key, rec, rev, wf.deadline)
-        self._event(
-            wf,
-            WorkflowEvent(
-                workflow_id=wf.id,
-                kind="step",
-                state=rec.state,
-                step=rec.step,
-                task_id=rec.task_id,
-                attempt=decided,
-                agent_id=rec.agent_id,
-                error=rec.error,
-            ),
-        )
-        return rec, decided
-
-    async def _cas(self, key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
-        assert self._tasks_kv is not None
-        try:
-            return await _durable.cas(
-                self._tasks_kv,
-                key,
-                protocol.encode(rec),
-                rev,
-                self._io_deadline(deadline),
-                on_retry=self._infra_retry,
-            )
-        except KeyWrongLastSequenceError as err:
-            raise _NotOwnerError(key) from err
-
-    # ------------------------------------------------------------------ watching an attempt
-
-    async def _watch(
-        self, track: StepTrack, pol: _Policy, deadline: float
-    ) -> tuple[Outcome, TaskStatusEvent | None]:
-        """Wait for the current attempt's outcome (or any earlier attempt's, first wins)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            if track.final is not None:
-                return "final", track.final
-            if track.lost:
-                return "lost", None
-            now = loop.time()
-            if now >= deadline:
-                return "deadline", None
-            if track.machine.state is TaskState.PENDING:
-                wait_until = track.dispatched_at + pol.deliver_timeout
-            else:
-                wait_until = track.last_event + pol.silence_timeout
-            timeout = min(wait_until, deadline) - now
-            if timeout <= 0:
-                verdict = await self._tracker.probe(track)
-                if track.final is not None:
-                    continue
-                if verdict == "unknown" and track.agent_id is not None:
-                    # No usable answer (a busy agent answers late): its lease decides.
-                    verdict = "alive" if self._tracker.lease_alive(track.agent_id) else "gone"
-                if verdict == "alive":
-                    # The agent has it (we missed DELIVERED, or it is queued for a slot).
-                    track.machine.catch_up(TaskState.DELIVERED)
-                    track.last_event = track.dispatched_at = loop.time()
-                    continue
-                return ("undelivered" if track.machine.state is TaskState.PENDING else "lost"), None
-            track.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(track.changed.wait(), timeout)
-
     # ------------------------------------------------------------------ subscriptions
 
     async def _on_status(self, msg: Msg) -> None:
@@ -1155,32 +674,6 @@ class WorkflowEngine:
             self._no_work.add(view.agent_id)
         if new is AgentState.LOST:
             self._tracker.mark_lost(view.agent_id)
-
-    # ------------------------------------------------------------------ events
-
-    def _event(self, wf: _Workflow, event: WorkflowEvent) -> None:
-        self._background(
-            self._nc.publish(
-                protocol.wf_event(wf.ns, wf.id),
-                protocol.encode(event),
-                headers=inject(dict(wf.headers)),
-            )
-        )
-
-    def _background(self, aw: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(aw)
-        self._bg.add(task)
-        task.add_done_callback(self._bg_done)
-
-    def _bg_done(self, task: asyncio.Future[Any]) -> None:
-        self._bg.discard(task)
-        if not task.cancelled():
-            task.exception()
-
-    def _pending_delta(self, delta: int) -> None:
-        self._pending += delta
-        if self._metrics is not None:
-            self._metrics.pending_count.set(self._pending)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -1201,30 +694,6 @@ def _final_result(got: tuple[bytes, int] | None) -> WorkflowResult | None:
     if rec is not None and rec.result is not None and rec.state.final:
         return rec.result
     return None
-
-
-def _note(rec: TaskRecord, event: TaskStatusEvent) -> None:
-    """Write an attempt's final state into the record's history."""
-    for h in reversed(rec.history):
-        if h.attempt == event.attempt:
-            h.state = event.state
-            h.code = event.error.code if event.error else None
-            return
-
-
-def _retryable(event: TaskStatusEvent) -> bool:
-    if event.state is TaskState.TIMEOUT:
-        return True
-    err = event.error
-    if err is None:
-        return True
-    return err.details.get("retryable", True) is not False
-
-
-def _backoff(n: int, base: float, cap: float) -> float:
-    """base * 2**(n-1), capped, with equal jitter (half fixed, half random)."""
-    d = float(min(cap, base * float(2 ** max(0, n - 1))))
-    return d / 2 + random.uniform(0, d / 2)
 
 
 def _step_error(rec: TaskRecord) -> ErrorBody:
