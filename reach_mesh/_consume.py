@@ -177,6 +177,15 @@ async def ensure_task_resources(js: JetStreamContext, settings: MeshSettings) ->
     s = settings
     await ensure_stream(js, work_stream_config(s.workflow_retention, s.dedup_window, s.kv_replicas))
     await ensure_stream(js, status_stream_config(s.workflow_retention, s.kv_replicas))
+    # Agents store their results here; created with the rest, by hubs (in secure mode hubs
+    # alone may create streams and buckets).
+    await ensure_kv(
+        js,
+        protocol.KV_RESULTS,
+        replicas=s.kv_replicas,
+        ttl=s.workflow_retention,
+        description="reach-mesh agent results (idempotency across restarts)",
+    )
     return await ensure_kv(
         js,
         protocol.KV_TASKS,
@@ -205,7 +214,7 @@ def status_stream_config(retention: float, replicas: int) -> StreamConfig:
     """``REACH_STATUS``: every status event of every tracked task, so a hub can rebuild state."""
     return StreamConfig(
         name=protocol.STREAM_STATUS,
-        subjects=[protocol.task_status("*", "*")],
+        subjects=[protocol.task_status("*.*.*", "*")],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_age=retention,

@@ -33,8 +33,8 @@ async def connect(
     A dead URL makes nats-py retry for minutes; the connect is bounded by ``timeout``
     (default ``settings.connect_timeout``) and reconnection after a successful connect is
     unlimited (a hub or agent outlives a server restart or a cluster failover). Credentials
-    and TLS come from ``settings`` (``nats_creds``, ``nats_token``, ``nats_tls_*``); a user and
-    password may also be given in the URL.
+    and TLS come from ``settings`` (``nats_creds``, ``nats_token``, ``nats_nkey_seed`` with
+    ``nats_inbox_prefix``, ``nats_tls_*``); a user and password may also be given in the URL.
     """
     if not url:
         raise MeshUnavailableError(
@@ -76,6 +76,10 @@ def _auth_options(settings: MeshSettings) -> dict[str, Any]:
         opts["user_credentials"] = settings.nats_creds
     if settings.nats_token:
         opts["token"] = settings.nats_token
+    if settings.nats_nkey_seed:
+        opts["nkeys_seed"] = settings.nats_nkey_seed
+    if settings.nats_inbox_prefix:
+        opts["inbox_prefix"] = settings.nats_inbox_prefix
     if settings.nats_tls_ca or settings.nats_tls_cert:
         ctx = ssl.create_default_context(cafile=settings.nats_tls_ca)
         if settings.nats_tls_cert:
@@ -111,6 +115,9 @@ async def ensure_kv(
         ttl=ttl,
         replicas=replicas,
         storage=StorageType.FILE,
+        # Reads by key then name the key in the API subject ($JS.API.DIRECT.GET.<stream>.<key>),
+        # where NATS permissions can limit an identity to its own keys (docs/security.md).
+        direct=True,
     )
     try:
         return await js.create_key_value(cfg)

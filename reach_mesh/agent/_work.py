@@ -430,7 +430,7 @@ class WorkConsumer:
         assert self._js is not None
         event = _event(env, reply.state, self._agent.agent_id, reply=reply)
         publish = self._js.publish(
-            protocol.task_status(env.namespace, env.task_id),
+            protocol.task_status(self._agent.agent_id, env.task_id),
             protocol.encode(event),
             headers=inject(dict(headers)),
         )
@@ -478,7 +478,7 @@ class WorkConsumer:
         event = _event(env, state, agent.agent_id, progress=progress)
         task = asyncio.ensure_future(
             agent._nc.publish(
-                protocol.task_status(env.namespace, env.task_id),
+                protocol.task_status(self._agent.agent_id, env.task_id),
                 protocol.encode(event),
                 headers=inject(dict(headers)),
             )
