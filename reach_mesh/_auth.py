@@ -258,6 +258,7 @@ class AuthDir:
         hub: str = "main",
         operator: str = "admin",
         namespace: str = protocol.DEFAULT_NAMESPACE,
+        host: str = "0.0.0.0",
         port: int = 4222,
         store_dir: str | None = None,
     ) -> list[Identity]:
@@ -268,7 +269,10 @@ class AuthDir:
         out = [self.add("hub", hub), self.add("operator", operator), self.add("caller", namespace)]
         self.nats_conf.write_text(
             server_config(
-                port=port, store_dir=store_dir or str(self.path / "jetstream"), include=_AUTH_CONF
+                host=host,
+                port=port,
+                store_dir=store_dir or str(self.path / "jetstream"),
+                include=_AUTH_CONF,
             )
         )
         return out

@@ -20,7 +20,7 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, TaskState, protocol
 from reach_mesh._auth import AuthDir
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
@@ -434,3 +434,76 @@ async def test_tenants_are_isolated(mesh: Mesh, as_identity: Any) -> None:
     )
     async with Client(settings=mesh.settings("caller", "other")) as c:
         assert await c.agents() == []
+
+
+# --------------------------------------------------------------------------- CLI and config
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_cli_config_starts_nats_server_and_reloads(tmp_path: Path) -> None:
+    """``reach-mesh auth init`` writes a config nats-server accepts (as docker/ uses it);
+    ``add-caller`` on a running server takes effect with a config reload."""
+    import functools
+    import subprocess
+
+    from reach_mesh.cli import main
+    from reach_mesh.server import find_nats_server
+
+    port = free_port()
+    d = tmp_path / "auth"
+    init = ["auth", "init", str(d), "--host", "127.0.0.1", "--port", str(port)]
+    assert await asyncio.to_thread(main, init) == 0
+    assert await asyncio.to_thread(main, ["auth", "add-agent", VICTIM, "--dir", str(d)]) == 0
+    assert (d / "hub.main.nk").stat().st_mode & 0o077 == 0  # seeds are private
+    binary = find_nats_server()
+    run = functools.partial(subprocess.run, capture_output=True, check=False)
+    check = await asyncio.to_thread(run, [binary, "-t", "-c", str(d / "nats.conf")])
+    assert check.returncode == 0, check.stderr
+    log = (tmp_path / "nats.log").open("wb")
+    start = functools.partial(subprocess.Popen, stdout=log, stderr=log)
+    proc = await asyncio.to_thread(start, [binary, "-c", str(d / "nats.conf")])
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        auth = AuthDir(d)
+        hub_settings = auth.settings("hub", "main", nats_url=url, **FAST)
+        for _ in range(100):
+            try:
+                hub = Hub(settings=hub_settings)
+                await hub.start()
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the hub could not connect to nats-server")
+        try:
+            add = ["auth", "add-caller", "late", "--dir", str(d)]
+            assert await asyncio.to_thread(main, add) == 0
+            caller = auth.settings("caller", "late", nats_url=url, connect_timeout=1.0)
+            with pytest.raises(MeshUnavailableError):  # not known before the reload
+                async with Client(settings=caller) as c:
+                    pass
+            reload = await asyncio.to_thread(run, [binary, "--signal", f"reload={proc.pid}"])
+            assert reload.returncode == 0, reload.stderr
+            for _ in range(50):
+                try:
+                    async with Client(settings=caller) as c:
+                        assert await c.agents() == []
+                    break
+                except Exception:
+                    await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the caller added after start could not connect")
+        finally:
+            await hub.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
