@@ -507,3 +507,18 @@ async def test_cli_config_starts_nats_server_and_reloads(tmp_path: Path) -> None
         proc.terminate()
         proc.wait(timeout=10)
         log.close()
+
+
+def test_docker_config_is_valid_with_the_generated_auth(tmp_path: Path) -> None:
+    """docker/nats.conf includes the auth.conf of ``reach-mesh auth init docker/auth``."""
+    import subprocess
+
+    from reach_mesh.server import find_nats_server
+
+    docker = Path(__file__).resolve().parent.parent / "docker" / "nats.conf"
+    conf = tmp_path / "nats.conf"
+    conf.write_text(docker.read_text().replace("/data", str(tmp_path / "data")))
+    AuthDir(tmp_path / "auth").init()
+    check = subprocess.run([find_nats_server(), "-t", "-c", str(conf)], capture_output=True)
+    assert check.returncode == 0, check.stderr
+    assert 'include "auth/auth.conf"' in docker.read_text()
