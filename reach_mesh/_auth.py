@@ -121,7 +121,10 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                 "allow": [
                     *(protocol.hub_agent_subject(agent_id, v) for v in protocol.AGENT_VERBS),
                     protocol.task_status(agent_id, "*"),
-                    "_INBOX.>",  # answers to tasks and control requests
+                    # Answers to tasks and control requests: from hubs, and (direct mode)
+                    # from callers of its own namespace; never into another agent's inbox.
+                    inbox_prefix("hub", "*") + ".>",
+                    inbox_prefix("caller", ns) + ".>",
                     # Durable workflow steps: its own consumer on REACH_WORK, nothing else.
                     f"{_API}.INFO",
                     f"{_API}.STREAM.INFO.{work}",
@@ -137,7 +140,6 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     # ... and its own stored results (write, and read back after a restart).
                     f"{_API}.STREAM.INFO.{_KV_RESULTS_STREAM}",
                     f"$KV.{protocol.KV_RESULTS}.{agent_id}.>",
-                    f"{_API}.CONSUMER.CREATE.{_KV_RESULTS_STREAM}",
                     f"{_API}.CONSUMER.CREATE.{_KV_RESULTS_STREAM}.*.$KV.{protocol.KV_RESULTS}.{agent_id}.>",
                     f"{_API}.CONSUMER.INFO.{_KV_RESULTS_STREAM}.*",
                     f"{_API}.CONSUMER.DELETE.{_KV_RESULTS_STREAM}.*",

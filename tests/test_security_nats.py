@@ -522,3 +522,43 @@ def test_docker_config_is_valid_with_the_generated_auth(tmp_path: Path) -> None:
     check = subprocess.run([find_nats_server(), "-t", "-c", str(conf)], capture_output=True)
     assert check.returncode == 0, check.stderr
     assert 'include "auth/auth.conf"' in docker.read_text()
+
+
+async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_identity: Any) -> None:
+    """An agent reads back its own stored results after a restart (a named consumer whose
+    filter the server checks) and cannot open a consumer on another agent's results, nor read
+    the task records of another namespace."""
+    rogue_settings = mesh.settings("agent", ROGUE)
+
+    def rogue_agent() -> Agent:
+        a = Agent(ROGUE, settings=rogue_settings)
+
+        @a.handler("rogue:own:v1")
+        async def own(task: Task[Any]) -> Any:
+            return {"n": task.payload}
+
+        return a
+
+    async with rogue_agent(), Client(settings=mesh.settings("caller", NS)) as c:
+        res = await c.fanout([Step(agent_id=ROGUE, payload=7)], timeout=15)
+        assert res.state is TaskState.SUCCEEDED
+        task_id = res.steps[0].task_id
+    again = rogue_agent()
+    async with again:
+        assert task_id in again._results  # loaded from its own keys in KV
+    await eventually(lambda: ROGUE not in mesh.hub.registry.agents)
+    rogue = await as_identity("agent", ROGUE)
+    api = "$JS.API.CONSUMER.CREATE"
+    stream = f"KV_{protocol.KV_RESULTS}"
+    await rogue.publish_denied(f"{api}.{stream}")
+    await rogue.publish_denied(f"{api}.{stream}.peek.$KV.{protocol.KV_RESULTS}.{VICTIM}.>")
+    await rogue.publish_denied(
+        f"$JS.API.DIRECT.GET.KV_{protocol.KV_TASKS}.$KV.{protocol.KV_TASKS}.other.x"
+    )
+    await rogue.publish_denied(f"$JS.API.CONSUMER.CREATE.{protocol.STREAM_WORK}")
+    await rogue.publish_denied(
+        f"$JS.API.CONSUMER.MSG.NEXT.{protocol.STREAM_WORK}.{protocol.work_consumer(VICTIM)}"
+    )
+    # Replies go to hubs and to callers of its own namespace, not into another agent's inbox.
+    await rogue.publish_denied(f"_INBOX.agent.{VICTIM}.x")
+    await rogue.publish_denied("_INBOX.caller.other.x")

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_json
 
 from reach_mesh import protocol
-from reach_mesh._batch import BATCH_BYTES, BATCH_ITEMS, AnswerBatcher
+from reach_mesh._batch import BATCH_BYTES, BATCH_ITEMS, AnswerBatcher, reply_token
 from reach_mesh._nats import connect
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
@@ -732,7 +732,7 @@ class Hub:
             self._full.append(box)
             box = None
         if box is None:
-            box = self._outboxes[view.agent_id] = _Outbox(view, _new_id())
+            box = self._outboxes[view.agent_id] = _Outbox(view, reply_token())
             if self._sender is None:
                 self._sender = asyncio.get_running_loop().create_task(self._send_outboxes())
         # An attempt's reply subject is <inbox>.<batch token>.<index>: NATS' "no responders"
@@ -850,7 +850,7 @@ class Hub:
         assert view is not None
         view.outstanding -= 1
         try:
-            head = self._read_reply(view, flight.capability, data)
+            head = self._read_reply(view, flight, data)
         except (AgentBusyError, NoHandlerError, UnknownAgentError) as err:
             await self._refused(flight, err)
             return
@@ -876,12 +876,21 @@ class Hub:
             log.warning("session %s: KV put failed: %r", flight.req.session_id, err)
         await self._finish(flight, task=data, head=head)
 
-    def _read_reply(self, view: AgentView, capability: str | None, data: bytes) -> _ReplyHead:
+    def _read_reply(self, view: AgentView, flight: _Flight, data: bytes) -> _ReplyHead:
         """Parse an agent's reply for what the hub acts on, and feed its health, breaker and
         metrics; raise the typed error an error body carries."""
+        capability = flight.capability
         try:
             protocol.raise_for_error(data)
             head = _ReplyHead.model_validate_json(data)
+            if head.agent_id != view.agent_id or head.task_id != flight.task_id:
+                # Not the answer of the agent this attempt went to: nothing of it is used.
+                self._rejected("reply", None, head.agent_id, expected=view.agent_id)
+                raise IdentityMismatchError(
+                    f"the reply to task {flight.task_id} sent to {view.agent_id} speaks for "
+                    f"{head.agent_id!r}, task {head.task_id!r}",
+                    agent_id=view.agent_id,
+                )
         except AgentBusyError:
             view.health.overloaded()
             raise
