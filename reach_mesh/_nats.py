@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 from typing import Any
 
@@ -18,6 +19,8 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshUnavailableError
 
 __all__ = ["connect", "ensure_kv"]
+
+log = logging.getLogger("reach_mesh.nats")
 
 
 async def connect(
@@ -56,10 +59,14 @@ async def connect(
         opts.update(_auth_options(settings))
     opts.update(options)
 
-    async def _quiet(_: Exception) -> None:
-        return None
+    async def _on_error(err: Exception) -> None:
+        # A permissions violation is the server refusing this identity a subject (secure mode,
+        # docs/security.md); without a word here it would only show as a timeout. Other
+        # asynchronous errors surface where they matter (reconnects, failed requests).
+        if "permissions violation" in str(err).lower():
+            log.warning("NATS refused %s: %s", name, err)
 
-    opts.setdefault("error_cb", _quiet)
+    opts.setdefault("error_cb", _on_error)
     nc = NATS()
     try:
         await asyncio.wait_for(_first_connect(nc, opts), timeout)
