@@ -20,7 +20,15 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
 
-from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, TaskState, protocol
+from reach_mesh import (
+    Client,
+    IdentityMismatchError,
+    MeshSettings,
+    MeshUnavailableError,
+    Step,
+    TaskState,
+    protocol,
+)
 from reach_mesh._auth import AuthDir
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
@@ -562,3 +570,40 @@ async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_ide
     # Replies go to hubs and to callers of its own namespace, not into another agent's inbox.
     await rogue.publish_denied(f"_INBOX.agent.{VICTIM}.x")
     await rogue.publish_denied("_INBOX.caller.other.x")
+
+
+async def test_reply_speaking_for_another_agent_refused(mesh: Mesh, as_identity: Any) -> None:
+    """An agent answering a proxied task in another agent's name: the hub does not pass the
+    answer on (nor count it for the victim)."""
+    from reach_mesh.models import AgentCard, RegisterRequest, TaskReply
+
+    rogue = await as_identity("agent", ROGUE)
+
+    async def answer(msg: Any) -> None:
+        env = json.loads(msg.data)
+        fake = TaskReply(
+            task_id=env["task_id"],
+            attempt=env["attempt"],
+            agent_id=VICTIM,
+            state=TaskState.SUCCEEDED,
+            result="forged",
+        )
+        await rogue.nc.publish(msg.reply, protocol.encode(fake))
+
+    await rogue.nc.subscribe(protocol.agent_task(ROGUE), queue="reach-agent", cb=answer)
+    req = RegisterRequest(
+        card=AgentCard(agent_id=ROGUE, capabilities=["rogue:raw:v1"]),
+        session="raw",
+        heartbeat_interval=20,
+        lease_timeout=60,
+    )
+    out = await ask(rogue, protocol.hub_agent_subject(ROGUE, "register"), protocol.encode(req))
+    assert out["state"] == "ONLINE", out
+    rejected = mesh.hub.metrics.identity_rejected_total.labels("reply")
+    before = rejected._value.get()
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        with pytest.raises(IdentityMismatchError):
+            await c.request(agent_id=ROGUE, payload=1)
+    assert rejected._value.get() == before + 1
+    bye = protocol.encode(UnregisterRequest(agent_id=ROGUE, session="raw"))
+    assert (await ask(rogue, protocol.hub_agent_subject(ROGUE, "unregister"), bye))["removed"]

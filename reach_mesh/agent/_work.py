@@ -8,7 +8,7 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
    (fenced: another attempt superseded it, or the workflow no longer needs it);
 2. publishes ``DELIVERED``, ``ACCEPTED`` when the handler starts, ``RUNNING`` every
    ``step_running_interval`` while it runs (plus ``task.progress()``), then the final state,
-   all on ``reach.task.<ns>.<task_id>.status`` (captured by ``REACH_STATUS``);
+   all on ``reach.status.<agent_id>.<task_id>`` (captured by ``REACH_STATUS``);
 3. sends ``+WPI`` (in progress) while the handler runs, stores the final reply in the
    ``reach_results`` bucket (so a restart keeps the idempotency), and acks the message only
    after the final status is stored by JetStream.
