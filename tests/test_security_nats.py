@@ -258,7 +258,8 @@ async def test_impostor_cannot_register_nor_take_the_victims_tasks(
     # Every request still reaches the victim and only it.
     async with Client(settings=mesh.settings("caller", NS)) as c:
         for i in range(10):
-            res = await c.request(capability=CAP, payload=i)
+            mode = "direct" if i % 2 else "proxy"
+            res = await c.request(capability=CAP, payload=i, mode=mode)
             assert res.result == {"by": VICTIM, "in": i}
     # The rogue's own identity works, for its own id.
     rogue = Agent(ROGUE, settings=mesh.settings("agent", ROGUE))
@@ -607,3 +608,33 @@ async def test_reply_speaking_for_another_agent_refused(mesh: Mesh, as_identity:
     assert rejected._value.get() == before + 1
     bye = protocol.encode(UnregisterRequest(agent_id=ROGUE, session="raw"))
     assert (await ask(rogue, protocol.hub_agent_subject(ROGUE, "unregister"), bye))["removed"]
+
+
+async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
+    """``reach-mesh up --secure DIR``: the embedded server enforces DIR's identities and the
+    hub serves as the hub identity."""
+    import functools
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    d = tmp_path / "auth"
+    AuthDir(d).init(namespace=NS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    cmd = [sys.executable, "-m", "reach_mesh.cli", "up", "--secure", str(d), "--http-port", "-1"]
+    start = functools.partial(
+        subprocess.Popen, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    proc = await asyncio.to_thread(start, cmd)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+        url = line.decode().split("NATS ", 1)[1].split(",", 1)[0]
+        with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
+            await asyncio.wait_for(nats.connect(url, max_reconnect_attempts=0), 5)
+        async with Client(settings=AuthDir(d).settings("caller", NS, nats_url=url)) as c:
+            assert await c.agents() == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.wait, 15)
