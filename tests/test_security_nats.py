@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,8 +223,11 @@ async def test_agent_verbs_for_another_id_refused_by_server(
     assert mesh.hub.registry.agents[VICTIM].state is AgentState.ONLINE
 
 
-async def test_register_over_another_id_rejected_by_hub(mesh: Mesh, as_identity: Any) -> None:
+async def test_register_over_another_id_rejected_by_hub(
+    mesh: Mesh, as_identity: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """Forgery 3 from a real agent identity on its own subject: the body speaks for the victim."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh.hub")
     before = await agent_snapshot(mesh)
     rogue = await as_identity("agent", ROGUE)
     card = mesh.victim.card().model_dump(mode="json", exclude_none=True)
@@ -241,6 +245,12 @@ async def test_register_over_another_id_rejected_by_hub(mesh: Mesh, as_identity:
     assert rejected.labels("register")._value.get() >= 1
     assert rejected.labels("heartbeat")._value.get() >= 1
     assert rejected.labels("unregister")._value.get() >= 1
+    lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-IDENTITY-REJECTED"]
+    assert {(r.verb, r.sender, r.claimed) for r in lines} >= {  # type: ignore[attr-defined]
+        ("register", ROGUE, VICTIM),
+        ("heartbeat", ROGUE, VICTIM),
+        ("unregister", ROGUE, VICTIM),
+    }
 
 
 async def test_impostor_cannot_register_nor_take_the_victims_tasks(
