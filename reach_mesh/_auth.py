@@ -35,7 +35,13 @@ __all__ = [
     "ROLES",
     "AuthDir",
     "Identity",
+    "auth_config",
+    "inbox_prefix",
+    "new_seed",
     "permissions",
+    "server_config",
+    "settings_for",
+    "validate_identity",
 ]
 
 #: The one account every identity of a mesh lives in: hubs serve every namespace and share one
@@ -63,16 +69,13 @@ class Identity:
     public_key: str
 
     @property
-    def stem(self) -> str:
-        return f"{self.role}.{self.name}"
-
-    @property
     def inbox_prefix(self) -> str:
         """Its private reply subjects: ``_INBOX.<role>.<name>`` (nobody else may subscribe)."""
         return inbox_prefix(self.role, self.name)
 
 
 def inbox_prefix(role: str, name: str) -> str:
+    """``_INBOX.<role>.<name>``: the reply prefix of an identity (``*`` allowed in patterns)."""
     return f"_INBOX.{role}.{name}"
 
 
