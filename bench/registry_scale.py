@@ -75,13 +75,13 @@ async def _register_all(
     conns: list[NATS], fleet: list[tuple[str, bytes, bytes]], deadline: float
 ) -> dict[str, Any]:
     """Register every agent (at most 256 at a time), honouring REACH_THROTTLED."""
-    subject = protocol.hub_subject(NAMESPACE, "register")
     sem = asyncio.Semaphore(256)
     throttled = 0
     failed: Counter[str] = Counter()
 
-    async def one(i: int, body: bytes) -> None:
+    async def one(i: int, agent_id: str, body: bytes) -> None:
         nonlocal throttled
+        subject = protocol.hub_agent_subject(agent_id, "register")
         async with sem:
             while time.monotonic() < deadline:
                 try:
@@ -96,7 +96,7 @@ async def _register_all(
                     await asyncio.sleep(0.05)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(i, body) for i, (_, body, _) in enumerate(fleet)))
+    await asyncio.gather(*(one(i, aid, body) for i, (aid, body, _) in enumerate(fleet)))
     return {
         "agents": len(fleet),
         "seconds": round(time.perf_counter() - t0, 3),
@@ -125,7 +125,6 @@ class _Heartbeats:
         self.errors = Counter()
 
     async def _run(self, until: float) -> None:
-        subject = protocol.hub_subject(NAMESPACE, "heartbeat")
         n = len(self.fleet)
         step = HEARTBEAT_INTERVAL / n
         slots = asyncio.Semaphore(4096)
@@ -141,6 +140,7 @@ class _Heartbeats:
                 await asyncio.sleep(ahead)
             await slots.acquire()
             i = k % n
+            subject = protocol.hub_agent_subject(self.fleet[i][0], "heartbeat")
             task = loop.create_task(self._beat(i, subject, max(due, time.perf_counter()), slots))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
@@ -228,13 +228,14 @@ async def _suspect_time(nc: NATS, client: Client, k: int) -> dict[str, float]:
         heartbeat_interval=SHORT_HEARTBEAT,
         lease_timeout=SHORT_LEASE,
     )
-    msg = await nc.request(protocol.hub_subject(NAMESPACE, "register"), protocol.encode(reg), 5)
+    register = protocol.hub_agent_subject(agent_id, "register")
+    msg = await nc.request(register, protocol.encode(reg), 5)
     protocol.raise_for_error(msg.data)
     hb = protocol.encode(Heartbeat(agent_id=agent_id, session=session))
     last_ack = time.perf_counter()
     for _ in range(5):
         await asyncio.sleep(SHORT_HEARTBEAT)
-        msg = await nc.request(protocol.hub_subject(NAMESPACE, "heartbeat"), hb, 5)
+        msg = await nc.request(protocol.hub_agent_subject(agent_id, "heartbeat"), hb, 5)
         protocol.raise_for_error(msg.data)
         last_ack = time.perf_counter()
     # "Killed": no more heartbeats. Poll the hub's view of the agent.
@@ -347,11 +348,11 @@ async def _unregister_fleet(conns: list[NATS], n: int) -> None:
     """Leave the registry empty for the next scenario."""
     if not conns:
         return
-    subject = protocol.hub_subject(NAMESPACE, "unregister")
     sem = asyncio.Semaphore(256)
 
     async def one(i: int) -> None:
         agent_id = f"{NAMESPACE}.svc{i % 97}.a{i}"
+        subject = protocol.hub_agent_subject(agent_id, "unregister")
         async with sem:
             with contextlib.suppress(Exception):
                 await conns[i % len(conns)].request(

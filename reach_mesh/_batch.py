@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Final
@@ -33,7 +32,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from reach_mesh import protocol
 from reach_mesh.tracing import TRACEPARENT
 
-__all__ = ["BATCH_BYTES", "BATCH_ITEMS", "AnswerBatcher", "Batcher"]
+__all__ = ["BATCH_BYTES", "BATCH_ITEMS", "AnswerBatcher", "Batcher", "reply_token"]
 
 #: Most requests in one batch message, and most bytes of bodies in it (hubs, agents, clients).
 BATCH_ITEMS: Final = 64
@@ -43,8 +42,12 @@ _PLAIN_FOR: Final = 60.0
 
 log = logging.getLogger("reach_mesh.batch")
 
-_ids = random.Random()
-os.register_at_fork(after_in_child=_ids.seed)
+
+def reply_token() -> str:
+    """64 random bits from the OS for a reply subject: an agent sees the reply subjects of the
+    requests it serves and may publish on reply subjects, so the next one must not be guessable
+    from those (a Mersenne Twister's would be, given enough of them; docs/security.md)."""
+    return os.urandom(8).hex()
 
 
 @dataclass(slots=True, eq=False)
@@ -107,7 +110,7 @@ class Batcher:
         ):
             # A plain request: no batch subject, trace context that a batch line cannot
             # carry, a large body, or a destination that did not take batches lately.
-            token = f"{_ids.getrandbits(64):016x}.0"
+            token = f"{reply_token()}.0"
             self._futures[token] = future
             await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
         else:
@@ -118,9 +121,7 @@ class Batcher:
                 self._full.append(batch)
                 batch = None
             if batch is None:
-                batch = self._open[batch_subject] = _Batch(
-                    f"{_ids.getrandbits(64):016x}", subject, batch_subject
-                )
+                batch = self._open[batch_subject] = _Batch(reply_token(), subject, batch_subject)
                 if self._sender is None:
                     self._sender = loop.create_task(self._send_pass())
             token = f"{batch.token}.{len(batch.items)}"

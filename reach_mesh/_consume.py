@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Final
 
@@ -23,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -31,12 +32,19 @@ from reach_mesh import protocol
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 
-__all__ = ["PullConsumer", "ensure_stream", "status_stream_config", "work_stream_config"]
+__all__ = [
+    "PullConsumer",
+    "ensure_stream",
+    "kv_values",
+    "status_stream_config",
+    "work_stream_config",
+]
 
 log = logging.getLogger("reach_mesh.consume")
 
 _STATUS: Final = "Status"
 _PENDING: Final = "Nats-Pending-Messages"
+_KV_OP: Final = "KV-Operation"
 
 
 class PullConsumer:
@@ -156,6 +164,39 @@ class PullConsumer:
             self._maybe_pull()
 
 
+async def kv_values(
+    js: JetStreamContext, bucket: str, prefix: str, *, timeout: float = 5.0
+) -> list[bytes]:
+    """The current values of the keys ``<prefix>.*`` of ``bucket`` (deleted keys left out).
+
+    Read with a *named* ordered consumer: its filter then travels in the API subject
+    (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), where NATS permissions can hold an
+    identity to its own keys (docs/security.md) — a KV watch's would not."""
+    sub = await js.subscribe(
+        f"$KV.{bucket}.{prefix}.>",
+        stream=f"KV_{bucket}",
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        inactive_threshold=60.0,
+        config=ConsumerConfig(name=f"reach-{uuid.uuid4().hex}"),
+    )
+    out: list[bytes] = []
+    try:
+        info = await sub.consumer_info()
+        if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
+            return out
+        while True:
+            msg = await sub.next_msg(timeout=timeout)
+            op = (msg.headers or {}).get(_KV_OP)
+            if op not in ("DEL", "PURGE") and msg.data:
+                out.append(msg.data)
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     """Create the stream unless it exists (idempotent across hubs and agents)."""
     assert config.name is not None
@@ -177,6 +218,15 @@ async def ensure_task_resources(js: JetStreamContext, settings: MeshSettings) ->
     s = settings
     await ensure_stream(js, work_stream_config(s.workflow_retention, s.dedup_window, s.kv_replicas))
     await ensure_stream(js, status_stream_config(s.workflow_retention, s.kv_replicas))
+    # Agents store their results here; created with the rest, by hubs (in secure mode hubs
+    # alone may create streams and buckets).
+    await ensure_kv(
+        js,
+        protocol.KV_RESULTS,
+        replicas=s.kv_replicas,
+        ttl=s.workflow_retention,
+        description="reach-mesh agent results (idempotency across restarts)",
+    )
     return await ensure_kv(
         js,
         protocol.KV_TASKS,
@@ -205,7 +255,7 @@ def status_stream_config(retention: float, replicas: int) -> StreamConfig:
     """``REACH_STATUS``: every status event of every tracked task, so a hub can rebuild state."""
     return StreamConfig(
         name=protocol.STREAM_STATUS,
-        subjects=[protocol.task_status("*", "*")],
+        subjects=[protocol.task_status("*.*.*", "*")],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         max_age=retention,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 from typing import Any
 
@@ -19,6 +20,8 @@ from reach_mesh.errors import MeshUnavailableError
 
 __all__ = ["connect", "ensure_kv"]
 
+log = logging.getLogger("reach_mesh.nats")
+
 
 async def connect(
     url: str | None,
@@ -33,8 +36,8 @@ async def connect(
     A dead URL makes nats-py retry for minutes; the connect is bounded by ``timeout``
     (default ``settings.connect_timeout``) and reconnection after a successful connect is
     unlimited (a hub or agent outlives a server restart or a cluster failover). Credentials
-    and TLS come from ``settings`` (``nats_creds``, ``nats_token``, ``nats_tls_*``); a user and
-    password may also be given in the URL.
+    and TLS come from ``settings`` (``nats_creds``, ``nats_token``, ``nats_nkey_seed`` with
+    ``nats_inbox_prefix``, ``nats_tls_*``); a user and password may also be given in the URL.
     """
     if not url:
         raise MeshUnavailableError(
@@ -56,10 +59,14 @@ async def connect(
         opts.update(_auth_options(settings))
     opts.update(options)
 
-    async def _quiet(_: Exception) -> None:
-        return None
+    async def _on_error(err: Exception) -> None:
+        # A permissions violation is the server refusing this identity a subject (secure mode,
+        # docs/security.md); without a word here it would only show as a timeout. Other
+        # asynchronous errors surface where they matter (reconnects, failed requests).
+        if "permissions violation" in str(err).lower():
+            log.warning("NATS refused %s: %s", name, err)
 
-    opts.setdefault("error_cb", _quiet)
+    opts.setdefault("error_cb", _on_error)
     nc = NATS()
     try:
         await asyncio.wait_for(_first_connect(nc, opts), timeout)
@@ -76,6 +83,10 @@ def _auth_options(settings: MeshSettings) -> dict[str, Any]:
         opts["user_credentials"] = settings.nats_creds
     if settings.nats_token:
         opts["token"] = settings.nats_token
+    if settings.nats_nkey_seed:
+        opts["nkeys_seed"] = settings.nats_nkey_seed
+    if settings.nats_inbox_prefix:
+        opts["inbox_prefix"] = settings.nats_inbox_prefix
     if settings.nats_tls_ca or settings.nats_tls_cert:
         ctx = ssl.create_default_context(cafile=settings.nats_tls_ca)
         if settings.nats_tls_cert:
@@ -111,6 +122,9 @@ async def ensure_kv(
         ttl=ttl,
         replicas=replicas,
         storage=StorageType.FILE,
+        # Reads by key then name the key in the API subject ($JS.API.DIRECT.GET.<stream>.<key>),
+        # where NATS permissions can limit an identity to its own keys (docs/security.md).
+        direct=True,
     )
     try:
         return await js.create_key_value(cfg)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from reach_mesh import _runner
+from reach_mesh._auth import AuthDir
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import BadRequestError, ReachError
@@ -38,12 +39,17 @@ def _settings(args: argparse.Namespace, **extra: Any) -> MeshSettings:
 
 @contextlib.asynccontextmanager
 async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
-    """The URL to use: ``--nats``/``$REACH_NATS_URL``, or an embedded server for this run."""
+    """The URL to use: ``--nats``/``$REACH_NATS_URL``, or an embedded server for this run
+    (with the identities of ``--secure DIR``, when given)."""
     url = args.nats or os.environ.get("REACH_NATS_URL")
     if url:
         yield url
         return
-    server = EmbeddedNats(getattr(args, "data_dir", None))
+    secure = getattr(args, "secure", None)
+    auth = AuthDir(secure).auth_conf if secure else None
+    if auth is not None and not auth.exists():
+        raise BadRequestError(f"{auth} not found: run `reach-mesh auth init {secure}` first")
+    server = EmbeddedNats(getattr(args, "data_dir", None), auth_config=auth)
     await server.astart()
     try:
         yield server.url
@@ -67,7 +73,10 @@ async def cmd_up(args: argparse.Namespace) -> int:
     from reach_mesh.hub import Hub
 
     async with _nats(args) as url:
-        settings = _settings(args, nats_url=url)
+        if args.secure:  # the hubs connect as the hub identity of the auth directory
+            settings = AuthDir(args.secure).settings("hub", args.hub_name, nats_url=url)
+        else:
+            settings = _settings(args, nats_url=url)
         hubs = []
         for i in range(args.hubs):
             port = None if args.http_port < 0 else (args.http_port if i == 0 else 0)
@@ -84,6 +93,9 @@ async def cmd_up(args: argparse.Namespace) -> int:
                         flush=True,
                     )
             print(f"  export REACH_NATS_URL={url}   # then: reach-mesh agents", flush=True)
+            if args.secure:
+                op = AuthDir(args.secure).settings_file("operator", "admin")
+                print(f"  secure: each process needs REACH_CONFIG=<identity>.yaml, e.g. {op}")
             await _until_signal()
         finally:
             for hub in hubs:
@@ -329,6 +341,29 @@ async def cmd_tools(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_auth(args: argparse.Namespace) -> int:
+    """``auth init DIR`` / ``auth add-agent ID`` / ``auth add-caller NS`` (docs/security.md)."""
+    auth = AuthDir(getattr(args, "init_dir", None) or args.dir, nats_url=args.nats)
+    if args.auth_command == "init":
+        issued = auth.init(namespace=args.namespace, host=args.host, port=args.port)
+        print(f"server config: {auth.nats_conf} (includes {auth.auth_conf})")
+    else:
+        role, name = (
+            ("agent", args.agent_id)
+            if args.auth_command == "add-agent"
+            else (
+                "caller",
+                args.namespace,
+            )
+        )
+        issued = [auth.add(role, name)]
+        print(f"added to {auth.auth_conf}: reload a running server (nats-server --signal reload)")
+    for ident in issued:
+        where = auth.settings_file(ident.role, ident.name)
+        print(f"  {ident.role:<8} {ident.name:<32} REACH_CONFIG={where}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- parser
 
 
@@ -357,7 +392,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--data-dir", help="JetStream store dir for the embedded server")
     up.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
+    up.add_argument(
+        "--secure",
+        metavar="DIR",
+        help="enforce the identities of `reach-mesh auth init DIR` (default: open dev mode)",
+    )
+    up.add_argument("--hub-name", default="main", help="hub identity in the --secure DIR")
     up.set_defaults(func=cmd_up)
+
+    auth = sub.add_parser("auth", help="NATS identities and permissions for a secure mesh")
+    auth.set_defaults(func=cmd_auth)
+    auth_sub = auth.add_subparsers(dest="auth_command", required=True)
+
+    def auth_cmd(name: str, help: str) -> argparse.ArgumentParser:
+        sp = auth_sub.add_parser(name, help=help, description=help)
+        sp.add_argument(
+            "--dir",
+            default=os.environ.get("REACH_AUTH_DIR", "reach-auth"),
+            help="auth directory (default: $REACH_AUTH_DIR or ./reach-auth)",
+        )
+        sp.add_argument("--nats", default=None, help="NATS URL written into settings files")
+        return sp
+
+    init = auth_cmd("init", "server config + credentials for a hub, an operator and a caller")
+    init.add_argument("init_dir", nargs="?", metavar="DIR", help="auth directory (or --dir)")
+    init.add_argument("--namespace", default="default", help="the caller's namespace")
+    init.add_argument("--host", default="0.0.0.0", help="listen address in nats.conf")
+    init.add_argument("--port", type=int, default=4222, help="client port in nats.conf")
+    auth_cmd("add-agent", "credentials for one agent id").add_argument("agent_id")
+    auth_cmd("add-caller", "credentials for a caller of one namespace").add_argument("namespace")
 
     hub = cmd("hub", "run one hub instance against an existing NATS")
     hub.add_argument(

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -709,6 +710,10 @@ class Client:
                 protocol.wf_all(self.namespace, workflow_id),
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.ALL,
+                stream=protocol.STREAM_WF_EVENTS,
+                # Named: the filter then travels in the API subject, where NATS permissions
+                # can hold a caller to its own namespace (docs/security.md).
+                config=ConsumerConfig(name=_consumer_name()),
             )
         except nats.js.errors.Error as err:
             raise MeshUnavailableError(f"cannot read workflow events: {err}") from err
@@ -880,7 +885,10 @@ class Client:
     # ------------------------------------------------------------------ fleet queries
 
     async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
-        data = await self._query("agents", {"all_namespaces": all_namespaces})
+        if all_namespaces:  # an operator query (docs/security.md)
+            data = await self._query("admin", {"op": "agents"})
+        else:
+            data = await self._query("agents", {})
         return [AgentInfo.model_validate(a) for a in json.loads(data)["agents"]]
 
     async def inspect(self, agent_id: str) -> AgentInfo:
@@ -931,14 +939,20 @@ class Client:
         js = self.nc.jetstream()
         start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=since)
         subject = protocol.audit_subject(namespace or "*", "*")
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start)
+        config = ConsumerConfig(
+            name=_consumer_name(),
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=start,
+        )
         try:
             info = await js.stream_info(protocol.STREAM_AUDIT)
         except nats.js.errors.NotFoundError:
             return []
         if info.state.messages == 0:
             return []
-        sub = await js.subscribe(subject, ordered_consumer=True, config=config)
+        sub = await js.subscribe(
+            subject, ordered_consumer=True, config=config, stream=protocol.STREAM_AUDIT
+        )
         wanted = {
             "request_id": request_id,
             "agent_id": agent_id,
@@ -978,6 +992,11 @@ class Client:
         return await self._call_hub(
             ns or self.namespace, verb, protocol.dumps(body), inject({}), deadline, 5.0
         )
+
+
+def _consumer_name() -> str:
+    """A name for an ordered consumer (ephemeral: the server removes it when unused)."""
+    return f"reach-{uuid.uuid4().hex}"
 
 
 def _bad_step(step: object) -> Any:

@@ -31,6 +31,11 @@ class MeshSettings(BaseModel):
     #: given in the URL (``nats://user:pass@host:4222``).
     nats_creds: str | None = None
     nats_token: str | None = Field(default=None, repr=False)
+    #: Secure mode (docs/security.md): a file holding this identity's nkey seed (``SU…``), as
+    #: ``reach-mesh auth`` writes it, and the private prefix of its reply subjects
+    #: (``_INBOX.<role>.<name>``: the server lets no other identity subscribe there).
+    nats_nkey_seed: str | None = None
+    nats_inbox_prefix: str | None = None
     #: TLS: CA bundle to verify the server, and a client certificate/key for mutual TLS.
     #: ``tls://`` URLs use the system CAs when no bundle is given.
     nats_tls_ca: str | None = None

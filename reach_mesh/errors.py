@@ -9,6 +9,7 @@ Every error carries a stable wire ``code`` so that clients in any language can a
     │   ├── SelectorError           REACH_BAD_SELECTOR     (names the position)
     │   ├── BadLeaseError           REACH_BAD_LEASE
     │   ├── PayloadTooLargeError    REACH_PAYLOAD_TOO_LARGE
+    │   ├── IdentityMismatchError   REACH_IDENTITY_MISMATCH (subject and body name different ids)
     │   └── WorkflowSpecError       REACH_BAD_WORKFLOW
     ├── UnknownAgentError           REACH_UNKNOWN_AGENT    (heartbeat: re-register)
     ├── NoMatchError                REACH_NO_MATCH         (with the nearest things that exist)
@@ -35,6 +36,7 @@ __all__ = [
     "BadLeaseError",
     "BadRequestError",
     "HandlerError",
+    "IdentityMismatchError",
     "InternalError",
     "InvalidAgentIdError",
     "InvalidCapabilityError",
@@ -104,6 +106,13 @@ class BadLeaseError(BadRequestError):
 
 class PayloadTooLargeError(BadRequestError):
     code = "REACH_PAYLOAD_TOO_LARGE"
+
+
+class IdentityMismatchError(BadRequestError):
+    """The agent id a message's subject names (the one NATS permissions bind to the sender) is
+    not the one its body speaks for: refused, nothing changed (docs/security.md)."""
+
+    code = "REACH_IDENTITY_MISMATCH"
 
 
 class WorkflowSpecError(BadRequestError):

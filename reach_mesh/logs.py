@@ -21,6 +21,7 @@ from typing import Any, Final, TextIO
 from reach_mesh.tracing import current_trace_id
 
 __all__ = [
+    "IDENTITY_REJECTED",
     "LEASE_EXPIRED",
     "QUARANTINE",
     "ROUTE_LATENCY",
@@ -40,6 +41,9 @@ QUARANTINE: Final = "REACH-QUARANTINE"
 """An agent's breaker opened (QUARANTINED) or closed again."""
 ROUTE_LATENCY: Final = "REACH-ROUTE-LATENCY"
 """A routing decision slower than the configured threshold."""
+IDENTITY_REJECTED: Final = "REACH-IDENTITY-REJECTED"
+"""A message spoke for another identity than its subject names, or used a hub-only code: refused
+(docs/security.md)."""
 
 # Default level per keyword: the three that mean "something is not reachable" are warnings.
 _EVENT_LEVELS: Final[Mapping[str, int]] = {
@@ -47,6 +51,7 @@ _EVENT_LEVELS: Final[Mapping[str, int]] = {
     LEASE_EXPIRED: logging.WARNING,
     QUARANTINE: logging.WARNING,
     ROUTE_LATENCY: logging.INFO,
+    IDENTITY_REJECTED: logging.WARNING,
 }
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=`` and is a field.

@@ -301,7 +301,7 @@ class TaskEnvelope(_Wire):
     timeout: float = Field(default=30.0, gt=0)
     workflow_id: str | None = None
     step: int | None = None
-    #: Publish status events (DELIVERED/ACCEPTED/RUNNING/final) on reach.task.<ns>.<id>.status.
+    #: Publish status events (DELIVERED/ACCEPTED/RUNNING/final) on reach.status.<agent_id>.<id>.
     track: bool = False
 
 

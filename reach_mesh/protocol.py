@@ -25,6 +25,7 @@ from reach_mesh.errors import (
 
 __all__ = [
     "AGENT_ID_RE",
+    "AGENT_VERBS",
     "CAPABILITY_RE",
     "DEFAULT_NAMESPACE",
     "HUB_QUEUE",
@@ -49,7 +50,10 @@ __all__ = [
     "decode",
     "encode",
     "encode_error",
+    "hub_agent_subject",
+    "hub_broadcast",
     "hub_subject",
+    "identity_of",
     "join_answers",
     "namespace_of",
     "parse_reply",
@@ -57,6 +61,7 @@ __all__ = [
     "result_key",
     "split_answers",
     "split_batch",
+    "status_identity",
     "task_key",
     "task_status",
     "validate_agent_id",
@@ -73,7 +78,10 @@ __all__ = [
     "workflow_key",
 ]
 
-PROTOCOL_VERSION: Final = 1
+#: 2: registration, heartbeats, unregistration and status events carry the sender's agent id in
+#: their subjects (so NATS permissions can bind them to it); operator breaker broadcasts moved to
+#: ``reach.hubs.<ns>.breaker`` (docs/protocol.md, "Version 2").
+PROTOCOL_VERSION: Final = 2
 DEFAULT_NAMESPACE: Final = "default"
 
 #: Queue group every hub instance joins for request-reply subjects.
@@ -94,7 +102,7 @@ KV_RESULTS: Final = "reach_results"  # <agent_id>.<task_id> -> TaskReply (agent 
 STREAM_WF: Final = "REACH_WF"  # reach.wf.<ns>.submit (work queue, dedup on workflow_id)
 STREAM_WF_EVENTS: Final = "REACH_WF_EVENTS"  # reach.wf.<ns>.<wf_id>.event / .done
 STREAM_WORK: Final = "REACH_WORK"  # reach.work.<ns>.<agent_id> (work queue)
-STREAM_STATUS: Final = "REACH_STATUS"  # reach.task.<ns>.<task_id>.status
+STREAM_STATUS: Final = "REACH_STATUS"  # reach.status.<agent_id>.<task_id>
 #: The durable pull consumer every hub shares on ``REACH_WF``.
 CONSUMER_HUBS: Final = "reach-hubs"
 WORKFLOW_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
@@ -170,9 +178,35 @@ def namespace_of(agent_id: str) -> str:
 
 
 def hub_subject(namespace: str, verb: str) -> str:
-    """``reach.hub.<ns>.<verb>`` — verbs: register, heartbeat, unregister, route, report, agents,
-    admin. ``namespace`` may be ``*`` for the hub's wildcard subscriptions."""
+    """``reach.hub.<ns>.<verb>`` — verbs: route, route_batch, report, agents, admin.
+    ``namespace`` may be ``*`` for the hub's wildcard subscriptions."""
     return f"reach.hub.{namespace}.{verb}"
+
+
+#: The verbs an agent sends about itself, on subjects that name it (``hub_agent_subject``).
+AGENT_VERBS: Final = ("register", "heartbeat", "unregister")
+
+
+def hub_agent_subject(agent_id: str, verb: str) -> str:
+    """``reach.hub.<ns>.<verb>.<service>.<instance>`` — an agent's register, heartbeat and
+    unregister requests, on a subject that carries its id so that NATS permissions can allow an
+    agent these verbs for its own id only. ``agent_id`` may be ``*.*.*`` (subscriptions)."""
+    ns, service, instance = agent_id.split(".")
+    return f"reach.hub.{ns}.{verb}.{service}.{instance}"
+
+
+def identity_of(subject: str) -> str | None:
+    """The agent id a ``hub_agent_subject`` names, or None if the subject names none."""
+    parts = subject.split(".")
+    if len(parts) != 6:
+        return None
+    return f"{parts[2]}.{parts[4]}.{parts[5]}"
+
+
+def hub_broadcast(namespace: str, verb: str) -> str:
+    """``reach.hubs.<ns>.<verb>`` — messages from one hub to every hub (no queue group); only
+    hubs may publish here. Verb: ``breaker`` (an operator's quarantine / release)."""
+    return f"reach.hubs.{namespace}.{verb}"
 
 
 def agent_task(agent_id: str) -> str:
@@ -240,9 +274,19 @@ def audit_subject(namespace: str, kind: str) -> str:
     return f"reach.audit.{namespace}.{kind}"
 
 
-def task_status(namespace: str, task_id: str) -> str:
-    """``reach.task.<ns>.<task_id>.status`` — six-state status events of a task."""
-    return f"reach.task.{namespace}.{task_id}.status"
+def task_status(agent_id: str, task_id: str) -> str:
+    """``reach.status.<agent_id>.<task_id>`` — six-state status events of a task, on a subject
+    that names the agent running it (only that agent may publish there). ``agent_id`` may be
+    ``*.*.*`` and ``task_id`` ``*`` (subscriptions)."""
+    return f"reach.status.{agent_id}.{task_id}"
+
+
+def status_identity(subject: str) -> tuple[str, str] | None:
+    """(agent id, task id) of a ``task_status`` subject, or None if it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 6:
+        return None
+    return f"{parts[2]}.{parts[3]}.{parts[4]}", parts[5]
 
 
 def wf_submit(namespace: str) -> str:

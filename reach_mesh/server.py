@@ -76,6 +76,7 @@ class EmbeddedNats:
         binary: str | None = None,
         startup_timeout: float = 15.0,
         auth_token: str | None = None,
+        auth_config: str | os.PathLike[str] | None = None,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -93,6 +94,9 @@ class EmbeddedNats:
         self.binary = binary
         self.startup_timeout = startup_timeout
         self.auth_token = auth_token
+        #: A file of nats-server config (``reach-mesh auth``'s auth.conf: accounts, users,
+        #: permissions) included in the server's config. Reloaded by :meth:`reload`.
+        self.auth_config = Path(auth_config).resolve() if auth_config is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: Path | None = None
 
@@ -117,6 +121,10 @@ class EmbeddedNats:
             lines.append(f"http: {self.host}:{self.http_port}")
         if self.auth_token:
             lines += ["authorization {", f'  token: "{self.auth_token}"', "}"]
+        if self.auth_config is not None:
+            # nats-server resolves includes relative to the including file, even absolute ones.
+            rel = os.path.relpath(self.auth_config, self.store_dir.resolve())
+            lines.append(f'include "{rel}"')
         if self.cluster_name:
             lines += [
                 "cluster {",
@@ -173,6 +181,12 @@ class EmbeddedNats:
         raise MeshUnavailableError(
             f"nats-server did not become ready within {self.startup_timeout:g}s"
         )
+
+    def reload(self) -> None:
+        """Make the running server re-read its config (e.g. identities added to auth.conf)."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError("server not running")
+        self.proc.send_signal(signal.SIGHUP)
 
     async def astart(self) -> EmbeddedNats:
         """Start without blocking the event loop."""

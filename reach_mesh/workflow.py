@@ -270,7 +270,7 @@ def merge_payload(previous: Any, own: Any) -> Any:
 
 
 class TaskStatusEvent(_Wire):
-    """agent → hubs on ``reach.task.<ns>.<task_id>.status``: one six-state transition of one
+    """agent → hubs on ``reach.status.<agent_id>.<task_id>``: one six-state transition of one
     attempt (captured by the ``REACH_STATUS`` stream)."""
 
     task_id: str

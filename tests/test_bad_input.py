@@ -48,6 +48,18 @@ def register_body(ns: str, **card: Any) -> dict[str, Any]:
     return {"card": base, "session": "s1"}
 
 
+def subject_for(namespace: str, verb: str, body: bytes | dict[str, Any]) -> str:
+    """The subject a request goes to: an agent's own verbs name the agent (its body's id)."""
+    if verb not in protocol.AGENT_VERBS:
+        return protocol.hub_subject(namespace, verb)
+    agent_id: Any = None
+    if isinstance(body, dict):
+        agent_id = body.get("card", body).get("agent_id")
+    if not isinstance(agent_id, str) or not protocol.AGENT_ID_RE.match(agent_id):
+        agent_id = f"{namespace}.svc.i1"
+    return protocol.hub_agent_subject(agent_id, verb)
+
+
 CASES = [
     ("register", b"{not json", "REACH_BAD_REQUEST", "malformed JSON"),
     ("register", b"[1,2]", "REACH_BAD_REQUEST", "RegisterRequest"),
@@ -130,7 +142,7 @@ async def test_bad_input_typed_error(
 ) -> None:
     if isinstance(body, dict):
         body = json.loads(json.dumps(body).replace("{ns}", namespace))
-    out = await ask(nc, protocol.hub_subject(namespace, verb), body)
+    out = await ask(nc, subject_for(namespace, verb, body), body)
     assert "error" in out, out
     err = out["error"]
     if code is not None:
@@ -154,10 +166,12 @@ async def test_invalid_namespace_subject(nc: NATS, hub: Hub) -> None:
     assert "BAD_NS" in out["error"]["message"]
 
 
-async def test_register_in_wrong_namespace(nc: NATS, hub: Hub, namespace: str) -> None:
-    out = await ask(nc, protocol.hub_subject(namespace, "register"), register_body("othertenant"))
-    assert out["error"]["code"] == "REACH_BAD_REQUEST"
+async def test_register_for_another_identity(nc: NATS, hub: Hub, namespace: str) -> None:
+    subject = protocol.hub_agent_subject(f"{namespace}.svc.i1", "register")
+    out = await ask(nc, subject, register_body("othertenant"))
+    assert out["error"]["code"] == "REACH_IDENTITY_MISMATCH"
     assert "othertenant" in out["error"]["message"]
+    assert "othertenant.svc.i1" not in hub.registry.agents
 
 
 async def test_oversized_payload(

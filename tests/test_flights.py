@@ -92,13 +92,13 @@ async def raw_agent(
             lease_timeout=60,
         )
         reply = await nc.request(
-            protocol.hub_subject(settings.namespace, "register"), protocol.encode(req), timeout=5
+            protocol.hub_agent_subject(agent_id, "register"), protocol.encode(req), timeout=5
         )
         protocol.raise_for_error(reply.data)
         yield received
         bye = UnregisterRequest(agent_id=agent_id, session=req.session)
         await nc.request(
-            protocol.hub_subject(settings.namespace, "unregister"), protocol.encode(bye), timeout=5
+            protocol.hub_agent_subject(agent_id, "unregister"), protocol.encode(bye), timeout=5
         )
     finally:
         await nc.close()

@@ -38,7 +38,7 @@ async def status_events(client: Client, ns: str, task_id: str) -> list[TaskStatu
     """Every status event the REACH_STATUS stream holds for a task."""
     js = client.nc.jetstream()
     sub = await js.subscribe(
-        protocol.task_status(ns, task_id),
+        protocol.task_status(f"{ns}.*.*", task_id),
         ordered_consumer=True,
         deliver_policy=DeliverPolicy.ALL,
     )
@@ -574,7 +574,7 @@ async def test_agent_restart_keeps_results(
         await second.start()
         # A later attempt of the task that already succeeded: the stored result, not a run.
         env = TaskEnvelope(task_id=task_id, attempt=5, payload=1, namespace=ns, track=True)
-        sub = await mesh.nc.subscribe(protocol.task_status(ns, task_id))
+        sub = await mesh.nc.subscribe(protocol.task_status(second.agent_id, task_id))
         await mesh.nc.jetstream().publish(
             protocol.work_subject(ns, second.agent_id), protocol.encode(env)
         )

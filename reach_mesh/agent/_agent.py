@@ -525,7 +525,7 @@ class Agent:
             heartbeat_interval=s.heartbeat_interval,
             lease_timeout=s.lease_timeout,
         )
-        subject = protocol.hub_subject(self.namespace, "register")
+        subject = protocol.hub_agent_subject(self.agent_id, "register")
         delay = 0.05
         # Long enough to ride out a JetStream leader election (seconds) or a hub restart.
         deadline = time.monotonic() + max(s.connect_timeout, 30.0)
@@ -551,7 +551,7 @@ class Agent:
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.heartbeat_interval
-        subject = protocol.hub_subject(self.namespace, "heartbeat")
+        subject = protocol.hub_agent_subject(self.agent_id, "heartbeat")
         while True:
             await asyncio.sleep(interval * random.uniform(0.9, 1.0))
             try:
@@ -588,7 +588,7 @@ class Agent:
 
     async def heartbeat_now(self) -> None:
         """Send a heartbeat at once (e.g. after changing ``unavailable`` or ``pressure``)."""
-        await self._beat(protocol.hub_subject(self.namespace, "heartbeat"), timeout=5.0)
+        await self._beat(protocol.hub_agent_subject(self.agent_id, "heartbeat"), timeout=5.0)
 
     async def close(self) -> None:
         """Graceful stop: refuse new work, tell the hubs (DRAINING), finish in-flight tasks
@@ -613,7 +613,7 @@ class Agent:
             if self._nc is not None and self._registered.is_set():
                 with contextlib.suppress(Exception):
                     await self.nc.request(
-                        protocol.hub_subject(self.namespace, "unregister"),
+                        protocol.hub_agent_subject(self.agent_id, "unregister"),
                         protocol.encode(
                             UnregisterRequest(agent_id=self.agent_id, session=self.session)
                         ),

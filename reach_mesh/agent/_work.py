@@ -8,7 +8,7 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
    (fenced: another attempt superseded it, or the workflow no longer needs it);
 2. publishes ``DELIVERED``, ``ACCEPTED`` when the handler starts, ``RUNNING`` every
    ``step_running_interval`` while it runs (plus ``task.progress()``), then the final state,
-   all on ``reach.task.<ns>.<task_id>.status`` (captured by ``REACH_STATUS``);
+   all on ``reach.status.<agent_id>.<task_id>`` (captured by ``REACH_STATUS``);
 3. sends ``+WPI`` (in progress) while the handler runs, stores the final reply in the
    ``reach_results`` bucket (so a restart keeps the idempotency), and acks the message only
    after the final status is stored by JetStream.
@@ -30,11 +30,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._consume import PullConsumer, ensure_task_resources
+from reach_mesh._consume import PullConsumer, ensure_task_resources, kv_values
 from reach_mesh._nats import ensure_kv
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
@@ -168,29 +168,20 @@ class WorkConsumer:
         """Warm the idempotency cache from KV: results survive an agent restart."""
         from reach_mesh.agent._agent import _Entry
 
-        assert self._results_kv is not None
+        assert self._js is not None
         agent = self._agent
         try:
-            watcher = await self._results_kv.watch(
-                f"{agent.agent_id}.>", ignore_deletes=True, meta_only=False
-            )
+            # Its own keys only: what NATS permissions allow an agent in secure mode.
+            values = await kv_values(self._js, protocol.KV_RESULTS, agent.agent_id)
         except Exception:
             log.warning("cannot load stored results of %s", agent.agent_id, exc_info=True)
             return
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    break
-                if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
-                    continue
-                try:
-                    reply = TaskReply.model_validate_json(entry.value)
-                except ValidationError:
-                    continue
-                agent._remember(reply.task_id, _Entry(reply.attempt, reply.state, reply=reply))
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()  # type: ignore[no-untyped-call]
+        for value in values:
+            try:
+                reply = TaskReply.model_validate_json(value)
+            except ValidationError:
+                continue
+            agent._remember(reply.task_id, _Entry(reply.attempt, reply.state, reply=reply))
 
     # ------------------------------------------------------------------ receiving
 
@@ -430,7 +421,7 @@ class WorkConsumer:
         assert self._js is not None
         event = _event(env, reply.state, self._agent.agent_id, reply=reply)
         publish = self._js.publish(
-            protocol.task_status(env.namespace, env.task_id),
+            protocol.task_status(self._agent.agent_id, env.task_id),
             protocol.encode(event),
             headers=inject(dict(headers)),
         )
@@ -478,7 +469,7 @@ class WorkConsumer:
         event = _event(env, state, agent.agent_id, progress=progress)
         task = asyncio.ensure_future(
             agent._nc.publish(
-                protocol.task_status(env.namespace, env.task_id),
+                protocol.task_status(self._agent.agent_id, env.task_id),
                 protocol.encode(event),
                 headers=inject(dict(headers)),
             )

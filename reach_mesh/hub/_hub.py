@@ -35,12 +35,13 @@ from pydantic import BaseModel, ConfigDict
 from pydantic_core import to_json
 
 from reach_mesh import protocol
-from reach_mesh._batch import BATCH_BYTES, BATCH_ITEMS, AnswerBatcher
+from reach_mesh._batch import BATCH_BYTES, BATCH_ITEMS, AnswerBatcher, reply_token
 from reach_mesh._nats import connect
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
     BadRequestError,
+    IdentityMismatchError,
     InternalError,
     MeshTimeoutError,
     MeshUnavailableError,
@@ -56,7 +57,7 @@ from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.throttle import Throttle
 from reach_mesh.hub.workflows import WorkflowEngine
-from reach_mesh.logs import QUARANTINE, ROUTE_LATENCY, SELECT_EMPTY, log_event
+from reach_mesh.logs import IDENTITY_REJECTED, QUARANTINE, ROUTE_LATENCY, SELECT_EMPTY, log_event
 from reach_mesh.models import (
     AgentState,
     ErrorBody,
@@ -93,7 +94,7 @@ _ENVELOPE_SLACK: Final = 16 * 1024
 _SLOW_ROUTE: Final = 0.25
 #: How often unanswered proxy attempts are checked against their deadline (seconds).
 _SWEEP_INTERVAL: Final = 0.005
-ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove")
+ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove", "agents")
 #: Report codes for operator quarantine / release, broadcast so every hub's breaker follows.
 QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
 RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
@@ -284,17 +285,17 @@ class Hub:
 
     async def _subscribe(self) -> None:
         q = protocol.HUB_QUEUE
-        table: list[tuple[str, Handler, str | None]] = [
-            ("register", self._on_register, q),
-            ("heartbeat", self._on_heartbeat, q),
-            ("unregister", self._on_unregister, q),
-            ("agents", self._on_agents, q),
-            ("admin", self._on_admin, q),
+        table: list[tuple[str, Handler]] = [
+            # An agent's own verbs, on subjects naming it (NATS permissions bind them to it).
+            (protocol.hub_agent_subject("*.*.*", "register"), self._on_register),
+            (protocol.hub_agent_subject("*.*.*", "heartbeat"), self._on_heartbeat),
+            (protocol.hub_agent_subject("*.*.*", "unregister"), self._on_unregister),
+            (protocol.hub_subject("*", "agents"), self._on_agents),
+            (protocol.hub_subject("*", "admin"), self._on_admin),
         ]
-        for verb, handler, queue in table:
-            subject = protocol.hub_subject("*", verb)
+        for subject, handler in table:
             sub = await self.nc.subscribe(
-                subject, queue=queue or "", cb=self._dispatcher(handler), pending_msgs_limit=-1
+                subject, queue=q, cb=self._dispatcher(handler), pending_msgs_limit=-1
             )
             self._subs.append(sub)
         self._answers = AnswerBatcher(self.nc)
@@ -312,9 +313,13 @@ class Hub:
                     protocol.hub_subject("*", verb), queue=q, cb=cb, pending_msgs_limit=-1
                 )
             )
-        # Failure reports go to every hub (no queue group): each keeps its own breakers.
+        # Failure reports go to every hub (no queue group): each keeps its own breakers. An
+        # operator's quarantine / release comes from a hub, on a subject only hubs publish to.
         self._subs.append(
             await self.nc.subscribe(protocol.hub_subject("*", "report"), cb=self._on_report)
+        )
+        self._subs.append(
+            await self.nc.subscribe(protocol.hub_broadcast("*", "breaker"), cb=self._on_breaker)
         )
         await self.nc.flush()
 
@@ -437,12 +442,7 @@ class Hub:
                 f"namespace {ns!r} is registering too fast", retry_after_ms=int(retry * 1000) + 1
             )
         req = protocol.decode(msg.data, RegisterRequest, max_size=256 * 1024)
-        if req.card.namespace != ns:
-            raise BadRequestError(
-                f"agent {req.card.agent_id!r} belongs to namespace {req.card.namespace!r}, "
-                f"not {ns!r}",
-                field="card.agent_id",
-            )
+        self._check_identity(msg.subject, "register", req.card.agent_id)
         view = await self.registry.register(req, protocol.agent_task(req.card.agent_id))
         await self.audit.record(
             ns,
@@ -465,8 +465,7 @@ class Hub:
 
     async def _on_heartbeat(self, msg: Msg, ns: str) -> bytes:
         hb = protocol.decode(msg.data, Heartbeat, max_size=64 * 1024)
-        if protocol.namespace_of(hb.agent_id) != ns:
-            raise BadRequestError(f"agent {hb.agent_id!r} is not in namespace {ns!r}")
+        self._check_identity(msg.subject, "heartbeat", hb.agent_id)
         view = await self.registry.heartbeat(hb)
         self.metrics.heartbeat_total.inc()
         return protocol.encode(
@@ -475,10 +474,37 @@ class Hub:
 
     async def _on_unregister(self, msg: Msg, ns: str) -> bytes:
         req = protocol.decode(msg.data, UnregisterRequest, max_size=64 * 1024)
+        self._check_identity(msg.subject, "unregister", req.agent_id)
         removed = await self.registry.unregister(req.agent_id, req.session)
         if removed:
             await self.audit.record(ns, "unregister", agent_id=req.agent_id, reason="graceful")
         return protocol.dumps({"agent_id": req.agent_id, "removed": removed})
+
+    def _check_identity(self, subject: str, verb: str, claimed: str) -> None:
+        """Refuse a message whose body speaks for another agent than its subject names: the
+        subject is what NATS permissions bind to the sender (docs/security.md)."""
+        sender = protocol.identity_of(subject)
+        if sender == claimed:
+            return
+        self._rejected(verb, sender, claimed)
+        raise IdentityMismatchError(
+            f"{verb} on {subject} speaks for {claimed!r}: an agent may only {verb} itself "
+            f"({sender!r})",
+            subject_agent=sender,
+            body_agent=claimed,
+        )
+
+    def _rejected(self, verb: str, sender: str | None, claimed: str, **fields: Any) -> None:
+        self.metrics.identity_rejected_total.labels(verb).inc()
+        log_event(
+            log,
+            IDENTITY_REJECTED,
+            f"{verb} refused: sender and claimed identity differ",
+            verb=verb,
+            sender=sender,
+            claimed=claimed,
+            **fields,
+        )
 
     # ------------------------------------------------------------------ routing
     #
@@ -706,7 +732,7 @@ class Hub:
             self._full.append(box)
             box = None
         if box is None:
-            box = self._outboxes[view.agent_id] = _Outbox(view, _new_id())
+            box = self._outboxes[view.agent_id] = _Outbox(view, reply_token())
             if self._sender is None:
                 self._sender = asyncio.get_running_loop().create_task(self._send_outboxes())
         # An attempt's reply subject is <inbox>.<batch token>.<index>: NATS' "no responders"
@@ -824,7 +850,7 @@ class Hub:
         assert view is not None
         view.outstanding -= 1
         try:
-            head = self._read_reply(view, flight.capability, data)
+            head = self._read_reply(view, flight, data)
         except (AgentBusyError, NoHandlerError, UnknownAgentError) as err:
             await self._refused(flight, err)
             return
@@ -850,12 +876,21 @@ class Hub:
             log.warning("session %s: KV put failed: %r", flight.req.session_id, err)
         await self._finish(flight, task=data, head=head)
 
-    def _read_reply(self, view: AgentView, capability: str | None, data: bytes) -> _ReplyHead:
+    def _read_reply(self, view: AgentView, flight: _Flight, data: bytes) -> _ReplyHead:
         """Parse an agent's reply for what the hub acts on, and feed its health, breaker and
         metrics; raise the typed error an error body carries."""
+        capability = flight.capability
         try:
             protocol.raise_for_error(data)
             head = _ReplyHead.model_validate_json(data)
+            if head.agent_id != view.agent_id or head.task_id != flight.task_id:
+                # Not the answer of the agent this attempt went to: nothing of it is used.
+                self._rejected("reply", None, head.agent_id, expected=view.agent_id)
+                raise IdentityMismatchError(
+                    f"the reply to task {flight.task_id} sent to {view.agent_id} speaks for "
+                    f"{head.agent_id!r}, task {head.task_id!r}",
+                    agent_id=view.agent_id,
+                )
         except AgentBusyError:
             view.health.overloaded()
             raise
@@ -1017,14 +1052,14 @@ class Hub:
             report = protocol.decode(msg.data, FailureReport, max_size=64 * 1024)
         except ReachError:
             return  # publish-only subject: nobody to answer; never crash on it
+        if report.code in (QUARANTINE_CODE, RELEASE_CODE):
+            # Operator actions reach the breakers through hubs only (``_on_breaker``).
+            self._rejected("report", None, report.agent_id, code=report.code)
+            return
         view = self.registry.agents.get(report.agent_id)
         if view is None:
             return
-        if report.code == QUARANTINE_CODE:
-            view.breaker.trip()
-        elif report.code == RELEASE_CODE:
-            view.breaker.reset()
-        elif report.success:
+        if report.success:
             view.breaker.record(True)
             view.health.success()
         elif report.code == _BUSY_CODE:
@@ -1036,6 +1071,23 @@ class Hub:
                 view.health.accept_timeout()
             else:
                 view.health.delivery_failure()
+        self.registry.regrade(view)
+
+    async def _on_breaker(self, msg: Msg) -> None:
+        """An operator's quarantine / release, broadcast by the hub that took the request."""
+        try:
+            report = protocol.decode(msg.data, FailureReport, max_size=64 * 1024)
+        except ReachError:
+            return
+        view = self.registry.agents.get(report.agent_id)
+        if view is None:
+            return
+        if report.code == QUARANTINE_CODE:
+            view.breaker.trip()
+        elif report.code == RELEASE_CODE:
+            view.breaker.reset()
+        else:
+            return
         self.registry.regrade(view)
 
     def _on_state_change(self, view: AgentView, old: AgentState, new: AgentState) -> None:
@@ -1065,9 +1117,24 @@ class Hub:
         body = _json_object(msg.data)
         agent_id = body.get("agent_id")
         if agent_id is not None:
-            view = self.registry.require(protocol.validate_agent_id(str(agent_id)))
+            agent_id = protocol.validate_agent_id(str(agent_id))
+            if protocol.namespace_of(agent_id) != ns:
+                raise BadRequestError(
+                    f"agent {agent_id!r} is not in namespace {ns!r}: ask on "
+                    f"{protocol.hub_subject(protocol.namespace_of(agent_id), 'agents')}",
+                    field="agent_id",
+                )
+            view = self.registry.require(agent_id)
             return protocol.encode(view.info(self.registry.now))
-        namespace = None if body.get("all_namespaces") else ns
+        if body.get("all_namespaces"):
+            raise BadRequestError(
+                "the fleet of every namespace is an operator query: send "
+                '{"op": "agents"} on reach.hub.<ns>.admin',
+                field="all_namespaces",
+            )
+        return self._fleet(ns)
+
+    def _fleet(self, namespace: str | None) -> bytes:
         infos = self.registry.infos(namespace)
         return protocol.dumps(
             {
@@ -1079,6 +1146,8 @@ class Hub:
     async def _on_admin(self, msg: Msg, ns: str) -> bytes:
         body = _json_object(msg.data)
         op = body.get("op")
+        if op == "agents":
+            return self._fleet(None)
         agent_id = protocol.validate_agent_id(str(body.get("agent_id", "")))
         if op in ("cordon", "uncordon"):
             view = await self.registry.set_cordon(agent_id, op == "cordon")
@@ -1086,7 +1155,7 @@ class Hub:
             view = self.registry.require(agent_id)
             code = QUARANTINE_CODE if op == "quarantine" else RELEASE_CODE
             report = FailureReport(agent_id=agent_id, code=code)
-            await self.nc.publish(protocol.hub_subject(ns, "report"), protocol.encode(report))
+            await self.nc.publish(protocol.hub_broadcast(ns, "breaker"), protocol.encode(report))
             await self.nc.flush()
             (view.breaker.trip if op == "quarantine" else view.breaker.reset)()
             self.registry.regrade(view)

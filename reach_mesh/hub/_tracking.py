@@ -152,6 +152,8 @@ class StatusTracker:
         #: Final statuses that could not be applied: from an agent or attempt the step never
         #: sent to, or arriving after the step was decided (a duplicate run).
         self.stale_total = 0
+        #: Status events whose body spoke for another agent than their subject named.
+        self.forged_total = 0
         #: Test seam (fault injection): return False to drop a status event as if lost.
         self.status_filter: Callable[[TaskStatusEvent], bool] | None = None
 
@@ -227,20 +229,22 @@ class StatusTracker:
 
     def on_status(self, msg: Msg) -> None:
         """The status subscription's callback: a parse and dictionary lookups, no I/O."""
-        parts = msg.subject.split(".")
-        if len(parts) != 5:
+        # The subject names the agent that sent the event (NATS permissions bind it to it).
+        ident = protocol.status_identity(msg.subject)
+        if ident is None:
             return
-        key = protocol.task_key(parts[2], parts[3])
+        sender, task_id = ident
+        key = protocol.task_key(protocol.namespace_of(sender), task_id)
         track = self._tracks.get(key)
         if track is None:
             decided = self._decided.get(key)
             if decided is None:
                 return  # not ours (another hub's workflow, or a request-reply task)
-            event = _parse_status(msg.data)
+            event = self._authentic(sender, msg.data)
             if event is not None and event.state.final and event.attempt != decided:
                 self._stale(event, "after its step was decided")
             return
-        event = _parse_status(msg.data)
+        event = self._authentic(sender, msg.data)
         if event is None or event.task_id != track.task_id:
             return
         if self.status_filter is not None and not self.status_filter(event):
@@ -268,6 +272,20 @@ class StatusTracker:
             track.outcomes.append(event)
         track.changed.set()
 
+    def _authentic(self, sender: str, data: bytes) -> TaskStatusEvent | None:
+        """The event in ``data`` if it speaks for the agent its subject names, else None."""
+        event = _parse_status(data)
+        if event is None or event.agent_id == sender:
+            return event
+        self.forged_total += 1
+        log.warning(
+            "status for %s from %s claiming to be %s refused (identity mismatch)",
+            event.task_id,
+            sender,
+            event.agent_id,
+        )
+        return None
+
     def _stale(self, event: TaskStatusEvent, why: str) -> None:
         self.stale_total += 1
         if self._on_stale is not None:
@@ -284,17 +302,20 @@ class StatusTracker:
     # ------------------------------------------------------------------ asking
 
     async def last_status(self, ns: str, task_id: str) -> TaskStatusEvent | None:
-        """The newest status event of a task in ``REACH_STATUS`` (any attempt)."""
+        """The newest status event of a task in ``REACH_STATUS`` (any attempt, any agent)."""
         try:
             raw = await self._js.get_last_msg(
-                protocol.STREAM_STATUS, protocol.task_status(ns, task_id)
+                protocol.STREAM_STATUS, protocol.task_status(f"{ns}.*.*", task_id)
             )
         except NotFoundError:
             return None
         except Exception:
             log.debug("cannot read the last status of %s", task_id, exc_info=True)
             return None
-        return _parse_status(raw.data) if raw.data else None
+        ident = protocol.status_identity(raw.subject or "")
+        if ident is None or not raw.data:
+            return None
+        return self._authentic(ident[0], raw.data)
 
     async def catch_up(self, track: StepTrack) -> None:
         """Apply the newest stored status of the step (a status we may have missed)."""

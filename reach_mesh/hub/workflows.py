@@ -145,6 +145,12 @@ class WorkflowEngine(StepRunner):
         return self._tracker.stale_total
 
     @property
+    def forged_total(self) -> int:
+        """Status events refused because their body spoke for another agent than the one
+        their subject names (docs/security.md)."""
+        return self._tracker.forged_total
+
+    @property
     def status_filter(self) -> Callable[[TaskStatusEvent], bool] | None:
         """Test seam (fault injection): return False to drop a status event as if lost."""
         return self._tracker.status_filter
@@ -203,7 +209,7 @@ class WorkflowEngine(StepRunner):
             ),
         )
         self._status_sub = await self._nc.subscribe(
-            protocol.task_status("*", "*"), cb=self._on_status, pending_msgs_limit=-1
+            protocol.task_status("*.*.*", "*"), cb=self._on_status, pending_msgs_limit=-1
         )
         self._registry.on_state_change(self._on_agent_state)
         self._no_work.update(v.agent_id for v in self._registry if not v.record.card.durable_work)

@@ -190,6 +190,13 @@ class HubMetrics:
             ["namespace"],
             registry=r,
         )
+        self.identity_rejected_total = Counter(
+            "reach_identity_rejected",
+            "Messages refused because their body spoke for another identity than their subject "
+            "names (or used a hub-only code), by verb.",
+            ["verb"],
+            registry=r,
+        )
         self.quarantine_total = Counter(
             "reach_quarantine",
             "Times an agent's breaker opened (agent QUARANTINED).",

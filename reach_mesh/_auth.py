@@ -1,0 +1,351 @@
+"""NATS identities for a secure mesh: nkeys, subject permissions per role, the server's auth file.
+
+Secure mode is opt-in (``reach-mesh auth init DIR``, ``reach-mesh up --secure DIR``): the default
+dev mode runs an open server. What nats-server enforces here, and why config-file nkey users
+rather than decentralized JWT, is in docs/security.md.
+
+An auth directory holds::
+
+    identities.json        what was issued: role, name, public nkey (no secrets)
+    auth.conf              accounts { REACH { users: [...] } }, generated from identities.json
+    nats.conf              a complete server config that includes auth.conf (docker, nats-server -c)
+    <role>.<name>.nk       an identity's nkey seed (mode 0600): its only secret
+    <role>.<name>.yaml     reach-mesh settings for it (REACH_CONFIG): seed file and inbox prefix
+
+Roles: ``hub`` (trusted: the registry, task and workflow state, audit, control), ``agent`` (one
+identity per agent id, bound to it by subject), ``caller`` (one namespace), ``operator`` (admin
+verbs and fleet-wide reads). Permissions are computed from role and name each time auth.conf is
+written, so a newer reach-mesh regenerates them consistently (``reach-mesh auth add-*``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from reach_mesh import protocol
+from reach_mesh.config import MeshSettings, load_settings
+from reach_mesh.errors import BadRequestError
+
+__all__ = [
+    "ACCOUNT",
+    "ROLES",
+    "AuthDir",
+    "Identity",
+    "auth_config",
+    "inbox_prefix",
+    "new_seed",
+    "permissions",
+    "server_config",
+    "settings_for",
+    "validate_identity",
+]
+
+#: The one account every identity of a mesh lives in: hubs serve every namespace and share one
+#: JetStream registry, so tenants are told apart by subject permissions, not by accounts.
+ACCOUNT: Final = "REACH"
+ROLES: Final = ("hub", "agent", "caller", "operator")
+_IDENTITIES: Final = "identities.json"
+_AUTH_CONF: Final = "auth.conf"
+_NATS_CONF: Final = "nats.conf"
+
+# JetStream API prefix and the streams / buckets of the mesh.
+_API: Final = "$JS.API"
+_KV_TASKS_STREAM: Final = f"KV_{protocol.KV_TASKS}"
+_KV_RESULTS_STREAM: Final = f"KV_{protocol.KV_RESULTS}"
+_KV_WORKFLOWS_STREAM: Final = f"KV_{protocol.KV_WORKFLOWS}"
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """One issued NATS user: its role, its name (agent id, namespace, or a label) and public
+    nkey."""
+
+    role: str
+    name: str
+    public_key: str
+
+    @property
+    def inbox_prefix(self) -> str:
+        """Its private reply subjects: ``_INBOX.<role>.<name>`` (nobody else may subscribe)."""
+        return inbox_prefix(self.role, self.name)
+
+
+def inbox_prefix(role: str, name: str) -> str:
+    """``_INBOX.<role>.<name>``: the reply prefix of an identity (``*`` allowed in patterns)."""
+    return f"_INBOX.{role}.{name}"
+
+
+def validate_identity(role: str, name: str) -> str:
+    """Check ``name`` for ``role``: an agent id, a namespace, or a label token."""
+    if role not in ROLES:
+        raise BadRequestError(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
+    if role == "agent":
+        return protocol.validate_agent_id(name)
+    return protocol.validate_namespace(name)
+
+
+def permissions(role: str, name: str) -> dict[str, Any]:
+    """The nats-server ``permissions`` block of an identity (publish / subscribe allow lists).
+
+    Everything not listed is refused by the server with a permissions violation."""
+    inbox = inbox_prefix(role, name) + ".>"
+    if role == "hub":
+        return {
+            "publish": {
+                "allow": [
+                    "reach.>",  # replies aside, everything a hub sends starts here
+                    f"{_API}.>",  # creates and reads streams, buckets, consumers
+                    "$KV.>",  # the only writer of registry, task and workflow records
+                    "$JS.ACK.>",
+                    "$JS.FC.>",
+                    "_INBOX.>",  # answers to requests of every identity
+                ]
+            },
+            "subscribe": {
+                "allow": [
+                    "reach.hub.>",
+                    "reach.hubs.>",
+                    "reach.status.>",
+                    inbox,
+                ]
+            },
+        }
+    if role == "agent":
+        agent_id = name
+        ns = protocol.namespace_of(agent_id)
+        durable = protocol.work_consumer(agent_id)
+        work = protocol.STREAM_WORK
+        return {
+            "publish": {
+                "allow": [
+                    *(protocol.hub_agent_subject(agent_id, v) for v in protocol.AGENT_VERBS),
+                    protocol.task_status(agent_id, "*"),
+                    # Answers to tasks and control requests: from hubs, and (direct mode)
+                    # from callers of its own namespace; never into another agent's inbox.
+                    inbox_prefix("hub", "*") + ".>",
+                    inbox_prefix("caller", ns) + ".>",
+                    # Durable workflow steps: its own consumer on REACH_WORK, nothing else.
+                    f"{_API}.INFO",
+                    f"{_API}.STREAM.INFO.{work}",
+                    f"{_API}.STREAM.INFO.{protocol.STREAM_STATUS}",
+                    f"{_API}.CONSUMER.DURABLE.CREATE.{work}.{durable}",
+                    f"{_API}.CONSUMER.CREATE.{work}.{durable}.>",
+                    f"{_API}.CONSUMER.INFO.{work}.{durable}",
+                    f"{_API}.CONSUMER.MSG.NEXT.{work}.{durable}",
+                    f"$JS.ACK.{work}.{durable}.>",
+                    # The task records of its namespace (read: the fence) ...
+                    f"{_API}.STREAM.INFO.{_KV_TASKS_STREAM}",
+                    f"{_API}.DIRECT.GET.{_KV_TASKS_STREAM}.$KV.{protocol.KV_TASKS}.{ns}.>",
+                    # ... and its own stored results (write, and read back after a restart).
+                    f"{_API}.STREAM.INFO.{_KV_RESULTS_STREAM}",
+                    f"$KV.{protocol.KV_RESULTS}.{agent_id}.>",
+                    f"{_API}.CONSUMER.CREATE.{_KV_RESULTS_STREAM}.*.$KV.{protocol.KV_RESULTS}.{agent_id}.>",
+                    f"{_API}.CONSUMER.INFO.{_KV_RESULTS_STREAM}.*",
+                    f"{_API}.CONSUMER.DELETE.{_KV_RESULTS_STREAM}.*",
+                    "$JS.FC.>",
+                ]
+            },
+            "subscribe": {
+                "allow": [f"reach.agent.{agent_id}.>", inbox],
+            },
+        }
+    if role == "caller":
+        ns = name
+        return {
+            "publish": {
+                "allow": [
+                    *(protocol.hub_subject(ns, v) for v in ("route", "route_batch", "agents")),
+                    protocol.hub_subject(ns, "report"),
+                    # Direct mode: the hub's decision names the agent; the caller sends to it.
+                    protocol.agent_task(f"{ns}.*.*"),
+                    protocol.agent_batch(f"{ns}.*.*"),
+                    protocol.wf_submit(ns),
+                    f"{_API}.STREAM.INFO.{_KV_WORKFLOWS_STREAM}",
+                    f"{_API}.DIRECT.GET.{_KV_WORKFLOWS_STREAM}.$KV.{protocol.KV_WORKFLOWS}.{ns}.>",
+                    f"{_API}.STREAM.INFO.{protocol.STREAM_WF_EVENTS}",
+                    f"{_API}.CONSUMER.CREATE.{protocol.STREAM_WF_EVENTS}.*.reach.wf.{ns}.>",
+                    f"{_API}.CONSUMER.DELETE.{protocol.STREAM_WF_EVENTS}.*",
+                    "$JS.FC.>",
+                ]
+            },
+            "subscribe": {"allow": [f"reach.wf.{ns}.>", inbox]},
+        }
+    if role == "operator":
+        audit = protocol.STREAM_AUDIT
+        return {
+            "publish": {
+                "allow": [
+                    *(protocol.hub_subject("*", v) for v in ("admin", "agents")),
+                    *(protocol.hub_subject("*", v) for v in ("route", "route_batch")),
+                    f"{_API}.STREAM.INFO.{audit}",
+                    f"{_API}.CONSUMER.CREATE.{audit}",
+                    f"{_API}.CONSUMER.CREATE.{audit}.>",
+                    f"{_API}.CONSUMER.DELETE.{audit}.*",
+                    "$JS.FC.>",
+                ]
+            },
+            "subscribe": {"allow": [inbox]},
+        }
+    raise BadRequestError(f"unknown role {role!r}")
+
+
+def settings_for(identity: Identity, seed_file: Path, nats_url: str | None) -> dict[str, Any]:
+    """reach-mesh settings (YAML) for an identity: where its seed is, its inbox prefix."""
+    out: dict[str, Any] = {
+        "nats_nkey_seed": str(seed_file),
+        "nats_inbox_prefix": identity.inbox_prefix,
+    }
+    if nats_url:
+        out["nats_url"] = nats_url
+    if identity.role == "caller":
+        out["namespace"] = identity.name
+    elif identity.role == "agent":
+        out["namespace"] = protocol.namespace_of(identity.name)
+    return out
+
+
+def new_seed() -> tuple[bytes, str]:
+    """A fresh user nkey: (seed, public key)."""
+    import nkeys  # the nats-py dependency that signs the server's nonce with the seed
+
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    kp = nkeys.from_seed(bytearray(seed))
+    public = kp.public_key.decode()
+    kp.wipe()
+    return bytes(seed), public
+
+
+class AuthDir:
+    """An auth directory: issue identities, write the server's auth file."""
+
+    def __init__(self, path: str | os.PathLike[str], *, nats_url: str | None = None) -> None:
+        self.path = Path(path).resolve()
+        self.nats_url = nats_url
+
+    @property
+    def auth_conf(self) -> Path:
+        return self.path / _AUTH_CONF
+
+    @property
+    def nats_conf(self) -> Path:
+        return self.path / _NATS_CONF
+
+    def seed_file(self, role: str, name: str) -> Path:
+        return self.path / f"{role}.{name}.nk"
+
+    def settings_file(self, role: str, name: str) -> Path:
+        return self.path / f"{role}.{name}.yaml"
+
+    def settings(self, role: str, name: str, **overrides: Any) -> MeshSettings:
+        """The ``MeshSettings`` of an issued identity (its YAML file), with ``overrides``."""
+        f = self.settings_file(role, name)
+        if not f.exists():
+            raise BadRequestError(f"no identity {role} {name!r} in {self.path}")
+        return load_settings(f, **overrides)
+
+    def identities(self) -> list[Identity]:
+        f = self.path / _IDENTITIES
+        if not f.exists():
+            return []
+        try:
+            raw = json.loads(f.read_text())
+            return [Identity(i["role"], i["name"], i["public_key"]) for i in raw["identities"]]
+        except (ValueError, KeyError, TypeError) as err:
+            raise BadRequestError(f"{f} is not a reach-mesh identities file: {err}") from err
+
+    def init(
+        self,
+        *,
+        hub: str = "main",
+        operator: str = "admin",
+        namespace: str = protocol.DEFAULT_NAMESPACE,
+        host: str = "0.0.0.0",
+        port: int = 4222,
+        store_dir: str | None = None,
+    ) -> list[Identity]:
+        """A new directory with a hub, an operator and a caller for ``namespace``."""
+        if (self.path / _IDENTITIES).exists():
+            raise BadRequestError(f"{self.path} already holds identities: use auth add-*")
+        self.path.mkdir(parents=True, exist_ok=True)
+        out = [self.add("hub", hub), self.add("operator", operator), self.add("caller", namespace)]
+        self.nats_conf.write_text(
+            server_config(
+                host=host,
+                port=port,
+                store_dir=store_dir or str(self.path / "jetstream"),
+                include=_AUTH_CONF,
+            )
+        )
+        return out
+
+    def add(self, role: str, name: str) -> Identity:
+        """Issue (or return the existing) identity ``role``/``name`` and rewrite auth.conf."""
+        validate_identity(role, name)
+        known = self.identities()
+        for ident in known:
+            if ident.role == role and ident.name == name:
+                return ident
+        self.path.mkdir(parents=True, exist_ok=True)
+        seed, public = new_seed()
+        seed_file = self.seed_file(role, name)
+        fd = os.open(seed_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(seed + b"\n")
+        ident = Identity(role, name, public)
+        known.append(ident)
+        self._write_identities(known)
+        import yaml
+
+        self.settings_file(role, name).write_text(
+            yaml.safe_dump(settings_for(ident, seed_file, self.nats_url), sort_keys=False)
+        )
+        self.auth_conf.write_text(auth_config(known))
+        return ident
+
+    def _write_identities(self, known: list[Identity]) -> None:
+        body = {
+            "account": ACCOUNT,
+            "identities": [
+                {"role": i.role, "name": i.name, "public_key": i.public_key} for i in known
+            ],
+        }
+        tmp = self.path / (_IDENTITIES + ".tmp")
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        tmp.replace(self.path / _IDENTITIES)
+
+
+def auth_config(identities: list[Identity]) -> str:
+    """The ``accounts`` block of nats-server's config for these identities."""
+    users = []
+    for ident in identities:
+        perms = json.dumps(permissions(ident.role, ident.name), indent=2)
+        perms = perms.replace("\n", "\n      ")
+        users.append(
+            f"    # {ident.role} {ident.name}\n"
+            f'    {{ nkey: "{ident.public_key}", permissions: {perms} }}'
+        )
+    return (
+        "# Generated by `reach-mesh auth` from identities.json: edit that, not this.\n"
+        "# Reload a running server after a change: nats-server --signal reload (or SIGHUP).\n"
+        "accounts {\n"
+        f"  {ACCOUNT}: {{\n"
+        "    jetstream: enabled\n"
+        "    users: [\n" + ",\n".join(users) + "\n    ]\n  }\n}\n"
+    )
+
+
+def server_config(*, port: int, store_dir: str, include: str, host: str = "0.0.0.0") -> str:
+    """A standalone nats-server config for a secure mesh (docker, ``nats-server -c``)."""
+    return (
+        f"host: {host}\n"
+        f"port: {port}\n"
+        "max_payload: 8MB\n"
+        "jetstream {\n"
+        f'  store_dir: "{store_dir}"\n'
+        "}\n"
+        f'include "{include}"\n'
+    )

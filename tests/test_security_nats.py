@@ -1,0 +1,650 @@
+"""Secure mode: the forgeries of issue 11, tried from the wrong identity against a real nats-server
+started with the config ``reach-mesh auth`` generates. Each is refused by the server (permissions
+violation, or no connection at all without credentials) or rejected by the hub, and leaves the
+registry, the task records and the results as they were; the right identity still works.
+
+docs/security.md maps each line of the threat model to the test here that proves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client as NATS
+
+from reach_mesh import (
+    Client,
+    IdentityMismatchError,
+    MeshSettings,
+    MeshUnavailableError,
+    Step,
+    TaskState,
+    protocol,
+)
+from reach_mesh._auth import AuthDir
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.models import AgentState, FailureReport, Heartbeat, UnregisterRequest
+from reach_mesh.server import EmbeddedNats
+from reach_mesh.workflow import TaskStatusEvent
+
+from .helpers import eventually
+
+NS = "sec"
+VICTIM = f"{NS}.victim.a1"
+ROGUE = f"{NS}.rogue.a1"
+CAP = "sec:work:v1"
+FAST = {
+    "heartbeat_interval": 0.5,
+    "lease_timeout": 3.0,
+    "workflow_ack_wait": 1.0,
+    "work_ack_wait": 2.0,
+    "step_deliver_timeout": 2.0,
+    "step_running_interval": 0.3,
+    "retry_base": 0.05,
+    "retry_cap": 0.2,
+    "request_timeout": 5.0,
+}
+
+
+@dataclass
+class Mesh:
+    auth: AuthDir
+    server: EmbeddedNats
+    hub: Hub
+    victim: Agent
+    #: The victim's handler waits on this for payloads that ask it to (a running step).
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def settings(self, role: str, name: str) -> MeshSettings:
+        return self.auth.settings(role, name, nats_url=self.server.url, **FAST)
+
+
+@pytest.fixture(scope="module")
+def auth_dir(tmp_path_factory: pytest.TempPathFactory) -> AuthDir:
+    auth = AuthDir(tmp_path_factory.mktemp("auth"))
+    auth.init(namespace=NS)
+    auth.add("agent", VICTIM)
+    auth.add("agent", ROGUE)
+    auth.add("caller", "other")
+    return auth
+
+
+@pytest.fixture(scope="module")
+def secure_server(auth_dir: AuthDir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with EmbeddedNats(tmp_path_factory.mktemp("store"), auth_config=auth_dir.auth_conf) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+async def mesh(auth_dir: AuthDir, secure_server: EmbeddedNats) -> AsyncIterator[Mesh]:
+    url = secure_server.url
+    hub = Hub(settings=auth_dir.settings("hub", "main", nats_url=url, **FAST))
+    await hub.start()
+    victim = Agent(VICTIM, settings=auth_dir.settings("agent", VICTIM, nats_url=url, **FAST))
+    m = Mesh(auth_dir, secure_server, hub, victim)
+
+    @victim.handler(CAP)
+    async def work(task: Task[Any]) -> Any:
+        if task.payload == "hold":
+            await m.release.wait()
+        return {"by": task.agent_id, "in": task.payload}
+
+    await victim.start()
+    try:
+        yield m
+    finally:
+        await victim.close()
+        await hub.close()
+
+
+class Conn:
+    """A raw nats-py connection as one identity, recording the server's permission errors."""
+
+    def __init__(self, nc: NATS, errors: list[str]) -> None:
+        self.nc = nc
+        self.errors = errors
+
+    async def denied(self, what: str, subject: str) -> None:
+        """Wait for the server's permissions violation for ``what`` (publish/subscription)."""
+        needle = f'permissions violation for {what} to "{subject.lower()}"'
+        await eventually(lambda: any(needle in e for e in self.errors), timeout=3.0)
+
+    async def publish_denied(self, subject: str, body: bytes = b"{}") -> None:
+        await self.nc.publish(subject, body)
+        await self.nc.flush()
+        await self.denied("publish", subject)
+
+    async def subscribe_denied(self, subject: str, queue: str = "") -> None:
+        await self.nc.subscribe(subject, queue=queue)
+        await self.nc.flush()
+        await self.denied("subscription", subject)
+
+
+@pytest.fixture
+async def as_identity(mesh: Mesh) -> AsyncIterator[Any]:
+    conns: list[NATS] = []
+
+    async def connect(role: str, name: str) -> Conn:
+        s = mesh.settings(role, name)
+        errors: list[str] = []
+
+        async def on_error(err: Exception) -> None:
+            errors.append(str(err).lower())
+
+        nc = await nats.connect(
+            mesh.server.url,
+            nkeys_seed=s.nats_nkey_seed,
+            inbox_prefix=s.nats_inbox_prefix or "_INBOX",
+            error_cb=on_error,
+            max_reconnect_attempts=0,
+        )
+        conns.append(nc)
+        return Conn(nc, errors)
+
+    yield connect
+    for nc in conns:
+        await nc.close()
+
+
+def wrong_identities() -> list[tuple[str, str]]:
+    """Who must not be able to act for the victim agent or for a hub."""
+    return [("agent", ROGUE), ("caller", NS), ("caller", "other")]
+
+
+async def agent_snapshot(mesh: Mesh) -> tuple[str, bool, AgentState, int]:
+    """What a forgery must not change: the victim's session, cordon, state, KV revision."""
+    view = mesh.hub.registry.agents[VICTIM]
+    kv = await mesh.hub.nc.jetstream().key_value(protocol.KV_AGENTS)
+    entry = await kv.get(VICTIM)
+    return view.record.session, view.record.cordoned, view.state, int(entry.revision or 0)
+
+
+async def ask(conn: Conn, subject: str, body: bytes) -> dict[str, Any]:
+    msg = await conn.nc.request(subject, body, timeout=5)
+    out: dict[str, Any] = json.loads(msg.data)
+    return out
+
+
+# --------------------------------------------------------------------------- no credentials
+
+
+async def test_no_credentials_no_connection(mesh: Mesh) -> None:
+    with pytest.raises((nats.errors.Error, OSError, TimeoutError)) as err:
+        await asyncio.wait_for(
+            nats.connect(mesh.server.url, max_reconnect_attempts=0, allow_reconnect=False), 5
+        )
+    assert "authorization" in str(err.value).lower() or isinstance(err.value, TimeoutError)
+
+
+async def test_unknown_nkey_no_connection(mesh: Mesh, tmp_path: Path) -> None:
+    from reach_mesh._auth import new_seed
+
+    seed, _ = new_seed()  # a well-formed key the server was never told about
+    (tmp_path / "stranger.nk").write_bytes(seed)
+    with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
+        await asyncio.wait_for(
+            nats.connect(
+                mesh.server.url,
+                nkeys_seed=str(tmp_path / "stranger.nk"),
+                max_reconnect_attempts=0,
+                allow_reconnect=False,
+            ),
+            5,
+        )
+
+
+# --------------------------------------------------------------------------- 3, 4, 5, 6: registry
+
+
+@pytest.mark.parametrize("verb", protocol.AGENT_VERBS)
+async def test_agent_verbs_for_another_id_refused_by_server(
+    mesh: Mesh, as_identity: Any, verb: str
+) -> None:
+    """Forgeries 3, 5, 6: register / heartbeat (draining) / unregister on the victim's subject."""
+    before = await agent_snapshot(mesh)
+    subject = protocol.hub_agent_subject(VICTIM, verb)
+    body = protocol.encode(Heartbeat(agent_id=VICTIM, session="forged", draining=True))
+    if verb == "unregister":
+        body = protocol.encode(UnregisterRequest(agent_id=VICTIM, session=before[0]))
+    for role, name in wrong_identities():
+        conn = await as_identity(role, name)
+        await conn.publish_denied(subject, body)
+    assert await agent_snapshot(mesh) == before
+    assert mesh.hub.registry.agents[VICTIM].state is AgentState.ONLINE
+
+
+async def test_register_over_another_id_rejected_by_hub(
+    mesh: Mesh, as_identity: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Forgery 3 from a real agent identity on its own subject: the body speaks for the victim."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh.hub")
+    before = await agent_snapshot(mesh)
+    rogue = await as_identity("agent", ROGUE)
+    card = mesh.victim.card().model_dump(mode="json", exclude_none=True)
+    body = json.dumps({"card": card, "session": "forged-session"}).encode()
+    out = await ask(rogue, protocol.hub_agent_subject(ROGUE, "register"), body)
+    assert out["error"]["code"] == "REACH_IDENTITY_MISMATCH", out
+    hb = protocol.encode(Heartbeat(agent_id=VICTIM, session=before[0], draining=True))
+    out = await ask(rogue, protocol.hub_agent_subject(ROGUE, "heartbeat"), hb)
+    assert out["error"]["code"] == "REACH_IDENTITY_MISMATCH", out
+    bye = protocol.encode(UnregisterRequest(agent_id=VICTIM, session=before[0]))
+    out = await ask(rogue, protocol.hub_agent_subject(ROGUE, "unregister"), bye)
+    assert out["error"]["code"] == "REACH_IDENTITY_MISMATCH", out
+    assert await agent_snapshot(mesh) == before
+    rejected = mesh.hub.metrics.identity_rejected_total
+    assert rejected.labels("register")._value.get() >= 1
+    assert rejected.labels("heartbeat")._value.get() >= 1
+    assert rejected.labels("unregister")._value.get() >= 1
+    lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-IDENTITY-REJECTED"]
+    assert {(r.verb, r.sender, r.claimed) for r in lines} >= {  # type: ignore[attr-defined]
+        ("register", ROGUE, VICTIM),
+        ("heartbeat", ROGUE, VICTIM),
+        ("unregister", ROGUE, VICTIM),
+    }
+
+
+async def test_impostor_cannot_register_nor_take_the_victims_tasks(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """Forgery 4: a caller cannot register an agent, nobody but the victim can subscribe to its
+    task subjects; the legitimate rogue agent registers itself and only itself."""
+    caller = await as_identity("caller", NS)
+    await caller.publish_denied(protocol.hub_agent_subject(f"{NS}.impostor.a1", "register"))
+    for role, name in wrong_identities():
+        conn = await as_identity(role, name)
+        await conn.subscribe_denied(protocol.agent_task(VICTIM), queue="reach-agent")
+        await conn.subscribe_denied(protocol.agent_batch(VICTIM), queue="reach-agent")
+        await conn.subscribe_denied("_INBOX.>")
+    # Every request still reaches the victim and only it.
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        for i in range(10):
+            mode = "direct" if i % 2 else "proxy"
+            res = await c.request(capability=CAP, payload=i, mode=mode)
+            assert res.result == {"by": VICTIM, "in": i}
+    # The rogue's own identity works, for its own id.
+    rogue = Agent(ROGUE, settings=mesh.settings("agent", ROGUE))
+
+    @rogue.handler("rogue:own:v1")
+    async def own(task: Task[Any]) -> Any:
+        return "mine"
+
+    async with rogue:
+        assert ROGUE in mesh.hub.registry.agents
+    await eventually(lambda: ROGUE not in mesh.hub.registry.agents)
+
+
+# --------------------------------------------------------------------------- 7, 8: operator
+
+
+async def test_operator_actions_only_by_operator(mesh: Mesh, as_identity: Any) -> None:
+    """Forgery 7: admin verbs from an agent or a caller are refused by the server."""
+    before = await agent_snapshot(mesh)
+    body = json.dumps({"op": "remove", "agent_id": VICTIM}).encode()
+    for role, name in wrong_identities():
+        conn = await as_identity(role, name)
+        await conn.publish_denied(protocol.hub_subject(NS, "admin"), body)
+        await conn.publish_denied(protocol.hub_subject("other", "admin"), body)
+    assert await agent_snapshot(mesh) == before
+    async with Client(settings=mesh.settings("operator", "admin")) as op:
+        assert (await op.admin("cordon", VICTIM))["state"] == AgentState.CORDONED
+        assert (await op.admin("uncordon", VICTIM))["state"] == AgentState.ONLINE
+        assert VICTIM in {a.agent_id for a in await op.agents(all_namespaces=True)}
+    # A caller's view stays in its namespace: the fleet-wide list is an operator query.
+    other = await as_identity("caller", "other")
+    out = await ask(
+        other, protocol.hub_subject("other", "agents"), b'{"agent_id": "sec.victim.a1"}'
+    )
+    assert out["error"]["code"] == "REACH_BAD_REQUEST"
+    out = await ask(other, protocol.hub_subject("other", "agents"), b'{"all_namespaces": true}')
+    assert out["error"]["code"] == "REACH_BAD_REQUEST"
+    await other.publish_denied(protocol.hub_subject(NS, "agents"))
+
+
+async def test_quarantine_report_from_a_caller_ignored(mesh: Mesh, as_identity: Any) -> None:
+    """Forgery 8: a caller may report outcomes, not operator quarantines; the hubs' breaker
+    broadcast is for hubs only."""
+    before = await agent_snapshot(mesh)
+    rejected = mesh.hub.metrics.identity_rejected_total.labels("report")
+    count = rejected._value.get()
+    caller = await as_identity("caller", NS)
+    report = protocol.encode(FailureReport(agent_id=VICTIM, code="REACH_OPERATOR_QUARANTINE"))
+    await caller.nc.publish(protocol.hub_subject(NS, "report"), report)
+    await caller.nc.flush()
+    await eventually(lambda: rejected._value.get() > count)
+    for role, name in wrong_identities():
+        conn = await as_identity(role, name)
+        await conn.publish_denied(protocol.hub_broadcast(NS, "breaker"), report)
+    await asyncio.sleep(0.2)
+    assert mesh.hub.registry.agents[VICTIM].state is AgentState.ONLINE
+    assert await agent_snapshot(mesh) == before
+    async with Client(settings=mesh.settings("operator", "admin")) as op:
+        await op.admin("quarantine", VICTIM)
+        await eventually(lambda: mesh.hub.registry.agents[VICTIM].state is AgentState.QUARANTINED)
+        await op.admin("release", VICTIM)
+        await eventually(lambda: mesh.hub.registry.agents[VICTIM].state is AgentState.ONLINE)
+
+
+# --------------------------------------------------------------------------- 1, 2, 9: workflows
+
+
+async def test_step_forgeries_refused(mesh: Mesh, as_identity: Any) -> None:
+    """Forgeries 1, 2, 9 on a running step: a forged SUCCEEDED status (on the victim's subject,
+    or on the rogue's own subject speaking for the victim), a forged ``.done``, a ctl cancel.
+    The workflow ends with the victim's real result, run once."""
+    mesh.release.clear()
+    caller_settings = mesh.settings("caller", NS)
+    async with Client(settings=caller_settings) as c:
+        wf_id = await c.submit_fanout([Step(capability=CAP, payload="hold")], timeout=30)
+        engine = mesh.hub.workflows
+        assert engine is not None
+        task_id = f"{wf_id}-0"
+        tasks_kv = await mesh.hub.nc.jetstream().key_value(protocol.KV_TASKS)
+
+        async def record() -> dict[str, Any]:
+            entry = await tasks_kv.get(protocol.task_key(NS, task_id))
+            assert entry.value is not None
+            out: dict[str, Any] = json.loads(entry.value)
+            return out
+
+        for _ in range(100):  # the step is running on the victim
+            if mesh.victim.inflight:
+                break
+            await asyncio.sleep(0.05)
+        assert mesh.victim.inflight == 1
+        rec = await record()
+        forged = TaskStatusEvent(
+            task_id=task_id,
+            attempt=rec["attempt"],
+            agent_id=VICTIM,
+            state=TaskState.SUCCEEDED,
+            workflow_id=wf_id,
+            step=0,
+            result={"by": "attacker"},
+        )
+        done = json.dumps({"workflow_id": wf_id, "state": "SUCCEEDED", "steps": []}).encode()
+        cancel = json.dumps({"op": "cancel", "task_id": task_id, "attempt": rec["attempt"]})
+        for role, name in wrong_identities():
+            conn = await as_identity(role, name)
+            await conn.publish_denied(
+                protocol.task_status(VICTIM, task_id), protocol.encode(forged)
+            )
+            await conn.publish_denied(protocol.wf_done(NS, wf_id), done)
+            await conn.publish_denied(protocol.wf_event(NS, wf_id), done)
+            await conn.publish_denied(protocol.agent_ctl(VICTIM), cancel.encode())
+        # The rogue agent on its own status subject, speaking for the victim: the hub refuses.
+        rogue = await as_identity("agent", ROGUE)
+        forged_before = engine.forged_total
+        await rogue.nc.publish(protocol.task_status(ROGUE, task_id), protocol.encode(forged))
+        await rogue.nc.flush()
+        await eventually(lambda: engine.forged_total > forged_before)
+        assert (await record())["state"] == rec["state"]
+        assert mesh.victim.inflight == 1  # not cancelled
+        mesh.release.set()
+        result = await c.workflow(wf_id, timeout=15)
+    assert result.state is TaskState.SUCCEEDED
+    assert result.steps[0].result == {"by": VICTIM, "in": "hold"}
+    assert result.steps[0].agent_id == VICTIM
+
+
+# --------------------------------------------------------------------------- 10, 11: audit, KV
+
+
+async def test_audit_forgery_refused(mesh: Mesh, as_identity: Any) -> None:
+    """Forgery 10: only hubs publish audit events."""
+    event = json.dumps({"ts": 1.0, "kind": "admin", "hub_id": "hub-forged"}).encode()
+    for role, name in [*wrong_identities(), ("operator", "admin")]:
+        conn = await as_identity(role, name)
+        await conn.publish_denied(protocol.audit_subject(NS, "admin"), event)
+    await asyncio.sleep(0.3)
+    async with Client(settings=mesh.settings("operator", "admin")) as op:
+        events = await op.audit(namespace=NS)
+    assert events  # the real ones are there
+    assert all(e.get("hub_id") != "hub-forged" for e in events)
+
+
+@pytest.mark.parametrize(
+    ("bucket", "key"),
+    [
+        (protocol.KV_AGENTS, VICTIM),
+        (protocol.KV_HEARTBEATS, VICTIM),
+        (protocol.KV_TASKS, f"{NS}.sometask"),
+        (protocol.KV_WORKFLOWS, f"{NS}.somewf"),
+        (protocol.KV_RESULTS, f"{VICTIM}.sometask"),
+    ],
+)
+async def test_kv_writes_refused(mesh: Mesh, as_identity: Any, bucket: str, key: str) -> None:
+    """Forgery 11: only hubs write the registry, task and workflow buckets; an agent writes
+    only its own results."""
+    before = await agent_snapshot(mesh)
+    body = json.dumps({"task_subject": f"reach.agent.{ROGUE}.task"}).encode()
+    for role, name in [*wrong_identities(), ("operator", "admin")]:
+        conn = await as_identity(role, name)
+        await conn.publish_denied(f"$KV.{bucket}.{key}", body)
+        # Nor through the JetStream API: no purge, delete or stream edits.
+        await conn.publish_denied(f"$JS.API.STREAM.PURGE.KV_{bucket}", b"{}")
+    assert await agent_snapshot(mesh) == before
+    # The victim agent writes its own results.
+    victim = await as_identity("agent", VICTIM)
+    ack = await victim.nc.request(f"$KV.{protocol.KV_RESULTS}.{VICTIM}.probe", b"{}", timeout=5)
+    assert b'"stream"' in ack.data
+
+
+async def test_tenants_are_isolated(mesh: Mesh, as_identity: Any) -> None:
+    """A caller of another namespace can neither route nor send tasks nor read workflows in
+    ``sec``; it works in its own namespace."""
+    other = await as_identity("caller", "other")
+    await other.publish_denied(protocol.hub_subject(NS, "route"))
+    await other.publish_denied(protocol.hub_subject(NS, "route_batch"))
+    await other.publish_denied(protocol.agent_task(VICTIM))
+    await other.publish_denied(protocol.wf_submit(NS))
+    await other.subscribe_denied(protocol.wf_done(NS, "*"))
+    await other.publish_denied(
+        f"$JS.API.DIRECT.GET.KV_{protocol.KV_WORKFLOWS}.$KV.reach_workflows.{NS}.x"
+    )
+    async with Client(settings=mesh.settings("caller", "other")) as c:
+        assert await c.agents() == []
+
+
+# --------------------------------------------------------------------------- CLI and config
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_cli_config_starts_nats_server_and_reloads(tmp_path: Path) -> None:
+    """``reach-mesh auth init`` writes a config nats-server accepts (as docker/ uses it);
+    ``add-caller`` on a running server takes effect with a config reload."""
+    import functools
+    import subprocess
+
+    from reach_mesh.cli import main
+    from reach_mesh.server import find_nats_server
+
+    port = free_port()
+    d = tmp_path / "auth"
+    init = ["auth", "init", str(d), "--host", "127.0.0.1", "--port", str(port)]
+    assert await asyncio.to_thread(main, init) == 0
+    assert await asyncio.to_thread(main, ["auth", "add-agent", VICTIM, "--dir", str(d)]) == 0
+    assert (d / "hub.main.nk").stat().st_mode & 0o077 == 0  # seeds are private
+    binary = find_nats_server()
+    run = functools.partial(subprocess.run, capture_output=True, check=False)
+    check = await asyncio.to_thread(run, [binary, "-t", "-c", str(d / "nats.conf")])
+    assert check.returncode == 0, check.stderr
+    log = (tmp_path / "nats.log").open("wb")
+    start = functools.partial(subprocess.Popen, stdout=log, stderr=log)
+    proc = await asyncio.to_thread(start, [binary, "-c", str(d / "nats.conf")])
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        auth = AuthDir(d)
+        hub_settings = auth.settings("hub", "main", nats_url=url, **FAST)
+        for _ in range(100):
+            try:
+                hub = Hub(settings=hub_settings)
+                await hub.start()
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the hub could not connect to nats-server")
+        try:
+            add = ["auth", "add-caller", "late", "--dir", str(d)]
+            assert await asyncio.to_thread(main, add) == 0
+            caller = auth.settings("caller", "late", nats_url=url, connect_timeout=1.0)
+            with pytest.raises(MeshUnavailableError):  # not known before the reload
+                async with Client(settings=caller) as c:
+                    pass
+            reload = await asyncio.to_thread(run, [binary, "--signal", f"reload={proc.pid}"])
+            assert reload.returncode == 0, reload.stderr
+            for _ in range(50):
+                try:
+                    async with Client(settings=caller) as c:
+                        assert await c.agents() == []
+                    break
+                except Exception:
+                    await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the caller added after start could not connect")
+        finally:
+            await hub.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+
+
+def test_docker_config_is_valid_with_the_generated_auth(tmp_path: Path) -> None:
+    """docker/nats.conf includes the auth.conf of ``reach-mesh auth init docker/auth``."""
+    import subprocess
+
+    from reach_mesh.server import find_nats_server
+
+    docker = Path(__file__).resolve().parent.parent / "docker" / "nats.conf"
+    conf = tmp_path / "nats.conf"
+    conf.write_text(docker.read_text().replace("/data", str(tmp_path / "data")))
+    AuthDir(tmp_path / "auth").init()
+    check = subprocess.run([find_nats_server(), "-t", "-c", str(conf)], capture_output=True)
+    assert check.returncode == 0, check.stderr
+    assert 'include "auth/auth.conf"' in docker.read_text()
+
+
+async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_identity: Any) -> None:
+    """An agent reads back its own stored results after a restart (a named consumer whose
+    filter the server checks) and cannot open a consumer on another agent's results, nor read
+    the task records of another namespace."""
+    rogue_settings = mesh.settings("agent", ROGUE)
+
+    def rogue_agent() -> Agent:
+        a = Agent(ROGUE, settings=rogue_settings)
+
+        @a.handler("rogue:own:v1")
+        async def own(task: Task[Any]) -> Any:
+            return {"n": task.payload}
+
+        return a
+
+    async with rogue_agent(), Client(settings=mesh.settings("caller", NS)) as c:
+        res = await c.fanout([Step(agent_id=ROGUE, payload=7)], timeout=15)
+        assert res.state is TaskState.SUCCEEDED
+        task_id = res.steps[0].task_id
+    again = rogue_agent()
+    async with again:
+        assert task_id in again._results  # loaded from its own keys in KV
+    await eventually(lambda: ROGUE not in mesh.hub.registry.agents)
+    rogue = await as_identity("agent", ROGUE)
+    api = "$JS.API.CONSUMER.CREATE"
+    stream = f"KV_{protocol.KV_RESULTS}"
+    await rogue.publish_denied(f"{api}.{stream}")
+    await rogue.publish_denied(f"{api}.{stream}.peek.$KV.{protocol.KV_RESULTS}.{VICTIM}.>")
+    await rogue.publish_denied(
+        f"$JS.API.DIRECT.GET.KV_{protocol.KV_TASKS}.$KV.{protocol.KV_TASKS}.other.x"
+    )
+    await rogue.publish_denied(f"$JS.API.CONSUMER.CREATE.{protocol.STREAM_WORK}")
+    await rogue.publish_denied(
+        f"$JS.API.CONSUMER.MSG.NEXT.{protocol.STREAM_WORK}.{protocol.work_consumer(VICTIM)}"
+    )
+    # Replies go to hubs and to callers of its own namespace, not into another agent's inbox.
+    await rogue.publish_denied(f"_INBOX.agent.{VICTIM}.x")
+    await rogue.publish_denied("_INBOX.caller.other.x")
+
+
+async def test_reply_speaking_for_another_agent_refused(mesh: Mesh, as_identity: Any) -> None:
+    """An agent answering a proxied task in another agent's name: the hub does not pass the
+    answer on (nor count it for the victim)."""
+    from reach_mesh.models import AgentCard, RegisterRequest, TaskReply
+
+    rogue = await as_identity("agent", ROGUE)
+
+    async def answer(msg: Any) -> None:
+        env = json.loads(msg.data)
+        fake = TaskReply(
+            task_id=env["task_id"],
+            attempt=env["attempt"],
+            agent_id=VICTIM,
+            state=TaskState.SUCCEEDED,
+            result="forged",
+        )
+        await rogue.nc.publish(msg.reply, protocol.encode(fake))
+
+    await rogue.nc.subscribe(protocol.agent_task(ROGUE), queue="reach-agent", cb=answer)
+    req = RegisterRequest(
+        card=AgentCard(agent_id=ROGUE, capabilities=["rogue:raw:v1"]),
+        session="raw",
+        heartbeat_interval=20,
+        lease_timeout=60,
+    )
+    out = await ask(rogue, protocol.hub_agent_subject(ROGUE, "register"), protocol.encode(req))
+    assert out["state"] == "ONLINE", out
+    rejected = mesh.hub.metrics.identity_rejected_total.labels("reply")
+    before = rejected._value.get()
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        with pytest.raises(IdentityMismatchError):
+            await c.request(agent_id=ROGUE, payload=1)
+    assert rejected._value.get() == before + 1
+    bye = protocol.encode(UnregisterRequest(agent_id=ROGUE, session="raw"))
+    assert (await ask(rogue, protocol.hub_agent_subject(ROGUE, "unregister"), bye))["removed"]
+
+
+async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
+    """``reach-mesh up --secure DIR``: the embedded server enforces DIR's identities and the
+    hub serves as the hub identity."""
+    import functools
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    d = tmp_path / "auth"
+    AuthDir(d).init(namespace=NS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
+    cmd = [sys.executable, "-m", "reach_mesh.cli", "up", "--secure", str(d), "--http-port", "-1"]
+    start = functools.partial(
+        subprocess.Popen, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+    )
+    proc = await asyncio.to_thread(start, cmd)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+        url = line.decode().split("NATS ", 1)[1].split(",", 1)[0]
+        with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
+            await asyncio.wait_for(nats.connect(url, max_reconnect_attempts=0), 5)
+        async with Client(settings=AuthDir(d).settings("caller", NS, nats_url=url)) as c:
+            assert await c.agents() == []
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(proc.wait, 15)
