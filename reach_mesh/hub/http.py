@@ -95,11 +95,13 @@ class HubHttp:
 
     def _checked(self, handler: Handler, *, auth: bool) -> Handler:
         guard = self.guard
+        refused = self.hub.metrics.http_refused_total
 
         async def checked(request: HttpRequest) -> HttpResponse:
             refusal = guard.check(request.method, request.path, request.headers, auth=auth)
             if refusal is None:
                 return await handler(request)
+            refused.labels(refusal.error.code).inc()
             return HttpResponse.json(refusal.error.to_wire(), refusal.status, refusal.headers)
 
         return checked
