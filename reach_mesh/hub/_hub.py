@@ -52,7 +52,7 @@ from reach_mesh.errors import (
     UnknownNamespaceError,
 )
 from reach_mesh.hub.audit import AuditLog
-from reach_mesh.hub.breaker import is_agent_fault
+from reach_mesh.hub.breaker import caller_report, is_agent_fault
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
@@ -101,7 +101,6 @@ QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
 RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
 #: Other routable agents a direct-mode reply lists for the caller to cache and spread over.
 DIRECT_ALTERNATES: Final = 3
-_BUSY_CODE: Final = AgentBusyError.code
 #: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
 #: id in one may name an agent registered through another hub a moment ago).
 _UNKNOWN_NS: Final = "*"
@@ -1059,20 +1058,8 @@ class Hub:
             view.breaker.trip()
         elif report.code == RELEASE_CODE:
             view.breaker.reset()
-        else:
-            fault = report.success or is_agent_fault(report.code)
-            counted = view.breaker.report(report.success if fault else None, report.reporter or "")
-            if not counted:
-                return  # this reporter's budget for the window is spent
-            if report.success:
-                view.health.success()
-            elif report.code == _BUSY_CODE:
-                # Refused before accepting: overload, not a fault (as in proxy mode).
-                view.health.overloaded()
-            elif report.code == MeshTimeoutError.code:
-                view.health.accept_timeout()
-            elif fault:
-                view.health.delivery_failure()
+        elif not caller_report(view.breaker, view.health, report):
+            return  # the reporter's budget is spent: nothing changed
         self.registry.regrade(view)
 
     def _on_state_change(self, view: AgentView, old: AgentState, new: AgentState) -> None:

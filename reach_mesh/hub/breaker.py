@@ -19,13 +19,14 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from reach_mesh.errors import (
     AgentBusyError,
     BadRequestError,
     ForbiddenHostError,
     ForbiddenOriginError,
+    MeshTimeoutError,
     NoHandlerError,
     NoMatchError,
     StaleAttemptError,
@@ -33,12 +34,16 @@ from reach_mesh.errors import (
     UnauthorizedError,
 )
 
+if TYPE_CHECKING:
+    from reach_mesh.models import FailureReport
+
 __all__ = [
     "HEALTH_THRESHOLD",
     "NOT_AGENT_FAULTS",
     "BreakerState",
     "CircuitBreaker",
     "HealthScore",
+    "caller_report",
     "is_agent_fault",
 ]
 
@@ -336,3 +341,25 @@ class HealthScore:
     def overloaded(self) -> None:
         """The agent refused work as busy."""
         self._add(-self.overloaded_penalty)
+
+
+def caller_report(breaker: CircuitBreaker, health: HealthScore, report: FailureReport) -> bool:
+    """Apply a caller's :class:`~reach_mesh.models.FailureReport` to an agent's breaker and
+    health score; ``False`` when the reporter's budget for the window is spent (nothing changed).
+
+    A success counts for both; a busy refusal lowers the health score only (overload, as in
+    proxy mode); a caller's own error (:func:`is_agent_fault` false) changes nothing but still
+    spends the budget; an agent fault counts as a reported — not witnessed — breaker failure.
+    """
+    fault = report.success or is_agent_fault(report.code)
+    if not breaker.report(report.success if fault else None, report.reporter or ""):
+        return False
+    if report.success:
+        health.success()
+    elif report.code == AgentBusyError.code:
+        health.overloaded()
+    elif report.code == MeshTimeoutError.code:
+        health.accept_timeout()
+    elif fault:
+        health.delivery_failure()
+    return True
