@@ -362,6 +362,9 @@ def openapi_document() -> dict[str, Any]:
         return {"content": {"application/json": {"schema": model.model_json_schema()}}}
 
     agent_id = {"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    # What the guard (http_guard.py) answers before a POST's handler runs: bearer token,
+    # Host / Origin, content type (docs/security.md).
+    refused = {"401": err, "403": err, "415": err}
     return {
         "openapi": "3.1.0",
         "info": {"title": "reach-mesh hub", "version": "0.1.0"},
@@ -380,6 +383,7 @@ def openapi_document() -> dict[str, Any]:
                         "413": err,
                         "429": err,
                         "504": err,
+                        **refused,
                     },
                 }
             },
@@ -440,7 +444,12 @@ def openapi_document() -> dict[str, Any]:
                             },
                         },
                     ],
-                    "responses": {"200": {"description": "done"}, "400": err, "404": err},
+                    "responses": {
+                        "200": {"description": "done"},
+                        "400": err,
+                        "404": err,
+                        **refused,
+                    },
                 }
             },
             "/api/tools": {
@@ -452,7 +461,7 @@ def openapi_document() -> dict[str, Any]:
             "/mcp": {
                 "post": {
                     "summary": "MCP JSON-RPC: initialize, tools/list, tools/call",
-                    "responses": {"200": {"description": "JSON-RPC response"}},
+                    "responses": {"200": {"description": "JSON-RPC response"}, **refused},
                 }
             },
             "/metrics": {
