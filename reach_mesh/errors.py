@@ -56,9 +56,9 @@ __all__ = [
     "ThrottledError",
     "UnauthorizedError",
     "UnknownAgentError",
-    "WorkflowConflictError",
     "UnknownNamespaceError",
     "UnsupportedMediaTypeError",
+    "WorkflowConflictError",
     "WorkflowSpecError",
     "error_from_wire",
 ]
