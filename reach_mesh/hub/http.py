@@ -115,7 +115,14 @@ class HubHttp:
 
     @property
     def url(self) -> str:
-        return f"http://{self._host}:{self.server.port}"
+        """Where this machine reaches the server: a wildcard bind is reached on loopback (a
+        name the Host check accepts; ``http://0.0.0.0:…`` would be refused)."""
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self._host, self._host)
+        return (
+            f"http://[{host}]:{self.server.port}"
+            if ":" in host
+            else f"http://{host}:{self.server.port}"
+        )
 
     # ------------------------------------------------------------------ operators
 
