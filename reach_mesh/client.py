@@ -55,6 +55,7 @@ from reach_mesh.models import (
     RouteRequest,
     TaskState,
 )
+from reach_mesh.selector import Selector
 from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import (
     Step,
@@ -222,6 +223,9 @@ class Client:
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
         self._wf_kv: Any = None
+        # Names this client in its failure reports: each reporter's reports count a bounded
+        # number of times per agent and breaker window (the hub's rule, docs/security.md).
+        self._reporter = os.urandom(8).hex()
 
     @property
     def nc(self) -> NATS:
@@ -917,7 +921,13 @@ class Client:
         """Tell every hub how a call to ``agent_id`` went (feeds its circuit breaker).
 
         The SDK does this itself in direct mode; use it for calls made outside the mesh."""
-        report = FailureReport(agent_id=agent_id, success=success, code=code, task_id=task_id)
+        report = FailureReport(
+            agent_id=agent_id,
+            success=success,
+            code=code,
+            task_id=task_id,
+            reporter=self._reporter,
+        )
         await self.nc.publish(
             protocol.hub_subject(protocol.namespace_of(agent_id), "report"),
             protocol.encode(report),
@@ -1095,10 +1105,17 @@ def _check_text(name: str, value: object, min_len: int, max_len: int) -> str:
 
 
 def _envelope(fields: _RouteFields, attempt: int, ns: str, timeout: float) -> dict[str, Any]:
-    """The ``TaskEnvelope`` of one attempt, as the dict it is sent as (``None`` left out)."""
+    """The ``TaskEnvelope`` of one attempt, as the dict it is sent as (``None`` left out).
+
+    Its ``capability`` is the one a hub would send in proxy mode: the request's own, or the
+    selector's :attr:`~reach_mesh.selector.Selector.task_capability` (its first ``cap=``), so a
+    multi-handler agent picks the same handler in both modes."""
     envelope: dict[str, Any] = {"task_id": fields["task_id"], "attempt": attempt}
-    if "capability" in fields:
-        envelope["capability"] = fields["capability"]
+    capability = fields.get("capability")
+    if capability is None and "selector" in fields:
+        capability = Selector.parse(fields["selector"]).task_capability  # parses are cached
+    if capability is not None:
+        envelope["capability"] = capability
     if "payload" in fields:
         envelope["payload"] = fields["payload"]
     envelope["namespace"] = ns

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from reach_mesh.errors import BadLeaseError, BadRequestError
 
@@ -42,6 +42,10 @@ class MeshSettings(BaseModel):
     nats_tls_cert: str | None = None
     nats_tls_key: str | None = None
     namespace: str = "default"
+    #: Namespaces a hub keeps metrics and audit subjects for even while no agent is registered
+    #: in them (besides ``namespace``). Routes to a namespace that is neither configured nor has
+    #: a registered agent get ``REACH_UNKNOWN_NAMESPACE`` and leave no trace (docs/security.md).
+    namespaces: tuple[str, ...] = ()
 
     # liveness
     heartbeat_interval: float = Field(default=5.0, gt=0)
@@ -86,6 +90,8 @@ class MeshSettings(BaseModel):
     breaker_failure_ratio: float = Field(default=0.5, gt=0, le=1)
     breaker_min_requests: int = Field(default=5, ge=1)
     breaker_open_timeout: float = Field(default=30.0, gt=0)
+    #: Failures one reporter's ``report`` messages may add to one agent's breaker window.
+    breaker_report_budget: int = Field(default=3, ge=0)
 
     # audit stream
     audit_enabled: bool = True
@@ -131,6 +137,19 @@ class MeshSettings(BaseModel):
     #: ``REACH_HTTP_TOKEN``, not a command line). ``/metrics``, ``/healthz``, ``/openapi.json``
     #: and the dashboard page itself stay open.
     http_token: str | None = Field(default=None, min_length=16, repr=False)
+    #: ``Host`` names the hub's HTTP answers besides loopback names and ``http_host`` itself
+    #: (DNS-rebinding defence); ``*`` accepts any. Comma separated in ``REACH_HTTP_ALLOWED_HOSTS``.
+    http_allowed_hosts: tuple[str, ...] = ()
+    #: Browser origins (``scheme://host[:port]``) allowed to POST besides the hub's own.
+    http_allowed_origins: tuple[str, ...] = ()
+
+    @field_validator("namespaces", "http_allowed_hosts", "http_allowed_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        # Environment variables and YAML scalars: "a, b" means ("a", "b").
+        if isinstance(value, str):
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
 
     @model_validator(mode="after")
     def _lease(self) -> MeshSettings:

@@ -10,9 +10,11 @@ Every error carries a stable wire ``code`` so that clients in any language can a
     │   ├── BadLeaseError           REACH_BAD_LEASE
     │   ├── PayloadTooLargeError    REACH_PAYLOAD_TOO_LARGE
     │   ├── IdentityMismatchError   REACH_IDENTITY_MISMATCH (subject and body name different ids)
-    │   └── WorkflowSpecError       REACH_BAD_WORKFLOW
+    │   ├── WorkflowSpecError       REACH_BAD_WORKFLOW
+    │   └── UnsupportedMediaTypeError REACH_UNSUPPORTED_MEDIA_TYPE  (HTTP 415)
     ├── UnknownAgentError           REACH_UNKNOWN_AGENT    (heartbeat: re-register)
     ├── NoMatchError                REACH_NO_MATCH         (with the nearest things that exist)
+    │   └── UnknownNamespaceError   REACH_UNKNOWN_NAMESPACE (no agent, not configured)
     ├── ThrottledError              REACH_THROTTLED        (with retry_after_ms)
     ├── AgentBusyError              REACH_AGENT_BUSY       (not accepted: safe to retry)
     ├── NoHandlerError              REACH_NO_HANDLER       (agent lacks the capability)
@@ -21,7 +23,10 @@ Every error carries a stable wire ``code`` so that clients in any language can a
     ├── WorkflowConflictError       REACH_WORKFLOW_CONFLICT (workflow id taken by another spec)
     ├── MeshTimeoutError            REACH_TIMEOUT          (also a ``TimeoutError``)
     ├── MeshUnavailableError        REACH_UNAVAILABLE      (no hub / NATS not reachable)
-    └── InternalError               REACH_INTERNAL
+    ├── InternalError               REACH_INTERNAL
+    ├── UnauthorizedError           REACH_UNAUTHORIZED     (HTTP 401: bearer token)
+    ├── ForbiddenOriginError        REACH_FORBIDDEN_ORIGIN (HTTP 403: cross-origin request)
+    └── ForbiddenHostError          REACH_FORBIDDEN_HOST   (HTTP 403: Host not allowed)
 
 Errors cross the wire as ``{"error": {"code": ..., "message": ..., "details": {...}}}``;
 :func:`error_from_wire` turns such a body back into the matching class.
@@ -35,6 +40,8 @@ __all__ = [
     "AgentBusyError",
     "BadLeaseError",
     "BadRequestError",
+    "ForbiddenHostError",
+    "ForbiddenOriginError",
     "HandlerError",
     "IdentityMismatchError",
     "InternalError",
@@ -51,6 +58,8 @@ __all__ = [
     "ThrottledError",
     "UnauthorizedError",
     "UnknownAgentError",
+    "UnknownNamespaceError",
+    "UnsupportedMediaTypeError",
     "WorkflowConflictError",
     "WorkflowSpecError",
     "error_from_wire",
@@ -119,6 +128,12 @@ class WorkflowSpecError(BadRequestError):
     code = "REACH_BAD_WORKFLOW"
 
 
+class UnsupportedMediaTypeError(BadRequestError):
+    """A POST to the hub's HTTP API without ``Content-Type: application/json`` (HTTP 415)."""
+
+    code = "REACH_UNSUPPORTED_MEDIA_TYPE"
+
+
 class UnknownAgentError(ReachError):
     """The agent id is not registered (a heartbeat reply means: register again)."""
 
@@ -129,6 +144,13 @@ class NoMatchError(ReachError):
     """No routable agent matches; ``details`` may carry ``nearest`` suggestions."""
 
     code = "REACH_NO_MATCH"
+
+
+class UnknownNamespaceError(NoMatchError):
+    """A route to a namespace this hub knows nothing of: no agent is registered in it and the
+    settings do not name it. Nothing is counted or audited for it (bounded cardinality)."""
+
+    code = "REACH_UNKNOWN_NAMESPACE"
 
 
 class ThrottledError(ReachError):
@@ -188,6 +210,18 @@ class UnauthorizedError(ReachError):
     """The hub's HTTP API wants ``Authorization: Bearer <http_token>`` (HTTP 401)."""
 
     code = "REACH_UNAUTHORIZED"
+
+
+class ForbiddenOriginError(ReachError):
+    """A browser request from another origin to a state-changing HTTP endpoint (HTTP 403)."""
+
+    code = "REACH_FORBIDDEN_ORIGIN"
+
+
+class ForbiddenHostError(ReachError):
+    """An HTTP request whose ``Host`` is not this hub's (DNS rebinding defence, HTTP 403)."""
+
+    code = "REACH_FORBIDDEN_HOST"
 
 
 _BY_CODE: Final[dict[str, type[ReachError]]] = {}

@@ -323,12 +323,17 @@ class TaskReply(_Wire):
 
 class FailureReport(_Wire):
     """caller → every hub on ``reach.hub.<ns>.report`` (publish): an outcome the hub did not see
-    itself (direct mode, or a caller-side failure), fed to the agent's circuit breaker."""
+    itself (direct mode, or a caller-side failure), fed to the agent's circuit breaker.
+
+    ``reporter`` names the calling client (the SDK sends one random id per ``Client``): each
+    reporter's reports count at most ``breaker_report_budget`` times per agent per breaker
+    window, and reports alone never open a breaker (docs/security.md)."""
 
     agent_id: str
     success: bool = False
     code: str | None = Field(default=None, max_length=64)
     task_id: str | None = None
+    reporter: str | None = Field(default=None, max_length=128)
 
     @field_validator("agent_id")
     @classmethod

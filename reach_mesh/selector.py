@@ -246,6 +246,15 @@ class Selector:
             t.value for t in self.terms if t.op == "=" and t.key == CAPABILITY_KEY and t.value
         )
 
+    @property
+    def task_capability(self) -> str | None:
+        """The capability a task routed by this selector is sent with (the envelope's
+        ``capability``): the first ``cap=`` value, or ``None`` when there is none. Proxy mode
+        (the hub) and direct mode (the client) both use this, so a multi-handler agent gets the
+        same envelope either way."""
+        caps = self.capabilities
+        return caps[0] if caps else None
+
     def matches(self, capabilities: Collection[str], labels: Mapping[str, str]) -> bool:
         """Brute-force reference semantics: does an agent with these capabilities and labels
         satisfy every term?

@@ -41,10 +41,15 @@ async def fetch(
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
 ) -> tuple[int, bytes]:
-    """One HTTP request (in a thread, stdlib only): status and body, also for 4xx/5xx."""
+    """One HTTP request (in a thread, stdlib only): status and body, also for 4xx/5xx.
+
+    A POST says ``Content-Type: application/json`` unless ``headers`` name a content type."""
+    sent = dict(headers or {})
+    if method == "POST" and not any(k.lower() == "content-type" for k in sent):
+        sent["Content-Type"] = "application/json"
 
     def call() -> tuple[int, bytes]:
-        req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+        req = urllib.request.Request(url, data=body, method=method, headers=sent)
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return resp.status, resp.read()

@@ -213,21 +213,43 @@ async def test_breaker_open_half_open_closed(
             assert view.state is AgentState.ONLINE
 
 
-async def test_caller_reports_feed_the_breaker(
+async def test_caller_reports_feed_the_breaker_but_never_open_it_alone(
     hub: Hub, settings: MeshSettings, namespace: str, nats_url: str
 ) -> None:
-    a = echo_agent(f"{namespace}.w.a1", settings)
-    async with a:
+    fail = False
+    a = Agent(f"{namespace}.w.a1", settings=settings)
+
+    @a.handler("work:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        if fail:
+            raise RuntimeError("dependency down")
+        return task.payload
+
+    async with a, Client(settings=settings) as c:
+        view = hub.registry.agents[a.agent_id]
         nc = await nats.connect(nats_url)
         try:
-            for _ in range(6):
-                report = FailureReport(agent_id=a.agent_id, code="REACH_TIMEOUT")
-                await nc.publish(protocol.hub_subject(namespace, "report"), protocol.encode(report))
-            await nc.publish(protocol.hub_subject(namespace, "report"), b"garbage")
+            subject = protocol.hub_subject(namespace, "report")
+            # One reporter counts three times per window however often it reports; four
+            # reporters make twelve failures, and still nothing the hub saw itself.
+            for reporter in ("r1", "r1", "r2", "r3", "r4"):
+                for _ in range(4):
+                    report = FailureReport(
+                        agent_id=a.agent_id, code="REACH_TIMEOUT", reporter=reporter
+                    )
+                    await nc.publish(subject, protocol.encode(report))
+            await nc.publish(subject, b"garbage")
             await nc.flush()
         finally:
             await nc.close()
-        await eventually(lambda: hub.registry.agents[a.agent_id].state is AgentState.QUARANTINED)
+        await eventually(lambda: view.breaker.counts() == (0, 12))
+        assert view.breaker.state is BreakerState.CLOSED
+        assert view.state is AgentState.ONLINE
+        # One failure the hub witnessed, on top of the reported ones, opens it.
+        fail = True
+        res = await c.request(agent_id=a.agent_id, payload=1)
+        assert res.error is not None and res.error.code == "REACH_HANDLER_FAILED"
+        assert view.state is AgentState.QUARANTINED
 
 
 async def test_unavailable_capability_is_filtered(

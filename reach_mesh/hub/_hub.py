@@ -50,8 +50,10 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
     UnknownAgentError,
+    UnknownNamespaceError,
 )
 from reach_mesh.hub.audit import AuditLog
+from reach_mesh.hub.breaker import caller_report, is_agent_fault
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
@@ -100,7 +102,9 @@ QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
 RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
 #: Other routable agents a direct-mode reply lists for the caller to cache and spread over.
 DIRECT_ALTERNATES: Final = 3
-_BUSY_CODE: Final = AgentBusyError.code
+#: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
+#: id in one may name an agent registered through another hub a moment ago).
+_UNKNOWN_NS: Final = "*"
 # Request ids only need to be unique, not secret: 64 random bits from a private generator
 # (a uuid4 per request showed up in the hub profile). Reseeded in a forked child so that two
 # hub processes forked from one parent never mint the same ids.
@@ -228,6 +232,9 @@ class Hub:
         self._accepted_seconds = self.metrics.delivered_to_accepted_seconds
         # Namespaces already validated (bounded: cleared when it grows past any real fleet).
         self._namespaces: set[str] = set()
+        # Namespaces that exist without an agent: metrics and audit are kept only for these and
+        # the registry's (bounded cardinality: what exists, not what callers type).
+        self._configured = frozenset((s.namespace, *s.namespaces))
         self.registry: Registry
         self.router: Router
         self.sessions: SessionStore
@@ -404,14 +411,21 @@ class Hub:
         task.add_done_callback(self._inflight.discard)
 
     def _namespace(self, subject: str) -> str:
-        """The namespace token of ``reach.hub.<ns>.<verb>``, validated (and remembered)."""
+        """The namespace token of ``reach.hub.<ns>.<verb>``, validated (and remembered, if it
+        exists: callers' made-up namespaces must not grow this hub's memory)."""
         ns = subject.split(".", 3)[2]
         if ns not in self._namespaces:
             protocol.validate_namespace(ns)
-            if len(self._namespaces) > 10_000:
-                self._namespaces.clear()
-            self._namespaces.add(ns)
+            if self.known_namespace(ns):
+                if len(self._namespaces) > 10_000:
+                    self._namespaces.clear()
+                self._namespaces.add(ns)
         return ns
+
+    def known_namespace(self, ns: str) -> bool:
+        """Whether ``ns`` exists: configured (``namespace``, ``namespaces``) or holding a
+        registered agent. Only these get metric series and audit subjects."""
+        return ns in self._configured or self.registry.has_namespace(ns)
 
     async def _serve(self, msg: Msg, handler: Handler) -> None:
         try:
@@ -437,7 +451,8 @@ class Hub:
     async def _on_register(self, msg: Msg, ns: str) -> bytes:
         retry = self._register_throttle.check(ns)
         if retry > 0:
-            self.metrics.throttled_total.labels(ns).inc()
+            if self.known_namespace(ns):
+                self.metrics.throttled_total.labels(ns).inc()
             raise ThrottledError(
                 f"namespace {ns!r} is registering too fast", retry_after_ms=int(retry * 1000) + 1
             )
@@ -583,10 +598,18 @@ class Hub:
         req = protocol.decode(
             data, RouteRequest, max_size=self.settings.max_payload + _ENVELOPE_SLACK
         )
-        retry = self._route_throttle.check(ns)
+        known = self.known_namespace(ns)
+        if not known and req.agent_id is None:
+            # Answered at once: no flight, no metric series, no audit subject for it.
+            raise UnknownNamespaceError(
+                f"namespace {ns!r} has no registered agent and is not configured on this hub",
+                namespace=ns,
+            )
+        retry = self._route_throttle.check(ns if known else _UNKNOWN_NS)
         if retry > 0:
-            self.metrics.throttled_total.labels(ns).inc()
-            self._count(ns, req.mode, "THROTTLED")
+            if known:
+                self.metrics.throttled_total.labels(ns).inc()
+                self._count(ns, req.mode, "THROTTLED")
             raise ThrottledError(
                 f"namespace {ns!r} is over its route rate", retry_after_ms=int(retry * 1000) + 1
             )
@@ -910,7 +933,11 @@ class Hub:
         if head.state is TaskState.SUCCEEDED:
             view.health.success()
             view.breaker.record(True)
-        elif head.state is TaskState.FAILED:
+        elif head.state is TaskState.TIMEOUT or (
+            head.state is TaskState.FAILED
+            and is_agent_fault(head.error.code if head.error is not None else None)
+        ):
+            # The handler's own fault; a caller's bad payload (REACH_BAD_REQUEST) is not.
             view.breaker.record(False)
         self.registry.regrade(view)
         return head
@@ -971,8 +998,12 @@ class Hub:
         req, ns = flight.req, flight.ns
         view = flight.view
         target = req.agent_id or req.capability or req.selector
+        # An agent id in a namespace that does not exist (checked in the registry's KV first):
+        # answered, but neither counted nor audited.
+        known = self.known_namespace(ns)
         if error is not None:
-            self._count(ns, req.mode, error.code.removeprefix("REACH_"))
+            if known:
+                self._count(ns, req.mode, error.code.removeprefix("REACH_"))
             event: dict[str, Any] = {
                 "request_id": flight.request_id,
                 "trace_id": flight.trace_id,
@@ -985,7 +1016,8 @@ class Hub:
         else:
             assert view is not None
             state = head.state.value if head is not None else "ROUTED"
-            self._count(ns, req.mode, state)
+            if known:
+                self._count(ns, req.mode, state)
             event = {
                 "request_id": flight.request_id,
                 "trace_id": flight.trace_id,
@@ -1005,7 +1037,8 @@ class Hub:
                 alternates=alternates,
                 attempts=flight.attempt,
             )
-        self.audit.add(ns, "route", event)
+        if known:
+            self.audit.add(ns, "route", event)
         elapsed = time.perf_counter() - flight.t0
         if elapsed > _SLOW_ROUTE:
             log_event(
@@ -1047,7 +1080,8 @@ class Hub:
         self.registry.regrade(view)
 
     async def _on_report(self, msg: Msg) -> None:
-        """A caller's (or another component's) word on an agent: feeds this hub's breaker."""
+        """A caller's (or another component's) word on an agent: feeds this hub's breaker,
+        bounded per reporter; a caller's own errors are not the agent's fault."""
         try:
             report = protocol.decode(msg.data, FailureReport, max_size=64 * 1024)
         except ReachError:
@@ -1059,18 +1093,8 @@ class Hub:
         view = self.registry.agents.get(report.agent_id)
         if view is None:
             return
-        if report.success:
-            view.breaker.record(True)
-            view.health.success()
-        elif report.code == _BUSY_CODE:
-            # Refused before accepting: overload, not a fault (as in proxy mode, no breaker).
-            view.health.overloaded()
-        else:
-            view.breaker.record(False)
-            if report.code in ("REACH_TIMEOUT",):
-                view.health.accept_timeout()
-            else:
-                view.health.delivery_failure()
+        if not caller_report(view.breaker, view.health, report):
+            return  # the reporter's budget is spent: nothing changed
         self.registry.regrade(view)
 
     async def _on_breaker(self, msg: Msg) -> None:

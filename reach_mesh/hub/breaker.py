@@ -3,6 +3,14 @@
 Pure (no I/O); the clock is injected so tests never sleep. The health module of the hub maps
 an open breaker to the ``QUARANTINED`` state and a health score below the threshold to
 "not routable", recording the reason (``REACH-QUARANTINE``).
+
+Only the agent's own faults feed the breaker (:func:`is_agent_fault`): timeouts, crashes,
+transport failures, the handler's infrastructure errors. A caller's bad payload, an envelope
+naming a capability the agent lacks, or a refusal because the agent is busy never do — else one
+caller could quarantine an agent for every caller. Outcomes a hub saw itself go to
+:meth:`CircuitBreaker.record`; outcomes callers *report* (direct mode) go to
+:meth:`CircuitBreaker.report`, bounded per reporter, and can never open the breaker on their
+own: opening needs at least one failure the hub witnessed in the window.
 """
 
 from __future__ import annotations
@@ -11,12 +19,76 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-__all__ = ["HEALTH_THRESHOLD", "BreakerState", "CircuitBreaker", "HealthScore"]
+from reach_mesh.errors import (
+    AgentBusyError,
+    BadRequestError,
+    ForbiddenHostError,
+    ForbiddenOriginError,
+    MeshTimeoutError,
+    NoHandlerError,
+    NoMatchError,
+    StaleAttemptError,
+    ThrottledError,
+    UnauthorizedError,
+)
+
+if TYPE_CHECKING:
+    from reach_mesh.models import FailureReport
+
+__all__ = [
+    "HEALTH_THRESHOLD",
+    "NOT_AGENT_FAULTS",
+    "BreakerState",
+    "CircuitBreaker",
+    "HealthScore",
+    "caller_report",
+    "is_agent_fault",
+]
 
 #: Below this health score an agent is not routable.
 HEALTH_THRESHOLD: Final = 60.0
+#: Reporters one breaker tells apart per window; reports from more share one budget.
+MAX_REPORTERS: Final = 1024
+_OVERFLOW: Final = "\x00overflow"
+
+
+def _codes(cls: type[BadRequestError]) -> set[str]:
+    return {cls.code}.union(*(_codes(sub) for sub in cls.__subclasses__()))
+
+
+#: Failure codes that are not the agent's fault: the caller's request was wrong (bad payload,
+#: a capability the agent does not serve, a stale or cancelled attempt, no permission) or the
+#: agent was merely busy (overload lowers the health score instead).
+NOT_AGENT_FAULTS: Final = frozenset(
+    _codes(BadRequestError)
+    | {
+        c.code
+        for c in (
+            AgentBusyError,
+            NoHandlerError,
+            NoMatchError,
+            StaleAttemptError,
+            ThrottledError,
+            UnauthorizedError,
+            ForbiddenHostError,
+            ForbiddenOriginError,
+        )
+    }
+    | {"REACH_CANCELLED", "REACH_UNKNOWN_NAMESPACE"}
+)
+
+
+def is_agent_fault(code: str | None) -> bool:
+    """Whether a failure with wire ``code`` counts against the agent's breaker.
+
+    Unknown codes (a handler's own error types) and a missing code count: the handler failed for
+    reasons of its own. ``REACH_BAD_*`` codes are the caller's, including subclasses defined
+    after this module was imported."""
+    if code is None:
+        return True
+    return code not in NOT_AGENT_FAULTS and not code.startswith("REACH_BAD_")
 
 
 class BreakerState(enum.Enum):
@@ -48,6 +120,7 @@ class CircuitBreaker:
         min_requests: int = 5,
         open_timeout: float = 30.0,
         probe_timeout: float = 30.0,
+        report_budget: int = 3,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if window <= 0.0 or bucket <= 0.0 or bucket > window:
@@ -58,13 +131,18 @@ class CircuitBreaker:
         self.min_requests = min_requests
         self.open_timeout = open_timeout
         self.probe_timeout = probe_timeout
+        self.report_budget = report_budget
         self._clock = clock
         self._nbuckets = max(1, round(window / bucket))
-        # [bucket index, successes, failures], oldest first; totals kept alongside so a record
-        # is O(1) amortised instead of summing the window.
+        # [bucket index, successes, failures, witnessed failures], oldest first; totals kept
+        # alongside so a record is O(1) amortised instead of summing the window.
         self._buckets: deque[list[int]] = deque()
         self._successes = 0
         self._failures = 0
+        self._witnessed = 0
+        # Reports counted per reporter in the current tumbling window (epoch).
+        self._report_epoch = -1
+        self._reporters: dict[str, int] = {}
         self._state = BreakerState.CLOSED
         self._opened_at = 0.0
         self._probe_at: float | None = None
@@ -103,8 +181,30 @@ class CircuitBreaker:
         return False
 
     def record(self, success: bool) -> None:
-        """Record an outcome. In ``HALF_OPEN`` any outcome counts as the probe's verdict; in
-        ``OPEN`` outcomes (late replies from before it opened) are ignored."""
+        """Record an outcome the hub witnessed. In ``HALF_OPEN`` any outcome counts as the
+        probe's verdict; in ``OPEN`` outcomes (late replies from before it opened) are
+        ignored."""
+        self._outcome(success, witnessed=True)
+
+    def report(self, success: bool | None, reporter: str) -> bool:
+        """Record an outcome a caller reported; ``False`` when ``reporter`` has used up its
+        budget for this window (the report is then ignored). ``None``: a report that is no
+        breaker matter (a busy refusal, a caller error) but still spends the budget."""
+        epoch = int(self._clock() // self.window)
+        if epoch != self._report_epoch:
+            self._report_epoch = epoch
+            self._reporters.clear()
+        if reporter not in self._reporters and len(self._reporters) >= MAX_REPORTERS:
+            reporter = _OVERFLOW
+        used = self._reporters.get(reporter, 0)
+        if used >= self.report_budget:
+            return False
+        self._reporters[reporter] = used + 1
+        if success is not None:
+            self._outcome(success, witnessed=False)
+        return True
+
+    def _outcome(self, success: bool, *, witnessed: bool) -> None:
         state = self.state
         now = self._clock()
         if state is BreakerState.OPEN:
@@ -113,12 +213,16 @@ class CircuitBreaker:
             if success:
                 self._state = BreakerState.CLOSED
                 self._reset_window()
-            else:
+            elif witnessed:
                 self._open(now)
             return
-        self._add(now, success)
+        self._add(now, success, witnessed)
         total = self._successes + self._failures
-        if total >= self.min_requests and self._failures >= self.failure_ratio * total:
+        if (
+            self._witnessed
+            and total >= self.min_requests
+            and self._failures >= self.failure_ratio * total
+        ):
             self._open(now)
 
     def counts(self) -> tuple[int, int]:
@@ -144,22 +248,23 @@ class CircuitBreaker:
 
     def _reset_window(self) -> None:
         self._buckets.clear()
-        self._successes = self._failures = 0
+        self._successes = self._failures = self._witnessed = 0
 
     def _expire(self, index: int) -> None:
         buckets = self._buckets
         oldest = index - self._nbuckets
         while buckets and buckets[0][0] <= oldest:
-            _, ok, failed = buckets.popleft()
+            _, ok, failed, witnessed = buckets.popleft()
             self._successes -= ok
             self._failures -= failed
+            self._witnessed -= witnessed
 
-    def _add(self, now: float, success: bool) -> None:
+    def _add(self, now: float, success: bool, witnessed: bool) -> None:
         index = int(now // self.bucket)
         self._expire(index)
         buckets = self._buckets
         if not buckets or buckets[-1][0] < index:
-            buckets.append([index, 0, 0])
+            buckets.append([index, 0, 0, 0])
         # A clock that steps back lands in the newest bucket rather than reordering the deque.
         if success:
             buckets[-1][1] += 1
@@ -167,6 +272,9 @@ class CircuitBreaker:
         else:
             buckets[-1][2] += 1
             self._failures += 1
+            if witnessed:
+                buckets[-1][3] += 1
+                self._witnessed += 1
 
 
 class HealthScore:
@@ -233,3 +341,25 @@ class HealthScore:
     def overloaded(self) -> None:
         """The agent refused work as busy."""
         self._add(-self.overloaded_penalty)
+
+
+def caller_report(breaker: CircuitBreaker, health: HealthScore, report: FailureReport) -> bool:
+    """Apply a caller's :class:`~reach_mesh.models.FailureReport` to an agent's breaker and
+    health score; ``False`` when the reporter's budget for the window is spent (nothing changed).
+
+    A success counts for both; a busy refusal lowers the health score only (overload, as in
+    proxy mode); a caller's own error (:func:`is_agent_fault` false) changes nothing but still
+    spends the budget; an agent fault counts as a reported — not witnessed — breaker failure.
+    """
+    fault = report.success or is_agent_fault(report.code)
+    if not breaker.report(report.success if fault else None, report.reporter or ""):
+        return False
+    if report.success:
+        health.success()
+    elif report.code == AgentBusyError.code:
+        health.overloaded()
+    elif report.code == MeshTimeoutError.code:
+        health.accept_timeout()
+    elif fault:
+        health.delivery_failure()
+    return True

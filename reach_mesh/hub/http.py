@@ -7,7 +7,6 @@ so any hub in the queue group may answer and the HTTP path adds no second routin
 
 from __future__ import annotations
 
-import hmac
 import json
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
@@ -23,9 +22,9 @@ from reach_mesh.errors import (
     NoMatchError,
     ReachError,
     ThrottledError,
-    UnauthorizedError,
     UnknownAgentError,
 )
+from reach_mesh.hub.http_guard import HttpGuard
 from reach_mesh.models import AgentState, RouteRequest
 from reach_mesh.tracing import inject
 from reach_mesh.tracing.metrics import CONTENT_TYPE
@@ -62,16 +61,22 @@ class HubHttp:
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
         self.server = HttpServer(max_body_size=hub.settings.max_payload + 64 * 1024)
-        self._token = hub.settings.http_token
+        s = hub.settings
+        self.guard = HttpGuard(
+            bind_host=s.http_host,
+            allowed_hosts=s.http_allowed_hosts,
+            allowed_origins=s.http_allowed_origins,
+            token=s.http_token,
+        )
+        open_, g = self._open, self._guarded
         r = self.server.route
         # Open: what a browser, a prober or Prometheus fetches.
-        r("GET", "/", self.dashboard)
-        r("GET", "/metrics", self.metrics)
-        r("GET", "/healthz", self.healthz)
-        r("GET", "/openapi.json", self.openapi)
+        r("GET", "/", open_(self.dashboard))
+        r("GET", "/metrics", open_(self.metrics))
+        r("GET", "/healthz", open_(self.healthz))
+        r("GET", "/openapi.json", open_(self.openapi))
         # Behind the bearer token when ``http_token`` is set: fleet data, operator actions,
         # the task gateway.
-        g = self._guarded
         r("GET", "/api/agents", g(self.list_agents))
         r("GET", "/api/agents/{agent_id}", g(self.get_agent))
         r("POST", "/api/agents/{agent_id}/{op}", g(self.agent_op))
@@ -80,26 +85,26 @@ class HubHttp:
         r("POST", "/mcp", g(self.mcp))
         self._host = "127.0.0.1"
 
+    def _open(self, handler: Handler) -> Handler:
+        """``handler`` behind the guard's Host, Origin and content-type checks."""
+        return self._checked(handler, auth=False)
+
     def _guarded(self, handler: Handler) -> Handler:
-        """``handler``, answering 401 ``REACH_UNAUTHORIZED`` unless the request carries
-        ``Authorization: Bearer <http_token>`` (no check when no token is configured)."""
-        token = self._token
-        if token is None:
-            return handler
-        expected = f"Bearer {token}".encode()
+        """``handler`` behind the same checks plus the bearer token (when configured)."""
+        return self._checked(handler, auth=True)
 
-        async def guarded(request: HttpRequest) -> HttpResponse:
-            given = request.headers.get("authorization", "").encode()
-            if hmac.compare_digest(given, expected):
+    def _checked(self, handler: Handler, *, auth: bool) -> Handler:
+        guard = self.guard
+        refused = self.hub.metrics.http_refused_total
+
+        async def checked(request: HttpRequest) -> HttpResponse:
+            refusal = guard.check(request.method, request.path, request.headers, auth=auth)
+            if refusal is None:
                 return await handler(request)
-            err = UnauthorizedError(
-                "this hub's HTTP API wants 'Authorization: Bearer <token>' (REACH_HTTP_TOKEN)"
-            )
-            return HttpResponse.json(
-                err.to_wire(), 401, {"WWW-Authenticate": 'Bearer realm="reach-mesh"'}
-            )
+            refused.labels(refusal.error.code).inc()
+            return HttpResponse.json(refusal.error.to_wire(), refusal.status, refusal.headers)
 
-        return guarded
+        return checked
 
     async def start(self, host: str, port: int) -> None:
         self._host = host
@@ -110,7 +115,14 @@ class HubHttp:
 
     @property
     def url(self) -> str:
-        return f"http://{self._host}:{self.server.port}"
+        """Where this machine reaches the server: a wildcard bind is reached on loopback (a
+        name the Host check accepts; ``http://0.0.0.0:…`` would be refused)."""
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self._host, self._host)
+        return (
+            f"http://[{host}]:{self.server.port}"
+            if ":" in host
+            else f"http://{host}:{self.server.port}"
+        )
 
     # ------------------------------------------------------------------ operators
 
@@ -357,6 +369,9 @@ def openapi_document() -> dict[str, Any]:
         return {"content": {"application/json": {"schema": model.model_json_schema()}}}
 
     agent_id = {"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    # What the guard (http_guard.py) answers before a POST's handler runs: bearer token,
+    # Host / Origin, content type (docs/security.md).
+    refused = {"401": err, "403": err, "415": err}
     return {
         "openapi": "3.1.0",
         "info": {"title": "reach-mesh hub", "version": "0.1.0"},
@@ -375,6 +390,7 @@ def openapi_document() -> dict[str, Any]:
                         "413": err,
                         "429": err,
                         "504": err,
+                        **refused,
                     },
                 }
             },
@@ -435,7 +451,12 @@ def openapi_document() -> dict[str, Any]:
                             },
                         },
                     ],
-                    "responses": {"200": {"description": "done"}, "400": err, "404": err},
+                    "responses": {
+                        "200": {"description": "done"},
+                        "400": err,
+                        "404": err,
+                        **refused,
+                    },
                 }
             },
             "/api/tools": {
@@ -447,7 +468,7 @@ def openapi_document() -> dict[str, Any]:
             "/mcp": {
                 "post": {
                     "summary": "MCP JSON-RPC: initialize, tools/list, tools/call",
-                    "responses": {"200": {"description": "JSON-RPC response"}},
+                    "responses": {"200": {"description": "JSON-RPC response"}, **refused},
                 }
             },
             "/metrics": {

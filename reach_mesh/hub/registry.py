@@ -141,6 +141,8 @@ class Registry:
         self._settings = settings
         self._clock = clock
         self.agents: dict[str, AgentView] = {}
+        # Agents per namespace: which namespaces exist (metrics and audit are kept for those).
+        self._namespaces: dict[str, int] = {}
         self.index = AgentIndex()
         self._agents_kv: KeyValue | None = None
         self._hb_kv: KeyValue | None = None
@@ -190,6 +192,7 @@ class Registry:
             failure_ratio=s.breaker_failure_ratio,
             min_requests=s.breaker_min_requests,
             open_timeout=s.breaker_open_timeout,
+            report_budget=s.breaker_report_budget,
             clock=self._clock,
         )
 
@@ -295,6 +298,9 @@ class Registry:
                 breaker=self._breaker(),
             )
             old_state = AgentState.LOST
+            if agent_id not in self.agents:
+                ns = record.card.namespace
+                self._namespaces[ns] = self._namespaces.get(ns, 0) + 1
             self.agents[agent_id] = view
         else:
             old_state = view.state
@@ -343,6 +349,12 @@ class Registry:
         view = self.agents.pop(agent_id, None)
         self.index.remove(agent_id)
         if view is not None:
+            ns = view.record.card.namespace
+            left = self._namespaces.get(ns, 1) - 1
+            if left > 0:
+                self._namespaces[ns] = left
+            else:
+                self._namespaces.pop(ns, None)
             old = view.state
             view.state = AgentState.LOST
             self._notify(view, old)
@@ -535,6 +547,10 @@ class Registry:
         return self.apply_record(record, entry.revision or 0, seen_at=self._clock())
 
     # ------------------------------------------------------------------ reads
+
+    def has_namespace(self, namespace: str) -> bool:
+        """Whether any agent of ``namespace`` is registered (in any state)."""
+        return namespace in self._namespaces
 
     def require(self, agent_id: str) -> AgentView:
         view = self.agents.get(agent_id)

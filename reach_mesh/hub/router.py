@@ -121,8 +121,7 @@ class Router:
             selector = Selector.parse(req.selector)  # parse results are cached (lru)
             # A bitmap: counted and sampled below without building a set of every match.
             ids = reg.index.select(selector)
-            caps = selector.capabilities
-            capability = caps[0] if caps else None
+            capability = selector.task_capability
         strategy_name = req.strategy or self._settings.default_strategy
         strategy = self._strategies.get(strategy_name)
         if strategy is None:
@@ -177,8 +176,10 @@ class Router:
                     narrowed, req.hash_key or req.session_id, self._weights, self._rng
                 )
                 chosen = reg.agents[pick.agent_id]
-        if chosen.breaker.state is BreakerState.HALF_OPEN:
-            chosen.breaker.allow()  # hand out the single probe
+        if not req.dry_run and chosen.breaker.state is BreakerState.HALF_OPEN:
+            # Hand out the single probe; a dry run (``route``, ``--dry-run``) sends nothing,
+            # so it must not take it from the next real request.
+            chosen.breaker.allow()
         others: list[AgentView] = []
         if alternates > 0 and len(live) > 1:
             others = self._alternates(live, chosen, cands, alternates)

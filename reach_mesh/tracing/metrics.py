@@ -234,6 +234,14 @@ class HubMetrics:
             "Heartbeats received.",
             registry=r,
         )
+        self.http_refused_total = Counter(
+            "reach_http_refused",
+            "HTTP requests refused before their handler ran, by error code "
+            "(REACH_FORBIDDEN_HOST, REACH_FORBIDDEN_ORIGIN, REACH_UNSUPPORTED_MEDIA_TYPE, "
+            "REACH_UNAUTHORIZED).",
+            ["code"],
+            registry=r,
+        )
         self.workflow_total = Counter(
             "reach_workflow",
             "Workflows that reached a final state, by kind (fanout, chain) and state.",

@@ -1,0 +1,158 @@
+"""A headless Chromium driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``:
+fd 3 in, fd 4 out, JSON messages ending in NUL), stdlib only — no websocket client, no driver.
+
+Blocking by design: tests call it through ``asyncio.to_thread`` so the hub under test keeps
+serving on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+CHROMIUM: Final = Path("/usr/bin/chromium")
+FLAGS: Final = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+
+
+class Chromium:
+    """``with Chromium() as browser: browser.open(url); browser.evaluate("1 + 1")``."""
+
+    def __init__(self, *extra_flags: str, timeout: float = 20.0) -> None:
+        self._extra = extra_flags
+        self._timeout = timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._profile = ""
+        self._to: int = -1
+        self._from: int = -1
+        self._buffer = b""
+        self._next_id = 0
+        self._session = ""
+
+    def __enter__(self) -> Chromium:
+        self._profile = tempfile.mkdtemp(prefix="reach-chromium-")
+        to_read, self._to = os.pipe()  # we write commands, Chromium reads fd 3
+        self._from, from_write = os.pipe()  # Chromium writes fd 4, we read
+
+        def plumb() -> None:  # in the child, before exec: the pipe ends become fds 3 and 4
+            os.dup2(to_read, 3)
+            os.dup2(from_write, 4)
+
+        self._proc = subprocess.Popen(
+            [
+                str(CHROMIUM),
+                *FLAGS,
+                f"--user-data-dir={self._profile}",
+                "--remote-debugging-pipe",
+                *self._extra,
+                "about:blank",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(3, 4),
+            preexec_fn=plumb,
+        )
+        os.close(to_read)
+        os.close(from_write)
+        target = self._call("Target.createTarget", url="about:blank")["targetId"]
+        self._session = self._call("Target.attachToTarget", targetId=target, flatten=True)[
+            "sessionId"
+        ]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                self._send("Browser.close", {}, None)
+                proc.wait(timeout=5)
+            except Exception:
+                proc.kill()
+                proc.wait()
+        for fd in (self._to, self._from):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(self._profile, ignore_errors=True)
+
+    def open(self, url: str) -> None:
+        """Navigate the tab to ``url`` and wait until the page has loaded."""
+        self._call("Page.navigate", session=True, url=url)
+        deadline = time.monotonic() + self._timeout
+        while time.monotonic() < deadline:
+            state = self.evaluate("document.readyState + ' ' + location.href")
+            if state.startswith("complete ") and state.split(" ", 1)[1].startswith(
+                url.split("#")[0]
+            ):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"page {url} did not load")
+
+    def evaluate(self, expression: str) -> Any:
+        """Run ``expression`` in the page (awaiting a promise) and return its JSON value."""
+        result = self._call(
+            "Runtime.evaluate",
+            session=True,
+            expression=expression,
+            awaitPromise=True,
+            returnByValue=True,
+        )
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def _call(self, method: str, *, session: bool = False, **params: Any) -> dict[str, Any]:
+        msg_id = self._send(method, params, self._session if session else None)
+        deadline = time.monotonic() + self._timeout
+        while True:
+            message = self._receive(deadline)
+            if message.get("id") != msg_id:
+                continue  # an event, or an answer we no longer wait for
+            if "error" in message:
+                raise RuntimeError(f"{method}: {message['error']}")
+            result: dict[str, Any] = message.get("result", {})
+            return result
+
+    def _send(self, method: str, params: dict[str, Any], session: str | None) -> int:
+        self._next_id += 1
+        message: dict[str, Any] = {"id": self._next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = session
+        data = json.dumps(message).encode() + b"\0"
+        while data:
+            data = data[os.write(self._to, data) :]
+        return self._next_id
+
+    def _receive(self, deadline: float) -> dict[str, Any]:
+        while b"\0" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._from], [], [], left)[0]:
+                raise TimeoutError("Chromium did not answer")
+            chunk = os.read(self._from, 1 << 16)
+            if not chunk:
+                raise ConnectionError("Chromium closed its DevTools pipe")
+            self._buffer += chunk
+        raw, _, self._buffer = self._buffer.partition(b"\0")
+        message: dict[str, Any] = json.loads(raw)
+        return message

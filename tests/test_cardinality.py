@@ -1,0 +1,122 @@
+"""Bounded cardinality: what a hub keeps per namespace is bounded by the namespaces that exist
+(registered agents, settings), not by what callers type."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from reach_mesh import Client, MeshSettings, UnknownNamespaceError, protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+
+from .helpers import eventually, fetch
+
+UNKNOWN = 10_000
+WARMUP = 1_000
+
+
+def rss_kib() -> int:
+    """This process's resident set (the hub under test runs in it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+async def _route_unknown(nc: Any, prefix: str, count: int) -> set[str]:
+    """``count`` route requests, each to a different well-formed namespace nobody registered,
+    pipelined (one reply subscription): the set of error codes they got."""
+    body = json.dumps({"capability": "work:echo:v1", "payload": 1}).encode()
+    codes: set[str] = set()
+    answered = asyncio.Event()
+    inbox = nc.new_inbox()
+
+    async def on_reply(msg: Any) -> None:
+        codes.add(json.loads(msg.data)["error"]["code"])
+        nonlocal count
+        count -= 1
+        if count == 0:
+            answered.set()
+
+    sub = await nc.subscribe(f"{inbox}.*", cb=on_reply)
+    for i in range(count):
+        subject = protocol.hub_subject(f"{prefix}{i}", "route")
+        await nc.publish(subject, body, reply=f"{inbox}.{i}")
+        if i % 500 == 499:
+            await nc.flush()
+    await nc.flush()
+    await asyncio.wait_for(answered.wait(), timeout=25)
+    await sub.unsubscribe()
+    return codes
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+async def test_routes_to_unknown_namespaces_leave_no_trace(
+    settings: MeshSettings, namespace: str, nats_url: str
+) -> None:
+    async with Hub(settings=settings.model_copy(update={"http_port": 0})) as hub:
+        agent = Agent(f"{namespace}.w.a1", settings=settings)
+
+        @agent.handler("work:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        audited: list[str] = []
+        nc = await nats.connect(nats_url)
+
+        async def on_audit(msg: Any) -> None:
+            audited.append(msg.subject)
+
+        await nc.subscribe("reach.audit.>", cb=on_audit)
+        async with agent, Client(settings=settings) as c:
+            assert (await c.request(capability="work:echo:v1", payload=1)).ok
+            prefix = f"{namespace}x"  # namespaces no test registers
+            # Warm up the hub's (and this process's) caches and allocator, then measure.
+            assert await _route_unknown(nc, f"{prefix}w", WARMUP) == {"REACH_UNKNOWN_NAMESPACE"}
+            await asyncio.sleep(0.2)  # audit batches flush every ~75 ms
+            gc.collect()
+            _, before = await fetch(f"{hub.http_url}/metrics")
+            rss_before = rss_kib()
+            codes = await _route_unknown(nc, prefix, UNKNOWN)
+            assert codes == {"REACH_UNKNOWN_NAMESPACE"}
+            await asyncio.sleep(0.2)
+            gc.collect()
+            _, after = await fetch(f"{hub.http_url}/metrics")
+            rss_after = rss_kib()
+            # A known namespace is still counted and audited (the audit feed works).
+            await c.request(capability="work:echo:v1", payload=2)
+            await eventually(lambda: any(f".{namespace}.route" in s for s in audited))
+        await nc.close()
+    growth_metrics = (len(after) - len(before)) / len(before)
+    growth_rss = (rss_after - rss_before) / rss_before
+    print(
+        f"/metrics {len(before)} -> {len(after)} bytes ({growth_metrics:+.2%}), "
+        f"RSS {rss_before} -> {rss_after} KiB ({growth_rss:+.2%}) after {UNKNOWN} namespaces"
+    )
+    assert abs(growth_metrics) < 0.05
+    assert growth_rss < 0.05
+    assert prefix.encode() not in after
+    assert not [s for s in audited if s.split(".")[2].startswith(prefix)]
+
+
+async def test_unknown_namespace_is_a_typed_no_match(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    other = settings.model_copy(update={"namespace": f"{namespace}nobody"})
+    async with Client(settings=other) as c:
+        with pytest.raises(UnknownNamespaceError) as caught:
+            await c.request(capability="work:echo:v1", payload=1)
+        assert caught.value.details["namespace"] == f"{namespace}nobody"
+    # Configured namespaces exist before any agent registers: a plain NO_MATCH there.
+    configured = settings.model_copy(update={"namespaces": (f"{namespace}later",)})
+    async with Hub(settings=configured) as hub2:
+        assert hub2.known_namespace(f"{namespace}later")
+        assert not hub2.known_namespace(f"{namespace}nobody")
+        assert hub2.known_namespace(namespace)  # the hub's own `namespace` setting

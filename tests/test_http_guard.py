@@ -1,0 +1,315 @@
+"""The hub's HTTP guard: Host (DNS rebinding), Origin (cross-site requests), JSON-only POSTs and
+the bearer token — as a pure check, against a real hub, and from pages in headless Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings
+from reach_mesh._http import HttpRequest, HttpResponse, HttpServer
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.hub.http_guard import HttpGuard
+from reach_mesh.models import AgentState
+
+from .chromium import CHROMIUM, Chromium
+from .helpers import eventually, fetch
+
+TOKEN = "s3cret-token-of-the-hub"
+HOST = {"host": "127.0.0.1:8080"}
+JSON = {"content-type": "application/json"}
+
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason=f"{CHROMIUM} is absent: install the Debian package 'chromium' "
+    "(.ci/run does) to run the browser tests",
+)
+
+
+def code_of(guard: HttpGuard, method: str, path: str, auth: bool = False, **headers: str) -> Any:
+    refusal = guard.check(
+        method, path, {k.replace("_", "-"): v for k, v in headers.items()}, auth=auth
+    )
+    return None if refusal is None else (refusal.status, refusal.error.code)
+
+
+# --------------------------------------------------------------------------- the pure check
+
+
+def test_host_must_name_this_hub() -> None:
+    guard = HttpGuard(bind_host="127.0.0.1")
+    for host in ("127.0.0.1:8080", "localhost:8080", "LOCALHOST.:8080", "[::1]:8080", "127.0.0.1"):
+        assert code_of(guard, "GET", "/metrics", host=host) is None, host
+    for host in ("evil.example:8080", "127.0.0.1.evil.example", "10.0.0.5:8080", "", "[::2]:80"):
+        assert code_of(guard, "GET", "/metrics", host=host) == (403, "REACH_FORBIDDEN_HOST"), host
+    assert code_of(guard, "GET", "/metrics") == (403, "REACH_FORBIDDEN_HOST")  # no Host at all
+    # The bound address and the configured names pass; "*" turns the check off.
+    bound = HttpGuard(bind_host="10.0.0.5", allowed_hosts=("hub-1", "Hub-2.internal."))
+    for host in ("10.0.0.5:9464", "hub-1:9464", "hub-2.internal", "localhost"):
+        assert code_of(bound, "GET", "/", host=host) is None, host
+    assert code_of(bound, "GET", "/", host="hub-3:9464") == (403, "REACH_FORBIDDEN_HOST")
+    wildcard = HttpGuard(bind_host="0.0.0.0")
+    assert code_of(wildcard, "GET", "/", host="0.0.0.0:80") == (403, "REACH_FORBIDDEN_HOST")
+    assert (
+        code_of(HttpGuard(bind_host="0.0.0.0", allowed_hosts=("*",)), "GET", "/", host="x") is None
+    )
+
+
+def test_origin_must_be_the_hubs_own_for_state_changes_and_mcp() -> None:
+    guard = HttpGuard(bind_host="127.0.0.1", allowed_origins=("https://ops.example.com/",))
+    same = {"host": "127.0.0.1:8080", "content_type": "application/json"}
+    for origin in ("http://127.0.0.1:8080", "HTTP://127.0.0.1:8080", "https://ops.example.com"):
+        assert code_of(guard, "POST", "/api/route", origin=origin, **same) is None, origin
+    assert code_of(guard, "POST", "/api/route", **same) is None  # not a browser: no Origin
+    for origin in (
+        "http://evil.example",
+        "http://127.0.0.1:9999",  # another port is another origin
+        "http://localhost:8080",  # another name for the same socket is another origin too
+        "null",  # sandboxed frames, file: pages
+        "http://127.0.0.1:8080/path",
+        "ftp://127.0.0.1:8080",
+    ):
+        got = code_of(guard, "POST", "/api/route", origin=origin, **same)
+        assert got == (403, "REACH_FORBIDDEN_ORIGIN"), origin
+    for method in ("PUT", "PATCH", "DELETE"):
+        assert code_of(guard, method, "/x", origin="http://evil.example", host=same["host"])
+    # A cross-origin read is the browser's to block (no CORS headers); /mcp is checked anyway.
+    assert code_of(guard, "GET", "/api/agents", origin="http://evil.example", **HOST) is None
+    got = code_of(guard, "GET", "/mcp", origin="http://evil.example", **HOST)
+    assert got == (403, "REACH_FORBIDDEN_ORIGIN")
+
+
+def test_post_must_be_json() -> None:
+    guard = HttpGuard(bind_host="127.0.0.1")
+    for content_type in ("application/json", "Application/JSON; charset=utf-8"):
+        assert code_of(guard, "POST", "/mcp", content_type=content_type, **HOST) is None
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "application/jsonx"):
+        got = code_of(guard, "POST", "/mcp", content_type=content_type, **HOST)
+        assert got == (415, "REACH_UNSUPPORTED_MEDIA_TYPE"), content_type
+    assert code_of(guard, "POST", "/mcp", **HOST) == (415, "REACH_UNSUPPORTED_MEDIA_TYPE")
+    assert code_of(guard, "GET", "/metrics", **HOST) is None
+
+
+def test_bearer_scheme_is_case_insensitive() -> None:
+    guard = HttpGuard(bind_host="127.0.0.1", token=TOKEN)
+    for value in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER {TOKEN}", f" Bearer  {TOKEN} "):
+        assert code_of(guard, "GET", "/api/agents", True, authorization=value, **HOST) is None
+    for value in (TOKEN, f"Basic {TOKEN}", "Bearer wrong-token-of-the-hub", "Bearer", ""):
+        got = code_of(guard, "GET", "/api/agents", True, authorization=value, **HOST)
+        assert got == (401, "REACH_UNAUTHORIZED"), value
+    assert code_of(guard, "GET", "/metrics", False, **HOST) is None  # open route: no token
+    # Origin and Host are judged before the token: a stranger learns nothing about it.
+    got = code_of(
+        guard,
+        "POST",
+        "/mcp",
+        True,
+        origin="http://evil.example",
+        content_type="application/json",
+        **HOST,
+    )
+    assert got == (403, "REACH_FORBIDDEN_ORIGIN")
+
+
+def test_refusals_are_typed_in_the_settings_too() -> None:
+    s = MeshSettings(http_allowed_hosts="hub-1, hub-2", http_allowed_origins="https://a.example")
+    assert s.http_allowed_hosts == ("hub-1", "hub-2")
+    assert s.http_allowed_origins == ("https://a.example",)
+    assert MeshSettings().http_host == "127.0.0.1"  # loopback unless told otherwise
+
+
+# --------------------------------------------------------------------------- a real hub
+
+
+def echo_agent(agent_id: str, settings: MeshSettings) -> Agent:
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler("work:echo:v1", tool="echo")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    return agent
+
+
+@pytest.fixture
+async def open_hub(settings: MeshSettings) -> AsyncIterator[Hub]:
+    """A hub with HTTP on and no token (the default the issue was found with)."""
+    async with Hub(settings=settings.model_copy(update={"http_port": 0})) as hub:
+        yield hub
+
+
+def refused(hub: Hub, code: str) -> float:
+    value: float = hub.metrics.http_refused_total.labels(code)._value.get()
+    return value
+
+
+async def test_hub_refuses_cross_origin_rebinding_and_non_json_posts(
+    open_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    async with agent:
+        base = open_hub.http_url
+        assert base is not None
+        own = base.removeprefix("http://")
+        cordon = f"{base}/api/agents/{agent.agent_id}/cordon"
+        view = open_hub.registry.agents[agent.agent_id]
+        attempts: list[tuple[dict[str, str], int, str]] = [
+            ({"Origin": "http://evil.example"}, 403, "REACH_FORBIDDEN_ORIGIN"),
+            ({"Origin": "null"}, 403, "REACH_FORBIDDEN_ORIGIN"),
+            ({"Content-Type": "text/plain"}, 415, "REACH_UNSUPPORTED_MEDIA_TYPE"),
+            ({"Host": f"rebind.example:{open_hub.http.server.port}"}, 403, "REACH_FORBIDDEN_HOST"),
+        ]
+        for headers, status, code in attempts:
+            got, body = await fetch(cordon, "POST", b"{}", headers=headers)
+            assert (got, json.loads(body)["error"]["code"]) == (status, code), headers
+        rpc = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}).encode()
+        got, body = await fetch(f"{base}/mcp", "POST", rpc, {"Origin": "http://evil.example"})
+        assert got == 403 and json.loads(body)["error"]["code"] == "REACH_FORBIDDEN_ORIGIN"
+        got, _ = await fetch(f"{base}/metrics", headers={"Host": "rebind.example"})
+        assert got == 403
+        await asyncio.sleep(0.1)
+        assert view.state is AgentState.ONLINE  # none of them did anything
+        assert refused(open_hub, "REACH_FORBIDDEN_ORIGIN") == 3
+        assert refused(open_hub, "REACH_UNSUPPORTED_MEDIA_TYPE") == 1
+        assert refused(open_hub, "REACH_FORBIDDEN_HOST") == 2
+        # The hub's own origin (the dashboard) and non-browser clients (no Origin) may act.
+        got, body = await fetch(cordon, "POST", b"{}", {"Origin": f"http://{own}"})
+        assert got == 200, body
+        await eventually(lambda: view.state is AgentState.CORDONED)
+        got, body = await fetch(f"{base}/api/agents/{agent.agent_id}/uncordon", "POST")
+        assert got == 200, body
+        got, body = await fetch(f"{base}/mcp", "POST", rpc, {"Origin": f"http://{own}"})
+        assert got == 200 and json.loads(body)["result"]["tools"][0]["name"] == "echo"
+
+
+# --------------------------------------------------------------------------- a real browser
+
+
+async def _attacker_site() -> HttpServer:
+    """Another origin on this machine: any page the operator happens to visit."""
+
+    async def page(request: HttpRequest) -> HttpResponse:
+        return HttpResponse.text(
+            "<!doctype html><title>cat pictures</title>", content_type="text/html"
+        )
+
+    site = HttpServer()
+    site.route("GET", "/", page)
+    await site.start("127.0.0.1", 0)
+    return site
+
+
+@needs_chromium
+async def test_page_from_another_origin_cannot_act_on_the_hub(
+    open_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    site = await _attacker_site()
+    try:
+        async with agent:
+            view = open_hub.registry.agents[agent.agent_id]
+            hub_url = open_hub.http_url
+            cordon = json.dumps(f"{hub_url}/api/agents/{agent.agent_id}/cordon")
+            mcp = json.dumps(f"{hub_url}/mcp")
+            call = json.dumps(
+                json.dumps(
+                    {
+                        "jsonrpc": "2.0",
+                        "id": 1,
+                        "method": "tools/call",
+                        "params": {"name": "echo", "arguments": {"x": 1}},
+                    }
+                )
+            )
+            # What the issue's attacker page did, and its variants: simple requests the browser
+            # sends without asking (no-cors, text/plain, a form), and a JSON one (preflighted).
+            script = f"""(async () => {{
+              const out = [];
+              const tries = [
+                () => fetch({cordon}, {{method: "POST", mode: "no-cors"}}),
+                () => fetch({cordon}, {{method: "POST", mode: "no-cors", body: "{{}}",
+                                        headers: {{"Content-Type": "text/plain"}}}}),
+                () => fetch({mcp}, {{method: "POST", mode: "no-cors", body: {call}}}),
+                () => fetch({cordon}, {{method: "POST", body: "{{}}",
+                                        headers: {{"Content-Type": "application/json"}}}}),
+              ];
+              for (const t of tries) {{
+                try {{ const r = await t(); out.push(r.type + " " + r.status); }}
+                catch (e) {{ out.push("blocked " + e.name); }}
+              }}
+              return out;
+            }})()"""
+
+            def attack() -> Any:
+                with Chromium() as browser:
+                    browser.open(f"http://127.0.0.1:{site.port}/")
+                    return browser.evaluate(script)
+
+            outcomes = await asyncio.to_thread(attack)
+            # The no-cors ones went out (opaque answers); the JSON one died in its preflight.
+            assert outcomes[:3] == ["opaque 0"] * 3, outcomes
+            assert outcomes[3] == "blocked TypeError", outcomes
+            await asyncio.sleep(0.1)
+            assert view.state is AgentState.ONLINE
+            assert not view.record.cordoned
+            # They did reach the hub, which refused them by Origin before anything ran.
+            assert refused(open_hub, "REACH_FORBIDDEN_ORIGIN") == 3
+    finally:
+        await site.close()
+
+
+@needs_chromium
+async def test_dns_rebinding_page_is_refused_by_host(
+    open_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    async with agent:
+        view = open_hub.registry.agents[agent.agent_id]
+        port = open_hub.http.server.port
+        path = json.dumps(f"/api/agents/{agent.agent_id}/cordon")
+        script = f"""fetch({path}, {{method: "POST", body: "{{}}",
+                         headers: {{"Content-Type": "application/json"}}}})
+                     .then(async r => [r.status, (await r.json()).error.code])"""
+
+        def rebound() -> Any:
+            # rebind.test resolves to the hub's address, as an attacker's DNS would make it:
+            # to the browser the page and the API are then one origin.
+            with Chromium("--host-resolver-rules=MAP rebind.test 127.0.0.1") as browser:
+                browser.open(f"http://rebind.test:{port}/healthz")
+                return browser.evaluate(script)
+
+        assert await asyncio.to_thread(rebound) == [403, "REACH_FORBIDDEN_HOST"]
+        assert view.state is AgentState.ONLINE
+
+
+@needs_chromium
+async def test_dashboard_with_the_token_acts_from_its_own_origin(
+    settings: MeshSettings, namespace: str
+) -> None:
+    hub_settings = settings.model_copy(update={"http_port": 0, "http_token": TOKEN})
+    async with Hub(settings=hub_settings) as hub, echo_agent(f"{namespace}.w.a1", settings) as a:
+        view = hub.registry.agents[a.agent_id]
+        agent_id = json.dumps(a.agent_id)
+
+        def operate() -> Any:
+            with Chromium() as browser:
+                browser.open(f"{hub.http_url}/#token={TOKEN}")
+                # Without the token the API answers 401, even from the hub's own origin...
+                bare = browser.evaluate(
+                    f"""fetch("/api/agents/" + {agent_id} + "/cordon", {{method: "POST",
+                         body: "{{}}", headers: {{"Content-Type": "application/json"}}}})
+                         .then(r => r.status)"""
+                )
+                # ...and the dashboard's own cordon button (token from #token=) works.
+                browser.evaluate(f"act({agent_id}, 'cordon').then(() => 'done')")
+                return bare
+
+        assert await asyncio.to_thread(operate) == 401
+        await eventually(lambda: view.state is AgentState.CORDONED)
+        async with Client(settings=settings) as c:
+            assert (await c.inspect(a.agent_id)).state is AgentState.CORDONED
