@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import socket
 import ssl
-from typing import Any
+import time
+from typing import Any, Final
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -18,6 +22,12 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshUnavailableError
 
 __all__ = ["connect", "ensure_kv"]
+
+log = logging.getLogger("reach_mesh.nats")
+
+_SCHEMES: Final = ("nats", "tls", "ws", "wss")
+#: While NATS is gone, one log line per this many seconds (nats-py retries every 0.25 s).
+_GONE_LOG_INTERVAL: Final = 30.0
 
 
 async def connect(
@@ -41,8 +51,10 @@ async def connect(
             "no NATS URL: pass --nats URL / set REACH_NATS_URL, or run `reach-mesh up`"
         )
     if timeout is None:
-        timeout = settings.connect_timeout if settings is not None else 5.0
+        timeout = settings.connect_timeout if settings is not None else 2.0
     servers = [u.strip() for u in url.split(",") if u.strip()]
+    for server in servers:
+        _check_scheme(server)
     opts: dict[str, Any] = {
         "name": name,
         "servers": servers,
@@ -55,19 +67,107 @@ async def connect(
     if settings is not None:
         opts.update(_auth_options(settings))
     opts.update(options)
-
-    async def _quiet(_: Exception) -> None:
-        return None
-
-    opts.setdefault("error_cb", _quiet)
-    nc = NATS()
+    watch = _Watch(name, url)
+    opts.setdefault("error_cb", watch.error)
+    opts.setdefault("disconnected_cb", watch.disconnected)
+    opts.setdefault("reconnected_cb", watch.reconnected)
+    nc = watch.nc = NATS()
     try:
         await asyncio.wait_for(_first_connect(nc, opts), timeout)
     except (TimeoutError, OSError, nats.errors.Error) as err:
         with contextlib.suppress(Exception):
             await nc.close()
-        raise MeshUnavailableError(f"cannot connect to NATS at {url}: {err!r}") from err
+        cause = await _diagnose(servers, watch.last_error or err)
+        raise MeshUnavailableError(f"cannot connect to NATS at {url}: {cause}") from err
+    watch.connected = True
     return nc
+
+
+def _check_scheme(server: str) -> None:
+    scheme = urlsplit(server if "://" in server else f"nats://{server}").scheme
+    if scheme not in _SCHEMES:
+        raise MeshUnavailableError(
+            f"{server!r} is not a NATS URL: use nats://host:4222 "
+            f"(schemes {', '.join(s + '://' for s in _SCHEMES)})"
+        )
+
+
+async def _diagnose(servers: list[str], err: BaseException) -> str:
+    """Why the first connect failed, in words: unknown host, refused port, or what nats said."""
+    loop = asyncio.get_running_loop()
+    causes: list[str] = []
+    for server in servers:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+        try:
+            await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), 1.0)
+        except (OSError, TimeoutError):
+            causes.append(f"unknown host {host!r}")
+            continue
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        except ConnectionRefusedError:
+            causes.append(f"connection refused: nothing listens on {host}:{port}")
+            continue
+        except (OSError, TimeoutError):
+            causes.append(f"no answer from {host}:{port}")
+            continue
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    if not causes:
+        # The port answers: the NATS handshake failed (TLS, authorization, not a NATS server).
+        return str(err) or repr(err)
+    return "; ".join(dict.fromkeys(causes))
+
+
+class _Watch:
+    """Logs what happens to a connection in plain words, at a sane rate: once when NATS is
+    gone, every ``_GONE_LOG_INTERVAL`` seconds while it stays gone, once when it is back."""
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
+        self.url = url
+        self.connected = False
+        self.last_error: BaseException | None = None
+        self.nc: NATS | None = None
+        self._down_since: float | None = None
+        self._logged_at = 0.0
+        self._failures = 0
+
+    async def error(self, err: Exception) -> None:
+        self.last_error = err
+        if not self.connected or self._down_since is None:
+            return
+        self._failures += 1
+        now = time.monotonic()
+        if now - self._logged_at >= _GONE_LOG_INTERVAL:
+            self._logged_at = now
+            log.warning(
+                "%s: NATS at %s still unreachable after %.0f s (%d attempts; retrying every "
+                "0.25 s): %s",
+                self.name,
+                self.url,
+                now - self._down_since,
+                self._failures,
+                err or type(err).__name__,
+            )
+
+    async def disconnected(self) -> None:
+        if not self.connected or self._down_since is not None:
+            return
+        if self.nc is not None and self.nc.is_closed:
+            return  # closed on purpose
+        self._down_since = self._logged_at = time.monotonic()
+        self._failures = 0
+        log.warning("%s: lost NATS at %s; reconnecting until it is back", self.name, self.url)
+
+    async def reconnected(self) -> None:
+        if self._down_since is None:
+            return
+        down = time.monotonic() - self._down_since
+        self._down_since = None
+        log.warning("%s: reconnected to NATS after %.1f s", self.name, down)
 
 
 def _auth_options(settings: MeshSettings) -> dict[str, Any]:

@@ -32,8 +32,11 @@ class Numbers(BaseModel):
     values: list[float]
 
 
-def demo_agents(settings: MeshSettings) -> list[Agent]:
-    """Three small agents: a translator, a summarizer and a calculator."""
+def demo_agents(settings: MeshSettings | None = None) -> list[Agent]:
+    """Three small agents: a translator, a summarizer and a calculator, in namespace ``demo``.
+
+    Without ``settings`` they read theirs from the environment (``REACH_NATS_URL`` …), so
+    ``reach-mesh agent reach_mesh.demo:demo_agents`` runs them against a mesh."""
     translator = Agent(
         "demo.translator.t1",
         labels={"region": "eu-west", "gpu": "false"},

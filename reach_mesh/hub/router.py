@@ -38,6 +38,8 @@ from reach_mesh.selector import Selector
 __all__ = ["EXPLAIN_CANDIDATES", "SAMPLE_SIZE", "Choice", "Router"]
 
 _HEALTH_MIN: Final = 60.0
+#: How a filter reason for an agent of another namespace starts.
+_OTHER_NS: Final = "namespace "
 #: Candidates a load-based strategy (least_loaded, power_of_two, weighted_random) looks at when
 #: a target matches more agents than this: a random sample of this size, taken before filtering
 #: (the full set is scanned only when the sample leaves nobody routable). Picking the least
@@ -155,7 +157,7 @@ class Router:
             decision.elapsed_us = elapsed
             if filtered is None:  # explain was off: redo the pass that says why
                 filtered = self._admit(ids, namespace, capability, forced, exclude, True)[2]
-            raise self._no_match(req, namespace, decision, filtered or [], selector)
+            raise self._no_match(req, namespace, decision, filtered or [], selector, ids)
 
         chosen: AgentView | None = None
         sticky: Literal["hit", "miss", "none"] = "none"
@@ -284,7 +286,7 @@ class Router:
         card = view.record.card
         # agent ids are <namespace>.<service>.<instance>: a prefix test, no split per agent.
         if not view.agent_id.startswith(namespace) or view.agent_id[len(namespace)] != ".":
-            return f"namespace {card.namespace} != {namespace}"
+            return f"{_OTHER_NS}{card.namespace} != {namespace}"
         state = view.state
         if state is AgentState.SUSPECT:
             return _SUSPECT
@@ -368,6 +370,7 @@ class Router:
         decision: RouteDecision,
         filtered: list[FilteredAgent],
         selector: Selector | None,
+        ids: Collection[str],
     ) -> NoMatchError:
         reg = self._registry
         nearest: dict[str, object] = {}
@@ -382,12 +385,58 @@ class Router:
             }
         decision.filtered = filtered
         decision.nearest = nearest or None
+        here = [f for f in filtered if not f.reason.startswith(_OTHER_NS)]
         if req.agent_id is not None and not filtered:
             msg = f"agent {req.agent_id!r} is not registered"
-        elif filtered:
+        elif here:
             msg = f"no routable agent for {decision.target}: " + "; ".join(
-                f"{f.agent_id}: {f.reason}" for f in filtered[:5]
+                f"{f.agent_id}: {f.reason}" for f in here[:5]
             )
         else:
             msg = f"no agent in namespace {namespace!r} matches {decision.target}"
+        elsewhere = self.elsewhere(ids, namespace) if not here else {}
+        if elsewhere:
+            msg += "; " + ", ".join(f"{n} match in {ns!r}" for ns, n in elsewhere.items())
+            top = next(iter(elsewhere))
+            msg += f" (ask namespace {top!r}: --namespace {top} / Client(namespace={top!r}))"
+            nearest["other_namespaces"] = elsewhere
+        similar = nearest.get("similar_capabilities")
+        if isinstance(similar, list) and similar:
+            msg += f"; did you mean {' or '.join(similar[:3])}?"
         return NoMatchError(msg, decision=decision.model_dump(exclude_none=True), **nearest)
+
+    def namespace_hint(self, req: RouteRequest, namespace: str) -> str | None:
+        """A sentence when agents of other namespaces (only) match ``req``, else None."""
+        reg = self._registry
+        ids: Collection[str]
+        if req.agent_id is not None:
+            ids = (req.agent_id,)
+        elif req.capability is not None:
+            ids = reg.index.by_capability(req.capability)
+        elif req.selector is not None:
+            ids = reg.index.select(Selector.parse(req.selector))
+        else:
+            return None
+        counts = self.elsewhere(ids, namespace)
+        if not counts:
+            return None
+        where = ", ".join(f"{n} match in {ns!r}" for ns, n in counts.items())
+        return f"no agent in namespace {namespace!r} matches; {where}"
+
+    def elsewhere(
+        self, ids: Collection[str], namespace: str, limit: int = 10_000
+    ) -> dict[str, int]:
+        """Online agents among ``ids`` in namespaces other than ``namespace``, counted per
+        namespace, most first: why a request found nothing in its own namespace."""
+        counts: dict[str, int] = {}
+        agents = self._registry.agents
+        for n, agent_id in enumerate(ids):
+            if n >= limit:
+                break
+            view = agents.get(agent_id)
+            if view is None or view.state is not AgentState.ONLINE:
+                continue
+            ns = view.record.card.namespace
+            if ns != namespace:
+                counts[ns] = counts.get(ns, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
