@@ -581,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"reach-mesh-{args.command}", exporter=getattr(args, "trace", None)
         )
         code: int = _runner.run(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
