@@ -45,6 +45,11 @@ async def connect(
     unlimited (a hub or agent outlives a server restart or a cluster failover). Credentials
     and TLS come from ``settings`` (``nats_creds``, ``nats_token``, ``nats_tls_*``); a user and
     password may also be given in the URL.
+
+    A failed first connect says why: a URL that is not ``nats://``/``tls://``/``ws(s)://`` at
+    once, else after ``timeout`` the host that does not resolve, the port that refuses, or
+    what the server answered (TLS, authorization). Once connected, losing the server is logged
+    once, then every 30 s while it lasts, and the reconnection once.
     """
     if not url:
         raise MeshUnavailableError(
@@ -58,7 +63,8 @@ async def connect(
     opts: dict[str, Any] = {
         "name": name,
         "servers": servers,
-        "connect_timeout": min(timeout, 2.0),
+        # Per server: a silent one (no RST) must leave time to try the others.
+        "connect_timeout": max(0.5, min(timeout, 2.0) / len(servers)),
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.25,
         "allow_reconnect": True,

@@ -397,6 +397,13 @@ async def cmd_tools(args: argparse.Namespace) -> int:
         for tool in info.tools:
             menu.setdefault(tool.name, []).append(info.agent_id)
             described[tool.name] = tool.description
+    if args.json:
+        listing = [
+            {"tool": name, "description": described[name], "agents": menu[name]}
+            for name in sorted(menu)
+        ]
+        print(json.dumps(listing, indent=2))
+        return 0
     for name in sorted(menu):
         print(f"{name:<24} {described[name][:50]:<50} {', '.join(menu[name])}")
     if not menu:
@@ -544,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tools = cmd("tools", "the mesh's tool menu: tools offered by live agents")
     tools.add_argument("--namespace", help="only this namespace (default: every one)")
+    tools.add_argument("--json", action="store_true", help="print JSON")
     tools.set_defaults(func=cmd_tools)
 
     for op, text in (

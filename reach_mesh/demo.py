@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -118,7 +119,7 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
                 failures += 1
             out(
                 f"[{status}] {title:<66} -> {res.agent_id} {res.state.value} "
-                f"{res.result if res.ok else res.error} ({res.duration * 1000:.1f} ms, "
+                f"{json.dumps(res.result) if res.ok else res.error} ({res.duration * 1000:.1f} ms, "
                 f"trace {res.trace_id})"
             )
         chain = await mesh.chain(
@@ -135,7 +136,7 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
             failures += 1
         out(
             f"[{'ok ' if chain.ok else 'ERR'}] {'chain      translate -> summarize':<66} -> "
-            f"{chain.state.value} {chain.result} "
+            f"{chain.state.value} {json.dumps(chain.result)} "
             f"({chain.duration_ms:.1f} ms, {len(chain.steps)} steps over JetStream)"
         )
         fan = await mesh.fanout(

@@ -4,6 +4,7 @@ that names the fix, exit code 2, no traceback — and quickly."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -177,6 +178,11 @@ async def test_global_options_before_the_command(hub: Hub, nats_url: str) -> Non
     out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err
     assert b"no agents in namespace 'nobody'" in out
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "--nats", nats_url, "tools", "--json", env=_env(), stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0 and isinstance(json.loads(out), list)
 
 
 def test_version() -> None:
