@@ -3,6 +3,7 @@ pasted in order, as subprocesses, against the mesh of a real `reach-mesh up --de
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import re
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from reach_mesh import Client
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -187,3 +190,19 @@ def test_readme_running_a_mesh_works_as_written(tmp_path: Path, user_env: dict[s
             assert _stop(proc) == 0
         code = _stop(up)
     assert code == 0
+
+
+async def test_the_demo_agents_run_with_the_agent_command(
+    hub: object, nats_url: str, user_env: dict[str, str]
+) -> None:
+    """`reach-mesh agent reach_mesh.demo:demo_agents`, as the README names it."""
+    command = f".venv/bin/reach-mesh agent reach_mesh.demo:demo_agents --nats {nats_url}"
+    proc = _start(command, ROOT, user_env)
+    try:
+        out = await asyncio.to_thread(_read_until, proc, r"^serving ")
+        assert "serving demo.translator.t1, demo.summarizer.s1, demo.calc.c1" in out
+        async with Client(nats_url, namespace="demo") as mesh:
+            res = await mesh.request(agent_id="demo.calc.c1", payload={"values": [1, 2]})
+        assert res.ok and res.result["sum"] == 3
+    finally:
+        assert await asyncio.to_thread(_stop, proc) == 0
