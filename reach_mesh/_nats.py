@@ -79,11 +79,11 @@ async def connect(
     opts.setdefault("reconnected_cb", watch.reconnected)
     nc = watch.nc = NATS()
     try:
-        await asyncio.wait_for(_first_connect(nc, opts), timeout)
+        await _first_connect(nc, opts, watch, timeout)
     except (TimeoutError, OSError, nats.errors.Error) as err:
         with contextlib.suppress(Exception):
             await nc.close()
-        cause = await _diagnose(servers, watch.last_error or err)
+        cause = await _diagnose(servers, watch.refusal or watch.last_error or err)
         raise MeshUnavailableError(f"cannot connect to NATS at {url}: {cause}") from err
     watch.connected = True
     return nc
@@ -137,12 +137,22 @@ class _Watch:
         self.connected = False
         self.last_error: BaseException | None = None
         self.nc: NATS | None = None
+        #: Set when the server refuses our credentials during the first connect.
+        self.refused = asyncio.Event()
+        self.refusal: BaseException | None = None
         self._down_since: float | None = None
         self._logged_at = 0.0
         self._failures = 0
 
     async def error(self, err: Exception) -> None:
         self.last_error = err
+        if not self.connected and (
+            isinstance(err, nats.errors.AuthorizationError)
+            # The handshake raises a plain nats Error with the server's -ERR text.
+            or "authorization violation" in str(err).lower()
+        ):
+            self.refusal = err
+            self.refused.set()
         if not self.connected or self._down_since is None:
             return
         self._failures += 1
@@ -190,10 +200,28 @@ def _auth_options(settings: MeshSettings) -> dict[str, Any]:
     return opts
 
 
-async def _first_connect(nc: NATS, opts: dict[str, Any]) -> None:
-    # During the first connect nats-py only retries when reconnects are allowed; keep them on
-    # and let the outer wait_for bound the time.
-    await nc.connect(**opts)
+async def _first_connect(nc: NATS, opts: dict[str, Any], watch: _Watch, timeout: float) -> None:
+    """``nc.connect`` within ``timeout``; a refused authorization ends it at once.
+
+    During the first connect nats-py only retries when reconnects are allowed; they stay on,
+    and this bounds the time. Retrying a wrong credential cannot help, so it is not waited on.
+    """
+    connecting = asyncio.ensure_future(nc.connect(**opts))
+    refused = asyncio.ensure_future(watch.refused.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {connecting, refused}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for task in (connecting, refused):
+            task.cancel()
+        await asyncio.gather(connecting, refused, return_exceptions=True)
+    if connecting in done:
+        connecting.result()
+        return
+    if refused in done and watch.refusal is not None:
+        raise watch.refusal
+    raise TimeoutError(f"no connection within {timeout:g}s")
 
 
 async def ensure_kv(

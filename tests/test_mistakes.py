@@ -19,6 +19,7 @@ import pytest
 from reach_mesh import Client, MeshSettings
 from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.hub import Hub
+from reach_mesh.server import EmbeddedNats
 
 CLI = [sys.executable, "-m", "reach_mesh.cli"]
 
@@ -286,3 +287,11 @@ def _wait_for(path: Path, text: str, timeout: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"{text!r} not in {path}:\n{path.read_text()}")
+
+
+async def test_a_refused_credential_fails_at_once(tmp_path: Path) -> None:
+    async with EmbeddedNats(tmp_path, auth_token="s3cret-token") as server:
+        t0 = time.monotonic()
+        with pytest.raises(MeshUnavailableError, match="Authorization Violation"):
+            await Client(settings=MeshSettings(nats_url=server.url, nats_token="wrong")).connect()
+        assert time.monotonic() - t0 < 1.0  # retrying a wrong credential cannot help
