@@ -326,6 +326,8 @@ def print_decision(d: RouteDecision) -> None:
             rows.append((agent_id, "filtered", filtered[agent_id]))
         else:
             rows.append((agent_id, "candidate", f"score {d.scores.get(agent_id, 0):g}"))
+    listed = set(d.candidates)
+    rows += [(f.agent_id, "filtered", f.reason) for f in d.filtered if f.agent_id not in listed]
     widths = [max(len(r[k]) for r in rows) for k in range(3)]
     for r in rows:
         print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

@@ -178,3 +178,32 @@ async def test_a_workflow_in_a_namespace_nobody_serves_says_why(
     assert out.steps[0].error is not None
     assert f"no agent in namespace '{namespace}other' matches" in out.steps[0].error.message
     assert f"1 match in '{namespace}'" in out.steps[0].error.message
+
+
+async def test_show_decision_says_why_not_the_agents_the_selector_removed(
+    hub: Hub, settings: MeshSettings, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from reach_mesh.cli import print_decision
+
+    agents = [
+        Agent(f"{namespace}.why.{region}", labels={"region": region}, settings=settings)
+        for region in ("us-east", "eu-west")
+    ]
+    for agent in agents:
+
+        @agent.handler("why:echo:v1")
+        async def echo(task):
+            return task.payload
+
+    async with agents[0], agents[1], Client(settings=settings) as mesh:
+        decision = await mesh.route(selector="cap=why:echo:v1 AND region=eu-west")
+        assert decision.chosen == f"{namespace}.why.eu-west"
+        reasons = {f.agent_id: f.reason for f in decision.filtered}
+        assert reasons == {f"{namespace}.why.us-east": "selector: region=eu-west not met"}
+        print_decision(decision)
+        out = capsys.readouterr().out
+        assert f"{namespace}.why.us-east  filtered  selector: region=eu-west not met" in out
+        with pytest.raises(NoMatchError) as err:
+            await mesh.route(selector="cap=why:echo:v1 AND region=ap-south")
+        filtered = err.value.details["decision"]["filtered"]
+        assert {f["agent_id"] for f in filtered} == {a.agent_id for a in agents}

@@ -38,6 +38,8 @@ from reach_mesh.selector import Selector
 __all__ = ["EXPLAIN_CANDIDATES", "SAMPLE_SIZE", "Choice", "Router"]
 
 _HEALTH_MIN: Final = 60.0
+#: Agents an explanation looks at beyond the matched ones (rare paths, bounded cost).
+_SCAN_LIMIT: Final = 10_000
 #: How a filter reason for an agent of another namespace starts.
 _OTHER_NS: Final = "namespace "
 #: Candidates a load-based strategy (least_loaded, power_of_two, weighted_random) looks at when
@@ -188,7 +190,7 @@ class Router:
         choice = Choice(view=chosen, capability=capability, elapsed_us=elapsed, alternates=others)
         if explain:
             decision = self._decision(request_id, req, selector, strategy_name, ids, sampled)
-            decision.filtered = filtered or []
+            decision.filtered = (filtered or []) + self._unselected(selector, ids, namespace)
             decision.fallback = tier
             decision.sticky = sticky
             if scores is not None:
@@ -383,7 +385,7 @@ class Router:
                 "similar_capabilities": near.similar_capabilities,
                 "similar_values": near.similar_values,
             }
-        decision.filtered = filtered
+        decision.filtered = filtered + self._unselected(selector, ids, namespace)
         decision.nearest = nearest or None
         here = [f for f in filtered if not f.reason.startswith(_OTHER_NS)]
         if req.agent_id is not None and not filtered:
@@ -405,6 +407,35 @@ class Router:
             msg += f"; did you mean {' or '.join(similar[:3])}?"
         return NoMatchError(msg, decision=decision.model_dump(exclude_none=True), **nearest)
 
+    def _unselected(
+        self, selector: Selector | None, ids: Collection[str], namespace: str
+    ) -> list[FilteredAgent]:
+        """For an explanation: agents of ``namespace`` that serve the selector's capability
+        but that its other terms removed, each with the first term it fails ("why not that
+        one?"). At most ``EXPLAIN_CANDIDATES``; explain and no-match paths only."""
+        caps = selector.capabilities if selector is not None else ()
+        if selector is None or not caps:
+            return []
+        reg = self._registry
+        prefix = namespace + "."
+        out: list[FilteredAgent] = []
+        for n, agent_id in enumerate(reg.index.by_capability(caps[0])):
+            if len(out) >= EXPLAIN_CANDIDATES or n >= _SCAN_LIMIT:
+                break
+            if not agent_id.startswith(prefix) or agent_id in ids:
+                continue
+            view = reg.agents.get(agent_id)
+            if view is None:
+                continue
+            card = view.record.card
+            labels = card.all_labels()
+            failed = next(
+                (t for t in selector.terms if not t.matches(card.capabilities, labels)), None
+            )
+            if failed is not None:
+                out.append(FilteredAgent(agent_id=agent_id, reason=f"selector: {failed} not met"))
+        return out
+
     def namespace_hint(self, req: RouteRequest, namespace: str) -> str | None:
         """A sentence when agents of other namespaces (only) match ``req``, else None."""
         reg = self._registry
@@ -424,7 +455,7 @@ class Router:
         return f"no agent in namespace {namespace!r} matches; {where}"
 
     def elsewhere(
-        self, ids: Collection[str], namespace: str, limit: int = 10_000
+        self, ids: Collection[str], namespace: str, limit: int = _SCAN_LIMIT
     ) -> dict[str, int]:
         """Online agents among ``ids`` in namespaces other than ``namespace``, counted per
         namespace, most first: why a request found nothing in its own namespace."""
