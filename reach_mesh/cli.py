@@ -13,6 +13,7 @@ import errno
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -247,11 +248,23 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
                 ",".join(i.capabilities),
             )
         )
-    if len(rows) == 1:
-        return
+    if len(rows) > 1:
+        _print_table(rows)
+
+
+def _print_table(rows: Sequence[Sequence[str]], indent: str = "") -> None:
+    """Columns padded to their widest cell; on a terminal, the last column is cut to fit
+    (``--json`` has everything)."""
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    room = None
+    if sys.stdout.isatty():
+        used = len(indent) + sum(w + 2 for w in widths[:-1])
+        room = max(shutil.get_terminal_size().columns - used, 12)
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        cells = list(r)
+        if room is not None and len(cells[-1]) > room:
+            cells[-1] = cells[-1][: room - 1] + "…"
+        print(indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
 
 
 async def cmd_inspect(args: argparse.Namespace) -> int:
@@ -328,9 +341,7 @@ def print_decision(d: RouteDecision) -> None:
             rows.append((agent_id, "candidate", f"score {d.scores.get(agent_id, 0):g}"))
     listed = set(d.candidates)
     rows += [(f.agent_id, "filtered", f.reason) for f in d.filtered if f.agent_id not in listed]
-    widths = [max(len(r[k]) for r in rows) for k in range(3)]
-    for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    _print_table(rows, indent="  ")
     if d.fallback:
         print(f"  fallback: {d.fallback}")
     if d.nearest:

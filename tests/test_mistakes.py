@@ -4,6 +4,7 @@ that names the fix, exit code 2, no traceback — and quickly."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -295,3 +296,24 @@ async def test_a_refused_credential_fails_at_once(tmp_path: Path) -> None:
         with pytest.raises(MeshUnavailableError, match="Authorization Violation"):
             await Client(settings=MeshSettings(nats_url=server.url, nats_token="wrong")).connect()
         assert time.monotonic() - t0 < 1.0  # retrying a wrong credential cannot help
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tables_fit_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reach_mesh.cli import _print_table
+
+    rows = [("AGENT", "CAPABILITIES"), ("a.b.c1", ",".join(f"cap:n{i}:v1" for i in range(40)))]
+    monkeypatch.setenv("COLUMNS", "60")
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    _print_table(rows)
+    lines = screen.getvalue().splitlines()
+    assert all(len(line) <= 60 for line in lines) and lines[1].endswith("…")
+    piped = io.StringIO()  # not a terminal: nothing is cut
+    monkeypatch.setattr(sys, "stdout", piped)
+    _print_table(rows)
+    assert rows[1][1] in piped.getvalue()
