@@ -1,7 +1,8 @@
 """``reach-mesh``: run the mesh, talk to it, inspect it.
 
 Every command that talks to a mesh takes ``--nats URL`` (default: ``$REACH_NATS_URL``).
-``up`` and ``demo`` start an embedded nats-server when no URL is given.
+``up`` and ``demo`` start an embedded nats-server unless given ``--nats``. A mistake is one
+line on stderr and exit code 2 (``--debug``: the traceback and the error's details).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reach_mesh import __version__, _runner, protocol
 from reach_mesh.client import Client
@@ -32,6 +33,9 @@ from reach_mesh.logs import configure_logging
 from reach_mesh.models import AgentInfo, RouteDecision
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.tracing import configure_tracing
+
+if TYPE_CHECKING:
+    from reach_mesh.hub import Hub
 
 __all__ = ["main"]
 
@@ -135,7 +139,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _start_hub(stack: contextlib.AsyncExitStack, hub: Any, port: int | None) -> None:
+async def _start_hub(stack: contextlib.AsyncExitStack, hub: Hub, port: int | None) -> None:
     """Start ``hub`` (closed by ``stack``); a busy HTTP port is one clear error."""
     try:
         await hub.start()
@@ -431,9 +435,8 @@ _TRACE_HELP = "span exporter (default: the OTEL_* environment; off when unset)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reach-mesh", description=__doc__.split("\n")[0])
-    p.add_argument("--version", action="version", version=f"reach-mesh {__version__}")
-    # Global options may come before or after the subcommand (`reach-mesh --nats URL agents`).
+    # Global options may come before or after the subcommand (`reach-mesh --nats URL agents`):
+    # both parsers have them, and SUPPRESS keeps a subcommand from resetting what came before.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--nats",
@@ -454,8 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="show the traceback of an error (normally one line)",
     )
-    for action in common._actions:
-        p._add_action(action)
+    p = argparse.ArgumentParser(
+        prog="reach-mesh", description=__doc__.split("\n")[0], parents=[common]
+    )
+    p.add_argument("--version", action="version", version=f"reach-mesh {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
