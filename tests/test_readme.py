@@ -206,3 +206,19 @@ async def test_the_demo_agents_run_with_the_agent_command(
         assert res.ok and res.result["sum"] == 3
     finally:
         assert await asyncio.to_thread(_stop, proc) == 0
+
+
+def test_readme_sdk_example_runs(tmp_path: Path, user_env: dict[str, str]) -> None:
+    """The SDK example at the top of the README, as a script (it starts its own server)."""
+    script = _blocks(_section("## The SDK"), "python")[0]
+    (tmp_path / "sdk.py").write_text(script)
+    run = subprocess.run(
+        [sys.executable, "sdk.py"],
+        cwd=tmp_path,
+        env=user_env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert run.returncode == 0, run.stderr
+    assert re.match(r"SUCCEEDED 5 calc\.adder\.a1 [0-9a-f]{32}$", run.stdout.strip()), run.stdout
