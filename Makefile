@@ -30,7 +30,7 @@ fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # make bench            full run (writes bench/results/latest.json and docs/benchmarks.md)
-# make bench QUICK=1    under a minute
+# make bench QUICK=1    under a minute (writes bench/results/quick.json and quick.md only)
 # make bench PROFILE=1  also profile the hub under the routed scenario
 BENCH_STAMP := $(VENV)/.bench-stamp
 

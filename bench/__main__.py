@@ -1,6 +1,8 @@
 """``python -m bench [--quick] [--profile]`` — run every scenario, write the results.
 
-Writes ``bench/results/latest.json`` and regenerates ``docs/benchmarks.md``.
+A full run writes ``bench/results/latest.json`` and regenerates ``docs/benchmarks.md`` (both
+committed). A quick run is a smoke test: it writes ``bench/results/quick.json`` and
+``bench/results/quick.md`` (ignored by git) and leaves the committed report alone.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,6 +27,14 @@ from reach_mesh.server import EmbeddedNats, find_nats_server
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
+QUICK_JSON = RESULTS / "quick.json"
+QUICK_DOC = RESULTS / "quick.md"
+
+
+def outputs(quick: bool) -> tuple[Path, Path]:
+    """Where a run writes its results and its report: a quick run never overwrites the
+    committed ``latest.json`` and ``docs/benchmarks.md``."""
+    return (QUICK_JSON, QUICK_DOC) if quick else (RESULTS / "latest.json", DOC)
 
 
 def log(line: str) -> None:
@@ -130,6 +141,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         300,
     )
     results["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    results["machine"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     return results
 
 
@@ -172,12 +184,16 @@ def main(argv: list[str] | None = None) -> int:
             except (ValueError, KeyError):
                 pass
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    out_json, out_doc = outputs(args.quick)
+    out_json.write_text(json.dumps(results, indent=2, default=str) + "\n")
     table = report.summary_table(results)
     print(table)
     if not args.no_doc:
-        DOC.write_text(report.render(results))
-        log(f"wrote {DOC.relative_to(ROOT)} and bench/results/latest.json")
+        out_doc.write_text(report.render(results))
+    written = [out_json] + ([] if args.no_doc else [out_doc])
+    log("wrote " + " and ".join(str(p.relative_to(ROOT)) for p in written))
+    if args.quick:
+        log("(a quick run: docs/benchmarks.md and bench/results/latest.json are left as they are)")
     return 0
 
 

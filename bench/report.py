@@ -512,6 +512,26 @@ def _where_time_goes(res: dict[str, Any]) -> str:
     )
 
 
+def machine_load(m: dict[str, Any]) -> str:
+    """The machine's load as measured (1/5/15-minute load averages at start and end), and
+    what it implies; no claim about what caused it."""
+    start = m.get("load_avg_at_start")
+    end = m.get("load_avg_at_end")
+    text = f"load average (1/5/15 min) {start} at start"
+    text += f", {end} at end." if end else "."
+    ones = [x[0] for x in (start, end) if x]
+    cores = m.get("cores") or 1
+    if ones and max(ones) > cores:
+        text += (
+            f" A 1-minute load above the {cores} cores means processes outside this benchmark "
+            "competed for the CPU: absolute numbers are noisy, and the ratios to the floor "
+            "measured in the same run are the figures to compare."
+        )
+    else:
+        text += f" The measured 1-minute load was within the {cores} cores."
+    return text
+
+
 def render(res: dict[str, Any]) -> str:
     m = res["machine"]
     v = m["versions"]
@@ -529,7 +549,7 @@ Every performance figure reach-mesh quotes comes from one command:
 
 ```sh
 make bench            # full run, ~7 minutes here: writes bench/results/latest.json and this page
-make bench QUICK=1    # under a minute, fewer and shorter points (a smoke test, not a result)
+make bench QUICK=1    # under a minute, a smoke test: writes bench/results/quick.{{json,md}} only
 make bench PROFILE=1  # also profiles the hub under the routed scenario (pyinstrument)
 ```
 
@@ -541,9 +561,7 @@ The optional dependencies of the harness (agentbus, pyinstrument) are in the `be
 - **Command:** `{res["command"]}` ({res["mode"]} mode, {res.get("total_seconds", "?")} s)
 - **Date:** {m["date"]}
 - **Machine:** {m["cores"]} cores, {m["cpu_model"]}, {m.get("memory_gb")} GiB, Linux {m["kernel"]};
-  load average at start {m["load_avg_at_start"]}. **This is a shared 2-core box**: other
-  engineers' test suites were running on it, so absolute numbers are noisy; the ratios to the
-  floor measured in the same run are the figures to compare.
+  {machine_load(m)}
 - **Versions:** Python {v["python"]}, nats-py {v["nats-py"]}, {v["nats-server"]},
   pydantic {v["pydantic"]}, uvloop {v["uvloop"]}, agentbus {v["agentbus"]},
   opentelemetry-sdk {v["opentelemetry-sdk"]}, pyinstrument {v["pyinstrument"]}.

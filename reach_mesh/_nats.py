@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl
-from typing import Any
+import time
+from typing import Any, Final
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -21,6 +24,10 @@ from reach_mesh.errors import MeshUnavailableError
 __all__ = ["connect", "ensure_kv"]
 
 log = logging.getLogger("reach_mesh.nats")
+
+_SCHEMES: Final = ("nats", "tls", "ws", "wss")
+#: While NATS is gone, one log line per this many seconds (nats-py retries every 0.25 s).
+_GONE_LOG_INTERVAL: Final = 30.0
 
 
 async def connect(
@@ -38,18 +45,27 @@ async def connect(
     unlimited (a hub or agent outlives a server restart or a cluster failover). Credentials
     and TLS come from ``settings`` (``nats_creds``, ``nats_token``, ``nats_nkey_seed`` with
     ``nats_inbox_prefix``, ``nats_tls_*``); a user and password may also be given in the URL.
+
+    A failed first connect says why: a URL that is not ``nats://``/``tls://``/``ws(s)://`` at
+    once, else after ``timeout`` the host that does not resolve, the port that refuses, or
+    what the server answered (TLS, authorization). Once connected, losing the server is logged
+    once, then every 30 s while it lasts, and the reconnection once. A permissions violation
+    (secure mode, docs/security.md) is logged: it would otherwise only show as a timeout.
     """
     if not url:
         raise MeshUnavailableError(
             "no NATS URL: pass --nats URL / set REACH_NATS_URL, or run `reach-mesh up`"
         )
     if timeout is None:
-        timeout = settings.connect_timeout if settings is not None else 5.0
+        timeout = settings.connect_timeout if settings is not None else 2.0
     servers = [u.strip() for u in url.split(",") if u.strip()]
+    for server in servers:
+        _check_scheme(server)
     opts: dict[str, Any] = {
         "name": name,
         "servers": servers,
-        "connect_timeout": min(timeout, 2.0),
+        # Per server: a silent one (no RST) must leave time to try the others.
+        "connect_timeout": max(0.5, min(timeout, 2.0) / len(servers)),
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.25,
         "allow_reconnect": True,
@@ -58,23 +74,120 @@ async def connect(
     if settings is not None:
         opts.update(_auth_options(settings))
     opts.update(options)
-
-    async def _on_error(err: Exception) -> None:
-        # A permissions violation is the server refusing this identity a subject (secure mode,
-        # docs/security.md); without a word here it would only show as a timeout. Other
-        # asynchronous errors surface where they matter (reconnects, failed requests).
-        if "permissions violation" in str(err).lower():
-            log.warning("NATS refused %s: %s", name, err)
-
-    opts.setdefault("error_cb", _on_error)
-    nc = NATS()
+    watch = _Watch(name, url)
+    opts.setdefault("error_cb", watch.error)
+    opts.setdefault("disconnected_cb", watch.disconnected)
+    opts.setdefault("reconnected_cb", watch.reconnected)
+    nc = watch.nc = NATS()
     try:
-        await asyncio.wait_for(_first_connect(nc, opts), timeout)
+        await _first_connect(nc, opts, watch, timeout)
     except (TimeoutError, OSError, nats.errors.Error) as err:
         with contextlib.suppress(Exception):
             await nc.close()
-        raise MeshUnavailableError(f"cannot connect to NATS at {url}: {err!r}") from err
+        cause = await _diagnose(servers, watch.refusal or watch.last_error or err)
+        raise MeshUnavailableError(f"cannot connect to NATS at {url}: {cause}") from err
+    watch.connected = True
     return nc
+
+
+def _check_scheme(server: str) -> None:
+    scheme = urlsplit(server if "://" in server else f"nats://{server}").scheme
+    if scheme not in _SCHEMES:
+        raise MeshUnavailableError(
+            f"{server!r} is not a NATS URL: use nats://host:4222 "
+            f"(schemes {', '.join(s + '://' for s in _SCHEMES)})"
+        )
+
+
+async def _diagnose(servers: list[str], err: BaseException) -> str:
+    """Why the first connect failed, in words: unknown host, refused port, or what nats said."""
+    loop = asyncio.get_running_loop()
+    causes: list[str] = []
+    for server in servers:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+        try:
+            await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), 1.0)
+        except (OSError, TimeoutError):
+            causes.append(f"unknown host {host!r}")
+            continue
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+        except ConnectionRefusedError:
+            causes.append(f"connection refused: nothing listens on {host}:{port}")
+            continue
+        except (OSError, TimeoutError):
+            causes.append(f"no answer from {host}:{port}")
+            continue
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    if not causes:
+        # The port answers: the NATS handshake failed (TLS, authorization, not a NATS server).
+        return str(err) or repr(err)
+    return "; ".join(dict.fromkeys(causes))
+
+
+class _Watch:
+    """Logs what happens to a connection in plain words, at a sane rate: once when NATS is
+    gone, every ``_GONE_LOG_INTERVAL`` seconds while it stays gone, once when it is back."""
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
+        self.url = url
+        self.connected = False
+        self.last_error: BaseException | None = None
+        self.nc: NATS | None = None
+        #: Set when the server refuses our credentials during the first connect.
+        self.refused = asyncio.Event()
+        self.refusal: BaseException | None = None
+        self._down_since: float | None = None
+        self._logged_at = 0.0
+        self._failures = 0
+
+    async def error(self, err: Exception) -> None:
+        self.last_error = err
+        if "permissions violation" in str(err).lower():
+            # The server refusing this identity a subject (secure mode, docs/security.md).
+            log.warning("NATS refused %s: %s", self.name, err)
+        if not self.connected and (
+            isinstance(err, nats.errors.AuthorizationError)
+            # The handshake raises a plain nats Error with the server's -ERR text.
+            or "authorization violation" in str(err).lower()
+        ):
+            self.refusal = err
+            self.refused.set()
+        if not self.connected or self._down_since is None:
+            return
+        self._failures += 1
+        now = time.monotonic()
+        if now - self._logged_at >= _GONE_LOG_INTERVAL:
+            self._logged_at = now
+            log.warning(
+                "%s: NATS at %s still unreachable after %.0f s (%d attempts; retrying every "
+                "0.25 s): %s",
+                self.name,
+                self.url,
+                now - self._down_since,
+                self._failures,
+                err or type(err).__name__,
+            )
+
+    async def disconnected(self) -> None:
+        if not self.connected or self._down_since is not None:
+            return
+        if self.nc is not None and self.nc.is_closed:
+            return  # closed on purpose
+        self._down_since = self._logged_at = time.monotonic()
+        self._failures = 0
+        log.warning("%s: lost NATS at %s; reconnecting until it is back", self.name, self.url)
+
+    async def reconnected(self) -> None:
+        if self._down_since is None:
+            return
+        down = time.monotonic() - self._down_since
+        self._down_since = None
+        log.warning("%s: reconnected to NATS after %.1f s", self.name, down)
 
 
 def _auth_options(settings: MeshSettings) -> dict[str, Any]:
@@ -95,10 +208,28 @@ def _auth_options(settings: MeshSettings) -> dict[str, Any]:
     return opts
 
 
-async def _first_connect(nc: NATS, opts: dict[str, Any]) -> None:
-    # During the first connect nats-py only retries when reconnects are allowed; keep them on
-    # and let the outer wait_for bound the time.
-    await nc.connect(**opts)
+async def _first_connect(nc: NATS, opts: dict[str, Any], watch: _Watch, timeout: float) -> None:
+    """``nc.connect`` within ``timeout``; a refused authorization ends it at once.
+
+    During the first connect nats-py only retries when reconnects are allowed; they stay on,
+    and this bounds the time. Retrying a wrong credential cannot help, so it is not waited on.
+    """
+    connecting = asyncio.ensure_future(nc.connect(**opts))
+    refused = asyncio.ensure_future(watch.refused.wait())
+    try:
+        done, _ = await asyncio.wait(
+            {connecting, refused}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        for task in (connecting, refused):
+            task.cancel()
+        await asyncio.gather(connecting, refused, return_exceptions=True)
+    if connecting in done:
+        connecting.result()
+        return
+    if refused in done and watch.refusal is not None:
+        raise watch.refusal
+    raise TimeoutError(f"no connection within {timeout:g}s")
 
 
 async def ensure_kv(

@@ -1,7 +1,8 @@
 """``reach-mesh``: run the mesh, talk to it, inspect it.
 
 Every command that talks to a mesh takes ``--nats URL`` (default: ``$REACH_NATS_URL``).
-``up`` and ``demo`` start an embedded nats-server when no URL is given.
+``up`` and ``demo`` start an embedded nats-server unless given ``--nats``. A mistake is one
+line on stderr and exit code 2 (``--debug``: the traceback and the error's details).
 """
 
 from __future__ import annotations
@@ -9,17 +10,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import importlib
 import json
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from reach_mesh import _runner
+from reach_mesh import __version__, _runner, protocol
 from reach_mesh._auth import AuthDir
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
@@ -29,6 +35,9 @@ from reach_mesh.models import AgentInfo, RouteDecision
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.tracing import configure_tracing
 
+if TYPE_CHECKING:
+    from reach_mesh.hub import Hub
+
 __all__ = ["main"]
 
 
@@ -37,11 +46,19 @@ def _settings(args: argparse.Namespace, **extra: Any) -> MeshSettings:
     return load_settings(getattr(args, "config", None), **extra)
 
 
+#: ``up`` listens here unless told otherwise, so a restart comes back on the same URL and the
+#: agents and hubs still connected to the last run reconnect by themselves.
+DEFAULT_NATS_PORT = 4222
+
+
 @contextlib.asynccontextmanager
 async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
-    """The URL to use: ``--nats``/``$REACH_NATS_URL``, or an embedded server for this run
-    (with the identities of ``--secure DIR``, when given)."""
-    url = args.nats or os.environ.get("REACH_NATS_URL")
+    """The URL given with ``--nats``, else an embedded server for this run (with the identities
+    of ``--secure DIR``, when given).
+
+    ``$REACH_NATS_URL`` is not read here: the README has users export the URL ``up`` prints,
+    and ``up`` in that same shell must start its server again, not look for itself."""
+    url = args.nats_flag
     if url:
         yield url
         return
@@ -49,12 +66,44 @@ async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
     auth = AuthDir(secure).auth_conf if secure else None
     if auth is not None and not auth.exists():
         raise BadRequestError(f"{auth} not found: run `reach-mesh auth init {secure}` first")
-    server = EmbeddedNats(getattr(args, "data_dir", None), auth_config=auth)
+    port = getattr(args, "nats_port", None)
+    data_dir = getattr(args, "data_dir", None)
+    if port is not None and port > 0 and not _port_free(port):
+        print(f"NATS port {port} is in use: using a free port instead", file=sys.stderr)
+        port = -1
+    elif port is not None and port > 0 and data_dir is None:
+        data_dir = _state_dir(port)
+    server = EmbeddedNats(data_dir, port=port if port is not None else -1, auth_config=auth)
     await server.astart()
     try:
         yield server.url
     finally:
         await asyncio.to_thread(server.stop)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        # As the server will bind: connections of the last run in TIME_WAIT do not count.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _state_dir(port: int) -> str:
+    """Where ``up`` keeps JetStream between runs: ``$REACH_STATE_DIR``, else
+    ``$XDG_STATE_HOME/reach-mesh`` (``~/.local/state/reach-mesh``), one directory per port."""
+    base = os.environ.get("REACH_STATE_DIR") or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "reach-mesh"
+    )
+    path = os.path.join(base, f"nats-{port}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        return tempfile.mkdtemp(prefix="reach-nats-")
+    return path
 
 
 async def _until_signal() -> None:
@@ -72,42 +121,64 @@ async def _until_signal() -> None:
 async def cmd_up(args: argparse.Namespace) -> int:
     from reach_mesh.hub import Hub
 
-    async with _nats(args) as url:
+    if args.secure and args.demo:
+        raise BadRequestError(
+            "--demo runs agents without identities, which --secure refuses: "
+            "give each agent its own with `reach-mesh auth add-agent ID` instead"
+        )
+    async with _nats(args) as url, contextlib.AsyncExitStack() as stack:
         if args.secure:  # the hubs connect as the hub identity of the auth directory
             settings = AuthDir(args.secure).settings("hub", args.hub_name, nats_url=url)
         else:
             settings = _settings(args, nats_url=url)
-        hubs = []
         for i in range(args.hubs):
             port = None if args.http_port < 0 else (args.http_port if i == 0 else 0)
-            hubs.append(Hub(settings=settings.model_copy(update={"http_port": port})))
-        for hub in hubs:
-            await hub.start()
-        try:
-            print(f"reach-mesh up: NATS {url}, {len(hubs)} hub(s)", flush=True)
-            for hub in hubs:
-                if getattr(hub, "http_url", None):
-                    print(
-                        f"  {hub.hub_id}: metrics {hub.http_url}/metrics, "
-                        f"dashboard {hub.http_url}/",
-                        flush=True,
-                    )
-            print(f"  export REACH_NATS_URL={url}   # then: reach-mesh agents", flush=True)
-            if args.secure:
-                op = AuthDir(args.secure).settings_file("operator", "admin")
-                print(f"  secure: each process needs REACH_CONFIG=<identity>.yaml, e.g. {op}")
-            await _until_signal()
-        finally:
-            for hub in hubs:
-                await hub.close()
+            hub = Hub(settings=settings.model_copy(update={"http_port": port}))
+            await _start_hub(stack, hub, port)
+            line = f"  hub {hub.hub_id}"
+            if hub.http_url:
+                line += f": dashboard {hub.http_url}/, metrics {hub.http_url}/metrics"
+            print(line, flush=True)
+        if args.demo:
+            from reach_mesh.demo import demo_agents
+
+            agents = demo_agents(settings)
+            for agent in agents:
+                await agent.start()
+                stack.push_async_callback(agent.close)
+            print("  agents " + ", ".join(a.agent_id for a in agents), flush=True)
+        print(f"reach-mesh up: NATS {url}; Ctrl-C stops it", flush=True)
+        print(f"export REACH_NATS_URL={url}", flush=True)
+        if args.secure:
+            op = AuthDir(args.secure).settings_file("operator", "admin")
+            print(f"  secure: each process needs REACH_CONFIG=<identity>.yaml, e.g. {op}")
+        await _until_signal()
     return 0
+
+
+async def _start_hub(stack: contextlib.AsyncExitStack, hub: Hub, port: int | None) -> None:
+    """Start ``hub`` (closed by ``stack``); a busy HTTP port is one clear error."""
+    try:
+        await hub.start()
+    except OSError as err:
+        with contextlib.suppress(Exception):
+            await hub.close()
+        if err.errno == errno.EADDRINUSE:
+            raise BadRequestError(
+                f"HTTP port {port} is already in use: pick another --http-port "
+                "(0 = any free port, -1 = no HTTP)"
+            ) from err
+        raise
+    stack.push_async_callback(hub.close)
 
 
 async def cmd_hub(args: argparse.Namespace) -> int:
     from reach_mesh.hub import Hub
 
     settings = _settings(args, http_port=args.http_port)
-    async with Hub(settings=settings) as hub:
+    async with contextlib.AsyncExitStack() as stack:
+        hub = Hub(settings=settings)
+        await _start_hub(stack, hub, settings.http_port)
         print(f"hub {hub.hub_id} serving on {settings.nats_url}", flush=True)
         if hub.http_url:
             print(f"  metrics {hub.http_url}/metrics, dashboard {hub.http_url}/", flush=True)
@@ -133,7 +204,13 @@ def load_agents(spec: str) -> list[Any]:
     except AttributeError as err:
         raise BadRequestError(f"{module_name!r} has no attribute {attr!r}") from err
     if callable(obj) and not isinstance(obj, Agent):
-        obj = obj()
+        try:
+            obj = obj()
+        except TypeError as err:
+            raise BadRequestError(
+                f"{spec!r} is a function that cannot be called without arguments ({err}): "
+                "name an Agent, a list of Agents, or a function of no arguments"
+            ) from err
     agents = list(obj) if isinstance(obj, list | tuple) else [obj]
     if not agents or not all(isinstance(a, Agent) for a in agents):
         raise BadRequestError(f"{spec!r} is not an Agent or a list of Agents")
@@ -147,8 +224,11 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         # Agents built at import time read their settings from the environment.
         os.environ["REACH_NATS_URL"] = args.nats
     agents = load_agents(args.target)
-    print("serving " + ", ".join(a.agent_id for a in agents), flush=True)
-    await serve(*agents)
+
+    def started() -> None:  # connected and registered: only now is it true
+        print("serving " + ", ".join(a.agent_id for a in agents), flush=True)
+
+    await serve(*agents, started=started)
     return 0
 
 
@@ -162,19 +242,24 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
 async def cmd_agents(args: argparse.Namespace) -> int:
     async with Client(settings=_settings(args), namespace=args.namespace) as c:
-        infos = await c.agents(all_namespaces=args.all)
+        infos = await c.agents(all_namespaces=args.namespace is None)
     if args.json:
         print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
         return 0
     _print_agents(infos)
+    if not infos and args.namespace is not None:
+        print(f"(no agents in namespace {args.namespace!r}; without --namespace: every one)")
+    elif not infos:
+        print("(no agents)")
     return 0
 
 
 def _print_agents(infos: Sequence[AgentInfo]) -> None:
-    rows = [("AGENT", "STATE", "LOAD", "INFLIGHT", "LEASE", "HEALTH", "CAPABILITIES")]
-    for i in infos:
+    rows = [("NS", "AGENT", "STATE", "LOAD", "INFLIGHT", "LEASE", "HEALTH", "CAPABILITIES")]
+    for i in sorted(infos, key=lambda i: i.agent_id):
         rows.append(
             (
+                protocol.namespace_of(i.agent_id),
                 i.agent_id,
                 i.state.value,
                 f"{i.load:.2f}",
@@ -184,11 +269,23 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
                 ",".join(i.capabilities),
             )
         )
+    if len(rows) > 1:
+        _print_table(rows)
+
+
+def _print_table(rows: Sequence[Sequence[str]], indent: str = "") -> None:
+    """Columns padded to their widest cell; on a terminal, the last column is cut to fit
+    (``--json`` has everything)."""
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    room = None
+    if sys.stdout.isatty():
+        used = len(indent) + sum(w + 2 for w in widths[:-1])
+        room = max(shutil.get_terminal_size().columns - used, 12)
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    if len(rows) == 1:
-        print("(no agents)")
+        cells = list(r)
+        if room is not None and len(cells[-1]) > room:
+            cells[-1] = cells[-1][: room - 1] + "…"
+        print(indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
 
 
 async def cmd_inspect(args: argparse.Namespace) -> int:
@@ -263,9 +360,9 @@ def print_decision(d: RouteDecision) -> None:
             rows.append((agent_id, "filtered", filtered[agent_id]))
         else:
             rows.append((agent_id, "candidate", f"score {d.scores.get(agent_id, 0):g}"))
-    widths = [max(len(r[k]) for r in rows) for k in range(3)]
-    for r in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    listed = set(d.candidates)
+    rows += [(f.agent_id, "filtered", f.reason) for f in d.filtered if f.agent_id not in listed]
+    _print_table(rows, indent="  ")
     if d.fallback:
         print(f"  fallback: {d.fallback}")
     if d.nearest:
@@ -334,6 +431,13 @@ async def cmd_tools(args: argparse.Namespace) -> int:
         for tool in info.tools:
             menu.setdefault(tool.name, []).append(info.agent_id)
             described[tool.name] = tool.description
+    if args.json:
+        listing = [
+            {"tool": name, "description": described[name], "agents": menu[name]}
+            for name in sorted(menu)
+        ]
+        print(json.dumps(listing, indent=2))
+        return 0
     for name in sorted(menu):
         print(f"{name:<24} {described[name][:50]:<50} {', '.join(menu[name])}")
     if not menu:
@@ -367,23 +471,53 @@ async def cmd_auth(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- parser
 
 
+_TRACE_HELP = "span exporter (default: the OTEL_* environment; off when unset)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reach-mesh", description=__doc__.split("\n")[0])
-    p.add_argument("--log-level", default=os.environ.get("REACH_LOG_LEVEL", "WARNING"))
-    sub = p.add_subparsers(dest="command", required=True)
+    # Global options may come before or after the subcommand (`reach-mesh --nats URL agents`):
+    # both parsers have them, and SUPPRESS keeps a subcommand from resetting what came before.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--nats",
+        default=argparse.SUPPRESS,
+        help="NATS URL(s), comma separated (default: $REACH_NATS_URL)",
+    )
+    common.add_argument(
+        "--config", default=argparse.SUPPRESS, help="YAML settings file (default: $REACH_CONFIG)"
+    )
+    common.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        help="DEBUG, INFO, WARNING (default), ERROR (default: $REACH_LOG_LEVEL)",
+    )
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show the traceback of an error (normally one line)",
+    )
+    p = argparse.ArgumentParser(
+        prog="reach-mesh", description=__doc__.split("\n")[0], parents=[common]
+    )
+    p.add_argument("--version", action="version", version=f"reach-mesh {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
-        sp.add_argument(
-            "--nats",
-            default=os.environ.get("REACH_NATS_URL"),
-            help="NATS URL (default: $REACH_NATS_URL)",
-        )
-        sp.add_argument("--config", help="YAML settings file (default: $REACH_CONFIG)")
-        return sp
+        return sub.add_parser(name, help=help, description=help, parents=[common])
 
-    up = cmd("up", "run the mesh (embedded NATS unless --nats) until Ctrl-C")
-    up.add_argument("--hubs", type=int, default=1, help="hub instances to run")
+    up = cmd(
+        "up", "run the mesh until Ctrl-C: an embedded NATS unless --nats (not $REACH_NATS_URL)"
+    )
+    up.add_argument("--demo", action="store_true", help="also run the demo agents (demo.*)")
+    up.add_argument("--hubs", type=int, default=1, help="hub instances to run (default 1)")
+    up.add_argument(
+        "--nats-port",
+        type=int,
+        default=DEFAULT_NATS_PORT,
+        help=f"embedded NATS port (default {DEFAULT_NATS_PORT}, a free one if busy; -1 = any); "
+        "JetStream is kept between runs in $REACH_STATE_DIR (~/.local/state/reach-mesh)",
+    )
     up.add_argument(
         "--http-port",
         type=int,
@@ -391,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="first hub's HTTP port for /metrics, REST, dashboard (0 = any free port; -1 = off)",
     )
     up.add_argument("--data-dir", help="JetStream store dir for the embedded server")
-    up.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
+    up.add_argument("--trace", choices=["none", "console", "otlp"], default=None, help=_TRACE_HELP)
     up.add_argument(
         "--secure",
         metavar="DIR",
@@ -429,21 +563,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HTTP port for /metrics, REST, dashboard ($REACH_HTTP_PORT; 0 = any; default off)",
     )
-    hub.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
+    hub.add_argument("--trace", choices=["none", "console", "otlp"], default=None, help=_TRACE_HELP)
     hub.set_defaults(func=cmd_hub)
 
     agent = cmd("agent", "run the Agent(s) named by module:attribute until SIGTERM/Ctrl-C")
-    agent.add_argument("target", help="e.g. myagents:translator (an Agent, a list, or a factory)")
+    agent.add_argument(
+        "target",
+        help="module:attribute — an Agent, a list of Agents, or a function of no arguments "
+        "returning either (e.g. myagents:agent, reach_mesh.demo:demo_agents)",
+    )
     agent.set_defaults(func=cmd_agent)
 
     demo = cmd("demo", "start a hub and three demo agents, send tasks, print results")
-    demo.add_argument("--trace", choices=["none", "console", "otlp"], default=None)
+    demo.add_argument(
+        "--trace", choices=["none", "console", "otlp"], default=None, help=_TRACE_HELP
+    )
     demo.set_defaults(func=cmd_demo)
 
-    agents = cmd("agents", "list agents: state, load, lease left, capabilities")
-    agents.add_argument("--namespace", default=None)
-    agents.add_argument("--all", action="store_true", help="every namespace")
-    agents.add_argument("--json", action="store_true")
+    agents = cmd("agents", "list agents of every namespace: state, load, lease, capabilities")
+    agents.add_argument("--namespace", default=None, help="only this namespace")
+    agents.add_argument("--all", action="store_true", help=argparse.SUPPRESS)  # the default now
+    agents.add_argument("--json", action="store_true", help="print JSON")
     agents.set_defaults(func=cmd_agents)
 
     inspect = cmd("inspect", "one agent in detail")
@@ -452,28 +592,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     reach = cmd("reach", "send one task through the mesh and print the result")
     target = reach.add_mutually_exclusive_group()
-    target.add_argument("--agent", help="agent id")
+    target.add_argument("--agent", help="agent id (its namespace is the id's first segment)")
     target.add_argument("--selector", help="e.g. 'cap=email:send:v1 AND region=eu'")
     reach.add_argument("--capability", help="capability (alone, or the handler with --agent)")
     reach.add_argument("--payload", help="JSON payload")
-    reach.add_argument("--timeout", type=float, default=30.0)
-    reach.add_argument("--strategy", default=None)
+    reach.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds to wait for the result (default 30)"
+    )
+    reach.add_argument(
+        "--strategy",
+        default=None,
+        help="least_loaded, round_robin, weighted, consistent_hash, p2c (default: the hub's)",
+    )
     reach.add_argument("--session", default=None, help="sticky session id")
-    reach.add_argument("--mode", choices=["proxy", "direct"], default="proxy")
-    reach.add_argument("--namespace", default=None)
+    reach.add_argument(
+        "--mode",
+        choices=["proxy", "direct"],
+        default="proxy",
+        help="proxy: through a hub; direct: the hub decides, the client sends (default proxy)",
+    )
+    reach.add_argument(
+        "--namespace",
+        default=None,
+        help="namespace of --capability/--selector (default: $REACH_NAMESPACE or 'default')",
+    )
     reach.add_argument("--show-decision", action="store_true", help="print the routing decision")
     reach.add_argument("--dry-run", action="store_true", help="decide only, send nothing")
     reach.set_defaults(func=cmd_reach)
 
     audit = cmd("audit", "show audit events: routing decisions, registrations, state changes")
-    audit.add_argument("--request-id")
-    audit.add_argument("--agent")
-    audit.add_argument("--trace-id")
-    audit.add_argument("--task-id")
-    audit.add_argument("--namespace")
+    audit.add_argument("--request-id", help="one routing decision")
+    audit.add_argument("--agent", help="events about one agent")
+    audit.add_argument("--trace-id", help="events of one trace")
+    audit.add_argument("--task-id", help="events of one task")
+    audit.add_argument("--namespace", help="only this namespace (default: every one)")
     audit.add_argument("--since", type=float, default=3600.0, help="seconds back (default 1 h)")
-    audit.add_argument("--limit", type=int, default=1000)
-    audit.add_argument("--json", action="store_true")
+    audit.add_argument("--limit", type=int, default=1000, help="most events shown (default 1000)")
+    audit.add_argument("--json", action="store_true", help="print JSON")
     audit.set_defaults(func=cmd_audit)
 
     snapshot = cmd("snapshot", "export the registry (states, health, heartbeat age) as JSON")
@@ -481,7 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot.set_defaults(func=cmd_snapshot)
 
     tools = cmd("tools", "the mesh's tool menu: tools offered by live agents")
-    tools.add_argument("--namespace")
+    tools.add_argument("--namespace", help="only this namespace (default: every one)")
+    tools.add_argument("--json", action="store_true", help="print JSON")
     tools.set_defaults(func=cmd_tools)
 
     for op, text in (
@@ -489,7 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("uncordon", "route to a cordoned agent again"),
         ("quarantine", "open the agent's circuit breaker on every hub"),
         ("release", "close the agent's circuit breaker on every hub"),
-        ("remove", "force-remove an agent from the registry"),
+        (
+            "remove",
+            "force-remove an agent from the registry (a live agent re-registers at its next "
+            "heartbeat: stop it first)",
+        ),
     ):
         sp = cmd(op, text)
         sp.add_argument("agent_id")
@@ -501,24 +661,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    # --trace wins; without it the standard OTEL_* environment decides (off when unset).
-    provider = configure_tracing(
-        f"reach-mesh-{args.command}", exporter=getattr(args, "trace", None)
+    args.nats_flag = getattr(args, "nats", None)
+    args.nats = args.nats_flag or os.environ.get("REACH_NATS_URL")
+    args.config = getattr(args, "config", None)
+    args.debug = getattr(args, "debug", False)
+    configure_logging(
+        getattr(args, "log_level", None) or os.environ.get("REACH_LOG_LEVEL", "WARNING")
     )
+    provider = None
     try:
+        # --trace wins; without it the standard OTEL_* environment decides (off when unset).
+        provider = configure_tracing(
+            f"reach-mesh-{args.command}", exporter=getattr(args, "trace", None)
+        )
         code: int = _runner.run(args.func(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
     except KeyboardInterrupt:
         return 130
-    except ReachError as err:
-        print(f"error {err.code}: {err.message}", file=sys.stderr)
-        if err.details:
-            print(json.dumps(err.details, indent=2, default=str), file=sys.stderr)
+    except BrokenPipeError:
+        # `reach-mesh ... | head`: the reader left; say nothing more, like other CLI tools.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as err:  # one line for the user; the traceback with --debug only
+        if args.debug:
+            traceback.print_exc()
+        _print_error(err, details=args.debug)
         return 2
     finally:
         if provider is not None:
             provider.shutdown()  # flush batched spans before the process exits
     return code
+
+
+def _print_error(err: Exception, *, details: bool) -> None:
+    if isinstance(err, ReachError):
+        print(f"error {err.code}: {err.message}", file=sys.stderr)
+        if details and err.details:
+            print(json.dumps(err.details, indent=2, default=str), file=sys.stderr)
+    else:
+        print(
+            f"error: {err or type(err).__name__} ({type(err).__name__}; --debug shows where)",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

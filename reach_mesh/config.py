@@ -6,12 +6,13 @@ order of precedence (lowest first): defaults < YAML < environment < explicit key
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Any, Final
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from reach_mesh.errors import BadLeaseError, BadRequestError
 
@@ -56,7 +57,8 @@ class MeshSettings(BaseModel):
 
     # requests
     request_timeout: float = Field(default=30.0, gt=0)
-    connect_timeout: float = Field(default=5.0, gt=0)
+    #: How long the first connection to NATS may take before it fails with its cause.
+    connect_timeout: float = Field(default=2.0, gt=0)
     max_payload: int = Field(default=1 << 20, gt=0)
     #: Concurrent requests a hub (or agent) works on before it stops reading more.
     hub_concurrency: int = Field(default=2048, ge=1)
@@ -162,8 +164,14 @@ class MeshSettings(BaseModel):
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) -> MeshSettings:
-    """Defaults < YAML file (``path`` or ``$REACH_CONFIG``) < ``REACH_*`` env < ``overrides``."""
+    """Defaults < YAML file (``path`` or ``$REACH_CONFIG``) < ``REACH_*`` env < ``overrides``.
+
+    A value that fails validation raises :class:`BadRequestError` naming where it came from
+    (``REACH_HTTP_TOKEN``, a YAML key, an argument) and what is allowed; an unknown YAML key
+    names the closest valid one.
+    """
     values: dict[str, Any] = {}
+    source: dict[str, str] = {}
     path = path or os.environ.get(f"{ENV_PREFIX}CONFIG")
     if path:
         try:
@@ -173,12 +181,35 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         if not isinstance(loaded, dict):
             raise BadRequestError(f"settings file {path} must hold a mapping")
         values.update(loaded)
+        source.update({str(k): f"{path}: {k}" for k in loaded})
     fields = MeshSettings.model_fields
     for name in fields:
         env = os.environ.get(f"{ENV_PREFIX}{name.upper()}")
         if env is not None:
             values[name] = env
+            source[name] = f"{ENV_PREFIX}{name.upper()}"
     if os.environ.get(f"{ENV_PREFIX}NATS_URL") is not None and "nats_url" not in overrides:
         values["nats_url"] = os.environ[f"{ENV_PREFIX}NATS_URL"] or None
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return MeshSettings.model_validate(values)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    values.update(given)
+    source.update({k: k for k in given})
+    try:
+        return MeshSettings.model_validate(values)
+    except ValidationError as err:
+        raise BadRequestError(_explain(err, source)) from err
+
+
+def _explain(err: ValidationError, source: dict[str, str]) -> str:
+    """The first problem of ``err`` as one sentence with its fix."""
+    first = err.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else "settings"
+    where = source.get(name, name)
+    if first["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(name, list(MeshSettings.model_fields), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"unknown setting {where!r}{hint}"
+    if first["type"] == "string_too_short":
+        need = (first.get("ctx") or {}).get("min_length")
+        return f"{where} is too short: it needs at least {need} characters"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}"

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -32,8 +34,11 @@ class Numbers(BaseModel):
     values: list[float]
 
 
-def demo_agents(settings: MeshSettings) -> list[Agent]:
-    """Three small agents: a translator, a summarizer and a calculator."""
+def demo_agents(settings: MeshSettings | None = None) -> list[Agent]:
+    """Three small agents: a translator, a summarizer and a calculator, in namespace ``demo``.
+
+    Without ``settings`` they read theirs from the environment (``REACH_NATS_URL`` …), so
+    ``reach-mesh agent reach_mesh.demo:demo_agents`` runs them against a mesh."""
     translator = Agent(
         "demo.translator.t1",
         labels={"region": "eu-west", "gpu": "false"},
@@ -69,6 +74,18 @@ def demo_agents(settings: MeshSettings) -> list[Agent]:
         return {"n": len(vals), "sum": sum(vals), "mean": sum(vals) / len(vals) if vals else 0.0}
 
     return [translator, summarizer, calculator]
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """Only errors from ``logger`` meanwhile (the demo's deliberate mistakes)."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 @contextlib.asynccontextmanager
@@ -115,7 +132,7 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
                 failures += 1
             out(
                 f"[{status}] {title:<66} -> {res.agent_id} {res.state.value} "
-                f"{res.result if res.ok else res.error} ({res.duration * 1000:.1f} ms, "
+                f"{json.dumps(res.result) if res.ok else res.error} ({res.duration * 1000:.1f} ms, "
                 f"trace {res.trace_id})"
             )
         chain = await mesh.chain(
@@ -132,7 +149,7 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
             failures += 1
         out(
             f"[{'ok ' if chain.ok else 'ERR'}] {'chain      translate -> summarize':<66} -> "
-            f"{chain.state.value} {chain.result} "
+            f"{chain.state.value} {json.dumps(chain.result)} "
             f"({chain.duration_ms:.1f} ms, {len(chain.steps)} steps over JetStream)"
         )
         fan = await mesh.fanout(
@@ -154,12 +171,10 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
             f"({fan.duration_ms:.1f} ms)"
         )
         try:
-            await mesh.request(capability="text:translate:v2", payload={"text": "x"})
+            with _quiet("reach_mesh.hub"):  # on purpose: not a fault worth the hub's WARNING
+                await mesh.request(capability="text:translate:v2", payload={"text": "x"})
         except NoMatchError as err:
-            out(
-                f"[ok ] no match is typed: {err.code}; nearest capabilities: "
-                f"{err.details.get('similar_capabilities')}"
-            )
+            out(f"[ok ] no match is typed: {err.code}: {err.message}")
         decision = await mesh.route(selector="cap=text:translate:v1 AND region=eu-west")
         out(
             f"[ok ] explained: {decision.target} -> {decision.chosen} "

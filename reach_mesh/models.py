@@ -7,7 +7,7 @@ Field names here are the protocol (``docs/protocol.md``). Validation errors are 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -41,6 +41,7 @@ __all__ = [
     "TaskState",
     "ToolSpec",
     "UnregisterRequest",
+    "label_key_ok",
 ]
 
 
@@ -80,6 +81,12 @@ class _Wire(BaseModel):
 
 
 Label = Annotated[str, Field(min_length=1, max_length=256)]
+LABEL_MAX: Final = 256
+
+
+def label_key_ok(key: str) -> bool:
+    """Whether ``key`` is a valid label key: ``[a-z0-9][a-z0-9_.-]*`` (any case)."""
+    return bool(key) and key[0].isalnum() and all(c.isalnum() or c in "_.-" for c in key)
 
 
 class ToolSpec(_Wire):
@@ -126,7 +133,7 @@ class AgentCard(_Wire):
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
         for key in v:
-            if not key[0].isalnum() or not all(c.isalnum() or c in "_.-" for c in key):
+            if not label_key_ok(key):
                 raise ValueError(f"invalid label key {key!r}: expected [a-z0-9][a-z0-9_.-]*")
         return {k.lower(): val for k, val in v.items()}
 

@@ -228,8 +228,8 @@ def test_sdk_validates_early() -> None:
         def sync_handler(task: Task[int]) -> int:  # type: ignore[type-var]
             return 1
 
-    with pytest.raises(TypeError, match="annotate"):
+    with pytest.raises(TypeError, match="need defaults"):
 
         @a.handler("a:b:v1")
-        async def unannotated(task) -> int:  # type: ignore[no-untyped-def]
+        async def two(task: Task[int], other: int) -> int:
             return 1

@@ -88,6 +88,8 @@ def test_demo_command_with_embedded_server() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "demo finished: all tasks succeeded" in out.stdout
+    assert "WARNING" not in out.stdout + out.stderr  # its deliberate no-match is no fault
+    assert "did you mean text:translate:v1?" in out.stdout
 
 
 def test_otel_environment_turns_tracing_on_in_the_cli() -> None:

@@ -633,14 +633,18 @@ async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
     AuthDir(d).init(namespace=NS)
     env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
     cmd = [sys.executable, "-m", "reach_mesh.cli", "up", "--secure", str(d), "--http-port", "-1"]
+    cmd += ["--nats-port", "-1"]
     start = functools.partial(
         subprocess.Popen, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
     )
     proc = await asyncio.to_thread(start, cmd)
     try:
         assert proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
-        url = line.decode().split("NATS ", 1)[1].split(",", 1)[0]
+        line = b""
+        while not line.startswith(b"reach-mesh up: NATS "):
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+            assert line, "up exited before printing its NATS URL"
+        url = line.decode().split("NATS ", 1)[1].split(";", 1)[0]
         with pytest.raises((nats.errors.Error, OSError, TimeoutError)):
             await asyncio.wait_for(nats.connect(url, max_reconnect_attempts=0), 5)
         async with Client(settings=AuthDir(d).settings("caller", NS, nats_url=url)) as c:

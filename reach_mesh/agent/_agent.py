@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 import typing
 import uuid
@@ -52,6 +53,7 @@ from reach_mesh.errors import (
     UnknownAgentError,
 )
 from reach_mesh.models import (
+    LABEL_MAX,
     AgentCard,
     AgentState,
     ErrorBody,
@@ -64,6 +66,7 @@ from reach_mesh.models import (
     TaskState,
     ToolSpec,
     UnregisterRequest,
+    label_key_ok,
 )
 from reach_mesh.tracing import (
     SPAN_HANDLE,
@@ -292,7 +295,7 @@ class Agent:
         self,
         agent_id: str,
         capabilities: Iterable[str] = (),
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str | int | float | bool] | None = None,
         *,
         nats_url: str | None = None,
         max_concurrency: int = 16,
@@ -313,7 +316,7 @@ class Agent:
         self.agent_id = agent_id
         self.namespace = protocol.namespace_of(agent_id)
         self._capabilities = {protocol.validate_capability(c) for c in capabilities}
-        self._labels = dict(labels or {})
+        self._labels = _labels(agent_id, labels or {})
         self.settings = settings or load_settings(nats_url=nats_url)
         self.nats_url = nats_url or self.settings.nats_url
         if max_concurrency < 1:
@@ -377,8 +380,12 @@ class Agent:
     ) -> Callable[[F], F]:
         """Register an ``async def handler(task: Task[Payload]) -> Result`` for a capability.
 
-        Checked at decoration time: it must be ``async def`` with an annotated ``Task[...]``
-        parameter. The payload is validated with pydantic before the handler runs.
+        Checked at decoration time: it must be ``async def`` with one parameter for the task
+        (more are allowed if they have defaults, e.g. ``_x=x`` in a loop). The parameter's
+        annotation says what the handler gets: ``Task[Payload]`` a :class:`Task` whose payload
+        is validated with pydantic; ``Task`` or no annotation a :class:`Task` whose payload is
+        the raw JSON value; any other type (``dict``, a model) the validated payload alone.
+        Annotations are resolved where the handler is defined (module, enclosing function).
 
         ``tool="name"`` also publishes the handler as a tool (REST ``/api/tools``, MCP
         ``tools/list``): its parameters are the JSON Schema of the payload type, its
@@ -393,31 +400,22 @@ class Agent:
         def decorate(fn: F) -> F:
             if not inspect.iscoroutinefunction(fn):
                 raise TypeError(f"handler for {capability} must be an async def function")
-            params = list(inspect.signature(fn).parameters.values())
-            if len(params) != 1:
-                raise TypeError(f"handler for {capability} must take exactly one Task argument")
-            hints = typing.get_type_hints(fn)
-            ann = hints.get(params[0].name)
-            if ann is None:
-                raise TypeError(
-                    f"handler for {capability}: annotate the parameter as Task[PayloadType]"
-                )
-            payload_type: Any = Any
-            args = typing.get_args(ann)
-            if typing.get_origin(ann) is Task and args:
-                payload_type = args[0]
-            elif ann is not Task:
-                raise TypeError(
-                    f"handler for {capability}: parameter must be Task[PayloadType], got {ann!r}"
-                )
-            ret = hints.get("return")
+            # Annotations are read where the handler was defined: its module, the enclosing
+            # function's locals (a ``Task`` imported inside ``main()``), its closure.
+            where = sys._getframe(1)
+            bare, payload_type, ret = _handler_signature(fn, capability, where.f_locals)
+            del where
+            call: Callable[[Task[Any]], Awaitable[Any]] = fn
+            if bare:
+                call = _bare(fn)
+
             result_adapter = TypeAdapter(ret) if ret not in (None, Any, type(None)) else None
             payload_adapter: TypeAdapter[Any] = TypeAdapter(payload_type)
             if tool is not None:
                 self._tools.append(
                     _tool_spec(tool, capability, payload_adapter, description or fn.__doc__)
                 )
-            self._handlers[capability] = _Handler(capability, fn, payload_adapter, result_adapter)
+            self._handlers[capability] = _Handler(capability, call, payload_adapter, result_adapter)
             self._capabilities.add(capability)
             return typing.cast(F, fn)
 
@@ -566,7 +564,8 @@ class Agent:
                 with contextlib.suppress(ReachError):
                     await self._register()
             except (NoRespondersError, NatsTimeoutError, TimeoutError, ReachError) as err:
-                log.warning("heartbeat of %s failed: %r", self.agent_id, err)
+                if self.nc.is_connected:  # else the connection says NATS is gone, once
+                    log.warning("heartbeat of %s failed: %r", self.agent_id, err)
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -1137,6 +1136,84 @@ _SUCCEEDED: Final = (
 _SUCCEEDED_NULL: Final = (
     b'{"task_id":%b,"attempt":%d%b,"duration_ms":%.3f,"queued_ms":%.3f,"cached":false}'
 )
+
+
+def _handler_signature(
+    fn: Callable[..., Any], capability: str, localns: Mapping[str, Any]
+) -> tuple[bool, Any, Any]:
+    """(whether the handler takes the bare payload, payload type, return type) of a
+    handler, or a ``TypeError`` that says what to change."""
+    params = list(inspect.signature(fn).parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not params or params[0].kind not in positional:
+        raise TypeError(f"handler for {capability} must take the task as its first parameter")
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    extra = [
+        p.name
+        for p in params[1:]
+        if p.default is inspect.Parameter.empty and p.kind not in variadic
+    ]
+    if extra:
+        raise TypeError(
+            f"handler for {capability}: parameters {', '.join(extra)} need defaults "
+            "(a handler is called with the task alone)"
+        )
+    localns = dict(localns)
+    closure = inspect.getclosurevars(fn).nonlocals if fn.__closure__ else {}
+    localns.update(closure)
+    try:
+        hints = typing.get_type_hints(fn, localns=localns)
+    except NameError as err:
+        raise TypeError(
+            f"handler for {capability}: cannot resolve an annotation ({err}); import the "
+            "name where the handler is defined"
+        ) from err
+    ann = hints.get(params[0].name)
+    ret = hints.get("return")
+    if ann is None or ann is Task:
+        return False, Any, ret
+    if typing.get_origin(ann) is Task:
+        args = typing.get_args(ann)
+        return False, args[0] if args else Any, ret
+    return True, ann, ret
+
+
+def _labels(agent_id: str, labels: Mapping[str, object]) -> dict[str, str]:
+    """Labels as strings: numbers and booleans are written the way a selector spells them
+    (``16``, ``0.5``, ``true``); anything else is a :class:`BadRequestError` naming the label."""
+    out: dict[str, str] = {}
+    for key, value in labels.items():
+        if not isinstance(key, str) or not label_key_ok(key) or len(key) > LABEL_MAX:
+            raise BadRequestError(
+                f"agent {agent_id}: invalid label key {key!r}: expected [a-z0-9][a-z0-9_.-]* "
+                f"(at most {LABEL_MAX} characters)"
+            )
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = f"{value:g}" if isinstance(value, float) else str(value)
+        elif isinstance(value, str):
+            text = value
+        else:
+            raise BadRequestError(
+                f"agent {agent_id}: label {key!r} is a {type(value).__name__} ({value!r}); "
+                "label values are strings (numbers and booleans are converted)"
+            )
+        if not text or len(text) > LABEL_MAX:
+            raise BadRequestError(
+                f"agent {agent_id}: label {key!r} must be 1 to {LABEL_MAX} characters"
+            )
+        out[key] = text
+    return out
+
+
+def _bare(fn: Callable[[Any], Awaitable[Any]]) -> Callable[[Task[Any]], Awaitable[Any]]:
+    """A handler that takes the payload alone, called with a task."""
+
+    def call(task: Task[Any]) -> Awaitable[Any]:
+        return fn(task.payload)
+
+    return call
 
 
 def _result_json(handler: _Handler, result: Any) -> bytes:

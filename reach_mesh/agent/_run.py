@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 
 from reach_mesh import _runner
 from reach_mesh.agent._agent import Agent
@@ -13,8 +14,10 @@ from reach_mesh.tracing import configure_tracing
 __all__ = ["run", "serve"]
 
 
-async def serve(*agents: Agent) -> None:
-    """Start ``agents`` and serve until SIGTERM/SIGINT, then close them gracefully."""
+async def serve(*agents: Agent, started: Callable[[], None] | None = None) -> None:
+    """Start ``agents`` and serve until SIGTERM/SIGINT, then close them gracefully.
+
+    ``started`` is called once every agent is connected and registered."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -22,6 +25,8 @@ async def serve(*agents: Agent) -> None:
     try:
         for agent in agents:
             await agent.start()
+        if started is not None:
+            started()
         _runner.settle()
         await stop.wait()
     finally:

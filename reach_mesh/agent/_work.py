@@ -93,7 +93,7 @@ class WorkConsumer:
         leader): then the agent still starts — request-reply is core NATS — and the consumer
         is set up in the background; steps wait in the stream meanwhile."""
         try:
-            await asyncio.wait_for(self._setup(), timeout=self._settings.connect_timeout)
+            await asyncio.wait_for(self._setup(), timeout=max(self._settings.connect_timeout, 5.0))
         except (TimeoutError, Exception) as err:
             log.warning(
                 "workflow steps not available yet on %s (%r): retrying in the background",

@@ -50,7 +50,6 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
     UnknownAgentError,
-    UnknownNamespaceError,
 )
 from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.breaker import caller_report, is_agent_fault
@@ -601,10 +600,7 @@ class Hub:
         known = self.known_namespace(ns)
         if not known and req.agent_id is None:
             # Answered at once: no flight, no metric series, no audit subject for it.
-            raise UnknownNamespaceError(
-                f"namespace {ns!r} has no registered agent and is not configured on this hub",
-                namespace=ns,
-            )
+            raise self.router.unknown_namespace(req, ns)
         retry = self._route_throttle.check(ns if known else _UNKNOWN_NS)
         if retry > 0:
             if known:

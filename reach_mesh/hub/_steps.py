@@ -388,9 +388,10 @@ class StepRunner:
 
     def _no_work_reason(self, route: RouteRequest, ns: str) -> str | None:
         """Which agents matching ``route`` were passed over for having no durable work
-        consumer, as a sentence for the step's error; None when that is not why."""
+        consumer — or, when only agents of other namespaces match, that — as a sentence for
+        the step's error; None when neither is why."""
         if not self._no_work:
-            return None
+            return self._router.namespace_hint(route, ns)
         if route.agent_id is not None:
             ids: set[str] | frozenset[str] = {route.agent_id}
         elif route.capability is not None:
@@ -408,7 +409,7 @@ class StepRunner:
             if (v := self._registry.agents.get(a)) is not None and v.record.card.namespace == ns
         )
         if not skipped:
-            return None
+            return self._router.namespace_hint(route, ns)
         more = f" and {len(skipped) - 5} more" if len(skipped) > 5 else ""
         return f"not offered to {', '.join(skipped[:5])}{more}: registered with durable_work=false"
 

@@ -229,6 +229,7 @@ class Registry:
         guarded by KV revisions.
         """
         delay = 0.1
+        failures = 0
         while True:
             try:
                 watcher = await kv.watchall()
@@ -236,11 +237,14 @@ class Registry:
                 raise
             except Exception as err:
                 self._blind_at = self._clock()
-                log.warning("cannot watch %s (%r); retrying", name, err)
+                failures += 1
+                if failures % 12 == 1:  # first failure, then about once a minute
+                    log.warning("cannot watch %s (%r); retrying", name, err)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
             delay = 0.1
+            failures = 0
             replaying = True
             try:
                 async for entry in watcher:

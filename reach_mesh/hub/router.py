@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import NoMatchError
+from reach_mesh.errors import NoMatchError, UnknownNamespaceError
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.index import Matches
 from reach_mesh.hub.registry import AgentView, Registry
@@ -38,6 +38,10 @@ from reach_mesh.selector import Selector
 __all__ = ["EXPLAIN_CANDIDATES", "SAMPLE_SIZE", "Choice", "Router"]
 
 _HEALTH_MIN: Final = 60.0
+#: Agents an explanation looks at beyond the matched ones (rare paths, bounded cost).
+_SCAN_LIMIT: Final = 10_000
+#: How a filter reason for an agent of another namespace starts.
+_OTHER_NS: Final = "namespace "
 #: Candidates a load-based strategy (least_loaded, power_of_two, weighted_random) looks at when
 #: a target matches more agents than this: a random sample of this size, taken before filtering
 #: (the full set is scanned only when the sample leaves nobody routable). Picking the least
@@ -154,7 +158,7 @@ class Router:
             decision.elapsed_us = elapsed
             if filtered is None:  # explain was off: redo the pass that says why
                 filtered = self._admit(ids, namespace, capability, forced, exclude, True)[2]
-            raise self._no_match(req, namespace, decision, filtered or [], selector)
+            raise self._no_match(req, namespace, decision, filtered or [], selector, ids)
 
         chosen: AgentView | None = None
         sticky: Literal["hit", "miss", "none"] = "none"
@@ -187,7 +191,7 @@ class Router:
         choice = Choice(view=chosen, capability=capability, elapsed_us=elapsed, alternates=others)
         if explain:
             decision = self._decision(request_id, req, selector, strategy_name, ids, sampled)
-            decision.filtered = filtered or []
+            decision.filtered = (filtered or []) + self._unselected(selector, ids, namespace)
             decision.fallback = tier
             decision.sticky = sticky
             if scores is not None:
@@ -285,7 +289,7 @@ class Router:
         card = view.record.card
         # agent ids are <namespace>.<service>.<instance>: a prefix test, no split per agent.
         if not view.agent_id.startswith(namespace) or view.agent_id[len(namespace)] != ".":
-            return f"namespace {card.namespace} != {namespace}"
+            return f"{_OTHER_NS}{card.namespace} != {namespace}"
         state = view.state
         if state is AgentState.SUSPECT:
             return _SUSPECT
@@ -369,6 +373,7 @@ class Router:
         decision: RouteDecision,
         filtered: list[FilteredAgent],
         selector: Selector | None,
+        ids: Collection[str],
     ) -> NoMatchError:
         reg = self._registry
         nearest: dict[str, object] = {}
@@ -381,14 +386,116 @@ class Router:
                 "similar_capabilities": near.similar_capabilities,
                 "similar_values": near.similar_values,
             }
-        decision.filtered = filtered
+        decision.filtered = filtered + self._unselected(selector, ids, namespace)
         decision.nearest = nearest or None
+        here = [f for f in filtered if not f.reason.startswith(_OTHER_NS)]
         if req.agent_id is not None and not filtered:
             msg = f"agent {req.agent_id!r} is not registered"
-        elif filtered:
+        elif here:
             msg = f"no routable agent for {decision.target}: " + "; ".join(
-                f"{f.agent_id}: {f.reason}" for f in filtered[:5]
+                f"{f.agent_id}: {f.reason}" for f in here[:5]
             )
         else:
             msg = f"no agent in namespace {namespace!r} matches {decision.target}"
+        elsewhere = self.elsewhere(ids, namespace) if not here else {}
+        if elsewhere:
+            msg += "; " + _elsewhere_sentence(namespace, elsewhere).split("; ", 1)[1]
+            nearest["other_namespaces"] = elsewhere
+        similar = nearest.get("similar_capabilities")
+        if isinstance(similar, list) and similar:
+            msg += f"; did you mean {' or '.join(similar[:3])}?"
         return NoMatchError(msg, decision=decision.model_dump(exclude_none=True), **nearest)
+
+    def _unselected(
+        self, selector: Selector | None, ids: Collection[str], namespace: str
+    ) -> list[FilteredAgent]:
+        """For an explanation: agents of ``namespace`` that serve the selector's capability
+        but that its other terms removed, each with the first term it fails ("why not that
+        one?"). At most ``EXPLAIN_CANDIDATES``; explain and no-match paths only."""
+        caps = selector.capabilities if selector is not None else ()
+        if selector is None or not caps:
+            return []
+        reg = self._registry
+        prefix = namespace + "."
+        out: list[FilteredAgent] = []
+        for n, agent_id in enumerate(reg.index.by_capability(caps[0])):
+            if len(out) >= EXPLAIN_CANDIDATES or n >= _SCAN_LIMIT:
+                break
+            if not agent_id.startswith(prefix) or agent_id in ids:
+                continue
+            view = reg.agents.get(agent_id)
+            if view is None:
+                continue
+            card = view.record.card
+            labels = card.all_labels()
+            failed = next(
+                (t for t in selector.terms if not t.matches(card.capabilities, labels)), None
+            )
+            if failed is not None:
+                out.append(FilteredAgent(agent_id=agent_id, reason=f"selector: {failed} not met"))
+        return out
+
+    def namespace_hint(self, req: RouteRequest, namespace: str) -> str | None:
+        """A sentence when agents of other namespaces (only) match ``req``, else None."""
+        counts = self.elsewhere(self._ids(req), namespace)
+        if not counts:
+            return None
+        return _elsewhere_sentence(namespace, counts)
+
+    def unknown_namespace(self, req: RouteRequest, namespace: str) -> UnknownNamespaceError:
+        """The error for a request to a namespace with no agent that no setting names: where
+        matching agents are instead, and similar capabilities (bounded work; nothing kept)."""
+        details: dict[str, object] = {"namespace": namespace}
+        msg = f"namespace {namespace!r} has no registered agent and is not configured on this hub"
+        counts = self.elsewhere(self._ids(req), namespace)
+        if counts:
+            msg = _elsewhere_sentence(namespace, counts)
+            details["other_namespaces"] = counts
+        selector = Selector.parse(req.selector) if req.selector is not None else None
+        if selector is None and req.capability is not None:
+            selector = Selector.parse(f"cap={req.capability}")
+        if selector is not None:
+            similar = self._registry.index.nearest(selector).similar_capabilities
+            if similar:
+                msg += f"; did you mean {' or '.join(similar[:3])}?"
+                details["similar_capabilities"] = similar
+        return UnknownNamespaceError(msg, **details)
+
+    def _ids(self, req: RouteRequest) -> Collection[str]:
+        """Agent ids (of any namespace) that could serve ``req`` by its target."""
+        reg = self._registry
+        if req.agent_id is not None:
+            return (req.agent_id,)
+        if req.capability is not None:
+            return reg.index.by_capability(req.capability)
+        if req.selector is not None:
+            return reg.index.select(Selector.parse(req.selector))
+        return ()
+
+    def elsewhere(
+        self, ids: Collection[str], namespace: str, limit: int = _SCAN_LIMIT
+    ) -> dict[str, int]:
+        """Online agents among ``ids`` in namespaces other than ``namespace``, counted per
+        namespace, most first: why a request found nothing in its own namespace."""
+        counts: dict[str, int] = {}
+        agents = self._registry.agents
+        for n, agent_id in enumerate(ids):
+            if n >= limit:
+                break
+            view = agents.get(agent_id)
+            if view is None or view.state is not AgentState.ONLINE:
+                continue
+            ns = view.record.card.namespace
+            if ns != namespace:
+                counts[ns] = counts.get(ns, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _elsewhere_sentence(namespace: str, counts: dict[str, int]) -> str:
+    """``no agent in namespace 'a' matches; 1 match in 'b' (ask namespace 'b': …)``."""
+    where = ", ".join(f"{n} match in {ns!r}" for ns, n in counts.items())
+    top = next(iter(counts))
+    return (
+        f"no agent in namespace {namespace!r} matches; {where} "
+        f"(ask namespace {top!r}: --namespace {top} / Client(namespace={top!r}))"
+    )

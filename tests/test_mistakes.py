@@ -1,0 +1,319 @@
+"""Ordinary mistakes, as a user makes them on the command line: each ends in one line on stderr
+that names the fix, exit code 2, no traceback — and quickly."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reach_mesh import Client, MeshSettings
+from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.hub import Hub
+from reach_mesh.server import EmbeddedNats
+
+CLI = [sys.executable, "-m", "reach_mesh.cli"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+    env.update(extra)
+    return env
+
+
+def _refused_port() -> int:
+    """A loopback port nothing listens on (bound and released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _fails_in_one_line(
+    argv: list[str], env: dict[str, str], *expected: str, cwd: Path | None = None
+) -> str:
+    run = subprocess.run(
+        [*CLI, *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return run.stdout
+
+
+def test_short_http_token(nats_url: str) -> None:
+    _fails_in_one_line(
+        ["agents", "--nats", nats_url],
+        _env(REACH_HTTP_TOKEN="short"),
+        "REACH_HTTP_TOKEN is too short",
+        "at least 16 characters",
+    )
+
+
+def test_misspelled_yaml_key(nats_url: str, tmp_path: Path) -> None:
+    conf = tmp_path / "mesh.yaml"
+    conf.write_text("heartbeat_intervl: 1.0\n")
+    _fails_in_one_line(
+        ["--config", str(conf), "agents", "--nats", nats_url],
+        _env(),
+        "unknown setting",
+        "heartbeat_intervl",
+        "did you mean 'heartbeat_interval'?",
+    )
+
+
+def test_bad_setting_value_names_the_variable(nats_url: str) -> None:
+    _fails_in_one_line(
+        ["agents"],
+        _env(REACH_NATS_URL=nats_url, REACH_REQUEST_TIMEOUT="soon"),
+        "REACH_REQUEST_TIMEOUT",
+    )
+
+
+def test_busy_http_port(nats_url: str, busy_port: int) -> None:
+    _fails_in_one_line(
+        ["hub", "--nats", nats_url, "--http-port", str(busy_port)],
+        _env(),
+        f"HTTP port {busy_port} is already in use",
+        "--http-port",
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "cause"),
+    [
+        ("nats://127.0.0.1:{refused}", "connection refused: nothing listens on 127.0.0.1:"),
+        ("nats://no-such-host.invalid:4222", "unknown host 'no-such-host.invalid'"),
+        ("http://127.0.0.1:4222", "is not a NATS URL: use nats://host:4222"),
+    ],
+)
+def test_unreachable_nats_says_why(url: str, cause: str) -> None:
+    url = url.format(refused=_refused_port())
+    _fails_in_one_line(["agents", "--nats", url], _env(), "REACH_UNAVAILABLE", cause)
+
+
+@pytest.mark.parametrize(
+    "url", ["nats://127.0.0.1:{refused}", "nats://no-such-host.invalid:4222", "http://x:1"]
+)
+async def test_connect_fails_within_two_seconds(url: str) -> None:
+    url = url.format(refused=_refused_port())
+    t0 = time.monotonic()
+    with pytest.raises(MeshUnavailableError):
+        await Client(settings=MeshSettings(nats_url=url)).connect()
+    assert time.monotonic() - t0 < 3.0  # 2 s connect_timeout, then the diagnosis
+
+
+def test_agent_does_not_claim_to_serve_before_it_is_connected(tmp_path: Path) -> None:
+    (tmp_path / "lonely.py").write_text(
+        "from reach_mesh.agent import Agent, Task\n"
+        "agent = Agent('lonely.echo.a1')\n"
+        "@agent.handler('lonely:echo:v1')\n"
+        "async def echo(task: Task[int]) -> int:\n"
+        "    return task.payload\n"
+    )
+    url = f"nats://127.0.0.1:{_refused_port()}"
+    out = _fails_in_one_line(
+        ["agent", "lonely:agent", "--nats", url], _env(), "connection refused", cwd=tmp_path
+    )
+    assert "serving" not in out
+
+
+def test_agent_target_that_needs_arguments(tmp_path: Path) -> None:
+    (tmp_path / "factory.py").write_text("def agents(settings):\n    return []\n")
+    _fails_in_one_line(
+        ["agent", "factory:agents", "--nats", "nats://127.0.0.1:1"],
+        _env(),
+        "cannot be called without arguments",
+        cwd=tmp_path,
+    )
+
+
+async def test_output_into_a_closed_pipe_is_quiet(hub: Hub, nats_url: str) -> None:
+    """`reach-mesh ... | head` (the reader leaves early): no BrokenPipeError, exit 0."""
+    cli = " ".join(CLI)
+    proc = await asyncio.create_subprocess_exec(
+        "bash",
+        "-c",
+        f"{cli} snapshot --nats {nats_url} | true; exit ${{PIPESTATUS[0]}}",
+        env=_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert err == b"", err
+    assert proc.returncode == 0
+
+
+async def test_global_options_before_the_command(hub: Hub, nats_url: str) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "--nats",
+        nats_url,
+        "agents",
+        "--namespace",
+        "nobody",
+        env=_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err
+    assert b"no agents in namespace 'nobody'" in out
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "--nats", nats_url, "tools", "--json", env=_env(), stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0 and isinstance(json.loads(out), list)
+
+
+def test_version() -> None:
+    run = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("reach-mesh ")
+
+
+def test_every_option_has_help() -> None:
+    from reach_mesh.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
+    assert isinstance(subparsers.choices, dict)
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.option_strings and action.dest != "help":
+                assert action.help, f"{name} {action.option_strings} has no help"
+
+
+def test_ctrl_c_of_up_then_restart_lets_an_agent_reconnect(tmp_path: Path) -> None:
+    """Agents connected to `up` say NATS is gone when it stops, and come back when it runs
+    again on the same port (JetStream kept in the state dir)."""
+    port = _refused_port()
+    env = _env(REACH_STATE_DIR=str(tmp_path / "state"), PYTHONUNBUFFERED="1")
+    url = f"nats://127.0.0.1:{port}"
+    (tmp_path / "one.py").write_text(
+        "from reach_mesh.agent import Agent\n"
+        "agent = Agent('back.echo.a1')\n"
+        "@agent.handler('back:echo:v1')\n"
+        "async def echo(task):\n"
+        "    return task.payload\n"
+    )
+
+    def up() -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [*CLI, "up", "--nats-port", str(port), "--http-port", "-1"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("export REACH_NATS_URL="):
+                assert line.strip().endswith(f":{port}")
+                return proc
+        raise AssertionError("up did not start")
+
+    def stop(proc: subprocess.Popen[str]) -> None:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+
+    log = (tmp_path / "agent.log").open("w+")
+    first = up()
+    agent = subprocess.Popen(
+        [*CLI, "agent", "one:agent", "--nats", url],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        _wait_for(tmp_path / "agent.log", "serving back.echo.a1")
+        stop(first)
+        _wait_for(tmp_path / "agent.log", "lost NATS at")
+        second = up()
+        try:
+            _wait_for(tmp_path / "agent.log", "reconnected to NATS")
+            deadline = time.monotonic() + 30
+            while True:
+                run = subprocess.run(
+                    [*CLI, "reach", "--nats", url, "--agent", "back.echo.a1", "--payload", "7"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                if run.returncode == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert run.returncode == 0, run.stderr
+            assert '"result": 7' in run.stdout
+        finally:
+            stop(second)
+    finally:
+        agent.send_signal(signal.SIGINT)
+        agent.wait(timeout=30)
+        log.close()
+    text = (tmp_path / "agent.log").read_text()
+    # Once per outage (two: the restart, then the end of the test), not every heartbeat.
+    assert text.count("lost NATS at") == 2, text
+    assert text.count("reconnected to NATS") == 1, text
+    assert "heartbeat of back.echo.a1 failed" not in text, text
+
+
+def _wait_for(path: Path, text: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in path.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{text!r} not in {path}:\n{path.read_text()}")
+
+
+async def test_a_refused_credential_fails_at_once(tmp_path: Path) -> None:
+    async with EmbeddedNats(tmp_path, auth_token="s3cret-token") as server:
+        t0 = time.monotonic()
+        with pytest.raises(MeshUnavailableError, match="Authorization Violation"):
+            await Client(settings=MeshSettings(nats_url=server.url, nats_token="wrong")).connect()
+        assert time.monotonic() - t0 < 1.0  # retrying a wrong credential cannot help
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tables_fit_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reach_mesh.cli import _print_table
+
+    rows = [("AGENT", "CAPABILITIES"), ("a.b.c1", ",".join(f"cap:n{i}:v1" for i in range(40)))]
+    monkeypatch.setenv("COLUMNS", "60")
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stdout", screen)
+    _print_table(rows)
+    lines = screen.getvalue().splitlines()
+    assert all(len(line) <= 60 for line in lines) and lines[1].endswith("…")
+    piped = io.StringIO()  # not a terminal: nothing is cut
+    monkeypatch.setattr(sys, "stdout", piped)
+    _print_table(rows)
+    assert rows[1][1] in piped.getvalue()
