@@ -236,11 +236,15 @@ class StepRunner:
                     )
                 elif fresh:
                     outcome = ("nomatch", None)
-                elif rec.agent_id is not None and rec.attempt > 0:
-                    # Taken over mid-attempt: adopt it instead of sending it again.
+                else:
+                    # Taken over: what did the attempts sent so far say while we were not
+                    # listening? An outcome among them decides the step (loop top).
                     await self._tracker.catch_up(track)
-                    outcome = await self._watch(track, pol, deadline)
-                # else: taken over between recording an attempt and sending it: send it now.
+                    if track.final is None and rec.agent_id is not None and rec.attempt > 0:
+                        # Mid-attempt: adopt it instead of sending it again.
+                        outcome = await self._watch(track, pol, deadline)
+                    # else: taken over between recording an attempt and sending it: send it
+                    # now, unless an earlier attempt's outcome arrived (loop top).
                 while True:
                     if outcome is None and track.final is not None:
                         outcome = ("final", track.final)  # an earlier attempt delivered

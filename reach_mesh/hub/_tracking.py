@@ -42,6 +42,8 @@ log = logging.getLogger("reach_mesh.hub.workflows")
 
 _RECENT: Final = 50_000
 _CTL_TIMEOUT: Final = 1.0
+#: At most this many agents' last statuses are read when catching up on a step.
+_CATCH_UP_AGENTS: Final = 8
 
 #: What asking an agent about the current attempt told us.
 #: ``done``: its outcome is now known; ``alive``: the agent has it (or an older attempt of the
@@ -176,6 +178,9 @@ class StatusTracker:
             machine=AckMachine(on_transition=on_transition),
             on_transition=on_transition,
             sent={h.attempt: h.agent_id for h in rec.history if h.agent_id is not None},
+            # Outcomes the record already accounts for are not acted on twice (a takeover
+            # re-reads them from the status stream).
+            finished={h.attempt for h in rec.history if h.state.final},
             dispatched_at=now,
             last_event=now,
         )
@@ -301,11 +306,15 @@ class StatusTracker:
 
     # ------------------------------------------------------------------ asking
 
-    async def last_status(self, ns: str, task_id: str) -> TaskStatusEvent | None:
-        """The newest status event of a task in ``REACH_STATUS`` (any attempt, any agent)."""
+    async def last_status(
+        self, ns: str, task_id: str, agent_id: str | None = None
+    ) -> TaskStatusEvent | None:
+        """The newest status event of a task in ``REACH_STATUS``: from ``agent_id``, or from
+        any agent of ``ns`` when None."""
+        sender = agent_id if agent_id is not None else f"{ns}.*.*"
         try:
             raw = await self._js.get_last_msg(
-                protocol.STREAM_STATUS, protocol.task_status(f"{ns}.*.*", task_id)
+                protocol.STREAM_STATUS, protocol.task_status(sender, task_id)
             )
         except NotFoundError:
             return None
@@ -318,10 +327,14 @@ class StatusTracker:
         return self._authentic(ident[0], raw.data)
 
     async def catch_up(self, track: StepTrack) -> None:
-        """Apply the newest stored status of the step (a status we may have missed)."""
-        last = await self.last_status(track.namespace, track.task_id)
-        if last is not None:
-            self.offer(track, last)
+        """Apply the newest stored status from each agent the step was sent to (newest attempt
+        first): statuses this hub missed — sent while another hub owned the workflow, or while
+        the subscription was cut off — are outcomes like any other."""
+        agents = list(dict.fromkeys(a for _, a in sorted(track.sent.items(), reverse=True)))
+        for agent_id in agents[:_CATCH_UP_AGENTS]:
+            last = await self.last_status(track.namespace, track.task_id, agent_id)
+            if last is not None:
+                self.offer(track, last)
 
     async def probe(self, track: StepTrack) -> Verdict:
         """Silence on the current attempt: read the status stream, then ask its agent."""
