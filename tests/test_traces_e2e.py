@@ -187,17 +187,6 @@ async def test_an_application_provider_is_never_replaced(
         assert trace.get_tracer_provider() is theirs
 
 
-def test_agent_service_name_is_the_id_service_token(
-    no_provider: None, monkeypatch: pytest.MonkeyPatch, settings: MeshSettings
-) -> None:
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "memory")
-    agent = Agent("shop.invoicer.i1", settings=settings, capabilities=["x:y:v1"])
-    tracing_from_env(agent.agent_id.split(".")[1])  # what Agent.start() does first
-    provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider)
-    assert provider.resource.attributes["service.name"] == "invoicer"
-
-
 def test_a_bad_exporter_setting_is_logged_not_raised(
     no_provider: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
