@@ -158,6 +158,8 @@ async def test_in_process_trace_parents_events_and_status(
         assert (exc.attributes or {})["exception.type"].endswith(exception)
         caller = _one(spans, "reach.route", SpanKind.CLIENT)
         assert caller.parent is None and caller.status.status_code is StatusCode.ERROR
+        server = _one(spans, "reach.route", SpanKind.SERVER)
+        assert (server.attributes or {})["reach.state"] == "FAILED"
 
 
 async def test_sdk_objects_honour_the_environment_without_clobbering(

@@ -1059,6 +1059,8 @@ class Hub:
             if view is not None:
                 sp.set_attribute("reach.agent_id", view.agent_id)
             sp.set_attribute("reach.attempts", flight.attempt)
+            if head is not None:  # the agent's final state: FAILED is the handler's, not ours
+                sp.set_attribute("reach.state", head.state.value)
             if error is not None:
                 sp.set_status(Status(StatusCode.ERROR, error.code))
             sp.end()
