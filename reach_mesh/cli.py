@@ -671,9 +671,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     provider = None
     try:
         # --trace wins; without it the standard OTEL_* environment decides (off when unset).
-        provider = configure_tracing(
-            f"reach-mesh-{args.command}", exporter=getattr(args, "trace", None)
-        )
+        # The agents of `reach-mesh agent` set tracing up themselves, named for their service.
+        if args.command != "agent":
+            provider = configure_tracing(
+                f"reach-mesh-{args.command}", exporter=getattr(args, "trace", None)
+            )
         code: int = _runner.run(args.func(args))
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
     except KeyboardInterrupt:

@@ -13,6 +13,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Literal, NotRequired, TypeVar
@@ -23,6 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
+from opentelemetry.trace import Span, Status, StatusCode
 from pydantic import TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic validates only this one on 3.11
 
@@ -56,7 +58,17 @@ from reach_mesh.models import (
     TaskState,
 )
 from reach_mesh.selector import Selector
-from reach_mesh.tracing import inject, trace_id_from_headers
+from reach_mesh.tracing import (
+    SPAN_ROUTE,
+    SPAN_WORKFLOW,
+    SpanKind,
+    flush_tracing,
+    inject,
+    span,
+    trace_id_from_headers,
+    tracing_enabled,
+    tracing_from_env,
+)
 from reach_mesh.workflow import (
     Step,
     WorkflowEvent,
@@ -236,6 +248,8 @@ class Client:
     async def connect(self) -> Client:
         if self._state is not _State.NEW:
             raise RuntimeError("client already connected or closed")
+        # OTEL_TRACES_EXPORTER honoured here too; service.name: OTEL_SERVICE_NAME, else ``name``.
+        tracing_from_env(self._name)
         if self._nc is None:
             self._nc = await connect(self.nats_url, name=self._name, settings=self.settings)
         self._state = _State.OPEN
@@ -263,6 +277,8 @@ class Client:
                 await asyncio.wait_for(self._nc.drain(), timeout=5)
             with contextlib.suppress(Exception):
                 await self._nc.close()
+        with contextlib.suppress(Exception):
+            await flush_tracing()
 
     async def __aenter__(self) -> Client:
         return await self.connect()
@@ -318,8 +334,29 @@ class Client:
             zone=zone,
             explain=explain,
         )
-        timeout = fields["timeout"]
         ns = protocol.namespace_of(agent_id) if agent_id else self.namespace
+        if not tracing_enabled():
+            return await self._request(fields, ns)
+        # The caller's span: the root of the trace (or a child of the application's span),
+        # parent of the hub's reach.route and, through it, of the agent's reach.handle.
+        with span(
+            SPAN_ROUTE,
+            kind=SpanKind.CLIENT,
+            destination=protocol.hub_subject(ns, "route"),
+            attributes={"reach.namespace": ns, "reach.mode": mode},
+        ) as sp:
+            result = await self._request(fields, ns)
+            _end_span(sp, result.state, result.error.code if result.error else None)
+            sp.set_attribute("reach.task_id", result.task_id)
+            sp.set_attribute("reach.agent_id", result.agent_id)
+            if result.request_id is not None:
+                sp.set_attribute("reach.request_id", result.request_id)
+            return result
+
+    async def _request(self, fields: _RouteFields, ns: str) -> TaskResult:
+        """:meth:`request` after its arguments are checked (inside its span, if traced)."""
+        timeout = fields["timeout"]
+        mode = fields["mode"]
         headers = inject({})
         trace_id = trace_id_from_headers(headers)
         t0 = time.perf_counter()
@@ -673,7 +710,8 @@ class Client:
         """Submit a fanout without waiting; returns the workflow id (re-submitting the same id
         is a no-op). ``timeout=None``: the steps' TTL (``task_ttl``) bounds it."""
         spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
-        await self._submit(spec, inject({}))
+        with self._workflow_span(spec):
+            await self._submit(spec, inject({}))
         return spec.workflow_id
 
     async def submit_chain(
@@ -685,7 +723,8 @@ class Client:
     ) -> str:
         """Submit a chain without waiting; returns the workflow id."""
         spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
-        await self._submit(spec, inject({}))
+        with self._workflow_span(spec):
+            await self._submit(spec, inject({}))
         return spec.workflow_id
 
     async def workflow(self, workflow_id: str, *, timeout: float = 30.0) -> WorkflowResult:
@@ -772,22 +811,41 @@ class Client:
         validate_spec(spec)  # typed errors here, before anything is sent
         return spec
 
-    async def _run_workflow(self, spec: WorkflowSpec, timeout: float) -> WorkflowResult:
-        headers = inject({})
-        # Subscribe to the result before submitting: no window in which it could be missed.
-        sub = await self.nc.subscribe(
-            protocol.wf_done(spec.namespace, spec.workflow_id), max_msgs=1
+    def _workflow_span(self, spec: WorkflowSpec) -> AbstractContextManager[Span]:
+        """The caller's ``reach.workflow`` span (CLIENT) around a submission (and its wait):
+        parent of the owning hub's ``reach.workflow``. With tracing off it records nothing but
+        still gives the workflow a trace of its own."""
+        return span(
+            SPAN_WORKFLOW,
+            kind=SpanKind.CLIENT,
+            destination=protocol.wf_submit(spec.namespace),
+            attributes={
+                "reach.namespace": spec.namespace,
+                "reach.workflow_id": spec.workflow_id,
+                "reach.workflow.kind": spec.kind,
+                "reach.workflow.steps": len(spec.steps),
+            },
         )
-        try:
-            duplicate = await self._submit(spec, headers)
-            if duplicate:
-                found = await self._stored_result(spec.workflow_id)
-                if found is not None:
-                    return found
-            return await self._await_done(sub, spec.workflow_id, timeout + _REPLY_SLACK)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+
+    async def _run_workflow(self, spec: WorkflowSpec, timeout: float) -> WorkflowResult:
+        with self._workflow_span(spec) as sp:
+            headers = inject({})
+            # Subscribe to the result before submitting: no window in which it could be missed.
+            sub = await self.nc.subscribe(
+                protocol.wf_done(spec.namespace, spec.workflow_id), max_msgs=1
+            )
+            try:
+                duplicate = await self._submit(spec, headers)
+                result = None
+                if duplicate:
+                    result = await self._stored_result(spec.workflow_id)
+                if result is None:
+                    result = await self._await_done(sub, spec.workflow_id, timeout + _REPLY_SLACK)
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            _end_span(sp, result.state, result.error.code if result.error else None)
+            return result
 
     async def _submit(self, spec: WorkflowSpec, headers: dict[str, str]) -> bool:
         """Publish to ``reach.wf.<ns>.submit``; True when JetStream saw the id before.
@@ -1007,6 +1065,15 @@ class Client:
 def _consumer_name() -> str:
     """A name for an ordered consumer (ephemeral: the server removes it when unused)."""
     return f"reach-{uuid.uuid4().hex}"
+
+
+def _end_span(sp: Span, state: TaskState, code: str | None) -> None:
+    """Record a caller span's outcome: the final state, and ERROR unless it SUCCEEDED."""
+    if not sp.is_recording():
+        return
+    sp.set_attribute("reach.state", state.value)
+    if state is not TaskState.SUCCEEDED:
+        sp.set_status(Status(StatusCode.ERROR, code or state.value))
 
 
 def _bad_step(step: object) -> Any:

@@ -38,10 +38,10 @@ def test_hub_metrics_render_and_count() -> None:
     metrics.route_duration_seconds.observe(0.0004)
     metrics.delivered_to_accepted_seconds.observe(0.02)
     metrics.task_duration_seconds.labels("email:send:v1").observe(1.5)
-    metrics.pending_count.set(7)
+    metrics.pending_tasks.set(7)
     metrics.agents.labels("finance", "ONLINE").set(4)
     metrics.agents.labels("finance", "SUSPECT").set(1)
-    metrics.preonline_count.set(2)
+    metrics.preonline_agents.set(2)
     metrics.throttled_total.labels("finance").inc(5)
     metrics.quarantine_total.inc()
     metrics.duplicate_delivery_total.inc()
@@ -56,14 +56,14 @@ def test_hub_metrics_render_and_count() -> None:
     failed = (("mode", "direct"), ("namespace", "finance"), ("state", "FAILED"))
     assert samples[("reach_task_total", failed)] == 1
     assert samples[("reach_route_duration_seconds_count", ())] == 1
-    assert samples[("reach_route_duration_seconds_bucket", (("le", "0.0005"),))] == 1
+    assert samples[("reach_route_duration_seconds_bucket", (("le", "0.0004"),))] == 1
     assert samples[("reach_route_duration_seconds_bucket", (("le", "0.00025"),))] == 0
     assert samples[("reach_delivered_to_accepted_seconds_sum", ())] == pytest.approx(0.02)
     cap = (("capability", "email:send:v1"),)
     assert samples[("reach_task_duration_seconds_count", cap)] == 1
-    assert samples[("reach_pending_count", ())] == 7
+    assert samples[("reach_pending_tasks", ())] == 7
     assert samples[("reach_agents", (("namespace", "finance"), ("state", "ONLINE")))] == 4
-    assert samples[("reach_preonline_count", ())] == 2
+    assert samples[("reach_preonline_agents", ())] == 2
     assert samples[("reach_throttled_total", (("namespace", "finance"),))] == 5
     assert samples[("reach_quarantine_total", ())] == 1
     assert samples[("reach_duplicate_delivery_total", ())] == 1

@@ -73,10 +73,12 @@ from reach_mesh.tracing import (
     TRACEPARENT,
     SpanKind,
     carried_span,
+    flush_tracing,
     inject,
     span,
     trace_id_from_headers,
     tracing_enabled,
+    tracing_from_env,
 )
 from reach_mesh.tracing.metrics import AgentMetrics, serve_metrics
 
@@ -478,6 +480,9 @@ class Agent:
                 f"agent {self.agent_id} has no capabilities: add a handler or list them"
             )
         self.status = AgentStatus.RUNNING
+        # OTEL_TRACES_EXPORTER honoured here too (not only by run() and the CLI); the service
+        # is the agent id's middle token unless OTEL_SERVICE_NAME says otherwise.
+        tracing_from_env(self.agent_id.split(".")[1])
         try:
             if self._metrics_port is not None:
                 self._metrics_server = await serve_metrics(
@@ -636,6 +641,8 @@ class Agent:
                 with contextlib.suppress(Exception):
                     await self._metrics_server.close()
                 self._metrics_server = None
+            with contextlib.suppress(Exception):
+                await flush_tracing()
             self.status = AgentStatus.CLOSED
             self._closed.set()
 
@@ -789,6 +796,7 @@ class Agent:
                 if parent is None:
                     with self._handle_span(env, handler, headers) as sp:
                         out = await self._attempt(env, handler, trace_id, sp, None, None)
+                        _end_handle_span(sp, out)
                 else:
                     # What span() does with tracing off, minus its scope object and a parse.
                     token = otel_context.attach(trace.set_span_in_context(parent))
@@ -911,6 +919,7 @@ class Agent:
                 out = await self._attempt(
                     env, handler, trace_id_from_headers(headers), sp, on_accept, progress
                 )
+                _end_handle_span(sp, out)
         except asyncio.CancelledError:
             # Shutdown or fencing: the attempt ends here without a result.
             self._count_cancelled(cap, time.perf_counter() - t0)
@@ -982,10 +991,19 @@ class Agent:
         Returns the result's JSON when the handler succeeded, else the failed (or timed-out)
         reply. ``trace_id`` is the request's (the handler's ``task.trace_id``). ``on_accept``
         runs when the handler is about to start (ACCEPTED); ``progress`` backs
-        ``task.progress()`` (both used by durable workflow steps, see ``_work.py``)."""
+        ``task.progress()`` (both used by durable workflow steps, see ``_work.py``).
+
+        A recording span gets the ACK machine as events (DELIVERED, ACCEPTED, RUNNING here;
+        the final state from :func:`_end_handle_span`) and an ``exception`` event for what made
+        the attempt fail."""
+        recording = sp.is_recording()
+        if recording:
+            sp.add_event(TaskState.DELIVERED.value, {"reach.attempt": env.attempt})
         try:
             payload = handler.payload.validate_python(env.payload)
         except ValidationError as err:
+            if recording:
+                sp.record_exception(err)
             first = err.errors(include_url=False)[0]
             where = ".".join(str(p) for p in first["loc"]) or "payload"
             return self._reply(
@@ -1011,14 +1029,18 @@ class Agent:
             timeout=env.timeout,
             _progress=progress,
         )
-        if sp.is_recording():
+        if recording:
             sp.add_event(TaskState.ACCEPTED.value)
         if on_accept is not None:
             on_accept()
+        if recording:
+            sp.add_event(TaskState.RUNNING.value)
         try:
             with self._deadlines.arm(env.timeout):
                 result = await handler.fn(task)
-        except TimeoutError:
+        except TimeoutError as err:
+            if recording:
+                sp.record_exception(err)
             return self._reply(
                 env,
                 TaskState.TIMEOUT,
@@ -1027,10 +1049,14 @@ class Agent:
                     message=f"handler did not finish within {env.timeout:.3g}s",
                 ),
             )
-        except ReachError as err:
+        except ReachError as err:  # TaskFailed among them
+            if recording:
+                sp.record_exception(err)
             return self._reply(env, TaskState.FAILED, error=_error_body(err))
         except Exception as err:
             log.info("handler %s failed: %r", handler.capability, err)
+            if recording:
+                sp.record_exception(err)
             return self._reply(
                 env,
                 TaskState.FAILED,
@@ -1262,6 +1288,23 @@ def _tool_spec(
         parameters=schema,
         capability=capability,
     )
+
+
+def _end_handle_span(sp: trace.Span, out: bytes | TaskReply) -> None:
+    """The attempt's final state as the last event of its ``reach.handle`` span; status ERROR
+    (with the error code and message) unless it SUCCEEDED."""
+    if not sp.is_recording():
+        return
+    if type(out) is bytes:
+        sp.add_event(TaskState.SUCCEEDED.value)
+        return
+    reply = typing.cast(TaskReply, out)
+    error = reply.error
+    attributes = {} if error is None else {"reach.error.code": error.code}
+    sp.add_event(reply.state.value, attributes)
+    if reply.state is not TaskState.SUCCEEDED:
+        message = reply.state.value if error is None else f"{error.code}: {error.message}"
+        sp.set_status(trace.Status(trace.StatusCode.ERROR, message[:500]))
 
 
 def _error_body(err: ReachError) -> ErrorBody:

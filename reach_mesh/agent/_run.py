@@ -40,8 +40,9 @@ def run(*agents: Agent) -> None:
     is installed (a process entry point may choose the loop; the library does not).
 
     Tracing follows the standard OpenTelemetry environment (``OTEL_TRACES_EXPORTER`` …; off
-    when unset), with the first agent's id as the default service name."""
-    provider = configure_tracing(agents[0].agent_id if agents else "reach-mesh-agent")
+    when unset), with the first agent's service (``<namespace>.<service>.<instance>``) as the
+    default service name."""
+    provider = configure_tracing(agents[0].agent_id.split(".")[1] if agents else "reach-mesh-agent")
     try:
         _runner.run(serve(*agents))
     finally:

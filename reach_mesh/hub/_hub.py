@@ -78,11 +78,13 @@ from reach_mesh.tracing import (
     TRACEPARENT,
     TRACESTATE,
     SpanKind,
+    flush_tracing,
     inject,
     inject_span,
     open_span,
     trace_id_from_headers,
     tracing_enabled,
+    tracing_from_env,
 )
 from reach_mesh.tracing.metrics import HubMetrics
 
@@ -92,6 +94,9 @@ log = logging.getLogger("reach_mesh.hub")
 
 #: Bytes allowed on top of ``max_payload`` for the request's own fields.
 _ENVELOPE_SLACK: Final = 16 * 1024
+#: ``service.name`` of a hub's spans unless ``OTEL_SERVICE_NAME`` says otherwise (the CLI's
+#: ``reach-mesh hub`` uses the same).
+HUB_SERVICE_NAME: Final = "reach-mesh-hub"
 _SLOW_ROUTE: Final = 0.25
 #: How often unanswered proxy attempts are checked against their deadline (seconds).
 _SWEEP_INTERVAL: Final = 0.005
@@ -253,6 +258,7 @@ class Hub:
         if self.state is not HubState.NEW:
             raise RuntimeError(f"hub cannot start from state {self.state.value}")
         self.state = HubState.RUNNING
+        tracing_from_env(HUB_SERVICE_NAME)  # OTEL_TRACES_EXPORTER, if the process set none up
         try:
             self._nc = await connect(self.nats_url, name=self.hub_id, settings=self.settings)
             self._js = self._nc.jetstream(timeout=10.0)
@@ -374,6 +380,8 @@ class Hub:
                 await asyncio.wait_for(self._nc.drain(), timeout=5)
             with contextlib.suppress(Exception):
                 await self._nc.close()
+        with contextlib.suppress(Exception):
+            await flush_tracing()
         self.state = HubState.CLOSED
 
     async def __aenter__(self) -> Hub:
@@ -1051,6 +1059,8 @@ class Hub:
             if view is not None:
                 sp.set_attribute("reach.agent_id", view.agent_id)
             sp.set_attribute("reach.attempts", flight.attempt)
+            if head is not None:  # the agent's final state: FAILED is the handler's, not ours
+                sp.set_attribute("reach.state", head.state.value)
             if error is not None:
                 sp.set_status(Status(StatusCode.ERROR, error.code))
             sp.end()

@@ -584,7 +584,7 @@ class StepRunner:
     def _pending_delta(self, delta: int) -> None:
         self._pending += delta
         if self._metrics is not None:
-            self._metrics.pending_count.set(self._pending)
+            self._metrics.pending_tasks.set(self._pending)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -90,7 +90,7 @@ class WorkflowEngine(StepRunner):
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
     ``workflow_total``, ``workflow_duration_seconds``, ``retry_total``,
     ``duplicate_delivery_total``, ``infra_retry_total``, ``stale_result_total`` and
-    ``pending_count`` are kept.
+    ``pending_tasks`` are kept.
     """
 
     def __init__(

@@ -19,7 +19,14 @@ from ._propagation import (
     inject,
     trace_id_from_headers,
 )
-from ._setup import ExporterName, configure_tracing, memory_exporter, tracing_enabled
+from ._setup import (
+    ExporterName,
+    configure_tracing,
+    flush_tracing,
+    memory_exporter,
+    tracing_enabled,
+    tracing_from_env,
+)
 from ._spans import (
     SPAN_DELIVER,
     SPAN_HANDLE,
@@ -45,6 +52,7 @@ __all__ = [
     "configure_tracing",
     "current_trace_id",
     "extract",
+    "flush_tracing",
     "inject",
     "inject_span",
     "memory_exporter",
@@ -52,4 +60,5 @@ __all__ = [
     "span",
     "trace_id_from_headers",
     "tracing_enabled",
+    "tracing_from_env",
 ]

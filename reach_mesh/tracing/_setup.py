@@ -1,19 +1,22 @@
 """Turning tracing on (or leaving it off) for one process.
 
-Tracing is off unless someone asks for it: the library never installs a provider on its own.
-Three ways to ask, in order of precedence:
+Tracing is off unless someone asks for it. Three ways to ask, in order of precedence:
 
 1. the application already set a global OpenTelemetry ``TracerProvider`` — it is used as is;
 2. ``configure_tracing(..., exporter="console" | "otlp" | "memory")`` (the CLI's ``--trace``);
 3. the standard ``OTEL_TRACES_EXPORTER`` environment variable (``otlp``, ``console``, ``none``,
-   comma-separated for several).
+   comma-separated for several), read by ``configure_tracing`` and — through
+   :func:`tracing_from_env` — by ``Agent``, ``Client`` and ``Hub`` when they start, so an SDK
+   object honours the OpenTelemetry environment without any entry point's help.
 
 ``OTEL_SDK_DISABLED=true`` keeps tracing off whatever else is set.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import logging
 import os
 import threading
 from typing import Any, Final, Literal, get_args
@@ -29,7 +32,14 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-__all__ = ["ExporterName", "configure_tracing", "memory_exporter", "tracing_enabled"]
+__all__ = [
+    "ExporterName",
+    "configure_tracing",
+    "flush_tracing",
+    "memory_exporter",
+    "tracing_enabled",
+    "tracing_from_env",
+]
 
 ExporterName = Literal["none", "console", "otlp", "memory"]
 """Exporters :func:`configure_tracing` knows by name."""
@@ -46,6 +56,12 @@ _cache: tuple[object, bool, trace.Tracer | None] = (object(), False, None)
 _memory_exporter: InMemorySpanExporter | None = None
 _configure_lock = threading.Lock()
 _NO_SLOT: Final = object()
+#: The provider :func:`tracing_from_env` installed (None: it installed none, or not yet).
+_from_env: TracerProvider | None = None
+#: An ``OTEL_TRACES_EXPORTER`` value :func:`tracing_from_env` could not act on (warned once).
+_env_refused: str | None = None
+_FLUSH_TIMEOUT_MS: Final = 5000
+log = logging.getLogger("reach_mesh.tracing")
 
 if "OTEL_PYTHON_TRACER_PROVIDER" in os.environ:
     # A provider named by entry point is loaded lazily by the API on first use; load it now so
@@ -199,3 +215,38 @@ def _otlp_exporter() -> SpanExporter:
         raise ImportError(hint) from err
     span_exporter: SpanExporter = module.OTLPSpanExporter()
     return span_exporter
+
+
+def tracing_from_env(service_name: str) -> None:
+    """Turn tracing on from the standard OpenTelemetry environment, once per process.
+
+    What ``Agent``, ``Client`` and ``Hub`` call when they start: with ``OTEL_TRACES_EXPORTER``
+    set (and no provider installed yet) it installs one as :func:`configure_tracing` does, with
+    ``service_name`` unless ``OTEL_SERVICE_NAME`` names the service. Anything already installed
+    — the application's own provider, the CLI's, an earlier call's — is left alone, so the first
+    object to start names the process's service. Never raises: a bad setting (an unknown
+    exporter, the OTLP extra missing) is logged once and tracing stays off.
+
+    The provider lives until the process exits (the SDK shuts it down then, flushing the last
+    spans); :func:`flush_tracing` exports what is batched before that.
+    """
+    global _from_env, _env_refused
+    asked = os.environ.get("OTEL_TRACES_EXPORTER")
+    if not asked or asked == _env_refused or tracing_enabled():
+        return  # the cheap common cases: nothing asked for, or tracing already on
+    try:
+        provider = configure_tracing(service_name)
+    except (ValueError, ImportError) as err:
+        _env_refused = asked  # said once, not for every object that starts
+        log.warning("tracing stays off: %s", err)
+        return
+    if provider is not None:
+        _from_env = provider
+
+
+async def flush_tracing() -> None:
+    """Export the spans batched so far by the provider :func:`tracing_from_env` installed
+    (a no-op otherwise). Runs the flush on a thread: exporting must not block the event loop."""
+    provider = _from_env
+    if provider is not None and trace.get_tracer_provider() is provider:
+        await asyncio.to_thread(provider.force_flush, _FLUSH_TIMEOUT_MS)

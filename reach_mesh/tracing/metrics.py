@@ -40,28 +40,33 @@ _go_float: Callable[[float], str] = floatToGoString
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 """Content type of :meth:`HubMetrics.render` output (Prometheus text format 0.0.4)."""
 
-LATENCY_BUCKETS: Final[tuple[float, ...]] = (
-    0.0001, 0.00025, 0.0005,
-    0.001, 0.0025, 0.005,
-    0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0,
-)  # fmt: skip
-"""Routing and hand-over latencies: 100 µs to 5 s (a route decision is sub-millisecond)."""
+
+def _buckets(first: float, last: float) -> tuple[float, ...]:
+    """Bounds 1, 1.5, 2.5, 4, 6 per decade from ``first`` to ``last``: neighbours at most 1.67x
+    apart, so a quantile interpolated inside one bucket is off by at most about a third."""
+    out: list[float] = []
+    decade = first
+    while decade <= last:
+        out.extend(b for m in (1.0, 1.5, 2.5, 4.0, 6.0) if (b := round(decade * m, 12)) <= last)
+        decade *= 10
+    return tuple(out)
+
+
+LATENCY_BUCKETS: Final[tuple[float, ...]] = _buckets(0.0001, 60.0)
+"""Routing, hand-over and handler latencies: 100 µs to 60 s, five bounds per decade (30 in all):
+a route decision takes tens of µs, a routed request about a millisecond, an LLM call seconds."""
 
 DURATION_BUCKETS: Final[tuple[float, ...]] = (
-    0.01, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0,
-    60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0,
-)  # fmt: skip
-"""Task and workflow run times: 10 ms to the default task TTL of 2 h (LLM calls take seconds)."""
-
-_ACCEPT_BUCKETS: Final[tuple[float, ...]] = (
-    0.0005, 0.001, 0.0025, 0.005,
-    0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
+    *LATENCY_BUCKETS,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+    3600.0,
+    7200.0,
+)
+"""Task and workflow run times: :data:`LATENCY_BUCKETS`, then coarser up to the default task TTL
+of 2 h (long steps)."""
 
 
 class HistogramChild:
@@ -158,7 +163,7 @@ class HubMetrics:
         self.delivered_to_accepted_seconds = LoopHistogram(
             "reach_delivered_to_accepted_seconds",
             "Time from DELIVERED to ACCEPTED: how long an agent takes to start a handler.",
-            buckets=_ACCEPT_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.task_duration_seconds = LoopHistogram(
@@ -168,9 +173,9 @@ class HubMetrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
-        self.pending_count = Gauge(
-            "reach_pending_count",
-            "Tasks and workflow steps waiting for an agent (PENDING).",
+        self.pending_tasks = Gauge(
+            "reach_pending_tasks",
+            "Workflow steps this hub holds waiting to be (re-)sent (PENDING).",
             registry=r,
         )
         self.agents = Gauge(
@@ -179,11 +184,14 @@ class HubMetrics:
             ["namespace", "state"],
             registry=r,
         )
-        self.preonline_count = Gauge(
-            "reach_preonline_count",
+        self.preonline_agents = Gauge(
+            "reach_preonline_agents",
             "Agents held in PRE_ONLINE (returned after LOST, stale attempts not yet fenced).",
             registry=r,
         )
+        #: The attribute's name before the metric became ``reach_preonline_agents`` (the HTTP
+        #: server sets it at scrape time); the same gauge.
+        self.preonline_count = self.preonline_agents
         self.throttled_total = Counter(
             "reach_throttled",
             "Requests refused with REACH_THROTTLED, by namespace.",
