@@ -1117,7 +1117,10 @@ class Agent:
             elif op == "task_state":
                 task_id = protocol.validate_task_id(str(body.get("task_id")))
                 entry = self._results.get(task_id)
-                if entry is None:
+                if entry is None and self.work is not None and self.work.checking(task_id):
+                    # In hand, its fence being read: the hub must not give this attempt up.
+                    data = protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})
+                elif entry is None:
                     data = protocol.dumps({"task_id": task_id, "state": TaskState.PENDING})
                 elif entry.reply is not None:
                     data = protocol.encode(entry.reply)

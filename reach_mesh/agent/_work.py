@@ -88,6 +88,11 @@ class WorkConsumer:
         #: Later attempts answered from a stored result without running the handler.
         self.cached = 0
 
+    def checking(self, task_id: str) -> bool:
+        """True while a work message of ``task_id`` is between its arrival and its fence
+        check (the agent has it; the hub's probe is answered DELIVERED)."""
+        return task_id in self._checking
+
     async def start(self) -> None:
         """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
         leader): then the agent still starts — request-reply is core NATS — and the consumer

@@ -248,6 +248,10 @@ class StepRunner:
                 while True:
                     if outcome is None and track.final is not None:
                         outcome = ("final", track.final)  # an earlier attempt delivered
+                    if outcome is None and track.revived is not None and track.agent_id is None:
+                        # An attempt we gave up on turned out to be in hand: wait for it.
+                        self._tracker.readopt(track)
+                        outcome = await self._watch(track, pol, deadline)
                     if outcome is None:
                         if loop.time() >= deadline:
                             rec, decided = await self._finish(

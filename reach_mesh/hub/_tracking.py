@@ -71,6 +71,9 @@ class StepTrack:
     outcomes: deque[TaskStatusEvent] = field(default_factory=deque)
     #: Attempts whose final status was queued in ``outcomes`` (a repeat is not queued again).
     finished: set[int] = field(default_factory=set)
+    #: An attempt given up on that showed life after the next one was recorded (before it was
+    #: sent): (attempt, agent). The step watches it again instead of sending a new one.
+    revived: tuple[int, str] | None = None
     dispatched_at: float = 0.0
     last_event: float = 0.0
     lost: bool = False
@@ -96,7 +99,7 @@ class StepTrack:
         """Wait up to ``timeout`` seconds, less if an outcome arrives."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        while self.final is None:
+        while self.final is None and self.revived is None:
             left = end - loop.time()
             if left <= 0:
                 return
@@ -201,12 +204,26 @@ class StatusTracker:
         track.lost = False
         track.view = view
 
+    def readopt(self, track: StepTrack) -> None:
+        """Watch the revived attempt again (see ``StepTrack.revived``); the record keeps the
+        next attempt number, which the step uses if this one fails it after all."""
+        assert track.revived is not None
+        attempt, agent_id = track.revived
+        track.revived = None
+        track.attempt = attempt
+        track.agent_id = agent_id
+        track.machine = AckMachine(on_transition=track.on_transition)
+        track.machine.catch_up(TaskState.DELIVERED)
+        track.dispatched_at = track.last_event = asyncio.get_running_loop().time()
+        track.lost = False
+
     def fence(self, track: StepTrack, attempt: int) -> None:
         """``attempt`` is recorded with no agent yet: earlier attempts can no longer start."""
         track.release_view()
         track.attempt = attempt
         track.agent_id = None
         track.lost = False
+        track.revived = None
 
     def close(self, track: StepTrack, decided_by: int | None) -> None:
         """Stop tracking; ``decided_by`` is the attempt whose outcome (or deadline) decided the
@@ -272,6 +289,15 @@ class StatusTracker:
             if not track.machine.catch_up(event.state):
                 return  # a repeat or an out-of-order older state
             track.last_event = asyncio.get_running_loop().time()
+        elif (
+            track.agent_id is None
+            and not event.state.final
+            and event.attempt < track.attempt
+            and event.attempt not in track.finished
+        ):
+            # We gave this attempt up, but its agent has it after all (it passed its fence
+            # check just before we recorded the next attempt): watch it rather than send anew.
+            track.revived = (event.attempt, event.agent_id)
         if event.state.final and event.attempt not in track.finished:
             track.finished.add(event.attempt)
             track.outcomes.append(event)
