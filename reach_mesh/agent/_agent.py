@@ -37,6 +37,7 @@ from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher
 from reach_mesh._http import HttpServer
 from reach_mesh._nats import connect
+from reach_mesh._shutdown import within
 from reach_mesh.agent._task import Task
 from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.config import MeshSettings, load_settings
@@ -604,16 +605,16 @@ class Agent:
         self.status = AgentStatus.DRAINING
         try:
             if was_running and self._nc is not None and self._registered.is_set():
-                with contextlib.suppress(Exception):
-                    await self.heartbeat_now()  # hubs stop routing to us at once
+                # Hubs stop routing to us at once.
+                await within("DRAINING heartbeat", self.heartbeat_now(), 3.0, log)
             if self.work is not None:
-                await self.work.stop()  # no new workflow steps; in-flight ones finish below
+                # No new workflow steps; in-flight ones finish below.
+                await within("work consumer stop", self.work.stop(), 5.0, log)
             if self._tasks:
                 await asyncio.wait(set(self._tasks), timeout=self.drain_timeout)
             if self._hb_task is not None:
                 self._hb_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self._hb_task
+                await within("heartbeat loop", self._hb_task, 2.0, log)
             if self._nc is not None and self._registered.is_set():
                 with contextlib.suppress(Exception):
                     await self.nc.request(
@@ -629,17 +630,13 @@ class Agent:
             if late:  # they answer REACH_CANCELLED
                 await asyncio.wait(late, timeout=1.0)
             if self._nc is not None:
-                with contextlib.suppress(Exception):
-                    await self._answers.flush()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._nc.drain(), timeout=5)
-                with contextlib.suppress(Exception):
-                    await self._nc.close()
+                await within("answer flush", self._answers.flush(), 5.0, log)
+                await within("NATS drain", self._nc.drain(), 5.0, log)
+                await within("NATS close", self._nc.close(), 5.0, log)
         finally:
             if self._metrics_server is not None:
                 # Last: a scrape during the drain still sees the final counts.
-                with contextlib.suppress(Exception):
-                    await self._metrics_server.close()
+                await within("metrics server close", self._metrics_server.close(), 5.0, log)
                 self._metrics_server = None
             with contextlib.suppress(Exception):
                 await flush_tracing()

@@ -37,6 +37,7 @@ from pydantic_core import to_json
 from reach_mesh import protocol
 from reach_mesh._batch import BATCH_BYTES, BATCH_ITEMS, AnswerBatcher, reply_token
 from reach_mesh._nats import connect
+from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
@@ -78,7 +79,6 @@ from reach_mesh.tracing import (
     TRACEPARENT,
     TRACESTATE,
     SpanKind,
-    flush_tracing,
     inject,
     inject_span,
     open_span,
@@ -346,16 +346,13 @@ class Hub:
             return
         self.state = HubState.CLOSING
         for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            await within("unsubscribe", sub.unsubscribe(), 2.0, log)
         self._subs = []
         if self.http is not None:
-            with contextlib.suppress(Exception):
-                await self.http.close()
+            await within("HTTP server close", self.http.close(), 5.0, log)
         if self.workflows is not None:
             # Hand running workflows back (nak) so another hub resumes them at once.
-            with contextlib.suppress(Exception):
-                await self.workflows.stop()
+            await within("workflow engine stop", self.workflows.stop(), 10.0, log)
         # Routes in flight get their answers (or their deadline) for up to 5 s.
         for _ in range(500):
             if not self._inflight and self._routing <= 0:
@@ -365,23 +362,17 @@ class Hub:
             task.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
-            with contextlib.suppress(BaseException):
-                await self._sweeper
+            await within("route sweeper", self._sweeper, 2.0, log)
         if hasattr(self, "registry"):
-            await self.registry.stop()
+            await within("registry stop", self.registry.stop(), 5.0, log)
         if hasattr(self, "audit"):
-            with contextlib.suppress(Exception):
-                await self.audit.close()  # buffered events go out before the drain
+            # Buffered events go out before the drain.
+            await within("audit flush", self.audit.close(), 5.0, log)
         if hasattr(self, "_answers"):
-            with contextlib.suppress(Exception):
-                await self._answers.flush()
+            await within("answer flush", self._answers.flush(), 5.0, log)
         if self._nc is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._nc.drain(), timeout=5)
-            with contextlib.suppress(Exception):
-                await self._nc.close()
-        with contextlib.suppress(Exception):
-            await flush_tracing()
+            await within("NATS drain", self._nc.drain(), 5.0, log)
+            await within("NATS close", self._nc.close(), 5.0, log)
         self.state = HubState.CLOSED
 
     async def __aenter__(self) -> Hub:
