@@ -278,7 +278,10 @@ def test_ctrl_c_of_up_then_restart_lets_an_agent_reconnect(tmp_path: Path) -> No
     # Once per outage (two: the restart, then the end of the test), not every heartbeat.
     assert text.count("lost NATS at") == 2, text
     assert text.count("reconnected to NATS") == 1, text
-    assert "heartbeat of back.echo.a1 failed" not in text, text
+    # No heartbeat noise while NATS is gone. Right after the reconnect the new `up` may not
+    # have its hub subscribed yet: at most one beat finds no hub (and says so).
+    failed = [ln for ln in text.splitlines() if "heartbeat of back.echo.a1 failed" in ln]
+    assert len(failed) <= 1 and all("NoResponders" in ln for ln in failed), text
 
 
 def _wait_for(path: Path, text: str, timeout: float = 30.0) -> None:
