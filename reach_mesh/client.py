@@ -82,8 +82,14 @@ from reach_mesh.workflow import (
 
 __all__ = ["Client", "TaskResult"]
 
-#: Extra time the caller waits beyond the task timeout for the hub's own reply.
-_REPLY_SLACK = 2.0
+
+def _reply_slack(timeout: float) -> float:
+    """Extra time the caller waits beyond the task timeout for the hub's own reply (the hub
+    answers a timed-out attempt with a typed error at the timeout): 5 % of it, 0.2-2 s. A
+    caller whose hub died gets its error soon after its own timeout."""
+    return min(2.0, max(0.2, 0.05 * timeout))
+
+
 #: How long a workflow submission rides out JetStream being unavailable (a leader election
 #: takes 4-9 s) before it raises ``MeshUnavailableError``; a repeat is deduplicated.
 _SUBMIT_RETRY: Final = 15.0
@@ -365,7 +371,9 @@ class Client:
             task, request_id, decision = await self._direct(fields, ns, headers, deadline)
             return self._result(task, request_id, decision, trace_id, t0)
         body = self._encode(fields)
-        reply = await self._call_hub(ns, "route", body, headers, deadline, timeout + _REPLY_SLACK)
+        reply = await self._call_hub(
+            ns, "route", body, headers, deadline, timeout + _reply_slack(timeout)
+        )
         route = _parse(_PROXY_REPLY, reply, "RouteReply")
         return self._result(route["task"], route["request_id"], route.get("decision"), trace_id, t0)
 
@@ -631,7 +639,7 @@ class Client:
         delay = 0.02
         while True:
             left = deadline - time.monotonic()
-            wait_s = min(timeout, max(left, 0.0) + _REPLY_SLACK)
+            wait_s = min(timeout, max(left, 0.0) + _reply_slack(timeout))
             try:
                 if verb == "route":
                     # Routes made in one pass of the event loop leave in one message.
@@ -840,7 +848,9 @@ class Client:
                 if duplicate:
                     result = await self._stored_result(spec.workflow_id)
                 if result is None:
-                    result = await self._await_done(sub, spec.workflow_id, timeout + _REPLY_SLACK)
+                    result = await self._await_done(
+                        sub, spec.workflow_id, timeout + _reply_slack(timeout)
+                    )
             finally:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

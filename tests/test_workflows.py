@@ -704,3 +704,20 @@ async def test_any_policy_stops_the_branches_it_no_longer_needs(
         assert res.steps[0].cancelled
         await asyncio.wait_for(stopped.wait(), timeout=5)
         assert slow.inflight == 0
+
+
+async def test_a_step_that_cannot_be_placed_says_why_while_it_waits(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_chain(
+            [Step(capability="wf:nobody:v1", payload=1, retry=RetryPolicy(ttl=30))], timeout=30
+        )
+        waiting = None
+        async for ev in mesh.workflow_events(wf_id, timeout=10):
+            if ev.kind == "step" and ev.state is TaskState.PENDING and ev.error is not None:
+                waiting = ev
+                break
+    assert waiting is not None and waiting.step == 0
+    assert waiting.error is not None and waiting.error.code == "REACH_NO_MATCH"
+    assert "no routable agent for wf:nobody:v1" in waiting.error.message

@@ -1010,8 +1010,11 @@ class Hub:
             body = protocol.encode_error(error)
         else:
             assert view is not None
-            state = head.state.value if head is not None else "ROUTED"
-            if known:
+            if head is not None:
+                state = head.state.value
+            else:
+                state = "EXPLAINED" if req.dry_run else "ROUTED"
+            if known and not req.dry_run:  # an explanation is not a task
                 self._count(ns, req.mode, state)
             event = {
                 "request_id": flight.request_id,
@@ -1122,6 +1125,10 @@ class Hub:
                 agent_id=view.agent_id,
                 open_for_s=view.breaker.open_timeout,
             )
+        if old is AgentState.LOST:
+            # An agent appearing (registered here or through another hub) is told by its
+            # ``register`` event; a LOST -> ONLINE state event would say it was lost before.
+            return
         if self._nc is not None and not self._nc.is_closed:
             # Soon, not now: the change is a consequence of the action being handled (e.g. a
             # registration), whose own event should come first in the story.

@@ -220,6 +220,7 @@ class StepRunner:
         ttl_left = rec.created_at + pol.ttl - time.time()
         deadline = min(wf.deadline, loop.time() + max(0.0, ttl_left))
         exclude: set[str] = set()
+        said: str | None = None  # the waiting reason last published for this step
         with span(
             SPAN_STEP,
             kind=SpanKind.INTERNAL,
@@ -315,6 +316,11 @@ class StepRunner:
                         rec.delivery_failures += 1
                         if kind != "nomatch" and rec.history:
                             rec.history[-1].code = kind
+                        if kind == "nomatch":
+                            waiting = self._waiting_reason(route, ns, no_work)
+                            if waiting != said:
+                                said = waiting  # why the step waits, once per new reason
+                                self._waiting_event(wf, index, rec, waiting)
                         if rec.agent_id is not None and step.agent_id is None:
                             exclude.add(rec.agent_id)
                         if rec.delivery_failures <= pol.fast_attempts:
@@ -340,6 +346,26 @@ class StepRunner:
                             self._pending_delta(-1)
             finally:
                 self._tracker.close(track, decided)
+
+    def _waiting_reason(self, route: RouteRequest, ns: str, no_work: str | None) -> str:
+        target = route.agent_id or route.capability or route.selector
+        return no_work or f"no routable agent for {target} in namespace {ns!r}"
+
+    def _waiting_event(self, wf: Workflow, index: int, rec: TaskRecord, reason: str) -> None:
+        """A PENDING step event that says why the step cannot be placed (it keeps waiting)."""
+        err = NoMatchError(reason, task_id=rec.task_id)
+        self._event(
+            wf,
+            WorkflowEvent(
+                workflow_id=wf.id,
+                kind="step",
+                state=TaskState.PENDING,
+                step=index,
+                task_id=rec.task_id,
+                attempt=rec.attempt or None,
+                error=ErrorBody(code=err.code, message=err.message, details=err.details),
+            ),
+        )
 
     async def _attempt(
         self,
