@@ -203,11 +203,13 @@ async def test_attempt_given_up_on_is_fenced_before_the_backoff(
             [Step(capability="wf:step:v1", task_id="window-step", retry=slow)], timeout=30
         )
 
-        engine = wf_hub.workflows
-        assert engine is not None
-        # The deliver timeout (1 s) passes, the engine gives up on attempt 1 and backs off.
-        await eventually(lambda: engine._pending == 1, timeout=10)
-        rec = await _task_record(mesh, ns, "window-step")
+        # The deliver timeout (1 s) passes, the engine gives up on attempt 1, records attempt
+        # 2 with no agent yet (the fence), and backs off.
+        for _ in range(200):
+            rec = await _task_record(mesh, ns, "window-step")
+            if rec is not None and rec.attempt == 2:
+                break
+            await asyncio.sleep(0.05)
         assert rec is not None and rec.attempt == 2 and rec.agent_id is None  # fenced
         release.set()  # A takes attempt 1 now, inside the backoff
         await b.start()

@@ -331,12 +331,17 @@ class StepRunner:
                     if rec.agent_id is not None:
                         # Fence first: record the next attempt (no agent yet) before waiting,
                         # so the attempt we gave up on is dropped unrun if it turns up.
+                        gave_up = (track.attempt, track.agent_id)
                         rec.attempt += 1
                         rec.agent_id = None
                         rec.state = TaskState.PENDING
                         rec.updated_at = time.time()
                         rev = await self._cas(key, rec, rev, wf.deadline)
                         self._tracker.fence(track, rec.attempt)
+                        if kind == "undelivered" and gave_up[1] is not None:
+                            # ... unless its agent took it just before the fence: ask again.
+                            # (An agent declared LOST is not asked: LOST re-routes.)
+                            await self._tracker.recheck(track, gave_up[0], gave_up[1])
                     remaining = deadline - loop.time()
                     if remaining > 0:
                         self._pending_delta(1)

@@ -367,9 +367,24 @@ class StatusTracker:
         await self.catch_up(track)
         if track.final is not None:
             return "done"
-        agent_id = track.agent_id
-        if agent_id is None:
+        if track.agent_id is None:
             return "gone"
+        return await self._ask(track, track.agent_id)
+
+    async def recheck(self, track: StepTrack, attempt: int, agent_id: str) -> None:
+        """Ask again about an attempt just given up on, *after* the next one is recorded.
+
+        The agent reads the record before it runs an attempt, and marks the attempt as in hand
+        before that read; so once the fence is written, an agent that does not have the
+        attempt in hand will drop it, and one that has it may have passed the old record —
+        then the step watches that attempt again (``revived``) instead of sending a new one.
+        """
+        if await self._ask(track, agent_id) == "alive" and track.final is None:
+            track.revived = (attempt, agent_id)
+            track.changed.set()
+
+    async def _ask(self, track: StepTrack, agent_id: str) -> Verdict:
+        """Ask ``agent_id`` for the step's task state (ctl ``task_state``)."""
         try:
             msg = await self._nc.request(
                 protocol.agent_ctl(agent_id),
