@@ -514,7 +514,7 @@ class ChaosRun:
 
 
 async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
-    workdir.mkdir(parents=True, exist_ok=True)
+    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     t0 = time.monotonic()
     mesh = Mesh(cfg, workdir)
     await asyncio.to_thread(mesh.nodes_up)
