@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,8 +28,8 @@ from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
 from reach_mesh.errors import ReachError
-from reach_mesh.server import EmbeddedNats
 
+from ..helpers import cluster_nodes
 from .agent_proc import CAPABILITY
 from .history import Expected, History, Report, check, read_faults, read_runs
 
@@ -89,12 +88,6 @@ class ChaosConfig:
 # --------------------------------------------------------------------------- processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Proc:
     """A hub or agent process, in its own process group, output appended to ``log``."""
 
@@ -149,19 +142,7 @@ class Mesh:
 
     def __init__(self, cfg: ChaosConfig, workdir: Path) -> None:
         self.cfg, self.dir = cfg, workdir
-        cports = [_free_port() for _ in range(3)]
-        routes = [f"nats://127.0.0.1:{p}" for p in cports]
-        self.nodes = [
-            EmbeddedNats(
-                workdir / f"n{i}",
-                port=_free_port(),
-                server_name=f"n{i}",
-                cluster_name="chaos",
-                cluster_port=cports[i],
-                routes=routes,
-            )
-            for i in range(3)
-        ]
+        self.nodes = cluster_nodes(workdir, name="chaos")
         self.url = ",".join(n.url for n in self.nodes)
         env = dict(os.environ)
         env.update({f"REACH_{k.upper()}": str(v) for k, v in TIMINGS.items()})
@@ -312,7 +293,8 @@ async def drive(
                 await submit(p.steps, workflow_id=p.workflow_id)
                 break
             except (ReachError, nats.errors.Error, TimeoutError) as err:
-                stats.submit_errors[f"{type(err).__name__}: {str(err)[:60]}"] += 1
+                text = str(err).replace(p.workflow_id, "<id>")
+                stats.submit_errors[f"{type(err).__name__}: {text[:70]}"] += 1
                 if time.monotonic() > deadline - cfg.drain / 2:
                     stats.submit_gave_up += 1
                     return
