@@ -79,6 +79,12 @@ class ChaosConfig:
     drain: float = 60.0  # seconds callers wait for results after the last submission
     seed: int = 1
     namespace: str = "chaos"
+    #: Settings of every process: ``TIMINGS`` and these overrides (``CHAOS_SETTINGS`` JSON).
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def timings(self) -> dict[str, Any]:
+        return {**TIMINGS, **self.overrides}
 
     def __post_init__(self) -> None:
         if self.fault == "slow":
@@ -145,7 +151,7 @@ class Mesh:
         self.nodes = cluster_nodes(workdir, name="chaos")
         self.url = ",".join(n.url for n in self.nodes)
         env = dict(os.environ)
-        env.update({f"REACH_{k.upper()}": str(v) for k, v in TIMINGS.items()})
+        env.update({f"REACH_{k.upper()}": str(v) for k, v in cfg.timings.items()})
         env.update(
             {
                 "REACH_NATS_URL": self.url,
@@ -170,7 +176,7 @@ class Mesh:
             )
             for aid, log in zip(self.agent_ids, self.agent_logs, strict=True)
         ]
-        self.settings = MeshSettings(nats_url=self.url, namespace=cfg.namespace, **TIMINGS)
+        self.settings = MeshSettings(nats_url=self.url, namespace=cfg.namespace, **cfg.timings)
 
     def nodes_up(self) -> None:
         for node in self.nodes:
@@ -369,7 +375,8 @@ class Faults:
         proc = self.rng.choice(self.mesh.agents)
         at = time.time()
         proc.signal(signal.SIGSTOP)
-        await asyncio.sleep(TIMINGS["lease_timeout"] + TIMINGS["suspect_timeout"] + 2.0)
+        t = self.cfg.timings
+        await asyncio.sleep(t["lease_timeout"] + t["suspect_timeout"] + 2.0)
         proc.signal(signal.SIGCONT)
         self._log("agent_stop", proc.name, at, pid=proc.pid)
 

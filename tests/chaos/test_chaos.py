@@ -7,6 +7,7 @@ Each run prints the checker's table; see docs/reliability.md.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -46,6 +47,7 @@ async def test_long_chaos(fault: str, tmp_path: Path) -> None:
         fault_every=float(os.environ.get("CHAOS_FAULT_EVERY", "5")),
         seed=int(os.environ.get("CHAOS_SEED", "1")),
         drain=90,
+        overrides=json.loads(os.environ.get("CHAOS_SETTINGS") or "{}"),
     )
     out = os.environ.get("CHAOS_OUT")
     workdir = Path(out) / fault if out else tmp_path
