@@ -533,6 +533,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
                 "done": history.done,
                 "callers": history.callers,
                 "tasks": history.tasks,
+                "expected": {k: asdict(v) for k, v in history.expected.items()},
             },
             default=str,
         )

@@ -118,6 +118,7 @@ class Report:
     dup_agent_crash: int = 0
     dup_hub_crash: int = 0
     dup_unexplained: int = 0
+    first_result_lost: int = 0
     caller_errors: int = 0
     violations: list[Violation] = field(default_factory=list)
 
@@ -133,6 +134,7 @@ class Report:
             self.lost
             or self.stuck
             or self.wrong_outcome
+            or self.first_result_lost
             or self.two_results
             or self.dup_unexplained
         )
@@ -150,6 +152,7 @@ class Report:
             "dup runs explained (agent crash)": self.dup_agent_crash,
             "dup runs explained (hub crash)": self.dup_hub_crash,
             "dup runs NOT explained": self.dup_unexplained,
+            "first result not kept": self.first_result_lost,
             "step record != result": self.step_record_mismatch,
             "handler runs": self.runs,
             "caller errors": self.caller_errors,
@@ -203,6 +206,41 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
                 if prev.start - SLACK <= f.at <= dup.start + SLACK:
                     return tag
     return None
+
+
+def _first_result_lost(task: Mapping[str, Any], runs: list[Run], faults: list[Fault]) -> str | None:
+    """Invariant 3 on one step: the first handler run that produced a result (ok or a
+    non-retryable failure) must be the attempt the task record says decided the step, unless
+    its agent died or was paused right then (its result may never have been stored)."""
+    if task.get("state") not in FINAL:
+        return None
+    done = sorted(
+        (r for r in runs if r.outcome in ("ok", "failed") and r.end), key=lambda r: r.end or 0
+    )
+    if not done:
+        return None
+    first = done[0]
+    decided = {
+        a.get("attempt") for a in task.get("history") or () if a.get("state") == task["state"]
+    }
+    if first.attempt in decided:
+        return None
+    end = first.end or first.start
+    if any(
+        f.kind in AGENT_FAULTS
+        and f.target == first.agent_id
+        and first.start - SLACK <= f.at <= end + SLACK
+        for f in faults
+    ):
+        return None
+    return (
+        f"{first.task_id}: {first.agent_id}#{first.attempt} ended {first.outcome} at {end:.3f}, "
+        f"the record decided by attempt(s) {sorted(decided)} ({task['state']}); history "
+        + ", ".join(
+            f"#{a.get('attempt')} {a.get('state')} {a.get('code') or ''}".strip()
+            for a in task.get("history") or ()
+        )
+    )
 
 
 def check(h: History) -> Report:
@@ -271,6 +309,11 @@ def check(h: History) -> Report:
                 )
 
     for task_id, runs in runs_by_task.items():
+        task = h.tasks.get(task_id)
+        lost = None if task is None else _first_result_lost(task, runs, h.faults)
+        if lost is not None:
+            rep.first_result_lost += 1
+            rep.add("first result not kept", runs[0].workflow_id, lost)
         runs.sort(key=lambda r: r.start)
         for i, dup in enumerate(runs[1:], start=1):
             why = _explained(dup, runs[:i], h.faults)
@@ -329,3 +372,25 @@ def read_faults(path: Path) -> list[Fault]:
         ev = json.loads(line)
         out.append(Fault(ev["kind"], ev["target"], ev["at"], ev.get("until")))
     return out
+
+
+def load(run_dir: Path) -> History:
+    """The history a chaos run left in its directory (``history.json``, the agent logs,
+    ``faults.jsonl``), to check it again: ``python -m tests.chaos.history chaos-out/node_kill``."""
+    data = json.loads((run_dir / "history.json").read_text())
+    return History(
+        expected={k: Expected(**v) for k, v in data["expected"].items()},
+        runs=read_runs(p for p in run_dir.glob("*.jsonl") if p.name != "faults.jsonl"),
+        records=data["records"],
+        tasks=data["tasks"],
+        done=data["done"],
+        callers=data["callers"],
+        faults=read_faults(run_dir / "faults.jsonl"),
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        print(check(load(Path(arg))).table(arg, examples=10))

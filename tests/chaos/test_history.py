@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .history import Expected, Fault, History, Run, check, read_runs
+from .history import Expected, Fault, History, Run, check, load, read_runs
 
 WF = "wf1"
 
@@ -24,8 +24,9 @@ def result(state: str = "SUCCEEDED", value: Any = ("a", "b"), steps: int = 2) ->
     }
 
 
-def task(i: int, state: str = "SUCCEEDED") -> dict[str, Any]:
-    return {"task_id": f"{WF}-{i}", "state": state, "attempt": 1}
+def task(i: int, state: str = "SUCCEEDED", history: list[Any] | None = None) -> dict[str, Any]:
+    hist = history or [{"attempt": 1, "state": state}]
+    return {"task_id": f"{WF}-{i}", "state": state, "attempt": len(hist), "history": hist}
 
 
 def run(i: int, agent: str, start: float, attempt: int = 1, outcome: str = "ok") -> Run:
@@ -134,6 +135,9 @@ def test_duplicate_run_explained_by_its_agent_dying() -> None:
     h = clean()
     h.runs[1].end = h.runs[1].outcome = None  # killed mid-handler
     h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.tasks[f"{WF}-1"] = task(
+        1, history=[{"attempt": 1, "state": "PENDING"}, {"attempt": 2, "state": "SUCCEEDED"}]
+    )
     h.faults.append(Fault("agent_kill", "ns.a.a2", 1.05))
     rep = check(h)
     assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0 and rep.ok
@@ -174,3 +178,47 @@ def test_read_runs_pairs_start_and_end_and_skips_torn_lines(tmp_path: Path) -> N
     log.write_text("\n".join(lines))
     runs = sorted(read_runs([log]), key=lambda r: r.run_id)
     assert [(r.run_id, r.end, r.outcome) for r in runs] == [("r1", 1.5, "ok"), ("r2", None, None)]
+
+
+def test_first_result_thrown_away() -> None:
+    """Attempt 1 succeeded first, yet the record was decided by attempt 2 (the issue's
+    'valid results are thrown away')."""
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.tasks[f"{WF}-1"] = task(
+        1,
+        history=[
+            {"attempt": 1, "state": "PENDING", "code": "undelivered"},
+            {"attempt": 2, "state": "SUCCEEDED"},
+        ],
+    )
+    rep = check(h)
+    assert rep.first_result_lost == 1 and not rep.ok
+    assert "#1 PENDING undelivered" in rep.violations[0].detail
+
+
+def test_first_result_lost_with_its_agent_is_explained() -> None:
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.tasks[f"{WF}-1"] = task(
+        1, history=[{"attempt": 1, "state": "PENDING"}, {"attempt": 2, "state": "SUCCEEDED"}]
+    )
+    h.faults.append(Fault("agent_kill", "ns.a.a2", 1.2))  # right after its handler ended
+    rep = check(h)
+    assert rep.first_result_lost == 0 and rep.dup_agent_crash == 1 and rep.ok
+
+
+def test_a_run_directory_is_checked_again_offline(tmp_path: Path) -> None:
+    h = clean()
+    data = {"records": h.records, "tasks": h.tasks, "done": h.done, "callers": h.callers}
+    data["expected"] = {WF: {"kind": "fanout", "state": "SUCCEEDED", "result": ["a", "b"]}}
+    (tmp_path / "history.json").write_text(json.dumps(data))
+    start = {"ev": "start", "wf": WF, "step": 1, "task": f"{WF}-1", "attempt": 1, "pid": 7}
+    lines = [{**start, "run": "r1", "agent": "ns.a.a1", "t": 1.0}]
+    lines.append({**start, "run": "r2", "agent": "ns.a.a2", "attempt": 2, "t": 3.0})
+    (tmp_path / "ns.a.a1.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    (tmp_path / "faults.jsonl").write_text(
+        json.dumps({"kind": "agent_kill", "target": "ns.a.a1", "at": 2.0}) + "\n"
+    )
+    rep = check(load(tmp_path))
+    assert rep.workflows == 1 and rep.runs == 2 and rep.dup_agent_crash == 1 and rep.ok
