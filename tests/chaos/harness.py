@@ -424,7 +424,7 @@ async def collect_done(client: Client, ns: str) -> dict[str, list[dict[str, Any]
     js = client.nc.jetstream()
     out: dict[str, list[dict[str, Any]]] = {}
     sub = await js.subscribe(
-        f"reach.wf.{ns}.*.done", ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        protocol.wf_done(ns, "*"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
     )
     try:
         while True:
