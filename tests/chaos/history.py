@@ -324,12 +324,14 @@ def check(h: History) -> Report:
             else:
                 rep.dup_unexplained += 1
                 prev = runs[i - 1]
+                codes = {a.get("attempt"): a.get("code") for a in (task or {}).get("history", ())}
                 rep.add(
                     "dup run not explained",
                     dup.workflow_id,
                     f"{task_id} ran on {prev.agent_id}#{prev.attempt} at {prev.start:.3f} "
                     f"({prev.outcome}) and again on {dup.agent_id}#{dup.attempt} "
-                    f"at {dup.start:.3f} ({dup.outcome})",
+                    f"at {dup.start:.3f} ({dup.outcome}); record code of "
+                    f"#{prev.attempt}: {codes.get(prev.attempt)}",
                 )
     return rep
 
