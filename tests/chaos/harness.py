@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -503,7 +504,9 @@ class ChaosRun:
 
 
 async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
-    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
+    # A fresh directory: agent logs and faults are appended, a previous run's would mix in.
+    await asyncio.to_thread(shutil.rmtree, workdir, ignore_errors=True)
+    await asyncio.to_thread(workdir.mkdir, parents=True)
     t0 = time.monotonic()
     mesh = Mesh(cfg, workdir)
     await asyncio.to_thread(mesh.nodes_up)
