@@ -31,6 +31,10 @@ AGENT_FAULTS = frozenset({"agent_kill", "agent_stop"})
 HUB_FAULTS = frozenset({"hub_kill"})
 #: Slack (s) around a fault when deciding whether it explains a duplicate run.
 SLACK = 1.0
+#: How long (s) before an earlier run an agent fault still explains a re-run: an attempt sent
+#: to an agent that was killed is redelivered to its restarted process (after the kill, the
+#: restart and the work ack wait) while the hub, having lost the old process, sends the next.
+PRIOR = 5.0
 
 
 @dataclass(frozen=True)
@@ -196,14 +200,14 @@ def _matches(expected: Expected, got: Outcome) -> bool:
 
 def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
     """Why a handler ran again for a step that already ran: an agent fault of an earlier run's
-    agent between that run's start and this one (``agent``), else a hub fault in that window
-    (``hub``), else ``None``."""
-    for kinds, tag in ((AGENT_FAULTS, "agent"), (HUB_FAULTS, "hub")):
+    agent from ``PRIOR`` s before that run's start to this one's (``agent``), else a hub fault
+    from ``SLACK`` s before (``hub``), else ``None``."""
+    for kinds, tag, before in ((AGENT_FAULTS, "agent", PRIOR), (HUB_FAULTS, "hub", SLACK)):
         for prev in earlier:
             for f in faults:
                 if f.kind not in kinds or (tag == "agent" and f.target != prev.agent_id):
                     continue
-                if prev.start - SLACK <= f.at <= dup.start + SLACK:
+                if prev.start - before <= f.at <= dup.start + SLACK:
                     return tag
     return None
 

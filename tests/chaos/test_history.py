@@ -143,11 +143,22 @@ def test_duplicate_run_explained_by_its_agent_dying() -> None:
     assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0 and rep.ok
 
 
-def test_a_fault_of_another_agent_or_too_late_explains_nothing() -> None:
+def test_a_fault_of_another_agent_or_too_late_or_too_early_explains_nothing() -> None:
     h = clean()
-    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.runs.append(run(1, "ns.a.a3", 7.0, attempt=2))
     h.faults += [Fault("agent_kill", "ns.a.a1", 1.05), Fault("agent_kill", "ns.a.a2", 9.0)]
+    h.faults.append(Fault("agent_kill", "ns.a.a2", 1.0 - 5.5))
     assert check(h).dup_unexplained == 1
+
+
+def test_an_attempt_redelivered_to_the_restarted_agent_is_explained() -> None:
+    """The agent was killed holding attempt 1; its restarted process ran it 2 s later while
+    the hub sent attempt 2 elsewhere."""
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 1.3, attempt=2))
+    h.faults.append(Fault("agent_kill", "ns.a.a2", 1.0 - 2.2))
+    rep = check(h)
+    assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0
 
 
 def test_duplicate_run_around_a_hub_crash_is_counted_apart() -> None:
