@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test lint fmt bench install clean
+.PHONY: demo test chaos lint fmt bench install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# make chaos                          every fault type, 1000 workflows each (docs/reliability.md)
+# make chaos CHAOS_WORKFLOWS=200 CHAOS_FAULTS=node_kill,hub_kill
+chaos: $(STAMP)
+	CHAOS_WORKFLOWS=$(or $(CHAOS_WORKFLOWS),1000) CHAOS_FAULTS=$(CHAOS_FAULTS) \
+	CHAOS_OUT=$(or $(CHAOS_OUT),chaos-out) \
+	$(PY) -m pytest -q -s -p no:cacheprovider -m chaos tests/chaos $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

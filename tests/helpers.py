@@ -10,10 +10,12 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from reach_mesh import MeshSettings
 from reach_mesh.agent import Agent, Task
+from reach_mesh.server import EmbeddedNats
 
 
 def free_port() -> int:
@@ -21,6 +23,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cluster_nodes(base: Path, n: int = 3, name: str = "mesh") -> list[EmbeddedNats]:
+    """``n`` nats-servers (not started) forming one JetStream cluster on loopback; their store
+    dirs are ``base/n<i>`` and their ports fixed, so a killed node restarts as itself."""
+    cports = [free_port() for _ in range(n)]
+    routes = [f"nats://127.0.0.1:{p}" for p in cports]
+    return [
+        EmbeddedNats(
+            base / f"n{i}",
+            port=free_port(),
+            server_name=f"n{i}",
+            cluster_name=name,
+            cluster_port=cports[i],
+            routes=routes,
+        )
+        for i in range(n)
+    ]
 
 
 async def eventually(

@@ -17,25 +17,13 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually, free_port
+from .helpers import cluster_nodes, eventually
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedNats]]:
     base: Path = tmp_path_factory.mktemp("cluster")
-    cports = [free_port() for _ in range(3)]
-    routes = [f"nats://127.0.0.1:{p}" for p in cports]
-    nodes = [
-        EmbeddedNats(
-            base / f"n{i}",
-            port=free_port(),
-            server_name=f"n{i}",
-            cluster_name="mesh",
-            cluster_port=cports[i],
-            routes=routes,
-        )
-        for i in range(3)
-    ]
+    nodes = cluster_nodes(base)
     for node in nodes:
         node.start()
     try:

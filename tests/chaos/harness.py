@@ -1,0 +1,544 @@
+"""The chaos harness: a real 3-node NATS cluster (R3 streams and KV), hubs and agents as separate
+processes, a workload driver with known expected outcomes, fault injection, and the collection
+of everything the history checker (:mod:`.history`) needs.
+
+``run_chaos(ChaosConfig(...), workdir)`` does one run and returns the checker's report; every
+artefact (agent logs, hub logs, nats logs, faults, the collected history) stays in ``workdir``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.js.api import DeliverPolicy
+from nats.js.errors import KeyNotFoundError
+
+from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
+from reach_mesh.errors import ReachError
+
+from ..helpers import cluster_nodes
+from .agent_proc import CAPABILITY
+from .history import Expected, History, Report, check, read_faults, read_runs
+
+HERE = Path(__file__).parent
+FAULTS = ("agent_kill", "hub_kill", "node_kill", "agent_stop", "slow")
+#: Streams whose leader a node kill aims at, in turn (the KV buckets are streams too).
+LEADER_TARGETS = (
+    "KV_reach_tasks",
+    "REACH_WF",
+    "KV_reach_workflows",
+    "REACH_WF_EVENTS",
+    "REACH_WORK",
+    "REACH_STATUS",
+)
+
+#: Mesh intervals of every process: short, so faults play out in seconds.
+TIMINGS: dict[str, Any] = {
+    "kv_replicas": 3,
+    "audit_enabled": False,
+    "heartbeat_interval": 0.5,
+    "lease_timeout": 1.5,
+    "suspect_timeout": 1.0,
+    "liveness_interval": 0.2,
+    "request_timeout": 10.0,
+    "workflow_ack_wait": 3.0,
+    "work_ack_wait": 3.0,
+    "step_deliver_timeout": 2.0,
+    "step_running_interval": 0.5,
+    "step_silence_timeout": 2.0,
+    "retry_base": 0.2,
+    "retry_cap": 2.0,
+    "pending_interval": 1.0,
+}
+
+
+@dataclass
+class ChaosConfig:
+    fault: str = "agent_kill"  # one of FAULTS, or "none"
+    workflows: int = 60
+    rate: float = 10.0  # submissions per second
+    hubs: int = 3
+    agents: int = 6
+    fault_every: float = 3.0  # seconds between faults
+    down: float = 1.0  # seconds a killed process stays down
+    fail_share: float = 0.05  # workflows with a step that fails non-retryably
+    slow_share: float = 0.05  # workflows with a step slower than its timeout
+    drain: float = 60.0  # seconds callers wait for results after the last submission
+    seed: int = 1
+    namespace: str = "chaos"
+    #: Settings of every process: ``TIMINGS`` and these overrides (``CHAOS_SETTINGS`` JSON).
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def timings(self) -> dict[str, Any]:
+        return {**TIMINGS, **self.overrides}
+
+    def __post_init__(self) -> None:
+        if self.fault == "slow":
+            self.slow_share = max(self.slow_share, 0.3)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Proc:
+    """A hub or agent process, in its own process group, output appended to ``log``."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.argv, self.env, self.log = name, argv, env, log
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(timeout=5)
+
+    def stop(self) -> None:
+        """SIGCONT (it may be stopped), SIGTERM, then SIGKILL after 3 s."""
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Mesh:
+    """The cluster, the hubs and the agents of one run."""
+
+    def __init__(self, cfg: ChaosConfig, workdir: Path) -> None:
+        self.cfg, self.dir = cfg, workdir
+        self.nodes = cluster_nodes(workdir, name="chaos")
+        self.url = ",".join(n.url for n in self.nodes)
+        env = dict(os.environ)
+        env.update({f"REACH_{k.upper()}": str(v) for k, v in cfg.timings.items()})
+        env.update(
+            {
+                "REACH_NATS_URL": self.url,
+                "REACH_NAMESPACE": cfg.namespace,
+                "REACH_LOG_LEVEL": "WARNING",
+                "OTEL_TRACES_EXPORTER": "none",
+            }
+        )
+        bindir = Path(sys.executable).parent
+        self.hubs = [
+            Proc(f"hub{i}", [str(bindir / "reach-mesh"), "hub"], env, workdir / f"hub{i}.log")
+            for i in range(cfg.hubs)
+        ]
+        self.agent_ids = [f"{cfg.namespace}.work.a{i}" for i in range(cfg.agents)]
+        self.agent_logs = [workdir / f"{a}.jsonl" for a in self.agent_ids]
+        self.agents = [
+            Proc(
+                aid,
+                [sys.executable, str(HERE / "agent_proc.py"), aid, str(log)],
+                env,
+                workdir / f"{aid}.log",
+            )
+            for aid, log in zip(self.agent_ids, self.agent_logs, strict=True)
+        ]
+        self.settings = MeshSettings(nats_url=self.url, namespace=cfg.namespace, **cfg.timings)
+
+    def nodes_up(self) -> None:
+        for node in self.nodes:
+            node.start()
+
+    def close(self) -> None:
+        for p in [*self.agents, *self.hubs]:
+            p.stop()
+        for node in self.nodes:
+            node.stop(kill=True)
+
+
+async def _until(what: str, check: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            if await check():
+                return
+        except Exception as err:
+            last = err
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"{what} not ready within {timeout:g}s (last error: {last!r})")
+
+
+async def start_mesh(mesh: Mesh, client: Client) -> None:
+    js = client.nc.jetstream()
+    await _until("JetStream cluster", js.account_info, 30)
+    for hub in mesh.hubs:
+        hub.start()
+
+    async def buckets() -> bool:
+        await js.stream_info("KV_reach_workflows")
+        await js.stream_info("REACH_WF")
+        return True
+
+    await _until("hub streams", buckets, 60)
+    for agent in mesh.agents:
+        agent.start()
+
+    async def online() -> bool:
+        infos = await client.agents()
+        return sum(1 for a in infos if a.state.value == "ONLINE") >= len(mesh.agents)
+
+    await _until("agents", online, 60)
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass
+class Planned:
+    workflow_id: str
+    kind: str
+    steps: list[Step]
+    expected: Expected
+
+
+def plan(cfg: ChaosConfig) -> list[Planned]:
+    """Fanouts and chains of 3 steps; a share has a step that fails non-retryably or one that
+    is slower than its timeout. Every step has ``retries=0``: a second handler run of a step is
+    never a planned retry."""
+    rng = random.Random(cfg.seed)
+    out: list[Planned] = []
+    for i in range(cfg.workflows):
+        kind = "fanout" if i % 2 == 0 else "chain"
+        r = rng.random()
+        variant = (
+            "fail" if r < cfg.fail_share else "slow" if r < cfg.fail_share + cfg.slow_share else ""
+        )
+        odd = rng.randrange(3) if variant else -1
+        x0 = rng.randrange(1000)
+        steps = []
+        for k in range(3):
+            mode = variant if k == odd else "ok"
+            ms = 2500 if mode == "slow" else rng.randint(20, 300)
+            payload: dict[str, Any] = {"mode": mode, "ms": ms}
+            if kind == "fanout" or k == 0:
+                payload["x"] = x0 + k if kind == "fanout" else x0
+            steps.append(
+                Step(
+                    capability=CAPABILITY,
+                    payload=payload,
+                    timeout=1.0 if mode == "slow" else 10.0,
+                    retry=RetryPolicy(retries=0),
+                )
+            )
+        if variant == "fail":
+            exp = Expected(kind, "FAILED")
+        elif variant == "slow":
+            exp = Expected(kind, "TIMEOUT")
+        elif kind == "fanout":
+            exp = Expected(kind, "SUCCEEDED", [{"x": x0 + k + 1} for k in range(3)])
+        else:
+            exp = Expected(kind, "SUCCEEDED", {"x": x0 + 3})
+        out.append(Planned(f"{cfg.namespace}-{cfg.seed}-{i:05d}", kind, steps, exp))
+    return out
+
+
+@dataclass
+class DriverStats:
+    submit_errors: Counter[str] = field(default_factory=Counter)
+    wait_errors: Counter[str] = field(default_factory=Counter)
+    submit_gave_up: int = 0
+
+
+async def drive(
+    cfg: ChaosConfig, client: Client, work: list[Planned], stats: DriverStats
+) -> tuple[dict[str, Expected], dict[str, dict[str, Any] | str]]:
+    """Submit at ``cfg.rate``/s; each caller then waits with ``Client.workflow()`` (asking again
+    after errors, as a caller would) until ``cfg.drain`` after the last submission."""
+    expected: dict[str, Expected] = {}
+    callers: dict[str, dict[str, Any] | str] = {}
+    deadline = time.monotonic() + cfg.workflows / cfg.rate + cfg.drain
+
+    async def one(p: Planned) -> None:
+        submit = client.submit_fanout if p.kind == "fanout" else client.submit_chain
+        while True:
+            try:
+                await submit(p.steps, workflow_id=p.workflow_id)
+                break
+            except (ReachError, nats.errors.Error, TimeoutError) as err:
+                text = str(err).replace(p.workflow_id, "<id>")
+                stats.submit_errors[f"{type(err).__name__}: {text[:70]}"] += 1
+                if time.monotonic() > deadline - cfg.drain / 2:
+                    stats.submit_gave_up += 1
+                    return
+                await asyncio.sleep(0.25)
+        expected[p.workflow_id] = p.expected
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                res = await client.workflow(p.workflow_id, timeout=max(1.0, min(left, 15.0)))
+                callers[p.workflow_id] = res.model_dump(mode="json")
+                return
+            except (ReachError, nats.errors.Error, TimeoutError) as err:
+                stats.wait_errors[type(err).__name__] += 1
+                if time.monotonic() >= deadline:
+                    callers[p.workflow_id] = f"{type(err).__name__}: {err}"
+                    return
+                await asyncio.sleep(0.25)
+
+    tasks = []
+    for p in work:
+        tasks.append(asyncio.create_task(one(p)))
+        await asyncio.sleep(1 / cfg.rate)
+    await asyncio.gather(*tasks)
+    return expected, callers
+
+
+# --------------------------------------------------------------------------- faults
+
+
+class Faults:
+    """Injects ``cfg.fault`` every ``cfg.fault_every`` seconds until stopped; logs each fault
+    (kind, target, start, end) as a JSON line for the checker."""
+
+    def __init__(self, cfg: ChaosConfig, mesh: Mesh, client: Client) -> None:
+        self.cfg, self.mesh, self.client = cfg, mesh, client
+        self.path = mesh.dir / "faults.jsonl"
+        self.rng = random.Random(cfg.seed + 1000)
+        self.stop = asyncio.Event()
+        self.count = 0
+
+    def _log(self, kind: str, target: str, at: float, **extra: Any) -> None:
+        line = {"kind": kind, "target": target, "at": at, "until": time.time(), **extra}
+        with self.path.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    async def run(self) -> None:
+        if self.cfg.fault in ("none", "slow"):
+            return
+        while not self.stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), self.cfg.fault_every)
+                return
+            await getattr(self, self.cfg.fault)()
+            self.count += 1
+
+    async def _kill_restart(self, kind: str, proc: Proc) -> None:
+        at = time.time()
+        pid = proc.pid
+        proc.kill()
+        await asyncio.sleep(self.cfg.down)
+        proc.start()
+        self._log(kind, proc.name, at, pid=pid)
+
+    async def agent_kill(self) -> None:
+        await self._kill_restart("agent_kill", self.rng.choice(self.mesh.agents))
+
+    async def hub_kill(self) -> None:
+        await self._kill_restart("hub_kill", self.rng.choice(self.mesh.hubs))
+
+    async def agent_stop(self) -> None:
+        """SIGSTOP longer than lease + suspect grace (the hubs declare it LOST), then SIGCONT."""
+        proc = self.rng.choice(self.mesh.agents)
+        at = time.time()
+        proc.signal(signal.SIGSTOP)
+        t = self.cfg.timings
+        await asyncio.sleep(t["lease_timeout"] + t["suspect_timeout"] + 2.0)
+        proc.signal(signal.SIGCONT)
+        self._log("agent_stop", proc.name, at, pid=proc.pid)
+
+    async def leader_of(self, stream: str) -> str | None:
+        try:
+            info = await asyncio.wait_for(self.client.nc.jetstream().stream_info(stream), 2)
+        except Exception:
+            return None
+        return None if info.cluster is None else info.cluster.leader
+
+    async def node_kill(self) -> None:
+        """SIGKILL the node leading the next stream of ``LEADER_TARGETS`` (a random node when
+        the leader cannot be read), restart it after ``down`` (at least 3 s)."""
+        stream = LEADER_TARGETS[self.count % len(LEADER_TARGETS)]
+        leader = await self.leader_of(stream)
+        names = [n.server_name for n in self.mesh.nodes]
+        node = self.mesh.nodes[names.index(leader)] if leader in names else None
+        if node is None:
+            node = self.rng.choice(self.mesh.nodes)
+        at = time.time()
+        await asyncio.to_thread(node.kill)
+        await asyncio.sleep(max(self.cfg.down, 3.0))
+        await asyncio.to_thread(node.start)
+        self._log("node_kill", str(node.server_name), at, leader_of=stream if leader else None)
+
+
+# --------------------------------------------------------------------------- collection
+
+
+async def _get(kv: Any, key: str) -> dict[str, Any] | None:
+    for _ in range(20):
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            return None
+        except Exception:
+            await asyncio.sleep(0.5)
+            continue
+        return json.loads(entry.value) if entry.value else None
+    raise RuntimeError(f"cannot read {key}")
+
+
+async def collect_done(client: Client, ns: str) -> dict[str, list[dict[str, Any]]]:
+    """Every ``.done`` message of the namespace in ``REACH_WF_EVENTS``, in stream order."""
+    js = client.nc.jetstream()
+    out: dict[str, list[dict[str, Any]]] = {}
+    sub = await js.subscribe(
+        protocol.wf_done(ns, "*"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+    )
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=3)
+            except (TimeoutError, nats.errors.TimeoutError):
+                return out
+            body = json.loads(msg.data)
+            out.setdefault(body["workflow_id"], []).append(body)
+            if msg.metadata.num_pending == 0:
+                return out
+    finally:
+        await sub.unsubscribe()
+
+
+async def collect(
+    client: Client,
+    mesh: Mesh,
+    work: list[Planned],
+    expected: dict[str, Expected],
+    callers: dict[str, dict[str, Any] | str],
+) -> History:
+    ns = mesh.cfg.namespace
+    js = client.nc.jetstream()
+    wf_kv = await js.key_value(protocol.KV_WORKFLOWS)
+    task_kv = await js.key_value(protocol.KV_TASKS)
+    h = History(expected=expected, callers=callers)
+    sem = asyncio.Semaphore(64)
+
+    async def one(p: Planned) -> None:
+        async with sem:
+            rec = await _get(wf_kv, protocol.workflow_key(ns, p.workflow_id))
+            if rec is not None:
+                h.records[p.workflow_id] = rec
+            for i in range(len(p.steps)):
+                tid = f"{p.workflow_id}-{i}"
+                task = await _get(task_kv, protocol.task_key(ns, tid))
+                if task is not None:
+                    h.tasks[tid] = task
+
+    await asyncio.gather(*(one(p) for p in work if p.workflow_id in expected))
+    h.done = await collect_done(client, ns)
+    h.runs = read_runs(p for p in mesh.agent_logs if p.exists())
+    h.faults = read_faults(mesh.dir / "faults.jsonl")
+    return h
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclass
+class ChaosRun:
+    cfg: ChaosConfig
+    report: Report
+    history: History
+    stats: DriverStats
+    faults: int
+    seconds: float
+
+    def table(self) -> str:
+        head = (
+            f"fault={self.cfg.fault} workflows={self.cfg.workflows} rate={self.cfg.rate}/s "
+            f"faults injected={self.faults} seconds={self.seconds:.0f}"
+        )
+        extra = [
+            f"  submit errors (retried): {sum(self.stats.submit_errors.values())}"
+            + (
+                f" {dict(self.stats.submit_errors.most_common(3))}"
+                if self.stats.submit_errors
+                else ""
+            ),
+            f"  submit gave up: {self.stats.submit_gave_up}",
+            f"  caller wait errors (retried): {dict(self.stats.wait_errors)}",
+        ]
+        return "\n".join([self.report.table(head), *extra])
+
+
+async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
+    # A fresh directory: agent logs and faults are appended, a previous run's would mix in.
+    await asyncio.to_thread(shutil.rmtree, workdir, ignore_errors=True)
+    await asyncio.to_thread(workdir.mkdir, parents=True)
+    t0 = time.monotonic()
+    mesh = Mesh(cfg, workdir)
+    await asyncio.to_thread(mesh.nodes_up)
+    try:
+        async with Client(settings=mesh.settings) as client:
+            await start_mesh(mesh, client)
+            work = plan(cfg)
+            stats = DriverStats()
+            faults = Faults(cfg, mesh, client)
+            injector = asyncio.create_task(faults.run())
+            driver = asyncio.create_task(drive(cfg, client, work, stats))
+            await asyncio.sleep(cfg.workflows / cfg.rate)
+            faults.stop.set()
+            await injector  # the last fault ends (restarted, SIGCONT) before the drain
+            expected, callers = await driver
+            history = await collect(client, mesh, work, expected, callers)
+    finally:
+        await asyncio.to_thread(mesh.close)
+    report = check(history)
+    result = ChaosRun(cfg, report, history, stats, faults.count, time.monotonic() - t0)
+    (workdir / "table.txt").write_text(result.table() + "\n")
+    (workdir / "history.json").write_text(
+        json.dumps(
+            {
+                "config": asdict(cfg),
+                "records": history.records,
+                "done": history.done,
+                "callers": history.callers,
+                "tasks": history.tasks,
+                "expected": {k: asdict(v) for k, v in history.expected.items()},
+            },
+            default=str,
+        )
+    )
+    return result

@@ -1,0 +1,402 @@
+"""The history checker of the fault-injection suite: pure Python, no I/O beyond reading files.
+
+It takes everything a chaos run leaves behind and checks the workflow invariants
+(docs/reliability.md):
+
+- what each workflow was expected to end as (the workload knows: every step's behaviour is
+  in its payload);
+- every handler execution the agents logged (one ``start`` and, unless the process died, one
+  ``end`` JSON line per run);
+- the stored records (``reach_workflows``, ``reach_tasks``);
+- every ``.done`` message in ``REACH_WF_EVENTS``;
+- what each caller's ``Client.workflow()`` returned;
+- the faults the harness injected (kind, target, time).
+
+and returns a :class:`Report` whose :meth:`Report.table` is the table each run prints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FINAL = frozenset({"SUCCEEDED", "FAILED", "TIMEOUT"})
+#: Fault kinds that may explain a second run of a step: the agent that ran it died or was
+#: paused past its lease (then the mesh may re-dispatch, by design: the at-least-once window).
+AGENT_FAULTS = frozenset({"agent_kill", "agent_stop"})
+HUB_FAULTS = frozenset({"hub_kill"})
+#: Slack (s) around a fault when deciding whether it explains a duplicate run.
+SLACK = 1.0
+#: How long (s) before an earlier run an agent fault still explains a re-run: an attempt sent
+#: to an agent that was killed is redelivered to its restarted process (after the kill, the
+#: restart and the work ack wait) while the hub, having lost the old process, sends the next.
+PRIOR = 5.0
+
+
+@dataclass(frozen=True)
+class Expected:
+    kind: str
+    state: str
+    #: Compared only when ``state`` is SUCCEEDED.
+    result: Any = None
+
+
+@dataclass
+class Run:
+    """One handler execution as an agent logged it."""
+
+    run_id: str
+    workflow_id: str
+    step: int
+    task_id: str
+    attempt: int
+    agent_id: str
+    pid: int
+    start: float
+    end: float | None = None
+    outcome: str | None = None
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # agent_kill, agent_stop, hub_kill, node_kill, ...
+    target: str  # agent id, hub name or node name
+    at: float  # wall time the fault started
+    until: float | None = None  # when it ended (SIGCONT, restart), if known
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A final answer as one reader saw it (``None`` state: the reader got nothing)."""
+
+    state: str
+    result: Any = None
+    steps: tuple[str, ...] = ()
+
+    def key(self) -> str:
+        return json.dumps([self.state, self.result, list(self.steps)], sort_keys=True)
+
+    @classmethod
+    def of(cls, result: Mapping[str, Any]) -> Outcome:
+        """From a ``WorkflowResult`` in its JSON form."""
+        steps = tuple(str(s.get("state")) for s in result.get("steps") or ())
+        return cls(str(result.get("state")), result.get("result"), steps)
+
+
+@dataclass
+class History:
+    expected: dict[str, Expected] = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
+    #: workflow id -> the stored ``WorkflowRecord`` (JSON form); absent: no record.
+    records: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: task id -> the stored ``TaskRecord`` (JSON form).
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: workflow id -> every ``.done`` message body (JSON form), in stream order.
+    done: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    #: workflow id -> what ``Client.workflow()`` returned (JSON form), or an error string.
+    callers: dict[str, dict[str, Any] | str] = field(default_factory=dict)
+    faults: list[Fault] = field(default_factory=list)
+
+
+@dataclass
+class Violation:
+    kind: str
+    workflow_id: str
+    detail: str
+
+
+@dataclass
+class Report:
+    workflows: int = 0
+    finished: int = 0
+    lost: int = 0
+    stuck: int = 0
+    wrong_outcome: int = 0
+    two_results: int = 0
+    step_record_mismatch: int = 0
+    runs: int = 0
+    dup_agent_crash: int = 0
+    dup_hub_crash: int = 0
+    dup_unexplained: int = 0
+    first_result_lost: int = 0
+    caller_errors: int = 0
+    violations: list[Violation] = field(default_factory=list)
+
+    @property
+    def dup_explained(self) -> int:
+        return self.dup_agent_crash + self.dup_hub_crash
+
+    @property
+    def ok(self) -> bool:
+        """The issue's targets: nothing lost, stuck, wrong, doubly answered or re-run
+        without a crash to explain it."""
+        return not (
+            self.lost
+            or self.stuck
+            or self.wrong_outcome
+            or self.first_result_lost
+            or self.two_results
+            or self.dup_unexplained
+        )
+
+    def add(self, kind: str, wf: str, detail: str) -> None:
+        self.violations.append(Violation(kind, wf, detail))
+
+    def row(self) -> dict[str, int]:
+        return {
+            "workflows": self.workflows,
+            "lost": self.lost,
+            "stuck": self.stuck,
+            "wrong outcome": self.wrong_outcome,
+            "two final results": self.two_results,
+            "dup runs explained (agent crash)": self.dup_agent_crash,
+            "dup runs explained (hub crash)": self.dup_hub_crash,
+            "dup runs NOT explained": self.dup_unexplained,
+            "first result not kept": self.first_result_lost,
+            "step record != result": self.step_record_mismatch,
+            "handler runs": self.runs,
+            "caller errors": self.caller_errors,
+        }
+
+    def table(self, title: str = "chaos run", examples: int = 5) -> str:
+        row = self.row()
+        width = max(len(k) for k in row)
+        lines = [f"== {title} ==" + ("" if self.ok else "  (INVARIANTS VIOLATED)")]
+        lines += [f"  {k:<{width}}  {v:>7}" for k, v in row.items()]
+        by_kind: dict[str, list[Violation]] = defaultdict(list)
+        for v in self.violations:
+            by_kind[v.kind].append(v)
+        for kind, vs in sorted(by_kind.items()):
+            lines.append(f"  {kind}: {len(vs)}, e.g.")
+            lines += [f"    {v.workflow_id}: {v.detail}" for v in vs[:examples]]
+        return "\n".join(lines)
+
+
+def _caller_outcome(value: dict[str, Any] | str | None) -> Outcome | None:
+    return Outcome.of(value) if isinstance(value, dict) else None
+
+
+def _record_outcome(record: Mapping[str, Any] | None) -> Outcome | None:
+    if record is None or record.get("state") not in FINAL:
+        return None
+    result = record.get("result")
+    if not isinstance(result, dict):
+        return Outcome(str(record["state"]))  # final without a result: a reader sees this
+    out = Outcome.of(result)
+    if out.state != record["state"]:
+        return Outcome(f"{record['state']}/{out.state}", out.result, out.steps)
+    return out
+
+
+def _matches(expected: Expected, got: Outcome) -> bool:
+    if got.state != expected.state:
+        return False
+    return expected.state != "SUCCEEDED" or got.result == expected.result
+
+
+def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
+    """Why a handler ran again for a step that already ran: an agent fault of an earlier run's
+    agent from ``PRIOR`` s before that run's start to this one's (``agent``), else a hub fault
+    from ``SLACK`` s before (``hub``), else ``None``."""
+    for kinds, tag, before in ((AGENT_FAULTS, "agent", PRIOR), (HUB_FAULTS, "hub", SLACK)):
+        for prev in earlier:
+            for f in faults:
+                if f.kind not in kinds or (tag == "agent" and f.target != prev.agent_id):
+                    continue
+                if prev.start - before <= f.at <= dup.start + SLACK:
+                    return tag
+    return None
+
+
+def _first_result_lost(task: Mapping[str, Any], runs: list[Run], faults: list[Fault]) -> str | None:
+    """Invariant 3 on one step: the first handler run that produced a result (ok or a
+    non-retryable failure) must be the attempt the task record says decided the step, unless
+    its agent died or was paused right then (its result may never have been stored)."""
+    if task.get("state") not in FINAL:
+        return None
+    done = sorted(
+        (r for r in runs if r.outcome in ("ok", "failed") and r.end), key=lambda r: r.end or 0
+    )
+    if not done:
+        return None
+    first = done[0]
+    decided = {
+        a.get("attempt") for a in task.get("history") or () if a.get("state") == task["state"]
+    }
+    if first.attempt in decided:
+        return None
+    end = first.end or first.start
+    if any(
+        f.kind in AGENT_FAULTS
+        and f.target == first.agent_id
+        and first.start - SLACK <= f.at <= end + SLACK
+        for f in faults
+    ):
+        return None
+    return (
+        f"{first.task_id}: {first.agent_id}#{first.attempt} ended {first.outcome} at {end:.3f}, "
+        f"the record decided by attempt(s) {sorted(decided)} ({task['state']}); history "
+        + ", ".join(
+            f"#{a.get('attempt')} {a.get('state')} {a.get('code') or ''}".strip()
+            for a in task.get("history") or ()
+        )
+    )
+
+
+def check(h: History) -> Report:
+    rep = Report(workflows=len(h.expected), runs=len(h.runs))
+    runs_by_task: dict[str, list[Run]] = defaultdict(list)
+    for run in h.runs:
+        runs_by_task[run.task_id].append(run)
+
+    for wf, exp in sorted(h.expected.items()):
+        record = h.records.get(wf)
+        stored = _record_outcome(record)
+        dones = [Outcome.of(d) for d in h.done.get(wf, ())]
+        caller_raw = h.callers.get(wf)
+        caller = _caller_outcome(caller_raw)
+        if isinstance(caller_raw, str):
+            rep.caller_errors += 1
+        readers: dict[str, Outcome] = {}
+        if stored is not None:
+            readers["record"] = stored
+        for i, d in enumerate(dones):
+            readers[f"done#{i}"] = d
+        if caller is not None:
+            readers["caller"] = caller
+
+        if record is None and not dones:
+            rep.lost += 1
+            rep.add("lost", wf, f"no record, no .done; caller: {caller_raw!r:.120}")
+            continue
+        final = stored or (dones[0] if dones else None)
+        if final is None:
+            rep.stuck += 1
+            state = None if record is None else record.get("state")
+            rep.add("stuck", wf, f"stored state {state}, no .done; caller: {caller_raw!r:.120}")
+            continue
+        rep.finished += 1
+        if stored is None:
+            readers["record"] = Outcome(str((record or {}).get("state")))
+        distinct = {o.key(): name for name, o in readers.items()}
+        if len(distinct) > 1:
+            rep.two_results += 1
+            rep.add(
+                "two final results",
+                wf,
+                "; ".join(f"{name}={readers[name].state}" for name in distinct.values()),
+            )
+        if not _matches(exp, final):
+            rep.wrong_outcome += 1
+            rep.add(
+                "wrong outcome",
+                wf,
+                f"expected {exp.state} {json.dumps(exp.result)[:80]}, "
+                f"got {final.state} {json.dumps(final.result)[:80]}",
+            )
+        result = (record or {}).get("result") or {}
+        for step in result.get("steps") or ():
+            task = h.tasks.get(str(step.get("task_id")))
+            if task is None or step.get("cancelled"):
+                continue
+            if task.get("state") != step.get("state"):
+                rep.step_record_mismatch += 1
+                rep.add(
+                    "step record != result",
+                    wf,
+                    f"step {step.get('index')}: result says {step.get('state')}, "
+                    f"task record {task.get('state')} (attempt {task.get('attempt')})",
+                )
+
+    for task_id, runs in runs_by_task.items():
+        task = h.tasks.get(task_id)
+        lost = None if task is None else _first_result_lost(task, runs, h.faults)
+        if lost is not None:
+            rep.first_result_lost += 1
+            rep.add("first result not kept", runs[0].workflow_id, lost)
+        runs.sort(key=lambda r: r.start)
+        for i, dup in enumerate(runs[1:], start=1):
+            why = _explained(dup, runs[:i], h.faults)
+            if why == "agent":
+                rep.dup_agent_crash += 1
+            elif why == "hub":
+                rep.dup_hub_crash += 1
+            else:
+                rep.dup_unexplained += 1
+                prev = runs[i - 1]
+                codes = {a.get("attempt"): a.get("code") for a in (task or {}).get("history", ())}
+                rep.add(
+                    "dup run not explained",
+                    dup.workflow_id,
+                    f"{task_id} ran on {prev.agent_id}#{prev.attempt} at {prev.start:.3f} "
+                    f"({prev.outcome}) and again on {dup.agent_id}#{dup.attempt} "
+                    f"at {dup.start:.3f} ({dup.outcome}); record code of "
+                    f"#{prev.attempt}: {codes.get(prev.attempt)}",
+                )
+    return rep
+
+
+# --------------------------------------------------------------------------- reading files
+
+
+def read_runs(paths: Iterable[Path]) -> list[Run]:
+    """Agent logs: a ``start`` line per handler execution and an ``end`` line when it ended
+    (missing when the process died). A torn last line (SIGKILL mid-write) is skipped."""
+    runs: dict[str, Run] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("ev") == "start":
+                runs[ev["run"]] = Run(
+                    run_id=ev["run"],
+                    workflow_id=ev["wf"],
+                    step=ev["step"],
+                    task_id=ev["task"],
+                    attempt=ev["attempt"],
+                    agent_id=ev["agent"],
+                    pid=ev["pid"],
+                    start=ev["t"],
+                )
+            elif ev.get("ev") == "end" and ev.get("run") in runs:
+                run = runs[ev["run"]]
+                run.end, run.outcome = ev["t"], ev["outcome"]
+    return list(runs.values())
+
+
+def read_faults(path: Path) -> list[Fault]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        ev = json.loads(line)
+        out.append(Fault(ev["kind"], ev["target"], ev["at"], ev.get("until")))
+    return out
+
+
+def load(run_dir: Path) -> History:
+    """The history a chaos run left in its directory (``history.json``, the agent logs,
+    ``faults.jsonl``), to check it again: ``python -m tests.chaos.history chaos-out/node_kill``."""
+    data = json.loads((run_dir / "history.json").read_text())
+    return History(
+        expected={k: Expected(**v) for k, v in data["expected"].items()},
+        runs=read_runs(p for p in run_dir.glob("*.jsonl") if p.name != "faults.jsonl"),
+        records=data["records"],
+        tasks=data["tasks"],
+        done=data["done"],
+        callers=data["callers"],
+        faults=read_faults(run_dir / "faults.jsonl"),
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    for arg in sys.argv[1:]:
+        print(check(load(Path(arg))).table(arg, examples=10))

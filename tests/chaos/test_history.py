@@ -1,0 +1,235 @@
+"""The history checker on hand-made histories: a clean one passes, each violation is found."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .history import Expected, Fault, History, Run, check, load, read_runs
+
+WF = "wf1"
+
+
+def result(state: str = "SUCCEEDED", value: Any = ("a", "b"), steps: int = 2) -> dict[str, Any]:
+    return {
+        "workflow_id": WF,
+        "kind": "fanout",
+        "state": state,
+        "result": list(value) if state == "SUCCEEDED" else None,
+        "steps": [
+            {"index": i, "task_id": f"{WF}-{i}", "state": state if i == 0 else "SUCCEEDED"}
+            for i in range(steps)
+        ],
+    }
+
+
+def task(i: int, state: str = "SUCCEEDED", history: list[Any] | None = None) -> dict[str, Any]:
+    hist = history or [{"attempt": 1, "state": state}]
+    return {"task_id": f"{WF}-{i}", "state": state, "attempt": len(hist), "history": hist}
+
+
+def run(i: int, agent: str, start: float, attempt: int = 1, outcome: str = "ok") -> Run:
+    return Run(
+        f"r{agent}{start}", WF, i, f"{WF}-{i}", attempt, agent, 1, start, start + 0.1, outcome
+    )
+
+
+def clean() -> History:
+    res = result()
+    return History(
+        expected={WF: Expected("fanout", "SUCCEEDED", ["a", "b"])},
+        runs=[run(0, "ns.a.a1", 1.0), run(1, "ns.a.a2", 1.0)],
+        records={WF: {"state": "SUCCEEDED", "result": res}},
+        tasks={f"{WF}-0": task(0), f"{WF}-1": task(1)},
+        done={WF: [res]},
+        callers={WF: res},
+    )
+
+
+def test_a_clean_history_passes() -> None:
+    rep = check(clean())
+    assert rep.ok and rep.finished == 1 and rep.runs == 2
+    assert sum(rep.row().values()) == 1 + 2  # workflows + handler runs, nothing else
+    assert "VIOLATED" not in rep.table()
+
+
+def test_lost_workflow() -> None:
+    h = clean()
+    h.records.clear()
+    h.done.clear()
+    h.callers[WF] = "MeshTimeoutError: no result"
+    rep = check(h)
+    assert rep.lost == 1 and rep.caller_errors == 1 and not rep.ok
+    assert "lost: 1" in rep.table()
+
+
+def test_stuck_workflow() -> None:
+    h = clean()
+    h.records[WF] = {"state": "RUNNING", "result": None}
+    h.done.clear()
+    rep = check(h)
+    assert rep.stuck == 1 and rep.lost == 0 and not rep.ok
+
+
+def test_wrong_outcome_state_and_value() -> None:
+    h = clean()
+    h.expected[WF] = Expected("fanout", "FAILED")
+    assert check(h).wrong_outcome == 1
+    h = clean()
+    h.expected[WF] = Expected("fanout", "SUCCEEDED", ["a", "X"])
+    rep = check(h)
+    assert rep.wrong_outcome == 1 and not rep.ok
+    h = clean()  # a non-SUCCEEDED outcome is compared by state only
+    h.expected[WF] = Expected("fanout", "SUCCEEDED", ["a", "b"])
+    assert check(h).ok
+
+
+def test_done_and_record_disagree() -> None:
+    """The issue's race: `.done` said FAILED, the stored record says SUCCEEDED."""
+    h = clean()
+    failed = result("FAILED")
+    h.done[WF] = [failed]
+    h.callers[WF] = failed
+    rep = check(h)
+    assert rep.two_results == 1 and not rep.ok
+    assert "record=SUCCEEDED" in rep.violations[0].detail
+
+
+def test_two_done_messages_disagree() -> None:
+    h = clean()
+    h.done[WF] = [result(), result("FAILED")]
+    assert check(h).two_results == 1
+
+
+def test_done_without_final_record() -> None:
+    h = clean()
+    h.records[WF] = {"state": "RUNNING"}
+    rep = check(h)
+    assert rep.two_results == 1 and rep.stuck == 0 and rep.finished == 1
+
+
+def test_caller_disagrees() -> None:
+    h = clean()
+    h.callers[WF] = result("TIMEOUT")
+    assert check(h).two_results == 1
+
+
+def test_step_record_mismatch() -> None:
+    h = clean()
+    h.tasks[f"{WF}-1"] = task(1, "PENDING")
+    rep = check(h)
+    assert rep.step_record_mismatch == 1
+    assert rep.ok  # reported, but not one of the issue's targets
+
+
+def test_duplicate_run_unexplained() -> None:
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    rep = check(h)
+    assert rep.dup_unexplained == 1 and not rep.ok
+    assert "ns.a.a2#1" in rep.violations[0].detail
+
+
+def test_duplicate_run_explained_by_its_agent_dying() -> None:
+    h = clean()
+    h.runs[1].end = h.runs[1].outcome = None  # killed mid-handler
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.tasks[f"{WF}-1"] = task(
+        1, history=[{"attempt": 1, "state": "PENDING"}, {"attempt": 2, "state": "SUCCEEDED"}]
+    )
+    h.faults.append(Fault("agent_kill", "ns.a.a2", 1.05))
+    rep = check(h)
+    assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0 and rep.ok
+
+
+def test_a_fault_of_another_agent_or_too_late_or_too_early_explains_nothing() -> None:
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 7.0, attempt=2))
+    h.faults += [Fault("agent_kill", "ns.a.a1", 1.05), Fault("agent_kill", "ns.a.a2", 9.0)]
+    h.faults.append(Fault("agent_kill", "ns.a.a2", 1.0 - 5.5))
+    assert check(h).dup_unexplained == 1
+
+
+def test_an_attempt_redelivered_to_the_restarted_agent_is_explained() -> None:
+    """The agent was killed holding attempt 1; its restarted process ran it 2 s later while
+    the hub sent attempt 2 elsewhere."""
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 1.3, attempt=2))
+    h.faults.append(Fault("agent_kill", "ns.a.a2", 1.0 - 2.2))
+    rep = check(h)
+    assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0
+
+
+def test_duplicate_run_around_a_hub_crash_is_counted_apart() -> None:
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.faults.append(Fault("hub_kill", "hub1", 3.0))
+    rep = check(h)
+    assert rep.dup_hub_crash == 1 and rep.dup_unexplained == 0
+
+
+def test_a_node_kill_explains_no_duplicate() -> None:
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.faults.append(Fault("node_kill", "n0", 3.0))
+    assert check(h).dup_unexplained == 1
+
+
+def test_read_runs_pairs_start_and_end_and_skips_torn_lines(tmp_path: Path) -> None:
+    log = tmp_path / "a.jsonl"
+    start = {"ev": "start", "run": "r1", "wf": WF, "step": 0, "task": f"{WF}-0", "attempt": 1}
+    start |= {"agent": "ns.a.a1", "pid": 7, "t": 1.0}
+    lines = [
+        json.dumps(start),
+        json.dumps({**start, "run": "r2", "t": 2.0}),
+        json.dumps({"ev": "end", "run": "r1", "t": 1.5, "outcome": "ok"}),
+        '{"ev": "start", "run": "r3", "wf"',  # SIGKILL mid-write
+    ]
+    log.write_text("\n".join(lines))
+    runs = sorted(read_runs([log]), key=lambda r: r.run_id)
+    assert [(r.run_id, r.end, r.outcome) for r in runs] == [("r1", 1.5, "ok"), ("r2", None, None)]
+
+
+def test_first_result_thrown_away() -> None:
+    """Attempt 1 succeeded first, yet the record was decided by attempt 2 (the issue's
+    'valid results are thrown away')."""
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.tasks[f"{WF}-1"] = task(
+        1,
+        history=[
+            {"attempt": 1, "state": "PENDING", "code": "undelivered"},
+            {"attempt": 2, "state": "SUCCEEDED"},
+        ],
+    )
+    rep = check(h)
+    assert rep.first_result_lost == 1 and not rep.ok
+    assert "#1 PENDING undelivered" in rep.violations[0].detail
+
+
+def test_first_result_lost_with_its_agent_is_explained() -> None:
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.tasks[f"{WF}-1"] = task(
+        1, history=[{"attempt": 1, "state": "PENDING"}, {"attempt": 2, "state": "SUCCEEDED"}]
+    )
+    h.faults.append(Fault("agent_kill", "ns.a.a2", 1.2))  # right after its handler ended
+    rep = check(h)
+    assert rep.first_result_lost == 0 and rep.dup_agent_crash == 1 and rep.ok
+
+
+def test_a_run_directory_is_checked_again_offline(tmp_path: Path) -> None:
+    h = clean()
+    data = {"records": h.records, "tasks": h.tasks, "done": h.done, "callers": h.callers}
+    data["expected"] = {WF: {"kind": "fanout", "state": "SUCCEEDED", "result": ["a", "b"]}}
+    (tmp_path / "history.json").write_text(json.dumps(data))
+    start = {"ev": "start", "wf": WF, "step": 1, "task": f"{WF}-1", "attempt": 1, "pid": 7}
+    lines = [{**start, "run": "r1", "agent": "ns.a.a1", "t": 1.0}]
+    lines.append({**start, "run": "r2", "agent": "ns.a.a2", "attempt": 2, "t": 3.0})
+    (tmp_path / "ns.a.a1.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    (tmp_path / "faults.jsonl").write_text(
+        json.dumps({"kind": "agent_kill", "target": "ns.a.a1", "at": 2.0}) + "\n"
+    )
+    rep = check(load(tmp_path))
+    assert rep.workflows == 1 and rep.runs == 2 and rep.dup_agent_crash == 1 and rep.ok
