@@ -49,6 +49,9 @@ __all__ = ["WorkConsumer"]
 log = logging.getLogger("reach_mesh.agent.work")
 
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
+#: A step whose fence was read longer ago than this (it waited for a slot, or the process was
+#: paused) reads it again before its handler starts: the hub may have moved on meanwhile.
+_REFENCE_AFTER: Final = 0.25
 
 
 @dataclass(slots=True, eq=False)
@@ -62,6 +65,9 @@ class _Held:
     accepted_at: float | None = None
     last_running: float = 0.0
     fenced: bool = False
+    #: When its fence was read (monotonic; a SIGSTOP pause counts): read again before the
+    #: handler starts if that was long ago (``_REFENCE_AFTER``).
+    checked_at: float = 0.0
     #: Other copies of the same attempt (duplicate deliveries): acked together with ``msg``.
     extra: list[Msg] = field(default_factory=list)
 
@@ -234,6 +240,7 @@ class WorkConsumer:
             self._release()
             return
         self._checking.add(env.task_id)
+        checked_at = time.monotonic()
         try:
             record = await self._record(env)
         except Exception as exc:
@@ -275,7 +282,7 @@ class WorkConsumer:
             return
         done: asyncio.Future[TaskReply] = asyncio.get_running_loop().create_future()
         agent._remember(env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done))
-        held = _Held(msg=msg, env=env, headers=headers)
+        held = _Held(msg=msg, env=env, headers=headers, checked_at=checked_at)
         self._held[env.task_id] = held
         self._publish(env, TaskState.DELIVERED, headers)
         held.task = asyncio.current_task()
@@ -374,6 +381,13 @@ class WorkConsumer:
             await agent._slot()
             agent._waiting -= 1
             waiting = False
+            if await self._fenced_since(held):
+                # Dropped unrun, as a step fenced while we were away is (below): acked, no
+                # result published.
+                agent._release_slot()
+                held.fenced = True
+                self.fenced += 1
+                raise asyncio.CancelledError
             t_start = time.perf_counter()
             try:
                 reply = await agent._call(
@@ -412,6 +426,18 @@ class WorkConsumer:
             done.set_result(reply)
         self._held.pop(env.task_id, None)
         await self._final(held.env, held.headers, reply, [held.msg, *held.extra], store=True)
+
+    async def _fenced_since(self, held: _Held) -> bool:
+        """True when the step's record, read again because its first reading is old, says the
+        hub moved on (another attempt, cancelled, decided). Unreadable: run it (it passed)."""
+        env = held.env
+        if env.workflow_id is None or time.monotonic() - held.checked_at < _REFENCE_AFTER:
+            return False
+        try:
+            record = await self._record(env)
+        except Exception:
+            return False
+        return record is not None and _superseded(record, env, self._agent.agent_id)
 
     async def _final(
         self,
