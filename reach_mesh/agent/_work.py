@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_task_resources, kv_values
 from reach_mesh._nats import ensure_kv
+from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject
@@ -52,6 +53,9 @@ _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
 #: A step whose fence was read longer ago than this (it waited for a slot, or the process was
 #: paused) reads it again before its handler starts: the hub may have moved on meanwhile.
 _REFENCE_AFTER: Final = 0.25
+#: How long a final status is retried in place (infrastructure errors) before the message is
+#: handed back for redelivery.
+_FINAL_RETRY: Final = 10.0
 
 
 @dataclass(slots=True, eq=False)
@@ -450,24 +454,37 @@ class WorkConsumer:
     ) -> None:
         """Publish the final status (stored by JetStream), keep the result, then ack."""
         assert self._js is not None
+        js, kv = self._js, self._results_kv
         event = _event(env, reply.state, self._agent.agent_id, reply=reply)
-        publish = self._js.publish(
-            protocol.task_status(self._agent.agent_id, env.task_id),
-            protocol.encode(event),
-            headers=inject(dict(headers)),
-        )
-        jobs: list[Any] = [publish]
-        if store and self._results_kv is not None and reply.state is not TaskState.FAILED:
-            # FAILED is not stored: a later attempt should run again. SUCCEEDED and TIMEOUT
-            # are (a TIMEOUT is re-run too: only SUCCEEDED answers a later attempt).
-            jobs.append(
-                self._results_kv.put(
-                    protocol.result_key(self._agent.agent_id, env.task_id),
-                    protocol.encode(reply),
-                )
+        subject = protocol.task_status(self._agent.agent_id, env.task_id)
+        body = protocol.encode(event)
+        out = inject(dict(headers))
+        # A repeat of this publish (retried below) is stored once; subscribers see each.
+        out[protocol.HDR_MSG_ID] = f"{protocol.attempt_msg_id(env.task_id, env.attempt)}.final"
+        # FAILED is not stored: a later attempt should run again. SUCCEEDED and TIMEOUT are (a
+        # TIMEOUT is re-run too: only SUCCEEDED answers a later attempt).
+        keep = store and kv is not None and reply.state is not TaskState.FAILED
+        key = protocol.result_key(self._agent.agent_id, env.task_id)
+
+        async def both() -> None:
+            jobs: list[Any] = [js.publish(subject, body, headers=out)]
+            if keep and kv is not None:
+                jobs.append(kv.put(key, protocol.encode(reply)))
+            await asyncio.gather(*jobs)
+
+        # Through a JetStream election (a few seconds) at once, rather than by redelivery:
+        # the hub takes the first outcome it hears, so a late one may be a wasted run.
+        failed: list[BaseException] = []
+        try:
+            await retrying(
+                f"final status of {env.task_id}",
+                both,
+                asyncio.get_running_loop().time() + _FINAL_RETRY,
             )
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
+        except Exception as err:
+            failed.append(
+                err.__cause__ if isinstance(err, RetriesExhausted) and err.__cause__ else err
+            )
         if failed:
             # The status is not durable: let JetStream redeliver; the duplicate re-publishes.
             log.warning(
