@@ -10,8 +10,9 @@ histograms, the workflow engine — plus three bounded pieces kept by :class:`Da
 - a ring of this hub's last :data:`DECISIONS` route outcomes with the router's explanation (the
   audit event the hub writes anyway, plus the :class:`~reach_mesh.models.RouteDecision`);
 - the last :data:`WORKFLOWS` workflows seen on ``reach.status.>`` (the six-state events agents
-  publish for durable work, whichever hub owns the workflow), each completed once from its
-  ``reach_workflows`` record (kind, step count, trace id, owner).
+  publish for durable work, whichever hub owns the workflow) or run by this hub, completed from
+  their ``reach_workflows`` record (kind, step count, trace id, owner, outcome) and, for steps no
+  event told of, their ``reach_tasks`` records; unfinished ones are re-read each sample.
 
 Nothing here runs per request except one ``deque.append`` in :meth:`Dashboard.record_route`.
 """
@@ -36,7 +37,7 @@ from nats.js.kv import KeyValue
 from reach_mesh import protocol
 from reach_mesh.errors import BadRequestError, InternalError, ReachError
 from reach_mesh.models import AgentState, RouteDecision, TaskState
-from reach_mesh.workflow import WorkflowRecord
+from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowSpec, step_task_id
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -68,6 +69,8 @@ SAMPLES: Final = 72
 DECISIONS: Final = 200
 #: Workflows kept (oldest forgotten first).
 WORKFLOWS: Final = 50
+#: Task records read per unfinished workflow and pass (steps no status event told of).
+_STEP_READS: Final = 16
 #: The window of the "now" figures (rate, success rate, p50/p99).
 WINDOW: Final = 60.0
 
@@ -256,13 +259,16 @@ class Dashboard:
         self._sampler: asyncio.Task[None] | None = None
         self._sub: Subscription | None = None
         self._kv: KeyValue | None = None
+        self._tasks: KeyValue | None = None
         self._reads: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self.samples.append(_sample(self.hub))
         self._sampler = asyncio.create_task(self._sample_forever(), name="reach-dashboard")
+        js = self.hub.nc.jetstream()
         with contextlib.suppress(Exception):  # no workflows bucket: the panel stays empty
-            self._kv = await self.hub.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+            self._kv = await js.key_value(protocol.KV_WORKFLOWS)
+            self._tasks = await js.key_value(protocol.KV_TASKS)
         self._sub = await self.hub.nc.subscribe(
             protocol.task_status("*.*.*", "*"), cb=self._on_status, pending_msgs_limit=-1
         )
@@ -291,12 +297,18 @@ class Dashboard:
     def refresh_workflows(self) -> None:
         """Adopt the workflows this hub runs (some have no step at an agent yet, so no status
         event told of them) and re-read the unfinished ones (a step may end without one)."""
+        self.adopt()
+        for wf in list(self.workflows.values()):
+            if not TaskState(wf.state).final:
+                self._read_later(wf)
+
+    def adopt(self) -> None:
+        """Track the workflows this hub runs that no status event told of yet."""
         engine = self.hub.workflows
         for ns, wf_id in [] if engine is None else engine.owned:
             if wf_id not in self.workflows:
-                self._remember(_Workflow(wf_id, ns, time.time()))
-        for wf in list(self.workflows.values()):
-            if not TaskState(wf.state).final:
+                wf = self._remember(_Workflow(wf_id, ns, time.time()))
+                wf.read = True
                 self._read_later(wf)
 
     def _remember(self, wf: _Workflow) -> _Workflow:
@@ -359,7 +371,7 @@ class Dashboard:
         )
 
     def _read_later(self, wf: _Workflow) -> None:
-        if self._kv is None or len(self._reads) > WORKFLOWS:
+        if self._kv is None or self._tasks is None or len(self._reads) > WORKFLOWS:
             return
         task = asyncio.create_task(self._read(wf))
         self._reads.add(task)
@@ -392,6 +404,31 @@ class Dashboard:
                         s.error = f"{r.error.code}: {r.error.message}"
         else:
             wf.state = record.state.value
+            if record.spec is not None:
+                await self._read_steps(wf, record.spec)
+
+    async def _read_steps(self, wf: _Workflow, spec: WorkflowSpec) -> None:
+        """Steps of a running workflow no status event told of (still PENDING here, e.g. one
+        adopted from the engine): from their ``reach_tasks`` records, a few per pass."""
+        assert self._tasks is not None
+        unseen = [
+            i
+            for i in range(len(spec.steps))
+            if i not in wf.steps or wf.steps[i].state == TaskState.PENDING.value
+        ]
+        for i in unseen[:_STEP_READS]:
+            task_id = step_task_id(wf.workflow_id, i, spec.steps[i])
+            try:
+                entry = await self._tasks.get(protocol.task_key(wf.namespace, task_id))
+                rec = TaskRecord.model_validate_json(entry.value or b"{}")
+            except Exception:
+                continue
+            step = wf.steps.setdefault(i, _Step(i))
+            if rec.attempt >= step.attempt:
+                step.task_id, step.attempt, step.state = task_id, rec.attempt, rec.state.value
+                step.agent_id = rec.agent_id
+                if rec.error is not None:
+                    step.error = f"{rec.error.code}: {rec.error.message}"
 
 
 # --------------------------------------------------------------------------- the endpoints
@@ -500,6 +537,7 @@ def recent_decisions(hub: Hub, n: int = 50) -> dict[str, Any]:
 def workflows(hub: Hub) -> dict[str, Any]:
     """Recent workflows, newest first, each step with its six-state progress and attempts."""
     dashboard = _keeper(hub)
+    dashboard.adopt()
     items = sorted(dashboard.workflows.values(), key=lambda w: w.seen_at, reverse=True)
     return {"hub_id": hub.hub_id, "workflows": [w.json() for w in items]}
 
@@ -508,6 +546,7 @@ def pending(hub: Hub) -> dict[str, Any]:
     """Work waiting: routes in flight on this hub, workflows it runs, steps waiting for an agent
     (PENDING) here, and the PENDING steps of the workflows seen."""
     dashboard = _keeper(hub)
+    dashboard.adopt()
     waiting = [
         {"workflow_id": w.workflow_id, **step}
         for w in dashboard.workflows.values()
