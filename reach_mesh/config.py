@@ -144,6 +144,12 @@ class MeshSettings(BaseModel):
     http_allowed_hosts: tuple[str, ...] = ()
     #: Browser origins (``scheme://host[:port]``) allowed to POST besides the hub's own.
     http_allowed_origins: tuple[str, ...] = ()
+    #: Trace viewer link for the dashboard's trace ids: an ``http(s)://`` URL containing
+    #: ``{trace_id}``, e.g. ``http://localhost:16686/trace/{trace_id}`` (Jaeger). Unset: the page
+    #: shows trace ids as text.
+    trace_url_template: str | None = Field(
+        default=None, max_length=2048, pattern=r"^https?://[^\s]*\{trace_id\}[^\s]*$"
+    )
 
     @field_validator("namespaces", "http_allowed_hosts", "http_allowed_origins", mode="before")
     @classmethod

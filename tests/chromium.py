@@ -2,11 +2,12 @@
 fd 3 in, fd 4 out, JSON messages ending in NUL), stdlib only — no websocket client, no driver.
 
 Blocking by design: tests call it through ``asyncio.to_thread`` so the hub under test keeps
-serving on the event loop.
+serving on the event loop. Tests that need it are marked :data:`needs_chromium`.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import select
@@ -18,7 +19,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
 
+import pytest
+
 CHROMIUM: Final = Path("/usr/bin/chromium")
+needs_chromium: Final = pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason=f"{CHROMIUM} is absent: install the Debian package 'chromium' "
+    "(.ci/run does) to run the browser tests",
+)
 FLAGS: Final = (
     "--headless",
     "--no-sandbox",
@@ -44,6 +52,8 @@ class Chromium:
         self._buffer = b""
         self._next_id = 0
         self._session = ""
+        #: DevTools events received so far (console messages, exceptions, log entries).
+        self.events: list[dict[str, Any]] = []
 
     def __enter__(self) -> Chromium:
         self._profile = tempfile.mkdtemp(prefix="reach-chromium-")
@@ -109,6 +119,45 @@ class Chromium:
             time.sleep(0.05)
         raise TimeoutError(f"page {url} did not load")
 
+    def watch_console(self) -> None:
+        """Record the page's console messages, uncaught exceptions and browser log entries
+        (failed loads, 404s) from now on; read them with :meth:`console_errors`."""
+        self._call("Runtime.enable", session=True)
+        self._call("Log.enable", session=True)
+
+    def console_errors(self) -> list[str]:
+        """Errors seen since :meth:`watch_console`: ``console.error``, uncaught exceptions,
+        and browser log entries of level error (a resource that failed to load)."""
+        self.evaluate("0")  # take in the events sent so far
+        errors = []
+        for event in self.events:
+            method, params = event.get("method"), event.get("params", {})
+            if method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+                errors.append(" ".join(str(a.get("value", a)) for a in params.get("args", [])))
+            elif method == "Runtime.exceptionThrown":
+                errors.append(str(params.get("exceptionDetails")))
+            elif method == "Log.entryAdded" and params.get("entry", {}).get("level") == "error":
+                entry = params["entry"]
+                errors.append(f"{entry.get('text')} {entry.get('url', '')}".strip())
+        return errors
+
+    def screenshot(self, path: Path, width: int = 1440, height: int = 1000) -> Path:
+        """Save the whole page (``width`` wide, at least ``height`` tall) as a PNG at ``path``."""
+        self._call(
+            "Emulation.setDeviceMetricsOverride",
+            session=True,
+            width=width,
+            height=height,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+        shot = self._call(
+            "Page.captureScreenshot", session=True, format="png", captureBeyondViewport=True
+        )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(shot["data"]))
+        return path
+
     def evaluate(self, expression: str) -> Any:
         """Run ``expression`` in the page (awaiting a promise) and return its JSON value."""
         result = self._call(
@@ -127,6 +176,8 @@ class Chromium:
         deadline = time.monotonic() + self._timeout
         while True:
             message = self._receive(deadline)
+            if "method" in message and len(self.events) < 10_000:
+                self.events.append(message)
             if message.get("id") != msg_id:
                 continue  # an event, or an answer we no longer wait for
             if "error" in message:

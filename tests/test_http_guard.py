@@ -17,18 +17,12 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub.http_guard import HttpGuard
 from reach_mesh.models import AgentState
 
-from .chromium import CHROMIUM, Chromium
+from .chromium import Chromium, needs_chromium
 from .helpers import eventually, fetch
 
 TOKEN = "s3cret-token-of-the-hub"
 HOST = {"host": "127.0.0.1:8080"}
 JSON = {"content-type": "application/json"}
-
-needs_chromium = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason=f"{CHROMIUM} is absent: install the Debian package 'chromium' "
-    "(.ci/run does) to run the browser tests",
-)
 
 
 def code_of(guard: HttpGuard, method: str, path: str, auth: bool = False, **headers: str) -> Any:
@@ -305,7 +299,9 @@ async def test_dashboard_with_the_token_acts_from_its_own_origin(
                          body: "{{}}", headers: {{"Content-Type": "application/json"}}}})
                          .then(r => r.status)"""
                 )
-                # ...and the dashboard's own cordon button (token from #token=) works.
+                # ...and the dashboard's own cordon action (token from #token=) works, once
+                # the operator confirms it.
+                browser.evaluate("window.confirm = () => true")
                 browser.evaluate(f"act({agent_id}, 'cordon').then(() => 'done')")
                 return bare
 

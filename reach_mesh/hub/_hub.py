@@ -52,6 +52,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownAgentError,
 )
+from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.breaker import caller_report, is_agent_fault
 from reach_mesh.hub.registry import AgentView, Registry
@@ -245,6 +246,8 @@ class Hub:
         self.audit: AuditLog
         self.http: Any = None  # reach_mesh.hub.http.HubHttp when settings.http_port is set
         self.workflows: WorkflowEngine | None = None
+        #: The dashboard's bounded state (samples, recent decisions, workflows): with HTTP only.
+        self.dashboard: Dashboard | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -286,6 +289,8 @@ class Hub:
             )
             await self.workflows.start()
             if s.http_port is not None:
+                self.dashboard = Dashboard(self)
+                await self.dashboard.start()
                 from reach_mesh.hub.http import HubHttp
 
                 self.http = HubHttp(self)
@@ -336,6 +341,11 @@ class Hub:
         await self.nc.flush()
 
     @property
+    def routing(self) -> int:
+        """Route requests taken and not answered yet."""
+        return self._routing
+
+    @property
     def http_url(self) -> str | None:
         """Base URL of this hub's HTTP endpoints (metrics, REST, dashboard), if enabled."""
         return None if self.http is None else str(self.http.url)
@@ -350,6 +360,8 @@ class Hub:
         self._subs = []
         if self.http is not None:
             await within("HTTP server close", self.http.close(), 5.0, log)
+        if self.dashboard is not None:
+            await within("dashboard close", self.dashboard.close(), 2.0, log)
         if self.workflows is not None:
             # Hand running workflows back (nak) so another hub resumes them at once.
             await within("workflow engine stop", self.workflows.stop(), 10.0, log)
@@ -1037,6 +1049,10 @@ class Hub:
             )
         if known:
             self.audit.add(ns, "route", event)
+            if self.dashboard is not None:
+                self.dashboard.record_route(
+                    event, flight.decision, error, req.strategy, flight.exclude
+                )
         elapsed = time.perf_counter() - flight.t0
         if elapsed > _SLOW_ROUTE:
             log_event(

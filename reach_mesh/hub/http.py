@@ -8,6 +8,7 @@ so any hub in the queue group may answer and the HTTP path adds no second routin
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any, Final
 
@@ -24,6 +25,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownAgentError,
 )
+from reach_mesh.hub import _dashboard as dash
 from reach_mesh.hub.http_guard import HttpGuard
 from reach_mesh.models import AgentState, RouteRequest
 from reach_mesh.tracing import inject
@@ -75,6 +77,7 @@ class HubHttp:
         r("GET", "/metrics", open_(self.metrics))
         r("GET", "/healthz", open_(self.healthz))
         r("GET", "/openapi.json", open_(self.openapi))
+        r("GET", "/favicon.ico", open_(self.favicon))
         # Behind the bearer token when ``http_token`` is set: fleet data, operator actions,
         # the task gateway.
         r("GET", "/api/agents", g(self.list_agents))
@@ -83,6 +86,13 @@ class HubHttp:
         r("POST", "/api/route", g(self.route))
         r("GET", "/api/tools", g(self.tools))
         r("POST", "/mcp", g(self.mcp))
+        # The dashboard's data (hub/_dashboard.py): one JSON view per panel.
+        r("GET", "/api/dashboard/settings", g(self._view(lambda q: dash.settings(self.hub))))
+        r("GET", "/api/dashboard/fleet", g(self._view(lambda q: dash.fleet(self.hub))))
+        r("GET", "/api/dashboard/traffic", g(self._view(lambda q: dash.traffic(self.hub))))
+        r("GET", "/api/dashboard/decisions", g(self._view(self._decisions)))
+        r("GET", "/api/dashboard/workflows", g(self._view(lambda q: dash.workflows(self.hub))))
+        r("GET", "/api/dashboard/pending", g(self._view(lambda q: dash.pending(self.hub))))
         self._host = "127.0.0.1"
 
     def _open(self, handler: Handler) -> Handler:
@@ -105,6 +115,20 @@ class HubHttp:
             return HttpResponse.json(refusal.error.to_wire(), refusal.status, refusal.headers)
 
         return checked
+
+    def _view(self, build: Callable[[HttpRequest], dict[str, Any]]) -> Handler:
+        """A GET handler answering ``build(request)`` as JSON (a ``ReachError`` as typed)."""
+
+        async def view(request: HttpRequest) -> HttpResponse:
+            try:
+                return HttpResponse.json(build(request))
+            except ReachError as err:
+                return _error(err)
+
+        return view
+
+    def _decisions(self, request: HttpRequest) -> dict[str, Any]:
+        return dash.recent_decisions(self.hub, dash.decisions_limit(request.query_value("n")))
 
     async def start(self, host: str, port: int) -> None:
         self._host = host
@@ -129,6 +153,10 @@ class HubHttp:
     async def dashboard(self, request: HttpRequest) -> HttpResponse:
         page = resources.files("reach_mesh.hub").joinpath("static/dashboard.html").read_text()
         return HttpResponse.text(page, content_type=_HTML)
+
+    async def favicon(self, request: HttpRequest) -> HttpResponse:
+        icon = resources.files("reach_mesh.hub").joinpath("static/favicon.svg").read_bytes()
+        return HttpResponse(200, icon, "image/svg+xml", {"Cache-Control": "max-age=86400"})
 
     async def metrics(self, request: HttpRequest) -> HttpResponse:
         self.refresh_gauges()
@@ -336,6 +364,21 @@ class HubHttp:
         return HttpResponse.json(openapi_document())
 
 
+#: The dashboard's JSON views (docs/protocol.md, "Dashboard endpoints").
+_DASHBOARD_PATHS: Final[tuple[tuple[str, str, list[dict[str, Any]]], ...]] = (
+    ("settings", "This hub's id, sampling interval and trace viewer link template", []),
+    ("fleet", "Agents by state; running (of max) and queued apart; applicable actions", []),
+    ("traffic", "Request rate, success rate, p50/p99 over the last minute, and a series", []),
+    (
+        "decisions",
+        "This hub's last route outcomes with the router's explanation, newest first",
+        [{"name": "n", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 200}}],
+    ),
+    ("workflows", "Recent workflows, each step's six-state progress and attempts", []),
+    ("pending", "Routes in flight, workflows running, steps waiting for an agent", []),
+)
+
+
 def _rpc_error(rpc_id: Any, code: int, message: str) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}}
 
@@ -372,10 +415,21 @@ def openapi_document() -> dict[str, Any]:
     # What the guard (http_guard.py) answers before a POST's handler runs: bearer token,
     # Host / Origin, content type (docs/security.md).
     refused = {"401": err, "403": err, "415": err}
+    dashboard = {
+        f"/api/dashboard/{part}": {
+            "get": {
+                "summary": summary,
+                "parameters": params,
+                "responses": {"200": {"description": part}, "400": err, "401": err},
+            }
+        }
+        for part, summary, params in _DASHBOARD_PATHS
+    }
     return {
         "openapi": "3.1.0",
         "info": {"title": "reach-mesh hub", "version": "0.1.0"},
         "paths": {
+            **dashboard,
             "/api/route": {
                 "post": {
                     "summary": "Route one task to a live agent (proxy mode) and return its answer",

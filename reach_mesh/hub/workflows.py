@@ -247,6 +247,21 @@ class WorkflowEngine(StepRunner):
         """Workflows this hub owns right now."""
         return len(self._running)
 
+    @property
+    def owned(self) -> list[tuple[str, str]]:
+        """(namespace, workflow id) of the workflows this hub runs right now."""
+        out = []
+        for msg in self._running.values():
+            wf_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
+            if wf_id:
+                out.append((msg.subject.split(".")[2], wf_id))
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Steps of this hub's workflows waiting for an agent (PENDING) right now."""
+        return self._pending
+
     # ------------------------------------------------------------------ submissions
 
     def _on_submit(self, msg: Msg) -> None:

@@ -1,0 +1,457 @@
+"""The operators' dashboard: its JSON endpoints against a real hub with agents, traffic and
+workflows, and the page itself in headless Chromium (agents, live rates, a workflow's steps, an
+action that changes the registry, the token flow, no console errors, a screenshot)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings
+from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.errors import ReachError
+from reach_mesh.hub import Hub
+from reach_mesh.hub._dashboard import _Histogram
+from reach_mesh.models import AgentState
+from reach_mesh.workflow import Step, WorkflowResult
+
+from .chromium import Chromium, needs_chromium
+from .helpers import eventually, fetch
+
+TOKEN = "dashboard-token-of-the-hub"
+#: Where the browser test leaves its screenshot (ignored by git).
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+TRACE_URL = "http://traces.example/trace/{trace_id}"
+
+
+class Mesh:
+    """A hub with HTTP, an echo agent and an agent whose handler fails, and some traffic."""
+
+    def __init__(self, hub: Hub, settings: MeshSettings, agents: list[Agent]) -> None:
+        self.hub = hub
+        self.settings = settings
+        self.agents = agents
+        self.workflow: WorkflowResult | None = None
+
+    @property
+    def base(self) -> str:
+        url = self.hub.http_url
+        assert url is not None
+        return url
+
+    async def get(self, part: str, token: str | None = None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        status, body = await fetch(f"{self.base}/api/dashboard/{part}", headers=headers)
+        return status, json.loads(body)
+
+    async def traffic(self) -> None:
+        ns = self.settings.namespace
+        async with Client(settings=self.settings) as mesh:
+            for i in range(6):
+                await mesh.request(capability="work:echo:v1", payload={"i": i})
+            for _ in range(2):
+                with contextlib.suppress(ReachError):
+                    await mesh.request(capability="work:fail:v1", payload={})
+            with contextlib.suppress(ReachError):
+                await mesh.request(capability="work:nobody:v1", payload={})
+            self.workflow = await mesh.fanout(
+                [
+                    Step(agent_id=f"{ns}.echo.a1", payload={"step": 0}),
+                    Step(capability="work:echo:v1", payload={"step": 1}),
+                    Step(capability="work:fail:v1", payload={}),
+                ],
+                timeout=20,
+            )
+
+
+def _agents(settings: MeshSettings) -> list[Agent]:
+    ns = settings.namespace
+    echo = Agent(f"{ns}.echo.a1", settings=settings, max_concurrency=4)
+    flaky = Agent(f"{ns}.flaky.b1", settings=settings)
+
+    @echo.handler("work:echo:v1")
+    async def run_echo(task: Task[Any]) -> Any:
+        await asyncio.sleep(0.02)
+        return task.payload
+
+    @flaky.handler("work:fail:v1")
+    async def run_fail(task: Task[Any]) -> Any:
+        raise TaskFailed("the model refused", retryable=False)
+
+    return [echo, flaky]
+
+
+@contextlib.asynccontextmanager
+async def running_mesh(wf_settings: MeshSettings, **hub: Any) -> AsyncIterator[Mesh]:
+    hub_settings = wf_settings.model_copy(update={"http_port": 0, **hub})
+    async with Hub(settings=hub_settings) as h:
+        agents = _agents(wf_settings)
+        async with contextlib.AsyncExitStack() as stack:
+            for agent in agents:
+                await stack.enter_async_context(agent)
+            yield Mesh(h, wf_settings, agents)
+
+
+@pytest.fixture
+async def mesh(wf_settings: MeshSettings) -> AsyncIterator[Mesh]:
+    async with running_mesh(wf_settings, trace_url_template=TRACE_URL) as m:
+        await m.traffic()
+        yield m
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_histogram_quantile_interpolates_like_prometheus() -> None:
+    # 10 observations <= 1 ms, 80 in (1, 10] ms, 10 in (10, 100] ms: cumulative counts.
+    h = _Histogram([0.001, 0.01, 0.1], [10, 90, 100, 100])
+    assert h.quantile(0.05) == pytest.approx(0.0005)
+    assert h.quantile(0.5) == pytest.approx(0.001 + 0.009 * 40 / 80)
+    assert h.quantile(0.99) == pytest.approx(0.01 + 0.09 * 9 / 10)
+    assert _Histogram([0.001], [0, 0]).quantile(0.5) is None  # nothing observed
+    assert _Histogram([0.001], [0, 5]).quantile(0.5) == 0.001  # all past the last bound
+    older = _Histogram([0.001, 0.01, 0.1], [10, 50, 60, 60])
+    assert h.minus(older).counts == [0, 40, 40, 40]
+
+
+def test_trace_url_template_must_be_an_http_link_with_the_trace_id() -> None:
+    ok = MeshSettings(trace_url_template=TRACE_URL)
+    assert ok.trace_url_template == TRACE_URL
+    for bad in ("javascript:alert(1)//{trace_id}", "http://jaeger/trace/", "ftp://x/{trace_id}"):
+        with pytest.raises(ValueError):
+            MeshSettings(trace_url_template=bad)
+
+
+# --------------------------------------------------------------------------- the endpoints
+
+
+async def test_fleet_separates_running_from_queued_and_offers_actions_by_state(
+    mesh: Mesh,
+) -> None:
+    ns = mesh.settings.namespace
+    status, fleet = await mesh.get("fleet")
+    assert status == 200, fleet
+    assert fleet["total"] == 2 and fleet["by_state"]["ONLINE"] == 2
+    echo = next(a for a in fleet["agents"] if a["agent_id"] == f"{ns}.echo.a1")
+    assert echo["max_concurrency"] == 4 and 0 <= echo["inflight"] <= 4 and echo["queued"] >= 0
+    assert 0.0 <= echo["load"] <= 1.0
+    assert echo["breaker"] == "closed" and echo["capabilities"] == ["work:echo:v1"]
+    assert "cordon" in echo["actions"] and "uncordon" not in echo["actions"]
+    assert "release" not in echo["actions"]
+    # Cordoned: uncordon instead of cordon. Quarantined: release, nothing that needs a breaker.
+    status, _ = await fetch(f"{mesh.base}/api/agents/{ns}.echo.a1/cordon", "POST", b"{}")
+    assert status == 200
+    status, _ = await fetch(f"{mesh.base}/api/agents/{ns}.flaky.b1/quarantine", "POST", b"{}")
+    assert status == 200
+    await eventually(
+        lambda: mesh.hub.registry.agents[f"{ns}.flaky.b1"].state.value == "QUARANTINED"
+    )
+    _, fleet = await mesh.get("fleet")
+    actions = {a["agent_id"]: a["actions"] for a in fleet["agents"]}
+    assert actions[f"{ns}.echo.a1"] == ["uncordon", "quarantine", "remove"]
+    assert actions[f"{ns}.flaky.b1"] == ["release", "remove"]
+    assert fleet["by_state"]["CORDONED"] == 1 and fleet["by_state"]["QUARANTINED"] == 1
+
+
+async def test_traffic_counts_rates_successes_and_latency(mesh: Mesh) -> None:
+    status, traffic = await mesh.get("traffic")
+    assert status == 200, traffic
+    now = traffic["now"]
+    # 6 echoes, 2 failures, 1 with no taker (and the fanout's steps, which are not routes).
+    assert now["requests"] == 9, now
+    assert now["success_rate"] == pytest.approx(6 / 9, abs=1e-3)
+    assert now["errors"] == {"FAILED": 2, "NO_MATCH": 1}
+    assert now["rate"] > 0
+    assert now["p50_ms"] is not None and 1.0 <= now["p50_ms"] <= now["p99_ms"] < 1000
+    assert now["route_p50_us"] is not None and now["route_p50_us"] > 0
+    assert traffic["totals"]["SUCCEEDED"] == 6
+    # The sampler keeps a bounded ring; the series ends with the live point.
+    dash = mesh.hub.dashboard
+    assert dash is not None and dash.samples.maxlen == 72
+    assert traffic["series"] and traffic["series"][-1]["requests"] == 9
+
+
+async def test_recent_decisions_carry_the_explanation(mesh: Mesh) -> None:
+    ns = mesh.settings.namespace
+    status, body = await mesh.get("decisions?n=5")
+    assert status == 200, body
+    decisions = body["decisions"]
+    assert len(decisions) == 5
+    newest = decisions[0]
+    assert newest["target"] == "work:nobody:v1" and newest["error"] == "REACH_NO_MATCH"
+    # A no-match carries the router's explanation of why nobody could take it.
+    assert "work:nobody:v1" in newest["reason"]
+    assert newest["decision"]["target"] == "cap=work:nobody:v1"
+    assert newest["decision"]["candidates"] == []
+    routed = next(d for d in decisions if d.get("state") == "FAILED")
+    assert routed["agent_id"] == f"{ns}.flaky.b1" and routed["attempts"] == 1 and routed["ts"] > 0
+    assert routed["decision"] == {
+        "strategy": "least_loaded",
+        "chosen": f"{ns}.flaky.b1",
+        "refused": [],
+        "explained": False,
+    }
+    # A request that asks for the explanation leaves it, scores and all.
+    async with Client(settings=mesh.settings) as c:
+        await c.request(capability="work:echo:v1", payload={}, explain=True)
+    _, body = await mesh.get("decisions?n=1")
+    full = body["decisions"][0]["decision"]
+    assert full["chosen"] == f"{ns}.echo.a1" and full["candidates"] == [f"{ns}.echo.a1"]
+    assert full["strategy"] == "least_loaded" and full["elapsed_us"] > 0
+    for bad in ("0", "201", "x", "-1"):
+        status, body = await mesh.get(f"decisions?n={bad}")
+        assert status == 400 and body["error"]["code"] == "REACH_BAD_REQUEST", bad
+
+
+async def test_workflows_show_each_steps_state_and_attempts(mesh: Mesh) -> None:
+    ns = mesh.settings.namespace
+    wf = mesh.workflow
+    assert wf is not None and wf.state.value == "FAILED"
+
+    async def shown() -> dict[str, Any]:
+        _, body = await mesh.get("workflows")
+        return next((w for w in body["workflows"] if w["workflow_id"] == wf.workflow_id), {})
+
+    for _ in range(100):  # the final record is read once the last step's event is in
+        item = await shown()
+        if item.get("state") == "FAILED":
+            break
+        await asyncio.sleep(0.05)
+    assert item["kind"] == "fanout" and item["state"] == "FAILED"
+    assert item["owner"] == mesh.hub.hub_id and item["trace_id"] == wf.trace_id
+    steps = item["steps"]
+    assert [s["state"] for s in steps] == ["SUCCEEDED", "SUCCEEDED", "FAILED"]
+    assert [s["attempts"] for s in steps] == [1, 1, 1]
+    assert steps[0]["agent_id"] == f"{ns}.echo.a1"
+    assert steps[2]["agent_id"] == f"{ns}.flaky.b1" and "the model refused" in steps[2]["error"]
+    status, pending = await mesh.get("pending")
+    assert status == 200
+    assert pending["routes_in_flight"] == 0 and pending["steps_pending"] == 0
+    assert pending["pending_steps"] == []
+    _, cfg = await mesh.get("settings")
+    assert cfg["trace_url_template"] == TRACE_URL and cfg["interval"] > 0
+
+
+async def test_pending_lists_a_step_no_agent_can_take(
+    wf_settings: MeshSettings, namespace: str
+) -> None:
+    # Short workflow timeouts: a workflow left unfinished here would be handed to the next
+    # test's hub (all hubs of this nats-server share the submissions' consumer).
+    async with running_mesh(wf_settings) as m, Client(settings=wf_settings) as client:
+        mine: set[str] = set()
+
+        async def waiting(count: int) -> list[tuple[str, int, str, str | None]]:
+            for _ in range(100):
+                _, body = await m.get("pending")
+                steps = [
+                    (s["workflow_id"], s["index"], s["state"], s["agent_id"])
+                    for s in body["pending_steps"]
+                    if s["workflow_id"] in mine
+                ]
+                if len(steps) >= count:
+                    break
+                await asyncio.sleep(0.05)
+            return sorted(steps)
+
+        wf_id = await client.submit_fanout(
+            [
+                Step(capability="work:echo:v1", payload={}),
+                Step(capability="work:nobody:v1", payload={}),
+            ],
+            timeout=4,
+        )
+        mine.add(wf_id)
+        assert await waiting(1) == [(wf_id, 1, "PENDING", None)]
+        _, body = await m.get("pending")
+        assert body["workflows_running"] >= 1 and body["steps_pending"] >= 1
+        # A workflow none of whose steps reached an agent sends no status event: the views
+        # adopt it from the workflows this hub runs.
+        lonely = await client.submit_fanout(
+            [Step(capability="work:nobody:v1", payload={})], timeout=4
+        )
+        mine.add(lonely)
+        engine = m.hub.workflows
+        assert engine is not None
+        await eventually(lambda: {lonely, wf_id} <= {w for _, w in engine.owned})
+        assert await waiting(2) == sorted(
+            [(wf_id, 1, "PENDING", None), (lonely, 0, "PENDING", None)]
+        )
+        for _ in range(100):  # the step's own record is read right after the workflow's
+            _, body = await m.get("workflows")
+            shown = {w["workflow_id"]: w for w in body["workflows"]}
+            if shown[lonely]["steps"][0]["task_id"]:
+                break
+            await asyncio.sleep(0.05)
+        assert shown[lonely]["kind"] == "fanout" and shown[lonely]["state"] == "RUNNING"
+        assert shown[lonely]["namespace"] == namespace
+        # Read back from reach_tasks: the step's own task id.
+        assert shown[lonely]["steps"][0]["task_id"] == f"{lonely}-0"
+
+
+async def test_dashboard_api_wants_the_token_and_the_favicon_is_served(
+    wf_settings: MeshSettings,
+) -> None:
+    async with running_mesh(wf_settings, http_token=TOKEN) as m:
+        for part in ("fleet", "traffic", "decisions", "workflows", "pending", "settings"):
+            status, body = await m.get(part)
+            assert status == 401 and body["error"]["code"] == "REACH_UNAUTHORIZED", part
+            status, body = await m.get(part, token=TOKEN)
+            assert status == 200, (part, body)
+        status, icon = await fetch(f"{m.base}/favicon.ico")
+        assert status == 200 and icon.startswith(b"<svg")
+        _, doc = await fetch(f"{m.base}/openapi.json")
+        paths = json.loads(doc)["paths"]
+        assert {p for p in paths if p.startswith("/api/dashboard/")} == {
+            f"/api/dashboard/{p}"
+            for p in ("fleet", "traffic", "decisions", "workflows", "pending", "settings")
+        }
+
+
+# --------------------------------------------------------------------------- the page
+
+
+@needs_chromium
+async def test_page_shows_fleet_rates_workflow_and_acts_on_the_registry(mesh: Mesh) -> None:
+    ns = mesh.settings.namespace
+    echo_id = f"{ns}.echo.a1"
+    view = mesh.hub.registry.agents[echo_id]
+    assert mesh.workflow is not None
+    wf_id = mesh.workflow.workflow_id
+    shot = ARTIFACTS / "dashboard.png"
+
+    def operate() -> dict[str, Any]:
+        with Chromium() as browser:
+            browser.watch_console()
+            browser.open(f"{mesh.base}/")
+            seen: dict[str, Any] = {}
+            wait_for = f"""new Promise(ok => {{ const t = setInterval(() => {{
+              const steps = document.querySelectorAll('[data-workflow="{wf_id}"] .step');
+              const done = [...steps].every(s => s.dataset.state !== "PENDING");
+              if (document.querySelector('tr[data-agent]') && steps.length === 3 && done)
+                {{ clearInterval(t); ok(true); }} }}, 50); }})"""
+            browser.evaluate(wait_for)
+            seen["agents"] = browser.evaluate(
+                "[...document.querySelectorAll('#agents tr[data-agent]')].map(r => "
+                "[r.dataset.agent, r.dataset.state, "
+                "[...r.querySelectorAll('button')].map(b => b.dataset.op)])"
+            )
+            seen["cards"] = browser.evaluate(
+                "Object.fromEntries([...document.querySelectorAll('.card')].map(c => "
+                "[c.querySelector('span').textContent, c.querySelector('b').textContent]))"
+            )
+            seen["steps"] = browser.evaluate(
+                f"[...document.querySelectorAll('[data-workflow=\"{wf_id}\"] .step')]"
+                ".map(s => s.dataset.state + ' ' + s.textContent.replace(/\\s+/g, ' ').trim())"
+            )
+            seen["trace_link"] = browser.evaluate(
+                f"document.querySelector('[data-workflow=\"{wf_id}\"] a').href"
+            )
+            # A decision's explanation opens on click.
+            seen["explained"] = browser.evaluate(
+                """(() => { const row = [...document.querySelectorAll('#decisions tr.clickable')]
+                     .find(r => r.textContent.includes('SUCCEEDED'));
+                   row.click();
+                   return document.querySelector('#decisions tr.explain').textContent; })()"""
+            )
+            # Cordon from its button, confirmed by the operator.
+            seen["asked"] = browser.evaluate(
+                f"""new Promise(ok => {{
+                  const asked = [];
+                  window.confirm = text => {{ asked.push(text); return true; }};
+                  document.querySelector('button[data-agent="{echo_id}"][data-op="cordon"]')
+                    .click();
+                  const t = setInterval(() => {{
+                    const row = document.querySelector('tr[data-agent="{echo_id}"]');
+                    if (row && row.dataset.state === "CORDONED") {{ clearInterval(t); ok(asked); }}
+                  }}, 50); }})"""
+            )
+            seen["after"] = browser.evaluate(
+                f"[...document.querySelectorAll('tr[data-agent=\"{echo_id}\"] button')]"
+                ".map(b => b.dataset.op)"
+            )
+            # A declined confirmation does nothing.
+            seen["declined"] = browser.evaluate(
+                f"""(async () => {{ window.confirm = () => false;
+                     return await act("{echo_id}", "uncordon"); }})()"""
+            )
+            browser.screenshot(shot)
+            seen["errors"] = browser.console_errors()
+            return seen
+
+    seen = await asyncio.to_thread(operate)
+    assert seen["errors"] == [], seen["errors"]
+    agents = {a[0]: a for a in seen["agents"]}
+    assert agents[echo_id][1] == "ONLINE"
+    assert agents[echo_id][2] == ["cordon", "quarantine", "simulate-lost", "remove"]
+    cards = seen["cards"]
+    assert cards["agents"] == "2" and cards["ONLINE"] == "2"
+    assert float(cards["requests/s"]) > 0 and cards["success"] == "66.7%"
+    assert cards["p50 handler"].endswith(" ms") and cards["p99 handler"].endswith(" ms")
+    assert [s.split(" ")[0] for s in seen["steps"]] == ["SUCCEEDED", "SUCCEEDED", "FAILED"]
+    assert "attempt 1" in seen["steps"][0] and echo_id in seen["steps"][0]
+    assert seen["trace_link"] == TRACE_URL.replace("{trace_id}", mesh.workflow.trace_id or "")
+    assert seen["explained"].startswith(f"strategy least_loaded · chosen {echo_id}")
+    assert seen["asked"] == [f"Cordon {echo_id}? It keeps its work but gets no new tasks."]
+    assert seen["after"] == ["uncordon", "quarantine", "remove"]
+    assert seen["declined"] is False
+    assert view.state is AgentState.CORDONED and view.record.cordoned
+    async with Client(settings=mesh.settings) as c:
+        assert (await c.inspect(echo_id)).state is AgentState.CORDONED
+    events = await _audit_admin(mesh)
+    assert [(e["agent_id"], e["op"]) for e in events] == [(echo_id, "cordon")]
+    assert shot.stat().st_size > 10_000
+
+
+async def _audit_admin(mesh: Mesh) -> list[dict[str, Any]]:
+    await mesh.hub.audit.flush()
+    async with Client(settings=mesh.settings) as c:
+        for _ in range(50):
+            events = [
+                e
+                for e in await c.audit(namespace=mesh.settings.namespace, limit=500)
+                if e.get("kind") == "admin"
+            ]
+            if events:
+                return events
+            await asyncio.sleep(0.05)
+    return []
+
+
+@needs_chromium
+async def test_token_added_to_an_open_page_is_taken(wf_settings: MeshSettings) -> None:
+    async with running_mesh(wf_settings, http_token=TOKEN) as m:
+
+        def operate() -> list[Any]:
+            with Chromium() as browser:
+                browser.watch_console()
+                browser.open(f"{m.base}/")
+                asked = browser.evaluate(
+                    """new Promise(ok => { const t = setInterval(() => {
+                         const msg = document.getElementById("msg").textContent;
+                         if (msg) { clearInterval(t); ok(msg); } }, 50); })"""
+                )
+                # The operator adds the token to the address of the page already open.
+                browser.evaluate(f"location.hash = 'token={TOKEN}'")
+                rows = browser.evaluate(
+                    """new Promise(ok => { const t = setInterval(() => {
+                         const rows = document.querySelectorAll('#agents tr[data-agent]');
+                         if (rows.length) { clearInterval(t); ok(rows.length); } }, 50); })"""
+                )
+                left = browser.evaluate(
+                    "[location.hash, document.getElementById('msg').textContent]"
+                )
+                # 401s of the first load are the browser's log entries, not page errors.
+                errors = [e for e in browser.console_errors() if "401" not in e]
+                return [asked, rows, left, errors]
+
+        asked, rows, left, errors = await asyncio.to_thread(operate)
+        assert "#token=" in asked
+        assert rows == 2
+        assert left == ["", ""]  # the token left the address bar; no message left
+        assert errors == []
