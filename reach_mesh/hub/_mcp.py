@@ -70,8 +70,8 @@ class HubMcp:
             max_request_body_size=http.hub.settings.max_payload + 64 * 1024,
         )
         self.asgi_app = StreamableHTTPASGIApp(self.manager)
-        #: Handshake-era sessions that listed the tools: they hear about changes.
-        self._sessions: weakref.WeakSet[ServerSession] = weakref.WeakSet()
+        #: Handshake-era connections that listed the tools: they hear about changes.
+        self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
         self._changed = asyncio.Event()
 
     @contextlib.asynccontextmanager
@@ -101,18 +101,19 @@ class HubMcp:
                 continue
             names = now
             await self.bus.publish(ToolsListChanged())
-            for session in list(self._sessions):
+            for connection in list(self._connections):
                 try:
-                    await session.send_tool_list_changed()
-                except Exception:  # a gone session: it is dropped from the WeakSet
-                    self._sessions.discard(session)
+                    await connection.send_tool_list_changed()
+                except Exception:  # a gone connection: it is dropped
+                    self._connections.discard(connection)
 
     async def _list_tools(
         self, ctx: Any, params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
+        # The SDK makes a ServerSession per request; the connection behind it is what lasts.
         session = getattr(ctx, "session", None)
         if isinstance(session, ServerSession):
-            self._sessions.add(session)
+            self._connections.add(session._connection)
         return types.ListToolsResult(
             tools=[
                 types.Tool(
@@ -120,14 +121,15 @@ class HubMcp:
                     description=t["description"] or None,
                     input_schema=_object_schema(t["inputSchema"]),
                 )
-                for t in self.http.tool_menu()
+                for t in self.http.tool_menu(_namespace(ctx))
             ]
         )
 
     async def _call_tool(
         self, ctx: Any, params: types.CallToolRequestParams
     ) -> types.CallToolResult:
-        tool = next((t for t in self.http.tool_menu() if t["name"] == params.name), None)
+        menu = self.http.tool_menu(_namespace(ctx))
+        tool = next((t for t in menu if t["name"] == params.name), None)
         try:
             if tool is None or not tool["capability"]:
                 raise NoMatchError(
@@ -151,6 +153,14 @@ class HubMcp:
             content=[types.TextContent(text=json.dumps(result))],
             structured_content=result if isinstance(result, dict) else None,
         )
+
+
+def _namespace(ctx: Any) -> str | None:
+    """``/mcp?namespace=ns`` narrows the menu to one tenant."""
+    request = getattr(ctx, "request", None)
+    query = getattr(request, "query_params", None)
+    ns = None if query is None else query.get("namespace")
+    return None if ns is None else protocol.validate_namespace(ns)
 
 
 def _tool_error(text: str) -> types.CallToolResult:

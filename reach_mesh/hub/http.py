@@ -69,7 +69,7 @@ class ErrorDetail(BaseModel):
     details: dict[str, Any] | None = None
 
 
-class ErrorBody(BaseModel):
+class ErrorResponse(BaseModel):
     """Every error the HTTP API answers: ``{"error": {"code", "message", "details"?}}``."""
 
     error: ErrorDetail
@@ -144,7 +144,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         503: "no capacity or NATS unavailable",
         504: "no answer in time",
     }
-    return {s: {"model": ErrorBody, "description": text[s]} for s in statuses}
+    return {s: {"model": ErrorResponse, "description": text[s]} for s in statuses}
 
 
 class GuardMiddleware:
@@ -445,7 +445,7 @@ class HubHttp:
 
 def _fix_400(doc: dict[str, Any]) -> None:
     """Point every documented 400 at the typed error body."""
-    ref = {"$ref": "#/components/schemas/ErrorBody"}
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
     for item in doc["paths"].values():
         for operation in item.values():
             r400 = operation["responses"].get("400")
