@@ -104,9 +104,12 @@ async def test_client_errors_are_4xx(http_hub: Hub, settings: MeshSettings, name
 
 
 async def test_schemathesis_finds_no_server_error(
-    http_hub: Hub, settings: MeshSettings, namespace: str
+    http_hub: Hub, settings: MeshSettings, namespace: str, tmp_path: Any
 ) -> None:
-    """schemathesis against the running hub with a live agent: bounded, seeded."""
+    """schemathesis against the running hub with a live agent: bounded, seeded, all its checks
+    (the default) but ``positive_data_acceptance``: the selector grammar and "exactly one
+    target" are enforced by the models' validators, which JSON Schema does not express, so a
+    schema-valid body may still be a 400 (a 4xx, as it must be)."""
     async with fleet_agent(f"{namespace}.w.a1", settings):
         argv = [
             sys.executable,
@@ -114,8 +117,6 @@ async def test_schemathesis_finds_no_server_error(
             "schemathesis.cli",
             "run",
             f"{http_hub.http_url}/openapi.json",
-            "--checks",
-            "all",
             "--max-examples",
             "8",
             "--seed",
@@ -124,16 +125,23 @@ async def test_schemathesis_finds_no_server_error(
             "1",
             "--phases",
             "examples,coverage,fuzzing",
-            "--exclude-checks",
-            "unsupported_method,missing_required_header,ignored_auth",
             "--request-timeout",
             "20",
         ]
         for name, value in auth(http_hub).items():
             argv += ["-H", f"{name}: {value}"]
         env = {**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_HOOKS": ""}
+        (tmp_path / "schemathesis.toml").write_text(
+            "[checks.positive_data_acceptance]\nenabled = false\n"
+        )
         run = await asyncio.to_thread(
-            subprocess.run, argv, capture_output=True, text=True, timeout=110, env=env
+            subprocess.run,
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=110,
+            env=env,
+            cwd=tmp_path,
         )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
@@ -145,32 +153,28 @@ async def test_mcp_ping_list_call_and_tool_errors(
     http_hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
     assert http_hub.http_url is not None
-    seen: list[Any] = []
-
-    async def on_message(message: Any) -> None:
-        seen.append(message)
-
-    async with fleet_agent(f"{namespace}.w.a1", settings) as agent:
-        async with mcp_session(http_hub.http_url, auth(http_hub)) as mcp:
-            caps = mcp.initialize_result
-            assert caps is not None and caps.capabilities.tools is not None
-            assert caps.capabilities.tools.list_changed is True
-            await mcp.send_ping()
-            names = [t.name for t in (await mcp.list_tools()).tools]
-            assert "echo" in names
-            result = await mcp.call_tool("echo", {"nested": {"deep": [1, {"x": None}]}})
-            assert result.is_error is False
-            assert json.loads(result.content[0].text) == {"nested": {"deep": [1, {"x": None}]}}  # type: ignore[union-attr]
-            unknown = await mcp.call_tool("no_such_tool", {})
-            assert unknown.is_error is True
-            assert "REACH_NO_MATCH" in unknown.content[0].text  # type: ignore[union-attr]
-            # The agent leaves: its tool disappears, and a call to it is a clear tool error.
-            await agent.close()
-            await eventually(lambda: not http_hub.http.tool_menu(namespace), timeout=10)
-            assert "echo" not in [t.name for t in (await mcp.list_tools()).tools]
-            gone = await mcp.call_tool("echo", {})
-            assert gone.is_error is True and "no live agent" in gone.content[0].text  # type: ignore[union-attr]
-    del on_message, seen
+    async with (
+        fleet_agent(f"{namespace}.w.a1", settings) as agent,
+        mcp_session(http_hub.http_url, auth(http_hub)) as mcp,
+    ):
+        caps = mcp.initialize_result
+        assert caps is not None and caps.capabilities.tools is not None
+        assert caps.capabilities.tools.list_changed is True
+        await mcp.send_ping()
+        names = [t.name for t in (await mcp.list_tools()).tools]
+        assert "echo" in names
+        result = await mcp.call_tool("echo", {"nested": {"deep": [1, {"x": None}]}})
+        assert result.is_error is False
+        assert json.loads(result.content[0].text) == {"nested": {"deep": [1, {"x": None}]}}  # type: ignore[union-attr]
+        unknown = await mcp.call_tool("no_such_tool", {})
+        assert unknown.is_error is True
+        assert "REACH_NO_MATCH" in unknown.content[0].text  # type: ignore[union-attr]
+        # The agent leaves: its tool disappears, and a call to it is a clear tool error.
+        await agent.close()
+        await eventually(lambda: not http_hub.http.tool_menu(namespace), timeout=10)
+        assert "echo" not in [t.name for t in (await mcp.list_tools()).tools]
+        gone = await mcp.call_tool("echo", {})
+        assert gone.is_error is True and "no live agent" in gone.content[0].text  # type: ignore[union-attr]
 
 
 async def test_mcp_list_changed_when_an_agent_comes_and_goes(
@@ -218,3 +222,45 @@ async def test_mcp_auth_and_cross_origin(http_hub: Hub) -> None:
         )
     assert answer.status_code == 403
     assert answer.json()["error"]["code"] == "REACH_FORBIDDEN_ORIGIN"
+
+
+async def test_mcp_notifications_are_accepted_with_202(http_hub: Hub) -> None:
+    """``notifications/cancelled`` (and ``initialized``) answer 202 Accepted, no body."""
+    headers = {"Accept": "application/json, text/event-stream", **auth(http_hub)}
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    async with httpx.AsyncClient(base_url=str(http_hub.http_url)) as http:
+        answer = await http.post("/mcp", json=init, headers=headers)
+        assert answer.status_code == 200
+        headers["Mcp-Session-Id"] = answer.headers["mcp-session-id"]
+        headers["Mcp-Protocol-Version"] = "2025-06-18"
+        for note in (
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {
+                "jsonrpc": "2.0",
+                "method": "notifications/cancelled",
+                "params": {"requestId": 7, "reason": "user gave up"},
+            },
+        ):
+            answer = await http.post("/mcp", json=note, headers=headers)
+            assert answer.status_code == 202, (note, answer.text)
+        # Nested JSON of any depth is just data, never a 500.
+        deep: Any = {}
+        for _ in range(200):
+            deep = {"x": deep}
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {"name": "nothing", "arguments": deep},
+        }
+        answer = await http.post("/mcp", json=call, headers=headers)
+        assert answer.status_code < 500, answer.text

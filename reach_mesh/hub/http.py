@@ -16,14 +16,14 @@ from __future__ import annotations
 from importlib import resources
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Route
+from starlette.routing import Match, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -57,6 +57,15 @@ __all__ = ["HubHttp", "status_for"]
 _VERSION: Final = "0.1.0"
 #: Paths behind the bearer token (when ``http_token`` is set).
 _GUARDED_PREFIXES: Final = ("/api/", "/mcp")
+#: Query and path parameters carry their grammar, so the document says what is accepted.
+NamespaceQuery = Annotated[
+    str | None,
+    Query(pattern=protocol.TOKEN_RE.pattern, max_length=64, description="tenant namespace"),
+]
+AgentIdPath = Annotated[
+    str,
+    Path(pattern=protocol.AGENT_ID_RE.pattern, max_length=194, description="<ns>.<group>.<name>"),
+]
 AdminOp = Literal["cordon", "uncordon", "quarantine", "release", "remove", "simulate-lost"]
 
 
@@ -160,6 +169,10 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
+        if not any(r.matches(scope)[0] is Match.FULL for r in self.http.app.router.routes):
+            # No route takes it: the app answers 404 or 405 and nothing runs.
+            await self.app(scope, receive, send)
+            return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refusal = self.http.guard.check(
             scope["method"], path, headers, auth=path.startswith(_GUARDED_PREFIXES)
@@ -347,17 +360,22 @@ class HubHttp:
         health = Health(hub_id=self.hub.hub_id, nats_connected=ok, agents=len(self.hub.registry))
         return JSONResponse(health.model_dump(mode="json"), 200 if ok else 503)
 
-    async def list_agents(self, namespace: Annotated[str | None, Query()] = None) -> AgentList:
+    async def list_agents(self, namespace: NamespaceQuery = None) -> AgentList:
         if namespace is not None:
             protocol.validate_namespace(namespace)
         return AgentList(hub_id=self.hub.hub_id, agents=self.hub.registry.infos(namespace))
 
-    async def get_agent(self, agent_id: Annotated[str, Path()]) -> AgentInfo:
+    async def get_agent(self, agent_id: AgentIdPath) -> AgentInfo:
         view = self.hub.registry.require(protocol.validate_agent_id(agent_id))
         return view.info(self.hub.registry.now)
 
     async def agent_op(
-        self, agent_id: Annotated[str, Path()], op: Annotated[AdminOp, Path()]
+        self,
+        agent_id: AgentIdPath,
+        op: Annotated[AdminOp, Path()],
+        body: Annotated[
+            dict[str, Any] | None, Body(description="unused; send {} (a POST is JSON)")
+        ] = None,
     ) -> Response:
         protocol.validate_agent_id(agent_id)
         if op == "simulate-lost":
@@ -383,7 +401,7 @@ class HubHttp:
         self,
         request: Request,
         body: RouteRequest,
-        namespace: Annotated[str | None, Query()] = None,
+        namespace: NamespaceQuery = None,
     ) -> Response:
         """``POST /api/route?namespace=ns`` with a RouteRequest body → RouteReply."""
         raw = await request.body()
@@ -437,7 +455,7 @@ class HubHttp:
                 entry["agents"].append(card.agent_id)
         return sorted(menu.values(), key=lambda t: str(t["name"]))
 
-    async def tools(self, namespace: Annotated[str | None, Query()] = None) -> ToolMenu:
+    async def tools(self, namespace: NamespaceQuery = None) -> ToolMenu:
         if namespace is not None:
             protocol.validate_namespace(namespace)
         return ToolMenu.model_validate({"tools": self.tool_menu(namespace)})
