@@ -23,7 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match, Route
+from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -43,6 +43,7 @@ from reach_mesh.errors import (
     UnknownAgentError,
     WorkflowConflictError,
 )
+from reach_mesh.hub._a2a import HubA2a
 from reach_mesh.hub._mcp import HubMcp
 from reach_mesh.hub.http_guard import HttpGuard
 from reach_mesh.models import AgentInfo, AgentState, RouteReply, RouteRequest
@@ -56,7 +57,7 @@ __all__ = ["HubHttp", "status_for"]
 
 _VERSION: Final = "0.1.0"
 #: Paths behind the bearer token (when ``http_token`` is set).
-_GUARDED_PREFIXES: Final = ("/api/", "/mcp")
+_GUARDED_PREFIXES: Final = ("/api/", "/mcp", "/a2a/")
 #: Query and path parameters carry their grammar, so the document says what is accepted.
 NamespaceQuery = Annotated[
     str | None,
@@ -198,6 +199,7 @@ class HubHttp:
             token=s.http_token,
         )
         self.mcp = HubMcp(self)
+        self.a2a = HubA2a(self)
         self.app = self._build_app()
         self.server = AsgiServer(GuardMiddleware(self.app, self))
         self._host = "127.0.0.1"
@@ -265,6 +267,7 @@ class HubHttp:
         app.router.routes.append(
             Route("/mcp", self.mcp.asgi_app, methods=["GET", "POST", "DELETE"])
         )
+        app.router.routes.append(Mount("/a2a/{namespace}", app=self.a2a.asgi_app))
         static = resources.files("reach_mesh.hub").joinpath("static")
         app.mount("/static", StaticFiles(directory=str(static)), name="static")
         app.openapi = self._openapi  # type: ignore[method-assign]
