@@ -350,8 +350,7 @@ class Hub:
             return
         self.state = HubState.CLOSING
         if self.micro is not None:
-            with contextlib.suppress(Exception):
-                await self.micro.stop()
+            await within("micro service stop", self.micro.stop(), 2.0, log)
         for sub in self._subs:
             await within("unsubscribe", sub.unsubscribe(), 2.0, log)
         self._subs = []
