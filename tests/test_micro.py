@@ -73,3 +73,22 @@ async def test_hubs_answer_srv_ping_info_stats(settings: MeshSettings, namespace
         assert not {h1.hub_id, h2.hub_id} & {i["metadata"]["hub_id"] for i in info}
     finally:
         await nc.close()
+
+
+async def test_cli_agents_via_micro(settings: MeshSettings, namespace: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    async with (
+        Hub(settings=settings, hub_id=f"cli-{namespace}") as hub,
+        fleet_agent(f"{namespace}.w.a1", settings) as agent,
+    ):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+        argv = [sys.executable, "-m", "reach_mesh.cli", "agents", "--via-micro"]
+        argv += ["--nats", settings.nats_url, "--namespace", namespace]
+        run = await asyncio.to_thread(
+            subprocess.run, argv, env=env, capture_output=True, text=True, timeout=60
+        )
+    assert run.returncode == 0, run.stderr
+    assert hub.hub_id in run.stdout and agent.agent_id in run.stdout, run.stdout

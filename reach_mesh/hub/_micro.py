@@ -9,7 +9,9 @@ fleet), and names the routing subjects in its metadata.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
 
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -20,7 +22,7 @@ from reach_mesh import __version__, protocol
 if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
 
-__all__ = ["start_micro"]
+__all__ = ["discover_hubs", "start_micro"]
 
 
 async def start_micro(hub: Hub) -> Service:
@@ -60,3 +62,38 @@ async def start_micro(hub: Hub) -> Service:
         )
     )
     return service
+
+
+async def discover_hubs(nc: Any, wait: float = 0.5) -> list[dict[str, Any]]:
+    """Every hub's ``$SRV.INFO`` answer within ``wait`` seconds, each with ``"fleet"``: the
+    answer of its ``agents`` endpoint (``{"hub_id", "agents"}``, or ``None`` if it did not)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    infos: list[dict[str, Any]] = []
+    try:
+        await nc.publish(f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}", b"", reply=inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while (left := deadline - loop.time()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except Exception:  # nats' TimeoutError: the window is over
+                break
+            if msg.data:  # not the server's "no responders" status
+                infos.append(json.loads(msg.data))
+    finally:
+        await sub.unsubscribe()
+
+    async def fleet(info: dict[str, Any]) -> None:
+        subject = next(
+            (e["subject"] for e in info.get("endpoints") or [] if e.get("name") == "agents"), None
+        )
+        info["fleet"] = None
+        if subject is not None:
+            try:
+                info["fleet"] = json.loads((await nc.request(subject, b"", timeout=5)).data)
+            except Exception:  # a hub that went away meanwhile: listed without its fleet
+                info["fleet"] = None
+
+    await asyncio.gather(*(fleet(i) for i in infos))
+    return sorted(infos, key=lambda i: str((i.get("metadata") or {}).get("hub_id", "")))
