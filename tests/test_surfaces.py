@@ -264,3 +264,33 @@ async def test_mcp_notifications_are_accepted_with_202(http_hub: Hub) -> None:
         }
         answer = await http.post("/mcp", json=call, headers=headers)
         assert answer.status_code < 500, answer.text
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_mcp_client_both_eras(
+    http_hub: Hub, settings: MeshSettings, namespace: str, mode: str
+) -> None:
+    """The SDK's high-level ``Client``: ``auto`` speaks 2026-07-28 (``server/discover``),
+    ``legacy`` the ``initialize`` handshake; both list and call the live tools."""
+    from mcp.client import Client
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+    from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, MODERN_PROTOCOL_VERSIONS
+
+    async with (
+        fleet_agent(f"{namespace}.w.a1", settings),
+        create_mcp_http_client(headers=auth(http_hub)) as http,
+    ):
+        transport = streamable_http_client(f"{http_hub.http_url}/mcp", http_client=http)
+        async with Client(transport, mode=mode) as client:  # type: ignore[arg-type]
+            era = MODERN_PROTOCOL_VERSIONS if mode == "auto" else HANDSHAKE_PROTOCOL_VERSIONS
+            assert client.protocol_version in era
+            assert client.server_capabilities.tools is not None
+            assert "echo" in [t.name for t in (await client.list_tools()).tools]
+            result = await client.call_tool("echo", {"k": [1, 2]})
+            assert result.is_error is False
+            assert json.loads(result.content[0].text) == {"k": [1, 2]}  # type: ignore[union-attr]
+            if mode == "legacy":  # ping is a handshake-era method (gone in 2026-07-28)
+                await client.send_ping()
+            missing = await client.call_tool("missing_tool", {})
+            assert missing.is_error is True
