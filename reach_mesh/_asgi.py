@@ -85,8 +85,10 @@ async def _bind(host: str, port: int) -> socket.socket:
     infos = await asyncio.get_running_loop().getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, kind, proto, _, address = infos[0]
+    # The protocol must be IPPROTO_TCP: asyncio sets TCP_NODELAY on accepted connections only
+    # then, and without it a keep-alive response's second write waits ~40 ms for a delayed ACK.
+    sock = socket.socket(family, kind, proto or socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)

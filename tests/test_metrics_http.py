@@ -126,3 +126,31 @@ def test_loop_histogram_renders_as_prometheus_client_histogram() -> None:
         return sorted(line for line in text.splitlines() if "_created" not in line)
 
     assert lines(ours) == lines(theirs)
+
+
+async def test_keep_alive_answers_without_delayed_ack_stalls() -> None:
+    """Answers on a kept-alive connection go out at once (TCP_NODELAY on the accepted socket):
+    without it each response's second write waits ~40 ms for the client's delayed ACK."""
+    import asyncio
+    import time
+
+    http = await serve_metrics(AgentMetrics().render, "127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
+        started = time.perf_counter()
+        for _ in range(20):
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length")
+            )
+            await reader.readexactly(length)
+        elapsed = time.perf_counter() - started
+        writer.close()
+        assert elapsed < 0.4, f"20 keep-alive requests took {elapsed:.3f}s"
+    finally:
+        await http.close()
