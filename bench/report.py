@@ -10,6 +10,7 @@ _NAMES = {
     "raw": "raw nats-py queue-group request-reply (floor)",
     "proxy": "reach-mesh routed, proxy mode",
     "direct": "reach-mesh routed, direct mode",
+    "http": "reach-mesh routed, HTTP gateway (`POST /api/route`, keep-alive)",
     "micro": "hand-written `nats.micro` service (peer)",
     "agentbus": "agentbus JetStream task bus (peer)",
 }

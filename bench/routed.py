@@ -38,7 +38,7 @@ __all__ = ["PAYLOAD", "Plan", "run_profile", "run_routed", "run_tracing"]
 
 #: The task payload every system carries (a small JSON object, ~150 bytes encoded).
 PAYLOAD: dict[str, Any] = {"text": "the quick brown fox jumps over the lazy dog " * 2, "n": 42}
-SYSTEMS = ("raw", "proxy", "direct", "micro", "agentbus")
+SYSTEMS = ("raw", "proxy", "direct", "http", "micro", "agentbus")
 
 
 class Plan:
@@ -81,8 +81,13 @@ async def processes(
 class Callers:
     """One connection per system in this process; a zero-argument coroutine per system."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, http_url: str | None = None) -> None:
         self.url = url
+        self.http_url = http_url
+        self._http: Any = None
+        self._route_body = json.dumps(
+            {"capability": _procs.ECHO_CAPABILITY, "payload": PAYLOAD}, separators=(",", ":")
+        ).encode()
         self.body = json.dumps(PAYLOAD, separators=(",", ":")).encode()
         self._raw: NATS | None = None
         self._micro: NATS | None = None
@@ -110,9 +115,13 @@ class Callers:
         await self._ab.flush()
         settings = MeshSettings(nats_url=self.url, request_timeout=10.0)
         self._client = await Client(settings=settings, namespace="bench").connect()
+        if self.http_url is not None:
+            self._http = _KeepAlivePool(self.http_url, size=256)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._http is not None:
+            self._http.close()
         if self._client is not None:
             await self._client.close()
         for nc in (self._raw, self._micro, self._ab):
@@ -125,6 +134,7 @@ class Callers:
             "raw": self.raw,
             "proxy": self.proxy,
             "direct": self.direct,
+            "http": self.http,
             "micro": self.micro,
             "agentbus": self.agentbus,
         }[system]
@@ -154,6 +164,18 @@ class Callers:
         if not res.ok:
             raise RuntimeError(f"task {res.state}")
         return res.result
+
+    async def http(self) -> Any:
+        """The hub's HTTP gateway: ``POST /api/route`` (proxy mode) over keep-alive HTTP/1.1."""
+        if self._http is None:
+            raise RuntimeError("the hub has no HTTP port")
+        status, data = await self._http.post("/api/route?namespace=bench", self._route_body)
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
+        reply = json.loads(data)
+        if reply["task"]["state"] != "SUCCEEDED":
+            raise RuntimeError(f"task {reply['task']['state']}")
+        return reply["task"]["result"]
 
     async def agentbus(self) -> Any:
         from agentbus.publish import publish_task
@@ -209,6 +231,65 @@ class _Registering:
     async def __call__(self, server_url: str, subject: str, payload: bytes) -> None:
         self._pending[json.loads(payload)["id"]] = self._fut
         await self._publish(server_url, subject, payload)
+
+
+class _KeepAlivePool:
+    """Keep-alive HTTP/1.1 connections to the hub, reused like a browser's or a client pool's.
+
+    Deliberately minimal so the load generator measures the gateway: httpx's pool costs more
+    CPU per request than the hub's side at these rates (it scans every connection per request).
+    """
+
+    def __init__(self, base_url: str, size: int) -> None:
+        host_port = base_url.removeprefix("http://")
+        host, _, port = host_port.rpartition(":")
+        self.host, self.port, self.size = host.strip("[]"), int(port), size
+        self._header = f"Host: {host_port}\r\nContent-Type: application/json\r\n"
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._open = 0
+        self._freed = asyncio.Condition()
+
+    async def _get(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        async with self._freed:
+            while not self._idle and self._open >= self.size:
+                await self._freed.wait()
+            if self._idle:
+                return self._idle.pop()
+            self._open += 1
+        return await asyncio.open_connection(self.host, self.port)
+
+    async def _put(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None) -> None:
+        async with self._freed:
+            if conn is None:
+                self._open -= 1
+            else:
+                self._idle.append(conn)
+            self._freed.notify()
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        conn = await self._get()
+        try:
+            reader, writer = conn
+            head = f"POST {path} HTTP/1.1\r\n{self._header}Content-Length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body)
+            answer = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in answer.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            data = await reader.readexactly(length)
+        except BaseException:
+            conn[1].close()
+            await self._put(None)
+            raise
+        await self._put(conn)
+        return int(answer.split(b" ", 2)[1]), data
+
+    def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
 
 
 def _median_spread(values: list[float]) -> dict[str, float]:
@@ -337,7 +418,10 @@ async def run_routed(
 
     repeats: list[dict[str, dict[str, Any]]] = []
     unavailable: dict[str, str] = {}
-    async with processes(url) as (hub, resp, _, resp_ready), Callers(url) as callers:
+    async with (
+        processes(url, metrics=True) as (hub, resp, hub_ready, resp_ready),
+        Callers(url, hub_ready.get("http_url")) as callers,
+    ):
         if resp_ready.get("agentbus") != "ok":
             unavailable["agentbus"] = str(resp_ready.get("agentbus"))
         systems = [s for s in SYSTEMS if s not in unavailable]

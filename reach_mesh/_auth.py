@@ -110,6 +110,9 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     "reach.hub.>",
                     "reach.hubs.>",
                     "reach.status.>",
+                    # NATS micro: discovery ($SRV.PING/INFO/STATS) and the hub's endpoints.
+                    "$SRV.>",
+                    "reach.micro.>",
                     inbox,
                 ]
             },
@@ -181,6 +184,9 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                 "allow": [
                     *(protocol.hub_subject("*", v) for v in ("admin", "agents")),
                     *(protocol.hub_subject("*", v) for v in ("route", "route_batch")),
+                    # NATS micro discovery of the hubs and their endpoints.
+                    "$SRV.>",
+                    protocol.micro_subject("*", "agents"),
                     f"{_API}.STREAM.INFO.{audit}",
                     f"{_API}.CONSUMER.CREATE.{audit}",
                     f"{_API}.CONSUMER.CREATE.{audit}.>",

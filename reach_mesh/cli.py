@@ -241,6 +241,8 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
 
 async def cmd_agents(args: argparse.Namespace) -> int:
+    if args.via_micro:
+        return await _agents_via_micro(args)
     async with Client(settings=_settings(args), namespace=args.namespace) as c:
         infos = await c.agents(all_namespaces=args.namespace is None)
     if args.json:
@@ -250,6 +252,45 @@ async def cmd_agents(args: argparse.Namespace) -> int:
     if not infos and args.namespace is not None:
         print(f"(no agents in namespace {args.namespace!r}; without --namespace: every one)")
     elif not infos:
+        print("(no agents)")
+    return 0
+
+
+async def _agents_via_micro(args: argparse.Namespace) -> int:
+    """The fleet as NATS micro discovery sees it: every hub answering ``$SRV.INFO.reach-hub``
+    and the agents each one knows."""
+    from reach_mesh.hub._micro import discover_hubs
+
+    async with Client(settings=_settings(args)) as c:
+        hubs = await discover_hubs(c.nc)
+    seen: dict[str, AgentInfo] = {}
+    for hub in hubs:
+        for raw in (hub.get("fleet") or {}).get("agents", []):
+            info = AgentInfo.model_validate(raw)
+            if args.namespace is None or protocol.namespace_of(info.agent_id) == args.namespace:
+                seen.setdefault(info.agent_id, info)
+    if args.json:
+        print(json.dumps({"hubs": hubs}, indent=2))
+        return 0
+    rows = [("HUB", "VERSION", "HTTP", "AGENTS")]
+    for hub in hubs:
+        meta = hub.get("metadata") or {}
+        known = (hub.get("fleet") or {}).get("agents")
+        rows.append(
+            (
+                str(meta.get("hub_id", "?")),
+                str(hub.get("version", "?")),
+                str(meta.get("http_url") or "-"),
+                "?" if known is None else str(len(known)),
+            )
+        )
+    if len(rows) > 1:
+        _print_table(rows)
+        print()
+    _print_agents(list(seen.values()))
+    if not hubs:
+        print("(no hub answered $SRV.INFO.reach-hub)")
+    elif not seen:
         print("(no agents)")
     return 0
 
@@ -584,6 +625,11 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--namespace", default=None, help="only this namespace")
     agents.add_argument("--all", action="store_true", help=argparse.SUPPRESS)  # the default now
     agents.add_argument("--json", action="store_true", help="print JSON")
+    agents.add_argument(
+        "--via-micro",
+        action="store_true",
+        help="discover the hubs by NATS micro ($SRV.INFO.reach-hub) and list what each knows",
+    )
     agents.set_defaults(func=cmd_agents)
 
     inspect = cmd("inspect", "one agent in detail")

@@ -203,6 +203,15 @@ def identity_of(subject: str) -> str | None:
     return f"{parts[2]}.{parts[4]}.{parts[5]}"
 
 
+#: The NATS micro service name hubs register under (``$SRV.PING.reach-hub`` lists them).
+MICRO_HUB_SERVICE: Final = "reach-hub"
+
+
+def micro_subject(service_id: str, endpoint: str) -> str:
+    """``reach.micro.<id>.<endpoint>`` — a NATS micro endpoint of one hub (by its hub id)."""
+    return f"reach.micro.{service_id}.{endpoint}"
+
+
 def hub_broadcast(namespace: str, verb: str) -> str:
     """``reach.hubs.<ns>.<verb>`` — messages from one hub to every hub (no queue group); only
     hubs may publish here. Verb: ``breaker`` (an operator's quarantine / release)."""

@@ -9,13 +9,16 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reach_mesh import MeshSettings
 from reach_mesh.agent import Agent, Task
 from reach_mesh.server import EmbeddedNats
+
+if TYPE_CHECKING:
+    from mcp.client.session import ClientSession
 
 
 def free_port() -> int:
@@ -107,3 +110,23 @@ def echo_agent(fleet: Fleet, name: str, cap: str = "wf:echo:v1", **kw: Any) -> A
         return {"by": task.agent_id, "in": task.payload}
 
     return agent
+
+
+@contextlib.asynccontextmanager
+async def mcp_session(
+    base_url: str, headers: dict[str, str] | None = None, namespace: str | None = None
+) -> AsyncIterator[ClientSession]:
+    """An initialized session of the official MCP client (streamable HTTP) on ``base_url/mcp``."""
+    from mcp.client.session import ClientSession
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared._httpx_utils import create_mcp_http_client
+
+    async with (
+        create_mcp_http_client(headers=headers) as http,
+        streamable_http_client(
+            f"{base_url}/mcp" + (f"?namespace={namespace}" if namespace else ""), http_client=http
+        ) as (read, write),
+        ClientSession(read, write) as session,
+    ):
+        await session.initialize()
+        yield session

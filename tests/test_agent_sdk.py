@@ -16,7 +16,7 @@ from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 
-from .helpers import fetch
+from .helpers import fetch, mcp_session
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -217,28 +217,13 @@ async def test_handler_tool_from_type_hints(
         assert tool["inputSchema"] == spec.parameters
         assert tool["agents"] == [agent.agent_id]
 
-        rpc = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
-        _, body = await fetch(
-            f"{wf_hub.http_url}/mcp?namespace={namespace}", "POST", json.dumps(rpc).encode()
-        )
-        (listed,) = json.loads(body)["result"]["tools"]
-        assert listed == {
-            "name": "create_invoice",
-            "description": spec.description,
-            "inputSchema": spec.parameters,
-        }
-        call = {
-            "jsonrpc": "2.0",
-            "id": 2,
-            "method": "tools/call",
-            "params": {"name": "create_invoice", "arguments": {"customer": "c1", "amount": 9.5}},
-        }
-        _, body = await fetch(
-            f"{wf_hub.http_url}/mcp?namespace={namespace}", "POST", json.dumps(call).encode()
-        )
-        result = json.loads(body)["result"]
-        assert result["isError"] is False
-        assert json.loads(result["content"][0]["text"]) == {"number": 7, "total": 9.5}
+        async with mcp_session(f"{wf_hub.http_url}", namespace=namespace) as mcp:
+            (listed,) = (await mcp.list_tools()).tools
+            assert (listed.name, listed.description) == ("create_invoice", spec.description)
+            assert listed.input_schema == spec.parameters
+            result = await mcp.call_tool("create_invoice", {"customer": "c1", "amount": 9.5})
+        assert result.is_error is False
+        assert json.loads(result.content[0].text) == {"number": 7, "total": 9.5}  # type: ignore[union-attr]
 
 
 def test_handler_tool_is_checked_at_decoration(settings: MeshSettings) -> None:

@@ -22,7 +22,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import NOT_AGENT_FAULTS, BreakerState, CircuitBreaker, is_agent_fault
 from reach_mesh.models import AgentState, FailureReport
 
-from .helpers import eventually, fetch
+from .helpers import eventually, mcp_session
 
 
 class FakeClock:
@@ -147,17 +147,11 @@ async def test_bad_payload_storms_leave_the_breaker_closed(
                 )
                 assert res.error is not None and res.error.code == "REACH_BAD_REQUEST"
         # MCP tools/call with arguments that fail the tool's schema, as in the issue.
-        call = {
-            "jsonrpc": "2.0",
-            "id": 1,
-            "method": "tools/call",
-            "params": {"name": "create_invoice", "arguments": {"amount": "lots"}},
-        }
-        for _ in range(10):
-            status, body = await fetch(
-                f"{http_hub.http_url}/mcp", "POST", json.dumps(call).encode()
-            )
-            assert status == 200 and json.loads(body)["result"]["isError"] is True
+        assert http_hub.http_url is not None
+        async with mcp_session(http_hub.http_url) as mcp:
+            for _ in range(10):
+                result = await mcp.call_tool("create_invoice", {"amount": "lots"})
+                assert result.is_error is True
         await _sentinel(nats_url, agent.agent_id)
         await eventually(lambda: view.breaker.counts()[0] >= 1)
         assert view.breaker.counts()[1] == 0  # not one failure counted against the agent

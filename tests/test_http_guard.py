@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from reach_mesh import Client, MeshSettings
-from reach_mesh._http import HttpRequest, HttpResponse, HttpServer
+from reach_mesh._asgi import AsgiServer
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub.http_guard import HttpGuard
@@ -156,7 +156,7 @@ async def test_hub_refuses_cross_origin_rebinding_and_non_json_posts(
             ({"Origin": "http://evil.example"}, 403, "REACH_FORBIDDEN_ORIGIN"),
             ({"Origin": "null"}, 403, "REACH_FORBIDDEN_ORIGIN"),
             ({"Content-Type": "text/plain"}, 415, "REACH_UNSUPPORTED_MEDIA_TYPE"),
-            ({"Host": f"rebind.example:{open_hub.http.server.port}"}, 403, "REACH_FORBIDDEN_HOST"),
+            ({"Host": f"rebind.example:{open_hub.http.port}"}, 403, "REACH_FORBIDDEN_HOST"),
         ]
         for headers, status, code in attempts:
             got, body = await fetch(cordon, "POST", b"{}", headers=headers)
@@ -177,23 +177,37 @@ async def test_hub_refuses_cross_origin_rebinding_and_non_json_posts(
         await eventually(lambda: view.state is AgentState.CORDONED)
         got, body = await fetch(f"{base}/api/agents/{agent.agent_id}/uncordon", "POST")
         assert got == 200, body
-        got, body = await fetch(f"{base}/mcp", "POST", rpc, {"Origin": f"http://{own}"})
-        assert got == 200 and json.loads(body)["result"]["tools"][0]["name"] == "echo"
+        init = json.dumps(
+            {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "initialize",
+                "params": {
+                    "protocolVersion": "2025-06-18",
+                    "capabilities": {},
+                    "clientInfo": {"name": "t", "version": "0"},
+                },
+            }
+        ).encode()
+        mcp_headers = {"Origin": f"http://{own}", "Accept": "application/json, text/event-stream"}
+        got, body = await fetch(f"{base}/mcp", "POST", init, mcp_headers)
+        assert got == 200 and b'"listChanged":true' in body, body
 
 
 # --------------------------------------------------------------------------- a real browser
 
 
-async def _attacker_site() -> HttpServer:
+async def _attacker_site() -> AsgiServer:
     """Another origin on this machine: any page the operator happens to visit."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
 
-    async def page(request: HttpRequest) -> HttpResponse:
-        return HttpResponse.text(
-            "<!doctype html><title>cat pictures</title>", content_type="text/html"
-        )
+    async def page(request: Request) -> HTMLResponse:
+        return HTMLResponse("<!doctype html><title>cat pictures</title>")
 
-    site = HttpServer()
-    site.route("GET", "/", page)
+    site = AsgiServer(Starlette(routes=[Route("/", page)]))
     await site.start("127.0.0.1", 0)
     return site
 
@@ -264,7 +278,7 @@ async def test_dns_rebinding_page_is_refused_by_host(
     agent = echo_agent(f"{namespace}.w.a1", settings)
     async with agent:
         view = open_hub.registry.agents[agent.agent_id]
-        port = open_hub.http.server.port
+        port = open_hub.http.port
         path = json.dumps(f"/api/agents/{agent.agent_id}/cordon")
         script = f"""fetch({path}, {{method: "POST", body: "{{}}",
                          headers: {{"Content-Type": "application/json"}}}})

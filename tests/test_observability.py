@@ -29,7 +29,7 @@ from reach_mesh.cli import main as cli_main
 from reach_mesh.hub import Hub
 from reach_mesh.models import ToolSpec
 
-from .helpers import eventually, fetch
+from .helpers import eventually, fetch, mcp_session
 
 
 def echo_agent(agent_id: str, settings: MeshSettings, **kw: Any) -> Agent:
@@ -131,20 +131,12 @@ async def test_rest_gateway_dashboard_and_openapi(
         # MCP tool menu and a tool call routed to the live agent.
         await fetch(f"{base}/api/agents/{agent.agent_id}/uncordon", "POST")
         await eventually(lambda: http_hub.registry.agents[agent.agent_id].state.value == "ONLINE")
-        rpc = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
-        status, body = await fetch(f"{base}/mcp", "POST", json.dumps(rpc).encode())
-        tools = json.loads(body)["result"]["tools"]
-        assert tools[0]["name"] == "echo" and "inputSchema" in tools[0]
-        rpc = {
-            "jsonrpc": "2.0",
-            "id": 2,
-            "method": "tools/call",
-            "params": {"name": "echo", "arguments": {"x": 3}},
-        }
-        status, body = await fetch(f"{base}/mcp", "POST", json.dumps(rpc).encode())
-        result = json.loads(body)["result"]
-        assert result["isError"] is False
-        assert json.loads(result["content"][0]["text"])["payload"] == {"x": 3}
+        async with mcp_session(base) as mcp:
+            tools = (await mcp.list_tools()).tools
+            assert tools[0].name == "echo" and tools[0].input_schema
+            result = await mcp.call_tool("echo", {"x": 3})
+        assert result.is_error is False
+        assert json.loads(result.content[0].text)["payload"] == {"x": 3}  # type: ignore[union-attr]
 
 
 async def test_audit_stream_tells_the_story(

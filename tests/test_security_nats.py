@@ -652,3 +652,18 @@ async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 15)
+
+
+async def test_micro_discovery_in_secure_mode(mesh: Mesh, as_identity: Any) -> None:
+    """The hub identity serves $SRV (its micro service started under its permissions); the
+    operator may discover the hubs and ask their agents endpoint; a caller may not."""
+    from reach_mesh.hub._micro import discover_hubs
+
+    operator = await as_identity("operator", "admin")
+    (found,) = [
+        h for h in await discover_hubs(operator.nc) if h["metadata"]["hub_id"] == mesh.hub.hub_id
+    ]
+    assert VICTIM in [a["agent_id"] for a in found["fleet"]["agents"]]
+    assert not operator.errors
+    caller = await as_identity("caller", NS)
+    await caller.publish_denied(f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}")

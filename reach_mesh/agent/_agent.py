@@ -34,8 +34,8 @@ from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._asgi import AsgiServer
 from reach_mesh._batch import AnswerBatcher
-from reach_mesh._http import HttpServer
 from reach_mesh._nats import connect
 from reach_mesh._shutdown import within
 from reach_mesh.agent._task import Task
@@ -338,7 +338,7 @@ class Agent:
         self.durable_work = durable_work
         self._metrics_port = metrics_port
         self._metrics_host = metrics_host
-        self._metrics_server: HttpServer | None = None
+        self._metrics_server: AsgiServer | None = None
         #: Always kept (a few counter increments per task); served only with ``metrics_port``.
         self.metrics = AgentMetrics()
         # Read at scrape time: no bookkeeping on the hot path, and never out of step.

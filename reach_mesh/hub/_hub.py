@@ -245,6 +245,7 @@ class Hub:
         self.sessions: SessionStore
         self.audit: AuditLog
         self.http: Any = None  # reach_mesh.hub.http.HubHttp when settings.http_port is set
+        self.micro: Any = None  # the nats.micro Service ($SRV.PING/INFO/STATS), once started
         self.workflows: WorkflowEngine | None = None
         #: The dashboard's bounded state (samples, recent decisions, workflows): with HTTP only.
         self.dashboard: Dashboard | None = None
@@ -295,6 +296,9 @@ class Hub:
 
                 self.http = HubHttp(self)
                 await self.http.start(s.http_host, s.http_port)
+            from reach_mesh.hub._micro import start_micro
+
+            self.micro = await start_micro(self)
         except BaseException:
             await self.close()
             raise
@@ -355,6 +359,8 @@ class Hub:
         if self.state in (HubState.CLOSING, HubState.CLOSED):
             return
         self.state = HubState.CLOSING
+        if self.micro is not None:
+            await within("micro service stop", self.micro.stop(), 2.0, log)
         for sub in self._subs:
             await within("unsubscribe", sub.unsubscribe(), 2.0, log)
         self._subs = []

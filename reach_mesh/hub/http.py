@@ -1,68 +1,197 @@
-"""The hub's HTTP face: Prometheus ``/metrics``, a REST gateway with an OpenAPI document, the
-operators' dashboard, and an MCP endpoint serving the mesh's tool menu.
+"""The hub's HTTP face, on FastAPI/Starlette served by uvicorn on the hub's own event loop:
+Prometheus ``/metrics``, ``/healthz``, a REST gateway whose OpenAPI document FastAPI generates
+from the pydantic wire models, the operators' dashboard, and MCP at ``/mcp`` (``_mcp.py``).
 
 REST calls go through NATS like any other client (``/api/route`` requests ``reach.hub.<ns>.route``),
 so any hub in the queue group may answer and the HTTP path adds no second routing logic.
+
+Every request first passes :class:`GuardMiddleware`, which calls the same
+:meth:`~reach_mesh.hub.http_guard.HttpGuard.check` the security tests pin down; paths under
+``/api/`` and ``/mcp`` want the bearer token when ``http_token`` is set. Another module adds a
+GET route with ``hub.http.app.get("/api/…")(handler)``: it is guarded and documented like these.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from importlib import resources
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
+from fastapi import Body, FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from reach_mesh import protocol
-from reach_mesh._http import Handler, HttpError, HttpRequest, HttpResponse, HttpServer
+from reach_mesh._asgi import AsgiServer
 from reach_mesh.errors import (
+    AgentBusyError,
     BadRequestError,
     MeshTimeoutError,
+    MeshUnavailableError,
+    NoHandlerError,
     NoMatchError,
+    PayloadTooLargeError,
     ReachError,
+    StaleAttemptError,
     ThrottledError,
     UnknownAgentError,
+    WorkflowConflictError,
 )
 from reach_mesh.hub import _dashboard as dash
+from reach_mesh.hub._a2a import HubA2a
+from reach_mesh.hub._mcp import HubMcp
 from reach_mesh.hub.http_guard import HttpGuard
-from reach_mesh.models import AgentState, RouteRequest
+from reach_mesh.models import AgentInfo, AgentState, RouteReply, RouteRequest
 from reach_mesh.tracing import inject
 from reach_mesh.tracing.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
 
-__all__ = ["HubHttp"]
+__all__ = ["HubHttp", "status_for"]
 
-_HTML: Final = "text/html; charset=utf-8"
-_MCP_PROTOCOL: Final = "2025-06-18"
+_VERSION: Final = "0.1.0"
+#: Paths behind the bearer token (when ``http_token`` is set).
+_GUARDED_PREFIXES: Final = ("/api/", "/mcp", "/a2a/")
+#: Query and path parameters carry their grammar, so the document says what is accepted.
+NamespaceQuery = Annotated[
+    str | None,
+    Query(pattern=protocol.TOKEN_RE.pattern, max_length=64, description="tenant namespace"),
+]
+AgentIdPath = Annotated[
+    str,
+    Path(pattern=protocol.AGENT_ID_RE.pattern, max_length=194, description="<ns>.<group>.<name>"),
+]
+AdminOp = Literal["cordon", "uncordon", "quarantine", "release", "remove", "simulate-lost"]
 
 
-def _status_for(err: ReachError) -> int:
-    if isinstance(err, NoMatchError | UnknownAgentError):
+# --------------------------------------------------------------------------- wire models
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable REACH_* code, e.g. REACH_NO_MATCH")
+    message: str
+    details: dict[str, Any] | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the HTTP API answers: ``{"error": {"code", "message", "details"?}}``."""
+
+    error: ErrorDetail
+
+
+class AgentList(BaseModel):
+    hub_id: str
+    agents: list[AgentInfo]
+
+
+class AdminResult(BaseModel):
+    agent_id: str
+    op: str
+    state: AgentState
+
+
+class Health(BaseModel):
+    hub_id: str
+    nats_connected: bool
+    agents: int
+
+
+class ToolEntry(BaseModel):
+    name: str
+    description: str
+    inputSchema: dict[str, Any]
+    capability: str | None
+    agents: list[str]
+
+
+class ToolMenu(BaseModel):
+    tools: list[ToolEntry]
+
+
+def status_for(err: ReachError) -> int:
+    """The HTTP status of a typed error: client errors are 4xx, the mesh's own trouble 5xx."""
+    if isinstance(err, PayloadTooLargeError):
+        return 413
+    if isinstance(err, BadRequestError):
+        return 400
+    if isinstance(err, NoMatchError | UnknownAgentError | NoHandlerError):
         return 404
+    if isinstance(err, WorkflowConflictError | StaleAttemptError):
+        return 409
     if isinstance(err, ThrottledError):
         return 429
+    if isinstance(err, AgentBusyError | MeshUnavailableError):
+        return 503
     if isinstance(err, MeshTimeoutError):
         return 504
-    if isinstance(err, BadRequestError):
-        return 413 if err.code == "REACH_PAYLOAD_TOO_LARGE" else 400
     return 502
 
 
-def _error(err: ReachError) -> HttpResponse:
+def _error_response(err: ReachError) -> JSONResponse:
     headers = {}
     if isinstance(err, ThrottledError):
         headers["Retry-After"] = str(max(1, round(err.retry_after)))
-    return HttpResponse.json(err.to_wire(), _status_for(err), headers)
+    return JSONResponse(err.to_wire(), status_for(err), headers)
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    text = {
+        400: "bad request (REACH_BAD_REQUEST and its kinds)",
+        401: "bearer token missing or wrong (REACH_UNAUTHORIZED)",
+        403: "Host or Origin refused (REACH_FORBIDDEN_HOST / REACH_FORBIDDEN_ORIGIN)",
+        404: "no such agent, no match, or no handler",
+        409: "conflict",
+        413: "payload too large",
+        415: "POST without Content-Type: application/json",
+        429: "throttled (Retry-After says when to try again)",
+        502: "the agent or the mesh answered with an error",
+        503: "no capacity or NATS unavailable",
+        504: "no answer in time",
+    }
+    return {s: {"model": ErrorResponse, "description": text[s]} for s in statuses}
+
+
+class GuardMiddleware:
+    """Pure ASGI middleware (streams pass through untouched, as MCP's SSE needs): the guard's
+    checks before any route, counted in ``reach_http_refused_total``."""
+
+    def __init__(self, app: ASGIApp, http: HubHttp) -> None:
+        self.app = app
+        self.http = http
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if not any(r.matches(scope)[0] is Match.FULL for r in self.http.app.router.routes):
+            # No route takes it: the app answers 404 or 405 and nothing runs.
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self.http.guard.check(
+            scope["method"], path, headers, auth=path.startswith(_GUARDED_PREFIXES)
+        )
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        self.http.hub.metrics.http_refused_total.labels(refusal.error.code).inc()
+        response = JSONResponse(refusal.error.to_wire(), refusal.status, dict(refusal.headers))
+        await response(scope, receive, send)
 
 
 class HubHttp:
+    """The hub's HTTP server: ``app`` (FastAPI) served by uvicorn on the hub's event loop."""
+
     def __init__(self, hub: Hub) -> None:
         self.hub = hub
-        self.server = HttpServer(max_body_size=hub.settings.max_payload + 64 * 1024)
         s = hub.settings
         self.guard = HttpGuard(
             bind_host=s.http_host,
@@ -70,65 +199,156 @@ class HubHttp:
             allowed_origins=s.http_allowed_origins,
             token=s.http_token,
         )
-        open_, g = self._open, self._guarded
-        r = self.server.route
-        # Open: what a browser, a prober or Prometheus fetches.
-        r("GET", "/", open_(self.dashboard))
-        r("GET", "/metrics", open_(self.metrics))
-        r("GET", "/healthz", open_(self.healthz))
-        r("GET", "/openapi.json", open_(self.openapi))
-        r("GET", "/favicon.ico", open_(self.favicon))
-        # Behind the bearer token when ``http_token`` is set: fleet data, operator actions,
-        # the task gateway.
-        r("GET", "/api/agents", g(self.list_agents))
-        r("GET", "/api/agents/{agent_id}", g(self.get_agent))
-        r("POST", "/api/agents/{agent_id}/{op}", g(self.agent_op))
-        r("POST", "/api/route", g(self.route))
-        r("GET", "/api/tools", g(self.tools))
-        r("POST", "/mcp", g(self.mcp))
-        # The dashboard's data (hub/_dashboard.py): one JSON view per panel.
-        r("GET", "/api/dashboard/settings", g(self._view(lambda q: dash.settings(self.hub))))
-        r("GET", "/api/dashboard/fleet", g(self._view(lambda q: dash.fleet(self.hub))))
-        r("GET", "/api/dashboard/traffic", g(self._view(lambda q: dash.traffic(self.hub))))
-        r("GET", "/api/dashboard/decisions", g(self._view(self._decisions)))
-        r("GET", "/api/dashboard/workflows", g(self._view(lambda q: dash.workflows(self.hub))))
-        r("GET", "/api/dashboard/pending", g(self._view(lambda q: dash.pending(self.hub))))
+        self.mcp = HubMcp(self)
+        self.a2a = HubA2a(self)
+        self.app = self._build_app()
+        self.server = AsgiServer(GuardMiddleware(self.app, self))
         self._host = "127.0.0.1"
 
-    def _open(self, handler: Handler) -> Handler:
-        """``handler`` behind the guard's Host, Origin and content-type checks."""
-        return self._checked(handler, auth=False)
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(
+            title="reach-mesh hub",
+            version=_VERSION,
+            summary="REST gateway, operator actions and tool menu of one reach-mesh hub",
+            docs_url=None,
+            redoc_url=None,
+            lifespan=self.mcp.lifespan,
+        )
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(ReachError, _reach_error)
+        # What the guard answers before a route runs: 403 (Host/Origin), 401 with a token.
+        refused = (401, 403) if self.guard_has_token else (403,)
+        # Open: what a browser, a prober or Prometheus fetches.
+        app.get("/", include_in_schema=False, response_class=HTMLResponse)(self.dashboard)
+        app.get(
+            "/metrics",
+            summary="Prometheus metrics (text exposition)",
+            response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+        )(self.metrics)
+        app.get(
+            "/healthz",
+            summary="Liveness of this hub",
+            response_model=Health,
+            responses={503: {"model": Health, "description": "NATS down"}},
+        )(self.healthz)
+        # Behind the bearer token when ``http_token`` is set: fleet data, operator actions,
+        # the task gateway.
+        app.get(
+            "/api/agents",
+            summary="Agents as this hub sees them",
+            response_model=AgentList,
+            responses=_errors(400, *refused),
+        )(self.list_agents)
+        app.get(
+            "/api/agents/{agent_id}",
+            summary="One agent",
+            response_model=AgentInfo,
+            responses=_errors(400, 404, *refused),
+        )(self.get_agent)
+        app.post(
+            "/api/agents/{agent_id}/{op}",
+            summary="Operator action on one agent",
+            response_model=AdminResult,
+            responses=_errors(400, 404, 415, 502, 503, 504, *refused),
+        )(self.agent_op)
+        app.post(
+            "/api/route",
+            summary="Route one task to a live agent and return its answer",
+            response_model=RouteReply,
+            responses=_errors(400, 404, 409, 413, 415, 429, 502, 503, 504, *refused),
+        )(self.route)
+        app.get(
+            "/api/tools",
+            summary="The mesh's tool menu (union over live, routable agents)",
+            response_model=ToolMenu,
+            responses=_errors(400, *refused),
+        )(self.tools)
+        app.get("/favicon.ico", include_in_schema=False)(self.favicon)
+        # The dashboard's data (hub/_dashboard.py): one JSON view per panel.
+        views = {
+            "settings": (
+                "This hub's id, sampling interval and trace viewer link template",
+                dash.settings,
+            ),
+            "fleet": (
+                "Agents by state; running (of max) and queued apart; applicable actions",
+                dash.fleet,
+            ),
+            "traffic": (
+                "Request rate, success rate, p50/p99 over the last minute, and a series",
+                dash.traffic,
+            ),
+            "workflows": (
+                "Recent workflows, each step's six-state progress and attempts",
+                dash.workflows,
+            ),
+            "pending": (
+                "Routes in flight, workflows running, steps waiting for an agent",
+                dash.pending,
+            ),
+        }
+        for part, (summary, build) in views.items():
+            app.get(
+                f"/api/dashboard/{part}",
+                summary=summary,
+                response_model=dict[str, Any],
+                responses=_errors(400, *refused),
+            )(self._view(build))
+        app.get(
+            "/api/dashboard/decisions",
+            summary="This hub's last route outcomes with the router's explanation, newest first",
+            response_model=dict[str, Any],
+            responses=_errors(400, *refused),
+        )(self.decisions)
+        app.router.routes.append(
+            Route("/mcp", self.mcp.asgi_app, methods=["GET", "POST", "DELETE"])
+        )
+        app.router.routes.append(Mount("/a2a/{namespace}", app=self.a2a.asgi_app))
+        static = resources.files("reach_mesh.hub").joinpath("static")
+        app.mount("/static", StaticFiles(directory=str(static)), name="static")
+        app.openapi = self._openapi  # type: ignore[method-assign]
+        return app
 
-    def _guarded(self, handler: Handler) -> Handler:
-        """``handler`` behind the same checks plus the bearer token (when configured)."""
-        return self._checked(handler, auth=True)
+    @property
+    def guard_has_token(self) -> bool:
+        return self.hub.settings.http_token is not None
 
-    def _checked(self, handler: Handler, *, auth: bool) -> Handler:
-        guard = self.guard
-        refused = self.hub.metrics.http_refused_total
+    def _openapi(self) -> dict[str, Any]:
+        """FastAPI's document plus the bearer scheme (required on /api/ when a token is set)."""
+        if self.app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
 
-        async def checked(request: HttpRequest) -> HttpResponse:
-            refusal = guard.check(request.method, request.path, request.headers, auth=auth)
-            if refusal is None:
-                return await handler(request)
-            refused.labels(refusal.error.code).inc()
-            return HttpResponse.json(refusal.error.to_wire(), refusal.status, refusal.headers)
-
-        return checked
-
-    def _view(self, build: Callable[[HttpRequest], dict[str, Any]]) -> Handler:
-        """A GET handler answering ``build(request)`` as JSON (a ``ReachError`` as typed)."""
-
-        async def view(request: HttpRequest) -> HttpResponse:
-            try:
-                return HttpResponse.json(build(request))
-            except ReachError as err:
-                return _error(err)
-
-        return view
-
-    def _decisions(self, request: HttpRequest) -> dict[str, Any]:
-        return dash.recent_decisions(self.hub, dash.decisions_limit(request.query_value("n")))
+            doc = get_openapi(
+                title=self.app.title,
+                version=self.app.version,
+                summary=self.app.summary,
+                routes=self.app.routes,
+            )
+            components = doc.setdefault("components", {})
+            components["securitySchemes"] = {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "http_token (REACH_HTTP_TOKEN); wanted on /api/ and /mcp "
+                    "when the hub has one",
+                }
+            }
+            for path, item in doc["paths"].items():
+                for operation in item.values():
+                    if self.guard_has_token and path.startswith(_GUARDED_PREFIXES):
+                        operation["security"] = [{"bearer": []}]
+                    # Validation answers 400 with the typed body (not FastAPI's 422).
+                    responses = operation["responses"]
+                    if responses.pop("422", None) is not None:
+                        responses.setdefault("400", _errors(400)[400] | {})
+            schemas = components.setdefault("schemas", {})
+            schemas.pop("HTTPValidationError", None)
+            schemas.pop("ValidationError", None)
+            _fix_400(doc)
+            self.app.openapi_schema = doc
+        return self.app.openapi_schema
 
     async def start(self, host: str, port: int) -> None:
         self._host = host
@@ -138,29 +358,45 @@ class HubHttp:
         await self.server.close()
 
     @property
+    def port(self) -> int:
+        return self.server.port
+
+    @property
     def url(self) -> str:
         """Where this machine reaches the server: a wildcard bind is reached on loopback (a
         name the Host check accepts; ``http://0.0.0.0:…`` would be refused)."""
         host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self._host, self._host)
-        return (
-            f"http://[{host}]:{self.server.port}"
-            if ":" in host
-            else f"http://{host}:{self.server.port}"
-        )
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
 
     # ------------------------------------------------------------------ operators
 
-    async def dashboard(self, request: HttpRequest) -> HttpResponse:
-        page = resources.files("reach_mesh.hub").joinpath("static/dashboard.html").read_text()
-        return HttpResponse.text(page, content_type=_HTML)
+    def _view(self, build: Any) -> Any:
+        """A GET handler answering ``build(hub)`` as JSON."""
 
-    async def favicon(self, request: HttpRequest) -> HttpResponse:
+        async def view() -> dict[str, Any]:
+            result: dict[str, Any] = build(self.hub)
+            return result
+
+        return view
+
+    async def decisions(
+        self, n: Annotated[int, Query(ge=1, le=dash.DECISIONS)] = 50
+    ) -> dict[str, Any]:
+        return dash.recent_decisions(self.hub, n)
+
+    async def favicon(self) -> Response:
         icon = resources.files("reach_mesh.hub").joinpath("static/favicon.svg").read_bytes()
-        return HttpResponse(200, icon, "image/svg+xml", {"Cache-Control": "max-age=86400"})
+        return Response(
+            icon, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"}
+        )
 
-    async def metrics(self, request: HttpRequest) -> HttpResponse:
+    async def dashboard(self) -> HTMLResponse:
+        page = resources.files("reach_mesh.hub").joinpath("static/dashboard.html").read_text()
+        return HTMLResponse(page)
+
+    async def metrics(self) -> Response:
         self.refresh_gauges()
-        return HttpResponse(200, self.hub.metrics.render(), CONTENT_TYPE)
+        return Response(self.hub.metrics.render(), media_type=CONTENT_TYPE)
 
     def refresh_gauges(self) -> None:
         """Agent gauges are computed at scrape time from the registry (no per-event upkeep)."""
@@ -180,78 +416,71 @@ class HubHttp:
             sum(c for (_, st), c in counts.items() if st == AgentState.PRE_ONLINE.value)
         )
 
-    async def healthz(self, request: HttpRequest) -> HttpResponse:
-        nc = self.hub.nc
-        ok = nc.is_connected
-        return HttpResponse.json(
-            {"hub_id": self.hub.hub_id, "nats_connected": ok, "agents": len(self.hub.registry)},
-            200 if ok else 503,
-        )
+    async def healthz(self) -> JSONResponse:
+        ok = self.hub.nc.is_connected
+        health = Health(hub_id=self.hub.hub_id, nats_connected=ok, agents=len(self.hub.registry))
+        return JSONResponse(health.model_dump(mode="json"), 200 if ok else 503)
 
-    async def list_agents(self, request: HttpRequest) -> HttpResponse:
-        ns = request.query_value("namespace")
-        if ns is not None:
-            try:
-                protocol.validate_namespace(ns)
-            except ReachError as err:
-                return _error(err)
-        infos = self.hub.registry.infos(ns)
-        return HttpResponse.json(
-            {"hub_id": self.hub.hub_id, "agents": [i.model_dump(mode="json") for i in infos]}
-        )
+    async def list_agents(self, namespace: NamespaceQuery = None) -> AgentList:
+        if namespace is not None:
+            protocol.validate_namespace(namespace)
+        return AgentList(hub_id=self.hub.hub_id, agents=self.hub.registry.infos(namespace))
 
-    async def get_agent(self, request: HttpRequest) -> HttpResponse:
-        try:
-            agent_id = protocol.validate_agent_id(request.path_params["agent_id"])
+    async def get_agent(self, agent_id: AgentIdPath) -> AgentInfo:
+        view = self.hub.registry.require(protocol.validate_agent_id(agent_id))
+        return view.info(self.hub.registry.now)
+
+    async def agent_op(
+        self,
+        agent_id: AgentIdPath,
+        op: Annotated[AdminOp, Path()],
+        body: Annotated[
+            dict[str, Any] | None, Body(description="unused; send {} (a POST is JSON)")
+        ] = None,
+    ) -> Response:
+        protocol.validate_agent_id(agent_id)
+        if op == "simulate-lost":
+            # Drill for operators: this hub stops counting the agent's lease now, as if
+            # its heartbeats were lost; the next real heartbeat brings it back.
             view = self.hub.registry.require(agent_id)
-        except ReachError as err:
-            return _error(err)
-        return HttpResponse.json(view.info(self.hub.registry.now).model_dump(mode="json"))
-
-    async def agent_op(self, request: HttpRequest) -> HttpResponse:
-        op = request.path_params["op"]
-        agent_id = request.path_params["agent_id"]
-        try:
-            protocol.validate_agent_id(agent_id)
-            if op == "simulate-lost":
-                # Drill for operators: this hub stops counting the agent's lease now, as if
-                # its heartbeats were lost; the next real heartbeat brings it back.
-                view = self.hub.registry.require(agent_id)
-                view.last_seen = self.hub.registry.now - view.record.lease_timeout - 1e-3
-                self.hub.registry.regrade(view)
-                await self.hub.audit.record(
-                    view.record.card.namespace, "admin", agent_id=agent_id, op=op
-                )
-                return HttpResponse.json(
-                    {"agent_id": agent_id, "op": op, "state": view.state.value}
-                )
-            data = await self._nats(
-                protocol.hub_subject(protocol.namespace_of(agent_id), "admin"),
-                protocol.dumps({"op": op, "agent_id": agent_id}),
+            view.last_seen = self.hub.registry.now - view.record.lease_timeout - 1e-3
+            self.hub.registry.regrade(view)
+            await self.hub.audit.record(
+                view.record.card.namespace, "admin", agent_id=agent_id, op=op
             )
-        except ReachError as err:
-            return _error(err)
-        return HttpResponse(200, data, "application/json")
+            result = AdminResult(agent_id=agent_id, op=op, state=view.state)
+            return JSONResponse(result.model_dump(mode="json"))
+        data = await self.nats_request(
+            protocol.hub_subject(protocol.namespace_of(agent_id), "admin"),
+            protocol.dumps({"op": op, "agent_id": agent_id}),
+        )
+        return Response(data, media_type="application/json")
 
     # ------------------------------------------------------------------ gateway
 
-    async def route(self, request: HttpRequest) -> HttpResponse:
+    async def route(
+        self,
+        request: Request,
+        body: RouteRequest,
+        namespace: NamespaceQuery = None,
+    ) -> Response:
         """``POST /api/route?namespace=ns`` with a RouteRequest body → RouteReply."""
-        try:
-            ns = protocol.validate_namespace(request.query_value("namespace") or "default")
-            req = protocol.decode(
-                request.body, RouteRequest, max_size=self.hub.settings.max_payload + 16 * 1024
+        raw = await request.body()
+        if len(raw) > self.hub.settings.max_payload + 16 * 1024:
+            raise PayloadTooLargeError(
+                f"request body of {len(raw)} bytes is over max_payload",
+                limit=self.hub.settings.max_payload,
             )
-            if req.agent_id is not None:
-                ns = protocol.namespace_of(req.agent_id)
-            data = await self._nats(
-                protocol.hub_subject(ns, "route"), request.body, timeout=req.timeout + 2
-            )
-        except ReachError as err:
-            return _error(err)
-        return HttpResponse(200, data, "application/json")
+        ns = protocol.validate_namespace(namespace or "default")
+        if body.agent_id is not None:
+            ns = protocol.namespace_of(body.agent_id)
+        data = await self.nats_request(
+            protocol.hub_subject(ns, "route"), protocol.encode(body), timeout=body.timeout + 2
+        )
+        return Response(data, media_type="application/json")
 
-    async def _nats(self, subject: str, body: bytes, timeout: float = 10.0) -> bytes:
+    async def nats_request(self, subject: str, body: bytes, timeout: float = 10.0) -> bytes:
+        """One NATS request; NATS failures and typed error replies raise :class:`ReachError`."""
         try:
             msg = await self.hub.nc.request(subject, body, timeout=timeout, headers=inject({}))
         except NoRespondersError as err:
@@ -262,7 +491,7 @@ class HubHttp:
         data: bytes = msg.data
         return data
 
-    # ------------------------------------------------------------------ tools / MCP
+    # ------------------------------------------------------------------ tools
 
     def tool_menu(self, namespace: str | None = None) -> list[dict[str, Any]]:
         """The union of tools over live agents, MCP-shaped, with the agents serving each."""
@@ -287,258 +516,39 @@ class HubHttp:
                 entry["agents"].append(card.agent_id)
         return sorted(menu.values(), key=lambda t: str(t["name"]))
 
-    async def tools(self, request: HttpRequest) -> HttpResponse:
-        return HttpResponse.json({"tools": self.tool_menu(request.query_value("namespace"))})
-
-    async def mcp(self, request: HttpRequest) -> HttpResponse:
-        """A minimal MCP (JSON-RPC 2.0 over HTTP POST) server: initialize, tools/list,
-        tools/call (routed to a live agent serving the tool's capability)."""
-        try:
-            body = request.json()
-        except HttpError:
-            return HttpResponse.json(_rpc_error(None, -32700, "parse error"))
-        if not isinstance(body, dict):
-            return HttpResponse.json(_rpc_error(None, -32600, "invalid request"))
-        rpc_id = body.get("id")
-        method = body.get("method")
-        params = body.get("params") or {}
-        ns = request.query_value("namespace")
-        if method == "initialize":
-            return HttpResponse.json(
-                {
-                    "jsonrpc": "2.0",
-                    "id": rpc_id,
-                    "result": {
-                        "protocolVersion": _MCP_PROTOCOL,
-                        "capabilities": {"tools": {"listChanged": False}},
-                        "serverInfo": {"name": "reach-mesh", "version": "0.1.0"},
-                    },
-                }
-            )
-        if method == "notifications/initialized":
-            return HttpResponse(202)
-        if method == "tools/list":
-            tools = [
-                {k: t[k] for k in ("name", "description", "inputSchema")}
-                for t in self.tool_menu(ns)
-            ]
-            return HttpResponse.json({"jsonrpc": "2.0", "id": rpc_id, "result": {"tools": tools}})
-        if method == "tools/call":
-            name = params.get("name") if isinstance(params, dict) else None
-            tool = next((t for t in self.tool_menu(ns) if t["name"] == name), None)
-            if tool is None or not tool["capability"]:
-                return HttpResponse.json(_rpc_error(rpc_id, -32602, f"unknown tool {name!r}"))
-            req = RouteRequest(capability=tool["capability"], payload=params.get("arguments") or {})
-            agent_ns = protocol.namespace_of(tool["agents"][0])
-            try:
-                data = await self._nats(
-                    protocol.hub_subject(agent_ns, "route"),
-                    protocol.encode(req),
-                    timeout=req.timeout + 2,
-                )
-            except ReachError as err:
-                return HttpResponse.json(
-                    {
-                        "jsonrpc": "2.0",
-                        "id": rpc_id,
-                        "result": {
-                            "isError": True,
-                            "content": [{"type": "text", "text": f"{err.code}: {err.message}"}],
-                        },
-                    }
-                )
-            reply = json.loads(data)
-            task = reply.get("task") or {}
-            failed = task.get("state") != "SUCCEEDED"
-            text = json.dumps(task.get("error") if failed else task.get("result"))
-            return HttpResponse.json(
-                {
-                    "jsonrpc": "2.0",
-                    "id": rpc_id,
-                    "result": {"isError": failed, "content": [{"type": "text", "text": text}]},
-                }
-            )
-        return HttpResponse.json(_rpc_error(rpc_id, -32601, f"method {method!r} not found"))
-
-    async def openapi(self, request: HttpRequest) -> HttpResponse:
-        return HttpResponse.json(openapi_document())
+    async def tools(self, namespace: NamespaceQuery = None) -> ToolMenu:
+        if namespace is not None:
+            protocol.validate_namespace(namespace)
+        return ToolMenu.model_validate({"tools": self.tool_menu(namespace)})
 
 
-#: The dashboard's JSON views (docs/protocol.md, "Dashboard endpoints").
-_DASHBOARD_PATHS: Final[tuple[tuple[str, str, list[dict[str, Any]]], ...]] = (
-    ("settings", "This hub's id, sampling interval and trace viewer link template", []),
-    ("fleet", "Agents by state; running (of max) and queued apart; applicable actions", []),
-    ("traffic", "Request rate, success rate, p50/p99 over the last minute, and a series", []),
-    (
-        "decisions",
-        "This hub's last route outcomes with the router's explanation, newest first",
-        [{"name": "n", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 200}}],
-    ),
-    ("workflows", "Recent workflows, each step's six-state progress and attempts", []),
-    ("pending", "Routes in flight, workflows running, steps waiting for an agent", []),
-)
+def _fix_400(doc: dict[str, Any]) -> None:
+    """Point every documented 400 at the typed error body."""
+    ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for item in doc["paths"].values():
+        for operation in item.values():
+            r400 = operation["responses"].get("400")
+            if r400 is not None:
+                r400["content"] = {"application/json": {"schema": ref}}
 
 
-def _rpc_error(rpc_id: Any, code: int, message: str) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}}
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    err = BadRequestError(f"{where}: {first.get('msg', 'invalid request')}", field=where)
+    return _error_response(err)
 
 
-def openapi_document() -> dict[str, Any]:
-    """OpenAPI 3.1 description of the REST gateway (schemas from the pydantic wire models)."""
-    from reach_mesh.models import AgentInfo, RouteReply
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "REACH_NOT_FOUND", 405: "REACH_METHOD_NOT_ALLOWED"}.get(
+        exc.status_code, "REACH_BAD_REQUEST"
+    )
+    body = {"error": {"code": code, "message": str(exc.detail)}}
+    return JSONResponse(body, exc.status_code, dict(exc.headers or {}))
 
-    err = {
-        "description": "typed error",
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "properties": {
-                        "error": {
-                            "type": "object",
-                            "properties": {
-                                "code": {"type": "string"},
-                                "message": {"type": "string"},
-                                "details": {"type": "object"},
-                            },
-                        }
-                    },
-                }
-            }
-        },
-    }
 
-    def ref(model: Any) -> dict[str, Any]:
-        return {"content": {"application/json": {"schema": model.model_json_schema()}}}
-
-    agent_id = {"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}}
-    # What the guard (http_guard.py) answers before a POST's handler runs: bearer token,
-    # Host / Origin, content type (docs/security.md).
-    refused = {"401": err, "403": err, "415": err}
-    dashboard = {
-        f"/api/dashboard/{part}": {
-            "get": {
-                "summary": summary,
-                "parameters": params,
-                "responses": {"200": {"description": part}, "400": err, "401": err},
-            }
-        }
-        for part, summary, params in _DASHBOARD_PATHS
-    }
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "reach-mesh hub", "version": "0.1.0"},
-        "paths": {
-            **dashboard,
-            "/api/route": {
-                "post": {
-                    "summary": "Route one task to a live agent (proxy mode) and return its answer",
-                    "parameters": [
-                        {"name": "namespace", "in": "query", "schema": {"type": "string"}}
-                    ],
-                    "requestBody": {"required": True, **ref(RouteRequest)},
-                    "responses": {
-                        "200": {"description": "routed", **ref(RouteReply)},
-                        "400": err,
-                        "404": err,
-                        "413": err,
-                        "429": err,
-                        "504": err,
-                        **refused,
-                    },
-                }
-            },
-            "/api/agents": {
-                "get": {
-                    "summary": "Agents as this hub sees them",
-                    "parameters": [
-                        {"name": "namespace", "in": "query", "schema": {"type": "string"}}
-                    ],
-                    "responses": {
-                        "200": {
-                            "description": "agents",
-                            "content": {
-                                "application/json": {
-                                    "schema": {
-                                        "type": "object",
-                                        "properties": {
-                                            "hub_id": {"type": "string"},
-                                            "agents": {
-                                                "type": "array",
-                                                "items": AgentInfo.model_json_schema(),
-                                            },
-                                        },
-                                    }
-                                }
-                            },
-                        }
-                    },
-                }
-            },
-            "/api/agents/{agent_id}": {
-                "get": {
-                    "summary": "One agent",
-                    "parameters": [agent_id],
-                    "responses": {"200": {"description": "agent", **ref(AgentInfo)}, "404": err},
-                }
-            },
-            "/api/agents/{agent_id}/{op}": {
-                "post": {
-                    "summary": "Operator action: cordon, uncordon, quarantine, release, remove, "
-                    "simulate-lost",
-                    "parameters": [
-                        agent_id,
-                        {
-                            "name": "op",
-                            "in": "path",
-                            "required": True,
-                            "schema": {
-                                "type": "string",
-                                "enum": [
-                                    "cordon",
-                                    "uncordon",
-                                    "quarantine",
-                                    "release",
-                                    "remove",
-                                    "simulate-lost",
-                                ],
-                            },
-                        },
-                    ],
-                    "responses": {
-                        "200": {"description": "done"},
-                        "400": err,
-                        "404": err,
-                        **refused,
-                    },
-                }
-            },
-            "/api/tools": {
-                "get": {
-                    "summary": "The mesh's tool menu (union over live agents)",
-                    "responses": {"200": {"description": "tools"}},
-                }
-            },
-            "/mcp": {
-                "post": {
-                    "summary": "MCP JSON-RPC: initialize, tools/list, tools/call",
-                    "responses": {"200": {"description": "JSON-RPC response"}, **refused},
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics",
-                    "responses": {"200": {"description": "text exposition"}},
-                }
-            },
-            "/healthz": {
-                "get": {
-                    "summary": "Liveness of this hub",
-                    "responses": {
-                        "200": {"description": "ok"},
-                        "503": {"description": "NATS down"},
-                    },
-                }
-            },
-        },
-    }
+async def _reach_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ReachError)
+    return _error_response(exc)

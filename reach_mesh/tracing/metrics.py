@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from reach_mesh._http import Handler, HttpRequest, HttpResponse, HttpServer
+from reach_mesh._asgi import AsgiServer
 
 __all__ = [
     "CONTENT_TYPE",
@@ -30,7 +30,6 @@ __all__ = [
     "HistogramChild",
     "HubMetrics",
     "LoopHistogram",
-    "metrics_handler",
     "serve_metrics",
 ]
 
@@ -307,23 +306,21 @@ class AgentMetrics:
 
 async def serve_metrics(
     render: Callable[[], bytes], host: str = "127.0.0.1", port: int = 0
-) -> HttpServer:
-    """Serve ``GET /metrics`` from ``render`` (e.g. ``HubMetrics().render``) on ``host:port``.
+) -> AsgiServer:
+    """Serve ``GET /metrics`` from ``render`` (e.g. ``AgentMetrics().render``) on ``host:port``.
 
-    For processes with nothing else to serve (an agent); the hub mounts the same route on its
-    own :class:`~reach_mesh._http.HttpServer`. Returns the started server: ``.port`` tells the
-    port, ``await .close()`` stops it.
+    For processes with nothing else to serve (an agent); the hub has ``/metrics`` on its own
+    HTTP app. A Starlette app on uvicorn, on the caller's event loop. Returns the started
+    server: ``.port`` tells the port, ``await .close()`` stops it.
     """
-    server = HttpServer()
-    server.route("GET", "/metrics", metrics_handler(render))
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def metrics(request: Request) -> Response:
+        return Response(render(), media_type=CONTENT_TYPE)
+
+    server = AsgiServer(Starlette(routes=[Route("/metrics", metrics, methods=["GET"])]))
     await server.start(host, port)
     return server
-
-
-def metrics_handler(render: Callable[[], bytes]) -> Handler:
-    """An :class:`~reach_mesh._http.HttpServer` handler answering with ``render()``."""
-
-    async def handle(request: HttpRequest) -> HttpResponse:
-        return HttpResponse(200, render(), CONTENT_TYPE)
-
-    return handle

@@ -1,0 +1,195 @@
+"""A2A (the official ``a2a-sdk``) on the hub: one agent card per tenant namespace, whose skills
+are the live tools and capabilities of that namespace, and ``message/send`` routed as a task
+through the mesh (``reach.hub.<ns>.route``, proxy mode).
+
+``/a2a/<ns>/.well-known/agent-card.json`` is the card, ``/a2a/<ns>/`` the JSON-RPC endpoint.
+A message names its skill in ``metadata.skill`` (or a data part ``{"skill": …, "arguments":
+…}``); its data part (or ``metadata.arguments``) is the payload. The six-state task machine maps
+onto A2A task states (docs/protocol.md): the route answers with the final state, so an A2A
+client sees SUBMITTED → WORKING → COMPLETED or FAILED.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, Final
+
+from a2a.helpers.proto_helpers import new_task
+from a2a.server.agent_execution import AgentExecutor, RequestContext
+from a2a.server.request_handlers import DefaultRequestHandler
+from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
+from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
+from a2a.types import AgentCapabilities, AgentCard, AgentInterface, AgentSkill, Part
+from a2a.types import TaskState as A2aTaskState
+from a2a.utils.constants import TransportProtocol
+from a2a.utils.errors import InvalidParamsError
+from google.protobuf.json_format import MessageToDict
+from starlette.responses import JSONResponse
+from starlette.routing import Router
+from starlette.types import Receive, Scope, Send
+
+from reach_mesh import __version__, protocol
+from reach_mesh.errors import ReachError
+from reach_mesh.models import RouteRequest, TaskState
+
+if TYPE_CHECKING:
+    from reach_mesh.hub.http import HubHttp
+
+__all__ = ["A2A_STATES", "HubA2a"]
+
+#: The six-state machine (and PENDING) as A2A task states.
+A2A_STATES: Final = {
+    TaskState.PENDING: "TASK_STATE_SUBMITTED",
+    TaskState.DELIVERED: "TASK_STATE_SUBMITTED",
+    TaskState.ACCEPTED: "TASK_STATE_WORKING",
+    TaskState.RUNNING: "TASK_STATE_WORKING",
+    TaskState.SUCCEEDED: "TASK_STATE_COMPLETED",
+    TaskState.FAILED: "TASK_STATE_FAILED",
+    TaskState.TIMEOUT: "TASK_STATE_FAILED",
+}
+#: Namespaces with a built endpoint at most (each is a small router and a task store).
+_MAX_TENANTS: Final = 1024
+
+
+class _MeshExecutor(AgentExecutor):
+    def __init__(self, a2a: HubA2a, namespace: str) -> None:
+        self.a2a = a2a
+        self.namespace = namespace
+
+    async def execute(self, context: RequestContext, event_queue: Any) -> None:
+        skill, arguments = _skill_and_arguments(context)
+        skills = self.a2a.skills(self.namespace)
+        capability = skills.get(skill) if skill is not None else None
+        if capability is None:
+            raise InvalidParamsError(
+                f"unknown skill {skill!r} in namespace {self.namespace!r}: "
+                f"live skills are {sorted(skills)}"
+            )
+        assert context.task_id is not None and context.context_id is not None
+        updater = TaskUpdater(event_queue, context.task_id, context.context_id)
+        if context.current_task is None:
+            await event_queue.enqueue_event(
+                new_task(context.task_id, context.context_id, A2aTaskState.TASK_STATE_SUBMITTED)
+            )
+        await updater.start_work()
+        req = RouteRequest(capability=capability, payload=arguments)
+        try:
+            data = await self.a2a.http.nats_request(
+                protocol.hub_subject(self.namespace, "route"),
+                protocol.encode(req),
+                timeout=req.timeout + 2,
+            )
+        except ReachError as err:
+            text = f"{err.code}: {err.message}"
+            await updater.failed(updater.new_agent_message([Part(text=text)]))
+            return
+        task = json.loads(data).get("task") or {}
+        state = TaskState(task.get("state", TaskState.FAILED.value))
+        if A2A_STATES[state] == "TASK_STATE_COMPLETED":
+            await updater.add_artifact([Part(text=json.dumps(task.get("result")))], name="result")
+            await updater.complete()
+        else:
+            error = task.get("error") or {"code": f"REACH_{state.value}"}
+            text = f"{error.get('code')}: {error.get('message', '')}"
+            await updater.failed(updater.new_agent_message([Part(text=text)]))
+
+    async def cancel(self, context: RequestContext, event_queue: Any) -> None:
+        assert context.task_id is not None and context.context_id is not None
+        await TaskUpdater(event_queue, context.task_id, context.context_id).cancel()
+
+
+def _skill_and_arguments(context: RequestContext) -> tuple[str | None, Any]:
+    message = context.message
+    if message is None:
+        return None, {}
+    meta = MessageToDict(message.metadata) if message.HasField("metadata") else {}
+    skill, arguments = meta.get("skill"), meta.get("arguments")
+    for part in message.parts:
+        if part.HasField("data"):
+            data = MessageToDict(part.data)
+            if isinstance(data, dict) and "skill" in data:
+                skill = skill or data.get("skill")
+                arguments = data.get("arguments", arguments)
+            elif arguments is None:
+                arguments = data
+    return (str(skill) if skill is not None else None), ({} if arguments is None else arguments)
+
+
+class HubA2a:
+    """``asgi_app`` serves ``/a2a/<ns>/…``: a card and a JSON-RPC endpoint per namespace."""
+
+    def __init__(self, http: HubHttp) -> None:
+        self.http = http
+        self._tenants: dict[str, Router] = {}
+
+    def skills(self, namespace: str) -> dict[str, str]:
+        """Skill id → capability: the namespace's live tools, and its capabilities."""
+        out: dict[str, str] = {}
+        for tool in self.http.tool_menu(namespace):
+            if tool["capability"]:
+                out[tool["name"]] = tool["capability"]
+        for view in self.http.hub.registry:
+            card = view.record.card
+            if card.namespace == namespace and self.http.hub.registry.routable(view):
+                for cap in card.capabilities:
+                    out.setdefault(cap, cap)
+        return out
+
+    def card(self, namespace: str, base_url: str) -> AgentCard:
+        return AgentCard(
+            name=f"reach-mesh {namespace}",
+            description=f"The live agents of namespace {namespace!r}, routed by reach-mesh",
+            version=__version__,
+            supported_interfaces=[
+                AgentInterface(
+                    url=f"{base_url}/a2a/{namespace}/",
+                    protocol_binding=TransportProtocol.JSONRPC.value,
+                    protocol_version="1.0",
+                )
+            ],
+            capabilities=AgentCapabilities(streaming=False, push_notifications=False),
+            default_input_modes=["application/json", "text/plain"],
+            default_output_modes=["application/json", "text/plain"],
+            skills=[
+                AgentSkill(id=skill, name=skill, description=f"capability {cap}", tags=[cap])
+                for skill, cap in sorted(self.skills(namespace).items())
+            ],
+        )
+
+    def _tenant(self, namespace: str) -> Router:
+        router = self._tenants.get(namespace)
+        if router is None:
+            if len(self._tenants) >= _MAX_TENANTS:
+                self._tenants.pop(next(iter(self._tenants)))
+            base = self.http.url
+            card = self.card(namespace, base)
+
+            async def live(_: AgentCard) -> AgentCard:
+                return self.card(namespace, self.http.url)
+
+            handler = DefaultRequestHandler(
+                agent_executor=_MeshExecutor(self, namespace),
+                task_store=InMemoryTaskStore(),
+                agent_card=card,
+            )
+            router = Router(
+                routes=[
+                    *create_agent_card_routes(card, card_modifier=live),
+                    *create_jsonrpc_routes(handler, rpc_url="/"),
+                ]
+            )
+            self._tenants[namespace] = router
+        return router
+
+    async def asgi_app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        namespace = scope.get("path_params", {}).get("namespace", "")
+        try:
+            protocol.validate_namespace(namespace)
+        except ReachError as err:
+            await JSONResponse(err.to_wire(), 400)(scope, receive, send)
+            return
+        if not self.http.hub.registry.has_namespace(namespace):
+            body = {"error": {"code": "REACH_UNKNOWN_NAMESPACE", "message": namespace}}
+            await JSONResponse(body, 404)(scope, receive, send)
+            return
+        await self._tenant(namespace)(scope, receive, send)

@@ -1,0 +1,99 @@
+"""The hub as a NATS micro service (``nats.micro``): ``$SRV.PING``, ``$SRV.INFO`` and
+``$SRV.STATS`` list every hub of the fleet, with what it serves, so ``nats micro ls`` and any
+micro client see it.
+
+The hub's own request subjects keep their queue subscriptions (``_hub.py``); the service adds
+one endpoint per hub, ``agents`` on ``reach.micro.<hub_id>.agents`` (this hub's view of the
+fleet), and names the routing subjects in its metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import TYPE_CHECKING, Any
+
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import EndpointConfig, Service, ServiceConfig
+
+from reach_mesh import __version__, protocol
+
+if TYPE_CHECKING:
+    from reach_mesh.hub._hub import Hub
+
+__all__ = ["discover_hubs", "start_micro"]
+
+
+async def start_micro(hub: Hub) -> Service:
+    """Register ``hub`` as a ``reach-hub`` micro service; ``await service.stop()`` withdraws it."""
+    service = await add_service(
+        hub.nc,
+        ServiceConfig(
+            name=protocol.MICRO_HUB_SERVICE,
+            version=__version__,
+            description="reach-mesh hub: registry, routing, durable workflows",
+            metadata={
+                "hub_id": hub.hub_id,
+                "http_url": hub.http_url or "",
+                "route": protocol.hub_subject("<ns>", "route"),
+                "agents": protocol.hub_subject("<ns>", "agents"),
+            },
+        ),
+    )
+
+    async def agents(request: Request) -> None:
+        infos = hub.registry.infos(None)
+        await request.respond(
+            protocol.dumps(
+                {
+                    "hub_id": hub.hub_id,
+                    "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
+                }
+            )
+        )
+
+    await service.add_endpoint(
+        EndpointConfig(
+            name="agents",
+            subject=protocol.micro_subject(hub.hub_id, "agents"),
+            handler=agents,
+            metadata={"description": "this hub's view of the fleet (AgentInfo list)"},
+        )
+    )
+    return service
+
+
+async def discover_hubs(nc: Any, wait: float = 0.5) -> list[dict[str, Any]]:
+    """Every hub's ``$SRV.INFO`` answer within ``wait`` seconds, each with ``"fleet"``: the
+    answer of its ``agents`` endpoint (``{"hub_id", "agents"}``, or ``None`` if it did not)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    infos: list[dict[str, Any]] = []
+    try:
+        await nc.publish(f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}", b"", reply=inbox)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while (left := deadline - loop.time()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except Exception:  # nats' TimeoutError: the window is over
+                break
+            if msg.data:  # not the server's "no responders" status
+                infos.append(json.loads(msg.data))
+    finally:
+        await sub.unsubscribe()
+
+    async def fleet(info: dict[str, Any]) -> None:
+        subject = next(
+            (e["subject"] for e in info.get("endpoints") or [] if e.get("name") == "agents"), None
+        )
+        info["fleet"] = None
+        if subject is not None:
+            try:
+                info["fleet"] = json.loads((await nc.request(subject, b"", timeout=5)).data)
+            except Exception:  # a hub that went away meanwhile: listed without its fleet
+                info["fleet"] = None
+
+    await asyncio.gather(*(fleet(i) for i in infos))
+    return sorted(infos, key=lambda i: str((i.get("metadata") or {}).get("hub_id", "")))

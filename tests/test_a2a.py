@@ -1,0 +1,97 @@
+"""A2A with the official a2a-sdk client: a card per namespace whose skills are the live tools,
+``message/send`` routed through the mesh, failures and unknown skills as A2A errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from a2a.client import ClientConfig, create_client
+from a2a.client.card_resolver import A2ACardResolver
+from a2a.types import Message, Part, Role, SendMessageRequest, TaskState
+from a2a.utils.errors import InvalidParamsError
+from google.protobuf.json_format import ParseDict
+from google.protobuf.struct_pb2 import Value
+
+from reach_mesh import MeshSettings
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+
+TOKEN = "token-of-the-a2a-hub"
+
+
+def worker(agent_id: str, settings: MeshSettings) -> Agent:
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler("work:echo:v1", tool="echo")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    @agent.handler("work:boom:v1", tool="boom")
+    async def boom(task: Task[Any]) -> Any:
+        raise RuntimeError("the handler broke")
+
+    return agent
+
+
+@pytest.fixture
+async def a2a_hub(settings: MeshSettings) -> AsyncIterator[Hub]:
+    update = {"http_port": 0, "http_token": TOKEN}
+    async with Hub(settings=settings.model_copy(update=update)) as hub:
+        yield hub
+
+
+def message(skill: str, arguments: Any) -> SendMessageRequest:
+    data = Value()
+    ParseDict(arguments, data)
+    return SendMessageRequest(
+        message=Message(
+            message_id=f"m-{skill}",
+            role=Role.ROLE_USER,
+            parts=[Part(data=data)],
+            metadata={"skill": skill},
+        )
+    )
+
+
+async def send(client: Any, request: SendMessageRequest) -> Any:
+    last = None
+    async for event in client.send_message(request):
+        last = event
+    return last
+
+
+async def test_card_send_result_and_errors(
+    a2a_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    base = f"{a2a_hub.http_url}/a2a/{namespace}"
+    async with worker(f"{namespace}.w.a1", settings), httpx.AsyncClient(headers=headers) as http:
+        # Without the token: 401 before the SDK sees anything.
+        assert (
+            await httpx.AsyncClient().get(f"{base}/.well-known/agent-card.json")
+        ).status_code == 401
+        card = await A2ACardResolver(http, base).get_agent_card()
+        assert card.name == f"reach-mesh {namespace}"
+        skills = {s.id for s in card.skills}
+        assert {"echo", "boom", "work:echo:v1"} <= skills
+        client = await create_client(card, ClientConfig(httpx_client=http, streaming=False))
+        answer = await send(client, message("echo", {"n": 1, "deep": {"x": [1, 2]}}))
+        task = answer.task if answer.HasField("task") else answer
+        assert task.status.state == TaskState.TASK_STATE_COMPLETED, task
+        (artifact,) = task.artifacts
+        assert json.loads(artifact.parts[0].text) == {"n": 1, "deep": {"x": [1, 2]}}
+        # A failing handler: the A2A task FAILED, with the mesh's typed error.
+        answer = await send(client, message("boom", {}))
+        task = answer.task if answer.HasField("task") else answer
+        assert task.status.state == TaskState.TASK_STATE_FAILED, task
+        assert "REACH_HANDLER_FAILED" in task.status.message.parts[0].text
+        # An unknown skill: an A2A (JSON-RPC) error, invalid params.
+        with pytest.raises(InvalidParamsError, match="unknown skill"):
+            await send(client, message("nope", {}))
+        # A namespace with no agents has no card.
+        got = await http.get(f"{a2a_hub.http_url}/a2a/nobody-here/.well-known/agent-card.json")
+        assert got.status_code == 404
