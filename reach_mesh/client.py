@@ -11,12 +11,10 @@ import json
 import os
 import random
 import time
-import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Final, Literal, NotRequired, TypeVar
+from typing import Any, Literal
 
 import nats.js.errors
 import pydantic_core
@@ -24,18 +22,26 @@ from nats.aio.client import Client as NATS
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from opentelemetry.trace import Span, Status, StatusCode
-from pydantic import TypeAdapter, ValidationError
-from typing_extensions import TypedDict  # pydantic validates only this one on 3.11
 
 from reach_mesh import protocol
 from reach_mesh._batch import Batcher
+from reach_mesh._client_fields import (
+    _PROXY_REPLY,
+    _TASK_REPLY,
+    _consumer_name,
+    _end_span,
+    _envelope,
+    _parse,
+    _reply_slack,
+    _route_fields,
+    _RouteFields,
+    _TaskReply,
+)
+from reach_mesh._client_workflows import WorkflowsMixin
 from reach_mesh._nats import connect
-from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
-    BadRequestError,
     InternalError,
     MeshTimeoutError,
     MeshUnavailableError,
@@ -44,23 +50,18 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
     UnknownAgentError,
-    WorkflowConflictError,
-    WorkflowSpecError,
     error_from_wire,
 )
 from reach_mesh.models import (
     AgentInfo,
-    ErrorBody,
     FailureReport,
     RouteDecision,
     RouteReply,
     RouteRequest,
     TaskState,
 )
-from reach_mesh.selector import Selector
 from reach_mesh.tracing import (
     SPAN_ROUTE,
-    SPAN_WORKFLOW,
     SpanKind,
     flush_tracing,
     inject,
@@ -69,32 +70,10 @@ from reach_mesh.tracing import (
     tracing_enabled,
     tracing_from_env,
 )
-from reach_mesh.workflow import (
-    Step,
-    WorkflowEvent,
-    WorkflowRecord,
-    WorkflowResult,
-    WorkflowSpec,
-    new_workflow_id,
-    spec_digest,
-    validate_spec,
-)
 
 __all__ = ["Client", "TaskResult"]
 
 
-def _reply_slack(timeout: float) -> float:
-    """Extra time the caller waits beyond the task timeout for the hub's own reply (the hub
-    answers a timed-out attempt with a typed error at the timeout): 5 % of it, 0.2-2 s. A
-    caller whose hub died gets its error soon after its own timeout."""
-    return min(2.0, max(0.2, 0.05 * timeout))
-
-
-#: How long a workflow submission rides out JetStream being unavailable (a leader election
-#: takes 4-9 s) before it raises ``MeshUnavailableError``; a repeat is deduplicated.
-_SUBMIT_RETRY: Final = 15.0
-#: How long a duplicate submission waits for the first one's record, to compare the specs.
-_CONFLICT_WAIT: Final = 2.0
 #: After reporting an agent failing, also report its successes for this long (direct mode), so
 #: that the hubs' breakers see the half-open probe succeed.
 _REPORT_SUCCESS_FOR = 60.0
@@ -103,63 +82,6 @@ _ROUTE_CACHE = 1024
 
 #: (namespace, agent_id, capability, selector, strategy, region, zone)
 _CacheKey = tuple[str, str | None, str | None, str | None, str | None, str | None, str | None]
-
-_MODES: Final = ("proxy", "direct")
-
-
-class _RouteFields(TypedDict):
-    """A ``RouteRequest`` as the dict it is sent as: fields that are ``None`` are left out.
-
-    ``request()`` checks its arguments itself (:func:`_route_fields`) and writes this dict
-    straight to JSON: building and dumping the pydantic model for every request cost more than
-    twice as much. ``tests/test_client_fastpath.py`` holds the two ways to the same JSON and
-    the same errors.
-    """
-
-    agent_id: NotRequired[str]
-    capability: NotRequired[str]
-    selector: NotRequired[str]
-    payload: NotRequired[Any]
-    task_id: str
-    timeout: float
-    mode: Literal["proxy", "direct"]
-    strategy: NotRequired[str]
-    session_id: NotRequired[str]
-    hash_key: NotRequired[str]
-    region: NotRequired[str]
-    zone: NotRequired[str]
-    explain: bool
-    dry_run: bool
-
-
-class _TaskReply(TypedDict):
-    """The fields of a ``TaskReply`` that make a ``TaskResult``.
-
-    Replies are validated into these dicts rather than into the models: the same checks,
-    without building two model instances per reply (a third of the parsing cost).
-    """
-
-    task_id: str
-    attempt: int
-    agent_id: str
-    state: TaskState
-    result: NotRequired[Any]
-    error: NotRequired[ErrorBody | None]
-    duration_ms: NotRequired[float]
-    cached: NotRequired[bool]
-
-
-class _ProxyReply(TypedDict):
-    """The fields of a proxy-mode ``RouteReply`` the caller uses."""
-
-    request_id: str
-    task: _TaskReply
-    decision: NotRequired[RouteDecision | None]
-
-
-_T = TypeVar("_T")
-_TASK_REPLY: Final = TypeAdapter(_TaskReply)
-_PROXY_REPLY: Final = TypeAdapter(_ProxyReply)
 
 
 @dataclass(slots=True)
@@ -215,7 +137,7 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class Client:
+class Client(WorkflowsMixin):
     """``async with Client(url) as mesh: await mesh.request(capability=..., payload=...)``."""
 
     def __init__(
@@ -677,283 +599,6 @@ class Client:
             await asyncio.sleep(wait * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
 
-    # ------------------------------------------------------------------ workflows
-
-    async def fanout(
-        self,
-        steps: Sequence[Step],
-        *,
-        policy: str = "all",
-        timeout: float = 30.0,
-        workflow_id: str | None = None,
-    ) -> WorkflowResult:
-        """Run ``steps`` in parallel, durably, and wait for the aggregated result.
-
-        ``policy``: ``all`` (every branch; the first failure is reported as ``error``), ``any``
-        (first success wins, the rest are cancelled) or ``quorum(k)``. Branches still
-        unfinished at ``timeout`` end TIMEOUT. Malformed specs raise typed errors
-        (``WorkflowSpecError``, ``SelectorError``, ...) before anything is sent; a workflow
-        that fails is *returned* (``result.state``), not raised.
-        """
-        spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
-        return await self._run_workflow(spec, timeout)
-
-    async def chain(
-        self, steps: Sequence[Step], *, timeout: float = 30.0, workflow_id: str | None = None
-    ) -> WorkflowResult:
-        """Run ``steps`` in order; each step's input is the previous output merged with its own
-        payload (see :func:`reach_mesh.workflow.merge_payload`). ``result.result`` is the last
-        step's output."""
-        spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
-        return await self._run_workflow(spec, timeout)
-
-    async def submit_fanout(
-        self,
-        steps: Sequence[Step],
-        *,
-        policy: str = "all",
-        timeout: float | None = None,
-        workflow_id: str | None = None,
-    ) -> str:
-        """Submit a fanout without waiting; returns the workflow id (re-submitting the same id
-        is a no-op). ``timeout=None``: the steps' TTL (``task_ttl``) bounds it."""
-        spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
-        with self._workflow_span(spec):
-            await self._submit(spec, inject({}))
-        return spec.workflow_id
-
-    async def submit_chain(
-        self,
-        steps: Sequence[Step],
-        *,
-        timeout: float | None = None,
-        workflow_id: str | None = None,
-    ) -> str:
-        """Submit a chain without waiting; returns the workflow id."""
-        spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
-        with self._workflow_span(spec):
-            await self._submit(spec, inject({}))
-        return spec.workflow_id
-
-    async def workflow(self, workflow_id: str, *, timeout: float = 30.0) -> WorkflowResult:
-        """Wait for (or fetch, if already finished) the result of a submitted workflow."""
-        protocol.validate_workflow_id(workflow_id)
-        sub = await self.nc.subscribe(protocol.wf_done(self.namespace, workflow_id), max_msgs=1)
-        try:
-            found = await self._stored_result(workflow_id)
-            if found is not None:
-                return found
-            return await self._await_done(sub, workflow_id, timeout)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def workflow_events(
-        self, workflow_id: str, *, timeout: float | None = None
-    ) -> AsyncIterator[WorkflowEvent]:
-        """Every event of a workflow from its start (replayed from JetStream), ending with a
-        ``kind="done"`` event that carries the ``WorkflowResult``."""
-        protocol.validate_workflow_id(workflow_id)
-        js = self.nc.jetstream()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            sub = await js.subscribe(
-                protocol.wf_all(self.namespace, workflow_id),
-                ordered_consumer=True,
-                deliver_policy=DeliverPolicy.ALL,
-                stream=protocol.STREAM_WF_EVENTS,
-                # Named: the filter then travels in the API subject, where NATS permissions
-                # can hold a caller to its own namespace (docs/security.md).
-                config=ConsumerConfig(name=_consumer_name()),
-            )
-        except nats.js.errors.Error as err:
-            raise MeshUnavailableError(f"cannot read workflow events: {err}") from err
-        try:
-            while True:
-                left = 3600.0 if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise MeshTimeoutError(f"workflow {workflow_id} did not finish in time")
-                try:
-                    msg = await sub.next_msg(timeout=left)
-                except (NatsTimeoutError, TimeoutError) as err:
-                    if deadline is None:
-                        continue
-                    raise MeshTimeoutError(
-                        f"workflow {workflow_id} did not finish in time"
-                    ) from err
-                if msg.subject.endswith(".done"):
-                    result = WorkflowResult.model_validate_json(msg.data)
-                    yield WorkflowEvent(
-                        workflow_id=workflow_id, kind="done", state=result.state, result=result
-                    )
-                    return
-                with contextlib.suppress(ValueError):
-                    yield WorkflowEvent.model_validate_json(msg.data)
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    def _workflow_spec(
-        self,
-        kind: Literal["fanout", "chain"],
-        steps: Sequence[Step],
-        policy: str,
-        timeout: float | None,
-        workflow_id: str | None,
-    ) -> WorkflowSpec:
-        try:
-            spec = WorkflowSpec(
-                workflow_id=workflow_id or new_workflow_id(),
-                kind=kind,
-                steps=[s.spec() if isinstance(s, Step) else _bad_step(s) for s in steps],
-                policy=policy,
-                timeout=timeout,
-                namespace=self.namespace,
-            )
-        except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in first["loc"]) or "workflow"
-            raise WorkflowSpecError(
-                f"invalid workflow: {where}: {first['msg']}", field=where
-            ) from err
-        validate_spec(spec)  # typed errors here, before anything is sent
-        return spec
-
-    def _workflow_span(self, spec: WorkflowSpec) -> AbstractContextManager[Span]:
-        """The caller's ``reach.workflow`` span (CLIENT) around a submission (and its wait):
-        parent of the owning hub's ``reach.workflow``. With tracing off it records nothing but
-        still gives the workflow a trace of its own."""
-        return span(
-            SPAN_WORKFLOW,
-            kind=SpanKind.CLIENT,
-            destination=protocol.wf_submit(spec.namespace),
-            attributes={
-                "reach.namespace": spec.namespace,
-                "reach.workflow_id": spec.workflow_id,
-                "reach.workflow.kind": spec.kind,
-                "reach.workflow.steps": len(spec.steps),
-            },
-        )
-
-    async def _run_workflow(self, spec: WorkflowSpec, timeout: float) -> WorkflowResult:
-        with self._workflow_span(spec) as sp:
-            headers = inject({})
-            # Subscribe to the result before submitting: no window in which it could be missed.
-            sub = await self.nc.subscribe(
-                protocol.wf_done(spec.namespace, spec.workflow_id), max_msgs=1
-            )
-            try:
-                duplicate = await self._submit(spec, headers)
-                result = None
-                if duplicate:
-                    result = await self._stored_result(spec.workflow_id)
-                if result is None:
-                    result = await self._await_done(
-                        sub, spec.workflow_id, timeout + _reply_slack(timeout)
-                    )
-            finally:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            _end_span(sp, result.state, result.error.code if result.error else None)
-            return result
-
-    async def _submit(self, spec: WorkflowSpec, headers: dict[str, str]) -> bool:
-        """Publish to ``reach.wf.<ns>.submit``; True when JetStream saw the id before.
-
-        Infrastructure errors (no stream leader during an election, a reconnect) are retried
-        for up to ``_SUBMIT_RETRY`` seconds: the ``Nats-Msg-Id`` makes a repeat a no-op. The same
-        id with another spec raises ``WorkflowConflictError``."""
-        body = protocol.encode(spec)
-        headers[protocol.HDR_MSG_ID] = spec.workflow_id
-        js = self.nc.jetstream()
-        subject = protocol.wf_submit(spec.namespace)
-
-        async def publish() -> Any:
-            try:
-                return await js.publish(subject, body, headers=headers, stream=protocol.STREAM_WF)
-            except nats.js.errors.NoStreamResponseError:
-                # No stream answered: none exists (no hub ever ran), or it has no leader now.
-                if not await _stream_may_exist(js, protocol.STREAM_WF):
-                    raise MeshUnavailableError(
-                        "no workflow stream: is a hub (`reach-mesh hub`) running?"
-                    ) from None
-                raise
-
-        budget = _SUBMIT_RETRY if spec.timeout is None else min(_SUBMIT_RETRY, spec.timeout)
-        try:
-            ack = await retrying(
-                f"submit {spec.workflow_id}", publish, asyncio.get_running_loop().time() + budget
-            )
-        except RetriesExhausted as err:
-            raise MeshUnavailableError(
-                f"JetStream did not take workflow {spec.workflow_id} within {budget:g}s "
-                f"({err.__cause__!r}): the cluster may be electing a leader or unreachable; "
-                "submitting the same workflow id again is safe",
-                workflow_id=spec.workflow_id,
-            ) from err
-        except MaxPayloadError as err:
-            raise PayloadTooLargeError(f"workflow exceeds the max payload: {err}") from err
-        await self._check_conflict(spec, duplicate=bool(ack.duplicate))
-        return bool(ack.duplicate)
-
-    async def _check_conflict(self, spec: WorkflowSpec, *, duplicate: bool) -> None:
-        """Refuse a workflow id that a submission with another spec took first."""
-        record = await self._workflow_record(spec.workflow_id)
-        if record is None and duplicate:
-            # Deduplicated by JetStream, not yet taken by a hub: wait a moment for its record.
-            deadline = time.monotonic() + _CONFLICT_WAIT
-            while record is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-                record = await self._workflow_record(spec.workflow_id)
-        if record is None or record.spec_digest is None:
-            return
-        if record.spec_digest != spec_digest(spec):
-            raise WorkflowConflictError(
-                f"workflow id {spec.workflow_id!r} was submitted before with another spec; "
-                "the first spec stands (submit the same spec again, or use a new id)",
-                workflow_id=spec.workflow_id,
-            )
-
-    async def _workflow_record(self, workflow_id: str) -> WorkflowRecord | None:
-        """The stored record of a workflow of this namespace; None when there is none (or it
-        cannot be read right now)."""
-        try:
-            if self._wf_kv is None:
-                self._wf_kv = await self.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
-            entry = await self._wf_kv.get(protocol.workflow_key(self.namespace, workflow_id))
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
-            return None
-        except (nats.errors.Error, TimeoutError):
-            return None
-        if not entry.value:
-            return None
-        try:
-            return WorkflowRecord.model_validate_json(entry.value)
-        except ValidationError:
-            return None
-
-    async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
-        record = await self._workflow_record(workflow_id)
-        if record is None or not record.state.final:
-            return None
-        return record.result
-
-    async def _await_done(self, sub: Any, workflow_id: str, timeout: float) -> WorkflowResult:
-        try:
-            msg = await sub.next_msg(timeout=timeout)
-        except (NatsTimeoutError, TimeoutError) as err:
-            # The record is the source of truth: the result may be stored while its .done
-            # announcement is still on the way (a hub died between the two).
-            found = await self._stored_result(workflow_id)
-            if found is not None:
-                return found
-            raise MeshTimeoutError(
-                f"no result for workflow {workflow_id} within {timeout:g}s "
-                "(it keeps running; `await mesh.workflow(id)` later)",
-                workflow_id=workflow_id,
-            ) from err
-        return WorkflowResult.model_validate_json(msg.data)
-
     # ------------------------------------------------------------------ fleet queries
 
     async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
@@ -1070,156 +715,3 @@ class Client:
         return await self._call_hub(
             ns or self.namespace, verb, protocol.dumps(body), inject({}), deadline, 5.0
         )
-
-
-def _consumer_name() -> str:
-    """A name for an ordered consumer (ephemeral: the server removes it when unused)."""
-    return f"reach-{uuid.uuid4().hex}"
-
-
-def _end_span(sp: Span, state: TaskState, code: str | None) -> None:
-    """Record a caller span's outcome: the final state, and ERROR unless it SUCCEEDED."""
-    if not sp.is_recording():
-        return
-    sp.set_attribute("reach.state", state.value)
-    if state is not TaskState.SUCCEEDED:
-        sp.set_status(Status(StatusCode.ERROR, code or state.value))
-
-
-def _bad_step(step: object) -> Any:
-    raise WorkflowSpecError(f"expected reach_mesh.Step, got {type(step).__name__}")
-
-
-def _route_fields(
-    *,
-    agent_id: str | None,
-    capability: str | None,
-    selector: str | None,
-    payload: Any,
-    task_id: str | None,
-    timeout: float,
-    mode: Literal["proxy", "direct"],
-    strategy: str | None,
-    session_id: str | None,
-    hash_key: str | None,
-    region: str | None,
-    zone: str | None,
-    explain: bool,
-) -> _RouteFields:
-    """Check a request's arguments as ``RouteRequest`` would and return its fields.
-
-    Raises what the model's validators raise (``InvalidAgentIdError``,
-    ``InvalidCapabilityError``, ``BadRequestError`` for a task id) and ``BadRequestError``
-    naming the field for its other constraints, before anything is sent.
-    """
-    if agent_id is not None:
-        protocol.validate_agent_id(agent_id)
-    if capability is not None:
-        protocol.validate_capability(capability)
-    if selector is not None:
-        _check_text("selector", selector, 0, 4096)
-    if task_id:
-        protocol.validate_task_id(task_id)
-    else:
-        task_id = os.urandom(16).hex()  # what uuid4().hex is, at a quarter of the cost
-    if not isinstance(timeout, int | float) or not 0 < timeout <= 86400:  # NaN fails too
-        raise BadRequestError(
-            f"invalid timeout {timeout!r}: expected seconds in (0, 86400]",
-            field="timeout",
-            value=repr(timeout)[:100],
-        )
-    if mode not in _MODES:
-        raise BadRequestError(
-            f"invalid mode {mode!r}: expected 'proxy' or 'direct'",
-            field="mode",
-            value=repr(mode)[:100],
-        )
-    fields: _RouteFields = {
-        "task_id": task_id,
-        "timeout": float(timeout),
-        "mode": mode,
-        "explain": bool(explain),
-        "dry_run": False,
-    }
-    if agent_id is not None:
-        fields["agent_id"] = agent_id
-    if capability is not None:
-        fields["capability"] = capability
-    if selector is not None:
-        fields["selector"] = selector
-    if payload is not None:
-        fields["payload"] = payload
-    if strategy is not None:
-        fields["strategy"] = _check_text("strategy", strategy, 0, 32)
-    if session_id is not None:
-        fields["session_id"] = _check_text("session_id", session_id, 1, 256)
-    if hash_key is not None:
-        fields["hash_key"] = _check_text("hash_key", hash_key, 0, 1024)
-    if region is not None:
-        fields["region"] = _check_text("region", region, 0, 64)
-    if zone is not None:
-        fields["zone"] = _check_text("zone", zone, 0, 64)
-    # agent_id may name the handler with capability; otherwise exactly one target.
-    if (selector and (agent_id or capability)) or not (agent_id or capability or selector):
-        given = [n for n in ("agent_id", "capability", "selector") if fields.get(n)]
-        raise BadRequestError(
-            "exactly one of agent_id, capability, selector is required"
-            + (f" (got {', '.join(given)})" if given else ""),
-            field="target",
-        )
-    return fields
-
-
-def _check_text(name: str, value: object, min_len: int, max_len: int) -> str:
-    if not isinstance(value, str) or not min_len <= len(value) <= max_len:
-        raise BadRequestError(
-            f"invalid {name} {repr(value)[:100]}: expected a string of "
-            f"{min_len}-{max_len} characters",
-            field=name,
-            value=repr(value)[:100],
-        )
-    return value
-
-
-def _envelope(fields: _RouteFields, attempt: int, ns: str, timeout: float) -> dict[str, Any]:
-    """The ``TaskEnvelope`` of one attempt, as the dict it is sent as (``None`` left out).
-
-    Its ``capability`` is the one a hub would send in proxy mode: the request's own, or the
-    selector's :attr:`~reach_mesh.selector.Selector.task_capability` (its first ``cap=``), so a
-    multi-handler agent picks the same handler in both modes."""
-    envelope: dict[str, Any] = {"task_id": fields["task_id"], "attempt": attempt}
-    capability = fields.get("capability")
-    if capability is None and "selector" in fields:
-        capability = Selector.parse(fields["selector"]).task_capability  # parses are cached
-    if capability is not None:
-        envelope["capability"] = capability
-    if "payload" in fields:
-        envelope["payload"] = fields["payload"]
-    envelope["namespace"] = ns
-    envelope["timeout"] = timeout
-    envelope["track"] = False
-    return envelope
-
-
-def _parse(adapter: TypeAdapter[_T], data: bytes, what: str) -> _T:
-    """Validate a reply that is not an error body; a malformed one raises ``BadRequestError``
-    naming the field, as ``protocol.decode`` does."""
-    try:
-        return adapter.validate_json(data)
-    except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        where = ".".join(str(p) for p in first["loc"]) or what
-        raise BadRequestError(
-            f"malformed {what}: {where}: {first['msg']}", field=where, type=first["type"]
-        ) from err
-
-
-async def _stream_may_exist(js: Any, stream: str) -> bool:
-    """False only when JetStream says ``stream`` does not exist."""
-    try:
-        await js.stream_info(stream)
-    except nats.js.errors.NotFoundError:
-        return False
-    except Exception:
-        return True  # cannot tell now (no leader, timeout): treat as there
-    return True

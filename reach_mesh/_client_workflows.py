@@ -1,0 +1,359 @@
+"""Durable workflows from the caller's side: :class:`WorkflowsMixin` is the base of
+:class:`~reach_mesh.client.Client` that submits fanout/chain workflows to
+``reach.wf.<ns>.submit``, waits for their results and streams their events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.errors import MaxPayloadError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from opentelemetry.trace import Span
+from pydantic import ValidationError
+
+from reach_mesh import protocol
+from reach_mesh._client_fields import _consumer_name, _end_span, _reply_slack
+from reach_mesh._retry import RetriesExhausted, retrying
+from reach_mesh.errors import (
+    MeshTimeoutError,
+    MeshUnavailableError,
+    PayloadTooLargeError,
+    WorkflowConflictError,
+    WorkflowSpecError,
+)
+from reach_mesh.tracing import (
+    SPAN_WORKFLOW,
+    SpanKind,
+    inject,
+    span,
+)
+from reach_mesh.workflow import (
+    Step,
+    WorkflowEvent,
+    WorkflowRecord,
+    WorkflowResult,
+    WorkflowSpec,
+    new_workflow_id,
+    spec_digest,
+    validate_spec,
+)
+
+__all__ = ["WorkflowsMixin"]
+
+#: How long a workflow submission rides out JetStream being unavailable (a leader election
+#: takes 4-9 s) before it raises ``MeshUnavailableError``; a repeat is deduplicated.
+_SUBMIT_RETRY: Final = 15.0
+#: How long a duplicate submission waits for the first one's record, to compare the specs.
+_CONFLICT_WAIT: Final = 2.0
+
+
+class WorkflowsMixin:
+    """The workflow methods of ``Client`` (which sets every attribute below)."""
+
+    namespace: str
+    _wf_kv: Any
+
+    if TYPE_CHECKING:
+
+        @property
+        def nc(self) -> NATS: ...
+
+    # ------------------------------------------------------------------ workflows
+
+    async def fanout(
+        self,
+        steps: Sequence[Step],
+        *,
+        policy: str = "all",
+        timeout: float = 30.0,
+        workflow_id: str | None = None,
+    ) -> WorkflowResult:
+        """Run ``steps`` in parallel, durably, and wait for the aggregated result.
+
+        ``policy``: ``all`` (every branch; the first failure is reported as ``error``), ``any``
+        (first success wins, the rest are cancelled) or ``quorum(k)``. Branches still
+        unfinished at ``timeout`` end TIMEOUT. Malformed specs raise typed errors
+        (``WorkflowSpecError``, ``SelectorError``, ...) before anything is sent; a workflow
+        that fails is *returned* (``result.state``), not raised.
+        """
+        spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
+        return await self._run_workflow(spec, timeout)
+
+    async def chain(
+        self, steps: Sequence[Step], *, timeout: float = 30.0, workflow_id: str | None = None
+    ) -> WorkflowResult:
+        """Run ``steps`` in order; each step's input is the previous output merged with its own
+        payload (see :func:`reach_mesh.workflow.merge_payload`). ``result.result`` is the last
+        step's output."""
+        spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
+        return await self._run_workflow(spec, timeout)
+
+    async def submit_fanout(
+        self,
+        steps: Sequence[Step],
+        *,
+        policy: str = "all",
+        timeout: float | None = None,
+        workflow_id: str | None = None,
+    ) -> str:
+        """Submit a fanout without waiting; returns the workflow id (re-submitting the same id
+        is a no-op). ``timeout=None``: the steps' TTL (``task_ttl``) bounds it."""
+        spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
+        with self._workflow_span(spec):
+            await self._submit(spec, inject({}))
+        return spec.workflow_id
+
+    async def submit_chain(
+        self,
+        steps: Sequence[Step],
+        *,
+        timeout: float | None = None,
+        workflow_id: str | None = None,
+    ) -> str:
+        """Submit a chain without waiting; returns the workflow id."""
+        spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
+        with self._workflow_span(spec):
+            await self._submit(spec, inject({}))
+        return spec.workflow_id
+
+    async def workflow(self, workflow_id: str, *, timeout: float = 30.0) -> WorkflowResult:
+        """Wait for (or fetch, if already finished) the result of a submitted workflow."""
+        protocol.validate_workflow_id(workflow_id)
+        sub = await self.nc.subscribe(protocol.wf_done(self.namespace, workflow_id), max_msgs=1)
+        try:
+            found = await self._stored_result(workflow_id)
+            if found is not None:
+                return found
+            return await self._await_done(sub, workflow_id, timeout)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def workflow_events(
+        self, workflow_id: str, *, timeout: float | None = None
+    ) -> AsyncIterator[WorkflowEvent]:
+        """Every event of a workflow from its start (replayed from JetStream), ending with a
+        ``kind="done"`` event that carries the ``WorkflowResult``."""
+        protocol.validate_workflow_id(workflow_id)
+        js = self.nc.jetstream()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            sub = await js.subscribe(
+                protocol.wf_all(self.namespace, workflow_id),
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL,
+                stream=protocol.STREAM_WF_EVENTS,
+                # Named: the filter then travels in the API subject, where NATS permissions
+                # can hold a caller to its own namespace (docs/security.md).
+                config=ConsumerConfig(name=_consumer_name()),
+            )
+        except nats.js.errors.Error as err:
+            raise MeshUnavailableError(f"cannot read workflow events: {err}") from err
+        try:
+            while True:
+                left = 3600.0 if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    raise MeshTimeoutError(f"workflow {workflow_id} did not finish in time")
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except (NatsTimeoutError, TimeoutError) as err:
+                    if deadline is None:
+                        continue
+                    raise MeshTimeoutError(
+                        f"workflow {workflow_id} did not finish in time"
+                    ) from err
+                if msg.subject.endswith(".done"):
+                    result = WorkflowResult.model_validate_json(msg.data)
+                    yield WorkflowEvent(
+                        workflow_id=workflow_id, kind="done", state=result.state, result=result
+                    )
+                    return
+                with contextlib.suppress(ValueError):
+                    yield WorkflowEvent.model_validate_json(msg.data)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    def _workflow_spec(
+        self,
+        kind: Literal["fanout", "chain"],
+        steps: Sequence[Step],
+        policy: str,
+        timeout: float | None,
+        workflow_id: str | None,
+    ) -> WorkflowSpec:
+        try:
+            spec = WorkflowSpec(
+                workflow_id=workflow_id or new_workflow_id(),
+                kind=kind,
+                steps=[s.spec() if isinstance(s, Step) else _bad_step(s) for s in steps],
+                policy=policy,
+                timeout=timeout,
+                namespace=self.namespace,
+            )
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "workflow"
+            raise WorkflowSpecError(
+                f"invalid workflow: {where}: {first['msg']}", field=where
+            ) from err
+        validate_spec(spec)  # typed errors here, before anything is sent
+        return spec
+
+    def _workflow_span(self, spec: WorkflowSpec) -> AbstractContextManager[Span]:
+        """The caller's ``reach.workflow`` span (CLIENT) around a submission (and its wait):
+        parent of the owning hub's ``reach.workflow``. With tracing off it records nothing but
+        still gives the workflow a trace of its own."""
+        return span(
+            SPAN_WORKFLOW,
+            kind=SpanKind.CLIENT,
+            destination=protocol.wf_submit(spec.namespace),
+            attributes={
+                "reach.namespace": spec.namespace,
+                "reach.workflow_id": spec.workflow_id,
+                "reach.workflow.kind": spec.kind,
+                "reach.workflow.steps": len(spec.steps),
+            },
+        )
+
+    async def _run_workflow(self, spec: WorkflowSpec, timeout: float) -> WorkflowResult:
+        with self._workflow_span(spec) as sp:
+            headers = inject({})
+            # Subscribe to the result before submitting: no window in which it could be missed.
+            sub = await self.nc.subscribe(
+                protocol.wf_done(spec.namespace, spec.workflow_id), max_msgs=1
+            )
+            try:
+                duplicate = await self._submit(spec, headers)
+                result = None
+                if duplicate:
+                    result = await self._stored_result(spec.workflow_id)
+                if result is None:
+                    result = await self._await_done(
+                        sub, spec.workflow_id, timeout + _reply_slack(timeout)
+                    )
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            _end_span(sp, result.state, result.error.code if result.error else None)
+            return result
+
+    async def _submit(self, spec: WorkflowSpec, headers: dict[str, str]) -> bool:
+        """Publish to ``reach.wf.<ns>.submit``; True when JetStream saw the id before.
+
+        Infrastructure errors (no stream leader during an election, a reconnect) are retried
+        for up to ``_SUBMIT_RETRY`` seconds: the ``Nats-Msg-Id`` makes a repeat a no-op. The same
+        id with another spec raises ``WorkflowConflictError``."""
+        body = protocol.encode(spec)
+        headers[protocol.HDR_MSG_ID] = spec.workflow_id
+        js = self.nc.jetstream()
+        subject = protocol.wf_submit(spec.namespace)
+
+        async def publish() -> Any:
+            try:
+                return await js.publish(subject, body, headers=headers, stream=protocol.STREAM_WF)
+            except nats.js.errors.NoStreamResponseError:
+                # No stream answered: none exists (no hub ever ran), or it has no leader now.
+                if not await _stream_may_exist(js, protocol.STREAM_WF):
+                    raise MeshUnavailableError(
+                        "no workflow stream: is a hub (`reach-mesh hub`) running?"
+                    ) from None
+                raise
+
+        budget = _SUBMIT_RETRY if spec.timeout is None else min(_SUBMIT_RETRY, spec.timeout)
+        try:
+            ack = await retrying(
+                f"submit {spec.workflow_id}", publish, asyncio.get_running_loop().time() + budget
+            )
+        except RetriesExhausted as err:
+            raise MeshUnavailableError(
+                f"JetStream did not take workflow {spec.workflow_id} within {budget:g}s "
+                f"({err.__cause__!r}): the cluster may be electing a leader or unreachable; "
+                "submitting the same workflow id again is safe",
+                workflow_id=spec.workflow_id,
+            ) from err
+        except MaxPayloadError as err:
+            raise PayloadTooLargeError(f"workflow exceeds the max payload: {err}") from err
+        await self._check_conflict(spec, duplicate=bool(ack.duplicate))
+        return bool(ack.duplicate)
+
+    async def _check_conflict(self, spec: WorkflowSpec, *, duplicate: bool) -> None:
+        """Refuse a workflow id that a submission with another spec took first."""
+        record = await self._workflow_record(spec.workflow_id)
+        if record is None and duplicate:
+            # Deduplicated by JetStream, not yet taken by a hub: wait a moment for its record.
+            deadline = time.monotonic() + _CONFLICT_WAIT
+            while record is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                record = await self._workflow_record(spec.workflow_id)
+        if record is None or record.spec_digest is None:
+            return
+        if record.spec_digest != spec_digest(spec):
+            raise WorkflowConflictError(
+                f"workflow id {spec.workflow_id!r} was submitted before with another spec; "
+                "the first spec stands (submit the same spec again, or use a new id)",
+                workflow_id=spec.workflow_id,
+            )
+
+    async def _workflow_record(self, workflow_id: str) -> WorkflowRecord | None:
+        """The stored record of a workflow of this namespace; None when there is none (or it
+        cannot be read right now)."""
+        try:
+            if self._wf_kv is None:
+                self._wf_kv = await self.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+            entry = await self._wf_kv.get(protocol.workflow_key(self.namespace, workflow_id))
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+            return None
+        except (nats.errors.Error, TimeoutError):
+            return None
+        if not entry.value:
+            return None
+        try:
+            return WorkflowRecord.model_validate_json(entry.value)
+        except ValidationError:
+            return None
+
+    async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
+        record = await self._workflow_record(workflow_id)
+        if record is None or not record.state.final:
+            return None
+        return record.result
+
+    async def _await_done(self, sub: Any, workflow_id: str, timeout: float) -> WorkflowResult:
+        try:
+            msg = await sub.next_msg(timeout=timeout)
+        except (NatsTimeoutError, TimeoutError) as err:
+            # The record is the source of truth: the result may be stored while its .done
+            # announcement is still on the way (a hub died between the two).
+            found = await self._stored_result(workflow_id)
+            if found is not None:
+                return found
+            raise MeshTimeoutError(
+                f"no result for workflow {workflow_id} within {timeout:g}s "
+                "(it keeps running; `await mesh.workflow(id)` later)",
+                workflow_id=workflow_id,
+            ) from err
+        return WorkflowResult.model_validate_json(msg.data)
+
+
+def _bad_step(step: object) -> Any:
+    raise WorkflowSpecError(f"expected reach_mesh.Step, got {type(step).__name__}")
+
+
+async def _stream_may_exist(js: Any, stream: str) -> bool:
+    """False only when JetStream says ``stream`` does not exist."""
+    try:
+        await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        return False
+    except Exception:
+        return True  # cannot tell now (no leader, timeout): treat as there
+    return True
