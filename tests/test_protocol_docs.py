@@ -1,0 +1,126 @@
+"""The wire-protocol docs agree with the code: subjects, error codes, labelled examples.
+
+Convention: a JSON example preceded by ``<!-- model: Name -->`` must validate against the
+pydantic model ``Name`` of ``reach_mesh.models`` or ``reach_mesh.workflow``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from reach_mesh import errors, models, protocol, workflow
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PROTOCOL = (DOCS / "protocol.md").read_text()
+WORKFLOWS = (DOCS / "protocol-workflows.md").read_text()
+
+_NS, _AGENT, _TASK, _WF = "ns", "ns.svc.inst", "t1", "wf1"
+_PLACEHOLDERS = {
+    "<ns>": _NS,
+    "<service>": "svc",
+    "<instance>": "inst",
+    "<agent_id>": _AGENT,
+    "<task_id>": _TASK,
+    "<workflow_id>": _WF,
+    "<kind>": "route",
+}
+
+# Every subject the code builds, with the placeholders above filled in.
+BUILT = {
+    *(protocol.hub_agent_subject(_AGENT, verb) for verb in protocol.AGENT_VERBS),
+    *(
+        protocol.hub_subject(_NS, verb)
+        for verb in ("route", "route_batch", "report", "agents", "admin")
+    ),
+    protocol.hub_broadcast(_NS, "breaker"),
+    protocol.agent_task(_AGENT),
+    protocol.agent_batch(_AGENT),
+    protocol.agent_ctl(_AGENT),
+    protocol.task_status(_AGENT, _TASK),
+    protocol.work_subject(_NS, _AGENT),
+    protocol.wf_submit(_NS),
+    protocol.wf_event(_NS, _WF),
+    protocol.wf_done(_NS, _WF),
+    protocol.audit_subject(_NS, "route"),
+}
+
+
+def _table_subjects(doc: str) -> list[str]:
+    """The backticked subjects in the first column of the doc's ``## Subjects`` table."""
+    section = doc.split("\n## Subjects\n", 1)[1].split("\n## ", 1)[0]
+    found = []
+    for line in section.splitlines():
+        if line.startswith("| `reach."):
+            first_cell = line.split("|")[1]
+            found += re.findall(r"`(reach\.[^`]+)`", first_cell)
+    return found
+
+
+def _fill(pattern: str) -> str:
+    for key, value in _PLACEHOLDERS.items():
+        pattern = pattern.replace(key, value)
+    return pattern
+
+
+@pytest.mark.parametrize("doc", [PROTOCOL, WORKFLOWS], ids=["protocol", "workflows"])
+def test_subject_tables_match_protocol_builders(doc: str) -> None:
+    subjects = _table_subjects(doc)
+    assert len(subjects) >= 6
+    for pattern in subjects:
+        assert "<" not in _fill(pattern), f"unknown placeholder in {pattern}"
+        assert _fill(pattern) in BUILT, f"{pattern} is not a subject reach_mesh.protocol builds"
+
+
+def test_protocol_table_covers_every_built_subject() -> None:
+    documented = {_fill(p) for p in _table_subjects(PROTOCOL)}
+    assert BUILT - documented == set()
+
+
+def test_every_error_code_is_in_the_error_table() -> None:
+    table = PROTOCOL.split("\n## Error codes\n", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(REACH_[A-Z_]+)` \|", table, re.M))
+    codes = {
+        cls.code
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, errors.ReachError)
+    } - {errors.ReachError.code}
+    assert codes, "no error classes found"
+    assert codes - documented == set(), "codes missing from docs/protocol.md's error table"
+    assert documented - codes == set(), "documented codes that reach_mesh.errors lacks"
+
+
+_LABELLED = re.compile(r"<!-- model: (\w+) -->\n```json\n(.*?)\n```", re.S)
+
+
+def _examples() -> list[tuple[str, str, str]]:
+    out = []
+    for name, doc in (("protocol.md", PROTOCOL), ("protocol-workflows.md", WORKFLOWS)):
+        out += [(name, model, body) for model, body in _LABELLED.findall(doc)]
+    return out
+
+
+def test_enough_examples_are_labelled() -> None:
+    assert {model for _, model, _ in _examples()} >= {
+        "RegisterRequest",
+        "RouteRequest",
+        "RouteReply",
+        "TaskEnvelope",
+        "TaskReply",
+    }
+
+
+@pytest.mark.parametrize(
+    ("doc", "model_name", "body"), _examples(), ids=lambda v: v if "\n" not in v else ""
+)
+def test_labelled_example_validates(doc: str, model_name: str, body: str) -> None:
+    model = getattr(models, model_name, None) or getattr(workflow, model_name)
+    assert isinstance(model, type) and issubclass(model, BaseModel)
+    data = json.loads(body)
+    model.model_validate(data)
+    # A success example is never an error body (the error-body rule).
+    protocol.raise_for_error(json.dumps(data).encode())
