@@ -28,6 +28,7 @@ _PLACEHOLDERS = {
     "<task_id>": _TASK,
     "<workflow_id>": _WF,
     "<kind>": "route",
+    "<hub_id>": "hub1",
 }
 
 # Every subject the code builds, with the placeholders above filled in.
@@ -47,6 +48,7 @@ BUILT = {
     protocol.wf_event(_NS, _WF),
     protocol.wf_done(_NS, _WF),
     protocol.audit_subject(_NS, "route"),
+    protocol.micro_subject("hub1", "agents"),
 }
 
 
