@@ -7,6 +7,9 @@
 - The task-state probe reads the documented answer: ``"error": null`` is no error, and a
   FAILED read from the agent is an outcome, not a lost attempt.
 - A workflow id submitted again with another spec is a conflict; with the same spec a no-op.
+- An attempt the hub gave up on (``task_state`` with ``fence``) is never started by the agent
+  that promised, even when the task record it reads still names that attempt (a JetStream
+  replica that has not applied the hub's fence yet).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from reach_mesh import (
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub._tracking import StatusTracker, parse_task_state
+from reach_mesh.models import TaskEnvelope
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowResult
 
@@ -267,7 +271,7 @@ async def test_probe_reads_a_raw_agents_answer(
 
         async def ctl(msg: Msg) -> None:
             body = json.loads(msg.data)
-            assert body == {"op": "task_state", "task_id": "raw-task"}
+            assert body == {"op": "task_state", "task_id": "raw-task", "fence": 1}
             out = {"task_id": "raw-task", "attempt": 1, "agent_id": agent_id, **answer}
             await msg.respond(json.dumps(out).encode())
 
@@ -292,6 +296,83 @@ async def test_probe_reads_a_raw_agents_answer(
             assert track.final.result == 42
     else:
         assert verdict == "alive" and track.final is None
+
+
+# --------------------------------------------------------------------------- fence promise
+
+
+async def test_promised_attempt_never_starts_even_on_a_stale_record(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The agent is asked about attempt 1 before it has it, with ``fence: 1``: it promises.
+    Attempt 1 then arrives while the task record it reads still names attempt 1 on this agent
+    (what a lagging replica serves) — it is dropped unrun. Attempt 2 runs once."""
+    ns = wf_settings.namespace
+    a = fleet.agent("promise.a")
+
+    @a.handler("wf:step:v1")
+    async def step(task: Task[Any]) -> str:
+        fleet.runs[task.task_id] += 1
+        return f"attempt {task.attempt}"
+
+    await a.start()
+    assert a.work is not None
+    async with Client(settings=wf_settings) as mesh:
+        js = mesh.nc.jetstream()
+        kv = await js.key_value(protocol.KV_TASKS)
+        key = protocol.task_key(ns, "promise-step")
+
+        async def current(attempt: int) -> None:
+            rec = TaskRecord(
+                task_id="promise-step",
+                workflow_id="promise-wf",
+                step=0,
+                namespace=ns,
+                attempt=attempt,
+                agent_id=a.agent_id,
+                state=TaskState.DELIVERED,
+            )
+            await kv.put(key, protocol.encode(rec))
+
+        async def send(attempt: int) -> None:
+            env = TaskEnvelope(
+                task_id="promise-step",
+                attempt=attempt,
+                capability="wf:step:v1",
+                namespace=ns,
+                workflow_id="promise-wf",
+                step=0,
+                track=True,
+            )
+            await js.publish(
+                protocol.work_subject(ns, a.agent_id),
+                protocol.encode(env),
+                headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id("promise-step", attempt)},
+                stream=protocol.STREAM_WORK,
+            )
+
+        async def ask(fence: int) -> dict[str, Any]:
+            body = {"op": "task_state", "task_id": "promise-step", "fence": fence}
+            msg = await mesh.nc.request(protocol.agent_ctl(a.agent_id), json.dumps(body).encode())
+            answer: dict[str, Any] = json.loads(msg.data)
+            return answer
+
+        await current(1)
+        assert await ask(1) == {"task_id": "promise-step", "state": "PENDING", "fenced": True}
+        await send(1)
+        await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+        assert fleet.runs["promise-step"] == 0
+
+        # The next attempt is not covered by the promise: it runs, once.
+        await current(2)
+        await send(2)
+        await eventually(lambda: fleet.runs["promise-step"] == 1, timeout=5)
+        # Asked about it now, the agent has it: a final answer, no promise.
+        answer = await ask(2)
+        assert answer["state"] == "SUCCEEDED" and answer["attempt"] == 2
+        assert "fenced" not in answer
+    await asyncio.sleep(0.3)
+    assert fleet.runs["promise-step"] == 1
 
 
 # --------------------------------------------------------------------------- re-submission

@@ -1000,6 +1000,39 @@ class Agent:
         with contextlib.suppress(Exception):
             await self._nc.publish(req.reply, body, headers=headers if req.batch is None else None)
 
+    def _task_state(self, body: dict[str, Any]) -> bytes:
+        """Answer ctl ``task_state`` (docs/protocol.md). With ``fence: n`` the hub is about to
+        give attempt ``n`` up: an agent that does not have the task in hand (or only finished
+        an earlier attempt of it) promises never to start attempt ``n`` or an earlier one, and
+        says so with ``"fenced": true``."""
+        task_id = protocol.validate_task_id(str(body.get("task_id")))
+        fence = body.get("fence")
+        if isinstance(fence, bool) or not isinstance(fence, int):
+            fence = None
+        entry = self._results.get(task_id)
+        if entry is None and self.work is not None and self.work.checking(task_id):
+            # In hand, its fence being read: the hub must not give this attempt up.
+            return protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})
+        if entry is not None and entry.reply is None:
+            # Running (this attempt or an earlier one): either may deliver.
+            return protocol.dumps(
+                {"task_id": task_id, "attempt": entry.attempt, "state": entry.state}
+            )
+        promised = (
+            fence is not None
+            and self.work is not None
+            and (entry is None or entry.attempt < fence)
+            and self.work.promise(task_id, fence)
+        )
+        if entry is None:
+            out: dict[str, Any] = {"task_id": task_id, "state": TaskState.PENDING}
+        else:
+            assert entry.reply is not None
+            out = entry.reply.model_dump(mode="json", exclude_none=True)
+        if promised:
+            out["fenced"] = True
+        return protocol.dumps(out)
+
     async def _on_ctl(self, msg: Msg) -> None:
         try:
             body = json.loads(msg.data or b"{}")
@@ -1016,19 +1049,7 @@ class Agent:
                 }
                 data = protocol.dumps(out)
             elif op == "task_state":
-                task_id = protocol.validate_task_id(str(body.get("task_id")))
-                entry = self._results.get(task_id)
-                if entry is None and self.work is not None and self.work.checking(task_id):
-                    # In hand, its fence being read: the hub must not give this attempt up.
-                    data = protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})
-                elif entry is None:
-                    data = protocol.dumps({"task_id": task_id, "state": TaskState.PENDING})
-                elif entry.reply is not None:
-                    data = protocol.encode(entry.reply)
-                else:
-                    data = protocol.dumps(
-                        {"task_id": task_id, "attempt": entry.attempt, "state": entry.state}
-                    )
+                data = self._task_state(body)
             elif op == "cancel":
                 # A durable step the hub no longer needs (any/quorum past its policy).
                 task_id = protocol.validate_task_id(str(body.get("task_id")))

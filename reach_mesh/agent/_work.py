@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -56,6 +57,9 @@ _REFENCE_AFTER: Final = 0.25
 #: How long a final status is retried in place (infrastructure errors) before the message is
 #: handed back for redelivery.
 _FINAL_RETRY: Final = 10.0
+#: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
+#: hub's task record as the fence, as for an agent that does not know promises.
+_PROMISES: Final = 50_000
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +93,9 @@ class WorkConsumer:
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
         self._checking: set[str] = set()
+        #: Attempts promised to a hub never to start (task id -> highest such attempt): the
+        #: hub gave them up (ctl ``task_state`` with ``fence``) and sends the next one.
+        self._promised: OrderedDict[str, int] = OrderedDict()
         self._ticker: asyncio.Task[None] | None = None
         self._retry: asyncio.Task[None] | None = None
         #: Duplicate deliveries of an attempt this agent already had (not run again).
@@ -102,6 +109,25 @@ class WorkConsumer:
         """True while a work message of ``task_id`` is between its arrival and its fence
         check (the agent has it; the hub's probe is answered DELIVERED)."""
         return task_id in self._checking
+
+    def promise(self, task_id: str, attempt: int) -> bool:
+        """A hub gives up ``attempt`` of ``task_id`` (ctl ``task_state`` with ``fence``):
+        unless a work message of the task is in hand, promise never to start that attempt or
+        an earlier one. True when promised (then the hub may send the next attempt at once).
+
+        This is what makes giving an attempt up safe without a linearizable read of the task
+        record: the promise and the arrival of the work message are ordered by this event loop
+        (the arrival check in ``_handle_inner`` runs before any await), whereas the record may
+        be read from a JetStream replica that has not applied the hub's fence yet.
+        """
+        if task_id in self._checking or task_id in self._held:
+            return False
+        if self._promised.get(task_id, -1) < attempt:
+            self._promised[task_id] = attempt
+        self._promised.move_to_end(task_id)
+        while len(self._promised) > _PROMISES:
+            self._promised.popitem(last=False)
+        return True
 
     async def start(self) -> None:
         """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
@@ -228,6 +254,13 @@ class WorkConsumer:
             log.warning("dropping a malformed work message on %s", msg.subject)
             with contextlib.suppress(Exception):
                 await msg.term()
+            self._release()
+            return
+        if env.attempt <= self._promised.get(env.task_id, -1):
+            # A hub gave this attempt up and we promised never to start it (see ``promise``).
+            self.fenced += 1
+            with contextlib.suppress(Exception):
+                await msg.ack()
             self._release()
             return
         # Only the trace context travels on: the JetStream headers (Nats-Msg-Id, expected

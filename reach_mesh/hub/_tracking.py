@@ -74,6 +74,9 @@ class StepTrack:
     #: An attempt given up on that showed life after the next one was recorded (before it was
     #: sent): (attempt, agent). The step watches it again instead of sending a new one.
     revived: tuple[int, str] | None = None
+    #: The highest attempt its agent promised never to start (ctl ``task_state`` with
+    #: ``fence``): given up on safely, no need to ask again after the record is fenced.
+    promised: int = -1
     dispatched_at: float = 0.0
     last_event: float = 0.0
     lost: bool = False
@@ -369,7 +372,7 @@ class StatusTracker:
             return "done"
         if track.agent_id is None:
             return "gone"
-        return await self._ask(track, track.agent_id)
+        return await self._ask(track, track.agent_id, fence=track.attempt)
 
     async def recheck(self, track: StepTrack, attempt: int, agent_id: str) -> None:
         """Ask again about an attempt just given up on, *after* the next one is recorded.
@@ -379,20 +382,29 @@ class StatusTracker:
         attempt in hand will drop it, and one that has it may have passed the old record —
         then the step watches that attempt again (``revived``) instead of sending a new one.
         """
-        if await self._ask(track, agent_id) == "alive" and track.final is None:
+        if track.promised >= attempt:
+            return  # the agent promised, when it was asked, never to start it
+        verdict = await self._ask(track, agent_id, fence=attempt)
+        if verdict == "unknown" and self.lease_alive(agent_id):
+            verdict = "alive"  # no answer is not "I do not have it"
+        if verdict == "alive" and track.final is None:
             track.revived = (attempt, agent_id)
             track.changed.set()
 
-    async def _ask(self, track: StepTrack, agent_id: str) -> Verdict:
-        """Ask ``agent_id`` for the step's task state (ctl ``task_state``)."""
+    async def _ask(self, track: StepTrack, agent_id: str, *, fence: int) -> Verdict:
+        """Ask ``agent_id`` for the step's task state (ctl ``task_state``), telling it that
+        attempt ``fence`` is about to be given up: an agent without it in hand promises never
+        to start it (``"fenced": true``)."""
         try:
             msg = await self._nc.request(
                 protocol.agent_ctl(agent_id),
-                protocol.dumps({"op": "task_state", "task_id": track.task_id}),
+                protocol.dumps({"op": "task_state", "task_id": track.task_id, "fence": fence}),
                 timeout=_CTL_TIMEOUT,
             )
         except NoRespondersError:
-            return "gone"
+            # Nobody on its ctl subject: dead, or cut off and reconnecting (a NATS node lost).
+            # Only a lapsed lease says which; a reconnecting agent may still take the attempt.
+            return "unknown" if self.lease_fresh(agent_id) else "gone"
         except (NatsTimeoutError, TimeoutError):
             return "unknown"
         except Exception:
@@ -402,6 +414,8 @@ class StatusTracker:
         if answer is None:
             return "unknown"
         state, attempt, body = answer
+        if body.get("fenced") is True:
+            track.promised = max(track.promised, fence)
         if state.final:
             if attempt is not None and track.sent.get(attempt) == agent_id:
                 try:
@@ -421,8 +435,14 @@ class StatusTracker:
         return "gone"  # PENDING: the agent never saw it
 
     def lease_alive(self, agent_id: str) -> bool:
+        """Not declared LOST: it may still run what it holds."""
         view = self._registry.agents.get(agent_id)
         return view is not None and view.state is not AgentState.LOST
+
+    def lease_fresh(self, agent_id: str) -> bool:
+        """Its lease has not lapsed (not SUSPECT or LOST): silence may be a reconnect."""
+        view = self._registry.agents.get(agent_id)
+        return view is not None and view.state not in (AgentState.SUSPECT, AgentState.LOST)
 
 
 def _parse_status(data: bytes) -> TaskStatusEvent | None:
