@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reach_mesh import MeshSettings
+from reach_mesh import MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.server import EmbeddedNats
 
@@ -99,6 +99,25 @@ class Fleet:
         for agent in self.agents:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(agent.close(), timeout=5)
+
+
+async def partition(agent: Agent) -> None:
+    """Cut ``agent`` off from the hubs while its handlers keep running: no heartbeats, and
+    nobody answers on its ctl subject (what a network partition looks like from the hubs)."""
+    assert agent._hb_task is not None
+    agent._hb_task.cancel()
+    ctl = protocol.agent_ctl(agent.agent_id)
+    for sub in [s for s in agent._subs if s.subject == ctl]:
+        await sub.unsubscribe()
+        agent._subs.remove(sub)
+
+
+async def heal(agent: Agent) -> None:
+    """Undo :func:`partition`: answer on the ctl subject and heartbeat again."""
+    agent._subs.append(
+        await agent.nc.subscribe(protocol.agent_ctl(agent.agent_id), cb=agent._on_ctl)
+    )
+    agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
 
 
 def echo_agent(fleet: Fleet, name: str, cap: str = "wf:echo:v1", **kw: Any) -> Agent:

@@ -26,10 +26,10 @@ from reach_mesh import (
 )
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
-from reach_mesh.models import TaskEnvelope
+from reach_mesh.models import AgentState, TaskEnvelope
 from reach_mesh.workflow import TaskStatusEvent, merge_payload
 
-from .helpers import Fleet, echo_agent, eventually
+from .helpers import Fleet, echo_agent, eventually, heal, partition
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -433,10 +433,55 @@ async def _partitioned_pair(
     wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=20)
     await asyncio.wait_for(a_started.wait(), 5)
     await b.start()
-    assert a._hb_task is not None
-    a._hb_task.cancel()  # A goes silent (partitioned) but keeps running the handler
+    await partition(a)  # A is cut off but keeps running the handler
     await asyncio.wait_for(b_started.wait(), 10)  # LOST -> re-routed to B (attempt 2)
     return wf_id, a_release, b_release, b_cancelled
+
+
+async def test_lost_agent_that_still_has_the_attempt_keeps_it(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A's heartbeats stop reaching the hubs (a starved process, a slow hub) but A answers:
+    declared LOST, it is asked before its attempt is given up, says it runs it, and keeps it.
+    B never runs the step; A's result decides it with one attempt."""
+    a_started, a_release = asyncio.Event(), asyncio.Event()
+    b_runs = 0
+    a = fleet.agent("starved.a")
+    b = fleet.agent("starved.b")
+
+    @a.handler("wf:starved:v1")
+    async def on_a(task: Task[Any]) -> str:
+        a_started.set()
+        await a_release.wait()
+        return "answer of A"
+
+    @b.handler("wf:starved:v1")
+    async def on_b(task: Task[Any]) -> str:
+        nonlocal b_runs
+        b_runs += 1
+        return "answer of B"
+
+    await a.start()
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:starved:v1")], timeout=20)
+        await asyncio.wait_for(a_started.wait(), 5)
+        await b.start()
+        assert a._hb_task is not None
+        a._hb_task.cancel()  # no heartbeats; ctl still answers
+        await eventually(
+            lambda: (
+                a.agent_id not in wf_hub.registry.agents
+                or wf_hub.registry.agents[a.agent_id].state is AgentState.LOST
+            ),
+            timeout=10,
+        )
+        await asyncio.sleep(1.0)  # past the silence timeout: the hub asked, A has it
+        a_release.set()
+        res = await mesh.workflow(wf_id, timeout=10)
+    assert res.state is TaskState.SUCCEEDED
+    assert res.result == ["answer of A"]
+    assert res.steps[0].attempts == 1
+    assert b_runs == 0
 
 
 async def test_first_outcome_wins_even_from_a_superseded_attempt(
@@ -497,12 +542,11 @@ async def test_returning_agent_fences_its_stale_attempts(
         wf_id = await mesh.submit_fanout([Step(capability="wf:back:v1")], timeout=20)
         await asyncio.wait_for(started.wait(), 5)
         await b.start()
-        assert a._hb_task is not None
-        a._hb_task.cancel()
+        await partition(a)
         res = await mesh.workflow(wf_id, timeout=10)
         assert res.steps[0].agent_id == b.agent_id
         # A comes back: told it is unknown, it stays PRE_ONLINE and fences attempt 1 first.
-        a._hb_task = asyncio.create_task(a._heartbeat_loop())
+        await heal(a)
         await asyncio.wait_for(cancelled.wait(), 5)
         assert a.work is not None and a.work.fenced >= 1
         await eventually(lambda: a.agent_id in wf_hub.registry.agents, timeout=5)

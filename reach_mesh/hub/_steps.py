@@ -569,7 +569,19 @@ class StepRunner:
             if track.final is not None:
                 return "final", track.final
             if track.lost:
-                return "lost", None
+                # Declared LOST (its heartbeats stopped reaching the hubs): believe it unless
+                # the agent, asked, says it has the attempt in hand — a starved or cut-off
+                # agent can be live and running it. Otherwise it has promised not to start
+                # it, or it does not answer and its lease lapsed: safe to send elsewhere.
+                verdict = await self._tracker.probe(track)
+                if track.final is not None:
+                    continue
+                if verdict != "alive":
+                    return "lost", None
+                track.lost = False
+                track.machine.catch_up(TaskState.DELIVERED)
+                track.last_event = track.dispatched_at = loop.time()
+                continue
             now = loop.time()
             if now >= deadline:
                 return "deadline", None
