@@ -245,14 +245,14 @@ _HOT_SPOT_NOTES: list[tuple[str, tuple[str, ...], str]] = [
     ),
     (
         "sending attempts (`Hub._send`: batches and single task messages, publish included)",
-        ("_send (reach_mesh/hub/_hub.py",),
+        ("_send (reach_mesh/hub/_routing.py", "_send (reach_mesh/hub/_hub.py"),
         "attempts decided in one pass of the event loop go to an agent as one batch message "
         "(agents with `card.batch`); the envelope is written as JSON directly",
     ),
     (
         "agent replies (`Hub._on_agent_reply`: parse the reply head, breaker, health, metrics, "
         "audit, publish the `RouteReply`)",
-        ("_on_agent_reply (reach_mesh/hub/_hub.py",),
+        ("_on_agent_reply (reach_mesh/hub/_routing.py", "_on_agent_reply (reach_mesh/hub/_hub.py"),
         "the reply is parsed once (its head only) and spliced into the `RouteReply` unchanged; "
         "a batch of replies is split on newlines",
     ),

@@ -1,0 +1,269 @@
+"""The hub's control plane: :class:`ControlMixin` (a base of :class:`~reach_mesh.hub.Hub`)
+answers an agent's own verbs (register, heartbeat, unregister) with their identity checks,
+takes failure reports and operator breaker broadcasts, audits agent state changes, and answers
+fleet queries and admin ops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING, Any, Final
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from reach_mesh import protocol
+from reach_mesh.errors import BadRequestError, IdentityMismatchError, ReachError, ThrottledError
+from reach_mesh.hub.audit import AuditLog
+from reach_mesh.hub.breaker import caller_report
+from reach_mesh.hub.registry import AgentView, Registry
+from reach_mesh.hub.throttle import Throttle
+from reach_mesh.logs import IDENTITY_REJECTED, QUARANTINE, log_event
+from reach_mesh.models import (
+    AgentState,
+    FailureReport,
+    Heartbeat,
+    HeartbeatReply,
+    RegisterReply,
+    RegisterRequest,
+    UnregisterRequest,
+)
+from reach_mesh.tracing.metrics import HubMetrics
+
+__all__ = ["ADMIN_OPS", "QUARANTINE_CODE", "RELEASE_CODE", "ControlMixin"]
+
+log = logging.getLogger("reach_mesh.hub")
+
+ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove", "agents")
+#: Report codes for operator quarantine / release, broadcast so every hub's breaker follows.
+QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
+RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
+
+
+class ControlMixin:
+    """The registry-verb, report and admin methods of ``Hub`` (which sets every attribute
+    below in its ``__init__`` and ``start``)."""
+
+    hub_id: str
+    registry: Registry
+    audit: AuditLog
+    metrics: HubMetrics
+    _nc: NATS | None
+    _register_throttle: Throttle
+
+    if TYPE_CHECKING:
+
+        @property
+        def nc(self) -> NATS: ...
+
+        def known_namespace(self, ns: str) -> bool: ...
+
+    # ------------------------------------------------------------------ registry verbs
+
+    async def _on_register(self, msg: Msg, ns: str) -> bytes:
+        retry = self._register_throttle.check(ns)
+        if retry > 0:
+            if self.known_namespace(ns):
+                self.metrics.throttled_total.labels(ns).inc()
+            raise ThrottledError(
+                f"namespace {ns!r} is registering too fast", retry_after_ms=int(retry * 1000) + 1
+            )
+        req = protocol.decode(msg.data, RegisterRequest, max_size=256 * 1024)
+        self._check_identity(msg.subject, "register", req.card.agent_id)
+        view = await self.registry.register(req, protocol.agent_task(req.card.agent_id))
+        await self.audit.record(
+            ns,
+            "register",
+            agent_id=view.agent_id,
+            session=req.session,
+            capabilities=req.card.capabilities,
+            state=view.state.value,
+        )
+        return protocol.encode(
+            RegisterReply(
+                agent_id=view.agent_id,
+                session=view.record.session,
+                state=view.state,
+                heartbeat_interval=view.record.heartbeat_interval,
+                lease_timeout=view.record.lease_timeout,
+                hub_id=self.hub_id,
+            )
+        )
+
+    async def _on_heartbeat(self, msg: Msg, ns: str) -> bytes:
+        hb = protocol.decode(msg.data, Heartbeat, max_size=64 * 1024)
+        self._check_identity(msg.subject, "heartbeat", hb.agent_id)
+        view = await self.registry.heartbeat(hb)
+        self.metrics.heartbeat_total.inc()
+        return protocol.encode(
+            HeartbeatReply(state=view.state, lease_timeout=view.record.lease_timeout)
+        )
+
+    async def _on_unregister(self, msg: Msg, ns: str) -> bytes:
+        req = protocol.decode(msg.data, UnregisterRequest, max_size=64 * 1024)
+        self._check_identity(msg.subject, "unregister", req.agent_id)
+        removed = await self.registry.unregister(req.agent_id, req.session)
+        if removed:
+            await self.audit.record(ns, "unregister", agent_id=req.agent_id, reason="graceful")
+        return protocol.dumps({"agent_id": req.agent_id, "removed": removed})
+
+    def _check_identity(self, subject: str, verb: str, claimed: str) -> None:
+        """Refuse a message whose body speaks for another agent than its subject names: the
+        subject is what NATS permissions bind to the sender (docs/security.md)."""
+        sender = protocol.identity_of(subject)
+        if sender == claimed:
+            return
+        self._rejected(verb, sender, claimed)
+        raise IdentityMismatchError(
+            f"{verb} on {subject} speaks for {claimed!r}: an agent may only {verb} itself "
+            f"({sender!r})",
+            subject_agent=sender,
+            body_agent=claimed,
+        )
+
+    def _rejected(self, verb: str, sender: str | None, claimed: str, **fields: Any) -> None:
+        self.metrics.identity_rejected_total.labels(verb).inc()
+        log_event(
+            log,
+            IDENTITY_REJECTED,
+            f"{verb} refused: sender and claimed identity differ",
+            verb=verb,
+            sender=sender,
+            claimed=claimed,
+            **fields,
+        )
+
+    # ------------------------------------------------------------------ reports & breaker
+
+    async def _on_report(self, msg: Msg) -> None:
+        """A caller's (or another component's) word on an agent: feeds this hub's breaker,
+        bounded per reporter; a caller's own errors are not the agent's fault."""
+        try:
+            report = protocol.decode(msg.data, FailureReport, max_size=64 * 1024)
+        except ReachError:
+            return  # publish-only subject: nobody to answer; never crash on it
+        if report.code in (QUARANTINE_CODE, RELEASE_CODE):
+            # Operator actions reach the breakers through hubs only (``_on_breaker``).
+            self._rejected("report", None, report.agent_id, code=report.code)
+            return
+        view = self.registry.agents.get(report.agent_id)
+        if view is None:
+            return
+        if not caller_report(view.breaker, view.health, report):
+            return  # the reporter's budget is spent: nothing changed
+        self.registry.regrade(view)
+
+    async def _on_breaker(self, msg: Msg) -> None:
+        """An operator's quarantine / release, broadcast by the hub that took the request."""
+        try:
+            report = protocol.decode(msg.data, FailureReport, max_size=64 * 1024)
+        except ReachError:
+            return
+        view = self.registry.agents.get(report.agent_id)
+        if view is None:
+            return
+        if report.code == QUARANTINE_CODE:
+            view.breaker.trip()
+        elif report.code == RELEASE_CODE:
+            view.breaker.reset()
+        else:
+            return
+        self.registry.regrade(view)
+
+    def _on_state_change(self, view: AgentView, old: AgentState, new: AgentState) -> None:
+        ns = view.record.card.namespace
+        if new is AgentState.QUARANTINED:
+            self.metrics.quarantine_total.inc()
+            log_event(
+                log,
+                QUARANTINE,
+                "circuit breaker open: agent quarantined",
+                agent_id=view.agent_id,
+                open_for_s=view.breaker.open_timeout,
+            )
+        if old is AgentState.LOST:
+            # An agent appearing (registered here or through another hub) is told by its
+            # ``register`` event; a LOST -> ONLINE state event would say it was lost before.
+            return
+        if self._nc is not None and not self._nc.is_closed:
+            # Soon, not now: the change is a consequence of the action being handled (e.g. a
+            # registration), whose own event should come first in the story.
+            asyncio.get_running_loop().call_soon(
+                self.audit.add,
+                ns,
+                "state",
+                {"agent_id": view.agent_id, "old": old.value, "new": new.value},
+            )
+
+    # ------------------------------------------------------------------ queries & admin
+
+    async def _on_agents(self, msg: Msg, ns: str) -> bytes:
+        body = _json_object(msg.data)
+        agent_id = body.get("agent_id")
+        if agent_id is not None:
+            agent_id = protocol.validate_agent_id(str(agent_id))
+            if protocol.namespace_of(agent_id) != ns:
+                raise BadRequestError(
+                    f"agent {agent_id!r} is not in namespace {ns!r}: ask on "
+                    f"{protocol.hub_subject(protocol.namespace_of(agent_id), 'agents')}",
+                    field="agent_id",
+                )
+            view = self.registry.require(agent_id)
+            return protocol.encode(view.info(self.registry.now))
+        if body.get("all_namespaces"):
+            raise BadRequestError(
+                "the fleet of every namespace is an operator query: send "
+                '{"op": "agents"} on reach.hub.<ns>.admin',
+                field="all_namespaces",
+            )
+        return self._fleet(ns)
+
+    def _fleet(self, namespace: str | None) -> bytes:
+        infos = self.registry.infos(namespace)
+        return protocol.dumps(
+            {
+                "hub_id": self.hub_id,
+                "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
+            }
+        )
+
+    async def _on_admin(self, msg: Msg, ns: str) -> bytes:
+        body = _json_object(msg.data)
+        op = body.get("op")
+        if op == "agents":
+            return self._fleet(None)
+        agent_id = protocol.validate_agent_id(str(body.get("agent_id", "")))
+        if op in ("cordon", "uncordon"):
+            view = await self.registry.set_cordon(agent_id, op == "cordon")
+        elif op in ("quarantine", "release"):
+            view = self.registry.require(agent_id)
+            code = QUARANTINE_CODE if op == "quarantine" else RELEASE_CODE
+            report = FailureReport(agent_id=agent_id, code=code)
+            await self.nc.publish(protocol.hub_broadcast(ns, "breaker"), protocol.encode(report))
+            await self.nc.flush()
+            (view.breaker.trip if op == "quarantine" else view.breaker.reset)()
+            self.registry.regrade(view)
+        elif op == "remove":
+            self.registry.require(agent_id)
+            await self.registry.unregister(agent_id, None)
+            await self.audit.record(ns, "admin", agent_id=agent_id, op=op)
+            return protocol.dumps({"agent_id": agent_id, "op": op, "state": AgentState.LOST})
+        else:
+            raise BadRequestError(
+                f"unknown admin op {op!r}: expected one of {', '.join(ADMIN_OPS)}", field="op"
+            )
+        await self.audit.record(ns, "admin", agent_id=agent_id, op=op)
+        return protocol.dumps({"agent_id": agent_id, "op": op, "state": view.state})
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
+    if not data.strip():
+        return {}
+    try:
+        body = json.loads(data)
+    except ValueError as err:
+        raise BadRequestError(f"malformed JSON: {err}") from err
+    if not isinstance(body, dict):
+        raise BadRequestError("expected a JSON object")
+    return body
