@@ -709,11 +709,41 @@ async def test_status_events_follow_the_six_states(
         assert res.state is TaskState.SUCCEEDED
         events = await status_events(mesh, ns, res.steps[0].task_id)
     states = [e.state for e in events]
-    assert states[:3] == [TaskState.DELIVERED, TaskState.ACCEPTED, TaskState.RUNNING]
+    # A free slot: the handler starts at once, and ACCEPTED implies DELIVERED.
+    assert states[:2] == [TaskState.ACCEPTED, TaskState.RUNNING]
     assert states[-1] is TaskState.SUCCEEDED and states.count(TaskState.SUCCEEDED) == 1
     assert states.count(TaskState.RUNNING) >= 2  # progress + at least one keep-alive
-    assert events[2].progress == {"pct": 50}
+    assert events[1].progress == {"pct": 50}
     assert all(e.attempt == 1 and e.agent_id == agent.agent_id for e in events)
+
+
+async def test_delivered_is_said_while_a_step_waits_for_a_slot(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    release = asyncio.Event()
+    agent = fleet.agent("slot.a1", max_concurrency=1)
+
+    @agent.handler("wf:slot:v1")
+    async def one_at_a_time(task: Task[Any]) -> str:
+        await release.wait()
+        return "done"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        first = await mesh.submit_fanout([Step(capability="wf:slot:v1")], timeout=10)
+        await eventually(lambda: agent._running == 1, timeout=5)
+        second = await mesh.submit_fanout(
+            [Step(capability="wf:slot:v1", task_id="slot-second")], timeout=10
+        )
+        await eventually(lambda: agent._waiting == 1, timeout=5)
+        release.set()
+        for wf_id in (first, second):
+            assert (await mesh.workflow(wf_id, timeout=10)).state is TaskState.SUCCEEDED
+        events = await status_events(mesh, ns, "slot-second")
+    states = [e.state for e in events]
+    assert states[:2] == [TaskState.DELIVERED, TaskState.ACCEPTED]
+    assert states[-1] is TaskState.SUCCEEDED
 
 
 async def test_any_policy_stops_the_branches_it_no_longer_needs(

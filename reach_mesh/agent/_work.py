@@ -321,7 +321,10 @@ class WorkConsumer:
         agent._remember(env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done))
         held = _Held(msg=msg, env=env, headers=headers, checked_at=checked_at)
         self._held[env.task_id] = held
-        self._publish(env, TaskState.DELIVERED, headers)
+        if agent._running >= agent.max_concurrency:
+            # It waits for a slot: say it is in hand. With a slot free the handler starts in
+            # this same pass and ACCEPTED implies DELIVERED (one status message fewer).
+            self._publish(env, TaskState.DELIVERED, headers)
         held.task = asyncio.current_task()
         await self._run(held, handler, done)
 
