@@ -57,6 +57,9 @@ _REFENCE_AFTER: Final = 0.25
 #: How long a final status is retried in place (infrastructure errors) before the message is
 #: handed back for redelivery.
 _FINAL_RETRY: Final = 10.0
+#: ACCEPTED is published only for a handler still running this long after it started: a
+#: quicker one's final status implies it (one status message fewer per step).
+_ACCEPTED_AFTER: Final = 0.05
 #: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
 #: hub's task record as the fence, as for an agent that does not know promises.
 _PROMISES: Final = 50_000
@@ -78,6 +81,8 @@ class _Held:
     checked_at: float = 0.0
     #: Other copies of the same attempt (duplicate deliveries): acked together with ``msg``.
     extra: list[Msg] = field(default_factory=list)
+    #: The pending ACCEPTED status (see ``_ACCEPTED_AFTER``); None once said or not needed.
+    accepted_timer: asyncio.TimerHandle | None = None
 
 
 class WorkConsumer:
@@ -411,10 +416,13 @@ class WorkConsumer:
             entry = agent._results.get(env.task_id)
             if entry is not None and entry.done is done:
                 entry.state = TaskState.ACCEPTED
-            self._publish(held.env, TaskState.ACCEPTED, held.headers)
+            held.accepted_timer = asyncio.get_running_loop().call_later(
+                _ACCEPTED_AFTER, self._say_accepted, held
+            )
 
         async def progress(info: Any) -> None:
             held.last_running = time.monotonic()
+            _quiet(held)  # RUNNING implies ACCEPTED
             self._publish(held.env, TaskState.RUNNING, held.headers, progress=info)
 
         try:
@@ -439,6 +447,7 @@ class WorkConsumer:
             if waiting:
                 agent._waiting -= 1  # cancelled while queued for a slot
             self._held.pop(env.task_id, None)
+            _quiet(held)
             entry = agent._results.get(env.task_id)
             if entry is not None and entry.done is done:
                 agent._results.pop(env.task_id, None)
@@ -465,6 +474,7 @@ class WorkConsumer:
         if not done.done():
             done.set_result(reply)
         self._held.pop(env.task_id, None)
+        _quiet(held)  # the final status implies ACCEPTED
         await self._final(held.env, held.headers, reply, [held.msg, *held.extra], store=True)
 
     async def _fenced_since(self, held: _Held) -> bool:
@@ -538,6 +548,11 @@ class WorkConsumer:
                     await m.ack()
         self._release()
 
+    def _say_accepted(self, held: _Held) -> None:
+        held.accepted_timer = None
+        if self._held.get(held.env.task_id) is held:
+            self._publish(held.env, TaskState.ACCEPTED, held.headers)
+
     def _publish(
         self,
         env: TaskEnvelope,
@@ -576,6 +591,7 @@ class WorkConsumer:
                     and now - held.last_running >= s.step_running_interval
                 ):
                     held.last_running = now
+                    _quiet(held)
                     self._publish(held.env, TaskState.RUNNING, held.headers)
 
     def cancel(self, task_id: str, attempt: int) -> bool:
@@ -610,6 +626,13 @@ class WorkConsumer:
         if fenced:
             log.warning("%s fenced %d stale attempt(s) before rejoining", agent.agent_id, fenced)
         return fenced
+
+
+def _quiet(held: _Held) -> None:
+    """Drop the pending ACCEPTED status: what is said next implies it."""
+    if held.accepted_timer is not None:
+        held.accepted_timer.cancel()
+        held.accepted_timer = None
 
 
 def _trace_headers(headers: dict[str, str] | None) -> dict[str, str]:
