@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import registry_scale, report, routed
+from bench import peer_taskiq, registry_scale, report, routed
 from bench._system import machine_info
 from reach_mesh.server import EmbeddedNats, find_nats_server
 
@@ -61,14 +61,22 @@ async def _scenario(
     return out
 
 
-async def _workflows(url: str, quick: bool) -> dict[str, Any]:
-    """``bench.workflow_bench.run_workflow_bench`` if its author has shipped it."""
+async def _workflows(url: str, server_pid: int, quick: bool) -> dict[str, Any]:
+    """``bench.workflow_bench.run_workflow_bench`` (hub, agents and caller in their own
+    processes), then the taskiq peer on the same server (``bench.peer_taskiq``)."""
     try:
         module = importlib.import_module("bench.workflow_bench")
         fn = module.run_workflow_bench
     except (ImportError, AttributeError) as err:
         return {"available": False, "reason": f"bench/workflow_bench.py not usable: {err!r}"}
-    result = await fn(url, quick)
+    result = await fn(url, quick, split=True, server_pid=server_pid)
+    log("  taskiq peer")
+    try:
+        peer = await peer_taskiq.run_taskiq_peer(url, quick, server_pid=server_pid)
+    except Exception as err:
+        log(f"  taskiq peer FAILED: {err!r}")
+        peer = {"available": False, "reason": f"{type(err).__name__}: {err}"}
+    result["peers"] = {"taskiq": peer}
     return {"available": True, "result": result}
 
 
@@ -123,7 +131,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "hub profile", lambda: routed.run_profile(url, plan, RESULTS, log), 300
             )
         results["workflows"] = await _scenario(
-            "workflows", lambda: _workflows(url, quick), 60 if quick else 600
+            "workflows", lambda: _workflows(url, spid, quick), 150 if quick else 600
         )
         results["registry_scale"] = await _scenario(
             "registry scale",
