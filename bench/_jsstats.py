@@ -13,12 +13,19 @@ requests the server has served) and every stream's state (``$JS.API.STREAM.LIST`
 * ``bytes_kept``: the change of each stream's ``bytes``: what stays stored for the stream's
   retention (a work queue's acked messages are gone again, a KV bucket keeps its last revision).
 
+:class:`ClientMessages` reads the server's monitoring endpoint (``/connz``): messages every
+client connection sent to the server (``in_msgs``: publishes, KV writes, direct-get and pull
+requests, acks — every operation a client asks of the server, reads included).
+
 :class:`CpuCounter` reads utime + stime of named processes from ``/proc/<pid>/stat``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +33,18 @@ from nats.js import JetStreamContext
 
 from bench._system import CpuSample, cpu_sample
 
-__all__ = ["CpuCounter", "JsCounter", "per_unit"]
+__all__ = ["COUNTER_NAME", "ClientMessages", "CpuCounter", "JsCounter", "free_port", "per_unit"]
+
+#: The name of the counters' own NATS connection (left out of the client message count).
+COUNTER_NAME = "bench-js-stats"
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for the server's monitoring endpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +107,27 @@ class JsCounter:
         }
 
 
+class ClientMessages:
+    """Messages the clients sent to the server between :meth:`start` and :meth:`stop`, from
+    ``/connz`` (open connections; the counter's own connection is left out)."""
+
+    def __init__(self, monitor_url: str) -> None:
+        self._url = monitor_url.rstrip("/") + "/connz?limit=4096"
+        self._before: dict[int, int] = {}
+
+    def _read(self) -> dict[int, int]:
+        with urllib.request.urlopen(self._url, timeout=10) as resp:
+            conns = json.load(resp).get("connections") or []
+        return {c["cid"]: c["in_msgs"] for c in conns if c.get("name") != COUNTER_NAME}
+
+    async def start(self) -> None:
+        self._before = await asyncio.to_thread(self._read)
+
+    async def stop(self) -> int:
+        after = await asyncio.to_thread(self._read)
+        return sum(n - self._before.get(cid, 0) for cid, n in after.items())
+
+
 class CpuCounter:
     """CPU seconds (utime + stime) of named processes between :meth:`start` and :meth:`stop`."""
 
@@ -108,11 +147,14 @@ class CpuCounter:
         return out
 
 
-def per_unit(js: dict[str, Any], cpu_s: dict[str, float], units: int) -> dict[str, Any]:
-    """JetStream operations, bytes kept and CPU µs per completed unit (a workflow)."""
+def per_unit(
+    js: dict[str, Any], cpu_s: dict[str, float], units: int, client_msgs: int | None = None
+) -> dict[str, Any]:
+    """JetStream operations, client messages, bytes kept and CPU µs per completed unit."""
     n = max(units, 1)
     return {
         "units": units,
+        "client_msgs": None if client_msgs is None else round(client_msgs / n, 2),
         "js_ops": round((js["api_requests"] + js["stored"]) / n, 2),
         "js_api_requests": round(js["api_requests"] / n, 2),
         "js_stored": round(js["stored"] / n, 2),

@@ -103,6 +103,7 @@ async def run_taskiq_peer(
     quick: bool,
     *,
     server_pid: int | None = None,
+    monitor_url: str | None = None,
     n_seq: int | None = None,
     duration: float | None = None,
 ) -> dict[str, Any]:
@@ -154,7 +155,7 @@ async def run_taskiq_peer(
             await _sequential(call, warmup)
             lat = await _sequential(call, n_seq)
             tp, cost = await measure_cost(
-                nats_url, pids, lambda c=call: _sustained(c, concurrency, duration)
+                nats_url, pids, lambda c=call: _sustained(c, concurrency, duration), monitor_url
             )
             out[name] = {**_lat(lat), "sustained": tp, "cost": cost}
     finally:

@@ -18,14 +18,16 @@ def _int(x: Any) -> str:
 
 
 def _cost_cells(cost: Any, main_cpu: str) -> str:
-    """JetStream ops (API + stored), bytes kept, the main process's CPU, the others' CPU."""
+    """JetStream ops (API + stored), client messages, bytes kept, the main process's CPU, the
+    others' CPU."""
     if not isinstance(cost, dict):
-        return "- | - | - | -"
+        return "- | - | - | - | -"
     cpu = cost.get("cpu_us") or {}
     others = " · ".join(f"{k.replace('_', '-')} {_int(v)}" for k, v in cpu.items() if k != main_cpu)
     return (
         f"{_f(cost.get('js_ops'), 1)} ({_f(cost.get('js_api_requests'), 1)} + "
-        f"{_f(cost.get('js_stored'), 1)}) | {_int(cost.get('js_bytes_kept'))} | "
+        f"{_f(cost.get('js_stored'), 1)}) | {_f(cost.get('client_msgs'), 1)} | "
+        f"{_int(cost.get('js_bytes_kept'))} | "
         f"{_int(cpu.get(main_cpu))} | {others or '-'}"
     )
 
@@ -43,9 +45,11 @@ def workflow_ratios(r: dict[str, Any]) -> list[str]:
         tp = _get(ours, "sustained", "per_s"), _get(theirs, "sustained", "per_s")
         p99 = ours.get("p99_ms"), theirs.get("p99_ms")
         ops = _get(ours, "cost", "js_ops"), _get(theirs, "cost", "js_ops")
+        msgs = _get(ours, "cost", "client_msgs"), _get(theirs, "cost", "client_msgs")
         out.append(
             f"{name}: **{_x(ratio(*tp))} the peer's throughput**, p99 {_x(ratio(*p99))} "
-            f"the peer's, JetStream ops {_x(ratio(*ops))} the peer's"
+            f"the peer's, JetStream ops {_x(ratio(*ops))} and client → server messages "
+            f"{_x(ratio(*msgs))} the peer's"
         )
     return out
 
@@ -99,7 +103,10 @@ def workflow_section(res: dict[str, Any]) -> str:
         "with 64 in flight. The cost columns are per completed workflow over the throughput "
         "phase, from the server's own statistics: JetStream operations = `$JS.API` requests "
         "(account info `api.total`) + messages stored into streams (`last_seq` deltas; "
-        "direct gets, pull requests and acks are not in either count); bytes kept = the "
+        "direct gets, pull requests and acks are not in either count); client → server "
+        "messages = what every client connection sent the server (`/connz` `in_msgs`: "
+        "publishes, KV writes, direct-get and pull requests, acks — reads included); bytes "
+        "kept = the "
         f"streams' `bytes` delta, kept for `workflow_retention` ({kept_for}); CPU from "
         "`/proc/<pid>/stat`.\n\n"
     )
@@ -130,16 +137,17 @@ def workflow_section(res: dict[str, Any]) -> str:
         pub = floor.get("js_publish_ack", {})
         rows.append(
             f"| floor: JetStream publish with ack | {_f(pub.get('p50_ms'))} / "
-            f"{_f(pub.get('p99_ms'))} | {_f(pub.get('per_s'), 0)} | - | - | - | - |"
+            f"{_f(pub.get('p99_ms'))} | {_f(pub.get('per_s'), 0)} | - | - | - | - | - |"
         )
         for k, v in floor.items():
             if k != "js_publish_ack" and isinstance(v, dict) and "per_s" in v:
-                rows.append(f"| floor: {k} | - | {_f(v['per_s'], 0)} | - | - | - | - |")
+                rows.append(f"| floor: {k} | - | {_f(v['per_s'], 0)} | - | - | - | - | - |")
     if rows:
         out += (
             "| workflow | p50 / p99 ms | per s | JetStream ops / wf (API + stored) "
-            "| bytes kept / wf | hub (peer: worker) CPU µs / wf | other CPU µs / wf |\n"
-            "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+            "| client → server msgs / wf | bytes kept / wf | hub (peer: worker) CPU µs / wf "
+            "| other CPU µs / wf |\n"
+            "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
         )
     out += _stream_table(r)
     if isinstance(peer, dict):

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nats
 
-from bench._jsstats import CpuCounter, JsCounter, per_unit
+from bench._jsstats import COUNTER_NAME, ClientMessages, CpuCounter, JsCounter, free_port, per_unit
 from reach_mesh import Client, MeshSettings, Step, _runner
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
@@ -97,23 +97,28 @@ async def _sustained(call: Any, concurrency: int, duration: float) -> dict[str, 
 
 
 async def measure_cost(
-    nats_url: str, pids: dict[str, int | None], run: Any
+    nats_url: str, pids: dict[str, int | None], run: Any, monitor_url: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``await run()`` (a phase returning a dict with ``completed``) with its cost per completed
-    unit: JetStream operations and bytes from the server's statistics, CPU µs per process."""
-    nc = await nats.connect(nats_url, name="bench-js-stats", max_reconnect_attempts=3)
+    unit: JetStream operations and bytes from the server's statistics, CPU µs per process, and
+    (with the server's ``monitor_url``) the messages clients sent to the server."""
+    nc = await nats.connect(nats_url, name=COUNTER_NAME, max_reconnect_attempts=3)
+    msgs = ClientMessages(monitor_url) if monitor_url else None
     try:
         js_count = JsCounter(nc.jetstream(timeout=10.0))
         cpu = CpuCounter(pids)
         await js_count.start()
+        if msgs is not None:
+            await msgs.start()
         cpu.start()
         out: dict[str, Any] = await run()
         js = await js_count.stop()
         # After the settle pause, as the JetStream figures are: trailing work counts.
         cpu_s = cpu.stop()
+        sent = await msgs.stop() if msgs is not None else None
     finally:
         await nc.close()
-    return out, per_unit(js, cpu_s, int(out["completed"]))
+    return out, per_unit(js, cpu_s, int(out["completed"]), sent)
 
 
 async def _floor(nats_url: str, n: int) -> dict[str, Any]:
@@ -220,13 +225,19 @@ async def _processes(nats_url: str, ns: str) -> AsyncIterator[dict[str, int]]:
 
 
 async def run_workflow_bench(
-    nats_url: str, quick: bool, *, split: bool = False, server_pid: int | None = None
+    nats_url: str,
+    quick: bool,
+    *,
+    split: bool = False,
+    server_pid: int | None = None,
+    monitor_url: str | None = None,
 ) -> dict[str, Any]:
     """Fanout(3)/chain(3) latency and throughput plus the JetStream floor, as one dict.
 
     ``split``: the hub and the agents run in their own processes (the caller stays here; the
     hub's CPU per workflow is then its own); otherwise all three share this process and its
-    event loop. ``server_pid``: nats-server's, for its CPU per workflow.
+    event loop. ``server_pid``: nats-server's, for its CPU per workflow; ``monitor_url``: its
+    monitoring endpoint, for the messages clients send it per workflow.
     """
     ns = f"wfb{uuid.uuid4().hex[:6]}"
     settings = MeshSettings(nats_url=nats_url, namespace=ns)
@@ -265,10 +276,16 @@ async def run_workflow_bench(
                 fan_lat = await _sequential(one_fanout, n_seq)
                 chain_lat = await _sequential(one_chain, n_seq)
                 fan_tp, fan_cost = await measure_cost(
-                    nats_url, pids, lambda: _sustained(one_fanout, concurrency, duration)
+                    nats_url,
+                    pids,
+                    lambda: _sustained(one_fanout, concurrency, duration),
+                    monitor_url,
                 )
                 chain_tp, chain_cost = await measure_cost(
-                    nats_url, pids, lambda: _sustained(one_chain, concurrency, duration)
+                    nats_url,
+                    pids,
+                    lambda: _sustained(one_chain, concurrency, duration),
+                    monitor_url,
                 )
         finally:
             for agent in agents:
@@ -306,9 +323,16 @@ async def run_workflow_bench(
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     if args.nats:
         return await run_workflow_bench(args.nats, args.quick, split=args.split)
-    async with EmbeddedNats() as server:
+    port = free_port()
+    async with EmbeddedNats(http_port=port) as server:
         pid = server.proc.pid if server.proc is not None else None
-        return await run_workflow_bench(server.url, args.quick, split=args.split, server_pid=pid)
+        return await run_workflow_bench(
+            server.url,
+            args.quick,
+            split=args.split,
+            server_pid=pid,
+            monitor_url=f"http://127.0.0.1:{port}",
+        )
 
 
 def main() -> None:
