@@ -33,7 +33,7 @@ from importlib import metadata
 from typing import Any
 
 from bench._system import ChildProcess, python
-from bench.workflow_bench import _lat, _sequential, _sustained, measure_cost
+from bench.workflow_bench import _lat, _sequential, _sustained, at_rates, measure_cost
 from reach_mesh import _runner
 
 __all__ = ["CHECK_INTERVAL", "run_taskiq_peer"]
@@ -122,6 +122,7 @@ async def run_taskiq_peer(
     n_seq = n_seq or (100 if quick else 1000)
     duration = duration or (3.0 if quick else 10.0)
     warmup = min(20, n_seq)
+    rate_s = min(duration, 2.0 if quick else 5.0)  # per open-loop point
     concurrency = 64
     worker = ChildProcess(
         [python(), "-m", "bench.peer_taskiq", "worker", "--nats", nats_url], name="taskiq worker"
@@ -157,7 +158,8 @@ async def run_taskiq_peer(
             tp, cost = await measure_cost(
                 nats_url, pids, lambda c=call: _sustained(c, concurrency, duration), monitor_url
             )
-            out[name] = {**_lat(lat), "sustained": tp, "cost": cost}
+            rates = await at_rates(call, tp["per_s"], rate_s)
+            out[name] = {**_lat(lat), "sustained": tp, "cost": cost, "open_loop": rates}
     finally:
         await broker.shutdown()
         await worker.stop()

@@ -36,12 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import nats
 
 from bench._jsstats import COUNTER_NAME, ClientMessages, CpuCounter, JsCounter, free_port, per_unit
+from bench._load import open_loop
 from reach_mesh import Client, MeshSettings, Step, _runner
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-__all__ = ["measure_cost", "run_workflow_bench"]
+__all__ = ["at_rates", "measure_cost", "run_workflow_bench"]
+
+#: The low fixed load of the open-loop points (issue 15: p50 at 100 workflows/s).
+LOW_RATE = 100.0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -94,6 +98,19 @@ async def _sustained(call: Any, concurrency: int, duration: float) -> dict[str, 
         "errors": errors,
         "per_s": round(done / elapsed, 1),
     }
+
+
+async def at_rates(call: Any, sustained_per_s: float, seconds: float) -> dict[str, Any]:
+    """Latency at fixed offered loads, open loop (each workflow timed from its due time, so a
+    stall counts against every workflow due meanwhile): at :data:`LOW_RATE` and at half the rate
+    the same system sustained in the same run."""
+    out: dict[str, Any] = {}
+    half = max(1.0, round(sustained_per_s / 2, 1))
+    for key, rate in (("100", LOW_RATE), ("half_sustained", half)):
+        pt = await open_loop(call, rate, seconds)
+        keep = ("offered_rps", "ok", "errors", "unfinished", "achieved_rps", "p50_ms", "p99_ms")
+        out[key] = {k: pt[k] for k in keep}
+    return out
 
 
 async def measure_cost(
@@ -243,6 +260,7 @@ async def run_workflow_bench(
     settings = MeshSettings(nats_url=nats_url, namespace=ns)
     n_seq = 200 if quick else 1000
     duration = 3.0 if quick else 10.0
+    rate_s = 2.0 if quick else 5.0  # per open-loop point
     concurrency = 64
     agents: list[Agent] = []
     pids: dict[str, int | None] = {"nats_server": server_pid}
@@ -287,13 +305,15 @@ async def run_workflow_bench(
                     lambda: _sustained(one_chain, concurrency, duration),
                     monitor_url,
                 )
+                fan_rates = await at_rates(one_fanout, fan_tp["per_s"], rate_s)
+                chain_rates = await at_rates(one_chain, chain_tp["per_s"], rate_s)
         finally:
             for agent in agents:
                 await agent.close()
     floor = await _floor(nats_url, n_seq)
     pub_p50 = floor["js_publish_ack"]["p50_ms"] or 1e-9
-    fan = {**_lat(fan_lat), "sustained": fan_tp, "cost": fan_cost}
-    chn = {**_lat(chain_lat), "sustained": chain_tp, "cost": chain_cost}
+    fan = {**_lat(fan_lat), "sustained": fan_tp, "cost": fan_cost, "open_loop": fan_rates}
+    chn = {**_lat(chain_lat), "sustained": chain_tp, "cost": chain_cost, "open_loop": chain_rates}
     return {
         "quick": quick,
         "fanout3": fan,

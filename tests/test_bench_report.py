@@ -81,7 +81,22 @@ async def test_the_cost_of_a_workflow_is_counted_by_the_server(wf_settings: Mesh
     assert cost["cpu_us"]["this_process"] > 0
     # The report shows them next to the workflow row, and the peer's ratios first.
     result = {
-        "fanout3": {"p50_ms": 3.0, "p99_ms": 5.0, "sustained": {"per_s": 600.0}, "cost": cost},
+        "fanout3": {
+            "p50_ms": 3.0,
+            "p99_ms": 5.0,
+            "sustained": {"per_s": 600.0},
+            "cost": cost,
+            "open_loop": {
+                "100": {"offered_rps": 100.0, "p50_ms": 2.5, "p99_ms": 4.0, "errors": {}},
+                "half_sustained": {
+                    "offered_rps": 300.0,
+                    "p50_ms": 3.5,
+                    "p99_ms": 9.0,
+                    "errors": {"TimeoutError": 2},
+                    "unfinished": 1,
+                },
+            },
+        },
         "peers": {
             "taskiq": {
                 "available": True,
@@ -102,6 +117,7 @@ async def test_the_cost_of_a_workflow_is_counted_by_the_server(wf_settings: Mesh
     row = next(line for line in page.splitlines() if line.startswith("| fanout(3) |"))
     assert f"| {cost['js_ops']:.1f} (" in row and "| peer: taskiq fanout(3) |" in page
     assert f"`{protocol.STREAM_WF}` | 1.0 / " in page
+    assert "| fanout(3) | 2.50 / 4.00 | 300/s: 3.50 / 9.00 ⚠ 3 failed or unfinished |" in page
 
 
 async def test_the_taskiq_peer_runs_on_the_same_server(nats_url: str) -> None:
@@ -117,3 +133,4 @@ async def test_the_taskiq_peer_runs_on_the_same_server(nats_url: str) -> None:
         cost = out[kind]["cost"]
         assert cost["js_stored_by_stream"]["BENCH_TASKIQ"] == 3.0  # one message per task
         assert cost["cpu_us"]["worker"] > 0
+        assert out[kind]["open_loop"]["100"]["ok"] > 0
