@@ -7,8 +7,11 @@ from this process (uvloop when installed), and writes ``bench/results/latest.jso
 ``docs/benchmarks.md``.
 
 Modules: ``_load`` (open/closed-loop generators, percentiles), ``_procs`` (child-process entry
-points), ``_system`` (machine, versions, /proc sampling), ``routed`` (routed request-reply, peers,
-tracing overhead, hub profile), ``registry_scale`` (1k/10k heartbeating agents), ``report``
-(the results page). ``selector_bench``, ``tracing_overhead`` and ``workflow_bench`` are owned by
-the engineers of those features and only imported here.
+points), ``_system`` (machine, versions, /proc sampling), ``_jsstats`` (JetStream operations,
+bytes and CPU per unit of work, from the server's statistics and /proc), ``routed`` (routed
+request-reply, peers, tracing overhead, hub profile), ``registry_scale`` (1k/10k heartbeating
+agents), ``peer_taskiq`` (taskiq + taskiq-nats doing the workflows' fanout and chain),
+``report`` and ``report_workflows`` (the results page). ``selector_bench``,
+``tracing_overhead`` and ``workflow_bench`` are owned by the engineers of those features and
+only imported here.
 """

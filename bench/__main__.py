@@ -20,7 +20,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import registry_scale, report, routed
+from bench import peer_taskiq, registry_scale, report, routed
+from bench._jsstats import free_port
 from bench._system import machine_info
 from reach_mesh.server import EmbeddedNats, find_nats_server
 
@@ -61,14 +62,24 @@ async def _scenario(
     return out
 
 
-async def _workflows(url: str, quick: bool) -> dict[str, Any]:
-    """``bench.workflow_bench.run_workflow_bench`` if its author has shipped it."""
+async def _workflows(url: str, server_pid: int, monitor: str, quick: bool) -> dict[str, Any]:
+    """``bench.workflow_bench.run_workflow_bench`` (hub, agents and caller in their own
+    processes), then the taskiq peer on the same server (``bench.peer_taskiq``)."""
     try:
         module = importlib.import_module("bench.workflow_bench")
         fn = module.run_workflow_bench
     except (ImportError, AttributeError) as err:
         return {"available": False, "reason": f"bench/workflow_bench.py not usable: {err!r}"}
-    result = await fn(url, quick)
+    result = await fn(url, quick, split=True, server_pid=server_pid, monitor_url=monitor)
+    log("  taskiq peer")
+    try:
+        peer = await peer_taskiq.run_taskiq_peer(
+            url, quick, server_pid=server_pid, monitor_url=monitor
+        )
+    except Exception as err:
+        log(f"  taskiq peer FAILED: {err!r}")
+        peer = {"available": False, "reason": f"{type(err).__name__}: {err}"}
+    result["peers"] = {"taskiq": peer}
     return {"available": True, "result": result}
 
 
@@ -107,9 +118,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     log(f"reach-mesh bench ({results['mode']}) on {results['machine']['cpu_model']}")
-    async with EmbeddedNats() as server:
-        assert server.proc is not None
+    # The monitoring endpoint (127.0.0.1 only) lets the workflow scenario read /connz.
+    async with EmbeddedNats(http_port=free_port()) as server:
+        assert server.proc is not None and server.http_port is not None
         url, spid = server.url, server.proc.pid
+        monitor = f"http://127.0.0.1:{server.http_port}"
         results["routed"] = await _scenario(
             "routed request-reply and peers",
             lambda: routed.run_routed(url, spid, plan, log),
@@ -123,7 +136,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "hub profile", lambda: routed.run_profile(url, plan, RESULTS, log), 300
             )
         results["workflows"] = await _scenario(
-            "workflows", lambda: _workflows(url, quick), 60 if quick else 600
+            "workflows", lambda: _workflows(url, spid, monitor, quick), 150 if quick else 600
         )
         results["registry_scale"] = await _scenario(
             "registry scale",

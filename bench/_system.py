@@ -60,6 +60,8 @@ def machine_info(nats_server: str | None) -> dict[str, Any]:
             "pydantic": _version("pydantic"),
             "uvloop": uvloop_version,
             "agentbus": _version("agentbus"),
+            "taskiq": _version("taskiq"),
+            "taskiq-nats": _version("taskiq-nats"),
             "pyinstrument": _version("pyinstrument"),
             "opentelemetry-sdk": _version("opentelemetry-sdk"),
         },

@@ -6,7 +6,11 @@ and measures, in the same run:
 * fanout of 3 and chain of 3: sequential end-to-end latency (p50/p99) as a caller sees it
   (submit → result), and sustained workflows/s with many in flight;
 * the floor: JetStream publish with a synchronous ack (p50/p99, msg/s) and pull-consume of the
-  same number of messages (msg/s) — every workflow needs several such round trips.
+  same number of messages (msg/s) — every workflow needs several such round trips;
+* what one workflow costs, over the sustained phase (``cost``): JetStream operations counted
+  from the server's own statistics (``$JS.API`` requests from the account info, messages stored
+  per stream), JetStream bytes kept (for ``workflow_retention``), and CPU µs per process
+  (``bench/_jsstats.py``).
 
 ``python bench/workflow_bench.py --quick`` prints one JSON object. The bench harness imports
 :func:`run_workflow_bench`.
@@ -19,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -30,12 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nats
 
-from reach_mesh import Client, MeshSettings, Step
+from bench._jsstats import COUNTER_NAME, ClientMessages, CpuCounter, JsCounter, free_port, per_unit
+from bench._load import open_loop
+from reach_mesh import Client, MeshSettings, Step, _runner
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-__all__ = ["run_workflow_bench"]
+__all__ = ["at_rates", "measure_cost", "run_workflow_bench"]
+
+#: The low fixed load of the open-loop points (issue 15: p50 at 100 workflows/s).
+LOW_RATE = 100.0
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -88,6 +98,44 @@ async def _sustained(call: Any, concurrency: int, duration: float) -> dict[str, 
         "errors": errors,
         "per_s": round(done / elapsed, 1),
     }
+
+
+async def at_rates(call: Any, sustained_per_s: float, seconds: float) -> dict[str, Any]:
+    """Latency at fixed offered loads, open loop (each workflow timed from its due time, so a
+    stall counts against every workflow due meanwhile): at :data:`LOW_RATE` and at half the rate
+    the same system sustained in the same run."""
+    out: dict[str, Any] = {}
+    half = max(1.0, round(sustained_per_s / 2, 1))
+    for key, rate in (("100", LOW_RATE), ("half_sustained", half)):
+        pt = await open_loop(call, rate, seconds)
+        keep = ("offered_rps", "ok", "errors", "unfinished", "achieved_rps", "p50_ms", "p99_ms")
+        out[key] = {k: pt[k] for k in keep}
+    return out
+
+
+async def measure_cost(
+    nats_url: str, pids: dict[str, int | None], run: Any, monitor_url: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``await run()`` (a phase returning a dict with ``completed``) with its cost per completed
+    unit: JetStream operations and bytes from the server's statistics, CPU µs per process, and
+    (with the server's ``monitor_url``) the messages clients sent to the server."""
+    nc = await nats.connect(nats_url, name=COUNTER_NAME, max_reconnect_attempts=3)
+    msgs = ClientMessages(monitor_url) if monitor_url else None
+    try:
+        js_count = JsCounter(nc.jetstream(timeout=10.0))
+        cpu = CpuCounter(pids)
+        await js_count.start()
+        if msgs is not None:
+            await msgs.start()
+        cpu.start()
+        out: dict[str, Any] = await run()
+        js = await js_count.stop()
+        # After the settle pause, as the JetStream figures are: trailing work counts.
+        cpu_s = cpu.stop()
+        sent = await msgs.stop() if msgs is not None else None
+    finally:
+        await nc.close()
+    return out, per_unit(js, cpu_s, int(out["completed"]), sent)
 
 
 async def _floor(nats_url: str, n: int) -> dict[str, Any]:
@@ -146,20 +194,23 @@ async def _child(role: str, nats_url: str, ns: str) -> None:
     if role == "hub":
         async with Hub(settings=settings):
             print("READY", flush=True)
+            _runner.settle()
             await stop
     else:
         agents = _agents(settings)
         for agent in agents:
             await agent.start()
         print("READY", flush=True)
+        _runner.settle()
         await stop
         for agent in agents:
             await agent.close()
 
 
 @contextlib.asynccontextmanager
-async def _processes(nats_url: str, ns: str) -> AsyncIterator[None]:
-    procs = []
+async def _processes(nats_url: str, ns: str) -> AsyncIterator[dict[str, int]]:
+    """The hub and the agents in their own processes; yields their pids."""
+    procs: list[asyncio.subprocess.Process] = []
     try:
         for role in ("hub", "agents"):
             proc = await asyncio.create_subprocess_exec(
@@ -179,7 +230,7 @@ async def _processes(nats_url: str, ns: str) -> AsyncIterator[None]:
             line = await asyncio.wait_for(proc.stdout.readline(), 30)
             if not line.startswith(b"READY"):
                 raise RuntimeError(f"{role} process did not start")
-        yield
+        yield {"hub": procs[0].pid, "agents": procs[1].pid}
     finally:
         for proc in reversed(procs):
             if proc.stdin is not None:
@@ -190,22 +241,35 @@ async def _processes(nats_url: str, ns: str) -> AsyncIterator[None]:
                 proc.kill()
 
 
-async def run_workflow_bench(nats_url: str, quick: bool, *, split: bool = False) -> dict[str, Any]:
+async def run_workflow_bench(
+    nats_url: str,
+    quick: bool,
+    *,
+    split: bool = False,
+    server_pid: int | None = None,
+    monitor_url: str | None = None,
+) -> dict[str, Any]:
     """Fanout(3)/chain(3) latency and throughput plus the JetStream floor, as one dict.
 
-    ``split``: the hub and the agents run in their own processes (the caller stays here);
-    otherwise all three share this process and its event loop.
+    ``split``: the hub and the agents run in their own processes (the caller stays here; the
+    hub's CPU per workflow is then its own); otherwise all three share this process and its
+    event loop. ``server_pid``: nats-server's, for its CPU per workflow; ``monitor_url``: its
+    monitoring endpoint, for the messages clients send it per workflow.
     """
     ns = f"wfb{uuid.uuid4().hex[:6]}"
     settings = MeshSettings(nats_url=nats_url, namespace=ns)
     n_seq = 200 if quick else 1000
     duration = 3.0 if quick else 10.0
+    rate_s = 2.0 if quick else 5.0  # per open-loop point
     concurrency = 64
     agents: list[Agent] = []
+    pids: dict[str, int | None] = {"nats_server": server_pid}
     async with contextlib.AsyncExitStack() as stack:
         if split:
-            await stack.enter_async_context(_processes(nats_url, ns))
+            pids.update(await stack.enter_async_context(_processes(nats_url, ns)))
+            pids["caller"] = os.getpid()
         else:
+            pids["hub_agents_caller"] = os.getpid()
             await stack.enter_async_context(Hub(settings=settings))
             agents = _agents(settings)
             for agent in agents:
@@ -229,15 +293,27 @@ async def run_workflow_bench(nats_url: str, quick: bool, *, split: bool = False)
                 await _sequential(one_chain, 20)
                 fan_lat = await _sequential(one_fanout, n_seq)
                 chain_lat = await _sequential(one_chain, n_seq)
-                fan_tp = await _sustained(one_fanout, concurrency, duration)
-                chain_tp = await _sustained(one_chain, concurrency, duration)
+                fan_tp, fan_cost = await measure_cost(
+                    nats_url,
+                    pids,
+                    lambda: _sustained(one_fanout, concurrency, duration),
+                    monitor_url,
+                )
+                chain_tp, chain_cost = await measure_cost(
+                    nats_url,
+                    pids,
+                    lambda: _sustained(one_chain, concurrency, duration),
+                    monitor_url,
+                )
+                fan_rates = await at_rates(one_fanout, fan_tp["per_s"], rate_s)
+                chain_rates = await at_rates(one_chain, chain_tp["per_s"], rate_s)
         finally:
             for agent in agents:
                 await agent.close()
     floor = await _floor(nats_url, n_seq)
     pub_p50 = floor["js_publish_ack"]["p50_ms"] or 1e-9
-    fan = {**_lat(fan_lat), "sustained": fan_tp}
-    chn = {**_lat(chain_lat), "sustained": chain_tp}
+    fan = {**_lat(fan_lat), "sustained": fan_tp, "cost": fan_cost, "open_loop": fan_rates}
+    chn = {**_lat(chain_lat), "sustained": chain_tp, "cost": chain_cost, "open_loop": chain_rates}
     return {
         "quick": quick,
         "fanout3": fan,
@@ -254,8 +330,10 @@ async def run_workflow_bench(nats_url: str, quick: bool, *, split: bool = False)
             "fanout3_p50_le_10ms": fan["p50_ms"] <= 10.0,
             "fanout3_ge_500_per_s": fan_tp["per_s"] >= 500,
         },
+        "retention_s": settings.workflow_retention,
         "setup": (
-            "nats-server; hub, 3 agents (one process) and caller each in their own process"
+            "nats-server; hub, 3 agents (one process) and caller each in their own process "
+            "(hub and agents on the entry points' event loop)"
             if split
             else "nats-server; hub, 3 agents and the caller in one process (one event loop)"
         ),
@@ -265,8 +343,16 @@ async def run_workflow_bench(nats_url: str, quick: bool, *, split: bool = False)
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     if args.nats:
         return await run_workflow_bench(args.nats, args.quick, split=args.split)
-    async with EmbeddedNats() as server:
-        return await run_workflow_bench(server.url, args.quick, split=args.split)
+    port = free_port()
+    async with EmbeddedNats(http_port=port) as server:
+        pid = server.proc.pid if server.proc is not None else None
+        return await run_workflow_bench(
+            server.url,
+            args.quick,
+            split=args.split,
+            server_pid=pid,
+            monitor_url=f"http://127.0.0.1:{port}",
+        )
 
 
 def main() -> None:
@@ -281,7 +367,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     if args.role:
-        asyncio.run(_child(args.role, args.nats, args.ns))
+        # As `reach-mesh hub` and `reach_mesh.agent.run` do (uvloop when installed).
+        _runner.run(_child(args.role, args.nats, args.ns))
         return
     print(json.dumps(asyncio.run(_main(args)), indent=2))
 

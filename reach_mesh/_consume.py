@@ -33,7 +33,9 @@ from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 
 __all__ = [
+    "RETENTION_STREAMS",
     "PullConsumer",
+    "apply_workflow_retention",
     "ensure_stream",
     "kv_values",
     "status_stream_config",
@@ -234,6 +236,49 @@ async def ensure_task_resources(js: JetStreamContext, settings: MeshSettings) ->
         ttl=s.workflow_retention,
         description="reach-mesh workflow task records (current attempt = fence)",
     )
+
+
+#: What ``workflow_retention`` ages: the workflow streams and the streams of the KV buckets.
+RETENTION_STREAMS: Final = (
+    protocol.STREAM_WF,
+    protocol.STREAM_WF_EVENTS,
+    protocol.STREAM_WORK,
+    protocol.STREAM_STATUS,
+    f"KV_{protocol.KV_WORKFLOWS}",
+    f"KV_{protocol.KV_TASKS}",
+    f"KV_{protocol.KV_RESULTS}",
+)
+
+
+async def apply_workflow_retention(js: JetStreamContext, settings: MeshSettings) -> list[str]:
+    """Give every existing stream of :data:`RETENTION_STREAMS` the max age
+    ``workflow_retention`` (a KV bucket's TTL is its stream's max age), keeping duplicate
+    windows within it; returns the names changed. Hubs call it at start: the streams were
+    created with the retention of whoever came first (a hub or an agent), and a changed setting
+    takes effect on the next hub start. Shortening it drops older records at once."""
+    retention = settings.workflow_retention
+    changed = []
+    for name in RETENTION_STREAMS:
+        try:
+            cfg = (await js.stream_info(name)).config
+        except NotFoundError:
+            continue
+        window = cfg.duplicate_window
+        if name in (protocol.STREAM_WF, protocol.STREAM_WORK):
+            window = min(settings.dedup_window, retention)
+        elif window is not None and window > retention:
+            window = retention
+        same_age = cfg.max_age is not None and abs(cfg.max_age - retention) < 1e-3
+        if same_age and (window is None or abs((cfg.duplicate_window or 0) - window) < 1e-3):
+            continue
+        log.warning(
+            "stream %s: max age %ss -> %ss (workflow_retention)", name, cfg.max_age, retention
+        )
+        cfg.max_age = retention
+        cfg.duplicate_window = window
+        await js.update_stream(cfg)
+        changed.append(name)
+    return changed
 
 
 def work_stream_config(retention: float, dedup_window: float, replicas: int) -> StreamConfig:

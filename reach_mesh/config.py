@@ -125,7 +125,10 @@ class MeshSettings(BaseModel):
     pending_interval: float = Field(default=30.0, gt=0)
     #: How long a step may stay unfinished (retrying / pending) before it is TIMEOUT.
     task_ttl: float = Field(default=7200.0, gt=0)
-    #: Age of workflow records, task records, stored results and events in JetStream.
+    #: Age of workflow records, task records, stored results and events in JetStream (the max
+    #: age of the REACH_WF* / REACH_WORK / REACH_STATUS streams and the TTL of the workflow KV
+    #: buckets; a hub applies it to existing ones at start). At least ``task_ttl``: a record
+    #: must outlive the longest a step may stay unfinished.
     workflow_retention: float = Field(default=86400.0, gt=0)
     #: Duplicate window of workflow submissions and work messages (``Nats-Msg-Id``).
     dedup_window: float = Field(default=600.0, gt=0)
@@ -158,6 +161,16 @@ class MeshSettings(BaseModel):
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
+
+    @model_validator(mode="after")
+    def _retention(self) -> MeshSettings:
+        if self.workflow_retention < self.task_ttl:
+            raise BadRequestError(
+                f"workflow_retention {self.workflow_retention:g}s is shorter than task_ttl "
+                f"({self.task_ttl:g}s): records of running workflows would expire; lower "
+                "task_ttl too"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lease(self) -> MeshSettings:

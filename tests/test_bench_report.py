@@ -1,12 +1,24 @@
-"""The benchmark report: a quick run leaves the committed report alone, and the report states
-the machine's load as measured."""
+"""The benchmark report: a quick run leaves the committed report alone, the report states the
+machine's load as measured, and the workflow costs are counted from the server's statistics."""
 
 from __future__ import annotations
 
 import json
+import os
+from typing import Any
+
+import pytest
 
 from bench import report
 from bench.__main__ import DOC, RESULTS, outputs
+from bench._jsstats import free_port
+from bench.report_workflows import workflow_section
+from bench.workflow_bench import measure_cost
+from reach_mesh import Client, MeshSettings, Step, protocol
+from reach_mesh.hub import Hub
+from reach_mesh.server import EmbeddedNats
+
+from .helpers import Fleet, echo_agent
 
 
 def test_a_quick_run_writes_elsewhere() -> None:
@@ -31,3 +43,94 @@ def test_the_committed_report_matches_its_results() -> None:
     page = report.render(results)
     assert "engineers" not in page
     assert page == DOC.read_text()  # regenerated from latest.json, not edited by hand
+
+
+async def test_the_cost_of_a_workflow_is_counted_by_the_server(wf_settings: MeshSettings) -> None:
+    """A few real fanout(3)s, counted by bench/_jsstats.py from the server's statistics (a
+    server of its own, with the monitoring endpoint the bench reads /connz from)."""
+    port = free_port()
+    async with EmbeddedNats(http_port=port) as server:
+        settings = wf_settings.model_copy(update={"nats_url": server.url})
+        fleet = Fleet(settings)
+        steps = [Step(capability="bench:echo:v1", payload={"i": i}) for i in range(3)]
+        try:
+            async with Hub(settings=settings), Client(settings=settings) as mesh:
+                for i in range(3):
+                    await echo_agent(fleet, f"bench.e{i}", "bench:echo:v1").start()
+
+                async def phase() -> dict[str, Any]:
+                    for _ in range(5):
+                        assert (await mesh.fanout(steps, timeout=20)).ok
+                    return {"completed": 5}
+
+                out, cost = await measure_cost(
+                    server.url, {"this_process": os.getpid()}, phase, f"http://127.0.0.1:{port}"
+                )
+        finally:
+            await fleet.close()
+    assert out == {"completed": 5} and cost["units"] == 5
+    # Every operation is a message from a client; reads make it more than the stored ones.
+    assert cost["client_msgs"] > cost["js_stored"]
+    by_stream = cost["js_stored_by_stream"]
+    assert by_stream[protocol.STREAM_WF] == 1.0  # one submission per workflow
+    assert by_stream[protocol.STREAM_WORK] == 3.0  # one step message per branch
+    assert by_stream[f"KV_{protocol.KV_WORKFLOWS}"] >= 1.0
+    assert cost["js_ops"] == pytest.approx(cost["js_api_requests"] + cost["js_stored"])
+    assert cost["js_stored"] == pytest.approx(sum(by_stream.values()), abs=0.05)
+    assert cost["js_bytes_kept"] > 1000  # records and events stay for workflow_retention
+    assert cost["cpu_us"]["this_process"] > 0
+    # The report shows them next to the workflow row, and the peer's ratios first.
+    result = {
+        "fanout3": {
+            "p50_ms": 3.0,
+            "p99_ms": 5.0,
+            "sustained": {"per_s": 600.0},
+            "cost": cost,
+            "open_loop": {
+                "100": {"offered_rps": 100.0, "p50_ms": 2.5, "p99_ms": 4.0, "errors": {}},
+                "half_sustained": {
+                    "offered_rps": 300.0,
+                    "p50_ms": 3.5,
+                    "p99_ms": 9.0,
+                    "errors": {"TimeoutError": 2},
+                    "unfinished": 1,
+                },
+            },
+        },
+        "peers": {
+            "taskiq": {
+                "available": True,
+                "setup": "taskiq",
+                "fanout3": {
+                    "p50_ms": 4.0,
+                    "p99_ms": 10.0,
+                    "sustained": {"per_s": 300.0},
+                    "cost": {**cost, "cpu_us": {"worker": 10.0}},
+                },
+            }
+        },
+    }
+    page = workflow_section({"workflows": {"available": True, "result": result}})
+    assert page.index("**Against the peer") < page.index("| workflow |")
+    assert "fanout(3): **2.00x the peer's throughput**, p99 0.50x" in page
+    assert "client → server messages 1.00x the peer's" in page
+    row = next(line for line in page.splitlines() if line.startswith("| fanout(3) |"))
+    assert f"| {cost['js_ops']:.1f} (" in row and "| peer: taskiq fanout(3) |" in page
+    assert f"`{protocol.STREAM_WF}` | 1.0 / " in page
+    assert "| fanout(3) | 2.50 / 4.00 | 300/s: 3.50 / 9.00 ⚠ 3 failed or unfinished |" in page
+
+
+async def test_the_taskiq_peer_runs_on_the_same_server(nats_url: str) -> None:
+    """The smallest real run of the peer: a worker process, a few workflows of each kind."""
+    pytest.importorskip("taskiq_nats", reason="the bench extra: pip install -e '.[bench]'")
+    from bench.peer_taskiq import run_taskiq_peer
+
+    out = await run_taskiq_peer(nats_url, True, n_seq=3, duration=0.5)
+    assert out["available"], out
+    for kind in ("fanout3", "chain3"):
+        assert out[kind]["n"] == 3 and out[kind]["sustained"]["completed"] > 0
+        assert out[kind]["sustained"]["errors"] == 0
+        cost = out[kind]["cost"]
+        assert cost["js_stored_by_stream"]["BENCH_TASKIQ"] == 3.0  # one message per task
+        assert cost["cpu_us"]["worker"] > 0
+        assert out[kind]["open_loop"]["100"]["ok"] > 0

@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 
 from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher
+from reach_mesh._consume import apply_workflow_retention
 from reach_mesh._nats import connect
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
@@ -166,6 +167,8 @@ class Hub(RoutingMixin, ControlMixin):
                 self._nc, self._js, self.registry, self.router, s, self.hub_id, metrics=self.metrics
             )
             await self.workflows.start()
+            # The streams and buckets may predate this hub's workflow_retention.
+            await apply_workflow_retention(self._js, s)
             if s.http_port is not None:
                 self.dashboard = Dashboard(self)
                 await self.dashboard.start()
