@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -103,6 +104,9 @@ class Hub(RoutingMixin, ControlMixin):
         self._answers: AnswerBatcher
         self._sender: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        # Routes asked in this process (``route``) awaiting their answer, by reply token.
+        self._local = {}
+        self._local_ids = itertools.count()
         s = self.settings
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
@@ -286,6 +290,17 @@ class Hub(RoutingMixin, ControlMixin):
         await self.close()
 
     # ------------------------------------------------------------------ dispatch
+
+    async def route(
+        self, data: bytes, namespace: str, headers: dict[str, str] | None = None
+    ) -> bytes:
+        """Route one ``RouteRequest`` (its JSON) as this hub routes one that came on
+        ``reach.hub.<namespace>.route`` with trace ``headers``, and return the answer: a
+        ``RouteReply`` or an error body, as bytes. For this hub's HTTP faces (REST, MCP, A2A):
+        the hub that took the request routes it, with no NATS round trip to a hub and back."""
+        if self.state is not HubState.RUNNING:
+            raise MeshUnavailableError(f"hub {self.hub_id} is {self.state.value}")
+        return await self._route_local(data, namespace, headers)
 
     def _dispatcher(self, handler: Handler) -> Callable[[Msg], Awaitable[None]]:
         async def on_msg(msg: Msg) -> None:

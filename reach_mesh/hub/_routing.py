@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import itertools
 import logging
 import time
 from collections.abc import Coroutine
@@ -76,6 +77,9 @@ DIRECT_ALTERNATES: Final = 3
 #: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
 #: id in one may name an agent registered through another hub a moment ago).
 _UNKNOWN_NS: Final = "*"
+#: Reply "subjects" of routes asked in this process (``Hub.route``), followed by a number. A space
+#: never occurs in a NATS subject, so no message's reply subject can name one of these callers.
+_LOCAL_REPLY: Final = "local "
 
 
 class _ReplyHead(BaseModel):
@@ -163,6 +167,9 @@ class RoutingMixin:
     _duration_children: dict[str, Any]
     _route_seconds: LoopHistogram
     _accepted_seconds: LoopHistogram
+    #: Routes asked in this process (``_route_local``) awaiting their answer, by reply token.
+    _local: dict[str, asyncio.Future[bytes]]
+    _local_ids: itertools.count[int]
 
     if TYPE_CHECKING:
 
@@ -193,6 +200,21 @@ class RoutingMixin:
         if child is None:
             child = self._task_counters[key] = self.metrics.task_total.labels(ns, mode, state)
         child.inc()
+
+    async def _route_local(
+        self, data: bytes, namespace: str, headers: dict[str, str] | None
+    ) -> bytes:
+        """Route one request that came in this process (``Hub.route``) as one that came on
+        ``reach.hub.<namespace>.route``, with a reply token ``_answer`` resolves here."""
+        subject = protocol.hub_subject(protocol.validate_namespace(namespace), "route")
+        reply = f"{_LOCAL_REPLY}{next(self._local_ids)}"
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._local[reply] = answer
+        try:
+            await self._route_one(subject, data, reply, headers, None)
+            return await answer
+        finally:
+            self._local.pop(reply, None)
 
     async def _on_route_msg(self, msg: Msg) -> None:
         """The route subscription's callback: admit the request, start its first attempt."""
@@ -729,6 +751,11 @@ class RoutingMixin:
         """Send a route's answer: now, or — for a request that came in a batch — with the other
         answers to that batch's reply subject that are ready in this pass of the event loop."""
         if not reply:
+            return
+        if reply.startswith(_LOCAL_REPLY):  # asked in this process (``_route_local``)
+            answer = self._local.pop(reply, None)
+            if answer is not None and not answer.done():
+                answer.set_result(body)
             return
         if batch_reply and self._answers.add(batch_reply, reply, body):
             return
