@@ -1,6 +1,6 @@
 """A2A (the official ``a2a-sdk``) on the hub: one agent card per tenant namespace, whose skills
 are the live tools and capabilities of that namespace, and ``message/send`` routed as a task
-through the mesh (``reach.hub.<ns>.route``, proxy mode).
+through the mesh (proxy mode, routed by this hub as a request on ``reach.hub.<ns>.route``).
 
 ``/a2a/<ns>/.well-known/agent-card.json`` is the card, ``/a2a/<ns>/`` the JSON-RPC endpoint.
 A message names its skill in ``metadata.skill`` (or a data part ``{"skill": …, "arguments":
@@ -74,11 +74,7 @@ class _MeshExecutor(AgentExecutor):
         await updater.start_work()
         req = RouteRequest(capability=capability, payload=arguments)
         try:
-            data = await self.a2a.http.nats_request(
-                protocol.hub_subject(self.namespace, "route"),
-                protocol.encode(req),
-                timeout=req.timeout + 2,
-            )
+            data = await self.a2a.http.route_task(protocol.encode(req), self.namespace)
         except ReachError as err:
             text = f"{err.code}: {err.message}"
             await updater.failed(updater.new_agent_message([Part(text=text)]))

@@ -137,10 +137,8 @@ class HubMcp:
                     "not routable, or it never existed): list the tools again"
                 )
             req = RouteRequest(capability=tool["capability"], payload=params.arguments or {})
-            data = await self.http.nats_request(
-                protocol.hub_subject(protocol.namespace_of(tool["agents"][0]), "route"),
-                protocol.encode(req),
-                timeout=req.timeout + 2,
+            data = await self.http.route_task(
+                protocol.encode(req), protocol.namespace_of(tool["agents"][0])
             )
         except ReachError as err:
             return _tool_error(f"{err.code}: {err.message}")

@@ -2,8 +2,11 @@
 Prometheus ``/metrics``, ``/healthz``, a REST gateway whose OpenAPI document FastAPI generates
 from the pydantic wire models, the operators' dashboard, and MCP at ``/mcp`` (``_mcp.py``).
 
-REST calls go through NATS like any other client (``/api/route`` requests ``reach.hub.<ns>.route``),
-so any hub in the queue group may answer and the HTTP path adds no second routing logic.
+``POST /api/route`` (and an MCP ``tools/call``, an A2A ``message/send``) is routed by this hub as
+it routes a request on ``reach.hub.<ns>.route`` (``Hub.route``: the same admission, throttle,
+decision and flight), without a NATS round trip to the hub queue group and back, so the HTTP path
+adds no second routing logic. The REST route is a plain ASGI handler (``_gateway.py``): its body
+is validated once, by the hub's decoder, and the hub's answer bytes are the response.
 
 Every request first passes :class:`GuardMiddleware`, which calls the same
 :meth:`~reach_mesh.hub.http_guard.HttpGuard.check` the security tests pin down; paths under
@@ -29,25 +32,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
-from reach_mesh.errors import (
-    AgentBusyError,
-    BadRequestError,
-    MeshTimeoutError,
-    MeshUnavailableError,
-    NoHandlerError,
-    NoMatchError,
-    PayloadTooLargeError,
-    ReachError,
-    StaleAttemptError,
-    ThrottledError,
-    UnknownAgentError,
-    WorkflowConflictError,
-)
+from reach_mesh.errors import BadRequestError, MeshTimeoutError, ReachError, UnknownAgentError
 from reach_mesh.hub import _dashboard as dash
 from reach_mesh.hub._a2a import HubA2a
+from reach_mesh.hub._gateway import (
+    NamespaceQuery,
+    RouteEndpoint,
+    error_response,
+    route_contract,
+    served_by,
+    status_for,
+)
 from reach_mesh.hub._mcp import HubMcp
 from reach_mesh.hub.http_guard import HttpGuard
-from reach_mesh.models import AgentInfo, AgentState, RouteReply, RouteRequest
+from reach_mesh.models import AgentInfo, AgentState, RouteReply
 from reach_mesh.tracing import inject
 from reach_mesh.tracing.metrics import CONTENT_TYPE
 
@@ -59,11 +57,7 @@ __all__ = ["HubHttp", "status_for"]
 _VERSION: Final = "0.1.0"
 #: Paths behind the bearer token (when ``http_token`` is set).
 _GUARDED_PREFIXES: Final = ("/api/", "/mcp", "/a2a/")
-#: Query and path parameters carry their grammar, so the document says what is accepted.
-NamespaceQuery = Annotated[
-    str | None,
-    Query(pattern=protocol.TOKEN_RE.pattern, max_length=64, description="tenant namespace"),
-]
+#: Path parameters carry their grammar, so the document says what is accepted.
 AgentIdPath = Annotated[
     str,
     Path(pattern=protocol.AGENT_ID_RE.pattern, max_length=194, description="<ns>.<group>.<name>"),
@@ -115,32 +109,6 @@ class ToolMenu(BaseModel):
     tools: list[ToolEntry]
 
 
-def status_for(err: ReachError) -> int:
-    """The HTTP status of a typed error: client errors are 4xx, the mesh's own trouble 5xx."""
-    if isinstance(err, PayloadTooLargeError):
-        return 413
-    if isinstance(err, BadRequestError):
-        return 400
-    if isinstance(err, NoMatchError | UnknownAgentError | NoHandlerError):
-        return 404
-    if isinstance(err, WorkflowConflictError | StaleAttemptError):
-        return 409
-    if isinstance(err, ThrottledError):
-        return 429
-    if isinstance(err, AgentBusyError | MeshUnavailableError):
-        return 503
-    if isinstance(err, MeshTimeoutError):
-        return 504
-    return 502
-
-
-def _error_response(err: ReachError) -> JSONResponse:
-    headers = {}
-    if isinstance(err, ThrottledError):
-        headers["Retry-After"] = str(max(1, round(err.retry_after)))
-    return JSONResponse(err.to_wire(), status_for(err), headers)
-
-
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     text = {
         400: "bad request (REACH_BAD_REQUEST and its kinds)",
@@ -160,18 +128,26 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 class GuardMiddleware:
     """Pure ASGI middleware (streams pass through untouched, as MCP's SSE needs): the guard's
-    checks before any route, counted in ``reach_http_refused_total``."""
+    checks before any route, counted in ``reach_http_refused_total``.
+
+    A ``POST /api/route`` that passes goes straight to its endpoint (``HubHttp.route``, the one
+    FastAPI's route calls too), past the framework's middleware and route table: on the gateway's
+    hot path they cost as much as the endpoint itself."""
 
     def __init__(self, app: ASGIApp, http: HubHttp) -> None:
         self.app = app
         self.http = http
+        self._posts: dict[str, ASGIApp] = {"/api/route": http.route}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        if not any(r.matches(scope)[0] is Match.FULL for r in self.http.app.router.routes):
+        target = self._posts.get(path, self.app) if scope["method"] == "POST" else self.app
+        if target is self.app and not any(
+            r.matches(scope)[0] is Match.FULL for r in self.http.app.router.routes
+        ):
             # No route takes it: the app answers 404 or 405 and nothing runs.
             await self.app(scope, receive, send)
             return
@@ -180,7 +156,7 @@ class GuardMiddleware:
             scope["method"], path, headers, auth=path.startswith(_GUARDED_PREFIXES)
         )
         if refusal is None:
-            await self.app(scope, receive, send)
+            await target(scope, receive, send)
             return
         self.http.hub.metrics.http_refused_total.labels(refusal.error.code).inc()
         response = JSONResponse(refusal.error.to_wire(), refusal.status, dict(refusal.headers))
@@ -199,6 +175,8 @@ class HubHttp:
             allowed_origins=s.http_allowed_origins,
             token=s.http_token,
         )
+        #: ``POST /api/route``, the gateway's hot path (``_gateway.py``).
+        self.route = RouteEndpoint(hub)
         self.mcp = HubMcp(self)
         self.a2a = HubA2a(self)
         self.app = self._build_app()
@@ -219,6 +197,18 @@ class HubHttp:
         app.add_exception_handler(ReachError, _reach_error)
         # What the guard answers before a route runs: 403 (Host/Origin), 401 with a token.
         refused = (401, 403) if self.guard_has_token else (403,)
+        # The task gateway (behind the bearer token when ``http_token`` is set) first: the route
+        # table is scanned in order on every request.
+        app.router.add_api_route(
+            "/api/route",
+            route_contract,
+            methods=["POST"],
+            name="route",
+            summary="Route one task to a live agent and return its answer",
+            response_model=RouteReply,
+            responses=_errors(400, 404, 409, 413, 415, 429, 502, 503, 504, *refused),
+            route_class_override=served_by(self.route),
+        )
         # Open: what a browser, a prober or Prometheus fetches.
         app.get("/", include_in_schema=False, response_class=HTMLResponse)(self.dashboard)
         app.get(
@@ -233,8 +223,7 @@ class HubHttp:
             response_model=Health,
             responses={503: {"model": Health, "description": "NATS down"}},
         )(self.healthz)
-        # Behind the bearer token when ``http_token`` is set: fleet data, operator actions,
-        # the task gateway.
+        # Behind the bearer token when ``http_token`` is set: fleet data, operator actions.
         app.get(
             "/api/agents",
             summary="Agents as this hub sees them",
@@ -253,12 +242,6 @@ class HubHttp:
             response_model=AdminResult,
             responses=_errors(400, 404, 415, 502, 503, 504, *refused),
         )(self.agent_op)
-        app.post(
-            "/api/route",
-            summary="Route one task to a live agent and return its answer",
-            response_model=RouteReply,
-            responses=_errors(400, 404, 409, 413, 415, 429, 502, 503, 504, *refused),
-        )(self.route)
         app.get(
             "/api/tools",
             summary="The mesh's tool menu (union over live, routable agents)",
@@ -458,26 +441,14 @@ class HubHttp:
 
     # ------------------------------------------------------------------ gateway
 
-    async def route(
-        self,
-        request: Request,
-        body: RouteRequest,
-        namespace: NamespaceQuery = None,
-    ) -> Response:
-        """``POST /api/route?namespace=ns`` with a RouteRequest body → RouteReply."""
-        raw = await request.body()
-        if len(raw) > self.hub.settings.max_payload + 16 * 1024:
-            raise PayloadTooLargeError(
-                f"request body of {len(raw)} bytes is over max_payload",
-                limit=self.hub.settings.max_payload,
-            )
-        ns = protocol.validate_namespace(namespace or "default")
-        if body.agent_id is not None:
-            ns = protocol.namespace_of(body.agent_id)
-        data = await self.nats_request(
-            protocol.hub_subject(ns, "route"), protocol.encode(body), timeout=body.timeout + 2
-        )
-        return Response(data, media_type="application/json")
+    async def route_task(
+        self, body: bytes, namespace: str, headers: dict[str, str] | None = None
+    ) -> bytes:
+        """Route one ``RouteRequest`` (JSON) through this hub; an error answer raises its typed
+        :class:`ReachError`, else the ``RouteReply`` bytes are returned."""
+        data = await self.hub.route(body, namespace, headers)
+        protocol.raise_for_error(data)
+        return data
 
     async def nats_request(self, subject: str, body: bytes, timeout: float = 10.0) -> bytes:
         """One NATS request; NATS failures and typed error replies raise :class:`ReachError`."""
@@ -537,7 +508,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     first = exc.errors()[0] if exc.errors() else {}
     where = ".".join(str(p) for p in first.get("loc", ()))
     err = BadRequestError(f"{where}: {first.get('msg', 'invalid request')}", field=where)
-    return _error_response(err)
+    return error_response(err)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -551,4 +522,4 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _reach_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ReachError)
-    return _error_response(exc)
+    return error_response(exc)

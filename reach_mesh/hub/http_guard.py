@@ -23,6 +23,7 @@ The checks, in order (docs/security.md, "HTTP surface"):
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 from collections.abc import Iterable, Mapping
@@ -164,9 +165,12 @@ def _strip_port(host: str) -> str:
     return name if sep and port.isdigit() else host
 
 
+@functools.lru_cache(maxsize=256)
 def _host_name(host: str) -> str:
     """A host name or address in one canonical spelling: lower case, no brackets, no trailing
-    dot, IP addresses normalised (``::0001`` is ``::1``)."""
+    dot, IP addresses normalised (``::0001`` is ``::1``). Cached (bounded): every request's
+    ``Host`` header comes here, and parsing it as an address costs more than the rest of the
+    checks together."""
     name = host.strip().lower().removeprefix("[").removesuffix("]").rstrip(".")
     try:
         return str(ipaddress.ip_address(name))
