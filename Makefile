@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test chaos lint fmt bench install clean
+.PHONY: demo test chaos lint fmt bench bench-gateway install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,8 @@ fmt: $(STAMP)
 # make bench            full run (writes bench/results/latest.json and docs/benchmarks.md)
 # make bench QUICK=1    under a minute (writes bench/results/quick.json and quick.md only)
 # make bench PROFILE=1  also profile the hub under the routed scenario
+# make bench-gateway    only the HTTP gateway next to the NATS client and the floor (~2 minutes):
+#                       the results' gateway section (latest.json, docs/benchmarks.md; QUICK=1: quick.*)
 BENCH_STAMP := $(VENV)/.bench-stamp
 
 $(BENCH_STAMP): $(STAMP)
@@ -47,6 +49,9 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) -m bench $(if $(QUICK),--quick) $(if $(PROFILE),--profile)
+
+bench-gateway: $(BENCH_STAMP)
+	$(PY) -m bench --gateway $(if $(QUICK),--quick)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -1,8 +1,12 @@
-"""``python -m bench [--quick] [--profile]`` — run every scenario, write the results.
+"""``python -m bench [--quick] [--profile] [--gateway]`` — run every scenario, write the results.
 
 A full run writes ``bench/results/latest.json`` and regenerates ``docs/benchmarks.md`` (both
 committed). A quick run is a smoke test: it writes ``bench/results/quick.json`` and
 ``bench/results/quick.md`` (ignored by git) and leaves the committed report alone.
+
+``--gateway`` runs only the HTTP gateway next to the NATS client and the floor (routed scenario,
+systems ``raw``, ``proxy``, ``http``) and stores it as the results' ``gateway`` section, which
+the report shows with its own date, command and load; the rest of the results stays as it was.
 """
 
 from __future__ import annotations
@@ -109,13 +113,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         + (" QUICK=1" if quick else "")
         + (" PROFILE=1" if args.profile else ""),
         "machine": machine_info(find_nats_server()),
-        "plan": {
-            "loads_rps": list(plan.loads),
-            "seconds_per_point": plan.point_s,
-            "warmup_s": plan.warmup_s,
-            "repeats": plan.repeats,
-            "peak_concurrency": plan.concurrency,
-        },
+        "plan": plan.as_dict(),
     }
     log(f"reach-mesh bench ({results['mode']}) on {results['machine']['cpu_model']}")
     # The monitoring endpoint (127.0.0.1 only) lets the workflow scenario read /connz.
@@ -158,11 +156,64 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+async def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
+    """The routed scenario for the HTTP gateway, the NATS client (proxy) and the floor only."""
+    quick: bool = args.quick
+    plan = routed.Plan(quick)
+    t_start = time.perf_counter()
+    machine = machine_info(find_nats_server())
+    out: dict[str, Any] = {
+        "command": "make bench-gateway" + (" QUICK=1" if quick else ""),
+        "mode": "quick" if quick else "full",
+        "date": machine["date"],
+        "load_avg_at_start": machine["load_avg_at_start"],
+        "cores": machine["cores"],
+        "plan": plan.as_dict(),
+    }
+    log(f"reach-mesh bench --gateway ({out['mode']}) on {machine['cpu_model']}")
+    async with EmbeddedNats() as server:
+        assert server.proc is not None
+        url, spid = server.url, server.proc.pid
+        out["routed"] = await _scenario(
+            "HTTP gateway next to the NATS client",
+            lambda: routed.run_routed(url, spid, plan, log, routed.GATEWAY_SYSTEMS),
+            900,
+        )
+    out["total_seconds"] = round(time.perf_counter() - t_start, 1)
+    out["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
+def _main_gateway(args: argparse.Namespace, runner: Callable[[Any], Any]) -> int:
+    """``--gateway``: measure, then store the ``gateway`` section in the results file (and
+    regenerate the report from it, when that file holds a whole run)."""
+    gateway: dict[str, Any] = runner(run_gateway(args))
+    out_json, out_doc = outputs(args.quick)
+    results: dict[str, Any] = {}
+    if out_json.exists():
+        results = json.loads(out_json.read_text())
+    results["gateway"] = gateway
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(report.gateway_table(gateway))
+    written = [out_json]
+    if not args.no_doc and "machine" in results:
+        out_doc.write_text(report.render(results))
+        written.append(out_doc)
+    log("wrote " + " and ".join(str(p.relative_to(ROOT)) for p in written))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="short run (under a minute)")
     parser.add_argument("--profile", action="store_true", help="profile the hub (pyinstrument)")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument(
+        "--gateway",
+        action="store_true",
+        help="only the HTTP gateway next to the NATS client (the results' gateway section)",
+    )
     parser.add_argument(
         "--render-only",
         action="store_true",
@@ -181,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         runner = asyncio.run
         loop_name = "asyncio"
+    if args.gateway:
+        return _main_gateway(args, runner)
     results: dict[str, Any] = runner(run(args))
     results["machine"]["load_generator_loop"] = loop_name
     if args.profile is False:

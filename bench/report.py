@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench._fmt import _f, _get, _ms, _pct, _x
+from bench.report_gateway import gateway_reading, gateway_table, gateway_target
 from bench.report_workflows import WF_KINDS, ratio, workflow_section
 
 __all__ = ["render", "summary_table"]
@@ -121,6 +122,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, str]]:
         df is not None and df >= 0.60,
         f"{_pct(df)} ({_f(_get(direct, 'peak', 'throughput_rps', 'median'))} req/s)",
     )
+    add(*gateway_target(res))
     # (target, issue, where the figure is, its limit, whether the figure must stay at most or
     # at least that, unit)
     workflow_goals: list[tuple[str, str, tuple[str, ...], float, bool, str]] = [
@@ -492,6 +494,41 @@ def _where_time_goes(res: dict[str, Any]) -> str:
     )
 
 
+def _gateway_in_routed(res: dict[str, Any]) -> str:
+    table = gateway_table(res)
+    return f"{table}\n{gateway_reading(res)}\n" if table else ""
+
+
+def _gateway_section(res: dict[str, Any]) -> str:
+    """``python -m bench --gateway``: the gateway next to the NATS client, with its own date."""
+    gw = res.get("gateway")
+    if not isinstance(gw, dict):
+        return ""
+    head = f"## HTTP gateway (measured {str(gw['date'])[:10]})\n\n"
+    if not _get(gw, "routed", "available"):
+        return head + f"Not measured: {_get(gw, 'routed', 'reason')}\n\n"
+    plan = gw["plan"]
+    loads = ", ".join(f"{x:,}" for x in plan["loads_rps"])
+    return (
+        head
+        + f"- **Command:** `{gw['command']}` ({gw['mode']} mode, {gw.get('total_seconds', '?')} "
+        "s), on the machine above\n"
+        f"- **Date:** {gw['date']}; {machine_load(gw)}\n"
+        f"- **Plan:** as above: offered loads {loads} req/s, {plan['seconds_per_point']} s per "
+        f"point after {plan['warmup_s']} s warm-up, {plan['repeats']} repeat(s) interleaved; "
+        f"peak with {plan['peak_concurrency']} in flight; only the floor, the NATS client "
+        "(proxy mode) and the gateway.\n\n"
+        + routed_table(gw)
+        + "\n"
+        + gateway_table(gw)
+        + "\nCPU per request at peak, µs:\n\n"
+        + cpu_table(gw)
+        + "\n"
+        + gateway_reading(gw)
+        + "\n"
+    )
+
+
 def machine_load(m: dict[str, Any]) -> str:
     """The machine's load as measured (1/5/15-minute load averages at start and end), and
     what it implies; no claim about what caused it."""
@@ -594,6 +631,10 @@ duration; completed requests per second.
 - *direct*: `mode="direct"`: the hub only decides and returns the agent's subject; the caller
   then requests the agent itself (batched the same way) — the hub off the data path once the
   `Client` has cached the decision.
+- *http*: the hub's REST gateway, `POST /api/route?namespace=bench` with the `RouteRequest` JSON,
+  over keep-alive HTTP/1.1 connections (a minimal pool of up to 256 in the load generator, one
+  request per connection at a time): caller → hub (HTTP) → agent → hub → caller. The caller
+  decodes the `RouteReply`.
 - *micro*: a `nats.micro` service (`add_service`, one endpoint, queue group) that decodes and
   re-encodes the JSON — what a user writes without reach-mesh. No registry, no routing choice.
 - *agentbus*: agentbus {v["agentbus"]} from PyPI, driven through its own API: `publish_task` (with
@@ -618,13 +659,13 @@ tracing on (OpenTelemetry SDK via `reach_mesh.tracing.configure_tracing(exporter
 ## Routed request-reply and peers
 
 {routed_table(res)}{_peers_note(res)}
-CPU per request at peak, µs (all processes, median of repeats):
+{_gateway_in_routed(res)}CPU per request at peak, µs (all processes, median of repeats):
 
 {cpu_table(res)}
 ### Where the time goes
 
 {_where_time_goes(res)}
-## Hub profile (routed, proxy mode)
+{_gateway_section(res)}## Hub profile (routed, proxy mode)
 
 {_profile_section(res)}
 ## Registry scale

@@ -5,6 +5,8 @@ Systems (all answer the same JSON payload, all driven from this process):
 * ``raw``: nats-py request to a queue-group responder that echoes the bytes — the floor;
 * ``proxy``: ``Client.request(mode="proxy")`` — caller → hub → agent → hub → caller;
 * ``direct``: ``Client.request(mode="direct")`` — caller → hub (decision), caller → agent;
+* ``http``: the hub's REST gateway, ``POST /api/route`` over keep-alive HTTP/1.1 — caller → hub
+  (HTTP) → agent → hub → caller;
 * ``micro``: a hand-written ``nats.micro`` service with a queue group (what a user builds without
   reach-mesh);
 * ``agentbus``: the agentbus JetStream task bus (task published to its stream, pulled by its worker,
@@ -20,7 +22,7 @@ import json
 import signal
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,13 @@ from bench._system import ChildProcess, cpu_sample, cpu_share, python, rss_mb
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
 
-__all__ = ["PAYLOAD", "Plan", "run_profile", "run_routed", "run_tracing"]
+__all__ = ["GATEWAY_SYSTEMS", "PAYLOAD", "Plan", "run_profile", "run_routed", "run_tracing"]
 
 #: The task payload every system carries (a small JSON object, ~150 bytes encoded).
 PAYLOAD: dict[str, Any] = {"text": "the quick brown fox jumps over the lazy dog " * 2, "n": 42}
 SYSTEMS = ("raw", "proxy", "direct", "http", "micro", "agentbus")
+#: ``python -m bench --gateway``: the HTTP gateway next to the NATS client (and the floor).
+GATEWAY_SYSTEMS = ("raw", "proxy", "http")
 
 
 class Plan:
@@ -52,6 +56,16 @@ class Plan:
         self.repeats = 1 if quick else 3
         self.concurrency = 200
         self.tracing_repeats = 1 if quick else 2
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as the results record it."""
+        return {
+            "loads_rps": list(self.loads),
+            "seconds_per_point": self.point_s,
+            "warmup_s": self.warmup_s,
+            "repeats": self.repeats,
+            "peak_concurrency": self.concurrency,
+        }
 
 
 Caller = Callable[[], Awaitable[Any]]
@@ -383,21 +397,32 @@ def _aggregate(
             },
         }
         agg[system] = sys_out
-    raw = agg.get("raw")
-    if raw is not None:
-        for sys_out in agg.values():
-            ratios: dict[str, Any] = {}
-            for rate in plan.loads:
-                r, s = raw["open_loop"][str(rate)], sys_out["open_loop"][str(rate)]
-                ratios[str(rate)] = {
-                    "p50_x": _ratio(s["p50_ms"]["median"], r["p50_ms"]["median"]),
-                    "p99_x": _ratio(s["p99_ms"]["median"], r["p99_ms"]["median"]),
-                }
-            ratios["peak_fraction"] = _ratio(
-                sys_out["peak"]["throughput_rps"]["median"], raw["peak"]["throughput_rps"]["median"]
-            )
-            sys_out["ratio_to_raw"] = ratios
+    for base, key in (("raw", "ratio_to_raw"), ("proxy", "ratio_to_proxy")):
+        if base in agg:
+            for sys_out in agg.values():
+                sys_out[key] = _ratios(sys_out, agg[base], plan)
     return agg
+
+
+def _ratios(s: dict[str, Any], base: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """``s`` over ``base`` (medians of the same run): latency factors and the peak fraction."""
+    ratios: dict[str, Any] = {}
+    for rate in plan.loads:
+        r, b = s["open_loop"][str(rate)], base["open_loop"][str(rate)]
+        ratios[str(rate)] = {
+            "p50_x": _ratio(r["p50_ms"]["median"], b["p50_ms"]["median"]),
+            "p99_x": _ratio(r["p99_ms"]["median"], b["p99_ms"]["median"]),
+        }
+    ratios["peak_fraction"] = _ratio(
+        s["peak"]["throughput_rps"]["median"], base["peak"]["throughput_rps"]["median"]
+    )
+    ratios["peak_p50_x"] = _ratio(s["peak"]["p50_ms"]["median"], base["peak"]["p50_ms"]["median"])
+    ratios["peak_p99_x"] = _ratio(s["peak"]["p99_ms"]["median"], base["peak"]["p99_ms"]["median"])
+    ratios["hub_cpu_x"] = _ratio(
+        s["peak"]["cpu_us_per_req"]["hub"]["median"],
+        base["peak"]["cpu_us_per_req"]["hub"]["median"],
+    )
+    return ratios
 
 
 def _num(x: float | None) -> float:
@@ -411,9 +436,14 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 async def run_routed(
-    url: str, server_pid: int, plan: Plan, log: Callable[[str], None]
+    url: str,
+    server_pid: int,
+    plan: Plan,
+    log: Callable[[str], None],
+    systems: Sequence[str] = SYSTEMS,
 ) -> dict[str, Any]:
-    """Every system at every load, ``plan.repeats`` times, interleaved (drift hits all alike)."""
+    """Every system (of ``systems``) at every load, ``plan.repeats`` times, interleaved (drift
+    hits all alike)."""
     import os
 
     repeats: list[dict[str, dict[str, Any]]] = []
@@ -422,9 +452,9 @@ async def run_routed(
         processes(url, metrics=True) as (hub, resp, hub_ready, resp_ready),
         Callers(url, hub_ready.get("http_url")) as callers,
     ):
-        if resp_ready.get("agentbus") != "ok":
+        if "agentbus" in systems and resp_ready.get("agentbus") != "ok":
             unavailable["agentbus"] = str(resp_ready.get("agentbus"))
-        systems = [s for s in SYSTEMS if s not in unavailable]
+        running = [s for s in systems if s not in unavailable]
         pids = {
             "hub": hub.pid,
             "responders": resp.pid,
@@ -433,13 +463,13 @@ async def run_routed(
         }
         for i in range(plan.repeats):
             rep: dict[str, dict[str, Any]] = {}
-            for system in systems:
+            for system in list(running):
                 t0 = time.perf_counter()
                 try:
                     rep[system] = await _measure_system(callers, system, plan, pids)
                 except Exception as err:  # a peer that breaks must not sink the run
                     unavailable[system] = f"failed during the run: {err!r}"
-                    systems.remove(system)
+                    running.remove(system)
                     continue
                 peak = rep[system]["peak"]["throughput_rps"]
                 p50 = rep[system]["open_loop"]["1000"]["p50_ms"]
@@ -451,7 +481,7 @@ async def run_routed(
         hub_rss = rss_mb(hub.pid)
         resp_rss = rss_mb(resp.pid)
     return {
-        "systems": _aggregate(repeats, [s for s in SYSTEMS if s not in unavailable], plan),
+        "systems": _aggregate(repeats, [s for s in systems if s not in unavailable], plan),
         "unavailable": unavailable,
         "repeats": repeats,
         "rss_mb": {"hub": hub_rss, "responders": resp_rss},

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench import report
+from bench import report, routed
 from bench.__main__ import DOC, RESULTS, outputs
 from bench._jsstats import free_port
 from bench.report_workflows import workflow_section
@@ -134,3 +134,37 @@ async def test_the_taskiq_peer_runs_on_the_same_server(nats_url: str) -> None:
         assert cost["js_stored_by_stream"]["BENCH_TASKIQ"] == 3.0  # one message per task
         assert cost["cpu_us"]["worker"] > 0
         assert out[kind]["open_loop"]["100"]["ok"] > 0
+
+
+def _system(p50: float, p99: float, peak: float, hub_us: float) -> dict[str, Any]:
+    def spread(x: float) -> dict[str, float]:
+        return {"median": x, "min": x, "max": x}
+
+    point = {"p50_ms": spread(p50), "p99_ms": spread(p99), "errors": 0}
+    return {
+        "open_loop": {"1000": point},
+        "peak": {
+            "throughput_rps": spread(peak),
+            "p50_ms": spread(p50 * 10),
+            "p99_ms": spread(p99 * 10),
+            "cpu_us_per_req": {
+                p: spread(hub_us) for p in ("hub", "responders", "nats_server", "load_generator")
+            },
+        },
+    }
+
+
+def test_the_gateway_is_reported_next_to_the_nats_client_as_ratios() -> None:
+    plan = routed.Plan(quick=True)
+    plan.loads = (1000,)
+    systems = {"proxy": _system(1.0, 2.0, 10_000, 30), "http": _system(1.5, 5.0, 6_000, 45)}
+    for sys_out in systems.values():
+        sys_out["ratio_to_proxy"] = routed._ratios(sys_out, systems["proxy"], plan)
+    gateway = {"plan": plan.as_dict(), "routed": {"available": True, "systems": systems}}
+    table = report.gateway_table(gateway)
+    assert "| p50 ms @ 1,000/s | 1.00 | 1.50 | 1.50x |" in table
+    assert "| p99 ms @ 1,000/s | 2.00 | 5.00 | 2.50x |" in table
+    assert "| peak req/s | 10,000 | 6,000 | 60 % |" in table
+    assert "| hub CPU µs per request at peak | 30.00 | 45.00 | 1.50x |" in table
+    target = next(t for t in report.targets({"gateway": gateway}) if t["source"] == "#12")
+    assert target["status"] == "MISSED" and "p99 2.50x; peak 60 %" in target["value"]
