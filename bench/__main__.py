@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench import peer_taskiq, registry_scale, report, routed
+from bench import peer_taskiq, registry_scale, report, report_gateway, routed
 from bench._jsstats import free_port
 from bench._system import machine_info
 from reach_mesh.server import EmbeddedNats, find_nats_server
@@ -195,7 +195,7 @@ def _main_gateway(args: argparse.Namespace, runner: Callable[[Any], Any]) -> int
     results["gateway"] = gateway
     RESULTS.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    print(report.gateway_table(gateway))
+    print(report_gateway.gateway_table(gateway))
     written = [out_json]
     if not args.no_doc and "machine" in results:
         out_doc.write_text(report.render(results))

@@ -267,8 +267,14 @@ class _KeepAlivePool:
         async with self._freed:
             while not self._idle and self._open >= self.size:
                 await self._freed.wait()
-            if self._idle:
-                return self._idle.pop()
+            while self._idle:
+                reader, writer = conn = self._idle.pop()
+                if not reader.at_eof():
+                    return conn
+                # The server closed it while idle (uvicorn's keep-alive timeout, 5 s): as
+                # client pools do, drop it rather than send a request into a closed socket.
+                writer.close()
+                self._open -= 1
             self._open += 1
         return await asyncio.open_connection(self.host, self.port)
 
