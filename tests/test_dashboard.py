@@ -232,8 +232,10 @@ async def test_workflows_show_each_steps_state_and_attempts(mesh: Mesh) -> None:
     assert steps[2]["agent_id"] == f"{ns}.flaky.b1" and "the model refused" in steps[2]["error"]
     status, pending = await mesh.get("pending")
     assert status == 200
-    assert pending["routes_in_flight"] == 0 and pending["steps_pending"] == 0
-    assert pending["pending_steps"] == []
+    # Only this mesh's work: an unfinished workflow of an earlier test may be handed to this
+    # hub (all hubs of one nats-server share the submissions' consumer).
+    assert pending["routes_in_flight"] == 0
+    assert [s for s in pending["pending_steps"] if s["workflow_id"] == wf.workflow_id] == []
     _, cfg = await mesh.get("settings")
     assert cfg["trace_url_template"] == TRACE_URL and cfg["interval"] > 0
 
