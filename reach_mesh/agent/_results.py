@@ -27,7 +27,7 @@ from reach_mesh.models import (
 )
 
 if typing.TYPE_CHECKING:
-    from reach_mesh.agent._agent import _Handler
+    from reach_mesh.agent._serving import _Handler
 
 #: Python's JSON writer, as the handler-result check has always used it, but compact and
 #: refusing NaN/Infinity (those take the general path, where pydantic writes them as null).

@@ -44,7 +44,8 @@ from reach_mesh.tracing import inject
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
 if TYPE_CHECKING:
-    from reach_mesh.agent._agent import Agent, _Entry, _Handler
+    from reach_mesh.agent._agent import Agent
+    from reach_mesh.agent._serving import _Entry, _Handler
 
 __all__ = ["WorkConsumer"]
 
@@ -212,7 +213,7 @@ class WorkConsumer:
 
     async def _load_results(self) -> None:
         """Warm the idempotency cache from KV: results survive an agent restart."""
-        from reach_mesh.agent._agent import _Entry
+        from reach_mesh.agent._serving import _Entry
 
         assert self._js is not None
         agent = self._agent
@@ -248,7 +249,7 @@ class WorkConsumer:
             self._release()
 
     async def _handle_inner(self, msg: Msg) -> None:
-        from reach_mesh.agent._agent import _Entry
+        from reach_mesh.agent._serving import _Entry
 
         agent = self._agent
         try:

@@ -1,0 +1,679 @@
+"""The agent's request-reply serving path: :class:`ServingMixin` (a base of
+:class:`~reach_mesh.agent.Agent`) takes tasks (alone or in batches), bounds them to the handler
+slots, keeps recent results for idempotency, runs and counts attempts (durable workflow steps
+run theirs through here too), answers, and answers the agent's control subject."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import time
+import typing
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Coroutine
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Final
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from pydantic import TypeAdapter, ValidationError
+
+from reach_mesh import protocol
+from reach_mesh._batch import AnswerBatcher
+from reach_mesh.agent._deadlines import _Deadlines
+from reach_mesh.agent._results import (
+    _SUCCEEDED,
+    _SUCCEEDED_NULL,
+    _dump,
+    _end_handle_span,
+    _error_body,
+    _json_string,
+    _result_json,
+)
+from reach_mesh.agent._task import Task
+from reach_mesh.errors import (
+    AgentBusyError,
+    BadRequestError,
+    HandlerError,
+    MeshTimeoutError,
+    NoHandlerError,
+    ReachError,
+)
+from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply, TaskState
+from reach_mesh.tracing import (
+    SPAN_HANDLE,
+    TRACEPARENT,
+    SpanKind,
+    carried_span,
+    inject,
+    span,
+    trace_id_from_headers,
+    tracing_enabled,
+)
+from reach_mesh.tracing.metrics import AgentMetrics
+
+if typing.TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from reach_mesh.agent._work import WorkConsumer
+    from reach_mesh.tracing.metrics import HistogramChild
+
+__all__ = ["AgentStatus", "ServingMixin"]
+
+log = logging.getLogger("reach_mesh.agent")
+
+_RESULT_CACHE: Final = 10_000
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    """Where a task attempt came from: its reply subject, its headers (the trace context), and
+    — for an attempt that came in a batch — the batch's reply subject, where its answer may go
+    together with others."""
+
+    reply: str
+    headers: dict[str, str] | None
+    batch: str | None = None
+
+
+class AgentStatus(enum.Enum):
+    """Lifecycle of an :class:`Agent`: ``NEW → RUNNING → DRAINING → CLOSED``."""
+
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+@dataclass(slots=True)
+class _Handler:
+    capability: str
+    fn: Callable[[Task[Any]], Awaitable[Any]]
+    payload: TypeAdapter[Any]
+    result: TypeAdapter[Any] | None
+
+
+class _Entry:
+    """What the agent remembers about one task id (idempotency and fencing).
+
+    ``reply`` is None while the attempt runs. ``done`` is resolved with the reply when it ends;
+    request-reply tasks create it only when a duplicate waits (most never see one). Their
+    successes are kept as the reply bytes sent: the ``TaskReply`` is parsed from them only if a
+    duplicate or a state query asks for it.
+    """
+
+    __slots__ = ("_raw", "_reply", "attempt", "done", "state")
+
+    def __init__(
+        self,
+        attempt: int,
+        state: TaskState,
+        reply: TaskReply | None = None,
+        done: asyncio.Future[TaskReply] | None = None,
+    ) -> None:
+        self.attempt = attempt
+        self.state = state
+        self.done = done
+        self._reply = reply
+        self._raw: bytes | None = None
+
+    @property
+    def reply(self) -> TaskReply | None:
+        """The final reply of the attempt, or None while it runs."""
+        if self._reply is None and self._raw is not None:
+            self._reply = TaskReply.model_validate_json(self._raw)
+        return self._reply
+
+    @reply.setter
+    def reply(self, reply: TaskReply | None) -> None:
+        self._reply = reply
+        self._raw = None
+
+    def finish(self, state: TaskState, reply: TaskReply | None, raw: bytes) -> None:
+        """The attempt ended with ``reply`` (or, when None, the reply JSON ``raw``)."""
+        self.state = state
+        self._reply = reply
+        self._raw = None if reply is not None else raw
+
+
+class ServingMixin:
+    """The serving and control-subject methods of ``Agent`` (which sets every attribute below
+    in its ``__init__`` and ``start``)."""
+
+    agent_id: str
+    status: AgentStatus
+    session: str
+    max_concurrency: int
+    max_queue: int
+    metrics: AgentMetrics
+    handled: int
+    work: WorkConsumer | None
+    _nc: NATS | None
+    _answers: AnswerBatcher
+    _handlers: dict[str, _Handler]
+    _results: OrderedDict[str, _Entry]
+    _running: int
+    _slot_waiters: deque[asyncio.Future[None]]
+    _waiting: int
+    _tasks: set[asyncio.Task[None]]
+    _deadlines: _Deadlines
+    _durations: dict[str, HistogramChild]
+    _succeeded_total: dict[str, Counter]
+    _counters: dict[tuple[str, TaskState], Counter]
+    _succeeded: bytes
+    _task_subject: str
+    _max_envelope: int
+
+    if typing.TYPE_CHECKING:
+
+        @property
+        def capabilities(self) -> list[str]: ...
+
+    # ------------------------------------------------------------------ serving
+    #
+    # The request-reply path runs once per task and is what bounds an agent's throughput, so it
+    # avoids what it can: no TaskReply model on success (the reply JSON is written directly and
+    # parsed back only if a duplicate or a state query asks for it), cached labelled metric
+    # children, handler slots counted here instead of by an ``asyncio.Semaphore``, one timer
+    # shared by all running handlers instead of ``asyncio.timeout()``, with tracing off the
+    # request's trace context made current without a span scope (``span()`` would do the same
+    # work and more), and the request's trace headers echoed on the reply instead of
+    # re-injected.
+
+    async def _on_task(self, msg: Msg) -> None:
+        await self._take(msg.data, _Request(msg.reply, msg.headers))
+
+    async def _on_batch(self, msg: Msg) -> None:
+        """``reach.agent.<id>.batch``: attempts a hub decided together, one line each,
+        ``<reply subject> <traceparent> <TaskEnvelope JSON>``; each is taken as if it had come
+        alone (docs/protocol.md, "Task batches")."""
+        batch = msg.reply or None
+        requests, malformed = protocol.split_batch(msg.data)
+        for reply, traceparent, data in requests:
+            await self._take(data, _Request(reply, {TRACEPARENT: traceparent}, batch))
+        if malformed:  # no reply subject to answer on: only the log can be told
+            log.warning("batch on %s: %d malformed line(s) dropped", msg.subject, malformed)
+        # Let this batch's handlers run (and answer) before the next batch is read.
+        await asyncio.sleep(0)
+
+    async def _take(self, data: bytes, req: _Request) -> None:
+        # Runs on the subscription's reader: never block here.
+        try:
+            env = protocol.decode(data, TaskEnvelope, max_size=self._max_envelope)
+        except ReachError as err:
+            await self._respond(req, protocol.encode_error(err))
+            return
+        entry = self._results.get(env.task_id)
+        if entry is not None:
+            self._spawn(self._duplicate(req, env, entry))
+            return
+        if self.status is not AgentStatus.RUNNING:
+            await self._respond(
+                req, protocol.encode_error(AgentBusyError(f"{self.agent_id} is draining"))
+            )
+            return
+        if self._running + self._waiting >= self.max_concurrency + self.max_queue:
+            await self._respond(
+                req,
+                protocol.encode_error(
+                    AgentBusyError(
+                        f"{self.agent_id} is full ({self._running} running, "
+                        f"{self._waiting} queued)",
+                        agent_id=self.agent_id,
+                    )
+                ),
+            )
+            return
+        handler = self._pick_handler(env.capability)
+        if handler is None:
+            await self._respond(
+                req,
+                protocol.encode_error(
+                    NoHandlerError(
+                        f"{self.agent_id} has no handler for {env.capability!r}",
+                        agent_id=self.agent_id,
+                        capabilities=self.capabilities,
+                    )
+                ),
+            )
+            return
+        entry = _Entry(env.attempt, TaskState.DELIVERED)
+        self._remember(env.task_id, entry)
+        self._waiting += 1
+        self._spawn(self._run(req, env, handler, entry))
+
+    def _pick_handler(self, capability: str | None) -> _Handler | None:
+        if capability is None:
+            return next(iter(self._handlers.values())) if len(self._handlers) == 1 else None
+        return self._handlers.get(capability)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _remember(self, task_id: str, entry: _Entry) -> None:
+        results = self._results
+        if task_id in results:
+            results.move_to_end(task_id)  # a retry: its new attempt is the newest entry
+        results[task_id] = entry
+        while len(results) > _RESULT_CACHE:
+            results.popitem(last=False)
+
+    async def _duplicate(self, req: _Request, env: TaskEnvelope, entry: _Entry) -> None:
+        """Same task again: never run a finished or running task twice."""
+        reply = entry.reply
+        if reply is None:
+            # Still running: answer when it ends. The future exists only once someone waits.
+            if entry.done is None:
+                entry.done = asyncio.get_running_loop().create_future()
+            reply = await asyncio.shield(entry.done)
+        elif reply.state is not TaskState.SUCCEEDED and env.attempt > entry.attempt:
+            # A retry of a failed/timed-out attempt: run it again.
+            handler = self._pick_handler(env.capability)
+            if handler is not None and self.status is AgentStatus.RUNNING:
+                fresh = _Entry(env.attempt, TaskState.DELIVERED)
+                self._remember(env.task_id, fresh)
+                self._waiting += 1
+                await self._run(req, env, handler, fresh)
+                return
+        await self._respond(req, protocol.encode(reply.model_copy(update={"cached": True})))
+
+    async def _run(
+        self, req: _Request, env: TaskEnvelope, handler: _Handler, entry: _Entry
+    ) -> None:
+        """Run one request-reply attempt (``entry`` is its idempotency record) and answer."""
+        t_queued = time.perf_counter()
+        headers = dict(req.headers) if req.headers else {}
+        # Tracing off (the common case): the traceparent is parsed once, here, into the span
+        # that the handler runs under. Otherwise, or without a valid one, span() decides.
+        parent = None if tracing_enabled() else carried_span(headers)
+        trace_id = parent.trace_id if parent is not None else trace_id_from_headers(headers)
+        out: bytes | TaskReply
+        queued = True
+        try:
+            if self._running < self.max_concurrency:
+                self._running += 1  # what _slot() does first, without a coroutine
+            else:
+                await self._slot()
+            queued = False
+            self._waiting -= 1
+            t_start = time.perf_counter()
+            try:
+                if parent is None:
+                    with self._handle_span(env, handler, headers) as sp:
+                        out = await self._attempt(env, handler, trace_id, sp, None, None)
+                        _end_handle_span(sp, out)
+                else:
+                    # What span() does with tracing off, minus its scope object and a parse.
+                    token = otel_context.attach(trace.set_span_in_context(parent))
+                    try:
+                        out = await self._attempt(env, handler, trace_id, parent, None, None)
+                    finally:
+                        otel_context.detach(token)
+            except asyncio.CancelledError:
+                self._count_cancelled(handler.capability, time.perf_counter() - t_start)
+                raise
+            finally:
+                self._release_slot()
+            t_end = time.perf_counter()
+            self._count(handler.capability, out, t_end - t_start)
+        except asyncio.CancelledError:
+            if queued:
+                self._waiting -= 1  # cancelled while it waited for a slot
+            out = self._reply(
+                env,
+                TaskState.FAILED,
+                error=ErrorBody(code="REACH_CANCELLED", message="agent shut down"),
+            )
+            t_start = t_end = time.perf_counter()
+        duration_ms = (t_end - t_start) * 1000
+        queued_ms = (t_start - t_queued) * 1000
+        self.handled += 1
+        reply: TaskReply | None = None
+        if type(out) is bytes:
+            body = self._success(env, out, duration_ms, queued_ms)
+            state = TaskState.SUCCEEDED
+        else:
+            reply = typing.cast(TaskReply, out)
+            reply.duration_ms = round(duration_ms, 3)
+            reply.queued_ms = round(queued_ms, 3)
+            body = protocol.encode(reply)
+            state = reply.state
+        # Our own record, even if the cache has moved on (evicted, or a newer attempt): whoever
+        # still holds it (a duplicate about to wait) then sees the reply.
+        entry.finish(state, reply, body)
+        waiter, entry.done = entry.done, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply or TaskReply.model_validate_json(body))
+        if parent is None:  # tracing on, or no valid traceparent came
+            headers = inject(headers)
+        # else: the request's valid traceparent (and tracestate) go back as they came, which is
+        # what inject() would leave there; no parsing or formatting on the hot path.
+        await self._answer(req, body, headers)
+
+    async def _slot(self) -> None:
+        """Take a handler slot (``_running`` counts the taken ones), in line if none is free."""
+        if self._running < self.max_concurrency:
+            self._running += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._release_slot()  # handed one just as we were cancelled: pass it on
+            raise
+
+    def _release_slot(self) -> None:
+        """Give a handler slot back: to the first task still waiting for one, if any."""
+        waiters = self._slot_waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():  # else cancelled while it waited
+                waiter.set_result(None)  # the slot changes hands: ``_running`` stays
+                return
+        self._running -= 1
+
+    def _success(
+        self, env: TaskEnvelope, result: bytes, duration_ms: float, queued_ms: float
+    ) -> bytes:
+        """A SUCCEEDED ``TaskReply`` as ``protocol.encode`` writes it (``None`` fields left out,
+        times rounded to the µs), built from the result's JSON: several times cheaper than the
+        model and its serialiser. ``task_id`` came from the wire unvalidated, so it is escaped;
+        ``agent_id`` is ours."""
+        task_id = _json_string(env.task_id).encode()
+        if result == b"null":
+            return _SUCCEEDED_NULL % (task_id, env.attempt, self._succeeded, duration_ms, queued_ms)
+        return _SUCCEEDED % (task_id, env.attempt, self._succeeded, result, duration_ms, queued_ms)
+
+    def _reply(
+        self,
+        env: TaskEnvelope,
+        state: TaskState,
+        *,
+        error: ErrorBody | None = None,
+        result: Any = None,
+    ) -> TaskReply:
+        return TaskReply(
+            task_id=env.task_id,
+            attempt=env.attempt,
+            agent_id=self.agent_id,
+            state=state,
+            result=result,
+            error=error,
+        )
+
+    async def _call(
+        self,
+        env: TaskEnvelope,
+        handler: _Handler,
+        headers: dict[str, str],
+        *,
+        on_accept: Callable[[], None] | None = None,
+        progress: Callable[[Any], Awaitable[None]] | None = None,
+    ) -> TaskReply:
+        """Run one attempt (:meth:`_attempt`) and count it in :attr:`metrics`.
+
+        Durable workflow steps come through here (request-reply tasks take the same steps in
+        :meth:`_run`), so the agent's metrics cover both; duplicates answered from the
+        idempotency cache never do."""
+        cap = handler.capability
+        t0 = time.perf_counter()
+        try:
+            with self._handle_span(env, handler, headers) as sp:
+                out = await self._attempt(
+                    env, handler, trace_id_from_headers(headers), sp, on_accept, progress
+                )
+                _end_handle_span(sp, out)
+        except asyncio.CancelledError:
+            # Shutdown or fencing: the attempt ends here without a result.
+            self._count_cancelled(cap, time.perf_counter() - t0)
+            raise
+        self._count(cap, out, time.perf_counter() - t0)
+        if type(out) is bytes:
+            return self._reply(env, TaskState.SUCCEEDED, result=json.loads(out))
+        return typing.cast(TaskReply, out)
+
+    def _count(self, capability: str, out: bytes | TaskReply, elapsed: float) -> None:
+        """Count one finished attempt: duration, final state, failure code."""
+        duration = self._durations.get(capability)
+        if duration is None:
+            duration = self._durations[capability] = self.metrics.handler_duration_seconds.labels(
+                capability
+            )
+        duration.observe(elapsed)
+        if type(out) is bytes:
+            succeeded = self._succeeded_total.get(capability)
+            if succeeded is None:
+                succeeded = self._succeeded_total[capability] = self.metrics.handled_total.labels(
+                    capability, TaskState.SUCCEEDED.value
+                )
+            succeeded.inc()
+            return
+        reply = typing.cast(TaskReply, out)
+        key = (capability, reply.state)
+        handled = self._counters.get(key)
+        if handled is None:
+            handled = self._counters[key] = self.metrics.handled_total.labels(
+                capability, reply.state.value
+            )
+        handled.inc()
+        if reply.error is not None:
+            self.metrics.failures_total.labels(capability, reply.error.code).inc()
+
+    def _count_cancelled(self, capability: str, elapsed: float) -> None:
+        m = self.metrics
+        m.handler_duration_seconds.labels(capability).observe(elapsed)
+        m.handled_total.labels(capability, TaskState.FAILED.value).inc()
+        m.failures_total.labels(capability, "REACH_CANCELLED").inc()
+
+    def _handle_span(
+        self, env: TaskEnvelope, handler: _Handler, headers: dict[str, str]
+    ) -> AbstractContextManager[trace.Span]:
+        """The span a handler runs under. With tracing off it records nothing but still makes
+        the request's trace context current: the handler's log lines and its own mesh calls
+        carry the same trace id."""
+        return span(
+            SPAN_HANDLE,
+            kind=SpanKind.CONSUMER,
+            parent_headers=headers,
+            destination=self._task_subject,
+            attributes={"reach.task_id": env.task_id, "reach.capability": handler.capability},
+        )
+
+    async def _attempt(
+        self,
+        env: TaskEnvelope,
+        handler: _Handler,
+        trace_id: str | None,
+        sp: trace.Span,
+        on_accept: Callable[[], None] | None,
+        progress: Callable[[Any], Awaitable[None]] | None,
+    ) -> bytes | TaskReply:
+        """Validate the payload and run the handler under the attempt's timeout, inside its
+        span ``sp`` (see :meth:`_handle_span`).
+
+        Returns the result's JSON when the handler succeeded, else the failed (or timed-out)
+        reply. ``trace_id`` is the request's (the handler's ``task.trace_id``). ``on_accept``
+        runs when the handler is about to start (ACCEPTED); ``progress`` backs
+        ``task.progress()`` (both used by durable workflow steps, see ``_work.py``).
+
+        A recording span gets the ACK machine as events (DELIVERED, ACCEPTED, RUNNING here;
+        the final state from :func:`_end_handle_span`) and an ``exception`` event for what made
+        the attempt fail."""
+        recording = sp.is_recording()
+        if recording:
+            sp.add_event(TaskState.DELIVERED.value, {"reach.attempt": env.attempt})
+        try:
+            payload = handler.payload.validate_python(env.payload)
+        except ValidationError as err:
+            if recording:
+                sp.record_exception(err)
+            first = err.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in first["loc"]) or "payload"
+            return self._reply(
+                env,
+                TaskState.FAILED,
+                error=ErrorBody(
+                    code=BadRequestError.code,
+                    message=f"invalid payload for {handler.capability} at {where!r}: "
+                    f"{first['msg']}",
+                    details={"retryable": False},
+                ),
+            )
+        task: Task[Any] = Task(
+            payload=payload,
+            task_id=env.task_id,
+            attempt=env.attempt,
+            capability=handler.capability,
+            agent_id=self.agent_id,
+            namespace=env.namespace,
+            trace_id=trace_id,
+            workflow_id=env.workflow_id,
+            step=env.step,
+            timeout=env.timeout,
+            _progress=progress,
+        )
+        if recording:
+            sp.add_event(TaskState.ACCEPTED.value)
+        if on_accept is not None:
+            on_accept()
+        if recording:
+            sp.add_event(TaskState.RUNNING.value)
+        try:
+            with self._deadlines.arm(env.timeout):
+                result = await handler.fn(task)
+        except TimeoutError as err:
+            if recording:
+                sp.record_exception(err)
+            return self._reply(
+                env,
+                TaskState.TIMEOUT,
+                error=ErrorBody(
+                    code=MeshTimeoutError.code,
+                    message=f"handler did not finish within {env.timeout:.3g}s",
+                ),
+            )
+        except ReachError as err:  # TaskFailed among them
+            if recording:
+                sp.record_exception(err)
+            return self._reply(env, TaskState.FAILED, error=_error_body(err))
+        except Exception as err:
+            log.info("handler %s failed: %r", handler.capability, err)
+            if recording:
+                sp.record_exception(err)
+            return self._reply(
+                env,
+                TaskState.FAILED,
+                error=ErrorBody(
+                    code=HandlerError.code,
+                    message=f"{type(err).__name__}: {err}"[:2000],
+                    details={"type": type(err).__name__},
+                ),
+            )
+        try:
+            return _result_json(handler, result)
+        except Exception:
+            pass  # below, the general path decides (and words the error as it always has)
+        try:
+            dumped = _dump(handler, result)
+        except Exception as err:
+            return self._reply(
+                env,
+                TaskState.FAILED,
+                error=ErrorBody(
+                    code=HandlerError.code,
+                    message=f"handler result is not JSON-serialisable: {err}"[:2000],
+                ),
+            )
+        return self._reply(env, TaskState.SUCCEEDED, result=dumped)
+
+    async def _respond(self, req: _Request, body: bytes) -> None:
+        """Answer before (or instead of) running a handler: refusals, bad input, duplicates."""
+        await self._answer(req, body, None if req.batch else inject({}))
+
+    async def _answer(self, req: _Request, body: bytes, headers: dict[str, str] | None) -> None:
+        """Send an attempt's answer: now on its reply subject, or — for an attempt that came in
+        a batch — with the other answers to that batch ready in this pass of the event loop, as
+        one message of ``<reply subject> <answer>`` lines (no headers: the hub knows its trace).
+        """
+        if not req.reply or self._nc is None:
+            return
+        if req.batch is not None and self._answers.add(req.batch, req.reply, body):
+            return
+        with contextlib.suppress(Exception):
+            await self._nc.publish(req.reply, body, headers=headers if req.batch is None else None)
+
+    def _task_state(self, body: dict[str, Any]) -> bytes:
+        """Answer ctl ``task_state`` (docs/protocol.md). With ``fence: n`` the hub is about to
+        give attempt ``n`` up: an agent that does not have the task in hand (or only finished
+        an earlier attempt of it) promises never to start attempt ``n`` or an earlier one, and
+        says so with ``"fenced": true``."""
+        task_id = protocol.validate_task_id(str(body.get("task_id")))
+        fence = body.get("fence")
+        if isinstance(fence, bool) or not isinstance(fence, int):
+            fence = None
+        entry = self._results.get(task_id)
+        if entry is None and self.work is not None and self.work.checking(task_id):
+            # In hand, its fence being read: the hub must not give this attempt up.
+            return protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})
+        if entry is not None and entry.reply is None:
+            # Running (this attempt or an earlier one): either may deliver.
+            return protocol.dumps(
+                {"task_id": task_id, "attempt": entry.attempt, "state": entry.state}
+            )
+        promised = (
+            fence is not None
+            and self.work is not None
+            and (entry is None or entry.attempt < fence)
+            and self.work.promise(task_id, fence)
+        )
+        if entry is None:
+            out: dict[str, Any] = {"task_id": task_id, "state": TaskState.PENDING}
+        else:
+            assert entry.reply is not None
+            out = entry.reply.model_dump(mode="json", exclude_none=True)
+        if promised:
+            out["fenced"] = True
+        return protocol.dumps(out)
+
+    async def _on_ctl(self, msg: Msg) -> None:
+        try:
+            body = json.loads(msg.data or b"{}")
+            if not isinstance(body, dict):
+                raise BadRequestError("expected a JSON object")
+            op = body.get("op", "ping")
+            if op == "ping":
+                out: dict[str, Any] = {
+                    "agent_id": self.agent_id,
+                    "status": self.status.value,
+                    "inflight": self._running,
+                    "queued": self._waiting,
+                    "session": self.session,
+                }
+                data = protocol.dumps(out)
+            elif op == "task_state":
+                data = self._task_state(body)
+            elif op == "cancel":
+                # A durable step the hub no longer needs (any/quorum past its policy).
+                task_id = protocol.validate_task_id(str(body.get("task_id")))
+                attempt = body.get("attempt")
+                if not isinstance(attempt, int):
+                    raise BadRequestError("cancel needs an integer attempt")
+                cancelled = self.work is not None and self.work.cancel(task_id, attempt)
+                data = protocol.dumps({"task_id": task_id, "cancelled": cancelled})
+            else:
+                raise BadRequestError(f"unknown ctl op {op!r}")
+        except ValueError as err:
+            data = protocol.encode_error(BadRequestError(f"malformed JSON: {err}"))
+        except ReachError as err:
+            data = protocol.encode_error(err)
+        await self._respond(_Request(msg.reply, None), data)
