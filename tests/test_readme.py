@@ -114,7 +114,7 @@ EXPECT = {
 
 
 def _expected(command: str) -> str:
-    words = " ".join(_argv(command))
+    words = " ".join(_argv(command)[1:])  # the command, not the interpreter's path
     return next(v for k, v in EXPECT.items() if k in words)
 
 
