@@ -359,17 +359,14 @@ class StepRunner:
     def _waiting_event(self, wf: Workflow, index: int, rec: TaskRecord, reason: str) -> None:
         """A PENDING step event that says why the step cannot be placed (it keeps waiting)."""
         err = NoMatchError(reason, task_id=rec.task_id)
-        self._event(
+        self._step_event(
             wf,
-            WorkflowEvent(
-                workflow_id=wf.id,
-                kind="step",
-                state=TaskState.PENDING,
-                step=index,
-                task_id=rec.task_id,
-                attempt=rec.attempt or None,
-                error=ErrorBody(code=err.code, message=err.message, details=err.details),
-            ),
+            index,
+            rec,
+            TaskState.PENDING,
+            attempt=rec.attempt or None,
+            agent_id=None,
+            error=ErrorBody(code=err.code, message=err.message, details=err.details),
         )
 
     async def _attempt(
@@ -386,17 +383,8 @@ class StepRunner:
     ) -> tuple[Outcome, TaskStatusEvent | None]:
         """Send the current attempt (its record is written) and watch the step to an outcome."""
         await self._send(wf, index, step, rec, capability, payload)
-        self._event(
-            wf,
-            WorkflowEvent(
-                workflow_id=wf.id,
-                kind="step",
-                state=TaskState.PENDING,
-                step=index,
-                task_id=rec.task_id,
-                attempt=rec.attempt,
-                agent_id=rec.agent_id,
-            ),
+        self._step_event(
+            wf, index, rec, TaskState.PENDING, attempt=rec.attempt, agent_id=rec.agent_id
         )
         return await self._watch(track, pol, deadline)
 
@@ -529,18 +517,8 @@ class StepRunner:
         rec.stale += track.stale
         rec.updated_at = time.time()
         await self._cas(key, rec, rev, wf.deadline)
-        self._event(
-            wf,
-            WorkflowEvent(
-                workflow_id=wf.id,
-                kind="step",
-                state=rec.state,
-                step=rec.step,
-                task_id=rec.task_id,
-                attempt=decided,
-                agent_id=rec.agent_id,
-                error=rec.error,
-            ),
+        self._step_event(
+            wf, rec.step, rec, rec.state, attempt=decided, agent_id=rec.agent_id, error=rec.error
         )
         return rec, decided
 
@@ -568,46 +546,67 @@ class StepRunner:
         while True:
             if track.final is not None:
                 return "final", track.final
-            if track.lost:
-                # Declared LOST (its heartbeats stopped reaching the hubs): believe it unless
-                # the agent, asked, says it has the attempt in hand — a starved or cut-off
-                # agent can be live and running it. Otherwise it has promised not to start
-                # it, or it does not answer and its lease lapsed: safe to send elsewhere.
-                verdict = await self._tracker.probe(track)
-                if track.final is not None:
+            lost = track.lost
+            if not lost:
+                now = loop.time()
+                if now >= deadline:
+                    return "deadline", None
+                if track.machine.state is TaskState.PENDING:
+                    wait_until = track.dispatched_at + pol.deliver_timeout
+                else:
+                    wait_until = track.last_event + pol.silence_timeout
+                timeout = min(wait_until, deadline) - now
+                if timeout > 0:
+                    track.changed.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(track.changed.wait(), timeout)
                     continue
-                if verdict != "alive":
-                    return "lost", None
+            # Silent past its timeout, or its agent declared LOST (its heartbeats stopped
+            # reaching the hubs): ask the agent before giving the attempt up — a starved or
+            # cut-off agent can be live and running it.
+            verdict = await self._tracker.probe(track)
+            if track.final is not None:
+                continue
+            if verdict == "unknown" and track.agent_id is not None:
+                # No usable answer (a busy agent answers late): its lease decides.
+                verdict = "alive" if self._tracker.lease_alive(track.agent_id) else "gone"
+            if verdict == "alive":
+                # The agent has it (we missed DELIVERED, or it is queued for a slot).
                 track.lost = False
                 track.machine.catch_up(TaskState.DELIVERED)
                 track.last_event = track.dispatched_at = loop.time()
                 continue
-            now = loop.time()
-            if now >= deadline:
-                return "deadline", None
-            if track.machine.state is TaskState.PENDING:
-                wait_until = track.dispatched_at + pol.deliver_timeout
-            else:
-                wait_until = track.last_event + pol.silence_timeout
-            timeout = min(wait_until, deadline) - now
-            if timeout <= 0:
-                verdict = await self._tracker.probe(track)
-                if track.final is not None:
-                    continue
-                if verdict == "unknown" and track.agent_id is not None:
-                    # No usable answer (a busy agent answers late): its lease decides.
-                    verdict = "alive" if self._tracker.lease_alive(track.agent_id) else "gone"
-                if verdict == "alive":
-                    # The agent has it (we missed DELIVERED, or it is queued for a slot).
-                    track.machine.catch_up(TaskState.DELIVERED)
-                    track.last_event = track.dispatched_at = loop.time()
-                    continue
-                return ("undelivered" if track.machine.state is TaskState.PENDING else "lost"), None
-            track.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(track.changed.wait(), timeout)
+            if lost or track.machine.state is not TaskState.PENDING:
+                return "lost", None
+            return "undelivered", None
 
     # ------------------------------------------------------------------ events
+
+    def _step_event(
+        self,
+        wf: Workflow,
+        index: int,
+        rec: TaskRecord,
+        state: TaskState,
+        *,
+        attempt: int | None,
+        agent_id: str | None,
+        error: ErrorBody | None = None,
+    ) -> None:
+        """A ``step`` event of ``wf`` about its step ``index``."""
+        self._event(
+            wf,
+            WorkflowEvent(
+                workflow_id=wf.id,
+                kind="step",
+                state=state,
+                step=index,
+                task_id=rec.task_id,
+                attempt=attempt,
+                agent_id=agent_id,
+                error=error,
+            ),
+        )
 
     def _event(self, wf: Workflow, event: WorkflowEvent) -> None:
         self._background(
