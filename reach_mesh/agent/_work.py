@@ -239,6 +239,13 @@ class WorkConsumer:
         if self._pull is not None:
             self._pull.release()
 
+    async def _drop(self, msg: Msg) -> None:
+        """Drop a work message unrun: its attempt is fenced (acked, counted, no status)."""
+        self.fenced += 1
+        with contextlib.suppress(Exception):
+            await msg.ack()
+        self._release()
+
     async def _handle(self, msg: Msg) -> None:
         try:
             await self._handle_inner(msg)
@@ -264,10 +271,7 @@ class WorkConsumer:
             return
         if env.attempt <= self._promised.get(env.task_id, -1):
             # A hub gave this attempt up and we promised never to start it (see ``promise``).
-            self.fenced += 1
-            with contextlib.suppress(Exception):
-                await msg.ack()
-            self._release()
+            await self._drop(msg)
             return
         # Only the trace context travels on: the JetStream headers (Nats-Msg-Id, expected
         # stream) belong to the work message, not to the status events we publish.
@@ -298,10 +302,7 @@ class WorkConsumer:
             self._checking.discard(env.task_id)
         if record is not None and _superseded(record, env, agent.agent_id):
             # Fenced before it ran: the hub moved on (another attempt, cancelled, finished).
-            self.fenced += 1
-            with contextlib.suppress(Exception):
-                await msg.ack()
-            self._release()
+            await self._drop(msg)
             return
         handler = agent._pick_handler(env.capability)
         if handler is None:
@@ -359,10 +360,7 @@ class WorkConsumer:
         reply = entry.reply
         if env.attempt < entry.attempt:
             # An older attempt redelivered: superseded here already.
-            self.fenced += 1
-            with contextlib.suppress(Exception):
-                await msg.ack()
-            self._release()
+            await self._drop(msg)
             return True
         if env.attempt == entry.attempt:
             # The same attempt again (a lost ack or status): never run it twice; repeat the
