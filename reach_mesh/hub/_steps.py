@@ -567,9 +567,6 @@ class StepRunner:
             verdict = await self._tracker.probe(track)
             if track.final is not None:
                 continue
-            if verdict == "unknown" and track.agent_id is not None:
-                # No usable answer (a busy agent answers late): its lease decides.
-                verdict = "alive" if self._tracker.lease_alive(track.agent_id) else "gone"
             if verdict == "alive":
                 # The agent has it (we missed DELIVERED, or it is queued for a slot).
                 track.lost = False

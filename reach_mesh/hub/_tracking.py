@@ -47,9 +47,9 @@ _CATCH_UP_AGENTS: Final = 8
 
 #: What asking an agent about the current attempt told us.
 #: ``done``: its outcome is now known; ``alive``: the agent has it (or an older attempt of the
-#: step) in hand; ``gone``: the agent does not have it or is not there; ``unknown``: no usable
-#: answer (the agent's lease decides).
-Verdict = Literal["done", "alive", "gone", "unknown"]
+#: step) in hand — or gave no usable answer while its lease holds (silence is not "I do not
+#: have it"); ``gone``: the agent does not have it, or is not there and its lease lapsed.
+Verdict = Literal["done", "alive", "gone"]
 
 
 @dataclass(slots=True, eq=False)
@@ -385,8 +385,6 @@ class StatusTracker:
         if track.promised >= attempt:
             return  # the agent promised, when it was asked, never to start it
         verdict = await self._ask(track, agent_id, fence=attempt)
-        if verdict == "unknown" and self.lease_alive(agent_id):
-            verdict = "alive"  # no answer is not "I do not have it"
         if verdict == "alive" and track.final is None:
             track.revived = (attempt, agent_id)
             track.changed.set()
@@ -404,15 +402,15 @@ class StatusTracker:
         except NoRespondersError:
             # Nobody on its ctl subject: dead, or cut off and reconnecting (a NATS node lost).
             # Only a lapsed lease says which; a reconnecting agent may still take the attempt.
-            return "unknown" if self.lease_fresh(agent_id) else "gone"
+            return "alive" if self.lease_fresh(agent_id) else "gone"
         except (NatsTimeoutError, TimeoutError):
-            return "unknown"
+            return self._by_lease(agent_id)
         except Exception:
             log.debug("task_state of %s failed", track.task_id, exc_info=True)
-            return "unknown"
+            return self._by_lease(agent_id)
         answer = parse_task_state(msg.data)
         if answer is None:
-            return "unknown"
+            return self._by_lease(agent_id)
         state, attempt, body = answer
         if body.get("fenced") is True:
             track.promised = max(track.promised, fence)
@@ -423,7 +421,7 @@ class StatusTracker:
                         {**body, "agent_id": agent_id, "task_id": track.task_id}
                     )
                 except ValidationError:
-                    return "unknown"
+                    return self._by_lease(agent_id)
                 self.offer(track, event)
                 if track.final is not None:
                     return "done"
@@ -434,10 +432,10 @@ class StatusTracker:
             return "alive"
         return "gone"  # PENDING: the agent never saw it
 
-    def lease_alive(self, agent_id: str) -> bool:
-        """Not declared LOST: it may still run what it holds."""
+    def _by_lease(self, agent_id: str) -> Verdict:
+        """No usable answer (a busy agent answers late): its lease decides."""
         view = self._registry.agents.get(agent_id)
-        return view is not None and view.state is not AgentState.LOST
+        return "alive" if view is not None and view.state is not AgentState.LOST else "gone"
 
     def lease_fresh(self, agent_id: str) -> bool:
         """Its lease has not lapsed (not SUSPECT or LOST): silence may be a reconnect."""
