@@ -300,6 +300,13 @@ class TaskRecord(_Wire):
 
     ``attempt`` is the fence: a status from any other attempt is stale. An agent reads it before
     running a work message and drops attempts that are no longer current.
+
+    The record is written when the fence must change: before each attempt is sent, when the
+    step must try again, when it is cancelled, and when its outcome is decided by anything but
+    its current attempt (an earlier attempt's outcome, or the deadline). A step decided by its
+    current attempt keeps its record as it was (that attempt's agent has the outcome; every
+    other attempt is fenced by the attempt number already): the workflow record's result is
+    where its outcome is kept (``StepResult.decided_by``).
     """
 
     task_id: str
@@ -318,6 +325,8 @@ class TaskRecord(_Wire):
     stale: int = 0
     cancelled: bool = False
     cached: bool = False
+    #: The attempt whose outcome decided the step (set with a final ``state``).
+    decided_by: int | None = None
     #: Hub wall time (seconds since epoch) of creation and last write.
     created_at: float = 0.0
     updated_at: float = 0.0
@@ -332,6 +341,9 @@ class StepResult(_Wire):
     state: TaskState
     agent_id: str | None = None
     attempts: int = 0
+    #: The attempt whose outcome decided the step; for a TIMEOUT by the deadline, the attempt
+    #: current then (None: cancelled, or timed out before any attempt was sent).
+    decided_by: int | None = None
     result: Any = None
     error: ErrorBody | None = None
     #: Not run to the end: the policy was met without it, or an earlier chain step failed.

@@ -27,11 +27,19 @@ from reach_mesh import (
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState, TaskEnvelope
-from reach_mesh.workflow import TaskStatusEvent, merge_payload
+from reach_mesh.workflow import TaskRecord, TaskStatusEvent, merge_payload
 
 from .helpers import Fleet, echo_agent, eventually, heal, partition
 
 pytestmark = pytest.mark.timeout(60)
+
+
+async def task_record(hub: Hub, ns: str, task_id: str) -> TaskRecord:
+    """The step's record in ``reach_tasks``, as the hub stored it."""
+    kv = await hub.nc.jetstream().key_value(protocol.KV_TASKS)
+    entry = await kv.get(protocol.task_key(ns, task_id))
+    assert entry.value
+    return TaskRecord.model_validate_json(entry.value)
 
 
 async def status_events(client: Client, ns: str, task_id: str) -> list[TaskStatusEvent]:
@@ -256,9 +264,13 @@ async def test_handler_fails_then_succeeds(
     async with Client(settings=wf_settings) as mesh:
         res = await mesh.fanout([Step(capability="wf:flaky:v1", retries=2)], timeout=10)
     assert res.state is TaskState.SUCCEEDED, res
-    assert res.steps[0].attempts == 2
+    assert res.steps[0].attempts == 2 and res.steps[0].decided_by == 2
     assert res.steps[0].result == "ok on attempt 2"
     assert wf_hub.workflows is not None and wf_hub.workflows.retry_total >= 1
+    # Decided by its current attempt: the task record stays as that attempt was sent (no
+    # write needed to fence anything; attempt 1 is fenced by the number).
+    rec = await task_record(wf_hub, wf_settings.namespace, res.steps[0].task_id)
+    assert (rec.attempt, rec.agent_id, rec.state) == (2, agent.agent_id, TaskState.PENDING)
 
 
 async def test_retries_exhausted_fail(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
@@ -497,7 +509,10 @@ async def test_first_outcome_wins_even_from_a_superseded_attempt(
     assert res.state is TaskState.SUCCEEDED
     assert res.result == ["answer of A"]
     assert res.steps[0].agent_id == f"{wf_settings.namespace}.win.a"
-    assert res.steps[0].attempts == 2
+    assert res.steps[0].attempts == 2 and res.steps[0].decided_by == 1
+    # Decided by an earlier attempt: the record is written final, fencing attempt 2.
+    rec = await task_record(wf_hub, wf_settings.namespace, res.steps[0].task_id)
+    assert (rec.state, rec.decided_by, rec.attempt) == (TaskState.SUCCEEDED, 1, 2)
 
 
 async def test_outcome_after_the_decision_is_counted_never_applied(

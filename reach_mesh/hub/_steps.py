@@ -484,7 +484,12 @@ class StepRunner:
         reason: str | None = None,
     ) -> tuple[TaskRecord, int]:
         """Record the step's outcome (``event``, or TIMEOUT when None); returns the record and
-        the attempt that decided it."""
+        the attempt that decided it.
+
+        The record is written only when the fence must change (see ``TaskRecord``): not when
+        the current attempt decided the step — its agent has the outcome, and every other
+        attempt is fenced by the attempt number already."""
+        fence = (rec.attempt, rec.agent_id)
         if event is None:
             decided = rec.attempt
             rec.state = TaskState.TIMEOUT
@@ -515,8 +520,10 @@ class StepRunner:
                 # An earlier attempt decided the step: the current one is not needed.
                 self._cancel_attempt(current, rec.task_id, track.attempt)
         rec.stale += track.stale
+        rec.decided_by = decided or None
         rec.updated_at = time.time()
-        await self._cas(key, rec, rev, wf.deadline)
+        if event is None or (event.attempt, event.agent_id) != fence:
+            await self._cas(key, rec, rev, wf.deadline)
         self._step_event(
             wf, rec.step, rec, rec.state, attempt=decided, agent_id=rec.agent_id, error=rec.error
         )

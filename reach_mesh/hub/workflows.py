@@ -649,6 +649,7 @@ class WorkflowEngine(StepRunner):
                     state=rec.state,
                     agent_id=rec.agent_id,
                     attempts=rec.attempt,
+                    decided_by=rec.decided_by if rec.state.final else None,
                     result=rec.result,
                     error=rec.error,
                     cancelled=rec.cancelled,

@@ -212,11 +212,14 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
     return None
 
 
-def _first_result_lost(task: Mapping[str, Any], runs: list[Run], faults: list[Fault]) -> str | None:
+def _first_result_lost(
+    step: Mapping[str, Any], task: Mapping[str, Any], runs: list[Run], faults: list[Fault]
+) -> str | None:
     """Invariant 3 on one step: the first handler run that produced a result (ok or a
-    non-retryable failure) must be the attempt the task record says decided the step, unless
-    its agent died or was paused right then (its result may never have been stored)."""
-    if task.get("state") not in FINAL:
+    non-retryable failure) must be the attempt the stored workflow result says decided the
+    step (``decided_by``), unless its agent died or was paused right then (its result may never
+    have been stored)."""
+    if step.get("state") not in FINAL or step.get("cancelled"):
         return None
     done = sorted(
         (r for r in runs if r.outcome in ("ok", "failed") and r.end), key=lambda r: r.end or 0
@@ -224,9 +227,7 @@ def _first_result_lost(task: Mapping[str, Any], runs: list[Run], faults: list[Fa
     if not done:
         return None
     first = done[0]
-    decided = {
-        a.get("attempt") for a in task.get("history") or () if a.get("state") == task["state"]
-    }
+    decided = {step.get("decided_by")}
     if first.attempt in decided:
         return None
     end = first.end or first.start
@@ -239,7 +240,7 @@ def _first_result_lost(task: Mapping[str, Any], runs: list[Run], faults: list[Fa
         return None
     return (
         f"{first.task_id}: {first.agent_id}#{first.attempt} ended {first.outcome} at {end:.3f}, "
-        f"the record decided by attempt(s) {sorted(decided)} ({task['state']}); history "
+        f"the result says attempt {step.get('decided_by')} decided ({step['state']}); history "
         + ", ".join(
             f"#{a.get('attempt')} {a.get('state')} {a.get('code') or ''}".strip()
             for a in task.get("history") or ()
@@ -250,6 +251,8 @@ def _first_result_lost(task: Mapping[str, Any], runs: list[Run], faults: list[Fa
 def check(h: History) -> Report:
     rep = Report(workflows=len(h.expected), runs=len(h.runs))
     runs_by_task: dict[str, list[Run]] = defaultdict(list)
+    #: task id -> its StepResult in the stored workflow result (the one source of truth).
+    steps: dict[str, Mapping[str, Any]] = {}
     for run in h.runs:
         runs_by_task[run.task_id].append(run)
 
@@ -300,10 +303,15 @@ def check(h: History) -> Report:
             )
         result = (record or {}).get("result") or {}
         for step in result.get("steps") or ():
+            steps[str(step.get("task_id"))] = step
             task = h.tasks.get(str(step.get("task_id")))
             if task is None or step.get("cancelled"):
                 continue
-            if task.get("state") != step.get("state"):
+            # A step decided by its current attempt keeps its record as it was (the hub writes
+            # a task record only when the fence must change): then the record's attempt must
+            # be the deciding one. Otherwise the record holds the outcome.
+            kept = task.get("state") not in FINAL and task.get("attempt") == step.get("decided_by")
+            if not kept and task.get("state") != step.get("state"):
                 rep.step_record_mismatch += 1
                 rep.add(
                     "step record != result",
@@ -314,7 +322,8 @@ def check(h: History) -> Report:
 
     for task_id, runs in runs_by_task.items():
         task = h.tasks.get(task_id)
-        lost = None if task is None else _first_result_lost(task, runs, h.faults)
+        step = steps.get(task_id)
+        lost = None if step is None else _first_result_lost(step, task or {}, runs, h.faults)
         if lost is not None:
             rep.first_result_lost += 1
             rep.add("first result not kept", runs[0].workflow_id, lost)

@@ -18,7 +18,12 @@ def result(state: str = "SUCCEEDED", value: Any = ("a", "b"), steps: int = 2) ->
         "state": state,
         "result": list(value) if state == "SUCCEEDED" else None,
         "steps": [
-            {"index": i, "task_id": f"{WF}-{i}", "state": state if i == 0 else "SUCCEEDED"}
+            {
+                "index": i,
+                "task_id": f"{WF}-{i}",
+                "state": state if i == 0 else "SUCCEEDED",
+                "decided_by": 1,
+            }
             for i in range(steps)
         ],
     }
@@ -117,7 +122,7 @@ def test_caller_disagrees() -> None:
 
 def test_step_record_mismatch() -> None:
     h = clean()
-    h.tasks[f"{WF}-1"] = task(1, "PENDING")
+    h.tasks[f"{WF}-1"] = task(1, "FAILED")
     rep = check(h)
     assert rep.step_record_mismatch == 1
     assert rep.ok  # reported, but not one of the issue's targets
@@ -135,6 +140,7 @@ def test_duplicate_run_explained_by_its_agent_dying() -> None:
     h = clean()
     h.runs[1].end = h.runs[1].outcome = None  # killed mid-handler
     h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.records[WF]["result"]["steps"][1]["decided_by"] = 2
     h.tasks[f"{WF}-1"] = task(
         1, history=[{"attempt": 1, "state": "PENDING"}, {"attempt": 2, "state": "SUCCEEDED"}]
     )
@@ -196,6 +202,7 @@ def test_first_result_thrown_away() -> None:
     'valid results are thrown away')."""
     h = clean()
     h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.records[WF]["result"]["steps"][1]["decided_by"] = 2
     h.tasks[f"{WF}-1"] = task(
         1,
         history=[
@@ -211,6 +218,7 @@ def test_first_result_thrown_away() -> None:
 def test_first_result_lost_with_its_agent_is_explained() -> None:
     h = clean()
     h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.records[WF]["result"]["steps"][1]["decided_by"] = 2
     h.tasks[f"{WF}-1"] = task(
         1, history=[{"attempt": 1, "state": "PENDING"}, {"attempt": 2, "state": "SUCCEEDED"}]
     )
@@ -233,3 +241,13 @@ def test_a_run_directory_is_checked_again_offline(tmp_path: Path) -> None:
     )
     rep = check(load(tmp_path))
     assert rep.workflows == 1 and rep.runs == 2 and rep.dup_agent_crash == 1 and rep.ok
+
+
+def test_a_step_record_kept_as_sent_must_name_the_deciding_attempt() -> None:
+    """A step decided by its current attempt keeps its task record as it was sent (PENDING):
+    fine when the record's attempt is the one the result says decided; a mismatch otherwise."""
+    h = clean()
+    h.tasks[f"{WF}-1"] = {**task(1, "PENDING"), "attempt": 1}
+    assert check(h).ok
+    h.tasks[f"{WF}-1"] = {**task(1, "PENDING"), "attempt": 2}
+    assert check(h).step_record_mismatch == 1
