@@ -11,7 +11,6 @@ retrying, and recording the outcome. Infrastructure errors are retried here
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -103,6 +102,8 @@ class StepRunner:
     _tasks_kv: KeyValue | None
     _tracker: StatusTracker
     _bg: set[asyncio.Future[Any]]
+    #: Workflow events waiting for this pass's send (``_event``).
+    _events_out: list[tuple[str, bytes, dict[str, str]]]
     _pending: int
     #: Agents registered with ``durable_work=False`` (no work consumer): never offered a
     #: step. Kept from state changes so choosing a step does not scan the registry.
@@ -564,9 +565,7 @@ class StepRunner:
                     wait_until = track.last_event + pol.silence_timeout
                 timeout = min(wait_until, deadline) - now
                 if timeout > 0:
-                    track.changed.clear()
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(track.changed.wait(), timeout)
+                    await track.changed.wait(timeout)
                     continue
             # Silent past its timeout, or its agent declared LOST (its heartbeats stopped
             # reaching the hubs): ask the agent before giving the attempt up — a starved or
@@ -613,13 +612,19 @@ class StepRunner:
         )
 
     def _event(self, wf: Workflow, event: WorkflowEvent) -> None:
-        self._background(
-            self._nc.publish(
-                protocol.wf_event(wf.ns, wf.id),
-                protocol.encode(event),
-                headers=inject(dict(wf.headers)),
-            )
+        """Publish ``event`` (core NATS; ``REACH_WF_EVENTS`` captures it) with the events made
+        in the same pass of the event loop: one task per pass, not one per event."""
+        self._events_out.append(
+            (protocol.wf_event(wf.ns, wf.id), protocol.encode(event), inject(dict(wf.headers)))
         )
+        if len(self._events_out) == 1:
+            self._background(self._send_events())
+
+    async def _send_events(self) -> None:
+        # Runs in the next pass: every event of this one is in the list by then.
+        out, self._events_out = self._events_out, []
+        for subject, body, headers in out:
+            await self._nc.publish(subject, body, headers=headers)
 
     def _background(self, aw: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(aw)

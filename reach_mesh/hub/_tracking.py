@@ -52,6 +52,38 @@ _CATCH_UP_AGENTS: Final = 8
 Verdict = Literal["done", "alive", "gone"]
 
 
+class Signal:
+    """Wakes the one coroutine that waits on a step (its own): :meth:`set` wakes it at once,
+    :meth:`wait` returns on that or after ``timeout``. Cheaper than ``asyncio.Event`` under
+    ``wait_for``, which makes a task per wait; a ``set`` with nobody waiting is forgotten, as
+    the Event was cleared before every wait."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 @dataclass(slots=True, eq=False)
 class StepTrack:
     """One step while it runs on this hub, fed by the status subscription."""
@@ -66,7 +98,7 @@ class StepTrack:
     on_transition: Callable[[TaskState, TaskState], None]
     #: Every attempt ever sent for this step -> its agent (any of them may still deliver).
     sent: dict[int, str] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    changed: Signal = field(default_factory=Signal)
     #: Final statuses of sent attempts not yet acted on, oldest first (one per attempt).
     outcomes: deque[TaskStatusEvent] = field(default_factory=deque)
     #: Attempts whose final status was queued in ``outcomes`` (a repeat is not queued again).
@@ -106,11 +138,7 @@ class StepTrack:
             left = end - loop.time()
             if left <= 0:
                 return
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), left)
-            except TimeoutError:
-                return
+            await self.changed.wait(left)
 
 
 def parse_task_state(data: bytes) -> tuple[TaskState, int | None, dict[str, Any]] | None:

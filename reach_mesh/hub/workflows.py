@@ -122,7 +122,9 @@ class WorkflowEngine(StepRunner):
             on_stale=None if metrics is None else metrics.stale_result_total.inc,
         )
         self._running: dict[asyncio.Task[None], Msg] = {}
+        self._ticker: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Future[Any]] = set()
+        self._events_out: list[tuple[str, bytes, dict[str, str]]] = []
         self._pending = 0
         self._stopping = False
         #: Final answers that came from an agent's idempotency cache (a duplicate delivery).
@@ -222,12 +224,15 @@ class WorkflowEngine(StepRunner):
             expires=min(5.0, max(0.5, s.workflow_ack_wait)),
         )
         await self._pull.start()
+        self._ticker = asyncio.create_task(self._keepalive(), name="reach-workflow-keepalive")
 
     async def stop(self) -> None:
         """Stop pulling; hand every running workflow back (nak) so another hub resumes it."""
         self._stopping = True
         if self._pull is not None:
             await self._pull.stop()
+        if self._ticker is not None:
+            self._ticker.cancel()
         running = dict(self._running)
         for task in running:
             task.cancel()
@@ -285,7 +290,6 @@ class WorkflowEngine(StepRunner):
         except ReachError as err:
             await self._reject(msg, headers, err)
             return
-        keepalive = asyncio.create_task(self._keepalive(msg))
         try:
             result, stored = await self._run(wf)
             if not stored:
@@ -309,8 +313,6 @@ class WorkflowEngine(StepRunner):
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             return
-        finally:
-            keepalive.cancel()
         with contextlib.suppress(Exception):
             await msg.ack()
         if not stored:
@@ -390,12 +392,15 @@ class WorkflowEngine(StepRunner):
             return
         self._count_done(kind, result)
 
-    async def _keepalive(self, msg: Msg) -> None:
+    async def _keepalive(self) -> None:
+        """``+WPI`` for every submission this hub runs, every ``workflow_ack_wait / 3``: one
+        loop for all of them."""
         interval = self._settings.workflow_ack_wait / 3
         while True:
             await asyncio.sleep(interval)
-            with contextlib.suppress(Exception):
-                await msg.in_progress()
+            for msg in list(self._running.values()):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
 
     async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
         """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
