@@ -108,6 +108,8 @@ CONSUMER_HUBS: Final = "reach-hubs"
 WORKFLOW_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
 HDR_MSG_ID: Final = "Nats-Msg-Id"
+#: JetStream refuses a publish with this header unless the named stream takes it.
+HDR_EXPECTED_STREAM: Final = "Nats-Expected-Stream"
 
 _TOKEN: Final = r"[a-z0-9][a-z0-9_-]*"
 TOKEN_RE: Final = re.compile(rf"^{_TOKEN}$")

@@ -16,19 +16,31 @@ Retrying a write is only safe when a repeat is harmless:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from reach_mesh._jspub import JsPublisher
 from reach_mesh._retry import RetriesExhausted, retrying, transient
 
-__all__ = ["RetriesExhausted", "cas", "create", "get", "retrying", "transient"]
+__all__ = ["Bucket", "RetriesExhausted", "cas", "create", "get", "retrying", "transient"]
 
 
-async def get(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """A KV bucket the engine writes: compare-and-sets go through the connection's
+    :class:`~reach_mesh._jspub.JsPublisher`, reads through nats-py's ``KeyValue``."""
+
+    name: str
+    kv: KeyValue
+    pub: JsPublisher
+
+
+async def get(bucket: Bucket, key: str) -> tuple[bytes, int] | None:
     """The value and revision of ``key``; None when it does not exist or was deleted."""
     try:
-        entry = await kv.get(key)
+        entry = await bucket.kv.get(key)
     except KeyNotFoundError:
         return None
     if not entry.value:
@@ -39,28 +51,34 @@ async def get(kv: KeyValue, key: str) -> tuple[bytes, int] | None:
 class _Write:
     """One compare-and-set, retried: tells a lost answer from a lost race."""
 
-    def __init__(self, kv: KeyValue, key: str, data: bytes, last: int) -> None:
-        self.kv, self.key, self.data, self.last = kv, key, data, last
+    def __init__(self, bucket: Bucket, key: str, data: bytes, last: int) -> None:
+        self.bucket, self.key, self.data, self.last = bucket, key, data, last
         self.tried = False
 
     async def __call__(self) -> int:
         first = not self.tried
         self.tried = True
+        b = self.bucket
         try:
-            if self.last == 0:
-                return int(await self.kv.create(self.key, self.data))
-            return int(await self.kv.update(self.key, self.data, last=self.last))
+            try:
+                return await b.pub.kv_write(b.name, self.key, self.data, self.last)
+            except KeyWrongLastSequenceError:
+                if self.last != 0:
+                    raise
+                # A key deleted by hand keeps a delete marker: nats-py's create writes over it
+                # (and raises the same error when the key really exists).
+                return int(await b.kv.create(self.key, self.data))
         except KeyWrongLastSequenceError:
             if not first:
                 # Our earlier try may have landed before its answer was lost.
-                got = await get(self.kv, self.key)
+                got = await get(b, self.key)
                 if got is not None and got[0] == self.data:
                     return got[1]
             raise
 
 
 async def cas(
-    kv: KeyValue,
+    bucket: Bucket,
     key: str,
     data: bytes,
     last: int,
@@ -70,11 +88,13 @@ async def cas(
 ) -> int:
     """Write ``data`` if ``key`` is still at revision ``last``; the new revision. Raises
     ``KeyWrongLastSequenceError`` when somebody else wrote the key in between."""
-    return await retrying(f"write {key}", _Write(kv, key, data, last), deadline, on_retry=on_retry)
+    return await retrying(
+        f"write {key}", _Write(bucket, key, data, last), deadline, on_retry=on_retry
+    )
 
 
 async def create(
-    kv: KeyValue,
+    bucket: Bucket,
     key: str,
     data: bytes,
     deadline: float,
@@ -82,4 +102,4 @@ async def create(
     on_retry: Callable[[], None] | None = None,
 ) -> int:
     """Create ``key``; its revision. ``KeyWrongLastSequenceError`` when it exists."""
-    return await cas(kv, key, data, 0, deadline, on_retry=on_retry)
+    return await cas(bucket, key, data, 0, deadline, on_retry=on_retry)

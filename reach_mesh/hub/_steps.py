@@ -20,9 +20,9 @@ from typing import Any, Final, Literal, TypeVar
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
 from reach_mesh import protocol
+from reach_mesh._jspub import JsPublisher
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshTimeoutError, NoMatchError, ReachError
 from reach_mesh.hub import _durable
@@ -99,7 +99,8 @@ class StepRunner:
     _router: Router
     _settings: MeshSettings
     _metrics: Any
-    _tasks_kv: KeyValue | None
+    _tasks_kv: _durable.Bucket | None
+    _pub: JsPublisher
     _tracker: StatusTracker
     _bg: set[asyncio.Future[Any]]
     #: Workflow events waiting for this pass's send (``_event``).
@@ -465,11 +466,12 @@ class StepRunner:
         headers = inject({})
         # The attempt's id: a repeat after an infrastructure error is dropped by JetStream.
         headers[protocol.HDR_MSG_ID] = protocol.attempt_msg_id(rec.task_id, rec.attempt)
+        headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WORK
         subject = protocol.work_subject(wf.ns, rec.agent_id)
         body = protocol.encode(env)
         await self._io(
             f"publish {subject}",
-            lambda: self._js.publish(subject, body, headers=headers, stream=protocol.STREAM_WORK),
+            lambda: self._pub.publish(subject, body, headers),
             wf.deadline,
         )
 

@@ -40,11 +40,11 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
+from reach_mesh._jspub import JsPublisher
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -111,8 +111,10 @@ class WorkflowEngine(StepRunner):
         self._settings = settings
         self.hub_id = hub_id
         self._metrics = metrics
-        self._wf_kv: KeyValue | None = None
-        self._tasks_kv: KeyValue | None = None
+        self._wf_kv: _durable.Bucket | None = None
+        self._tasks_kv: _durable.Bucket | None = None
+        #: Acked JetStream writes of the engine (KV compare-and-sets, work, ``.done``).
+        self._pub = JsPublisher(nc)
         self._pull: PullConsumer | None = None
         self._status_sub: Subscription | None = None
         self._tracker = StatusTracker(
@@ -191,14 +193,17 @@ class WorkflowEngine(StepRunner):
                 description="reach-mesh workflow step events and results",
             ),
         )
-        self._tasks_kv = await ensure_task_resources(js, s)
-        self._wf_kv = await ensure_kv(
+        await self._pub.start()
+        tasks = await ensure_task_resources(js, s)
+        self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, tasks, self._pub)
+        records = await ensure_kv(
             js,
             protocol.KV_WORKFLOWS,
             replicas=s.kv_replicas,
             ttl=s.workflow_retention,
             description="reach-mesh workflow records",
         )
+        self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, records, self._pub)
         await js.add_consumer(
             protocol.STREAM_WF,
             ConsumerConfig(
@@ -246,6 +251,8 @@ class WorkflowEngine(StepRunner):
         if self._status_sub is not None:
             with contextlib.suppress(Exception):
                 await self._status_sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await self._pub.stop()
 
     @property
     def running(self) -> int:
@@ -448,11 +455,12 @@ class WorkflowEngine(StepRunner):
         after it, deduplicated by JetStream (``Nats-Msg-Id = <workflow_id>.done``)."""
         out = inject(dict(headers))
         out[protocol.HDR_MSG_ID] = protocol.done_msg_id(result.workflow_id)
+        out[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF_EVENTS
         body = protocol.encode(result)
         subject = protocol.wf_done(ns, result.workflow_id)
         await self._io(
             f"publish {subject}",
-            lambda: self._js.publish(subject, body, headers=out, stream=protocol.STREAM_WF_EVENTS),
+            lambda: self._pub.publish(subject, body, out),
             deadline,
         )
 

@@ -1,0 +1,133 @@
+"""JetStream publishes that wait for their ack, without nats-py's per-request machinery.
+
+``js.publish`` goes through ``nc.request``: a NUID token, a future with a done-callback, an
+``asyncio.wait_for`` around it, and a ``PubAck`` dataclass built by introspection. On the
+workflow engine's hot path (several acked writes per workflow) that machinery cost as much as
+the rest of the write. :class:`JsPublisher` does the same exchange with one wildcard reply
+subscription, a future and a timer per publish, and a plain ``json.loads`` of the ack.
+
+It raises what nats-py raises, so :mod:`reach_mesh._retry` classifies the errors the same way:
+``NoStreamResponseError`` (no stream took it: 503), ``nats.errors.TimeoutError``,
+``KeyWrongLastSequenceError`` for a KV compare-and-set that lost (JetStream error codes 10071,
+10164), and ``APIError.from_error`` for any other error answer.
+
+Reply tokens are random (``_batch.reply_token``): the reply subject travels with the message,
+and parties allowed to answer into a hub's inbox must not guess the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Final
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponseError
+
+from reach_mesh._batch import reply_token
+
+__all__ = ["Ack", "JsPublisher", "kv_subject"]
+
+#: JetStream's "wrong last sequence" error codes (a KV compare-and-set that lost).
+_WRONG_LAST: Final = frozenset({10071, 10164})
+#: The header of a KV compare-and-set: the revision the key must still be at (0: absent).
+EXPECTED_LAST_SUBJECT_SEQUENCE: Final = "Nats-Expected-Last-Subject-Sequence"
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """JetStream's answer to a stored publish."""
+
+    stream: str
+    seq: int
+    duplicate: bool
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject a KV bucket stores ``key`` under."""
+    return f"$KV.{bucket}.{key}"
+
+
+class JsPublisher:
+    """Acked JetStream publishes for one connection (started and stopped with its owner)."""
+
+    def __init__(self, nc: NATS, *, timeout: float = 10.0) -> None:
+        self._nc = nc
+        self._timeout = timeout
+        self._prefix = nc.new_inbox() + "."
+        self._futures: dict[str, asyncio.Future[Msg]] = {}
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self._nc.subscribe(
+            self._prefix + "*", cb=self._on_ack, pending_msgs_limit=-1
+        )
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+
+    async def publish(
+        self,
+        subject: str,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Ack:
+        """Publish ``body`` to ``subject`` and wait for the stream's ack."""
+        if self._sub is None:
+            raise nats.errors.ConnectionClosedError
+        loop = asyncio.get_running_loop()
+        token = reply_token()
+        future: asyncio.Future[Msg] = loop.create_future()
+        self._futures[token] = future
+        timer = loop.call_later(self._timeout if timeout is None else timeout, _expire, future)
+        try:
+            await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
+            msg = await future
+        finally:
+            timer.cancel()
+            del self._futures[token]
+        return _ack(msg)
+
+    async def kv_write(self, bucket: str, key: str, value: bytes, last: int) -> int:
+        """Write ``key`` if it is still at revision ``last`` (0: if it does not exist); the new
+        revision. ``KeyWrongLastSequenceError`` when it is not."""
+        ack = await self.publish(
+            kv_subject(bucket, key), value, {EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)}
+        )
+        return ack.seq
+
+    async def _on_ack(self, msg: Msg) -> None:
+        future = self._futures.get(msg.subject[len(self._prefix) :])
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+
+def _expire(future: asyncio.Future[Msg]) -> None:
+    if not future.done():
+        future.set_exception(nats.errors.TimeoutError())
+
+
+def _ack(msg: Msg) -> Ack:
+    if not msg.data:
+        headers = msg.headers or {}
+        if headers.get("Status") == "503":
+            raise NoStreamResponseError
+        raise APIError(code=int(headers.get("Status") or 0) or None, description="empty answer")
+    try:
+        body = json.loads(msg.data)
+    except ValueError as err:
+        raise APIError(description=f"unreadable JetStream ack: {msg.data[:80]!r}") from err
+    error = body.get("error")
+    if error is not None:
+        if error.get("err_code") in _WRONG_LAST:
+            raise KeyWrongLastSequenceError(description=error.get("description"))
+        APIError.from_error(error)  # raises the matching APIError subclass
+    return Ack(str(body.get("stream", "")), int(body.get("seq", 0)), bool(body.get("duplicate")))

@@ -1,0 +1,56 @@
+"""The engine's JetStream publisher against a real nats-server: acks, deduplication, KV
+compare-and-set, and the errors ``_retry`` tells apart (an answer vs the infrastructure)."""
+
+from __future__ import annotations
+
+import uuid
+
+import nats
+import nats.errors
+import pytest
+from nats.js.api import StreamConfig
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NoStreamResponseError
+
+from reach_mesh._jspub import JsPublisher
+from reach_mesh._retry import transient
+
+
+async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    pub = JsPublisher(nc, timeout=2.0)
+    await pub.start()
+    name = f"JSPUB_{uuid.uuid4().hex[:8]}"
+    js = nc.jetstream()
+    try:
+        await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
+        subject = f"{name.lower()}.a"
+        first = await pub.publish(subject, b"one", {"Nats-Msg-Id": "m1"})
+        again = await pub.publish(subject, b"one", {"Nats-Msg-Id": "m1"})
+        assert (first.stream, first.seq, first.duplicate) == (name, 1, False)
+        assert again.duplicate and again.seq == 1
+        # The expected-stream header: an answer (refused), not an infrastructure error.
+        with pytest.raises(BadRequestError) as refused:
+            await pub.publish(subject, b"x", {"Nats-Expected-Stream": "OTHER"})
+        assert not transient(refused.value)
+        # No stream takes the subject: NATS' 503, which is retried.
+        with pytest.raises(NoStreamResponseError) as nobody:
+            await pub.publish(f"nostream.{uuid.uuid4().hex}", b"x")
+        assert transient(nobody.value)
+
+        bucket = f"jspub_{uuid.uuid4().hex[:8]}"
+        kv = await js.create_key_value(bucket=bucket)
+        rev = await pub.kv_write(bucket, "k", b"v1", 0)
+        assert (await kv.get("k")).value == b"v1"
+        with pytest.raises(KeyWrongLastSequenceError):
+            await pub.kv_write(bucket, "k", b"v2", 0)  # exists already
+        with pytest.raises(KeyWrongLastSequenceError):
+            await pub.kv_write(bucket, "k", b"v2", rev + 5)
+        rev2 = await pub.kv_write(bucket, "k", b"v2", rev)
+        assert rev2 > rev and (await kv.get("k")).value == b"v2"
+        await js.delete_key_value(bucket)
+    finally:
+        await pub.stop()
+        with pytest.raises(nats.errors.ConnectionClosedError):
+            await pub.publish("any", b"")  # stopped: refused at once
+        await js.delete_stream(name)
+        await nc.close()
