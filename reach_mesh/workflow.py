@@ -301,12 +301,14 @@ class TaskRecord(_Wire):
     ``attempt`` is the fence: a status from any other attempt is stale. An agent reads it before
     running a work message and drops attempts that are no longer current.
 
-    The record is written when the fence must change: before each attempt is sent, when the
-    step must try again, when it is cancelled, and when its outcome is decided by anything but
-    its current attempt (an earlier attempt's outcome, or the deadline). A step decided by its
-    current attempt keeps its record as it was (that attempt's agent has the outcome; every
-    other attempt is fenced by the attempt number already): the workflow record's result is
-    where its outcome is kept (``StepResult.decided_by``).
+    The record is written when the fence must change: when the step must try again, when it is
+    cancelled, and when its outcome is decided by anything but its current attempt (an earlier
+    attempt's outcome, or the deadline); and before an attempt is sent, except the attempts
+    sent when the workflow starts, which its ``WorkflowRecord`` names (``first_agents``):
+    attempt 1 needs no fence until there is an attempt 2. A step decided by its current
+    attempt keeps its record as it was, or has none (that attempt's agent has the outcome;
+    every other attempt is fenced by the attempt number already): the workflow record's result
+    is where its outcome is kept (``StepResult.decided_by``).
     """
 
     task_id: str
@@ -410,6 +412,10 @@ class WorkflowRecord(_Wire):
     owner: str | None = None
     trace_id: str | None = None
     submitted_at: float | None = None
+    #: Per step, the agent its attempt 1 was sent to when the workflow started (every fanout
+    #: step, a chain's step 0; None: chosen later). Such a step has no task record until its
+    #: fence must change (``TaskRecord``): a hub taking the workflow over adopts that attempt.
+    first_agents: list[str | None] = Field(default_factory=list)
     result: WorkflowResult | None = None
 
 

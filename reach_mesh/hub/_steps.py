@@ -79,6 +79,13 @@ class Workflow:
     records: dict[int, TaskRecord] = field(default_factory=dict)
     #: Revision of this hub's write of the workflow record (the final write is a CAS on it).
     rev: int = 0
+    #: Agents chosen for the attempts sent when this hub started the workflow (per step; None
+    #: when none matched or the step starts later). A step takes its choice when it starts.
+    first: list[tuple[AgentView, str | None] | None] = field(default_factory=list)
+    #: The workflow record's ``first_agents`` (this hub's choices, or the stored record's
+    #: when ``taken_over`` from another hub).
+    first_agents: list[str | None] = field(default_factory=list)
+    taken_over: bool = False
 
     @property
     def ns(self) -> str:
@@ -165,58 +172,15 @@ class StepRunner:
         that was sent may still deliver its outcome until the step is decided: the first one
         wins (``StatusTracker.offer``), later ones are counted as stale.
         """
-        assert self._tasks_kv is not None
-        kv = self._tasks_kv
         loop = asyncio.get_running_loop()
         ns = wf.ns
         task_id = step_task_id(wf.id, index, step)
         key = protocol.task_key(ns, task_id)
         pol = self._policy(step)
-        route = RouteRequest(
-            agent_id=step.agent_id,
-            capability=step.capability,
-            selector=step.selector,
-            strategy=step.strategy,
-        )
-        # Fast path: choose an agent and create the record with attempt 1 in one write. A
-        # record that exists already (a hub taking the workflow over) is read instead.
-        view, capability = await self._choose(route, ns, set())
+        route = step_route(step)
+        rec, rev, fresh, view, capability = await self._begin(wf, index, route, task_id, key)
         # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
         no_work = self._no_work_reason(route, ns) if view is None else None
-        now = time.time()
-        rec = TaskRecord(
-            task_id=task_id,
-            workflow_id=wf.id,
-            step=index,
-            namespace=ns,
-            created_at=now,
-            updated_at=now,
-        )
-        if view is not None:
-            rec.attempt = 1
-            rec.agent_id = view.agent_id
-            rec.history = [AttemptRecord(attempt=1, agent_id=view.agent_id)]
-        fresh = True
-        try:
-            rev = await _durable.create(
-                kv,
-                key,
-                protocol.encode(rec),
-                self._io_deadline(wf.deadline),
-                on_retry=self._infra_retry,
-            )
-        except BaseException as err:
-            if view is not None:
-                view.outstanding = max(0, view.outstanding - 1)
-                view = None
-            if not isinstance(err, KeyWrongLastSequenceError):
-                raise
-            fresh = False
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            if got is None:
-                raise NotOwnerError(key) from err
-            rec = TaskRecord.model_validate_json(got[0])
-            rev = got[1]
         if rec.state.final or rec.cancelled:
             return rec  # finished before a takeover: never run again
         ttl_left = rec.created_at + pol.ttl - time.time()
@@ -353,6 +317,80 @@ class StepRunner:
                             self._pending_delta(-1)
             finally:
                 self._tracker.close(track, decided)
+
+    async def _begin(
+        self, wf: Workflow, index: int, route: RouteRequest, task_id: str, key: str
+    ) -> tuple[TaskRecord, int, bool, AgentView | None, str | None]:
+        """Where the step starts: ``(record, revision, fresh, agent, capability)``.
+
+        Fresh (this hub starts the step): an attempt 1 chosen when the workflow started is in
+        the workflow record already (``first_agents``) and is sent without a task record (rev
+        0: none yet); otherwise an agent is chosen now and the record created with attempt 1
+        (or 0 when none matches). Not fresh (taken over from another hub): the step's record,
+        or — without one — its attempt 1 from the workflow record, to adopt."""
+        assert self._tasks_kv is not None
+        kv = self._tasks_kv
+        now = time.time()
+        rec = TaskRecord(
+            task_id=task_id,
+            workflow_id=wf.id,
+            step=index,
+            namespace=wf.ns,
+            created_at=now,
+            updated_at=now,
+        )
+        if wf.taken_over:
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            if got is not None:
+                return TaskRecord.model_validate_json(got[0]), got[1], False, None, None
+            first_agent = wf.first_agents[index] if index < len(wf.first_agents) else None
+            if first_agent is not None:
+                rec.created_at = wf.submitted_at
+                _sent(rec, first_agent)
+                return rec, 0, False, None, None
+        first = wf.first[index] if index < len(wf.first) else None
+        if first is not None:
+            wf.first[index] = None  # the step owns the agent's load count now
+            _sent(rec, first[0].agent_id)
+            return rec, 0, True, first[0], first[1]
+        view, capability = await self._choose(route, wf.ns, set())
+        if view is not None:
+            _sent(rec, view.agent_id)
+        try:
+            rev = await _durable.create(
+                kv,
+                key,
+                protocol.encode(rec),
+                self._io_deadline(wf.deadline),
+                on_retry=self._infra_retry,
+            )
+        except BaseException as err:
+            if view is not None:
+                view.outstanding = max(0, view.outstanding - 1)
+            if not isinstance(err, KeyWrongLastSequenceError):
+                raise
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            if got is None:
+                raise NotOwnerError(key) from err
+            return TaskRecord.model_validate_json(got[0]), got[1], False, None, None
+        return rec, rev, True, view, capability
+
+    async def _first_choices(self, wf: Workflow) -> None:
+        """Choose the agents of the attempts sent when the workflow starts (every fanout step,
+        a chain's step 0), before the workflow record names them (``first_agents``)."""
+        starting = wf.spec.steps if wf.spec.kind == "fanout" else wf.spec.steps[:1]
+        first: list[tuple[AgentView, str | None] | None] = []
+        for step in starting:
+            view, capability = await self._choose(step_route(step), wf.ns, set())
+            first.append(None if view is None else (view, capability))
+        wf.first = first
+
+    def _release_first(self, wf: Workflow) -> None:
+        """Give back the load counted on first choices that will not be sent by this hub."""
+        for choice in wf.first:
+            if choice is not None:
+                choice[0].outstanding = max(0, choice[0].outstanding - 1)
+        wf.first = []
 
     def _waiting_reason(self, route: RouteRequest, ns: str, no_work: str | None) -> str:
         target = route.agent_id or route.capability or route.selector
@@ -645,6 +683,23 @@ class StepRunner:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def step_route(step: StepSpec) -> RouteRequest:
+    """The route request that chooses a step's agent."""
+    return RouteRequest(
+        agent_id=step.agent_id,
+        capability=step.capability,
+        selector=step.selector,
+        strategy=step.strategy,
+    )
+
+
+def _sent(rec: TaskRecord, agent_id: str) -> None:
+    """``rec`` as attempt 1 sent to ``agent_id``."""
+    rec.attempt = 1
+    rec.agent_id = agent_id
+    rec.history = [AttemptRecord(attempt=1, agent_id=agent_id)]
 
 
 def _note(rec: TaskRecord, event: TaskStatusEvent) -> None:

@@ -60,6 +60,7 @@ from reach_mesh.hub.router import Router
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, inject, span
 from reach_mesh.workflow import (
+    AttemptRecord,
     StepResult,
     TaskRecord,
     TaskStatusEvent,
@@ -477,22 +478,29 @@ class WorkflowEngine(StepRunner):
         assert self._wf_kv is not None
         kv = self._wf_kv
         key = protocol.workflow_key(wf.ns, wf.id)
-        start = protocol.encode(
-            WorkflowRecord(
-                spec=wf.spec,
-                spec_digest=wf.digest,
-                owner=self.hub_id,
-                trace_id=wf.trace_id,
-                submitted_at=wf.submitted_at,
-            )
+        # The agents of the attempts sent at once are chosen first: the workflow record names
+        # them, so those steps need no task record of their own (see ``TaskRecord``).
+        await self._first_choices(wf)
+        record = WorkflowRecord(
+            spec=wf.spec,
+            spec_digest=wf.digest,
+            owner=self.hub_id,
+            trace_id=wf.trace_id,
+            submitted_at=wf.submitted_at,
+            first_agents=[None if c is None else c[0].agent_id for c in wf.first],
         )
+        wf.first_agents = record.first_agents
+        start = protocol.encode(record)
         # One write for a new workflow; only an existing record (a takeover, or a re-submit
         # after the dedup window) costs a read.
         try:
             wf.rev = await _durable.create(
                 kv, key, start, self._io_deadline(wf.deadline), on_retry=self._infra_retry
             )
-        except KeyWrongLastSequenceError:
+        except BaseException as err:
+            self._release_first(wf)
+            if not isinstance(err, KeyWrongLastSequenceError):
+                raise
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
             rec = _record(got)
             if rec is not None and rec.spec_digest not in (None, wf.digest):
@@ -500,7 +508,12 @@ class WorkflowEngine(StepRunner):
             stored = _final_result(got)
             if stored is not None:
                 return stored, True  # finished before: never run again
-            # Take the workflow over: a CAS, so of two hubs resuming it one wins.
+            # Take the workflow over: a CAS, so of two hubs resuming it one wins. Attempts the
+            # previous owner sent at the start stay named: their steps adopt them.
+            wf.taken_over = True
+            wf.first_agents = [] if rec is None else rec.first_agents
+            record.first_agents = wf.first_agents
+            start = protocol.encode(record)
             try:
                 wf.rev = await _durable.cas(
                     kv,
@@ -524,10 +537,13 @@ class WorkflowEngine(StepRunner):
             },
         ) as sp:
             self._event(wf, WorkflowEvent(workflow_id=wf.id, kind="start", state=TaskState.RUNNING))
-            if wf.spec.kind == "fanout":
-                result = await self._fanout(wf)
-            else:
-                result = await self._chain(wf)
+            try:
+                if wf.spec.kind == "fanout":
+                    result = await self._fanout(wf)
+                else:
+                    result = await self._chain(wf)
+            finally:
+                self._release_first(wf)  # choices of steps that never started
             if sp.is_recording():
                 sp.set_attribute("reach.workflow.state", result.state.value)
         result.trace_id = wf.trace_id
@@ -680,11 +696,27 @@ class WorkflowEngine(StepRunner):
         assert self._tasks_kv is not None
         kv = self._tasks_kv
         step = wf.spec.steps[index]
-        key = protocol.task_key(wf.ns, step_task_id(wf.id, index, step))
+        task_id = step_task_id(wf.id, index, step)
+        key = protocol.task_key(wf.ns, task_id)
         got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
-        if got is None:
-            return
-        rec = TaskRecord.model_validate_json(got[0])
+        if got is not None:
+            rec = TaskRecord.model_validate_json(got[0])
+        else:
+            # No record: its attempt 1, if sent, is the one the workflow record names.
+            agents = wf.first_agents
+            agent_id = agents[index] if index < len(agents) else None
+            if agent_id is None:
+                return
+            rec = TaskRecord(
+                task_id=task_id,
+                workflow_id=wf.id,
+                step=index,
+                namespace=wf.ns,
+                attempt=1,
+                agent_id=agent_id,
+                history=[AttemptRecord(attempt=1, agent_id=agent_id)],
+                created_at=wf.submitted_at,
+            )
         if rec.state.final:
             wf.records[index] = rec
             return
@@ -692,7 +724,8 @@ class WorkflowEngine(StepRunner):
         rec.updated_at = time.time()
         wf.records[index] = rec
         with contextlib.suppress(Exception):
-            await _durable.cas(kv, key, protocol.encode(rec), got[1], self._io_deadline())
+            last = 0 if got is None else got[1]
+            await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
         if rec.agent_id is not None and rec.attempt > 0:
             self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
 
