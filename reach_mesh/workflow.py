@@ -431,4 +431,7 @@ class WorkflowEvent(_Wire):
     attempt: int | None = None
     agent_id: str | None = None
     error: ErrorBody | None = None
+    #: ``start``: per step, the agent its attempt 1 is sent to right away (the workflow
+    #: record's ``first_agents``); those attempts get no ``step`` PENDING event of their own.
+    first_agents: list[str | None] | None = None
     result: WorkflowResult | None = None

@@ -608,9 +608,13 @@ async def test_submit_then_result_events_and_resubmit(
         res = await mesh.workflow(wf_id, timeout=10)
         assert res.state is TaskState.SUCCEEDED
         events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
+        # The start names where both first attempts went; then each step's outcome; done.
         assert events[0].kind == "start"
+        assert events[0].first_agents == [agent.agent_id, agent.agent_id]
+        assert [(e.kind, e.step, e.state, e.attempt) for e in events[1:-1]] == [
+            ("step", i, TaskState.SUCCEEDED, 1) for i in sorted(e.step or 0 for e in events[1:-1])
+        ]
         assert events[-1].kind == "done" and events[-1].result is not None
-        assert {e.state for e in events if e.kind == "step"} >= {TaskState.SUCCEEDED}
         # Same id again: a no-op, the stored answer comes back, nothing runs again.
         again = await mesh.fanout(steps, workflow_id="my-wf-1", timeout=5)
         assert again.state is TaskState.SUCCEEDED

@@ -421,11 +421,16 @@ class StepRunner:
         pol: _Policy,
         deadline: float,
     ) -> tuple[Outcome, TaskStatusEvent | None]:
-        """Send the current attempt (its record is written) and watch the step to an outcome."""
+        """Send the current attempt (its record is written) and watch the step to an outcome.
+
+        A ``step`` PENDING event says the attempt went out, unless the workflow's ``start``
+        event named it already (attempt 1 to ``first_agents[index]``)."""
         await self._send(wf, index, step, rec, capability, payload)
-        self._step_event(
-            wf, index, rec, TaskState.PENDING, attempt=rec.attempt, agent_id=rec.agent_id
-        )
+        named = wf.first_agents[index] if index < len(wf.first_agents) else None
+        if rec.attempt != 1 or rec.agent_id != named:
+            self._step_event(
+                wf, index, rec, TaskState.PENDING, attempt=rec.attempt, agent_id=rec.agent_id
+            )
         return await self._watch(track, pol, deadline)
 
     async def _choose(

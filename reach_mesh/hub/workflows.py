@@ -536,7 +536,15 @@ class WorkflowEngine(StepRunner):
                 "reach.workflow.steps": len(wf.spec.steps),
             },
         ) as sp:
-            self._event(wf, WorkflowEvent(workflow_id=wf.id, kind="start", state=TaskState.RUNNING))
+            self._event(
+                wf,
+                WorkflowEvent(
+                    workflow_id=wf.id,
+                    kind="start",
+                    state=TaskState.RUNNING,
+                    first_agents=wf.first_agents,
+                ),
+            )
             try:
                 if wf.spec.kind == "fanout":
                     result = await self._fanout(wf)
