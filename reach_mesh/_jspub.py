@@ -1,10 +1,13 @@
-"""JetStream publishes that wait for their ack, without nats-py's per-request machinery.
+"""JetStream on the hot paths: acked publishes and direct gets without nats-py's per-request
+machinery.
 
 ``js.publish`` goes through ``nc.request``: a NUID token, a future with a done-callback, an
 ``asyncio.wait_for`` around it, and a ``PubAck`` dataclass built by introspection. On the
 workflow engine's hot path (several acked writes per workflow) that machinery cost as much as
-the rest of the write. :class:`JsPublisher` does the same exchange with one wildcard reply
-subscription, a future and a timer per publish, and a plain ``json.loads`` of the ack.
+the rest of the write; a KV read (``kv.get``) adds a header parser, a raw-message object and an
+exception for a missing key. :class:`JsClient` does the same exchanges with one wildcard reply
+subscription, a future and a timer per request, a plain ``json.loads`` of an ack, and ``None``
+for a missing key.
 
 It raises what nats-py raises, so :mod:`reach_mesh._retry` classifies the errors the same way:
 ``NoStreamResponseError`` (no stream took it: 503), ``nats.errors.TimeoutError``,
@@ -30,7 +33,10 @@ from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponse
 
 from reach_mesh._batch import reply_token
 
-__all__ = ["Ack", "JsPublisher", "kv_subject"]
+__all__ = ["Ack", "JsClient", "kv_subject"]
+
+#: What a KV delete or purge leaves behind (the key reads as absent).
+_KV_OPERATION: Final = "KV-Operation"
 
 #: JetStream's "wrong last sequence" error codes (a KV compare-and-set that lost).
 _WRONG_LAST: Final = frozenset({10071, 10164})
@@ -52,7 +58,7 @@ def kv_subject(bucket: str, key: str) -> str:
     return f"$KV.{bucket}.{key}"
 
 
-class JsPublisher:
+class JsClient:
     """Acked JetStream publishes for one connection (started and stopped with its owner)."""
 
     def __init__(self, nc: NATS, *, timeout: float = 10.0) -> None:
@@ -72,15 +78,15 @@ class JsPublisher:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
 
-    async def publish(
+    async def request(
         self,
         subject: str,
         body: bytes,
         headers: dict[str, str] | None = None,
         *,
         timeout: float | None = None,
-    ) -> Ack:
-        """Publish ``body`` to ``subject`` and wait for the stream's ack."""
+    ) -> Msg:
+        """Send ``body`` to ``subject``; the answer. ``nats.errors.TimeoutError`` without one."""
         if self._sub is None:
             raise nats.errors.ConnectionClosedError
         loop = asyncio.get_running_loop()
@@ -90,11 +96,37 @@ class JsPublisher:
         timer = loop.call_later(self._timeout if timeout is None else timeout, _expire, future)
         try:
             await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
-            msg = await future
+            return await future
         finally:
             timer.cancel()
             del self._futures[token]
-        return _ack(msg)
+
+    async def publish(
+        self,
+        subject: str,
+        body: bytes,
+        headers: dict[str, str] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Ack:
+        """Publish ``body`` to ``subject`` and wait for the stream's ack."""
+        return _ack(await self.request(subject, body, headers, timeout=timeout))
+
+    async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
+        """The value and revision of ``key`` (a direct get, answered by any replica); None
+        when it does not exist, was deleted, or is empty."""
+        msg = await self.request(f"$JS.API.DIRECT.GET.KV_{bucket}.{kv_subject(bucket, key)}", b"")
+        headers = msg.headers or {}
+        if not msg.data:
+            status = headers.get("Status")
+            if status == "404" or not status:
+                return None
+            if status == "503":
+                raise NoStreamResponseError
+            APIError.from_msg(msg)  # raises
+        if headers.get(_KV_OPERATION) in ("DEL", "PURGE"):
+            return None
+        return msg.data, int(headers.get("Nats-Sequence") or 0)
 
     async def kv_write(self, bucket: str, key: str, value: bytes, last: int) -> int:
         """Write ``key`` if it is still at revision ``last`` (0: if it does not exist); the new

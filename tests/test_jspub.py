@@ -11,13 +11,14 @@ import pytest
 from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NoStreamResponseError
 
-from reach_mesh._jspub import JsPublisher
+from reach_mesh._jspub import JsClient
+from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import transient
 
 
 async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
     nc = await nats.connect(nats_url)
-    pub = JsPublisher(nc, timeout=2.0)
+    pub = JsClient(nc, timeout=2.0)
     await pub.start()
     name = f"JSPUB_{uuid.uuid4().hex[:8]}"
     js = nc.jetstream()
@@ -38,7 +39,7 @@ async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
         assert transient(nobody.value)
 
         bucket = f"jspub_{uuid.uuid4().hex[:8]}"
-        kv = await js.create_key_value(bucket=bucket)
+        kv = await ensure_kv(js, bucket)  # direct gets allowed, as every reach bucket
         rev = await pub.kv_write(bucket, "k", b"v1", 0)
         assert (await kv.get("k")).value == b"v1"
         with pytest.raises(KeyWrongLastSequenceError):
@@ -47,6 +48,13 @@ async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
             await pub.kv_write(bucket, "k", b"v2", rev + 5)
         rev2 = await pub.kv_write(bucket, "k", b"v2", rev)
         assert rev2 > rev and (await kv.get("k")).value == b"v2"
+        # Direct gets: the value and its revision; absent, deleted and empty keys are None.
+        assert await pub.kv_get(bucket, "k") == (b"v2", rev2)
+        assert await pub.kv_get(bucket, "missing") is None
+        await kv.put("empty", b"")
+        assert await pub.kv_get(bucket, "empty") is None
+        await kv.delete("k")
+        assert await pub.kv_get(bucket, "k") is None
         await js.delete_key_value(bucket)
     finally:
         await pub.stop()

@@ -348,10 +348,12 @@ async def test_step_forgeries_refused(mesh: Mesh, as_identity: Any) -> None:
         engine = mesh.hub.workflows
         assert engine is not None
         task_id = f"{wf_id}-0"
-        tasks_kv = await mesh.hub.nc.jetstream().key_value(protocol.KV_TASKS)
+        wf_kv = await mesh.hub.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
 
         async def record() -> dict[str, Any]:
-            entry = await tasks_kv.get(protocol.task_key(NS, task_id))
+            """The workflow record: it names the attempt sent at the start (``first_agents``;
+            the step has no task record of its own until its fence changes)."""
+            entry = await wf_kv.get(protocol.workflow_key(NS, wf_id))
             assert entry.value is not None
             out: dict[str, Any] = json.loads(entry.value)
             return out
@@ -362,9 +364,10 @@ async def test_step_forgeries_refused(mesh: Mesh, as_identity: Any) -> None:
             await asyncio.sleep(0.05)
         assert mesh.victim.inflight == 1
         rec = await record()
+        assert rec["first_agents"] == [VICTIM] and rec["state"] == "RUNNING"
         forged = TaskStatusEvent(
             task_id=task_id,
-            attempt=rec["attempt"],
+            attempt=1,
             agent_id=VICTIM,
             state=TaskState.SUCCEEDED,
             workflow_id=wf_id,
@@ -372,7 +375,7 @@ async def test_step_forgeries_refused(mesh: Mesh, as_identity: Any) -> None:
             result={"by": "attacker"},
         )
         done = json.dumps({"workflow_id": wf_id, "state": "SUCCEEDED", "steps": []}).encode()
-        cancel = json.dumps({"op": "cancel", "task_id": task_id, "attempt": rec["attempt"]})
+        cancel = json.dumps({"op": "cancel", "task_id": task_id, "attempt": 1})
         for role, name in wrong_identities():
             conn = await as_identity(role, name)
             await conn.publish_denied(

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any, Final
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_task_resources, kv_values
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.errors import NoHandlerError, ReachError
@@ -96,6 +96,8 @@ class WorkConsumer:
         self._js: JetStreamContext | None = None
         self._results_kv: KeyValue | None = None
         self._tasks_kv: KeyValue | None = None
+        #: Fence reads (direct gets of ``reach_tasks``).
+        self._jsc: JsClient | None = None
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
         self._checking: set[str] = set()
@@ -166,6 +168,9 @@ class WorkConsumer:
         agent = self._agent
         s = self._settings
         js = self._js = agent.nc.jetstream(timeout=10.0)
+        if self._jsc is None:
+            self._jsc = JsClient(agent.nc)
+            await self._jsc.start()
         self._tasks_kv = await ensure_task_resources(js, s)
         self._results_kv = await ensure_kv(
             js,
@@ -210,6 +215,9 @@ class WorkConsumer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._ticker
             self._ticker = None
+        if self._jsc is not None:
+            with contextlib.suppress(Exception):
+                await self._jsc.stop()
 
     async def _load_results(self) -> None:
         """Warm the idempotency cache from KV: results survive an agent restart."""
@@ -387,16 +395,15 @@ class WorkConsumer:
     async def _record(self, env: TaskEnvelope) -> TaskRecord | None:
         """The hub's task record (the fence), or None for work sent without one. Raises when
         the record cannot be read now."""
-        if self._tasks_kv is None or env.workflow_id is None:
+        if self._tasks_kv is None or self._jsc is None or env.workflow_id is None:
+            return None
+        got = await self._jsc.kv_get(
+            protocol.KV_TASKS, protocol.task_key(env.namespace, env.task_id)
+        )
+        if got is None:
             return None
         try:
-            entry = await self._tasks_kv.get(protocol.task_key(env.namespace, env.task_id))
-        except KeyNotFoundError:
-            return None
-        if not entry.value:
-            return None
-        try:
-            return TaskRecord.model_validate_json(entry.value)
+            return TaskRecord.model_validate_json(got[0])
         except ValidationError:
             return None
 

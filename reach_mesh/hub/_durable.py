@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from reach_mesh._jspub import JsPublisher
+from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying, transient
 
 __all__ = ["Bucket", "RetriesExhausted", "cas", "create", "get", "retrying", "transient"]
@@ -29,23 +29,17 @@ __all__ = ["Bucket", "RetriesExhausted", "cas", "create", "get", "retrying", "tr
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
-    """A KV bucket the engine writes: compare-and-sets go through the connection's
-    :class:`~reach_mesh._jspub.JsPublisher`, reads through nats-py's ``KeyValue``."""
+    """A KV bucket the engine uses: reads and compare-and-sets go through the connection's
+    :class:`~reach_mesh._jspub.JsClient` (``kv``: nats-py's, for a create over a deleted key)."""
 
     name: str
     kv: KeyValue
-    pub: JsPublisher
+    jsc: JsClient
 
 
 async def get(bucket: Bucket, key: str) -> tuple[bytes, int] | None:
     """The value and revision of ``key``; None when it does not exist or was deleted."""
-    try:
-        entry = await bucket.kv.get(key)
-    except KeyNotFoundError:
-        return None
-    if not entry.value:
-        return None
-    return entry.value, int(entry.revision or 0)
+    return await bucket.jsc.kv_get(bucket.name, key)
 
 
 class _Write:
@@ -61,7 +55,7 @@ class _Write:
         b = self.bucket
         try:
             try:
-                return await b.pub.kv_write(b.name, self.key, self.data, self.last)
+                return await b.jsc.kv_write(b.name, self.key, self.data, self.last)
             except KeyWrongLastSequenceError:
                 if self.last != 0:
                     raise

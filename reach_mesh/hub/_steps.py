@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import JsPublisher
+from reach_mesh._jspub import JsClient
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshTimeoutError, NoMatchError, ReachError
 from reach_mesh.hub import _durable
@@ -107,7 +107,7 @@ class StepRunner:
     _settings: MeshSettings
     _metrics: Any
     _tasks_kv: _durable.Bucket | None
-    _pub: JsPublisher
+    _jsc: JsClient
     _tracker: StatusTracker
     _bg: set[asyncio.Future[Any]]
     #: Workflow events waiting for this pass's send (``_event``).
@@ -514,7 +514,7 @@ class StepRunner:
         body = protocol.encode(env)
         await self._io(
             f"publish {subject}",
-            lambda: self._pub.publish(subject, body, headers),
+            lambda: self._jsc.publish(subject, body, headers),
             wf.deadline,
         )
 

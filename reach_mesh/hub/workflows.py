@@ -44,7 +44,7 @@ from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
-from reach_mesh._jspub import JsPublisher
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -115,7 +115,7 @@ class WorkflowEngine(StepRunner):
         self._wf_kv: _durable.Bucket | None = None
         self._tasks_kv: _durable.Bucket | None = None
         #: Acked JetStream writes of the engine (KV compare-and-sets, work, ``.done``).
-        self._pub = JsPublisher(nc)
+        self._jsc = JsClient(nc)
         self._pull: PullConsumer | None = None
         self._status_sub: Subscription | None = None
         self._tracker = StatusTracker(
@@ -194,9 +194,9 @@ class WorkflowEngine(StepRunner):
                 description="reach-mesh workflow step events and results",
             ),
         )
-        await self._pub.start()
+        await self._jsc.start()
         tasks = await ensure_task_resources(js, s)
-        self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, tasks, self._pub)
+        self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, tasks, self._jsc)
         records = await ensure_kv(
             js,
             protocol.KV_WORKFLOWS,
@@ -204,7 +204,7 @@ class WorkflowEngine(StepRunner):
             ttl=s.workflow_retention,
             description="reach-mesh workflow records",
         )
-        self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, records, self._pub)
+        self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, records, self._jsc)
         await js.add_consumer(
             protocol.STREAM_WF,
             ConsumerConfig(
@@ -253,7 +253,7 @@ class WorkflowEngine(StepRunner):
             with contextlib.suppress(Exception):
                 await self._status_sub.unsubscribe()
         with contextlib.suppress(Exception):
-            await self._pub.stop()
+            await self._jsc.stop()
 
     @property
     def running(self) -> int:
@@ -461,7 +461,7 @@ class WorkflowEngine(StepRunner):
         subject = protocol.wf_done(ns, result.workflow_id)
         await self._io(
             f"publish {subject}",
-            lambda: self._pub.publish(subject, body, out),
+            lambda: self._jsc.publish(subject, body, out),
             deadline,
         )
 
