@@ -604,6 +604,48 @@ async def test_submit_then_result_events_and_resubmit(
         assert (await mesh.workflow(wf_id, timeout=1)).workflow_id == wf_id
 
 
+async def _send_step(mesh: Client, agent: Agent, env: TaskEnvelope) -> TaskStatusEvent:
+    """Publish one work message straight to ``agent``; its final status event."""
+    sub = await mesh.nc.subscribe(protocol.task_status(agent.agent_id, env.task_id))
+    try:
+        await mesh.nc.jetstream().publish(
+            protocol.work_subject(env.namespace, agent.agent_id), protocol.encode(env)
+        )
+        while True:
+            ev = TaskStatusEvent.model_validate_json((await sub.next_msg(timeout=5)).data)
+            if ev.state.final and ev.attempt == env.attempt:
+                return ev
+    finally:
+        await sub.unsubscribe()
+
+
+async def _last_status(mesh: Client, agent_id: str, task_id: str) -> TaskStatusEvent:
+    raw = await mesh.nc.jetstream().get_last_msg(
+        protocol.STREAM_STATUS, protocol.task_status(agent_id, task_id)
+    )
+    return TaskStatusEvent.model_validate_json(raw.data)
+
+
+async def test_final_status_is_the_last_event_of_its_task(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A status said just before the final one (progress as the handler returns) is stored
+    before it: the last event of the task's subject is what a restart reads back."""
+    agent = fleet.agent("last.a1")
+
+    @agent.handler("wf:last:v1")
+    async def last(task: Task[Any]) -> Any:
+        await task.progress({"almost": True})
+        return {"done": True}
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        for i in range(5):
+            env = TaskEnvelope(task_id=f"last-{i}", namespace=wf_settings.namespace, track=True)
+            assert (await _send_step(mesh, agent, env)).state is TaskState.SUCCEEDED
+            assert (await _last_status(mesh, agent.agent_id, env.task_id)).state.final
+
+
 async def test_agent_restart_keeps_results(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -99,6 +100,9 @@ class WorkConsumer:
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
         self._checking: set[str] = set()
+        #: The newest non-final status publish of each task still under way: the final status
+        #: waits for it, so that it is the last event stored on the task's subject.
+        self._saying: dict[str, asyncio.Future[None]] = {}
         #: Attempts promised to a hub never to start (task id -> highest such attempt): the
         #: hub gave them up (ctl ``task_state`` with ``fence``) and sends the next one.
         self._promised: OrderedDict[str, int] = OrderedDict()
@@ -310,7 +314,7 @@ class WorkConsumer:
                 f"{agent.agent_id} has no handler for {env.capability!r}",
                 agent_id=agent.agent_id,
             )
-            self._publish(env, TaskState.DELIVERED, headers)
+            # The final status implies DELIVERED.
             await self._final(
                 env,
                 headers,
@@ -364,16 +368,16 @@ class WorkConsumer:
             return True
         if env.attempt == entry.attempt:
             # The same attempt again (a lost ack or status): never run it twice; repeat the
-            # final status in case the hub missed it.
+            # final status in case the hub missed it. Nothing else: within the duplicate window
+            # the stream drops the repeat (same Nats-Msg-Id), and a DELIVERED stored after the
+            # final would hide it from a restart and from a hub's catch-up.
             self.duplicates += 1
-            self._publish(env, TaskState.DELIVERED, headers)
             await self._final(env, headers, reply.model_copy(update={"cached": True}), [msg])
             return True
         if reply.state is TaskState.SUCCEEDED:
             # A later attempt of a task that already succeeded here: the stored result.
             self.cached += 1
             entry.attempt = env.attempt
-            self._publish(env, TaskState.DELIVERED, headers)
             await self._final(
                 env,
                 headers,
@@ -420,6 +424,8 @@ class WorkConsumer:
             )
 
         async def progress(info: Any) -> None:
+            if self._held.get(env.task_id) is not held:
+                return  # finished: nothing is said of an attempt after its final status
             held.last_running = time.monotonic()
             _quiet(held)  # RUNNING implies ACCEPTED
             self._publish(held.env, TaskState.RUNNING, held.headers, progress=info)
@@ -510,6 +516,11 @@ class WorkConsumer:
         # TIMEOUT is re-run too: only SUCCEEDED answers a later attempt).
         keep = store and kv is not None and reply.state is not TaskState.FAILED
         key = protocol.result_key(self._agent.agent_id, env.task_id)
+        saying = self._saying.get(env.task_id)
+        if saying is not None:
+            # What was said of the task before goes out first: the final status must be the
+            # last event stored on its subject.
+            await asyncio.wait([saying])
 
         async def both() -> None:
             jobs: list[Any] = [js.publish(subject, body, headers=out)]
@@ -572,7 +583,13 @@ class WorkConsumer:
                 headers=inject(dict(headers)),
             )
         )
-        task.add_done_callback(_ignore)
+        self._saying[env.task_id] = task
+        task.add_done_callback(functools.partial(self._said, env.task_id))
+
+    def _said(self, task_id: str, task: asyncio.Future[None]) -> None:
+        if self._saying.get(task_id) is task:
+            del self._saying[task_id]
+        _ignore(task)
 
     async def _tick(self) -> None:
         """One loop for every held message: +WPI and RUNNING keep-alives."""
@@ -588,6 +605,7 @@ class WorkConsumer:
                 if (
                     held.accepted_at is not None
                     and now - held.last_running >= s.step_running_interval
+                    and self._held.get(held.env.task_id) is held  # not finished meanwhile
                 ):
                     held.last_running = now
                     _quiet(held)
