@@ -55,7 +55,6 @@ _NATS_CONF: Final = "nats.conf"
 # JetStream API prefix and the streams / buckets of the mesh.
 _API: Final = "$JS.API"
 _KV_TASKS_STREAM: Final = f"KV_{protocol.KV_TASKS}"
-_KV_RESULTS_STREAM: Final = f"KV_{protocol.KV_RESULTS}"
 _KV_WORKFLOWS_STREAM: Final = f"KV_{protocol.KV_WORKFLOWS}"
 
 
@@ -122,6 +121,7 @@ def permissions(role: str, name: str) -> dict[str, Any]:
         ns = protocol.namespace_of(agent_id)
         durable = protocol.work_consumer(agent_id)
         work = protocol.STREAM_WORK
+        status = protocol.STREAM_STATUS
         return {
             "publish": {
                 "allow": [
@@ -134,7 +134,7 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     # Durable workflow steps: its own consumer on REACH_WORK, nothing else.
                     f"{_API}.INFO",
                     f"{_API}.STREAM.INFO.{work}",
-                    f"{_API}.STREAM.INFO.{protocol.STREAM_STATUS}",
+                    f"{_API}.STREAM.INFO.{status}",
                     f"{_API}.CONSUMER.DURABLE.CREATE.{work}.{durable}",
                     f"{_API}.CONSUMER.CREATE.{work}.{durable}.>",
                     f"{_API}.CONSUMER.INFO.{work}.{durable}",
@@ -143,12 +143,11 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     # The task records of its namespace (read: the fence) ...
                     f"{_API}.STREAM.INFO.{_KV_TASKS_STREAM}",
                     f"{_API}.DIRECT.GET.{_KV_TASKS_STREAM}.$KV.{protocol.KV_TASKS}.{ns}.>",
-                    # ... and its own stored results (write, and read back after a restart).
-                    f"{_API}.STREAM.INFO.{_KV_RESULTS_STREAM}",
-                    f"$KV.{protocol.KV_RESULTS}.{agent_id}.>",
-                    f"{_API}.CONSUMER.CREATE.{_KV_RESULTS_STREAM}.*.$KV.{protocol.KV_RESULTS}.{agent_id}.>",
-                    f"{_API}.CONSUMER.INFO.{_KV_RESULTS_STREAM}.*",
-                    f"{_API}.CONSUMER.DELETE.{_KV_RESULTS_STREAM}.*",
+                    # ... and the last status of each of its own tasks (its final statuses,
+                    # read back after a restart: the idempotency table).
+                    f"{_API}.CONSUMER.CREATE.{status}.*.{protocol.task_status(agent_id, '>')}",
+                    f"{_API}.CONSUMER.INFO.{status}.*",
+                    f"{_API}.CONSUMER.DELETE.{status}.*",
                     "$JS.FC.>",
                 ]
             },

@@ -37,7 +37,7 @@ __all__ = [
     "PullConsumer",
     "apply_workflow_retention",
     "ensure_stream",
-    "kv_values",
+    "last_per_subject",
     "status_stream_config",
     "work_stream_config",
 ]
@@ -46,7 +46,6 @@ log = logging.getLogger("reach_mesh.consume")
 
 _STATUS: Final = "Status"
 _PENDING: Final = "Nats-Pending-Messages"
-_KV_OP: Final = "KV-Operation"
 
 
 class PullConsumer:
@@ -166,32 +165,32 @@ class PullConsumer:
             self._maybe_pull()
 
 
-async def kv_values(
-    js: JetStreamContext, bucket: str, prefix: str, *, timeout: float = 5.0
-) -> list[bytes]:
-    """The current values of the keys ``<prefix>.*`` of ``bucket`` (deleted keys left out).
+async def last_per_subject(
+    js: JetStreamContext, stream: str, filter_subject: str, *, timeout: float = 5.0
+) -> list[Msg]:
+    """The last message of each subject of ``stream`` matching ``filter_subject`` (empty ones
+    left out), oldest first.
 
     Read with a *named* ordered consumer: its filter then travels in the API subject
     (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), where NATS permissions can hold an
-    identity to its own keys (docs/security.md) — a KV watch's would not."""
+    identity to its own subjects (docs/security.md) — an unnamed consumer's would not."""
     sub = await js.subscribe(
-        f"$KV.{bucket}.{prefix}.>",
-        stream=f"KV_{bucket}",
+        filter_subject,
+        stream=stream,
         ordered_consumer=True,
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         inactive_threshold=60.0,
         config=ConsumerConfig(name=f"reach-{uuid.uuid4().hex}"),
     )
-    out: list[bytes] = []
+    out: list[Msg] = []
     try:
         info = await sub.consumer_info()
         if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
             return out
         while True:
             msg = await sub.next_msg(timeout=timeout)
-            op = (msg.headers or {}).get(_KV_OP)
-            if op not in ("DEL", "PURGE") and msg.data:
-                out.append(msg.data)
+            if msg.data:
+                out.append(msg)
             if msg.metadata.num_pending == 0:
                 return out
     finally:
@@ -220,15 +219,6 @@ async def ensure_task_resources(js: JetStreamContext, settings: MeshSettings) ->
     s = settings
     await ensure_stream(js, work_stream_config(s.workflow_retention, s.dedup_window, s.kv_replicas))
     await ensure_stream(js, status_stream_config(s.workflow_retention, s.kv_replicas))
-    # Agents store their results here; created with the rest, by hubs (in secure mode hubs
-    # alone may create streams and buckets).
-    await ensure_kv(
-        js,
-        protocol.KV_RESULTS,
-        replicas=s.kv_replicas,
-        ttl=s.workflow_retention,
-        description="reach-mesh agent results (idempotency across restarts)",
-    )
     return await ensure_kv(
         js,
         protocol.KV_TASKS,
@@ -246,7 +236,6 @@ RETENTION_STREAMS: Final = (
     protocol.STREAM_STATUS,
     f"KV_{protocol.KV_WORKFLOWS}",
     f"KV_{protocol.KV_TASKS}",
-    f"KV_{protocol.KV_RESULTS}",
 )
 
 
@@ -297,7 +286,8 @@ def work_stream_config(retention: float, dedup_window: float, replicas: int) -> 
 
 
 def status_stream_config(retention: float, replicas: int) -> StreamConfig:
-    """``REACH_STATUS``: every status event of every tracked task, so a hub can rebuild state."""
+    """``REACH_STATUS``: every status event of every tracked task, so a hub can rebuild state
+    and an agent its idempotency table (from the last event of each of its tasks)."""
     return StreamConfig(
         name=protocol.STREAM_STATUS,
         subjects=[protocol.task_status("*.*.*", "*")],

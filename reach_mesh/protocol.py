@@ -31,7 +31,6 @@ __all__ = [
     "HUB_QUEUE",
     "KV_AGENTS",
     "KV_HEARTBEATS",
-    "KV_RESULTS",
     "KV_TASKS",
     "KV_WORKFLOWS",
     "PROTOCOL_VERSION",
@@ -58,7 +57,6 @@ __all__ = [
     "namespace_of",
     "parse_reply",
     "raise_for_error",
-    "result_key",
     "split_answers",
     "split_batch",
     "status_identity",
@@ -98,11 +96,10 @@ STREAM_AUDIT: Final = "REACH_AUDIT"  # reach.audit.<ns>.<kind>
 # Workflows (docs/workflows.md, docs/protocol-workflows.md).
 KV_WORKFLOWS: Final = "reach_workflows"  # <ns>.<workflow_id> -> WorkflowRecord
 KV_TASKS: Final = "reach_tasks"  # <ns>.<task_id> -> TaskRecord (current attempt = the fence)
-KV_RESULTS: Final = "reach_results"  # <agent_id>.<task_id> -> TaskReply (agent idempotency)
 STREAM_WF: Final = "REACH_WF"  # reach.wf.<ns>.submit (work queue, dedup on workflow_id)
 STREAM_WF_EVENTS: Final = "REACH_WF_EVENTS"  # reach.wf.<ns>.<wf_id>.event / .done
 STREAM_WORK: Final = "REACH_WORK"  # reach.work.<ns>.<agent_id> (work queue)
-STREAM_STATUS: Final = "REACH_STATUS"  # reach.status.<agent_id>.<task_id>
+STREAM_STATUS: Final = "REACH_STATUS"  # reach.status.<agent_id>.<task_id> (last: agent idempotency)
 #: The durable pull consumer every hub shares on ``REACH_WF``.
 CONSUMER_HUBS: Final = "reach-hubs"
 WORKFLOW_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
@@ -341,11 +338,6 @@ def task_key(namespace: str, task_id: str) -> str:
 def workflow_key(namespace: str, workflow_id: str) -> str:
     """Key of a workflow record in ``reach_workflows``."""
     return f"{namespace}.{workflow_id}"
-
-
-def result_key(agent_id: str, task_id: str) -> str:
-    """Key of an agent's stored result in ``reach_results``."""
-    return f"{agent_id}.{task_id}"
 
 
 def done_msg_id(workflow_id: str) -> str:

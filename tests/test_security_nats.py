@@ -422,12 +422,10 @@ async def test_audit_forgery_refused(mesh: Mesh, as_identity: Any) -> None:
         (protocol.KV_HEARTBEATS, VICTIM),
         (protocol.KV_TASKS, f"{NS}.sometask"),
         (protocol.KV_WORKFLOWS, f"{NS}.somewf"),
-        (protocol.KV_RESULTS, f"{VICTIM}.sometask"),
     ],
 )
 async def test_kv_writes_refused(mesh: Mesh, as_identity: Any, bucket: str, key: str) -> None:
-    """Forgery 11: only hubs write the registry, task and workflow buckets; an agent writes
-    only its own results."""
+    """Forgery 11: only hubs write the registry, task and workflow buckets."""
     before = await agent_snapshot(mesh)
     body = json.dumps({"task_subject": f"reach.agent.{ROGUE}.task"}).encode()
     for role, name in [*wrong_identities(), ("operator", "admin")]:
@@ -436,10 +434,6 @@ async def test_kv_writes_refused(mesh: Mesh, as_identity: Any, bucket: str, key:
         # Nor through the JetStream API: no purge, delete or stream edits.
         await conn.publish_denied(f"$JS.API.STREAM.PURGE.KV_{bucket}", b"{}")
     assert await agent_snapshot(mesh) == before
-    # The victim agent writes its own results.
-    victim = await as_identity("agent", VICTIM)
-    ack = await victim.nc.request(f"$KV.{protocol.KV_RESULTS}.{VICTIM}.probe", b"{}", timeout=5)
-    assert b'"stream"' in ack.data
 
 
 async def test_tenants_are_isolated(mesh: Mesh, as_identity: Any) -> None:
@@ -547,9 +541,9 @@ def test_docker_config_is_valid_with_the_generated_auth(tmp_path: Path) -> None:
 
 
 async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_identity: Any) -> None:
-    """An agent reads back its own stored results after a restart (a named consumer whose
-    filter the server checks) and cannot open a consumer on another agent's results, nor read
-    the task records of another namespace."""
+    """An agent reads back its own final statuses from ``REACH_STATUS`` after a restart (a
+    named consumer whose filter the server checks) and cannot open a consumer on another
+    agent's status subjects, nor read the task records of another namespace."""
     rogue_settings = mesh.settings("agent", ROGUE)
 
     def rogue_agent() -> Agent:
@@ -567,13 +561,18 @@ async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_ide
         task_id = res.steps[0].task_id
     again = rogue_agent()
     async with again:
-        assert task_id in again._results  # loaded from its own keys in KV
+        # Loaded from the last event of its own status subjects.
+        entry = again._results[task_id]
+        assert entry.reply is not None and entry.reply.state is TaskState.SUCCEEDED
+        assert entry.reply.result == {"n": 7}
     await eventually(lambda: ROGUE not in mesh.hub.registry.agents)
     rogue = await as_identity("agent", ROGUE)
     api = "$JS.API.CONSUMER.CREATE"
-    stream = f"KV_{protocol.KV_RESULTS}"
+    stream = protocol.STREAM_STATUS
     await rogue.publish_denied(f"{api}.{stream}")
-    await rogue.publish_denied(f"{api}.{stream}.peek.$KV.{protocol.KV_RESULTS}.{VICTIM}.>")
+    await rogue.publish_denied(f"{api}.{stream}.peek.{protocol.task_status(VICTIM, '*')}")
+    await rogue.publish_denied(f"{api}.{stream}.peek.{protocol.task_status('*.*.*', '*')}")
+    await rogue.publish_denied(f"{api}.{stream}.peek.reach.status.>")
     await rogue.publish_denied(
         f"$JS.API.DIRECT.GET.KV_{protocol.KV_TASKS}.$KV.{protocol.KV_TASKS}.other.x"
     )

@@ -623,33 +623,118 @@ async def test_submit_then_result_events_and_resubmit(
         assert (await mesh.workflow(wf_id, timeout=1)).workflow_id == wf_id
 
 
+async def _send_step(mesh: Client, agent: Agent, env: TaskEnvelope) -> TaskStatusEvent:
+    """Publish one work message straight to ``agent``; its final status event."""
+    sub = await mesh.nc.subscribe(protocol.task_status(agent.agent_id, env.task_id))
+    try:
+        await mesh.nc.jetstream().publish(
+            protocol.work_subject(env.namespace, agent.agent_id), protocol.encode(env)
+        )
+        while True:
+            ev = TaskStatusEvent.model_validate_json((await sub.next_msg(timeout=5)).data)
+            if ev.state.final and ev.attempt == env.attempt:
+                return ev
+    finally:
+        await sub.unsubscribe()
+
+
+async def _last_status(mesh: Client, agent_id: str, task_id: str) -> TaskStatusEvent:
+    raw = await mesh.nc.jetstream().get_last_msg(
+        protocol.STREAM_STATUS, protocol.task_status(agent_id, task_id)
+    )
+    return TaskStatusEvent.model_validate_json(raw.data)
+
+
 async def test_agent_restart_keeps_results(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
+    """A restarted agent rebuilds its idempotency table from its own final statuses in
+    ``REACH_STATUS``: the same attempt again is answered from it, and so is a later attempt
+    of a task that succeeded — the handler does not run again."""
     ns = wf_settings.namespace
     first = echo_agent(fleet, "keep.a1", "wf:keep:v1")
     await first.start()
     async with Client(settings=wf_settings) as mesh:
         res = await mesh.fanout([Step(capability="wf:keep:v1", payload=1)], timeout=10)
         task_id = res.steps[0].task_id
+        stored = await _last_status(mesh, first.agent_id, task_id)
+        assert stored.state is TaskState.SUCCEEDED
         await first.close()
         second = echo_agent(fleet, "keep.a1", "wf:keep:v1")
         await second.start()
-        # A later attempt of the task that already succeeded: the stored result, not a run.
-        env = TaskEnvelope(task_id=task_id, attempt=5, payload=1, namespace=ns, track=True)
-        sub = await mesh.nc.subscribe(protocol.task_status(second.agent_id, task_id))
-        await mesh.nc.jetstream().publish(
-            protocol.work_subject(ns, second.agent_id), protocol.encode(env)
+        # The same attempt redelivered (a lost ack): repeated from the table, not run.
+        env = TaskEnvelope(
+            task_id=task_id, attempt=stored.attempt, payload=1, namespace=ns, track=True
         )
-        final = None
-        while final is None:
-            msg = await sub.next_msg(timeout=5)
-            ev = TaskStatusEvent.model_validate_json(msg.data)
-            if ev.state.final:
-                final = ev
+        final = await _send_step(mesh, second, env)
         assert final.state is TaskState.SUCCEEDED and final.cached
         assert final.result == {"by": first.agent_id, "in": 1}
+        # Nothing is stored after the final status: a later restart still finds it.
+        assert (await _last_status(mesh, first.agent_id, task_id)).state is TaskState.SUCCEEDED
+        # A later attempt of the task that already succeeded: the stored result, not a run.
+        env = env.model_copy(update={"attempt": 5})
+        final = await _send_step(mesh, second, env)
+        assert final.state is TaskState.SUCCEEDED and final.cached and final.attempt == 5
+        assert final.result == {"by": first.agent_id, "in": 1}
         assert fleet.runs[task_id] == 1
+        assert second.work is not None and second.work.duplicates == 1
+        assert second.work.cached == 1
+
+
+async def test_final_status_is_the_last_event_of_its_task(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A status said just before the final one (progress as the handler returns) is stored
+    before it: the last event of the task's subject is what a restart reads back."""
+    agent = fleet.agent("last.a1")
+
+    @agent.handler("wf:last:v1")
+    async def last(task: Task[Any]) -> Any:
+        await task.progress({"almost": True})
+        return {"done": True}
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        for i in range(5):
+            env = TaskEnvelope(task_id=f"last-{i}", namespace=wf_settings.namespace, track=True)
+            assert (await _send_step(mesh, agent, env)).state is TaskState.SUCCEEDED
+            assert (await _last_status(mesh, agent.agent_id, env.task_id)).state.final
+
+
+async def test_agent_restart_keeps_failures(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A FAILED final status read back after a restart: the same attempt is repeated from it,
+    a later attempt runs again (a retry)."""
+    ns = wf_settings.namespace
+    runs: list[int] = []
+
+    def failing_agent() -> Agent:
+        agent = fleet.agent("fails.a1")
+
+        @agent.handler("wf:fails:v1")
+        async def fails(task: Task[Any]) -> Any:
+            runs.append(task.attempt)
+            if task.attempt == 1:
+                raise TaskFailed("not yet")
+            return {"attempt": task.attempt}
+
+        return agent
+
+    first = failing_agent()
+    await first.start()
+    async with Client(settings=wf_settings) as mesh:
+        env = TaskEnvelope(task_id="keep-failed-1", payload=0, namespace=ns, track=True)
+        assert (await _send_step(mesh, first, env)).state is TaskState.FAILED
+        await first.close()
+        second = failing_agent()
+        await second.start()
+        again = await _send_step(mesh, second, env)
+        assert again.state is TaskState.FAILED and again.cached
+        assert again.error is not None and again.error.message == "not yet"
+        retry = await _send_step(mesh, second, env.model_copy(update={"attempt": 2}))
+        assert retry.state is TaskState.SUCCEEDED and not retry.cached
+        assert runs == [1, 2]
 
 
 async def test_malformed_specs_raise_typed_errors(

@@ -9,9 +9,10 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
 2. publishes ``DELIVERED``, ``ACCEPTED`` when the handler starts, ``RUNNING`` every
    ``step_running_interval`` while it runs (plus ``task.progress()``), then the final state,
    all on ``reach.status.<agent_id>.<task_id>`` (captured by ``REACH_STATUS``);
-3. sends ``+WPI`` (in progress) while the handler runs, stores the final reply in the
-   ``reach_results`` bucket (so a restart keeps the idempotency), and acks the message only
-   after the final status is stored by JetStream.
+3. sends ``+WPI`` (in progress) while the handler runs and acks the message only after the
+   final status is stored by JetStream. That status is the last event of its task's subject
+   (nothing is said of an attempt after its final status): on start the agent reads the last
+   event of each of its subjects back to rebuild its idempotency table.
 
 Concurrency is the agent's own: the same semaphore and counters as request-reply tasks, and at
 most ``max_concurrency + max_queue`` work messages are held at once.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -34,9 +36,8 @@ from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._consume import PullConsumer, ensure_task_resources, kv_values
+from reach_mesh._consume import PullConsumer, ensure_task_resources, last_per_subject
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
@@ -61,6 +62,8 @@ _FINAL_RETRY: Final = 10.0
 #: ACCEPTED is published only for a handler still running this long after it started: a
 #: quicker one's final status implies it (one status message fewer per step).
 _ACCEPTED_AFTER: Final = 0.05
+#: What of a final status event makes the reply it announces (read back after a restart).
+_REPLY_FIELDS: Final = set(TaskReply.model_fields)
 #: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
 #: hub's task record as the fence, as for an agent that does not know promises.
 _PROMISES: Final = 50_000
@@ -94,13 +97,15 @@ class WorkConsumer:
         s = agent.settings
         self._settings = s
         self._js: JetStreamContext | None = None
-        self._results_kv: KeyValue | None = None
         self._tasks_kv: KeyValue | None = None
         #: Fence reads (direct gets of ``reach_tasks``).
         self._jsc: JsClient | None = None
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
         self._checking: set[str] = set()
+        #: The newest non-final status publish of each task still under way: the final status
+        #: waits for it, so that it is the last event stored on the task's subject.
+        self._saying: dict[str, asyncio.Future[None]] = {}
         #: Attempts promised to a hub never to start (task id -> highest such attempt): the
         #: hub gave them up (ctl ``task_state`` with ``fence``) and sends the next one.
         self._promised: OrderedDict[str, int] = OrderedDict()
@@ -172,13 +177,6 @@ class WorkConsumer:
             self._jsc = JsClient(agent.nc)
             await self._jsc.start()
         self._tasks_kv = await ensure_task_resources(js, s)
-        self._results_kv = await ensure_kv(
-            js,
-            protocol.KV_RESULTS,
-            replicas=s.kv_replicas,
-            ttl=s.workflow_retention,
-            description="reach-mesh agent results (idempotency across restarts)",
-        )
         capacity = agent.max_concurrency + agent.max_queue
         durable = protocol.work_consumer(agent.agent_id)
         # The agent creates its own consumer (idempotent): a step published before we ever
@@ -220,22 +218,28 @@ class WorkConsumer:
                 await self._jsc.stop()
 
     async def _load_results(self) -> None:
-        """Warm the idempotency cache from KV: results survive an agent restart."""
+        """Warm the idempotency table from ``REACH_STATUS``: the last event of each of this
+        agent's tasks, where it is a final status, is the outcome it gave (a restart keeps it)."""
         from reach_mesh.agent._serving import _Entry
 
         assert self._js is not None
         agent = self._agent
         try:
-            # Its own keys only: what NATS permissions allow an agent in secure mode.
-            values = await kv_values(self._js, protocol.KV_RESULTS, agent.agent_id)
+            # Its own subjects only: what NATS permissions allow an agent in secure mode.
+            msgs = await last_per_subject(
+                self._js, protocol.STREAM_STATUS, protocol.task_status(agent.agent_id, "*")
+            )
         except Exception:
-            log.warning("cannot load stored results of %s", agent.agent_id, exc_info=True)
+            log.warning("cannot load the final statuses of %s", agent.agent_id, exc_info=True)
             return
-        for value in values:
+        for msg in msgs:
             try:
-                reply = TaskReply.model_validate_json(value)
+                event = TaskStatusEvent.model_validate_json(msg.data)
             except ValidationError:
                 continue
+            if not event.state.final or event.agent_id != agent.agent_id:
+                continue
+            reply = TaskReply.model_validate(event.model_dump(include=_REPLY_FIELDS))
             agent._remember(reply.task_id, _Entry(reply.attempt, reply.state, reply=reply))
 
     # ------------------------------------------------------------------ receiving
@@ -318,7 +322,7 @@ class WorkConsumer:
                 f"{agent.agent_id} has no handler for {env.capability!r}",
                 agent_id=agent.agent_id,
             )
-            self._publish(env, TaskState.DELIVERED, headers)
+            # The final status implies DELIVERED.
             await self._final(
                 env,
                 headers,
@@ -372,22 +376,21 @@ class WorkConsumer:
             return True
         if env.attempt == entry.attempt:
             # The same attempt again (a lost ack or status): never run it twice; repeat the
-            # final status in case the hub missed it.
+            # final status in case the hub missed it. Nothing else: within the duplicate window
+            # the stream drops the repeat (same Nats-Msg-Id), and a DELIVERED stored after the
+            # final would hide it from a restart and from a hub's catch-up.
             self.duplicates += 1
-            self._publish(env, TaskState.DELIVERED, headers)
             await self._final(env, headers, reply.model_copy(update={"cached": True}), [msg])
             return True
         if reply.state is TaskState.SUCCEEDED:
             # A later attempt of a task that already succeeded here: the stored result.
             self.cached += 1
             entry.attempt = env.attempt
-            self._publish(env, TaskState.DELIVERED, headers)
             await self._final(
                 env,
                 headers,
                 reply.model_copy(update={"attempt": env.attempt, "cached": True}),
                 [msg],
-                store=True,
             )
             return True
         return False  # a retry of a failed attempt: run again
@@ -427,6 +430,8 @@ class WorkConsumer:
             )
 
         async def progress(info: Any) -> None:
+            if self._held.get(env.task_id) is not held:
+                return  # finished: nothing is said of an attempt after its final status
             held.last_running = time.monotonic()
             _quiet(held)  # RUNNING implies ACCEPTED
             self._publish(held.env, TaskState.RUNNING, held.headers, progress=info)
@@ -481,7 +486,7 @@ class WorkConsumer:
             done.set_result(reply)
         self._held.pop(env.task_id, None)
         _quiet(held)  # the final status implies ACCEPTED
-        await self._final(held.env, held.headers, reply, [held.msg, *held.extra], store=True)
+        await self._final(held.env, held.headers, reply, [held.msg, *held.extra])
 
     async def _fenced_since(self, held: _Held) -> bool:
         """True when the step's record, read again because its first reading is old, says the
@@ -496,41 +501,30 @@ class WorkConsumer:
         return record is not None and _superseded(record, env, self._agent.agent_id)
 
     async def _final(
-        self,
-        env: TaskEnvelope,
-        headers: dict[str, str],
-        reply: TaskReply,
-        msgs: list[Msg],
-        *,
-        store: bool = False,
+        self, env: TaskEnvelope, headers: dict[str, str], reply: TaskReply, msgs: list[Msg]
     ) -> None:
-        """Publish the final status (stored by JetStream), keep the result, then ack."""
+        """Publish the final status (stored by JetStream: it is also what a restart of this
+        agent reads back), then ack."""
         assert self._js is not None
-        js, kv = self._js, self._results_kv
+        js = self._js
         event = _event(env, reply.state, self._agent.agent_id, reply=reply)
         subject = protocol.task_status(self._agent.agent_id, env.task_id)
         body = protocol.encode(event)
         out = inject(dict(headers))
         # A repeat of this publish (retried below) is stored once; subscribers see each.
         out[protocol.HDR_MSG_ID] = f"{protocol.attempt_msg_id(env.task_id, env.attempt)}.final"
-        # FAILED is not stored: a later attempt should run again. SUCCEEDED and TIMEOUT are (a
-        # TIMEOUT is re-run too: only SUCCEEDED answers a later attempt).
-        keep = store and kv is not None and reply.state is not TaskState.FAILED
-        key = protocol.result_key(self._agent.agent_id, env.task_id)
-
-        async def both() -> None:
-            jobs: list[Any] = [js.publish(subject, body, headers=out)]
-            if keep and kv is not None:
-                jobs.append(kv.put(key, protocol.encode(reply)))
-            await asyncio.gather(*jobs)
-
+        saying = self._saying.get(env.task_id)
+        if saying is not None:
+            # What was said of the task before goes out first: the final status must be the
+            # last event stored on its subject.
+            await asyncio.wait([saying])
         # Through a JetStream election (a few seconds) at once, rather than by redelivery:
         # the hub takes the first outcome it hears, so a late one may be a wasted run.
         failed: list[BaseException] = []
         try:
             await retrying(
                 f"final status of {env.task_id}",
-                both,
+                functools.partial(js.publish, subject, body, headers=out),
                 asyncio.get_running_loop().time() + _FINAL_RETRY,
             )
         except Exception as err:
@@ -579,7 +573,13 @@ class WorkConsumer:
                 headers=inject(dict(headers)),
             )
         )
-        task.add_done_callback(_ignore)
+        self._saying[env.task_id] = task
+        task.add_done_callback(functools.partial(self._said, env.task_id))
+
+    def _said(self, task_id: str, task: asyncio.Future[None]) -> None:
+        if self._saying.get(task_id) is task:
+            del self._saying[task_id]
+        _ignore(task)
 
     async def _tick(self) -> None:
         """One loop for every held message: +WPI and RUNNING keep-alives."""
@@ -595,6 +595,7 @@ class WorkConsumer:
                 if (
                     held.accepted_at is not None
                     and now - held.last_running >= s.step_running_interval
+                    and self._held.get(held.env.task_id) is held  # not finished meanwhile
                 ):
                     held.last_running = now
                     _quiet(held)
