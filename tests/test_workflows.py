@@ -287,6 +287,38 @@ async def test_retries_exhausted_fail(wf_hub: Hub, fleet: Fleet, wf_settings: Me
     assert res.steps[0].attempts == 2
 
 
+async def test_graceful_agent_close_finishes_its_running_step(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """An agent closed while a step runs drains it: the final status still goes out after the
+    work consumer stopped, the step succeeds with its first attempt, and runs once."""
+    started, release = asyncio.Event(), asyncio.Event()
+    runs = 0
+    agent = fleet.agent("drain.a1", drain_timeout=10.0)
+
+    @agent.handler("wf:drain:v1")
+    async def slow(task: Task[Any]) -> str:
+        nonlocal runs
+        runs += 1
+        started.set()
+        await release.wait()
+        return "finished while closing"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:drain:v1")], timeout=20)
+        await asyncio.wait_for(started.wait(), 5)
+        closing = asyncio.create_task(agent.close())
+        await asyncio.sleep(0.3)  # the work consumer has stopped; the handler still runs
+        release.set()
+        # At once: not after the final status's in-place retries (10 s), then a probe.
+        await asyncio.wait_for(closing, 5)
+        res = await mesh.workflow(wf_id, timeout=3)
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.result == ["finished while closing"]
+    assert (res.steps[0].attempts, res.steps[0].decided_by, runs) == (1, 1, 1)
+
+
 # --------------------------------------------------------------------------- faults
 
 

@@ -98,7 +98,7 @@ class WorkConsumer:
         self._settings = s
         self._js: JetStreamContext | None = None
         self._tasks_kv: KeyValue | None = None
-        #: Fence reads (direct gets of ``reach_tasks``).
+        #: Fence reads (direct gets of ``reach_tasks``) and final statuses.
         self._jsc: JsClient | None = None
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
@@ -202,7 +202,8 @@ class WorkConsumer:
         self._ticker = asyncio.create_task(self._tick(), name="reach-work-ticker")
 
     async def stop(self) -> None:
-        """Stop taking new steps (in-flight ones finish through the agent's drain)."""
+        """Stop taking new steps (in-flight ones finish through the agent's drain; their final
+        statuses go out through ``_jsc``, whose subscription ends with the connection's drain)."""
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -213,9 +214,6 @@ class WorkConsumer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._ticker
             self._ticker = None
-        if self._jsc is not None:
-            with contextlib.suppress(Exception):
-                await self._jsc.stop()
 
     async def _load_results(self) -> None:
         """Warm the idempotency table from ``REACH_STATUS``: the last event of each of this
@@ -505,8 +503,8 @@ class WorkConsumer:
     ) -> None:
         """Publish the final status (stored by JetStream: it is also what a restart of this
         agent reads back), then ack."""
-        assert self._js is not None
-        js = self._js
+        assert self._jsc is not None
+        jsc = self._jsc
         event = _event(env, reply.state, self._agent.agent_id, reply=reply)
         subject = protocol.task_status(self._agent.agent_id, env.task_id)
         body = protocol.encode(event)
@@ -524,7 +522,7 @@ class WorkConsumer:
         try:
             await retrying(
                 f"final status of {env.task_id}",
-                functools.partial(js.publish, subject, body, headers=out),
+                functools.partial(jsc.publish, subject, body, out),
                 asyncio.get_running_loop().time() + _FINAL_RETRY,
             )
         except Exception as err:
