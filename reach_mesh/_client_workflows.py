@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._client_fields import _consumer_name, _end_span, _reply_slack
+from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.errors import (
     MeshTimeoutError,
@@ -59,7 +60,8 @@ class WorkflowsMixin:
     """The workflow methods of ``Client`` (which sets every attribute below)."""
 
     namespace: str
-    _wf_kv: Any
+    #: Submissions and record reads (started with the first workflow call).
+    _jsc: JsClient | None
 
     if TYPE_CHECKING:
 
@@ -254,12 +256,14 @@ class WorkflowsMixin:
         id with another spec raises ``WorkflowConflictError``."""
         body = protocol.encode(spec)
         headers[protocol.HDR_MSG_ID] = spec.workflow_id
+        headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF
         js = self.nc.jetstream()
+        jsc = await self._js_client()
         subject = protocol.wf_submit(spec.namespace)
 
         async def publish() -> Any:
             try:
-                return await js.publish(subject, body, headers=headers, stream=protocol.STREAM_WF)
+                return await jsc.publish(subject, body, headers)
             except nats.js.errors.NoStreamResponseError:
                 # No stream answered: none exists (no hub ever ran), or it has no leader now.
                 if not await _stream_may_exist(js, protocol.STREAM_WF):
@@ -306,20 +310,27 @@ class WorkflowsMixin:
     async def _workflow_record(self, workflow_id: str) -> WorkflowRecord | None:
         """The stored record of a workflow of this namespace; None when there is none (or it
         cannot be read right now)."""
+        key = protocol.workflow_key(self.namespace, workflow_id)
         try:
-            if self._wf_kv is None:
-                self._wf_kv = await self.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
-            entry = await self._wf_kv.get(protocol.workflow_key(self.namespace, workflow_id))
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
-            return None
+            got = await (await self._js_client()).kv_get(protocol.KV_WORKFLOWS, key)
         except (nats.errors.Error, TimeoutError):
-            return None
-        if not entry.value:
+            return None  # no bucket (no hub ever ran), or JetStream unavailable right now
+        if got is None:
             return None
         try:
-            return WorkflowRecord.model_validate_json(entry.value)
+            return WorkflowRecord.model_validate_json(got[0])
         except ValidationError:
             return None
+
+    async def _js_client(self) -> JsClient:
+        if self._jsc is None:
+            jsc = JsClient(self.nc)
+            await jsc.start()
+            if self._jsc is None:
+                self._jsc = jsc
+            else:  # another call started one meanwhile
+                await jsc.stop()
+        return self._jsc
 
     async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
         record = await self._workflow_record(workflow_id)

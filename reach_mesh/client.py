@@ -38,6 +38,7 @@ from reach_mesh._client_fields import (
     _TaskReply,
 )
 from reach_mesh._client_workflows import WorkflowsMixin
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import connect
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
@@ -162,7 +163,7 @@ class Client(WorkflowsMixin):
         self._routes: collections.OrderedDict[_CacheKey, _Route] = collections.OrderedDict()
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
-        self._wf_kv: Any = None
+        self._jsc: JsClient | None = None
         # Names this client in its failure reports: each reporter's reports count a bounded
         # number of times per agent and breaker window (the hub's rule, docs/security.md).
         self._reporter = os.urandom(8).hex()
@@ -200,6 +201,9 @@ class Client(WorkflowsMixin):
         if self._batcher is not None:
             with contextlib.suppress(Exception):
                 await self._batcher.stop()
+        if self._jsc is not None:
+            with contextlib.suppress(Exception):
+                await self._jsc.stop()
         if self._nc is not None and self._own_nc:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._nc.drain(), timeout=5)
