@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from nats.js.api import DeliverPolicy
+from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import (
     Client,
@@ -34,12 +35,21 @@ from .helpers import Fleet, echo_agent, eventually, heal, partition
 pytestmark = pytest.mark.timeout(60)
 
 
+async def task_record_or_none(hub: Hub, ns: str, task_id: str) -> TaskRecord | None:
+    """The step's record in ``reach_tasks`` as the hub stored it; None when it has none."""
+    kv = await hub.nc.jetstream().key_value(protocol.KV_TASKS)
+    try:
+        entry = await kv.get(protocol.task_key(ns, task_id))
+    except KeyNotFoundError:
+        return None
+    return TaskRecord.model_validate_json(entry.value) if entry.value else None
+
+
 async def task_record(hub: Hub, ns: str, task_id: str) -> TaskRecord:
     """The step's record in ``reach_tasks``, as the hub stored it."""
-    kv = await hub.nc.jetstream().key_value(protocol.KV_TASKS)
-    entry = await kv.get(protocol.task_key(ns, task_id))
-    assert entry.value
-    return TaskRecord.model_validate_json(entry.value)
+    rec = await task_record_or_none(hub, ns, task_id)
+    assert rec is not None
+    return rec
 
 
 async def status_events(client: Client, ns: str, task_id: str) -> list[TaskStatusEvent]:
@@ -438,6 +448,51 @@ async def test_hub_killed_mid_workflow(fleet: Fleet, wf_settings: MeshSettings) 
         assert res.result == 2
         assert res.hub_id == "hub-b"
         assert runs == Counter({0: 1, 1: 1})  # no step ran twice
+    finally:
+        hold.set()
+        await hub_a.close()
+        if hub_b is not None:
+            await hub_b.close()
+
+
+async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The steps of a fanout are sent at its start without task records of their own (the
+    workflow record names their agents). Hub A dies while they run; hub B takes over, adopts
+    each from the workflow record, and every handler runs once."""
+    started, hold = asyncio.Event(), asyncio.Event()
+    agent = fleet.agent("adopt.a1")
+    runs: Counter[int] = Counter()
+
+    @agent.handler("wf:adopt:v1")
+    async def slow(task: Task[int]) -> int:
+        runs[task.payload] += 1
+        if len(runs) == 2:
+            started.set()
+        await hold.wait()
+        return task.payload * 10
+
+    hub_a = Hub(settings=wf_settings, hub_id="hub-a")
+    await hub_a.start()
+    hub_b: Hub | None = None
+    try:
+        await agent.start()
+        async with Client(settings=wf_settings) as mesh:
+            steps = [Step(capability="wf:adopt:v1", payload=i) for i in (1, 2)]
+            wf_id = await mesh.submit_fanout(steps, timeout=20)
+            await asyncio.wait_for(started.wait(), 5)
+            rec = await task_record_or_none(hub_a, wf_settings.namespace, f"{wf_id}-0")
+            assert rec is None  # sent at the start: named by the workflow record only
+            await hub_a.nc.close()  # hub A dies: no ack, no nak, no more +WPI
+            hub_b = Hub(settings=wf_settings, hub_id="hub-b")
+            await hub_b.start()
+            hold.set()
+            res = await mesh.workflow(wf_id, timeout=15)
+        assert res.state is TaskState.SUCCEEDED, res
+        assert res.result == [10, 20] and res.hub_id == "hub-b"
+        assert [(s.attempts, s.decided_by) for s in res.steps] == [(1, 1), (1, 1)]
+        assert runs == Counter({1: 1, 2: 1})  # adopted, not sent again
     finally:
         hold.set()
         await hub_a.close()
