@@ -324,7 +324,7 @@ class WorkflowsMixin:
 
     async def _js_client(self) -> JsClient:
         if self._jsc is None:
-            jsc = JsClient(self.nc)
+            jsc = JsClient(self.nc, timeout=5.0)  # nats-py's JetStream default
             await jsc.start()
             if self._jsc is None:
                 self._jsc = jsc
