@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nats.js.errors import KeyNotFoundError
+
 from reach_mesh import MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.server import EmbeddedNats
+from reach_mesh.workflow import TaskRecord
 
 if TYPE_CHECKING:
     from mcp.client.session import ClientSession
@@ -149,3 +152,14 @@ async def mcp_session(
     ):
         await session.initialize()
         yield session
+
+
+async def task_record(nc: Any, ns: str, task_id: str) -> TaskRecord | None:
+    """A step's record in ``reach_tasks`` as the hub stored it; None when it has none (a step
+    whose fence never changed, see ``TaskRecord``)."""
+    kv = await nc.jetstream().key_value(protocol.KV_TASKS)
+    try:
+        entry = await kv.get(protocol.task_key(ns, task_id))
+    except KeyNotFoundError:
+        return None
+    return TaskRecord.model_validate_json(entry.value) if entry.value else None

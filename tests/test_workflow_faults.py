@@ -39,18 +39,9 @@ from reach_mesh.models import TaskEnvelope
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowResult
 
-from .helpers import Fleet, echo_agent, eventually, free_port
+from .helpers import Fleet, echo_agent, eventually, free_port, task_record
 
 pytestmark = pytest.mark.timeout(90)
-
-
-async def _task_record(mesh: Client, ns: str, task_id: str) -> TaskRecord | None:
-    kv = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
-    try:
-        entry = await kv.get(protocol.task_key(ns, task_id))
-    except Exception:
-        return None
-    return TaskRecord.model_validate_json(entry.value) if entry.value else None
 
 
 # --------------------------------------------------------------------------- NATS outage
@@ -210,7 +201,7 @@ async def test_attempt_given_up_on_is_fenced_before_the_backoff(
         # The deliver timeout (1 s) passes, the engine gives up on attempt 1, records attempt
         # 2 with no agent yet (the fence), and backs off.
         for _ in range(200):
-            rec = await _task_record(mesh, ns, "window-step")
+            rec = await task_record(mesh.nc, ns, "window-step")
             if rec is not None and rec.attempt == 2:
                 break
             await asyncio.sleep(0.05)

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 from nats.js.api import DeliverPolicy
-from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import (
     Client,
@@ -30,24 +29,14 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState, TaskEnvelope
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, merge_payload
 
-from .helpers import Fleet, echo_agent, eventually, heal, partition
+from .helpers import Fleet, echo_agent, eventually, heal, partition, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
 
-async def task_record_or_none(hub: Hub, ns: str, task_id: str) -> TaskRecord | None:
-    """The step's record in ``reach_tasks`` as the hub stored it; None when it has none."""
-    kv = await hub.nc.jetstream().key_value(protocol.KV_TASKS)
-    try:
-        entry = await kv.get(protocol.task_key(ns, task_id))
-    except KeyNotFoundError:
-        return None
-    return TaskRecord.model_validate_json(entry.value) if entry.value else None
-
-
-async def task_record(hub: Hub, ns: str, task_id: str) -> TaskRecord:
-    """The step's record in ``reach_tasks``, as the hub stored it."""
-    rec = await task_record_or_none(hub, ns, task_id)
+async def stored_task_record(hub: Hub, ns: str, task_id: str) -> TaskRecord:
+    """The step's record in ``reach_tasks``, as the hub stored it (it must have one)."""
+    rec = await task_record(hub.nc, ns, task_id)
     assert rec is not None
     return rec
 
@@ -279,7 +268,7 @@ async def test_handler_fails_then_succeeds(
     assert wf_hub.workflows is not None and wf_hub.workflows.retry_total >= 1
     # Decided by its current attempt: the task record stays as that attempt was sent (no
     # write needed to fence anything; attempt 1 is fenced by the number).
-    rec = await task_record(wf_hub, wf_settings.namespace, res.steps[0].task_id)
+    rec = await stored_task_record(wf_hub, wf_settings.namespace, res.steps[0].task_id)
     assert (rec.attempt, rec.agent_id, rec.state) == (2, agent.agent_id, TaskState.PENDING)
 
 
@@ -482,7 +471,7 @@ async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(
             steps = [Step(capability="wf:adopt:v1", payload=i) for i in (1, 2)]
             wf_id = await mesh.submit_fanout(steps, timeout=20)
             await asyncio.wait_for(started.wait(), 5)
-            rec = await task_record_or_none(hub_a, wf_settings.namespace, f"{wf_id}-0")
+            rec = await task_record(hub_a.nc, wf_settings.namespace, f"{wf_id}-0")
             assert rec is None  # sent at the start: named by the workflow record only
             await hub_a.nc.close()  # hub A dies: no ack, no nak, no more +WPI
             hub_b = Hub(settings=wf_settings, hub_id="hub-b")
@@ -598,7 +587,7 @@ async def test_first_outcome_wins_even_from_a_superseded_attempt(
     assert res.steps[0].agent_id == f"{wf_settings.namespace}.win.a"
     assert res.steps[0].attempts == 2 and res.steps[0].decided_by == 1
     # Decided by an earlier attempt: the record is written final, fencing attempt 2.
-    rec = await task_record(wf_hub, wf_settings.namespace, res.steps[0].task_id)
+    rec = await stored_task_record(wf_hub, wf_settings.namespace, res.steps[0].task_id)
     assert (rec.state, rec.decided_by, rec.attempt) == (TaskState.SUCCEEDED, 1, 2)
 
 
