@@ -44,6 +44,7 @@ from reach_mesh.workflow import (
     WorkflowSpec,
     new_workflow_id,
     spec_digest,
+    stored_record,
     validate_spec,
 )
 
@@ -315,12 +316,7 @@ class WorkflowsMixin:
             got = await (await self._js_client()).kv_get(protocol.KV_WORKFLOWS, key)
         except (nats.errors.Error, TimeoutError):
             return None  # no bucket (no hub ever ran), or JetStream unavailable right now
-        if got is None:
-            return None
-        try:
-            return WorkflowRecord.model_validate_json(got[0])
-        except ValidationError:
-            return None
+        return stored_record(WorkflowRecord, got)
 
     async def _js_client(self) -> JsClient:
         if self._jsc is None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
 from reach_mesh.errors import (
@@ -435,3 +435,17 @@ class WorkflowEvent(_Wire):
     #: record's ``first_agents``); those attempts get no ``step`` PENDING event of their own.
     first_agents: list[str | None] | None = None
     result: WorkflowResult | None = None
+
+
+_Stored = TypeVar("_Stored", bound=BaseModel)
+
+
+def stored_record(model: type[_Stored], got: tuple[bytes, int] | None) -> _Stored | None:
+    """The record a KV read returned (``(value, revision)``, as ``JsClient.kv_get`` gives it):
+    None when the key is absent or holds something that is not a ``model``."""
+    if got is None:
+        return None
+    try:
+        return model.model_validate_json(got[0])
+    except ValidationError:
+        return None

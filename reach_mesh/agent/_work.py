@@ -42,7 +42,7 @@ from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject
-from reach_mesh.workflow import TaskRecord, TaskStatusEvent
+from reach_mesh.workflow import TaskRecord, TaskStatusEvent, stored_record
 
 if TYPE_CHECKING:
     from reach_mesh.agent._agent import Agent
@@ -401,12 +401,7 @@ class WorkConsumer:
         got = await self._jsc.kv_get(
             protocol.KV_TASKS, protocol.task_key(env.namespace, env.task_id)
         )
-        if got is None:
-            return None
-        try:
-            return TaskRecord.model_validate_json(got[0])
-        except ValidationError:
-            return None
+        return stored_record(TaskRecord, got)
 
     # ------------------------------------------------------------------ running
 

@@ -86,6 +86,18 @@ class Workflow:
     #: when ``taken_over`` from another hub).
     first_agents: list[str | None] = field(default_factory=list)
     taken_over: bool = False
+    #: Each step's route request, made once (choosing at the start and in the step).
+    routes: dict[int, RouteRequest] = field(default_factory=dict)
+
+    def first_agent(self, index: int) -> str | None:
+        """The agent the workflow record names for step ``index``'s attempt 1, if any."""
+        return self.first_agents[index] if index < len(self.first_agents) else None
+
+    def route(self, index: int) -> RouteRequest:
+        route = self.routes.get(index)
+        if route is None:
+            route = self.routes[index] = step_route(self.spec.steps[index])
+        return route
 
     @property
     def ns(self) -> str:
@@ -177,7 +189,7 @@ class StepRunner:
         task_id = step_task_id(wf.id, index, step)
         key = protocol.task_key(ns, task_id)
         pol = self._policy(step)
-        route = step_route(step)
+        route = wf.route(index)
         rec, rev, fresh, view, capability = await self._begin(wf, index, route, task_id, key)
         # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
         no_work = self._no_work_reason(route, ns) if view is None else None
@@ -330,24 +342,14 @@ class StepRunner:
         or — without one — its attempt 1 from the workflow record, to adopt."""
         assert self._tasks_kv is not None
         kv = self._tasks_kv
-        now = time.time()
-        rec = TaskRecord(
-            task_id=task_id,
-            workflow_id=wf.id,
-            step=index,
-            namespace=wf.ns,
-            created_at=now,
-            updated_at=now,
-        )
         if wf.taken_over:
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
             if got is not None:
                 return TaskRecord.model_validate_json(got[0]), got[1], False, None, None
-            first_agent = wf.first_agents[index] if index < len(wf.first_agents) else None
-            if first_agent is not None:
-                rec.created_at = wf.submitted_at
-                _sent(rec, first_agent)
-                return rec, 0, False, None, None
+            named = self._named_attempt(wf, index, task_id)
+            if named is not None:
+                return named, 0, False, None, None
+        rec = _new_record(wf, index, task_id, time.time())
         first = wf.first[index] if index < len(wf.first) else None
         if first is not None:
             wf.first[index] = None  # the step owns the agent's load count now
@@ -375,13 +377,23 @@ class StepRunner:
             return TaskRecord.model_validate_json(got[0]), got[1], False, None, None
         return rec, rev, True, view, capability
 
+    def _named_attempt(self, wf: Workflow, index: int, task_id: str) -> TaskRecord | None:
+        """For a step without a task record: its attempt 1 as the workflow record names it
+        (``first_agents``), sent when the workflow started; None when none is named."""
+        agent_id = wf.first_agent(index)
+        if agent_id is None:
+            return None
+        rec = _new_record(wf, index, task_id, wf.submitted_at)
+        _sent(rec, agent_id)
+        return rec
+
     async def _first_choices(self, wf: Workflow) -> None:
         """Choose the agents of the attempts sent when the workflow starts (every fanout step,
         a chain's step 0), before the workflow record names them (``first_agents``)."""
         starting = wf.spec.steps if wf.spec.kind == "fanout" else wf.spec.steps[:1]
         first: list[tuple[AgentView, str | None] | None] = []
-        for step in starting:
-            view, capability = await self._choose(step_route(step), wf.ns, set())
+        for index in range(len(starting)):
+            view, capability = await self._choose(wf.route(index), wf.ns, set())
             first.append(None if view is None else (view, capability))
         wf.first = first
 
@@ -426,8 +438,7 @@ class StepRunner:
         A ``step`` PENDING event says the attempt went out, unless the workflow's ``start``
         event named it already (attempt 1 to ``first_agents[index]``)."""
         await self._send(wf, index, step, rec, capability, payload)
-        named = wf.first_agents[index] if index < len(wf.first_agents) else None
-        if rec.attempt != 1 or rec.agent_id != named:
+        if rec.attempt != 1 or rec.agent_id != wf.first_agent(index):
             self._step_event(
                 wf, index, rec, TaskState.PENDING, attempt=rec.attempt, agent_id=rec.agent_id
             )
@@ -697,6 +708,18 @@ def step_route(step: StepSpec) -> RouteRequest:
         capability=step.capability,
         selector=step.selector,
         strategy=step.strategy,
+    )
+
+
+def _new_record(wf: Workflow, index: int, task_id: str, created_at: float) -> TaskRecord:
+    """A step's record before any attempt (attempt 0, no agent)."""
+    return TaskRecord(
+        task_id=task_id,
+        workflow_id=wf.id,
+        step=index,
+        namespace=wf.ns,
+        created_at=created_at,
+        updated_at=created_at,
     )
 
 

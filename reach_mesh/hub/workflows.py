@@ -40,7 +40,6 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import KeyWrongLastSequenceError
-from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
@@ -60,7 +59,6 @@ from reach_mesh.hub.router import Router
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, inject, span
 from reach_mesh.workflow import (
-    AttemptRecord,
     StepResult,
     TaskRecord,
     TaskStatusEvent,
@@ -71,6 +69,7 @@ from reach_mesh.workflow import (
     merge_payload,
     spec_digest,
     step_task_id,
+    stored_record,
     validate_spec,
 )
 
@@ -502,7 +501,7 @@ class WorkflowEngine(StepRunner):
             if not isinstance(err, KeyWrongLastSequenceError):
                 raise
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            rec = _record(got)
+            rec = stored_record(WorkflowRecord, got)
             if rec is not None and rec.spec_digest not in (None, wf.digest):
                 raise _ConflictError(key) from None
             stored = _final_result(got)
@@ -711,20 +710,10 @@ class WorkflowEngine(StepRunner):
             rec = TaskRecord.model_validate_json(got[0])
         else:
             # No record: its attempt 1, if sent, is the one the workflow record names.
-            agents = wf.first_agents
-            agent_id = agents[index] if index < len(agents) else None
-            if agent_id is None:
+            named = self._named_attempt(wf, index, task_id)
+            if named is None:
                 return
-            rec = TaskRecord(
-                task_id=task_id,
-                workflow_id=wf.id,
-                step=index,
-                namespace=wf.ns,
-                attempt=1,
-                agent_id=agent_id,
-                history=[AttemptRecord(attempt=1, agent_id=agent_id)],
-                created_at=wf.submitted_at,
-            )
+            rec = named
         if rec.state.final:
             wf.records[index] = rec
             return
@@ -755,18 +744,9 @@ class WorkflowEngine(StepRunner):
 # --------------------------------------------------------------------------- helpers
 
 
-def _record(got: tuple[bytes, int] | None) -> WorkflowRecord | None:
-    if got is None:
-        return None
-    try:
-        return WorkflowRecord.model_validate_json(got[0])
-    except ValidationError:
-        return None
-
-
 def _final_result(got: tuple[bytes, int] | None) -> WorkflowResult | None:
     """The stored final result of a workflow record, if it has one."""
-    rec = _record(got)
+    rec = stored_record(WorkflowRecord, got)
     if rec is not None and rec.result is not None and rec.state.final:
         return rec.result
     return None
