@@ -88,7 +88,7 @@ class WorkflowsMixin:
         that fails is *returned* (``result.state``), not raised.
         """
         spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
-        return await self._run_workflow(spec, timeout)
+        return await self._run_workflow(spec, timeout, chosen_id=workflow_id is not None)
 
     async def chain(
         self, steps: Sequence[Step], *, timeout: float = 30.0, workflow_id: str | None = None
@@ -97,7 +97,7 @@ class WorkflowsMixin:
         payload (see :func:`reach_mesh.workflow.merge_payload`). ``result.result`` is the last
         step's output."""
         spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
-        return await self._run_workflow(spec, timeout)
+        return await self._run_workflow(spec, timeout, chosen_id=workflow_id is not None)
 
     async def submit_fanout(
         self,
@@ -111,7 +111,7 @@ class WorkflowsMixin:
         is a no-op). ``timeout=None``: the steps' TTL (``task_ttl``) bounds it."""
         spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
         with self._workflow_span(spec):
-            await self._submit(spec, inject({}))
+            await self._submit(spec, inject({}), chosen_id=workflow_id is not None)
         return spec.workflow_id
 
     async def submit_chain(
@@ -124,7 +124,7 @@ class WorkflowsMixin:
         """Submit a chain without waiting; returns the workflow id."""
         spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
         with self._workflow_span(spec):
-            await self._submit(spec, inject({}))
+            await self._submit(spec, inject({}), chosen_id=workflow_id is not None)
         return spec.workflow_id
 
     async def workflow(self, workflow_id: str, *, timeout: float = 30.0) -> WorkflowResult:
@@ -135,7 +135,7 @@ class WorkflowsMixin:
             found = await self._stored_result(workflow_id)
             if found is not None:
                 return found
-            return await self._await_done(sub, workflow_id, timeout)
+            return (await self._await_done(sub, workflow_id, timeout))[0]
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -227,34 +227,44 @@ class WorkflowsMixin:
             },
         )
 
-    async def _run_workflow(self, spec: WorkflowSpec, timeout: float) -> WorkflowResult:
+    async def _run_workflow(
+        self, spec: WorkflowSpec, timeout: float, *, chosen_id: bool
+    ) -> WorkflowResult:
         with self._workflow_span(spec) as sp:
             headers = inject({})
             # Subscribe to the result before submitting: no window in which it could be missed.
+            # ``max_msgs=1``: the server drops the interest itself once ``.done`` is delivered,
+            # so the usual path sends no UNSUB.
             sub = await self.nc.subscribe(
                 protocol.wf_done(spec.namespace, spec.workflow_id), max_msgs=1
             )
+            delivered = False
             try:
-                duplicate = await self._submit(spec, headers)
+                duplicate = await self._submit(spec, headers, chosen_id=chosen_id)
                 result = None
                 if duplicate:
                     result = await self._stored_result(spec.workflow_id)
                 if result is None:
-                    result = await self._await_done(
+                    result, delivered = await self._await_done(
                         sub, spec.workflow_id, timeout + _reply_slack(timeout)
                     )
             finally:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+                if not delivered:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
             _end_span(sp, result.state, result.error.code if result.error else None)
             return result
 
-    async def _submit(self, spec: WorkflowSpec, headers: dict[str, str]) -> bool:
+    async def _submit(
+        self, spec: WorkflowSpec, headers: dict[str, str], *, chosen_id: bool
+    ) -> bool:
         """Publish to ``reach.wf.<ns>.submit``; True when JetStream saw the id before.
 
         Infrastructure errors (no stream leader during an election, a reconnect) are retried
-        for up to ``_SUBMIT_RETRY`` seconds: the ``Nats-Msg-Id`` makes a repeat a no-op. The same
-        id with another spec raises ``WorkflowConflictError``."""
+        for up to ``_SUBMIT_RETRY`` seconds: the ``Nats-Msg-Id`` makes a repeat a no-op. A
+        ``chosen_id`` (the caller's, not a fresh random one) taken by another spec raises
+        ``WorkflowConflictError``; a random id cannot be another spec's, so it is not read
+        back (one round trip fewer per workflow)."""
         body = protocol.encode(spec)
         headers[protocol.HDR_MSG_ID] = spec.workflow_id
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF
@@ -287,7 +297,8 @@ class WorkflowsMixin:
             ) from err
         except MaxPayloadError as err:
             raise PayloadTooLargeError(f"workflow exceeds the max payload: {err}") from err
-        await self._check_conflict(spec, duplicate=bool(ack.duplicate))
+        if chosen_id:
+            await self._check_conflict(spec, duplicate=bool(ack.duplicate))
         return bool(ack.duplicate)
 
     async def _check_conflict(self, spec: WorkflowSpec, *, duplicate: bool) -> None:
@@ -334,7 +345,10 @@ class WorkflowsMixin:
             return None
         return record.result
 
-    async def _await_done(self, sub: Any, workflow_id: str, timeout: float) -> WorkflowResult:
+    async def _await_done(
+        self, sub: Any, workflow_id: str, timeout: float
+    ) -> tuple[WorkflowResult, bool]:
+        """The result and whether it came as the ``.done`` message (so ``sub`` is over)."""
         try:
             msg = await sub.next_msg(timeout=timeout)
         except (NatsTimeoutError, TimeoutError) as err:
@@ -342,13 +356,13 @@ class WorkflowsMixin:
             # announcement is still on the way (a hub died between the two).
             found = await self._stored_result(workflow_id)
             if found is not None:
-                return found
+                return found, False
             raise MeshTimeoutError(
                 f"no result for workflow {workflow_id} within {timeout:g}s "
                 "(it keeps running; `await mesh.workflow(id)` later)",
                 workflow_id=workflow_id,
             ) from err
-        return WorkflowResult.model_validate_json(msg.data)
+        return WorkflowResult.model_validate_json(msg.data), True
 
 
 def _bad_step(step: object) -> Any:

@@ -14,6 +14,11 @@ It raises what nats-py raises, so :mod:`reach_mesh._retry` classifies the errors
 ``KeyWrongLastSequenceError`` for a KV compare-and-set that lost (JetStream error codes 10071,
 10164), and ``APIError.from_error`` for any other error answer.
 
+Messages nobody waits on (workflow events, acks of work already answered) can go
+:meth:`JsClient.later`: they leave with the client's next request, or ``linger`` seconds later
+at the latest. Under load every write to the socket wakes the server, and at a moderate rate
+most writes carry one message; riding along costs such a message no write of its own.
+
 Reply tokens are random (``_batch.reply_token``): the reply subject travels with the message,
 and parties allowed to answer into a hub's inbox must not guess the next one.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from typing import Final
 
@@ -34,6 +40,11 @@ from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponse
 from reach_mesh._batch import reply_token
 
 __all__ = ["Ack", "JsClient", "kv_subject"]
+
+log = logging.getLogger("reach_mesh.jspub")
+
+#: How long a message given to :meth:`JsClient.later` waits for a request to ride along with.
+LINGER: Final = 0.005
 
 #: What a KV delete or purge leaves behind (the key reads as absent).
 _KV_OPERATION: Final = "KV-Operation"
@@ -61,12 +72,17 @@ def kv_subject(bucket: str, key: str) -> str:
 class JsClient:
     """Acked JetStream publishes for one connection (started and stopped with its owner)."""
 
-    def __init__(self, nc: NATS, *, timeout: float = 10.0) -> None:
+    def __init__(self, nc: NATS, *, timeout: float = 10.0, linger: float = LINGER) -> None:
         self._nc = nc
         self._timeout = timeout
+        self._linger = linger
         self._prefix = nc.new_inbox() + "."
         self._futures: dict[str, asyncio.Future[Msg]] = {}
         self._sub: Subscription | None = None
+        #: Messages given to ``later`` not sent yet, and the timer that sends them.
+        self._later: list[tuple[str, bytes, dict[str, str] | None]] = []
+        self._later_timer: asyncio.TimerHandle | None = None
+        self._later_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
@@ -74,9 +90,42 @@ class JsClient:
         )
 
     async def stop(self) -> None:
+        await self.flush_later()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
+
+    def later(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        """Publish ``body`` to ``subject`` (core NATS, no answer) with the next request, or
+        within ``linger`` seconds. Messages given here leave in the order given, and before
+        any request made after them."""
+        self._later.append((subject, body, headers))
+        if self._later_timer is None:
+            loop = asyncio.get_running_loop()
+            self._later_timer = loop.call_later(self._linger, self._linger_over)
+
+    async def flush_later(self) -> None:
+        """Send what :meth:`later` holds now. A failure is logged: nobody waits on these."""
+        if self._later_timer is not None:
+            self._later_timer.cancel()
+            self._later_timer = None
+        out, self._later = self._later, []
+        try:
+            for subject, body, headers in out:
+                await self._nc.publish(subject, body, headers=headers)
+        except Exception as err:  # a closed connection; nats-py buffers through reconnects
+            log.warning("%d queued message(s) not sent: %r", len(out), err)
+
+    def _linger_over(self) -> None:
+        self._later_timer = None
+        if not self._later:
+            return
+        if self._later_task is not None and not self._later_task.done():
+            # Still sending the previous lot: these go next.
+            loop = asyncio.get_running_loop()
+            self._later_timer = loop.call_later(self._linger, self._linger_over)
+            return
+        self._later_task = asyncio.ensure_future(self.flush_later())
 
     async def request(
         self,
@@ -89,6 +138,8 @@ class JsClient:
         """Send ``body`` to ``subject``; the answer. ``nats.errors.TimeoutError`` without one."""
         if self._sub is None:
             raise nats.errors.ConnectionClosedError
+        if self._later:
+            await self.flush_later()  # they ride along: one write to the socket for all
         loop = asyncio.get_running_loop()
         token = reply_token()
         future: asyncio.Future[Msg] = loop.create_future()

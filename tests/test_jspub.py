@@ -3,17 +3,20 @@ compare-and-set, and the errors ``_retry`` tells apart (an answer vs the infrast
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import nats
 import nats.errors
 import pytest
+from nats.aio.msg import Msg
 from nats.js.api import StreamConfig
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NoStreamResponseError
 
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import transient
+from tests.helpers import eventually
 
 
 async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
@@ -61,4 +64,46 @@ async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
         with pytest.raises(nats.errors.ConnectionClosedError):
             await pub.publish("any", b"")  # stopped: refused at once
         await js.delete_stream(name)
+        await nc.close()
+
+
+async def test_later_rides_along_in_order_or_leaves_after_the_linger(nats_url: str) -> None:
+    """``later``: held until the next request (and sent before it, in order), else sent once
+    the linger is over, and never lost by ``stop``."""
+    nc = await nats.connect(nats_url)
+    pub = JsClient(nc, timeout=2.0, linger=0.2)
+    await pub.start()
+    name = f"JSLATER_{uuid.uuid4().hex[:8]}"
+    js = nc.jetstream()
+    watcher = await nats.connect(nats_url)
+    seen: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        seen.append(msg.data)
+
+    sub = await watcher.subscribe(f"{name.lower()}.>", cb=on_msg)
+    await watcher.flush()
+    try:
+        await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
+        pub.later(f"{name.lower()}.ev", b"e1")
+        pub.later(f"{name.lower()}.ev", b"e2")
+        await asyncio.sleep(0.05)
+        assert seen == []  # held: no request yet, the linger is not over
+        ack = await pub.publish(f"{name.lower()}.w", b"w1")
+        # They went first, in order: the stream stored them before the request's message.
+        assert ack.seq == 3
+        await eventually(lambda: seen == [b"e1", b"e2", b"w1"])
+        # Alone: out once the linger is over.
+        pub.later(f"{name.lower()}.ev", b"e3")
+        await eventually(lambda: seen[-1:] == [b"e3"], timeout=2.0)
+        # Stop sends what is held at once.
+        pub.later(f"{name.lower()}.ev", b"e4")
+        await pub.stop()
+        await eventually(lambda: seen[-1:] == [b"e4"], timeout=0.15)
+        assert seen == [b"e1", b"e2", b"w1", b"e3", b"e4"]
+        await js.delete_stream(name)
+    finally:
+        await pub.stop()
+        await sub.unsubscribe()
+        await watcher.close()
         await nc.close()

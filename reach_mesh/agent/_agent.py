@@ -425,6 +425,8 @@ class Agent(ServingMixin):
             if late:  # they answer REACH_CANCELLED
                 await asyncio.wait(late, timeout=1.0)
             if self._nc is not None:
+                if self.work is not None:
+                    await within("work ack flush", self.work.flush(), 5.0, log)
                 await within("answer flush", self._answers.flush(), 5.0, log)
                 await within("NATS drain", self._nc.drain(), 5.0, log)
                 await within("NATS close", self._nc.close(), 5.0, log)

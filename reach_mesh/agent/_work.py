@@ -201,6 +201,11 @@ class WorkConsumer:
         await self._pull.start()
         self._ticker = asyncio.create_task(self._tick(), name="reach-work-ticker")
 
+    async def flush(self) -> None:
+        """Send the acks still waiting to ride along (``JsClient.later``)."""
+        if self._jsc is not None:
+            await self._jsc.flush_later()
+
     async def stop(self) -> None:
         """Stop taking new steps (in-flight ones finish through the agent's drain; their final
         statuses go out through ``_jsc``, whose subscription ends with the connection's drain)."""
@@ -537,8 +542,10 @@ class WorkConsumer:
                     await m.nak(delay=1.0)
         else:
             for m in msgs:
-                with contextlib.suppress(Exception):
-                    await m.ack()
+                # The outcome is stored: the ack is not urgent (nothing waits on it), so it
+                # rides along with this connection's next JetStream request (``later``).
+                if m.reply and not m.is_acked:
+                    jsc.later(m.reply, b"")
         self._release()
 
     def _say_accepted(self, held: _Held) -> None:

@@ -122,8 +122,6 @@ class StepRunner:
     _jsc: JsClient
     _tracker: StatusTracker
     _bg: set[asyncio.Future[Any]]
-    #: Workflow events waiting for this pass's send (``_event``).
-    _events_out: list[tuple[str, bytes, dict[str, str]]]
     _pending: int
     #: Agents registered with ``durable_work=False`` (no work consumer): never offered a
     #: step. Kept from state changes so choosing a step does not scan the registry.
@@ -668,19 +666,12 @@ class StepRunner:
         )
 
     def _event(self, wf: Workflow, event: WorkflowEvent) -> None:
-        """Publish ``event`` (core NATS; ``REACH_WF_EVENTS`` captures it) with the events made
-        in the same pass of the event loop: one task per pass, not one per event."""
-        self._events_out.append(
-            (protocol.wf_event(wf.ns, wf.id), protocol.encode(event), inject(dict(wf.headers)))
+        """Publish ``event`` (core NATS; ``REACH_WF_EVENTS`` captures it) with this hub's next
+        JetStream write, or a few milliseconds later: events ride along with the writes, and a
+        ``.done`` or a record write always comes after the events made before it."""
+        self._jsc.later(
+            protocol.wf_event(wf.ns, wf.id), protocol.encode(event), inject(dict(wf.headers))
         )
-        if len(self._events_out) == 1:
-            self._background(self._send_events())
-
-    async def _send_events(self) -> None:
-        # Runs in the next pass: every event of this one is in the list by then.
-        out, self._events_out = self._events_out, []
-        for subject, body, headers in out:
-            await self._nc.publish(subject, body, headers=headers)
 
     def _background(self, aw: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(aw)

@@ -126,7 +126,6 @@ class WorkflowEngine(StepRunner):
         self._running: dict[asyncio.Task[None], Msg] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Future[Any]] = set()
-        self._events_out: list[tuple[str, bytes, dict[str, str]]] = []
         self._pending = 0
         self._stopping = False
         #: Final answers that came from an agent's idempotency cache (a duplicate delivery).
