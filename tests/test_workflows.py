@@ -684,19 +684,59 @@ async def test_submit_then_result_events_and_resubmit(
         res = await mesh.workflow(wf_id, timeout=10)
         assert res.state is TaskState.SUCCEEDED
         events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
-        # The start names where both first attempts went; then each step's outcome; done.
+        # The start names where both first attempts went; then the step outcomes sent before
+        # the result was stored (a step event still held then is dropped: .done says it);
+        # done, with every step.
         assert events[0].kind == "start"
         assert events[0].first_agents == [agent.agent_id, agent.agent_id]
-        assert [(e.kind, e.step, e.state, e.attempt) for e in events[1:-1]] == [
-            ("step", i, TaskState.SUCCEEDED, 1) for i in sorted(e.step or 0 for e in events[1:-1])
-        ]
+        steps_seen = [(e.kind, e.step, e.state, e.attempt) for e in events[1:-1]]
+        assert steps_seen == [("step", s, TaskState.SUCCEEDED, 1) for _, s, _, _ in steps_seen]
+        assert len({s for _, s, _, _ in steps_seen}) == len(steps_seen) <= 2
         assert events[-1].kind == "done" and events[-1].result is not None
+        assert [(st.index, st.state, st.decided_by) for st in events[-1].result.steps] == [
+            (0, TaskState.SUCCEEDED, 1),
+            (1, TaskState.SUCCEEDED, 1),
+        ]
         # Same id again: a no-op, the stored answer comes back, nothing runs again.
         again = await mesh.fanout(steps, workflow_id="my-wf-1", timeout=5)
         assert again.state is TaskState.SUCCEEDED
         assert sum(fleet.runs.values()) == 2
         # And after the fact, by id.
         assert (await mesh.workflow(wf_id, timeout=1)).workflow_id == wf_id
+
+
+async def test_step_events_held_then_sent_or_dropped_for_the_result(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step event waits ``STEP_EVENT_HOLD``: sent when the workflow is still running then,
+    dropped when the workflow's result (which says every step's outcome) is stored first."""
+    from reach_mesh.hub import _steps
+
+    monkeypatch.setattr(_steps, "STEP_EVENT_HOLD", 0.4)
+    agent = fleet.agent("hold.a1")
+
+    @agent.handler("wf:hold:v1")
+    async def hold(task: Task[Any]) -> Any:
+        await asyncio.sleep(task.payload)
+        return task.payload
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        # Branch 0 ends at once, branch 1 after 1.2 s: branch 0's event goes out at 0.4 s;
+        # branch 1's is still held when the result is stored, and dropped.
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:hold:v1", payload=p) for p in (0, 1.2)], timeout=20
+        )
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED and res.result == [0, 1.2]
+        events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
+    assert [(e.kind, e.step, e.state) for e in events] == [
+        ("start", None, TaskState.RUNNING),
+        ("step", 0, TaskState.SUCCEEDED),
+        ("done", None, TaskState.SUCCEEDED),
+    ]
+    assert events[-1].result is not None
+    assert [st.state for st in events[-1].result.steps] == [TaskState.SUCCEEDED] * 2
 
 
 async def _send_step(mesh: Client, agent: Agent, env: TaskEnvelope) -> TaskStatusEvent:
