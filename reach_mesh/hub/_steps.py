@@ -48,9 +48,6 @@ T = TypeVar("T")
 
 _HISTORY: Final = 32
 
-#: How long a ``step`` event waits before it is sent (seconds): dropped instead when the
-#: workflow's result is stored meanwhile, as that says every step's outcome.
-STEP_EVENT_HOLD: Final = 0.02
 
 Outcome = Literal["final", "undelivered", "lost", "nomatch", "deadline"]
 
@@ -92,7 +89,7 @@ class Workflow:
     taken_over: bool = False
     #: Each step's route request, made once (choosing at the start and in the step).
     routes: dict[int, RouteRequest] = field(default_factory=dict)
-    #: ``step`` events not sent yet (``StepRunner._event``), and the timer that sends them.
+    #: Events not sent yet (``StepRunner._event``), and the timer that sends them.
     held: list[tuple[str, bytes, dict[str, str]]] = field(default_factory=list)
     hold_timer: asyncio.TimerHandle | None = None
 
@@ -675,25 +672,21 @@ class StepRunner:
     def _event(self, wf: Workflow, event: WorkflowEvent) -> None:
         """Publish ``event`` (core NATS; ``REACH_WF_EVENTS`` captures it).
 
-        A ``step`` event is held for ``STEP_EVENT_HOLD`` first (``Workflow.held``): when the
-        workflow's result is stored within that time the held events are dropped (``_store``;
-        the result says every step's outcome), so a fast workflow stores ``start`` and ``.done``
-        only. Released events, like ``start``, leave with this hub's next JetStream write or a
-        few milliseconds later (``JsClient.later``), in the order they were made."""
-        subject = protocol.wf_event(wf.ns, wf.id)
-        body = protocol.encode(event)
-        headers = inject(dict(wf.headers))
-        if event.kind != "step":
-            self._release_held(wf)
-            self._jsc.later(subject, body, headers)
-            return
-        wf.held.append((subject, body, headers))
+        Events are held for ``workflow_event_hold`` first (``Workflow.held``): when the workflow's
+        result is stored within that time the held events are dropped (``_store``; the result
+        says every step's outcome and agent), so a fast workflow stores its ``.done`` only.
+        Released events leave with this hub's next JetStream write or a few milliseconds later
+        (``JsClient.later``), in the order they were made."""
+        wf.held.append(
+            (protocol.wf_event(wf.ns, wf.id), protocol.encode(event), inject(dict(wf.headers)))
+        )
         if wf.hold_timer is None:
             loop = asyncio.get_running_loop()
-            wf.hold_timer = loop.call_later(STEP_EVENT_HOLD, self._release_held, wf)
+            hold = self._settings.workflow_event_hold
+            wf.hold_timer = loop.call_later(hold, self._release_held, wf)
 
     def _release_held(self, wf: Workflow) -> None:
-        """Send ``wf``'s held step events (``_event``)."""
+        """Send ``wf``'s held events (``_event``)."""
         if wf.hold_timer is not None:
             wf.hold_timer.cancel()
             wf.hold_timer = None
@@ -702,7 +695,7 @@ class StepRunner:
             self._jsc.later(subject, body, headers)
 
     def _drop_held(self, wf: Workflow) -> None:
-        """Forget ``wf``'s held step events: its stored result says what they would."""
+        """Forget ``wf``'s held events: its stored result says what they would."""
         if wf.hold_timer is not None:
             wf.hold_timer.cancel()
             wf.hold_timer = None

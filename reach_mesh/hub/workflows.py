@@ -412,8 +412,8 @@ class WorkflowEngine(StepRunner):
         """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
         result that is final — ours, or one another hub stored first.
 
-        ``step`` events of this workflow still held are dropped first (``_event``): ``result``
-        (and the ``.done`` made of it) says every step's outcome."""
+        Events of this workflow still held are dropped first (``_event``): ``result`` (and
+        the ``.done`` made of it) says every step's outcome."""
         assert self._wf_kv is not None
         self._drop_held(wf)
         key = protocol.workflow_key(wf.ns, wf.id)
