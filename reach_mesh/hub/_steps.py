@@ -90,7 +90,7 @@ class Workflow:
     #: Each step's route request, made once (choosing at the start and in the step).
     routes: dict[int, RouteRequest] = field(default_factory=dict)
     #: Events not sent yet (``StepRunner._event``), and the timer that sends them.
-    held: list[tuple[str, bytes, dict[str, str]]] = field(default_factory=list)
+    held: list[tuple[WorkflowEvent, dict[str, str]]] = field(default_factory=list)
     hold_timer: asyncio.TimerHandle | None = None
 
     def first_agent(self, index: int) -> str | None:
@@ -677,9 +677,7 @@ class StepRunner:
         says every step's outcome and agent), so a fast workflow stores its ``.done`` only.
         Released events leave with this hub's next JetStream write or a few milliseconds later
         (``JsClient.later``), in the order they were made."""
-        wf.held.append(
-            (protocol.wf_event(wf.ns, wf.id), protocol.encode(event), inject(dict(wf.headers)))
-        )
+        wf.held.append((event, inject(dict(wf.headers))))  # encoded only if released
         if wf.hold_timer is None:
             loop = asyncio.get_running_loop()
             hold = self._settings.workflow_event_hold
@@ -691,8 +689,9 @@ class StepRunner:
             wf.hold_timer.cancel()
             wf.hold_timer = None
         held, wf.held = wf.held, []
-        for subject, body, headers in held:
-            self._jsc.later(subject, body, headers)
+        subject = protocol.wf_event(wf.ns, wf.id)
+        for event, headers in held:
+            self._jsc.later(subject, protocol.encode(event), headers)
 
     def _drop_held(self, wf: Workflow) -> None:
         """Forget ``wf``'s held events: its stored result says what they would."""
@@ -720,14 +719,27 @@ class StepRunner:
 # --------------------------------------------------------------------------- helpers
 
 
+#: Route requests by step target: workflows repeat the same few targets, and a request is
+#: validated once (never changed after; bounded: cleared when full).
+_ROUTES: dict[tuple[str | None, str | None, str | None, str | None], RouteRequest] = {}
+_ROUTES_MAX: Final = 4096
+
+
 def step_route(step: StepSpec) -> RouteRequest:
     """The route request that chooses a step's agent."""
-    return RouteRequest(
-        agent_id=step.agent_id,
-        capability=step.capability,
-        selector=step.selector,
-        strategy=step.strategy,
-    )
+    key = (step.agent_id, step.capability, step.selector, step.strategy)
+    route = _ROUTES.get(key)
+    if route is None:
+        route = RouteRequest(
+            agent_id=step.agent_id,
+            capability=step.capability,
+            selector=step.selector,
+            strategy=step.strategy,
+        )
+        if len(_ROUTES) >= _ROUTES_MAX:
+            _ROUTES.clear()
+        _ROUTES[key] = route
+    return route
 
 
 def _new_record(wf: Workflow, index: int, task_id: str, created_at: float) -> TaskRecord:
