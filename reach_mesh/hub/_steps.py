@@ -48,7 +48,6 @@ T = TypeVar("T")
 
 _HISTORY: Final = 32
 
-
 Outcome = Literal["final", "undelivered", "lost", "nomatch", "deadline"]
 
 
@@ -127,6 +126,8 @@ class StepRunner:
     _tracker: StatusTracker
     _bg: set[asyncio.Future[Any]]
     _pending: int
+    #: Set when the hub stops: its unfinished workflows go back to the stream for another hub.
+    _stopping: bool
     #: Agents registered with ``durable_work=False`` (no work consumer): never offered a
     #: step. Kept from state changes so choosing a step does not scan the registry.
     _no_work: set[str]
@@ -684,11 +685,15 @@ class StepRunner:
             wf.hold_timer = loop.call_later(hold, self._release_held, wf)
 
     def _release_held(self, wf: Workflow) -> None:
-        """Send ``wf``'s held events (``_event``)."""
+        """Send ``wf``'s held events (``_event``); dropped once the hub is stopping (the hub
+        that takes the workflow over says ``start`` again, and its ``.done`` every step's
+        outcome)."""
         if wf.hold_timer is not None:
             wf.hold_timer.cancel()
             wf.hold_timer = None
         held, wf.held = wf.held, []
+        if self._stopping:
+            return
         subject = protocol.wf_event(wf.ns, wf.id)
         for event, headers in held:
             self._jsc.later(subject, protocol.encode(event), headers)
