@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -65,7 +66,7 @@ async def send(client: Any, request: SendMessageRequest) -> Any:
 
 
 async def test_card_send_result_and_errors(
-    a2a_hub: Hub, settings: MeshSettings, namespace: str
+    a2a_hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     base = f"{a2a_hub.http_url}/a2a/{namespace}"
@@ -89,9 +90,16 @@ async def test_card_send_result_and_errors(
         task = answer.task if answer.HasField("task") else answer
         assert task.status.state == TaskState.TASK_STATE_FAILED, task
         assert "REACH_HANDLER_FAILED" in task.status.message.parts[0].text
-        # An unknown skill: an A2A (JSON-RPC) error, invalid params.
-        with pytest.raises(InvalidParamsError, match="unknown skill"):
+        # An unknown skill: an A2A (JSON-RPC) error, invalid params — the caller's mistake,
+        # so no traceback in the hub's log.
+        caplog.clear()
+        with (
+            caplog.at_level(logging.DEBUG),
+            pytest.raises(InvalidParamsError, match="unknown skill"),
+        ):
             await send(client, message("nope", {}))
+        tracebacks = [r for r in caplog.records if r.exc_info]
+        assert not tracebacks, [(r.name, r.getMessage()) for r in tracebacks]
         # A namespace with no agents has no card.
         got = await http.get(f"{a2a_hub.http_url}/a2a/nobody-here/.well-known/agent-card.json")
         assert got.status_code == 404

@@ -12,6 +12,7 @@ client sees SUBMITTED → WORKING → COMPLETED or FAILED.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Final
 
 from a2a.helpers.proto_helpers import new_task
@@ -19,7 +20,16 @@ from a2a.server.agent_execution import AgentExecutor, RequestContext
 from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
 from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
-from a2a.types import AgentCapabilities, AgentCard, AgentInterface, AgentSkill, Part
+from a2a.types import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    Message,
+    Part,
+    SendMessageRequest,
+    Task,
+)
 from a2a.types import TaskState as A2aTaskState
 from a2a.utils.constants import TransportProtocol
 from a2a.utils.errors import InvalidParamsError
@@ -33,6 +43,9 @@ from reach_mesh.errors import ReachError
 from reach_mesh.models import RouteRequest, TaskState
 
 if TYPE_CHECKING:
+    from a2a.server.context import ServerCallContext
+    from a2a.server.events import Event
+
     from reach_mesh.hub.http import HubHttp
 
 __all__ = ["A2A_STATES", "HubA2a"]
@@ -58,13 +71,7 @@ class _MeshExecutor(AgentExecutor):
 
     async def execute(self, context: RequestContext, event_queue: Any) -> None:
         skill, arguments = _skill_and_arguments(context)
-        skills = self.a2a.skills(self.namespace)
-        capability = skills.get(skill) if skill is not None else None
-        if capability is None:
-            raise InvalidParamsError(
-                f"unknown skill {skill!r} in namespace {self.namespace!r}: "
-                f"live skills are {sorted(skills)}"
-            )
+        capability = self.a2a.capability(self.namespace, skill)
         assert context.task_id is not None and context.context_id is not None
         updater = TaskUpdater(event_queue, context.task_id, context.context_id)
         if context.current_task is None:
@@ -95,7 +102,11 @@ class _MeshExecutor(AgentExecutor):
 
 
 def _skill_and_arguments(context: RequestContext) -> tuple[str | None, Any]:
-    message = context.message
+    return _message_skill(context.message)
+
+
+def _message_skill(message: Message | None) -> tuple[str | None, Any]:
+    """The skill a message names and its arguments (``metadata`` or a data part)."""
     if message is None:
         return None, {}
     meta = MessageToDict(message.metadata) if message.HasField("metadata") else {}
@@ -111,12 +122,48 @@ def _skill_and_arguments(context: RequestContext) -> tuple[str | None, Any]:
     return (str(skill) if skill is not None else None), ({} if arguments is None else arguments)
 
 
+class _MeshRequestHandler(DefaultRequestHandler):
+    """The SDK's handler, with the skill checked before a task starts: an unknown skill is the
+    caller's mistake (a JSON-RPC ``InvalidParams`` answer), not an executor failure that the
+    SDK would log with a traceback."""
+
+    def __init__(self, a2a: HubA2a, namespace: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._a2a = a2a
+        self._namespace = namespace
+
+    async def on_message_send(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> Message | Task:
+        self._a2a.capability(self._namespace, _message_skill(params.message)[0])
+        result: Message | Task = await super().on_message_send(params, context)
+        return result
+
+    async def on_message_send_stream(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> AsyncGenerator[Event, None]:
+        self._a2a.capability(self._namespace, _message_skill(params.message)[0])
+        async for event in super().on_message_send_stream(params, context):
+            yield event
+
+
 class HubA2a:
     """``asgi_app`` serves ``/a2a/<ns>/…``: a card and a JSON-RPC endpoint per namespace."""
 
     def __init__(self, http: HubHttp) -> None:
         self.http = http
         self._tenants: dict[str, Router] = {}
+
+    def capability(self, namespace: str, skill: str | None) -> str:
+        """The capability behind ``skill``; ``InvalidParamsError`` for an unknown one."""
+        skills = self.skills(namespace)
+        capability = skills.get(skill) if skill is not None else None
+        if capability is None:
+            raise InvalidParamsError(
+                f"unknown skill {skill!r} in namespace {namespace!r}: "
+                f"live skills are {sorted(skills)}"
+            )
+        return capability
 
     def skills(self, namespace: str) -> dict[str, str]:
         """Skill id → capability: the namespace's live tools, and its capabilities."""
@@ -163,7 +210,9 @@ class HubA2a:
             async def live(_: AgentCard) -> AgentCard:
                 return self.card(namespace, self.http.url)
 
-            handler = DefaultRequestHandler(
+            handler = _MeshRequestHandler(
+                self,
+                namespace,
                 agent_executor=_MeshExecutor(self, namespace),
                 task_store=InMemoryTaskStore(),
                 agent_card=card,
