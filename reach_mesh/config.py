@@ -132,7 +132,7 @@ class MeshSettings(BaseModel):
     workflow_retention: float = Field(default=86400.0, gt=0)
     #: How long a hub holds a workflow event (``start``, ``step``) before publishing it; events
     #: still held when the workflow's result is stored are dropped, as ``.done`` says it all.
-    #: 0 = publish each at once (and store every one).
+    #: 0 = hold none (every event is stored).
     workflow_event_hold: float = Field(default=0.1, ge=0, le=60)
     #: Duplicate window of workflow submissions and work messages (``Nats-Msg-Id``).
     dedup_window: float = Field(default=600.0, gt=0)

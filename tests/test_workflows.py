@@ -737,6 +737,24 @@ async def test_step_events_held_then_sent_or_dropped_for_the_result(
     assert [st.state for st in events[-1].result.steps] == [TaskState.SUCCEEDED] * 2
 
 
+async def test_no_event_hold_stores_every_event(fleet: Fleet, wf_settings: MeshSettings) -> None:
+    """``workflow_event_hold: 0``: a fast workflow still stores start, each step, done."""
+    settings = wf_settings.model_copy(update={"workflow_event_hold": 0.0})
+    async with Hub(settings=settings), Client(settings=settings) as mesh:
+        agent = echo_agent(fleet, "nohold.a1", "wf:nohold:v1")
+        await agent.start()
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:nohold:v1", payload=i) for i in range(2)], timeout=20
+        )
+        assert (await mesh.workflow(wf_id, timeout=10)).state is TaskState.SUCCEEDED
+        events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
+    assert events[0].kind == "start" and events[-1].kind == "done"
+    assert sorted((e.step, e.state) for e in events[1:-1]) == [
+        (0, TaskState.SUCCEEDED),
+        (1, TaskState.SUCCEEDED),
+    ]
+
+
 async def _send_step(mesh: Client, agent: Agent, env: TaskEnvelope) -> TaskStatusEvent:
     """Publish one work message straight to ``agent``; its final status event."""
     sub = await mesh.nc.subscribe(protocol.task_status(agent.agent_id, env.task_id))

@@ -678,10 +678,14 @@ class StepRunner:
         says every step's outcome and agent), so a fast workflow stores its ``.done`` only.
         Released events leave with this hub's next JetStream write or a few milliseconds later
         (``JsClient.later``), in the order they were made."""
+        hold = self._settings.workflow_event_hold
+        if hold <= 0:  # held by nobody: every event is stored
+            subject = protocol.wf_event(wf.ns, wf.id)
+            self._jsc.later(subject, protocol.encode(event), inject(dict(wf.headers)))
+            return
         wf.held.append((event, inject(dict(wf.headers))))  # encoded only if released
         if wf.hold_timer is None:
             loop = asyncio.get_running_loop()
-            hold = self._settings.workflow_event_hold
             wf.hold_timer = loop.call_later(hold, self._release_held, wf)
 
     def _release_held(self, wf: Workflow) -> None:
