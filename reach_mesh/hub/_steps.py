@@ -86,8 +86,6 @@ class Workflow:
     #: when ``taken_over`` from another hub).
     first_agents: list[str | None] = field(default_factory=list)
     taken_over: bool = False
-    #: Each step's route request, made once (choosing at the start and in the step).
-    routes: dict[int, RouteRequest] = field(default_factory=dict)
     #: Events not sent yet (``StepRunner._event``), and the timer that sends them.
     held: list[tuple[WorkflowEvent, dict[str, str]]] = field(default_factory=list)
     hold_timer: asyncio.TimerHandle | None = None
@@ -95,12 +93,6 @@ class Workflow:
     def first_agent(self, index: int) -> str | None:
         """The agent the workflow record names for step ``index``'s attempt 1, if any."""
         return self.first_agents[index] if index < len(self.first_agents) else None
-
-    def route(self, index: int) -> RouteRequest:
-        route = self.routes.get(index)
-        if route is None:
-            route = self.routes[index] = step_route(self.spec.steps[index])
-        return route
 
     @property
     def ns(self) -> str:
@@ -192,7 +184,7 @@ class StepRunner:
         task_id = step_task_id(wf.id, index, step)
         key = protocol.task_key(ns, task_id)
         pol = self._policy(step)
-        route = wf.route(index)
+        route = step_route(step)
         rec, rev, fresh, view, capability = await self._begin(wf, index, route, task_id, key)
         # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
         no_work = self._no_work_reason(route, ns) if view is None else None
@@ -395,8 +387,8 @@ class StepRunner:
         a chain's step 0), before the workflow record names them (``first_agents``)."""
         starting = wf.spec.steps if wf.spec.kind == "fanout" else wf.spec.steps[:1]
         first: list[tuple[AgentView, str | None] | None] = []
-        for index in range(len(starting)):
-            view, capability = await self._choose(wf.route(index), wf.ns, set())
+        for step in starting:
+            view, capability = await self._choose(step_route(step), wf.ns, set())
             first.append(None if view is None else (view, capability))
         wf.first = first
 
@@ -677,14 +669,12 @@ class StepRunner:
         result is stored within that time the held events are dropped (``_store``; the result
         says every step's outcome and agent), so a fast workflow stores its ``.done`` only.
         Released events leave with this hub's next JetStream write or a few milliseconds later
-        (``JsClient.later``), in the order they were made."""
-        hold = self._settings.workflow_event_hold
-        if hold <= 0:  # held by nobody: every event is stored
-            subject = protocol.wf_event(wf.ns, wf.id)
-            self._jsc.later(subject, protocol.encode(event), inject(dict(wf.headers)))
-            return
+        (``JsClient.later``), in the order they were made. A hold of 0 releases each at once."""
         wf.held.append((event, inject(dict(wf.headers))))  # encoded only if released
-        if wf.hold_timer is None:
+        hold = self._settings.workflow_event_hold
+        if hold <= 0:
+            self._release_held(wf)
+        elif wf.hold_timer is None:
             loop = asyncio.get_running_loop()
             wf.hold_timer = loop.call_later(hold, self._release_held, wf)
 
@@ -692,22 +682,20 @@ class StepRunner:
         """Send ``wf``'s held events (``_event``); dropped once the hub is stopping (the hub
         that takes the workflow over says ``start`` again, and its ``.done`` every step's
         outcome)."""
-        if wf.hold_timer is not None:
-            wf.hold_timer.cancel()
-            wf.hold_timer = None
-        held, wf.held = wf.held, []
+        held = self._take_held(wf)
         if self._stopping:
             return
         subject = protocol.wf_event(wf.ns, wf.id)
         for event, headers in held:
             self._jsc.later(subject, protocol.encode(event), headers)
 
-    def _drop_held(self, wf: Workflow) -> None:
-        """Forget ``wf``'s held events: its stored result says what they would."""
+    def _take_held(self, wf: Workflow) -> list[tuple[WorkflowEvent, dict[str, str]]]:
+        """``wf``'s held events, no longer held (dropped unless sent by the caller)."""
         if wf.hold_timer is not None:
             wf.hold_timer.cancel()
             wf.hold_timer = None
-        wf.held = []
+        held, wf.held = wf.held, []
+        return held
 
     def _background(self, aw: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(aw)
@@ -729,7 +717,7 @@ class StepRunner:
 
 
 #: Route requests by step target: workflows repeat the same few targets, and a request is
-#: validated once (never changed after; bounded: cleared when full).
+#: made and validated once per target (never changed after; bounded: cleared when full).
 _ROUTES: dict[tuple[str | None, str | None, str | None, str | None], RouteRequest] = {}
 _ROUTES_MAX: Final = 4096
 

@@ -418,7 +418,7 @@ class WorkflowEngine(StepRunner):
         Events of this workflow still held are dropped first (``_event``): ``result`` (and
         the ``.done`` made of it) says every step's outcome."""
         assert self._wf_kv is not None
-        self._drop_held(wf)
+        self._take_held(wf)  # dropped: the result says what they would
         key = protocol.workflow_key(wf.ns, wf.id)
         record = WorkflowRecord(
             spec_digest=wf.digest,
