@@ -104,6 +104,12 @@ class JsClient:
             loop = asyncio.get_running_loop()
             self._later_timer = loop.call_later(self._linger, self._linger_over)
 
+    def ack_later(self, msg: Msg) -> None:
+        """Ack a JetStream message (an empty publish on its reply subject, as ``msg.ack()``
+        sends) through :meth:`later`: for acks nothing waits on."""
+        if msg.reply and not msg.is_acked:
+            self.later(msg.reply, b"")
+
     async def flush_later(self) -> None:
         """Send what :meth:`later` holds now. A failure is logged: nobody waits on these."""
         if self._later_timer is not None:

@@ -107,3 +107,27 @@ async def test_later_rides_along_in_order_or_leaves_after_the_linger(nats_url: s
         await sub.unsubscribe()
         await watcher.close()
         await nc.close()
+
+
+async def test_ack_later_acks_with_the_next_flush(nats_url: str) -> None:
+    """``ack_later``: the JetStream ack leaves with the next flush, not before."""
+    nc = await nats.connect(nats_url)
+    pub = JsClient(nc, timeout=2.0, linger=5.0)
+    await pub.start()
+    name = f"JSACK_{uuid.uuid4().hex[:8]}"
+    js = nc.jetstream()
+    try:
+        await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
+        await pub.publish(f"{name.lower()}.a", b"x")
+        sub = await js.pull_subscribe(f"{name.lower()}.a", durable="d")
+        (msg,) = await sub.fetch(1, timeout=2)
+        pub.ack_later(msg)
+        await nc.flush()
+        assert (await sub.consumer_info()).num_ack_pending == 1  # held, not sent
+        await pub.flush_later()
+        await nc.flush()
+        assert (await sub.consumer_info()).num_ack_pending == 0
+        await js.delete_stream(name)
+    finally:
+        await pub.stop()
+        await nc.close()

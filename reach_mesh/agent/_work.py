@@ -544,8 +544,7 @@ class WorkConsumer:
             for m in msgs:
                 # The outcome is stored: the ack is not urgent (nothing waits on it), so it
                 # rides along with this connection's next JetStream request (``later``).
-                if m.reply and not m.is_acked:
-                    jsc.later(m.reply, b"")
+                jsc.ack_later(m)
         self._release()
 
     def _say_accepted(self, held: _Held) -> None:

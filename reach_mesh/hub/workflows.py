@@ -319,11 +319,10 @@ class WorkflowEngine(StepRunner):
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             return
-        if msg.reply:
-            # The result is stored and announced: nothing waits on this ack, so it rides along
-            # with the next JetStream write (a lost one only brings the submission back to a
-            # hub that finds the result stored and announces it again).
-            self._jsc.later(msg.reply, b"")
+        # The result is stored and announced: nothing waits on this ack, so it rides along
+        # with the next JetStream write (a lost one only brings the submission back to a hub
+        # that finds the result stored and announces it again).
+        self._jsc.ack_later(msg)
         if not stored:
             self._count_done(wf.spec.kind, result)
 
