@@ -6,8 +6,10 @@ Every interval is shrunk (ack waits ~1 s, backoff tens of ms) so failures play o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -400,6 +402,35 @@ async def test_lost_status_and_duplicate_delivery_run_once(
         engine.status_filter = None
 
 
+class _Handover:
+    """Hub A runs the workflows; ``kill_a()`` kills it (no ack, no nak, no more +WPI) and
+    starts hub B, which takes them over."""
+
+    def __init__(self, settings: MeshSettings) -> None:
+        self.settings = settings
+        self.hub_a = Hub(settings=settings, hub_id="hub-a")
+        self.hub_b: Hub | None = None
+
+    async def kill_a(self) -> None:
+        await self.hub_a.nc.close()
+        self.hub_b = Hub(settings=self.settings, hub_id="hub-b")
+        await self.hub_b.start()
+
+
+@contextlib.asynccontextmanager
+async def _handover(settings: MeshSettings, release: asyncio.Event) -> AsyncIterator[_Handover]:
+    """A started hub A (see ``_Handover``); on exit ``release`` is set, then both hubs close."""
+    pair = _Handover(settings)
+    await pair.hub_a.start()
+    try:
+        yield pair
+    finally:
+        release.set()
+        await pair.hub_a.close()
+        if pair.hub_b is not None:
+            await pair.hub_b.close()
+
+
 async def test_hub_killed_mid_workflow(fleet: Fleet, wf_settings: MeshSettings) -> None:
     started = asyncio.Event()
     hold = asyncio.Event()
@@ -418,30 +449,20 @@ async def test_hub_killed_mid_workflow(fleet: Fleet, wf_settings: MeshSettings) 
         await hold.wait()
         return task.payload["x"] + 1
 
-    hub_a = Hub(settings=wf_settings, hub_id="hub-a")
-    await hub_a.start()
-    hub_b: Hub | None = None
-    try:
+    async with _handover(wf_settings, hold) as hubs:
         await agent.start()
         async with Client(settings=wf_settings) as mesh:
             wf_id = await mesh.submit_chain(
                 [Step(capability="wf:first:v1"), Step(capability="wf:second:v1")], timeout=20
             )
             await asyncio.wait_for(started.wait(), 5)
-            await hub_a.nc.close()  # hub A dies: no ack, no nak, no more +WPI
-            hub_b = Hub(settings=wf_settings, hub_id="hub-b")
-            await hub_b.start()
+            await hubs.kill_a()
             hold.set()
             res = await mesh.workflow(wf_id, timeout=15)
         assert res.state is TaskState.SUCCEEDED, res
         assert res.result == 2
         assert res.hub_id == "hub-b"
         assert runs == Counter({0: 1, 1: 1})  # no step ran twice
-    finally:
-        hold.set()
-        await hub_a.close()
-        if hub_b is not None:
-            await hub_b.close()
 
 
 async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(
@@ -462,31 +483,21 @@ async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(
         await hold.wait()
         return task.payload * 10
 
-    hub_a = Hub(settings=wf_settings, hub_id="hub-a")
-    await hub_a.start()
-    hub_b: Hub | None = None
-    try:
+    async with _handover(wf_settings, hold) as hubs:
         await agent.start()
         async with Client(settings=wf_settings) as mesh:
             steps = [Step(capability="wf:adopt:v1", payload=i) for i in (1, 2)]
             wf_id = await mesh.submit_fanout(steps, timeout=20)
             await asyncio.wait_for(started.wait(), 5)
-            rec = await task_record(hub_a.nc, wf_settings.namespace, f"{wf_id}-0")
+            rec = await task_record(hubs.hub_a.nc, wf_settings.namespace, f"{wf_id}-0")
             assert rec is None  # sent at the start: named by the workflow record only
-            await hub_a.nc.close()  # hub A dies: no ack, no nak, no more +WPI
-            hub_b = Hub(settings=wf_settings, hub_id="hub-b")
-            await hub_b.start()
+            await hubs.kill_a()
             hold.set()
             res = await mesh.workflow(wf_id, timeout=15)
         assert res.state is TaskState.SUCCEEDED, res
         assert res.result == [10, 20] and res.hub_id == "hub-b"
         assert [(s.attempts, s.decided_by) for s in res.steps] == [(1, 1), (1, 1)]
         assert runs == Counter({1: 1, 2: 1})  # adopted, not sent again
-    finally:
-        hold.set()
-        await hub_a.close()
-        if hub_b is not None:
-            await hub_b.close()
 
 
 async def _partitioned_pair(
