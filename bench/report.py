@@ -169,9 +169,18 @@ def targets(res: dict[str, Any]) -> list[dict[str, str]]:
             "",
         )
     )
+    # What the bare exchanges of a fanout(3) reach in the same run (bench/workflow_floor.py).
+    bare = _get(res, "workflows", "result", "bare") or {}
+    bare_at = {
+        ("fanout3", "sustained", "per_s"): (_get(bare, "sustained", "per_s"), "/s"),
+        ("fanout3", "open_loop", "100", "p50_ms"): (_get(bare, "at_100", "p50_ms"), "ms"),
+    }
     for name, source, path, limit, at_most, unit in workflow_goals:
         v = _workflow_figure(res, *path)
         shown = "not measured" if v is None else f"{_f(v)} {unit}".rstrip()
+        floor_v, floor_unit = bare_at.get(path, (None, ""))
+        if v is not None and floor_v is not None:
+            shown += f" (bare exchanges: {_f(floor_v)} {floor_unit})"
         add(name, source, v, None if v is None else (v <= limit if at_most else v >= limit), shown)
     wf = _get(res, "workflows", "result") or {}
     for kind, name in WF_KINDS:

@@ -7,7 +7,7 @@ from typing import Any
 
 from bench._fmt import _f, _get, _x
 
-__all__ = ["WF_KINDS", "ratio", "workflow_ratios", "workflow_section"]
+__all__ = ["WF_KINDS", "bare_ratio", "ratio", "workflow_ratios", "workflow_section"]
 
 
 WF_KINDS = (("fanout3", "fanout(3)"), ("chain3", "chain(3)"))
@@ -52,6 +52,23 @@ def workflow_ratios(r: dict[str, Any]) -> list[str]:
             f"{_x(ratio(*msgs))} the peer's"
         )
     return out
+
+
+def bare_ratio(r: dict[str, Any]) -> str:
+    """reach-mesh's fanout(3) against its bare exchanges (``bench/workflow_floor.py``)."""
+    bare, ours = r.get("bare"), r.get("fanout3")
+    if not isinstance(bare, dict) or not bare.get("available") or not isinstance(ours, dict):
+        return ""
+    tp = ratio(_get(ours, "sustained", "per_s"), _get(bare, "sustained", "per_s"))
+    p50 = ratio(ours.get("p50_ms"), bare.get("p50_ms"))
+    low = ratio(_get(ours, "open_loop", "100", "p50_ms"), _get(bare, "at_100", "p50_ms"))
+    return (
+        "**Against its bare exchanges, same run** (a fanout(3)'s NATS messages between the "
+        "same processes with no engine in between, `bench/workflow_floor.py`): fanout(3) "
+        f"sustains {_x(tp)} their rate; sequential p50 {_x(p50)} theirs "
+        f"({_f(bare.get('p50_ms'))} ms), at 100/s p50 {_x(low)} theirs "
+        f"({_f(_get(bare, 'at_100', 'p50_ms'))} ms)."
+    )
 
 
 def ratio(a: Any, b: Any) -> float | None:
@@ -145,6 +162,9 @@ def workflow_section(res: dict[str, Any]) -> str:
     ratios = workflow_ratios(r)
     if ratios:
         out += "**Against the peer, same run:** " + "; ".join(ratios) + ".\n\n"
+    bare_line = bare_ratio(r)
+    if bare_line:
+        out += bare_line + "\n\n"
     rows = []
     for kind, name in WF_KINDS:
         b = r.get(kind)
@@ -164,6 +184,13 @@ def workflow_section(res: dict[str, Any]) -> str:
                     f"{_f(_get(b, 'sustained', 'per_s'), 0)} | "
                     f"{_cost_cells(b.get('cost'), 'worker')} |"
                 )
+    bare = r.get("bare")
+    if isinstance(bare, dict) and bare.get("available"):
+        rows.append(
+            f"| bare exchanges of a fanout(3), no engine | {_f(bare.get('p50_ms'))} / "
+            f"{_f(bare.get('p99_ms'))} | {_f(_get(bare, 'sustained', 'per_s'), 0)} | "
+            f"{_cost_cells(bare.get('cost'), 'hub')} |"
+        )
     floor = r.get("floor")
     if isinstance(floor, dict):
         pub = floor.get("js_publish_ack", {})

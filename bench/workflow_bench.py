@@ -7,6 +7,8 @@ and measures, in the same run:
   (submit → result), and sustained workflows/s with many in flight;
 * the floor: JetStream publish with a synchronous ack (p50/p99, msg/s) and pull-consume of the
   same number of messages (msg/s) — every workflow needs several such round trips;
+* with ``split``, the bare exchanges (``bench/workflow_floor.py``): a fanout(3)'s NATS messages
+  between the same processes with no engine in between — what the engine costs above them;
 * what one workflow costs, over the sustained phase (``cost``): JetStream operations counted
   from the server's own statistics (``$JS.API`` requests from the account info, messages stored
   per stream), JetStream bytes kept (for ``workflow_retention``), and CPU µs per process
@@ -37,6 +39,7 @@ import nats
 
 from bench._jsstats import COUNTER_NAME, ClientMessages, CpuCounter, JsCounter, free_port, per_unit
 from bench._load import open_loop
+from bench.workflow_floor import run_floor
 from reach_mesh import Client, MeshSettings, Step, _runner
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
@@ -311,6 +314,13 @@ async def run_workflow_bench(
             for agent in agents:
                 await agent.close()
     floor = await _floor(nats_url, n_seq)
+    bare: dict[str, Any] = {"available": False, "reason": "hub and agents not in processes"}
+    if split:
+        try:
+            out = await run_floor(nats_url, quick, server_pid=server_pid, monitor_url=monitor_url)
+            bare = {"available": True, **out}
+        except Exception as err:
+            bare = {"available": False, "reason": f"{type(err).__name__}: {err}"}
     pub_p50 = floor["js_publish_ack"]["p50_ms"] or 1e-9
     fan = {**_lat(fan_lat), "sustained": fan_tp, "cost": fan_cost, "open_loop": fan_rates}
     chn = {**_lat(chain_lat), "sustained": chain_tp, "cost": chain_cost, "open_loop": chain_rates}
@@ -319,6 +329,7 @@ async def run_workflow_bench(
         "fanout3": fan,
         "chain3": chn,
         "floor": floor,
+        "bare": bare,
         "ratios": {
             "fanout3_p50_over_js_publish_p50": round(fan["p50_ms"] / pub_p50, 2),
             "chain3_p50_over_js_publish_p50": round(chn["p50_ms"] / pub_p50, 2),

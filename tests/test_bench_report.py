@@ -168,3 +168,49 @@ def test_the_gateway_is_reported_next_to_the_nats_client_as_ratios() -> None:
     assert "| hub CPU µs per request at peak | 30.00 | 45.00 | 1.50x |" in table
     target = next(t for t in report.targets({"gateway": gateway}) if t["source"] == "#12")
     assert target["status"] == "MISSED" and "p99 2.50x; peak 60 %" in target["value"]
+
+
+async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> None:
+    """bench/workflow_floor.py on a server of its own: a fanout(3)'s exchanges with no engine
+    store what the engine's do (10 messages), counted by the server; the report puts them
+    beside the engine's row, as ratios, and beside the #15 targets."""
+    from bench.workflow_floor import run_floor
+
+    port = free_port()
+    async with EmbeddedNats(http_port=port) as server:
+        bare = await run_floor(
+            server.url, True, monitor_url=f"http://127.0.0.1:{port}", n_seq=3, duration=0.5
+        )
+    assert bare["n"] == 3 and bare["sustained"]["completed"] > 0
+    assert bare["sustained"]["errors"] == 0
+    cost = bare["cost"]
+    assert cost["js_stored"] == 10.0 and cost["js_api_requests"] == 0.0
+    assert sorted(v for v in cost["js_stored_by_stream"].values()) == [1.0, 1.0, 2.0, 3.0, 3.0]
+    assert cost["cpu_us"]["hub"] > 0 and cost["cpu_us"]["agents"] > 0
+    assert bare["at_100"]["achieved_rps"] > 0
+    result = {
+        "fanout3": {
+            "p50_ms": 3.0,
+            "p99_ms": 5.0,
+            "sustained": {"per_s": 1000.0},
+            "open_loop": {"100": {"p50_ms": 3.5}},
+        },
+        "bare": {
+            "available": True,
+            "p50_ms": 1.5,
+            "p99_ms": 3.0,
+            "sustained": {"per_s": 4000.0},
+            "cost": cost,
+            "at_100": {"p50_ms": 2.5},
+        },
+    }
+    page = workflow_section({"workflows": {"available": True, "result": result}})
+    assert "fanout(3) sustains 0.25x their rate; sequential p50 2.00x theirs (1.50 ms)" in page
+    assert "at 100/s p50 1.40x theirs (2.50 ms)" in page
+    assert "| bare exchanges of a fanout(3), no engine | 1.50 / 3.00 | 4,000 | 10.0 (" in page
+    shown = {
+        t["name"]: t["value"]
+        for t in report.targets({"workflows": {"available": True, "result": result}})
+    }
+    assert shown["fanout(3) ≥ 2,000 workflows/s sustained"] == "1,000 /s (bare exchanges: 4,000 /s)"
+    assert shown["fanout(3) p50 ≤ 2 ms at 100 workflows/s"] == "3.50 ms (bare exchanges: 2.50 ms)"

@@ -1,0 +1,359 @@
+"""The workflow floor: a fanout(3)'s NATS exchanges with no engine in between.
+
+Issue 15 asks how fast a fanout(3) can go. Part of the answer is what the messages alone cost:
+this runs the same JetStream exchanges a fanout(3) makes in reach-mesh, over the same transport
+(``reach_mesh._jspub.JsClient`` for acked publishes and direct gets, ``reach_mesh._consume``'s
+pull consumer), between the same processes (a "hub", a process of three "agents", the caller),
+and nothing else: no validation, routing, task tracking, tracing, events or retries.
+
+Per fanout(3), as the engine does it (docs/workflows.md, "Performance"):
+
+* caller: stores the submission (acked publish) and waits for ``.done`` (a core subscription);
+* hub: pulls the submission, creates the workflow record (KV compare-and-set), stores three work
+  messages (acked, ``Nats-Msg-Id``), waits for the three final statuses (a core subscription),
+  writes the final record (compare-and-set on its revision), stores ``.done`` (acked), acks the
+  submission (riding along with the next request, as the hub's ``ack_later`` does);
+* each agent: pulls its work message, reads the task record (a direct get: the fence), stores
+  its final status (acked), acks the work message (riding along).
+
+That is 10 stored messages and 3 direct gets, as in the engine. Streams are R1 file storage, as
+the bench's engine runs them. What the engine costs above this floor is its own Python.
+
+``python bench/workflow_floor.py --quick`` prints one JSON object; the bench harness imports
+:func:`run_floor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+
+from bench._jsstats import free_port
+from bench._load import open_loop
+from reach_mesh import _runner
+from reach_mesh._consume import PullConsumer
+from reach_mesh._jspub import JsClient
+from reach_mesh.server import EmbeddedNats
+
+__all__ = ["run_floor"]
+
+AGENTS = 3
+#: Work and status bodies about the size of the engine's (envelope, final status).
+_WORK = json.dumps({"task_id": "x" * 40, "attempt": 1, "payload": {"i": 0}, "pad": "p" * 200})
+_STATUS = json.dumps({"state": "SUCCEEDED", "result": {"i": 0}, "pad": "p" * 200})
+
+
+class _Names:
+    """Subjects, streams and buckets of one run (``tag`` keeps runs apart)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.submit_stream = f"FLOOR_SUBMIT_{tag}"
+        self.work_stream = f"FLOOR_WORK_{tag}"
+        self.status_stream = f"FLOOR_STATUS_{tag}"
+        self.done_stream = f"FLOOR_DONE_{tag}"
+        self.wf_bucket = f"floor_wf_{tag}"
+        self.tasks_bucket = f"floor_tasks_{tag}"
+
+    def submit(self, wf_id: str) -> str:
+        return f"floor.{self.tag}.submit.{wf_id}"
+
+    def work(self, agent: int) -> str:
+        return f"floor.{self.tag}.work.a{agent}"
+
+    def status(self, task_id: str) -> str:
+        return f"floor.{self.tag}.status.{task_id}"
+
+    def done(self, wf_id: str) -> str:
+        return f"floor.{self.tag}.done.{wf_id}"
+
+
+async def _setup(nc: NATS, n: _Names) -> None:
+    js = nc.jetstream(timeout=10.0)
+    file = StorageType.FILE
+    await js.add_stream(
+        StreamConfig(
+            name=n.submit_stream,
+            subjects=[n.submit("*")],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=file,
+        )
+    )
+    await js.add_stream(
+        StreamConfig(
+            name=n.work_stream,
+            subjects=[f"floor.{n.tag}.work.*"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=file,
+        )
+    )
+    await js.add_stream(StreamConfig(name=n.status_stream, subjects=[n.status("*")], storage=file))
+    await js.add_stream(StreamConfig(name=n.done_stream, subjects=[n.done("*")], storage=file))
+    for bucket in (n.wf_bucket, n.tasks_bucket):
+        await js.add_stream(
+            StreamConfig(
+                name=f"KV_{bucket}",
+                subjects=[f"$KV.{bucket}.>"],
+                storage=file,
+                max_msgs_per_subject=1,
+                allow_direct=True,
+                allow_rollup_hdrs=True,
+                deny_delete=True,
+            )
+        )
+    await js.add_consumer(n.submit_stream, durable_name="hub", ack_policy="explicit")
+    for i in range(AGENTS):
+        await js.add_consumer(
+            n.work_stream, durable_name=f"a{i}", filter_subject=n.work(i), ack_policy="explicit"
+        )
+
+
+async def _teardown(nc: NATS, n: _Names) -> None:
+    js = nc.jetstream(timeout=10.0)
+    for name in (
+        n.submit_stream,
+        n.work_stream,
+        n.status_stream,
+        n.done_stream,
+        f"KV_{n.wf_bucket}",
+        f"KV_{n.tasks_bucket}",
+    ):
+        with contextlib.suppress(Exception):
+            await js.delete_stream(name)
+
+
+async def _hub(nc: NATS, n: _Names, stop: asyncio.Future[None]) -> None:
+    jsc = JsClient(nc)
+    await jsc.start()
+    waiting: dict[str, asyncio.Future[None]] = {}
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def on_status(msg: Msg) -> None:
+        fut = waiting.pop(msg.subject.rsplit(".", 1)[1], None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    await nc.subscribe(n.status("*"), cb=on_status, pending_msgs_limit=-1)
+    loop = asyncio.get_running_loop()
+
+    async def run(msg: Msg) -> None:
+        try:
+            wf_id = msg.subject.rsplit(".", 1)[1]
+            rev = await jsc.kv_write(n.wf_bucket, wf_id, msg.data, 0)
+            done = []
+            sends = []
+            for i in range(AGENTS):
+                task_id = f"{wf_id}-{i}"
+                fut = loop.create_future()
+                waiting[task_id] = fut
+                done.append(fut)
+                sends.append(
+                    jsc.publish(n.work(i), _WORK.encode(), {"Nats-Msg-Id": f"{task_id}#1"})
+                )
+            await asyncio.gather(*sends)
+            await asyncio.gather(*done)
+            await jsc.kv_write(n.wf_bucket, wf_id, msg.data, rev)
+            await jsc.publish(n.done(wf_id), msg.data, {"Nats-Msg-Id": f"{wf_id}.done"})
+            jsc.ack_later(msg)
+        finally:
+            pull.release()
+
+    def on_submit(msg: Msg) -> None:
+        task = asyncio.ensure_future(run(msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    pull = PullConsumer(nc, n.submit_stream, "hub", on_submit, 512)
+    await pull.start()
+    await stop
+    await pull.stop()
+    await jsc.stop()
+
+
+async def _agent(nc: NATS, n: _Names, index: int, stop: asyncio.Future[None]) -> None:
+    jsc = JsClient(nc)
+    await jsc.start()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def run(msg: Msg) -> None:
+        try:
+            task_id = (msg.headers or {}).get("Nats-Msg-Id", "").split("#", 1)[0]
+            await jsc.kv_get(n.tasks_bucket, task_id)  # the fence (none: work sent without one)
+            await jsc.publish(n.status(task_id), _STATUS.encode(), {"Nats-Msg-Id": task_id})
+            jsc.ack_later(msg)
+        finally:
+            pull.release()
+
+    def on_work(msg: Msg) -> None:
+        task = asyncio.ensure_future(run(msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    pull = PullConsumer(nc, n.work_stream, f"a{index}", on_work, 256)
+    await pull.start()
+    await stop
+    await pull.stop()
+    await jsc.stop()
+
+
+async def _child(role: str, nats_url: str, tag: str) -> None:
+    """``--role hub|agents``: serve until stdin closes."""
+    names = _Names(tag)
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(sys.stdin.fileno(), lambda: stop.done() or stop.set_result(None))
+    conns = [await nats.connect(nats_url) for _ in range(1 if role == "hub" else AGENTS)]
+    if role == "hub":
+        serving = [_hub(conns[0], names, stop)]
+    else:
+        serving = [_agent(nc, names, i, stop) for i, nc in enumerate(conns)]
+    runs = asyncio.gather(*serving)
+    await asyncio.sleep(0.2)  # pulls outstanding
+    print("READY", flush=True)
+    _runner.settle()
+    await runs
+    for nc in conns:
+        await nc.drain()
+
+
+@contextlib.asynccontextmanager
+async def _processes(nats_url: str, tag: str) -> AsyncIterator[dict[str, int]]:
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        for role in ("hub", "agents"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                __file__,
+                "--role",
+                role,
+                "--nats",
+                nats_url,
+                "--tag",
+                tag,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            procs.append(proc)
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+            if not line.startswith(b"READY"):
+                raise RuntimeError(f"floor {role} process did not start")
+        yield {"hub": procs[0].pid, "agents": procs[1].pid}
+    finally:
+        for proc in reversed(procs):
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+
+
+async def run_floor(
+    nats_url: str,
+    quick: bool,
+    *,
+    server_pid: int | None = None,
+    monitor_url: str | None = None,
+    concurrency: int = 64,
+    n_seq: int | None = None,
+    duration: float | None = None,
+) -> dict[str, Any]:
+    """The bare exchanges' sequential latency (``n_seq`` fanouts), sustained rate
+    (``concurrency`` in flight for ``duration`` s) and latency at 100/s, with CPU µs per
+    fanout(3) (``cost``, as ``bench.workflow_bench.measure_cost`` counts the engine's)."""
+    # Imported here: bench.workflow_bench imports this module to run it after the engine.
+    from bench.workflow_bench import LOW_RATE, _lat, _sequential, _sustained, measure_cost
+
+    tag = uuid.uuid4().hex[:8]
+    names = _Names(tag)
+    nc = await nats.connect(nats_url)
+    await _setup(nc, names)
+    jsc = JsClient(nc)
+    await jsc.start()
+    waiting: dict[str, asyncio.Future[None]] = {}
+
+    async def on_done(msg: Msg) -> None:
+        fut = waiting.pop(msg.subject.rsplit(".", 1)[1], None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    await nc.subscribe(names.done("*"), cb=on_done, pending_msgs_limit=-1)
+    loop = asyncio.get_running_loop()
+    body = json.dumps({"kind": "fanout", "steps": [{"i": i} for i in range(AGENTS)]}).encode()
+
+    async def one() -> None:
+        wf_id = uuid.uuid4().hex
+        fut = loop.create_future()
+        waiting[wf_id] = fut
+        await jsc.publish(names.submit(wf_id), body, {"Nats-Msg-Id": wf_id})
+        await asyncio.wait_for(fut, 30)
+
+    n_seq = n_seq or (200 if quick else 1000)
+    duration = duration or (3.0 if quick else 10.0)
+    try:
+        async with _processes(nats_url, tag) as pids:
+            await _sequential(one, 20)
+            seq = await _sequential(one, n_seq)
+            procs: dict[str, int | None] = {
+                **pids,
+                "caller": os.getpid(),
+                "nats_server": server_pid,
+            }
+            sustained, cost = await measure_cost(
+                nats_url, procs, lambda: _sustained(one, concurrency, duration), monitor_url
+            )
+            low = await open_loop(one, LOW_RATE, min(duration, 2.0 if quick else 5.0))
+    finally:
+        await jsc.stop()
+        await _teardown(nc, names)
+        await nc.close()
+    return {
+        **_lat(seq),
+        "sustained": sustained,
+        "cost": cost,
+        "at_100": {k: low[k] for k in ("achieved_rps", "p50_ms", "p99_ms")},
+    }
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    if args.nats:
+        return await run_floor(args.nats, args.quick)
+    port = free_port()
+    async with EmbeddedNats(http_port=port) as server:
+        pid = server.proc.pid if server.proc is not None else None
+        return await run_floor(
+            server.url, args.quick, server_pid=pid, monitor_url=f"http://127.0.0.1:{port}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short run (~15 s)")
+    parser.add_argument("--nats", default=None, help="use this NATS URL instead of embedding")
+    parser.add_argument("--role", choices=["hub", "agents"], help=argparse.SUPPRESS)
+    parser.add_argument("--tag", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        _runner.run(_child(args.role, args.nats, args.tag))
+        return
+    print(json.dumps(_runner.run(_main(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
