@@ -45,7 +45,7 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-__all__ = ["at_rates", "measure_cost", "run_workflow_bench"]
+__all__ = ["at_rates", "child_processes", "measure_cost", "run_workflow_bench"]
 
 #: The low fixed load of the open-loop points (issue 15: p50 at 100 workflows/s).
 LOW_RATE = 100.0
@@ -211,20 +211,23 @@ async def _child(role: str, nats_url: str, ns: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _processes(nats_url: str, ns: str) -> AsyncIterator[dict[str, int]]:
-    """The hub and the agents in their own processes; yields their pids."""
+async def child_processes(
+    script: str, nats_url: str, args: list[str]
+) -> AsyncIterator[dict[str, int]]:
+    """``script --role hub`` and ``script --role agents`` (with ``--nats nats_url`` and
+    ``args``) in their own processes, each ready once it prints READY; yields their pids.
+    Closing their stdin stops them."""
     procs: list[asyncio.subprocess.Process] = []
     try:
         for role in ("hub", "agents"):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
-                __file__,
+                script,
                 "--role",
                 role,
                 "--nats",
                 nats_url,
-                "--ns",
-                ns,
+                *args,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
             )
@@ -232,7 +235,7 @@ async def _processes(nats_url: str, ns: str) -> AsyncIterator[dict[str, int]]:
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), 30)
             if not line.startswith(b"READY"):
-                raise RuntimeError(f"{role} process did not start")
+                raise RuntimeError(f"{script} {role} process did not start")
         yield {"hub": procs[0].pid, "agents": procs[1].pid}
     finally:
         for proc in reversed(procs):
@@ -269,7 +272,8 @@ async def run_workflow_bench(
     pids: dict[str, int | None] = {"nats_server": server_pid}
     async with contextlib.AsyncExitStack() as stack:
         if split:
-            pids.update(await stack.enter_async_context(_processes(nats_url, ns)))
+            procs = child_processes(__file__, nats_url, ["--ns", ns])
+            pids.update(await stack.enter_async_context(procs))
             pids["caller"] = os.getpid()
         else:
             pids["hub_agents_caller"] = os.getpid()

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,78 +137,78 @@ async def _teardown(nc: NATS, n: _Names) -> None:
             await js.delete_stream(name)
 
 
+async def _serve(
+    nc: NATS,
+    jsc: JsClient,
+    stream: str,
+    durable: str,
+    capacity: int,
+    handle: Callable[[Msg], Awaitable[None]],
+    stop: asyncio.Future[None],
+) -> None:
+    """Pull ``durable`` and run ``handle`` on each message in a task of its own, until
+    ``stop``."""
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def run(msg: Msg) -> None:
+        try:
+            await handle(msg)
+            jsc.ack_later(msg)
+        finally:
+            pull.release()
+
+    def on_msg(msg: Msg) -> None:
+        task = asyncio.ensure_future(run(msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    await jsc.start()
+    pull = PullConsumer(nc, stream, durable, on_msg, capacity)
+    await pull.start()
+    await stop
+    await pull.stop()
+    await jsc.stop()
+
+
 async def _hub(nc: NATS, n: _Names, stop: asyncio.Future[None]) -> None:
     jsc = JsClient(nc)
-    await jsc.start()
     waiting: dict[str, asyncio.Future[None]] = {}
-    tasks: set[asyncio.Task[None]] = set()
+    loop = asyncio.get_running_loop()
 
     async def on_status(msg: Msg) -> None:
         fut = waiting.pop(msg.subject.rsplit(".", 1)[1], None)
         if fut is not None and not fut.done():
             fut.set_result(None)
 
+    async def fanout(msg: Msg) -> None:
+        wf_id = msg.subject.rsplit(".", 1)[1]
+        rev = await jsc.kv_write(n.wf_bucket, wf_id, msg.data, 0)
+        done = []
+        sends = []
+        for i in range(AGENTS):
+            task_id = f"{wf_id}-{i}"
+            fut = loop.create_future()
+            waiting[task_id] = fut
+            done.append(fut)
+            sends.append(jsc.publish(n.work(i), _WORK.encode(), {"Nats-Msg-Id": f"{task_id}#1"}))
+        await asyncio.gather(*sends)
+        await asyncio.gather(*done)
+        await jsc.kv_write(n.wf_bucket, wf_id, msg.data, rev)
+        await jsc.publish(n.done(wf_id), msg.data, {"Nats-Msg-Id": f"{wf_id}.done"})
+
     await nc.subscribe(n.status("*"), cb=on_status, pending_msgs_limit=-1)
-    loop = asyncio.get_running_loop()
-
-    async def run(msg: Msg) -> None:
-        try:
-            wf_id = msg.subject.rsplit(".", 1)[1]
-            rev = await jsc.kv_write(n.wf_bucket, wf_id, msg.data, 0)
-            done = []
-            sends = []
-            for i in range(AGENTS):
-                task_id = f"{wf_id}-{i}"
-                fut = loop.create_future()
-                waiting[task_id] = fut
-                done.append(fut)
-                sends.append(
-                    jsc.publish(n.work(i), _WORK.encode(), {"Nats-Msg-Id": f"{task_id}#1"})
-                )
-            await asyncio.gather(*sends)
-            await asyncio.gather(*done)
-            await jsc.kv_write(n.wf_bucket, wf_id, msg.data, rev)
-            await jsc.publish(n.done(wf_id), msg.data, {"Nats-Msg-Id": f"{wf_id}.done"})
-            jsc.ack_later(msg)
-        finally:
-            pull.release()
-
-    def on_submit(msg: Msg) -> None:
-        task = asyncio.ensure_future(run(msg))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    pull = PullConsumer(nc, n.submit_stream, "hub", on_submit, 512)
-    await pull.start()
-    await stop
-    await pull.stop()
-    await jsc.stop()
+    await _serve(nc, jsc, n.submit_stream, "hub", 512, fanout, stop)
 
 
 async def _agent(nc: NATS, n: _Names, index: int, stop: asyncio.Future[None]) -> None:
     jsc = JsClient(nc)
-    await jsc.start()
-    tasks: set[asyncio.Task[None]] = set()
 
-    async def run(msg: Msg) -> None:
-        try:
-            task_id = (msg.headers or {}).get("Nats-Msg-Id", "").split("#", 1)[0]
-            await jsc.kv_get(n.tasks_bucket, task_id)  # the fence (none: work sent without one)
-            await jsc.publish(n.status(task_id), _STATUS.encode(), {"Nats-Msg-Id": task_id})
-            jsc.ack_later(msg)
-        finally:
-            pull.release()
+    async def step(msg: Msg) -> None:
+        task_id = (msg.headers or {}).get("Nats-Msg-Id", "").split("#", 1)[0]
+        await jsc.kv_get(n.tasks_bucket, task_id)  # the fence (none: work sent without one)
+        await jsc.publish(n.status(task_id), _STATUS.encode(), {"Nats-Msg-Id": task_id})
 
-    def on_work(msg: Msg) -> None:
-        task = asyncio.ensure_future(run(msg))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    pull = PullConsumer(nc, n.work_stream, f"a{index}", on_work, 256)
-    await pull.start()
-    await stop
-    await pull.stop()
-    await jsc.stop()
+    await _serve(nc, jsc, n.work_stream, f"a{index}", 256, step, stop)
 
 
 async def _child(role: str, nats_url: str, tag: str) -> None:
@@ -231,39 +231,6 @@ async def _child(role: str, nats_url: str, tag: str) -> None:
         await nc.drain()
 
 
-@contextlib.asynccontextmanager
-async def _processes(nats_url: str, tag: str) -> AsyncIterator[dict[str, int]]:
-    procs: list[asyncio.subprocess.Process] = []
-    try:
-        for role in ("hub", "agents"):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                __file__,
-                "--role",
-                role,
-                "--nats",
-                nats_url,
-                "--tag",
-                tag,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-            )
-            procs.append(proc)
-            assert proc.stdout is not None
-            line = await asyncio.wait_for(proc.stdout.readline(), 30)
-            if not line.startswith(b"READY"):
-                raise RuntimeError(f"floor {role} process did not start")
-        yield {"hub": procs[0].pid, "agents": procs[1].pid}
-    finally:
-        for proc in reversed(procs):
-            if proc.stdin is not None:
-                proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-
-
 async def run_floor(
     nats_url: str,
     quick: bool,
@@ -278,7 +245,14 @@ async def run_floor(
     (``concurrency`` in flight for ``duration`` s) and latency at 100/s, with CPU µs per
     fanout(3) (``cost``, as ``bench.workflow_bench.measure_cost`` counts the engine's)."""
     # Imported here: bench.workflow_bench imports this module to run it after the engine.
-    from bench.workflow_bench import LOW_RATE, _lat, _sequential, _sustained, measure_cost
+    from bench.workflow_bench import (
+        LOW_RATE,
+        _lat,
+        _sequential,
+        _sustained,
+        child_processes,
+        measure_cost,
+    )
 
     tag = uuid.uuid4().hex[:8]
     names = _Names(tag)
@@ -307,7 +281,7 @@ async def run_floor(
     n_seq = n_seq or (200 if quick else 1000)
     duration = duration or (3.0 if quick else 10.0)
     try:
-        async with _processes(nats_url, tag) as pids:
+        async with child_processes(__file__, nats_url, ["--tag", tag]) as pids:
             await _sequential(one, 20)
             seq = await _sequential(one, n_seq)
             procs: dict[str, int | None] = {
