@@ -39,6 +39,7 @@ from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_task_resources, last_per_subject
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
+from reach_mesh.agent._serving import _Entry
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject
@@ -46,7 +47,7 @@ from reach_mesh.workflow import TaskRecord, TaskStatusEvent, stored_record
 
 if TYPE_CHECKING:
     from reach_mesh.agent._agent import Agent
-    from reach_mesh.agent._serving import _Entry, _Handler
+    from reach_mesh.agent._serving import _Handler
 
 __all__ = ["WorkConsumer"]
 
@@ -223,8 +224,6 @@ class WorkConsumer:
     async def _load_results(self) -> None:
         """Warm the idempotency table from ``REACH_STATUS``: the last event of each of this
         agent's tasks, where it is a final status, is the outcome it gave (a restart keeps it)."""
-        from reach_mesh.agent._serving import _Entry
-
         assert self._js is not None
         agent = self._agent
         try:
@@ -271,8 +270,6 @@ class WorkConsumer:
             self._release()
 
     async def _handle_inner(self, msg: Msg) -> None:
-        from reach_mesh.agent._serving import _Entry
-
         agent = self._agent
         try:
             env = protocol.decode(

@@ -57,7 +57,7 @@ from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.models import AgentState, ErrorBody, TaskState
-from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, inject, span
+from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, inject, span, trace_id_from_headers
 from reach_mesh.workflow import (
     StepResult,
     TaskRecord,
@@ -342,8 +342,6 @@ class WorkflowEngine(StepRunner):
         timeout = spec.timeout if spec.timeout is not None else self._settings.task_ttl
         remaining = submitted + timeout - time.time()
         loop = asyncio.get_running_loop()
-        from reach_mesh.tracing import trace_id_from_headers
-
         return Workflow(
             spec=spec,
             need=need,
