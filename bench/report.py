@@ -574,7 +574,7 @@ hand: change the harness and re-run. -->
 Every performance figure reach-mesh quotes comes from one command:
 
 ```sh
-make bench            # full run, ~7 minutes here: writes bench/results/latest.json and this page
+make bench            # full run, ~9 minutes here: writes bench/results/latest.json and this page
 make bench QUICK=1    # under a minute, a smoke test: writes bench/results/quick.{{json,md}} only
 make bench PROFILE=1  # also profiles the hub under the routed scenario (pyinstrument)
 ```
