@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -155,10 +156,9 @@ async def run_taskiq_peer(
         for name, call in calls.items():
             await _sequential(call, warmup)
             lat = await _sequential(call, n_seq)
-            tp, cost = await measure_cost(
-                nats_url, pids, lambda c=call: _sustained(c, concurrency, duration), monitor_url
-            )
-            rates = await at_rates(call, tp["per_s"], rate_s)
+            costing = functools.partial(measure_cost, nats_url, pids, monitor_url=monitor_url)
+            tp, cost = await costing(lambda c=call: _sustained(c, concurrency, duration))
+            rates = await at_rates(call, tp["per_s"], rate_s, costing)
             out[name] = {**_lat(lat), "sustained": tp, "cost": cost, "open_loop": rates}
     finally:
         await broker.shutdown()

@@ -61,13 +61,13 @@ def bare_ratio(r: dict[str, Any]) -> str:
         return ""
     tp = ratio(_get(ours, "sustained", "per_s"), _get(bare, "sustained", "per_s"))
     p50 = ratio(ours.get("p50_ms"), bare.get("p50_ms"))
-    low = ratio(_get(ours, "open_loop", "100", "p50_ms"), _get(bare, "at_100", "p50_ms"))
+    low = ratio(_get(ours, "open_loop", "100", "p50_ms"), _get(bare, "open_loop", "100", "p50_ms"))
     return (
         "**Against its bare exchanges, same run** (a fanout(3)'s NATS messages between the "
         "same processes with no engine in between, `bench/workflow_floor.py`): fanout(3) "
         f"sustains {_x(tp)} their rate; sequential p50 {_x(p50)} theirs "
         f"({_f(bare.get('p50_ms'))} ms), at 100/s p50 {_x(low)} theirs "
-        f"({_f(_get(bare, 'at_100', 'p50_ms'))} ms)."
+        f"({_f(_get(bare, 'open_loop', '100', 'p50_ms'))} ms)."
     )
 
 
@@ -78,13 +78,15 @@ def ratio(a: Any, b: Any) -> float | None:
 
 
 def _pt(pt: Any, rate: bool) -> str:
-    """p50 / p99 of one open-loop point (and its offered rate), with errors or stragglers."""
+    """p50 / p99 of one open-loop point (and its offered rate), with errors or stragglers and
+    the CPU one workflow took there (all processes)."""
     if not isinstance(pt, dict):
         return "-"
     head = f"{_f(pt.get('offered_rps'), 0)}/s: " if rate else ""
     bad = sum((pt.get("errors") or {}).values()) + int(pt.get("unfinished") or 0)
     warn = f" ⚠ {bad} failed or unfinished" if bad else ""
-    return f"{head}{_f(pt.get('p50_ms'))} / {_f(pt.get('p99_ms'))}{warn}"
+    cpu = f" · {_int(pt['cpu_us'])} µs CPU" if isinstance(pt.get("cpu_us"), int | float) else ""
+    return f"{head}{_f(pt.get('p50_ms'))} / {_f(pt.get('p99_ms'))}{cpu}{warn}"
 
 
 def _open_loop_table(r: dict[str, Any]) -> str:
@@ -98,10 +100,17 @@ def _open_loop_table(r: dict[str, Any]) -> str:
                     f"| {prefix}{name} | {_pt(pts.get('100'), False)} "
                     f"| {_pt(pts.get('half_sustained'), True)} |"
                 )
+    bare = _get(r, "bare", "open_loop")
+    if isinstance(bare, dict):
+        rows.append(
+            f"| bare exchanges of a fanout(3), at the engine's fanout(3) rates "
+            f"| {_pt(bare.get('100'), False)} | {_pt(bare.get('engine_half'), True)} |"
+        )
     if not rows:
         return ""
     return (
-        "\nLatency at a fixed offered load, p50 / p99 ms (open loop: each workflow is timed "
+        "\nLatency at a fixed offered load, p50 / p99 ms, and where measured the CPU one "
+        "workflow took there, all processes summed (open loop: each workflow is timed "
         "from its due time, so a stall counts against every workflow due meanwhile):\n\n"
         "| workflow | at 100 workflows/s | at half the rate it sustained |\n|---|---|---|\n"
         + "\n".join(rows)

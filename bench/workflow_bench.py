@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,16 +104,45 @@ async def _sustained(call: Any, concurrency: int, duration: float) -> dict[str, 
     }
 
 
-async def at_rates(call: Any, sustained_per_s: float, seconds: float) -> dict[str, Any]:
+#: :func:`measure_cost` with its server and processes bound: ``await cost(run)``.
+Costing = Callable[
+    [Callable[[], Awaitable[dict[str, Any]]]], Awaitable[tuple[dict[str, Any], dict[str, Any]]]
+]
+
+
+#: What an open-loop point keeps (and ``cpu_us``: CPU µs per workflow, all processes, summed).
+_POINT = ("offered_rps", "ok", "errors", "unfinished", "achieved_rps", "p50_ms", "p99_ms")
+
+
+async def at_rates(
+    call: Any,
+    sustained_per_s: float,
+    seconds: float,
+    cost: Costing | None = None,
+    *,
+    rates: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """Latency at fixed offered loads, open loop (each workflow timed from its due time, so a
     stall counts against every workflow due meanwhile): at :data:`LOW_RATE` and at half the rate
-    the same system sustained in the same run."""
+    the same system sustained in the same run, or at ``rates`` (name → workflows/s). With
+    ``cost`` (:func:`measure_cost` bound to the processes), each point has the CPU µs one
+    workflow took there, all processes summed: at a moderate rate each message is more of a
+    wake-up of its own than at full load."""
     out: dict[str, Any] = {}
     half = max(1.0, round(sustained_per_s / 2, 1))
-    for key, rate in (("100", LOW_RATE), ("half_sustained", half)):
-        pt = await open_loop(call, rate, seconds)
-        keep = ("offered_rps", "ok", "errors", "unfinished", "achieved_rps", "p50_ms", "p99_ms")
-        out[key] = {k: pt[k] for k in keep}
+    for key, rate in (rates or {"100": LOW_RATE, "half_sustained": half}).items():
+
+        async def point(rate: float = rate) -> dict[str, Any]:
+            pt = await open_loop(call, rate, seconds)
+            return {**{k: pt[k] for k in _POINT}, "completed": pt["ok"]}
+
+        if cost is None:
+            pt = await point()
+        else:
+            pt, used = await cost(point)
+            pt["cpu_us"] = round(sum(used["cpu_us"].values()))
+        pt.pop("completed")
+        out[key] = pt
     return out
 
 
@@ -300,20 +330,13 @@ async def run_workflow_bench(
                 await _sequential(one_chain, 20)
                 fan_lat = await _sequential(one_fanout, n_seq)
                 chain_lat = await _sequential(one_chain, n_seq)
-                fan_tp, fan_cost = await measure_cost(
-                    nats_url,
-                    pids,
-                    lambda: _sustained(one_fanout, concurrency, duration),
-                    monitor_url,
+                cost = functools.partial(measure_cost, nats_url, pids, monitor_url=monitor_url)
+                fan_tp, fan_cost = await cost(lambda: _sustained(one_fanout, concurrency, duration))
+                chain_tp, chain_cost = await cost(
+                    lambda: _sustained(one_chain, concurrency, duration)
                 )
-                chain_tp, chain_cost = await measure_cost(
-                    nats_url,
-                    pids,
-                    lambda: _sustained(one_chain, concurrency, duration),
-                    monitor_url,
-                )
-                fan_rates = await at_rates(one_fanout, fan_tp["per_s"], rate_s)
-                chain_rates = await at_rates(one_chain, chain_tp["per_s"], rate_s)
+                fan_rates = await at_rates(one_fanout, fan_tp["per_s"], rate_s, cost)
+                chain_rates = await at_rates(one_chain, chain_tp["per_s"], rate_s, cost)
         finally:
             for agent in agents:
                 await agent.close()
@@ -321,7 +344,11 @@ async def run_workflow_bench(
     bare: dict[str, Any] = {"available": False, "reason": "hub and agents not in processes"}
     if split:
         try:
-            out = await run_floor(nats_url, quick, server_pid=server_pid, monitor_url=monitor_url)
+            # At the engine's own half rate too: what the messages alone cost at that load.
+            half = fan_rates["half_sustained"]["offered_rps"]
+            out = await run_floor(
+                nats_url, quick, server_pid=server_pid, monitor_url=monitor_url, rate=half
+            )
             bare = {"available": True, **out}
         except Exception as err:
             bare = {"available": False, "reason": f"{type(err).__name__}: {err}"}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -44,7 +45,6 @@ from nats.aio.msg import Msg
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from bench._jsstats import free_port
-from bench._load import open_loop
 from reach_mesh import _runner
 from reach_mesh._consume import PullConsumer
 from reach_mesh._jspub import JsClient
@@ -240,16 +240,20 @@ async def run_floor(
     concurrency: int = 64,
     n_seq: int | None = None,
     duration: float | None = None,
+    rate: float | None = None,
 ) -> dict[str, Any]:
     """The bare exchanges' sequential latency (``n_seq`` fanouts), sustained rate
-    (``concurrency`` in flight for ``duration`` s) and latency at 100/s, with CPU µs per
-    fanout(3) (``cost``, as ``bench.workflow_bench.measure_cost`` counts the engine's)."""
+    (``concurrency`` in flight for ``duration`` s) with what a fanout(3) costs there (``cost``,
+    as ``bench.workflow_bench.measure_cost`` counts the engine's), and latency with CPU µs per
+    fanout(3) at fixed offered loads (``open_loop``): 100/s and ``rate`` (the engine's half
+    rate, to compare at the same load)."""
     # Imported here: bench.workflow_bench imports this module to run it after the engine.
     from bench.workflow_bench import (
         LOW_RATE,
         _lat,
         _sequential,
         _sustained,
+        at_rates,
         child_processes,
         measure_cost,
     )
@@ -289,10 +293,12 @@ async def run_floor(
                 "caller": os.getpid(),
                 "nats_server": server_pid,
             }
-            sustained, cost = await measure_cost(
-                nats_url, procs, lambda: _sustained(one, concurrency, duration), monitor_url
+            costing = functools.partial(measure_cost, nats_url, procs, monitor_url=monitor_url)
+            sustained, cost = await costing(lambda: _sustained(one, concurrency, duration))
+            rates = {"100": LOW_RATE, **({"engine_half": rate} if rate else {})}
+            points = await at_rates(
+                one, 0.0, min(duration, 2.0 if quick else 5.0), costing, rates=rates
             )
-            low = await open_loop(one, LOW_RATE, min(duration, 2.0 if quick else 5.0))
     finally:
         await jsc.stop()
         await _teardown(nc, names)
@@ -301,7 +307,7 @@ async def run_floor(
         **_lat(seq),
         "sustained": sustained,
         "cost": cost,
-        "at_100": {k: low[k] for k in ("achieved_rps", "p50_ms", "p99_ms")},
+        "open_loop": points,
     }
 
 

@@ -134,6 +134,7 @@ async def test_the_taskiq_peer_runs_on_the_same_server(nats_url: str) -> None:
         assert cost["js_stored_by_stream"]["BENCH_TASKIQ"] == 3.0  # one message per task
         assert cost["cpu_us"]["worker"] > 0
         assert out[kind]["open_loop"]["100"]["ok"] > 0
+        assert "cpu_us" in out[kind]["open_loop"]["100"]  # measured as the engine's are
 
 
 def _system(p50: float, p99: float, peak: float, hub_us: float) -> dict[str, Any]:
@@ -179,7 +180,12 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
     port = free_port()
     async with EmbeddedNats(http_port=port) as server:
         bare = await run_floor(
-            server.url, True, monitor_url=f"http://127.0.0.1:{port}", n_seq=3, duration=0.5
+            server.url,
+            True,
+            monitor_url=f"http://127.0.0.1:{port}",
+            n_seq=3,
+            duration=0.5,
+            rate=40.0,
         )
     assert bare["n"] == 3 and bare["sustained"]["completed"] > 0
     assert bare["sustained"]["errors"] == 0
@@ -187,13 +193,18 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
     assert cost["js_stored"] == 10.0 and cost["js_api_requests"] == 0.0
     assert sorted(v for v in cost["js_stored_by_stream"].values()) == [1.0, 1.0, 2.0, 3.0, 3.0]
     assert cost["cpu_us"]["hub"] > 0 and cost["cpu_us"]["agents"] > 0
-    assert bare["at_100"]["achieved_rps"] > 0
+    for point in ("100", "engine_half"):  # 100/s, and the engine's half rate (given here)
+        assert bare["open_loop"][point]["ok"] > 0 and bare["open_loop"][point]["cpu_us"] > 0
+    assert bare["open_loop"]["engine_half"]["offered_rps"] == 40.0
     result = {
         "fanout3": {
             "p50_ms": 3.0,
             "p99_ms": 5.0,
             "sustained": {"per_s": 1000.0},
-            "open_loop": {"100": {"p50_ms": 3.5}},
+            "open_loop": {
+                "100": {"p50_ms": 3.5},
+                "half_sustained": {"offered_rps": 500.0, "p50_ms": 20.0, "p99_ms": 80.0},
+            },
         },
         "bare": {
             "available": True,
@@ -201,7 +212,10 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
             "p99_ms": 3.0,
             "sustained": {"per_s": 4000.0},
             "cost": cost,
-            "at_100": {"p50_ms": 2.5},
+            "open_loop": {
+                "100": {"p50_ms": 2.5, "p99_ms": 3.0, "cpu_us": 4000},
+                "engine_half": {"offered_rps": 500.0, "p50_ms": 2.6, "p99_ms": 9.0, "cpu_us": 2500},
+            },
         },
     }
     page = workflow_section({"workflows": {"available": True, "result": result}})
@@ -214,3 +228,7 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
     }
     assert shown["fanout(3) ≥ 2,000 workflows/s sustained"] == "1,000 /s (bare exchanges: 4,000 /s)"
     assert shown["fanout(3) p50 ≤ 2 ms at 100 workflows/s"] == "3.50 ms (bare exchanges: 2.50 ms)"
+    half = shown["fanout(3) p99 ≤ 50 ms at half the rate it sustained"]
+    assert half == "80.00 ms (bare exchanges: 9.00 ms)"
+    # The open-loop table: the bare exchanges at the engine's rates, with CPU per workflow.
+    assert "| 2.50 / 3.00 · 4,000 µs CPU | 500/s: 2.60 / 9.00 · 2,500 µs CPU |" in page
