@@ -169,16 +169,19 @@ def targets(res: dict[str, Any]) -> list[dict[str, str]]:
             "",
         )
     )
-    # What the bare exchanges of a fanout(3) reach in the same run (bench/workflow_floor.py).
+    # What the bare exchanges of each workflow reach in the same run (bench/workflow_floor.py).
     bare = _get(res, "workflows", "result", "bare") or {}
-    bare_at = {
-        ("fanout3", "sustained", "per_s"): (_get(bare, "sustained", "per_s"), "/s"),
-        ("fanout3", "open_loop", "100", "p50_ms"): (_get(bare, "open_loop", "100", "p50_ms"), "ms"),
-        ("fanout3", "open_loop", "half_sustained", "p99_ms"): (
-            _get(bare, "open_loop", "engine_half", "p99_ms"),
+    bare_at: dict[tuple[str, ...], tuple[Any, str]] = {}
+    for kind, _ in WF_KINDS:
+        bare_at[(kind, "sustained", "per_s")] = (_get(bare, kind, "sustained", "per_s"), "/s")
+        bare_at[(kind, "open_loop", "100", "p50_ms")] = (
+            _get(bare, kind, "open_loop", "100", "p50_ms"),
             "ms",
-        ),
-    }
+        )
+        bare_at[(kind, "open_loop", "half_sustained", "p99_ms")] = (
+            _get(bare, kind, "open_loop", "engine_half", "p99_ms"),
+            "ms",
+        )
     for name, source, path, limit, at_most, unit in workflow_goals:
         v = _workflow_figure(res, *path)
         shown = "not measured" if v is None else f"{_f(v)} {unit}".rstrip()

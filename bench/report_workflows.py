@@ -55,19 +55,31 @@ def workflow_ratios(r: dict[str, Any]) -> list[str]:
 
 
 def bare_ratio(r: dict[str, Any]) -> str:
-    """reach-mesh's fanout(3) against its bare exchanges (``bench/workflow_floor.py``)."""
-    bare, ours = r.get("bare"), r.get("fanout3")
-    if not isinstance(bare, dict) or not bare.get("available") or not isinstance(ours, dict):
+    """reach-mesh's fanout(3) and chain(3) against their bare exchanges
+    (``bench/workflow_floor.py``)."""
+    bare = r.get("bare")
+    if not isinstance(bare, dict) or not bare.get("available"):
         return ""
-    tp = ratio(_get(ours, "sustained", "per_s"), _get(bare, "sustained", "per_s"))
-    p50 = ratio(ours.get("p50_ms"), bare.get("p50_ms"))
-    low = ratio(_get(ours, "open_loop", "100", "p50_ms"), _get(bare, "open_loop", "100", "p50_ms"))
+    parts = []
+    for kind, name in WF_KINDS:
+        ours, theirs = r.get(kind), bare.get(kind)
+        if not isinstance(ours, dict) or not isinstance(theirs, dict):
+            continue
+        tp = ratio(_get(ours, "sustained", "per_s"), _get(theirs, "sustained", "per_s"))
+        p50 = ratio(ours.get("p50_ms"), theirs.get("p50_ms"))
+        low = (_get(ours, "open_loop", "100", "p50_ms"), _get(theirs, "open_loop", "100", "p50_ms"))
+        parts.append(
+            f"{name} sustains {_x(tp)} their rate; sequential p50 {_x(p50)} theirs "
+            f"({_f(theirs.get('p50_ms'))} ms), at 100/s p50 {_x(ratio(*low))} theirs "
+            f"({_f(low[1])} ms)"
+        )
+    if not parts:
+        return ""
     return (
-        "**Against its bare exchanges, same run** (a fanout(3)'s NATS messages between the "
-        "same processes with no engine in between, `bench/workflow_floor.py`): fanout(3) "
-        f"sustains {_x(tp)} their rate; sequential p50 {_x(p50)} theirs "
-        f"({_f(bare.get('p50_ms'))} ms), at 100/s p50 {_x(low)} theirs "
-        f"({_f(_get(bare, 'open_loop', '100', 'p50_ms'))} ms)."
+        "**Against its bare exchanges, same run** (each workflow's NATS messages between the "
+        "same processes with no engine in between, `bench/workflow_floor.py`): "
+        + "; ".join(parts)
+        + "."
     )
 
 
@@ -100,12 +112,13 @@ def _open_loop_table(r: dict[str, Any]) -> str:
                     f"| {prefix}{name} | {_pt(pts.get('100'), False)} "
                     f"| {_pt(pts.get('half_sustained'), True)} |"
                 )
-    bare = _get(r, "bare", "open_loop")
-    if isinstance(bare, dict):
-        rows.append(
-            f"| bare exchanges of a fanout(3), at the engine's fanout(3) rates "
-            f"| {_pt(bare.get('100'), False)} | {_pt(bare.get('engine_half'), True)} |"
-        )
+    for kind, name in WF_KINDS:
+        bare = _get(r, "bare", kind, "open_loop")
+        if isinstance(bare, dict):
+            rows.append(
+                f"| bare exchanges of a {name}, at the engine's {name} rates "
+                f"| {_pt(bare.get('100'), False)} | {_pt(bare.get('engine_half'), True)} |"
+            )
     if not rows:
         return ""
     return (
@@ -195,11 +208,14 @@ def workflow_section(res: dict[str, Any]) -> str:
                 )
     bare = r.get("bare")
     if isinstance(bare, dict) and bare.get("available"):
-        rows.append(
-            f"| bare exchanges of a fanout(3), no engine | {_f(bare.get('p50_ms'))} / "
-            f"{_f(bare.get('p99_ms'))} | {_f(_get(bare, 'sustained', 'per_s'), 0)} | "
-            f"{_cost_cells(bare.get('cost'), 'hub')} |"
-        )
+        for kind, name in WF_KINDS:
+            b = bare.get(kind)
+            if isinstance(b, dict):
+                rows.append(
+                    f"| bare exchanges of a {name}, no engine | {_f(b.get('p50_ms'))} / "
+                    f"{_f(b.get('p99_ms'))} | {_f(_get(b, 'sustained', 'per_s'), 0)} | "
+                    f"{_cost_cells(b.get('cost'), 'hub')} |"
+                )
     floor = r.get("floor")
     if isinstance(floor, dict):
         pub = floor.get("js_publish_ack", {})

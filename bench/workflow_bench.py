@@ -7,8 +7,9 @@ and measures, in the same run:
   (submit → result), and sustained workflows/s with many in flight;
 * the floor: JetStream publish with a synchronous ack (p50/p99, msg/s) and pull-consume of the
   same number of messages (msg/s) — every workflow needs several such round trips;
-* with ``split``, the bare exchanges (``bench/workflow_floor.py``): a fanout(3)'s NATS messages
-  between the same processes with no engine in between — what the engine costs above them;
+* with ``split``, the bare exchanges (``bench/workflow_floor.py``): a fanout(3)'s and a
+  chain(3)'s NATS messages between the same processes with no engine in between, at full load
+  and at the engine's own open-loop rates — what the engine costs above them;
 * what one workflow costs, over the sustained phase (``cost``): JetStream operations counted
   from the server's own statistics (``$JS.API`` requests from the account info, messages stored
   per stream), JetStream bytes kept (for ``workflow_retention``), and CPU µs per process
@@ -344,10 +345,13 @@ async def run_workflow_bench(
     bare: dict[str, Any] = {"available": False, "reason": "hub and agents not in processes"}
     if split:
         try:
-            # At the engine's own half rate too: what the messages alone cost at that load.
-            half = fan_rates["half_sustained"]["offered_rps"]
+            # At the engine's own half rates too: what the messages alone cost at that load.
+            halves = {
+                "fanout3": fan_rates["half_sustained"]["offered_rps"],
+                "chain3": chain_rates["half_sustained"]["offered_rps"],
+            }
             out = await run_floor(
-                nats_url, quick, server_pid=server_pid, monitor_url=monitor_url, rate=half
+                nats_url, quick, server_pid=server_pid, monitor_url=monitor_url, rates=halves
             )
             bare = {"available": True, **out}
         except Exception as err:

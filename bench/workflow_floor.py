@@ -1,7 +1,8 @@
-"""The workflow floor: a fanout(3)'s NATS exchanges with no engine in between.
+"""The workflow floor: a fanout(3)'s and a chain(3)'s NATS exchanges with no engine in between.
 
-Issue 15 asks how fast a fanout(3) can go. Part of the answer is what the messages alone cost:
-this runs the same JetStream exchanges a fanout(3) makes in reach-mesh, over the same transport
+Issue 15 asks how fast a fanout(3) and a chain(3) can go. Part of the answer is what the
+messages alone cost: this runs the same JetStream exchanges they make in reach-mesh, over the
+same transport
 (``reach_mesh._jspub.JsClient`` for acked publishes and direct gets, ``reach_mesh._consume``'s
 pull consumer), between the same processes (a "hub", a process of three "agents", the caller),
 and nothing else: no validation, routing, task tracking, tracing, events or retries.
@@ -16,8 +17,11 @@ Per fanout(3), as the engine does it (docs/workflows.md, "Performance"):
 * each agent: pulls its work message, reads the task record (a direct get: the fence), stores
   its final status (acked), acks the work message (riding along).
 
-That is 10 stored messages and 3 direct gets, as in the engine. Streams are R1 file storage, as
-the bench's engine runs them. What the engine costs above this floor is its own Python.
+That is 10 stored messages and 3 direct gets, as in the engine. A chain(3) runs the steps one
+after the other, and before sending the second and the third it creates their task records (a KV
+compare-and-set each), as the engine does for a step chosen when it starts: 12 stored messages.
+Streams are R1 file storage, as the bench's engine runs them. What the engine costs above this
+floor is its own Python.
 
 ``python bench/workflow_floor.py --quick`` prints one JSON object; the bench harness imports
 :func:`run_floor`.
@@ -70,8 +74,8 @@ class _Names:
         self.wf_bucket = f"floor_wf_{tag}"
         self.tasks_bucket = f"floor_tasks_{tag}"
 
-    def submit(self, wf_id: str) -> str:
-        return f"floor.{self.tag}.submit.{wf_id}"
+    def submit(self, kind: str, wf_id: str) -> str:
+        return f"floor.{self.tag}.submit.{kind}.{wf_id}"
 
     def work(self, agent: int) -> str:
         return f"floor.{self.tag}.work.a{agent}"
@@ -89,7 +93,7 @@ async def _setup(nc: NATS, n: _Names) -> None:
     await js.add_stream(
         StreamConfig(
             name=n.submit_stream,
-            subjects=[n.submit("*")],
+            subjects=[n.submit("*", "*")],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=file,
         )
@@ -180,24 +184,28 @@ async def _hub(nc: NATS, n: _Names, stop: asyncio.Future[None]) -> None:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    async def fanout(msg: Msg) -> None:
-        wf_id = msg.subject.rsplit(".", 1)[1]
+    async def send(task_id: str, agent: int) -> asyncio.Future[None]:
+        fut = waiting[task_id] = loop.create_future()
+        await jsc.publish(n.work(agent), _WORK.encode(), {"Nats-Msg-Id": f"{task_id}#1"})
+        return fut
+
+    async def workflow(msg: Msg) -> None:
+        _, kind, wf_id = msg.subject.rsplit(".", 2)
         rev = await jsc.kv_write(n.wf_bucket, wf_id, msg.data, 0)
-        done = []
-        sends = []
-        for i in range(AGENTS):
-            task_id = f"{wf_id}-{i}"
-            fut = loop.create_future()
-            waiting[task_id] = fut
-            done.append(fut)
-            sends.append(jsc.publish(n.work(i), _WORK.encode(), {"Nats-Msg-Id": f"{task_id}#1"}))
-        await asyncio.gather(*sends)
-        await asyncio.gather(*done)
+        if kind == "fanout":
+            sent = await asyncio.gather(*(send(f"{wf_id}-{i}", i) for i in range(AGENTS)))
+            await asyncio.gather(*sent)
+        else:
+            for i in range(AGENTS):
+                task_id = f"{wf_id}-{i}"
+                if i:  # a step chosen when it starts: its task record first
+                    await jsc.kv_write(n.tasks_bucket, task_id, _WORK.encode(), 0)
+                await (await send(task_id, i))
         await jsc.kv_write(n.wf_bucket, wf_id, msg.data, rev)
         await jsc.publish(n.done(wf_id), msg.data, {"Nats-Msg-Id": f"{wf_id}.done"})
 
     await nc.subscribe(n.status("*"), cb=on_status, pending_msgs_limit=-1)
-    await _serve(nc, jsc, n.submit_stream, "hub", 512, fanout, stop)
+    await _serve(nc, jsc, n.submit_stream, "hub", 512, workflow, stop)
 
 
 async def _agent(nc: NATS, n: _Names, index: int, stop: asyncio.Future[None]) -> None:
@@ -240,13 +248,13 @@ async def run_floor(
     concurrency: int = 64,
     n_seq: int | None = None,
     duration: float | None = None,
-    rate: float | None = None,
+    rates: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """The bare exchanges' sequential latency (``n_seq`` fanouts), sustained rate
-    (``concurrency`` in flight for ``duration`` s) with what a fanout(3) costs there (``cost``,
-    as ``bench.workflow_bench.measure_cost`` counts the engine's), and latency with CPU µs per
-    fanout(3) at fixed offered loads (``open_loop``): 100/s and ``rate`` (the engine's half
-    rate, to compare at the same load)."""
+    """Per kind (``fanout3``, ``chain3``): the bare exchanges' sequential latency (``n_seq``
+    workflows), sustained rate (``concurrency`` in flight for ``duration`` s) with what a
+    workflow costs there (``cost``, as ``bench.workflow_bench.measure_cost`` counts the
+    engine's), and latency with CPU µs per workflow at fixed offered loads (``open_loop``):
+    100/s and ``rates[kind]`` (the engine's half rate, to compare at the same load)."""
     # Imported here: bench.workflow_bench imports this module to run it after the engine.
     from bench.workflow_bench import (
         LOW_RATE,
@@ -273,42 +281,43 @@ async def run_floor(
 
     await nc.subscribe(names.done("*"), cb=on_done, pending_msgs_limit=-1)
     loop = asyncio.get_running_loop()
-    body = json.dumps({"kind": "fanout", "steps": [{"i": i} for i in range(AGENTS)]}).encode()
-
-    async def one() -> None:
-        wf_id = uuid.uuid4().hex
-        fut = loop.create_future()
-        waiting[wf_id] = fut
-        await jsc.publish(names.submit(wf_id), body, {"Nats-Msg-Id": wf_id})
-        await asyncio.wait_for(fut, 30)
-
     n_seq = n_seq or (200 if quick else 1000)
     duration = duration or (3.0 if quick else 10.0)
+    out: dict[str, Any] = {}
     try:
         async with child_processes(__file__, nats_url, ["--tag", tag]) as pids:
-            await _sequential(one, 20)
-            seq = await _sequential(one, n_seq)
             procs: dict[str, int | None] = {
                 **pids,
                 "caller": os.getpid(),
                 "nats_server": server_pid,
             }
             costing = functools.partial(measure_cost, nats_url, procs, monitor_url=monitor_url)
-            sustained, cost = await costing(lambda: _sustained(one, concurrency, duration))
-            rates = {"100": LOW_RATE, **({"engine_half": rate} if rate else {})}
-            points = await at_rates(
-                one, 0.0, min(duration, 2.0 if quick else 5.0), costing, rates=rates
-            )
+            for key, kind in (("fanout3", "fanout"), ("chain3", "chain")):
+                body = json.dumps({"kind": kind, "steps": [{"i": i} for i in range(AGENTS)]})
+
+                async def one(kind: str = kind, body: bytes = body.encode()) -> None:
+                    wf_id = uuid.uuid4().hex
+                    fut = waiting[wf_id] = loop.create_future()
+                    await jsc.publish(names.submit(kind, wf_id), body, {"Nats-Msg-Id": wf_id})
+                    await asyncio.wait_for(fut, 30)
+
+                await _sequential(one, 20)
+                seq = await _sequential(one, n_seq)
+                sustained, cost = await costing(lambda: _sustained(one, concurrency, duration))
+                half = (rates or {}).get(key)
+                points = await at_rates(
+                    one,
+                    0.0,
+                    min(duration, 2.0 if quick else 5.0),
+                    costing,
+                    rates={"100": LOW_RATE, **({"engine_half": half} if half else {})},
+                )
+                out[key] = {**_lat(seq), "sustained": sustained, "cost": cost, "open_loop": points}
     finally:
         await jsc.stop()
         await _teardown(nc, names)
         await nc.close()
-    return {
-        **_lat(seq),
-        "sustained": sustained,
-        "cost": cost,
-        "open_loop": points,
-    }
+    return out
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:

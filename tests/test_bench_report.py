@@ -172,9 +172,9 @@ def test_the_gateway_is_reported_next_to_the_nats_client_as_ratios() -> None:
 
 
 async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> None:
-    """bench/workflow_floor.py on a server of its own: a fanout(3)'s exchanges with no engine
-    store what the engine's do (10 messages), counted by the server; the report puts them
-    beside the engine's row, as ratios, and beside the #15 targets."""
+    """bench/workflow_floor.py on a server of its own: a fanout(3)'s and a chain(3)'s exchanges
+    with no engine store what the engine's do (10 and 12 messages), counted by the server; the
+    report puts them beside the engine's rows, as ratios, and beside the #15 targets."""
     from bench.workflow_floor import run_floor
 
     port = free_port()
@@ -185,17 +185,21 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
             monitor_url=f"http://127.0.0.1:{port}",
             n_seq=3,
             duration=0.5,
-            rate=40.0,
+            rates={"fanout3": 40.0},
         )
-    assert bare["n"] == 3 and bare["sustained"]["completed"] > 0
-    assert bare["sustained"]["errors"] == 0
-    cost = bare["cost"]
-    assert cost["js_stored"] == 10.0 and cost["js_api_requests"] == 0.0
-    assert sorted(v for v in cost["js_stored_by_stream"].values()) == [1.0, 1.0, 2.0, 3.0, 3.0]
-    assert cost["cpu_us"]["hub"] > 0 and cost["cpu_us"]["agents"] > 0
-    for point in ("100", "engine_half"):  # 100/s, and the engine's half rate (given here)
-        assert bare["open_loop"][point]["ok"] > 0 and bare["open_loop"][point]["cpu_us"] > 0
-    assert bare["open_loop"]["engine_half"]["offered_rps"] == 40.0
+    stored = {"fanout3": [1.0, 1.0, 2.0, 3.0, 3.0], "chain3": [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]}
+    for kind, by_stream in stored.items():
+        b = bare[kind]
+        assert b["n"] == 3 and b["sustained"]["completed"] > 0 and b["sustained"]["errors"] == 0
+        cost = b["cost"]
+        assert cost["js_stored"] == sum(by_stream) and cost["js_api_requests"] == 0.0
+        assert sorted(cost["js_stored_by_stream"].values()) == by_stream
+        assert cost["cpu_us"]["hub"] > 0 and cost["cpu_us"]["agents"] > 0
+        assert b["open_loop"]["100"]["ok"] > 0 and b["open_loop"]["100"]["cpu_us"] > 0
+    # The engine's half rate, where given: the same load as the engine's point.
+    half = bare["fanout3"]["open_loop"]["engine_half"]
+    assert half["offered_rps"] == 40.0 and half["ok"] > 0 and half["cpu_us"] > 0
+    assert "engine_half" not in bare["chain3"]["open_loop"]
     result = {
         "fanout3": {
             "p50_ms": 3.0,
@@ -208,13 +212,20 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
         },
         "bare": {
             "available": True,
-            "p50_ms": 1.5,
-            "p99_ms": 3.0,
-            "sustained": {"per_s": 4000.0},
-            "cost": cost,
-            "open_loop": {
-                "100": {"p50_ms": 2.5, "p99_ms": 3.0, "cpu_us": 4000},
-                "engine_half": {"offered_rps": 500.0, "p50_ms": 2.6, "p99_ms": 9.0, "cpu_us": 2500},
+            "fanout3": {
+                "p50_ms": 1.5,
+                "p99_ms": 3.0,
+                "sustained": {"per_s": 4000.0},
+                "cost": bare["fanout3"]["cost"],
+                "open_loop": {
+                    "100": {"p50_ms": 2.5, "p99_ms": 3.0, "cpu_us": 4000},
+                    "engine_half": {
+                        "offered_rps": 500.0,
+                        "p50_ms": 2.6,
+                        "p99_ms": 9.0,
+                        "cpu_us": 2500,
+                    },
+                },
             },
         },
     }
@@ -228,7 +239,7 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
     }
     assert shown["fanout(3) ≥ 2,000 workflows/s sustained"] == "1,000 /s (bare exchanges: 4,000 /s)"
     assert shown["fanout(3) p50 ≤ 2 ms at 100 workflows/s"] == "3.50 ms (bare exchanges: 2.50 ms)"
-    half = shown["fanout(3) p99 ≤ 50 ms at half the rate it sustained"]
-    assert half == "80.00 ms (bare exchanges: 9.00 ms)"
+    half_p99 = shown["fanout(3) p99 ≤ 50 ms at half the rate it sustained"]
+    assert half_p99 == "80.00 ms (bare exchanges: 9.00 ms)"
     # The open-loop table: the bare exchanges at the engine's rates, with CPU per workflow.
     assert "| 2.50 / 3.00 · 4,000 µs CPU | 500/s: 2.60 / 9.00 · 2,500 µs CPU |" in page
