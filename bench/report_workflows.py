@@ -159,6 +159,21 @@ def _stream_table(r: dict[str, Any]) -> str:
     return out
 
 
+def _rows(data: dict[str, Any], label: str, main_cpu: str) -> list[str]:
+    """One table row per workflow kind in ``data``: latency, throughput, cost. ``label``
+    formats the kind's name ("{}" alone: the name as is)."""
+    rows = []
+    for kind, name in WF_KINDS:
+        b = data.get(kind)
+        if isinstance(b, dict):
+            rows.append(
+                f"| {(label or '{}').format(name)} | {_f(b.get('p50_ms'))} / "
+                f"{_f(b.get('p99_ms'))} | {_f(_get(b, 'sustained', 'per_s'), 0)} | "
+                f"{_cost_cells(b.get('cost'), main_cpu)} |"
+            )
+    return rows
+
+
 def workflow_section(res: dict[str, Any]) -> str:
     wf = res.get("workflows", {})
     if not wf.get("available"):
@@ -187,35 +202,13 @@ def workflow_section(res: dict[str, Any]) -> str:
     bare_line = bare_ratio(r)
     if bare_line:
         out += bare_line + "\n\n"
-    rows = []
-    for kind, name in WF_KINDS:
-        b = r.get(kind)
-        if isinstance(b, dict):
-            per_s = _get(b, "sustained", "per_s")
-            rows.append(
-                f"| {name} | {_f(b.get('p50_ms'))} / {_f(b.get('p99_ms'))} | {_f(per_s, 0)} | "
-                f"{_cost_cells(b.get('cost'), 'hub')} |"
-            )
+    rows = _rows(r, "", "hub")
     peer = _get(r, "peers", "taskiq")
     if isinstance(peer, dict) and peer.get("available"):
-        for kind, name in WF_KINDS:
-            b = peer.get(kind)
-            if isinstance(b, dict):
-                rows.append(
-                    f"| peer: taskiq {name} | {_f(b.get('p50_ms'))} / {_f(b.get('p99_ms'))} | "
-                    f"{_f(_get(b, 'sustained', 'per_s'), 0)} | "
-                    f"{_cost_cells(b.get('cost'), 'worker')} |"
-                )
+        rows += _rows(peer, "peer: taskiq {}", "worker")
     bare = r.get("bare")
     if isinstance(bare, dict) and bare.get("available"):
-        for kind, name in WF_KINDS:
-            b = bare.get(kind)
-            if isinstance(b, dict):
-                rows.append(
-                    f"| bare exchanges of a {name}, no engine | {_f(b.get('p50_ms'))} / "
-                    f"{_f(b.get('p99_ms'))} | {_f(_get(b, 'sustained', 'per_s'), 0)} | "
-                    f"{_cost_cells(b.get('cost'), 'hub')} |"
-                )
+        rows += _rows(bare, "bare exchanges of a {}, no engine", "hub")
     floor = r.get("floor")
     if isinstance(floor, dict):
         pub = floor.get("js_publish_ack", {})
