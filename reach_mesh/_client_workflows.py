@@ -268,7 +268,6 @@ class WorkflowsMixin:
         body = protocol.encode(spec)
         headers[protocol.HDR_MSG_ID] = spec.workflow_id
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF
-        js = self.nc.jetstream()
         jsc = await self._js_client()
         subject = protocol.wf_submit(spec.namespace)
 
@@ -277,7 +276,7 @@ class WorkflowsMixin:
                 return await jsc.publish(subject, body, headers)
             except nats.js.errors.NoStreamResponseError:
                 # No stream answered: none exists (no hub ever ran), or it has no leader now.
-                if not await _stream_may_exist(js, protocol.STREAM_WF):
+                if not await _stream_may_exist(self.nc.jetstream(), protocol.STREAM_WF):
                     raise MeshUnavailableError(
                         "no workflow stream: is a hub (`reach-mesh hub`) running?"
                     ) from None
