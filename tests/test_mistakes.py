@@ -320,3 +320,17 @@ def test_tables_fit_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "stdout", piped)
     _print_table(rows)
     assert rows[1][1] in piped.getvalue()
+
+
+async def test_a_workflow_with_no_hub_ever_started_says_to_start_one() -> None:
+    """A fanout on a NATS where no hub ever ran: no workflow stream exists, so the submission
+    fails at once with the fix in the message, not after the submit retry budget."""
+    from reach_mesh import Step
+
+    async with EmbeddedNats() as server:
+        settings = MeshSettings(nats_url=server.url, namespace="nohub")
+        async with Client(settings=settings) as mesh:
+            t0 = time.monotonic()
+            with pytest.raises(MeshUnavailableError, match=r"no workflow stream: is a hub"):
+                await mesh.fanout([Step(capability="demo:echo:v1", payload={})], timeout=30)
+            assert time.monotonic() - t0 < 5.0
