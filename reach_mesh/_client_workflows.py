@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -63,6 +65,8 @@ class WorkflowsMixin:
     namespace: str
     #: Submissions and record reads (started with the first workflow call).
     _jsc: JsClient | None
+    #: ``.done`` waits in progress (``_done_subscription``), ended by ``_end_done_waits``.
+    _done_waits: set[asyncio.Future[Msg]]
 
     if TYPE_CHECKING:
 
@@ -130,12 +134,12 @@ class WorkflowsMixin:
     async def workflow(self, workflow_id: str, *, timeout: float = 30.0) -> WorkflowResult:
         """Wait for (or fetch, if already finished) the result of a submitted workflow."""
         protocol.validate_workflow_id(workflow_id)
-        sub = await self.nc.subscribe(protocol.wf_done(self.namespace, workflow_id), max_msgs=1)
+        sub, done = await self._done_subscription(self.namespace, workflow_id)
         try:
             found = await self._stored_result(workflow_id)
             if found is not None:
                 return found
-            return (await self._await_done(sub, workflow_id, timeout))[0]
+            return (await self._await_done(done, workflow_id, timeout))[0]
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -235,9 +239,7 @@ class WorkflowsMixin:
             # Subscribe to the result before submitting: no window in which it could be missed.
             # ``max_msgs=1``: the server drops the interest itself once ``.done`` is delivered,
             # so the usual path sends no UNSUB.
-            sub = await self.nc.subscribe(
-                protocol.wf_done(spec.namespace, spec.workflow_id), max_msgs=1
-            )
+            sub, done = await self._done_subscription(spec.namespace, spec.workflow_id)
             delivered = False
             try:
                 duplicate = await self._submit(spec, headers, chosen_id=chosen_id)
@@ -246,7 +248,7 @@ class WorkflowsMixin:
                     result = await self._stored_result(spec.workflow_id)
                 if result is None:
                     result, delivered = await self._await_done(
-                        sub, spec.workflow_id, timeout + _reply_slack(timeout)
+                        done, spec.workflow_id, timeout + _reply_slack(timeout)
                     )
             finally:
                 if not delivered:
@@ -344,13 +346,39 @@ class WorkflowsMixin:
             return None
         return record.result
 
+    async def _done_subscription(
+        self, namespace: str, workflow_id: str
+    ) -> tuple[Subscription, asyncio.Future[Msg]]:
+        """A subscription to the workflow's ``.done`` for one message, which resolves the
+        future returned with it (nats-py's ``future=``: no message queue, iterator or task per
+        workflow, as ``next_msg`` has)."""
+        done: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        sub = await self.nc.subscribe(
+            protocol.wf_done(namespace, workflow_id), future=done, max_msgs=1
+        )
+        self._done_waits.add(done)
+        done.add_done_callback(self._done_waits.discard)
+        return sub, done
+
+    def _end_done_waits(self) -> None:
+        """The client closes: every wait for a ``.done`` ends now (the workflows go on)."""
+        for done in list(self._done_waits):
+            if not done.done():
+                done.set_exception(
+                    MeshUnavailableError(
+                        "the client was closed while waiting for a workflow result; the "
+                        "workflow goes on (`await mesh.workflow(id)` from another client)"
+                    )
+                )
+
     async def _await_done(
-        self, sub: Any, workflow_id: str, timeout: float
+        self, done: asyncio.Future[Msg], workflow_id: str, timeout: float
     ) -> tuple[WorkflowResult, bool]:
-        """The result and whether it came as the ``.done`` message (so ``sub`` is over)."""
+        """The result and whether it came as the ``.done`` message (so its subscription is
+        over). ``done``: from :meth:`_done_subscription`."""
         try:
-            msg = await sub.next_msg(timeout=timeout)
-        except (NatsTimeoutError, TimeoutError) as err:
+            msg = await asyncio.wait_for(done, timeout)
+        except TimeoutError as err:
             # The record is the source of truth: the result may be stored while its .done
             # announcement is still on the way (a hub died between the two).
             found = await self._stored_result(workflow_id)

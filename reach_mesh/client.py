@@ -19,6 +19,7 @@ from typing import Any, Literal
 import nats.js.errors
 import pydantic_core
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -164,6 +165,7 @@ class Client(WorkflowsMixin):
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
         self._jsc: JsClient | None = None
+        self._done_waits: set[asyncio.Future[Msg]] = set()
         # Names this client in its failure reports: each reporter's reports count a bounded
         # number of times per agent and breaker window (the hub's rule, docs/security.md).
         self._reporter = os.urandom(8).hex()
@@ -198,6 +200,7 @@ class Client(WorkflowsMixin):
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        self._end_done_waits()
         if self._batcher is not None:
             with contextlib.suppress(Exception):
                 await self._batcher.stop()

@@ -19,6 +19,7 @@ from reach_mesh import (
     Client,
     InvalidCapabilityError,
     MeshSettings,
+    MeshUnavailableError,
     RetryPolicy,
     SelectorError,
     Step,
@@ -714,6 +715,29 @@ async def test_submit_then_result_events_and_resubmit(
         assert sum(fleet.runs.values()) == 2
         # And after the fact, by id.
         assert (await mesh.workflow(wf_id, timeout=1)).workflow_id == wf_id
+
+
+async def test_closing_the_client_ends_its_waits_and_the_workflow_goes_on(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A caller closing its client while it waits for results: the waits end at once with a
+    typed error, not at their timeout; the workflow runs on and another client gets it."""
+    steps = [Step(capability="wf:closing:v1", payload={"n": 1})]
+    mesh = await Client(settings=wf_settings).connect()
+    running = asyncio.create_task(mesh.fanout(steps, workflow_id="closing-1", timeout=30))
+    wf_id = await mesh.submit_chain(steps, timeout=30)
+    waiting = asyncio.create_task(mesh.workflow(wf_id, timeout=30))
+    await asyncio.sleep(0.3)  # both wait: no agent has the capability yet
+    assert not running.done() and not waiting.done()
+    await mesh.close()
+    for task in (running, waiting):
+        with pytest.raises(MeshUnavailableError, match="client was closed"):
+            await asyncio.wait_for(task, 2)
+    await echo_agent(fleet, "closing.a1", "wf:closing:v1").start()
+    async with Client(settings=wf_settings) as other:
+        for workflow_id in ("closing-1", wf_id):
+            res = await other.workflow(workflow_id, timeout=20)
+            assert res.state is TaskState.SUCCEEDED, res
 
 
 async def test_step_events_held_then_sent_or_dropped_for_the_result(
