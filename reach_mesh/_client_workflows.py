@@ -141,6 +141,7 @@ class WorkflowsMixin:
                 return found
             return (await self._await_done(done, workflow_id, timeout))[0]
         finally:
+            self._drop_done(done)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
@@ -252,6 +253,7 @@ class WorkflowsMixin:
                     )
             finally:
                 if not delivered:
+                    self._drop_done(done)  # a stored result or an error: not waited on now
                     with contextlib.suppress(Exception):
                         await sub.unsubscribe()
             _end_span(sp, result.state, result.error.code if result.error else None)
@@ -359,6 +361,13 @@ class WorkflowsMixin:
         self._done_waits.add(done)
         done.add_done_callback(self._done_waits.discard)
         return sub, done
+
+    def _drop_done(self, done: asyncio.Future[Msg]) -> None:
+        """A ``.done`` wait is over: forget it (cancelled unless it has its message, or the
+        error a closing client gave it, which is then taken as seen)."""
+        if not done.cancel() and not done.cancelled():
+            done.exception()
+        self._done_waits.discard(done)
 
     def _end_done_waits(self) -> None:
         """The client closes: every wait for a ``.done`` ends now (the workflows go on)."""

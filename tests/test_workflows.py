@@ -715,6 +715,8 @@ async def test_submit_then_result_events_and_resubmit(
         assert sum(fleet.runs.values()) == 2
         # And after the fact, by id.
         assert (await mesh.workflow(wf_id, timeout=1)).workflow_id == wf_id
+        # Waits answered from the stored record leave no .done wait behind.
+        assert not mesh._done_waits
 
 
 async def test_closing_the_client_ends_its_waits_and_the_workflow_goes_on(
