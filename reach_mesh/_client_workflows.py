@@ -58,6 +58,9 @@ _SUBMIT_RETRY: Final = 15.0
 #: How long a duplicate submission waits for the first one's record, to compare the specs.
 _CONFLICT_WAIT: Final = 2.0
 
+#: A wait for a workflow's ``.done``: its message, or the stored result a re-check read.
+_Done = asyncio.Future[Msg | WorkflowResult]
+
 
 class WorkflowsMixin:
     """The workflow methods of ``Client`` (which sets every attribute below)."""
@@ -65,8 +68,11 @@ class WorkflowsMixin:
     namespace: str
     #: Submissions and record reads (started with the first workflow call).
     _jsc: JsClient | None
-    #: ``.done`` waits in progress (``_done_subscription``), ended by ``_end_done_waits``.
-    _done_waits: set[asyncio.Future[Msg]]
+    #: ``.done`` waits in progress (``_done_subscription``) → their workflow ids; re-checked
+    #: on a reconnect (``_recheck_done_waits``), ended by ``_end_done_waits``.
+    _done_waits: dict[_Done, str]
+    #: Those re-checks running.
+    _rechecks: set[asyncio.Task[None]]
 
     if TYPE_CHECKING:
 
@@ -350,27 +356,66 @@ class WorkflowsMixin:
 
     async def _done_subscription(
         self, namespace: str, workflow_id: str
-    ) -> tuple[Subscription, asyncio.Future[Msg]]:
+    ) -> tuple[Subscription, _Done]:
         """A subscription to the workflow's ``.done`` for one message, which resolves the
         future returned with it (nats-py's ``future=``: no message queue, iterator or task per
-        workflow, as ``next_msg`` has)."""
-        done: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        workflow, as ``next_msg`` has). A re-check after a reconnect may resolve it with the
+        stored result instead (``_recheck_done_waits``)."""
+        done: _Done = asyncio.get_running_loop().create_future()
         sub = await self.nc.subscribe(
             protocol.wf_done(namespace, workflow_id), future=done, max_msgs=1
         )
-        self._done_waits.add(done)
-        done.add_done_callback(self._done_waits.discard)
+        self._done_waits[done] = workflow_id
+        done.add_done_callback(self._forget_done)
         return sub, done
 
-    def _drop_done(self, done: asyncio.Future[Msg]) -> None:
+    def _forget_done(self, done: _Done) -> None:
+        self._done_waits.pop(done, None)
+
+    def _drop_done(self, done: _Done) -> None:
         """A ``.done`` wait is over: forget it (cancelled unless it has its message, or the
         error a closing client gave it, which is then taken as seen)."""
         if not done.cancel() and not done.cancelled():
             done.exception()
-        self._done_waits.discard(done)
+        self._forget_done(done)
+
+    def _recheck_done_waits(self) -> None:
+        """The connection is back (``reconnected_cb``): a ``.done`` published while this client
+        was away never arrives, so read the record of every workflow still waited on. The
+        subscriptions are in place again before nats-py calls this: a ``.done`` published
+        after the read arrives as usual."""
+        for done, workflow_id in list(self._done_waits.items()):
+            if not done.done():
+                task = asyncio.ensure_future(self._recheck(done, workflow_id))
+                self._rechecks.add(task)
+                task.add_done_callback(self._rechecks.discard)
+
+    async def _recheck(self, done: _Done, workflow_id: str) -> None:
+        """Resolve ``done`` with the stored result if the workflow is final. JetStream may be
+        electing a leader right after a reconnect: the read is retried for ``_SUBMIT_RETRY``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _SUBMIT_RETRY
+        delay = 0.25
+        key = protocol.workflow_key(self.namespace, workflow_id)
+        while not done.done():
+            try:
+                got = await (await self._js_client()).kv_get(protocol.KV_WORKFLOWS, key)
+            except Exception:  # unavailable right now (election, still reconnecting)
+                if loop.time() + delay > deadline:
+                    return  # the wait's own timeout reads the record once more
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            record = stored_record(WorkflowRecord, got)
+            result = record.result if record is not None and record.state.final else None
+            if result is not None and not done.done():
+                done.set_result(result)
+            return  # not final: its .done is still to come, and will arrive
 
     def _end_done_waits(self) -> None:
         """The client closes: every wait for a ``.done`` ends now (the workflows go on)."""
+        for task in list(self._rechecks):
+            task.cancel()
         for done in list(self._done_waits):
             if not done.done():
                 done.set_exception(
@@ -381,12 +426,12 @@ class WorkflowsMixin:
                 )
 
     async def _await_done(
-        self, done: asyncio.Future[Msg], workflow_id: str, timeout: float
+        self, done: _Done, workflow_id: str, timeout: float
     ) -> tuple[WorkflowResult, bool]:
         """The result and whether it came as the ``.done`` message (so its subscription is
         over). ``done``: from :meth:`_done_subscription`."""
         try:
-            msg = await asyncio.wait_for(done, timeout)
+            got = await asyncio.wait_for(done, timeout)
         except TimeoutError as err:
             # The record is the source of truth: the result may be stored while its .done
             # announcement is still on the way (a hub died between the two).
@@ -398,7 +443,9 @@ class WorkflowsMixin:
                 "(it keeps running; `await mesh.workflow(id)` later)",
                 workflow_id=workflow_id,
             ) from err
-        return WorkflowResult.model_validate_json(msg.data), True
+        if isinstance(got, WorkflowResult):
+            return got, False  # read from the record after a reconnect (its .done was missed)
+        return WorkflowResult.model_validate_json(got.data), True
 
 
 def _bad_step(step: object) -> Any:

@@ -8,6 +8,7 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -36,6 +37,7 @@ async def connect(
     name: str,
     settings: MeshSettings | None = None,
     timeout: float | None = None,
+    on_reconnect: Callable[[], None] | None = None,
     **options: Any,
 ) -> NATS:
     """Connect to ``url`` (comma-separated list allowed) or raise ``MeshUnavailableError``.
@@ -51,6 +53,7 @@ async def connect(
     what the server answered (TLS, authorization). Once connected, losing the server is logged
     once, then every 30 s while it lasts, and the reconnection once. A permissions violation
     (secure mode, docs/security.md) is logged: it would otherwise only show as a timeout.
+    ``on_reconnect`` is called after each reconnection (subscriptions are in place again).
     """
     if not url:
         raise MeshUnavailableError(
@@ -75,6 +78,7 @@ async def connect(
         opts.update(_auth_options(settings))
     opts.update(options)
     watch = _Watch(name, url)
+    watch.on_reconnect = on_reconnect
     opts.setdefault("error_cb", watch.error)
     opts.setdefault("disconnected_cb", watch.disconnected)
     opts.setdefault("reconnected_cb", watch.reconnected)
@@ -142,6 +146,8 @@ class _Watch:
         self.refused = asyncio.Event()
         self.refusal: BaseException | None = None
         self._down_since: float | None = None
+        #: Called after each reconnection (``connect(on_reconnect=)``).
+        self.on_reconnect: Callable[[], None] | None = None
         self._logged_at = 0.0
         self._failures = 0
 
@@ -183,6 +189,8 @@ class _Watch:
         log.warning("%s: lost NATS at %s; reconnecting until it is back", self.name, self.url)
 
     async def reconnected(self) -> None:
+        if self.on_reconnect is not None:
+            self.on_reconnect()
         if self._down_since is None:
             return
         down = time.monotonic() - self._down_since

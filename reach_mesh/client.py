@@ -72,6 +72,7 @@ from reach_mesh.tracing import (
     tracing_enabled,
     tracing_from_env,
 )
+from reach_mesh.workflow import WorkflowResult
 
 __all__ = ["Client", "TaskResult"]
 
@@ -165,7 +166,8 @@ class Client(WorkflowsMixin):
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
         self._jsc: JsClient | None = None
-        self._done_waits: set[asyncio.Future[Msg]] = set()
+        self._done_waits: dict[asyncio.Future[Msg | WorkflowResult], str] = {}
+        self._rechecks: set[asyncio.Task[None]] = set()
         # Names this client in its failure reports: each reporter's reports count a bounded
         # number of times per agent and breaker window (the hub's rule, docs/security.md).
         self._reporter = os.urandom(8).hex()
@@ -182,7 +184,12 @@ class Client(WorkflowsMixin):
         # OTEL_TRACES_EXPORTER honoured here too; service.name: OTEL_SERVICE_NAME, else ``name``.
         tracing_from_env(self._name)
         if self._nc is None:
-            self._nc = await connect(self.nats_url, name=self._name, settings=self.settings)
+            self._nc = await connect(
+                self.nats_url,
+                name=self._name,
+                settings=self.settings,
+                on_reconnect=self._recheck_done_waits,
+            )
         self._state = _State.OPEN
         return self
 

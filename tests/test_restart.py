@@ -4,6 +4,8 @@ registry is intact, new registrations are seen, and durable workflows run again 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +98,80 @@ async def test_outage_longer_than_the_lease_declares_nobody_lost(tmp_path: Path)
     finally:
         server.stop()
     assert AgentState.SUSPECT in during and AgentState.LOST not in during
+
+
+class _Relay:
+    """A TCP relay in front of nats-server that a test cuts and restores: the caller's side of
+    a network failure, while the hub and the agents stay connected."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+
+async def test_a_caller_cut_off_while_its_workflow_finished_gets_it_when_back(
+    nats_url: str, namespace: str
+) -> None:
+    """A workflow finishes while its caller's connection is down: the .done published then
+    never reaches it. Back on NATS, the caller reads the stored result at once instead of
+    waiting out its timeout."""
+    settings = MeshSettings(nats_url=nats_url, namespace=namespace)
+    started, release = asyncio.Event(), asyncio.Event()
+    agent = Agent(f"{namespace}.slow.a1", settings=settings)
+
+    @agent.handler("wf:slow:v1")
+    async def slow(task: Task[Any]) -> Any:
+        started.set()
+        await release.wait()
+        return {"done": True}
+
+    relay = _Relay(int(nats_url.rsplit(":", 1)[1]))
+    await relay.start()
+    away = settings.model_copy(update={"nats_url": f"nats://127.0.0.1:{relay.port}"})
+    async with Hub(settings=settings), Client(settings=settings) as direct:
+        await agent.start()
+        try:
+            async with Client(settings=away) as mesh:
+                waiting = asyncio.create_task(
+                    mesh.fanout([Step(capability="wf:slow:v1")], workflow_id="cut-1", timeout=60)
+                )
+                await asyncio.wait_for(started.wait(), 10)
+                await relay.cut()
+                release.set()
+                stored = await direct.workflow("cut-1", timeout=10)  # final while mesh is away
+                assert stored.ok
+                await asyncio.sleep(0.5)
+                assert not waiting.done()
+                t0 = time.monotonic()
+                await relay.start()
+                result = await asyncio.wait_for(waiting, 10)
+                assert result.ok and result.workflow_id == "cut-1"
+                assert time.monotonic() - t0 < 5.0, "read at the reconnect, not at the timeout"
+        finally:
+            await agent.close()
