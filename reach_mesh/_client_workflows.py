@@ -95,7 +95,8 @@ class WorkflowsMixin:
         (first success wins, the rest are cancelled) or ``quorum(k)``. Branches still
         unfinished at ``timeout`` end TIMEOUT. Malformed specs raise typed errors
         (``WorkflowSpecError``, ``SelectorError``, ...) before anything is sent; a workflow
-        that fails is *returned* (``result.state``), not raised.
+        that fails is *returned* (``result.state``), not raised. Waiting ends as
+        :meth:`workflow`'s does.
         """
         spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
         return await self._run_workflow(spec, timeout, chosen_id=workflow_id is not None)
@@ -138,7 +139,11 @@ class WorkflowsMixin:
         return spec.workflow_id
 
     async def workflow(self, workflow_id: str, *, timeout: float = 30.0) -> WorkflowResult:
-        """Wait for (or fetch, if already finished) the result of a submitted workflow."""
+        """Wait for (or fetch, if already finished) the result of a submitted workflow.
+
+        ``MeshTimeoutError`` when it has no result within ``timeout`` (it goes on: ask again),
+        ``MeshUnavailableError`` when this client is closed meanwhile. A result that came while
+        the connection was down is read from its record once the connection is back."""
         protocol.validate_workflow_id(workflow_id)
         sub, done = await self._done_subscription(self.namespace, workflow_id)
         try:
