@@ -145,7 +145,7 @@ class WorkflowsMixin:
         ``MeshUnavailableError`` when this client is closed meanwhile. A result that came while
         the connection was down is read from its record once the connection is back."""
         protocol.validate_workflow_id(workflow_id)
-        sub, done = await self._done_subscription(self.namespace, workflow_id)
+        sub, done = await self._done_subscription(workflow_id)
         try:
             found = await self._stored_result(workflow_id)
             if found is not None:
@@ -251,7 +251,7 @@ class WorkflowsMixin:
             # Subscribe to the result before submitting: no window in which it could be missed.
             # ``max_msgs=1``: the server drops the interest itself once ``.done`` is delivered,
             # so the usual path sends no UNSUB.
-            sub, done = await self._done_subscription(spec.namespace, spec.workflow_id)
+            sub, done = await self._done_subscription(spec.workflow_id)
             delivered = False
             try:
                 duplicate = await self._submit(spec, headers, chosen_id=chosen_id)
@@ -336,11 +336,15 @@ class WorkflowsMixin:
     async def _workflow_record(self, workflow_id: str) -> WorkflowRecord | None:
         """The stored record of a workflow of this namespace; None when there is none (or it
         cannot be read right now)."""
-        key = protocol.workflow_key(self.namespace, workflow_id)
         try:
-            got = await (await self._js_client()).kv_get(protocol.KV_WORKFLOWS, key)
+            return await self._read_record(workflow_id)
         except (nats.errors.Error, TimeoutError):
             return None  # no bucket (no hub ever ran), or JetStream unavailable right now
+
+    async def _read_record(self, workflow_id: str) -> WorkflowRecord | None:
+        """:meth:`_workflow_record`, raising when the record cannot be read right now."""
+        key = protocol.workflow_key(self.namespace, workflow_id)
+        got = await (await self._js_client()).kv_get(protocol.KV_WORKFLOWS, key)
         return stored_record(WorkflowRecord, got)
 
     async def _js_client(self) -> JsClient:
@@ -354,21 +358,16 @@ class WorkflowsMixin:
         return self._jsc
 
     async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
-        record = await self._workflow_record(workflow_id)
-        if record is None or not record.state.final:
-            return None
-        return record.result
+        return _final_result(await self._workflow_record(workflow_id))
 
-    async def _done_subscription(
-        self, namespace: str, workflow_id: str
-    ) -> tuple[Subscription, _Done]:
+    async def _done_subscription(self, workflow_id: str) -> tuple[Subscription, _Done]:
         """A subscription to the workflow's ``.done`` for one message, which resolves the
         future returned with it (nats-py's ``future=``: no message queue, iterator or task per
         workflow, as ``next_msg`` has). A re-check after a reconnect may resolve it with the
         stored result instead (``_recheck_done_waits``)."""
         done: _Done = asyncio.get_running_loop().create_future()
         sub = await self.nc.subscribe(
-            protocol.wf_done(namespace, workflow_id), future=done, max_msgs=1
+            protocol.wf_done(self.namespace, workflow_id), future=done, max_msgs=1
         )
         self._done_waits[done] = workflow_id
         done.add_done_callback(self._forget_done)
@@ -401,18 +400,16 @@ class WorkflowsMixin:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _SUBMIT_RETRY
         delay = 0.25
-        key = protocol.workflow_key(self.namespace, workflow_id)
         while not done.done():
             try:
-                got = await (await self._js_client()).kv_get(protocol.KV_WORKFLOWS, key)
+                record = await self._read_record(workflow_id)
             except Exception:  # unavailable right now (election, still reconnecting)
                 if loop.time() + delay > deadline:
                     return  # the wait's own timeout reads the record once more
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
                 continue
-            record = stored_record(WorkflowRecord, got)
-            result = record.result if record is not None and record.state.final else None
+            result = _final_result(record)
             if result is not None and not done.done():
                 done.set_result(result)
             return  # not final: its .done is still to come, and will arrive
@@ -451,6 +448,11 @@ class WorkflowsMixin:
         if isinstance(got, WorkflowResult):
             return got, False  # read from the record after a reconnect (its .done was missed)
         return WorkflowResult.model_validate_json(got.data), True
+
+
+def _final_result(record: WorkflowRecord | None) -> WorkflowResult | None:
+    """The result a record holds once it is final; None before (or without a record)."""
+    return record.result if record is not None and record.state.final else None
 
 
 def _bad_step(step: object) -> Any:

@@ -70,7 +70,7 @@ class _MeshExecutor(AgentExecutor):
         self.namespace = namespace
 
     async def execute(self, context: RequestContext, event_queue: Any) -> None:
-        skill, arguments = _skill_and_arguments(context)
+        skill, arguments = _message_skill(context.message)
         capability = self.a2a.capability(self.namespace, skill)
         assert context.task_id is not None and context.context_id is not None
         updater = TaskUpdater(event_queue, context.task_id, context.context_id)
@@ -99,10 +99,6 @@ class _MeshExecutor(AgentExecutor):
     async def cancel(self, context: RequestContext, event_queue: Any) -> None:
         assert context.task_id is not None and context.context_id is not None
         await TaskUpdater(event_queue, context.task_id, context.context_id).cancel()
-
-
-def _skill_and_arguments(context: RequestContext) -> tuple[str | None, Any]:
-    return _message_skill(context.message)
 
 
 def _message_skill(message: Message | None) -> tuple[str | None, Any]:
