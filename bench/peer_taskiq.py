@@ -34,7 +34,14 @@ from importlib import metadata
 from typing import Any
 
 from bench._system import ChildProcess, python
-from bench.workflow_bench import _lat, _sequential, _sustained, at_rates, measure_cost
+from bench.workflow_bench import (
+    _lat,
+    _sequential,
+    _sustained,
+    at_rates,
+    engine_rates,
+    measure_cost,
+)
 from reach_mesh import _runner
 
 __all__ = ["CHECK_INTERVAL", "run_taskiq_peer"]
@@ -158,7 +165,7 @@ async def run_taskiq_peer(
             lat = await _sequential(call, n_seq)
             costing = functools.partial(measure_cost, nats_url, pids, monitor_url=monitor_url)
             tp, cost = await costing(lambda c=call: _sustained(c, concurrency, duration))
-            rates = await at_rates(call, tp["per_s"], rate_s, costing)
+            rates = await at_rates(call, engine_rates(tp["per_s"]), rate_s, costing)
             out[name] = {**_lat(lat), "sustained": tp, "cost": cost, "open_loop": rates}
     finally:
         await broker.shutdown()

@@ -47,7 +47,13 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-__all__ = ["at_rates", "child_processes", "measure_cost", "run_workflow_bench"]
+__all__ = [
+    "at_rates",
+    "child_processes",
+    "engine_rates",
+    "measure_cost",
+    "run_workflow_bench",
+]
 
 #: The low fixed load of the open-loop points (issue 15: p50 at 100 workflows/s).
 LOW_RATE = 100.0
@@ -115,23 +121,22 @@ Costing = Callable[
 _POINT = ("offered_rps", "ok", "errors", "unfinished", "achieved_rps", "p50_ms", "p99_ms")
 
 
+def engine_rates(sustained_per_s: float) -> dict[str, float]:
+    """The open-loop points of a system that sustained ``sustained_per_s``: :data:`LOW_RATE`
+    and half that rate."""
+    return {"100": LOW_RATE, "half_sustained": max(1.0, round(sustained_per_s / 2, 1))}
+
+
 async def at_rates(
-    call: Any,
-    sustained_per_s: float,
-    seconds: float,
-    cost: Costing | None = None,
-    *,
-    rates: dict[str, float] | None = None,
+    call: Any, rates: dict[str, float], seconds: float, cost: Costing | None = None
 ) -> dict[str, Any]:
-    """Latency at fixed offered loads, open loop (each workflow timed from its due time, so a
-    stall counts against every workflow due meanwhile): at :data:`LOW_RATE` and at half the rate
-    the same system sustained in the same run, or at ``rates`` (name → workflows/s). With
-    ``cost`` (:func:`measure_cost` bound to the processes), each point has the CPU µs one
-    workflow took there, all processes summed: at a moderate rate each message is more of a
-    wake-up of its own than at full load."""
+    """Latency at fixed offered loads (``rates``: name → workflows/s, e.g.
+    :func:`engine_rates`), open loop (each workflow timed from its due time, so a stall counts
+    against every workflow due meanwhile). With ``cost`` (:func:`measure_cost` bound to the
+    processes), each point has the CPU µs one workflow took there, all processes summed: at a
+    moderate rate each message is more of a wake-up of its own than at full load."""
     out: dict[str, Any] = {}
-    half = max(1.0, round(sustained_per_s / 2, 1))
-    for key, rate in (rates or {"100": LOW_RATE, "half_sustained": half}).items():
+    for key, rate in rates.items():
 
         async def point(rate: float = rate) -> dict[str, Any]:
             pt = await open_loop(call, rate, seconds)
@@ -336,8 +341,10 @@ async def run_workflow_bench(
                 chain_tp, chain_cost = await cost(
                     lambda: _sustained(one_chain, concurrency, duration)
                 )
-                fan_rates = await at_rates(one_fanout, fan_tp["per_s"], rate_s, cost)
-                chain_rates = await at_rates(one_chain, chain_tp["per_s"], rate_s, cost)
+                fan_rates = await at_rates(one_fanout, engine_rates(fan_tp["per_s"]), rate_s, cost)
+                chain_rates = await at_rates(
+                    one_chain, engine_rates(chain_tp["per_s"]), rate_s, cost
+                )
         finally:
             for agent in agents:
                 await agent.close()

@@ -52,6 +52,7 @@ from bench._jsstats import free_port
 from reach_mesh import _runner
 from reach_mesh._consume import PullConsumer
 from reach_mesh._jspub import JsClient
+from reach_mesh._nats import ensure_kv
 from reach_mesh.server import EmbeddedNats
 
 __all__ = ["run_floor"]
@@ -109,17 +110,7 @@ async def _setup(nc: NATS, n: _Names) -> None:
     await js.add_stream(StreamConfig(name=n.status_stream, subjects=[n.status("*")], storage=file))
     await js.add_stream(StreamConfig(name=n.done_stream, subjects=[n.done("*")], storage=file))
     for bucket in (n.wf_bucket, n.tasks_bucket):
-        await js.add_stream(
-            StreamConfig(
-                name=f"KV_{bucket}",
-                subjects=[f"$KV.{bucket}.>"],
-                storage=file,
-                max_msgs_per_subject=1,
-                allow_direct=True,
-                allow_rollup_hdrs=True,
-                deny_delete=True,
-            )
-        )
+        await ensure_kv(js, bucket)  # as the engine's buckets are made
     await js.add_consumer(n.submit_stream, durable_name="hub", ack_policy="explicit")
     for i in range(AGENTS):
         await js.add_consumer(
@@ -307,10 +298,9 @@ async def run_floor(
                 half = (rates or {}).get(key)
                 points = await at_rates(
                     one,
-                    0.0,
+                    {"100": LOW_RATE, **({"engine_half": half} if half else {})},
                     min(duration, 2.0 if quick else 5.0),
                     costing,
-                    rates={"100": LOW_RATE, **({"engine_half": half} if half else {})},
                 )
                 out[key] = {**_lat(seq), "sustained": sustained, "cost": cost, "open_loop": points}
     finally:
