@@ -30,6 +30,7 @@ from reach_mesh import (
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState, TaskEnvelope
+from reach_mesh.tracing import trace_id_from_headers
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, merge_payload
 
 from .helpers import Fleet, echo_agent, eventually, heal, partition, task_record
@@ -746,7 +747,8 @@ async def test_step_events_held_then_sent_or_dropped_for_the_result(
     fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
     """An event waits ``workflow_event_hold``: sent when the workflow is still running then,
-    dropped when the workflow's result (which says every step's outcome) is stored first."""
+    dropped when the workflow's result (which says every step's outcome) is stored first. A
+    released event carries the workflow's trace, as when it happened."""
     settings = wf_settings.model_copy(update={"workflow_event_hold": 0.4})
     agent = fleet.agent("hold.a1")
 
@@ -757,14 +759,21 @@ async def test_step_events_held_then_sent_or_dropped_for_the_result(
 
     async with Hub(settings=settings), Client(settings=settings) as mesh:
         await agent.start()
+        wf_id = "held-events-1"
+        sent = await mesh.nc.subscribe(protocol.wf_event(settings.namespace, wf_id))
         # Branch 0 ends at once, branch 1 after 1.2 s: start and branch 0's event go out at
         # 0.4 s; branch 1's is still held when the result is stored, and dropped.
-        wf_id = await mesh.submit_fanout(
-            [Step(capability="wf:hold:v1", payload=p) for p in (0, 1.2)], timeout=20
+        await mesh.submit_fanout(
+            [Step(capability="wf:hold:v1", payload=p) for p in (0, 1.2)],
+            timeout=20,
+            workflow_id=wf_id,
         )
         res = await mesh.workflow(wf_id, timeout=10)
         assert res.state is TaskState.SUCCEEDED and res.result == [0, 1.2]
         events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
+        released = [await sent.next_msg(timeout=2) for _ in range(2)]
+    assert res.trace_id is not None
+    assert [trace_id_from_headers(m.headers) for m in released] == [res.trace_id] * 2
     assert [(e.kind, e.step, e.state) for e in events] == [
         ("start", None, TaskState.RUNNING),
         ("step", 0, TaskState.SUCCEEDED),

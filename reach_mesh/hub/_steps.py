@@ -11,6 +11,7 @@ retrying, and recording the outcome. Infrastructure errors are retried here
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ from typing import Any, Final, Literal, TypeVar
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
+from opentelemetry.context import Context
 
 from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
@@ -31,7 +33,7 @@ from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.models import ErrorBody, RouteRequest, TaskEnvelope, TaskState
 from reach_mesh.selector import Selector
-from reach_mesh.tracing import SPAN_STEP, SpanKind, inject, span
+from reach_mesh.tracing import SPAN_STEP, SpanKind, current_context, inject, span
 from reach_mesh.workflow import (
     AttemptRecord,
     StepSpec,
@@ -86,8 +88,9 @@ class Workflow:
     #: when ``taken_over`` from another hub).
     first_agents: list[str | None] = field(default_factory=list)
     taken_over: bool = False
-    #: Events not sent yet (``StepRunner._event``), and the timer that sends them.
-    held: list[tuple[WorkflowEvent, dict[str, str]]] = field(default_factory=list)
+    #: Events not sent yet (``StepRunner._event``): made (and their trace context written)
+    #: only when sent, with the trace context current when they happened; and the timer.
+    held: list[tuple[Callable[[], WorkflowEvent], Context]] = field(default_factory=list)
     hold_timer: asyncio.TimerHandle | None = None
 
     def first_agent(self, index: int) -> str | None:
@@ -650,7 +653,8 @@ class StepRunner:
         """A ``step`` event of ``wf`` about its step ``index``."""
         self._event(
             wf,
-            WorkflowEvent(
+            functools.partial(
+                WorkflowEvent,
                 workflow_id=wf.id,
                 kind="step",
                 state=state,
@@ -662,7 +666,7 @@ class StepRunner:
             ),
         )
 
-    def _event(self, wf: Workflow, event: WorkflowEvent) -> None:
+    def _event(self, wf: Workflow, event: Callable[[], WorkflowEvent]) -> None:
         """Publish ``event`` (core NATS; ``REACH_WF_EVENTS`` captures it).
 
         Events are held for ``workflow_event_hold`` first (``Workflow.held``): when the workflow's
@@ -670,7 +674,7 @@ class StepRunner:
         says every step's outcome and agent), so a fast workflow stores its ``.done`` only.
         Released events leave with this hub's next JetStream write or a few milliseconds later
         (``JsClient.later``), in the order they were made. A hold of 0 releases each at once."""
-        wf.held.append((event, inject(dict(wf.headers))))  # encoded only if released
+        wf.held.append((event, current_context()))  # made only if released
         hold = self._settings.workflow_event_hold
         if hold <= 0:
             self._release_held(wf)
@@ -686,10 +690,11 @@ class StepRunner:
         if self._stopping:
             return
         subject = protocol.wf_event(wf.ns, wf.id)
-        for event, headers in held:
-            self._jsc.later(subject, protocol.encode(event), headers)
+        for event, context in held:
+            headers = inject(dict(wf.headers), within=context)
+            self._jsc.later(subject, protocol.encode(event()), headers)
 
-    def _take_held(self, wf: Workflow) -> list[tuple[WorkflowEvent, dict[str, str]]]:
+    def _take_held(self, wf: Workflow) -> list[tuple[Callable[[], WorkflowEvent], Context]]:
         """``wf``'s held events, no longer held (dropped unless sent by the caller)."""
         if wf.hold_timer is not None:
             wf.hold_timer.cancel()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -540,7 +541,8 @@ class WorkflowEngine(StepRunner):
         ) as sp:
             self._event(
                 wf,
-                WorkflowEvent(
+                functools.partial(
+                    WorkflowEvent,
                     workflow_id=wf.id,
                     kind="start",
                     state=TaskState.RUNNING,

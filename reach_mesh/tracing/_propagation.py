@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Final
 
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import (
@@ -59,8 +60,11 @@ _rng = random.Random()
 os.register_at_fork(after_in_child=_rng.seed)
 
 
-def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
-    """Write the current trace context into NATS headers and return them.
+def inject(
+    headers: dict[str, str] | None = None, *, within: Context | None = None
+) -> dict[str, str]:
+    """Write the current trace context (or ``within``: one captured earlier with
+    :func:`current_context`) into NATS headers and return them.
 
     ``headers`` is updated in place (a new dict when ``None``). With a valid current span its
     context is written (``traceparent``, ``tracestate``; with tracing on, whatever the global
@@ -70,7 +74,7 @@ def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
     """
     if headers is None:
         headers = {}
-    current = trace.get_current_span()
+    current = trace.get_current_span(within)
     if type(current) is _CarriedSpan and not tracing_enabled():
         # Tracing off inside span(): copy the strings it was made from, no formatting.
         headers[TRACEPARENT] = current.traceparent
@@ -82,7 +86,7 @@ def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
     span_context = current.get_span_context()
     if tracing_enabled():
         # The global propagator may be configured by the application (B3, baggage, ...).
-        propagate.inject(headers)
+        propagate.inject(headers, context=within)
         if span_context.is_valid:
             # Every hop must carry a traceparent, even if the application's propagators are
             # not W3C ones.
@@ -99,6 +103,11 @@ def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
         headers[TRACEPARENT] = _fresh_traceparent()
         headers.pop(TRACESTATE, None)
     return headers
+
+
+def current_context() -> Context:
+    """The current OpenTelemetry context, to :func:`inject` later (``within=``)."""
+    return otel_context.get_current()
 
 
 def extract(headers: Mapping[str, str] | None) -> Context:
