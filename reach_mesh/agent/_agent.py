@@ -67,6 +67,12 @@ log = logging.getLogger("reach_mesh.agent")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 _AGENT_QUEUE: Final = "reach-agent"
+#: Tries of one heartbeat, each waiting ``heartbeat_interval / (2 * _BEAT_TRIES)`` for its
+#: answer: the hubs' queue group may hand a beat to a hub that is paused (a long GC pause, a
+#: stalled VM) or gone without a word, and that hub neither answers nor tells the others. Sent
+#: again at once, the beat most likely reaches another hub, and a beat that found no hub in all
+#: its tries still leaves the lease (at least 3 intervals) a whole interval to spare.
+_BEAT_TRIES: Final = 3
 
 
 class Agent(ServingMixin):
@@ -351,10 +357,11 @@ class Agent(ServingMixin):
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.heartbeat_interval
         subject = protocol.hub_agent_subject(self.agent_id, "heartbeat")
+        timeout = max(interval / (2 * _BEAT_TRIES), 0.05)
         while True:
             await asyncio.sleep(interval * random.uniform(0.9, 1.0))
             try:
-                await self._beat(subject, timeout=max(interval, 1.0))
+                await self._beat_answered(subject, timeout)
             except UnknownAgentError:
                 log.warning("hub does not know %s: registering again", self.agent_id)
                 if self.work is not None:
@@ -371,6 +378,18 @@ class Agent(ServingMixin):
                 raise
             except Exception:
                 log.exception("heartbeat of %s failed", self.agent_id)
+
+    async def _beat_answered(self, subject: str, timeout: float) -> None:
+        """One heartbeat, sent again at once while unanswered within ``timeout``, up to
+        ``_BEAT_TRIES`` times (a repeat is harmless: the hub that gets it renews the lease
+        again). Any other error ends it at once."""
+        for left in range(_BEAT_TRIES - 1, -1, -1):
+            try:
+                await self._beat(subject, timeout)
+                return
+            except (NatsTimeoutError, TimeoutError):
+                if left == 0:
+                    raise
 
     async def _beat(self, subject: str, timeout: float) -> None:
         hb = Heartbeat(

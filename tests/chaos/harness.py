@@ -29,13 +29,14 @@ from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
 from reach_mesh.errors import ReachError
+from reach_mesh.logs import LEASE_EXPIRED
 
 from ..helpers import cluster_nodes
 from .agent_proc import CAPABILITY
 from .history import Expected, History, Report, check, read_faults, read_runs
 
 HERE = Path(__file__).parent
-FAULTS = ("agent_kill", "hub_kill", "node_kill", "agent_stop", "slow")
+FAULTS = ("agent_kill", "hub_kill", "node_kill", "agent_stop", "hub_stop", "slow")
 #: Streams whose leader a node kill aims at, in turn (the KV buckets are streams too).
 LEADER_TARGETS = (
     "KV_reach_tasks",
@@ -381,6 +382,17 @@ class Faults:
         proc.signal(signal.SIGCONT)
         self._log("agent_stop", proc.name, at, pid=proc.pid)
 
+    async def hub_stop(self) -> None:
+        """SIGSTOP a hub past ``workflow_ack_wait`` (the other hubs take its workflows over),
+        then SIGCONT: it wakes with stale state, every timer due at once (a long GC pause, a
+        stalled VM)."""
+        proc = self.rng.choice(self.mesh.hubs)
+        at = time.time()
+        proc.signal(signal.SIGSTOP)
+        await asyncio.sleep(self.cfg.timings["workflow_ack_wait"] + 3.0)
+        proc.signal(signal.SIGCONT)
+        self._log("hub_stop", proc.name, at, pid=proc.pid)
+
     async def leader_of(self, stream: str) -> str | None:
         try:
             info = await asyncio.wait_for(self.client.nc.jetstream().stream_info(stream), 2)
@@ -484,6 +496,9 @@ class ChaosRun:
     stats: DriverStats
     faults: int
     seconds: float
+    #: Lease expiries (an agent made SUSPECT) the hubs logged: informational — expected after
+    #: an agent fault, a sign of lost heartbeats after any other.
+    lease_expiries: int = 0
 
     def table(self) -> str:
         head = (
@@ -499,6 +514,7 @@ class ChaosRun:
             ),
             f"  submit gave up: {self.stats.submit_gave_up}",
             f"  caller wait errors (retried): {dict(self.stats.wait_errors)}",
+            f"  lease expiries logged by hubs: {self.lease_expiries}",
         ]
         return "\n".join([self.report.table(head), *extra])
 
@@ -526,7 +542,12 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
     finally:
         await asyncio.to_thread(mesh.close)
     report = check(history)
-    result = ChaosRun(cfg, report, history, stats, faults.count, time.monotonic() - t0)
+    expiries = sum(
+        proc.log.read_text(errors="replace").count(f'"event":"{LEASE_EXPIRED}"')
+        for proc in mesh.hubs
+        if proc.log.exists()
+    )
+    result = ChaosRun(cfg, report, history, stats, faults.count, time.monotonic() - t0, expiries)
     (workdir / "table.txt").write_text(result.table() + "\n")
     (workdir / "history.json").write_text(
         json.dumps(

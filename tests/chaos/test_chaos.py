@@ -24,7 +24,7 @@ def _assert_invariants(run: ChaosRun) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("fault", ["agent_kill", "hub_kill"])
+@pytest.mark.parametrize("fault", ["agent_kill", "hub_kill", "hub_stop"])
 async def test_short_chaos(fault: str, tmp_path: Path) -> None:
     """~60 workflows at 10/s with a fault every 2 s: nothing lost, stuck, wrong, answered
     twice or re-run without a crash to explain it."""

@@ -1,0 +1,106 @@
+"""A hub that stops answering — paused (SIGSTOP, a long GC pause, a stalled VM) or wedged —
+still takes its share of the agents' heartbeats from the hubs' queue group, and tells nobody.
+The agents must not lose their leases for it: a beat unanswered within a fraction of the
+interval is sent again at once, and most likely reaches a hub that answers.
+
+The silent hub here is a plain member of the hubs' queue group that takes heartbeats and never
+answers: what a paused hub looks like from the bus. ``make chaos CHAOS_FAULTS=hub_stop`` does
+the same to real hub processes with SIGSTOP."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import nats
+
+from reach_mesh import MeshSettings, protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.agent._agent import _BEAT_TRIES
+from reach_mesh.hub import Hub
+from reach_mesh.models import AgentState
+
+from .helpers import eventually
+
+
+def _agent(agent_id: str, settings: MeshSettings) -> Agent:
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler("pause:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    return agent
+
+
+@asynccontextmanager
+async def _silent_hub(settings: MeshSettings) -> AsyncIterator[list[str]]:
+    """A member of the hubs' queue group that takes every heartbeat it is given and never
+    answers; yields the subjects of the beats it took."""
+    nc = await nats.connect(settings.nats_url)
+    taken: list[str] = []
+
+    async def swallow(msg: Any) -> None:
+        taken.append(msg.subject)
+
+    sub = await nc.subscribe(
+        protocol.hub_agent_subject("*.*.*", "heartbeat"), queue=protocol.HUB_QUEUE, cb=swallow
+    )
+    try:
+        yield taken
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+
+
+async def test_an_unanswered_heartbeat_is_sent_again_at_once(settings: MeshSettings) -> None:
+    """With only a silent hub left, every heartbeat is tried ``_BEAT_TRIES`` times in its
+    interval, each try waiting a sixth of the interval (before: one try, waiting 1 s)."""
+    s = settings.model_copy(update={"heartbeat_interval": 0.3, "lease_timeout": 0.9})
+    agent = _agent("pause.echo.a1", s)
+    async with Hub(settings=s) as hub:
+        await agent.start()
+        await eventually(lambda: "pause.echo.a1" in hub.registry.agents, timeout=5)
+    try:
+        async with _silent_hub(s) as taken:  # the only hub left
+            await asyncio.sleep(1.5)
+            beats = list(taken)
+    finally:
+        await agent.close()
+    # 1.5 s is five intervals of 0.3 s: about 15 tries. One try per interval would be 5, and
+    # one waiting 1 s for its answer (the old timeout) at most 2.
+    assert len(beats) >= 3 * _BEAT_TRIES, beats
+    assert set(beats) == {protocol.hub_agent_subject("pause.echo.a1", "heartbeat")}
+
+
+async def test_a_silent_hub_costs_no_agent_its_lease(settings: MeshSettings) -> None:
+    """Two hubs and a silent one share the agents' heartbeats: for a few seconds the agent
+    stays ONLINE on both real hubs, never SUSPECT or LOST."""
+    s = settings.model_copy(update={"heartbeat_interval": 0.3, "lease_timeout": 1.5})
+    seen: list[tuple[str, AgentState]] = []
+    async with Hub(settings=s) as one, Hub(settings=s) as two:
+        for hub in (one, two):
+            hub.registry.on_state_change(
+                lambda view, old, new, hub=hub: (
+                    view.agent_id == "pause.echo.a2" and seen.append((hub.hub_id, new))
+                )
+            )
+        async with _agent("pause.echo.a2", s):
+            for hub in (one, two):
+                await eventually(
+                    lambda hub=hub: (
+                        (v := hub.registry.agents.get("pause.echo.a2")) is not None
+                        and v.state is AgentState.ONLINE
+                    ),
+                    timeout=5,
+                )
+            seen.clear()
+            async with _silent_hub(s) as taken:
+                await asyncio.sleep(3.0)
+            states = [(h.registry.agents["pause.echo.a2"].state) for h in (one, two)]
+            during = list(seen)
+    assert taken, "the silent hub was never given a beat"
+    assert states == [AgentState.ONLINE, AgentState.ONLINE]
+    assert not [st for _, st in during if st in (AgentState.SUSPECT, AgentState.LOST)], during
