@@ -397,22 +397,19 @@ class WorkflowsMixin:
     async def _recheck(self, done: _Done, workflow_id: str) -> None:
         """Resolve ``done`` with the stored result if the workflow is final. JetStream may be
         electing a leader right after a reconnect: the read is retried for ``_SUBMIT_RETRY``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + _SUBMIT_RETRY
-        delay = 0.25
-        while not done.done():
-            try:
-                record = await self._read_record(workflow_id)
-            except Exception:  # unavailable right now (election, still reconnecting)
-                if loop.time() + delay > deadline:
-                    return  # the wait's own timeout reads the record once more
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-                continue
-            result = _final_result(record)
-            if result is not None and not done.done():
-                done.set_result(result)
-            return  # not final: its .done is still to come, and will arrive
+        deadline = asyncio.get_running_loop().time() + _SUBMIT_RETRY
+        try:
+            record = await retrying(
+                f"read the record of {workflow_id}",
+                lambda: self._read_record(workflow_id),
+                deadline,
+            )
+        except Exception:
+            return  # still unreadable: the wait's own timeout reads the record once more
+        result = _final_result(record)
+        if result is not None and not done.done():
+            done.set_result(result)
+        # Not final: its .done is still to come, and will arrive.
 
     def _end_done_waits(self) -> None:
         """The client closes: every wait for a ``.done`` ends now (the workflows go on)."""

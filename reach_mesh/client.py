@@ -19,7 +19,6 @@ from typing import Any, Literal
 import nats.js.errors
 import pydantic_core
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -38,7 +37,7 @@ from reach_mesh._client_fields import (
     _RouteFields,
     _TaskReply,
 )
-from reach_mesh._client_workflows import WorkflowsMixin
+from reach_mesh._client_workflows import WorkflowsMixin, _Done
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import connect
 from reach_mesh.config import MeshSettings, load_settings
@@ -72,7 +71,6 @@ from reach_mesh.tracing import (
     tracing_enabled,
     tracing_from_env,
 )
-from reach_mesh.workflow import WorkflowResult
 
 __all__ = ["Client", "TaskResult"]
 
@@ -166,7 +164,7 @@ class Client(WorkflowsMixin):
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
         self._jsc: JsClient | None = None
-        self._done_waits: dict[asyncio.Future[Msg | WorkflowResult], str] = {}
+        self._done_waits: dict[_Done, str] = {}
         self._rechecks: set[asyncio.Task[None]] = set()
         # Names this client in its failure reports: each reporter's reports count a bounded
         # number of times per agent and breaker window (the hub's rule, docs/security.md).
