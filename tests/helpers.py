@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import socket
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,12 +51,14 @@ def cluster_nodes(base: Path, n: int = 3, name: str = "mesh") -> list[EmbeddedNa
 
 
 async def eventually(
-    predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02
+    predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0, interval: float = 0.02
 ) -> None:
-    """Wait until ``predicate()`` is true; fail the test with a clear message otherwise."""
+    """Wait until ``predicate()`` (awaited when it returns an awaitable) is true; fail the
+    test with a clear message otherwise."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
+        ok = predicate()
+        if await ok if inspect.isawaitable(ok) else ok:
             return
         await asyncio.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
