@@ -107,6 +107,41 @@ class Fleet:
                 await asyncio.wait_for(agent.close(), timeout=5)
 
 
+class Relay:
+    """A TCP relay in front of nats-server that a test cuts and restores: one party's side of
+    a network failure, while the others stay connected."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+
 async def partition(agent: Agent) -> None:
     """Cut ``agent`` off from the hubs while its handlers keep running: no heartbeats, and
     nobody answers on its ctl subject (what a network partition looks like from the hubs)."""

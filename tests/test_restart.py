@@ -4,7 +4,6 @@ registry is intact, new registrations are seen, and durable workflows run again 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually, free_port
+from .helpers import Relay, eventually, free_port
 
 
 def _agent(agent_id: str, cap: str, settings: MeshSettings) -> Agent:
@@ -100,41 +99,6 @@ async def test_outage_longer_than_the_lease_declares_nobody_lost(tmp_path: Path)
     assert AgentState.SUSPECT in during and AgentState.LOST not in during
 
 
-class _Relay:
-    """A TCP relay in front of nats-server that a test cuts and restores: the caller's side of
-    a network failure, while the hub and the agents stay connected."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.port = free_port()
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        self._writers += [writer, up_writer]
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    async def cut(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-        for writer in self._writers:
-            writer.close()
-        self._writers.clear()
-
-
 async def test_a_caller_cut_off_while_its_workflow_finished_gets_it_when_back(
     nats_url: str, namespace: str
 ) -> None:
@@ -151,7 +115,7 @@ async def test_a_caller_cut_off_while_its_workflow_finished_gets_it_when_back(
         await release.wait()
         return {"done": True}
 
-    relay = _Relay(int(nats_url.rsplit(":", 1)[1]))
+    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
     await relay.start()
     away = settings.model_copy(update={"nats_url": f"nats://127.0.0.1:{relay.port}"})
     async with Hub(settings=settings), Client(settings=settings) as direct:

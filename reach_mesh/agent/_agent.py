@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
 import random
 import sys
 import time
@@ -173,6 +174,9 @@ class Agent(ServingMixin):
         self._hb_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._registered = asyncio.Event()
+        #: When a hub last answered our registration or a heartbeat (monotonic; a pause
+        #: counts): see ``in_touch``.
+        self._answered_at = -math.inf
         self.handled = 0
         #: Durable workflow steps over JetStream (``reach.work.<ns>.<agent_id>``).
         self.work: WorkConsumer | None = None
@@ -290,7 +294,15 @@ class Agent(ServingMixin):
                 self._metrics_server = await serve_metrics(
                     self.metrics.render, self._metrics_host, self._metrics_port
                 )
-            self._nc = await connect(self.nats_url, name=self.agent_id, settings=self.settings)
+            self._nc = await connect(
+                self.nats_url,
+                name=self.agent_id,
+                settings=self.settings,
+                # A hub's word may have been lost meanwhile: read every fence until we know
+                # what was stored before (WorkConsumer.untrust).
+                on_reconnect=self._out_of_touch,
+                on_slow_consumer=self._out_of_touch,
+            )
             self._answers = AnswerBatcher(self._nc)
             self._subs.append(
                 await self.nc.subscribe(
@@ -339,6 +351,7 @@ class Agent(ServingMixin):
                 msg = await self.nc.request(subject, protocol.encode(req), timeout=5.0)
                 reply = protocol.parse_reply(msg.data, RegisterReply)
                 self.state = reply.state
+                self._answered_at = time.monotonic()
                 self._registered.set()
                 log.info("agent %s registered with %s", self.agent_id, reply.hub_id)
                 return
@@ -404,6 +417,21 @@ class Agent(ServingMixin):
         msg = await self.nc.request(subject, protocol.encode(hb), timeout=timeout)
         reply = protocol.parse_reply(msg.data, HeartbeatReply)
         self.state = reply.state
+        self._answered_at = time.monotonic()
+
+    def _out_of_touch(self) -> None:
+        if self.work is not None:
+            self.work.untrust()
+
+    def in_touch(self) -> bool:
+        """True while the hubs surely hold our lease: connected, and a hub answered us within
+        two heartbeat intervals. A lease is at least three, so no hub can have declared us
+        SUSPECT or LOST — and given our attempts up without asking us — meanwhile. False
+        after a pause of the process (SIGSTOP, a stalled VM) or a partition, until the next
+        answer."""
+        if self._nc is None or not self._nc.is_connected:
+            return False
+        return time.monotonic() - self._answered_at < 2 * self.settings.heartbeat_interval
 
     async def heartbeat_now(self) -> None:
         """Send a heartbeat at once (e.g. after changing ``unavailable`` or ``pressure``)."""

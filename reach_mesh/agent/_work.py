@@ -4,8 +4,12 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
 
 1. drops it when it is a duplicate of an attempt it has (re-publishing the final status if that
    attempt is finished), answers from its stored result when an earlier attempt of the task
-   SUCCEEDED, and drops it when the hub's task record says the attempt is no longer current
-   (fenced: another attempt superseded it, or the workflow no longer needs it);
+   SUCCEEDED, drops it when a hub gave the attempt up and we promised never to start it, and
+   drops it when the hub's task record says the attempt is no longer current (fenced: another
+   attempt superseded it, or the workflow no longer needs it). The record is read only for a
+   message a hub's word may have missed (see ``_needs_fence_read``): a hub that gives an
+   attempt up tells its agent (ctl ``task_state`` with ``fence``, or ``cancel``), and an agent
+   in touch hears it;
 2. publishes ``DELIVERED``, ``ACCEPTED`` when the handler starts, ``RUNNING`` every
    ``step_running_interval`` while it runs (plus ``task.progress()``), then the final state,
    all on ``reach.status.<agent_id>.<task_id>`` (captured by ``REACH_STATUS``);
@@ -118,6 +122,27 @@ class WorkConsumer:
         self.fenced = 0
         #: Later attempts answered from a stored result without running the handler.
         self.cached = 0
+        #: Task records read before a first run (fences): only for messages a hub's word may
+        #: have missed (``_needs_fence_read``).
+        self.fence_reads = 0
+        #: The last ``REACH_WORK`` sequence stored before our ctl subscription was last known
+        #: to be in place (None: unknown, read every fence). A work message stored after it
+        #: was stored while we listened: a hub giving it up told us.
+        self._watermark: int | None = None
+        #: Bumped by ``untrust``: a watermark read before it is void.
+        self._trust_epoch = 0
+        self._watermarking: asyncio.Task[None] | None = None
+        agent.metrics.step_counts(self.counts)
+
+    def counts(self) -> dict[str, int]:
+        """The step counters (exported as ``reach_agent_steps_dropped_total`` and
+        ``reach_agent_fence_reads_total``)."""
+        return {
+            "fenced": self.fenced,
+            "duplicate": self.duplicates,
+            "cached": self.cached,
+            "fence_reads": self.fence_reads,
+        }
 
     def checking(self, task_id: str) -> bool:
         """True while a work message of ``task_id`` is between its arrival and its fence
@@ -139,9 +164,60 @@ class WorkConsumer:
         if self._promised.get(task_id, -1) < attempt:
             self._promised[task_id] = attempt
         self._promised.move_to_end(task_id)
-        while len(self._promised) > _PROMISES:
-            self._promised.popitem(last=False)
+        if len(self._promised) > _PROMISES:
+            while len(self._promised) > _PROMISES:
+                self._promised.popitem(last=False)
+            self.untrust()  # a forgotten promise leaves the record as the fence
         return True
+
+    def untrust(self) -> None:
+        """A hub's word (a fence promise asked for, a cancel) may have been lost: after a
+        reconnection, a dropped ctl message, or a forgotten promise. Read the fence of every
+        work message stored until now; a new watermark is read in the background."""
+        self._trust_epoch += 1
+        self._watermark = None
+        self._start_watermark()
+
+    def _start_watermark(self) -> None:
+        if self._js is None or (self._watermarking is not None and not self._watermarking.done()):
+            return
+        self._watermarking = asyncio.create_task(self._read_watermark(), name="reach-watermark")
+
+    async def _read_watermark(self) -> None:
+        """Read ``REACH_WORK``'s last sequence, now that our ctl subscription is in place (this
+        request follows it on the connection). Again if ``untrust`` came meanwhile."""
+        assert self._js is not None
+        while self._watermark is None:
+            epoch = self._trust_epoch
+            try:
+                info = await self._js.stream_info(protocol.STREAM_WORK)
+            except Exception as err:
+                log.debug("cannot read the work stream's sequence: %r", err)
+                return  # the next work message asks again (every fence is read meanwhile)
+            if epoch == self._trust_epoch:
+                self._watermark = info.state.last_seq
+
+    def _needs_fence_read(self, msg: Msg) -> bool:
+        """Whether this (first) run must read its task record first. Not when the message
+        was stored while we were listening on ctl (after the watermark), is delivered for the
+        first time, and we are in touch with the hubs (``Agent.in_touch``): a hub gives an
+        attempt up only after asking its agent for a promise, or — for an agent it lost, a
+        decided step, a cancelled branch — after telling it, and an agent in touch hears
+        both. Everything else reads the record: after a reconnection, a pause, a partition,
+        a redelivery."""
+        watermark = self._watermark
+        if watermark is None:
+            self._start_watermark()
+            return True
+        try:
+            meta = msg.metadata
+        except Exception:
+            return True
+        return (
+            meta.num_delivered != 1
+            or meta.sequence.stream <= watermark
+            or not self._agent.in_touch()
+        )
 
     async def start(self) -> None:
         """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
@@ -196,6 +272,7 @@ class WorkConsumer:
             ),
         )
         await self._load_results()
+        self._start_watermark()
         self._pull = PullConsumer(
             agent.nc, protocol.STREAM_WORK, durable, self._on_msg, capacity, expires=5.0
         )
@@ -215,6 +292,9 @@ class WorkConsumer:
             self._retry = None
         if self._pull is not None:
             await self._pull.stop()
+        if self._watermarking is not None:
+            self._watermarking.cancel()
+            self._watermarking = None
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -298,20 +378,22 @@ class WorkConsumer:
                 await msg.nak(delay=0.2)
             self._release()
             return
-        self._checking.add(env.task_id)
         checked_at = time.monotonic()
-        try:
-            record = await self._record(env)
-        except Exception as exc:
-            # The fence cannot be read (JetStream electing a leader, a reconnect): never run
-            # unfenced — the step may be decided already. JetStream redelivers it shortly.
-            log.info("task record of %s unreadable (%r): retrying it later", env.task_id, exc)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=0.5)
-            self._release()
-            return
-        finally:
-            self._checking.discard(env.task_id)
+        record: TaskRecord | None = None
+        if self._needs_fence_read(msg):
+            self._checking.add(env.task_id)
+            try:
+                record = await self._record(env)
+            except Exception as exc:
+                # The fence cannot be read (JetStream electing a leader, a reconnect): never
+                # run unfenced — the step may be decided already. JetStream redelivers it.
+                log.info("task record of %s unreadable (%r): retrying it later", env.task_id, exc)
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=0.5)
+                self._release()
+                return
+            finally:
+                self._checking.discard(env.task_id)
         if record is not None and _superseded(record, env, agent.agent_id):
             # Fenced before it ran: the hub moved on (another attempt, cancelled, finished).
             await self._drop(msg)
@@ -400,6 +482,7 @@ class WorkConsumer:
         the record cannot be read now."""
         if self._tasks_kv is None or self._jsc is None or env.workflow_id is None:
             return None
+        self.fence_reads += 1
         got = await self._jsc.kv_get(
             protocol.KV_TASKS, protocol.task_key(env.namespace, env.task_id)
         )
@@ -601,7 +684,11 @@ class WorkConsumer:
         """The hub no longer needs this attempt (an ``any``/``quorum`` branch past its policy):
         stop its handler and ack the message without a result. Returns whether it was held."""
         held = self._held.get(task_id)
-        if held is None or held.env.attempt != attempt:
+        if held is None:
+            # Not here yet (still in the stream, or never sent): never start it.
+            self.promise(task_id, attempt)
+            return False
+        if held.env.attempt != attempt:
             return False
         held.fenced = True
         if held.task is not None:
@@ -617,6 +704,7 @@ class WorkConsumer:
         were fenced; the agent registers again afterwards."""
         agent = self._agent
         agent.state = AgentState.PRE_ONLINE
+        self.untrust()  # what the hubs told us while we were LOST never reached us
         fenced = 0
         for held in list(self._held.values()):
             record = await self._record(held.env)

@@ -158,6 +158,15 @@ class StepRunner:
         body = protocol.dumps({"op": "cancel", "task_id": task_id, "attempt": attempt})
         self._background(self._nc.request(protocol.agent_ctl(agent_id), body, timeout=1.0))
 
+    def _give_up(self, agent_id: str, task_id: str, attempt: int) -> None:
+        """Tell ``agent_id`` that ``attempt`` of ``task_id`` is given up, in the background
+        (ctl ``task_state`` with ``fence``): if the work message has not reached it yet, it
+        promises never to start it. For a give-up that does not wait for the agent's answer
+        (a step decided by its deadline), so that an agent in touch with the hubs may run
+        its steps without reading their task records (docs/protocol-workflows.md)."""
+        body = protocol.dumps({"op": "task_state", "task_id": task_id, "fence": attempt})
+        self._background(self._nc.request(protocol.agent_ctl(agent_id), body, timeout=1.0))
+
     # ------------------------------------------------------------------ one step
 
     def _policy(self, step: StepSpec) -> _Policy:
@@ -579,6 +588,9 @@ class StepRunner:
         rec.updated_at = time.time()
         if event is None or (event.attempt, event.agent_id) != fence:
             await self._cas(key, rec, rev, wf.deadline)
+        if event is None and track.agent_id is not None:
+            # Decided by the deadline: the attempt out there is not needed any more.
+            self._give_up(track.agent_id, rec.task_id, track.attempt)
         self._step_event(
             wf, rec.step, rec, rec.state, attempt=decided, agent_id=rec.agent_id, error=rec.error
         )

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -299,9 +299,39 @@ class AgentMetrics:
             registry=r,
         )
 
+    def step_counts(self, read: Callable[[], dict[str, int]]) -> None:
+        """Export the durable-step counters ``read`` returns (names below), read when
+        scraped: the work consumer keeps them as plain integers on its hot path."""
+        self.registry.register(_StepCounts(read))
+
     def render(self) -> bytes:
         """The registry in Prometheus text format (``CONTENT_TYPE``)."""
         return bytes(generate_latest(self.registry))
+
+
+class _StepCounts(Collector):
+    """``reach_agent_steps_dropped_total`` (by reason) and ``reach_agent_fence_reads_total``."""
+
+    def __init__(self, read: Callable[[], dict[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._read()
+        dropped = CounterMetricFamily(
+            "reach_agent_steps_dropped",
+            "Workflow step messages not run: fenced (the hub moved on), duplicate (an attempt "
+            "already in hand or finished), cached (answered from a stored result).",
+            labels=["reason"],
+        )
+        for reason in ("fenced", "duplicate", "cached"):
+            dropped.add_metric([reason], counts.get(reason, 0))
+        yield dropped
+        yield CounterMetricFamily(
+            "reach_agent_fence_reads",
+            "Task records read before running a step: only for a step a hub's word may have "
+            "missed (after a reconnection, a pause, a redelivery).",
+            value=counts.get("fence_reads", 0),
+        )
 
 
 async def serve_metrics(

@@ -46,6 +46,8 @@ def build(agent_id: str, log_path: str) -> Agent:
             attempt=task.attempt,
             agent=agent_id,
             pid=pid,
+            # Task records this process read so far (informational: the table's fence reads).
+            fr=agent.work.fence_reads if agent.work is not None else 0,
         )
         outcome = "error"
         try:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -499,6 +500,11 @@ class ChaosRun:
     #: Lease expiries (an agent made SUSPECT) the hubs logged: informational — expected after
     #: an agent fault, a sign of lost heartbeats after any other.
     lease_expiries: int = 0
+    #: Task records the agents read before running a step (the last count each agent process
+    #: logged with a handler start), and the starts: informational — a step is run without a
+    #: read only by an agent in touch with the hubs (docs/workflows.md).
+    fence_reads: int = 0
+    starts: int = 0
 
     def table(self) -> str:
         head = (
@@ -515,8 +521,27 @@ class ChaosRun:
             f"  submit gave up: {self.stats.submit_gave_up}",
             f"  caller wait errors (retried): {dict(self.stats.wait_errors)}",
             f"  lease expiries logged by hubs: {self.lease_expiries}",
+            f"  fence reads by agents: {self.fence_reads} (handler starts: {self.starts})",
         ]
         return "\n".join([self.report.table(head), *extra])
+
+
+def _fence_reads(logs: Iterable[Path]) -> tuple[int, int]:
+    """(fence reads, handler starts) from the agents' logs: each process's last count."""
+    last: dict[int, int] = {}
+    starts = 0
+    for path in logs:
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue  # a line cut by SIGKILL
+            if ev.get("ev") == "start":
+                starts += 1
+                last[ev["pid"]] = max(last.get(ev["pid"], 0), ev.get("fr", 0))
+    return sum(last.values()), starts
 
 
 async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
@@ -547,7 +572,10 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
         for proc in mesh.hubs
         if proc.log.exists()
     )
-    result = ChaosRun(cfg, report, history, stats, faults.count, time.monotonic() - t0, expiries)
+    reads, starts = _fence_reads(mesh.agent_logs)
+    result = ChaosRun(
+        cfg, report, history, stats, faults.count, time.monotonic() - t0, expiries, reads, starts
+    )
     (workdir / "table.txt").write_text(result.table() + "\n")
     (workdir / "history.json").write_text(
         json.dumps(

@@ -1,0 +1,244 @@
+"""When an agent reads a step's task record (its fence) before running it, on a real nats-server.
+
+A hub that gives an attempt up tells its agent (ctl ``task_state`` with ``fence``, or
+``cancel``); an agent that surely heard every such word since the work message was stored
+runs it without reading the record. These tests pin both halves:
+
+- the fast path: an agent in touch with the hubs reads no record for fresh steps;
+- the agent reads the record for a message stored while it may have missed the hub's word:
+  across a reconnection (even a short one, well inside its heartbeat window), and after it
+  lost touch with the hubs (no heartbeat answered for two intervals: a pause, a partition);
+- the hub's word reaches the agent whenever it gives an attempt up: it asks the agent of an
+  attempt it gives up on LOST, it tells the agent of a step decided by its deadline, and a
+  ``cancel`` for an attempt that has not arrived yet is a promise never to start it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.models import TaskEnvelope, TaskState
+from reach_mesh.workflow import TaskRecord
+
+from .helpers import Fleet, Relay, echo_agent, eventually
+
+
+async def _stale_step(nc: Any, ns: str, agent_id: str, task_id: str) -> None:
+    """Store a work message for attempt 1 of ``task_id`` whose record says it is cancelled:
+    what an agent finds when a hub gave the attempt up and its word did not arrive."""
+    js = nc.jetstream()
+    kv = await js.key_value(protocol.KV_TASKS)
+    record = TaskRecord(
+        task_id=task_id,
+        workflow_id="fence-wf",
+        step=0,
+        namespace=ns,
+        attempt=1,
+        agent_id=agent_id,
+        cancelled=True,
+    )
+    await kv.put(protocol.task_key(ns, task_id), protocol.encode(record))
+    env = TaskEnvelope(
+        task_id=task_id,
+        capability="wf:fence:v1",
+        payload=None,
+        namespace=ns,
+        workflow_id="fence-wf",
+        step=0,
+    )
+    await js.publish(
+        protocol.work_subject(ns, agent_id),
+        protocol.encode(env),
+        headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(task_id, 1)},
+    )
+
+
+def _fence_agent(agent_id: str, settings: MeshSettings, runs: list[str]) -> Agent:
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler("wf:fence:v1")
+    async def run(task: Task[Any]) -> str:
+        runs.append(task.task_id)
+        return "ran"
+
+    return agent
+
+
+async def test_an_agent_in_touch_reads_no_fence_for_fresh_steps(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    a = echo_agent(fleet, "fast.a")
+    await a.start()
+    assert a.work is not None
+    await eventually(lambda: a.work is not None and a.work._watermark is not None, timeout=5)
+    async with Client(settings=wf_settings) as mesh:
+        for i in range(5):
+            res = await mesh.fanout([Step(capability="wf:echo:v1", payload=i)], timeout=10)
+            assert res.state is TaskState.SUCCEEDED
+            res = await mesh.chain(
+                [Step(capability="wf:echo:v1", payload={"i": i}) for _ in range(2)], timeout=10
+            )
+            assert res.state is TaskState.SUCCEEDED
+    assert a.work.fence_reads == 0
+    assert sum(fleet.runs.values()) == 15
+
+
+async def test_a_reconnected_agent_reads_the_fence_of_what_was_stored_meanwhile(
+    wf_hub: Hub, nats_url: str, wf_settings: MeshSettings
+) -> None:
+    """Cut for well under two heartbeat intervals, the agent is still "in touch" by its
+    heartbeats; only the reconnection says a hub's word may have been lost meanwhile."""
+    ns = wf_settings.namespace
+    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
+    await relay.start()
+    settings = wf_settings.model_copy(
+        update={
+            "nats_url": f"nats://127.0.0.1:{relay.port}",
+            "heartbeat_interval": 5.0,
+            "lease_timeout": 15.0,
+        }
+    )
+    runs: list[str] = []
+    a = _fence_agent(f"{ns}.cut.a", settings, runs)
+    await a.start()
+    try:
+        assert a.work is not None
+        await eventually(lambda: a.work is not None and a.work._watermark is not None)
+        async with Client(settings=wf_settings) as mesh:
+            await relay.cut()
+            await eventually(lambda: not a.nc.is_connected)
+            await _stale_step(mesh.nc, ns, a.agent_id, "cut-step")
+            await relay.start()
+            await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=10)
+        assert a.in_touch()  # the heartbeats alone would have let it skip the read
+        assert runs == []
+        assert a.work.fence_reads >= 1
+    finally:
+        await a.close()
+
+
+async def test_an_agent_out_of_touch_reads_the_fence(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """No heartbeat answered for two intervals (a paused process, a partition): the hubs may
+    have declared it LOST and moved on without reaching it."""
+    ns = wf_settings.namespace
+    runs: list[str] = []
+    a = _fence_agent(f"{ns}.away.a", wf_settings, runs)
+    fleet.agents.append(a)
+    await a.start()
+    assert a.work is not None and a._hb_task is not None
+    await eventually(lambda: a.work is not None and a.work._watermark is not None)
+    a._hb_task.cancel()  # silent, still connected and listening
+    await eventually(lambda: not a.in_touch(), timeout=2)
+    async with Client(settings=wf_settings) as mesh:
+        await _stale_step(mesh.nc, ns, a.agent_id, "away-step")
+        await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+    assert runs == []
+    assert a.work.fence_reads == 1
+
+
+async def _busy(fleet: Fleet, name: str, release: asyncio.Event, runs: list[str]) -> Agent:
+    """An agent with one slot, taken by a blocking step: its next step waits in the stream."""
+    a = fleet.agent(name, max_concurrency=1, max_queue=0)
+
+    @a.handler("wf:block:v1")
+    async def block(task: Task[Any]) -> str:
+        await release.wait()
+        return "unblocked"
+
+    @a.handler("wf:queued:v1")
+    async def queued(task: Task[Any]) -> str:
+        runs.append(task.task_id)
+        return "ran"
+
+    await a.start()
+    return a
+
+
+async def _block(mesh: Client, a: Agent) -> str:
+    """Take ``a``'s one slot with a blocking step; returns its workflow id."""
+    blocker = await mesh.submit_fanout([Step(capability="wf:block:v1")], timeout=30)
+    await eventually(lambda: a._running == 1, timeout=5)
+    return blocker
+
+
+def _queued(task_id: str, **retry: float) -> Step:
+    """A step for the busy agent that waits in the stream: not given up for being
+    undelivered (``deliver_timeout``) while the test looks."""
+    return Step(
+        capability="wf:queued:v1",
+        task_id=task_id,
+        retry=RetryPolicy(deliver_timeout=30, **retry),
+    )
+
+
+async def test_a_step_decided_by_its_deadline_is_promised_away(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    release = asyncio.Event()
+    runs: list[str] = []
+    a = await _busy(fleet, "late.a", release, runs)
+    assert a.work is not None
+    async with Client(settings=wf_settings) as mesh:
+        blocker = await _block(mesh, a)
+        res = await mesh.fanout([_queued("late-step")], timeout=1.0)
+        assert res.state is TaskState.TIMEOUT
+        await eventually(lambda: a.work is not None and a.work._promised.get("late-step") == 1)
+        release.set()
+        assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
+        await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+    assert runs == []
+
+
+async def test_an_agent_declared_lost_is_asked_before_its_attempt_is_given_up(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Its agent declared LOST, a step still asks it (the probe, with ``fence``) before it
+    gives the attempt up: an agent alive after all (its heartbeats lost, its ctl subject
+    still heard) promises never to start it, and the attempt that goes elsewhere is the only
+    one that runs."""
+    release = asyncio.Event()
+    runs: list[str] = []
+    a = await _busy(fleet, "lost.a", release, runs)
+    assert a.work is not None and a._hb_task is not None
+    async with Client(settings=wf_settings) as mesh:
+        await _block(mesh, a)
+        # No give-up by silence first: only LOST moves the step on.
+        await mesh.submit_fanout([_queued("lost-step", silence_timeout=30)], timeout=30)
+        await asyncio.sleep(0.3)  # attempt 1 stored for A, waiting behind the blocker
+        a._hb_task.cancel()
+        await eventually(lambda: a.work is not None and "lost-step" in a.work._promised, 10)
+        assert a.work._promised["lost-step"] == 1
+    release.set()
+    assert runs == []
+
+
+async def test_a_cancel_before_arrival_is_a_promise(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """An ``any`` fanout decided by another branch cancels the branch still queued for A: A
+    drops it on arrival, unrun."""
+    release = asyncio.Event()
+    runs: list[str] = []
+    a = await _busy(fleet, "any.a", release, runs)
+    b = echo_agent(fleet, "any.b", "wf:other:v1")
+    await b.start()
+    assert a.work is not None
+    async with Client(settings=wf_settings) as mesh:
+        blocker = await _block(mesh, a)
+        res = await mesh.fanout(
+            [_queued("any-queued"), Step(capability="wf:other:v1", task_id="any-fast")],
+            policy="any",
+            timeout=10,
+        )
+        assert res.state is TaskState.SUCCEEDED
+        await eventually(lambda: a.work is not None and a.work._promised.get("any-queued") == 1)
+        release.set()
+        assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
+        await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+    assert runs == []
