@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import random
 import socket
 import time
 import urllib.error
@@ -25,11 +26,28 @@ if TYPE_CHECKING:
     from mcp.client.session import ClientSession
 
 
+#: Ports handed out by ``free_port`` in this process: never twice.
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on loopback right now (for a server that must keep its port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback right now, for a server that must keep its port (a cluster
+    node restarting as itself). Picked below the kernel's ephemeral range (32768+ on Linux),
+    so no outgoing connection — a route dialling a node not up yet — can take it as its source
+    port between the pick and the server's bind, and never the same one twice."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20000, 32000)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 def cluster_nodes(base: Path, n: int = 3, name: str = "mesh") -> list[EmbeddedNats]:
