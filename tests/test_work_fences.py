@@ -18,8 +18,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+from nats.aio.msg import Msg
+
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
 from reach_mesh.agent import Agent, Task
+from reach_mesh.agent._work import _delivery
 from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope, TaskState
 from reach_mesh.workflow import TaskRecord
@@ -66,6 +70,26 @@ def _fence_agent(agent_id: str, settings: MeshSettings, runs: list[str]) -> Agen
         return "ran"
 
     return agent
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "$JS.ACK.REACH_WORK.work-a-1f.1.12345.120.1733000000000000000.0",
+        "$JS.ACK._.ACCHASH.REACH_WORK.work-a-1f.3.77.12.1733000000000000000.5.tok",
+        "$JS.ACK.hub.ACCHASH.REACH_WORK.work-a-1f.2.78.13.1733000000000000000.0",
+    ],
+)
+def test_delivery_reads_the_ack_subject_as_nats_py_does(reply: str) -> None:
+    meta = Msg(_client=None, subject="reach.work.x", reply=reply).metadata  # type: ignore[arg-type]
+    assert _delivery(reply) == (meta.num_delivered, meta.sequence.stream)
+
+
+@pytest.mark.parametrize(
+    "reply", [None, "", "_INBOX.abc.1", "$JS.ACK.a.b.c", "$JS.ACK.S.C.x.1.2.3.4"]
+)
+def test_delivery_of_a_non_jetstream_subject_is_none(reply: str | None) -> None:
+    assert _delivery(reply) is None
 
 
 async def test_an_agent_in_touch_reads_no_fence_for_fresh_steps(
