@@ -95,7 +95,16 @@ def test_delivery_of_a_non_jetstream_subject_is_none(reply: str | None) -> None:
 async def test_an_agent_in_touch_reads_no_fence_for_fresh_steps(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
-    a = echo_agent(fleet, "fast.a")
+    # A heartbeat interval long enough that a slow test machine keeps it in touch throughout.
+    slow_beats = {"heartbeat_interval": 2.0, "lease_timeout": 6.0}
+    a = Agent(f"{wf_settings.namespace}.fast.a", settings=wf_settings.model_copy(update=slow_beats))
+    fleet.agents.append(a)
+
+    @a.handler("wf:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        fleet.runs[task.task_id] += 1
+        return task.payload
+
     await a.start()
     assert a.work is not None
     await eventually(lambda: a.work is not None and a.work._watermark is not None, timeout=5)
