@@ -31,7 +31,9 @@ from reach_mesh.workflow import TaskRecord
 from .helpers import Fleet, Relay, echo_agent, eventually
 
 
-async def _stale_step(nc: Any, ns: str, agent_id: str, task_id: str) -> None:
+async def _stale_step(
+    nc: Any, ns: str, agent_id: str, task_id: str, capability: str = "wf:fence:v1"
+) -> None:
     """Store a work message for attempt 1 of ``task_id`` whose record says it is cancelled:
     what an agent finds when a hub gave the attempt up and its word did not arrive."""
     js = nc.jetstream()
@@ -48,7 +50,7 @@ async def _stale_step(nc: Any, ns: str, agent_id: str, task_id: str) -> None:
     await kv.put(protocol.task_key(ns, task_id), protocol.encode(record))
     env = TaskEnvelope(
         task_id=task_id,
-        capability="wf:fence:v1",
+        capability=capability,
         payload=None,
         namespace=ns,
         workflow_id="fence-wf",
@@ -175,9 +177,19 @@ async def test_an_agent_out_of_touch_reads_the_fence(
     assert a.work.fence_reads == 1
 
 
-async def _busy(fleet: Fleet, name: str, release: asyncio.Event, runs: list[str]) -> Agent:
+async def _busy(
+    fleet: Fleet,
+    name: str,
+    release: asyncio.Event,
+    runs: list[str],
+    settings: MeshSettings | None = None,
+) -> Agent:
     """An agent with one slot, taken by a blocking step: its next step waits in the stream."""
-    a = fleet.agent(name, max_concurrency=1, max_queue=0)
+    if settings is None:
+        a = fleet.agent(name, max_concurrency=1, max_queue=0)
+    else:
+        a = Agent(f"{settings.namespace}.{name}", settings=settings, max_concurrency=1, max_queue=0)
+        fleet.agents.append(a)
 
     @a.handler("wf:block:v1")
     async def block(task: Task[Any]) -> str:
@@ -208,6 +220,31 @@ def _queued(task_id: str, **retry: float) -> Step:
         task_id=task_id,
         retry=RetryPolicy(deliver_timeout=30, **retry),
     )
+
+
+async def test_a_step_that_waited_in_the_stream_reads_its_fence(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Its one slot taken, the agent has no pull open: a step stored now waits in the stream,
+    long enough for a hub to decide about it — and the hub's word may not arrive (a NATS
+    route down, the hub gone). Pulled after the wait, its record is read, although the agent
+    stayed in touch and the message is above the watermark it had."""
+    ns = wf_settings.namespace
+    release = asyncio.Event()
+    runs: list[str] = []
+    slow_beats = {"heartbeat_interval": 2.0, "lease_timeout": 6.0}
+    a = await _busy(fleet, "dry.a", release, runs, wf_settings.model_copy(update=slow_beats))
+    assert a.work is not None
+    await eventually(lambda: a.work is not None and a.work._watermark is not None)
+    async with Client(settings=wf_settings) as mesh:
+        blocker = await _block(mesh, a)
+        await _stale_step(mesh.nc, ns, a.agent_id, "dry-step", "wf:queued:v1")
+        await asyncio.sleep(0.2)
+        release.set()
+        assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
+        await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+    assert a.in_touch()
+    assert runs == []
 
 
 async def test_a_step_decided_by_its_deadline_is_promised_away(

@@ -174,8 +174,8 @@ class Agent(ServingMixin):
         self._hb_task: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._registered = asyncio.Event()
-        #: When a hub last answered our registration or a heartbeat (monotonic; a pause
-        #: counts): see ``in_touch``.
+        #: When we sent the last registration or heartbeat a hub answered (monotonic; a
+        #: pause counts): see ``in_touch``.
         self._answered_at = -math.inf
         self.handled = 0
         #: Durable workflow steps over JetStream (``reach.work.<ns>.<agent_id>``).
@@ -348,10 +348,11 @@ class Agent(ServingMixin):
         deadline = time.monotonic() + max(s.connect_timeout, 30.0)
         while True:
             try:
+                sent = time.monotonic()
                 msg = await self.nc.request(subject, protocol.encode(req), timeout=5.0)
                 reply = protocol.parse_reply(msg.data, RegisterReply)
                 self.state = reply.state
-                self._answered_at = time.monotonic()
+                self._answered_at = sent
                 self._registered.set()
                 log.info("agent %s registered with %s", self.agent_id, reply.hub_id)
                 return
@@ -414,10 +415,11 @@ class Agent(ServingMixin):
             unavailable=sorted(self.unavailable),
             draining=self.status is AgentStatus.DRAINING,
         )
+        sent = time.monotonic()
         msg = await self.nc.request(subject, protocol.encode(hb), timeout=timeout)
         reply = protocol.parse_reply(msg.data, HeartbeatReply)
         self.state = reply.state
-        self._answered_at = time.monotonic()
+        self._answered_at = sent  # the hub renewed the lease after this, not before
 
     def _out_of_touch(self) -> None:
         if self.work is not None:

@@ -131,7 +131,11 @@ class WorkConsumer:
         self._watermark: int | None = None
         #: Bumped by ``untrust``: a watermark read before it is void.
         self._trust_epoch = 0
+        #: The connection's reconnect count when the watermark was read: another count voids
+        #: it (nats-py delivers a little before it calls us back about a reconnection).
+        self._watermark_reconnects = -1
         self._watermarking: asyncio.Task[None] | None = None
+        self._stopped = False
         agent.metrics.step_counts(self.counts)
 
     def counts(self) -> dict[str, int]:
@@ -165,47 +169,72 @@ class WorkConsumer:
             self._promised[task_id] = attempt
         self._promised.move_to_end(task_id)
         if len(self._promised) > _PROMISES:
-            while len(self._promised) > _PROMISES:
+            # Forget the oldest tenth at once: a forgotten promise leaves the record as the
+            # fence, so the watermark goes too — once per batch, not once per promise.
+            for _ in range(_PROMISES // 10):
                 self._promised.popitem(last=False)
-            self.untrust()  # a forgotten promise leaves the record as the fence
+            self.untrust()
         return True
 
     def untrust(self) -> None:
-        """A hub's word (a fence promise asked for, a cancel) may have been lost: after a
-        reconnection, a dropped ctl message, or a forgotten promise. Read the fence of every
-        work message stored until now; a new watermark is read in the background."""
+        """Read the fence of every work message stored until now: a hub's word (a promise
+        asked for, a cancel) may have been lost — a reconnection, a dropped ctl message, a
+        forgotten promise — or a message stored from now on may wait in the stream (no pull
+        open: ``PullConsumer`` calls this when its pulls run dry), long enough for a hub to
+        decide about it. A new watermark is read once a pull is open."""
         self._trust_epoch += 1
         self._watermark = None
         self._start_watermark()
 
     def _start_watermark(self) -> None:
-        if self._js is None or (self._watermarking is not None and not self._watermarking.done()):
-            return
+        pull = self._pull
+        if (
+            self._stopped
+            or self._js is None
+            or pull is None
+            or not pull.pulling
+            or (self._watermarking is not None and not self._watermarking.done())
+        ):
+            return  # a pull sent later starts it (``on_pull``)
         self._watermarking = asyncio.create_task(self._read_watermark(), name="reach-watermark")
 
+    def _on_pull(self) -> None:
+        if self._watermark is None:
+            self._start_watermark()
+
     async def _read_watermark(self) -> None:
-        """Read ``REACH_WORK``'s last sequence, now that our ctl subscription is in place (this
-        request follows it on the connection). Again if ``untrust`` came meanwhile."""
+        """Read ``REACH_WORK``'s last sequence. This request follows our ctl subscription and
+        the open pull on the connection, so a message stored after that sequence was stored
+        while we listened and is delivered at once. Read again if ``untrust`` came meanwhile."""
         assert self._js is not None
-        while self._watermark is None:
+        nc = self._agent.nc
+        while self._watermark is None and not self._stopped:
             epoch = self._trust_epoch
+            reconnects = nc.stats["reconnects"]
             try:
                 info = await self._js.stream_info(protocol.STREAM_WORK)
             except Exception as err:
                 log.debug("cannot read the work stream's sequence: %r", err)
                 return  # the next work message asks again (every fence is read meanwhile)
-            if epoch == self._trust_epoch:
+            if epoch == self._trust_epoch and reconnects == nc.stats["reconnects"]:
                 self._watermark = info.state.last_seq
+                self._watermark_reconnects = reconnects
 
     def _needs_fence_read(self, msg: Msg) -> bool:
         """Whether this (first) run must read its task record first. Not when the message
-        was stored while we were listening on ctl (after the watermark), is delivered for the
-        first time, and we are in touch with the hubs (``Agent.in_touch``): a hub gives an
-        attempt up only after asking its agent for a promise, or — for an agent it lost, a
-        decided step, a cancelled branch — after telling it, and an agent in touch hears
-        both. Everything else reads the record: after a reconnection, a pause, a partition,
-        a redelivery."""
+        was stored after the watermark (so while we listened on ctl, and with a pull open
+        ever since: it was delivered at once), is delivered for the first time, and we are in
+        touch with the hubs (``Agent.in_touch``): a hub gives an attempt up only after asking
+        its agent for a promise, or without an answer once its lease lapsed; a decided step
+        or a cancelled branch it tells the agent of. A message that reached us at once left
+        no time for any of these but the race the record read has too. Everything else reads
+        the record: after a reconnection, a pause, a partition, a wait in the stream, a
+        redelivery."""
         watermark = self._watermark
+        reconnects = self._agent.nc.stats["reconnects"]
+        if watermark is not None and reconnects != self._watermark_reconnects:
+            self.untrust()  # reconnected: not told yet
+            return True
         if watermark is None:
             self._start_watermark()
             return True
@@ -270,9 +299,15 @@ class WorkConsumer:
             ),
         )
         await self._load_results()
-        self._start_watermark()
         self._pull = PullConsumer(
-            agent.nc, protocol.STREAM_WORK, durable, self._on_msg, capacity, expires=5.0
+            agent.nc,
+            protocol.STREAM_WORK,
+            durable,
+            self._on_msg,
+            capacity,
+            expires=5.0,
+            on_dry=self.untrust,
+            on_pull=self._on_pull,
         )
         await self._pull.start()
         self._ticker = asyncio.create_task(self._tick(), name="reach-work-ticker")
@@ -285,6 +320,7 @@ class WorkConsumer:
     async def stop(self) -> None:
         """Stop taking new steps (in-flight ones finish through the agent's drain; their final
         statuses go out through ``_jsc``, whose subscription ends with the connection's drain)."""
+        self._stopped = True
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -683,8 +719,11 @@ class WorkConsumer:
         stop its handler and ack the message without a result. Returns whether it was held."""
         held = self._held.get(task_id)
         if held is None:
-            # Not here yet (still in the stream, or never sent): never start it.
-            self.promise(task_id, attempt)
+            entry = self._agent._results.get(task_id)
+            if entry is None or entry.reply is None or entry.attempt < attempt:
+                # Not here yet (still in the stream, or never sent): never start it. (One we
+                # finished is not run again anyway: the idempotency rules.)
+                self.promise(task_id, attempt)
             return False
         if held.env.attempt != attempt:
             return False
