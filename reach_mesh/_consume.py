@@ -50,11 +50,7 @@ _PENDING: Final = "Nats-Pending-Messages"
 
 class PullConsumer:
     """Keeps pulls outstanding on ``durable`` of ``stream``; ``on_msg`` must not block and must
-    lead to exactly one :meth:`release` per message.
-
-    ``on_dry`` is called whenever no pull is open any more (the last one filled, ended, or
-    lost): messages stored from then on wait in the stream until the next pull, and
-    ``on_pull`` when a pull is sent (before it goes out)."""
+    lead to exactly one :meth:`release` per message."""
 
     def __init__(
         self,
@@ -65,14 +61,10 @@ class PullConsumer:
         capacity: int,
         *,
         expires: float = 5.0,
-        on_dry: Callable[[], None] | None = None,
-        on_pull: Callable[[], None] | None = None,
     ) -> None:
         self._nc = nc
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._on_msg = on_msg
-        self._on_dry = on_dry
-        self._on_pull = on_pull
         self.capacity = max(1, capacity)
         self._expires = expires
         self._held = 0
@@ -87,15 +79,6 @@ class PullConsumer:
     @property
     def held(self) -> int:
         return self._held
-
-    @property
-    def pulling(self) -> bool:
-        """A pull is open: a message stored now is delivered at once."""
-        return self._outstanding > 0
-
-    def _dry(self) -> None:
-        if self._outstanding == 0 and self._on_dry is not None:
-            self._on_dry()
 
     async def start(self) -> None:
         self._inbox = self._nc.new_inbox()
@@ -136,11 +119,9 @@ class PullConsumer:
             if status not in ("404", "408"):
                 log.debug("pull on %s ended: %s %s", self._api, status, headers)
             self._maybe_pull()
-            self._dry()
             return
         self._outstanding = max(0, self._outstanding - 1)
         self._held += 1
-        self._dry()
         try:
             self._on_msg(msg)
         except Exception:
@@ -159,15 +140,12 @@ class PullConsumer:
         task = asyncio.create_task(self._publish(body))
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
-        if self._on_pull is not None:
-            self._on_pull()
 
     async def _publish(self, body: bytes) -> None:
         try:
             await self._nc.publish(self._api, body, reply=self._inbox)
         except Exception:
             self._outstanding = 0  # the watchdog will try again
-            self._dry()
 
     async def _watch(self) -> None:
         # Pull requests live on the server: a reconnect (server restart, failover to another
@@ -184,7 +162,6 @@ class PullConsumer:
                 reconnects = now_reconnects
                 self._outstanding = 0
                 self._last_seen = time.monotonic()
-                self._dry()
             self._maybe_pull()
 
 

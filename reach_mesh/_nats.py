@@ -38,7 +38,6 @@ async def connect(
     settings: MeshSettings | None = None,
     timeout: float | None = None,
     on_reconnect: Callable[[], None] | None = None,
-    on_slow_consumer: Callable[[], None] | None = None,
     **options: Any,
 ) -> NATS:
     """Connect to ``url`` (comma-separated list allowed) or raise ``MeshUnavailableError``.
@@ -54,8 +53,7 @@ async def connect(
     what the server answered (TLS, authorization). Once connected, losing the server is logged
     once, then every 30 s while it lasts, and the reconnection once. A permissions violation
     (secure mode, docs/security.md) is logged: it would otherwise only show as a timeout.
-    ``on_reconnect`` is called after each reconnection (subscriptions are in place again),
-    ``on_slow_consumer`` whenever nats-py drops a message a subscription could not queue.
+    ``on_reconnect`` is called after each reconnection (subscriptions are in place again).
     """
     if not url:
         raise MeshUnavailableError(
@@ -81,7 +79,6 @@ async def connect(
     opts.update(options)
     watch = _Watch(name, url)
     watch.on_reconnect = on_reconnect
-    watch.on_slow_consumer = on_slow_consumer
     opts.setdefault("error_cb", watch.error)
     opts.setdefault("disconnected_cb", watch.disconnected)
     opts.setdefault("reconnected_cb", watch.reconnected)
@@ -151,15 +148,11 @@ class _Watch:
         self._down_since: float | None = None
         #: Called after each reconnection (``connect(on_reconnect=)``).
         self.on_reconnect: Callable[[], None] | None = None
-        #: Called when a slow subscription drops a message (``connect(on_slow_consumer=)``).
-        self.on_slow_consumer: Callable[[], None] | None = None
         self._logged_at = 0.0
         self._failures = 0
 
     async def error(self, err: Exception) -> None:
         self.last_error = err
-        if isinstance(err, nats.errors.SlowConsumerError) and self.on_slow_consumer is not None:
-            self.on_slow_consumer()
         if "permissions violation" in str(err).lower():
             # The server refusing this identity a subject (secure mode, docs/security.md).
             log.warning("NATS refused %s: %s", self.name, err)

@@ -49,6 +49,7 @@ __all__ = [
     "decode",
     "encode",
     "encode_error",
+    "fence_msg_id",
     "hub_agent_subject",
     "hub_broadcast",
     "hub_subject",
@@ -107,6 +108,9 @@ WORKFLOW_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 HDR_MSG_ID: Final = "Nats-Msg-Id"
 #: JetStream refuses a publish with this header unless the named stream takes it.
 HDR_EXPECTED_STREAM: Final = "Nats-Expected-Stream"
+#: On a message of ``reach.work.<ns>.<agent_id>``: not a step but a fence marker — the hub gave
+#: up this attempt number of the task in its body (docs/protocol-workflows.md).
+HDR_FENCE: Final = "Reach-Fence"
 
 _TOKEN: Final = r"[a-z0-9][a-z0-9_-]*"
 TOKEN_RE: Final = re.compile(rf"^{_TOKEN}$")
@@ -349,6 +353,11 @@ def done_msg_id(workflow_id: str) -> str:
 def attempt_msg_id(task_id: str, attempt: int) -> str:
     """``task_id#n`` — the ``Nats-Msg-Id`` of one attempt's work message."""
     return f"{task_id}#{attempt}"
+
+
+def fence_msg_id(task_id: str, attempt: int) -> str:
+    """``task_id#n.fence`` — the ``Nats-Msg-Id`` of the fence marker of attempt ``n``."""
+    return f"{task_id}#{attempt}.fence"
 
 
 def validate_workflow_id(workflow_id: str) -> str:

@@ -1,16 +1,17 @@
 """When an agent reads a step's task record (its fence) before running it, on a real nats-server.
 
-A hub that gives an attempt up tells its agent (ctl ``task_state`` with ``fence``, or
-``cancel``); an agent that surely heard every such word since the work message was stored
-runs it without reading the record. These tests pin both halves:
+A hub that gives up an attempt it sent writes the record, then stores a fence marker behind
+the attempt's work message on the same subject. An agent in touch with the hubs runs a first
+delivery with nothing queued behind it (``num_pending`` 0) without reading the record; any
+other message reads it. These tests pin both halves:
 
-- the fast path: an agent in touch with the hubs reads no record for fresh steps;
-- the agent reads the record for a message stored while it may have missed the hub's word:
-  across a reconnection (even a short one, well inside its heartbeat window), and after it
-  lost touch with the hubs (no heartbeat answered for two intervals: a pause, a partition);
-- the hub's word reaches the agent whenever it gives an attempt up: it asks the agent of an
-  attempt it gives up on LOST, it tells the agent of a step decided by its deadline, and a
-  ``cancel`` for an attempt that has not arrived yet is a promise never to start it.
+- the fast path: an agent in touch reads no record for fresh steps;
+- a step with a marker (or anything) behind it reads the record and is dropped, also when it
+  waited in the stream while its agent was cut off;
+- an agent out of touch with the hubs (no heartbeat answered for two intervals: a pause, a
+  partition) reads the record;
+- the hub stores the marker when a step is decided by its deadline, asks the agent before it
+  gives an attempt up on LOST, and a ``cancel`` before arrival is a promise.
 """
 
 from __future__ import annotations
@@ -32,10 +33,16 @@ from .helpers import Fleet, Relay, echo_agent, eventually
 
 
 async def _stale_step(
-    nc: Any, ns: str, agent_id: str, task_id: str, capability: str = "wf:fence:v1"
+    nc: Any,
+    ns: str,
+    agent_id: str,
+    task_id: str,
+    capability: str = "wf:fence:v1",
+    *,
+    marker: bool = True,
 ) -> None:
-    """Store a work message for attempt 1 of ``task_id`` whose record says it is cancelled:
-    what an agent finds when a hub gave the attempt up and its word did not arrive."""
+    """Store a work message for attempt 1 of ``task_id`` that a hub has cancelled: its record
+    says so, and (``marker``) a fence marker is stored behind the message."""
     js = nc.jetstream()
     kv = await js.key_value(protocol.KV_TASKS)
     record = TaskRecord(
@@ -47,7 +54,6 @@ async def _stale_step(
         agent_id=agent_id,
         cancelled=True,
     )
-    await kv.put(protocol.task_key(ns, task_id), protocol.encode(record))
     env = TaskEnvelope(
         task_id=task_id,
         capability=capability,
@@ -56,11 +62,23 @@ async def _stale_step(
         workflow_id="fence-wf",
         step=0,
     )
+    subject = protocol.work_subject(ns, agent_id)
+    # The record first: a test cannot hold the message back from an agent that pulls.
+    await kv.put(protocol.task_key(ns, task_id), protocol.encode(record))
     await js.publish(
-        protocol.work_subject(ns, agent_id),
+        subject,
         protocol.encode(env),
         headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(task_id, 1)},
     )
+    if marker:
+        await js.publish(
+            subject,
+            protocol.dumps({"task_id": task_id, "attempt": 1}),
+            headers={
+                protocol.HDR_MSG_ID: protocol.fence_msg_id(task_id, 1),
+                protocol.HDR_FENCE: "1",
+            },
+        )
 
 
 def _fence_agent(agent_id: str, settings: MeshSettings, runs: list[str]) -> Agent:
@@ -84,7 +102,7 @@ def _fence_agent(agent_id: str, settings: MeshSettings, runs: list[str]) -> Agen
 )
 def test_delivery_reads_the_ack_subject_as_nats_py_does(reply: str) -> None:
     meta = Msg(_client=None, subject="reach.work.x", reply=reply).metadata  # type: ignore[arg-type]
-    assert _delivery(reply) == (meta.num_delivered, meta.sequence.stream)
+    assert _delivery(reply) == (meta.num_delivered, meta.num_pending)
 
 
 @pytest.mark.parametrize(
@@ -109,7 +127,6 @@ async def test_an_agent_in_touch_reads_no_fence_for_fresh_steps(
 
     await a.start()
     assert a.work is not None
-    await eventually(lambda: a.work is not None and a.work._watermark is not None, timeout=5)
     async with Client(settings=wf_settings) as mesh:
         for i in range(5):
             res = await mesh.fanout([Step(capability="wf:echo:v1", payload=i)], timeout=10)
@@ -122,11 +139,12 @@ async def test_an_agent_in_touch_reads_no_fence_for_fresh_steps(
     assert sum(fleet.runs.values()) == 15
 
 
-async def test_a_reconnected_agent_reads_the_fence_of_what_was_stored_meanwhile(
+async def test_a_step_given_up_while_its_agent_was_cut_off_is_dropped_on_return(
     wf_hub: Hub, nats_url: str, wf_settings: MeshSettings
 ) -> None:
-    """Cut for well under two heartbeat intervals, the agent is still "in touch" by its
-    heartbeats; only the reconnection says a hub's word may have been lost meanwhile."""
+    """Stored, then given up (record and marker) while the agent's connection was down — for
+    well under two heartbeat intervals, so by its heartbeats it is still in touch: the marker
+    queued behind the message drops it."""
     ns = wf_settings.namespace
     relay = Relay(int(nats_url.rsplit(":", 1)[1]))
     await relay.start()
@@ -142,16 +160,16 @@ async def test_a_reconnected_agent_reads_the_fence_of_what_was_stored_meanwhile(
     await a.start()
     try:
         assert a.work is not None
-        await eventually(lambda: a.work is not None and a.work._watermark is not None)
         async with Client(settings=wf_settings) as mesh:
             await relay.cut()
             await eventually(lambda: not a.nc.is_connected)
             await _stale_step(mesh.nc, ns, a.agent_id, "cut-step")
             await relay.start()
-            await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=10)
-        assert a.in_touch()  # the heartbeats alone would have let it skip the read
+            await eventually(lambda: a.work is not None and a.work.markers >= 1, timeout=10)
+        assert a.in_touch()
         assert runs == []
-        assert a.work.fence_reads >= 1
+        # Dropped by the marker that came right behind it: no record read needed.
+        assert a.work.fenced == 1 and a.work.fence_reads == 0
     finally:
         await a.close()
 
@@ -167,11 +185,11 @@ async def test_an_agent_out_of_touch_reads_the_fence(
     fleet.agents.append(a)
     await a.start()
     assert a.work is not None and a._hb_task is not None
-    await eventually(lambda: a.work is not None and a.work._watermark is not None)
     a._hb_task.cancel()  # silent, still connected and listening
     await eventually(lambda: not a.in_touch(), timeout=2)
     async with Client(settings=wf_settings) as mesh:
-        await _stale_step(mesh.nc, ns, a.agent_id, "away-step")
+        # No marker behind it: only being out of touch makes the agent read the record.
+        await _stale_step(mesh.nc, ns, a.agent_id, "away-step", marker=False)
         await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
     assert runs == []
     assert a.work.fence_reads == 1
@@ -222,32 +240,30 @@ def _queued(task_id: str, **retry: float) -> Step:
     )
 
 
-async def test_a_step_that_waited_in_the_stream_reads_its_fence(
+async def test_a_step_that_waited_in_the_stream_is_dropped_by_its_marker(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
-    """Its one slot taken, the agent has no pull open: a step stored now waits in the stream,
-    long enough for a hub to decide about it — and the hub's word may not arrive (a NATS
-    route down, the hub gone). Pulled after the wait, its record is read, although the agent
-    stayed in touch and the message is above the watermark it had."""
+    """Its one slot taken, the agent pulls nothing: a step waits in the stream and is given
+    up meanwhile. The agent stays in touch throughout; the marker pending behind the step
+    when it is finally delivered makes it read the record and drop it."""
     ns = wf_settings.namespace
     release = asyncio.Event()
     runs: list[str] = []
     slow_beats = {"heartbeat_interval": 2.0, "lease_timeout": 6.0}
     a = await _busy(fleet, "dry.a", release, runs, wf_settings.model_copy(update=slow_beats))
     assert a.work is not None
-    await eventually(lambda: a.work is not None and a.work._watermark is not None)
     async with Client(settings=wf_settings) as mesh:
         blocker = await _block(mesh, a)
         await _stale_step(mesh.nc, ns, a.agent_id, "dry-step", "wf:queued:v1")
-        await asyncio.sleep(0.2)
         release.set()
         assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
-        await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+        await eventually(lambda: a.work is not None and a.work.markers >= 1, timeout=5)
     assert a.in_touch()
     assert runs == []
+    assert a.work.fenced == 1 and a.work.fence_reads >= 1
 
 
-async def test_a_step_decided_by_its_deadline_is_promised_away(
+async def test_a_step_decided_by_its_deadline_is_marked_and_dropped(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
     release = asyncio.Event()
@@ -258,11 +274,12 @@ async def test_a_step_decided_by_its_deadline_is_promised_away(
         blocker = await _block(mesh, a)
         res = await mesh.fanout([_queued("late-step")], timeout=1.0)
         assert res.state is TaskState.TIMEOUT
-        await eventually(lambda: a.work is not None and a.work._promised.get("late-step") == 1)
         release.set()
         assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
-        await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+        await eventually(lambda: a.work is not None and a.work.markers >= 1, timeout=5)
     assert runs == []
+    assert a.work.fenced == 1
+    assert a.work._promised.get("late-step") == 1
 
 
 async def test_an_agent_declared_lost_is_asked_before_its_attempt_is_given_up(

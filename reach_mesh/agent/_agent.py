@@ -294,15 +294,7 @@ class Agent(ServingMixin):
                 self._metrics_server = await serve_metrics(
                     self.metrics.render, self._metrics_host, self._metrics_port
                 )
-            self._nc = await connect(
-                self.nats_url,
-                name=self.agent_id,
-                settings=self.settings,
-                # A hub's word may have been lost meanwhile: read every fence until we know
-                # what was stored before (WorkConsumer.untrust).
-                on_reconnect=self._out_of_touch,
-                on_slow_consumer=self._out_of_touch,
-            )
+            self._nc = await connect(self.nats_url, name=self.agent_id, settings=self.settings)
             self._answers = AnswerBatcher(self._nc)
             self._subs.append(
                 await self.nc.subscribe(
@@ -420,10 +412,6 @@ class Agent(ServingMixin):
         reply = protocol.parse_reply(msg.data, HeartbeatReply)
         self.state = reply.state
         self._answered_at = sent  # the hub renewed the lease after this, not before
-
-    def _out_of_touch(self) -> None:
-        if self.work is not None:
-            self.work.untrust()
 
     def in_touch(self) -> bool:
         """True while the hubs surely hold our lease: connected, and a hub answered us within

@@ -6,10 +6,9 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
    attempt is finished), answers from its stored result when an earlier attempt of the task
    SUCCEEDED, drops it when a hub gave the attempt up and we promised never to start it, and
    drops it when the hub's task record says the attempt is no longer current (fenced: another
-   attempt superseded it, or the workflow no longer needs it). The record is read only for a
-   message a hub's word may have missed (see ``_needs_fence_read``): a hub that gives an
-   attempt up tells its agent (ctl ``task_state`` with ``fence``, or ``cancel``), and an agent
-   in touch hears it;
+   attempt superseded it, or the workflow no longer needs it). The record is read only where
+   it can say more than the stream (see ``_needs_fence_read``): a hub that gives up an
+   attempt it sent stores a fence marker behind it on the same subject;
 2. publishes ``DELIVERED``, ``ACCEPTED`` when the handler starts, ``RUNNING`` every
    ``step_running_interval`` while it runs (plus ``task.progress()``), then the final state,
    all on ``reach.status.<agent_id>.<task_id>`` (captured by ``REACH_STATUS``);
@@ -27,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -69,6 +69,10 @@ _FINAL_RETRY: Final = 10.0
 _ACCEPTED_AFTER: Final = 0.05
 #: What of a final status event makes the reply it announces (read back after a restart).
 _REPLY_FIELDS: Final = set(TaskReply.model_fields)
+#: How long a first delivery waits for the messages the server had queued behind it (a fence
+#: marker for it would be among them) before it reads its task record instead. They are
+#: usually in the same read from the socket; past this, the pull they wait for is not open.
+_BEHIND_WAIT: Final = 0.05
 #: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
 #: hub's task record as the fence, as for an agent that does not know promises.
 _PROMISES: Final = 50_000
@@ -122,30 +126,26 @@ class WorkConsumer:
         self.fenced = 0
         #: Later attempts answered from a stored result without running the handler.
         self.cached = 0
-        #: Task records read before a first run (fences): only for messages a hub's word may
-        #: have missed (``_needs_fence_read``).
+        #: Task records read before a first run (fences): only where the stream cannot tell
+        #: (``_needs_fence_read``).
         self.fence_reads = 0
-        #: The last ``REACH_WORK`` sequence stored before our ctl subscription was last known
-        #: to be in place (None: unknown, read every fence). A work message stored after it
-        #: was stored while we listened: a hub giving it up told us.
-        self._watermark: int | None = None
-        #: Bumped by ``untrust``: a watermark read before it is void.
-        self._trust_epoch = 0
-        #: The connection's reconnect count when the watermark was read: another count voids
-        #: it (nats-py delivers a little before it calls us back about a reconnection).
-        self._watermark_reconnects = -1
-        self._watermarking: asyncio.Task[None] | None = None
-        self._stopped = False
+        #: Fence markers received (a hub gave up an attempt it had sent us).
+        self.markers = 0
+        #: First deliveries received so far, and the runs waiting for a count of them (the
+        #: messages queued behind theirs: ``_behind``).
+        self._firsts = 0
+        self._behind_waits: list[tuple[int, asyncio.Future[None]]] = []
         agent.metrics.step_counts(self.counts)
 
     def counts(self) -> dict[str, int]:
-        """The step counters (exported as ``reach_agent_steps_dropped_total`` and
-        ``reach_agent_fence_reads_total``)."""
+        """The step counters (exported as ``reach_agent_steps_dropped_total``,
+        ``reach_agent_fence_reads_total`` and ``reach_agent_fence_markers_total``)."""
         return {
             "fenced": self.fenced,
             "duplicate": self.duplicates,
             "cached": self.cached,
             "fence_reads": self.fence_reads,
+            "markers": self.markers,
         }
 
     def checking(self, task_id: str) -> bool:
@@ -168,83 +168,42 @@ class WorkConsumer:
         if self._promised.get(task_id, -1) < attempt:
             self._promised[task_id] = attempt
         self._promised.move_to_end(task_id)
-        if len(self._promised) > _PROMISES:
-            # Forget the oldest tenth at once: a forgotten promise leaves the record as the
-            # fence, so the watermark goes too — once per batch, not once per promise.
-            for _ in range(_PROMISES // 10):
-                self._promised.popitem(last=False)
-            self.untrust()
+        while len(self._promised) > _PROMISES:
+            self._promised.popitem(last=False)
         return True
 
-    def untrust(self) -> None:
-        """Read the fence of every work message stored until now: a hub's word (a promise
-        asked for, a cancel) may have been lost — a reconnection, a dropped ctl message, a
-        forgotten promise — or a message stored from now on may wait in the stream (no pull
-        open: ``PullConsumer`` calls this when its pulls run dry), long enough for a hub to
-        decide about it. A new watermark is read once a pull is open."""
-        self._trust_epoch += 1
-        self._watermark = None
-        self._start_watermark()
+    def _fresh(self, delivery: tuple[int, int] | None) -> bool:
+        """Whether this run may skip its task record: a first delivery to an agent in touch
+        with the hubs (``Agent.in_touch``: not paused, not cut off), provided no fence marker
+        for it was queued behind it (``_behind``, for ``num_pending`` > 0).
 
-    def _start_watermark(self) -> None:
-        pull = self._pull
-        if (
-            self._stopped
-            or self._js is None
-            or pull is None
-            or not pull.pulling
-            or (self._watermarking is not None and not self._watermarking.done())
-        ):
-            return  # a pull sent later starts it (``on_pull``)
-        self._watermarking = asyncio.create_task(self._read_watermark(), name="reach-watermark")
+        A hub that gives up an attempt it sent writes the record, then stores a fence marker
+        on the attempt's work subject (``_on_marker``); a hub taking a workflow over stores
+        them again. So if this attempt had been given up by the time it was delivered, the
+        marker was among the messages the server counted as pending behind it — or the hub,
+        between its record write and its marker, raced the delivery, as a hub's write races a
+        record read. A redelivery, or an agent out of touch, reads the record.
+        """
+        return delivery is not None and delivery[0] == 1 and self._agent.in_touch()
 
-    def _on_pull(self) -> None:
-        if self._watermark is None:
-            self._start_watermark()
-
-    async def _read_watermark(self) -> None:
-        """Read ``REACH_WORK``'s last sequence. This request follows our ctl subscription and
-        the open pull on the connection, so a message stored after that sequence was stored
-        while we listened and is delivered at once. Read again if ``untrust`` came meanwhile."""
-        assert self._js is not None
-        nc = self._agent.nc
-        while self._watermark is None and not self._stopped:
-            epoch = self._trust_epoch
-            reconnects = nc.stats["reconnects"]
-            try:
-                info = await self._js.stream_info(protocol.STREAM_WORK)
-            except Exception as err:
-                log.debug("cannot read the work stream's sequence: %r", err)
-                return  # the next work message asks again (every fence is read meanwhile)
-            if epoch == self._trust_epoch and reconnects == nc.stats["reconnects"]:
-                self._watermark = info.state.last_seq
-                self._watermark_reconnects = reconnects
-
-    def _needs_fence_read(self, msg: Msg) -> bool:
-        """Whether this (first) run must read its task record first. Not when the message
-        was stored after the watermark (so while we listened on ctl, and with a pull open
-        ever since: it was delivered at once), is delivered for the first time, and we are in
-        touch with the hubs (``Agent.in_touch``): a hub gives an attempt up only after asking
-        its agent for a promise, or without an answer once its lease lapsed; a decided step
-        or a cancelled branch it tells the agent of. A message that reached us at once left
-        no time for any of these but the race the record read has too. Everything else reads
-        the record: after a reconnection, a pause, a partition, a wait in the stream, a
-        redelivery."""
-        watermark = self._watermark
-        reconnects = self._agent.nc.stats["reconnects"]
-        if watermark is not None and reconnects != self._watermark_reconnects:
-            self.untrust()  # reconnected: not told yet
+    async def _behind(self, target: int) -> bool:
+        """Wait (up to ``_BEHIND_WAIT``) until ``target`` first deliveries were received: the
+        messages queued behind a step have arrived, and a fence marker among them has made
+        its promise. False when they did not arrive in time (read the record instead)."""
+        if self._firsts >= target:
             return True
-        if watermark is None:
-            self._start_watermark()
-            return True
-        delivery = _delivery(msg.reply)
-        return (
-            delivery is None
-            or delivery[0] != 1
-            or delivery[1] <= watermark
-            or not self._agent.in_touch()
-        )
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._behind_waits.append((target, fut))
+        self._behind_waits.sort(key=lambda w: w[0])
+        try:
+            await asyncio.wait_for(fut, _BEHIND_WAIT)
+        except TimeoutError:
+            return False
+        finally:
+            if not fut.done():
+                fut.cancel()
+            self._behind_waits = [w for w in self._behind_waits if w[1] is not fut]
+        return True
 
     async def start(self) -> None:
         """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
@@ -300,14 +259,7 @@ class WorkConsumer:
         )
         await self._load_results()
         self._pull = PullConsumer(
-            agent.nc,
-            protocol.STREAM_WORK,
-            durable,
-            self._on_msg,
-            capacity,
-            expires=5.0,
-            on_dry=self.untrust,
-            on_pull=self._on_pull,
+            agent.nc, protocol.STREAM_WORK, durable, self._on_msg, capacity, expires=5.0
         )
         await self._pull.start()
         self._ticker = asyncio.create_task(self._tick(), name="reach-work-ticker")
@@ -320,15 +272,11 @@ class WorkConsumer:
     async def stop(self) -> None:
         """Stop taking new steps (in-flight ones finish through the agent's drain; their final
         statuses go out through ``_jsc``, whose subscription ends with the connection's drain)."""
-        self._stopped = True
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
         if self._pull is not None:
             await self._pull.stop()
-        if self._watermarking is not None:
-            self._watermarking.cancel()
-            self._watermarking = None
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -361,7 +309,23 @@ class WorkConsumer:
     # ------------------------------------------------------------------ receiving
 
     def _on_msg(self, msg: Msg) -> None:
-        self._agent._spawn(self._handle(msg))
+        # In stream order, before any task runs: a fence marker's promise is in place, and
+        # counted, before a step queued ahead of it looks (``_behind``).
+        delivery = _delivery(msg.reply)
+        first = delivery is not None and delivery[0] == 1
+        if msg.headers and protocol.HDR_FENCE in msg.headers:
+            marker = self._on_marker(msg)
+            self._agent._spawn(self._settle_marker(msg, ok=marker))
+        else:
+            self._agent._spawn(self._handle(msg, delivery, self._firsts + first))
+        if first:
+            self._firsts += 1
+            waits = self._behind_waits
+            if waits and waits[0][0] <= self._firsts:
+                self._behind_waits = [w for w in waits if w[0] > self._firsts]
+                for target, fut in waits:
+                    if target <= self._firsts and not fut.done():
+                        fut.set_result(None)
 
     def _release(self) -> None:
         if self._pull is not None:
@@ -374,16 +338,17 @@ class WorkConsumer:
             await msg.ack()
         self._release()
 
-    async def _handle(self, msg: Msg) -> None:
+    async def _handle(self, msg: Msg, delivery: tuple[int, int] | None, firsts: int) -> None:
         try:
-            await self._handle_inner(msg)
+            await self._handle_inner(msg, delivery, firsts)
         except Exception:
             log.exception("work message failed on %s", self._agent.agent_id)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             self._release()
 
-    async def _handle_inner(self, msg: Msg) -> None:
+    async def _handle_inner(self, msg: Msg, delivery: tuple[int, int] | None, firsts: int) -> None:
+        """``firsts``: the first deliveries received up to this message, itself included."""
         agent = self._agent
         try:
             env = protocol.decode(
@@ -414,7 +379,18 @@ class WorkConsumer:
             return
         checked_at = time.monotonic()
         record: TaskRecord | None = None
-        if self._needs_fence_read(msg):
+        read = not self._fresh(delivery)
+        if not read and delivery is not None and delivery[1] > 0:
+            # Messages were queued behind it: a fence marker for it may be one of them.
+            self._checking.add(env.task_id)
+            try:
+                read = not await self._behind(firsts + delivery[1])
+            finally:
+                self._checking.discard(env.task_id)
+            if env.attempt <= self._promised.get(env.task_id, -1):
+                await self._drop(msg)  # a marker (or a hub's promise) behind it: given up
+                return
+        if read:
             self._checking.add(env.task_id)
             try:
                 record = await self._record(env)
@@ -462,6 +438,32 @@ class WorkConsumer:
             self._publish(env, TaskState.DELIVERED, headers)
         held.task = asyncio.current_task()
         await self._run(held, handler, done)
+
+    def _on_marker(self, msg: Msg) -> bool:
+        """A fence marker: a hub gave up attempt ``n`` of the task (header ``Reach-Fence: n``,
+        body ``{"task_id", "attempt"}``), its record already says so. Never start attempt
+        ``n`` or an earlier one from now on (a copy in hand runs on: the record fences its
+        result). Synchronous, on arrival: see ``_on_msg``. False when malformed."""
+        self.markers += 1
+        try:
+            body = json.loads(msg.data)
+            task_id = protocol.validate_task_id(str(body["task_id"]))
+            attempt = int(body["attempt"])
+        except (ValueError, KeyError, TypeError, ReachError):
+            log.warning("dropping a malformed fence marker on %s", msg.subject)
+            return False
+        if self._promised.get(task_id, -1) < attempt:
+            self._promised[task_id] = attempt
+        self._promised.move_to_end(task_id)
+        while len(self._promised) > _PROMISES:
+            self._promised.popitem(last=False)
+        return True
+
+    async def _settle_marker(self, msg: Msg, *, ok: bool) -> None:
+        """Ack a fence marker (term a malformed one); it carries no step."""
+        with contextlib.suppress(Exception):
+            await (msg.ack() if ok else msg.term())
+        self._release()
 
     async def _known(
         self, msg: Msg, env: TaskEnvelope, headers: dict[str, str], entry: _Entry
@@ -741,7 +743,6 @@ class WorkConsumer:
         were fenced; the agent registers again afterwards."""
         agent = self._agent
         agent.state = AgentState.PRE_ONLINE
-        self.untrust()  # what the hubs told us while we were LOST never reached us
         fenced = 0
         for held in list(self._held.values()):
             record = await self._record(held.env)
@@ -757,10 +758,10 @@ class WorkConsumer:
 
 
 def _delivery(reply: str | None) -> tuple[int, int] | None:
-    """``(times delivered, stream sequence)`` from a JetStream message's ack subject (v1:
-    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>...``, 9 tokens; v2 adds domain and
-    account hash first), or None. ``Msg.metadata`` says the same and more (a datetime, the
-    names) at a few µs per message, on the path of every step."""
+    """``(times delivered, messages pending)`` from a JetStream message's ack subject (v1:
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>``; v2 adds domain
+    and account hash first and a token last), or None. ``Msg.metadata`` says the same and
+    more (a datetime, the names) at a few µs per message, on the path of every step."""
     if not reply:
         return None
     tokens = reply.split(".")
@@ -773,7 +774,7 @@ def _delivery(reply: str | None) -> tuple[int, int] | None:
     if tokens[0] != "$JS" or tokens[1] != "ACK":
         return None
     try:
-        return int(tokens[i]), int(tokens[i + 1])
+        return int(tokens[i]), int(tokens[i + 4])
     except ValueError:
         return None
 

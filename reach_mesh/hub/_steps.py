@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
 from nats.aio.client import Client as NATS
@@ -28,6 +26,17 @@ from reach_mesh._jspub import JsClient
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshTimeoutError, NoMatchError, ReachError
 from reach_mesh.hub import _durable
+from reach_mesh.hub._step_state import (
+    NotOwnerError,
+    Policy,
+    Workflow,
+    backoff,
+    new_record,
+    note,
+    retryable,
+    sent,
+    step_route,
+)
 from reach_mesh.hub._tracking import StatusTracker, StepTrack
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
@@ -40,7 +49,6 @@ from reach_mesh.workflow import (
     TaskRecord,
     TaskStatusEvent,
     WorkflowEvent,
-    WorkflowSpec,
     step_task_id,
 )
 
@@ -51,59 +59,6 @@ T = TypeVar("T")
 _HISTORY: Final = 32
 
 Outcome = Literal["final", "undelivered", "lost", "nomatch", "deadline"]
-
-
-class NotOwnerError(Exception):
-    """Another hub wrote this workflow's records: it owns the workflow now."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Policy:
-    retries: int
-    fast_attempts: int
-    base: float
-    cap: float
-    pending_interval: float
-    ttl: float
-    deliver_timeout: float
-    silence_timeout: float
-
-
-@dataclass(slots=True, eq=False)
-class Workflow:
-    spec: WorkflowSpec
-    need: int
-    deadline: float  # loop time
-    submitted_at: float  # server wall time
-    headers: dict[str, str]
-    trace_id: str | None
-    digest: str
-    records: dict[int, TaskRecord] = field(default_factory=dict)
-    #: Revision of this hub's write of the workflow record (the final write is a CAS on it).
-    rev: int = 0
-    #: Agents chosen for the attempts sent when this hub started the workflow (per step; None
-    #: when none matched or the step starts later). A step takes its choice when it starts.
-    first: list[tuple[AgentView, str | None] | None] = field(default_factory=list)
-    #: The workflow record's ``first_agents`` (this hub's choices, or the stored record's
-    #: when ``taken_over`` from another hub).
-    first_agents: list[str | None] = field(default_factory=list)
-    taken_over: bool = False
-    #: Events not sent yet (``StepRunner._event``): made (and their trace context written)
-    #: only when sent, with the trace context current when they happened; and the timer.
-    held: list[tuple[Callable[[], WorkflowEvent], Context]] = field(default_factory=list)
-    hold_timer: asyncio.TimerHandle | None = None
-
-    def first_agent(self, index: int) -> str | None:
-        """The agent the workflow record names for step ``index``'s attempt 1, if any."""
-        return self.first_agents[index] if index < len(self.first_agents) else None
-
-    @property
-    def ns(self) -> str:
-        return self.spec.namespace
-
-    @property
-    def id(self) -> str:
-        return self.spec.workflow_id
 
 
 class StepRunner:
@@ -158,20 +113,42 @@ class StepRunner:
         body = protocol.dumps({"op": "cancel", "task_id": task_id, "attempt": attempt})
         self._background(self._nc.request(protocol.agent_ctl(agent_id), body, timeout=1.0))
 
-    def _give_up(self, agent_id: str, task_id: str, attempt: int) -> None:
-        """Tell ``agent_id`` that ``attempt`` of ``task_id`` is given up, in the background
-        (ctl ``task_state`` with ``fence``): if the work message has not reached it yet, it
-        promises never to start it. For a give-up that does not wait for the agent's answer
-        (a step decided by its deadline), so that an agent in touch with the hubs may run
-        its steps without reading their task records (docs/protocol-workflows.md)."""
-        body = protocol.dumps({"op": "task_state", "task_id": task_id, "fence": attempt})
-        self._background(self._nc.request(protocol.agent_ctl(agent_id), body, timeout=1.0))
+    async def _mark(self, wf: Workflow, agent_id: str, task_id: str, attempt: int) -> None:
+        """Store a fence marker for ``attempt`` on ``agent_id``'s work subject, after the
+        record that gives the attempt up: if its work message still waits in the stream, the
+        marker is pending behind it, so the agent reads the record before it would run it
+        (``WorkConsumer._needs_fence_read``), and drops it. Deduplicated by ``Nats-Msg-Id``:
+        a hub taking the workflow over stores the same markers again (``_remark``)."""
+        subject = protocol.work_subject(wf.ns, agent_id)
+        headers = {
+            protocol.HDR_MSG_ID: protocol.fence_msg_id(task_id, attempt),
+            protocol.HDR_EXPECTED_STREAM: protocol.STREAM_WORK,
+            protocol.HDR_FENCE: str(attempt),
+        }
+        body = protocol.dumps({"task_id": task_id, "attempt": attempt})
+        await self._io(
+            f"publish {subject}",
+            lambda: self._jsc.publish(subject, body, headers),
+            wf.deadline,
+        )
+
+    async def _remark(self, wf: Workflow, rec: TaskRecord) -> None:
+        """Taken over: store again the markers of every attempt the record gives up (the
+        previous owner may have died between the record and its markers)."""
+        for past in rec.history:
+            if past.agent_id is None:
+                continue
+            decided_it = rec.state.final and past.attempt == rec.decided_by
+            if decided_it and rec.state is not TaskState.TIMEOUT:
+                continue  # its own outcome decided the step
+            if past.attempt < rec.attempt or rec.cancelled or rec.state.final:
+                await self._mark(wf, past.agent_id, rec.task_id, past.attempt)
 
     # ------------------------------------------------------------------ one step
 
-    def _policy(self, step: StepSpec) -> _Policy:
+    def _policy(self, step: StepSpec) -> Policy:
         s, r = self._settings, step.retry
-        return _Policy(
+        return Policy(
             retries=s.step_retries if r.retries is None else r.retries,
             fast_attempts=s.step_fast_attempts if r.fast_attempts is None else r.fast_attempts,
             base=r.backoff_base or s.retry_base,
@@ -200,6 +177,8 @@ class StepRunner:
         rec, rev, fresh, view, capability = await self._begin(wf, index, route, task_id, key)
         # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
         no_work = self._no_work_reason(route, ns) if view is None else None
+        if not fresh:
+            await self._remark(wf, rec)
         if rec.state.final or rec.cancelled:
             return rec  # finished before a takeover: never run again
         ttl_left = rec.created_at + pol.ttl - time.time()
@@ -275,8 +254,8 @@ class StepRunner:
                     outcome = None
                     if kind == "final" and event is not None:
                         track.take()
-                        _note(rec, event)
-                        if event.state is TaskState.SUCCEEDED or not _retryable(event):
+                        note(rec, event)
+                        if event.state is TaskState.SUCCEEDED or not retryable(event):
                             rec, decided = await self._finish(wf, key, rec, rev, track, event)
                             return rec
                         rec.handler_failures += 1
@@ -290,7 +269,7 @@ class StepRunner:
                             # a handler failure counted, and the current attempt goes on.
                             outcome = await self._watch(track, pol, deadline)
                             continue
-                        delay = _backoff(rec.handler_failures, pol.base, pol.cap)
+                        delay = backoff(rec.handler_failures, pol.base, pol.cap)
                     elif kind == "deadline":
                         rec, decided = await self._finish(
                             wf, key, rec, rev, track, None, reason=no_work
@@ -309,7 +288,7 @@ class StepRunner:
                         if rec.agent_id is not None and step.agent_id is None:
                             exclude.add(rec.agent_id)
                         if rec.delivery_failures <= pol.fast_attempts:
-                            delay = _backoff(rec.delivery_failures, pol.base, pol.cap)
+                            delay = backoff(rec.delivery_failures, pol.base, pol.cap)
                         else:
                             delay = pol.pending_interval
                             exclude.clear()  # slow phase: any suitable agent again
@@ -323,6 +302,9 @@ class StepRunner:
                         rec.updated_at = time.time()
                         rev = await self._cas(key, rec, rev, wf.deadline)
                         self._tracker.fence(track, rec.attempt)
+                        if kind != "final" and gave_up[1] is not None:
+                            # Its work message may still wait in the stream: a marker behind it.
+                            await self._mark(wf, gave_up[1], rec.task_id, gave_up[0])
                         if kind == "undelivered" and gave_up[1] is not None:
                             # ... unless its agent took it just before the fence: ask again.
                             # (An agent declared LOST is not asked: LOST re-routes.)
@@ -356,15 +338,15 @@ class StepRunner:
             named = self._named_attempt(wf, index, task_id)
             if named is not None:
                 return named, 0, False, None, None
-        rec = _new_record(wf, index, task_id, time.time())
+        rec = new_record(wf, index, task_id, time.time())
         first = wf.first[index] if index < len(wf.first) else None
         if first is not None:
             wf.first[index] = None  # the step owns the agent's load count now
-            _sent(rec, first[0].agent_id)
+            sent(rec, first[0].agent_id)
             return rec, 0, True, first[0], first[1]
         view, capability = await self._choose(route, wf.ns, set())
         if view is not None:
-            _sent(rec, view.agent_id)
+            sent(rec, view.agent_id)
         try:
             rev = await _durable.create(
                 kv,
@@ -390,8 +372,8 @@ class StepRunner:
         agent_id = wf.first_agent(index)
         if agent_id is None:
             return None
-        rec = _new_record(wf, index, task_id, wf.submitted_at)
-        _sent(rec, agent_id)
+        rec = new_record(wf, index, task_id, wf.submitted_at)
+        sent(rec, agent_id)
         return rec
 
     async def _first_choices(self, wf: Workflow) -> None:
@@ -437,7 +419,7 @@ class StepRunner:
         capability: str | None,
         payload: Any,
         track: StepTrack,
-        pol: _Policy,
+        pol: Policy,
         deadline: float,
     ) -> tuple[Outcome, TaskStatusEvent | None]:
         """Send the current attempt (its record is written) and watch the step to an outcome.
@@ -588,9 +570,11 @@ class StepRunner:
         rec.updated_at = time.time()
         if event is None or (event.attempt, event.agent_id) != fence:
             await self._cas(key, rec, rev, wf.deadline)
-        if event is None and track.agent_id is not None:
-            # Decided by the deadline: the attempt out there is not needed any more.
-            self._give_up(track.agent_id, rec.task_id, track.attempt)
+        current = track.agent_id
+        if current is not None and (event is None or event.attempt != track.attempt):
+            # The attempt out there is not needed any more (decided by the deadline or by an
+            # earlier attempt): a marker behind its work message, if that still waits.
+            await self._mark(wf, current, rec.task_id, track.attempt)
         self._step_event(
             wf, rec.step, rec, rec.state, attempt=decided, agent_id=rec.agent_id, error=rec.error
         )
@@ -613,7 +597,7 @@ class StepRunner:
     # ------------------------------------------------------------------ watching an attempt
 
     async def _watch(
-        self, track: StepTrack, pol: _Policy, deadline: float
+        self, track: StepTrack, pol: Policy, deadline: float
     ) -> tuple[Outcome, TaskStatusEvent | None]:
         """Wait for the current attempt's outcome (or any earlier attempt's, first wins)."""
         loop = asyncio.get_running_loop()
@@ -728,72 +712,3 @@ class StepRunner:
         self._pending += delta
         if self._metrics is not None:
             self._metrics.pending_tasks.set(self._pending)
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-#: Route requests by step target: workflows repeat the same few targets, and a request is
-#: made and validated once per target (never changed after; bounded: cleared when full).
-_ROUTES: dict[tuple[str | None, str | None, str | None, str | None], RouteRequest] = {}
-_ROUTES_MAX: Final = 4096
-
-
-def step_route(step: StepSpec) -> RouteRequest:
-    """The route request that chooses a step's agent."""
-    key = (step.agent_id, step.capability, step.selector, step.strategy)
-    route = _ROUTES.get(key)
-    if route is None:
-        route = RouteRequest(
-            agent_id=step.agent_id,
-            capability=step.capability,
-            selector=step.selector,
-            strategy=step.strategy,
-        )
-        if len(_ROUTES) >= _ROUTES_MAX:
-            _ROUTES.clear()
-        _ROUTES[key] = route
-    return route
-
-
-def _new_record(wf: Workflow, index: int, task_id: str, created_at: float) -> TaskRecord:
-    """A step's record before any attempt (attempt 0, no agent)."""
-    return TaskRecord(
-        task_id=task_id,
-        workflow_id=wf.id,
-        step=index,
-        namespace=wf.ns,
-        created_at=created_at,
-        updated_at=created_at,
-    )
-
-
-def _sent(rec: TaskRecord, agent_id: str) -> None:
-    """``rec`` as attempt 1 sent to ``agent_id``."""
-    rec.attempt = 1
-    rec.agent_id = agent_id
-    rec.history = [AttemptRecord(attempt=1, agent_id=agent_id)]
-
-
-def _note(rec: TaskRecord, event: TaskStatusEvent) -> None:
-    """Write an attempt's final state into the record's history."""
-    for h in reversed(rec.history):
-        if h.attempt == event.attempt:
-            h.state = event.state
-            h.code = event.error.code if event.error else None
-            return
-
-
-def _retryable(event: TaskStatusEvent) -> bool:
-    if event.state is TaskState.TIMEOUT:
-        return True
-    err = event.error
-    if err is None:
-        return True
-    return err.details.get("retryable", True) is not False
-
-
-def _backoff(n: int, base: float, cap: float) -> float:
-    """base * 2**(n-1), capped, with equal jitter (half fixed, half random)."""
-    d = float(min(cap, base * float(2 ** max(0, n - 1))))
-    return d / 2 + random.uniform(0, d / 2)

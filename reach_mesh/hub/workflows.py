@@ -728,6 +728,8 @@ class WorkflowEngine(StepRunner):
         with contextlib.suppress(Exception):
             last = 0 if got is None else got[1]
             await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
+            if rec.agent_id is not None and rec.attempt > 0:
+                await self._mark(wf, rec.agent_id, rec.task_id, rec.attempt)
         if rec.agent_id is not None and rec.attempt > 0:
             self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
 

@@ -310,7 +310,8 @@ class AgentMetrics:
 
 
 class _StepCounts(Collector):
-    """``reach_agent_steps_dropped_total`` (by reason) and ``reach_agent_fence_reads_total``."""
+    """``reach_agent_steps_dropped_total`` (by reason), ``reach_agent_fence_reads_total`` and
+    ``reach_agent_fence_markers_total``."""
 
     def __init__(self, read: Callable[[], dict[str, int]]) -> None:
         self._read = read
@@ -328,9 +329,14 @@ class _StepCounts(Collector):
         yield dropped
         yield CounterMetricFamily(
             "reach_agent_fence_reads",
-            "Task records read before running a step: only for a step a hub's word may have "
-            "missed (after a reconnection, a pause, a redelivery).",
+            "Task records read before running a step: only where the stream cannot tell (a "
+            "redelivery, messages queued behind it, an agent out of touch with the hubs).",
             value=counts.get("fence_reads", 0),
+        )
+        yield CounterMetricFamily(
+            "reach_agent_fence_markers",
+            "Fence markers received: a hub gave up an attempt it had sent this agent.",
+            value=counts.get("markers", 0),
         )
 
 

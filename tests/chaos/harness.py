@@ -550,8 +550,8 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
     await asyncio.to_thread(workdir.mkdir, parents=True)
     t0 = time.monotonic()
     mesh = Mesh(cfg, workdir)
-    await asyncio.to_thread(mesh.nodes_up)
     try:
+        await asyncio.to_thread(mesh.nodes_up)  # inside: a node that fails stops the others
         async with Client(settings=mesh.settings) as client:
             await start_mesh(mesh, client)
             work = plan(cfg)

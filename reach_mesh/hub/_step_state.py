@@ -1,0 +1,155 @@
+"""The state a workflow's steps run on: the workflow being run (:class:`Workflow`), a step's
+retry policy, and the small pure helpers that make and update task records. Split from
+:mod:`reach_mesh.hub._steps`, which runs the steps."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from opentelemetry.context import Context
+
+from reach_mesh.hub.registry import AgentView
+from reach_mesh.models import RouteRequest, TaskState
+from reach_mesh.workflow import (
+    AttemptRecord,
+    StepSpec,
+    TaskRecord,
+    TaskStatusEvent,
+    WorkflowEvent,
+    WorkflowSpec,
+)
+
+__all__ = [
+    "NotOwnerError",
+    "Policy",
+    "Workflow",
+    "backoff",
+    "new_record",
+    "note",
+    "retryable",
+    "sent",
+    "step_route",
+]
+
+
+class NotOwnerError(Exception):
+    """Another hub wrote this workflow's records: it owns the workflow now."""
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    retries: int
+    fast_attempts: int
+    base: float
+    cap: float
+    pending_interval: float
+    ttl: float
+    deliver_timeout: float
+    silence_timeout: float
+
+
+@dataclass(slots=True, eq=False)
+class Workflow:
+    spec: WorkflowSpec
+    need: int
+    deadline: float  # loop time
+    submitted_at: float  # server wall time
+    headers: dict[str, str]
+    trace_id: str | None
+    digest: str
+    records: dict[int, TaskRecord] = field(default_factory=dict)
+    #: Revision of this hub's write of the workflow record (the final write is a CAS on it).
+    rev: int = 0
+    #: Agents chosen for the attempts sent when this hub started the workflow (per step; None
+    #: when none matched or the step starts later). A step takes its choice when it starts.
+    first: list[tuple[AgentView, str | None] | None] = field(default_factory=list)
+    #: The workflow record's ``first_agents`` (this hub's choices, or the stored record's
+    #: when ``taken_over`` from another hub).
+    first_agents: list[str | None] = field(default_factory=list)
+    taken_over: bool = False
+    #: Events not sent yet (``StepRunner._event``): made (and their trace context written)
+    #: only when sent, with the trace context current when they happened; and the timer.
+    held: list[tuple[Callable[[], WorkflowEvent], Context]] = field(default_factory=list)
+    hold_timer: asyncio.TimerHandle | None = None
+
+    def first_agent(self, index: int) -> str | None:
+        """The agent the workflow record names for step ``index``'s attempt 1, if any."""
+        return self.first_agents[index] if index < len(self.first_agents) else None
+
+    @property
+    def ns(self) -> str:
+        return self.spec.namespace
+
+    @property
+    def id(self) -> str:
+        return self.spec.workflow_id
+
+
+#: Route requests by step target: workflows repeat the same few targets, and a request is
+#: made and validated once per target (never changed after; bounded: cleared when full).
+_ROUTES: dict[tuple[str | None, str | None, str | None, str | None], RouteRequest] = {}
+_ROUTES_MAX: Final = 4096
+
+
+def step_route(step: StepSpec) -> RouteRequest:
+    """The route request that chooses a step's agent."""
+    key = (step.agent_id, step.capability, step.selector, step.strategy)
+    route = _ROUTES.get(key)
+    if route is None:
+        route = RouteRequest(
+            agent_id=step.agent_id,
+            capability=step.capability,
+            selector=step.selector,
+            strategy=step.strategy,
+        )
+        if len(_ROUTES) >= _ROUTES_MAX:
+            _ROUTES.clear()
+        _ROUTES[key] = route
+    return route
+
+
+def new_record(wf: Workflow, index: int, task_id: str, created_at: float) -> TaskRecord:
+    """A step's record before any attempt (attempt 0, no agent)."""
+    return TaskRecord(
+        task_id=task_id,
+        workflow_id=wf.id,
+        step=index,
+        namespace=wf.ns,
+        created_at=created_at,
+        updated_at=created_at,
+    )
+
+
+def sent(rec: TaskRecord, agent_id: str) -> None:
+    """``rec`` as attempt 1 sent to ``agent_id``."""
+    rec.attempt = 1
+    rec.agent_id = agent_id
+    rec.history = [AttemptRecord(attempt=1, agent_id=agent_id)]
+
+
+def note(rec: TaskRecord, event: TaskStatusEvent) -> None:
+    """Write an attempt's final state into the record's history."""
+    for h in reversed(rec.history):
+        if h.attempt == event.attempt:
+            h.state = event.state
+            h.code = event.error.code if event.error else None
+            return
+
+
+def retryable(event: TaskStatusEvent) -> bool:
+    if event.state is TaskState.TIMEOUT:
+        return True
+    err = event.error
+    if err is None:
+        return True
+    return err.details.get("retryable", True) is not False
+
+
+def backoff(n: int, base: float, cap: float) -> float:
+    """base * 2**(n-1), capped, with equal jitter (half fixed, half random)."""
+    d = float(min(cap, base * float(2 ** max(0, n - 1))))
+    return d / 2 + random.uniform(0, d / 2)
