@@ -17,6 +17,7 @@ other message reads it. These tests pin both halves:
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -102,7 +103,12 @@ def _fence_agent(agent_id: str, settings: MeshSettings, runs: list[str]) -> Agen
 )
 def test_delivery_reads_the_ack_subject_as_nats_py_does(reply: str) -> None:
     meta = Msg(_client=None, subject="reach.work.x", reply=reply).metadata  # type: ignore[arg-type]
-    assert _delivery(reply) == (meta.num_delivered, meta.num_pending)
+    assert _delivery(reply) == (
+        meta.num_delivered,
+        meta.sequence.stream,
+        meta.sequence.consumer,
+        meta.num_pending,
+    )
 
 
 @pytest.mark.parametrize(
@@ -191,6 +197,37 @@ async def test_an_agent_out_of_touch_reads_the_fence(
         # No marker behind it: only being out of touch makes the agent read the record.
         await _stale_step(mesh.nc, ns, a.agent_id, "away-step", marker=False)
         await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+    assert runs == []
+    assert a.work.fence_reads == 1
+
+
+async def test_an_agent_whose_loop_stalled_reads_the_fence(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A handler that blocks the event loop (a sync call) stalls everything the agent does: a
+    step delivered meanwhile waits unread, long enough to be given up. For a second after a
+    stall the agent reads every record — here a cancelled one, with no marker behind it."""
+    ns = wf_settings.namespace
+    runs: list[str] = []
+    slow_beats = {"heartbeat_interval": 2.0, "lease_timeout": 6.0}
+    a = _fence_agent(f"{ns}.stall.a", wf_settings.model_copy(update=slow_beats), runs)
+    fleet.agents.append(a)
+    blocked: list[bool] = []
+
+    @a.handler("wf:stall:v1")
+    async def stall(task: Task[Any]) -> str:
+        blocked.append(True)
+        time.sleep(0.3)  # noqa: ASYNC251 - the point: a blocked event loop
+        return "done"
+
+    await a.start()
+    assert a.work is not None
+    async with Client(settings=wf_settings) as mesh:
+        await mesh.submit_fanout([Step(capability="wf:stall:v1")], timeout=10)
+        await eventually(lambda: bool(blocked))  # resumes only after the block
+        await _stale_step(mesh.nc, ns, a.agent_id, "stall-step", marker=False)
+        await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
+    assert a.in_touch()
     assert runs == []
     assert a.work.fence_reads == 1
 

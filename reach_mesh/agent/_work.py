@@ -28,6 +28,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -73,6 +74,12 @@ _REPLY_FIELDS: Final = set(TaskReply.model_fields)
 #: marker for it would be among them) before it reads its task record instead. They are
 #: usually in the same read from the socket; past this, the pull they wait for is not open.
 _BEHIND_WAIT: Final = 0.05
+#: The event loop is checked every ``_TICK`` seconds; later than ``_STALL`` is a stall (a CPU
+#: bound handler, a GC pause, SIGSTOP): for ``_STALL_MEMORY`` after one, every fence is read
+#: — a message delivered before the stall may have been given up while it waited unread.
+_TICK: Final = 0.05
+_STALL: Final = 0.05
+_STALL_MEMORY: Final = 1.0
 #: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
 #: hub's task record as the fence, as for an agent that does not know promises.
 _PROMISES: Final = 50_000
@@ -131,10 +138,14 @@ class WorkConsumer:
         self.fence_reads = 0
         #: Fence markers received (a hub gave up an attempt it had sent us).
         self.markers = 0
-        #: First deliveries received so far, and the runs waiting for a count of them (the
-        #: messages queued behind theirs: ``_behind``).
-        self._firsts = 0
-        self._behind_waits: list[tuple[int, asyncio.Future[None]]] = []
+        #: Runs waiting for the messages queued behind theirs (``_behind``), and the last
+        #: consumer sequence received (a gap means a delivery was lost: every waiter reads its
+        #: record instead).
+        self._behind_waits: list[_Behind] = []
+        self._last_cseq = -1
+        #: When the event loop last stalled (loop time; ``_watch_loop``).
+        self._stalled_at = -math.inf
+        self._loop_watch: asyncio.Task[None] | None = None
         agent.metrics.step_counts(self.counts)
 
     def counts(self) -> dict[str, int]:
@@ -165,45 +176,55 @@ class WorkConsumer:
         """
         if task_id in self._checking or task_id in self._held:
             return False
-        if self._promised.get(task_id, -1) < attempt:
-            self._promised[task_id] = attempt
-        self._promised.move_to_end(task_id)
-        while len(self._promised) > _PROMISES:
-            self._promised.popitem(last=False)
+        self._never_start(task_id, attempt)
         return True
 
-    def _fresh(self, delivery: tuple[int, int] | None) -> bool:
-        """Whether this run may skip its task record: a first delivery to an agent in touch
-        with the hubs (``Agent.in_touch``: not paused, not cut off), provided no fence marker
-        for it was queued behind it (``_behind``, for ``num_pending`` > 0).
+    def _fresh(self, delivery: _Delivery) -> bool:
+        """Whether this run may skip its task record: a first delivery, to an agent in touch
+        with the hubs (``Agent.in_touch``: not paused, not cut off) whose event loop has not
+        stalled lately (``_watch_loop``: a message delivered before a stall may have been
+        given up while it waited unread), provided no fence marker for it was queued behind
+        it (``_behind``, when ``num_pending`` > 0).
 
         A hub that gives up an attempt it sent writes the record, then stores a fence marker
-        on the attempt's work subject (``_on_marker``); a hub taking a workflow over stores
-        them again. So if this attempt had been given up by the time it was delivered, the
-        marker was among the messages the server counted as pending behind it — or the hub,
-        between its record write and its marker, raced the delivery, as a hub's write races a
-        record read. A redelivery, or an agent out of touch, reads the record.
+        on the attempt's work subject (``_on_marker``); a hub that cancels a branch or takes
+        a workflow over stores them again. So if this attempt had been given up by the time
+        it was delivered, the marker was among the messages the server counted as pending
+        behind it — or the hub, between its record write and its marker, raced the
+        delivery, as a hub's write races a record read.
         """
-        return delivery is not None and delivery[0] == 1 and self._agent.in_touch()
+        if delivery[0] != 1 or not self._agent.in_touch():
+            return False
+        return asyncio.get_running_loop().time() - self._stalled_at > _STALL_MEMORY
 
-    async def _behind(self, target: int) -> bool:
-        """Wait (up to ``_BEHIND_WAIT``) until ``target`` first deliveries were received: the
-        messages queued behind a step have arrived, and a fence marker among them has made
-        its promise. False when they did not arrive in time (read the record instead)."""
-        if self._firsts >= target:
-            return True
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._behind_waits.append((target, fut))
-        self._behind_waits.sort(key=lambda w: w[0])
+    async def _behind(self, behind: _Behind) -> bool:
+        """Wait (up to ``_BEHIND_WAIT``) for the messages the server had queued behind this
+        one when it delivered it: first deliveries with a higher stream sequence, with no
+        consumer sequence missing in between (counted by ``_on_msg`` from the moment this
+        one arrived). A fence marker among them has made its promise by then. False when
+        they did not all arrive in time, or a delivery went missing: read the record."""
+        done = behind.done
+        if done.done():  # usually: they came in the same read from the socket
+            return not done.cancelled() and done.result()
         try:
-            await asyncio.wait_for(fut, _BEHIND_WAIT)
+            return await asyncio.wait_for(done, _BEHIND_WAIT)
         except TimeoutError:
             return False
-        finally:
-            if not fut.done():
-                fut.cancel()
-            self._behind_waits = [w for w in self._behind_waits if w[1] is not fut]
-        return True
+
+    def _forget_behind(self, behind: _Behind) -> None:
+        if behind in self._behind_waits:
+            self._behind_waits.remove(behind)
+        if not behind.done.done():
+            behind.done.cancel()
+
+    async def _watch_loop(self) -> None:
+        """Note when the event loop stalls (see ``_fresh``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(_TICK)
+            if loop.time() - t - _TICK > _STALL:
+                self._stalled_at = loop.time()
 
     async def start(self) -> None:
         """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
@@ -263,6 +284,7 @@ class WorkConsumer:
         )
         await self._pull.start()
         self._ticker = asyncio.create_task(self._tick(), name="reach-work-ticker")
+        self._loop_watch = asyncio.create_task(self._watch_loop(), name="reach-loop-watch")
 
     async def flush(self) -> None:
         """Send the acks still waiting to ride along (``JsClient.later``)."""
@@ -277,6 +299,9 @@ class WorkConsumer:
             self._retry = None
         if self._pull is not None:
             await self._pull.stop()
+        if self._loop_watch is not None:
+            self._loop_watch.cancel()
+            self._loop_watch = None
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -309,23 +334,49 @@ class WorkConsumer:
     # ------------------------------------------------------------------ receiving
 
     def _on_msg(self, msg: Msg) -> None:
-        # In stream order, before any task runs: a fence marker's promise is in place, and
-        # counted, before a step queued ahead of it looks (``_behind``).
+        # In stream order, before any task runs: a fence marker's promise is in place before
+        # a step queued ahead of it is told that the messages behind it arrived (``_behind``).
         delivery = _delivery(msg.reply)
-        first = delivery is not None and delivery[0] == 1
+        behind: _Behind | None = None
         if msg.headers and protocol.HDR_FENCE in msg.headers:
             marker = self._on_marker(msg)
             self._agent._spawn(self._settle_marker(msg, ok=marker))
         else:
-            self._agent._spawn(self._handle(msg, delivery, self._firsts + first))
-        if first:
-            self._firsts += 1
-            waits = self._behind_waits
-            if waits and waits[0][0] <= self._firsts:
-                self._behind_waits = [w for w in waits if w[0] > self._firsts]
-                for target, fut in waits:
-                    if target <= self._firsts and not fut.done():
-                        fut.set_result(None)
+            if delivery is not None and delivery[0] == 1 and delivery[3] > 0:
+                # Count what arrives behind it from now on, before its task runs: the
+                # messages behind it may be in this same read from the socket.
+                fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+                behind = _Behind(delivery[1], delivery[3], fut)
+            self._agent._spawn(self._handle(msg, delivery, behind))
+        if delivery is None:
+            return
+        delivered, sseq, cseq, _ = delivery
+        gap = cseq != self._last_cseq + 1
+        self._last_cseq = cseq
+        if gap:
+            # A delivery we never got (lost with a server), or the consumer's sequence moved
+            # (a new leader): what was behind cannot be counted. Read the records.
+            for w in self._behind_waits:
+                if not w.done.done():
+                    w.done.set_result(False)
+            self._behind_waits = []
+        elif delivered == 1 and self._behind_waits:
+            # (A redelivery is none of the messages that were pending behind.)
+            self._count_behind(sseq)
+        if behind is not None:
+            self._behind_waits.append(behind)
+
+    def _count_behind(self, sseq: int) -> None:
+        left = []
+        for w in self._behind_waits:
+            if sseq > w.sseq:
+                w.need -= 1
+            if w.need <= 0:
+                if not w.done.done():
+                    w.done.set_result(True)
+            else:
+                left.append(w)
+        self._behind_waits = left
 
     def _release(self) -> None:
         if self._pull is not None:
@@ -338,17 +389,20 @@ class WorkConsumer:
             await msg.ack()
         self._release()
 
-    async def _handle(self, msg: Msg, delivery: tuple[int, int] | None, firsts: int) -> None:
+    async def _handle(self, msg: Msg, delivery: _Delivery | None, behind: _Behind | None) -> None:
         try:
-            await self._handle_inner(msg, delivery, firsts)
+            await self._handle_inner(msg, delivery, behind)
         except Exception:
             log.exception("work message failed on %s", self._agent.agent_id)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             self._release()
 
-    async def _handle_inner(self, msg: Msg, delivery: tuple[int, int] | None, firsts: int) -> None:
-        """``firsts``: the first deliveries received up to this message, itself included."""
+    async def _handle_inner(
+        self, msg: Msg, delivery: _Delivery | None, behind: _Behind | None
+    ) -> None:
+        """``behind``: what arrived behind it so far, when the server had messages queued
+        behind it (``_on_msg``)."""
         agent = self._agent
         try:
             env = protocol.decode(
@@ -379,17 +433,16 @@ class WorkConsumer:
             return
         checked_at = time.monotonic()
         record: TaskRecord | None = None
-        read = not self._fresh(delivery)
-        if not read and delivery is not None and delivery[1] > 0:
+        read = delivery is None or not self._fresh(delivery)
+        if behind is not None:
             # Messages were queued behind it: a fence marker for it may be one of them.
-            self._checking.add(env.task_id)
-            try:
-                read = not await self._behind(firsts + delivery[1])
-            finally:
-                self._checking.discard(env.task_id)
-            if env.attempt <= self._promised.get(env.task_id, -1):
-                await self._drop(msg)  # a marker (or a hub's promise) behind it: given up
-                return
+            if not read:
+                self._checking.add(env.task_id)
+                try:
+                    read = not await self._behind(behind)
+                finally:
+                    self._checking.discard(env.task_id)
+            self._forget_behind(behind)
         if read:
             self._checking.add(env.task_id)
             try:
@@ -404,8 +457,11 @@ class WorkConsumer:
                 return
             finally:
                 self._checking.discard(env.task_id)
-        if record is not None and _superseded(record, env, agent.agent_id):
-            # Fenced before it ran: the hub moved on (another attempt, cancelled, finished).
+        if (record is not None and _superseded(record, env, agent.agent_id)) or (
+            env.attempt <= self._promised.get(env.task_id, -1)
+        ):
+            # Fenced before it ran: the hub moved on (another attempt, cancelled, finished),
+            # as its record, a marker behind it or a cancel meanwhile says.
             await self._drop(msg)
             return
         handler = agent._pick_handler(env.capability)
@@ -452,12 +508,17 @@ class WorkConsumer:
         except (ValueError, KeyError, TypeError, ReachError):
             log.warning("dropping a malformed fence marker on %s", msg.subject)
             return False
+        self._never_start(task_id, attempt)
+        return True
+
+    def _never_start(self, task_id: str, attempt: int) -> None:
+        """Record that attempt ``attempt`` of ``task_id`` (or an earlier one) is never to be
+        started: checked on arrival and again before a run starts."""
         if self._promised.get(task_id, -1) < attempt:
             self._promised[task_id] = attempt
         self._promised.move_to_end(task_id)
         while len(self._promised) > _PROMISES:
             self._promised.popitem(last=False)
-        return True
 
     async def _settle_marker(self, msg: Msg, *, ok: bool) -> None:
         """Ack a fence marker (term a malformed one); it carries no step."""
@@ -723,9 +784,9 @@ class WorkConsumer:
         if held is None:
             entry = self._agent._results.get(task_id)
             if entry is None or entry.reply is None or entry.attempt < attempt:
-                # Not here yet (still in the stream, or never sent): never start it. (One we
-                # finished is not run again anyway: the idempotency rules.)
-                self.promise(task_id, attempt)
+                # Not here yet (still in the stream, or never sent, or its fence being read):
+                # never start it. (One we finished is not run again anyway: idempotency.)
+                self._never_start(task_id, attempt)
             return False
         if held.env.attempt != attempt:
             return False
@@ -757,8 +818,21 @@ class WorkConsumer:
         return fenced
 
 
-def _delivery(reply: str | None) -> tuple[int, int] | None:
-    """``(times delivered, messages pending)`` from a JetStream message's ack subject (v1:
+@dataclass(slots=True, eq=False)
+class _Behind:
+    """A run waiting for the messages queued behind its own (``WorkConsumer._behind``)."""
+
+    sseq: int
+    need: int
+    done: asyncio.Future[bool]
+
+
+#: ``(times delivered, stream sequence, consumer sequence, messages pending behind)``.
+_Delivery = tuple[int, int, int, int]
+
+
+def _delivery(reply: str | None) -> _Delivery | None:
+    """``(delivered, stream seq, consumer seq, pending)`` from a JetStream ack subject (v1:
     ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>``; v2 adds domain
     and account hash first and a token last), or None. ``Msg.metadata`` says the same and
     more (a datetime, the names) at a few µs per message, on the path of every step."""
@@ -774,7 +848,7 @@ def _delivery(reply: str | None) -> tuple[int, int] | None:
     if tokens[0] != "$JS" or tokens[1] != "ACK":
         return None
     try:
-        return int(tokens[i]), int(tokens[i + 4])
+        return int(tokens[i]), int(tokens[i + 1]), int(tokens[i + 2]), int(tokens[i + 4])
     except ValueError:
         return None
 

@@ -133,8 +133,9 @@ class StepRunner:
         )
 
     async def _remark(self, wf: Workflow, rec: TaskRecord) -> None:
-        """Taken over: store again the markers of every attempt the record gives up (the
-        previous owner may have died between the record and its markers)."""
+        """Store (again: deduplicated) the markers of every attempt ``rec`` gives up: on a
+        takeover (the previous owner may have died between a record and its markers) and
+        when a branch is cancelled (its step may have been stopped between them)."""
         for past in rec.history:
             if past.agent_id is None:
                 continue

@@ -596,9 +596,12 @@ class WorkflowEngine(StepRunner):
                 if t.done() and not t.cancelled():
                     t.exception()
         if pending:
-            await asyncio.gather(
+            cancelled = await asyncio.gather(
                 *(self._cancel_step(wf, tasks[t]) for t in pending), return_exceptions=True
             )
+            for err in cancelled:
+                if isinstance(err, Exception):
+                    raise err  # not an outcome: the workflow goes back to JetStream
         if succeeded >= wf.need:
             state = TaskState.SUCCEEDED
         elif first_error is not None and all(
@@ -721,6 +724,9 @@ class WorkflowEngine(StepRunner):
             rec = named
         if rec.state.final:
             wf.records[index] = rec
+            # Cancelled right after its record was written (by the deadline, by an earlier
+            # attempt), its markers may be missing: store them (deduplicated).
+            await self._remark(wf, rec)
             return
         rec.cancelled = True
         rec.updated_at = time.time()
@@ -728,8 +734,10 @@ class WorkflowEngine(StepRunner):
         with contextlib.suppress(Exception):
             last = 0 if got is None else got[1]
             await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
-            if rec.agent_id is not None and rec.attempt > 0:
-                await self._mark(wf, rec.agent_id, rec.task_id, rec.attempt)
+        # Every attempt it sent, not only the current one: the branch may have been cancelled
+        # between a fence-first record and its marker. A failure here is the workflow's
+        # (``_fanout`` raises it): the result must not be stored before the markers are.
+        await self._remark(wf, rec)
         if rec.agent_id is not None and rec.attempt > 0:
             self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
 
