@@ -80,6 +80,12 @@ class PullConsumer:
     def held(self) -> int:
         return self._held
 
+    @property
+    def open(self) -> int:
+        """Messages the open pulls may still bring (a message stored now arrives at once
+        while this is positive)."""
+        return self._outstanding
+
     async def start(self) -> None:
         self._inbox = self._nc.new_inbox()
         self._sub = await self._nc.subscribe(self._inbox, cb=self._cb, pending_msgs_limit=-1)

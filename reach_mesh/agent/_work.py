@@ -143,8 +143,10 @@ class WorkConsumer:
         #: record instead).
         self._behind_waits: list[_Behind] = []
         self._last_cseq = -1
-        #: When the event loop last stalled (loop time; ``_watch_loop``).
+        #: When the event loop last stalled, and when the watch last woke (loop time;
+        #: ``_watch_loop``): a watch overdue is a stall going on, or just over.
         self._stalled_at = -math.inf
+        self._watched_at = math.inf
         self._loop_watch: asyncio.Task[None] | None = None
         agent.metrics.step_counts(self.counts)
 
@@ -195,7 +197,10 @@ class WorkConsumer:
         """
         if delivery[0] != 1 or not self._agent.in_touch():
             return False
-        return asyncio.get_running_loop().time() - self._stalled_at > _STALL_MEMORY
+        now = asyncio.get_running_loop().time()
+        # A stall seen lately, or one going on now (the watch overdue: this pass of the loop
+        # may be the first after it, ahead of the watch's own wake-up).
+        return now - self._stalled_at > _STALL_MEMORY and now - self._watched_at < _TICK + _STALL
 
     async def _behind(self, behind: _Behind) -> bool:
         """Wait (up to ``_BEHIND_WAIT``) for the messages the server had queued behind this
@@ -221,7 +226,7 @@ class WorkConsumer:
         """Note when the event loop stalls (see ``_fresh``)."""
         loop = asyncio.get_running_loop()
         while True:
-            t = loop.time()
+            t = self._watched_at = loop.time()
             await asyncio.sleep(_TICK)
             if loop.time() - t - _TICK > _STALL:
                 self._stalled_at = loop.time()
@@ -397,6 +402,9 @@ class WorkConsumer:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             self._release()
+        finally:
+            if behind is not None:
+                self._forget_behind(behind)  # on every early return too
 
     async def _handle_inner(
         self, msg: Msg, delivery: _Delivery | None, behind: _Behind | None
@@ -436,10 +444,15 @@ class WorkConsumer:
         read = delivery is None or not self._fresh(delivery)
         if behind is not None:
             # Messages were queued behind it: a fence marker for it may be one of them.
+            pull = self._pull
+            if not read and (pull is None or behind.need > pull.open):
+                read = True  # the pulls cannot bring them all now: do not hold the slot waiting
             if not read:
                 self._checking.add(env.task_id)
                 try:
-                    read = not await self._behind(behind)
+                    # ... and still fresh after the wait (a stall may have begun meanwhile).
+                    arrived = await self._behind(behind)
+                    read = not arrived or delivery is None or not self._fresh(delivery)
                 finally:
                     self._checking.discard(env.task_id)
             self._forget_behind(behind)
