@@ -3,7 +3,7 @@
 Issue 15 asks how fast a fanout(3) and a chain(3) can go. Part of the answer is what the
 messages alone cost: this runs the same JetStream exchanges they make in reach-mesh, over the
 same transport
-(``reach_mesh._jspub.JsClient`` for acked publishes and direct gets, ``reach_mesh._consume``'s
+(``reach_mesh._jspub.JsClient`` for acked publishes, ``reach_mesh._consume``'s
 pull consumer), between the same processes (a "hub", a process of three "agents", the caller),
 and nothing else: no validation, routing, task tracking, tracing, events or retries.
 
@@ -14,10 +14,11 @@ Per fanout(3), as the engine does it (docs/workflows.md, "Performance"):
   messages (acked, ``Nats-Msg-Id``), waits for the three final statuses (a core subscription),
   writes the final record (compare-and-set on its revision), stores ``.done`` (acked), acks the
   submission (riding along with the next request, as the hub's ``ack_later`` does);
-* each agent: pulls its work message, reads the task record (a direct get: the fence), stores
-  its final status (acked), acks the work message (riding along).
+* each agent: pulls its work message, stores its final status (acked), acks the work message
+  (riding along). (A fresh step needs no read of its task record: docs/workflows.md, "Agent
+  side: idempotency".)
 
-That is 10 stored messages and 3 direct gets, as in the engine. A chain(3) runs the steps one
+That is 10 stored messages, as in the engine. A chain(3) runs the steps one
 after the other, and before sending the second and the third it creates their task records (a KV
 compare-and-set each), as the engine does for a step chosen when it starts: 12 stored messages.
 Streams are R1 file storage, as the bench's engine runs them. What the engine costs above this
@@ -204,7 +205,6 @@ async def _agent(nc: NATS, n: _Names, index: int, stop: asyncio.Future[None]) ->
 
     async def step(msg: Msg) -> None:
         task_id = (msg.headers or {}).get("Nats-Msg-Id", "").split("#", 1)[0]
-        await jsc.kv_get(n.tasks_bucket, task_id)  # the fence (none: work sent without one)
         await jsc.publish(n.status(task_id), _STATUS.encode(), {"Nats-Msg-Id": task_id})
 
     await _serve(nc, jsc, n.work_stream, f"a{index}", 256, step, stop)
