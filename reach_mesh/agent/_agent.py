@@ -414,11 +414,11 @@ class Agent(ServingMixin):
         self._answered_at = sent  # the hub renewed the lease after this, not before
 
     def in_touch(self) -> bool:
-        """True while the hubs surely hold our lease: connected, and a hub answered us within
-        two heartbeat intervals. A lease is at least three, so no hub can have declared us
-        SUSPECT or LOST — and given our attempts up without asking us — meanwhile. False
-        after a pause of the process (SIGSTOP, a stalled VM) or a partition, until the next
-        answer."""
+        """True while the hubs surely hold our lease: connected, and a hub answered a
+        registration or heartbeat we sent within the last two heartbeat intervals. A lease is
+        at least three, so no hub can have declared us SUSPECT or LOST — and given our
+        attempts up without asking us — meanwhile. False after a pause of the process
+        (SIGSTOP, a stalled VM) or a partition, until the next answer."""
         if self._nc is None or not self._nc.is_connected:
             return False
         return time.monotonic() - self._answered_at < 2 * self.settings.heartbeat_interval

@@ -7,7 +7,7 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
    SUCCEEDED, drops it when a hub gave the attempt up and we promised never to start it, and
    drops it when the hub's task record says the attempt is no longer current (fenced: another
    attempt superseded it, or the workflow no longer needs it). The record is read only where
-   it can say more than the stream (see ``_needs_fence_read``): a hub that gives up an
+   it can say more than the stream (see ``_fresh``): a hub that gives up an
    attempt it sent stores a fence marker behind it on the same subject;
 2. publishes ``DELIVERED``, ``ACCEPTED`` when the handler starts, ``RUNNING`` every
    ``step_running_interval`` while it runs (plus ``task.progress()``), then the final state,
@@ -32,7 +32,7 @@ import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -134,7 +134,7 @@ class WorkConsumer:
         #: Later attempts answered from a stored result without running the handler.
         self.cached = 0
         #: Task records read before a first run (fences): only where the stream cannot tell
-        #: (``_needs_fence_read``).
+        #: (``_fresh``).
         self.fence_reads = 0
         #: Fence markers received (a hub gave up an attempt it had sent us).
         self.markers = 0
@@ -195,7 +195,7 @@ class WorkConsumer:
         behind it — or the hub, between its record write and its marker, raced the
         delivery, as a hub's write races a record read.
         """
-        if delivery[0] != 1 or not self._agent.in_touch():
+        if delivery.delivered != 1 or not self._agent.in_touch():
             return False
         now = asyncio.get_running_loop().time()
         # A stall seen lately, or one going on now (the watch overdue: this pass of the loop
@@ -347,11 +347,11 @@ class WorkConsumer:
             marker = self._on_marker(msg)
             self._agent._spawn(self._settle_marker(msg, ok=marker))
         else:
-            if delivery is not None and delivery[0] == 1 and delivery[3] > 0:
+            if delivery is not None and delivery.delivered == 1 and delivery.pending > 0:
                 # Count what arrives behind it from now on, before its task runs: the
                 # messages behind it may be in this same read from the socket.
                 fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-                behind = _Behind(delivery[1], delivery[3], fut)
+                behind = _Behind(delivery.sseq, delivery.pending, fut)
             self._agent._spawn(self._handle(msg, delivery, behind))
         if delivery is None:
             return
@@ -840,8 +840,13 @@ class _Behind:
     done: asyncio.Future[bool]
 
 
-#: ``(times delivered, stream sequence, consumer sequence, messages pending behind)``.
-_Delivery = tuple[int, int, int, int]
+class _Delivery(NamedTuple):
+    """What a JetStream message's ack subject says of its delivery."""
+
+    delivered: int  # times delivered, this one included
+    sseq: int  # stream sequence
+    cseq: int  # consumer sequence
+    pending: int  # messages stored behind it, not delivered yet, as the server counted
 
 
 def _delivery(reply: str | None) -> _Delivery | None:
@@ -861,7 +866,7 @@ def _delivery(reply: str | None) -> _Delivery | None:
     if tokens[0] != "$JS" or tokens[1] != "ACK":
         return None
     try:
-        return int(tokens[i]), int(tokens[i + 1]), int(tokens[i + 2]), int(tokens[i + 4])
+        return _Delivery(int(tokens[i]), int(tokens[i + 1]), int(tokens[i + 2]), int(tokens[i + 4]))
     except ValueError:
         return None
 

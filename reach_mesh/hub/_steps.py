@@ -116,9 +116,9 @@ class StepRunner:
     async def _mark(self, wf: Workflow, agent_id: str, task_id: str, attempt: int) -> None:
         """Store a fence marker for ``attempt`` on ``agent_id``'s work subject, after the
         record that gives the attempt up: if its work message still waits in the stream, the
-        marker is pending behind it, so the agent reads the record before it would run it
-        (``WorkConsumer._needs_fence_read``), and drops it. Deduplicated by ``Nats-Msg-Id``:
-        a hub taking the workflow over stores the same markers again (``_remark``)."""
+        marker is pending behind it, and the agent drops the message without running it
+        (``WorkConsumer._fresh``). Deduplicated by ``Nats-Msg-Id``: the markers are stored
+        again on a takeover and when a branch is cancelled (``_remark``)."""
         subject = protocol.work_subject(wf.ns, agent_id)
         headers = {
             protocol.HDR_MSG_ID: protocol.fence_msg_id(task_id, attempt),
