@@ -143,7 +143,7 @@ class WorkflowsMixin:
 
         ``MeshTimeoutError`` when it has no result within ``timeout`` (it goes on: ask again),
         ``MeshUnavailableError`` when this client is closed meanwhile. A result that came while
-        the connection was down is read from its record once the connection is back."""
+        the connection was down is read back once the connection is back."""
         protocol.validate_workflow_id(workflow_id)
         sub, done = await self._done_subscription(workflow_id)
         try:
@@ -358,7 +358,24 @@ class WorkflowsMixin:
         return self._jsc
 
     async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
-        return _final_result(await self._workflow_record(workflow_id))
+        """The workflow's final result if it has one; None when not (or it cannot be read
+        right now)."""
+        try:
+            return await self._read_result(workflow_id)
+        except (nats.errors.Error, TimeoutError):
+            return None  # no stream (no hub ever ran), or JetStream unavailable right now
+
+    async def _read_result(self, workflow_id: str) -> WorkflowResult | None:
+        """:meth:`_stored_result`, raising when it cannot be read right now. The result is the
+        workflow's ``.done`` message; a workflow refused at submission (or finished by a hub
+        of an earlier version) may have it in its record only."""
+        jsc = await self._js_client()
+        got = await jsc.last_msg(
+            protocol.STREAM_WF_EVENTS, protocol.wf_done(self.namespace, workflow_id)
+        )
+        if got is not None:
+            return WorkflowResult.model_validate_json(got[0])
+        return _final_result(await self._read_record(workflow_id))
 
     async def _done_subscription(self, workflow_id: str) -> tuple[Subscription, _Done]:
         """A subscription to the workflow's ``.done`` for one message, which resolves the
@@ -367,7 +384,7 @@ class WorkflowsMixin:
         stored result instead (``_recheck_done_waits``)."""
         done: _Done = asyncio.get_running_loop().create_future()
         sub = await self.nc.subscribe(
-            protocol.wf_done(self.namespace, workflow_id), future=done, max_msgs=1
+            protocol.wf_result(self.namespace, workflow_id), future=done, max_msgs=1
         )
         self._done_waits[done] = workflow_id
         done.add_done_callback(self._forget_done)
@@ -385,7 +402,7 @@ class WorkflowsMixin:
 
     def _recheck_done_waits(self) -> None:
         """The connection is back (``reconnected_cb``): a ``.done`` published while this client
-        was away never arrives, so read the record of every workflow still waited on. The
+        was away never arrives, so read the result of every workflow still waited on. The
         subscriptions are in place again before nats-py calls this: a ``.done`` published
         after the read arrives as usual."""
         for done, workflow_id in list(self._done_waits.items()):
@@ -399,14 +416,13 @@ class WorkflowsMixin:
         electing a leader right after a reconnect: the read is retried for ``_SUBMIT_RETRY``."""
         deadline = asyncio.get_running_loop().time() + _SUBMIT_RETRY
         try:
-            record = await retrying(
-                f"read the record of {workflow_id}",
-                lambda: self._read_record(workflow_id),
+            result = await retrying(
+                f"read the result of {workflow_id}",
+                lambda: self._read_result(workflow_id),
                 deadline,
             )
         except Exception:
-            return  # still unreadable: the wait's own timeout reads the record once more
-        result = _final_result(record)
+            return  # still unreadable: the wait's own timeout reads the result once more
         if result is not None and not done.done():
             done.set_result(result)
         # Not final: its .done is still to come, and will arrive.
@@ -432,8 +448,8 @@ class WorkflowsMixin:
         try:
             got = await asyncio.wait_for(done, timeout)
         except TimeoutError as err:
-            # The record is the source of truth: the result may be stored while its .done
-            # announcement is still on the way (a hub died between the two).
+            # The .done may have come while this subscription could not see it (a reconnect
+            # whose re-check could not read it): read it.
             found = await self._stored_result(workflow_id)
             if found is not None:
                 return found, False
@@ -443,7 +459,7 @@ class WorkflowsMixin:
                 workflow_id=workflow_id,
             ) from err
         if isinstance(got, WorkflowResult):
-            return got, False  # read from the record after a reconnect (its .done was missed)
+            return got, False  # read back after a reconnect (its .done was missed)
         return WorkflowResult.model_validate_json(got.data), True
 
 

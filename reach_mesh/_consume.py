@@ -205,13 +205,24 @@ async def last_per_subject(
 
 
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """Create the stream unless it exists (idempotent across hubs and agents)."""
+    """Create the stream unless it exists (idempotent across hubs and agents). An existing
+    stream is used as it is, except that it gets the direct gets and the republish ``config``
+    asks for (readers depend on them; a stream created by an earlier version may lack them)."""
     assert config.name is not None
     try:
-        await js.stream_info(config.name)
-        return
+        info = await js.stream_info(config.name)
     except NotFoundError:
         pass
+    else:
+        have = info.config
+        if (config.allow_direct and not have.allow_direct) or (
+            config.republish is not None and have.republish != config.republish
+        ):
+            have.allow_direct = have.allow_direct or config.allow_direct
+            have.republish = config.republish or have.republish
+            log.warning("stream %s: direct gets and republish as this version needs", config.name)
+            await js.update_stream(have)
+        return
     try:
         await js.add_stream(config)
     except BadRequestError:

@@ -120,9 +120,12 @@ async def test_nats_outage_is_never_a_step_outcome(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- one final result
 
 
-async def test_done_announcement_follows_the_stored_record(
+async def test_done_is_the_one_stored_result(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
+    """What a caller is told (``.done``), what is stored (the same ``.done``, read back by its
+    subject) and what ``workflow()`` returns later are one result; the record is not written
+    again at the end (it holds what a running workflow needs)."""
     ns = wf_settings.namespace
     echo_agent(fleet, "done.a1")
     failing = fleet.agent("done.f1")
@@ -133,15 +136,13 @@ async def test_done_announcement_follows_the_stored_record(
 
     for agent in fleet.agents:
         await agent.start()
-    seen: list[tuple[WorkflowResult, WorkflowRecord | None]] = []
+    seen: list[WorkflowResult] = []
     async with Client(settings=wf_settings) as mesh:
-        kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        js = mesh.nc.jetstream()
+        kv = await js.key_value(protocol.KV_WORKFLOWS)
 
         async def on_done(msg: Msg) -> None:
-            result = WorkflowResult.model_validate_json(msg.data)
-            entry = await kv.get(protocol.workflow_key(ns, result.workflow_id))
-            record = WorkflowRecord.model_validate_json(entry.value) if entry.value else None
-            seen.append((result, record))
+            seen.append(WorkflowResult.model_validate_json(msg.data))
 
         sub = await mesh.nc.subscribe(protocol.wf_done(ns, "*"), cb=on_done)
         ids = []
@@ -151,12 +152,40 @@ async def test_done_announcement_follows_the_stored_record(
         results = {wf_id: await mesh.workflow(wf_id, timeout=10) for wf_id in ids}
         await eventually(lambda: len(seen) == len(ids), timeout=5)
         await sub.unsubscribe()
-    for announced, record in seen:
-        assert record is not None and record.state.final
-        assert record.result is not None
-        assert record.result.model_dump() == announced.model_dump()
-        assert results[announced.workflow_id].model_dump() == announced.model_dump()
+        for announced in seen:
+            wf_id = announced.workflow_id
+            stored = await js.get_last_msg(protocol.STREAM_WF_EVENTS, protocol.wf_done(ns, wf_id))
+            assert WorkflowResult.model_validate_json(stored.data) == announced
+            assert results[wf_id] == announced
+            assert await mesh.workflow(wf_id, timeout=1) == announced  # read back, finished
+            entry = await kv.get(protocol.workflow_key(ns, wf_id))
+            record = WorkflowRecord.model_validate_json(entry.value or b"")
+            assert record.state is TaskState.RUNNING and record.result is None
+    assert sorted(r.workflow_id for r in seen) == sorted(ids)
     assert {r.state for r in results.values()} == {TaskState.SUCCEEDED, TaskState.FAILED}
+
+
+async def test_the_first_stored_result_stands(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A hub that finishes a workflow whose ``.done`` another hub stored first (a takeover
+    racing a slow owner) stores nothing and reports the stored result, here one made up by
+    the test and stored before the workflow was submitted."""
+    ns = wf_settings.namespace
+    echo_agent(fleet, "first.a1")
+    for agent in fleet.agents:
+        await agent.start()
+    wf_id = "first-result-stands"
+    first = WorkflowResult(
+        workflow_id=wf_id, kind="fanout", state=TaskState.SUCCEEDED, result=["stored first"]
+    )
+    async with Client(settings=wf_settings) as mesh:
+        js = mesh.nc.jetstream()
+        await js.publish(protocol.wf_done(ns, wf_id), protocol.encode(first))
+        got = await mesh.fanout([Step(capability="wf:echo:v1", payload=1)], workflow_id=wf_id)
+        assert got == first
+        info = await js.stream_info(protocol.STREAM_WF_EVENTS, subjects_filter=f"reach.wf.{ns}.>")
+        assert (info.state.subjects or {}).get(protocol.wf_done(ns, wf_id)) == 1
 
 
 # --------------------------------------------------------------------------- backoff window

@@ -67,3 +67,40 @@ def test_retention_from_the_environment_and_its_lower_bound(
         load_settings()
     # The default keeps finished workflows for 24 h.
     assert MeshSettings().workflow_retention == 86400.0
+
+
+async def test_a_hub_upgrades_the_results_stream_of_an_earlier_version() -> None:
+    """``REACH_WF_EVENTS`` as an earlier version made it (no direct gets, no republish): a hub
+    gives it both at start, so a workflow's result reaches its caller on ``.result`` and reads
+    back by subject."""
+    from nats.js.api import StreamConfig
+
+    from reach_mesh import Client, Step
+    from reach_mesh.agent import Agent, Task
+
+    async with EmbeddedNats() as server:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await js.add_stream(
+                StreamConfig(
+                    name=protocol.STREAM_WF_EVENTS,
+                    subjects=[protocol.wf_event("*", "*"), protocol.wf_done("*", "*")],
+                )
+            )
+            s = MeshSettings(nats_url=server.url, namespace="up")
+            agent = Agent("up.echo.a1", settings=s)
+
+            @agent.handler("up:echo:v1")
+            async def echo(task: Task[int]) -> int:
+                return task.payload
+
+            async with Hub(settings=s), agent, Client(settings=s) as mesh:
+                cfg = (await js.stream_info(protocol.STREAM_WF_EVENTS)).config
+                assert cfg.allow_direct and cfg.republish is not None
+                assert (cfg.republish.src, cfg.republish.dest) == protocol.WF_RESULT_REPUBLISH
+                result = await mesh.chain([Step(capability="up:echo:v1", payload=7)], timeout=10)
+                assert result.ok and result.result == 7
+                assert await mesh.workflow(result.workflow_id, timeout=1) == result
+        finally:
+            await nc.close()

@@ -7,9 +7,12 @@ redelivers the submission to another hub, which resumes from the task records in
 steps are not run again, an attempt still in flight is adopted (its status events, the last one
 read back from the ``REACH_STATUS`` stream), and only unfinished work is dispatched.
 
-One source of truth: the workflow record in ``reach_workflows``. Its final write is a CAS on
-the owner's revision, and the ``.done`` announcement is published only after it, carrying the
-same result. A submission whose id is taken by another spec is refused (terminated).
+One final result: the ``.done`` message (``reach.wf.<ns>.<wf_id>.done`` in
+``REACH_WF_EVENTS``), stored with ``Nats-Expected-Last-Subject-Sequence: 0``, so of two hubs
+finishing the same workflow (a takeover racing a slow owner) the first one's result stands and
+the other adopts it. The workflow record in ``reach_workflows`` holds what a running workflow
+needs (spec digest, owner, the agents its first attempts went to) and is not written again at
+the end. A submission whose id is taken by another spec is refused (terminated).
 
 Steps are run by the base class, :class:`~reach_mesh.hub._steps.StepRunner`: each attempt is
 recorded in ``reach_tasks`` (the fence) before it is sent, the first outcome of any attempt
@@ -36,6 +39,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -44,7 +48,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
-from reach_mesh._jspub import JsClient
+from reach_mesh._jspub import EXPECTED_LAST_SUBJECT_SEQUENCE, Ack, JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -190,6 +194,12 @@ class WorkflowEngine(StepRunner):
                 storage=StorageType.FILE,
                 max_age=s.workflow_retention,
                 num_replicas=s.kv_replicas,
+                # Readers (callers of a namespace) get a result by its subject: ``.done``; and
+                # only a stored one reaches those who wait for it (``.result``).
+                allow_direct=True,
+                republish=RePublish(
+                    src=protocol.WF_RESULT_REPUBLISH[0], dest=protocol.WF_RESULT_REPUBLISH[1]
+                ),
                 description="reach-mesh workflow step events and results",
             ),
         )
@@ -299,9 +309,7 @@ class WorkflowEngine(StepRunner):
             return
         try:
             result, stored = await self._run(wf)
-            if not stored:
-                result = await self._store(wf, result)
-            await self._publish_done(wf, result)
+            result = await self._store(wf, result)  # again when stored: deduplicated
         except NotOwnerError:
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
@@ -389,7 +397,7 @@ class WorkflowEngine(StepRunner):
                 self._io_deadline(),
                 on_retry=self._infra_retry,
             )
-            await self._publish_done_raw(ns, result, headers)
+            await self._publish_done(ns, result, headers, self._io_deadline())
         except KeyWrongLastSequenceError:
             # The id is a workflow's already: its own record and result stand.
             self.conflict_total += 1
@@ -410,63 +418,62 @@ class WorkflowEngine(StepRunner):
                     await msg.in_progress()
 
     async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
-        """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
-        result that is final — ours, or one another hub stored first.
+        """Make ``result`` the workflow's one final result: its ``.done``, stored only if the
+        subject has none yet (the stream republishes it to ``.result``, where callers wait).
+        Returns the result that is final — ours, or the one another hub (or an earlier try of
+        ours whose answer was lost) stored first, which is then announced on ``.result``
+        again: a caller may be waiting for it since (a re-submission, a takeover).
 
-        Events of this workflow still held are dropped first (``_event``): ``result`` (and
-        the ``.done`` made of it) says every step's outcome."""
-        assert self._wf_kv is not None
+        Events of this workflow still held are dropped first (``_event``): ``result`` says
+        every step's outcome."""
         self._take_held(wf)  # dropped: the result says what they would
-        key = protocol.workflow_key(wf.ns, wf.id)
-        record = WorkflowRecord(
-            spec_digest=wf.digest,
-            state=result.state,
-            owner=self.hub_id,
-            trace_id=result.trace_id,
-            submitted_at=result.submitted_at,
-            result=result,
-        )
         try:
-            wf.rev = await _durable.cas(
-                self._wf_kv,
-                key,
-                protocol.encode(record),
-                wf.rev,
-                self._io_deadline(wf.deadline),
-                on_retry=self._infra_retry,
+            ack = await self._publish_done(
+                wf.ns, result, wf.headers, self._io_deadline(wf.deadline)
             )
-        except KeyWrongLastSequenceError as err:
-            kv = self._wf_kv
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            stored = _final_result(got)
-            if stored is None:
-                raise NotOwnerError(key) from err
-            return stored
-        return result
+        except KeyWrongLastSequenceError:
+            ack = None
+        if ack is not None and not ack.duplicate:
+            return result
+        jsc, subject = self._jsc, protocol.wf_done(wf.ns, wf.id)
+        got = await self._io(
+            f"read {subject}",
+            lambda: jsc.last_msg(protocol.STREAM_WF_EVENTS, subject, leader=True),
+            wf.deadline,
+        )
+        if got is None:
+            # Stored, as the answer said, and gone since (purged, aged out): not ours to
+            # decide; give the workflow back.
+            raise NotOwnerError(subject)
+        await self._nc.publish(protocol.wf_result(wf.ns, wf.id), got[0])
+        return WorkflowResult.model_validate_json(got[0])
 
-    async def _publish_done(self, wf: Workflow, result: WorkflowResult) -> None:
-        await self._publish_done_raw(wf.ns, result, wf.headers, deadline=wf.deadline)
-
-    async def _publish_done_raw(
-        self,
-        ns: str,
-        result: WorkflowResult,
-        headers: dict[str, str],
-        *,
-        deadline: float | None = None,
-    ) -> None:
-        """Announce the stored final result on ``.done``: derived from the record, written
-        after it, deduplicated by JetStream (``Nats-Msg-Id = <workflow_id>.done``)."""
+    async def _publish_done(
+        self, ns: str, result: WorkflowResult, headers: dict[str, str], deadline: float
+    ) -> Ack:
+        """Store ``result`` on ``.done`` unless the subject holds a result already: then
+        ``KeyWrongLastSequenceError`` — also for a repeat of our own publish whose answer was
+        lost (the caller reads back what is stored), which a server may instead ack as a
+        duplicate (``Nats-Msg-Id = <workflow_id>.done``)."""
         out = inject(dict(headers))
         out[protocol.HDR_MSG_ID] = protocol.done_msg_id(result.workflow_id)
         out[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF_EVENTS
+        out[EXPECTED_LAST_SUBJECT_SEQUENCE] = "0"
         body = protocol.encode(result)
         subject = protocol.wf_done(ns, result.workflow_id)
-        await self._io(
+        return await _durable.retrying(
             f"publish {subject}",
             lambda: self._jsc.publish(subject, body, out),
             deadline,
+            on_retry=self._infra_retry,
         )
+
+    async def _stored_done(self, ns: str, workflow_id: str) -> WorkflowResult | None:
+        """The workflow's stored result (its ``.done``), if it has one."""
+        got = await self._jsc.last_msg(
+            protocol.STREAM_WF_EVENTS, protocol.wf_done(ns, workflow_id), leader=True
+        )
+        return None if got is None else WorkflowResult.model_validate_json(got[0])
 
     def _count_done(self, kind: str, result: WorkflowResult) -> None:
         self.workflows_done += 1
@@ -508,7 +515,13 @@ class WorkflowEngine(StepRunner):
             rec = stored_record(WorkflowRecord, got)
             if rec is not None and rec.spec_digest not in (None, wf.digest):
                 raise _ConflictError(key) from None
-            stored = _final_result(got)
+            stored = _final_result(got)  # a record written final (rejected, or an older hub)
+            if stored is None:
+                stored = await self._io(
+                    f"read the result of {wf.id}",
+                    lambda: self._stored_done(wf.ns, wf.id),
+                    wf.deadline,
+                )
             if stored is not None:
                 return stored, True  # finished before: never run again
             # Take the workflow over: a CAS, so of two hubs resuming it one wins. Attempts the
