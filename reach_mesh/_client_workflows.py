@@ -57,6 +57,8 @@ __all__ = ["WorkflowsMixin"]
 _SUBMIT_RETRY: Final = 15.0
 #: How long a duplicate submission waits for the first one's record, to compare the specs.
 _CONFLICT_WAIT: Final = 2.0
+#: When a wait for a workflow's result reads the stored result once more (seconds).
+_REREAD_AFTER: Final = 1.0
 
 #: A wait for a workflow's ``.done``: its message, or the stored result a re-check read.
 _Done = asyncio.Future[Msg | WorkflowResult]
@@ -370,9 +372,17 @@ class WorkflowsMixin:
         workflow's ``.done`` message; a workflow refused at submission (or finished by a hub
         of an earlier version) may have it in its record only."""
         jsc = await self._js_client()
-        got = await jsc.last_msg(
-            protocol.STREAM_WF_EVENTS, protocol.wf_done(self.namespace, workflow_id)
-        )
+        try:
+            got = await jsc.last_msg(
+                protocol.STREAM_WF_EVENTS, protocol.wf_done(self.namespace, workflow_id)
+            )
+        except (nats.errors.Error, TimeoutError):
+            # No direct gets on the stream (hubs of an earlier version made it, and none of
+            # this version has started since), or JetStream unavailable: the record may say.
+            found = _final_result(await self._read_record(workflow_id))
+            if found is None:
+                raise
+            return found
         if got is not None:
             return WorkflowResult.model_validate_json(got[0])
         return _final_result(await self._read_record(workflow_id))
@@ -446,7 +456,18 @@ class WorkflowsMixin:
         """The result and whether it came as the ``.done`` message (so its subscription is
         over). ``done``: from :meth:`_done_subscription`."""
         try:
-            got = await asyncio.wait_for(done, timeout)
+            # A result stored just before the subscription was made, and missed by the read
+            # before the wait (a replica that lagged), is read once more after a moment.
+            if timeout > _REREAD_AFTER:
+                try:
+                    got = await asyncio.wait_for(asyncio.shield(done), _REREAD_AFTER)
+                except TimeoutError:
+                    found = await self._stored_result(workflow_id)
+                    if found is not None:
+                        return found, False
+                    got = await asyncio.wait_for(done, timeout - _REREAD_AFTER)
+            else:
+                got = await asyncio.wait_for(done, timeout)
         except TimeoutError as err:
             # The .done may have come while this subscription could not see it (a reconnect
             # whose re-check could not read it): read it.

@@ -362,12 +362,6 @@ def workflow_key(namespace: str, workflow_id: str) -> str:
     return f"{namespace}.{workflow_id}"
 
 
-def done_msg_id(workflow_id: str) -> str:
-    """``<workflow_id>.done`` — the ``Nats-Msg-Id`` of a workflow's final result on ``.done``
-    (a repeat within the dedup window is dropped: its ack says ``duplicate``)."""
-    return f"{workflow_id}.done"
-
-
 def attempt_msg_id(task_id: str, attempt: int) -> str:
     """``task_id#n`` — the ``Nats-Msg-Id`` of one attempt's work message."""
     return f"{task_id}#{attempt}"

@@ -4,6 +4,7 @@ compare-and-set, and the errors ``_retry`` tells apart (an answer vs the infrast
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 import nats
@@ -155,10 +156,8 @@ async def test_last_msg_by_subject_and_stored_once(nats_url: str) -> None:
         for leader in (False, True):
             assert await pub.last_msg(name, subject, leader=leader) is None
         first = await pub.publish(subject, b"first", once)
-        try:
+        with contextlib.suppress(KeyWrongLastSequenceError):
             assert (await pub.publish(subject, b"first", once)).duplicate
-        except KeyWrongLastSequenceError:
-            pass
         with pytest.raises(KeyWrongLastSequenceError):
             await pub.publish(subject, b"second", {"Nats-Expected-Last-Subject-Sequence": "0"})
         for leader in (False, True):

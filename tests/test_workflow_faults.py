@@ -165,12 +165,12 @@ async def test_done_is_the_one_stored_result(
     assert {r.state for r in results.values()} == {TaskState.SUCCEEDED, TaskState.FAILED}
 
 
-async def test_the_first_stored_result_stands(
+async def test_a_stored_result_without_its_record_is_never_run_again(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
-    """A hub that finishes a workflow whose ``.done`` another hub stored first (a takeover
-    racing a slow owner) stores nothing and reports the stored result, here one made up by
-    the test and stored before the workflow was submitted."""
+    """The record ages from the workflow's start, its result from its end: a re-submission
+    after the record aged out finds the result alone. Here the result is made up by the test
+    and stored before the id was ever submitted: the hub runs nothing and answers with it."""
     ns = wf_settings.namespace
     echo_agent(fleet, "first.a1")
     for agent in fleet.agents:
@@ -186,6 +186,53 @@ async def test_the_first_stored_result_stands(
         assert got == first
         info = await js.stream_info(protocol.STREAM_WF_EVENTS, subjects_filter=f"reach.wf.{ns}.>")
         assert (info.state.subjects or {}).get(protocol.wf_done(ns, wf_id)) == 1
+    assert not fleet.runs  # no step was sent
+    assert wf_hub.workflows is not None and wf_hub.workflows.workflows_done == 0
+
+
+async def test_a_hub_that_finishes_second_reports_the_first_result(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Two hubs finish one workflow (a takeover racing a slow owner): the first ``.done``
+    stored stands. Here the test stores one while the hub's only step runs; the hub's own
+    publish is then refused, and it reports the stored result — announced on ``.result``
+    again, not counted as its own."""
+    ns = wf_settings.namespace
+    release = asyncio.Event()
+    slow = fleet.agent("second.a1")
+
+    @slow.handler("wf:slow:v1")
+    async def hold(task: Task[Any]) -> Any:
+        fleet.runs[task.task_id] += 1
+        await release.wait()
+        return "the hub's own"
+
+    for agent in fleet.agents:
+        await agent.start()
+    engine = wf_hub.workflows
+    assert engine is not None
+    async with Client(settings=wf_settings) as mesh:
+        js = mesh.nc.jetstream()
+        announced: list[WorkflowResult] = []
+
+        async def on_result(msg: Msg) -> None:
+            announced.append(WorkflowResult.model_validate_json(msg.data))
+
+        wf_id = await mesh.submit_fanout([Step(capability="wf:slow:v1", payload=1)], timeout=20)
+        await mesh.nc.subscribe(protocol.wf_result(ns, wf_id), cb=on_result)
+        await eventually(lambda: sum(fleet.runs.values()) == 1)
+        first = WorkflowResult(
+            workflow_id=wf_id, kind="fanout", state=TaskState.FAILED, result=None
+        )
+        await js.publish(protocol.wf_done(ns, wf_id), protocol.encode(first))
+        release.set()
+        assert await mesh.workflow(wf_id, timeout=10) == first
+        # The stream's republish of the test's result, then the hub's announcement of it.
+        await eventually(lambda: len(announced) == 2)
+        assert announced == [first, first]
+        info = await js.stream_info(protocol.STREAM_WF_EVENTS, subjects_filter=f"reach.wf.{ns}.>")
+        assert (info.state.subjects or {}).get(protocol.wf_done(ns, wf_id)) == 1
+    assert engine.workflows_done == 0
 
 
 # --------------------------------------------------------------------------- backoff window

@@ -104,3 +104,36 @@ async def test_a_hub_upgrades_the_results_stream_of_an_earlier_version() -> None
                 assert await mesh.workflow(result.workflow_id, timeout=1) == result
         finally:
             await nc.close()
+
+
+async def test_a_result_an_earlier_version_stored_in_the_record_is_read() -> None:
+    """Hubs of an earlier version wrote the result into the workflow record (and made
+    ``REACH_WF_EVENTS`` without direct gets): ``workflow()`` reads it from there."""
+    from nats.js.api import StreamConfig
+
+    from reach_mesh import Client
+    from reach_mesh._nats import ensure_kv
+    from reach_mesh.models import TaskState
+    from reach_mesh.workflow import WorkflowRecord, WorkflowResult
+
+    async with EmbeddedNats() as server:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            await js.add_stream(
+                StreamConfig(
+                    name=protocol.STREAM_WF_EVENTS,
+                    subjects=[protocol.wf_event("*", "*"), protocol.wf_done("*", "*")],
+                )
+            )
+            kv = await ensure_kv(js, protocol.KV_WORKFLOWS)
+            result = WorkflowResult(
+                workflow_id="old-one", kind="chain", state=TaskState.SUCCEEDED, result=[1]
+            )
+            record = WorkflowRecord(state=TaskState.SUCCEEDED, result=result)
+            await kv.put(protocol.workflow_key("old", "old-one"), protocol.encode(record))
+            s = MeshSettings(nats_url=server.url, namespace="old")
+            async with Client(settings=s) as mesh:
+                assert await mesh.workflow("old-one", timeout=1) == result
+        finally:
+            await nc.close()

@@ -48,7 +48,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
-from reach_mesh._jspub import EXPECTED_LAST_SUBJECT_SEQUENCE, Ack, JsClient
+from reach_mesh._jspub import EXPECTED_LAST_SUBJECT_SEQUENCE, JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -308,8 +308,8 @@ class WorkflowEngine(StepRunner):
             await self._reject(msg, headers, err)
             return
         try:
-            result, stored = await self._run(wf)
-            result = await self._store(wf, result)  # again when stored: deduplicated
+            result = await self._run(wf)
+            result, ours = await self._store(wf, result)  # a stored one: announced again
         except NotOwnerError:
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
@@ -332,7 +332,7 @@ class WorkflowEngine(StepRunner):
         # with the next JetStream write (a lost one only brings the submission back to a hub
         # that finds the result stored and announces it again).
         self._jsc.ack_later(msg)
-        if not stored:
+        if ours:
             self._count_done(wf.spec.kind, result)
 
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
@@ -417,56 +417,64 @@ class WorkflowEngine(StepRunner):
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 
-    async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
+    async def _store(self, wf: Workflow, result: WorkflowResult) -> tuple[WorkflowResult, bool]:
         """Make ``result`` the workflow's one final result: its ``.done``, stored only if the
         subject has none yet (the stream republishes it to ``.result``, where callers wait).
-        Returns the result that is final — ours, or the one another hub (or an earlier try of
-        ours whose answer was lost) stored first, which is then announced on ``.result``
-        again: a caller may be waiting for it since (a re-submission, a takeover).
+        Returns the result that is final and whether it is ours: else it is the one another
+        hub (or an earlier try of ours whose answer was lost) stored first, which is then
+        announced on ``.result`` again — a caller may be waiting for it (a re-submission, a
+        takeover).
 
         Events of this workflow still held are dropped first (``_event``): ``result`` says
         every step's outcome."""
         self._take_held(wf)  # dropped: the result says what they would
-        try:
-            ack = await self._publish_done(
-                wf.ns, result, wf.headers, self._io_deadline(wf.deadline)
+        subject = protocol.wf_done(wf.ns, wf.id)
+        deadline = self._io_deadline(wf.deadline)
+        loop = asyncio.get_running_loop()
+        delay = 0.05
+        while True:
+            try:
+                await self._publish_done(wf.ns, result, wf.headers, deadline)
+                return result, True
+            except KeyWrongLastSequenceError:
+                pass  # a result is stored, or (clustered) one is being stored right now
+            got = await self._io(
+                f"read {subject}",
+                lambda: self._jsc.last_msg(protocol.STREAM_WF_EVENTS, subject, leader=True),
+                wf.deadline,
             )
-        except KeyWrongLastSequenceError:
-            ack = None
-        if ack is not None and not ack.duplicate:
-            return result
-        jsc, subject = self._jsc, protocol.wf_done(wf.ns, wf.id)
-        got = await self._io(
-            f"read {subject}",
-            lambda: jsc.last_msg(protocol.STREAM_WF_EVENTS, subject, leader=True),
-            wf.deadline,
-        )
-        if got is None:
-            # Stored, as the answer said, and gone since (purged, aged out): not ours to
-            # decide; give the workflow back.
-            raise NotOwnerError(subject)
-        await self._nc.publish(protocol.wf_result(wf.ns, wf.id), got[0])
-        return WorkflowResult.model_validate_json(got[0])
+            if got is not None:
+                await self._nc.publish(protocol.wf_result(wf.ns, wf.id), got[0])
+                return WorkflowResult.model_validate_json(got[0]), False
+            # Refused, yet nothing stored: another publish to the subject was in flight (the
+            # stream refuses a second one meanwhile), or the result aged out. Try again.
+            if loop.time() >= deadline:
+                raise NotOwnerError(subject)
+            self._infra_retry()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def _publish_done(
         self, ns: str, result: WorkflowResult, headers: dict[str, str], deadline: float
-    ) -> Ack:
+    ) -> None:
         """Store ``result`` on ``.done`` unless the subject holds a result already: then
-        ``KeyWrongLastSequenceError`` — also for a repeat of our own publish whose answer was
-        lost (the caller reads back what is stored), which a server may instead ack as a
-        duplicate (``Nats-Msg-Id = <workflow_id>.done``)."""
+        ``KeyWrongLastSequenceError``, also for a repeat of our own publish whose answer was
+        lost (the caller reads back what is stored). No ``Nats-Msg-Id``: the expected last
+        subject sequence alone makes a repeat safe, and workflow ids are unique per namespace
+        only."""
         out = inject(dict(headers))
-        out[protocol.HDR_MSG_ID] = protocol.done_msg_id(result.workflow_id)
         out[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF_EVENTS
         out[EXPECTED_LAST_SUBJECT_SEQUENCE] = "0"
         body = protocol.encode(result)
         subject = protocol.wf_done(ns, result.workflow_id)
-        return await _durable.retrying(
+        ack = await _durable.retrying(
             f"publish {subject}",
             lambda: self._jsc.publish(subject, body, out),
             deadline,
             on_retry=self._infra_retry,
         )
+        if ack.duplicate:  # not sent by us; a server may answer so instead of wrong-last
+            raise KeyWrongLastSequenceError(description="duplicate")
 
     async def _stored_done(self, ns: str, workflow_id: str) -> WorkflowResult | None:
         """The workflow's stored result (its ``.done``), if it has one."""
@@ -483,64 +491,35 @@ class WorkflowEngine(StepRunner):
 
     # ------------------------------------------------------------------ running
 
-    async def _run(self, wf: Workflow) -> tuple[WorkflowResult, bool]:
-        """Run the workflow to its result; ``(result, True)`` when it was final already."""
+    async def _run(self, wf: Workflow) -> WorkflowResult:
+        """Run the workflow to its result (the stored one when it was final already)."""
         assert self._wf_kv is not None
         kv = self._wf_kv
         key = protocol.workflow_key(wf.ns, wf.id)
-        # The agents of the attempts sent at once are chosen first: the workflow record names
-        # them, so those steps need no task record of their own (see ``TaskRecord``).
-        await self._first_choices(wf)
-        record = WorkflowRecord(
-            spec=wf.spec,
-            spec_digest=wf.digest,
-            owner=self.hub_id,
-            trace_id=wf.trace_id,
-            submitted_at=wf.submitted_at,
-            first_agents=[None if c is None else c[0].agent_id for c in wf.first],
-        )
-        wf.first_agents = record.first_agents
-        start = protocol.encode(record)
-        # One write for a new workflow; only an existing record (a takeover, or a re-submit
-        # after the dedup window) costs a read.
-        try:
-            wf.rev = await _durable.create(
-                kv, key, start, self._io_deadline(wf.deadline), on_retry=self._infra_retry
+        # Whether a result is stored already, read while the record is written: the record
+        # ages from the workflow's start and its result from its end, so a re-submission
+        # after the record aged out may find the result alone (never run again).
+        subject = protocol.wf_done(wf.ns, wf.id)
+        done_read = asyncio.ensure_future(
+            self._io(
+                f"read {subject}",
+                lambda: self._jsc.last_msg(protocol.STREAM_WF_EVENTS, subject),
+                wf.deadline,
             )
-        except BaseException as err:
-            self._release_first(wf)
-            if not isinstance(err, KeyWrongLastSequenceError):
-                raise
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            rec = stored_record(WorkflowRecord, got)
-            if rec is not None and rec.spec_digest not in (None, wf.digest):
-                raise _ConflictError(key) from None
-            stored = _final_result(got)  # a record written final (rejected, or an older hub)
+        )
+        try:
+            await self._first_choices(wf)
+            stored = await self._start_record(wf, kv, key)
             if stored is None:
-                stored = await self._io(
-                    f"read the result of {wf.id}",
-                    lambda: self._stored_done(wf.ns, wf.id),
-                    wf.deadline,
-                )
-            if stored is not None:
-                return stored, True  # finished before: never run again
-            # Take the workflow over: a CAS, so of two hubs resuming it one wins. Attempts the
-            # previous owner sent at the start stay named: their steps adopt them.
-            wf.taken_over = True
-            wf.first_agents = [] if rec is None else rec.first_agents
-            record.first_agents = wf.first_agents
-            start = protocol.encode(record)
-            try:
-                wf.rev = await _durable.cas(
-                    kv,
-                    key,
-                    start,
-                    got[1] if got is not None else 0,
-                    self._io_deadline(wf.deadline),
-                    on_retry=self._infra_retry,
-                )
-            except KeyWrongLastSequenceError as err:
-                raise NotOwnerError(key) from err
+                got = await done_read
+                if got is not None:
+                    self._release_first(wf)
+                    stored = WorkflowResult.model_validate_json(got[0])
+        finally:
+            done_read.cancel()  # a no-op once it is done
+            done_read.add_done_callback(_retrieved)
+        if stored is not None:
+            return stored  # finished before: never run again
         t0 = time.time()
         with span(
             SPAN_WORKFLOW,
@@ -576,7 +555,65 @@ class WorkflowEngine(StepRunner):
         result.submitted_at = wf.submitted_at
         result.finished_at = time.time()
         result.duration_ms = round((result.finished_at - min(t0, wf.submitted_at)) * 1000, 3)
-        return result, False
+        return result
+
+    async def _start_record(
+        self, wf: Workflow, kv: _durable.Bucket, key: str
+    ) -> WorkflowResult | None:
+        """Create the workflow record, or take an existing one over (a CAS); the stored
+        result instead when the record says the workflow finished (or another spec's:
+        ``_ConflictError``)."""
+        record = WorkflowRecord(
+            spec=wf.spec,
+            spec_digest=wf.digest,
+            owner=self.hub_id,
+            trace_id=wf.trace_id,
+            submitted_at=wf.submitted_at,
+            first_agents=[None if c is None else c[0].agent_id for c in wf.first],
+        )
+        wf.first_agents = record.first_agents
+        start = protocol.encode(record)
+        # One write for a new workflow; only an existing record (a takeover, or a re-submit
+        # after the dedup window) costs a read.
+        try:
+            wf.rev = await _durable.create(
+                kv, key, start, self._io_deadline(wf.deadline), on_retry=self._infra_retry
+            )
+        except BaseException as err:
+            self._release_first(wf)
+            if not isinstance(err, KeyWrongLastSequenceError):
+                raise
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            rec = stored_record(WorkflowRecord, got)
+            if rec is not None and rec.spec_digest not in (None, wf.digest):
+                raise _ConflictError(key) from None
+            stored = _final_result(got)  # a record written final (rejected, or an older hub)
+            if stored is None:
+                stored = await self._io(
+                    f"read the result of {wf.id}",
+                    lambda: self._stored_done(wf.ns, wf.id),
+                    wf.deadline,
+                )
+            if stored is not None:
+                return stored  # finished before
+            # Take the workflow over: a CAS, so of two hubs resuming it one wins. Attempts the
+            # previous owner sent at the start stay named: their steps adopt them.
+            wf.taken_over = True
+            wf.first_agents = [] if rec is None else rec.first_agents
+            record.first_agents = wf.first_agents
+            start = protocol.encode(record)
+            try:
+                wf.rev = await _durable.cas(
+                    kv,
+                    key,
+                    start,
+                    got[1] if got is not None else 0,
+                    self._io_deadline(wf.deadline),
+                    on_retry=self._infra_retry,
+                )
+            except KeyWrongLastSequenceError as err:
+                raise NotOwnerError(key) from err
+        return None
 
     async def _fanout(self, wf: Workflow) -> WorkflowResult:
         spec = wf.spec
@@ -744,9 +781,14 @@ class WorkflowEngine(StepRunner):
         rec.cancelled = True
         rec.updated_at = time.time()
         wf.records[index] = rec
-        with contextlib.suppress(Exception):
-            last = 0 if got is None else got[1]
+        last = 0 if got is None else got[1]
+        try:
             await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
+        except KeyWrongLastSequenceError as err:
+            # Only the owner writes task records: another hub took the workflow over.
+            raise NotOwnerError(key) from err
+        except Exception as err:  # best effort: the markers below stop its attempts
+            log.info("cannot record %s as cancelled: %r", rec.task_id, err)
         # Every attempt it sent, not only the current one: the branch may have been cancelled
         # between a fence-first record and its marker. A failure here is the workflow's
         # (``_fanout`` raises it): the result must not be stored before the markers are.
@@ -770,6 +812,12 @@ class WorkflowEngine(StepRunner):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a background read's outcome seen (an error is moot once nobody needs it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _final_result(got: tuple[bytes, int] | None) -> WorkflowResult | None:
