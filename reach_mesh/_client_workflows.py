@@ -72,7 +72,7 @@ class WorkflowsMixin:
     _jsc: JsClient | None
     #: ``.done`` waits in progress (``_done_subscription``) → their workflow ids; re-checked
     #: on a reconnect (``_recheck_done_waits``), ended by ``_end_done_waits``.
-    _done_waits: dict[_Done, str]
+    _done_waits: dict[_Done, tuple[str, Subscription]]
     #: Those re-checks running.
     _rechecks: set[asyncio.Task[None]]
 
@@ -367,6 +367,17 @@ class WorkflowsMixin:
         except (nats.errors.Error, TimeoutError):
             return None  # no stream (no hub ever ran), or JetStream unavailable right now
 
+    async def _stored_done(self, workflow_id: str) -> WorkflowResult | None:
+        """The workflow's stored ``.done``, if it has one and it can be read right now."""
+        try:
+            jsc = await self._js_client()
+            got = await jsc.last_msg(
+                protocol.STREAM_WF_EVENTS, protocol.wf_done(self.namespace, workflow_id)
+            )
+        except (nats.errors.Error, TimeoutError):
+            return None
+        return None if got is None else WorkflowResult.model_validate_json(got[0])
+
     async def _read_result(self, workflow_id: str) -> WorkflowResult | None:
         """:meth:`_stored_result`, raising when it cannot be read right now. The result is the
         workflow's ``.done`` message; a workflow refused at submission (or finished by a hub
@@ -396,7 +407,7 @@ class WorkflowsMixin:
         sub = await self.nc.subscribe(
             protocol.wf_result(self.namespace, workflow_id), future=done, max_msgs=1
         )
-        self._done_waits[done] = workflow_id
+        self._done_waits[done] = (workflow_id, sub)
         done.add_done_callback(self._forget_done)
         return sub, done
 
@@ -415,13 +426,13 @@ class WorkflowsMixin:
         was away never arrives, so read the result of every workflow still waited on. The
         subscriptions are in place again before nats-py calls this: a ``.done`` published
         after the read arrives as usual."""
-        for done, workflow_id in list(self._done_waits.items()):
+        for done, (workflow_id, sub) in list(self._done_waits.items()):
             if not done.done():
-                task = asyncio.ensure_future(self._recheck(done, workflow_id))
+                task = asyncio.ensure_future(self._recheck(done, workflow_id, sub))
                 self._rechecks.add(task)
                 task.add_done_callback(self._rechecks.discard)
 
-    async def _recheck(self, done: _Done, workflow_id: str) -> None:
+    async def _recheck(self, done: _Done, workflow_id: str, sub: Subscription) -> None:
         """Resolve ``done`` with the stored result if the workflow is final. JetStream may be
         electing a leader right after a reconnect: the read is retried for ``_SUBMIT_RETRY``."""
         deadline = asyncio.get_running_loop().time() + _SUBMIT_RETRY
@@ -434,8 +445,14 @@ class WorkflowsMixin:
         except Exception:
             return  # still unreadable: the wait's own timeout reads the result once more
         if result is not None and not done.done():
-            done.set_result(result)
-        # Not final: its .done is still to come, and will arrive.
+            # The subscription's message may still come: nats-py would then resolve the future
+            # a second time, which stops its reader. Unsubscribing takes the subscription off
+            # the connection before it yields (nothing else runs between the check and this).
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            if not done.done():
+                done.set_result(result)
+        # Not final: its result is still to come, and will arrive.
 
     def _end_done_waits(self) -> None:
         """The client closes: every wait for a ``.done`` ends now (the workflows go on)."""
@@ -458,14 +475,18 @@ class WorkflowsMixin:
         try:
             # A result stored just before the subscription was made, and missed by the read
             # before the wait (a replica that lagged), is read once more after a moment.
+            loop = asyncio.get_running_loop()
+            end = loop.time() + timeout
             if timeout > _REREAD_AFTER:
                 try:
                     got = await asyncio.wait_for(asyncio.shield(done), _REREAD_AFTER)
                 except TimeoutError:
-                    found = await self._stored_result(workflow_id)
+                    found = await asyncio.wait_for(
+                        self._stored_done(workflow_id), max(0.0, end - loop.time())
+                    )
                     if found is not None:
                         return found, False
-                    got = await asyncio.wait_for(done, timeout - _REREAD_AFTER)
+                    got = await asyncio.wait_for(done, max(0.0, end - loop.time()))
             else:
                 got = await asyncio.wait_for(done, timeout)
         except TimeoutError as err:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import nats
 import pytest
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
 
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._consume import RETENTION_STREAMS
@@ -69,12 +71,20 @@ def test_retention_from_the_environment_and_its_lower_bound(
     assert MeshSettings().workflow_retention == 86400.0
 
 
+async def _events_stream_of_an_earlier_version(js: JetStreamContext) -> None:
+    """``REACH_WF_EVENTS`` as earlier versions made it: no direct gets, no republish."""
+    await js.add_stream(
+        StreamConfig(
+            name=protocol.STREAM_WF_EVENTS,
+            subjects=[protocol.wf_event("*", "*"), protocol.wf_done("*", "*")],
+        )
+    )
+
+
 async def test_a_hub_upgrades_the_results_stream_of_an_earlier_version() -> None:
     """``REACH_WF_EVENTS`` as an earlier version made it (no direct gets, no republish): a hub
     gives it both at start, so a workflow's result reaches its caller on ``.result`` and reads
     back by subject."""
-    from nats.js.api import StreamConfig
-
     from reach_mesh import Client, Step
     from reach_mesh.agent import Agent, Task
 
@@ -82,12 +92,7 @@ async def test_a_hub_upgrades_the_results_stream_of_an_earlier_version() -> None
         nc = await nats.connect(server.url)
         try:
             js = nc.jetstream()
-            await js.add_stream(
-                StreamConfig(
-                    name=protocol.STREAM_WF_EVENTS,
-                    subjects=[protocol.wf_event("*", "*"), protocol.wf_done("*", "*")],
-                )
-            )
+            await _events_stream_of_an_earlier_version(js)
             s = MeshSettings(nats_url=server.url, namespace="up")
             agent = Agent("up.echo.a1", settings=s)
 
@@ -109,8 +114,6 @@ async def test_a_hub_upgrades_the_results_stream_of_an_earlier_version() -> None
 async def test_a_result_an_earlier_version_stored_in_the_record_is_read() -> None:
     """Hubs of an earlier version wrote the result into the workflow record (and made
     ``REACH_WF_EVENTS`` without direct gets): ``workflow()`` reads it from there."""
-    from nats.js.api import StreamConfig
-
     from reach_mesh import Client
     from reach_mesh._nats import ensure_kv
     from reach_mesh.models import TaskState
@@ -120,12 +123,7 @@ async def test_a_result_an_earlier_version_stored_in_the_record_is_read() -> Non
         nc = await nats.connect(server.url)
         try:
             js = nc.jetstream()
-            await js.add_stream(
-                StreamConfig(
-                    name=protocol.STREAM_WF_EVENTS,
-                    subjects=[protocol.wf_event("*", "*"), protocol.wf_done("*", "*")],
-                )
-            )
+            await _events_stream_of_an_earlier_version(js)
             kv = await ensure_kv(js, protocol.KV_WORKFLOWS)
             result = WorkflowResult(
                 workflow_id="old-one", kind="chain", state=TaskState.SUCCEEDED, result=[1]

@@ -308,8 +308,12 @@ class WorkflowEngine(StepRunner):
             await self._reject(msg, headers, err)
             return
         try:
-            result = await self._run(wf)
-            result, ours = await self._store(wf, result)  # a stored one: announced again
+            result, stored = await self._run(wf)
+            if stored:  # finished before: announced again, for whoever waits on it now
+                await self._nc.publish(protocol.wf_result(wf.ns, wf.id), protocol.encode(result))
+                ours = False
+            else:
+                result, ours = await self._store(wf, result)
         except NotOwnerError:
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
@@ -397,7 +401,9 @@ class WorkflowEngine(StepRunner):
                 self._io_deadline(),
                 on_retry=self._infra_retry,
             )
-            await self._publish_done(ns, result, headers, self._io_deadline())
+            await self._publish_done(
+                ns, wf_id, protocol.encode(result), headers, self._io_deadline()
+            )
         except KeyWrongLastSequenceError:
             # The id is a workflow's already: its own record and result stand.
             self.conflict_total += 1
@@ -432,9 +438,10 @@ class WorkflowEngine(StepRunner):
         deadline = self._io_deadline(wf.deadline)
         loop = asyncio.get_running_loop()
         delay = 0.05
+        body = protocol.encode(result)
         while True:
             try:
-                await self._publish_done(wf.ns, result, wf.headers, deadline)
+                await self._publish_done(wf.ns, wf.id, body, wf.headers, deadline)
                 return result, True
             except KeyWrongLastSequenceError:
                 pass  # a result is stored, or (clustered) one is being stored right now
@@ -444,29 +451,30 @@ class WorkflowEngine(StepRunner):
                 wf.deadline,
             )
             if got is not None:
+                if got[0] == body:  # ours, stored by a try whose answer was lost
+                    return result, True
                 await self._nc.publish(protocol.wf_result(wf.ns, wf.id), got[0])
                 return WorkflowResult.model_validate_json(got[0]), False
             # Refused, yet nothing stored: another publish to the subject was in flight (the
             # stream refuses a second one meanwhile), or the result aged out. Try again.
             if loop.time() >= deadline:
-                raise NotOwnerError(subject)
+                raise _durable.RetriesExhausted(f"store {subject}: refused, nothing stored")
             self._infra_retry()
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
     async def _publish_done(
-        self, ns: str, result: WorkflowResult, headers: dict[str, str], deadline: float
+        self, ns: str, workflow_id: str, body: bytes, headers: dict[str, str], deadline: float
     ) -> None:
-        """Store ``result`` on ``.done`` unless the subject holds a result already: then
-        ``KeyWrongLastSequenceError``, also for a repeat of our own publish whose answer was
-        lost (the caller reads back what is stored). No ``Nats-Msg-Id``: the expected last
-        subject sequence alone makes a repeat safe, and workflow ids are unique per namespace
-        only."""
+        """Store ``body`` (a ``WorkflowResult``) on ``.done`` unless the subject holds a
+        result already: then ``KeyWrongLastSequenceError``, also for a repeat of our own
+        publish whose answer was lost (the caller reads back what is stored). No
+        ``Nats-Msg-Id``: the expected last subject sequence alone makes a repeat safe, and
+        workflow ids are unique per namespace only."""
         out = inject(dict(headers))
         out[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF_EVENTS
         out[EXPECTED_LAST_SUBJECT_SEQUENCE] = "0"
-        body = protocol.encode(result)
-        subject = protocol.wf_done(ns, result.workflow_id)
+        subject = protocol.wf_done(ns, workflow_id)
         ack = await _durable.retrying(
             f"publish {subject}",
             lambda: self._jsc.publish(subject, body, out),
@@ -491,8 +499,9 @@ class WorkflowEngine(StepRunner):
 
     # ------------------------------------------------------------------ running
 
-    async def _run(self, wf: Workflow) -> WorkflowResult:
-        """Run the workflow to its result (the stored one when it was final already)."""
+    async def _run(self, wf: Workflow) -> tuple[WorkflowResult, bool]:
+        """Run the workflow to its result; ``(result, True)`` when it was final already (the
+        stored result)."""
         assert self._wf_kv is not None
         kv = self._wf_kv
         key = protocol.workflow_key(wf.ns, wf.id)
@@ -500,18 +509,25 @@ class WorkflowEngine(StepRunner):
         # ages from the workflow's start and its result from its end, so a re-submission
         # after the record aged out may find the result alone (never run again).
         subject = protocol.wf_done(wf.ns, wf.id)
-        done_read = asyncio.ensure_future(
-            self._io(
-                f"read {subject}",
-                lambda: self._jsc.last_msg(protocol.STREAM_WF_EVENTS, subject),
-                wf.deadline,
-            )
-        )
+        done_read = asyncio.ensure_future(self._jsc.last_msg(protocol.STREAM_WF_EVENTS, subject))
         try:
             await self._first_choices(wf)
             stored = await self._start_record(wf, kv, key)
             if stored is None:
-                got = await done_read
+                try:
+                    try:
+                        got = await done_read
+                    except Exception:  # a replica could not say: ask the leader, retried
+                        got = await self._io(
+                            f"read {subject}",
+                            lambda: self._jsc.last_msg(
+                                protocol.STREAM_WF_EVENTS, subject, leader=True
+                            ),
+                            wf.deadline,
+                        )
+                except BaseException:
+                    self._release_first(wf)
+                    raise
                 if got is not None:
                     self._release_first(wf)
                     stored = WorkflowResult.model_validate_json(got[0])
@@ -519,7 +535,7 @@ class WorkflowEngine(StepRunner):
             done_read.cancel()  # a no-op once it is done
             done_read.add_done_callback(_retrieved)
         if stored is not None:
-            return stored  # finished before: never run again
+            return stored, True  # finished before: never run again
         t0 = time.time()
         with span(
             SPAN_WORKFLOW,
@@ -555,7 +571,7 @@ class WorkflowEngine(StepRunner):
         result.submitted_at = wf.submitted_at
         result.finished_at = time.time()
         result.duration_ms = round((result.finished_at - min(t0, wf.submitted_at)) * 1000, 3)
-        return result
+        return result, False
 
     async def _start_record(
         self, wf: Workflow, kv: _durable.Bucket, key: str
@@ -784,10 +800,9 @@ class WorkflowEngine(StepRunner):
         last = 0 if got is None else got[1]
         try:
             await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
-        except KeyWrongLastSequenceError as err:
-            # Only the owner writes task records: another hub took the workflow over.
-            raise NotOwnerError(key) from err
-        except Exception as err:  # best effort: the markers below stop its attempts
+        except Exception as err:
+            # Best effort: the markers below stop its attempts. (A lost race here may be our
+            # own write seen late by a replica as much as another hub's.)
             log.info("cannot record %s as cancelled: %r", rec.task_id, err)
         # Every attempt it sent, not only the current one: the branch may have been cancelled
         # between a fence-first record and its marker. A failure here is the workflow's
