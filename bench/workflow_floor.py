@@ -9,20 +9,18 @@ and nothing else: no validation, routing, task tracking, tracing, events or retr
 
 Per fanout(3), as the engine does it (docs/workflows.md, "Performance"):
 
-* caller: stores the submission (acked publish) and waits for the result (a core subscription
-  to where the stream republishes a stored ``.done``);
+* caller: stores the submission (acked publish) and waits for ``.done`` (a core subscription);
 * hub: pulls the submission, creates the workflow record (KV compare-and-set), stores three work
   messages (acked, ``Nats-Msg-Id``), waits for the three final statuses (a core subscription),
-  stores ``.done`` (acked, only if the subject has none: ``Nats-Expected-Last-Subject-Sequence``
-  0), acks the submission (riding along with the next request, as the hub's ``ack_later``
-  does);
+  writes the final record (compare-and-set on its revision), stores ``.done`` (acked), acks the
+  submission (riding along with the next request, as the hub's ``ack_later`` does);
 * each agent: pulls its work message, stores its final status (acked), acks the work message
   (riding along). (A fresh step needs no read of its task record: docs/workflows.md, "Agent
   side: idempotency".)
 
-That is 9 stored messages, as in the engine. A chain(3) runs the steps one
+That is 10 stored messages, as in the engine. A chain(3) runs the steps one
 after the other, and before sending the second and the third it creates their task records (a KV
-compare-and-set each), as the engine does for a step chosen when it starts: 11 stored messages.
+compare-and-set each), as the engine does for a step chosen when it starts: 12 stored messages.
 Streams are R1 file storage, as the bench's engine runs them. What the engine costs above this
 floor is its own Python.
 
@@ -49,12 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import RePublish, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from bench._jsstats import free_port
 from reach_mesh import _runner
 from reach_mesh._consume import PullConsumer
-from reach_mesh._jspub import EXPECTED_LAST_SUBJECT_SEQUENCE, JsClient
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh.server import EmbeddedNats
 
@@ -90,9 +88,6 @@ class _Names:
     def done(self, wf_id: str) -> str:
         return f"floor.{self.tag}.done.{wf_id}"
 
-    def result(self, wf_id: str) -> str:
-        return f"floor.{self.tag}.result.{wf_id}"
-
 
 async def _setup(nc: NATS, n: _Names) -> None:
     js = nc.jetstream(timeout=10.0)
@@ -114,14 +109,7 @@ async def _setup(nc: NATS, n: _Names) -> None:
         )
     )
     await js.add_stream(StreamConfig(name=n.status_stream, subjects=[n.status("*")], storage=file))
-    await js.add_stream(
-        StreamConfig(
-            name=n.done_stream,
-            subjects=[n.done("*")],
-            storage=file,
-            republish=RePublish(src=n.done("*"), dest=n.result("{{wildcard(1)}}")),
-        )
-    )
+    await js.add_stream(StreamConfig(name=n.done_stream, subjects=[n.done("*")], storage=file))
     for bucket in (n.wf_bucket, n.tasks_bucket):
         await ensure_kv(js, bucket)  # as the engine's buckets are made
     await js.add_consumer(n.submit_stream, durable_name="hub", ack_policy="explicit")
@@ -195,7 +183,7 @@ async def _hub(nc: NATS, n: _Names, stop: asyncio.Future[None]) -> None:
 
     async def workflow(msg: Msg) -> None:
         _, kind, wf_id = msg.subject.rsplit(".", 2)
-        await jsc.kv_write(n.wf_bucket, wf_id, msg.data, 0)
+        rev = await jsc.kv_write(n.wf_bucket, wf_id, msg.data, 0)
         if kind == "fanout":
             sent = await asyncio.gather(*(send(f"{wf_id}-{i}", i) for i in range(AGENTS)))
             await asyncio.gather(*sent)
@@ -205,8 +193,8 @@ async def _hub(nc: NATS, n: _Names, stop: asyncio.Future[None]) -> None:
                 if i:  # a step chosen when it starts: its task record first
                     await jsc.kv_write(n.tasks_bucket, task_id, _WORK.encode(), 0)
                 await (await send(task_id, i))
-        headers = {"Nats-Msg-Id": f"{wf_id}.done", EXPECTED_LAST_SUBJECT_SEQUENCE: "0"}
-        await jsc.publish(n.done(wf_id), msg.data, headers)
+        await jsc.kv_write(n.wf_bucket, wf_id, msg.data, rev)
+        await jsc.publish(n.done(wf_id), msg.data, {"Nats-Msg-Id": f"{wf_id}.done"})
 
     await nc.subscribe(n.status("*"), cb=on_status, pending_msgs_limit=-1)
     await _serve(nc, jsc, n.submit_stream, "hub", 512, workflow, stop)
@@ -282,7 +270,7 @@ async def run_floor(
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    await nc.subscribe(names.result("*"), cb=on_done, pending_msgs_limit=-1)
+    await nc.subscribe(names.done("*"), cb=on_done, pending_msgs_limit=-1)
     loop = asyncio.get_running_loop()
     n_seq = n_seq or (200 if quick else 1000)
     duration = duration or (3.0 if quick else 10.0)

@@ -169,8 +169,6 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     f"{_API}.STREAM.INFO.{_KV_WORKFLOWS_STREAM}",
                     f"{_API}.DIRECT.GET.{_KV_WORKFLOWS_STREAM}.$KV.{protocol.KV_WORKFLOWS}.{ns}.>",
                     f"{_API}.STREAM.INFO.{protocol.STREAM_WF_EVENTS}",
-                    # A workflow's result: its .done, read by subject.
-                    f"{_API}.DIRECT.GET.{protocol.STREAM_WF_EVENTS}.reach.wf.{ns}.>",
                     f"{_API}.CONSUMER.CREATE.{protocol.STREAM_WF_EVENTS}.*.reach.wf.{ns}.>",
                     f"{_API}.CONSUMER.DELETE.{protocol.STREAM_WF_EVENTS}.*",
                     "$JS.FC.>",

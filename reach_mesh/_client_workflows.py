@@ -57,8 +57,6 @@ __all__ = ["WorkflowsMixin"]
 _SUBMIT_RETRY: Final = 15.0
 #: How long a duplicate submission waits for the first one's record, to compare the specs.
 _CONFLICT_WAIT: Final = 2.0
-#: When a wait for a workflow's result reads the stored result once more (seconds).
-_REREAD_AFTER: Final = 1.0
 
 #: A wait for a workflow's ``.done``: its message, or the stored result a re-check read.
 _Done = asyncio.Future[Msg | WorkflowResult]
@@ -72,7 +70,7 @@ class WorkflowsMixin:
     _jsc: JsClient | None
     #: ``.done`` waits in progress (``_done_subscription``) → their workflow ids; re-checked
     #: on a reconnect (``_recheck_done_waits``), ended by ``_end_done_waits``.
-    _done_waits: dict[_Done, tuple[str, Subscription]]
+    _done_waits: dict[_Done, str]
     #: Those re-checks running.
     _rechecks: set[asyncio.Task[None]]
 
@@ -145,7 +143,7 @@ class WorkflowsMixin:
 
         ``MeshTimeoutError`` when it has no result within ``timeout`` (it goes on: ask again),
         ``MeshUnavailableError`` when this client is closed meanwhile. A result that came while
-        the connection was down is read back once the connection is back."""
+        the connection was down is read from its record once the connection is back."""
         protocol.validate_workflow_id(workflow_id)
         sub, done = await self._done_subscription(workflow_id)
         try:
@@ -360,43 +358,7 @@ class WorkflowsMixin:
         return self._jsc
 
     async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
-        """The workflow's final result if it has one; None when not (or it cannot be read
-        right now)."""
-        try:
-            return await self._read_result(workflow_id)
-        except (nats.errors.Error, TimeoutError):
-            return None  # no stream (no hub ever ran), or JetStream unavailable right now
-
-    async def _stored_done(self, workflow_id: str) -> WorkflowResult | None:
-        """The workflow's stored ``.done``, if it has one and it can be read right now."""
-        try:
-            jsc = await self._js_client()
-            got = await jsc.last_msg(
-                protocol.STREAM_WF_EVENTS, protocol.wf_done(self.namespace, workflow_id)
-            )
-        except (nats.errors.Error, TimeoutError):
-            return None
-        return None if got is None else WorkflowResult.model_validate_json(got[0])
-
-    async def _read_result(self, workflow_id: str) -> WorkflowResult | None:
-        """:meth:`_stored_result`, raising when it cannot be read right now. The result is the
-        workflow's ``.done`` message; a workflow refused at submission (or finished by a hub
-        of an earlier version) may have it in its record only."""
-        jsc = await self._js_client()
-        try:
-            got = await jsc.last_msg(
-                protocol.STREAM_WF_EVENTS, protocol.wf_done(self.namespace, workflow_id)
-            )
-        except (nats.errors.Error, TimeoutError):
-            # No direct gets on the stream (hubs of an earlier version made it, and none of
-            # this version has started since), or JetStream unavailable: the record may say.
-            found = _final_result(await self._read_record(workflow_id))
-            if found is None:
-                raise
-            return found
-        if got is not None:
-            return WorkflowResult.model_validate_json(got[0])
-        return _final_result(await self._read_record(workflow_id))
+        return _final_result(await self._workflow_record(workflow_id))
 
     async def _done_subscription(self, workflow_id: str) -> tuple[Subscription, _Done]:
         """A subscription to the workflow's ``.done`` for one message, which resolves the
@@ -405,9 +367,9 @@ class WorkflowsMixin:
         stored result instead (``_recheck_done_waits``)."""
         done: _Done = asyncio.get_running_loop().create_future()
         sub = await self.nc.subscribe(
-            protocol.wf_result(self.namespace, workflow_id), future=done, max_msgs=1
+            protocol.wf_done(self.namespace, workflow_id), future=done, max_msgs=1
         )
-        self._done_waits[done] = (workflow_id, sub)
+        self._done_waits[done] = workflow_id
         done.add_done_callback(self._forget_done)
         return sub, done
 
@@ -423,36 +385,31 @@ class WorkflowsMixin:
 
     def _recheck_done_waits(self) -> None:
         """The connection is back (``reconnected_cb``): a ``.done`` published while this client
-        was away never arrives, so read the result of every workflow still waited on. The
+        was away never arrives, so read the record of every workflow still waited on. The
         subscriptions are in place again before nats-py calls this: a ``.done`` published
         after the read arrives as usual."""
-        for done, (workflow_id, sub) in list(self._done_waits.items()):
+        for done, workflow_id in list(self._done_waits.items()):
             if not done.done():
-                task = asyncio.ensure_future(self._recheck(done, workflow_id, sub))
+                task = asyncio.ensure_future(self._recheck(done, workflow_id))
                 self._rechecks.add(task)
                 task.add_done_callback(self._rechecks.discard)
 
-    async def _recheck(self, done: _Done, workflow_id: str, sub: Subscription) -> None:
+    async def _recheck(self, done: _Done, workflow_id: str) -> None:
         """Resolve ``done`` with the stored result if the workflow is final. JetStream may be
         electing a leader right after a reconnect: the read is retried for ``_SUBMIT_RETRY``."""
         deadline = asyncio.get_running_loop().time() + _SUBMIT_RETRY
         try:
-            result = await retrying(
-                f"read the result of {workflow_id}",
-                lambda: self._read_result(workflow_id),
+            record = await retrying(
+                f"read the record of {workflow_id}",
+                lambda: self._read_record(workflow_id),
                 deadline,
             )
         except Exception:
-            return  # still unreadable: the wait's own timeout reads the result once more
+            return  # still unreadable: the wait's own timeout reads the record once more
+        result = _final_result(record)
         if result is not None and not done.done():
-            # The subscription's message may still come: nats-py would then resolve the future
-            # a second time, which stops its reader. Unsubscribing takes the subscription off
-            # the connection before it yields (nothing else runs between the check and this).
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            if not done.done():
-                done.set_result(result)
-        # Not final: its result is still to come, and will arrive.
+            done.set_result(result)
+        # Not final: its .done is still to come, and will arrive.
 
     def _end_done_waits(self) -> None:
         """The client closes: every wait for a ``.done`` ends now (the workflows go on)."""
@@ -473,25 +430,10 @@ class WorkflowsMixin:
         """The result and whether it came as the ``.done`` message (so its subscription is
         over). ``done``: from :meth:`_done_subscription`."""
         try:
-            # A result stored just before the subscription was made, and missed by the read
-            # before the wait (a replica that lagged), is read once more after a moment.
-            loop = asyncio.get_running_loop()
-            end = loop.time() + timeout
-            if timeout > _REREAD_AFTER:
-                try:
-                    got = await asyncio.wait_for(asyncio.shield(done), _REREAD_AFTER)
-                except TimeoutError:
-                    found = await asyncio.wait_for(
-                        self._stored_done(workflow_id), max(0.0, end - loop.time())
-                    )
-                    if found is not None:
-                        return found, False
-                    got = await asyncio.wait_for(done, max(0.0, end - loop.time()))
-            else:
-                got = await asyncio.wait_for(done, timeout)
+            got = await asyncio.wait_for(done, timeout)
         except TimeoutError as err:
-            # The .done may have come while this subscription could not see it (a reconnect
-            # whose re-check could not read it): read it.
+            # The record is the source of truth: the result may be stored while its .done
+            # announcement is still on the way (a hub died between the two).
             found = await self._stored_result(workflow_id)
             if found is not None:
                 return found, False
@@ -501,7 +443,7 @@ class WorkflowsMixin:
                 workflow_id=workflow_id,
             ) from err
         if isinstance(got, WorkflowResult):
-            return got, False  # read back after a reconnect (its .done was missed)
+            return got, False  # read from the record after a reconnect (its .done was missed)
         return WorkflowResult.model_validate_json(got.data), True
 
 

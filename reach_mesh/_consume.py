@@ -205,24 +205,13 @@ async def last_per_subject(
 
 
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """Create the stream unless it exists (idempotent across hubs and agents). An existing
-    stream is used as it is, except that it gets the direct gets and the republish ``config``
-    asks for (readers depend on them; a stream created by an earlier version may lack them)."""
+    """Create the stream unless it exists (idempotent across hubs and agents)."""
     assert config.name is not None
     try:
-        info = await js.stream_info(config.name)
+        await js.stream_info(config.name)
+        return
     except NotFoundError:
         pass
-    else:
-        have = info.config
-        if (config.allow_direct and not have.allow_direct) or (
-            config.republish is not None and have.republish != config.republish
-        ):
-            have.allow_direct = have.allow_direct or config.allow_direct
-            have.republish = config.republish or have.republish
-            log.warning("stream %s: direct gets and republish as this version needs", config.name)
-            await js.update_stream(have)
-        return
     try:
         await js.add_stream(config)
     except BadRequestError:

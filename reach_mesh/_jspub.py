@@ -26,7 +26,6 @@ and parties allowed to answer into a hub's inbox must not guess the next one.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponse
 
 from reach_mesh._batch import reply_token
 
-__all__ = ["EXPECTED_LAST_SUBJECT_SEQUENCE", "Ack", "JsClient", "kv_subject"]
+__all__ = ["Ack", "JsClient", "kv_subject"]
 
 log = logging.getLogger("reach_mesh.jspub")
 
@@ -50,8 +49,6 @@ LINGER: Final = 0.005
 #: What a KV delete or purge leaves behind (the key reads as absent).
 _KV_OPERATION: Final = "KV-Operation"
 
-#: JetStream's "no message found" error code (a ``STREAM.MSG.GET`` of a subject with none).
-_NO_MESSAGE: Final = 10037
 #: JetStream's "wrong last sequence" error codes (a KV compare-and-set that lost).
 _WRONG_LAST: Final = frozenset({10071, 10164})
 #: The header of a KV compare-and-set: the revision the key must still be at (0: absent).
@@ -175,50 +172,18 @@ class JsClient:
     async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
         """The value and revision of ``key`` (a direct get, answered by any replica); None
         when it does not exist, was deleted, or is empty."""
-        msg = await self._direct_get(f"KV_{bucket}", kv_subject(bucket, key))
-        if msg is None or (msg.headers or {}).get(_KV_OPERATION) in ("DEL", "PURGE"):
-            return None
-        return msg.data, int((msg.headers or {}).get("Nats-Sequence") or 0)
-
-    async def last_msg(
-        self, stream: str, subject: str, *, leader: bool = False
-    ) -> tuple[bytes, int] | None:
-        """The body and stream sequence of the last message on ``subject`` in ``stream``; None
-        when there is none. A direct get (the stream must allow them), answered by any
-        replica — one that lags may not have the newest message yet; ``leader=True`` asks the
-        stream's leader (``STREAM.MSG.GET``), which has every message it acknowledged."""
-        if not leader:
-            msg = await self._direct_get(stream, subject)
-            if msg is None:
-                return None
-            return msg.data, int((msg.headers or {}).get("Nats-Sequence") or 0)
-        answer = await self.request(
-            f"$JS.API.STREAM.MSG.GET.{stream}", json.dumps({"last_by_subj": subject}).encode()
-        )
-        try:
-            body = json.loads(answer.data)
-        except ValueError as err:
-            raise APIError(description=f"unreadable answer: {answer.data[:80]!r}") from err
-        error = body.get("error")
-        if error is not None:
-            if error.get("err_code") == _NO_MESSAGE:
-                return None
-            APIError.from_error(error)  # raises
-        message = body.get("message") or {}
-        return base64.b64decode(message.get("data") or ""), int(message.get("seq") or 0)
-
-    async def _direct_get(self, stream: str, subject: str) -> Msg | None:
-        """``$JS.API.DIRECT.GET.<stream>.<subject>``: the subject travels in the API subject,
-        where NATS permissions can hold a reader to its own namespace. None: no message."""
-        msg = await self.request(f"$JS.API.DIRECT.GET.{stream}.{subject}", b"")
+        msg = await self.request(f"$JS.API.DIRECT.GET.KV_{bucket}.{kv_subject(bucket, key)}", b"")
+        headers = msg.headers or {}
         if not msg.data:
-            status = (msg.headers or {}).get("Status")
+            status = headers.get("Status")
             if status == "404" or not status:
                 return None
             if status == "503":
                 raise NoStreamResponseError
             APIError.from_msg(msg)  # raises
-        return msg
+        if headers.get(_KV_OPERATION) in ("DEL", "PURGE"):
+            return None
+        return msg.data, int(headers.get("Nats-Sequence") or 0)
 
     async def kv_write(self, bucket: str, key: str, value: bytes, last: int) -> int:
         """Write ``key`` if it is still at revision ``last`` (0: if it does not exist); the new

@@ -4,8 +4,7 @@ A NATS node dying, a raft election, a reconnect — for a few seconds JetStream 
 ``NoStreamResponseError``, 503 or nothing at all. :func:`transient` tells such errors from
 answers (a wrong revision, a missing key, a refused request), and :func:`retrying` repeats an
 operation through them with backoff until a deadline. Only repeat operations whose repeat is
-harmless (a publish with a ``Nats-Msg-Id``, a read, a compare-and-set or a publish with an
-expected last subject sequence that is read back).
+harmless (a publish with a ``Nats-Msg-Id``, a read, a compare-and-set that is read back).
 """
 
 from __future__ import annotations

@@ -71,7 +71,6 @@ __all__ = [
     "wf_all",
     "wf_done",
     "wf_event",
-    "wf_result",
     "wf_submit",
     "work_consumer",
     "work_subject",
@@ -314,25 +313,8 @@ def wf_event(namespace: str, workflow_id: str) -> str:
 
 
 def wf_done(namespace: str, workflow_id: str) -> str:
-    """``reach.wf.<ns>.<wf_id>.done`` — the final ``WorkflowResult`` (``REACH_WF_EVENTS``),
-    stored once: a hub publishes it with ``Nats-Expected-Last-Subject-Sequence: 0``. Wait for
-    it on :func:`wf_result`: a publish the stream refused still reaches plain subscribers of
-    this subject."""
+    """``reach.wf.<ns>.<wf_id>.done`` — the final ``WorkflowResult`` (``REACH_WF_EVENTS``)."""
     return f"reach.wf.{namespace}.{workflow_id}.done"
-
-
-def wf_result(namespace: str, workflow_id: str) -> str:
-    """``reach.wf.<ns>.<wf_id>.result`` — where ``REACH_WF_EVENTS`` republishes a ``.done``
-    once it is stored (core NATS; ``namespace`` and ``workflow_id`` may be ``*``): only the
-    stored result arrives here."""
-    return f"reach.wf.{namespace}.{workflow_id}.result"
-
-
-#: ``REACH_WF_EVENTS`` republishes each stored ``.done`` to :func:`wf_result` (its config).
-WF_RESULT_REPUBLISH: Final = (
-    "reach.wf.*.*.done",
-    "reach.wf.{{wildcard(1)}}.{{wildcard(2)}}.result",
-)
 
 
 def wf_all(namespace: str, workflow_id: str) -> str:
@@ -360,6 +342,12 @@ def task_key(namespace: str, task_id: str) -> str:
 def workflow_key(namespace: str, workflow_id: str) -> str:
     """Key of a workflow record in ``reach_workflows``."""
     return f"{namespace}.{workflow_id}"
+
+
+def done_msg_id(workflow_id: str) -> str:
+    """``<workflow_id>.done`` — the ``Nats-Msg-Id`` of a workflow's final result on ``.done``
+    (published once per stored result; a repeat within the dedup window is dropped)."""
+    return f"{workflow_id}.done"
 
 
 def attempt_msg_id(task_id: str, attempt: int) -> str:

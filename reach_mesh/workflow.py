@@ -307,8 +307,8 @@ class TaskRecord(_Wire):
     sent when the workflow starts, which its ``WorkflowRecord`` names (``first_agents``):
     attempt 1 needs no fence until there is an attempt 2. A step decided by its current
     attempt keeps its record as it was, or has none (that attempt's agent has the outcome;
-    every other attempt is fenced by the attempt number already): the workflow's result
-    (``.done``) is where its outcome is kept (``StepResult.decided_by``).
+    every other attempt is fenced by the attempt number already): the workflow record's result
+    is where its outcome is kept (``StepResult.decided_by``).
     """
 
     task_id: str
@@ -368,8 +368,7 @@ class StepResult(_Wire):
 
 
 class WorkflowResult(_Wire):
-    """The honest, complete answer for one workflow: the body of ``...<wf_id>.done`` (stored
-    once) and of ``...<wf_id>.result`` (where waiting callers get it)."""
+    """The honest, complete answer for one workflow (also the body of ``...<wf_id>.done``)."""
 
     workflow_id: str
     kind: WorkflowKind
@@ -406,9 +405,8 @@ class WorkflowRecord(_Wire):
     """Value in ``reach_workflows`` (key ``<ns>.<workflow_id>``)."""
 
     spec: WorkflowSpec | None = None
-    #: :func:`spec_digest` of the spec this id was first submitted with (kept in a record
-    #: written final, whose spec is dropped): a re-submission with another digest is a
-    #: conflict.
+    #: :func:`spec_digest` of the spec this id was first submitted with (kept in the final
+    #: record, whose spec is dropped): a re-submission with another digest is a conflict.
     spec_digest: str | None = None
     state: TaskState = TaskState.RUNNING
     owner: str | None = None
@@ -418,8 +416,6 @@ class WorkflowRecord(_Wire):
     #: step, a chain's step 0; None: chosen later). Such a step has no task record until its
     #: fence must change (``TaskRecord``): a hub taking the workflow over adopts that attempt.
     first_agents: list[str | None] = Field(default_factory=list)
-    #: Only in a record written final: a submission the hub refused, or a workflow finished
-    #: by a hub of an earlier version. A workflow's result is its ``.done``.
     result: WorkflowResult | None = None
 
 

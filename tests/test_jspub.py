@@ -4,7 +4,6 @@ compare-and-set, and the errors ``_retry`` tells apart (an answer vs the infrast
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 
 import nats
@@ -133,38 +132,5 @@ async def test_ack_later_acks_with_the_next_flush(nats_url: str) -> None:
         await eventually(acked, timeout=2)
         await js.delete_stream(name)
     finally:
-        await pub.stop()
-        await nc.close()
-
-
-async def test_last_msg_by_subject_and_stored_once(nats_url: str) -> None:
-    """``last_msg`` reads the last message of a subject (a direct get, or from the leader); a
-    publish with expected last subject sequence 0 is stored once: a second one is refused as a
-    lost compare-and-set — even a repeat of the same ``Nats-Msg-Id`` (this server checks the
-    sequence first; a duplicate ack would say the same: stored before)."""
-    nc = await nats.connect(nats_url)
-    pub = JsClient(nc, timeout=2.0)
-    await pub.start()
-    name = f"JSLAST_{uuid.uuid4().hex[:8]}"
-    js = nc.jetstream()
-    try:
-        await js.add_stream(
-            StreamConfig(name=name, subjects=[f"{name.lower()}.>"], allow_direct=True)
-        )
-        subject = f"{name.lower()}.done"
-        once = {"Nats-Msg-Id": "d1", "Nats-Expected-Last-Subject-Sequence": "0"}
-        for leader in (False, True):
-            assert await pub.last_msg(name, subject, leader=leader) is None
-        first = await pub.publish(subject, b"first", once)
-        with contextlib.suppress(KeyWrongLastSequenceError):
-            assert (await pub.publish(subject, b"first", once)).duplicate
-        with pytest.raises(KeyWrongLastSequenceError):
-            await pub.publish(subject, b"second", {"Nats-Expected-Last-Subject-Sequence": "0"})
-        for leader in (False, True):
-            assert await pub.last_msg(name, subject, leader=leader) == (b"first", first.seq)
-        with pytest.raises(NoStreamResponseError):  # no such stream: retried, not an answer
-            await pub.last_msg(f"{name}_NONE", subject)
-    finally:
-        await js.delete_stream(name)
         await pub.stop()
         await nc.close()

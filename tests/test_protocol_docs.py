@@ -47,7 +47,6 @@ BUILT = {
     protocol.wf_submit(_NS),
     protocol.wf_event(_NS, _WF),
     protocol.wf_done(_NS, _WF),
-    protocol.wf_result(_NS, _WF),
     protocol.audit_subject(_NS, "route"),
     protocol.micro_subject("hub1", "agents"),
 }

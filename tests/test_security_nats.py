@@ -382,7 +382,6 @@ async def test_step_forgeries_refused(mesh: Mesh, as_identity: Any) -> None:
                 protocol.task_status(VICTIM, task_id), protocol.encode(forged)
             )
             await conn.publish_denied(protocol.wf_done(NS, wf_id), done)
-            await conn.publish_denied(protocol.wf_result(NS, wf_id), done)
             await conn.publish_denied(protocol.wf_event(NS, wf_id), done)
             await conn.publish_denied(protocol.agent_ctl(VICTIM), cancel.encode())
         # The rogue agent on its own status subject, speaking for the victim: the hub refuses.
@@ -395,8 +394,6 @@ async def test_step_forgeries_refused(mesh: Mesh, as_identity: Any) -> None:
         assert mesh.victim.inflight == 1  # not cancelled
         mesh.release.set()
         result = await c.workflow(wf_id, timeout=15)
-        # Finished: read back by its subject, which the caller's permissions allow.
-        assert await c.workflow(wf_id, timeout=1) == result
     assert result.state is TaskState.SUCCEEDED
     assert result.steps[0].result == {"by": VICTIM, "in": "hold"}
     assert result.steps[0].agent_id == VICTIM
@@ -448,12 +445,8 @@ async def test_tenants_are_isolated(mesh: Mesh, as_identity: Any) -> None:
     await other.publish_denied(protocol.agent_task(VICTIM))
     await other.publish_denied(protocol.wf_submit(NS))
     await other.subscribe_denied(protocol.wf_done(NS, "*"))
-    await other.subscribe_denied(protocol.wf_result(NS, "*"))
     await other.publish_denied(
         f"$JS.API.DIRECT.GET.KV_{protocol.KV_WORKFLOWS}.$KV.reach_workflows.{NS}.x"
-    )
-    await other.publish_denied(
-        f"$JS.API.DIRECT.GET.{protocol.STREAM_WF_EVENTS}.{protocol.wf_done(NS, 'x')}"
     )
     async with Client(settings=mesh.settings("caller", "other")) as c:
         assert await c.agents() == []

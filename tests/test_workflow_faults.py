@@ -120,12 +120,9 @@ async def test_nats_outage_is_never_a_step_outcome(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- one final result
 
 
-async def test_done_is_the_one_stored_result(
+async def test_done_announcement_follows_the_stored_record(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
-    """What a caller is told (``.done``), what is stored (the same ``.done``, read back by its
-    subject) and what ``workflow()`` returns later are one result; the record is not written
-    again at the end (it holds what a running workflow needs)."""
     ns = wf_settings.namespace
     echo_agent(fleet, "done.a1")
     failing = fleet.agent("done.f1")
@@ -136,13 +133,15 @@ async def test_done_is_the_one_stored_result(
 
     for agent in fleet.agents:
         await agent.start()
-    seen: list[WorkflowResult] = []
+    seen: list[tuple[WorkflowResult, WorkflowRecord | None]] = []
     async with Client(settings=wf_settings) as mesh:
-        js = mesh.nc.jetstream()
-        kv = await js.key_value(protocol.KV_WORKFLOWS)
+        kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
 
         async def on_done(msg: Msg) -> None:
-            seen.append(WorkflowResult.model_validate_json(msg.data))
+            result = WorkflowResult.model_validate_json(msg.data)
+            entry = await kv.get(protocol.workflow_key(ns, result.workflow_id))
+            record = WorkflowRecord.model_validate_json(entry.value) if entry.value else None
+            seen.append((result, record))
 
         sub = await mesh.nc.subscribe(protocol.wf_done(ns, "*"), cb=on_done)
         ids = []
@@ -152,87 +151,12 @@ async def test_done_is_the_one_stored_result(
         results = {wf_id: await mesh.workflow(wf_id, timeout=10) for wf_id in ids}
         await eventually(lambda: len(seen) == len(ids), timeout=5)
         await sub.unsubscribe()
-        for announced in seen:
-            wf_id = announced.workflow_id
-            stored = await js.get_last_msg(protocol.STREAM_WF_EVENTS, protocol.wf_done(ns, wf_id))
-            assert WorkflowResult.model_validate_json(stored.data) == announced
-            assert results[wf_id] == announced
-            assert await mesh.workflow(wf_id, timeout=1) == announced  # read back, finished
-            entry = await kv.get(protocol.workflow_key(ns, wf_id))
-            record = WorkflowRecord.model_validate_json(entry.value or b"")
-            assert record.state is TaskState.RUNNING and record.result is None
-    assert sorted(r.workflow_id for r in seen) == sorted(ids)
+    for announced, record in seen:
+        assert record is not None and record.state.final
+        assert record.result is not None
+        assert record.result.model_dump() == announced.model_dump()
+        assert results[announced.workflow_id].model_dump() == announced.model_dump()
     assert {r.state for r in results.values()} == {TaskState.SUCCEEDED, TaskState.FAILED}
-
-
-async def test_a_stored_result_without_its_record_is_never_run_again(
-    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
-) -> None:
-    """The record ages from the workflow's start, its result from its end: a re-submission
-    after the record aged out finds the result alone. Here the result is made up by the test
-    and stored before the id was ever submitted: the hub runs nothing and answers with it."""
-    ns = wf_settings.namespace
-    echo_agent(fleet, "first.a1")
-    for agent in fleet.agents:
-        await agent.start()
-    wf_id = "first-result-stands"
-    first = WorkflowResult(
-        workflow_id=wf_id, kind="fanout", state=TaskState.SUCCEEDED, result=["stored first"]
-    )
-    async with Client(settings=wf_settings) as mesh:
-        js = mesh.nc.jetstream()
-        await js.publish(protocol.wf_done(ns, wf_id), protocol.encode(first))
-        got = await mesh.fanout([Step(capability="wf:echo:v1", payload=1)], workflow_id=wf_id)
-        assert got == first
-        info = await js.stream_info(protocol.STREAM_WF_EVENTS, subjects_filter=f"reach.wf.{ns}.>")
-        assert (info.state.subjects or {}).get(protocol.wf_done(ns, wf_id)) == 1
-    assert not fleet.runs  # no step was sent
-    assert wf_hub.workflows is not None and wf_hub.workflows.workflows_done == 0
-
-
-async def test_a_hub_that_finishes_second_reports_the_first_result(
-    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
-) -> None:
-    """Two hubs finish one workflow (a takeover racing a slow owner): the first ``.done``
-    stored stands. Here the test stores one while the hub's only step runs; the hub's own
-    publish is then refused, and it reports the stored result — announced on ``.result``
-    again, not counted as its own."""
-    ns = wf_settings.namespace
-    release = asyncio.Event()
-    slow = fleet.agent("second.a1")
-
-    @slow.handler("wf:slow:v1")
-    async def hold(task: Task[Any]) -> Any:
-        fleet.runs[task.task_id] += 1
-        await release.wait()
-        return "the hub's own"
-
-    for agent in fleet.agents:
-        await agent.start()
-    engine = wf_hub.workflows
-    assert engine is not None
-    async with Client(settings=wf_settings) as mesh:
-        js = mesh.nc.jetstream()
-        announced: list[WorkflowResult] = []
-
-        async def on_result(msg: Msg) -> None:
-            announced.append(WorkflowResult.model_validate_json(msg.data))
-
-        wf_id = await mesh.submit_fanout([Step(capability="wf:slow:v1", payload=1)], timeout=20)
-        await mesh.nc.subscribe(protocol.wf_result(ns, wf_id), cb=on_result)
-        await eventually(lambda: sum(fleet.runs.values()) == 1)
-        first = WorkflowResult(
-            workflow_id=wf_id, kind="fanout", state=TaskState.FAILED, result=None
-        )
-        await js.publish(protocol.wf_done(ns, wf_id), protocol.encode(first))
-        release.set()
-        assert await mesh.workflow(wf_id, timeout=10) == first
-        # The stream's republish of the test's result, then the hub's announcement of it.
-        await eventually(lambda: len(announced) == 2)
-        assert announced == [first, first]
-        info = await js.stream_info(protocol.STREAM_WF_EVENTS, subjects_filter=f"reach.wf.{ns}.>")
-        assert (info.state.subjects or {}).get(protocol.wf_done(ns, wf_id)) == 1
-    assert engine.workflows_done == 0
 
 
 # --------------------------------------------------------------------------- backoff window

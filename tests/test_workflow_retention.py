@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import nats
 import pytest
-from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
 
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._consume import RETENTION_STREAMS
@@ -69,69 +67,3 @@ def test_retention_from_the_environment_and_its_lower_bound(
         load_settings()
     # The default keeps finished workflows for 24 h.
     assert MeshSettings().workflow_retention == 86400.0
-
-
-async def _events_stream_of_an_earlier_version(js: JetStreamContext) -> None:
-    """``REACH_WF_EVENTS`` as earlier versions made it: no direct gets, no republish."""
-    await js.add_stream(
-        StreamConfig(
-            name=protocol.STREAM_WF_EVENTS,
-            subjects=[protocol.wf_event("*", "*"), protocol.wf_done("*", "*")],
-        )
-    )
-
-
-async def test_a_hub_upgrades_the_results_stream_of_an_earlier_version() -> None:
-    """``REACH_WF_EVENTS`` as an earlier version made it (no direct gets, no republish): a hub
-    gives it both at start, so a workflow's result reaches its caller on ``.result`` and reads
-    back by subject."""
-    from reach_mesh import Client, Step
-    from reach_mesh.agent import Agent, Task
-
-    async with EmbeddedNats() as server:
-        nc = await nats.connect(server.url)
-        try:
-            js = nc.jetstream()
-            await _events_stream_of_an_earlier_version(js)
-            s = MeshSettings(nats_url=server.url, namespace="up")
-            agent = Agent("up.echo.a1", settings=s)
-
-            @agent.handler("up:echo:v1")
-            async def echo(task: Task[int]) -> int:
-                return task.payload
-
-            async with Hub(settings=s), agent, Client(settings=s) as mesh:
-                cfg = (await js.stream_info(protocol.STREAM_WF_EVENTS)).config
-                assert cfg.allow_direct and cfg.republish is not None
-                assert (cfg.republish.src, cfg.republish.dest) == protocol.WF_RESULT_REPUBLISH
-                result = await mesh.chain([Step(capability="up:echo:v1", payload=7)], timeout=10)
-                assert result.ok and result.result == 7
-                assert await mesh.workflow(result.workflow_id, timeout=1) == result
-        finally:
-            await nc.close()
-
-
-async def test_a_result_an_earlier_version_stored_in_the_record_is_read() -> None:
-    """Hubs of an earlier version wrote the result into the workflow record (and made
-    ``REACH_WF_EVENTS`` without direct gets): ``workflow()`` reads it from there."""
-    from reach_mesh import Client
-    from reach_mesh._nats import ensure_kv
-    from reach_mesh.models import TaskState
-    from reach_mesh.workflow import WorkflowRecord, WorkflowResult
-
-    async with EmbeddedNats() as server:
-        nc = await nats.connect(server.url)
-        try:
-            js = nc.jetstream()
-            await _events_stream_of_an_earlier_version(js)
-            kv = await ensure_kv(js, protocol.KV_WORKFLOWS)
-            result = WorkflowResult(
-                workflow_id="old-one", kind="chain", state=TaskState.SUCCEEDED, result=[1]
-            )
-            record = WorkflowRecord(state=TaskState.SUCCEEDED, result=result)
-            await kv.put(protocol.workflow_key("old", "old-one"), protocol.encode(record))
-            s = MeshSettings(nats_url=server.url, namespace="old")
-            async with Client(settings=s) as mesh:
-                assert await mesh.workflow("old-one", timeout=1) == result
-        finally:
-            await nc.close()

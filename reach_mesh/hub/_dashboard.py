@@ -37,13 +37,7 @@ from nats.js.kv import KeyValue
 from reach_mesh import protocol
 from reach_mesh.errors import BadRequestError, InternalError, ReachError
 from reach_mesh.models import AgentState, RouteDecision, TaskState
-from reach_mesh.workflow import (
-    TaskRecord,
-    WorkflowRecord,
-    WorkflowResult,
-    WorkflowSpec,
-    step_task_id,
-)
+from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowSpec, step_task_id
 
 if TYPE_CHECKING:
     from prometheus_client.registry import Collector
@@ -384,10 +378,9 @@ class Dashboard:
         task.add_done_callback(self._reads.discard)
 
     async def _read(self, wf: _Workflow) -> None:
-        """Complete ``wf`` from its ``reach_workflows`` record (kind, steps, trace) and its
-        result, the ``.done`` message, once it has one."""
+        """Complete ``wf`` from its ``reach_workflows`` record (kind, steps, trace, outcome)."""
         assert self._kv is not None
-        await asyncio.sleep(0.05)  # the owner stores the result right after the last event
+        await asyncio.sleep(0.05)  # the owner writes its final record right after the event
         try:
             entry = await self._kv.get(protocol.workflow_key(wf.namespace, wf.workflow_id))
             record = WorkflowRecord.model_validate_json(entry.value or b"{}")
@@ -397,13 +390,7 @@ class Dashboard:
         wf.submitted_at = record.submitted_at
         if record.spec is not None:
             wf.kind, wf.step_count = record.spec.kind, len(record.spec.steps)
-        result = record.result  # a refused submission's record holds its result
-        if result is None:
-            with contextlib.suppress(Exception):
-                done = await self.hub.nc.jetstream().get_last_msg(
-                    protocol.STREAM_WF_EVENTS, protocol.wf_done(wf.namespace, wf.workflow_id)
-                )
-                result = WorkflowResult.model_validate_json(done.data or b"")
+        result = record.result
         if result is not None:
             wf.kind, wf.step_count = result.kind, len(result.steps)
             wf.state, wf.finished_at = result.state.value, result.finished_at

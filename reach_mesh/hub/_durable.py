@@ -7,9 +7,7 @@ instead of recording an outcome.
 
 Retrying a write is only safe when a repeat is harmless:
 
-- stream publishes carry a ``Nats-Msg-Id``, so JetStream drops the repeat — or, as a
-  workflow's ``.done``, ``Nats-Expected-Last-Subject-Sequence: 0``, so a repeat is refused and
-  the caller reads back what is stored;
+- stream publishes carry a ``Nats-Msg-Id``, so JetStream drops the repeat;
 - a KV compare-and-set (:func:`cas`, :func:`create`) may have been applied although its answer
   was lost: when the repeat is refused for a wrong revision, the key is read back, and if it
   holds exactly the bytes we wrote, the first write succeeded.

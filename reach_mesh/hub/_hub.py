@@ -166,14 +166,13 @@ class Hub(RoutingMixin, ControlMixin):
             await self.sessions.start()
             self.router = Router(self.registry, self.settings, self.hub_id)
             await self._subscribe()
-            # The streams and buckets may predate this hub's workflow_retention. First: the
-            # engine's start then reads their configs afresh and adds what this version needs.
-            await apply_workflow_retention(self._js, s)
             # Durable workflows: after the registry and router, which the engine routes with.
             self.workflows = WorkflowEngine(
                 self._nc, self._js, self.registry, self.router, s, self.hub_id, metrics=self.metrics
             )
             await self.workflows.start()
+            # The streams and buckets may predate this hub's workflow_retention.
+            await apply_workflow_retention(self._js, s)
             if s.http_port is not None:
                 self.dashboard = Dashboard(self)
                 await self.dashboard.start()

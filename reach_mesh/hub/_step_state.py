@@ -62,8 +62,7 @@ class Workflow:
     trace_id: str | None
     digest: str
     records: dict[int, TaskRecord] = field(default_factory=dict)
-    #: Revision of this hub's write of the workflow record (written once: the result is the
-    #: workflow's ``.done``).
+    #: Revision of this hub's write of the workflow record (the final write is a CAS on it).
     rev: int = 0
     #: Agents chosen for the attempts sent when this hub started the workflow (per step; None
     #: when none matched or the step starts later). A step takes its choice when it starts.

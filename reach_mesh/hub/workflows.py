@@ -7,12 +7,9 @@ redelivers the submission to another hub, which resumes from the task records in
 steps are not run again, an attempt still in flight is adopted (its status events, the last one
 read back from the ``REACH_STATUS`` stream), and only unfinished work is dispatched.
 
-One final result: the ``.done`` message (``reach.wf.<ns>.<wf_id>.done`` in
-``REACH_WF_EVENTS``), stored with ``Nats-Expected-Last-Subject-Sequence: 0``, so of two hubs
-finishing the same workflow (a takeover racing a slow owner) the first one's result stands and
-the other adopts it. The workflow record in ``reach_workflows`` holds what a running workflow
-needs (spec digest, owner, the agents its first attempts went to) and is not written again at
-the end. A submission whose id is taken by another spec is refused (terminated).
+One source of truth: the workflow record in ``reach_workflows``. Its final write is a CAS on
+the owner's revision, and the ``.done`` announcement is published only after it, carrying the
+same result. A submission whose id is taken by another spec is refused (terminated).
 
 Steps are run by the base class, :class:`~reach_mesh.hub._steps.StepRunner`: each attempt is
 recorded in ``reach_tasks`` (the fence) before it is sent, the first outcome of any attempt
@@ -39,7 +36,6 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
-    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -48,7 +44,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
-from reach_mesh._jspub import EXPECTED_LAST_SUBJECT_SEQUENCE, JsClient
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -194,12 +190,6 @@ class WorkflowEngine(StepRunner):
                 storage=StorageType.FILE,
                 max_age=s.workflow_retention,
                 num_replicas=s.kv_replicas,
-                # Readers (callers of a namespace) get a result by its subject: ``.done``; and
-                # only a stored one reaches those who wait for it (``.result``).
-                allow_direct=True,
-                republish=RePublish(
-                    src=protocol.WF_RESULT_REPUBLISH[0], dest=protocol.WF_RESULT_REPUBLISH[1]
-                ),
                 description="reach-mesh workflow step events and results",
             ),
         )
@@ -309,11 +299,9 @@ class WorkflowEngine(StepRunner):
             return
         try:
             result, stored = await self._run(wf)
-            if stored:  # finished before: announced again, for whoever waits on it now
-                await self._nc.publish(protocol.wf_result(wf.ns, wf.id), protocol.encode(result))
-                ours = False
-            else:
-                result, ours = await self._store(wf, result)
+            if not stored:
+                result = await self._store(wf, result)
+            await self._publish_done(wf, result)
         except NotOwnerError:
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
@@ -336,7 +324,7 @@ class WorkflowEngine(StepRunner):
         # with the next JetStream write (a lost one only brings the submission back to a hub
         # that finds the result stored and announces it again).
         self._jsc.ack_later(msg)
-        if ours:
+        if not stored:
             self._count_done(wf.spec.kind, result)
 
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
@@ -401,9 +389,7 @@ class WorkflowEngine(StepRunner):
                 self._io_deadline(),
                 on_retry=self._infra_retry,
             )
-            await self._publish_done(
-                ns, wf_id, protocol.encode(result), headers, self._io_deadline()
-            )
+            await self._publish_done_raw(ns, result, headers)
         except KeyWrongLastSequenceError:
             # The id is a workflow's already: its own record and result stand.
             self.conflict_total += 1
@@ -423,73 +409,64 @@ class WorkflowEngine(StepRunner):
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
 
-    async def _store(self, wf: Workflow, result: WorkflowResult) -> tuple[WorkflowResult, bool]:
-        """Make ``result`` the workflow's one final result: its ``.done``, stored only if the
-        subject has none yet (the stream republishes it to ``.result``, where callers wait).
-        Returns the result that is final and whether it is ours: else it is the one another
-        hub (or an earlier try of ours whose answer was lost) stored first, which is then
-        announced on ``.result`` again — a caller may be waiting for it (a re-submission, a
-        takeover).
+    async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
+        """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
+        result that is final — ours, or one another hub stored first.
 
-        Events of this workflow still held are dropped first (``_event``): ``result`` says
-        every step's outcome."""
+        Events of this workflow still held are dropped first (``_event``): ``result`` (and
+        the ``.done`` made of it) says every step's outcome."""
+        assert self._wf_kv is not None
         self._take_held(wf)  # dropped: the result says what they would
-        subject = protocol.wf_done(wf.ns, wf.id)
-        deadline = self._io_deadline(wf.deadline)
-        loop = asyncio.get_running_loop()
-        delay = 0.05
-        body = protocol.encode(result)
-        while True:
-            try:
-                await self._publish_done(wf.ns, wf.id, body, wf.headers, deadline)
-                return result, True
-            except KeyWrongLastSequenceError:
-                pass  # a result is stored, or (clustered) one is being stored right now
-            got = await self._io(
-                f"read {subject}",
-                lambda: self._jsc.last_msg(protocol.STREAM_WF_EVENTS, subject, leader=True),
-                wf.deadline,
+        key = protocol.workflow_key(wf.ns, wf.id)
+        record = WorkflowRecord(
+            spec_digest=wf.digest,
+            state=result.state,
+            owner=self.hub_id,
+            trace_id=result.trace_id,
+            submitted_at=result.submitted_at,
+            result=result,
+        )
+        try:
+            wf.rev = await _durable.cas(
+                self._wf_kv,
+                key,
+                protocol.encode(record),
+                wf.rev,
+                self._io_deadline(wf.deadline),
+                on_retry=self._infra_retry,
             )
-            if got is not None:
-                if got[0] == body:  # ours, stored by a try whose answer was lost
-                    return result, True
-                await self._nc.publish(protocol.wf_result(wf.ns, wf.id), got[0])
-                return WorkflowResult.model_validate_json(got[0]), False
-            # Refused, yet nothing stored: another publish to the subject was in flight (the
-            # stream refuses a second one meanwhile), or the result aged out. Try again.
-            if loop.time() >= deadline:
-                raise _durable.RetriesExhausted(f"store {subject}: refused, nothing stored")
-            self._infra_retry()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+        except KeyWrongLastSequenceError as err:
+            kv = self._wf_kv
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            stored = _final_result(got)
+            if stored is None:
+                raise NotOwnerError(key) from err
+            return stored
+        return result
 
-    async def _publish_done(
-        self, ns: str, workflow_id: str, body: bytes, headers: dict[str, str], deadline: float
+    async def _publish_done(self, wf: Workflow, result: WorkflowResult) -> None:
+        await self._publish_done_raw(wf.ns, result, wf.headers, deadline=wf.deadline)
+
+    async def _publish_done_raw(
+        self,
+        ns: str,
+        result: WorkflowResult,
+        headers: dict[str, str],
+        *,
+        deadline: float | None = None,
     ) -> None:
-        """Store ``body`` (a ``WorkflowResult``) on ``.done`` unless the subject holds a
-        result already: then ``KeyWrongLastSequenceError``, also for a repeat of our own
-        publish whose answer was lost (the caller reads back what is stored). No
-        ``Nats-Msg-Id``: the expected last subject sequence alone makes a repeat safe, and
-        workflow ids are unique per namespace only."""
+        """Announce the stored final result on ``.done``: derived from the record, written
+        after it, deduplicated by JetStream (``Nats-Msg-Id = <workflow_id>.done``)."""
         out = inject(dict(headers))
+        out[protocol.HDR_MSG_ID] = protocol.done_msg_id(result.workflow_id)
         out[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF_EVENTS
-        out[EXPECTED_LAST_SUBJECT_SEQUENCE] = "0"
-        subject = protocol.wf_done(ns, workflow_id)
-        ack = await _durable.retrying(
+        body = protocol.encode(result)
+        subject = protocol.wf_done(ns, result.workflow_id)
+        await self._io(
             f"publish {subject}",
             lambda: self._jsc.publish(subject, body, out),
             deadline,
-            on_retry=self._infra_retry,
         )
-        if ack.duplicate:  # not sent by us; a server may answer so instead of wrong-last
-            raise KeyWrongLastSequenceError(description="duplicate")
-
-    async def _stored_done(self, ns: str, workflow_id: str) -> WorkflowResult | None:
-        """The workflow's stored result (its ``.done``), if it has one."""
-        got = await self._jsc.last_msg(
-            protocol.STREAM_WF_EVENTS, protocol.wf_done(ns, workflow_id), leader=True
-        )
-        return None if got is None else WorkflowResult.model_validate_json(got[0])
 
     def _count_done(self, kind: str, result: WorkflowResult) -> None:
         self.workflows_done += 1
@@ -500,42 +477,57 @@ class WorkflowEngine(StepRunner):
     # ------------------------------------------------------------------ running
 
     async def _run(self, wf: Workflow) -> tuple[WorkflowResult, bool]:
-        """Run the workflow to its result; ``(result, True)`` when it was final already (the
-        stored result)."""
+        """Run the workflow to its result; ``(result, True)`` when it was final already."""
         assert self._wf_kv is not None
         kv = self._wf_kv
         key = protocol.workflow_key(wf.ns, wf.id)
-        # Whether a result is stored already, read while the record is written: the record
-        # ages from the workflow's start and its result from its end, so a re-submission
-        # after the record aged out may find the result alone (never run again).
-        subject = protocol.wf_done(wf.ns, wf.id)
-        done_read = asyncio.ensure_future(self._jsc.last_msg(protocol.STREAM_WF_EVENTS, subject))
+        # The agents of the attempts sent at once are chosen first: the workflow record names
+        # them, so those steps need no task record of their own (see ``TaskRecord``).
+        await self._first_choices(wf)
+        record = WorkflowRecord(
+            spec=wf.spec,
+            spec_digest=wf.digest,
+            owner=self.hub_id,
+            trace_id=wf.trace_id,
+            submitted_at=wf.submitted_at,
+            first_agents=[None if c is None else c[0].agent_id for c in wf.first],
+        )
+        wf.first_agents = record.first_agents
+        start = protocol.encode(record)
+        # One write for a new workflow; only an existing record (a takeover, or a re-submit
+        # after the dedup window) costs a read.
         try:
-            await self._first_choices(wf)
-            stored = await self._start_record(wf, kv, key)
-            if stored is None:
-                try:
-                    try:
-                        got = await done_read
-                    except Exception:  # a replica could not say: ask the leader, retried
-                        got = await self._io(
-                            f"read {subject}",
-                            lambda: self._jsc.last_msg(
-                                protocol.STREAM_WF_EVENTS, subject, leader=True
-                            ),
-                            wf.deadline,
-                        )
-                except BaseException:
-                    self._release_first(wf)
-                    raise
-                if got is not None:
-                    self._release_first(wf)
-                    stored = WorkflowResult.model_validate_json(got[0])
-        finally:
-            done_read.cancel()  # a no-op once it is done
-            done_read.add_done_callback(_retrieved)
-        if stored is not None:
-            return stored, True  # finished before: never run again
+            wf.rev = await _durable.create(
+                kv, key, start, self._io_deadline(wf.deadline), on_retry=self._infra_retry
+            )
+        except BaseException as err:
+            self._release_first(wf)
+            if not isinstance(err, KeyWrongLastSequenceError):
+                raise
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            rec = stored_record(WorkflowRecord, got)
+            if rec is not None and rec.spec_digest not in (None, wf.digest):
+                raise _ConflictError(key) from None
+            stored = _final_result(got)
+            if stored is not None:
+                return stored, True  # finished before: never run again
+            # Take the workflow over: a CAS, so of two hubs resuming it one wins. Attempts the
+            # previous owner sent at the start stay named: their steps adopt them.
+            wf.taken_over = True
+            wf.first_agents = [] if rec is None else rec.first_agents
+            record.first_agents = wf.first_agents
+            start = protocol.encode(record)
+            try:
+                wf.rev = await _durable.cas(
+                    kv,
+                    key,
+                    start,
+                    got[1] if got is not None else 0,
+                    self._io_deadline(wf.deadline),
+                    on_retry=self._infra_retry,
+                )
+            except KeyWrongLastSequenceError as err:
+                raise NotOwnerError(key) from err
         t0 = time.time()
         with span(
             SPAN_WORKFLOW,
@@ -572,64 +564,6 @@ class WorkflowEngine(StepRunner):
         result.finished_at = time.time()
         result.duration_ms = round((result.finished_at - min(t0, wf.submitted_at)) * 1000, 3)
         return result, False
-
-    async def _start_record(
-        self, wf: Workflow, kv: _durable.Bucket, key: str
-    ) -> WorkflowResult | None:
-        """Create the workflow record, or take an existing one over (a CAS); the stored
-        result instead when the record says the workflow finished (or another spec's:
-        ``_ConflictError``)."""
-        record = WorkflowRecord(
-            spec=wf.spec,
-            spec_digest=wf.digest,
-            owner=self.hub_id,
-            trace_id=wf.trace_id,
-            submitted_at=wf.submitted_at,
-            first_agents=[None if c is None else c[0].agent_id for c in wf.first],
-        )
-        wf.first_agents = record.first_agents
-        start = protocol.encode(record)
-        # One write for a new workflow; only an existing record (a takeover, or a re-submit
-        # after the dedup window) costs a read.
-        try:
-            wf.rev = await _durable.create(
-                kv, key, start, self._io_deadline(wf.deadline), on_retry=self._infra_retry
-            )
-        except BaseException as err:
-            self._release_first(wf)
-            if not isinstance(err, KeyWrongLastSequenceError):
-                raise
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            rec = stored_record(WorkflowRecord, got)
-            if rec is not None and rec.spec_digest not in (None, wf.digest):
-                raise _ConflictError(key) from None
-            stored = _final_result(got)  # a record written final (rejected, or an older hub)
-            if stored is None:
-                stored = await self._io(
-                    f"read the result of {wf.id}",
-                    lambda: self._stored_done(wf.ns, wf.id),
-                    wf.deadline,
-                )
-            if stored is not None:
-                return stored  # finished before
-            # Take the workflow over: a CAS, so of two hubs resuming it one wins. Attempts the
-            # previous owner sent at the start stay named: their steps adopt them.
-            wf.taken_over = True
-            wf.first_agents = [] if rec is None else rec.first_agents
-            record.first_agents = wf.first_agents
-            start = protocol.encode(record)
-            try:
-                wf.rev = await _durable.cas(
-                    kv,
-                    key,
-                    start,
-                    got[1] if got is not None else 0,
-                    self._io_deadline(wf.deadline),
-                    on_retry=self._infra_retry,
-                )
-            except KeyWrongLastSequenceError as err:
-                raise NotOwnerError(key) from err
-        return None
 
     async def _fanout(self, wf: Workflow) -> WorkflowResult:
         spec = wf.spec
@@ -797,13 +731,9 @@ class WorkflowEngine(StepRunner):
         rec.cancelled = True
         rec.updated_at = time.time()
         wf.records[index] = rec
-        last = 0 if got is None else got[1]
-        try:
+        with contextlib.suppress(Exception):
+            last = 0 if got is None else got[1]
             await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
-        except Exception as err:
-            # Best effort: the markers below stop its attempts. (A lost race here may be our
-            # own write seen late by a replica as much as another hub's.)
-            log.info("cannot record %s as cancelled: %r", rec.task_id, err)
         # Every attempt it sent, not only the current one: the branch may have been cancelled
         # between a fence-first record and its marker. A failure here is the workflow's
         # (``_fanout`` raises it): the result must not be stored before the markers are.
@@ -827,12 +757,6 @@ class WorkflowEngine(StepRunner):
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    """Mark a background read's outcome seen (an error is moot once nobody needs it)."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _final_result(got: tuple[bytes, int] | None) -> WorkflowResult | None:
