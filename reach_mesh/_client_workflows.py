@@ -70,7 +70,7 @@ class WorkflowsMixin:
     _jsc: JsClient | None
     #: ``.done`` waits in progress (``_done_subscription``) → their workflow ids; re-checked
     #: on a reconnect (``_recheck_done_waits``), ended by ``_end_done_waits``.
-    _done_waits: dict[_Done, str]
+    _done_waits: dict[_Done, tuple[str, Subscription]]
     #: Those re-checks running.
     _rechecks: set[asyncio.Task[None]]
 
@@ -369,7 +369,7 @@ class WorkflowsMixin:
         sub = await self.nc.subscribe(
             protocol.wf_done(self.namespace, workflow_id), future=done, max_msgs=1
         )
-        self._done_waits[done] = workflow_id
+        self._done_waits[done] = (workflow_id, sub)
         done.add_done_callback(self._forget_done)
         return sub, done
 
@@ -388,13 +388,13 @@ class WorkflowsMixin:
         was away never arrives, so read the record of every workflow still waited on. The
         subscriptions are in place again before nats-py calls this: a ``.done`` published
         after the read arrives as usual."""
-        for done, workflow_id in list(self._done_waits.items()):
+        for done, (workflow_id, sub) in list(self._done_waits.items()):
             if not done.done():
-                task = asyncio.ensure_future(self._recheck(done, workflow_id))
+                task = asyncio.ensure_future(self._recheck(done, workflow_id, sub))
                 self._rechecks.add(task)
                 task.add_done_callback(self._rechecks.discard)
 
-    async def _recheck(self, done: _Done, workflow_id: str) -> None:
+    async def _recheck(self, done: _Done, workflow_id: str, sub: Subscription) -> None:
         """Resolve ``done`` with the stored result if the workflow is final. JetStream may be
         electing a leader right after a reconnect: the read is retried for ``_SUBMIT_RETRY``."""
         deadline = asyncio.get_running_loop().time() + _SUBMIT_RETRY
@@ -408,7 +408,13 @@ class WorkflowsMixin:
             return  # still unreadable: the wait's own timeout reads the record once more
         result = _final_result(record)
         if result is not None and not done.done():
-            done.set_result(result)
+            # Its .done may still come: nats-py would then resolve the future a second time,
+            # which raises in its reader and stops it. Unsubscribing takes the subscription
+            # off the connection before it yields (nothing else runs between the check and it).
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            if not done.done():
+                done.set_result(result)
         # Not final: its .done is still to come, and will arrive.
 
     def _end_done_waits(self) -> None:

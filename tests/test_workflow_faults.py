@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -408,3 +409,28 @@ async def test_resubmit_with_another_spec_is_a_conflict(
         res = await mesh.workflow(wf_id, timeout=10)
     assert res.state is TaskState.SUCCEEDED
     assert res.result == ["first"]
+
+
+async def test_a_result_read_after_a_reconnect_then_announced_keeps_the_client_reading(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    """After a reconnect the client reads the record of every workflow it waits on; a final
+    one resolves the wait. Its ``.done`` arriving afterwards must not reach the resolved
+    future: nats-py would resolve it again, which raises in its reader and stops it (the
+    client would hear nothing more until the connection went stale)."""
+    ns = wf_settings.namespace
+    wf_id = "read-then-announced"
+    result = WorkflowResult(workflow_id=wf_id, kind="chain", state=TaskState.SUCCEEDED)
+    async with Client(settings=wf_settings) as mesh:
+        kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        record = WorkflowRecord(state=TaskState.SUCCEEDED, result=result)
+        await kv.put(protocol.workflow_key(ns, wf_id), protocol.encode(record))
+        sub, done = await mesh._done_subscription(wf_id)
+        mesh._recheck_done_waits()  # what the reconnect callback does
+        assert await asyncio.wait_for(done, 5) == result
+        await mesh.nc.publish(protocol.wf_done(ns, wf_id), protocol.encode(result))
+        await mesh.nc.flush(timeout=2)  # a PING answered: the reader still reads
+        assert (await mesh.agents()) == []  # and a request gets its answer
+        mesh._drop_done(done)
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
