@@ -281,7 +281,7 @@ class WorkflowsMixin:
         ``WorkflowConflictError``; a random id cannot be another spec's, so it is not read
         back (one round trip fewer per workflow)."""
         body = protocol.encode(spec)
-        headers[protocol.HDR_MSG_ID] = spec.workflow_id
+        headers[protocol.HDR_MSG_ID] = protocol.submit_msg_id(spec.namespace, spec.workflow_id)
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF
         jsc = await self._js_client()
         subject = protocol.wf_submit(spec.namespace)

@@ -61,6 +61,7 @@ __all__ = [
     "split_answers",
     "split_batch",
     "status_identity",
+    "submit_msg_id",
     "task_key",
     "task_status",
     "validate_agent_id",
@@ -74,6 +75,7 @@ __all__ = [
     "wf_submit",
     "work_consumer",
     "work_subject",
+    "workflow_id_of",
     "workflow_key",
 ]
 
@@ -344,20 +346,37 @@ def workflow_key(namespace: str, workflow_id: str) -> str:
     return f"{namespace}.{workflow_id}"
 
 
-def done_msg_id(workflow_id: str) -> str:
-    """``<workflow_id>.done`` — the ``Nats-Msg-Id`` of a workflow's final result on ``.done``
-    (published once per stored result; a repeat within the dedup window is dropped)."""
-    return f"{workflow_id}.done"
+# Message ids: JetStream drops a repeat of a ``Nats-Msg-Id`` across a whole stream, and
+# workflow and task ids are unique within a namespace only, so every id carries it.
 
 
-def attempt_msg_id(task_id: str, attempt: int) -> str:
-    """``task_id#n`` — the ``Nats-Msg-Id`` of one attempt's work message."""
-    return f"{task_id}#{attempt}"
+def submit_msg_id(namespace: str, workflow_id: str) -> str:
+    """``<ns>.<workflow_id>`` — the ``Nats-Msg-Id`` of a workflow submission."""
+    return f"{namespace}.{workflow_id}"
 
 
-def fence_msg_id(task_id: str, attempt: int) -> str:
-    """``task_id#n.fence`` — the ``Nats-Msg-Id`` of the fence marker of attempt ``n``."""
-    return f"{task_id}#{attempt}.fence"
+def workflow_id_of(msg_id: str) -> str:
+    """The workflow id a submission's ``Nats-Msg-Id`` names (``<ns>.<id>``, or a bare ``<id>``
+    as clients before namespaced ids sent it: workflow ids have no dots)."""
+    return msg_id.rsplit(".", 1)[-1]
+
+
+def done_msg_id(namespace: str, workflow_id: str) -> str:
+    """``<ns>.<workflow_id>.done`` — the ``Nats-Msg-Id`` of a workflow's final result on
+    ``.done`` (published once per stored result; a repeat within the dedup window is
+    dropped)."""
+    return f"{namespace}.{workflow_id}.done"
+
+
+def attempt_msg_id(namespace: str, task_id: str, attempt: int) -> str:
+    """``<ns>.<task_id>#n`` — the ``Nats-Msg-Id`` of one attempt's work message."""
+    return f"{namespace}.{task_id}#{attempt}"
+
+
+def fence_msg_id(namespace: str, task_id: str, attempt: int) -> str:
+    """``<ns>.<task_id>#n.fence`` — the ``Nats-Msg-Id`` of the fence marker of attempt
+    ``n``."""
+    return f"{namespace}.{task_id}#{attempt}.fence"
 
 
 def validate_workflow_id(workflow_id: str) -> str:

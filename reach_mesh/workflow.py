@@ -87,7 +87,7 @@ class StepSpec(_Wire):
 
 
 class WorkflowSpec(_Wire):
-    """caller → hubs on ``reach.wf.<ns>.submit`` (``Nats-Msg-Id`` = ``workflow_id``)."""
+    """caller → hubs on ``reach.wf.<ns>.submit`` (``Nats-Msg-Id`` = ``<ns>.<workflow_id>``)."""
 
     workflow_id: str
     kind: WorkflowKind

@@ -69,14 +69,14 @@ async def _stale_step(
     await js.publish(
         subject,
         protocol.encode(env),
-        headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(task_id, 1)},
+        headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(ns, task_id, 1)},
     )
     if marker:
         await js.publish(
             subject,
             protocol.dumps({"task_id": task_id, "attempt": 1}),
             headers={
-                protocol.HDR_MSG_ID: protocol.fence_msg_id(task_id, 1),
+                protocol.HDR_MSG_ID: protocol.fence_msg_id(ns, task_id, 1),
                 protocol.HDR_FENCE: "1",
             },
         )

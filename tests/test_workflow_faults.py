@@ -339,7 +339,7 @@ async def test_promised_attempt_never_starts_even_on_a_stale_record(
             await js.publish(
                 protocol.work_subject(ns, a.agent_id),
                 protocol.encode(env),
-                headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id("promise-step", attempt)},
+                headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(ns, "promise-step", attempt)},
                 stream=protocol.STREAM_WORK,
             )
 
@@ -434,3 +434,28 @@ async def test_a_result_read_after_a_reconnect_then_announced_keeps_the_client_r
         mesh._drop_done(done)
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+
+
+async def test_the_same_workflow_id_in_two_namespaces_runs_in_both(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Workflow ids (and so task ids) are unique within a namespace only: one chosen in two
+    namespaces is two workflows. JetStream deduplicates by ``Nats-Msg-Id`` across a whole
+    stream, so the ids it sees carry the namespace — else the second tenant's submission (and
+    its work and statuses) would be dropped as a repeat of the first's."""
+    other = wf_settings.model_copy(update={"namespace": f"{wf_settings.namespace}x"})
+    echo_agent(fleet, "same.a1")
+    there = Fleet(other)
+    echo_agent(there, "same.a1")
+    try:
+        for agent in [*fleet.agents, *there.agents]:
+            await agent.start()
+        steps = [Step(capability="wf:echo:v1", payload=1)]
+        async with Client(settings=wf_settings) as a, Client(settings=other) as b:
+            first = await a.fanout(steps, workflow_id="same-id", timeout=10)
+            second = await b.fanout(steps, workflow_id="same-id", timeout=10)
+        assert first.ok and first.result == [{"by": f"{wf_settings.namespace}.same.a1", "in": 1}]
+        assert second.ok and second.result == [{"by": f"{other.namespace}.same.a1", "in": 1}]
+        assert fleet.runs == {"same-id-0": 1} and there.runs == {"same-id-0": 1}
+    finally:
+        await there.close()

@@ -121,7 +121,7 @@ class StepRunner:
         again on a takeover and when a branch is cancelled (``_remark``)."""
         subject = protocol.work_subject(wf.ns, agent_id)
         headers = {
-            protocol.HDR_MSG_ID: protocol.fence_msg_id(task_id, attempt),
+            protocol.HDR_MSG_ID: protocol.fence_msg_id(wf.ns, task_id, attempt),
             protocol.HDR_EXPECTED_STREAM: protocol.STREAM_WORK,
             protocol.HDR_FENCE: str(attempt),
         }
@@ -509,7 +509,7 @@ class StepRunner:
         )
         headers = inject({})
         # The attempt's id: a repeat after an infrastructure error is dropped by JetStream.
-        headers[protocol.HDR_MSG_ID] = protocol.attempt_msg_id(rec.task_id, rec.attempt)
+        headers[protocol.HDR_MSG_ID] = protocol.attempt_msg_id(wf.ns, rec.task_id, rec.attempt)
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WORK
         subject = protocol.work_subject(wf.ns, rec.agent_id)
         body = protocol.encode(env)

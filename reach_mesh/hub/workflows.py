@@ -264,9 +264,9 @@ class WorkflowEngine(StepRunner):
         """(namespace, workflow id) of the workflows this hub runs right now."""
         out = []
         for msg in self._running.values():
-            wf_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
-            if wf_id:
-                out.append((msg.subject.split(".")[2], wf_id))
+            msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
+            if msg_id:
+                out.append((msg.subject.split(".")[2], protocol.workflow_id_of(msg_id)))
         return out
 
     @property
@@ -358,7 +358,7 @@ class WorkflowEngine(StepRunner):
         workflow already, store and publish a failed result."""
         log.info("rejecting workflow submission on %s: %s", msg.subject, err.message)
         parts = msg.subject.split(".")
-        wf_id = (msg.headers or {}).get(protocol.HDR_MSG_ID, "")
+        wf_id = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
         ns = parts[2] if len(parts) > 2 else ""
         kind: Literal["fanout", "chain"] = "fanout"
         with contextlib.suppress(Exception):
@@ -456,9 +456,9 @@ class WorkflowEngine(StepRunner):
         deadline: float | None = None,
     ) -> None:
         """Announce the stored final result on ``.done``: derived from the record, written
-        after it, deduplicated by JetStream (``Nats-Msg-Id = <workflow_id>.done``)."""
+        after it, deduplicated by JetStream (``Nats-Msg-Id = <ns>.<workflow_id>.done``)."""
         out = inject(dict(headers))
-        out[protocol.HDR_MSG_ID] = protocol.done_msg_id(result.workflow_id)
+        out[protocol.HDR_MSG_ID] = protocol.done_msg_id(ns, result.workflow_id)
         out[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF_EVENTS
         body = protocol.encode(result)
         subject = protocol.wf_done(ns, result.workflow_id)
