@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
@@ -70,7 +71,7 @@ class WorkflowsMixin:
     _jsc: JsClient | None
     #: ``.done`` waits in progress (``_done_subscription``) → their workflow ids; re-checked
     #: on a reconnect (``_recheck_done_waits``), ended by ``_end_done_waits``.
-    _done_waits: dict[_Done, tuple[str, Subscription]]
+    _done_waits: dict[_Done, tuple[str, asyncio.Future[Msg]]]
     #: Those re-checks running.
     _rechecks: set[asyncio.Task[None]]
 
@@ -361,20 +362,29 @@ class WorkflowsMixin:
         return _final_result(await self._workflow_record(workflow_id))
 
     async def _done_subscription(self, workflow_id: str) -> tuple[Subscription, _Done]:
-        """A subscription to the workflow's ``.done`` for one message, which resolves the
-        future returned with it (nats-py's ``future=``: no message queue, iterator or task per
-        workflow, as ``next_msg`` has). A re-check after a reconnect may resolve it with the
-        stored result instead (``_recheck_done_waits``)."""
-        done: _Done = asyncio.get_running_loop().create_future()
+        """A subscription to the workflow's ``.done`` for one message, and the wait it ends.
+
+        nats-py resolves the future a subscription is given (``future=``: no message queue,
+        iterator or task per workflow, as ``next_msg`` has) without asking whether it is done
+        already: a second resolution raises in its reader, which then stops. So nats-py gets a
+        future of its own, which only it resolves; the wait returned follows it, and a re-check
+        after a reconnect (``_recheck_done_waits``) or a closing client resolves the wait and
+        cancels nats-py's future instead, which nats-py then leaves alone."""
+        loop = asyncio.get_running_loop()
+        inner: asyncio.Future[Msg] = loop.create_future()
+        done: _Done = loop.create_future()
+        inner.add_done_callback(functools.partial(_follow, done))
         sub = await self.nc.subscribe(
-            protocol.wf_done(self.namespace, workflow_id), future=done, max_msgs=1
+            protocol.wf_done(self.namespace, workflow_id), future=inner, max_msgs=1
         )
-        self._done_waits[done] = (workflow_id, sub)
+        self._done_waits[done] = (workflow_id, inner)
         done.add_done_callback(self._forget_done)
         return sub, done
 
     def _forget_done(self, done: _Done) -> None:
-        self._done_waits.pop(done, None)
+        wait = self._done_waits.pop(done, None)
+        if wait is not None:
+            wait[1].cancel()  # a message still to come is dropped by nats-py
 
     def _drop_done(self, done: _Done) -> None:
         """A ``.done`` wait is over: forget it (cancelled unless it has its message, or the
@@ -388,13 +398,13 @@ class WorkflowsMixin:
         was away never arrives, so read the record of every workflow still waited on. The
         subscriptions are in place again before nats-py calls this: a ``.done`` published
         after the read arrives as usual."""
-        for done, (workflow_id, sub) in list(self._done_waits.items()):
+        for done, (workflow_id, _) in list(self._done_waits.items()):
             if not done.done():
-                task = asyncio.ensure_future(self._recheck(done, workflow_id, sub))
+                task = asyncio.ensure_future(self._recheck(done, workflow_id))
                 self._rechecks.add(task)
                 task.add_done_callback(self._rechecks.discard)
 
-    async def _recheck(self, done: _Done, workflow_id: str, sub: Subscription) -> None:
+    async def _recheck(self, done: _Done, workflow_id: str) -> None:
         """Resolve ``done`` with the stored result if the workflow is final. JetStream may be
         electing a leader right after a reconnect: the read is retried for ``_SUBMIT_RETRY``."""
         deadline = asyncio.get_running_loop().time() + _SUBMIT_RETRY
@@ -408,13 +418,7 @@ class WorkflowsMixin:
             return  # still unreadable: the wait's own timeout reads the record once more
         result = _final_result(record)
         if result is not None and not done.done():
-            # Its .done may still come: nats-py would then resolve the future a second time,
-            # which raises in its reader and stops it. Unsubscribing takes the subscription
-            # off the connection before it yields (nothing else runs between the check and it).
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            if not done.done():
-                done.set_result(result)
+            done.set_result(result)  # its .done, if it still comes, is dropped (_forget_done)
         # Not final: its .done is still to come, and will arrive.
 
     def _end_done_waits(self) -> None:
@@ -451,6 +455,12 @@ class WorkflowsMixin:
         if isinstance(got, WorkflowResult):
             return got, False  # read from the record after a reconnect (its .done was missed)
         return WorkflowResult.model_validate_json(got.data), True
+
+
+def _follow(done: _Done, inner: asyncio.Future[Msg]) -> None:
+    """nats-py's future for a ``.done`` resolved: the wait it belongs to ends with it."""
+    if not done.done() and not inner.cancelled():
+        done.set_result(inner.result())
 
 
 def _final_result(record: WorkflowRecord | None) -> WorkflowResult | None:

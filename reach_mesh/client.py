@@ -19,7 +19,7 @@ from typing import Any, Literal
 import nats.js.errors
 import pydantic_core
 from nats.aio.client import Client as NATS
-from nats.aio.subscription import Subscription
+from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -165,7 +165,7 @@ class Client(WorkflowsMixin):
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
         self._jsc: JsClient | None = None
-        self._done_waits: dict[_Done, tuple[str, Subscription]] = {}
+        self._done_waits: dict[_Done, tuple[str, asyncio.Future[Msg]]] = {}
         self._rechecks: set[asyncio.Task[None]] = set()
         # Names this client in its failure reports: each reporter's reports count a bounded
         # number of times per agent and breaker window (the hub's rule, docs/security.md).

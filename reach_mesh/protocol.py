@@ -305,7 +305,7 @@ def status_identity(subject: str) -> tuple[str, str] | None:
 
 def wf_submit(namespace: str) -> str:
     """``reach.wf.<ns>.submit`` — workflow submissions (``REACH_WF``, ``Nats-Msg-Id`` =
-    workflow_id). ``namespace`` may be ``*``."""
+    :func:`submit_msg_id`). ``namespace`` may be ``*``."""
     return f"reach.wf.{namespace}.submit"
 
 

@@ -178,7 +178,7 @@ class WorkflowEngine(StepRunner):
                 max_age=s.workflow_retention,
                 duplicate_window=min(s.dedup_window, s.workflow_retention),
                 num_replicas=s.kv_replicas,
-                description="reach-mesh workflow submissions (dedup on workflow_id)",
+                description="reach-mesh workflow submissions (dedup on <ns>.<workflow_id>)",
             ),
         )
         await ensure_stream(
