@@ -459,7 +459,12 @@ class WorkflowsMixin:
 
 def _follow(done: _Done, inner: asyncio.Future[Msg]) -> None:
     """nats-py's future for a ``.done`` resolved: the wait it belongs to ends with it."""
-    if not done.done() and not inner.cancelled():
+    if done.done() or inner.cancelled():
+        return
+    err = inner.exception()  # nats-py only sets results; an error ends the wait all the same
+    if err is not None:
+        done.set_exception(err)
+    else:
         done.set_result(inner.result())
 
 
