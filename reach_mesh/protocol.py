@@ -50,6 +50,7 @@ __all__ = [
     "encode",
     "encode_error",
     "fence_msg_id",
+    "final_msg_id",
     "hub_agent_subject",
     "hub_broadcast",
     "hub_subject",
@@ -371,6 +372,12 @@ def done_msg_id(namespace: str, workflow_id: str) -> str:
 def attempt_msg_id(namespace: str, task_id: str, attempt: int) -> str:
     """``<ns>.<task_id>#n`` — the ``Nats-Msg-Id`` of one attempt's work message."""
     return f"{namespace}.{task_id}#{attempt}"
+
+
+def final_msg_id(namespace: str, task_id: str, attempt: int) -> str:
+    """``<ns>.<task_id>#n.final`` — the ``Nats-Msg-Id`` of attempt ``n``'s final status (an
+    agent repeats it, with ``cached``, for a redelivery of a finished attempt)."""
+    return f"{namespace}.{task_id}#{attempt}.final"
 
 
 def fence_msg_id(namespace: str, task_id: str, attempt: int) -> str:

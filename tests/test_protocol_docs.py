@@ -137,8 +137,15 @@ def test_message_ids_carry_the_namespace_and_name_the_workflow() -> None:
         protocol.done_msg_id("ns-a", "wf_1"),
         protocol.attempt_msg_id("ns-a", "wf_1-0", 2),
         protocol.fence_msg_id("ns-a", "wf_1-0", 2),
+        protocol.final_msg_id("ns-a", "wf_1-0", 2),
     ]
-    assert ids == ["ns-a.wf_1", "ns-a.wf_1.done", "ns-a.wf_1-0#2", "ns-a.wf_1-0#2.fence"]
+    assert ids == [
+        "ns-a.wf_1",
+        "ns-a.wf_1.done",
+        "ns-a.wf_1-0#2",
+        "ns-a.wf_1-0#2.fence",
+        "ns-a.wf_1-0#2.final",
+    ]
     assert protocol.submit_msg_id("ns-a", "x") != protocol.submit_msg_id("ns-b", "x")
     for msg_id in (protocol.submit_msg_id("ns-a", "Wf-1_x"), "Wf-1_x"):
         assert protocol.workflow_id_of(msg_id) == "Wf-1_x"

@@ -700,8 +700,9 @@ class WorkConsumer:
         body = protocol.encode(event)
         out = inject(dict(headers))
         # A repeat of this publish (retried below) is stored once; subscribers see each.
-        msg_id = protocol.attempt_msg_id(self._agent.namespace, env.task_id, env.attempt)
-        out[protocol.HDR_MSG_ID] = f"{msg_id}.final"
+        out[protocol.HDR_MSG_ID] = protocol.final_msg_id(
+            self._agent.namespace, env.task_id, env.attempt
+        )
         saying = self._saying.get(env.task_id)
         if saying is not None:
             # What was said of the task before goes out first: the final status must be the
