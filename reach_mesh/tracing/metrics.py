@@ -330,7 +330,8 @@ class _StepCounts(Collector):
         yield CounterMetricFamily(
             "reach_agent_fence_reads",
             "Task records read before running a step: only where the stream cannot tell (a "
-            "redelivery, messages queued behind it, an agent out of touch with the hubs).",
+            "redelivery, messages queued behind it that did not all arrive in time, an agent "
+            "out of touch with the hubs or whose event loop stalled).",
             value=counts.get("fence_reads", 0),
         )
         yield CounterMetricFamily(
