@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
 from reach_mesh.agent import Agent, Task
-from reach_mesh.agent._work import _delivery
+from reach_mesh.agent._fences import delivery_of
 from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope, TaskState
 from reach_mesh.workflow import TaskRecord
@@ -103,7 +103,7 @@ def _fence_agent(agent_id: str, settings: MeshSettings, runs: list[str]) -> Agen
 )
 def test_delivery_reads_the_ack_subject_as_nats_py_does(reply: str) -> None:
     meta = Msg(_client=None, subject="reach.work.x", reply=reply).metadata  # type: ignore[arg-type]
-    assert _delivery(reply) == (
+    assert delivery_of(reply) == (
         meta.num_delivered,
         meta.sequence.stream,
         meta.sequence.consumer,
@@ -115,7 +115,7 @@ def test_delivery_reads_the_ack_subject_as_nats_py_does(reply: str) -> None:
     "reply", [None, "", "_INBOX.abc.1", "$JS.ACK.a.b.c", "$JS.ACK.S.C.x.1.2.3.4"]
 )
 def test_delivery_of_a_non_jetstream_subject_is_none(reply: str | None) -> None:
-    assert _delivery(reply) is None
+    assert delivery_of(reply) is None
 
 
 async def test_an_agent_in_touch_reads_no_fence_for_fresh_steps(
@@ -171,7 +171,7 @@ async def test_a_step_given_up_while_its_agent_was_cut_off_is_dropped_on_return(
             await eventually(lambda: not a.nc.is_connected)
             await _stale_step(mesh.nc, ns, a.agent_id, "cut-step")
             await relay.start()
-            await eventually(lambda: a.work is not None and a.work.markers >= 1, timeout=10)
+            await eventually(lambda: a.work is not None and a.work.fences.markers >= 1, timeout=10)
         assert a.in_touch()
         assert runs == []
         # Dropped by the marker that came right behind it: no record read needed.
@@ -294,7 +294,7 @@ async def test_a_step_that_waited_in_the_stream_is_dropped_by_its_marker(
         await _stale_step(mesh.nc, ns, a.agent_id, "dry-step", "wf:queued:v1")
         release.set()
         assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
-        await eventually(lambda: a.work is not None and a.work.markers >= 1, timeout=5)
+        await eventually(lambda: a.work is not None and a.work.fences.markers >= 1, timeout=5)
     assert a.in_touch()
     assert runs == []
     assert a.work.fenced == 1 and a.work.fence_reads >= 1
@@ -313,10 +313,10 @@ async def test_a_step_decided_by_its_deadline_is_marked_and_dropped(
         assert res.state is TaskState.TIMEOUT
         release.set()
         assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
-        await eventually(lambda: a.work is not None and a.work.markers >= 1, timeout=5)
+        await eventually(lambda: a.work is not None and a.work.fences.markers >= 1, timeout=5)
     assert runs == []
     assert a.work.fenced == 1
-    assert a.work._promised.get("late-step") == 1
+    assert a.work.fences.promised("late-step") == 1
 
 
 async def test_an_agent_declared_lost_is_asked_before_its_attempt_is_given_up(
@@ -336,8 +336,10 @@ async def test_an_agent_declared_lost_is_asked_before_its_attempt_is_given_up(
         await mesh.submit_fanout([_queued("lost-step", silence_timeout=30)], timeout=30)
         await asyncio.sleep(0.3)  # attempt 1 stored for A, waiting behind the blocker
         a._hb_task.cancel()
-        await eventually(lambda: a.work is not None and "lost-step" in a.work._promised, 10)
-        assert a.work._promised["lost-step"] == 1
+        work = a.work
+        assert work is not None
+        await eventually(lambda: work.fences.promised("lost-step") >= 0, 10)
+        assert a.work.fences.promised("lost-step") == 1
     release.set()
     assert runs == []
 
@@ -361,7 +363,7 @@ async def test_a_cancel_before_arrival_is_a_promise(
             timeout=10,
         )
         assert res.state is TaskState.SUCCEEDED
-        await eventually(lambda: a.work is not None and a.work._promised.get("any-queued") == 1)
+        await eventually(lambda: a.work is not None and a.work.fences.promised("any-queued") == 1)
         release.set()
         assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
         await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)

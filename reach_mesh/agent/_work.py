@@ -7,8 +7,8 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
    SUCCEEDED, drops it when a hub gave the attempt up and we promised never to start it, and
    drops it when the hub's task record says the attempt is no longer current (fenced: another
    attempt superseded it, or the workflow no longer needs it). The record is read only where
-   it can say more than the stream (see ``_fresh``): a hub that gives up an
-   attempt it sent stores a fence marker behind it on the same subject;
+   it can say more than the stream (``_fences.py``): a hub that gives up an attempt it sent
+   stores a fence marker behind it on the same subject;
 2. publishes ``DELIVERED``, ``ACCEPTED`` when the handler starts, ``RUNNING`` every
    ``step_running_interval`` while it runs (plus ``task.progress()``), then the final state,
    all on ``reach.status.<agent_id>.<task_id>`` (captured by ``REACH_STATUS``);
@@ -26,13 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
-import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -44,6 +41,7 @@ from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_task_resources, last_per_subject
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
+from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, superseded
 from reach_mesh.agent._serving import _Entry
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
@@ -70,19 +68,6 @@ _FINAL_RETRY: Final = 10.0
 _ACCEPTED_AFTER: Final = 0.05
 #: What of a final status event makes the reply it announces (read back after a restart).
 _REPLY_FIELDS: Final = set(TaskReply.model_fields)
-#: How long a first delivery waits for the messages the server had queued behind it (a fence
-#: marker for it would be among them) before it reads its task record instead. They are
-#: usually in the same read from the socket; past this, the pull they wait for is not open.
-_BEHIND_WAIT: Final = 0.05
-#: The event loop is checked every ``_TICK`` seconds; later than ``_STALL`` is a stall (a CPU
-#: bound handler, a GC pause, SIGSTOP): for ``_STALL_MEMORY`` after one, every fence is read
-#: — a message delivered before the stall may have been given up while it waited unread.
-_TICK: Final = 0.05
-_STALL: Final = 0.05
-_STALL_MEMORY: Final = 1.0
-#: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
-#: hub's task record as the fence, as for an agent that does not know promises.
-_PROMISES: Final = 50_000
 
 
 @dataclass(slots=True, eq=False)
@@ -122,9 +107,8 @@ class WorkConsumer:
         #: The newest non-final status publish of each task still under way: the final status
         #: waits for it, so that it is the last event stored on the task's subject.
         self._saying: dict[str, asyncio.Future[None]] = {}
-        #: Attempts promised to a hub never to start (task id -> highest such attempt): the
-        #: hub gave them up (ctl ``task_state`` with ``fence``) and sends the next one.
-        self._promised: OrderedDict[str, int] = OrderedDict()
+        #: Promises never to start an attempt, what arrived behind each message, stalls.
+        self.fences = Fences(agent)
         self._ticker: asyncio.Task[None] | None = None
         self._retry: asyncio.Task[None] | None = None
         #: Duplicate deliveries of an attempt this agent already had (not run again).
@@ -134,19 +118,8 @@ class WorkConsumer:
         #: Later attempts answered from a stored result without running the handler.
         self.cached = 0
         #: Task records read before a first run (fences): only where the stream cannot tell
-        #: (``_fresh``).
+        #: (``Fences.fresh``).
         self.fence_reads = 0
-        #: Fence markers received (a hub gave up an attempt it had sent us).
-        self.markers = 0
-        #: Runs waiting for the messages queued behind theirs (``_behind``), and the last
-        #: consumer sequence received (a gap means a delivery was lost: every waiter reads its
-        #: record instead).
-        self._behind_waits: list[_Behind] = []
-        self._last_cseq = -1
-        #: When the event loop last stalled, and when the watch last woke (loop time;
-        #: ``_watch_loop``): a watch overdue is a stall going on, or just over.
-        self._stalled_at = -math.inf
-        self._watched_at = math.inf
         self._loop_watch: asyncio.Task[None] | None = None
         agent.metrics.step_counts(self.counts)
 
@@ -158,7 +131,7 @@ class WorkConsumer:
             "duplicate": self.duplicates,
             "cached": self.cached,
             "fence_reads": self.fence_reads,
-            "markers": self.markers,
+            "markers": self.fences.markers,
         }
 
     def checking(self, task_id: str) -> bool:
@@ -178,58 +151,8 @@ class WorkConsumer:
         """
         if task_id in self._checking or task_id in self._held:
             return False
-        self._never_start(task_id, attempt)
+        self.fences.never_start(task_id, attempt)
         return True
-
-    def _fresh(self, delivery: _Delivery) -> bool:
-        """Whether this run may skip its task record: a first delivery, to an agent in touch
-        with the hubs (``Agent.in_touch``: not paused, not cut off) whose event loop has not
-        stalled lately (``_watch_loop``: a message delivered before a stall may have been
-        given up while it waited unread), provided no fence marker for it was queued behind
-        it (``_behind``, when ``num_pending`` > 0).
-
-        A hub that gives up an attempt it sent writes the record, then stores a fence marker
-        on the attempt's work subject (``_on_marker``); a hub that cancels a branch or takes
-        a workflow over stores them again. So if this attempt had been given up by the time
-        it was delivered, the marker was among the messages the server counted as pending
-        behind it — or the hub, between its record write and its marker, raced the
-        delivery, as a hub's write races a record read.
-        """
-        if delivery.delivered != 1 or not self._agent.in_touch():
-            return False
-        now = asyncio.get_running_loop().time()
-        # A stall seen lately, or one going on now (the watch overdue: this pass of the loop
-        # may be the first after it, ahead of the watch's own wake-up).
-        return now - self._stalled_at > _STALL_MEMORY and now - self._watched_at < _TICK + _STALL
-
-    async def _behind(self, behind: _Behind) -> bool:
-        """Wait (up to ``_BEHIND_WAIT``) for the messages the server had queued behind this
-        one when it delivered it: first deliveries with a higher stream sequence, with no
-        consumer sequence missing in between (counted by ``_on_msg`` from the moment this
-        one arrived). A fence marker among them has made its promise by then. False when
-        they did not all arrive in time, or a delivery went missing: read the record."""
-        done = behind.done
-        if done.done():  # usually: they came in the same read from the socket
-            return not done.cancelled() and done.result()
-        try:
-            return await asyncio.wait_for(done, _BEHIND_WAIT)
-        except TimeoutError:
-            return False
-
-    def _forget_behind(self, behind: _Behind) -> None:
-        if behind in self._behind_waits:
-            self._behind_waits.remove(behind)
-        if not behind.done.done():
-            behind.done.cancel()
-
-    async def _watch_loop(self) -> None:
-        """Note when the event loop stalls (see ``_fresh``)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            t = self._watched_at = loop.time()
-            await asyncio.sleep(_TICK)
-            if loop.time() - t - _TICK > _STALL:
-                self._stalled_at = loop.time()
 
     async def start(self) -> None:
         """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
@@ -289,7 +212,7 @@ class WorkConsumer:
         )
         await self._pull.start()
         self._ticker = asyncio.create_task(self._tick(), name="reach-work-ticker")
-        self._loop_watch = asyncio.create_task(self._watch_loop(), name="reach-loop-watch")
+        self._loop_watch = asyncio.create_task(self.fences.watch(), name="reach-loop-watch")
 
     async def flush(self) -> None:
         """Send the acks still waiting to ride along (``JsClient.later``)."""
@@ -339,49 +262,16 @@ class WorkConsumer:
     # ------------------------------------------------------------------ receiving
 
     def _on_msg(self, msg: Msg) -> None:
-        # In stream order, before any task runs: a fence marker's promise is in place before
-        # a step queued ahead of it is told that the messages behind it arrived (``_behind``).
-        delivery = _delivery(msg.reply)
-        behind: _Behind | None = None
+        # In stream order, before any task runs (``Fences.arrived``).
+        delivery = delivery_of(msg.reply)
+        behind: Behind | None = None
         if msg.headers and protocol.HDR_FENCE in msg.headers:
-            marker = self._on_marker(msg)
+            marker = self.fences.on_marker(msg)
             self._agent._spawn(self._settle_marker(msg, ok=marker))
         else:
-            if delivery is not None and delivery.delivered == 1 and delivery.pending > 0:
-                # Count what arrives behind it from now on, before its task runs: the
-                # messages behind it may be in this same read from the socket.
-                fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-                behind = _Behind(delivery.sseq, delivery.pending, fut)
+            behind = self.fences.behind_of(delivery)
             self._agent._spawn(self._handle(msg, delivery, behind))
-        if delivery is None:
-            return
-        delivered, sseq, cseq, _ = delivery
-        gap = cseq != self._last_cseq + 1
-        self._last_cseq = cseq
-        if gap:
-            # A delivery we never got (lost with a server), or the consumer's sequence moved
-            # (a new leader): what was behind cannot be counted. Read the records.
-            for w in self._behind_waits:
-                if not w.done.done():
-                    w.done.set_result(False)
-            self._behind_waits = []
-        elif delivered == 1 and self._behind_waits:
-            # (A redelivery is none of the messages that were pending behind.)
-            self._count_behind(sseq)
-        if behind is not None:
-            self._behind_waits.append(behind)
-
-    def _count_behind(self, sseq: int) -> None:
-        left = []
-        for w in self._behind_waits:
-            if sseq > w.sseq:
-                w.need -= 1
-            if w.need <= 0:
-                if not w.done.done():
-                    w.done.set_result(True)
-            else:
-                left.append(w)
-        self._behind_waits = left
+        self.fences.arrived(delivery, behind)
 
     def _release(self) -> None:
         if self._pull is not None:
@@ -394,7 +284,7 @@ class WorkConsumer:
             await msg.ack()
         self._release()
 
-    async def _handle(self, msg: Msg, delivery: _Delivery | None, behind: _Behind | None) -> None:
+    async def _handle(self, msg: Msg, delivery: Delivery | None, behind: Behind | None) -> None:
         try:
             await self._handle_inner(msg, delivery, behind)
         except Exception:
@@ -404,10 +294,10 @@ class WorkConsumer:
             self._release()
         finally:
             if behind is not None:
-                self._forget_behind(behind)  # on every early return too
+                self.fences.forget_behind(behind)  # on every early return too
 
     async def _handle_inner(
-        self, msg: Msg, delivery: _Delivery | None, behind: _Behind | None
+        self, msg: Msg, delivery: Delivery | None, behind: Behind | None
     ) -> None:
         """``behind``: what arrived behind it so far, when the server had messages queued
         behind it (``_on_msg``)."""
@@ -422,7 +312,7 @@ class WorkConsumer:
                 await msg.term()
             self._release()
             return
-        if env.attempt <= self._promised.get(env.task_id, -1):
+        if env.attempt <= self.fences.promised(env.task_id):
             # A hub gave this attempt up and we promised never to start it (see ``promise``).
             await self._drop(msg)
             return
@@ -441,7 +331,8 @@ class WorkConsumer:
             return
         checked_at = time.monotonic()
         record: TaskRecord | None = None
-        read = delivery is None or not self._fresh(delivery)
+        fences = self.fences
+        read = delivery is None or not fences.fresh(delivery)
         if behind is not None:
             # Messages were queued behind it: a fence marker for it may be one of them.
             pull = self._pull
@@ -451,11 +342,11 @@ class WorkConsumer:
                 self._checking.add(env.task_id)
                 try:
                     # ... and still fresh after the wait (a stall may have begun meanwhile).
-                    arrived = await self._behind(behind)
-                    read = not arrived or delivery is None or not self._fresh(delivery)
+                    arrived = await fences.wait_behind(behind)
+                    read = not arrived or delivery is None or not fences.fresh(delivery)
                 finally:
                     self._checking.discard(env.task_id)
-            self._forget_behind(behind)
+            fences.forget_behind(behind)
         if read:
             self._checking.add(env.task_id)
             try:
@@ -470,8 +361,8 @@ class WorkConsumer:
                 return
             finally:
                 self._checking.discard(env.task_id)
-        if (record is not None and _superseded(record, env, agent.agent_id)) or (
-            env.attempt <= self._promised.get(env.task_id, -1)
+        if (record is not None and superseded(record, env, agent.agent_id)) or (
+            env.attempt <= fences.promised(env.task_id)
         ):
             # Fenced before it ran: the hub moved on (another attempt, cancelled, finished),
             # as its record, a marker behind it or a cancel meanwhile says.
@@ -507,31 +398,6 @@ class WorkConsumer:
             self._publish(env, TaskState.DELIVERED, headers)
         held.task = asyncio.current_task()
         await self._run(held, handler, done)
-
-    def _on_marker(self, msg: Msg) -> bool:
-        """A fence marker: a hub gave up attempt ``n`` of the task (header ``Reach-Fence: n``,
-        body ``{"task_id", "attempt"}``), its record already says so. Never start attempt
-        ``n`` or an earlier one from now on (a copy in hand runs on: the record fences its
-        result). Synchronous, on arrival: see ``_on_msg``. False when malformed."""
-        self.markers += 1
-        try:
-            body = json.loads(msg.data)
-            task_id = protocol.validate_task_id(str(body["task_id"]))
-            attempt = int(body["attempt"])
-        except (ValueError, KeyError, TypeError, ReachError):
-            log.warning("dropping a malformed fence marker on %s", msg.subject)
-            return False
-        self._never_start(task_id, attempt)
-        return True
-
-    def _never_start(self, task_id: str, attempt: int) -> None:
-        """Record that attempt ``attempt`` of ``task_id`` (or an earlier one) is never to be
-        started: checked on arrival and again before a run starts."""
-        if self._promised.get(task_id, -1) < attempt:
-            self._promised[task_id] = attempt
-        self._promised.move_to_end(task_id)
-        while len(self._promised) > _PROMISES:
-            self._promised.popitem(last=False)
 
     async def _settle_marker(self, msg: Msg, *, ok: bool) -> None:
         """Ack a fence marker (term a malformed one); it carries no step."""
@@ -686,7 +552,7 @@ class WorkConsumer:
             record = await self._record(env)
         except Exception:
             return False
-        return record is not None and _superseded(record, env, self._agent.agent_id)
+        return record is not None and superseded(record, env, self._agent.agent_id)
 
     async def _final(
         self, env: TaskEnvelope, headers: dict[str, str], reply: TaskReply, msgs: list[Msg]
@@ -801,7 +667,7 @@ class WorkConsumer:
             if entry is None or entry.reply is None or entry.attempt < attempt:
                 # Not here yet (still in the stream, or never sent, or its fence being read):
                 # never start it. (One we finished is not run again anyway: idempotency.)
-                self._never_start(task_id, attempt)
+                self.fences.never_start(task_id, attempt)
             return False
         if held.env.attempt != attempt:
             return False
@@ -822,7 +688,7 @@ class WorkConsumer:
         fenced = 0
         for held in list(self._held.values()):
             record = await self._record(held.env)
-            if record is not None and _superseded(record, held.env, agent.agent_id):
+            if record is not None and superseded(record, held.env, agent.agent_id):
                 held.fenced = True
                 if held.task is not None:
                     held.task.cancel()
@@ -831,46 +697,6 @@ class WorkConsumer:
         if fenced:
             log.warning("%s fenced %d stale attempt(s) before rejoining", agent.agent_id, fenced)
         return fenced
-
-
-@dataclass(slots=True, eq=False)
-class _Behind:
-    """A run waiting for the messages queued behind its own (``WorkConsumer._behind``)."""
-
-    sseq: int
-    need: int
-    done: asyncio.Future[bool]
-
-
-class _Delivery(NamedTuple):
-    """What a JetStream message's ack subject says of its delivery."""
-
-    delivered: int  # times delivered, this one included
-    sseq: int  # stream sequence
-    cseq: int  # consumer sequence
-    pending: int  # messages stored behind it, not delivered yet, as the server counted
-
-
-def _delivery(reply: str | None) -> _Delivery | None:
-    """``(delivered, stream seq, consumer seq, pending)`` from a JetStream ack subject (v1:
-    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>``; v2 adds domain
-    and account hash first and a token last), or None. ``Msg.metadata`` says the same and
-    more (a datetime, the names) at a few µs per message, on the path of every step."""
-    if not reply:
-        return None
-    tokens = reply.split(".")
-    if len(tokens) == 9:
-        i = 4
-    elif len(tokens) >= 11:
-        i = 6
-    else:
-        return None
-    if tokens[0] != "$JS" or tokens[1] != "ACK":
-        return None
-    try:
-        return _Delivery(int(tokens[i]), int(tokens[i + 1]), int(tokens[i + 2]), int(tokens[i + 4]))
-    except ValueError:
-        return None
 
 
 def _quiet(held: _Held) -> None:
@@ -884,15 +710,6 @@ def _trace_headers(headers: dict[str, str] | None) -> dict[str, str]:
     if not headers:
         return {}
     return {k: v for k, v in headers.items() if k in _TRACE_HEADERS}
-
-
-def _superseded(record: TaskRecord, env: TaskEnvelope, agent_id: str) -> bool:
-    return (
-        record.attempt != env.attempt
-        or record.cancelled
-        or record.state.final
-        or (record.agent_id is not None and record.agent_id != agent_id)
-    )
 
 
 def _event(

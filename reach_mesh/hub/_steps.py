@@ -117,8 +117,8 @@ class StepRunner:
         """Store a fence marker for ``attempt`` on ``agent_id``'s work subject, after the
         record that gives the attempt up: if its work message still waits in the stream, the
         marker is pending behind it, and the agent drops the message without running it
-        (``WorkConsumer._fresh``). Deduplicated by ``Nats-Msg-Id``: the markers are stored
-        again on a takeover and when a branch is cancelled (``_remark``)."""
+        (``reach_mesh/agent/_fences.py``). Deduplicated by ``Nats-Msg-Id``: the markers are
+        stored again on a takeover and when a branch is cancelled (``_remark``)."""
         subject = protocol.work_subject(wf.ns, agent_id)
         headers = {
             protocol.HDR_MSG_ID: protocol.fence_msg_id(wf.ns, task_id, attempt),

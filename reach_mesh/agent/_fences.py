@@ -1,0 +1,256 @@
+"""What an agent knows, without reading the hub's task record, of whether an attempt is current.
+
+A work message's attempt may have been given up by a hub before it arrives (the agent was out of
+touch, the step waited, another attempt superseded it). The hub's task record is the fence, but
+reading it costs a JetStream round trip per step, so the work consumer reads it only where what
+this module keeps cannot tell (:meth:`Fences.fresh`):
+
+- **promises**: attempts this agent promised a hub never to start (a ctl ``task_state`` with
+  ``fence``, a cancelled branch, or a fence marker the hub stored on the work subject);
+- **what arrived behind a message**: a hub that gives up an attempt it sent stores a fence marker
+  behind it on the same subject, so a first delivery whose later messages all arrived without
+  such a marker is current (:meth:`Fences.behind_of`, :meth:`Fences.wait_behind`);
+- **stalls of the event loop** (a CPU-bound handler, a GC pause, SIGSTOP): a message delivered
+  before one may have been given up while it waited unread (:meth:`Fences.watch`).
+
+Everything here runs on the agent's event loop: a marker's promise and a message's arrival are
+ordered by it, which is what makes giving up an attempt safe without a linearizable read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from nats.aio.msg import Msg
+
+from reach_mesh import protocol
+from reach_mesh.errors import ReachError
+from reach_mesh.models import TaskEnvelope
+from reach_mesh.workflow import TaskRecord
+
+if TYPE_CHECKING:
+    from reach_mesh.agent._agent import Agent
+
+__all__ = ["Behind", "Delivery", "Fences", "delivery_of", "superseded"]
+
+log = logging.getLogger("reach_mesh.agent.work")
+
+#: How long a first delivery waits for the messages the server had queued behind it (a fence
+#: marker for it would be among them) before it reads its task record instead. They are
+#: usually in the same read from the socket; past this, the pull they wait for is not open.
+_BEHIND_WAIT: Final = 0.05
+#: The event loop is checked every ``_TICK`` seconds; later than ``_STALL`` is a stall (a CPU
+#: bound handler, a GC pause, SIGSTOP): for ``_STALL_MEMORY`` after one, every fence is read
+#: — a message delivered before the stall may have been given up while it waited unread.
+_TICK: Final = 0.05
+_STALL: Final = 0.05
+_STALL_MEMORY: Final = 1.0
+#: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
+#: hub's task record as the fence, as for an agent that does not know promises.
+_PROMISES: Final = 50_000
+
+
+class Delivery(NamedTuple):
+    """What a JetStream message's ack subject says of its delivery."""
+
+    delivered: int  # times delivered, this one included
+    sseq: int  # stream sequence
+    cseq: int  # consumer sequence
+    pending: int  # messages stored behind it, not delivered yet, as the server counted
+
+
+@dataclass(slots=True, eq=False)
+class Behind:
+    """A run waiting for the messages queued behind its own (:meth:`Fences.wait_behind`)."""
+
+    sseq: int
+    need: int
+    done: asyncio.Future[bool]
+
+
+class Fences:
+    """Promises, arrivals and stalls of one agent's work consumer (see the module docstring)."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+        #: Attempts promised to a hub never to start (task id -> highest such attempt).
+        self._promised: OrderedDict[str, int] = OrderedDict()
+        #: Runs waiting for the messages queued behind theirs, and the last consumer sequence
+        #: received (a gap means a delivery was lost: every waiter reads its record instead).
+        self._behind_waits: list[Behind] = []
+        self._last_cseq = -1
+        #: When the event loop last stalled, and when the watch last woke (loop time;
+        #: ``watch``): a watch overdue is a stall going on, or just over.
+        self._stalled_at = -math.inf
+        self._watched_at = math.inf
+        #: Fence markers received (a hub gave up an attempt it had sent us).
+        self.markers = 0
+
+    # ------------------------------------------------------------------ promises
+
+    def promised(self, task_id: str) -> int:
+        """The highest attempt of ``task_id`` promised never to start, or -1."""
+        return self._promised.get(task_id, -1)
+
+    def never_start(self, task_id: str, attempt: int) -> None:
+        """Record that attempt ``attempt`` of ``task_id`` (or an earlier one) is never to be
+        started: checked on arrival and again before a run starts."""
+        if self._promised.get(task_id, -1) < attempt:
+            self._promised[task_id] = attempt
+        self._promised.move_to_end(task_id)
+        while len(self._promised) > _PROMISES:
+            self._promised.popitem(last=False)
+
+    def on_marker(self, msg: Msg) -> bool:
+        """A fence marker: a hub gave up attempt ``n`` of the task (header ``Reach-Fence: n``,
+        body ``{"task_id", "attempt"}``), its record already says so. Never start attempt
+        ``n`` or an earlier one from now on (a copy in hand runs on: the record fences its
+        result). Synchronous, on arrival: see :meth:`arrived`. False when malformed."""
+        self.markers += 1
+        try:
+            body = json.loads(msg.data)
+            task_id = protocol.validate_task_id(str(body["task_id"]))
+            attempt = int(body["attempt"])
+        except (ValueError, KeyError, TypeError, ReachError):
+            log.warning("dropping a malformed fence marker on %s", msg.subject)
+            return False
+        self.never_start(task_id, attempt)
+        return True
+
+    # ------------------------------------------------------------------ freshness
+
+    def fresh(self, delivery: Delivery) -> bool:
+        """Whether this run may skip its task record: a first delivery, to an agent in touch
+        with the hubs (``Agent.in_touch``: not paused, not cut off) whose event loop has not
+        stalled lately (``watch``: a message delivered before a stall may have been given up
+        while it waited unread), provided no fence marker for it was queued behind it
+        (``wait_behind``, when ``pending`` > 0).
+
+        A hub that gives up an attempt it sent writes the record, then stores a fence marker
+        on the attempt's work subject (``on_marker``); a hub that cancels a branch or takes
+        a workflow over stores them again. So if this attempt had been given up by the time
+        it was delivered, the marker was among the messages the server counted as pending
+        behind it — or the hub, between its record write and its marker, raced the
+        delivery, as a hub's write races a record read.
+        """
+        if delivery.delivered != 1 or not self._agent.in_touch():
+            return False
+        now = asyncio.get_running_loop().time()
+        # A stall seen lately, or one going on now (the watch overdue: this pass of the loop
+        # may be the first after it, ahead of the watch's own wake-up).
+        return now - self._stalled_at > _STALL_MEMORY and now - self._watched_at < _TICK + _STALL
+
+    async def watch(self) -> None:
+        """Note when the event loop stalls (see ``fresh``). Runs until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = self._watched_at = loop.time()
+            await asyncio.sleep(_TICK)
+            if loop.time() - t - _TICK > _STALL:
+                self._stalled_at = loop.time()
+
+    # ------------------------------------------------------------------ what arrives behind
+
+    @staticmethod
+    def behind_of(delivery: Delivery | None) -> Behind | None:
+        """For a first delivery with messages queued behind it, what to count of them (pass it
+        to ``arrived`` with this same message, before its run starts)."""
+        if delivery is None or delivery.delivered != 1 or delivery.pending <= 0:
+            return None
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        return Behind(delivery.sseq, delivery.pending, fut)
+
+    def arrived(self, delivery: Delivery | None, behind: Behind | None) -> None:
+        """Count a work message or marker, in stream order, before any run: a fence marker's
+        promise is in place before a step queued ahead of it is told that the messages behind
+        it arrived. ``behind``: this message's own count (``behind_of``), started now — the
+        messages behind it may be in this same read from the socket."""
+        if delivery is None:
+            return
+        delivered, sseq, cseq, _ = delivery
+        gap = cseq != self._last_cseq + 1
+        self._last_cseq = cseq
+        if gap:
+            # A delivery we never got (lost with a server), or the consumer's sequence moved
+            # (a new leader): what was behind cannot be counted. Read the records.
+            for w in self._behind_waits:
+                if not w.done.done():
+                    w.done.set_result(False)
+            self._behind_waits = []
+        elif delivered == 1 and self._behind_waits:
+            # (A redelivery is none of the messages that were pending behind.)
+            self._count_behind(sseq)
+        if behind is not None:
+            self._behind_waits.append(behind)
+
+    def _count_behind(self, sseq: int) -> None:
+        left = []
+        for w in self._behind_waits:
+            if sseq > w.sseq:
+                w.need -= 1
+            if w.need <= 0:
+                if not w.done.done():
+                    w.done.set_result(True)
+            else:
+                left.append(w)
+        self._behind_waits = left
+
+    @staticmethod
+    async def wait_behind(behind: Behind) -> bool:
+        """Wait (up to ``_BEHIND_WAIT``) for the messages the server had queued behind this
+        one when it delivered it: first deliveries with a higher stream sequence, with no
+        consumer sequence missing in between (counted by ``arrived`` from the moment this
+        one arrived). A fence marker among them has made its promise by then. False when
+        they did not all arrive in time, or a delivery went missing: read the record."""
+        done = behind.done
+        if done.done():  # usually: they came in the same read from the socket
+            return not done.cancelled() and done.result()
+        try:
+            return await asyncio.wait_for(done, _BEHIND_WAIT)
+        except TimeoutError:
+            return False
+
+    def forget_behind(self, behind: Behind) -> None:
+        if behind in self._behind_waits:
+            self._behind_waits.remove(behind)
+        if not behind.done.done():
+            behind.done.cancel()
+
+
+def delivery_of(reply: str | None) -> Delivery | None:
+    """``(delivered, stream seq, consumer seq, pending)`` from a JetStream ack subject (v1:
+    ``$JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>``; v2 adds domain
+    and account hash first and a token last), or None. ``Msg.metadata`` says the same and
+    more (a datetime, the names) at a few µs per message, on the path of every step."""
+    if not reply:
+        return None
+    tokens = reply.split(".")
+    if len(tokens) == 9:
+        i = 4
+    elif len(tokens) >= 11:
+        i = 6
+    else:
+        return None
+    if tokens[0] != "$JS" or tokens[1] != "ACK":
+        return None
+    try:
+        return Delivery(int(tokens[i]), int(tokens[i + 1]), int(tokens[i + 2]), int(tokens[i + 4]))
+    except ValueError:
+        return None
+
+
+def superseded(record: TaskRecord, env: TaskEnvelope, agent_id: str) -> bool:
+    """Whether the hub's task record says it moved on from this attempt: another attempt, the
+    branch cancelled, the task decided, or another agent's."""
+    return (
+        record.attempt != env.attempt
+        or record.cancelled
+        or record.state.final
+        or (record.agent_id is not None and record.agent_id != agent_id)
+    )
