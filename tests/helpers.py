@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.server import EmbeddedNats
-from reach_mesh.workflow import TaskRecord
+from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
 if TYPE_CHECKING:
     from mcp.client.session import ClientSession
@@ -219,3 +220,24 @@ async def task_record(nc: Any, ns: str, task_id: str) -> TaskRecord | None:
     except KeyNotFoundError:
         return None
     return TaskRecord.model_validate_json(entry.value) if entry.value else None
+
+
+async def status_events(client: Any, ns: str, task_id: str) -> list[TaskStatusEvent]:
+    """Every status event the REACH_STATUS stream holds for a task."""
+    js = client.nc.jetstream()
+    sub = await js.subscribe(
+        protocol.task_status(f"{ns}.*.*", task_id),
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.ALL,
+    )
+    out: list[TaskStatusEvent] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.3)
+            except Exception:
+                break
+            out.append(TaskStatusEvent.model_validate_json(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return out

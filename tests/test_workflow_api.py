@@ -1,0 +1,436 @@
+"""Durable workflows on a real nats-server: the client API (submit, result, events, resubmit),
+agent restarts, malformed specs and submissions, the six status states, what a waiting step says.
+
+Every interval is shrunk (ack waits ~1 s, backoff tens of ms) so failures play out in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from reach_mesh import (
+    Client,
+    InvalidCapabilityError,
+    MeshSettings,
+    MeshUnavailableError,
+    RetryPolicy,
+    SelectorError,
+    Step,
+    TaskState,
+    WorkflowSpecError,
+    protocol,
+)
+from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.hub import Hub
+from reach_mesh.models import TaskEnvelope
+from reach_mesh.tracing import trace_id_from_headers
+from reach_mesh.workflow import TaskStatusEvent
+
+from .helpers import Fleet, echo_agent, eventually, status_events
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_submit_then_result_events_and_resubmit(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    agent = echo_agent(fleet, "sub.a1", "wf:sub:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability="wf:sub:v1", payload=i) for i in range(2)]
+        wf_id = await mesh.submit_fanout(steps, workflow_id="my-wf-1")
+        assert wf_id == "my-wf-1"
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED
+        events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
+        # Events still held when the result was stored are dropped (.done says it all): a
+        # fast workflow may show .done alone. Any start names where both first attempts went;
+        # any step event is an outcome; done has every step.
+        assert events[-1].kind == "done" and events[-1].result is not None
+        assert [
+            (st.index, st.state, st.agent_id, st.decided_by) for st in events[-1].result.steps
+        ] == [(i, TaskState.SUCCEEDED, agent.agent_id, 1) for i in range(2)]
+        if len(events) > 1:
+            assert events[0].kind == "start"
+            assert events[0].first_agents == [agent.agent_id, agent.agent_id]
+        steps_seen = [(e.kind, e.step, e.state, e.attempt) for e in events[1:-1]]
+        assert steps_seen == [("step", s, TaskState.SUCCEEDED, 1) for _, s, _, _ in steps_seen]
+        assert len({s for _, s, _, _ in steps_seen}) == len(steps_seen) <= 2
+        # Same id again: a no-op, the stored answer comes back, nothing runs again.
+        again = await mesh.fanout(steps, workflow_id="my-wf-1", timeout=5)
+        assert again.state is TaskState.SUCCEEDED
+        assert sum(fleet.runs.values()) == 2
+        # And after the fact, by id.
+        assert (await mesh.workflow(wf_id, timeout=1)).workflow_id == wf_id
+        # Waits answered from the stored record leave no .done wait behind.
+        assert not mesh._done_waits
+
+
+async def test_closing_the_client_ends_its_waits_and_the_workflow_goes_on(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A caller closing its client while it waits for results: the waits end at once with a
+    typed error, not at their timeout; the workflow runs on and another client gets it."""
+    steps = [Step(capability="wf:closing:v1", payload={"n": 1})]
+    mesh = await Client(settings=wf_settings).connect()
+    running = asyncio.create_task(mesh.fanout(steps, workflow_id="closing-1", timeout=30))
+    wf_id = await mesh.submit_chain(steps, timeout=30)
+    waiting = asyncio.create_task(mesh.workflow(wf_id, timeout=30))
+    await asyncio.sleep(0.3)  # both wait: no agent has the capability yet
+    assert not running.done() and not waiting.done()
+    await mesh.close()
+    for task in (running, waiting):
+        with pytest.raises(MeshUnavailableError, match="client was closed"):
+            await asyncio.wait_for(task, 2)
+    await echo_agent(fleet, "closing.a1", "wf:closing:v1").start()
+    async with Client(settings=wf_settings) as other:
+        for workflow_id in ("closing-1", wf_id):
+            res = await other.workflow(workflow_id, timeout=20)
+            assert res.state is TaskState.SUCCEEDED, res
+
+
+async def test_step_events_held_then_sent_or_dropped_for_the_result(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """An event waits ``workflow_event_hold``: sent when the workflow is still running then,
+    dropped when the workflow's result (which says every step's outcome) is stored first. A
+    released event carries the workflow's trace, as when it happened."""
+    settings = wf_settings.model_copy(update={"workflow_event_hold": 0.4})
+    agent = fleet.agent("hold.a1")
+
+    @agent.handler("wf:hold:v1")
+    async def hold(task: Task[Any]) -> Any:
+        await asyncio.sleep(task.payload)
+        return task.payload
+
+    async with Hub(settings=settings), Client(settings=settings) as mesh:
+        await agent.start()
+        wf_id = "held-events-1"
+        sent = await mesh.nc.subscribe(protocol.wf_event(settings.namespace, wf_id))
+        # Branch 0 ends at once, branch 1 after 1.2 s: start and branch 0's event go out at
+        # 0.4 s; branch 1's is still held when the result is stored, and dropped.
+        await mesh.submit_fanout(
+            [Step(capability="wf:hold:v1", payload=p) for p in (0, 1.2)],
+            timeout=20,
+            workflow_id=wf_id,
+        )
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED and res.result == [0, 1.2]
+        events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
+        released = [await sent.next_msg(timeout=2) for _ in range(2)]
+    assert res.trace_id is not None
+    assert [trace_id_from_headers(m.headers) for m in released] == [res.trace_id] * 2
+    assert [(e.kind, e.step, e.state) for e in events] == [
+        ("start", None, TaskState.RUNNING),
+        ("step", 0, TaskState.SUCCEEDED),
+        ("done", None, TaskState.SUCCEEDED),
+    ]
+    assert events[-1].result is not None
+    assert [st.state for st in events[-1].result.steps] == [TaskState.SUCCEEDED] * 2
+
+
+async def test_no_event_hold_stores_every_event(fleet: Fleet, wf_settings: MeshSettings) -> None:
+    """``workflow_event_hold: 0``: a fast workflow still stores start, each step, done."""
+    settings = wf_settings.model_copy(update={"workflow_event_hold": 0.0})
+    async with Hub(settings=settings), Client(settings=settings) as mesh:
+        agent = echo_agent(fleet, "nohold.a1", "wf:nohold:v1")
+        await agent.start()
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:nohold:v1", payload=i) for i in range(2)], timeout=20
+        )
+        assert (await mesh.workflow(wf_id, timeout=10)).state is TaskState.SUCCEEDED
+        events = [ev async for ev in mesh.workflow_events(wf_id, timeout=5)]
+    assert events[0].kind == "start" and events[-1].kind == "done"
+    assert sorted((e.step, e.state) for e in events[1:-1]) == [
+        (0, TaskState.SUCCEEDED),
+        (1, TaskState.SUCCEEDED),
+    ]
+
+
+async def _send_step(mesh: Client, agent: Agent, env: TaskEnvelope) -> TaskStatusEvent:
+    """Publish one work message straight to ``agent``; its final status event."""
+    sub = await mesh.nc.subscribe(protocol.task_status(agent.agent_id, env.task_id))
+    try:
+        await mesh.nc.jetstream().publish(
+            protocol.work_subject(env.namespace, agent.agent_id), protocol.encode(env)
+        )
+        while True:
+            ev = TaskStatusEvent.model_validate_json((await sub.next_msg(timeout=5)).data)
+            if ev.state.final and ev.attempt == env.attempt:
+                return ev
+    finally:
+        await sub.unsubscribe()
+
+
+async def _last_status(mesh: Client, agent_id: str, task_id: str) -> TaskStatusEvent:
+    raw = await mesh.nc.jetstream().get_last_msg(
+        protocol.STREAM_STATUS, protocol.task_status(agent_id, task_id)
+    )
+    return TaskStatusEvent.model_validate_json(raw.data)
+
+
+async def test_agent_restart_keeps_results(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A restarted agent rebuilds its idempotency table from its own final statuses in
+    ``REACH_STATUS``: the same attempt again is answered from it, and so is a later attempt
+    of a task that succeeded — the handler does not run again."""
+    ns = wf_settings.namespace
+    first = echo_agent(fleet, "keep.a1", "wf:keep:v1")
+    await first.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:keep:v1", payload=1)], timeout=10)
+        task_id = res.steps[0].task_id
+        stored = await _last_status(mesh, first.agent_id, task_id)
+        assert stored.state is TaskState.SUCCEEDED
+        await first.close()
+        second = echo_agent(fleet, "keep.a1", "wf:keep:v1")
+        await second.start()
+        # The same attempt redelivered (a lost ack): repeated from the table, not run.
+        env = TaskEnvelope(
+            task_id=task_id, attempt=stored.attempt, payload=1, namespace=ns, track=True
+        )
+        final = await _send_step(mesh, second, env)
+        assert final.state is TaskState.SUCCEEDED and final.cached
+        assert final.result == {"by": first.agent_id, "in": 1}
+        # Nothing is stored after the final status: a later restart still finds it.
+        assert (await _last_status(mesh, first.agent_id, task_id)).state is TaskState.SUCCEEDED
+        # A later attempt of the task that already succeeded: the stored result, not a run.
+        env = env.model_copy(update={"attempt": 5})
+        final = await _send_step(mesh, second, env)
+        assert final.state is TaskState.SUCCEEDED and final.cached and final.attempt == 5
+        assert final.result == {"by": first.agent_id, "in": 1}
+        assert fleet.runs[task_id] == 1
+        assert second.work is not None and second.work.duplicates == 1
+        assert second.work.cached == 1
+
+
+async def test_final_status_is_the_last_event_of_its_task(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A status said just before the final one (progress as the handler returns) is stored
+    before it: the last event of the task's subject is what a restart reads back."""
+    agent = fleet.agent("last.a1")
+
+    @agent.handler("wf:last:v1")
+    async def last(task: Task[Any]) -> Any:
+        await task.progress({"almost": True})
+        return {"done": True}
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        for i in range(5):
+            env = TaskEnvelope(task_id=f"last-{i}", namespace=wf_settings.namespace, track=True)
+            assert (await _send_step(mesh, agent, env)).state is TaskState.SUCCEEDED
+
+            async def final_is_last(task_id: str = env.task_id) -> bool:
+                # Subscribers see the final status as the server takes it; the stream stores
+                # it a moment later. A RUNNING stored after it would never turn final.
+                return (await _last_status(mesh, agent.agent_id, task_id)).state.final
+
+            await eventually(final_is_last, timeout=2)
+
+
+async def test_agent_restart_keeps_failures(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A FAILED final status read back after a restart: the same attempt is repeated from it,
+    a later attempt runs again (a retry)."""
+    ns = wf_settings.namespace
+    runs: list[int] = []
+
+    def failing_agent() -> Agent:
+        agent = fleet.agent("fails.a1")
+
+        @agent.handler("wf:fails:v1")
+        async def fails(task: Task[Any]) -> Any:
+            runs.append(task.attempt)
+            if task.attempt == 1:
+                raise TaskFailed("not yet")
+            return {"attempt": task.attempt}
+
+        return agent
+
+    first = failing_agent()
+    await first.start()
+    async with Client(settings=wf_settings) as mesh:
+        env = TaskEnvelope(task_id="keep-failed-1", payload=0, namespace=ns, track=True)
+        assert (await _send_step(mesh, first, env)).state is TaskState.FAILED
+        await first.close()
+        second = failing_agent()
+        await second.start()
+        again = await _send_step(mesh, second, env)
+        assert again.state is TaskState.FAILED and again.cached
+        assert again.error is not None and again.error.message == "not yet"
+        retry = await _send_step(mesh, second, env.model_copy(update={"attempt": 2}))
+        assert retry.state is TaskState.SUCCEEDED and not retry.cached
+        assert runs == [1, 2]
+
+
+async def test_malformed_specs_raise_typed_errors(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    async with Client(settings=wf_settings) as mesh:
+        with pytest.raises(WorkflowSpecError):
+            await mesh.fanout([])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.fanout([Step(capability="a:b:v1")], policy="most")
+        with pytest.raises(WorkflowSpecError):
+            await mesh.fanout([Step(capability="a:b:v1")] * 3, policy="quorum(4)")
+        with pytest.raises(SelectorError) as sel:
+            await mesh.fanout([Step(selector="cap=a:b:v1 AND AND")])
+        assert sel.value.details.get("step") == 0
+        with pytest.raises(InvalidCapabilityError):
+            await mesh.chain([Step(capability="not a capability")])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.chain([Step(capability="a:b:v1", selector="cap=a:b:v1")])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.chain([Step()])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.chain([Step(capability="a:b:v1", timeout=-1)])
+        with pytest.raises(WorkflowSpecError):
+            await mesh.fanout([Step(capability="a:b:v1")] * 300)
+
+
+async def test_hub_survives_malformed_submissions(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    agent = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        js = mesh.nc.jetstream()
+        subject = protocol.wf_submit(ns)
+        await js.publish(subject, b"not json", headers={"Nats-Msg-Id": "garbage-1"})
+        bad = {"workflow_id": "empty-1", "kind": "fanout", "steps": [], "namespace": ns}
+        await js.publish(subject, json.dumps(bad).encode(), headers={"Nats-Msg-Id": "empty-1"})
+        r1 = await mesh.workflow("garbage-1", timeout=5)
+        assert r1.state is TaskState.FAILED and r1.error is not None
+        assert r1.error.code == "REACH_BAD_REQUEST"
+        r2 = await mesh.workflow("empty-1", timeout=5)
+        assert r2.error is not None and r2.error.code == "REACH_BAD_WORKFLOW"
+        ok = await mesh.fanout([Step(capability="wf:ok:v1")], timeout=10)
+        assert ok.state is TaskState.SUCCEEDED
+
+
+async def test_work_consumer_is_durable(fleet: Fleet, wf_settings: MeshSettings) -> None:
+    """A step submitted while no agent is up waits (PENDING) and runs when one arrives."""
+    async with Hub(settings=wf_settings) as _hub, Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:later:v1", payload=3)], timeout=20)
+        await asyncio.sleep(0.3)
+        agent = echo_agent(fleet, "later.a1", "wf:later:v1")
+        await agent.start()
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED
+        assert res.steps[0].result == {"by": agent.agent_id, "in": 3}
+
+
+async def test_status_events_follow_the_six_states(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    agent = fleet.agent("prog.a1")
+
+    @agent.handler("wf:prog:v1")
+    async def slow(task: Task[Any]) -> str:
+        await asyncio.sleep(0.15)  # still running after 50 ms: ACCEPTED is said
+        await task.progress({"pct": 50})
+        await asyncio.sleep(0.5)  # > step_running_interval: RUNNING keep-alives
+        return "done"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:prog:v1")], timeout=10)
+        assert res.state is TaskState.SUCCEEDED
+        events = await status_events(mesh, ns, res.steps[0].task_id)
+    states = [e.state for e in events]
+    # A free slot: the handler starts at once, and ACCEPTED implies DELIVERED.
+    assert states[:2] == [TaskState.ACCEPTED, TaskState.RUNNING]
+    assert states[-1] is TaskState.SUCCEEDED and states.count(TaskState.SUCCEEDED) == 1
+    assert states.count(TaskState.RUNNING) >= 2  # progress + at least one keep-alive
+    assert events[1].progress == {"pct": 50}
+    assert all(e.attempt == 1 and e.agent_id == agent.agent_id for e in events)
+
+
+async def test_delivered_is_said_while_a_step_waits_for_a_slot(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    release = asyncio.Event()
+    agent = fleet.agent("slot.a1", max_concurrency=1)
+
+    @agent.handler("wf:slot:v1")
+    async def one_at_a_time(task: Task[Any]) -> str:
+        await release.wait()
+        return "done"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        first = await mesh.submit_fanout([Step(capability="wf:slot:v1")], timeout=10)
+        await eventually(lambda: agent._running == 1, timeout=5)
+        second = await mesh.submit_fanout(
+            [Step(capability="wf:slot:v1", task_id="slot-second")], timeout=10
+        )
+        await eventually(lambda: agent._waiting == 1, timeout=5)
+        release.set()
+        for wf_id in (first, second):
+            assert (await mesh.workflow(wf_id, timeout=10)).state is TaskState.SUCCEEDED
+        events = await status_events(mesh, ns, "slot-second")
+    # It waited for a slot: DELIVERED; then it ran in no time: its final status implies
+    # ACCEPTED, which is not said on its own.
+    assert [e.state for e in events] == [TaskState.DELIVERED, TaskState.SUCCEEDED]
+
+
+async def test_any_policy_stops_the_branches_it_no_longer_needs(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """fanout(any): once one branch succeeds, a branch still running is cancelled on its agent
+    (its handler sees CancelledError) instead of running on for nothing."""
+    stopped = asyncio.Event()
+    fast = Agent(f"{namespace}.any.fast", settings=settings)
+    slow = Agent(f"{namespace}.any.slow", settings=settings)
+
+    @fast.handler("any:fast:v1")
+    async def quick(task: Task[Any]) -> str:
+        return "fast"
+
+    @slow.handler("any:slow:v1")
+    async def crawl(task: Task[Any]) -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+        return "slow"
+
+    async with fast, slow, Client(settings=settings) as c:
+        res = await c.fanout(
+            [Step(capability="any:slow:v1"), Step(capability="any:fast:v1")],
+            policy="any",
+            timeout=20,
+        )
+        assert res.ok and res.steps[1].result == "fast"
+        assert res.steps[0].cancelled
+        await asyncio.wait_for(stopped.wait(), timeout=5)
+        assert slow.inflight == 0
+
+
+async def test_a_step_that_cannot_be_placed_says_why_while_it_waits(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_chain(
+            [Step(capability="wf:nobody:v1", payload=1, retry=RetryPolicy(ttl=30))], timeout=30
+        )
+        waiting = None
+        async for ev in mesh.workflow_events(wf_id, timeout=10):
+            if ev.kind == "step" and ev.state is TaskState.PENDING and ev.error is not None:
+                waiting = ev
+                break
+    assert waiting is not None and waiting.step == 0
+    assert waiting.error is not None and waiting.error.code == "REACH_NO_MATCH"
+    assert "no routable agent for wf:nobody:v1" in waiting.error.message
