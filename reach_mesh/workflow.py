@@ -3,7 +3,7 @@
 (:class:`WorkflowResult`).
 
 Pure: no I/O. The engine lives in :mod:`reach_mesh.hub.workflows`, the agent side in
-:mod:`reach_mesh.agent._work`; ``docs/workflows.md`` explains the design and
+:mod:`reach_mesh.agent._work` (and ``_fences``); ``docs/workflows.md`` explains the design and
 ``docs/protocol-workflows.md`` the wire format.
 """
 

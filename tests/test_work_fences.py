@@ -17,6 +17,7 @@ other message reads it. These tests pin both halves:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -368,3 +369,49 @@ async def test_a_cancel_before_arrival_is_a_promise(
         assert (await mesh.workflow(blocker, timeout=10)).state is TaskState.SUCCEEDED
         await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
     assert runs == []
+
+
+async def test_malformed_fence_markers_and_ctl_fences_are_refused_and_lose_nothing(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Markers whose attempt is not an attempt (< 1, not an integer) or whose body is not one
+    are termed unread; a ctl ``task_state`` fence or ``cancel`` attempt below 1 is answered
+    ``REACH_BAD_REQUEST``. Nothing is promised, and the agent's next step runs as usual."""
+    ns = wf_settings.namespace
+    a = echo_agent(fleet, "bad.marks", "wf:marks:v1")
+    await a.start()
+    assert a.work is not None
+    async with Client(settings=wf_settings) as mesh:
+        js = mesh.nc.jetstream()
+        bodies: list[bytes] = [
+            protocol.dumps({"task_id": "m-neg", "attempt": -1}),
+            protocol.dumps({"task_id": "m-zero", "attempt": 0}),
+            protocol.dumps({"task_id": "m-str", "attempt": "2"}),
+            protocol.dumps({"task_id": "m-bool", "attempt": True}),
+            protocol.dumps({"attempt": 1}),
+            b"not json",
+        ]
+        for i, body in enumerate(bodies):
+            await js.publish(
+                protocol.work_subject(ns, a.agent_id),
+                body,
+                headers={protocol.HDR_MSG_ID: f"{ns}.bad-{i}", protocol.HDR_FENCE: "1"},
+            )
+        await eventually(lambda: a.work is not None and a.work.fences.markers == len(bodies))
+        for task_id in ("m-neg", "m-zero", "m-str", "m-bool"):
+            assert a.work.fences.promised(task_id) == -1
+        ctl = protocol.agent_ctl(a.agent_id)
+        for op in (
+            {"op": "task_state", "task_id": "c-neg", "fence": -1},
+            {"op": "task_state", "task_id": "c-zero", "fence": 0},
+            {"op": "cancel", "task_id": "c-neg", "attempt": -1},
+            {"op": "cancel", "task_id": "c-bool", "attempt": True},
+        ):
+            answer = json.loads((await mesh.nc.request(ctl, protocol.dumps(op), timeout=5)).data)
+            assert answer["error"]["code"] == "REACH_BAD_REQUEST", (op, answer)
+        assert a.work.fences.promised("c-neg") == -1
+        res = await mesh.fanout([Step(agent_id=a.agent_id, payload=1)], timeout=10)
+        assert res.state is TaskState.SUCCEEDED
+        durable = protocol.work_consumer(a.agent_id)
+        consumer = await js.consumer_info(protocol.STREAM_WORK, durable)
+        assert consumer.num_redelivered == 0

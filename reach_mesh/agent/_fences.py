@@ -8,8 +8,9 @@ this module keeps cannot tell (:meth:`Fences.fresh`):
 - **promises**: attempts this agent promised a hub never to start (a ctl ``task_state`` with
   ``fence``, a cancelled branch, or a fence marker the hub stored on the work subject);
 - **what arrived behind a message**: a hub that gives up an attempt it sent stores a fence marker
-  behind it on the same subject, so a first delivery whose later messages all arrived without
-  such a marker is current (:meth:`Fences.behind_of`, :meth:`Fences.wait_behind`);
+  behind it on the same subject, so once the messages queued behind a first delivery have all
+  arrived, a marker for it among them has made its promise (counted by :meth:`Fences.arrived`;
+  :meth:`Fences.behind_of`, :meth:`Fences.wait_behind`);
 - **stalls of the event loop** (a CPU-bound handler, a GC pause, SIGSTOP): a message delivered
   before one may have been given up while it waited unread (:meth:`Fences.watch`).
 
@@ -100,7 +101,10 @@ class Fences:
 
     def never_start(self, task_id: str, attempt: int) -> None:
         """Record that attempt ``attempt`` of ``task_id`` (or an earlier one) is never to be
-        started: checked on arrival and again before a run starts."""
+        started: checked on arrival and again before a run starts. Attempts count from 1: a
+        lower number promises nothing."""
+        if attempt < 1:
+            return
         if self._promised.get(task_id, -1) < attempt:
             self._promised[task_id] = attempt
         self._promised.move_to_end(task_id)
@@ -111,12 +115,15 @@ class Fences:
         """A fence marker: a hub gave up attempt ``n`` of the task (header ``Reach-Fence: n``,
         body ``{"task_id", "attempt"}``), its record already says so. Never start attempt
         ``n`` or an earlier one from now on (a copy in hand runs on: the record fences its
-        result). Synchronous, on arrival: see :meth:`arrived`. False when malformed."""
+        result). Synchronous, on arrival, before :meth:`arrived` counts the marker. False when
+        malformed."""
         self.markers += 1
         try:
             body = json.loads(msg.data)
             task_id = protocol.validate_task_id(str(body["task_id"]))
-            attempt = int(body["attempt"])
+            attempt = body["attempt"]
+            if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+                raise ValueError(f"attempt {attempt!r}")
         except (ValueError, KeyError, TypeError, ReachError):
             log.warning("dropping a malformed fence marker on %s", msg.subject)
             return False
@@ -169,8 +176,10 @@ class Fences:
     def arrived(self, delivery: Delivery | None, behind: Behind | None) -> None:
         """Count a work message or marker, in stream order, before any run: a fence marker's
         promise is in place before a step queued ahead of it is told that the messages behind
-        it arrived. ``behind``: this message's own count (``behind_of``), started now — the
-        messages behind it may be in this same read from the socket."""
+        it arrived — provided :meth:`on_marker` took the marker first (``WorkConsumer._on_msg``
+        calls both in one synchronous pass). ``behind``: this message's own count
+        (``behind_of``), started now — the messages behind it may be in this same read from
+        the socket."""
         if delivery is None:
             return
         delivered, sseq, cseq, _ = delivery
@@ -217,6 +226,7 @@ class Fences:
             return False
 
     def forget_behind(self, behind: Behind) -> None:
+        """Stop counting for ``behind`` (its run read its record, or ended)."""
         if behind in self._behind_waits:
             self._behind_waits.remove(behind)
         if not behind.done.done():

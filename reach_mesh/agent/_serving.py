@@ -621,6 +621,8 @@ class ServingMixin:
         fence = body.get("fence")
         if isinstance(fence, bool) or not isinstance(fence, int):
             fence = None
+        elif fence < 1:
+            raise BadRequestError(f"fence must be an attempt (>= 1), got {fence}")
         entry = self._results.get(task_id)
         if entry is None and self.work is not None and self.work.checking(task_id):
             # In hand, its fence being read: the hub must not give this attempt up.
@@ -666,8 +668,8 @@ class ServingMixin:
                 # A durable step the hub no longer needs (any/quorum past its policy).
                 task_id = protocol.validate_task_id(str(body.get("task_id")))
                 attempt = body.get("attempt")
-                if not isinstance(attempt, int):
-                    raise BadRequestError("cancel needs an integer attempt")
+                if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+                    raise BadRequestError("cancel needs an attempt: an integer >= 1")
                 cancelled = self.work is not None and self.work.cancel(task_id, attempt)
                 data = protocol.dumps({"task_id": task_id, "cancelled": cancelled})
             else:

@@ -9,8 +9,9 @@
        └──► TIMEOUT | FAILED  (never delivered: TTL passed / failed before delivery)
 
 Final states absorb: nothing leaves them. Nothing moves backwards. ``DELIVERED → SUCCEEDED`` is
-the agent answering from its result cache; ``DELIVERED → FAILED`` a payload that does not
-validate (the handler never started).
+the agent answering from its result cache, or a handler that ended within 50 ms (the agent does
+not say ACCEPTED for it); ``DELIVERED → FAILED`` the same, or a payload that does not validate
+(the handler never started).
 
 Events can be missed (a hub that took a workflow over sees only the latest), so
 :meth:`AckMachine.catch_up` applies the implied chain of legal steps up to a later state; it is
