@@ -29,6 +29,12 @@ log = logging.getLogger("reach_mesh.nats")
 _SCHEMES: Final = ("nats", "tls", "ws", "wss")
 #: While NATS is gone, one log line per this many seconds (nats-py retries every 0.25 s).
 _GONE_LOG_INTERVAL: Final = 30.0
+#: Slow-consumer drops (the server or nats-py discarding messages a subscription did not read
+#: in time) are logged at most once per this many seconds per connection, with their count.
+_SLOW_LOG_INTERVAL: Final = 10.0
+#: What a broken or refused connection raises; any other error nats-py hands to ``error_cb``
+#: was raised by one of our message callbacks (nats-py catches those and passes them on).
+_TRANSPORT_ERRORS: Final = (nats.errors.Error, OSError, EOFError, TimeoutError)
 
 
 async def connect(
@@ -150,9 +156,28 @@ class _Watch:
         self.on_reconnect: Callable[[], None] | None = None
         self._logged_at = 0.0
         self._failures = 0
+        self._slow = 0
+        self._slow_logged_at = -_SLOW_LOG_INTERVAL
 
     async def error(self, err: Exception) -> None:
         self.last_error = err
+        if not isinstance(err, _TRANSPORT_ERRORS):
+            # A bug in a handler, not the network: nats-py would only hand it to us.
+            log.error("%s: a NATS message callback failed", self.name, exc_info=err)
+            return
+        if isinstance(err, nats.errors.SlowConsumerError):
+            self._slow += 1
+            now = time.monotonic()
+            if now - self._slow_logged_at >= _SLOW_LOG_INTERVAL:
+                log.warning(
+                    "%s: slow consumer: %d message(s) dropped (the last on %s)",
+                    self.name,
+                    self._slow,
+                    err.subject,
+                )
+                self._slow_logged_at = now
+                self._slow = 0
+            return
         if "permissions violation" in str(err).lower():
             # The server refusing this identity a subject (secure mode, docs/security.md).
             log.warning("NATS refused %s: %s", self.name, err)

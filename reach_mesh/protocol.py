@@ -468,7 +468,7 @@ def raise_for_error(data: bytes) -> None:
         try:
             body = json.loads(data)
             err = body["error"]
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, RecursionError, KeyError, TypeError) as exc:
             raise BadRequestError(f"malformed error reply: {exc}") from exc
         raise error_from_wire(err if isinstance(err, dict) else {"message": str(err)})
 
@@ -481,3 +481,23 @@ def parse_reply(data: bytes, model: type[M]) -> M:
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def loads(data: bytes | str) -> Any:
+    """Parse JSON from the wire; a ``BadRequestError`` for anything that is not JSON — nesting
+    too deep for the parser included (``json`` raises ``RecursionError`` there, not
+    ``ValueError``)."""
+    try:
+        return json.loads(data)
+    except RecursionError as err:
+        raise BadRequestError("malformed JSON: nested too deeply") from err
+    except ValueError as err:
+        raise BadRequestError(f"malformed JSON: {err}") from err
+
+
+def loads_object(data: bytes | str) -> dict[str, Any]:
+    """:func:`loads` of what must be a JSON object."""
+    body = loads(data)
+    if not isinstance(body, dict):
+        raise BadRequestError("expected a JSON object")
+    return body

@@ -21,7 +21,6 @@ ordered by it, which is what makes giving up an attempt safe without a lineariza
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 from collections import OrderedDict
@@ -119,7 +118,7 @@ class Fences:
         malformed."""
         self.markers += 1
         try:
-            body = json.loads(msg.data)
+            body = protocol.loads(msg.data)
             task_id = protocol.validate_task_id(str(body["task_id"]))
             attempt = body["attempt"]
             if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:

@@ -649,9 +649,7 @@ class ServingMixin:
 
     async def _on_ctl(self, msg: Msg) -> None:
         try:
-            body = json.loads(msg.data or b"{}")
-            if not isinstance(body, dict):
-                raise BadRequestError("expected a JSON object")
+            body = protocol.loads_object(msg.data or b"{}")
             op = body.get("op", "ping")
             if op == "ping":
                 out: dict[str, Any] = {

@@ -6,7 +6,6 @@ fleet queries and admin ops."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import TYPE_CHECKING, Any, Final
 
@@ -260,10 +259,4 @@ class ControlMixin:
 def _json_object(data: bytes) -> dict[str, Any]:
     if not data.strip():
         return {}
-    try:
-        body = json.loads(data)
-    except ValueError as err:
-        raise BadRequestError(f"malformed JSON: {err}") from err
-    if not isinstance(body, dict):
-        raise BadRequestError("expected a JSON object")
-    return body
+    return protocol.loads_object(data)

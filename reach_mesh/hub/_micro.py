@@ -10,6 +10,7 @@ fleet), and names the routing subjects in its metadata.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +81,8 @@ async def discover_hubs(nc: Any, wait: float = 0.5) -> list[dict[str, Any]]:
             except Exception:  # nats' TimeoutError: the window is over
                 break
             if msg.data:  # not the server's "no responders" status
-                infos.append(json.loads(msg.data))
+                with contextlib.suppress(ValueError, RecursionError):
+                    infos.append(json.loads(msg.data))
     finally:
         await sub.unsubscribe()
 

@@ -152,7 +152,7 @@ def parse_task_state(data: bytes) -> tuple[TaskState, int | None, dict[str, Any]
     """
     try:
         body = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(body, dict):
         return None

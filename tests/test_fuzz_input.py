@@ -1,0 +1,260 @@
+"""Mutated and garbage input on every subject a hub or an agent reads, on a real nats-server.
+
+Each surface starts from a valid body; a seeded generator changes one to three things in it
+(a value replaced by an odd one — null, a huge or negative number, a long or wildcard string, a
+nested container —, a key removed or added) or replaces the whole message with garbage (not
+JSON, a JSON scalar, 100,000 nested brackets). What must hold, as the issue says ("the hub never
+crashes on input"):
+
+- every request is answered, with a result or a typed error whose code is not
+  ``REACH_INTERNAL``;
+- nothing is logged at ERROR (an exception escaping a handler is logged there);
+- afterwards the hub still routes to the agent and a workflow still runs on it.
+
+``FUZZ_SEED`` and ``FUZZ_N`` (messages per surface, default 40) make a longer run:
+``make fuzz`` runs 400 per surface.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import random
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh.hub import Hub
+
+from .helpers import Fleet, echo_agent
+
+pytestmark = pytest.mark.timeout(120)
+
+SEED = int(os.environ.get("FUZZ_SEED", "1"))
+N = int(os.environ.get("FUZZ_N", "40"))
+
+_ODD: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    -(2**63),
+    2**64,
+    10**30,
+    0.5,
+    -0.0,
+    1e308,
+    -1e308,
+    "",
+    " ",
+    "x",
+    "ü\u0000",
+    "a" * 3000,
+    "*",
+    ">",
+    "a.b",
+    "..",
+    "$JS.API.STREAM.DELETE.REACH_WORK",
+    "cap=wf:fuzz:v1 AND",
+    [],
+    [None],
+    [[[]]],
+    {},
+    {"": None},
+    {"a": {"b": {"c": []}}},
+]
+
+_GARBAGE: list[bytes] = [
+    b"",
+    b"{",
+    b"{not json",
+    b"null",
+    b"[]",
+    b'"a string"',
+    b"1e999",
+    b"NaN",
+    b"\xff\xfe\x00",
+    b'{"a": 1, "a": 2}',
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"x":' * 50_000 + b"1" + b"}" * 50_000,
+]
+
+
+def _odd(rng: random.Random, old: Any) -> Any:
+    if rng.random() < 0.2:
+        # The same value with another type.
+        return rng.choice([str(old), [old], {"v": old}])
+    return copy.deepcopy(rng.choice(_ODD))
+
+
+def _mutate(rng: random.Random, value: Any, depth: int = 0) -> Any:
+    if isinstance(value, dict) and value and rng.random() < 0.8:
+        key = rng.choice(list(value))
+        r = rng.random()
+        if r < 0.2:
+            del value[key]
+        elif r < 0.3:
+            value[key + rng.choice(["_", "X", ""])] = value.pop(key)
+        elif r < 0.6 and depth < 4:
+            value[key] = _mutate(rng, value[key], depth + 1)
+        else:
+            value[key] = _odd(rng, value[key])
+        return value
+    if isinstance(value, dict):
+        value[rng.choice(["extra", "op", "agent_id", "attempt", ""])] = _odd(rng, None)
+        return value
+    if isinstance(value, list) and value and rng.random() < 0.7:
+        i = rng.randrange(len(value))
+        value[i] = _mutate(rng, value[i], depth + 1) if depth < 4 else _odd(rng, value[i])
+        return value
+    return _odd(rng, value)
+
+
+def _bodies(rng: random.Random, bases: list[Any], n: int) -> list[bytes]:
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.1:
+            out.append(rng.choice(_GARBAGE))
+            continue
+        value = copy.deepcopy(rng.choice(bases))
+        for _ in range(rng.randint(1, 3)):
+            value = _mutate(rng, value)
+        out.append(json.dumps(value).encode())
+    return out
+
+
+def _check_answer(surface: str, body: bytes, data: bytes) -> None:
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        pytest.fail(f"{surface}: answer is not JSON: {data[:200]!r} (to {body[:200]!r})")
+    if isinstance(answer, dict) and "error" in answer:
+        code = answer["error"].get("code", "")
+        assert code.startswith("REACH_"), (surface, body[:200], answer)
+        assert code != "REACH_INTERNAL", (surface, body[:200], answer)
+
+
+async def test_mutated_and_garbage_input_on_every_surface_is_refused_and_loses_nothing(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    ns = wf_settings.namespace
+    agent = echo_agent(fleet, "fuzz.a1", "wf:fuzz:v1")
+    await agent.start()
+    me = agent.agent_id
+    # State-changing bodies name agents that do not exist, so that valid mutants of them
+    # leave the agent under test alone (its fate is checked at the end).
+    ghost = f"{ns}.ghost.g1"
+    card = {"agent_id": ghost, "capabilities": ["wf:ghost:v1"], "labels": {"zone": "a"}}
+    env = {
+        "task_id": "fz-1",
+        "attempt": 1,
+        "capability": "wf:fuzz:v1",
+        "payload": {"a": 1},
+        "namespace": ns,
+        "timeout": 5,
+        "workflow_id": "fzwf",
+        "step": 0,
+        "track": True,
+    }
+    status = {
+        "task_id": "fz-1",
+        "attempt": 1,
+        "agent_id": me,
+        "state": "SUCCEEDED",
+        "workflow_id": "fzwf",
+        "step": 0,
+        "result": {"x": 1},
+    }
+    spec = {
+        "workflow_id": "fzwf",
+        "kind": "fanout",
+        "steps": [{"capability": "wf:fuzz:v1", "payload": {"a": 1}, "timeout": 5}],
+        "policy": "all",
+        "timeout": 5,
+        "namespace": ns,
+    }
+    route = {"capability": "wf:fuzz:v1", "payload": {"a": 1}, "timeout": 2}
+    requests: dict[str, tuple[str, list[Any]]] = {
+        "route": (protocol.hub_subject(ns, "route"), [route, {"agent_id": me, "payload": 1}]),
+        "agents": (protocol.hub_subject(ns, "agents"), [{}, {"agent_id": me}]),
+        "admin": (
+            protocol.hub_subject(ns, "admin"),
+            [{"op": "cordon", "agent_id": ghost}, {"op": "agents", "all_namespaces": True}],
+        ),
+        "register": (
+            protocol.hub_agent_subject(ghost, "register"),
+            [{"card": card, "session": "s1", "heartbeat_interval": 5, "lease_timeout": 15}],
+        ),
+        "heartbeat": (
+            protocol.hub_agent_subject(ghost, "heartbeat"),
+            [{"agent_id": ghost, "session": "s1", "inflight": 1, "pressure": 0.5}],
+        ),
+        "unregister": (
+            protocol.hub_agent_subject(ghost, "unregister"),
+            [{"agent_id": ghost, "session": "s1"}],
+        ),
+        "agent ctl": (
+            protocol.agent_ctl(me),
+            [
+                {"op": "ping"},
+                {"op": "task_state", "task_id": "fz-ctl", "fence": 1},
+                {"op": "cancel", "task_id": "fz-ctl", "attempt": 1},
+            ],
+        ),
+        "agent task": (protocol.agent_task(me), [{**env, "workflow_id": None, "step": None}]),
+    }
+    publishes: dict[str, tuple[str, list[Any]]] = {
+        "report": (
+            protocol.hub_subject(ns, "report"),
+            [{"agent_id": ghost, "success": False, "code": "REACH_TIMEOUT", "reporter": "r1"}],
+        ),
+        "status": (protocol.task_status(me, "fz-1"), [status]),
+        "route_batch": (protocol.hub_subject(ns, "route_batch"), [route]),
+    }
+    stored: dict[str, tuple[str, list[Any], dict[str, str]]] = {
+        "work": (protocol.work_subject(ns, me), [env], {}),
+        "fence marker": (
+            protocol.work_subject(ns, me),
+            [{"task_id": "fz-1", "attempt": 1}],
+            {protocol.HDR_FENCE: "1"},
+        ),
+        "submit": (protocol.wf_submit(ns), [spec], {}),
+    }
+    rng = random.Random(SEED)
+    async with Client(settings=wf_settings) as mesh:
+        nc = mesh.nc
+        js = nc.jetstream()
+        for surface, (subject, bases) in requests.items():
+            for body in _bodies(rng, bases, N):
+                try:
+                    msg = await nc.request(subject, body, timeout=5)
+                except Exception as err:  # pragma: no cover - the failure report
+                    pytest.fail(f"{surface}: no answer to {body[:200]!r}: {err!r} (seed {SEED})")
+                _check_answer(surface, body, msg.data)
+        inbox = nc.new_inbox()
+        for surface, (subject, bases) in publishes.items():
+            for body in _bodies(rng, bases, N):
+                if surface == "route_batch":
+                    body = f"{inbox}.1 - ".encode() + body
+                await nc.publish(subject, body, reply=inbox if surface == "route_batch" else "")
+        for i, (subject, bases, headers) in enumerate(stored.values()):
+            for j, body in enumerate(_bodies(rng, bases, N)):
+                await js.publish(
+                    subject, body, headers={**headers, protocol.HDR_MSG_ID: f"{ns}.fz{i}-{j}"}
+                )
+        await nc.flush()
+        # Still serving: a route and a workflow on the agent under test.
+        res = await mesh.request(capability="wf:fuzz:v1", payload={"after": 1}, timeout=10)
+        assert res.agent_id == me and res.result == {"by": me, "in": {"after": 1}}
+        done = await mesh.fanout([Step(agent_id=me, payload="after")], timeout=20)
+        assert done.state is TaskState.SUCCEEDED, done
+    assert wf_hub.registry.agents[me].state.value == "ONLINE"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [f"{r.name}: {r.getMessage()[:300]}" for r in errors]
