@@ -75,6 +75,7 @@ async def test_routes_to_unknown_namespaces_leave_no_trace(
             audited.append(msg.subject)
 
         await nc.subscribe("reach.audit.>", cb=on_audit)
+        await nc.flush()  # the server has the subscription before the hub audits anything
         async with agent, Client(settings=settings) as c:
             assert (await c.request(capability="work:echo:v1", payload=1)).ok
             prefix = f"{namespace}x"  # namespaces no test registers

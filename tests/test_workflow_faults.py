@@ -268,6 +268,7 @@ async def test_probe_reads_a_raw_agents_answer(
             await msg.respond(json.dumps(out).encode())
 
         sub = await mesh.nc.subscribe(protocol.agent_ctl(agent_id), cb=ctl)
+        await mesh.nc.flush()  # the server has the subscription before the hub's probe
         js = hub.nc.jetstream()
         tracker = StatusTracker(hub.nc, js, hub.registry)
         rec = TaskRecord(

@@ -1,6 +1,7 @@
 """A2A (the official ``a2a-sdk``) on the hub: one agent card per tenant namespace, whose skills
 are the live tools and capabilities of that namespace, and ``message/send`` routed as a task
 through the mesh (proxy mode, routed by this hub as a request on ``reach.hub.<ns>.route``).
+A body that is not one JSON-RPC request object is answered here, before the SDK reads it.
 
 ``/a2a/<ns>/.well-known/agent-card.json`` is the card, ``/a2a/<ns>/`` the JSON-RPC endpoint.
 A message names its skill in ``metadata.skill`` (or a data part ``{"skill": …, "arguments":
@@ -12,6 +13,7 @@ client sees SUBMITTED → WORKING → COMPLETED or FAILED.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Final
 
@@ -36,10 +38,12 @@ from a2a.utils.errors import InvalidParamsError
 from google.protobuf.json_format import MessageToDict
 from starlette.responses import JSONResponse
 from starlette.routing import Router
+from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
 from reach_mesh import __version__, protocol
 from reach_mesh.errors import ReachError
+from reach_mesh.hub._gateway import read_body
 from reach_mesh.models import RouteRequest, TaskState
 
 if TYPE_CHECKING:
@@ -62,6 +66,10 @@ A2A_STATES: Final = {
 }
 #: Namespaces with a built endpoint at most (each is a small router and a task store).
 _MAX_TENANTS: Final = 1024
+#: Room for a message's JSON-RPC envelope around its payload (as MCP's request limit has).
+_RPC_SLACK: Final = 64 * 1024
+#: The members of a JSON-RPC 2.0 request object.
+_RPC_MEMBERS: Final = frozenset({"jsonrpc", "method", "params", "id"})
 
 
 class _MeshExecutor(AgentExecutor):
@@ -149,6 +157,8 @@ class HubA2a:
     def __init__(self, http: HubHttp) -> None:
         self.http = http
         self._tenants: dict[str, Router] = {}
+        #: The largest JSON-RPC body taken: a payload of ``max_payload`` in its envelope.
+        self._limit = http.hub.settings.max_payload + _RPC_SLACK
 
     def capability(self, namespace: str, skill: str | None) -> str:
         """The capability behind ``skill``; ``InvalidParamsError`` for an unknown one."""
@@ -233,4 +243,85 @@ class HubA2a:
             body = {"error": {"code": "REACH_UNKNOWN_NAMESPACE", "message": namespace}}
             await JSONResponse(body, 404)(scope, receive, send)
             return
+        if scope["method"] == "POST" and scope["path"].rstrip("/") == f"/a2a/{namespace}":
+            # The JSON-RPC endpoint: read the body within the payload limit and answer a broken
+            # envelope here, as JSON-RPC wants (the SDK would buffer any size, and log a
+            # caller's malformed request as an error of its own, with a traceback).
+            try:
+                raw = await read_body(receive, self._limit, slack=_RPC_SLACK)
+            except ReachError as err:
+                await JSONResponse(_rpc_error(None, -32600, err.message), 413)(scope, receive, send)
+                return
+            if raw is None:
+                return  # the client went away
+            refusal = _check_envelope(raw)
+            if refusal is not None:
+                await JSONResponse(refusal)(scope, receive, send)
+                return
+            receive = _replay(raw, receive)
         await self._tenant(namespace)(scope, receive, send)
+
+
+class _CallerMistakes(logging.Filter):
+    """The SDK logs a request whose members or params do not parse at ERROR, with a traceback,
+    and answers it -32600 / -32602. For the hub that is a caller's mistake, as a bad route
+    request is: one WARNING line naming it, so a careless or hostile client cannot fill the
+    log with tracebacks (the envelope check in ``HubA2a.asgi_app`` answers most before)."""
+
+    MESSAGES: Final = frozenset(
+        {"Failed to validate base JSON-RPC request", "Failed to parse request params"}
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.msg in self.MESSAGES:
+            err = record.exc_info[1] if record.exc_info else None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = f"A2A request refused ({record.msg}): {err}"
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+logging.getLogger("a2a.server.routes.jsonrpc_dispatcher").addFilter(_CallerMistakes())
+
+
+def _rpc_error(rpc_id: Any, code: int, message: str) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}}
+
+
+def _check_envelope(raw: bytes) -> dict[str, Any] | None:
+    """A JSON-RPC 2.0 error answer for a body that is not one request object (parse error
+    -32700, invalid request -32600), or None: the SDK takes it from there (methods, params)."""
+    try:
+        body = protocol.loads(raw)
+    except ReachError as err:
+        return _rpc_error(None, -32700, f"Parse error: {err.message}")
+    if not isinstance(body, dict):
+        return _rpc_error(None, -32600, "Invalid Request: expected one JSON-RPC request object")
+    rpc_id = body.get("id")
+    if isinstance(rpc_id, bool) or not isinstance(rpc_id, str | int | None):
+        return _rpc_error(None, -32600, "Invalid Request: id must be a string or an integer")
+    if body.get("jsonrpc") != "2.0":
+        return _rpc_error(rpc_id, -32600, 'Invalid Request: "jsonrpc" must be "2.0"')
+    if not isinstance(body.get("method"), str):
+        return _rpc_error(rpc_id, -32600, "Invalid Request: method must be a string")
+    if not isinstance(body.get("params", {}), dict):
+        return _rpc_error(rpc_id, -32600, "Invalid Request: params must be an object")
+    extra = set(body) - _RPC_MEMBERS
+    if extra:
+        return _rpc_error(rpc_id, -32600, f"Invalid Request: unknown members {sorted(extra)}")
+    return None
+
+
+def _replay(raw: bytes, receive: Receive) -> Receive:
+    """``receive`` with the body already read given back first."""
+    pending = True
+
+    async def replay() -> AsgiMessage:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay

@@ -51,6 +51,7 @@ __all__ = [
     "NamespaceQuery",
     "RouteEndpoint",
     "error_response",
+    "read_body",
     "route_contract",
     "served_by",
     "status_for",
@@ -126,7 +127,7 @@ class RouteEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            raw = await _read_body(receive, self.limit)
+            raw = await read_body(receive, self.limit)
             if raw is None:
                 return  # the client went away: nobody to answer
             ns = _route_namespace(raw, _query_namespace(scope))
@@ -146,8 +147,9 @@ class RouteEndpoint:
         await send({"type": "http.response.body", "body": data})
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The request body (``None`` if the client disconnected), refused past ``limit`` bytes."""
+async def read_body(receive: Receive, limit: int, *, slack: int = _ENVELOPE_SLACK) -> bytes | None:
+    """The request body (``None`` if the client disconnected), refused past ``limit`` bytes
+    (the error names ``limit - slack``, the payload limit within that envelope)."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -159,7 +161,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         if size > limit:
             raise PayloadTooLargeError(
                 f"request body of {size}+ bytes is over max_payload",
-                limit=limit - _ENVELOPE_SLACK,
+                limit=limit - slack,
             )
         chunks.append(chunk)
         if not message.get("more_body", False):
