@@ -3,13 +3,15 @@
 Each surface starts from a valid body; a seeded generator changes one to three things in it
 (a value replaced by an odd one — null, a huge or negative number, a long or wildcard string, a
 nested container —, a key removed or added) or replaces the whole message with garbage (not
-JSON, a JSON scalar, 100,000 nested brackets). What must hold, as the issue says ("the hub never
-crashes on input"):
+JSON, a JSON scalar, 100,000 nested brackets). What must hold ("the hub never crashes on
+input"):
 
 - every request is answered, with a result or a typed error whose code is not
-  ``REACH_INTERNAL``;
+  ``REACH_INTERNAL``; over HTTP, no 500;
 - nothing is logged at ERROR (an exception escaping a handler is logged there);
-- afterwards the hub still routes to the agent and a workflow still runs on it.
+- afterwards the hub still routes to the agent and a workflow still runs on it;
+- mutants of a running step's status events change its outcome only where one is a valid final
+  status of the attempt sent, from its agent (the first such decides, as any first outcome).
 
 ``FUZZ_SEED`` and ``FUZZ_N`` (messages per surface, default 40) make a longer run:
 ``make fuzz`` runs 400 per surface.
@@ -17,6 +19,8 @@ crashes on input"):
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -29,6 +33,7 @@ import pytest
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
+from reach_mesh.workflow import TaskStatusEvent
 
 from .helpers import Fleet, echo_agent, eventually, fetch, mcp_session
 
@@ -351,5 +356,75 @@ async def test_mutated_and_garbage_input_on_every_http_surface_is_refused(
                 b'{"capability": "fz:echo:v1", "payload": 7}',
             )
             assert status == 200 and json.loads(data)["task"]["result"] == 7, data
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [f"{r.name}: {r.getMessage()[:300]}" for r in errors]
+
+
+async def test_mutated_status_events_for_a_running_step_change_nothing_invalid(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While a step runs, mutants of its agent's status events go out on that agent's own
+    status subject (what a careless agent could send; in secure mode no one else can). The
+    hub takes only a valid final status of the attempt it sent, from that agent — the first
+    one decides the step —, and otherwise the handler's own result."""
+    caplog.set_level(logging.WARNING)
+    ns = wf_settings.namespace
+    started, release = asyncio.Event(), asyncio.Event()
+    agent = fleet.agent("fuzz.s1")
+
+    @agent.handler("wf:hold:v1")
+    async def hold(task: Task[Any]) -> Any:
+        started.set()
+        await release.wait()
+        return {"true": 1}
+
+    await agent.start()
+    me, task_id = agent.agent_id, "fz-step"
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(agent_id=me, task_id=task_id)], timeout=30)
+        await asyncio.wait_for(started.wait(), 10)
+        event = {
+            "task_id": task_id,
+            "attempt": 1,
+            "agent_id": me,
+            "workflow_id": wf_id,
+            "step": 0,
+        }
+        bases = [
+            {**event, "state": "RUNNING", "progress": {"p": 1}},
+            {**event, "attempt": 2, "state": "SUCCEEDED", "result": {"forged": 2}},
+            {**event, "agent_id": f"{ns}.other.o1", "state": "SUCCEEDED", "result": {"f": 3}},
+            {
+                **event,
+                "task_id": "fz-other",
+                "state": "FAILED",
+                "error": {"code": "X", "message": "x"},
+            },
+        ]
+        first: TaskStatusEvent | None = None
+        subject = protocol.task_status(me, task_id)
+        for body in _bodies(random.Random(SEED), bases, N):
+            with contextlib.suppress(ValueError):
+                ev = TaskStatusEvent.model_validate_json(body)
+                if (
+                    first is None
+                    and ev.state.final
+                    and (ev.task_id, ev.attempt, ev.agent_id) == (task_id, 1, me)
+                ):
+                    first = ev
+            await mesh.nc.publish(subject, body)
+        await mesh.nc.flush()
+        await asyncio.sleep(0.2)
+        release.set()
+        result = await mesh.workflow(wf_id, timeout=20)
+    (step,) = result.steps
+    if first is None:
+        assert (result.state, step.state, step.result) == (
+            TaskState.SUCCEEDED,
+            TaskState.SUCCEEDED,
+            {"true": 1},
+        ), result
+    else:
+        assert step.state is first.state and step.result == first.result, (first, result)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [f"{r.name}: {r.getMessage()[:300]}" for r in errors]
