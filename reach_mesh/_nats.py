@@ -29,12 +29,14 @@ log = logging.getLogger("reach_mesh.nats")
 _SCHEMES: Final = ("nats", "tls", "ws", "wss")
 #: While NATS is gone, one log line per this many seconds (nats-py retries every 0.25 s).
 _GONE_LOG_INTERVAL: Final = 30.0
-#: Slow-consumer drops (the server or nats-py discarding messages a subscription did not read
-#: in time) are logged at most once per this many seconds per connection, with their count.
+#: Slow-consumer drops (nats-py discarding messages a subscription did not read in time): the
+#: first is logged at once, later ones counted and logged every this many seconds.
 _SLOW_LOG_INTERVAL: Final = 10.0
-#: What a broken or refused connection raises; any other error nats-py hands to ``error_cb``
-#: was raised by one of our message callbacks (nats-py catches those and passes them on).
+#: What a broken, refused or closing connection raises (also inside our callbacks).
 _TRANSPORT_ERRORS: Final = (nats.errors.Error, OSError, EOFError, TimeoutError)
+#: Where nats-py runs a subscription's callback: an error it catches there (and hands to
+#: ``error_cb``) has this frame first in its traceback.
+_CALLBACK_RUNNER: Final = "_wait_for_msgs"
 
 
 async def connect(
@@ -138,6 +140,12 @@ async def _diagnose(servers: list[str], err: BaseException) -> str:
     return "; ".join(dict.fromkeys(causes))
 
 
+def _from_callback(err: BaseException) -> bool:
+    """Whether a subscription's message callback raised ``err`` (not the connection)."""
+    tb = err.__traceback__
+    return tb is not None and tb.tb_frame.f_code.co_name == _CALLBACK_RUNNER
+
+
 class _Watch:
     """Logs what happens to a connection in plain words, at a sane rate: once when NATS is
     gone, every ``_GONE_LOG_INTERVAL`` seconds while it stays gone, once when it is back."""
@@ -156,29 +164,25 @@ class _Watch:
         self.on_reconnect: Callable[[], None] | None = None
         self._logged_at = 0.0
         self._failures = 0
+        #: Slow-consumer drops counted since the last report, the last subject, the report timer.
         self._slow = 0
-        self._slow_logged_at = -_SLOW_LOG_INTERVAL
+        self._slow_subject = ""
+        self._slow_timer: asyncio.TimerHandle | None = None
+        #: When an error while connected was last logged (rate-limited like the gone ones).
+        self._noted_at = -_GONE_LOG_INTERVAL
 
     async def error(self, err: Exception) -> None:
         self.last_error = err
-        if not isinstance(err, _TRANSPORT_ERRORS):
-            # A bug in a handler, not the network: nats-py would only hand it to us.
+        if not isinstance(err, _TRANSPORT_ERRORS) and _from_callback(err):
+            # One of our message callbacks raised, and nats-py handed it over: a bug, not the
+            # network. That message is lost; the subscription goes on.
             log.error("%s: a NATS message callback failed", self.name, exc_info=err)
             return
         if isinstance(err, nats.errors.SlowConsumerError):
-            self._slow += 1
-            now = time.monotonic()
-            if now - self._slow_logged_at >= _SLOW_LOG_INTERVAL:
-                log.warning(
-                    "%s: slow consumer: %d message(s) dropped (the last on %s)",
-                    self.name,
-                    self._slow,
-                    err.subject,
-                )
-                self._slow_logged_at = now
-                self._slow = 0
+            self._slow_consumer(err.subject)
             return
-        if "permissions violation" in str(err).lower():
+        refused = "permissions violation" in str(err).lower()
+        if refused:
             # The server refusing this identity a subject (secure mode, docs/security.md).
             log.warning("NATS refused %s: %s", self.name, err)
         if not self.connected and (
@@ -188,10 +192,17 @@ class _Watch:
         ):
             self.refusal = err
             self.refused.set()
-        if not self.connected or self._down_since is None:
+        if not self.connected:
+            return
+        now = time.monotonic()
+        if self._down_since is None:
+            # Connected: a callback's own transport error, a server -ERR, a websocket or creds
+            # error on the way to a reconnect. Worth a line, not a flood.
+            if not refused and now - self._noted_at >= _GONE_LOG_INTERVAL:
+                self._noted_at = now
+                log.warning("%s: NATS error: %r", self.name, err)
             return
         self._failures += 1
-        now = time.monotonic()
         if now - self._logged_at >= _GONE_LOG_INTERVAL:
             self._logged_at = now
             log.warning(
@@ -203,6 +214,37 @@ class _Watch:
                 self._failures,
                 err or type(err).__name__,
             )
+
+    def _slow_consumer(self, subject: str) -> None:
+        if self._slow_timer is None:
+            log.warning(
+                "%s: slow consumer: a message on %s dropped (a subscription fell behind; more "
+                "drops are counted and reported every %g s)",
+                self.name,
+                subject,
+                _SLOW_LOG_INTERVAL,
+            )
+            loop = asyncio.get_running_loop()
+            self._slow_timer = loop.call_later(_SLOW_LOG_INTERVAL, self._slow_report)
+            return
+        self._slow += 1
+        self._slow_subject = subject
+
+    def _slow_report(self) -> None:
+        if not self._slow:
+            self._slow_timer = None
+            return
+        log.warning(
+            "%s: slow consumer: %d more message(s) dropped in %g s (the last on %s)",
+            self.name,
+            self._slow,
+            _SLOW_LOG_INTERVAL,
+            self._slow_subject,
+        )
+        self._slow = 0
+        self._slow_timer = asyncio.get_running_loop().call_later(
+            _SLOW_LOG_INTERVAL, self._slow_report
+        )
 
     async def disconnected(self) -> None:
         if not self.connected or self._down_since is not None:

@@ -223,6 +223,8 @@ async def test_mutated_and_garbage_input_on_every_surface_is_refused_and_loses_n
         ),
         "status": (protocol.task_status(me, "fz-1"), [status]),
         "route_batch": (protocol.hub_subject(ns, "route_batch"), [route]),
+        # A micro endpoint published to (no reply subject: nobody to answer).
+        "micro agents": (protocol.micro_subject(wf_hub.hub_id, "agents"), [{}]),
     }
     stored: dict[str, tuple[str, list[Any], dict[str, str]]] = {
         "work": (protocol.work_subject(ns, me), [env], {}),

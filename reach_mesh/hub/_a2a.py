@@ -1,5 +1,5 @@
 """A2A (the official ``a2a-sdk``) on the hub: one agent card per tenant namespace, whose skills
-are the live tools and capabilities of that namespace, and ``message/send`` routed as a task
+are the live tools and capabilities of that namespace, and ``SendMessage`` routed as a task
 through the mesh (proxy mode, routed by this hub as a request on ``reach.hub.<ns>.route``).
 A body that is not one JSON-RPC request object is answered here, before the SDK reads it.
 
@@ -243,7 +243,7 @@ class HubA2a:
             body = {"error": {"code": "REACH_UNKNOWN_NAMESPACE", "message": namespace}}
             await JSONResponse(body, 404)(scope, receive, send)
             return
-        if scope["method"] == "POST" and scope["path"].rstrip("/") == f"/a2a/{namespace}":
+        if scope["method"] == "POST" and _route_path(scope) in ("", "/"):
             # The JSON-RPC endpoint: read the body within the payload limit and answer a broken
             # envelope here, as JSON-RPC wants (the SDK would buffer any size, and log a
             # caller's malformed request as an error of its own, with a traceback).
@@ -273,16 +273,29 @@ class _CallerMistakes(logging.Filter):
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and record.msg in self.MESSAGES:
+        if (
+            record.levelno >= logging.ERROR
+            and isinstance(record.msg, str)
+            and record.msg in self.MESSAGES
+        ):
             err = record.exc_info[1] if record.exc_info else None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg = f"A2A request refused ({record.msg}): {err}"
-            record.args = None
+            record.msg, record.args = "A2A request refused (%s): %r", (record.msg, err)
             record.exc_info = record.exc_text = None
+            # The logger let it through as an ERROR: still wanted as a WARNING?
+            return logging.getLogger(record.name).isEnabledFor(logging.WARNING)
         return True
 
 
 logging.getLogger("a2a.server.routes.jsonrpc_dispatcher").addFilter(_CallerMistakes())
+
+
+def _route_path(scope: Scope) -> str:
+    """The path below the mount (``/a2a/<ns>``): Starlette keeps the full ``path`` and adds the
+    matched prefix to ``root_path``."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _rpc_error(rpc_id: Any, code: int, message: str) -> dict[str, Any]:
@@ -305,8 +318,8 @@ def _check_envelope(raw: bytes) -> dict[str, Any] | None:
         return _rpc_error(rpc_id, -32600, 'Invalid Request: "jsonrpc" must be "2.0"')
     if not isinstance(body.get("method"), str):
         return _rpc_error(rpc_id, -32600, "Invalid Request: method must be a string")
-    if not isinstance(body.get("params", {}), dict):
-        return _rpc_error(rpc_id, -32600, "Invalid Request: params must be an object")
+    if not isinstance(body.get("params", {}), dict | list):
+        return _rpc_error(rpc_id, -32600, "Invalid Request: params must be an object or array")
     extra = set(body) - _RPC_MEMBERS
     if extra:
         return _rpc_error(rpc_id, -32600, f"Invalid Request: unknown members {sorted(extra)}")

@@ -19,6 +19,7 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from reach_mesh import __version__, protocol
+from reach_mesh.errors import ReachError
 
 if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
@@ -45,14 +46,15 @@ async def start_micro(hub: Hub) -> Service:
 
     async def agents(request: Request) -> None:
         infos = hub.registry.infos(None)
-        await request.respond(
-            protocol.dumps(
-                {
-                    "hub_id": hub.hub_id,
-                    "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
-                }
-            )
+        body = protocol.dumps(
+            {
+                "hub_id": hub.hub_id,
+                "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
+            }
         )
+        # A publish without a reply subject (nobody to answer): nats-py raises ValueError.
+        with contextlib.suppress(ValueError):
+            await request.respond(body)
 
     await service.add_endpoint(
         EndpointConfig(
@@ -81,8 +83,8 @@ async def discover_hubs(nc: Any, wait: float = 0.5) -> list[dict[str, Any]]:
             except Exception:  # nats' TimeoutError: the window is over
                 break
             if msg.data:  # not the server's "no responders" status
-                with contextlib.suppress(ValueError, RecursionError):
-                    infos.append(json.loads(msg.data))
+                with contextlib.suppress(ReachError):
+                    infos.append(protocol.loads_object(msg.data))
     finally:
         await sub.unsubscribe()
 
