@@ -46,6 +46,12 @@ log = logging.getLogger("reach_mesh.jspub")
 #: How long a message given to :meth:`JsClient.later` waits for a request to ride along with.
 LINGER: Final = 0.005
 
+#: How long one request waits for its answer by default. Every caller retries a timeout (a
+#: publish carries a ``Nats-Msg-Id``, a KV write is a compare-and-set that tells a lost answer
+#: from a lost race: ``hub/_durable.py``), and an answer lost with a NATS node that died is
+#: waited for this long before the retry: 3 s is many times what a loaded server takes.
+REQUEST_TIMEOUT: Final = 3.0
+
 #: What a KV delete or purge leaves behind (the key reads as absent).
 _KV_OPERATION: Final = "KV-Operation"
 
@@ -72,7 +78,9 @@ def kv_subject(bucket: str, key: str) -> str:
 class JsClient:
     """Acked JetStream publishes for one connection (started and stopped with its owner)."""
 
-    def __init__(self, nc: NATS, *, timeout: float = 10.0, linger: float = LINGER) -> None:
+    def __init__(
+        self, nc: NATS, *, timeout: float = REQUEST_TIMEOUT, linger: float = LINGER
+    ) -> None:
         self._nc = nc
         self._timeout = timeout
         self._linger = linger

@@ -269,8 +269,7 @@ async def test_probe_reads_a_raw_agents_answer(
 
         sub = await mesh.nc.subscribe(protocol.agent_ctl(agent_id), cb=ctl)
         await mesh.nc.flush()  # the server has the subscription before the hub's probe
-        js = hub.nc.jetstream()
-        tracker = StatusTracker(hub.nc, js, hub.registry)
+        tracker = StatusTracker(hub.nc, hub.registry)
         rec = TaskRecord(
             task_id="raw-task",
             workflow_id="raw",

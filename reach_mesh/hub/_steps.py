@@ -428,6 +428,10 @@ class StepRunner:
         A ``step`` PENDING event says the attempt went out, unless the workflow's ``start``
         event named it already (attempt 1 to ``first_agents[index]``)."""
         await self._send(wf, index, step, rec, capability, payload)
+        if track.machine.state is TaskState.PENDING:
+            # Its delivery timeout counts from when the work message was stored: a send that
+            # took long (retried through a JetStream election) is no silence of the agent's.
+            track.dispatched_at = asyncio.get_running_loop().time()
         if rec.attempt != 1 or rec.agent_id != wf.first_agent(index):
             self._step_event(
                 wf, index, rec, TaskState.PENDING, attempt=rec.attempt, agent_id=rec.agent_id

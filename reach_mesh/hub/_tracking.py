@@ -25,7 +25,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from opentelemetry.trace import Span
 from pydantic import ValidationError
@@ -42,6 +41,11 @@ log = logging.getLogger("reach_mesh.hub.workflows")
 
 _RECENT: Final = 50_000
 _CTL_TIMEOUT: Final = 1.0
+#: How long reading a step's last status from ``REACH_STATUS`` may take. Only the stream's
+#: leader answers it, so through an election it gets no answer at all; the probe then asks the
+#: agent instead (the read is an optimisation: a status this hub missed). Was the connection's
+#: 10 s, which stalled every silent step that long while a NATS node was down.
+_STATUS_READ_TIMEOUT: Final = 1.0
 #: At most this many agents' last statuses are read when catching up on a step.
 _CATCH_UP_AGENTS: Final = 8
 
@@ -173,14 +177,13 @@ class StatusTracker:
     def __init__(
         self,
         nc: NATS,
-        js: JetStreamContext,
         registry: Registry,
         *,
         on_stale: Callable[[], None] | None = None,
     ) -> None:
         self._nc = nc
         self._on_stale = on_stale
-        self._js = js
+        self._js = nc.jetstream(timeout=_STATUS_READ_TIMEOUT)
         self._registry = registry
         self._tracks: dict[str, StepTrack] = {}
         #: Decided steps -> their deciding attempt, for duplicate detection.

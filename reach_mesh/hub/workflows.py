@@ -120,7 +120,6 @@ class WorkflowEngine(StepRunner):
         self._status_sub: Subscription | None = None
         self._tracker = StatusTracker(
             nc,
-            js,
             registry,
             on_stale=None if metrics is None else metrics.stale_result_total.inc,
         )
