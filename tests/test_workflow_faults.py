@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -459,3 +460,54 @@ async def test_the_same_workflow_id_in_two_namespaces_runs_in_both(
         assert fleet.runs == {"same-id-0": 1} and there.runs == {"same-id-0": 1}
     finally:
         await there.close()
+
+
+async def test_a_step_record_moved_under_its_owner_is_resumed_at_once(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A hub that lost a workflow (it woke up, or outlived its consumer through an election)
+    writes a step's record; the owner's next compare-and-set on it fails. The workflow record
+    is still the owner's, so nobody else would resume the workflow before the ack wait (8 s
+    here): the owner hands the submission back at once, and it is resumed from the records."""
+    s = wf_settings.model_copy(update={"workflow_ack_wait": 8.0})
+    ns = s.namespace
+    failing, tampered = asyncio.Event(), asyncio.Event()
+    agent = fleet.agent("nown.a1")
+    runs: list[int] = []
+
+    @agent.handler("wf:nown:v1")
+    async def flaky(task: Task[Any]) -> Any:
+        runs.append(task.attempt)
+        if task.attempt == 1:
+            failing.set()
+            await tampered.wait()
+            raise TaskFailed("first attempt fails", retryable=True)
+        return {"attempt": task.attempt}
+
+    async with Hub(settings=s) as hub, Client(settings=s) as mesh:
+        await agent.start()
+        await eventually(lambda: agent.agent_id in hub.registry.agents)
+        wf_id = await mesh.submit_fanout(
+            [Step(agent_id=agent.agent_id, task_id="nown-step", retries=1)], timeout=30
+        )
+        await asyncio.wait_for(failing.wait(), 10)
+        # What a stale hub would write: the step's record, before the owner records attempt 2.
+        kv = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+        stale = TaskRecord(
+            task_id="nown-step",
+            workflow_id=wf_id,
+            step=0,
+            namespace=ns,
+            attempt=1,
+            agent_id=agent.agent_id,
+            created_at=time.time(),
+            updated_at=time.time(),
+        )
+        await kv.put(protocol.task_key(ns, "nown-step"), protocol.encode(stale))
+        t0 = asyncio.get_running_loop().time()
+        tampered.set()
+        result = await mesh.workflow(wf_id, timeout=20)
+        took = asyncio.get_running_loop().time() - t0
+    assert result.state is TaskState.SUCCEEDED, result.model_dump_json()
+    assert result.steps[0].result == {"attempt": 2}
+    assert took < 5.0, f"resumed after {took:.1f} s: it waited for the ack wait"

@@ -302,6 +302,15 @@ class WorkflowEngine(StepRunner):
                 result = await self._store(wf, result)
             await self._publish_done(wf, result)
         except NotOwnerError:
+            if await self._still_owner(wf):
+                # A task record moved under us while the workflow record is still ours: a hub
+                # that lost the workflow wrote it (it woke up, or outlived its consumer through
+                # an election). Nobody would resume the workflow before the ack wait: hand it
+                # back now, and whoever takes it resumes from the records.
+                log.warning("workflow %s: a step's record moved under its owner; resuming", wf.id)
+                with contextlib.suppress(Exception):
+                    await msg.nak()
+                return
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
         except _ConflictError:
@@ -325,6 +334,18 @@ class WorkflowEngine(StepRunner):
         self._jsc.ack_later(msg)
         if not stored:
             self._count_done(wf.spec.kind, result)
+
+    async def _still_owner(self, wf: Workflow) -> bool:
+        """Whether the workflow record is still at the revision this hub last wrote (no other
+        hub took the workflow over since). False when it cannot be read."""
+        kv = self._wf_kv
+        if wf.rev == 0 or kv is None:
+            return False  # it lost the takeover itself
+        try:
+            got = await _durable.get(kv, protocol.workflow_key(wf.ns, wf.id))
+        except Exception:
+            return False
+        return got is not None and got[1] == wf.rev
 
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
