@@ -18,8 +18,7 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
    event of each of its subjects back to rebuild its idempotency table.
 
 Concurrency is the agent's own: the same semaphore and counters as request-reply tasks, and at
-most ``max_concurrency + max_queue`` work messages are held at once until their handlers end
-(their final statuses may still be being stored meanwhile, within ``max_ack_pending``).
+most ``max_concurrency + max_queue`` work messages are held at once.
 """
 
 from __future__ import annotations
@@ -541,12 +540,7 @@ class WorkConsumer:
             done.set_result(reply)
         self._held.pop(env.task_id, None)
         _quiet(held)  # the final status implies ACCEPTED
-        # The handler is done: its pull slot is free now, not once the final status is stored.
-        # Through an election of REACH_STATUS storing it can take seconds, while the status
-        # itself reaches the hubs at once and the workflow moves on; the unacked messages stay
-        # bounded by the consumer's max_ack_pending.
-        self._release()
-        await self._final(held.env, held.headers, reply, [held.msg, *held.extra], release=False)
+        await self._final(held.env, held.headers, reply, [held.msg, *held.extra])
 
     async def _fenced_since(self, held: _Held) -> bool:
         """True when the step's record, read again because its first reading is old, says the
@@ -561,17 +555,10 @@ class WorkConsumer:
         return record is not None and superseded(record, env, self._agent.agent_id)
 
     async def _final(
-        self,
-        env: TaskEnvelope,
-        headers: dict[str, str],
-        reply: TaskReply,
-        msgs: list[Msg],
-        *,
-        release: bool = True,
+        self, env: TaskEnvelope, headers: dict[str, str], reply: TaskReply, msgs: list[Msg]
     ) -> None:
         """Publish the final status (stored by JetStream: it is also what a restart of this
-        agent reads back), then ack; then free the message's pull slot (``release``) unless
-        the caller did."""
+        agent reads back), then ack."""
         assert self._jsc is not None
         jsc = self._jsc
         event = _event(env, reply.state, self._agent.agent_id, reply=reply)
@@ -616,8 +603,7 @@ class WorkConsumer:
                 # The outcome is stored: the ack is not urgent (nothing waits on it), so it
                 # rides along with this connection's next JetStream request (``later``).
                 jsc.ack_later(m)
-        if release:
-            self._release()
+        self._release()
 
     def _say_accepted(self, held: _Held) -> None:
         held.accepted_timer = None
