@@ -35,6 +35,11 @@ SLACK = 1.0
 #: to an agent that was killed is redelivered to its restarted process (after the kill, the
 #: restart and the work ack wait) while the hub, having lost the old process, sends the next.
 PRIOR = 5.0
+#: A run whose handler's first line came this soon (s) after its own agent woke from a pause
+#: was decided before the pause: the SDK had passed the fence and was starting the handler
+#: when SIGSTOP landed (nothing can notice a pause in between). It is the at-least-once
+#: window of an agent paused after its handler started, seen from the handler's first line.
+WOKE = 0.05
 
 
 @dataclass(frozen=True)
@@ -200,8 +205,19 @@ def _matches(expected: Expected, got: Outcome) -> bool:
 
 def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
     """Why a handler ran again for a step that already ran: an agent fault of an earlier run's
-    agent from ``PRIOR`` s before that run's start to this one's (``agent``), else a hub fault
-    from ``SLACK`` s before (``hub``), else ``None``."""
+    agent from ``PRIOR`` s before that run's start to this one's (``agent``); or this run's
+    own agent paused since before an earlier run started, this run's first line within
+    ``WOKE`` s of its waking (``agent``: decided before the pause, see ``WOKE``); else a hub
+    fault from ``SLACK`` s before (``hub``); else ``None``."""
+    for f in faults:
+        if (
+            f.kind == "agent_stop"
+            and f.target == dup.agent_id
+            and f.until is not None
+            and f.until <= dup.start <= f.until + WOKE
+            and any(prev.attempt > dup.attempt and f.at <= prev.start for prev in earlier)
+        ):
+            return "agent"
     for kinds, tag, before in ((AGENT_FAULTS, "agent", PRIOR), (HUB_FAULTS, "hub", SLACK)):
         for prev in earlier:
             for f in faults:

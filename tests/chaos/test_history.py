@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from .history import Expected, Fault, History, Run, check, load, read_runs
 
 WF = "wf1"
@@ -165,6 +167,36 @@ def test_an_attempt_redelivered_to_the_restarted_agent_is_explained() -> None:
     h.faults.append(Fault("agent_kill", "ns.a.a2", 1.0 - 2.2))
     rep = check(h)
     assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0
+
+
+def test_a_stale_attempt_started_as_its_agent_woke_is_explained() -> None:
+    """Seed 24, agent_stop: the agent passed attempt 1's fence and was starting its handler
+    when SIGSTOP landed; the hub gave the attempt up and attempt 2 ran elsewhere; the handler's
+    first line ran 0.3 ms after SIGCONT."""
+    h = clean()
+    h.runs[1] = run(1, "ns.a.a2", 10.0, attempt=2)
+    h.runs.append(run(1, "ns.a.a3", 14.5003, attempt=1, outcome="cancelled"))
+    h.faults.append(Fault("agent_stop", "ns.a.a3", 6.0, until=14.5))
+    rep = check(h)
+    assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0
+
+
+@pytest.mark.parametrize(
+    ("start", "attempt", "paused_at"),
+    [
+        (14.6, 1, 6.0),  # 100 ms after waking: decided after the pause
+        (14.5003, 3, 6.0),  # a later attempt than the run before: not a stale one
+        (14.5003, 1, 10.5),  # paused after the other run started: it knew nothing then
+    ],
+)
+def test_a_run_after_its_agent_woke_is_not_explained_otherwise(
+    start: float, attempt: int, paused_at: float
+) -> None:
+    h = clean()
+    h.runs[1] = run(1, "ns.a.a2", 10.0, attempt=2)
+    h.runs.append(run(1, "ns.a.a3", start, attempt=attempt))
+    h.faults.append(Fault("agent_stop", "ns.a.a3", paused_at, until=14.5))
+    assert check(h).dup_unexplained == 1
 
 
 def test_duplicate_run_around_a_hub_crash_is_counted_apart() -> None:
