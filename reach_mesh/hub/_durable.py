@@ -15,8 +15,10 @@ Retrying a write is only safe when a repeat is harmless:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final
 
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
@@ -25,6 +27,9 @@ from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying, transient
 
 __all__ = ["Bucket", "RetriesExhausted", "cas", "create", "get", "retrying", "transient"]
+
+#: Pauses before each read that checks whether a write whose answer was lost landed (s).
+_READ_BACK: Final = (0.0, 0.1, 0.3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,10 +69,13 @@ class _Write:
                 return int(await b.kv.create(self.key, self.data))
         except KeyWrongLastSequenceError:
             if not first:
-                # Our earlier try may have landed before its answer was lost.
-                got = await get(b, self.key)
-                if got is not None and got[0] == self.data:
-                    return got[1]
+                # Our earlier try may have landed before its answer was lost. The read may
+                # reach a replica that has not applied it yet: look again a moment later.
+                for pause in _READ_BACK:
+                    await asyncio.sleep(pause)
+                    got = await get(b, self.key)
+                    if got is not None and got[0] == self.data:
+                        return got[1]
             raise
 
 

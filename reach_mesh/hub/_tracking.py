@@ -46,6 +46,9 @@ _CTL_TIMEOUT: Final = 1.0
 #: agent instead (the read is an optimisation: a status this hub missed). Was the connection's
 #: 10 s, which stalled every silent step that long while a NATS node was down.
 _STATUS_READ_TIMEOUT: Final = 1.0
+#: ... except before giving up an attempt whose agent is gone: then an unanswered read is
+#: made again with this patience (a slow leader may hold the outcome that decides the step).
+_STATUS_READ_PATIENT: Final = 10.0
 #: At most this many agents' last statuses are read when catching up on a step.
 _CATCH_UP_AGENTS: Final = 8
 
@@ -184,6 +187,7 @@ class StatusTracker:
         self._nc = nc
         self._on_stale = on_stale
         self._js = nc.jetstream(timeout=_STATUS_READ_TIMEOUT)
+        self._js_patient = nc.jetstream(timeout=_STATUS_READ_PATIENT)
         self._registry = registry
         self._tracks: dict[str, StepTrack] = {}
         #: Decided steps -> their deciding attempt, for duplicate detection.
@@ -367,43 +371,57 @@ class StatusTracker:
     # ------------------------------------------------------------------ asking
 
     async def last_status(
-        self, ns: str, task_id: str, agent_id: str | None = None
+        self, ns: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
     ) -> TaskStatusEvent | None:
         """The newest status event of a task in ``REACH_STATUS``: from ``agent_id``, or from
-        any agent of ``ns`` when None."""
+        any agent of ``ns`` when None. Raises when the stream did not answer (in
+        ``_STATUS_READ_TIMEOUT``, or ``_STATUS_READ_PATIENT`` when ``patient``)."""
         sender = agent_id if agent_id is not None else f"{ns}.*.*"
+        js = self._js_patient if patient else self._js
         try:
-            raw = await self._js.get_last_msg(
+            raw = await js.get_last_msg(
                 protocol.STREAM_STATUS, protocol.task_status(sender, task_id)
             )
         except NotFoundError:
-            return None
-        except Exception:
-            log.debug("cannot read the last status of %s", task_id, exc_info=True)
             return None
         ident = protocol.status_identity(raw.subject or "")
         if ident is None or not raw.data:
             return None
         return self._authentic(ident[0], raw.data)
 
-    async def catch_up(self, track: StepTrack) -> None:
+    async def catch_up(self, track: StepTrack, *, patient: bool = False) -> bool:
         """Apply the newest stored status from each agent the step was sent to (newest attempt
         first): statuses this hub missed — sent while another hub owned the workflow, or while
-        the subscription was cut off — are outcomes like any other."""
+        the subscription was cut off — are outcomes like any other. False when a read went
+        unanswered (a JetStream election): a status may be stored that it did not see."""
         agents = list(dict.fromkeys(a for _, a in sorted(track.sent.items(), reverse=True)))
+        complete = True
         for agent_id in agents[:_CATCH_UP_AGENTS]:
-            last = await self.last_status(track.namespace, track.task_id, agent_id)
+            try:
+                last = await self.last_status(
+                    track.namespace, track.task_id, agent_id, patient=patient
+                )
+            except Exception as err:
+                log.debug("cannot read the last status of %s: %r", track.task_id, err)
+                complete = False
+                continue
             if last is not None:
                 self.offer(track, last)
+        return complete
 
     async def probe(self, track: StepTrack) -> Verdict:
-        """Silence on the current attempt: read the status stream, then ask its agent."""
-        await self.catch_up(track)
+        """Silence on the current attempt: read the status stream, then ask its agent. Before
+        the attempt is given up for an agent gone, an unanswered read is made again, patiently:
+        the outcome it may hold decides the step, and a step must not run again for it."""
+        complete = await self.catch_up(track)
         if track.final is not None:
             return "done"
-        if track.agent_id is None:
-            return "gone"
-        return await self._ask(track, track.agent_id, fence=track.attempt)
+        verdict: Verdict = "gone"
+        if track.agent_id is not None:
+            verdict = await self._ask(track, track.agent_id, fence=track.attempt)
+        if verdict == "gone" and not complete and track.final is None:
+            await self.catch_up(track, patient=True)
+        return "done" if track.final is not None else verdict
 
     async def recheck(self, track: StepTrack, attempt: int, agent_id: str) -> None:
         """Ask again about an attempt just given up on, *after* the next one is recorded.

@@ -44,7 +44,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
-from reach_mesh._jspub import JsClient
+from reach_mesh._jspub import JsClient, kv_subject
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -336,16 +336,18 @@ class WorkflowEngine(StepRunner):
             self._count_done(wf.spec.kind, result)
 
     async def _still_owner(self, wf: Workflow) -> bool:
-        """Whether the workflow record is still at the revision this hub last wrote (no other
-        hub took the workflow over since). False when it cannot be read."""
-        kv = self._wf_kv
-        if wf.rev == 0 or kv is None:
+        """Whether the workflow record is still at the revision this hub last wrote, naming
+        this hub (no other hub took the workflow over since). Read from the stream's leader,
+        not a replica that may lag. False when it cannot be read."""
+        if wf.rev == 0:
             return False  # it lost the takeover itself
+        subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(wf.ns, wf.id))
         try:
-            got = await _durable.get(kv, protocol.workflow_key(wf.ns, wf.id))
+            raw = await self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject)
+            record = WorkflowRecord.model_validate_json(raw.data or b"")
         except Exception:
             return False
-        return got is not None and got[1] == wf.rev
+        return raw.seq == wf.rev and record.owner == self.hub_id
 
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
