@@ -389,38 +389,43 @@ class StatusTracker:
             return None
         return self._authentic(ident[0], raw.data)
 
-    async def catch_up(self, track: StepTrack, *, patient: bool = False) -> bool:
+    async def catch_up(
+        self, track: StepTrack, agents: list[str] | None = None, *, patient: bool = False
+    ) -> list[str]:
         """Apply the newest stored status from each agent the step was sent to (newest attempt
-        first): statuses this hub missed — sent while another hub owned the workflow, or while
-        the subscription was cut off — are outcomes like any other. False when a read went
-        unanswered (a JetStream election): a status may be stored that it did not see."""
-        agents = list(dict.fromkeys(a for _, a in sorted(track.sent.items(), reverse=True)))
-        complete = True
-        for agent_id in agents[:_CATCH_UP_AGENTS]:
+        first; or from ``agents``): statuses this hub missed — sent while another hub owned the
+        workflow, or while the subscription was cut off — are outcomes like any other. Returns
+        the agents whose read went unanswered (a JetStream election): a status of theirs may be
+        stored that this hub did not see."""
+        if agents is None:
+            newest = sorted(track.sent.items(), reverse=True)
+            agents = list(dict.fromkeys(a for _, a in newest))[:_CATCH_UP_AGENTS]
+        unread = []
+        for agent_id in agents:
             try:
                 last = await self.last_status(
                     track.namespace, track.task_id, agent_id, patient=patient
                 )
             except Exception as err:
                 log.debug("cannot read the last status of %s: %r", track.task_id, err)
-                complete = False
+                unread.append(agent_id)
                 continue
             if last is not None:
                 self.offer(track, last)
-        return complete
+        return unread
 
     async def probe(self, track: StepTrack) -> Verdict:
         """Silence on the current attempt: read the status stream, then ask its agent. Before
         the attempt is given up for an agent gone, an unanswered read is made again, patiently:
         the outcome it may hold decides the step, and a step must not run again for it."""
-        complete = await self.catch_up(track)
+        unread = await self.catch_up(track)
         if track.final is not None:
             return "done"
         verdict: Verdict = "gone"
         if track.agent_id is not None:
             verdict = await self._ask(track, track.agent_id, fence=track.attempt)
-        if verdict == "gone" and not complete and track.final is None:
-            await self.catch_up(track, patient=True)
+        if verdict == "gone" and unread and track.final is None:
+            await self.catch_up(track, unread, patient=True)
         return "done" if track.final is not None else verdict
 
     async def recheck(self, track: StepTrack, attempt: int, agent_id: str) -> None:

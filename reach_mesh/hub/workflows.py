@@ -309,7 +309,9 @@ class WorkflowEngine(StepRunner):
                 # back now, and whoever takes it resumes from the records.
                 log.warning("workflow %s: a step's record moved under its owner; resuming", wf.id)
                 with contextlib.suppress(Exception):
-                    await msg.nak()
+                    # A moment's delay: a replica behind on that record would only bring the
+                    # same conflict straight back.
+                    await msg.nak(delay=0.1)
                 return
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
