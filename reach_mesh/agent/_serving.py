@@ -672,8 +672,6 @@ class ServingMixin:
                 data = protocol.dumps({"task_id": task_id, "cancelled": cancelled})
             else:
                 raise BadRequestError(f"unknown ctl op {op!r}")
-        except ValueError as err:
-            data = protocol.encode_error(BadRequestError(f"malformed JSON: {err}"))
         except ReachError as err:
             data = protocol.encode_error(err)
         await self._respond(_Request(msg.reply, None), data)
