@@ -127,3 +127,17 @@ async def test_token_auth(tmp_path: Path) -> None:
         with pytest.raises(MeshUnavailableError, match=server.url):
             await Client(settings=bad).connect()
         assert "s3cret" not in repr(good)
+
+
+def test_settle_freezes_startup_objects_and_collects_the_young_less_often() -> None:
+    """What the entry points do once started (``_runner.settle``), in a process of its own:
+    the collector's settings are process-wide."""
+    code = (
+        "import gc; from reach_mesh import _runner; before = gc.get_threshold(); "
+        "_runner.settle(); after = gc.get_threshold(); "
+        "print(gc.get_freeze_count() > 1000, after[0], after[1:] == before[1:])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.split() == ["True", "10000", "True"]
