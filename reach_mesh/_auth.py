@@ -120,6 +120,7 @@ def permissions(role: str, name: str) -> dict[str, Any]:
         agent_id = name
         ns = protocol.namespace_of(agent_id)
         durable = protocol.work_consumer(agent_id)
+        own_work = protocol.work_subject(ns, agent_id)
         work = protocol.STREAM_WORK
         status = protocol.STREAM_STATUS
         return {
@@ -135,8 +136,9 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     f"{_API}.INFO",
                     f"{_API}.STREAM.INFO.{work}",
                     f"{_API}.STREAM.INFO.{status}",
-                    f"{_API}.CONSUMER.DURABLE.CREATE.{work}.{durable}",
-                    f"{_API}.CONSUMER.CREATE.{work}.{durable}.>",
+                    # Created by name with its filter in the subject: its own work subject
+                    # only (a filter of its choosing would take other agents' steps).
+                    f"{_API}.CONSUMER.CREATE.{work}.{durable}.{own_work}",
                     f"{_API}.CONSUMER.INFO.{work}.{durable}",
                     f"{_API}.CONSUMER.MSG.NEXT.{work}.{durable}",
                     f"$JS.ACK.{work}.{durable}.>",
@@ -287,12 +289,18 @@ class AuthDir:
         )
         return out
 
+    def rewrite(self) -> None:
+        """Write auth.conf again from the identities issued: the permissions of this version
+        of reach-mesh (they are computed from role and name, never stored)."""
+        self.auth_conf.write_text(auth_config(self.identities()))
+
     def add(self, role: str, name: str) -> Identity:
         """Issue (or return the existing) identity ``role``/``name`` and rewrite auth.conf."""
         validate_identity(role, name)
         known = self.identities()
         for ident in known:
             if ident.role == role and ident.name == name:
+                self.rewrite()
                 return ident
         self.path.mkdir(parents=True, exist_ok=True)
         seed, public = new_seed()

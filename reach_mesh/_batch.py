@@ -43,6 +43,15 @@ _PLAIN_FOR: Final = 60.0
 log = logging.getLogger("reach_mesh.batch")
 
 
+def private_inbox(nc: NATS) -> str:
+    """A subject of ``nc``'s inbox space for replies to it: its inbox prefix and 64 random
+    bits. Not nats-py's ``new_inbox()``: its NUIDs come from one generator, so an identity that
+    sees one of them (agents see where they answer) could follow it to the reply subjects of
+    nats-py's own requests, whose answers it may publish to (docs/security.md)."""
+    prefix = nc.new_inbox().rpartition(".")[0]
+    return f"{prefix}.{reply_token()}"
+
+
 def reply_token() -> str:
     """64 random bits from the OS for a reply subject: an agent sees the reply subjects of the
     requests it serves and may publish on reply subjects, so the next one must not be guessable
@@ -65,7 +74,7 @@ class Batcher:
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
-        self._prefix = nc.new_inbox() + "."
+        self._prefix = private_inbox(nc) + "."
         self._prefix_b = self._prefix.encode()
         self._futures: dict[str, asyncio.Future[bytes]] = {}
         self._open: dict[str, _Batch] = {}

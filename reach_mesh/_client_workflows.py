@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._client_fields import _consumer_name, _end_span, _reply_slack
+from reach_mesh._guard import refuse
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.errors import (
@@ -437,24 +438,71 @@ class WorkflowsMixin:
     async def _await_done(
         self, done: _Done, workflow_id: str, timeout: float
     ) -> tuple[WorkflowResult, bool]:
-        """The result and whether it came as the ``.done`` message (so its subscription is
-        over). ``done``: from :meth:`_done_subscription`."""
+        """The result and whether a message ended ``done``'s subscription (it is over then).
+        ``done``: from :meth:`_done_subscription`.
+
+        A message that is not the workflow's own announcement — a JetStream push consumer can
+        deliver anything stored to any subject (``reach_mesh/_guard.py``) — is dropped: the
+        wait goes on on a subscription of its own, after a look at the record (which only hubs
+        write)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        spent = False  # the caller's subscription had its one message
+        own: tuple[Subscription, _Done] | None = None
         try:
-            got = await asyncio.wait_for(done, timeout)
-        except TimeoutError as err:
-            # The record is the source of truth: the result may be stored while its .done
-            # announcement is still on the way (a hub died between the two).
-            found = await self._stored_result(workflow_id)
-            if found is not None:
-                return found, False
-            raise MeshTimeoutError(
-                f"no result for workflow {workflow_id} within {timeout:g}s "
-                "(it keeps running; `await mesh.workflow(id)` later)",
-                workflow_id=workflow_id,
-            ) from err
-        if isinstance(got, WorkflowResult):
-            return got, False  # read from the record after a reconnect (its .done was missed)
-        return WorkflowResult.model_validate_json(got.data), True
+            while True:
+                try:
+                    got = await asyncio.wait_for(done, max(0.0, deadline - loop.time()))
+                except TimeoutError as err:
+                    # The record is the source of truth: the result may be stored while its
+                    # .done announcement is still on the way (a hub died between the two).
+                    found = await self._stored_result(workflow_id)
+                    if found is not None:
+                        return found, spent
+                    raise MeshTimeoutError(
+                        f"no result for workflow {workflow_id} within {timeout:g}s "
+                        "(it keeps running; `await mesh.workflow(id)` later)",
+                        workflow_id=workflow_id,
+                    ) from err
+                if isinstance(got, WorkflowResult):
+                    # Read from the record after a reconnect (its .done was missed).
+                    return got, spent
+                spent = spent or own is None
+                result = self._announcement(got, workflow_id)
+                if result is not None:
+                    return result, spent
+                if own is not None:
+                    self._drop_done(own[1])  # spent too: its server-side interest is gone
+                own = await self._done_subscription(workflow_id)
+                done = own[1]
+                found = await self._stored_result(workflow_id)
+                if found is not None:
+                    return found, spent
+        finally:
+            if own is not None and not own[1].done():
+                self._drop_done(own[1])
+                with contextlib.suppress(Exception):
+                    await own[0].unsubscribe()
+
+    def _announcement(self, msg: Msg, workflow_id: str) -> WorkflowResult | None:
+        """The result ``msg`` announces, if it is the ``.done`` of ``workflow_id`` (its own
+        subject, a result of that workflow); None, counted and logged, otherwise."""
+        why = ""
+        if msg.subject != protocol.wf_done(self.namespace, workflow_id):
+            why = "not stored as this workflow's .done (a JetStream push delivery)"
+        elif not msg.data:
+            why = "an empty message (a JetStream push consumer's status)"
+        else:
+            try:
+                result = WorkflowResult.model_validate_json(msg.data)
+            except ValidationError:
+                why = "not a WorkflowResult"
+            else:
+                if result.workflow_id == workflow_id:
+                    return result
+                why = f"the result of another workflow ({result.workflow_id})"
+        refuse(msg, why)
+        return None
 
 
 def _follow(done: _Done, inner: asyncio.Future[Msg]) -> None:

@@ -29,6 +29,8 @@ from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
 from reach_mesh import protocol
+from reach_mesh._batch import private_inbox
+from reach_mesh._guard import refuse
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 
@@ -43,6 +45,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("reach_mesh.consume")
+
+#: What every JetStream delivery's reply subject (its ack subject) starts with.
+_ACK_PREFIX: Final = "$JS.ACK."
 
 _STATUS: Final = "Status"
 _PENDING: Final = "Nats-Pending-Messages"
@@ -87,7 +92,9 @@ class PullConsumer:
         return self._outstanding
 
     async def start(self) -> None:
-        self._inbox = self._nc.new_inbox()
+        # Unguessable: other identities may publish into this connection's inbox space (agents
+        # answer hubs there), and deliveries must come from JetStream only.
+        self._inbox = private_inbox(self._nc)
         self._sub = await self._nc.subscribe(self._inbox, cb=self._cb, pending_msgs_limit=-1)
         self._watchdog = asyncio.create_task(self._watch(), name="reach-pull-watchdog")
         self._maybe_pull()
@@ -125,6 +132,10 @@ class PullConsumer:
             if status not in ("404", "408"):
                 log.debug("pull on %s ended: %s %s", self._api, status, headers)
             self._maybe_pull()
+            return
+        if not msg.reply.startswith(_ACK_PREFIX):
+            # Not from JetStream (its deliveries carry their ack subject): never acked.
+            refuse(msg, "not a JetStream delivery (no $JS.ACK reply subject)")
             return
         self._outstanding = max(0, self._outstanding - 1)
         self._held += 1

@@ -37,7 +37,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponseError
 
-from reach_mesh._batch import reply_token
+from reach_mesh._batch import private_inbox, reply_token
 
 __all__ = ["Ack", "JsClient", "kv_subject"]
 
@@ -84,7 +84,7 @@ class JsClient:
         self._nc = nc
         self._timeout = timeout
         self._linger = linger
-        self._prefix = nc.new_inbox() + "."
+        self._prefix = private_inbox(nc) + "."
         self._futures: dict[str, asyncio.Future[Msg]] = {}
         self._sub: Subscription | None = None
         #: Messages given to ``later`` not sent yet, and the timer that sends them.
@@ -165,6 +165,15 @@ class JsClient:
         finally:
             timer.cancel()
             del self._futures[token]
+
+    async def ask(self, subject: str, body: bytes, *, timeout: float) -> Msg:
+        """A plain request with this client's random reply token (an identity that sees a
+        reply subject and may publish on reply subjects cannot guess the next one, as it could
+        nats-py's); ``NoRespondersError`` when nobody listens on ``subject``."""
+        msg = await self.request(subject, body, timeout=timeout)
+        if not msg.data and (msg.headers or {}).get("Status") == "503":
+            raise nats.errors.NoRespondersError
+        return msg
 
     async def publish(
         self,

@@ -14,6 +14,7 @@ import errno
 import importlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from reach_mesh import __version__, _runner, protocol
 from reach_mesh._auth import AuthDir
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
-from reach_mesh.errors import BadRequestError, ReachError
+from reach_mesh.errors import BadRequestError, NoMatchError, ReachError
 from reach_mesh.logs import configure_logging
 from reach_mesh.models import AgentInfo, RouteDecision
 from reach_mesh.server import EmbeddedNats
@@ -66,6 +67,8 @@ async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
     auth = AuthDir(secure).auth_conf if secure else None
     if auth is not None and not auth.exists():
         raise BadRequestError(f"{auth} not found: run `reach-mesh auth init {secure}` first")
+    if secure:
+        AuthDir(secure).rewrite()  # this version's permissions for the identities issued
     port = getattr(args, "nats_port", None)
     data_dir = getattr(args, "data_dir", None)
     if port is not None and port > 0 and not _port_free(port):
@@ -127,8 +130,14 @@ async def cmd_up(args: argparse.Namespace) -> int:
             "give each agent its own with `reach-mesh auth add-agent ID` instead"
         )
     async with _nats(args) as url, contextlib.AsyncExitStack() as stack:
+        made_token = False
         if args.secure:  # the hubs connect as the hub identity of the auth directory
             settings = AuthDir(args.secure).settings("hub", args.hub_name, nats_url=url)
+            if settings.http_token is None and args.http_port >= 0:
+                # With a NATS identity the HTTP API stays closed without a token: one for this
+                # run, printed below (in the dashboard's address) for the operator only.
+                settings = settings.model_copy(update={"http_token": secrets.token_urlsafe(24)})
+                made_token = True
         else:
             settings = _settings(args, nats_url=url)
         for i in range(args.hubs):
@@ -137,7 +146,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
             await _start_hub(stack, hub, port)
             line = f"  hub {hub.hub_id}"
             if hub.http_url:
-                line += f": dashboard {hub.http_url}/, metrics {hub.http_url}/metrics"
+                page = f"{hub.http_url}/" + (f"#token={settings.http_token}" if made_token else "")
+                line += f": dashboard {page}, metrics {hub.http_url}/metrics"
             print(line, flush=True)
         if args.demo:
             from reach_mesh.demo import demo_agents
@@ -343,28 +353,29 @@ async def cmd_reach(args: argparse.Namespace) -> int:
         payload = json.loads(args.payload) if args.payload else None
     except ValueError as err:
         raise BadRequestError(f"--payload is not valid JSON: {err}") from err
-    async with Client(settings=_settings(args), namespace=args.namespace) as c:
-        if args.dry_run:
-            decision = await c.route(
+    with _explained(args.dry_run or args.show_decision):
+        async with Client(settings=_settings(args), namespace=args.namespace) as c:
+            if args.dry_run:
+                decision = await c.route(
+                    agent_id=args.agent,
+                    capability=args.capability,
+                    selector=args.selector,
+                    strategy=args.strategy,
+                    session_id=args.session,
+                )
+                print_decision(decision)
+                return 0
+            res = await c.request(
                 agent_id=args.agent,
                 capability=args.capability,
                 selector=args.selector,
+                payload=payload,
+                timeout=args.timeout,
                 strategy=args.strategy,
                 session_id=args.session,
+                explain=args.show_decision,
+                mode=args.mode,
             )
-            print_decision(decision)
-            return 0
-        res = await c.request(
-            agent_id=args.agent,
-            capability=args.capability,
-            selector=args.selector,
-            payload=payload,
-            timeout=args.timeout,
-            strategy=args.strategy,
-            session_id=args.session,
-            explain=args.show_decision,
-            mode=args.mode,
-        )
     if args.show_decision and res.decision is not None:
         print_decision(res.decision)
     print(
@@ -383,6 +394,20 @@ async def cmd_reach(args: argparse.Namespace) -> int:
         )
     )
     return 0 if res.ok else 1
+
+
+@contextlib.contextmanager
+def _explained(explain: bool) -> Iterator[None]:
+    """With ``explain``: a no-match (which carries the hub's decision) prints that decision —
+    which filter removed each candidate — before its error line."""
+    try:
+        yield
+    except NoMatchError as err:
+        decision = err.details.get("decision")
+        if explain and isinstance(decision, dict):
+            with contextlib.suppress(ValueError):
+                print_decision(RouteDecision.model_validate(decision))
+        raise
 
 
 def print_decision(d: RouteDecision) -> None:

@@ -711,7 +711,7 @@ class Client(WorkflowsMixin):
                         continue
                     if not isinstance(event, dict):
                         continue
-                    if all(event.get(k) == v for k, v in wanted.items()):
+                    if all(_audit_matches(event, k, v) for k, v in wanted.items()):
                         event["seq"] = msg.metadata.sequence.stream
                         events.append(event)
                 if msg.metadata.num_pending == 0:
@@ -728,3 +728,12 @@ class Client(WorkflowsMixin):
         return await self._call_hub(
             ns or self.namespace, verb, protocol.dumps(body), inject({}), deadline, 5.0
         )
+
+
+def _audit_matches(event: dict[str, Any], key: str, value: object) -> bool:
+    """Whether an audit event matches one filter. An agent's events include the requests that
+    named it but were refused before it was chosen (no ``agent_id`` then: it is their
+    ``target``)."""
+    if event.get(key) == value:
+        return True
+    return key == "agent_id" and event.get("agent_id") is None and event.get("target") == value

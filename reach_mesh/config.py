@@ -36,7 +36,8 @@ class MeshSettings(BaseModel):
     #: ``reach-mesh auth`` writes it, and the private prefix of its reply subjects
     #: (``_INBOX.<role>.<name>``: the server lets no other identity subscribe there).
     nats_nkey_seed: str | None = None
-    nats_inbox_prefix: str | None = None
+    #: ``_INBOX`` or under ``_INBOX.``: hubs and agents answer nowhere else (docs/security.md).
+    nats_inbox_prefix: str | None = Field(default=None, pattern=r"^_INBOX(\.[!-)+-\-/-=?-~]+)*$")
     #: TLS: CA bundle to verify the server, and a client certificate/key for mutual TLS.
     #: ``tls://`` URLs use the system CAs when no bundle is given.
     nats_tls_ca: str | None = None

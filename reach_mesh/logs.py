@@ -23,6 +23,7 @@ from reach_mesh.tracing import current_trace_id
 __all__ = [
     "IDENTITY_REJECTED",
     "LEASE_EXPIRED",
+    "MESSAGE_REFUSED",
     "QUARANTINE",
     "ROUTE_LATENCY",
     "SELECT_EMPTY",
@@ -45,6 +46,10 @@ IDENTITY_REJECTED: Final = "REACH-IDENTITY-REJECTED"
 """A message spoke for another identity than its subject names, or used a hub-only code: refused
 (docs/security.md)."""
 
+MESSAGE_REFUSED: Final = "REACH-MESSAGE-REFUSED"
+"""A message was dropped unread: it named a reply subject outside ``_INBOX.``, or it was not a
+message of the subscription it came on (a JetStream push delivery; docs/security.md)."""
+
 # Default level per keyword: the three that mean "something is not reachable" are warnings.
 _EVENT_LEVELS: Final[Mapping[str, int]] = {
     SELECT_EMPTY: logging.WARNING,
@@ -52,6 +57,7 @@ _EVENT_LEVELS: Final[Mapping[str, int]] = {
     QUARANTINE: logging.WARNING,
     ROUTE_LATENCY: logging.INFO,
     IDENTITY_REJECTED: logging.WARNING,
+    MESSAGE_REFUSED: logging.WARNING,
 }
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=`` and is a field.

@@ -29,6 +29,7 @@ __all__ = [
     "CAPABILITY_RE",
     "DEFAULT_NAMESPACE",
     "HUB_QUEUE",
+    "INBOX_PREFIX",
     "KV_AGENTS",
     "KV_HEARTBEATS",
     "KV_TASKS",
@@ -55,6 +56,7 @@ __all__ = [
     "hub_broadcast",
     "hub_subject",
     "identity_of",
+    "is_inbox",
     "join_answers",
     "namespace_of",
     "parse_reply",
@@ -234,6 +236,19 @@ def agent_task(agent_id: str) -> str:
 REPLY_SUBJECT_RE: Final = re.compile(rb"[!-)+-\-/-=?-~]{1,256}(?:\.[!-)+-\-/-=?-~]{1,256}){0,15}")
 
 
+#: Where every requester's answers go: nats-py's default inbox prefix is ``_INBOX``, and each
+#: secure identity's is ``_INBOX.<role>.<name>`` (``nats_inbox_prefix`` must start with it).
+INBOX_PREFIX: Final = "_INBOX."
+_INBOX_B: Final = INBOX_PREFIX.encode()
+
+
+def is_inbox(subject: str) -> bool:
+    """Whether ``subject`` may be answered on: under ``_INBOX.``. A requester names its own
+    reply subject and NATS checks it against nothing, while a hub may publish where answers
+    must never go (``$KV.>``, ``$JS.API.>``, ``reach.>``): hubs and agents answer only here."""
+    return subject.startswith(INBOX_PREFIX)
+
+
 def batch_line(reply: str, traceparent: str, body: bytes) -> bytes:
     """One request of a batch: ``<reply subject> <traceparent> <body>`` (docs/protocol.md)."""
     return b" ".join((reply.encode(), traceparent.encode(), body))
@@ -241,12 +256,16 @@ def batch_line(reply: str, traceparent: str, body: bytes) -> bytes:
 
 def split_batch(data: bytes) -> tuple[list[tuple[str, str, bytes]], int]:
     """The requests of a batch message as (reply subject, traceparent, body), and how many lines
-    could not be used (no valid reply subject: nobody to answer)."""
+    could not be used (no valid reply subject under ``_INBOX.``: nobody to answer)."""
     requests = []
     malformed = 0
     for line in data.split(b"\n"):
         parts = line.split(b" ", 2)
-        if len(parts) != 3 or not REPLY_SUBJECT_RE.fullmatch(parts[0]):
+        if (
+            len(parts) != 3
+            or not parts[0].startswith(_INBOX_B)
+            or not REPLY_SUBJECT_RE.fullmatch(parts[0])
+        ):
             malformed += 1
             continue
         reply, traceparent, body = parts

@@ -134,3 +134,65 @@ async def test_ack_later_acks_with_the_next_flush(nats_url: str) -> None:
     finally:
         await pub.stop()
         await nc.close()
+
+
+async def test_ask_has_an_unguessable_reply_and_knows_no_responders(nats_url: str) -> None:
+    """``JsClient.ask``: a plain request whose reply subject carries 64 random bits (not a
+    nats-py NUID); nobody listening is ``NoRespondersError``, not an empty answer."""
+    nc = await nats.connect(nats_url)
+    jsc = JsClient(nc, timeout=2.0)
+    await jsc.start()
+    subject = f"ask.{uuid.uuid4().hex}"
+    seen: list[str] = []
+
+    async def echo(msg: Msg) -> None:
+        seen.append(msg.reply)
+        await msg.respond(msg.data)
+
+    try:
+        with pytest.raises(nats.errors.NoRespondersError):
+            await jsc.ask(subject, b"x", timeout=2)
+        sub = await nc.subscribe(subject, cb=echo)
+        await nc.flush()
+        assert (await jsc.ask(subject, b"one", timeout=2)).data == b"one"
+        assert (await jsc.ask(subject, b"two", timeout=2)).data == b"two"
+        await sub.unsubscribe()
+        nuid = nc.new_inbox().rpartition(".")[2]
+        for reply in seen:
+            prefix, _, token = reply.rpartition(".")
+            assert len(token) == 16 and int(token, 16) >= 0  # 64 random bits
+            assert nuid[:12] not in prefix  # nats-py's NUID generator is nowhere in it
+    finally:
+        await jsc.stop()
+        await nc.close()
+
+
+async def test_pull_consumer_takes_only_jetstream_deliveries(nats_url: str) -> None:
+    """Its inbox is unguessable, and a message published into it (not a delivery: no
+    ``$JS.ACK`` reply subject) is dropped, never handed over nor acked."""
+    from nats.js.api import ConsumerConfig
+
+    from reach_mesh._consume import PullConsumer
+    from reach_mesh._guard import refused_total
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    name = f"PULL_{uuid.uuid4().hex[:8]}"
+    got: list[Msg] = []
+    pull = PullConsumer(nc, name, "c", got.append, 4)
+    try:
+        await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
+        await js.add_consumer(name, ConsumerConfig(durable_name="c", ack_policy="explicit"))
+        await pull.start()
+        inbox = pull._inbox
+        assert len(inbox.rpartition(".")[2]) == 16
+        refused = refused_total()
+        await nc.publish(inbox, b"forged", reply=f"$KV.x.{name}")
+        await nc.publish(inbox, b"forged")
+        await js.publish(f"{name.lower()}.a", b"real")
+        await eventually(lambda: len(got) == 1)
+        assert got[0].data == b"real" and got[0].reply.startswith("$JS.ACK.")
+        assert refused_total() == refused + 2
+    finally:
+        await pull.stop()
+        await nc.close()

@@ -4,8 +4,10 @@ that names the fix, exit code 2, no traceback — and quickly."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
+import logging
 import os
 import signal
 import socket
@@ -334,3 +336,94 @@ async def test_a_workflow_with_no_hub_ever_started_says_to_start_one() -> None:
             with pytest.raises(MeshUnavailableError, match=r"no workflow stream: is a hub"):
                 await mesh.fanout([Step(capability="demo:echo:v1", payload={})], timeout=30)
             assert time.monotonic() - t0 < 5.0
+
+
+async def test_an_agent_with_no_hub_says_so_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """An agent started before any hub: its first unanswered registration is a WARNING that
+    names the likely cause, not 30 silent seconds."""
+    from reach_mesh.agent import Agent, Task
+
+    caplog.set_level(logging.WARNING, logger="reach_mesh")
+    async with EmbeddedNats() as server:
+        agent = Agent("nohub.echo.a1", settings=MeshSettings(nats_url=server.url))
+
+        @agent.handler("demo:echo:v1")
+        async def echo(task: Task[int]) -> int:
+            return task.payload
+
+        starting = asyncio.ensure_future(agent.start())
+        try:
+            for _ in range(100):
+                if any(
+                    "no hub answered the registration" in r.getMessage() for r in caplog.records
+                ):
+                    break
+                await asyncio.sleep(0.05)
+            (line,) = [
+                r.getMessage()
+                for r in caplog.records
+                if "no hub answered the registration" in r.getMessage()
+            ]
+            assert "nohub.echo.a1" in line and "reach-mesh hub" in line and server.url in line
+            assert not starting.done()  # still trying
+        finally:
+            starting.cancel()
+            with contextlib.suppress(BaseException):
+                await starting
+            await agent.close()
+
+
+async def test_dry_run_explains_a_no_match(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """`reach --dry-run --show-decision` with a selector nobody meets prints the decision —
+    which term removed each candidate — before the error line."""
+    from reach_mesh.agent import Agent, Task
+
+    agent = Agent(f"{namespace}.gpu.g1", settings=settings, labels={"gpu": "true"})
+
+    @agent.handler("sum:add:v1")
+    async def add(task: Task[dict[str, int]]) -> int:
+        return 0
+
+    async with agent:
+        proc = await asyncio.create_subprocess_exec(
+            *CLI,
+            "--nats",
+            settings.nats_url or "",
+            "reach",
+            "--namespace",
+            namespace,
+            "--selector",
+            "cap=sum:add:v1 AND gpu=false",
+            "--dry-run",
+            "--show-decision",
+            env=_env(),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode != 0
+    assert f"{namespace}.gpu.g1" in out.decode() and "gpu=false not met" in out.decode(), out
+    assert b"REACH_NO_MATCH" in err, err
+
+
+async def test_a_workflow_step_with_a_capability_typo_says_did_you_mean(
+    wf_settings: MeshSettings, namespace: str
+) -> None:
+    """A step waits for an agent to appear (durable work may be submitted before its agents
+    start), so a typo ends TIMEOUT — and the TIMEOUT says why, as a plain request would."""
+    from reach_mesh import Step, TaskState
+    from reach_mesh.agent import Agent, Task
+
+    agent = Agent(f"{namespace}.tr.t1", settings=wf_settings)
+
+    @agent.handler("text:translate:v1")
+    async def translate(task: Task[dict[str, str]]) -> dict[str, str]:
+        return task.payload
+
+    async with Hub(settings=wf_settings), agent, Client(settings=wf_settings) as mesh:
+        out = await mesh.fanout([Step(capability="text:transalte:v1", payload={})], timeout=1.5)
+    assert out.state is TaskState.TIMEOUT
+    error = out.steps[0].error
+    assert error is not None and "did you mean text:translate:v1" in error.message, error

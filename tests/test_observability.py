@@ -147,6 +147,9 @@ async def test_audit_stream_tells_the_story(
         res = await c.request(capability="work:echo:v1", payload=1)
         await c.admin("cordon", agent.agent_id)
         await eventually(lambda: hub.registry.agents[agent.agent_id].state.value == "CORDONED")
+        # Refused before any agent was chosen: its event has no agent_id, only the target.
+        with pytest.raises(NoMatchError):
+            await c.request(agent_id=agent.agent_id, payload=2)
         # Audit events are batched (up to ~75 ms); publish what is buffered now.
         await hub.audit.flush()
         await hub.nc.flush()
@@ -159,6 +162,8 @@ async def test_audit_stream_tells_the_story(
         kinds = [e["kind"] for e in story]
         assert kinds[0] == "register"
         assert "route" in kinds and "admin" in kinds and "state" in kinds
+        refused = [e for e in story if e.get("error") == "REACH_NO_MATCH"]
+        assert [e["target"] for e in refused] == [agent.agent_id]
         by_trace = await c.audit(trace_id=res.trace_id)
         assert [e["request_id"] for e in by_trace] == [res.request_id]
 

@@ -64,6 +64,8 @@ class Mesh:
     victim: Agent
     #: The victim's handler waits on this for payloads that ask it to (a running step).
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Every payload the victim's handler ran with.
+    ran: list[Any] = field(default_factory=list)
 
     def settings(self, role: str, name: str) -> MeshSettings:
         return self.auth.settings(role, name, nats_url=self.server.url, **FAST)
@@ -95,6 +97,7 @@ async def mesh(auth_dir: AuthDir, secure_server: EmbeddedNats) -> AsyncIterator[
 
     @victim.handler(CAP)
     async def work(task: Task[Any]) -> Any:
+        m.ran.append(task.payload)
         if task.payload == "hold":
             await m.release.wait()
         return {"by": task.agent_id, "in": task.payload}
@@ -669,3 +672,217 @@ async def test_micro_discovery_in_secure_mode(mesh: Mesh, as_identity: Any) -> N
     assert not operator.errors
     caller = await as_identity("caller", NS)
     await caller.publish_denied(f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}")
+
+
+# --------------------------------------------------------------------------- what NATS cannot check
+
+
+async def _kv_value(mesh: Mesh, bucket: str, key: str) -> bytes | None:
+    kv = await mesh.hub.nc.jetstream().key_value(bucket)
+    try:
+        entry = await kv.get(key)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return entry.value
+
+
+async def test_hub_answers_only_on_inboxes(mesh: Mesh, as_identity: Any) -> None:
+    """A request names its reply subject and NATS checks it against nothing, while the hub may
+    write every KV record: requests asking to be answered on ``$KV....`` (every verb an
+    identity may send the hub, a batch line, the micro service) are dropped unread."""
+    from reach_mesh._guard import refused_total
+    from reach_mesh.models import RouteRequest
+
+    before = await agent_snapshot(mesh)
+    refused = refused_total()
+    rogue = await as_identity("agent", ROGUE)
+    beat = protocol.encode(Heartbeat(agent_id=ROGUE, session="x"))
+    victim_record = f"$KV.{protocol.KV_AGENTS}.{VICTIM}"
+    await rogue.nc.publish(
+        protocol.hub_agent_subject(ROGUE, "heartbeat"), beat, reply=victim_record
+    )
+    caller = await as_identity("caller", NS)
+    route = protocol.encode(RouteRequest(capability=CAP))
+    forged = [f"{NS}.forged-{i}" for i in range(4)]
+    await caller.nc.publish(
+        protocol.hub_subject(NS, "route"), route, reply=f"$KV.{protocol.KV_TASKS}.{forged[0]}"
+    )
+    await caller.nc.publish(
+        protocol.hub_subject(NS, "agents"), b"{}", reply=f"$KV.{protocol.KV_TASKS}.{forged[1]}"
+    )
+    line = protocol.batch_line(f"$KV.{protocol.KV_TASKS}.{forged[2]}", "-", route)
+    await caller.nc.publish(
+        protocol.hub_subject(NS, "route_batch"), line, reply=caller.nc.new_inbox()
+    )
+    operator = await as_identity("operator", "admin")
+    await operator.nc.publish("$SRV.PING", b"", reply=f"$KV.{protocol.KV_TASKS}.{forged[3]}")
+    for conn in (rogue, caller, operator):
+        await conn.nc.flush()
+    await eventually(lambda: refused_total() >= refused + 4)
+    await asyncio.sleep(0.3)  # an answer, had one been sent, would be stored by now
+    for key in forged:
+        assert await _kv_value(mesh, protocol.KV_TASKS, key) is None, key
+    assert await agent_snapshot(mesh) == before
+    assert not rogue.errors and not caller.errors and not operator.errors
+    # The same requests with their own inboxes are answered.
+    out = await ask(caller, protocol.hub_subject(NS, "agents"), b"{}")
+    assert VICTIM in [a["agent_id"] for a in out["agents"]]
+
+
+async def test_an_agent_consumes_only_its_own_work_subject(mesh: Mesh, as_identity: Any) -> None:
+    """An agent creates its work consumer by name with the filter in the API subject, and
+    may name only its own work subject there: one filtering another agent's steps (or
+    created without the filter in the subject) is refused by the server."""
+    rogue = await as_identity("agent", ROGUE)
+    durable = protocol.work_consumer(ROGUE)
+    stream = protocol.STREAM_WORK
+    theft = {
+        "stream_name": stream,
+        "config": {
+            "name": durable,
+            "durable_name": durable,
+            "filter_subject": protocol.work_subject(NS, VICTIM),
+            "ack_policy": "explicit",
+        },
+    }
+    body = json.dumps(theft).encode()
+    victims = protocol.work_subject(NS, VICTIM)
+    await rogue.publish_denied(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{victims}", body)
+    await rogue.publish_denied(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.reach.work.>", body)
+    await rogue.publish_denied(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", body)
+
+
+@pytest.mark.parametrize("target", ["task", "ctl"])
+async def test_a_push_delivery_to_another_agents_subject_is_dropped(
+    mesh: Mesh, as_identity: Any, target: str
+) -> None:
+    """nats-server does not check a push consumer's deliver subject against its creator's
+    permissions: an agent may have its own stored status messages delivered to the victim's
+    ``.task`` (a task it could not send) or ``.ctl``. They keep their stored subject, and the
+    victim drops them unread."""
+    from reach_mesh._guard import refused_total
+
+    rogue = await as_identity("agent", ROGUE)
+    tag = f"inject-{target}"
+    stored = protocol.task_status(ROGUE, tag)
+    if target == "task":
+        body: dict[str, Any] = {
+            "task_id": tag,
+            "capability": CAP,
+            "payload": "injected",
+            "namespace": NS,
+        }
+        deliver = protocol.agent_task(VICTIM)
+    else:
+        body = {"op": "cancel", "task_id": tag, "attempt": 1}
+        deliver = protocol.agent_ctl(VICTIM)
+    await rogue.nc.publish(stored, json.dumps(body).encode())
+    await rogue.nc.flush()
+    refused = refused_total()
+    name = f"push{target}{ROGUE.replace('.', '')}"
+    config: dict[str, Any] = {
+        "name": name,
+        "filter_subject": stored,
+        "deliver_subject": deliver,
+        "ack_policy": "none",
+        "deliver_policy": "all",
+    }
+    if target == "task":
+        config["deliver_group"] = "reach-agent"
+    create = f"$JS.API.CONSUMER.CREATE.{protocol.STREAM_STATUS}.{name}.{stored}"
+    req = {"stream_name": protocol.STREAM_STATUS, "config": config}
+    answer = json.loads((await rogue.nc.request(create, json.dumps(req).encode(), timeout=5)).data)
+    try:
+        assert "error" not in answer, answer  # the server lets the agent make it
+        await eventually(lambda: refused_total() > refused)
+        await asyncio.sleep(0.2)
+        if target == "task":
+            assert "injected" not in mesh.ran
+    finally:
+        delete = f"$JS.API.CONSUMER.DELETE.{protocol.STREAM_STATUS}.{name}"
+        await rogue.nc.request(delete, b"", timeout=5)
+
+
+async def test_http_api_closed_in_secure_mode_without_a_token(mesh: Mesh) -> None:
+    """A hub with a NATS identity acts with the hub's rights: without ``http_token`` its
+    ``/api/``, ``/mcp`` and ``/a2a/`` routes refuse everyone (probes and metrics stay open);
+    with one, they want it."""
+    import urllib.error
+    import urllib.request
+
+    def get(url: str, token: str | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(url)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+
+    base = mesh.auth.settings("hub", "main", nats_url=mesh.server.url, **FAST)
+    token = "t" * 32
+    for settings, want in (
+        (base.model_copy(update={"http_port": 0}), None),
+        (base.model_copy(update={"http_port": 0, "http_token": token}), token),
+    ):
+        async with Hub(settings=settings) as hub:
+            assert hub.http_url is not None
+            status, body = await asyncio.to_thread(get, f"{hub.http_url}/api/agents")
+            assert status == 401, body
+            if want is None:
+                assert b"secure mode" in body
+            else:
+                status, body = await asyncio.to_thread(get, f"{hub.http_url}/api/agents", want)
+                assert status == 200, body
+            for open_path in ("/healthz", "/metrics"):
+                status, _ = await asyncio.to_thread(get, f"{hub.http_url}{open_path}")
+                assert status == 200, open_path
+
+
+async def test_a_pushed_done_does_not_end_a_callers_wait(mesh: Mesh, as_identity: Any) -> None:
+    """An agent learns workflow ids from its tasks, stores a forged result on its own status
+    subject and has it — then a push consumer's idle heartbeats — delivered to a workflow's
+    ``.done`` subject. The caller's wait takes neither (they are not stored as that ``.done``)
+    and ends with the real result."""
+    from reach_mesh._guard import refused_total
+    from reach_mesh.workflow import WorkflowResult
+
+    mesh.release.clear()
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        wf_id = await c.submit_fanout([Step(capability=CAP, payload="hold")], timeout=30)
+        waiting = asyncio.ensure_future(c.workflow(wf_id, timeout=20))
+        await eventually(lambda: mesh.victim.inflight == 1 and len(c._done_waits) == 1)
+        rogue = await as_identity("agent", ROGUE)
+        stored = protocol.task_status(ROGUE, "fake-done")
+        forged = WorkflowResult(
+            workflow_id=wf_id, kind="fanout", state=TaskState.SUCCEEDED, result="forged"
+        )
+        await rogue.nc.publish(stored, protocol.encode(forged))
+        await rogue.nc.flush()
+        refused = refused_total()
+        name = f"pushdone{ROGUE.replace('.', '')}"
+        config = {
+            "name": name,
+            "filter_subject": stored,
+            "deliver_subject": protocol.wf_done(NS, wf_id),
+            "ack_policy": "none",
+            "deliver_policy": "all",
+            "idle_heartbeat": 100_000_000,  # ns
+        }
+        create = f"$JS.API.CONSUMER.CREATE.{protocol.STREAM_STATUS}.{name}.{stored}"
+        req = {"stream_name": protocol.STREAM_STATUS, "config": config}
+        answer = json.loads(
+            (await rogue.nc.request(create, json.dumps(req).encode(), timeout=5)).data
+        )
+        try:
+            assert "error" not in answer, answer
+            await eventually(lambda: refused_total() >= refused + 3)  # the result, heartbeats
+            assert not waiting.done()
+            mesh.release.set()
+            result = await waiting
+        finally:
+            delete = f"$JS.API.CONSUMER.DELETE.{protocol.STREAM_STATUS}.{name}"
+            await rogue.nc.request(delete, b"", timeout=5)
+    assert result.state is TaskState.SUCCEEDED
+    assert result.steps[0].result == {"by": VICTIM, "in": "hold"}

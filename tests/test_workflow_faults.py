@@ -270,7 +270,8 @@ async def test_probe_reads_a_raw_agents_answer(
 
         sub = await mesh.nc.subscribe(protocol.agent_ctl(agent_id), cb=ctl)
         await mesh.nc.flush()  # the server has the subscription before the hub's probe
-        tracker = StatusTracker(hub.nc, hub.registry)
+        assert hub.workflows is not None
+        tracker = StatusTracker(hub.nc, hub.workflows._jsc, hub.registry)
         rec = TaskRecord(
             task_id="raw-task",
             workflow_id="raw",

@@ -14,6 +14,7 @@ import inspect
 import logging
 import math
 import random
+import re
 import sys
 import time
 import typing
@@ -32,6 +33,7 @@ from pydantic import TypeAdapter
 from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
 from reach_mesh._batch import AnswerBatcher
+from reach_mesh._guard import guarded
 from reach_mesh._nats import connect
 from reach_mesh._shutdown import within
 from reach_mesh.agent._deadlines import _Deadlines
@@ -296,25 +298,18 @@ class Agent(ServingMixin):
                 )
             self._nc = await connect(self.nats_url, name=self.agent_id, settings=self.settings)
             self._answers = AnswerBatcher(self._nc)
-            self._subs.append(
-                await self.nc.subscribe(
-                    self._task_subject,
-                    queue=_AGENT_QUEUE,
-                    cb=self._on_task,
-                    pending_msgs_limit=-1,
+            # Each only for messages of its own subject that can be answered safely: a
+            # JetStream push delivery of someone's stored message is dropped (_guard.py).
+            for subject, on_msg, queue in (
+                (self._task_subject, self._on_task, _AGENT_QUEUE),
+                (protocol.agent_batch(self.agent_id), self._on_batch, _AGENT_QUEUE),
+            ):
+                cb = guarded(subject, on_msg)
+                self._subs.append(
+                    await self.nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=-1)
                 )
-            )
-            self._subs.append(
-                await self.nc.subscribe(
-                    protocol.agent_batch(self.agent_id),
-                    queue=_AGENT_QUEUE,
-                    cb=self._on_batch,
-                    pending_msgs_limit=-1,
-                )
-            )
-            self._subs.append(
-                await self.nc.subscribe(protocol.agent_ctl(self.agent_id), cb=self._on_ctl)
-            )
+            ctl = protocol.agent_ctl(self.agent_id)
+            self._subs.append(await self.nc.subscribe(ctl, cb=guarded(ctl, self._on_ctl)))
             await self.nc.flush()
             if self.durable_work:
                 # Durable workflow steps (JetStream): consumer ready before hubs route to us.
@@ -337,7 +332,9 @@ class Agent(ServingMixin):
         subject = protocol.hub_agent_subject(self.agent_id, "register")
         delay = 0.05
         # Long enough to ride out a JetStream leader election (seconds) or a hub restart.
-        deadline = time.monotonic() + max(s.connect_timeout, 30.0)
+        patience = max(s.connect_timeout, 30.0)
+        deadline = time.monotonic() + patience
+        warned = False
         while True:
             try:
                 sent = time.monotonic()
@@ -351,10 +348,22 @@ class Agent(ServingMixin):
             except ThrottledError as err:
                 wait = err.retry_after
             except (NoRespondersError, NatsTimeoutError, TimeoutError, MeshUnavailableError) as err:
+                where = re.sub(r"//[^@/,]*@", "//", self.nats_url or "")  # no credentials
+                hint = f"is a hub (`reach-mesh hub` or `reach-mesh up`) running on {where}?"
                 if time.monotonic() > deadline and not self._registered.is_set():
                     raise MeshUnavailableError(
-                        f"no hub answered the registration of {self.agent_id}: {err!r}"
+                        f"no hub answered the registration of {self.agent_id} within "
+                        f"{patience:.0f} s ({type(err).__name__}): {hint}"
                     ) from err
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "no hub answered the registration of %s (%s): %s Retrying for up to %.0f s",
+                        self.agent_id,
+                        type(err).__name__,
+                        hint,
+                        max(0.0, deadline - time.monotonic()),
+                    )
                 wait = delay
             # Exponential backoff with full jitter: a storm of agents spreads out.
             await asyncio.sleep(random.uniform(0, wait) + wait / 2)

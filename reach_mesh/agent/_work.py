@@ -192,10 +192,13 @@ class WorkConsumer:
         capacity = agent.max_concurrency + agent.max_queue
         durable = protocol.work_consumer(agent.agent_id)
         # The agent creates its own consumer (idempotent): a step published before we ever
-        # started waits in the work-queue stream and is delivered from the start.
+        # started waits in the work-queue stream and is delivered from the start. Named, so
+        # the filter travels in the API subject ($JS.API.CONSUMER.CREATE.<stream>.<name>.
+        # <filter>), where NATS permissions hold an agent to its own work subject.
         await js.add_consumer(
             protocol.STREAM_WORK,
             ConsumerConfig(
+                name=durable,
                 durable_name=durable,
                 filter_subject=protocol.work_subject(agent.namespace, agent.agent_id),
                 ack_policy=AckPolicy.EXPLICIT,

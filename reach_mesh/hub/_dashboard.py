@@ -35,6 +35,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from reach_mesh import protocol
+from reach_mesh._guard import guarded
 from reach_mesh.errors import BadRequestError, InternalError, ReachError
 from reach_mesh.models import AgentState, RouteDecision, TaskState
 from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowSpec, step_task_id
@@ -269,8 +270,9 @@ class Dashboard:
         with contextlib.suppress(Exception):  # no workflows bucket: the panel stays empty
             self._kv = await js.key_value(protocol.KV_WORKFLOWS)
             self._tasks = await js.key_value(protocol.KV_TASKS)
+        statuses = protocol.task_status("*.*.*", "*")
         self._sub = await self.hub.nc.subscribe(
-            protocol.task_status("*.*.*", "*"), cb=self._on_status, pending_msgs_limit=-1
+            statuses, cb=guarded(statuses, self._on_status, answers=False), pending_msgs_limit=-1
         )
 
     async def close(self) -> None:
@@ -341,7 +343,12 @@ class Dashboard:
             wf_id, step, state = ev.get("workflow_id"), ev.get("step"), ev.get("state")
             if not isinstance(wf_id, str) or not isinstance(step, int) or state not in _STATES:
                 return
-            ns = protocol.namespace_of(str(ev.get("agent_id", "")))
+            # Only the agent its subject names may publish it (NATS permissions): a body
+            # speaking for another is no row of the dashboard's (the engine counts it forged).
+            agent_id = ".".join(msg.subject.split(".")[2:5])
+            if ev.get("agent_id") != agent_id:
+                return
+            ns = protocol.namespace_of(agent_id)
         except Exception:
             return  # not ours to judge: the engine reads the same events
         wf = self.workflows.get(wf_id)

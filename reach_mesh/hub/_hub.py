@@ -31,8 +31,9 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from reach_mesh import protocol
-from reach_mesh._batch import AnswerBatcher
+from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_workflow_retention
+from reach_mesh._guard import guarded
 from reach_mesh._nats import connect
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
@@ -199,33 +200,37 @@ class Hub(RoutingMixin, ControlMixin):
             (protocol.hub_subject("*", "admin"), self._on_admin),
         ]
         for subject, handler in table:
-            sub = await self.nc.subscribe(
-                subject, queue=q, cb=self._dispatcher(handler), pending_msgs_limit=-1
-            )
+            cb = guarded(subject, self._dispatcher(handler))
+            sub = await self.nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
             self._subs.append(sub)
         self._answers = AnswerBatcher(self.nc)
         # Agents answer proxy attempts on this hub's own reply subjects.
-        self._reply_prefix = self.nc.new_inbox() + "."
+        self._reply_prefix = private_inbox(self.nc) + "."
         self._reply_prefix_b = self._reply_prefix.encode()
         self._reply_prefix_len = len(self._reply_prefix)
+        # Unguessable (64 random bits), and NATS' "no responders" status messages for a
+        # proxied attempt arrive here: not guarded like the request subjects.
         self._reply_sub = await self.nc.subscribe(
             self._reply_prefix + ">", cb=self._on_agent_reply, pending_msgs_limit=-1
         )
         self._sweeper = asyncio.create_task(self._sweep_deadlines())
-        for verb, cb in (("route", self._on_route_msg), ("route_batch", self._on_route_batch)):
+        for verb, on_route in (
+            ("route", self._on_route_msg),
+            ("route_batch", self._on_route_batch),
+        ):
+            subject = protocol.hub_subject("*", verb)
+            cb = guarded(subject, on_route)
             self._subs.append(
-                await self.nc.subscribe(
-                    protocol.hub_subject("*", verb), queue=q, cb=cb, pending_msgs_limit=-1
-                )
+                await self.nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
             )
         # Failure reports go to every hub (no queue group): each keeps its own breakers. An
         # operator's quarantine / release comes from a hub, on a subject only hubs publish to.
-        self._subs.append(
-            await self.nc.subscribe(protocol.hub_subject("*", "report"), cb=self._on_report)
-        )
-        self._subs.append(
-            await self.nc.subscribe(protocol.hub_broadcast("*", "breaker"), cb=self._on_breaker)
-        )
+        for subject, on_msg in (
+            (protocol.hub_subject("*", "report"), self._on_report),
+            (protocol.hub_broadcast("*", "breaker"), self._on_breaker),
+        ):
+            cb = guarded(subject, on_msg, answers=False)  # nothing answers these
+            self._subs.append(await self.nc.subscribe(subject, cb=cb))
         await self.nc.flush()
 
     @property

@@ -12,13 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, cast
 
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from reach_mesh import __version__, protocol
+from reach_mesh._guard import guarded
 from reach_mesh.errors import ReachError
 
 if TYPE_CHECKING:
@@ -27,10 +32,39 @@ if TYPE_CHECKING:
 __all__ = ["discover_hubs", "start_micro"]
 
 
+class _Answerable:
+    """The hub's connection as the micro service sees it (``add_service`` subscribes through
+    it): the service's handlers answer with the hub's rights, so they get only requests whose
+    reply subject is an inbox (``reach_mesh/_guard.py``); one without a reply subject has
+    nobody to answer and is dropped too."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nc, name)
+
+    async def subscribe(
+        self,
+        subject: str,
+        queue: str = "",
+        cb: Callable[[Msg], Awaitable[None]] | None = None,
+        **kwargs: Any,
+    ) -> Subscription:
+        assert cb is not None
+        inner = guarded(subject, cb)
+
+        async def on_msg(msg: Msg) -> None:
+            if msg.reply:
+                await inner(msg)
+
+        return await self._nc.subscribe(subject, queue=queue, cb=on_msg, **kwargs)
+
+
 async def start_micro(hub: Hub) -> Service:
     """Register ``hub`` as a ``reach-hub`` micro service; ``await service.stop()`` withdraws it."""
     service = await add_service(
-        hub.nc,
+        cast(NATS, _Answerable(hub.nc)),
         ServiceConfig(
             name=protocol.MICRO_HUB_SERVICE,
             version=__version__,

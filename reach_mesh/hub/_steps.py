@@ -111,7 +111,7 @@ class StepRunner:
         """Stop a handler that is already running, in the background (best effort: the task
         record already fences its result; this frees the agent's slot sooner)."""
         body = protocol.dumps({"op": "cancel", "task_id": task_id, "attempt": attempt})
-        self._background(self._nc.request(protocol.agent_ctl(agent_id), body, timeout=1.0))
+        self._background(self._jsc.ask(protocol.agent_ctl(agent_id), body, timeout=1.0))
 
     async def _mark(self, wf: Workflow, agent_id: str, task_id: str, attempt: int) -> None:
         """Store a fence marker for ``attempt`` on ``agent_id``'s work subject, after the
@@ -220,8 +220,9 @@ class StepRunner:
                         outcome = await self._watch(track, pol, deadline)
                     if outcome is None:
                         if loop.time() >= deadline:
+                            why = self._unplaced(rec, route, ns, no_work)
                             rec, decided = await self._finish(
-                                wf, key, rec, rev, track, None, reason=no_work
+                                wf, key, rec, rev, track, None, reason=why
                             )
                             return rec
                         view, capability = await self._choose(route, ns, exclude)
@@ -272,8 +273,9 @@ class StepRunner:
                             continue
                         delay = backoff(rec.handler_failures, pol.base, pol.cap)
                     elif kind == "deadline":
+                        why = self._unplaced(rec, route, ns, no_work)
                         rec, decided = await self._finish(
-                            wf, key, rec, rev, track, None, reason=no_work
+                            wf, key, rec, rev, track, None, reason=why
                         )
                         return rec
                     else:
@@ -393,6 +395,21 @@ class StepRunner:
             if choice is not None:
                 choice[0].outstanding = max(0, choice[0].outstanding - 1)
         wf.first = []
+
+    def _unplaced(
+        self, rec: TaskRecord, route: RouteRequest, ns: str, no_work: str | None
+    ) -> str | None:
+        """For a step's TIMEOUT: why no agent holds it, if none does — ``no_work``, else the
+        router's no-match sentence (with its "did you mean", for a capability typo)."""
+        if no_work is not None or rec.agent_id is not None:
+            return no_work
+        try:
+            self._router.decide(route, ns, "wf", exclude=frozenset(self._no_work))
+        except NoMatchError as err:
+            return err.message
+        except ReachError:
+            return None
+        return None
 
     def _waiting_reason(self, route: RouteRequest, ns: str, no_work: str | None) -> str:
         target = route.agent_id or route.capability or route.selector

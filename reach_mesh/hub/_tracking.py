@@ -30,6 +30,7 @@ from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._jspub import JsClient
 from reach_mesh.hub.acks import AckMachine
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.models import AgentState, TaskState
@@ -180,11 +181,15 @@ class StatusTracker:
     def __init__(
         self,
         nc: NATS,
+        jsc: JsClient,
         registry: Registry,
         *,
         on_stale: Callable[[], None] | None = None,
     ) -> None:
         self._nc = nc
+        #: Asks agents (ctl ``task_state``) with unguessable reply subjects: an agent may
+        #: publish on hubs' reply subjects, and a forged answer could decide a step.
+        self._jsc = jsc
         self._on_stale = on_stale
         self._js = nc.jetstream(timeout=_STATUS_READ_TIMEOUT)
         self._js_patient = nc.jetstream(timeout=_STATUS_READ_PATIENT)
@@ -448,7 +453,7 @@ class StatusTracker:
         attempt ``fence`` is about to be given up: an agent without it in hand promises never
         to start it (``"fenced": true``)."""
         try:
-            msg = await self._nc.request(
+            msg = await self._jsc.ask(
                 protocol.agent_ctl(agent_id),
                 protocol.dumps({"op": "task_state", "task_id": track.task_id, "fence": fence}),
                 timeout=_CTL_TIMEOUT,

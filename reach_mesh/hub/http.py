@@ -50,6 +50,7 @@ from reach_mesh.tracing import inject
 from reach_mesh.tracing.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
+    from reach_mesh.config import MeshSettings
     from reach_mesh.hub._hub import Hub
 
 __all__ = ["HubHttp", "status_for"]
@@ -163,6 +164,13 @@ class GuardMiddleware:
         await response(scope, receive, send)
 
 
+def _has_nats_identity(s: MeshSettings) -> bool:
+    """Whether the hub connects to NATS as someone (nkey, creds, token, or a user and password
+    in the URL): its HTTP API would act with that identity's rights."""
+    userinfo = any("@" in url.partition("://")[2] for url in (s.nats_url or "").split(","))
+    return any((s.nats_nkey_seed, s.nats_creds, s.nats_token)) or userinfo
+
+
 class HubHttp:
     """The hub's HTTP server: ``app`` (FastAPI) served by uvicorn on the hub's event loop."""
 
@@ -174,6 +182,9 @@ class HubHttp:
             allowed_hosts=s.http_allowed_hosts,
             allowed_origins=s.http_allowed_origins,
             token=s.http_token,
+            # Secure mode: guarded routes act with the hub's NATS rights, so not for anyone
+            # who can reach the port.
+            closed=_has_nats_identity(s),
         )
         #: ``POST /api/route``, the gateway's hot path (``_gateway.py``).
         self.route = RouteEndpoint(hub)

@@ -19,6 +19,8 @@ The checks, in order (docs/security.md, "HTTP surface"):
   a CORS preflight, which the hub never grants. 415 ``REACH_UNSUPPORTED_MEDIA_TYPE``.
 - **Bearer token** — guarded routes, when ``http_token`` is set: ``Authorization: Bearer <token>``,
   the scheme in any case (RFC 9110 §11.1), compared in constant time. 401 ``REACH_UNAUTHORIZED``.
+  A hub with a NATS identity (secure mode) and no token keeps its guarded routes closed: they
+  would act with the hub's rights for any local process. 401 ``REACH_UNAUTHORIZED`` too.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class HttpGuard:
 
     ``bind_host`` is the address the server listens on; ``allowed_hosts`` extra ``Host`` names
     (``"*"``: any); ``allowed_origins`` extra ``scheme://host[:port]`` origins; ``token`` the
-    bearer token of guarded routes (``None``: no token wanted).
+    bearer token of guarded routes (``None``: no token wanted, unless ``closed``: then guarded
+    routes are refused to everyone).
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class HttpGuard:
         allowed_hosts: Iterable[str] = (),
         allowed_origins: Iterable[str] = (),
         token: str | None = None,
+        closed: bool = False,
     ) -> None:
         hosts = {_host_name(h) for h in allowed_hosts}
         self._any_host = "*" in hosts
@@ -82,6 +86,7 @@ class HttpGuard:
         self._hosts = frozenset(hosts)
         self._origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
         self._token = token.encode() if token is not None else None
+        self._closed = closed and token is None
 
     def check(
         self, method: str, path: str, headers: Mapping[str, str], *, auth: bool
@@ -120,6 +125,15 @@ class HttpGuard:
                     f"{headers.get('content-type') or 'none'}",
                     expected=_JSON,
                 ),
+            )
+        if auth and self._closed:
+            return Refusal(
+                401,
+                UnauthorizedError(
+                    "this hub runs with a NATS identity (secure mode): its HTTP API is closed "
+                    "until it has a bearer token, http_token (REACH_HTTP_TOKEN)"
+                ),
+                _WWW_AUTHENTICATE,
             )
         if auth and self._token is not None and not self._authorized(headers):
             return Refusal(

@@ -44,6 +44,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
+from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient, kv_subject
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
@@ -120,6 +121,7 @@ class WorkflowEngine(StepRunner):
         self._status_sub: Subscription | None = None
         self._tracker = StatusTracker(
             nc,
+            self._jsc,
             registry,
             on_stale=None if metrics is None else metrics.stale_result_total.inc,
         )
@@ -214,8 +216,9 @@ class WorkflowEngine(StepRunner):
                 max_ack_pending=max(s.workflow_concurrency * 16, 10_000),
             ),
         )
+        statuses = protocol.task_status("*.*.*", "*")
         self._status_sub = await self._nc.subscribe(
-            protocol.task_status("*.*.*", "*"), cb=self._on_status, pending_msgs_limit=-1
+            statuses, cb=guarded(statuses, self._on_status, answers=False), pending_msgs_limit=-1
         )
         self._registry.on_state_change(self._on_agent_state)
         self._no_work.update(v.agent_id for v in self._registry if not v.record.card.durable_work)

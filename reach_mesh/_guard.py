@@ -1,0 +1,140 @@
+"""Which messages a subscriber acts on: the two checks NATS permissions cannot make.
+
+- **The reply subject.** A requester names its own reply subject, and nats-server checks it
+  against nothing. A hub may publish where answers must never go (``$KV.>``, ``$JS.API.>``,
+  ``reach.>``): a request asking to be answered on ``$KV.reach_agents.<id>`` would have the hub
+  overwrite that agent's record with its answer. Answers go only to subjects under
+  ``_INBOX.``, where every identity's replies live (``nats_inbox_prefix``); a request naming
+  any other reply subject is dropped unread.
+- **The subject.** A JetStream push consumer delivers stored messages to its
+  ``deliver_subject``, which nats-server does not check against its creator's publish
+  permissions: an agent could have its own status messages delivered to another agent's
+  ``.task`` or ``.ctl`` subject. Such a message keeps the subject it was stored under, so a
+  subscriber that checks the subject against its own subscription drops it.
+
+A dropped message is counted and logged (``REACH-MESSAGE-REFUSED``, at most one line per
+``_LOG_INTERVAL`` seconds per process); nothing answers it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from nats.aio.msg import Msg
+
+from reach_mesh import protocol
+from reach_mesh.logs import MESSAGE_REFUSED, get_logger, log_event
+
+__all__ = ["guarded", "matches", "refuse", "refused_total"]
+
+log = get_logger(__name__)
+
+_LOG_INTERVAL: Final = 30.0
+_STATUS: Final = "Status"
+
+Callback = Callable[[Msg], Awaitable[None]]
+
+
+class _Refusals:
+    """Messages dropped by :func:`guarded` in this process, and when that was last logged."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._since_log = 0
+        self._logged_at = -_LOG_INTERVAL
+
+    def note(self, msg: Msg, why: str) -> None:
+        self.total += 1
+        self._since_log += 1
+        now = time.monotonic()
+        if now - self._logged_at < _LOG_INTERVAL:
+            return
+        log_event(
+            log,
+            MESSAGE_REFUSED,
+            f"message on {msg.subject} dropped unread: {why} "
+            f"({self._since_log} dropped since the last such line)",
+            subject=msg.subject,
+            reply=msg.reply,
+            why=why,
+            count=self._since_log,
+        )
+        self._logged_at = now
+        self._since_log = 0
+
+
+_refusals = _Refusals()
+
+
+def refuse(msg: Msg, why: str) -> None:
+    """Count and log (rate-limited) ``msg`` as dropped unread, for ``why``."""
+    _refusals.note(msg, why)
+
+
+def refused_total() -> int:
+    """Messages :func:`guarded` callbacks dropped in this process so far."""
+    return _refusals.total
+
+
+def matches(tokens: list[str], subject: str) -> bool:
+    """Whether ``subject`` matches a subscription's subject, given as its ``.``-split tokens
+    (``*`` one token, ``>`` one or more at the end)."""
+    parts = subject.split(".")
+    for i, token in enumerate(tokens):
+        if token == ">":
+            return len(parts) > i
+        if i >= len(parts) or (token != "*" and token != parts[i]):
+            return False
+    return len(parts) == len(tokens)
+
+
+def _matcher(subscription: str) -> Callable[[str], bool]:
+    """A test of subjects against ``subscription``, as cheap as its shape allows (this runs on
+    every message of the route and status paths)."""
+    tokens = subscription.split(".")
+    wild = [i for i, t in enumerate(tokens) if t in ("*", ">")]
+    if not wild:
+        return subscription.__eq__
+    if wild == [len(tokens) - 1] and tokens[-1] == ">":
+        prefix = subscription[:-1]  # "a.b." for "a.b.>": at least one more token
+        return lambda subject: subject.startswith(prefix) and len(subject) > len(prefix)
+    if len(wild) == 1 and tokens[wild[0]] == "*":
+        star = wild[0]
+        pre = ".".join([*tokens[:star], ""])  # "a.b." (or "" when * comes first)
+        post = ".".join(["", *tokens[star + 1 :]])  # ".c" (or "" when * comes last)
+        dots = subscription.count(".")
+
+        def one_star(subject: str) -> bool:
+            return (
+                subject.startswith(pre)
+                and subject.endswith(post)
+                and subject.count(".") == dots
+                and len(subject) > len(pre) + len(post)
+            )
+
+        return one_star
+    return lambda subject: matches(tokens, subject)
+
+
+def guarded(subscription: str, cb: Callback, *, answers: bool = True) -> Callback:
+    """``cb`` for the messages of ``subscription`` whose subject matches it and — when ``cb``
+    may answer (``answers``) — whose reply subject, if any, is an inbox. Others are dropped,
+    and so are the empty status messages (idle heartbeats, flow control) that a push consumer
+    aimed at the subject would send."""
+    match = _matcher(subscription)
+
+    async def on_msg(msg: Msg) -> None:
+        if not match(msg.subject):
+            _refusals.note(msg, f"not a message of {subscription} (a JetStream push delivery)")
+            return
+        if answers and msg.reply and not protocol.is_inbox(msg.reply):
+            _refusals.note(msg, f"reply subject {msg.reply[:80]!r} is not under _INBOX.")
+            return
+        if not msg.data and msg.headers and _STATUS in msg.headers:
+            _refusals.note(msg, "a status message (a JetStream push consumer's)")
+            return
+        await cb(msg)
+
+    return on_msg
