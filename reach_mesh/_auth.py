@@ -291,8 +291,11 @@ class AuthDir:
 
     def rewrite(self) -> None:
         """Write auth.conf again from the identities issued: the permissions of this version
-        of reach-mesh (they are computed from role and name, never stored)."""
-        self.auth_conf.write_text(auth_config(self.identities()))
+        of reach-mesh (they are computed from role and name, never stored). Nothing is written
+        without identities.json (an auth.conf written by hand, or elsewhere, stays)."""
+        known = self.identities()
+        if known:
+            self.auth_conf.write_text(auth_config(known))
 
     def add(self, role: str, name: str) -> Identity:
         """Issue (or return the existing) identity ``role``/``name`` and rewrite auth.conf."""

@@ -251,8 +251,8 @@ class WorkflowsMixin:
         with self._workflow_span(spec) as sp:
             headers = inject({})
             # Subscribe to the result before submitting: no window in which it could be missed.
-            # ``max_msgs=1``: the server drops the interest itself once ``.done`` is delivered,
-            # so the usual path sends no UNSUB.
+            # For one message: the server drops the interest itself once ``.done`` is
+            # delivered (``_done_subscription``).
             sub, done = await self._done_subscription(spec.workflow_id)
             delivered = False
             try:
@@ -378,6 +378,10 @@ class WorkflowsMixin:
         sub = await self.nc.subscribe(
             protocol.wf_done(self.namespace, workflow_id), future=inner, max_msgs=1
         )
+        # nats-py's ``max_msgs`` only stops reading here; ``UNSUB <sid> 1`` (sent with the SUB)
+        # has the server drop the interest after that message too, or every workflow waited
+        # for would leave one behind for the life of the connection.
+        await sub.unsubscribe(limit=1)
         self._done_waits[done] = (workflow_id, inner)
         done.add_done_callback(self._forget_done)
         return sub, done
@@ -448,11 +452,14 @@ class WorkflowsMixin:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         spent = False  # the caller's subscription had its one message
-        own: tuple[Subscription, _Done] | None = None
+        own: tuple[Subscription, _Done] | None = None  # ours, while it has had none
         try:
             while True:
+                left = deadline - loop.time()
                 try:
-                    got = await asyncio.wait_for(done, max(0.0, deadline - loop.time()))
+                    if left <= 0:
+                        raise TimeoutError
+                    got = await asyncio.wait_for(done, left)
                 except TimeoutError as err:
                     # The record is the source of truth: the result may be stored while its
                     # .done announcement is still on the way (a hub died between the two).
@@ -467,19 +474,20 @@ class WorkflowsMixin:
                 if isinstance(got, WorkflowResult):
                     # Read from the record after a reconnect (its .done was missed).
                     return got, spent
-                spent = spent or own is None
+                if own is None:
+                    spent = True
+                else:
+                    own = None  # it had its one message: the server dropped the interest
                 result = self._announcement(got, workflow_id)
                 if result is not None:
                     return result, spent
-                if own is not None:
-                    self._drop_done(own[1])  # spent too: its server-side interest is gone
                 own = await self._done_subscription(workflow_id)
                 done = own[1]
                 found = await self._stored_result(workflow_id)
                 if found is not None:
                     return found, spent
         finally:
-            if own is not None and not own[1].done():
+            if own is not None:
                 self._drop_done(own[1])
                 with contextlib.suppress(Exception):
                     await own[0].unsubscribe()

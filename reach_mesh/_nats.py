@@ -22,7 +22,7 @@ from nats.js.kv import KeyValue
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshUnavailableError
 
-__all__ = ["connect", "ensure_kv"]
+__all__ = ["connect", "ensure_kv", "has_credentials", "shown"]
 
 log = logging.getLogger("reach_mesh.nats")
 
@@ -85,7 +85,7 @@ async def connect(
     if settings is not None:
         opts.update(_auth_options(settings))
     opts.update(options)
-    watch = _Watch(name, url)
+    watch = _Watch(name, shown(url))
     watch.on_reconnect = on_reconnect
     opts.setdefault("error_cb", watch.error)
     opts.setdefault("disconnected_cb", watch.disconnected)
@@ -97,9 +97,37 @@ async def connect(
         with contextlib.suppress(Exception):
             await nc.close()
         cause = await _diagnose(servers, watch.refusal or watch.last_error or err)
-        raise MeshUnavailableError(f"cannot connect to NATS at {url}: {cause}") from err
+        raise MeshUnavailableError(f"cannot connect to NATS at {shown(url)}: {cause}") from err
     watch.connected = True
     return nc
+
+
+def _servers(url: str | None) -> list[str]:
+    return [u.strip() for u in (url or "").split(",") if u.strip()]
+
+
+def _split(server: str) -> Any:
+    return urlsplit(server if "://" in server else f"nats://{server}")
+
+
+def has_credentials(url: str | None) -> bool:
+    """Whether a NATS URL (comma-separated list allowed, scheme optional) carries a user or a
+    password."""
+    return any(_split(u).username or _split(u).password for u in _servers(url))
+
+
+def shown(url: str | None) -> str:
+    """A NATS URL as it may be printed: every server's user and password left out."""
+    out = []
+    for server in _servers(url):
+        parts = _split(server)
+        if parts.username is None and parts.password is None:
+            out.append(server)
+            continue
+        host = parts.netloc.rpartition("@")[2]
+        scheme = f"{parts.scheme}://" if "://" in server else ""
+        out.append(f"{scheme}{host}{parts.path}")
+    return ",".join(out)
 
 
 def _check_scheme(server: str) -> None:

@@ -886,3 +886,25 @@ async def test_a_pushed_done_does_not_end_a_callers_wait(mesh: Mesh, as_identity
             await rogue.nc.request(delete, b"", timeout=5)
     assert result.state is TaskState.SUCCEEDED
     assert result.steps[0].result == {"by": VICTIM, "in": "hold"}
+
+
+@pytest.mark.parametrize(
+    ("url", "printed", "credentials"),
+    [
+        ("nats://u:p@h:4222", "nats://h:4222", True),
+        ("u:p@h:4222", "h:4222", True),  # nats-py takes URLs without a scheme too
+        ("nats://user:p@ss@h", "nats://h", True),  # an '@' in the password
+        ("nats://h:4222,nats://u:p@h2:4222", "nats://h:4222,nats://h2:4222", True),
+        ("tls://h:4222", "tls://h:4222", False),
+    ],
+)
+def test_urls_are_printed_without_credentials(url: str, printed: str, credentials: bool) -> None:
+    """What logs and errors print of a NATS URL, and whether a hub's HTTP API then counts as
+    acting for a NATS identity (closed without a token)."""
+    from reach_mesh._nats import has_credentials, shown
+    from reach_mesh.hub.http import _has_nats_identity
+
+    assert shown(url) == printed
+    assert has_credentials(url) is credentials
+    assert _has_nats_identity(MeshSettings(nats_url=url)) is credentials
+    assert _has_nats_identity(MeshSettings(nats_url="nats://h", nats_tls_cert="c.pem"))

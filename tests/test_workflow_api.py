@@ -434,3 +434,34 @@ async def test_a_step_that_cannot_be_placed_says_why_while_it_waits(
     assert waiting is not None and waiting.step == 0
     assert waiting.error is not None and waiting.error.code == "REACH_NO_MATCH"
     assert "no routable agent for wf:nobody:v1" in waiting.error.message
+
+
+async def test_waiting_for_results_leaves_no_interest_behind() -> None:
+    """Each wait subscribes to its workflow's ``.done`` for one message; the server must drop
+    that interest once the message is delivered (nats-py's ``max_msgs`` alone does not tell
+    it), or a long-lived caller's connection collects one subscription per workflow."""
+    import urllib.request
+
+    from reach_mesh.server import EmbeddedNats
+
+    from .helpers import free_port
+
+    port = free_port()
+    async with EmbeddedNats(http_port=port) as server:
+        settings = MeshSettings(nats_url=server.url, namespace="subs")
+        agent = Agent("subs.echo.a1", settings=settings)
+
+        @agent.handler("wf:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        async with Hub(settings=settings), agent, Client(settings=settings) as mesh:
+            for i in range(30):
+                res = await mesh.fanout([Step(capability="wf:echo:v1", payload=i)], timeout=10)
+                assert res.ok
+            await mesh.nc.flush()
+            url = f"http://127.0.0.1:{port}/connz?subs=1"
+            connz = await asyncio.to_thread(lambda: json.load(urllib.request.urlopen(url)))
+    (conn,) = [c for c in connz["connections"] if c.get("name") == "reach-client"]
+    done = [s for s in conn.get("subscriptions_list", []) if s.endswith(".done")]
+    assert done == [], done

@@ -14,7 +14,6 @@ import inspect
 import logging
 import math
 import random
-import re
 import sys
 import time
 import typing
@@ -34,7 +33,7 @@ from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
 from reach_mesh._batch import AnswerBatcher
 from reach_mesh._guard import guarded
-from reach_mesh._nats import connect
+from reach_mesh._nats import connect, shown
 from reach_mesh._shutdown import within
 from reach_mesh.agent._deadlines import _Deadlines
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
@@ -348,8 +347,10 @@ class Agent(ServingMixin):
             except ThrottledError as err:
                 wait = err.retry_after
             except (NoRespondersError, NatsTimeoutError, TimeoutError, MeshUnavailableError) as err:
-                where = re.sub(r"//[^@/,]*@", "//", self.nats_url or "")  # no credentials
-                hint = f"is a hub (`reach-mesh hub` or `reach-mesh up`) running on {where}?"
+                hint = (
+                    "is a hub (`reach-mesh hub` or `reach-mesh up`) running on "
+                    f"{shown(self.nats_url)}?"
+                )
                 if time.monotonic() > deadline and not self._registered.is_set():
                     raise MeshUnavailableError(
                         f"no hub answered the registration of {self.agent_id} within "

@@ -403,8 +403,10 @@ class StepRunner:
         router's no-match sentence (with its "did you mean", for a capability typo)."""
         if no_work is not None or rec.agent_id is not None:
             return no_work
+        # A dry run: were an agent routable now, it must not take a half-open breaker's probe.
+        dry = route.model_copy(update={"dry_run": True})
         try:
-            self._router.decide(route, ns, "wf", exclude=frozenset(self._no_work))
+            self._router.decide(dry, ns, "wf", exclude=frozenset(self._no_work))
         except NoMatchError as err:
             return err.message
         except ReachError:

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
+from reach_mesh._nats import has_credentials
 from reach_mesh.errors import BadRequestError, MeshTimeoutError, ReachError, UnknownAgentError
 from reach_mesh.hub import _dashboard as dash
 from reach_mesh.hub._a2a import HubA2a
@@ -165,10 +166,10 @@ class GuardMiddleware:
 
 
 def _has_nats_identity(s: MeshSettings) -> bool:
-    """Whether the hub connects to NATS as someone (nkey, creds, token, or a user and password
-    in the URL): its HTTP API would act with that identity's rights."""
-    userinfo = any("@" in url.partition("://")[2] for url in (s.nats_url or "").split(","))
-    return any((s.nats_nkey_seed, s.nats_creds, s.nats_token)) or userinfo
+    """Whether the hub connects to NATS as someone (nkey, creds, token, a client certificate,
+    or a user and password in the URL): its HTTP API would act with that identity's rights."""
+    named = (s.nats_nkey_seed, s.nats_creds, s.nats_token, s.nats_tls_cert)
+    return any(named) or has_credentials(s.nats_url)
 
 
 class HubHttp:
