@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import nats.js.errors
 import pydantic_core
@@ -40,7 +40,7 @@ from reach_mesh._client_fields import (
 )
 from reach_mesh._client_workflows import WorkflowsMixin, _Done
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import connect
+from reach_mesh._nats import connect, shown
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
@@ -54,6 +54,7 @@ from reach_mesh.errors import (
     UnknownAgentError,
     error_from_wire,
 )
+from reach_mesh.logs import get_logger
 from reach_mesh.models import (
     AgentInfo,
     FailureReport,
@@ -84,6 +85,12 @@ _ROUTE_CACHE = 1024
 
 #: (namespace, agent_id, capability, selector, strategy, region, zone)
 _CacheKey = tuple[str, str | None, str | None, str | None, str | None, str | None, str | None]
+
+
+log = get_logger(__name__)
+
+#: How often a client says that no hub answers, at most (seconds).
+_NO_HUB_LOG_INTERVAL: Final = 30.0
 
 
 @dataclass(slots=True)
@@ -170,6 +177,8 @@ class Client(WorkflowsMixin):
         # Names this client in its failure reports: each reporter's reports count a bounded
         # number of times per agent and breaker window (the hub's rule, docs/security.md).
         self._reporter = os.urandom(8).hex()
+        #: When "no hub answered" was last logged (at most once per ``_NO_HUB_LOG_INTERVAL``).
+        self._no_hub_said_at = -_NO_HUB_LOG_INTERVAL
 
     @property
     def nc(self) -> NATS:
@@ -554,6 +563,21 @@ class Client(WorkflowsMixin):
         assert route.decision is not None
         return route.decision
 
+    def _say_no_hub(self, subject: str, deadline: float) -> None:
+        """Say at once that no hub answers (the request goes on retrying until its deadline:
+        a hub may be restarting), rather than only when the deadline is over."""
+        now = time.monotonic()
+        if now - self._no_hub_said_at < _NO_HUB_LOG_INTERVAL:
+            return
+        self._no_hub_said_at = now
+        log.warning(
+            "no hub answered on %s: is `reach-mesh hub` (or `reach-mesh up`) running on %s? "
+            "Retrying for up to %.0f s",
+            subject,
+            shown(self.nats_url),
+            max(0.0, deadline - now),
+        )
+
     async def _call_hub(
         self,
         ns: str,
@@ -592,6 +616,7 @@ class Client(WorkflowsMixin):
                 )
                 last.__cause__ = err
                 wait = delay
+                self._say_no_hub(subject, deadline)
             except MaxPayloadError as err:
                 raise PayloadTooLargeError(
                     f"request exceeds the server's max payload: {err}"

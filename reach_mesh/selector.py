@@ -297,7 +297,10 @@ def _parse_terms(text: str) -> tuple[Term, ...]:
             return tuple(terms)
         # ``AND`` must stand alone; a trailing ``AND`` then fails below as a missing term.
         if text[pos : pos + 3].lower() != "and" or (pos + 3 < n and text[pos + 3] not in _WS):
-            raise _fail(text, pos, "'AND' or end of selector")
+            expected = "'AND' or end of selector"
+            if _keyword_at(text.lower(), pos, "or"):
+                expected += " (terms are only ANDed: no OR; route to each alternative instead)"
+            raise _fail(text, pos, expected)
         pos = _skip_ws(text, pos + 3)
 
 
@@ -318,6 +321,10 @@ def _parse_term(text: str, pos: int) -> tuple[Term, int]:
     start = pos
     m = KEY_RE.match(text, pos)
     if m is None:
+        upper = KEY_RE.match(text.lower(), pos)
+        if upper is not None and pos < len(text) and text[pos].isupper():
+            # Keys are lower case (label keys and cap): name the fix, not only the grammar.
+            raise _fail(text, pos, f"{_TERM_EXPECTED}; keys are lower case: {upper.group()!r}")
         raise _fail(text, pos, _TERM_EXPECTED)
     raw_key = m.group()
     pos = _skip_ws(text, m.end())

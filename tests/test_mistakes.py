@@ -427,3 +427,32 @@ async def test_a_workflow_step_with_a_capability_typo_says_did_you_mean(
     assert out.state is TaskState.TIMEOUT
     error = out.steps[0].error
     assert error is not None and "did you mean text:translate:v1" in error.message, error
+
+
+async def test_a_client_with_no_hub_says_so_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A request on a NATS where no hub answers keeps retrying until its deadline (a hub may be
+    restarting), but says so at once — the CLI shows the line on stderr — and only once."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh")
+    async with EmbeddedNats() as server, Client(settings=MeshSettings(nats_url=server.url)) as c:
+        asking = asyncio.ensure_future(c.agents())
+        try:
+
+            def said() -> list[str]:
+                return [
+                    r.getMessage()
+                    for r in caplog.records
+                    if r.getMessage().startswith("no hub answered on")
+                ]
+
+            for _ in range(40):
+                if said():
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # more retries meanwhile: still one line
+            (line,) = said()
+            assert "reach-mesh hub" in line and server.url in line
+            assert not asking.done()
+        finally:
+            asking.cancel()
+            with contextlib.suppress(BaseException):
+                await asking

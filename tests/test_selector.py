@@ -98,6 +98,11 @@ def test_and_is_case_insensitive_and_whitespace_flexible() -> None:
         ("cap exists", 4, "'=' or '!='"),
         ("cap_gte=1", 0, "comparison"),
         ("gpu existsx", 4, "'='"),
+        # The two mistakes a newcomer makes most: the error names the fix.
+        ("Region=eu-west", 0, "keys are lower case: 'region'"),
+        ("cap=a:b:v1 AND Gpu=true", 15, "keys are lower case: 'gpu'"),
+        ("cap=a:b:v1 OR region=eu", 11, "no OR"),
+        ("region=eu or gpu=true", 10, "no OR"),
     ],
 )
 def test_errors_name_position_and_expectation(
