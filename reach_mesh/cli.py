@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from reach_mesh import __version__, _runner, protocol
 from reach_mesh._auth import AuthDir
+from reach_mesh._nats import shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import BadRequestError, NoMatchError, ReachError
@@ -189,9 +190,11 @@ async def cmd_hub(args: argparse.Namespace) -> int:
     async with contextlib.AsyncExitStack() as stack:
         hub = Hub(settings=settings)
         await _start_hub(stack, hub, settings.http_port)
-        print(f"hub {hub.hub_id} serving on {settings.nats_url}", flush=True)
+        print(f"hub {hub.hub_id} serving on {shown(settings.nats_url)}", flush=True)
         if hub.http_url:
             print(f"  metrics {hub.http_url}/metrics, dashboard {hub.http_url}/", flush=True)
+        else:
+            print("  HTTP off: --http-port N for /metrics, the dashboard and the API", flush=True)
         await _until_signal()
     return 0
 
@@ -208,7 +211,10 @@ def load_agents(spec: str) -> list[Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise BadRequestError(f"cannot import {module_name!r}: {err}") from err
+        hint = ""
+        if module_name.endswith(".py"):
+            hint = f" (a module name, not a file: {module_name.removesuffix('.py')}:{attr})"
+        raise BadRequestError(f"cannot import {module_name!r}: {err}{hint}") from err
     try:
         obj = getattr(module, attr)
     except AttributeError as err:

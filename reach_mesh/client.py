@@ -696,7 +696,8 @@ class Client(WorkflowsMixin):
         limit: int = 1000,
     ) -> list[dict[str, Any]]:
         """Audit events of the last ``since`` seconds matching every given filter, oldest
-        first (at most ``limit``, the newest ones)."""
+        first (at most ``limit``, the newest ones). ``MeshUnavailableError`` when there is no
+        audit stream at all (no hub ever ran on this NATS, or audit is off)."""
         js = self.nc.jetstream()
         start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=since)
         subject = protocol.audit_subject(namespace or "*", "*")
@@ -707,8 +708,11 @@ class Client(WorkflowsMixin):
         )
         try:
             info = await js.stream_info(protocol.STREAM_AUDIT)
-        except nats.js.errors.NotFoundError:
-            return []
+        except nats.js.errors.NotFoundError as err:
+            raise MeshUnavailableError(
+                f"no audit stream ({protocol.STREAM_AUDIT}) on this NATS: no hub has run here, "
+                "or the hubs run with audit_enabled=false"
+            ) from err
         if info.state.messages == 0:
             return []
         sub = await js.subscribe(

@@ -58,7 +58,7 @@ def demo_agents(settings: MeshSettings | None = None) -> list[Agent]:
     async def translate(task: Task[Text]) -> dict[str, str]:
         words = {"hello": "bonjour", "world": "monde", "agents": "agents", "mesh": "maillage"}
         out = " ".join(words.get(w.lower(), w) for w in task.payload.text.split())
-        return {"text": out, "lang": task.payload.lang}
+        return {"text": out, "lang": "fr"}  # the only language it knows
 
     @summarizer.handler("text:summarize:v1")
     async def summarize(task: Task[Text]) -> dict[str, Any]:

@@ -456,3 +456,19 @@ async def test_a_client_with_no_hub_says_so_at_once(caplog: pytest.LogCaptureFix
             asking.cancel()
             with contextlib.suppress(BaseException):
                 await asking
+
+
+async def test_audit_where_no_hub_ever_ran_says_so() -> None:
+    """No audit stream is not "no matching events": the error says why there is none."""
+    async with EmbeddedNats() as server, Client(settings=MeshSettings(nats_url=server.url)) as c:
+        with pytest.raises(MeshUnavailableError, match=r"no audit stream .*no hub has run here"):
+            await c.audit()
+
+
+def test_agent_spec_given_as_a_file_name_says_how_to_name_the_module(tmp_path: Path) -> None:
+    """`reach-mesh agent myagents.py:agent` — a file name where a module name goes."""
+    from reach_mesh.cli import load_agents
+    from reach_mesh.errors import BadRequestError
+
+    with pytest.raises(BadRequestError, match=r"a module name, not a file: myagents:agent"):
+        load_agents("myagents.py:agent")
