@@ -84,6 +84,7 @@ async def test_no_match_explains_nearest(hub: Hub, settings: MeshSettings, names
         details = info.value.details
         assert details["similar_values"] == {"region": ["cn-east"]}
         assert details["partial"] == [{"agent_id": a.agent_id, "failed": "region=cn_east"}]
+        assert info.value.message.endswith("did you mean region=cn-east?"), info.value.message
         with pytest.raises(NoMatchError) as info:
             await c.request(capability="work:echo:v2", payload=1)
         assert "work:echo:v1" in info.value.details["similar_capabilities"]

@@ -719,6 +719,8 @@ async def test_hub_answers_only_on_inboxes(mesh: Mesh, as_identity: Any) -> None
     for conn in (rogue, caller, operator):
         await conn.nc.flush()
     await eventually(lambda: refused_total() >= refused + 4)
+    metrics = mesh.hub.metrics.render().decode()
+    assert f"reach_messages_refused_total {float(refused_total())}" in metrics
     await asyncio.sleep(0.3)  # an answer, had one been sent, would be stored by now
     for key in forged:
         assert await _kv_value(mesh, protocol.KV_TASKS, key) is None, key

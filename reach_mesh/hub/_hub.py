@@ -33,7 +33,7 @@ from nats.js import JetStreamContext
 from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_workflow_retention
-from reach_mesh._guard import guarded
+from reach_mesh._guard import guarded, refused_total
 from reach_mesh._nats import connect
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
@@ -48,7 +48,7 @@ from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.throttle import Throttle
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.tracing import tracing_from_env
-from reach_mesh.tracing.metrics import HubMetrics
+from reach_mesh.tracing.metrics import HubMetrics, refused_counter
 
 __all__ = ["Hub", "HubState"]
 
@@ -112,6 +112,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
         self.metrics = HubMetrics()
+        refused_counter(self.metrics.registry, refused_total)
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}

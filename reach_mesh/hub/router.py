@@ -404,6 +404,11 @@ class Router:
         similar = nearest.get("similar_capabilities")
         if isinstance(similar, list) and similar:
             msg += f"; did you mean {' or '.join(similar[:3])}?"
+        values = nearest.get("similar_values")
+        if isinstance(values, dict) and values:
+            # A misspelled label value ("region=eu-wset"): the values agents do have.
+            close = [f"{k}={v}" for k, vs in values.items() for v in vs[:3]]
+            msg += f"; did you mean {' or '.join(close[:3])}?"
         return NoMatchError(msg, decision=decision.model_dump(exclude_none=True), **nearest)
 
     def _unselected(

@@ -30,6 +30,7 @@ __all__ = [
     "HistogramChild",
     "HubMetrics",
     "LoopHistogram",
+    "refused_counter",
     "serve_metrics",
 ]
 
@@ -307,6 +308,26 @@ class AgentMetrics:
     def render(self) -> bytes:
         """The registry in Prometheus text format (``CONTENT_TYPE``)."""
         return bytes(generate_latest(self.registry))
+
+
+def refused_counter(registry: CollectorRegistry, read: Callable[[], int]) -> None:
+    """Export ``reach_messages_refused_total`` into ``registry``, read from ``read`` when
+    scraped (the count lives with the subscribers that drop the messages)."""
+    registry.register(_Refused(read))
+
+
+class _Refused(Collector):
+    def __init__(self, read: Callable[[], int]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "reach_messages_refused",
+            "Messages this process dropped unread: a reply subject outside _INBOX., a message "
+            "not of the subscription it came on (a JetStream push delivery), a pull-inbox "
+            "message that is no JetStream delivery, or a workflow .done wait's stray message.",
+            value=self._read(),
+        )
 
 
 class _StepCounts(Collector):
