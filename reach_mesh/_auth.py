@@ -277,7 +277,7 @@ class AuthDir:
         """A new directory with a hub, an operator and a caller for ``namespace``."""
         if (self.path / _IDENTITIES).exists():
             raise BadRequestError(f"{self.path} already holds identities: use auth add-*")
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         out = [self.add("hub", hub), self.add("operator", operator), self.add("caller", namespace)]
         self.nats_conf.write_text(
             server_config(
@@ -305,10 +305,18 @@ class AuthDir:
             if ident.role == role and ident.name == name:
                 self.rewrite()
                 return ident
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         seed, public = new_seed()
         seed_file = self.seed_file(role, name)
-        fd = os.open(seed_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            # A new file only, never through a link: a file planted where the seed goes would
+            # keep its owner and mode (and a link would send the seed elsewhere).
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(seed_file, flags, 0o600)
+        except FileExistsError as err:
+            raise BadRequestError(
+                f"{seed_file} exists but is no issued identity's seed: remove it, then retry"
+            ) from err
         with os.fdopen(fd, "wb") as f:
             f.write(seed + b"\n")
         ident = Identity(role, name, public)

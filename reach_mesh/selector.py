@@ -79,10 +79,13 @@ _KEY_SUFFIX_UNITS: Final[dict[str, float]] = {
 }
 _KEY_SUFFIX_RE: Final = re.compile(r"(.+)_(b|kb|mb|gb|tb|kib|mib|gib|tib)", re.ASCII)
 # ASCII digits only: ``float()`` would also accept Arabic-Indic digits, ``nan`` and ``inf``.
+# Matched against stripped text of at most ``_QUANTITY_MAX`` characters: two runs of optional
+# spaces side by side made a long run of spaces cost quadratic time (tens of ms per value).
 _QUANTITY_RE: Final = re.compile(
-    r"\s*([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*",
+    r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)[ \t]*([a-zA-Z]*)",
     re.ASCII,
 )
+_QUANTITY_MAX: Final = 64
 
 # Whitespace between tokens. Deliberately ASCII: the canonical form must quote exactly the values
 # the parser would otherwise split.
@@ -97,6 +100,9 @@ _QUANTITY_EXPECTED: Final = "a number, optionally with a byte unit (B, KB, KiB, 
 
 def _quantity_and_unit(text: str) -> tuple[float, bool] | None:
     """``(value, has_unit)`` for a quantity, or ``None``; the value is in bytes if it had a unit."""
+    text = text.strip(" \t\r\n\f\v")
+    if len(text) > _QUANTITY_MAX:
+        return None
     m = _QUANTITY_RE.fullmatch(text)
     if m is None:
         return None

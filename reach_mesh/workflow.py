@@ -49,7 +49,7 @@ __all__ = [
 
 MAX_STEPS: Final = 256
 WorkflowKind = Literal["fanout", "chain"]
-_QUORUM_RE: Final = re.compile(r"^quorum\(\s*(\d+)\s*\)$")
+_QUORUM_RE: Final = re.compile(r"^quorum\(\s*(\d{1,6})\s*\)$")
 
 
 class _Wire(BaseModel):

@@ -420,3 +420,20 @@ async def test_http_token_guards_the_api_not_metrics_or_probes(
 def test_http_token_must_not_be_guessable() -> None:
     with pytest.raises(ValidationError):
         MeshSettings(http_token="short")
+
+
+async def test_audit_events_keep_a_bounded_selector(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """The audit stream is shared and ages out by size: a caller's long selectors are clipped in
+    its events, so they cannot push every tenant's history out of it."""
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    selector = "cap=work:echo:v1 AND note=" + "y" * 3000
+    async with agent, Client(settings=settings) as c:
+        with pytest.raises(NoMatchError) as info:
+            await c.request(selector=selector, payload=1)
+        await hub.audit.flush()
+        await hub.nc.flush()
+        (event,) = await c.audit(request_id=info.value.details["decision"]["request_id"])
+    assert len(event["target"]) <= 512 and len(event["reason"]) <= 512
+    assert event["target"].startswith("cap=work:echo:v1 AND note=yyy")

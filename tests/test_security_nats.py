@@ -910,3 +910,22 @@ def test_urls_are_printed_without_credentials(url: str, printed: str, credential
     assert has_credentials(url) is credentials
     assert _has_nats_identity(MeshSettings(nats_url=url)) is credentials
     assert _has_nats_identity(MeshSettings(nats_url="nats://h", nats_tls_cert="c.pem"))
+
+
+def test_seeds_go_only_into_new_files_of_a_private_directory(tmp_path: Path) -> None:
+    """A file (or link) planted where a new identity's seed goes is refused, not written
+    through; a new auth directory is the owner's only."""
+    import os
+    import stat
+
+    from reach_mesh.errors import BadRequestError
+
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace=NS)
+    assert stat.S_IMODE(os.stat(auth.path).st_mode) == 0o700
+    planted = auth.seed_file("agent", VICTIM)
+    planted.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(BadRequestError, match="exists but is no issued identity's seed"):
+        auth.add("agent", VICTIM)
+    assert not (tmp_path / "elsewhere").exists()
+    assert all(i.name != VICTIM for i in auth.identities())

@@ -302,3 +302,18 @@ def test_parser_only_raises_selector_error(text: str) -> None:
     else:
         assert sel.terms
         assert Selector.parse(str(sel)) == sel
+
+
+def test_a_long_quantity_is_refused_in_linear_time() -> None:
+    """Two runs of optional spaces side by side once made a long run of spaces quadratic (45 ms
+    for 4,000; a route batch of them froze the hub's loop for seconds). Refused at once now."""
+    import time
+
+    from reach_mesh.selector import parse_quantity
+
+    t0 = time.perf_counter()
+    assert parse_quantity("1" + " " * 40_000 + "!") is None
+    assert parse_quantity(" " * 40_000 + "8 GiB" + " " * 40_000) == 8 * 2.0**30
+    assert time.perf_counter() - t0 < 1.0  # quadratic: several seconds
+    with pytest.raises(SelectorError):
+        Selector.parse('mem_gte="1' + " " * 3000 + '!"')

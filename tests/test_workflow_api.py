@@ -313,6 +313,18 @@ async def test_hub_survives_malformed_submissions(
         assert r1.error.code == "REACH_BAD_REQUEST"
         r2 = await mesh.workflow("empty-1", timeout=5)
         assert r2.error is not None and r2.error.code == "REACH_BAD_WORKFLOW"
+        # int() refuses over 4,300 digits with a plain ValueError: once, this submission was
+        # never acked nor termed and came back forever, holding one of the hubs' ack slots.
+        huge = {
+            "workflow_id": "huge-1",
+            "kind": "fanout",
+            "steps": [{"capability": "wf:ok:v1"}],
+            "policy": "quorum(" + "9" * 5000 + ")",
+            "namespace": ns,
+        }
+        await js.publish(subject, json.dumps(huge).encode(), headers={"Nats-Msg-Id": "huge-1"})
+        r3 = await mesh.workflow("huge-1", timeout=5)  # refused and termed, not redelivered
+        assert r3.error is not None and r3.error.code == "REACH_BAD_WORKFLOW"
         ok = await mesh.fanout([Step(capability="wf:ok:v1")], timeout=10)
         assert ok.state is TaskState.SUCCEEDED
 

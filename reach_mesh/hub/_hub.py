@@ -34,7 +34,7 @@ from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_workflow_retention
 from reach_mesh._guard import guarded, refused_total
-from reach_mesh._nats import connect
+from reach_mesh._nats import connect, shown
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import InternalError, MeshUnavailableError, ReachError
@@ -188,7 +188,7 @@ class Hub(RoutingMixin, ControlMixin):
         except BaseException:
             await self.close()
             raise
-        log.info("hub %s serving on %s", self.hub_id, self.nats_url)
+        log.info("hub %s serving on %s", self.hub_id, shown(self.nats_url))
 
     async def _subscribe(self) -> None:
         q = protocol.HUB_QUEUE

@@ -683,9 +683,9 @@ class RoutingMixin:
                 "request_id": flight.request_id,
                 "trace_id": flight.trace_id,
                 "task_id": req.task_id,
-                "target": target,
+                "target": _clip(target),
                 "error": error.code,
-                "reason": error.message,
+                "reason": _clip(error.message),
             }
             body = protocol.encode_error(error)
         else:
@@ -701,7 +701,7 @@ class RoutingMixin:
                 "trace_id": flight.trace_id,
                 "task_id": head.task_id if head is not None else req.task_id,
                 "agent_id": view.agent_id,
-                "target": target,
+                "target": _clip(target),
                 "state": state,
                 "attempts": flight.attempt,
             }
@@ -767,3 +767,14 @@ class RoutingMixin:
             view.health.delivery_failure()
         view.breaker.record(False)
         self.registry.regrade(view)
+
+
+#: The longest selector or reason an audit event keeps: the shared audit stream ages out by
+#: size, and a caller's long selectors must not push every tenant's history out of it.
+_AUDIT_TEXT_MAX: Final = 512
+
+
+def _clip(text: str | None) -> str | None:
+    if text is None or len(text) <= _AUDIT_TEXT_MAX:
+        return text
+    return text[: _AUDIT_TEXT_MAX - 1] + "…"

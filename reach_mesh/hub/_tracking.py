@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ log = logging.getLogger("reach_mesh.hub.workflows")
 
 _RECENT: Final = 50_000
 _CTL_TIMEOUT: Final = 1.0
+#: Refused statuses (forged, stale) are logged at most once per this many seconds, each kind.
+_SAY_EVERY: Final = 10.0
 #: How long reading a step's last status from ``REACH_STATUS`` may take. Only the stream's
 #: leader answers it, so through an election it gets no answer at all; the probe then asks the
 #: agent instead (the read is an optimisation: a status this hub missed). Was the connection's
@@ -202,6 +205,8 @@ class StatusTracker:
         self.stale_total = 0
         #: Status events whose body spoke for another agent than their subject named.
         self.forged_total = 0
+        #: When each kind of refused status was last logged (``_may_say``).
+        self._said_at: dict[str, float] = {}
         #: Test seam (fault injection): return False to drop a status event as if lost.
         self.status_filter: Callable[[TaskStatusEvent], bool] | None = None
 
@@ -352,26 +357,39 @@ class StatusTracker:
         if event is None or event.agent_id == sender:
             return event
         self.forged_total += 1
-        log.warning(
-            "status for %s from %s claiming to be %s refused (identity mismatch)",
-            event.task_id,
-            sender,
-            event.agent_id,
-        )
+        if self._may_say("forged"):
+            log.warning(
+                "status for %s from %s claiming to be %s refused (identity mismatch; %d so far)",
+                event.task_id,
+                sender,
+                event.agent_id,
+                self.forged_total,
+            )
         return None
+
+    def _may_say(self, what: str) -> bool:
+        """At most one log line per ``_SAY_EVERY`` seconds for each kind of refused status:
+        an agent may send as many as it likes (its own tasks' ids)."""
+        now = time.monotonic()
+        if now - self._said_at.get(what, -_SAY_EVERY) < _SAY_EVERY:
+            return False
+        self._said_at[what] = now
+        return True
 
     def _stale(self, event: TaskStatusEvent, why: str) -> None:
         self.stale_total += 1
         if self._on_stale is not None:
             self._on_stale()
-        log.warning(
-            "%s from %s for %s attempt %d not applied: %s",
-            event.state.value,
-            event.agent_id,
-            event.task_id,
-            event.attempt,
-            why,
-        )
+        if self._may_say("stale"):
+            log.warning(
+                "%s from %s for %s attempt %d not applied: %s (%d so far)",
+                event.state.value,
+                event.agent_id,
+                event.task_id,
+                event.attempt,
+                why,
+                self.stale_total,
+            )
 
     # ------------------------------------------------------------------ asking
 

@@ -299,6 +299,13 @@ class WorkflowEngine(StepRunner):
         except ReachError as err:
             await self._reject(msg, headers, err)
             return
+        except Exception as err:
+            # A check that raised instead of refusing: still this submission's fault, and it
+            # must end here (termed), not come back forever holding an ack slot.
+            log.warning("workflow submission on %s not admitted: %r", msg.subject, err)
+            bad = WorkflowSpecError(f"invalid workflow: {type(err).__name__}: {str(err)[:200]}")
+            await self._reject(msg, headers, bad)
+            return
         try:
             result, stored = await self._run(wf)
             if not stored:
