@@ -74,7 +74,8 @@ def refuse(msg: Msg, why: str) -> None:
 
 
 def refused_total() -> int:
-    """Messages :func:`guarded` callbacks dropped in this process so far."""
+    """Messages dropped in this process so far (:func:`guarded` callbacks and
+    :func:`refuse` callers: pull consumers, ``.done`` waits)."""
     return _refusals.total
 
 

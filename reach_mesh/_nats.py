@@ -10,7 +10,7 @@ import ssl
 import time
 from collections.abc import Callable
 from typing import Any, Final
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -69,7 +69,7 @@ async def connect(
         )
     if timeout is None:
         timeout = settings.connect_timeout if settings is not None else 2.0
-    servers = [u.strip() for u in url.split(",") if u.strip()]
+    servers = _servers(url)
     for server in servers:
         _check_scheme(server)
     opts: dict[str, Any] = {
@@ -106,14 +106,15 @@ def _servers(url: str | None) -> list[str]:
     return [u.strip() for u in (url or "").split(",") if u.strip()]
 
 
-def _split(server: str) -> Any:
+def _split(server: str) -> SplitResult:
+    """One server's URL as nats-py reads it: ``nats://`` when no scheme is given."""
     return urlsplit(server if "://" in server else f"nats://{server}")
 
 
 def has_credentials(url: str | None) -> bool:
     """Whether a NATS URL (comma-separated list allowed, scheme optional) carries a user or a
     password."""
-    return any(_split(u).username or _split(u).password for u in _servers(url))
+    return any(p.username or p.password for p in map(_split, _servers(url)))
 
 
 def shown(url: str | None) -> str:
@@ -131,7 +132,7 @@ def shown(url: str | None) -> str:
 
 
 def _check_scheme(server: str) -> None:
-    scheme = urlsplit(server if "://" in server else f"nats://{server}").scheme
+    scheme = _split(server).scheme
     if scheme not in _SCHEMES:
         raise MeshUnavailableError(
             f"{server!r} is not a NATS URL: use nats://host:4222 "

@@ -167,26 +167,21 @@ async def test_output_into_a_closed_pipe_is_quiet(hub: Hub, nats_url: str) -> No
     assert proc.returncode == 0
 
 
-async def test_global_options_before_the_command(hub: Hub, nats_url: str) -> None:
+async def _cli(*args: str) -> tuple[int | None, bytes, bytes]:
+    """``reach-mesh ARGS`` in a process of its own: exit code, stdout, stderr."""
     proc = await asyncio.create_subprocess_exec(
-        *CLI,
-        "--nats",
-        nats_url,
-        "agents",
-        "--namespace",
-        "nobody",
-        env=_env(),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        *CLI, *args, env=_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err
+    return proc.returncode, out, err
+
+
+async def test_global_options_before_the_command(hub: Hub, nats_url: str) -> None:
+    code, out, err = await _cli("--nats", nats_url, "agents", "--namespace", "nobody")
+    assert code == 0, err
     assert b"no agents in namespace 'nobody'" in out
-    proc = await asyncio.create_subprocess_exec(
-        *CLI, "--nats", nats_url, "tools", "--json", env=_env(), stdout=asyncio.subprocess.PIPE
-    )
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0 and isinstance(json.loads(out), list)
+    code, out, _ = await _cli("--nats", nats_url, "tools", "--json")
+    assert code == 0 and isinstance(json.loads(out), list)
 
 
 def test_version() -> None:
@@ -387,8 +382,7 @@ async def test_dry_run_explains_a_no_match(
         return 0
 
     async with agent:
-        proc = await asyncio.create_subprocess_exec(
-            *CLI,
+        code, out, err = await _cli(
             "--nats",
             settings.nats_url or "",
             "reach",
@@ -398,12 +392,8 @@ async def test_dry_run_explains_a_no_match(
             "cap=sum:add:v1 AND gpu=false",
             "--dry-run",
             "--show-decision",
-            env=_env(),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
         )
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode != 0
+    assert code != 0
     assert f"{namespace}.gpu.g1" in out.decode() and "gpu=false not met" in out.decode(), out
     assert b"REACH_NO_MATCH" in err, err
 

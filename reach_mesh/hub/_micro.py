@@ -86,9 +86,7 @@ async def start_micro(hub: Hub) -> Service:
                 "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
             }
         )
-        # A publish without a reply subject (nobody to answer): nats-py raises ValueError.
-        with contextlib.suppress(ValueError):
-            await request.respond(body)
+        await request.respond(body)  # _Answerable passes only requests with a reply subject
 
     await service.add_endpoint(
         EndpointConfig(
