@@ -591,8 +591,9 @@ class Client(WorkflowsMixin):
 
         Retryable: no hub answered (no responders), ``REACH_THROTTLED`` (after at least
         ``retry_after``), ``REACH_AGENT_BUSY`` (every candidate refused before accepting) and
-        ``REACH_UNAVAILABLE`` (JetStream briefly down). Backoff doubles from 20 ms to 1 s, with
-        jitter so that many callers retrying together do not stampede.
+        ``REACH_UNAVAILABLE`` (JetStream briefly down). Backoff doubles from 20 ms to 1 s (never
+        below a ``retry_after``), with jitter so that many callers retrying together do not
+        stampede.
         """
         subject = protocol.hub_subject(ns, verb)
         delay = 0.02
@@ -627,7 +628,7 @@ class Client(WorkflowsMixin):
                 try:
                     protocol.raise_for_error(data)
                 except ThrottledError as err:
-                    last, wait = err, err.retry_after
+                    last, wait = err, max(err.retry_after, delay)
                 except (AgentBusyError, MeshUnavailableError) as err:
                     last, wait = err, delay
                 else:

@@ -63,6 +63,11 @@ class MeshSettings(BaseModel):
     max_payload: int = Field(default=1 << 20, gt=0)
     #: Concurrent requests a hub (or agent) works on before it stops reading more.
     hub_concurrency: int = Field(default=2048, ge=1)
+    #: Route requests of one namespace a hub works on at once; beyond it that namespace is
+    #: answered ``REACH_THROTTLED`` (the SDK retries after ``retry_after``) and the rest of
+    #: ``hub_concurrency`` stays for the others: one tenant's slow or hung agents cannot take a
+    #: hub from every tenant. None = half of ``hub_concurrency``.
+    namespace_concurrency: int | None = Field(default=None, ge=1)
     #: Delivery attempts a hub makes (to different agents) before an ACCEPT.
     route_attempts: int = Field(default=3, ge=1, le=20)
     default_strategy: str = "least_loaded"
@@ -166,6 +171,13 @@ class MeshSettings(BaseModel):
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
+
+    @property
+    def namespace_flights(self) -> int:
+        """The route requests one namespace may have in flight on a hub."""
+        if self.namespace_concurrency is not None:
+            return self.namespace_concurrency
+        return max(1, self.hub_concurrency // 2)
 
     @model_validator(mode="after")
     def _retention(self) -> MeshSettings:

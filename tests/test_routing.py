@@ -40,6 +40,20 @@ def echo_agent(
     return agent
 
 
+def held_agent(
+    agent_id: str, settings: MeshSettings, release: asyncio.Event, cap: str = "work:echo:v1"
+) -> Agent:
+    """An agent whose handler answers "done" once ``release`` is set."""
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler(cap)
+    async def hold(task: Task[Any]) -> str:
+        await release.wait()
+        return "done"
+
+    return agent
+
+
 async def start_all(*agents: Agent) -> None:
     for a in agents:
         await a.start()
@@ -276,13 +290,7 @@ async def test_draining_agent_gets_no_new_work(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
     release = asyncio.Event()
-    slow = Agent(f"{namespace}.w.slow", settings=settings)
-
-    @slow.handler("work:echo:v1")
-    async def hold(task: Task[Any]) -> str:
-        await release.wait()
-        return "done"
-
+    slow = held_agent(f"{namespace}.w.slow", settings, release)
     other = echo_agent(f"{namespace}.w.other", settings)
     await start_all(slow, other)
     async with Client(settings=settings) as c:
@@ -336,6 +344,50 @@ async def test_throttled_error_surfaces_past_deadline(
         await c.request(agent_id=a.agent_id, payload=0)
         with pytest.raises(ThrottledError):
             await c.request(agent_id=a.agent_id, payload=1, timeout=0.2)
+
+
+async def test_one_namespace_cannot_take_every_hub_slot(
+    nats_url: str, settings: MeshSettings, namespace: str
+) -> None:
+    """A tenant whose agent hangs holds at most ``namespace_concurrency`` of a hub's slots;
+    its further requests are THROTTLED (and the SDK retries them) while another tenant's
+    requests are still read and answered at once."""
+    s = settings.model_copy(update={"hub_concurrency": 4})
+    assert s.namespace_flights == 2
+    other_ns = f"{namespace}x"
+    release = asyncio.Event()
+    slow = held_agent(f"{namespace}.w.slow", s, release)
+    other = echo_agent(f"{other_ns}.w.b1", s.model_copy(update={"namespace": other_ns}))
+    async with Hub(settings=s) as hub, slow, other:
+        await eventually(lambda: other.agent_id in hub.registry.agents)
+        nc = await nats.connect(nats_url)
+        try:
+            body = json.dumps({"agent_id": slow.agent_id, "timeout": 10}).encode()
+            subject = protocol.hub_subject(namespace, "route")
+            held = [asyncio.ensure_future(nc.request(subject, body, timeout=10)) for _ in range(2)]
+            await eventually(lambda: hub.routing == 2)
+            refused = json.loads((await nc.request(subject, body, timeout=2)).data)
+            assert refused["error"]["code"] == "REACH_THROTTLED"
+            assert refused["error"]["details"]["retry_after_ms"] > 0
+            assert "namespace_concurrency" in refused["error"]["message"]
+            assert hub.metrics.throttled_total.labels(namespace)._value.get() == 1
+            # The other tenant still has the rest of the hub: answered without waiting.
+            async with Client(settings=s) as c:
+                res = await asyncio.wait_for(
+                    c.request(agent_id=other.agent_id, payload="b", timeout=2), 1.5
+                )
+                assert res.ok and res.agent_id == other.agent_id
+                # The throttled tenant's SDK retries until a slot frees.
+                late = asyncio.ensure_future(c.request(agent_id=slow.agent_id, timeout=10))
+                await asyncio.sleep(0.3)
+                assert not late.done()
+                release.set()
+                assert (await late).result == "done"
+            for answer in await asyncio.gather(*held):
+                assert json.loads(answer.data)["task"]["result"] == "done"
+            assert hub.routing == 0 and not hub._ns_flights
+        finally:
+            await nc.close()
 
 
 async def test_registration_storm_is_absorbed(

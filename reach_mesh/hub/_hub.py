@@ -93,6 +93,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._flights = {}
         self._deadlines: list[tuple[float, str]] = []
         self._routing = 0
+        self._ns_flights: dict[str, int] = {}
         self._room = asyncio.Event()
         self._reply_prefix = ""
         self._reply_prefix_b = b""

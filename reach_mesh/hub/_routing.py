@@ -77,6 +77,9 @@ DIRECT_ALTERNATES: Final = 3
 #: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
 #: id in one may name an agent registered through another hub a moment ago).
 _UNKNOWN_NS: Final = "*"
+#: Retry hint of a namespace at its ``namespace_concurrency``: when one of its flights ends is
+#: unknown, so a short one (the SDK backs off from it, doubling).
+_NAMESPACE_BUSY_RETRY_MS: Final = 100
 #: Reply "subjects" of routes asked in this process (``Hub.route``), followed by a number. A space
 #: never occurs in a NATS subject, so no message's reply subject can name one of these callers.
 _LOCAL_REPLY: Final = "local "
@@ -154,6 +157,8 @@ class RoutingMixin:
     _flights: dict[str, _Flight]
     _deadlines: list[tuple[float, str]]
     _routing: int
+    #: Route flights per namespace (only namespaces with one in flight have an entry).
+    _ns_flights: dict[str, int]
     _room: asyncio.Event
     _reply_prefix: str
     _reply_prefix_b: bytes
@@ -261,6 +266,7 @@ class RoutingMixin:
             return
         flight.batch_reply = batch_reply
         self._routing += 1
+        self._ns_flights[flight.ns] = self._ns_flights.get(flight.ns, 0) + 1
         req = flight.req
         if req.session_id is not None or (
             req.agent_id is not None and req.agent_id not in self.registry.agents
@@ -287,6 +293,17 @@ class RoutingMixin:
                 self._count(ns, req.mode, "THROTTLED")
             raise ThrottledError(
                 f"namespace {ns!r} is over its route rate", retry_after_ms=int(retry * 1000) + 1
+            )
+        flights = self._ns_flights.get(ns, 0)
+        if flights >= self.settings.namespace_flights:
+            # Fairness: the rest of this hub's slots stay for the other namespaces.
+            if known:
+                self.metrics.throttled_total.labels(ns).inc()
+                self._count(ns, req.mode, "THROTTLED")
+            raise ThrottledError(
+                f"namespace {ns!r} has {flights} requests in flight on this hub, its "
+                "namespace_concurrency",
+                retry_after_ms=_NAMESPACE_BUSY_RETRY_MS,
             )
         if req.agent_id is not None and protocol.namespace_of(req.agent_id) != ns:
             raise BadRequestError(
@@ -743,6 +760,9 @@ class RoutingMixin:
                 sp.set_status(Status(StatusCode.ERROR, error.code))
             sp.end()
         self._routing -= 1
+        left = self._ns_flights.pop(flight.ns, 1) - 1
+        if left > 0:
+            self._ns_flights[flight.ns] = left
         if self._routing < self.settings.hub_concurrency:
             self._room.set()
         await self._answer(flight.reply_to, body, flight.batch_reply)
