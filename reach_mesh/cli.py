@@ -510,9 +510,11 @@ async def cmd_tools(args: argparse.Namespace) -> int:
         ]
         print(json.dumps(listing, indent=2))
         return 0
-    for name in sorted(menu):
-        print(f"{name:<24} {described[name][:50]:<50} {', '.join(menu[name])}")
-    if not menu:
+    rows = [("TOOL", "DESCRIPTION", "AGENTS")]
+    rows += [(name, described[name][:60], ", ".join(menu[name])) for name in sorted(menu)]
+    if menu:
+        _print_table(rows)
+    else:
         print("(no tools)")
     return 0
 

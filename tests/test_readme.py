@@ -108,7 +108,7 @@ EXPECT = {
     "uncordon": r'"state": "ONLINE"',
     "cordon": r'"state": "CORDONED"',
     "snapshot": r"wrote \d+ agents to registry\.json",
-    "tools": r"translate\s+Translate text\s+demo\.translator\.t1",
+    "tools": r"TOOL\s+DESCRIPTION\s+AGENTS\n(?s:.*)translate\s+Translate text\s+demo\.translator",
     "shop:price:v1": r'"state": "SUCCEEDED"(?s:.*)"price": 9\.5',
 }
 
