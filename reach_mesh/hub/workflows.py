@@ -11,7 +11,9 @@ One source of truth: the workflow record in ``reach_workflows``. Its final write
 the owner's revision, and the ``.done`` announcement is published only after it, carrying the
 same result. A submission whose id is taken by another spec is refused (terminated).
 
-Steps are run by the base class, :class:`~reach_mesh.hub._steps.StepRunner`: each attempt is
+A workflow's record and shape (fanout, chain) are run by the base class,
+:class:`~reach_mesh.hub._shapes.WorkflowShapes`, and each step by its base,
+:class:`~reach_mesh.hub._steps.StepRunner`: each attempt is
 recorded in ``reach_tasks`` (the fence) before it is sent, the first outcome of any attempt
 decides the step, and infrastructure errors are retried, never an outcome. See
 ``docs/workflows.md``.
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -48,30 +49,21 @@ from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient, kv_subject
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import (
-    InternalError,
-    ReachError,
-    WorkflowSpecError,
-)
+from reach_mesh.errors import ReachError, WorkflowSpecError
 from reach_mesh.hub import _durable
-from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
+from reach_mesh.hub._shapes import SpecConflictError, WorkflowShapes, final_result
+from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.models import AgentState, ErrorBody, TaskState
-from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, inject, span, trace_id_from_headers
+from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import (
-    StepResult,
-    TaskRecord,
     TaskStatusEvent,
-    WorkflowEvent,
     WorkflowRecord,
     WorkflowResult,
     WorkflowSpec,
-    merge_payload,
     spec_digest,
-    step_task_id,
-    stored_record,
     validate_spec,
 )
 
@@ -82,11 +74,7 @@ log = logging.getLogger("reach_mesh.hub.workflows")
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
 
 
-class _ConflictError(Exception):
-    """The workflow id is taken by a submission with another spec."""
-
-
-class WorkflowEngine(StepRunner):
+class WorkflowEngine(WorkflowShapes):
     """Runs the workflows this hub owns. Started and stopped by :class:`~reach_mesh.hub.Hub`.
 
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
@@ -325,7 +313,7 @@ class WorkflowEngine(StepRunner):
                 return
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
-        except _ConflictError:
+        except SpecConflictError:
             self.conflict_total += 1
             log.warning("workflow %s: submission refused, the id is taken by another spec", wf.id)
             with contextlib.suppress(Exception):
@@ -472,7 +460,7 @@ class WorkflowEngine(StepRunner):
         except KeyWrongLastSequenceError as err:
             kv = self._wf_kv
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            stored = _final_result(got)
+            stored = final_result(got)
             if stored is None:
                 raise NotOwnerError(key) from err
             return stored
@@ -508,273 +496,6 @@ class WorkflowEngine(StepRunner):
             self._metrics.workflow_total.labels(kind, result.state.value).inc()
             self._metrics.workflow_duration_seconds.labels(kind).observe(result.duration_ms / 1000)
 
-    # ------------------------------------------------------------------ running
-
-    async def _run(self, wf: Workflow) -> tuple[WorkflowResult, bool]:
-        """Run the workflow to its result; ``(result, True)`` when it was final already."""
-        assert self._wf_kv is not None
-        kv = self._wf_kv
-        key = protocol.workflow_key(wf.ns, wf.id)
-        # The agents of the attempts sent at once are chosen first: the workflow record names
-        # them, so those steps need no task record of their own (see ``TaskRecord``).
-        await self._first_choices(wf)
-        record = WorkflowRecord(
-            spec=wf.spec,
-            spec_digest=wf.digest,
-            owner=self.hub_id,
-            trace_id=wf.trace_id,
-            submitted_at=wf.submitted_at,
-            first_agents=[None if c is None else c[0].agent_id for c in wf.first],
-        )
-        wf.first_agents = record.first_agents
-        start = protocol.encode(record)
-        # One write for a new workflow; only an existing record (a takeover, or a re-submit
-        # after the dedup window) costs a read.
-        try:
-            wf.rev = await _durable.create(
-                kv, key, start, self._io_deadline(wf.deadline), on_retry=self._infra_retry
-            )
-        except BaseException as err:
-            self._release_first(wf)
-            if not isinstance(err, KeyWrongLastSequenceError):
-                raise
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            rec = stored_record(WorkflowRecord, got)
-            if rec is not None and rec.spec_digest not in (None, wf.digest):
-                raise _ConflictError(key) from None
-            stored = _final_result(got)
-            if stored is not None:
-                return stored, True  # finished before: never run again
-            # Take the workflow over: a CAS, so of two hubs resuming it one wins. Attempts the
-            # previous owner sent at the start stay named: their steps adopt them.
-            wf.taken_over = True
-            wf.first_agents = [] if rec is None else rec.first_agents
-            record.first_agents = wf.first_agents
-            start = protocol.encode(record)
-            try:
-                wf.rev = await _durable.cas(
-                    kv,
-                    key,
-                    start,
-                    got[1] if got is not None else 0,
-                    self._io_deadline(wf.deadline),
-                    on_retry=self._infra_retry,
-                )
-            except KeyWrongLastSequenceError as err:
-                raise NotOwnerError(key) from err
-        t0 = time.time()
-        with span(
-            SPAN_WORKFLOW,
-            kind=SpanKind.INTERNAL,
-            parent_headers=wf.headers,
-            attributes={
-                "reach.workflow_id": wf.id,
-                "reach.workflow.kind": wf.spec.kind,
-                "reach.workflow.steps": len(wf.spec.steps),
-            },
-        ) as sp:
-            self._event(
-                wf,
-                functools.partial(
-                    WorkflowEvent,
-                    workflow_id=wf.id,
-                    kind="start",
-                    state=TaskState.RUNNING,
-                    first_agents=wf.first_agents,
-                ),
-            )
-            try:
-                if wf.spec.kind == "fanout":
-                    result = await self._fanout(wf)
-                else:
-                    result = await self._chain(wf)
-            finally:
-                self._release_first(wf)  # choices of steps that never started
-            if sp.is_recording():
-                sp.set_attribute("reach.workflow.state", result.state.value)
-        result.trace_id = wf.trace_id
-        result.hub_id = self.hub_id
-        result.submitted_at = wf.submitted_at
-        result.finished_at = time.time()
-        result.duration_ms = round((result.finished_at - min(t0, wf.submitted_at)) * 1000, 3)
-        return result, False
-
-    async def _fanout(self, wf: Workflow) -> WorkflowResult:
-        spec = wf.spec
-        tasks = {
-            asyncio.create_task(self._step(wf, i, s, s.payload)): i
-            for i, s in enumerate(spec.steps)
-        }
-        pending = set(tasks)
-        succeeded = failed = 0
-        first_error: TaskRecord | None = None
-        n = len(spec.steps)
-        try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    rec = self._record_of(wf, tasks[t], t)
-                    if rec.state is TaskState.SUCCEEDED:
-                        succeeded += 1
-                    else:
-                        failed += 1
-                        first_error = first_error or rec
-                if spec.policy != "all" and (succeeded >= wf.need or n - failed < wf.need):
-                    break
-        finally:
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-            for t in tasks:  # a branch's error is reported once, by the branch we acted on
-                if t.done() and not t.cancelled():
-                    t.exception()
-        if pending:
-            cancelled = await asyncio.gather(
-                *(self._cancel_step(wf, tasks[t]) for t in pending), return_exceptions=True
-            )
-            for err in cancelled:
-                if isinstance(err, Exception):
-                    raise err  # not an outcome: the workflow goes back to JetStream
-        if succeeded >= wf.need:
-            state = TaskState.SUCCEEDED
-        elif first_error is not None and all(
-            r.state is TaskState.TIMEOUT
-            for r in wf.records.values()
-            if r.state.final and r.state is not TaskState.SUCCEEDED
-        ):
-            state = TaskState.TIMEOUT
-        else:
-            state = TaskState.FAILED
-        steps = self._step_results(wf)
-        return WorkflowResult(
-            workflow_id=wf.id,
-            kind="fanout",
-            policy=spec.policy,
-            state=state,
-            steps=steps,
-            result=[s.result if s.ok else None for s in steps],
-            error=None
-            if state is TaskState.SUCCEEDED or first_error is None
-            else _step_error(first_error),
-        )
-
-    async def _chain(self, wf: Workflow) -> WorkflowResult:
-        spec = wf.spec
-        previous: Any = None
-        state = TaskState.SUCCEEDED
-        error: ErrorBody | None = None
-        for i, step in enumerate(spec.steps):
-            payload = step.payload if i == 0 else merge_payload(previous, step.payload)
-            rec = await self._step(wf, i, step, payload)
-            wf.records[i] = rec
-            if rec.state is not TaskState.SUCCEEDED:
-                state = rec.state if rec.state.final else TaskState.FAILED
-                error = _step_error(rec)
-                break
-            previous = rec.result
-        steps = self._step_results(wf)
-        return WorkflowResult(
-            workflow_id=wf.id,
-            kind="chain",
-            state=state,
-            steps=steps,
-            result=previous if state is TaskState.SUCCEEDED else None,
-            error=error,
-        )
-
-    def _record_of(self, wf: Workflow, index: int, task: asyncio.Task[TaskRecord]) -> TaskRecord:
-        exc = task.exception()
-        if isinstance(exc, NotOwnerError | _durable.RetriesExhausted) or (
-            exc is not None and _durable.transient(exc)
-        ):
-            # Not an outcome: the workflow goes back to JetStream and resumes from the records.
-            raise exc
-        if exc is not None:
-            log.error("step %d of workflow %s crashed", index, wf.id, exc_info=exc)
-            err = InternalError(f"step crashed: {type(exc).__name__}: {exc}")
-            rec = TaskRecord(
-                task_id=step_task_id(wf.id, index, wf.spec.steps[index]),
-                workflow_id=wf.id,
-                step=index,
-                namespace=wf.ns,
-                state=TaskState.FAILED,
-                error=ErrorBody(code=err.code, message=err.message),
-            )
-        else:
-            rec = task.result()
-        wf.records[index] = rec
-        return rec
-
-    def _step_results(self, wf: Workflow) -> list[StepResult]:
-        out: list[StepResult] = []
-        for i, step in enumerate(wf.spec.steps):
-            rec = wf.records.get(i)
-            if rec is None:
-                out.append(
-                    StepResult(
-                        index=i,
-                        task_id=step_task_id(wf.id, i, step),
-                        state=TaskState.PENDING,
-                        cancelled=True,
-                    )
-                )
-                continue
-            out.append(
-                StepResult(
-                    index=i,
-                    task_id=rec.task_id,
-                    state=rec.state,
-                    agent_id=rec.agent_id,
-                    attempts=rec.attempt,
-                    decided_by=rec.decided_by if rec.state.final else None,
-                    result=rec.result,
-                    error=rec.error,
-                    cancelled=rec.cancelled,
-                    cached=rec.cached,
-                    stale=rec.stale,
-                    duration_ms=rec.duration_ms,
-                    started_at=rec.created_at or None,
-                    finished_at=rec.updated_at if rec.state.final else None,
-                )
-            )
-        return out
-
-    async def _cancel_step(self, wf: Workflow, index: int) -> None:
-        """Mark a branch the policy no longer needs: agents drop its undelivered attempts."""
-        assert self._tasks_kv is not None
-        kv = self._tasks_kv
-        step = wf.spec.steps[index]
-        task_id = step_task_id(wf.id, index, step)
-        key = protocol.task_key(wf.ns, task_id)
-        got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
-        if got is not None:
-            rec = TaskRecord.model_validate_json(got[0])
-        else:
-            # No record: its attempt 1, if sent, is the one the workflow record names.
-            named = self._named_attempt(wf, index, task_id)
-            if named is None:
-                return
-            rec = named
-        if rec.state.final:
-            wf.records[index] = rec
-            # Cancelled right after its record was written (by the deadline, by an earlier
-            # attempt), its markers may be missing: store them (deduplicated).
-            await self._remark(wf, rec)
-            return
-        rec.cancelled = True
-        rec.updated_at = time.time()
-        wf.records[index] = rec
-        with contextlib.suppress(Exception):
-            last = 0 if got is None else got[1]
-            await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
-        # Every attempt it sent, not only the current one: the branch may have been cancelled
-        # between a fence-first record and its marker. A failure here is the workflow's
-        # (``_fanout`` raises it): the result must not be stored before the markers are.
-        await self._remark(wf, rec)
-        if rec.agent_id is not None and rec.attempt > 0:
-            self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
-
     # ------------------------------------------------------------------ subscriptions
 
     async def _on_status(self, msg: Msg) -> None:
@@ -788,20 +509,3 @@ class WorkflowEngine(StepRunner):
             self._no_work.add(view.agent_id)
         if new is AgentState.LOST:
             self._tracker.mark_lost(view.agent_id)
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _final_result(got: tuple[bytes, int] | None) -> WorkflowResult | None:
-    """The stored final result of a workflow record, if it has one."""
-    rec = stored_record(WorkflowRecord, got)
-    if rec is not None and rec.result is not None and rec.state.final:
-        return rec.result
-    return None
-
-
-def _step_error(rec: TaskRecord) -> ErrorBody:
-    if rec.error is not None:
-        return rec.error
-    return ErrorBody(code=ReachError.code, message=f"step {rec.step} ended {rec.state.value}")
