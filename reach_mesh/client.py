@@ -591,9 +591,10 @@ class Client(WorkflowsMixin):
 
         Retryable: no hub answered (no responders), ``REACH_THROTTLED`` (after at least
         ``retry_after``), ``REACH_AGENT_BUSY`` (every candidate refused before accepting) and
-        ``REACH_UNAVAILABLE`` (JetStream briefly down). Backoff doubles from 20 ms to 1 s (never
-        below a ``retry_after``), with jitter so that many callers retrying together do not
-        stampede.
+        ``REACH_UNAVAILABLE`` (JetStream briefly down). Each wait is ``retry_after`` (throttled)
+        or half the backoff (the rest), plus a random spread of up to the backoff, so that many
+        callers retrying together do not stampede; the backoff doubles from 20 ms to 1 s. Past
+        the deadline the last error is raised.
         """
         subject = protocol.hub_subject(ns, verb)
         delay = 0.02
@@ -616,7 +617,7 @@ class Client(WorkflowsMixin):
                     f"no hub answered on {subject}: is `reach-mesh hub` running?"
                 )
                 last.__cause__ = err
-                wait = delay
+                wait = delay / 2
                 self._say_no_hub(subject, deadline)
             except MaxPayloadError as err:
                 raise PayloadTooLargeError(
@@ -628,14 +629,16 @@ class Client(WorkflowsMixin):
                 try:
                     protocol.raise_for_error(data)
                 except ThrottledError as err:
-                    last, wait = err, max(err.retry_after, delay)
+                    last, wait = err, err.retry_after
                 except (AgentBusyError, MeshUnavailableError) as err:
-                    last, wait = err, delay
+                    last, wait = err, delay / 2
                 else:
                     return data
-            if time.monotonic() + wait >= deadline:
+            # At least ``wait``, plus a random spread of up to ``delay``.
+            left = deadline - time.monotonic()
+            if wait >= left:
                 raise last
-            await asyncio.sleep(wait * random.uniform(0.5, 1.5))
+            await asyncio.sleep(min(wait + delay * random.random(), left))
             delay = min(delay * 2, 1.0)
 
     # ------------------------------------------------------------------ fleet queries
