@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import TYPE_CHECKING, Annotated, Any, Final
 from urllib.parse import parse_qsl
 
@@ -94,7 +95,7 @@ def error_response(err: ReachError) -> JSONResponse:
     """The typed error body ``{"error": {...}}`` with its status (and ``Retry-After``)."""
     headers = {}
     if isinstance(err, ThrottledError):
-        headers["Retry-After"] = str(max(1, round(err.retry_after)))
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
     return JSONResponse(err.to_wire(), status_for(err), headers)
 
 
