@@ -330,6 +330,13 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
         _print_table(rows)
 
 
+def _cell(text: str, width: int) -> str:
+    """``text`` on one line (whitespace and control characters folded into single spaces), cut
+    to ``width`` with an ellipsis."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
 def _print_table(rows: Sequence[Sequence[str]], indent: str = "") -> None:
     """Columns padded to their widest cell; on a terminal, the last column is cut to fit
     (``--json`` has everything)."""
@@ -511,7 +518,7 @@ async def cmd_tools(args: argparse.Namespace) -> int:
         print(json.dumps(listing, indent=2))
         return 0
     rows = [("TOOL", "DESCRIPTION", "AGENTS")]
-    rows += [(name, described[name][:60], ", ".join(menu[name])) for name in sorted(menu)]
+    rows += [(name, _cell(described[name], 60), ", ".join(menu[name])) for name in sorted(menu)]
     if menu:
         _print_table(rows)
     else:

@@ -108,7 +108,9 @@ EXPECT = {
     "uncordon": r'"state": "ONLINE"',
     "cordon": r'"state": "CORDONED"',
     "snapshot": r"wrote \d+ agents to registry\.json",
-    "tools": r"TOOL\s+DESCRIPTION\s+AGENTS\n(?s:.*)translate\s+Translate text\s+demo\.translator",
+    "tools": (
+        r"TOOL\s+DESCRIPTION\s+AGENTS\n(?s:.*)translate\s+Translate text\s+demo\.translator\.t1"
+    ),
     "shop:price:v1": r'"state": "SUCCEEDED"(?s:.*)"price": 9\.5',
 }
 
