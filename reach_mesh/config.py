@@ -61,13 +61,11 @@ class MeshSettings(BaseModel):
     #: How long the first connection to NATS may take before it fails with its cause.
     connect_timeout: float = Field(default=2.0, gt=0)
     max_payload: int = Field(default=1 << 20, gt=0)
-    #: Concurrent requests a hub (or agent) works on before it stops reading more.
+    #: Route requests a hub has in flight before it takes more only from namespaces below
+    #: their fair share of them (the others get REACH_THROTTLED; docs/architecture.md,
+    #: "Fairness"); it stops reading at twice this. Also the other requests a hub (or an agent)
+    #: works on at once before it stops reading more.
     hub_concurrency: int = Field(default=2048, ge=1)
-    #: Route requests of one namespace a hub works on at once; beyond it that namespace is
-    #: answered ``REACH_THROTTLED`` (the SDK retries after ``retry_after``) and the rest of
-    #: ``hub_concurrency`` stays for the others: one tenant's slow or hung agents cannot take a
-    #: hub from every tenant. None = half of ``hub_concurrency``.
-    namespace_concurrency: int | None = Field(default=None, ge=1)
     #: Delivery attempts a hub makes (to different agents) before an ACCEPT.
     route_attempts: int = Field(default=3, ge=1, le=20)
     default_strategy: str = "least_loaded"
@@ -112,7 +110,8 @@ class MeshSettings(BaseModel):
     workflow_ack_wait: float = Field(default=30.0, gt=0)
     #: Ack wait of an agent's work consumer (the SDK sends +WPI while a handler runs).
     work_ack_wait: float = Field(default=30.0, gt=0)
-    #: Workflows one hub runs at once (it stops pulling submissions beyond that).
+    #: Workflows one hub runs at once; beyond it, only a namespace below its fair share of them
+    #: starts more (docs/workflows.md, "Fairness between namespaces").
     workflow_concurrency: int = Field(default=1024, ge=1)
     #: PENDING -> DELIVERED deadline of one attempt; past it a retry is safe (not accepted).
     step_deliver_timeout: float = Field(default=5.0, gt=0)
@@ -171,13 +170,6 @@ class MeshSettings(BaseModel):
         if isinstance(value, str):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
-
-    @property
-    def namespace_flights(self) -> int:
-        """The route requests one namespace may have in flight on a hub."""
-        if self.namespace_concurrency is not None:
-            return self.namespace_concurrency
-        return max(1, self.hub_concurrency // 2)
 
     @model_validator(mode="after")
     def _retention(self) -> MeshSettings:

@@ -24,6 +24,7 @@ __all__ = [
     "IDENTITY_REJECTED",
     "LEASE_EXPIRED",
     "MESSAGE_REFUSED",
+    "NAMESPACE_SHARE",
     "QUARANTINE",
     "ROUTE_LATENCY",
     "SELECT_EMPTY",
@@ -46,6 +47,9 @@ IDENTITY_REJECTED: Final = "REACH-IDENTITY-REJECTED"
 """A message spoke for another identity than its subject names, or used a hub-only code: refused
 (docs/security.md)."""
 
+NAMESPACE_SHARE: Final = "REACH-NAMESPACE-SHARE"
+"""A hub is full of workflows and a namespace holds its fair share of them: its further
+submissions wait in the stream while other namespaces' are taken (docs/workflows.md)."""
 MESSAGE_REFUSED: Final = "REACH-MESSAGE-REFUSED"
 """A message was dropped unread: it named a reply subject outside ``_INBOX.``, or it was not a
 message of the subscription it came on (a JetStream push delivery; docs/security.md)."""

@@ -182,7 +182,7 @@ async def test_hub_closing_finishes_routes_in_flight(
         Client(settings=settings) as c,
     ):
         pending = asyncio.create_task(c.request(capability=CAP, payload={"n": 7}))
-        await eventually(lambda: hub._routing == 1)
+        await eventually(lambda: hub.routing == 1)
         await hub.close()
         res = await pending
         assert res.state is TaskState.SUCCEEDED and res.result == {"n": 7}
@@ -201,7 +201,7 @@ async def test_many_routes_in_flight_at_once(
         )
         assert [r.result for r in results] == [{"n": i} for i in range(300)]
         assert {r.agent_id for r in results} == {f"{namespace}.work.a1", f"{namespace}.work.a2"}
-        await eventually(lambda: not hub._flights and hub._routing == 0)
+        await eventually(lambda: not hub._flights and hub.routing == 0)
 
 
 async def test_attempts_decided_together_go_to_a_batch_agent_as_one_message(

@@ -346,39 +346,51 @@ async def test_throttled_error_surfaces_past_deadline(
             await c.request(agent_id=a.agent_id, payload=1, timeout=0.2)
 
 
-async def test_one_namespace_cannot_take_every_hub_slot(
-    nats_url: str, settings: MeshSettings, namespace: str
+@pytest.mark.parametrize("hung_tenants", [1, 2])
+async def test_tenants_whose_agents_hang_cannot_take_a_hub(
+    nats_url: str, settings: MeshSettings, namespace: str, hung_tenants: int
 ) -> None:
-    """A tenant whose agent hangs holds at most ``namespace_concurrency`` of a hub's slots;
-    its further requests are THROTTLED (and the SDK retries them) while another tenant's
-    requests are still read and answered at once."""
+    """Tenants whose agents hang fill a hub (``hub_concurrency`` 4) between them. Then their
+    further requests are THROTTLED — refused unread, so the hub keeps reading — while another
+    tenant's request is taken past the bound, as its fair share, and answered at once. The
+    throttled tenants' SDK retries until their flights end. (Before fair shares the full hub
+    stopped reading, and the other tenant's request timed out.)"""
     s = settings.model_copy(update={"hub_concurrency": 4})
-    assert s.namespace_flights == 2
-    other_ns = f"{namespace}x"
     release = asyncio.Event()
-    slow = held_agent(f"{namespace}.w.slow", s, release)
+    hung = [namespace, *(f"{namespace}h{i}" for i in range(1, hung_tenants))]
+    slow = [
+        held_agent(f"{ns}.w.slow", s.model_copy(update={"namespace": ns}), release) for ns in hung
+    ]
+    other_ns = f"{namespace}x"
     other = echo_agent(f"{other_ns}.w.b1", s.model_copy(update={"namespace": other_ns}))
-    async with Hub(settings=s) as hub, slow, other:
-        await eventually(lambda: other.agent_id in hub.registry.agents)
+    async with Hub(settings=s) as hub, other:
+        await start_all(*slow)
         nc = await nats.connect(nats_url)
         try:
-            body = json.dumps({"agent_id": slow.agent_id, "timeout": 10}).encode()
-            subject = protocol.hub_subject(namespace, "route")
-            held = [asyncio.ensure_future(nc.request(subject, body, timeout=10)) for _ in range(2)]
-            await eventually(lambda: hub.routing == 2)
-            refused = json.loads((await nc.request(subject, body, timeout=2)).data)
-            assert refused["error"]["code"] == "REACH_THROTTLED"
-            assert refused["error"]["details"]["retry_after_ms"] > 0
-            assert "namespace_concurrency" in refused["error"]["message"]
+            await eventually(lambda: all(a.agent_id in hub.registry.agents for a in slow))
+            await eventually(lambda: other.agent_id in hub.registry.agents)
+
+            def ask(agent: Agent, timeout: float) -> Any:
+                body = json.dumps({"agent_id": agent.agent_id, "timeout": 10}).encode()
+                subject = protocol.hub_subject(protocol.namespace_of(agent.agent_id), "route")
+                return nc.request(subject, body, timeout=timeout)
+
+            held = [
+                asyncio.ensure_future(ask(a, 10)) for a in slow for _ in range(4 // hung_tenants)
+            ]
+            await eventually(lambda: hub.routing == 4)
+            for a in slow:
+                refused = json.loads((await ask(a, 2)).data)
+                assert refused["error"]["code"] == "REACH_THROTTLED"
+                assert refused["error"]["details"]["retry_after_ms"] > 0
+                assert "fair share" in refused["error"]["message"]
             assert hub.metrics.throttled_total.labels(namespace)._value.get() == 1
-            # The other tenant still has the rest of the hub: answered without waiting.
             async with Client(settings=s) as c:
                 res = await asyncio.wait_for(
                     c.request(agent_id=other.agent_id, payload="b", timeout=2), 1.5
                 )
                 assert res.ok and res.agent_id == other.agent_id
-                # The throttled tenant's SDK retries until a slot frees.
-                late = asyncio.ensure_future(c.request(agent_id=slow.agent_id, timeout=10))
+                late = asyncio.ensure_future(c.request(agent_id=slow[0].agent_id, timeout=10))
                 await asyncio.sleep(0.3)
                 assert not late.done()
                 release.set()
@@ -388,6 +400,26 @@ async def test_one_namespace_cannot_take_every_hub_slot(
             assert hub.routing == 0 and not hub._ns_flights
         finally:
             await nc.close()
+            await close_all(*slow)
+
+
+async def test_one_tenant_alone_may_use_the_whole_hub(
+    nats_url: str, settings: MeshSettings, namespace: str
+) -> None:
+    """Fair shares are work-conserving: a namespace alone on a hub has all of
+    ``hub_concurrency`` before it is throttled."""
+    s = settings.model_copy(update={"hub_concurrency": 4})
+    release = asyncio.Event()
+    slow = held_agent(f"{namespace}.w.slow", s, release)
+    async with Hub(settings=s) as hub, slow, Client(settings=s) as c:
+        calls = [
+            asyncio.ensure_future(c.request(agent_id=slow.agent_id, payload=i, timeout=10))
+            for i in range(4)
+        ]
+        await eventually(lambda: hub.routing == 4 and slow.inflight == 4)
+        assert hub.metrics.throttled_total.labels(namespace)._value.get() == 0
+        release.set()
+        assert [r.result for r in await asyncio.gather(*calls)] == ["done"] * 4
 
 
 async def test_registration_storm_is_absorbed(

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reach_mesh.hub.breaker import HEALTH_THRESHOLD, BreakerState, CircuitBreaker, HealthScore
+from reach_mesh.hub.shares import Shares, defer_delay
 from reach_mesh.hub.throttle import Throttle, TokenBucket
 
 
@@ -270,3 +271,35 @@ def test_health_score_configurable() -> None:
         health.success()
     assert health.value == 40
     assert health.healthy
+
+
+def test_shares_are_fair_once_the_hub_is_full() -> None:
+    shares = Shares(4)
+    for _ in range(4):  # alone, a namespace may use the whole capacity
+        assert shares.admits("a")
+        shares.take("a")
+    assert shares.total == 4 and not shares.admits("a")
+    # Full: a newcomer is below its fair share (4 // 2) and still takes, past the capacity.
+    assert shares.share("b") == 2 and shares.admits("b")
+    shares.take("b")
+    shares.take("b")
+    assert not shares.admits("b") and shares.total == 6
+    # A third namespace: shares are 4 // 3 = 1 each; "a" waits until the hub has room again.
+    assert shares.admits("c") and not shares.admits("a")
+    for _ in range(3):
+        shares.give("a")
+    assert shares.total == 3 and shares.admits("a")  # room again: anyone may take it
+    shares.give("a")
+    shares.give("a")  # one give too many changes nothing
+    shares.give("b")
+    shares.give("b")
+    assert shares.total == 0 and len(shares) == 0
+    with pytest.raises(ValueError):
+        Shares(0)
+
+
+def test_deferred_submissions_wait_longer_each_time_up_to_a_bound() -> None:
+    delays = [defer_delay(n) for n in range(0, 12)]
+    assert delays[:4] == [0.5, 0.5, 1.0, 2.0]
+    assert delays == sorted(delays) and max(delays) == 30.0
+    assert defer_delay(10**9) == 30.0

@@ -227,6 +227,58 @@ async def test_chain_stops_at_failure(wf_hub: Hub, fleet: Fleet, wf_settings: Me
     assert out.error is not None and "bad input" in out.error.message
 
 
+# --------------------------------------------------------------------------- fairness
+
+
+async def test_tenants_whose_workflows_hang_cannot_take_a_hub(
+    fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tenant whose workflows hang fills a hub (``workflow_concurrency`` 4); its further
+    submissions go back to the stream (deferred, not failed), and another tenant's workflow,
+    stored behind them, is taken as its fair share and runs at once. Once the first tenant's
+    agent answers, every one of its workflows finishes, the deferred ones too. (Before fair
+    shares the full hub stopped pulling, and the other tenant's workflow waited.)"""
+    s = wf_settings.model_copy(update={"workflow_concurrency": 4})
+    ns, other_ns = s.namespace, f"{s.namespace}x"
+    release = asyncio.Event()
+    slow = fleet.agent("slow.s1", max_concurrency=16)
+
+    @slow.handler("wf:slow:v1")
+    async def hang(task: Task[Any]) -> str:
+        await release.wait()
+        return "done"
+
+    other_settings = s.model_copy(update={"namespace": other_ns})
+    other = echo_agent(Fleet(other_settings), "quick.q1")
+    fleet.agents.append(other)
+    async with Hub(settings=s) as hub:
+        await slow.start()
+        await other.start()
+        engine = hub.workflows
+        assert engine is not None
+        async with Client(settings=s) as mesh, Client(settings=other_settings) as theirs:
+            ids = [
+                await mesh.submit_fanout([Step(capability="wf:slow:v1", payload=i)], timeout=30)
+                for i in range(6)
+            ]
+            await eventually(lambda: engine.deferred_total >= 2 and slow.inflight >= 2)
+            res = await asyncio.wait_for(
+                theirs.fanout([Step(capability="wf:echo:v1", payload="b")], timeout=10), 5
+            )
+            assert res.state is TaskState.SUCCEEDED
+            assert engine._shares.held(ns) <= 4 and slow.inflight <= 4
+            assert hub.metrics.workflow_deferred_total._value.get() == engine.deferred_total
+            (line,) = [
+                r for r in caplog.records if getattr(r, "event", None) == "REACH-NAMESPACE-SHARE"
+            ]  # one line per 30 s, however many were deferred
+            assert getattr(line, "namespace", None) == ns
+            release.set()
+            results = [await mesh.workflow(wf_id, timeout=20) for wf_id in ids]
+            assert [r.state for r in results] == [TaskState.SUCCEEDED] * 6
+            assert [r.result for r in results] == [["done"]] * 6
+        assert engine._shares.held(ns) == 0
+
+
 # --------------------------------------------------------------------------- retries
 
 

@@ -4,8 +4,9 @@ Every hub instance joins one queue group on ``reach.hub.*.<verb>``, so any numbe
 load and any of them can answer any request (they converge through the KV registry).
 Message callbacks never block the subscription. A route is a *flight* finished by the callback that
 gets the agent's reply (``_routing.py``); every other request runs in its own task. Both
-are bounded per hub (``hub_concurrency``): when full, the subscription stops reading and NATS
-buffers.
+are bounded per hub by ``hub_concurrency``: when full, the other requests' subscription stops
+reading and NATS buffers; routes are then taken only from namespaces below their fair share of
+the hub (``hub/shares.py``; the others are answered ``REACH_THROTTLED``), up to twice the bound.
 
 This module holds the hub's state, lifecycle and dispatch; ``Hub`` takes its routing from
 :class:`~reach_mesh.hub._routing.RoutingMixin` (its wire bytes from ``_wire.py``) and its
@@ -45,6 +46,7 @@ from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.registry import Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
+from reach_mesh.hub.shares import Shares
 from reach_mesh.hub.throttle import Throttle
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.tracing import tracing_from_env
@@ -92,8 +94,6 @@ class Hub(RoutingMixin, ControlMixin):
         # heap (entries of answered attempts are dropped lazily); routes not yet answered.
         self._flights = {}
         self._deadlines: list[tuple[float, str]] = []
-        self._routing = 0
-        self._ns_flights: dict[str, int] = {}
         self._room = asyncio.Event()
         self._reply_prefix = ""
         self._reply_prefix_b = b""
@@ -111,6 +111,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._local_ids = itertools.count()
         s = self.settings
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
+        self._ns_flights = Shares(s.hub_concurrency)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)
@@ -238,7 +239,7 @@ class Hub(RoutingMixin, ControlMixin):
     @property
     def routing(self) -> int:
         """Route requests taken and not answered yet."""
-        return self._routing
+        return self._ns_flights.total
 
     @property
     def http_url(self) -> str | None:
@@ -264,7 +265,7 @@ class Hub(RoutingMixin, ControlMixin):
             await within("workflow engine stop", self.workflows.stop(), 10.0, log)
         # Routes in flight get their answers (or their deadline) for up to 5 s.
         for _ in range(500):
-            if not self._inflight and self._routing <= 0:
+            if not self._inflight and self._ns_flights.total <= 0:
                 break
             await asyncio.sleep(0.01)
         for task in list(self._inflight):

@@ -49,6 +49,7 @@ from reach_mesh.hub.breaker import is_agent_fault
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
+from reach_mesh.hub.shares import Shares
 from reach_mesh.hub.throttle import Throttle
 from reach_mesh.logs import ROUTE_LATENCY, SELECT_EMPTY, log_event
 from reach_mesh.models import ErrorBody, RouteDecision, RouteRequest, TaskState
@@ -77,9 +78,9 @@ DIRECT_ALTERNATES: Final = 3
 #: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
 #: id in one may name an agent registered through another hub a moment ago).
 _UNKNOWN_NS: Final = "*"
-#: Retry hint of a namespace at its ``namespace_concurrency``: when one of its flights ends is
-#: unknown, so a short one (the SDK backs off from it, doubling).
-_NAMESPACE_BUSY_RETRY_MS: Final = 100
+#: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
+#: is unknown, so a short one (the SDK adds its own growing backoff).
+_FAIR_SHARE_RETRY_MS: Final = 100
 #: Reply "subjects" of routes asked in this process (``Hub.route``), followed by a number. A space
 #: never occurs in a NATS subject, so no message's reply subject can name one of these callers.
 _LOCAL_REPLY: Final = "local "
@@ -156,9 +157,8 @@ class RoutingMixin:
     dashboard: Dashboard | None
     _flights: dict[str, _Flight]
     _deadlines: list[tuple[float, str]]
-    _routing: int
-    #: Route flights per namespace (only namespaces with one in flight have an entry).
-    _ns_flights: dict[str, int]
+    #: Route flights per namespace, against ``hub_concurrency`` (fairness).
+    _ns_flights: Shares
     _room: asyncio.Event
     _reply_prefix: str
     _reply_prefix_b: bytes
@@ -246,12 +246,16 @@ class RoutingMixin:
         headers: dict[str, str] | None,
         batch_reply: str | None,
     ) -> None:
-        while self._routing >= self.settings.hub_concurrency:
-            # Full: stop reading this subscription (NATS buffers) until a flight ends.
+        flights = self._ns_flights
+        while flights.total >= 2 * flights.capacity:
+            # Full past every fair share: stop reading this subscription (NATS buffers) until a
+            # flight ends.
             self._room.clear()
             await self._room.wait()
         try:
             ns = self._namespace(subject)
+            if not flights.admits(ns):
+                raise self._over_share(ns)
             flight = self._admit(data, reply, headers, subject, ns)
         except ReachError as err:
             await self._answer(reply, protocol.encode_error(err), batch_reply)
@@ -265,8 +269,7 @@ class RoutingMixin:
             )
             return
         flight.batch_reply = batch_reply
-        self._routing += 1
-        self._ns_flights[flight.ns] = self._ns_flights.get(flight.ns, 0) + 1
+        flights.take(flight.ns)
         req = flight.req
         if req.session_id is not None or (
             req.agent_id is not None and req.agent_id not in self.registry.agents
@@ -274,6 +277,20 @@ class RoutingMixin:
             self._spawn(self._lookup_then_attempt(flight))
         else:
             await self._attempt(flight)
+
+    def _over_share(self, ns: str) -> ThrottledError:
+        """Fairness: the hub is full and ``ns`` holds its fair share of it, so the request is
+        refused before anything is decoded (its retries cost little) while the other
+        namespaces' requests are still read and served. Counted in ``reach_throttled_total``
+        only: the SDK retries it, and its outcome is counted then."""
+        flights = self._ns_flights
+        if self.known_namespace(ns):
+            self.metrics.throttled_total.labels(ns).inc()
+        return ThrottledError(
+            f"this hub is full ({flights.total} route requests in flight) and namespace {ns!r} "
+            f"holds its fair share of them ({flights.held(ns)} of {flights.share(ns)})",
+            retry_after_ms=_FAIR_SHARE_RETRY_MS,
+        )
 
     def _admit(
         self, data: bytes, reply: str, headers: dict[str, str] | None, subject: str, ns: str
@@ -293,17 +310,6 @@ class RoutingMixin:
                 self._count(ns, req.mode, "THROTTLED")
             raise ThrottledError(
                 f"namespace {ns!r} is over its route rate", retry_after_ms=int(retry * 1000) + 1
-            )
-        flights = self._ns_flights.get(ns, 0)
-        if flights >= self.settings.namespace_flights:
-            # Fairness: the rest of this hub's slots stay for the other namespaces.
-            if known:
-                self.metrics.throttled_total.labels(ns).inc()
-                self._count(ns, req.mode, "THROTTLED")
-            raise ThrottledError(
-                f"namespace {ns!r} has {flights} requests in flight on this hub, its "
-                "namespace_concurrency",
-                retry_after_ms=_NAMESPACE_BUSY_RETRY_MS,
             )
         if req.agent_id is not None and protocol.namespace_of(req.agent_id) != ns:
             raise BadRequestError(
@@ -644,7 +650,10 @@ class RoutingMixin:
                 _, token = heapq.heappop(heap)
                 flight = self._flights.pop(token, None)
                 if flight is not None:
-                    await self._expired(flight)
+                    try:
+                        await self._expired(flight)
+                    except Exception:  # one flight's trouble must not stop the sweep
+                        log.exception("expiring route %s failed", flight.request_id)
             # Answered attempts leave their entry behind; drop them once they outnumber the
             # live ones, so the heap stays the size of what is in flight.
             if len(heap) > 2 * len(self._flights) + 1024:
@@ -759,11 +768,9 @@ class RoutingMixin:
             if error is not None:
                 sp.set_status(Status(StatusCode.ERROR, error.code))
             sp.end()
-        self._routing -= 1
-        left = self._ns_flights.pop(flight.ns, 1) - 1
-        if left > 0:
-            self._ns_flights[flight.ns] = left
-        if self._routing < self.settings.hub_concurrency:
+        flights = self._ns_flights
+        flights.give(flight.ns)
+        if flights.total < 2 * flights.capacity:
             self._room.set()
         await self._answer(flight.reply_to, body, flight.batch_reply)
 

@@ -56,6 +56,8 @@ from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
+from reach_mesh.hub.shares import Shares, defer_delay
+from reach_mesh.logs import NAMESPACE_SHARE, log_event
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import (
@@ -72,6 +74,14 @@ __all__ = ["WorkflowEngine"]
 log = logging.getLogger("reach_mesh.hub.workflows")
 
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
+#: At most one "namespace over its share" warning per this many seconds.
+_DEFER_LOG_INTERVAL: Final = 30.0
+
+
+def _submit_namespace(subject: str) -> str:
+    """``<ns>`` of ``reach.wf.<ns>.submit``."""
+    parts = subject.split(".", 3)
+    return parts[2] if len(parts) > 2 else ""
 
 
 class WorkflowEngine(WorkflowShapes):
@@ -114,6 +124,11 @@ class WorkflowEngine(WorkflowShapes):
             on_stale=None if metrics is None else metrics.stale_result_total.inc,
         )
         self._running: dict[asyncio.Task[None], Msg] = {}
+        #: Workflows run per namespace, against ``workflow_concurrency`` (fairness).
+        self._shares = Shares(settings.workflow_concurrency)
+        #: Submissions handed back because their namespace held its share (``_defer``).
+        self.deferred_total = 0
+        self._defer_logged = 0.0
         self._ticker: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Future[Any]] = set()
         self._pending = 0
@@ -201,7 +216,9 @@ class WorkflowEngine(WorkflowShapes):
                 deliver_policy=DeliverPolicy.ALL,
                 ack_wait=s.workflow_ack_wait,
                 max_deliver=-1,
-                max_ack_pending=max(s.workflow_concurrency * 16, 10_000),
+                # Submissions deferred for fairness wait here (a nak's delay keeps them
+                # pending), so that other namespaces' are still delivered behind a flood.
+                max_ack_pending=max(s.workflow_concurrency * 64, 65_536),
             ),
         )
         statuses = protocol.task_status("*.*.*", "*")
@@ -215,7 +232,9 @@ class WorkflowEngine(WorkflowShapes):
             protocol.STREAM_WF,
             protocol.CONSUMER_HUBS,
             self._on_submit,
-            s.workflow_concurrency,
+            # Up to twice the capacity: past it, fair shares still start workflows, and
+            # submissions over a share are handed back (``_defer``) as they come.
+            2 * s.workflow_concurrency,
             expires=min(5.0, max(0.5, s.workflow_ack_wait)),
         )
         await self._pull.start()
@@ -267,16 +286,59 @@ class WorkflowEngine(WorkflowShapes):
     # ------------------------------------------------------------------ submissions
 
     def _on_submit(self, msg: Msg) -> None:
+        ns = _submit_namespace(msg.subject)
+        if not self._shares.admits(ns):
+            self._defer(msg, ns)
+            return
+        self._shares.take(ns)
         task = asyncio.create_task(self._own(msg), name="reach-workflow")
         self._running[task] = msg
         task.add_done_callback(self._owned_done)
 
     def _owned_done(self, task: asyncio.Task[None]) -> None:
-        self._running.pop(task, None)
+        msg = self._running.pop(task, None)
+        if msg is not None:
+            self._shares.give(_submit_namespace(msg.subject))
         if self._pull is not None:
             self._pull.release()
         if not task.cancelled() and task.exception() is not None:
             log.error("workflow task failed", exc_info=task.exception())
+
+    def _defer(self, msg: Msg, ns: str) -> None:
+        """Fairness: this hub runs ``workflow_concurrency`` workflows and ``ns`` its fair share
+        of them (:class:`~reach_mesh.hub.shares.Shares`). The submission
+        goes back to the stream for later — a nak whose delay grows with its deliveries
+        (:func:`~reach_mesh.hub.shares.defer_delay`) — and the pull moves on to the
+        submissions behind it, other namespaces' among them. Nothing is read or written for
+        it: whoever takes it later starts or resumes it from the records as usual."""
+        self.deferred_total += 1
+        if self._metrics is not None:
+            self._metrics.workflow_deferred_total.inc()
+        try:
+            deliveries = msg.metadata.num_delivered or 1
+        except Exception:
+            deliveries = 1
+        now = time.monotonic()
+        if now >= self._defer_logged:
+            self._defer_logged = now + _DEFER_LOG_INTERVAL
+            log_event(
+                log,
+                NAMESPACE_SHARE,
+                f"this hub runs {self._shares.total} workflows and namespace {ns!r} its fair "
+                f"share of them ({self._shares.held(ns)} of {self._shares.share(ns)}): its "
+                "further submissions wait in the stream",
+                level=logging.WARNING,
+                namespace=ns,
+                deferred=self.deferred_total,
+            )
+        self._background(self._hand_back(msg, defer_delay(deliveries)))
+
+    async def _hand_back(self, msg: Msg, delay: float) -> None:
+        try:
+            await msg.nak(delay=delay)
+        finally:
+            if self._pull is not None:
+                self._pull.release()
 
     async def _own(self, msg: Msg) -> None:
         raw = dict(msg.headers or {})

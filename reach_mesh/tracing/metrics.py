@@ -256,6 +256,12 @@ class HubMetrics:
             ["kind", "state"],
             registry=r,
         )
+        self.workflow_deferred_total = Counter(
+            "reach_workflow_deferred",
+            "Workflow submissions handed back to the stream for later: the hub runs "
+            "workflow_concurrency workflows and their namespace its fair share of them.",
+            registry=r,
+        )
         self.workflow_duration_seconds = Histogram(
             "reach_workflow_duration_seconds",
             "Time from workflow submission to its final state, by kind.",
