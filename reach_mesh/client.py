@@ -766,7 +766,12 @@ class Client(WorkflowsMixin):
 def _audit_matches(event: dict[str, Any], key: str, value: object) -> bool:
     """Whether an audit event matches one filter. An agent's events include the requests that
     named it but were refused before it was chosen (no ``agent_id`` then: it is their
-    ``target``)."""
+    ``target``) and the routes it refused before another agent took them (``refused_by``)."""
     if event.get(key) == value:
         return True
-    return key == "agent_id" and event.get("agent_id") is None and event.get("target") == value
+    if key != "agent_id":
+        return False
+    if event.get("agent_id") is None and event.get("target") == value:
+        return True
+    refused = event.get("refused_by")
+    return isinstance(refused, list) and value in refused

@@ -23,13 +23,13 @@ from opentelemetry.util._once import Once
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from reach_mesh import Client, MeshSettings, NoMatchError
+from reach_mesh import Client, MeshSettings, MeshTimeoutError, NoMatchError
 from reach_mesh.agent import Agent, Task
 from reach_mesh.cli import main as cli_main
 from reach_mesh.hub import Hub
 from reach_mesh.models import ToolSpec
 
-from .helpers import eventually, fetch, mcp_session
+from .helpers import eventually, fetch, mcp_session, partition
 
 
 def echo_agent(agent_id: str, settings: MeshSettings, **kw: Any) -> Agent:
@@ -166,6 +166,66 @@ async def test_audit_stream_tells_the_story(
         assert [e["target"] for e in refused] == [agent.agent_id]
         by_trace = await c.audit(trace_id=res.trace_id)
         assert [e["request_id"] for e in by_trace] == [res.request_id]
+
+
+async def test_audit_names_the_agent_of_a_failure_and_the_handlers_error(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """What an SRE asks of the audit after an incident: which agent a timeout was about (and
+    ``--agent`` finds it), and why a handler failed."""
+    agent = Agent(f"{namespace}.w.flaky", settings=settings)
+    release = asyncio.Event()
+
+    @agent.handler("work:hang:v1")
+    async def hang(task: Task[Any]) -> str:
+        await release.wait()
+        return "late"
+
+    @agent.handler("work:fail:v1")
+    async def fail(task: Task[Any]) -> str:
+        raise RuntimeError("the upstream said no")
+
+    async with agent, Client(settings=settings) as c:
+        with pytest.raises(MeshTimeoutError):
+            await c.request(capability="work:hang:v1", timeout=0.3)
+        failed = await c.request(capability="work:fail:v1")
+        assert not failed.ok
+        release.set()
+        await hub.audit.flush()
+        await hub.nc.flush()
+        story = await c.audit(agent_id=agent.agent_id, namespace=namespace)
+        routes = [e for e in story if e["kind"] == "route"]
+        timeout = next(e for e in routes if e.get("error") == "REACH_TIMEOUT")
+        assert timeout["agent_id"] == agent.agent_id and timeout["attempts"] == 1
+        handled = next(e for e in routes if e.get("state") == "FAILED")
+        assert handled["error"] == "REACH_HANDLER_FAILED"
+        assert "the upstream said no" in handled["reason"]
+
+
+async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
+    hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent that goes LOST leaves every listing, so the hub says so in its log; a caller
+    that keeps asking for what nobody serves gets one line per 10 s, not one per request."""
+    caplog.set_level("WARNING", logger="reach_mesh")
+    agent = echo_agent(f"{namespace}.w.gone", settings)
+    async with Client(settings=settings) as c:
+        for _ in range(5):
+            with pytest.raises(NoMatchError):
+                await c.request(capability="work:nobody:v1", timeout=1)
+        async with agent:
+            await eventually(lambda: agent.agent_id in hub.registry.agents)
+            await partition(agent)
+            await eventually(lambda: agent.agent_id not in hub.registry.agents, timeout=5)
+
+    def lines(event: str) -> list[Any]:
+        return [r for r in caplog.records if getattr(r, "event", None) == event]
+
+    empty = [r for r in lines("REACH-SELECT-EMPTY") if r.target == "work:nobody:v1"]
+    assert len(empty) == 1 and empty[0].namespace == namespace
+    states = [r.state for r in lines("REACH-LEASE-EXPIRED") if r.agent_id == agent.agent_id]
+    # (A heartbeat already on its way may make it ONLINE, then SUSPECT, once more.)
+    assert states[-1] == "LOST" and set(states[:-1]) == {"SUSPECT"}
 
 
 def test_cli_against_a_running_mesh(

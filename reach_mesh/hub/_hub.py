@@ -112,6 +112,7 @@ class Hub(RoutingMixin, ControlMixin):
         s = self.settings
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
         self._ns_flights = Shares(s.hub_concurrency)
+        self._no_match_lines = {}
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)

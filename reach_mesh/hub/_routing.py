@@ -78,6 +78,10 @@ DIRECT_ALTERNATES: Final = 3
 #: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
 #: id in one may name an agent registered through another hub a moment ago).
 _UNKNOWN_NS: Final = "*"
+#: One ``REACH-SELECT-EMPTY`` line per namespace and target per this many seconds, and at
+#: most this many (namespace, target) pairs remembered for it.
+_NO_MATCH_LOG_INTERVAL: Final = 10.0
+_NO_MATCH_KEYS: Final = 1024
 #: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
 #: is unknown, so a short one (the SDK adds its own growing backoff).
 _FAIR_SHARE_RETRY_MS: Final = 100
@@ -159,6 +163,8 @@ class RoutingMixin:
     _deadlines: list[tuple[float, str]]
     #: Route flights per namespace, against ``hub_concurrency`` (fairness).
     _ns_flights: Shares
+    #: ``REACH-SELECT-EMPTY`` lines by (namespace, target): [next line due, lines held back].
+    _no_match_lines: dict[tuple[str, str], list[float]]
     _room: asyncio.Event
     _reply_prefix: str
     _reply_prefix_b: bytes
@@ -387,14 +393,7 @@ class RoutingMixin:
             if flight.last_error is not None and flight.exclude:
                 await self._finish(flight, error=flight.last_error)  # every candidate refused
                 return
-            log_event(
-                log,
-                SELECT_EMPTY,
-                "no routable agent",
-                request_id=flight.request_id,
-                trace_id=flight.trace_id,
-                target=req.agent_id or req.capability or req.selector,
-            )
+            self._say_no_match(flight, _clip(req.agent_id or req.capability or req.selector))
             await self._finish(flight, error=err)
             return
         except ReachError as err:
@@ -640,6 +639,29 @@ class RoutingMixin:
         self.registry.regrade(view)
         return head
 
+    def _say_no_match(self, flight: _Flight, target: str | None) -> None:
+        """``REACH-SELECT-EMPTY``, once per namespace and target every 10 s: a caller that
+        keeps asking for what nobody serves must not fill the log (the audit has each one)."""
+        key = (flight.ns, target or "")
+        now = time.monotonic()
+        seen = self._no_match_lines.get(key)
+        if seen is not None and now < seen[0]:
+            seen[1] += 1
+            return
+        if len(self._no_match_lines) >= _NO_MATCH_KEYS:
+            self._no_match_lines.clear()
+        self._no_match_lines[key] = [now + _NO_MATCH_LOG_INTERVAL, 0]
+        log_event(
+            log,
+            SELECT_EMPTY,
+            "no routable agent",
+            request_id=flight.request_id,
+            trace_id=flight.trace_id,
+            namespace=flight.ns,
+            target=target,
+            suppressed=0 if seen is None else int(seen[1]),
+        )
+
     async def _sweep_deadlines(self) -> None:
         """Finish the attempts whose deadline passed without an answer (every few ms)."""
         heap = self._deadlines
@@ -713,6 +735,9 @@ class RoutingMixin:
                 "error": error.code,
                 "reason": _clip(error.message),
             }
+            if view is not None:  # it reached an agent: the last one is what it is about
+                event["agent_id"] = view.agent_id
+                event["attempts"] = flight.attempt
             body = protocol.encode_error(error)
         else:
             assert view is not None
@@ -731,6 +756,9 @@ class RoutingMixin:
                 "state": state,
                 "attempts": flight.attempt,
             }
+            if head is not None and head.error is not None:  # the handler's FAILED, TIMEOUT
+                event["error"] = head.error.code
+                event["reason"] = _clip(head.error.message)
             body = _reply_bytes(
                 flight.request_id,
                 view.agent_id,
@@ -741,6 +769,8 @@ class RoutingMixin:
                 alternates=alternates,
                 attempts=flight.attempt,
             )
+        if flight.exclude:  # agents that refused it before (busy, no handler, gone)
+            event["refused_by"] = sorted(flight.exclude)
         if known:
             self.audit.add(ns, "route", event)
             if self.dashboard is not None:

@@ -450,7 +450,18 @@ class Registry:
                 LEASE_EXPIRED,
                 "lease expired, agent is SUSPECT",
                 agent_id=view.agent_id,
+                state="SUSPECT",
                 lease_timeout=view.record.lease_timeout,
+            )
+        elif view.state is AgentState.LOST and old is not AgentState.LOST:
+            # It leaves every listing now: this line and the audit are what is left of it.
+            log_event(
+                log,
+                LEASE_EXPIRED,
+                "agent LOST: no heartbeat for its lease and suspect_timeout; removed from the "
+                "registry (its history: reach-mesh audit --agent)",
+                agent_id=view.agent_id,
+                state="LOST",
             )
         for listener in self._listeners:
             try:
