@@ -240,9 +240,16 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         # Agents built at import time read their settings from the environment.
         os.environ["REACH_NATS_URL"] = args.nats
     agents = load_agents(args.target)
+    if args.metrics_port is not None:
+        for i, agent in enumerate(agents):
+            port = args.metrics_port + i if args.metrics_port else 0
+            agent.serve_metrics(port, args.metrics_host)
 
     def started() -> None:  # connected and registered: only now is it true
         print("serving " + ", ".join(a.agent_id for a in agents), flush=True)
+        for a in agents:
+            if a.metrics_url is not None:
+                print(f"metrics of {a.agent_id}: {a.metrics_url}", flush=True)
 
     await serve(*agents, started=started)
     return 0
@@ -652,6 +659,17 @@ def build_parser() -> argparse.ArgumentParser:
         "target",
         help="module:attribute — an Agent, a list of Agents, or a function of no arguments "
         "returning either (e.g. myagents:agent, reach_mesh.demo:demo_agents)",
+    )
+    agent.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve each agent's Prometheus /metrics: the first on PORT, the next on PORT+1, "
+        "... (0 = any free port; default off)",
+    )
+    agent.add_argument(
+        "--metrics-host", default="127.0.0.1", help="address for --metrics-port (default loopback)"
     )
     agent.set_defaults(func=cmd_agent)
 

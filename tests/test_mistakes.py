@@ -24,6 +24,8 @@ from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
+from .helpers import fetch
+
 CLI = [sys.executable, "-m", "reach_mesh.cli"]
 
 
@@ -279,6 +281,39 @@ def test_ctrl_c_of_up_then_restart_lets_an_agent_reconnect(tmp_path: Path) -> No
     # have its hub subscribed yet: at most one beat finds no hub (and says so).
     failed = [ln for ln in text.splitlines() if "heartbeat of back.echo.a1 failed" in ln]
     assert len(failed) <= 1 and all("NoResponders" in ln for ln in failed), text
+
+
+async def test_agent_command_serves_each_agents_metrics(hub: Hub, nats_url: str) -> None:
+    """``reach-mesh agent --metrics-port 0``: each agent's /metrics on a port of its own, told
+    on start (what the ReachAgentFailures alert needs scraped)."""
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "agent",
+        "reach_mesh.demo:demo_agents",
+        "--nats",
+        nats_url,
+        "--metrics-port",
+        "0",
+        env=_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        assert proc.stdout is not None
+        urls: dict[str, str] = {}
+        while len(urls) < 3:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            assert line, "the agent command ended"
+            if line.startswith("metrics of "):
+                agent_id, url = line.removeprefix("metrics of ").strip().split(": ")
+                urls[agent_id] = url
+        assert len(set(urls.values())) == 3
+        for url in urls.values():
+            status, body = await fetch(url)
+            assert status == 200 and b"reach_agent_inflight" in body
+    finally:
+        proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.wait(), 30)
 
 
 def _wait_for(path: Path, text: str, timeout: float = 30.0) -> None:

@@ -226,6 +226,7 @@ async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
     states = [r.state for r in lines("REACH-LEASE-EXPIRED") if r.agent_id == agent.agent_id]
     # (A heartbeat already on its way may make it ONLINE, then SUSPECT, once more.)
     assert states[-1] == "LOST" and set(states[:-1]) == {"SUSPECT"}
+    assert hub.metrics.lease_expired_total.labels(namespace)._value.get() == len(states) - 1
 
 
 def test_cli_against_a_running_mesh(

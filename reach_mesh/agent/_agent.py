@@ -240,6 +240,15 @@ class Agent(ServingMixin):
         """The tools this agent registers (given ones plus ``handler(..., tool=...)``)."""
         return list(self._tools)
 
+    def serve_metrics(self, port: int, host: str = "127.0.0.1") -> None:
+        """Serve ``GET /metrics`` on ``host:port`` once started (0 = any free port): what
+        ``metrics_port`` says, for an agent built elsewhere (``reach-mesh agent
+        --metrics-port``). Before :meth:`start` only."""
+        if self.status is not AgentStatus.NEW:
+            raise RuntimeError(f"agent {self.agent_id} has started: set its metrics port before")
+        self._metrics_port = port
+        self._metrics_host = host
+
     @property
     def metrics_url(self) -> str | None:
         """``http://host:port/metrics`` while the agent serves metrics, else None."""

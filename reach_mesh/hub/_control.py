@@ -172,6 +172,8 @@ class ControlMixin:
 
     def _on_state_change(self, view: AgentView, old: AgentState, new: AgentState) -> None:
         ns = view.record.card.namespace
+        if new is AgentState.SUSPECT and old is AgentState.ONLINE:
+            self.metrics.lease_expired_total.labels(ns).inc()
         if new is AgentState.QUARANTINED:
             self.metrics.quarantine_total.inc()
             log_event(

@@ -207,7 +207,15 @@ class HubMetrics:
         )
         self.quarantine_total = Counter(
             "reach_quarantine",
-            "Times an agent's breaker opened (agent QUARANTINED).",
+            "Times an agent's breaker opened (agent QUARANTINED), a failed half-open probe "
+            "included.",
+            registry=r,
+        )
+        self.lease_expired_total = Counter(
+            "reach_lease_expired",
+            "Agents whose lease ran out (ONLINE -> SUSPECT): hung, crashed, partitioned, or "
+            "flapping. Every hub counts the same agents.",
+            ["namespace"],
             registry=r,
         )
         self.duplicate_delivery_total = Counter(
