@@ -21,6 +21,7 @@ from typing import Any, Final, TextIO
 from reach_mesh.tracing import current_trace_id
 
 __all__ = [
+    "HANDLER_FAILED",
     "IDENTITY_REJECTED",
     "LEASE_EXPIRED",
     "MESSAGE_REFUSED",
@@ -47,6 +48,9 @@ IDENTITY_REJECTED: Final = "REACH-IDENTITY-REJECTED"
 """A message spoke for another identity than its subject names, or used a hub-only code: refused
 (docs/security.md)."""
 
+HANDLER_FAILED: Final = "REACH-HANDLER-FAILED"
+"""An agent's handler raised (WARNING, with the traceback at most once a minute per capability)
+or failed the task on purpose with ``TaskFailed`` (INFO)."""
 NAMESPACE_SHARE: Final = "REACH-NAMESPACE-SHARE"
 """A hub is full of workflows and a namespace holds its fair share of them: its further
 submissions wait in the stream while other namespaces' are taken (docs/workflows.md)."""
@@ -93,9 +97,11 @@ def log_event(
     /,
     *,
     level: int | None = None,
+    exc_info: BaseException | None = None,
     **fields: Any,
 ) -> None:
-    """Emit one line with ``event=keyword`` and ``fields`` as structured extras.
+    """Emit one line with ``event=keyword`` and ``fields`` as structured extras (and
+    ``exc_info``'s traceback, when given).
 
     ``level`` defaults per keyword (warning for SELECT_EMPTY, LEASE_EXPIRED, QUARANTINE; info
     otherwise). Nothing is built when the level is disabled. ``trace_id`` is filled from the
@@ -114,7 +120,7 @@ def log_event(
         if trace_id is not None:
             extra["trace_id"] = trace_id
     # stacklevel=2: the record names the caller's function and line, not this helper.
-    logger.log(level, msg, extra=extra, stacklevel=2)
+    logger.log(level, msg, extra=extra, stacklevel=2, exc_info=exc_info)
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

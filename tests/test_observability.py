@@ -229,6 +229,26 @@ async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
     assert hub.metrics.lease_expired_total.labels(namespace)._value.get() == len(states) - 1
 
 
+async def test_a_failing_handler_is_logged_with_its_task_and_one_traceback(
+    hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="reach_mesh.agent")
+    agent = Agent(f"{namespace}.w.buggy", settings=settings)
+
+    @agent.handler("work:bug:v1")
+    async def bug(task: Task[Any]) -> str:
+        raise KeyError("sku")
+
+    async with agent, Client(settings=settings) as c:
+        results = [await c.request(capability="work:bug:v1", payload=i) for i in range(3)]
+    lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-HANDLER-FAILED"]
+    assert [r.levelname for r in lines] == ["WARNING"] * 3
+    assert [r.task_id for r in lines] == [res.task_id for res in results]
+    assert [r.trace_id for r in lines] == [res.trace_id for res in results]
+    # The traceback once (per capability per minute), not on every failing task.
+    assert [r.exc_info is not None for r in lines] == [True, False, False]
+
+
 def test_cli_against_a_running_mesh(
     nats_url: str, namespace: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -164,6 +164,7 @@ class Agent(ServingMixin):
         self._succeeded_total = {}
         self._counters = {}
         self._deadlines = _Deadlines()
+        self._traceback_due = {}
         #: Handler slots taken (of ``max_concurrency``), and the tasks waiting for one.
         self._running = 0
         self._slot_waiters: deque[asyncio.Future[None]] = deque()

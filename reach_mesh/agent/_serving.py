@@ -45,6 +45,7 @@ from reach_mesh.errors import (
     NoHandlerError,
     ReachError,
 )
+from reach_mesh.logs import HANDLER_FAILED, log_event
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import (
     SPAN_HANDLE,
@@ -67,6 +68,8 @@ if typing.TYPE_CHECKING:
 __all__ = ["AgentStatus", "ServingMixin"]
 
 log = logging.getLogger("reach_mesh.agent")
+#: A failing handler's traceback is logged at most once per this many seconds per capability.
+_TRACEBACK_INTERVAL: Final = 60.0
 
 _RESULT_CACHE: Final = 10_000
 
@@ -163,6 +166,8 @@ class ServingMixin:
     _waiting: int
     _tasks: set[asyncio.Task[None]]
     _deadlines: _Deadlines
+    #: When a handler's next traceback may be logged, by capability.
+    _traceback_due: dict[str, float]
     _durations: dict[str, HistogramChild]
     _succeeded_total: dict[str, Counter]
     _counters: dict[tuple[str, TaskState], Counter]
@@ -565,9 +570,18 @@ class ServingMixin:
         except ReachError as err:  # TaskFailed among them
             if recording:
                 sp.record_exception(err)
+            log_event(
+                log,
+                HANDLER_FAILED,
+                f"handler {handler.capability} failed the task: {err.code}: {err.message}",
+                task_id=env.task_id,
+                attempt=env.attempt,
+                trace_id=trace_id,
+                capability=handler.capability,
+            )
             return self._reply(env, TaskState.FAILED, error=_error_body(err))
         except Exception as err:
-            log.info("handler %s failed: %r", handler.capability, err)
+            self._handler_raised(handler.capability, env, trace_id, err)
             if recording:
                 sp.record_exception(err)
             return self._reply(
@@ -595,6 +609,27 @@ class ServingMixin:
                 ),
             )
         return self._reply(env, TaskState.SUCCEEDED, result=dumped)
+
+    def _handler_raised(
+        self, capability: str, env: TaskEnvelope, trace_id: str | None, err: Exception
+    ) -> None:
+        """A handler's bug: a WARNING per task, its traceback at most once a minute per
+        capability (a handler failing every task must not fill the log with them)."""
+        now = time.monotonic()
+        traced = now >= self._traceback_due.get(capability, 0.0)
+        if traced:
+            self._traceback_due[capability] = now + _TRACEBACK_INTERVAL
+        log_event(
+            log,
+            HANDLER_FAILED,
+            f"handler {capability} raised {err!r}",
+            level=logging.WARNING,
+            exc_info=err if traced else None,
+            task_id=env.task_id,
+            attempt=env.attempt,
+            trace_id=trace_id,
+            capability=capability,
+        )
 
     async def _respond(self, req: _Request, body: bytes) -> None:
         """Answer before (or instead of) running a handler: refusals, bad input, duplicates."""
