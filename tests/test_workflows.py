@@ -465,7 +465,9 @@ async def _handover(settings: MeshSettings, release: asyncio.Event) -> AsyncIter
             await pair.hub_b.close()
 
 
-async def test_hub_killed_mid_workflow(fleet: Fleet, wf_settings: MeshSettings) -> None:
+async def test_hub_killed_mid_workflow(
+    fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
     started = asyncio.Event()
     hold = asyncio.Event()
     agent = fleet.agent("chain.a1")
@@ -493,10 +495,19 @@ async def test_hub_killed_mid_workflow(fleet: Fleet, wf_settings: MeshSettings) 
             await hubs.kill_a()
             hold.set()
             res = await mesh.workflow(wf_id, timeout=15)
+            # The surviving hub tells the takeover (an operator's sign that a hub failed).
+            assert hubs.hub_b is not None and hubs.hub_b.workflows is not None
+            assert hubs.hub_b.workflows.takeover_total == 1
+            assert hubs.hub_b.metrics.workflow_takeover_total._value.get() == 1
         assert res.state is TaskState.SUCCEEDED, res
         assert res.result == 2
         assert res.hub_id == "hub-b"
         assert runs == Counter({0: 1, 1: 1})  # no step ran twice
+        assert any(
+            f"e.g. {wf_id} from hub hub-a" in r.getMessage()
+            for r in caplog.records
+            if r.name == "reach_mesh.hub.workflows"
+        )
 
 
 async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(

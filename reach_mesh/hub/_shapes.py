@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, Final
 
 from nats.js.errors import KeyWrongLastSequenceError
 
@@ -38,6 +38,9 @@ __all__ = ["SpecConflictError", "WorkflowShapes", "final_result"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
+#: At most one "took over" line per this many seconds.
+_TAKEOVER_LINE_INTERVAL: Final = 10.0
+
 
 class SpecConflictError(Exception):
     """The workflow id is taken by a submission with another spec."""
@@ -49,6 +52,31 @@ class WorkflowShapes(StepRunner):
 
     hub_id: str
     _wf_kv: _durable.Bucket | None
+    #: Workflows this hub took over from a record another owner (or itself, earlier) wrote.
+    takeover_total: int
+    #: Takeovers not told in the log yet, and when the next line may be written.
+    _takeovers_untold: int
+    _takeover_line_due: float
+
+    def _took_over(self, wf: Workflow, previous: str | None) -> None:
+        """Count a takeover; tell it in the log at most once per 10 s (a dead hub hands over
+        all its workflows at once)."""
+        self.takeover_total += 1
+        if self._metrics is not None:
+            self._metrics.workflow_takeover_total.inc()
+        self._takeovers_untold += 1
+        now = time.monotonic()
+        if now < self._takeover_line_due:
+            return
+        self._takeover_line_due = now + _TAKEOVER_LINE_INTERVAL
+        log.warning(
+            "took over %d workflow(s), e.g. %s from hub %s: its owner stopped renewing it "
+            "(died, stopped or cut off); resuming from the records",
+            self._takeovers_untold,
+            wf.id,
+            previous,
+        )
+        self._takeovers_untold = 0
 
     async def _run(self, wf: Workflow) -> tuple[WorkflowResult, bool]:
         """Run the workflow to its result; ``(result, True)`` when it was final already."""
@@ -102,6 +130,7 @@ class WorkflowShapes(StepRunner):
                 )
             except KeyWrongLastSequenceError as err:
                 raise NotOwnerError(key) from err
+            self._took_over(wf, None if rec is None else rec.owner)
         t0 = time.time()
         with span(
             SPAN_WORKFLOW,

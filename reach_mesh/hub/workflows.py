@@ -128,6 +128,9 @@ class WorkflowEngine(WorkflowShapes):
         self._shares = Shares(settings.workflow_concurrency)
         #: Submissions handed back because their namespace held its share (``_defer``).
         self.deferred_total = 0
+        self.takeover_total = 0
+        self._takeovers_untold = 0
+        self._takeover_line_due = 0.0
         self._defer_logged = 0.0
         self._ticker: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Future[Any]] = set()

@@ -264,6 +264,12 @@ class HubMetrics:
             ["kind", "state"],
             registry=r,
         )
+        self.workflow_takeover_total = Counter(
+            "reach_workflow_takeover",
+            "Workflows this hub took over from another owner's record (a hub died, stopped or "
+            "was cut off), resuming them from the records.",
+            registry=r,
+        )
         self.workflow_deferred_total = Counter(
             "reach_workflow_deferred",
             "Workflow submissions handed back to the stream for later: the hub runs "
