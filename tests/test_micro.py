@@ -90,5 +90,14 @@ async def test_cli_agents_via_micro(settings: MeshSettings, namespace: str) -> N
         run = await asyncio.to_thread(
             subprocess.run, argv, env=env, capture_output=True, text=True, timeout=60
         )
+        # `hubs`: the live hubs alone, a dead one simply no longer answers.
+        argv = [sys.executable, "-m", "reach_mesh.cli", "hubs", "--nats", settings.nats_url]
+        hubs = await asyncio.to_thread(
+            subprocess.run, argv, env=env, capture_output=True, text=True, timeout=60
+        )
     assert run.returncode == 0, run.stderr
     assert hub.hub_id in run.stdout and agent.agent_id in run.stdout, run.stdout
+    assert hubs.returncode == 0, hubs.stderr
+    header, *rows = hubs.stdout.splitlines()
+    assert header.split() == ["HUB", "VERSION", "HTTP", "AGENTS"]
+    assert any(row.split()[0] == hub.hub_id for row in rows), hubs.stdout

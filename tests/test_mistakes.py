@@ -339,18 +339,18 @@ class _Terminal(io.StringIO):
 
 
 def test_tables_fit_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
-    from reach_mesh.cli import _print_table
+    from reach_mesh._cli_fleet import print_table
 
     rows = [("AGENT", "CAPABILITIES"), ("a.b.c1", ",".join(f"cap:n{i}:v1" for i in range(40)))]
     monkeypatch.setenv("COLUMNS", "60")
     screen = _Terminal()
     monkeypatch.setattr(sys, "stdout", screen)
-    _print_table(rows)
+    print_table(rows)
     lines = screen.getvalue().splitlines()
     assert all(len(line) <= 60 for line in lines) and lines[1].endswith("…")
     piped = io.StringIO()  # not a terminal: nothing is cut
     monkeypatch.setattr(sys, "stdout", piped)
-    _print_table(rows)
+    print_table(rows)
     assert rows[1][1] in piped.getvalue()
 
 

@@ -1,0 +1,235 @@
+"""The ``reach-mesh`` commands that read the fleet: ``agents``, ``hubs``, ``inspect``,
+``tools``, ``snapshot``, ``audit`` — and the tables they print. ``reach_mesh.cli`` parses the
+command line and runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from reach_mesh import protocol
+from reach_mesh.client import Client
+from reach_mesh.config import MeshSettings, load_settings
+from reach_mesh.models import AgentInfo
+
+__all__ = [
+    "cmd_agents",
+    "cmd_audit",
+    "cmd_hubs",
+    "cmd_inspect",
+    "cmd_snapshot",
+    "cmd_tools",
+    "print_table",
+    "settings_of",
+]
+
+
+def settings_of(args: argparse.Namespace, **extra: Any) -> MeshSettings:
+    """The settings a command runs with: ``--config`` / ``$REACH_CONFIG``, the environment,
+    ``--nats``, then ``extra``."""
+    extra.setdefault("nats_url", args.nats)
+    return load_settings(getattr(args, "config", None), **extra)
+
+
+async def cmd_agents(args: argparse.Namespace) -> int:
+    if args.via_micro:
+        return await _agents_via_micro(args)
+    async with Client(settings=settings_of(args), namespace=args.namespace) as c:
+        infos = await c.agents(all_namespaces=args.namespace is None)
+    if args.json:
+        print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
+        return 0
+    _print_agents(infos)
+    if not infos and args.namespace is not None:
+        print(f"(no agents in namespace {args.namespace!r}; without --namespace: every one)")
+    elif not infos:
+        print("(no agents)")
+    return 0
+
+
+async def _discover_hubs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every hub answering NATS micro discovery (``$SRV.INFO.reach-hub``), with its view of
+    the fleet."""
+    from reach_mesh.hub._micro import discover_hubs
+
+    async with Client(settings=settings_of(args)) as c:
+        return await discover_hubs(c.nc)
+
+
+def _print_hubs(hubs: Sequence[dict[str, Any]]) -> None:
+    rows = [("HUB", "VERSION", "HTTP", "AGENTS")]
+    for hub in hubs:
+        meta = hub.get("metadata") or {}
+        known = (hub.get("fleet") or {}).get("agents")
+        rows.append(
+            (
+                str(meta.get("hub_id", "?")),
+                str(hub.get("version", "?")),
+                str(meta.get("http_url") or "-"),
+                "?" if known is None else str(len(known)),
+            )
+        )
+    if len(rows) > 1:
+        print_table(rows)
+
+
+async def cmd_hubs(args: argparse.Namespace) -> int:
+    hubs = await _discover_hubs(args)
+    if args.json:
+        print(json.dumps({"hubs": hubs}, indent=2))
+        return 0
+    _print_hubs(hubs)
+    if not hubs:
+        print("(no hub answered $SRV.INFO.reach-hub: is `reach-mesh hub` running on this NATS?)")
+    return 0
+
+
+async def _agents_via_micro(args: argparse.Namespace) -> int:
+    """The fleet as NATS micro discovery sees it: every hub answering ``$SRV.INFO.reach-hub``
+    and the agents each one knows."""
+    hubs = await _discover_hubs(args)
+    seen: dict[str, AgentInfo] = {}
+    for hub in hubs:
+        for raw in (hub.get("fleet") or {}).get("agents", []):
+            info = AgentInfo.model_validate(raw)
+            if args.namespace is None or protocol.namespace_of(info.agent_id) == args.namespace:
+                seen.setdefault(info.agent_id, info)
+    if args.json:
+        print(json.dumps({"hubs": hubs}, indent=2))
+        return 0
+    if hubs:
+        _print_hubs(hubs)
+        print()
+    _print_agents(list(seen.values()))
+    if not hubs:
+        print("(no hub answered $SRV.INFO.reach-hub)")
+    elif not seen:
+        print("(no agents)")
+    return 0
+
+
+def _print_agents(infos: Sequence[AgentInfo]) -> None:
+    rows = [("NS", "AGENT", "STATE", "LOAD", "INFLIGHT", "LEASE", "HEALTH", "CAPABILITIES")]
+    for i in sorted(infos, key=lambda i: i.agent_id):
+        rows.append(
+            (
+                protocol.namespace_of(i.agent_id),
+                i.agent_id,
+                i.state.value,
+                f"{i.load:.2f}",
+                f"{i.inflight}/{i.max_concurrency}",
+                f"{i.lease_left:.1f}s",
+                f"{i.health:g}",
+                ",".join(i.capabilities),
+            )
+        )
+    if len(rows) > 1:
+        print_table(rows)
+
+
+def _cell(text: str, width: int) -> str:
+    """``text`` on one line (whitespace and control characters folded into single spaces), cut
+    to ``width`` with an ellipsis."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def print_table(rows: Sequence[Sequence[str]], indent: str = "") -> None:
+    """Columns padded to their widest cell; on a terminal, the last column is cut to fit
+    (``--json`` has everything)."""
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    room = None
+    if sys.stdout.isatty():
+        used = len(indent) + sum(w + 2 for w in widths[:-1])
+        room = max(shutil.get_terminal_size().columns - used, 12)
+    for r in rows:
+        cells = list(r)
+        if room is not None and len(cells[-1]) > room:
+            cells[-1] = cells[-1][: room - 1] + "…"
+        print(indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+
+
+async def cmd_inspect(args: argparse.Namespace) -> int:
+    async with Client(settings=settings_of(args)) as c:
+        info = await c.inspect(args.agent_id)
+    print(json.dumps(info.model_dump(mode="json"), indent=2))
+    return 0
+
+
+async def cmd_audit(args: argparse.Namespace) -> int:
+    async with Client(settings=settings_of(args)) as c:
+        events = await c.audit(
+            request_id=args.request_id,
+            agent_id=args.agent,
+            trace_id=args.trace_id,
+            task_id=args.task_id,
+            namespace=args.namespace,
+            since=args.since,
+            limit=args.limit,
+        )
+    if args.json:
+        print(json.dumps(events, indent=2))
+        return 0
+    for ev in events:
+        ts = time.strftime("%H:%M:%S", time.localtime(ev.get("ts", 0)))
+        rest = {k: v for k, v in ev.items() if k not in ("ts", "kind", "seq", "hub_id")}
+        print(
+            f"{ts} #{ev.get('seq')} {ev.get('kind', '?'):<10} {ev.get('hub_id', '')}  "
+            + " ".join(f"{k}={v}" for k, v in rest.items())
+        )
+    if not events:
+        print("(no matching audit events)")
+    return 0
+
+
+async def cmd_snapshot(args: argparse.Namespace) -> int:
+    async with Client(settings=settings_of(args)) as c:
+        infos = await c.agents(all_namespaces=True)
+    by_state: dict[str, int] = {}
+    for info in infos:
+        by_state[info.state.value] = by_state.get(info.state.value, 0) + 1
+    snap = {
+        "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "by_state": by_state,
+        "agents": [i.model_dump(mode="json") for i in infos],
+    }
+    text = json.dumps(snap, indent=2)
+    if args.output:
+        await asyncio.to_thread(Path(args.output).write_text, text + "\n")
+        print(f"wrote {len(infos)} agents to {args.output}")
+    else:
+        print(text)
+    return 0
+
+
+async def cmd_tools(args: argparse.Namespace) -> int:
+    async with Client(settings=settings_of(args), namespace=args.namespace) as c:
+        infos = await c.agents(all_namespaces=args.namespace is None)
+    menu: dict[str, list[str]] = {}
+    described: dict[str, str] = {}
+    for info in infos:
+        for tool in info.tools:
+            menu.setdefault(tool.name, []).append(info.agent_id)
+            described[tool.name] = tool.description
+    if args.json:
+        listing = [
+            {"tool": name, "description": described[name], "agents": menu[name]}
+            for name in sorted(menu)
+        ]
+        print(json.dumps(listing, indent=2))
+        return 0
+    rows = [("TOOL", "DESCRIPTION", "AGENTS")]
+    rows += [(name, _cell(described[name], 60), ", ".join(menu[name])) for name in sorted(menu)]
+    if menu:
+        print_table(rows)
+    else:
+        print("(no tools)")
+    return 0
