@@ -453,7 +453,7 @@ class Registry:
                 state="SUSPECT",
                 lease_timeout=view.record.lease_timeout,
             )
-        elif view.state is AgentState.LOST and old is not AgentState.LOST:
+        elif view.state is AgentState.LOST and old is AgentState.SUSPECT:  # not a goodbye
             # It leaves every listing now: this line and the audit are what is left of it.
             log_event(
                 log,
