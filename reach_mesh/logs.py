@@ -15,7 +15,7 @@ import json as _json
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import Any, Final, TextIO
 
 from reach_mesh.tracing import current_trace_id
@@ -31,6 +31,7 @@ __all__ = [
     "SELECT_EMPTY",
     "HumanFormatter",
     "JsonFormatter",
+    "LineBudget",
     "configure_logging",
     "get_logger",
     "log_event",
@@ -121,6 +122,35 @@ def log_event(
             extra["trace_id"] = trace_id
     # stacklevel=2: the record names the caller's function and line, not this helper.
     logger.log(level, msg, extra=extra, stacklevel=2, exc_info=exc_info)
+
+
+class LineBudget:
+    """At most one log line per ``interval`` seconds per key: what a message anyone may send
+    (a refusal, a no-match, a takeover) logs, so that a flood of them cannot fill a disk or
+    stall the process writing lines. At most ``max_keys`` keys are remembered (then they
+    start over: lenient, never silent for long)."""
+
+    __slots__ = ("_due", "_held", "interval", "max_keys")
+
+    def __init__(self, interval: float, max_keys: int = 1024) -> None:
+        self.interval = interval
+        self.max_keys = max_keys
+        self._due: dict[Hashable, float] = {}
+        self._held: dict[Hashable, int] = {}
+
+    def take(self, key: Hashable = None) -> int | None:
+        """``None``: hold this line back (it is counted). Otherwise the line is due: the
+        number of lines held back for ``key`` since the last one."""
+        now = time.monotonic()
+        due = self._due.get(key)
+        if due is not None and now < due:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        if due is None and len(self._due) >= self.max_keys:
+            self._due.clear()
+            self._held.clear()
+        self._due[key] = now + self.interval
+        return self._held.pop(key, 0)
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

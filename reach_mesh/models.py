@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from reach_mesh.errors import BadLeaseError
 from reach_mesh.protocol import (
-    CAPABILITY_RE,
     validate_agent_id,
     validate_capability,
     validate_task_id,
@@ -125,8 +124,7 @@ class AgentCard(_Wire):
     @classmethod
     def _caps(cls, v: list[str]) -> list[str]:
         for cap in v:
-            if not CAPABILITY_RE.match(cap):
-                validate_capability(cap)  # raises with the bad value named
+            validate_capability(cap)  # its length too; raises with the bad value named
         return sorted(set(v))
 
     @field_validator("labels")

@@ -18,6 +18,7 @@ from reach_mesh.logs import (
     SELECT_EMPTY,
     HumanFormatter,
     JsonFormatter,
+    LineBudget,
     configure_logging,
     get_logger,
     log_event,
@@ -189,3 +190,16 @@ def test_configure_logging(restore_root: logging.Logger, monkeypatch: pytest.Mon
     assert len(ours) == 1 and isinstance(ours[0].formatter, HumanFormatter)
     with pytest.raises(ValueError, match="unknown log level"):
         configure_logging("loud")
+
+
+def test_line_budget_holds_back_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("reach_mesh.logs.time.monotonic", lambda: now[0])
+    budget = LineBudget(10.0, max_keys=2)
+    assert budget.take("a") == 0  # the first line is due
+    assert budget.take("a") is None and budget.take("a") is None  # held back, counted
+    assert budget.take("b") == 0  # keys are independent
+    now[0] += 10.0
+    assert budget.take("a") == 2  # due again, telling how many were held back
+    assert budget.take("c") == 0  # past max_keys: it starts over, never silent for long
+    assert budget.take("a") == 0

@@ -33,6 +33,7 @@ from reach_mesh import (
 from reach_mesh._auth import AuthDir
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
+from reach_mesh.logs import LineBudget
 from reach_mesh.models import AgentState, FailureReport, Heartbeat, UnregisterRequest
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import TaskStatusEvent
@@ -231,6 +232,7 @@ async def test_register_over_another_id_rejected_by_hub(
 ) -> None:
     """Forgery 3 from a real agent identity on its own subject: the body speaks for the victim."""
     caplog.set_level(logging.WARNING, logger="reach_mesh.hub")
+    mesh.hub._rejected_lines = LineBudget(30.0)  # lines of earlier tests held none back
     before = await agent_snapshot(mesh)
     rogue = await as_identity("agent", ROGUE)
     card = mesh.victim.card().model_dump(mode="json", exclude_none=True)
@@ -311,6 +313,26 @@ async def test_operator_actions_only_by_operator(mesh: Mesh, as_identity: Any) -
     out = await ask(other, protocol.hub_subject("other", "agents"), b'{"all_namespaces": true}')
     assert out["error"]["code"] == "REACH_BAD_REQUEST"
     await other.publish_denied(protocol.hub_subject(NS, "agents"))
+
+
+async def test_a_caller_cannot_report_on_another_namespaces_agents(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """A caller of namespace "other" reports the victim (of NS) failing, on the one report
+    subject it may publish to: the hubs drop the reports unread, so another tenant can neither
+    quarantine the victim nor sink its health score."""
+    view = mesh.hub.registry.agents[VICTIM]
+    health, counts = view.health.value, view.breaker.counts()
+    rejected = mesh.hub.metrics.identity_rejected_total.labels("report")
+    count = rejected._value.get()
+    other = await as_identity("caller", "other")
+    for i in range(20):
+        report = FailureReport(agent_id=VICTIM, code="REACH_AGENT_BUSY", reporter=f"r{i}")
+        await other.nc.publish(protocol.hub_subject("other", "report"), protocol.encode(report))
+    await other.nc.flush()
+    await eventually(lambda: rejected._value.get() >= count + 20)
+    assert view.health.value == health and view.breaker.counts() == counts
+    assert view.state is AgentState.ONLINE
 
 
 async def test_quarantine_report_from_a_caller_ignored(mesh: Mesh, as_identity: Any) -> None:

@@ -18,7 +18,7 @@ from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.breaker import caller_report
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.throttle import Throttle
-from reach_mesh.logs import IDENTITY_REJECTED, QUARANTINE, log_event
+from reach_mesh.logs import IDENTITY_REJECTED, QUARANTINE, LineBudget, log_event
 from reach_mesh.models import (
     AgentState,
     FailureReport,
@@ -37,6 +37,8 @@ log = logging.getLogger("reach_mesh.hub")
 ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove", "agents")
 #: Report codes for operator quarantine / release, broadcast so every hub's breaker follows.
 QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
+#: Capabilities a register audit event lists (with their count).
+_AUDIT_CAPABILITIES: Final = 16
 RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
 
 
@@ -50,6 +52,10 @@ class ControlMixin:
     metrics: HubMetrics
     _nc: NATS | None
     _register_throttle: Throttle
+    #: Registrations per agent id: a few in a row, then one a second.
+    _agent_register_throttle: Throttle
+    #: ``REACH-IDENTITY-REJECTED`` lines, one per verb per 30 s.
+    _rejected_lines: LineBudget
 
     if TYPE_CHECKING:
 
@@ -70,13 +76,22 @@ class ControlMixin:
             )
         req = protocol.decode(msg.data, RegisterRequest, max_size=256 * 1024)
         self._check_identity(msg.subject, "register", req.card.agent_id)
+        again = self._agent_register_throttle.check(req.card.agent_id)
+        if again > 0:  # one agent re-registering in a loop; the namespace's others go on
+            raise ThrottledError(
+                f"agent {req.card.agent_id!r} is registering too often",
+                retry_after_ms=int(again * 1000) + 1,
+            )
         view = await self.registry.register(req, protocol.agent_task(req.card.agent_id))
         await self.audit.record(
             ns,
             "register",
             agent_id=view.agent_id,
             session=req.session,
-            capabilities=req.card.capabilities,
+            # Bounded: an agent re-registering with long lists must not flush the shared
+            # audit stream (its card is in the registry anyway).
+            capabilities=req.card.capabilities[:_AUDIT_CAPABILITIES],
+            capability_count=len(req.card.capabilities),
             state=view.state.value,
         )
         return protocol.encode(
@@ -122,7 +137,12 @@ class ControlMixin:
         )
 
     def _rejected(self, verb: str, sender: str | None, claimed: str, **fields: Any) -> None:
+        """Count a message refused for speaking for another identity; log it at most once per
+        30 s per verb (anyone may send them: a flood must not fill the log)."""
         self.metrics.identity_rejected_total.labels(verb).inc()
+        held = self._rejected_lines.take(verb)
+        if held is None:
+            return
         log_event(
             log,
             IDENTITY_REJECTED,
@@ -130,6 +150,7 @@ class ControlMixin:
             verb=verb,
             sender=sender,
             claimed=claimed,
+            suppressed=held,
             **fields,
         )
 
@@ -145,6 +166,12 @@ class ControlMixin:
         if report.code in (QUARANTINE_CODE, RELEASE_CODE):
             # Operator actions reach the breakers through hubs only (``_on_breaker``).
             self._rejected("report", None, report.agent_id, code=report.code)
+            return
+        ns = msg.subject.split(".", 3)[2]
+        if protocol.namespace_of(report.agent_id) != ns:
+            # Callers may report only on their own namespace's subject (NATS permissions):
+            # a report there about another tenant's agent must not touch its breaker.
+            self._rejected("report", ns, report.agent_id)
             return
         view = self.registry.agents.get(report.agent_id)
         if view is None:

@@ -49,6 +49,7 @@ from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.shares import Shares
 from reach_mesh.hub.throttle import Throttle
 from reach_mesh.hub.workflows import WorkflowEngine
+from reach_mesh.logs import LineBudget
 from reach_mesh.tracing import tracing_from_env
 from reach_mesh.tracing.metrics import HubMetrics, refused_counter
 
@@ -112,8 +113,10 @@ class Hub(RoutingMixin, ControlMixin):
         s = self.settings
         self._route_throttle = Throttle(s.route_rate, s.route_burst)
         self._ns_flights = Shares(s.hub_concurrency)
-        self._no_match_lines = {}
+        self._no_match_lines = LineBudget(10.0)
+        self._rejected_lines = LineBudget(30.0)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
+        self._agent_register_throttle = Throttle(1.0, 10.0)
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict

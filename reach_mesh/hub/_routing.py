@@ -51,7 +51,7 @@ from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.shares import Shares
 from reach_mesh.hub.throttle import Throttle
-from reach_mesh.logs import ROUTE_LATENCY, SELECT_EMPTY, log_event
+from reach_mesh.logs import ROUTE_LATENCY, SELECT_EMPTY, LineBudget, log_event
 from reach_mesh.models import ErrorBody, RouteDecision, RouteRequest, TaskState
 from reach_mesh.tracing import (
     SPAN_DELIVER,
@@ -78,10 +78,6 @@ DIRECT_ALTERNATES: Final = 3
 #: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
 #: id in one may name an agent registered through another hub a moment ago).
 _UNKNOWN_NS: Final = "*"
-#: One ``REACH-SELECT-EMPTY`` line per namespace and target per this many seconds, and at
-#: most this many (namespace, target) pairs remembered for it.
-_NO_MATCH_LOG_INTERVAL: Final = 10.0
-_NO_MATCH_KEYS: Final = 1024
 #: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
 #: is unknown, so a short one (the SDK adds its own growing backoff).
 _FAIR_SHARE_RETRY_MS: Final = 100
@@ -163,8 +159,8 @@ class RoutingMixin:
     _deadlines: list[tuple[float, str]]
     #: Route flights per namespace, against ``hub_concurrency`` (fairness).
     _ns_flights: Shares
-    #: ``REACH-SELECT-EMPTY`` lines by (namespace, target): [next line due, lines held back].
-    _no_match_lines: dict[tuple[str, str], list[float]]
+    #: ``REACH-SELECT-EMPTY`` lines, one per (namespace, target) per 10 s.
+    _no_match_lines: LineBudget
     _room: asyncio.Event
     _reply_prefix: str
     _reply_prefix_b: bytes
@@ -642,15 +638,9 @@ class RoutingMixin:
     def _say_no_match(self, flight: _Flight, target: str | None) -> None:
         """``REACH-SELECT-EMPTY``, once per namespace and target every 10 s: a caller that
         keeps asking for what nobody serves must not fill the log (the audit has each one)."""
-        key = (flight.ns, target or "")
-        now = time.monotonic()
-        seen = self._no_match_lines.get(key)
-        if seen is not None and now < seen[0]:
-            seen[1] += 1
+        held = self._no_match_lines.take((flight.ns, target))
+        if held is None:
             return
-        if len(self._no_match_lines) >= _NO_MATCH_KEYS:
-            self._no_match_lines.clear()
-        self._no_match_lines[key] = [now + _NO_MATCH_LOG_INTERVAL, 0]
         log_event(
             log,
             SELECT_EMPTY,
@@ -659,7 +649,7 @@ class RoutingMixin:
             trace_id=flight.trace_id,
             namespace=flight.ns,
             target=target,
-            suppressed=0 if seen is None else int(seen[1]),
+            suppressed=held,
         )
 
     async def _sweep_deadlines(self) -> None:

@@ -13,7 +13,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Any, Final
+from typing import Any
 
 from nats.js.errors import KeyWrongLastSequenceError
 
@@ -21,6 +21,7 @@ from reach_mesh import protocol
 from reach_mesh.errors import InternalError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
+from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, span
 from reach_mesh.workflow import (
@@ -38,9 +39,6 @@ __all__ = ["SpecConflictError", "WorkflowShapes", "final_result"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
-#: At most one "took over" line per this many seconds.
-_TAKEOVER_LINE_INTERVAL: Final = 10.0
-
 
 class SpecConflictError(Exception):
     """The workflow id is taken by a submission with another spec."""
@@ -54,9 +52,8 @@ class WorkflowShapes(StepRunner):
     _wf_kv: _durable.Bucket | None
     #: Workflows this hub took over from a record another owner (or itself, earlier) wrote.
     takeover_total: int
-    #: Takeovers not told in the log yet, and when the next line may be written.
-    _takeovers_untold: int
-    _takeover_line_due: float
+    #: "took over" lines: one per 10 s.
+    _takeover_lines: LineBudget
 
     def _took_over(self, wf: Workflow, previous: str | None) -> None:
         """Count a takeover; tell it in the log at most once per 10 s (a dead hub hands over
@@ -64,19 +61,16 @@ class WorkflowShapes(StepRunner):
         self.takeover_total += 1
         if self._metrics is not None:
             self._metrics.workflow_takeover_total.inc()
-        self._takeovers_untold += 1
-        now = time.monotonic()
-        if now < self._takeover_line_due:
+        held = self._takeover_lines.take()
+        if held is None:
             return
-        self._takeover_line_due = now + _TAKEOVER_LINE_INTERVAL
         log.warning(
             "took over %d workflow(s), e.g. %s from hub %s: its owner stopped renewing it "
             "(died, stopped or cut off); resuming from the records",
-            self._takeovers_untold,
+            held + 1,
             wf.id,
             previous,
         )
-        self._takeovers_untold = 0
 
     async def _run(self, wf: Workflow) -> tuple[WorkflowResult, bool]:
         """Run the workflow to its result; ``(result, True)`` when it was final already."""

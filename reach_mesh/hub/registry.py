@@ -68,6 +68,10 @@ class AgentView:
     #: KV revision of the newest heartbeat applied (this hub's own writes are not re-applied
     #: when its watch delivers them back).
     hb_revision: int = 0
+    #: When this hub last wrote the agent's heartbeat to KV, and the state it wrote
+    #: (draining, unavailable): beats in between that say nothing new are not written.
+    hb_written_at: float = -math.inf
+    hb_written_state: tuple[bool, frozenset[str]] | None = None
     #: Tasks this hub has delivered to the agent and not yet seen finish.
     outstanding: int = 0
     #: Decaying count of this hub's recent assignments (time constant ``_RECENT_TAU``) so a
@@ -512,13 +516,23 @@ class Registry:
         # This hub counts the beat at once; the KV write tells the other hubs. If JetStream is
         # briefly unavailable (leader election) the beat still renews the lease here and the
         # error goes back to the agent, whose next beat writes again.
-        self.apply_heartbeat(view, record, seen_at=self._clock())
+        now = self._clock()
+        self.apply_heartbeat(view, record, seen_at=now)
+        # A beat soon after the last one written renews the lease here only, unless it
+        # changes what the agent takes: a flood of beats must not become a flood of KV writes
+        # (and of state events), and the others' leases last far longer than the gap.
+        state = (view.draining, view.unavailable)
+        gap = view.record.heartbeat_interval / 4 if state == view.hb_written_state else 0.05
+        if now - view.hb_written_at < gap:
+            return view
+        view.hb_written_at, view.hb_written_state = now, state
         try:
             revision = await self._hb_kv.put(hb.agent_id, protocol.encode(record))
         except Exception:
             # The other hubs will not see this beat, and we may be missing theirs: trust no
             # silence for a while (the agent's next beat writes again).
             self._blind_at = self._clock()
+            view.hb_written_at = -math.inf
             raise
         view.hb_revision = max(view.hb_revision, revision)
         return view

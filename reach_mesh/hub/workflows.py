@@ -57,7 +57,7 @@ from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
-from reach_mesh.logs import NAMESPACE_SHARE, log_event
+from reach_mesh.logs import NAMESPACE_SHARE, LineBudget, log_event
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import (
@@ -74,8 +74,6 @@ __all__ = ["WorkflowEngine"]
 log = logging.getLogger("reach_mesh.hub.workflows")
 
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
-#: At most one "namespace over its share" warning per this many seconds.
-_DEFER_LOG_INTERVAL: Final = 30.0
 
 
 def _submit_namespace(subject: str) -> str:
@@ -126,12 +124,12 @@ class WorkflowEngine(WorkflowShapes):
         self._running: dict[asyncio.Task[None], Msg] = {}
         #: Workflows run per namespace, against ``workflow_concurrency`` (fairness).
         self._shares = Shares(settings.workflow_concurrency)
-        #: Submissions handed back because their namespace held its share (``_defer``).
+        #: Submissions handed back because their namespace held its share (``_defer``), and
+        #: the warning telling it, once per 30 s.
         self.deferred_total = 0
         self.takeover_total = 0
-        self._takeovers_untold = 0
-        self._takeover_line_due = 0.0
-        self._defer_logged = 0.0
+        self._takeover_lines = LineBudget(10.0)
+        self._defer_lines = LineBudget(30.0)
         self._ticker: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Future[Any]] = set()
         self._pending = 0
@@ -321,9 +319,7 @@ class WorkflowEngine(WorkflowShapes):
             deliveries = msg.metadata.num_delivered or 1
         except Exception:
             deliveries = 1
-        now = time.monotonic()
-        if now >= self._defer_logged:
-            self._defer_logged = now + _DEFER_LOG_INTERVAL
+        if self._defer_lines.take() is not None:
             log_event(
                 log,
                 NAMESPACE_SHARE,

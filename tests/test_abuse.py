@@ -1,0 +1,131 @@
+"""One valid identity, forging nothing, must not degrade the others: floods and oversized
+lists of what an agent or a caller may send are absorbed by the hub (docs/security.md,
+"Availability"). Against a real nats-server; the identities themselves are checked by
+``test_security_nats.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import nats
+
+from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh.hub import Hub
+from reach_mesh.models import Heartbeat
+
+from .helpers import eventually
+
+
+async def _ask(nc: Any, subject: str, body: bytes) -> dict[str, Any]:
+    answer: dict[str, Any] = json.loads((await nc.request(subject, body, timeout=5)).data)
+    return answer
+
+
+def _register(agent_id: str, caps: list[str], session: str = "s1") -> bytes:
+    body = {
+        "card": {"agent_id": agent_id, "capabilities": caps},
+        "session": session,
+        "heartbeat_interval": 1.0,
+        "lease_timeout": 3.0,
+    }
+    return json.dumps(body).encode()
+
+
+async def test_a_heartbeat_flood_is_not_a_kv_write_flood(
+    hub: Hub, nats_url: str, namespace: str
+) -> None:
+    """Beats that come faster than a quarter of the agent's interval and say nothing new
+    renew the lease on the hub that took them, without a KV write each."""
+    agent_id = f"{namespace}.flood.a1"
+    nc = await nats.connect(nats_url)
+    try:
+        out = await _ask(
+            nc, protocol.hub_agent_subject(agent_id, "register"), _register(agent_id, ["x:y:v1"])
+        )
+        assert out["agent_id"] == agent_id, out
+        view = hub.registry.agents[agent_id]
+        beat = protocol.encode(Heartbeat(agent_id=agent_id, session="s1"))
+        subject = protocol.hub_agent_subject(agent_id, "heartbeat")
+        first = view.hb_revision
+        answers = await asyncio.gather(*(_ask(nc, subject, beat) for _ in range(200)))
+        assert all(a.get("state") == "ONLINE" for a in answers), answers[:3]
+        assert view.hb_revision - first <= 2  # 200 beats in well under 0.25 s: one write
+        # What changes routing is written at once (at most one such write per 50 ms).
+        after_flood = view.hb_revision
+        draining = protocol.encode(Heartbeat(agent_id=agent_id, session="s1", draining=True))
+        await asyncio.sleep(0.06)
+        await _ask(nc, subject, draining)
+        assert view.hb_revision > after_flood and view.draining
+    finally:
+        await nc.close()
+
+
+async def test_an_agent_registering_in_a_loop_is_throttled_alone(
+    hub: Hub, settings: MeshSettings, nats_url: str, namespace: str
+) -> None:
+    loop_id, other_id = f"{namespace}.loop.a1", f"{namespace}.calm.a1"
+    nc = await nats.connect(nats_url)
+    try:
+        subject = protocol.hub_agent_subject(loop_id, "register")
+        codes = []
+        for i in range(15):
+            out = await _ask(nc, subject, _register(loop_id, ["x:y:v1"], session=f"s{i}"))
+            codes.append(out["error"]["code"] if "error" in out else "OK")
+        assert codes[:10] == ["OK"] * 10 and "REACH_THROTTLED" in codes[10:]
+        out = await _ask(
+            nc, protocol.hub_agent_subject(other_id, "register"), _register(other_id, ["x:y:v1"])
+        )
+        assert out["agent_id"] == other_id, out  # the namespace's other agents are not held up
+    finally:
+        await nc.close()
+
+
+async def test_registrations_cannot_flood_the_audit_or_carry_huge_capabilities(
+    hub: Hub, settings: MeshSettings, nats_url: str, namespace: str
+) -> None:
+    agent_id = f"{namespace}.wide.a1"
+    nc = await nats.connect(nats_url)
+    try:
+        subject = protocol.hub_agent_subject(agent_id, "register")
+        huge = "x:" + "a" * 5000 + ":v1"
+        out = await _ask(nc, subject, _register(agent_id, [huge]))
+        assert out["error"]["code"] == "REACH_BAD_CAPABILITY", out
+        caps = [f"wide:c{i}:v1" for i in range(40)]
+        out = await _ask(nc, subject, _register(agent_id, caps))
+        assert out["agent_id"] == agent_id, out
+        await hub.audit.flush()
+        await hub.nc.flush()
+        async with Client(settings=settings) as c:
+            events = await c.audit(agent_id=agent_id, namespace=namespace)
+        (event,) = [e for e in events if e["kind"] == "register"]
+        assert event["capability_count"] == 40 and len(event["capabilities"]) == 16
+    finally:
+        await nc.close()
+
+
+async def test_reports_on_other_namespaces_agents_are_dropped(
+    hub: Hub, nats_url: str, namespace: str
+) -> None:
+    """The open-mode half of the secure-mode test: a report published on namespace A's
+    subject about an agent of namespace B changes nothing of B's agent."""
+    victim = f"{namespace}v.svc.b1"
+    nc = await nats.connect(nats_url)
+    try:
+        out = await _ask(
+            nc, protocol.hub_agent_subject(victim, "register"), _register(victim, ["b:svc:v1"])
+        )
+        assert out["agent_id"] == victim, out
+        view = hub.registry.agents[victim]
+        rejected = hub.metrics.identity_rejected_total.labels("report")
+        count = rejected._value.get()
+        report = {"agent_id": victim, "success": False, "code": "REACH_AGENT_BUSY"}
+        for i in range(20):
+            body = json.dumps({**report, "reporter": f"r{i}"}).encode()
+            await nc.publish(protocol.hub_subject(namespace, "report"), body)
+        await nc.flush()
+        await eventually(lambda: rejected._value.get() >= count + 20)
+        assert view.health.value == 100 and view.breaker.counts() == (0, 0)
+    finally:
+        await nc.close()
