@@ -33,6 +33,13 @@ def _register(agent_id: str, caps: list[str], session: str = "s1") -> bytes:
     return json.dumps(body).encode()
 
 
+async def _registered(nc: Any, agent_id: str, caps: list[str]) -> None:
+    out = await _ask(
+        nc, protocol.hub_agent_subject(agent_id, "register"), _register(agent_id, caps)
+    )
+    assert out["agent_id"] == agent_id, out
+
+
 async def test_a_heartbeat_flood_is_not_a_kv_write_flood(
     hub: Hub, nats_url: str, namespace: str
 ) -> None:
@@ -41,10 +48,7 @@ async def test_a_heartbeat_flood_is_not_a_kv_write_flood(
     agent_id = f"{namespace}.flood.a1"
     nc = await nats.connect(nats_url)
     try:
-        out = await _ask(
-            nc, protocol.hub_agent_subject(agent_id, "register"), _register(agent_id, ["x:y:v1"])
-        )
-        assert out["agent_id"] == agent_id, out
+        await _registered(nc, agent_id, ["x:y:v1"])
         view = hub.registry.agents[agent_id]
         beat = protocol.encode(Heartbeat(agent_id=agent_id, session="s1"))
         subject = protocol.hub_agent_subject(agent_id, "heartbeat")
@@ -74,10 +78,7 @@ async def test_an_agent_registering_in_a_loop_is_throttled_alone(
             out = await _ask(nc, subject, _register(loop_id, ["x:y:v1"], session=f"s{i}"))
             codes.append(out["error"]["code"] if "error" in out else "OK")
         assert codes[:10] == ["OK"] * 10 and "REACH_THROTTLED" in codes[10:]
-        out = await _ask(
-            nc, protocol.hub_agent_subject(other_id, "register"), _register(other_id, ["x:y:v1"])
-        )
-        assert out["agent_id"] == other_id, out  # the namespace's other agents are not held up
+        await _registered(nc, other_id, ["x:y:v1"])  # the namespace's others are not held up
     finally:
         await nc.close()
 
@@ -113,10 +114,7 @@ async def test_reports_on_other_namespaces_agents_are_dropped(
     victim = f"{namespace}v.svc.b1"
     nc = await nats.connect(nats_url)
     try:
-        out = await _ask(
-            nc, protocol.hub_agent_subject(victim, "register"), _register(victim, ["b:svc:v1"])
-        )
-        assert out["agent_id"] == victim, out
+        await _registered(nc, victim, ["b:svc:v1"])
         view = hub.registry.agents[victim]
         rejected = hub.metrics.identity_rejected_total.labels("report")
         count = rejected._value.get()
