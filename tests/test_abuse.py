@@ -10,9 +10,11 @@ import json
 from typing import Any
 
 import nats
+import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
-from reach_mesh.hub import Hub
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub, _routing
 from reach_mesh.models import Heartbeat
 
 from .helpers import eventually
@@ -127,3 +129,29 @@ async def test_reports_on_other_namespaces_agents_are_dropped(
         assert view.health.value == 100 and view.breaker.counts() == (0, 0)
     finally:
         await nc.close()
+
+
+async def test_capabilities_minted_past_a_bound_share_one_series(
+    hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reach_task_duration_seconds`` gets a series per capability only up to a bound (512;
+    2 here): a tenant minting capabilities cannot grow the hub's /metrics without end."""
+    monkeypatch.setattr(_routing, "CAPABILITY_SERIES", len(hub._duration_children) + 2)
+    agent = Agent(f"{namespace}.mint.a1", settings=settings)
+    for i in range(5):
+        agent.handler(f"mint:c{i}:v1")(_echo)
+    async with agent, Client(settings=settings) as c:
+        for i in range(5):
+            assert (await c.request(capability=f"mint:c{i}:v1", payload=i)).ok
+    series = {
+        s.labels["capability"]
+        for m in hub.metrics.task_duration_seconds.collect()
+        for s in m.samples
+        if s.labels.get("capability", "").startswith("mint:")
+        or s.labels.get("capability") == "other"
+    }
+    assert series == {"mint:c0:v1", "mint:c1:v1", "other"}
+
+
+async def _echo(task: Task[Any]) -> Any:
+    return task.payload

@@ -78,6 +78,10 @@ DIRECT_ALTERNATES: Final = 3
 #: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
 #: id in one may name an agent registered through another hub a moment ago).
 _UNKNOWN_NS: Final = "*"
+#: Capabilities that get a series of their own in ``reach_task_duration_seconds``; the ones
+#: seen after them share ``capability="other"``.
+CAPABILITY_SERIES: Final = 512
+OTHER_CAPABILITY: Final = "other"
 #: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
 #: is unknown, so a short one (the SDK adds its own growing backoff).
 _FAIR_SHARE_RETRY_MS: Final = 100
@@ -619,7 +623,14 @@ class RoutingMixin:
         cap = capability or "-"
         child = self._duration_children.get(cap)
         if child is None:
-            child = self._duration_children[cap] = self.metrics.task_duration_seconds.labels(cap)
+            if len(self._duration_children) >= CAPABILITY_SERIES:
+                # Agents name capabilities and callers route them: a tenant minting new ones
+                # must not grow /metrics (and its render on this loop) without bound.
+                cap = OTHER_CAPABILITY
+                child = self._duration_children.get(cap)
+            if child is None:
+                child = self.metrics.task_duration_seconds.labels(cap)
+                self._duration_children[cap] = child
         child.observe(head.duration_ms / 1000)
         if head.cached:
             self.metrics.duplicate_delivery_total.inc()
