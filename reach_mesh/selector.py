@@ -27,6 +27,7 @@ __all__ = [
     "COMPARISON_OPS",
     "KEY_RE",
     "MAX_SELECTOR_LENGTH",
+    "MAX_SELECTOR_TERMS",
     "Op",
     "Selector",
     "Term",
@@ -38,6 +39,8 @@ Op: TypeAlias = Literal["=", "!=", "exists", "!exists", ">=", "<=", ">", "<"]
 
 #: Longest selector text accepted; selectors arrive over the wire, so the parser is bounded.
 MAX_SELECTOR_LENGTH: Final = 4096
+#: Most terms a selector may have (explaining a no-match weighs each against each candidate).
+MAX_SELECTOR_TERMS: Final = 32
 #: The reserved key whose ``=``/``!=`` terms test capabilities instead of labels.
 CAPABILITY_KEY: Final = "cap"
 CAPABILITY_RE: Final = re.compile(r"[a-z0-9][a-z0-9_-]*:[a-z0-9][a-z0-9_-]*:v[0-9]+", re.ASCII)
@@ -296,6 +299,9 @@ def _parse_terms(text: str) -> tuple[Term, ...]:
     terms: list[Term] = []
     pos = _skip_ws(text, 0)
     while True:
+        if len(terms) == MAX_SELECTOR_TERMS:
+            # Explaining a no-match compares every term with every candidate's: bounded.
+            raise _fail(text, pos, f"end of selector (at most {MAX_SELECTOR_TERMS} terms)")
         term, pos = _parse_term(text, pos)
         terms.append(term)
         pos = _skip_ws(text, pos)

@@ -317,3 +317,12 @@ def test_a_long_quantity_is_refused_in_linear_time() -> None:
     assert time.perf_counter() - t0 < 1.0  # quadratic: several seconds
     with pytest.raises(SelectorError):
         Selector.parse('mem_gte="1' + " " * 3000 + '!"')
+
+
+def test_a_selector_has_at_most_32_terms() -> None:
+    ok = " AND ".join(f"k{i}=v" for i in range(32))
+    assert len(Selector.parse(ok).terms) == 32
+    with pytest.raises(SelectorError) as err:
+        Selector.parse(ok + " AND k32=v")
+    assert "at most 32 terms" in err.value.message
+    assert err.value.details["position"] == len(ok) + len(" AND ")
