@@ -22,7 +22,7 @@ from nats.js.kv import KeyValue
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshUnavailableError
 
-__all__ = ["connect", "ensure_kv", "has_credentials", "shown"]
+__all__ = ["connect", "ensure_kv", "has_credentials", "has_identity", "shown"]
 
 log = logging.getLogger("reach_mesh.nats")
 
@@ -115,6 +115,14 @@ def has_credentials(url: str | None) -> bool:
     """Whether a NATS URL (comma-separated list allowed, scheme optional) carries a user or a
     password."""
     return any(p.username or p.password for p in map(_split, _servers(url)))
+
+
+def has_identity(settings: MeshSettings) -> bool:
+    """Whether a process connects to NATS as someone (nkey, creds, token, a client
+    certificate, or a user and password in the URL): secure mode, where tenants are kept apart
+    (a hub's HTTP API is closed without its token, answers name no other namespace)."""
+    named = (settings.nats_nkey_seed, settings.nats_creds, settings.nats_token)
+    return any(named) or settings.nats_tls_cert is not None or has_credentials(settings.nats_url)
 
 
 def shown(url: str | None) -> str:

@@ -102,3 +102,38 @@ def test_alternates_are_distinct_and_ranked() -> None:
     choice = router.decide(RouteRequest(capability=CAP, mode="direct"), "ns", "r", alternates=3)
     assert choice.view is views[0]
     assert [v.agent_id for v in choice.alternates] == [v.agent_id for v in views[1:4]]
+
+
+def test_a_route_never_looks_at_another_namespaces_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """5,000 agents of namespace "ns" serve CAP; a request in namespace "tiny" (one agent,
+    cordoned) is decided on tiny's agents alone: its candidates, its explanation and the
+    agents the router examines never include ns's."""
+    registry, router = fleet(5_000)
+    record = AgentRecord(
+        card=AgentCard(agent_id="tiny.w.a1", capabilities=[CAP]),
+        session="s",
+        heartbeat_interval=5.0,
+        lease_timeout=15.0,
+        task_subject="reach.agent.tiny.w.a1.task",
+        registered_at=0.0,
+        cordoned=True,
+    )
+    registry.apply_record(record, 1, seen_at=registry.now)
+    examined: list[str] = []
+    real = router._filter
+
+    def spy(view: Any, *args: Any) -> str | None:
+        examined.append(view.agent_id)
+        return real(view, *args)
+
+    monkeypatch.setattr(router, "_filter", spy)
+    for req in (
+        RouteRequest(capability=CAP, explain=True),
+        RouteRequest(selector=f"cap={CAP}", explain=True),
+    ):
+        with pytest.raises(NoMatchError) as info:
+            router.decide(req, "tiny", "r1")
+        decision = info.value.details["decision"]
+        assert decision["candidates"] == ["tiny.w.a1"]
+        assert [f["agent_id"] for f in decision["filtered"]] == ["tiny.w.a1"]
+    assert set(examined) == {"tiny.w.a1"}

@@ -335,6 +335,28 @@ async def test_a_caller_cannot_report_on_another_namespaces_agents(
     assert view.state is AgentState.ONLINE
 
 
+async def test_answers_to_a_tenant_never_speak_of_another(mesh: Mesh, as_identity: Any) -> None:
+    """In secure mode a no-match in namespace "other" for the victim's capability (served in
+    NS only) names neither NS nor its agents, nor suggests NS's capabilities; the same
+    request in NS is answered as usual."""
+    assert mesh.hub.router.across_namespaces is False
+    other = await as_identity("caller", "other")
+    for body in (
+        {"capability": CAP, "dry_run": True},
+        {"selector": f"cap={CAP}", "dry_run": True, "explain": True},
+        {"capability": "sec:wrok:v1", "dry_run": True},  # a typo of NS's capability
+    ):
+        out = await ask(other, protocol.hub_subject("other", "route"), json.dumps(body).encode())
+        error = out["error"]
+        assert error["code"] in ("REACH_NO_MATCH", "REACH_UNKNOWN_NAMESPACE"), out
+        assert VICTIM not in json.dumps(out) and f"'{NS}'" not in error["message"], out
+        details = error.get("details", {})
+        assert not details.get("other_namespaces") and not details.get("similar_capabilities")
+        assert "did you mean" not in error["message"], out
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        assert (await c.route(capability=CAP)).chosen == VICTIM
+
+
 async def test_quarantine_report_from_a_caller_ignored(mesh: Mesh, as_identity: Any) -> None:
     """Forgery 8: a caller may report outcomes, not operator quarantines; the hubs' breaker
     broadcast is for hubs only."""

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
-from reach_mesh._nats import has_credentials
+from reach_mesh._nats import has_identity
 from reach_mesh.errors import BadRequestError, MeshTimeoutError, ReachError, UnknownAgentError
 from reach_mesh.hub import _dashboard as dash
 from reach_mesh.hub._a2a import HubA2a
@@ -51,7 +51,6 @@ from reach_mesh.tracing import inject
 from reach_mesh.tracing.metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from reach_mesh.config import MeshSettings
     from reach_mesh.hub._hub import Hub
 
 __all__ = ["HubHttp", "status_for"]
@@ -165,13 +164,6 @@ class GuardMiddleware:
         await response(scope, receive, send)
 
 
-def _has_nats_identity(s: MeshSettings) -> bool:
-    """Whether the hub connects to NATS as someone (nkey, creds, token, a client certificate,
-    or a user and password in the URL): its HTTP API would act with that identity's rights."""
-    named = (s.nats_nkey_seed, s.nats_creds, s.nats_token, s.nats_tls_cert)
-    return any(named) or has_credentials(s.nats_url)
-
-
 class HubHttp:
     """The hub's HTTP server: ``app`` (FastAPI) served by uvicorn on the hub's event loop."""
 
@@ -185,7 +177,8 @@ class HubHttp:
             token=s.http_token,
             # Secure mode: guarded routes act with the hub's NATS rights, so not for anyone
             # who can reach the port.
-            closed=_has_nats_identity(s),
+            # Its HTTP API would act with the hub's NATS identity's rights.
+            closed=has_identity(s),
         )
         #: ``POST /api/route``, the gateway's hot path (``_gateway.py``).
         self.route = RouteEndpoint(hub)

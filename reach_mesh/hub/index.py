@@ -309,6 +309,9 @@ class AgentIndex:
         self._agents: list[str] = []
         self._free: list[int] = []
         self._all = 0
+        # Every indexed agent of a namespace (the first token of its id): a route is answered
+        # within its own namespace, never by scanning the others' agents.
+        self._ns_bits: dict[str, int] = {}
         # The bitmap twins of _by_cap, _by_value and _by_key.
         self._cap_bits: dict[str, int] = {}
         self._value_bits: dict[str, dict[str, int]] = {}
@@ -371,11 +374,14 @@ class AgentIndex:
             self._agents.append(agent_id)
         self._slots[agent_id] = slot
         self._all |= 1 << slot
+        ns = agent_id.partition(".")[0]
+        self._ns_bits[ns] = self._ns_bits.get(ns, 0) | 1 << slot
         return slot
 
     def _release_slot(self, agent_id: str, slot: int) -> None:
         del self._slots[agent_id]
         self._all &= ~(1 << slot)
+        _clear_bit(self._ns_bits, agent_id.partition(".")[0], ~(1 << slot))
         self._agents[slot] = ""
         if slot == len(self._agents) - 1:
             # Trim the tail (and free slots now at the end) so the slot list shrinks back.
@@ -440,15 +446,26 @@ class AgentIndex:
         """The ids of agents matching every term of ``selector`` (a new set)."""
         return set(_ids_of(self._agents, self._bits(selector)))
 
-    def select(self, selector: Selector) -> Matches:
-        """The agents matching every term of ``selector``, as :class:`Matches`: counted and
-        sampled without building a set of ids (what the router needs for large sets)."""
-        return Matches(self, self._bits(selector))
+    def select(self, selector: Selector, namespace: str | None = None) -> Matches:
+        """The agents (of ``namespace``, when given) matching every term of ``selector``, as
+        :class:`Matches`: counted and sampled without building a set of ids (what the router
+        needs for large sets)."""
+        return Matches(self, self._bits(selector, self._within(namespace)))
 
-    def _bits(self, selector: Selector) -> int:
-        """Slot bitmap of the agents matching every term: positive terms AND-ed (stopping at
-        the first empty result), negative terms (``!=``, ``!exists``) AND-NOT-ed."""
-        result = self._all
+    def capable(self, capability: str, namespace: str) -> Matches:
+        """The agents of ``namespace`` that serve ``capability``."""
+        return Matches(self, self._cap_bits.get(capability, 0) & self._within(namespace))
+
+    def _within(self, namespace: str | None) -> int:
+        return self._all if namespace is None else self._ns_bits.get(namespace, 0)
+
+    def _bits(self, selector: Selector, within: int | None = None) -> int:
+        """Slot bitmap of the agents (among ``within``: all by default) matching every term:
+        positive terms AND-ed (stopping at the first empty result), negative terms (``!=``,
+        ``!exists``) AND-NOT-ed."""
+        result = self._all if within is None else within
+        if not result:
+            return 0
         negative = 0
         for term in selector.terms:
             op = term.op
@@ -475,20 +492,22 @@ class AgentIndex:
                 return 0
         return result & ~negative if negative else result
 
-    def nearest(self, selector: Selector, limit: int = 5) -> NearMiss:
-        """Suggestions for a selector that matched nothing (or too little).
+    def nearest(self, selector: Selector, limit: int = 5, namespace: str | None = None) -> NearMiss:
+        """Suggestions for a selector that matched nothing (or too little), from the agents of
+        ``namespace`` when given (else of all).
 
         Cost is two bitmap evaluations per term plus difflib over known capabilities and the
         values of the unmatched keys; it runs on the (rare) no-match path only.
         """
         near = NearMiss()
         terms = selector.terms
+        within = self._within(namespace)
         if len(terms) > 1:
             seen: set[str] = set()
             for i, term in enumerate(terms):
                 rest = Selector(terms[:i] + terms[i + 1 :])
                 # On bitmaps: only the (few) near misses are turned into ids.
-                misses = self._bits(rest) & ~self._bits(Selector((term,)))
+                misses = self._bits(rest, within) & ~self._bits(Selector((term,)))
                 for agent_id in sorted(set(_ids_of(self._agents, misses)) - seen):
                     if len(near.partial) >= limit:
                         break
@@ -499,21 +518,26 @@ class AgentIndex:
             if term.op != "=" or term.value is None:
                 continue
             if term.key == CAPABILITY_KEY:
-                if term.value in self._by_cap:
+                if self._cap_bits.get(term.value, 0) & within:
                     continue
                 if known_caps is None:
-                    known_caps = sorted(self._by_cap)
+                    known_caps = sorted(
+                        cap for cap, bits in self._cap_bits.items() if bits & within
+                    )
                 for cap in difflib.get_close_matches(
                     term.value, known_caps, n=limit, cutoff=_SIMILARITY_CUTOFF
                 ):
                     if cap not in near.similar_capabilities:
                         near.similar_capabilities.append(cap)
             else:
-                values = self._by_value.get(term.key, {})
-                if term.value in values:
+                values = self._value_bits.get(term.key, {})
+                if values.get(term.value, 0) & within:
                     continue
                 close = difflib.get_close_matches(
-                    term.value, sorted(values), n=limit, cutoff=_SIMILARITY_CUTOFF
+                    term.value,
+                    sorted(v for v, bits in values.items() if bits & within),
+                    n=limit,
+                    cutoff=_SIMILARITY_CUTOFF,
                 )
                 if close:
                     near.similar_values[term.key] = close

@@ -19,6 +19,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from reach_mesh._nats import has_identity
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NoMatchError, UnknownNamespaceError
 from reach_mesh.hub.breaker import BreakerState
@@ -95,6 +96,10 @@ class Router:
         self._rng = rng or random.Random()
         # One instance per name: round_robin keeps its position across requests.
         self._strategies: dict[str, Strategy] = {}
+        #: Whether answers may speak of other namespaces ("2 match in 'demo'", their agents
+        #: and capabilities in explanations): without a NATS identity, where that helps a
+        #: newcomer; never in secure mode, where namespaces are tenants kept apart.
+        self.across_namespaces = not has_identity(settings)
 
     def decide(
         self,
@@ -119,12 +124,13 @@ class Router:
         if req.agent_id is not None:
             ids = (req.agent_id,) if req.agent_id in reg.agents else ()
         elif req.capability is not None:
-            ids = reg.index.by_capability(req.capability)
+            # Bitmaps of the namespace's agents only: a request never scans (nor samples)
+            # another tenant's fleet. Counted and sampled below without a set of every match.
+            ids = reg.index.capable(req.capability, namespace)
         else:
             assert req.selector is not None
             selector = Selector.parse(req.selector)  # parse results are cached (lru)
-            # A bitmap: counted and sampled below without building a set of every match.
-            ids = reg.index.select(selector)
+            ids = reg.index.select(selector, namespace)
             capability = selector.task_capability
         strategy_name = req.strategy or self._settings.default_strategy
         strategy = self._strategies.get(strategy_name)
@@ -380,7 +386,9 @@ class Router:
         if selector is None and req.capability is not None:
             selector = Selector.parse(f"cap={req.capability}")
         if selector is not None:
-            near = reg.index.nearest(selector)
+            near = reg.index.nearest(
+                selector, namespace=None if self.across_namespaces else namespace
+            )
             nearest = {
                 "partial": [{"agent_id": a, "failed": t} for a, t in near.partial],
                 "similar_capabilities": near.similar_capabilities,
@@ -397,7 +405,7 @@ class Router:
             )
         else:
             msg = f"no agent in namespace {namespace!r} matches {decision.target}"
-        elsewhere = self.elsewhere(ids, namespace) if not here else {}
+        elsewhere = self.elsewhere(self._ids(req), namespace) if not here else {}
         if elsewhere:
             msg += "; " + _elsewhere_sentence(namespace, elsewhere).split("; ", 1)[1]
             nearest["other_namespaces"] = elsewhere
@@ -421,12 +429,11 @@ class Router:
         if selector is None or not caps:
             return []
         reg = self._registry
-        prefix = namespace + "."
         out: list[FilteredAgent] = []
-        for n, agent_id in enumerate(reg.index.by_capability(caps[0])):
+        for n, agent_id in enumerate(reg.index.capable(caps[0], namespace)):
             if len(out) >= EXPLAIN_CANDIDATES or n >= _SCAN_LIMIT:
                 break
-            if not agent_id.startswith(prefix) or agent_id in ids:
+            if agent_id in ids:
                 continue
             view = reg.agents.get(agent_id)
             if view is None:
@@ -459,7 +466,7 @@ class Router:
         selector = Selector.parse(req.selector) if req.selector is not None else None
         if selector is None and req.capability is not None:
             selector = Selector.parse(f"cap={req.capability}")
-        if selector is not None:
+        if selector is not None and self.across_namespaces:
             similar = self._registry.index.nearest(selector).similar_capabilities
             if similar:
                 msg += f"; did you mean {' or '.join(similar[:3])}?"
@@ -481,8 +488,11 @@ class Router:
         self, ids: Collection[str], namespace: str, limit: int = _SCAN_LIMIT
     ) -> dict[str, int]:
         """Online agents among ``ids`` in namespaces other than ``namespace``, counted per
-        namespace, most first: why a request found nothing in its own namespace."""
+        namespace, most first: why a request found nothing in its own namespace. Empty in
+        secure mode (``across_namespaces``)."""
         counts: dict[str, int] = {}
+        if not self.across_namespaces:
+            return counts
         agents = self._registry.agents
         for n, agent_id in enumerate(ids):
             if n >= limit:
