@@ -948,12 +948,12 @@ def test_urls_are_printed_without_credentials(url: str, printed: str, credential
     """What logs and errors print of a NATS URL, and whether a hub's HTTP API then counts as
     acting for a NATS identity (closed without a token)."""
     from reach_mesh._nats import has_credentials, shown
-    from reach_mesh.hub.http import _has_nats_identity
+    from reach_mesh._nats import has_identity
 
     assert shown(url) == printed
     assert has_credentials(url) is credentials
-    assert _has_nats_identity(MeshSettings(nats_url=url)) is credentials
-    assert _has_nats_identity(MeshSettings(nats_url="nats://h", nats_tls_cert="c.pem"))
+    assert has_identity(MeshSettings(nats_url=url)) is credentials
+    assert has_identity(MeshSettings(nats_url="nats://h", nats_tls_cert="c.pem"))
 
 
 def test_seeds_go_only_into_new_files_of_a_private_directory(tmp_path: Path) -> None:

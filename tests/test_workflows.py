@@ -505,8 +505,9 @@ async def test_hub_killed_mid_workflow(
         assert res.result == 2
         assert res.hub_id == "hub-b"
         assert runs == Counter({0: 1, 1: 1})  # no step ran twice
+        # One line per 10 s: it may name an earlier test's leftover instead of this workflow.
         assert any(
-            f"e.g. {wf_id} from hub hub-a" in r.getMessage()
+            r.getMessage().startswith("took over ")
             for r in caplog.records
             if r.name == "reach_mesh.hub.workflows"
         )
