@@ -947,8 +947,7 @@ async def test_a_pushed_done_does_not_end_a_callers_wait(mesh: Mesh, as_identity
 def test_urls_are_printed_without_credentials(url: str, printed: str, credentials: bool) -> None:
     """What logs and errors print of a NATS URL, and whether a hub's HTTP API then counts as
     acting for a NATS identity (closed without a token)."""
-    from reach_mesh._nats import has_credentials, shown
-    from reach_mesh._nats import has_identity
+    from reach_mesh._nats import has_credentials, has_identity, shown
 
     assert shown(url) == printed
     assert has_credentials(url) is credentials
