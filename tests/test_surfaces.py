@@ -177,6 +177,30 @@ async def test_mcp_ping_list_call_and_tool_errors(
         assert gone.is_error is True and "no live agent" in gone.content[0].text  # type: ignore[union-attr]
 
 
+async def test_a_tool_name_offered_in_two_namespaces_is_listed_once_per_namespace(
+    http_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """Tenant B's agent offers a tool named like tenant A's: the unscoped menu lists both,
+    qualified by namespace, and each call goes to its own tenant's agent; a menu scoped to
+    one namespace keeps the plain name."""
+    assert http_hub.http_url is not None
+    other = f"{namespace}b"
+    async with (
+        fleet_agent(f"{namespace}.w.a1", settings) as mine,
+        fleet_agent(f"{other}.w.b1", settings.model_copy(update={"namespace": other})) as theirs,
+        mcp_session(http_hub.http_url, auth(http_hub)) as mcp,
+    ):
+        await eventually(lambda: len(http_hub.http.tool_menu()) >= 2)
+        names = [t.name for t in (await mcp.list_tools()).tools]
+        assert f"{namespace}.echo" in names and f"{other}.echo" in names and "echo" not in names
+        for ns, agent in ((namespace, mine), (other, theirs)):
+            result = await mcp.call_tool(f"{ns}.echo", {"to": ns})
+            assert result.is_error is False
+            assert json.loads(result.content[0].text) == {"to": ns}  # type: ignore[union-attr]
+            assert agent.handled >= 1
+        assert [t["name"] for t in http_hub.http.tool_menu(namespace)] == ["echo"]
+
+
 async def test_mcp_list_changed_when_an_agent_comes_and_goes(
     http_hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:

@@ -16,6 +16,7 @@ GET route with ``hub.http.app.get("/api/…")(handler)``: it is guarded and docu
 
 from __future__ import annotations
 
+from collections import Counter
 from importlib import resources
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
@@ -470,8 +471,12 @@ class HubHttp:
     # ------------------------------------------------------------------ tools
 
     def tool_menu(self, namespace: str | None = None) -> list[dict[str, Any]]:
-        """The union of tools over live agents, MCP-shaped, with the agents serving each."""
-        menu: dict[str, dict[str, Any]] = {}
+        """The union of tools over live agents, MCP-shaped, with the agents serving each.
+
+        Tools merge by name within a namespace only: a name offered in several namespaces is
+        listed once per namespace as ``<namespace>.<name>``, so that no tenant's tool can take
+        another's name (its description, its schema, where a call goes)."""
+        menu: dict[tuple[str, str], dict[str, Any]] = {}
         for view in self.hub.registry:
             if not self.hub.registry.routable(view):
                 continue
@@ -480,7 +485,7 @@ class HubHttp:
                 continue
             for tool in card.tools:
                 entry = menu.setdefault(
-                    tool.name,
+                    (card.namespace, tool.name),
                     {
                         "name": tool.name,
                         "description": tool.description,
@@ -490,6 +495,10 @@ class HubHttp:
                     },
                 )
                 entry["agents"].append(card.agent_id)
+        offered = Counter(name for _, name in menu)
+        for (ns, name), entry in menu.items():
+            if offered[name] > 1:
+                entry["name"] = f"{ns}.{name}"
         return sorted(menu.values(), key=lambda t: str(t["name"]))
 
     async def tools(self, namespace: NamespaceQuery = None) -> ToolMenu:
