@@ -137,3 +137,19 @@ def test_a_route_never_looks_at_another_namespaces_fleet(monkeypatch: pytest.Mon
         assert decision["candidates"] == ["tiny.w.a1"]
         assert [f["agent_id"] for f in decision["filtered"]] == ["tiny.w.a1"]
     assert set(examined) == {"tiny.w.a1"}
+
+
+def test_a_namespaces_listing_is_its_own_agents_only() -> None:
+    registry, _ = fleet(300)
+    record = AgentRecord(
+        card=AgentCard(agent_id="tiny.w.a1", capabilities=[CAP]),
+        session="s",
+        heartbeat_interval=5.0,
+        lease_timeout=15.0,
+        task_subject="reach.agent.tiny.w.a1.task",
+        registered_at=0.0,
+    )
+    registry.apply_record(record, 1, seen_at=registry.now)
+    assert [i.agent_id for i in registry.infos("tiny")] == ["tiny.w.a1"]
+    assert len(registry.infos("ns")) == 300 and len(registry.infos()) == 301
+    assert registry.infos("none") == []

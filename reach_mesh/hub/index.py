@@ -456,6 +456,10 @@ class AgentIndex:
         """The agents of ``namespace`` that serve ``capability``."""
         return Matches(self, self._cap_bits.get(capability, 0) & self._within(namespace))
 
+    def members(self, namespace: str) -> Matches:
+        """Every indexed agent of ``namespace``."""
+        return Matches(self, self._within(namespace))
+
     def _within(self, namespace: str | None) -> int:
         return self._all if namespace is None else self._ns_bits.get(namespace, 0)
 

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -598,8 +598,9 @@ class Registry:
 
     def infos(self, namespace: str | None = None) -> list[AgentInfo]:
         now = self._clock()
-        return [
-            v.info(now)
-            for v in sorted(self.agents.values(), key=lambda v: v.agent_id)
-            if namespace is None or v.record.card.namespace == namespace
-        ]
+        if namespace is None:
+            views: Iterable[AgentView] = self.agents.values()
+        else:  # the namespace's agents only: one tenant's query never walks the others'
+            agents = self.agents
+            views = [v for a in self.index.members(namespace) if (v := agents.get(a)) is not None]
+        return [v.info(now) for v in sorted(views, key=lambda v: v.agent_id)]
