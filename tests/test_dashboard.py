@@ -272,6 +272,8 @@ async def test_pending_lists_a_step_no_agent_can_take(
         assert await waiting(1) == [(wf_id, 1, "PENDING", None)]
         _, body = await m.get("pending")
         assert body["workflows_running"] >= 1 and body["steps_pending"] >= 1
+        (step,) = [s for s in body["pending_steps"] if s["workflow_id"] == wf_id]
+        assert "work:nobody:v1" in step["why"] and step["retry_in_s"] > 0  # what it waits for
         # A workflow none of whose steps reached an agent sends no status event: the views
         # adopt it from the workflows this hub runs.
         lonely = await client.submit_fanout(
@@ -287,7 +289,8 @@ async def test_pending_lists_a_step_no_agent_can_take(
         for _ in range(100):  # the step's own record is read right after the workflow's
             _, body = await m.get("workflows")
             shown = {w["workflow_id"]: w for w in body["workflows"]}
-            if shown[lonely]["steps"][0]["task_id"]:
+            steps = shown[lonely]["steps"]  # filled once the records are read
+            if steps and steps[0]["task_id"]:
                 break
             await asyncio.sleep(0.05)
         assert shown[lonely]["kind"] == "fanout" and shown[lonely]["state"] == "RUNNING"

@@ -550,22 +550,15 @@ def workflows(hub: Hub) -> dict[str, Any]:
 
 
 def pending(hub: Hub) -> dict[str, Any]:
-    """Work waiting: routes in flight on this hub, workflows it runs, steps waiting for an agent
-    (PENDING) here, and the PENDING steps of the workflows seen."""
-    dashboard = _keeper(hub)
-    dashboard.adopt()
-    waiting = [
-        {"workflow_id": w.workflow_id, **step}
-        for w in dashboard.workflows.values()
-        if not TaskState(w.state).final
-        for step in w.json()["steps"]
-        if step["state"] == TaskState.PENDING.value
-    ]
+    """Work waiting: routes in flight on this hub, workflows it runs, and the steps of those
+    waiting here before their next attempt (no agent, a retry's backoff), each with why."""
+    _keeper(hub).adopt()  # the workflows view follows what this hub runs, waiting or not
     engine = hub.workflows
+    waiting = [] if engine is None else engine.waiting_steps
     return {
         "hub_id": hub.hub_id,
         "routes_in_flight": max(0, hub.routing),
         "workflows_running": 0 if engine is None else engine.running,
-        "steps_pending": 0 if engine is None else engine.pending,
+        "steps_pending": len(waiting),
         "pending_steps": waiting,
     }

@@ -59,6 +59,13 @@ T = TypeVar("T")
 _HISTORY: Final = 32
 
 Outcome = Literal["final", "undelivered", "lost", "nomatch", "deadline"]
+#: Why a step waits between attempts, by the outcome of the last one (no agent: the router's
+#: sentence instead).
+_WAITING_WHY: Final = {
+    "final": "retrying after a handler failure",
+    "undelivered": "its agent did not take it; retrying",
+    "lost": "its agent was lost; retrying",
+}
 
 
 class StepRunner:
@@ -76,6 +83,8 @@ class StepRunner:
     _tracker: StatusTracker
     _bg: set[asyncio.Future[Any]]
     _pending: int
+    #: The steps counted in ``_pending``, by (workflow id, step index): what each waits for.
+    _waiting_steps: dict[tuple[str, int], dict[str, Any]]
     #: Set when the hub stops: its unfinished workflows go back to the stream for another hub.
     _stopping: bool
     #: Agents registered with ``durable_work=False`` (no work consumer): never offered a
@@ -315,10 +324,23 @@ class StepRunner:
                     remaining = deadline - loop.time()
                     if remaining > 0:
                         self._pending_delta(1)
+                        self._waiting_steps[(wf.id, index)] = {
+                            "workflow_id": wf.id,
+                            "namespace": wf.ns,
+                            "index": index,
+                            "task_id": rec.task_id,
+                            "state": TaskState.PENDING.value,
+                            "agent_id": None,
+                            "attempts": rec.attempt,
+                            "why": said if kind == "nomatch" else _WAITING_WHY.get(kind, kind),
+                            "since": time.time(),
+                            "retry_in_s": round(min(delay, remaining), 3),
+                        }
                         try:
                             await track.wait_outcome(min(delay, remaining))
                         finally:
                             self._pending_delta(-1)
+                            self._waiting_steps.pop((wf.id, index), None)
             finally:
                 self._tracker.close(track, decided)
 

@@ -133,6 +133,7 @@ class WorkflowEngine(WorkflowShapes):
         self._ticker: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Future[Any]] = set()
         self._pending = 0
+        self._waiting_steps = {}
         self._stopping = False
         #: Final answers that came from an agent's idempotency cache (a duplicate delivery).
         self.duplicate_total = 0
@@ -278,6 +279,12 @@ class WorkflowEngine(WorkflowShapes):
             if msg_id:
                 out.append((msg.subject.split(".")[2], protocol.workflow_id_of(msg_id)))
         return out
+
+    @property
+    def waiting_steps(self) -> list[dict[str, Any]]:
+        """The steps counted in :attr:`pending`, oldest first: workflow, step, task, attempts
+        recorded, why it waits and since when, and when it tries again."""
+        return sorted(self._waiting_steps.values(), key=lambda w: w["since"])
 
     @property
     def pending(self) -> int:
