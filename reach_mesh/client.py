@@ -639,6 +639,8 @@ class Client(WorkflowsMixin):
             if wait >= left:
                 raise last
             await asyncio.sleep(min(wait + delay * random.random(), left))
+            if time.monotonic() >= deadline:
+                raise last  # no time left for one more: the caller has given up
             delay = min(delay * 2, 1.0)
 
     # ------------------------------------------------------------------ fleet queries

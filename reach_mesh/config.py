@@ -63,7 +63,7 @@ class MeshSettings(BaseModel):
     max_payload: int = Field(default=1 << 20, gt=0)
     #: Route requests a hub has in flight before it takes more only from namespaces below
     #: their fair share of them (the others get REACH_THROTTLED; docs/architecture.md,
-    #: "Fairness"); it stops reading at twice this. Also the other requests a hub (or an agent)
+    #: "Fairness"), and nothing more past four times it. Also the other requests a hub (or an agent)
     #: works on at once before it stops reading more.
     hub_concurrency: int = Field(default=2048, ge=1)
     #: Delivery attempts a hub makes (to different agents) before an ACCEPT.

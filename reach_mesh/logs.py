@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json as _json
 import logging
+import math
 import sys
 import time
 from collections.abc import Hashable, Mapping
@@ -125,27 +126,34 @@ def log_event(
 
 
 class LineBudget:
-    """At most one log line per ``interval`` seconds per key: what a message anyone may send
-    (a refusal, a no-match, a takeover) logs, so that a flood of them cannot fill a disk or
-    stall the process writing lines. At most ``max_keys`` keys are remembered (then they
-    start over: lenient, never silent for long)."""
+    """At most one log line per ``interval`` seconds per key, and ``max_lines`` per interval
+    in all: what a message anyone may send (a refusal, a no-match, a takeover) logs, so that a
+    flood of them — same key or a new key each — cannot fill a disk or stall the process
+    writing lines. At most ``max_keys`` keys are remembered (then they start over: lenient,
+    never silent for long)."""
 
-    __slots__ = ("_due", "_held", "interval", "max_keys")
+    __slots__ = ("_due", "_held", "_lines", "_window", "interval", "max_keys", "max_lines")
 
-    def __init__(self, interval: float, max_keys: int = 1024) -> None:
+    def __init__(self, interval: float, max_keys: int = 1024, max_lines: int = 100) -> None:
         self.interval = interval
         self.max_keys = max_keys
+        self.max_lines = max_lines
         self._due: dict[Hashable, float] = {}
         self._held: dict[Hashable, int] = {}
+        self._window = -math.inf  # when the current interval of ``max_lines`` ends
+        self._lines = 0
 
     def take(self, key: Hashable = None) -> int | None:
         """``None``: hold this line back (it is counted). Otherwise the line is due: the
         number of lines held back for ``key`` since the last one."""
         now = time.monotonic()
         due = self._due.get(key)
-        if due is not None and now < due:
+        if now >= self._window:
+            self._window, self._lines = now + self.interval, 0
+        if (due is not None and now < due) or self._lines >= self.max_lines:
             self._held[key] = self._held.get(key, 0) + 1
             return None
+        self._lines += 1
         if due is None and len(self._due) >= self.max_keys:
             self._due.clear()
             self._held.clear()

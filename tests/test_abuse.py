@@ -73,6 +73,11 @@ async def test_a_heartbeat_flood_is_not_a_kv_write_flood(
         before = len(writes)
         await _ask(nc, subject, draining)
         assert len(writes) == before + 1 and view.draining
+        # A change right after (within 50 ms) is not dropped: it is written once the gap ends.
+        await _ask(nc, subject, beat)
+        assert len(writes) == before + 1 and not view.draining
+        await eventually(lambda: len(writes) == before + 2, timeout=2)
+        assert view.hb_written_state is not None and view.hb_written_state[0] is False
     finally:
         await nc.close()
 

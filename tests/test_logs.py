@@ -203,3 +203,12 @@ def test_line_budget_holds_back_and_counts(monkeypatch: pytest.MonkeyPatch) -> N
     assert budget.take("a") == 2  # due again, telling how many were held back
     assert budget.take("c") == 0  # past max_keys: it starts over, never silent for long
     assert budget.take("a") == 0
+
+
+def test_line_budget_bounds_lines_of_new_keys_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr("reach_mesh.logs.time.monotonic", lambda: now[0])
+    budget = LineBudget(10.0, max_lines=3)
+    assert [budget.take(k) for k in range(5)] == [0, 0, 0, None, None]  # a new key each
+    now[0] += 10.0
+    assert budget.take(3) == 1  # the next interval: due again, with what was held back

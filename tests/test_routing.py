@@ -346,7 +346,7 @@ async def test_throttled_error_surfaces_past_deadline(
             await c.request(agent_id=a.agent_id, payload=1, timeout=0.2)
 
 
-@pytest.mark.parametrize("hung_tenants", [1, 2])
+@pytest.mark.parametrize("hung_tenants", [1, 2, 4])
 async def test_tenants_whose_agents_hang_cannot_take_a_hub(
     nats_url: str, settings: MeshSettings, namespace: str, hung_tenants: int
 ) -> None:
@@ -400,6 +400,43 @@ async def test_tenants_whose_agents_hang_cannot_take_a_hub(
             assert hub.routing == 0 and not hub._ns_flights
         finally:
             await nc.close()
+            await close_all(*slow)
+
+
+async def test_hung_tenants_arriving_one_after_another_cannot_stop_a_hub(
+    nats_url: str, settings: MeshSettings, namespace: str
+) -> None:
+    """Each hung tenant keeps what it took, so their fair shares add up past the capacity
+    (2 here: 2 + 1 + 1 flights). The hub still reads and serves another tenant: before the
+    ceiling it stopped reading at twice the capacity."""
+    s = settings.model_copy(update={"hub_concurrency": 2})
+    release = asyncio.Event()
+    hung = [namespace, f"{namespace}h1", f"{namespace}h2"]
+    slow = [
+        held_agent(f"{ns}.w.slow", s.model_copy(update={"namespace": ns}), release) for ns in hung
+    ]
+    other = echo_agent(f"{namespace}x.w.b1", s.model_copy(update={"namespace": f"{namespace}x"}))
+    async with Hub(settings=s) as hub, other:
+        await start_all(*slow)
+        try:
+            await eventually(lambda: all(a.agent_id in hub.registry.agents for a in slow))
+            await eventually(lambda: other.agent_id in hub.registry.agents)
+            async with Client(settings=s) as c:
+                held = []
+                for agent, count in zip(slow, (2, 1, 1), strict=True):
+                    held += [
+                        asyncio.ensure_future(c.request(agent_id=agent.agent_id, timeout=10))
+                        for _ in range(count)
+                    ]
+                    taken = len(held)
+                    await eventually(lambda: hub.routing == taken)  # noqa: B023 - awaited here
+                res = await asyncio.wait_for(
+                    c.request(agent_id=other.agent_id, payload="b", timeout=2), 1.5
+                )
+                assert res.ok
+                release.set()
+                assert all(r.result == "done" for r in await asyncio.gather(*held))
+        finally:
             await close_all(*slow)
 
 

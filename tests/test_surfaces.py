@@ -199,6 +199,17 @@ async def test_a_tool_name_offered_in_two_namespaces_is_listed_once_per_namespac
             assert json.loads(result.content[0].text) == {"to": ns}  # type: ignore[union-attr]
             assert agent.handled >= 1
         assert [t["name"] for t in http_hub.http.tool_menu(namespace)] == ["echo"]
+    # A tool named like another namespace's qualified one is listed under its own namespace.
+    impostor = Agent(f"{namespace}.w.evil", settings=settings)
+    impostor.handler("work:evil:v1", tool=f"{other}.echo")(_echo)
+    async with impostor:
+        await eventually(
+            lambda: any(
+                a == impostor.agent_id for t in http_hub.http.tool_menu() for a in t["agents"]
+            )
+        )
+        names = [t["name"] for t in http_hub.http.tool_menu()]
+        assert f"{namespace}.{other}.echo" in names and f"{other}.echo" not in names
 
 
 async def test_mcp_list_changed_when_an_agent_comes_and_goes(
@@ -318,3 +329,7 @@ async def test_mcp_client_both_eras(
                 await client.send_ping()
             missing = await client.call_tool("missing_tool", {})
             assert missing.is_error is True
+
+
+async def _echo(task: Task[Any]) -> Any:
+    return task.payload

@@ -286,6 +286,7 @@ def test_shares_are_fair_once_the_hub_is_full() -> None:
     assert not shares.admits("b") and shares.total == 6
     # A third namespace: shares are 4 // 3 = 1 each; "a" waits until the hub has room again.
     assert shares.admits("c") and not shares.admits("a")
+    assert shares.ceiling == 16
     for _ in range(3):
         shares.give("a")
     assert shares.total == 3 and shares.admits("a")  # room again: anyone may take it
@@ -300,6 +301,19 @@ def test_shares_are_fair_once_the_hub_is_full() -> None:
 
 def test_deferred_submissions_wait_longer_each_time_up_to_a_bound() -> None:
     delays = [defer_delay(n) for n in range(0, 12)]
-    assert delays[:4] == [0.5, 0.5, 1.0, 2.0]
+    assert delays[:5] == [0.0, 0.0, 0.5, 1.0, 2.0]  # at once the first time: another hub?
     assert delays == sorted(delays) and max(delays) == 30.0
     assert defer_delay(10**9) == 30.0
+
+
+def test_fair_shares_stop_at_the_ceiling() -> None:
+    """Namespaces filling a hub one after another each keep what they took: past the
+    capacity the shares add up, and at four times it nobody takes more."""
+    shares = Shares(4)
+    ns = 0
+    while shares.admits(f"n{ns}"):
+        while shares.admits(f"n{ns}"):
+            shares.take(f"n{ns}")
+        ns += 1
+    assert shares.total == 16 and len(shares) == ns  # took 4, 2, 1, 1, 1, ... up to 16
+    assert not shares.admits("newcomer")

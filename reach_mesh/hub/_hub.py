@@ -6,7 +6,8 @@ Message callbacks never block the subscription. A route is a *flight* finished b
 gets the agent's reply (``_routing.py``); every other request runs in its own task. Both
 are bounded per hub by ``hub_concurrency``: when full, the other requests' subscription stops
 reading and NATS buffers; routes are then taken only from namespaces below their fair share of
-the hub (``hub/shares.py``; the others are answered ``REACH_THROTTLED``), up to twice the bound.
+the hub (``hub/shares.py``; the others are answered ``REACH_THROTTLED``), and nothing more past
+four times the bound.
 
 This module holds the hub's state, lifecycle and dispatch; ``Hub`` takes its routing from
 :class:`~reach_mesh.hub._routing.RoutingMixin` (its wire bytes from ``_wire.py``) and its
@@ -95,7 +96,6 @@ class Hub(RoutingMixin, ControlMixin):
         # heap (entries of answered attempts are dropped lazily); routes not yet answered.
         self._flights = {}
         self._deadlines: list[tuple[float, str]] = []
-        self._room = asyncio.Event()
         self._reply_prefix = ""
         self._reply_prefix_b = b""
         self._reply_prefix_len = 0

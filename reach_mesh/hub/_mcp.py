@@ -129,7 +129,8 @@ class HubMcp:
         self, ctx: Any, params: types.CallToolRequestParams
     ) -> types.CallToolResult:
         menu = self.http.tool_menu(_namespace(ctx))
-        tool = next((t for t in menu if t["name"] == params.name), None)
+        named = [t for t in menu if t["name"] == params.name]
+        tool = named[0] if len(named) == 1 else None  # an ambiguous name calls nobody
         try:
             if tool is None or not tool["capability"]:
                 raise NoMatchError(

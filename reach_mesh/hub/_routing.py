@@ -136,6 +136,8 @@ class _Flight:
     batch_reply: str | None = None
     span: Span | None = None
     deliver_span: Span | None = None
+    #: Set by ``_finish``: a flight ends (and gives its slot back) once.
+    finished: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -165,7 +167,6 @@ class RoutingMixin:
     _ns_flights: Shares
     #: ``REACH-SELECT-EMPTY`` lines, one per (namespace, target) per 10 s.
     _no_match_lines: LineBudget
-    _room: asyncio.Event
     _reply_prefix: str
     _reply_prefix_b: bytes
     _reply_prefix_len: int
@@ -253,11 +254,6 @@ class RoutingMixin:
         batch_reply: str | None,
     ) -> None:
         flights = self._ns_flights
-        while flights.total >= 2 * flights.capacity:
-            # Full past every fair share: stop reading this subscription (NATS buffers) until a
-            # flight ends.
-            self._room.clear()
-            await self._room.wait()
         try:
             ns = self._namespace(subject)
             if not flights.admits(ns):
@@ -293,8 +289,8 @@ class RoutingMixin:
         if self.known_namespace(ns):
             self.metrics.throttled_total.labels(ns).inc()
         return ThrottledError(
-            f"this hub is full ({flights.total} route requests in flight) and namespace {ns!r} "
-            f"holds its fair share of them ({flights.held(ns)} of {flights.share(ns)})",
+            f"this hub is full and namespace {ns!r} holds its fair share of it "
+            f"({flights.held(ns)} route requests in flight)",
             retry_after_ms=_FAIR_SHARE_RETRY_MS,
         )
 
@@ -675,8 +671,12 @@ class RoutingMixin:
                 if flight is not None:
                     try:
                         await self._expired(flight)
-                    except Exception:  # one flight's trouble must not stop the sweep
+                    except Exception as err:  # one flight's trouble must not stop the sweep
                         log.exception("expiring route %s failed", flight.request_id)
+                        with contextlib.suppress(Exception):  # its slot back, its caller told
+                            await self._finish(
+                                flight, error=InternalError(f"internal error: {err!r}"[:200])
+                            )
             # Answered attempts leave their entry behind; drop them once they outnumber the
             # live ones, so the heap stays the size of what is in flight.
             if len(heap) > 2 * len(self._flights) + 1024:
@@ -719,6 +719,9 @@ class RoutingMixin:
         error: ReachError | None = None,
     ) -> None:
         """The one way a route ends: count it, audit it, close its span, answer the caller."""
+        if flight.finished:
+            return
+        flight.finished = True
         req, ns = flight.req, flight.ns
         view = flight.view
         target = req.agent_id or req.capability or req.selector
@@ -799,10 +802,7 @@ class RoutingMixin:
             if error is not None:
                 sp.set_status(Status(StatusCode.ERROR, error.code))
             sp.end()
-        flights = self._ns_flights
-        flights.give(flight.ns)
-        if flights.total < 2 * flights.capacity:
-            self._room.set()
+        self._ns_flights.give(flight.ns)
         await self._answer(flight.reply_to, body, flight.batch_reply)
 
     async def _answer(self, reply: str, body: bytes, batch_reply: str | None = None) -> None:

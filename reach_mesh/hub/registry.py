@@ -47,6 +47,9 @@ log = logging.getLogger("reach_mesh.hub.registry")
 
 _ROUTABLE: Final = frozenset({AgentState.ONLINE, AgentState.SUSPECT})
 _RECENT_TAU: Final = 1.0
+#: The least time between two KV writes of one agent's heartbeat that changes its state
+#: (draining, unavailable, pressure); unchanged beats are written every quarter interval.
+_CHANGE_GAP: Final = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -69,9 +72,11 @@ class AgentView:
     #: when its watch delivers them back).
     hb_revision: int = 0
     #: When this hub last wrote the agent's heartbeat to KV, and the state it wrote
-    #: (draining, unavailable): beats in between that say nothing new are not written.
+    #: (draining, unavailable, pressure): beats in between that say nothing new are not
+    #: written; a change that came too soon is written once the gap has passed.
     hb_written_at: float = -math.inf
-    hb_written_state: tuple[bool, frozenset[str]] | None = None
+    hb_written_state: tuple[bool, frozenset[str], float] | None = None
+    hb_trailing: bool = False
     #: Tasks this hub has delivered to the agent and not yet seen finish.
     outstanding: int = 0
     #: Decaying count of this hub's recent assignments (time constant ``_RECENT_TAU``) so a
@@ -157,6 +162,8 @@ class Registry:
         #: that could not see heartbeats lately does not declare anybody LOST: absence of
         #: evidence during a JetStream election is not evidence of death.
         self._blind_at = float("-inf")
+        #: Heartbeat writes waiting for their gap to pass (``_trailing``).
+        self._trailers: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -182,7 +189,7 @@ class Registry:
         self._ready.set()
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._trailers]:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -521,13 +528,45 @@ class Registry:
         # A beat soon after the last one written renews the lease here only, unless it
         # changes what the agent takes: a flood of beats must not become a flood of KV writes
         # (and of state events), and the others' leases last far longer than the gap.
-        state = (view.draining, view.unavailable)
-        gap = view.record.heartbeat_interval / 4 if state == view.hb_written_state else 0.05
-        if now - view.hb_written_at < gap:
+        state = (view.draining, view.unavailable, view.pressure)
+        changed = state != view.hb_written_state
+        gap = _CHANGE_GAP if changed else view.record.heartbeat_interval / 4
+        wait = view.hb_written_at + gap - now
+        if wait > 0:
+            if changed and not view.hb_trailing:  # the change is written when the gap ends
+                view.hb_trailing = True
+                task = asyncio.get_running_loop().create_task(self._trailing(view, wait))
+                self._trailers.add(task)
+                task.add_done_callback(self._trailers.discard)
             return view
-        view.hb_written_at, view.hb_written_state = now, state
+        await self._write_beat(view, record, now)
+        return view
+
+    async def _trailing(self, view: AgentView, wait: float) -> None:
+        """Write the agent's newest state, once the gap since the last write has passed."""
+        await asyncio.sleep(wait)
+        view.hb_trailing = False
+        if self.agents.get(view.agent_id) is not view:
+            return  # gone, or registered again since
+        if (view.draining, view.unavailable, view.pressure) == view.hb_written_state:
+            return  # a later beat wrote it
+        record = HeartbeatRecord(
+            session=view.record.session,
+            inflight=view.inflight,
+            queue_depth=view.queue_depth,
+            pressure=view.pressure,
+            unavailable=sorted(view.unavailable),
+            draining=view.draining,
+        )
+        with contextlib.suppress(Exception):  # the agent's next beat writes again
+            await self._write_beat(view, record, self._clock())
+
+    async def _write_beat(self, view: AgentView, record: HeartbeatRecord, now: float) -> None:
+        assert self._hb_kv is not None
+        view.hb_written_at = now
+        view.hb_written_state = (view.draining, view.unavailable, view.pressure)
         try:
-            revision = await self._hb_kv.put(hb.agent_id, protocol.encode(record))
+            revision = await self._hb_kv.put(view.agent_id, protocol.encode(record))
         except Exception:
             # The other hubs will not see this beat, and we may be missing theirs: trust no
             # silence for a while (the agent's next beat writes again).
@@ -535,7 +574,6 @@ class Registry:
             view.hb_written_at = -math.inf
             raise
         view.hb_revision = max(view.hb_revision, revision)
-        return view
 
     async def unregister(self, agent_id: str, session: str | None) -> bool:
         assert self._agents_kv is not None and self._hb_kv is not None

@@ -8,8 +8,10 @@ has room anyone may take it (one tenant alone may use all of it); once it is ful
 may take more only while it holds less than its fair share — the capacity divided among the
 namespaces holding anything, itself counted. So a newcomer is served at once, beyond the
 capacity, while those that filled the hub wait (routes: ``REACH_THROTTLED``; workflow
-submissions go back to the stream for later, :func:`defer_delay`). Callers stop taking at
-twice the capacity, which bounds what fair shares add beyond it.
+submissions go back to the stream for later, :func:`defer_delay`). What is held is never taken
+back, so fair shares add up past the capacity — with k namespaces arriving one after another,
+to about ln(k) + 0.6 times it — and nobody takes more at :data:`CEILING` times the capacity
+(some 30 namespaces filling a hub one after another).
 
 Pure (no I/O), touched only on the event loop.
 """
@@ -18,9 +20,12 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["Shares", "defer_delay"]
+__all__ = ["CEILING", "Shares", "defer_delay"]
 
-#: A deferred submission's first delay, doubled with each delivery up to :data:`DEFER_MAX`.
+#: Past this many times its capacity a hub takes nothing more, fair share or not.
+CEILING: Final = 4
+#: A deferred submission's delay at its second delivery, doubled with each one after, up to
+#: :data:`DEFER_MAX`; the first goes back at once, for a hub with room to take.
 DEFER_BASE: Final = 0.5
 #: The longest a deferred submission waits before it is offered again: bounds both how late
 #: a namespace's backlog starts once it is under its share and how often a hub sees it again.
@@ -50,10 +55,18 @@ class Shares:
         holders = len(self._held) + (0 if ns in self._held else 1)
         return max(1, self.capacity // holders)
 
+    @property
+    def ceiling(self) -> int:
+        """What all namespaces together may hold: :data:`CEILING` times the capacity."""
+        return CEILING * self.capacity
+
     def admits(self, ns: str) -> bool:
         """Whether ``ns`` may take one more: always while the hub has room, and once it is full
-        only below its fair share."""
-        return self.total < self.capacity or self._held.get(ns, 0) < self.share(ns)
+        only below its fair share (and below the ceiling)."""
+        total = self.total
+        if total < self.capacity:
+            return True
+        return total < CEILING * self.capacity and self._held.get(ns, 0) < self.share(ns)
 
     def take(self, ns: str) -> None:
         self._held[ns] = self._held.get(ns, 0) + 1
@@ -77,5 +90,8 @@ class Shares:
 
 def defer_delay(deliveries: int) -> float:
     """How long a submission deferred at its ``deliveries``-th delivery waits before it is
-    offered again: 0.5 s, doubling, at most 30 s."""
-    return min(DEFER_MAX, DEFER_BASE * 2.0 ** min(max(deliveries, 1) - 1, 16))
+    offered again: at once the first time (another hub may have room), then 0.5 s, doubling,
+    at most 30 s."""
+    if deliveries <= 1:
+        return 0.0
+    return min(DEFER_MAX, DEFER_BASE * 2.0 ** min(deliveries - 2, 16))

@@ -234,9 +234,9 @@ class WorkflowEngine(WorkflowShapes):
             protocol.STREAM_WF,
             protocol.CONSUMER_HUBS,
             self._on_submit,
-            # Up to twice the capacity: past it, fair shares still start workflows, and
-            # submissions over a share are handed back (``_defer``) as they come.
-            2 * s.workflow_concurrency,
+            # Up to the shares' ceiling: past the capacity, fair shares still start
+            # workflows, and submissions over a share are handed back (``_defer``).
+            self._shares.ceiling,
             expires=min(5.0, max(0.5, s.workflow_ack_wait)),
         )
         await self._pull.start()
