@@ -22,6 +22,7 @@ from typing import Any, Final, TextIO
 from reach_mesh.tracing import current_trace_id
 
 __all__ = [
+    "AGENT_TIMEOUT",
     "HANDLER_FAILED",
     "IDENTITY_REJECTED",
     "LEASE_EXPIRED",
@@ -38,6 +39,9 @@ __all__ = [
     "log_event",
 ]
 
+AGENT_TIMEOUT: Final = "REACH-AGENT-TIMEOUT"
+"""A hub delivered a task and its agent did not answer in time (at most one line per agent per
+10 s): a hung agent shows here long before its lease runs out."""
 SELECT_EMPTY: Final = "REACH-SELECT-EMPTY"
 """A route request found no routable candidate (the line carries the explain summary)."""
 LEASE_EXPIRED: Final = "REACH-LEASE-EXPIRED"
@@ -63,6 +67,7 @@ message of the subscription it came on (a JetStream push delivery; docs/security
 # Default level per keyword: the three that mean "something is not reachable" are warnings.
 _EVENT_LEVELS: Final[Mapping[str, int]] = {
     SELECT_EMPTY: logging.WARNING,
+    AGENT_TIMEOUT: logging.WARNING,
     LEASE_EXPIRED: logging.WARNING,
     QUARANTINE: logging.WARNING,
     ROUTE_LATENCY: logging.INFO,

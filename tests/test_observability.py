@@ -23,7 +23,7 @@ from opentelemetry.util._once import Once
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from reach_mesh import Client, MeshSettings, MeshTimeoutError, NoMatchError
+from reach_mesh import Client, MeshSettings, MeshTimeoutError, NoMatchError, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.cli import main as cli_main
 from reach_mesh.hub import Hub
@@ -200,6 +200,40 @@ async def test_audit_names_the_agent_of_a_failure_and_the_handlers_error(
         handled = next(e for e in routes if e.get("state") == "FAILED")
         assert handled["error"] == "REACH_HANDLER_FAILED"
         assert "the upstream said no" in handled["reason"]
+
+
+async def test_an_agent_that_stops_answering_is_a_warning_at_once(
+    hub: Hub,
+    settings: MeshSettings,
+    nats_url: str,
+    namespace: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A hung agent (it takes tasks off NATS and never answers) shows in the hub's log at its
+    first unanswered task, at WARNING, and in the audit under its id: not only when its lease
+    runs out."""
+    caplog.set_level("WARNING", logger="reach_mesh.hub")
+    agent_id = f"{namespace}.w.hung"
+    nc = await nats.connect(nats_url)
+    try:
+        card = {"agent_id": agent_id, "capabilities": ["work:hung:v1"]}
+        body = json.dumps({"card": card, "session": "s1"}).encode()
+        await nc.request(protocol.hub_agent_subject(agent_id, "register"), body, timeout=5)
+        taken: list[Msg] = []
+
+        async def take(msg: Msg) -> None:
+            taken.append(msg)  # and no answer: what a SIGSTOPped agent looks like
+
+        await nc.subscribe(protocol.agent_task(agent_id), cb=take)
+        async with Client(settings=settings) as c:
+            for _ in range(3):
+                with pytest.raises(MeshTimeoutError):
+                    await c.request(agent_id=agent_id, timeout=0.2)
+    finally:
+        await nc.close()
+    assert len(taken) == 3
+    lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-AGENT-TIMEOUT"]
+    assert [r.agent_id for r in lines] == [agent_id]  # one line per 10 s, not one per task
 
 
 async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(

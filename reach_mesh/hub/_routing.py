@@ -51,7 +51,7 @@ from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.shares import Shares
 from reach_mesh.hub.throttle import Throttle
-from reach_mesh.logs import ROUTE_LATENCY, SELECT_EMPTY, LineBudget, log_event
+from reach_mesh.logs import AGENT_TIMEOUT, ROUTE_LATENCY, SELECT_EMPTY, LineBudget, log_event
 from reach_mesh.models import ErrorBody, RouteDecision, RouteRequest, TaskState
 from reach_mesh.tracing import (
     SPAN_DELIVER,
@@ -167,6 +167,8 @@ class RoutingMixin:
     _ns_flights: Shares
     #: ``REACH-SELECT-EMPTY`` lines, one per (namespace, target) per 10 s.
     _no_match_lines: LineBudget
+    #: ``REACH-AGENT-TIMEOUT`` lines, one per agent per 10 s.
+    _timeout_lines: LineBudget
     _reply_prefix: str
     _reply_prefix_b: bytes
     _reply_prefix_len: int
@@ -698,6 +700,19 @@ class RoutingMixin:
             task_id=flight.task_id,
             attempt=flight.attempt,
         )
+        held = self._timeout_lines.take(view.agent_id)
+        if held is not None:  # an agent that stopped answering, said at WARNING level
+            log_event(
+                log,
+                AGENT_TIMEOUT,
+                err.message,
+                agent_id=view.agent_id,
+                task_id=flight.task_id,
+                attempt=flight.attempt,
+                trace_id=flight.trace_id,
+                timeout_s=flight.req.timeout,
+                suppressed=held,
+            )
         self._end_deliver(flight, err)
         await self._finish(flight, error=err)
 
