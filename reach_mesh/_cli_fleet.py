@@ -44,6 +44,7 @@ async def cmd_agents(args: argparse.Namespace) -> int:
         return await _agents_via_micro(args)
     async with Client(settings=settings_of(args), namespace=args.namespace) as c:
         infos = await c.agents(all_namespaces=args.namespace is None)
+        lost = await c.recently_lost(all_namespaces=args.namespace is None)
     if args.json:
         print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
         return 0
@@ -52,6 +53,16 @@ async def cmd_agents(args: argparse.Namespace) -> int:
         print(f"(no agents in namespace {args.namespace!r}; without --namespace: every one)")
     elif not infos:
         print("(no agents)")
+    if lost:
+        # They are in no listing any more: say where they went.
+        print("\nrecently LOST (no heartbeat for their lease; kept 15 min):")
+        now = time.time()
+        rows = [("AGENT", "LOST", "CAPABILITIES")]
+        rows += [
+            (e["agent_id"], f"{now - e['lost_at']:.0f}s ago", ",".join(e["capabilities"]))
+            for e in lost
+        ]
+        print_table(rows)
     return 0
 
 

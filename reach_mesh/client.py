@@ -646,11 +646,23 @@ class Client(WorkflowsMixin):
     # ------------------------------------------------------------------ fleet queries
 
     async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
+        fleet = await self._fleet(all_namespaces)
+        return [AgentInfo.model_validate(a) for a in fleet["agents"]]
+
+    async def recently_lost(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]:
+        """Agents the answering hub declared LOST in the last 15 minutes (no heartbeat for
+        their lease and grace) and that are not back: they are in no listing any more.
+        ``agent_id``, ``lost_at`` (the hub's clock), ``capabilities``; newest first."""
+        fleet = await self._fleet(all_namespaces)
+        return list(fleet.get("recently_lost") or [])
+
+    async def _fleet(self, all_namespaces: bool) -> dict[str, Any]:
         if all_namespaces:  # an operator query (docs/security.md)
             data = await self._query("admin", {"op": "agents"})
         else:
             data = await self._query("agents", {})
-        return [AgentInfo.model_validate(a) for a in json.loads(data)["agents"]]
+        fleet: dict[str, Any] = json.loads(data)
+        return fleet
 
     async def inspect(self, agent_id: str) -> AgentInfo:
         protocol.validate_agent_id(agent_id)

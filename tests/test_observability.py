@@ -23,7 +23,14 @@ from opentelemetry.util._once import Once
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from reach_mesh import Client, MeshSettings, MeshTimeoutError, NoMatchError, protocol
+from reach_mesh import (
+    Client,
+    MeshSettings,
+    MeshTimeoutError,
+    NoMatchError,
+    UnknownAgentError,
+    protocol,
+)
 from reach_mesh.agent import Agent, Task
 from reach_mesh.cli import main as cli_main
 from reach_mesh.hub import Hub
@@ -251,6 +258,11 @@ async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
             await eventually(lambda: agent.agent_id in hub.registry.agents)
             await partition(agent)
             await eventually(lambda: agent.agent_id not in hub.registry.agents, timeout=5)
+            # Gone from every listing, but not without a trace.
+            (lost,) = [e for e in await c.recently_lost() if e["agent_id"] == agent.agent_id]
+            assert lost["capabilities"] == ["work:echo:v1"] and lost["lost_at"] > 0
+            with pytest.raises(UnknownAgentError, match="was declared LOST"):
+                await c.inspect(agent.agent_id)
 
     def lines(event: str) -> list[Any]:
         return [r for r in caplog.records if getattr(r, "event", None) == event]

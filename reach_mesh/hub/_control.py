@@ -253,6 +253,7 @@ class ControlMixin:
             {
                 "hub_id": self.hub_id,
                 "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
+                "recently_lost": self.registry.recently_lost(namespace),
             }
         )
 

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -50,6 +51,9 @@ _RECENT_TAU: Final = 1.0
 #: The least time between two KV writes of one agent's heartbeat that changes its state
 #: (draining, unavailable, pressure); unchanged beats are written every quarter interval.
 _CHANGE_GAP: Final = 0.05
+#: How long, and how many, agents declared LOST stay in ``recently_lost``.
+_LOST_KEPT_S: Final = 900.0
+_LOST_KEPT_MAX: Final = 1000
 
 
 @dataclass(slots=True, eq=False)
@@ -152,6 +156,9 @@ class Registry:
         self.agents: dict[str, AgentView] = {}
         # Agents per namespace: which namespaces exist (metrics and audit are kept for those).
         self._namespaces: dict[str, int] = {}
+        #: Agents this hub declared LOST lately (lease and grace ran out), by id: they leave
+        #: every listing, so ``recently_lost`` tells where they went. Bounded in age and count.
+        self._lost: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()
         self.index = AgentIndex()
         self._agents_kv: KeyValue | None = None
         self._hb_kv: KeyValue | None = None
@@ -465,6 +472,10 @@ class Registry:
                 lease_timeout=view.record.lease_timeout,
             )
         elif view.state is AgentState.LOST and old is AgentState.SUSPECT:  # not a goodbye
+            self._lost.pop(view.agent_id, None)
+            self._lost[view.agent_id] = (time.time(), tuple(view.record.card.capabilities))
+            while len(self._lost) > _LOST_KEPT_MAX:
+                self._lost.popitem(last=False)
             # It leaves every listing now: this line and the audit are what is left of it.
             log_event(
                 log,
@@ -622,8 +633,30 @@ class Registry:
     def require(self, agent_id: str) -> AgentView:
         view = self.agents.get(agent_id)
         if view is None:
+            lost = self._lost.get(agent_id)
+            if lost is not None and time.time() - lost[0] < _LOST_KEPT_S:
+                raise UnknownAgentError(
+                    f"agent {agent_id!r} was declared LOST {time.time() - lost[0]:.0f}s ago (no "
+                    f"heartbeat for its lease and suspect_timeout): restart it; its history: "
+                    f"reach-mesh audit --agent {agent_id}",
+                    agent_id=agent_id,
+                    lost_at=lost[0],
+                )
             raise UnknownAgentError(f"agent {agent_id!r} is not registered", agent_id=agent_id)
         return view
+
+    def recently_lost(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Agents declared LOST in the last 15 minutes (and not back), newest first: id, when
+        (this hub's wall clock), capabilities."""
+        horizon = time.time() - _LOST_KEPT_S
+        while self._lost and next(iter(self._lost.values()))[0] < horizon:
+            self._lost.popitem(last=False)
+        return [
+            {"agent_id": agent_id, "lost_at": round(at, 3), "capabilities": list(caps)}
+            for agent_id, (at, caps) in reversed(self._lost.items())
+            if agent_id not in self.agents
+            and (namespace is None or protocol.namespace_of(agent_id) == namespace)
+        ]
 
     def routable(self, view: AgentView) -> bool:
         return view.state in _ROUTABLE
