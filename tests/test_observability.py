@@ -34,6 +34,7 @@ from reach_mesh import (
 from reach_mesh.agent import Agent, Task
 from reach_mesh.cli import main as cli_main
 from reach_mesh.hub import Hub
+from reach_mesh.hub import _dashboard as dash
 from reach_mesh.models import ToolSpec
 
 from .helpers import eventually, fetch, mcp_session, partition
@@ -263,6 +264,9 @@ async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
             assert lost["capabilities"] == ["work:echo:v1"] and lost["lost_at"] > 0
             with pytest.raises(UnknownAgentError, match="was declared LOST"):
                 await c.inspect(agent.agent_id)
+            fleet = dash.fleet(hub)  # the dashboard's LOST card counts it
+            assert fleet["by_state"]["LOST"] >= 1
+            assert agent.agent_id in [e["agent_id"] for e in fleet["recently_lost"]]
 
     def lines(event: str) -> list[Any]:
         return [r for r in caplog.records if getattr(r, "event", None) == event]

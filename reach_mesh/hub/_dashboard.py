@@ -496,7 +496,16 @@ def fleet(hub: Hub) -> dict[str, Any]:
                 "actions": list(_ACTIONS.get(view.state, ("remove",))),
             }
         )
-    return {"hub_id": hub.hub_id, "total": len(agents), "by_state": by_state, "agents": agents}
+    # LOST agents leave the registry: count (and list) the ones lost in the last 15 minutes.
+    lost = hub.registry.recently_lost()
+    by_state[AgentState.LOST.value] = len(lost)
+    return {
+        "hub_id": hub.hub_id,
+        "total": len(agents),
+        "by_state": by_state,
+        "agents": agents,
+        "recently_lost": lost,
+    }
 
 
 def traffic(hub: Hub) -> dict[str, Any]:
