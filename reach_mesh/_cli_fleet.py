@@ -43,8 +43,10 @@ async def cmd_agents(args: argparse.Namespace) -> int:
     if args.via_micro:
         return await _agents_via_micro(args)
     async with Client(settings=settings_of(args), namespace=args.namespace) as c:
-        infos = await c.agents(all_namespaces=args.namespace is None)
-        lost = await c.recently_lost(all_namespaces=args.namespace is None)
+        # One query, one hub's view: its agents and those it declared LOST lately.
+        fleet = await c.fleet(all_namespaces=args.namespace is None)
+    infos = [AgentInfo.model_validate(a) for a in fleet["agents"]]
+    lost: list[dict[str, Any]] = fleet.get("recently_lost") or []
     if args.json:
         print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
         return 0

@@ -646,17 +646,19 @@ class Client(WorkflowsMixin):
     # ------------------------------------------------------------------ fleet queries
 
     async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
-        fleet = await self._fleet(all_namespaces)
+        fleet = await self.fleet(all_namespaces=all_namespaces)
         return [AgentInfo.model_validate(a) for a in fleet["agents"]]
 
     async def recently_lost(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]:
         """Agents the answering hub declared LOST in the last 15 minutes (no heartbeat for
         their lease and grace) and that are not back: they are in no listing any more.
         ``agent_id``, ``lost_at`` (the hub's clock), ``capabilities``; newest first."""
-        fleet = await self._fleet(all_namespaces)
+        fleet = await self.fleet(all_namespaces=all_namespaces)
         return list(fleet.get("recently_lost") or [])
 
-    async def _fleet(self, all_namespaces: bool) -> dict[str, Any]:
+    async def fleet(self, *, all_namespaces: bool = False) -> dict[str, Any]:
+        """One hub's answer to the fleet query, as sent: ``hub_id``, ``agents`` (AgentInfo
+        objects as JSON) and ``recently_lost`` (docs/protocol.md, "Fleet queries")."""
         if all_namespaces:  # an operator query (docs/security.md)
             data = await self._query("admin", {"op": "agents"})
         else:

@@ -137,7 +137,16 @@ class LineBudget:
     writing lines. At most ``max_keys`` keys are remembered (then they start over: lenient,
     never silent for long)."""
 
-    __slots__ = ("_due", "_held", "_lines", "_window", "interval", "max_keys", "max_lines")
+    __slots__ = (
+        "_due",
+        "_held",
+        "_held_unseen",
+        "_lines",
+        "_window",
+        "interval",
+        "max_keys",
+        "max_lines",
+    )
 
     def __init__(self, interval: float, max_keys: int = 1024, max_lines: int = 100) -> None:
         self.interval = interval
@@ -147,23 +156,34 @@ class LineBudget:
         self._held: dict[Hashable, int] = {}
         self._window = -math.inf  # when the current interval of ``max_lines`` ends
         self._lines = 0
+        # Lines of keys never seen, held back by ``max_lines``: one count (the keys are not
+        # kept), told with the next line that is due.
+        self._held_unseen = 0
 
     def take(self, key: Hashable = None) -> int | None:
         """``None``: hold this line back (it is counted). Otherwise the line is due: the
-        number of lines held back for ``key`` since the last one."""
+        number of lines held back for ``key`` since the last one (and, the first time after,
+        those of keys never seen that the overall cap held back)."""
         now = time.monotonic()
         due = self._due.get(key)
         if now >= self._window:
             self._window, self._lines = now + self.interval, 0
-        if (due is not None and now < due) or self._lines >= self.max_lines:
+        if due is not None and now < due:
             self._held[key] = self._held.get(key, 0) + 1
+            return None
+        if self._lines >= self.max_lines:
+            if due is None:
+                self._held_unseen += 1
+            else:
+                self._held[key] = self._held.get(key, 0) + 1
             return None
         self._lines += 1
         if due is None and len(self._due) >= self.max_keys:
             self._due.clear()
             self._held.clear()
         self._due[key] = now + self.interval
-        return self._held.pop(key, 0)
+        held, self._held_unseen = self._held.pop(key, 0) + self._held_unseen, 0
+        return held
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

@@ -35,6 +35,13 @@ def _register(agent_id: str, caps: list[str], session: str = "s1") -> bytes:
     return json.dumps(body).encode()
 
 
+async def _goodbye(nc: Any, *agent_ids: str) -> None:
+    """Unregister what a test registered by hand: later tests' hubs load the registry's KV."""
+    for agent_id in agent_ids:
+        bye = json.dumps({"agent_id": agent_id}).encode()
+        await nc.request(protocol.hub_agent_subject(agent_id, "unregister"), bye, timeout=5)
+
+
 async def _registered(nc: Any, agent_id: str, caps: list[str]) -> None:
     out = await _ask(
         nc, protocol.hub_agent_subject(agent_id, "register"), _register(agent_id, caps)
@@ -79,6 +86,7 @@ async def test_a_heartbeat_flood_is_not_a_kv_write_flood(
         await eventually(lambda: len(writes) == before + 2, timeout=2)
         assert view.hb_written_state is not None and view.hb_written_state[0] is False
     finally:
+        await _goodbye(nc, agent_id)
         await nc.close()
 
 
@@ -96,6 +104,7 @@ async def test_an_agent_registering_in_a_loop_is_throttled_alone(
         assert codes[:10] == ["OK"] * 10 and "REACH_THROTTLED" in codes[10:]
         await _registered(nc, other_id, ["x:y:v1"])  # the namespace's others are not held up
     finally:
+        await _goodbye(nc, loop_id, other_id)
         await nc.close()
 
 
@@ -119,6 +128,7 @@ async def test_registrations_cannot_flood_the_audit_or_carry_huge_capabilities(
         (event,) = [e for e in events if e["kind"] == "register"]
         assert event["capability_count"] == 40 and len(event["capabilities"]) == 16
     finally:
+        await _goodbye(nc, agent_id)
         await nc.close()
 
 
@@ -142,6 +152,7 @@ async def test_reports_on_other_namespaces_agents_are_dropped(
         await eventually(lambda: rejected._value.get() >= count + 20)
         assert view.health.value == 100 and view.breaker.counts() == (0, 0)
     finally:
+        await _goodbye(nc, victim)
         await nc.close()
 
 

@@ -210,5 +210,6 @@ def test_line_budget_bounds_lines_of_new_keys_too(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr("reach_mesh.logs.time.monotonic", lambda: now[0])
     budget = LineBudget(10.0, max_lines=3)
     assert [budget.take(k) for k in range(5)] == [0, 0, 0, None, None]  # a new key each
+    assert budget.take(10**6) is None and len(budget._held) == 0  # unseen keys are not kept
     now[0] += 10.0
-    assert budget.take(3) == 1  # the next interval: due again, with what was held back
+    assert budget.take(3) == 3  # the next interval: due again, with what was held back

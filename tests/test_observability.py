@@ -238,6 +238,9 @@ async def test_an_agent_that_stops_answering_is_a_warning_at_once(
                 with pytest.raises(MeshTimeoutError):
                     await c.request(agent_id=agent_id, timeout=0.2)
     finally:
+        # Gone for good: the next tests' hubs must not find it in the registry's KV.
+        bye = json.dumps({"agent_id": agent_id, "session": "s1"}).encode()
+        await nc.request(protocol.hub_agent_subject(agent_id, "unregister"), bye, timeout=5)
         await nc.close()
     assert len(taken) == 3
     lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-AGENT-TIMEOUT"]
@@ -267,6 +270,16 @@ async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
             fleet = dash.fleet(hub)  # the dashboard's LOST card counts it
             assert fleet["by_state"]["LOST"] >= 1
             assert agent.agent_id in [e["agent_id"] for e in fleet["recently_lost"]]
+        # An agent that says goodbye is not lost; one that comes back no longer is.
+        polite = echo_agent(f"{namespace}.w.polite", settings)
+        async with polite:
+            await eventually(lambda: polite.agent_id in hub.registry.agents)
+        async with echo_agent(agent.agent_id, settings):
+            await eventually(lambda: agent.agent_id in hub.registry.agents)
+            back = [e["agent_id"] for e in await c.recently_lost()]
+        assert agent.agent_id not in back
+        gone = [e["agent_id"] for e in await c.recently_lost()]
+        assert polite.agent_id not in gone and agent.agent_id not in gone
 
     def lines(event: str) -> list[Any]:
         return [r for r in caplog.records if getattr(r, "event", None) == event]

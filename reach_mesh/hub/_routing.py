@@ -733,10 +733,30 @@ class RoutingMixin:
         alternates: list[AgentView] | None = None,
         error: ReachError | None = None,
     ) -> None:
-        """The one way a route ends: count it, audit it, close its span, answer the caller."""
+        """The one way a route ends: count it, audit it, close its span, answer the caller.
+        Once per flight, and its slot is given back whatever happens on the way."""
         if flight.finished:
             return
         flight.finished = True
+        try:
+            body = self._conclude(flight, task, head, subject, alternates, error)
+        except Exception:  # a bug, not the request: the caller still gets a typed answer
+            log.exception("finishing route %s failed", flight.request_id)
+            body = protocol.encode_error(InternalError("internal error finishing the route"))
+        finally:
+            self._ns_flights.give(flight.ns)
+        await self._answer(flight.reply_to, body, flight.batch_reply)
+
+    def _conclude(
+        self,
+        flight: _Flight,
+        task: bytes | None,
+        head: _ReplyHead | None,
+        subject: str | None,
+        alternates: list[AgentView] | None,
+        error: ReachError | None,
+    ) -> bytes:
+        """Count, audit and close the span of an ending route; its answer's bytes."""
         req, ns = flight.req, flight.ns
         view = flight.view
         target = req.agent_id or req.capability or req.selector
@@ -817,8 +837,7 @@ class RoutingMixin:
             if error is not None:
                 sp.set_status(Status(StatusCode.ERROR, error.code))
             sp.end()
-        self._ns_flights.give(flight.ns)
-        await self._answer(flight.reply_to, body, flight.batch_reply)
+        return body
 
     async def _answer(self, reply: str, body: bytes, batch_reply: str | None = None) -> None:
         """Send a route's answer: now, or — for a request that came in a batch — with the other

@@ -474,10 +474,10 @@ class HubHttp:
         """The union of tools over live agents, MCP-shaped, with the agents serving each.
 
         Tools merge by name within a namespace only: a name offered in several namespaces is
-        listed once per namespace as ``<namespace>.<name>``, and so is a name that looks like
-        another namespace's qualified one (``b.search`` offered in ``a``: ``a.b.search``), so
-        that no tenant's tool can take another's name (its description, its schema, where a
-        call goes)."""
+        listed once per namespace as ``<namespace>.<name>``, and so is any name with a dot
+        (``b.search`` offered in ``a``: ``a.b.search``), which could pass for a qualified one:
+        no tenant's tool can take another's name (its description, its schema, where a call
+        goes)."""
         menu: dict[tuple[str, str], dict[str, Any]] = {}
         for view in self.hub.registry:
             if not self.hub.registry.routable(view):
@@ -499,8 +499,7 @@ class HubHttp:
                 entry["agents"].append(card.agent_id)
         offered = Counter(name for _, name in menu)
         for (ns, name), entry in menu.items():
-            prefix, dot, _ = name.partition(".")
-            if offered[name] > 1 or (dot and prefix != ns):
+            if offered[name] > 1 or "." in name:
                 entry["name"] = f"{ns}.{name}"
         return sorted(menu.values(), key=lambda t: str(t["name"]))
 

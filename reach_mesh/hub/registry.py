@@ -51,9 +51,9 @@ _RECENT_TAU: Final = 1.0
 #: The least time between two KV writes of one agent's heartbeat that changes its state
 #: (draining, unavailable, pressure); unchanged beats are written every quarter interval.
 _CHANGE_GAP: Final = 0.05
-#: How long, and how many, agents declared LOST stay in ``recently_lost``.
+#: How long, and how many per namespace, agents declared LOST stay in ``recently_lost``.
 _LOST_KEPT_S: Final = 900.0
-_LOST_KEPT_MAX: Final = 1000
+_LOST_KEPT_MAX: Final = 200
 
 
 @dataclass(slots=True, eq=False)
@@ -158,7 +158,7 @@ class Registry:
         self._namespaces: dict[str, int] = {}
         #: Agents this hub declared LOST lately (lease and grace ran out), by id: they leave
         #: every listing, so ``recently_lost`` tells where they went. Bounded in age and count.
-        self._lost: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()
+        self._lost: dict[str, OrderedDict[str, tuple[float, tuple[str, ...]]]] = {}
         self.index = AgentIndex()
         self._agents_kv: KeyValue | None = None
         self._hb_kv: KeyValue | None = None
@@ -198,7 +198,7 @@ class Registry:
     async def stop(self) -> None:
         for task in [*self._tasks, *self._trailers]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._trailers]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
@@ -454,12 +454,31 @@ class Registry:
         agent_id = view.agent_id
         if self.agents.get(agent_id) is view:
             self._drop(agent_id)
+            self._declared_lost(view)
         assert self._agents_kv is not None and self._hb_kv is not None
         # CAS on the revision we graded: every hub may try, one wins, and a fresh
         # registration (new revision) is never deleted by a stale decision.
         with contextlib.suppress(KeyWrongLastSequenceError, KeyNotFoundError, Exception):
             await self._agents_kv.delete(agent_id, last=view.revision)
             await self._hb_kv.delete(agent_id)
+
+    def _declared_lost(self, view: AgentView) -> None:
+        """This hub let the agent's lease run out (from any state: draining, cordoned,
+        suspect): it leaves every listing now, so log it and keep it in ``recently_lost``."""
+        ns = view.record.card.namespace
+        lost = self._lost.setdefault(ns, OrderedDict())
+        lost.pop(view.agent_id, None)
+        lost[view.agent_id] = (time.time(), tuple(view.record.card.capabilities))
+        while len(lost) > _LOST_KEPT_MAX:  # per namespace: no tenant evicts another's
+            lost.popitem(last=False)
+        log_event(
+            log,
+            LEASE_EXPIRED,
+            "agent LOST: no heartbeat for its lease and suspect_timeout; removed from the "
+            "registry (its history: reach-mesh audit --agent)",
+            agent_id=view.agent_id,
+            state="LOST",
+        )
 
     def _notify(self, view: AgentView, old: AgentState) -> None:
         if view.state is AgentState.SUSPECT and old is AgentState.ONLINE:
@@ -471,20 +490,11 @@ class Registry:
                 state="SUSPECT",
                 lease_timeout=view.record.lease_timeout,
             )
-        elif view.state is AgentState.LOST and old is AgentState.SUSPECT:  # not a goodbye
-            self._lost.pop(view.agent_id, None)
-            self._lost[view.agent_id] = (time.time(), tuple(view.record.card.capabilities))
-            while len(self._lost) > _LOST_KEPT_MAX:
-                self._lost.popitem(last=False)
-            # It leaves every listing now: this line and the audit are what is left of it.
-            log_event(
-                log,
-                LEASE_EXPIRED,
-                "agent LOST: no heartbeat for its lease and suspect_timeout; removed from the "
-                "registry (its history: reach-mesh audit --agent)",
-                agent_id=view.agent_id,
-                state="LOST",
-            )
+        elif old is AgentState.LOST and view.state is not AgentState.LOST:
+            # Back (registered again): no longer "recently lost".
+            was = self._lost.get(view.record.card.namespace)
+            if was is not None:
+                was.pop(view.agent_id, None)
         for listener in self._listeners:
             try:
                 listener(view, old, view.state)
@@ -633,7 +643,8 @@ class Registry:
     def require(self, agent_id: str) -> AgentView:
         view = self.agents.get(agent_id)
         if view is None:
-            lost = self._lost.get(agent_id)
+            in_ns = self._lost.get(protocol.namespace_of(agent_id))
+            lost = None if in_ns is None else in_ns.get(agent_id)
             if lost is not None and time.time() - lost[0] < _LOST_KEPT_S:
                 raise UnknownAgentError(
                     f"agent {agent_id!r} was declared LOST {time.time() - lost[0]:.0f}s ago (no "
@@ -649,14 +660,22 @@ class Registry:
         """Agents declared LOST in the last 15 minutes (and not back), newest first: id, when
         (this hub's wall clock), capabilities."""
         horizon = time.time() - _LOST_KEPT_S
-        while self._lost and next(iter(self._lost.values()))[0] < horizon:
-            self._lost.popitem(last=False)
-        return [
-            {"agent_id": agent_id, "lost_at": round(at, 3), "capabilities": list(caps)}
-            for agent_id, (at, caps) in reversed(self._lost.items())
-            if agent_id not in self.agents
-            and (namespace is None or protocol.namespace_of(agent_id) == namespace)
-        ]
+        out: list[dict[str, Any]] = []
+        for ns in [namespace] if namespace is not None else list(self._lost):
+            lost = self._lost.get(ns)
+            if lost is None:
+                continue
+            while lost and next(iter(lost.values()))[0] < horizon:
+                lost.popitem(last=False)
+            if not lost:
+                del self._lost[ns]
+                continue
+            out += [
+                {"agent_id": agent_id, "lost_at": round(at, 3), "capabilities": list(caps)}
+                for agent_id, (at, caps) in lost.items()
+                if agent_id not in self.agents
+            ]
+        return sorted(out, key=lambda e: -e["lost_at"])
 
     def routable(self, view: AgentView) -> bool:
         return view.state in _ROUTABLE
