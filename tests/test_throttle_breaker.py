@@ -317,3 +317,18 @@ def test_fair_shares_stop_at_the_ceiling() -> None:
         ns += 1
     assert shares.total == 16 and len(shares) == ns  # took 4, 2, 1, 1, 1, ... up to 16
     assert not shares.admits("newcomer")
+
+
+def test_breaker_says_why_it_opened() -> None:
+    clock = FakeClock()
+    breaker = _breaker(clock)
+    for outcome in [True, True, True, False, False, False]:
+        breaker.record(outcome)
+    assert _state(breaker) is BreakerState.OPEN and breaker.why == "3 of its last 6 requests failed"
+    clock.advance(31)  # past open_timeout: half-open, and its probe fails
+    assert breaker.allow()
+    breaker.record(False)
+    assert _state(breaker) is BreakerState.OPEN and breaker.why == "its half-open probe failed"
+    breaker.reset()
+    breaker.trip()
+    assert breaker.why == "operator quarantine"

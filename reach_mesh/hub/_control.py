@@ -206,8 +206,9 @@ class ControlMixin:
             log_event(
                 log,
                 QUARANTINE,
-                "circuit breaker open: agent quarantined",
+                f"circuit breaker open: agent quarantined ({view.breaker.why or 'breaker open'})",
                 agent_id=view.agent_id,
+                reason=view.breaker.why,
                 open_for_s=view.breaker.open_timeout,
             )
         if old is AgentState.LOST:

@@ -132,6 +132,8 @@ class CircuitBreaker:
         self.open_timeout = open_timeout
         self.probe_timeout = probe_timeout
         self.report_budget = report_budget
+        #: Why it last opened, in words (for the ``REACH-QUARANTINE`` line).
+        self.why = ""
         self._clock = clock
         self._nbuckets = max(1, round(window / bucket))
         # [bucket index, successes, failures, witnessed failures], oldest first; totals kept
@@ -214,6 +216,7 @@ class CircuitBreaker:
                 self._state = BreakerState.CLOSED
                 self._reset_window()
             elif witnessed:
+                self.why = "its half-open probe failed"
                 self._open(now)
             return
         self._add(now, success, witnessed)
@@ -223,6 +226,7 @@ class CircuitBreaker:
             and total >= self.min_requests
             and self._failures >= self.failure_ratio * total
         ):
+            self.why = f"{self._failures} of its last {total} requests failed"
             self._open(now)
 
     def counts(self) -> tuple[int, int]:
@@ -232,6 +236,7 @@ class CircuitBreaker:
 
     def trip(self) -> None:
         """Open the breaker now (operator quarantine); it half-opens after ``open_timeout``."""
+        self.why = "operator quarantine"
         self._open(self._clock())
 
     def reset(self) -> None:
