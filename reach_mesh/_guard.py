@@ -18,14 +18,13 @@ A dropped message is counted and logged (``REACH-MESSAGE-REFUSED``, at most one 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 from nats.aio.msg import Msg
 
 from reach_mesh import protocol
-from reach_mesh.logs import MESSAGE_REFUSED, get_logger, log_event
+from reach_mesh.logs import MESSAGE_REFUSED, LineBudget, get_logger, log_event
 
 __all__ = ["guarded", "matches", "refuse", "refused_total"]
 
@@ -38,31 +37,27 @@ Callback = Callable[[Msg], Awaitable[None]]
 
 
 class _Refusals:
-    """Messages dropped by :func:`guarded` in this process, and when that was last logged."""
+    """Messages dropped by :func:`guarded` in this process, and their log lines."""
 
     def __init__(self) -> None:
         self.total = 0
-        self._since_log = 0
-        self._logged_at = -_LOG_INTERVAL
+        self._lines = LineBudget(_LOG_INTERVAL)
 
     def note(self, msg: Msg, why: str) -> None:
         self.total += 1
-        self._since_log += 1
-        now = time.monotonic()
-        if now - self._logged_at < _LOG_INTERVAL:
+        held = self._lines.take()
+        if held is None:
             return
         log_event(
             log,
             MESSAGE_REFUSED,
             f"message on {msg.subject} dropped unread: {why} "
-            f"({self._since_log} dropped since the last such line)",
+            f"({held + 1} dropped since the last such line)",
             subject=msg.subject,
             reply=msg.reply,
             why=why,
-            count=self._since_log,
+            count=held + 1,
         )
-        self._logged_at = now
-        self._since_log = 0
 
 
 _refusals = _Refusals()

@@ -54,7 +54,7 @@ from reach_mesh.errors import (
     UnknownAgentError,
     error_from_wire,
 )
-from reach_mesh.logs import get_logger
+from reach_mesh.logs import LineBudget, get_logger
 from reach_mesh.models import (
     AgentInfo,
     FailureReport,
@@ -177,8 +177,8 @@ class Client(WorkflowsMixin):
         # Names this client in its failure reports: each reporter's reports count a bounded
         # number of times per agent and breaker window (the hub's rule, docs/security.md).
         self._reporter = os.urandom(8).hex()
-        #: When "no hub answered" was last logged (at most once per ``_NO_HUB_LOG_INTERVAL``).
-        self._no_hub_said_at = -_NO_HUB_LOG_INTERVAL
+        #: "No hub answered" lines: at most one per ``_NO_HUB_LOG_INTERVAL``.
+        self._no_hub_lines = LineBudget(_NO_HUB_LOG_INTERVAL)
 
     @property
     def nc(self) -> NATS:
@@ -566,16 +566,14 @@ class Client(WorkflowsMixin):
     def _say_no_hub(self, subject: str, deadline: float) -> None:
         """Say at once that no hub answers (the request goes on retrying until its deadline:
         a hub may be restarting), rather than only when the deadline is over."""
-        now = time.monotonic()
-        if now - self._no_hub_said_at < _NO_HUB_LOG_INTERVAL:
+        if self._no_hub_lines.take() is None:
             return
-        self._no_hub_said_at = now
         log.warning(
             "no hub answered on %s: is `reach-mesh hub` (or `reach-mesh up`) running on %s? "
             "Retrying for up to %.0f s",
             subject,
             shown(self.nats_url),
-            max(0.0, deadline - now),
+            max(0.0, deadline - time.monotonic()),
         )
 
     async def _call_hub(

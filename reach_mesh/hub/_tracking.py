@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
 from reach_mesh.hub.acks import AckMachine
 from reach_mesh.hub.registry import AgentView, Registry
+from reach_mesh.logs import LineBudget
 from reach_mesh.models import AgentState, TaskState
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
@@ -205,8 +205,9 @@ class StatusTracker:
         self.stale_total = 0
         #: Status events whose body spoke for another agent than their subject named.
         self.forged_total = 0
-        #: When each kind of refused status was last logged (``_may_say``).
-        self._said_at: dict[str, float] = {}
+        #: Lines about refused statuses, one per kind per ``_SAY_EVERY`` s: an agent may send
+        #: as many as it likes (its own tasks' ids).
+        self._said = LineBudget(_SAY_EVERY)
         #: Test seam (fault injection): return False to drop a status event as if lost.
         self.status_filter: Callable[[TaskStatusEvent], bool] | None = None
 
@@ -357,7 +358,7 @@ class StatusTracker:
         if event is None or event.agent_id == sender:
             return event
         self.forged_total += 1
-        if self._may_say("forged"):
+        if self._said.take("forged") is not None:
             log.warning(
                 "status for %s from %s claiming to be %s refused (identity mismatch; %d so far)",
                 event.task_id,
@@ -367,20 +368,11 @@ class StatusTracker:
             )
         return None
 
-    def _may_say(self, what: str) -> bool:
-        """At most one log line per ``_SAY_EVERY`` seconds for each kind of refused status:
-        an agent may send as many as it likes (its own tasks' ids)."""
-        now = time.monotonic()
-        if now - self._said_at.get(what, -_SAY_EVERY) < _SAY_EVERY:
-            return False
-        self._said_at[what] = now
-        return True
-
     def _stale(self, event: TaskStatusEvent, why: str) -> None:
         self.stale_total += 1
         if self._on_stale is not None:
             self._on_stale()
-        if self._may_say("stale"):
+        if self._said.take("stale") is not None:
             log.warning(
                 "%s from %s for %s attempt %d not applied: %s (%d so far)",
                 event.state.value,
