@@ -16,19 +16,24 @@ from reach_mesh.models import AgentCard, AgentRecord, RouteRequest
 CAP = "work:echo:v1"
 
 
+def add_agent(registry: Registry, agent_id: str, *, cordoned: bool = False, **card: Any) -> None:
+    record = AgentRecord(
+        card=AgentCard(agent_id=agent_id, capabilities=[CAP], **card),
+        session="s",
+        heartbeat_interval=5.0,
+        lease_timeout=15.0,
+        task_subject=f"reach.agent.{agent_id}.task",
+        registered_at=0.0,
+        cordoned=cordoned,
+    )
+    registry.apply_record(record, 1, seen_at=registry.now)
+
+
 def fleet(n: int, **card: Any) -> tuple[Registry, Router]:
     settings = MeshSettings(namespace="ns")
     registry = Registry(None, settings)  # type: ignore[arg-type]  # no KV: fed in memory
     for i in range(n):
-        record = AgentRecord(
-            card=AgentCard(agent_id=f"ns.w.a{i:05d}", capabilities=[CAP], **card),
-            session="s",
-            heartbeat_interval=5.0,
-            lease_timeout=15.0,
-            task_subject=f"reach.agent.ns.w.a{i:05d}.task",
-            registered_at=0.0,
-        )
-        registry.apply_record(record, 1, seen_at=registry.now)
+        add_agent(registry, f"ns.w.a{i:05d}", **card)
     return registry, Router(registry, settings, "hub-test", rng=random.Random(7))
 
 
@@ -109,16 +114,7 @@ def test_a_route_never_looks_at_another_namespaces_fleet(monkeypatch: pytest.Mon
     cordoned) is decided on tiny's agents alone: its candidates, its explanation and the
     agents the router examines never include ns's."""
     registry, router = fleet(5_000)
-    record = AgentRecord(
-        card=AgentCard(agent_id="tiny.w.a1", capabilities=[CAP]),
-        session="s",
-        heartbeat_interval=5.0,
-        lease_timeout=15.0,
-        task_subject="reach.agent.tiny.w.a1.task",
-        registered_at=0.0,
-        cordoned=True,
-    )
-    registry.apply_record(record, 1, seen_at=registry.now)
+    add_agent(registry, "tiny.w.a1", cordoned=True)
     examined: list[str] = []
     real = router._filter
 
@@ -141,15 +137,7 @@ def test_a_route_never_looks_at_another_namespaces_fleet(monkeypatch: pytest.Mon
 
 def test_a_namespaces_listing_is_its_own_agents_only() -> None:
     registry, _ = fleet(300)
-    record = AgentRecord(
-        card=AgentCard(agent_id="tiny.w.a1", capabilities=[CAP]),
-        session="s",
-        heartbeat_interval=5.0,
-        lease_timeout=15.0,
-        task_subject="reach.agent.tiny.w.a1.task",
-        registered_at=0.0,
-    )
-    registry.apply_record(record, 1, seen_at=registry.now)
+    add_agent(registry, "tiny.w.a1")
     assert [i.agent_id for i in registry.infos("tiny")] == ["tiny.w.a1"]
     assert len(registry.infos("ns")) == 300 and len(registry.infos()) == 301
     assert registry.infos("none") == []

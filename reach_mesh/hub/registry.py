@@ -80,6 +80,8 @@ class AgentView:
     #: written; a change that came too soon is written once the gap has passed.
     hb_written_at: float = -math.inf
     hb_written_state: tuple[bool, frozenset[str], float] | None = None
+    #: The newest beat not written (and whether a write of it is scheduled).
+    hb_unwritten: HeartbeatRecord | None = None
     hb_trailing: bool = False
     #: Tasks this hub has delivered to the agent and not yet seen finish.
     outstanding: int = 0
@@ -89,6 +91,12 @@ class AgentView:
     recent_at: float = 0.0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     health: HealthScore = field(default_factory=HealthScore)
+
+    @property
+    def beat_state(self) -> tuple[bool, frozenset[str], float]:
+        """What the agent's heartbeats say that changes routing: draining, unavailable
+        capabilities, pressure (a beat changing it is written to KV at once)."""
+        return (self.draining, self.unavailable, self.pressure)
 
     @property
     def busy(self) -> int:
@@ -549,11 +557,11 @@ class Registry:
         # A beat soon after the last one written renews the lease here only, unless it
         # changes what the agent takes: a flood of beats must not become a flood of KV writes
         # (and of state events), and the others' leases last far longer than the gap.
-        state = (view.draining, view.unavailable, view.pressure)
-        changed = state != view.hb_written_state
+        changed = view.beat_state != view.hb_written_state
         gap = _CHANGE_GAP if changed else view.record.heartbeat_interval / 4
         wait = view.hb_written_at + gap - now
         if wait > 0:
+            view.hb_unwritten = record
             if changed and not view.hb_trailing:  # the change is written when the gap ends
                 view.hb_trailing = True
                 task = asyncio.get_running_loop().create_task(self._trailing(view, wait))
@@ -569,23 +577,17 @@ class Registry:
         view.hb_trailing = False
         if self.agents.get(view.agent_id) is not view:
             return  # gone, or registered again since
-        if (view.draining, view.unavailable, view.pressure) == view.hb_written_state:
+        record = view.hb_unwritten
+        if record is None or view.beat_state == view.hb_written_state:
             return  # a later beat wrote it
-        record = HeartbeatRecord(
-            session=view.record.session,
-            inflight=view.inflight,
-            queue_depth=view.queue_depth,
-            pressure=view.pressure,
-            unavailable=sorted(view.unavailable),
-            draining=view.draining,
-        )
         with contextlib.suppress(Exception):  # the agent's next beat writes again
             await self._write_beat(view, record, self._clock())
 
     async def _write_beat(self, view: AgentView, record: HeartbeatRecord, now: float) -> None:
         assert self._hb_kv is not None
         view.hb_written_at = now
-        view.hb_written_state = (view.draining, view.unavailable, view.pressure)
+        view.hb_written_state = view.beat_state
+        view.hb_unwritten = None
         try:
             revision = await self._hb_kv.put(view.agent_id, protocol.encode(record))
         except Exception:

@@ -66,7 +66,7 @@ class Shares:
         total = self.total
         if total < self.capacity:
             return True
-        return total < CEILING * self.capacity and self._held.get(ns, 0) < self.share(ns)
+        return total < self.ceiling and self._held.get(ns, 0) < self.share(ns)
 
     def take(self, ns: str) -> None:
         self._held[ns] = self._held.get(ns, 0) + 1

@@ -277,7 +277,7 @@ class WorkflowEngine(WorkflowShapes):
         for msg in self._running.values():
             msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
             if msg_id:
-                out.append((msg.subject.split(".")[2], protocol.workflow_id_of(msg_id)))
+                out.append((_submit_namespace(msg.subject), protocol.workflow_id_of(msg_id)))
         return out
 
     @property
