@@ -405,7 +405,7 @@ class Router:
             )
         else:
             msg = f"no agent in namespace {namespace!r} matches {decision.target}"
-        elsewhere = self.elsewhere(self._ids(req), namespace) if not here else {}
+        elsewhere = self.elsewhere(req, namespace) if not here else {}
         if elsewhere:
             msg += "; " + _elsewhere_sentence(namespace, elsewhere).split("; ", 1)[1]
             nearest["other_namespaces"] = elsewhere
@@ -449,7 +449,7 @@ class Router:
 
     def namespace_hint(self, req: RouteRequest, namespace: str) -> str | None:
         """A sentence when agents of other namespaces (only) match ``req``, else None."""
-        counts = self.elsewhere(self._ids(req), namespace)
+        counts = self.elsewhere(req, namespace)
         if not counts:
             return None
         return _elsewhere_sentence(namespace, counts)
@@ -459,7 +459,7 @@ class Router:
         matching agents are instead, and similar capabilities (bounded work; nothing kept)."""
         details: dict[str, object] = {"namespace": namespace}
         msg = f"namespace {namespace!r} has no registered agent and is not configured on this hub"
-        counts = self.elsewhere(self._ids(req), namespace)
+        counts = self.elsewhere(req, namespace)
         if counts:
             msg = _elsewhere_sentence(namespace, counts)
             details["other_namespaces"] = counts
@@ -485,16 +485,16 @@ class Router:
         return ()
 
     def elsewhere(
-        self, ids: Collection[str], namespace: str, limit: int = _SCAN_LIMIT
+        self, req: RouteRequest, namespace: str, limit: int = _SCAN_LIMIT
     ) -> dict[str, int]:
-        """Online agents among ``ids`` in namespaces other than ``namespace``, counted per
-        namespace, most first: why a request found nothing in its own namespace. Empty in
-        secure mode (``across_namespaces``)."""
+        """Online agents that could serve ``req`` in namespaces other than ``namespace``,
+        counted per namespace, most first: why a request found nothing in its own namespace.
+        Empty, and nothing looked at, in secure mode (``across_namespaces``)."""
         counts: dict[str, int] = {}
         if not self.across_namespaces:
             return counts
         agents = self._registry.agents
-        for n, agent_id in enumerate(ids):
+        for n, agent_id in enumerate(self._ids(req)):
             if n >= limit:
                 break
             view = agents.get(agent_id)
