@@ -37,7 +37,13 @@ from reach_mesh._nats import connect, shown
 from reach_mesh._shutdown import within
 from reach_mesh.agent._deadlines import _Deadlines
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
-from reach_mesh.agent._serving import AgentStatus, ServingMixin, _Entry, _Handler
+from reach_mesh.agent._serving import (
+    _TRACEBACK_INTERVAL,
+    AgentStatus,
+    ServingMixin,
+    _Entry,
+    _Handler,
+)
 from reach_mesh.agent._task import Task
 from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.config import MeshSettings, load_settings
@@ -49,6 +55,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownAgentError,
 )
+from reach_mesh.logs import LineBudget
 from reach_mesh.models import (
     AgentCard,
     AgentState,
@@ -164,7 +171,7 @@ class Agent(ServingMixin):
         self._succeeded_total = {}
         self._counters = {}
         self._deadlines = _Deadlines()
-        self._traceback_due = {}
+        self._tracebacks = LineBudget(_TRACEBACK_INTERVAL)
         #: Handler slots taken (of ``max_concurrency``), and the tasks waiting for one.
         self._running = 0
         self._slot_waiters: deque[asyncio.Future[None]] = deque()

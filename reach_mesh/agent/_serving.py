@@ -45,7 +45,7 @@ from reach_mesh.errors import (
     NoHandlerError,
     ReachError,
 )
-from reach_mesh.logs import HANDLER_FAILED, log_event
+from reach_mesh.logs import HANDLER_FAILED, LineBudget, log_event
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import (
     SPAN_HANDLE,
@@ -166,8 +166,8 @@ class ServingMixin:
     _waiting: int
     _tasks: set[asyncio.Task[None]]
     _deadlines: _Deadlines
-    #: When a handler's next traceback may be logged, by capability.
-    _traceback_due: dict[str, float]
+    #: Handlers' tracebacks, one per capability per ``_TRACEBACK_INTERVAL``.
+    _tracebacks: LineBudget
     _durations: dict[str, HistogramChild]
     _succeeded_total: dict[str, Counter]
     _counters: dict[tuple[str, TaskState], Counter]
@@ -615,10 +615,7 @@ class ServingMixin:
     ) -> None:
         """A handler's bug: a WARNING per task, its traceback at most once a minute per
         capability (a handler failing every task must not fill the log with them)."""
-        now = time.monotonic()
-        traced = now >= self._traceback_due.get(capability, 0.0)
-        if traced:
-            self._traceback_due[capability] = now + _TRACEBACK_INTERVAL
+        traced = self._tracebacks.take(capability) is not None
         log_event(
             log,
             HANDLER_FAILED,
