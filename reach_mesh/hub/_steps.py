@@ -83,8 +83,9 @@ class StepRunner:
     _tracker: StatusTracker
     _bg: set[asyncio.Future[Any]]
     _pending: int
-    #: The steps counted in ``_pending``, by (workflow id, step index): what each waits for.
-    _waiting_steps: dict[tuple[str, int], dict[str, Any]]
+    #: The steps counted in ``_pending``, by (namespace, workflow id, step index): what each
+    #: waits for (workflow ids are unique per namespace only: callers may choose them).
+    _waiting_steps: dict[tuple[str, str, int], dict[str, Any]]
     #: Set when the hub stops: its unfinished workflows go back to the stream for another hub.
     _stopping: bool
     #: Agents registered with ``durable_work=False`` (no work consumer): never offered a
@@ -324,7 +325,7 @@ class StepRunner:
                     remaining = deadline - loop.time()
                     if remaining > 0:
                         self._pending_delta(1)
-                        self._waiting_steps[(wf.id, index)] = {
+                        self._waiting_steps[(wf.ns, wf.id, index)] = {
                             "workflow_id": wf.id,
                             "namespace": wf.ns,
                             "index": index,
@@ -340,7 +341,7 @@ class StepRunner:
                             await track.wait_outcome(min(delay, remaining))
                         finally:
                             self._pending_delta(-1)
-                            self._waiting_steps.pop((wf.id, index), None)
+                            self._waiting_steps.pop((wf.ns, wf.id, index), None)
             finally:
                 self._tracker.close(track, decided)
 
