@@ -31,6 +31,7 @@ from reach_mesh.errors import (
     UnauthorizedError,
     UnknownAgentError,
     UnknownNamespaceError,
+    UnknownWorkflowError,
     UnsupportedMediaTypeError,
     WorkflowConflictError,
     WorkflowSpecError,
@@ -38,7 +39,15 @@ from reach_mesh.errors import (
 from reach_mesh.models import AgentInfo, AgentState, RouteDecision, TaskState, ToolSpec
 from reach_mesh.selector import Selector
 from reach_mesh.server import EmbeddedNats
-from reach_mesh.workflow import RetryPolicy, Step, StepResult, WorkflowEvent, WorkflowResult
+from reach_mesh.workflow import (
+    RetryPolicy,
+    Step,
+    StepResult,
+    StepView,
+    WorkflowEvent,
+    WorkflowResult,
+    WorkflowView,
+)
 
 __version__ = "0.1.0"
 
@@ -71,6 +80,7 @@ __all__ = [
     "StaleAttemptError",
     "Step",
     "StepResult",
+    "StepView",
     "TaskResult",
     "TaskState",
     "ThrottledError",
@@ -78,11 +88,13 @@ __all__ = [
     "UnauthorizedError",
     "UnknownAgentError",
     "UnknownNamespaceError",
+    "UnknownWorkflowError",
     "UnsupportedMediaTypeError",
     "WorkflowConflictError",
     "WorkflowEvent",
     "WorkflowResult",
     "WorkflowSpecError",
+    "WorkflowView",
     "__version__",
     "load_settings",
 ]

@@ -162,7 +162,10 @@ def permissions(role: str, name: str) -> dict[str, Any]:
         return {
             "publish": {
                 "allow": [
-                    *(protocol.hub_subject(ns, v) for v in ("route", "route_batch", "agents")),
+                    *(
+                        protocol.hub_subject(ns, v)
+                        for v in ("route", "route_batch", "agents", "workflow")
+                    ),
                     protocol.hub_subject(ns, "report"),
                     # Direct mode: the hub's decision names the agent; the caller sends to it.
                     protocol.agent_task(f"{ns}.*.*"),
@@ -183,7 +186,7 @@ def permissions(role: str, name: str) -> dict[str, Any]:
         return {
             "publish": {
                 "allow": [
-                    *(protocol.hub_subject("*", v) for v in ("admin", "agents")),
+                    *(protocol.hub_subject("*", v) for v in ("admin", "agents", "workflow")),
                     *(protocol.hub_subject("*", v) for v in ("route", "route_batch")),
                     # NATS micro discovery of the hubs and their endpoints.
                     "$SRV.>",

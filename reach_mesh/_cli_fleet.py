@@ -1,6 +1,6 @@
 """The ``reach-mesh`` commands that read the fleet: ``agents``, ``hubs``, ``inspect``,
-``tools``, ``snapshot``, ``audit`` — and the tables they print. ``reach_mesh.cli`` parses the
-command line and runs them.
+``tools``, ``snapshot``, ``audit``, ``workflow`` — and the tables they print.
+``reach_mesh.cli`` parses the command line and runs them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 from reach_mesh import protocol
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
-from reach_mesh.models import AgentInfo
+from reach_mesh.models import AgentInfo, ErrorBody
+from reach_mesh.workflow import WorkflowView
 
 __all__ = [
     "cmd_agents",
@@ -27,6 +28,7 @@ __all__ = [
     "cmd_inspect",
     "cmd_snapshot",
     "cmd_tools",
+    "cmd_workflow",
     "print_table",
     "settings_of",
 ]
@@ -175,6 +177,54 @@ async def cmd_inspect(args: argparse.Namespace) -> int:
         info = await c.inspect(args.agent_id)
     print(json.dumps(info.model_dump(mode="json"), indent=2))
     return 0
+
+
+async def cmd_workflow(args: argparse.Namespace) -> int:
+    async with Client(settings=settings_of(args)) as c:
+        view = await c.inspect_workflow(args.workflow_id, namespace=args.namespace)
+    if args.json:
+        print(view.model_dump_json(indent=2))
+    else:
+        _print_workflow(view)
+    return 0
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _said(error: ErrorBody | None) -> str:
+    return "" if error is None else f"{error.code}: {error.message}"
+
+
+def _print_workflow(v: WorkflowView) -> None:
+    """A workflow, then one row per step; a step's earlier attempts indented below it."""
+    print(
+        f"workflow {v.workflow_id} ({v.namespace}): {v.kind or '?'}, policy {v.policy or '?'}, "
+        f"{v.state.value}"
+    )
+    took = "" if v.duration_ms is None else f" ({v.duration_ms:,.0f} ms)"
+    print(f"  submitted {_when(v.submitted_at)}, finished {_when(v.finished_at)}{took}")
+    owner = f"{v.owner or '-'}" + (" (answered live by its owner)" if v.live else "")
+    print(f"  owner {owner}; trace {v.trace_id or '-'}")
+    if v.error is not None:
+        print(f"  error {_said(v.error)}")
+    if v.unreadable:
+        print(f"  partial: could not read {', '.join(v.unreadable)}")
+    rows = [("STEP", "STATE", "ATTEMPT", "AGENT", "TARGET", "ERROR / WAITING")]
+    for s in v.steps:
+        state = s.state.value + (" (cancelled)" if s.cancelled else "")
+        note = _said(s.error)
+        if s.waiting is not None:
+            again = "" if s.retry_in_s is None else f", tries again in {s.retry_in_s:g} s"
+            note = f"waiting: {s.waiting}{again}"
+        rows.append((str(s.index), state, str(s.attempt), s.agent_id or "-", s.target or "-", note))
+        for h in s.history:
+            if h.attempt != s.attempt:
+                rows.append(
+                    ("", f"  #{h.attempt} {h.state.value}", "", h.agent_id or "-", "", h.code or "")
+                )
+    print_table(rows, indent="  ")
 
 
 async def cmd_audit(args: argparse.Namespace) -> int:

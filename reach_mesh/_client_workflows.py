@@ -46,6 +46,7 @@ from reach_mesh.workflow import (
     WorkflowRecord,
     WorkflowResult,
     WorkflowSpec,
+    WorkflowView,
     new_workflow_id,
     spec_digest,
     stored_record,
@@ -80,6 +81,8 @@ class WorkflowsMixin:
 
         @property
         def nc(self) -> NATS: ...
+
+        async def _query(self, verb: str, body: dict[str, Any], ns: str | None = None) -> bytes: ...
 
     # ------------------------------------------------------------------ workflows
 
@@ -157,6 +160,18 @@ class WorkflowsMixin:
             self._drop_done(done)
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+    async def inspect_workflow(
+        self, workflow_id: str, *, namespace: str | None = None
+    ) -> WorkflowView:
+        """A workflow of this client's namespace (or ``namespace``) as it stands, running or
+        final: its owner, each step's state, attempt, agent, history and error, and why a
+        step waits (``reach-mesh workflow <id>``). ``UnknownWorkflowError`` when no record of
+        it exists. It does not wait, and carries no result payloads (``workflow`` does)."""
+        protocol.validate_workflow_id(workflow_id)
+        ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
+        data = await self._query("workflow", {"workflow_id": workflow_id}, ns=ns)
+        return WorkflowView.model_validate_json(data)
 
     async def workflow_events(
         self, workflow_id: str, *, timeout: float | None = None

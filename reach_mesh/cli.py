@@ -32,6 +32,7 @@ from reach_mesh._cli_fleet import (
     cmd_inspect,
     cmd_snapshot,
     cmd_tools,
+    cmd_workflow,
     print_table,
     settings_of,
 )
@@ -565,6 +566,14 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--limit", type=int, default=1000, help="most events shown (default 1000)")
     audit.add_argument("--json", action="store_true", help="print JSON")
     audit.set_defaults(func=cmd_audit)
+
+    workflow = cmd(
+        "workflow", "one workflow as it stands: owner, each step's state, attempts and errors"
+    )
+    workflow.add_argument("workflow_id")
+    workflow.add_argument("--namespace", help="its namespace (default: the configured one)")
+    workflow.add_argument("--json", action="store_true", help="print JSON")
+    workflow.set_defaults(func=cmd_workflow)
 
     snapshot = cmd("snapshot", "export the registry (states, health, heartbeat age) as JSON")
     snapshot.add_argument("-o", "--output", help="file to write (default: stdout)")

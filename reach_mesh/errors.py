@@ -13,6 +13,7 @@ Every error carries a stable wire ``code`` so that clients in any language can a
     │   ├── WorkflowSpecError       REACH_BAD_WORKFLOW
     │   └── UnsupportedMediaTypeError REACH_UNSUPPORTED_MEDIA_TYPE  (HTTP 415)
     ├── UnknownAgentError           REACH_UNKNOWN_AGENT    (heartbeat: re-register)
+    ├── UnknownWorkflowError        REACH_UNKNOWN_WORKFLOW (no record: never taken, or expired)
     ├── NoMatchError                REACH_NO_MATCH         (with the nearest things that exist)
     │   └── UnknownNamespaceError   REACH_UNKNOWN_NAMESPACE (no agent, not configured)
     ├── ThrottledError              REACH_THROTTLED        (with retry_after_ms)
@@ -59,6 +60,7 @@ __all__ = [
     "UnauthorizedError",
     "UnknownAgentError",
     "UnknownNamespaceError",
+    "UnknownWorkflowError",
     "UnsupportedMediaTypeError",
     "WorkflowConflictError",
     "WorkflowSpecError",
@@ -138,6 +140,13 @@ class UnknownAgentError(ReachError):
     """The agent id is not registered (a heartbeat reply means: register again)."""
 
     code = "REACH_UNKNOWN_AGENT"
+
+
+class UnknownWorkflowError(ReachError):
+    """No record of this workflow id in its namespace: never submitted, not taken by a hub
+    yet, or finished longer ago than ``workflow_retention``."""
+
+    code = "REACH_UNKNOWN_WORKFLOW"
 
 
 class NoMatchError(ReachError):

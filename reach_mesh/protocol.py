@@ -186,7 +186,7 @@ def namespace_of(agent_id: str) -> str:
 
 
 def hub_subject(namespace: str, verb: str) -> str:
-    """``reach.hub.<ns>.<verb>`` — verbs: route, route_batch, report, agents, admin.
+    """``reach.hub.<ns>.<verb>`` — verbs: route, route_batch, report, agents, workflow, admin.
     ``namespace`` may be ``*`` for the hub's wildcard subscriptions."""
     return f"reach.hub.{namespace}.{verb}"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,6 +33,7 @@ __all__ = [
     "Step",
     "StepResult",
     "StepSpec",
+    "StepView",
     "TaskRecord",
     "TaskStatusEvent",
     "WorkflowEvent",
@@ -40,6 +41,7 @@ __all__ = [
     "WorkflowRecord",
     "WorkflowResult",
     "WorkflowSpec",
+    "WorkflowView",
     "merge_payload",
     "parse_policy",
     "spec_digest",
@@ -229,7 +231,11 @@ def validate_spec(spec: WorkflowSpec) -> int:
     return need
 
 
-def step_task_id(workflow_id: str, index: int, step: StepSpec) -> str:
+class _NamesItsTask(Protocol):
+    task_id: str | None
+
+
+def step_task_id(workflow_id: str, index: int, step: _NamesItsTask) -> str:
     """The task id of a step: the caller's, else ``<workflow_id>-<index>`` (deterministic, so a
     hub that takes the workflow over finds the step's record)."""
     return step.task_id or f"{workflow_id}-{index}"
@@ -435,6 +441,58 @@ class WorkflowEvent(_Wire):
     #: record's ``first_agents``); those attempts get no ``step`` PENDING event of their own.
     first_agents: list[str | None] | None = None
     result: WorkflowResult | None = None
+
+
+class StepView(_Wire):
+    """One step of a :class:`WorkflowView`: where it stands and what it went through."""
+
+    index: int
+    task_id: str
+    #: What it asks for: ``agent_id=…``, ``capability=…`` or ``selector=…`` (None once the
+    #: workflow is final: its record keeps the result, not the spec).
+    target: str | None = None
+    state: TaskState = TaskState.PENDING
+    #: The current attempt (0: none sent yet) and the agent it went to (None: not sent yet).
+    attempt: int = 0
+    agent_id: str | None = None
+    #: Every attempt recorded for the step, oldest first (from its task record: only a step
+    #: whose fence had to change has one, e.g. after a retry).
+    history: list[AttemptRecord] = Field(default_factory=list)
+    handler_failures: int = 0
+    delivery_failures: int = 0
+    error: ErrorBody | None = None
+    cancelled: bool = False
+    duration_ms: float | None = None
+    #: Why it waits for an agent, and in how many seconds it tries again (the owner's view).
+    waiting: str | None = None
+    retry_in_s: float | None = None
+
+
+class WorkflowView(_Wire):
+    """hub → operator (``reach.hub.<ns>.workflow``): one workflow as it stands, running or
+    final — its owner, each step's state, attempts, agents and errors. The result payloads are
+    not in it (``Client.workflow`` returns them)."""
+
+    workflow_id: str
+    namespace: str
+    kind: WorkflowKind | None = None
+    state: TaskState = TaskState.RUNNING
+    policy: str | None = None
+    #: The hub running it (final: the hub that finished it).
+    owner: str | None = None
+    trace_id: str | None = None
+    submitted_at: float | None = None
+    finished_at: float | None = None
+    duration_ms: float | None = None
+    timeout: float | None = None
+    error: ErrorBody | None = None
+    steps: list[StepView] = Field(default_factory=list)
+    #: The hub that answered; ``live``: it is the owner and added what only the owner knows
+    #: (each attempt's latest state as its engine tracks it, why a step waits).
+    hub_id: str | None = None
+    live: bool = False
+    #: What could not be read (a stream or bucket that did not answer): the view is partial.
+    unreadable: list[str] = Field(default_factory=list)
 
 
 _Stored = TypeVar("_Stored", bound=BaseModel)

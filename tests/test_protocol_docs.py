@@ -36,7 +36,7 @@ BUILT = {
     *(protocol.hub_agent_subject(_AGENT, verb) for verb in protocol.AGENT_VERBS),
     *(
         protocol.hub_subject(_NS, verb)
-        for verb in ("route", "route_batch", "report", "agents", "admin")
+        for verb in ("route", "route_batch", "report", "agents", "workflow", "admin")
     ),
     protocol.hub_broadcast(_NS, "breaker"),
     protocol.agent_task(_AGENT),

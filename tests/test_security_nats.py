@@ -587,6 +587,35 @@ def test_docker_config_is_valid_with_the_generated_auth(tmp_path: Path) -> None:
     assert 'include "auth/auth.conf"' in docker.read_text()
 
 
+async def test_a_workflow_is_inspected_by_its_namespace_and_operators_only(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """``reach.hub.<ns>.workflow``: a caller of the namespace and an operator may look at a
+    workflow; another namespace's caller and agents may not ask (the server refuses), and
+    asking in its own namespace finds nothing (records are keyed by namespace)."""
+    worker = Agent(ROGUE, settings=mesh.settings("agent", ROGUE))
+
+    @worker.handler("rogue:own:v1")
+    async def own(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with worker, Client(settings=mesh.settings("caller", NS)) as c:
+        res = await c.fanout([Step(agent_id=ROGUE, payload=1)], timeout=15)
+        assert res.ok
+        view = await c.inspect_workflow(res.workflow_id)
+    assert view.state is TaskState.SUCCEEDED and view.steps[0].agent_id == ROGUE
+    async with Client(settings=mesh.settings("operator", "admin")) as op:
+        seen = await op.inspect_workflow(res.workflow_id, namespace=NS)
+    assert seen.steps == view.steps
+    body = json.dumps({"workflow_id": res.workflow_id}).encode()
+    other = await as_identity("caller", "other")
+    await other.publish_denied(protocol.hub_subject(NS, "workflow"), body)
+    out = await ask(other, protocol.hub_subject("other", "workflow"), body)
+    assert out["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
+    rogue = await as_identity("agent", ROGUE)
+    await rogue.publish_denied(protocol.hub_subject(NS, "workflow"), body)
+
+
 async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_identity: Any) -> None:
     """An agent reads back its own final statuses from ``REACH_STATUS`` after a restart (a
     named consumer whose filter the server checks) and cannot open a consumer on another

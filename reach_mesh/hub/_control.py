@@ -13,7 +13,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from reach_mesh import protocol
-from reach_mesh.errors import BadRequestError, IdentityMismatchError, ReachError, ThrottledError
+from reach_mesh.errors import (
+    BadRequestError,
+    IdentityMismatchError,
+    MeshUnavailableError,
+    ReachError,
+    ThrottledError,
+)
 from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.breaker import caller_report
 from reach_mesh.hub.registry import AgentView, Registry
@@ -30,7 +36,17 @@ from reach_mesh.models import (
 )
 from reach_mesh.tracing.metrics import HubMetrics
 
-__all__ = ["ADMIN_OPS", "QUARANTINE_CODE", "RELEASE_CODE", "ControlMixin"]
+if TYPE_CHECKING:
+    from reach_mesh.hub.workflows import WorkflowEngine
+
+__all__ = [
+    "ADMIN_OPS",
+    "QUARANTINE_CODE",
+    "RELEASE_CODE",
+    "VIEWS_AT_ONCE",
+    "VIEW_RATE",
+    "ControlMixin",
+]
 
 log = logging.getLogger("reach_mesh.hub")
 
@@ -40,6 +56,13 @@ QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
 #: Capabilities a register audit event lists (with their count).
 _AUDIT_CAPABILITIES: Final = 16
 RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
+#: Workflow views a hub answers per second and namespace (burst: twice that), a view of more
+#: than 16 steps counting one more per 16 steps. Each reads up to two JetStream messages per
+#: step: a loop of them must not become a load on the server.
+VIEW_RATE: Final = 20.0
+#: Workflow views one hub reads at once (each for at most ``_wf_view.VIEW_DEADLINE``); more
+#: are refused ``REACH_THROTTLED`` at once instead of holding the hub's request slots.
+VIEWS_AT_ONCE: Final = 8
 
 
 class ControlMixin:
@@ -54,8 +77,13 @@ class ControlMixin:
     _register_throttle: Throttle
     #: Registrations per agent id: a few in a row, then one a second.
     _agent_register_throttle: Throttle
+    #: Workflow views per namespace (``VIEW_RATE``), and those being read now.
+    _workflow_view_throttle: Throttle
+    _views_running: int
     #: ``REACH-IDENTITY-REJECTED`` lines, one per verb per 30 s.
     _rejected_lines: LineBudget
+
+    workflows: WorkflowEngine | None
 
     if TYPE_CHECKING:
 
@@ -247,6 +275,37 @@ class ControlMixin:
                 field="all_namespaces",
             )
         return self._fleet(ns)
+
+    async def _on_workflow(self, msg: Msg, ns: str) -> bytes:
+        """One workflow of ``ns`` as it stands (``hub/_wf_view.py``)."""
+        body = _json_object(msg.data)
+        raw = body.get("workflow_id")
+        if not isinstance(raw, str):
+            raise BadRequestError("workflow_id (a string) is required", field="workflow_id")
+        workflow_id = protocol.validate_workflow_id(raw)
+        if self.workflows is None:
+            raise MeshUnavailableError("this hub runs no workflow engine")
+        if self._views_running >= VIEWS_AT_ONCE:
+            raise ThrottledError("this hub is reading other workflow views", retry_after_ms=100)
+        self._charge_view(ns, 1)
+        self._views_running += 1
+        try:
+            view = await self.workflows.view(
+                ns, workflow_id, charge=lambda steps: self._charge_view(ns, (steps - 1) // 16)
+            )
+        finally:
+            self._views_running -= 1
+        return protocol.encode(view)
+
+    def _charge_view(self, ns: str, n: int) -> None:
+        """Take ``n`` tokens of ``ns``'s workflow-view budget, or refuse (``VIEW_RATE``)."""
+        n = min(n, int(self._workflow_view_throttle.burst) - 1)  # a record says how many steps
+        retry = self._workflow_view_throttle.check(ns, n) if n > 0 else 0.0
+        if retry > 0:
+            raise ThrottledError(
+                f"namespace {ns!r} asks for workflow views too fast",
+                retry_after_ms=int(retry * 1000) + 1,
+            )
 
     def _fleet(self, namespace: str | None) -> bytes:
         infos = self.registry.infos(namespace)

@@ -40,7 +40,7 @@ from reach_mesh._nats import connect, shown
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import InternalError, MeshUnavailableError, ReachError
-from reach_mesh.hub._control import ControlMixin
+from reach_mesh.hub._control import VIEW_RATE, ControlMixin
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._routing import RoutingMixin
 from reach_mesh.hub.audit import AuditLog
@@ -118,6 +118,8 @@ class Hub(RoutingMixin, ControlMixin):
         self._rejected_lines = LineBudget(30.0)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
         self._agent_register_throttle = Throttle(1.0, 10.0)
+        self._workflow_view_throttle = Throttle(VIEW_RATE, 2 * VIEW_RATE)
+        self._views_running = 0
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
@@ -206,6 +208,7 @@ class Hub(RoutingMixin, ControlMixin):
             (protocol.hub_agent_subject("*.*.*", "unregister"), self._on_unregister),
             (protocol.hub_subject("*", "agents"), self._on_agents),
             (protocol.hub_subject("*", "admin"), self._on_admin),
+            (protocol.hub_subject("*", "workflow"), self._on_workflow),
         ]
         for subject, handler in table:
             cb = guarded(subject, self._dispatcher(handler))

@@ -241,6 +241,10 @@ class StatusTracker:
         self._tracks[key] = track
         return track
 
+    def track(self, key: str) -> StepTrack | None:
+        """The step this hub runs under task key ``key``, if it runs one."""
+        return self._tracks.get(key)
+
     def dispatch(self, track: StepTrack, attempt: int, view: AgentView) -> None:
         """``attempt`` (already recorded) goes to ``view``'s agent now."""
         now = asyncio.get_running_loop().time()

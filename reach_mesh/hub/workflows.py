@@ -49,11 +49,12 @@ from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient, kv_subject
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import ReachError, WorkflowSpecError
+from reach_mesh.errors import MeshUnavailableError, ReachError, WorkflowSpecError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import SpecConflictError, WorkflowShapes, final_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
+from reach_mesh.hub._wf_view import workflow_view
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
@@ -65,6 +66,7 @@ from reach_mesh.workflow import (
     WorkflowRecord,
     WorkflowResult,
     WorkflowSpec,
+    WorkflowView,
     spec_digest,
     validate_spec,
 )
@@ -279,6 +281,24 @@ class WorkflowEngine(WorkflowShapes):
             if msg_id:
                 out.append((_submit_namespace(msg.subject), protocol.workflow_id_of(msg_id)))
         return out
+
+    async def view(
+        self, ns: str, workflow_id: str, *, charge: Callable[[int], None] | None = None
+    ) -> WorkflowView:
+        """One workflow as it stands (``reach.hub.<ns>.workflow``; ``hub/_wf_view.py``)."""
+        if self._wf_kv is None or self._tasks_kv is None:
+            raise MeshUnavailableError("this hub's workflow engine has not started")
+        return await workflow_view(
+            ns,
+            workflow_id,
+            hub_id=self.hub_id,
+            records=self._wf_kv,
+            tasks=self._tasks_kv,
+            tracker=self._tracker,
+            running_here=(ns, workflow_id) in self.owned,
+            waiting=lambda index: self._waiting_steps.get((ns, workflow_id, index)),
+            charge=charge,
+        )
 
     @property
     def waiting_steps(self) -> list[dict[str, Any]]:

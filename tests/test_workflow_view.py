@@ -1,0 +1,328 @@
+"""``reach.hub.<ns>.workflow``: one workflow as it stands, for an operator
+(``Client.inspect_workflow``, ``reach-mesh workflow <id>``), on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import nats
+import pytest
+
+from reach_mesh import (
+    BadRequestError,
+    Client,
+    MeshSettings,
+    RetryPolicy,
+    Step,
+    TaskState,
+    UnknownWorkflowError,
+    WorkflowView,
+    protocol,
+)
+from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.hub import Hub
+from reach_mesh.hub._control import VIEWS_AT_ONCE
+from reach_mesh.hub._wf_view import VIEW_DEADLINE
+
+from .helpers import Fleet, echo_agent, eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def held_agent(fleet: Fleet) -> tuple[Agent, asyncio.Event]:
+    """A started agent whose ``wf:slow:v1`` handler runs until the event is set."""
+    release = asyncio.Event()
+    slow = fleet.agent("slow.a1")
+
+    @slow.handler("wf:slow:v1")
+    async def wait(task: Task[Any]) -> str:
+        await release.wait()
+        return "done"
+
+    await slow.start()
+    return slow, release
+
+
+async def test_a_running_workflow_seen_by_its_owner_and_by_another_hub(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Its owner answers live (each attempt's state, why a step waits); another hub answers
+    from the records and the status stream; once final, the view is the result's."""
+    ns = wf_settings.namespace
+    slow, release = await held_agent(fleet)
+    async with Client(settings=wf_settings) as mesh:
+        steps = [
+            Step(capability="wf:slow:v1"),
+            Step(capability="wf:nobody:v1", retry=RetryPolicy(pending_interval=0.5)),
+        ]
+        wf_id = await mesh.submit_fanout(steps, timeout=4)
+
+        seen_live: list[WorkflowView] = []
+
+        async def running() -> bool:
+            view = await mesh.inspect_workflow(wf_id)
+            seen_live.append(view)
+            return view.steps[0].state is TaskState.RUNNING and view.steps[1].waiting is not None
+
+        await eventually(running, timeout=10)
+        view = seen_live[-1]
+        assert view.live and view.owner == wf_hub.hub_id == view.hub_id
+        assert view.kind == "fanout" and view.policy == "all" and view.timeout == 4
+        assert view.state is TaskState.RUNNING and view.trace_id and view.submitted_at
+        first, second = view.steps
+        assert first.agent_id == slow.agent_id and first.attempt == 1
+        assert first.target == "capability=wf:slow:v1" and first.task_id == f"{wf_id}-0"
+        assert second.agent_id is None and second.state is TaskState.PENDING
+        assert second.attempt == 0 and second.history == []  # never sent anywhere
+        assert second.target == "capability=wf:nobody:v1"
+        assert "wf:nobody:v1" in (second.waiting or ""), second.waiting
+        assert second.retry_in_s is not None and 0 <= second.retry_in_s <= 0.5
+
+        # Another hub: from what is durable, and it says it is not the owner.
+        async with Hub(settings=wf_settings) as other:
+            assert other.workflows is not None
+            seen = await other.workflows.view(ns, wf_id)
+        assert not seen.live and seen.owner == wf_hub.hub_id and seen.hub_id != wf_hub.hub_id
+        assert seen.steps[0].state is TaskState.RUNNING  # its last status event, stored
+        assert seen.steps[0].agent_id == slow.agent_id and seen.steps[0].attempt == 1
+        assert seen.steps[1].waiting is None and seen.steps[1].agent_id is None
+        assert not seen.unreadable
+
+        release.set()
+        res = await mesh.workflow(wf_id, timeout=15)
+        assert res.state is not TaskState.SUCCEEDED  # the second step never found an agent
+        final = await mesh.inspect_workflow(wf_id)
+    assert not final.live and final.state is res.state and final.finished_at is not None
+    assert final.error is not None and res.error is not None
+    assert final.error.code == res.error.code
+    assert [s.state for s in final.steps] == [s.state for s in res.steps]
+    assert final.steps[0].state is TaskState.SUCCEEDED and final.steps[0].agent_id == slow.agent_id
+    assert final.duration_ms is not None and final.duration_ms > 0
+
+
+async def test_retries_show_every_attempt_and_the_cli_prints_them(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    flaky = fleet.agent("flaky.a1")
+    calls = 0
+
+    @flaky.handler("wf:flaky:v1")
+    async def once(task: Task[Any]) -> str:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise TaskFailed("first try fails")
+        return "ok"
+
+    ok = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+    await flaky.start()
+    await ok.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.chain([Step(capability="wf:ok:v1"), Step(capability="wf:flaky:v1")])
+        assert res.ok, res
+        view = await mesh.inspect_workflow(res.workflow_id)
+    assert view.state is TaskState.SUCCEEDED and view.kind == "chain"
+    step = view.steps[1]
+    assert step.state is TaskState.SUCCEEDED and step.attempt == 2, step
+    history = [(h.attempt, h.agent_id, h.state) for h in step.history]
+    assert history == [
+        (1, flaky.agent_id, TaskState.FAILED),
+        (2, flaky.agent_id, TaskState.SUCCEEDED),  # recorded PENDING before it ran
+    ], step
+    assert step.history[0].code == "REACH_HANDLER_FAILED" and step.handler_failures == 1
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+    argv = [sys.executable, "-m", "reach_mesh.cli", "--nats", wf_settings.nats_url]
+    argv += ["workflow", res.workflow_id, "--namespace", ns]
+    table, as_json = await asyncio.gather(
+        asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True, text=True),
+        asyncio.to_thread(
+            subprocess.run, [*argv, "--json"], env=env, capture_output=True, text=True
+        ),
+    )
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert (
+        lines[0].startswith(f"workflow {res.workflow_id} ({ns}): chain") and "SUCCEEDED" in lines[0]
+    )
+    assert any(ln.split()[:4] == ["1", "SUCCEEDED", "2", flaky.agent_id] for ln in lines), lines
+    assert any(ln.split()[:2] == ["#1", "FAILED"] for ln in lines), lines  # the failed attempt
+    assert as_json.returncode == 0, as_json.stderr
+    assert WorkflowView.model_validate_json(as_json.stdout).steps[1].attempt == 2
+
+    # Unknown: a typed error, exit code 1 and the code on stderr.
+    argv[-3] = "no-such-workflow"
+    missing = await asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True, text=True)
+    assert missing.returncode != 0 and "REACH_UNKNOWN_WORKFLOW" in missing.stderr, missing
+
+
+async def test_bad_questions_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettings) -> None:
+    ns = wf_settings.namespace
+    async with Client(settings=wf_settings) as mesh:
+        with pytest.raises(UnknownWorkflowError):
+            await mesh.inspect_workflow("never-submitted")
+        with pytest.raises(BadRequestError):
+            await mesh.inspect_workflow("../etc")
+        with pytest.raises(BadRequestError):
+            await mesh.inspect_workflow("x", namespace="a.b")
+    nc = await nats.connect(wf_settings.nats_url)
+    try:
+        subject = protocol.hub_subject(ns, "workflow")
+        for body in (b"not json", b"[]", b'{"workflow_id": 5}', b'{"workflow_id": "a b"}', b"{}"):
+            reply = await nc.request(subject, body, timeout=5)
+            err = json.loads(reply.data)["error"]
+            assert err["code"] == "REACH_BAD_REQUEST", (body, err)
+        # A loop of views is throttled per namespace (each may read hundreds of messages).
+        # The bucket holds 40 and refills 20 a second: what got through is bounded by that.
+        codes: Counter[str] = Counter()
+        t0 = time.monotonic()
+        for _ in range(60):
+            reply = await nc.request(subject, b'{"workflow_id": "w1"}', timeout=5)
+            codes[json.loads(reply.data)["error"]["code"]] += 1
+        allowed = 40 + 20 * (time.monotonic() - t0) + 1
+        assert set(codes) == {"REACH_THROTTLED", "REACH_UNKNOWN_WORKFLOW"}, codes
+        assert 35 <= codes["REACH_UNKNOWN_WORKFLOW"] <= allowed, (codes, allowed)  # 1 spent above
+    finally:
+        await nc.close()
+    async with Client(settings=wf_settings) as mesh:  # the hub is still there; waits its turn
+        with pytest.raises(UnknownWorkflowError):
+            await mesh.inspect_workflow("still-never-submitted")
+
+
+async def test_one_workflow_id_in_two_namespaces_stays_two_workflows(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Callers choose workflow ids: tenant A's view never shows B's workflow of the same id
+    (once, A's step showed B's "no routable agent for <B's capability> in namespace B"). A
+    chain's steps not started yet say what they wait for, on the owner and on another hub."""
+    ns = wf_settings.namespace
+    _, release = await held_agent(fleet)
+    wf_id = "order-1"
+    async with (
+        Client(settings=wf_settings) as a,
+        Client(settings=wf_settings, namespace="tenantb") as b,
+    ):
+        await a.submit_chain(
+            [Step(capability="wf:slow:v1"), Step(capability="wf:slow:v1")],
+            timeout=20,
+            workflow_id=wf_id,
+        )
+        await b.submit_fanout([Step(capability="payroll:secret:v1")], timeout=6, workflow_id=wf_id)
+
+        async def both_known() -> bool:
+            if wf_hub.workflows is None:
+                return False
+            mine = await wf_hub.workflows.view(ns, wf_id)
+            theirs = await wf_hub.workflows.view("tenantb", wf_id)
+            return mine.steps[0].state is TaskState.RUNNING and theirs.steps[0].waiting is not None
+
+        await eventually(both_known, timeout=10)
+        views = [await a.inspect_workflow(wf_id)]
+        async with Hub(settings=wf_settings) as other:
+            assert other.workflows is not None
+            views.append(await other.workflows.view(ns, wf_id))
+        theirs = await b.inspect_workflow(wf_id)
+        release.set()
+        assert (await a.workflow(wf_id, timeout=15)).ok
+        # Finished before the test ends: a workflow left running would go to the next test's hub.
+        assert not (await b.workflow(wf_id, timeout=15)).ok
+    assert theirs.namespace == "tenantb" and "payroll:secret:v1" in (theirs.steps[0].waiting or "")
+    for mine in views:
+        assert mine.kind == "chain" and mine.namespace == ns, mine
+        assert "payroll" not in mine.model_dump_json() and "tenantb" not in mine.model_dump_json()
+        assert mine.steps[0].state is TaskState.RUNNING and mine.steps[0].waiting is None
+        assert mine.steps[1].attempt == 0 and mine.steps[1].agent_id is None
+        assert mine.steps[1].waiting == "not started: step 0 has not succeeded yet", mine
+    assert views[0].live and not views[1].live
+
+
+async def test_a_hub_reads_a_few_views_at_once_and_refuses_the_rest(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Views that hang (a JetStream election) hold at most ``VIEWS_AT_ONCE`` of the hub's
+    request slots; the next are refused at once, not queued behind them."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    stuck = asyncio.Event()
+    real_view = engine.view
+
+    async def slow_view(ns: str, workflow_id: str, **kw: Any) -> WorkflowView:
+        await stuck.wait()
+        return await real_view(ns, workflow_id, **kw)
+
+    monkeypatch.setattr(engine, "view", slow_view)
+    nc = await nats.connect(wf_settings.nats_url)
+    try:
+        subject = protocol.hub_subject(wf_settings.namespace, "workflow")
+        asks = [
+            asyncio.ensure_future(nc.request(subject, b'{"workflow_id": "w2"}', timeout=10))
+            for _ in range(VIEWS_AT_ONCE + 4)
+        ]
+        await eventually(lambda: sum(a.done() for a in asks) == 4)
+        refused = [json.loads(a.result().data)["error"] for a in asks if a.done()]
+        assert {(e["code"], e["details"]["retry_after_ms"]) for e in refused} == {
+            ("REACH_THROTTLED", 100)
+        }, refused
+        stuck.set()
+        codes = {json.loads((await a).data)["error"]["code"] for a in asks}
+        assert codes == {"REACH_THROTTLED", "REACH_UNKNOWN_WORKFLOW"}
+    finally:
+        await nc.close()
+
+
+async def test_a_step_no_agent_takes_and_a_stream_that_does_not_answer(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's second step that found no agent: its owner says why, another hub says to ask
+    the owner (it has no record to read). A status read that never answers (a stream leader
+    gone) costs the view at most its deadline and is named in ``unreadable``."""
+    ns = wf_settings.namespace
+    slow, release = await held_agent(fleet)
+    ok = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+    await ok.start()
+    async with Client(settings=wf_settings) as mesh:
+        chain_id = await mesh.submit_chain(
+            [Step(capability="wf:ok:v1"), Step(capability="wf:nobody:v1")], timeout=5
+        )
+        fan_id = await mesh.submit_fanout([Step(capability="wf:slow:v1")] * 3, timeout=20)
+
+        async def waiting() -> bool:
+            view = await mesh.inspect_workflow(chain_id)
+            return view.steps[1].waiting is not None and "nobody" in view.steps[1].waiting
+
+        await eventually(waiting, timeout=10)
+
+        async def running() -> bool:
+            view = await mesh.inspect_workflow(fan_id)
+            return all(s.state is TaskState.RUNNING for s in view.steps)
+
+        await eventually(running, timeout=10)
+        async with Hub(settings=wf_settings) as other:
+            engine = other.workflows
+            assert engine is not None
+            seen = await engine.view(ns, chain_id)
+            assert seen.steps[0].state is TaskState.SUCCEEDED
+            assert seen.steps[1].waiting == "no agent has it yet (ask its owner)", seen
+
+            async def never(*args: Any, **kw: Any) -> None:
+                await asyncio.Event().wait()
+
+            monkeypatch.setattr(engine._tracker, "last_status", never)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            stuck = await engine.view(ns, fan_id)
+            took = loop.time() - t0
+        release.set()
+        assert (await mesh.workflow(fan_id, timeout=15)).ok
+        assert not (await mesh.workflow(chain_id, timeout=15)).ok  # its deadline
+    assert VIEW_DEADLINE - 0.1 <= took <= VIEW_DEADLINE + 1.0, took
+    assert stuck.unreadable == [f"step {i} (no answer in time)" for i in range(3)], stuck
+    assert [s.agent_id for s in stuck.steps] == [slow.agent_id] * 3  # what is known stays
