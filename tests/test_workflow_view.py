@@ -31,7 +31,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._control import VIEWS_AT_ONCE
 from reach_mesh.hub._wf_view import VIEW_DEADLINE
 
-from .helpers import Fleet, echo_agent, eventually
+from .helpers import Fleet, echo_agent, eventually, fetch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -326,3 +326,27 @@ async def test_a_step_no_agent_takes_and_a_stream_that_does_not_answer(
     assert VIEW_DEADLINE - 0.1 <= took <= VIEW_DEADLINE + 1.0, took
     assert stuck.unreadable == [f"step {i} (no answer in time)" for i in range(3)], stuck
     assert [s.agent_id for s in stuck.steps] == [slow.agent_id] * 3  # what is known stays
+
+
+async def test_the_rest_api_serves_the_same_view(fleet: Fleet, wf_settings: MeshSettings) -> None:
+    ns = wf_settings.namespace
+    async with Hub(settings=wf_settings.model_copy(update={"http_port": 0})) as hub:
+        base = hub.http_url
+        agent = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+        await agent.start()
+        async with Client(settings=wf_settings) as mesh:
+            res = await mesh.fanout([Step(capability="wf:ok:v1", payload=1)], timeout=10)
+            assert res.ok
+            over_nats = await mesh.inspect_workflow(res.workflow_id)
+        status, body = await fetch(f"{base}/api/workflows/{res.workflow_id}?namespace={ns}")
+        assert status == 200, body
+        view = WorkflowView.model_validate_json(body)
+        assert view.steps == over_nats.steps and view.state is TaskState.SUCCEEDED
+        status, body = await fetch(f"{base}/api/workflows/nothing-here?namespace={ns}")
+        assert status == 404 and json.loads(body)["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
+        for bad in (f"{'x' * 49}?namespace={ns}", "ok?namespace=a.b", "a%20b"):
+            status, body = await fetch(f"{base}/api/workflows/{bad}")
+            assert status == 400, (bad, status, body)
+            assert json.loads(body)["error"]["code"].startswith("REACH_BAD"), body
+        status, body = await fetch(f"{base}/openapi.json")
+        assert "/api/workflows/{workflow_id}" in json.loads(body)["paths"]

@@ -40,6 +40,7 @@ from reach_mesh.errors import (
     StaleAttemptError,
     ThrottledError,
     UnknownAgentError,
+    UnknownWorkflowError,
     WorkflowConflictError,
 )
 from reach_mesh.models import RouteReply, RouteRequest
@@ -78,7 +79,7 @@ def status_for(err: ReachError) -> int:
         return 413
     if isinstance(err, BadRequestError):
         return 400
-    if isinstance(err, NoMatchError | UnknownAgentError | NoHandlerError):
+    if isinstance(err, NoMatchError | UnknownAgentError | UnknownWorkflowError | NoHandlerError):
         return 404
     if isinstance(err, WorkflowConflictError | StaleAttemptError):
         return 409

@@ -50,6 +50,7 @@ from reach_mesh.hub.http_guard import HttpGuard
 from reach_mesh.models import AgentInfo, AgentState, RouteReply
 from reach_mesh.tracing import inject
 from reach_mesh.tracing.metrics import CONTENT_TYPE
+from reach_mesh.workflow import WorkflowView
 
 if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
@@ -63,6 +64,9 @@ _GUARDED_PREFIXES: Final = ("/api/", "/mcp", "/a2a/")
 AgentIdPath = Annotated[
     str,
     Path(pattern=protocol.AGENT_ID_RE.pattern, max_length=194, description="<ns>.<group>.<name>"),
+]
+WorkflowIdPath = Annotated[
+    str, Path(pattern=protocol.WORKFLOW_ID_RE.pattern, description="the workflow's id")
 ]
 AdminOp = Literal["cordon", "uncordon", "quarantine", "release", "remove", "simulate-lost"]
 
@@ -249,6 +253,12 @@ class HubHttp:
             responses=_errors(400, 404, 415, 502, 503, 504, *refused),
         )(self.agent_op)
         app.get(
+            "/api/workflows/{workflow_id}",
+            summary="One workflow as it stands: owner, each step's state, attempts and errors",
+            response_model=WorkflowView,
+            responses=_errors(400, 404, 429, 503, 504, *refused),
+        )(self.get_workflow)
+        app.get(
             "/api/tools",
             summary="The mesh's tool menu (union over live, routable agents)",
             response_model=ToolMenu,
@@ -418,6 +428,18 @@ class HubHttp:
     async def get_agent(self, agent_id: AgentIdPath) -> AgentInfo:
         view = self.hub.registry.require(protocol.validate_agent_id(agent_id))
         return view.info(self.hub.registry.now)
+
+    async def get_workflow(
+        self, workflow_id: WorkflowIdPath, namespace: NamespaceQuery = None
+    ) -> Response:
+        """``reach.hub.<ns>.workflow`` (``namespace``: the hub's own by default), asked like
+        any caller asks it: the same throttle, and any hub may answer."""
+        ns = self.hub.settings.namespace if namespace is None else namespace
+        data = await self.nats_request(
+            protocol.hub_subject(protocol.validate_namespace(ns), "workflow"),
+            protocol.dumps({"workflow_id": protocol.validate_workflow_id(workflow_id)}),
+        )
+        return Response(data, media_type="application/json")
 
     async def agent_op(
         self,
