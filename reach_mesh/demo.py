@@ -170,6 +170,13 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
             f"{fan.state.value} by {', '.join(str(st.agent_id) for st in fan.steps)} "
             f"({fan.duration_ms:.1f} ms)"
         )
+        # What an operator sees of it afterwards (`reach-mesh workflow <id>`).
+        view = await mesh.inspect_workflow(fan.workflow_id)
+        states = ", ".join(f"{s.state.value} at attempt {s.attempt}" for s in view.steps)
+        out(
+            f"[ok ] inspected: {view.kind} {view.workflow_id} owned by {view.owner}: {states} "
+            f"(reach-mesh workflow {view.workflow_id} --namespace {view.namespace})"
+        )
         try:
             with _quiet("reach_mesh.hub"):  # on purpose: not a fault worth the hub's WARNING
                 await mesh.request(capability="text:translate:v2", payload={"text": "x"})
