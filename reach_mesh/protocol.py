@@ -54,6 +54,7 @@ __all__ = [
     "final_msg_id",
     "hub_agent_subject",
     "hub_broadcast",
+    "hub_peer",
     "hub_subject",
     "identity_of",
     "is_inbox",
@@ -109,6 +110,8 @@ STREAM_STATUS: Final = "REACH_STATUS"  # reach.status.<agent_id>.<task_id> (last
 #: The durable pull consumer every hub shares on ``REACH_WF``.
 CONSUMER_HUBS: Final = "reach-hubs"
 WORKFLOW_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+#: A hub id: a token of subjects (``reach.micro.<hub_id>.…``, :func:`hub_peer`).
+HUB_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 HDR_MSG_ID: Final = "Nats-Msg-Id"
 #: JetStream refuses a publish with this header unless the named stream takes it.
@@ -224,6 +227,12 @@ def hub_broadcast(namespace: str, verb: str) -> str:
     """``reach.hubs.<ns>.<verb>`` — messages from one hub to every hub (no queue group); only
     hubs may publish here. Verb: ``breaker`` (an operator's quarantine / release)."""
     return f"reach.hubs.{namespace}.{verb}"
+
+
+def hub_peer(namespace: str, verb: str, hub_id: str) -> str:
+    """``reach.hubs.<ns>.<verb>.<hub_id>`` — a request from one hub to the hub ``hub_id``; only
+    hubs may publish here. Verb: ``workflow`` (a view of a workflow that hub owns)."""
+    return f"reach.hubs.{namespace}.{verb}.{hub_id}"
 
 
 def agent_task(agent_id: str) -> str:

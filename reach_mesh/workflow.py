@@ -487,8 +487,8 @@ class WorkflowView(_Wire):
     timeout: float | None = None
     error: ErrorBody | None = None
     steps: list[StepView] = Field(default_factory=list)
-    #: The hub that answered; ``live``: it is the owner and added what only the owner knows
-    #: (each attempt's latest state as its engine tracks it, why a step waits).
+    #: The hub that built the view (the owner, when another hub asked it); ``live``: it is the
+    #: owner and added what only the owner knows (each attempt's state, why a step waits).
     hub_id: str | None = None
     live: bool = False
     #: What could not be read (a stream or bucket that did not answer): the view is partial.

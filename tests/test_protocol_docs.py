@@ -39,6 +39,7 @@ BUILT = {
         for verb in ("route", "route_batch", "report", "agents", "workflow", "admin")
     ),
     protocol.hub_broadcast(_NS, "breaker"),
+    protocol.hub_peer(_NS, "workflow", "hub1"),
     protocol.agent_task(_AGENT),
     protocol.agent_batch(_AGENT),
     protocol.agent_ctl(_AGENT),

@@ -614,6 +614,10 @@ async def test_a_workflow_is_inspected_by_its_namespace_and_operators_only(
     assert out["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
     rogue = await as_identity("agent", ROGUE)
     await rogue.publish_denied(protocol.hub_subject(NS, "workflow"), body)
+    # The question one hub asks another (it skips the view budget) is for hubs only.
+    for role, name in [("caller", NS), ("agent", ROGUE), ("operator", "admin")]:
+        conn = await as_identity(role, name)
+        await conn.publish_denied(protocol.hub_peer(NS, "workflow", mesh.hub.hub_id), body)
 
 
 async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_identity: Any) -> None:

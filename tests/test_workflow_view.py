@@ -67,7 +67,10 @@ async def test_a_running_workflow_seen_by_its_owner_and_by_another_hub(
         seen_live: list[WorkflowView] = []
 
         async def running() -> bool:
-            view = await mesh.inspect_workflow(wf_id)
+            try:
+                view = await mesh.inspect_workflow(wf_id)
+            except UnknownWorkflowError:
+                return False  # no hub has taken it yet
             seen_live.append(view)
             return view.steps[0].state is TaskState.RUNNING and view.steps[1].waiting is not None
 
@@ -89,6 +92,25 @@ async def test_a_running_workflow_seen_by_its_owner_and_by_another_hub(
         async with Hub(settings=wf_settings) as other:
             assert other.workflows is not None
             seen = await other.workflows.view(ns, wf_id)
+            # Over NATS the question may go to the other hub, which asks the owner: made sure
+            # of by taking the owner out of the queue group.
+            verb = protocol.hub_subject("*", "workflow")
+            (sub,) = [sub for sub in wf_hub._subs if sub.subject == verb]
+            await sub.unsubscribe()
+            for _ in range(3):
+                asked = await mesh.inspect_workflow(wf_id)
+                assert asked.live and asked.hub_id == wf_hub.hub_id, asked
+                assert asked.steps[1].waiting is not None, asked
+            # An owner that does not answer (gone, cut off): the records stand in, at once.
+            peer = protocol.hub_peer("*", "workflow", wf_hub.hub_id)
+            (sub,) = [sub for sub in wf_hub._subs if sub.subject == peer]
+            await sub.unsubscribe()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            fallback = await mesh.inspect_workflow(wf_id)  # taken by the other hub
+            assert not fallback.live and fallback.hub_id == other.hub_id
+            assert fallback.steps[0].state is TaskState.RUNNING
+            assert loop.time() - t0 < 1.0  # no responders: not waited for
         assert not seen.live and seen.owner == wf_hub.hub_id and seen.hub_id != wf_hub.hub_id
         assert seen.steps[0].state is TaskState.RUNNING  # its last status event, stored
         assert seen.steps[0].agent_id == slow.agent_id and seen.steps[0].attempt == 1
@@ -98,7 +120,8 @@ async def test_a_running_workflow_seen_by_its_owner_and_by_another_hub(
         release.set()
         res = await mesh.workflow(wf_id, timeout=15)
         assert res.state is not TaskState.SUCCEEDED  # the second step never found an agent
-        final = await mesh.inspect_workflow(wf_id)
+        assert wf_hub.workflows is not None
+        final = await wf_hub.workflows.view(ns, wf_id)  # (its question subscription is gone)
     assert not final.live and final.state is res.state and final.finished_at is not None
     assert final.error is not None and res.error is not None
     assert final.error.code == res.error.code
@@ -220,8 +243,11 @@ async def test_one_workflow_id_in_two_namespaces_stays_two_workflows(
         async def both_known() -> bool:
             if wf_hub.workflows is None:
                 return False
-            mine = await wf_hub.workflows.view(ns, wf_id)
-            theirs = await wf_hub.workflows.view("tenantb", wf_id)
+            try:
+                mine = await wf_hub.workflows.view(ns, wf_id)
+                theirs = await wf_hub.workflows.view("tenantb", wf_id)
+            except UnknownWorkflowError:
+                return False  # not taken yet
             return mine.steps[0].state is TaskState.RUNNING and theirs.steps[0].waiting is not None
 
         await eventually(both_known, timeout=10)
@@ -295,13 +321,19 @@ async def test_a_step_no_agent_takes_and_a_stream_that_does_not_answer(
         fan_id = await mesh.submit_fanout([Step(capability="wf:slow:v1")] * 3, timeout=20)
 
         async def waiting() -> bool:
-            view = await mesh.inspect_workflow(chain_id)
+            try:
+                view = await mesh.inspect_workflow(chain_id)
+            except UnknownWorkflowError:
+                return False
             return view.steps[1].waiting is not None and "nobody" in view.steps[1].waiting
 
         await eventually(waiting, timeout=10)
 
         async def running() -> bool:
-            view = await mesh.inspect_workflow(fan_id)
+            try:
+                view = await mesh.inspect_workflow(fan_id)
+            except UnknownWorkflowError:
+                return False
             return all(s.state is TaskState.RUNNING for s in view.steps)
 
         await eventually(running, timeout=10)
@@ -350,3 +382,11 @@ async def test_the_rest_api_serves_the_same_view(fleet: Fleet, wf_settings: Mesh
             assert json.loads(body)["error"]["code"].startswith("REACH_BAD"), body
         status, body = await fetch(f"{base}/openapi.json")
         assert "/api/workflows/{workflow_id}" in json.loads(body)["paths"]
+
+
+def test_a_hub_id_is_a_subject_token(wf_settings: MeshSettings) -> None:
+    """Other hubs ask a workflow's owner on a subject made of its id."""
+    for bad in ("hub.a", "hub a", "hub>", "*", "h" * 65):
+        with pytest.raises(BadRequestError, match="hub_id"):
+            Hub(settings=wf_settings, hub_id=bad)
+    assert Hub(settings=wf_settings, hub_id="Hub_A-1").hub_id == "Hub_A-1"

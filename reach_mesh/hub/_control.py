@@ -20,6 +20,7 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
 )
+from reach_mesh.hub._wf_view import VIEW_DEADLINE
 from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.breaker import caller_report
 from reach_mesh.hub.registry import AgentView, Registry
@@ -35,6 +36,7 @@ from reach_mesh.models import (
     UnregisterRequest,
 )
 from reach_mesh.tracing.metrics import HubMetrics
+from reach_mesh.workflow import WorkflowView
 
 if TYPE_CHECKING:
     from reach_mesh.hub.workflows import WorkflowEngine
@@ -77,9 +79,13 @@ class ControlMixin:
     _register_throttle: Throttle
     #: Registrations per agent id: a few in a row, then one a second.
     _agent_register_throttle: Throttle
-    #: Workflow views per namespace (``VIEW_RATE``), and those being read now.
+    #: Workflow views per namespace (``VIEW_RATE``), and those being read now: asked here,
+    #: and asked by other hubs of a workflow this one owns.
     _workflow_view_throttle: Throttle
     _views_running: int
+    _peer_views_running: int
+    #: Lines about owners that did not answer a workflow view, one per owner per minute.
+    _owner_lines: LineBudget
     #: ``REACH-IDENTITY-REJECTED`` lines, one per verb per 30 s.
     _rejected_lines: LineBudget
 
@@ -291,11 +297,62 @@ class ControlMixin:
         self._views_running += 1
         try:
             view = await self.workflows.view(
-                ns, workflow_id, charge=lambda steps: self._charge_view(ns, (steps - 1) // 16)
+                ns,
+                workflow_id,
+                charge=lambda steps: self._charge_view(ns, (steps - 1) // 16),
+                ask_owner=lambda owner, end: self._ask_owner(ns, workflow_id, owner, end),
             )
         finally:
             self._views_running -= 1
         return protocol.encode(view)
+
+    async def _on_peer_workflow(self, msg: Msg, ns: str) -> bytes:
+        """Another hub asks for the view of a workflow this hub owns (``hub_peer``): its live
+        view, never asked on again, within the time the asking hub still waits (``within_s``);
+        the asking hub charged the namespace already. Peer views have slots of their own, so
+        other hubs cannot crowd out this hub's own questions."""
+        body = _json_object(msg.data)
+        raw, within = body.get("workflow_id"), body.get("within_s")
+        workflow_id = protocol.validate_workflow_id(raw if isinstance(raw, str) else "")
+        if not isinstance(within, int | float) or not 0 < within <= VIEW_DEADLINE:
+            raise BadRequestError(f"within_s must be in (0, {VIEW_DEADLINE:g}]", field="within_s")
+        if self.workflows is None:
+            raise MeshUnavailableError("this hub runs no workflow engine")
+        if self._peer_views_running >= VIEWS_AT_ONCE:
+            raise ThrottledError("this hub is reading other workflow views", retry_after_ms=100)
+        self._peer_views_running += 1
+        try:
+            return protocol.encode(await self.workflows.view(ns, workflow_id, within=within))
+        finally:
+            self._peer_views_running -= 1
+
+    async def _ask_owner(
+        self, ns: str, workflow_id: str, owner: str, end: float
+    ) -> WorkflowView | None:
+        """The owner hub's view of a workflow (by loop time ``end``), or None: it is gone, did
+        not answer in time, or answered with an error (logged, at most once a minute per
+        owner: the views then come from the records, without why steps wait)."""
+        left = end - asyncio.get_running_loop().time()
+        if left <= 0.05:
+            return None
+        body = protocol.dumps({"workflow_id": workflow_id, "within_s": round(left - 0.05, 3)})
+        try:
+            msg = await self.nc.request(
+                protocol.hub_peer(ns, "workflow", owner), body, timeout=left
+            )
+            protocol.raise_for_error(msg.data)
+            return WorkflowView.model_validate_json(msg.data)
+        except Exception as err:  # the local view stands in: its records are as durable
+            held = self._owner_lines.take(owner)
+            if held is not None:
+                log.info(
+                    "workflow views: hub %s (an owner) did not answer (%s; %d more held back): "
+                    "views come from the records",
+                    owner,
+                    type(err).__name__,
+                    held,
+                )
+            return None
 
     def _charge_view(self, ns: str, n: int) -> None:
         """Take ``n`` tokens of ``ns``'s workflow-view budget, or refuse (``VIEW_RATE``)."""

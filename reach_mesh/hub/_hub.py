@@ -39,7 +39,7 @@ from reach_mesh._guard import guarded, refused_total
 from reach_mesh._nats import connect, shown
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
-from reach_mesh.errors import InternalError, MeshUnavailableError, ReachError
+from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableError, ReachError
 from reach_mesh.hub._control import VIEW_RATE, ControlMixin
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._routing import RoutingMixin
@@ -86,6 +86,11 @@ class Hub(RoutingMixin, ControlMixin):
         self.settings = settings or load_settings(nats_url=nats_url)
         self.nats_url = nats_url or self.settings.nats_url
         self.hub_id = hub_id or f"hub-{uuid.uuid4().hex[:8]}"
+        if not protocol.HUB_ID_RE.match(self.hub_id):  # a token of subjects
+            raise BadRequestError(
+                f"invalid hub_id {self.hub_id!r}: expected 1-64 characters of [A-Za-z0-9_-]",
+                field="hub_id",
+            )
         self.state = HubState.NEW
         self._nc: NATS | None = None
         self._js: JetStreamContext | None = None
@@ -120,6 +125,8 @@ class Hub(RoutingMixin, ControlMixin):
         self._agent_register_throttle = Throttle(1.0, 10.0)
         self._workflow_view_throttle = Throttle(VIEW_RATE, 2 * VIEW_RATE)
         self._views_running = 0
+        self._peer_views_running = 0
+        self._owner_lines = LineBudget(60.0)
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
@@ -209,6 +216,8 @@ class Hub(RoutingMixin, ControlMixin):
             (protocol.hub_subject("*", "agents"), self._on_agents),
             (protocol.hub_subject("*", "admin"), self._on_admin),
             (protocol.hub_subject("*", "workflow"), self._on_workflow),
+            # Asked by another hub, about a workflow this one owns (a subject of its own).
+            (protocol.hub_peer("*", "workflow", self.hub_id), self._on_peer_workflow),
         ]
         for subject, handler in table:
             cb = guarded(subject, self._dispatcher(handler))

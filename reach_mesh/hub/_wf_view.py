@@ -159,13 +159,17 @@ async def workflow_view(
     running_here: bool,
     waiting: Callable[[int], dict[str, Any] | None] = lambda index: None,
     charge: Callable[[int], None] | None = None,
+    ask_owner: Callable[[str, float], Awaitable[WorkflowView | None]] | None = None,
+    within: float = VIEW_DEADLINE,
 ) -> WorkflowView:
-    """The view of ``workflow_id`` in ``ns``, within :data:`VIEW_DEADLINE`. ``running_here``:
+    """The view of ``workflow_id`` in ``ns``, within ``within`` seconds. ``running_here``:
     this hub runs it (``tracker`` and ``waiting(step index)`` then hold its live state, used if
     the record names this hub the owner). ``charge(steps)`` is called once the step count is
-    known, before any step is read (it may raise ``ThrottledError``). ``UnknownWorkflowError``
-    when it has no record."""
-    end = asyncio.get_running_loop().time() + VIEW_DEADLINE
+    known, before any step is read (it may raise ``ThrottledError``). ``ask_owner(hub_id,
+    end)``: the view of the running workflow's owner, asked before reading anything else
+    (None: it did not answer by loop time ``end``; this hub reads the records then).
+    ``UnknownWorkflowError`` when it has no record."""
+    end = asyncio.get_running_loop().time() + min(within, VIEW_DEADLINE)
     key = protocol.workflow_key(ns, workflow_id)
     try:
         got = await _within(_durable.get(records, key), end)
@@ -186,6 +190,24 @@ async def workflow_view(
             f"the record of workflow {workflow_id!r} does not parse (written by another "
             f"version?): {err.error_count()} error(s)"
         ) from err
+    if record.result is not None:
+        steps = len(record.result.steps)
+    else:
+        steps = 0 if record.spec is None else len(record.spec.steps)
+    if charge is not None:
+        charge(steps)
+    owner = record.owner
+    if (
+        ask_owner is not None
+        and record.result is None
+        and owner is not None
+        and owner != hub_id
+        and protocol.HUB_ID_RE.match(owner)
+    ):
+        # Only the owner knows why a step waits: its view, if it answers in a second.
+        seen = await ask_owner(owner, min(end - 1.0, asyncio.get_running_loop().time() + 1.0))
+        if seen is not None and (seen.namespace, seen.workflow_id) == (ns, workflow_id):
+            return seen
     view = WorkflowView(
         workflow_id=workflow_id,
         namespace=ns,
@@ -234,8 +256,6 @@ async def workflow_view(
                     agent_id=agent,
                 )
             )
-    if charge is not None:
-        charge(len(view.steps))
     await _complete_all(ns, workflow_id, view, tasks, tracker, decided, end)
     if view.live:
         # After the reads: what the step waits for now, not when the view began.

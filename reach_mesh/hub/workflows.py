@@ -26,7 +26,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, Literal
 
 from nats.aio.client import Client as NATS
@@ -54,7 +54,7 @@ from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import SpecConflictError, WorkflowShapes, final_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
-from reach_mesh.hub._wf_view import workflow_view
+from reach_mesh.hub._wf_view import VIEW_DEADLINE, workflow_view
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
@@ -283,9 +283,16 @@ class WorkflowEngine(WorkflowShapes):
         return out
 
     async def view(
-        self, ns: str, workflow_id: str, *, charge: Callable[[int], None] | None = None
+        self,
+        ns: str,
+        workflow_id: str,
+        *,
+        charge: Callable[[int], None] | None = None,
+        ask_owner: Callable[[str, float], Awaitable[WorkflowView | None]] | None = None,
+        within: float = VIEW_DEADLINE,
     ) -> WorkflowView:
-        """One workflow as it stands (``reach.hub.<ns>.workflow``; ``hub/_wf_view.py``)."""
+        """One workflow as it stands, within ``within`` seconds (``reach.hub.<ns>.workflow``;
+        ``hub/_wf_view.py``)."""
         if self._wf_kv is None or self._tasks_kv is None:
             raise MeshUnavailableError("this hub's workflow engine has not started")
         return await workflow_view(
@@ -298,6 +305,8 @@ class WorkflowEngine(WorkflowShapes):
             running_here=(ns, workflow_id) in self.owned,
             waiting=lambda index: self._waiting_steps.get((ns, workflow_id, index)),
             charge=charge,
+            ask_owner=ask_owner,
+            within=within,
         )
 
     @property
