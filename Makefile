@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test chaos fuzz lint fmt bench bench-gateway install clean
+.PHONY: demo test chaos fuzz lint fmt bench bench-gateway bench-ab install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,8 @@ fmt: $(STAMP)
 # make bench PROFILE=1  also profile the hub under the routed scenario
 # make bench-gateway    only the HTTP gateway next to the NATS client and the floor (~2 minutes):
 #                       the results' gateway section (latest.json, docs/benchmarks.md; QUICK=1: quick.*)
+# make bench-ab BASE=rev [HEAD=rev] [ROUNDS=3]
+#                       the workflow engine of two commits, alternated (bench/ab.py, ~4 minutes)
 BENCH_STAMP := $(VENV)/.bench-stamp
 
 $(BENCH_STAMP): $(STAMP)
@@ -58,6 +60,9 @@ bench: $(BENCH_STAMP)
 
 bench-gateway: $(BENCH_STAMP)
 	$(PY) -m bench --gateway $(if $(QUICK),--quick)
+
+bench-ab: $(BENCH_STAMP)
+	$(PY) -m bench.ab $(BASE) $(or $(HEAD),HEAD) --rounds $(or $(ROUNDS),3)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info

@@ -243,3 +243,26 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
     assert half_p99 == "80.00 ms (bare exchanges: 9.00 ms)"
     # The open-loop table: the bare exchanges at the engine's rates, with CPU per workflow.
     assert "| 2.50 / 3.00 · 4,000 µs CPU | 500/s: 2.60 / 9.00 · 2,500 µs CPU |" in page
+
+
+def test_the_ab_table_alternates_two_commits_and_compares_medians() -> None:
+    from bench.ab import median_row, row_of, table
+
+    def run(fan: float, chain: float, hub: float, bare: bool = True) -> dict[str, Any]:
+        return {
+            "fanout3": {
+                "sustained": {"per_s": fan},
+                "p50_ms": 4.0,
+                "cost": {"cpu_us": {"hub": hub}},
+            },
+            "chain3": {"sustained": {"per_s": chain}},
+            "bare": {"available": bare, "fanout3": {"sustained": {"per_s": 2000.0}}},
+        }
+
+    rows = [("a#1", row_of(run(700, 560, 1000))), ("b#1", row_of(run(770, 590, 950)))]
+    rows += [("a#2", row_of(run(690, 550, 1050, bare=False))), ("b#2", row_of(run(790, 600, 930)))]
+    assert rows[2][1]["bare_fanout_per_s"] is None  # a run without its bare exchanges
+    assert median_row([r for n, r in rows if n.startswith("a#")])["fanout_per_s"] == 695.0
+    text = table(rows)
+    assert "| **median a** | 695 | 555 | 2000 | 4 | 1025 |" in text, text
+    assert "| **b / a** | 1.122 | 1.072 | 1 | 1 | 0.917 |" in text, text
