@@ -586,6 +586,11 @@ make bench QUICK=1    # under a minute, a smoke test: writes bench/results/quick
 make bench PROFILE=1  # also profiles the hub under the routed scenario (pyinstrument)
 ```
 
+This machine's speed drifts between runs (the raw floor has moved by a third from one full run
+to the next), so two runs an hour apart do not compare two commits. `make bench-ab BASE=<rev>`
+(`bench/ab.py`) does: it runs the workflow benchmark (quick, split processes, with the bare
+exchanges) from a worktree of each commit, alternated, and prints each run and the medians.
+
 The optional dependencies of the harness (agentbus, taskiq and taskiq-nats, pyinstrument) are in
 the `bench` extra, which `make bench` installs: `pip install -e '.[bench]'`.
 
