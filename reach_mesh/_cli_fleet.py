@@ -18,6 +18,7 @@ from typing import Any
 from reach_mesh import protocol
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
+from reach_mesh.errors import UnknownWorkflowError
 from reach_mesh.models import AgentInfo, ErrorBody
 from reach_mesh.workflow import WorkflowView
 
@@ -181,7 +182,15 @@ async def cmd_inspect(args: argparse.Namespace) -> int:
 
 async def cmd_workflow(args: argparse.Namespace) -> int:
     async with Client(settings=settings_of(args)) as c:
-        view = await c.inspect_workflow(args.workflow_id, namespace=args.namespace)
+        try:
+            view = await c.inspect_workflow(args.workflow_id, namespace=args.namespace)
+        except UnknownWorkflowError as err:
+            if args.namespace is not None:
+                raise
+            # Workflow ids are per namespace: the likeliest mistake is asking the wrong one.
+            raise UnknownWorkflowError(
+                f"{err.message} (pass --namespace to ask in another)", **err.details
+            ) from err
     if args.json:
         print(view.model_dump_json(indent=2))
     else:
