@@ -62,6 +62,7 @@ bench-gateway: $(BENCH_STAMP)
 	$(PY) -m bench --gateway $(if $(QUICK),--quick)
 
 bench-ab: $(BENCH_STAMP)
+	@test -n "$(BASE)" || { echo "make bench-ab BASE=<rev> [HEAD=<rev>] [ROUNDS=3]"; exit 2; }
 	$(PY) -m bench.ab $(BASE) $(or $(HEAD),HEAD) --rounds $(or $(ROUNDS),3)
 
 clean:

@@ -98,7 +98,7 @@ def _run(tree: Path) -> dict[str, Any]:
         [sys.executable, "bench/workflow_bench.py", "--quick", "--split"],
         cwd=tree,
         env={**_clean_env(), "PYTHONPATH": str(tree)},
-        capture_output=True,
+        stdout=subprocess.PIPE,  # stderr passes through: a failed run says why
         text=True,
         timeout=600,
         check=True,
@@ -115,6 +115,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.base == args.head:
+        parser.error(f"BASE and HEAD are both {args.base!r}: name two commits")
+    # Worktrees of runs that were killed (they are removed when a run ends).
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=False)
     runs: list[tuple[str, dict[str, float | None]]] = []
     with tempfile.TemporaryDirectory(prefix="reach-ab-") as tmp:
         trees = {}
@@ -131,7 +135,8 @@ def main() -> None:
                     ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
                     check=False,
                 )
-    print(table(runs))
+            if runs:  # what finished, also when a later run failed
+                print(table(runs))
 
 
 if __name__ == "__main__":
