@@ -256,7 +256,8 @@ class Dashboard:
         self.interval = interval
         self.samples: deque[_Sample] = deque(maxlen=SAMPLES)
         self.decisions: deque[_Decision] = deque(maxlen=DECISIONS)
-        self.workflows: OrderedDict[str, _Workflow] = OrderedDict()
+        #: By (namespace, workflow id): ids are chosen by callers, unique per namespace only.
+        self.workflows: OrderedDict[tuple[str, str], _Workflow] = OrderedDict()
         self._sampler: asyncio.Task[None] | None = None
         self._sub: Subscription | None = None
         self._kv: KeyValue | None = None
@@ -308,13 +309,13 @@ class Dashboard:
         """Track the workflows this hub runs that no status event told of yet."""
         engine = self.hub.workflows
         for ns, wf_id in [] if engine is None else engine.owned:
-            if wf_id not in self.workflows:
+            if (ns, wf_id) not in self.workflows:
                 wf = self._remember(_Workflow(wf_id, ns, time.time()))
                 wf.read = True
                 self._read_later(wf)
 
     def _remember(self, wf: _Workflow) -> _Workflow:
-        self.workflows[wf.workflow_id] = wf
+        self.workflows[(wf.namespace, wf.workflow_id)] = wf
         while len(self.workflows) > WORKFLOWS:
             self.workflows.popitem(last=False)
         return wf
@@ -351,7 +352,7 @@ class Dashboard:
             ns = protocol.namespace_of(agent_id)
         except Exception:
             return  # not ours to judge: the engine reads the same events
-        wf = self.workflows.get(wf_id)
+        wf = self.workflows.get((ns, wf_id))
         if wf is None:
             wf = self._remember(_Workflow(wf_id, ns, time.time()))
         s = wf.steps.get(step)
