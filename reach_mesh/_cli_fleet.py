@@ -227,9 +227,12 @@ def _print_workflow(v: WorkflowView) -> None:
         if s.waiting is not None:
             again = "" if s.retry_in_s is None else f", tries again in {s.retry_in_s:g} s"
             note = f"waiting: {s.waiting}{again}"
-        rows.append((str(s.index), state, str(s.attempt), s.agent_id or "-", s.target or "-", note))
+        # A decided step shows the attempt that decided it (the first outcome of any attempt
+        # wins: it may be an earlier one), the others below it.
+        shown = s.attempt if s.decided_by is None else s.decided_by
+        rows.append((str(s.index), state, str(shown), s.agent_id or "-", s.target or "-", note))
         for h in s.history:
-            if h.attempt != s.attempt:
+            if h.attempt != shown:
                 rows.append(
                     ("", f"  #{h.attempt} {h.state.value}", "", h.agent_id or "-", "", h.code or "")
                 )

@@ -452,9 +452,12 @@ class StepView(_Wire):
     #: workflow is final: its record keeps the result, not the spec).
     target: str | None = None
     state: TaskState = TaskState.PENDING
-    #: The current attempt (0: none sent yet) and the agent it went to (None: not sent yet).
+    #: The current attempt (0: none sent yet) and the agent it went to (None: not sent yet);
+    #: once the step is decided, the agent of the attempt that decided it (``decided_by``,
+    #: which may be an earlier attempt: the first outcome of any attempt wins).
     attempt: int = 0
     agent_id: str | None = None
+    decided_by: int | None = None
     #: Every attempt recorded for the step, oldest first (from its task record: only a step
     #: whose fence had to change has one, e.g. after a retry).
     history: list[AttemptRecord] = Field(default_factory=list)

@@ -97,6 +97,7 @@ async def test_a_running_workflow_seen_by_its_owner_and_by_another_hub(
             verb = protocol.hub_subject("*", "workflow")
             (sub,) = [sub for sub in wf_hub._subs if sub.subject == verb]
             await sub.unsubscribe()
+            await wf_hub.nc.flush()  # the server has it: no question goes to it after
             for _ in range(3):
                 asked = await mesh.inspect_workflow(wf_id)
                 assert asked.live and asked.hub_id == wf_hub.hub_id, asked
@@ -105,6 +106,7 @@ async def test_a_running_workflow_seen_by_its_owner_and_by_another_hub(
             peer = protocol.hub_peer("*", "workflow", wf_hub.hub_id)
             (sub,) = [sub for sub in wf_hub._subs if sub.subject == peer]
             await sub.unsubscribe()
+            await wf_hub.nc.flush()  # the server has it: no question goes to it after
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             fallback = await mesh.inspect_workflow(wf_id)  # taken by the other hub
@@ -353,7 +355,7 @@ async def test_a_step_no_agent_takes_and_a_stream_that_does_not_answer(
             async def never(*args: Any, **kw: Any) -> None:
                 await asyncio.Event().wait()
 
-            monkeypatch.setattr(engine._tracker, "last_status", never)
+            monkeypatch.setattr(engine._tracker, "last_state", never)
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             stuck = await engine.view(ns, fan_id)
@@ -396,3 +398,28 @@ def test_a_hub_id_is_a_subject_token(wf_settings: MeshSettings) -> None:
         with pytest.raises(BadRequestError, match="hub_id"):
             Hub(settings=wf_settings, hub_id=bad)
     assert Hub(settings=wf_settings, hub_id="Hub_A-1").hub_id == "Hub_A-1"
+
+
+async def test_the_dashboard_keeps_one_id_in_two_namespaces_apart(
+    wf_settings: MeshSettings,
+) -> None:
+    """The dashboard's recent workflows are keyed by namespace and id (once by id alone: two
+    tenants' workflows of one id were one row)."""
+    async with (
+        Hub(settings=wf_settings.model_copy(update={"http_port": 0})) as hub,
+        Client(settings=wf_settings) as a,
+        Client(settings=wf_settings, namespace="tenantb") as b,
+    ):
+        for mesh in (a, b):
+            await mesh.submit_fanout([Step(capability="wf:nobody:v1")], timeout=2, workflow_id="w1")
+
+        async def both() -> bool:
+            status, body = await fetch(f"{hub.http_url}/api/dashboard/workflows")
+            rows = json.loads(body)["workflows"] if status == 200 else []
+            return sorted(r["namespace"] for r in rows if r["workflow_id"] == "w1") == sorted(
+                [wf_settings.namespace, "tenantb"]
+            )
+
+        await eventually(both, timeout=10)
+        for mesh in (a, b):
+            assert not (await mesh.workflow("w1", timeout=15)).ok  # ended before the test ends

@@ -20,7 +20,7 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
 )
-from reach_mesh.hub._wf_view import VIEW_DEADLINE
+from reach_mesh.hub._wf_view import STEPS_PER_CHARGE, VIEW_DEADLINE
 from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.breaker import caller_report
 from reach_mesh.hub.registry import AgentView, Registry
@@ -299,7 +299,7 @@ class ControlMixin:
             view = await self.workflows.view(
                 ns,
                 workflow_id,
-                charge=lambda steps: self._charge_view(ns, (steps - 1) // 16),
+                charge=lambda steps: self._charge_view(ns, (steps - 1) // STEPS_PER_CHARGE),
                 ask_owner=lambda owner, end: self._ask_owner(ns, workflow_id, owner, end),
             )
         finally:

@@ -27,14 +27,14 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import NotFoundError
 from opentelemetry.trace import Span
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
 from reach_mesh.hub.acks import AckMachine
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.logs import LineBudget
-from reach_mesh.models import AgentState, TaskState
+from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
 __all__ = ["StatusTracker", "StepTrack", "Verdict", "parse_task_state"]
@@ -395,6 +395,28 @@ class StatusTracker:
         """The newest status event of a task in ``REACH_STATUS``: from ``agent_id``, or from
         any agent of ``ns`` when None. Raises when the stream did not answer (in
         ``_STATUS_READ_TIMEOUT``, or ``_STATUS_READ_PATIENT`` when ``patient``)."""
+        stored = await self._last_stored(ns, task_id, agent_id, patient=patient)
+        return None if stored is None else self._authentic(*stored)
+
+    async def last_state(
+        self, ns: str, task_id: str, agent_id: str
+    ) -> tuple[int, TaskState, ErrorBody | None] | None:
+        """(attempt, state, error) of the newest status of a task from ``agent_id``, read
+        without its result or progress (a view of the step, not its outcome); None when there
+        is none or it speaks for another agent. Raises as :meth:`last_status` does."""
+        stored = await self._last_stored(ns, task_id, agent_id)
+        if stored is None:
+            return None
+        try:
+            head = _StatusHead.model_validate_json(stored[1])
+        except ValidationError:
+            return None
+        return None if head.agent_id != stored[0] else (head.attempt, head.state, head.error)
+
+    async def _last_stored(
+        self, ns: str, task_id: str, agent_id: str | None, *, patient: bool = False
+    ) -> tuple[str, bytes] | None:
+        """(the agent its subject names, its body) of the newest stored status of a task."""
         sender = agent_id if agent_id is not None else f"{ns}.*.*"
         js = self._js_patient if patient else self._js
         try:
@@ -406,7 +428,7 @@ class StatusTracker:
         ident = protocol.status_identity(raw.subject or "")
         if ident is None or not raw.data:
             return None
-        return self._authentic(ident[0], raw.data)
+        return ident[0], raw.data
 
     async def catch_up(
         self, track: StepTrack, agents: list[str] | None = None, *, patient: bool = False
@@ -514,6 +536,16 @@ class StatusTracker:
         """Its lease has not lapsed (not SUSPECT or LOST): silence may be a reconnect."""
         view = self._registry.agents.get(agent_id)
         return view is not None and view.state not in (AgentState.SUSPECT, AgentState.LOST)
+
+
+class _StatusHead(BaseModel):
+    """A status event without its result and progress (pydantic skips what it does not name)."""
+
+    model_config = ConfigDict(extra="ignore")
+    attempt: int = Field(ge=1)
+    agent_id: str
+    state: TaskState
+    error: ErrorBody | None = None
 
 
 def _parse_status(data: bytes) -> TaskStatusEvent | None:

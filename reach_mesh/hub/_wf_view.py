@@ -36,13 +36,16 @@ from reach_mesh.workflow import (
     step_task_id,
 )
 
-__all__ = ["VIEW_DEADLINE", "workflow_view"]
+__all__ = ["STEPS_PER_CHARGE", "VIEW_DEADLINE", "workflow_view"]
 
 #: Steps read at once (two reads each: the task record, the current attempt's last status).
 _READS: Final = 16
 #: Seconds a whole view may take; what has not been read by then is named in ``unreadable``.
 #: Below the client's 5 s per-request patience, so a view through an election still arrives.
 VIEW_DEADLINE: Final = 2.5
+#: A view of more steps than this counts one more against its namespace's view budget per this
+#: many steps (``ControlMixin._on_workflow``).
+STEPS_PER_CHARGE: Final = 16
 
 
 # --------------------------------------------------------------------------- slim records
@@ -105,6 +108,7 @@ class _SlimRecord(_Slim):
 class _SlimTaskRecord(_Slim):
     workflow_id: str
     step: int
+    decided_by: int | None = None
     attempt: int = 0
     agent_id: str | None = None
     state: TaskState = TaskState.PENDING
@@ -219,7 +223,6 @@ async def workflow_view(
         # A hub cut off from the stream may still run a workflow another hub took over.
         live=running_here and record.result is None and record.owner == hub_id,
     )
-    decided: dict[int, int | None] = {}
     result = record.result
     if result is not None:
         view.kind, view.state, view.policy = result.kind, result.state, result.policy
@@ -228,7 +231,6 @@ async def workflow_view(
         view.trace_id = view.trace_id or result.trace_id
         view.owner = result.hub_id or view.owner
         for s in result.steps:
-            decided[s.index] = s.decided_by
             view.steps.append(
                 StepView(
                     index=s.index,
@@ -236,6 +238,7 @@ async def workflow_view(
                     state=s.state,
                     attempt=s.attempts,
                     agent_id=s.agent_id,
+                    decided_by=s.decided_by,
                     error=s.error,
                     cancelled=s.cancelled,
                     duration_ms=s.duration_ms,
@@ -256,7 +259,7 @@ async def workflow_view(
                     agent_id=agent,
                 )
             )
-    await _complete_all(ns, workflow_id, view, tasks, tracker, decided, end)
+    unread = await _complete_all(ns, workflow_id, view, tasks, tracker, end)
     if view.live:
         # After the reads: what the step waits for now, not when the view began.
         now = time.time()
@@ -270,6 +273,8 @@ async def workflow_view(
         for before, step in zip(view.steps, view.steps[1:], strict=False):
             if step.attempt > 0 or step.agent_id is not None or step.waiting is not None:
                 continue
+            if {before.index, step.index} & unread:
+                continue  # what could not be read is not guessed at
             if before.state is TaskState.SUCCEEDED:
                 # Started, yet no agent has it: only its owner knows why (no match, backoff).
                 step.waiting = "no agent has it yet" + ("" if view.live else " (ask its owner)")
@@ -284,17 +289,16 @@ async def _complete_all(
     view: WorkflowView,
     tasks: _durable.Bucket,
     tracker: StatusTracker,
-    decided: dict[int, int | None],
     end: float,
-) -> None:
+) -> set[int]:
     """Complete every step by loop time ``end``, :data:`_READS` at a time; what could not be
-    read is named in ``view.unreadable``, in step order."""
+    read is named in ``view.unreadable``, in step order. Returns those steps' indices."""
     gate = asyncio.Semaphore(_READS)
     unread: list[tuple[int, str]] = []
 
     async def one(step: StepView) -> None:
         async with gate:
-            await _complete(ns, workflow_id, step, tasks, tracker, view.live, unread, decided)
+            await _complete(ns, workflow_id, step, tasks, tracker, view.live, unread)
 
     jobs = {asyncio.ensure_future(one(s)): s for s in view.steps}
     for job in jobs:
@@ -312,6 +316,7 @@ async def _complete_all(
                 name = type(job.exception()).__name__
                 unread.append((step.index, f"step {step.index} ({name})"))
     view.unreadable = [text for _, text in sorted(unread)]
+    return {index for index, _ in unread}
 
 
 async def _complete(
@@ -322,7 +327,6 @@ async def _complete(
     tracker: StatusTracker,
     live: bool,
     unread: list[tuple[int, str]],
-    decided: dict[int, int | None],
 ) -> None:
     """Fill ``step`` from its task record, then (running) from the engine's track when this
     hub is the live owner, else from the current attempt's last status event."""
@@ -343,12 +347,12 @@ async def _complete(
         if not final:
             step.attempt, step.agent_id, step.state = rec.attempt, rec.agent_id, rec.state
             step.error, step.cancelled = rec.error, rec.cancelled
+            step.decided_by = rec.decided_by if rec.state.final else None
     if not (final or step.state.final or step.cancelled):
         await _current(ns, step, tracker, live, unread)
-    # A step decided by its current attempt keeps that attempt's history entry as recorded
-    # before it ran (the record is not written again): say how it ended.
-    ended = decided.get(step.index)
-    ended = step.attempt if ended is None else ended
+    # The deciding attempt's history entry was recorded before it ran (the record is not
+    # written again when the current attempt decides): say how it ended.
+    ended = step.attempt if step.decided_by is None else step.decided_by
     for h in step.history:
         if h.attempt == ended and h.agent_id == step.agent_id and not h.state.final:
             h.state = step.state
@@ -366,9 +370,9 @@ async def _current(
     if step.agent_id is None:
         return  # not sent yet: no status to read
     try:
-        ev = await tracker.last_status(ns, step.task_id, step.agent_id)
+        last = await tracker.last_state(ns, step.task_id, step.agent_id)
     except Exception as err:
         unread.append((step.index, f"status of step {step.index} ({type(err).__name__})"))
         return
-    if ev is not None and ev.attempt == step.attempt:
-        step.state, step.error = ev.state, ev.error or step.error
+    if last is not None and last[0] == step.attempt:
+        step.state, step.error = last[1], last[2] or step.error

@@ -432,9 +432,9 @@ class HubHttp:
     async def get_workflow(
         self, workflow_id: WorkflowIdPath, namespace: NamespaceQuery = None
     ) -> Response:
-        """``reach.hub.<ns>.workflow`` (``namespace``: the hub's own by default), asked like
-        any caller asks it: the same throttle, and any hub may answer."""
-        ns = self.hub.settings.namespace if namespace is None else namespace
+        """``reach.hub.<ns>.workflow`` (``namespace``: ``default`` when not given, as for
+        ``POST /api/route``), asked like any caller asks it: the same throttle, any hub."""
+        ns = protocol.DEFAULT_NAMESPACE if namespace is None else namespace
         data = await self.nats_request(
             protocol.hub_subject(protocol.validate_namespace(ns), "workflow"),
             protocol.dumps({"workflow_id": protocol.validate_workflow_id(workflow_id)}),
