@@ -641,6 +641,7 @@ async def test_first_outcome_wins_even_from_a_superseded_attempt(
         a_release.set()
         res = await mesh.workflow(wf_id, timeout=10)
         await asyncio.wait_for(b_cancelled.wait(), 5)
+        view = await mesh.inspect_workflow(wf_id)
     assert res.state is TaskState.SUCCEEDED
     assert res.result == ["answer of A"]
     assert res.steps[0].agent_id == f"{wf_settings.namespace}.win.a"
@@ -648,6 +649,12 @@ async def test_first_outcome_wins_even_from_a_superseded_attempt(
     # Decided by an earlier attempt: the record is written final, fencing attempt 2.
     rec = await stored_task_record(wf_hub, wf_settings.namespace, res.steps[0].task_id)
     assert (rec.state, rec.decided_by, rec.attempt) == (TaskState.SUCCEEDED, 1, 2)
+    # What an operator sees: decided by attempt 1 on A; attempt 2 went to B.
+    step = view.steps[0]
+    assert (step.decided_by, step.agent_id) == (1, f"{wf_settings.namespace}.win.a"), step
+    history = {h.attempt: (h.agent_id, h.state) for h in step.history}
+    assert history[1] == (f"{wf_settings.namespace}.win.a", TaskState.SUCCEEDED), step
+    assert history[2][0] == f"{wf_settings.namespace}.win.b", step
 
 
 async def test_outcome_after_the_decision_is_counted_never_applied(
