@@ -337,11 +337,13 @@ class ControlMixin:
             return None
         body = protocol.dumps({"workflow_id": workflow_id, "within_s": round(left - 0.05, 3)})
         try:
-            msg = await self.nc.request(
+            if self.workflows is None:
+                return None
+            data = await self.workflows.ask(
                 protocol.hub_peer(ns, "workflow", owner), body, timeout=left
             )
-            protocol.raise_for_error(msg.data)
-            return WorkflowView.model_validate_json(msg.data)
+            protocol.raise_for_error(data)
+            return WorkflowView.model_validate_json(data)
         except Exception as err:  # the local view stands in: its records are as durable
             held = self._owner_lines.take(owner)
             if held is not None:

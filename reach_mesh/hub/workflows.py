@@ -282,6 +282,13 @@ class WorkflowEngine(WorkflowShapes):
                 out.append((_submit_namespace(msg.subject), protocol.workflow_id_of(msg_id)))
         return out
 
+    async def ask(self, subject: str, body: bytes, *, timeout: float) -> bytes:
+        """A request through the engine's JetStream client, with its random reply tokens (an
+        identity that may publish on reply subjects cannot guess them); raises on no answer."""
+        msg = await self._jsc.ask(subject, body, timeout=timeout)
+        data: bytes = msg.data
+        return data
+
     async def view(
         self,
         ns: str,
