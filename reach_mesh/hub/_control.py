@@ -6,7 +6,9 @@ fleet queries and admin ops."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
 from nats.aio.client import Client as NATS
@@ -79,11 +81,10 @@ class ControlMixin:
     _register_throttle: Throttle
     #: Registrations per agent id: a few in a row, then one a second.
     _agent_register_throttle: Throttle
-    #: Workflow views per namespace (``VIEW_RATE``), and those being read now: asked here,
-    #: and asked by other hubs of a workflow this one owns.
+    #: Workflow views per namespace (``VIEW_RATE``), and those being read now: asked here
+    #: (``False``), and asked by other hubs of a workflow this one owns (``True``).
     _workflow_view_throttle: Throttle
-    _views_running: int
-    _peer_views_running: int
+    _views_running: dict[bool, int]
     #: Lines about owners that did not answer a workflow view, one per owner per minute.
     _owner_lines: LineBudget
     #: ``REACH-IDENTITY-REJECTED`` lines, one per verb per 30 s.
@@ -284,26 +285,15 @@ class ControlMixin:
 
     async def _on_workflow(self, msg: Msg, ns: str) -> bytes:
         """One workflow of ``ns`` as it stands (``hub/_wf_view.py``)."""
-        body = _json_object(msg.data)
-        raw = body.get("workflow_id")
-        if not isinstance(raw, str):
-            raise BadRequestError("workflow_id (a string) is required", field="workflow_id")
-        workflow_id = protocol.validate_workflow_id(raw)
-        if self.workflows is None:
-            raise MeshUnavailableError("this hub runs no workflow engine")
-        if self._views_running >= VIEWS_AT_ONCE:
-            raise ThrottledError("this hub is reading other workflow views", retry_after_ms=100)
-        self._charge_view(ns, 1)
-        self._views_running += 1
-        try:
-            view = await self.workflows.view(
+        engine, _, workflow_id = self._view_asked(msg)
+        with self._view_slot(peer=False):
+            self._charge_view(ns, 1)
+            view = await engine.view(
                 ns,
                 workflow_id,
                 charge=lambda steps: self._charge_view(ns, (steps - 1) // STEPS_PER_CHARGE),
                 ask_owner=lambda owner, end: self._ask_owner(ns, workflow_id, owner, end),
             )
-        finally:
-            self._views_running -= 1
         return protocol.encode(view)
 
     async def _on_peer_workflow(self, msg: Msg, ns: str) -> bytes:
@@ -311,20 +301,36 @@ class ControlMixin:
         view, never asked on again, within the time the asking hub still waits (``within_s``);
         the asking hub charged the namespace already. Peer views have slots of their own, so
         other hubs cannot crowd out this hub's own questions."""
-        body = _json_object(msg.data)
-        raw, within = body.get("workflow_id"), body.get("within_s")
-        workflow_id = protocol.validate_workflow_id(raw if isinstance(raw, str) else "")
+        engine, body, workflow_id = self._view_asked(msg)
+        within = body.get("within_s")
         if not isinstance(within, int | float) or not 0 < within <= VIEW_DEADLINE:
             raise BadRequestError(f"within_s must be in (0, {VIEW_DEADLINE:g}]", field="within_s")
+        with self._view_slot(peer=True):
+            return protocol.encode(await engine.view(ns, workflow_id, within=within))
+
+    def _view_asked(self, msg: Msg) -> tuple[WorkflowEngine, dict[str, Any], str]:
+        """The engine, the body and the workflow id of a question about a workflow."""
+        body = _json_object(msg.data)
+        raw = body.get("workflow_id")
+        if not isinstance(raw, str):
+            raise BadRequestError("workflow_id (a string) is required", field="workflow_id")
+        workflow_id = protocol.validate_workflow_id(raw)
         if self.workflows is None:
             raise MeshUnavailableError("this hub runs no workflow engine")
-        if self._peer_views_running >= VIEWS_AT_ONCE:
+        return self.workflows, body, workflow_id
+
+    @contextlib.contextmanager
+    def _view_slot(self, *, peer: bool) -> Iterator[None]:
+        """One of the ``VIEWS_AT_ONCE`` views this hub reads at once (asked here, or by
+        another hub: each its own slots), or ``REACH_THROTTLED`` at once."""
+        running = self._views_running
+        if running[peer] >= VIEWS_AT_ONCE:
             raise ThrottledError("this hub is reading other workflow views", retry_after_ms=100)
-        self._peer_views_running += 1
+        running[peer] += 1
         try:
-            return protocol.encode(await self.workflows.view(ns, workflow_id, within=within))
+            yield
         finally:
-            self._peer_views_running -= 1
+            running[peer] -= 1
 
     async def _ask_owner(
         self, ns: str, workflow_id: str, owner: str, end: float

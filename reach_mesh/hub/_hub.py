@@ -124,8 +124,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
         self._agent_register_throttle = Throttle(1.0, 10.0)
         self._workflow_view_throttle = Throttle(VIEW_RATE, 2 * VIEW_RATE)
-        self._views_running = 0
-        self._peer_views_running = 0
+        self._views_running = {False: 0, True: 0}
         self._owner_lines = LineBudget(60.0)
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)
