@@ -27,12 +27,14 @@ from reach_mesh.errors import (
     ReachError,
     SelectorError,
     StaleAttemptError,
+    TaskCancelledError,
     ThrottledError,
     UnauthorizedError,
     UnknownAgentError,
     UnknownNamespaceError,
     UnknownWorkflowError,
     UnsupportedMediaTypeError,
+    WorkflowCancelledError,
     WorkflowConflictError,
     WorkflowSpecError,
 )
@@ -40,6 +42,7 @@ from reach_mesh.models import AgentInfo, AgentState, RouteDecision, TaskState, T
 from reach_mesh.selector import Selector
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import (
+    CancelResult,
     RetryPolicy,
     Step,
     StepResult,
@@ -57,6 +60,7 @@ __all__ = [
     "AgentState",
     "BadLeaseError",
     "BadRequestError",
+    "CancelResult",
     "Client",
     "EmbeddedNats",
     "ForbiddenHostError",
@@ -81,6 +85,7 @@ __all__ = [
     "Step",
     "StepResult",
     "StepView",
+    "TaskCancelledError",
     "TaskResult",
     "TaskState",
     "ThrottledError",
@@ -90,6 +95,7 @@ __all__ = [
     "UnknownNamespaceError",
     "UnknownWorkflowError",
     "UnsupportedMediaTypeError",
+    "WorkflowCancelledError",
     "WorkflowConflictError",
     "WorkflowEvent",
     "WorkflowResult",

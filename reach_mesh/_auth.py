@@ -164,7 +164,7 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                 "allow": [
                     *(
                         protocol.hub_subject(ns, v)
-                        for v in ("route", "route_batch", "agents", "workflow")
+                        for v in ("route", "route_batch", "agents", "workflow", "cancel")
                     ),
                     protocol.hub_subject(ns, "report"),
                     # Direct mode: the hub's decision names the agent; the caller sends to it.
@@ -186,7 +186,10 @@ def permissions(role: str, name: str) -> dict[str, Any]:
         return {
             "publish": {
                 "allow": [
-                    *(protocol.hub_subject("*", v) for v in ("admin", "agents", "workflow")),
+                    *(
+                        protocol.hub_subject("*", v)
+                        for v in ("admin", "agents", "workflow", "cancel")
+                    ),
                     *(protocol.hub_subject("*", v) for v in ("route", "route_batch")),
                     # NATS micro discovery of the hubs and their endpoints.
                     "$SRV.>",

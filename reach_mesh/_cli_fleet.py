@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from reach_mesh.workflow import WorkflowView
 __all__ = [
     "cmd_agents",
     "cmd_audit",
+    "cmd_cancel",
     "cmd_hubs",
     "cmd_inspect",
     "cmd_snapshot",
@@ -180,17 +182,24 @@ async def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _namespace_hint(args: argparse.Namespace, verb: str) -> Iterator[None]:
+    """Workflow ids are per namespace: an unknown one asked without ``--namespace`` most
+    likely lives in another, and the error says how to ``verb`` there."""
+    try:
+        yield
+    except UnknownWorkflowError as err:
+        if args.namespace is not None:
+            raise
+        raise UnknownWorkflowError(
+            f"{err.message} (pass --namespace to {verb} in another)", **err.details
+        ) from err
+
+
 async def cmd_workflow(args: argparse.Namespace) -> int:
     async with Client(settings=settings_of(args)) as c:
-        try:
+        with _namespace_hint(args, "ask"):
             view = await c.inspect_workflow(args.workflow_id, namespace=args.namespace)
-        except UnknownWorkflowError as err:
-            if args.namespace is not None:
-                raise
-            # Workflow ids are per namespace: the likeliest mistake is asking the wrong one.
-            raise UnknownWorkflowError(
-                f"{err.message} (pass --namespace to ask in another)", **err.details
-            ) from err
     if args.json:
         print(view.model_dump_json(indent=2))
     else:
@@ -198,12 +207,46 @@ async def cmd_workflow(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel a running workflow; 0 once it has its final result (cancelled, or ended by
+    itself first), 1 when its owner is still stopping it after ``--timeout``."""
+    async with Client(settings=settings_of(args)) as c:
+        with _namespace_hint(args, "cancel"):
+            answer = await c.cancel_workflow(
+                args.workflow_id,
+                reason=args.reason,
+                namespace=args.namespace,
+                timeout=args.timeout,
+            )
+    if args.json:
+        print(answer.model_dump_json(indent=2))
+    elif not answer.final:
+        print(
+            f"workflow {answer.workflow_id} ({answer.namespace}): its owner "
+            f"{answer.owner or '-'} is stopping it; not final yet (run this again, or "
+            f"`reach-mesh workflow {answer.workflow_id}`)"
+        )
+    else:
+        how = "cancelled" if answer.cancelled else "not cancelled: it had ended by itself"
+        print(f"workflow {answer.workflow_id} ({answer.namespace}): {how}, {answer.state.value}")
+        result = answer.result
+        if result is not None and result.error is not None:
+            print(f"  error {_said(result.error)}")
+        if result is not None:
+            for s in result.steps:
+                state = s.state.value + (" (cancelled)" if s.cancelled else "")
+                print(f"  step {s.index}: {state}  {s.agent_id or '-'}  {_said(s.error)}")
+    return 0 if answer.final else 1
+
+
 def _when(ts: float | None) -> str:
     return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def _said(error: ErrorBody | None) -> str:
-    return "" if error is None else f"{error.code}: {error.message}"
+    """An error on one line (its message comes from a handler or a caller's reason: control
+    characters are folded, as in every table cell)."""
+    return "" if error is None else _cell(f"{error.code}: {error.message}", 400)
 
 
 def _print_workflow(v: WorkflowView) -> None:

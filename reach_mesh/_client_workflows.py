@@ -28,9 +28,12 @@ from reach_mesh._guard import refuse
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.errors import (
+    BadRequestError,
     MeshTimeoutError,
     MeshUnavailableError,
     PayloadTooLargeError,
+    ThrottledError,
+    UnknownWorkflowError,
     WorkflowConflictError,
     WorkflowSpecError,
 )
@@ -41,6 +44,7 @@ from reach_mesh.tracing import (
     span,
 )
 from reach_mesh.workflow import (
+    CancelResult,
     Step,
     WorkflowEvent,
     WorkflowRecord,
@@ -60,6 +64,13 @@ __all__ = ["WorkflowsMixin"]
 _SUBMIT_RETRY: Final = 15.0
 #: How long a duplicate submission waits for the first one's record, to compare the specs.
 _CONFLICT_WAIT: Final = 2.0
+
+#: How often a cancel asks again while the owner stops the workflow (s).
+_CANCEL_POLL: Final = 0.2
+#: The longest a hub holds a cancel before it answers (``hub/_control.py``: ``CANCEL_WAIT``).
+_CANCEL_WAIT: Final = 3.0
+#: How long a cancel asks again about a workflow no hub knows (one just submitted).
+_CANCEL_UNKNOWN_GRACE: Final = 2.0
 
 #: A wait for a workflow's ``.done``: its message, or the stored result a re-check read.
 _Done = asyncio.Future[Msg | WorkflowResult]
@@ -83,6 +94,16 @@ class WorkflowsMixin:
         def nc(self) -> NATS: ...
 
         async def _query(self, verb: str, body: dict[str, Any], ns: str | None = None) -> bytes: ...
+
+        async def _call_hub(
+            self,
+            ns: str,
+            verb: str,
+            body: bytes,
+            headers: dict[str, str],
+            deadline: float,
+            timeout: float,
+        ) -> bytes: ...
 
     # ------------------------------------------------------------------ workflows
 
@@ -172,6 +193,59 @@ class WorkflowsMixin:
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
         data = await self._query("workflow", {"workflow_id": workflow_id}, ns=ns)
         return WorkflowView.model_validate_json(data)
+
+    async def cancel_workflow(
+        self,
+        workflow_id: str,
+        *,
+        reason: str | None = None,
+        namespace: str | None = None,
+        timeout: float = 10.0,
+    ) -> CancelResult:
+        """Stop a running workflow of this client's namespace (or ``namespace``): its steps not
+        finished are cancelled (agents running them are told to stop; work still queued is
+        dropped unrun) and its one final result is FAILED with ``REACH_WORKFLOW_CANCELLED``;
+        steps that finished keep their results (``reach-mesh cancel <id>``).
+
+        Returns once a final result is stored (``final``; ``cancelled`` False when the
+        workflow had ended by itself first, ``result`` its outcome), asking again while the
+        owner stops it (a cancel is idempotent), or the last answer (``final=False``) at
+        ``timeout``. ``UnknownWorkflowError`` when no hub knows it (asked again for up to 2 s:
+        one just submitted may not be taken yet); ``MeshUnavailableError`` when no owner could
+        be reached until ``timeout`` (its message says whether the cancel may have been
+        taken)."""
+        protocol.validate_workflow_id(workflow_id)
+        ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
+        if reason is not None and (
+            not isinstance(reason, str) or len(reason) > 200 or not reason.isprintable()
+        ):
+            raise BadRequestError("reason must be printable text of at most 200 characters")
+        now = time.monotonic()
+        deadline = now + timeout
+        # Just submitted, no hub has taken it yet: it has no record to cancel for a moment.
+        unknown_until = now + min(timeout, _CANCEL_UNKNOWN_GRACE)
+        last: CancelResult | None = None
+        while True:
+            # The hub answers within what is left (at most 3 s), less the way back.
+            within = round(min(_CANCEL_WAIT, max(0.2, deadline - time.monotonic() - 1.0)), 3)
+            body = protocol.dumps(
+                {"workflow_id": workflow_id, "reason": reason, "within_s": within}
+            )
+            try:
+                data = await self._call_hub(ns, "cancel", body, inject({}), deadline, within + 1.0)
+            except UnknownWorkflowError:
+                if time.monotonic() + _CANCEL_POLL >= unknown_until:
+                    raise
+                await asyncio.sleep(_CANCEL_POLL)
+                continue
+            except (MeshTimeoutError, MeshUnavailableError, ThrottledError):
+                if last is None:
+                    raise
+                return last  # its owner has the cancel and is still stopping it
+            last = CancelResult.model_validate_json(data)
+            if last.final or time.monotonic() + _CANCEL_POLL >= deadline:
+                return last
+            await asyncio.sleep(_CANCEL_POLL)
 
     async def workflow_events(
         self, workflow_id: str, *, timeout: float | None = None

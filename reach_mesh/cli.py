@@ -28,6 +28,7 @@ from reach_mesh._auth import AuthDir
 from reach_mesh._cli_fleet import (
     cmd_agents,
     cmd_audit,
+    cmd_cancel,
     cmd_hubs,
     cmd_inspect,
     cmd_snapshot,
@@ -574,6 +575,19 @@ def build_parser() -> argparse.ArgumentParser:
     workflow.add_argument("--namespace", help="its namespace (default: the configured one)")
     workflow.add_argument("--json", action="store_true", help="print JSON")
     workflow.set_defaults(func=cmd_workflow)
+    cancel = cmd(
+        "cancel",
+        "stop a running workflow: unfinished steps are cancelled, its result is FAILED "
+        "(REACH_WORKFLOW_CANCELLED)",
+    )
+    cancel.add_argument("workflow_id")
+    cancel.add_argument("--namespace", help="its namespace (default: the configured one)")
+    cancel.add_argument("--reason", help="why (kept in its result's error and the audit)")
+    cancel.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for its final result"
+    )
+    cancel.add_argument("--json", action="store_true", help="print JSON")
+    cancel.set_defaults(func=cmd_cancel)
 
     snapshot = cmd("snapshot", "export the registry (states, health, heartbeat age) as JSON")
     snapshot.add_argument("-o", "--output", help="file to write (default: stdout)")

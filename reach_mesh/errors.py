@@ -56,12 +56,14 @@ __all__ = [
     "ReachError",
     "SelectorError",
     "StaleAttemptError",
+    "TaskCancelledError",
     "ThrottledError",
     "UnauthorizedError",
     "UnknownAgentError",
     "UnknownNamespaceError",
     "UnknownWorkflowError",
     "UnsupportedMediaTypeError",
+    "WorkflowCancelledError",
     "WorkflowConflictError",
     "WorkflowSpecError",
     "error_from_wire",
@@ -147,6 +149,20 @@ class UnknownWorkflowError(ReachError):
     yet, or finished longer ago than ``workflow_retention``."""
 
     code = "REACH_UNKNOWN_WORKFLOW"
+
+
+class TaskCancelledError(ReachError):
+    """A task's handler was stopped before it finished: its agent shut down while it ran, or
+    the hub cancelled the attempt."""
+
+    code = "REACH_CANCELLED"
+
+
+class WorkflowCancelledError(ReachError):
+    """A workflow stopped on request (``reach.hub.<ns>.cancel``): the ``error`` of its final,
+    FAILED result, whose unfinished steps are ``cancelled``."""
+
+    code = "REACH_WORKFLOW_CANCELLED"
 
 
 class NoMatchError(ReachError):

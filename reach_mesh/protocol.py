@@ -189,7 +189,8 @@ def namespace_of(agent_id: str) -> str:
 
 
 def hub_subject(namespace: str, verb: str) -> str:
-    """``reach.hub.<ns>.<verb>`` — verbs: route, route_batch, report, agents, workflow, admin.
+    """``reach.hub.<ns>.<verb>`` — verbs: route, route_batch, report, agents, workflow, cancel,
+    admin.
     ``namespace`` may be ``*`` for the hub's wildcard subscriptions."""
     return f"reach.hub.{namespace}.{verb}"
 
@@ -231,7 +232,8 @@ def hub_broadcast(namespace: str, verb: str) -> str:
 
 def hub_peer(namespace: str, verb: str, hub_id: str) -> str:
     """``reach.hubs.<ns>.<verb>.<hub_id>`` — a request from one hub to the hub ``hub_id``; only
-    hubs may publish here. Verb: ``workflow`` (a view of a workflow that hub owns)."""
+    hubs may publish here. Verbs: ``workflow`` (a view of a workflow that hub owns), ``cancel``
+    (a cancel of one)."""
     return f"reach.hubs.{namespace}.{verb}.{hub_id}"
 
 
@@ -313,7 +315,7 @@ def agent_ctl(agent_id: str) -> str:
 def audit_subject(namespace: str, kind: str) -> str:
     """``reach.audit.<ns>.<kind>`` — audit events (captured by the ``REACH_AUDIT`` stream).
 
-    Kinds: route, register, unregister, state, admin (``*`` for subscriptions)."""
+    Kinds: route, register, unregister, state, admin, cancel (``*`` for subscriptions)."""
     return f"reach.audit.{namespace}.{kind}"
 
 

@@ -29,6 +29,7 @@ from reach_mesh.selector import Selector
 
 __all__ = [
     "MAX_STEPS",
+    "CancelResult",
     "RetryPolicy",
     "Step",
     "StepResult",
@@ -422,6 +423,9 @@ class WorkflowRecord(_Wire):
     #: step, a chain's step 0; None: chosen later). Such a step has no task record until its
     #: fence must change (``TaskRecord``): a hub taking the workflow over adopts that attempt.
     first_agents: list[str | None] = Field(default_factory=list)
+    #: A cancel its owner took (``reach.hub.<ns>.cancel``), written before any step is
+    #: stopped for it: a hub that takes the workflow over finishes the cancel.
+    cancel: ErrorBody | None = None
     result: WorkflowResult | None = None
 
 
@@ -496,6 +500,26 @@ class WorkflowView(_Wire):
     live: bool = False
     #: What could not be read (a stream or bucket that did not answer): the view is partial.
     unreadable: list[str] = Field(default_factory=list)
+
+
+class CancelResult(_Wire):
+    """hub → caller or operator (``reach.hub.<ns>.cancel``): what a cancel did.
+
+    ``final``: the workflow has its one final result (``result``). ``cancelled``: that result
+    is a cancel's (FAILED, error ``REACH_WORKFLOW_CANCELLED``: this request's or an earlier
+    one's); False: the workflow had ended by itself before a cancel took effect. Not
+    ``final``: its owner has the cancel and is stopping the workflow, but has not stored its
+    result yet (``cancelled`` null: whether the cancel or the workflow's own end comes first
+    is not known yet) — ask again (a cancel is idempotent) or wait for the result."""
+
+    workflow_id: str
+    namespace: str
+    final: bool
+    cancelled: bool | None = None
+    state: TaskState
+    #: The hub that runs (final: ran) it.
+    owner: str | None = None
+    result: WorkflowResult | None = None
 
 
 _Stored = TypeVar("_Stored", bound=BaseModel)

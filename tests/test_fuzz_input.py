@@ -195,6 +195,11 @@ async def test_mutated_and_garbage_input_on_every_surface_is_refused_and_loses_n
             protocol.hub_peer(ns, "workflow", wf_hub.hub_id),
             [{"workflow_id": "fzwf", "within_s": 1.0}],
         ),
+        "cancel": (protocol.hub_subject(ns, "cancel"), [{"workflow_id": "fzwf", "reason": "fz"}]),
+        "peer cancel": (
+            protocol.hub_peer(ns, "cancel", wf_hub.hub_id),
+            [{"workflow_id": "fzwf", "reason": None, "within_s": 1.0}],
+        ),
         "admin": (
             protocol.hub_subject(ns, "admin"),
             [{"op": "cordon", "agent_id": ghost}, {"op": "agents", "all_namespaces": True}],

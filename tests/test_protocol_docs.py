@@ -36,10 +36,11 @@ BUILT = {
     *(protocol.hub_agent_subject(_AGENT, verb) for verb in protocol.AGENT_VERBS),
     *(
         protocol.hub_subject(_NS, verb)
-        for verb in ("route", "route_batch", "report", "agents", "workflow", "admin")
+        for verb in ("route", "route_batch", "report", "agents", "workflow", "cancel", "admin")
     ),
     protocol.hub_broadcast(_NS, "breaker"),
     protocol.hub_peer(_NS, "workflow", "hub1"),
+    protocol.hub_peer(_NS, "cancel", "hub1"),
     protocol.agent_task(_AGENT),
     protocol.agent_batch(_AGENT),
     protocol.agent_ctl(_AGENT),

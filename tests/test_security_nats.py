@@ -620,6 +620,46 @@ async def test_a_workflow_is_inspected_by_its_namespace_and_operators_only(
         await conn.publish_denied(protocol.hub_peer(NS, "workflow", mesh.hub.hub_id), body)
 
 
+async def test_a_workflow_is_cancelled_by_its_namespace_and_operators_only(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """``reach.hub.<ns>.cancel`` changes a workflow's outcome: a caller of the namespace and
+    an operator may send it; another namespace's caller and the agents may not (the server
+    refuses), and the cancel one hub passes to the owner is for hubs only."""
+    release = asyncio.Event()
+    worker = Agent(ROGUE, settings=mesh.settings("agent", ROGUE))
+
+    @worker.handler("rogue:hold:v1")
+    async def hold(task: Task[Any]) -> Any:
+        await release.wait()
+        return 1
+
+    async with worker, Client(settings=mesh.settings("caller", NS)) as c:
+        first = await c.submit_fanout([Step(agent_id=ROGUE)], timeout=30)
+        second = await c.submit_fanout([Step(agent_id=ROGUE)], timeout=30)
+        body = json.dumps({"workflow_id": first}).encode()
+        other = await as_identity("caller", "other")
+        await other.publish_denied(protocol.hub_subject(NS, "cancel"), body)
+        rogue = await as_identity("agent", ROGUE)
+        await rogue.publish_denied(protocol.hub_subject(NS, "cancel"), body)
+        for role, name in [("caller", NS), ("agent", ROGUE), ("operator", "admin")]:
+            conn = await as_identity(role, name)
+            await conn.publish_denied(protocol.hub_peer(NS, "cancel", mesh.hub.hub_id), body)
+        # Asked in its own namespace, another tenant finds nothing of that id.
+        out = await ask(other, protocol.hub_subject("other", "cancel"), body)
+        assert out["error"]["code"] == "REACH_UNKNOWN_WORKFLOW", out
+        mine = await c.cancel_workflow(first, reason="by its caller")
+        assert mine.final and mine.cancelled and mine.result is not None, mine
+        assert mine.result.error is not None
+        assert mine.result.error.message == "cancelled on request: by its caller"  # not another's
+        async with Client(settings=mesh.settings("operator", "admin")) as op:
+            theirs = await op.cancel_workflow(second, namespace=NS, reason="by the operator")
+        assert theirs.final and theirs.cancelled and theirs.result is not None, theirs
+        assert theirs.result.error is not None
+        assert theirs.result.error.message == "cancelled on request: by the operator"
+        release.set()
+
+
 async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_identity: Any) -> None:
     """An agent reads back its own final statuses from ``REACH_STATUS`` after a restart (a
     named consumer whose filter the server checks) and cannot open a consumer on another

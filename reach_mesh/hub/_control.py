@@ -11,6 +11,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -18,6 +19,7 @@ from reach_mesh import protocol
 from reach_mesh.errors import (
     BadRequestError,
     IdentityMismatchError,
+    InternalError,
     MeshUnavailableError,
     ReachError,
     ThrottledError,
@@ -38,13 +40,15 @@ from reach_mesh.models import (
     UnregisterRequest,
 )
 from reach_mesh.tracing.metrics import HubMetrics
-from reach_mesh.workflow import WorkflowView
+from reach_mesh.workflow import CancelResult, WorkflowView
 
 if TYPE_CHECKING:
     from reach_mesh.hub.workflows import WorkflowEngine
 
 __all__ = [
     "ADMIN_OPS",
+    "CANCEL_REASON_MAX",
+    "CANCEL_WAIT",
     "QUARANTINE_CODE",
     "RELEASE_CODE",
     "VIEWS_AT_ONCE",
@@ -67,6 +71,11 @@ VIEW_RATE: Final = 20.0
 #: Workflow views one hub reads at once (each for at most ``_wf_view.VIEW_DEADLINE``); more
 #: are refused ``REACH_THROTTLED`` at once instead of holding the hub's request slots.
 VIEWS_AT_ONCE: Final = 8
+#: How long a cancel waits for the owner to store the cancelled workflow's result before it
+#: answers "not final yet" (under a caller's 5 s request timeout).
+CANCEL_WAIT: Final = 3.0
+#: Longest reason a cancel may give (it goes into the result's error and the audit).
+CANCEL_REASON_MAX: Final = 200
 
 
 class ControlMixin:
@@ -85,6 +94,9 @@ class ControlMixin:
     #: (``False``), and asked by other hubs of a workflow this one owns (``True``).
     _workflow_view_throttle: Throttle
     _views_running: dict[bool, int]
+    #: Cancels being worked on now (``_on_cancel``: asked here; ``_on_peer_cancel``: by
+    #: another hub), ``VIEWS_AT_ONCE`` of each.
+    _cancels_running: dict[bool, int]
     #: Lines about owners that did not answer a workflow view, one per owner per minute.
     _owner_lines: LineBudget
     #: ``REACH-IDENTITY-REJECTED`` lines, one per verb per 30 s.
@@ -308,6 +320,100 @@ class ControlMixin:
         with self._view_slot(peer=True):
             return protocol.encode(await engine.view(ns, workflow_id, within=within))
 
+    async def _on_cancel(self, msg: Msg, ns: str) -> bytes:
+        """Cancel a running workflow of ``ns`` (``WorkflowEngine.cancel``): its owner stops it,
+        answered within ``within_s`` (at most ``CANCEL_WAIT``). Counted against the
+        namespace's workflow-view budget; every cancel asked is audited (``cancel``)."""
+        engine, body, workflow_id = self._view_asked(msg)
+        reason = _cancel_reason(body)
+        within = _cancel_within(body, required=False)
+        answer: CancelResult | None = None
+        code: str | None = None
+        with self._view_slot(peer=False, running=self._cancels_running):
+            self._charge_view(ns, 1)  # refused ones are not audited: the budget bounds these
+            try:
+                answer = await engine.cancel(
+                    ns,
+                    workflow_id,
+                    reason,
+                    within=within,
+                    ask_owner=lambda owner, end: self._ask_owner_cancel(
+                        ns, workflow_id, reason, owner, end
+                    ),
+                )
+            except ReachError as err:
+                code = err.code
+                raise
+            except Exception:
+                code = InternalError.code  # the dispatcher answers REACH_INTERNAL
+                raise
+            finally:
+                await self.audit.record(
+                    ns,
+                    "cancel",
+                    workflow_id=workflow_id,
+                    reason=reason,
+                    final=None if answer is None else answer.final,
+                    cancelled=None if answer is None else answer.cancelled,
+                    state=None if answer is None else answer.state.value,
+                    owner=None if answer is None else answer.owner,
+                    error=code,
+                )
+        return protocol.encode(answer)
+
+    async def _on_peer_cancel(self, msg: Msg, ns: str) -> bytes:
+        """Another hub passes on a cancel of a workflow this hub owns (``hub_peer``), to be
+        answered within ``within_s``; the asking hub charged and audits it."""
+        engine, body, workflow_id = self._view_asked(msg)
+        reason = _cancel_reason(body)
+        within = _cancel_within(body, required=True)
+        with self._view_slot(peer=True, running=self._cancels_running):
+            return protocol.encode(await engine.cancel(ns, workflow_id, reason, within=within))
+
+    async def _ask_owner_cancel(
+        self, ns: str, workflow_id: str, reason: str | None, owner: str, end: float
+    ) -> CancelResult:
+        """The owner hub's answer to a cancel, by loop time ``end``. Raises what the owner
+        answered, or ``MeshUnavailableError`` saying whether the cancel may have been taken:
+        nothing was when no owner listens; when it does not answer in time, it may have."""
+        left = end - asyncio.get_running_loop().time()
+        if left <= 0.2 or self.workflows is None:
+            raise MeshUnavailableError(
+                f"no time left to ask hub {owner!r}, which runs workflow {workflow_id!r}: "
+                "nothing was cancelled; ask again"
+            )
+        # The owner answers within what is left, less the way back.
+        body = protocol.dumps(
+            {"workflow_id": workflow_id, "reason": reason, "within_s": round(left - 0.15, 3)}
+        )
+        try:
+            data = await self.workflows.ask(
+                protocol.hub_peer(ns, "cancel", owner), body, timeout=left
+            )
+        except nats.errors.NoRespondersError as err:
+            raise MeshUnavailableError(
+                f"hub {owner!r}, which runs workflow {workflow_id!r}, is not reachable: nothing "
+                "was cancelled; ask again (if it is gone, another hub takes the workflow over "
+                "within workflow_ack_wait)",
+                owner=owner,
+            ) from err
+        except Exception as err:
+            held = self._owner_lines.take(owner)
+            if held is not None:
+                log.info(
+                    "workflow cancel: hub %s (an owner) did not answer (%s; %d more held back)",
+                    owner,
+                    type(err).__name__,
+                    held,
+                )
+            raise MeshUnavailableError(
+                f"hub {owner!r}, which runs workflow {workflow_id!r}, did not answer in time: "
+                "it may have taken the cancel; ask again (a cancel is idempotent)",
+                owner=owner,
+            ) from err
+        protocol.raise_for_error(data)  # the owner's own answer (UNKNOWN, UNAVAILABLE, ...)
+        return CancelResult.model_validate_json(data)
+
     def _view_asked(self, msg: Msg) -> tuple[WorkflowEngine, dict[str, Any], str]:
         """The engine, the body and the workflow id of a question about a workflow."""
         body = _json_object(msg.data)
@@ -320,12 +426,15 @@ class ControlMixin:
         return self.workflows, body, workflow_id
 
     @contextlib.contextmanager
-    def _view_slot(self, *, peer: bool) -> Iterator[None]:
-        """One of the ``VIEWS_AT_ONCE`` views this hub reads at once (asked here, or by
-        another hub: each its own slots), or ``REACH_THROTTLED`` at once."""
-        running = self._views_running
+    def _view_slot(self, *, peer: bool, running: dict[bool, int] | None = None) -> Iterator[None]:
+        """One of the ``VIEWS_AT_ONCE`` views (or, with ``running=self._cancels_running``,
+        cancels) this hub works on at once (asked here, or by another hub: each its own
+        slots), or ``REACH_THROTTLED`` at once."""
+        running = self._views_running if running is None else running
         if running[peer] >= VIEWS_AT_ONCE:
-            raise ThrottledError("this hub is reading other workflow views", retry_after_ms=100)
+            raise ThrottledError(
+                "this hub is busy with other workflow views or cancels", retry_after_ms=100
+            )
         running[peer] += 1
         try:
             yield
@@ -415,3 +524,32 @@ def _json_object(data: bytes) -> dict[str, Any]:
     if not data.strip():
         return {}
     return protocol.loads_object(data)
+
+
+def _cancel_reason(body: dict[str, Any]) -> str | None:
+    """The optional ``reason`` of a cancel: printable text of at most ``CANCEL_REASON_MAX``
+    characters (it is shown in terminals and dashboards), or absent / null."""
+    reason = body.get("reason")
+    if reason is None:
+        return None
+    if not isinstance(reason, str) or len(reason) > CANCEL_REASON_MAX or not reason.isprintable():
+        raise BadRequestError(
+            f"reason must be printable text of at most {CANCEL_REASON_MAX} characters",
+            field="reason",
+        )
+    return reason.strip() or None
+
+
+def _cancel_within(body: dict[str, Any], *, required: bool) -> float:
+    """``within_s`` of a cancel: seconds in (0, ``CANCEL_WAIT``] to answer in (optional from
+    a caller: ``CANCEL_WAIT``; required from another hub)."""
+    within = body.get("within_s")
+    if within is None and not required:
+        return CANCEL_WAIT
+    if (
+        isinstance(within, bool)
+        or not isinstance(within, int | float)
+        or not 0 < within <= CANCEL_WAIT
+    ):
+        raise BadRequestError(f"within_s must be in (0, {CANCEL_WAIT:g}]", field="within_s")
+    return float(within)

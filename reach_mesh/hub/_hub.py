@@ -125,6 +125,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._agent_register_throttle = Throttle(1.0, 10.0)
         self._workflow_view_throttle = Throttle(VIEW_RATE, 2 * VIEW_RATE)
         self._views_running = {False: 0, True: 0}
+        self._cancels_running = {False: 0, True: 0}
         self._owner_lines = LineBudget(60.0)
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)
@@ -217,6 +218,8 @@ class Hub(RoutingMixin, ControlMixin):
             (protocol.hub_subject("*", "workflow"), self._on_workflow),
             # Asked by another hub, about a workflow this one owns (a subject of its own).
             (protocol.hub_peer("*", "workflow", self.hub_id), self._on_peer_workflow),
+            (protocol.hub_subject("*", "cancel"), self._on_cancel),
+            (protocol.hub_peer("*", "cancel", self.hub_id), self._on_peer_cancel),
         ]
         for subject, handler in table:
             cb = guarded(subject, self._dispatcher(handler))

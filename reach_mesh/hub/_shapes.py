@@ -26,7 +26,9 @@ from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, span
 from reach_mesh.workflow import (
     StepResult,
+    StepSpec,
     TaskRecord,
+    TaskStatusEvent,
     WorkflowEvent,
     WorkflowRecord,
     WorkflowResult,
@@ -72,6 +74,9 @@ class WorkflowShapes(StepRunner):
             previous,
         )
 
+    def _now_owner(self, wf: Workflow) -> None:
+        """Hook: the workflow record names this hub now (created, or taken over)."""
+
     async def _run(self, wf: Workflow) -> tuple[WorkflowResult, bool]:
         """Run the workflow to its result; ``(result, True)`` when it was final already."""
         assert self._wf_kv is not None
@@ -80,15 +85,8 @@ class WorkflowShapes(StepRunner):
         # The agents of the attempts sent at once are chosen first: the workflow record names
         # them, so those steps need no task record of their own (see ``TaskRecord``).
         await self._first_choices(wf)
-        record = WorkflowRecord(
-            spec=wf.spec,
-            spec_digest=wf.digest,
-            owner=self.hub_id,
-            trace_id=wf.trace_id,
-            submitted_at=wf.submitted_at,
-            first_agents=[None if c is None else c[0].agent_id for c in wf.first],
-        )
-        wf.first_agents = record.first_agents
+        wf.first_agents = [None if c is None else c[0].agent_id for c in wf.first]
+        record = self._running_record(wf)
         start = protocol.encode(record)
         # One write for a new workflow; only an existing record (a takeover, or a re-submit
         # after the dedup window) costs a read.
@@ -112,6 +110,11 @@ class WorkflowShapes(StepRunner):
             wf.taken_over = True
             wf.first_agents = [] if rec is None else rec.first_agents
             record.first_agents = wf.first_agents
+            if rec is not None and rec.cancel is not None:
+                # Its owner took a cancel (and may have stopped steps for it): finish it.
+                record.cancel = rec.cancel
+                wf.cancel_recorded = True
+                wf.cancel(rec.cancel)
             start = protocol.encode(record)
             try:
                 wf.rev = await _durable.cas(
@@ -125,6 +128,7 @@ class WorkflowShapes(StepRunner):
             except KeyWrongLastSequenceError as err:
                 raise NotOwnerError(key) from err
             self._took_over(wf, None if rec is None else rec.owner)
+        self._now_owner(wf)
         t0 = time.time()
         with span(
             SPAN_WORKFLOW,
@@ -171,11 +175,15 @@ class WorkflowShapes(StepRunner):
         pending = set(tasks)
         succeeded = failed = 0
         first_error: TaskRecord | None = None
+        decided = False  # by the policy, before every step finished
+        stop = wf.stopper()  # a cancel (``Workflow.cancel``)
         n = len(spec.steps)
         try:
             while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
+                waiting: set[asyncio.Future[Any]] = {*pending, stop}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for t in pending & done:  # (the stop aside)
+                    pending.discard(t)
                     rec = self._record_of(wf, tasks[t], t)
                     if rec.state is TaskState.SUCCEEDED:
                         succeeded += 1
@@ -183,7 +191,10 @@ class WorkflowShapes(StepRunner):
                         failed += 1
                         first_error = first_error or rec
                 if spec.policy != "all" and (succeeded >= wf.need or n - failed < wf.need):
+                    decided = True
                     break
+                if pending and stop.done():
+                    break  # the rest are cancelled below, as unneeded
         finally:
             for t in pending:
                 t.cancel()
@@ -193,13 +204,34 @@ class WorkflowShapes(StepRunner):
                 if t.done() and not t.cancelled():
                     t.exception()
         if pending:
+            if not decided:
+                await self._record_cancel(wf)  # before any step is stopped for it
             cancelled = await asyncio.gather(
-                *(self._cancel_step(wf, tasks[t]) for t in pending), return_exceptions=True
+                *(self._cancel_step(wf, tasks[t], settle=not decided) for t in pending),
+                return_exceptions=True,
             )
             for err in cancelled:
                 if isinstance(err, Exception):
                     raise err  # not an outcome: the workflow goes back to JetStream
-        if succeeded >= wf.need:
+            if not decided:  # the steps settled above count as the loop's would have
+                done_recs = [wf.records[i] for i in sorted(wf.records)]
+                succeeded = sum(r.state is TaskState.SUCCEEDED for r in done_recs)
+                failed = sum(
+                    r.state.final and r.state is not TaskState.SUCCEEDED for r in done_recs
+                )
+                first_error = next(
+                    (r for r in done_recs if r.state.final and r.state is not TaskState.SUCCEEDED),
+                    None,
+                )
+                # Settled steps may meet the policy (or put it out of reach): its outcome then.
+                decided = spec.policy != "all" and (succeeded >= wf.need or n - failed < wf.need)
+        # Cancelled: unless the policy had decided, or every step had finished anyway (the
+        # outcome stands then: no valid result is thrown away for a cancel that came late).
+        stopped = None if decided else self._stopped(wf)
+        wf.cancel_won = stopped is not None
+        if stopped is not None:
+            state = TaskState.FAILED
+        elif succeeded >= wf.need:
             state = TaskState.SUCCEEDED
         elif first_error is not None and all(
             r.state is TaskState.TIMEOUT
@@ -217,9 +249,12 @@ class WorkflowShapes(StepRunner):
             state=state,
             steps=steps,
             result=[s.result if s.ok else None for s in steps],
-            error=None
-            if state is TaskState.SUCCEEDED or first_error is None
-            else _step_error(first_error),
+            error=stopped
+            or (
+                None
+                if state is TaskState.SUCCEEDED or first_error is None
+                else _step_error(first_error)
+            ),
         )
 
     async def _chain(self, wf: Workflow) -> WorkflowResult:
@@ -227,9 +262,31 @@ class WorkflowShapes(StepRunner):
         previous: Any = None
         state = TaskState.SUCCEEDED
         error: ErrorBody | None = None
+        stop = wf.stopper()
+        swept = False
         for i, step in enumerate(spec.steps):
-            payload = step.payload if i == 0 else merge_payload(previous, step.payload)
-            rec = await self._step(wf, i, step, payload)
+            rec: TaskRecord | None
+            if stop.done():
+                if (wf.cancel_recorded or wf.taken_over) and not swept:
+                    # Taken over (with a cancel its owner took, or one taken since): steps of
+                    # the previous owner may be out there. Stop what was not stopped yet;
+                    # steps that had finished keep their outcomes.
+                    swept = True
+                    await self._record_cancel(wf)
+                    for j in range(i, len(spec.steps)):
+                        await self._cancel_step(wf, j, settle=True)
+                rec = wf.records.get(i) if swept else None
+                if rec is None or not rec.state.final:
+                    state, error = TaskState.FAILED, stop.result()  # the rest never start
+                    wf.cancel_won = True
+                    break
+            else:
+                payload = step.payload if i == 0 else merge_payload(previous, step.payload)
+                rec = await self._chain_step(wf, i, step, payload)
+                if rec is None:
+                    state, error = TaskState.FAILED, stop.result()
+                    wf.cancel_won = True
+                    break
             wf.records[i] = rec
             if rec.state is not TaskState.SUCCEEDED:
                 state = rec.state if rec.state.final else TaskState.FAILED
@@ -245,6 +302,26 @@ class WorkflowShapes(StepRunner):
             result=previous if state is TaskState.SUCCEEDED else None,
             error=error,
         )
+
+    async def _chain_step(
+        self, wf: Workflow, index: int, step: StepSpec, payload: Any
+    ) -> TaskRecord | None:
+        """Run a chain's step in a task of its own, so that a cancel stops the step and not
+        the chain; None when a cancel stopped it before it finished (a step that had
+        finished keeps its outcome)."""
+        wf.step_task = asyncio.create_task(self._step(wf, index, step, payload))
+        try:
+            return await wf.step_task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if wf.stop is None or not wf.stop.done() or (me is not None and me.cancelling()):
+                raise  # the workflow itself is cancelled (the hub stops)
+            await self._record_cancel(wf)  # before the step is stopped for it
+            await self._cancel_step(wf, index, settle=True)  # fenced like an unneeded branch
+            got = wf.records.get(index)
+            return got if got is not None and got.state.final else None
+        finally:
+            wf.step_task = None
 
     def _record_of(self, wf: Workflow, index: int, task: asyncio.Task[TaskRecord]) -> TaskRecord:
         exc = task.exception()
@@ -303,8 +380,62 @@ class WorkflowShapes(StepRunner):
             )
         return out
 
-    async def _cancel_step(self, wf: Workflow, index: int) -> None:
-        """Mark a branch the policy no longer needs: agents drop its undelivered attempts."""
+    def _stopped(self, wf: Workflow) -> ErrorBody | None:
+        """The cancel's error if a cancel stopped ``wf`` before all its steps finished."""
+        stop = wf.stop
+        if stop is None or not stop.done():
+            return None
+        n = len(wf.spec.steps)
+        if all((r := wf.records.get(i)) is not None and r.state.final for i in range(n)):
+            return None
+        return stop.result()
+
+    async def _record_cancel(self, wf: Workflow) -> None:
+        """Write the cancel into the workflow record (a CAS on this hub's revision) before
+        any step is stopped for it: a hub that takes the workflow over then finishes the
+        cancel instead of finding steps stopped for no reason. ``NotOwnerError`` when
+        another hub took the workflow over: this one stops nothing then."""
+        if wf.cancel_recorded or wf.stop is None or not wf.stop.done():
+            return
+        record = self._running_record(wf)
+        record.cancel = wf.stop.result()
+        try:
+            await self._owner_write(wf, record)
+        except KeyWrongLastSequenceError as err:
+            raise NotOwnerError(protocol.workflow_key(wf.ns, wf.id)) from err
+        wf.cancel_recorded = True
+
+    def _running_record(self, wf: Workflow) -> WorkflowRecord:
+        """The workflow record of ``wf`` while this hub runs it (not final)."""
+        return WorkflowRecord(
+            spec=wf.spec,
+            spec_digest=wf.digest,
+            owner=self.hub_id,
+            trace_id=wf.trace_id,
+            submitted_at=wf.submitted_at,
+            first_agents=wf.first_agents,
+        )
+
+    async def _owner_write(self, wf: Workflow, record: WorkflowRecord) -> None:
+        """Write the workflow record with a CAS on this hub's own revision (``wf.rev``, then
+        the new one). ``KeyWrongLastSequenceError`` when another hub wrote it since."""
+        assert self._wf_kv is not None
+        wf.rev = await _durable.cas(
+            self._wf_kv,
+            protocol.workflow_key(wf.ns, wf.id),
+            protocol.encode(record),
+            wf.rev,
+            self._io_deadline(wf.deadline),
+            on_retry=self._infra_retry,
+        )
+
+    async def _cancel_step(self, wf: Workflow, index: int, *, settle: bool = False) -> None:
+        """Mark a branch the policy no longer needs: agents drop its undelivered attempts.
+
+        ``settle`` (a cancel of the workflow): a step whose outcome an attempt stored in
+        ``REACH_STATUS`` but the hub has not applied (it finished while being cancelled, or
+        before a takeover: a step decided by its current attempt has no final record) keeps
+        that outcome instead of being marked cancelled."""
         assert self._tasks_kv is not None
         kv = self._tasks_kv
         step = wf.spec.steps[index]
@@ -319,6 +450,17 @@ class WorkflowShapes(StepRunner):
             if named is None:
                 return
             rec = named
+        if not rec.state.final and settle:
+            event = await self._stored_outcome(wf, rec)
+            if event is not None:
+                fence = (rec.attempt, rec.agent_id)
+                rec.state, rec.agent_id = event.state, event.agent_id
+                rec.result, rec.error = event.result, event.error
+                rec.cached, rec.duration_ms = event.cached, event.duration_ms
+                rec.decided_by = event.attempt
+                rec.updated_at = time.time()
+                if (event.attempt, event.agent_id) != fence:  # the fence changes: recorded
+                    await self._cas(key, rec, 0 if got is None else got[1], wf.deadline)
         if rec.state.final:
             wf.records[index] = rec
             # Cancelled right after its record was written (by the deadline, by an earlier
@@ -337,6 +479,26 @@ class WorkflowShapes(StepRunner):
         await self._remark(wf, rec)
         if rec.agent_id is not None and rec.attempt > 0:
             self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
+
+    async def _stored_outcome(self, wf: Workflow, rec: TaskRecord) -> TaskStatusEvent | None:
+        """The final status an attempt of ``rec`` stored in ``REACH_STATUS`` (the current
+        attempt's first, else the earliest attempt's), or None. Raises when the stream does
+        not answer: the workflow goes back to JetStream rather than a result be thrown away."""
+        sent = {(h.attempt, h.agent_id) for h in rec.history if h.agent_id is not None}
+        if rec.agent_id is not None and rec.attempt > 0:
+            sent.add((rec.attempt, rec.agent_id))
+        agents = list(dict.fromkeys(a for _, a in sorted(sent, reverse=True) if a is not None))
+        found: list[TaskStatusEvent] = []
+        for agent_id in agents[:_SETTLE_AGENTS]:
+            last = await self._tracker.last_status(wf.ns, rec.task_id, agent_id, patient=True)
+            if last is not None and last.state.final and (last.attempt, last.agent_id) in sent:
+                found.append(last)
+        current = [e for e in found if e.attempt == rec.attempt]
+        return current[0] if current else min(found, key=lambda e: e.attempt, default=None)
+
+
+#: Agents whose stored status a cancel reads for one step (its newest attempts').
+_SETTLE_AGENTS = 4
 
 
 # --------------------------------------------------------------------------- helpers

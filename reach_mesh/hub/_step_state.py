@@ -13,7 +13,7 @@ from typing import Final
 from opentelemetry.context import Context
 
 from reach_mesh.hub.registry import AgentView
-from reach_mesh.models import RouteRequest, TaskState
+from reach_mesh.models import ErrorBody, RouteRequest, TaskState
 from reach_mesh.workflow import (
     AttemptRecord,
     StepSpec,
@@ -75,6 +75,34 @@ class Workflow:
     #: only when sent, with the trace context current when they happened; and the timer.
     held: list[tuple[Callable[[], WorkflowEvent], Context]] = field(default_factory=list)
     hold_timer: asyncio.TimerHandle | None = None
+    #: Set by a cancel (:meth:`cancel`): the error the workflow ends with. Made when first
+    #: needed (a shape waits on it, or a cancel comes first).
+    stop: asyncio.Future[ErrorBody] | None = None
+    #: The chain's running step, stopped at once by a cancel.
+    step_task: asyncio.Task[TaskRecord] | None = None
+    #: The cancel is in the workflow record (``WorkflowShapes._record_cancel``): written by
+    #: this hub, or found there when it took the workflow over.
+    cancel_recorded: bool = False
+    #: The result is the cancel's (its final record keeps ``cancel``: how a cancel's answer
+    #: tells it from a step's error of the same code).
+    cancel_won: bool = False
+
+    def stopper(self) -> asyncio.Future[ErrorBody]:
+        """The future a cancel sets (:attr:`stop`), made on first use."""
+        if self.stop is None:
+            self.stop = asyncio.get_running_loop().create_future()
+        return self.stop
+
+    def cancel(self, error: ErrorBody) -> bool:
+        """Stop the workflow with ``error`` (its shape cancels the steps not finished, as a
+        policy's unneeded branches, and ends FAILED); False when asked before."""
+        stop = self.stopper()
+        if stop.done():
+            return False
+        stop.set_result(error)
+        if self.step_task is not None:
+            self.step_task.cancel()
+        return True
 
     def first_agent(self, index: int) -> str | None:
         """The agent the workflow record names for step ``index``'s attempt 1, if any."""

@@ -36,7 +36,7 @@ from reach_mesh.workflow import (
     step_task_id,
 )
 
-__all__ = ["STEPS_PER_CHARGE", "VIEW_DEADLINE", "workflow_view"]
+__all__ = ["STEPS_PER_CHARGE", "VIEW_DEADLINE", "within_time", "workflow_view"]
 
 #: Steps read at once (two reads each: the task record, the current attempt's last status).
 _READS: Final = 16
@@ -133,7 +133,7 @@ def _target(step: _SlimStepSpec) -> str:
 _T = TypeVar("_T")
 
 
-async def _within(aw: Awaitable[_T], end: float) -> _T:
+async def within_time(aw: Awaitable[_T], end: float) -> _T:
     """``aw``'s result if it comes before loop time ``end``, else ``TimeoutError``. Unlike
     ``wait_for``, a read that does not end when cancelled (nats-py's flush swallows the
     cancellation) is left to end by itself instead of being waited for."""
@@ -176,7 +176,7 @@ async def workflow_view(
     end = asyncio.get_running_loop().time() + min(within, VIEW_DEADLINE)
     key = protocol.workflow_key(ns, workflow_id)
     try:
-        got = await _within(_durable.get(records, key), end)
+        got = await within_time(_durable.get(records, key), end)
     except Exception as err:
         raise MeshUnavailableError(
             f"the record of workflow {workflow_id!r} could not be read: {type(err).__name__}"
@@ -310,7 +310,7 @@ async def _complete_all(
     finally:
         for job, step in jobs.items():
             if not job.done():
-                job.cancel()  # not waited for: see ``_within``
+                job.cancel()  # not waited for: see ``within_time``
                 unread.append((step.index, f"step {step.index} (no answer in time)"))
             elif not job.cancelled() and job.exception() is not None:
                 name = type(job.exception()).__name__

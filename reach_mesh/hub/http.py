@@ -50,7 +50,7 @@ from reach_mesh.hub.http_guard import HttpGuard
 from reach_mesh.models import AgentInfo, AgentState, RouteReply
 from reach_mesh.tracing import inject
 from reach_mesh.tracing.metrics import CONTENT_TYPE
-from reach_mesh.workflow import WorkflowView
+from reach_mesh.workflow import CancelResult, WorkflowView
 
 if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
@@ -72,6 +72,12 @@ AdminOp = Literal["cordon", "uncordon", "quarantine", "release", "remove", "simu
 
 
 # --------------------------------------------------------------------------- wire models
+
+
+class CancelBody(BaseModel):
+    """The body of ``POST /api/workflows/{id}/cancel`` (optional)."""
+
+    reason: str | None = Field(default=None, max_length=200, description="why (audited)")
 
 
 class ErrorDetail(BaseModel):
@@ -258,6 +264,13 @@ class HubHttp:
             response_model=WorkflowView,
             responses=_errors(400, 404, 429, 503, 504, *refused),
         )(self.get_workflow)
+        app.post(
+            "/api/workflows/{workflow_id}/cancel",
+            summary="Cancel a running workflow: its unfinished steps are cancelled, its result "
+            "is FAILED (REACH_WORKFLOW_CANCELLED)",
+            response_model=CancelResult,
+            responses=_errors(400, 404, 415, 429, 503, 504, *refused),
+        )(self.cancel_workflow)
         app.get(
             "/api/tools",
             summary="The mesh's tool menu (union over live, routable agents)",
@@ -438,6 +451,27 @@ class HubHttp:
         data = await self.nats_request(
             protocol.hub_subject(protocol.validate_namespace(ns), "workflow"),
             protocol.dumps({"workflow_id": protocol.validate_workflow_id(workflow_id)}),
+        )
+        return Response(data, media_type="application/json")
+
+    async def cancel_workflow(
+        self,
+        workflow_id: WorkflowIdPath,
+        namespace: NamespaceQuery = None,
+        body: Annotated[CancelBody | None, Body(description="optional: why")] = None,
+    ) -> Response:
+        """``reach.hub.<ns>.cancel``, sent like any caller sends it (``namespace``:
+        ``default`` when not given). One answer: ``final`` false means the owner is still
+        stopping it — POST again (a cancel is idempotent)."""
+        ns = protocol.DEFAULT_NAMESPACE if namespace is None else namespace
+        data = await self.nats_request(
+            protocol.hub_subject(protocol.validate_namespace(ns), "cancel"),
+            protocol.dumps(
+                {
+                    "workflow_id": protocol.validate_workflow_id(workflow_id),
+                    "reason": None if body is None else body.reason,
+                }
+            ),
         )
         return Response(data, media_type="application/json")
 

@@ -49,12 +49,18 @@ from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient, kv_subject
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import MeshUnavailableError, ReachError, WorkflowSpecError
+from reach_mesh.errors import (
+    MeshUnavailableError,
+    ReachError,
+    UnknownWorkflowError,
+    WorkflowCancelledError,
+    WorkflowSpecError,
+)
 from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import SpecConflictError, WorkflowShapes, final_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
-from reach_mesh.hub._wf_view import VIEW_DEADLINE, workflow_view
+from reach_mesh.hub._wf_view import VIEW_DEADLINE, within_time, workflow_view
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
@@ -62,12 +68,14 @@ from reach_mesh.logs import NAMESPACE_SHARE, LineBudget, log_event
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import (
+    CancelResult,
     TaskStatusEvent,
     WorkflowRecord,
     WorkflowResult,
     WorkflowSpec,
     WorkflowView,
     spec_digest,
+    stored_record,
     validate_spec,
 )
 
@@ -124,6 +132,9 @@ class WorkflowEngine(WorkflowShapes):
             on_stale=None if metrics is None else metrics.stale_result_total.inc,
         )
         self._running: dict[asyncio.Task[None], Msg] = {}
+        #: The workflows this hub runs, by (namespace, id), once admitted: a cancel stops
+        #: them, a view asks whether one runs here.
+        self._owning: dict[tuple[str, str], tuple[Workflow, asyncio.Task[Any]]] = {}
         #: Workflows run per namespace, against ``workflow_concurrency`` (fairness).
         self._shares = Shares(settings.workflow_concurrency)
         #: Submissions handed back because their namespace held its share (``_defer``), and
@@ -282,6 +293,19 @@ class WorkflowEngine(WorkflowShapes):
                 out.append((_submit_namespace(msg.subject), protocol.workflow_id_of(msg_id)))
         return out
 
+    def _now_owner(self, wf: Workflow) -> None:
+        """The workflow record names this hub (created, or taken over): cancels and views go
+        to this run of it from now on, in place of any other run of it here (which lost it;
+        a cancel that one took is carried over)."""
+        key = (wf.ns, wf.id)
+        task = asyncio.current_task()
+        assert task is not None
+        old = self._owning.get(key)
+        self._owning[key] = (wf, task)
+        stop = None if old is None or old[0] is wf else old[0].stop
+        if stop is not None and stop.done():
+            wf.cancel(stop.result())
+
     async def ask(self, subject: str, body: bytes, *, timeout: float) -> bytes:
         """A request through the engine's JetStream client, with its random reply tokens (an
         identity that may publish on reply subjects cannot guess them); raises on no answer."""
@@ -309,12 +333,111 @@ class WorkflowEngine(WorkflowShapes):
             records=self._wf_kv,
             tasks=self._tasks_kv,
             tracker=self._tracker,
-            running_here=(ns, workflow_id) in self.owned,
+            running_here=(ns, workflow_id) in self._owning,
             waiting=lambda index: self._waiting_steps.get((ns, workflow_id, index)),
             charge=charge,
             ask_owner=ask_owner,
             within=within,
         )
+
+    async def cancel(
+        self,
+        ns: str,
+        workflow_id: str,
+        reason: str | None,
+        *,
+        within: float,
+        ask_owner: Callable[[str, float], Awaitable[CancelResult]] | None = None,
+    ) -> CancelResult:
+        """Stop a running workflow of ``ns`` (``reach.hub.<ns>.cancel``); what it did, within
+        ``within`` seconds.
+
+        The owner (this hub, or the hub the record names, asked through ``ask_owner(hub_id,
+        end)``, which raises when it cannot tell) stops the workflow as a policy stops
+        unneeded branches: the cancel is written into the workflow record, then the steps not
+        finished are fenced (records marked cancelled, markers behind work still queued, a
+        cancel to the agents running them), and the workflow's one final result is FAILED
+        with ``REACH_WORKFLOW_CANCELLED``; steps that finished keep their results. The answer
+        is ``final`` once a result is stored. ``UnknownWorkflowError`` when no hub runs it
+        and it has no record; ``MeshUnavailableError`` when that cannot be told."""
+        if self._wf_kv is None:
+            raise MeshUnavailableError("this hub's workflow engine has not started")
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        running = self._owning.get((ns, workflow_id))
+        if running is not None:
+            wf, task = running
+            error = ErrorBody(
+                code=WorkflowCancelledError.code,
+                message="cancelled on request" + (f": {reason}" if reason else ""),
+            )
+            if wf.cancel(error):
+                log.info("workflow %s of %r: cancel requested (%s)", workflow_id, ns, reason)
+            # What is left of the time after the record read below (one read: ~1 ms).
+            await asyncio.wait({task}, timeout=max(0.0, end - loop.time() - 0.3))
+        key = protocol.workflow_key(ns, workflow_id)
+        try:
+            got = await within_time(_durable.get(self._wf_kv, key), end)
+        except Exception as err:
+            raise MeshUnavailableError(
+                f"the record of workflow {workflow_id!r} could not be read "
+                f"({type(err).__name__}): ask again (a cancel is idempotent)"
+            ) from err
+        record = stored_record(WorkflowRecord, got)
+        stored = final_result(got)
+        if stored is not None:
+            return CancelResult(
+                workflow_id=workflow_id,
+                namespace=ns,
+                final=True,
+                # The final record keeps ``cancel`` only when the result is the cancel's.
+                cancelled=record is not None and record.cancel is not None,
+                state=stored.state,
+                owner=stored.hub_id,
+                result=stored,
+            )
+        between = MeshUnavailableError(
+            f"workflow {workflow_id!r} is between owners: nothing was cancelled; ask again "
+            f"(a hub takes it over within {self._settings.workflow_ack_wait:g}s)",
+        )
+        if got is None or record is None:
+            if running is not None:
+                raise between  # handed back before its record was made
+            raise UnknownWorkflowError(
+                f"no workflow {workflow_id!r} in namespace {ns!r}: never submitted, not taken "
+                "by a hub yet, or finished longer ago than workflow_retention",
+                workflow_id=workflow_id,
+            )
+
+        def stopping(owner: str | None) -> CancelResult:
+            """Not final yet: ``owner`` has the cancel (or it is recorded for whoever takes the
+            workflow over), and stops it."""
+            return CancelResult(
+                workflow_id=workflow_id,
+                namespace=ns,
+                final=False,
+                state=TaskState.RUNNING,
+                owner=owner,
+            )
+
+        owner = record.owner
+        if running is not None and not running[1].done() and owner == self.hub_id:
+            return stopping(owner)  # fencing its steps, storing the result
+        if (
+            ask_owner is not None
+            and owner is not None
+            and owner != self.hub_id
+            and protocol.HUB_ID_RE.match(owner)
+        ):
+            # Another hub runs it (also: took it over from this one, which went on unaware).
+            try:
+                return await ask_owner(owner, end)
+            except MeshUnavailableError:
+                if record.cancel is None:
+                    raise
+        if record.cancel is not None:
+            return stopping(owner)  # recorded: whoever runs it finishes the cancel
+        raise between
 
     @property
     def waiting_steps(self) -> list[dict[str, Any]]:
@@ -398,6 +521,7 @@ class WorkflowEngine(WorkflowShapes):
             bad = WorkflowSpecError(f"invalid workflow: {type(err).__name__}: {str(err)[:200]}")
             await self._reject(msg, headers, bad)
             return
+        me = asyncio.current_task()
         try:
             result, stored = await self._run(wf)
             if not stored:
@@ -432,6 +556,9 @@ class WorkflowEngine(WorkflowShapes):
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             return
+        finally:
+            if self._owning.get((wf.ns, wf.id), (None, None))[1] is me:
+                del self._owning[(wf.ns, wf.id)]
         # The result is stored and announced: nothing waits on this ack, so it rides along
         # with the next JetStream write (a lost one only brings the submission back to a hub
         # that finds the result stored and announces it again).
@@ -550,17 +677,11 @@ class WorkflowEngine(WorkflowShapes):
             owner=self.hub_id,
             trace_id=result.trace_id,
             submitted_at=result.submitted_at,
+            cancel=result.error if wf.cancel_won else None,
             result=result,
         )
         try:
-            wf.rev = await _durable.cas(
-                self._wf_kv,
-                key,
-                protocol.encode(record),
-                wf.rev,
-                self._io_deadline(wf.deadline),
-                on_retry=self._infra_retry,
-            )
+            await self._owner_write(wf, record)
         except KeyWrongLastSequenceError as err:
             kv = self._wf_kv
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)

@@ -79,6 +79,9 @@ class ChaosConfig:
     down: float = 1.0  # seconds a killed process stays down
     fail_share: float = 0.05  # workflows with a step that fails non-retryably
     slow_share: float = 0.05  # workflows with a step slower than its timeout
+    #: Workflows of slower steps that their caller cancels 0-1.2 s after submitting them
+    #: (cancelled, or ended first: either is right; the cancel's answer must be the truth).
+    cancel_share: float = 0.05
     drain: float = 60.0  # seconds callers wait for results after the last submission
     seed: int = 1
     namespace: str = "chaos"
@@ -236,6 +239,8 @@ class Planned:
     kind: str
     steps: list[Step]
     expected: Expected
+    #: Seconds after its submission its caller cancels it (None: never).
+    cancel_after: float | None = None
 
 
 def plan(cfg: ChaosConfig) -> list[Planned]:
@@ -248,14 +253,23 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
         kind = "fanout" if i % 2 == 0 else "chain"
         r = rng.random()
         variant = (
-            "fail" if r < cfg.fail_share else "slow" if r < cfg.fail_share + cfg.slow_share else ""
+            "fail"
+            if r < cfg.fail_share
+            else "slow"
+            if r < cfg.fail_share + cfg.slow_share
+            else "cancel"
+            if r < cfg.fail_share + cfg.slow_share + cfg.cancel_share
+            else ""
         )
         odd = rng.randrange(3) if variant else -1
         x0 = rng.randrange(1000)
         steps = []
         for k in range(3):
-            mode = variant if k == odd else "ok"
-            ms = 2500 if mode == "slow" else rng.randint(20, 300)
+            mode = variant if k == odd and variant != "cancel" else "ok"
+            if variant == "cancel":
+                ms = rng.randint(200, 1500)  # long enough to be cancelled while it runs
+            else:
+                ms = 2500 if mode == "slow" else rng.randint(20, 300)
             payload: dict[str, Any] = {"mode": mode, "ms": ms}
             if kind == "fanout" or k == 0:
                 payload["x"] = x0 + k if kind == "fanout" else x0
@@ -267,6 +281,7 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
                     retry=RetryPolicy(retries=0),
                 )
             )
+        cancel_after = rng.uniform(0.0, 1.2) if variant == "cancel" else None
         if variant == "fail":
             exp = Expected(kind, "FAILED")
         elif variant == "slow":
@@ -275,7 +290,9 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
             exp = Expected(kind, "SUCCEEDED", [{"x": x0 + k + 1} for k in range(3)])
         else:
             exp = Expected(kind, "SUCCEEDED", {"x": x0 + 3})
-        out.append(Planned(f"{cfg.namespace}-{cfg.seed}-{i:05d}", kind, steps, exp))
+        if cancel_after is not None:
+            exp = Expected(exp.kind, exp.state, exp.result, cancellable=True)
+        out.append(Planned(f"{cfg.namespace}-{cfg.seed}-{i:05d}", kind, steps, exp, cancel_after))
     return out
 
 
@@ -284,6 +301,9 @@ class DriverStats:
     submit_errors: Counter[str] = field(default_factory=Counter)
     wait_errors: Counter[str] = field(default_factory=Counter)
     submit_gave_up: int = 0
+    cancel_errors: Counter[str] = field(default_factory=Counter)
+    #: workflow id -> the cancel's last answer (with ``t``, when it came) or an error string.
+    cancels: dict[str, dict[str, Any] | str] = field(default_factory=dict)
 
 
 async def drive(
@@ -309,6 +329,8 @@ async def drive(
                     return
                 await asyncio.sleep(0.25)
         expected[p.workflow_id] = p.expected
+        if p.cancel_after is not None:
+            cancellers.append(asyncio.create_task(cancel(p, p.cancel_after)))
         while True:
             left = deadline - time.monotonic()
             try:
@@ -322,11 +344,37 @@ async def drive(
                     return
                 await asyncio.sleep(0.25)
 
+    async def cancel(p: Planned, after: float) -> None:
+        """As a caller would: ask until the answer is final (or the drain ends)."""
+        await asyncio.sleep(after)
+        asked = time.time()
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                answer = await client.cancel_workflow(
+                    p.workflow_id, reason="chaos", timeout=max(1.0, min(left, 15.0))
+                )
+                stats.cancels[p.workflow_id] = {
+                    **answer.model_dump(mode="json"),
+                    "t": time.time(),
+                    "asked": asked,
+                }
+                if answer.final:
+                    return
+            except (ReachError, nats.errors.Error, TimeoutError) as err:
+                stats.cancel_errors[type(err).__name__] += 1
+                stats.cancels.setdefault(p.workflow_id, f"{type(err).__name__}: {err}")
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(0.25)
+
     tasks = []
+    cancellers: list[asyncio.Task[None]] = []
     for p in work:
         tasks.append(asyncio.create_task(one(p)))
         await asyncio.sleep(1 / cfg.rate)
     await asyncio.gather(*tasks)
+    await asyncio.gather(*cancellers)
     return expected, callers
 
 
@@ -520,6 +568,8 @@ class ChaosRun:
             ),
             f"  submit gave up: {self.stats.submit_gave_up}",
             f"  caller wait errors (retried): {dict(self.stats.wait_errors)}",
+            f"  cancels sent: {len(self.stats.cancels)}, errors (asked again): "
+            f"{dict(self.stats.cancel_errors)}",
             f"  lease expiries logged by hubs: {self.lease_expiries}",
             f"  fence reads by agents: {self.fence_reads} (handler starts: {self.starts})",
         ]
@@ -564,6 +614,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
             await injector  # the last fault ends (restarted, SIGCONT) before the drain
             expected, callers = await driver
             history = await collect(client, mesh, work, expected, callers)
+            history.cancels = stats.cancels
     finally:
         await asyncio.to_thread(mesh.close)
     report = check(history)
@@ -584,6 +635,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
                 "records": history.records,
                 "done": history.done,
                 "callers": history.callers,
+                "cancels": history.cancels,
                 "tasks": history.tasks,
                 "expected": {k: asdict(v) for k, v in history.expected.items()},
             },

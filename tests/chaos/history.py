@@ -9,7 +9,8 @@ It takes everything a chaos run leaves behind and checks the workflow invariants
   ``end`` JSON line per run);
 - the stored records (``reach_workflows``, ``reach_tasks``);
 - every ``.done`` message in ``REACH_WF_EVENTS``;
-- what each caller's ``Client.workflow()`` returned;
+- what each caller's ``Client.workflow()`` returned, and what each cancel
+  (``Client.cancel_workflow()``) answered and when;
 - the faults the harness injected (kind, target, time).
 
 and returns a :class:`Report` whose :meth:`Report.table` is the table each run prints.
@@ -40,6 +41,10 @@ PRIOR = 5.0
 #: when SIGSTOP landed (nothing can notice a pause in between). It is the at-least-once
 #: window of an agent paused after its handler started, seen from the handler's first line.
 WOKE = 0.05
+#: The error code of a workflow stopped by a cancel.
+CANCELLED = "REACH_WORKFLOW_CANCELLED"
+#: Slack (s) for the cancel checks: every process runs on this host's clock.
+CANCEL_SLACK = 0.3
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,9 @@ class Expected:
     state: str
     #: Compared only when ``state`` is SUCCEEDED.
     result: Any = None
+    #: A caller cancels it while it runs: FAILED with ``REACH_WORKFLOW_CANCELLED`` is right
+    #: too (the cancel came first), and so is ``state`` (the workflow ended first).
+    cancellable: bool = False
 
 
 @dataclass
@@ -81,15 +89,19 @@ class Outcome:
     state: str
     result: Any = None
     steps: tuple[str, ...] = ()
+    #: The result's error code, if any.
+    error: str | None = None
 
     def key(self) -> str:
-        return json.dumps([self.state, self.result, list(self.steps)], sort_keys=True)
+        return json.dumps([self.state, self.result, list(self.steps), self.error], sort_keys=True)
 
     @classmethod
     def of(cls, result: Mapping[str, Any]) -> Outcome:
         """From a ``WorkflowResult`` in its JSON form."""
         steps = tuple(str(s.get("state")) for s in result.get("steps") or ())
-        return cls(str(result.get("state")), result.get("result"), steps)
+        error = result.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        return cls(str(result.get("state")), result.get("result"), steps, code)
 
 
 @dataclass
@@ -104,6 +116,10 @@ class History:
     done: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     #: workflow id -> what ``Client.workflow()`` returned (JSON form), or an error string.
     callers: dict[str, dict[str, Any] | str] = field(default_factory=dict)
+    #: workflow id -> the last answer of the cancel a caller sent (``CancelResult`` JSON form,
+    #: plus ``"t"``: the wall time it came, and ``"asked"``: when the first was sent), or an
+    #: error string.
+    cancels: dict[str, dict[str, Any] | str] = field(default_factory=dict)
     faults: list[Fault] = field(default_factory=list)
 
 
@@ -128,6 +144,12 @@ class Report:
     dup_hub_crash: int = 0
     dup_unexplained: int = 0
     first_result_lost: int = 0
+    #: A cancel whose final answer is not the stored outcome (it said cancelled and the
+    #: workflow was not, or the other way round, or another result).
+    cancel_untrue: int = 0
+    #: A handler of a cancelled workflow started after the cancel's final answer.
+    ran_after_cancel: int = 0
+    cancels: int = 0
     caller_errors: int = 0
     violations: list[Violation] = field(default_factory=list)
 
@@ -146,6 +168,8 @@ class Report:
             or self.first_result_lost
             or self.two_results
             or self.dup_unexplained
+            or self.cancel_untrue
+            or self.ran_after_cancel
         )
 
     def add(self, kind: str, wf: str, detail: str) -> None:
@@ -162,6 +186,9 @@ class Report:
             "dup runs explained (hub crash)": self.dup_hub_crash,
             "dup runs NOT explained": self.dup_unexplained,
             "first result not kept": self.first_result_lost,
+            "cancelled (answered final)": self.cancels,
+            "cancel answer untrue": self.cancel_untrue,
+            "ran after its cancel": self.ran_after_cancel,
             "step record != result": self.step_record_mismatch,
             "handler runs": self.runs,
             "caller errors": self.caller_errors,
@@ -198,6 +225,8 @@ def _record_outcome(record: Mapping[str, Any] | None) -> Outcome | None:
 
 
 def _matches(expected: Expected, got: Outcome) -> bool:
+    if got.error == CANCELLED:
+        return expected.cancellable and got.state == "FAILED"
     if got.state != expected.state:
         return False
     return expected.state != "SUCCEEDED" or got.result == expected.result
@@ -336,6 +365,12 @@ def check(h: History) -> Report:
                     f"task record {task.get('state')} (attempt {task.get('attempt')})",
                 )
 
+    runs_by_wf: dict[str, list[Run]] = defaultdict(list)
+    for run in h.runs:
+        runs_by_wf[run.workflow_id].append(run)
+    for wf, answer in sorted(h.cancels.items()):
+        _check_cancel(rep, wf, answer, h, runs_by_wf.get(wf, []))
+
     for task_id, runs in runs_by_task.items():
         task = h.tasks.get(task_id)
         step = steps.get(task_id)
@@ -363,6 +398,75 @@ def check(h: History) -> Report:
                     f"#{prev.attempt}: {codes.get(prev.attempt)}",
                 )
     return rep
+
+
+def _check_cancel(
+    rep: Report, wf: str, answer: dict[str, Any] | str, h: History, runs: list[Run]
+) -> None:
+    """A cancel's final answer must be the stored outcome; no handler of a step the cancel
+    stopped may start after that answer (the fence), except on an agent that had passed the
+    fence before it was paused (``WOKE``); and a step whose handler had ended with a result
+    before the cancel was even sent must keep it (no valid result thrown away)."""
+    if isinstance(answer, str) or not answer.get("final"):
+        return  # never answered final: nothing was promised
+    stored = _record_outcome(h.records.get(wf))
+    said = answer.get("result")
+    if stored is None or not isinstance(said, dict):
+        rep.cancel_untrue += 1
+        rep.add("cancel answer untrue", wf, f"answered final, stored {stored}")
+        return
+    cancelled = stored.error == CANCELLED
+    if bool(answer.get("cancelled")) != cancelled or Outcome.of(said).key() != stored.key():
+        rep.cancel_untrue += 1
+        rep.add(
+            "cancel answer untrue",
+            wf,
+            f"answered cancelled={answer.get('cancelled')} {Outcome.of(said).state}, "
+            f"stored {stored.state} ({stored.error})",
+        )
+        return
+    if not cancelled:
+        return
+    rep.cancels += 1
+    at = float(answer.get("t") or 0.0)
+    asked = float(answer.get("asked") or at)
+    result = (h.records.get(wf) or {}).get("result") or {}
+    stopped = {str(s.get("task_id")) for s in result.get("steps") or () if s.get("cancelled")}
+    for run in runs:
+        if run.task_id not in stopped:
+            continue
+        if run.start > at + CANCEL_SLACK and not any(
+            f.kind == "agent_stop"
+            and f.target == run.agent_id
+            and f.until is not None
+            and f.until <= run.start <= f.until + WOKE
+            for f in h.faults
+        ):
+            rep.ran_after_cancel += 1
+            rep.add(
+                "ran after its cancel",
+                wf,
+                f"{run.task_id} started on {run.agent_id}#{run.attempt} at {run.start:.3f}, "
+                f"the cancel answered final at {at:.3f}",
+            )
+        ended = run.end or run.start
+        if (
+            run.outcome in ("ok", "failed")
+            and ended < asked - CANCEL_SLACK
+            and not any(
+                f.kind in AGENT_FAULTS
+                and f.target == run.agent_id
+                and run.start - SLACK <= f.at <= ended + SLACK
+                for f in h.faults
+            )
+        ):
+            rep.first_result_lost += 1
+            rep.add(
+                "finished step cancelled",
+                wf,
+                f"{run.task_id} ended {run.outcome} on {run.agent_id}#{run.attempt} at "
+                f"{ended:.3f}, the cancel was sent at {asked:.3f}, the step says cancelled",
+            )
 
 
 # --------------------------------------------------------------------------- reading files
@@ -416,6 +520,7 @@ def load(run_dir: Path) -> History:
         tasks=data["tasks"],
         done=data["done"],
         callers=data["callers"],
+        cancels=data.get("cancels", {}),
         faults=read_faults(run_dir / "faults.jsonl"),
     )
 

@@ -283,3 +283,89 @@ def test_a_step_record_kept_as_sent_must_name_the_deciding_attempt() -> None:
     assert check(h).ok
     h.tasks[f"{WF}-1"] = {**task(1, "PENDING"), "attempt": 2}
     assert check(h).step_record_mismatch == 1
+
+
+def cancelled_result() -> dict[str, Any]:
+    res = result("FAILED")
+    res["error"] = {"code": "REACH_WORKFLOW_CANCELLED", "message": "cancelled on request: chaos"}
+    res["steps"][0]["cancelled"] = True
+    return res
+
+
+def cancelled(answer_at: float = 2.0) -> History:
+    """The clean history's workflow, cancelled while step 0 ran (its answer came at 2.0)."""
+    h = clean()
+    res = cancelled_result()
+    h.expected[WF] = Expected("fanout", "SUCCEEDED", ["a", "b"], cancellable=True)
+    h.records[WF] = {"state": "FAILED", "result": res}
+    h.done[WF] = [res]
+    h.callers[WF] = res
+    h.tasks[f"{WF}-0"] = {**task(0, "PENDING"), "cancelled": True}
+    h.runs[0] = run(0, "ns.a.a1", 1.0, outcome="cancelled")  # its handler was stopped
+    h.cancels[WF] = {
+        "final": True,
+        "cancelled": True,
+        "result": res,
+        "t": answer_at,
+        "asked": answer_at - 0.5,
+    }
+    return h
+
+
+def test_a_cancelled_workflow_is_right_only_when_a_cancel_was_planned() -> None:
+    rep = check(cancelled())
+    assert rep.ok and rep.cancels == 1 and rep.wrong_outcome == 0, rep.table()
+    h = cancelled()
+    h.expected[WF] = Expected("fanout", "SUCCEEDED", ["a", "b"])  # nobody asked for it
+    assert check(h).wrong_outcome == 1
+    h = cancelled()
+    h.expected[WF] = Expected("fanout", "FAILED")  # a planned failure is not a cancel either
+    assert check(h).wrong_outcome == 1
+    h = clean()  # a cancel that came too late: the natural outcome, and the answer says so
+    h.expected[WF] = Expected("fanout", "SUCCEEDED", ["a", "b"], cancellable=True)
+    h.cancels[WF] = {"final": True, "cancelled": False, "result": result(), "t": 2.0}
+    rep = check(h)
+    assert rep.ok and rep.cancels == 0
+
+
+def test_a_cancel_answer_must_be_the_stored_outcome() -> None:
+    h = cancelled()
+    h.cancels[WF] = {"final": True, "cancelled": False, "result": cancelled_result(), "t": 2.0}
+    rep = check(h)
+    assert rep.cancel_untrue == 1 and not rep.ok
+    h = clean()  # said "cancelled", but the workflow went on to succeed
+    h.expected[WF] = Expected("fanout", "SUCCEEDED", ["a", "b"], cancellable=True)
+    h.cancels[WF] = {"final": True, "cancelled": True, "result": cancelled_result(), "t": 2.0}
+    rep = check(h)
+    assert rep.cancel_untrue == 1 and "cancel answer untrue" in rep.table()
+    h = cancelled()  # not final, or an error: nothing was promised
+    h.cancels[WF] = {"final": False, "cancelled": True, "result": None, "t": 2.0}
+    assert check(h).ok
+    h.cancels[WF] = "MeshUnavailableError: nothing was cancelled"
+    assert check(h).ok
+
+
+def test_nothing_of_a_cancelled_workflow_starts_after_the_answer() -> None:
+    h = cancelled(answer_at=2.0)
+    h.runs.append(run(0, "ns.a.a3", 4.0, attempt=2))
+    rep = check(h)
+    assert rep.ran_after_cancel == 1 and not rep.ok
+    assert "ran after its cancel" in rep.table()
+    # Unless its agent had passed the fence and was paused right then (woke and started).
+    h.faults.append(Fault("agent_stop", "ns.a.a3", 1.0, until=3.99))
+    assert check(h).ran_after_cancel == 0
+    # A step the cancel did not stop may run again (an agent crash): not this check's.
+    h = cancelled(answer_at=2.0)
+    h.runs.append(run(1, "ns.a.a3", 4.0, attempt=1))
+    assert check(h).ran_after_cancel == 0
+
+
+def test_a_step_that_had_finished_is_not_cancelled() -> None:
+    """Its handler ended with a result before the cancel was sent: it must keep it."""
+    h = cancelled()
+    h.runs[0] = run(0, "ns.a.a1", 1.0)  # ended ok at 1.1, the cancel was sent at 1.5
+    rep = check(h)
+    assert rep.first_result_lost == 1 and not rep.ok
+    assert "finished step cancelled" in rep.table()
+    h.faults.append(Fault("agent_kill", "ns.a.a1", 1.2))  # its status may never have been stored
+    assert check(h).first_result_lost == 0

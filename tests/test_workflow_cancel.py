@@ -1,0 +1,404 @@
+"""``reach.hub.<ns>.cancel``: a caller or operator stops a running workflow
+(``Client.cancel_workflow``, ``reach-mesh cancel <id>``, ``POST /api/workflows/{id}/cancel``),
+on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import nats
+import pytest
+
+from reach_mesh import (
+    BadRequestError,
+    CancelResult,
+    Client,
+    MeshSettings,
+    MeshUnavailableError,
+    Step,
+    TaskState,
+    UnknownWorkflowError,
+    protocol,
+)
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.models import ErrorBody
+from reach_mesh.workflow import TaskStatusEvent, WorkflowRecord, WorkflowResult, spec_digest
+
+from .helpers import Fleet, echo_agent, eventually, fetch
+
+pytestmark = pytest.mark.timeout(60)
+
+CANCELLED = "REACH_WORKFLOW_CANCELLED"
+
+
+class Held:
+    """A started agent whose ``wf:slow:v1`` handler runs until released, and says whether a
+    run of it was cancelled (the hub's cancel reached the agent)."""
+
+    def __init__(self, fleet: Fleet, name: str = "slow.a1") -> None:
+        self.release = asyncio.Event()
+        self.started = 0
+        self.cancelled = asyncio.Event()
+        self.finished = 0
+        self.agent: Agent = fleet.agent(name)
+
+        @self.agent.handler("wf:slow:v1")
+        async def wait(task: Task[Any]) -> str:
+            self.started += 1
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            self.finished += 1
+            return "done"
+
+    async def start(self) -> Held:
+        await self.agent.start()
+        return self
+
+
+async def running(
+    mesh: Client, wf_id: str, step: int = 0, state: TaskState = TaskState.RUNNING
+) -> None:
+    """Until step ``step`` of the workflow is in ``state`` (RUNNING: on its agent)."""
+
+    async def check() -> bool:
+        try:
+            view = await mesh.inspect_workflow(wf_id)
+        except UnknownWorkflowError:
+            return False
+        return len(view.steps) > step and view.steps[step].state is state
+
+    await eventually(check, timeout=10)
+
+
+async def test_a_running_fanout_stops_and_keeps_what_finished(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The unfinished branch is cancelled (its handler is stopped), the finished one keeps its
+    result, and the one final result — the cancel's answer, ``.done`` and the record — is
+    FAILED with REACH_CANCELLED and the reason. Asking again changes nothing."""
+    held = await Held(fleet).start()
+    ok = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+    await ok.start()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability="wf:slow:v1"), Step(capability="wf:ok:v1", payload={"n": 1})]
+        wf_id = await mesh.submit_fanout(steps, timeout=30)
+        await running(mesh, wf_id)
+        await running(mesh, wf_id, step=1, state=TaskState.SUCCEEDED)
+        await eventually(lambda: held.started == 1, timeout=5)
+        answer = await mesh.cancel_workflow(wf_id, reason="operator drill")
+        assert answer.final and answer.cancelled, answer
+        assert answer.state is TaskState.FAILED and answer.owner == wf_hub.hub_id
+        result = answer.result
+        assert result is not None and result.error is not None
+        assert result.error.code == CANCELLED and "operator drill" in result.error.message
+        slow, fast = result.steps
+        assert slow.cancelled and slow.state is not TaskState.SUCCEEDED, slow
+        echoed = {"by": ok.agent_id, "in": {"n": 1}}
+        assert fast.state is TaskState.SUCCEEDED and fast.result == echoed, fast
+        assert result.result == [None, echoed]
+        # The agent was told: its handler stopped without finishing.
+        await asyncio.wait_for(held.cancelled.wait(), 5)
+        assert held.finished == 0
+        # One final result, wherever it is read.
+        assert await mesh.workflow(wf_id, timeout=5) == result
+        view = await mesh.inspect_workflow(wf_id)
+        assert view.state is TaskState.FAILED and view.error == result.error
+        assert view.steps[0].cancelled
+        # Idempotent: a second cancel says the same, and nothing runs again.
+        again = await mesh.cancel_workflow(wf_id)
+        assert again.final and again.cancelled and again.result == result
+        held.release.set()
+        await asyncio.sleep(0.3)
+        assert held.started == 1 and held.finished == 0
+        assert wf_hub.workflows is not None
+        assert (wf_settings.namespace, wf_id) not in wf_hub.workflows.owned  # it has ended
+        # The operator's action is in the audit (both asks).
+        await wf_hub.audit.flush()
+
+        async def audited() -> bool:
+            events = await mesh.audit(namespace=wf_settings.namespace, since=60)
+            cancels = [e for e in events if e.get("kind") == "cancel"]
+            return [(e["workflow_id"], e.get("reason"), e["cancelled"]) for e in cancels] == [
+                (wf_id, "operator drill", True),
+                (wf_id, None, True),
+            ]
+
+        await eventually(audited, timeout=5)
+
+
+async def test_a_chain_stops_at_its_running_step(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The step running is cancelled, the steps after it never start."""
+    held = await Held(fleet).start()
+    ok = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+    await ok.start()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [
+            Step(capability="wf:ok:v1", payload={"a": 1}),
+            Step(capability="wf:slow:v1"),
+            Step(capability="wf:ok:v1"),
+        ]
+        wf_id = await mesh.submit_chain(steps, timeout=30)
+        await running(mesh, wf_id, step=1)
+        await eventually(lambda: held.started == 1, timeout=5)
+        answer = await mesh.cancel_workflow(wf_id)
+        assert answer.final and answer.cancelled and answer.state is TaskState.FAILED, answer
+        result = answer.result
+        assert result is not None and result.error is not None
+        assert result.error.code == CANCELLED and result.result is None
+        first, second, third = result.steps
+        assert first.state is TaskState.SUCCEEDED and first.result["in"] == {"a": 1}
+        assert second.cancelled and second.agent_id == held.agent.agent_id, second
+        assert third.cancelled and third.state is TaskState.PENDING and third.attempts == 0
+        await asyncio.wait_for(held.cancelled.wait(), 5)
+        assert await mesh.workflow(wf_id, timeout=5) == result
+
+
+async def test_a_workflow_cancelled_as_soon_as_it_is_submitted(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Cancelled before its hub has sent anything, or while it does: nothing runs to the end,
+    and there is one final result."""
+    held = await Held(fleet).start()
+    async with Client(settings=wf_settings) as mesh:
+        ids = [
+            await mesh.submit_fanout([Step(capability="wf:slow:v1")] * 2, timeout=30)
+            for _ in range(3)
+        ]
+        answers = await asyncio.gather(*(mesh.cancel_workflow(i) for i in ids))
+        for wf_id, answer in zip(ids, answers, strict=True):
+            assert answer.final and answer.cancelled, answer
+            assert answer.result is not None
+            assert all(s.cancelled for s in answer.result.steps), answer.result.steps
+            assert await mesh.workflow(wf_id, timeout=5) == answer.result
+        held.release.set()
+        await asyncio.sleep(0.3)
+    assert held.finished == 0
+
+
+@pytest.mark.parametrize("kind", ["fanout", "chain"])
+async def test_a_hub_taking_over_finishes_the_cancel_its_owner_took(
+    kind: str, wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The owner writes a cancel into the workflow record before it stops any step; a hub
+    that takes the workflow over (the owner died between) finishes the cancel. The step that
+    had finished keeps its result — though, decided by its first attempt, it has no final
+    task record: only its agent's final status in the stream says so — nothing else runs,
+    and the result is the cancel's."""
+    ns = wf_settings.namespace
+    held = await Held(fleet).start()
+    agent_id = held.agent.agent_id
+    wf_id = f"taken-{kind}"
+    steps = [Step(capability="wf:slow:v1", payload={"i": i}) for i in range(2)]
+    async with Client(settings=wf_settings) as mesh:
+        spec = mesh._workflow_spec(kind, steps, "all", 30, wf_id)  # type: ignore[arg-type]
+        cancel = ErrorBody(code=CANCELLED, message="cancelled on request: before the crash")
+        record = WorkflowRecord(
+            spec=spec,
+            spec_digest=spec_digest(spec),
+            owner="hub-gone",
+            submitted_at=time.time(),
+            first_agents=[agent_id, None],  # step 0's attempt 1 went out at the start
+            cancel=cancel,
+        )
+        js = mesh.nc.jetstream()
+        await (await js.key_value(protocol.KV_WORKFLOWS)).put(
+            protocol.workflow_key(ns, wf_id), protocol.encode(record)
+        )
+        # Step 0 finished on its agent: its final status is stored, no task record written.
+        status = TaskStatusEvent(
+            task_id=f"{wf_id}-0",
+            attempt=1,
+            agent_id=agent_id,
+            state=TaskState.SUCCEEDED,
+            workflow_id=wf_id,
+            step=0,
+            result={"kept": 1},
+        )
+        await js.publish(protocol.task_status(agent_id, status.task_id), protocol.encode(status))
+        # The submission comes back to a hub (as JetStream redelivers it after the owner died).
+        submit = mesh.submit_fanout if kind == "fanout" else mesh.submit_chain
+        await submit(steps, workflow_id=wf_id, timeout=30)
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.FAILED and res.error == cancel, res
+        first, second = res.steps
+        assert first.state is TaskState.SUCCEEDED and first.result == {"kept": 1}, first
+        assert not first.cancelled and first.decided_by == 1, first
+        assert second.cancelled and not second.state.final, second
+        answer = await mesh.cancel_workflow(wf_id)
+        assert answer.final and answer.cancelled and answer.result == res
+    await asyncio.sleep(0.2)
+    assert held.started == 0
+
+
+async def test_a_workflow_an_agent_shutdown_ended_was_not_cancelled(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    """REACH_CANCELLED (an agent shut down mid-task) is not a cancel's code."""
+    ns = wf_settings.namespace
+    result = WorkflowResult(
+        workflow_id="shut",
+        kind="fanout",
+        state=TaskState.FAILED,
+        error=ErrorBody(code="REACH_CANCELLED", message="agent shut down"),
+    )
+    record = WorkflowRecord(state=TaskState.FAILED, owner="hub-x", result=result)
+    async with Client(settings=wf_settings) as mesh:
+        kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        await kv.put(protocol.workflow_key(ns, "shut"), protocol.encode(record))
+        answer = await mesh.cancel_workflow("shut")
+    assert answer.final and answer.cancelled is False and answer.state is TaskState.FAILED
+
+
+async def test_a_finished_workflow_is_not_cancelled(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ok = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+    await ok.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:ok:v1", payload=1)], timeout=10)
+        assert res.ok
+        answer = await mesh.cancel_workflow(res.workflow_id)
+    assert answer.final and not answer.cancelled, answer
+    assert answer.state is TaskState.SUCCEEDED and answer.result == res
+
+
+async def test_a_cancel_asked_of_another_hub_goes_to_the_owner(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Any hub takes a cancel: the owner is asked on its own subject. An owner that does not
+    answer cancels nothing, and the caller is told so (MeshUnavailableError), not fooled."""
+    held = await Held(fleet).start()
+    other = Hub(settings=wf_settings)
+    async with Client(settings=wf_settings) as mesh:
+        first = await mesh.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+        second = await mesh.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+        await running(mesh, first)
+        await running(mesh, second)
+        await other.start()  # after them: both run on wf_hub
+        try:
+            assert (await mesh.inspect_workflow(second)).owner == wf_hub.hub_id
+            # Cancels go to the other hub only: the owner leaves the queue group.
+            verb = protocol.hub_subject("*", "cancel")
+            (sub,) = [sub for sub in wf_hub._subs if sub.subject == verb]
+            await sub.unsubscribe()
+            await wf_hub.nc.flush()
+            answer = await mesh.cancel_workflow(first, reason="via another hub")
+            assert answer.final and answer.cancelled and answer.owner == wf_hub.hub_id, answer
+            assert answer.result is not None and answer.result.hub_id == wf_hub.hub_id
+            assert answer.result.error is not None
+            assert "via another hub" in answer.result.error.message
+            # The owner stops answering its peers: nothing is cancelled, and the caller knows.
+            peer = protocol.hub_peer("*", "cancel", wf_hub.hub_id)
+            (sub,) = [sub for sub in wf_hub._subs if sub.subject == peer]
+            await sub.unsubscribe()
+            await wf_hub.nc.flush()
+            with pytest.raises(MeshUnavailableError, match="nothing was cancelled"):
+                await mesh.cancel_workflow(second, timeout=1.0)
+            assert (await mesh.inspect_workflow(second)).state is TaskState.RUNNING
+            held.release.set()
+            assert (await mesh.workflow(second, timeout=10)).ok
+        finally:
+            await other.close()
+    assert held.started == 2
+
+
+async def test_bad_cancels_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettings) -> None:
+    ns = wf_settings.namespace
+    async with Client(settings=wf_settings) as mesh:
+        with pytest.raises(UnknownWorkflowError):
+            await mesh.cancel_workflow("never-submitted")
+        with pytest.raises(BadRequestError):
+            await mesh.cancel_workflow("../etc")
+        with pytest.raises(BadRequestError):
+            await mesh.cancel_workflow("x", reason="r" * 201)
+    nc = await nats.connect(wf_settings.nats_url)
+    try:
+        subject = protocol.hub_subject(ns, "cancel")
+        for body in (
+            b"not json",
+            b"[]",
+            b'{"workflow_id": 5}',
+            b'{"workflow_id": "a b"}',
+            b"{}",
+            b'{"workflow_id": "w1", "reason": 7}',
+            json.dumps({"workflow_id": "w1", "reason": "r" * 201}).encode(),
+        ):
+            reply = await nc.request(subject, body, timeout=5)
+            err = json.loads(reply.data)["error"]
+            assert err["code"] == "REACH_BAD_REQUEST", (body, err)
+        # Only hubs may pass a cancel on (NATS permissions in a secure mesh); a hub checks
+        # what it is given all the same.
+        peer = protocol.hub_peer(ns, "cancel", wf_hub.hub_id)
+        for body in (b'{"workflow_id": "w1"}', b'{"workflow_id": "w1", "within_s": 60}'):
+            reply = await nc.request(peer, body, timeout=5)
+            assert json.loads(reply.data)["error"]["code"] == "REACH_BAD_REQUEST"
+    finally:
+        await nc.close()
+
+
+async def test_the_cli_and_the_rest_api_cancel(fleet: Fleet, wf_settings: MeshSettings) -> None:
+    ns = wf_settings.namespace
+    async with (
+        Hub(settings=wf_settings.model_copy(update={"http_port": 0})) as hub,
+        Client(settings=wf_settings) as mesh,
+    ):
+        held = await Held(fleet).start()
+        by_cli = await mesh.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+        by_rest = await mesh.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+        await running(mesh, by_cli)
+        await running(mesh, by_rest)
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+        argv = [sys.executable, "-m", "reach_mesh.cli", "--nats", wf_settings.nats_url]
+        argv += ["cancel", by_cli, "--namespace", ns, "--reason", "from the cli"]
+        done = await asyncio.to_thread(
+            subprocess.run, argv, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"workflow {by_cli} ({ns}): cancelled, FAILED"), done.stdout
+        assert "step 0: " in done.stdout and "(cancelled)" in done.stdout, done.stdout
+        again = await asyncio.to_thread(
+            subprocess.run, [*argv, "--json"], env=env, capture_output=True, text=True
+        )
+        assert again.returncode == 0, again.stderr
+        parsed = CancelResult.model_validate_json(again.stdout)
+        assert parsed.cancelled and parsed.result is not None
+        assert parsed.result.error is not None and "from the cli" in parsed.result.error.message
+        argv[-5] = "no-such-workflow"
+        missing = await asyncio.to_thread(
+            subprocess.run, argv, env=env, capture_output=True, text=True
+        )
+        assert missing.returncode == 2 and "REACH_UNKNOWN_WORKFLOW" in missing.stderr, missing
+
+        base = f"{hub.http_url}/api/workflows"
+
+        async def post(path: str, body: bytes = b"{}") -> tuple[int, Any]:
+            status, raw = await fetch(f"{base}/{path}", method="POST", body=body)
+            return status, json.loads(raw)
+
+        status, body = await post(f"{by_rest}/cancel?namespace={ns}", b'{"reason": "rest"}')
+        assert status == 200, body
+        answer = CancelResult.model_validate(body)
+        if not answer.final:  # the owner was still storing it: ask again, as documented
+            status, body = await post(f"{by_rest}/cancel?namespace={ns}")
+            answer = CancelResult.model_validate(body)
+        assert answer.final and answer.cancelled, answer
+        status, body = await post(f"nothing-here/cancel?namespace={ns}")
+        assert status == 404 and body["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
+        status, body = await post(f"ok/cancel?namespace={ns}", b'{"reason": 5}')
+        assert status == 400 and body["error"]["code"].startswith("REACH_BAD"), body
+        status, raw = await fetch(f"{hub.http_url}/openapi.json")
+        assert "/api/workflows/{workflow_id}/cancel" in json.loads(raw)["paths"]
+    assert held.finished == 0
