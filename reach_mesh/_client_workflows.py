@@ -241,7 +241,12 @@ class WorkflowsMixin:
             except (MeshTimeoutError, MeshUnavailableError, ThrottledError):
                 if last is None:
                     raise
-                return last  # its owner has the cancel and is still stopping it
+                # An owner said it had the cancel: ask on until the deadline (it may have
+                # lost the workflow before recording the cancel), then say what it said.
+                if time.monotonic() + _CANCEL_POLL >= deadline:
+                    return last
+                await asyncio.sleep(_CANCEL_POLL)
+                continue
             last = CancelResult.model_validate_json(data)
             if last.final or time.monotonic() + _CANCEL_POLL >= deadline:
                 return last

@@ -21,12 +21,13 @@ from reach_mesh import (
     Client,
     MeshSettings,
     MeshUnavailableError,
+    RetryPolicy,
     Step,
     TaskState,
     UnknownWorkflowError,
     protocol,
 )
-from reach_mesh.agent import Agent, Task
+from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.models import ErrorBody
 from reach_mesh.workflow import TaskStatusEvent, WorkflowRecord, WorkflowResult, spec_digest
@@ -259,6 +260,47 @@ async def test_a_workflow_an_agent_shutdown_ended_was_not_cancelled(
         await kv.put(protocol.workflow_key(ns, "shut"), protocol.encode(record))
         answer = await mesh.cancel_workflow("shut")
     assert answer.final and answer.cancelled is False and answer.state is TaskState.FAILED
+
+
+@pytest.mark.parametrize("kind", ["fanout", "chain"])
+async def test_a_failure_the_hub_retried_does_not_become_the_outcome(
+    kind: str, wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Attempt 1 failed (retryably) and attempt 2 runs when the cancel comes: the stored
+    failure of attempt 1 decided nothing, so the step is cancelled, not FAILED."""
+    release = asyncio.Event()
+    # Two agents: the retry goes to the other one, so the first one's newest stored status
+    # is attempt 1's FAILED.
+    for name in ("flaky.a1", "flaky.a2"):
+        flaky = fleet.agent(name)
+
+        @flaky.handler("wf:flaky:v1")
+        async def once(task: Task[Any]) -> str:
+            if task.attempt == 1:
+                raise TaskFailed("flake", retryable=True)
+            await release.wait()
+            return "late"
+
+        await flaky.start()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability="wf:flaky:v1", retry=RetryPolicy(retries=2))]
+        submit = mesh.submit_fanout if kind == "fanout" else mesh.submit_chain
+        wf_id = await submit(steps, timeout=30)
+
+        async def second_attempt_runs() -> bool:
+            try:
+                view = await mesh.inspect_workflow(wf_id)
+            except UnknownWorkflowError:
+                return False  # not taken yet
+            return view.steps[0].attempt == 2 and view.steps[0].state is TaskState.RUNNING
+
+        await eventually(second_attempt_runs, timeout=10)
+        answer = await mesh.cancel_workflow(wf_id)
+        release.set()
+    assert answer.final and answer.cancelled, answer
+    assert answer.result is not None and answer.result.error is not None
+    assert answer.result.error.code == CANCELLED
+    assert answer.result.steps[0].cancelled, answer.result.steps
 
 
 async def test_a_finished_workflow_is_not_cancelled(

@@ -20,6 +20,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from reach_mesh import protocol
 from reach_mesh.errors import InternalError, ReachError
 from reach_mesh.hub import _durable
+from reach_mesh.hub._step_state import note, retryable
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
@@ -168,15 +169,19 @@ class WorkflowShapes(StepRunner):
 
     async def _fanout(self, wf: Workflow) -> WorkflowResult:
         spec = wf.spec
+        stop = wf.stopper()  # a cancel (``Workflow.cancel``)
+        # Cancelled before it started here (a takeover of a recorded cancel): no step starts.
         tasks = {
             asyncio.create_task(self._step(wf, i, s, s.payload)): i
             for i, s in enumerate(spec.steps)
+            if not stop.done()
         }
         pending = set(tasks)
+        # The steps to stop below: those still running, or every one if none started.
+        to_stop = list(range(len(spec.steps))) if stop.done() else []
         succeeded = failed = 0
         first_error: TaskRecord | None = None
         decided = False  # by the policy, before every step finished
-        stop = wf.stopper()  # a cancel (``Workflow.cancel``)
         n = len(spec.steps)
         try:
             while pending:
@@ -203,11 +208,12 @@ class WorkflowShapes(StepRunner):
             for t in tasks:  # a branch's error is reported once, by the branch we acted on
                 if t.done() and not t.cancelled():
                     t.exception()
-        if pending:
+        to_stop += sorted(tasks[t] for t in pending)
+        if to_stop:
             if not decided:
                 await self._record_cancel(wf)  # before any step is stopped for it
             cancelled = await asyncio.gather(
-                *(self._cancel_step(wf, tasks[t], settle=not decided) for t in pending),
+                *(self._cancel_step(wf, i, settle=not decided) for i in to_stop),
                 return_exceptions=True,
             )
             for err in cancelled:
@@ -216,10 +222,11 @@ class WorkflowShapes(StepRunner):
             if not decided:  # the steps settled above count as the loop's would have
                 done_recs = [wf.records[i] for i in sorted(wf.records)]
                 succeeded = sum(r.state is TaskState.SUCCEEDED for r in done_recs)
-                failed = sum(
-                    r.state.final and r.state is not TaskState.SUCCEEDED for r in done_recs
+                failed = max(
+                    failed,
+                    sum(r.state.final and r.state is not TaskState.SUCCEEDED for r in done_recs),
                 )
-                first_error = next(
+                first_error = first_error or next(
                     (r for r in done_recs if r.state.final and r.state is not TaskState.SUCCEEDED),
                     None,
                 )
@@ -450,17 +457,22 @@ class WorkflowShapes(StepRunner):
             if named is None:
                 return
             rec = named
-        if not rec.state.final and settle:
+        if settle and not rec.state.final and not rec.cancelled:
             event = await self._stored_outcome(wf, rec)
-            if event is not None:
+            if event is not None:  # as ``_finish`` applies an outcome
                 fence = (rec.attempt, rec.agent_id)
+                note(rec, event)
                 rec.state, rec.agent_id = event.state, event.agent_id
                 rec.result, rec.error = event.result, event.error
                 rec.cached, rec.duration_ms = event.cached, event.duration_ms
                 rec.decided_by = event.attempt
                 rec.updated_at = time.time()
+                if event.cached:
+                    self.duplicate_total += 1
                 if (event.attempt, event.agent_id) != fence:  # the fence changes: recorded
                     await self._cas(key, rec, 0 if got is None else got[1], wf.deadline)
+                    if fence[1] is not None and fence[0] > 0:  # its current attempt: not needed
+                        self._cancel_attempt(fence[1], rec.task_id, fence[0])
         if rec.state.final:
             wf.records[index] = rec
             # Cancelled right after its record was written (by the deadline, by an earlier
@@ -470,9 +482,16 @@ class WorkflowShapes(StepRunner):
         rec.cancelled = True
         rec.updated_at = time.time()
         wf.records[index] = rec
-        with contextlib.suppress(Exception):
-            last = 0 if got is None else got[1]
-            await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
+        last = 0 if got is None else got[1]
+        if settle:
+            # A cancel must fence what runs: a record read from a replica behind its last
+            # write (a next attempt) is not fenced by this one. Lost race or outlived retries:
+            # the workflow goes back to JetStream, and the recorded cancel is finished from
+            # fresh reads.
+            await self._cas(key, rec, last, wf.deadline)
+        else:
+            with contextlib.suppress(Exception):
+                await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
         # Every attempt it sent, not only the current one: the branch may have been cancelled
         # between a fence-first record and its marker. A failure here is the workflow's
         # (``_fanout`` raises it): the result must not be stored before the markers are.
@@ -484,17 +503,31 @@ class WorkflowShapes(StepRunner):
         """The final status an attempt of ``rec`` stored in ``REACH_STATUS`` (the current
         attempt's first, else the earliest attempt's), or None. Raises when the stream does
         not answer: the workflow goes back to JetStream rather than a result be thrown away."""
-        sent = {(h.attempt, h.agent_id) for h in rec.history if h.agent_id is not None}
+        # Attempts whose outcome the hub has not handled: one it had handled (a failure it
+        # retried) is in the history with its final state, and decided nothing.
+        open_ = {
+            (h.attempt, h.agent_id)
+            for h in rec.history
+            if h.agent_id is not None and not h.state.final
+        }
         if rec.agent_id is not None and rec.attempt > 0:
-            sent.add((rec.attempt, rec.agent_id))
-        agents = list(dict.fromkeys(a for _, a in sorted(sent, reverse=True) if a is not None))
+            open_.add((rec.attempt, rec.agent_id))
+        agents = list(dict.fromkeys(a for _, a in sorted(open_, reverse=True) if a is not None))
         found: list[TaskStatusEvent] = []
         for agent_id in agents[:_SETTLE_AGENTS]:
             last = await self._tracker.last_status(wf.ns, rec.task_id, agent_id, patient=True)
-            if last is not None and last.state.final and (last.attempt, last.agent_id) in sent:
+            if last is None or (last.attempt, last.agent_id) not in open_:
+                continue
+            # Only an outcome that decides the step: a success, or a failure not retried (a
+            # retryable one would have been followed by another attempt: not finished).
+            if last.state is TaskState.SUCCEEDED or (last.state.final and not retryable(last)):
                 found.append(last)
-        current = [e for e in found if e.attempt == rec.attempt]
-        return current[0] if current else min(found, key=lambda e: e.attempt, default=None)
+        # A success first (no valid result is thrown away), then the earliest attempt's.
+        return min(
+            found,
+            key=lambda e: (e.state is not TaskState.SUCCEEDED, e.attempt),
+            default=None,
+        )
 
 
 #: Agents whose stored status a cancel reads for one step (its newest attempts').

@@ -41,7 +41,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
@@ -52,6 +52,7 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     MeshUnavailableError,
     ReachError,
+    ThrottledError,
     UnknownWorkflowError,
     WorkflowCancelledError,
     WorkflowSpecError,
@@ -364,26 +365,26 @@ class WorkflowEngine(WorkflowShapes):
             raise MeshUnavailableError("this hub's workflow engine has not started")
         loop = asyncio.get_running_loop()
         end = loop.time() + within
-        running = self._owning.get((ns, workflow_id))
-        if running is not None:
-            wf, task = running
-            error = ErrorBody(
-                code=WorkflowCancelledError.code,
-                message="cancelled on request" + (f": {reason}" if reason else ""),
-            )
-            if wf.cancel(error):
-                log.info("workflow %s of %r: cancel requested (%s)", workflow_id, ns, reason)
-            # What is left of the time after the record read below (one read: ~1 ms).
-            await asyncio.wait({task}, timeout=max(0.0, end - loop.time() - 0.3))
-        key = protocol.workflow_key(ns, workflow_id)
-        try:
-            got = await within_time(_durable.get(self._wf_kv, key), end)
-        except Exception as err:
-            raise MeshUnavailableError(
-                f"the record of workflow {workflow_id!r} could not be read "
-                f"({type(err).__name__}): ask again (a cancel is idempotent)"
-            ) from err
+        got = await self._record_now(ns, workflow_id, end)
         record = stored_record(WorkflowRecord, got)
+        running = self._owning.get((ns, workflow_id))
+        if running is not None and record is not None and record.result is None:
+            if record.owner == self.hub_id:
+                wf, task = running
+                error = ErrorBody(
+                    code=WorkflowCancelledError.code,
+                    message="cancelled on request" + (f": {reason}" if reason else ""),
+                )
+                if wf.cancel(error):
+                    log.info("workflow %s of %r: cancel requested (%s)", workflow_id, ns, reason)
+                # What is left of the time after the second read below.
+                await asyncio.wait({task}, timeout=max(0.0, end - loop.time() - 0.3))
+                got = await self._record_now(ns, workflow_id, end)
+                record = stored_record(WorkflowRecord, got)
+                if not task.done() and record is not None and record.result is None:
+                    return self._not_final(ns, workflow_id, self.hub_id)  # fencing, storing
+            else:
+                running = None  # a run here that lost the workflow: its owner decides
         stored = final_result(got)
         if stored is not None:
             return CancelResult(
@@ -396,11 +397,12 @@ class WorkflowEngine(WorkflowShapes):
                 owner=stored.hub_id,
                 result=stored,
             )
+        taken = "it may have been taken" if running is not None else "nothing was cancelled"
         between = MeshUnavailableError(
-            f"workflow {workflow_id!r} is between owners: nothing was cancelled; ask again "
-            f"(a hub takes it over within {self._settings.workflow_ack_wait:g}s)",
+            f"workflow {workflow_id!r} is between owners: {taken}; ask again (a hub takes it "
+            f"over within {self._settings.workflow_ack_wait:g}s)",
         )
-        if got is None or record is None:
+        if record is None:
             if running is not None:
                 raise between  # handed back before its record was made
             raise UnknownWorkflowError(
@@ -408,36 +410,49 @@ class WorkflowEngine(WorkflowShapes):
                 "by a hub yet, or finished longer ago than workflow_retention",
                 workflow_id=workflow_id,
             )
-
-        def stopping(owner: str | None) -> CancelResult:
-            """Not final yet: ``owner`` has the cancel (or it is recorded for whoever takes the
-            workflow over), and stops it."""
-            return CancelResult(
-                workflow_id=workflow_id,
-                namespace=ns,
-                final=False,
-                state=TaskState.RUNNING,
-                owner=owner,
-            )
-
         owner = record.owner
-        if running is not None and not running[1].done() and owner == self.hub_id:
-            return stopping(owner)  # fencing its steps, storing the result
         if (
             ask_owner is not None
             and owner is not None
             and owner != self.hub_id
             and protocol.HUB_ID_RE.match(owner)
         ):
-            # Another hub runs it (also: took it over from this one, which went on unaware).
             try:
                 return await ask_owner(owner, end)
-            except MeshUnavailableError:
+            except (MeshUnavailableError, ThrottledError):
                 if record.cancel is None:
                     raise
         if record.cancel is not None:
-            return stopping(owner)  # recorded: whoever runs it finishes the cancel
+            return self._not_final(ns, workflow_id, owner)  # whoever runs it finishes it
         raise between
+
+    @staticmethod
+    def _not_final(ns: str, workflow_id: str, owner: str | None) -> CancelResult:
+        """A cancel's answer while not final: ``owner`` has it (or it is in the record of a
+        workflow between owners, which the hub that takes it over finishes)."""
+        return CancelResult(
+            workflow_id=workflow_id, namespace=ns, final=False, state=TaskState.RUNNING, owner=owner
+        )
+
+    async def _record_now(self, ns: str, workflow_id: str, end: float) -> tuple[bytes, int] | None:
+        """The workflow record as its stream's leader has it (not a replica that may lag
+        behind a takeover or a final write), by loop time ``end``; ``MeshUnavailableError``
+        when it cannot be read."""
+        subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(ns, workflow_id))
+        try:
+            raw = await within_time(
+                self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject), end
+            )
+        except NotFoundError:
+            return None
+        except Exception as err:
+            raise MeshUnavailableError(
+                f"the record of workflow {workflow_id!r} could not be read "
+                f"({type(err).__name__}): ask again (a cancel is idempotent)"
+            ) from err
+        if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+            return None
+        return raw.data, int(raw.seq or 0)
 
     @property
     def waiting_steps(self) -> list[dict[str, Any]]:

@@ -56,6 +56,9 @@ def build(agent_id: str, log_path: str) -> Agent:
             if p["mode"] == "fail":
                 outcome = "failed"
                 raise TaskFailed("planned failure", retryable=False)
+            if p["mode"] == "flaky" and task.attempt == 1:
+                outcome = "flaky"  # a planned retry follows
+                raise TaskFailed("planned flake", retryable=True)
             outcome = "ok"
             return {"x": p["x"] + 1}
         except asyncio.CancelledError:

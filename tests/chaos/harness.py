@@ -245,7 +245,9 @@ class Planned:
 
 def plan(cfg: ChaosConfig) -> list[Planned]:
     """Fanouts and chains of 3 steps; a share has a step that fails non-retryably or one that
-    is slower than its timeout. Every step has ``retries=0``: a second handler run of a step is
+    is slower than its timeout, and a share is cancelled by its caller (one of its steps fails
+    once, retryably, and has ``retries=1``: that second run is the only planned one, logged
+    after a ``flaky`` run). Every other step has ``retries=0``: a second handler run of it is
     never a planned retry."""
     rng = random.Random(cfg.seed)
     out: list[Planned] = []
@@ -267,7 +269,10 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
         for k in range(3):
             mode = variant if k == odd and variant != "cancel" else "ok"
             if variant == "cancel":
-                ms = rng.randint(200, 1500)  # long enough to be cancelled while it runs
+                # Long enough to be cancelled while it runs; one step fails once and is
+                # retried (a failure handled by the hub must not become the step's outcome).
+                mode = "flaky" if k == odd else "ok"
+                ms = rng.randint(200, 1500)
             else:
                 ms = 2500 if mode == "slow" else rng.randint(20, 300)
             payload: dict[str, Any] = {"mode": mode, "ms": ms}
@@ -278,7 +283,7 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
                     capability=CAPABILITY,
                     payload=payload,
                     timeout=1.0 if mode == "slow" else 10.0,
-                    retry=RetryPolicy(retries=0),
+                    retry=RetryPolicy(retries=1 if mode == "flaky" else 0),
                 )
             )
         cancel_after = rng.uniform(0.0, 1.2) if variant == "cancel" else None

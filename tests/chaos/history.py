@@ -328,6 +328,15 @@ def check(h: History) -> Report:
             rep.add("stuck", wf, f"stored state {state}, no .done; caller: {caller_raw!r:.120}")
             continue
         rep.finished += 1
+        has_cancel = (record or {}).get("cancel") is not None
+        if stored is not None and has_cancel != (stored.error == CANCELLED):
+            rep.cancel_untrue += 1
+            rep.add(
+                "cancel answer untrue",
+                wf,
+                f"the final record's cancel is {(record or {}).get('cancel')}, "
+                f"its result's error {stored.error}",
+            )
         if stored is None:
             readers["record"] = Outcome(str((record or {}).get("state")))
         distinct = {o.key(): name for name, o in readers.items()}
@@ -379,7 +388,12 @@ def check(h: History) -> Report:
             rep.first_result_lost += 1
             rep.add("first result not kept", runs[0].workflow_id, lost)
         runs.sort(key=lambda r: r.start)
+        flakes = [r for r in runs if r.outcome == "flaky"]  # each planned one more run
         for i, dup in enumerate(runs[1:], start=1):
+            planned = next((f for f in flakes if f.attempt < dup.attempt), None)
+            if planned is not None:
+                flakes.remove(planned)
+                continue
             why = _explained(dup, runs[:i], h.faults)
             if why == "agent":
                 rep.dup_agent_crash += 1

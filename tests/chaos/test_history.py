@@ -297,7 +297,7 @@ def cancelled(answer_at: float = 2.0) -> History:
     h = clean()
     res = cancelled_result()
     h.expected[WF] = Expected("fanout", "SUCCEEDED", ["a", "b"], cancellable=True)
-    h.records[WF] = {"state": "FAILED", "result": res}
+    h.records[WF] = {"state": "FAILED", "result": res, "cancel": res["error"]}
     h.done[WF] = [res]
     h.callers[WF] = res
     h.tasks[f"{WF}-0"] = {**task(0, "PENDING"), "cancelled": True}
@@ -369,3 +369,26 @@ def test_a_step_that_had_finished_is_not_cancelled() -> None:
     assert "finished step cancelled" in rep.table()
     h.faults.append(Fault("agent_kill", "ns.a.a1", 1.2))  # its status may never have been stored
     assert check(h).first_result_lost == 0
+
+
+def test_the_final_record_keeps_its_cancel_exactly_when_the_result_is_the_cancels() -> None:
+    h = cancelled()
+    del h.records[WF]["cancel"]
+    rep = check(h)
+    assert rep.cancel_untrue == 1 and not rep.ok
+    h = clean()
+    h.records[WF]["cancel"] = {"code": "REACH_WORKFLOW_CANCELLED", "message": "x"}
+    assert check(h).cancel_untrue == 1
+
+
+def test_the_planned_retry_of_a_flaky_step_is_no_duplicate() -> None:
+    h = clean()
+    h.runs[0] = run(0, "ns.a.a1", 1.0, outcome="flaky")
+    h.runs.append(run(0, "ns.a.a2", 1.5, attempt=2))
+    h.records[WF]["result"]["steps"][0]["decided_by"] = 2  # (shared with .done, the caller)
+    history = [{"attempt": 1, "state": "FAILED"}, {"attempt": 2, "state": "SUCCEEDED"}]
+    h.tasks[f"{WF}-0"] = task(0, history=history)
+    rep = check(h)
+    assert rep.ok and rep.dup_unexplained == 0, rep.table()
+    h.runs.append(run(0, "ns.a.a2", 2.5, attempt=3))  # one more than planned
+    assert check(h).dup_unexplained == 1
