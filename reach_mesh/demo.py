@@ -17,9 +17,9 @@ from pydantic import BaseModel
 from reach_mesh.agent import Agent, Task
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import NoMatchError
+from reach_mesh.errors import NoMatchError, UnknownWorkflowError
 from reach_mesh.hub import Hub
-from reach_mesh.models import ToolSpec
+from reach_mesh.models import TaskState, ToolSpec
 from reach_mesh.workflow import Step
 
 __all__ = ["demo_agents", "run_demo"]
@@ -176,6 +176,33 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
         out(
             f"[ok ] inspected: {view.kind} {view.workflow_id} owned by {view.owner}: {states} "
             f"(reach-mesh workflow {view.workflow_id} --namespace {view.namespace})"
+        )
+        # A chain whose second step no agent serves waits for one: stop it
+        # (`reach-mesh cancel <id>`). Its first step keeps its result.
+        with _quiet("reach_mesh.hub"):  # on purpose: not a fault worth the hub's WARNING
+            waiting = await mesh.submit_chain(
+                [
+                    Step(capability="text:translate:v1", payload={"text": "hola"}),
+                    Step(capability="text:ocr:v1"),
+                ],
+                timeout=30,
+            )
+            for _ in range(50):  # until step 0 is done and step 1 waits for an agent
+                with contextlib.suppress(UnknownWorkflowError):  # not taken by the hub yet
+                    seen = await mesh.inspect_workflow(waiting)
+                    if seen.steps[0].state is TaskState.SUCCEEDED:
+                        break
+                await asyncio.sleep(0.1)
+            stopped = await mesh.cancel_workflow(waiting, reason="demo: nobody serves text:ocr:v1")
+        result = stopped.result
+        kept = result is not None and result.steps[0].ok and result.steps[1].cancelled
+        if not (stopped.final and stopped.cancelled and kept):
+            failures += 1
+        code = "-" if result is None or result.error is None else result.error.code
+        out(
+            f"[{'ok ' if stopped.cancelled and kept else 'ERR'}] cancelled: chain {waiting} -> "
+            f"{stopped.state.value} {code}, step 0's result kept, step 1 cancelled "
+            f"(reach-mesh cancel {waiting} --namespace {mesh.namespace})"
         )
         try:
             with _quiet("reach_mesh.hub"):  # on purpose: not a fault worth the hub's WARNING
