@@ -158,6 +158,8 @@ class WorkflowEngine(WorkflowShapes):
         #: Submissions refused because their workflow id was taken by another spec.
         self.conflict_total = 0
         self.workflows_done = 0
+        #: Workflows this hub stopped on a cancel request.
+        self.cancelled_total = 0
         #: Agents registered with ``durable_work=False`` (no work consumer): never offered a
         #: step. Kept from state changes so choosing a step does not scan the registry.
         self._no_work: set[str] = set()
@@ -580,6 +582,10 @@ class WorkflowEngine(WorkflowShapes):
         self._jsc.ack_later(msg)
         if not stored:
             self._count_done(wf.spec.kind, result)
+            if wf.cancel_won:
+                self.cancelled_total += 1
+                if self._metrics is not None:
+                    self._metrics.workflow_cancelled_total.inc()
 
     async def _still_owner(self, wf: Workflow) -> bool:
         """Whether the workflow record is still at the revision this hub last wrote, naming

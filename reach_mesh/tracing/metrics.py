@@ -270,6 +270,12 @@ class HubMetrics:
             "was cut off), resuming them from the records.",
             registry=r,
         )
+        self.workflow_cancelled_total = Counter(
+            "reach_workflow_cancelled",
+            "Workflows this hub stopped on a cancel request (also counted in reach_workflow_total "
+            "as FAILED).",
+            registry=r,
+        )
         self.workflow_deferred_total = Counter(
             "reach_workflow_deferred",
             "Workflow submissions handed back to the stream for later: the hub runs "
