@@ -17,9 +17,9 @@ from pydantic import BaseModel
 from reach_mesh.agent import Agent, Task
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import NoMatchError, UnknownWorkflowError
+from reach_mesh.errors import NoMatchError, ReachError
 from reach_mesh.hub import Hub
-from reach_mesh.models import TaskState, ToolSpec
+from reach_mesh.models import ToolSpec
 from reach_mesh.workflow import Step
 
 __all__ = ["demo_agents", "run_demo"]
@@ -188,21 +188,25 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
                 timeout=30,
             )
             for _ in range(50):  # until step 0 is done and step 1 waits for an agent
-                with contextlib.suppress(UnknownWorkflowError):  # not taken by the hub yet
+                with contextlib.suppress(ReachError):  # not taken by the hub yet, throttled
                     seen = await mesh.inspect_workflow(waiting)
-                    if seen.steps[0].state is TaskState.SUCCEEDED:
+                    if seen.steps[0].state.final:
                         break
                 await asyncio.sleep(0.1)
             stopped = await mesh.cancel_workflow(waiting, reason="demo: nobody serves text:ocr:v1")
         result = stopped.result
         kept = result is not None and result.steps[0].ok and result.steps[1].cancelled
-        if not (stopped.final and stopped.cancelled and kept):
+        good = bool(stopped.final and stopped.cancelled and kept)
+        if not good:
             failures += 1
         code = "-" if result is None or result.error is None else result.error.code
+        steps = ", ".join(
+            f"step {s.index} {'cancelled' if s.cancelled else s.state.value}"
+            for s in (result.steps if result is not None else [])
+        )
         out(
-            f"[{'ok ' if stopped.cancelled and kept else 'ERR'}] cancelled: chain {waiting} -> "
-            f"{stopped.state.value} {code}, step 0's result kept, step 1 cancelled "
-            f"(reach-mesh cancel {waiting} --namespace {mesh.namespace})"
+            f"[{'ok ' if good else 'ERR'}] cancelled: chain {waiting} -> {stopped.state.value} "
+            f"{code} ({steps}) (reach-mesh cancel {waiting} --namespace {mesh.namespace})"
         )
         try:
             with _quiet("reach_mesh.hub"):  # on purpose: not a fault worth the hub's WARNING

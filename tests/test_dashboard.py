@@ -464,8 +464,9 @@ async def test_token_added_to_an_open_page_is_taken(wf_settings: MeshSettings) -
 
 @needs_chromium
 async def test_a_running_workflow_is_cancelled_from_the_page(wf_settings: MeshSettings) -> None:
-    """A workflow not final has a cancel button; the operator confirms with a reason; the
-    workflow's one result is the cancel's, with that reason."""
+    """A workflow not final has a cancel button; the operator clicks it and gives a reason;
+    the workflow's one result is the cancel's, with that reason, the page says so, and the
+    button is gone."""
     release = asyncio.Event()
     async with running_mesh(wf_settings) as m, Client(settings=wf_settings) as c:
         slow = Agent(f"{wf_settings.namespace}.slow.a1", settings=wf_settings)
@@ -475,28 +476,40 @@ async def test_a_running_workflow_is_cancelled_from_the_page(wf_settings: MeshSe
             await release.wait()
             return "late"
 
-        async with slow:
-            wf_id = await c.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+        try:
+            async with slow:
+                wf_id = await c.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+                button = f'button[data-cancel="{wf_id}"]'
 
-            def operate() -> list[Any]:
-                with Chromium() as browser:
-                    browser.watch_console()
-                    browser.open(f"{m.base}/")
-                    button = browser.evaluate(
-                        f"""new Promise(ok => {{ const t = setInterval(() => {{
-                          const b = document.querySelector('button[data-cancel="{wf_id}"]');
-                          if (b) {{ clearInterval(t); ok(b.dataset.ns); }} }}, 50); }})"""
-                    )
-                    browser.evaluate("window.prompt = () => 'from the dashboard'")
-                    done = browser.evaluate(
-                        f"cancelWorkflow({json.dumps(wf_id)}, {json.dumps(button)})"
-                    )
-                    return [button, done, browser.console_errors()]
+                def operate() -> list[Any]:
+                    with Chromium() as browser:
+                        browser.watch_console()
+                        browser.open(f"{m.base}/")
+                        ns = browser.evaluate(
+                            f"""new Promise(ok => {{ const t = setInterval(() => {{
+                              const b = document.querySelector('{button}');
+                              if (b) {{ clearInterval(t); ok(b.dataset.ns); }} }}, 50); }})"""
+                        )
+                        browser.evaluate("window.prompt = () => 'from the dashboard'")
+                        browser.evaluate(f"document.querySelector('{button}').click()")
+                        said = browser.evaluate(
+                            """new Promise(ok => { const t = setInterval(() => {
+                                 const msg = document.getElementById("msg").textContent;
+                                 if (msg) { clearInterval(t); ok(msg); } }, 50); })"""
+                        )
+                        gone = browser.evaluate(
+                            f"""new Promise(ok => {{ const t = setInterval(() => {{
+                              if (!document.querySelector('{button}'))
+                                {{ clearInterval(t); ok(true); }} }}, 50); }})"""
+                        )
+                        return [ns, said, gone, browser.console_errors()]
 
-            ns, done, errors = await asyncio.to_thread(operate)
-            res = await c.workflow(wf_id, timeout=10)
+                ns, said, gone, errors = await asyncio.to_thread(operate)
+                res = await c.workflow(wf_id, timeout=10)
+        finally:
             release.set()
-    assert ns == wf_settings.namespace and done is True and errors == []
+    assert ns == wf_settings.namespace and errors == []
+    assert said == f"workflow {wf_id} cancelled" and gone is True
     assert res.error is not None and res.error.code == "REACH_WORKFLOW_CANCELLED"
     assert res.error.message == "cancelled on request: from the dashboard"
     assert res.steps[0].cancelled

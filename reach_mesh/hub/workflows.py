@@ -582,7 +582,7 @@ class WorkflowEngine(WorkflowShapes):
         self._jsc.ack_later(msg)
         if not stored:
             self._count_done(wf.spec.kind, result)
-            if wf.cancel_won:
+            if wf.cancel_won and result.hub_id == self.hub_id:  # (not another hub's result)
                 self.cancelled_total += 1
                 if self._metrics is not None:
                     self._metrics.workflow_cancelled_total.inc()
