@@ -28,7 +28,6 @@ from reach_mesh._guard import refuse
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.errors import (
-    BadRequestError,
     MeshTimeoutError,
     MeshUnavailableError,
     PayloadTooLargeError,
@@ -67,8 +66,6 @@ _CONFLICT_WAIT: Final = 2.0
 
 #: How often a cancel asks again while the owner stops the workflow (s).
 _CANCEL_POLL: Final = 0.2
-#: The longest a hub holds a cancel before it answers (``hub/_control.py``: ``CANCEL_WAIT``).
-_CANCEL_WAIT: Final = 3.0
 #: How long a cancel asks again about a workflow no hub knows (one just submitted).
 _CANCEL_UNKNOWN_GRACE: Final = 2.0
 
@@ -216,10 +213,7 @@ class WorkflowsMixin:
         taken)."""
         protocol.validate_workflow_id(workflow_id)
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
-        if reason is not None and (
-            not isinstance(reason, str) or len(reason) > 200 or not reason.isprintable()
-        ):
-            raise BadRequestError("reason must be printable text of at most 200 characters")
+        reason = protocol.validate_cancel_reason(reason)
         now = time.monotonic()
         deadline = now + timeout
         # Just submitted, no hub has taken it yet: it has no record to cancel for a moment.
@@ -227,7 +221,9 @@ class WorkflowsMixin:
         last: CancelResult | None = None
         while True:
             # The hub answers within what is left (at most 3 s), less the way back.
-            within = round(min(_CANCEL_WAIT, max(0.2, deadline - time.monotonic() - 1.0)), 3)
+            within = round(
+                min(protocol.CANCEL_WAIT, max(0.2, deadline - time.monotonic() - 1.0)), 3
+            )
             body = protocol.dumps(
                 {"workflow_id": workflow_id, "reason": reason, "within_s": within}
             )

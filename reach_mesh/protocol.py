@@ -416,6 +416,27 @@ def fence_msg_id(namespace: str, task_id: str, attempt: int) -> str:
     return f"{namespace}.{task_id}#{attempt}.fence"
 
 
+#: How long a hub holds a cancel (``reach.hub.<ns>.cancel``) before it answers "not final yet"
+#: (s): under a client's 5 s request timeout.
+CANCEL_WAIT: Final = 3.0
+#: Longest reason a cancel may give (kept in the result's error message and the audit).
+CANCEL_REASON_MAX: Final = 200
+
+
+def validate_cancel_reason(reason: object) -> str | None:
+    """A cancel's optional ``reason``: printable text of at most ``CANCEL_REASON_MAX``
+    characters (it is shown in terminals and dashboards), stripped; None when absent or
+    blank, else ``BadRequestError``."""
+    if reason is None:
+        return None
+    if not isinstance(reason, str) or len(reason) > CANCEL_REASON_MAX or not reason.isprintable():
+        raise BadRequestError(
+            f"reason must be printable text of at most {CANCEL_REASON_MAX} characters",
+            field="reason",
+        )
+    return reason.strip() or None
+
+
 def validate_workflow_id(workflow_id: str) -> str:
     """Return ``workflow_id`` if it is 1-48 characters of ``[A-Za-z0-9_-]``, else raise."""
     if not isinstance(workflow_id, str) or not WORKFLOW_ID_RE.match(workflow_id):

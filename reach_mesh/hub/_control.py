@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADMIN_OPS",
-    "CANCEL_REASON_MAX",
-    "CANCEL_WAIT",
     "QUARANTINE_CODE",
     "RELEASE_CODE",
     "VIEWS_AT_ONCE",
@@ -71,11 +69,6 @@ VIEW_RATE: Final = 20.0
 #: Workflow views one hub reads at once (each for at most ``_wf_view.VIEW_DEADLINE``); more
 #: are refused ``REACH_THROTTLED`` at once instead of holding the hub's request slots.
 VIEWS_AT_ONCE: Final = 8
-#: How long a cancel waits for the owner to store the cancelled workflow's result before it
-#: answers "not final yet" (under a caller's 5 s request timeout).
-CANCEL_WAIT: Final = 3.0
-#: Longest reason a cancel may give (it goes into the result's error and the audit).
-CANCEL_REASON_MAX: Final = 200
 
 
 class ControlMixin:
@@ -314,19 +307,17 @@ class ControlMixin:
         the asking hub charged the namespace already. Peer views have slots of their own, so
         other hubs cannot crowd out this hub's own questions."""
         engine, body, workflow_id = self._view_asked(msg)
-        within = body.get("within_s")
-        if not isinstance(within, int | float) or not 0 < within <= VIEW_DEADLINE:
-            raise BadRequestError(f"within_s must be in (0, {VIEW_DEADLINE:g}]", field="within_s")
+        within = _within_s(body, VIEW_DEADLINE)
         with self._view_slot(peer=True):
             return protocol.encode(await engine.view(ns, workflow_id, within=within))
 
     async def _on_cancel(self, msg: Msg, ns: str) -> bytes:
         """Cancel a running workflow of ``ns`` (``WorkflowEngine.cancel``): its owner stops it,
-        answered within ``within_s`` (at most ``CANCEL_WAIT``). Counted against the
+        answered within ``within_s`` (at most ``protocol.CANCEL_WAIT``). Counted against the
         namespace's workflow-view budget; every cancel asked is audited (``cancel``)."""
         engine, body, workflow_id = self._view_asked(msg)
-        reason = _cancel_reason(body)
-        within = _cancel_within(body, required=False)
+        reason = protocol.validate_cancel_reason(body.get("reason"))
+        within = _within_s(body, protocol.CANCEL_WAIT, default=protocol.CANCEL_WAIT)
         answer: CancelResult | None = None
         code: str | None = None
         with self._view_slot(peer=False, running=self._cancels_running):
@@ -365,8 +356,8 @@ class ControlMixin:
         """Another hub passes on a cancel of a workflow this hub owns (``hub_peer``), to be
         answered within ``within_s``; the asking hub charged and audits it."""
         engine, body, workflow_id = self._view_asked(msg)
-        reason = _cancel_reason(body)
-        within = _cancel_within(body, required=True)
+        reason = protocol.validate_cancel_reason(body.get("reason"))
+        within = _within_s(body, protocol.CANCEL_WAIT)
         with self._view_slot(peer=True, running=self._cancels_running):
             return protocol.encode(await engine.cancel(ns, workflow_id, reason, within=within))
 
@@ -526,30 +517,12 @@ def _json_object(data: bytes) -> dict[str, Any]:
     return protocol.loads_object(data)
 
 
-def _cancel_reason(body: dict[str, Any]) -> str | None:
-    """The optional ``reason`` of a cancel: printable text of at most ``CANCEL_REASON_MAX``
-    characters (it is shown in terminals and dashboards), or absent / null."""
-    reason = body.get("reason")
-    if reason is None:
-        return None
-    if not isinstance(reason, str) or len(reason) > CANCEL_REASON_MAX or not reason.isprintable():
-        raise BadRequestError(
-            f"reason must be printable text of at most {CANCEL_REASON_MAX} characters",
-            field="reason",
-        )
-    return reason.strip() or None
-
-
-def _cancel_within(body: dict[str, Any], *, required: bool) -> float:
-    """``within_s`` of a cancel: seconds in (0, ``CANCEL_WAIT``] to answer in (optional from
-    a caller: ``CANCEL_WAIT``; required from another hub)."""
+def _within_s(body: dict[str, Any], limit: float, default: float | None = None) -> float:
+    """``within_s`` of a question about a workflow: the seconds in (0, ``limit``] its asker
+    still waits (required from another hub; from a caller, ``default`` when absent)."""
     within = body.get("within_s")
-    if within is None and not required:
-        return CANCEL_WAIT
-    if (
-        isinstance(within, bool)
-        or not isinstance(within, int | float)
-        or not 0 < within <= CANCEL_WAIT
-    ):
-        raise BadRequestError(f"within_s must be in (0, {CANCEL_WAIT:g}]", field="within_s")
+    if within is None and default is not None:
+        return default
+    if isinstance(within, bool) or not isinstance(within, int | float) or not 0 < within <= limit:
+        raise BadRequestError(f"within_s must be in (0, {limit:g}]", field="within_s")
     return float(within)

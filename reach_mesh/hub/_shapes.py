@@ -465,13 +465,9 @@ class WorkflowShapes(StepRunner):
             if event is not None:  # as ``_finish`` applies an outcome
                 fence = (rec.attempt, rec.agent_id)
                 note(rec, event)
-                rec.state, rec.agent_id = event.state, event.agent_id
-                rec.result, rec.error = event.result, event.error
-                rec.cached, rec.duration_ms = event.cached, event.duration_ms
+                self._take_outcome(rec, event)
                 rec.decided_by = event.attempt
                 rec.updated_at = time.time()
-                if event.cached:
-                    self.duplicate_total += 1
                 if (event.attempt, event.agent_id) != fence:  # the fence changes: recorded
                     await self._cas(key, rec, 0 if got is None else got[1], wf.deadline)
                     if fence[1] is not None and fence[0] > 0:  # its current attempt: not needed

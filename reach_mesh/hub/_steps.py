@@ -598,16 +598,7 @@ class StepRunner:
                 rec.history[-1].state = TaskState.TIMEOUT
         else:
             decided = event.attempt
-            rec.state = event.state
-            rec.agent_id = event.agent_id
-            rec.result = event.result
-            rec.error = event.error
-            rec.cached = event.cached
-            rec.duration_ms = event.duration_ms
-            if event.cached:
-                self.duplicate_total += 1
-                if self._metrics is not None:
-                    self._metrics.duplicate_delivery_total.inc()
+            self._take_outcome(rec, event)
             current = track.agent_id
             if event.attempt != track.attempt and current is not None:
                 # An earlier attempt decided the step: the current one is not needed.
@@ -626,6 +617,20 @@ class StepRunner:
             wf, rec.step, rec, rec.state, attempt=decided, agent_id=rec.agent_id, error=rec.error
         )
         return rec, decided
+
+    def _take_outcome(self, rec: TaskRecord, event: TaskStatusEvent) -> None:
+        """Write an attempt's final status into the step's record (its state, agent, result,
+        error), counting a duplicate delivery."""
+        rec.state = event.state
+        rec.agent_id = event.agent_id
+        rec.result = event.result
+        rec.error = event.error
+        rec.cached = event.cached
+        rec.duration_ms = event.duration_ms
+        if event.cached:
+            self.duplicate_total += 1
+            if self._metrics is not None:
+                self._metrics.duplicate_delivery_total.inc()
 
     async def _cas(self, key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
         assert self._tasks_kv is not None

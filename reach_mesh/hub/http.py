@@ -77,7 +77,9 @@ AdminOp = Literal["cordon", "uncordon", "quarantine", "release", "remove", "simu
 class CancelBody(BaseModel):
     """The body of ``POST /api/workflows/{id}/cancel`` (optional)."""
 
-    reason: str | None = Field(default=None, max_length=200, description="why (audited)")
+    reason: str | None = Field(
+        default=None, max_length=protocol.CANCEL_REASON_MAX, description="why (audited)"
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -133,8 +133,8 @@ class WorkflowEngine(WorkflowShapes):
             on_stale=None if metrics is None else metrics.stale_result_total.inc,
         )
         self._running: dict[asyncio.Task[None], Msg] = {}
-        #: The workflows this hub runs, by (namespace, id), once admitted: a cancel stops
-        #: them, a view asks whether one runs here.
+        #: The workflows this hub runs, by (namespace, id), from when their record names it
+        #: (``_now_owner``): a cancel stops them, a view asks whether one runs here.
         self._owning: dict[tuple[str, str], tuple[Workflow, asyncio.Task[Any]]] = {}
         #: Workflows run per namespace, against ``workflow_concurrency`` (fairness).
         self._shares = Shares(settings.workflow_concurrency)
@@ -288,13 +288,9 @@ class WorkflowEngine(WorkflowShapes):
 
     @property
     def owned(self) -> list[tuple[str, str]]:
-        """(namespace, workflow id) of the workflows this hub runs right now."""
-        out = []
-        for msg in self._running.values():
-            msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
-            if msg_id:
-                out.append((_submit_namespace(msg.subject), protocol.workflow_id_of(msg_id)))
-        return out
+        """(namespace, workflow id) of the workflows this hub runs right now (whose record
+        names it)."""
+        return list(self._owning)
 
     def _now_owner(self, wf: Workflow) -> None:
         """The workflow record names this hub (created, or taken over): cancels and views go
@@ -436,15 +432,16 @@ class WorkflowEngine(WorkflowShapes):
             workflow_id=workflow_id, namespace=ns, final=False, state=TaskState.RUNNING, owner=owner
         )
 
-    async def _record_now(self, ns: str, workflow_id: str, end: float) -> tuple[bytes, int] | None:
-        """The workflow record as its stream's leader has it (not a replica that may lag
-        behind a takeover or a final write), by loop time ``end``; ``MeshUnavailableError``
-        when it cannot be read."""
+    async def _record_now(
+        self, ns: str, workflow_id: str, end: float | None = None
+    ) -> tuple[bytes, int] | None:
+        """The workflow record (value, revision) as its stream's leader has it — not a replica
+        that may lag behind a takeover or a final write — by loop time ``end`` if given; None
+        when there is none; ``MeshUnavailableError`` when it cannot be read."""
         subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(ns, workflow_id))
+        read = self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject)
         try:
-            raw = await within_time(
-                self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject), end
-            )
+            raw = await (read if end is None else within_time(read, end))
         except NotFoundError:
             return None
         except Exception as err:
@@ -593,13 +590,14 @@ class WorkflowEngine(WorkflowShapes):
         not a replica that may lag. False when it cannot be read."""
         if wf.rev == 0:
             return False  # it lost the takeover itself
-        subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(wf.ns, wf.id))
         try:
-            raw = await self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject)
-            record = WorkflowRecord.model_validate_json(raw.data or b"")
-        except Exception:
+            got = await self._record_now(wf.ns, wf.id)
+        except MeshUnavailableError:
             return False
-        return raw.seq == wf.rev and record.owner == self.hub_id
+        record = stored_record(WorkflowRecord, got)
+        if got is None or record is None:
+            return False
+        return got[1] == wf.rev and record.owner == self.hub_id
 
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
