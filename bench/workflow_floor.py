@@ -12,15 +12,16 @@ Per fanout(3), as the engine does it (docs/workflows.md, "Performance"):
 * caller: stores the submission (acked publish) and waits for ``.done`` (a core subscription);
 * hub: pulls the submission, creates the workflow record (KV compare-and-set), stores three work
   messages (acked, ``Nats-Msg-Id``), waits for the three final statuses (a core subscription),
-  writes the final record (compare-and-set on its revision), stores ``.done`` (acked), acks the
-  submission (riding along with the next request, as the hub's ``ack_later`` does);
+  writes the final record (compare-and-set on its revision), announces it on ``.done`` (core
+  NATS, not stored), acks the submission (riding along with the next request, as the hub's
+  ``ack_later`` does);
 * each agent: pulls its work message, stores its final status (acked), acks the work message
   (riding along). (A fresh step needs no read of its task record: docs/workflows.md, "Agent
   side: idempotency".)
 
-That is 10 stored messages, as in the engine. A chain(3) runs the steps one
+That is 9 stored messages, as in the engine. A chain(3) runs the steps one
 after the other, and before sending the second and the third it creates their task records (a KV
-compare-and-set each), as the engine does for a step chosen when it starts: 12 stored messages.
+compare-and-set each), as the engine does for a step chosen when it starts: 11 stored messages.
 Streams are R1 file storage, as the bench's engine runs them. What the engine costs above this
 floor is its own Python.
 
@@ -72,7 +73,6 @@ class _Names:
         self.submit_stream = f"FLOOR_SUBMIT_{tag}"
         self.work_stream = f"FLOOR_WORK_{tag}"
         self.status_stream = f"FLOOR_STATUS_{tag}"
-        self.done_stream = f"FLOOR_DONE_{tag}"
         self.wf_bucket = f"floor_wf_{tag}"
         self.tasks_bucket = f"floor_tasks_{tag}"
 
@@ -109,7 +109,6 @@ async def _setup(nc: NATS, n: _Names) -> None:
         )
     )
     await js.add_stream(StreamConfig(name=n.status_stream, subjects=[n.status("*")], storage=file))
-    await js.add_stream(StreamConfig(name=n.done_stream, subjects=[n.done("*")], storage=file))
     for bucket in (n.wf_bucket, n.tasks_bucket):
         await ensure_kv(js, bucket)  # as the engine's buckets are made
     await js.add_consumer(n.submit_stream, durable_name="hub", ack_policy="explicit")
@@ -125,7 +124,6 @@ async def _teardown(nc: NATS, n: _Names) -> None:
         n.submit_stream,
         n.work_stream,
         n.status_stream,
-        n.done_stream,
         f"KV_{n.wf_bucket}",
         f"KV_{n.tasks_bucket}",
     ):
@@ -194,7 +192,7 @@ async def _hub(nc: NATS, n: _Names, stop: asyncio.Future[None]) -> None:
                     await jsc.kv_write(n.tasks_bucket, task_id, _WORK.encode(), 0)
                 await (await send(task_id, i))
         await jsc.kv_write(n.wf_bucket, wf_id, msg.data, rev)
-        await jsc.publish(n.done(wf_id), msg.data, {"Nats-Msg-Id": f"{wf_id}.done"})
+        await jsc.send(n.done(wf_id), msg.data)
 
     await nc.subscribe(n.status("*"), cb=on_status, pending_msgs_limit=-1)
     await _serve(nc, jsc, n.submit_stream, "hub", 512, workflow, stop)

@@ -17,7 +17,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from opentelemetry.trace import Span
 from pydantic import ValidationError
@@ -68,6 +67,13 @@ _CONFLICT_WAIT: Final = 2.0
 _CANCEL_POLL: Final = 0.2
 #: How long a cancel asks again about a workflow no hub knows (one just submitted).
 _CANCEL_UNKNOWN_GRACE: Final = 2.0
+
+#: ``workflow_events`` without a timeout: waits as long as the workflow runs (s).
+_FOREVER: Final = 10 * 365 * 86400.0
+#: How long ``workflow_events`` reads the events the stream holds once the result is in (s).
+_EVENT_DRAIN: Final = 2.0
+#: How often ``workflow_events`` reads the record while it waits for the result (s).
+_EVENTS_RECHECK: Final = 5.0
 
 #: A wait for a workflow's ``.done``: its message, or the stored result a re-check read.
 _Done = asyncio.Future[Msg | WorkflowResult]
@@ -252,46 +258,89 @@ class WorkflowsMixin:
         self, workflow_id: str, *, timeout: float | None = None
     ) -> AsyncIterator[WorkflowEvent]:
         """Every event of a workflow from its start (replayed from JetStream), ending with a
-        ``kind="done"`` event that carries the ``WorkflowResult``."""
+        ``kind="done"`` event that carries the ``WorkflowResult`` (its record once final, or
+        its ``.done`` announcement: as :meth:`workflow` waits).
+
+        A workflow that finished within ``workflow_event_hold`` has no event stored (its
+        result says every step's outcome): ``done`` alone. Once the result is in, the events
+        the stream holds are read (for up to 2 s more); on a replicated stream an event
+        stored after that is not. ``MeshTimeoutError`` when it has no result within
+        ``timeout``."""
         protocol.validate_workflow_id(workflow_id)
         js = self.nc.jetstream()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        subject = protocol.wf_event(self.namespace, workflow_id)
+        sub_done, done = await self._done_subscription(workflow_id)
+        result_wait: asyncio.Future[WorkflowResult] | None = None
+        got: asyncio.Future[Msg] | None = None
+        sub: Subscription | None = None
         try:
-            sub = await js.subscribe(
-                protocol.wf_all(self.namespace, workflow_id),
-                ordered_consumer=True,
-                deliver_policy=DeliverPolicy.ALL,
-                stream=protocol.STREAM_WF_EVENTS,
-                # Named: the filter then travels in the API subject, where NATS permissions
-                # can hold a caller to its own namespace (docs/security.md).
-                config=ConsumerConfig(name=_consumer_name()),
+            # The result, beside the events: the record (finished before), then the
+            # announcement, with the record read again now and then.
+            result_wait = asyncio.ensure_future(
+                self._result_of(done, workflow_id, _FOREVER if timeout is None else timeout)
             )
-        except nats.js.errors.Error as err:
-            raise MeshUnavailableError(f"cannot read workflow events: {err}") from err
-        try:
-            while True:
-                left = 3600.0 if deadline is None else deadline - time.monotonic()
-                if left <= 0:
-                    raise MeshTimeoutError(f"workflow {workflow_id} did not finish in time")
-                try:
-                    msg = await sub.next_msg(timeout=left)
-                except (NatsTimeoutError, TimeoutError) as err:
-                    if deadline is None:
-                        continue
-                    raise MeshTimeoutError(
-                        f"workflow {workflow_id} did not finish in time"
-                    ) from err
-                if msg.subject.endswith(".done"):
-                    result = WorkflowResult.model_validate_json(msg.data)
-                    yield WorkflowEvent(
-                        workflow_id=workflow_id, kind="done", state=result.state, result=result
-                    )
-                    return
+            try:
+                sub = await js.subscribe(
+                    subject,
+                    ordered_consumer=True,
+                    deliver_policy=DeliverPolicy.ALL,
+                    stream=protocol.STREAM_WF_EVENTS,
+                    # Named: the filter then travels in the API subject, where NATS
+                    # permissions can hold a caller to its own namespace (docs/security.md).
+                    config=ConsumerConfig(name=_consumer_name()),
+                )
+            except (nats.errors.Error, TimeoutError) as err:
+                raise MeshUnavailableError(f"cannot read workflow events: {err!r}") from err
+            got = asyncio.ensure_future(sub.next_msg(timeout=None))
+            seen = 0
+            while not result_wait.done():
+                await asyncio.wait({got, result_wait}, return_when=asyncio.FIRST_COMPLETED)
+                if got.done():
+                    msg, got = _event_msg(got), asyncio.ensure_future(sub.next_msg(timeout=None))
+                    seen += 1
+                    with contextlib.suppress(ValueError):
+                        yield WorkflowEvent.model_validate_json(msg.data)
+            result = result_wait.result()  # MeshTimeoutError at ``timeout``
+            # The events stored before the result that are still to read.
+            stored = 0
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                info = await asyncio.wait_for(
+                    js.stream_info(protocol.STREAM_WF_EVENTS, subjects_filter=subject),
+                    _EVENT_DRAIN,
+                )
+                stored = (info.state.subjects or {}).get(subject, 0)
+            end = asyncio.get_running_loop().time() + _EVENT_DRAIN
+            while seen < stored:
+                await asyncio.wait({got}, timeout=end - asyncio.get_running_loop().time())
+                if not got.done():
+                    break
+                msg, got = _event_msg(got), asyncio.ensure_future(sub.next_msg(timeout=None))
+                seen += 1
                 with contextlib.suppress(ValueError):
                     yield WorkflowEvent.model_validate_json(msg.data)
+            yield WorkflowEvent(
+                workflow_id=workflow_id, kind="done", state=result.state, result=result
+            )
         finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            for task in (got, result_wait):
+                if task is not None:
+                    task.cancel()
+                    if task.done() and not task.cancelled():
+                        task.exception()  # seen: the iteration ended for its own reason
+            self._drop_done(done)
+            for s in (sub, sub_done):
+                if s is not None:
+                    with contextlib.suppress(Exception):
+                        await s.unsubscribe()
+
+    async def _result_of(self, done: _Done, workflow_id: str, timeout: float) -> WorkflowResult:
+        """The workflow's result: its record if final already, else ``done``'s announcement
+        (:meth:`_await_done`, reading the record every ``_EVENTS_RECHECK`` s meanwhile)."""
+        found = await self._stored_result(workflow_id)
+        if found is not None:
+            return found
+        got = await self._await_done(done, workflow_id, timeout, recheck=_EVENTS_RECHECK)
+        return got[0]
 
     def _workflow_spec(
         self,
@@ -530,10 +579,11 @@ class WorkflowsMixin:
                 )
 
     async def _await_done(
-        self, done: _Done, workflow_id: str, timeout: float
+        self, done: _Done, workflow_id: str, timeout: float, *, recheck: float | None = None
     ) -> tuple[WorkflowResult, bool]:
         """The result and whether a message ended ``done``'s subscription (it is over then).
-        ``done``: from :meth:`_done_subscription`.
+        ``done``: from :meth:`_done_subscription`. With ``recheck``, the record is also read
+        every ``recheck`` seconds (an announcement lost on the way ends the wait then).
 
         A message that is not the workflow's own announcement — a JetStream push consumer can
         deliver anything stored to any subject (``reach_mesh/_guard.py``) — is dropped: the
@@ -546,6 +596,13 @@ class WorkflowsMixin:
         try:
             while True:
                 left = deadline - loop.time()
+                if recheck is not None and left > recheck:
+                    await asyncio.wait({done}, timeout=recheck)
+                    if not done.done():
+                        found = await self._stored_result(workflow_id)
+                        if found is not None:
+                            return found, spent
+                        continue
                 try:
                     if left <= 0:
                         raise TimeoutError
@@ -612,6 +669,15 @@ def _follow(done: _Done, inner: asyncio.Future[Msg]) -> None:
         done.set_exception(err)
     else:
         done.set_result(inner.result())
+
+
+def _event_msg(got: asyncio.Future[Msg]) -> Msg:
+    """The message an events subscription's read got; its connection closing is the mesh
+    becoming unreachable."""
+    try:
+        return got.result()
+    except nats.errors.Error as err:
+        raise MeshUnavailableError(f"workflow events stopped: {err!r}") from err
 
 
 def _final_result(record: WorkflowRecord | None) -> WorkflowResult | None:

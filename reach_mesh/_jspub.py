@@ -112,6 +112,14 @@ class JsClient:
             loop = asyncio.get_running_loop()
             self._later_timer = loop.call_later(self._linger, self._linger_over)
 
+    async def send(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
+        """Publish ``body`` to ``subject`` (core NATS, no answer) now, after everything
+        :meth:`later` holds (so that it leaves behind them, in order). Raises what nats-py
+        raises when the connection cannot take it (closed, draining, its buffer full while
+        reconnecting): unlike :meth:`later`'s, somebody depends on this one."""
+        self.later(subject, body, headers)
+        await self._flush(strict=True)
+
     def ack_later(self, msg: Msg) -> None:
         """Ack a JetStream message (an empty publish on its reply subject, as ``msg.ack()``
         sends) through :meth:`later`: for acks nothing waits on."""
@@ -120,6 +128,9 @@ class JsClient:
 
     async def flush_later(self) -> None:
         """Send what :meth:`later` holds now. A failure is logged: nobody waits on these."""
+        await self._flush(strict=False)
+
+    async def _flush(self, *, strict: bool) -> None:
         if self._later_timer is not None:
             self._later_timer.cancel()
             self._later_timer = None
@@ -129,6 +140,8 @@ class JsClient:
                 await self._nc.publish(subject, body, headers=headers)
         except Exception as err:  # a closed connection; nats-py buffers through reconnects
             log.warning("%d queued message(s) not sent: %r", len(out), err)
+            if strict:
+                raise
 
     def _linger_over(self) -> None:
         self._later_timer = None

@@ -104,7 +104,7 @@ STREAM_AUDIT: Final = "REACH_AUDIT"  # reach.audit.<ns>.<kind>
 KV_WORKFLOWS: Final = "reach_workflows"  # <ns>.<workflow_id> -> WorkflowRecord
 KV_TASKS: Final = "reach_tasks"  # <ns>.<task_id> -> TaskRecord (current attempt = the fence)
 STREAM_WF: Final = "REACH_WF"  # reach.wf.<ns>.submit (work queue, dedup on workflow_id)
-STREAM_WF_EVENTS: Final = "REACH_WF_EVENTS"  # reach.wf.<ns>.<wf_id>.event / .done
+STREAM_WF_EVENTS: Final = "REACH_WF_EVENTS"  # reach.wf.<ns>.<wf_id>.event
 STREAM_WORK: Final = "REACH_WORK"  # reach.work.<ns>.<agent_id> (work queue)
 STREAM_STATUS: Final = "REACH_STATUS"  # reach.status.<agent_id>.<task_id> (last: agent idempotency)
 #: The durable pull consumer every hub shares on ``REACH_WF``.
@@ -346,7 +346,8 @@ def wf_event(namespace: str, workflow_id: str) -> str:
 
 
 def wf_done(namespace: str, workflow_id: str) -> str:
-    """``reach.wf.<ns>.<wf_id>.done`` — the final ``WorkflowResult`` (``REACH_WF_EVENTS``)."""
+    """``reach.wf.<ns>.<wf_id>.done`` — the final ``WorkflowResult``, announced on core NATS
+    once the workflow record holds it (the record is the durable copy)."""
     return f"reach.wf.{namespace}.{workflow_id}.done"
 
 
@@ -390,13 +391,6 @@ def workflow_id_of(msg_id: str) -> str:
     """The workflow id a submission's ``Nats-Msg-Id`` names (``<ns>.<id>``, or a bare ``<id>``
     as clients before namespaced ids sent it: workflow ids have no dots)."""
     return msg_id.rsplit(".", 1)[-1]
-
-
-def done_msg_id(namespace: str, workflow_id: str) -> str:
-    """``<ns>.<workflow_id>.done`` — the ``Nats-Msg-Id`` of a workflow's final result on
-    ``.done`` (published once per stored result; a repeat within the dedup window is
-    dropped)."""
-    return f"{namespace}.{workflow_id}.done"
 
 
 def attempt_msg_id(namespace: str, task_id: str, attempt: int) -> str:

@@ -187,7 +187,7 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
             duration=0.5,
             rates={"fanout3": 40.0},
         )
-    stored = {"fanout3": [1.0, 1.0, 2.0, 3.0, 3.0], "chain3": [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]}
+    stored = {"fanout3": [1.0, 2.0, 3.0, 3.0], "chain3": [1.0, 2.0, 2.0, 3.0, 3.0]}
     for kind, by_stream in stored.items():
         b = bare[kind]
         assert b["n"] == 3 and b["sustained"]["completed"] > 0 and b["sustained"]["errors"] == 0
@@ -232,7 +232,7 @@ async def test_the_bare_exchanges_run_and_are_reported_next_to_the_engine() -> N
     page = workflow_section({"workflows": {"available": True, "result": result}})
     assert "fanout(3) sustains 0.25x their rate; sequential p50 2.00x theirs (1.50 ms)" in page
     assert "at 100/s p50 1.40x theirs (2.50 ms)" in page
-    assert "| bare exchanges of a fanout(3), no engine | 1.50 / 3.00 | 4,000 | 10.0 (" in page
+    assert "| bare exchanges of a fanout(3), no engine | 1.50 / 3.00 | 4,000 | 9.0 (" in page
     shown = {
         t["name"]: t["value"]
         for t in report.targets({"workflows": {"available": True, "result": result}})

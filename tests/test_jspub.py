@@ -136,6 +136,31 @@ async def test_ack_later_acks_with_the_next_flush(nats_url: str) -> None:
         await nc.close()
 
 
+async def test_send_leaves_now_behind_what_later_holds_and_raises_when_it_cannot(
+    nats_url: str,
+) -> None:
+    """``send`` (a workflow's ``.done``): out at once, after the messages ``later`` holds, in
+    order; unlike theirs, its failure is raised (the hub then hands the workflow back instead
+    of acking a result nobody was told)."""
+    nc = await nats.connect(nats_url)
+    pub = JsClient(nc, timeout=2.0, linger=5.0)
+    await pub.start()
+    subject = f"jssend.{uuid.uuid4().hex[:8]}"
+    got = await nc.subscribe(subject)
+    try:
+        pub.later(subject, b"event")
+        await pub.send(subject, b"done")
+        assert [(await got.next_msg(timeout=2)).data for _ in range(2)] == [b"event", b"done"]
+        await pub.stop()
+        await nc.close()
+        pub.later(subject, b"event")
+        with pytest.raises(nats.errors.ConnectionClosedError):
+            await pub.send(subject, b"done")
+    finally:
+        await pub.stop()
+        await nc.close()
+
+
 async def test_ask_has_an_unguessable_reply_and_knows_no_responders(nats_url: str) -> None:
     """``JsClient.ask``: a plain request whose reply subject carries 64 random bits (not a
     nats-py NUID); nobody listening is ``NoRespondersError``, not an empty answer."""

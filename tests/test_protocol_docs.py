@@ -136,14 +136,12 @@ def test_message_ids_carry_the_namespace_and_name_the_workflow() -> None:
     form earlier clients sent too (workflow ids and namespaces have no dots)."""
     ids = [
         protocol.submit_msg_id("ns-a", "wf_1"),
-        protocol.done_msg_id("ns-a", "wf_1"),
         protocol.attempt_msg_id("ns-a", "wf_1-0", 2),
         protocol.fence_msg_id("ns-a", "wf_1-0", 2),
         protocol.final_msg_id("ns-a", "wf_1-0", 2),
     ]
     assert ids == [
         "ns-a.wf_1",
-        "ns-a.wf_1.done",
         "ns-a.wf_1-0#2",
         "ns-a.wf_1-0#2.fence",
         "ns-a.wf_1-0#2.final",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope
 from reach_mesh.tracing import trace_id_from_headers
-from reach_mesh.workflow import TaskStatusEvent
+from reach_mesh.workflow import TaskStatusEvent, WorkflowEvent
 
 from .helpers import Fleet, echo_agent, eventually, status_events
 
@@ -149,6 +150,63 @@ async def test_no_event_hold_stores_every_event(fleet: Fleet, wf_settings: MeshS
         (0, TaskState.SUCCEEDED),
         (1, TaskState.SUCCEEDED),
     ]
+
+
+async def test_the_result_is_announced_not_stored_twice_and_events_follow_live(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """``.done`` goes out on core NATS once the record holds the result: the event stream
+    keeps only events (the record is the result's one stored copy). ``workflow_events`` of a
+    running workflow yields its events as they come and ends with the result all the same."""
+    settings = wf_settings.model_copy(update={"workflow_event_hold": 0.0})
+    agent = fleet.agent("live.a1")
+    release = asyncio.Event()
+
+    @agent.handler("wf:live:v1")
+    async def wait(task: Task[Any]) -> Any:
+        await release.wait()
+        return task.payload
+
+    async with Hub(settings=settings), Client(settings=settings) as mesh:
+        await agent.start()
+        wf_id = await mesh.submit_chain(
+            [Step(capability="wf:live:v1", payload=i) for i in range(2)], timeout=20
+        )
+        seen: list[WorkflowEvent] = []
+
+        async def follow() -> None:
+            async for ev in mesh.workflow_events(wf_id, timeout=15):
+                seen.append(ev)
+
+        following = asyncio.create_task(follow())
+        await eventually(lambda: any(e.kind == "start" for e in seen))
+        assert not following.done()  # the workflow waits on its handler
+        release.set()
+        await asyncio.wait_for(following, 15)
+        # Finished: its announcement is gone, its record answers (no timeout given, none hit).
+        t0 = time.monotonic()
+        again = await asyncio.wait_for(_events(mesh, wf_id), 10)
+        assert time.monotonic() - t0 < 2.0
+        assert [e.kind for e in again] == [e.kind for e in seen]
+        assert again[-1].result == seen[-1].result
+        js = mesh.nc.jetstream()
+        info = await js.stream_info(
+            protocol.STREAM_WF_EVENTS, subjects_filter=protocol.wf_all(settings.namespace, wf_id)
+        )
+    assert info.config.subjects == [protocol.wf_event("*", "*")]
+    assert set(info.state.subjects or {}) == {protocol.wf_event(settings.namespace, wf_id)}
+    assert seen[0].kind == "start" and seen[-1].kind == "done"
+    assert seen[-1].result is not None and seen[-1].result.result == 1
+    # Each step's outcome came as an event before the result (the second may be read from
+    # the stream after the result: drained before ``done``).
+    assert [(e.step, e.state) for e in seen if e.kind == "step" and e.state.final] == [
+        (0, TaskState.SUCCEEDED),
+        (1, TaskState.SUCCEEDED),
+    ]
+
+
+async def _events(mesh: Client, wf_id: str) -> list[WorkflowEvent]:
+    return [ev async for ev in mesh.workflow_events(wf_id)]
 
 
 async def _send_step(mesh: Client, agent: Agent, env: TaskEnvelope) -> TaskStatusEvent:

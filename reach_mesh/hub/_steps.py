@@ -719,7 +719,7 @@ class StepRunner:
 
         Events are held for ``workflow_event_hold`` first (``Workflow.held``): when the workflow's
         result is stored within that time the held events are dropped (``_store``; the result
-        says every step's outcome and agent), so a fast workflow stores its ``.done`` only.
+        says every step's outcome and agent), so a fast workflow stores no event.
         Released events leave with this hub's next JetStream write or a few milliseconds later
         (``JsClient.later``), in the order they were made. A hold of 0 releases each at once."""
         wf.held.append((event, current_context()))  # made only if released

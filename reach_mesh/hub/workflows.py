@@ -8,8 +8,8 @@ steps are not run again, an attempt still in flight is adopted (its status event
 read back from the ``REACH_STATUS`` stream), and only unfinished work is dispatched.
 
 One source of truth: the workflow record in ``reach_workflows``. Its final write is a CAS on
-the owner's revision, and the ``.done`` announcement is published only after it, carrying the
-same result. A submission whose id is taken by another spec is refused (terminated).
+the owner's revision, and the ``.done`` announcement (core NATS) is published only after it,
+carrying the same result. A submission whose id is taken by another spec is refused (terminated).
 
 A workflow's record and shape (fanout, chain) are run by the base class,
 :class:`~reach_mesh.hub._shapes.WorkflowShapes`, and each step by its base,
@@ -122,7 +122,8 @@ class WorkflowEngine(WorkflowShapes):
         self._metrics = metrics
         self._wf_kv: _durable.Bucket | None = None
         self._tasks_kv: _durable.Bucket | None = None
-        #: Acked JetStream writes of the engine (KV compare-and-sets, work, ``.done``).
+        #: Acked JetStream writes of the engine (KV compare-and-sets, work), and the core
+        #: publishes that ride along with them (events, acks, ``.done``).
         self._jsc = JsClient(nc)
         self._pull: PullConsumer | None = None
         self._status_sub: Subscription | None = None
@@ -207,12 +208,13 @@ class WorkflowEngine(WorkflowShapes):
             js,
             StreamConfig(
                 name=protocol.STREAM_WF_EVENTS,
-                subjects=[protocol.wf_event("*", "*"), protocol.wf_done("*", "*")],
+                # ``.done`` is announced on core NATS, not stored: its result is the record's.
+                subjects=[protocol.wf_event("*", "*")],
                 retention=RetentionPolicy.LIMITS,
                 storage=StorageType.FILE,
                 max_age=s.workflow_retention,
                 num_replicas=s.kv_replicas,
-                description="reach-mesh workflow step events and results",
+                description="reach-mesh workflow step events",
             ),
         )
         await self._jsc.start()
@@ -711,27 +713,18 @@ class WorkflowEngine(WorkflowShapes):
         return result
 
     async def _publish_done(self, wf: Workflow, result: WorkflowResult) -> None:
-        await self._publish_done_raw(wf.ns, result, wf.headers, deadline=wf.deadline)
+        await self._publish_done_raw(wf.ns, result, wf.headers)
 
     async def _publish_done_raw(
-        self,
-        ns: str,
-        result: WorkflowResult,
-        headers: dict[str, str],
-        *,
-        deadline: float | None = None,
+        self, ns: str, result: WorkflowResult, headers: dict[str, str]
     ) -> None:
-        """Announce the stored final result on ``.done``: derived from the record, written
-        after it, deduplicated by JetStream (``Nats-Msg-Id = <ns>.<workflow_id>.done``)."""
-        out = inject(dict(headers))
-        out[protocol.HDR_MSG_ID] = protocol.done_msg_id(ns, result.workflow_id)
-        out[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF_EVENTS
-        body = protocol.encode(result)
-        subject = protocol.wf_done(ns, result.workflow_id)
-        await self._io(
-            f"publish {subject}",
-            lambda: self._jsc.publish(subject, body, out),
-            deadline,
+        """Announce the stored final result on ``.done``: core NATS, not stored — the record
+        written before it is the durable copy, which a caller that missed the announcement
+        reads (``Client.workflow``). Sent before the submission's ack, on the same
+        connection: a hub that dies before sending it never acks, and whoever takes the
+        submission finds the result stored and announces it again."""
+        await self._jsc.send(
+            protocol.wf_done(ns, result.workflow_id), protocol.encode(result), inject(dict(headers))
         )
 
     def _count_done(self, kind: str, result: WorkflowResult) -> None:

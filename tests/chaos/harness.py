@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
-from nats.js.api import DeliverPolicy
+from nats.js.api import DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
@@ -47,6 +47,9 @@ LEADER_TARGETS = (
     "REACH_WORK",
     "REACH_STATUS",
 )
+
+#: The run's own stream of every ``.done`` announcement (core NATS in the mesh).
+DONE_CAPTURE = "CHAOS_DONE"
 
 #: Mesh intervals of every process: short, so faults play out in seconds.
 TIMINGS: dict[str, Any] = {
@@ -220,6 +223,16 @@ async def start_mesh(mesh: Mesh, client: Client) -> None:
         return True
 
     await _until("hub streams", buckets, 60)
+    # The mesh announces results on core NATS (the records are their durable copy); the
+    # checker compares every announcement with the record, so the run keeps them all here.
+    await js.add_stream(
+        StreamConfig(
+            name=DONE_CAPTURE,
+            subjects=[protocol.wf_done(mesh.cfg.namespace, "*")],
+            storage=StorageType.FILE,
+            num_replicas=3,
+        )
+    )
     for agent in mesh.agents:
         agent.start()
 
@@ -487,11 +500,14 @@ async def _get(kv: Any, key: str) -> dict[str, Any] | None:
 
 
 async def collect_done(client: Client, ns: str) -> dict[str, list[dict[str, Any]]]:
-    """Every ``.done`` message of the namespace in ``REACH_WF_EVENTS``, in stream order."""
+    """Every ``.done`` message of the namespace (captured in ``DONE_CAPTURE``), in order."""
     js = client.nc.jetstream()
     out: dict[str, list[dict[str, Any]]] = {}
     sub = await js.subscribe(
-        protocol.wf_done(ns, "*"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        protocol.wf_done(ns, "*"),
+        ordered_consumer=True,
+        deliver_policy=DeliverPolicy.ALL,
+        stream=DONE_CAPTURE,
     )
     try:
         while True:

@@ -8,7 +8,7 @@ It takes everything a chaos run leaves behind and checks the workflow invariants
 - every handler execution the agents logged (one ``start`` and, unless the process died, one
   ``end`` JSON line per run);
 - the stored records (``reach_workflows``, ``reach_tasks``);
-- every ``.done`` message in ``REACH_WF_EVENTS``;
+- every ``.done`` announcement (the run captures them in a stream of its own);
 - what each caller's ``Client.workflow()`` returned, and what each cancel
   (``Client.cancel_workflow()``) answered and when;
 - the faults the harness injected (kind, target, time).
