@@ -72,8 +72,9 @@ _CANCEL_UNKNOWN_GRACE: Final = 2.0
 _FOREVER: Final = 10 * 365 * 86400.0
 #: How long ``workflow_events`` reads the events the stream holds once the result is in (s).
 _EVENT_DRAIN: Final = 2.0
-#: How often ``workflow_events`` reads the record while it waits for the result (s).
-_EVENTS_RECHECK: Final = 5.0
+#: How often a wait for a result also reads the record (s): ``.done`` is announced once, on
+#: core NATS, and one lost on the way (a NATS node dying as it passed) ends the wait then.
+_RESULT_RECHECK: Final = 5.0
 
 #: A wait for a workflow's ``.done``: its message, or the stored result a re-check read.
 _Done = asyncio.Future[Msg | WorkflowResult]
@@ -335,11 +336,11 @@ class WorkflowsMixin:
 
     async def _result_of(self, done: _Done, workflow_id: str, timeout: float) -> WorkflowResult:
         """The workflow's result: its record if final already, else ``done``'s announcement
-        (:meth:`_await_done`, reading the record every ``_EVENTS_RECHECK`` s meanwhile)."""
+        (:meth:`_await_done`)."""
         found = await self._stored_result(workflow_id)
         if found is not None:
             return found
-        got = await self._await_done(done, workflow_id, timeout, recheck=_EVENTS_RECHECK)
+        got = await self._await_done(done, workflow_id, timeout)
         return got[0]
 
     def _workflow_spec(
@@ -579,11 +580,11 @@ class WorkflowsMixin:
                 )
 
     async def _await_done(
-        self, done: _Done, workflow_id: str, timeout: float, *, recheck: float | None = None
+        self, done: _Done, workflow_id: str, timeout: float
     ) -> tuple[WorkflowResult, bool]:
         """The result and whether a message ended ``done``'s subscription (it is over then).
-        ``done``: from :meth:`_done_subscription`. With ``recheck``, the record is also read
-        every ``recheck`` seconds (an announcement lost on the way ends the wait then).
+        ``done``: from :meth:`_done_subscription`. The record is also read every
+        ``_RESULT_RECHECK`` seconds (an announcement lost on the way ends the wait then).
 
         A message that is not the workflow's own announcement — a JetStream push consumer can
         deliver anything stored to any subject (``reach_mesh/_guard.py``) — is dropped: the
@@ -596,8 +597,8 @@ class WorkflowsMixin:
         try:
             while True:
                 left = deadline - loop.time()
-                if recheck is not None and left > recheck:
-                    await asyncio.wait({done}, timeout=recheck)
+                if left > _RESULT_RECHECK:
+                    await asyncio.wait({done}, timeout=_RESULT_RECHECK)
                     if not done.done():
                         found = await self._stored_result(workflow_id)
                         if found is not None:

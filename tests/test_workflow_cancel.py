@@ -245,6 +245,51 @@ async def test_a_hub_taking_over_finishes_the_cancel_its_owner_took(
     assert held.started == 0
 
 
+async def test_a_chain_taken_over_and_cancelled_fences_the_steps_it_never_started(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A hub that took a chain over and is cancelled at a step fences the steps after it too
+    (cancelled task records) before it stores the result: the hub it took the chain from may
+    still be running it, unaware, and would otherwise start the next step after the cancel's
+    answer (its create of that step's record now fails; it finds the step cancelled). Seen in
+    ``make chaos`` (node kills) before the fix."""
+    ns = wf_settings.namespace
+    held = await Held(fleet).start()
+    agent_id = held.agent.agent_id
+    wf_id = "taken-chain-stale"
+    steps = [Step(capability="wf:slow:v1", payload={"i": i}) for i in range(3)]
+    async with Client(settings=wf_settings) as mesh:
+        spec = mesh._workflow_spec("chain", steps, "all", 30, wf_id)
+        record = WorkflowRecord(
+            spec=spec,
+            spec_digest=spec_digest(spec),
+            owner="hub-stale",  # alive, and about to lose the chain without noticing
+            submitted_at=time.time(),
+            first_agents=[agent_id, None, None],  # step 0's attempt 1 went out at the start
+        )
+        js = mesh.nc.jetstream()
+        tasks = await js.key_value(protocol.KV_TASKS)
+        await (await js.key_value(protocol.KV_WORKFLOWS)).put(
+            protocol.workflow_key(ns, wf_id), protocol.encode(record)
+        )
+        await mesh.submit_chain(steps, workflow_id=wf_id, timeout=30)  # this hub takes it
+        engine = wf_hub.workflows
+        assert engine is not None
+        await eventually(lambda: engine.takeover_total >= 1, timeout=10)
+        answer = await mesh.cancel_workflow(wf_id)
+        assert answer.final and answer.cancelled and answer.result is not None, answer
+        assert [s.cancelled for s in answer.result.steps] == [True, True, True]
+        for index in (1, 2):
+            key = protocol.task_key(ns, f"{wf_id}-{index}")
+            entry = await tasks.get(key)
+            assert entry.value is not None
+            assert json.loads(entry.value)["cancelled"] is True, entry.value
+            # What the stale hub does to start the step: create its record. It cannot.
+            with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+                await tasks.create(key, b"{}")
+    assert held.finished == 0
+
+
 async def test_a_workflow_an_agent_shutdown_ended_was_not_cancelled(
     wf_hub: Hub, wf_settings: MeshSettings
 ) -> None:

@@ -20,7 +20,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from reach_mesh import protocol
 from reach_mesh.errors import InternalError, ReachError
 from reach_mesh.hub import _durable
-from reach_mesh.hub._step_state import note, retryable
+from reach_mesh.hub._step_state import new_record, note, retryable
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
@@ -291,6 +291,12 @@ class WorkflowShapes(StepRunner):
                 payload = step.payload if i == 0 else merge_payload(previous, step.payload)
                 rec = await self._chain_step(wf, i, step, payload)
                 if rec is None:
+                    if wf.taken_over:
+                        # The hub this one took the workflow from may still be running it
+                        # (it has not noticed yet): the steps after this one are fenced too,
+                        # before the result is stored, so that it cannot start them.
+                        for j in range(i + 1, len(spec.steps)):
+                            await self._cancel_step(wf, j, settle=True)
                     state, error = TaskState.FAILED, stop.result()
                     wf.cancel_won = True
                     break
@@ -458,6 +464,8 @@ class WorkflowShapes(StepRunner):
             # No record: its attempt 1, if sent, is the one the workflow record names.
             named = self._named_attempt(wf, index, task_id)
             if named is None:
+                if settle:
+                    await self._fence_unstarted(wf, index, task_id, key)
                 return
             rec = named
         if settle and not rec.state.final and not rec.cancelled:
@@ -497,6 +505,21 @@ class WorkflowShapes(StepRunner):
         await self._remark(wf, rec)
         if rec.agent_id is not None and rec.attempt > 0:
             self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
+
+    async def _fence_unstarted(self, wf: Workflow, index: int, task_id: str, key: str) -> None:
+        """A cancelled workflow's step that no attempt was sent for: its record is created,
+        cancelled, before the result is stored. A hub that lost the workflow and still runs
+        it (a takeover it has not noticed) then finds the step cancelled when it gets there —
+        its own create of the record fails — instead of starting it after the cancel's answer.
+        A record made meanwhile (that hub started the step first) is fenced as any other."""
+        rec = new_record(wf, index, task_id, time.time())
+        rec.cancelled = True
+        try:
+            await self._cas(key, rec, 0, wf.deadline)
+        except NotOwnerError:
+            await self._cancel_step(wf, index, settle=True)  # it exists now: read, fence
+            return
+        wf.records[index] = rec
 
     async def _stored_outcome(self, wf: Workflow, rec: TaskRecord) -> TaskStatusEvent | None:
         """The final status an attempt of ``rec`` stored in ``REACH_STATUS`` (the current

@@ -322,6 +322,9 @@ class DriverStats:
     cancel_errors: Counter[str] = field(default_factory=Counter)
     #: workflow id -> the cancel's last answer (with ``t``, when it came) or an error string.
     cancels: dict[str, dict[str, Any] | str] = field(default_factory=dict)
+    #: workflow id -> how long (s) after its result was stored the caller had it (an
+    #: announcement lost on the way shows here: the wait then ends on a read of the record).
+    answer_lag: dict[str, float] = field(default_factory=dict)
 
 
 async def drive(
@@ -354,6 +357,8 @@ async def drive(
             try:
                 res = await client.workflow(p.workflow_id, timeout=max(1.0, min(left, 15.0)))
                 callers[p.workflow_id] = res.model_dump(mode="json")
+                if res.finished_at is not None:
+                    stats.answer_lag[p.workflow_id] = time.time() - res.finished_at
                 return
             except (ReachError, nats.errors.Error, TimeoutError) as err:
                 stats.wait_errors[type(err).__name__] += 1
@@ -589,12 +594,23 @@ class ChaosRun:
             ),
             f"  submit gave up: {self.stats.submit_gave_up}",
             f"  caller wait errors (retried): {dict(self.stats.wait_errors)}",
+            f"  callers' answers after the result was stored: {_lags(self.stats.answer_lag)}",
             f"  cancels sent: {len(self.stats.cancels)}, errors (asked again): "
             f"{dict(self.stats.cancel_errors)}",
             f"  lease expiries logged by hubs: {self.lease_expiries}",
             f"  fence reads by agents: {self.fence_reads} (handler starts: {self.starts})",
         ]
         return "\n".join([self.report.table(head), *extra])
+
+
+def _lags(lags: dict[str, float]) -> str:
+    """p50 / p99 / max of the callers' answer lags, and how many came over 5 s late."""
+    if not lags:
+        return "none"
+    got = sorted(lags.values())
+    p50, p99 = got[len(got) // 2], got[min(len(got) - 1, int(len(got) * 0.99))]
+    late = sum(1 for lag in got if lag > 5.0)
+    return f"p50 {p50:.3f} s, p99 {p99:.3f} s, max {got[-1]:.3f} s; over 5 s: {late}"
 
 
 def _fence_reads(logs: Iterable[Path]) -> tuple[int, int]:
