@@ -600,8 +600,13 @@ class WorkflowsMixin:
                 if left > _RESULT_RECHECK:
                     await asyncio.wait({done}, timeout=_RESULT_RECHECK)
                     if not done.done():
-                        found = await self._stored_result(workflow_id)
-                        if found is not None:
+                        # The read races the announcement (it may wait out an election).
+                        read = asyncio.ensure_future(self._stored_result(workflow_id))
+                        either: set[asyncio.Future[Any]] = {done, read}
+                        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                        if not read.done():
+                            read.cancel()
+                        elif (found := read.result()) is not None:
                             return found, spent
                         continue
                 try:

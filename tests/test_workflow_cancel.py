@@ -290,6 +290,57 @@ async def test_a_chain_taken_over_and_cancelled_fences_the_steps_it_never_starte
     assert held.finished == 0
 
 
+async def test_a_chain_taken_over_that_fails_at_a_step_fences_the_steps_after_it(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The same fence when a taken-over chain ends at a failed step: the hub it was taken from
+    may have seen another outcome of that step first (an attempt it gave up on, still
+    running) and would go on to the next step after this result is stored."""
+    ns = wf_settings.namespace
+    held = await Held(fleet).start()
+    agent_id = held.agent.agent_id
+    wf_id = "taken-chain-failed"
+    steps = [Step(capability="wf:slow:v1", payload={"i": i}) for i in range(3)]
+    async with Client(settings=wf_settings) as mesh:
+        spec = mesh._workflow_spec("chain", steps, "all", 30, wf_id)
+        record = WorkflowRecord(
+            spec=spec,
+            spec_digest=spec_digest(spec),
+            owner="hub-stale",
+            submitted_at=time.time(),
+            first_agents=[agent_id, None, None],
+        )
+        js = mesh.nc.jetstream()
+        tasks = await js.key_value(protocol.KV_TASKS)
+        await (await js.key_value(protocol.KV_WORKFLOWS)).put(
+            protocol.workflow_key(ns, wf_id), protocol.encode(record)
+        )
+        # Step 0 failed on its agent, not to be retried: its final status is stored.
+        failed = TaskStatusEvent(
+            task_id=f"{wf_id}-0",
+            attempt=1,
+            agent_id=agent_id,
+            state=TaskState.FAILED,
+            workflow_id=wf_id,
+            step=0,
+            error=ErrorBody(
+                code="REACH_HANDLER_FAILED", message="no", details={"retryable": False}
+            ),
+        )
+        await js.publish(protocol.task_status(agent_id, failed.task_id), protocol.encode(failed))
+        await mesh.submit_chain(steps, workflow_id=wf_id, timeout=30)
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.FAILED and res.error is not None, res
+        assert res.error.code == "REACH_HANDLER_FAILED" and res.steps[0].state is TaskState.FAILED
+        for index in (1, 2):
+            key = protocol.task_key(ns, f"{wf_id}-{index}")
+            entry = await tasks.get(key)
+            assert entry.value is not None and json.loads(entry.value)["cancelled"] is True
+            with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+                await tasks.create(key, b"{}")
+    assert held.started == 0
+
+
 async def test_a_workflow_an_agent_shutdown_ended_was_not_cancelled(
     wf_hub: Hub, wf_settings: MeshSettings
 ) -> None:

@@ -271,6 +271,7 @@ class WorkflowShapes(StepRunner):
         error: ErrorBody | None = None
         stop = wf.stopper()
         swept = False
+        ended = len(spec.steps)  # the step the chain ended at, when before its last
         for i, step in enumerate(spec.steps):
             rec: TaskRecord | None
             if stop.done():
@@ -291,21 +292,24 @@ class WorkflowShapes(StepRunner):
                 payload = step.payload if i == 0 else merge_payload(previous, step.payload)
                 rec = await self._chain_step(wf, i, step, payload)
                 if rec is None:
-                    if wf.taken_over:
-                        # The hub this one took the workflow from may still be running it
-                        # (it has not noticed yet): the steps after this one are fenced too,
-                        # before the result is stored, so that it cannot start them.
-                        for j in range(i + 1, len(spec.steps)):
-                            await self._cancel_step(wf, j, settle=True)
                     state, error = TaskState.FAILED, stop.result()
                     wf.cancel_won = True
+                    ended = i
                     break
             wf.records[i] = rec
             if rec.state is not TaskState.SUCCEEDED:
                 state = rec.state if rec.state.final else TaskState.FAILED
                 error = _step_error(rec)
+                ended = i
                 break
             previous = rec.result
+        if wf.taken_over and not swept:
+            # The hub this one took the chain from may still be running it (it has not
+            # noticed yet, and may have seen another outcome first): the steps after the one
+            # the chain ended at are fenced before the result is stored, so that it cannot
+            # start them (its create of a step's record fails; it finds the step cancelled).
+            for j in range(ended + 1, len(spec.steps)):
+                await self._cancel_step(wf, j, settle=True)
         steps = self._step_results(wf)
         return WorkflowResult(
             workflow_id=wf.id,
@@ -517,6 +521,13 @@ class WorkflowShapes(StepRunner):
         try:
             await self._cas(key, rec, 0, wf.deadline)
         except NotOwnerError:
+            kv = self._tasks_kv
+            assert kv is not None
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
+            if got is None:
+                # Read from a replica behind the write that beat ours: the workflow goes back
+                # to JetStream, and the recorded cancel is finished from fresh reads.
+                raise
             await self._cancel_step(wf, index, settle=True)  # it exists now: read, fence
             return
         wf.records[index] = rec
