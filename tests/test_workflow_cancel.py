@@ -190,6 +190,30 @@ async def test_a_workflow_cancelled_as_soon_as_it_is_submitted(
     assert held.finished == 0
 
 
+async def seed_owner(
+    mesh: Client,
+    kind: str,
+    steps: list[Step],
+    wf_id: str,
+    owner: str,
+    first_agents: list[str | None],
+    cancel: ErrorBody | None = None,
+) -> None:
+    """A workflow record as ``owner`` left it (``first_agents``' attempts 1 sent at the
+    start), for a hub to take over when the submission comes back."""
+    spec = mesh._workflow_spec(kind, steps, "all", 30, wf_id)  # type: ignore[arg-type]
+    record = WorkflowRecord(
+        spec=spec,
+        spec_digest=spec_digest(spec),
+        owner=owner,
+        submitted_at=time.time(),
+        first_agents=first_agents,
+        cancel=cancel,
+    )
+    kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+    await kv.put(protocol.workflow_key(mesh.namespace, wf_id), protocol.encode(record))
+
+
 @pytest.mark.parametrize("kind", ["fanout", "chain"])
 async def test_a_hub_taking_over_finishes_the_cancel_its_owner_took(
     kind: str, wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
@@ -199,26 +223,15 @@ async def test_a_hub_taking_over_finishes_the_cancel_its_owner_took(
     had finished keeps its result — though, decided by its first attempt, it has no final
     task record: only its agent's final status in the stream says so — nothing else runs,
     and the result is the cancel's."""
-    ns = wf_settings.namespace
     held = await Held(fleet).start()
     agent_id = held.agent.agent_id
     wf_id = f"taken-{kind}"
     steps = [Step(capability="wf:slow:v1", payload={"i": i}) for i in range(2)]
     async with Client(settings=wf_settings) as mesh:
-        spec = mesh._workflow_spec(kind, steps, "all", 30, wf_id)  # type: ignore[arg-type]
         cancel = ErrorBody(code=CANCELLED, message="cancelled on request: before the crash")
-        record = WorkflowRecord(
-            spec=spec,
-            spec_digest=spec_digest(spec),
-            owner="hub-gone",
-            submitted_at=time.time(),
-            first_agents=[agent_id, None],  # step 0's attempt 1 went out at the start
-            cancel=cancel,
-        )
+        # Step 0's attempt 1 went out at the start.
+        await seed_owner(mesh, kind, steps, wf_id, "hub-gone", [agent_id, None], cancel)
         js = mesh.nc.jetstream()
-        await (await js.key_value(protocol.KV_WORKFLOWS)).put(
-            protocol.workflow_key(ns, wf_id), protocol.encode(record)
-        )
         # Step 0 finished on its agent: its final status is stored, no task record written.
         status = TaskStatusEvent(
             task_id=f"{wf_id}-0",
@@ -259,19 +272,9 @@ async def test_a_chain_taken_over_and_cancelled_fences_the_steps_it_never_starte
     wf_id = "taken-chain-stale"
     steps = [Step(capability="wf:slow:v1", payload={"i": i}) for i in range(3)]
     async with Client(settings=wf_settings) as mesh:
-        spec = mesh._workflow_spec("chain", steps, "all", 30, wf_id)
-        record = WorkflowRecord(
-            spec=spec,
-            spec_digest=spec_digest(spec),
-            owner="hub-stale",  # alive, and about to lose the chain without noticing
-            submitted_at=time.time(),
-            first_agents=[agent_id, None, None],  # step 0's attempt 1 went out at the start
-        )
-        js = mesh.nc.jetstream()
-        tasks = await js.key_value(protocol.KV_TASKS)
-        await (await js.key_value(protocol.KV_WORKFLOWS)).put(
-            protocol.workflow_key(ns, wf_id), protocol.encode(record)
-        )
+        # Alive, and about to lose the chain without noticing; step 0's attempt 1 sent.
+        await seed_owner(mesh, "chain", steps, wf_id, "hub-stale", [agent_id, None, None])
+        tasks = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
         await mesh.submit_chain(steps, workflow_id=wf_id, timeout=30)  # this hub takes it
         engine = wf_hub.workflows
         assert engine is not None
@@ -302,19 +305,9 @@ async def test_a_chain_taken_over_that_fails_at_a_step_fences_the_steps_after_it
     wf_id = "taken-chain-failed"
     steps = [Step(capability="wf:slow:v1", payload={"i": i}) for i in range(3)]
     async with Client(settings=wf_settings) as mesh:
-        spec = mesh._workflow_spec("chain", steps, "all", 30, wf_id)
-        record = WorkflowRecord(
-            spec=spec,
-            spec_digest=spec_digest(spec),
-            owner="hub-stale",
-            submitted_at=time.time(),
-            first_agents=[agent_id, None, None],
-        )
+        await seed_owner(mesh, "chain", steps, wf_id, "hub-stale", [agent_id, None, None])
         js = mesh.nc.jetstream()
         tasks = await js.key_value(protocol.KV_TASKS)
-        await (await js.key_value(protocol.KV_WORKFLOWS)).put(
-            protocol.workflow_key(ns, wf_id), protocol.encode(record)
-        )
         # Step 0 failed on its agent, not to be retried: its final status is stored.
         failed = TaskStatusEvent(
             task_id=f"{wf_id}-0",
