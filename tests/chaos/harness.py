@@ -325,6 +325,11 @@ class DriverStats:
     #: workflow id -> how long (s) after its result was stored the caller had it (an
     #: announcement lost on the way shows here: the wait then ends on a read of the record).
     answer_lag: dict[str, float] = field(default_factory=dict)
+    #: When (wall clock) each caller had its answer.
+    answered_at: dict[str, float] = field(default_factory=dict)
+    #: For answers over 1 s after ``finished_at``: how long after the final record was written
+    #: (the stream's own timestamp) — what the announcement, not the store, took.
+    after_write: dict[str, float] = field(default_factory=dict)
 
 
 async def drive(
@@ -358,7 +363,8 @@ async def drive(
                 res = await client.workflow(p.workflow_id, timeout=max(1.0, min(left, 15.0)))
                 callers[p.workflow_id] = res.model_dump(mode="json")
                 if res.finished_at is not None:
-                    stats.answer_lag[p.workflow_id] = time.time() - res.finished_at
+                    stats.answered_at[p.workflow_id] = now = time.time()
+                    stats.answer_lag[p.workflow_id] = now - res.finished_at
                 return
             except (ReachError, nats.errors.Error, TimeoutError) as err:
                 stats.wait_errors[type(err).__name__] += 1
@@ -595,12 +601,30 @@ class ChaosRun:
             f"  submit gave up: {self.stats.submit_gave_up}",
             f"  caller wait errors (retried): {dict(self.stats.wait_errors)}",
             f"  callers' answers after the result was stored: {_lags(self.stats.answer_lag)}",
+            f"    of those over 1 s, after the record was written: {_lags(self.stats.after_write)}",
             f"  cancels sent: {len(self.stats.cancels)}, errors (asked again): "
             f"{dict(self.stats.cancel_errors)}",
             f"  lease expiries logged by hubs: {self.lease_expiries}",
             f"  fence reads by agents: {self.fence_reads} (handler starts: {self.starts})",
         ]
         return "\n".join([self.report.table(head), *extra])
+
+
+async def _after_write(client: Client, ns: str, stats: DriverStats) -> None:
+    """Fill ``stats.after_write``: for each answer over 1 s late, the time between the final
+    record's write (its stream timestamp) and the caller's answer."""
+    js = client.nc.jetstream()
+    stream = f"KV_{protocol.KV_WORKFLOWS}"
+    for wf, lag in stats.answer_lag.items():
+        if lag <= 1.0:
+            continue
+        subject = f"$KV.{protocol.KV_WORKFLOWS}.{protocol.workflow_key(ns, wf)}"
+        try:
+            raw = await js.get_last_msg(stream, subject)
+        except Exception:
+            continue
+        if raw.time is not None:
+            stats.after_write[wf] = stats.answered_at[wf] - raw.time.timestamp()
 
 
 def _lags(lags: dict[str, float]) -> str:
@@ -610,7 +634,7 @@ def _lags(lags: dict[str, float]) -> str:
     got = sorted(lags.values())
     p50, p99 = got[len(got) // 2], got[min(len(got) - 1, int(len(got) * 0.99))]
     late = sum(1 for lag in got if lag > 5.0)
-    return f"p50 {p50:.3f} s, p99 {p99:.3f} s, max {got[-1]:.3f} s; over 5 s: {late}"
+    return f"{len(got)}: p50 {p50:.3f} s, p99 {p99:.3f} s, max {got[-1]:.3f} s; over 5 s: {late}"
 
 
 def _fence_reads(logs: Iterable[Path]) -> tuple[int, int]:
@@ -651,6 +675,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
             await injector  # the last fault ends (restarted, SIGCONT) before the drain
             expected, callers = await driver
             history = await collect(client, mesh, work, expected, callers)
+            await _after_write(client, mesh.cfg.namespace, stats)
             history.cancels = stats.cancels
     finally:
         await asyncio.to_thread(mesh.close)
