@@ -264,7 +264,8 @@ class WorkflowsMixin:
 
         A workflow that finished within ``workflow_event_hold`` has no event stored (its
         result says every step's outcome): ``done`` alone. Once the result is in, the events
-        the stream holds are read (for up to 2 s more); on a replicated stream an event
+        the stream holds are read (for up to 4 s more: a count, then the reads); on a
+        replicated stream an event
         stored after that is not. ``MeshTimeoutError`` when it has no result within
         ``timeout``."""
         protocol.validate_workflow_id(workflow_id)

@@ -214,6 +214,18 @@ async def seed_owner(
     await kv.put(protocol.workflow_key(mesh.namespace, wf_id), protocol.encode(record))
 
 
+async def assert_fenced(tasks: Any, ns: str, wf_id: str, indexes: tuple[int, ...]) -> None:
+    """Steps ``indexes`` of ``wf_id`` have cancelled task records, and what a stale hub does
+    to start one — create its record — fails."""
+    for index in indexes:
+        key = protocol.task_key(ns, f"{wf_id}-{index}")
+        entry = await tasks.get(key)
+        assert entry.value is not None
+        assert json.loads(entry.value)["cancelled"] is True, entry.value
+        with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
+            await tasks.create(key, b"{}")
+
+
 @pytest.mark.parametrize("kind", ["fanout", "chain"])
 async def test_a_hub_taking_over_finishes_the_cancel_its_owner_took(
     kind: str, wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
@@ -282,14 +294,7 @@ async def test_a_chain_taken_over_and_cancelled_fences_the_steps_it_never_starte
         answer = await mesh.cancel_workflow(wf_id)
         assert answer.final and answer.cancelled and answer.result is not None, answer
         assert [s.cancelled for s in answer.result.steps] == [True, True, True]
-        for index in (1, 2):
-            key = protocol.task_key(ns, f"{wf_id}-{index}")
-            entry = await tasks.get(key)
-            assert entry.value is not None
-            assert json.loads(entry.value)["cancelled"] is True, entry.value
-            # What the stale hub does to start the step: create its record. It cannot.
-            with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
-                await tasks.create(key, b"{}")
+        await assert_fenced(tasks, ns, wf_id, (1, 2))
     assert held.finished == 0
 
 
@@ -325,12 +330,7 @@ async def test_a_chain_taken_over_that_fails_at_a_step_fences_the_steps_after_it
         res = await mesh.workflow(wf_id, timeout=10)
         assert res.state is TaskState.FAILED and res.error is not None, res
         assert res.error.code == "REACH_HANDLER_FAILED" and res.steps[0].state is TaskState.FAILED
-        for index in (1, 2):
-            key = protocol.task_key(ns, f"{wf_id}-{index}")
-            entry = await tasks.get(key)
-            assert entry.value is not None and json.loads(entry.value)["cancelled"] is True
-            with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):
-                await tasks.create(key, b"{}")
+        await assert_fenced(tasks, ns, wf_id, (1, 2))
     assert held.started == 0
 
 

@@ -542,7 +542,7 @@ class WorkflowEngine(WorkflowShapes):
             result, stored = await self._run(wf)
             if not stored:
                 result = await self._store(wf, result)
-            await self._publish_done(wf, result)
+            await self._publish_done(wf.ns, result, wf.headers)
         except NotOwnerError:
             if await self._still_owner(wf):
                 # A task record moved under us while the workflow record is still ours: a hub
@@ -663,7 +663,7 @@ class WorkflowEngine(WorkflowShapes):
                 self._io_deadline(),
                 on_retry=self._infra_retry,
             )
-            await self._publish_done_raw(ns, result, headers)
+            await self._publish_done(ns, result, headers)
         except KeyWrongLastSequenceError:
             # The id is a workflow's already: its own record and result stand.
             self.conflict_total += 1
@@ -712,12 +712,7 @@ class WorkflowEngine(WorkflowShapes):
             return stored
         return result
 
-    async def _publish_done(self, wf: Workflow, result: WorkflowResult) -> None:
-        await self._publish_done_raw(wf.ns, result, wf.headers)
-
-    async def _publish_done_raw(
-        self, ns: str, result: WorkflowResult, headers: dict[str, str]
-    ) -> None:
+    async def _publish_done(self, ns: str, result: WorkflowResult, headers: dict[str, str]) -> None:
         """Announce the stored final result on ``.done``: core NATS, not stored — the record
         written before it is the durable copy, which a caller that missed the announcement
         reads (``Client.workflow``). Sent before the submission's ack, on the same
