@@ -22,6 +22,7 @@ Every error carries a stable wire ``code`` so that clients in any language can a
     ├── HandlerError                REACH_HANDLER_FAILED   (the user's handler raised)
     ├── StaleAttemptError           REACH_STALE_ATTEMPT    (fenced)
     ├── WorkflowConflictError       REACH_WORKFLOW_CONFLICT (workflow id taken by another spec)
+    ├── TaskIdConflictError         REACH_TASK_ID_CONFLICT (a step's task id is another workflow's)
     ├── MeshTimeoutError            REACH_TIMEOUT          (also a ``TimeoutError``)
     ├── MeshUnavailableError        REACH_UNAVAILABLE      (no hub / NATS not reachable)
     ├── InternalError               REACH_INTERNAL
@@ -57,6 +58,7 @@ __all__ = [
     "SelectorError",
     "StaleAttemptError",
     "TaskCancelledError",
+    "TaskIdConflictError",
     "ThrottledError",
     "UnauthorizedError",
     "UnknownAgentError",
@@ -216,6 +218,14 @@ class WorkflowConflictError(ReachError):
     second is refused (the same id with the same spec is a no-op)."""
 
     code = "REACH_WORKFLOW_CONFLICT"
+
+
+class TaskIdConflictError(ReachError):
+    """A step names a task id (``Step(task_id=...)``) that a step of another workflow of the
+    namespace holds: the step is not run and fails with this error (``details``: the other
+    ``workflow_id``). A task id names one step of one workflow while its record is kept."""
+
+    code = "REACH_TASK_ID_CONFLICT"
 
 
 class MeshTimeoutError(ReachError, TimeoutError):

@@ -264,7 +264,12 @@ async def test_probe_reads_a_raw_agents_answer(
 
         async def ctl(msg: Msg) -> None:
             body = json.loads(msg.data)
-            assert body == {"op": "task_state", "task_id": "raw-task", "fence": 1}
+            assert body == {
+                "op": "task_state",
+                "task_id": "raw-task",
+                "fence": 1,
+                "workflow_id": "raw",
+            }
             out = {"task_id": "raw-task", "attempt": 1, "agent_id": agent_id, **answer}
             await msg.respond(json.dumps(out).encode())
 

@@ -256,9 +256,12 @@ def delivery_of(reply: str | None) -> Delivery | None:
 
 def superseded(record: TaskRecord, env: TaskEnvelope, agent_id: str) -> bool:
     """Whether the hub's task record says it moved on from this attempt: another attempt, the
-    branch cancelled, the task decided, or another agent's."""
+    branch cancelled, the task decided, or another agent's — or the record is another
+    workflow's step of the same task id (the id is that workflow's: ``REACH_TASK_ID_CONFLICT``)."""
     return (
-        record.attempt != env.attempt
+        record.workflow_id != env.workflow_id
+        or record.step != env.step
+        or record.attempt != env.attempt
         or record.cancelled
         or record.state.final
         or (record.agent_id is not None and record.agent_id != agent_id)

@@ -111,7 +111,7 @@ class _Entry:
     duplicate or a state query asks for it.
     """
 
-    __slots__ = ("_raw", "_reply", "attempt", "done", "state")
+    __slots__ = ("_raw", "_reply", "attempt", "done", "owner", "state")
 
     def __init__(
         self,
@@ -119,10 +119,14 @@ class _Entry:
         state: TaskState,
         reply: TaskReply | None = None,
         done: asyncio.Future[TaskReply] | None = None,
+        owner: tuple[str, int | None] | None = None,
     ) -> None:
         self.attempt = attempt
         self.state = state
         self.done = done
+        #: The workflow step the task id was seen for (``workflow_id``, ``step``); None for
+        #: request-reply tasks.
+        self.owner = owner
         self._reply = reply
         self._raw: bytes | None = None
 
@@ -656,6 +660,14 @@ class ServingMixin:
         elif fence < 1:
             raise BadRequestError(f"fence must be an attempt (>= 1), got {fence}")
         entry = self._results.get(task_id)
+        asker = body.get("workflow_id")
+        if (
+            entry is not None
+            and isinstance(asker, str)
+            and (entry.owner is None or entry.owner[0] != asker)
+        ):
+            # The id was another workflow's step, or a request-reply task: not what is asked.
+            entry = None
         if entry is None and self.work is not None and self.work.checking(task_id):
             # In hand, its fence being read: the hub must not give this attempt up.
             return protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})

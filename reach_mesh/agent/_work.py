@@ -260,7 +260,10 @@ class WorkConsumer:
             if not event.state.final or event.agent_id != agent.agent_id:
                 continue
             reply = TaskReply.model_validate(event.model_dump(include=_REPLY_FIELDS))
-            agent._remember(reply.task_id, _Entry(reply.attempt, reply.state, reply=reply))
+            owner = None if event.workflow_id is None else (event.workflow_id, event.step)
+            agent._remember(
+                reply.task_id, _Entry(reply.attempt, reply.state, reply=reply, owner=owner)
+            )
 
     # ------------------------------------------------------------------ receiving
 
@@ -323,6 +326,16 @@ class WorkConsumer:
         # stream) belong to the work message, not to the status events we publish.
         headers = _trace_headers(msg.headers)
         entry = agent._results.get(env.task_id)
+        if entry is not None and _another_step(entry, env):
+            # The task id was another workflow's step (a caller-chosen id used again after its
+            # record expired): not this step's outcome. A new task once that one is over.
+            if entry.reply is None:
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=0.5)
+                self._release()
+                return
+            agent._results.pop(env.task_id, None)
+            entry = None
         if entry is not None and await self._known(msg, env, headers, entry):
             return
         if env.task_id in self._checking:
@@ -392,7 +405,10 @@ class WorkConsumer:
             )
             return
         done: asyncio.Future[TaskReply] = asyncio.get_running_loop().create_future()
-        agent._remember(env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done))
+        owner = None if env.workflow_id is None else (env.workflow_id, env.step)
+        agent._remember(
+            env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done, owner=owner)
+        )
         held = _Held(msg=msg, env=env, headers=headers, checked_at=checked_at)
         self._held[env.task_id] = held
         if agent._running >= agent.max_concurrency:
@@ -739,6 +755,12 @@ def _event(
         event.duration_ms = reply.duration_ms
         event.queued_ms = reply.queued_ms
     return event
+
+
+def _another_step(entry: _Entry, env: TaskEnvelope) -> bool:
+    """Whether ``entry`` was remembered for a step of another workflow, another step, or a
+    request-reply task (no owner) of the same id, when ``env`` is a workflow step."""
+    return env.workflow_id is not None and entry.owner != (env.workflow_id, env.step)
 
 
 def _ignore(task: asyncio.Future[None]) -> None:

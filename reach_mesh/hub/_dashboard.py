@@ -431,6 +431,8 @@ class Dashboard:
                 rec = TaskRecord.model_validate_json(entry.value or b"{}")
             except Exception:
                 continue
+            if rec.workflow_id != wf.workflow_id or rec.step != i:
+                continue  # a caller-chosen task id another workflow holds
             step = wf.steps.setdefault(i, _Step(i))
             if rec.attempt >= step.attempt:
                 step.task_id, step.attempt, step.state = task_id, rec.attempt, rec.state.value

@@ -20,7 +20,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from reach_mesh import protocol
 from reach_mesh.errors import InternalError, ReachError
 from reach_mesh.hub import _durable
-from reach_mesh.hub._step_state import new_record, note, retryable
+from reach_mesh.hub._step_state import new_record, note, owned, retryable
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
@@ -464,6 +464,11 @@ class WorkflowShapes(StepRunner):
         got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
         if got is not None:
             rec = TaskRecord.model_validate_json(got[0])
+            if not owned(rec, wf, index):
+                # Its task id is another workflow's: never sent for this one, nothing to stop
+                # (and theirs is not ours to touch). Only ``_step`` reports the conflict, when
+                # the step is reached.
+                return
         else:
             # No record: its attempt 1, if sent, is the one the workflow record names.
             named = self._named_attempt(wf, index, task_id)
@@ -551,6 +556,8 @@ class WorkflowShapes(StepRunner):
             last = await self._tracker.last_status(wf.ns, rec.task_id, agent_id, patient=True)
             if last is None or (last.attempt, last.agent_id) not in open_:
                 continue
+            if last.workflow_id is not None and last.workflow_id != wf.id:
+                continue  # the same task id in another workflow (its record expired since)
             # Only an outcome that decides the step: a success, or a failure not retried (a
             # retryable one would have been followed by another attempt: not finished).
             if last.state is TaskState.SUCCEEDED or (last.state.final and not retryable(last)):

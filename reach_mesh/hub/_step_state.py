@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from opentelemetry.context import Context
 
+from reach_mesh.errors import TaskIdConflictError
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import ErrorBody, RouteRequest, TaskState
 from reach_mesh.workflow import (
@@ -26,10 +28,13 @@ from reach_mesh.workflow import (
 __all__ = [
     "NotOwnerError",
     "Policy",
+    "TaskIdTaken",
     "Workflow",
     "backoff",
+    "id_conflict",
     "new_record",
     "note",
+    "owned",
     "retryable",
     "sent",
     "step_route",
@@ -38,6 +43,14 @@ __all__ = [
 
 class NotOwnerError(Exception):
     """Another hub wrote this workflow's records: it owns the workflow now."""
+
+
+class TaskIdTaken(Exception):
+    """A step's task record is another workflow's: a caller-chosen task id used twice."""
+
+    def __init__(self, workflow_id: str) -> None:
+        super().__init__(workflow_id)
+        self.workflow_id = workflow_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +178,27 @@ def new_record(wf: Workflow, index: int, task_id: str, created_at: float) -> Tas
         created_at=created_at,
         updated_at=created_at,
     )
+
+
+def owned(rec: TaskRecord, wf: Workflow, index: int) -> bool:
+    """Whether ``rec`` is the record of step ``index`` of ``wf`` (not of another workflow
+    whose step named the same task id)."""
+    return rec.workflow_id == wf.id and rec.step == index
+
+
+def id_conflict(wf: Workflow, index: int, task_id: str, other: str) -> TaskRecord:
+    """The outcome of a step whose task id another workflow holds: FAILED, never sent (not
+    written: the record under that key is the other workflow's)."""
+    err = TaskIdConflictError(
+        f"step {index}: task id {task_id!r} belongs to workflow {other!r} of namespace "
+        f"{wf.ns!r}; a task id names one step of one workflow",
+        task_id=task_id,
+        workflow_id=other,
+    )
+    rec = new_record(wf, index, task_id, time.time())
+    rec.state = TaskState.FAILED
+    rec.error = ErrorBody(code=err.code, message=err.message, details=err.details)
+    return rec
 
 
 def sent(rec: TaskRecord, agent_id: str) -> None:

@@ -29,10 +29,13 @@ from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import (
     NotOwnerError,
     Policy,
+    TaskIdTaken,
     Workflow,
     backoff,
+    id_conflict,
     new_record,
     note,
+    owned,
     retryable,
     sent,
     step_route,
@@ -185,7 +188,16 @@ class StepRunner:
         key = protocol.task_key(ns, task_id)
         pol = self._policy(step)
         route = step_route(step)
-        rec, rev, fresh, view, capability = await self._begin(wf, index, route, task_id, key)
+        try:
+            rec, rev, fresh, view, capability = await self._begin(wf, index, route, task_id, key)
+        except TaskIdTaken as taken:
+            # Another workflow's step holds the id: not run, not written (the record is
+            # theirs); the same outcome on every owner that gets here while it is kept.
+            rec = id_conflict(wf, index, task_id, taken.workflow_id)
+            self._step_event(
+                wf, index, rec, rec.state, attempt=None, agent_id=None, error=rec.error
+            )
+            return rec
         # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
         no_work = self._no_work_reason(route, ns) if view is None else None
         if not fresh:
@@ -354,13 +366,17 @@ class StepRunner:
         the workflow record already (``first_agents``) and is sent without a task record (rev
         0: none yet); otherwise an agent is chosen now and the record created with attempt 1
         (or 0 when none matches). Not fresh (taken over from another hub): the step's record,
-        or — without one — its attempt 1 from the workflow record, to adopt."""
+        or — without one — its attempt 1 from the workflow record, to adopt.
+
+        ``TaskIdTaken`` when the record under the step's task id is another workflow's (a
+        caller-chosen task id: such a step is never sent before its record is created,
+        ``_first_choices``, so the create is the claim)."""
         assert self._tasks_kv is not None
         kv = self._tasks_kv
         if wf.taken_over:
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
             if got is not None:
-                return TaskRecord.model_validate_json(got[0]), got[1], False, None, None
+                return self._ours(wf, index, got), got[1], False, None, None
             named = self._named_attempt(wf, index, task_id)
             if named is not None:
                 return named, 0, False, None, None
@@ -389,8 +405,16 @@ class StepRunner:
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
             if got is None:
                 raise NotOwnerError(key) from err
-            return TaskRecord.model_validate_json(got[0]), got[1], False, None, None
+            return self._ours(wf, index, got), got[1], False, None, None
         return rec, rev, True, view, capability
+
+    @staticmethod
+    def _ours(wf: Workflow, index: int, got: tuple[bytes, int]) -> TaskRecord:
+        """The step's record as read; ``TaskIdTaken`` when it is another workflow's."""
+        rec = TaskRecord.model_validate_json(got[0])
+        if not owned(rec, wf, index):
+            raise TaskIdTaken(rec.workflow_id)
+        return rec
 
     def _named_attempt(self, wf: Workflow, index: int, task_id: str) -> TaskRecord | None:
         """For a step without a task record: its attempt 1 as the workflow record names it
@@ -408,6 +432,11 @@ class StepRunner:
         starting = wf.spec.steps if wf.spec.kind == "fanout" else wf.spec.steps[:1]
         first: list[tuple[AgentView, str | None] | None] = []
         for step in starting:
+            if step.task_id is not None:
+                # A caller-chosen task id may be another workflow's: its step is sent only
+                # after its record is created (the claim, ``_begin``), never at the start.
+                first.append(None)
+                continue
             view, capability = await self._choose(step_route(step), wf.ns, set())
             first.append(None if view is None else (view, capability))
         wf.first = first

@@ -102,6 +102,7 @@ class StepTrack:
     key: str
     task_id: str
     namespace: str
+    workflow_id: str
     #: The current attempt; ``agent_id`` is None while it is recorded but not yet sent.
     attempt: int
     agent_id: str | None
@@ -225,6 +226,7 @@ class StatusTracker:
             key=key,
             task_id=rec.task_id,
             namespace=rec.namespace,
+            workflow_id=rec.workflow_id,
             attempt=rec.attempt,
             agent_id=rec.agent_id,
             machine=AckMachine(on_transition=on_transition),
@@ -337,6 +339,13 @@ class StatusTracker:
             if event.state.final:
                 track.stale += 1
                 self._stale(event, "from an attempt this step did not send to that agent")
+            return
+        if event.workflow_id is not None and event.workflow_id != track.workflow_id:
+            # The same task id in another workflow (a caller-chosen id reused after its
+            # record expired, or one that is another workflow's default id): not this step's.
+            if event.state.final:
+                track.stale += 1
+                self._stale(event, "from another workflow's step of the same task id")
             return
         if event.attempt == track.attempt:
             if not track.machine.catch_up(event.state):
@@ -491,7 +500,14 @@ class StatusTracker:
         try:
             msg = await self._jsc.ask(
                 protocol.agent_ctl(agent_id),
-                protocol.dumps({"op": "task_state", "task_id": track.task_id, "fence": fence}),
+                protocol.dumps(
+                    {
+                        "op": "task_state",
+                        "task_id": track.task_id,
+                        "fence": fence,
+                        "workflow_id": track.workflow_id,
+                    }
+                ),
                 timeout=_CTL_TIMEOUT,
             )
         except NoRespondersError:

@@ -31,6 +31,7 @@ from nats.js.errors import KeyNotFoundError
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
 from reach_mesh.errors import ReachError
 from reach_mesh.logs import LEASE_EXPIRED
+from reach_mesh.workflow import step_task_id
 
 from ..helpers import cluster_nodes
 from .agent_proc import CAPABILITY
@@ -278,6 +279,10 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
         )
         odd = rng.randrange(3) if variant else -1
         x0 = rng.randrange(1000)
+        wf_id = f"{cfg.namespace}-{cfg.seed}-{i:05d}"
+        # A quarter of them (a chain and a fanout in every eight) name their steps' task ids:
+        # such steps are claimed (their record created) before they are sent.
+        named = i % 8 in (1, 2)
         steps = []
         for k in range(3):
             mode = variant if k == odd and variant != "cancel" else "ok"
@@ -297,6 +302,7 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
                     payload=payload,
                     timeout=1.0 if mode == "slow" else 10.0,
                     retry=RetryPolicy(retries=1 if mode == "flaky" else 0),
+                    task_id=f"{wf_id}-n{k}" if named else None,
                 )
             )
         cancel_after = rng.uniform(0.0, 1.2) if variant == "cancel" else None
@@ -310,7 +316,7 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
             exp = Expected(kind, "SUCCEEDED", {"x": x0 + 3})
         if cancel_after is not None:
             exp = Expected(exp.kind, exp.state, exp.result, cancellable=True)
-        out.append(Planned(f"{cfg.namespace}-{cfg.seed}-{i:05d}", kind, steps, exp, cancel_after))
+        out.append(Planned(wf_id, kind, steps, exp, cancel_after))
     return out
 
 
@@ -554,7 +560,7 @@ async def collect(
             if rec is not None:
                 h.records[p.workflow_id] = rec
             for i in range(len(p.steps)):
-                tid = f"{p.workflow_id}-{i}"
+                tid = step_task_id(p.workflow_id, i, p.steps[i])
                 task = await _get(task_kv, protocol.task_key(ns, tid))
                 if task is not None:
                     h.tasks[tid] = task

@@ -1,0 +1,200 @@
+"""Caller-chosen task ids on a real nats-server: a task id names one step of one workflow.
+
+A step that names a task id another workflow's step holds is not run: it fails with
+``REACH_TASK_ID_CONFLICT`` naming that workflow, and the other workflow's step, record and
+result are untouched — whether the other workflow finished or still runs. Resubmitting the
+same workflow (same id, same spec) stays a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh.agent import Task
+from reach_mesh.hub import Hub
+from reach_mesh.workflow import StepResult, TaskStatusEvent
+
+from .helpers import Fleet, echo_agent, eventually, task_record
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def assert_conflict(step: StepResult, task_id: str, holder: str) -> None:
+    assert step.state is TaskState.FAILED
+    assert step.error is not None and step.error.code == "REACH_TASK_ID_CONFLICT"
+    assert step.error.details == {"task_id": task_id, "workflow_id": holder}
+    assert step.agent_id is None  # never sent
+
+
+async def test_a_task_id_names_one_step_of_one_workflow(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    agent = echo_agent(fleet, "ids.a1", "wf:ids:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        first = await mesh.fanout(
+            [Step(capability="wf:ids:v1", payload="one", task_id="order-7")],
+            workflow_id="ids-first",
+            timeout=10,
+        )
+        assert first.state is TaskState.SUCCEEDED
+        assert first.steps[0].result == {"by": agent.agent_id, "in": "one"}
+        # Another workflow naming the same task id, as a fanout and as a chain: refused, with
+        # the workflow that holds it; before, it got the first one's result for its payload.
+        again = await mesh.fanout(
+            [Step(capability="wf:ids:v1", payload="two", task_id="order-7")], timeout=10
+        )
+        assert again.state is TaskState.FAILED
+        assert_conflict(again.steps[0], "order-7", "ids-first")
+        chained = await mesh.chain(
+            [
+                Step(capability="wf:ids:v1", payload="a", task_id="order-8"),
+                Step(capability="wf:ids:v1", payload="b", task_id="order-7"),
+                Step(capability="wf:ids:v1", payload="c"),
+            ],
+            timeout=10,
+        )
+        assert chained.state is TaskState.FAILED
+        assert chained.steps[0].state is TaskState.SUCCEEDED  # its own id: it ran
+        assert_conflict(chained.steps[1], "order-7", "ids-first")
+        assert chained.steps[2].cancelled and chained.steps[2].agent_id is None  # not started
+        # The same workflow again is still a no-op, and its result and record stand.
+        same = await mesh.fanout(
+            [Step(capability="wf:ids:v1", payload="one", task_id="order-7")],
+            workflow_id="ids-first",
+            timeout=10,
+        )
+        assert same == first
+        rec = await task_record(mesh.nc, ns, "order-7")
+        assert rec is not None and rec.workflow_id == "ids-first" and rec.step == 0
+    assert fleet.runs == {"order-7": 1, "order-8": 1}
+
+
+async def test_a_task_id_held_by_a_running_step_is_refused_at_once(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The second workflow's step goes to another agent: it must neither run there nor take
+    the first one's outcome, and the first one's step runs on undisturbed."""
+    gate = asyncio.Event()
+    ran: list[tuple[str, Any]] = []
+    agents = [fleet.agent("held.a"), fleet.agent("held.b")]
+    for agent in agents:
+
+        @agent.handler("wf:held:v1")
+        async def slow(task: Task[Any], me: str = agent.agent_id) -> str:
+            ran.append((me, task.payload))
+            await gate.wait()
+            return f"{me}:{task.payload}"
+
+        await agent.start()
+    a, b = (agent.agent_id for agent in agents)
+    async with Client(settings=wf_settings) as mesh:
+        holder = await mesh.submit_fanout(
+            [Step(agent_id=a, payload="one", task_id="held-1")], timeout=10
+        )
+        await eventually(lambda: ran == [(a, "one")], timeout=5)
+        other = await mesh.chain([Step(agent_id=b, payload="two", task_id="held-1")], timeout=10)
+        assert other.state is TaskState.FAILED  # while the holder still runs
+        assert_conflict(other.steps[0], "held-1", holder)
+        gate.set()
+        done = await mesh.workflow(holder, timeout=10)
+    assert done.state is TaskState.SUCCEEDED and done.steps[0].result == f"{a}:one"
+    assert ran == [(a, "one")]
+
+
+async def test_a_status_of_another_workflows_step_is_not_taken(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The hub takes a step's statuses only from its own workflow: a final status for the
+    same task id, attempt and agent that names another workflow (as an agent that ran the id
+    for that workflow publishes it) does not decide the step."""
+    gate = asyncio.Event()
+    agent = fleet.agent("other.a1")
+
+    @agent.handler("wf:other:v1")
+    async def slow(task: Task[Any]) -> str:
+        await gate.wait()
+        return "mine"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:other:v1", task_id="other-1")], timeout=10
+        )
+        await eventually(lambda: agent._running == 1, timeout=5)
+        foreign = TaskStatusEvent(
+            task_id="other-1",
+            attempt=1,
+            agent_id=agent.agent_id,
+            state=TaskState.SUCCEEDED,
+            workflow_id="someone-else",
+            step=0,
+            result="theirs",
+        )
+        await mesh.nc.publish(
+            protocol.task_status(agent.agent_id, "other-1"), protocol.encode(foreign)
+        )
+        await mesh.nc.flush()
+        await asyncio.sleep(0.3)
+        view = await mesh.inspect_workflow(wf_id)
+        assert view.state is TaskState.RUNNING
+        gate.set()
+        done = await mesh.workflow(wf_id, timeout=10)
+    assert done.state is TaskState.SUCCEEDED and done.steps[0].result == "mine"
+    assert done.steps[0].stale >= 1
+
+
+async def test_an_id_free_again_after_its_record_expired_runs_anew(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Once the holder's record is gone (expired: here purged), the id is free: a new
+    workflow's step of it runs for its own payload, even on the agent that ran it before and
+    remembers that outcome (in memory, and after a restart from its stored final statuses).
+
+    Purging the record stands in for its expiry, which comes ``workflow_retention`` after its
+    last write — past the work stream's duplicate window (at most that retention). Here it
+    comes at once, so the stream drops the new workflow's attempts whose message ids
+    (``<ns>.<task_id>#n``) an earlier workflow used, and the step runs on a later attempt."""
+    ns = wf_settings.namespace
+
+    def start(name: str) -> Any:
+        agent = fleet.agent(name)
+
+        @agent.handler("wf:again:v1")
+        async def echo(task: Task[Any]) -> Any:
+            fleet.runs[task.task_id] += 1
+            return {"in": task.payload, "wf": task.workflow_id}
+
+        return agent
+
+    async def expire(mesh: Client) -> None:
+        kv = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+        await kv.purge(protocol.task_key(ns, "again-1"))
+
+    agent = start("again.a1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        results = []
+        for n in range(3):
+            if n == 2:  # the same agent id, restarted: it remembers from REACH_STATUS
+                await agent.close()
+                agent = start("again.a1")
+                await agent.start()
+            res = await mesh.fanout(
+                [Step(capability="wf:again:v1", payload=n, task_id="again-1")],
+                workflow_id=f"again-wf-{n}",
+                timeout=10,
+            )
+            results.append(res)
+            await expire(mesh)
+    assert [r.state for r in results] == [TaskState.SUCCEEDED] * 3
+    assert [r.steps[0].result for r in results] == [
+        {"in": n, "wf": f"again-wf-{n}"} for n in range(3)
+    ]
+    assert [r.steps[0].cached for r in results] == [False] * 3
+    assert fleet.runs == {"again-1": 3}
