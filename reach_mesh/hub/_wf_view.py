@@ -349,7 +349,7 @@ async def _complete(
             step.error, step.cancelled = rec.error, rec.cancelled
             step.decided_by = rec.decided_by if rec.state.final else None
     if not (final or step.state.final or step.cancelled):
-        await _current(ns, step, tracker, live, unread)
+        await _current(ns, workflow_id, step, tracker, live, unread)
     # The deciding attempt's history entry was recorded before it ran (the record is not
     # written again when the current attempt decides): say how it ended.
     ended = step.attempt if step.decided_by is None else step.decided_by
@@ -359,10 +359,17 @@ async def _complete(
 
 
 async def _current(
-    ns: str, step: StepView, tracker: StatusTracker, live: bool, unread: list[tuple[int, str]]
+    ns: str,
+    workflow_id: str,
+    step: StepView,
+    tracker: StatusTracker,
+    live: bool,
+    unread: list[tuple[int, str]],
 ) -> None:
     """The state of a running step's current attempt."""
     track = tracker.track(protocol.task_key(ns, step.task_id)) if live else None
+    if track is not None and track.workflow_id != workflow_id:
+        track = None  # the task id's step in another workflow
     if track is not None and track.agent_id is not None:
         step.attempt, step.agent_id = track.attempt, track.agent_id
         step.state = track.machine.state
