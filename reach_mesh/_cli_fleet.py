@@ -20,7 +20,7 @@ from reach_mesh import protocol
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import UnknownWorkflowError
-from reach_mesh.models import AgentInfo, ErrorBody
+from reach_mesh.models import AgentInfo, ErrorBody, TaskState
 from reach_mesh.workflow import WorkflowView
 
 __all__ = [
@@ -208,8 +208,9 @@ async def cmd_workflow(args: argparse.Namespace) -> int:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
-    """Cancel a running workflow; 0 once it has its final result (cancelled, or ended by
-    itself first), 1 when its owner is still stopping it after ``--timeout``."""
+    """Cancel a workflow; 0 once it has its final result (cancelled, or ended by itself
+    first) or when it is cancelled before it started, 1 when its owner is still stopping it
+    after ``--timeout``."""
     async with Client(settings=settings_of(args)) as c:
         with _namespace_hint(args, "cancel"):
             answer = await c.cancel_workflow(
@@ -217,9 +218,19 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
                 reason=args.reason,
                 namespace=args.namespace,
                 timeout=args.timeout,
+                before_start=args.before_start,
             )
+    unstarted = not answer.final and answer.owner is None and answer.state is TaskState.PENDING
     if args.json:
         print(answer.model_dump_json(indent=2))
+    elif unstarted:
+        print(
+            f"workflow {answer.workflow_id} (namespace {answer.namespace}): cancelled before it "
+            "started — no hub has taken it yet; the one that takes it ends it FAILED "
+            "(REACH_WORKFLOW_CANCELLED) without running a step. If it was never submitted "
+            "there, check the id and --namespace: a later submission of it there ends "
+            "cancelled."
+        )
     elif not answer.final:
         print(
             f"workflow {answer.workflow_id} ({answer.namespace}): its owner "
@@ -236,7 +247,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
             for s in result.steps:
                 state = s.state.value + (" (cancelled)" if s.cancelled else "")
                 print(f"  step {s.index}: {state}  {s.agent_id or '-'}  {_said(s.error)}")
-    return 0 if answer.final else 1
+    return 0 if answer.final or unstarted else 1
 
 
 def _when(ts: float | None) -> str:

@@ -35,6 +35,7 @@ from reach_mesh.errors import (
     WorkflowConflictError,
     WorkflowSpecError,
 )
+from reach_mesh.models import TaskState
 from reach_mesh.tracing import (
     SPAN_WORKFLOW,
     SpanKind,
@@ -205,6 +206,7 @@ class WorkflowsMixin:
         reason: str | None = None,
         namespace: str | None = None,
         timeout: float = 10.0,
+        before_start: bool = False,
     ) -> CancelResult:
         """Stop a running workflow of this client's namespace (or ``namespace``): its steps not
         finished are cancelled (agents running them are told to stop; work still queued is
@@ -214,10 +216,15 @@ class WorkflowsMixin:
         Returns once a final result is stored (``final``; ``cancelled`` False when the
         workflow had ended by itself first, ``result`` its outcome), asking again while the
         owner stops it (a cancel is idempotent), or the last answer (``final=False``) at
-        ``timeout``. ``UnknownWorkflowError`` when no hub knows it (asked again for up to 2 s:
-        one just submitted may not be taken yet); ``MeshUnavailableError`` when no owner could
-        be reached until ``timeout`` (its message says whether the cancel may have been
-        taken)."""
+        ``timeout``. ``UnknownWorkflowError`` when it has no record (asked again for up to
+        2 s: one just submitted may not be taken yet) — unless ``before_start``: then a
+        workflow no hub has started yet (its submission waits in the stream for a fair
+        share, or it was never submitted: the hub cannot tell) is answered at once,
+        ``final=False``, ``state=PENDING``, no ``owner``: the cancel is recorded, and the hub
+        that takes the submission ends it cancelled without running a step (in a namespace
+        no hub knows, ``UnknownWorkflowError`` all the same);
+        ``MeshUnavailableError`` when no owner could be reached until ``timeout`` (its message
+        says whether the cancel may have been taken)."""
         protocol.validate_workflow_id(workflow_id)
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
         reason = protocol.validate_cancel_reason(reason)
@@ -231,14 +238,19 @@ class WorkflowsMixin:
             within = round(
                 min(protocol.CANCEL_WAIT, max(0.2, deadline - time.monotonic() - 1.0)), 3
             )
-            body = protocol.dumps(
-                {"workflow_id": workflow_id, "reason": reason, "within_s": within}
-            )
+            asked: dict[str, Any] = {
+                "workflow_id": workflow_id,
+                "reason": reason,
+                "within_s": within,
+            }
+            if before_start:
+                asked["before_start"] = True
+            body = protocol.dumps(asked)
             try:
                 data = await self._call_hub(ns, "cancel", body, inject({}), deadline, within + 1.0)
             except UnknownWorkflowError:
-                if time.monotonic() + _CANCEL_POLL >= unknown_until:
-                    raise
+                if before_start or time.monotonic() + _CANCEL_POLL >= unknown_until:
+                    raise  # (with before_start: a namespace the hub does not know)
                 await asyncio.sleep(_CANCEL_POLL)
                 continue
             except (MeshTimeoutError, MeshUnavailableError, ThrottledError):
@@ -253,6 +265,8 @@ class WorkflowsMixin:
             last = CancelResult.model_validate_json(data)
             if last.final or time.monotonic() + _CANCEL_POLL >= deadline:
                 return last
+            if last.state is TaskState.PENDING and last.owner is None:
+                return last  # recorded before it started: nothing changes until a hub takes it
             await asyncio.sleep(_CANCEL_POLL)
 
     async def workflow_events(

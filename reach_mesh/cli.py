@@ -586,6 +586,12 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument(
         "--timeout", type=float, default=10.0, help="seconds to wait for its final result"
     )
+    cancel.add_argument(
+        "--before-start",
+        action="store_true",
+        help="if no hub has started it yet (its submission waits for a hub), record the cancel "
+        "so that it never runs (an id never submitted keeps the cancel: check it)",
+    )
     cancel.add_argument("--json", action="store_true", help="print JSON")
     cancel.set_defaults(func=cmd_cancel)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 
 import nats
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import (
     BadRequestError,
@@ -447,11 +449,79 @@ async def test_a_cancel_asked_of_another_hub_goes_to_the_owner(
     assert held.started == 2
 
 
+async def test_a_workflow_cancelled_before_a_hub_takes_it_never_runs(
+    fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its submission waits in the stream (the hub runs its one workflow; fair shares defer
+    the rest) when the caller cancels it: a plain cancel finds no record (as before:
+    REACH_UNKNOWN_WORKFLOW); with ``before_start`` the cancel is recorded at once (not final,
+    PENDING, no owner), and the hub that takes the submission ends it cancelled, no step
+    started, no start event."""
+    s = wf_settings.model_copy(update={"workflow_concurrency": 1})
+    caplog.set_level(logging.INFO, logger="reach_mesh.hub.workflows")
+    async with Hub(settings=s) as hub:
+        held = await Held(fleet).start()
+        engine = hub.workflows
+        assert engine is not None
+        async with Client(settings=s) as mesh:
+            first = await mesh.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+            await eventually(lambda: held.started == 1)
+            queued = await mesh.submit_chain(
+                [Step(capability="wf:slow:v1"), Step(capability="wf:slow:v1")], timeout=30
+            )
+            await eventually(lambda: engine.deferred_total >= 1)
+            with pytest.raises(UnknownWorkflowError, match="before_start"):
+                await mesh.cancel_workflow(queued, timeout=3)
+            answer = await mesh.cancel_workflow(queued, reason="not needed", before_start=True)
+            assert (answer.final, answer.state, answer.owner) == (False, TaskState.PENDING, None)
+            view = await mesh.inspect_workflow(queued)
+            assert view.state is TaskState.PENDING and view.error is not None
+            assert view.error.code == CANCELLED
+            held.release.set()
+            res = await mesh.workflow(queued, timeout=20)
+            assert res.state is TaskState.FAILED and res.error is not None
+            assert res.error.code == CANCELLED and "not needed" in res.error.message
+            assert [(st.cancelled, st.agent_id) for st in res.steps] == [(True, None)] * 2
+            again = await mesh.cancel_workflow(queued)
+            assert again.final and again.cancelled and again.result == res
+            events = [e async for e in mesh.workflow_events(queued, timeout=5)]
+            assert [e.kind for e in events] == ["done"]  # it never started
+            assert (await mesh.workflow(first, timeout=10)).ok
+    # Told as what it is, not as a takeover of the workflow (from no hub).
+    said = [r.getMessage() for r in caplog.records if r.name == "reach_mesh.hub.workflows"]
+    assert any(f"workflow {queued} " in m and "cancelled before it started" in m for m in said)
+    assert not any(queued in m and "took over" in m for m in said)
+    assert held.started == 1
+
+
 async def test_bad_cancels_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettings) -> None:
     ns = wf_settings.namespace
     async with Client(settings=wf_settings) as mesh:
         with pytest.raises(UnknownWorkflowError):
-            await mesh.cancel_workflow("never-submitted")
+            await mesh.cancel_workflow("never-submitted", timeout=3)
+        # Before it starts: an id nobody submitted yet — the cancel is recorded, and a later
+        # submission of it ends cancelled without running; a malformed one ends rejected.
+        early = await mesh.cancel_workflow("never-submitted", before_start=True)
+        assert (early.final, early.state, early.owner) == (False, TaskState.PENDING, None)
+        await mesh.cancel_workflow("bad-later", before_start=True)
+        await mesh.nc.jetstream().publish(
+            protocol.wf_submit(ns), b"not json", headers={"Nats-Msg-Id": f"{ns}.bad-later"}
+        )
+        rejected = await mesh.workflow("bad-later", timeout=5)
+        assert rejected.error is not None and rejected.error.code == "REACH_BAD_REQUEST"
+        late = await mesh.fanout(
+            [Step(capability="wf:nobody:v1")], workflow_id="never-submitted", timeout=10
+        )
+        assert late.state is TaskState.FAILED and late.error is not None
+        assert late.error.code == CANCELLED and late.steps[0].cancelled
+        # ... but not in a namespace no hub knows: nothing is left behind there.
+        with pytest.raises(UnknownWorkflowError):
+            await mesh.cancel_workflow(
+                "never-submitted", namespace="nowhere-known", timeout=3, before_start=True
+            )
+        kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        with pytest.raises(KeyNotFoundError):
+            await kv.get(protocol.workflow_key("nowhere-known", "never-submitted"))
         with pytest.raises(BadRequestError):
             await mesh.cancel_workflow("../etc")
         with pytest.raises(BadRequestError):
@@ -466,6 +536,7 @@ async def test_bad_cancels_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettin
             b'{"workflow_id": "a b"}',
             b"{}",
             b'{"workflow_id": "w1", "reason": 7}',
+            b'{"workflow_id": "w1", "before_start": "yes"}',
             json.dumps({"workflow_id": "w1", "reason": "r" * 201}).encode(),
         ):
             reply = await nc.request(subject, body, timeout=5)
@@ -509,11 +580,15 @@ async def test_the_cli_and_the_rest_api_cancel(fleet: Fleet, wf_settings: MeshSe
         parsed = CancelResult.model_validate_json(again.stdout)
         assert parsed.cancelled and parsed.result is not None
         assert parsed.result.error is not None and "from the cli" in parsed.result.error.message
-        argv[-5] = "no-such-workflow"
+        argv[-5] = "not-submitted-yet"
         missing = await asyncio.to_thread(
             subprocess.run, argv, env=env, capture_output=True, text=True
         )
         assert missing.returncode == 2 and "REACH_UNKNOWN_WORKFLOW" in missing.stderr, missing
+        early = await asyncio.to_thread(
+            subprocess.run, [*argv, "--before-start"], env=env, capture_output=True, text=True
+        )
+        assert early.returncode == 0 and "cancelled before it started" in early.stdout, early
 
         base = f"{hub.http_url}/api/workflows"
 
@@ -530,6 +605,18 @@ async def test_the_cli_and_the_rest_api_cancel(fleet: Fleet, wf_settings: MeshSe
         assert answer.final and answer.cancelled, answer
         status, body = await post(f"nothing-here/cancel?namespace={ns}")
         assert status == 404 and body["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
+        early = b'{"before_start": true}'
+        status, body = await post(f"nothing-here/cancel?namespace={ns}", early)
+        assert status == 200 and (body["final"], body["state"], body.get("owner")) == (
+            False,
+            "PENDING",
+            None,
+        )
+        status, body = await post("nothing-here/cancel?namespace=nowhere-known", early)
+        assert status == 404 and body["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
+        assert "nothing was recorded" in body["error"]["message"]
+        status, body = await post(f"x/cancel?namespace={ns}", b'{"before_start": "yes"}')
+        assert status == 400 and body["error"]["code"].startswith("REACH_BAD"), body
         status, body = await post(f"ok/cancel?namespace={ns}", b'{"reason": 5}')
         assert status == 400 and body["error"]["code"].startswith("REACH_BAD"), body
         status, raw = await fetch(f"{hub.http_url}/openapi.json")

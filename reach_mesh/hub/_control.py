@@ -23,6 +23,7 @@ from reach_mesh.errors import (
     MeshUnavailableError,
     ReachError,
     ThrottledError,
+    UnknownWorkflowError,
 )
 from reach_mesh.hub._wf_view import STEPS_PER_CHARGE, VIEW_DEADLINE
 from reach_mesh.hub.audit import AuditLog
@@ -312,26 +313,44 @@ class ControlMixin:
             return protocol.encode(await engine.view(ns, workflow_id, within=within))
 
     async def _on_cancel(self, msg: Msg, ns: str) -> bytes:
-        """Cancel a running workflow of ``ns`` (``WorkflowEngine.cancel``): its owner stops it,
-        answered within ``within_s`` (at most ``protocol.CANCEL_WAIT``). Counted against the
+        """Cancel a workflow of ``ns`` (``WorkflowEngine.cancel``): its owner stops it,
+        answered within ``within_s`` (at most ``protocol.CANCEL_WAIT``); with ``before_start``
+        one no hub has started yet is cancelled before it starts. Counted against the
         namespace's workflow-view budget; every cancel asked is audited (``cancel``)."""
         engine, body, workflow_id = self._view_asked(msg)
         reason = protocol.validate_cancel_reason(body.get("reason"))
         within = _within_s(body, protocol.CANCEL_WAIT, default=protocol.CANCEL_WAIT)
+        before_start = body.get("before_start", False)
+        if not isinstance(before_start, bool):
+            raise BadRequestError("before_start must be true or false", field="before_start")
+        # Recorded before it starts when asked, and only where the namespace exists: in any
+        # other nothing is left behind (REACH_UNKNOWN_WORKFLOW).
+        unknown_ns = before_start and not self.known_namespace(ns)
         answer: CancelResult | None = None
         code: str | None = None
         with self._view_slot(peer=False, running=self._cancels_running):
             self._charge_view(ns, 1)  # refused ones are not audited: the budget bounds these
             try:
-                answer = await engine.cancel(
-                    ns,
-                    workflow_id,
-                    reason,
-                    within=within,
-                    ask_owner=lambda owner, end: self._ask_owner_cancel(
-                        ns, workflow_id, reason, owner, end
-                    ),
-                )
+                try:
+                    answer = await engine.cancel(
+                        ns,
+                        workflow_id,
+                        reason,
+                        within=within,
+                        ask_owner=lambda owner, end: self._ask_owner_cancel(
+                            ns, workflow_id, reason, owner, end
+                        ),
+                        before_start=before_start and not unknown_ns,
+                    )
+                except UnknownWorkflowError as err:
+                    if not unknown_ns:
+                        raise
+                    raise UnknownWorkflowError(
+                        f"no workflow {workflow_id!r} in namespace {ns!r}, and this hub does "
+                        "not know that namespace (no agent registered there, not configured): "
+                        "nothing was recorded",
+                        workflow_id=workflow_id,
+                    ) from err
             except ReachError as err:
                 code = err.code
                 raise
@@ -359,7 +378,9 @@ class ControlMixin:
         reason = protocol.validate_cancel_reason(body.get("reason"))
         within = _within_s(body, protocol.CANCEL_WAIT)
         with self._view_slot(peer=True, running=self._cancels_running):
-            return protocol.encode(await engine.cancel(ns, workflow_id, reason, within=within))
+            return protocol.encode(
+                await engine.cancel(ns, workflow_id, reason, within=within, before_start=False)
+            )
 
     async def _ask_owner_cancel(
         self, ns: str, workflow_id: str, reason: str | None, owner: str, end: float

@@ -89,6 +89,7 @@ class WorkflowShapes(StepRunner):
         wf.first_agents = [None if c is None else c[0].agent_id for c in wf.first]
         record = self._running_record(wf)
         start = protocol.encode(record)
+        unstarted = False  # its record held only a cancel (made before any hub took it)
         # One write for a new workflow; only an existing record (a takeover, or a re-submit
         # after the dedup window) costs a read.
         try:
@@ -128,7 +129,13 @@ class WorkflowShapes(StepRunner):
                 )
             except KeyWrongLastSequenceError as err:
                 raise NotOwnerError(key) from err
-            self._took_over(wf, None if rec is None else rec.owner)
+            unstarted = rec is not None and rec.owner is None and rec.cancel is not None
+            if unstarted:
+                # Cancelled before any hub started it (``WorkflowEngine._cancel_unstarted``):
+                # not a takeover; it ends cancelled below, no step started.
+                log.info("workflow %s of %r was cancelled before it started", wf.id, wf.ns)
+            else:
+                self._took_over(wf, None if rec is None else rec.owner)
         self._now_owner(wf)
         t0 = time.time()
         with span(
@@ -141,16 +148,17 @@ class WorkflowShapes(StepRunner):
                 "reach.workflow.steps": len(wf.spec.steps),
             },
         ) as sp:
-            self._event(
-                wf,
-                functools.partial(
-                    WorkflowEvent,
-                    workflow_id=wf.id,
-                    kind="start",
-                    state=TaskState.RUNNING,
-                    first_agents=wf.first_agents,
-                ),
-            )
+            if not unstarted:  # a workflow cancelled before it started never starts
+                self._event(
+                    wf,
+                    functools.partial(
+                        WorkflowEvent,
+                        workflow_id=wf.id,
+                        kind="start",
+                        state=TaskState.RUNNING,
+                        first_agents=wf.first_agents,
+                    ),
+                )
             try:
                 if wf.spec.kind == "fanout":
                     result = await self._fanout(wf)

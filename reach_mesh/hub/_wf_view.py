@@ -102,6 +102,7 @@ class _SlimRecord(_Slim):
     trace_id: str | None = None
     submitted_at: float | None = None
     first_agents: list[str | None] = Field(default_factory=list)
+    cancel: ErrorBody | None = None
     result: _SlimResult | None = None
 
 
@@ -224,6 +225,8 @@ async def workflow_view(
         live=running_here and record.result is None and record.owner == hub_id,
     )
     result = record.result
+    if result is None and record.owner is None and record.cancel is not None:
+        view.error = record.cancel  # cancelled before any hub started it: it will not run
     if result is not None:
         view.kind, view.state, view.policy = result.kind, result.state, result.policy
         view.finished_at, view.duration_ms = result.finished_at, result.duration_ms

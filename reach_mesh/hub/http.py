@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -79,6 +79,11 @@ class CancelBody(BaseModel):
 
     reason: str | None = Field(
         default=None, max_length=protocol.CANCEL_REASON_MAX, description="why (audited)"
+    )
+    before_start: StrictBool = Field(
+        default=False,
+        description="a workflow no hub has started yet (its submission waits) is cancelled "
+        "before it starts: the cancel is recorded and it never runs",
     )
 
 
@@ -268,8 +273,8 @@ class HubHttp:
         )(self.get_workflow)
         app.post(
             "/api/workflows/{workflow_id}/cancel",
-            summary="Cancel a running workflow: its unfinished steps are cancelled, its result "
-            "is FAILED (REACH_WORKFLOW_CANCELLED)",
+            summary="Cancel a workflow: its unfinished steps are cancelled, its result is FAILED "
+            "(REACH_WORKFLOW_CANCELLED); with before_start, one no hub has started yet never runs",
             response_model=CancelResult,
             responses=_errors(400, 404, 415, 429, 503, 504, *refused),
         )(self.cancel_workflow)
@@ -460,7 +465,9 @@ class HubHttp:
         self,
         workflow_id: WorkflowIdPath,
         namespace: NamespaceQuery = None,
-        body: Annotated[CancelBody | None, Body(description="optional: why")] = None,
+        body: Annotated[
+            CancelBody | None, Body(description="optional: why, and before_start")
+        ] = None,
     ) -> Response:
         """``reach.hub.<ns>.cancel``, sent like any caller sends it (``namespace``:
         ``default`` when not given). One answer: ``final`` false means the owner is still
@@ -472,6 +479,7 @@ class HubHttp:
                 {
                     "workflow_id": protocol.validate_workflow_id(workflow_id),
                     "reason": None if body is None else body.reason,
+                    "before_start": body is not None and body.before_start,
                 }
             ),
         )

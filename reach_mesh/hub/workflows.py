@@ -349,6 +349,7 @@ class WorkflowEngine(WorkflowShapes):
         *,
         within: float,
         ask_owner: Callable[[str, float], Awaitable[CancelResult]] | None = None,
+        before_start: bool = False,
     ) -> CancelResult:
         """Stop a running workflow of ``ns`` (``reach.hub.<ns>.cancel``); what it did, within
         ``within`` seconds.
@@ -359,8 +360,12 @@ class WorkflowEngine(WorkflowShapes):
         finished are fenced (records marked cancelled, markers behind work still queued, a
         cancel to the agents running them), and the workflow's one final result is FAILED
         with ``REACH_WORKFLOW_CANCELLED``; steps that finished keep their results. The answer
-        is ``final`` once a result is stored. ``UnknownWorkflowError`` when no hub runs it
-        and it has no record; ``MeshUnavailableError`` when that cannot be told."""
+        is ``final`` once a result is stored.
+
+        No record (no hub has taken its submission yet, or it was never submitted): with
+        ``before_start`` the cancel is recorded first (``_cancel_unstarted``), so the hub that
+        takes the submission ends it cancelled without starting a step; otherwise
+        ``UnknownWorkflowError``. ``MeshUnavailableError`` when that cannot be told."""
         if self._wf_kv is None:
             raise MeshUnavailableError("this hub's workflow engine has not started")
         loop = asyncio.get_running_loop()
@@ -371,11 +376,7 @@ class WorkflowEngine(WorkflowShapes):
         if running is not None and record is not None and record.result is None:
             if record.owner == self.hub_id:
                 wf, task = running
-                error = ErrorBody(
-                    code=WorkflowCancelledError.code,
-                    message="cancelled on request" + (f": {reason}" if reason else ""),
-                )
-                if wf.cancel(error):
+                if wf.cancel(_cancel_error(reason)):
                     log.info("workflow %s of %r: cancel requested (%s)", workflow_id, ns, reason)
                 # What is left of the time after the second read below.
                 await asyncio.wait({task}, timeout=max(0.0, end - loop.time() - 0.3))
@@ -405,9 +406,12 @@ class WorkflowEngine(WorkflowShapes):
         if record is None:
             if running is not None:
                 raise between  # handed back before its record was made
+            if before_start:
+                return await self._cancel_unstarted(ns, workflow_id, reason, end, ask_owner)
             raise UnknownWorkflowError(
                 f"no workflow {workflow_id!r} in namespace {ns!r}: never submitted, not taken "
-                "by a hub yet, or finished longer ago than workflow_retention",
+                "by a hub yet, or finished longer ago than workflow_retention (to cancel one "
+                "whose submission still waits for a hub, so that it never starts: before_start)",
                 workflow_id=workflow_id,
             )
         owner = record.owner
@@ -426,12 +430,55 @@ class WorkflowEngine(WorkflowShapes):
             return self._not_final(ns, workflow_id, owner)  # whoever runs it finishes it
         raise between
 
+    async def _cancel_unstarted(
+        self,
+        ns: str,
+        workflow_id: str,
+        reason: str | None,
+        end: float,
+        ask_owner: Callable[[str, float], Awaitable[CancelResult]] | None,
+    ) -> CancelResult:
+        """A cancel of a workflow without a record: its submission waits in the stream (no
+        hub has taken it: fair shares, a backlog), or it was never submitted. The cancel is
+        recorded first — a workflow record holding only ``cancel``, created as a hub creates
+        one when it starts a workflow, so of the two one wins — and the hub that takes the
+        submission finds it and ends the workflow cancelled without starting a step (as it
+        finishes a cancel it takes over). Answered not final, ``PENDING``, no owner. A hub
+        that created the record first wins: then it is the cancel of a running workflow."""
+        assert self._wf_kv is not None
+        record = WorkflowRecord(state=TaskState.PENDING, cancel=_cancel_error(reason))
+        try:
+            # Within the cancel's own time: a caller is not kept past it.
+            await _durable.create(
+                self._wf_kv,
+                protocol.workflow_key(ns, workflow_id),
+                protocol.encode(record),
+                end,
+                on_retry=self._infra_retry,
+            )
+        except KeyWrongLastSequenceError:
+            within = max(0.0, end - asyncio.get_running_loop().time())
+            return await self.cancel(
+                ns, workflow_id, reason, within=within, ask_owner=ask_owner, before_start=False
+            )
+        except Exception as err:
+            # A write whose answer was lost may have landed: the caller asks again.
+            raise MeshUnavailableError(
+                f"the cancel of workflow {workflow_id!r} was not confirmed "
+                f"({type(err).__name__}): it may have been recorded; ask again (a cancel is "
+                "idempotent)"
+            ) from err
+        log.info("workflow %s of %r: cancelled before it started (%s)", workflow_id, ns, reason)
+        return self._not_final(ns, workflow_id, None)
+
     @staticmethod
     def _not_final(ns: str, workflow_id: str, owner: str | None) -> CancelResult:
         """A cancel's answer while not final: ``owner`` has it (or it is in the record of a
-        workflow between owners, which the hub that takes it over finishes)."""
+        workflow between owners, which the hub that takes it over finishes). No owner: the
+        cancel is recorded before any hub started the workflow (``PENDING``)."""
+        state = TaskState.RUNNING if owner is not None else TaskState.PENDING
         return CancelResult(
-            workflow_id=workflow_id, namespace=ns, final=False, state=TaskState.RUNNING, owner=owner
+            workflow_id=workflow_id, namespace=ns, final=False, state=state, owner=owner
         )
 
     async def _record_now(
@@ -654,15 +701,33 @@ class WorkflowEngine(WorkflowShapes):
             finished_at=time.time(),
         )
         assert self._wf_kv is not None
+        kv = self._wf_kv
+        key = protocol.workflow_key(ns, wf_id)
         record = WorkflowRecord(state=result.state, owner=self.hub_id, result=result)
         try:
-            await _durable.create(
-                self._wf_kv,
-                protocol.workflow_key(ns, wf_id),
-                protocol.encode(record),
-                self._io_deadline(),
-                on_retry=self._infra_retry,
-            )
+            try:
+                await _durable.create(
+                    kv,
+                    key,
+                    protocol.encode(record),
+                    self._io_deadline(),
+                    on_retry=self._infra_retry,
+                )
+            except KeyWrongLastSequenceError:
+                got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
+                held = stored_record(WorkflowRecord, got)
+                if got is None or held is None or held.owner is not None or held.result is not None:
+                    raise
+                # Only a cancel made before any hub took it: the rejection is its end, so
+                # that its callers get an answer (not the cancel's: ``cancel`` is not kept).
+                await _durable.cas(
+                    kv,
+                    key,
+                    protocol.encode(record),
+                    got[1],
+                    self._io_deadline(),
+                    on_retry=self._infra_retry,
+                )
             await self._publish_done(ns, result, headers)
         except KeyWrongLastSequenceError:
             # The id is a workflow's already: its own record and result stand.
@@ -741,3 +806,11 @@ class WorkflowEngine(WorkflowShapes):
             self._no_work.add(view.agent_id)
         if new is AgentState.LOST:
             self._tracker.mark_lost(view.agent_id)
+
+
+def _cancel_error(reason: str | None) -> ErrorBody:
+    """The error of a workflow cancelled on request (its result's, and its record's ``cancel``)."""
+    return ErrorBody(
+        code=WorkflowCancelledError.code,
+        message="cancelled on request" + (f": {reason}" if reason else ""),
+    )
