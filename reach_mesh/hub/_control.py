@@ -363,6 +363,7 @@ class ControlMixin:
                     "cancel",
                     workflow_id=workflow_id,
                     reason=reason,
+                    before_start=before_start or None,
                     final=None if answer is None else answer.final,
                     cancelled=None if answer is None else answer.cancelled,
                     state=None if answer is None else answer.state.value,

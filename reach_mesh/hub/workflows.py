@@ -26,7 +26,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Final, Literal
 
 from nats.aio.client import Client as NATS
@@ -41,27 +41,24 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
 from reach_mesh._guard import guarded
-from reach_mesh._jspub import JsClient, kv_subject
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     MeshUnavailableError,
     ReachError,
-    ThrottledError,
-    UnknownWorkflowError,
-    WorkflowCancelledError,
     WorkflowSpecError,
 )
 from reach_mesh.hub import _durable
-from reach_mesh.hub._shapes import SpecConflictError, WorkflowShapes, final_result
+from reach_mesh.hub._shapes import SpecConflictError, final_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
-from reach_mesh.hub._wf_view import VIEW_DEADLINE, within_time, workflow_view
+from reach_mesh.hub._wf_queries import WorkflowQueries
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
@@ -69,12 +66,10 @@ from reach_mesh.logs import NAMESPACE_SHARE, LineBudget, log_event
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import (
-    CancelResult,
     TaskStatusEvent,
     WorkflowRecord,
     WorkflowResult,
     WorkflowSpec,
-    WorkflowView,
     spec_digest,
     stored_record,
     validate_spec,
@@ -93,7 +88,7 @@ def _submit_namespace(subject: str) -> str:
     return parts[2] if len(parts) > 2 else ""
 
 
-class WorkflowEngine(WorkflowShapes):
+class WorkflowEngine(WorkflowQueries):
     """Runs the workflows this hub owns. Started and stopped by :class:`~reach_mesh.hub.Hub`.
 
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
@@ -313,194 +308,6 @@ class WorkflowEngine(WorkflowShapes):
         msg = await self._jsc.ask(subject, body, timeout=timeout)
         data: bytes = msg.data
         return data
-
-    async def view(
-        self,
-        ns: str,
-        workflow_id: str,
-        *,
-        charge: Callable[[int], None] | None = None,
-        ask_owner: Callable[[str, float], Awaitable[WorkflowView | None]] | None = None,
-        within: float = VIEW_DEADLINE,
-    ) -> WorkflowView:
-        """One workflow as it stands, within ``within`` seconds (``reach.hub.<ns>.workflow``;
-        ``hub/_wf_view.py``)."""
-        if self._wf_kv is None or self._tasks_kv is None:
-            raise MeshUnavailableError("this hub's workflow engine has not started")
-        return await workflow_view(
-            ns,
-            workflow_id,
-            hub_id=self.hub_id,
-            records=self._wf_kv,
-            tasks=self._tasks_kv,
-            tracker=self._tracker,
-            running_here=(ns, workflow_id) in self._owning,
-            waiting=lambda index: self._waiting_steps.get((ns, workflow_id, index)),
-            charge=charge,
-            ask_owner=ask_owner,
-            within=within,
-        )
-
-    async def cancel(
-        self,
-        ns: str,
-        workflow_id: str,
-        reason: str | None,
-        *,
-        within: float,
-        ask_owner: Callable[[str, float], Awaitable[CancelResult]] | None = None,
-        before_start: bool = False,
-    ) -> CancelResult:
-        """Stop a running workflow of ``ns`` (``reach.hub.<ns>.cancel``); what it did, within
-        ``within`` seconds.
-
-        The owner (this hub, or the hub the record names, asked through ``ask_owner(hub_id,
-        end)``, which raises when it cannot tell) stops the workflow as a policy stops
-        unneeded branches: the cancel is written into the workflow record, then the steps not
-        finished are fenced (records marked cancelled, markers behind work still queued, a
-        cancel to the agents running them), and the workflow's one final result is FAILED
-        with ``REACH_WORKFLOW_CANCELLED``; steps that finished keep their results. The answer
-        is ``final`` once a result is stored.
-
-        No record (no hub has taken its submission yet, or it was never submitted): with
-        ``before_start`` the cancel is recorded first (``_cancel_unstarted``), so the hub that
-        takes the submission ends it cancelled without starting a step; otherwise
-        ``UnknownWorkflowError``. ``MeshUnavailableError`` when that cannot be told."""
-        if self._wf_kv is None:
-            raise MeshUnavailableError("this hub's workflow engine has not started")
-        loop = asyncio.get_running_loop()
-        end = loop.time() + within
-        got = await self._record_now(ns, workflow_id, end)
-        record = stored_record(WorkflowRecord, got)
-        running = self._owning.get((ns, workflow_id))
-        if running is not None and record is not None and record.result is None:
-            if record.owner == self.hub_id:
-                wf, task = running
-                if wf.cancel(_cancel_error(reason)):
-                    log.info("workflow %s of %r: cancel requested (%s)", workflow_id, ns, reason)
-                # What is left of the time after the second read below.
-                await asyncio.wait({task}, timeout=max(0.0, end - loop.time() - 0.3))
-                got = await self._record_now(ns, workflow_id, end)
-                record = stored_record(WorkflowRecord, got)
-                if not task.done() and record is not None and record.result is None:
-                    return self._not_final(ns, workflow_id, self.hub_id)  # fencing, storing
-            else:
-                running = None  # a run here that lost the workflow: its owner decides
-        stored = final_result(got)
-        if stored is not None:
-            return CancelResult(
-                workflow_id=workflow_id,
-                namespace=ns,
-                final=True,
-                # The final record keeps ``cancel`` only when the result is the cancel's.
-                cancelled=record is not None and record.cancel is not None,
-                state=stored.state,
-                owner=stored.hub_id,
-                result=stored,
-            )
-        taken = "it may have been taken" if running is not None else "nothing was cancelled"
-        between = MeshUnavailableError(
-            f"workflow {workflow_id!r} is between owners: {taken}; ask again (a hub takes it "
-            f"over within {self._settings.workflow_ack_wait:g}s)",
-        )
-        if record is None:
-            if running is not None:
-                raise between  # handed back before its record was made
-            if before_start:
-                return await self._cancel_unstarted(ns, workflow_id, reason, end, ask_owner)
-            raise UnknownWorkflowError(
-                f"no workflow {workflow_id!r} in namespace {ns!r}: never submitted, not taken "
-                "by a hub yet, or finished longer ago than workflow_retention (to cancel one "
-                "whose submission still waits for a hub, so that it never starts: before_start)",
-                workflow_id=workflow_id,
-            )
-        owner = record.owner
-        if (
-            ask_owner is not None
-            and owner is not None
-            and owner != self.hub_id
-            and protocol.HUB_ID_RE.match(owner)
-        ):
-            try:
-                return await ask_owner(owner, end)
-            except (MeshUnavailableError, ThrottledError):
-                if record.cancel is None:
-                    raise
-        if record.cancel is not None:
-            return self._not_final(ns, workflow_id, owner)  # whoever runs it finishes it
-        raise between
-
-    async def _cancel_unstarted(
-        self,
-        ns: str,
-        workflow_id: str,
-        reason: str | None,
-        end: float,
-        ask_owner: Callable[[str, float], Awaitable[CancelResult]] | None,
-    ) -> CancelResult:
-        """A cancel of a workflow without a record: its submission waits in the stream (no
-        hub has taken it: fair shares, a backlog), or it was never submitted. The cancel is
-        recorded first — a workflow record holding only ``cancel``, created as a hub creates
-        one when it starts a workflow, so of the two one wins — and the hub that takes the
-        submission finds it and ends the workflow cancelled without starting a step (as it
-        finishes a cancel it takes over). Answered not final, ``PENDING``, no owner. A hub
-        that created the record first wins: then it is the cancel of a running workflow."""
-        assert self._wf_kv is not None
-        record = WorkflowRecord(state=TaskState.PENDING, cancel=_cancel_error(reason))
-        try:
-            # Within the cancel's own time: a caller is not kept past it.
-            await _durable.create(
-                self._wf_kv,
-                protocol.workflow_key(ns, workflow_id),
-                protocol.encode(record),
-                end,
-                on_retry=self._infra_retry,
-            )
-        except KeyWrongLastSequenceError:
-            within = max(0.0, end - asyncio.get_running_loop().time())
-            return await self.cancel(
-                ns, workflow_id, reason, within=within, ask_owner=ask_owner, before_start=False
-            )
-        except Exception as err:
-            # A write whose answer was lost may have landed: the caller asks again.
-            raise MeshUnavailableError(
-                f"the cancel of workflow {workflow_id!r} was not confirmed "
-                f"({type(err).__name__}): it may have been recorded; ask again (a cancel is "
-                "idempotent)"
-            ) from err
-        log.info("workflow %s of %r: cancelled before it started (%s)", workflow_id, ns, reason)
-        return self._not_final(ns, workflow_id, None)
-
-    @staticmethod
-    def _not_final(ns: str, workflow_id: str, owner: str | None) -> CancelResult:
-        """A cancel's answer while not final: ``owner`` has it (or it is in the record of a
-        workflow between owners, which the hub that takes it over finishes). No owner: the
-        cancel is recorded before any hub started the workflow (``PENDING``)."""
-        state = TaskState.RUNNING if owner is not None else TaskState.PENDING
-        return CancelResult(
-            workflow_id=workflow_id, namespace=ns, final=False, state=state, owner=owner
-        )
-
-    async def _record_now(
-        self, ns: str, workflow_id: str, end: float | None = None
-    ) -> tuple[bytes, int] | None:
-        """The workflow record (value, revision) as its stream's leader has it — not a replica
-        that may lag behind a takeover or a final write — by loop time ``end`` if given; None
-        when there is none; ``MeshUnavailableError`` when it cannot be read."""
-        subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(ns, workflow_id))
-        read = self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject)
-        try:
-            raw = await (read if end is None else within_time(read, end))
-        except NotFoundError:
-            return None
-        except Exception as err:
-            raise MeshUnavailableError(
-                f"the record of workflow {workflow_id!r} could not be read "
-                f"({type(err).__name__}): ask again (a cancel is idempotent)"
-            ) from err
-        if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
-            return None
-        return raw.data, int(raw.seq or 0)
 
     @property
     def waiting_steps(self) -> list[dict[str, Any]]:
@@ -806,11 +613,3 @@ class WorkflowEngine(WorkflowShapes):
             self._no_work.add(view.agent_id)
         if new is AgentState.LOST:
             self._tracker.mark_lost(view.agent_id)
-
-
-def _cancel_error(reason: str | None) -> ErrorBody:
-    """The error of a workflow cancelled on request (its result's, and its record's ``cancel``)."""
-    return ErrorBody(
-        code=WorkflowCancelledError.code,
-        message="cancelled on request" + (f": {reason}" if reason else ""),
-    )

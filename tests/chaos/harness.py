@@ -380,14 +380,19 @@ async def drive(
                 await asyncio.sleep(0.25)
 
     async def cancel(p: Planned, after: float) -> None:
-        """As a caller would: ask until the answer is final (or the drain ends)."""
+        """As a caller would: ask until the answer is final (or the drain ends). A third of
+        them ask with ``before_start`` (recorded even before a hub took the submission)."""
         await asyncio.sleep(after)
         asked = time.time()
+        early = int(p.workflow_id[-5:]) % 3 == 0
         while True:
             left = deadline - time.monotonic()
             try:
                 answer = await client.cancel_workflow(
-                    p.workflow_id, reason="chaos", timeout=max(1.0, min(left, 15.0))
+                    p.workflow_id,
+                    reason="chaos",
+                    timeout=max(1.0, min(left, 15.0)),
+                    before_start=early,
                 )
                 stats.cancels[p.workflow_id] = {
                     **answer.model_dump(mode="json"),
