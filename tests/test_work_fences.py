@@ -371,6 +371,69 @@ async def test_a_cancel_before_arrival_is_a_promise(
     assert runs == []
 
 
+async def test_a_promise_is_the_promise_of_one_workflows_step(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Markers, ctl ``cancel`` and ctl ``task_state`` name the workflow whose step they give
+    up: the promise they leave covers that step only, not a step of another workflow naming
+    the same task id later (the id free again once its record expired) — nor does a
+    remembered run of the id in one workflow answer a ``task_state`` asked for another."""
+    ns = wf_settings.namespace
+    a = echo_agent(fleet, "scoped.a", "wf:scoped:v1")
+    await a.start()
+    work = a.work
+    assert work is not None
+    async with Client(settings=wf_settings) as mesh:
+        await mesh.nc.jetstream().publish(
+            protocol.work_subject(ns, a.agent_id),
+            protocol.dumps({"task_id": "scoped-m", "attempt": 2, "workflow_id": "wf-a"}),
+            headers={protocol.HDR_MSG_ID: f"{ns}.scoped-m#2.fence", protocol.HDR_FENCE: "2"},
+        )
+        await eventually(lambda: work.fences.promised("scoped-m", "wf-a") == 2)
+        assert work.fences.promised("scoped-m", "wf-b") == -1
+        # Two workflows at once with one id (a default id named by another workflow): each
+        # keeps its own promise; a marker that names no workflow (an earlier hub's) covers any.
+        await mesh.nc.jetstream().publish(
+            protocol.work_subject(ns, a.agent_id),
+            protocol.dumps({"task_id": "scoped-m", "attempt": 1, "workflow_id": "wf-b"}),
+            headers={protocol.HDR_MSG_ID: f"{ns}.scoped-m#1.fence", protocol.HDR_FENCE: "1"},
+        )
+        await mesh.nc.jetstream().publish(
+            protocol.work_subject(ns, a.agent_id),
+            protocol.dumps({"task_id": "scoped-n", "attempt": 1}),
+            headers={protocol.HDR_MSG_ID: f"{ns}.scoped-n#1.fence", protocol.HDR_FENCE: "1"},
+        )
+        await eventually(lambda: work.fences.promised("scoped-n", "wf-c") == 1)
+        assert work.fences.promised("scoped-m", "wf-b") == 1
+        assert work.fences.promised("scoped-m", "wf-a") == 2
+        ctl = protocol.agent_ctl(a.agent_id)
+
+        async def ask(op: dict[str, Any]) -> dict[str, Any]:
+            reply = await mesh.nc.request(ctl, protocol.dumps(op), timeout=5)
+            answer: dict[str, Any] = json.loads(reply.data)
+            return answer
+
+        cancel = {"op": "cancel", "task_id": "scoped-c", "attempt": 1, "workflow_id": "wf-a"}
+        assert (await ask(cancel))["cancelled"] is False
+        asked = {"op": "task_state", "task_id": "scoped-t", "fence": 3, "workflow_id": "wf-a"}
+        assert (await ask(asked)).get("fenced") is True
+        for task_id, n in (("scoped-c", 1), ("scoped-t", 3)):
+            assert work.fences.promised(task_id, "wf-a") == n
+            assert work.fences.promised(task_id, "wf-b") == -1
+        # A step of another workflow that names an id this agent ran: a task_state asked for
+        # it is not answered with that run's outcome.
+        res = await mesh.fanout(
+            [Step(capability="wf:scoped:v1", payload=1, task_id="scoped-r")], timeout=10
+        )
+        assert res.state is TaskState.SUCCEEDED
+        mine = await ask(
+            {"op": "task_state", "task_id": "scoped-r", "workflow_id": res.workflow_id}
+        )
+        assert mine["state"] == "SUCCEEDED"
+        other = await ask({"op": "task_state", "task_id": "scoped-r", "workflow_id": "wf-b"})
+        assert other["state"] == "PENDING" and "result" not in other
+
+
 async def test_malformed_fence_markers_and_ctl_fences_are_refused_and_lose_nothing(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

@@ -54,6 +54,8 @@ _STALL_MEMORY: Final = 1.0
 #: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
 #: hub's task record as the fence, as for an agent that does not know promises.
 _PROMISES: Final = 50_000
+#: Workflows whose steps one task id is promised for at once (normally one).
+_PROMISE_STEPS: Final = 4
 
 
 class Delivery(NamedTuple):
@@ -79,8 +81,9 @@ class Fences:
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
-        #: Attempts promised to a hub never to start (task id -> highest such attempt).
-        self._promised: OrderedDict[str, int] = OrderedDict()
+        #: Attempts promised to a hub never to start: task id -> the workflow whose step it is
+        #: (None: any, as a hub that did not say) -> the highest such attempt.
+        self._promised: OrderedDict[str, dict[str | None, int]] = OrderedDict()
         #: Runs waiting for the messages queued behind theirs, and the last consumer sequence
         #: received (a gap means a delivery was lost: every waiter reads its record instead).
         self._behind_waits: list[Behind] = []
@@ -94,27 +97,41 @@ class Fences:
 
     # ------------------------------------------------------------------ promises
 
-    def promised(self, task_id: str) -> int:
-        """The highest attempt of ``task_id`` promised never to start, or -1."""
-        return self._promised.get(task_id, -1)
+    def promised(self, task_id: str, workflow_id: str | None = None) -> int:
+        """The highest attempt of ``task_id`` promised never to start, or -1 — for the step of
+        ``workflow_id``: a promise made for another workflow's step of the same id (the id
+        used again once its record expired) promises nothing about this one."""
+        got = self._promised.get(task_id)
+        if got is None:
+            return -1
+        if workflow_id is None:
+            return max(got.values())
+        return max(got.get(workflow_id, -1), got.get(None, -1))
 
-    def never_start(self, task_id: str, attempt: int) -> None:
+    def never_start(self, task_id: str, attempt: int, workflow_id: str | None = None) -> None:
         """Record that attempt ``attempt`` of ``task_id`` (or an earlier one) is never to be
-        started: checked on arrival and again before a run starts. Attempts count from 1: a
-        lower number promises nothing."""
+        started — of the step of ``workflow_id`` when given (else of any): checked on arrival
+        and again before a run starts. Attempts count from 1: a lower number promises
+        nothing."""
         if attempt < 1:
             return
-        if self._promised.get(task_id, -1) < attempt:
-            self._promised[task_id] = attempt
+        got = self._promised.get(task_id)
+        if got is None:
+            got = self._promised[task_id] = {}
+        if got.get(workflow_id, -1) < attempt:
+            got[workflow_id] = attempt
+            while len(got) > _PROMISE_STEPS:  # one id in many workflows at once: the oldest go
+                del got[next(iter(got))]
         self._promised.move_to_end(task_id)
         while len(self._promised) > _PROMISES:
             self._promised.popitem(last=False)
 
     def on_marker(self, msg: Msg) -> bool:
         """A fence marker: a hub gave up attempt ``n`` of the task (header ``Reach-Fence: n``,
-        body ``{"task_id", "attempt"}``), its record already says so. Never start attempt
-        ``n`` or an earlier one from now on (a copy in hand runs on: the record fences its
-        result). Synchronous, on arrival, before :meth:`arrived` counts the marker. False when
+        body ``{"task_id", "attempt", "workflow_id"?}``), its record already says so. Never
+        start attempt ``n`` or an earlier one of that step from now on (a copy in hand runs on:
+        the record fences its result). Synchronous, on arrival, before :meth:`arrived` counts
+        the marker. False when
         malformed."""
         self.markers += 1
         try:
@@ -126,7 +143,11 @@ class Fences:
         except (ValueError, KeyError, TypeError, ReachError):
             log.warning("dropping a malformed fence marker on %s", msg.subject)
             return False
-        self.never_start(task_id, attempt)
+        # Of that workflow's step; a marker that names none (or no valid one) covers any.
+        workflow_id = body.get("workflow_id")
+        if not isinstance(workflow_id, str) or not protocol.WORKFLOW_ID_RE.match(workflow_id):
+            workflow_id = None
+        self.never_start(task_id, attempt, workflow_id)
         return True
 
     # ------------------------------------------------------------------ freshness

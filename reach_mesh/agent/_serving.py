@@ -680,7 +680,7 @@ class ServingMixin:
             fence is not None
             and self.work is not None
             and (entry is None or entry.attempt < fence)
-            and self.work.promise(task_id, fence)
+            and self.work.promise(task_id, fence, asker if isinstance(asker, str) else None)
         )
         if entry is None:
             out: dict[str, Any] = {"task_id": task_id, "state": TaskState.PENDING}
@@ -712,7 +712,10 @@ class ServingMixin:
                 attempt = body.get("attempt")
                 if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
                     raise BadRequestError("cancel needs an attempt: an integer >= 1")
-                cancelled = self.work is not None and self.work.cancel(task_id, attempt)
+                asker = body.get("workflow_id")
+                cancelled = self.work is not None and self.work.cancel(
+                    task_id, attempt, asker if isinstance(asker, str) else None
+                )
                 data = protocol.dumps({"task_id": task_id, "cancelled": cancelled})
             else:
                 raise BadRequestError(f"unknown ctl op {op!r}")

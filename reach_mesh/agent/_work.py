@@ -139,7 +139,7 @@ class WorkConsumer:
         check (the agent has it; the hub's probe is answered DELIVERED)."""
         return task_id in self._checking
 
-    def promise(self, task_id: str, attempt: int) -> bool:
+    def promise(self, task_id: str, attempt: int, workflow_id: str | None = None) -> bool:
         """A hub gives up ``attempt`` of ``task_id`` (ctl ``task_state`` with ``fence``):
         unless a work message of the task is in hand, promise never to start that attempt or
         an earlier one. True when promised (then the hub may send the next attempt at once).
@@ -151,7 +151,7 @@ class WorkConsumer:
         """
         if task_id in self._checking or task_id in self._held:
             return False
-        self.fences.never_start(task_id, attempt)
+        self.fences.never_start(task_id, attempt, workflow_id)
         return True
 
     async def start(self) -> None:
@@ -318,7 +318,7 @@ class WorkConsumer:
                 await msg.term()
             self._release()
             return
-        if env.attempt <= self.fences.promised(env.task_id):
+        if env.attempt <= self.fences.promised(env.task_id, env.workflow_id):
             # A hub gave this attempt up and we promised never to start it (see ``promise``).
             await self._drop(msg)
             return
@@ -378,7 +378,7 @@ class WorkConsumer:
             finally:
                 self._checking.discard(env.task_id)
         if (record is not None and superseded(record, env, agent.agent_id)) or (
-            env.attempt <= fences.promised(env.task_id)
+            env.attempt <= fences.promised(env.task_id, env.workflow_id)
         ):
             # Fenced before it ran: the hub moved on (another attempt, cancelled, finished),
             # as its record, a marker behind it or a cancel meanwhile says.
@@ -677,16 +677,21 @@ class WorkConsumer:
                     _quiet(held)
                     self._publish(held.env, TaskState.RUNNING, held.headers)
 
-    def cancel(self, task_id: str, attempt: int) -> bool:
-        """The hub no longer needs this attempt (an ``any``/``quorum`` branch past its policy):
-        stop its handler and ack the message without a result. Returns whether it was held."""
+    def cancel(self, task_id: str, attempt: int, workflow_id: str | None = None) -> bool:
+        """The hub no longer needs this attempt (an ``any``/``quorum`` branch past its policy)
+        of the step of ``workflow_id`` (any, when None): stop its handler and ack the message
+        without a result. Returns whether it was held."""
         held = self._held.get(task_id)
+        if held is not None and workflow_id is not None and held.env.workflow_id != workflow_id:
+            held = None  # another workflow's step of the same id: not what is cancelled
         if held is None:
             entry = self._agent._results.get(task_id)
+            if workflow_id is not None and entry is not None and entry.owner is not None:
+                entry = entry if entry.owner[0] == workflow_id else None
             if entry is None or entry.reply is None or entry.attempt < attempt:
                 # Not here yet (still in the stream, or never sent, or its fence being read):
                 # never start it. (One we finished is not run again anyway: idempotency.)
-                self.fences.never_start(task_id, attempt)
+                self.fences.never_start(task_id, attempt, workflow_id)
             return False
         if held.env.attempt != attempt:
             return False

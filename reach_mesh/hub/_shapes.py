@@ -496,7 +496,7 @@ class WorkflowShapes(StepRunner):
                 if (event.attempt, event.agent_id) != fence:  # the fence changes: recorded
                     await self._cas(key, rec, 0 if got is None else got[1], wf.deadline)
                     if fence[1] is not None and fence[0] > 0:  # its current attempt: not needed
-                        self._cancel_attempt(fence[1], rec.task_id, fence[0])
+                        self._cancel_attempt(fence[1], rec, fence[0])
         if rec.state.final:
             wf.records[index] = rec
             # Cancelled right after its record was written (by the deadline, by an earlier
@@ -521,7 +521,7 @@ class WorkflowShapes(StepRunner):
         # (``_fanout`` raises it): the result must not be stored before the markers are.
         await self._remark(wf, rec)
         if rec.agent_id is not None and rec.attempt > 0:
-            self._cancel_attempt(rec.agent_id, rec.task_id, rec.attempt)
+            self._cancel_attempt(rec.agent_id, rec, rec.attempt)
 
     async def _fence_unstarted(self, wf: Workflow, index: int, task_id: str, key: str) -> None:
         """A cancelled workflow's step that no attempt was sent for: its record is created,

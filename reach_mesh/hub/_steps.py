@@ -120,10 +120,18 @@ class StepRunner:
         if self._metrics is not None:
             self._metrics.infra_retry_total.inc()
 
-    def _cancel_attempt(self, agent_id: str, task_id: str, attempt: int) -> None:
-        """Stop a handler that is already running, in the background (best effort: the task
-        record already fences its result; this frees the agent's slot sooner)."""
-        body = protocol.dumps({"op": "cancel", "task_id": task_id, "attempt": attempt})
+    def _cancel_attempt(self, agent_id: str, rec: TaskRecord, attempt: int) -> None:
+        """Stop a handler of ``rec``'s step that is already running, in the background (best
+        effort: the task record already fences its result; this frees the agent's slot
+        sooner)."""
+        body = protocol.dumps(
+            {
+                "op": "cancel",
+                "task_id": rec.task_id,
+                "attempt": attempt,
+                "workflow_id": rec.workflow_id,
+            }
+        )
         self._background(self._jsc.ask(protocol.agent_ctl(agent_id), body, timeout=1.0))
 
     async def _mark(self, wf: Workflow, agent_id: str, task_id: str, attempt: int) -> None:
@@ -138,7 +146,7 @@ class StepRunner:
             protocol.HDR_EXPECTED_STREAM: protocol.STREAM_WORK,
             protocol.HDR_FENCE: str(attempt),
         }
-        body = protocol.dumps({"task_id": task_id, "attempt": attempt})
+        body = protocol.dumps({"task_id": task_id, "attempt": attempt, "workflow_id": wf.id})
         await self._io(
             f"publish {subject}",
             lambda: self._jsc.publish(subject, body, headers),
@@ -631,7 +639,7 @@ class StepRunner:
             current = track.agent_id
             if event.attempt != track.attempt and current is not None:
                 # An earlier attempt decided the step: the current one is not needed.
-                self._cancel_attempt(current, rec.task_id, track.attempt)
+                self._cancel_attempt(current, rec, track.attempt)
         rec.stale += track.stale
         rec.decided_by = decided or None
         rec.updated_at = time.time()
