@@ -20,7 +20,7 @@ from reach_mesh import protocol
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import UnknownWorkflowError
-from reach_mesh.models import AgentInfo, ErrorBody, TaskState
+from reach_mesh.models import AgentInfo, ErrorBody
 from reach_mesh.workflow import WorkflowView
 
 __all__ = [
@@ -220,10 +220,9 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 before_start=args.before_start,
             )
-    unstarted = not answer.final and answer.owner is None and answer.state is TaskState.PENDING
     if args.json:
         print(answer.model_dump_json(indent=2))
-    elif unstarted:
+    elif answer.recorded_before_start:
         print(
             f"workflow {answer.workflow_id} (namespace {answer.namespace}): cancelled before it "
             "started — no hub has taken it yet; the one that takes it ends it FAILED "
@@ -247,7 +246,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
             for s in result.steps:
                 state = s.state.value + (" (cancelled)" if s.cancelled else "")
                 print(f"  step {s.index}: {state}  {s.agent_id or '-'}  {_said(s.error)}")
-    return 0 if answer.final or unstarted else 1
+    return 0 if answer.final or answer.recorded_before_start else 1
 
 
 def _when(ts: float | None) -> str:

@@ -35,7 +35,6 @@ from reach_mesh.errors import (
     WorkflowConflictError,
     WorkflowSpecError,
 )
-from reach_mesh.models import TaskState
 from reach_mesh.tracing import (
     SPAN_WORKFLOW,
     SpanKind,
@@ -265,8 +264,8 @@ class WorkflowsMixin:
             last = CancelResult.model_validate_json(data)
             if last.final or time.monotonic() + _CANCEL_POLL >= deadline:
                 return last
-            if last.state is TaskState.PENDING and last.owner is None:
-                return last  # recorded before it started: nothing changes until a hub takes it
+            if last.recorded_before_start:
+                return last  # nothing changes until a hub takes its submission
             await asyncio.sleep(_CANCEL_POLL)
 
     async def workflow_events(

@@ -344,6 +344,11 @@ class TaskRecord(_Wire):
     updated_at: float = 0.0
     duration_ms: float = 0.0
 
+    def is_step(self, workflow_id: str | None, step: int | None) -> bool:
+        """Whether this is the record of that workflow's step — not of another workflow's
+        step that named the same task id (``REACH_TASK_ID_CONFLICT``)."""
+        return self.workflow_id == workflow_id and self.step == step
+
 
 class StepResult(_Wire):
     """The outcome of one step."""
@@ -430,6 +435,12 @@ class WorkflowRecord(_Wire):
     #: stopped for it: a hub that takes the workflow over finishes the cancel.
     cancel: ErrorBody | None = None
     result: WorkflowResult | None = None
+
+    @property
+    def cancelled_before_start(self) -> bool:
+        """A record holding only a cancel, made before any hub took the submission
+        (``before_start``): the hub that takes it ends the workflow cancelled, unstarted."""
+        return self.owner is None and self.result is None and self.cancel is not None
 
 
 class WorkflowEvent(_Wire):
@@ -523,6 +534,12 @@ class CancelResult(_Wire):
     #: The hub that runs (final: ran) it.
     owner: str | None = None
     result: WorkflowResult | None = None
+
+    @property
+    def recorded_before_start(self) -> bool:
+        """The answer to a ``before_start`` cancel of a workflow no hub has started yet: the
+        cancel is recorded, and nothing changes until a hub takes its submission."""
+        return not self.final and self.owner is None and self.state is TaskState.PENDING
 
 
 _Stored = TypeVar("_Stored", bound=BaseModel)

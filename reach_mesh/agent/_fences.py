@@ -280,8 +280,7 @@ def superseded(record: TaskRecord, env: TaskEnvelope, agent_id: str) -> bool:
     branch cancelled, the task decided, or another agent's — or the record is another
     workflow's step of the same task id (the id is that workflow's: ``REACH_TASK_ID_CONFLICT``)."""
     return (
-        record.workflow_id != env.workflow_id
-        or record.step != env.step
+        not record.is_step(env.workflow_id, env.step)
         or record.attempt != env.attempt
         or record.cancelled
         or record.state.final

@@ -660,10 +660,10 @@ class ServingMixin:
         elif fence < 1:
             raise BadRequestError(f"fence must be an attempt (>= 1), got {fence}")
         entry = self._results.get(task_id)
-        asker = body.get("workflow_id")
+        asker = _asking_workflow(body)
         if (
             entry is not None
-            and isinstance(asker, str)
+            and asker is not None
             and (entry.owner is None or entry.owner[0] != asker)
         ):
             # The id was another workflow's step, or a request-reply task: not what is asked.
@@ -680,7 +680,7 @@ class ServingMixin:
             fence is not None
             and self.work is not None
             and (entry is None or entry.attempt < fence)
-            and self.work.promise(task_id, fence, asker if isinstance(asker, str) else None)
+            and self.work.promise(task_id, fence, asker)
         )
         if entry is None:
             out: dict[str, Any] = {"task_id": task_id, "state": TaskState.PENDING}
@@ -712,9 +712,8 @@ class ServingMixin:
                 attempt = body.get("attempt")
                 if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
                     raise BadRequestError("cancel needs an attempt: an integer >= 1")
-                asker = body.get("workflow_id")
                 cancelled = self.work is not None and self.work.cancel(
-                    task_id, attempt, asker if isinstance(asker, str) else None
+                    task_id, attempt, _asking_workflow(body)
                 )
                 data = protocol.dumps({"task_id": task_id, "cancelled": cancelled})
             else:
@@ -722,3 +721,10 @@ class ServingMixin:
         except ReachError as err:
             data = protocol.encode_error(err)
         await self._respond(_Request(msg.reply, None), data)
+
+
+def _asking_workflow(body: dict[str, Any]) -> str | None:
+    """The workflow a hub's ctl request names (``workflow_id``; hubs send it), or None: what
+    it asks about is then any step of the task id, as from hubs before they named it."""
+    got = body.get("workflow_id")
+    return got if isinstance(got, str) else None

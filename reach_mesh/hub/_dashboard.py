@@ -431,7 +431,7 @@ class Dashboard:
                 rec = TaskRecord.model_validate_json(entry.value or b"{}")
             except Exception:
                 continue
-            if rec.workflow_id != wf.workflow_id or rec.step != i:
+            if not rec.is_step(wf.workflow_id, i):
                 continue  # a caller-chosen task id another workflow holds
             step = wf.steps.setdefault(i, _Step(i))
             if rec.attempt >= step.attempt:

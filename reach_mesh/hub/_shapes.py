@@ -20,7 +20,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from reach_mesh import protocol
 from reach_mesh.errors import InternalError, ReachError
 from reach_mesh.hub import _durable
-from reach_mesh.hub._step_state import new_record, note, owned, retryable
+from reach_mesh.hub._step_state import new_record, note, retryable
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
@@ -129,7 +129,7 @@ class WorkflowShapes(StepRunner):
                 )
             except KeyWrongLastSequenceError as err:
                 raise NotOwnerError(key) from err
-            unstarted = rec is not None and rec.owner is None and rec.cancel is not None
+            unstarted = rec is not None and rec.cancelled_before_start
             if unstarted:
                 # Cancelled before any hub started it (``WorkflowEngine._cancel_unstarted``):
                 # not a takeover; it ends cancelled below, no step started.
@@ -472,7 +472,7 @@ class WorkflowShapes(StepRunner):
         got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
         if got is not None:
             rec = TaskRecord.model_validate_json(got[0])
-            if not owned(rec, wf, index):
+            if not rec.is_step(wf.id, index):
                 # Its task id is another workflow's: never sent for this one, nothing to stop
                 # (and theirs is not ours to touch). Only ``_step`` reports the conflict, when
                 # the step is reached.

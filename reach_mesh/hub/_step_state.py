@@ -34,7 +34,6 @@ __all__ = [
     "id_conflict",
     "new_record",
     "note",
-    "owned",
     "retryable",
     "sent",
     "step_route",
@@ -178,12 +177,6 @@ def new_record(wf: Workflow, index: int, task_id: str, created_at: float) -> Tas
         created_at=created_at,
         updated_at=created_at,
     )
-
-
-def owned(rec: TaskRecord, wf: Workflow, index: int) -> bool:
-    """Whether ``rec`` is the record of step ``index`` of ``wf`` (not of another workflow
-    whose step named the same task id)."""
-    return rec.workflow_id == wf.id and rec.step == index
 
 
 def id_conflict(wf: Workflow, index: int, task_id: str, other: str) -> TaskRecord:

@@ -35,7 +35,6 @@ from reach_mesh.hub._step_state import (
     id_conflict,
     new_record,
     note,
-    owned,
     retryable,
     sent,
     step_route,
@@ -420,7 +419,7 @@ class StepRunner:
     def _ours(wf: Workflow, index: int, got: tuple[bytes, int]) -> TaskRecord:
         """The step's record as read; ``TaskIdTaken`` when it is another workflow's."""
         rec = TaskRecord.model_validate_json(got[0])
-        if not owned(rec, wf, index):
+        if not rec.is_step(wf.id, index):
             raise TaskIdTaken(rec.workflow_id)
         return rec
 

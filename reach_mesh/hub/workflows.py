@@ -523,7 +523,7 @@ class WorkflowEngine(WorkflowQueries):
             except KeyWrongLastSequenceError:
                 got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
                 held = stored_record(WorkflowRecord, got)
-                if got is None or held is None or held.owner is not None or held.result is not None:
+                if got is None or held is None or not held.cancelled_before_start:
                     raise
                 # Only a cancel made before any hub took it: the rejection is its end, so
                 # that its callers get an answer (not the cancel's: ``cancel`` is not kept).
