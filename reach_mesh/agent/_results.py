@@ -11,6 +11,7 @@ from typing import Any, Final
 
 from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter
+from pydantic_core import to_json
 
 from reach_mesh.agent._task import Task
 from reach_mesh.errors import (
@@ -32,6 +33,9 @@ if typing.TYPE_CHECKING:
 #: Python's JSON writer, as the handler-result check has always used it, but compact and
 #: refusing NaN/Infinity (those take the general path, where pydantic writes them as null).
 _JSON: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+#: A handler error's message and details, at most (``_error_body``).
+_ERROR_MESSAGE_MAX: Final = 2000
+_ERROR_DETAILS_MAX: Final = 8 * 1024
 _json_string: Final[Callable[[str], str]] = json.encoder.encode_basestring_ascii
 #: The C writer behind ``_JSON.encode``, made once: ``encode`` builds it anew on every call (half
 #: its cost for a small result). No circular-reference check (``markers``): a circular result
@@ -195,4 +199,16 @@ def _end_handle_span(sp: trace.Span, out: bytes | TaskReply) -> None:
 
 
 def _error_body(err: ReachError) -> ErrorBody:
-    return ErrorBody(code=err.code, message=err.message, details=err.details)
+    """A handler's error as its answer says it: the message cut at 2,000 characters and
+    details over 8 KiB of JSON left out (but ``retryable``), so that a failure always fits in
+    the answer, the status and the workflow record that carry it."""
+    details = err.details
+    if details:
+        try:
+            size = len(to_json(details))
+        except Exception:
+            size = _ERROR_DETAILS_MAX + 1  # not JSON: not sendable either
+        if size > _ERROR_DETAILS_MAX:
+            kept = {k: details[k] for k in ("retryable",) if k in details}
+            details = {**kept, "details_left_out": size}
+    return ErrorBody(code=err.code, message=err.message[:_ERROR_MESSAGE_MAX], details=details)

@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from pydantic import TypeAdapter, ValidationError
+from pydantic_core import to_json
 
 from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher
@@ -37,12 +38,14 @@ from reach_mesh.agent._results import (
     _result_json,
 )
 from reach_mesh.agent._task import Task
+from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     AgentBusyError,
     BadRequestError,
     HandlerError,
     MeshTimeoutError,
     NoHandlerError,
+    PayloadTooLargeError,
     ReachError,
 )
 from reach_mesh.logs import HANDLER_FAILED, LineBudget, log_event
@@ -72,6 +75,8 @@ log = logging.getLogger("reach_mesh.agent")
 _TRACEBACK_INTERVAL: Final = 60.0
 
 _RESULT_CACHE: Final = 10_000
+#: Room an answer needs in a NATS message beside its result: its own fields and headers.
+_ANSWER_ROOM: Final = 16 * 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -159,6 +164,7 @@ class ServingMixin:
     max_concurrency: int
     max_queue: int
     metrics: AgentMetrics
+    settings: MeshSettings
     handled: int
     work: WorkConsumer | None
     _nc: NATS | None
@@ -598,9 +604,13 @@ class ServingMixin:
                 ),
             )
         try:
-            return _result_json(handler, result)
+            out = _result_json(handler, result)
         except Exception:
             pass  # below, the general path decides (and words the error as it always has)
+        else:
+            if len(out) <= self._max_result:
+                return out
+            return self._too_large(env, handler, trace_id, len(out))
         try:
             dumped = _dump(handler, result)
         except Exception as err:
@@ -612,7 +622,51 @@ class ServingMixin:
                     message=f"handler result is not JSON-serialisable: {err}"[:2000],
                 ),
             )
+        size = len(to_json(dumped))
+        if size > self._max_result:
+            return self._too_large(env, handler, trace_id, size)
         return self._reply(env, TaskState.SUCCEEDED, result=dumped)
+
+    @property
+    def _max_result(self) -> int:
+        """The largest result an answer carries: ``max_payload``, and room for the answer's
+        own fields and headers in what the NATS server takes."""
+        limit = self.settings.max_payload
+        if self._nc is not None:
+            server: int = self._nc.max_payload
+            limit = min(limit, server - _ANSWER_ROOM)
+        return limit
+
+    def _too_large(
+        self, env: TaskEnvelope, handler: _Handler, trace_id: str | None, size: int
+    ) -> TaskReply:
+        """The answer for a result too large to send: FAILED, not retried (the handler ran and
+        would produce it again), instead of a message NATS refuses (a lost answer, or a
+        connection the server closes) and an attempt that times out."""
+        limit = self._max_result
+        message = (
+            f"handler result is {size} bytes of JSON, over the {limit} bytes an answer may "
+            "carry (max_payload)"
+        )
+        log_event(
+            log,
+            HANDLER_FAILED,
+            f"handler {handler.capability}: {message}",
+            level=logging.WARNING,
+            task_id=env.task_id,
+            attempt=env.attempt,
+            trace_id=trace_id,
+            capability=handler.capability,
+        )
+        return self._reply(
+            env,
+            TaskState.FAILED,
+            error=ErrorBody(
+                code=PayloadTooLargeError.code,
+                message=message,
+                details={"retryable": False, "size": size, "max_size": limit},
+            ),
+        )
 
     def _handler_raised(
         self, capability: str, env: TaskEnvelope, trace_id: str | None, err: Exception

@@ -36,6 +36,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
+from pydantic_core import to_json
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_task_resources, last_per_subject
@@ -43,7 +44,7 @@ from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, superseded
 from reach_mesh.agent._serving import _Entry
-from reach_mesh.errors import NoHandlerError, ReachError
+from reach_mesh.errors import NoHandlerError, PayloadTooLargeError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, stored_record
@@ -505,6 +506,16 @@ class WorkConsumer:
         async def progress(info: Any) -> None:
             if self._held.get(env.task_id) is not held:
                 return  # finished: nothing is said of an attempt after its final status
+            size = len(to_json(info))
+            if size > agent._max_result:
+                # A message NATS would refuse (or close the connection for): the handler hears.
+                raise PayloadTooLargeError(
+                    f"progress of {size} bytes of JSON, over the {agent._max_result} bytes a "
+                    "status may carry (max_payload)",
+                    size=size,
+                    max_size=agent._max_result,
+                    retryable=False,
+                )
             held.last_running = time.monotonic()
             _quiet(held)  # RUNNING implies ACCEPTED
             self._publish(held.env, TaskState.RUNNING, held.headers, progress=info)
