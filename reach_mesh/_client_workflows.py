@@ -26,6 +26,7 @@ from reach_mesh._client_fields import _consumer_name, _end_span, _reply_slack
 from reach_mesh._guard import refuse
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
+from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     MeshTimeoutError,
     MeshUnavailableError,
@@ -49,6 +50,7 @@ from reach_mesh.workflow import (
     WorkflowResult,
     WorkflowSpec,
     WorkflowView,
+    check_payload_sizes,
     new_workflow_id,
     spec_digest,
     stored_record,
@@ -60,6 +62,8 @@ __all__ = ["WorkflowsMixin"]
 #: How long a workflow submission rides out JetStream being unavailable (a leader election
 #: takes 4-9 s) before it raises ``MeshUnavailableError``; a repeat is deduplicated.
 _SUBMIT_RETRY: Final = 15.0
+#: What a workflow record needs in a NATS message beside the spec (the hub's ``HEADROOM``).
+_RECORD_ROOM: Final = 16 * 1024
 #: How long a duplicate submission waits for the first one's record, to compare the specs.
 _CONFLICT_WAIT: Final = 2.0
 
@@ -84,6 +88,7 @@ class WorkflowsMixin:
     """The workflow methods of ``Client`` (which sets every attribute below)."""
 
     namespace: str
+    settings: MeshSettings
     #: Submissions and record reads (started with the first workflow call).
     _jsc: JsClient | None
     #: ``.done`` waits in progress (``_done_subscription``) → their workflow ids; re-checked
@@ -437,6 +442,18 @@ class WorkflowsMixin:
         ``WorkflowConflictError``; a random id cannot be another spec's, so it is not read
         back (one round trip fewer per workflow)."""
         body = protocol.encode(spec)
+        # What the hub would refuse (it checks the same), refused before anything is sent.
+        check_payload_sizes(
+            spec, len(body), min(self.settings.max_payload, self.nc.max_payload - _RECORD_ROOM)
+        )
+        if len(body) > self.nc.max_payload - _RECORD_ROOM:
+            raise PayloadTooLargeError(
+                f"workflow of {len(body)} bytes: its record may take "
+                f"{self.nc.max_payload - _RECORD_ROOM} (the NATS server's max_payload less "
+                f"{_RECORD_ROOM})",
+                size=len(body),
+                max_size=self.nc.max_payload - _RECORD_ROOM,
+            )
         headers[protocol.HDR_MSG_ID] = protocol.submit_msg_id(spec.namespace, spec.workflow_id)
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF
         jsc = await self._js_client()

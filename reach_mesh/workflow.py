@@ -15,10 +15,12 @@ import uuid
 from typing import Any, Final, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import to_json
 
 from reach_mesh import protocol
 from reach_mesh.errors import (
     BadRequestError,
+    PayloadTooLargeError,
     ReachError,
     SelectorError,
     WorkflowSpecError,
@@ -43,6 +45,8 @@ __all__ = [
     "WorkflowResult",
     "WorkflowSpec",
     "WorkflowView",
+    "check_payload_sizes",
+    "input_too_large",
     "merge_payload",
     "parse_policy",
     "spec_digest",
@@ -230,6 +234,34 @@ def validate_spec(spec: WorkflowSpec) -> int:
             raise WorkflowSpecError(f"step {i}: duplicate task_id {tid!r}", step=i)
         task_ids.add(tid)
     return need
+
+
+def input_too_large(index: int, payload: Any, max_payload: int) -> PayloadTooLargeError | None:
+    """The error of step ``index`` when its input is over ``max_payload`` bytes of JSON (what
+    an agent takes in a task: ``docs/protocol.md``, "Sizes"), else None."""
+    size = len(to_json(payload))
+    if size <= max_payload:
+        return None
+    return PayloadTooLargeError(
+        f"step {index}: its input is {size} bytes of JSON, over the {max_payload} bytes "
+        "(max_payload) an agent takes in a task",
+        step=index,
+        size=size,
+        max_size=max_payload,
+        retryable=False,
+    )
+
+
+def check_payload_sizes(spec: WorkflowSpec, size: int, max_payload: int) -> None:
+    """Raise ``PayloadTooLargeError`` for the first step whose payload is over ``max_payload``
+    (:func:`input_too_large`). ``size`` is the submission's: one within the limit cannot
+    hold such a step, so nothing is encoded then (every submission a hub or caller sees)."""
+    if size <= max_payload:
+        return
+    for i, step in enumerate(spec.steps):
+        err = input_too_large(i, step.payload, max_payload)
+        if err is not None:
+            raise err
 
 
 class _NamesItsTask(Protocol):

@@ -18,9 +18,9 @@ from typing import Any
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh.errors import InternalError, ReachError
+from reach_mesh.errors import InternalError, PayloadTooLargeError, ReachError
 from reach_mesh.hub import _durable
-from reach_mesh.hub._step_state import new_record, note, retryable
+from reach_mesh.hub._step_state import HEADROOM, TooLarge, new_record, note, retryable
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
@@ -89,6 +89,17 @@ class WorkflowShapes(StepRunner):
         wf.first_agents = [None if c is None else c[0].agent_id for c in wf.first]
         record = self._running_record(wf)
         start = protocol.encode(record)
+        if len(start) > self._nc.max_payload - HEADROOM:
+            self._release_first(wf)
+            raise TooLarge(
+                PayloadTooLargeError(
+                    f"workflow {wf.id}: its record would take {len(start)} bytes, over the "
+                    f"{self._nc.max_payload - HEADROOM} a record may hold (the NATS server's "
+                    f"max_payload less {HEADROOM})",
+                    size=len(start),
+                    max_size=self._nc.max_payload - HEADROOM,
+                )
+            )
         unstarted = False  # its record held only a cancel (made before any hub took it)
         # One write for a new workflow; only an existing record (a takeover, or a re-submit
         # after the dedup window) costs a read.
@@ -444,14 +455,17 @@ class WorkflowShapes(StepRunner):
             first_agents=wf.first_agents,
         )
 
-    async def _owner_write(self, wf: Workflow, record: WorkflowRecord) -> None:
-        """Write the workflow record with a CAS on this hub's own revision (``wf.rev``, then
-        the new one). ``KeyWrongLastSequenceError`` when another hub wrote it since."""
+    async def _owner_write(
+        self, wf: Workflow, record: WorkflowRecord, data: bytes | None = None
+    ) -> None:
+        """Write the workflow record (``data``: encoded already) with a CAS on this hub's own
+        revision (``wf.rev``, then the new one). ``KeyWrongLastSequenceError`` when another
+        hub wrote it since."""
         assert self._wf_kv is not None
         wf.rev = await _durable.cas(
             self._wf_kv,
             protocol.workflow_key(wf.ns, wf.id),
-            protocol.encode(record),
+            protocol.encode(record) if data is None else data,
             wf.rev,
             self._io_deadline(wf.deadline),
             on_retry=self._infra_retry,

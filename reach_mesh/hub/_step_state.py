@@ -12,28 +12,35 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from opentelemetry.context import Context
+from pydantic_core import to_json
 
-from reach_mesh.errors import TaskIdConflictError
+from reach_mesh.errors import PayloadTooLargeError, ReachError, TaskIdConflictError
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import ErrorBody, RouteRequest, TaskState
 from reach_mesh.workflow import (
     AttemptRecord,
+    StepResult,
     StepSpec,
     TaskRecord,
     TaskStatusEvent,
     WorkflowEvent,
+    WorkflowResult,
     WorkflowSpec,
 )
 
 __all__ = [
+    "HEADROOM",
     "NotOwnerError",
     "Policy",
     "TaskIdTaken",
+    "TooLarge",
     "Workflow",
     "backoff",
+    "fit_result",
     "id_conflict",
     "new_record",
     "note",
+    "refused",
     "retryable",
     "sent",
     "step_route",
@@ -188,6 +195,13 @@ def id_conflict(wf: Workflow, index: int, task_id: str, other: str) -> TaskRecor
         task_id=task_id,
         workflow_id=other,
     )
+    return refused(wf, index, task_id, err)
+
+
+def refused(wf: Workflow, index: int, task_id: str, err: ReachError) -> TaskRecord:
+    """The outcome of a step the hub does not send, for ``err``: FAILED, never run, and not
+    written — the same on every owner that gets there (the refusal follows from what is
+    stored)."""
     rec = new_record(wf, index, task_id, time.time())
     rec.state = TaskState.FAILED
     rec.error = ErrorBody(code=err.code, message=err.message, details=err.details)
@@ -223,3 +237,81 @@ def backoff(n: int, base: float, cap: float) -> float:
     """base * 2**(n-1), capped, with equal jitter (half fixed, half random)."""
     d = float(min(cap, base * float(2 ** max(0, n - 1))))
     return d / 2 + random.uniform(0, d / 2)
+
+
+#: What a NATS message keeps for more than the value it carries (a KV write's headers), so a
+#: record must fit in the server's ``max_payload`` less this.
+HEADROOM: Final = 16 * 1024
+
+
+class TooLarge(Exception):
+    """A workflow whose record could never be written (``error`` says why): rejected, as a
+    malformed submission is."""
+
+    def __init__(self, error: PayloadTooLargeError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def fit_result(
+    result: WorkflowResult, size: int, limit: int, *, strict: bool = False
+) -> WorkflowResult:
+    """``result`` when its workflow record (``size`` bytes of JSON) fits in ``limit`` bytes;
+    else what a record can hold: the steps' results kept in step order while they fit (a
+    later, smaller one may still fit), the others left out (null), named in the error's
+    ``details.results_left_out``. A workflow that had SUCCEEDED then ends FAILED with
+    ``REACH_PAYLOAD_TOO_LARGE`` (its caller cannot have its results); any other keeps its
+    state and error, with those details added. ``strict``: every result left out and the
+    steps' errors cut short (when leaving out some was not enough)."""
+    if size <= limit:
+        return result
+    fanout = result.kind == "fanout"
+    # A fanout's ``result`` lists its succeeded branches' results again; a chain's is its
+    # last output.
+    sizes = [
+        0 if s.result is None else len(to_json(s.result)) * (2 if fanout and s.ok else 1)
+        for s in result.steps
+    ]
+    extra = 0 if fanout or result.result is None else len(to_json(result.result))
+    # What the record keeps besides the results, and room for the error and its list.
+    budget = limit - (size - sum(sizes) - extra) - 2048 - 8 * len(sizes)
+    steps: list[StepResult] = []
+    left_out: list[int] = []
+    for step, n in zip(result.steps, sizes, strict=True):
+        update: dict[str, Any] = {}
+        if step.result is not None and (strict or n > budget):
+            left_out.append(step.index)
+            update["result"] = None
+        else:
+            budget -= n
+        if strict and step.error is not None:
+            update["error"] = _cut(step.error)
+        steps.append(step.model_copy(update=update) if update else step)
+    room = {"results_left_out": left_out, "size": size, "max_size": limit}
+    state = result.state
+    if state is TaskState.SUCCEEDED or result.error is None:
+        state = TaskState.FAILED
+        err = PayloadTooLargeError(
+            f"the workflow's results take {size} bytes, over the {limit} its record may hold "
+            f"(the NATS server's max_payload less {HEADROOM}): those that do not fit are left "
+            "out (details.results_left_out); each stays in its agent's final status on "
+            "REACH_STATUS",
+            **room,
+        )
+        error = ErrorBody(code=err.code, message=err.message, details=err.details)
+    else:
+        error = result.error.model_copy(update={"details": {**result.error.details, **room}})
+    return result.model_copy(
+        update={
+            "state": state,
+            "steps": steps,
+            "result": [s.result if s.ok else None for s in steps] if fanout else None,
+            "error": error,
+        }
+    )
+
+
+def _cut(error: ErrorBody) -> ErrorBody:
+    """A step's error as a record short of room keeps it: its code, a short message."""
+    keep = {k: error.details[k] for k in ("retryable",) if k in error.details}
+    return ErrorBody(code=error.code, message=error.message[:200], details=keep)

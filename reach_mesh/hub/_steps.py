@@ -27,6 +27,7 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshTimeoutError, NoMatchError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import (
+    HEADROOM,
     NotOwnerError,
     Policy,
     TaskIdTaken,
@@ -35,6 +36,7 @@ from reach_mesh.hub._step_state import (
     id_conflict,
     new_record,
     note,
+    refused,
     retryable,
     sent,
     step_route,
@@ -51,6 +53,7 @@ from reach_mesh.workflow import (
     TaskRecord,
     TaskStatusEvent,
     WorkflowEvent,
+    input_too_large,
     step_task_id,
 )
 
@@ -113,6 +116,12 @@ class StepRunner:
         return await _durable.retrying(
             what, op, self._io_deadline(deadline), on_retry=self._infra_retry
         )
+
+    def _input_limit(self) -> int:
+        """The largest step input, in bytes of JSON: ``max_payload`` (what an agent takes), and
+        room for the work message's own fields and headers in what the NATS server takes."""
+        server: int = self._nc.max_payload
+        return min(self._settings.max_payload, server - HEADROOM)
 
     def _infra_retry(self) -> None:
         self.infra_retry_total += 1
@@ -195,16 +204,18 @@ class StepRunner:
         key = protocol.task_key(ns, task_id)
         pol = self._policy(step)
         route = step_route(step)
+        if payload is not step.payload:
+            # A chain step's input, made of the previous output (the spec's own payloads were
+            # checked when the workflow was admitted): one an agent would refuse is not sent.
+            too_large = input_too_large(index, payload, self._input_limit())
+            if too_large is not None:
+                return self._refuse(wf, index, refused(wf, index, task_id, too_large))
         try:
             rec, rev, fresh, view, capability = await self._begin(wf, index, route, task_id, key)
         except TaskIdTaken as taken:
             # Another workflow's step holds the id: not run, not written (the record is
             # theirs); the same outcome on every owner that gets here while it is kept.
-            rec = id_conflict(wf, index, task_id, taken.workflow_id)
-            self._step_event(
-                wf, index, rec, rec.state, attempt=None, agent_id=None, error=rec.error
-            )
-            return rec
+            return self._refuse(wf, index, id_conflict(wf, index, task_id, taken.workflow_id))
         # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
         no_work = self._no_work_reason(route, ns) if view is None else None
         if not fresh:
@@ -363,6 +374,11 @@ class StepRunner:
                             self._waiting_steps.pop((wf.ns, wf.id, index), None)
             finally:
                 self._tracker.close(track, decided)
+
+    def _refuse(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskRecord:
+        """A step refused before anything was sent or written (``refused``): its event."""
+        self._step_event(wf, index, rec, rec.state, attempt=None, agent_id=None, error=rec.error)
+        return rec
 
     async def _begin(
         self, wf: Workflow, index: int, route: RouteRequest, task_id: str, key: str

@@ -56,6 +56,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import SpecConflictError, final_result
+from reach_mesh.hub._step_state import HEADROOM, TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_queries import WorkflowQueries
@@ -70,6 +71,7 @@ from reach_mesh.workflow import (
     WorkflowRecord,
     WorkflowResult,
     WorkflowSpec,
+    check_payload_sizes,
     spec_digest,
     stored_record,
     validate_spec,
@@ -411,6 +413,10 @@ class WorkflowEngine(WorkflowQueries):
                 return
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
+        except TooLarge as big:
+            # Its record could never be written (``_run`` checks it before the first write).
+            await self._reject(msg, headers, big.error)
+            return
         except SpecConflictError:
             self.conflict_total += 1
             log.warning("workflow %s: submission refused, the id is taken by another spec", wf.id)
@@ -464,6 +470,7 @@ class WorkflowEngine(WorkflowQueries):
                 field="namespace",
             )
         need = validate_spec(spec)
+        check_payload_sizes(spec, len(msg.data), self._input_limit())
         try:
             submitted = msg.metadata.timestamp.timestamp()  # JetStream server time
         except Exception:
@@ -573,8 +580,19 @@ class WorkflowEngine(WorkflowQueries):
             cancel=result.error if wf.cancel_won else None,
             result=result,
         )
+        data = protocol.encode(record)
+        limit = self._nc.max_payload - HEADROOM
+        size = len(data)
+        for strict in (False, True):
+            if len(data) <= limit:
+                break
+            # Results too large for one record: stored without (some of) them, one final
+            # answer either way — never a write that fails every time it is tried.
+            result = fit_result(result, size, limit, strict=strict)
+            record.result, record.state = result, result.state
+            data = protocol.encode(record)
         try:
-            await self._owner_write(wf, record)
+            await self._owner_write(wf, record, data)
         except KeyWrongLastSequenceError as err:
             kv = self._wf_kv
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
