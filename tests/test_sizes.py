@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from reach_mesh import Client, MeshSettings, PayloadTooLargeError, Step, TaskState, protocol
-from reach_mesh.agent import Agent, Task
+from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub._step_state import fit_result
 from reach_mesh.models import ErrorBody
@@ -230,6 +230,26 @@ async def test_hub_refuses_a_submission_whose_step_an_agent_would_refuse(
     assert fleet.runs == Counter()
 
 
+async def test_a_handlers_error_is_cut_to_fit(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    agent = fleet.agent("size.err")
+
+    @agent.handler("size:fail:v1")
+    async def fail(task: Task[Any]) -> Any:
+        raise TaskFailed("m" * 5000, retryable=False, blob="x" * 10_000)
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="size:fail:v1")], timeout=10)
+        error = res.steps[0].error
+        assert error is not None and error.code == "REACH_HANDLER_FAILED"
+        assert error.message == "m" * 2000
+        assert error.details == {"retryable": False, "details_left_out": 10_029}
+        answer = await mesh.request(capability="size:fail:v1", timeout=10)
+        assert answer.error is not None and answer.error.message == "m" * 2000
+
+
 def _result(kind: str, outcomes: list[tuple[TaskState, Any]], **kw: Any) -> WorkflowResult:
     steps = [
         StepResult(
@@ -258,29 +278,32 @@ def _size(result: WorkflowResult) -> int:
     return len(protocol.encode(WorkflowRecord(result=result)))
 
 
+def _fit(result: WorkflowResult, limit: int, level: str = "results") -> WorkflowResult:
+    """``fit_result`` as ``_store`` calls it: the record's other fields measured."""
+    other = _size(result) - len(protocol.encode(result))
+    return fit_result(result, limit, other, level)
+
+
 def test_fit_result_keeps_the_results_that_fit_in_step_order() -> None:
     big, small = "b" * 6000, "s" * 500
     done = TaskState.SUCCEEDED
     fan = _result("fanout", [(done, small), (done, big), (done, small)])
-    assert fit_result(fan, _size(fan), 1 << 20) is fan  # fits: untouched
+    assert _fit(fan, 1 << 20) == fan  # room for all: nothing changes
     limit = _size(fan) - 4000  # step 1 (twice 6 kB) cannot stay; the later, smaller one can
-    fitted = fit_result(fan, _size(fan), limit)
+    fitted = _fit(fan, limit)
     assert _size(fitted) <= limit
     assert [s.result for s in fitted.steps] == [small, None, small]
     assert fitted.result == [small, None, small]
     assert [s.state for s in fitted.steps] == [done] * 3  # the steps did succeed
     assert fitted.state is TaskState.FAILED and fitted.error is not None
     assert fitted.error.code == "REACH_PAYLOAD_TOO_LARGE"
-    assert fitted.error.details == {
-        "results_left_out": [1],
-        "size": _size(fan),
-        "max_size": limit,
-    }
+    assert fitted.error.details == {"results_left_out": [1], "max_size": limit}
     # A chain keeps its last output twice (steps and result): both are counted and dropped.
     chain = _result("chain", [(done, small), (done, big)])
-    cut = fit_result(chain, _size(chain), _size(chain) - 8000)
+    assert chain.result == big
+    cut = _fit(chain, _size(chain) - 1000)
     assert [s.result for s in cut.steps] == [small, None] and cut.result is None
-    assert _size(cut) <= _size(chain) - 8000
+    assert _size(cut) <= _size(chain) - 1000
 
 
 def test_fit_result_keeps_a_failed_workflows_own_state_and_error() -> None:
@@ -291,14 +314,28 @@ def test_fit_result_keeps_a_failed_workflows_own_state_and_error() -> None:
         state=late,
         error=ErrorBody(code="REACH_TIMEOUT", message="step 1 did not finish in time"),
     )
-    fitted = fit_result(timed_out, _size(timed_out), _size(timed_out) - 1000)
+    fitted = _fit(timed_out, _size(timed_out) - 1000)
     assert fitted.state is late and fitted.error is not None
     assert fitted.error.code == "REACH_TIMEOUT"
     assert fitted.error.details["results_left_out"] == [0]
     assert fitted.steps[0].result is None and fitted.steps[0].state is done
-    # strict: every result left out, and the steps' errors cut short.
-    strict = fit_result(timed_out, _size(timed_out), 100, strict=True)
-    assert all(s.result is None for s in strict.steps)
-    error = strict.steps[1].error
+
+
+def test_fit_result_cuts_errors_before_it_leaves_out_results() -> None:
+    """Many failed branches with long errors (a quorum fanout): cutting the errors is enough,
+    so every result stays — and each level starts from the whole result."""
+    done, failed = TaskState.SUCCEEDED, TaskState.FAILED
+    quorum = _result("fanout", [(done, "r" * 3000)] + [(failed, None)] * 6, policy="quorum(1)")
+    limit = _size(quorum) - 20_000  # the six 5 kB errors must go; the result can stay
+    assert _size(_fit(quorum, limit)) > limit  # leaving out the result is not enough
+    fitted = _fit(quorum, limit, "errors")
+    assert _size(fitted) <= limit
+    assert fitted.state is TaskState.SUCCEEDED and fitted.error is None
+    assert fitted.steps[0].result == "r" * 3000 and fitted.result[0] == "r" * 3000
+    error = fitted.steps[1].error
     assert error is not None and error.code == "REACH_TIMEOUT"
     assert len(error.message) == 200 and error.details == {"retryable": True}
+    # The last resort keeps no steps, and says so.
+    bare = _fit(quorum, 100, "steps")
+    assert bare.steps == [] and bare.state is TaskState.FAILED and bare.error is not None
+    assert bare.error.details["results_left_out"] == [0]

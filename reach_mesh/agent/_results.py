@@ -204,11 +204,12 @@ def _error_body(err: ReachError) -> ErrorBody:
     the answer, the status and the workflow record that carry it."""
     details = err.details
     if details:
+        size: int | str
         try:
             size = len(to_json(details))
         except Exception:
-            size = _ERROR_DETAILS_MAX + 1  # not JSON: not sendable either
-        if size > _ERROR_DETAILS_MAX:
+            size = "not JSON"  # not sendable either
+        if not isinstance(size, int) or size > _ERROR_DETAILS_MAX:
             kept = {k: details[k] for k in ("retryable",) if k in details}
             details = {**kept, "details_left_out": size}
     return ErrorBody(code=err.code, message=err.message[:_ERROR_MESSAGE_MAX], details=details)

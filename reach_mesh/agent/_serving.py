@@ -583,7 +583,7 @@ class ServingMixin:
             log_event(
                 log,
                 HANDLER_FAILED,
-                f"handler {handler.capability} failed the task: {err.code}: {err.message}",
+                f"handler {handler.capability} failed the task: {err.code}: {err.message[:2000]}",
                 task_id=env.task_id,
                 attempt=env.attempt,
                 trace_id=trace_id,

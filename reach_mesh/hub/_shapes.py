@@ -43,6 +43,10 @@ __all__ = ["SpecConflictError", "WorkflowShapes", "final_result"]
 log = logging.getLogger("reach_mesh.hub.workflows")
 
 
+class _Unwritable(Exception):
+    """A workflow's first record would not fit in a NATS message (``WorkflowShapes._run``)."""
+
+
 class SpecConflictError(Exception):
     """The workflow id is taken by a submission with another spec."""
 
@@ -89,30 +93,35 @@ class WorkflowShapes(StepRunner):
         wf.first_agents = [None if c is None else c[0].agent_id for c in wf.first]
         record = self._running_record(wf)
         start = protocol.encode(record)
-        if len(start) > self._nc.max_payload - HEADROOM:
-            self._release_first(wf)
-            raise TooLarge(
-                PayloadTooLargeError(
-                    f"workflow {wf.id}: its record would take {len(start)} bytes, over the "
-                    f"{self._nc.max_payload - HEADROOM} a record may hold (the NATS server's "
-                    f"max_payload less {HEADROOM})",
-                    size=len(start),
-                    max_size=self._nc.max_payload - HEADROOM,
-                )
-            )
+        limit = self._nc.max_payload - HEADROOM
         unstarted = False  # its record held only a cancel (made before any hub took it)
         # One write for a new workflow; only an existing record (a takeover, or a re-submit
         # after the dedup window) costs a read.
         try:
+            if len(start) > limit:
+                # Never writable as it is: whatever is stored decides (below).
+                raise _Unwritable
             wf.rev = await _durable.create(
                 kv, key, start, self._io_deadline(wf.deadline), on_retry=self._infra_retry
             )
         except BaseException as err:
             self._release_first(wf)
-            if not isinstance(err, KeyWrongLastSequenceError):
+            if not isinstance(err, KeyWrongLastSequenceError | _Unwritable):
                 raise
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
             rec = stored_record(WorkflowRecord, got)
+            if len(start) > limit and (rec is None or rec.cancelled_before_start):
+                # Not started by any hub: refused (another hub's record, which fit, is
+                # resumed or announced below as usual).
+                raise TooLarge(
+                    PayloadTooLargeError(
+                        f"workflow {wf.id}: its record would take {len(start)} bytes, over "
+                        f"the {limit} a record may hold (the NATS server's max_payload less "
+                        f"{HEADROOM})",
+                        size=len(start),
+                        max_size=limit,
+                    )
+                ) from None
             if rec is not None and rec.spec_digest not in (None, wf.digest):
                 raise SpecConflictError(key) from None
             stored = final_result(got)

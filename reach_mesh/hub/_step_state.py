@@ -14,12 +14,12 @@ from typing import Any, Final
 from opentelemetry.context import Context
 from pydantic_core import to_json
 
+from reach_mesh import protocol
 from reach_mesh.errors import PayloadTooLargeError, ReachError, TaskIdConflictError
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import ErrorBody, RouteRequest, TaskState
 from reach_mesh.workflow import (
     AttemptRecord,
-    StepResult,
     StepSpec,
     TaskRecord,
     TaskStatusEvent,
@@ -29,6 +29,7 @@ from reach_mesh.workflow import (
 )
 
 __all__ = [
+    "FIT_LEVELS",
     "HEADROOM",
     "NotOwnerError",
     "Policy",
@@ -253,65 +254,74 @@ class TooLarge(Exception):
         self.error = error
 
 
+#: How far :func:`fit_result` goes: leave out results; also cut errors short; also leave
+#: out every step.
+FIT_LEVELS: Final = ("results", "errors", "steps")
+
+
 def fit_result(
-    result: WorkflowResult, size: int, limit: int, *, strict: bool = False
+    result: WorkflowResult, limit: int, other: int, level: str = "results"
 ) -> WorkflowResult:
-    """``result`` when its workflow record (``size`` bytes of JSON) fits in ``limit`` bytes;
-    else what a record can hold: the steps' results kept in step order while they fit (a
-    later, smaller one may still fit), the others left out (null), named in the error's
-    ``details.results_left_out``. A workflow that had SUCCEEDED then ends FAILED with
-    ``REACH_PAYLOAD_TOO_LARGE`` (its caller cannot have its results); any other keeps its
-    state and error, with those details added. ``strict``: every result left out and the
-    steps' errors cut short (when leaving out some was not enough)."""
-    if size <= limit:
-        return result
-    fanout = result.kind == "fanout"
-    # A fanout's ``result`` lists its succeeded branches' results again; a chain's is its
-    # last output.
-    sizes = [
-        0 if s.result is None else len(to_json(s.result)) * (2 if fanout and s.ok else 1)
+    """What a workflow record can hold of ``result`` in ``limit`` bytes, ``other`` of them
+    taken by the record's other fields.
+
+    ``results``: the steps' results kept in step order while they fit (a later, smaller one
+    may still fit), the others left out (null) and named in ``details.results_left_out``;
+    ``errors``: the same after the errors are cut short (the workflow's and the steps':
+    code, 200 characters, ``retryable``); ``steps``: no steps at all. When anything is left
+    out, a workflow that had SUCCEEDED ends FAILED with ``REACH_PAYLOAD_TOO_LARGE`` (its
+    caller cannot have its results), any other keeps its state and error, with those
+    details added. Always computed from the whole result, never from an earlier cut."""
+    fanout, n = result.kind == "fanout", len(result.steps)
+    cut = level != "results"
+    steps = [
+        s.model_copy(
+            update={"result": None, "error": _cut(s.error) if cut and s.error else s.error}
+        )
         for s in result.steps
     ]
-    extra = 0 if fanout or result.result is None else len(to_json(result.result))
-    # What the record keeps besides the results, and room for the error and its list.
-    budget = limit - (size - sum(sizes) - extra) - 2048 - 8 * len(sizes)
-    steps: list[StepResult] = []
+    error = _cut(result.error) if cut and result.error is not None else result.error
+    bare = result.model_copy(
+        update={"steps": steps, "result": [None] * n if fanout else None, "error": error}
+    )
+    # The room left, less the words and the list of an error saying what was left out.
+    budget = limit - other - len(protocol.encode(bare)) - 2048 - 8 * n
+    last_output = result.kind == "chain" and result.state is TaskState.SUCCEEDED
     left_out: list[int] = []
-    for step, n in zip(result.steps, sizes, strict=True):
-        update: dict[str, Any] = {}
-        if step.result is not None and (strict or n > budget):
-            left_out.append(step.index)
-            update["result"] = None
+    for i, (was, now) in enumerate(zip(result.steps, steps, strict=True)):
+        if was.result is None:
+            continue
+        # A fanout's ``result`` lists its succeeded results again; a chain's is its output.
+        weight = 2 if (fanout and was.ok) or (last_output and i == n - 1) else 1
+        size = len(to_json(was.result)) * weight
+        if level == "steps" or size > budget:
+            left_out.append(was.index)
         else:
-            budget -= n
-        if strict and step.error is not None:
-            update["error"] = _cut(step.error)
-        steps.append(step.model_copy(update=update) if update else step)
-    room = {"results_left_out": left_out, "size": size, "max_size": limit}
+            budget -= size
+            now.result = was.result
+    if level == "steps":
+        steps = []
+    kept = [s.result if s.ok else None for s in steps] if fanout else None
+    if not left_out and level != "steps":
+        output = steps[-1].result if last_output and steps else None
+        return bare.model_copy(update={"steps": steps, "result": kept if fanout else output})
+    room = {"results_left_out": left_out, "max_size": limit}
     state = result.state
-    if state is TaskState.SUCCEEDED or result.error is None:
+    if state is TaskState.SUCCEEDED or error is None:
         state = TaskState.FAILED
         err = PayloadTooLargeError(
-            f"the workflow's results take {size} bytes, over the {limit} its record may hold "
-            f"(the NATS server's max_payload less {HEADROOM}): those that do not fit are left "
-            "out (details.results_left_out); each stays in its agent's final status on "
-            "REACH_STATUS",
+            f"the workflow's results do not fit in its record ({limit} bytes: the NATS "
+            f"server's max_payload less {HEADROOM}): those in details.results_left_out are "
+            "left out; each stays in its agent's final status on REACH_STATUS",
             **room,
         )
         error = ErrorBody(code=err.code, message=err.message, details=err.details)
     else:
-        error = result.error.model_copy(update={"details": {**result.error.details, **room}})
-    return result.model_copy(
-        update={
-            "state": state,
-            "steps": steps,
-            "result": [s.result if s.ok else None for s in steps] if fanout else None,
-            "error": error,
-        }
-    )
+        error = error.model_copy(update={"details": {**error.details, **room}})
+    return bare.model_copy(update={"state": state, "steps": steps, "result": kept, "error": error})
 
 
 def _cut(error: ErrorBody) -> ErrorBody:
-    """A step's error as a record short of room keeps it: its code, a short message."""
+    """An error as a record short of room keeps it: its code, a short message, ``retryable``."""
     keep = {k: error.details[k] for k in ("retryable",) if k in error.details}
     return ErrorBody(code=error.code, message=error.message[:200], details=keep)

@@ -56,7 +56,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import SpecConflictError, final_result
-from reach_mesh.hub._step_state import HEADROOM, TooLarge, fit_result
+from reach_mesh.hub._step_state import FIT_LEVELS, HEADROOM, TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_queries import WorkflowQueries
@@ -582,15 +582,17 @@ class WorkflowEngine(WorkflowQueries):
         )
         data = protocol.encode(record)
         limit = self._nc.max_payload - HEADROOM
-        size = len(data)
-        for strict in (False, True):
-            if len(data) <= limit:
-                break
+        if len(data) > limit:
             # Results too large for one record: stored without (some of) them, one final
             # answer either way — never a write that fails every time it is tried.
-            result = fit_result(result, size, limit, strict=strict)
-            record.result, record.state = result, result.state
-            data = protocol.encode(record)
+            whole = result
+            other = len(data) - len(protocol.encode(whole))
+            for level in FIT_LEVELS:
+                result = fit_result(whole, limit, other, level)
+                record.result, record.state = result, result.state
+                data = protocol.encode(record)
+                if len(data) <= limit:
+                    break
         try:
             await self._owner_write(wf, record, data)
         except KeyWrongLastSequenceError as err:
