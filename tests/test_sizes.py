@@ -16,6 +16,7 @@ import json
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
+from unittest.mock import ANY
 
 import pytest
 
@@ -81,7 +82,7 @@ async def test_too_large_for_a_message_fails_at_once_and_runs_once(
             assert many.state is TaskState.FAILED
             assert many.error is not None and many.error.code == "REACH_PAYLOAD_TOO_LARGE"
             assert many.error.details["results_left_out"] == [1, 2]
-            assert many.error.details["max_size"] == MIB - 16 * 1024
+            assert many.error.details["record_max_size"] == MIB - 16 * 1024
             assert [s.state for s in many.steps] == [TaskState.SUCCEEDED] * 3
             assert many.steps[0].result == {"blob": "x" * 400_000}
             assert many.steps[1].result is None and many.steps[2].result is None
@@ -278,10 +279,10 @@ def _size(result: WorkflowResult) -> int:
     return len(protocol.encode(WorkflowRecord(result=result)))
 
 
-def _fit(result: WorkflowResult, limit: int, level: str = "results") -> WorkflowResult:
+def _fit(result: WorkflowResult, limit: int, *, steps: bool = False) -> WorkflowResult:
     """``fit_result`` as ``_store`` calls it: the record's other fields measured."""
     other = _size(result) - len(protocol.encode(result))
-    return fit_result(result, limit, other, level)
+    return fit_result(result, limit, other, steps=steps)
 
 
 def test_fit_result_keeps_the_results_that_fit_in_step_order() -> None:
@@ -297,7 +298,7 @@ def test_fit_result_keeps_the_results_that_fit_in_step_order() -> None:
     assert [s.state for s in fitted.steps] == [done] * 3  # the steps did succeed
     assert fitted.state is TaskState.FAILED and fitted.error is not None
     assert fitted.error.code == "REACH_PAYLOAD_TOO_LARGE"
-    assert fitted.error.details == {"results_left_out": [1], "max_size": limit}
+    assert fitted.error.details == {"results_left_out": [1], "record_max_size": limit}
     # A chain keeps its last output twice (steps and result): both are counted and dropped.
     chain = _result("chain", [(done, small), (done, big)])
     assert chain.result == big
@@ -312,23 +313,24 @@ def test_fit_result_keeps_a_failed_workflows_own_state_and_error() -> None:
         "fanout",
         [(done, "r" * 8000), (late, None)],
         state=late,
-        error=ErrorBody(code="REACH_TIMEOUT", message="step 1 did not finish in time"),
+        error=ErrorBody(
+            code="REACH_TIMEOUT", message="step 1 did not finish in time", details={"step": 1}
+        ),
     )
-    fitted = _fit(timed_out, _size(timed_out) - 1000)
+    fitted = _fit(timed_out, _size(timed_out) - 6000)  # more than its errors give back
     assert fitted.state is late and fitted.error is not None
     assert fitted.error.code == "REACH_TIMEOUT"
-    assert fitted.error.details["results_left_out"] == [0]
+    assert fitted.error.details == {"step": 1, "results_left_out": [0], "record_max_size": ANY}
     assert fitted.steps[0].result is None and fitted.steps[0].state is done
 
 
 def test_fit_result_cuts_errors_before_it_leaves_out_results() -> None:
     """Many failed branches with long errors (a quorum fanout): cutting the errors is enough,
-    so every result stays — and each level starts from the whole result."""
+    so every result stays, even where leaving the result out alone would also have fit."""
     done, failed = TaskState.SUCCEEDED, TaskState.FAILED
     quorum = _result("fanout", [(done, "r" * 3000)] + [(failed, None)] * 6, policy="quorum(1)")
-    limit = _size(quorum) - 20_000  # the six 5 kB errors must go; the result can stay
-    assert _size(_fit(quorum, limit)) > limit  # leaving out the result is not enough
-    fitted = _fit(quorum, limit, "errors")
+    limit = _size(quorum) - 8000  # without the result (twice 3 kB) it would fit too
+    fitted = _fit(quorum, limit)
     assert _size(fitted) <= limit
     assert fitted.state is TaskState.SUCCEEDED and fitted.error is None
     assert fitted.steps[0].result == "r" * 3000 and fitted.result[0] == "r" * 3000
@@ -336,6 +338,7 @@ def test_fit_result_cuts_errors_before_it_leaves_out_results() -> None:
     assert error is not None and error.code == "REACH_TIMEOUT"
     assert len(error.message) == 200 and error.details == {"retryable": True}
     # The last resort keeps no steps, and says so.
-    bare = _fit(quorum, 100, "steps")
+    bare = _fit(quorum, 100, steps=True)
     assert bare.steps == [] and bare.state is TaskState.FAILED and bare.error is not None
     assert bare.error.details["results_left_out"] == [0]
+    assert bare.error.details["steps_left_out"] is True

@@ -29,7 +29,6 @@ from reach_mesh.workflow import (
 )
 
 __all__ = [
-    "FIT_LEVELS",
     "HEADROOM",
     "NotOwnerError",
     "Policy",
@@ -254,58 +253,50 @@ class TooLarge(Exception):
         self.error = error
 
 
-#: How far :func:`fit_result` goes: leave out results; also cut errors short; also leave
-#: out every step.
-FIT_LEVELS: Final = ("results", "errors", "steps")
-
-
 def fit_result(
-    result: WorkflowResult, limit: int, other: int, level: str = "results"
+    result: WorkflowResult, limit: int, other: int, *, steps: bool = False
 ) -> WorkflowResult:
     """What a workflow record can hold of ``result`` in ``limit`` bytes, ``other`` of them
     taken by the record's other fields.
 
-    ``results``: the steps' results kept in step order while they fit (a later, smaller one
-    may still fit), the others left out (null) and named in ``details.results_left_out``;
-    ``errors``: the same after the errors are cut short (the workflow's and the steps':
-    code, 200 characters, ``retryable``); ``steps``: no steps at all. When anything is left
-    out, a workflow that had SUCCEEDED ends FAILED with ``REACH_PAYLOAD_TOO_LARGE`` (its
-    caller cannot have its results), any other keeps its state and error, with those
-    details added. Always computed from the whole result, never from an earlier cut."""
+    Errors go first — the workflow's and the steps' are cut to their code, 200 characters and
+    ``retryable`` — then results: kept in step order while they fit (a later, smaller one may
+    still fit), the others left out (null) and named in ``details.results_left_out``.
+    ``steps``: the last resort, no steps at all (``details.steps_left_out``). When anything
+    is left out, a workflow that had SUCCEEDED ends FAILED with ``REACH_PAYLOAD_TOO_LARGE``
+    (its caller cannot have its results), any other keeps its state and error, with those
+    details added (and ``record_max_size``)."""
     fanout, n = result.kind == "fanout", len(result.steps)
-    cut = level != "results"
-    steps = [
-        s.model_copy(
-            update={"result": None, "error": _cut(s.error) if cut and s.error else s.error}
-        )
+    cut = [
+        s.model_copy(update={"result": None, "error": None if s.error is None else _cut(s.error)})
         for s in result.steps
     ]
-    error = _cut(result.error) if cut and result.error is not None else result.error
+    error = None if result.error is None else _cut(result.error)
     bare = result.model_copy(
-        update={"steps": steps, "result": [None] * n if fanout else None, "error": error}
+        update={"steps": cut, "result": [None] * n if fanout else None, "error": error}
     )
     # The room left, less the words and the list of an error saying what was left out.
     budget = limit - other - len(protocol.encode(bare)) - 2048 - 8 * n
     last_output = result.kind == "chain" and result.state is TaskState.SUCCEEDED
     left_out: list[int] = []
-    for i, (was, now) in enumerate(zip(result.steps, steps, strict=True)):
+    for i, (was, now) in enumerate(zip(result.steps, cut, strict=True)):
         if was.result is None:
             continue
         # A fanout's ``result`` lists its succeeded results again; a chain's is its output.
         weight = 2 if (fanout and was.ok) or (last_output and i == n - 1) else 1
         size = len(to_json(was.result)) * weight
-        if level == "steps" or size > budget:
+        if steps or size > budget:
             left_out.append(was.index)
         else:
             budget -= size
             now.result = was.result
-    if level == "steps":
-        steps = []
-    kept = [s.result if s.ok else None for s in steps] if fanout else None
-    if not left_out and level != "steps":
-        output = steps[-1].result if last_output and steps else None
-        return bare.model_copy(update={"steps": steps, "result": kept if fanout else output})
-    room = {"results_left_out": left_out, "max_size": limit}
+    kept = [s.result if s.ok else None for s in cut] if fanout else None
+    if not left_out and not steps:
+        output = cut[-1].result if last_output and cut else None
+        return bare.model_copy(update={"result": kept if fanout else output})
+    room: dict[str, Any] = {"results_left_out": left_out, "record_max_size": limit}
+    if steps:
+        room["steps_left_out"] = True
     state = result.state
     if state is TaskState.SUCCEEDED or error is None:
         state = TaskState.FAILED
@@ -318,10 +309,16 @@ def fit_result(
         error = ErrorBody(code=err.code, message=err.message, details=err.details)
     else:
         error = error.model_copy(update={"details": {**error.details, **room}})
-    return bare.model_copy(update={"state": state, "steps": steps, "result": kept, "error": error})
+    return bare.model_copy(
+        update={"state": state, "steps": [] if steps else cut, "result": kept, "error": error}
+    )
 
 
 def _cut(error: ErrorBody) -> ErrorBody:
-    """An error as a record short of room keeps it: its code, a short message, ``retryable``."""
+    """An error as a record short of room keeps it: as it is when short (a message of 200
+    characters, details of 512 bytes at most), else its code, 200 characters of message and
+    ``retryable``."""
+    if len(error.message) <= 200 and len(to_json(error.details)) <= 512:
+        return error
     keep = {k: error.details[k] for k in ("retryable",) if k in error.details}
     return ErrorBody(code=error.code, message=error.message[:200], details=keep)

@@ -56,7 +56,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import SpecConflictError, final_result
-from reach_mesh.hub._step_state import FIT_LEVELS, HEADROOM, TooLarge, fit_result
+from reach_mesh.hub._step_state import HEADROOM, TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_queries import WorkflowQueries
@@ -587,8 +587,8 @@ class WorkflowEngine(WorkflowQueries):
             # answer either way — never a write that fails every time it is tried.
             whole = result
             other = len(data) - len(protocol.encode(whole))
-            for level in FIT_LEVELS:
-                result = fit_result(whole, limit, other, level)
+            for last_resort in (False, True):
+                result = fit_result(whole, limit, other, steps=last_resort)
                 record.result, record.state = result, result.state
                 data = protocol.encode(record)
                 if len(data) <= limit:
