@@ -222,11 +222,15 @@ async def test_hub_refuses_a_submission_whose_step_an_agent_would_refuse(
             json.dumps(spec).encode(),
             headers={"Nats-Msg-Id": protocol.submit_msg_id(ns, "size-raw")},
         )
-        res = await mesh.workflow("size-raw", timeout=10)
-        assert res.state is TaskState.FAILED
-        assert res.error is not None and res.error.code == "REACH_PAYLOAD_TOO_LARGE"
-        assert res.error.details["step"] == 1
-        assert res.steps == []  # refused whole: no step started
+        # ... and without a Nats-Msg-Id: the rejection is stored under the body's id.
+        spec["workflow_id"] = "size-raw-bare"
+        await mesh.nc.jetstream().publish(protocol.wf_submit(ns), json.dumps(spec).encode())
+        for wf_id in ("size-raw", "size-raw-bare"):
+            res = await mesh.workflow(wf_id, timeout=10)
+            assert res.state is TaskState.FAILED
+            assert res.error is not None and res.error.code == "REACH_PAYLOAD_TOO_LARGE"
+            assert res.error.details["step"] == 1
+            assert res.steps == []  # refused whole: no step started
         await asyncio.sleep(0.2)
     assert fleet.runs == Counter()
 

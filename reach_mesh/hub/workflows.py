@@ -497,8 +497,13 @@ class WorkflowEngine(WorkflowQueries):
         ns = parts[2] if len(parts) > 2 else ""
         kind: Literal["fanout", "chain"] = "fanout"
         with contextlib.suppress(Exception):
-            if json.loads(msg.data).get("kind") == "chain":
+            body = json.loads(msg.data)
+            if body.get("kind") == "chain":
                 kind = "chain"
+            if not wf_id and isinstance(body.get("workflow_id"), str):
+                # No Nats-Msg-Id (a client that skips it): the id its body names, so that
+                # its caller, waiting on that id, gets this answer.
+                wf_id = body["workflow_id"]
         with contextlib.suppress(Exception):
             await msg.term()
         try:
