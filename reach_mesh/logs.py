@@ -31,6 +31,7 @@ __all__ = [
     "QUARANTINE",
     "ROUTE_LATENCY",
     "SELECT_EMPTY",
+    "WORKFLOW_INTERRUPTED",
     "HumanFormatter",
     "JsonFormatter",
     "LineBudget",
@@ -60,6 +61,11 @@ or failed the task on purpose with ``TaskFailed`` (INFO)."""
 NAMESPACE_SHARE: Final = "REACH-NAMESPACE-SHARE"
 """A hub is full of workflows and a namespace holds its fair share of them: its further
 submissions wait in the stream while other namespaces' are taken (docs/workflows.md)."""
+WORKFLOW_INTERRUPTED: Final = "REACH-WORKFLOW-INTERRUPTED"
+"""A hub handed a workflow back to the stream before storing its result: JetStream stayed
+unavailable past the retries (WARNING; another hub resumes it), or anything else (ERROR, with
+the traceback at most once a minute per kind of error: it comes back and fails again until
+the cause is fixed)."""
 MESSAGE_REFUSED: Final = "REACH-MESSAGE-REFUSED"
 """A message was dropped unread: it named a reply subject outside ``_INBOX.``, or it was not a
 message of the subscription it came on (a JetStream push delivery; docs/security.md)."""

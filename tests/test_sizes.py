@@ -24,11 +24,12 @@ from reach_mesh import Client, MeshSettings, PayloadTooLargeError, Step, TaskSta
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub._step_state import fit_result
+from reach_mesh.logs import WORKFLOW_INTERRUPTED
 from reach_mesh.models import ErrorBody
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import StepResult, WorkflowRecord, WorkflowResult
 
-from .helpers import Fleet, echo_agent, task_record
+from .helpers import Fleet, echo_agent, eventually, task_record
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -346,3 +347,35 @@ def test_fit_result_cuts_errors_before_it_leaves_out_results() -> None:
     assert bare.steps == [] and bare.state is TaskState.FAILED and bare.error is not None
     assert bare.error.details["results_left_out"] == [0]
     assert bare.error.details["steps_left_out"] is True
+
+
+async def test_a_workflow_the_hub_cannot_finish_is_kept_and_shown(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What no check here foresaw (a hub bug, stood in for by a fanout that raises): the
+    workflow is handed back, not lost; each time it fails again the hub counts it as an
+    error, not an outage, and says so at ERROR once a minute; once the cause is gone it
+    finishes from its records."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    agent = echo_agent(fleet, "bug.a1", "size:bug:v1")
+    await agent.start()
+    real = engine._fanout
+
+    async def broken(wf: Any) -> Any:
+        raise RuntimeError("a bug in the hub")
+
+    engine._fanout = broken  # type: ignore[method-assign]
+    errors = wf_hub.metrics.workflow_interrupted_total.labels("error")
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="size:bug:v1", payload=1)], timeout=30)
+        await eventually(lambda: errors._value.get() >= 2, timeout=10)
+        lines = [r for r in caplog.records if getattr(r, "event", None) == WORKFLOW_INTERRUPTED]
+        assert len(lines) == 1  # the second failure was held back (once a minute)
+        assert lines[0].levelname == "ERROR" and lines[0].exc_info is not None
+        assert lines[0].__dict__["cause"] == "error" and lines[0].__dict__["workflow_id"] == wf_id
+        assert wf_hub.metrics.workflow_interrupted_total.labels("infrastructure")._value.get() == 0
+        engine._fanout = real  # type: ignore[method-assign]
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED
+        assert res.steps[0].result == {"by": agent.agent_id, "in": 1}

@@ -63,7 +63,7 @@ from reach_mesh.hub._wf_queries import WorkflowQueries
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
-from reach_mesh.logs import NAMESPACE_SHARE, LineBudget, log_event
+from reach_mesh.logs import NAMESPACE_SHARE, WORKFLOW_INTERRUPTED, LineBudget, log_event
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import (
@@ -142,6 +142,8 @@ class WorkflowEngine(WorkflowQueries):
         self.takeover_total = 0
         self._takeover_lines = LineBudget(10.0)
         self._defer_lines = LineBudget(30.0)
+        #: Workflows handed back by an error that is not the infrastructure's, per kind.
+        self._error_lines = LineBudget(60.0)
         self._ticker: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Future[Any]] = set()
         self._pending = 0
@@ -428,7 +430,7 @@ class WorkflowEngine(WorkflowQueries):
         except Exception as err:
             # The infrastructure outlived our retries (NATS down, ...): give the workflow back;
             # whoever takes it resumes from the records. Never an outcome.
-            log.warning("workflow %s interrupted: %r", wf.id, err)
+            self._interrupted(wf, msg, err)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             return
@@ -445,6 +447,43 @@ class WorkflowEngine(WorkflowQueries):
                 self.cancelled_total += 1
                 if self._metrics is not None:
                     self._metrics.workflow_cancelled_total.inc()
+
+    def _interrupted(self, wf: Workflow, msg: Msg, err: Exception) -> None:
+        """Say why a workflow goes back to the stream unfinished: JetStream unavailable past
+        the retries (expected in an outage: another hub resumes it), or anything else — a bug,
+        a message the server refuses — which fails again each time the workflow comes back,
+        so it is an ERROR with its traceback (at most once a minute per kind) and a metric
+        an alert watches (``reach_workflow_interrupted_total{cause="error"}``)."""
+        infra = isinstance(err, _durable.RetriesExhausted) or _durable.transient(err)
+        cause = "infrastructure" if infra else "error"
+        if self._metrics is not None:
+            self._metrics.workflow_interrupted_total.labels(cause).inc()
+        try:
+            deliveries = msg.metadata.num_delivered
+        except Exception:
+            deliveries = None
+        fields: dict[str, Any] = {
+            "workflow_id": wf.id,
+            "namespace": wf.ns,
+            "cause": cause,
+            "deliveries": deliveries,
+        }
+        if infra:
+            text = f"workflow {wf.id} interrupted: {err!r}; handed back, resumed from its records"
+            log_event(log, WORKFLOW_INTERRUPTED, text, level=logging.WARNING, **fields)
+            return
+        held = self._error_lines.take(type(err).__name__)
+        if held is None:
+            return
+        log_event(
+            log,
+            WORKFLOW_INTERRUPTED,
+            f"workflow {wf.id} failed in the hub: {err!r}; handed back, it fails again each "
+            f"time it comes back until the cause is fixed ({held} such lines held back)",
+            level=logging.ERROR,
+            exc_info=err,
+            **fields,
+        )
 
     async def _still_owner(self, wf: Workflow) -> bool:
         """Whether the workflow record is still at the revision this hub last wrote, naming

@@ -276,6 +276,14 @@ class HubMetrics:
             "as FAILED).",
             registry=r,
         )
+        self.workflow_interrupted_total = Counter(
+            "reach_workflow_interrupted",
+            "Workflows this hub handed back to the stream before storing their result, by "
+            "cause: infrastructure (JetStream unavailable past the retries: another hub "
+            "resumes them) or error (anything else: it comes back and fails again until fixed).",
+            ["cause"],
+            registry=r,
+        )
         self.workflow_deferred_total = Counter(
             "reach_workflow_deferred",
             "Workflow submissions handed back to the stream for later: the hub runs "
