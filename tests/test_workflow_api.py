@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from nats.js.errors import NotFoundError
 
 from reach_mesh import (
     Client,
@@ -287,8 +288,12 @@ async def test_final_status_is_the_last_event_of_its_task(
 
             async def final_is_last(task_id: str = env.task_id) -> bool:
                 # Subscribers see the final status as the server takes it; the stream stores
-                # it a moment later. A RUNNING stored after it would never turn final.
-                return (await _last_status(mesh, agent.agent_id, task_id)).state.final
+                # it a moment later (under load, after the first look: nothing stored yet). A
+                # RUNNING stored after it would never turn final.
+                try:
+                    return (await _last_status(mesh, agent.agent_id, task_id)).state.final
+                except NotFoundError:
+                    return False
 
             await eventually(final_is_last, timeout=2)
 
