@@ -624,3 +624,51 @@ async def test_the_cli_and_the_rest_api_cancel(fleet: Fleet, wf_settings: MeshSe
         # Unregistered while its hub is there: no stale record for the next test's hubs.
         await held.agent.close()
     assert held.finished == 0
+
+
+async def test_a_step_finished_before_the_cancel_keeps_its_result_not_yet_stored(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A step whose handler finished before the cancel, but whose final status is not in
+    REACH_STATUS yet (its publish held up by a reconnect, as chaos seed 48 found under a NATS
+    node kill): the hub asks its agent, and the step keeps its outcome instead of being
+    marked cancelled. The held-up publish stands in for the reconnect."""
+    agent = echo_agent(fleet, "held.a1", "wf:held:v1")
+    slow = fleet.agent("held.a2")
+
+    @slow.handler("wf:held-slow:v1")
+    async def never(task: Task[Any]) -> Any:
+        await asyncio.sleep(60)
+
+    await agent.start()
+    await slow.start()
+    assert agent.work is not None
+    release = asyncio.Event()
+    final = agent.work._final
+
+    async def held_up(*args: Any) -> None:
+        await release.wait()
+        await final(*args)
+
+    agent.work._final = held_up  # type: ignore[method-assign]
+    try:
+        async with Client(settings=wf_settings) as mesh:
+            wf_id = await mesh.submit_fanout(
+                [
+                    Step(capability="wf:held:v1", payload="done"),
+                    Step(capability="wf:held-slow:v1", payload="never", timeout=30),
+                ],
+                timeout=30,
+            )
+            # The other branch runs until it is cancelled.
+            await eventually(lambda: f"{wf_id}-0" in fleet.runs, timeout=5)
+            answer = await mesh.cancel_workflow(wf_id, timeout=10)
+            assert answer.final
+            res = await mesh.workflow(wf_id, timeout=10)
+            step = res.steps[0]
+            assert step.state is TaskState.SUCCEEDED and not step.cancelled
+            assert step.result == {"by": agent.agent_id, "in": "done"}
+            assert res.error is not None and res.error.code == "REACH_WORKFLOW_CANCELLED"
+            assert res.steps[1].cancelled
+    finally:
+        release.set()

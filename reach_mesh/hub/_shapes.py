@@ -570,8 +570,10 @@ class WorkflowShapes(StepRunner):
 
     async def _stored_outcome(self, wf: Workflow, rec: TaskRecord) -> TaskStatusEvent | None:
         """The final status an attempt of ``rec`` stored in ``REACH_STATUS`` (the current
-        attempt's first, else the earliest attempt's), or None. Raises when the stream does
-        not answer: the workflow goes back to JetStream rather than a result be thrown away."""
+        attempt's first, else the earliest attempt's) or, none being stored, the outcome its
+        current attempt's agent holds (``StatusTracker.held_outcome``), or None. Raises when
+        the stream does not answer: the workflow goes back to JetStream rather than a result
+        be thrown away."""
         # Attempts whose outcome the hub has not handled: one it had handled (a failure it
         # retried) is in the history with its final state, and decided nothing.
         open_ = {
@@ -593,6 +595,11 @@ class WorkflowShapes(StepRunner):
             # retryable one would have been followed by another attempt: not finished).
             if last.state is TaskState.SUCCEEDED or (last.state.final and not retryable(last)):
                 found.append(last)
+        if not found and rec.agent_id is not None and rec.attempt > 0:
+            # Nothing stored (yet): the current attempt's agent may hold its outcome.
+            held = await self._tracker.held_outcome(rec.task_id, wf.id, rec.agent_id, rec.attempt)
+            if held is not None and (held.state is TaskState.SUCCEEDED or not retryable(held)):
+                found.append(held)
         # A success first (no valid result is thrown away), then the earliest attempt's.
         return min(
             found,

@@ -543,6 +543,40 @@ class StatusTracker:
             return "alive"
         return "gone"  # PENDING: the agent never saw it
 
+    async def held_outcome(
+        self, task_id: str, workflow_id: str, agent_id: str, attempt: int
+    ) -> TaskStatusEvent | None:
+        """The final outcome ``agent_id`` holds for ``attempt`` of a step (ctl ``task_state``,
+        no fence: nothing is promised), or None — no answer, not final, another attempt's.
+
+        For a cancel: an outcome the agent has but that ``REACH_STATUS`` does not show yet
+        (its final publish held up by a reconnect, a replica read behind its leader) then
+        decides the step instead of the cancel. An agent whose lease lapsed is not asked."""
+        if not self.lease_fresh(agent_id):
+            return None
+        try:
+            msg = await self._jsc.ask(
+                protocol.agent_ctl(agent_id),
+                protocol.dumps(
+                    {"op": "task_state", "task_id": task_id, "workflow_id": workflow_id}
+                ),
+                timeout=_CTL_TIMEOUT,
+            )
+        except Exception:
+            return None  # unreachable or busy: what is stored decides, as before
+        answer = parse_task_state(msg.data)
+        if answer is None:
+            return None
+        state, held, body = answer
+        if not state.final or held != attempt:
+            return None
+        try:
+            return TaskStatusEvent.model_validate(
+                {**body, "agent_id": agent_id, "task_id": task_id, "workflow_id": workflow_id}
+            )
+        except ValidationError:
+            return None
+
     def _by_lease(self, agent_id: str) -> Verdict:
         """No usable answer (a busy agent answers late): its lease decides."""
         view = self._registry.agents.get(agent_id)
