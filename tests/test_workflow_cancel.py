@@ -34,7 +34,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import ErrorBody
 from reach_mesh.workflow import TaskStatusEvent, WorkflowRecord, WorkflowResult, spec_digest
 
-from .helpers import Fleet, echo_agent, eventually, fetch
+from .helpers import Fleet, echo_agent, eventually, fetch, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -670,5 +670,10 @@ async def test_a_step_finished_before_the_cancel_keeps_its_result_not_yet_stored
             assert step.result == {"by": agent.agent_id, "in": "done"}
             assert res.error is not None and res.error.code == "REACH_WORKFLOW_CANCELLED"
             assert res.steps[1].cancelled
+            # Only in its agent's memory when the cancel took it: recorded, so a restart that
+            # lost it, redelivered the same attempt, finds the step final and drops it.
+            rec = await task_record(mesh.nc, wf_settings.namespace, step.task_id)
+            assert rec is not None and rec.state is TaskState.SUCCEEDED
+            assert rec.result == step.result and rec.decided_by == 1
     finally:
         release.set()

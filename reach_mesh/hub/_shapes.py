@@ -509,17 +509,21 @@ class WorkflowShapes(StepRunner):
                 return
             rec = named
         if settle and not rec.state.final and not rec.cancelled:
-            event = await self._stored_outcome(wf, rec)
+            event, held = await self._stored_outcome(wf, rec)
             if event is not None:  # as ``_finish`` applies an outcome
                 fence = (rec.attempt, rec.agent_id)
                 note(rec, event)
                 self._take_outcome(rec, event)
                 rec.decided_by = event.attempt
                 rec.updated_at = time.time()
-                if (event.attempt, event.agent_id) != fence:  # the fence changes: recorded
+                if held or (event.attempt, event.agent_id) != fence:
+                    # Recorded when the fence changes, and when the outcome is only in its
+                    # agent's memory: a restart that lost it, redelivered the same attempt,
+                    # must find the step final (dropped), not run it again to another end.
                     await self._cas(key, rec, 0 if got is None else got[1], wf.deadline)
-                    if fence[1] is not None and fence[0] > 0:  # its current attempt: not needed
-                        self._cancel_attempt(fence[1], rec, fence[0])
+                    moved = (event.attempt, event.agent_id) != fence
+                    if moved and fence[1] is not None and fence[0] > 0:
+                        self._cancel_attempt(fence[1], rec, fence[0])  # not needed any more
         if rec.state.final:
             wf.records[index] = rec
             # Cancelled right after its record was written (by the deadline, by an earlier
@@ -568,12 +572,14 @@ class WorkflowShapes(StepRunner):
             return
         wf.records[index] = rec
 
-    async def _stored_outcome(self, wf: Workflow, rec: TaskRecord) -> TaskStatusEvent | None:
+    async def _stored_outcome(
+        self, wf: Workflow, rec: TaskRecord
+    ) -> tuple[TaskStatusEvent | None, bool]:
         """The final status an attempt of ``rec`` stored in ``REACH_STATUS`` (the current
         attempt's first, else the earliest attempt's) or, none being stored, the outcome its
-        current attempt's agent holds (``StatusTracker.held_outcome``), or None. Raises when
-        the stream does not answer: the workflow goes back to JetStream rather than a result
-        be thrown away."""
+        current attempt's agent holds (``StatusTracker.held_outcome``; then True: held, not
+        stored), or None. Raises when the stream does not answer: the workflow goes back to
+        JetStream rather than a result be thrown away."""
         # Attempts whose outcome the hub has not handled: one it had handled (a failure it
         # retried) is in the history with its final state, and decided nothing.
         open_ = {
@@ -599,13 +605,14 @@ class WorkflowShapes(StepRunner):
             # Nothing stored (yet): the current attempt's agent may hold its outcome.
             held = await self._tracker.held_outcome(rec.task_id, wf.id, rec.agent_id, rec.attempt)
             if held is not None and (held.state is TaskState.SUCCEEDED or not retryable(held)):
-                found.append(held)
+                return held, True
         # A success first (no valid result is thrown away), then the earliest attempt's.
-        return min(
+        event = min(
             found,
             key=lambda e: (e.state is not TaskState.SUCCEEDED, e.attempt),
             default=None,
         )
+        return event, False
 
 
 #: Agents whose stored status a cancel reads for one step (its newest attempts').
