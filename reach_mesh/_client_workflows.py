@@ -62,8 +62,6 @@ __all__ = ["WorkflowsMixin"]
 #: How long a workflow submission rides out JetStream being unavailable (a leader election
 #: takes 4-9 s) before it raises ``MeshUnavailableError``; a repeat is deduplicated.
 _SUBMIT_RETRY: Final = 15.0
-#: What a workflow record needs in a NATS message beside the spec (the hub's ``HEADROOM``).
-_RECORD_ROOM: Final = 16 * 1024
 #: How long a duplicate submission waits for the first one's record, to compare the specs.
 _CONFLICT_WAIT: Final = 2.0
 
@@ -443,16 +441,17 @@ class WorkflowsMixin:
         back (one round trip fewer per workflow)."""
         body = protocol.encode(spec)
         # What the hub would refuse (it checks the same), refused before anything is sent.
+        server: int = self.nc.max_payload
         check_payload_sizes(
-            spec, len(body), min(self.settings.max_payload, self.nc.max_payload - _RECORD_ROOM)
+            spec, len(body), protocol.carried_max(self.settings.max_payload, server)
         )
-        if len(body) > self.nc.max_payload - _RECORD_ROOM:
+        record_max = server - protocol.MESSAGE_ROOM
+        if len(body) > record_max:
             raise PayloadTooLargeError(
-                f"workflow of {len(body)} bytes: its record may take "
-                f"{self.nc.max_payload - _RECORD_ROOM} (the NATS server's max_payload less "
-                f"{_RECORD_ROOM})",
+                f"workflow of {len(body)} bytes: its record may take {record_max} (the NATS "
+                f"server's max_payload less {protocol.MESSAGE_ROOM})",
                 size=len(body),
-                max_size=self.nc.max_payload - _RECORD_ROOM,
+                max_size=record_max,
             )
         headers[protocol.HDR_MSG_ID] = protocol.submit_msg_id(spec.namespace, spec.workflow_id)
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF

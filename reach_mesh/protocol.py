@@ -34,6 +34,7 @@ __all__ = [
     "KV_HEARTBEATS",
     "KV_TASKS",
     "KV_WORKFLOWS",
+    "MESSAGE_ROOM",
     "PROTOCOL_VERSION",
     "REPLY_SUBJECT_RE",
     "STREAM_STATUS",
@@ -47,6 +48,7 @@ __all__ = [
     "attempt_msg_id",
     "audit_subject",
     "batch_line",
+    "carried_max",
     "decode",
     "encode",
     "encode_error",
@@ -440,6 +442,18 @@ def validate_workflow_id(workflow_id: str) -> str:
             value=str(workflow_id)[:100],
         )
     return workflow_id
+
+
+#: What a NATS message needs beside the value it carries (its own fields and headers): a
+#: workflow record, a result or a step input may take the server's ``max_payload`` less this.
+MESSAGE_ROOM: Final = 16 * 1024
+
+
+def carried_max(max_payload: int, server_max_payload: int) -> int:
+    """The largest result or step input, in bytes of JSON: ``max_payload`` (what an agent
+    takes), and what the server carries beside a message's own fields
+    (docs/protocol.md, "Sizes")."""
+    return min(max_payload, server_max_payload - MESSAGE_ROOM)
 
 
 # --------------------------------------------------------------------------- codec

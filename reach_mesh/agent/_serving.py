@@ -29,6 +29,7 @@ from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher
 from reach_mesh.agent._deadlines import _Deadlines
 from reach_mesh.agent._results import (
+    _ERROR_MESSAGE_MAX,
     _SUCCEEDED,
     _SUCCEEDED_NULL,
     _dump,
@@ -75,8 +76,6 @@ log = logging.getLogger("reach_mesh.agent")
 _TRACEBACK_INTERVAL: Final = 60.0
 
 _RESULT_CACHE: Final = 10_000
-#: Room an answer needs in a NATS message beside its result: its own fields and headers.
-_ANSWER_ROOM: Final = 16 * 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -583,7 +582,8 @@ class ServingMixin:
             log_event(
                 log,
                 HANDLER_FAILED,
-                f"handler {handler.capability} failed the task: {err.code}: {err.message[:2000]}",
+                f"handler {handler.capability} failed the task: {err.code}: "
+                f"{err.message[:_ERROR_MESSAGE_MAX]}",
                 task_id=env.task_id,
                 attempt=env.attempt,
                 trace_id=trace_id,
@@ -631,11 +631,9 @@ class ServingMixin:
     def _max_result(self) -> int:
         """The largest result an answer carries: ``max_payload``, and room for the answer's
         own fields and headers in what the NATS server takes."""
-        limit = self.settings.max_payload
-        if self._nc is not None:
-            server: int = self._nc.max_payload
-            limit = min(limit, server - _ANSWER_ROOM)
-        return limit
+        if self._nc is None:
+            return self.settings.max_payload
+        return protocol.carried_max(self.settings.max_payload, self._nc.max_payload)
 
     def _too_large(
         self, env: TaskEnvelope, handler: _Handler, trace_id: str | None, size: int

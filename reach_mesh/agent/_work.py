@@ -506,14 +506,14 @@ class WorkConsumer:
         async def progress(info: Any) -> None:
             if self._held.get(env.task_id) is not held:
                 return  # finished: nothing is said of an attempt after its final status
-            size = len(to_json(info))
-            if size > agent._max_result:
+            size, limit = len(to_json(info)), agent._max_result
+            if size > limit:
                 # A message NATS would refuse (or close the connection for): the handler hears.
                 raise PayloadTooLargeError(
-                    f"progress of {size} bytes of JSON, over the {agent._max_result} bytes a "
-                    "status may carry (max_payload)",
+                    f"progress of {size} bytes of JSON, over the {limit} bytes a status may "
+                    "carry (max_payload)",
                     size=size,
-                    max_size=agent._max_result,
+                    max_size=limit,
                     retryable=False,
                 )
             held.last_running = time.monotonic()

@@ -20,7 +20,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from reach_mesh import protocol
 from reach_mesh.errors import InternalError, PayloadTooLargeError, ReachError
 from reach_mesh.hub import _durable
-from reach_mesh.hub._step_state import HEADROOM, TooLarge, new_record, note, retryable
+from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
@@ -93,7 +93,7 @@ class WorkflowShapes(StepRunner):
         wf.first_agents = [None if c is None else c[0].agent_id for c in wf.first]
         record = self._running_record(wf)
         start = protocol.encode(record)
-        limit = self._nc.max_payload - HEADROOM
+        limit = self._nc.max_payload - protocol.MESSAGE_ROOM
         unstarted = False  # its record held only a cancel (made before any hub took it)
         # One write for a new workflow; only an existing record (a takeover, or a re-submit
         # after the dedup window) costs a read.
@@ -117,7 +117,7 @@ class WorkflowShapes(StepRunner):
                     PayloadTooLargeError(
                         f"workflow {wf.id}: its record would take {len(start)} bytes, over "
                         f"the {limit} a record may hold (the NATS server's max_payload less "
-                        f"{HEADROOM})",
+                        f"{protocol.MESSAGE_ROOM})",
                         size=len(start),
                         max_size=limit,
                     )

@@ -29,7 +29,6 @@ from reach_mesh.workflow import (
 )
 
 __all__ = [
-    "HEADROOM",
     "NotOwnerError",
     "Policy",
     "TaskIdTaken",
@@ -239,11 +238,6 @@ def backoff(n: int, base: float, cap: float) -> float:
     return d / 2 + random.uniform(0, d / 2)
 
 
-#: What a NATS message keeps for more than the value it carries (a KV write's headers), so a
-#: record must fit in the server's ``max_payload`` less this.
-HEADROOM: Final = 16 * 1024
-
-
 class TooLarge(Exception):
     """A workflow whose record could never be written (``error`` says why): rejected, as a
     malformed submission is."""
@@ -302,8 +296,9 @@ def fit_result(
         state = TaskState.FAILED
         err = PayloadTooLargeError(
             f"the workflow's results do not fit in its record ({limit} bytes: the NATS "
-            f"server's max_payload less {HEADROOM}): those in details.results_left_out are "
-            "left out; each stays in its agent's final status on REACH_STATUS",
+            f"server's max_payload less {protocol.MESSAGE_ROOM}): those in "
+            "details.results_left_out are left out; each stays in its agent's final status "
+            "on REACH_STATUS",
             **room,
         )
         error = ErrorBody(code=err.code, message=err.message, details=err.details)

@@ -27,7 +27,6 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshTimeoutError, NoMatchError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import (
-    HEADROOM,
     NotOwnerError,
     Policy,
     TaskIdTaken,
@@ -120,8 +119,7 @@ class StepRunner:
     def _input_limit(self) -> int:
         """The largest step input, in bytes of JSON: ``max_payload`` (what an agent takes), and
         room for the work message's own fields and headers in what the NATS server takes."""
-        server: int = self._nc.max_payload
-        return min(self._settings.max_payload, server - HEADROOM)
+        return protocol.carried_max(self._settings.max_payload, self._nc.max_payload)
 
     def _infra_retry(self) -> None:
         self.infra_retry_total += 1

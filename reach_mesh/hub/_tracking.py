@@ -498,18 +498,7 @@ class StatusTracker:
         attempt ``fence`` is about to be given up: an agent without it in hand promises never
         to start it (``"fenced": true``)."""
         try:
-            msg = await self._jsc.ask(
-                protocol.agent_ctl(agent_id),
-                protocol.dumps(
-                    {
-                        "op": "task_state",
-                        "task_id": track.task_id,
-                        "fence": fence,
-                        "workflow_id": track.workflow_id,
-                    }
-                ),
-                timeout=_CTL_TIMEOUT,
-            )
+            msg = await self._task_state(agent_id, track.task_id, track.workflow_id, fence)
         except NoRespondersError:
             # Nobody on its ctl subject: dead, or cut off and reconnecting (a NATS node lost).
             # Only a lapsed lease says which; a reconnecting agent may still take the attempt.
@@ -527,11 +516,8 @@ class StatusTracker:
             track.promised = max(track.promised, fence)
         if state.final:
             if attempt is not None and track.sent.get(attempt) == agent_id:
-                try:
-                    event = TaskStatusEvent.model_validate(
-                        {**body, "agent_id": agent_id, "task_id": track.task_id}
-                    )
-                except ValidationError:
+                event = _held_event(body, agent_id, track.task_id)
+                if event is None:
                     return self._by_lease(agent_id)
                 self.offer(track, event)
                 if track.final is not None:
@@ -555,13 +541,7 @@ class StatusTracker:
         if not self.lease_fresh(agent_id):
             return None
         try:
-            msg = await self._jsc.ask(
-                protocol.agent_ctl(agent_id),
-                protocol.dumps(
-                    {"op": "task_state", "task_id": task_id, "workflow_id": workflow_id}
-                ),
-                timeout=_CTL_TIMEOUT,
-            )
+            msg = await self._task_state(agent_id, task_id, workflow_id, None)
         except Exception:
             return None  # unreachable or busy: what is stored decides, as before
         answer = parse_task_state(msg.data)
@@ -570,12 +550,19 @@ class StatusTracker:
         state, held, body = answer
         if not state.final or held != attempt:
             return None
-        try:
-            return TaskStatusEvent.model_validate(
-                {**body, "agent_id": agent_id, "task_id": task_id, "workflow_id": workflow_id}
-            )
-        except ValidationError:
-            return None
+        return _held_event({**body, "workflow_id": workflow_id}, agent_id, task_id)
+
+    async def _task_state(
+        self, agent_id: str, task_id: str, workflow_id: str, fence: int | None
+    ) -> Msg:
+        """Ask ``agent_id`` ctl ``task_state`` about the step's task (with ``fence``: attempt
+        ``fence`` is about to be given up). Raises what the request raises."""
+        body: dict[str, Any] = {"op": "task_state", "task_id": task_id, "workflow_id": workflow_id}
+        if fence is not None:
+            body["fence"] = fence
+        return await self._jsc.ask(
+            protocol.agent_ctl(agent_id), protocol.dumps(body), timeout=_CTL_TIMEOUT
+        )
 
     def _by_lease(self, agent_id: str) -> Verdict:
         """No usable answer (a busy agent answers late): its lease decides."""
@@ -596,6 +583,14 @@ class _StatusHead(BaseModel):
     agent_id: str
     state: TaskState
     error: ErrorBody | None = None
+
+
+def _held_event(body: dict[str, Any], agent_id: str, task_id: str) -> TaskStatusEvent | None:
+    """A final ``task_state`` answer (the agent's reply) as the status event it stands for."""
+    try:
+        return TaskStatusEvent.model_validate({**body, "agent_id": agent_id, "task_id": task_id})
+    except ValidationError:
+        return None
 
 
 def _parse_status(data: bytes) -> TaskStatusEvent | None:

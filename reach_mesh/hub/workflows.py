@@ -58,7 +58,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import SpecConflictError, final_result
-from reach_mesh.hub._step_state import HEADROOM, TooLarge, fit_result
+from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_queries import WorkflowQueries
@@ -634,7 +634,7 @@ class WorkflowEngine(WorkflowQueries):
             result=result,
         )
         data = protocol.encode(record)
-        limit = self._nc.max_payload - HEADROOM
+        limit = self._nc.max_payload - protocol.MESSAGE_ROOM
         if len(data) > limit:
             # Results too large for one record: stored without (some of) them, one final
             # answer either way — never a write that fails every time it is tried.
