@@ -29,6 +29,11 @@ __all__ = ["EmbeddedNats", "NatsServerNotFoundError", "find_nats_server"]
 _LISTEN_RE: Final = re.compile(rb"Listening for client connections on [^:\s]+:(\d+)")
 _CLUSTER_RE: Final = re.compile(rb"Listening for route connections on [^:\s]+:(\d+)")
 _READY: Final = b"Server is ready"
+#: How often a cluster node pings a route, and the PINGs it may leave unanswered: a node that
+#: stops answering without closing its sockets (a stalled VM, a partition without a reset) is
+#: dropped after three intervals at most. docker/nats.conf says the same.
+ROUTE_PING_INTERVAL: Final = "2s"
+ROUTE_PING_MAX: Final = 2
 
 
 class NatsServerNotFoundError(MeshUnavailableError):
@@ -130,6 +135,10 @@ class EmbeddedNats:
                 "cluster {",
                 f"  name: {self.cluster_name}",
                 f"  listen: {self.host}:{self.cluster_port if self.cluster_port else -1}",
+                # A node that froze is dropped from the routes (with its subscriptions, queue
+                # members among them) in seconds, not nats-server's default of minutes.
+                f'  ping_interval: "{ROUTE_PING_INTERVAL}"',
+                f"  ping_max: {ROUTE_PING_MAX}",
                 "  routes: [" + ", ".join(self.routes) + "]",
                 "}",
             ]

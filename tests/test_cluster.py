@@ -4,6 +4,9 @@ different nodes; a node is SIGKILLed and the mesh keeps routing and registering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, MeshTimeoutError
 from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
@@ -105,3 +109,89 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
                 assert hub_b.registry.agents[a1.agent_id].state.value == "ONLINE"
     finally:
         await hub_a.close()
+
+
+async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
+    """A node that stops answering without closing its sockets (SIGSTOP: a stalled VM; a
+    partition without a reset looks the same) is noticed by its missing PONGs: the hub and
+    the agent connected to it alone move to another node within ``nats_ping_interval`` x 3,
+    and the agent is routable again long before nats-py's default (minutes) would notice."""
+    nodes = cluster_nodes(tmp_path, name="frozen")
+    for node in nodes:
+        node.start()
+    frozen = nodes[0]
+    assert frozen.proc is not None
+    pgid = frozen.proc.pid
+    try:
+        urls = [n.url for n in nodes]
+        await _js_ready(urls[1])
+        base = dict(
+            kv_replicas=3,
+            # Leases outlive the election of the streams' leaders the frozen node held (their
+            # heartbeats are KV writes, which wait for it: ~5-10 s here); the move does not.
+            heartbeat_interval=0.5,
+            lease_timeout=15.0,
+            suspect_timeout=15.0,
+            request_timeout=15.0,
+            audit_enabled=False,
+            nats_ping_interval=0.5,
+        )
+        # Hub A and the agent know node 0 only (the others come from the cluster's gossip).
+        s_a = MeshSettings(nats_url=urls[0], namespace="fz", **base)
+        s_b = MeshSettings(nats_url=f"{urls[1]},{urls[2]}", namespace="fz", **base)
+        agent = Agent("fz.echo.a1", settings=s_a)
+
+        @agent.handler("fz:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        async with (
+            Hub(settings=s_a, hub_id="hub-a") as hub_a,
+            Hub(settings=s_b, hub_id="hub-b") as hub_b,
+            agent,
+            Client(settings=s_b) as c,
+        ):
+            await eventually(lambda: agent.agent_id in hub_b.registry.agents, timeout=10)
+            assert (await c.request(agent_id=agent.agent_id, payload=0)).result == 0
+            frozen_port = int(urls[0].rsplit(":", 1)[1])
+            assert agent.nc.connected_url is not None
+            assert agent.nc.connected_url.port == frozen_port
+
+            os.killpg(pgid, signal.SIGSTOP)
+            frozen_at = time.monotonic()
+
+            def moved(nc: Any) -> bool:
+                url = nc.connected_url
+                return nc.is_connected and url is not None and url.port != frozen_port
+
+            await eventually(lambda: moved(agent.nc) and moved(hub_a.nc), timeout=10)
+            left_after = time.monotonic() - frozen_at
+            assert left_after < 3 * 0.5 + 2.0, left_after
+
+            # The other nodes drop their routes to it (ROUTE_PING_INTERVAL x 3 at most), and
+            # with them hub A's and the agent's old subscriptions there: until then a route
+            # request may go to hub A's old queue membership, or a task to the agent's old
+            # subscription, on the frozen node (it did for minutes, nats-server's default).
+            async def answered() -> bool:
+                # Several in a row: one may pass by luck while the old queue member is there.
+                for i in range(5):
+                    try:
+                        res = await c.request(agent_id=agent.agent_id, payload=i, timeout=1)
+                    except ReachError:
+                        return False
+                    assert res.result == i
+                return True
+
+            await eventually(answered, timeout=15, interval=0.1)
+            healthy_after = time.monotonic() - frozen_at
+            # Both hubs take routes again (one of them in the same queue group on the
+            # frozen node would lose about half of these).
+            for i in range(20):
+                res = await c.request(agent_id=agent.agent_id, payload=i, timeout=5)
+                assert res.result == i
+            assert healthy_after < 3 * 2 + 5.0, healthy_after
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGCONT)
+        for node in nodes:
+            node.stop()
