@@ -31,6 +31,7 @@ from nats.js.errors import KeyNotFoundError
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
 from reach_mesh.errors import ReachError
 from reach_mesh.logs import LEASE_EXPIRED
+from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import step_task_id
 
 from ..helpers import cluster_nodes
@@ -38,7 +39,10 @@ from .agent_proc import CAPABILITY
 from .history import Expected, History, Report, check, read_faults, read_runs
 
 HERE = Path(__file__).parent
-FAULTS = ("agent_kill", "hub_kill", "node_kill", "agent_stop", "hub_stop", "slow")
+FAULTS = ("agent_kill", "hub_kill", "node_kill", "node_stop", "agent_stop", "hub_stop", "slow")
+#: How long a node_stop keeps its node frozen: past its clients' and its routes' PING
+#: deadlines (``nats_ping_interval`` and ``ROUTE_PING_INTERVAL`` x 3) and a raft election.
+NODE_STOP = 8.0
 #: Streams whose leader a node kill aims at, in turn (the KV buckets are streams too).
 LEADER_TARGETS = (
     "KV_reach_tasks",
@@ -69,6 +73,7 @@ TIMINGS: dict[str, Any] = {
     "retry_base": 0.2,
     "retry_cap": 2.0,
     "pending_interval": 1.0,
+    "nats_ping_interval": 0.5,
 }
 
 
@@ -489,20 +494,40 @@ class Faults:
             return None
         return None if info.cluster is None else info.cluster.leader
 
-    async def node_kill(self) -> None:
-        """SIGKILL the node leading the next stream of ``LEADER_TARGETS`` (a random node when
-        the leader cannot be read), restart it after ``down`` (at least 3 s)."""
+    async def _next_leader(self) -> tuple[EmbeddedNats, str | None]:
+        """The node leading the next stream of ``LEADER_TARGETS`` and that stream (a random
+        node and None when the leader cannot be read)."""
         stream = LEADER_TARGETS[self.count % len(LEADER_TARGETS)]
         leader = await self.leader_of(stream)
         names = [n.server_name for n in self.mesh.nodes]
-        node = self.mesh.nodes[names.index(leader)] if leader in names else None
-        if node is None:
-            node = self.rng.choice(self.mesh.nodes)
+        if leader in names:
+            return self.mesh.nodes[names.index(leader)], stream
+        return self.rng.choice(self.mesh.nodes), None
+
+    async def node_kill(self) -> None:
+        """SIGKILL the node leading the next stream of ``LEADER_TARGETS`` (a random node when
+        the leader cannot be read), restart it after ``down`` (at least 3 s)."""
+        node, stream = await self._next_leader()
         at = time.time()
         await asyncio.to_thread(node.kill)
         await asyncio.sleep(max(self.cfg.down, 3.0))
         await asyncio.to_thread(node.start)
-        self._log("node_kill", str(node.server_name), at, leader_of=stream if leader else None)
+        self._log("node_kill", str(node.server_name), at, leader_of=stream)
+
+    async def node_stop(self) -> None:
+        """SIGSTOP the node leading the next stream of ``LEADER_TARGETS`` for ``NODE_STOP``
+        seconds, then SIGCONT: a stalled VM, or a partition that drops packets instead of
+        resetting connections (its sockets stay open; only missing PONGs tell)."""
+        node, stream = await self._next_leader()
+        assert node.proc is not None
+        pgid = node.proc.pid
+        at = time.time()
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(NODE_STOP)
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        self._log("node_stop", str(node.server_name), at, leader_of=stream)
 
 
 # --------------------------------------------------------------------------- collection
