@@ -37,8 +37,9 @@ _TRANSPORT_ERRORS: Final = (nats.errors.Error, OSError, EOFError, TimeoutError)
 #: Where nats-py runs a subscription's callback: an error it catches there (and hands to
 #: ``error_cb``) has this frame first in its traceback.
 _CALLBACK_RUNNER: Final = "_wait_for_msgs"
-#: PINGs a connection may have unanswered; one more and its server is taken for dead.
-_MAX_PINGS_OUT: Final = 2
+#: PINGs a connection may have unanswered; one more and its server is taken for dead. Three:
+#: a PONG queued behind a backlog the server is still sending is late, not missing.
+_MAX_PINGS_OUT: Final = 3
 
 
 async def connect(
@@ -84,12 +85,16 @@ async def connect(
         "allow_reconnect": True,
         "pending_size": 64 * 1024 * 1024,
     }
+    # A server that stops answering without closing the socket (frozen, cut off) is only
+    # noticed by its missing PONGs: left after ``nats_ping_interval`` x 4 at most.
+    opts["ping_interval"] = (
+        settings.nats_ping_interval
+        if settings is not None
+        else MeshSettings.model_fields["nats_ping_interval"].default
+    )
+    opts["max_outstanding_pings"] = _MAX_PINGS_OUT
     if settings is not None:
         opts.update(_auth_options(settings))
-        # A server that stops answering without closing the socket (frozen, cut off) is only
-        # noticed by its missing PONGs: left after ``nats_ping_interval`` x 3 at most.
-        opts["ping_interval"] = settings.nats_ping_interval
-        opts["max_outstanding_pings"] = _MAX_PINGS_OUT
     opts.update(options)
     watch = _Watch(name, shown(url))
     watch.on_reconnect = on_reconnect

@@ -60,10 +60,11 @@ class MeshSettings(BaseModel):
     request_timeout: float = Field(default=30.0, gt=0)
     #: How long the first connection to NATS may take before it fails with its cause.
     connect_timeout: float = Field(default=2.0, gt=0)
-    #: How often each connection asks its NATS server for a PONG. Two unanswered in a row and
-    #: the connection is taken for dead and moves to another server of the cluster: a node
-    #: that froze (a stalled VM, a SIGSTOP) or was cut off without a reset is left within
-    #: three intervals, before an agent's lease lapses — not after nats-py's default of minutes.
+    #: How often each connection asks its NATS server for a PONG. Three unanswered in a row
+    #: and the connection is taken for dead and moves to another server of the cluster: a node
+    #: that froze (a stalled VM, a SIGSTOP) or was cut off without a reset is left within four
+    #: intervals and one connect attempt, before an agent's lease lapses — not after nats-py's
+    #: default of 4-6 minutes (docs/operations.md, "A NATS node froze").
     nats_ping_interval: float = Field(default=2.0, gt=0)
     max_payload: int = Field(default=1 << 20, gt=0)
     #: Route requests a hub has in flight before it takes more only from namespaces below

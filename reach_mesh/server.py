@@ -31,9 +31,10 @@ _CLUSTER_RE: Final = re.compile(rb"Listening for route connections on [^:\s]+:(\
 _READY: Final = b"Server is ready"
 #: How often a cluster node pings a route, and the PINGs it may leave unanswered: a node that
 #: stops answering without closing its sockets (a stalled VM, a partition without a reset) is
-#: dropped after three intervals at most. docker/nats.conf says the same.
+#: dropped after four intervals at most (nats-server's default: 30 s, two — 60-90 s).
+#: docker/nats.conf says the same.
 ROUTE_PING_INTERVAL: Final = "2s"
-ROUTE_PING_MAX: Final = 2
+ROUTE_PING_MAX: Final = 3
 
 
 class NatsServerNotFoundError(MeshUnavailableError):

@@ -51,9 +51,12 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-31999")
 
 
-def cluster_nodes(base: Path, n: int = 3, name: str = "mesh") -> list[EmbeddedNats]:
+def cluster_nodes(
+    base: Path, n: int = 3, name: str = "mesh", *, http: bool = False
+) -> list[EmbeddedNats]:
     """``n`` nats-servers (not started) forming one JetStream cluster on loopback; their store
-    dirs are ``base/n<i>`` and their ports fixed, so a killed node restarts as itself."""
+    dirs are ``base/n<i>`` and their ports fixed, so a killed node restarts as itself. With
+    ``http``, each serves its monitoring endpoints (``/routez``...) on ``http_port``."""
     cports = [free_port() for _ in range(n)]
     routes = [f"nats://127.0.0.1:{p}" for p in cports]
     return [
@@ -64,6 +67,7 @@ def cluster_nodes(base: Path, n: int = 3, name: str = "mesh") -> list[EmbeddedNa
             cluster_name=name,
             cluster_port=cports[i],
             routes=routes,
+            http_port=free_port() if http else None,
         )
         for i in range(n)
     ]

@@ -14,7 +14,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from reach_mesh import _nats
+from reach_mesh import MeshSettings, _nats
 from reach_mesh._nats import connect
 
 from .helpers import eventually
@@ -89,3 +89,21 @@ async def test_other_errors_while_connected_are_one_warning(
     warnings = [r for r in caplog.records if "NATS error" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, caplog.records
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_every_connection_pings_its_server_every_few_seconds(nats_url: str) -> None:
+    """A server that stops answering without closing the socket is only found by PINGs:
+    ``nats_ping_interval`` (2 s by default, with or without settings), three unanswered, not
+    nats-py's 2 minutes (test_cluster.py freezes a node)."""
+    plain = await connect(nats_url, name="ping-default")
+    tuned = await connect(
+        nats_url,
+        name="ping-tuned",
+        settings=MeshSettings(nats_url=nats_url, nats_ping_interval=0.7),
+    )
+    try:
+        assert (plain.options["ping_interval"], plain.options["max_outstanding_pings"]) == (2.0, 3)
+        assert (tuned.options["ping_interval"], tuned.options["max_outstanding_pings"]) == (0.7, 3)
+    finally:
+        await plain.close()
+        await tuned.close()

@@ -41,7 +41,7 @@ from .history import Expected, History, Report, check, read_faults, read_runs
 HERE = Path(__file__).parent
 FAULTS = ("agent_kill", "hub_kill", "node_kill", "node_stop", "agent_stop", "hub_stop", "slow")
 #: How long a node_stop keeps its node frozen: past its clients' and its routes' PING
-#: deadlines (``nats_ping_interval`` and ``ROUTE_PING_INTERVAL`` x 3) and a raft election.
+#: deadlines (``nats_ping_interval`` and ``ROUTE_PING_INTERVAL`` x 4) and a raft election.
 NODE_STOP = 8.0
 #: Streams whose leader a node kill aims at, in turn (the KV buckets are streams too).
 LEADER_TARGETS = (
@@ -526,7 +526,8 @@ class Faults:
         try:
             await asyncio.sleep(NODE_STOP)
         finally:
-            os.killpg(pgid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)
         self._log("node_stop", str(node.server_name), at, leader_of=stream)
 
 
