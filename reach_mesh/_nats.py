@@ -40,6 +40,10 @@ _CALLBACK_RUNNER: Final = "_wait_for_msgs"
 #: PINGs a connection may have unanswered; one more and its server is taken for dead. Three:
 #: a PONG queued behind a backlog the server is still sending is late, not missing.
 _MAX_PINGS_OUT: Final = 3
+#: How long the close of a connection may take before its socket is cut: after the server was
+#: taken for dead (a reconnect), and when the connection is closed on purpose.
+_CLOSE_DEAD: Final = 1.0
+_CLOSE_OWN: Final = 5.0
 
 
 async def connect(
@@ -101,7 +105,7 @@ async def connect(
     opts.setdefault("error_cb", watch.error)
     opts.setdefault("disconnected_cb", watch.disconnected)
     opts.setdefault("reconnected_cb", watch.reconnected)
-    nc = watch.nc = NATS()
+    nc = watch.nc = _Connection()
     try:
         await _first_connect(nc, opts, watch, timeout)
     except (TimeoutError, OSError, nats.errors.Error) as err:
@@ -111,6 +115,34 @@ async def connect(
         raise MeshUnavailableError(f"cannot connect to NATS at {shown(url)}: {cause}") from err
     watch.connected = True
     return nc
+
+
+class _Connection(NATS):
+    """nats-py's client, whose close of a connection is bounded.
+
+    nats-py waits for a closed connection's socket to close before it reconnects (or
+    returns from ``close``), without a bound: over TLS for the server's goodbye, behind a full
+    send buffer until the operating system gives the connection up — minutes, for a server
+    that froze (nats.py issue 671). Here the socket is cut (aborted) when that takes longer
+    than ``_CLOSE_DEAD`` after the server was taken for dead, ``_CLOSE_OWN`` on a close."""
+
+    async def _attempt_reconnect(self) -> None:
+        _cut_if_open(self._transport, _CLOSE_DEAD)
+        await super()._attempt_reconnect()
+
+    async def _close(self, status: int, do_cbs: bool = True) -> None:
+        _cut_if_open(self._transport, _CLOSE_OWN)
+        await super()._close(status, do_cbs)
+
+
+def _cut_if_open(transport: object, delay: float) -> None:
+    """Abort the socket under nats-py's ``transport`` if it is still open ``delay`` s from
+    now (aborting one that closed meanwhile does nothing). Only for TCP and TLS."""
+    writer = getattr(transport, "_io_writer", None)
+    if not isinstance(writer, asyncio.StreamWriter):
+        return  # not connected yet, or a websocket (aiohttp closes it on its own timeout)
+    socket_transport = writer.transport
+    asyncio.get_running_loop().call_later(delay, socket_transport.abort)
 
 
 def _servers(url: str | None) -> list[str]:

@@ -175,6 +175,11 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
             os.killpg(pgid, signal.SIGSTOP)
             frozen_at = time.monotonic()
             try:
+                # More queued towards the frozen node than the socket buffers hold: nats-py
+                # would wait on the dead connection's close until the OS gave it up (minutes,
+                # nats.py issue 671); the connection cuts its socket instead.
+                for _ in range(32):
+                    await agent.nc.publish("fz.backlog", b"x" * 512 * 1024)
 
                 def moved(nc: Any) -> bool:
                     url = nc.connected_url
