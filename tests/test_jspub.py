@@ -11,7 +11,12 @@ import nats.errors
 import pytest
 from nats.aio.msg import Msg
 from nats.js.api import StreamConfig
-from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NoStreamResponseError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    KeyWrongLastSequenceError,
+    NoStreamResponseError,
+)
 
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
@@ -221,3 +226,18 @@ async def test_pull_consumer_takes_only_jetstream_deliveries(nats_url: str) -> N
     finally:
         await pull.stop()
         await nc.close()
+
+
+def test_a_publish_still_in_process_is_asked_again_not_an_answer() -> None:
+    """JetStream's 409 "duplicate message id is in process" (err_code 10158): a publish with
+    the same Nats-Msg-Id is still being stored — its stream leader froze or changed while it
+    was proposed (chaos node_stop). Asked again it is stored or answered as a duplicate; taken
+    for an answer it ended steps FAILED ("step crashed")."""
+    with pytest.raises(APIError) as in_process:
+        APIError.from_error(
+            {"code": 409, "err_code": 10158, "description": "duplicate message id is in process"}
+        )
+    assert transient(in_process.value)
+    with pytest.raises(APIError) as other_409:
+        APIError.from_error({"code": 409, "err_code": 10999, "description": "something else"})
+    assert not transient(other_409.value)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from reach_mesh._jspub import JsClient
@@ -66,7 +66,13 @@ class _Write:
                     raise
                 # A key deleted by hand keeps a delete marker: nats-py's create writes over it
                 # (and raises the same error when the key really exists).
-                return int(await b.kv.create(self.key, self.data))
+                try:
+                    return int(await b.kv.create(self.key, self.data))
+                except KeyNotFoundError as err:
+                    # Refused for a wrong revision, then read from a replica that does not
+                    # have the key yet (nats-py looks for a delete marker): the key exists —
+                    # perhaps our own earlier try, whose answer was lost.
+                    raise KeyWrongLastSequenceError(description=str(err)) from err
         except KeyWrongLastSequenceError:
             if not first:
                 # Our earlier try may have landed before its answer was lost. The read may
