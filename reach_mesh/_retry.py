@@ -27,7 +27,7 @@ T = TypeVar("T")
 _FIRST_DELAY: Final = 0.05
 _MAX_DELAY: Final = 2.0
 #: JetStream API error codes that mean "the cluster cannot answer right now".
-_UNAVAILABLE_CODES: Final = frozenset({408, 500, 503})
+_UNAVAILABLE_CODES: Final = frozenset({408, 429, 500, 503})
 #: JetStream error codes (``err_code``) that mean "not yet": 10158, "duplicate message id is
 #: in process" — a publish with the same ``Nats-Msg-Id`` is still being stored (its leader
 #: froze or changed while proposing it); asked again, it is stored or answered as a duplicate.
@@ -58,8 +58,10 @@ def transient(err: BaseException) -> bool:
         return False
     if isinstance(err, _TRANSIENT):
         return True
+    # ``getattr``: nats-py's Key* errors do not set the API error's fields.
     return isinstance(err, nats.js.errors.APIError) and (
-        err.code in _UNAVAILABLE_CODES or err.err_code in _NOT_YET_ERR_CODES
+        getattr(err, "code", None) in _UNAVAILABLE_CODES
+        or getattr(err, "err_code", None) in _NOT_YET_ERR_CODES
     )
 
 

@@ -10,17 +10,20 @@ import nats
 import nats.errors
 import pytest
 from nats.aio.msg import Msg
+from nats.errors import MaxPayloadError
 from nats.js.api import StreamConfig
 from nats.js.errors import (
     APIError,
     BadRequestError,
+    KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoStreamResponseError,
 )
 
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
-from reach_mesh._retry import transient
+from reach_mesh._retry import RetriesExhausted, transient
+from reach_mesh.hub._durable import infrastructure
 from tests.helpers import eventually
 
 
@@ -241,3 +244,18 @@ def test_a_publish_still_in_process_is_asked_again_not_an_answer() -> None:
     with pytest.raises(APIError) as other_409:
         APIError.from_error({"code": 409, "err_code": 10999, "description": "something else"})
     assert not transient(other_409.value)
+
+
+def test_what_hands_a_workflow_back_instead_of_becoming_an_outcome() -> None:
+    """``_durable.infrastructure``: the errors a workflow step is never decided by — the
+    infrastructure's, and NATS's own answers that pass (a replica behind, a write in process,
+    the ingest back-pressure's 429) — but not the size the server always refuses, nor a bug."""
+    with pytest.raises(APIError) as too_many:
+        APIError.from_error({"code": 429, "err_code": 10167, "description": "too many requests"})
+    assert transient(too_many.value)
+    assert infrastructure(too_many.value)
+    assert infrastructure(KeyNotFoundError())  # nats-py's Key* errors carry no API fields
+    assert not transient(KeyNotFoundError())
+    assert infrastructure(RetriesExhausted("write k"))
+    assert not infrastructure(MaxPayloadError())
+    assert not infrastructure(ValueError("a bug"))

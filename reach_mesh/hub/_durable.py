@@ -20,16 +20,40 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+import nats.errors
+from nats.errors import MaxPayloadError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying, transient
 
-__all__ = ["Bucket", "RetriesExhausted", "cas", "create", "get", "retrying", "transient"]
+__all__ = [
+    "Bucket",
+    "RetriesExhausted",
+    "cas",
+    "create",
+    "get",
+    "infrastructure",
+    "retrying",
+    "transient",
+]
 
 #: Pauses before each read that checks whether a write whose answer was lost landed (s).
 _READ_BACK: Final = (0.0, 0.1, 0.3)
+
+
+def infrastructure(err: BaseException) -> bool:
+    """Whether ``err`` says nothing about a workflow or its steps: the infrastructure's error
+    (retried past its deadline, or not retried), or any other answer of NATS's own — a replica
+    behind its leader, a write still in process during an election — which passes when the
+    workflow comes back. Not a message the server always refuses (``MaxPayloadError``: the
+    size checks exist for it). Such an error hands the workflow back; it is never an outcome."""
+    return (
+        isinstance(err, RetriesExhausted)
+        or transient(err)
+        or (isinstance(err, nats.errors.Error) and not isinstance(err, MaxPayloadError))
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,11 +29,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, Literal
 
-import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import MaxPayloadError
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -456,14 +454,7 @@ class WorkflowEngine(WorkflowQueries):
         a message the server refuses — which fails again each time the workflow comes back,
         so it is an ERROR with its traceback (at most once a minute per kind) and a metric
         an alert watches (``reach_workflow_interrupted_total{cause="error"}``)."""
-        # NATS's own answers count as the infrastructure's too (a replica behind its leader
-        # answers "no such key" for a key just written, during an election): they pass when
-        # the workflow comes back. Not a message the server always refuses.
-        infra = (
-            isinstance(err, _durable.RetriesExhausted)
-            or _durable.transient(err)
-            or (isinstance(err, nats.errors.Error) and not isinstance(err, MaxPayloadError))
-        )
+        infra = _durable.infrastructure(err)
         cause = "infrastructure" if infra else "error"
         if self._metrics is not None:
             self._metrics.workflow_interrupted_total.labels(cause).inc()
