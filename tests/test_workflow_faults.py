@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 from opentelemetry.trace import INVALID_SPAN
 
 from reach_mesh import (
@@ -517,3 +518,21 @@ async def test_a_step_record_moved_under_its_owner_is_resumed_at_once(
     assert result.state is TaskState.SUCCEEDED, result.model_dump_json()
     assert result.steps[0].result == {"attempt": 2}
     assert took < 5.0, f"resumed after {took:.1f} s: it waited for the ack wait"
+
+
+async def test_no_stored_status_is_told_from_no_status_stream(wf_settings: MeshSettings) -> None:
+    """A stored-status read that finds no message (10037) means none is stored; one that finds
+    no stream (10059: a stream being recovered, or gone) knows nothing, and raises — a cancel
+    deciding a step from it would otherwise drop an outcome stored in that stream."""
+    async with EmbeddedNats() as server:
+        settings = wf_settings.model_copy(update={"nats_url": server.url})
+        async with Hub(settings=settings) as hub:
+            engine = hub.workflows
+            assert engine is not None
+            tracker = engine._tracker
+            ns, agent_id = settings.namespace, f"{settings.namespace}.none.a1"
+            assert await tracker.last_status(ns, "no-such-task", agent_id) is None
+            await hub.nc.jetstream().delete_stream(protocol.STREAM_STATUS)
+            with pytest.raises(NotFoundError) as gone:
+                await tracker.last_status(ns, "no-such-task", agent_id)
+            assert gone.value.err_code == 10059

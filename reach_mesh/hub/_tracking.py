@@ -432,7 +432,9 @@ class StatusTracker:
             raw = await js.get_last_msg(
                 protocol.STREAM_STATUS, protocol.task_status(sender, task_id)
             )
-        except NotFoundError:
+        except NotFoundError as err:
+            if getattr(err, "err_code", None) not in _NO_MESSAGE:
+                raise  # the stream itself is not there (recovering): nothing is known
             return None
         ident = protocol.status_identity(raw.subject or "")
         if ident is None or not raw.data:
@@ -573,6 +575,11 @@ class StatusTracker:
         """Its lease has not lapsed (not SUSPECT or LOST): silence may be a reconnect."""
         view = self._registry.agents.get(agent_id)
         return view is not None and view.state not in (AgentState.SUSPECT, AgentState.LOST)
+
+
+#: What a "not found" of a stored-status read says when no status is stored: JetStream's
+#: 10037 ("no message found"), or nothing (nats-py's own 404 of a direct get).
+_NO_MESSAGE: Final = frozenset({None, 10037})
 
 
 class _StatusHead(BaseModel):
