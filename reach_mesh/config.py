@@ -64,7 +64,7 @@ class MeshSettings(BaseModel):
     #: and the connection is taken for dead and moves to another server of the cluster: a node
     #: that froze (a stalled VM, a SIGSTOP) or was cut off without a reset is left within four
     #: intervals and one connect attempt, before an agent's lease lapses — not after nats-py's
-    #: default of 4-6 minutes (docs/operations.md, "A NATS node froze").
+    #: default (2 minutes, two PINGs; docs/operations.md, "A NATS node froze").
     nats_ping_interval: float = Field(default=2.0, gt=0)
     max_payload: int = Field(default=1 << 20, gt=0)
     #: Route requests a hub has in flight before it takes more only from namespaces below

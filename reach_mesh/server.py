@@ -136,8 +136,6 @@ class EmbeddedNats:
                 "cluster {",
                 f"  name: {self.cluster_name}",
                 f"  listen: {self.host}:{self.cluster_port if self.cluster_port else -1}",
-                # A node that froze is dropped from the routes (with its subscriptions, queue
-                # members among them) in seconds, not nats-server's default of minutes.
                 f'  ping_interval: "{ROUTE_PING_INTERVAL}"',
                 f"  ping_max: {ROUTE_PING_MAX}",
                 "  routes: [" + ", ".join(self.routes) + "]",

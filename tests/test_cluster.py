@@ -4,7 +4,6 @@ different nodes; a node is SIGKILLed and the mesh keeps routing and registering.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -54,10 +53,10 @@ async def _js_ready(url: str, timeout: float = 20.0) -> None:
         await nc.close()
 
 
-async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> None:
-    urls = [n.url for n in cluster]
-    await _js_ready(urls[0])
-    base = dict(
+def _sides(urls: list[str], ns: str, **over: Any) -> tuple[MeshSettings, MeshSettings]:
+    """Settings for processes that know node 0 only, and for those that know nodes 1 and 2
+    (node 0 is the one that fails): R3 buckets, fast heartbeats, ``over`` on top."""
+    base: dict[str, Any] = dict(
         kv_replicas=3,
         heartbeat_interval=0.5,
         lease_timeout=3.0,
@@ -65,9 +64,18 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
         request_timeout=15.0,
         audit_enabled=False,
     )
+    base.update(over)
+    return (
+        MeshSettings(nats_url=urls[0], namespace=ns, **base),
+        MeshSettings(nats_url=f"{urls[1]},{urls[2]}", namespace=ns, **base),
+    )
+
+
+async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> None:
+    urls = [n.url for n in cluster]
+    await _js_ready(urls[0])
     # Hub A talks to node 0 only; hub B and everything else to nodes 1 and 2 (node 0 dies).
-    s_a = MeshSettings(nats_url=urls[0], namespace="ha", **base)
-    s_b = MeshSettings(nats_url=f"{urls[1]},{urls[2]}", namespace="ha", **base)
+    s_a, s_b = _sides(urls, "ha")
 
     def make(agent_id: str) -> Agent:
         agent = Agent(agent_id, settings=s_b)
@@ -127,7 +135,6 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
     which every request is answered. With nats-py's and nats-server's defaults the clients
     stayed for minutes and the routes for 60-90 s, losing about half the requests."""
     nodes = cluster_nodes(tmp_path, name="frozen", http=True)
-    pgid: int | None = None
     try:
         for node in nodes:
             node.start()
@@ -136,21 +143,17 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
         urls = [n.url for n in nodes]
         await _js_ready(urls[1])
         ping = 0.5
-        base = dict(
-            kv_replicas=3,
-            # Leases outlive the election of the streams' leaders the frozen node held (their
-            # heartbeats are KV writes, which wait for it: ~5-10 s here); the move does not.
-            heartbeat_interval=0.5,
+        # Hub A and the agent know node 0 only (the others come from the cluster's gossip).
+        # Leases outlive the election of the streams' leaders the frozen node held (their
+        # heartbeats are KV writes, which wait for it: ~5-10 s here); the move does not.
+        s_a, s_b = _sides(
+            urls,
+            "fz",
             lease_timeout=15.0,
             suspect_timeout=15.0,
-            request_timeout=15.0,
-            audit_enabled=False,
             nats_ping_interval=ping,
             connect_timeout=0.5,
         )
-        # Hub A and the agent know node 0 only (the others come from the cluster's gossip).
-        s_a = MeshSettings(nats_url=urls[0], namespace="fz", **base)
-        s_b = MeshSettings(nats_url=f"{urls[1]},{urls[2]}", namespace="fz", **base)
         agent = Agent("fz.echo.a1", settings=s_a)
 
         @agent.handler("fz:echo:v1")
@@ -205,10 +208,8 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
                     res = await c.request(agent_id=agent.agent_id, payload=i, timeout=5)
                     assert res.result == i
             finally:
+                # Before the hubs, agent and client close (not against a frozen node).
                 os.killpg(pgid, signal.SIGCONT)
     finally:
-        if pgid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGCONT)
         for node in nodes:
             node.stop()

@@ -433,7 +433,7 @@ class StatusTracker:
                 protocol.STREAM_STATUS, protocol.task_status(sender, task_id)
             )
         except NotFoundError as err:
-            if getattr(err, "err_code", None) not in _NO_MESSAGE:
+            if err.err_code not in _NO_MESSAGE:
                 raise  # the stream itself is not there (recovering): nothing is known
             return None
         ident = protocol.status_identity(raw.subject or "")
