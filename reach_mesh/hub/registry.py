@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
@@ -54,6 +54,10 @@ _CHANGE_GAP: Final = 0.05
 #: How long, and how many per namespace, agents declared LOST stay in ``recently_lost``.
 _LOST_KEPT_S: Final = 900.0
 _LOST_KEPT_MAX: Final = 200
+#: The heartbeat bucket's stream, and JetStream's "no message found" (a stream that is not
+#: there, e.g. being recovered, answers 404 too, with another code).
+_HB_STREAM: Final = f"KV_{protocol.KV_HEARTBEATS}"
+_NO_MESSAGE: Final = 10037
 
 
 @dataclass(slots=True, eq=False)
@@ -197,7 +201,9 @@ class Registry:
         hbs_loaded = asyncio.Event()
         self._tasks = [
             asyncio.create_task(self._watch_agents(agents_loaded), name="reach-watch-agents"),
-            asyncio.create_task(self._watch_heartbeats(hbs_loaded, agents_loaded)),
+            asyncio.create_task(
+                self._watch_heartbeats(hbs_loaded, agents_loaded), name="reach-watch-heartbeats"
+            ),
             asyncio.create_task(self._grade_loop(), name="reach-liveness"),
         ]
         await asyncio.wait_for(asyncio.gather(agents_loaded.wait(), hbs_loaded.wait()), timeout=30)
@@ -415,19 +421,40 @@ class Registry:
         return now - self._blind_at < lease
 
     async def _confirm_overdue(self, view: AgentView) -> None:
-        """Before an agent is declared LOST, read its heartbeat from KV: a beat this hub
-        missed (a watch that lagged) renews the lease; a failed read makes the hub blind."""
-        assert self._hb_kv is not None
+        """Before an agent is declared LOST, read its heartbeat from the stream's leader: a
+        beat this hub missed (a watch that lagged) renews the lease from now, as the watch
+        would have (no wall clocks compared: at worst a dead agent's last beat, missed, keeps
+        it one lease longer). Not a direct get, which any replica answers: one that is behind
+        would miss the very beat this read looks for. Only "no message" means there is
+        no beat; any other failure (no leader, the stream being recovered) makes the hub
+        blind, and nobody is declared LOST on what it could not read."""
         try:
-            entry = await self._hb_kv.get(view.agent_id)
-        except KeyNotFoundError:
+            raw = await self._js.get_msg(
+                _HB_STREAM, subject=f"$KV.{protocol.KV_HEARTBEATS}.{view.agent_id}"
+            )
+        except NotFoundError as err:
+            if err.err_code == _NO_MESSAGE:
+                return
+            self._cannot_confirm(view, err)
             return
         except Exception as err:
-            self._blind_at = self._clock()
-            log.info("cannot confirm %s is overdue (%r): not declaring it LOST", view.agent_id, err)
+            self._cannot_confirm(view, err)
             return
+        entry = KeyValue.Entry(
+            bucket=protocol.KV_HEARTBEATS,
+            key=view.agent_id,
+            value=raw.data,
+            revision=raw.seq,
+            delta=None,
+            created=None,
+            operation=(raw.headers or {}).get(KV_OP),
+        )
         with contextlib.suppress(Exception):
-            self._apply_heartbeat(entry, initial=True)
+            self._apply_heartbeat(entry, initial=False)
+
+    def _cannot_confirm(self, view: AgentView, err: Exception) -> None:
+        self._blind_at = self._clock()
+        log.info("cannot confirm %s is overdue (%r): not declaring it LOST", view.agent_id, err)
 
     def regrade(self, view: AgentView) -> None:
         old = view.state
