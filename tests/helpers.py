@@ -176,12 +176,13 @@ async def partition(agent: Agent) -> None:
         agent._subs.remove(sub)
 
 
-async def heal(agent: Agent) -> None:
-    """Undo :func:`partition`: answer on the ctl subject and heartbeat again."""
+async def heal(agent: Agent, *, beat: bool = True) -> None:
+    """Undo :func:`partition`: answer on the ctl subject and (``beat``) heartbeat again."""
     agent._subs.append(
         await agent.nc.subscribe(protocol.agent_ctl(agent.agent_id), cb=agent._on_ctl)
     )
-    agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
+    if beat:
+        agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
 
 
 def echo_agent(fleet: Fleet, name: str, cap: str = "wf:echo:v1", **kw: Any) -> Agent:

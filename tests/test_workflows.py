@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from reach_mesh import (
     TaskState,
     protocol,
 )
-from reach_mesh.agent import Task, TaskFailed
+from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState, TaskEnvelope
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, merge_payload
@@ -548,13 +549,22 @@ async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(
         assert runs == Counter({1: 1, 2: 1})  # adopted, not sent again
 
 
-async def _partitioned_pair(
-    fleet: Fleet, mesh: Client, name: str
-) -> tuple[str, asyncio.Event, asyncio.Event, asyncio.Event]:
+@dataclass
+class _Pair:
+    """What :func:`_partitioned_pair` set up: the workflow, A and B, and their events."""
+
+    wf_id: str
+    a: Agent
+    a_release: asyncio.Event
+    a_cancelled: asyncio.Event
+    b_release: asyncio.Event
+    b_cancelled: asyncio.Event
+
+
+async def _partitioned_pair(fleet: Fleet, mesh: Client, name: str) -> _Pair:
     """A step starts on agent A, A goes silent (LOST) but keeps running its handler, and the
-    step is re-routed to B (attempt 2). Returns the workflow id and the release events of A
-    and B, and an event set when B's handler is cancelled."""
-    a_started, a_release = asyncio.Event(), asyncio.Event()
+    step is re-routed to B (attempt 2)."""
+    a_started, a_release, a_cancelled = asyncio.Event(), asyncio.Event(), asyncio.Event()
     b_started, b_release, b_cancelled = asyncio.Event(), asyncio.Event(), asyncio.Event()
     cap = f"wf:{name}:v1"
     a = fleet.agent(f"{name}.a")
@@ -563,7 +573,11 @@ async def _partitioned_pair(
     @a.handler(cap)
     async def on_a(task: Task[Any]) -> str:
         a_started.set()
-        await a_release.wait()
+        try:
+            await a_release.wait()
+        except asyncio.CancelledError:
+            a_cancelled.set()
+            raise
         return "answer of A"
 
     @b.handler(cap)
@@ -582,7 +596,7 @@ async def _partitioned_pair(
     await b.start()
     await partition(a)  # A is cut off but keeps running the handler
     await asyncio.wait_for(b_started.wait(), 10)  # LOST -> re-routed to B (attempt 2)
-    return wf_id, a_release, b_release, b_cancelled
+    return _Pair(wf_id, a, a_release, a_cancelled, b_release, b_cancelled)
 
 
 async def test_lost_agent_that_still_has_the_attempt_keeps_it(
@@ -637,10 +651,11 @@ async def test_first_outcome_wins_even_from_a_superseded_attempt(
     """A valid result is never thrown away: A's attempt 1 finishes first and decides the step,
     although attempt 2 is running on B; B's now useless handler is cancelled."""
     async with Client(settings=wf_settings) as mesh:
-        wf_id, a_release, _b_release, b_cancelled = await _partitioned_pair(fleet, mesh, "win")
-        a_release.set()
+        pair = await _partitioned_pair(fleet, mesh, "win")
+        wf_id = pair.wf_id
+        pair.a_release.set()
         res = await mesh.workflow(wf_id, timeout=10)
-        await asyncio.wait_for(b_cancelled.wait(), 5)
+        await asyncio.wait_for(pair.b_cancelled.wait(), 5)
         view = await mesh.inspect_workflow(wf_id)
     assert res.state is TaskState.SUCCEEDED
     assert res.result == ["answer of A"]
@@ -663,17 +678,52 @@ async def test_outcome_after_the_decision_is_counted_never_applied(
     engine = wf_hub.workflows
     assert engine is not None
     async with Client(settings=wf_settings) as mesh:
-        wf_id, a_release, b_release, _ = await _partitioned_pair(fleet, mesh, "late")
-        b_release.set()  # B decides the step
+        pair = await _partitioned_pair(fleet, mesh, "late")
+        wf_id = pair.wf_id
+        pair.b_release.set()  # B decides the step
         res = await mesh.workflow(wf_id, timeout=10)
         before = engine.stale_total
-        a_release.set()  # A's attempt-1 result arrives after the decision
+        pair.a_release.set()  # A's attempt-1 result arrives after the decision
         await eventually(lambda: engine.stale_total == before + 1, timeout=5)
         again = await mesh.workflow(wf_id, timeout=5)
     assert res.state is TaskState.SUCCEEDED
     assert res.result == ["answer of B"] == again.result
     assert res.steps[0].agent_id == f"{wf_settings.namespace}.late.b"
     assert res.steps[0].attempts == 2
+
+
+async def test_a_decided_step_stops_its_earlier_attempt_still_running(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A's attempt 1 was given up (A silent) but runs on; A answers again, still without
+    heartbeats (so it does not fence itself). B's attempt 2 decides the step: A is told to
+    stop attempt 1, whose result nobody needs any more."""
+    async with Client(settings=wf_settings) as mesh:
+        pair = await _partitioned_pair(fleet, mesh, "stop1")
+        await heal(pair.a, beat=False)
+        pair.b_release.set()
+        res = await mesh.workflow(pair.wf_id, timeout=10)
+        await asyncio.wait_for(pair.a_cancelled.wait(), 5)
+    assert res.state is TaskState.SUCCEEDED
+    assert res.result == ["answer of B"]
+    assert (res.steps[0].attempts, res.steps[0].decided_by) == (2, 2)
+
+
+async def test_a_cancel_stops_every_attempt_still_running(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A cancelled workflow's step had two attempts running, A's given up and B's current:
+    both agents are told to stop, not only the current attempt's."""
+    async with Client(settings=wf_settings) as mesh:
+        pair = await _partitioned_pair(fleet, mesh, "stopall")
+        await heal(pair.a, beat=False)
+        answer = await mesh.cancel_workflow(pair.wf_id, reason="test")
+        await asyncio.wait_for(pair.b_cancelled.wait(), 5)
+        await asyncio.wait_for(pair.a_cancelled.wait(), 5)
+        res = await mesh.workflow(pair.wf_id, timeout=10)
+    assert answer.cancelled is not False, answer
+    assert res.state is TaskState.FAILED
+    assert res.error is not None and res.error.code == "REACH_WORKFLOW_CANCELLED"
 
 
 async def test_returning_agent_fences_its_stale_attempts(

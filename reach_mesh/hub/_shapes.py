@@ -521,9 +521,7 @@ class WorkflowShapes(StepRunner):
                     # agent's memory: a restart that lost it, redelivered the same attempt,
                     # must find the step final (dropped), not run it again to another end.
                     await self._cas(key, rec, 0 if got is None else got[1], wf.deadline)
-                    moved = (event.attempt, event.agent_id) != fence
-                    if moved and fence[1] is not None and fence[0] > 0:
-                        self._cancel_attempt(fence[1], rec, fence[0])  # not needed any more
+                self._stop_others(rec, event.attempt)  # none other is needed any more
         if rec.state.final:
             wf.records[index] = rec
             # Cancelled right after its record was written (by the deadline, by an earlier
@@ -547,8 +545,7 @@ class WorkflowShapes(StepRunner):
         # between a fence-first record and its marker. A failure here is the workflow's
         # (``_fanout`` raises it): the result must not be stored before the markers are.
         await self._remark(wf, rec)
-        if rec.agent_id is not None and rec.attempt > 0:
-            self._cancel_attempt(rec.agent_id, rec, rec.attempt)
+        self._stop_others(rec, None)
 
     async def _fence_unstarted(self, wf: Workflow, index: int, task_id: str, key: str) -> None:
         """A cancelled workflow's step that no attempt was sent for: its record is created,

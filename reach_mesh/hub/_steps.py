@@ -61,6 +61,8 @@ __all__ = ["NotOwnerError", "Outcome", "StepRunner", "Workflow"]
 T = TypeVar("T")
 
 _HISTORY: Final = 32
+#: An attempt whose agent reported one of these has ended there: nothing to stop.
+_ENDED: Final = frozenset({TaskState.SUCCEEDED, TaskState.FAILED})
 
 Outcome = Literal["final", "undelivered", "lost", "nomatch", "deadline"]
 #: Why a step waits between attempts, by the outcome of the last one (no agent: the router's
@@ -139,6 +141,17 @@ class StepRunner:
             }
         )
         self._background(self._jsc.ask(protocol.agent_ctl(agent_id), body, timeout=1.0))
+
+    def _stop_others(self, rec: TaskRecord, decided: int | None) -> None:
+        """Ask the agent of every attempt of ``rec``'s step that may still run, but attempt
+        ``decided`` (whose outcome decided the step; None: none did), to stop it. Earlier
+        attempts too: a hub that gives an attempt up (its agent silent, or LOST) lets it run,
+        since its result may still decide the step; once the step is decided or cancelled
+        none of them is needed. Attempts whose agent reported their end are skipped."""
+        for past in rec.history:
+            if past.agent_id is None or past.attempt == decided or past.state in _ENDED:
+                continue
+            self._cancel_attempt(past.agent_id, rec, past.attempt)
 
     async def _mark(self, wf: Workflow, agent_id: str, task_id: str, attempt: int) -> None:
         """Store a fence marker for ``attempt`` on ``agent_id``'s work subject, after the
@@ -649,15 +662,13 @@ class StepRunner:
         else:
             decided = event.attempt
             self._take_outcome(rec, event)
-            current = track.agent_id
-            if event.attempt != track.attempt and current is not None:
-                # An earlier attempt decided the step: the current one is not needed.
-                self._cancel_attempt(current, rec, track.attempt)
         rec.stale += track.stale
         rec.decided_by = decided or None
         rec.updated_at = time.time()
         if event is None or (event.attempt, event.agent_id) != fence:
             await self._cas(key, rec, rev, wf.deadline)
+        # The deadline, or one attempt, decided the step: no other attempt is needed.
+        self._stop_others(rec, None if event is None else event.attempt)
         current = track.agent_id
         if current is not None and (event is None or event.attempt != track.attempt):
             # The attempt out there is not needed any more (decided by the deadline or by an
