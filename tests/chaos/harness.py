@@ -727,6 +727,20 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
         cfg, report, history, stats, faults.count, time.monotonic() - t0, expiries, reads, starts
     )
     (workdir / "table.txt").write_text(result.table() + "\n")
+    # Per workflow, for a look at the tail: when its caller had it, how long after the result
+    # was finished and (answers over 1 s late) after its record was written.
+    (workdir / "lags.json").write_text(
+        json.dumps(
+            {
+                wf: {
+                    "answered_at": stats.answered_at[wf],
+                    "lag": lag,
+                    "after_write": stats.after_write.get(wf),
+                }
+                for wf, lag in stats.answer_lag.items()
+            }
+        )
+    )
     (workdir / "history.json").write_text(
         json.dumps(
             {
