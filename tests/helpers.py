@@ -181,6 +181,7 @@ async def heal(agent: Agent, *, beat: bool = True) -> None:
     agent._subs.append(
         await agent.nc.subscribe(protocol.agent_ctl(agent.agent_id), cb=agent._on_ctl)
     )
+    await agent.nc.flush()  # subscribed before a hub's next ctl request
     if beat:
         agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
 

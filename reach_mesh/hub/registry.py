@@ -58,6 +58,9 @@ _LOST_KEPT_MAX: Final = 200
 #: there, e.g. being recovered, answers 404 too, with another code).
 _HB_STREAM: Final = f"KV_{protocol.KV_HEARTBEATS}"
 _NO_MESSAGE: Final = 10037
+#: How long the leader read of an overdue agent's heartbeat may take: the grading loop waits
+#: on it, and a stream without a leader (the case it guards against) does not answer at all.
+_CONFIRM_TIMEOUT: Final = 2.0
 
 
 @dataclass(slots=True, eq=False)
@@ -429,8 +432,11 @@ class Registry:
         no beat; any other failure (no leader, the stream being recovered) makes the hub
         blind, and nobody is declared LOST on what it could not read."""
         try:
-            raw = await self._js.get_msg(
-                _HB_STREAM, subject=f"$KV.{protocol.KV_HEARTBEATS}.{view.agent_id}"
+            raw = await asyncio.wait_for(
+                self._js.get_msg(
+                    _HB_STREAM, subject=f"$KV.{protocol.KV_HEARTBEATS}.{view.agent_id}"
+                ),
+                _CONFIRM_TIMEOUT,
             )
         except NotFoundError as err:
             if err.err_code == _NO_MESSAGE:
