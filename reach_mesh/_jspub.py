@@ -52,6 +52,16 @@ LINGER: Final = 0.005
 #: waited for this long before the retry: 3 s is many times what a loaded server takes.
 REQUEST_TIMEOUT: Final = 3.0
 
+#: A direct get is answered by any replica of the stream, picked by the server, and a replica
+#: on a node that froze (a stalled VM, SIGSTOP, a partition without a reset) may still take
+#: some until the cluster drops its routes to it, seconds later. A direct get not answered
+#: within this long is asked again, while the first may still answer; the wait doubles after
+#: each (an answer takes well under a millisecond).
+HEDGE_AFTER: Final = 0.25
+#: At most this many of one client's direct gets are asked again at a time: a server or an
+#: event loop too busy to answer within ``HEDGE_AFTER`` is not sent more work than that.
+HEDGES_MAX: Final = 16
+
 #: What a KV delete or purge leaves behind (the key reads as absent).
 _KV_OPERATION: Final = "KV-Operation"
 
@@ -91,6 +101,8 @@ class JsClient:
         self._later: list[tuple[str, bytes, dict[str, str] | None]] = []
         self._later_timer: asyncio.TimerHandle | None = None
         self._later_task: asyncio.Task[None] | None = None
+        #: Direct gets asked again and not answered yet (``_direct_get``).
+        self._hedging = 0
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
@@ -200,9 +212,10 @@ class JsClient:
         return _ack(await self.request(subject, body, headers, timeout=timeout))
 
     async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
-        """The value and revision of ``key`` (a direct get, answered by any replica); None
-        when it does not exist, was deleted, or is empty."""
-        msg = await self.request(f"$JS.API.DIRECT.GET.KV_{bucket}.{kv_subject(bucket, key)}", b"")
+        """The value and revision of ``key`` (a direct get, answered by any replica; asked
+        again when one does not answer soon: ``HEDGE_AFTER``); None when it does not exist,
+        was deleted, or is empty."""
+        msg = await self._direct_get(f"$JS.API.DIRECT.GET.KV_{bucket}.{kv_subject(bucket, key)}")
         headers = msg.headers or {}
         if not msg.data:
             status = headers.get("Status")
@@ -214,6 +227,43 @@ class JsClient:
         if headers.get(_KV_OPERATION) in ("DEL", "PURGE"):
             return None
         return msg.data, int(headers.get("Nats-Sequence") or 0)
+
+    async def _direct_get(self, subject: str) -> Msg:
+        """The first answer to a direct get on ``subject``, asked again after
+        ``HEDGE_AFTER`` (then twice that, ...) without one, until this client's timeout
+        (while fewer than ``HEDGES_MAX`` are asked again). Of answers that came together, the
+        newest revision."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        hedge = HEDGE_AFTER
+        tries: set[asyncio.Future[Msg]] = set()
+        try:
+            while True:
+                left = deadline - loop.time()
+                if not tries or (left > 0 and self._hedging < HEDGES_MAX):
+                    try_ = asyncio.ensure_future(self.request(subject, b"", timeout=left))
+                    if tries:
+                        self._hedging += 1
+                        try_.add_done_callback(self._hedge_done)
+                    tries.add(try_)
+                # Every try ends by the deadline: past the last hedge, wait for the first.
+                done, tries = await asyncio.wait(
+                    tries,
+                    timeout=hedge if left > hedge else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if done:
+                    answered = [t.result() for t in done if t.exception() is None]
+                    if not answered:
+                        return next(iter(done)).result()  # raises (every try ends alike)
+                    return max(answered, key=_revision)
+                hedge *= 2
+        finally:
+            for t in tries:
+                t.cancel()
+
+    def _hedge_done(self, _: asyncio.Future[Msg]) -> None:
+        self._hedging -= 1
 
     async def kv_write(self, bucket: str, key: str, value: bytes, last: int) -> int:
         """Write ``key`` if it is still at revision ``last`` (0: if it does not exist); the new
@@ -227,6 +277,11 @@ class JsClient:
         future = self._futures.get(msg.subject[len(self._prefix) :])
         if future is not None and not future.done():
             future.set_result(msg)
+
+
+def _revision(msg: Msg) -> int:
+    """The stream sequence of a direct get's answer (0: a status, no message)."""
+    return int((msg.headers or {}).get("Nats-Sequence") or 0) if msg.data else 0
 
 
 def _expire(future: asyncio.Future[Msg]) -> None:

@@ -4,6 +4,7 @@ different nodes; a node is SIGKILLed and the mesh keeps routing and registering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -14,8 +15,10 @@ from typing import Any
 
 import nats
 import pytest
+from nats.js.api import KeyValueConfig, StorageType
 
 from reach_mesh import Client, MeshSettings, MeshTimeoutError
+from reach_mesh._jspub import JsClient
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import ROUTE_PING_INTERVAL, ROUTE_PING_MAX, EmbeddedNats
@@ -213,3 +216,75 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
     finally:
         for node in nodes:
             node.stop()
+
+
+async def test_a_direct_get_is_answered_around_a_frozen_leader(tmp_path: Path) -> None:
+    """A direct get goes to any replica of the stream. With the stream's leader frozen no
+    replica answered one here until a new leader was elected (5-8 s: nothing a client can
+    change); after that, and until the cluster drops its routes to the frozen node, some still
+    go to the frozen replica and are never answered — without a hedge one of the first reads
+    waited out its whole timeout (3 s) in each of four runs. Each read not answered within
+    ``HEDGE_AFTER`` is asked again (the wait doubling): every one is answered."""
+    nodes = cluster_nodes(tmp_path, name="hedge")
+    try:
+        for node in nodes:
+            node.start()
+        urls = [n.url for n in nodes]
+        await _js_ready(urls[0])
+        nc = await nats.connect(servers=[urls[0]], dont_randomize=True)
+        js = nc.jetstream(timeout=1.0)
+        try:
+            kv = await js.create_key_value(
+                KeyValueConfig(bucket="hedge", replicas=3, storage=StorageType.FILE, direct=True)
+            )
+            for i in range(20):
+                await kv.put(f"k{i}", b"%d" % i)
+
+            async def leader() -> str | None:
+                """The stream's leader once both followers are current, else None."""
+                with contextlib.suppress(nats.errors.Error):
+                    info = await js.stream_info("KV_hedge")
+                    followers = [] if info.cluster is None else info.cluster.replicas or []
+                    if len(followers) == 2 and all(r.current for r in followers):
+                        assert info.cluster is not None
+                        return info.cluster.leader
+                return None
+
+            await eventually(leader, timeout=10, interval=0.2)
+            (frozen,) = [n for n in nodes if n.server_name == await leader()]
+        finally:
+            await nc.close()
+        assert frozen.proc is not None
+        # A reader on another node; the old leader frozen, until a new one is elected.
+        nc = await nats.connect(
+            servers=[next(n.url for n in nodes if n is not frozen)], dont_randomize=True
+        )
+        js = nc.jetstream(timeout=1.0)
+        jsc = JsClient(nc, timeout=3.0)
+        await jsc.start()
+        os.killpg(frozen.proc.pid, signal.SIGSTOP)
+        try:
+            await eventually(
+                lambda: _elected_other_than(js, str(frozen.server_name)), timeout=20, interval=0.2
+            )
+            slowest = 0.0
+            for i in range(300):
+                t = time.monotonic()
+                got = await jsc.kv_get("hedge", f"k{i % 20}")
+                slowest = max(slowest, time.monotonic() - t)
+                assert got is not None and got[0] == b"%d" % (i % 20)
+        finally:
+            os.killpg(frozen.proc.pid, signal.SIGCONT)
+            await jsc.stop()
+            await nc.close()
+    finally:
+        for node in nodes:
+            node.stop()
+    assert slowest < 3.0, slowest
+
+
+async def _elected_other_than(js: Any, frozen: str) -> bool:
+    with contextlib.suppress(nats.errors.Error):
+        info = await js.stream_info("KV_hedge")
+        return info.cluster is not None and info.cluster.leader not in (None, frozen)
+    return False

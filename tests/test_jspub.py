@@ -20,6 +20,7 @@ from nats.js.errors import (
     NoStreamResponseError,
 )
 
+from reach_mesh import _jspub
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import RetriesExhausted, transient
@@ -259,3 +260,65 @@ def test_what_hands_a_workflow_back_instead_of_becoming_an_outcome() -> None:
     assert infrastructure(RetriesExhausted("write k"))
     assert not infrastructure(MaxPayloadError())
     assert not infrastructure(ValueError("a bug"))
+
+
+async def _scripted_replica(nc: nats.NATS, bucket: str, answer: list[bool]) -> list[str]:
+    """A replica of a bucket no stream serves (so nothing else answers), on a real server:
+    the n-th direct get it is asked is answered (value, revision 7) if ``answer[n]``; never,
+    like a frozen node's, otherwise. Returns the requests' reply subjects as they come."""
+    asked: list[str] = []
+
+    async def replica(msg: Msg) -> None:
+        n = len(asked)
+        asked.append(msg.reply)
+        if n < len(answer) and answer[n]:
+            await nc.publish(msg.reply, b"value", headers={"Nats-Sequence": "7"})
+
+    await nc.subscribe(f"$JS.API.DIRECT.GET.KV_{bucket}.>", cb=replica)
+    await nc.flush()
+    return asked
+
+
+async def test_a_direct_get_not_answered_is_asked_again(nats_url: str) -> None:
+    """The first try goes unanswered: the read is asked again after ``HEDGE_AFTER`` and the
+    second answer is the read's; nothing is left waiting, and no hedge is counted after."""
+    nc = await nats.connect(nats_url)
+    try:
+        asked = await _scripted_replica(nc, "hedgeonce", [False, True])
+        jsc = JsClient(nc, timeout=2.0)
+        await jsc.start()
+        t = asyncio.get_running_loop().time()
+        assert await jsc.kv_get("hedgeonce", "k") == (b"value", 7)
+        took = asyncio.get_running_loop().time() - t
+        assert len(asked) == 2 and asked[0] != asked[1]  # two requests, two reply tokens
+        assert _jspub.HEDGE_AFTER <= took < 1.0, took
+        await asyncio.sleep(0)  # the cancelled first try's callbacks
+        assert jsc._futures == {} and jsc._hedging == 0
+        await jsc.stop()
+    finally:
+        await nc.close()
+
+
+async def test_hedges_are_capped_and_a_read_nobody_answers_times_out(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``HEDGES_MAX`` hedges already out, a read is not asked again; a read nobody
+    answers raises ``nats.errors.TimeoutError`` at the client's timeout, as before."""
+    nc = await nats.connect(nats_url)
+    try:
+        asked = await _scripted_replica(nc, "hedgecap", [])
+        jsc = JsClient(nc, timeout=0.6)
+        await jsc.start()
+        monkeypatch.setattr(_jspub, "HEDGES_MAX", 0)
+        with pytest.raises(nats.errors.TimeoutError):
+            await jsc.kv_get("hedgecap", "k")
+        assert len(asked) == 1
+        monkeypatch.setattr(_jspub, "HEDGES_MAX", 16)
+        with pytest.raises(nats.errors.TimeoutError):
+            await jsc.kv_get("hedgecap", "k")
+        assert len(asked) == 1 + 2  # at 0 and 0.25 s; the next (0.75 s) is past 0.6 s
+        await asyncio.sleep(0)
+        assert jsc._futures == {} and jsc._hedging == 0
+        await jsc.stop()
+    finally:
+        await nc.close()

@@ -180,7 +180,9 @@ class Hub(RoutingMixin, ControlMixin):
             self.registry = Registry(self._js, self.settings)
             self.registry.on_state_change(self._on_state_change)
             await self.registry.start()
-            self.sessions = SessionStore(self._js, ttl=s.sticky_ttl, replicas=s.kv_replicas)
+            self.sessions = SessionStore(
+                self._nc, self._js, ttl=s.sticky_ttl, replicas=s.kv_replicas
+            )
             await self.sessions.start()
             self.router = Router(self.registry, self.settings, self.hub_id)
             await self._subscribe()

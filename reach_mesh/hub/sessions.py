@@ -14,11 +14,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from reach_mesh import protocol
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 
 __all__ = ["SessionStore"]
@@ -30,17 +31,22 @@ _CACHE_VALIDITY: Final = 1.0
 class SessionStore:
     def __init__(
         self,
+        nc: NATS,
         js: JetStreamContext,
         *,
         ttl: float,
         replicas: int = 1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._nc = nc
         self._js = js
         self._ttl = ttl
         self._replicas = replicas
         self._clock = clock
         self._kv: KeyValue | None = None
+        #: Reads: direct gets asked again when a replica does not answer soon (a frozen
+        #: node's), not nats-py's, which wait out their whole timeout.
+        self._reads: JsClient | None = None
         self._cache: OrderedDict[str, tuple[str | None, float]] = OrderedDict()
 
     async def start(self) -> None:
@@ -51,6 +57,8 @@ class SessionStore:
             ttl=self._ttl,
             description="reach-mesh sticky sessions",
         )
+        self._reads = JsClient(self._nc)
+        await self._reads.start()
 
     @staticmethod
     def key(namespace: str, session_id: str) -> str:
@@ -65,10 +73,10 @@ class SessionStore:
         if hit is not None and now - hit[1] < _CACHE_VALIDITY:
             return hit[0]
         agent_id: str | None = None
-        if self._kv is not None:
-            with contextlib.suppress(KeyNotFoundError, Exception):
-                entry = await self._kv.get(key)
-                agent_id = entry.value.decode() if entry.value else None
+        if self._reads is not None:
+            with contextlib.suppress(Exception):
+                got = await self._reads.kv_get(protocol.KV_SESSIONS, key)
+                agent_id = got[0].decode() if got is not None else None
         self._remember(key, agent_id, now)
         return agent_id
 
