@@ -759,6 +759,31 @@ async def test_returning_agent_fences_its_stale_attempts(
         await eventually(lambda: a.agent_id in wf_hub.registry.agents, timeout=5)
 
 
+async def test_a_step_past_the_deadline_is_stopped_on_its_agent(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A step still running when its workflow's deadline passes ends TIMEOUT, and its agent is
+    told to stop the handler (the step has no timeout of its own that would end it sooner)."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+    agent = fleet.agent("deadline.a1")
+
+    @agent.handler("wf:deadline:v1")
+    async def hang(task: Task[Any]) -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:deadline:v1")], timeout=1.0)
+        assert started.is_set()
+        assert res.state is TaskState.TIMEOUT and res.steps[0].state is TaskState.TIMEOUT
+        await asyncio.wait_for(cancelled.wait(), 5)
+
+
 async def test_ttl_expiry_is_timeout(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
     hold = asyncio.Event()
     agent = fleet.agent("ttl.a1")
