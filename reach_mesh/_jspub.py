@@ -176,16 +176,19 @@ class JsClient:
         timeout: float | None = None,
     ) -> Msg:
         """Send ``body`` to ``subject``; the answer. ``nats.errors.TimeoutError`` without one."""
-        if self._sub is None:
-            raise nats.errors.ConnectionClosedError
-        if self._later:
-            await self.flush_later()  # they ride along: one write to the socket for all
+        await self._before_request()
         token, future, timer = self._expect(self._timeout if timeout is None else timeout)
         try:
             await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
             return await future
         finally:
             self._forget(token, timer)
+
+    async def _before_request(self) -> None:
+        if self._sub is None:
+            raise nats.errors.ConnectionClosedError
+        if self._later:
+            await self.flush_later()  # they ride along: one write to the socket for all
 
     def _expect(self, timeout: float) -> tuple[str, asyncio.Future[Msg], asyncio.TimerHandle]:
         """A reply token, the future its answer resolves, and the timer that expires it."""
@@ -234,17 +237,14 @@ class JsClient:
             APIError.from_msg(msg)  # raises
         if headers.get(_KV_OPERATION) in ("DEL", "PURGE"):
             return None
-        return msg.data, int(headers.get("Nats-Sequence") or 0)
+        return msg.data, _revision(msg)
 
     async def _direct_get(self, subject: str) -> Msg:
         """The first answer to a direct get on ``subject``, asked again after
         ``HEDGE_AFTER`` (then twice that, ...) without one, until this client's timeout
         (while fewer than ``HEDGES_MAX`` are asked again). Of answers that came together, the
         newest revision. (Futures, not a task per try: this is on the readers' hot paths.)"""
-        if self._sub is None:
-            raise nats.errors.ConnectionClosedError
-        if self._later:
-            await self.flush_later()
+        await self._before_request()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
         hedge = HEDGE_AFTER

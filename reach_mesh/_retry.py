@@ -18,7 +18,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-__all__ = ["RetriesExhausted", "retrying", "transient"]
+__all__ = ["RetriesExhausted", "no_message", "retrying", "transient"]
 
 log = logging.getLogger("reach_mesh.retry")
 
@@ -32,6 +32,10 @@ _UNAVAILABLE_CODES: Final = frozenset({408, 429, 500, 503})
 #: in process" — a publish with the same ``Nats-Msg-Id`` is still being stored (its leader
 #: froze or changed while proposing it); asked again, it is stored or answered as a duplicate.
 _NOT_YET_ERR_CODES: Final = frozenset({10158})
+#: What a "not found" of a message read says when the stream has no such message: 10037 ("no
+#: message found"), or nothing (nats-py's own 404 of a direct get). A stream that is not there
+#: (10059: being recovered, or gone) answers 404 too, and knows nothing.
+_NO_MESSAGE_ERR_CODES: Final = frozenset({None, 10037})
 
 _TRANSIENT: Final = (
     nats.errors.TimeoutError,  # also FlushTimeoutError, nats.js FetchTimeoutError
@@ -63,6 +67,12 @@ def transient(err: BaseException) -> bool:
         getattr(err, "code", None) in _UNAVAILABLE_CODES
         or getattr(err, "err_code", None) in _NOT_YET_ERR_CODES
     )
+
+
+def no_message(err: nats.js.errors.NotFoundError) -> bool:
+    """Whether a ``NotFoundError`` of a message read means the stream has no such message (not
+    that the stream itself could not be found)."""
+    return err.err_code in _NO_MESSAGE_ERR_CODES
 
 
 async def retrying(

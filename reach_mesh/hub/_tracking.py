@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
+from reach_mesh._retry import no_message
 from reach_mesh.hub.acks import AckMachine
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.logs import LineBudget
@@ -433,7 +434,7 @@ class StatusTracker:
                 protocol.STREAM_STATUS, protocol.task_status(sender, task_id)
             )
         except NotFoundError as err:
-            if err.err_code not in _NO_MESSAGE:
+            if not no_message(err):
                 raise  # the stream itself is not there (recovering): nothing is known
             return None
         ident = protocol.status_identity(raw.subject or "")
@@ -575,11 +576,6 @@ class StatusTracker:
         """Its lease has not lapsed (not SUSPECT or LOST): silence may be a reconnect."""
         view = self._registry.agents.get(agent_id)
         return view is not None and view.state not in (AgentState.SUSPECT, AgentState.LOST)
-
-
-#: What a "not found" of a stored-status read says when no status is stored: JetStream's
-#: 10037 ("no message found"), or nothing (nats-py's own 404 of a direct get).
-_NO_MESSAGE: Final = frozenset({None, 10037})
 
 
 class _StatusHead(BaseModel):

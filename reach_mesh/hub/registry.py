@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._nats import ensure_kv
+from reach_mesh._retry import no_message
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import ReachError, UnknownAgentError
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
@@ -54,10 +55,8 @@ _CHANGE_GAP: Final = 0.05
 #: How long, and how many per namespace, agents declared LOST stay in ``recently_lost``.
 _LOST_KEPT_S: Final = 900.0
 _LOST_KEPT_MAX: Final = 200
-#: The heartbeat bucket's stream, and JetStream's "no message found" (a stream that is not
-#: there, e.g. being recovered, answers 404 too, with another code).
+#: The heartbeat bucket's stream.
 _HB_STREAM: Final = f"KV_{protocol.KV_HEARTBEATS}"
-_NO_MESSAGE: Final = 10037
 #: How long the leader read of an overdue agent's heartbeat may take: the grading loop waits
 #: on it, and a stream without a leader (the case it guards against) does not answer at all.
 _CONFIRM_TIMEOUT: Final = 2.0
@@ -439,7 +438,7 @@ class Registry:
                 _CONFIRM_TIMEOUT,
             )
         except NotFoundError as err:
-            if err.err_code == _NO_MESSAGE:
+            if no_message(err):
                 return
             self._cannot_confirm(view, err)
             return
