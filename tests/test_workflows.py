@@ -550,53 +550,57 @@ async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(
 
 
 @dataclass
+class _Held:
+    """A handler that runs until ``release`` is set: when it started, whether it was
+    cancelled."""
+
+    started: asyncio.Event
+    release: asyncio.Event
+    cancelled: asyncio.Event
+
+
+def _held(agent: Agent, cap: str, answer: Any = None) -> _Held:
+    """Give ``agent`` a handler of ``cap`` that returns ``answer`` once released."""
+    held = _Held(asyncio.Event(), asyncio.Event(), asyncio.Event())
+
+    @agent.handler(cap)
+    async def run(task: Task[Any]) -> Any:
+        held.started.set()
+        try:
+            await held.release.wait()
+        except asyncio.CancelledError:
+            held.cancelled.set()
+            raise
+        return answer
+
+    return held
+
+
+@dataclass
 class _Pair:
-    """What :func:`_partitioned_pair` set up: the workflow, A and B, and their events."""
+    """What :func:`_partitioned_pair` set up: the workflow, agent A, and both handlers."""
 
     wf_id: str
     a: Agent
-    a_release: asyncio.Event
-    a_cancelled: asyncio.Event
-    b_release: asyncio.Event
-    b_cancelled: asyncio.Event
+    on_a: _Held
+    on_b: _Held
 
 
 async def _partitioned_pair(fleet: Fleet, mesh: Client, name: str) -> _Pair:
     """A step starts on agent A, A goes silent (LOST) but keeps running its handler, and the
     step is re-routed to B (attempt 2)."""
-    a_started, a_release, a_cancelled = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    b_started, b_release, b_cancelled = asyncio.Event(), asyncio.Event(), asyncio.Event()
     cap = f"wf:{name}:v1"
     a = fleet.agent(f"{name}.a")
     b = fleet.agent(f"{name}.b")
-
-    @a.handler(cap)
-    async def on_a(task: Task[Any]) -> str:
-        a_started.set()
-        try:
-            await a_release.wait()
-        except asyncio.CancelledError:
-            a_cancelled.set()
-            raise
-        return "answer of A"
-
-    @b.handler(cap)
-    async def on_b(task: Task[Any]) -> str:
-        b_started.set()
-        try:
-            await b_release.wait()
-        except asyncio.CancelledError:
-            b_cancelled.set()
-            raise
-        return "answer of B"
-
+    on_a = _held(a, cap, "answer of A")
+    on_b = _held(b, cap, "answer of B")
     await a.start()
     wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=20)
-    await asyncio.wait_for(a_started.wait(), 5)
+    await asyncio.wait_for(on_a.started.wait(), 5)
     await b.start()
     await partition(a)  # A is cut off but keeps running the handler
-    await asyncio.wait_for(b_started.wait(), 10)  # LOST -> re-routed to B (attempt 2)
-    return _Pair(wf_id, a, a_release, a_cancelled, b_release, b_cancelled)
+    await asyncio.wait_for(on_b.started.wait(), 10)  # LOST -> re-routed to B (attempt 2)
+    return _Pair(wf_id, a, on_a, on_b)
 
 
 async def test_lost_agent_that_still_has_the_attempt_keeps_it(
@@ -653,9 +657,9 @@ async def test_first_outcome_wins_even_from_a_superseded_attempt(
     async with Client(settings=wf_settings) as mesh:
         pair = await _partitioned_pair(fleet, mesh, "win")
         wf_id = pair.wf_id
-        pair.a_release.set()
+        pair.on_a.release.set()
         res = await mesh.workflow(wf_id, timeout=10)
-        await asyncio.wait_for(pair.b_cancelled.wait(), 5)
+        await asyncio.wait_for(pair.on_b.cancelled.wait(), 5)
         view = await mesh.inspect_workflow(wf_id)
     assert res.state is TaskState.SUCCEEDED
     assert res.result == ["answer of A"]
@@ -680,10 +684,10 @@ async def test_outcome_after_the_decision_is_counted_never_applied(
     async with Client(settings=wf_settings) as mesh:
         pair = await _partitioned_pair(fleet, mesh, "late")
         wf_id = pair.wf_id
-        pair.b_release.set()  # B decides the step
+        pair.on_b.release.set()  # B decides the step
         res = await mesh.workflow(wf_id, timeout=10)
         before = engine.stale_total
-        pair.a_release.set()  # A's attempt-1 result arrives after the decision
+        pair.on_a.release.set()  # A's attempt-1 result arrives after the decision
         await eventually(lambda: engine.stale_total == before + 1, timeout=5)
         again = await mesh.workflow(wf_id, timeout=5)
     assert res.state is TaskState.SUCCEEDED
@@ -701,9 +705,9 @@ async def test_a_decided_step_stops_its_earlier_attempt_still_running(
     async with Client(settings=wf_settings) as mesh:
         pair = await _partitioned_pair(fleet, mesh, "stop1")
         await heal(pair.a, beat=False)
-        pair.b_release.set()
+        pair.on_b.release.set()
         res = await mesh.workflow(pair.wf_id, timeout=10)
-        await asyncio.wait_for(pair.a_cancelled.wait(), 5)
+        await asyncio.wait_for(pair.on_a.cancelled.wait(), 5)
     assert res.state is TaskState.SUCCEEDED
     assert res.result == ["answer of B"]
     assert (res.steps[0].attempts, res.steps[0].decided_by) == (2, 2)
@@ -718,8 +722,8 @@ async def test_a_cancel_stops_every_attempt_still_running(
         pair = await _partitioned_pair(fleet, mesh, "stopall")
         await heal(pair.a, beat=False)
         answer = await mesh.cancel_workflow(pair.wf_id, reason="test")
-        await asyncio.wait_for(pair.b_cancelled.wait(), 5)
-        await asyncio.wait_for(pair.a_cancelled.wait(), 5)
+        await asyncio.wait_for(pair.on_b.cancelled.wait(), 5)
+        await asyncio.wait_for(pair.on_a.cancelled.wait(), 5)
         res = await mesh.workflow(pair.wf_id, timeout=10)
     assert answer.cancelled is not False, answer
     assert res.state is TaskState.FAILED
@@ -729,32 +733,20 @@ async def test_a_cancel_stops_every_attempt_still_running(
 async def test_returning_agent_fences_its_stale_attempts(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
-    cancelled = asyncio.Event()
-    started = asyncio.Event()
     a = fleet.agent("back.a")
-
-    @a.handler("wf:back:v1")
-    async def on_a(task: Task[Any]) -> str:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return "never"
-
+    on_a = _held(a, "wf:back:v1")  # never released
     b = echo_agent(fleet, "back.b", "wf:back:v1")
     await a.start()
     async with Client(settings=wf_settings) as mesh:
         wf_id = await mesh.submit_fanout([Step(capability="wf:back:v1")], timeout=20)
-        await asyncio.wait_for(started.wait(), 5)
+        await asyncio.wait_for(on_a.started.wait(), 5)
         await b.start()
         await partition(a)
         res = await mesh.workflow(wf_id, timeout=10)
         assert res.steps[0].agent_id == b.agent_id
         # A comes back: told it is unknown, it stays PRE_ONLINE and fences attempt 1 first.
         await heal(a)
-        await asyncio.wait_for(cancelled.wait(), 5)
+        await asyncio.wait_for(on_a.cancelled.wait(), 5)
         assert a.work is not None and a.work.fenced >= 1
         await eventually(lambda: a.agent_id in wf_hub.registry.agents, timeout=5)
 
@@ -764,24 +756,14 @@ async def test_a_step_past_the_deadline_is_stopped_on_its_agent(
 ) -> None:
     """A step still running when its workflow's deadline passes ends TIMEOUT, and its agent is
     told to stop the handler (the step has no timeout of its own that would end it sooner)."""
-    started, cancelled = asyncio.Event(), asyncio.Event()
     agent = fleet.agent("deadline.a1")
-
-    @agent.handler("wf:deadline:v1")
-    async def hang(task: Task[Any]) -> None:
-        started.set()
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
+    hang = _held(agent, "wf:deadline:v1")  # never released
     await agent.start()
     async with Client(settings=wf_settings) as mesh:
         res = await mesh.fanout([Step(capability="wf:deadline:v1")], timeout=1.0)
-        assert started.is_set()
+        assert hang.started.is_set()
         assert res.state is TaskState.TIMEOUT and res.steps[0].state is TaskState.TIMEOUT
-        await asyncio.wait_for(cancelled.wait(), 5)
+        await asyncio.wait_for(hang.cancelled.wait(), 5)
 
 
 async def test_ttl_expiry_is_timeout(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) -> None:
