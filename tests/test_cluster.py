@@ -220,10 +220,11 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
 
 async def test_a_direct_get_is_answered_around_a_frozen_leader(tmp_path: Path) -> None:
     """A direct get goes to any replica of the stream. With the stream's leader frozen no
-    replica answered one here until a new leader was elected (5-8 s: nothing a client can
-    change); after that, and until the cluster drops its routes to the frozen node, some still
-    go to the frozen replica and are never answered — without a hedge one of the first reads
-    waited out its whole timeout (3 s) in each of four runs. Each read not answered within
+    replica answered one for the first seconds here, and a new leader was reported 5.5-7.7 s
+    after the freeze (nothing a client can change); after the election, and until the cluster
+    drops its routes to the frozen node, some still go to the frozen replica and are never
+    answered — without a hedge one of the first reads waited out its whole timeout (3 s) in
+    each of four runs. Each read not answered within
     ``HEDGE_AFTER`` is asked again (the wait doubling): every one is answered."""
     nodes = cluster_nodes(tmp_path, name="hedge")
     try:
