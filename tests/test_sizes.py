@@ -30,7 +30,7 @@ from reach_mesh.models import ErrorBody
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import StepResult, WorkflowRecord, WorkflowResult
 
-from .helpers import Fleet, echo_agent, eventually, task_record
+from .helpers import Fleet, echo_agent, eventually, heal, partition, task_record
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -387,3 +387,80 @@ async def test_a_workflow_the_hub_cannot_finish_is_kept_and_shown(
         res = await mesh.workflow(wf_id, timeout=10)
         assert res.state is TaskState.SUCCEEDED
         assert res.steps[0].result == {"by": agent.agent_id, "in": 1}
+
+
+async def test_an_uncapped_result_fails_its_step_and_nothing_crashes(
+    small_server: EmbeddedNats, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From an agent that does not cap its result (another language, an older SDK): a status
+    the server carries whose result leaves no room for the step's record (the server's
+    max_payload less 16 KiB) is that attempt's REACH_PAYLOAD_TOO_LARGE, not retried — what
+    the SDK's agent answers itself. Before, an earlier attempt deciding the step with such a
+    result (its task record written with it) crashed the step: ``REACH_INTERNAL``,
+    ``MaxPayloadError``, after half a minute."""
+    settings = wf_settings.model_copy(update={"nats_url": small_server.url})
+    # The status message (result and its own fields) fits under 1 MiB; the task record (the
+    # result, two attempts' history, the workflow's id) does not.
+    blob = {"blob": "x" * (MIB - 400)}
+    size, limit = len(json.dumps(blob, separators=(",", ":"))), MIB - 16 * 1024
+    monkeypatch.setattr(Agent, "_max_result", property(lambda self: 10 * MIB))
+    cap = "size:late:v1"
+    a = Agent(f"{settings.namespace}.late.a", settings=settings)
+    b = Agent(f"{settings.namespace}.late.b", settings=settings)
+    started_a, release_a, started_b = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    runs: Counter[str] = Counter()
+
+    @a.handler(cap)
+    async def on_a(task: Task[Any]) -> Any:
+        runs[task.agent_id] += 1
+        started_a.set()
+        await release_a.wait()
+        return blob
+
+    @b.handler(cap)
+    async def on_b(task: Task[Any]) -> Any:
+        runs[task.agent_id] += 1
+        started_b.set()
+        await asyncio.Event().wait()  # runs until told to stop
+
+    async with Hub(settings=settings), Client(settings=settings) as mesh:
+        await a.start()
+        try:
+            # Decided by the current attempt: its record is not written, only the workflow's.
+            release_a.set()
+            now = await mesh.fanout([Step(capability=cap)], timeout=20)
+            assert now.state is TaskState.FAILED
+            step = now.steps[0]
+            assert step.state is TaskState.FAILED and step.decided_by == 1
+            assert step.error is not None and step.error.code == "REACH_PAYLOAD_TOO_LARGE"
+            assert step.error.details == {"retryable": False, "size": size, "max_size": limit}
+            assert runs == {a.agent_id: 1}
+
+            # Decided by an earlier attempt, A's, once B runs attempt 2: A's result goes into
+            # the task record, which must fence B.
+            runs.clear()
+            release_a.clear()
+            started_a.clear()
+            wf_id = await mesh.submit_fanout([Step(capability=cap, retries=3)], timeout=20)
+            await asyncio.wait_for(started_a.wait(), 5)
+            await b.start()
+            await partition(a)
+            await asyncio.wait_for(started_b.wait(), 10)
+            await heal(a, beat=False)
+            release_a.set()
+            t0 = asyncio.get_running_loop().time()
+            late = await mesh.workflow(wf_id, timeout=15)
+            assert asyncio.get_running_loop().time() - t0 < 5
+            assert late.state is TaskState.FAILED
+            step = late.steps[0]
+            assert (step.state, step.attempts, step.decided_by) == (TaskState.FAILED, 2, 1)
+            assert step.error is not None and step.error.code == "REACH_PAYLOAD_TOO_LARGE"
+            assert step.error.details == {"retryable": False, "size": size, "max_size": limit}
+            rec = await task_record(mesh.nc, settings.namespace, step.task_id)
+            assert rec is not None and (rec.state, rec.decided_by) == (TaskState.FAILED, 1)
+            assert rec.result is None
+            assert runs == {a.agent_id: 1, b.agent_id: 1}
+        finally:
+            release_a.set()
+            await a.close()
+            await b.close()

@@ -37,6 +37,7 @@ __all__ = [
     "backoff",
     "fit_result",
     "id_conflict",
+    "kept_outcome",
     "new_record",
     "note",
     "refused",
@@ -307,6 +308,31 @@ def fit_result(
     return bare.model_copy(
         update={"state": state, "steps": [] if steps else cut, "result": kept, "error": error}
     )
+
+
+def kept_outcome(event: TaskStatusEvent, limit: int) -> TaskStatusEvent:
+    """A final status from an agent that does not cap what it sends, as the step's records
+    can hold it: a result over ``limit`` bytes of JSON (the server's ``max_payload`` less
+    ``MESSAGE_ROOM``, what the SDK's agents keep under) is that attempt's failure
+    ``REACH_PAYLOAD_TOO_LARGE``, not retried — what such an agent answers itself; a long
+    error is cut (as :func:`fit_result` cuts it). Only for a status message over ``limit``:
+    any smaller one fits a record with its other fields."""
+    if not event.state.final:
+        return event
+    size = 0 if event.result is None else len(to_json(event.result))
+    if size > limit:
+        err = PayloadTooLargeError(
+            f"the agent's result is {size} bytes of JSON, over the {limit} bytes a step's "
+            f"record may hold (the NATS server's max_payload less {protocol.MESSAGE_ROOM})",
+            retryable=False,
+            size=size,
+            max_size=limit,
+        )
+        error = ErrorBody(code=err.code, message=err.message, details=err.details)
+        return event.model_copy(update={"state": TaskState.FAILED, "result": None, "error": error})
+    if event.error is not None:
+        return event.model_copy(update={"error": _cut(event.error)})
+    return event
 
 
 def _cut(error: ErrorBody) -> ErrorBody:

@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import no_message
+from reach_mesh.hub._step_state import kept_outcome
 from reach_mesh.hub.acks import AckMachine
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.logs import LineBudget
@@ -370,7 +371,7 @@ class StatusTracker:
         """The event in ``data`` if it speaks for the agent its subject names, else None."""
         event = _parse_status(data)
         if event is None or event.agent_id == sender:
-            return event
+            return self._kept(event, len(data))
         self.forged_total += 1
         if self._said.take("forged") is not None:
             log.warning(
@@ -553,7 +554,15 @@ class StatusTracker:
         state, held, body = answer
         if not state.final or held != attempt:
             return None
-        return _held_event({**body, "workflow_id": workflow_id}, agent_id, task_id)
+        event = _held_event({**body, "workflow_id": workflow_id}, agent_id, task_id)
+        return self._kept(event, len(msg.data))
+
+    def _kept(self, event: TaskStatusEvent | None, size: int) -> TaskStatusEvent | None:
+        """``event`` (a message of ``size`` bytes) as the step's records can hold it."""
+        limit = self._nc.max_payload - protocol.MESSAGE_ROOM
+        if event is None or size <= limit:
+            return event
+        return kept_outcome(event, limit)
 
     async def _task_state(
         self, agent_id: str, task_id: str, workflow_id: str, fence: int | None
