@@ -31,7 +31,7 @@ def add_agent(registry: Registry, agent_id: str, *, cordoned: bool = False, **ca
 
 def fleet(n: int, **card: Any) -> tuple[Registry, Router]:
     settings = MeshSettings(namespace="ns")
-    registry = Registry(None, settings)  # type: ignore[arg-type]  # no KV: fed in memory
+    registry = Registry(None, None, settings)  # type: ignore[arg-type]  # no KV: fed in memory
     for i in range(n):
         add_agent(registry, f"ns.w.a{i:05d}", **card)
     return registry, Router(registry, settings, "hub-test", rng=random.Random(7))

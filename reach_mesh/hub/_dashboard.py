@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.kv import KeyValue
 
 from reach_mesh import protocol
 from reach_mesh._guard import guarded
+from reach_mesh._jspub import JsClient
 from reach_mesh.errors import BadRequestError, InternalError, ReachError
 from reach_mesh.models import AgentState, RouteDecision, TaskState
 from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowSpec, step_task_id
@@ -260,8 +260,9 @@ class Dashboard:
         self.workflows: OrderedDict[tuple[str, str], _Workflow] = OrderedDict()
         self._sampler: asyncio.Task[None] | None = None
         self._sub: Subscription | None = None
-        self._kv: KeyValue | None = None
-        self._tasks: KeyValue | None = None
+        #: Reads of workflow and task records, once both buckets exist: direct gets asked
+        #: again when a replica does not answer soon (a frozen node's).
+        self._jsc: JsClient | None = None
         self._reads: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -269,8 +270,10 @@ class Dashboard:
         self._sampler = asyncio.create_task(self._sample_forever(), name="reach-dashboard")
         js = self.hub.nc.jetstream()
         with contextlib.suppress(Exception):  # no workflows bucket: the panel stays empty
-            self._kv = await js.key_value(protocol.KV_WORKFLOWS)
-            self._tasks = await js.key_value(protocol.KV_TASKS)
+            await js.key_value(protocol.KV_WORKFLOWS)
+            await js.key_value(protocol.KV_TASKS)
+            self._jsc = JsClient(self.hub.nc)
+            await self._jsc.start()
         statuses = protocol.task_status("*.*.*", "*")
         self._sub = await self.hub.nc.subscribe(
             statuses, cb=guarded(statuses, self._on_status, answers=False), pending_msgs_limit=-1
@@ -379,7 +382,7 @@ class Dashboard:
         )
 
     def _read_later(self, wf: _Workflow) -> None:
-        if self._kv is None or self._tasks is None or len(self._reads) > WORKFLOWS:
+        if self._jsc is None or len(self._reads) > WORKFLOWS:
             return
         task = asyncio.create_task(self._read(wf))
         self._reads.add(task)
@@ -387,11 +390,15 @@ class Dashboard:
 
     async def _read(self, wf: _Workflow) -> None:
         """Complete ``wf`` from its ``reach_workflows`` record (kind, steps, trace, outcome)."""
-        assert self._kv is not None
+        assert self._jsc is not None
         await asyncio.sleep(0.05)  # the owner writes its final record right after the event
         try:
-            entry = await self._kv.get(protocol.workflow_key(wf.namespace, wf.workflow_id))
-            record = WorkflowRecord.model_validate_json(entry.value or b"{}")
+            got = await self._jsc.kv_get(
+                protocol.KV_WORKFLOWS, protocol.workflow_key(wf.namespace, wf.workflow_id)
+            )
+            if got is None:
+                return
+            record = WorkflowRecord.model_validate_json(got[0])
         except Exception:
             return
         wf.owner, wf.trace_id = record.owner, record.trace_id
@@ -418,7 +425,7 @@ class Dashboard:
     async def _read_steps(self, wf: _Workflow, spec: WorkflowSpec) -> None:
         """Steps of a running workflow no status event told of (still PENDING here, e.g. one
         adopted from the engine): from their ``reach_tasks`` records, a few per pass."""
-        assert self._tasks is not None
+        assert self._jsc is not None
         unseen = [
             i
             for i in range(len(spec.steps))
@@ -427,8 +434,12 @@ class Dashboard:
         for i in unseen[:_STEP_READS]:
             task_id = step_task_id(wf.workflow_id, i, spec.steps[i])
             try:
-                entry = await self._tasks.get(protocol.task_key(wf.namespace, task_id))
-                rec = TaskRecord.model_validate_json(entry.value or b"{}")
+                got = await self._jsc.kv_get(
+                    protocol.KV_TASKS, protocol.task_key(wf.namespace, task_id)
+                )
+                if got is None:
+                    continue
+                rec = TaskRecord.model_validate_json(got[0])
             except Exception:
                 continue
             if not rec.is_step(wf.workflow_id, i):

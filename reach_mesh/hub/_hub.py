@@ -177,7 +177,7 @@ class Hub(RoutingMixin, ControlMixin):
                 enabled=s.audit_enabled,
             )
             await self.audit.start()
-            self.registry = Registry(self._js, self.settings)
+            self.registry = Registry(self._nc, self._js, self.settings)
             self.registry.on_state_change(self._on_state_change)
             await self.registry.start()
             self.sessions = SessionStore(

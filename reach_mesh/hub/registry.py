@@ -21,16 +21,18 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import no_message
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import ReachError, UnknownAgentError
+from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
 from reach_mesh.hub.index import AgentIndex
 from reach_mesh.logs import LEASE_EXPIRED, log_event
@@ -159,11 +161,13 @@ class Registry:
 
     def __init__(
         self,
+        nc: NATS,
         js: JetStreamContext,
         settings: MeshSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._nc = nc
         self._js = js
         self._settings = settings
         self._clock = clock
@@ -176,6 +180,9 @@ class Registry:
         self.index = AgentIndex()
         self._agents_kv: KeyValue | None = None
         self._hb_kv: KeyValue | None = None
+        #: One-off reads (``fetch``): direct gets asked again when a replica does not answer
+        #: soon (a frozen node's), not nats-py's, which wait out their whole timeout.
+        self._reads: JsClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[StateListener] = []
         self._ready = asyncio.Event()
@@ -199,6 +206,8 @@ class Registry:
             replicas=s.kv_replicas,
             description="reach-mesh agent heartbeats (load reports)",
         )
+        self._reads = JsClient(self._nc)
+        await self._reads.start()
         agents_loaded = asyncio.Event()
         hbs_loaded = asyncio.Event()
         self._tasks = [
@@ -653,20 +662,18 @@ class Registry:
 
     async def fetch(self, agent_id: str) -> AgentView | None:
         """Read one agent from KV (for a registration this hub's watch has not delivered yet)."""
-        assert self._agents_kv is not None
+        assert self._reads is not None
         try:
-            entry = await self._agents_kv.get(agent_id)
-        except (KeyNotFoundError, ReachError):
-            return None
+            got = await self._reads.kv_get(protocol.KV_AGENTS, agent_id)
         except Exception:
-            return None
-        if not entry.value:
+            return None  # unreadable now: as unknown, which the caller retries or reports
+        if got is None:
             return None
         try:
-            record = AgentRecord.model_validate_json(entry.value)
+            record = AgentRecord.model_validate_json(got[0])
         except ValidationError:
             return None
-        return self.apply_record(record, entry.revision or 0, seen_at=self._clock())
+        return self.apply_record(record, got[1], seen_at=self._clock())
 
     # ------------------------------------------------------------------ reads
 
