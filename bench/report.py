@@ -288,7 +288,11 @@ _HOT_SPOT_NOTES: list[tuple[str, tuple[str, ...], str]] = [
     (
         "agent replies (`Hub._on_agent_reply`: parse the reply head, breaker, health, metrics, "
         "audit, publish the `RouteReply`)",
-        ("_on_agent_reply (reach_mesh/hub/_routing.py", "_on_agent_reply (reach_mesh/hub/_hub.py"),
+        (
+            "_on_agent_reply (reach_mesh/hub/_route_end.py",
+            "_on_agent_reply (reach_mesh/hub/_routing.py",
+            "_on_agent_reply (reach_mesh/hub/_hub.py",
+        ),
         "the reply is parsed once (its head only) and spliced into the `RouteReply` unchanged; "
         "a batch of replies is split on newlines",
     ),

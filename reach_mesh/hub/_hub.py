@@ -3,15 +3,16 @@
 Every hub instance joins one queue group on ``reach.hub.*.<verb>``, so any number of hubs share the
 load and any of them can answer any request (they converge through the KV registry).
 Message callbacks never block the subscription. A route is a *flight* finished by the callback that
-gets the agent's reply (``_routing.py``); every other request runs in its own task. Both
+gets the agent's reply (``_route_end.py``); every other request runs in its own task. Both
 are bounded per hub by ``hub_concurrency``: when full, the other requests' subscription stops
 reading and NATS buffers; routes are then taken only from namespaces below their fair share of
 the hub (``hub/shares.py``; the others are answered ``REACH_THROTTLED``), and nothing more past
 four times the bound.
 
 This module holds the hub's state, lifecycle and dispatch; ``Hub`` takes its routing from
-:class:`~reach_mesh.hub._routing.RoutingMixin` (its wire bytes from ``_wire.py``) and its
-registry verbs, reports and admin ops from :class:`~reach_mesh.hub._control.ControlMixin`.
+:class:`~reach_mesh.hub._routing.RoutingMixin` (and its base ``RouteEndMixin``; wire bytes
+from ``_wire.py``) and its registry verbs, reports and admin ops from
+:class:`~reach_mesh.hub._control.ControlMixin`.
 """
 
 from __future__ import annotations

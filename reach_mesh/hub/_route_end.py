@@ -1,0 +1,514 @@
+"""The end of a route, the second half of the hub's hot path (``_routing.py`` has the first):
+:class:`RouteEndMixin` (a base of :class:`~reach_mesh.hub._routing.RoutingMixin`) takes an
+agent's reply — alone or in a batch — or an attempt's deadline, and finishes the flight:
+counted, audited, traced, answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry.trace import Span, Status, StatusCode
+from pydantic import BaseModel, ConfigDict
+
+from reach_mesh import protocol
+from reach_mesh._batch import BATCH_ITEMS, AnswerBatcher
+from reach_mesh.config import MeshSettings
+from reach_mesh.errors import (
+    AgentBusyError,
+    IdentityMismatchError,
+    InternalError,
+    MeshTimeoutError,
+    NoHandlerError,
+    ReachError,
+    UnknownAgentError,
+)
+from reach_mesh.hub._dashboard import Dashboard
+from reach_mesh.hub._wire import (
+    _batch_subject,
+    _reply_bytes,
+)
+from reach_mesh.hub.audit import AuditLog
+from reach_mesh.hub.breaker import is_agent_fault
+from reach_mesh.hub.registry import AgentView, Registry
+from reach_mesh.hub.sessions import SessionStore
+from reach_mesh.hub.shares import Shares
+from reach_mesh.logs import AGENT_TIMEOUT, ROUTE_LATENCY, LineBudget, log_event
+from reach_mesh.models import ErrorBody, RouteDecision, RouteRequest, TaskState
+from reach_mesh.tracing.metrics import HubMetrics, LoopHistogram
+
+__all__ = ["CAPABILITY_SERIES", "OTHER_CAPABILITY", "RouteEndMixin"]
+
+log = logging.getLogger("reach_mesh.hub")
+
+#: A route that took longer than this (seconds) is logged (``REACH-ROUTE-LATENCY``).
+_SLOW_ROUTE: Final = 0.25
+#: How often unanswered proxy attempts are checked against their deadline (seconds).
+_SWEEP_INTERVAL: Final = 0.005
+#: Capabilities that get a series of their own in ``reach_task_duration_seconds``; the ones
+#: seen after them share ``capability="other"``.
+CAPABILITY_SERIES: Final = 512
+OTHER_CAPABILITY: Final = "other"
+#: Reply "subjects" of routes asked in this process (``Hub.route``), followed by a number. A space
+#: never occurs in a NATS subject, so no message's reply subject can name one of these callers.
+_LOCAL_REPLY: Final = "local "
+
+
+class _ReplyHead(BaseModel):
+    """The parts of an agent's ``TaskReply`` the hub acts on (metrics, breaker). Parsing
+    skips building ``result``; the reply bytes themselves are passed on to the caller as they
+    came (spliced into the ``RouteReply``), never re-encoded."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    task_id: str
+    attempt: int
+    agent_id: str
+    state: TaskState
+    error: ErrorBody | None = None
+    duration_ms: float = 0.0
+    queued_ms: float = 0.0
+    cached: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """One route from its request to its answer: what the callbacks that continue it need.
+
+    Times are ``time.perf_counter()`` on this hub (never the caller's clock)."""
+
+    req: RouteRequest
+    ns: str
+    request_id: str
+    reply_to: str
+    t0: float
+    deadline: float
+    task_id: str
+    trace_id: str | None = None
+    #: The trace headers sent to the agent (tracing off: the caller's, as received).
+    headers: dict[str, str] | None = None
+    sticky: str | None = None
+    attempt: int = 0
+    exclude: set[str] = field(default_factory=set)
+    last_error: ReachError | None = None
+    view: AgentView | None = None
+    capability: str | None = None
+    decision: RouteDecision | None = None
+    #: The reply-subject token of the attempt in flight.
+    token: str = ""
+    #: Where the answer goes with others, if the request came in a batch.
+    batch_reply: str | None = None
+    span: Span | None = None
+    deliver_span: Span | None = None
+    #: Set by ``_finish``: a flight ends (and gives its slot back) once.
+    finished: bool = False
+
+
+class RouteEndMixin:
+    """The methods of ``Hub`` that end a route (which sets every attribute below in its
+    ``__init__`` and ``start``): the agent's reply, the deadline sweep, the answer."""
+
+    settings: MeshSettings
+    registry: Registry
+    sessions: SessionStore
+    audit: AuditLog
+    metrics: HubMetrics
+    dashboard: Dashboard | None
+    _flights: dict[str, _Flight]
+    _deadlines: list[tuple[float, str]]
+    #: Route flights per namespace, against ``hub_concurrency`` (fairness).
+    _ns_flights: Shares
+    #: ``REACH-AGENT-TIMEOUT`` lines, one per agent per 10 s.
+    _timeout_lines: LineBudget
+    _reply_prefix_b: bytes
+    _reply_prefix_len: int
+    _answers: AnswerBatcher
+    _task_counters: dict[tuple[str, str, str], Any]
+    _duration_children: dict[str, Any]
+    _accepted_seconds: LoopHistogram
+    #: Routes asked in this process (``_route_local``) awaiting their answer, by reply token.
+    _local: dict[str, asyncio.Future[bytes]]
+
+    if TYPE_CHECKING:
+
+        @property
+        def nc(self) -> NATS: ...
+
+        def known_namespace(self, ns: str) -> bool: ...
+
+        def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
+
+        def _rejected(self, verb: str, sender: str | None, claimed: str, **fields: Any) -> None: ...
+
+        async def _attempt(self, flight: _Flight) -> None: ...
+
+    # ------------------------------------------------------------------ ending a route
+    #
+    # The agent's reply arrives in the reply subscription's callback (``_on_agent_reply``),
+    # which finishes the flight or, refused before ACCEPTED, tries the next agent; the
+    # deadline sweep finishes the flights nobody answered. Every ending goes through
+    # ``_finish``: counted, audited, its span closed, its caller answered, once.
+
+    def _count(self, ns: str, mode: str, state: str) -> None:
+        key = (ns, mode, state)
+        child = self._task_counters.get(key)
+        if child is None:
+            child = self._task_counters[key] = self.metrics.task_total.labels(ns, mode, state)
+        child.inc()
+
+    async def _on_agent_reply(self, msg: Msg) -> None:
+        """Answers on this hub's reply subjects: an attempt's reply, a batch of replies, or
+        NATS saying nobody listens on an agent's subject (status 503, no data)."""
+        token = msg.subject[self._reply_prefix_len :]
+        data = msg.data
+        headers = msg.headers
+        no_responders = not data and headers is not None and headers.get("Status") == "503"
+        if "." in token:  # one attempt's own reply subject
+            flight = self._flights.pop(token, None)
+            if flight is None:
+                self.metrics.late_reply_total.inc()  # that attempt timed out already
+            elif no_responders:
+                await self._unreachable(flight)
+            else:
+                await self._answered(flight, data)
+            return
+        if no_responders:  # a whole batch found nobody
+            for i in range(BATCH_ITEMS):
+                flight = self._flights.pop(f"{token}.{i}", None)
+                if flight is not None:
+                    await self._unreachable(flight)
+            return
+        # A batch of replies: one line each, "<reply subject> <TaskReply JSON>".
+        for attempt_token, body in protocol.split_answers(data, self._reply_prefix_b):
+            flight = self._flights.pop(attempt_token, None)
+            if flight is None:
+                self.metrics.late_reply_total.inc()
+            else:
+                await self._answered(flight, body)
+        await asyncio.sleep(0)  # these answers leave before the next batch of replies is read
+
+    async def _unreachable(self, flight: _Flight) -> None:
+        view = flight.view
+        assert view is not None
+        view.outstanding -= 1
+        self._failed(view, delivery=True)
+        err = UnknownAgentError(
+            f"agent {view.agent_id} has no subscriber on {view.record.task_subject}",
+            agent_id=view.agent_id,
+        )
+        await self._refused(flight, err)
+
+    async def _refused(
+        self, flight: _Flight, err: AgentBusyError | NoHandlerError | UnknownAgentError
+    ) -> None:
+        """Refused before ACCEPTED: safe to try another agent."""
+        view = flight.view
+        assert view is not None
+        self._end_deliver(flight, err)
+        flight.last_error = err
+        flight.exclude.add(view.agent_id)
+        if flight.attempt >= self.settings.route_attempts or flight.req.agent_id is not None:
+            await self._finish(flight, error=err)
+        else:
+            self.metrics.retry_total.inc()
+            await self._attempt(flight)
+
+    async def _answered(self, flight: _Flight, data: bytes) -> None:
+        view = flight.view
+        assert view is not None
+        view.outstanding -= 1
+        try:
+            head = self._read_reply(view, flight, data)
+        except (AgentBusyError, NoHandlerError, UnknownAgentError) as err:
+            await self._refused(flight, err)
+            return
+        except ReachError as err:
+            self._end_deliver(flight, err)
+            await self._finish(flight, error=err)
+            return
+        self._end_deliver(flight, None)
+        if head.state is TaskState.SUCCEEDED and flight.req.session_id is not None:
+            self._spawn(self._remember_session(flight, view.agent_id, data, head))
+        else:
+            await self._finish(flight, task=data, head=head)
+
+    async def _remember_session(
+        self, flight: _Flight, agent_id: str, data: bytes, head: _ReplyHead
+    ) -> None:
+        """Map the session to the agent that served it, then answer: the caller's next request,
+        through any hub, finds the mapping in KV."""
+        assert flight.req.session_id is not None
+        try:
+            await self.sessions.put(flight.ns, flight.req.session_id, agent_id)
+        except Exception as err:
+            log.warning("session %s: KV put failed: %r", flight.req.session_id, err)
+        await self._finish(flight, task=data, head=head)
+
+    def _read_reply(self, view: AgentView, flight: _Flight, data: bytes) -> _ReplyHead:
+        """Parse an agent's reply for what the hub acts on, and feed its health, breaker and
+        metrics; raise the typed error an error body carries."""
+        capability = flight.capability
+        try:
+            protocol.raise_for_error(data)
+            head = _ReplyHead.model_validate_json(data)
+            if head.agent_id != view.agent_id or head.task_id != flight.task_id:
+                # Not the answer of the agent this attempt went to: nothing of it is used.
+                self._rejected("reply", None, head.agent_id, expected=view.agent_id)
+                raise IdentityMismatchError(
+                    f"the reply to task {flight.task_id} sent to {view.agent_id} speaks for "
+                    f"{head.agent_id!r}, task {head.task_id!r}",
+                    agent_id=view.agent_id,
+                )
+        except AgentBusyError:
+            view.health.overloaded()
+            raise
+        except ReachError:
+            raise
+        except Exception as err:
+            self._failed(view, delivery=True)
+            raise InternalError(f"agent {view.agent_id} sent a malformed reply: {err}") from err
+        self._accepted_seconds.observe(head.queued_ms / 1000)
+        cap = capability or "-"
+        child = self._duration_children.get(cap)
+        if child is None:
+            if len(self._duration_children) >= CAPABILITY_SERIES:
+                # Agents name capabilities and callers route them: a tenant minting new ones
+                # must not grow /metrics (and its render on this loop) without bound.
+                cap = OTHER_CAPABILITY
+                child = self._duration_children.get(cap)
+            if child is None:
+                child = self.metrics.task_duration_seconds.labels(cap)
+                self._duration_children[cap] = child
+        child.observe(head.duration_ms / 1000)
+        if head.cached:
+            self.metrics.duplicate_delivery_total.inc()
+        if head.state is TaskState.SUCCEEDED:
+            view.health.success()
+            view.breaker.record(True)
+        elif head.state is TaskState.TIMEOUT or (
+            head.state is TaskState.FAILED
+            and is_agent_fault(head.error.code if head.error is not None else None)
+        ):
+            # The handler's own fault; a caller's bad payload (REACH_BAD_REQUEST) is not.
+            view.breaker.record(False)
+        self.registry.regrade(view)
+        return head
+
+    async def _sweep_deadlines(self) -> None:
+        """Finish the attempts whose deadline passed without an answer (every few ms)."""
+        heap = self._deadlines
+        while True:
+            await asyncio.sleep(_SWEEP_INTERVAL)
+            now = time.perf_counter()
+            while heap and heap[0][0] <= now:
+                _, token = heapq.heappop(heap)
+                flight = self._flights.pop(token, None)
+                if flight is not None:
+                    try:
+                        await self._expired(flight)
+                    except Exception as err:  # one flight's trouble must not stop the sweep
+                        log.exception("expiring route %s failed", flight.request_id)
+                        with contextlib.suppress(Exception):  # its slot back, its caller told
+                            await self._finish(
+                                flight, error=InternalError(f"internal error: {err!r}"[:200])
+                            )
+            # Answered attempts leave their entry behind; drop them once they outnumber the
+            # live ones, so the heap stays the size of what is in flight.
+            if len(heap) > 2 * len(self._flights) + 1024:
+                live = self._flights
+                self._deadlines = heap = [e for e in heap if e[1] in live]
+                heapq.heapify(heap)
+
+    async def _expired(self, flight: _Flight) -> None:
+        view = flight.view
+        assert view is not None
+        view.outstanding -= 1
+        view.health.accept_timeout()
+        view.breaker.record(False)
+        self.registry.regrade(view)
+        err = MeshTimeoutError(
+            f"agent {view.agent_id} did not answer task {flight.task_id} "
+            f"attempt {flight.attempt} within {flight.req.timeout:.3g}s",
+            agent_id=view.agent_id,
+            task_id=flight.task_id,
+            attempt=flight.attempt,
+        )
+        held = self._timeout_lines.take(view.agent_id)
+        if held is not None:  # an agent that stopped answering, said at WARNING level
+            log_event(
+                log,
+                AGENT_TIMEOUT,
+                err.message,
+                agent_id=view.agent_id,
+                task_id=flight.task_id,
+                attempt=flight.attempt,
+                trace_id=flight.trace_id,
+                timeout_s=flight.req.timeout,
+                suppressed=held,
+            )
+        self._end_deliver(flight, err)
+        await self._finish(flight, error=err)
+
+    def _end_deliver(self, flight: _Flight, error: ReachError | None) -> None:
+        sp, flight.deliver_span = flight.deliver_span, None
+        if sp is not None:
+            if error is not None:
+                sp.set_status(Status(StatusCode.ERROR, error.code))
+            sp.end()
+
+    async def _finish(
+        self,
+        flight: _Flight,
+        *,
+        task: bytes | None = None,
+        head: _ReplyHead | None = None,
+        subject: str | None = None,
+        alternates: list[AgentView] | None = None,
+        error: ReachError | None = None,
+    ) -> None:
+        """The one way a route ends: count it, audit it, close its span, answer the caller.
+        Once per flight, and its slot is given back whatever happens on the way."""
+        if flight.finished:
+            return
+        flight.finished = True
+        try:
+            body = self._conclude(flight, task, head, subject, alternates, error)
+        except Exception:  # a bug, not the request: the caller still gets a typed answer
+            log.exception("finishing route %s failed", flight.request_id)
+            body = protocol.encode_error(InternalError("internal error finishing the route"))
+        finally:
+            self._ns_flights.give(flight.ns)
+        await self._answer(flight.reply_to, body, flight.batch_reply)
+
+    def _conclude(
+        self,
+        flight: _Flight,
+        task: bytes | None,
+        head: _ReplyHead | None,
+        subject: str | None,
+        alternates: list[AgentView] | None,
+        error: ReachError | None,
+    ) -> bytes:
+        """Count, audit and close the span of an ending route; its answer's bytes."""
+        req, ns = flight.req, flight.ns
+        view = flight.view
+        target = req.agent_id or req.capability or req.selector
+        # An agent id in a namespace that does not exist (checked in the registry's KV first):
+        # answered, but neither counted nor audited.
+        known = self.known_namespace(ns)
+        if error is not None:
+            if known:
+                self._count(ns, req.mode, error.code.removeprefix("REACH_"))
+            event: dict[str, Any] = {
+                "request_id": flight.request_id,
+                "trace_id": flight.trace_id,
+                "task_id": req.task_id,
+                "target": _clip(target),
+                "error": error.code,
+                "reason": _clip(error.message),
+            }
+            if view is not None:  # it reached an agent: the last one is what it is about
+                event["agent_id"] = view.agent_id
+                event["attempts"] = flight.attempt
+            body = protocol.encode_error(error)
+        else:
+            assert view is not None
+            if head is not None:
+                state = head.state.value
+            else:
+                state = "EXPLAINED" if req.dry_run else "ROUTED"
+            if known and not req.dry_run:  # an explanation is not a task
+                self._count(ns, req.mode, state)
+            event = {
+                "request_id": flight.request_id,
+                "trace_id": flight.trace_id,
+                "task_id": head.task_id if head is not None else req.task_id,
+                "agent_id": view.agent_id,
+                "target": _clip(target),
+                "state": state,
+                "attempts": flight.attempt,
+            }
+            if head is not None and head.error is not None:  # the handler's FAILED, TIMEOUT
+                event["error"] = head.error.code
+                event["reason"] = _clip(head.error.message)
+            body = _reply_bytes(
+                flight.request_id,
+                view.agent_id,
+                subject=subject,
+                batch_subject=_batch_subject(view) if subject is not None else None,
+                task=task,
+                decision=flight.decision,
+                alternates=alternates,
+                attempts=flight.attempt,
+            )
+        if flight.exclude:  # agents that refused it before (busy, no handler, gone)
+            event["refused_by"] = sorted(flight.exclude)
+        if known:
+            self.audit.add(ns, "route", event)
+            if self.dashboard is not None:
+                self.dashboard.record_route(
+                    event, flight.decision, error, req.strategy, flight.exclude
+                )
+        elapsed = time.perf_counter() - flight.t0
+        if elapsed > _SLOW_ROUTE:
+            log_event(
+                log,
+                ROUTE_LATENCY,
+                "slow route",
+                request_id=flight.request_id,
+                trace_id=flight.trace_id,
+                agent_id=view.agent_id if view is not None else None,
+                elapsed_ms=round(elapsed * 1000, 2),
+            )
+        sp = flight.span
+        if sp is not None:
+            if view is not None:
+                sp.set_attribute("reach.agent_id", view.agent_id)
+            sp.set_attribute("reach.attempts", flight.attempt)
+            if head is not None:  # the agent's final state: FAILED is the handler's, not ours
+                sp.set_attribute("reach.state", head.state.value)
+            if error is not None:
+                sp.set_status(Status(StatusCode.ERROR, error.code))
+            sp.end()
+        return body
+
+    async def _answer(self, reply: str, body: bytes, batch_reply: str | None = None) -> None:
+        """Send a route's answer: now, or — for a request that came in a batch — with the other
+        answers to that batch's reply subject that are ready in this pass of the event loop."""
+        if not reply:
+            return
+        if reply.startswith(_LOCAL_REPLY):  # asked in this process (``_route_local``)
+            answer = self._local.pop(reply, None)
+            if answer is not None and not answer.done():
+                answer.set_result(body)
+            return
+        if batch_reply and self._answers.add(batch_reply, reply, body):
+            return
+        with contextlib.suppress(Exception):
+            await self.nc.publish(reply, body)
+
+    def _failed(self, view: AgentView, *, delivery: bool) -> None:
+        if delivery:
+            view.health.delivery_failure()
+        view.breaker.record(False)
+        self.registry.regrade(view)
+
+
+#: The longest selector or reason an audit event keeps: the shared audit stream ages out by
+#: size, and a caller's long selectors must not push every tenant's history out of it.
+_AUDIT_TEXT_MAX: Final = 512
+
+
+def _clip(text: str | None) -> str | None:
+    if text is None or len(text) <= _AUDIT_TEXT_MAX:
+        return text
+    return text[: _AUDIT_TEXT_MAX - 1] + "…"
