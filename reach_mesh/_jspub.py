@@ -226,18 +226,26 @@ class JsClient:
         """The value and revision of ``key`` (a direct get, answered by any replica; asked
         again when one does not answer soon: ``HEDGE_AFTER``); None when it does not exist,
         was deleted, or is empty."""
+        got = await self.kv_entry(bucket, key)
+        if got is None or got[2]:
+            return None
+        return got[0], got[1]
+
+    async def kv_entry(self, bucket: str, key: str) -> tuple[bytes, int, bool] | None:
+        """What :meth:`kv_get` reads, delete and purge markers included: the value, the
+        revision and whether it is such a marker; None when there is no message or it is
+        empty."""
         msg = await self._direct_get(f"$JS.API.DIRECT.GET.KV_{bucket}.{kv_subject(bucket, key)}")
         headers = msg.headers or {}
-        if not msg.data:
+        marker = headers.get(_KV_OPERATION) in ("DEL", "PURGE")
+        if not msg.data and not marker:
             status = headers.get("Status")
             if status == "404" or not status:
                 return None
             if status == "503":
                 raise NoStreamResponseError
             APIError.from_msg(msg)  # raises
-        if headers.get(_KV_OPERATION) in ("DEL", "PURGE"):
-            return None
-        return msg.data, _revision(msg)
+        return msg.data, _revision(msg), marker
 
     async def _direct_get(self, subject: str) -> Msg:
         """The first answer to a direct get on ``subject``, asked again after
@@ -317,7 +325,7 @@ async def _first(
 
 def _revision(msg: Msg) -> int:
     """The stream sequence of a direct get's answer (0: a status, no message)."""
-    return int((msg.headers or {}).get("Nats-Sequence") or 0) if msg.data else 0
+    return int((msg.headers or {}).get("Nats-Sequence") or 0)
 
 
 def _expire(future: asyncio.Future[Msg]) -> None:

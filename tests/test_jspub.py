@@ -24,6 +24,7 @@ from reach_mesh import _jspub
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import RetriesExhausted, transient
+from reach_mesh.hub import _durable
 from reach_mesh.hub._durable import infrastructure
 from tests.helpers import eventually
 
@@ -67,6 +68,17 @@ async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
         assert await pub.kv_get(bucket, "empty") is None
         await kv.delete("k")
         assert await pub.kv_get(bucket, "k") is None
+        # ... though kv_entry shows its delete marker and the marker's revision.
+        marker = await pub.kv_entry(bucket, "k")
+        assert marker is not None and marker[2] and marker[1] > rev2
+        assert await pub.kv_entry(bucket, "missing") is None
+        assert await pub.kv_entry(bucket, "empty") is None
+        # A create writes over a delete marker, and is refused by a live value.
+        far = asyncio.get_running_loop().time() + 5
+        made = await _durable.create(_durable.Bucket(bucket, pub), "k", b"v3", far)
+        assert await pub.kv_get(bucket, "k") == (b"v3", made)
+        with pytest.raises(KeyWrongLastSequenceError):
+            await _durable.create(_durable.Bucket(bucket, pub), "k", b"v4", far)
         await js.delete_key_value(bucket)
     finally:
         await pub.stop()

@@ -22,8 +22,7 @@ from typing import Final
 
 import nats.errors
 from nats.errors import MaxPayloadError
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
+from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying, transient
@@ -59,10 +58,9 @@ def infrastructure(err: BaseException) -> bool:
 @dataclass(frozen=True, slots=True)
 class Bucket:
     """A KV bucket the engine uses: reads and compare-and-sets go through the connection's
-    :class:`~reach_mesh._jspub.JsClient` (``kv``: nats-py's, for a create over a deleted key)."""
+    :class:`~reach_mesh._jspub.JsClient` (hedged reads, pipelined writes)."""
 
     name: str
-    kv: KeyValue
     jsc: JsClient
 
 
@@ -88,15 +86,15 @@ class _Write:
             except KeyWrongLastSequenceError:
                 if self.last != 0:
                     raise
-                # A key deleted by hand keeps a delete marker: nats-py's create writes over it
-                # (and raises the same error when the key really exists).
-                try:
-                    return int(await b.kv.create(self.key, self.data))
-                except KeyNotFoundError as err:
-                    # Refused for a wrong revision, then read from a replica that does not
-                    # have the key yet (nats-py looks for a delete marker): the key exists —
-                    # perhaps our own earlier try, whose answer was lost.
-                    raise KeyWrongLastSequenceError(description=str(err)) from err
+                # A key deleted by hand keeps a delete marker: a create writes over it (a
+                # hedged read finds the marker's revision), and is refused when the key
+                # really exists. Refused for a wrong revision, then read from a replica that
+                # does not have the key yet: it exists — perhaps our own earlier try, whose
+                # answer was lost.
+                entry = await b.jsc.kv_entry(b.name, self.key)
+                if entry is None or not entry[2]:
+                    raise
+                return await b.jsc.kv_write(b.name, self.key, self.data, entry[1])
         except KeyWrongLastSequenceError:
             if not first:
                 # Our earlier try may have landed before its answer was lost. The read may

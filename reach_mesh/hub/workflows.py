@@ -217,16 +217,16 @@ class WorkflowEngine(WorkflowQueries):
             ),
         )
         await self._jsc.start()
-        tasks = await ensure_task_resources(js, s)
-        self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, tasks, self._jsc)
-        records = await ensure_kv(
+        await ensure_task_resources(js, s)
+        self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, self._jsc)
+        await ensure_kv(
             js,
             protocol.KV_WORKFLOWS,
             replicas=s.kv_replicas,
             ttl=s.workflow_retention,
             description="reach-mesh workflow records",
         )
-        self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, records, self._jsc)
+        self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, self._jsc)
         await js.add_consumer(
             protocol.STREAM_WF,
             ConsumerConfig(
