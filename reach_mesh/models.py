@@ -236,10 +236,20 @@ class HeartbeatRecord(_Wire):
     draining: bool = False
 
 
+#: The longest error ``code`` kept: a longer one (from an agent that does not check) is cut
+#: to this, so that a step's record, which keeps one per attempt, stays within its room.
+ERROR_CODE_MAX: Final = 64
+
+
 class ErrorBody(_Wire):
     code: str
     message: str
     details: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("code")
+    @classmethod
+    def _short_code(cls, code: str) -> str:
+        return code[:ERROR_CODE_MAX]
 
 
 Mode = Literal["proxy", "direct"]

@@ -237,6 +237,15 @@ async def test_hub_refuses_a_submission_whose_step_an_agent_would_refuse(
     assert fleet.runs == Counter()
 
 
+def test_an_error_code_is_cut_to_64_characters() -> None:
+    """From an agent that does not check: a step's record keeps a code per attempt (up to 32
+    attempts), so a code is cut to 64 characters where it is read; nothing is refused."""
+    body = {"code": "C" * 100_000, "message": "m"}
+    assert ErrorBody.model_validate(body).code == "C" * 64
+    assert ErrorBody.model_validate_json(json.dumps(body)).code == "C" * 64
+    assert ErrorBody(code="REACH_HANDLER_FAILED", message="m").code == "REACH_HANDLER_FAILED"
+
+
 async def test_a_handlers_error_is_cut_to_fit(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

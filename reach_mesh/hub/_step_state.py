@@ -316,7 +316,8 @@ def kept_outcome(event: TaskStatusEvent, limit: int) -> TaskStatusEvent:
     ``MESSAGE_ROOM``, what the SDK's agents keep under) is that attempt's failure
     ``REACH_PAYLOAD_TOO_LARGE``, not retried — what such an agent answers itself; a long
     error is cut (as :func:`fit_result` cuts it). Only for a status message over ``limit``:
-    any smaller one fits a record with its other fields."""
+    a smaller one fits a record with its other fields (``MESSAGE_ROOM`` holds them: the
+    history keeps at most 32 attempts, each with an error code of at most 64 characters)."""
     if not event.state.final:
         return event
     size = 0 if event.result is None else len(to_json(event.result))

@@ -418,6 +418,12 @@ class StatusTracker:
         stored = await self._last_stored(ns, task_id, agent_id)
         if stored is None:
             return None
+        if len(stored[1]) > self._limit:
+            # Read whole, as the step's owner reads it: it may hold what no record can.
+            event = self._kept(_parse_status(stored[1]), len(stored[1]))
+            if event is None or event.agent_id != stored[0]:
+                return None
+            return event.attempt, event.state, event.error
         try:
             head = _StatusHead.model_validate_json(stored[1])
         except ValidationError:
@@ -520,7 +526,7 @@ class StatusTracker:
             track.promised = max(track.promised, fence)
         if state.final:
             if attempt is not None and track.sent.get(attempt) == agent_id:
-                event = _held_event(body, agent_id, track.task_id)
+                event = self._kept(_held_event(body, agent_id, track.task_id), len(msg.data))
                 if event is None:
                     return self._by_lease(agent_id)
                 self.offer(track, event)
@@ -557,9 +563,14 @@ class StatusTracker:
         event = _held_event({**body, "workflow_id": workflow_id}, agent_id, task_id)
         return self._kept(event, len(msg.data))
 
+    @property
+    def _limit(self) -> int:
+        """The record limit: the server's ``max_payload`` less ``MESSAGE_ROOM``."""
+        return int(self._nc.max_payload) - protocol.MESSAGE_ROOM
+
     def _kept(self, event: TaskStatusEvent | None, size: int) -> TaskStatusEvent | None:
         """``event`` (a message of ``size`` bytes) as the step's records can hold it."""
-        limit = self._nc.max_payload - protocol.MESSAGE_ROOM
+        limit = self._limit
         if event is None or size <= limit:
             return event
         return kept_outcome(event, limit)
