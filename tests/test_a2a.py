@@ -12,8 +12,8 @@ import httpx
 import pytest
 from a2a.client import ClientConfig, create_client
 from a2a.client.card_resolver import A2ACardResolver
-from a2a.types import Message, Part, Role, SendMessageRequest, TaskState
-from a2a.utils.errors import InvalidParamsError
+from a2a.types import GetTaskRequest, Message, Part, Role, SendMessageRequest, TaskState
+from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
 from google.protobuf.json_format import ParseDict
 from google.protobuf.struct_pb2 import Value
 
@@ -103,3 +103,35 @@ async def test_card_send_result_and_errors(
         # A namespace with no agents has no card.
         got = await http.get(f"{a2a_hub.http_url}/a2a/nobody-here/.well-known/agent-card.json")
         assert got.status_code == 404
+
+
+async def test_finished_tasks_kept_are_bounded(
+    a2a_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """a2a-sdk's in-memory store keeps every task for the life of the process (each with its
+    message and result, up to ``max_payload`` each): the hub keeps the newest finished ones
+    only, within a count and a byte budget, across namespaces. ``GetTask`` finds the newest;
+    the oldest are gone."""
+    assert a2a_hub.http is not None
+    kept = a2a_hub.http.a2a.kept
+    kept.count = 3
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    base = f"{a2a_hub.http_url}/a2a/{namespace}"
+    async with worker(f"{namespace}.w.a1", settings), httpx.AsyncClient(headers=headers) as http:
+        card = await A2ACardResolver(http, base).get_agent_card()
+        client = await create_client(card, ClientConfig(httpx_client=http, streaming=False))
+        ids = []
+        for n in range(5):
+            answer = await send(client, message("echo", {"n": n}))
+            task = answer.task if answer.HasField("task") else answer
+            assert task.status.state == TaskState.TASK_STATE_COMPLETED, task
+            ids.append(task.id)
+        assert len(kept) == 3
+        newest = await client.get_task(GetTaskRequest(id=ids[-1]))
+        assert newest.id == ids[-1] and newest.status.state == TaskState.TASK_STATE_COMPLETED
+        with pytest.raises(TaskNotFoundError):
+            await client.get_task(GetTaskRequest(id=ids[0]))
+        # The byte budget: one more task, and only as many of the newest as fit are kept.
+        kept.count, kept.size = 100, 2 * kept.bytes // 3
+        answer = await send(client, message("echo", {"n": 5}))
+        assert len(kept) < 3 and kept.bytes <= kept.size

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Final
 
@@ -66,6 +67,20 @@ A2A_STATES: Final = {
 }
 #: Namespaces with a built endpoint at most (each is a small router and a task store).
 _MAX_TENANTS: Final = 1024
+#: Finished A2A tasks kept for ``GetTask``/``ListTasks``, across namespaces: at most this
+#: many, holding at most this many bytes (each keeps its message and result, up to
+#: ``max_payload`` each); the oldest are dropped. A task still running is not counted: routes
+#: in flight are bounded already.
+KEPT_TASKS: Final = 1024
+KEPT_TASK_BYTES: Final = 64 << 20
+_FINISHED: Final = frozenset(
+    {
+        A2aTaskState.TASK_STATE_COMPLETED,
+        A2aTaskState.TASK_STATE_FAILED,
+        A2aTaskState.TASK_STATE_CANCELED,
+        A2aTaskState.TASK_STATE_REJECTED,
+    }
+)
 #: Room for a message's JSON-RPC envelope around its payload (as MCP's request limit has).
 _RPC_SLACK: Final = 64 * 1024
 #: The members of a JSON-RPC 2.0 request object.
@@ -151,12 +166,66 @@ class _MeshRequestHandler(DefaultRequestHandler):
             yield event
 
 
+class _KeptTasks:
+    """The finished tasks the namespaces' stores hold, oldest first: past ``KEPT_TASKS``
+    or ``KEPT_TASK_BYTES`` the oldest are dropped from their store (a2a-sdk's in-memory store
+    keeps every task for the life of the process)."""
+
+    def __init__(self, count: int = KEPT_TASKS, size: int = KEPT_TASK_BYTES) -> None:
+        self.count, self.size = count, size
+        self.bytes = 0
+        self._order: OrderedDict[tuple[int, str], tuple[_TenantTasks, ServerCallContext, int]] = (
+            OrderedDict()
+        )
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    async def saved(self, store: _TenantTasks, task: Task, context: ServerCallContext) -> None:
+        self.forgotten(store, task.id)
+        if task.status.state not in _FINISHED:
+            return
+        size = task.ByteSize()
+        self._order[(id(store), task.id)] = (store, context, size)
+        self.bytes += size
+        while len(self._order) > 1 and (len(self._order) > self.count or self.bytes > self.size):
+            (_, task_id), (owner, ctx, n) = self._order.popitem(last=False)
+            self.bytes -= n
+            await owner.drop(task_id, ctx)
+
+    def forgotten(self, store: _TenantTasks, task_id: str) -> None:
+        old = self._order.pop((id(store), task_id), None)
+        if old is not None:
+            self.bytes -= old[2]
+
+
+class _TenantTasks(InMemoryTaskStore):
+    """One namespace's tasks, its finished ones counted in the hub's :class:`_KeptTasks`."""
+
+    def __init__(self, kept: _KeptTasks) -> None:
+        super().__init__()
+        self._kept = kept
+
+    async def save(self, task: Task, context: ServerCallContext) -> None:
+        await super().save(task, context)
+        await self._kept.saved(self, task, context)
+
+    async def delete(self, task_id: str, context: ServerCallContext) -> None:
+        await super().delete(task_id, context)
+        self._kept.forgotten(self, task_id)
+
+    async def drop(self, task_id: str, context: ServerCallContext) -> None:
+        """Dropped as one of the oldest finished tasks."""
+        await super().delete(task_id, context)
+
+
 class HubA2a:
     """``asgi_app`` serves ``/a2a/<ns>/…``: a card and a JSON-RPC endpoint per namespace."""
 
     def __init__(self, http: HubHttp) -> None:
         self.http = http
         self._tenants: dict[str, Router] = {}
+        self.kept = _KeptTasks()
         #: The largest JSON-RPC body taken: a payload of ``max_payload`` in its envelope.
         self._limit = http.hub.settings.max_payload + _RPC_SLACK
 
@@ -220,7 +289,7 @@ class HubA2a:
                 self,
                 namespace,
                 agent_executor=_MeshExecutor(self, namespace),
-                task_store=InMemoryTaskStore(),
+                task_store=_TenantTasks(self.kept),
                 agent_card=card,
             )
             router = Router(
