@@ -313,7 +313,7 @@ class TaskEnvelope(_Wire):
     payload: Any = None
     namespace: str = "default"
     #: Seconds the handler may take (relative: the agent measures it on its own clock).
-    timeout: float = Field(default=30.0, gt=0)
+    timeout: float = Field(default=30.0, gt=0, le=86400)
     workflow_id: str | None = None
     step: int | None = None
     #: Publish status events (DELIVERED/ACCEPTED/RUNNING/final) on reach.status.<agent_id>.<id>.

@@ -122,6 +122,9 @@ HDR_EXPECTED_STREAM: Final = "Nats-Expected-Stream"
 #: up this attempt number of the task in its body (docs/protocol-workflows.md).
 HDR_FENCE: Final = "Reach-Fence"
 
+# Checked with fullmatch, never match: Python's $ also matches before a final newline, and an
+# id ending in one passed (the subject it made was refused later, by nats-py). The patterns
+# keep ^...$ for the OpenAPI document and pydantic, whose $ is the end of the text.
 _TOKEN: Final = r"[a-z0-9][a-z0-9_-]*"
 TOKEN_RE: Final = re.compile(rf"^{_TOKEN}$")
 AGENT_ID_RE: Final = re.compile(rf"^{_TOKEN}\.{_TOKEN}\.{_TOKEN}$")
@@ -134,7 +137,7 @@ _MAX_TOKEN_LEN: Final = 64
 
 def validate_namespace(ns: str) -> str:
     """Return ``ns`` if it is a valid namespace token, else raise ``BadRequestError``."""
-    if not isinstance(ns, str) or len(ns) > _MAX_TOKEN_LEN or not TOKEN_RE.match(ns):
+    if not isinstance(ns, str) or len(ns) > _MAX_TOKEN_LEN or not TOKEN_RE.fullmatch(ns):
         raise BadRequestError(
             f"invalid namespace {ns!r}: expected a token matching [a-z0-9][a-z0-9_-]*",
             field="namespace",
@@ -148,7 +151,7 @@ def validate_agent_id(agent_id: str) -> str:
     if (
         not isinstance(agent_id, str)
         or len(agent_id) > 3 * _MAX_TOKEN_LEN + 2
-        or not AGENT_ID_RE.match(agent_id)
+        or not AGENT_ID_RE.fullmatch(agent_id)
     ):
         raise InvalidAgentIdError(
             f"invalid agent_id {agent_id!r}: expected <namespace>.<service>.<instance>, "
@@ -163,7 +166,7 @@ def validate_capability(cap: str) -> str:
     if (
         not isinstance(cap, str)
         or len(cap) > 2 * _MAX_TOKEN_LEN + 10
-        or not CAPABILITY_RE.match(cap)
+        or not CAPABILITY_RE.fullmatch(cap)
     ):
         raise InvalidCapabilityError(
             f"invalid capability {cap!r}: expected domain:action:vN (e.g. email:send:v1)",
@@ -173,7 +176,7 @@ def validate_capability(cap: str) -> str:
 
 
 def validate_task_id(task_id: str) -> str:
-    if not isinstance(task_id, str) or not TASK_ID_RE.match(task_id):
+    if not isinstance(task_id, str) or not TASK_ID_RE.fullmatch(task_id):
         raise BadRequestError(
             f"invalid task_id {task_id!r}: expected 1-64 characters of [A-Za-z0-9_-]",
             field="task_id",
@@ -435,7 +438,7 @@ def validate_cancel_reason(reason: object) -> str | None:
 
 def validate_workflow_id(workflow_id: str) -> str:
     """Return ``workflow_id`` if it is 1-48 characters of ``[A-Za-z0-9_-]``, else raise."""
-    if not isinstance(workflow_id, str) or not WORKFLOW_ID_RE.match(workflow_id):
+    if not isinstance(workflow_id, str) or not WORKFLOW_ID_RE.fullmatch(workflow_id):
         raise BadRequestError(
             f"invalid workflow_id {workflow_id!r}: expected 1-48 characters of [A-Za-z0-9_-]",
             field="workflow_id",

@@ -63,6 +63,11 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", str_max_length=1 << 20)
 
 
+#: The longest timeout or interval a workflow may ask for (a day, as a route's ``timeout``):
+#: an infinite one passed ``gt=0``.
+SECONDS_MAX: Final = 86400.0
+
+
 class RetryPolicy(_Wire):
     """Per-step retry and delivery intervals; ``None`` fields take the hub's settings."""
 
@@ -70,13 +75,13 @@ class RetryPolicy(_Wire):
     retries: int | None = Field(default=None, ge=0, le=100)
     #: Delivery attempts with exponential backoff before slow pending re-delivery.
     fast_attempts: int | None = Field(default=None, ge=0, le=100)
-    backoff_base: float | None = Field(default=None, gt=0)
-    backoff_cap: float | None = Field(default=None, gt=0)
-    pending_interval: float | None = Field(default=None, gt=0)
+    backoff_base: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    backoff_cap: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    pending_interval: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
     #: How long the step may stay unfinished before it is TIMEOUT.
-    ttl: float | None = Field(default=None, gt=0)
-    deliver_timeout: float | None = Field(default=None, gt=0)
-    silence_timeout: float | None = Field(default=None, gt=0)
+    ttl: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    deliver_timeout: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    silence_timeout: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
 
 
 class StepSpec(_Wire):
@@ -101,7 +106,7 @@ class WorkflowSpec(_Wire):
     steps: list[StepSpec] = Field(max_length=MAX_STEPS)
     policy: str = "all"
     #: Seconds from submission (JetStream server time) until unfinished steps are TIMEOUT.
-    timeout: float | None = Field(default=None, gt=0)
+    timeout: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
     namespace: str = protocol.DEFAULT_NAMESPACE
 
 
@@ -167,7 +172,7 @@ def parse_policy(policy: str, branches: int) -> int:
         return branches
     if policy == "any":
         return 1
-    m = _QUORUM_RE.match(policy)
+    m = _QUORUM_RE.fullmatch(policy)
     if m is None:
         raise WorkflowSpecError(
             f"unknown policy {policy!r}: expected 'all', 'any' or 'quorum(k)'",

@@ -13,6 +13,7 @@ from nats.aio.client import Client as NATS
 
 from reach_mesh import Client, MeshSettings, PayloadTooLargeError, protocol
 from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
 
 
@@ -233,3 +234,53 @@ def test_sdk_validates_early() -> None:
         @a.handler("a:b:v1")
         async def two(task: Task[int], other: int) -> int:
             return 1
+
+
+@pytest.mark.parametrize(
+    "check",
+    [
+        protocol.validate_namespace,
+        protocol.validate_agent_id,
+        protocol.validate_capability,
+        protocol.validate_task_id,
+        protocol.validate_workflow_id,
+    ],
+)
+def test_an_id_ending_in_a_newline_is_refused(check: Any) -> None:
+    """Python's ``$`` also matches before a final newline: such ids passed, and made subjects
+    (and KV keys) nats-py refused later (a submission came back every second until it
+    expired, see ``test_hub_survives_malformed_submissions``)."""
+    good = {
+        protocol.validate_namespace: "ns",
+        protocol.validate_agent_id: "ns.svc.i1",
+        protocol.validate_capability: "a:b:v1",
+        protocol.validate_task_id: "t1",
+        protocol.validate_workflow_id: "wf1",
+    }[check]
+    assert check(good) == good
+    for bad in (good + "\n", good + "\r\n", "\n" + good):
+        with pytest.raises(ReachError):
+            check(bad)
+
+
+@pytest.mark.parametrize(
+    ("model", "body"),
+    [
+        ("TaskEnvelope", '{"task_id": "t1", "timeout": Infinity}'),
+        ("TaskEnvelope", '{"task_id": "t1", "timeout": NaN}'),
+        ("RetryPolicy", '{"ttl": Infinity}'),
+        ("RetryPolicy", '{"silence_timeout": 1e999}'),
+        ("WorkflowSpec", '{"workflow_id": "w", "kind": "fanout", "timeout": Infinity}'),
+    ],
+)
+def test_an_infinite_timeout_is_refused(model: str, body: str) -> None:
+    """JSON may say ``Infinity`` (or a number too large for a float): ``gt=0`` took it, and a
+    direct-mode caller could run a handler with no deadline. Every timeout and interval on
+    the wire is at most a day."""
+    from pydantic import ValidationError
+
+    from reach_mesh import models, workflow
+
+    cls = getattr(models, model, None) or getattr(workflow, model)
+    with pytest.raises(ValidationError):
+        cls.model_validate_json(body)

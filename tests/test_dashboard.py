@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings
+from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
@@ -241,6 +242,33 @@ async def test_workflows_show_each_steps_state_and_attempts(mesh: Mesh) -> None:
     assert [s for s in pending["pending_steps"] if s["workflow_id"] == wf.workflow_id] == []
     _, cfg = await mesh.get("settings")
     assert cfg["trace_url_template"] == TRACE_URL and cfg["interval"] > 0
+
+
+async def test_a_status_with_a_malformed_attempt_is_no_row_and_no_error(
+    wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent publishing on its own status subject with an ``attempt`` that is no attempt
+    number: once an ERROR with a traceback per message (the parse was outside the ``try``);
+    now no row, nothing logged."""
+    async with running_mesh(wf_settings) as m, Client(settings=wf_settings) as mesh:
+        keeper = m.hub.dashboard
+        assert keeper is not None
+        agent_id = f"{wf_settings.namespace}.echo.a1"
+        subject = protocol.task_status(agent_id, "dash-bad")
+        base = {"task_id": "dash-bad", "agent_id": agent_id, "state": "RUNNING", "step": 0}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            for attempt in ('"x"', "[1]", "1e999", "true", "0", "null"):
+                body = json.dumps({**base, "workflow_id": f"dash-bad-{len(attempt)}"})
+                await mesh.nc.publish(
+                    subject, body[:-1].encode() + b',"attempt":' + attempt.encode() + b"}"
+                )
+            await mesh.nc.publish(
+                subject, json.dumps({**base, "workflow_id": "dash-good", "attempt": 1}).encode()
+            )
+            await eventually(lambda: (wf_settings.namespace, "dash-good") in keeper.workflows)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not [k for k in keeper.workflows if k[1].startswith("dash-bad")]
 
 
 async def test_pending_lists_a_step_no_agent_can_take(

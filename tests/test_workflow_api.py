@@ -388,6 +388,27 @@ async def test_hub_survives_malformed_submissions(
         await js.publish(subject, json.dumps(huge).encode(), headers={"Nats-Msg-Id": "huge-1"})
         r3 = await mesh.workflow("huge-1", timeout=5)  # refused and termed, not redelivered
         assert r3.error is not None and r3.error.code == "REACH_BAD_WORKFLOW"
+        # Ids ending in a newline passed the checks (Python's $ matches before one): the key
+        # they made was refused by nats-py, taken for an infrastructure error, and the
+        # submission came back every second until it expired, holding an ack slot.
+        for n, body in enumerate(
+            [
+                {"workflow_id": "nl-1\n", "kind": "fanout", "steps": [{"capability": "wf:ok:v1"}]},
+                {
+                    "workflow_id": "nl-2",
+                    "kind": "fanout",
+                    "steps": [{"capability": "wf:ok:v1", "task_id": "t\n"}],
+                },
+            ],
+            start=1,
+        ):
+            await js.publish(
+                subject,
+                json.dumps({**body, "namespace": ns}).encode(),
+                headers={"Nats-Msg-Id": f"nl-{n}"},
+            )
+            got = await mesh.workflow(f"nl-{n}", timeout=5)
+            assert got.state is TaskState.FAILED and got.error is not None, got
         ok = await mesh.fanout([Step(capability="wf:ok:v1")], timeout=10)
         assert ok.state is TaskState.SUCCEEDED
 

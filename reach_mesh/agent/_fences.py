@@ -145,7 +145,7 @@ class Fences:
             return False
         # Of that workflow's step; a marker that names none (or no valid one) covers any.
         workflow_id = body.get("workflow_id")
-        if not isinstance(workflow_id, str) or not protocol.WORKFLOW_ID_RE.match(workflow_id):
+        if not isinstance(workflow_id, str) or not protocol.WORKFLOW_ID_RE.fullmatch(workflow_id):
             workflow_id = None
         self.never_start(task_id, attempt, workflow_id)
         return True

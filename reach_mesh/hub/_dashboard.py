@@ -345,7 +345,15 @@ class Dashboard:
         try:
             ev = json.loads(msg.data)
             wf_id, step, state = ev.get("workflow_id"), ev.get("step"), ev.get("state")
-            if not isinstance(wf_id, str) or not isinstance(step, int) or state not in _STATES:
+            attempt = ev.get("attempt")
+            if (
+                not isinstance(wf_id, str)
+                or not isinstance(step, int)
+                or state not in _STATES
+                or not isinstance(attempt, int)
+                or isinstance(attempt, bool)
+                or attempt < 1
+            ):
                 return
             # Only the agent its subject names may publish it (NATS permissions): a body
             # speaking for another is no row of the dashboard's (the engine counts it forged).
@@ -363,7 +371,6 @@ class Dashboard:
             if step < 0 or step >= 256:
                 return
             s = wf.steps[step] = _Step(step)
-        attempt = int(ev.get("attempt") or 0)
         if attempt < s.attempt or (attempt == s.attempt and TaskState(s.state).final):
             return  # an older attempt, or a late event after this attempt's outcome
         s.task_id, s.attempt, s.state = ev.get("task_id"), attempt, state

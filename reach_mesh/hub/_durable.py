@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import nats.errors
-from nats.errors import MaxPayloadError
+from nats.errors import BadSubjectError, MaxPayloadError
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh._jspub import JsClient
@@ -46,12 +46,16 @@ def infrastructure(err: BaseException) -> bool:
     """Whether ``err`` says nothing about a workflow or its steps: the infrastructure's error
     (retried past its deadline, or not retried), or any other answer of NATS's own — a replica
     behind its leader, a write still in process during an election — which passes when the
-    workflow comes back. Not a message the server always refuses (``MaxPayloadError``: the
-    size checks exist for it). Such an error hands the workflow back; it is never an outcome."""
+    workflow comes back. Not a message that is always refused (``MaxPayloadError``: the size
+    checks exist for it; ``BadSubjectError``: the id checks do), which would come back every
+    time. Such an error hands the workflow back; it is never an outcome."""
     return (
         isinstance(err, RetriesExhausted)
         or transient(err)
-        or (isinstance(err, nats.errors.Error) and not isinstance(err, MaxPayloadError))
+        or (
+            isinstance(err, nats.errors.Error)
+            and not isinstance(err, (MaxPayloadError, BadSubjectError))
+        )
     )
 
 

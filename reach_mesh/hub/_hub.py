@@ -87,7 +87,7 @@ class Hub(RoutingMixin, ControlMixin):
         self.settings = settings or load_settings(nats_url=nats_url)
         self.nats_url = nats_url or self.settings.nats_url
         self.hub_id = hub_id or f"hub-{uuid.uuid4().hex[:8]}"
-        if not protocol.HUB_ID_RE.match(self.hub_id):  # a token of subjects
+        if not protocol.HUB_ID_RE.fullmatch(self.hub_id):  # a token of subjects
             raise BadRequestError(
                 f"invalid hub_id {self.hub_id!r}: expected 1-64 characters of [A-Za-z0-9_-]",
                 field="hub_id",

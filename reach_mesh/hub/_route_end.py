@@ -61,6 +61,8 @@ OTHER_CAPABILITY: Final = "other"
 #: Reply "subjects" of routes asked in this process (``Hub.route``), followed by a number. A space
 #: never occurs in a NATS subject, so no message's reply subject can name one of these callers.
 _LOCAL_REPLY: Final = "local "
+#: The longest time an agent's reply may report (ms: a day, a route's longest ``timeout``).
+_MS_MAX: Final = 86_400_000.0
 
 
 class _ReplyHead(BaseModel):
@@ -276,7 +278,10 @@ class RouteEndMixin:
         except Exception as err:
             self._failed(view, delivery=True)
             raise InternalError(f"agent {view.agent_id} sent a malformed reply: {err}") from err
-        self._accepted_seconds.observe(head.queued_ms / 1000)
+        # The agent's own figures: only sane ones join histograms every tenant shares (JSON
+        # may say NaN, a negative or a huge number).
+        if 0.0 <= head.queued_ms <= _MS_MAX:
+            self._accepted_seconds.observe(head.queued_ms / 1000)
         cap = capability or "-"
         child = self._duration_children.get(cap)
         if child is None:
@@ -288,7 +293,8 @@ class RouteEndMixin:
             if child is None:
                 child = self.metrics.task_duration_seconds.labels(cap)
                 self._duration_children[cap] = child
-        child.observe(head.duration_ms / 1000)
+        if 0.0 <= head.duration_ms <= _MS_MAX:
+            child.observe(head.duration_ms / 1000)
         if head.cached:
             self.metrics.duplicate_delivery_total.inc()
         if head.state is TaskState.SUCCEEDED:

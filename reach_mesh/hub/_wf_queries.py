@@ -146,7 +146,7 @@ class WorkflowQueries(WorkflowShapes):
             ask_owner is not None
             and owner is not None
             and owner != self.hub_id
-            and protocol.HUB_ID_RE.match(owner)
+            and protocol.HUB_ID_RE.fullmatch(owner)
         ):
             try:
                 return await ask_owner(owner, end)

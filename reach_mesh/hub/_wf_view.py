@@ -207,7 +207,7 @@ async def workflow_view(
         and record.result is None
         and owner is not None
         and owner != hub_id
-        and protocol.HUB_ID_RE.match(owner)
+        and protocol.HUB_ID_RE.fullmatch(owner)
     ):
         # Only the owner knows why a step waits: its view, if it answers in a second.
         seen = await ask_owner(owner, min(end - 1.0, asyncio.get_running_loop().time() + 1.0))
