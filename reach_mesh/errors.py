@@ -79,6 +79,11 @@ class ReachError(Exception):
     #: Whether retrying the same request (possibly on another agent) is safe and may succeed.
     retryable: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if len(cls.code) > 64:  # readers cut a longer one (models.ERROR_CODE_MAX)
+            raise TypeError(f"{cls.__name__}.code is over 64 characters: {cls.code!r}")
+
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
         self.message = message

@@ -135,3 +135,41 @@ async def test_finished_tasks_kept_are_bounded(
         kept.count, kept.size = 100, 2 * kept.bytes // 3
         answer = await send(client, message("echo", {"n": 5}))
         assert len(kept) < 3 and kept.bytes <= kept.size
+
+
+async def test_one_namespace_pushes_out_its_own_tasks_not_anothers(
+    a2a_hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """Over the byte budget, the namespace holding the most bytes loses its oldest task: a
+    tenant sending large results cannot push another tenant's result out before it is read."""
+    assert a2a_hub.http is not None
+    kept = a2a_hub.http.a2a.kept
+    other = f"{namespace}b"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with (
+        worker(f"{namespace}.w.a1", settings),
+        worker(f"{other}.w.a1", settings),
+        httpx.AsyncClient(headers=headers) as http,
+    ):
+        clients = {}
+        for ns in (namespace, other):
+            card = await A2ACardResolver(http, f"{a2a_hub.http_url}/a2a/{ns}").get_agent_card()
+            clients[ns] = await create_client(
+                card, ClientConfig(httpx_client=http, streaming=False)
+            )
+
+        async def send_in(ns: str, size: int) -> str:
+            answer = await send(clients[ns], message("echo", {"pad": "x" * size}))
+            task = answer.task if answer.HasField("task") else answer
+            assert task.status.state == TaskState.TASK_STATE_COMPLETED, task
+            return str(task.id)
+
+        small = await send_in(other, 10)
+        first = await send_in(namespace, 50_000)
+        kept.size = kept.bytes + 150_000  # room for about two more large ones
+        for _ in range(3):
+            await send_in(namespace, 50_000)
+        assert kept.bytes <= kept.size
+        assert (await clients[other].get_task(GetTaskRequest(id=small))).id == small
+        with pytest.raises(TaskNotFoundError):
+            await clients[namespace].get_task(GetTaskRequest(id=first))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from a2a.helpers.proto_helpers import new_task
 from a2a.server.agent_execution import AgentExecutor, RequestContext
+from a2a.server.context import ServerCallContext
 from a2a.server.request_handlers import DefaultRequestHandler
 from a2a.server.routes import create_agent_card_routes, create_jsonrpc_routes
 from a2a.server.tasks import InMemoryTaskStore, TaskUpdater
@@ -48,7 +49,6 @@ from reach_mesh.hub._gateway import read_body
 from reach_mesh.models import RouteRequest, TaskState
 
 if TYPE_CHECKING:
-    from a2a.server.context import ServerCallContext
     from a2a.server.events import Event
 
     from reach_mesh.hub.http import HubHttp
@@ -167,36 +167,53 @@ class _MeshRequestHandler(DefaultRequestHandler):
 
 
 class _KeptTasks:
-    """The finished tasks the namespaces' stores hold, oldest first: past ``KEPT_TASKS``
-    or ``KEPT_TASK_BYTES`` the oldest are dropped from their store (a2a-sdk's in-memory store
-    keeps every task for the life of the process)."""
+    """The finished tasks the namespaces' stores hold: past ``KEPT_TASKS`` or
+    ``KEPT_TASK_BYTES``, the oldest of the namespace holding the most (bytes, or tasks when
+    over the count) is dropped from its store — one tenant's large results push out its own,
+    not the others' (a2a-sdk's in-memory store keeps every task for the life of the
+    process)."""
 
     def __init__(self, count: int = KEPT_TASKS, size: int = KEPT_TASK_BYTES) -> None:
         self.count, self.size = count, size
-        self.bytes = 0
-        self._order: OrderedDict[tuple[int, str], tuple[_TenantTasks, ServerCallContext, int]] = (
-            OrderedDict()
-        )
+        self.tasks = self.bytes = 0
+        #: Stores holding finished tasks (each counts its own, oldest first).
+        self._stores: dict[_TenantTasks, None] = {}
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self.tasks
 
     async def saved(self, store: _TenantTasks, task: Task, context: ServerCallContext) -> None:
         self.forgotten(store, task.id)
         if task.status.state not in _FINISHED:
             return
         size = task.ByteSize()
-        self._order[(id(store), task.id)] = (store, context, size)
+        # The owner is all a delete needs: the request's headers and state are not kept.
+        store.finished[task.id] = (
+            ServerCallContext(user=context.user, tenant=context.tenant),
+            size,
+        )
+        store.bytes += size
+        self.tasks += 1
         self.bytes += size
-        while len(self._order) > 1 and (len(self._order) > self.count or self.bytes > self.size):
-            (_, task_id), (owner, ctx, n) = self._order.popitem(last=False)
-            self.bytes -= n
-            await owner.drop(task_id, ctx)
+        self._stores[store] = None
+        while self.tasks > 1 and (self.tasks > self.count or self.bytes > self.size):
+            if self.bytes > self.size:
+                victim = max(self._stores, key=lambda s: s.bytes)
+            else:
+                victim = max(self._stores, key=lambda s: len(s.finished))
+            task_id, (ctx, _) = next(iter(victim.finished.items()))
+            self.forgotten(victim, task_id)
+            await victim.drop(task_id, ctx)
 
     def forgotten(self, store: _TenantTasks, task_id: str) -> None:
-        old = self._order.pop((id(store), task_id), None)
-        if old is not None:
-            self.bytes -= old[2]
+        old = store.finished.pop(task_id, None)
+        if old is None:
+            return
+        store.bytes -= old[1]
+        self.tasks -= 1
+        self.bytes -= old[1]
+        if not store.finished:
+            self._stores.pop(store, None)
 
 
 class _TenantTasks(InMemoryTaskStore):
@@ -205,6 +222,9 @@ class _TenantTasks(InMemoryTaskStore):
     def __init__(self, kept: _KeptTasks) -> None:
         super().__init__()
         self._kept = kept
+        #: Finished tasks, oldest first: the owner a delete needs, and the size.
+        self.finished: OrderedDict[str, tuple[ServerCallContext, int]] = OrderedDict()
+        self.bytes = 0
 
     async def save(self, task: Task, context: ServerCallContext) -> None:
         await super().save(task, context)

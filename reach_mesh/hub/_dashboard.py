@@ -348,6 +348,8 @@ class Dashboard:
             attempt = ev.get("attempt")
             if (
                 not isinstance(wf_id, str)
+                or not protocol.WORKFLOW_ID_RE.fullmatch(wf_id)
+                or not isinstance(ev.get("task_id"), str)
                 or not isinstance(step, int)
                 or state not in _STATES
                 or not isinstance(attempt, int)
