@@ -11,7 +11,6 @@ retrying, and recording the outcome. Infrastructure errors are retried here
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Literal, TypeVar
@@ -19,7 +18,6 @@ from typing import Any, Final, Literal, TypeVar
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
-from opentelemetry.context import Context
 
 from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
@@ -41,17 +39,17 @@ from reach_mesh.hub._step_state import (
     step_route,
 )
 from reach_mesh.hub._tracking import StatusTracker, StepTrack
+from reach_mesh.hub._wf_events import WorkflowEvents
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.models import ErrorBody, RouteRequest, TaskEnvelope, TaskState
 from reach_mesh.selector import Selector
-from reach_mesh.tracing import SPAN_STEP, SpanKind, current_context, inject, span
+from reach_mesh.tracing import SPAN_STEP, SpanKind, inject, span
 from reach_mesh.workflow import (
     AttemptRecord,
     StepSpec,
     TaskRecord,
     TaskStatusEvent,
-    WorkflowEvent,
     input_too_large,
     step_task_id,
 )
@@ -74,7 +72,7 @@ _WAITING_WHY: Final = {
 }
 
 
-class StepRunner:
+class StepRunner(WorkflowEvents):
     """Runs steps of the workflows a hub owns (the base of ``WorkflowEngine``, which sets
     every attribute below)."""
 
@@ -745,71 +743,6 @@ class StepRunner:
             if lost or track.machine.state is not TaskState.PENDING:
                 return "lost", None
             return "undelivered", None
-
-    # ------------------------------------------------------------------ events
-
-    def _step_event(
-        self,
-        wf: Workflow,
-        index: int,
-        rec: TaskRecord,
-        state: TaskState,
-        *,
-        attempt: int | None,
-        agent_id: str | None,
-        error: ErrorBody | None = None,
-    ) -> None:
-        """A ``step`` event of ``wf`` about its step ``index``."""
-        self._event(
-            wf,
-            functools.partial(
-                WorkflowEvent,
-                workflow_id=wf.id,
-                kind="step",
-                state=state,
-                step=index,
-                task_id=rec.task_id,
-                attempt=attempt,
-                agent_id=agent_id,
-                error=error,
-            ),
-        )
-
-    def _event(self, wf: Workflow, event: Callable[[], WorkflowEvent]) -> None:
-        """Publish ``event`` (core NATS; ``REACH_WF_EVENTS`` captures it).
-
-        Events are held for ``workflow_event_hold`` first (``Workflow.held``): when the workflow's
-        result is stored within that time the held events are dropped (``_store``; the result
-        says every step's outcome and agent), so a fast workflow stores no event.
-        Released events leave with this hub's next JetStream write or a few milliseconds later
-        (``JsClient.later``), in the order they were made. A hold of 0 releases each at once."""
-        wf.held.append((event, current_context()))  # made only if released
-        hold = self._settings.workflow_event_hold
-        if hold <= 0:
-            self._release_held(wf)
-        elif wf.hold_timer is None:
-            loop = asyncio.get_running_loop()
-            wf.hold_timer = loop.call_later(hold, self._release_held, wf)
-
-    def _release_held(self, wf: Workflow) -> None:
-        """Send ``wf``'s held events (``_event``); dropped once the hub is stopping (the hub
-        that takes the workflow over says ``start`` again, and its ``.done`` every step's
-        outcome)."""
-        held = self._take_held(wf)
-        if self._stopping:
-            return
-        subject = protocol.wf_event(wf.ns, wf.id)
-        for event, context in held:
-            headers = inject(dict(wf.headers), within=context)
-            self._jsc.later(subject, protocol.encode(event()), headers)
-
-    def _take_held(self, wf: Workflow) -> list[tuple[Callable[[], WorkflowEvent], Context]]:
-        """``wf``'s held events, no longer held (dropped unless sent by the caller)."""
-        if wf.hold_timer is not None:
-            wf.hold_timer.cancel()
-            wf.hold_timer = None
-        held, wf.held = wf.held, []
-        return held
 
     def _background(self, aw: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(aw)
