@@ -84,8 +84,15 @@ LABEL_MAX: Final = 256
 
 
 def label_key_ok(key: str) -> bool:
-    """Whether ``key`` is a valid label key: ``[a-z0-9][a-z0-9_.-]*`` (any case)."""
-    return bool(key) and key[0].isalnum() and all(c.isalnum() or c in "_.-" for c in key)
+    """Whether ``key`` is a valid label key: ``[a-z0-9][a-z0-9_.-]*`` (any case), ASCII only —
+    a selector's keys are (``selector.KEY_RE``): a key in another script could never be
+    selected."""
+    return (
+        bool(key)
+        and key.isascii()
+        and key[0].isalnum()
+        and all(c.isalnum() or c in "_.-" for c in key)
+    )
 
 
 class ToolSpec(_Wire):
@@ -318,6 +325,13 @@ class TaskEnvelope(_Wire):
     step: int | None = None
     #: Publish status events (DELIVERED/ACCEPTED/RUNNING/final) on reach.status.<agent_id>.<id>.
     track: bool = False
+
+    @field_validator("task_id")
+    @classmethod
+    def _task_id(cls, v: str) -> str:
+        # It keys the agent's idempotency cache and names a status subject: a direct-mode
+        # caller must not key it with a megabyte (or a subject wildcard).
+        return validate_task_id(v)
 
 
 class TaskReply(_Wire):

@@ -284,3 +284,18 @@ def test_an_infinite_timeout_is_refused(model: str, body: str) -> None:
     cls = getattr(models, model, None) or getattr(workflow, model)
     with pytest.raises(ValidationError):
         cls.model_validate_json(body)
+
+
+@pytest.mark.parametrize("key", ["zoné", "\u0663", "stra\u00dfe", "gpu\u200b"])
+def test_a_label_key_outside_ascii_is_refused(key: str) -> None:
+    """``str.isalnum`` takes letters and digits of every script; a selector's keys are
+    ASCII (``selector.KEY_RE``), so such a label could be registered but never selected."""
+    from pydantic import ValidationError
+
+    from reach_mesh.models import AgentCard
+
+    with pytest.raises(ValidationError, match="invalid label key"):
+        AgentCard(agent_id="ns.svc.i1", capabilities=["a:b:v1"], labels={key: "x"})
+    assert AgentCard(
+        agent_id="ns.svc.i1", capabilities=["a:b:v1"], labels={"Zone-1": "x"}
+    ).labels == {"zone-1": "x"}

@@ -488,6 +488,8 @@ class Agent(ServingMixin):
                 task.cancel()
             if late:  # they answer REACH_CANCELLED
                 await asyncio.wait(late, timeout=1.0)
+            if self.work is not None:
+                await within("work keep-alives", self.work.stop_keepalives(), 2.0, log)
             if self._nc is not None:
                 if self.work is not None:
                     await within("work ack flush", self.work.flush(), 5.0, log)
@@ -495,6 +497,8 @@ class Agent(ServingMixin):
                 await within("NATS drain", self._nc.drain(), 5.0, log)
                 await within("NATS close", self._nc.close(), 5.0, log)
         finally:
+            if self.work is not None:  # (stopped above unless the drain failed first)
+                await within("work keep-alives", self.work.stop_keepalives(), 2.0, log)
             if self._metrics_server is not None:
                 # Last: a scrape during the drain still sees the final counts.
                 await within("metrics server close", self._metrics_server.close(), 5.0, log)

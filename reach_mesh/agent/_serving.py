@@ -44,6 +44,7 @@ from reach_mesh.errors import (
     AgentBusyError,
     BadRequestError,
     HandlerError,
+    InternalError,
     MeshTimeoutError,
     NoHandlerError,
     PayloadTooLargeError,
@@ -135,6 +136,11 @@ class _Entry:
         self._raw: bytes | None = None
 
     @property
+    def running(self) -> bool:
+        """No final reply yet (the attempt runs, or waits for a slot)."""
+        return self._reply is None and self._raw is None
+
+    @property
     def reply(self) -> TaskReply | None:
         """The final reply of the attempt, or None while it runs."""
         if self._reply is None and self._raw is not None:
@@ -224,7 +230,13 @@ class ServingMixin:
             await self._respond(req, protocol.encode_error(err))
             return
         entry = self._results.get(env.task_id)
-        if entry is not None:
+        if entry is not None and not (
+            # A later attempt of one that failed or timed out here runs again — decided here,
+            # on the reader, so a second copy read next sees the new attempt's entry.
+            not entry.running
+            and entry.state is not TaskState.SUCCEEDED
+            and env.attempt > entry.attempt
+        ):
             self._spawn(self._duplicate(req, env, entry))
             return
         if self.status is not AgentStatus.RUNNING:
@@ -273,30 +285,33 @@ class ServingMixin:
         task.add_done_callback(self._tasks.discard)
 
     def _remember(self, task_id: str, entry: _Entry) -> None:
+        """Keep ``entry`` as ``task_id``'s, the newest; past ``_RESULT_CACHE`` entries the
+        oldest finished ones go. An attempt still running is never forgotten (a copy of it
+        would run again, and a hub's probe hear PENDING and give it up): those are bounded
+        by the agent's capacity, not by the cache."""
         results = self._results
         if task_id in results:
             results.move_to_end(task_id)  # a retry: its new attempt is the newest entry
         results[task_id] = entry
-        while len(results) > _RESULT_CACHE:
-            results.popitem(last=False)
+        excess = len(results) - _RESULT_CACHE
+        seen = 0
+        while excess > 0 and seen < len(results):
+            old_id, old = results.popitem(last=False)
+            if old.running:
+                results[old_id] = old  # to the newest end; looked at once per pass
+                seen += 1
+            else:
+                excess -= 1
 
     async def _duplicate(self, req: _Request, env: TaskEnvelope, entry: _Entry) -> None:
-        """Same task again: never run a finished or running task twice."""
+        """Same task again (not a later attempt of a failed one: ``_take`` runs those): never
+        run a finished or running task twice."""
         reply = entry.reply
         if reply is None:
             # Still running: answer when it ends. The future exists only once someone waits.
             if entry.done is None:
                 entry.done = asyncio.get_running_loop().create_future()
             reply = await asyncio.shield(entry.done)
-        elif reply.state is not TaskState.SUCCEEDED and env.attempt > entry.attempt:
-            # A retry of a failed/timed-out attempt: run it again.
-            handler = self._pick_handler(env.capability)
-            if handler is not None and self.status is AgentStatus.RUNNING:
-                fresh = _Entry(env.attempt, TaskState.DELIVERED)
-                self._remember(env.task_id, fresh)
-                self._waiting += 1
-                await self._run(req, env, handler, fresh)
-                return
         await self._respond(req, protocol.encode(reply.model_copy(update={"cached": True})))
 
     async def _run(
@@ -346,6 +361,9 @@ class ServingMixin:
                 TaskState.FAILED,
                 error=ErrorBody(code="REACH_CANCELLED", message="agent shut down"),
             )
+            t_start = t_end = time.perf_counter()
+        except Exception as err:
+            out = self._failed_here(env, err)  # (``_attempt`` answers for the handler)
             t_start = t_end = time.perf_counter()
         duration_ms = (t_end - t_start) * 1000
         queued_ms = (t_start - t_queued) * 1000
@@ -528,18 +546,24 @@ class ServingMixin:
             sp.add_event(TaskState.DELIVERED.value, {"reach.attempt": env.attempt})
         try:
             payload = handler.payload.validate_python(env.payload)
-        except ValidationError as err:
+        except Exception as err:
+            # A validator of the handler's model may raise something else than a
+            # ValidationError (pydantic lets a TypeError, KeyError, ... through): still this
+            # payload's fault, and the attempt ends here with an answer either way.
             if recording:
                 sp.record_exception(err)
-            first = err.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in first["loc"]) or "payload"
+            if isinstance(err, ValidationError):
+                first = err.errors(include_url=False)[0]
+                where = ".".join(str(p) for p in first["loc"]) or "payload"
+                why = f" at {where!r}: {first['msg']}"
+            else:
+                why = f": {_describe(err)}"
             return self._reply(
                 env,
                 TaskState.FAILED,
                 error=ErrorBody(
                     code=BadRequestError.code,
-                    message=f"invalid payload for {handler.capability} at {where!r}: "
-                    f"{first['msg']}",
+                    message=f"invalid payload for {handler.capability}{why}",
                     details={"retryable": False},
                 ),
             )
@@ -562,12 +586,17 @@ class ServingMixin:
             on_accept()
         if recording:
             sp.add_event(TaskState.RUNNING.value)
+        alarm = self._deadlines.arm(env.timeout)
         try:
-            with self._deadlines.arm(env.timeout):
+            with alarm:
                 result = await handler.fn(task)
         except TimeoutError as err:
             if recording:
                 sp.record_exception(err)
+            if not alarm.expired:
+                # The handler's own (a dependency's client timing out): a handler failure,
+                # not the attempt's deadline.
+                return self._handler_failed(handler.capability, env, trace_id, err)
             return self._reply(
                 env,
                 TaskState.TIMEOUT,
@@ -591,18 +620,9 @@ class ServingMixin:
             )
             return self._reply(env, TaskState.FAILED, error=_error_body(err))
         except Exception as err:
-            self._handler_raised(handler.capability, env, trace_id, err)
             if recording:
                 sp.record_exception(err)
-            return self._reply(
-                env,
-                TaskState.FAILED,
-                error=ErrorBody(
-                    code=HandlerError.code,
-                    message=f"{type(err).__name__}: {err}"[:2000],
-                    details={"type": type(err).__name__},
-                ),
-            )
+            return self._handler_failed(handler.capability, env, trace_id, err)
         try:
             out = _result_json(handler, result)
         except Exception:
@@ -614,14 +634,8 @@ class ServingMixin:
         try:
             dumped = _dump(handler, result)
         except Exception as err:
-            return self._reply(
-                env,
-                TaskState.FAILED,
-                error=ErrorBody(
-                    code=HandlerError.code,
-                    message=f"handler result is not JSON-serialisable: {err}"[:2000],
-                ),
-            )
+            text = f"handler result is not JSON-serialisable: {_describe(err)}"
+            return self._failed(env, HandlerError.code, text)
         size = len(to_json(dumped))
         if size > self._max_result:
             return self._too_large(env, handler, trace_id, size)
@@ -666,22 +680,43 @@ class ServingMixin:
             ),
         )
 
-    def _handler_raised(
+    def _handler_failed(
         self, capability: str, env: TaskEnvelope, trace_id: str | None, err: Exception
-    ) -> None:
-        """A handler's bug: a WARNING per task, its traceback at most once a minute per
-        capability (a handler failing every task must not fill the log with them)."""
+    ) -> TaskReply:
+        """A handler's bug, as a FAILED reply (``REACH_HANDLER_FAILED``): a WARNING per task,
+        its traceback at most once a minute per capability (a handler failing every task must
+        not fill the log with them)."""
+        text = _describe(err)
         traced = self._tracebacks.take(capability) is not None
         log_event(
             log,
             HANDLER_FAILED,
-            f"handler {capability} raised {err!r}",
+            f"handler {capability} raised {text}",
             level=logging.WARNING,
             exc_info=err if traced else None,
             task_id=env.task_id,
             attempt=env.attempt,
             trace_id=trace_id,
             capability=capability,
+        )
+        return self._failed(env, HandlerError.code, text, {"type": type(err).__name__})
+
+    def _failed(
+        self, env: TaskEnvelope, code: str, text: str, details: dict[str, Any] | None = None
+    ) -> TaskReply:
+        """A FAILED reply with error ``code`` and ``text`` (cut to 2,000 characters)."""
+        error = ErrorBody(code=code, message=text[:2000], details=details or {})
+        return self._reply(env, TaskState.FAILED, error=error)
+
+    def _failed_here(self, env: TaskEnvelope, err: Exception) -> TaskReply:
+        """An attempt that failed in this SDK, not in its handler (a bug of ours): it still
+        ends with an answer and an outcome (``REACH_INTERNAL``), never left DELIVERED — a
+        duplicate would wait on it, and a probe keep it alive, for good."""
+        log.error(
+            "attempt %s of task %s failed in the agent", env.attempt, env.task_id, exc_info=err
+        )
+        return self._failed(
+            env, InternalError.code, f"the agent failed the attempt: {_describe(err)}"
         )
 
     async def _respond(self, req: _Request, body: bytes) -> None:
@@ -780,3 +815,13 @@ def _asking_workflow(body: dict[str, Any]) -> str | None:
     it asks about is then any step of the task id, as from hubs before they named it."""
     got = body.get("workflow_id")
     return got if isinstance(got, str) else None
+
+
+def _describe(err: BaseException) -> str:
+    """``Type: message`` of an exception whose ``__str__`` is anyone's code: one that raises
+    must not turn an attempt's answer into an exception of our own."""
+    try:
+        text = str(err)
+    except Exception:
+        text = "<unprintable exception>"
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

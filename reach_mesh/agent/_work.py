@@ -225,7 +225,8 @@ class WorkConsumer:
 
     async def stop(self) -> None:
         """Stop taking new steps (in-flight ones finish through the agent's drain; their final
-        statuses go out through ``_jsc``, whose subscription ends with the connection's drain)."""
+        statuses go out through ``_jsc``, whose subscription ends with the connection's drain).
+        Their keep-alives go on until :meth:`stop_keepalives`, after the drain."""
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -234,6 +235,11 @@ class WorkConsumer:
         if self._loop_watch is not None:
             self._loop_watch.cancel()
             self._loop_watch = None
+
+    async def stop_keepalives(self) -> None:
+        """Stop the ``+WPI`` and RUNNING keep-alives of held steps: once the agent's drain is
+        over (a step still running through it must keep its ack deadline, or JetStream
+        redelivers it — to another process of the same agent id in a rolling deploy)."""
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -524,15 +530,14 @@ class WorkConsumer:
             await agent._slot()
             agent._waiting -= 1
             waiting = False
-            if await self._fenced_since(held):
-                # Dropped unrun, as a step fenced while we were away is (below): acked, no
-                # result published.
-                agent._release_slot()
-                held.fenced = True
-                self.fenced += 1
-                raise asyncio.CancelledError
-            t_start = time.perf_counter()
-            try:
+            try:  # the slot is ours until here, whatever ends the attempt (a cancel included)
+                if await self._fenced_since(held):
+                    # Dropped unrun, as a step fenced while we were away is (below): acked, no
+                    # result published.
+                    held.fenced = True
+                    self.fenced += 1
+                    raise asyncio.CancelledError
+                t_start = time.perf_counter()
                 reply = await agent._call(
                     env, handler, held.headers, on_accept=on_accept, progress=progress
                 )
@@ -556,6 +561,10 @@ class WorkConsumer:
             # Otherwise (shutdown) leave it un-acked: JetStream redelivers it after ack_wait.
             self._release()
             raise
+        except Exception as err:
+            # Not the handler's (``_attempt`` answers for those): the step still gets an
+            # outcome, its entry and ``_held`` are let go below.
+            reply = agent._failed_here(env, err)
         reply.attempt = held.env.attempt
         reply.duration_ms = round((time.perf_counter() - t_start) * 1000, 3)
         reply.queued_ms = round((t_start - t_queued) * 1000, 3)
