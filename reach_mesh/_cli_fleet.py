@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from reach_mesh import protocol
+from reach_mesh._nats import shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
-from reach_mesh.errors import UnknownWorkflowError
+from reach_mesh.errors import MeshUnavailableError, UnknownWorkflowError
 from reach_mesh.models import AgentInfo, ErrorBody
 from reach_mesh.workflow import WorkflowView
 
@@ -75,11 +76,17 @@ async def cmd_agents(args: argparse.Namespace) -> int:
 
 async def _discover_hubs(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every hub answering NATS micro discovery (``$SRV.INFO.reach-hub``), with its view of
-    the fleet."""
+    the fleet; ``MeshUnavailableError`` (exit code 3) when none answers."""
     from reach_mesh.hub._micro import discover_hubs
 
     async with Client(settings=settings_of(args)) as c:
-        return await discover_hubs(c.nc)
+        hubs = await discover_hubs(c.nc)
+    if not hubs:
+        raise MeshUnavailableError(
+            f"no hub answered $SRV.INFO.{protocol.MICRO_HUB_SERVICE}: is `reach-mesh hub` "
+            f"(or `reach-mesh up`) running on {shown(c.nats_url)}?"
+        )
+    return hubs
 
 
 def _print_hubs(hubs: Sequence[dict[str, Any]]) -> None:
@@ -105,8 +112,6 @@ async def cmd_hubs(args: argparse.Namespace) -> int:
         print(json.dumps({"hubs": hubs}, indent=2))
         return 0
     _print_hubs(hubs)
-    if not hubs:
-        print("(no hub answered $SRV.INFO.reach-hub: is `reach-mesh hub` running on this NATS?)")
     return 0
 
 
@@ -123,13 +128,10 @@ async def _agents_via_micro(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"hubs": hubs}, indent=2))
         return 0
-    if hubs:
-        _print_hubs(hubs)
-        print()
+    _print_hubs(hubs)
+    print()
     _print_agents(list(seen.values()))
-    if not hubs:
-        print("(no hub answered $SRV.INFO.reach-hub)")
-    elif not seen:
+    if not seen:
         print("(no agents)")
     return 0
 

@@ -1,8 +1,9 @@
 """``reach-mesh``: run the mesh, talk to it, inspect it.
 
 Every command that talks to a mesh takes ``--nats URL`` (default: ``$REACH_NATS_URL``).
-``up`` and ``demo`` start an embedded nats-server unless given ``--nats``. A mistake is one
-line on stderr and exit code 2 (``--debug``: the traceback and the error's details).
+``up`` and ``demo`` start an embedded nats-server unless given ``--nats``. An error is one
+line on stderr (``--debug``: the traceback and the error's details) and an exit code that says
+what kind it is: :data:`EXIT_CODES`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
 
 from reach_mesh import __version__, _runner
 from reach_mesh._auth import AuthDir
@@ -39,7 +40,20 @@ from reach_mesh._cli_fleet import (
 )
 from reach_mesh._nats import shown
 from reach_mesh.client import Client
-from reach_mesh.errors import BadRequestError, NoMatchError, ReachError
+from reach_mesh.errors import (
+    AgentBusyError,
+    BadRequestError,
+    MeshTimeoutError,
+    MeshUnavailableError,
+    NoHandlerError,
+    NoMatchError,
+    ReachError,
+    ThrottledError,
+    UnknownAgentError,
+    UnknownNamespaceError,
+    UnknownWorkflowError,
+)
+from reach_mesh.hub.strategies import STRATEGIES
 from reach_mesh.logs import configure_logging
 from reach_mesh.models import RouteDecision
 from reach_mesh.server import EmbeddedNats
@@ -49,6 +63,56 @@ if TYPE_CHECKING:
     from reach_mesh.hub import Hub
 
 __all__ = ["main"]
+
+
+#: The exit codes of every command (README.md, "Running a mesh"; docs/operations.md, "Operator
+#: CLI").
+EXIT_OK: Final = 0
+#: The task or workflow did not succeed (its result says why), or an error listed nowhere below.
+EXIT_FAILED: Final = 1
+#: Usage or bad input: argparse's own errors, ``REACH_BAD_*`` and every other ``BadRequestError``.
+EXIT_USAGE: Final = 2
+#: Unavailable or transient: worth trying again later.
+EXIT_UNAVAILABLE: Final = 3
+#: Nothing of that name, or nothing matches.
+EXIT_NOT_FOUND: Final = 4
+#: No answer in time: the outcome is unknown (the task may still run, or have run).
+EXIT_TIMEOUT: Final = 5
+
+_EXIT_BY_CODE: Final[Mapping[str, int]] = {
+    MeshUnavailableError.code: EXIT_UNAVAILABLE,
+    ThrottledError.code: EXIT_UNAVAILABLE,
+    AgentBusyError.code: EXIT_UNAVAILABLE,
+    NoMatchError.code: EXIT_NOT_FOUND,
+    UnknownNamespaceError.code: EXIT_NOT_FOUND,
+    UnknownAgentError.code: EXIT_NOT_FOUND,
+    UnknownWorkflowError.code: EXIT_NOT_FOUND,
+    NoHandlerError.code: EXIT_NOT_FOUND,
+    MeshTimeoutError.code: EXIT_TIMEOUT,
+}
+
+EXIT_CODES: Final = f"""\
+exit codes:
+  {EXIT_OK}  ok
+  {EXIT_FAILED}  the task or workflow did not succeed (its result says why), or an
+     error not listed below
+  {EXIT_USAGE}  usage or bad input: a wrong option or argument, REACH_BAD_* (a bad
+     setting, selector, payload, ...)
+  {EXIT_UNAVAILABLE}  unavailable, try again later: REACH_UNAVAILABLE (NATS unreachable, no
+     hub answers; `hubs` when none does), REACH_THROTTLED, REACH_AGENT_BUSY
+  {EXIT_NOT_FOUND}  not found: REACH_NO_MATCH (REACH_UNKNOWN_NAMESPACE), REACH_UNKNOWN_AGENT,
+     REACH_UNKNOWN_WORKFLOW, REACH_NO_HANDLER
+  {EXIT_TIMEOUT}  no answer in time, the outcome is unknown: REACH_TIMEOUT
+"""
+
+
+def exit_code(err: BaseException) -> int:
+    """The exit code for an error that ended a command (:data:`EXIT_CODES`)."""
+    if isinstance(err, BadRequestError):
+        return EXIT_USAGE
+    if isinstance(err, ReachError):
+        return _EXIT_BY_CODE.get(err.code, EXIT_FAILED)
+    return EXIT_FAILED
 
 
 #: ``up`` listens here unless told otherwise, so a restart comes back on the same URL and the
@@ -239,9 +303,11 @@ def load_agents(spec: str) -> list[Any]:
 async def cmd_agent(args: argparse.Namespace) -> int:
     from reach_mesh.agent._run import serve
 
+    # Agents built at import time read their settings from the environment.
     if args.nats:
-        # Agents built at import time read their settings from the environment.
         os.environ["REACH_NATS_URL"] = args.nats
+    if args.config:
+        os.environ["REACH_CONFIG"] = args.config
     agents = load_agents(args.target)
     if args.metrics_port is not None:
         for i, agent in enumerate(agents):
@@ -364,7 +430,10 @@ async def cmd_admin(args: argparse.Namespace) -> int:
 
 async def cmd_auth(args: argparse.Namespace) -> int:
     """``auth init DIR`` / ``auth add-agent ID`` / ``auth add-caller NS`` (docs/security.md)."""
-    auth = AuthDir(getattr(args, "init_dir", None) or args.dir, nats_url=args.nats)
+    # Only a URL given on this command line goes into the settings files, never
+    # $REACH_NATS_URL: that is where this shell talks to, not where each identity will.
+    nats_url = args.auth_nats or args.nats_flag
+    auth = AuthDir(getattr(args, "init_dir", None) or args.dir, nats_url=nats_url)
     if args.auth_command == "init":
         issued = auth.init(namespace=args.namespace, host=args.host, port=args.port)
         print(f"server config: {auth.nats_conf} (includes {auth.auth_conf})")
@@ -415,7 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the traceback of an error (normally one line)",
     )
     p = argparse.ArgumentParser(
-        prog="reach-mesh", description=__doc__.split("\n")[0], parents=[common]
+        prog="reach-mesh",
+        description=__doc__.split("\n")[0],
+        parents=[common],
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"reach-mesh {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -462,7 +535,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=os.environ.get("REACH_AUTH_DIR", "reach-auth"),
             help="auth directory (default: $REACH_AUTH_DIR or ./reach-auth)",
         )
-        sp.add_argument("--nats", default=None, help="NATS URL written into settings files")
+        sp.add_argument(
+            "--nats",
+            dest="auth_nats",
+            default=None,
+            help="NATS URL written into the settings files (default: none; not $REACH_NATS_URL)",
+        )
         return sp
 
     init = auth_cmd("init", "server config + credentials for a hub, an operator and a caller")
@@ -534,12 +612,17 @@ def build_parser() -> argparse.ArgumentParser:
     reach.add_argument("--capability", help="capability (alone, or the handler with --agent)")
     reach.add_argument("--payload", help="JSON payload")
     reach.add_argument(
-        "--timeout", type=float, default=30.0, help="seconds to wait for the result (default 30)"
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the result (default: request_timeout, 30)",
     )
     reach.add_argument(
         "--strategy",
+        choices=list(STRATEGIES),
         default=None,
-        help="least_loaded, round_robin, weighted, consistent_hash, p2c (default: the hub's)",
+        metavar="NAME",
+        help=f"{', '.join(STRATEGIES)} (default: the hub's default_strategy)",
     )
     reach.add_argument("--session", default=None, help="sticky session id")
     reach.add_argument(
@@ -653,7 +736,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         _print_error(err, details=args.debug)
-        return 2
+        return exit_code(err)
     finally:
         if provider is not None:
             provider.shutdown()  # flush batched spans before the process exits

@@ -187,6 +187,40 @@ def test_compose_services_are_pinned_healthy_and_restarting() -> None:
             assert deps[node]["condition"] == "service_healthy", (name, node)
 
 
+def test_compose_hubs_can_read_the_key_files_of_auth_init() -> None:
+    """``reach-mesh auth init`` writes the seeds mode 0600, owned by whoever ran it: the image's
+    own user (uid 10001) cannot read them through a bind mount on a Linux engine, so the hubs run
+    as the invoking user, and compose refuses to start without it."""
+    services = _compose()["services"]
+    assert "--uid 10001" in (DOCKER / "Dockerfile").read_text()
+    for name in ("hub-1", "hub-2"):
+        svc = services[name]
+        assert any(v.startswith("./auth/hub.main.nk:") for v in svc["volumes"]), name
+        user = svc.get("user")
+        assert user is not None, f"{name} runs as the image's uid 10001"
+        uid, gid = user.split("}:")
+        assert uid.startswith("${REACH_UID:?") and gid.startswith("${REACH_GID:?"), user
+    assert "export REACH_UID=$(id -u) REACH_GID=$(id -g)" in (DOCKER / "README.md").read_text()
+
+
+def test_compose_keeps_each_nats_nodes_jetstream_in_a_named_volume() -> None:
+    """nats.conf stores JetStream in /data: a volume per node, or ``docker compose down`` loses
+    the registry, the workflows and the audit trail."""
+    store = re.search(r"store_dir:\s*(\S+?)\s*}", (DOCKER / "nats.conf").read_text())
+    assert store is not None
+    compose = _compose()
+    declared = set(compose.get("volumes") or {})
+    used = set()
+    for name in ("nats-1", "nats-2", "nats-3"):
+        mounts = dict(v.split(":")[:2] for v in compose["services"][name]["volumes"])
+        assert mounts["./nats.conf"] == "/etc/nats/nats.conf", name
+        assert mounts["./auth/auth.conf"] == "/etc/nats/auth/auth.conf", name
+        data = [source for source, target in mounts.items() if target == store.group(1)]
+        assert len(data) == 1 and data[0] in declared, (name, mounts, declared)
+        used.add(data[0])
+    assert len(used) == 3, "each node needs a store of its own"
+
+
 def test_compose_wires_prometheus_rules_and_traces() -> None:
     services = _compose()["services"]
     mounts = dict(v.rsplit(":", 2)[:2] for v in services["prometheus"]["volumes"])
@@ -229,17 +263,27 @@ def test_compose_config_with_docker_compose() -> None:
         command = ["docker", "compose"]
     else:
         pytest.skip("neither docker-compose nor the docker compose plugin is installed")
-    out = subprocess.run(
-        [*command, "-f", "docker-compose.yml", "config"],
-        cwd=DOCKER,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={"PATH": "/usr/bin:/bin", "REACH_HTTP_TOKEN": "t" * 24},
-    )
+
+    def config(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "-f", "docker-compose.yml", "config"],
+            cwd=DOCKER,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={"PATH": "/usr/bin:/bin", "REACH_HTTP_TOKEN": "t" * 24, **env},
+        )
+
+    # Without the owner of docker/auth the hubs could not read their key: refused, saying why.
+    refused = config()
+    assert refused.returncode != 0 and "REACH_UID" in refused.stderr, refused
+    out = config(REACH_UID="1234", REACH_GID="5678")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "prometheus" in yaml.safe_load(out.stdout)["services"]
+    config = yaml.safe_load(out.stdout)
+    assert "prometheus" in config["services"]
+    assert config["services"]["hub-1"]["user"] == "1234:5678"
+    assert {"nats-1-data", "nats-2-data", "nats-3-data"} <= set(config["volumes"])
 
 
 def test_dockerfile_copies_what_exists_and_context_excludes_the_venv() -> None:

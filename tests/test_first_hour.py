@@ -3,9 +3,18 @@ requests and workflows in the wrong namespace — each either works or says exac
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, TaskState
@@ -207,3 +216,151 @@ async def test_show_decision_says_why_not_the_agents_the_selector_removed(
             await mesh.route(selector="cap=why:echo:v1 AND region=ap-south")
         filtered = err.value.details["decision"]["filtered"]
         assert {f["agent_id"] for f in filtered} == {a.agent_id for a in agents}
+
+
+# --------------------------------------------------------------------------- the command line
+
+CLI = [sys.executable, "-m", "reach_mesh.cli"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+    env.update(extra)
+    return env
+
+
+async def test_agent_command_reads_the_config_file_it_is_given(
+    hub: Hub, settings: MeshSettings, namespace: str, tmp_path: Path
+) -> None:
+    """`reach-mesh agent mod:attr --config FILE`: the agents the module builds at import time
+    take their settings from FILE — here the only place that names the NATS server."""
+    agent_id = f"{namespace}.conf.a1"
+    (tmp_path / "fromconf.py").write_text(
+        "from reach_mesh.agent import Agent\n"
+        f"agent = Agent({agent_id!r})\n"
+        "@agent.handler('conf:echo:v1')\n"
+        "async def echo(task):\n"
+        "    return task.payload\n"
+    )
+    conf = tmp_path / "agent.yaml"
+    conf.write_text(yaml.safe_dump({"nats_url": settings.nats_url}))
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        "agent",
+        "fromconf:agent",
+        "--config",
+        str(conf),
+        cwd=tmp_path,
+        env=_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        assert proc.stdout is not None
+        seen = b""
+        while b"serving" not in seen:
+            line = await asyncio.wait_for(proc.stdout.readline(), 30)
+            assert line, f"the agent command ended: {seen.decode()}"
+            seen += line
+        assert f"serving {agent_id}".encode() in seen, seen
+        async with Client(settings=settings) as mesh:
+            res = await mesh.request(agent_id=agent_id, capability="conf:echo:v1", payload=3)
+        assert res.result == 3
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # it may have ended by itself
+            proc.send_signal(signal.SIGINT)
+        await asyncio.wait_for(proc.wait(), 30)
+
+
+def test_auth_writes_only_a_nats_url_given_on_its_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$REACH_NATS_URL is where this shell talks to, not where each identity will run: the
+    settings files carry a URL only when the auth command is given one."""
+    from reach_mesh.cli import main
+
+    def urls(d: Path) -> set[str | None]:
+        files = sorted(d.glob("*.yaml"))
+        assert files, f"no settings files in {d}"
+        return {yaml.safe_load(f.read_text()).get("nats_url") for f in files}
+
+    monkeypatch.setenv("REACH_NATS_URL", "nats://this-shell:4222")
+    assert main(["auth", "init", str(tmp_path / "a")]) == 0
+    assert main(["auth", "add-agent", "billing.inv.i1", "--dir", str(tmp_path / "a")]) == 0
+    assert urls(tmp_path / "a") == {None}
+    given = "nats://mesh-1:4222,nats://mesh-2:4222"
+    assert main(["auth", "init", str(tmp_path / "b"), "--nats", given]) == 0
+    assert urls(tmp_path / "b") == {given}
+    assert main(["--nats", "nats://mesh-3:4222", "auth", "init", str(tmp_path / "c")]) == 0
+    assert urls(tmp_path / "c") == {"nats://mesh-3:4222"}
+
+
+def test_reach_strategy_takes_the_names_the_hub_knows(capsys: pytest.CaptureFixture[str]) -> None:
+    from reach_mesh.cli import build_parser
+    from reach_mesh.hub.strategies import STRATEGIES
+
+    parser = build_parser()
+    for name in STRATEGIES:
+        assert parser.parse_args(["reach", "--strategy", name]).strategy == name
+    for wrong in ("weighted", "p2c"):  # what the help text used to offer
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(["reach", "--strategy", wrong])
+        assert exited.value.code == 2
+        assert f"invalid choice: {wrong!r}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["reach", "--help"])
+    shown = capsys.readouterr().out
+    assert all(name in shown for name in STRATEGIES), shown
+    assert "p2c" not in shown and "weighted," not in shown
+    # The names come from the hub's registry without importing the hub itself.
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, reach_mesh.cli; print(*sorted(m for m in sys.modules "
+            "if m.startswith('reach_mesh.hub')))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert run.stdout.split() == ["reach_mesh.hub", "reach_mesh.hub.strategies"]
+
+
+async def test_reach_waits_the_configured_request_timeout(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """`reach` without --timeout waits ``request_timeout`` (here $REACH_REQUEST_TIMEOUT), not a
+    fixed 30 s; no answer in time is exit code 5 (outcome unknown)."""
+    agent = Agent(f"{namespace}.slow.a1", settings=settings)
+    release = asyncio.Event()
+
+    @agent.handler("slow:wait:v1")
+    async def wait(task):
+        await release.wait()
+        return None
+
+    async with agent:
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *CLI,
+            "reach",
+            "--nats",
+            settings.nats_url or "",
+            "--agent",
+            agent.agent_id,
+            "--payload",
+            "1",
+            env=_env(REACH_REQUEST_TIMEOUT="1"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        finally:
+            release.set()
+        took = time.monotonic() - t0
+    assert proc.returncode == 5, (out, err)
+    assert err.startswith(b"error REACH_TIMEOUT"), err
+    assert took < 20, took  # the old fixed default waited 30 s

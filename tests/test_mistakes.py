@@ -1,5 +1,6 @@
 """Ordinary mistakes, as a user makes them on the command line: each ends in one line on stderr
-that names the fix, exit code 2, no traceback — and quickly."""
+that names the fix, an exit code that says what kind of mistake it is (2 bad input, 3 nothing to
+talk to, 4 nothing of that name, 5 no answer in time), no traceback — and quickly."""
 
 from __future__ import annotations
 
@@ -52,12 +53,12 @@ def busy_port() -> Iterator[int]:
 
 
 def _fails_in_one_line(
-    argv: list[str], env: dict[str, str], *expected: str, cwd: Path | None = None
+    argv: list[str], env: dict[str, str], *expected: str, cwd: Path | None = None, code: int = 2
 ) -> str:
     run = subprocess.run(
         [*CLI, *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=60
     )
-    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert run.returncode == code, (run.stdout, run.stderr)
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1, run.stderr
     assert "Traceback" not in run.stderr
@@ -114,7 +115,7 @@ def test_busy_http_port(nats_url: str, busy_port: int) -> None:
 )
 def test_unreachable_nats_says_why(url: str, cause: str) -> None:
     url = url.format(refused=_refused_port())
-    _fails_in_one_line(["agents", "--nats", url], _env(), "REACH_UNAVAILABLE", cause)
+    _fails_in_one_line(["agents", "--nats", url], _env(), "REACH_UNAVAILABLE", cause, code=3)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +139,11 @@ def test_agent_does_not_claim_to_serve_before_it_is_connected(tmp_path: Path) ->
     )
     url = f"nats://127.0.0.1:{_refused_port()}"
     out = _fails_in_one_line(
-        ["agent", "lonely:agent", "--nats", url], _env(), "connection refused", cwd=tmp_path
+        ["agent", "lonely:agent", "--nats", url],
+        _env(),
+        "connection refused",
+        cwd=tmp_path,
+        code=3,
     )
     assert "serving" not in out
 
@@ -184,6 +189,66 @@ async def test_global_options_before_the_command(hub: Hub, nats_url: str) -> Non
     assert b"no agents in namespace 'nobody'" in out
     code, out, _ = await _cli("--nats", nats_url, "tools", "--json")
     assert code == 0 and isinstance(json.loads(out), list)
+
+
+def test_exit_code_of_each_kind_of_error() -> None:
+    """The table of README.md ("Running a mesh") and ``reach-mesh --help``, by wire code: what
+    a script branches on (retry on 3, look elsewhere on 4, check the outcome on 5)."""
+    from reach_mesh.cli import EXIT_CODES, exit_code
+    from reach_mesh.errors import error_from_wire
+
+    expected = {
+        "REACH_BAD_REQUEST": 2,
+        "REACH_BAD_SELECTOR": 2,
+        "REACH_PAYLOAD_TOO_LARGE": 2,
+        "REACH_UNAVAILABLE": 3,
+        "REACH_THROTTLED": 3,
+        "REACH_AGENT_BUSY": 3,
+        "REACH_NO_MATCH": 4,
+        "REACH_UNKNOWN_NAMESPACE": 4,
+        "REACH_UNKNOWN_AGENT": 4,
+        "REACH_UNKNOWN_WORKFLOW": 4,
+        "REACH_NO_HANDLER": 4,
+        "REACH_TIMEOUT": 5,
+        "REACH_INTERNAL": 1,
+        "REACH_FROM_A_NEWER_HUB": 1,
+    }
+    for code, want in expected.items():
+        assert exit_code(error_from_wire({"code": code, "message": "m"})) == want, code
+        if want > 2:
+            assert code in EXIT_CODES, code  # the table of --help names it
+    assert "REACH_BAD_*" in EXIT_CODES
+    assert exit_code(RuntimeError("a bug")) == 1
+    run = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "exit codes:" in run.stdout and "REACH_TIMEOUT" in run.stdout
+
+
+async def test_exit_codes_end_to_end(hub: Hub, settings: MeshSettings, namespace: str) -> None:
+    nats = ("--nats", settings.nats_url or "")
+    code, _, err = await _cli("reach", *nats, "--agent", f"{namespace}.nobody.x1", "--payload", "1")
+    assert code == 4 and b"error REACH_" in err, err
+    code, _, err = await _cli(
+        "reach", *nats, "--namespace", namespace, "--capability", "nobody:here:v1"
+    )
+    assert code == 4 and b"REACH_NO_MATCH" in err, err
+    code, _, err = await _cli("workflow", *nats, "--namespace", namespace, "no-such-workflow")
+    assert code == 4 and b"REACH_UNKNOWN_WORKFLOW" in err, err
+    code, _, err = await _cli("reach", *nats, "--selector", "cap=x:y:v1 AND", "--payload", "1")
+    assert code == 2 and b"REACH_BAD_SELECTOR" in err, err
+    code, _, err = await _cli("reach", *nats, "--agent", "a.b.c1", "--strategy", "p2c")
+    assert code == 2 and b"invalid choice: 'p2c'" in err, err
+
+
+async def test_hubs_with_no_hub_answering_exits_3() -> None:
+    """`reach-mesh hubs` is how a script asks "is a hub up?": none answering is an error."""
+    async with EmbeddedNats() as server:
+        for extra in ((), ("--json",)):
+            code, out, err = await _cli("hubs", "--nats", server.url, *extra)
+            assert code == 3, (out, err)
+            assert err.decode().startswith("error REACH_UNAVAILABLE: no hub answered"), err
+            assert server.url.encode() in err and out == b"", out
+        code, _, err = await _cli("agents", "--via-micro", "--nats", server.url)
+        assert code == 3 and b"no hub answered" in err, err
 
 
 def test_version() -> None:

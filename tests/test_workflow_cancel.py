@@ -584,7 +584,7 @@ async def test_the_cli_and_the_rest_api_cancel(fleet: Fleet, wf_settings: MeshSe
         missing = await asyncio.to_thread(
             subprocess.run, argv, env=env, capture_output=True, text=True
         )
-        assert missing.returncode == 2 and "REACH_UNKNOWN_WORKFLOW" in missing.stderr, missing
+        assert missing.returncode == 4 and "REACH_UNKNOWN_WORKFLOW" in missing.stderr, missing
         early = await asyncio.to_thread(
             subprocess.run, [*argv, "--before-start"], env=env, capture_output=True, text=True
         )

@@ -183,10 +183,10 @@ async def test_retries_show_every_attempt_and_the_cli_prints_them(
     assert as_json.returncode == 0, as_json.stderr
     assert WorkflowView.model_validate_json(as_json.stdout).steps[1].attempt == 2
 
-    # Unknown: a typed error, exit code 2 and the code on stderr.
+    # Unknown: a typed error, exit code 4 (not found) and the code on stderr.
     argv[-3] = "no-such-workflow"
     missing = await asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True, text=True)
-    assert missing.returncode == 2 and "REACH_UNKNOWN_WORKFLOW" in missing.stderr, missing
+    assert missing.returncode == 4 and "REACH_UNKNOWN_WORKFLOW" in missing.stderr, missing
     # Without --namespace the configured one is asked, and the error says how to ask another.
     elsewhere = await asyncio.to_thread(
         subprocess.run, argv[:-2], env=env, capture_output=True, text=True
