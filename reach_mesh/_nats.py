@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import ssl
 import time
-from collections.abc import Callable
-from typing import Any, Final
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, Final, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 import nats
@@ -20,9 +22,22 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.errors import MeshUnavailableError, NotPermittedError
 
-__all__ = ["connect", "ensure_kv", "has_credentials", "has_identity", "shown"]
+__all__ = [
+    "Refusals",
+    "connect",
+    "ensure_kv",
+    "has_credentials",
+    "has_identity",
+    "not_permitted",
+    "refusals_of",
+    "refused_first",
+    "refused_since",
+    "shown",
+]
+
+T = TypeVar("T")
 
 log = logging.getLogger("reach_mesh.nats")
 
@@ -44,6 +59,18 @@ _MAX_PINGS_OUT: Final = 3
 #: taken for dead (a reconnect), and when the connection is closed on purpose.
 _CLOSE_DEAD: Final = 1.0
 _CLOSE_OWN: Final = 5.0
+#: The server's words for a subject this identity may not use (``-ERR``, handed to error_cb).
+_REFUSED_RE: Final = re.compile(
+    r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE
+)
+#: Refused subjects remembered per connection (the newest).
+_REFUSALS_KEPT: Final = 256
+#: What to do about a refusal, in a message meant for whoever runs a command.
+_REFUSED_HINT: Final = (
+    "operator commands (cordon, remove, agents of every namespace, audit, ...) need the "
+    "operator identity (REACH_CONFIG=<auth dir>/operator.admin.yaml); a caller identity acts "
+    "in its own namespace only (docs/security.md)"
+)
 
 
 async def connect(
@@ -106,6 +133,7 @@ async def connect(
     opts.setdefault("disconnected_cb", watch.disconnected)
     opts.setdefault("reconnected_cb", watch.reconnected)
     nc = watch.nc = _Connection()
+    nc.refusals = Refusals()
     try:
         await _first_connect(nc, opts, watch, timeout)
     except (TimeoutError, OSError, nats.errors.Error) as err:
@@ -117,6 +145,98 @@ async def connect(
     return nc
 
 
+class Refusals:
+    """The subjects the server refused this connection (NATS permissions, secure mode): a
+    refused publish is only an ``-ERR`` handed to the error callback, so a request on it would
+    otherwise end as a timeout. Told at once to whoever waits on the subject
+    (:func:`refused_first`), and kept (the newest ``_REFUSALS_KEPT``) for :meth:`since`."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[str, float] = OrderedDict()
+        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+
+    def note(self, text: str) -> None:
+        """A permissions violation from the server (its text, as nats-py hands it over)."""
+        m = _REFUSED_RE.search(text)
+        if m is None:
+            return
+        subject = m.group(2).lower()  # (the server writes it lower-cased)
+        self._kept[subject] = time.monotonic()
+        self._kept.move_to_end(subject)
+        while len(self._kept) > _REFUSALS_KEPT:
+            self._kept.popitem(last=False)
+        for fut in self._waiting.pop(subject, []):
+            if not fut.done():
+                fut.set_result(None)
+
+    def since(self, t0: float, prefix: str) -> str | None:
+        """A subject starting with ``prefix`` refused at monotonic time ``t0`` or later (as the
+        server names it: lower-cased)."""
+        prefix = prefix.lower()
+        for subject, at in reversed(self._kept.items()):
+            if at >= t0 and subject.startswith(prefix):
+                return subject
+        return None
+
+    def wait(self, subject: str) -> asyncio.Future[None]:
+        """A future done when ``subject`` is refused (pass it to :meth:`forget` after)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(subject.lower(), []).append(fut)
+        return fut
+
+    def forget(self, subject: str, fut: asyncio.Future[None]) -> None:
+        key = subject.lower()
+        waiting = self._waiting.get(key)
+        if waiting is not None and fut in waiting:
+            waiting.remove(fut)
+            if not waiting:
+                del self._waiting[key]
+
+
+def refusals_of(nc: NATS) -> Refusals | None:
+    """The refusals a connection made by :func:`connect` keeps (None for another one)."""
+    got = getattr(nc, "refusals", None)
+    return got if isinstance(got, Refusals) else None
+
+
+def refused_since(nc: NATS, t0: float, prefix: str) -> str | None:
+    """A subject starting with ``prefix`` that NATS refused ``nc`` since ``t0`` (monotonic):
+    what a request that timed out may have been refused (None: nothing, or not known)."""
+    refusals = refusals_of(nc)
+    return None if refusals is None else refusals.since(t0, prefix)
+
+
+def not_permitted(subject: str) -> NotPermittedError:
+    """The error for a subject the server refused this identity."""
+    return NotPermittedError(
+        f"NATS refused this identity {subject!r} (permissions violation): {_REFUSED_HINT}",
+        subject=subject,
+    )
+
+
+async def refused_first(nc: NATS, subject: str, aw: Awaitable[T]) -> T:
+    """Await ``aw`` (a request published on ``subject``), or raise :class:`NotPermittedError`
+    as soon as the server refuses this connection ``subject`` — instead of the request's
+    timeout, long after. Not for hot paths: a future and a task per call."""
+    refusals = refusals_of(nc)
+    if refusals is None:
+        return await aw
+    refused = refusals.wait(subject)
+    task = asyncio.ensure_future(aw)
+    either: set[asyncio.Future[Any]] = {task, refused}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        refusals.forget(subject, refused)
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise not_permitted(subject)
+
+
 class _Connection(NATS):
     """nats-py's client, whose close of a connection is bounded.
 
@@ -125,6 +245,9 @@ class _Connection(NATS):
     send buffer until the operating system gives the connection up — minutes, for a server
     that froze (nats.py issue 671). Here the socket is cut (aborted) when that takes longer
     than ``_CLOSE_DEAD`` after the server was taken for dead, ``_CLOSE_OWN`` on a close."""
+
+    #: Subjects the server refused this connection (``connect`` sets it).
+    refusals: Refusals
 
     async def _attempt_reconnect(self) -> None:
         _cut_if_open(self._transport, _CLOSE_DEAD)
@@ -265,6 +388,8 @@ class _Watch:
         if refused:
             # The server refusing this identity a subject (secure mode, docs/security.md).
             log.warning("NATS refused %s: %s", self.name, err)
+            if isinstance(self.nc, _Connection):
+                self.nc.refusals.note(str(err))
         if not self.connected and (
             isinstance(err, nats.errors.AuthorizationError)
             # The handshake raises a plain nats Error with the server's -ERR text.

@@ -47,6 +47,7 @@ from reach_mesh.errors import (
     MeshUnavailableError,
     NoHandlerError,
     NoMatchError,
+    NotPermittedError,
     ReachError,
     ThrottledError,
     UnknownAgentError,
@@ -89,6 +90,7 @@ _EXIT_BY_CODE: Final[Mapping[str, int]] = {
     UnknownWorkflowError.code: EXIT_NOT_FOUND,
     NoHandlerError.code: EXIT_NOT_FOUND,
     MeshTimeoutError.code: EXIT_TIMEOUT,
+    NotPermittedError.code: EXIT_USAGE,
 }
 
 EXIT_CODES: Final = f"""\
@@ -97,7 +99,7 @@ exit codes:
   {EXIT_FAILED}  the task or workflow did not succeed (its result says why), or an
      error not listed below
   {EXIT_USAGE}  usage or bad input: a wrong option or argument, REACH_BAD_* (a bad
-     setting, selector, payload, ...)
+     setting, selector, payload, ...), REACH_NOT_PERMITTED (NATS refused this identity)
   {EXIT_UNAVAILABLE}  unavailable, try again later: REACH_UNAVAILABLE (NATS unreachable, no
      hub answers; `hubs` when none does), REACH_THROTTLED, REACH_AGENT_BUSY
   {EXIT_NOT_FOUND}  not found: REACH_NO_MATCH (REACH_UNKNOWN_NAMESPACE), REACH_UNKNOWN_AGENT,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import datetime
 import enum
 import json
 import os
@@ -16,20 +15,18 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Literal
 
-import nats.js.errors
 import pydantic_core
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from reach_mesh import protocol
 from reach_mesh._batch import Batcher
+from reach_mesh._client_audit import read_audit
 from reach_mesh._client_fields import (
     _PROXY_REPLY,
     _TASK_REPLY,
-    _consumer_name,
     _end_span,
     _envelope,
     _parse,
@@ -40,7 +37,7 @@ from reach_mesh._client_fields import (
 )
 from reach_mesh._client_workflows import WorkflowsMixin, _Done
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import connect, shown
+from reach_mesh._nats import connect, not_permitted, refused_first, refused_since, shown
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
@@ -597,7 +594,8 @@ class Client(WorkflowsMixin):
         subject = protocol.hub_subject(ns, verb)
         delay = 0.02
         while True:
-            left = deadline - time.monotonic()
+            asked_at = time.monotonic()
+            left = deadline - asked_at
             wait_s = min(timeout, max(left, 0.0) + _reply_slack(timeout))
             try:
                 if verb == "route":
@@ -607,9 +605,9 @@ class Client(WorkflowsMixin):
                         subject, protocol.hub_subject(ns, "route_batch"), body, headers, wait_s
                     )
                 else:
-                    data = (
-                        await self.nc.request(subject, body, timeout=wait_s, headers=headers)
-                    ).data
+                    # A subject this identity may not publish fails at once, not at the timeout.
+                    asked = self.nc.request(subject, body, timeout=wait_s, headers=headers)
+                    data = (await refused_first(self.nc, subject, asked)).data
             except NoRespondersError as err:
                 last: ReachError = MeshUnavailableError(
                     f"no hub answered on {subject}: is `reach-mesh hub` running?"
@@ -622,6 +620,9 @@ class Client(WorkflowsMixin):
                     f"request exceeds the server's max payload: {err}"
                 ) from err
             except (NatsTimeoutError, TimeoutError) as err:
+                refused = refused_since(self.nc, asked_at, protocol.hub_subject(ns, ""))
+                if refused is not None:
+                    raise not_permitted(refused) from err
                 raise MeshTimeoutError(f"no answer on {subject} within {timeout:g}s") from err
             else:
                 try:
@@ -716,76 +717,19 @@ class Client(WorkflowsMixin):
         """Audit events of the last ``since`` seconds matching every given filter, oldest
         first (at most ``limit``, the newest ones). ``MeshUnavailableError`` when there is no
         audit stream at all (no hub ever ran on this NATS, or audit is off)."""
-        js = self.nc.jetstream()
-        start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=since)
-        subject = protocol.audit_subject(namespace or "*", "*")
-        config = ConsumerConfig(
-            name=_consumer_name(),
-            deliver_policy=DeliverPolicy.BY_START_TIME,
-            opt_start_time=start,
+        return await read_audit(
+            self.nc,
+            request_id=request_id,
+            agent_id=agent_id,
+            trace_id=trace_id,
+            task_id=task_id,
+            namespace=namespace,
+            since=since,
+            limit=limit,
         )
-        try:
-            info = await js.stream_info(protocol.STREAM_AUDIT)
-        except nats.js.errors.NotFoundError as err:
-            raise MeshUnavailableError(
-                f"no audit stream ({protocol.STREAM_AUDIT}) on this NATS: no hub has run here, "
-                "or the hubs run with audit_enabled=false"
-            ) from err
-        if info.state.messages == 0:
-            return []
-        sub = await js.subscribe(
-            subject, ordered_consumer=True, config=config, stream=protocol.STREAM_AUDIT
-        )
-        wanted = {
-            "request_id": request_id,
-            "agent_id": agent_id,
-            "trace_id": trace_id,
-            "task_id": task_id,
-        }
-        wanted = {k: v for k, v in wanted.items() if v is not None}
-        events: collections.deque[dict[str, Any]] = collections.deque(maxlen=limit)
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=1.0)
-                except (NatsTimeoutError, TimeoutError):
-                    break
-                # A message holds a batch of events, one JSON object per line.
-                for line in msg.data.splitlines():
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue
-                    if not isinstance(event, dict):
-                        continue
-                    if all(_audit_matches(event, k, v) for k, v in wanted.items()):
-                        event["seq"] = msg.metadata.sequence.stream
-                        events.append(event)
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        # Hubs publish events in batches per subject, so stream order is not event order:
-        # order by the hub's timestamp (stable, so one batch keeps its own order).
-        return sorted(events, key=lambda e: e.get("ts", 0.0))
 
     async def _query(self, verb: str, body: dict[str, Any], ns: str | None = None) -> bytes:
         deadline = time.monotonic() + 10.0
         return await self._call_hub(
             ns or self.namespace, verb, protocol.dumps(body), inject({}), deadline, 5.0
         )
-
-
-def _audit_matches(event: dict[str, Any], key: str, value: object) -> bool:
-    """Whether an audit event matches one filter. An agent's events include the requests that
-    named it but were refused before it was chosen (no ``agent_id`` then: it is their
-    ``target``) and the routes it refused before another agent took them (``refused_by``)."""
-    if event.get(key) == value:
-        return True
-    if key != "agent_id":
-        return False
-    if event.get("agent_id") is None and event.get("target") == value:
-        return True
-    refused = event.get("refused_by")
-    return isinstance(refused, list) and value in refused

@@ -53,6 +53,7 @@ __all__ = [
     "MeshUnavailableError",
     "NoHandlerError",
     "NoMatchError",
+    "NotPermittedError",
     "PayloadTooLargeError",
     "ReachError",
     "SelectorError",
@@ -244,6 +245,13 @@ class MeshUnavailableError(ReachError):
 
 class InternalError(ReachError):
     code = "REACH_INTERNAL"
+
+
+class NotPermittedError(ReachError):
+    """The NATS server refused this identity a subject it published or subscribed to
+    (permissions, secure mode). Raised in the client that was refused; never on the wire."""
+
+    code = "REACH_NOT_PERMITTED"
 
 
 class UnauthorizedError(ReachError):

@@ -26,6 +26,7 @@ from reach_mesh import (
     IdentityMismatchError,
     MeshSettings,
     MeshUnavailableError,
+    NotPermittedError,
     Step,
     TaskState,
     protocol,
@@ -313,6 +314,28 @@ async def test_operator_actions_only_by_operator(mesh: Mesh, as_identity: Any) -
     out = await ask(other, protocol.hub_subject("other", "agents"), b'{"all_namespaces": true}')
     assert out["error"]["code"] == "REACH_BAD_REQUEST"
     await other.publish_denied(protocol.hub_subject(NS, "agents"))
+
+
+async def test_a_refused_identity_is_told_at_once_not_timed_out(mesh: Mesh) -> None:
+    """An operator command run with a caller identity: the server refuses the publish (an
+    ``-ERR`` to the error callback only), and the request used to end as REACH_TIMEOUT five
+    seconds later, which reads as "the hub is down". It fails at once, naming the subject and
+    the identity it needs; the CLI exits 2 for it."""
+    from reach_mesh.cli import EXIT_USAGE, exit_code
+
+    async with Client(settings=mesh.settings("caller", NS)) as caller:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(NotPermittedError, match="operator identity") as err:
+            await caller.admin("cordon", VICTIM)
+        assert loop.time() - t0 < 2.0
+        assert err.value.details["subject"] == protocol.hub_subject(NS, "admin")
+        assert exit_code(err.value) == EXIT_USAGE
+        with pytest.raises(NotPermittedError, match=r"(?i)\$JS\.API\.STREAM\.INFO"):
+            await caller.audit(since=60)
+        # Its own namespace's queries still work on the same connection.
+        assert VICTIM in {a.agent_id for a in await caller.agents()}
+    assert (await agent_snapshot(mesh))[2] is AgentState.ONLINE
 
 
 async def test_a_caller_cannot_report_on_another_namespaces_agents(
