@@ -12,6 +12,7 @@ outstanding requests. A watchdog re-pulls when a request was lost (reconnect, se
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -48,6 +49,9 @@ log = logging.getLogger("reach_mesh.consume")
 
 #: What every JetStream delivery's reply subject (its ack subject) starts with.
 _ACK_PREFIX: Final = "$JS.ACK."
+
+#: ``last_per_subject`` lets the event loop run other tasks after this many messages.
+_YIELD_EVERY: Final = 256
 
 _STATUS: Final = "Status"
 _PENDING: Final = "Nats-Pending-Messages"
@@ -183,10 +187,16 @@ class PullConsumer:
 
 
 async def last_per_subject(
-    js: JetStreamContext, stream: str, filter_subject: str, *, timeout: float = 5.0
+    js: JetStreamContext,
+    stream: str,
+    filter_subject: str,
+    *,
+    timeout: float = 5.0,
+    keep: int | None = None,
 ) -> list[Msg]:
     """The last message of each subject of ``stream`` matching ``filter_subject`` (empty ones
-    left out), oldest first.
+    left out), oldest first — the newest ``keep`` of them when given (all are read: memory
+    stays bounded, the time does not; the event loop gets a turn every ``_YIELD_EVERY``).
 
     Read with a *named* ordered consumer: its filter then travels in the API subject
     (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), where NATS permissions can hold an
@@ -199,17 +209,22 @@ async def last_per_subject(
         inactive_threshold=60.0,
         config=ConsumerConfig(name=f"reach-{uuid.uuid4().hex}"),
     )
-    out: list[Msg] = []
+    out: collections.deque[Msg] = collections.deque(maxlen=keep)
     try:
         info = await sub.consumer_info()
         if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
-            return out
+            return []
+        read = 0
         while True:
             msg = await sub.next_msg(timeout=timeout)
             if msg.data:
                 out.append(msg)
             if msg.metadata.num_pending == 0:
-                return out
+                return list(out)
+            read += 1
+            if read % _YIELD_EVERY == 0:
+                # Messages already queued come without a suspension: heartbeats must not wait.
+                await asyncio.sleep(0)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

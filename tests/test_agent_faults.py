@@ -261,3 +261,46 @@ async def test_a_step_running_through_the_drain_keeps_its_ack_deadline(
     finally:
         await nc.close()
     assert info.num_redelivered == 0, info
+
+
+async def test_a_restart_warms_the_table_with_the_newest_outcomes_only(
+    wf_hub: Hub, wf_settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At start an agent reads back the last status of every task it ran within
+    ``workflow_retention``: all of them were held in memory (results included) inside the
+    consumer setup's 5 s budget — past some volume the setup timed out on every try and the
+    agent never took a step. The newest the table keeps are kept, the rest only read."""
+    import reach_mesh.agent._work as work_module
+
+    monkeypatch.setattr(work_module, "_RESULT_CACHE", 5)
+    agent_id = f"{namespace}.warm.a1"
+    nc = await nats.connect(wf_settings.nats_url)
+    try:
+        js = nc.jetstream()
+        for i in range(12):
+            event = {
+                "task_id": f"w{i}",
+                "attempt": 1,
+                "agent_id": agent_id,
+                "state": "SUCCEEDED",
+                "result": i,
+            }
+            await js.publish(
+                protocol.task_status(agent_id, f"w{i}"),
+                json.dumps(event).encode(),
+                stream=protocol.STREAM_STATUS,
+            )
+    finally:
+        await nc.close()
+    agent = Agent(agent_id, settings=wf_settings)
+
+    @agent.handler("wf:warm:v1")
+    async def warm(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with agent:
+        assert agent.work is not None and agent.work._pull is not None
+        kept = [tid for tid in agent._results if tid.startswith("w")]
+        assert kept == [f"w{i}" for i in range(7, 12)], kept
+        reply = agent._results["w11"].reply
+        assert reply is not None and reply.result == 11

@@ -43,7 +43,7 @@ from reach_mesh._consume import PullConsumer, ensure_task_resources, last_per_su
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, superseded
-from reach_mesh.agent._serving import _Entry
+from reach_mesh.agent._serving import _RESULT_CACHE, _Entry
 from reach_mesh.errors import NoHandlerError, PayloadTooLargeError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject
@@ -160,7 +160,10 @@ class WorkConsumer:
         leader): then the agent still starts — request-reply is core NATS — and the consumer
         is set up in the background; steps wait in the stream meanwhile."""
         try:
-            await asyncio.wait_for(self._setup(), timeout=max(self._settings.connect_timeout, 5.0))
+            await asyncio.wait_for(
+                self._prepare(), timeout=max(self._settings.connect_timeout, 5.0)
+            )
+            await self._open()
         except (TimeoutError, Exception) as err:
             log.warning(
                 "workflow steps not available yet on %s (%r): retrying in the background",
@@ -174,7 +177,8 @@ class WorkConsumer:
         while True:
             await asyncio.sleep(delay)
             try:
-                await asyncio.wait_for(self._setup(), timeout=10.0)
+                await asyncio.wait_for(self._prepare(), timeout=10.0)
+                await self._open()
             except (TimeoutError, Exception) as err:
                 log.debug("work consumer setup failed: %r", err)
                 delay = min(delay * 2, 5.0)
@@ -182,7 +186,9 @@ class WorkConsumer:
             log.info("workflow steps available on %s", self._agent.agent_id)
             return
 
-    async def _setup(self) -> None:
+    async def _prepare(self) -> None:
+        """The JetStream side: the task resources and this agent's work consumer (bounded in
+        time by the caller: JetStream may be electing a leader)."""
         agent = self._agent
         s = self._settings
         js = self._js = agent.nc.jetstream(timeout=10.0)
@@ -210,7 +216,16 @@ class WorkConsumer:
                 inactive_threshold=s.workflow_retention,
             ),
         )
+
+    async def _open(self) -> None:
+        """Warm the idempotency table (not bounded by the setup's time: it grows with what
+        this agent ran within ``workflow_retention``), then start pulling steps."""
+        agent = self._agent
+        capacity = agent.max_concurrency + agent.max_queue
+        durable = protocol.work_consumer(agent.agent_id)
         await self._load_results()
+        if self._pull is not None:  # (a try before failed past this point)
+            await self._pull.stop()
         self._pull = PullConsumer(
             agent.nc, protocol.STREAM_WORK, durable, self._on_msg, capacity, expires=5.0
         )
@@ -253,8 +268,12 @@ class WorkConsumer:
         agent = self._agent
         try:
             # Its own subjects only: what NATS permissions allow an agent in secure mode.
+            # The newest as many as the table keeps (older ones would be pushed out).
             msgs = await last_per_subject(
-                self._js, protocol.STREAM_STATUS, protocol.task_status(agent.agent_id, "*")
+                self._js,
+                protocol.STREAM_STATUS,
+                protocol.task_status(agent.agent_id, "*"),
+                keep=_RESULT_CACHE,
             )
         except Exception:
             log.warning("cannot load the final statuses of %s", agent.agent_id, exc_info=True)
