@@ -16,7 +16,8 @@ from pydantic import BaseModel, field_validator
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task
-from reach_mesh.agent._serving import _RESULT_CACHE, AgentStatus, _Entry
+from reach_mesh.agent._serving import AgentStatus
+from reach_mesh.agent._table import RESULT_CACHE, _Entry
 from reach_mesh.hub import Hub
 from reach_mesh.models import TaskReply
 
@@ -128,12 +129,12 @@ async def test_a_running_attempt_is_never_pushed_out_of_the_idempotency_cache(
     async with agent:
         first = asyncio.ensure_future(send(nc, agent, "t-long", 1))
         await eventually(lambda: "t-long" in agent._results)
-        for i in range(_RESULT_CACHE + 10):  # finished tasks, newer than the running one
+        for i in range(RESULT_CACHE + 10):  # finished tasks, newer than the running one
             reply = TaskReply(
                 task_id=f"x{i}", attempt=1, agent_id=agent.agent_id, state=TaskState.SUCCEEDED
             )
             agent._remember(f"x{i}", _Entry(1, TaskState.SUCCEEDED, reply=reply))
-        assert len(agent._results) == _RESULT_CACHE
+        assert len(agent._results) == RESULT_CACHE
         assert "t-long" in agent._results
         state = json.loads(
             (
@@ -272,7 +273,7 @@ async def test_a_restart_warms_the_table_with_the_newest_outcomes_only(
     agent never took a step. The newest the table keeps are kept, the rest only read."""
     import reach_mesh.agent._work as work_module
 
-    monkeypatch.setattr(work_module, "_RESULT_CACHE", 5)
+    monkeypatch.setattr(work_module, "RESULT_CACHE", 5)
     agent_id = f"{namespace}.warm.a1"
     nc = await nats.connect(wf_settings.nats_url)
     try:
@@ -304,3 +305,37 @@ async def test_a_restart_warms_the_table_with_the_newest_outcomes_only(
         assert kept == [f"w{i}" for i in range(7, 12)], kept
         reply = agent._results["w11"].reply
         assert reply is not None and reply.result == 11
+
+
+async def test_the_table_holds_results_to_a_byte_budget(
+    hub: Hub, settings: MeshSettings, namespace: str, nc: NATS
+) -> None:
+    """10,000 results of up to ``max_payload`` each could hold gigabytes: past the byte budget
+    the oldest finished results go (a running attempt stays, whatever its size)."""
+    agent = Agent(f"{namespace}.big.a1", settings=settings)
+    release = asyncio.Event()
+
+    @agent.handler("calc:big:v1")
+    async def big(task: Task[dict[str, Any]]) -> str:
+        if task.payload.get("hold"):
+            await release.wait()
+        return "x" * int(task.payload["size"])
+
+    async with agent:
+        table = agent._results
+        table.max_bytes = 350_000  # three results of 100 KB and their replies
+        held = asyncio.ensure_future(send(nc, agent, "t-held", {"hold": True, "size": 10}))
+        await eventually(lambda: "t-held" in table)
+        for i in range(8):
+            out = await send(nc, agent, f"t{i}", {"size": 100_000})
+            assert out["state"] == TaskState.SUCCEEDED.value
+        assert table.bytes <= table.max_bytes
+        assert [t for t in table if t != "t-held"] == ["t5", "t6", "t7"]
+        assert "t-held" in table  # running: never pushed out
+        # A forgotten one runs again; a kept one answers from the table.
+        assert (await send(nc, agent, "t7", {"size": 100_000})).get("cached") is True
+        assert (await send(nc, agent, "t0", {"size": 100_000})).get("cached", False) is False
+        release.set()
+        assert (await held)["result"] == "x" * 10
+        sizes = sum(table[t].size for t in table)
+        assert sizes == table.bytes

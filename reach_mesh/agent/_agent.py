@@ -18,7 +18,7 @@ import sys
 import time
 import typing
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -41,9 +41,9 @@ from reach_mesh.agent._serving import (
     _TRACEBACK_INTERVAL,
     AgentStatus,
     ServingMixin,
-    _Entry,
     _Handler,
 )
+from reach_mesh.agent._table import Results
 from reach_mesh.agent._task import Task
 from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.config import MeshSettings, load_settings
@@ -177,7 +177,7 @@ class Agent(ServingMixin):
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._waiting = 0
         self._tasks: set[asyncio.Task[None]] = set()
-        self._results: OrderedDict[str, _Entry] = OrderedDict()
+        self._results = Results()
         # Answers to attempts that came in batches (made once connected).
         self._answers: AnswerBatcher
         self._hb_task: asyncio.Task[None] | None = None

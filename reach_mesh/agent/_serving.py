@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import typing
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ from reach_mesh.agent._results import (
     _json_string,
     _result_json,
 )
+from reach_mesh.agent._table import Results, _Entry
 from reach_mesh.agent._task import Task
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -76,8 +77,6 @@ log = logging.getLogger("reach_mesh.agent")
 #: A failing handler's traceback is logged at most once per this many seconds per capability.
 _TRACEBACK_INTERVAL: Final = 60.0
 
-_RESULT_CACHE: Final = 10_000
-
 
 @dataclass(slots=True, eq=False)
 class _Request:
@@ -107,58 +106,6 @@ class _Handler:
     result: TypeAdapter[Any] | None
 
 
-class _Entry:
-    """What the agent remembers about one task id (idempotency and fencing).
-
-    ``reply`` is None while the attempt runs. ``done`` is resolved with the reply when it ends;
-    request-reply tasks create it only when a duplicate waits (most never see one). Their
-    successes are kept as the reply bytes sent: the ``TaskReply`` is parsed from them only if a
-    duplicate or a state query asks for it.
-    """
-
-    __slots__ = ("_raw", "_reply", "attempt", "done", "owner", "state")
-
-    def __init__(
-        self,
-        attempt: int,
-        state: TaskState,
-        reply: TaskReply | None = None,
-        done: asyncio.Future[TaskReply] | None = None,
-        owner: tuple[str, int | None] | None = None,
-    ) -> None:
-        self.attempt = attempt
-        self.state = state
-        self.done = done
-        #: The workflow step the task id was seen for (``workflow_id``, ``step``); None for
-        #: request-reply tasks.
-        self.owner = owner
-        self._reply = reply
-        self._raw: bytes | None = None
-
-    @property
-    def running(self) -> bool:
-        """No final reply yet (the attempt runs, or waits for a slot)."""
-        return self._reply is None and self._raw is None
-
-    @property
-    def reply(self) -> TaskReply | None:
-        """The final reply of the attempt, or None while it runs."""
-        if self._reply is None and self._raw is not None:
-            self._reply = TaskReply.model_validate_json(self._raw)
-        return self._reply
-
-    @reply.setter
-    def reply(self, reply: TaskReply | None) -> None:
-        self._reply = reply
-        self._raw = None
-
-    def finish(self, state: TaskState, reply: TaskReply | None, raw: bytes) -> None:
-        """The attempt ended with ``reply`` (or, when None, the reply JSON ``raw``)."""
-        self.state = state
-        self._reply = reply
-        self._raw = None if reply is not None else raw
-
-
 class ServingMixin:
     """The serving and control-subject methods of ``Agent`` (which sets every attribute below
     in its ``__init__`` and ``start``)."""
@@ -175,7 +122,7 @@ class ServingMixin:
     _nc: NATS | None
     _answers: AnswerBatcher
     _handlers: dict[str, _Handler]
-    _results: OrderedDict[str, _Entry]
+    _results: Results
     _running: int
     _slot_waiters: deque[asyncio.Future[None]]
     _waiting: int
@@ -285,23 +232,8 @@ class ServingMixin:
         task.add_done_callback(self._tasks.discard)
 
     def _remember(self, task_id: str, entry: _Entry) -> None:
-        """Keep ``entry`` as ``task_id``'s, the newest; past ``_RESULT_CACHE`` entries the
-        oldest finished ones go. An attempt still running is never forgotten (a copy of it
-        would run again, and a hub's probe hear PENDING and give it up): those are bounded
-        by the agent's capacity, not by the cache."""
-        results = self._results
-        if task_id in results:
-            results.move_to_end(task_id)  # a retry: its new attempt is the newest entry
-        results[task_id] = entry
-        excess = len(results) - _RESULT_CACHE
-        seen = 0
-        while excess > 0 and seen < len(results):
-            old_id, old = results.popitem(last=False)
-            if old.running:
-                results[old_id] = old  # to the newest end; looked at once per pass
-                seen += 1
-            else:
-                excess -= 1
+        """Keep ``entry`` as ``task_id``'s (see :class:`~reach_mesh.agent._table.Results`)."""
+        self._results.remember(task_id, entry)
 
     async def _duplicate(self, req: _Request, env: TaskEnvelope, entry: _Entry) -> None:
         """Same task again (not a later attempt of a failed one: ``_take`` runs those): never

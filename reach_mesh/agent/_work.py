@@ -43,7 +43,7 @@ from reach_mesh._consume import PullConsumer, ensure_task_resources, last_per_su
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, superseded
-from reach_mesh.agent._serving import _RESULT_CACHE, _Entry
+from reach_mesh.agent._table import RESULT_CACHE, _Entry
 from reach_mesh.errors import NoHandlerError, PayloadTooLargeError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject
@@ -273,7 +273,7 @@ class WorkConsumer:
                 self._js,
                 protocol.STREAM_STATUS,
                 protocol.task_status(agent.agent_id, "*"),
-                keep=_RESULT_CACHE,
+                keep=RESULT_CACHE,
             )
         except Exception:
             log.warning("cannot load the final statuses of %s", agent.agent_id, exc_info=True)
@@ -360,7 +360,7 @@ class WorkConsumer:
                     await msg.nak(delay=0.5)
                 self._release()
                 return
-            agent._results.pop(env.task_id, None)
+            agent._results.pop(env.task_id)
             entry = None
         if entry is not None and await self._known(msg, env, headers, entry):
             return
@@ -569,7 +569,7 @@ class WorkConsumer:
             _quiet(held)
             entry = agent._results.get(env.task_id)
             if entry is not None and entry.done is done:
-                agent._results.pop(env.task_id, None)
+                agent._results.pop(env.task_id)
             if not done.done():
                 done.cancel()
             if held.fenced:
