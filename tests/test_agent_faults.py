@@ -339,3 +339,32 @@ async def test_the_table_holds_results_to_a_byte_budget(
         assert (await held)["result"] == "x" * 10
         sizes = sum(table[t].size for t in table)
         assert sizes == table.bytes
+
+
+async def test_copies_of_a_running_task_wait_only_as_many_as_the_agent_takes(
+    hub: Hub, settings: MeshSettings, namespace: str, nc: NATS
+) -> None:
+    """Each copy of a running task waits for its run's reply; they were not bounded (a caller
+    repeating one task id could pile up coroutines without end). Past the agent's capacity a
+    copy is refused busy, at once."""
+    agent = Agent(f"{namespace}.copies.a1", settings=settings, max_concurrency=1, max_queue=1)
+    release = asyncio.Event()
+
+    @agent.handler("calc:copies:v1")
+    async def copies(task: Task[Any]) -> str:
+        await release.wait()
+        return "once"
+
+    async with agent:
+        first = asyncio.ensure_future(send(nc, agent, "t-copied", 1))
+        await eventually(lambda: "t-copied" in agent._results)
+        waiting = [asyncio.ensure_future(send(nc, agent, "t-copied", 1)) for _ in range(2)]
+        await eventually(lambda: agent._copies == 2)
+        busy = await asyncio.gather(*(send(nc, agent, "t-copied", 1) for _ in range(3)))
+        assert {b["error"]["code"] for b in busy} == {"REACH_AGENT_BUSY"}, busy
+        release.set()
+        assert (await first)["result"] == "once"
+        for w in waiting:
+            out = await w
+            assert out["result"] == "once" and out["cached"] is True
+        assert agent._copies == 0

@@ -176,6 +176,7 @@ class Agent(ServingMixin):
         self._running = 0
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._waiting = 0
+        self._copies = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._results = Results()
         # Answers to attempts that came in batches (made once connected).

@@ -123,6 +123,8 @@ class ServingMixin:
     _answers: AnswerBatcher
     _handlers: dict[str, _Handler]
     _results: Results
+    #: Copies of running request-reply tasks waiting for their run's reply (``_duplicate``).
+    _copies: int
     _running: int
     _slot_waiters: deque[asyncio.Future[None]]
     _waiting: int
@@ -184,7 +186,21 @@ class ServingMixin:
             and entry.state is not TaskState.SUCCEEDED
             and env.attempt > entry.attempt
         ):
-            self._spawn(self._duplicate(req, env, entry))
+            waits = entry.running
+            if waits and self._copies >= self.max_concurrency + self.max_queue:
+                # Copies of running tasks wait for their runs: as many as the agent takes.
+                await self._respond(
+                    req,
+                    protocol.encode_error(
+                        AgentBusyError(
+                            f"{self.agent_id} holds {self._copies} copies of running tasks",
+                            agent_id=self.agent_id,
+                        )
+                    ),
+                )
+                return
+            self._copies += waits  # counted here: many copies may come in one read
+            self._spawn(self._duplicate(req, env, entry, waits))
             return
         if self.status is not AgentStatus.RUNNING:
             await self._respond(
@@ -235,15 +251,20 @@ class ServingMixin:
         """Keep ``entry`` as ``task_id``'s (see :class:`~reach_mesh.agent._table.Results`)."""
         self._results.remember(task_id, entry)
 
-    async def _duplicate(self, req: _Request, env: TaskEnvelope, entry: _Entry) -> None:
+    async def _duplicate(
+        self, req: _Request, env: TaskEnvelope, entry: _Entry, counted: bool
+    ) -> None:
         """Same task again (not a later attempt of a failed one: ``_take`` runs those): never
-        run a finished or running task twice."""
-        reply = entry.reply
-        if reply is None:
-            # Still running: answer when it ends. The future exists only once someone waits.
-            if entry.done is None:
-                entry.done = asyncio.get_running_loop().create_future()
-            reply = await asyncio.shield(entry.done)
+        run a finished or running task twice. ``counted``: in ``_copies`` (it was running)."""
+        try:
+            reply = entry.reply
+            if reply is None:
+                # Still running: answer when it ends. The future exists only once one waits.
+                if entry.done is None:
+                    entry.done = asyncio.get_running_loop().create_future()
+                reply = await asyncio.shield(entry.done)
+        finally:
+            self._copies -= counted
         await self._respond(req, protocol.encode(reply.model_copy(update={"cached": True})))
 
     async def _run(
