@@ -39,6 +39,7 @@ __all__ = [
     "inbox_prefix",
     "new_seed",
     "permissions",
+    "requester_of",
     "server_config",
     "settings_for",
     "validate_identity",
@@ -76,6 +77,30 @@ class Identity:
 def inbox_prefix(role: str, name: str) -> str:
     """``_INBOX.<role>.<name>``: the reply prefix of an identity (``*`` allowed in patterns)."""
     return f"_INBOX.{role}.{name}"
+
+
+def requester_of(reply: str | None) -> str | None:
+    """``<role>.<name>`` of the identity whose inbox ``reply`` is under
+    (``_INBOX.<role>.<name>.…``), or None: no reply, or nats-py's plain ``_INBOX.<token>…``
+    (a process with no inbox prefix of its own, as in open mode).
+
+    What this proves is the NATS permissions' word: only that identity may subscribe there,
+    so only it reads the answer. A publisher's reply subject is not checked, though: one that
+    may send the request can name another identity's inbox and act blind in its name."""
+    if reply is None or not reply.startswith(protocol.INBOX_PREFIX):
+        return None
+    parts = reply.split(".")
+    role = parts[1]
+    tokens = 3 if role == "agent" else 1  # an agent's name is its id: <ns>.<service>.<name>
+    # The name, then at least one token of the identity's own (nats-py: <nuid>.<token>).
+    if role not in ROLES or len(parts) < 3 + tokens:
+        return None
+    name = ".".join(parts[2 : 2 + tokens])
+    try:
+        validate_identity(role, name)
+    except BadRequestError:
+        return None
+    return f"{role}.{name}"
 
 
 def validate_identity(role: str, name: str) -> str:

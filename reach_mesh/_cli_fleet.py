@@ -311,13 +311,26 @@ async def cmd_audit(args: argparse.Namespace) -> int:
     for ev in events:
         ts = time.strftime("%H:%M:%S", time.localtime(ev.get("ts", 0)))
         rest = {k: v for k, v in ev.items() if k not in ("ts", "kind", "seq", "hub_id")}
+        if ev.get("kind") in ("admin", "cancel"):
+            # Who and why last; no requester: open mode, no identity the hub could name.
+            rest["requester"] = rest.pop("requester", "anonymous")
+            if "reason" in rest:
+                rest["reason"] = rest.pop("reason")
         print(
             f"{ts} #{ev.get('seq')} {ev.get('kind', '?'):<10} {ev.get('hub_id', '')}  "
-            + " ".join(f"{k}={v}" for k, v in rest.items())
+            + " ".join(f"{k}={_field(v)}" for k, v in rest.items())
         )
     if not events:
         print("(no matching audit events)")
     return 0
+
+
+def _field(value: Any) -> str:
+    """An audit field's value: text that holds spaces, quotes or ``=`` (a reason) quoted as
+    JSON, so that where one field ends stays plain."""
+    if isinstance(value, str) and (not value or any(c.isspace() or c in '"=' for c in value)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
 
 
 async def cmd_snapshot(args: argparse.Namespace) -> int:

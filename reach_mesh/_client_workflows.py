@@ -229,7 +229,7 @@ class WorkflowsMixin:
         says whether the cancel may have been taken)."""
         protocol.validate_workflow_id(workflow_id)
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
-        reason = protocol.validate_cancel_reason(reason)
+        reason = protocol.validate_reason(reason)
         now = time.monotonic()
         deadline = now + timeout
         # Just submitted, no hub has taken it yet: it has no record to cancel for a moment.

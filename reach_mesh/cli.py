@@ -24,7 +24,7 @@ import traceback
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from reach_mesh import __version__, _runner
+from reach_mesh import __version__, _runner, protocol
 from reach_mesh._auth import AuthDir
 from reach_mesh._cli_fleet import (
     cmd_agents,
@@ -425,7 +425,7 @@ def print_decision(d: RouteDecision) -> None:
 
 async def cmd_admin(args: argparse.Namespace) -> int:
     async with Client(settings=settings_of(args)) as c:
-        out = await c.admin(args.command, args.agent_id)
+        out = await c.admin(args.command, args.agent_id, reason=args.reason)
     print(json.dumps(out))
     return 0
 
@@ -689,19 +689,44 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--json", action="store_true", help="print JSON")
     tools.set_defaults(func=cmd_tools)
 
-    for op, text in (
-        ("cordon", "stop routing new work to an agent"),
-        ("uncordon", "route to a cordoned agent again"),
-        ("quarantine", "open the agent's circuit breaker on every hub"),
-        ("release", "close the agent's circuit breaker on every hub"),
+    # What each does and for how long (docs/operations.md, "Dashboard"), and who may.
+    for op, text, more in (
+        (
+            "cordon",
+            "stop routing new work to an agent, until uncordon",
+            "Work it holds runs on. Kept in its registry record (every hub follows): it stays "
+            "cordoned when it registers again (a restart after a crash), until it leaves the "
+            "registry (a clean stop, remove, or LOST).",
+        ),
+        ("uncordon", "route new work to a cordoned agent again", "Every hub follows."),
+        (
+            "quarantine",
+            "open the agent's circuit breaker on every hub: no new work for "
+            "breaker_open_timeout (30 s by default), then one probe task",
+            "A probe that succeeds closes the breaker, one that fails opens it for another "
+            "breaker_open_timeout. Held by the running hubs only (a hub started later does "
+            "not know it); release ends it at once.",
+        ),
+        ("release", "close the agent's circuit breaker on every hub now", "Ends a quarantine."),
         (
             "remove",
             "force-remove an agent from the registry (a live agent re-registers at its next "
             "heartbeat: stop it first)",
+            "Its registration is deleted from every hub.",
         ),
     ):
         sp = cmd(op, text)
+        sp.description = (
+            f"{text[0].upper()}{text[1:]}. {more} Audited (reach-mesh audit: kind admin) with "
+            "--reason and who asked. In secure mode it needs the operator identity "
+            "(REACH_CONFIG=<auth dir>/operator.admin.yaml)."
+        )
         sp.add_argument("agent_id")
+        sp.add_argument(
+            "--reason",
+            metavar="TEXT",
+            help=f"why (at most {protocol.REASON_MAX} printable characters; kept in the audit)",
+        )
         sp.set_defaults(func=cmd_admin)
     return p
 

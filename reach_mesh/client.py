@@ -672,11 +672,18 @@ class Client(WorkflowsMixin):
         )
         return AgentInfo.model_validate_json(data)
 
-    async def admin(self, op: str, agent_id: str) -> dict[str, Any]:
+    async def admin(self, op: str, agent_id: str, reason: str | None = None) -> dict[str, Any]:
+        """An operator action (``cordon``, ``uncordon``, ``quarantine``, ``release``,
+        ``remove``) on ``agent_id``, as ``reach-mesh <op>`` does it; its answer
+        ``{"agent_id", "op", "state"}``. ``reason`` (printable, at most ``protocol.REASON_MAX``
+        characters) is kept in the audit event, with who asked as the hub tells it (secure
+        mode: this client's identity, e.g. ``operator.admin``)."""
         protocol.validate_agent_id(agent_id)
-        data = await self._query(
-            "admin", {"op": op, "agent_id": agent_id}, ns=protocol.namespace_of(agent_id)
-        )
+        body: dict[str, Any] = {"op": op, "agent_id": agent_id}
+        reason = protocol.validate_reason(reason)
+        if reason is not None:
+            body["reason"] = reason
+        data = await self._query("admin", body, ns=protocol.namespace_of(agent_id))
         out: dict[str, Any] = json.loads(data)
         return out
 

@@ -418,19 +418,20 @@ def fence_msg_id(namespace: str, task_id: str, attempt: int) -> str:
 #: How long a hub holds a cancel (``reach.hub.<ns>.cancel``) before it answers "not final yet"
 #: (s): under a client's 5 s request timeout.
 CANCEL_WAIT: Final = 3.0
-#: Longest reason a cancel may give (kept in the result's error message and the audit).
-CANCEL_REASON_MAX: Final = 200
+#: Longest reason a cancel or an operator action may give (kept in the audit and, for a
+#: cancel, in the result's error message).
+REASON_MAX: Final = 200
 
 
-def validate_cancel_reason(reason: object) -> str | None:
-    """A cancel's optional ``reason``: printable text of at most ``CANCEL_REASON_MAX``
-    characters (it is shown in terminals and dashboards), stripped; None when absent or
-    blank, else ``BadRequestError``."""
+def validate_reason(reason: object) -> str | None:
+    """The optional ``reason`` of a cancel or an operator action: printable text of at most
+    ``REASON_MAX`` characters (it is shown in terminals and dashboards), stripped; None when
+    absent or blank, else ``BadRequestError``."""
     if reason is None:
         return None
-    if not isinstance(reason, str) or len(reason) > CANCEL_REASON_MAX or not reason.isprintable():
+    if not isinstance(reason, str) or len(reason) > REASON_MAX or not reason.isprintable():
         raise BadRequestError(
-            f"reason must be printable text of at most {CANCEL_REASON_MAX} characters",
+            f"reason must be printable text of at most {REASON_MAX} characters",
             field="reason",
         )
     return reason.strip() or None

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from reach_mesh import (
+    BadRequestError,
     Client,
     MeshSettings,
     MeshTimeoutError,
@@ -174,6 +176,90 @@ async def test_audit_stream_tells_the_story(
         assert [e["target"] for e in refused] == [agent.agent_id]
         by_trace = await c.audit(trace_id=res.trace_id)
         assert [e["request_id"] for e in by_trace] == [res.request_id]
+
+
+async def test_operator_actions_are_audited_with_why_and_who_asked(
+    http_hub: Hub, settings: MeshSettings, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Open mode: an operator action keeps its reason; who asked is left out (no identity NATS
+    vouches for: neither a reply subject under ``_INBOX.operator.admin`` nor a body's
+    ``requester`` is taken). Through the hub's HTTP API it is ``http``, for a cancel too. A
+    reason too long is refused (``REACH_BAD_REQUEST``) and nothing is done."""
+    agent = echo_agent(f"{namespace}.w.a1", settings)
+    agent_id, base, nats_flag = agent.agent_id, http_hub.http_url, ("--nats", settings.nats_url)
+    too_long = "x" * (protocol.REASON_MAX + 1)
+    since = time.time()
+
+    async def cli(*argv: str) -> int:
+        return await asyncio.to_thread(cli_main, list(argv))  # the CLI runs its own loop
+
+    async with agent, Client(settings=settings) as c:
+        assert await cli("cordon", agent_id, *nats_flag, "--reason", "disk swap") == 0
+        assert await cli("cordon", agent_id, *nats_flag, "--reason", too_long) == 2
+        nc = await nats.connect(settings.nats_url, inbox_prefix="_INBOX.operator.admin")
+        try:
+            claims = {"op": "uncordon", "agent_id": agent_id, "reason": "done", "requester": "x"}
+            msg = await nc.request(
+                protocol.hub_subject(namespace, "admin"), json.dumps(claims).encode(), timeout=5
+            )
+            assert json.loads(msg.data)["state"] == "ONLINE", msg.data
+            bad = {"op": "quarantine", "agent_id": agent_id, "reason": too_long}
+            msg = await nc.request(
+                protocol.hub_subject(namespace, "admin"), json.dumps(bad).encode(), timeout=5
+            )
+            assert json.loads(msg.data)["error"]["code"] == "REACH_BAD_REQUEST", msg.data
+        finally:
+            await nc.close()
+        with pytest.raises(BadRequestError, match="at most 200 characters"):
+            await c.admin("quarantine", agent_id, reason=too_long)
+        for reason in (too_long, "a tab\there"):
+            status, body = await fetch(
+                f"{base}/api/agents/{agent_id}/quarantine",
+                "POST",
+                json.dumps({"reason": reason}).encode(),
+            )
+            assert status == 400 and b"REACH_BAD_REQUEST" in body, body
+        assert http_hub.registry.agents[agent_id].state.value == "ONLINE"  # nothing was done
+        done = (
+            ("quarantine", {"reason": "drill"}),
+            ("release", {}),
+            ("simulate-lost", {"reason": "drill"}),
+        )
+        for op, sent in done:
+            status, body = await fetch(
+                f"{base}/api/agents/{agent_id}/{op}", "POST", json.dumps(sent).encode()
+            )
+            assert status == 200, body
+        status, body = await fetch(
+            f"{base}/api/workflows/never-submitted/cancel?namespace={namespace}",
+            "POST",
+            json.dumps({"reason": "not needed"}).encode(),
+        )
+        assert status == 404 and b"REACH_UNKNOWN_WORKFLOW" in body, body
+        await http_hub.audit.flush()
+        events: list[dict[str, Any]] = []
+
+        async def stored() -> bool:
+            nonlocal events
+            story = await c.audit(namespace=namespace, since=60)
+            events = [e for e in story if e["kind"] in ("admin", "cancel") and e["ts"] >= since]
+            return len(events) >= 6
+
+        await eventually(stored, timeout=3.0)
+        capsys.readouterr()
+        assert await cli("audit", *nats_flag, "--namespace", namespace) == 0
+    assert [(e["kind"], e.get("op"), e.get("requester"), e.get("reason")) for e in events] == [
+        ("admin", "cordon", None, "disk swap"),
+        ("admin", "uncordon", None, "done"),
+        ("admin", "quarantine", "http", "drill"),
+        ("admin", "release", "http", None),
+        ("admin", "simulate-lost", "http", "drill"),
+        ("cancel", None, "http", "not needed"),
+    ]
+    printed = capsys.readouterr().out
+    assert f'agent_id={agent_id} op=cordon requester=anonymous reason="disk swap"\n' in printed
+    assert f"agent_id={agent_id} op=release requester=http\n" in printed
+    assert 'error=REACH_UNKNOWN_WORKFLOW requester=http reason="not needed"\n' in printed
 
 
 async def test_audit_names_the_agent_of_a_failure_and_the_handlers_error(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,6 +181,23 @@ async def ask(conn: Conn, subject: str, body: bytes) -> dict[str, Any]:
     return out
 
 
+async def audited(mesh: Mesh, kind: str, since: float, count: int) -> list[dict[str, Any]]:
+    """The audit events of ``kind`` in NS since ``since`` (hub clock), once ``count`` are
+    stored (as the operator reads them: only it may)."""
+    await mesh.hub.audit.flush()
+    found: list[dict[str, Any]] = []
+    async with Client(settings=mesh.settings("operator", "admin")) as op:
+
+        async def stored() -> bool:
+            nonlocal found
+            events = await op.audit(namespace=NS, since=60)
+            found = [e for e in events if e["kind"] == kind and e["ts"] >= since]
+            return len(found) >= count
+
+        await eventually(stored, timeout=3.0)
+    return found
+
+
 # --------------------------------------------------------------------------- no credentials
 
 
@@ -314,6 +332,34 @@ async def test_operator_actions_only_by_operator(mesh: Mesh, as_identity: Any) -
     out = await ask(other, protocol.hub_subject("other", "agents"), b'{"all_namespaces": true}')
     assert out["error"]["code"] == "REACH_BAD_REQUEST"
     await other.publish_denied(protocol.hub_subject(NS, "agents"))
+
+
+async def test_operator_actions_are_audited_with_who_asked_and_why(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """An operator's cordon is audited with its reason and the operator's identity, which the
+    hub takes from the request's reply subject (under the operator's private inbox, which only
+    it may read), never from the body: a body naming another requester changes nothing. A
+    reason too long is refused before anything is done."""
+    since = time.time()
+    async with Client(settings=mesh.settings("operator", "admin")) as op:
+        out = await op.admin("cordon", VICTIM, reason="disk swap on its host")
+        assert out["state"] == AgentState.CORDONED
+    operator = await as_identity("operator", "admin")
+    subject = protocol.hub_subject(NS, "admin")
+    claims = {"op": "uncordon", "agent_id": VICTIM, "reason": "swapped", "requester": "hub.main"}
+    out = await ask(operator, subject, json.dumps(claims).encode())
+    assert out["state"] == AgentState.ONLINE, out
+    too_long = {"op": "cordon", "agent_id": VICTIM, "reason": "x" * (protocol.REASON_MAX + 1)}
+    out = await ask(operator, subject, json.dumps(too_long).encode())
+    assert out["error"]["code"] == "REACH_BAD_REQUEST", out
+    assert "reason must be printable text of at most 200 characters" in out["error"]["message"]
+    assert (await agent_snapshot(mesh))[1:3] == (False, AgentState.ONLINE)
+    events = await audited(mesh, "admin", since, 2)
+    assert [(e["op"], e.get("requester"), e.get("reason")) for e in events] == [
+        ("cordon", "operator.admin", "disk swap on its host"),
+        ("uncordon", "operator.admin", "swapped"),
+    ]
 
 
 async def test_a_refused_identity_is_told_at_once_not_timed_out(mesh: Mesh) -> None:
@@ -657,6 +703,7 @@ async def test_a_workflow_is_cancelled_by_its_namespace_and_operators_only(
         await release.wait()
         return 1
 
+    since = time.time()
     async with worker, Client(settings=mesh.settings("caller", NS)) as c:
         first = await c.submit_fanout([Step(agent_id=ROGUE)], timeout=30)
         second = await c.submit_fanout([Step(agent_id=ROGUE)], timeout=30)
@@ -681,6 +728,12 @@ async def test_a_workflow_is_cancelled_by_its_namespace_and_operators_only(
         assert theirs.result.error is not None
         assert theirs.result.error.message == "cancelled on request: by the operator"
         release.set()
+    # Each audited with who asked, as the hub tells it from the reply subject.
+    events = await audited(mesh, "cancel", since, 2)
+    assert {(e["workflow_id"], e.get("requester"), e.get("reason")) for e in events} == {
+        (first, f"caller.{NS}", "by its caller"),
+        (second, "operator.admin", "by the operator"),
+    }
 
 
 async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_identity: Any) -> None:

@@ -16,6 +16,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from reach_mesh import protocol
+from reach_mesh._auth import requester_of
+from reach_mesh._nats import has_identity
+from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     BadRequestError,
     IdentityMismatchError,
@@ -77,6 +80,7 @@ class ControlMixin:
     below in its ``__init__`` and ``start``)."""
 
     hub_id: str
+    settings: MeshSettings
     registry: Registry
     audit: AuditLog
     metrics: HubMetrics
@@ -291,7 +295,7 @@ class ControlMixin:
 
     async def _on_workflow(self, msg: Msg, ns: str) -> bytes:
         """One workflow of ``ns`` as it stands (``hub/_wf_view.py``)."""
-        engine, _, workflow_id = self._view_asked(msg)
+        engine, _, workflow_id = self._view_asked(msg.data)
         with self._view_slot(peer=False):
             self._charge_view(ns, 1)
             view = await engine.view(
@@ -307,18 +311,23 @@ class ControlMixin:
         view, never asked on again, within the time the asking hub still waits (``within_s``);
         the asking hub charged the namespace already. Peer views have slots of their own, so
         other hubs cannot crowd out this hub's own questions."""
-        engine, body, workflow_id = self._view_asked(msg)
+        engine, body, workflow_id = self._view_asked(msg.data)
         within = _within_s(body, VIEW_DEADLINE)
         with self._view_slot(peer=True):
             return protocol.encode(await engine.view(ns, workflow_id, within=within))
 
     async def _on_cancel(self, msg: Msg, ns: str) -> bytes:
-        """Cancel a workflow of ``ns`` (``WorkflowEngine.cancel``): its owner stops it,
-        answered within ``within_s`` (at most ``protocol.CANCEL_WAIT``); with ``before_start``
-        one no hub has started yet is cancelled before it starts. Counted against the
-        namespace's workflow-view budget; every cancel asked is audited (``cancel``)."""
-        engine, body, workflow_id = self._view_asked(msg)
-        reason = protocol.validate_cancel_reason(body.get("reason"))
+        return await self.cancel_workflow(ns, msg.data, self._requester(msg))
+
+    async def cancel_workflow(self, ns: str, data: bytes, requester: str | None) -> bytes:
+        """Cancel a workflow of ``ns`` (``WorkflowEngine.cancel``) as ``data`` asks (the body
+        of ``reach.hub.<ns>.cancel``): its owner stops it, answered within ``within_s`` (at
+        most ``protocol.CANCEL_WAIT``); with ``before_start`` one no hub has started yet is
+        cancelled before it starts. Counted against the namespace's workflow-view budget;
+        every cancel asked is audited (``cancel``), with ``requester``: who asked, as this hub
+        can tell (``_requester``; ``"http"``: its own HTTP API), never as a body says."""
+        engine, body, workflow_id = self._view_asked(data)
+        reason = protocol.validate_reason(body.get("reason"))
         within = _within_s(body, protocol.CANCEL_WAIT, default=protocol.CANCEL_WAIT)
         before_start = body.get("before_start", False)
         if not isinstance(before_start, bool):
@@ -362,6 +371,7 @@ class ControlMixin:
                     ns,
                     "cancel",
                     workflow_id=workflow_id,
+                    requester=requester,
                     reason=reason,
                     before_start=before_start or None,
                     final=None if answer is None else answer.final,
@@ -375,8 +385,8 @@ class ControlMixin:
     async def _on_peer_cancel(self, msg: Msg, ns: str) -> bytes:
         """Another hub passes on a cancel of a workflow this hub owns (``hub_peer``), to be
         answered within ``within_s``; the asking hub charged and audits it."""
-        engine, body, workflow_id = self._view_asked(msg)
-        reason = protocol.validate_cancel_reason(body.get("reason"))
+        engine, body, workflow_id = self._view_asked(msg.data)
+        reason = protocol.validate_reason(body.get("reason"))
         within = _within_s(body, protocol.CANCEL_WAIT)
         with self._view_slot(peer=True, running=self._cancels_running):
             return protocol.encode(
@@ -427,9 +437,9 @@ class ControlMixin:
         protocol.raise_for_error(data)  # the owner's own answer (UNKNOWN, UNAVAILABLE, ...)
         return CancelResult.model_validate_json(data)
 
-    def _view_asked(self, msg: Msg) -> tuple[WorkflowEngine, dict[str, Any], str]:
+    def _view_asked(self, data: bytes) -> tuple[WorkflowEngine, dict[str, Any], str]:
         """The engine, the body and the workflow id of a question about a workflow."""
-        body = _json_object(msg.data)
+        body = _json_object(data)
         raw = body.get("workflow_id")
         if not isinstance(raw, str):
             raise BadRequestError("workflow_id (a string) is required", field="workflow_id")
@@ -504,14 +514,28 @@ class ControlMixin:
             }
         )
 
+    def _requester(self, msg: Msg) -> str | None:
+        """Who asked, as far as NATS lets this hub tell: in secure mode (this hub has an
+        identity) the identity whose private inbox the reply subject is under
+        (``_auth.requester_of``), e.g. ``operator.admin``; None in open mode, where anyone may
+        name any inbox. Never a body's word: the body is the sender's to write."""
+        return requester_of(msg.reply) if has_identity(self.settings) else None
+
     async def _on_admin(self, msg: Msg, ns: str) -> bytes:
-        body = _json_object(msg.data)
+        return await self.admin_op(ns, msg.data, self._requester(msg))
+
+    async def admin_op(self, ns: str, data: bytes, requester: str | None) -> bytes:
+        """The operator action ``data`` asks (the body of ``reach.hub.<ns>.admin``), audited
+        (``admin``) with the operator's ``reason`` and ``requester``: who asked, as this hub
+        can tell (``_requester``; ``"http"``: its own HTTP API), never as a body says."""
+        body = _json_object(data)
         op = body.get("op")
         if op == "agents":
             return self._fleet(None)
         agent_id = protocol.validate_agent_id(str(body.get("agent_id", "")))
+        reason = protocol.validate_reason(body.get("reason"))  # before anything is done
         if op in ("cordon", "uncordon"):
-            view = await self.registry.set_cordon(agent_id, op == "cordon")
+            state = (await self.registry.set_cordon(agent_id, op == "cordon")).state
         elif op in ("quarantine", "release"):
             view = self.registry.require(agent_id)
             code = QUARANTINE_CODE if op == "quarantine" else RELEASE_CODE
@@ -520,17 +544,19 @@ class ControlMixin:
             await self.nc.flush()
             (view.breaker.trip if op == "quarantine" else view.breaker.reset)()
             self.registry.regrade(view)
+            state = view.state
         elif op == "remove":
             self.registry.require(agent_id)
             await self.registry.unregister(agent_id, None)
-            await self.audit.record(ns, "admin", agent_id=agent_id, op=op)
-            return protocol.dumps({"agent_id": agent_id, "op": op, "state": AgentState.LOST})
+            state = AgentState.LOST
         else:
             raise BadRequestError(
                 f"unknown admin op {op!r}: expected one of {', '.join(ADMIN_OPS)}", field="op"
             )
-        await self.audit.record(ns, "admin", agent_id=agent_id, op=op)
-        return protocol.dumps({"agent_id": agent_id, "op": op, "state": view.state})
+        await self.audit.record(
+            ns, "admin", agent_id=agent_id, op=op, requester=requester, reason=reason
+        )
+        return protocol.dumps({"agent_id": agent_id, "op": op, "state": state})
 
 
 def _json_object(data: bytes) -> dict[str, Any]:

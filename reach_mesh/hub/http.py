@@ -16,13 +16,16 @@ GET route with ``hub.http.app.get("/api/…")(handler)``: it is guarded and docu
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
+from collections.abc import Awaitable
 from importlib import resources
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel, Field, StrictBool
@@ -34,7 +37,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
 from reach_mesh._nats import has_identity
-from reach_mesh.errors import BadRequestError, MeshTimeoutError, ReachError, UnknownAgentError
+from reach_mesh.errors import (
+    BadRequestError,
+    InternalError,
+    MeshTimeoutError,
+    MeshUnavailableError,
+    ReachError,
+    UnknownAgentError,
+)
 from reach_mesh.hub import _dashboard as dash
 from reach_mesh.hub._a2a import HubA2a
 from reach_mesh.hub._gateway import (
@@ -57,6 +67,8 @@ if TYPE_CHECKING:
 
 __all__ = ["HubHttp", "status_for"]
 
+log = logging.getLogger("reach_mesh.hub.http")
+
 _VERSION: Final = "0.1.0"
 #: Paths behind the bearer token (when ``http_token`` is set).
 _GUARDED_PREFIXES: Final = ("/api/", "/mcp", "/a2a/")
@@ -69,16 +81,31 @@ WorkflowIdPath = Annotated[
     str, Path(pattern=protocol.WORKFLOW_ID_RE.pattern, description="the workflow's id")
 ]
 AdminOp = Literal["cordon", "uncordon", "quarantine", "release", "remove", "simulate-lost"]
+#: Who asked, in the audit events of what this hub's HTTP API (REST, dashboard) asks itself:
+#: whoever holds its bearer token (``http_token``).
+HTTP_REQUESTER: Final = "http"
 
 
 # --------------------------------------------------------------------------- wire models
+
+
+class AdminBody(BaseModel):
+    """The body of ``POST /api/agents/{agent_id}/{op}`` (``{}`` will do)."""
+
+    reason: str | None = Field(
+        default=None,
+        max_length=protocol.REASON_MAX,
+        description='why (printable text; audited, with requester "http")',
+    )
 
 
 class CancelBody(BaseModel):
     """The body of ``POST /api/workflows/{id}/cancel`` (optional)."""
 
     reason: str | None = Field(
-        default=None, max_length=protocol.CANCEL_REASON_MAX, description="why (audited)"
+        default=None,
+        max_length=protocol.REASON_MAX,
+        description='why (printable text; audited, with requester "http")',
     )
     before_start: StrictBool = Field(
         default=False,
@@ -263,7 +290,7 @@ class HubHttp:
             "/api/agents/{agent_id}/{op}",
             summary="Operator action on one agent",
             response_model=AdminResult,
-            responses=_errors(400, 404, 415, 502, 503, 504, *refused),
+            responses=_errors(400, 404, 415, 502, 503, *refused),
         )(self.agent_op)
         app.get(
             "/api/workflows/{workflow_id}",
@@ -276,7 +303,7 @@ class HubHttp:
             summary="Cancel a workflow: its unfinished steps are cancelled, its result is FAILED "
             "(REACH_WORKFLOW_CANCELLED); with before_start, one no hub has started yet never runs",
             response_model=CancelResult,
-            responses=_errors(400, 404, 415, 429, 503, 504, *refused),
+            responses=_errors(400, 404, 415, 429, 502, 503, *refused),
         )(self.cancel_workflow)
         app.get(
             "/api/tools",
@@ -469,31 +496,37 @@ class HubHttp:
             CancelBody | None, Body(description="optional: why, and before_start")
         ] = None,
     ) -> Response:
-        """``reach.hub.<ns>.cancel``, sent like any caller sends it (``namespace``:
-        ``default`` when not given). One answer: ``final`` false means the owner is still
-        stopping it — POST again (a cancel is idempotent)."""
+        """``reach.hub.<ns>.cancel``, taken by this hub as it takes one sent on NATS
+        (``namespace``: ``default`` when not given): the same budget, audited with requester
+        ``http``. One answer: ``final`` false means the owner is still stopping it — POST
+        again (a cancel is idempotent)."""
         ns = protocol.DEFAULT_NAMESPACE if namespace is None else namespace
-        data = await self.nats_request(
-            protocol.hub_subject(protocol.validate_namespace(ns), "cancel"),
-            protocol.dumps(
-                {
-                    "workflow_id": protocol.validate_workflow_id(workflow_id),
-                    "reason": None if body is None else body.reason,
-                    "before_start": body is not None and body.before_start,
-                }
-            ),
+        asked = protocol.dumps(
+            {
+                "workflow_id": protocol.validate_workflow_id(workflow_id),
+                "reason": None if body is None else body.reason,
+                "before_start": body is not None and body.before_start,
+            }
         )
-        return Response(data, media_type="application/json")
+        return await self._answer(
+            self.hub.cancel_workflow(protocol.validate_namespace(ns), asked, HTTP_REQUESTER)
+        )
 
     async def agent_op(
         self,
         agent_id: AgentIdPath,
         op: Annotated[AdminOp, Path()],
         body: Annotated[
-            dict[str, Any] | None, Body(description="unused; send {} (a POST is JSON)")
+            AdminBody | None, Body(description="optional: why (send {} for none: a POST is JSON)")
         ] = None,
     ) -> Response:
+        """What ``reach-mesh <op> AGENT_ID`` does (every hub follows), or, for
+        ``simulate-lost``, a drill on this hub only; audited (kind ``admin``) with the reason
+        and requester ``http``."""
+        # Taken by this hub as it takes reach.hub.<ns>.admin (as POST /api/route is routed
+        # here): sent over NATS, the audit could name only the hub's own inbox as who asked.
         protocol.validate_agent_id(agent_id)
+        reason = protocol.validate_reason(None if body is None else body.reason)
         if op == "simulate-lost":
             # Drill for operators: this hub stops counting the agent's lease now, as if
             # its heartbeats were lost; the next real heartbeat brings it back.
@@ -501,14 +534,35 @@ class HubHttp:
             view.last_seen = self.hub.registry.now - view.record.lease_timeout - 1e-3
             self.hub.registry.regrade(view)
             await self.hub.audit.record(
-                view.record.card.namespace, "admin", agent_id=agent_id, op=op
+                view.record.card.namespace,
+                "admin",
+                agent_id=agent_id,
+                op=op,
+                requester=HTTP_REQUESTER,
+                reason=reason,
             )
             result = AdminResult(agent_id=agent_id, op=op, state=view.state)
             return JSONResponse(result.model_dump(mode="json"))
-        data = await self.nats_request(
-            protocol.hub_subject(protocol.namespace_of(agent_id), "admin"),
-            protocol.dumps({"op": op, "agent_id": agent_id}),
+        asked = protocol.dumps({"op": op, "agent_id": agent_id, "reason": reason})
+        return await self._answer(
+            self.hub.admin_op(protocol.namespace_of(agent_id), asked, HTTP_REQUESTER)
         )
+
+    async def _answer(self, answer: Awaitable[bytes]) -> Response:
+        """What this hub answers itself, as its NATS dispatcher would (``Hub._serve``): a
+        typed error its status, NATS / JetStream trouble ``REACH_UNAVAILABLE`` (retry),
+        anything else ``REACH_INTERNAL`` (logged), never a bare 500."""
+        try:
+            data = await answer
+        except ReachError:
+            raise
+        except NatsError as err:
+            raise MeshUnavailableError(
+                f"JetStream unavailable, retry: {type(err).__name__}"
+            ) from err
+        except Exception as err:
+            log.exception("internal error on an HTTP request")
+            raise InternalError(f"internal error: {type(err).__name__}") from err
         return Response(data, media_type="application/json")
 
     # ------------------------------------------------------------------ gateway
