@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from reach_mesh import protocol
 from reach_mesh._nats import shown
@@ -162,19 +162,23 @@ def _cell(text: str, width: int) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
-def print_table(rows: Sequence[Sequence[str]], indent: str = "") -> None:
+def print_table(
+    rows: Sequence[Sequence[str]], indent: str = "", file: TextIO | None = None
+) -> None:
     """Columns padded to their widest cell; on a terminal, the last column is cut to fit
-    (``--json`` has everything)."""
+    (``--json`` has everything). To ``file`` (default: stdout)."""
+    out = sys.stdout if file is None else file
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     room = None
-    if sys.stdout.isatty():
+    if out.isatty():
         used = len(indent) + sum(w + 2 for w in widths[:-1])
         room = max(shutil.get_terminal_size().columns - used, 12)
     for r in rows:
         cells = list(r)
         if room is not None and len(cells[-1]) > room:
             cells[-1] = cells[-1][: room - 1] + "…"
-        print(indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+        line = indent + "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+        print(line.rstrip(), file=out)
 
 
 async def cmd_inspect(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TextIO
 
 from reach_mesh import __version__, _runner, protocol
 from reach_mesh._auth import AuthDir
@@ -341,7 +341,9 @@ async def cmd_reach(args: argparse.Namespace) -> int:
         payload = json.loads(args.payload) if args.payload else None
     except ValueError as err:
         raise BadRequestError(f"--payload is not valid JSON: {err}") from err
-    with _explained(args.dry_run or args.show_decision):
+    # A dry run prints its decision table; otherwise stdout is the JSON answer alone.
+    table_to = sys.stdout if args.dry_run else sys.stderr
+    with _explained(args.dry_run or args.show_decision, table_to):
         async with Client(settings=settings_of(args), namespace=args.namespace) as c:
             if args.dry_run:
                 decision = await c.route(
@@ -351,7 +353,7 @@ async def cmd_reach(args: argparse.Namespace) -> int:
                     strategy=args.strategy,
                     session_id=args.session,
                 )
-                print_decision(decision)
+                print_decision(decision, file=table_to)
                 return 0
             res = await c.request(
                 agent_id=args.agent,
@@ -364,46 +366,46 @@ async def cmd_reach(args: argparse.Namespace) -> int:
                 explain=args.show_decision,
                 mode=args.mode,
             )
+    out: dict[str, Any] = {
+        "state": res.state.value,
+        "agent_id": res.agent_id,
+        "task_id": res.task_id,
+        "attempt": res.attempt,
+        "result": res.result,
+        "error": None if res.error is None else res.error.to_wire()["error"],
+        "duration_ms": round(res.duration * 1000, 3),
+        "trace_id": res.trace_id,
+    }
     if args.show_decision and res.decision is not None:
-        print_decision(res.decision)
-    print(
-        json.dumps(
-            {
-                "state": res.state.value,
-                "agent_id": res.agent_id,
-                "task_id": res.task_id,
-                "attempt": res.attempt,
-                "result": res.result,
-                "error": None if res.error is None else res.error.to_wire()["error"],
-                "duration_ms": round(res.duration * 1000, 3),
-                "trace_id": res.trace_id,
-            },
-            indent=2,
-        )
-    )
+        # The table for a reader (stderr); stdout stays one JSON document, the decision in it.
+        print_decision(res.decision, file=sys.stderr)
+        out["decision"] = res.decision.model_dump(mode="json")
+    print(json.dumps(out, indent=2))
     return 0 if res.ok else 1
 
 
 @contextlib.contextmanager
-def _explained(explain: bool) -> Iterator[None]:
+def _explained(explain: bool, file: TextIO) -> Iterator[None]:
     """With ``explain``: a no-match (which carries the hub's decision) prints that decision —
-    which filter removed each candidate — before its error line."""
+    which filter removed each candidate — to ``file``, before its error line."""
     try:
         yield
     except NoMatchError as err:
         decision = err.details.get("decision")
         if explain and isinstance(decision, dict):
             with contextlib.suppress(ValueError):
-                print_decision(RouteDecision.model_validate(decision))
+                print_decision(RouteDecision.model_validate(decision), file=file)
         raise
 
 
-def print_decision(d: RouteDecision) -> None:
-    """The explain output as a readable table."""
-    print(f"request {d.request_id} on {d.hub_id}: {d.target}")
+def print_decision(d: RouteDecision, file: TextIO | None = None) -> None:
+    """The explain output as a readable table, to ``file`` (default: stdout)."""
+    out = sys.stdout if file is None else file
+    print(f"request {d.request_id} on {d.hub_id}: {d.target}", file=out)
     print(
         f"  strategy {d.strategy}, sticky {d.sticky}, {len(d.candidates)} candidate(s), "
-        f"decided in {d.elapsed_us:.0f} us"
+        f"decided in {d.elapsed_us:.0f} us",
+        file=out,
     )
     rows = [("AGENT", "VERDICT", "DETAIL")]
     filtered = {f.agent_id: f.reason for f in d.filtered}
@@ -416,11 +418,11 @@ def print_decision(d: RouteDecision) -> None:
             rows.append((agent_id, "candidate", f"score {d.scores.get(agent_id, 0):g}"))
     listed = set(d.candidates)
     rows += [(f.agent_id, "filtered", f.reason) for f in d.filtered if f.agent_id not in listed]
-    print_table(rows, indent="  ")
+    print_table(rows, indent="  ", file=out)
     if d.fallback:
-        print(f"  fallback: {d.fallback}")
+        print(f"  fallback: {d.fallback}", file=out)
     if d.nearest:
-        print(f"  nearest: {json.dumps(d.nearest)}")
+        print(f"  nearest: {json.dumps(d.nearest)}", file=out)
 
 
 async def cmd_admin(args: argparse.Namespace) -> int:
@@ -763,11 +765,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         _print_error(err, details=args.debug)
+        if _prints_json(args):
+            # Where a script reads the answer: the error as the wire says it.
+            body = (
+                err.to_wire()
+                if isinstance(err, ReachError)
+                else {"error": {"code": ReachError.code, "message": f"{type(err).__name__}: {err}"}}
+            )
+            with contextlib.suppress(OSError):
+                print(json.dumps(body))
         return exit_code(err)
     finally:
         if provider is not None:
             provider.shutdown()  # flush batched spans before the process exits
     return code
+
+
+def _prints_json(args: argparse.Namespace) -> bool:
+    """Whether the command's answer is JSON on stdout: ``--json``, and ``reach`` (but for a
+    ``--dry-run``, which prints its decision table)."""
+    if getattr(args, "json", False):
+        return True
+    return bool(args.command == "reach" and not getattr(args, "dry_run", False))
 
 
 def _print_error(err: Exception, *, details: bool) -> None:

@@ -246,7 +246,11 @@ async def test_hubs_with_no_hub_answering_exits_3() -> None:
             code, out, err = await _cli("hubs", "--nats", server.url, *extra)
             assert code == 3, (out, err)
             assert err.decode().startswith("error REACH_UNAVAILABLE: no hub answered"), err
-            assert server.url.encode() in err and out == b"", out
+            assert server.url.encode() in err
+            # (--json: the same error as JSON on stdout, for the script reading it)
+            assert (
+                out == b"" if not extra else json.loads(out)["error"]["code"] == "REACH_UNAVAILABLE"
+            )
         code, _, err = await _cli("agents", "--via-micro", "--nats", server.url)
         assert code == 3 and b"no hub answered" in err, err
 
@@ -496,6 +500,48 @@ async def test_dry_run_explains_a_no_match(
     assert code != 0
     assert f"{namespace}.gpu.g1" in out.decode() and "gpu=false not met" in out.decode(), out
     assert b"REACH_NO_MATCH" in err, err
+
+
+async def test_json_answers_stay_json_on_errors_and_with_the_decision(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """A script piping ``reach`` (or any ``--json``) into ``jq`` reads one JSON document on
+    stdout: an error is ``{"error": ...}`` there too (the line for people stays on stderr),
+    and ``--show-decision`` puts the decision in the answer, its table on stderr."""
+    from reach_mesh.agent import Agent, Task
+
+    agent = Agent(f"{namespace}.calc.c1", settings=settings)
+
+    @agent.handler("sum:add:v1")
+    async def add(task: Task[dict[str, int]]) -> int:
+        return task.payload["a"] + task.payload["b"]
+
+    nats = ("--nats", settings.nats_url or "")
+    async with agent:
+        code, out, err = await _cli(
+            *nats, "reach", "--namespace", namespace, "--capability", "sum:nope:v1"
+        )
+        assert code == 4, err
+        assert json.loads(out)["error"]["code"] == "REACH_NO_MATCH"
+        assert b"error REACH_NO_MATCH" in err
+        code, out, err = await _cli(
+            *nats,
+            "reach",
+            "--namespace",
+            namespace,
+            "--capability",
+            "sum:add:v1",
+            "--payload",
+            '{"a": 2, "b": 3}',
+            "--show-decision",
+        )
+        assert code == 0, err
+        answer = json.loads(out)
+        assert answer["result"] == 5 and answer["decision"]["chosen"] == agent.agent_id
+        assert b"CHOSEN" in err
+    code, out, _ = await _cli("--nats", "nats://127.0.0.1:1", "agents", "--json")
+    assert code == 3
+    assert json.loads(out)["error"]["code"] == "REACH_UNAVAILABLE"
 
 
 async def test_a_workflow_step_with_a_capability_typo_says_did_you_mean(

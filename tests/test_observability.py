@@ -428,8 +428,8 @@ def test_cli_against_a_running_mesh(
     asyncio.run(scenario())
     out = capsys.readouterr()
     assert f"{namespace}.w.a1" in out.out and "ONLINE" in out.out
-    assert "CHOSEN" in out.out  # the decision table
-    assert '"state": "SUCCEEDED"' in out.out
+    assert "CHOSEN" in out.err  # the decision table (stdout is the JSON answer, decision in it)
+    assert '"state": "SUCCEEDED"' in out.out and '"decision": {' in out.out
     assert "REACH_BAD_SELECTOR" in out.err
 
 

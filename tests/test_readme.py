@@ -101,7 +101,7 @@ def user_env(tmp_path: Path) -> Iterator[dict[str, str]]:
 EXPECT = {
     "agents": r"NS\s+AGENT\s+STATE.*\n(?s:.*)demo\s+demo\.calc\.c1\s+ONLINE",
     "inspect": r'"agent_id": "demo\.calc\.c1"',
-    "--show-decision": r'CHOSEN(?s:.*)"state": "SUCCEEDED"(?s:.*)"text": "bonjour"',
+    "--show-decision": r'"state": "SUCCEEDED"(?s:.*)"text": "bonjour"(?s:.*)"decision": \{',
     "--dry-run": r"demo\.translator\.t1\s+CHOSEN",
     "reach --agent": r'"state": "SUCCEEDED"(?s:.*)"sum": 12',
     "audit": r"demo\.calc\.c1",
