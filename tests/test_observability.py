@@ -90,6 +90,26 @@ async def test_metrics_match_what_was_sent(
     assert samples(text, "reach_heartbeat_total")[()] >= 2
 
 
+async def test_series_the_alerts_read_exist_before_their_first_event(
+    settings: MeshSettings, namespace: str
+) -> None:
+    """A configured namespace whose agents are all gone shows zeros, not no series (the
+    rules read a missing series as 0 too); a namespace's lease expiries are counted from 0
+    while it has agents — a counter born at its first increment hides that increment from
+    ``increase()``, and ReachLeaseExpiries missed a namespace's first expiries."""
+    configured = f"{namespace}cfg"
+    hub_settings = settings.model_copy(update={"http_port": 0, "namespaces": [configured]})
+    async with Hub(settings=hub_settings) as hub:
+        agent = echo_agent(f"{namespace}.w.a1", settings)
+        async with agent:
+            _, body = await fetch(f"{hub.http_url}/metrics")
+        text = body.decode()
+    agents = samples(text, "reach_agents")
+    assert agents[(("namespace", configured), ("state", "ONLINE"))] == 0
+    assert agents[(("namespace", namespace), ("state", "ONLINE"))] == 1
+    assert samples(text, "reach_lease_expired_total")[(("namespace", namespace),)] == 0
+
+
 async def test_rest_gateway_dashboard_and_openapi(
     http_hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:

@@ -246,6 +246,11 @@ class ControlMixin:
         ns = view.record.card.namespace
         if new is AgentState.SUSPECT and old is AgentState.ONLINE:
             self.metrics.lease_expired_total.labels(ns).inc()
+        elif new is AgentState.ONLINE:
+            # The series exists from 0 while the namespace has agents: a counter born at its
+            # first increment hides that increment from increase() (the first expiries of a
+            # namespace would not be seen by ReachLeaseExpiries).
+            self.metrics.lease_expired_total.labels(ns)
         if new is AgentState.QUARANTINED:
             self.metrics.quarantine_total.inc()
             log_event(

@@ -363,6 +363,11 @@ class Hub(RoutingMixin, ControlMixin):
                 self._namespaces.add(ns)
         return ns
 
+    @property
+    def configured_namespaces(self) -> frozenset[str]:
+        """``namespace`` and ``namespaces`` of the settings: known with no agent too."""
+        return self._configured
+
     def known_namespace(self, ns: str) -> bool:
         """Whether ``ns`` exists: configured (``namespace``, ``namespaces``) or holding a
         registered agent. Only these get metric series and audit subjects."""

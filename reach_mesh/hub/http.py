@@ -445,10 +445,13 @@ class HubHttp:
         return Response(self.hub.metrics.render(), media_type=CONTENT_TYPE)
 
     def refresh_gauges(self) -> None:
-        """Agent gauges are computed at scrape time from the registry (no per-event upkeep)."""
+        """Agent gauges are computed at scrape time from the registry (no per-event upkeep).
+        A configured namespace is written with no agent too: all zeros, not absent, when its
+        last agent is gone (another one's series go with its last agent; the alert rules read
+        that as 0)."""
         m = self.hub.metrics
         counts: dict[tuple[str, str], int] = {}
-        namespaces: set[str] = set()
+        namespaces: set[str] = set(self.hub.configured_namespaces)
         for view in self.hub.registry:
             ns = view.record.card.namespace
             namespaces.add(ns)
