@@ -11,7 +11,12 @@ import pytest
 from reach_mesh import Client, MeshSettings, NoMatchError, Step
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
-from reach_mesh.tracing.metrics import DURATION_BUCKETS, LATENCY_BUCKETS, HubMetrics
+from reach_mesh.tracing.metrics import (
+    DECISION_BUCKETS,
+    DURATION_BUCKETS,
+    LATENCY_BUCKETS,
+    HubMetrics,
+)
 
 from .helpers import fetch
 from .test_deploy import needs_promtool, promtool
@@ -28,6 +33,18 @@ def test_buckets_resolve_100_microseconds_to_60_seconds() -> None:
         worst = max(b / a for a, b in itertools.pairwise(upto_60))
         assert worst <= 1.67
     assert DURATION_BUCKETS[-1] == 7200.0  # the default task TTL
+
+
+def test_route_decisions_are_resolved_from_a_microsecond() -> None:
+    """A decision takes about ten µs: its buckets start at 1 µs, five per decade."""
+    assert DECISION_BUCKETS[0] == pytest.approx(0.000001)
+    assert DECISION_BUCKETS[-1] == 1.0
+    assert sum(1 for b in DECISION_BUCKETS if 0.00001 <= b < 0.0001) == 5
+    family = next(
+        f for f in HubMetrics().registry.collect() if f.name == "reach_route_duration_seconds"
+    )
+    bounds = {s.labels["le"] for s in family.samples if s.name.endswith("_bucket")}
+    assert "1e-06" in bounds or "1.0e-06" in bounds, bounds
 
 
 def test_no_gauge_is_named_like_a_counter_or_histogram_series() -> None:
