@@ -266,6 +266,30 @@ def test_spans_across_hops_share_one_trace_and_parent_correctly(
     assert [e.name for e in handled.events] == ["ACCEPTED"]
 
 
+def test_a_traceparent_is_followed_when_the_applications_propagators_are_not_w3c(
+    exporter: InMemorySpanExporter,
+) -> None:
+    """Every hop carries a ``traceparent``; a process whose propagators are B3 only (here:
+    none at all) used to start a new trace for a message from a process with tracing off, and
+    its trace ids matched no caller's."""
+    from opentelemetry.propagators.composite import CompositePropagator
+
+    carried = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    saved = propagate.get_global_textmap()
+    propagate.set_global_textmap(CompositePropagator([]))
+    try:
+        with span(SPAN_HANDLE, kind=SpanKind.CONSUMER, parent_headers={"traceparent": carried}):
+            pass
+        assert tracing.extract({"traceparent": carried}) is not None
+        remote = trace.get_current_span(tracing.extract({"traceparent": carried}))
+    finally:
+        propagate.set_global_textmap(saved)
+    (handled,) = exporter.get_finished_spans()
+    assert f"{handled.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
+    assert _parent_span_id(handled) == 0xB7AD6B7169203331
+    assert remote.get_span_context().span_id == 0xB7AD6B7169203331
+
+
 def test_span_records_an_exception(exporter: InMemorySpanExporter) -> None:
     with pytest.raises(RuntimeError), span(SPAN_HANDLE, kind=SpanKind.CONSUMER):
         raise RuntimeError("boom")

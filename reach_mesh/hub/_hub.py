@@ -128,6 +128,9 @@ class Hub(RoutingMixin, ControlMixin):
         self._views_running = {False: 0, True: 0}
         self._cancels_running = {False: 0, True: 0}
         self._owner_lines = LineBudget(60.0)
+        #: A JetStream outage fails every control message (each heartbeat writes KV): one
+        #: line per verb per 10 s, with the count held back.
+        self._outage_lines = LineBudget(10.0)
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
@@ -381,7 +384,15 @@ class Hub(RoutingMixin, ControlMixin):
             body = protocol.encode_error(err)
         except nats.errors.Error as err:
             # JetStream briefly unavailable (e.g. a raft election after a node loss): retryable.
-            log.warning("NATS/JetStream error on %s: %r", msg.subject, err)
+            verb = msg.subject.rsplit(".", 1)[-1]
+            held = self._outage_lines.take(verb)
+            if held is not None:
+                log.warning(
+                    "NATS/JetStream error on %s: %r (%d such lines held back)",
+                    msg.subject,
+                    err,
+                    held,
+                )
             body = protocol.encode_error(
                 MeshUnavailableError(f"JetStream unavailable, retry: {type(err).__name__}")
             )

@@ -30,6 +30,7 @@ from opentelemetry.trace import (
     TraceFlags,
     TraceState,
 )
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ._setup import tracing_enabled
 
@@ -39,6 +40,7 @@ __all__ = [
     "carried_span",
     "current_trace_id",
     "extract",
+    "extract_onto",
     "inject",
     "trace_id_from_headers",
 ]
@@ -112,7 +114,22 @@ def current_context() -> Context:
 
 def extract(headers: Mapping[str, str] | None) -> Context:
     """The OpenTelemetry context carried by ``headers`` (an empty context when there is none)."""
-    return propagate.extract(headers or {})
+    return extract_onto(headers or {}, None)
+
+
+_W3C: Final = TraceContextTextMapPropagator()
+
+
+def extract_onto(headers: Mapping[str, str], context: Context | None) -> Context:
+    """``headers``' trace context on top of ``context``, by the application's propagators —
+    or by their ``traceparent`` when those found none there: every hop carries one
+    (:func:`inject`), but a process whose propagators are B3 only would otherwise start a new
+    trace for a message from a process with tracing off."""
+    base = Context() if context is None else context
+    got = propagate.extract(headers, context=base)
+    if TRACEPARENT in headers and trace.get_current_span(got) is trace.get_current_span(base):
+        got = _W3C.extract(headers, context=got)
+    return got
 
 
 def trace_id_from_headers(headers: Mapping[str, str] | None) -> str | None:

@@ -20,7 +20,14 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from ._propagation import TRACEPARENT, _CarriedSpan, _format, _fresh_span, carried_span
+from ._propagation import (
+    TRACEPARENT,
+    _CarriedSpan,
+    _format,
+    _fresh_span,
+    carried_span,
+    extract_onto,
+)
 from ._setup import _tracer, tracing_enabled
 
 __all__ = [
@@ -100,7 +107,7 @@ def open_span(
     if parent is not None:
         context: Context | None = trace.set_span_in_context(parent)
     elif parent_headers:
-        context = propagate.extract(parent_headers, context=otel_context.get_current())
+        context = extract_onto(parent_headers, otel_context.get_current())
     else:
         context = None
     return _tracer().start_span(
@@ -195,9 +202,7 @@ class _SpanScope:
         if self._parent_headers:
             # Extract on top of the current context: headers without a valid traceparent leave
             # the current span as parent, and current baggage survives.
-            parent_context = propagate.extract(
-                self._parent_headers, context=otel_context.get_current()
-            )
+            parent_context = extract_onto(self._parent_headers, otel_context.get_current())
         attributes = _attributes(self._kind, self._attributes, self._destination, self._operation)
         manager = _tracer().start_as_current_span(
             self._name, context=parent_context, kind=self._kind, attributes=attributes
