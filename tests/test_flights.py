@@ -4,6 +4,7 @@ are registered but not listening, and a hub closing with routes in flight."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -186,6 +187,35 @@ async def test_hub_closing_finishes_routes_in_flight(
         await hub.close()
         res = await pending
         assert res.state is TaskState.SUCCEEDED and res.result == {"n": 7}
+
+
+async def test_hub_closing_tells_routes_still_with_their_agent_to_ask_again(
+    settings: MeshSettings, namespace: str
+) -> None:
+    """A route whose agent outlasts the hub's 5 s of grace was dropped: no answer (the caller
+    waited out its timeout), no count, no audit, its spans never ended. It ends unavailable —
+    the SDK asks another hub with the same task id, and the agent's run in hand answers."""
+    async with (
+        Hub(settings=settings) as hub,
+        echo_agent(f"{namespace}.work.slower", settings, delay=6.5),
+    ):
+        nc = await nats.connect(settings.nats_url or "")
+        try:
+            body = json.dumps({"capability": CAP, "payload": {"n": 1}, "timeout": 20})
+            asked = asyncio.ensure_future(
+                nc.request(protocol.hub_subject(namespace, "route"), body.encode(), 15)
+            )
+            await eventually(lambda: hub.routing == 1)
+            t0 = time.monotonic()
+            await hub.close()
+            answer = json.loads((await asked).data)
+        finally:
+            await nc.close()
+    assert answer["error"]["code"] == "REACH_UNAVAILABLE", answer
+    assert "retry with the same task_id" in answer["error"]["message"]
+    assert time.monotonic() - t0 < 6.5
+    unavailable = hub.metrics.task_total.labels(namespace, "proxy", "UNAVAILABLE")
+    assert unavailable._value.get() == 1
 
 
 async def test_many_routes_in_flight_at_once(

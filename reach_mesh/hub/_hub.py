@@ -295,6 +295,21 @@ class Hub(RoutingMixin, ControlMixin):
             await asyncio.sleep(0.01)
         for task in list(self._inflight):
             task.cancel()
+        # Those still waiting for their agent end now, told so (counted, audited, their spans
+        # ended): not left to their callers' timeouts once this hub's connection is gone.
+        # Unavailable, so the SDK asks another hub with the same task id (the agent's
+        # idempotency table joins the run in hand).
+        for token in list(self._flights):
+            flight = self._flights.pop(token, None)
+            if flight is None or flight.finished:
+                continue
+            err = MeshUnavailableError(
+                f"hub {self.hub_id} stopped while task {flight.task_id} was with its agent: "
+                "retry with the same task_id"
+            )
+            self._end_deliver(flight, err)
+            with contextlib.suppress(Exception):
+                await self._finish(flight, error=err)
         if self._sweeper is not None:
             self._sweeper.cancel()
             await within("route sweeper", self._sweeper, 2.0, log)
