@@ -472,6 +472,11 @@ class WorkflowRecord(_Wire):
     #: stopped for it: a hub that takes the workflow over finishes the cancel.
     cancel: ErrorBody | None = None
     result: WorkflowResult | None = None
+    #: The stream sequence (``REACH_WF``) of the submission its owner runs it from: that
+    #: message stays in the stream, unacked, until the result is stored. Another message of
+    #: the same id while it runs (a re-submission past the dedup window) is no takeover; that
+    #: one, redelivered when its owner is gone, is (absent in records of older hubs).
+    submission_seq: int | None = None
 
     @property
     def cancelled_before_start(self) -> bool:

@@ -38,7 +38,7 @@ from reach_mesh.workflow import (
     stored_record,
 )
 
-__all__ = ["SpecConflictError", "WorkflowShapes", "final_result"]
+__all__ = ["Resubmitted", "SpecConflictError", "WorkflowShapes", "final_result"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
@@ -49,6 +49,11 @@ class _Unwritable(Exception):
 
 class SpecConflictError(Exception):
     """The workflow id is taken by a submission with another spec."""
+
+
+class Resubmitted(Exception):
+    """Another message of a workflow another hub runs from its own submission (see
+    ``WorkflowRecord.submission_seq``): nothing to do with this one but let it go."""
 
 
 class WorkflowShapes(StepRunner):
@@ -127,6 +132,25 @@ class WorkflowShapes(StepRunner):
             stored = final_result(got)
             if stored is not None:
                 return stored, True  # finished before: never run again
+            if (
+                rec is not None
+                and rec.owner is not None
+                and rec.submission_seq is not None
+                and wf.seq is not None
+                and rec.submission_seq != wf.seq
+            ):
+                # Another message of a workflow that runs from its own (a re-submission past
+                # the dedup window): that one stays in the stream until the result is stored,
+                # and comes back to a hub if its owner is gone. Taking it over from this one
+                # would take it from a live owner, and restart its deadline.
+                raise Resubmitted(key) from None
+            if rec is not None and rec.submitted_at is not None:
+                # Its deadline runs from its first submission (server time), not this one's.
+                late = wf.submitted_at - rec.submitted_at
+                if late > 0:
+                    wf.submitted_at = rec.submitted_at
+                    wf.deadline -= late
+                    record.submitted_at = rec.submitted_at
             # Take the workflow over: a CAS, so of two hubs resuming it one wins. Attempts the
             # previous owner sent at the start stay named: their steps adopt them.
             wf.taken_over = True
@@ -462,6 +486,7 @@ class WorkflowShapes(StepRunner):
             trace_id=wf.trace_id,
             submitted_at=wf.submitted_at,
             first_agents=wf.first_agents,
+            submission_seq=wf.seq,
         )
 
     async def _owner_write(

@@ -80,6 +80,8 @@ class Workflow:
     headers: dict[str, str]
     trace_id: str | None
     digest: str
+    #: The submission's stream sequence (``WorkflowRecord.submission_seq``), if known.
+    seq: int | None = None
     records: dict[int, TaskRecord] = field(default_factory=dict)
     #: Revision of this hub's write of the workflow record (the final write is a CAS on it).
     rev: int = 0

@@ -55,7 +55,7 @@ from reach_mesh.errors import (
     WorkflowSpecError,
 )
 from reach_mesh.hub import _durable
-from reach_mesh.hub._shapes import SpecConflictError, final_result
+from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
@@ -82,6 +82,9 @@ __all__ = ["WorkflowEngine"]
 log = logging.getLogger("reach_mesh.hub.workflows")
 
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
+#: How long a submission this hub refuses waits before it comes back, while a workflow of its
+#: id runs from a record that does not say which message it runs from.
+_REFUSED_RUNNING_DELAY: Final = 30.0
 
 
 def _submit_namespace(subject: str) -> str:
@@ -419,6 +422,11 @@ class WorkflowEngine(WorkflowQueries):
             # Its record could never be written (``_run`` checks it before the first write).
             await self._reject(msg, headers, big.error)
             return
+        except Resubmitted:
+            # Its caller waits on .done like the first one's: the owner announces it.
+            log.info("workflow %s: submitted again while another hub runs it; dropped", wf.id)
+            self._jsc.ack_later(msg)
+            return
         except SpecConflictError:
             self.conflict_total += 1
             log.warning("workflow %s: submission refused, the id is taken by another spec", wf.id)
@@ -511,9 +519,11 @@ class WorkflowEngine(WorkflowQueries):
         need = validate_spec(spec)
         check_payload_sizes(spec, len(msg.data), self._input_limit())
         try:
-            submitted = msg.metadata.timestamp.timestamp()  # JetStream server time
+            meta = msg.metadata
+            submitted = meta.timestamp.timestamp()  # JetStream server time
+            seq: int | None = meta.sequence.stream
         except Exception:
-            submitted = time.time()
+            submitted, seq = time.time(), None
         timeout = spec.timeout if spec.timeout is not None else self._settings.task_ttl
         remaining = submitted + timeout - time.time()
         loop = asyncio.get_running_loop()
@@ -525,11 +535,21 @@ class WorkflowEngine(WorkflowQueries):
             headers=headers,
             trace_id=trace_id_from_headers(headers),
             digest=spec_digest(spec),
+            seq=seq,
         )
 
     async def _reject(self, msg: Msg, headers: dict[str, str], err: ReachError) -> None:
-        """A malformed submission: term it (never redelivered) and, unless the id belongs to a
-        workflow already, store and publish a failed result."""
+        """A submission this hub refuses: store and publish its failed result, then term it
+        (never redelivered) — in that order: stored first, a rejection that meets a JetStream
+        outage comes back (nak) rather than leaving its caller without an answer.
+
+        An id that is a workflow's already keeps that workflow's record and result, with two
+        exceptions: a record holding only a cancel made before any hub took the submission
+        (the rejection is its end), and a running workflow whose own submission this is
+        (``WorkflowRecord.submission_seq``) — redelivered to a hub that cannot run it (hubs of
+        different versions, or ``max_payload``s, in a rolling change): it ends FAILED with
+        this error, over the record (its old owner's final write then fails and reads this
+        result), rather than the term leaving it RUNNING with no message to resume it from."""
         log.info("rejecting workflow submission on %s: %s", msg.subject, err.message)
         parts = msg.subject.split(".")
         wf_id = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
@@ -543,12 +563,12 @@ class WorkflowEngine(WorkflowQueries):
                 # No Nats-Msg-Id (a client that skips it): the id its body names, so that
                 # its caller, waiting on that id, gets this answer.
                 wf_id = body["workflow_id"]
-        with contextlib.suppress(Exception):
-            await msg.term()
         try:
             protocol.validate_workflow_id(wf_id)
             protocol.validate_namespace(ns)
         except ReachError:
+            with contextlib.suppress(Exception):
+                await msg.term()
             return  # nobody can be waiting for a result without a valid id
         result = WorkflowResult(
             workflow_id=wf_id,
@@ -563,6 +583,10 @@ class WorkflowEngine(WorkflowQueries):
         key = protocol.workflow_key(ns, wf_id)
         record = WorkflowRecord(state=result.state, owner=self.hub_id, result=result)
         try:
+            seq: int | None = msg.metadata.sequence.stream
+        except Exception:
+            seq = None
+        try:
             try:
                 await _durable.create(
                     kv,
@@ -574,10 +598,31 @@ class WorkflowEngine(WorkflowQueries):
             except KeyWrongLastSequenceError:
                 got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
                 held = stored_record(WorkflowRecord, got)
-                if got is None or held is None or not held.cancelled_before_start:
+                if got is None or held is None or held.result is not None:
                     raise
-                # Only a cancel made before any hub took it: the rejection is its end, so
-                # that its callers get an answer (not the cancel's: ``cancel`` is not kept).
+                own = held.submission_seq is not None and held.submission_seq == seq
+                if not (held.cancelled_before_start or own):
+                    if held.submission_seq is None and held.owner is not None:
+                        # A running workflow of a hub that did not say which message it runs
+                        # from: this may be that message. Not termed: it comes back (to a
+                        # hub that can run it, or once the workflow has ended).
+                        log.warning(
+                            "workflow %s runs while this hub refuses a submission of it (%s): "
+                            "handed back for later",
+                            wf_id,
+                            err.code,
+                        )
+                        with contextlib.suppress(Exception):
+                            await msg.nak(delay=_REFUSED_RUNNING_DELAY)
+                        return
+                    raise
+                if own:
+                    log.warning(
+                        "workflow %s came back to a hub that refuses it (%s: %s): it ends FAILED",
+                        wf_id,
+                        err.code,
+                        err.message,
+                    )
                 await _durable.cas(
                     kv,
                     key,
@@ -590,10 +635,18 @@ class WorkflowEngine(WorkflowQueries):
         except KeyWrongLastSequenceError:
             # The id is a workflow's already: its own record and result stand.
             self.conflict_total += 1
+            with contextlib.suppress(Exception):
+                await msg.term()
             return
         except Exception as e:
+            # Not stored (JetStream unavailable past the retries): the rejection is made
+            # again when the submission comes back.
             log.warning("cannot store the rejection of workflow %s: %r", wf_id, e)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
             return
+        with contextlib.suppress(Exception):
+            await msg.term()
         self._count_done(kind, result)
 
     async def _keepalive(self) -> None:

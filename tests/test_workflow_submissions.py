@@ -1,0 +1,106 @@
+"""A workflow runs from its own submission: a second message of its id while it runs (a
+re-submission past the dedup window) takes it from nobody, and its own message coming back to
+a hub that refuses it (hubs of different versions or max_payloads, in a rolling change) ends
+it FAILED rather than RUNNING for good — on a real mesh."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import nats
+import nats.js.errors
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh.hub import Hub
+from reach_mesh.workflow import WorkflowRecord
+
+from .helpers import Fleet, eventually
+from .test_workflow_cancel import Held, running
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def _record(settings: MeshSettings, wf_id: str) -> WorkflowRecord:
+    nc = await nats.connect(settings.nats_url or "")
+    try:
+        kv = await nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        entry = await kv.get(protocol.workflow_key(settings.namespace, wf_id))
+        assert entry.value is not None
+        return WorkflowRecord.model_validate_json(entry.value)
+    finally:
+        await nc.close()
+
+
+async def test_a_resubmission_while_it_runs_takes_it_from_nobody(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Past the dedup window a re-submission is a new message: the hub that got it took the
+    workflow over from its live owner (and restarted its deadline), and the owner's message,
+    still in the stream, took it back later. It is dropped; the owner goes on."""
+    held = await Held(fleet).start()
+    engine = wf_hub.workflows
+    assert engine is not None
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+        await running(mesh, wf_id)
+        first = await _record(wf_settings, wf_id)
+        assert first.submission_seq is not None and first.owner == wf_hub.hub_id
+        run = engine._owning[(wf_settings.namespace, wf_id)][1]
+        # The same spec again with no Nats-Msg-Id: stored as a new message, as after 600 s.
+        assert first.spec is not None
+        body = protocol.encode(first.spec)
+        nc = await nats.connect(wf_settings.nats_url or "")
+        try:
+            js = nc.jetstream()
+            ack = await js.publish(
+                protocol.wf_submit(wf_settings.namespace), body, stream=protocol.STREAM_WF
+            )
+            assert ack.seq != first.submission_seq
+
+            async def gone() -> bool:
+                # Taken and acked (a work queue drops what is acked), not just not pulled yet.
+                try:
+                    await js.get_msg(protocol.STREAM_WF, ack.seq)
+                except nats.js.errors.NotFoundError:
+                    return True
+                return False
+
+            await eventually(gone)
+        finally:
+            await nc.close()
+        again = await _record(wf_settings, wf_id)
+        assert again.submission_seq == first.submission_seq  # not taken over by the copy
+        assert engine._owning[(wf_settings.namespace, wf_id)][1] is run
+        assert again.submitted_at == first.submitted_at
+        held.release.set()
+        result = await mesh.workflow(wf_id, timeout=10)
+    assert result.ok, result
+    assert held.started == 1
+
+
+async def test_its_own_submission_back_at_a_hub_that_refuses_it_ends_it_failed(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A hub that refuses a running workflow's own submission (here a smaller max_payload)
+    termed it: the workflow stayed RUNNING with no message to resume it from, and its
+    callers waited for good. It ends FAILED with the refusal, once."""
+    payload: dict[str, Any] = {"blob": "x" * 4096}
+    async with Client(settings=wf_settings) as mesh:
+        async with Hub(settings=wf_settings):
+            held = await Held(fleet).start()
+            wf_id = await mesh.submit_fanout(
+                [Step(capability="wf:slow:v1", payload=payload)], timeout=30
+            )
+            await running(mesh, wf_id)
+        # The owner stopped (its submission handed back): a hub that takes less comes up.
+        small = wf_settings.model_copy(update={"max_payload": 256})
+        async with Hub(settings=small):
+            result = await mesh.workflow(wf_id, timeout=15)
+    assert result.state is TaskState.FAILED, result
+    assert result.error is not None and result.error.code == "REACH_PAYLOAD_TOO_LARGE"
+    record = await _record(wf_settings, wf_id)
+    assert record.result is not None and record.result.state is TaskState.FAILED
+    held.release.set()
+    assert json.loads(result.model_dump_json())["workflow_id"] == wf_id
