@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final
 
 from pydantic_core import to_json
@@ -53,7 +53,7 @@ class _Entry:
         self._raw: bytes | None = None
         #: The table holding it (its bytes are counted there), and what it counts.
         self._table: Results | None = None
-        self.size = _size_of(self)
+        self.size = _ENTRY_BYTES if reply is None else _size_of(self)
 
     @property
     def running(self) -> bool:
@@ -81,9 +81,11 @@ class _Entry:
         self._resized()
 
     def _resized(self) -> None:
-        size = _size_of(self)
-        if self._table is not None:
-            self._table._resize(self, size)
+        raw = self._raw
+        size = _ENTRY_BYTES + len(raw) if raw is not None else _size_of(self)
+        table = self._table
+        if table is not None:
+            table._resize(self, size)
         else:
             self.size = size
 
@@ -118,6 +120,8 @@ class Results:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         #: The sum of the entries' ``size``.
         self.bytes = 0
+        #: The entry of a task id, or None: the dict's own ``get`` (every task asks).
+        self.get: Callable[[str], _Entry | None] = self._entries.get
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -131,9 +135,6 @@ class Results:
     def __getitem__(self, task_id: str) -> _Entry:
         return self._entries[task_id]
 
-    def get(self, task_id: str) -> _Entry | None:
-        return self._entries.get(task_id)
-
     def pop(self, task_id: str) -> _Entry | None:
         entry = self._entries.pop(task_id, None)
         if entry is not None:
@@ -146,16 +147,19 @@ class Results:
         old = self._entries.pop(task_id, None)  # a retry: its new attempt is the newest entry
         if old is not None and old is not entry:
             self._left(old)
-        self._entries[task_id] = entry
+        entries = self._entries
+        entries[task_id] = entry
         if entry._table is not self:
             entry._table = self
             self.bytes += entry.size
-        self._trim()
+        if len(entries) > self.max_entries or self.bytes > self.max_bytes:
+            self._trim()
 
     def _resize(self, entry: _Entry, size: int) -> None:
         self.bytes += size - entry.size
         entry.size = size
-        self._trim()
+        if self.bytes > self.max_bytes:
+            self._trim()
 
     def _left(self, entry: _Entry) -> None:
         if entry._table is self:
