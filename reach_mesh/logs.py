@@ -191,6 +191,13 @@ class LineBudget:
         held, self._held_unseen = self._held.pop(key, 0) + self._held_unseen, 0
         return held
 
+    def warn(self, logger: logging.Logger, key: Hashable, msg: str, *args: object) -> None:
+        """``logger.warning(msg, *args)`` when a line of ``key`` is due (:meth:`take`), saying
+        how many were held back since the last one."""
+        held = self.take(key)
+        if held is not None:
+            logger.warning(msg + " (%d such lines held back)", *args, held)
+
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in record.__dict__.items() if k not in _RECORD_ATTRS}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -272,6 +273,27 @@ async def test_a_batch_nobody_listens_to_is_retried_elsewhere(
         assert all(r.ok and r.agent_id == live for r in results)
         assert [r.result for r in results] == [{"n": i} for i in range(40)]
         assert any(r.attempt == 2 for r in results)
+
+
+async def test_malformed_batch_lines_are_logged_at_a_rate(
+    hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone in a namespace may send route batches; each one with a malformed line logged a
+    WARNING: a loop of them filled the log. One line per subject per 10 s, the rest counted."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh.hub")
+    nc = await nats.connect(settings.nats_url)
+    try:
+        subject = protocol.hub_subject(namespace, "route_batch")
+        for _ in range(20):
+            await nc.publish(subject, b"no reply subject here\nnor here")
+        await nc.flush()
+        await asyncio.sleep(0.3)
+    finally:
+        await nc.close()
+    said = [r for r in caplog.records if "malformed line(s) dropped" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert "2 malformed line(s)" in said[0].getMessage()
+    assert hub.state is HubState.RUNNING
 
 
 async def test_route_requests_in_one_batch_are_answered_in_one_batch(

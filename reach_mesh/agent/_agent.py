@@ -172,6 +172,7 @@ class Agent(ServingMixin):
         self._counters = {}
         self._deadlines = _Deadlines()
         self._tracebacks = LineBudget(_TRACEBACK_INTERVAL)
+        self._malformed_lines = LineBudget(_TRACEBACK_INTERVAL)
         #: Handler slots taken (of ``max_concurrency``), and the tasks waiting for one.
         self._running = 0
         self._slot_waiters: deque[asyncio.Future[None]] = deque()

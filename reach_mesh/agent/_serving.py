@@ -132,6 +132,8 @@ class ServingMixin:
     _deadlines: _Deadlines
     #: Handlers' tracebacks, one per capability per ``_TRACEBACK_INTERVAL``.
     _tracebacks: LineBudget
+    #: Malformed lines of task batches: one line per subject per minute.
+    _malformed_lines: LineBudget
     _durations: dict[str, HistogramChild]
     _succeeded_total: dict[str, Counter]
     _counters: dict[tuple[str, TaskState], Counter]
@@ -166,8 +168,14 @@ class ServingMixin:
         requests, malformed = protocol.split_batch(msg.data)
         for reply, traceparent, data in requests:
             await self._take(data, _Request(reply, {TRACEPARENT: traceparent}, batch))
-        if malformed:  # no reply subject to answer on: only the log can be told
-            log.warning("batch on %s: %d malformed line(s) dropped", msg.subject, malformed)
+        if malformed:  # no reply subject to answer on: only the log can be told (at a rate)
+            self._malformed_lines.warn(
+                log,
+                msg.subject,
+                "batch on %s: %d malformed line(s) dropped",
+                msg.subject,
+                malformed,
+            )
         # Let this batch's handlers run (and answer) before the next batch is read.
         await asyncio.sleep(0)
 

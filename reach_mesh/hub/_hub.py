@@ -131,6 +131,9 @@ class Hub(RoutingMixin, ControlMixin):
         #: A JetStream outage fails every control message (each heartbeat writes KV): one
         #: line per verb per 10 s, with the count held back.
         self._outage_lines = LineBudget(10.0)
+        #: Malformed lines of route batches (anyone in a namespace may send them): one line
+        #: per subject per 10 s.
+        self._malformed_lines = LineBudget(10.0)
         self.metrics = HubMetrics()
         refused_counter(self.metrics.registry, refused_total)
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
@@ -400,14 +403,7 @@ class Hub(RoutingMixin, ControlMixin):
         except nats.errors.Error as err:
             # JetStream briefly unavailable (e.g. a raft election after a node loss): retryable.
             verb = msg.subject.rsplit(".", 1)[-1]
-            held = self._outage_lines.take(verb)
-            if held is not None:
-                log.warning(
-                    "NATS/JetStream error on %s: %r (%d such lines held back)",
-                    msg.subject,
-                    err,
-                    held,
-                )
+            self._outage_lines.warn(log, verb, "NATS/JetStream error on %s: %r", msg.subject, err)
             body = protocol.encode_error(
                 MeshUnavailableError(f"JetStream unavailable, retry: {type(err).__name__}")
             )

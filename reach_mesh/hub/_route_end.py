@@ -131,6 +131,7 @@ class RouteEndMixin:
     _ns_flights: Shares
     #: ``REACH-AGENT-TIMEOUT`` lines, one per agent per 10 s.
     _timeout_lines: LineBudget
+    _outage_lines: LineBudget
     _reply_prefix_b: bytes
     _reply_prefix_len: int
     _answers: AnswerBatcher
@@ -252,7 +253,10 @@ class RouteEndMixin:
         try:
             await self.sessions.put(flight.ns, flight.req.session_id, agent_id)
         except Exception as err:
-            log.warning("session %s: KV put failed: %r", flight.req.session_id, err)
+            # (Every sticky route meets it while KV is down.)
+            self._outage_lines.warn(
+                log, "session KV put", "session %s: KV put failed: %r", flight.req.session_id, err
+            )
         await self._finish(flight, task=data, head=head)
 
     def _read_reply(self, view: AgentView, flight: _Flight, data: bytes) -> _ReplyHead:

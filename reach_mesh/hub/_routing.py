@@ -83,6 +83,8 @@ class RoutingMixin(RouteEndMixin):
     router: Router
     #: ``REACH-SELECT-EMPTY`` lines, one per (namespace, target) per 10 s.
     _no_match_lines: LineBudget
+    _outage_lines: LineBudget
+    _malformed_lines: LineBudget
     _reply_prefix: str
     _outboxes: dict[str, _Outbox]
     _full: list[_Outbox]
@@ -131,8 +133,14 @@ class RoutingMixin(RouteEndMixin):
         requests, malformed = protocol.split_batch(msg.data)
         for reply, traceparent, body in requests:
             await self._route_one(msg.subject, body, reply, {TRACEPARENT: traceparent}, msg.reply)
-        if malformed:  # no reply subject to answer on: only the log can be told
-            log.warning("route batch on %s: %d malformed line(s) dropped", msg.subject, malformed)
+        if malformed:  # no reply subject to answer on: only the log can be told (at a rate)
+            self._malformed_lines.warn(
+                log,
+                msg.subject,
+                "route batch on %s: %d malformed line(s) dropped",
+                msg.subject,
+                malformed,
+            )
         # Let this batch's attempts leave before the next batch is read: the agent starts on
         # them while this hub decides the next ones.
         await asyncio.sleep(0)
@@ -247,7 +255,10 @@ class RoutingMixin(RouteEndMixin):
             if req.agent_id is not None and req.agent_id not in self.registry.agents:
                 await self.registry.fetch(req.agent_id)
         except Exception as err:
-            log.warning("route %s: KV lookup failed: %r", flight.request_id, err)
+            # (Every route meets it while KV is down.)
+            self._outage_lines.warn(
+                log, "route KV lookup", "route %s: KV lookup failed: %r", flight.request_id, err
+            )
         await self._attempt(flight)
 
     async def _attempt(self, flight: _Flight) -> None:
