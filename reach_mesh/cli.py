@@ -767,11 +767,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_error(err, details=args.debug)
         if _prints_json(args):
             # Where a script reads the answer: the error as the wire says it.
-            body = (
-                err.to_wire()
-                if isinstance(err, ReachError)
-                else {"error": {"code": ReachError.code, "message": f"{type(err).__name__}: {err}"}}
+            wire = (
+                err if isinstance(err, ReachError) else ReachError(f"{type(err).__name__}: {err}")
             )
+            body = wire.to_wire()
             with contextlib.suppress(OSError):
                 print(json.dumps(body))
         return exit_code(err)

@@ -187,13 +187,8 @@ class ServingMixin:
             await self._respond(req, protocol.encode_error(err))
             return
         entry = self._results.get(env.task_id)
-        if entry is not None and not (
-            # A later attempt of one that failed or timed out here runs again — decided here,
-            # on the reader, so a second copy read next sees the new attempt's entry.
-            not entry.running
-            and entry.state is not TaskState.SUCCEEDED
-            and env.attempt > entry.attempt
-        ):
+        # (A rerun is decided here, on the reader, so a second copy read next sees its entry.)
+        if entry is not None and not _runs_again(entry, env):
             waits = entry.running
             if waits and self._copies >= self.max_concurrency + self.max_queue:
                 # Copies of running tasks wait for their runs: as many as the agent takes.
@@ -519,15 +514,8 @@ class ServingMixin:
                 why = f" at {where!r}: {first['msg']}"
             else:
                 why = f": {_describe(err)}"
-            return self._reply(
-                env,
-                TaskState.FAILED,
-                error=ErrorBody(
-                    code=BadRequestError.code,
-                    message=f"invalid payload for {handler.capability}{why}",
-                    details={"retryable": False},
-                ),
-            )
+            text = f"invalid payload for {handler.capability}{why}"
+            return self._failed(env, BadRequestError.code, text, {"retryable": False})
         task: Task[Any] = Task(
             payload=payload,
             task_id=env.task_id,
@@ -786,3 +774,11 @@ def _describe(err: BaseException) -> str:
     except Exception:
         text = "<unprintable exception>"
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _runs_again(entry: _Entry, env: TaskEnvelope) -> bool:
+    """Whether ``env`` is a later attempt of a task that failed or timed out here: it runs
+    again (a copy of a running or succeeded one never does)."""
+    return (
+        not entry.running and entry.state is not TaskState.SUCCEEDED and env.attempt > entry.attempt
+    )

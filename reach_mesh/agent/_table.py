@@ -53,7 +53,7 @@ class _Entry:
         self._raw: bytes | None = None
         #: The table holding it (its bytes are counted there), and what it counts.
         self._table: Results | None = None
-        self.size = _ENTRY_BYTES if reply is None else _size_of(self)
+        self.size = _size_of(self)
 
     @property
     def running(self) -> bool:
@@ -81,8 +81,7 @@ class _Entry:
         self._resized()
 
     def _resized(self) -> None:
-        raw = self._raw
-        size = _ENTRY_BYTES + len(raw) if raw is not None else _size_of(self)
+        size = _size_of(self)
         table = self._table
         if table is not None:
             table._resize(self, size)

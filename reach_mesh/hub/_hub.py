@@ -394,22 +394,28 @@ class Hub(RoutingMixin, ControlMixin):
         registered agent. Only these get metric series and audit subjects."""
         return ns in self._configured or self.registry.has_namespace(ns)
 
+    def error_body(self, subject: str, err: Exception) -> bytes:
+        """The answer to a request on ``subject`` that ended with ``err``: a typed error as it
+        is; NATS / JetStream trouble ``REACH_UNAVAILABLE`` (briefly unavailable, e.g. a raft
+        election after a node loss: retryable; logged one line per verb per 10 s); anything
+        else ``REACH_INTERNAL``, logged with its traceback."""
+        if isinstance(err, ReachError):
+            return protocol.encode_error(err)
+        if isinstance(err, nats.errors.Error):
+            verb = subject.rsplit(".", 1)[-1]
+            self._outage_lines.warn(log, verb, "NATS/JetStream error on %s: %r", subject, err)
+            return protocol.encode_error(
+                MeshUnavailableError(f"JetStream unavailable, retry: {type(err).__name__}")
+            )
+        log.error("internal error on %s", subject, exc_info=err)
+        return protocol.encode_error(InternalError(f"internal error: {type(err).__name__}"))
+
     async def _serve(self, msg: Msg, handler: Handler) -> None:
         try:
             ns = self._namespace(msg.subject)
             body = await handler(msg, ns)
-        except ReachError as err:
-            body = protocol.encode_error(err)
-        except nats.errors.Error as err:
-            # JetStream briefly unavailable (e.g. a raft election after a node loss): retryable.
-            verb = msg.subject.rsplit(".", 1)[-1]
-            self._outage_lines.warn(log, verb, "NATS/JetStream error on %s: %r", msg.subject, err)
-            body = protocol.encode_error(
-                MeshUnavailableError(f"JetStream unavailable, retry: {type(err).__name__}")
-            )
         except Exception as err:  # the hub never crashes on input
-            log.exception("internal error on %s", msg.subject)
-            body = protocol.encode_error(InternalError(f"internal error: {type(err).__name__}"))
+            body = self.error_body(msg.subject, err)
         if body is not None and msg.reply:
             with contextlib.suppress(Exception):
                 await self.nc.publish(msg.reply, body)

@@ -16,7 +16,6 @@ GET route with ``hub.http.app.get("/api/…")(handler)``: it is guarded and docu
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Awaitable
 from importlib import resources
@@ -25,7 +24,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 from fastapi import Body, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from nats.errors import Error as NatsError
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import BaseModel, Field, StrictBool
@@ -39,9 +37,7 @@ from reach_mesh._asgi import AsgiServer
 from reach_mesh._nats import has_identity
 from reach_mesh.errors import (
     BadRequestError,
-    InternalError,
     MeshTimeoutError,
-    MeshUnavailableError,
     ReachError,
     UnknownAgentError,
 )
@@ -66,8 +62,6 @@ if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
 
 __all__ = ["HubHttp", "status_for"]
-
-log = logging.getLogger("reach_mesh.hub.http")
 
 _VERSION: Final = "0.1.0"
 #: Paths behind the bearer token (when ``http_token`` is set).
@@ -503,7 +497,9 @@ class HubHttp:
         (``namespace``: ``default`` when not given): the same budget, audited with requester
         ``http``. One answer: ``final`` false means the owner is still stopping it — POST
         again (a cancel is idempotent)."""
-        ns = protocol.DEFAULT_NAMESPACE if namespace is None else namespace
+        ns = protocol.validate_namespace(
+            protocol.DEFAULT_NAMESPACE if namespace is None else namespace
+        )
         asked = protocol.dumps(
             {
                 "workflow_id": protocol.validate_workflow_id(workflow_id),
@@ -512,7 +508,8 @@ class HubHttp:
             }
         )
         return await self._answer(
-            self.hub.cancel_workflow(protocol.validate_namespace(ns), asked, HTTP_REQUESTER)
+            protocol.hub_subject(ns, "cancel"),
+            self.hub.cancel_workflow(ns, asked, HTTP_REQUESTER),
         )
 
     async def agent_op(
@@ -547,25 +544,20 @@ class HubHttp:
             result = AdminResult(agent_id=agent_id, op=op, state=view.state)
             return JSONResponse(result.model_dump(mode="json"))
         asked = protocol.dumps({"op": op, "agent_id": agent_id, "reason": reason})
+        ns = protocol.namespace_of(agent_id)
         return await self._answer(
-            self.hub.admin_op(protocol.namespace_of(agent_id), asked, HTTP_REQUESTER)
+            protocol.hub_subject(ns, "admin"), self.hub.admin_op(ns, asked, HTTP_REQUESTER)
         )
 
-    async def _answer(self, answer: Awaitable[bytes]) -> Response:
-        """What this hub answers itself, as its NATS dispatcher would (``Hub._serve``): a
-        typed error its status, NATS / JetStream trouble ``REACH_UNAVAILABLE`` (retry),
-        anything else ``REACH_INTERNAL`` (logged), never a bare 500."""
+    async def _answer(self, subject: str, answer: Awaitable[bytes]) -> Response:
+        """What this hub answers itself to a request it would take on ``subject``, as its
+        NATS dispatcher would (``Hub.error_body``): an error is raised typed, for its status
+        (never a bare 500)."""
         try:
             data = await answer
-        except ReachError:
-            raise
-        except NatsError as err:
-            raise MeshUnavailableError(
-                f"JetStream unavailable, retry: {type(err).__name__}"
-            ) from err
         except Exception as err:
-            log.exception("internal error on an HTTP request")
-            raise InternalError(f"internal error: {type(err).__name__}") from err
+            data = self.hub.error_body(subject, err)
+            protocol.raise_for_error(data)
         return Response(data, media_type="application/json")
 
     # ------------------------------------------------------------------ gateway

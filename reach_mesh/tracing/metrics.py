@@ -54,8 +54,9 @@ def _buckets(first: float, last: float) -> tuple[float, ...]:
 
 
 LATENCY_BUCKETS: Final[tuple[float, ...]] = _buckets(0.0001, 60.0)
-"""Routing, hand-over and handler latencies: 100 µs to 60 s, five bounds per decade (30 in all):
-a route decision takes tens of µs, a routed request about a millisecond, an LLM call seconds."""
+"""Hand-over and handler latencies: 100 µs to 60 s, five bounds per decade (30 in all): a routed
+request takes about a millisecond, an LLM call seconds. (Route decisions:
+:data:`DECISION_BUCKETS`.)"""
 
 DECISION_BUCKETS: Final[tuple[float, ...]] = _buckets(0.000001, 1.0)
 """A route decision: 1 µs to 1 s, five bounds per decade. A decision takes about ten µs; from
