@@ -349,7 +349,9 @@ class TaskRecord(_Wire):
     cancelled, and when its outcome is decided by anything but its current attempt (an earlier
     attempt's outcome, or the deadline); and before an attempt is sent, except the attempts
     sent when the workflow starts, which its ``WorkflowRecord`` names (``first_agents``):
-    attempt 1 needs no fence until there is an attempt 2. A step with a caller-chosen
+    attempt 1 needs no fence until there is an attempt 2. A hub that takes a workflow over
+    writes each unfinished step's record once (created from ``first_agents`` if it had none),
+    so that a write of the previous owner still in flight fails. A step with a caller-chosen
     ``task_id`` does not start with the workflow: its record is created first, and that create
     claims the id (a record of another workflow under the key fails the step with
     ``REACH_TASK_ID_CONFLICT``). A step decided by its current

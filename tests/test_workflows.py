@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import (
     Client,
@@ -493,7 +494,22 @@ async def test_hub_killed_mid_workflow(
                 [Step(capability="wf:first:v1"), Step(capability="wf:second:v1")], timeout=20
             )
             await asyncio.wait_for(started.wait(), 5)
+            kv = await hubs.hub_a.nc.jetstream().key_value(protocol.KV_TASKS)
+            key = protocol.task_key(wf_settings.namespace, f"{wf_id}-1")
+            first = await kv.get(key)  # hub A created it when it sent step 1
             await hubs.kill_a()
+            assert hubs.hub_b is not None
+            # Hub B writes the adopted record again: a CAS hub A still had in flight on the
+            # revision it knew (a retry, a TIMEOUT) fails instead of landing after B decides.
+            kv = await hubs.hub_b.nc.jetstream().key_value(protocol.KV_TASKS)
+
+            async def fenced() -> bool:
+                return (await kv.get(key)).revision != first.revision
+
+            await eventually(fenced, timeout=10)
+            assert first.value is not None
+            with pytest.raises(KeyWrongLastSequenceError):
+                await kv.update(key, first.value, last=first.revision)
             hold.set()
             res = await mesh.workflow(wf_id, timeout=15)
             # The surviving hub tells the takeover (an operator's sign that a hub failed).
@@ -541,6 +557,25 @@ async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(
             rec = await task_record(hubs.hub_a.nc, wf_settings.namespace, f"{wf_id}-0")
             assert rec is None  # sent at the start: named by the workflow record only
             await hubs.kill_a()
+            assert hubs.hub_b is not None
+            # Hub B writes each adopted step's record before it watches it: a write hub A
+            # still had in flight (alive behind a partition: its attempt 2 of the step)
+            # fails then, instead of sending the step again after B decided it.
+            kv = await hubs.hub_b.nc.jetstream().key_value(protocol.KV_TASKS)
+            key = protocol.task_key(wf_settings.namespace, f"{wf_id}-0")
+
+            async def adopted_record() -> bool:
+                assert hubs.hub_b is not None
+                got = await task_record(hubs.hub_b.nc, wf_settings.namespace, f"{wf_id}-0")
+                return got is not None
+
+            await eventually(adopted_record, timeout=10)
+            adopted = await task_record(hubs.hub_b.nc, wf_settings.namespace, f"{wf_id}-0")
+            assert adopted is not None
+            assert (adopted.attempt, adopted.agent_id) == (1, agent.agent_id)
+            late = adopted.model_copy(update={"attempt": 2, "agent_id": None})
+            with pytest.raises(KeyWrongLastSequenceError):
+                await kv.create(key, protocol.encode(late))
             hold.set()
             res = await mesh.workflow(wf_id, timeout=15)
         assert res.state is TaskState.SUCCEEDED, res

@@ -398,7 +398,8 @@ class StepRunner(WorkflowEvents):
         the workflow record already (``first_agents``) and is sent without a task record (rev
         0: none yet); otherwise an agent is chosen now and the record created with attempt 1
         (or 0 when none matches). Not fresh (taken over from another hub): the step's record,
-        or — without one — its attempt 1 from the workflow record, to adopt.
+        or — without one — its attempt 1 from the workflow record, to adopt; an unfinished
+        one is written again first (``_fence_taken``), which fences the previous owner.
 
         ``TaskIdTaken`` when the record under the step's task id is another workflow's (a
         caller-chosen task id: such a step is never sent before its record is created,
@@ -407,11 +408,13 @@ class StepRunner(WorkflowEvents):
         kv = self._tasks_kv
         if wf.taken_over:
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            if got is not None:
-                return self._ours(wf, index, got), got[1], False, None, None
-            named = self._named_attempt(wf, index, task_id)
-            if named is not None:
-                return named, 0, False, None, None
+            adopted, rev = (self._ours(wf, index, got), got[1]) if got else (None, 0)
+            if adopted is None:
+                adopted = self._named_attempt(wf, index, task_id)
+            if adopted is not None:
+                if not (adopted.state.final or adopted.cancelled):
+                    rev = await self._fence_taken(wf, key, adopted, rev)
+                return adopted, rev, False, None, None
         rec = new_record(wf, index, task_id, time.time())
         first = wf.first[index] if index < len(wf.first) else None
         if first is not None:
@@ -439,6 +442,20 @@ class StepRunner(WorkflowEvents):
                 raise NotOwnerError(key) from err
             return self._ours(wf, index, got), got[1], False, None, None
         return rec, rev, True, view, capability
+
+    async def _fence_taken(self, wf: Workflow, key: str, rec: TaskRecord, rev: int) -> int:
+        """Write an adopted step's record again, as it stands (created, for an attempt the
+        workflow record names): its new revision.
+
+        The previous owner may be alive behind a partition, with a write of this record in
+        flight (the next attempt, a cancel, a TIMEOUT). Its writes are CAS on the revision it
+        last saw, or creates: after this write every one of them fails, and that hub stops
+        (its workflow record is no longer its own). Without it, such a write could land
+        after this hub decided the step by its current attempt (which writes nothing), and
+        send a step that finished to run again. If the old owner's write lands first, this
+        one fails: ``NotOwnerError``, and the workflow is resumed from the records again."""
+        rec.updated_at = time.time()
+        return await self._cas(key, rec, rev, wf.deadline)
 
     @staticmethod
     def _ours(wf: Workflow, index: int, got: tuple[bytes, int]) -> TaskRecord:
