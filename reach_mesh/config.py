@@ -150,6 +150,11 @@ class MeshSettings(BaseModel):
     #: Results an agent keeps in memory for idempotency (all are also kept in KV).
     result_cache: int = Field(default=10_000, ge=16)
 
+    #: Capabilities that get a series of their own in ``reach_task_duration_seconds`` (each
+    #: costs 38 series: 36 buckets, sum, count); the ones a hub sees after them share
+    #: ``capability="other"``. Anyone may mint capabilities: the scrape stays bounded.
+    metrics_capability_series: int = Field(default=64, ge=1, le=4096)
+
     # hub HTTP (metrics, REST, dashboard). 0 = pick a free port, None = off.
     http_host: str = "127.0.0.1"
     http_port: int | None = None

@@ -14,7 +14,7 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
-from reach_mesh.hub import Hub, _route_end
+from reach_mesh.hub import Hub
 from reach_mesh.models import Heartbeat
 
 from .helpers import eventually
@@ -159,9 +159,11 @@ async def test_reports_on_other_namespaces_agents_are_dropped(
 async def test_capabilities_minted_past_a_bound_share_one_series(
     hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``reach_task_duration_seconds`` gets a series per capability only up to a bound (512;
-    2 here): a tenant minting capabilities cannot grow the hub's /metrics without end."""
-    monkeypatch.setattr(_route_end, "CAPABILITY_SERIES", len(hub._duration_children) + 2)
+    """``reach_task_duration_seconds`` gets a series per capability only up to a bound
+    (``metrics_capability_series``, 64 by default; 2 here): a tenant minting capabilities
+    cannot grow the hub's /metrics without end."""
+    assert hub._capability_series == settings.metrics_capability_series == 64
+    monkeypatch.setattr(hub, "_capability_series", len(hub._duration_children) + 2)
     agent = Agent(f"{namespace}.mint.a1", settings=settings)
     for i in range(5):
         agent.handler(f"mint:c{i}:v1")(_echo)

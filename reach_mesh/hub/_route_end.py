@@ -46,7 +46,7 @@ from reach_mesh.logs import AGENT_TIMEOUT, ROUTE_LATENCY, LineBudget, log_event
 from reach_mesh.models import ErrorBody, RouteDecision, RouteRequest, TaskState
 from reach_mesh.tracing.metrics import HubMetrics, LoopHistogram
 
-__all__ = ["CAPABILITY_SERIES", "OTHER_CAPABILITY", "RouteEndMixin"]
+__all__ = ["OTHER_CAPABILITY", "RouteEndMixin"]
 
 log = logging.getLogger("reach_mesh.hub")
 
@@ -54,9 +54,8 @@ log = logging.getLogger("reach_mesh.hub")
 _SLOW_ROUTE: Final = 0.25
 #: How often unanswered proxy attempts are checked against their deadline (seconds).
 _SWEEP_INTERVAL: Final = 0.005
-#: Capabilities that get a series of their own in ``reach_task_duration_seconds``; the ones
-#: seen after them share ``capability="other"``.
-CAPABILITY_SERIES: Final = 512
+#: Where capabilities past ``MeshSettings.metrics_capability_series`` are counted in
+#: ``reach_task_duration_seconds``.
 OTHER_CAPABILITY: Final = "other"
 #: Reply "subjects" of routes asked in this process (``Hub.route``), followed by a number. A space
 #: never occurs in a NATS subject, so no message's reply subject can name one of these callers.
@@ -137,6 +136,7 @@ class RouteEndMixin:
     _answers: AnswerBatcher
     _task_counters: dict[tuple[str, str, str], Any]
     _duration_children: dict[str, Any]
+    _capability_series: int
     _accepted_seconds: LoopHistogram
     #: Routes asked in this process (``_route_local``) awaiting their answer, by reply token.
     _local: dict[str, asyncio.Future[bytes]]
@@ -289,7 +289,7 @@ class RouteEndMixin:
         cap = capability or "-"
         child = self._duration_children.get(cap)
         if child is None:
-            if len(self._duration_children) >= CAPABILITY_SERIES:
+            if len(self._duration_children) >= self._capability_series:
                 # Agents name capabilities and callers route them: a tenant minting new ones
                 # must not grow /metrics (and its render on this loop) without bound.
                 cap = OTHER_CAPABILITY
