@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshUnavailableError, NotPermittedError
+from reach_mesh.logs import LineBudget
 
 __all__ = [
     "Refusals",
@@ -373,6 +374,9 @@ class _Watch:
         self._slow_timer: asyncio.TimerHandle | None = None
         #: When an error while connected was last logged (rate-limited like the gone ones).
         self._noted_at = -_GONE_LOG_INTERVAL
+        #: Permissions violations: one line per refused subject per 30 s (a misconfigured
+        #: agent is refused on every heartbeat, every publish).
+        self._refused_lines = LineBudget(_GONE_LOG_INTERVAL)
 
     async def error(self, err: Exception) -> None:
         self.last_error = err
@@ -387,7 +391,9 @@ class _Watch:
         refused = "permissions violation" in str(err).lower()
         if refused:
             # The server refusing this identity a subject (secure mode, docs/security.md).
-            log.warning("NATS refused %s: %s", self.name, err)
+            m = _REFUSED_RE.search(str(err))
+            subject = m.group(2).lower() if m is not None else ""
+            self._refused_lines.warn(log, subject, "NATS refused %s: %s", self.name, err)
             if isinstance(self.nc, _Connection):
                 self.nc.refusals.note(str(err))
         if not self.connected and (

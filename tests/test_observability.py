@@ -353,6 +353,29 @@ async def test_an_agent_that_stops_answering_is_a_warning_at_once(
     assert [r.agent_id for r in lines] == [agent_id]  # one line per 10 s, not one per task
 
 
+async def test_slow_routes_are_logged_once_per_agent_per_interval(
+    hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A route over 250 ms logs ``REACH-ROUTE-LATENCY``, but an agent whose every route is
+    slow (an overloaded hub, a slow handler) gets one line per 10 s, not one per request."""
+    caplog.set_level("INFO", logger="reach_mesh.hub")
+    agent = Agent(f"{namespace}.w.slow", settings=settings)
+
+    @agent.handler("work:slow:v1")
+    async def slow(task: Task[Any]) -> Any:
+        await asyncio.sleep(0.3)
+        return task.payload
+
+    async with agent, Client(settings=settings) as c:
+        answers = await asyncio.gather(
+            *(c.request(capability="work:slow:v1", payload=i, timeout=5) for i in range(4))
+        )
+    assert [a.ok for a in answers] == [True] * 4
+    lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-ROUTE-LATENCY"]
+    assert [(r.agent_id, r.suppressed) for r in lines] == [(agent.agent_id, 0)]
+    assert lines[0].elapsed_ms > 250
+
+
 async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
     hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -362,13 +362,17 @@ async def test_operator_actions_are_audited_with_who_asked_and_why(
     ]
 
 
-async def test_a_refused_identity_is_told_at_once_not_timed_out(mesh: Mesh) -> None:
+async def test_a_refused_identity_is_told_at_once_not_timed_out(
+    mesh: Mesh, caplog: pytest.LogCaptureFixture
+) -> None:
     """An operator command run with a caller identity: the server refuses the publish (an
     ``-ERR`` to the error callback only), and the request used to end as REACH_TIMEOUT five
     seconds later, which reads as "the hub is down". It fails at once, naming the subject and
-    the identity it needs; the CLI exits 2 for it."""
+    the identity it needs; the CLI exits 2 for it. The refusal is logged once per subject per
+    30 s, not once per publish."""
     from reach_mesh.cli import EXIT_USAGE, exit_code
 
+    caplog.set_level(logging.WARNING, logger="reach_mesh")
     async with Client(settings=mesh.settings("caller", NS)) as caller:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -377,6 +381,12 @@ async def test_a_refused_identity_is_told_at_once_not_timed_out(mesh: Mesh) -> N
         assert loop.time() - t0 < 2.0
         assert err.value.details["subject"] == protocol.hub_subject(NS, "admin")
         assert exit_code(err.value) == EXIT_USAGE
+        for _ in range(3):
+            with pytest.raises(NotPermittedError):
+                await caller.admin("cordon", VICTIM)
+        admin = protocol.hub_subject(NS, "admin").lower()
+        said = [r for r in caplog.records if r.getMessage().startswith("NATS refused")]
+        assert len([r for r in said if admin in r.getMessage().lower()]) == 1
         with pytest.raises(NotPermittedError, match=r"(?i)\$JS\.API\.STREAM\.INFO"):
             await caller.audit(since=60)
         # Its own namespace's queries still work on the same connection.

@@ -130,6 +130,9 @@ class RouteEndMixin:
     _ns_flights: Shares
     #: ``REACH-AGENT-TIMEOUT`` lines, one per agent per 10 s.
     _timeout_lines: LineBudget
+    #: ``REACH-ROUTE-LATENCY`` lines, one per agent per 10 s (an overloaded hub makes every
+    #: route slow: a line each would add to the load).
+    _slow_lines: LineBudget
     _outage_lines: LineBudget
     _reply_prefix_b: bytes
     _reply_prefix_len: int
@@ -470,15 +473,19 @@ class RouteEndMixin:
                 )
         elapsed = time.perf_counter() - flight.t0
         if elapsed > _SLOW_ROUTE:
-            log_event(
-                log,
-                ROUTE_LATENCY,
-                "slow route",
-                request_id=flight.request_id,
-                trace_id=flight.trace_id,
-                agent_id=view.agent_id if view is not None else None,
-                elapsed_ms=round(elapsed * 1000, 2),
-            )
+            agent_id = view.agent_id if view is not None else None
+            held = self._slow_lines.take(agent_id)
+            if held is not None:
+                log_event(
+                    log,
+                    ROUTE_LATENCY,
+                    "slow route",
+                    request_id=flight.request_id,
+                    trace_id=flight.trace_id,
+                    agent_id=agent_id,
+                    elapsed_ms=round(elapsed * 1000, 2),
+                    suppressed=held,
+                )
         sp = flight.span
         if sp is not None:
             if view is not None:
