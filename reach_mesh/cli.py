@@ -433,7 +433,8 @@ async def cmd_admin(args: argparse.Namespace) -> int:
 
 
 async def cmd_auth(args: argparse.Namespace) -> int:
-    """``auth init DIR`` / ``auth add-agent ID`` / ``auth add-caller NS`` (docs/security.md)."""
+    """``auth init DIR`` / ``auth add-agent ID`` / ``auth add-caller NS`` / ``auth add-operator
+    NAME`` / ``auth add-hub NAME`` (docs/security.md)."""
     # Only a URL given on this command line goes into the settings files, never
     # $REACH_NATS_URL: that is where this shell talks to, not where each identity will.
     nats_url = args.auth_nats or args.nats_flag
@@ -442,15 +443,8 @@ async def cmd_auth(args: argparse.Namespace) -> int:
         issued = auth.init(namespace=args.namespace, host=args.host, port=args.port)
         print(f"server config: {auth.nats_conf} (includes {auth.auth_conf})")
     else:
-        role, name = (
-            ("agent", args.agent_id)
-            if args.auth_command == "add-agent"
-            else (
-                "caller",
-                args.namespace,
-            )
-        )
-        issued = [auth.add(role, name)]
+        role = args.auth_command.removeprefix("add-")
+        issued = [auth.add(role, args.identity)]
         print(f"added to {auth.auth_conf}: reload a running server (nats-server --signal reload)")
     for ident in issued:
         where = auth.settings_file(ident.role, ident.name)
@@ -552,8 +546,18 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--namespace", default="default", help="the caller's namespace")
     init.add_argument("--host", default="0.0.0.0", help="listen address in nats.conf")
     init.add_argument("--port", type=int, default=4222, help="client port in nats.conf")
-    auth_cmd("add-agent", "credentials for one agent id").add_argument("agent_id")
-    auth_cmd("add-caller", "credentials for a caller of one namespace").add_argument("namespace")
+    for role, what, metavar in (
+        ("agent", "credentials for one agent id", "AGENT_ID"),
+        ("caller", "credentials for a caller of one namespace", "NAMESPACE"),
+        (
+            "operator",
+            "credentials for one operator (a person or a tool: the audit names it as the "
+            "requester of its actions)",
+            "NAME",
+        ),
+        ("hub", "credentials for one more hub instance", "NAME"),
+    ):
+        auth_cmd(f"add-{role}", what).add_argument("identity", metavar=metavar)
 
     hub = cmd("hub", "run one hub instance against an existing NATS")
     hub.add_argument(

@@ -30,6 +30,7 @@ from reach_mesh import (
     NotPermittedError,
     Step,
     TaskState,
+    UnknownAgentError,
     protocol,
 )
 from reach_mesh._auth import AuthDir
@@ -643,6 +644,24 @@ async def test_cli_config_starts_nats_server_and_reloads(tmp_path: Path) -> None
                     await asyncio.sleep(0.1)
             else:
                 raise AssertionError("the caller added after start could not connect")
+            # An operator of its own (a person): its actions are audited under its name.
+            assert (
+                await asyncio.to_thread(main, ["auth", "add-operator", "alice", "--dir", str(d)])
+                == 0
+            )
+            reload = await asyncio.to_thread(run, [binary, "--signal", f"reload={proc.pid}"])
+            assert reload.returncode == 0, reload.stderr
+            alice = auth.settings("operator", "alice", nats_url=url, connect_timeout=1.0)
+            for _ in range(50):
+                try:
+                    async with Client(settings=alice) as c:
+                        with pytest.raises(UnknownAgentError):
+                            await c.admin("cordon", "late.nobody.a1", reason="check")
+                    break
+                except MeshUnavailableError:
+                    await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the operator added after start could not connect")
         finally:
             await hub.close()
     finally:
