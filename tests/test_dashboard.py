@@ -395,11 +395,11 @@ async def test_page_shows_fleet_rates_workflow_and_acts_on_the_registry(mesh: Me
                    row.click();
                    return document.querySelector('#decisions tr.explain').textContent; })()"""
             )
-            # Cordon from its button, confirmed by the operator.
+            # Cordon from its button, confirmed by the operator with a reason.
             seen["asked"] = browser.evaluate(
                 f"""new Promise(ok => {{
                   const asked = [];
-                  window.confirm = text => {{ asked.push(text); return true; }};
+                  window.prompt = text => {{ asked.push(text); return " disk swap "; }};
                   document.querySelector('button[data-agent="{echo_id}"][data-op="cordon"]')
                     .click();
                   const t = setInterval(() => {{
@@ -413,7 +413,7 @@ async def test_page_shows_fleet_rates_workflow_and_acts_on_the_registry(mesh: Me
             )
             # A declined confirmation does nothing.
             seen["declined"] = browser.evaluate(
-                f"""(async () => {{ window.confirm = () => false;
+                f"""(async () => {{ window.prompt = () => null;
                      return await act("{echo_id}", "uncordon"); }})()"""
             )
             browser.screenshot(shot)
@@ -433,18 +433,19 @@ async def test_page_shows_fleet_rates_workflow_and_acts_on_the_registry(mesh: Me
     assert "attempt 1" in seen["steps"][0] and echo_id in seen["steps"][0]
     assert seen["trace_link"] == TRACE_URL.replace("{trace_id}", mesh.workflow.trace_id or "")
     assert seen["explained"].startswith(f"strategy least_loaded · chosen {echo_id}")
-    assert seen["asked"] == [f"Cordon {echo_id}? It keeps its work but gets no new tasks."]
+    assert seen["asked"] == [
+        f"Cordon {echo_id}? It keeps its work but gets no new tasks. Why (kept in the audit)?"
+    ]
     assert seen["after"] == ["uncordon", "quarantine", "remove"]
     assert seen["declined"] is False
     assert view.state is AgentState.CORDONED and view.record.cordoned
     async with Client(settings=mesh.settings) as c:
         assert (await c.inspect(echo_id)).state is AgentState.CORDONED
     events = await _audit_admin(mesh)
-    # Who asked: the hub's HTTP API (whoever holds its token); the buttons ask no reason.
-    assert [(e["agent_id"], e["op"], e.get("requester")) for e in events] == [
-        (echo_id, "cordon", "http")
+    # Who asked: the hub's HTTP API (whoever holds its token), and why: the operator's answer.
+    assert [(e["agent_id"], e["op"], e.get("requester"), e.get("reason")) for e in events] == [
+        (echo_id, "cordon", "http", "disk swap")
     ]
-    assert "reason" not in events[0]
     assert shot.stat().st_size > 10_000
 
 

@@ -315,7 +315,7 @@ async def test_dashboard_with_the_token_acts_from_its_own_origin(
                 )
                 # ...and the dashboard's own cordon action (token from #token=) works, once
                 # the operator confirms it.
-                browser.evaluate("window.confirm = () => true")
+                browser.evaluate("window.prompt = () => ''")
                 browser.evaluate(f"act({agent_id}, 'cordon').then(() => 'done')")
                 return bare
 
