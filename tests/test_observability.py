@@ -30,6 +30,7 @@ from reach_mesh import (
     MeshSettings,
     MeshTimeoutError,
     NoMatchError,
+    TaskState,
     UnknownAgentError,
     protocol,
 )
@@ -71,11 +72,20 @@ async def test_metrics_match_what_was_sent(
     http_hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
     agent = echo_agent(f"{namespace}.w.a1", settings)
+
+    @agent.handler("work:typed:v1")
+    async def typed(task: Task[int]) -> int:
+        return task.payload
+
     async with agent, Client(settings=settings) as c:
         for i in range(7):
             await c.request(capability="work:echo:v1", payload=i)
         with pytest.raises(NoMatchError):
             await c.request(capability="work:none:v1", payload=0)
+        # A payload the handler's model refuses: the caller's fault, not the agent failing.
+        refused = await c.request(capability="work:typed:v1", payload="seven")
+        assert refused.state is TaskState.FAILED and refused.error is not None
+        assert refused.error.code == "REACH_BAD_REQUEST"
         await eventually(lambda: http_hub.metrics.heartbeat_total._value.get() >= 2)
         status, body = await fetch(f"{http_hub.http_url}/metrics")
     assert status == 200
@@ -83,7 +93,9 @@ async def test_metrics_match_what_was_sent(
     tasks = samples(text, "reach_task_total")
     assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "SUCCEEDED"))] == 7
     assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "NO_MATCH"))] == 1
-    assert samples(text, "reach_route_duration_seconds_count")[()] == 7
+    assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "BAD_REQUEST"))] == 1
+    assert (("mode", "proxy"), ("namespace", namespace), ("state", "FAILED")) not in tasks
+    assert samples(text, "reach_route_duration_seconds_count")[()] == 8  # (routed: 7 + 1)
     agents = samples(text, "reach_agents")
     assert agents[(("namespace", namespace), ("state", "ONLINE"))] == 1
     # The scrape shows the heartbeats the hub counted before it (at least the two awaited).

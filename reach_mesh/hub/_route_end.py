@@ -25,6 +25,7 @@ from reach_mesh._batch import BATCH_ITEMS, AnswerBatcher
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     AgentBusyError,
+    BadRequestError,
     IdentityMismatchError,
     InternalError,
     MeshTimeoutError,
@@ -57,6 +58,8 @@ _SWEEP_INTERVAL: Final = 0.005
 #: Where capabilities past ``MeshSettings.metrics_capability_series`` are counted in
 #: ``reach_task_duration_seconds``.
 OTHER_CAPABILITY: Final = "other"
+#: An agent's answer to a payload its handler's model refuses.
+_BAD: Final = BadRequestError.code
 #: Reply "subjects" of routes asked in this process (``Hub.route``), followed by a number. A space
 #: never occurs in a NATS subject, so no message's reply subject can name one of these callers.
 _LOCAL_REPLY: Final = "local "
@@ -440,7 +443,13 @@ class RouteEndMixin:
             else:
                 state = "EXPLAINED" if req.dry_run else "ROUTED"
             if known and not req.dry_run:  # an explanation is not a task
-                self._count(ns, req.mode, state)
+                counted = state
+                if head is not None and head.error is not None and head.error.code == _BAD:
+                    # The agent refused the caller's payload (its handler's model): the
+                    # caller's fault, counted with the ones the hub refuses, not as the
+                    # agents failing (the success-rate alert would page for a caller's bug).
+                    counted = _BAD.removeprefix("REACH_")
+                self._count(ns, req.mode, counted)
             event = {
                 "request_id": flight.request_id,
                 "trace_id": flight.trace_id,
