@@ -25,7 +25,6 @@ from reach_mesh._batch import BATCH_ITEMS, AnswerBatcher
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     AgentBusyError,
-    BadRequestError,
     IdentityMismatchError,
     InternalError,
     MeshTimeoutError,
@@ -58,8 +57,6 @@ _SWEEP_INTERVAL: Final = 0.005
 #: Where capabilities past ``MeshSettings.metrics_capability_series`` are counted in
 #: ``reach_task_duration_seconds``.
 OTHER_CAPABILITY: Final = "other"
-#: An agent's answer to a payload its handler's model refuses.
-_BAD: Final = BadRequestError.code
 #: Reply "subjects" of routes asked in this process (``Hub.route``), followed by a number. A space
 #: never occurs in a NATS subject, so no message's reply subject can name one of these callers.
 _LOCAL_REPLY: Final = "local "
@@ -444,11 +441,13 @@ class RouteEndMixin:
                 state = "EXPLAINED" if req.dry_run else "ROUTED"
             if known and not req.dry_run:  # an explanation is not a task
                 counted = state
-                if head is not None and head.error is not None and head.error.code == _BAD:
+                code = head.error.code if head is not None and head.error is not None else None
+                if code is not None and code.startswith("REACH_BAD_"):
                     # The agent refused the caller's payload (its handler's model): the
-                    # caller's fault, counted with the ones the hub refuses, not as the
-                    # agents failing (the success-rate alert would page for a caller's bug).
-                    counted = _BAD.removeprefix("REACH_")
+                    # caller's fault (as for the breaker), counted with the ones the hub
+                    # refuses, not as the agents failing (the success-rate alert would page
+                    # for a caller's bug).
+                    counted = code.removeprefix("REACH_")
                 self._count(ns, req.mode, counted)
             event = {
                 "request_id": flight.request_id,
