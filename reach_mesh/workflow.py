@@ -66,22 +66,30 @@ class _Wire(BaseModel):
 #: The longest timeout or interval a workflow may ask for (a day, as a route's ``timeout``):
 #: an infinite one passed ``gt=0``.
 SECONDS_MAX: Final = 86400.0
+#: The shortest retry backoff a workflow may ask for (``RetryPolicy.backoff_*``), seconds.
+BACKOFF_MIN: Final = 0.01
+#: The shortest re-delivery interval and delivery/silence timeout a workflow may ask for.
+INTERVAL_MIN: Final = 0.1
 
 
 class RetryPolicy(_Wire):
-    """Per-step retry and delivery intervals; ``None`` fields take the hub's settings."""
+    """Per-step retry and delivery intervals; ``None`` fields take the hub's settings.
+
+    The intervals have floors (``BACKOFF_MIN``, ``INTERVAL_MIN``): they pace what the hub
+    does for the step (KV writes, work messages, re-checks), and a caller must not be able to
+    set it spinning."""
 
     #: Handler failures (retryable ones) to retry.
     retries: int | None = Field(default=None, ge=0, le=100)
     #: Delivery attempts with exponential backoff before slow pending re-delivery.
     fast_attempts: int | None = Field(default=None, ge=0, le=100)
-    backoff_base: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
-    backoff_cap: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
-    pending_interval: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    backoff_base: float | None = Field(default=None, ge=BACKOFF_MIN, le=SECONDS_MAX)
+    backoff_cap: float | None = Field(default=None, ge=BACKOFF_MIN, le=SECONDS_MAX)
+    pending_interval: float | None = Field(default=None, ge=INTERVAL_MIN, le=SECONDS_MAX)
     #: How long the step may stay unfinished before it is TIMEOUT.
     ttl: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
-    deliver_timeout: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
-    silence_timeout: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    deliver_timeout: float | None = Field(default=None, ge=INTERVAL_MIN, le=SECONDS_MAX)
+    silence_timeout: float | None = Field(default=None, ge=INTERVAL_MIN, le=SECONDS_MAX)
 
 
 class StepSpec(_Wire):

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from nats.js.errors import NotFoundError
+from pydantic import ValidationError
 
 from reach_mesh import (
     Client,
@@ -409,6 +410,25 @@ async def test_hub_survives_malformed_submissions(
             )
             got = await mesh.workflow(f"nl-{n}", timeout=5)
             assert got.state is TaskState.FAILED and got.error is not None, got
+        # Retry intervals under their floors would set the hub spinning for the step.
+        for n, retry in enumerate(
+            [{"pending_interval": 0.001}, {"deliver_timeout": 0.05}, {"backoff_base": 1e-9}],
+            start=1,
+        ):
+            spin = {
+                "workflow_id": f"spin-{n}",
+                "kind": "fanout",
+                "steps": [{"capability": "wf:ok:v1", "retry": retry}],
+                "namespace": ns,
+            }
+            headers = {"Nats-Msg-Id": f"spin-{n}"}
+            await js.publish(subject, json.dumps(spin).encode(), headers=headers)
+            got = await mesh.workflow(f"spin-{n}", timeout=5)
+            assert got.state is TaskState.FAILED and got.error is not None, got
+            assert got.error.code == "REACH_BAD_REQUEST", got.error
+            assert next(iter(retry)) in got.error.message
+        with pytest.raises(ValidationError):
+            RetryPolicy(pending_interval=0.001)  # the SDK refuses it before sending
         ok = await mesh.fanout([Step(capability="wf:ok:v1")], timeout=10)
         assert ok.state is TaskState.SUCCEEDED
 

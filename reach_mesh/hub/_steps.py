@@ -38,7 +38,7 @@ from reach_mesh.hub._step_state import (
     sent,
     step_route,
 )
-from reach_mesh.hub._tracking import StatusTracker, StepTrack
+from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StatusTracker, StepTrack
 from reach_mesh.hub._wf_events import WorkflowEvents
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
@@ -58,7 +58,6 @@ __all__ = ["NotOwnerError", "Outcome", "StepRunner", "Workflow"]
 
 T = TypeVar("T")
 
-_HISTORY: Final = 32
 #: An attempt whose agent reported one of these has ended there: nothing to stop.
 _ENDED: Final = frozenset({TaskState.SUCCEEDED, TaskState.FAILED})
 
@@ -283,7 +282,7 @@ class StepRunner(WorkflowEvents):
                             rec.agent_id = view.agent_id
                             rec.state = TaskState.PENDING
                             rec.history = [
-                                *rec.history[-_HISTORY + 1 :],
+                                *rec.history[-ATTEMPTS_KEPT + 1 :],
                                 AttemptRecord(attempt=rec.attempt, agent_id=view.agent_id),
                             ]
                             rec.updated_at = time.time()

@@ -39,10 +39,14 @@ from reach_mesh.logs import LineBudget
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
-__all__ = ["StatusTracker", "StepTrack", "Verdict", "parse_task_state"]
+__all__ = ["ATTEMPTS_KEPT", "StatusTracker", "StepTrack", "Verdict", "parse_task_state"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
+#: Attempts of a step remembered: in its record's history and in ``StepTrack.sent``. A step
+#: re-sent more often (a silent agent until a long ``ttl``) forgets its oldest; their late
+#: outcomes are stale then, as they would be after a takeover that reads the record.
+ATTEMPTS_KEPT: Final = 32
 _RECENT: Final = 50_000
 _CTL_TIMEOUT: Final = 1.0
 #: Refused statuses (forged, stale) are logged at most once per this many seconds, each kind.
@@ -256,6 +260,8 @@ class StatusTracker:
         track.attempt = attempt
         track.agent_id = view.agent_id
         track.sent[attempt] = view.agent_id
+        if len(track.sent) > ATTEMPTS_KEPT:
+            del track.sent[min(track.sent)]
         track.machine = AckMachine(on_transition=track.on_transition)
         track.dispatched_at = track.last_event = now
         track.lost = False
