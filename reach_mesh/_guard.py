@@ -12,7 +12,8 @@
   ``.task`` or ``.ctl`` subject. Such a message keeps the subject it was stored under, so a
   subscriber that checks the subject against its own subscription drops it.
 
-A dropped message is counted and logged (``REACH-MESSAGE-REFUSED``, at most one line per
+A dropped message is counted — on the connection it came on, which its hub or agent exports as
+``reach_messages_refused_total`` — and logged (``REACH-MESSAGE-REFUSED``, at most one line per
 ``_LOG_INTERVAL`` seconds per process); nothing answers it.
 """
 
@@ -24,6 +25,7 @@ from typing import Final
 from nats.aio.msg import Msg
 
 from reach_mesh import protocol
+from reach_mesh._nats import _Connection
 from reach_mesh.logs import MESSAGE_REFUSED, LineBudget, get_logger, log_event
 
 __all__ = ["guarded", "matches", "refuse", "refused_total"]
@@ -45,6 +47,10 @@ class _Refusals:
 
     def note(self, msg: Msg, why: str) -> None:
         self.total += 1
+        # And on the connection it came on: each hub and agent exports its own count.
+        nc = msg._client
+        if isinstance(nc, _Connection):
+            nc.messages_refused += 1
         held = self._lines.take()
         if held is None:
             return

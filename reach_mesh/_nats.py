@@ -34,6 +34,7 @@ __all__ = [
     "not_permitted",
     "refusals_of",
     "refused_first",
+    "refused_messages",
     "refused_since",
     "shown",
 ]
@@ -207,6 +208,12 @@ def refused_since(nc: NATS, t0: float, prefix: str) -> str | None:
     return None if refusals is None else refusals.since(t0, prefix)
 
 
+def refused_messages(nc: NATS | None) -> int:
+    """Messages dropped unread on ``nc`` so far (0: not connected, or not made by
+    :func:`connect`)."""
+    return nc.messages_refused if isinstance(nc, _Connection) else 0
+
+
 def not_permitted(subject: str) -> NotPermittedError:
     """The error for a subject the server refused this identity."""
     return NotPermittedError(
@@ -249,6 +256,10 @@ class _Connection(NATS):
 
     #: Subjects the server refused this connection (``connect`` sets it).
     refusals: Refusals
+    #: Messages its subscribers dropped unread (``_guard.refuse``): what the hub or agent
+    #: owning the connection exports as ``reach_messages_refused_total``, theirs alone when
+    #: several share a process.
+    messages_refused: int = 0
 
     async def _attempt_reconnect(self) -> None:
         _cut_if_open(self._transport, _CLOSE_DEAD)

@@ -33,7 +33,7 @@ from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
 from reach_mesh._batch import AnswerBatcher
 from reach_mesh._guard import guarded
-from reach_mesh._nats import connect, shown
+from reach_mesh._nats import connect, refused_messages, shown
 from reach_mesh._shutdown import within
 from reach_mesh.agent._deadlines import _Deadlines
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
@@ -67,7 +67,7 @@ from reach_mesh.models import (
     UnregisterRequest,
 )
 from reach_mesh.tracing import flush_tracing, tracing_from_env
-from reach_mesh.tracing.metrics import AgentMetrics, serve_metrics
+from reach_mesh.tracing.metrics import AgentMetrics, refused_counter, serve_metrics
 
 __all__ = ["Agent", "AgentStatus"]
 
@@ -160,6 +160,8 @@ class Agent(ServingMixin):
         self.pressure = 0.0
         self.state: AgentState | None = None
         self._nc: NATS | None = None
+        # Its own connection's (a hub in the same process exports the hub's).
+        refused_counter(self.metrics.registry, lambda: refused_messages(self._nc))
         self._subs: list[Subscription] = []
         self._task_subject = protocol.agent_task(agent_id)
         self._max_envelope = self.settings.max_payload + 16 * 1024

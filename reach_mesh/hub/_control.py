@@ -251,7 +251,10 @@ class ControlMixin:
             # first increment hides that increment from increase() (the first expiries of a
             # namespace would not be seen by ReachLeaseExpiries).
             self.metrics.lease_expired_total.labels(ns)
-        if new is AgentState.QUARANTINED:
+        if new is AgentState.QUARANTINED and view.quarantines != view.breaker.openings:
+            # Counted (and logged) once per opening of the breaker, not per return to the
+            # state: a quarantined agent whose beats run late goes SUSPECT and back.
+            view.quarantines = view.breaker.openings
             self.metrics.quarantine_total.inc()
             log_event(
                 log,

@@ -36,8 +36,8 @@ from nats.js import JetStreamContext
 from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_workflow_retention
-from reach_mesh._guard import guarded, refused_total
-from reach_mesh._nats import connect, shown
+from reach_mesh._guard import guarded
+from reach_mesh._nats import connect, refused_messages, shown
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableError, ReachError
@@ -136,7 +136,7 @@ class Hub(RoutingMixin, ControlMixin):
         #: per subject per 10 s.
         self._malformed_lines = LineBudget(10.0)
         self.metrics = HubMetrics()
-        refused_counter(self.metrics.registry, refused_total)
+        refused_counter(self.metrics.registry, lambda: refused_messages(self._nc))
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}

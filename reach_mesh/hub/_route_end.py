@@ -287,21 +287,24 @@ class RouteEndMixin:
             raise InternalError(f"agent {view.agent_id} sent a malformed reply: {err}") from err
         # The agent's own figures: only sane ones join histograms every tenant shares (JSON
         # may say NaN, a negative or a huge number).
-        if 0.0 <= head.queued_ms <= _MS_MAX:
-            self._accepted_seconds.observe(head.queued_ms / 1000)
-        cap = capability or "-"
-        child = self._duration_children.get(cap)
-        if child is None:
-            if len(self._duration_children) >= self._capability_series:
-                # Agents name capabilities and callers route them: a tenant minting new ones
-                # must not grow /metrics (and its render on this loop) without bound.
-                cap = OTHER_CAPABILITY
-                child = self._duration_children.get(cap)
+        # A cached reply (a duplicate delivery) repeats the figures of the run it answers
+        # from, which that run's reply brought: observed again, one run would count twice.
+        if not head.cached:
+            if 0.0 <= head.queued_ms <= _MS_MAX:
+                self._accepted_seconds.observe(head.queued_ms / 1000)
+            cap = capability or "-"
+            child = self._duration_children.get(cap)
             if child is None:
-                child = self.metrics.task_duration_seconds.labels(cap)
-                self._duration_children[cap] = child
-        if 0.0 <= head.duration_ms <= _MS_MAX:
-            child.observe(head.duration_ms / 1000)
+                if len(self._duration_children) >= self._capability_series:
+                    # Agents name capabilities and callers route them: a tenant minting new ones
+                    # must not grow /metrics (and its render on this loop) without bound.
+                    cap = OTHER_CAPABILITY
+                    child = self._duration_children.get(cap)
+                if child is None:
+                    child = self.metrics.task_duration_seconds.labels(cap)
+                    self._duration_children[cap] = child
+            if 0.0 <= head.duration_ms <= _MS_MAX:
+                child.observe(head.duration_ms / 1000)
         if head.cached:
             self.metrics.duplicate_delivery_total.inc()
         if head.state is TaskState.SUCCEEDED:

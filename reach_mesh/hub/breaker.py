@@ -134,6 +134,10 @@ class CircuitBreaker:
         self.report_budget = report_budget
         #: Why it last opened, in words (for the ``REACH-QUARANTINE`` line).
         self.why = ""
+        #: Times it opened from closed or half-open: one quarantine each. A trip while it is
+        #: open (the hub that took an operator's quarantine also gets its own broadcast)
+        #: restarts the open time within the same opening.
+        self.openings = 0
         self._clock = clock
         self._nbuckets = max(1, round(window / bucket))
         # [bucket index, successes, failures, witnessed failures], oldest first; totals kept
@@ -246,6 +250,8 @@ class CircuitBreaker:
         self._reset_window()
 
     def _open(self, now: float) -> None:
+        if self.state is not BreakerState.OPEN:
+            self.openings += 1
         self._state = BreakerState.OPEN
         self._opened_at = now
         self._probe_at = None

@@ -99,6 +99,10 @@ class AgentView:
     recent_at: float = 0.0
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     health: HealthScore = field(default_factory=HealthScore)
+    #: The breaker's openings already counted as quarantines: the agent's state leaves
+    #: QUARANTINED and comes back within one opening (a late heartbeat makes it SUSPECT a
+    #: while, a cordon outranks it), which is still one quarantine.
+    quarantines: int = 0
 
     @property
     def beat_state(self) -> tuple[bool, frozenset[str], float]:

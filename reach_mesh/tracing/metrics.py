@@ -353,7 +353,7 @@ class AgentMetrics:
 
 def refused_counter(registry: CollectorRegistry, read: Callable[[], int]) -> None:
     """Export ``reach_messages_refused_total`` into ``registry``, read from ``read`` when
-    scraped (the count lives with the subscribers that drop the messages)."""
+    scraped (the count lives with the connection whose subscribers drop the messages)."""
     registry.register(_Refused(read))
 
 
@@ -364,9 +364,9 @@ class _Refused(Collector):
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(
             "reach_messages_refused",
-            "Messages this process dropped unread: a reply subject outside _INBOX., a message "
-            "not of the subscription it came on (a JetStream push delivery), a pull-inbox "
-            "message that is no JetStream delivery, or a workflow .done wait's stray message.",
+            "Messages this hub (or agent) dropped unread: a reply subject outside _INBOX., a "
+            "message not of the subscription it came on (a JetStream push delivery), a "
+            "pull-inbox message that is no JetStream delivery.",
             value=self._read(),
         )
 

@@ -1,0 +1,148 @@
+"""Counters that count each event once — on a real mesh (an SRE review of the hub's metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.logs import QUARANTINE
+
+from .helpers import eventually, heal, partition
+
+
+def _state(hub: Hub, agent_id: str) -> str:
+    view = hub.registry.agents.get(agent_id)
+    return "" if view is None else view.state.value
+
+
+async def test_one_quarantine_is_counted_once_whatever_the_state_does_meanwhile(
+    hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``reach_quarantine_total`` counts breaker openings: a quarantined agent whose beats
+    run late (SUSPECT, then QUARANTINED again on its next beat) or that is cordoned and
+    uncordoned meanwhile is still quarantined once. Each return to the state was counted
+    (and logged ``REACH-QUARANTINE``) as another quarantine."""
+    caplog.set_level("INFO", logger="reach_mesh.hub")
+    agent = Agent(f"{namespace}.w.q1", settings=settings)
+
+    @agent.handler("work:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    quarantines = hub.metrics.quarantine_total._value.get
+    before = quarantines()
+    async with agent, Client(settings=settings) as c:
+        await eventually(lambda: _state(hub, agent.agent_id) == "ONLINE")
+        await c.admin("quarantine", agent.agent_id)
+        await eventually(lambda: _state(hub, agent.agent_id) == "QUARANTINED")
+        # The hub that took the request trips its breaker, and again on its own broadcast.
+        await hub.nc.flush()
+        assert quarantines() == before + 1
+        # Heartbeats stop a while: the liveness pass makes it SUSPECT; its next beat brings
+        # it back to QUARANTINED (its breaker stayed open all along).
+        await partition(agent)
+        await eventually(lambda: _state(hub, agent.agent_id) == "SUSPECT", timeout=5)
+        await heal(agent)
+        await eventually(lambda: _state(hub, agent.agent_id) == "QUARANTINED", timeout=5)
+        await c.admin("cordon", agent.agent_id)
+        await eventually(lambda: _state(hub, agent.agent_id) == "CORDONED")
+        await c.admin("uncordon", agent.agent_id)
+        await eventually(lambda: _state(hub, agent.agent_id) == "QUARANTINED")
+        assert quarantines() == before + 1
+        # A new opening is a new quarantine: released, then quarantined again.
+        await c.admin("release", agent.agent_id)
+        await eventually(lambda: _state(hub, agent.agent_id) == "ONLINE")
+        await c.admin("quarantine", agent.agent_id)
+        await eventually(lambda: _state(hub, agent.agent_id) == "QUARANTINED")
+        await hub.nc.flush()
+        assert quarantines() == before + 2
+    lines = [
+        r
+        for r in caplog.records
+        if getattr(r, "event", None) == QUARANTINE and r.agent_id == agent.agent_id
+    ]
+    assert len(lines) == 2
+
+
+def _refused(registry: Any) -> float:
+    """``reach_messages_refused_total`` as a scrape of ``registry`` reads it."""
+    (value,) = [
+        s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == "reach_messages_refused_total"
+    ]
+    return float(value)
+
+
+async def test_each_hub_and_agent_exports_only_its_own_refusals(
+    settings: MeshSettings, namespace: str
+) -> None:
+    """Two hubs and an agent in one process (``reach-mesh up --hubs 2 --demo``): a message one
+    of them drops unread is counted on that one's ``/metrics`` only. Every hub exported the
+    process's count: a sum over the hubs counted each refusal once per hub, and an agent in
+    a process of its own exported its refusals nowhere."""
+    import nats
+
+    from reach_mesh import protocol
+
+    agent = Agent(f"{namespace}.w.r1", settings=settings, metrics_port=0)
+
+    @agent.handler("work:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with Hub(settings=settings) as one, Hub(settings=settings) as two, agent:
+        hubs = (one, two)
+        before = [_refused(h.metrics.registry) for h in hubs]
+        agent_before = _refused(agent.metrics.registry)
+        nc = await nats.connect(settings.nats_url)
+        try:
+            # Answers asked on a KV subject: dropped unread by whichever hub of the queue
+            # group takes the request, and by the agent.
+            await nc.publish(protocol.hub_subject(namespace, "agents"), b"{}", reply="$KV.x.y")
+            await nc.publish(agent._task_subject, b"{}", reply="$KV.x.z")
+            await nc.flush()
+            await eventually(lambda: _refused(agent.metrics.registry) > agent_before)
+            await eventually(lambda: sum(_refused(h.metrics.registry) for h in hubs) > sum(before))
+            await asyncio.sleep(0.1)  # nothing more comes
+        finally:
+            await nc.close()
+        after = [_refused(h.metrics.registry) for h in hubs]
+        assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0.0, 1.0]
+        assert _refused(agent.metrics.registry) == agent_before + 1
+
+
+async def test_a_cached_reply_is_no_second_run_in_the_histograms(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """A route of a task the agent already ran (the same ``task_id`` again: a caller's
+    retry) is answered from the agent's cache with that run's ``duration_ms`` and
+    ``queued_ms``: counted as a duplicate delivery, not observed again as another run in
+    ``reach_task_duration_seconds`` and ``reach_delivered_to_accepted_seconds``."""
+    agent = Agent(f"{namespace}.w.c1", settings=settings)
+
+    @agent.handler("work:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    def observed() -> tuple[int, int]:
+        m = hub.metrics
+        runs = sum(sum(c.counts) for c in m.task_duration_seconds._children.values())
+        waits = sum(sum(c.counts) for c in m.delivered_to_accepted_seconds._children.values())
+        return runs, waits
+
+    async with agent, Client(settings=settings) as c:
+        await eventually(lambda: _state(hub, agent.agent_id) == "ONLINE")
+        before = observed()
+        task_id = f"{namespace}-once"
+        first = await c.request(capability="work:echo:v1", payload=1, task_id=task_id)
+        again = await c.request(capability="work:echo:v1", payload=1, task_id=task_id)
+    assert not first.cached and again.cached
+    assert observed() == (before[0] + 1, before[1] + 1)
+    assert hub.metrics.duplicate_delivery_total._value.get() == 1
