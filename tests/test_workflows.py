@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from reach_mesh import (
     Client,
@@ -763,6 +763,141 @@ async def test_a_cancel_stops_every_attempt_still_running(
     assert answer.cancelled is not False, answer
     assert res.state is TaskState.FAILED
     assert res.error is not None and res.error.code == "REACH_WORKFLOW_CANCELLED"
+
+
+@pytest.mark.parametrize("kind", ["fanout", "chain"])
+async def test_a_cancel_keeps_an_outcome_the_step_had_in_hand(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    """Attempt 1 (on A, cut off and given up) succeeds while attempt 2 runs on B: the first
+    outcome wins, and the hub writes the step's final record — slowly (an election). A cancel
+    then stops the step. A's status is not in REACH_STATUS yet (its agent still retrying the
+    store): the success the hub held must still be the step's outcome, not thrown away as
+    stale with the step reported cancelled."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    name = f"inhand{kind}"
+    cap = f"wf:{name}:v1"
+    a, b = fleet.agent(f"{name}.a"), fleet.agent(f"{name}.b")
+    on_a, on_b = _held(a, cap, "answer of A"), _held(b, cap, "answer of B")
+    stuck = asyncio.Event()
+    cas, last_status = engine._cas, engine._tracker.last_status
+
+    async def slow_final_write(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
+        if rec.state.final and not stuck.is_set():
+            stuck.set()
+            await asyncio.Event().wait()  # until the cancel stops the step
+        return await cas(key, rec, rev, deadline)
+
+    async def not_stored_for_a(ns: str, task_id: str, agent_id: str, **kw: Any) -> Any:
+        return None if agent_id == a.agent_id else await last_status(ns, task_id, agent_id, **kw)
+
+    monkeypatch.setattr(engine, "_cas", slow_final_write)
+    monkeypatch.setattr(engine._tracker, "last_status", not_stored_for_a)
+    await a.start()
+    async with Client(settings=wf_settings) as mesh:
+        submit = mesh.submit_fanout if kind == "fanout" else mesh.submit_chain
+        wf_id = await submit([Step(capability=cap)], timeout=30)
+        await asyncio.wait_for(on_a.started.wait(), 5)
+        await b.start()
+        await partition(a)  # A keeps running its handler
+        await asyncio.wait_for(on_b.started.wait(), 10)  # attempt 2, on B
+        stale = engine.stale_total
+        on_a.release.set()
+        await asyncio.wait_for(stuck.wait(), 5)
+        answer = await mesh.cancel_workflow(wf_id, reason="test", timeout=10)
+        res = await mesh.workflow(wf_id, timeout=10)
+    assert [(s.state, s.result, s.decided_by, s.cancelled) for s in res.steps] == [
+        (TaskState.SUCCEEDED, "answer of A", 1, False)
+    ]
+    assert res.state is TaskState.SUCCEEDED and answer.cancelled is False
+    assert engine.stale_total == stale
+    rec = await task_record(wf_hub.nc, wf_settings.namespace, res.steps[0].task_id)
+    assert rec is not None and rec.state is TaskState.SUCCEEDED and rec.decided_by == 1
+
+
+async def test_a_taken_over_chain_fences_a_step_the_old_owner_starts_meanwhile(
+    fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hub A is alive but stops renewing its workflow (a partition): hub B takes the chain over
+    during step 0. B finds no record of step 1 when it reads, A creates it (A runs on), and
+    B's own create fails: B adopts A's record — and writes it again, so a write A still has
+    in flight on the revision it made fails, and A does not run the step on with it."""
+    ns = wf_settings.namespace
+    x, y = fleet.agent("fence.x"), fleet.agent("fence.y")
+    first, second = _held(x, "wf:fence0:v1", {"v": 1}), _held(y, "wf:fence1:v1", "done")
+    hub_a, hub_b = (
+        Hub(settings=wf_settings, hub_id="hub-a"),
+        Hub(settings=wf_settings, hub_id="hub-b"),
+    )
+    await hub_a.start()
+    try:
+        await x.start()
+        await y.start()
+        engine_a = hub_a.workflows
+        assert engine_a is not None and engine_a._pull is not None and engine_a._ticker is not None
+        async with Client(settings=wf_settings) as mesh:
+            steps = [Step(capability="wf:fence0:v1"), Step(capability="wf:fence1:v1")]
+            wf_id = await mesh.submit_chain(steps, timeout=30)
+            await asyncio.wait_for(first.started.wait(), 5)
+            # Hub A goes quiet: no more +WPI, no more pulls; the submission goes to B.
+            await engine_a._pull.stop()
+            engine_a._ticker.cancel()
+            await hub_b.start()
+            engine_b = hub_b.workflows
+            assert engine_b is not None
+            await eventually(lambda: (ns, wf_id) in engine_b.owned, timeout=10)
+            kv = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+            key = protocol.task_key(ns, f"{wf_id}-1")
+            made: list[int] = []  # the revision A's create made
+            choose_a, choose_b = engine_a._choose, engine_b._choose
+
+            b_read = asyncio.Event()  # B read step 1's record (none) and chooses its agent
+
+            async def a_later(route: Any, ns_: str, exclude: Any) -> Any:
+                if route.capability == "wf:fence1:v1":
+                    await asyncio.wait_for(b_read.wait(), 5)
+                return await choose_a(route, ns_, exclude)
+
+            async def b_after_a(route: Any, ns_: str, exclude: Any) -> Any:
+                if route.capability == "wf:fence1:v1":
+                    b_read.set()
+
+                    async def created() -> bool:
+                        try:
+                            made.append(int((await kv.get(key)).revision or 0))
+                            return True
+                        except KeyNotFoundError:
+                            return False
+
+                    await eventually(created, timeout=5)
+                return await choose_b(route, ns_, exclude)
+
+            monkeypatch.setattr(engine_a, "_choose", a_later)
+            monkeypatch.setattr(engine_b, "_choose", b_after_a)
+            first.release.set()
+            await asyncio.wait_for(second.started.wait(), 5)
+            await eventually(lambda: bool(made), timeout=5)
+
+            async def fenced() -> bool:
+                return (await kv.get(key)).revision != made[0]
+
+            await eventually(fenced, timeout=5)
+            entry = await kv.get(key)
+            assert entry.value is not None
+            with pytest.raises(KeyWrongLastSequenceError):
+                await kv.update(key, entry.value, last=made[0])  # A's in-flight write
+            second.release.set()
+            res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED and res.hub_id == "hub-b", res
+        assert res.result == "done"
+    finally:
+        await hub_a.close()
+        await hub_b.close()
 
 
 async def test_returning_agent_fences_its_stale_attempts(

@@ -533,19 +533,29 @@ class WorkflowShapes(StepRunner):
                     await self._fence_unstarted(wf, index, task_id, key)
                 return
             rec = named
-        if settle and not rec.state.final and not rec.cancelled:
-            event, held = await self._stored_outcome(wf, rec)
+        last = 0 if got is None else got[1]
+        if not rec.state.final and not rec.cancelled:
+            # An outcome the step had in hand and had not applied when it was stopped first:
+            # it may be stored nowhere else yet. Then, settling, what the status stream holds.
+            event = self._unapplied(wf, index, rec)
+            if event is None and settle:
+                event, _ = await self._stored_outcome(wf, rec)
             if event is not None:  # as ``_finish`` applies an outcome
-                fence = (rec.attempt, rec.agent_id)
                 note(rec, event)
                 self._take_outcome(rec, event)
                 rec.decided_by = event.attempt
                 rec.updated_at = time.time()
-                if held or (event.attempt, event.agent_id) != fence:
-                    # Recorded when the fence changes, and when the outcome is only in its
-                    # agent's memory: a restart that lost it, redelivered the same attempt,
-                    # must find the step final (dropped), not run it again to another end.
-                    await self._cas(key, rec, 0 if got is None else got[1], wf.deadline)
+                if settle:
+                    # Recorded, on the revision read: a record read from a replica behind
+                    # its last write (a TIMEOUT, a next attempt) is not overruled unseen —
+                    # the CAS fails, and the workflow is resumed from fresh reads. And an
+                    # outcome only in hand (or in its agent's memory) is kept: a restart
+                    # that lost it, redelivered the same attempt, must find the step final
+                    # (dropped), not run it again to another end.
+                    await self._cas(key, rec, last, wf.deadline)
+                else:
+                    with contextlib.suppress(Exception):
+                        await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
                 self._stop_others(rec, event.attempt)  # none other is needed any more
         if rec.state.final:
             wf.records[index] = rec
@@ -556,7 +566,6 @@ class WorkflowShapes(StepRunner):
         rec.cancelled = True
         rec.updated_at = time.time()
         wf.records[index] = rec
-        last = 0 if got is None else got[1]
         if settle:
             # A cancel must fence what runs: a record read from a replica behind its last
             # write (a next attempt) is not fenced by this one. Lost race or outlived retries:
@@ -571,6 +580,24 @@ class WorkflowShapes(StepRunner):
         # (``_fanout`` raises it): the result must not be stored before the markers are.
         await self._remark(wf, rec)
         self._stop_others(rec, None)
+
+    def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
+        """The outcome that decides step ``index`` among those it had in hand and had not
+        applied when it was stopped (``Workflow.unapplied``, in the order the step would have
+        taken them): a success, or a failure it would not have retried; None if none would
+        have decided it (the step is cancelled then)."""
+        events = wf.unapplied.pop(index, None)
+        if not events:
+            return None
+        retries = self._policy(wf.spec.steps[index]).retries
+        failures = rec.handler_failures
+        for event in events:
+            if event.state is TaskState.SUCCEEDED or not retryable(event):
+                return event
+            failures += 1
+            if failures > retries:
+                return event
+        return None
 
     async def _fence_unstarted(self, wf: Workflow, index: int, task_id: str, key: str) -> None:
         """A cancelled workflow's step that no attempt was sent for: its record is created,

@@ -92,6 +92,9 @@ class Workflow:
     #: when ``taken_over`` from another hub).
     first_agents: list[str | None] = field(default_factory=list)
     taken_over: bool = False
+    #: Per step stopped undecided (a cancel, an unneeded branch): the outcomes it had in hand
+    #: and had not applied (``StatusTracker.close``), for ``WorkflowShapes._cancel_step``.
+    unapplied: dict[int, list[TaskStatusEvent]] = field(default_factory=dict)
     #: Events not sent yet (``StepRunner._event``): made (and their trace context written)
     #: only when sent, with the trace context current when they happened; and the timer.
     held: list[tuple[Callable[[], WorkflowEvent], Context]] = field(default_factory=list)

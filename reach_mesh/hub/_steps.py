@@ -306,10 +306,12 @@ class StepRunner(WorkflowEvents):
                         track.take()
                         note(rec, event)
                         if event.state is TaskState.SUCCEEDED or not retryable(event):
+                            track.deciding = event
                             rec, decided = await self._finish(wf, key, rec, rev, track, event)
                             return rec
                         rec.handler_failures += 1
                         if rec.handler_failures > pol.retries:
+                            track.deciding = event
                             rec, decided = await self._finish(wf, key, rec, rev, track, event)
                             return rec
                         if step.agent_id is None:
@@ -381,7 +383,9 @@ class StepRunner(WorkflowEvents):
                             self._pending_delta(-1)
                             self._waiting_steps.pop((wf.ns, wf.id, index), None)
             finally:
-                self._tracker.close(track, decided)
+                left = self._tracker.close(track, decided)
+                if left:
+                    wf.unapplied[index] = left
 
     def _refuse(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskRecord:
         """A step refused before anything was sent or written (``refused``): its event."""
@@ -439,7 +443,18 @@ class StepRunner(WorkflowEvents):
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
             if got is None:
                 raise NotOwnerError(key) from err
-            return self._ours(wf, index, got), got[1], False, None, None
+            made = self._ours(wf, index, got)
+            if made.state.final or made.cancelled:
+                return made, got[1], False, None, None
+            if not wf.taken_over:
+                # Another hub made it while this one ran the workflow from a record it
+                # created: the workflow was taken over from this hub, which must not run
+                # the step on with the new owner's revision (its next write would land).
+                raise NotOwnerError(key) from err
+            # The previous owner made it after this hub's read (it runs on, behind a
+            # partition): fenced like any record this hub adopts.
+            rev = await self._fence_taken(wf, key, made, got[1])
+            return made, rev, False, None, None
         return rec, rev, True, view, capability
 
     async def _fence_taken(self, wf: Workflow, key: str, rec: TaskRecord, rev: int) -> int:

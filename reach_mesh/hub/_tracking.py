@@ -119,6 +119,9 @@ class StepTrack:
     changed: Signal = field(default_factory=Signal)
     #: Final statuses of sent attempts not yet acted on, oldest first (one per attempt).
     outcomes: deque[TaskStatusEvent] = field(default_factory=deque)
+    #: The outcome taken off ``outcomes`` that decides the step, while its record is written
+    #: (``StepRunner._finish``): not applied until then.
+    deciding: TaskStatusEvent | None = None
     #: Attempts whose final status was queued in ``outcomes`` (a repeat is not queued again).
     finished: set[int] = field(default_factory=set)
     #: An attempt given up on that showed life after the next one was recorded (before it was
@@ -288,12 +291,25 @@ class StatusTracker:
         track.lost = False
         track.revived = None
 
-    def close(self, track: StepTrack, decided_by: int | None) -> None:
+    def close(self, track: StepTrack, decided_by: int | None) -> list[TaskStatusEvent]:
         """Stop tracking; ``decided_by`` is the attempt whose outcome (or deadline) decided the
-        step, None when the step stops undecided (cancelled, hub stopping)."""
+        step, None when the step stops undecided (cancelled, hub stopping).
+
+        Returns, for a step stopped undecided, the outcomes it had in hand and had not applied
+        (the one it was deciding by, then the queued ones): a cancel settles the step from
+        them (``WorkflowShapes._cancel_step``) — such an outcome may be stored nowhere else
+        yet (its agent still retrying its store, an earlier attempt's agent gone). After a
+        decision the queued ones are duplicates, counted stale."""
         track.release_view()
-        for event in track.outcomes:  # outcomes the step did not need: duplicates
-            self._stale(event, "after its step was decided")
+        left: list[TaskStatusEvent] = []
+        if decided_by is None:
+            if track.deciding is not None:
+                left.append(track.deciding)
+            left.extend(track.outcomes)
+        else:
+            for event in track.outcomes:  # outcomes the step did not need: duplicates
+                self._stale(event, "after its step was decided")
+        track.deciding = None
         track.outcomes.clear()
         if self._tracks.get(track.key) is track:
             del self._tracks[track.key]
@@ -302,6 +318,7 @@ class StatusTracker:
             self._decided.move_to_end(track.key)
             while len(self._decided) > _RECENT:
                 self._decided.popitem(last=False)
+        return left
 
     def mark_lost(self, agent_id: str) -> None:
         """The registry declared ``agent_id`` LOST: its current attempts will not deliver."""
