@@ -17,9 +17,15 @@ from typing import Any
 
 import nats
 
-from reach_mesh import MeshSettings, protocol
+from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.hub import Hub
-from reach_mesh.models import AgentCard, AgentState, HeartbeatRecord, RegisterRequest
+from reach_mesh.models import (
+    AgentCard,
+    AgentState,
+    HeartbeatRecord,
+    RegisterRequest,
+    UnregisterRequest,
+)
 from reach_mesh.server import EmbeddedNats
 
 from .helpers import eventually
@@ -117,3 +123,93 @@ async def test_no_heartbeat_stream_is_not_a_missing_beat(settings: MeshSettings)
                 assert hub.registry.agents[agent_id].state is AgentState.SUSPECT
             finally:
                 await nc.close()
+
+
+async def test_an_agent_dead_before_its_first_beat_is_never_online_again(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """An agent registers and dies before its first heartbeat (a crash loop). The only beat in
+    the bucket is the one its registration wrote; read back before it is declared LOST, it
+    used to renew the lease: ONLINE again while dead, LOST a whole lease later, the lease
+    expiry said twice. It goes SUSPECT, then LOST, once."""
+    agent_id = f"{settings.namespace}.confirm.a3"
+    seen = _states(hub, agent_id)
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await _register(nc, agent_id, uuid.uuid4().hex)  # and never a beat
+    finally:
+        await nc.close()
+    await eventually(lambda: AgentState.LOST in seen, timeout=10)
+    assert seen == [AgentState.ONLINE, AgentState.SUSPECT, AgentState.LOST]
+    assert agent_id in {a["agent_id"] for a in hub.registry.recently_lost(settings.namespace)}
+
+
+async def test_a_hub_told_of_a_loss_by_another_lists_it_as_recently_lost(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """With two hubs, the one whose liveness pass comes second learns of the loss from the
+    first one's delete of the record: it lists the agent as recently LOST too (``agents``,
+    ``inspect`` answer from whichever hub). An agent that says goodbye is not LOST."""
+    async with Hub(settings=settings) as other:
+        agent_id = f"{settings.namespace}.confirm.a4"
+        nc = await nats.connect(settings.nats_url)
+        try:
+            await _register(nc, agent_id, uuid.uuid4().hex)
+            await eventually(lambda: agent_id in other.registry.agents)
+            # Only the first hub grades leases; the other learns from its delete.
+            (grading,) = [t for t in other.registry._tasks if t.get_name() == "reach-liveness"]
+            grading.cancel()
+            await eventually(lambda: agent_id not in other.registry.agents, timeout=10)
+            lost = other.registry.recently_lost(settings.namespace)
+            assert agent_id in {a["agent_id"] for a in lost}
+            bye_id = f"{settings.namespace}.confirm.a5"
+            session = uuid.uuid4().hex
+            await _register(nc, bye_id, session)
+            await eventually(lambda: bye_id in other.registry.agents)
+            bye = protocol.encode(UnregisterRequest(agent_id=bye_id, session=session))
+            await nc.request(protocol.hub_agent_subject(bye_id, "unregister"), bye, timeout=5)
+            await eventually(lambda: bye_id not in other.registry.agents)
+            lost = other.registry.recently_lost(settings.namespace)
+            assert bye_id not in {a["agent_id"] for a in lost}
+        finally:
+            await nc.close()
+
+
+async def test_a_starting_hub_audits_no_state_change_of_healthy_agents(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """A hub that starts loads each agent's record before its heartbeat (SUSPECT a moment,
+    then ONLINE): catching up, not a change the agent went through — its audit said
+    ``SUSPECT -> ONLINE`` for every healthy agent, the runbook's sign of a flapping one."""
+    agent_id = f"{settings.namespace}.confirm.a6"
+    session = uuid.uuid4().hex
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await _register(nc, agent_id, session)
+        kv = await nc.jetstream().key_value(protocol.KV_HEARTBEATS)
+        beating = True
+
+        async def beat() -> None:
+            while beating:
+                await kv.put(agent_id, protocol.encode(HeartbeatRecord(session=session)))
+                await asyncio.sleep(0.15)
+
+        beats = asyncio.create_task(beat())
+        try:
+            await asyncio.sleep(1.0)  # the record is older than its lease (0.6 s)
+            patient = settings.model_copy(update={"suspect_timeout": 30.0})
+            async with Hub(settings=patient) as late:
+                view = late.registry.agents[agent_id]
+                assert view.state is AgentState.ONLINE
+                await asyncio.sleep(0.3)
+                await late.audit.flush()
+                async with Client(settings=settings) as c:
+                    audit = await c.audit(namespace=settings.namespace, since=60)
+                late_id = late.hub_id
+            said = [e for e in audit if e["kind"] == "state" and e.get("hub_id") == late_id]
+            assert said == []
+        finally:
+            beating = False
+            await beats
+    finally:
+        await nc.close()

@@ -54,6 +54,8 @@ _RECENT_TAU: Final = 1.0
 #: The least time between two KV writes of one agent's heartbeat that changes its state
 #: (draining, unavailable, pressure); unchanged beats are written every quarter interval.
 _CHANGE_GAP: Final = 0.05
+#: Heartbeats of agents not known yet that are remembered (``Registry._early_beats``).
+_EARLY_BEATS_MAX: Final = 16_384
 #: How long, and how many per namespace, agents declared LOST stay in ``recently_lost``.
 _LOST_KEPT_S: Final = 900.0
 _LOST_KEPT_MAX: Final = 200
@@ -181,6 +183,8 @@ class Registry:
         #: Agents this hub declared LOST lately (lease and grace ran out), by id: they leave
         #: every listing, so ``recently_lost`` tells where they went. Bounded in age and count.
         self._lost: dict[str, OrderedDict[str, tuple[float, tuple[str, ...]]]] = {}
+        #: Heartbeat revisions the watch delivered before the agent's record, by agent id.
+        self._early_beats: dict[str, int] = {}
         self.index = AgentIndex()
         self._agents_kv: KeyValue | None = None
         self._hb_kv: KeyValue | None = None
@@ -245,6 +249,13 @@ class Registry:
 
     def on_state_change(self, listener: StateListener) -> None:
         self._listeners.append(listener)
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the registry's initial load from KV is done. Until then its states are
+        catching up (a record loaded before its heartbeat grades SUSPECT, then ONLINE):
+        no transition the agent went through."""
+        return self._ready.is_set()
 
     @property
     def now(self) -> float:
@@ -325,7 +336,12 @@ class Registry:
     def _apply_agent(self, entry: KeyValue.Entry, *, initial: bool) -> None:
         agent_id = entry.key
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            view = self.agents.get(agent_id)
             self._drop(agent_id)
+            if view is not None and self._clock() - view.last_seen > view.record.lease_timeout:
+                # Deleted by another hub that declared it LOST (an agent that says goodbye
+                # is not overdue): listed as recently LOST here too, as on that hub.
+                self._remember_lost(view)
             return
         try:
             record = AgentRecord.model_validate_json(entry.value)
@@ -348,6 +364,7 @@ class Registry:
                 last_seen=seen_at,
                 breaker=self._breaker(),
             )
+            view.hb_revision = self._early_beats.pop(agent_id, 0)
             old_state = AgentState.LOST
             if agent_id not in self.agents:
                 ns = record.card.namespace
@@ -367,7 +384,18 @@ class Registry:
 
     def _apply_heartbeat(self, entry: KeyValue.Entry, *, initial: bool) -> None:
         view = self.agents.get(entry.key)
-        if view is None or entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            self._early_beats.pop(entry.key, None)
+            return
+        if view is None:
+            # Before its record (the registration writes its heartbeat first, and the two
+            # buckets are watched apart): remembered, so that read back by
+            # ``_confirm_overdue`` it is not taken for a beat after the registration — it
+            # would renew the lease of an agent that died before its first beat (ONLINE again
+            # while dead, LOST a whole lease later).
+            if len(self._early_beats) >= _EARLY_BEATS_MAX:
+                self._early_beats.clear()
+            self._early_beats[entry.key] = entry.revision or 0
             return
         try:
             hb = HeartbeatRecord.model_validate_json(entry.value)
@@ -408,7 +436,8 @@ class Registry:
                 self._namespaces.pop(ns, None)
             old = view.state
             view.state = AgentState.LOST
-            self._notify(view, old)
+            if old is not AgentState.LOST:  # (graded LOST already: its listeners were told)
+                self._notify(view, old)
 
     # ------------------------------------------------------------------ liveness
 
@@ -485,6 +514,10 @@ class Registry:
         while True:
             await asyncio.sleep(interval)
             now = self._clock()
+            if not self._nc.is_connected:
+                # Cut off from NATS: no beat reaches this hub (its watches may not notice).
+                # Blind until a lease after it is back, as after a failed watch.
+                self._blind_at = now
             grace = self._settings.suspect_timeout
             for view in [v for v in self.agents.values() if v.state is not AgentState.LOST]:
                 lease = view.record.lease_timeout
@@ -515,15 +548,19 @@ class Registry:
             await self._agents_kv.delete(agent_id, last=view.revision)
             await self._hb_kv.delete(agent_id)
 
-    def _declared_lost(self, view: AgentView) -> None:
-        """This hub let the agent's lease run out (from any state: draining, cordoned,
-        suspect): it leaves every listing now, so log it and keep it in ``recently_lost``."""
+    def _remember_lost(self, view: AgentView) -> None:
+        """Keep a LOST agent in ``recently_lost`` (it leaves every other listing)."""
         ns = view.record.card.namespace
         lost = self._lost.setdefault(ns, OrderedDict())
         lost.pop(view.agent_id, None)
         lost[view.agent_id] = (time.time(), tuple(view.record.card.capabilities))
         while len(lost) > _LOST_KEPT_MAX:  # per namespace: no tenant evicts another's
             lost.popitem(last=False)
+
+    def _declared_lost(self, view: AgentView) -> None:
+        """This hub let the agent's lease run out (from any state: draining, cordoned,
+        suspect): it leaves every listing now, so log it and keep it in ``recently_lost``."""
+        self._remember_lost(view)
         log_event(
             log,
             LEASE_EXPIRED,
@@ -572,9 +609,13 @@ class Registry:
             record.cordoned = True  # an operator's cordon survives a restart of the agent
         hb = HeartbeatRecord(session=req.session)
         # Heartbeat first: watchers that see the record find a matching load report.
-        await self._hb_kv.put(agent_id, protocol.encode(hb))
+        hb_rev = await self._hb_kv.put(agent_id, protocol.encode(hb))
         rev = await self._agents_kv.put(agent_id, protocol.encode(record))
-        return self.apply_record(record, rev, seen_at=self._clock())
+        view = self.apply_record(record, rev, seen_at=self._clock())
+        if view.record.session == req.session:
+            # Written by the registration, not a beat (see ``_apply_heartbeat``).
+            view.hb_revision = max(view.hb_revision, hb_rev)
+        return view
 
     async def heartbeat(self, hb: Heartbeat) -> AgentView:
         view = self.agents.get(hb.agent_id)
