@@ -22,7 +22,7 @@ from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import MeshUnavailableError, NotPermittedError
+from reach_mesh.errors import BadRequestError, MeshUnavailableError, NotPermittedError
 from reach_mesh.logs import LineBudget
 
 __all__ = [
@@ -100,7 +100,7 @@ async def connect(
     ``on_reconnect`` is called after each reconnection (subscriptions are in place again).
     """
     if not url:
-        raise MeshUnavailableError(
+        raise BadRequestError(
             "no NATS URL: pass --nats URL / set REACH_NATS_URL, or run `reach-mesh up`"
         )
     if timeout is None:
@@ -142,6 +142,16 @@ async def connect(
         with contextlib.suppress(Exception):
             await nc.close()
         cause = await _diagnose(servers, watch.refusal or watch.last_error or err)
+        if watch.refusal is not None:
+            # Credentials the server does not know (or none where it wants some): trying
+            # again cannot help, pointing at the settings file does.
+            raise NotPermittedError(
+                f"NATS at {shown(url)} refused this connection's credentials ({cause}): give "
+                "the ones it expects — in secure mode each process's own identity, "
+                "REACH_CONFIG=<auth dir>/<role>.<name>.yaml (`reach-mesh auth init` / "
+                "`auth add-*` issue them, docs/security.md); a token: REACH_NATS_TOKEN",
+                url=shown(url),
+            ) from err
         raise MeshUnavailableError(f"cannot connect to NATS at {shown(url)}: {cause}") from err
     watch.connected = True
     return nc
@@ -217,7 +227,8 @@ def refused_messages(nc: NATS | None) -> int:
 def not_permitted(subject: str) -> NotPermittedError:
     """The error for a subject the server refused this identity."""
     return NotPermittedError(
-        f"NATS refused this identity {subject!r} (permissions violation): {_REFUSED_HINT}",
+        f"NATS refused this identity the subject {subject!r} (permissions violation): "
+        f"{_REFUSED_HINT}",
         subject=subject,
     )
 
@@ -320,7 +331,7 @@ def shown(url: str | None) -> str:
 def _check_scheme(server: str) -> None:
     scheme = _split(server).scheme
     if scheme not in _SCHEMES:
-        raise MeshUnavailableError(
+        raise BadRequestError(
             f"{server!r} is not a NATS URL: use nats://host:4222 "
             f"(schemes {', '.join(s + '://' for s in _SCHEMES)})"
         )

@@ -444,6 +444,13 @@ async def cmd_auth(args: argparse.Namespace) -> int:
         print(f"server config: {auth.nats_conf} (includes {auth.auth_conf})")
     else:
         role = args.auth_command.removeprefix("add-")
+        if not auth.identities():
+            # Not a directory `auth init` made (a forgotten --dir): a partial one here would
+            # hold no hub and no server config, and `up --secure` on it fails later.
+            raise BadRequestError(
+                f"no identities issued in {auth.path}: run `reach-mesh auth init DIR` first, "
+                f"and pass --dir DIR (or set REACH_AUTH_DIR) to add to it"
+            )
         issued = [auth.add(role, args.identity)]
         print(f"added to {auth.auth_conf}: reload a running server (nats-server --signal reload)")
     for ident in issued:

@@ -249,7 +249,8 @@ class InternalError(ReachError):
 
 class NotPermittedError(ReachError):
     """The NATS server refused this identity a subject it published or subscribed to
-    (permissions, secure mode). Raised in the client that was refused; never on the wire."""
+    (permissions, secure mode), or refused its credentials when it connected. Raised in the
+    client that was refused; never on the wire."""
 
     code = "REACH_NOT_PERMITTED"
 

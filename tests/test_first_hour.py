@@ -293,6 +293,12 @@ def test_auth_writes_only_a_nats_url_given_on_its_command_line(
     assert urls(tmp_path / "b") == {given}
     assert main(["--nats", "nats://mesh-3:4222", "auth", "init", str(tmp_path / "c")]) == 0
     assert urls(tmp_path / "c") == {"nats://mesh-3:4222"}
+    # Adding to a directory `auth init` never made (a forgotten --dir): refused, nothing
+    # written — a partial directory would hold no hub and no server config.
+    assert main(["auth", "add-operator", "alice", "--dir", str(tmp_path / "d")]) == 2
+    assert not (tmp_path / "d").exists()
+    assert main(["auth", "add-operator", "alice", "--dir", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "operator.alice.yaml").exists()
 
 
 def test_reach_strategy_takes_the_names_the_hub_knows(capsys: pytest.CaptureFixture[str]) -> None:

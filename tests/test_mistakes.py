@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from reach_mesh import Client, MeshSettings
-from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.cli import exit_code
+from reach_mesh.errors import MeshUnavailableError, NotPermittedError
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
@@ -110,7 +111,6 @@ def test_busy_http_port(nats_url: str, busy_port: int) -> None:
     [
         ("nats://127.0.0.1:{refused}", "connection refused: nothing listens on 127.0.0.1:"),
         ("nats://no-such-host.invalid:4222", "unknown host 'no-such-host.invalid'"),
-        ("http://127.0.0.1:4222", "is not a NATS URL: use nats://host:4222"),
     ],
 )
 def test_unreachable_nats_says_why(url: str, cause: str) -> None:
@@ -118,9 +118,18 @@ def test_unreachable_nats_says_why(url: str, cause: str) -> None:
     _fails_in_one_line(["agents", "--nats", url], _env(), "REACH_UNAVAILABLE", cause, code=3)
 
 
-@pytest.mark.parametrize(
-    "url", ["nats://127.0.0.1:{refused}", "nats://no-such-host.invalid:4222", "http://x:1"]
-)
+def test_a_url_that_is_not_nats_is_bad_input_not_unavailable() -> None:
+    """Exit 2 (fix the command), not 3 (try again later): retrying cannot help."""
+    _fails_in_one_line(
+        ["agents", "--nats", "http://127.0.0.1:4222"],
+        _env(),
+        "REACH_BAD_REQUEST",
+        "is not a NATS URL: use nats://host:4222",
+        code=2,
+    )
+
+
+@pytest.mark.parametrize("url", ["nats://127.0.0.1:{refused}", "nats://no-such-host.invalid:4222"])
 async def test_connect_fails_within_two_seconds(url: str) -> None:
     url = url.format(refused=_refused_port())
     t0 = time.monotonic()
@@ -397,9 +406,11 @@ def _wait_for(path: Path, text: str, timeout: float = 30.0) -> None:
 async def test_a_refused_credential_fails_at_once(tmp_path: Path) -> None:
     async with EmbeddedNats(tmp_path, auth_token="s3cret-token") as server:
         t0 = time.monotonic()
-        with pytest.raises(MeshUnavailableError, match="Authorization Violation"):
+        with pytest.raises(NotPermittedError, match="Authorization Violation") as err:
             await Client(settings=MeshSettings(nats_url=server.url, nats_token="wrong")).connect()
         assert time.monotonic() - t0 < 1.0  # retrying a wrong credential cannot help
+        # Not "unavailable, try again" (exit 3): where its identity's settings come from.
+        assert "REACH_CONFIG=" in err.value.message and exit_code(err.value) == 2
 
 
 class _Terminal(io.StringIO):

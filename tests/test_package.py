@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from reach_mesh import BadLeaseError, Client, MeshSettings, MeshUnavailableError, load_settings
+from reach_mesh import BadLeaseError, Client, MeshSettings, NotPermittedError, load_settings
 from reach_mesh.agent import Agent, Task
 from reach_mesh.demo import run_demo
 from reach_mesh.hub import Hub
@@ -115,7 +115,7 @@ def test_otel_environment_turns_tracing_on_in_the_cli() -> None:
 
 async def test_token_auth(tmp_path: Path) -> None:
     """A NATS server that requires a token: the mesh connects with nats_token, and without it
-    fails with a typed REACH_UNAVAILABLE naming the server."""
+    fails at once with a typed REACH_NOT_PERMITTED naming the server."""
     async with EmbeddedNats(tmp_path, auth_token="s3cret") as server:
         good = MeshSettings(nats_url=server.url, nats_token="s3cret", namespace="auth")
         agent = Agent("auth.echo.a1", settings=good)
@@ -127,7 +127,7 @@ async def test_token_auth(tmp_path: Path) -> None:
         async with Hub(settings=good), agent, Client(settings=good) as c:
             assert (await c.request(capability="auth:echo:v1", payload=7)).result == 7
         bad = MeshSettings(nats_url=server.url, namespace="auth", connect_timeout=1.0)
-        with pytest.raises(MeshUnavailableError, match=server.url):
+        with pytest.raises(NotPermittedError, match=server.url):
             await Client(settings=bad).connect()
         assert "s3cret" not in repr(good)
 
