@@ -272,7 +272,7 @@ class Client(WorkflowsMixin):
             selector=selector,
             payload=payload,
             task_id=task_id,
-            timeout=timeout or self.settings.request_timeout,
+            timeout=self.settings.request_timeout if timeout is None else timeout,
             mode=mode,
             strategy=strategy,
             session_id=session_id,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from reach_mesh import Client, MeshSettings
+from reach_mesh import BadRequestError, Client, MeshSettings
 from reach_mesh.cli import exit_code
 from reach_mesh.errors import MeshUnavailableError, NotPermittedError
 from reach_mesh.hub import Hub
@@ -619,3 +619,13 @@ def test_agent_spec_given_as_a_file_name_says_how_to_name_the_module(tmp_path: P
 
     with pytest.raises(BadRequestError, match=r"a module name, not a file: myagents:agent"):
         load_agents("myagents.py:agent")
+
+
+async def test_a_zero_timeout_is_refused_not_taken_for_the_default(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """``timeout=0`` (``reach --timeout 0``) is out of range like -1, not silently the
+    settings' ``request_timeout``."""
+    async with Client(settings=settings) as c:
+        with pytest.raises(BadRequestError, match=r"invalid timeout 0"):
+            await c.request(capability="a:b:v1", timeout=0)

@@ -138,7 +138,8 @@ class WorkflowQueries(WorkflowShapes):
             raise UnknownWorkflowError(
                 f"no workflow {workflow_id!r} in namespace {ns!r}: never submitted, not taken "
                 "by a hub yet, or finished longer ago than workflow_retention (to cancel one "
-                "whose submission still waits for a hub, so that it never starts: before_start)",
+                "whose submission still waits for a hub, so that it never starts: ask again "
+                "with before_start, `reach-mesh cancel --before-start`)",
                 workflow_id=workflow_id,
             )
         owner = record.owner
