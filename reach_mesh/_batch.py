@@ -30,6 +30,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from reach_mesh import protocol
+from reach_mesh._nats import not_permitted, refusals_of
 from reach_mesh.tracing import TRACEPARENT
 
 __all__ = ["BATCH_BYTES", "BATCH_ITEMS", "AnswerBatcher", "Batcher", "reply_token"]
@@ -84,12 +85,35 @@ class Batcher:
         self._plain_until: dict[str, float] = {}
         #: Batch subject by batch token, until its first answer (kept for NATS' 503 on it).
         self._batches: dict[str, str] = {}
+        #: The subject each batch token's message went to, until its answer: a subject the
+        #: server refuses this identity fails that message's requests at once (``refused``).
+        self._sent_on: dict[str, str] = {}
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
             self._prefix + ">", cb=self._on_reply, pending_msgs_limit=-1
         )
+        refusals = refusals_of(self._nc)
+        if refusals is not None:
+            refusals.listeners.append(self.refused)
+
+    def refused(self, subject: str) -> None:
+        """The server refused this identity ``subject`` (lower-cased): the requests whose
+        message went there fail now with ``REACH_NOT_PERMITTED``, not at their timeout."""
+        for token, sent_on in list(self._sent_on.items()):
+            if sent_on.lower() != subject:
+                continue
+            del self._sent_on[token]
+            for i in range(BATCH_ITEMS):
+                future = self._futures.get(f"{token}.{i}")
+                if future is not None and not future.done():
+                    future.set_exception(not_permitted(sent_on))
+
+    def _note_sent(self, token: str, subject: str) -> None:
+        if len(self._sent_on) > 4096:  # answered without a reply to this token: forget
+            self._sent_on.clear()
+        self._sent_on[token] = subject
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -119,8 +143,10 @@ class Batcher:
         ):
             # A plain request: no batch subject, trace context that a batch line cannot
             # carry, a large body, or a destination that did not take batches lately.
-            token = f"{reply_token()}.0"
+            batch_token = reply_token()
+            token = f"{batch_token}.0"
             self._futures[token] = future
+            self._note_sent(batch_token, subject)
             await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
         else:
             batch = self._open.get(batch_subject)
@@ -170,6 +196,7 @@ class Batcher:
         items = [item for item in batch.items if item[0] in self._futures]  # not timed out
         if len(items) == 1:
             token, body, traceparent = items[0]
+            self._note_sent(batch.token, batch.subject)
             await self._nc.publish(
                 batch.subject, body, reply=prefix + token, headers={TRACEPARENT: traceparent}
             )
@@ -181,6 +208,7 @@ class Batcher:
             if len(self._batches) > 4096:  # answered without a reply to this token: forget
                 self._batches.clear()
             self._batches[batch.token] = batch.batch_subject
+            self._note_sent(batch.token, batch.batch_subject)
             await self._nc.publish(
                 batch.batch_subject, b"\n".join(lines), reply=prefix + batch.token
             )
@@ -192,8 +220,10 @@ class Batcher:
         no_responders = not data and headers is not None and headers.get("Status") == "503"
         futures = self._futures
         if "." in token:  # one request's own reply subject
+            self._sent_on.pop(token.partition(".")[0], None)
             self._resolve(futures.get(token), data, no_responders)
             return
+        self._sent_on.pop(token, None)
         batch_subject = self._batches.pop(token, None)
         if no_responders:  # a batch found nobody (or only responders that take no batches)
             if batch_subject is not None:

@@ -166,6 +166,8 @@ class Refusals:
     def __init__(self) -> None:
         self._kept: OrderedDict[str, float] = OrderedDict()
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+        #: Called with each refused subject (lower-cased, as the server names it).
+        self.listeners: list[Callable[[str], None]] = []
 
     def note(self, text: str) -> None:
         """A permissions violation from the server (its text, as nats-py hands it over)."""
@@ -180,6 +182,8 @@ class Refusals:
         for fut in self._waiting.pop(subject, []):
             if not fut.done():
                 fut.set_result(None)
+        for listener in self.listeners:
+            listener(subject)
 
     def since(self, t0: float, prefix: str) -> str | None:
         """A subject starting with ``prefix`` refused at monotonic time ``t0`` or later (as the

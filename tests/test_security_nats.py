@@ -388,6 +388,13 @@ async def test_a_refused_identity_is_told_at_once_not_timed_out(
         admin = protocol.hub_subject(NS, "admin").lower()
         said = [r for r in caplog.records if r.getMessage().startswith("NATS refused")]
         assert len([r for r in said if admin in r.getMessage().lower()]) == 1
+    # A route into a namespace that is not its own: batched like every route, and refused
+    # at once all the same (it waited out its whole timeout).
+    async with Client(settings=mesh.settings("caller", NS)) as caller:
+        t0 = loop.time()
+        with pytest.raises(NotPermittedError, match=r"reach\.hub\.elsewhere\.route"):
+            await caller.request(agent_id="elsewhere.work.a1", payload=1, timeout=10)
+        assert loop.time() - t0 < 2.0
         with pytest.raises(NotPermittedError, match=r"(?i)\$JS\.API\.STREAM\.INFO"):
             await caller.audit(since=60)
         # Its own namespace's queries still work on the same connection.
