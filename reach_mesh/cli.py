@@ -499,7 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, parents=[common])
+        command = sub.add_parser(name, help=help, description=help, parents=[common])
+        command.set_defaults(_parser=command)  # (its usage for an unrecognized argument)
+        return command
 
     up = cmd(
         "up", "run the mesh until Ctrl-C: an embedded NATS unless --nats (not $REACH_NATS_URL)"
@@ -747,7 +749,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Said by the command's own parser (its usage, not the top level's), with the likely
+        # cause: a reason of several words not quoted.
+        command = getattr(args, "_parser", parser)
+        hint = ""
+        if getattr(args, "reason", None) is not None:
+            hint = f" (a reason of several words goes in quotes: --reason '{args.reason} ...')"
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     args.nats_flag = getattr(args, "nats", None)
     args.nats = args.nats_flag or os.environ.get("REACH_NATS_URL")
     args.config = getattr(args, "config", None)

@@ -629,3 +629,16 @@ async def test_a_zero_timeout_is_refused_not_taken_for_the_default(
     async with Client(settings=settings) as c:
         with pytest.raises(BadRequestError, match=r"invalid timeout 0"):
             await c.request(capability="a:b:v1", timeout=0)
+
+
+def test_an_unquoted_reason_is_told_by_its_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """``cordon ID --reason host maintenance``: the command's own usage and the likely cause,
+    not the top-level usage."""
+    from reach_mesh.cli import main
+
+    with pytest.raises(SystemExit) as out:
+        main(["cordon", "demo.calc.c1", "--reason", "host", "maintenance"])
+    assert out.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: reach-mesh cordon" in err
+    assert "unrecognized arguments: maintenance" in err and "goes in quotes" in err
