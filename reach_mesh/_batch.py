@@ -116,6 +116,9 @@ class Batcher:
         self._sent_on[token] = subject
 
     async def stop(self) -> None:
+        refusals = refusals_of(self._nc)
+        if refusals is not None and self.refused in refusals.listeners:
+            refusals.listeners.remove(self.refused)
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()

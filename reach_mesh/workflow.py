@@ -75,21 +75,23 @@ INTERVAL_MIN: Final = 0.1
 class RetryPolicy(_Wire):
     """Per-step retry and delivery intervals; ``None`` fields take the hub's settings.
 
-    The intervals have floors (``BACKOFF_MIN``, ``INTERVAL_MIN``): they pace what the hub
-    does for the step (KV writes, work messages, re-checks), and a caller must not be able to
-    set it spinning."""
+    The intervals have floors (``BACKOFF_MIN``, ``INTERVAL_MIN``) that the hub applies when it
+    runs the step (``StepRunner._policy``): they pace what it does for the step (KV writes,
+    work messages, re-checks), and a caller must not be able to set it spinning. A spec under
+    a floor is taken as sent and run at the floor — refusing it would fail a running
+    workflow that a hub of an earlier version accepted, and change no digest."""
 
     #: Handler failures (retryable ones) to retry.
     retries: int | None = Field(default=None, ge=0, le=100)
     #: Delivery attempts with exponential backoff before slow pending re-delivery.
     fast_attempts: int | None = Field(default=None, ge=0, le=100)
-    backoff_base: float | None = Field(default=None, ge=BACKOFF_MIN, le=SECONDS_MAX)
-    backoff_cap: float | None = Field(default=None, ge=BACKOFF_MIN, le=SECONDS_MAX)
-    pending_interval: float | None = Field(default=None, ge=INTERVAL_MIN, le=SECONDS_MAX)
+    backoff_base: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    backoff_cap: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    pending_interval: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
     #: How long the step may stay unfinished before it is TIMEOUT.
     ttl: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
-    deliver_timeout: float | None = Field(default=None, ge=INTERVAL_MIN, le=SECONDS_MAX)
-    silence_timeout: float | None = Field(default=None, ge=INTERVAL_MIN, le=SECONDS_MAX)
+    deliver_timeout: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
+    silence_timeout: float | None = Field(default=None, gt=0, le=SECONDS_MAX)
 
 
 class StepSpec(_Wire):

@@ -6,6 +6,7 @@ These tests hold it to the models: the same JSON out, the same typed errors for 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -204,3 +205,24 @@ def test_replies_parse_with_optional_fields_left_out() -> None:
     result = _client()._result(failed, None, None, None, 0.0)
     assert result.error is not None and result.error.code == "REACH_HANDLER_FAILED"
     assert result.attempt == 2 and result.handler_ms == 3.5
+
+
+async def test_clients_sharing_a_connection_leave_no_refusal_listener_behind(
+    nats_url: str, settings: MeshSettings
+) -> None:
+    """A client on a shared connection (an agent's, a hub's) listens for the subjects NATS
+    refuses its identity while its routes are batched; once closed — or when it lost the race
+    to start its batcher — it listens no more (each listener kept a batcher alive)."""
+    from reach_mesh._nats import connect, refusals_of
+
+    nc = await connect(nats_url, name="shared", settings=settings)
+    try:
+        refusals = refusals_of(nc)
+        assert refusals is not None
+        for _ in range(5):
+            async with Client(settings=settings, nc=nc) as c:
+                await asyncio.gather(*(c._start_batcher() for _ in range(3)))
+                assert len(refusals.listeners) == 1
+        assert refusals.listeners == []
+    finally:
+        await nc.close()

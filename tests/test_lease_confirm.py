@@ -213,3 +213,30 @@ async def test_a_starting_hub_audits_no_state_change_of_healthy_agents(
             await beats
     finally:
         await nc.close()
+
+
+async def test_a_restarted_agent_dead_before_its_first_beat_is_not_revived(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """The agent restarts (a new session) through another hub while this one still knows its
+    previous incarnation: the new registration's beat reaches this hub before the new record,
+    as another session's. It is remembered all the same: read back before LOST it renews
+    nothing (the crash loop of an agent that dies before its first beat)."""
+    agent_id = f"{settings.namespace}.confirm.a7"
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await _register(nc, agent_id, uuid.uuid4().hex)
+        seen = _states(hub, agent_id)
+        js = nc.jetstream()
+        records = await js.key_value(protocol.KV_AGENTS)
+        beats = await js.key_value(protocol.KV_HEARTBEATS)
+        record = json.loads((await records.get(agent_id)).value or b"{}")
+        record["session"] = session = uuid.uuid4().hex
+        # As another hub's register() writes it: the heartbeat first, then the record.
+        await beats.put(agent_id, protocol.encode(HeartbeatRecord(session=session)))
+        await asyncio.sleep(0.1)
+        await records.put(agent_id, json.dumps(record).encode())
+        await eventually(lambda: AgentState.LOST in seen, timeout=10)
+    finally:
+        await nc.close()
+    assert AgentState.ONLINE not in seen[seen.index(AgentState.SUSPECT) :], seen

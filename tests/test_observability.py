@@ -77,6 +77,13 @@ async def test_metrics_match_what_was_sent(
     async def typed(task: Task[int]) -> int:
         return task.payload
 
+    minted = iter(range(1000))
+
+    @agent.handler("work:mint:v1")
+    async def mint(task: Task[Any]) -> Any:
+        # A handler (anyone's) answering codes of its own making: one series, not one each.
+        raise type("Minted", (BadRequestError,), {"code": f"REACH_BAD_X{next(minted)}"})("no")
+
     async with agent, Client(settings=settings) as c:
         for i in range(7):
             await c.request(capability="work:echo:v1", payload=i)
@@ -86,6 +93,8 @@ async def test_metrics_match_what_was_sent(
         refused = await c.request(capability="work:typed:v1", payload="seven")
         assert refused.state is TaskState.FAILED and refused.error is not None
         assert refused.error.code == "REACH_BAD_REQUEST"
+        for _ in range(3):
+            assert (await c.request(capability="work:mint:v1")).state is TaskState.FAILED
         await eventually(lambda: http_hub.metrics.heartbeat_total._value.get() >= 2)
         status, body = await fetch(f"{http_hub.http_url}/metrics")
     assert status == 200
@@ -93,9 +102,10 @@ async def test_metrics_match_what_was_sent(
     tasks = samples(text, "reach_task_total")
     assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "SUCCEEDED"))] == 7
     assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "NO_MATCH"))] == 1
-    assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "BAD_REQUEST"))] == 1
+    assert tasks[(("mode", "proxy"), ("namespace", namespace), ("state", "BAD_REQUEST"))] == 4
+    assert not [k for k in tasks if ("state", "BAD_X0") in k]
     assert (("mode", "proxy"), ("namespace", namespace), ("state", "FAILED")) not in tasks
-    assert samples(text, "reach_route_duration_seconds_count")[()] == 8  # (routed: 7 + 1)
+    assert samples(text, "reach_route_duration_seconds_count")[()] == 11  # (routed: 7 + 4)
     agents = samples(text, "reach_agents")
     assert agents[(("namespace", namespace), ("state", "ONLINE"))] == 1
     # The scrape shows the heartbeats the hub counted before it (at least the two awaited).

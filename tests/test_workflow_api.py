@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from nats.js.errors import NotFoundError
-from pydantic import ValidationError
 
 from reach_mesh import (
     Client,
@@ -410,25 +409,6 @@ async def test_hub_survives_malformed_submissions(
             )
             got = await mesh.workflow(f"nl-{n}", timeout=5)
             assert got.state is TaskState.FAILED and got.error is not None, got
-        # Retry intervals under their floors would set the hub spinning for the step.
-        for n, retry in enumerate(
-            [{"pending_interval": 0.001}, {"deliver_timeout": 0.05}, {"backoff_base": 1e-9}],
-            start=1,
-        ):
-            spin = {
-                "workflow_id": f"spin-{n}",
-                "kind": "fanout",
-                "steps": [{"capability": "wf:ok:v1", "retry": retry}],
-                "namespace": ns,
-            }
-            headers = {"Nats-Msg-Id": f"spin-{n}"}
-            await js.publish(subject, json.dumps(spin).encode(), headers=headers)
-            got = await mesh.workflow(f"spin-{n}", timeout=5)
-            assert got.state is TaskState.FAILED and got.error is not None, got
-            assert got.error.code == "REACH_BAD_REQUEST", got.error
-            assert next(iter(retry)) in got.error.message
-        with pytest.raises(ValidationError):
-            RetryPolicy(pending_interval=0.001)  # the SDK refuses it before sending
         ok = await mesh.fanout([Step(capability="wf:ok:v1")], timeout=10)
         assert ok.state is TaskState.SUCCEEDED
 
@@ -581,3 +561,34 @@ async def test_waiting_for_results_leaves_no_interest_behind() -> None:
     (conn,) = [c for c in connz["connections"] if c.get("name") == "reach-client"]
     done = [s for s in conn.get("subscriptions_list", []) if s.endswith(".done")]
     assert done == [], done
+
+
+async def test_retry_intervals_under_their_floors_run_at_the_floors(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A spec's retry intervals pace what the hub does for the step (writes, work messages,
+    re-checks): under their floors they are run at the floors — a caller cannot set the hub
+    spinning — and the spec is kept as sent (a workflow an earlier hub accepted still runs)."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    spin = RetryPolicy(
+        backoff_base=1e-9,
+        backoff_cap=1e-9,
+        pending_interval=0.001,
+        deliver_timeout=0.05,
+        silence_timeout=1e-6,
+    )
+    policy = engine._policy(Step(capability="wf:ok:v1", retry=spin))
+    assert (policy.base, policy.cap) == (0.01, 0.01)
+    assert (policy.pending_interval, policy.deliver_timeout, policy.silence_timeout) == (
+        0.1,
+        0.1,
+        0.1,
+    )
+    kept = engine._policy(Step(capability="wf:ok:v1", retry=RetryPolicy(pending_interval=2.0)))
+    assert kept.pending_interval == 2.0 and kept.base == wf_settings.retry_base
+    agent = echo_agent(fleet, "floor.a1", "wf:floor:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:floor:v1", retry=spin)], timeout=10)
+    assert res.state is TaskState.SUCCEEDED

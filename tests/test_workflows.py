@@ -960,3 +960,39 @@ async def test_ttl_expiry_is_timeout(wf_hub: Hub, fleet: Fleet, wf_settings: Mes
             assert res.steps[0].state is TaskState.TIMEOUT
     finally:
         hold.set()
+
+
+async def test_a_step_record_create_whose_answer_was_lost_is_the_owners_own(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A chain step's record create lands but its answer is lost (an election), and the
+    retry finds the key taken: the record is the hub's own write, adopted — not taken for
+    another hub's, which would hand the workflow back and take it over from itself."""
+    from reach_mesh.hub import _durable
+
+    create, lost = _durable.create, []
+
+    async def answer_lost(bucket: Any, key: str, data: bytes, deadline: float, **kw: Any) -> int:
+        revision = await create(bucket, key, data, deadline, **kw)
+        if key.endswith("-1") and not lost:
+            lost.append(key)
+            raise KeyWrongLastSequenceError(description="wrong last sequence")
+        return revision
+
+    monkeypatch.setattr(_durable, "create", answer_lost)
+    engine = wf_hub.workflows
+    assert engine is not None
+    taken = engine.takeover_total
+    agent = echo_agent(fleet, "lostack.a1", "wf:lostack:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability="wf:lostack:v1", payload={"a": 1}) for _ in range(2)]
+        res = await mesh.chain(steps, timeout=20)
+    assert lost and res.state is TaskState.SUCCEEDED, res
+    assert [s.attempts for s in res.steps] == [1, 1]
+    assert engine.takeover_total == taken
+    assert not [r for r in caplog.records if "moved under its owner" in r.getMessage()]

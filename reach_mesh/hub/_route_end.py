@@ -447,10 +447,10 @@ class RouteEndMixin:
                 code = head.error.code if head is not None and head.error is not None else None
                 if code is not None and code.startswith("REACH_BAD_"):
                     # The agent refused the caller's payload (its handler's model): the
-                    # caller's fault (as for the breaker), counted with the ones the hub
-                    # refuses, not as the agents failing (the success-rate alert would page
-                    # for a caller's bug).
-                    counted = code.removeprefix("REACH_")
+                    # caller's fault (as for the breaker), not the agents failing (the
+                    # success-rate alert would page for a caller's bug). One label: the
+                    # agent chooses the code, and must not mint series.
+                    counted = "BAD_REQUEST"
                 self._count(ns, req.mode, counted)
             event = {
                 "request_id": flight.request_id,

@@ -46,6 +46,8 @@ from reach_mesh.models import ErrorBody, RouteRequest, TaskEnvelope, TaskState
 from reach_mesh.selector import Selector
 from reach_mesh.tracing import SPAN_STEP, SpanKind, inject, span
 from reach_mesh.workflow import (
+    BACKOFF_MIN,
+    INTERVAL_MIN,
     AttemptRecord,
     StepSpec,
     TaskRecord,
@@ -55,6 +57,23 @@ from reach_mesh.workflow import (
 )
 
 __all__ = ["NotOwnerError", "Outcome", "StepRunner", "Workflow"]
+
+
+def _floor(value: float | None, floor: float) -> float | None:
+    """``value`` raised to ``floor``; None stays None (the hub's setting applies)."""
+    return None if value is None else max(value, floor)
+
+
+def _same_write(stored: TaskRecord, written: TaskRecord) -> bool:
+    """Whether ``stored`` is the record this hub wrote as ``written`` (its wall-clock
+    ``created_at`` to the microsecond, attempt and agent): a create that landed although its
+    answer was lost."""
+    return (stored.created_at, stored.attempt, stored.agent_id) == (
+        written.created_at,
+        written.attempt,
+        written.agent_id,
+    )
+
 
 T = TypeVar("T")
 
@@ -185,16 +204,18 @@ class StepRunner(WorkflowEvents):
     # ------------------------------------------------------------------ one step
 
     def _policy(self, step: StepSpec) -> Policy:
+        """The step's retry policy: the spec's values, at least their floors (a spec must not
+        set the hub spinning for a step; ``RetryPolicy``), else the hub's settings."""
         s, r = self._settings, step.retry
         return Policy(
             retries=s.step_retries if r.retries is None else r.retries,
             fast_attempts=s.step_fast_attempts if r.fast_attempts is None else r.fast_attempts,
-            base=r.backoff_base or s.retry_base,
-            cap=r.backoff_cap or s.retry_cap,
-            pending_interval=r.pending_interval or s.pending_interval,
+            base=_floor(r.backoff_base, BACKOFF_MIN) or s.retry_base,
+            cap=_floor(r.backoff_cap, BACKOFF_MIN) or s.retry_cap,
+            pending_interval=_floor(r.pending_interval, INTERVAL_MIN) or s.pending_interval,
             ttl=r.ttl or s.task_ttl,
-            deliver_timeout=r.deliver_timeout or s.step_deliver_timeout,
-            silence_timeout=r.silence_timeout or s.step_silence_timeout,
+            deliver_timeout=_floor(r.deliver_timeout, INTERVAL_MIN) or s.step_deliver_timeout,
+            silence_timeout=_floor(r.silence_timeout, INTERVAL_MIN) or s.step_silence_timeout,
         )
 
     async def _step(self, wf: Workflow, index: int, step: StepSpec, payload: Any) -> TaskRecord:
@@ -436,14 +457,23 @@ class StepRunner(WorkflowEvents):
                 on_retry=self._infra_retry,
             )
         except BaseException as err:
+            try:
+                if not isinstance(err, KeyWrongLastSequenceError):
+                    raise
+                got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+                made = None if got is None else self._ours(wf, index, got)
+                if got is not None and made is not None and _same_write(made, rec):
+                    # Our own create: it landed, its answer was lost (an election) and the
+                    # retry found the key taken. Nothing was sent yet: on as if it answered.
+                    return rec, got[1], True, view, capability
+            except BaseException:
+                if view is not None:
+                    view.outstanding = max(0, view.outstanding - 1)
+                raise
             if view is not None:
                 view.outstanding = max(0, view.outstanding - 1)
-            if not isinstance(err, KeyWrongLastSequenceError):
-                raise
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-            if got is None:
+            if got is None or made is None:
                 raise NotOwnerError(key) from err
-            made = self._ours(wf, index, got)
             if made.state.final or made.cancelled:
                 return made, got[1], False, None, None
             if not wf.taken_over:

@@ -183,8 +183,9 @@ class Registry:
         #: Agents this hub declared LOST lately (lease and grace ran out), by id: they leave
         #: every listing, so ``recently_lost`` tells where they went. Bounded in age and count.
         self._lost: dict[str, OrderedDict[str, tuple[float, tuple[str, ...]]]] = {}
-        #: Heartbeat revisions the watch delivered before the agent's record, by agent id.
-        self._early_beats: dict[str, int] = {}
+        #: (session, revision) of the heartbeat the watch delivered before the agent's record
+        #: of that session, by agent id.
+        self._early_beats: dict[str, tuple[str, int]] = {}
         self.index = AgentIndex()
         self._agents_kv: KeyValue | None = None
         self._hb_kv: KeyValue | None = None
@@ -338,7 +339,7 @@ class Registry:
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             view = self.agents.get(agent_id)
             self._drop(agent_id)
-            if view is not None and self._clock() - view.last_seen > view.record.lease_timeout:
+            if view is not None and self._overdue(view):
                 # Deleted by another hub that declared it LOST (an agent that says goodbye
                 # is not overdue): listed as recently LOST here too, as on that hub.
                 self._remember_lost(view)
@@ -364,7 +365,9 @@ class Registry:
                 last_seen=seen_at,
                 breaker=self._breaker(),
             )
-            view.hb_revision = self._early_beats.pop(agent_id, 0)
+            early = self._early_beats.pop(agent_id, None)
+            if early is not None and early[0] == record.session:
+                view.hb_revision = early[1]
             old_state = AgentState.LOST
             if agent_id not in self.agents:
                 ns = record.card.namespace
@@ -387,23 +390,22 @@ class Registry:
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             self._early_beats.pop(entry.key, None)
             return
-        if view is None:
-            # Before its record (the registration writes its heartbeat first, and the two
-            # buckets are watched apart): remembered, so that read back by
-            # ``_confirm_overdue`` it is not taken for a beat after the registration — it
-            # would renew the lease of an agent that died before its first beat (ONLINE again
-            # while dead, LOST a whole lease later).
-            if len(self._early_beats) >= _EARLY_BEATS_MAX:
-                self._early_beats.clear()
-            self._early_beats[entry.key] = entry.revision or 0
-            return
         try:
             hb = HeartbeatRecord.model_validate_json(entry.value)
         except ValidationError:
             return
-        if hb.session != view.record.session:
-            return  # from an older incarnation of this agent id
         revision = entry.revision or 0
+        if view is None or hb.session != view.record.session:
+            # Before its record — a new agent's, or a restarted one's new session (the
+            # registration writes its heartbeat first, and the two buckets are watched
+            # apart) — or an older incarnation's. Remembered, so that read back by
+            # ``_confirm_overdue`` it is not taken for a beat after the registration: it would
+            # renew the lease of an agent that died before its first beat (ONLINE again while
+            # dead, LOST a whole lease later).
+            if len(self._early_beats) >= _EARLY_BEATS_MAX:
+                self._early_beats.clear()
+            self._early_beats[entry.key] = (hb.session, revision)
+            return
         if revision <= view.hb_revision:
             return  # our own write coming back (already applied), or an older one
         view.hb_revision = revision
@@ -547,6 +549,11 @@ class Registry:
         with contextlib.suppress(KeyWrongLastSequenceError, KeyNotFoundError, Exception):
             await self._agents_kv.delete(agent_id, last=view.revision)
             await self._hb_kv.delete(agent_id)
+
+    def _overdue(self, view: AgentView) -> bool:
+        """Whether this hub has seen no beat of the agent for its lease, while it could have."""
+        now, lease = self._clock(), view.record.lease_timeout
+        return now - view.last_seen > lease and not self._blind(now, lease)
 
     def _remember_lost(self, view: AgentView) -> None:
         """Keep a LOST agent in ``recently_lost`` (it leaves every other listing)."""
