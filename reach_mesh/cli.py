@@ -537,6 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def auth_cmd(name: str, help: str) -> argparse.ArgumentParser:
         sp = auth_sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(_parser=sp)  # (its usage for an unrecognized argument)
         sp.add_argument(
             "--dir",
             default=os.environ.get("REACH_AUTH_DIR", "reach-auth"),

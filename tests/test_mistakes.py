@@ -642,3 +642,6 @@ def test_an_unquoted_reason_is_told_by_its_command(capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert "usage: reach-mesh cordon" in err
     assert "unrecognized arguments: maintenance" in err and "goes in quotes" in err
+    with pytest.raises(SystemExit):
+        main(["auth", "add-agent", "a.b.c1", "extra"])
+    assert "usage: reach-mesh auth add-agent" in capsys.readouterr().err
