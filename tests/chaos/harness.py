@@ -534,6 +534,18 @@ class Faults:
 # --------------------------------------------------------------------------- collection
 
 
+async def _bucket(js: Any, name: str) -> Any:
+    """The KV bucket ``name``, asked again while the cluster settles after the last fault
+    (its API request timed out once, right after a node stop: the checker's own read, not
+    the mesh's)."""
+    for _ in range(40):
+        try:
+            return await js.key_value(name)
+        except Exception:
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"cannot open bucket {name}")
+
+
 async def _get(kv: Any, key: str) -> dict[str, Any] | None:
     for _ in range(20):
         try:
@@ -580,8 +592,8 @@ async def collect(
 ) -> History:
     ns = mesh.cfg.namespace
     js = client.nc.jetstream()
-    wf_kv = await js.key_value(protocol.KV_WORKFLOWS)
-    task_kv = await js.key_value(protocol.KV_TASKS)
+    wf_kv = await _bucket(js, protocol.KV_WORKFLOWS)
+    task_kv = await _bucket(js, protocol.KV_TASKS)
     h = History(expected=expected, callers=callers)
     sem = asyncio.Semaphore(64)
 
