@@ -996,3 +996,51 @@ async def test_a_step_record_create_whose_answer_was_lost_is_the_owners_own(
     assert [s.attempts for s in res.steps] == [1, 1]
     assert engine.takeover_total == taken
     assert not [r for r in caplog.records if "moved under its owner" in r.getMessage()]
+
+
+async def test_a_hub_that_lost_a_workflow_while_paused_stops_keeping_its_submission(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Hub A stops renewing a running chain (paused, cut off) and hub B takes it over. A,
+    back, would go on renewing its own older delivery of the submission — which nats-server
+    takes for the message's, so when B dies the submission never comes back to any hub.
+    A finds the record names B and stops its run; B dies; hub C resumes the workflow."""
+    ns = wf_settings.namespace
+    agent = fleet.agent("paused.x")
+    step = _held(agent, "wf:paused:v1", "done")
+    hub_a, hub_b = (
+        Hub(settings=wf_settings, hub_id="hub-a"),
+        Hub(settings=wf_settings, hub_id="hub-b"),
+    )
+    hub_c = Hub(settings=wf_settings, hub_id="hub-c")
+    await hub_a.start()
+    try:
+        await agent.start()
+        engine_a = hub_a.workflows
+        assert engine_a is not None and engine_a._pull is not None and engine_a._ticker is not None
+        async with Client(settings=wf_settings) as mesh:
+            wf_id = await mesh.submit_chain([Step(capability="wf:paused:v1")], timeout=60)
+            await asyncio.wait_for(step.started.wait(), 5)
+            await engine_a._pull.stop()  # A pauses: no pulls, no +WPI
+            engine_a._ticker.cancel()
+            await hub_b.start()
+            engine_b = hub_b.workflows
+            assert engine_b is not None
+            await eventually(lambda: (ns, wf_id) in engine_b.owned, timeout=10)
+            # A is back, late: it asks the records of what it runs, and stops what it lost.
+            await engine_a._stop_lost_runs()
+            await eventually(lambda: (ns, wf_id) not in engine_a.owned, timeout=5)
+            engine_a._ticker = asyncio.create_task(engine_a._keepalive())
+            await hub_b.nc.close()  # the new owner dies: no ack, no nak, no more +WPI
+            await hub_c.start()
+            engine_c = hub_c.workflows
+            assert engine_c is not None
+            await eventually(lambda: (ns, wf_id) in engine_c.owned, timeout=10)
+            step.release.set()
+            res = await mesh.workflow(wf_id, timeout=15)
+        assert res.state is TaskState.SUCCEEDED and res.hub_id == "hub-c", res
+    finally:
+        step.release.set()
+        await hub_a.close()
+        await hub_b.close()
+        await hub_c.close()

@@ -651,13 +651,56 @@ class WorkflowEngine(WorkflowQueries):
 
     async def _keepalive(self) -> None:
         """``+WPI`` for every submission this hub runs, every ``workflow_ack_wait / 3``: one
-        loop for all of them."""
-        interval = self._settings.workflow_ack_wait / 3
+        loop for all of them.
+
+        A hub that could not send them for an ack wait (paused, cut off from NATS, its loop
+        stalled) may have lost workflows to another hub meanwhile, which took them over from
+        the redelivered submission. It asks their records, and stops the runs it lost
+        (``_stop_lost_runs``): its ``+WPI`` on its own, older delivery would keep the
+        submission from coming back to any hub (nats-server takes it for the message's), so
+        a new owner that died would leave the workflow unresumed until this run's next write
+        failed — after its step, which may run for hours."""
+        loop = asyncio.get_running_loop()
+        wait = self._settings.workflow_ack_wait
+        kept_at = loop.time()
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(wait / 3)
+            late = loop.time() - kept_at > wait
             for msg in list(self._running.values()):
                 with contextlib.suppress(Exception):
                     await msg.in_progress()
+            if self._nc.is_connected:
+                kept_at = loop.time()
+            if late:
+                with contextlib.suppress(Exception):
+                    await self._stop_lost_runs()
+
+    async def _stop_lost_runs(self) -> None:
+        """Stop each run of a workflow whose record names another hub as its owner now (read
+        from the stream's leader; a record that cannot be read keeps its run)."""
+        loop = asyncio.get_running_loop()
+        gate = asyncio.Semaphore(32)
+
+        async def check(ns: str, workflow_id: str, task: asyncio.Task[None]) -> None:
+            async with gate:
+                try:
+                    got = await self._record_now(ns, workflow_id, loop.time() + 2.0)
+                except MeshUnavailableError:
+                    return
+            record = stored_record(WorkflowRecord, got)
+            if record is None or record.owner in (None, self.hub_id) or task.done():
+                return
+            log.warning(
+                "workflow %s was taken over by hub %s while this hub could not keep it "
+                "(paused, cut off); its run here stops",
+                workflow_id,
+                record.owner,
+            )
+            task.cancel()
+
+        await asyncio.gather(
+            *(check(ns, wid, task) for (ns, wid), (_, task) in list(self._owning.items()))
+        )
 
     async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
         """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
