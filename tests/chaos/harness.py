@@ -26,9 +26,10 @@ from typing import Any
 
 import nats
 from nats.js.api import DeliverPolicy, StorageType, StreamConfig
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import NotFoundError
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
+from reach_mesh._retry import no_message
 from reach_mesh.errors import ReachError
 from reach_mesh.logs import LEASE_EXPIRED
 from reach_mesh.server import EmbeddedNats
@@ -546,16 +547,24 @@ async def _bucket(js: Any, name: str) -> Any:
     raise RuntimeError(f"cannot open bucket {name}")
 
 
-async def _get(kv: Any, key: str) -> dict[str, Any] | None:
+async def _get(js: Any, bucket: str, key: str) -> dict[str, Any] | None:
+    """A record as its stream's leader has it. Not ``KeyValue.get``: a direct get, which any
+    replica answers — one that is behind (a node just resumed after the last fault) showed
+    the checker a RUNNING record whose final result the caller had been told."""
     for _ in range(20):
         try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            return None
+            msg = await js.get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{key}")
+        except NotFoundError as err:
+            if no_message(err):  # no such key
+                return None
+            await asyncio.sleep(0.5)
+            continue
         except Exception:
             await asyncio.sleep(0.5)
             continue
-        return json.loads(entry.value) if entry.value else None
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+            return None
+        return json.loads(msg.data)
     raise RuntimeError(f"cannot read {key}")
 
 
@@ -592,19 +601,19 @@ async def collect(
 ) -> History:
     ns = mesh.cfg.namespace
     js = client.nc.jetstream()
-    wf_kv = await _bucket(js, protocol.KV_WORKFLOWS)
-    task_kv = await _bucket(js, protocol.KV_TASKS)
+    await _bucket(js, protocol.KV_WORKFLOWS)  # (both there: the cluster has settled)
+    await _bucket(js, protocol.KV_TASKS)
     h = History(expected=expected, callers=callers)
     sem = asyncio.Semaphore(64)
 
     async def one(p: Planned) -> None:
         async with sem:
-            rec = await _get(wf_kv, protocol.workflow_key(ns, p.workflow_id))
+            rec = await _get(js, protocol.KV_WORKFLOWS, protocol.workflow_key(ns, p.workflow_id))
             if rec is not None:
                 h.records[p.workflow_id] = rec
             for i in range(len(p.steps)):
                 tid = step_task_id(p.workflow_id, i, p.steps[i])
-                task = await _get(task_kv, protocol.task_key(ns, tid))
+                task = await _get(js, protocol.KV_TASKS, protocol.task_key(ns, tid))
                 if task is not None:
                     h.tasks[tid] = task
 
