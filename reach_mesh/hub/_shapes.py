@@ -20,7 +20,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from reach_mesh import protocol
 from reach_mesh.errors import InternalError, PayloadTooLargeError, ReachError
 from reach_mesh.hub import _durable
-from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable
+from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable, settles
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
@@ -545,17 +545,11 @@ class WorkflowShapes(StepRunner):
                 self._take_outcome(rec, event)
                 rec.decided_by = event.attempt
                 rec.updated_at = time.time()
-                if settle:
-                    # Recorded, on the revision read: a record read from a replica behind
-                    # its last write (a TIMEOUT, a next attempt) is not overruled unseen —
-                    # the CAS fails, and the workflow is resumed from fresh reads. And an
-                    # outcome only in hand (or in its agent's memory) is kept: a restart
-                    # that lost it, redelivered the same attempt, must find the step final
-                    # (dropped), not run it again to another end.
-                    await self._cas(key, rec, last, wf.deadline)
-                else:
-                    with contextlib.suppress(Exception):
-                        await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
+                # Recorded: a record read from a replica behind its last write (a TIMEOUT,
+                # a next attempt) is not overruled unseen, and an outcome only in hand (or
+                # in its agent's memory) is kept — a restart that lost it, redelivered the
+                # same attempt, must find the step final (dropped), not run it again.
+                await self._write_stopped(wf, key, rec, last, settle=settle)
                 self._stop_others(rec, event.attempt)  # none other is needed any more
         if rec.state.final:
             wf.records[index] = rec
@@ -566,20 +560,27 @@ class WorkflowShapes(StepRunner):
         rec.cancelled = True
         rec.updated_at = time.time()
         wf.records[index] = rec
-        if settle:
-            # A cancel must fence what runs: a record read from a replica behind its last
-            # write (a next attempt) is not fenced by this one. Lost race or outlived retries:
-            # the workflow goes back to JetStream, and the recorded cancel is finished from
-            # fresh reads.
-            await self._cas(key, rec, last, wf.deadline)
-        else:
-            with contextlib.suppress(Exception):
-                await _durable.cas(kv, key, protocol.encode(rec), last, self._io_deadline())
+        await self._write_stopped(wf, key, rec, last, settle=settle)  # the fence
         # Every attempt it sent, not only the current one: the branch may have been cancelled
         # between a fence-first record and its marker. A failure here is the workflow's
         # (``_fanout`` raises it): the result must not be stored before the markers are.
         await self._remark(wf, rec)
         self._stop_others(rec, None)
+
+    async def _write_stopped(
+        self, wf: Workflow, key: str, rec: TaskRecord, last: int, *, settle: bool
+    ) -> None:
+        """Write a stopped step's record, a CAS on the revision read (``last``). Settling (a
+        cancel of the workflow) it must land: a record read from a replica behind its last
+        write is not overruled by this one; a lost race or outlived retries send the workflow
+        back to JetStream (``NotOwnerError``, ...), and the cancel is finished from fresh
+        reads. For a branch the policy no longer needs it is best effort."""
+        if settle:
+            await self._cas(key, rec, last, wf.deadline)
+            return
+        assert self._tasks_kv is not None
+        with contextlib.suppress(Exception):
+            await _durable.cas(self._tasks_kv, key, protocol.encode(rec), last, self._io_deadline())
 
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
         """The outcome that decides step ``index`` among those it had in hand and had not
@@ -592,10 +593,8 @@ class WorkflowShapes(StepRunner):
         retries = self._policy(wf.spec.steps[index]).retries
         failures = rec.handler_failures
         for event in events:
-            if event.state is TaskState.SUCCEEDED or not retryable(event):
-                return event
-            failures += 1
-            if failures > retries:
+            settled, failures = settles(event, failures, retries)
+            if settled:
                 return event
         return None
 

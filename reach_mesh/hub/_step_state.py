@@ -43,6 +43,7 @@ __all__ = [
     "refused",
     "retryable",
     "sent",
+    "settles",
     "step_route",
 ]
 
@@ -236,6 +237,15 @@ def retryable(event: TaskStatusEvent) -> bool:
     if err is None:
         return True
     return err.details.get("retryable", True) is not False
+
+
+def settles(event: TaskStatusEvent, failures: int, retries: int) -> tuple[bool, int]:
+    """Whether an attempt's final status decides its step — a success, a failure not to be
+    retried, or one past ``retries`` handler failures — and the step's handler failures
+    counted with it (``failures`` before it)."""
+    if event.state is TaskState.SUCCEEDED or not retryable(event):
+        return True, failures
+    return failures + 1 > retries, failures + 1
 
 
 def backoff(n: int, base: float, cap: float) -> float:

@@ -34,8 +34,8 @@ from reach_mesh.hub._step_state import (
     new_record,
     note,
     refused,
-    retryable,
     sent,
+    settles,
     step_route,
 )
 from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StatusTracker, StepTrack
@@ -326,12 +326,10 @@ class StepRunner(WorkflowEvents):
                     if kind == "final" and event is not None:
                         track.take()
                         note(rec, event)
-                        if event.state is TaskState.SUCCEEDED or not retryable(event):
-                            track.deciding = event
-                            rec, decided = await self._finish(wf, key, rec, rev, track, event)
-                            return rec
-                        rec.handler_failures += 1
-                        if rec.handler_failures > pol.retries:
+                        settled, rec.handler_failures = settles(
+                            event, rec.handler_failures, pol.retries
+                        )
+                        if settled:
                             track.deciding = event
                             rec, decided = await self._finish(wf, key, rec, rev, track, event)
                             return rec
@@ -448,6 +446,11 @@ class StepRunner(WorkflowEvents):
         view, capability = await self._choose(route, wf.ns, set())
         if view is not None:
             sent(rec, view.agent_id)
+
+        def release() -> None:  # the load counted on ``view``: the step does not send to it
+            if view is not None:
+                view.outstanding = max(0, view.outstanding - 1)
+
         try:
             rev = await _durable.create(
                 kv,
@@ -456,36 +459,36 @@ class StepRunner(WorkflowEvents):
                 self._io_deadline(wf.deadline),
                 on_retry=self._infra_retry,
             )
-        except BaseException as err:
-            try:
-                if not isinstance(err, KeyWrongLastSequenceError):
-                    raise
-                got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
-                made = None if got is None else self._ours(wf, index, got)
-                if got is not None and made is not None and _same_write(made, rec):
-                    # Our own create: it landed, its answer was lost (an election) and the
-                    # retry found the key taken. Nothing was sent yet: on as if it answered.
-                    return rec, got[1], True, view, capability
-            except BaseException:
-                if view is not None:
-                    view.outstanding = max(0, view.outstanding - 1)
-                raise
-            if view is not None:
-                view.outstanding = max(0, view.outstanding - 1)
-            if got is None or made is None:
-                raise NotOwnerError(key) from err
-            if made.state.final or made.cancelled:
-                return made, got[1], False, None, None
-            if not wf.taken_over:
-                # Another hub made it while this one ran the workflow from a record it
-                # created: the workflow was taken over from this hub, which must not run
-                # the step on with the new owner's revision (its next write would land).
-                raise NotOwnerError(key) from err
-            # The previous owner made it after this hub's read (it runs on, behind a
-            # partition): fenced like any record this hub adopts.
-            rev = await self._fence_taken(wf, key, made, got[1])
-            return made, rev, False, None, None
-        return rec, rev, True, view, capability
+            return rec, rev, True, view, capability
+        except KeyWrongLastSequenceError as err:
+            conflict = err
+        except BaseException:
+            release()
+            raise
+        try:
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            made = None if got is None else self._ours(wf, index, got)
+        except BaseException:
+            release()
+            raise
+        if got is not None and made is not None and _same_write(made, rec):
+            # Our own create: it landed, its answer was lost (an election) and the retry found
+            # the key taken. Nothing was sent yet: on as if it had answered.
+            return rec, got[1], True, view, capability
+        release()
+        if got is None or made is None:
+            raise NotOwnerError(key) from conflict
+        if made.state.final or made.cancelled:
+            return made, got[1], False, None, None
+        if not wf.taken_over:
+            # Another hub made it while this one ran the workflow from a record it created:
+            # the workflow was taken over from this hub, which must not run the step on with
+            # the new owner's revision (its next write would land).
+            raise NotOwnerError(key) from conflict
+        # The previous owner made it after this hub's read (it runs on, behind a partition):
+        # fenced like any record this hub adopts.
+        rev = await self._fence_taken(wf, key, made, got[1])
+        return made, rev, False, None, None
 
     async def _fence_taken(self, wf: Workflow, key: str, rec: TaskRecord, rev: int) -> int:
         """Write an adopted step's record again, as it stands (created, for an attempt the
