@@ -287,9 +287,11 @@ class RouteEndMixin:
             raise InternalError(f"agent {view.agent_id} sent a malformed reply: {err}") from err
         # The agent's own figures: only sane ones join histograms every tenant shares (JSON
         # may say NaN, a negative or a huge number).
-        # A cached reply (a duplicate delivery) repeats the figures of the run it answers
-        # from, which that run's reply brought: observed again, one run would count twice.
-        if not head.cached:
+        if head.cached:
+            # A duplicate delivery: its figures are the run it answers from, which that run's
+            # reply brought already (observed again, one run would count twice).
+            self.metrics.duplicate_delivery_total.inc()
+        else:
             if 0.0 <= head.queued_ms <= _MS_MAX:
                 self._accepted_seconds.observe(head.queued_ms / 1000)
             cap = capability or "-"
@@ -305,8 +307,6 @@ class RouteEndMixin:
                     self._duration_children[cap] = child
             if 0.0 <= head.duration_ms <= _MS_MAX:
                 child.observe(head.duration_ms / 1000)
-        if head.cached:
-            self.metrics.duplicate_delivery_total.inc()
         if head.state is TaskState.SUCCEEDED:
             view.health.success()
             view.breaker.record(True)
