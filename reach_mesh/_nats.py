@@ -169,12 +169,8 @@ class Refusals:
         #: Called with each refused subject (lower-cased, as the server names it).
         self.listeners: list[Callable[[str], None]] = []
 
-    def note(self, text: str) -> None:
-        """A permissions violation from the server (its text, as nats-py hands it over)."""
-        m = _REFUSED_RE.search(text)
-        if m is None:
-            return
-        subject = m.group(2).lower()  # (the server writes it lower-cased)
+    def note(self, subject: str) -> None:
+        """The server refused this connection ``subject`` (``refused_subject``)."""
         self._kept[subject] = time.monotonic()
         self._kept.move_to_end(subject)
         while len(self._kept) > _REFUSALS_KEPT:
@@ -207,6 +203,13 @@ class Refusals:
             waiting.remove(fut)
             if not waiting:
                 del self._waiting[key]
+
+
+def refused_subject(text: str) -> str | None:
+    """The subject a permissions violation of the server names (its text, as nats-py hands it
+    over), lower-cased as the server writes it; None when it names none."""
+    m = _REFUSED_RE.search(text)
+    return None if m is None else m.group(2).lower()
 
 
 def refusals_of(nc: NATS) -> Refusals | None:
@@ -417,11 +420,10 @@ class _Watch:
         refused = "permissions violation" in str(err).lower()
         if refused:
             # The server refusing this identity a subject (secure mode, docs/security.md).
-            m = _REFUSED_RE.search(str(err))
-            subject = m.group(2).lower() if m is not None else ""
+            subject = refused_subject(str(err))
             self._refused_lines.warn(log, subject, "NATS refused %s: %s", self.name, err)
-            if isinstance(self.nc, _Connection):
-                self.nc.refusals.note(str(err))
+            if subject is not None and isinstance(self.nc, _Connection):
+                self.nc.refusals.note(subject)
         if not self.connected and (
             isinstance(err, nats.errors.AuthorizationError)
             # The handshake raises a plain nats Error with the server's -ERR text.
