@@ -15,9 +15,10 @@ import logging
 import time
 from typing import Any
 
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from reach_mesh import protocol
+from reach_mesh._jspub import kv_subject
 from reach_mesh.errors import InternalError, PayloadTooLargeError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable, settles
@@ -84,6 +85,19 @@ class WorkflowShapes(StepRunner):
             previous,
         )
 
+    async def _workflow_at_leader(self, ns: str, workflow_id: str) -> tuple[bytes, int] | None:
+        """The workflow record (value, revision) as its stream's leader has it; None when
+        there is none or it was deleted. NATS's own errors propagate (``_io`` retries the
+        transient ones)."""
+        subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(ns, workflow_id))
+        try:
+            raw = await self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject)
+        except NotFoundError:
+            return None
+        if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+            return None
+        return raw.data, int(raw.seq or 0)
+
     def _now_owner(self, wf: Workflow) -> None:
         """Hook: the workflow record names this hub now (created, or taken over)."""
 
@@ -113,7 +127,12 @@ class WorkflowShapes(StepRunner):
             self._release_first(wf)
             if not isinstance(err, KeyWrongLastSequenceError | _Unwritable):
                 raise
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), wf.deadline)
+            # Read from the stream's leader, which the CAS below is decided by: a replica
+            # behind a write the record already has would fail the CAS for a revision no
+            # other hub holds, and the workflow would wait out its ack wait unowned.
+            got = await self._io(
+                f"read {key}", lambda: self._workflow_at_leader(wf.ns, wf.id), wf.deadline
+            )
             rec = stored_record(WorkflowRecord, got)
             if len(start) > limit and (rec is None or rec.cancelled_before_start):
                 # Not started by any hub: refused (another hub's record, which fit, is

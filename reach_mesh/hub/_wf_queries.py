@@ -11,10 +11,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import kv_subject
 from reach_mesh.errors import (
     MeshUnavailableError,
     ThrottledError,
@@ -215,20 +214,14 @@ class WorkflowQueries(WorkflowShapes):
         """The workflow record (value, revision) as its stream's leader has it — not a replica
         that may lag behind a takeover or a final write — by loop time ``end`` if given; None
         when there is none; ``MeshUnavailableError`` when it cannot be read."""
-        subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(ns, workflow_id))
-        read = self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject)
+        read = self._workflow_at_leader(ns, workflow_id)
         try:
-            raw = await (read if end is None else within_time(read, end))
-        except NotFoundError:
-            return None
+            return await (read if end is None else within_time(read, end))
         except Exception as err:
             raise MeshUnavailableError(
                 f"the record of workflow {workflow_id!r} could not be read "
                 f"({type(err).__name__}): ask again (a cancel is idempotent)"
             ) from err
-        if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
-            return None
-        return raw.data, int(raw.seq or 0)
 
 
 def _cancel_error(reason: str | None) -> ErrorBody:
