@@ -32,7 +32,13 @@ from reach_mesh import (
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.models import ErrorBody
-from reach_mesh.workflow import TaskStatusEvent, WorkflowRecord, WorkflowResult, spec_digest
+from reach_mesh.workflow import (
+    TaskRecord,
+    TaskStatusEvent,
+    WorkflowRecord,
+    WorkflowResult,
+    spec_digest,
+)
 
 from .helpers import Fleet, echo_agent, eventually, fetch, task_record
 
@@ -677,3 +683,60 @@ async def test_a_step_finished_before_the_cancel_keeps_its_result_not_yet_stored
             assert rec.result == step.result and rec.decided_by == 1
     finally:
         release.set()
+
+
+async def test_a_step_a_stale_hub_starts_while_the_cancel_fences_it_is_fenced_once(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub took a chain over at step 0 and is cancelled: it fences step 1, which never
+    started, by creating its record cancelled. The hub it took the chain from, still running
+    it unaware, creates that record first (it starts step 1): the cancel's create fails, and
+    the step is fenced from the record that create found — one CAS on its revision, never a
+    create again — keeping the stale hub's attempt in the record, cancelled."""
+    ns = wf_settings.namespace
+    held = await Held(fleet).start()
+    agent_id = held.agent.agent_id
+    wf_id = "taken-chain-raced"
+    key = protocol.task_key(ns, f"{wf_id}-1")
+    engine = wf_hub.workflows
+    assert engine is not None
+    cas = engine._cas
+    writes: list[tuple[int, bool]] = []  # step 1's record writes: (revision read, cancelled)
+
+    async def stale_hub_first(k: str, rec: TaskRecord, rev: int, deadline: float) -> int:
+        if k == key:
+            if not writes:  # the stale hub creates the record just before the cancel does
+                started = rec.model_copy(
+                    update={
+                        "attempt": 1,
+                        "agent_id": "stale.agent",
+                        "state": TaskState.RUNNING,
+                        "cancelled": False,
+                    }
+                )
+                tasks = await wf_hub.nc.jetstream().key_value(protocol.KV_TASKS)
+                await tasks.create(k, protocol.encode(started))
+            writes.append((rev, rec.cancelled))
+        return await cas(k, rec, rev, deadline)
+
+    monkeypatch.setattr(engine, "_cas", stale_hub_first)
+    steps = [Step(capability="wf:slow:v1", payload={"i": i}) for i in range(2)]
+    async with Client(settings=wf_settings) as mesh:
+        await seed_owner(mesh, "chain", steps, wf_id, "hub-stale", [agent_id, None])
+        await mesh.submit_chain(steps, workflow_id=wf_id, timeout=30)  # this hub takes it
+        await eventually(lambda: engine.takeover_total >= 1, timeout=10)
+        answer = await mesh.cancel_workflow(wf_id)
+        assert answer.final and answer.cancelled and answer.result is not None, answer
+        assert [s.cancelled for s in answer.result.steps] == [True, True]
+        # The failed create, then the fence on the revision it found: no second create.
+        assert [(rev == 0, cancelled) for rev, cancelled in writes] == [
+            (True, True),
+            (False, True),
+        ]
+        tasks = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+        await assert_fenced(tasks, ns, wf_id, (1,))
+        entry = await tasks.get(key)
+        assert entry.value is not None
+        fenced = TaskRecord.model_validate_json(entry.value)
+        assert (fenced.attempt, fenced.agent_id) == (1, "stale.agent")  # the stale hub's, kept
+    assert held.finished == 0

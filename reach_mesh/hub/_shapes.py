@@ -537,6 +537,13 @@ class WorkflowShapes(StepRunner):
         task_id = step_task_id(wf.id, index, step)
         key = protocol.task_key(wf.ns, task_id)
         got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
+        await self._stop_step(wf, index, task_id, got, settle=settle)
+
+    async def _stop_step(
+        self, wf: Workflow, index: int, task_id: str, got: tuple[bytes, int] | None, *, settle: bool
+    ) -> None:
+        """``_cancel_step`` from the step's record as read (``got``: value and revision)."""
+        key = protocol.task_key(wf.ns, task_id)
         if got is not None:
             rec = TaskRecord.model_validate_json(got[0])
             if not rec.is_step(wf.id, index):
@@ -635,7 +642,9 @@ class WorkflowShapes(StepRunner):
                 # Read from a replica behind the write that beat ours: the workflow goes back
                 # to JetStream, and the recorded cancel is finished from fresh reads.
                 raise
-            await self._cancel_step(wf, index, settle=True)  # it exists now: read, fence
+            # It exists now: fenced from what was read (never read again here, so a replica
+            # that lost it once more cannot bring the step back to this create).
+            await self._stop_step(wf, index, task_id, got, settle=True)
             return
         wf.records[index] = rec
 
