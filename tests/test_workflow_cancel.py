@@ -740,3 +740,60 @@ async def test_a_step_a_stale_hub_starts_while_the_cancel_fences_it_is_fenced_on
         fenced = TaskRecord.model_validate_json(entry.value)
         assert (fenced.attempt, fenced.agent_id) == (1, "stale.agent")  # the stale hub's, kept
     assert held.finished == 0
+
+
+async def test_a_hub_that_lost_a_fanout_leaves_its_unneeded_branch_to_the_new_owner(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fanout with policy ``any``: one branch succeeds, and its owner stops the other as
+    unneeded. Meanwhile another hub took the workflow over without this one noticing, and
+    adopted that branch's attempt (its record written from ``first_agents``). The stale hub's
+    write of the branch's record fails, and it does not tell the agent to stop: the handler
+    the new owner waits on keeps running, instead of being stopped and run again."""
+    ns = wf_settings.namespace
+    held = await Held(fleet).start()
+    ok = echo_agent(fleet, "ok.a1", "wf:ok:v1")
+    await ok.start()
+    engine = wf_hub.workflows
+    assert engine is not None
+    stop_step = engine._stop_step
+    taken: list[int] = []  # the branch another hub took over
+
+    async def taken_over_first(
+        wf: Any, index: int, task_id: str, got: Any, *, settle: bool
+    ) -> None:
+        if not settle and not taken:
+            taken.append(index)
+            js = wf_hub.nc.jetstream()
+            # Another hub takes the workflow over (a CAS on this hub's revision) ...
+            workflows = await js.key_value(protocol.KV_WORKFLOWS)
+            key = protocol.workflow_key(ns, wf.id)
+            entry = await workflows.get(key)
+            assert entry.value is not None
+            record = WorkflowRecord.model_validate_json(entry.value)
+            record.owner = "hub-new"
+            await workflows.update(key, protocol.encode(record), last=entry.revision)
+            # ... and writes the record of the step it adopts from ``first_agents``.
+            named = engine._named_attempt(wf, index, task_id)
+            assert named is not None
+            tasks = await js.key_value(protocol.KV_TASKS)
+            await tasks.create(protocol.task_key(ns, task_id), protocol.encode(named))
+        await stop_step(wf, index, task_id, got, settle=settle)
+
+    monkeypatch.setattr(engine, "_stop_step", taken_over_first)
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability="wf:slow:v1"), Step(capability="wf:ok:v1")]
+        wf_id = await mesh.submit_fanout(steps, policy="any", timeout=30)
+        await eventually(lambda: held.started == 1, timeout=10)
+        await eventually(lambda: bool(taken), timeout=10)
+        assert taken == [0]
+        # This hub's run ends without a result: the workflow is the new owner's.
+        await eventually(lambda: (ns, wf_id) not in engine.owned, timeout=10)
+        await asyncio.sleep(0.5)  # a stop, had one been sent, reaches the agent by now
+        assert not held.cancelled.is_set()
+        workflows = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        entry = await workflows.get(protocol.workflow_key(ns, wf_id))
+        assert entry.value is not None
+        record = WorkflowRecord.model_validate_json(entry.value)
+        assert record.owner == "hub-new" and record.state is not TaskState.SUCCEEDED
+    held.release.set()

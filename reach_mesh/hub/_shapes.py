@@ -9,7 +9,6 @@ results); each step is run by :class:`~reach_mesh.hub._steps.StepRunner`, below 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -575,7 +574,8 @@ class WorkflowShapes(StepRunner):
                 # a next attempt) is not overruled unseen, and an outcome only in hand (or
                 # in its agent's memory) is kept — a restart that lost it, redelivered the
                 # same attempt, must find the step final (dropped), not run it again.
-                await self._write_stopped(wf, key, rec, last, settle=settle)
+                if not await self._write_stopped(wf, key, rec, last, settle=settle):
+                    return
                 self._stop_others(rec, event.attempt)  # none other is needed any more
         if rec.state.final:
             wf.records[index] = rec
@@ -586,7 +586,8 @@ class WorkflowShapes(StepRunner):
         rec.cancelled = True
         rec.updated_at = time.time()
         wf.records[index] = rec
-        await self._write_stopped(wf, key, rec, last, settle=settle)  # the fence
+        if not await self._write_stopped(wf, key, rec, last, settle=settle):  # the fence
+            return
         # Every attempt it sent, not only the current one: the branch may have been cancelled
         # between a fence-first record and its marker. A failure here is the workflow's
         # (``_fanout`` raises it): the result must not be stored before the markers are.
@@ -595,18 +596,44 @@ class WorkflowShapes(StepRunner):
 
     async def _write_stopped(
         self, wf: Workflow, key: str, rec: TaskRecord, last: int, *, settle: bool
-    ) -> None:
+    ) -> bool:
         """Write a stopped step's record, a CAS on the revision read (``last``). Settling (a
         cancel of the workflow) it must land: a record read from a replica behind its last
         write is not overruled by this one; a lost race or outlived retries send the workflow
         back to JetStream (``NotOwnerError``, ...), and the cancel is finished from fresh
-        reads. For a branch the policy no longer needs it is best effort."""
+        reads. For a branch the policy no longer needs it is best effort.
+
+        False when the step is not this hub's to stop: the record moved since it was read and
+        the workflow record names another owner now (this hub lost the workflow without
+        noticing). The new owner adopted the step's attempts; telling their agents to stop
+        would stop a handler it is waiting on and make it run the step again."""
         if settle:
             await self._cas(key, rec, last, wf.deadline)
-            return
+            return True
         assert self._tasks_kv is not None
-        with contextlib.suppress(Exception):
+        try:
             await _durable.cas(self._tasks_kv, key, protocol.encode(rec), last, self._io_deadline())
+        except KeyWrongLastSequenceError:
+            # Another hub's write, or this hub's own read from a replica behind it.
+            return await self._still_owner(wf)
+        except Exception:
+            pass  # best effort: the attempts are stopped all the same
+        return True
+
+    async def _still_owner(self, wf: Workflow) -> bool:
+        """Whether the workflow record is still at the revision this hub last wrote, naming
+        this hub (no other hub took the workflow over since). Read from the stream's leader,
+        not a replica that may lag. False when it cannot be read."""
+        if wf.rev == 0:
+            return False  # it lost the takeover itself
+        try:
+            got = await self._workflow_at_leader(wf.ns, wf.id)
+        except Exception:
+            return False
+        record = stored_record(WorkflowRecord, got)
+        if got is None or record is None:
+            return False
+        return got[1] == wf.rev and record.owner == self.hub_id
 
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
         """The outcome that decides step ``index`` among those it had in hand and had not

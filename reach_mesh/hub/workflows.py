@@ -493,21 +493,6 @@ class WorkflowEngine(WorkflowQueries):
             **fields,
         )
 
-    async def _still_owner(self, wf: Workflow) -> bool:
-        """Whether the workflow record is still at the revision this hub last wrote, naming
-        this hub (no other hub took the workflow over since). Read from the stream's leader,
-        not a replica that may lag. False when it cannot be read."""
-        if wf.rev == 0:
-            return False  # it lost the takeover itself
-        try:
-            got = await self._record_now(wf.ns, wf.id)
-        except MeshUnavailableError:
-            return False
-        record = stored_record(WorkflowRecord, got)
-        if got is None or record is None:
-            return False
-        return got[1] == wf.rev and record.owner == self.hub_id
-
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
         ns = msg.subject.split(".")[2]
