@@ -530,8 +530,8 @@ class StepView(_Wire):
     attempt: int = 0
     agent_id: str | None = None
     decided_by: int | None = None
-    #: Every attempt recorded for the step, oldest first (from its task record: only a step
-    #: whose fence had to change has one, e.g. after a retry).
+    #: The attempts recorded for the step, oldest first, at most the newest 32 (from its task
+    #: record: only a step whose fence had to change has one, e.g. after a retry).
     history: list[AttemptRecord] = Field(default_factory=list)
     handler_failures: int = 0
     delivery_failures: int = 0

@@ -114,7 +114,8 @@ class StepTrack:
     agent_id: str | None
     machine: AckMachine
     on_transition: Callable[[TaskState, TaskState], None]
-    #: Every attempt ever sent for this step -> its agent (any of them may still deliver).
+    #: The attempts sent for this step -> their agents (any of them may still deliver): the
+    #: newest ``ATTEMPTS_KEPT``, as the record's history keeps.
     sent: dict[int, str] = field(default_factory=dict)
     changed: Signal = field(default_factory=Signal)
     #: Final statuses of sent attempts not yet acted on, oldest first (one per attempt).
