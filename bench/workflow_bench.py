@@ -16,7 +16,9 @@ and measures, in the same run:
   (``bench/_jsstats.py``).
 
 ``python bench/workflow_bench.py --quick`` prints one JSON object. The bench harness imports
-:func:`run_workflow_bench`.
+:func:`run_workflow_bench`. With ``--split`` and ``BENCH_PROFILE_HUB=DIR`` in the environment,
+the hub process runs under pyinstrument and writes its profile to DIR (``hub_profile.txt``,
+``.html``, and the hot spots of its busy samples in ``hub_profile_top.json``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import nats
 
 from bench._jsstats import COUNTER_NAME, ClientMessages, CpuCounter, JsCounter, free_port, per_unit
 from bench._load import open_loop
+from bench._procs import _Profiling
 from bench.workflow_floor import run_floor
 from reach_mesh import Client, MeshSettings, Step, _runner
 from reach_mesh.agent import Agent, Task
@@ -231,10 +234,18 @@ async def _child(role: str, nats_url: str, ns: str) -> None:
     stop = loop.create_future()
     loop.add_reader(sys.stdin.fileno(), lambda: stop.done() or stop.set_result(None))
     if role == "hub":
+        # ``BENCH_PROFILE_HUB=DIR``: the hub under pyinstrument from READY to its stop (the
+        # hot spots of its busy samples in DIR/hub_profile_top.json, as ``make bench PROFILE=1``).
+        out = os.environ.get("BENCH_PROFILE_HUB")
+        profiling = None if out is None else _Profiling(Path(out))
         async with Hub(settings=settings):
             print("READY", flush=True)
             _runner.settle()
+            if profiling is not None:
+                profiling.start()
             await stop
+            if profiling is not None:
+                profiling.stop()
     else:
         agents = _agents(settings)
         for agent in agents:
