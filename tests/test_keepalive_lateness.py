@@ -1,0 +1,159 @@
+"""A hub whose event loop stalls for longer than the workflow ack wait cannot renew its
+submissions (``+WPI``): nats-server hands a running workflow's submission to another hub,
+which takes the workflow over. The stalled hub's keepalive notices its own lateness when the
+loop runs again (``WorkflowEngine._keepalive``'s clock check) and asks the records of what it
+runs (``_stop_lost_runs``): it stops the run it lost. Otherwise its ``+WPI`` on its older
+delivery would go on renewing the submission (nats-server takes it for the message's), and a
+new owner that died would leave the workflow unresumed.
+
+tests/test_workflows.py::test_a_hub_that_lost_a_workflow_while_paused_stops_keeping_its_submission
+calls ``_stop_lost_runs`` itself; here the keepalive's lateness trigger does. Hub A runs on an
+event loop of its own, in a thread, so that a blocking call stalls A alone while nats-server,
+the agent and the other hubs (on the test's loop) go on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step, TaskState
+from reach_mesh.agent import Task
+from reach_mesh.hub import Hub
+
+from .helpers import Fleet, eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+T = TypeVar("T")
+
+_TAKEN_OVER = "was taken over by hub hub-b while this hub could not keep it"
+
+
+class _LoopThread:
+    """An event loop running in a thread of its own, which the test can stall."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="hub-a-loop", daemon=True
+        )
+        self._thread.start()
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on this loop; its result (or error) on the caller's."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` called on this loop (reads of the hub's state made between its steps)."""
+
+        async def call() -> T:
+            return fn()
+
+        return await self.run(call())
+
+    def stall(self, until: threading.Event, at_least: float, limit: float) -> threading.Event:
+        """Block this loop (a blocking call in one of its callbacks, as in a stalled process)
+        for ``at_least`` seconds, and then until ``until`` is set (``limit`` seconds at most
+        in all). Returns an event set once the stall has begun."""
+        begun = threading.Event()
+
+        def block() -> None:
+            begun.set()
+            t0 = time.monotonic()
+            time.sleep(at_least)
+            until.wait(max(0.0, limit - (time.monotonic() - t0)))
+
+        self.loop.call_soon_threadsafe(block)
+        return begun
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
+    fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A runs a chain whose step is held; A's loop stalls; B takes the workflow over from the
+    redelivered submission. A's keepalive, late, finds the record names B and stops its run
+    (its log says so). Then B dies: the submission comes back — A no longer renews it — and
+    hub C resumes the workflow and finishes it."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh.hub.workflows")
+    ns = wf_settings.namespace
+    key = (ns, "")
+    started, release = asyncio.Event(), asyncio.Event()
+    agent = fleet.agent("late.x")
+
+    @agent.handler("wf:late:v1")
+    async def held(task: Task[Any]) -> Any:
+        started.set()
+        await release.wait()
+        return "done"
+
+    side = _LoopThread()
+    unstall = threading.Event()
+
+    async def make_a() -> Hub:
+        hub = Hub(settings=wf_settings, hub_id="hub-a")
+        await hub.start()
+        return hub
+
+    hub_a: Hub | None = None
+    hub_b = Hub(settings=wf_settings, hub_id="hub-b")
+    hub_c = Hub(settings=wf_settings, hub_id="hub-c")
+    try:
+        hub_a = await side.run(make_a())
+        engine_a = hub_a.workflows
+        assert engine_a is not None and engine_a._pull is not None
+        await agent.start()
+        async with Client(settings=wf_settings) as mesh:
+            wf_id = await mesh.submit_chain([Step(capability="wf:late:v1")], timeout=60)
+            key = (ns, wf_id)
+            await asyncio.wait_for(started.wait(), 10)
+            assert key in await side.call(lambda: engine_a.owned)
+            await hub_b.start()
+            engine_b = hub_b.workflows
+            assert engine_b is not None
+            # A pulls no more: the redelivered submission must go to B, not back to A's
+            # pull request still open on the server (a race the stalled hub may win). Flushed:
+            # the server has A's unsubscribe before A stalls, and drops its open pulls.
+            await side.run(engine_a._pull.stop())
+            await side.run(hub_a.nc.flush())
+            # Longer than an ack wait, whatever the keepalive's phase: its next pass is
+            # late by its own clock (a +WPI buffered just before the stall is only sent
+            # after it, so B's takeover alone would not say that much time passed).
+            begun = side.stall(unstall, at_least=wf_settings.workflow_ack_wait + 0.2, limit=20.0)
+            await eventually(begun.is_set, timeout=5)
+            # Stalled: no +WPI from A. After an ack wait, B gets the submission and takes
+            # the workflow over.
+            await eventually(lambda: key in engine_b.owned, timeout=10)
+            unstall.set()
+            # A's loop runs again: its keepalive is late, asks, and stops the run it lost.
+            await eventually(lambda: side.call(lambda: key not in engine_a.owned), timeout=10)
+            assert any(_TAKEN_OVER in r.getMessage() for r in caplog.records), caplog.text
+            await hub_b.nc.close()  # the new owner dies: no ack, no nak, no more +WPI
+            await hub_c.start()
+            engine_c = hub_c.workflows
+            assert engine_c is not None
+            await eventually(lambda: key in engine_c.owned, timeout=10)
+            release.set()
+            res = await mesh.workflow(wf_id, timeout=15)
+        assert res.state is TaskState.SUCCEEDED and res.hub_id == "hub-c", res
+    finally:
+        unstall.set()
+        release.set()
+        try:
+            if hub_a is not None:
+                await side.run(hub_a.close())
+        finally:
+            side.close()
+        await hub_b.close()
+        await hub_c.close()

@@ -1,0 +1,150 @@
+"""A hub cut off from NATS is blind: it cannot tell a dead agent from one whose heartbeats it
+could not read, so while its connection is down, and for a lease after, it declares nobody
+LOST. That includes a deletion of an agent's record it learns of then (another hub declared
+the agent LOST): the agent leaves its registry, but it is not listed as recently LOST there.
+A hub that was not blind lists such an agent as recently LOST, as the hub that declared it.
+
+Two hubs on a real nats-server: the *judge* grades leases as usual; the *seer* is patient
+(its ``suspect_timeout`` outlasts the test, so it never declares anybody LOST itself and can
+only learn of the loss from the judge's delete) and reaches NATS through a :class:`Relay`
+that the blind test cuts — its real disconnect path, noticed by its liveness pass."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from reach_mesh import MeshSettings, protocol
+from reach_mesh.errors import UnknownAgentError
+from reach_mesh.hub import Hub
+from reach_mesh.hub.registry import AgentView
+from reach_mesh.models import AgentCard, AgentState, RegisterRequest
+
+from .helpers import Relay, eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+#: The agent's lease: also how long the seer stays blind after its reconnection, the margin
+#: its watch has to deliver the delete it missed (a tenth of a second on an idle machine).
+_LEASE = 3.0
+
+
+@dataclass
+class _Mesh:
+    judge: Hub
+    seer: Hub
+    relay: Relay
+    nc: NATS
+    agents: KeyValue
+    #: (old state, new state, seconds since the seer last heard of the agent) of each of the
+    #: agent's transitions on the seer.
+    seen: list[tuple[AgentState, AgentState, float]] = field(default_factory=list)
+
+
+@asynccontextmanager
+async def _mesh(settings: MeshSettings, nats_url: str, agent_id: str) -> AsyncIterator[_Mesh]:
+    """Both hubs up, and ``agent_id`` registered, known to the seer, and never beating."""
+    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
+    await relay.start()
+    patient = settings.model_copy(
+        update={"nats_url": f"nats://127.0.0.1:{relay.port}", "suspect_timeout": 600.0}
+    )
+    try:
+        async with Hub(settings=settings) as judge, Hub(settings=patient) as seer:
+            nc = await nats.connect(nats_url)
+            try:
+                mesh = _Mesh(
+                    judge, seer, relay, nc, await nc.jetstream().key_value(protocol.KV_AGENTS)
+                )
+
+                def track(view: AgentView, old: AgentState, new: AgentState) -> None:
+                    if view.agent_id == agent_id:
+                        mesh.seen.append((old, new, seer.registry.now - view.last_seen))
+
+                seer.registry.on_state_change(track)
+                req = RegisterRequest(
+                    card=AgentCard(agent_id=agent_id, capabilities=["blind:dead:v1"]),
+                    session=uuid.uuid4().hex,
+                    heartbeat_interval=_LEASE / 3,
+                    lease_timeout=_LEASE,
+                )
+                reply = await nc.request(
+                    protocol.hub_agent_subject(agent_id, "register"),
+                    protocol.encode(req),
+                    timeout=5,
+                )
+                protocol.raise_for_error(reply.data)
+                await eventually(lambda: agent_id in seer.registry.agents)
+                yield mesh
+            finally:
+                await nc.close()
+    finally:
+        await relay.cut()
+
+
+async def _deleted(mesh: _Mesh, agent_id: str) -> None:
+    """Wait for the judge to declare the agent LOST and delete its record (lease + grace)."""
+
+    async def gone() -> bool:
+        try:
+            await mesh.agents.get(agent_id)
+        except KeyNotFoundError:
+            return True
+        return False
+
+    await eventually(gone, timeout=_LEASE + 10)
+    lost = mesh.judge.registry.recently_lost(protocol.namespace_of(agent_id))
+    assert agent_id in {a["agent_id"] for a in lost}
+
+
+def _dropped_overdue(mesh: _Mesh) -> None:
+    """The seer dropped the agent for its record's delete, a lease after its last news of it:
+    overdue, so only blindness may keep the seer from counting the delete as a loss."""
+    assert mesh.seen[-1][1] is AgentState.LOST, mesh.seen
+    assert mesh.seen[-1][2] > _LEASE, mesh.seen
+
+
+async def test_a_hub_that_saw_the_delete_lists_the_agent_as_recently_lost(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """Not blind: the judge's delete tells the seer the agent is LOST — listed as recently
+    LOST, and named so to a caller asking for it."""
+    agent_id = f"{settings.namespace}.blind.seen"
+    async with _mesh(settings, nats_url, agent_id) as mesh:
+        await _deleted(mesh, agent_id)
+        await eventually(lambda: agent_id not in mesh.seer.registry.agents, timeout=10)
+        _dropped_overdue(mesh)
+        lost = mesh.seer.registry.recently_lost(settings.namespace)
+        assert [a["agent_id"] for a in lost] == [agent_id]
+        with pytest.raises(UnknownAgentError, match="was declared LOST"):
+            mesh.seer.registry.require(agent_id)
+
+
+async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """Blind: the seer is cut off from NATS while the judge declares the agent LOST, and its
+    watch delivers the delete once it is back, within a lease of the outage. The agent leaves
+    its registry, overdue as in the test above, but it is not listed as recently LOST."""
+    agent_id = f"{settings.namespace}.blind.unseen"
+    async with _mesh(settings, nats_url, agent_id) as mesh:
+        seer = mesh.seer
+        await mesh.relay.cut()
+        await eventually(lambda: not seer.nc.is_connected, timeout=10)
+        await _deleted(mesh, agent_id)
+        assert agent_id in seer.registry.agents  # the delete has not reached the seer yet
+        await mesh.relay.start()
+        await eventually(lambda: seer.nc.is_connected, timeout=10)
+        await eventually(lambda: agent_id not in seer.registry.agents, timeout=10)
+        _dropped_overdue(mesh)
+        assert seer.registry.recently_lost(settings.namespace) == []
+        with pytest.raises(UnknownAgentError, match="is not registered"):
+            seer.registry.require(agent_id)
