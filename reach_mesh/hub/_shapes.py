@@ -18,6 +18,7 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 
 from reach_mesh import protocol
 from reach_mesh._jspub import kv_subject
+from reach_mesh._retry import no_message
 from reach_mesh.errors import InternalError, PayloadTooLargeError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable, settles
@@ -87,11 +88,14 @@ class WorkflowShapes(StepRunner):
     async def _workflow_at_leader(self, ns: str, workflow_id: str) -> tuple[bytes, int] | None:
         """The workflow record (value, revision) as its stream's leader has it; None when
         there is none or it was deleted. NATS's own errors propagate (``_io`` retries the
-        transient ones)."""
+        transient ones), and so does a "not found" of the stream itself (being recovered: it
+        knows nothing, and "no record" would be a wrong answer)."""
         subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(ns, workflow_id))
         try:
             raw = await self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject)
-        except NotFoundError:
+        except NotFoundError as err:
+            if not no_message(err):
+                raise
             return None
         if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
             return None
