@@ -171,6 +171,21 @@ async def test_a_hub_told_of_a_loss_by_another_lists_it_as_recently_lost(
             await eventually(lambda: bye_id not in other.registry.agents)
             lost = other.registry.recently_lost(settings.namespace)
             assert bye_id not in {a["agent_id"] for a in lost}
+            # The audit says the same: a LOST from each hub for the loss, none for the goodbye
+            # (its ``unregister`` event tells it; each hub said ``ONLINE -> LOST`` before).
+            await asyncio.sleep(0.1)  # state events are added soon, not at once
+            await hub.audit.flush()
+            await other.audit.flush()
+            async with Client(settings=settings) as c:
+                audit = await c.audit(namespace=settings.namespace, since=60)
+            said_lost = {
+                (e["agent_id"], e.get("hub_id"))
+                for e in audit
+                if e["kind"] == "state" and e.get("new") == "LOST"
+            }
+            assert said_lost == {(agent_id, hub.hub_id), (agent_id, other.hub_id)}
+            byes = [e for e in audit if e["kind"] == "unregister" and e["agent_id"] == bye_id]
+            assert len(byes) == 1
         finally:
             await nc.close()
 

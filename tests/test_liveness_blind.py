@@ -1,7 +1,8 @@
 """A hub cut off from NATS is blind: it cannot tell a dead agent from one whose heartbeats it
 could not read, so while its connection is down, and for a lease after, it declares nobody
 LOST. That includes a deletion of an agent's record it learns of then (another hub declared
-the agent LOST): the agent leaves its registry, but it is not listed as recently LOST there.
+the agent LOST): the agent leaves its registry, but it is not listed as recently LOST there,
+nor audited LOST.
 A hub that was not blind lists such an agent as recently LOST, as the hub that declared it.
 
 Two hubs on a real nats-server: the *judge* grades leases as usual; the *seer* is patient
@@ -11,6 +12,7 @@ that the blind test cuts — its real disconnect path, noticed by its liveness p
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from reach_mesh import MeshSettings, protocol
+from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub
 from reach_mesh.hub.registry import AgentView
@@ -112,6 +114,18 @@ def _dropped_overdue(mesh: _Mesh) -> None:
     assert mesh.seen[-1][2] > _LEASE, mesh.seen
 
 
+async def _seer_said_lost(mesh: _Mesh, settings: MeshSettings, agent_id: str) -> bool:
+    """Whether the seer's audit says the agent went LOST."""
+    await asyncio.sleep(0.1)  # state events are added soon, not at once
+    await mesh.seer.audit.flush()
+    async with Client(settings=settings) as c:
+        audit = await c.audit(namespace=settings.namespace, agent_id=agent_id, since=60)
+    return any(
+        e["kind"] == "state" and e.get("new") == "LOST" and e.get("hub_id") == mesh.seer.hub_id
+        for e in audit
+    )
+
+
 async def test_a_hub_that_saw_the_delete_lists_the_agent_as_recently_lost(
     settings: MeshSettings, nats_url: str
 ) -> None:
@@ -126,6 +140,7 @@ async def test_a_hub_that_saw_the_delete_lists_the_agent_as_recently_lost(
         assert [a["agent_id"] for a in lost] == [agent_id]
         with pytest.raises(UnknownAgentError, match="was declared LOST"):
             mesh.seer.registry.require(agent_id)
+        assert await _seer_said_lost(mesh, settings, agent_id)
 
 
 async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
@@ -148,3 +163,4 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
         assert seer.registry.recently_lost(settings.namespace) == []
         with pytest.raises(UnknownAgentError, match="is not registered"):
             seer.registry.require(agent_id)
+        assert not await _seer_said_lost(mesh, settings, agent_id)  # nor does its audit

@@ -264,11 +264,12 @@ class ControlMixin:
                 reason=view.breaker.why,
                 open_for_s=view.breaker.open_timeout,
             )
-        if old is AgentState.LOST or not self.registry.loaded:
+        if old is AgentState.LOST or not self.registry.loaded or view.left:
             # An agent appearing (registered here or through another hub) is told by its
             # ``register`` event; a LOST -> ONLINE state event would say it was lost before.
             # And a hub starting up catches up with states (SUSPECT until the heartbeats are
-            # loaded, then ONLINE) that no agent went through.
+            # loaded, then ONLINE) that no agent went through. An agent that left without
+            # being lost (a goodbye: its ``unregister`` event tells it) is no ``LOST`` event.
             return
         if self._nc is not None and not self._nc.is_closed:
             # Soon, not now: the change is a consequence of the action being handled (e.g. a

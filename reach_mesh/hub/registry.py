@@ -105,6 +105,10 @@ class AgentView:
     #: QUARANTINED and comes back within one opening (a late heartbeat makes it SUSPECT a
     #: while, a cordon outranks it), which is still one quarantine.
     quarantines: int = 0
+    #: Dropped from the registry without being lost: it said goodbye, or another hub deleted
+    #: its record while this hub could not have seen its beats (blind). Listeners are told
+    #: ``LOST`` (it is gone) and read this to not call it a loss.
+    left: bool = False
 
     @property
     def beat_state(self) -> tuple[bool, frozenset[str], float]:
@@ -338,10 +342,11 @@ class Registry:
         agent_id = entry.key
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             view = self.agents.get(agent_id)
-            self._drop(agent_id)
-            if view is not None and self._overdue(view):
-                # Deleted by another hub that declared it LOST (an agent that says goodbye
-                # is not overdue): listed as recently LOST here too, as on that hub.
+            # Deleted by another hub that declared it LOST (an agent that says goodbye is not
+            # overdue): listed as recently LOST here too, as on that hub.
+            lost = view is not None and self._overdue(view)
+            self._drop(agent_id, lost=lost)
+            if view is not None and lost:
                 self._remember_lost(view)
             return
         try:
@@ -426,7 +431,9 @@ class Registry:
         if view.state != old:
             self._notify(view, old)
 
-    def _drop(self, agent_id: str) -> None:
+    def _drop(self, agent_id: str, *, lost: bool) -> None:
+        """Remove the agent; its listeners are told it is LOST (gone), and ``lost=False``
+        (a goodbye, a delete this hub cannot call a loss) marks it ``left``."""
         view = self.agents.pop(agent_id, None)
         self.index.remove(agent_id)
         if view is not None:
@@ -438,6 +445,7 @@ class Registry:
                 self._namespaces.pop(ns, None)
             old = view.state
             view.state = AgentState.LOST
+            view.left = not lost
             if old is not AgentState.LOST:  # (graded LOST already: its listeners were told)
                 self._notify(view, old)
 
@@ -541,7 +549,7 @@ class Registry:
         """Remove a LOST agent from memory, and from KV unless it re-registered meanwhile."""
         agent_id = view.agent_id
         if self.agents.get(agent_id) is view:
-            self._drop(agent_id)
+            self._drop(agent_id, lost=True)
             self._declared_lost(view)
         assert self._agents_kv is not None and self._hb_kv is not None
         # CAS on the revision we graded: every hub may try, one wins, and a fresh
@@ -698,7 +706,7 @@ class Registry:
             return False
         if session is not None and view.record.session != session:
             return False  # a newer incarnation owns the id now
-        self._drop(agent_id)
+        self._drop(agent_id, lost=False)
         with contextlib.suppress(KeyNotFoundError):
             await self._agents_kv.delete(agent_id)
         with contextlib.suppress(KeyNotFoundError):
