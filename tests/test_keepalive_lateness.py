@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from reach_mesh import Client, MeshSettings, Step, TaskState
+from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, TaskState
 from reach_mesh.agent import Task
 from reach_mesh.hub import Hub
 
@@ -79,13 +79,19 @@ class _LoopThread:
             self.loop.close()
 
 
+@pytest.mark.parametrize("first_read_fails", [False, True])
 async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
-    fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    first_read_fails: bool,
 ) -> None:
     """A runs a chain whose step is held; A's loop stalls; B takes the workflow over from the
     redelivered submission. A's keepalive, late, finds the record names B and stops its run
     (its log says so). Then B dies: the submission comes back — A no longer renews it — and
-    hub C resumes the workflow and finishes it."""
+    hub C resumes the workflow and finishes it. ``first_read_fails``: the late tick cannot
+    read the record (JetStream still recovering): the next tick, no longer late, asks again."""
     caplog.set_level(logging.WARNING, logger="reach_mesh.hub.workflows")
     ns = wf_settings.namespace
     key = (ns, "")
@@ -113,6 +119,17 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
         hub_a = await side.run(make_a())
         engine_a = hub_a.workflows
         assert engine_a is not None and engine_a._pull is not None
+        reads = 0
+        record_now = engine_a._record_now
+
+        async def first_fails(ns: str, workflow_id: str, end: float | None = None) -> Any:
+            nonlocal reads
+            reads += 1
+            if first_read_fails and reads == 1:
+                raise MeshUnavailableError("no leader yet")
+            return await record_now(ns, workflow_id, end)
+
+        monkeypatch.setattr(engine_a, "_record_now", first_fails)
         await agent.start()
         async with Client(settings=wf_settings) as mesh:
             wf_id = await mesh.submit_chain([Step(capability="wf:late:v1")], timeout=60)
@@ -139,6 +156,7 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
             # A's loop runs again: its keepalive is late, asks, and stops the run it lost.
             await eventually(lambda: side.call(lambda: key not in engine_a.owned), timeout=10)
             assert any(_TAKEN_OVER in r.getMessage() for r in caplog.records), caplog.text
+            assert reads == (2 if first_read_fails else 1)
             await hub_b.nc.close()  # the new owner dies: no ack, no nak, no more +WPI
             await hub_c.start()
             engine_c = hub_c.workflows

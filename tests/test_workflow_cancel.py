@@ -31,6 +31,7 @@ from reach_mesh import (
 )
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
+from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.models import ErrorBody
 from reach_mesh.workflow import (
     TaskRecord,
@@ -742,6 +743,14 @@ async def test_a_step_a_stale_hub_starts_while_the_cancel_fences_it_is_fenced_on
     assert held.finished == 0
 
 
+async def _slow_and_ok(hub: Hub, fleet: Fleet) -> tuple[Held, WorkflowEngine]:
+    """A held ``wf:slow:v1`` agent and an echoing ``wf:ok:v1`` one, started; the hub's engine."""
+    held = await Held(fleet).start()
+    await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
+    assert hub.workflows is not None
+    return held, hub.workflows
+
+
 async def test_a_hub_that_lost_a_fanout_leaves_its_unneeded_branch_to_the_new_owner(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -751,11 +760,7 @@ async def test_a_hub_that_lost_a_fanout_leaves_its_unneeded_branch_to_the_new_ow
     write of the branch's record fails, and it does not tell the agent to stop: the handler
     the new owner waits on keeps running, instead of being stopped and run again."""
     ns = wf_settings.namespace
-    held = await Held(fleet).start()
-    ok = echo_agent(fleet, "ok.a1", "wf:ok:v1")
-    await ok.start()
-    engine = wf_hub.workflows
-    assert engine is not None
+    held, engine = await _slow_and_ok(wf_hub, fleet)
     stop_step = engine._stop_step
     taken: list[int] = []  # the branch another hub took over
 
@@ -797,3 +802,51 @@ async def test_a_hub_that_lost_a_fanout_leaves_its_unneeded_branch_to_the_new_ow
         record = WorkflowRecord.model_validate_json(entry.value)
         assert record.owner == "hub-new" and record.state is not TaskState.SUCCEEDED
     held.release.set()
+
+
+@pytest.mark.parametrize("leader_answers", [True, False])
+async def test_an_owner_whose_read_lagged_still_stops_its_unneeded_branch(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    leader_answers: bool,
+) -> None:
+    """The other side of the test above: the owner's write of its unneeded branch's record
+    fails because its own read came from a replica behind its own earlier write. The
+    workflow record, read from the leader, still names this hub — or cannot be read (an
+    election): either way the branch's agent is told to stop, as before."""
+    ns = wf_settings.namespace
+    held, engine = await _slow_and_ok(wf_hub, fleet)
+    stop_step, at_leader = engine._stop_step, engine._workflow_at_leader
+    lagged: list[int] = []
+    leader_reads = 0
+
+    async def lagging_read(wf: Any, index: int, task_id: str, got: Any, *, settle: bool) -> None:
+        if not settle and not lagged:
+            lagged.append(index)
+            # This hub's own earlier write of the record, which the read did not see.
+            named = engine._named_attempt(wf, index, task_id)
+            assert named is not None
+            tasks = await wf_hub.nc.jetstream().key_value(protocol.KV_TASKS)
+            await tasks.create(protocol.task_key(ns, task_id), protocol.encode(named))
+            got = None
+        await stop_step(wf, index, task_id, got, settle=settle)
+
+    async def leader(ns_: str, workflow_id: str) -> Any:
+        nonlocal leader_reads
+        leader_reads += 1
+        if not leader_answers:
+            raise nats.errors.TimeoutError
+        return await at_leader(ns_, workflow_id)
+
+    monkeypatch.setattr(engine, "_stop_step", lagging_read)
+    monkeypatch.setattr(engine, "_workflow_at_leader", leader)
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability="wf:slow:v1"), Step(capability="wf:ok:v1")]
+        wf_id = await mesh.submit_fanout(steps, policy="any", timeout=30)
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.SUCCEEDED and res.hub_id == wf_hub.hub_id
+        assert lagged == [0] and leader_reads >= 1
+        await asyncio.wait_for(held.cancelled.wait(), 5)
+    assert held.finished == 0

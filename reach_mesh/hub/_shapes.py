@@ -23,6 +23,7 @@ from reach_mesh.errors import InternalError, PayloadTooLargeError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable, settles
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
+from reach_mesh.hub._wf_view import within_time
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, span
@@ -579,6 +580,7 @@ class WorkflowShapes(StepRunner):
                 # in its agent's memory) is kept — a restart that lost it, redelivered the
                 # same attempt, must find the step final (dropped), not run it again.
                 if not await self._write_stopped(wf, key, rec, last, settle=settle):
+                    wf.records[index] = rec  # (its outcome, though the new owner's to store)
                     return
                 self._stop_others(rec, event.attempt)  # none other is needed any more
         if rec.state.final:
@@ -610,7 +612,9 @@ class WorkflowShapes(StepRunner):
         False when the step is not this hub's to stop: the record moved since it was read and
         the workflow record names another owner now (this hub lost the workflow without
         noticing). The new owner adopted the step's attempts; telling their agents to stop
-        would stop a handler it is waiting on and make it run the step again."""
+        would stop a handler it is waiting on and make it run the step again. A move this
+        hub cannot explain (the workflow record unreadable) stops them as before: wasted
+        work, not a second run, is what it must avoid."""
         if settle:
             await self._cas(key, rec, last, wf.deadline)
             return True
@@ -619,25 +623,22 @@ class WorkflowShapes(StepRunner):
             await _durable.cas(self._tasks_kv, key, protocol.encode(rec), last, self._io_deadline())
         except KeyWrongLastSequenceError:
             # Another hub's write, or this hub's own read from a replica behind it.
-            return await self._still_owner(wf)
+            return not await self._taken_elsewhere(wf)
         except Exception:
             pass  # best effort: the attempts are stopped all the same
         return True
 
-    async def _still_owner(self, wf: Workflow) -> bool:
-        """Whether the workflow record is still at the revision this hub last wrote, naming
-        this hub (no other hub took the workflow over since). Read from the stream's leader,
-        not a replica that may lag. False when it cannot be read."""
-        if wf.rev == 0:
-            return False  # it lost the takeover itself
+    async def _taken_elsewhere(self, wf: Workflow) -> bool:
+        """Whether another hub owns the workflow now: its record, read from the stream's
+        leader within 2 s, names another owner. A record that cannot be read (an election)
+        says nothing: False."""
+        end = asyncio.get_running_loop().time() + 2.0
         try:
-            got = await self._workflow_at_leader(wf.ns, wf.id)
+            got = await within_time(self._workflow_at_leader(wf.ns, wf.id), end)
         except Exception:
             return False
         record = stored_record(WorkflowRecord, got)
-        if got is None or record is None:
-            return False
-        return got[1] == wf.rev and record.owner == self.hub_id
+        return record is not None and record.owner not in (None, self.hub_id)
 
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
         """The outcome that decides step ``index`` among those it had in hand and had not

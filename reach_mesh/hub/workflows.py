@@ -493,6 +493,21 @@ class WorkflowEngine(WorkflowQueries):
             **fields,
         )
 
+    async def _still_owner(self, wf: Workflow) -> bool:
+        """Whether the workflow record is still at the revision this hub last wrote, naming
+        this hub (no other hub took the workflow over since). Read from the stream's leader,
+        not a replica that may lag. False when it cannot be read."""
+        if wf.rev == 0:
+            return False  # it lost the takeover itself
+        try:
+            got = await self._record_now(wf.ns, wf.id)
+        except MeshUnavailableError:
+            return False
+        record = stored_record(WorkflowRecord, got)
+        if got is None or record is None:
+            return False
+        return got[1] == wf.rev and record.owner == self.hub_id
+
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
         ns = msg.subject.split(".")[2]
@@ -648,6 +663,7 @@ class WorkflowEngine(WorkflowQueries):
         loop = asyncio.get_running_loop()
         wait = self._settings.workflow_ack_wait
         kept_at = loop.time()
+        unchecked = False  # a late tick could not read every record: the next tick asks again
         while True:
             await asyncio.sleep(wait / 3)
             late = loop.time() - kept_at > wait
@@ -656,21 +672,27 @@ class WorkflowEngine(WorkflowQueries):
                     await msg.in_progress()
             if self._nc.is_connected:
                 kept_at = loop.time()
-            if late:
-                with contextlib.suppress(Exception):
-                    await self._stop_lost_runs()
+            if late or unchecked:
+                try:
+                    unchecked = not await self._stop_lost_runs()
+                except Exception:
+                    unchecked = True
 
-    async def _stop_lost_runs(self) -> None:
+    async def _stop_lost_runs(self) -> bool:
         """Stop each run of a workflow whose record names another hub as its owner now (read
-        from the stream's leader; a record that cannot be read keeps its run)."""
+        from the stream's leader; a record that cannot be read keeps its run). False when a
+        record could not be read (JetStream still recovering after the pause, ...)."""
         loop = asyncio.get_running_loop()
         gate = asyncio.Semaphore(32)
+        unread = 0
 
         async def check(ns: str, workflow_id: str, task: asyncio.Task[None]) -> None:
+            nonlocal unread
             async with gate:
                 try:
                     got = await self._record_now(ns, workflow_id, loop.time() + 2.0)
                 except MeshUnavailableError:
+                    unread += 1
                     return
             record = stored_record(WorkflowRecord, got)
             if record is None or record.owner in (None, self.hub_id) or task.done():
@@ -686,6 +708,7 @@ class WorkflowEngine(WorkflowQueries):
         await asyncio.gather(
             *(check(ns, wid, task) for (ns, wid), (_, task) in list(self._owning.items()))
         )
+        return unread == 0
 
     async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
         """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
