@@ -850,3 +850,41 @@ async def test_an_owner_whose_read_lagged_still_stops_its_unneeded_branch(
         assert lagged == [0] and leader_reads >= 1
         await asyncio.wait_for(held.cancelled.wait(), 5)
     assert held.finished == 0
+
+
+async def test_a_takeover_reads_the_workflow_record_from_the_leader(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hub takes over a workflow whose owner died; a replica behind the record's last write
+    would answer a hedged read with an older revision, and a takeover CAS on it fails as if
+    another hub had won (the workflow then waited out its ack wait, unowned). The takeover
+    reads the leader: it takes the workflow at once, and the step runs."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh.hub.workflows")
+    ns = wf_settings.namespace
+    held, engine = await _slow_and_ok(wf_hub, fleet)
+    wf_id = "taken-lagging"
+    key = protocol.workflow_key(ns, wf_id)
+    steps = [Step(capability="wf:ok:v1", payload={"i": 1})]
+    async with Client(settings=wf_settings) as mesh:
+        await seed_owner(mesh, "fanout", steps, wf_id, "hub-gone", [None])
+        workflows = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        first = await workflows.get(key)
+        assert first.value is not None
+        await workflows.put(key, first.value)  # the owner's last write: a newer revision
+        kv_get = engine._jsc.kv_get
+
+        async def lagging_replica(bucket: str, k: str) -> tuple[bytes, int] | None:
+            if k == key:
+                return first.value, first.revision  # the write before the last
+            return await kv_get(bucket, k)
+
+        engine._jsc.kv_get = lagging_replica  # type: ignore[method-assign]
+        try:
+            await mesh.submit_fanout(steps, workflow_id=wf_id, timeout=30)
+            res = await mesh.workflow(wf_id, timeout=wf_settings.workflow_ack_wait * 0.8)
+        finally:
+            engine._jsc.kv_get = kv_get  # type: ignore[method-assign]
+    assert res.state is TaskState.SUCCEEDED and res.hub_id == wf_hub.hub_id, res
+    assert engine.takeover_total >= 1
+    assert "was taken over by another hub" not in caplog.text
+    assert held.started == 0
