@@ -315,9 +315,10 @@ class WorkflowsMixin:
                 await asyncio.wait({got, result_wait}, return_when=asyncio.FIRST_COMPLETED)
                 if got.done():
                     msg, got = _event_msg(got), asyncio.ensure_future(sub.next_msg(timeout=None))
-                    seen += 1
-                    with contextlib.suppress(ValueError):
-                        yield WorkflowEvent.model_validate_json(msg.data)
+                    ours, event = _event_of(msg, subject)
+                    seen += ours
+                    if event is not None:
+                        yield event
             result = result_wait.result()  # MeshTimeoutError at ``timeout``
             # The events stored before the result that are still to read.
             stored = 0
@@ -333,9 +334,10 @@ class WorkflowsMixin:
                 if not got.done():
                     break
                 msg, got = _event_msg(got), asyncio.ensure_future(sub.next_msg(timeout=None))
-                seen += 1
-                with contextlib.suppress(ValueError):
-                    yield WorkflowEvent.model_validate_json(msg.data)
+                ours, event = _event_of(msg, subject)
+                seen += ours
+                if event is not None:
+                    yield event
             yield WorkflowEvent(
                 workflow_id=workflow_id, kind="done", state=result.state, result=result
             )
@@ -714,6 +716,19 @@ def _event_msg(got: asyncio.Future[Msg]) -> Msg:
         return got.result()
     except nats.errors.Error as err:
         raise MeshUnavailableError(f"workflow events stopped: {err!r}") from err
+
+
+def _event_of(msg: Msg, subject: str) -> tuple[bool, WorkflowEvent | None]:
+    """Whether ``msg`` came on the watched workflow's ``subject``, and its event (None when
+    malformed). One on another subject is dropped: the events consumer was changed by another
+    identity allowed to create consumers on the stream (under this consumer's name)."""
+    if msg.subject != subject:
+        refuse(msg, f"not an event of the watched workflow ({subject})")
+        return False, None
+    try:
+        return True, WorkflowEvent.model_validate_json(msg.data)
+    except ValueError:
+        return True, None
 
 
 def _final_result(record: WorkflowRecord | None) -> WorkflowResult | None:

@@ -31,7 +31,7 @@ from nats.js.kv import KeyValue
 
 from reach_mesh import protocol
 from reach_mesh._batch import private_inbox
-from reach_mesh._guard import refuse
+from reach_mesh._guard import matches, refuse
 from reach_mesh._nats import ensure_kv
 from reach_mesh.config import MeshSettings
 
@@ -210,6 +210,7 @@ async def last_per_subject(
         config=ConsumerConfig(name=f"reach-{uuid.uuid4().hex}"),
     )
     out: collections.deque[Msg] = collections.deque(maxlen=keep)
+    tokens = filter_subject.split(".")
     try:
         info = await sub.consumer_info()
         if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
@@ -217,7 +218,11 @@ async def last_per_subject(
         read = 0
         while True:
             msg = await sub.next_msg(timeout=timeout)
-            if msg.data:
+            if msg.data and not matches(tokens, msg.subject):
+                # The consumer's filter was changed by another identity allowed to create
+                # consumers on the stream (under this consumer's name): not ours to read.
+                refuse(msg, f"outside the filter {filter_subject} it was read with")
+            elif msg.data:
                 out.append(msg)
             if msg.metadata.num_pending == 0:
                 return list(out)

@@ -20,7 +20,7 @@ from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._dashboard import _Histogram
 from reach_mesh.models import AgentState
-from reach_mesh.workflow import Step, WorkflowResult
+from reach_mesh.workflow import Step, WorkflowRecord, WorkflowResult
 
 from .chromium import Chromium, needs_chromium
 from .helpers import eventually, fetch
@@ -263,12 +263,58 @@ async def test_a_status_with_a_malformed_attempt_is_no_row_and_no_error(
                 await mesh.nc.publish(
                     subject, body[:-1].encode() + b',"attempt":' + attempt.encode() + b"}"
                 )
+            # A workflow with a record (the dashboard lists no workflow that has none).
+            await _running_record(mesh, "dash-good")
             await mesh.nc.publish(
                 subject, json.dumps({**base, "workflow_id": "dash-good", "attempt": 1}).encode()
             )
             await eventually(lambda: (wf_settings.namespace, "dash-good") in keeper.workflows)
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert not [k for k in keeper.workflows if k[1].startswith("dash-bad")]
+
+
+async def _running_record(mesh: Client, workflow_id: str) -> None:
+    """A running workflow's record, as its owner writes it."""
+    kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+    record = WorkflowRecord(owner="hub-elsewhere")
+    await kv.put(protocol.workflow_key(mesh.namespace, workflow_id), protocol.encode(record))
+
+
+async def test_an_agent_cannot_rewrite_a_finished_workflow_or_list_a_made_up_one(
+    mesh: Mesh,
+) -> None:
+    """Any agent may publish a status event on its own subject, naming any workflow of its
+    namespace: the dashboard shows a finished workflow's steps from its final record, not a
+    later event (attempt 99, FAILED, by another agent), and lists no workflow without one."""
+    ns = mesh.settings.namespace
+    wf = mesh.workflow
+    assert wf is not None
+    keeper = mesh.hub.dashboard
+    assert keeper is not None
+    key = (ns, wf.workflow_id)
+    await eventually(lambda: key in keeper.workflows and keeper.workflows[key].settled)
+    forger = f"{ns}.flaky.b1"
+    async with Client(settings=mesh.settings) as c:
+        await _running_record(c, "dash-control")
+        events = [
+            (wf.workflow_id, wf.steps[0].task_id, 99, "FAILED"),
+            ("dash-ghost", "dash-ghost-0", 1, "RUNNING"),
+            ("dash-control", "dash-control-0", 1, "RUNNING"),  # after the two above
+        ]
+        for wf_id, task_id, attempt, state in events:
+            body = {
+                "task_id": task_id,
+                "workflow_id": wf_id,
+                "step": 0,
+                "attempt": attempt,
+                "state": state,
+                "agent_id": forger,
+            }
+            await c.nc.publish(protocol.task_status(forger, task_id), json.dumps(body).encode())
+        await eventually(lambda: (ns, "dash-control") in keeper.workflows)
+        await eventually(lambda: (ns, "dash-ghost") not in keeper.workflows)
+    step = keeper.workflows[key].steps[0]
+    assert (step.state, step.attempt, step.agent_id) == ("SUCCEEDED", 1, f"{ns}.echo.a1")
 
 
 async def test_pending_lists_a_step_no_agent_can_take(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -592,3 +593,53 @@ async def test_retry_intervals_under_their_floors_run_at_the_floors(
     async with Client(settings=wf_settings) as mesh:
         res = await mesh.fanout([Step(capability="wf:floor:v1", retry=spin)], timeout=10)
     assert res.state is TaskState.SUCCEEDED
+
+
+async def test_events_from_another_subject_are_not_the_watched_workflows(
+    wf_settings: MeshSettings, fleet: Fleet
+) -> None:
+    """A caller's events consumer has a random name, but anyone allowed to create consumers
+    on ``REACH_WF_EVENTS`` who learns it may re-create it with another filter: it then
+    delivers events stored on another subject — bodies that may claim the watched workflow.
+    ``workflow_events`` yields only what came on the watched workflow's own subject."""
+    settings = wf_settings.model_copy(update={"workflow_event_hold": 0.0})
+    ns = settings.namespace
+    agent = fleet.agent("repoint.a1")
+    release = asyncio.Event()
+
+    @agent.handler("wf:repoint:v1")
+    async def wait(task: Task[Any]) -> Any:
+        await release.wait()
+        return task.payload
+
+    async with Hub(settings=settings), Client(settings=settings) as mesh:
+        await agent.start()
+        wf_id = await mesh.submit_chain([Step(capability="wf:repoint:v1", payload=1)], timeout=20)
+        seen: list[WorkflowEvent] = []
+
+        async def follow() -> None:
+            async for ev in mesh.workflow_events(wf_id, timeout=15):
+                seen.append(ev)
+
+        following = asyncio.create_task(follow())
+        await eventually(lambda: any(e.kind == "start" for e in seen))
+        js = mesh.nc.jetstream()
+        watched = protocol.wf_event(ns, wf_id)
+        (info,) = [
+            c
+            for c in await js.consumers_info(protocol.STREAM_WF_EVENTS)
+            if c.config.filter_subject == watched
+        ]
+        other = protocol.wf_event(ns, "elsewhere")
+        await js.add_consumer(
+            protocol.STREAM_WF_EVENTS, config=replace(info.config, filter_subject=other)
+        )
+        forged = WorkflowEvent(
+            workflow_id=wf_id, kind="step", state=TaskState.FAILED, step=0, agent_id="forged.x.y"
+        )
+        await js.publish(other, protocol.encode(forged))
+        await asyncio.sleep(0.5)  # delivered by now, had the consumer passed it on
+        release.set()
+        await asyncio.wait_for(following, 15)
+    assert [e for e in seen if e.agent_id == "forged.x.y"] == []
+    assert seen[-1].kind == "done" and seen[-1].result is not None

@@ -222,6 +222,9 @@ class _Workflow:
     submitted_at: float | None = None
     finished_at: float | None = None
     read: bool = False  # the reach_workflows record has been read once
+    #: Its final record was read: its steps are the record's, and status events change
+    #: nothing any more (an agent may publish any event on its own subject).
+    settled: bool = False
 
     def json(self) -> dict[str, Any]:
         count = max([self.step_count or 0, *(i + 1 for i in self.steps)])
@@ -368,6 +371,8 @@ class Dashboard:
         wf = self.workflows.get((ns, wf_id))
         if wf is None:
             wf = self._remember(_Workflow(wf_id, ns, time.time()))
+        elif wf.settled:
+            return
         s = wf.steps.get(step)
         if s is None:
             if step < 0 or step >= 256:
@@ -406,6 +411,11 @@ class Dashboard:
                 protocol.KV_WORKFLOWS, protocol.workflow_key(wf.namespace, wf.workflow_id)
             )
             if got is None:
+                # No workflow: its events were made up (an agent may publish any on its own
+                # subject), or its record expired. Not listed (a real one's next event, after
+                # a read from a replica behind, lists it again).
+                if self.workflows.get((wf.namespace, wf.workflow_id)) is wf:
+                    del self.workflows[(wf.namespace, wf.workflow_id)]
                 return
             record = WorkflowRecord.model_validate_json(got[0])
         except Exception:
@@ -419,13 +429,18 @@ class Dashboard:
             wf.kind, wf.step_count = result.kind, len(result.steps)
             wf.state, wf.finished_at = result.state.value, result.finished_at
             wf.trace_id = wf.trace_id or result.trace_id
+            # The record says how each step ended, whatever events said before.
+            wf.settled = True
             for r in result.steps:
-                s = wf.steps.setdefault(r.index, _Step(r.index))
-                if r.attempts >= s.attempt:
-                    s.task_id, s.attempt, s.state = r.task_id, r.attempts, r.state.value
-                    s.agent_id = r.agent_id or s.agent_id
-                    if r.error is not None:
-                        s.error = f"{r.error.code}: {r.error.message}"
+                prev = wf.steps.get(r.index)
+                s = wf.steps[r.index] = _Step(r.index)
+                s.task_id, s.attempt, s.state = r.task_id, r.attempts, r.state.value
+                s.agent_id = r.agent_id
+                s.updated_at = time.time() if prev is None else prev.updated_at
+                if r.error is not None:
+                    s.error = f"{r.error.code}: {r.error.message}"
+            for extra in [i for i in wf.steps if i >= len(result.steps)]:
+                del wf.steps[extra]
         else:
             wf.state = record.state.value
             if record.spec is not None:
