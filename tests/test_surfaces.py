@@ -307,6 +307,7 @@ async def test_mcp_client_both_eras(
 ) -> None:
     """The SDK's high-level ``Client``: ``auto`` speaks 2026-07-28 (``server/discover``),
     ``legacy`` the ``initialize`` handshake; both list and call the live tools."""
+    from mcp import MCPDeprecationWarning
     from mcp.client import Client
     from mcp.client.streamable_http import streamable_http_client
     from mcp.shared._httpx_utils import create_mcp_http_client
@@ -326,7 +327,8 @@ async def test_mcp_client_both_eras(
             assert result.is_error is False
             assert json.loads(result.content[0].text) == {"k": [1, 2]}  # type: ignore[union-attr]
             if mode == "legacy":  # ping is a handshake-era method (gone in 2026-07-28)
-                await client.send_ping()
+                with pytest.warns(MCPDeprecationWarning, match="ping is removed"):
+                    await client.send_ping()
             missing = await client.call_tool("missing_tool", {})
             assert missing.is_error is True
 
