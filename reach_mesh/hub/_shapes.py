@@ -613,8 +613,9 @@ class WorkflowShapes(StepRunner):
         the workflow record names another owner now (this hub lost the workflow without
         noticing). The new owner adopted the step's attempts; telling their agents to stop
         would stop a handler it is waiting on and make it run the step again. A move this
-        hub cannot explain (the workflow record unreadable) stops them as before: wasted
-        work, not a second run, is what it must avoid."""
+        hub cannot explain (the workflow record unreadable: most likely an election, and
+        the workflow still its own) stops them as before, with their fence markers: a branch
+        left running unfenced could still run its queued attempt later."""
         if settle:
             await self._cas(key, rec, last, wf.deadline)
             return True
