@@ -83,10 +83,9 @@ class Batcher:
         self._sender: asyncio.Task[None] | None = None
         #: Batch subjects that found no responder lately, with when to try batches again.
         self._plain_until: dict[str, float] = {}
-        #: Batch subject by batch token, until its first answer (kept for NATS' 503 on it).
-        self._batches: dict[str, str] = {}
-        #: The subject each batch token's message went to, until its answer: a subject the
-        #: server refuses this identity fails that message's requests at once (``refused``).
+        #: The subject each batch token's message went to, until its first answer: a subject
+        #: the server refuses this identity fails that message's requests at once
+        #: (``refused``), and a batch subject NATS answers 503 for is not batched to a while.
         self._sent_on: dict[str, str] = {}
         self._sub: Subscription | None = None
 
@@ -208,9 +207,6 @@ class Batcher:
                 protocol.batch_line(prefix + token, traceparent, body)
                 for token, body, traceparent in items
             ]
-            if len(self._batches) > 4096:  # answered without a reply to this token: forget
-                self._batches.clear()
-            self._batches[batch.token] = batch.batch_subject
             self._note_sent(batch.token, batch.batch_subject)
             await self._nc.publish(
                 batch.batch_subject, b"\n".join(lines), reply=prefix + batch.token
@@ -226,8 +222,7 @@ class Batcher:
             self._sent_on.pop(token.partition(".")[0], None)
             self._resolve(futures.get(token), data, no_responders)
             return
-        self._sent_on.pop(token, None)
-        batch_subject = self._batches.pop(token, None)
+        batch_subject = self._sent_on.pop(token, None)
         if no_responders:  # a batch found nobody (or only responders that take no batches)
             if batch_subject is not None:
                 if len(self._plain_until) > 1024:
