@@ -19,7 +19,12 @@ from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from reach_mesh import protocol
 from reach_mesh._jspub import kv_subject
 from reach_mesh._retry import no_message
-from reach_mesh.errors import InternalError, PayloadTooLargeError, ReachError
+from reach_mesh.errors import (
+    InternalError,
+    MeshUnavailableError,
+    PayloadTooLargeError,
+    ReachError,
+)
 from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable, settles
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
@@ -101,6 +106,28 @@ class WorkflowShapes(StepRunner):
         if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
             return None
         return raw.data, int(raw.seq or 0)
+
+    async def _record_now(
+        self, ns: str, workflow_id: str, end: float | None = None
+    ) -> tuple[bytes, int] | None:
+        """The workflow record (value, revision) as its stream's leader has it — not a replica
+        that may lag behind a takeover or a final write — by loop time ``end`` if given; None
+        when there is none; ``MeshUnavailableError`` when it cannot be read."""
+        read = self._workflow_at_leader(ns, workflow_id)
+        try:
+            return await (read if end is None else within_time(read, end))
+        except Exception as err:
+            raise MeshUnavailableError(
+                f"the record of workflow {workflow_id!r} could not be read "
+                f"({type(err).__name__}): ask again (a cancel is idempotent)"
+            ) from err
+
+    async def _owner_now(self, ns: str, workflow_id: str) -> str | None:
+        """The hub the workflow record names (read from the leader within 2 s); None when
+        there is no record or it names none. ``MeshUnavailableError`` when it cannot be read."""
+        end = asyncio.get_running_loop().time() + 2.0
+        record = stored_record(WorkflowRecord, await self._record_now(ns, workflow_id, end))
+        return None if record is None else record.owner
 
     def _now_owner(self, wf: Workflow) -> None:
         """Hook: the workflow record names this hub now (created, or taken over)."""
@@ -624,22 +651,13 @@ class WorkflowShapes(StepRunner):
             await _durable.cas(self._tasks_kv, key, protocol.encode(rec), last, self._io_deadline())
         except KeyWrongLastSequenceError:
             # Another hub's write, or this hub's own read from a replica behind it.
-            return not await self._taken_elsewhere(wf)
+            try:
+                return await self._owner_now(wf.ns, wf.id) in (None, self.hub_id)
+            except MeshUnavailableError:
+                return True  # (an election: most likely still its own)
         except Exception:
             pass  # best effort: the attempts are stopped all the same
         return True
-
-    async def _taken_elsewhere(self, wf: Workflow) -> bool:
-        """Whether another hub owns the workflow now: its record, read from the stream's
-        leader within 2 s, names another owner. A record that cannot be read (an election)
-        says nothing: False."""
-        end = asyncio.get_running_loop().time() + 2.0
-        try:
-            got = await within_time(self._workflow_at_leader(wf.ns, wf.id), end)
-        except Exception:
-            return False
-        record = stored_record(WorkflowRecord, got)
-        return record is not None and record.owner not in (None, self.hub_id)
 
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
         """The outcome that decides step ``index`` among those it had in hand and had not

@@ -23,7 +23,7 @@ from reach_mesh.errors import (
 from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import WorkflowShapes, final_result
 from reach_mesh.hub._steps import Workflow
-from reach_mesh.hub._wf_view import VIEW_DEADLINE, within_time, workflow_view
+from reach_mesh.hub._wf_view import VIEW_DEADLINE, workflow_view
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import CancelResult, WorkflowRecord, WorkflowView, stored_record
 
@@ -207,21 +207,6 @@ class WorkflowQueries(WorkflowShapes):
         return CancelResult(
             workflow_id=workflow_id, namespace=ns, final=False, state=state, owner=owner
         )
-
-    async def _record_now(
-        self, ns: str, workflow_id: str, end: float | None = None
-    ) -> tuple[bytes, int] | None:
-        """The workflow record (value, revision) as its stream's leader has it — not a replica
-        that may lag behind a takeover or a final write — by loop time ``end`` if given; None
-        when there is none; ``MeshUnavailableError`` when it cannot be read."""
-        read = self._workflow_at_leader(ns, workflow_id)
-        try:
-            return await (read if end is None else within_time(read, end))
-        except Exception as err:
-            raise MeshUnavailableError(
-                f"the record of workflow {workflow_id!r} could not be read "
-                f"({type(err).__name__}): ask again (a cancel is idempotent)"
-            ) from err
 
 
 def _cancel_error(reason: str | None) -> ErrorBody:

@@ -682,7 +682,6 @@ class WorkflowEngine(WorkflowQueries):
         """Stop each run of a workflow whose record names another hub as its owner now (read
         from the stream's leader; a record that cannot be read keeps its run). False when a
         record could not be read (JetStream still recovering after the pause, ...)."""
-        loop = asyncio.get_running_loop()
         gate = asyncio.Semaphore(32)
         unread = 0
 
@@ -690,18 +689,17 @@ class WorkflowEngine(WorkflowQueries):
             nonlocal unread
             async with gate:
                 try:
-                    got = await self._record_now(ns, workflow_id, loop.time() + 2.0)
+                    owner = await self._owner_now(ns, workflow_id)
                 except MeshUnavailableError:
                     unread += 1
                     return
-            record = stored_record(WorkflowRecord, got)
-            if record is None or record.owner in (None, self.hub_id) or task.done():
+            if owner in (None, self.hub_id) or task.done():
                 return
             log.warning(
                 "workflow %s was taken over by hub %s while this hub could not keep it "
                 "(paused, cut off); its run here stops",
                 workflow_id,
-                record.owner,
+                owner,
             )
             task.cancel()
 
