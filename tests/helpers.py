@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -247,3 +248,30 @@ async def status_events(client: Any, ns: str, task_id: str) -> list[TaskStatusEv
     finally:
         await sub.unsubscribe()
     return out
+
+
+@dataclass
+class HeldHandler:
+    """A handler that runs until ``release`` is set: when it started, whether it was
+    cancelled."""
+
+    started: asyncio.Event
+    release: asyncio.Event
+    cancelled: asyncio.Event
+
+
+def held_handler(agent: Agent, cap: str, answer: Any = None) -> HeldHandler:
+    """Give ``agent`` a handler of ``cap`` that returns ``answer`` once released."""
+    held = HeldHandler(asyncio.Event(), asyncio.Event(), asyncio.Event())
+
+    @agent.handler(cap)
+    async def run(task: Task[Any]) -> Any:
+        held.started.set()
+        try:
+            await held.release.wait()
+        except asyncio.CancelledError:
+            held.cancelled.set()
+            raise
+        return answer
+
+    return held

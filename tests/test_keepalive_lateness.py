@@ -23,10 +23,9 @@ from typing import Any, TypeVar
 import pytest
 
 from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, TaskState
-from reach_mesh.agent import Task
 from reach_mesh.hub import Hub
 
-from .helpers import Fleet, eventually
+from .helpers import Fleet, eventually, held_handler
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,14 +94,8 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
     caplog.set_level(logging.WARNING, logger="reach_mesh.hub.workflows")
     ns = wf_settings.namespace
     key = (ns, "")
-    started, release = asyncio.Event(), asyncio.Event()
     agent = fleet.agent("late.x")
-
-    @agent.handler("wf:late:v1")
-    async def held(task: Task[Any]) -> Any:
-        started.set()
-        await release.wait()
-        return "done"
+    held = held_handler(agent, "wf:late:v1", "done")
 
     side = _LoopThread()
     unstall = threading.Event()
@@ -134,7 +127,7 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
         async with Client(settings=wf_settings) as mesh:
             wf_id = await mesh.submit_chain([Step(capability="wf:late:v1")], timeout=60)
             key = (ns, wf_id)
-            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.wait_for(held.started.wait(), 10)
             assert key in await side.call(lambda: engine_a.owned)
             await hub_b.start()
             engine_b = hub_b.workflows
@@ -162,12 +155,12 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
             engine_c = hub_c.workflows
             assert engine_c is not None
             await eventually(lambda: key in engine_c.owned, timeout=10)
-            release.set()
+            held.release.set()
             res = await mesh.workflow(wf_id, timeout=15)
         assert res.state is TaskState.SUCCEEDED and res.hub_id == "hub-c", res
     finally:
         unstall.set()
-        release.set()
+        held.release.set()
         try:
             if hub_a is not None:
                 await side.run(hub_a.close())

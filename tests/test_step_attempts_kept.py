@@ -23,7 +23,7 @@ from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StepTrack
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.workflow import TaskRecord, step_task_id
 
-from .helpers import Fleet, eventually, task_record
+from .helpers import Fleet, eventually, held_handler, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,14 +129,9 @@ async def test_a_step_its_agent_never_takes_keeps_its_newest_32_attempts(
     until the step's long ``ttl``. Past 32 attempts the record and the track hold the newest
     32 only; once the slot is free the step is taken and succeeds."""
     ns = wf_settings.namespace
-    release = asyncio.Event()
     runs: list[tuple[str, int]] = []
     agent = fleet.agent("kept.busy", max_concurrency=1, max_queue=0)
-
-    @agent.handler("wf:kept-block:v1")
-    async def block(task: Task[Any]) -> str:
-        await release.wait()
-        return "unblocked"
+    blocking = held_handler(agent, "wf:kept-block:v1", "unblocked")
 
     @agent.handler("wf:kept-late:v1")
     async def late(task: Task[Any]) -> str:
@@ -181,7 +176,7 @@ async def test_a_step_its_agent_never_takes_keeps_its_newest_32_attempts(
         assert view.state is TaskState.RUNNING and len(view.steps[0].history) == ATTEMPTS_KEPT
         assert runs == []
 
-        release.set()
+        blocking.release.set()
         assert (await mesh.workflow(blocker, timeout=20)).ok
         res = await mesh.workflow(wf, timeout=30)
         assert res.state is TaskState.SUCCEEDED, res

@@ -33,7 +33,7 @@ from reach_mesh.models import TaskEnvelope
 from reach_mesh.tracing import trace_id_from_headers
 from reach_mesh.workflow import TaskStatusEvent, WorkflowEvent
 
-from .helpers import Fleet, echo_agent, eventually, status_events
+from .helpers import Fleet, echo_agent, eventually, held_handler, status_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -605,12 +605,7 @@ async def test_events_from_another_subject_are_not_the_watched_workflows(
     settings = wf_settings.model_copy(update={"workflow_event_hold": 0.0})
     ns = settings.namespace
     agent = fleet.agent("repoint.a1")
-    release = asyncio.Event()
-
-    @agent.handler("wf:repoint:v1")
-    async def wait(task: Task[Any]) -> Any:
-        await release.wait()
-        return task.payload
+    held = held_handler(agent, "wf:repoint:v1", "done")
 
     async with Hub(settings=settings), Client(settings=settings) as mesh:
         await agent.start()
@@ -639,7 +634,7 @@ async def test_events_from_another_subject_are_not_the_watched_workflows(
         )
         await js.publish(other, protocol.encode(forged))
         await asyncio.sleep(0.5)  # delivered by now, had the consumer passed it on
-        release.set()
+        held.release.set()
         await asyncio.wait_for(following, 15)
     assert [e for e in seen if e.agent_id == "forged.x.y"] == []
     assert seen[-1].kind == "done" and seen[-1].result is not None

@@ -30,9 +30,11 @@ from reach_mesh.workflow import TaskRecord, TaskStatusEvent, merge_payload
 
 from .helpers import (
     Fleet,
+    HeldHandler,
     echo_agent,
     eventually,
     heal,
+    held_handler,
     partition,
     status_events,
     task_record,
@@ -585,40 +587,13 @@ async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(
 
 
 @dataclass
-class _Held:
-    """A handler that runs until ``release`` is set: when it started, whether it was
-    cancelled."""
-
-    started: asyncio.Event
-    release: asyncio.Event
-    cancelled: asyncio.Event
-
-
-def _held(agent: Agent, cap: str, answer: Any = None) -> _Held:
-    """Give ``agent`` a handler of ``cap`` that returns ``answer`` once released."""
-    held = _Held(asyncio.Event(), asyncio.Event(), asyncio.Event())
-
-    @agent.handler(cap)
-    async def run(task: Task[Any]) -> Any:
-        held.started.set()
-        try:
-            await held.release.wait()
-        except asyncio.CancelledError:
-            held.cancelled.set()
-            raise
-        return answer
-
-    return held
-
-
-@dataclass
 class _Pair:
     """What :func:`_partitioned_pair` set up: the workflow, agent A, and both handlers."""
 
     wf_id: str
     a: Agent
-    on_a: _Held
-    on_b: _Held
+    on_a: HeldHandler
+    on_b: HeldHandler
 
 
 async def _partitioned_pair(fleet: Fleet, mesh: Client, name: str) -> _Pair:
@@ -627,8 +602,8 @@ async def _partitioned_pair(fleet: Fleet, mesh: Client, name: str) -> _Pair:
     cap = f"wf:{name}:v1"
     a = fleet.agent(f"{name}.a")
     b = fleet.agent(f"{name}.b")
-    on_a = _held(a, cap, "answer of A")
-    on_b = _held(b, cap, "answer of B")
+    on_a = held_handler(a, cap, "answer of A")
+    on_b = held_handler(b, cap, "answer of B")
     await a.start()
     wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=20)
     await asyncio.wait_for(on_a.started.wait(), 5)
@@ -783,7 +758,7 @@ async def test_a_cancel_keeps_an_outcome_the_step_had_in_hand(
     name = f"inhand{kind}"
     cap = f"wf:{name}:v1"
     a, b = fleet.agent(f"{name}.a"), fleet.agent(f"{name}.b")
-    on_a, on_b = _held(a, cap, "answer of A"), _held(b, cap, "answer of B")
+    on_a, on_b = held_handler(a, cap, "answer of A"), held_handler(b, cap, "answer of B")
     stuck = asyncio.Event()
     cas, last_status = engine._cas, engine._tracker.last_status
 
@@ -829,7 +804,10 @@ async def test_a_taken_over_chain_fences_a_step_the_old_owner_starts_meanwhile(
     in flight on the revision it made fails, and A does not run the step on with it."""
     ns = wf_settings.namespace
     x, y = fleet.agent("fence.x"), fleet.agent("fence.y")
-    first, second = _held(x, "wf:fence0:v1", {"v": 1}), _held(y, "wf:fence1:v1", "done")
+    first, second = (
+        held_handler(x, "wf:fence0:v1", {"v": 1}),
+        held_handler(y, "wf:fence1:v1", "done"),
+    )
     hub_a, hub_b = (
         Hub(settings=wf_settings, hub_id="hub-a"),
         Hub(settings=wf_settings, hub_id="hub-b"),
@@ -904,7 +882,7 @@ async def test_returning_agent_fences_its_stale_attempts(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
     a = fleet.agent("back.a")
-    on_a = _held(a, "wf:back:v1")  # never released
+    on_a = held_handler(a, "wf:back:v1")  # never released
     b = echo_agent(fleet, "back.b", "wf:back:v1")
     await a.start()
     async with Client(settings=wf_settings) as mesh:
@@ -927,7 +905,7 @@ async def test_a_step_past_the_deadline_is_stopped_on_its_agent(
     """A step still running when its workflow's deadline passes ends TIMEOUT, and its agent is
     told to stop the handler (the step has no timeout of its own that would end it sooner)."""
     agent = fleet.agent("deadline.a1")
-    hang = _held(agent, "wf:deadline:v1")  # never released
+    hang = held_handler(agent, "wf:deadline:v1")  # never released
     await agent.start()
     async with Client(settings=wf_settings) as mesh:
         res = await mesh.fanout([Step(capability="wf:deadline:v1")], timeout=1.0)
@@ -1007,7 +985,7 @@ async def test_a_hub_that_lost_a_workflow_while_paused_stops_keeping_its_submiss
     A finds the record names B and stops its run; B dies; hub C resumes the workflow."""
     ns = wf_settings.namespace
     agent = fleet.agent("paused.x")
-    step = _held(agent, "wf:paused:v1", "done")
+    step = held_handler(agent, "wf:paused:v1", "done")
     hub_a, hub_b = (
         Hub(settings=wf_settings, hub_id="hub-a"),
         Hub(settings=wf_settings, hub_id="hub-b"),
