@@ -79,8 +79,9 @@ def _tracing(on: bool, service: str) -> asyncio.Task[None] | None:
 class _Profiling:
     """pyinstrument between SIGUSR1 and SIGUSR2; writes text, HTML and a JSON of hot spots."""
 
-    def __init__(self, out_dir: Path) -> None:
+    def __init__(self, out_dir: Path, name: str = "hub") -> None:
         self.out_dir = out_dir
+        self.name = name
         self.profiler: Any = None
 
     def start(self) -> None:
@@ -96,12 +97,12 @@ class _Profiling:
         profiler, self.profiler = self.profiler, None
         session = profiler.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "hub_profile.txt").write_text(
+        (self.out_dir / f"{self.name}_profile.txt").write_text(
             profiler.output_text(unicode=False, color=False, show_all=False)
         )
-        (self.out_dir / "hub_profile.html").write_text(profiler.output_html())
+        (self.out_dir / f"{self.name}_profile.html").write_text(profiler.output_html())
         top = _hot_spots(session)
-        (self.out_dir / "hub_profile_top.json").write_text(json.dumps(top, indent=2))
+        (self.out_dir / f"{self.name}_profile_top.json").write_text(json.dumps(top, indent=2))
         print("PROFILED " + json.dumps({"samples_s": top["busy_s"]}), flush=True)
 
 

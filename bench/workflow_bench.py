@@ -18,7 +18,8 @@ and measures, in the same run:
 ``python bench/workflow_bench.py --quick`` prints one JSON object. The bench harness imports
 :func:`run_workflow_bench`. With ``--split`` and ``BENCH_PROFILE_HUB=DIR`` in the environment,
 the hub process runs under pyinstrument and writes its profile to DIR (``hub_profile.txt``,
-``.html``, and the hot spots of its busy samples in ``hub_profile_top.json``).
+``.html``, and the hot spots of its busy samples in ``hub_profile_top.json``);
+``BENCH_PROFILE_AGENTS=DIR`` does the same for the agents' process (``agents_profile*``).
 """
 
 from __future__ import annotations
@@ -247,12 +248,19 @@ async def _child(role: str, nats_url: str, ns: str) -> None:
             if profiling is not None:
                 profiling.stop()
     else:
+        # ``BENCH_PROFILE_AGENTS=DIR``: the same for the agents' process (DIR/agents_profile*).
+        out = os.environ.get("BENCH_PROFILE_AGENTS")
+        profiling = None if out is None else _Profiling(Path(out), "agents")
         agents = _agents(settings)
         for agent in agents:
             await agent.start()
         print("READY", flush=True)
         _runner.settle()
+        if profiling is not None:
+            profiling.start()
         await stop
+        if profiling is not None:
+            profiling.stop()
         for agent in agents:
             await agent.close()
 
