@@ -36,9 +36,15 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponseError
+from nats.js.errors import (
+    APIError,
+    KeyWrongLastSequenceError,
+    NoStreamResponseError,
+    NotFoundError,
+)
 
 from reach_mesh._batch import private_inbox, reply_token
+from reach_mesh._retry import no_message
 
 __all__ = ["Ack", "JsClient", "kv_subject"]
 
@@ -93,6 +99,7 @@ class JsClient:
         self, nc: NATS, *, timeout: float = REQUEST_TIMEOUT, linger: float = LINGER
     ) -> None:
         self._nc = nc
+        self._js = nc.jetstream(timeout=timeout)
         self._timeout = timeout
         self._linger = linger
         self._prefix = private_inbox(nc) + "."
@@ -246,6 +253,22 @@ class JsClient:
                 raise NoStreamResponseError
             APIError.from_msg(msg)  # raises
         return msg.data, _revision(msg), marker
+
+    async def kv_entry_at_leader(self, bucket: str, key: str) -> tuple[bytes, int, bool] | None:
+        """What :meth:`kv_entry` reads, as the stream's leader has it: not a replica that may
+        lag behind a write, so what a compare-and-set on ``key`` is decided by. None when there
+        is no message. A "not found" of the stream itself (being recovered: it knows nothing,
+        and "no such key" would be a wrong answer) propagates."""
+        try:
+            raw = await self._js.get_last_msg(f"KV_{bucket}", kv_subject(bucket, key))
+        except NotFoundError as err:
+            if not no_message(err):
+                raise
+            return None
+        marker = (raw.headers or {}).get(_KV_OPERATION) in ("DEL", "PURGE")
+        if not raw.data and not marker:
+            return None
+        return raw.data or b"", int(raw.seq or 0), marker
 
     async def _direct_get(self, subject: str) -> Msg:
         """The first answer to a direct get on ``subject``, asked again after

@@ -18,12 +18,13 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoStreamResponseError,
+    NotFoundError,
 )
 
 from reach_mesh import _jspub
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
-from reach_mesh._retry import RetriesExhausted, transient
+from reach_mesh._retry import RetriesExhausted, no_message, transient
 from reach_mesh.hub import _durable
 from reach_mesh.hub._durable import infrastructure
 from tests.helpers import eventually
@@ -73,6 +74,13 @@ async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
         assert marker is not None and marker[2] and marker[1] > rev2
         assert await pub.kv_entry(bucket, "missing") is None
         assert await pub.kv_entry(bucket, "empty") is None
+        # The leader's reading is the same (what a compare-and-set is decided by).
+        assert await pub.kv_entry_at_leader(bucket, "k") == marker
+        assert await pub.kv_entry_at_leader(bucket, "missing") is None
+        assert await pub.kv_entry_at_leader(bucket, "empty") is None
+        with pytest.raises(NotFoundError) as no_stream:
+            await pub.kv_entry_at_leader(f"nobucket_{uuid.uuid4().hex[:8]}", "k")
+        assert not no_message(no_stream.value)  # the stream, not the key: never "no record"
         # A create writes over a delete marker, and is refused by a live value.
         far = asyncio.get_running_loop().time() + 5
         made = await _durable.create(_durable.Bucket(bucket, pub), "k", b"v3", far)

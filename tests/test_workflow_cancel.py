@@ -888,3 +888,44 @@ async def test_a_takeover_reads_the_workflow_record_from_the_leader(
     assert engine.takeover_total >= 1
     assert "was taken over by another hub" not in caplog.text
     assert held.started == 0
+
+
+async def test_a_record_deleted_by_hand_is_written_over_at_the_leaders_revision(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A running workflow's record deleted by hand leaves a delete marker, and the hub that
+    takes the submission writes over it at the marker's revision. A replica behind the delete
+    still holds the record: read there, the create failed as if another hub owned it, and the
+    workflow waited out its ack wait unowned. The revision is read from the stream's leader,
+    which decides the compare-and-set: the hub takes the workflow at once, and it runs."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh.hub.workflows")
+    ns = wf_settings.namespace
+    held, engine = await _slow_and_ok(wf_hub, fleet)
+    wf_id = "deleted-lagging"
+    key = protocol.workflow_key(ns, wf_id)
+    steps = [Step(capability="wf:ok:v1", payload={"i": 1})]
+    async with Client(settings=wf_settings) as mesh:
+        await seed_owner(mesh, "fanout", steps, wf_id, "hub-gone", [None])
+        workflows = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        before = await workflows.get(key)
+        assert before.value is not None
+        await workflows.delete(key)
+        kv_entry = engine._jsc.kv_entry
+        lagged: list[str] = []
+
+        async def behind_the_delete(bucket: str, k: str) -> tuple[bytes, int, bool] | None:
+            if k == key:
+                lagged.append(k)
+                return before.value, before.revision, False  # the record, not its marker
+            return await kv_entry(bucket, k)
+
+        engine._jsc.kv_entry = behind_the_delete  # type: ignore[method-assign]
+        try:
+            await mesh.submit_fanout(steps, workflow_id=wf_id, timeout=30)
+            res = await mesh.workflow(wf_id, timeout=wf_settings.workflow_ack_wait * 0.8)
+        finally:
+            engine._jsc.kv_entry = kv_entry  # type: ignore[method-assign]
+    assert res.state is TaskState.SUCCEEDED and res.hub_id == wf_hub.hub_id, res
+    assert lagged == []  # the marker's revision came from the leader, not a replica
+    assert "was taken over by another hub" not in caplog.text
+    assert held.started == 0

@@ -90,12 +90,12 @@ class _Write:
             except KeyWrongLastSequenceError:
                 if self.last != 0:
                     raise
-                # A key deleted by hand keeps a delete marker: a create writes over it (a
-                # hedged read finds the marker's revision), and is refused when the key
-                # really exists. Refused for a wrong revision, then read from a replica that
-                # does not have the key yet: it exists — perhaps our own earlier try, whose
-                # answer was lost.
-                entry = await b.jsc.kv_entry(b.name, self.key)
+                # A key deleted by hand keeps a delete marker: a create writes over it, at
+                # the marker's revision as the stream's leader has it (the CAS is decided
+                # there; a replica behind the delete would name the value before it, and the
+                # create would fail as if the key existed). Refused when the key really
+                # exists — perhaps our own earlier try, whose answer was lost.
+                entry = await b.jsc.kv_entry_at_leader(b.name, self.key)
                 if entry is None or not entry[2]:
                     raise
                 return await b.jsc.kv_write(b.name, self.key, self.data, entry[1])

@@ -14,11 +14,9 @@ import logging
 import time
 from typing import Any
 
-from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import kv_subject
-from reach_mesh._retry import no_message
 from reach_mesh.errors import (
     InternalError,
     MeshUnavailableError,
@@ -94,18 +92,13 @@ class WorkflowShapes(StepRunner):
     async def _workflow_at_leader(self, ns: str, workflow_id: str) -> tuple[bytes, int] | None:
         """The workflow record (value, revision) as its stream's leader has it; None when
         there is none or it was deleted. NATS's own errors propagate (``_io`` retries the
-        transient ones), and so does a "not found" of the stream itself (being recovered: it
-        knows nothing, and "no record" would be a wrong answer)."""
-        subject = kv_subject(protocol.KV_WORKFLOWS, protocol.workflow_key(ns, workflow_id))
-        try:
-            raw = await self._js.get_last_msg(f"KV_{protocol.KV_WORKFLOWS}", subject)
-        except NotFoundError as err:
-            if not no_message(err):
-                raise
+        transient ones), and so does a "not found" of the stream itself
+        (``JsClient.kv_entry_at_leader``)."""
+        key = protocol.workflow_key(ns, workflow_id)
+        entry = await self._jsc.kv_entry_at_leader(protocol.KV_WORKFLOWS, key)
+        if entry is None or entry[2]:
             return None
-        if not raw.data or (raw.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
-            return None
-        return raw.data, int(raw.seq or 0)
+        return entry[0], entry[1]
 
     async def _record_now(
         self, ns: str, workflow_id: str, end: float | None = None
