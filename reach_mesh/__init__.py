@@ -50,7 +50,9 @@ from reach_mesh.workflow import (
     StepResult,
     StepView,
     WorkflowEvent,
+    WorkflowList,
     WorkflowResult,
+    WorkflowSummary,
     WorkflowView,
 )
 
@@ -102,8 +104,10 @@ __all__ = [
     "WorkflowCancelledError",
     "WorkflowConflictError",
     "WorkflowEvent",
+    "WorkflowList",
     "WorkflowResult",
     "WorkflowSpecError",
+    "WorkflowSummary",
     "WorkflowView",
     "__version__",
     "load_settings",

@@ -189,7 +189,14 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                 "allow": [
                     *(
                         protocol.hub_subject(ns, v)
-                        for v in ("route", "route_batch", "agents", "workflow", "cancel")
+                        for v in (
+                            "route",
+                            "route_batch",
+                            "agents",
+                            "workflow",
+                            "workflows",
+                            "cancel",
+                        )
                     ),
                     protocol.hub_subject(ns, "report"),
                     # Direct mode: the hub's decision names the agent; the caller sends to it.
@@ -213,7 +220,7 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                 "allow": [
                     *(
                         protocol.hub_subject("*", v)
-                        for v in ("admin", "agents", "workflow", "cancel")
+                        for v in ("admin", "agents", "workflow", "workflows", "cancel")
                     ),
                     *(protocol.hub_subject("*", v) for v in ("route", "route_batch")),
                     # NATS micro discovery of the hubs and their endpoints.

@@ -1,5 +1,6 @@
 """The ``reach-mesh`` commands that read the fleet: ``agents``, ``hubs``, ``inspect``,
-``tools``, ``snapshot``, ``audit``, ``workflow`` — and the tables they print.
+``tools``, ``snapshot``, ``audit`` — and the tables they print (``_cli_workflows`` has the
+workflow commands).
 ``reach_mesh.cli`` parses the command line and runs them.
 """
 
@@ -7,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,19 +20,17 @@ from reach_mesh import protocol
 from reach_mesh._nats import shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
-from reach_mesh.errors import MeshUnavailableError, UnknownWorkflowError
-from reach_mesh.models import AgentInfo, ErrorBody
-from reach_mesh.workflow import WorkflowView
+from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.models import AgentInfo
 
 __all__ = [
+    "cell",
     "cmd_agents",
     "cmd_audit",
-    "cmd_cancel",
     "cmd_hubs",
     "cmd_inspect",
     "cmd_snapshot",
     "cmd_tools",
-    "cmd_workflow",
     "print_table",
     "settings_of",
 ]
@@ -155,7 +153,7 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
         print_table(rows)
 
 
-def _cell(text: str, width: int) -> str:
+def cell(text: str, width: int) -> str:
     """``text`` on one line (whitespace and control characters folded into single spaces), cut
     to ``width`` with an ellipsis."""
     flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
@@ -186,116 +184,6 @@ async def cmd_inspect(args: argparse.Namespace) -> int:
         info = await c.inspect(args.agent_id)
     print(json.dumps(info.model_dump(mode="json"), indent=2))
     return 0
-
-
-@contextlib.contextmanager
-def _namespace_hint(args: argparse.Namespace, verb: str) -> Iterator[None]:
-    """Workflow ids are per namespace: an unknown one asked without ``--namespace`` most
-    likely lives in another, and the error says how to ``verb`` there."""
-    try:
-        yield
-    except UnknownWorkflowError as err:
-        if args.namespace is not None:
-            raise
-        raise UnknownWorkflowError(
-            f"{err.message} (pass --namespace to {verb} in another)", **err.details
-        ) from err
-
-
-async def cmd_workflow(args: argparse.Namespace) -> int:
-    async with Client(settings=settings_of(args)) as c:
-        with _namespace_hint(args, "ask"):
-            view = await c.inspect_workflow(args.workflow_id, namespace=args.namespace)
-    if args.json:
-        print(view.model_dump_json(indent=2))
-    else:
-        _print_workflow(view)
-    return 0
-
-
-async def cmd_cancel(args: argparse.Namespace) -> int:
-    """Cancel a workflow; 0 once it has its final result (cancelled, or ended by itself
-    first) or when it is cancelled before it started, 1 when its owner is still stopping it
-    after ``--timeout``."""
-    async with Client(settings=settings_of(args)) as c:
-        with _namespace_hint(args, "cancel"):
-            answer = await c.cancel_workflow(
-                args.workflow_id,
-                reason=args.reason,
-                namespace=args.namespace,
-                timeout=args.timeout,
-                before_start=args.before_start,
-            )
-    if args.json:
-        print(answer.model_dump_json(indent=2))
-    elif answer.recorded_before_start:
-        print(
-            f"workflow {answer.workflow_id} (namespace {answer.namespace}): cancelled before it "
-            "started — no hub has taken it yet; the one that takes it ends it FAILED "
-            "(REACH_WORKFLOW_CANCELLED) without running a step. If it was never submitted "
-            "there, check the id and --namespace: a later submission of it there ends "
-            "cancelled."
-        )
-    elif not answer.final:
-        print(
-            f"workflow {answer.workflow_id} ({answer.namespace}): its owner "
-            f"{answer.owner or '-'} is stopping it; not final yet (run this again, or "
-            f"`reach-mesh workflow {answer.workflow_id}`)"
-        )
-    else:
-        how = "cancelled" if answer.cancelled else "not cancelled: it had ended by itself"
-        print(f"workflow {answer.workflow_id} ({answer.namespace}): {how}, {answer.state.value}")
-        result = answer.result
-        if result is not None and result.error is not None:
-            print(f"  error {_said(result.error)}")
-        if result is not None:
-            for s in result.steps:
-                state = s.state.value + (" (cancelled)" if s.cancelled else "")
-                print(f"  step {s.index}: {state}  {s.agent_id or '-'}  {_said(s.error)}")
-    return 0 if answer.final or answer.recorded_before_start else 1
-
-
-def _when(ts: float | None) -> str:
-    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
-def _said(error: ErrorBody | None) -> str:
-    """An error on one line (its message comes from a handler or a caller's reason: control
-    characters are folded, as in every table cell)."""
-    return "" if error is None else _cell(f"{error.code}: {error.message}", 400)
-
-
-def _print_workflow(v: WorkflowView) -> None:
-    """A workflow, then one row per step; a step's earlier attempts indented below it."""
-    print(
-        f"workflow {v.workflow_id} ({v.namespace}): {v.kind or '?'}, policy {v.policy or '?'}, "
-        f"{v.state.value}"
-    )
-    took = "" if v.duration_ms is None else f" ({v.duration_ms:,.0f} ms)"
-    print(f"  submitted {_when(v.submitted_at)}, finished {_when(v.finished_at)}{took}")
-    owner = f"{v.owner or '-'}" + (" (answered live by its owner)" if v.live else "")
-    print(f"  owner {owner}; trace {v.trace_id or '-'}")
-    if v.error is not None:
-        print(f"  error {_said(v.error)}")
-    if v.unreadable:
-        print(f"  partial: could not read {', '.join(v.unreadable)}")
-    rows = [("STEP", "STATE", "ATTEMPT", "AGENT", "TARGET", "ERROR / WAITING")]
-    for s in v.steps:
-        state = s.state.value + (" (cancelled)" if s.cancelled else "")
-        note = _said(s.error)
-        if s.waiting is not None:
-            again = "" if s.retry_in_s is None else f", tries again in {s.retry_in_s:g} s"
-            note = f"waiting: {s.waiting}{again}"
-        # A decided step shows the attempt that decided it (the first outcome of any attempt
-        # wins: it may be an earlier one), the others below it.
-        shown = s.attempt if s.decided_by is None else s.decided_by
-        rows.append((str(s.index), state, str(shown), s.agent_id or "-", s.target or "-", note))
-        for h in s.history:
-            if h.attempt != shown:
-                rows.append(
-                    ("", f"  #{h.attempt} {h.state.value}", "", h.agent_id or "-", "", h.code or "")
-                )
-    print_table(rows, indent="  ")
 
 
 async def cmd_audit(args: argparse.Namespace) -> int:
@@ -374,7 +262,7 @@ async def cmd_tools(args: argparse.Namespace) -> int:
         print(json.dumps(listing, indent=2))
         return 0
     rows = [("TOOL", "DESCRIPTION", "AGENTS")]
-    rows += [(name, _cell(described[name], 60), ", ".join(menu[name])) for name in sorted(menu)]
+    rows += [(name, cell(described[name], 60), ", ".join(menu[name])) for name in sorted(menu)]
     if menu:
         print_table(rows)
     else:

@@ -36,6 +36,7 @@ from reach_mesh.errors import (
     WorkflowConflictError,
     WorkflowSpecError,
 )
+from reach_mesh.models import TaskState
 from reach_mesh.tracing import (
     SPAN_WORKFLOW,
     SpanKind,
@@ -46,6 +47,7 @@ from reach_mesh.workflow import (
     CancelResult,
     Step,
     WorkflowEvent,
+    WorkflowList,
     WorkflowRecord,
     WorkflowResult,
     WorkflowSpec,
@@ -200,6 +202,30 @@ class WorkflowsMixin:
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
         data = await self._query("workflow", {"workflow_id": workflow_id}, ns=ns)
         return WorkflowView.model_validate_json(data)
+
+    async def list_workflows(
+        self,
+        *,
+        state: TaskState | str | Sequence[TaskState | str] = (),
+        limit: int = 50,
+        since: float = 3600.0,
+        namespace: str | None = None,
+    ) -> WorkflowList:
+        """The workflows of this client's namespace (or ``namespace``) whose record was
+        written in the last ``since`` seconds, newest first, at most ``limit`` (up to 500);
+        only those in ``state`` when given — e.g. ``state=["FAILED", "TIMEOUT"]`` for what
+        failed in the last hour (``reach-mesh workflows``). ``RUNNING`` lists the unfinished.
+        A busy namespace has more records in the window than one list reads: the answer then
+        says ``truncated`` and from when it read (``oldest_read_at``). Bad arguments raise
+        ``BadRequestError`` (from the hub, which checks them)."""
+        ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
+        states = [state] if isinstance(state, str) else list(state)
+        body = {
+            "state": [s.value if isinstance(s, TaskState) else s for s in states],
+            "limit": limit,
+            "since_s": since,
+        }
+        return WorkflowList.model_validate_json(await self._query("workflows", body, ns=ns))
 
     async def cancel_workflow(
         self,

@@ -29,15 +29,14 @@ from reach_mesh._auth import AuthDir
 from reach_mesh._cli_fleet import (
     cmd_agents,
     cmd_audit,
-    cmd_cancel,
     cmd_hubs,
     cmd_inspect,
     cmd_snapshot,
     cmd_tools,
-    cmd_workflow,
     print_table,
     settings_of,
 )
+from reach_mesh._cli_workflows import add_workflow_commands
 from reach_mesh._nats import shown
 from reach_mesh.client import Client
 from reach_mesh.errors import (
@@ -669,32 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", action="store_true", help="print JSON")
     audit.set_defaults(func=cmd_audit)
 
-    workflow = cmd(
-        "workflow", "one workflow as it stands: owner, each step's state, attempts and errors"
-    )
-    workflow.add_argument("workflow_id")
-    workflow.add_argument("--namespace", help="its namespace (default: the configured one)")
-    workflow.add_argument("--json", action="store_true", help="print JSON")
-    workflow.set_defaults(func=cmd_workflow)
-    cancel = cmd(
-        "cancel",
-        "stop a running workflow: unfinished steps are cancelled, its result is FAILED "
-        "(REACH_WORKFLOW_CANCELLED)",
-    )
-    cancel.add_argument("workflow_id")
-    cancel.add_argument("--namespace", help="its namespace (default: the configured one)")
-    cancel.add_argument("--reason", help="why (kept in its result's error and the audit)")
-    cancel.add_argument(
-        "--timeout", type=float, default=10.0, help="seconds to wait for its final result"
-    )
-    cancel.add_argument(
-        "--before-start",
-        action="store_true",
-        help="if no hub has started it yet (its submission waits for a hub), record the cancel "
-        "so that it never runs (an id never submitted keeps the cancel: check it)",
-    )
-    cancel.add_argument("--json", action="store_true", help="print JSON")
-    cancel.set_defaults(func=cmd_cancel)
+    add_workflow_commands(cmd)
 
     snapshot = cmd("snapshot", "export the registry (states, health, heartbeat age) as JSON")
     snapshot.add_argument("-o", "--output", help="file to write (default: stdout)")

@@ -194,8 +194,8 @@ def namespace_of(agent_id: str) -> str:
 
 
 def hub_subject(namespace: str, verb: str) -> str:
-    """``reach.hub.<ns>.<verb>`` — verbs: route, route_batch, report, agents, workflow, cancel,
-    admin.
+    """``reach.hub.<ns>.<verb>`` — verbs: route, route_batch, report, agents, workflow,
+    workflows, cancel, admin.
     ``namespace`` may be ``*`` for the hub's wildcard subscriptions."""
     return f"reach.hub.{namespace}.{verb}"
 

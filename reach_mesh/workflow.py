@@ -41,9 +41,11 @@ __all__ = [
     "TaskStatusEvent",
     "WorkflowEvent",
     "WorkflowKind",
+    "WorkflowList",
     "WorkflowRecord",
     "WorkflowResult",
     "WorkflowSpec",
+    "WorkflowSummary",
     "WorkflowView",
     "check_payload_sizes",
     "input_too_large",
@@ -568,6 +570,47 @@ class WorkflowView(_Wire):
     live: bool = False
     #: What could not be read (a stream or bucket that did not answer): the view is partial.
     unreadable: list[str] = Field(default_factory=list)
+
+
+class WorkflowSummary(_Wire):
+    """One workflow of a :class:`WorkflowList`, as its newest record has it."""
+
+    workflow_id: str
+    kind: WorkflowKind | None = None
+    #: RUNNING until its result is stored; PENDING for one cancelled before any hub took it
+    #: (it will not run: ``error`` says why).
+    state: TaskState
+    steps: int = 0
+    #: Once final: the steps that did not succeed (FAILED or TIMEOUT, cancelled ones included).
+    failed_steps: int = 0
+    owner: str | None = None
+    trace_id: str | None = None
+    submitted_at: float | None = None
+    finished_at: float | None = None
+    duration_ms: float | None = None
+    error: ErrorBody | None = None
+    #: When its newest record was written (the server's time): the order of the list.
+    updated_at: float
+
+
+class WorkflowList(_Wire):
+    """hub → caller or operator (``reach.hub.<ns>.workflows``): a namespace's workflows whose
+    record was written in the window asked for, newest first (``reach-mesh workflows``).
+
+    Read from the newest records back: ``truncated`` says older records of the window were
+    not read (the scan's bound or deadline), so an older workflow may be missing;
+    ``oldest_read_at`` is the time of the oldest write read."""
+
+    namespace: str
+    hub_id: str
+    workflows: list[WorkflowSummary] = Field(default_factory=list)
+    #: Workflows in the window that match the filter (``workflows`` holds the newest ``limit``).
+    matched: int = 0
+    #: Records read, and whether older ones of the window were left unread.
+    scanned: int = 0
+    truncated: bool = False
+    since: float
+    oldest_read_at: float | None = None
 
 
 class CancelResult(_Wire):

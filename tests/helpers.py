@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import random
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -275,3 +278,11 @@ def held_handler(agent: Agent, cap: str, answer: Any = None) -> HeldHandler:
         return answer
 
     return held
+
+
+async def run_cli(nats_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``reach-mesh --nats URL ARGS`` in a process of its own (no ``REACH_``/``OTEL_``
+    variables of this one), in a thread: its exit code and output."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+    argv = [sys.executable, "-m", "reach_mesh.cli", "--nats", nats_url, *args]
+    return await asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True, text=True)

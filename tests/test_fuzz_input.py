@@ -191,6 +191,10 @@ async def test_mutated_and_garbage_input_on_every_surface_is_refused_and_loses_n
         "route": (protocol.hub_subject(ns, "route"), [route, {"agent_id": me, "payload": 1}]),
         "agents": (protocol.hub_subject(ns, "agents"), [{}, {"agent_id": me}]),
         "workflow": (protocol.hub_subject(ns, "workflow"), [{"workflow_id": "fzwf"}]),
+        "workflows": (
+            protocol.hub_subject(ns, "workflows"),
+            [{}, {"state": ["FAILED"], "limit": 5, "since_s": 60}],
+        ),
         "peer workflow": (
             protocol.hub_peer(ns, "workflow", wf_hub.hub_id),
             [{"workflow_id": "fzwf", "within_s": 1.0}],

@@ -36,7 +36,16 @@ BUILT = {
     *(protocol.hub_agent_subject(_AGENT, verb) for verb in protocol.AGENT_VERBS),
     *(
         protocol.hub_subject(_NS, verb)
-        for verb in ("route", "route_batch", "report", "agents", "workflow", "cancel", "admin")
+        for verb in (
+            "route",
+            "route_batch",
+            "report",
+            "agents",
+            "workflow",
+            "workflows",
+            "cancel",
+            "admin",
+        )
     ),
     protocol.hub_broadcast(_NS, "breaker"),
     protocol.hub_peer(_NS, "workflow", "hub1"),

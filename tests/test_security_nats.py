@@ -695,9 +695,10 @@ def test_docker_config_is_valid_with_the_generated_auth(tmp_path: Path) -> None:
 async def test_a_workflow_is_inspected_by_its_namespace_and_operators_only(
     mesh: Mesh, as_identity: Any
 ) -> None:
-    """``reach.hub.<ns>.workflow``: a caller of the namespace and an operator may look at a
-    workflow; another namespace's caller and agents may not ask (the server refuses), and
-    asking in its own namespace finds nothing (records are keyed by namespace)."""
+    """``reach.hub.<ns>.workflow`` (and ``.workflows``, the list): a caller of the namespace
+    and an operator may look at a workflow; another namespace's caller and agents may not ask
+    (the server refuses), and asking in its own namespace finds nothing (records are keyed by
+    namespace)."""
     worker = Agent(ROGUE, settings=mesh.settings("agent", ROGUE))
 
     @worker.handler("rogue:own:v1")
@@ -719,6 +720,15 @@ async def test_a_workflow_is_inspected_by_its_namespace_and_operators_only(
     assert out["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
     rogue = await as_identity("agent", ROGUE)
     await rogue.publish_denied(protocol.hub_subject(NS, "workflow"), body)
+    # The list of a namespace's workflows: the same parties, the same bounds.
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        assert res.workflow_id in [w.workflow_id for w in (await c.list_workflows()).workflows]
+    async with Client(settings=mesh.settings("operator", "admin")) as op:
+        listed = await op.list_workflows(namespace=NS)
+    assert res.workflow_id in [w.workflow_id for w in listed.workflows]
+    await other.publish_denied(protocol.hub_subject(NS, "workflows"), b"{}")
+    assert (await ask(other, protocol.hub_subject("other", "workflows"), b"{}"))["workflows"] == []
+    await rogue.publish_denied(protocol.hub_subject(NS, "workflows"), b"{}")
     # The question one hub asks another (it skips the view budget) is for hubs only.
     for role, name in [("caller", NS), ("agent", ROGUE), ("operator", "admin")]:
         conn = await as_identity(role, name)

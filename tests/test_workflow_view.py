@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from typing import Any
@@ -31,7 +28,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._control import VIEWS_AT_ONCE
 from reach_mesh.hub._wf_view import VIEW_DEADLINE
 
-from .helpers import Fleet, echo_agent, eventually, fetch
+from .helpers import Fleet, echo_agent, eventually, fetch, run_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,15 +161,9 @@ async def test_retries_show_every_attempt_and_the_cli_prints_them(
     ], step
     assert step.history[0].code == "REACH_HANDLER_FAILED" and step.handler_failures == 1
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
-    argv = [sys.executable, "-m", "reach_mesh.cli", "--nats", wf_settings.nats_url]
-    argv += ["workflow", res.workflow_id, "--namespace", ns]
-    table, as_json = await asyncio.gather(
-        asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True, text=True),
-        asyncio.to_thread(
-            subprocess.run, [*argv, "--json"], env=env, capture_output=True, text=True
-        ),
-    )
+    url = wf_settings.nats_url
+    argv = ["workflow", res.workflow_id, "--namespace", ns]
+    table, as_json = await asyncio.gather(run_cli(url, *argv), run_cli(url, *argv, "--json"))
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert (
@@ -185,12 +176,10 @@ async def test_retries_show_every_attempt_and_the_cli_prints_them(
 
     # Unknown: a typed error, exit code 4 (not found) and the code on stderr.
     argv[-3] = "no-such-workflow"
-    missing = await asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True, text=True)
+    missing = await run_cli(url, *argv)
     assert missing.returncode == 4 and "REACH_UNKNOWN_WORKFLOW" in missing.stderr, missing
     # Without --namespace the configured one is asked, and the error says how to ask another.
-    elsewhere = await asyncio.to_thread(
-        subprocess.run, argv[:-2], env=env, capture_output=True, text=True
-    )
+    elsewhere = await run_cli(url, *argv[:-2])
     assert "REACH_UNKNOWN_WORKFLOW" in elsewhere.stderr, elsewhere
     assert "'default'" in elsewhere.stderr and "--namespace" in elsewhere.stderr, elsewhere
 

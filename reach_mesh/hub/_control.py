@@ -28,6 +28,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownWorkflowError,
 )
+from reach_mesh.hub._wf_list import LIST_MAX, SINCE_MAX
 from reach_mesh.hub._wf_view import STEPS_PER_CHARGE, VIEW_DEADLINE
 from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.breaker import caller_report
@@ -41,6 +42,7 @@ from reach_mesh.models import (
     HeartbeatReply,
     RegisterReply,
     RegisterRequest,
+    TaskState,
     UnregisterRequest,
 )
 from reach_mesh.tracing.metrics import HubMetrics
@@ -73,6 +75,9 @@ VIEW_RATE: Final = 20.0
 #: Workflow views one hub reads at once (each for at most ``_wf_view.VIEW_DEADLINE``); more
 #: are refused ``REACH_THROTTLED`` at once instead of holding the hub's request slots.
 VIEWS_AT_ONCE: Final = 8
+#: Views of a namespace's budget one list of its workflows costs (it reads up to
+#: ``_wf_list.SCAN_MAX`` records, in one of the ``VIEWS_AT_ONCE`` slots).
+LIST_CHARGE: Final = 10
 
 
 class ControlMixin:
@@ -316,6 +321,17 @@ class ControlMixin:
                 ask_owner=lambda owner, end: self._ask_owner(ns, workflow_id, owner, end),
             )
         return protocol.encode(view)
+
+    async def _on_workflows(self, msg: Msg, ns: str) -> bytes:
+        """The recent workflows of ``ns`` (``hub/_wf_list.py``). One list reads up to
+        ``SCAN_MAX`` records: it costs ``LIST_CHARGE`` views of the namespace's budget."""
+        states, limit, since_s = _list_asked(_json_object(msg.data))
+        if self.workflows is None:
+            raise MeshUnavailableError("this hub runs no workflow engine")
+        with self._view_slot(peer=False):
+            self._charge_view(ns, LIST_CHARGE)
+            listed = await self.workflows.list(ns, states=states, limit=limit, since_s=since_s)
+        return protocol.encode(listed)
 
     async def _on_peer_workflow(self, msg: Msg, ns: str) -> bytes:
         """Another hub asks for the view of a workflow this hub owns (``hub_peer``): its live
@@ -574,6 +590,28 @@ def _json_object(data: bytes) -> dict[str, Any]:
     if not data.strip():
         return {}
     return protocol.loads_object(data)
+
+
+def _list_asked(body: dict[str, Any]) -> tuple[frozenset[TaskState], int, float]:
+    """``state`` (a state name or a list of them), ``limit`` and ``since_s`` of a list of
+    workflows (``reach.hub.<ns>.workflows``), checked."""
+    raw = body.get("state", [])
+    names = [raw] if isinstance(raw, str) else raw
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadRequestError("state must be a state name or a list of them", field="state")
+    try:
+        states = frozenset(TaskState(n.upper()) for n in names)
+    except ValueError:
+        raise BadRequestError(
+            f"state must be among {', '.join(s.value for s in TaskState)}", field="state"
+        ) from None
+    limit = body.get("limit", 50)
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= LIST_MAX:
+        raise BadRequestError(f"limit must be an integer in [1, {LIST_MAX}]", field="limit")
+    since = body.get("since_s", 3600.0)
+    if isinstance(since, bool) or not isinstance(since, int | float) or not 0 < since <= SINCE_MAX:
+        raise BadRequestError(f"since_s must be in (0, {SINCE_MAX:g}]", field="since_s")
+    return states, limit, float(since)
 
 
 def _within_s(body: dict[str, Any], limit: float, default: float | None = None) -> float:

@@ -227,6 +227,7 @@ class Hub(RoutingMixin, ControlMixin):
             (protocol.hub_subject("*", "agents"), self._on_agents),
             (protocol.hub_subject("*", "admin"), self._on_admin),
             (protocol.hub_subject("*", "workflow"), self._on_workflow),
+            (protocol.hub_subject("*", "workflows"), self._on_workflows),
             # Asked by another hub, about a workflow this one owns (a subject of its own).
             (protocol.hub_peer("*", "workflow", self.hub_id), self._on_peer_workflow),
             (protocol.hub_subject("*", "cancel"), self._on_cancel),

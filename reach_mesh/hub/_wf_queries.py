@@ -23,9 +23,16 @@ from reach_mesh.errors import (
 from reach_mesh.hub import _durable
 from reach_mesh.hub._shapes import WorkflowShapes, final_result
 from reach_mesh.hub._steps import Workflow
+from reach_mesh.hub._wf_list import list_workflows
 from reach_mesh.hub._wf_view import VIEW_DEADLINE, workflow_view
 from reach_mesh.models import ErrorBody, TaskState
-from reach_mesh.workflow import CancelResult, WorkflowRecord, WorkflowView, stored_record
+from reach_mesh.workflow import (
+    CancelResult,
+    WorkflowList,
+    WorkflowRecord,
+    WorkflowView,
+    stored_record,
+)
 
 __all__ = ["WorkflowQueries"]
 
@@ -65,6 +72,20 @@ class WorkflowQueries(WorkflowShapes):
             charge=charge,
             ask_owner=ask_owner,
             within=within,
+        )
+
+    async def list(
+        self,
+        ns: str,
+        *,
+        states: frozenset[TaskState] = frozenset(),
+        limit: int = 50,
+        since_s: float = 3600.0,
+    ) -> WorkflowList:
+        """The recent workflows of ``ns``, newest first (``reach.hub.<ns>.workflows``;
+        ``hub/_wf_list.py``)."""
+        return await list_workflows(
+            self._js, ns, hub_id=self.hub_id, states=states, limit=limit, since_s=since_s
         )
 
     async def cancel(

@@ -56,7 +56,7 @@ from reach_mesh.hub.http_guard import HttpGuard
 from reach_mesh.models import AgentInfo, AgentState, RouteReply
 from reach_mesh.tracing import inject
 from reach_mesh.tracing.metrics import CONTENT_TYPE
-from reach_mesh.workflow import CancelResult, WorkflowView
+from reach_mesh.workflow import CancelResult, WorkflowList, WorkflowView
 
 if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
@@ -287,6 +287,12 @@ class HubHttp:
             responses=_errors(400, 404, 415, 502, 503, *refused),
         )(self.agent_op)
         app.get(
+            "/api/workflows",
+            summary="A namespace's recent workflows, newest first: state, steps, owner, error",
+            response_model=WorkflowList,
+            responses=_errors(400, 429, 503, 504, *refused),
+        )(self.list_workflows)
+        app.get(
             "/api/workflows/{workflow_id}",
             summary="One workflow as it stands: owner, each step's state, attempts and errors",
             response_model=WorkflowView,
@@ -472,6 +478,25 @@ class HubHttp:
     async def get_agent(self, agent_id: AgentIdPath) -> AgentInfo:
         view = self.hub.registry.require(protocol.validate_agent_id(agent_id))
         return view.info(self.hub.registry.now)
+
+    async def list_workflows(
+        self,
+        namespace: NamespaceQuery = None,
+        state: Annotated[
+            list[str] | None, Query(description="only these states (repeat for more)")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=500, description="most workflows listed")] = 50,
+        since_s: Annotated[float, Query(gt=0, le=604_800, description="seconds back")] = 3600,
+    ) -> Response:
+        """``reach.hub.<ns>.workflows`` (``namespace``: ``default`` when not given), asked
+        like any caller asks it: the same budget, any hub."""
+        ns = protocol.DEFAULT_NAMESPACE if namespace is None else namespace
+        body = {"state": state or [], "limit": limit, "since_s": since_s}
+        data = await self.nats_request(
+            protocol.hub_subject(protocol.validate_namespace(ns), "workflows"),
+            protocol.dumps(body),
+        )
+        return Response(data, media_type="application/json")
 
     async def get_workflow(
         self, workflow_id: WorkflowIdPath, namespace: NamespaceQuery = None

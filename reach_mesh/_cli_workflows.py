@@ -1,0 +1,224 @@
+"""The ``reach-mesh`` workflow commands: ``workflow`` (one, as it stands), ``workflows`` (the
+recent ones of a namespace) and ``cancel`` — their arguments and what they print.
+``reach_mesh.cli`` parses the command line and runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+from reach_mesh._cli_fleet import cell, print_table, settings_of
+from reach_mesh.client import Client
+from reach_mesh.errors import UnknownWorkflowError
+from reach_mesh.models import ErrorBody, TaskState
+from reach_mesh.workflow import WorkflowView
+
+__all__ = ["add_workflow_commands"]
+
+
+def add_workflow_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """The workflow commands, added with ``cmd(name, help)`` (``cli.build_parser``)."""
+    workflow = cmd(
+        "workflow", "one workflow as it stands: owner, each step's state, attempts and errors"
+    )
+    workflow.add_argument("workflow_id")
+    workflow.add_argument("--namespace", help="its namespace (default: the configured one)")
+    workflow.add_argument("--json", action="store_true", help="print JSON")
+    workflow.set_defaults(func=cmd_workflow)
+    workflows = cmd(
+        "workflows",
+        "recent workflows of a namespace, newest first: state, steps ok, owner, error",
+    )
+    workflows.add_argument("--namespace", help="the namespace (default: the configured one)")
+    workflows.add_argument(
+        "--state",
+        action="append",
+        metavar="STATE",
+        help="only this state (again for more): RUNNING, SUCCEEDED, FAILED, TIMEOUT, ...",
+    )
+    workflows.add_argument(
+        "--since", type=float, default=3600.0, help="seconds back (default 1 h, at most 7 days)"
+    )
+    workflows.add_argument(
+        "--limit", type=int, default=50, help="most workflows shown (default 50, at most 500)"
+    )
+    workflows.add_argument("--json", action="store_true", help="print JSON")
+    workflows.set_defaults(func=cmd_workflows)
+    cancel = cmd(
+        "cancel",
+        "stop a running workflow: unfinished steps are cancelled, its result is FAILED "
+        "(REACH_WORKFLOW_CANCELLED)",
+    )
+    cancel.add_argument("workflow_id")
+    cancel.add_argument("--namespace", help="its namespace (default: the configured one)")
+    cancel.add_argument("--reason", help="why (kept in its result's error and the audit)")
+    cancel.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for its final result"
+    )
+    cancel.add_argument(
+        "--before-start",
+        action="store_true",
+        help="if no hub has started it yet (its submission waits for a hub), record the cancel "
+        "so that it never runs (an id never submitted keeps the cancel: check it)",
+    )
+    cancel.add_argument("--json", action="store_true", help="print JSON")
+    cancel.set_defaults(func=cmd_cancel)
+
+
+@contextlib.contextmanager
+def _namespace_hint(args: argparse.Namespace, verb: str) -> Iterator[None]:
+    """Workflow ids are per namespace: an unknown one asked without ``--namespace`` most
+    likely lives in another, and the error says how to ``verb`` there."""
+    try:
+        yield
+    except UnknownWorkflowError as err:
+        if args.namespace is not None:
+            raise
+        raise UnknownWorkflowError(
+            f"{err.message} (pass --namespace to {verb} in another)", **err.details
+        ) from err
+
+
+async def cmd_workflow(args: argparse.Namespace) -> int:
+    async with Client(settings=settings_of(args)) as c:
+        with _namespace_hint(args, "ask"):
+            view = await c.inspect_workflow(args.workflow_id, namespace=args.namespace)
+    if args.json:
+        print(view.model_dump_json(indent=2))
+    else:
+        _print_workflow(view)
+    return 0
+
+
+async def cmd_workflows(args: argparse.Namespace) -> int:
+    """The recent workflows of a namespace, newest first: one row each."""
+    async with Client(settings=settings_of(args)) as c:
+        listed = await c.list_workflows(
+            state=args.state or (), limit=args.limit, since=args.since, namespace=args.namespace
+        )
+    if args.json:
+        print(listed.model_dump_json(indent=2))
+        return 0
+    rows = [("WORKFLOW", "KIND", "STATE", "STEPS", "SUBMITTED", "TOOK", "OWNER", "ERROR")]
+    for w in listed.workflows:
+        steps = (
+            f"{w.steps}"
+            if w.state in (TaskState.RUNNING, TaskState.PENDING)
+            else (f"{w.steps - w.failed_steps}/{w.steps} ok")
+        )
+        took = "-" if w.duration_ms is None else f"{w.duration_ms:,.0f} ms"
+        rows.append(
+            (
+                w.workflow_id,
+                w.kind or "?",
+                w.state.value,
+                steps,
+                _when(w.submitted_at),
+                took,
+                w.owner or "-",
+                _said(w.error),
+            )
+        )
+    if listed.workflows:
+        print_table(rows)
+    n = len(listed.workflows)
+    more = f" (the newest {n} of {listed.matched}: --limit)" if listed.matched > n else ""
+    print(
+        f"{listed.matched} workflow(s) of namespace {listed.namespace} since "
+        f"{_when(listed.since)}{more}"
+    )
+    if listed.truncated:
+        print(
+            f"  partial: {listed.scanned:,} records read, back to "
+            f"{_when(listed.oldest_read_at)}; older ones of the window were not read "
+            "(narrow --since)"
+        )
+    return 0
+
+
+async def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel a workflow; 0 once it has its final result (cancelled, or ended by itself
+    first) or when it is cancelled before it started, 1 when its owner is still stopping it
+    after ``--timeout``."""
+    async with Client(settings=settings_of(args)) as c:
+        with _namespace_hint(args, "cancel"):
+            answer = await c.cancel_workflow(
+                args.workflow_id,
+                reason=args.reason,
+                namespace=args.namespace,
+                timeout=args.timeout,
+                before_start=args.before_start,
+            )
+    if args.json:
+        print(answer.model_dump_json(indent=2))
+    elif answer.recorded_before_start:
+        print(
+            f"workflow {answer.workflow_id} (namespace {answer.namespace}): cancelled before it "
+            "started — no hub has taken it yet; the one that takes it ends it FAILED "
+            "(REACH_WORKFLOW_CANCELLED) without running a step. If it was never submitted "
+            "there, check the id and --namespace: a later submission of it there ends "
+            "cancelled."
+        )
+    elif not answer.final:
+        print(
+            f"workflow {answer.workflow_id} ({answer.namespace}): its owner "
+            f"{answer.owner or '-'} is stopping it; not final yet (run this again, or "
+            f"`reach-mesh workflow {answer.workflow_id}`)"
+        )
+    else:
+        how = "cancelled" if answer.cancelled else "not cancelled: it had ended by itself"
+        print(f"workflow {answer.workflow_id} ({answer.namespace}): {how}, {answer.state.value}")
+        result = answer.result
+        if result is not None and result.error is not None:
+            print(f"  error {_said(result.error)}")
+        if result is not None:
+            for s in result.steps:
+                state = s.state.value + (" (cancelled)" if s.cancelled else "")
+                print(f"  step {s.index}: {state}  {s.agent_id or '-'}  {_said(s.error)}")
+    return 0 if answer.final or answer.recorded_before_start else 1
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _said(error: ErrorBody | None) -> str:
+    """An error on one line (its message comes from a handler or a caller's reason: control
+    characters are folded, as in every table cell)."""
+    return "" if error is None else cell(f"{error.code}: {error.message}", 400)
+
+
+def _print_workflow(v: WorkflowView) -> None:
+    """A workflow, then one row per step; a step's earlier attempts indented below it."""
+    print(
+        f"workflow {v.workflow_id} ({v.namespace}): {v.kind or '?'}, policy {v.policy or '?'}, "
+        f"{v.state.value}"
+    )
+    took = "" if v.duration_ms is None else f" ({v.duration_ms:,.0f} ms)"
+    print(f"  submitted {_when(v.submitted_at)}, finished {_when(v.finished_at)}{took}")
+    owner = f"{v.owner or '-'}" + (" (answered live by its owner)" if v.live else "")
+    print(f"  owner {owner}; trace {v.trace_id or '-'}")
+    if v.error is not None:
+        print(f"  error {_said(v.error)}")
+    if v.unreadable:
+        print(f"  partial: could not read {', '.join(v.unreadable)}")
+    rows = [("STEP", "STATE", "ATTEMPT", "AGENT", "TARGET", "ERROR / WAITING")]
+    for s in v.steps:
+        state = s.state.value + (" (cancelled)" if s.cancelled else "")
+        note = _said(s.error)
+        if s.waiting is not None:
+            again = "" if s.retry_in_s is None else f", tries again in {s.retry_in_s:g} s"
+            note = f"waiting: {s.waiting}{again}"
+        # A decided step shows the attempt that decided it (the first outcome of any attempt
+        # wins: it may be an earlier one), the others below it.
+        shown = s.attempt if s.decided_by is None else s.decided_by
+        rows.append((str(s.index), state, str(shown), s.agent_id or "-", s.target or "-", note))
+        for h in s.history:
+            if h.attempt != shown:
+                rows.append(
+                    ("", f"  #{h.attempt} {h.state.value}", "", h.agent_id or "-", "", h.code or "")
+                )
+    print_table(rows, indent="  ")

@@ -1,0 +1,194 @@
+"""``reach.hub.<ns>.workflows``: a namespace's recent workflows, for an operator
+(``Client.list_workflows``, ``reach-mesh workflows``), on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from reach_mesh import (
+    BadRequestError,
+    Client,
+    MeshSettings,
+    Step,
+    TaskState,
+    WorkflowList,
+    protocol,
+)
+from reach_mesh.agent import Task, TaskFailed
+from reach_mesh.hub import Hub, _wf_list
+
+from .helpers import Fleet, echo_agent, fetch, held_handler, run_cli
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _ids(listed: WorkflowList) -> list[str]:
+    return [w.workflow_id for w in listed.workflows]
+
+
+async def test_recent_workflows_newest_first_by_state(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Finished and running workflows of the namespace, each as its newest record has it,
+    newest write first; a state filter, a limit, another namespace, a deleted record."""
+    ns = wf_settings.namespace
+    await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
+    bad = fleet.agent("bad.a1")
+
+    @bad.handler("wf:bad:v1")
+    async def fails(task: Task[Any]) -> Any:
+        raise TaskFailed("no", retryable=False)
+
+    await bad.start()
+    slow = fleet.agent("slow.a1")
+    held = held_handler(slow, "wf:held:v1", "done")
+    await slow.start()
+    async with Client(settings=wf_settings) as mesh:
+        first = await mesh.fanout([Step(capability="wf:ok:v1", payload=i) for i in range(2)])
+        failed = await mesh.fanout(
+            [Step(capability="wf:ok:v1", payload=1), Step(capability="wf:bad:v1", payload=2)]
+        )
+        last = await mesh.chain([Step(capability="wf:ok:v1", payload=3)])
+        running = await mesh.submit_chain([Step(capability="wf:held:v1", payload=4)], timeout=30)
+        await asyncio.wait_for(held.started.wait(), 10)
+        assert first.ok and last.ok and failed.state is TaskState.FAILED
+
+        listed = await mesh.list_workflows()
+        assert _ids(listed) == [running, last.workflow_id, failed.workflow_id, first.workflow_id]
+        assert listed.matched == 4 and not listed.truncated and listed.hub_id == wf_hub.hub_id
+        by_id = {w.workflow_id: w for w in listed.workflows}
+        now = by_id[running]
+        assert (now.state, now.kind, now.steps, now.owner) == (
+            TaskState.RUNNING,
+            "chain",
+            1,
+            wf_hub.hub_id,
+        )
+        lost = by_id[failed.workflow_id]
+        assert (lost.state, lost.kind, lost.steps, lost.failed_steps) == (
+            TaskState.FAILED,
+            "fanout",
+            2,
+            1,
+        )
+        assert lost.error is not None and lost.error.code == "REACH_HANDLER_FAILED"
+        assert lost.finished_at is not None and lost.duration_ms is not None
+        assert lost.trace_id == failed.trace_id
+        assert by_id[first.workflow_id].failed_steps == 0
+
+        # Filtered by state (names in any case, one or several), and limited.
+        only_failed = await mesh.list_workflows(state="failed")
+        assert _ids(only_failed) == [failed.workflow_id] and only_failed.matched == 1
+        done = await mesh.list_workflows(state=[TaskState.SUCCEEDED, TaskState.FAILED], limit=2)
+        assert _ids(done) == [last.workflow_id, failed.workflow_id] and done.matched == 3
+        assert _ids(await mesh.list_workflows(state="RUNNING")) == [running]
+        # Records are keyed by namespace: another one lists none of them.
+        assert (await mesh.list_workflows(namespace=f"{ns}x")).workflows == []
+
+        # Finished: its final record is its newest write; a deleted record is gone.
+        held.release.set()
+        await mesh.workflow(running, timeout=10)
+        assert (await mesh.list_workflows(state="RUNNING")).workflows == []
+        kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+        await kv.delete(protocol.workflow_key(ns, first.workflow_id))
+        after = await mesh.list_workflows()
+        assert _ids(after) == [running, last.workflow_id, failed.workflow_id]
+        assert after.workflows[0].state is TaskState.SUCCEEDED
+
+
+async def test_a_list_reads_the_newest_writes_and_says_when_it_stopped(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More record writes in the window than one list reads: the newest are read, and the
+    answer says the window was not read to its start (and from when it read)."""
+    await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
+    async with Client(settings=wf_settings) as mesh:
+        done = [
+            await mesh.fanout([Step(capability="wf:ok:v1", payload=i)], timeout=10)
+            for i in range(4)
+        ]
+        whole = await mesh.list_workflows()  # the bucket keeps each one's newest write
+        assert not whole.truncated and whole.scanned == 4 and whole.matched == 4
+        monkeypatch.setattr(_wf_list, "SCAN_MAX", 3)
+        part = await mesh.list_workflows()
+    assert part.truncated and 0 < part.scanned <= 3
+    assert _ids(part) == [r.workflow_id for r in reversed(done)][: len(part.workflows)]
+    assert part.workflows and part.oldest_read_at is not None
+    assert part.oldest_read_at >= whole.oldest_read_at  # type: ignore[operator]
+
+
+async def test_bad_list_questions_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettings) -> None:
+    async with Client(settings=wf_settings) as mesh:
+        for kw, field in [
+            ({"state": "BOGUS"}, "state"),
+            ({"state": [1]}, "state"),
+            ({"limit": 0}, "limit"),
+            ({"limit": 501}, "limit"),
+            ({"since": 0}, "since_s"),
+            ({"since": 8 * 86_400.0}, "since_s"),
+        ]:
+            with pytest.raises(BadRequestError) as refused:
+                await mesh.list_workflows(**kw)
+            assert refused.value.details.get("field") == field, (kw, refused.value)
+        # Not a JSON object, or a wrong type: typed errors too, and the hub answers on.
+        for body in (b"[1]", b'{"limit": "ten"}', b'{"since_s": true}', b"{nope"):
+            reply = await mesh.nc.request(
+                protocol.hub_subject(wf_settings.namespace, "workflows"), body, timeout=5
+            )
+            assert b'"REACH_BAD_REQUEST"' in reply.data, (body, reply.data)
+        assert (await mesh.list_workflows()).workflows == []
+
+
+async def test_the_cli_lists_the_failed_ones(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    ns = wf_settings.namespace
+    await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
+    async with Client(settings=wf_settings) as mesh:
+        ok = await mesh.fanout([Step(capability="wf:ok:v1", payload=1)], timeout=10)
+        gone = await mesh.fanout([Step(capability="wf:none:v1", payload=1)], timeout=1.5)
+    assert ok.ok and gone.state is not TaskState.SUCCEEDED
+    url = wf_settings.nats_url
+    argv = ["workflows", "--namespace", ns, "--state", "FAILED", "--state", "TIMEOUT"]
+    table, as_json = await asyncio.gather(run_cli(url, *argv), run_cli(url, *argv, "--json"))
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:3] == ["WORKFLOW", "KIND", "STATE"], lines
+    assert lines[1].split()[:3] == [gone.workflow_id, "fanout", gone.state.value], lines
+    assert "0/1 ok" in lines[1] and ok.workflow_id not in table.stdout
+    assert f"1 workflow(s) of namespace {ns}" in lines[-1]
+    assert as_json.returncode == 0, as_json.stderr
+    assert _ids(WorkflowList.model_validate_json(as_json.stdout)) == [gone.workflow_id]
+    # A bad state: usage error, exit code 2, the code on stderr.
+    bogus = await run_cli(url, *argv[:-4], "--state", "NOPE")
+    assert bogus.returncode == 2 and "REACH_BAD_REQUEST" in bogus.stderr, bogus
+
+
+async def test_the_rest_api_serves_the_same_list(fleet: Fleet, wf_settings: MeshSettings) -> None:
+    ns = wf_settings.namespace
+    async with Hub(settings=wf_settings.model_copy(update={"http_port": 0})) as hub:
+        base = hub.http_url
+        await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
+        async with Client(settings=wf_settings) as mesh:
+            ok = await mesh.fanout([Step(capability="wf:ok:v1", payload=1)], timeout=10)
+            gone = await mesh.fanout([Step(capability="wf:none:v1", payload=1)], timeout=1.5)
+            over_nats = await mesh.list_workflows()
+        status, body = await fetch(f"{base}/api/workflows?namespace={ns}")
+        assert status == 200, body
+        listed = WorkflowList.model_validate_json(body)
+        assert listed.workflows == over_nats.workflows
+        assert _ids(listed) == [gone.workflow_id, ok.workflow_id]
+        status, body = await fetch(
+            f"{base}/api/workflows?namespace={ns}&state=SUCCEEDED&state=RUNNING&limit=5"
+        )
+        assert status == 200 and _ids(WorkflowList.model_validate_json(body)) == [ok.workflow_id]
+        for bad in ("state=NOPE", "limit=0", "limit=501", "since_s=-1", "namespace=a.b"):
+            status, body = await fetch(f"{base}/api/workflows?{bad}")
+            assert status == 400, (bad, status, body)
+            assert json.loads(body)["error"]["code"].startswith("REACH_BAD"), body
+        status, body = await fetch(f"{base}/openapi.json")
+        assert "/api/workflows" in json.loads(body)["paths"]
