@@ -10,14 +10,15 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 
 #: Ports handed out by ``free_port`` in this process: never twice.
 _GIVEN: set[int] = set()
+
+
+_T = TypeVar("_T")
 
 
 def free_port() -> int:
@@ -286,3 +290,45 @@ async def run_cli(nats_url: str, *args: str) -> subprocess.CompletedProcess[str]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
     argv = [sys.executable, "-m", "reach_mesh.cli", "--nats", nats_url, *args]
     return await asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True, text=True)
+
+
+class LoopThread:
+    """An event loop running in a thread of its own, which the test can stall."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="side-loop", daemon=True)
+        self._thread.start()
+
+    async def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``coro`` on this loop; its result (or error) on the caller's."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    async def call(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` called on this loop (reads of the hub's state made between its steps)."""
+
+        async def call() -> _T:
+            return fn()
+
+        return await self.run(call())
+
+    def stall(self, until: threading.Event, at_least: float, limit: float) -> threading.Event:
+        """Block this loop (a blocking call in one of its callbacks, as in a stalled process)
+        for ``at_least`` seconds, and then until ``until`` is set (``limit`` seconds at most
+        in all). Returns an event set once the stall has begun."""
+        begun = threading.Event()
+
+        def block() -> None:
+            begun.set()
+            t0 = time.monotonic()
+            time.sleep(at_least)
+            until.wait(max(0.0, limit - (time.monotonic() - t0)))
+
+        self.loop.call_soon_threadsafe(block)
+        return begun
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()

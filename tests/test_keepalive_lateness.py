@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
-from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
@@ -25,57 +23,13 @@ import pytest
 from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, TaskState
 from reach_mesh.hub import Hub
 
-from .helpers import Fleet, eventually, held_handler
+from .helpers import Fleet, LoopThread, eventually, held_handler
 
 pytestmark = pytest.mark.timeout(60)
 
 T = TypeVar("T")
 
 _TAKEN_OVER = "was taken over by hub hub-b while this hub could not keep it"
-
-
-class _LoopThread:
-    """An event loop running in a thread of its own, which the test can stall."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="hub-a-loop", daemon=True
-        )
-        self._thread.start()
-
-    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on this loop; its result (or error) on the caller's."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
-
-    async def call(self, fn: Callable[[], T]) -> T:
-        """``fn()`` called on this loop (reads of the hub's state made between its steps)."""
-
-        async def call() -> T:
-            return fn()
-
-        return await self.run(call())
-
-    def stall(self, until: threading.Event, at_least: float, limit: float) -> threading.Event:
-        """Block this loop (a blocking call in one of its callbacks, as in a stalled process)
-        for ``at_least`` seconds, and then until ``until`` is set (``limit`` seconds at most
-        in all). Returns an event set once the stall has begun."""
-        begun = threading.Event()
-
-        def block() -> None:
-            begun.set()
-            t0 = time.monotonic()
-            time.sleep(at_least)
-            until.wait(max(0.0, limit - (time.monotonic() - t0)))
-
-        self.loop.call_soon_threadsafe(block)
-        return begun
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 @pytest.mark.parametrize("first_read_fails", [False, True])
@@ -97,7 +51,7 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
     agent = fleet.agent("late.x")
     held = held_handler(agent, "wf:late:v1", "done")
 
-    side = _LoopThread()
+    side = LoopThread()
     unstall = threading.Event()
 
     async def make_a() -> Hub:
