@@ -110,6 +110,10 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
             else (f"{w.steps - w.failed_steps}/{w.steps} ok")
         )
         took = "-" if w.duration_ms is None else f"{w.duration_ms:,.0f} ms"
+        if w.state is TaskState.RUNNING and w.submitted_at is not None:
+            ran = time.time() - w.submitted_at
+            past = w.timeout is not None and ran > w.timeout
+            took = f"{ran:,.0f} s so far" + (" (past its timeout)" if past else "")
         rows.append(
             (
                 w.workflow_id,

@@ -588,6 +588,8 @@ class WorkflowSummary(_Wire):
     submitted_at: float | None = None
     finished_at: float | None = None
     duration_ms: float | None = None
+    #: While it runs: the seconds it may take from its submission (its spec's ``timeout``).
+    timeout: float | None = None
     error: ErrorBody | None = None
     #: When its newest record was written (the server's time): the order of the list.
     updated_at: float

@@ -62,11 +62,12 @@ async def test_recent_workflows_newest_first_by_state(
         assert listed.matched == 4 and not listed.truncated and listed.hub_id == wf_hub.hub_id
         by_id = {w.workflow_id: w for w in listed.workflows}
         now = by_id[running]
-        assert (now.state, now.kind, now.steps, now.owner) == (
+        assert (now.state, now.kind, now.steps, now.owner, now.timeout) == (
             TaskState.RUNNING,
             "chain",
             1,
             wf_hub.hub_id,
+            30.0,
         )
         lost = by_id[failed.workflow_id]
         assert (lost.state, lost.kind, lost.steps, lost.failed_steps) == (
@@ -86,6 +87,13 @@ async def test_recent_workflows_newest_first_by_state(
         done = await mesh.list_workflows(state=[TaskState.SUCCEEDED, TaskState.FAILED], limit=2)
         assert _ids(done) == [last.workflow_id, failed.workflow_id] and done.matched == 3
         assert _ids(await mesh.list_workflows(state="RUNNING")) == [running]
+        shown = await run_cli(
+            wf_settings.nats_url, "workflows", "--namespace", ns, "--state", "running"
+        )
+        assert shown.returncode == 0, shown.stderr
+        (row,) = [ln for ln in shown.stdout.splitlines() if ln.startswith(running)]
+        assert row.split()[1:3] == ["chain", "RUNNING"] and " s so far" in row, row
+        assert "past its timeout" not in row
         # Records are keyed by namespace: another one lists none of them.
         assert (await mesh.list_workflows(namespace=f"{ns}x")).workflows == []
 

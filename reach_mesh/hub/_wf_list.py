@@ -188,6 +188,7 @@ def _summary(wf_id: str, msg: Msg, written: float) -> WorkflowSummary | None:
         owner=record.owner,
         trace_id=record.trace_id,
         submitted_at=record.submitted_at,
+        timeout=None if record.spec is None else record.spec.timeout,
         error=record.cancel,
         updated_at=round(written, 3),
     )
