@@ -214,10 +214,13 @@ class WorkflowsMixin:
         """The workflows of this client's namespace (or ``namespace``) whose record was
         written in the last ``since`` seconds, newest first, at most ``limit`` (up to 500);
         only those in ``state`` when given — e.g. ``state=["FAILED", "TIMEOUT"]`` for what
-        failed in the last hour (``reach-mesh workflows``). ``RUNNING`` lists the unfinished.
-        A busy namespace has more records in the window than one list reads: the answer then
-        says ``truncated`` and from when it read (``oldest_read_at``). Bad arguments raise
-        ``BadRequestError`` (from the hub, which checks them)."""
+        failed in the last hour (``reach-mesh workflows``). A record is written when its
+        workflow starts and when it ends: ``RUNNING`` lists the unfinished that started in the
+        window. A busy namespace has more records in the window than one list reads: the
+        answer then says ``truncated`` and from when it read (``oldest_read_at``). Errors are
+        cut to the start of their message (``inspect_workflow`` has the whole). Bad arguments
+        raise ``BadRequestError`` (from the hub, which checks them); a list the hub cannot read
+        within 2.5 s, ``MeshUnavailableError``."""
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
         states = [state] if isinstance(state, str) else list(state)
         body = {

@@ -599,9 +599,10 @@ class WorkflowList(_Wire):
     """hub → caller or operator (``reach.hub.<ns>.workflows``): a namespace's workflows whose
     record was written in the window asked for, newest first (``reach-mesh workflows``).
 
-    Read from the newest records back: ``truncated`` says older records of the window were
-    not read (the scan's bound or deadline), so an older workflow may be missing;
-    ``oldest_read_at`` is the time of the oldest write read."""
+    The bucket keeps each workflow's newest record, written when it starts and when it ends:
+    one running for longer than the window is not in it. ``truncated``: the window held more
+    records than one list reads, and its older ones were not read (an older workflow may be
+    missing); ``oldest_read_at`` is the time of the oldest record read."""
 
     namespace: str
     hub_id: str

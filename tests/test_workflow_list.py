@@ -13,6 +13,7 @@ from reach_mesh import (
     BadRequestError,
     Client,
     MeshSettings,
+    MeshUnavailableError,
     Step,
     TaskState,
     WorkflowList,
@@ -21,7 +22,7 @@ from reach_mesh import (
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub, _wf_list
 
-from .helpers import Fleet, echo_agent, fetch, held_handler, run_cli
+from .helpers import Fleet, echo_agent, eventually, fetch, held_handler, run_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,3 +201,42 @@ async def test_the_rest_api_serves_the_same_list(fleet: Fleet, wf_settings: Mesh
             assert json.loads(body)["error"]["code"].startswith("REACH_BAD"), body
         status, body = await fetch(f"{base}/openapi.json")
         assert "/api/workflows" in json.loads(body)["paths"]
+
+
+async def test_a_list_is_brief_leaves_no_consumer_and_is_never_silently_partial(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """An error's message is cut and its details left out (a list of 500 stays far below
+    NATS' max_payload, and a hub's memory holds brief records); each list deletes its
+    consumer; a list that cannot be read in time is REACH_UNAVAILABLE, not a list missing
+    its newest records."""
+    ns = wf_settings.namespace
+    bad = fleet.agent("bad.a1")
+
+    @bad.handler("wf:bad:v1")
+    async def fails(task: Task[Any]) -> Any:
+        raise TaskFailed("m" * 3000, retryable=False, trace="d" * 7000)
+
+    await bad.start()
+    js = wf_hub._js
+    assert js is not None
+    stream = f"KV_{protocol.KV_WORKFLOWS}"
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:bad:v1", payload=1)], timeout=10)
+        assert res.error is not None and len(res.error.message) > _wf_list.MESSAGE_MAX
+        assert res.error.details
+        before = (await js.stream_info(stream)).state.consumer_count
+        for _ in range(3):
+            (summary,) = (await mesh.list_workflows()).workflows
+        assert summary.error is not None and summary.error.code == res.error.code
+        assert len(summary.error.message) == _wf_list.MESSAGE_MAX
+        assert summary.error.message.endswith("…") and summary.error.details == {}
+        assert (await js.stream_info(stream)).state.consumer_count == before
+    with pytest.raises(MeshUnavailableError, match="could not be read within"):
+        await _wf_list.list_workflows(js, ns, hub_id=wf_hub.hub_id, within=0.0)
+    # Cut short while its consumer was being made: deleted once made.
+    await eventually(lambda: _consumers(js, stream, before))
+
+
+async def _consumers(js: Any, stream: str, n: int) -> bool:
+    return bool((await js.stream_info(stream)).state.consumer_count == n)

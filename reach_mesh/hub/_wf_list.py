@@ -3,17 +3,21 @@
 operator asks first when callers report failures without an id, or to see what runs now.
 
 Any hub answers, from the ``reach_workflows`` bucket's stream, which keeps each workflow's
-newest record write (its final record once it has one): the namespace's records written in the
-window asked for (``since_s``; a deleted one is left out). The list is bounded whatever the mesh
-holds: at most :data:`SCAN_MAX` records are read, the newest (a busy namespace's older records
-of the window are then not read, and the answer says so), within :data:`LIST_DEADLINE`
-seconds; records are read without their payloads (``_SlimRecord``).
+newest record write (written when it starts and when it ends: a workflow running longer than
+the window asked for, ``since_s``, is not in it; a deleted one is left out). The list is
+bounded whatever the mesh holds: at most :data:`SCAN_MAX` records are read — when the window
+holds more, the newest of the bucket, and the answer says older ones were not read — and
+what a list keeps of each is brief (``_BriefRecord``: no payloads, no error details, an
+error's message cut at :data:`MESSAGE_MAX`). The whole list, JetStream requests included, has
+:data:`LIST_DEADLINE` seconds; past them it is ``REACH_UNAVAILABLE``, never a list that
+silently misses the newest records. Its consumer is deleted when it is done.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import Collection
 from datetime import UTC, datetime
@@ -22,12 +26,12 @@ from typing import Final
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
-from reach_mesh.hub._wf_view import _SlimRecord
-from reach_mesh.models import TaskState
-from reach_mesh.workflow import WorkflowList, WorkflowSummary
+from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.models import ErrorBody, TaskState
+from reach_mesh.workflow import WorkflowKind, WorkflowList, WorkflowSummary
 
 __all__ = ["LIST_DEADLINE", "LIST_MAX", "SCAN_MAX", "SINCE_MAX", "list_workflows"]
 
@@ -37,8 +41,10 @@ SCAN_MAX: Final = 10_000
 LIST_MAX: Final = 500
 #: The longest window (s) a list may ask for: records are kept ``workflow_retention`` anyway.
 SINCE_MAX: Final = 7 * 86_400.0
-#: Seconds a list may take; what has not been read by then is left out (``truncated``).
+#: Seconds a list may take, JetStream requests included (then ``REACH_UNAVAILABLE``).
 LIST_DEADLINE: Final = 2.5
+#: Characters of an error's message a list shows (its details are left out).
+MESSAGE_MAX: Final = 300
 #: Messages read between two turns of the event loop.
 _YIELD_EVERY: Final = 256
 _STREAM: Final = f"KV_{protocol.KV_WORKFLOWS}"
@@ -55,54 +61,67 @@ async def list_workflows(
     within: float = LIST_DEADLINE,
 ) -> WorkflowList:
     """The workflows of ``ns`` whose record was written in the last ``since_s`` seconds, newest
-    first, at most ``limit``; only those in ``states`` when given."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + within
+    first, at most ``limit``; only those in ``states`` when given. ``MeshUnavailableError``
+    when it cannot be read within ``within`` seconds (JetStream unavailable, or the hub too
+    busy): a partial list would miss the newest records, which a list is asked for."""
+    try:
+        async with asyncio.timeout(within):
+            return await _list(js, ns, hub_id, frozenset(states), limit, since_s)
+    except TimeoutError:
+        raise MeshUnavailableError(
+            f"the workflows of namespace {ns!r} could not be read within {within:g} s "
+            "(JetStream unavailable, or this hub busy): ask again, or for a shorter window"
+        ) from None
+
+
+async def _list(
+    js: JetStreamContext,
+    ns: str,
+    hub_id: str,
+    wanted: frozenset[TaskState],
+    limit: int,
+    since_s: float,
+) -> WorkflowList:
     since = datetime.now(UTC).timestamp() - since_s
     subject = f"$KV.{protocol.KV_WORKFLOWS}.{ns}.*"
     prefix = subject[:-1]
     truncated = False
-    sub = await _reader(js, subject, DeliverPolicy.BY_START_TIME, start_time=since)
+    newest: dict[str, WorkflowSummary] = {}  # by id, in the order of their newest write
+    scanned = 0
+    oldest: float | None = None
+    name = _name()
+    sub = await _open(js, subject, name, DeliverPolicy.BY_START_TIME, start_time=since)
     try:
         pending = await _to_read(sub)
         if pending > SCAN_MAX:
             # More records in the window than one list reads: the newest of the whole bucket
             # (of every namespace: the filter cannot count back), down to the window's start.
-            await _close(sub)
+            await _close(js, sub, name)
             info = await js.stream_info(_STREAM)
             first = max(info.state.first_seq, info.state.last_seq - SCAN_MAX + 1)
-            sub = await _reader(js, subject, DeliverPolicy.BY_START_SEQUENCE, start_seq=first)
+            name = _name()
+            sub = await _open(js, subject, name, DeliverPolicy.BY_START_SEQUENCE, start_seq=first)
             pending = await _to_read(sub)
             truncated = True
-        newest: dict[str, WorkflowSummary] = {}  # by id, in the order of their newest write
-        scanned = 0
-        oldest: float | None = None
-        while scanned < pending:
-            left = end - loop.time()
-            if left <= 0:
-                truncated = True
-                break
-            try:
-                msg = await sub.next_msg(timeout=left)
-            except TimeoutError:
-                truncated = True
-                break
-            scanned += 1
-            written = msg.metadata.timestamp.timestamp()
-            oldest = written if oldest is None else oldest
-            wf_id = msg.subject[len(prefix) :] if msg.subject.startswith(prefix) else None
-            if wf_id is not None and written >= since:
-                newest.pop(wf_id, None)
-                summary = _summary(wf_id, msg, written)
-                if summary is not None:
-                    newest[wf_id] = summary
-            if msg.metadata.num_pending == 0:
-                break
-            if scanned % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+        if pending > 0:
+            # (``messages``: no task per message, as ``next_msg`` makes; the caller's timeout
+            # bounds the whole read.)
+            async for msg in sub.messages:
+                scanned += 1
+                written = msg.metadata.timestamp.timestamp()
+                oldest = written if oldest is None else oldest
+                wf_id = msg.subject[len(prefix) :] if msg.subject.startswith(prefix) else None
+                if wf_id is not None and written >= since:
+                    newest.pop(wf_id, None)
+                    summary = _summary(wf_id, msg, written)
+                    if summary is not None:
+                        newest[wf_id] = summary
+                if msg.metadata.num_pending == 0 or scanned >= pending:
+                    break
+                if scanned % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
     finally:
-        await _close(sub)
-    wanted = set(states)
+        await _close(js, sub, name)
     matched = [s for s in reversed(newest.values()) if not wanted or s.state in wanted]
     return WorkflowList(
         namespace=ns,
@@ -116,31 +135,61 @@ async def list_workflows(
     )
 
 
-async def _reader(
+def _name() -> str:
+    return f"reach-{uuid.uuid4().hex}"
+
+
+#: Consumers being deleted after their list was cut short (kept from the garbage collector).
+_CLOSING: set[asyncio.Task[None]] = set()
+
+
+async def _open(
     js: JetStreamContext,
     subject: str,
+    name: str,
     policy: DeliverPolicy,
     *,
     start_time: float | None = None,
     start_seq: int | None = None,
 ) -> JetStreamContext.PushSubscription:
     """An ordered consumer of the bucket's stream on ``subject`` (named: its filter travels in
-    the API subject, as NATS permissions want it), from ``start_time`` or ``start_seq``."""
+    the API subject, as NATS permissions want it), from ``start_time`` or ``start_seq``. It is
+    deleted however its creation ends: a list cut short meanwhile (its deadline) lets the
+    creation finish, then deletes what it made."""
     config = ConsumerConfig(
-        name=f"reach-{uuid.uuid4().hex}",
+        name=name,
         deliver_policy=policy,
         opt_start_time=None if start_time is None else datetime.fromtimestamp(start_time, UTC),
         opt_start_seq=start_seq,
     )
-    return await js.subscribe(
-        subject,
-        stream=_STREAM,
-        ordered_consumer=True,
-        deliver_policy=policy,
-        inactive_threshold=30.0,
-        config=config,
-        pending_msgs_limit=SCAN_MAX,
+    making = asyncio.ensure_future(
+        js.subscribe(
+            subject,
+            stream=_STREAM,
+            ordered_consumer=True,
+            deliver_policy=policy,
+            inactive_threshold=30.0,
+            config=config,
+            pending_msgs_limit=SCAN_MAX,
+        )
     )
+    try:
+        return await asyncio.shield(making)
+    except asyncio.CancelledError:
+        making.add_done_callback(functools.partial(_close_when_made, js, name))
+        raise
+    except Exception:
+        await _close(js, None, name)  # (a timeout may leave it made at the server)
+        raise
+
+
+def _close_when_made(
+    js: JetStreamContext, name: str, making: asyncio.Future[JetStreamContext.PushSubscription]
+) -> None:
+    made = None if making.cancelled() or making.exception() else making.result()
+    task = asyncio.ensure_future(_close(js, made, name))
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
 
 
 async def _to_read(sub: JetStreamContext.PushSubscription) -> int:
@@ -150,9 +199,73 @@ async def _to_read(sub: JetStreamContext.PushSubscription) -> int:
     return (info.num_pending or 0) + (info.delivered.consumer_seq or 0 if info.delivered else 0)
 
 
-async def _close(sub: JetStreamContext.PushSubscription) -> None:
+async def _close(
+    js: JetStreamContext, sub: JetStreamContext.PushSubscription | None, name: str
+) -> None:
+    """Unsubscribe and delete the consumer (an unsubscribe leaves it to its inactivity
+    threshold: a loop of lists would pile them up on the server)."""
+    if sub is not None:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
     with contextlib.suppress(Exception):
-        await sub.unsubscribe()
+        await asyncio.shield(js.delete_consumer(_STREAM, name))
+
+
+# --------------------------------------------------------------------------- brief records
+
+
+class _Brief(BaseModel):
+    """What a list reads of a stored record: payloads, results, error details and each step's
+    outcome are skipped, not built (a list holds up to ``SCAN_MAX`` of them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class _BriefError(_Brief):
+    code: str
+    message: str = ""
+
+
+class _BriefStep(_Brief):
+    state: TaskState
+
+
+class _BriefSpec(_Brief):
+    kind: WorkflowKind
+    steps: list[_Brief] = Field(default_factory=list)  # counted
+    timeout: float | None = None
+
+
+class _BriefResult(_Brief):
+    kind: WorkflowKind
+    state: TaskState
+    steps: list[_BriefStep] = Field(default_factory=list)
+    error: _BriefError | None = None
+    trace_id: str | None = None
+    hub_id: str | None = None
+    finished_at: float | None = None
+    duration_ms: float = 0.0
+
+
+class _BriefRecord(_Brief):
+    spec: _BriefSpec | None = None
+    state: TaskState = TaskState.RUNNING
+    owner: str | None = None
+    trace_id: str | None = None
+    submitted_at: float | None = None
+    cancel: _BriefError | None = None
+    result: _BriefResult | None = None
+
+
+def _error(error: _BriefError | None) -> ErrorBody | None:
+    """An error as a list shows it: its code and the start of its message (an answer of
+    ``LIST_MAX`` workflows stays far below NATS' ``max_payload``)."""
+    if error is None:
+        return None
+    message = error.message
+    if len(message) > MESSAGE_MAX:
+        message = message[: MESSAGE_MAX - 1] + "…"
+    return ErrorBody(code=error.code, message=message)
 
 
 def _summary(wf_id: str, msg: Msg, written: float) -> WorkflowSummary | None:
@@ -160,7 +273,7 @@ def _summary(wf_id: str, msg: Msg, written: float) -> WorkflowSummary | None:
     if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
         return None
     try:
-        record = _SlimRecord.model_validate_json(msg.data)
+        record = _BriefRecord.model_validate_json(msg.data)
     except ValidationError:
         return None
     result = record.result
@@ -176,7 +289,7 @@ def _summary(wf_id: str, msg: Msg, written: float) -> WorkflowSummary | None:
             submitted_at=record.submitted_at,
             finished_at=result.finished_at,
             duration_ms=result.duration_ms,
-            error=result.error,
+            error=_error(result.error),
             updated_at=round(written, 3),
         )
     unstarted = record.owner is None and record.cancel is not None
@@ -189,6 +302,6 @@ def _summary(wf_id: str, msg: Msg, written: float) -> WorkflowSummary | None:
         trace_id=record.trace_id,
         submitted_at=record.submitted_at,
         timeout=None if record.spec is None else record.spec.timeout,
-        error=record.cancel,
+        error=_error(record.cancel),
         updated_at=round(written, 3),
     )
