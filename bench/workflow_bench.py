@@ -34,7 +34,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +228,22 @@ def _agents(settings: MeshSettings) -> list[Agent]:
     return agents
 
 
+@contextlib.contextmanager
+def _profiled(role: str) -> Iterator[None]:
+    """``BENCH_PROFILE_HUB=DIR`` (``BENCH_PROFILE_AGENTS=DIR``): the hub (the agents' process)
+    under pyinstrument meanwhile (the hot spots of its busy samples in
+    DIR/<role>_profile_top.json, as ``make bench PROFILE=1``)."""
+    out = os.environ.get(f"BENCH_PROFILE_{role.upper()}")
+    profiling = None if out is None else _Profiling(Path(out), role)
+    if profiling is not None:
+        profiling.start()
+    try:
+        yield
+    finally:
+        if profiling is not None:
+            profiling.stop()
+
+
 async def _child(role: str, nats_url: str, ns: str) -> None:
     """``--role hub|agents``: serve until stdin closes (the parent exits or kills us)."""
     settings = MeshSettings(nats_url=nats_url, namespace=ns)
@@ -235,32 +251,19 @@ async def _child(role: str, nats_url: str, ns: str) -> None:
     stop = loop.create_future()
     loop.add_reader(sys.stdin.fileno(), lambda: stop.done() or stop.set_result(None))
     if role == "hub":
-        # ``BENCH_PROFILE_HUB=DIR``: the hub under pyinstrument from READY to its stop (the
-        # hot spots of its busy samples in DIR/hub_profile_top.json, as ``make bench PROFILE=1``).
-        out = os.environ.get("BENCH_PROFILE_HUB")
-        profiling = None if out is None else _Profiling(Path(out))
         async with Hub(settings=settings):
             print("READY", flush=True)
             _runner.settle()
-            if profiling is not None:
-                profiling.start()
-            await stop
-            if profiling is not None:
-                profiling.stop()
+            with _profiled("hub"):
+                await stop
     else:
-        # ``BENCH_PROFILE_AGENTS=DIR``: the same for the agents' process (DIR/agents_profile*).
-        out = os.environ.get("BENCH_PROFILE_AGENTS")
-        profiling = None if out is None else _Profiling(Path(out), "agents")
         agents = _agents(settings)
         for agent in agents:
             await agent.start()
         print("READY", flush=True)
         _runner.settle()
-        if profiling is not None:
-            profiling.start()
-        await stop
-        if profiling is not None:
-            profiling.stop()
+        with _profiled("agents"):
+            await stop
         for agent in agents:
             await agent.close()
 

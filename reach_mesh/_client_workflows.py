@@ -219,8 +219,9 @@ class WorkflowsMixin:
         window. A busy namespace has more records in the window than one list reads: the
         answer then says ``truncated`` and from when it read (``oldest_read_at``). Errors are
         cut to the start of their message (``inspect_workflow`` has the whole). Bad arguments
-        raise ``BadRequestError`` (from the hub, which checks them); a list the hub cannot read
-        within 2.5 s, ``MeshUnavailableError``."""
+        raise ``BadRequestError`` (from the hub, which checks them). A list the hub cannot read
+        within 2.5 s is asked again, as every hub query is, until 10 s are up: then
+        ``MeshUnavailableError``."""
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
         states = [state] if isinstance(state, str) else list(state)
         body = {

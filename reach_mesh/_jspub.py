@@ -46,7 +46,7 @@ from nats.js.errors import (
 from reach_mesh._batch import private_inbox, reply_token
 from reach_mesh._retry import no_message
 
-__all__ = ["Ack", "JsClient", "kv_subject"]
+__all__ = ["Ack", "JsClient", "kv_marker", "kv_stream", "kv_subject"]
 
 log = logging.getLogger("reach_mesh.jspub")
 
@@ -90,6 +90,17 @@ class Ack:
 def kv_subject(bucket: str, key: str) -> str:
     """The subject a KV bucket stores ``key`` under."""
     return f"$KV.{bucket}.{key}"
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream a KV bucket is."""
+    return f"KV_{bucket}"
+
+
+def kv_marker(headers: dict[str, str] | None) -> bool:
+    """Whether a KV message with ``headers`` is a delete or purge marker (the key reads as
+    absent)."""
+    return (headers or {}).get(_KV_OPERATION) in ("DEL", "PURGE")
 
 
 class JsClient:
@@ -244,7 +255,7 @@ class JsClient:
         empty."""
         msg = await self._direct_get(f"$JS.API.DIRECT.GET.KV_{bucket}.{kv_subject(bucket, key)}")
         headers = msg.headers or {}
-        marker = headers.get(_KV_OPERATION) in ("DEL", "PURGE")
+        marker = kv_marker(headers)
         if not msg.data and not marker:
             status = headers.get("Status")
             if status == "404" or not status:
@@ -260,12 +271,12 @@ class JsClient:
         is no message. A "not found" of the stream itself (being recovered: it knows nothing,
         and "no such key" would be a wrong answer) propagates."""
         try:
-            raw = await self._js.get_last_msg(f"KV_{bucket}", kv_subject(bucket, key))
+            raw = await self._js.get_last_msg(kv_stream(bucket), kv_subject(bucket, key))
         except NotFoundError as err:
             if not no_message(err):
                 raise
             return None
-        marker = (raw.headers or {}).get(_KV_OPERATION) in ("DEL", "PURGE")
+        marker = kv_marker(raw.headers)
         if not raw.data and not marker:
             return None
         return raw.data or b"", int(raw.seq or 0), marker

@@ -581,7 +581,8 @@ class WorkflowSummary(_Wire):
     #: (it will not run: ``error`` says why).
     state: TaskState
     steps: int = 0
-    #: Once final: the steps that did not succeed (FAILED or TIMEOUT, cancelled ones included).
+    #: Once final: the steps that did not succeed (failed, timed out, cancelled, or never run:
+    #: a chain's steps after the one it failed at).
     failed_steps: int = 0
     owner: str | None = None
     trace_id: str | None = None

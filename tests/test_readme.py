@@ -112,7 +112,7 @@ EXPECT = {
         r"TOOL\s+DESCRIPTION\s+AGENTS\n(?s:.*)translate\s+Translate text\s+demo\.translator\.t1"
     ),
     "shop:price:v1": r'"state": "SUCCEEDED"(?s:.*)"price": 9\.5',
-    "workflows": r"^\d+ workflow\(s\) of namespace demo since ",
+    "workflows": r"(?m)^\d+ workflow\(s\) of namespace demo since ",
 }
 
 

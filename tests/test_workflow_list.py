@@ -7,6 +7,7 @@ import asyncio
 import json
 from typing import Any
 
+import nats.js.errors
 import pytest
 
 from reach_mesh import (
@@ -112,8 +113,9 @@ async def test_recent_workflows_newest_first_by_state(
 async def test_a_list_reads_the_newest_writes_and_says_when_it_stopped(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """More record writes in the window than one list reads: the newest are read, and the
-    answer says the window was not read to its start (and from when it read)."""
+    """More records in the window than one list reads: those among the bucket's last writes
+    are read (the newest workflows), and the answer says the window was not read to its
+    start, and from when it read."""
     await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
     async with Client(settings=wf_settings) as mesh:
         done = [
@@ -124,10 +126,11 @@ async def test_a_list_reads_the_newest_writes_and_says_when_it_stopped(
         assert not whole.truncated and whole.scanned == 4 and whole.matched == 4
         monkeypatch.setattr(_wf_list, "SCAN_MAX", 3)
         part = await mesh.list_workflows()
-    assert part.truncated and 0 < part.scanned <= 3
-    assert _ids(part) == [r.workflow_id for r in reversed(done)][: len(part.workflows)]
-    assert part.workflows and part.oldest_read_at is not None
-    assert part.oldest_read_at >= whole.oldest_read_at  # type: ignore[operator]
+    newest_first = [r.workflow_id for r in reversed(done)]
+    assert part.truncated and 0 < part.scanned < 4 and part.matched == part.scanned
+    assert _ids(part) == newest_first[: part.scanned]  # the oldest one was not read
+    assert whole.oldest_read_at is not None and part.oldest_read_at is not None
+    assert part.oldest_read_at > whole.oldest_read_at
 
 
 async def test_bad_list_questions_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettings) -> None:
@@ -232,11 +235,25 @@ async def test_a_list_is_brief_leaves_no_consumer_and_is_never_silently_partial(
         assert len(summary.error.message) == _wf_list.MESSAGE_MAX
         assert summary.error.message.endswith("…") and summary.error.details == {}
         assert (await js.stream_info(stream)).state.consumer_count == before
-    with pytest.raises(MeshUnavailableError, match="could not be read within"):
-        await _wf_list.list_workflows(js, ns, hub_id=wf_hub.hub_id, within=0.0)
-    # Cut short while its consumer was being made: deleted once made.
-    await eventually(lambda: _consumers(js, stream, before))
+    made: list[str] = []
+    closed: list[str] = []
+    name, close = _wf_list._name, _wf_list._close
 
+    def named() -> str:
+        made.append(name())
+        return made[-1]
 
-async def _consumers(js: Any, stream: str, n: int) -> bool:
-    return bool((await js.stream_info(stream)).state.consumer_count == n)
+    async def closing(js: Any, sub: Any, consumer: str) -> None:
+        await close(js, sub, consumer)
+        closed.append(consumer)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_wf_list, "_name", named)
+        patch.setattr(_wf_list, "_close", closing)
+        with pytest.raises(MeshUnavailableError, match="could not be read within"):
+            await _wf_list.list_workflows(js, ns, hub_id=wf_hub.hub_id, within=0.0)
+        # Cut short while its consumer was being made: deleted once made.
+        await eventually(lambda: closed == made)
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await js.consumer_info(stream, made[0])
+    assert (await js.stream_info(stream)).state.consumer_count == before

@@ -29,6 +29,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._jspub import kv_marker, kv_stream, kv_subject
 from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import WorkflowKind, WorkflowList, WorkflowSummary
@@ -47,7 +48,7 @@ LIST_DEADLINE: Final = 2.5
 MESSAGE_MAX: Final = 300
 #: Messages read between two turns of the event loop.
 _YIELD_EVERY: Final = 256
-_STREAM: Final = f"KV_{protocol.KV_WORKFLOWS}"
+_STREAM: Final = kv_stream(protocol.KV_WORKFLOWS)
 
 
 async def list_workflows(
@@ -83,7 +84,7 @@ async def _list(
     since_s: float,
 ) -> WorkflowList:
     since = datetime.now(UTC).timestamp() - since_s
-    subject = f"$KV.{protocol.KV_WORKFLOWS}.{ns}.*"
+    subject = kv_subject(protocol.KV_WORKFLOWS, f"{ns}.*")
     prefix = subject[:-1]
     truncated = False
     newest: dict[str, WorkflowSummary] = {}  # by id, in the order of their newest write
@@ -94,8 +95,9 @@ async def _list(
     try:
         pending = await _to_read(sub)
         if pending > SCAN_MAX:
-            # More records in the window than one list reads: the newest of the whole bucket
-            # (of every namespace: the filter cannot count back), down to the window's start.
+            # More records in the window than one list reads: those among the bucket's last
+            # SCAN_MAX writes (of every namespace: the filter cannot count back; superseded
+            # writes are gone, so there are fewer records than that).
             await _close(js, sub, name)
             info = await js.stream_info(_STREAM)
             first = max(info.state.first_seq, info.state.last_seq - SCAN_MAX + 1)
@@ -121,7 +123,8 @@ async def _list(
                 if scanned % _YIELD_EVERY == 0:
                     await asyncio.sleep(0)
     finally:
-        await _close(js, sub, name)
+        # (shielded: a deadline that fires in it still deletes the consumer)
+        await asyncio.shield(_close(js, sub, name))
     matched = [s for s in reversed(newest.values()) if not wanted or s.state in wanted]
     return WorkflowList(
         namespace=ns,
@@ -170,7 +173,6 @@ async def _open(
             deliver_policy=policy,
             inactive_threshold=30.0,
             config=config,
-            pending_msgs_limit=SCAN_MAX,
         )
     )
     try:
@@ -208,7 +210,7 @@ async def _close(
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
     with contextlib.suppress(Exception):
-        await asyncio.shield(js.delete_consumer(_STREAM, name))
+        await js.delete_consumer(_STREAM, name)
 
 
 # --------------------------------------------------------------------------- brief records
@@ -270,7 +272,7 @@ def _error(error: _BriefError | None) -> ErrorBody | None:
 
 def _summary(wf_id: str, msg: Msg, written: float) -> WorkflowSummary | None:
     """What a list shows of one record write; None for a delete, or a record it cannot read."""
-    if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
+    if kv_marker(msg.headers) or not msg.data:
         return None
     try:
         record = _BriefRecord.model_validate_json(msg.data)
