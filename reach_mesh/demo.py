@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -207,6 +208,18 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
         out(
             f"[{'ok ' if good else 'ERR'}] cancelled: chain {waiting} -> {stopped.state.value} "
             f"{code} ({steps}) (reach-mesh cancel {waiting} --namespace {mesh.namespace})"
+        )
+        # The namespace's recent workflows, newest first (`reach-mesh workflows`).
+        listed = await mesh.list_workflows(since=600, limit=500)
+        by_state = Counter(w.state.value for w in listed.workflows)
+        shown = ", ".join(f"{n} {state}" for state, n in sorted(by_state.items()))
+        mine = {fan.workflow_id, waiting} <= {w.workflow_id for w in listed.workflows}
+        if not mine:
+            failures += 1
+        out(
+            f"[{'ok ' if mine else 'ERR'}] listed: {listed.matched} workflow(s) in the last 10 "
+            f"minutes: {shown} (reach-mesh workflows --namespace {mesh.namespace} "
+            "--state FAILED)"
         )
         try:
             with _quiet("reach_mesh.hub"):  # on purpose: not a fault worth the hub's WARNING

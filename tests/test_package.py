@@ -75,6 +75,7 @@ async def test_demo_runs_to_completion(nats_url: str) -> None:
     assert "[ok ] inspected: fanout " in text and "SUCCEEDED at attempt 1, " * 2 in text
     assert "[ok ] cancelled: chain " in text
     assert "FAILED REACH_WORKFLOW_CANCELLED (step 0 SUCCEEDED, step 1 cancelled)" in text
+    assert "[ok ] listed: " in text and "1 FAILED" in text  # the cancelled chain
     assert lines[-1] == "demo finished: all tasks succeeded"
 
 
