@@ -6,7 +6,8 @@ Any hub answers, from the ``reach_workflows`` bucket's stream, which keeps each 
 newest record write (written when it starts and when it ends: a workflow running longer than
 the window asked for, ``since_s``, is not in it; a deleted one is left out). The list is
 bounded whatever the mesh holds: at most :data:`SCAN_MAX` records are read — when the window
-holds more, the newest of the bucket, and the answer says older ones were not read — and
+holds more, those among the bucket's last :data:`SCAN_MAX` writes, and the answer says older
+ones were not read — and
 what a list keeps of each is brief (``_BriefRecord``: no payloads, no error details, an
 error's message cut at :data:`MESSAGE_MAX`). The whole list, JetStream requests included, has
 :data:`LIST_DEADLINE` seconds; past them it is ``REACH_UNAVAILABLE``, never a list that
