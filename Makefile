@@ -36,7 +36,7 @@ fuzz: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy reach_mesh
+	$(VENV)/bin/mypy reach_mesh tests
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -254,6 +254,7 @@ async def test_a_step_running_through_the_drain_keeps_its_ack_deadline(
         result = await asyncio.wait_for(run, 30)
         assert result.ok, result
         assert runs == 1
+    assert wf_settings.nats_url is not None
     nc = await nats.connect(wf_settings.nats_url)
     try:
         info = await nc.jetstream().consumer_info(
@@ -275,6 +276,7 @@ async def test_a_restart_warms_the_table_with_the_newest_outcomes_only(
 
     monkeypatch.setattr(work_module, "RESULT_CACHE", 5)
     agent_id = f"{namespace}.warm.a1"
+    assert wf_settings.nats_url is not None
     nc = await nats.connect(wf_settings.nats_url)
     try:
         js = nc.jetstream()

@@ -225,8 +225,8 @@ def test_sdk_validates_early() -> None:
         a.handler("bad")
     with pytest.raises(TypeError, match="async def"):
 
-        @a.handler("a:b:v1")
-        def sync_handler(task: Task[int]) -> int:  # type: ignore[type-var]
+        @a.handler("a:b:v1")  # type: ignore[type-var]
+        def sync_handler(task: Task[int]) -> int:
             return 1
 
     with pytest.raises(TypeError, match="need defaults"):

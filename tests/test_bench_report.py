@@ -12,6 +12,7 @@ import pytest
 from bench import report, routed
 from bench.__main__ import DOC, RESULTS, outputs
 from bench._jsstats import free_port
+from bench.report_gateway import gateway_table
 from bench.report_workflows import workflow_section
 from bench.workflow_bench import measure_cost
 from reach_mesh import Client, MeshSettings, Step, protocol
@@ -157,12 +158,12 @@ def _system(p50: float, p99: float, peak: float, hub_us: float) -> dict[str, Any
 
 def test_the_gateway_is_reported_next_to_the_nats_client_as_ratios() -> None:
     plan = routed.Plan(quick=True)
-    plan.loads = (1000,)
+    plan.loads = (1000,)  # type: ignore[assignment]  # Plan infers a 3-tuple of loads
     systems = {"proxy": _system(1.0, 2.0, 10_000, 30), "http": _system(1.5, 5.0, 6_000, 45)}
     for sys_out in systems.values():
         sys_out["ratio_to_proxy"] = routed._ratios(sys_out, systems["proxy"], plan)
     gateway = {"plan": plan.as_dict(), "routed": {"available": True, "systems": systems}}
-    table = report.gateway_table(gateway)
+    table = gateway_table(gateway)
     assert "| p50 ms @ 1,000/s | 1.00 | 1.50 | 1.50x |" in table
     assert "| p99 ms @ 1,000/s | 2.00 | 5.00 | 2.50x |" in table
     assert "| peak req/s | 10,000 | 6,000 | 60 % |" in table

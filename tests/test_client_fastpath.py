@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from reach_mesh import Client, MeshSettings, protocol
-from reach_mesh.client import (
+from reach_mesh._client_fields import (
     _PROXY_REPLY,
     _TASK_REPLY,
     _envelope,

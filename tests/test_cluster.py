@@ -251,7 +251,10 @@ async def test_a_direct_get_is_answered_around_a_frozen_leader(tmp_path: Path) -
                         return info.cluster.leader
                 return None
 
-            await eventually(leader, timeout=10, interval=0.2)
+            async def elected() -> bool:
+                return bool(await leader())
+
+            await eventually(elected, timeout=10, interval=0.2)
             (frozen,) = [n for n in nodes if n.server_name == await leader()]
         finally:
             await nc.close()

@@ -38,7 +38,8 @@ def _docker_unreachable() -> str | None:
     except ImportError:
         return "testcontainers is not installed: pip install -e '.[dev,docker]'"
     try:
-        docker.from_env(timeout=3).ping()
+        # mypy resolves ``docker`` to the repository's docker/ directory, not the package.
+        docker.from_env(timeout=3).ping()  # type: ignore[attr-defined]
     except Exception as err:
         return f"no Docker engine reachable ({type(err).__name__}: {err})"
     return None

@@ -280,10 +280,10 @@ def test_compose_config_with_docker_compose() -> None:
     assert refused.returncode != 0 and "REACH_UID" in refused.stderr, refused
     out = config(REACH_UID="1234", REACH_GID="5678")
     assert out.returncode == 0, out.stdout + out.stderr
-    config = yaml.safe_load(out.stdout)
-    assert "prometheus" in config["services"]
-    assert config["services"]["hub-1"]["user"] == "1234:5678"
-    assert {"nats-1-data", "nats-2-data", "nats-3-data"} <= set(config["volumes"])
+    compose: dict[str, Any] = yaml.safe_load(out.stdout)
+    assert "prometheus" in compose["services"]
+    assert compose["services"]["hub-1"]["user"] == "1234:5678"
+    assert {"nats-1-data", "nats-2-data", "nats-3-data"} <= set(compose["volumes"])
 
 
 def test_dockerfile_copies_what_exists_and_context_excludes_the_venv() -> None:

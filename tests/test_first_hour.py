@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, TaskState
-from reach_mesh.agent import Agent
+from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import BadRequestError, NoMatchError
 from reach_mesh.hub import Hub
 
@@ -36,14 +36,14 @@ class Pair(BaseModel):
 async def test_handlers_in_every_reasonable_shape(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
-    # ``Task`` is imported here only: with ``from __future__ import annotations`` the
+    # ``LocalTask`` is imported here only: with ``from __future__ import annotations`` the
     # annotations are strings, resolved where the handler is defined.
     from reach_mesh.agent import Task as LocalTask
 
     agent = Agent(f"{namespace}.shapes.a1", settings=settings)
 
     @agent.handler("shape:raw:v1")
-    async def raw(task):
+    async def raw(task):  # type: ignore[no-untyped-def]  # unannotated: one of the shapes
         return {"payload": task.payload, "task_id": bool(task.task_id)}
 
     @agent.handler("shape:local:v1")
@@ -87,19 +87,19 @@ def test_handlers_that_cannot_work_are_refused_with_the_reason(settings: MeshSet
     with pytest.raises(TypeError, match="need defaults"):
 
         @agent.handler("refuse:two:v1")
-        async def two(task, other):
+        async def two(task: Task[Any], other: Any) -> None:
             return None
 
     with pytest.raises(TypeError, match="cannot resolve an annotation"):
 
         @agent.handler("refuse:unknown:v1")
-        async def unknown(task: NoSuchType) -> None:  # noqa: F821
+        async def unknown(task: NoSuchType) -> None:  # type: ignore[name-defined]  # noqa: F821
             return None
 
     with pytest.raises(TypeError, match="async def"):
 
-        @agent.handler("refuse:sync:v1")
-        def sync(task):
+        @agent.handler("refuse:sync:v1")  # type: ignore[type-var]  # not async: refused
+        def sync(task: Task[Any]) -> None:
             return None
 
 
@@ -116,7 +116,7 @@ async def test_label_numbers_and_booleans_become_selector_strings(
     )
 
     @agent.handler("labels:echo:v1")
-    async def echo(task):
+    async def echo(task: Task[Any]) -> Any:
         return task.payload
 
     assert agent.card().labels == {"mem_gb": "16", "gpu": "true", "ratio": "0.5", "tier": "gold"}
@@ -153,7 +153,7 @@ async def test_no_match_names_the_namespace_that_has_the_agents(
     cap = f"{namespace}x:where:v1"
 
     @agent.handler(cap)
-    async def where(task):
+    async def where(task: Task[Any]) -> Any:
         return "here"
 
     async with agent, Client(settings=settings, namespace=f"{namespace}other") as mesh:
@@ -176,7 +176,7 @@ async def test_a_workflow_in_a_namespace_nobody_serves_says_why(
     cap = f"{namespace}x:wfwhere:v1"
 
     @agent.handler(cap)
-    async def where(task):
+    async def where(task: Task[Any]) -> Any:
         return "here"
 
     async with agent, Client(settings=wf_settings, namespace=f"{namespace}other") as mesh:
@@ -201,7 +201,7 @@ async def test_show_decision_says_why_not_the_agents_the_selector_removed(
     for agent in agents:
 
         @agent.handler("why:echo:v1")
-        async def echo(task):
+        async def echo(task: Task[Any]) -> Any:
             return task.payload
 
     async with agents[0], agents[1], Client(settings=settings) as mesh:
@@ -343,7 +343,7 @@ async def test_reach_waits_the_configured_request_timeout(
     release = asyncio.Event()
 
     @agent.handler("slow:wait:v1")
-    async def wait(task):
+    async def wait(task: Task[Any]) -> None:
         await release.wait()
         return None
 

@@ -53,6 +53,7 @@ async def raw_agent(
     is needed during the test) and, if ``listen``, takes task messages (and, with ``batch``,
     batches) — answering them only if ``answer``: a batch with one batch of replies.
     Yields the messages it received."""
+    assert settings.nats_url is not None
     nc: NATS = await nats.connect(settings.nats_url)
     received: list[Msg] = []
 
@@ -142,6 +143,7 @@ async def test_hung_agent_times_out_on_the_hub_and_its_late_reply_is_dropped(
         late = TaskReply(
             task_id=env.task_id, attempt=env.attempt, agent_id=agent_id, state=TaskState.SUCCEEDED
         )
+        assert settings.nats_url is not None
         nc = await nats.connect(settings.nats_url)
         try:
             await nc.publish(received[0].reply, protocol.encode(late))
@@ -281,6 +283,7 @@ async def test_malformed_batch_lines_are_logged_at_a_rate(
     """Anyone in a namespace may send route batches; each one with a malformed line logged a
     WARNING: a loop of them filled the log. One line per subject per 10 s, the rest counted."""
     caplog.set_level(logging.WARNING, logger="reach_mesh.hub")
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     try:
         subject = protocol.hub_subject(namespace, "route_batch")
@@ -301,6 +304,7 @@ async def test_route_requests_in_one_batch_are_answered_in_one_batch(
 ) -> None:
     traceparent = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     async with echo_agent(f"{namespace}.work.a1", settings):
+        assert settings.nats_url is not None
         nc = await nats.connect(settings.nats_url)
         try:
             inbox = nc.new_inbox()
@@ -355,6 +359,7 @@ async def test_route_requests_in_one_batch_are_answered_in_one_batch(
 async def test_client_sends_concurrent_routes_as_batches(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     seen: list[int] = []
 
@@ -395,6 +400,7 @@ async def test_sdk_agent_takes_batches_and_answers_them_together(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
     agent_id = f"{namespace}.work.a1"
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     batches: list[int] = []
     answers: list[int] = []
@@ -430,6 +436,7 @@ async def test_sdk_agent_answers_bad_batch_lines_and_keeps_serving(
     agent_id = f"{namespace}.work.a1"
     traceparent = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     async with echo_agent(agent_id, settings), Client(settings=settings) as c:
+        assert settings.nats_url is not None
         nc = await nats.connect(settings.nats_url)
         try:
             inbox = nc.new_inbox()
@@ -470,6 +477,7 @@ async def test_direct_mode_calls_a_batch_agent_in_batches(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
     agent_id = f"{namespace}.work.a1"
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     batches: list[int] = []
 

@@ -25,7 +25,7 @@ HOST = {"host": "127.0.0.1:8080"}
 JSON = {"content-type": "application/json"}
 
 
-def code_of(guard: HttpGuard, method: str, path: str, auth: bool = False, **headers: str) -> Any:
+def code_of(guard: HttpGuard, method: str, path: str, auth: bool = False, /, **headers: str) -> Any:
     refusal = guard.check(
         method, path, {k.replace("_", "-"): v for k, v in headers.items()}, auth=auth
     )

@@ -20,6 +20,7 @@ from reach_mesh import MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._agent import _BEAT_TRIES
 from reach_mesh.hub import Hub
+from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import AgentState
 
 from .helpers import eventually
@@ -39,6 +40,7 @@ def _agent(agent_id: str, settings: MeshSettings) -> Agent:
 async def _silent_hub(settings: MeshSettings) -> AsyncIterator[list[str]]:
     """A member of the hubs' queue group that takes every heartbeat it is given and never
     answers; yields the subjects of the beats it took."""
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     taken: list[str] = []
 
@@ -83,20 +85,21 @@ async def test_a_silent_hub_costs_no_agent_its_lease(settings: MeshSettings) -> 
     seen: list[tuple[str, AgentState]] = []
     async with Hub(settings=s) as one, Hub(settings=s) as two:
         for hub in (one, two):
-            hub.registry.on_state_change(
-                lambda view, old, new, hub=hub: (
-                    view.agent_id == "pause.echo.a2" and seen.append((hub.hub_id, new))
-                )
-            )
+
+            def record(view: AgentView, old: AgentState, new: AgentState, hub: Hub = hub) -> None:
+                if view.agent_id == "pause.echo.a2":
+                    seen.append((hub.hub_id, new))
+
+            hub.registry.on_state_change(record)
         async with _agent("pause.echo.a2", s):
             for hub in (one, two):
-                await eventually(
-                    lambda hub=hub: (
-                        (v := hub.registry.agents.get("pause.echo.a2")) is not None
-                        and v.state is AgentState.ONLINE
-                    ),
-                    timeout=5,
-                )
+
+                def online(hub: Hub = hub) -> bool:
+                    return (
+                        v := hub.registry.agents.get("pause.echo.a2")
+                    ) is not None and v.state is AgentState.ONLINE
+
+                await eventually(online, timeout=5)
             seen.clear()
             async with _silent_hub(s) as taken:
                 # 3 s of beats, and on until the silent hub was given one: a queue group of

@@ -9,6 +9,7 @@ import uuid
 import nats
 import nats.errors
 import pytest
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError
 from nats.js.api import StreamConfig
@@ -224,7 +225,7 @@ async def test_ask_has_an_unguessable_reply_and_knows_no_responders(nats_url: st
 async def test_pull_consumer_takes_only_jetstream_deliveries(nats_url: str) -> None:
     """Its inbox is unguessable, and a message published into it (not a delivery: no
     ``$JS.ACK`` reply subject) is dropped, never handed over nor acked."""
-    from nats.js.api import ConsumerConfig
+    from nats.js.api import AckPolicy, ConsumerConfig
 
     from reach_mesh._consume import PullConsumer
     from reach_mesh._guard import refused_total
@@ -236,7 +237,7 @@ async def test_pull_consumer_takes_only_jetstream_deliveries(nats_url: str) -> N
     pull = PullConsumer(nc, name, "c", got.append, 4)
     try:
         await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
-        await js.add_consumer(name, ConsumerConfig(durable_name="c", ack_policy="explicit"))
+        await js.add_consumer(name, ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT))
         await pull.start()
         inbox = pull._inbox
         assert len(inbox.rpartition(".")[2]) == 16
@@ -282,7 +283,7 @@ def test_what_hands_a_workflow_back_instead_of_becoming_an_outcome() -> None:
     assert not infrastructure(ValueError("a bug"))
 
 
-async def _scripted_replica(nc: nats.NATS, bucket: str, answer: list[bool]) -> list[str]:
+async def _scripted_replica(nc: NATS, bucket: str, answer: list[bool]) -> list[str]:
     """A replica of a bucket no stream serves (so nothing else answers), on a real server:
     the n-th direct get it is asked is answered (value, revision 7) if ``answer[n]``; never,
     like a frozen node's, otherwise. Returns the requests' reply subjects as they come."""

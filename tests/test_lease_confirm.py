@@ -19,6 +19,7 @@ import nats
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.hub import Hub
+from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import (
     AgentCard,
     AgentState,
@@ -53,9 +54,12 @@ def _stop_heartbeat_watch(hub: Hub) -> None:
 
 def _states(hub: Hub, agent_id: str) -> list[AgentState]:
     seen: list[AgentState] = []
-    hub.registry.on_state_change(
-        lambda view, old, new: view.agent_id == agent_id and seen.append(new)
-    )
+
+    def record(view: AgentView, old: AgentState, new: AgentState) -> None:
+        if view.agent_id == agent_id:
+            seen.append(new)
+
+    hub.registry.on_state_change(record)
     return seen
 
 
@@ -66,6 +70,7 @@ async def test_a_missed_beat_is_read_from_the_stream_leader(
     leader read (``STREAM.MSG.GET``), never by a direct get; once they stop, it is LOST."""
     agent_id = f"{settings.namespace}.confirm.a1"
     session = uuid.uuid4().hex
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     try:
         reads: list[tuple[str, bytes]] = []
@@ -134,6 +139,7 @@ async def test_an_agent_dead_before_its_first_beat_is_never_online_again(
     expiry said twice. It goes SUSPECT, then LOST, once."""
     agent_id = f"{settings.namespace}.confirm.a3"
     seen = _states(hub, agent_id)
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     try:
         await _register(nc, agent_id, uuid.uuid4().hex)  # and never a beat
@@ -152,6 +158,7 @@ async def test_a_hub_told_of_a_loss_by_another_lists_it_as_recently_lost(
     ``inspect`` answer from whichever hub). An agent that says goodbye is not LOST."""
     async with Hub(settings=settings) as other:
         agent_id = f"{settings.namespace}.confirm.a4"
+        assert settings.nats_url is not None
         nc = await nats.connect(settings.nats_url)
         try:
             await _register(nc, agent_id, uuid.uuid4().hex)
@@ -198,6 +205,7 @@ async def test_a_starting_hub_audits_no_state_change_of_healthy_agents(
     ``SUSPECT -> ONLINE`` for every healthy agent, the runbook's sign of a flapping one."""
     agent_id = f"{settings.namespace}.confirm.a6"
     session = uuid.uuid4().hex
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     try:
         await _register(nc, agent_id, session)
@@ -238,6 +246,7 @@ async def test_a_restarted_agent_dead_before_its_first_beat_is_not_revived(
     as another session's. It is remembered all the same: read back before LOST it renews
     nothing (the crash loop of an agent that dies before its first beat)."""
     agent_id = f"{settings.namespace}.confirm.a7"
+    assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     try:
         await _register(nc, agent_id, uuid.uuid4().hex)

@@ -64,7 +64,7 @@ async def test_one_quarantine_is_counted_once_whatever_the_state_does_meanwhile(
     lines = [
         r
         for r in caplog.records
-        if getattr(r, "event", None) == QUARANTINE and r.agent_id == agent.agent_id
+        if getattr(r, "event", None) == QUARANTINE and r.__dict__["agent_id"] == agent.agent_id
     ]
     assert len(lines) == 2
 
@@ -101,6 +101,7 @@ async def test_each_hub_and_agent_exports_only_its_own_refusals(
         hubs = (one, two)
         before = [_refused(h.metrics.registry) for h in hubs]
         agent_before = _refused(agent.metrics.registry)
+        assert settings.nats_url is not None
         nc = await nats.connect(settings.nats_url)
         try:
             # Answers asked on a KV subject: dropped unread by whichever hub of the queue

@@ -34,6 +34,7 @@ async def _gather(nc: Any, subject: str, wait: float = 0.5) -> list[dict[str, An
 
 
 async def test_hubs_answer_srv_ping_info_stats(settings: MeshSettings, namespace: str) -> None:
+    assert settings.nats_url is not None
     async with (
         Hub(settings=settings, hub_id=f"micro-{namespace}-1") as h1,
         Hub(settings=settings, hub_id=f"micro-{namespace}-2") as h2,
@@ -80,6 +81,7 @@ async def test_cli_agents_via_micro(settings: MeshSettings, namespace: str) -> N
     import subprocess
     import sys
 
+    assert settings.nats_url is not None
     async with (
         Hub(settings=settings, hub_id=f"cli-{namespace}") as hub,
         fleet_agent(f"{namespace}.w.a1", settings) as agent,

@@ -16,7 +16,7 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -148,6 +148,7 @@ async def test_rest_gateway_dashboard_and_openapi(
         ],
     )
     base = http_hub.http_url
+    assert base is not None
     async with agent:
         status, body = await fetch(
             f"{base}/api/route?namespace={namespace}",
@@ -228,6 +229,7 @@ async def test_operator_actions_are_audited_with_why_and_who_asked(
     ``requester`` is taken). Through the hub's HTTP API it is ``http``, for a cancel too. A
     reason too long is refused (``REACH_BAD_REQUEST``) and nothing is done."""
     agent = echo_agent(f"{namespace}.w.a1", settings)
+    assert settings.nats_url is not None
     agent_id, base, nats_flag = agent.agent_id, http_hub.http_url, ("--nats", settings.nats_url)
     too_long = "x" * (protocol.REASON_MAX + 1)
     since = time.time()
@@ -262,7 +264,7 @@ async def test_operator_actions_are_audited_with_why_and_who_asked(
             )
             assert status == 400 and b"REACH_BAD_REQUEST" in body, body
         assert http_hub.registry.agents[agent_id].state.value == "ONLINE"  # nothing was done
-        done = (
+        done: tuple[tuple[str, dict[str, str]], ...] = (
             ("quarantine", {"reason": "drill"}),
             ("release", {}),
             ("simulate-lost", {"reason": "drill"}),
@@ -372,7 +374,8 @@ async def test_an_agent_that_stops_answering_is_a_warning_at_once(
         await nc.close()
     assert len(taken) == 3
     lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-AGENT-TIMEOUT"]
-    assert [r.agent_id for r in lines] == [agent_id]  # one line per 10 s, not one per task
+    # One line per 10 s, not one per task.
+    assert [r.__dict__["agent_id"] for r in lines] == [agent_id]
 
 
 async def test_slow_routes_are_logged_once_per_agent_per_interval(
@@ -394,8 +397,10 @@ async def test_slow_routes_are_logged_once_per_agent_per_interval(
         )
     assert [a.ok for a in answers] == [True] * 4
     lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-ROUTE-LATENCY"]
-    assert [(r.agent_id, r.suppressed) for r in lines] == [(agent.agent_id, 0)]
-    assert lines[0].elapsed_ms > 250
+    assert [(r.__dict__["agent_id"], r.__dict__["suppressed"]) for r in lines] == [
+        (agent.agent_id, 0)
+    ]
+    assert lines[0].__dict__["elapsed_ms"] > 250
 
 
 async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
@@ -457,8 +462,8 @@ async def test_a_failing_handler_is_logged_with_its_task_and_one_traceback(
         results = [await c.request(capability="work:bug:v1", payload=i) for i in range(3)]
     lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-HANDLER-FAILED"]
     assert [r.levelname for r in lines] == ["WARNING"] * 3
-    assert [r.task_id for r in lines] == [res.task_id for res in results]
-    assert [r.trace_id for r in lines] == [res.trace_id for res in results]
+    assert [r.__dict__["task_id"] for r in lines] == [res.task_id for res in results]
+    assert [r.__dict__["trace_id"] for r in lines] == [res.trace_id for res in results]
     # The traceback once (per capability per minute), not on every failing task.
     assert [r.exc_info is not None for r in lines] == [True, False, False]
 
@@ -518,6 +523,11 @@ def exporter() -> Iterator[InMemorySpanExporter]:
         trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
 
 
+def _parent_span_id(s: ReadableSpan) -> int:
+    assert s.parent is not None
+    return s.parent.span_id
+
+
 async def test_one_trace_id_across_caller_hub_agent(
     exporter: InMemorySpanExporter, hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
@@ -534,11 +544,12 @@ async def test_one_trace_id_across_caller_hub_agent(
     assert res.result["trace_id"] == trace_id  # the handler sees it too
     for name in ("reach.route", "reach.deliver", "reach.handle"):
         assert format(spans[name].context.trace_id, "032x") == trace_id, name
-    assert caller.parent.span_id == root.get_span_context().span_id
-    assert spans["reach.route"].parent.span_id == caller.context.span_id
-    assert spans["reach.deliver"].parent.span_id == spans["reach.route"].context.span_id
-    assert spans["reach.handle"].parent.span_id == spans["reach.deliver"].context.span_id
+    assert _parent_span_id(caller) == root.get_span_context().span_id
+    assert _parent_span_id(spans["reach.route"]) == caller.context.span_id
+    assert _parent_span_id(spans["reach.deliver"]) == spans["reach.route"].context.span_id
+    assert _parent_span_id(spans["reach.handle"]) == spans["reach.deliver"].context.span_id
     attrs = spans["reach.route"].attributes
+    assert attrs is not None
     assert attrs["messaging.system"] == "nats"
     assert attrs["reach.agent_id"] == agent.agent_id
 
@@ -549,6 +560,7 @@ async def test_batched_requests_keep_one_trace_each(
     """Concurrent requests travel in batches on every hop; each keeps its own trace."""
     agent = echo_agent(f"{namespace}.w.a1", settings)
     tracer = trace.get_tracer("test")
+    assert settings.nats_url is not None
     watcher = await nats.connect(settings.nats_url)
     lines: list[int] = []
 
@@ -578,8 +590,8 @@ async def test_batched_requests_keep_one_trace_each(
             and not (s.name == "reach.route" and s.kind is SpanKind.CLIENT)
         }
         assert set(mine) >= {"reach.route", "reach.deliver", "reach.handle"}
-        assert mine["reach.deliver"].parent.span_id == mine["reach.route"].context.span_id
-        assert mine["reach.handle"].parent.span_id == mine["reach.deliver"].context.span_id
+        assert _parent_span_id(mine["reach.deliver"]) == mine["reach.route"].context.span_id
+        assert _parent_span_id(mine["reach.handle"]) == mine["reach.deliver"].context.span_id
 
 
 async def test_trace_id_without_tracing_configured(
@@ -681,6 +693,7 @@ async def test_http_token_guards_the_api_not_metrics_or_probes(
     hub_settings = settings.model_copy(update={"http_port": 0, "http_token": token})
     async with Hub(settings=hub_settings) as hub, echo_agent(f"{namespace}.w.a1", settings):
         base = hub.http_url
+        assert base is not None
         good = {"Authorization": f"Bearer {token}"}
         for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
             status, body = await fetch(f"{base}/api/agents?namespace={namespace}", headers=headers)

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import nats
 import nats.errors
@@ -293,7 +293,7 @@ async def test_impostor_cannot_register_nor_take_the_victims_tasks(
     # Every request still reaches the victim and only it.
     async with Client(settings=mesh.settings("caller", NS)) as c:
         for i in range(10):
-            mode = "direct" if i % 2 else "proxy"
+            mode: Literal["proxy", "direct"] = "direct" if i % 2 else "proxy"
             res = await c.request(capability=CAP, payload=i, mode=mode)
             assert res.result == {"by": VICTIM, "in": i}
     # The rogue's own identity works, for its own id.
@@ -867,7 +867,6 @@ async def test_reply_speaking_for_another_agent_refused(mesh: Mesh, as_identity:
 async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
     """``reach-mesh up --secure DIR``: the embedded server enforces DIR's identities and the
     hub serves as the hub identity."""
-    import functools
     import os
     import signal
     import subprocess
@@ -878,9 +877,10 @@ async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REACH_")}
     cmd = [sys.executable, "-m", "reach_mesh.cli", "up", "--secure", str(d), "--http-port", "-1"]
     cmd += ["--nats-port", "-1"]
-    start = functools.partial(
-        subprocess.Popen, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
-    )
+
+    def start(argv: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+
     proc = await asyncio.to_thread(start, cmd)
     try:
         assert proc.stdout is not None

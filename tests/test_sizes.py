@@ -282,7 +282,7 @@ def _result(kind: str, outcomes: list[tuple[TaskState, Any]], **kw: Any) -> Work
     ok = [s.result if s.ok else None for s in steps]
     return WorkflowResult(
         workflow_id="w",
-        kind=kind,  # type: ignore[arg-type]
+        kind=kind,
         state=kw.pop("state", TaskState.SUCCEEDED),
         steps=steps,
         result=ok if kind == "fanout" else steps[-1].result,

@@ -318,7 +318,7 @@ async def test_mcp_client_both_eras(
         create_mcp_http_client(headers=auth(http_hub)) as http,
     ):
         transport = streamable_http_client(f"{http_hub.http_url}/mcp", http_client=http)
-        async with Client(transport, mode=mode) as client:  # type: ignore[arg-type]
+        async with Client(transport, mode=mode) as client:
             era = MODERN_PROTOCOL_VERSIONS if mode == "auto" else HANDSHAKE_PROTOCOL_VERSIONS
             assert client.protocol_version in era
             assert client.server_capabilities.tools is not None

@@ -230,6 +230,7 @@ async def _last_status(mesh: Client, agent_id: str, task_id: str) -> TaskStatusE
     raw = await mesh.nc.jetstream().get_last_msg(
         protocol.STREAM_STATUS, protocol.task_status(agent_id, task_id)
     )
+    assert raw.data is not None
     return TaskStatusEvent.model_validate_json(raw.data)
 
 
@@ -579,14 +580,16 @@ async def test_retry_intervals_under_their_floors_run_at_the_floors(
         deliver_timeout=0.05,
         silence_timeout=1e-6,
     )
-    policy = engine._policy(Step(capability="wf:ok:v1", retry=spin))
+    policy = engine._policy(Step(capability="wf:ok:v1", retry=spin).spec())
     assert (policy.base, policy.cap) == (0.01, 0.01)
     assert (policy.pending_interval, policy.deliver_timeout, policy.silence_timeout) == (
         0.1,
         0.1,
         0.1,
     )
-    kept = engine._policy(Step(capability="wf:ok:v1", retry=RetryPolicy(pending_interval=2.0)))
+    kept = engine._policy(
+        Step(capability="wf:ok:v1", retry=RetryPolicy(pending_interval=2.0)).spec()
+    )
     assert kept.pending_interval == 2.0 and kept.base == wf_settings.retry_base
     agent = echo_agent(fleet, "floor.a1", "wf:floor:v1")
     await agent.start()

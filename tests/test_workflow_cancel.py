@@ -15,6 +15,7 @@ from typing import Any
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import (
@@ -32,7 +33,7 @@ from reach_mesh import (
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub.workflows import WorkflowEngine
-from reach_mesh.models import ErrorBody
+from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply
 from reach_mesh.workflow import (
     TaskRecord,
     TaskStatusEvent,
@@ -533,6 +534,7 @@ async def test_bad_cancels_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettin
             await mesh.cancel_workflow("../etc")
         with pytest.raises(BadRequestError):
             await mesh.cancel_workflow("x", reason="r" * 201)
+    assert wf_settings.nats_url is not None
     nc = await nats.connect(wf_settings.nats_url)
     try:
         subject = protocol.hub_subject(ns, "cancel")
@@ -572,6 +574,7 @@ async def test_the_cli_and_the_rest_api_cancel(fleet: Fleet, wf_settings: MeshSe
         await running(mesh, by_rest)
 
         env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+        assert wf_settings.nats_url is not None
         argv = [sys.executable, "-m", "reach_mesh.cli", "--nats", wf_settings.nats_url]
         argv += ["cancel", by_cli, "--namespace", ns, "--reason", "from the cli"]
         done = await asyncio.to_thread(
@@ -612,14 +615,14 @@ async def test_the_cli_and_the_rest_api_cancel(fleet: Fleet, wf_settings: MeshSe
         assert answer.final and answer.cancelled, answer
         status, body = await post(f"nothing-here/cancel?namespace={ns}")
         assert status == 404 and body["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
-        early = b'{"before_start": true}'
-        status, body = await post(f"nothing-here/cancel?namespace={ns}", early)
+        before_start = b'{"before_start": true}'
+        status, body = await post(f"nothing-here/cancel?namespace={ns}", before_start)
         assert status == 200 and (body["final"], body["state"], body.get("owner")) == (
             False,
             "PENDING",
             None,
         )
-        status, body = await post("nothing-here/cancel?namespace=nowhere-known", early)
+        status, body = await post("nothing-here/cancel?namespace=nowhere-known", before_start)
         assert status == 404 and body["error"]["code"] == "REACH_UNKNOWN_WORKFLOW"
         assert "nothing was recorded" in body["error"]["message"]
         status, body = await post(f"x/cancel?namespace={ns}", b'{"before_start": "yes"}')
@@ -653,9 +656,11 @@ async def test_a_step_finished_before_the_cancel_keeps_its_result_not_yet_stored
     release = asyncio.Event()
     final = agent.work._final
 
-    async def held_up(*args: Any) -> None:
+    async def held_up(
+        env: TaskEnvelope, headers: dict[str, str], reply: TaskReply, msgs: list[Msg]
+    ) -> None:
         await release.wait()
-        await final(*args)
+        await final(env, headers, reply, msgs)
 
     agent.work._final = held_up  # type: ignore[method-assign]
     try:
@@ -863,20 +868,22 @@ async def test_a_takeover_reads_the_workflow_record_from_the_leader(
     ns = wf_settings.namespace
     held, engine = await _slow_and_ok(wf_hub, fleet)
     wf_id = "taken-lagging"
-    key = protocol.workflow_key(ns, wf_id)
+    wf_key = protocol.workflow_key(ns, wf_id)
     steps = [Step(capability="wf:ok:v1", payload={"i": 1})]
     async with Client(settings=wf_settings) as mesh:
         await seed_owner(mesh, "fanout", steps, wf_id, "hub-gone", [None])
         workflows = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
-        first = await workflows.get(key)
+        first = await workflows.get(wf_key)
         assert first.value is not None
-        await workflows.put(key, first.value)  # the owner's last write: a newer revision
+        await workflows.put(wf_key, first.value)  # the owner's last write: a newer revision
         kv_get = engine._jsc.kv_get
+        assert first.revision is not None
+        written_before = first.value, first.revision
 
-        async def lagging_replica(bucket: str, k: str) -> tuple[bytes, int] | None:
-            if k == key:
-                return first.value, first.revision  # the write before the last
-            return await kv_get(bucket, k)
+        async def lagging_replica(bucket: str, key: str) -> tuple[bytes, int] | None:
+            if key == wf_key:
+                return written_before  # the write before the last
+            return await kv_get(bucket, key)
 
         engine._jsc.kv_get = lagging_replica  # type: ignore[method-assign]
         try:
@@ -902,22 +909,24 @@ async def test_a_record_deleted_by_hand_is_written_over_at_the_leaders_revision(
     ns = wf_settings.namespace
     held, engine = await _slow_and_ok(wf_hub, fleet)
     wf_id = "deleted-lagging"
-    key = protocol.workflow_key(ns, wf_id)
+    wf_key = protocol.workflow_key(ns, wf_id)
     steps = [Step(capability="wf:ok:v1", payload={"i": 1})]
     async with Client(settings=wf_settings) as mesh:
         await seed_owner(mesh, "fanout", steps, wf_id, "hub-gone", [None])
         workflows = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
-        before = await workflows.get(key)
+        before = await workflows.get(wf_key)
         assert before.value is not None
-        await workflows.delete(key)
+        await workflows.delete(wf_key)
         kv_entry = engine._jsc.kv_entry
         lagged: list[str] = []
+        assert before.revision is not None
+        record = before.value, before.revision
 
-        async def behind_the_delete(bucket: str, k: str) -> tuple[bytes, int, bool] | None:
-            if k == key:
-                lagged.append(k)
-                return before.value, before.revision, False  # the record, not its marker
-            return await kv_entry(bucket, k)
+        async def behind_the_delete(bucket: str, key: str) -> tuple[bytes, int, bool] | None:
+            if key == wf_key:
+                lagged.append(key)
+                return *record, False  # the record, not its marker
+            return await kv_entry(bucket, key)
 
         engine._jsc.kv_entry = behind_the_delete  # type: ignore[method-assign]
         try:

@@ -89,6 +89,7 @@ async def test_recent_workflows_newest_first_by_state(
         done = await mesh.list_workflows(state=[TaskState.SUCCEEDED, TaskState.FAILED], limit=2)
         assert _ids(done) == [last.workflow_id, failed.workflow_id] and done.matched == 3
         assert _ids(await mesh.list_workflows(state="RUNNING")) == [running]
+        assert wf_settings.nats_url is not None
         shown = await run_cli(
             wf_settings.nats_url, "workflows", "--namespace", ns, "--state", "running"
         )
@@ -135,14 +136,15 @@ async def test_a_list_reads_the_newest_writes_and_says_when_it_stopped(
 
 async def test_bad_list_questions_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettings) -> None:
     async with Client(settings=wf_settings) as mesh:
-        for kw, field in [
+        bad: list[tuple[dict[str, Any], str]] = [
             ({"state": "BOGUS"}, "state"),
             ({"state": [1]}, "state"),
             ({"limit": 0}, "limit"),
             ({"limit": 501}, "limit"),
             ({"since": 0}, "since_s"),
             ({"since": 8 * 86_400.0}, "since_s"),
-        ]:
+        ]
+        for kw, field in bad:
             with pytest.raises(BadRequestError) as refused:
                 await mesh.list_workflows(**kw)
             assert refused.value.details.get("field") == field, (kw, refused.value)
@@ -165,6 +167,7 @@ async def test_the_cli_lists_the_failed_ones(
         gone = await mesh.fanout([Step(capability="wf:none:v1", payload=1)], timeout=1.5)
     assert ok.ok and gone.state is not TaskState.SUCCEEDED
     url = wf_settings.nats_url
+    assert url is not None
     argv = ["workflows", "--namespace", ns, "--state", "FAILED", "--state", "TIMEOUT"]
     table, as_json = await asyncio.gather(run_cli(url, *argv), run_cli(url, *argv, "--json"))
     assert table.returncode == 0, table.stderr

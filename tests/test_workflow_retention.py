@@ -20,7 +20,7 @@ async def _ages(url: str) -> dict[str, tuple[float | None, float | None]]:
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
-        out = {}
+        out: dict[str, tuple[float | None, float | None]] = {}
         for name in RETENTION_STREAMS:
             cfg = (await js.stream_info(name)).config
             out[name] = (cfg.max_age, cfg.duplicate_window)

@@ -162,6 +162,7 @@ async def test_retries_show_every_attempt_and_the_cli_prints_them(
     assert step.history[0].code == "REACH_HANDLER_FAILED" and step.handler_failures == 1
 
     url = wf_settings.nats_url
+    assert url is not None
     argv = ["workflow", res.workflow_id, "--namespace", ns]
     table, as_json = await asyncio.gather(run_cli(url, *argv), run_cli(url, *argv, "--json"))
     assert table.returncode == 0, table.stderr
@@ -193,6 +194,7 @@ async def test_bad_questions_get_typed_errors(wf_hub: Hub, wf_settings: MeshSett
             await mesh.inspect_workflow("../etc")
         with pytest.raises(BadRequestError):
             await mesh.inspect_workflow("x", namespace="a.b")
+    assert wf_settings.nats_url is not None
     nc = await nats.connect(wf_settings.nats_url)
     try:
         subject = protocol.hub_subject(ns, "workflow")
@@ -282,6 +284,7 @@ async def test_a_hub_reads_a_few_views_at_once_and_refuses_the_rest(
         return await real_view(ns, workflow_id, **kw)
 
     monkeypatch.setattr(engine, "view", slow_view)
+    assert wf_settings.nats_url is not None
     nc = await nats.connect(wf_settings.nats_url)
     try:
         subject = protocol.hub_subject(wf_settings.namespace, "workflow")

@@ -498,7 +498,7 @@ async def test_hub_killed_mid_workflow(
             await asyncio.wait_for(started.wait(), 5)
             kv = await hubs.hub_a.nc.jetstream().key_value(protocol.KV_TASKS)
             key = protocol.task_key(wf_settings.namespace, f"{wf_id}-1")
-            first = await kv.get(key)  # hub A created it when it sent step 1
+            created = await kv.get(key)  # hub A created it when it sent step 1
             await hubs.kill_a()
             assert hubs.hub_b is not None
             # Hub B writes the adopted record again: a CAS hub A still had in flight on the
@@ -506,12 +506,12 @@ async def test_hub_killed_mid_workflow(
             kv = await hubs.hub_b.nc.jetstream().key_value(protocol.KV_TASKS)
 
             async def fenced() -> bool:
-                return (await kv.get(key)).revision != first.revision
+                return (await kv.get(key)).revision != created.revision
 
             await eventually(fenced, timeout=10)
-            assert first.value is not None
+            assert created.value is not None
             with pytest.raises(KeyWrongLastSequenceError):
-                await kv.update(key, first.value, last=first.revision)
+                await kv.update(key, created.value, last=created.revision)
             hold.set()
             res = await mesh.workflow(wf_id, timeout=15)
             # The surviving hub tells the takeover (an operator's sign that a hub failed).
@@ -952,7 +952,8 @@ async def test_a_step_record_create_whose_answer_was_lost_is_the_owners_own(
     another hub's, which would hand the workflow back and take it over from itself."""
     from reach_mesh.hub import _durable
 
-    create, lost = _durable.create, []
+    create = _durable.create
+    lost: list[str] = []
 
     async def answer_lost(bucket: Any, key: str, data: bytes, deadline: float, **kw: Any) -> int:
         revision = await create(bucket, key, data, deadline, **kw)

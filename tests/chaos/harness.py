@@ -564,7 +564,8 @@ async def _get(js: Any, bucket: str, key: str) -> dict[str, Any] | None:
             continue
         if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE") or not msg.data:
             return None
-        return json.loads(msg.data)
+        record: dict[str, Any] = json.loads(msg.data)
+        return record
     raise RuntimeError(f"cannot read {key}")
 
 
