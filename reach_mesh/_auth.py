@@ -145,6 +145,8 @@ def permissions(role: str, name: str) -> dict[str, Any]:
         agent_id = name
         ns = protocol.namespace_of(agent_id)
         durable = protocol.work_consumer(agent_id)
+        status_name = protocol.status_consumer(agent_id)
+        own_status = protocol.task_status(agent_id, ">")
         own_work = protocol.work_subject(ns, agent_id)
         work = protocol.STREAM_WORK
         status = protocol.STREAM_STATUS
@@ -172,9 +174,12 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     f"{_API}.DIRECT.GET.{_KV_TASKS_STREAM}.$KV.{protocol.KV_TASKS}.{ns}.>",
                     # ... and the last status of each of its own tasks (its final statuses,
                     # read back after a restart: the idempotency table).
-                    f"{_API}.CONSUMER.CREATE.{status}.*.{protocol.task_status(agent_id, '>')}",
-                    f"{_API}.CONSUMER.INFO.{status}.*",
-                    f"{_API}.CONSUMER.DELETE.{status}.*",
+                    # Under its own consumer name only: no other agent can re-point or delete
+                    # it (a name the permission did not fix could be re-created by anyone
+                    # allowed to create consumers here who learned it).
+                    f"{_API}.CONSUMER.CREATE.{status}.{status_name}.{own_status}",
+                    f"{_API}.CONSUMER.INFO.{status}.{status_name}",
+                    f"{_API}.CONSUMER.DELETE.{status}.{status_name}",
                     "$JS.FC.>",
                 ]
             },

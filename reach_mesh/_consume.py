@@ -193,6 +193,7 @@ async def last_per_subject(
     *,
     timeout: float = 5.0,
     keep: int | None = None,
+    name: str | None = None,
 ) -> list[Msg]:
     """The last message of each subject of ``stream`` matching ``filter_subject`` (empty ones
     left out), oldest first — the newest ``keep`` of them when given (all are read: memory
@@ -200,14 +201,23 @@ async def last_per_subject(
 
     Read with a *named* ordered consumer: its filter then travels in the API subject
     (``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``), where NATS permissions can hold an
-    identity to its own subjects (docs/security.md) — an unnamed consumer's would not."""
+    identity to its own subjects (docs/security.md) — an unnamed consumer's would not.
+    ``name``: the one this identity's permissions allow (else a random one). A consumer of
+    that name left by an earlier read (a restart within its inactivity threshold) is deleted
+    first: created again as it was, the server would hand back the old one, which has
+    delivered everything already. It is deleted when the read is done."""
+    fixed = name is not None
+    name = name or f"reach-{uuid.uuid4().hex}"
+    if fixed:
+        with contextlib.suppress(NotFoundError):
+            await js.delete_consumer(stream, name)
     sub = await js.subscribe(
         filter_subject,
         stream=stream,
         ordered_consumer=True,
         deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         inactive_threshold=60.0,
-        config=ConsumerConfig(name=f"reach-{uuid.uuid4().hex}"),
+        config=ConsumerConfig(name=name),
     )
     out: collections.deque[Msg] = collections.deque(maxlen=keep)
     tokens = filter_subject.split(".")
@@ -233,6 +243,9 @@ async def last_per_subject(
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
+        if fixed:
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(stream, name)
 
 
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

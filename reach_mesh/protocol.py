@@ -373,6 +373,14 @@ def work_consumer(agent_id: str) -> str:
     return f"work-{agent_id.replace('.', '_')}-{digest}"[:200]
 
 
+def status_consumer(agent_id: str) -> str:
+    """Name of the consumer ``agent_id`` reads its final statuses back with, from
+    ``REACH_STATUS`` at its start (one name per agent: NATS permissions allow an agent this
+    consumer only, so no other identity can re-point or delete it)."""
+    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:10]
+    return f"status-{agent_id.replace('.', '_')}-{digest}"[:200]
+
+
 def task_key(namespace: str, task_id: str) -> str:
     """Key of a task record in ``reach_tasks``."""
     return f"{namespace}.{task_id}"

@@ -815,6 +815,15 @@ async def test_agent_reads_only_its_own_results_and_namespace(mesh: Mesh, as_ide
     await rogue.publish_denied(f"{api}.{stream}.peek.{protocol.task_status(VICTIM, '*')}")
     await rogue.publish_denied(f"{api}.{stream}.peek.{protocol.task_status('*.*.*', '*')}")
     await rogue.publish_denied(f"{api}.{stream}.peek.reach.status.>")
+    # Its own filter under any name but its own, or the victim's consumer: refused (nobody
+    # but the victim can re-point or delete the consumer the victim reads its results with).
+    own = protocol.task_status(ROGUE, "*")
+    await rogue.publish_denied(f"{api}.{stream}.peek.{own}")
+    await rogue.publish_denied(f"{api}.{stream}.{protocol.status_consumer(VICTIM)}.{own}")
+    await rogue.publish_denied(
+        f"$JS.API.CONSUMER.DELETE.{stream}.{protocol.status_consumer(VICTIM)}"
+    )
+    await rogue.publish_denied(f"$JS.API.CONSUMER.INFO.{stream}.{protocol.status_consumer(VICTIM)}")
     await rogue.publish_denied(
         f"$JS.API.DIRECT.GET.KV_{protocol.KV_TASKS}.$KV.{protocol.KV_TASKS}.other.x"
     )
@@ -1022,7 +1031,11 @@ async def test_a_push_delivery_to_another_agents_subject_is_dropped(
     await rogue.nc.publish(stored, json.dumps(body).encode())
     await rogue.nc.flush()
     refused = refused_total()
-    name = f"push{target}{ROGUE.replace('.', '')}"
+    # The one consumer name its permissions allow it on REACH_STATUS (any other is refused).
+    name = protocol.status_consumer(ROGUE)
+    await rogue.publish_denied(
+        f"$JS.API.CONSUMER.CREATE.{protocol.STREAM_STATUS}.push{target}.{stored}"
+    )
     config: dict[str, Any] = {
         "name": name,
         "filter_subject": stored,
@@ -1104,7 +1117,7 @@ async def test_a_pushed_done_does_not_end_a_callers_wait(mesh: Mesh, as_identity
         await rogue.nc.publish(stored, protocol.encode(forged))
         await rogue.nc.flush()
         refused = refused_total()
-        name = f"pushdone{ROGUE.replace('.', '')}"
+        name = protocol.status_consumer(ROGUE)  # the one its permissions allow
         config = {
             "name": name,
             "filter_subject": stored,

@@ -274,6 +274,7 @@ class WorkConsumer:
                 protocol.STREAM_STATUS,
                 protocol.task_status(agent.agent_id, "*"),
                 keep=RESULT_CACHE,
+                name=protocol.status_consumer(agent.agent_id),
             )
         except Exception:
             log.warning("cannot load the final statuses of %s", agent.agent_id, exc_info=True)
