@@ -10,6 +10,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
+from reach_mesh import protocol
 from reach_mesh._cli_fleet import cell, print_table, settings_of
 from reach_mesh.client import Client
 from reach_mesh.errors import UnknownWorkflowError
@@ -17,6 +18,23 @@ from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import WorkflowView
 
 __all__ = ["add_workflow_commands"]
+
+
+def _within(
+    kind: Callable[[str], float], low: float, high: float, *, low_open: bool = False
+) -> Callable[[str], float]:
+    """An argparse type: ``kind(text)`` in [``low``, ``high``] (``(low, high]`` when
+    ``low_open``), else a usage error that names the bounds (not the hub's field name)."""
+
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value < low or (low_open and value == low) or value > high:
+            left = "(" if low_open else "["
+            raise argparse.ArgumentTypeError(f"{text} is not in {left}{low:g}, {high:g}]")
+        return value
+
+    parse.__name__ = kind.__name__  # (argparse names it in "invalid <name> value")
+    return parse
 
 
 def add_workflow_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) -> None:
@@ -40,10 +58,16 @@ def add_workflow_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) ->
         help="only this state (again for more): RUNNING, SUCCEEDED, FAILED, TIMEOUT, ...",
     )
     workflows.add_argument(
-        "--since", type=float, default=3600.0, help="seconds back (default 1 h, at most 7 days)"
+        "--since",
+        type=_within(float, 0.0, protocol.WORKFLOW_LIST_SINCE_MAX, low_open=True),
+        default=3600.0,
+        help="seconds back (default 1 h, at most 7 days)",
     )
     workflows.add_argument(
-        "--limit", type=int, default=50, help="most workflows shown (default 50, at most 500)"
+        "--limit",
+        type=_within(int, 1, protocol.WORKFLOW_LIST_MAX),
+        default=50,
+        help=f"most workflows shown (default 50, at most {protocol.WORKFLOW_LIST_MAX})",
     )
     workflows.add_argument("--json", action="store_true", help="print JSON")
     workflows.set_defaults(func=cmd_workflows)

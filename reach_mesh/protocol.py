@@ -426,6 +426,10 @@ def fence_msg_id(namespace: str, task_id: str, attempt: int) -> str:
 #: How long a hub holds a cancel (``reach.hub.<ns>.cancel``) before it answers "not final yet"
 #: (s): under a client's 5 s request timeout.
 CANCEL_WAIT: Final = 3.0
+#: A list of workflows (``reach.hub.<ns>.workflows``): at most this many in one answer
+#: (``limit``), over a window of at most this many seconds (``since_s``).
+WORKFLOW_LIST_MAX: Final = 500
+WORKFLOW_LIST_SINCE_MAX: Final = 7 * 86_400.0
 #: Longest reason a cancel or an operator action may give (kept in the audit and, for a
 #: cancel, in the result's error message).
 REASON_MAX: Final = 200

@@ -260,3 +260,17 @@ async def test_a_list_is_brief_leaves_no_consumer_and_is_never_silently_partial(
     with pytest.raises(nats.js.errors.NotFoundError):
         await js.consumer_info(stream, made[0])
     assert (await js.stream_info(stream)).state.consumer_count == before
+
+
+async def test_the_cli_says_which_bound_a_bad_argument_misses(wf_settings: MeshSettings) -> None:
+    """``--since`` and ``--limit`` out of range: a usage error naming the option and its
+    bounds (exit code 2), before anything is asked of a hub."""
+    url = wf_settings.nats_url
+    assert url is not None
+    for args, said in [
+        (["--since", "0"], "argument --since: 0 is not in (0, 604800]"),
+        (["--since", "abc"], "argument --since: invalid float value: 'abc'"),
+        (["--limit", "501"], "argument --limit: 501 is not in [1, 500]"),
+    ]:
+        run = await run_cli(url, "workflows", *args)
+        assert run.returncode == 2 and said in run.stderr, (args, run.stderr)

@@ -40,9 +40,9 @@ __all__ = ["LIST_DEADLINE", "LIST_MAX", "SCAN_MAX", "SINCE_MAX", "list_workflows
 #: Records one list reads at most (the bucket keeps one per workflow: its newest write).
 SCAN_MAX: Final = 10_000
 #: Workflows one answer holds at most (``limit``).
-LIST_MAX: Final = 500
+LIST_MAX: Final = protocol.WORKFLOW_LIST_MAX
 #: The longest window (s) a list may ask for: records are kept ``workflow_retention`` anyway.
-SINCE_MAX: Final = 7 * 86_400.0
+SINCE_MAX: Final = protocol.WORKFLOW_LIST_SINCE_MAX
 #: Seconds a list may take, JetStream requests included (then ``REACH_UNAVAILABLE``).
 LIST_DEADLINE: Final = 2.5
 #: Characters of an error's message a list shows (its details are left out).
