@@ -60,14 +60,15 @@ def add_workflow_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) ->
     workflows.add_argument(
         "--since",
         type=_within(float, 0.0, protocol.WORKFLOW_LIST_SINCE_MAX, low_open=True),
-        default=3600.0,
+        default=protocol.WORKFLOW_LIST_SINCE,
         help="seconds back (default 1 h, at most 7 days)",
     )
     workflows.add_argument(
         "--limit",
         type=_within(int, 1, protocol.WORKFLOW_LIST_MAX),
-        default=50,
-        help=f"most workflows shown (default 50, at most {protocol.WORKFLOW_LIST_MAX})",
+        default=protocol.WORKFLOW_LIST_LIMIT,
+        help=f"most workflows shown (default {protocol.WORKFLOW_LIST_LIMIT}, at most "
+        f"{protocol.WORKFLOW_LIST_MAX})",
     )
     workflows.add_argument("--json", action="store_true", help="print JSON")
     workflows.set_defaults(func=cmd_workflows)

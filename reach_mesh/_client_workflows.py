@@ -207,8 +207,8 @@ class WorkflowsMixin:
         self,
         *,
         state: TaskState | str | Sequence[TaskState | str] = (),
-        limit: int = 50,
-        since: float = 3600.0,
+        limit: int = protocol.WORKFLOW_LIST_LIMIT,
+        since: float = protocol.WORKFLOW_LIST_SINCE,
         namespace: str | None = None,
     ) -> WorkflowList:
         """The workflows of this client's namespace (or ``namespace``) whose record was

@@ -253,7 +253,9 @@ class JsClient:
         """What :meth:`kv_get` reads, delete and purge markers included: the value, the
         revision and whether it is such a marker; None when there is no message or it is
         empty."""
-        msg = await self._direct_get(f"$JS.API.DIRECT.GET.KV_{bucket}.{kv_subject(bucket, key)}")
+        msg = await self._direct_get(
+            f"$JS.API.DIRECT.GET.{kv_stream(bucket)}.{kv_subject(bucket, key)}"
+        )
         headers = msg.headers or {}
         marker = kv_marker(headers)
         if not msg.data and not marker:

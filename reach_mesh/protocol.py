@@ -426,9 +426,11 @@ def fence_msg_id(namespace: str, task_id: str, attempt: int) -> str:
 #: How long a hub holds a cancel (``reach.hub.<ns>.cancel``) before it answers "not final yet"
 #: (s): under a client's 5 s request timeout.
 CANCEL_WAIT: Final = 3.0
-#: A list of workflows (``reach.hub.<ns>.workflows``): at most this many in one answer
-#: (``limit``), over a window of at most this many seconds (``since_s``).
+#: A list of workflows (``reach.hub.<ns>.workflows``): how many one answer holds (``limit``:
+#: by default, at most) over a window of how many seconds (``since_s``: by default, at most).
+WORKFLOW_LIST_LIMIT: Final = 50
 WORKFLOW_LIST_MAX: Final = 500
+WORKFLOW_LIST_SINCE: Final = 3600.0
 WORKFLOW_LIST_SINCE_MAX: Final = 7 * 86_400.0
 #: Longest reason a cancel or an operator action may give (kept in the audit and, for a
 #: cancel, in the result's error message).

@@ -28,7 +28,6 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownWorkflowError,
 )
-from reach_mesh.hub._wf_list import LIST_MAX, SINCE_MAX
 from reach_mesh.hub._wf_view import STEPS_PER_CHARGE, VIEW_DEADLINE
 from reach_mesh.hub.audit import AuditLog
 from reach_mesh.hub.breaker import caller_report
@@ -605,12 +604,14 @@ def _list_asked(body: dict[str, Any]) -> tuple[frozenset[TaskState], int, float]
         raise BadRequestError(
             f"state must be among {', '.join(s.value for s in TaskState)}", field="state"
         ) from None
-    limit = body.get("limit", 50)
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= LIST_MAX:
-        raise BadRequestError(f"limit must be an integer in [1, {LIST_MAX}]", field="limit")
-    since = body.get("since_s", 3600.0)
-    if isinstance(since, bool) or not isinstance(since, int | float) or not 0 < since <= SINCE_MAX:
-        raise BadRequestError(f"since_s must be in (0, {SINCE_MAX:g}]", field="since_s")
+    limit = body.get("limit", protocol.WORKFLOW_LIST_LIMIT)
+    most = protocol.WORKFLOW_LIST_MAX
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= most:
+        raise BadRequestError(f"limit must be an integer in [1, {most}]", field="limit")
+    since = body.get("since_s", protocol.WORKFLOW_LIST_SINCE)
+    longest = protocol.WORKFLOW_LIST_SINCE_MAX
+    if isinstance(since, bool) or not isinstance(since, int | float) or not 0 < since <= longest:
+        raise BadRequestError(f"since_s must be in (0, {longest:g}]", field="since_s")
     return states, limit, float(since)
 
 

@@ -35,14 +35,10 @@ from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import WorkflowKind, WorkflowList, WorkflowSummary
 
-__all__ = ["LIST_DEADLINE", "LIST_MAX", "SCAN_MAX", "SINCE_MAX", "list_workflows"]
+__all__ = ["LIST_DEADLINE", "SCAN_MAX", "list_workflows"]
 
 #: Records one list reads at most (the bucket keeps one per workflow: its newest write).
 SCAN_MAX: Final = 10_000
-#: Workflows one answer holds at most (``limit``).
-LIST_MAX: Final = protocol.WORKFLOW_LIST_MAX
-#: The longest window (s) a list may ask for: records are kept ``workflow_retention`` anyway.
-SINCE_MAX: Final = protocol.WORKFLOW_LIST_SINCE_MAX
 #: Seconds a list may take, JetStream requests included (then ``REACH_UNAVAILABLE``).
 LIST_DEADLINE: Final = 2.5
 #: Characters of an error's message a list shows (its details are left out).
@@ -58,8 +54,8 @@ async def list_workflows(
     *,
     hub_id: str,
     states: Collection[TaskState] = (),
-    limit: int = 50,
-    since_s: float = 3600.0,
+    limit: int = protocol.WORKFLOW_LIST_LIMIT,
+    since_s: float = protocol.WORKFLOW_LIST_SINCE,
     within: float = LIST_DEADLINE,
 ) -> WorkflowList:
     """The workflows of ``ns`` whose record was written in the last ``since_s`` seconds, newest
@@ -262,7 +258,7 @@ class _BriefRecord(_Brief):
 
 def _error(error: _BriefError | None) -> ErrorBody | None:
     """An error as a list shows it: its code and the start of its message (an answer of
-    ``LIST_MAX`` workflows stays far below NATS' ``max_payload``)."""
+    ``protocol.WORKFLOW_LIST_MAX`` workflows stays far below NATS' ``max_payload``)."""
     if error is None:
         return None
     message = error.message

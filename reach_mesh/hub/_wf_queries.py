@@ -78,9 +78,9 @@ class WorkflowQueries(WorkflowShapes):
         self,
         ns: str,
         *,
-        states: frozenset[TaskState] = frozenset(),
-        limit: int = 50,
-        since_s: float = 3600.0,
+        states: frozenset[TaskState],
+        limit: int,
+        since_s: float,
     ) -> WorkflowList:
         """The recent workflows of ``ns``, newest first (``reach.hub.<ns>.workflows``;
         ``hub/_wf_list.py``)."""

@@ -52,7 +52,6 @@ from reach_mesh.hub._gateway import (
     status_for,
 )
 from reach_mesh.hub._mcp import HubMcp
-from reach_mesh.hub._wf_list import LIST_MAX, SINCE_MAX
 from reach_mesh.hub.http_guard import HttpGuard
 from reach_mesh.models import AgentInfo, AgentState, RouteReply
 from reach_mesh.tracing import inject
@@ -486,8 +485,12 @@ class HubHttp:
         state: Annotated[
             list[str] | None, Query(description="only these states (repeat for more)")
         ] = None,
-        limit: Annotated[int, Query(ge=1, le=LIST_MAX, description="most workflows listed")] = 50,
-        since_s: Annotated[float, Query(gt=0, le=SINCE_MAX, description="seconds back")] = 3600,
+        limit: Annotated[
+            int, Query(ge=1, le=protocol.WORKFLOW_LIST_MAX, description="most workflows listed")
+        ] = protocol.WORKFLOW_LIST_LIMIT,
+        since_s: Annotated[
+            float, Query(gt=0, le=protocol.WORKFLOW_LIST_SINCE_MAX, description="seconds back")
+        ] = protocol.WORKFLOW_LIST_SINCE,
     ) -> Response:
         """``reach.hub.<ns>.workflows`` (``namespace``: ``default`` when not given), asked
         like any caller asks it: the same budget, any hub."""
