@@ -154,6 +154,20 @@ async def test_no_event_hold_stores_every_event(fleet: Fleet, wf_settings: MeshS
     ]
 
 
+async def _following(mesh: Client, wf_id: str) -> tuple[asyncio.Task[None], list[WorkflowEvent]]:
+    """A watch of ``wf_id``'s events in a task of its own (``workflow_events``, 15 s), and
+    the events it has yielded so far, once the first (``start``) has come."""
+    seen: list[WorkflowEvent] = []
+
+    async def follow() -> None:
+        async for ev in mesh.workflow_events(wf_id, timeout=15):
+            seen.append(ev)
+
+    following = asyncio.create_task(follow())
+    await eventually(lambda: any(e.kind == "start" for e in seen))
+    return following, seen
+
+
 async def test_the_result_is_announced_not_stored_twice_and_events_follow_live(
     fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
@@ -174,14 +188,7 @@ async def test_the_result_is_announced_not_stored_twice_and_events_follow_live(
         wf_id = await mesh.submit_chain(
             [Step(capability="wf:live:v1", payload=i) for i in range(2)], timeout=20
         )
-        seen: list[WorkflowEvent] = []
-
-        async def follow() -> None:
-            async for ev in mesh.workflow_events(wf_id, timeout=15):
-                seen.append(ev)
-
-        following = asyncio.create_task(follow())
-        await eventually(lambda: any(e.kind == "start" for e in seen))
+        following, seen = await _following(mesh, wf_id)
         assert not following.done()  # the workflow waits on its handler
         release.set()
         await asyncio.wait_for(following, 15)
@@ -613,14 +620,7 @@ async def test_events_from_another_subject_are_not_the_watched_workflows(
     async with Hub(settings=settings), Client(settings=settings) as mesh:
         await agent.start()
         wf_id = await mesh.submit_chain([Step(capability="wf:repoint:v1", payload=1)], timeout=20)
-        seen: list[WorkflowEvent] = []
-
-        async def follow() -> None:
-            async for ev in mesh.workflow_events(wf_id, timeout=15):
-                seen.append(ev)
-
-        following = asyncio.create_task(follow())
-        await eventually(lambda: any(e.kind == "start" for e in seen))
+        following, seen = await _following(mesh, wf_id)
         js = mesh.nc.jetstream()
         watched = protocol.wf_event(ns, wf_id)
         (info,) = [

@@ -857,6 +857,29 @@ async def test_an_owner_whose_read_lagged_still_stops_its_unneeded_branch(
     assert held.finished == 0
 
 
+_STEPS = [Step(capability="wf:ok:v1", payload={"i": 1})]
+
+
+async def _left_by_a_gone_owner(mesh: Client, wf_id: str) -> tuple[Any, Any]:
+    """A fanout's record as an owner that died left it, and the workflows bucket."""
+    await seed_owner(mesh, "fanout", _STEPS, wf_id, "hub-gone", [None])
+    workflows = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+    entry = await workflows.get(protocol.workflow_key(mesh.namespace, wf_id))
+    assert entry.value is not None and entry.revision is not None
+    return workflows, entry
+
+
+async def _resubmitted_with(
+    engine: WorkflowEngine, read: str, replica: Any, mesh: Client, wf_id: str, wait: float
+) -> WorkflowResult:
+    """The workflow submitted again while the hub's ``JsClient.<read>`` answers as a lagging
+    ``replica``; its result within ``wait`` (less than its ack wait: taken at once)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine._jsc, read, replica)
+        await mesh.submit_fanout(_STEPS, workflow_id=wf_id, timeout=30)
+        return await mesh.workflow(wf_id, timeout=wait)
+
+
 async def test_a_takeover_reads_the_workflow_record_from_the_leader(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -865,19 +888,13 @@ async def test_a_takeover_reads_the_workflow_record_from_the_leader(
     another hub had won (the workflow then waited out its ack wait, unowned). The takeover
     reads the leader: it takes the workflow at once, and the step runs."""
     caplog.set_level(logging.WARNING, logger="reach_mesh.hub.workflows")
-    ns = wf_settings.namespace
     held, engine = await _slow_and_ok(wf_hub, fleet)
     wf_id = "taken-lagging"
-    wf_key = protocol.workflow_key(ns, wf_id)
-    steps = [Step(capability="wf:ok:v1", payload={"i": 1})]
+    wf_key = protocol.workflow_key(wf_settings.namespace, wf_id)
     async with Client(settings=wf_settings) as mesh:
-        await seed_owner(mesh, "fanout", steps, wf_id, "hub-gone", [None])
-        workflows = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
-        first = await workflows.get(wf_key)
-        assert first.value is not None
+        workflows, first = await _left_by_a_gone_owner(mesh, wf_id)
         await workflows.put(wf_key, first.value)  # the owner's last write: a newer revision
         kv_get = engine._jsc.kv_get
-        assert first.revision is not None
         written_before = first.value, first.revision
 
         async def lagging_replica(bucket: str, key: str) -> tuple[bytes, int] | None:
@@ -885,12 +902,8 @@ async def test_a_takeover_reads_the_workflow_record_from_the_leader(
                 return written_before  # the write before the last
             return await kv_get(bucket, key)
 
-        engine._jsc.kv_get = lagging_replica  # type: ignore[method-assign]
-        try:
-            await mesh.submit_fanout(steps, workflow_id=wf_id, timeout=30)
-            res = await mesh.workflow(wf_id, timeout=wf_settings.workflow_ack_wait * 0.8)
-        finally:
-            engine._jsc.kv_get = kv_get  # type: ignore[method-assign]
+        wait = wf_settings.workflow_ack_wait * 0.8
+        res = await _resubmitted_with(engine, "kv_get", lagging_replica, mesh, wf_id, wait)
     assert res.state is TaskState.SUCCEEDED and res.hub_id == wf_hub.hub_id, res
     assert engine.takeover_total >= 1
     assert "was taken over by another hub" not in caplog.text
@@ -906,20 +919,14 @@ async def test_a_record_deleted_by_hand_is_written_over_at_the_leaders_revision(
     workflow waited out its ack wait unowned. The revision is read from the stream's leader,
     which decides the compare-and-set: the hub takes the workflow at once, and it runs."""
     caplog.set_level(logging.WARNING, logger="reach_mesh.hub.workflows")
-    ns = wf_settings.namespace
     held, engine = await _slow_and_ok(wf_hub, fleet)
     wf_id = "deleted-lagging"
-    wf_key = protocol.workflow_key(ns, wf_id)
-    steps = [Step(capability="wf:ok:v1", payload={"i": 1})]
+    wf_key = protocol.workflow_key(wf_settings.namespace, wf_id)
     async with Client(settings=wf_settings) as mesh:
-        await seed_owner(mesh, "fanout", steps, wf_id, "hub-gone", [None])
-        workflows = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
-        before = await workflows.get(wf_key)
-        assert before.value is not None
+        workflows, before = await _left_by_a_gone_owner(mesh, wf_id)
         await workflows.delete(wf_key)
         kv_entry = engine._jsc.kv_entry
         lagged: list[str] = []
-        assert before.revision is not None
         record = before.value, before.revision
 
         async def behind_the_delete(bucket: str, key: str) -> tuple[bytes, int, bool] | None:
@@ -928,12 +935,8 @@ async def test_a_record_deleted_by_hand_is_written_over_at_the_leaders_revision(
                 return *record, False  # the record, not its marker
             return await kv_entry(bucket, key)
 
-        engine._jsc.kv_entry = behind_the_delete  # type: ignore[method-assign]
-        try:
-            await mesh.submit_fanout(steps, workflow_id=wf_id, timeout=30)
-            res = await mesh.workflow(wf_id, timeout=wf_settings.workflow_ack_wait * 0.8)
-        finally:
-            engine._jsc.kv_entry = kv_entry  # type: ignore[method-assign]
+        wait = wf_settings.workflow_ack_wait * 0.8
+        res = await _resubmitted_with(engine, "kv_entry", behind_the_delete, mesh, wf_id, wait)
     assert res.state is TaskState.SUCCEEDED and res.hub_id == wf_hub.hub_id, res
     assert lagged == []  # the marker's revision came from the leader, not a replica
     assert "was taken over by another hub" not in caplog.text
