@@ -129,11 +129,8 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
         return 0
     rows = [("WORKFLOW", "KIND", "STATE", "STEPS", "SUBMITTED", "TOOK", "OWNER", "ERROR")]
     for w in listed.workflows:
-        steps = (
-            f"{w.steps}"
-            if w.state in (TaskState.RUNNING, TaskState.PENDING)
-            else (f"{w.steps - w.failed_steps}/{w.steps} ok")
-        )
+        final = w.state not in (TaskState.RUNNING, TaskState.PENDING)
+        steps = f"{w.steps - w.failed_steps}/{w.steps} ok" if final else str(w.steps)
         took = "-" if w.duration_ms is None else f"{w.duration_ms:,.0f} ms"
         if w.state is TaskState.RUNNING and w.submitted_at is not None:
             ran = time.time() - w.submitted_at
