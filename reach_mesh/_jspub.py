@@ -62,8 +62,11 @@ REQUEST_TIMEOUT: Final = 3.0
 #: A direct get is answered by any replica of the stream, picked by the server, and a replica
 #: on a node that froze (a stalled VM, SIGSTOP, a partition without a reset) may still take
 #: some until the cluster drops its routes to it, seconds later. A direct get not answered
-#: within this long is asked again, while the first may still answer; the wait doubles after
-#: each (an answer takes well under a millisecond).
+#: within this long is asked again, and again after each such wait, while the earlier tries
+#: may still answer (an answer takes well under a millisecond). The server hands each try to a
+#: replica at random, so a read is lost only if every try goes to the frozen one: with one of
+#: three frozen, about (1/3)**12 for a read of 3 s. (A wait doubling after each try gave four
+#: tries in 3 s, and a CI run lost a read whose four all went to the frozen replica.)
 HEDGE_AFTER: Final = 0.25
 #: At most this many of one client's direct gets are asked again at a time: a server or an
 #: event loop too busy to answer within ``HEDGE_AFTER`` is not sent more work than that.
@@ -285,13 +288,12 @@ class JsClient:
 
     async def _direct_get(self, subject: str) -> Msg:
         """The first answer to a direct get on ``subject``, asked again after
-        ``HEDGE_AFTER`` (then twice that, ...) without one, until this client's timeout
+        ``HEDGE_AFTER`` (and again after each such wait) without one, until this client's timeout
         (while fewer than ``HEDGES_MAX`` are asked again). Of answers that came together, the
         newest revision. (Futures, not a task per try: this is on the readers' hot paths.)"""
         await self._before_request()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
-        hedge = HEDGE_AFTER
         tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle]] = {}
         try:
             while True:
@@ -304,14 +306,13 @@ class JsClient:
                     tries[future] = (token, timer)
                     await self._nc.publish(subject, b"", reply=self._prefix + token)
                 # Every try ends by the deadline: past the last hedge, wait for the first.
-                await _first(loop, tries, hedge if left > hedge else None)
+                await _first(loop, tries, HEDGE_AFTER if left > HEDGE_AFTER else None)
                 done = [f for f in tries if f.done()]
                 if done:
                     answered = [f.result() for f in done if f.exception() is None]
                     if not answered:
                         return done[0].result()  # raises (every try ends alike)
                     return answered[0] if len(answered) == 1 else max(answered, key=_revision)
-                hedge *= 2
         finally:
             for future, (token, timer) in tries.items():
                 self._forget(token, timer)

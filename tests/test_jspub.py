@@ -337,7 +337,7 @@ async def test_hedges_are_capped_and_a_read_nobody_answers_times_out(
         monkeypatch.setattr(_jspub, "HEDGES_MAX", 16)
         with pytest.raises(nats.errors.TimeoutError):
             await jsc.kv_get("hedgecap", "k")
-        assert len(asked) == 1 + 2  # at 0 and 0.25 s; the next (0.75 s) is past 0.6 s
+        assert len(asked) == 1 + 3  # at 0, 0.25 and 0.5 s; the next (0.75 s) is past 0.6 s
         await asyncio.sleep(0)
         assert jsc._futures == {} and jsc._hedging == 0
         await jsc.stop()
