@@ -38,7 +38,8 @@ def test_hub_metrics_render_and_count() -> None:
     metrics.duplicate_delivery_total.inc()
     metrics.retry_total.inc(2)
     metrics.heartbeat_total.inc(10)
-    metrics.workflow_total.labels("fanout", "SUCCEEDED").inc()
+    metrics.workflow_total.labels("finance", "fanout", "SUCCEEDED").inc()
+    metrics.workflow_cancelled_total.labels("finance").inc()
     metrics.workflow_duration_seconds.labels("chain").observe(12.0)
 
     samples = _samples(metrics.render())
@@ -60,7 +61,9 @@ def test_hub_metrics_render_and_count() -> None:
     assert samples[("reach_duplicate_delivery_total", ())] == 1
     assert samples[("reach_retry_total", ())] == 2
     assert samples[("reach_heartbeat_total", ())] == 10
-    assert samples[("reach_workflow_total", (("kind", "fanout"), ("state", "SUCCEEDED")))] == 1
+    done = (("kind", "fanout"), ("namespace", "finance"), ("state", "SUCCEEDED"))
+    assert samples[("reach_workflow_total", done)] == 1
+    assert samples[("reach_workflow_cancelled_total", (("namespace", "finance"),))] == 1
     assert samples[("reach_workflow_duration_seconds_count", (("kind", "chain"),))] == 1
 
 

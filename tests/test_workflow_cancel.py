@@ -134,7 +134,8 @@ async def test_a_running_fanout_stops_and_keeps_what_finished(
         assert wf_hub.workflows is not None
         assert (wf_settings.namespace, wf_id) not in wf_hub.workflows.owned  # it has ended
         assert wf_hub.workflows.cancelled_total == 1
-        assert wf_hub.metrics.workflow_cancelled_total._value.get() == 1
+        cancelled = wf_hub.metrics.workflow_cancelled_total.labels(wf_settings.namespace)
+        assert cancelled._value.get() == 1
         # The operator's action is in the audit (both asks).
         await wf_hub.audit.flush()
 

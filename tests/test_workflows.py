@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -92,9 +93,28 @@ async def test_fanout_all(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) 
     assert res.trace_id is not None and len(res.trace_id) == 32
     assert traces == {res.trace_id}  # one trace from the caller through hub to the handler
     await eventually(
-        lambda: b'reach_workflow_total{kind="fanout",state="SUCCEEDED"}' in wf_hub.metrics.render()
+        lambda: (
+            f'reach_workflow_total{{kind="fanout",namespace="{ns}",state="SUCCEEDED"}}'.encode()
+            in wf_hub.metrics.render()
+        )
     )
     assert res.workflow_id and res.kind == "fanout"
+
+
+async def test_a_workflow_in_a_namespace_that_does_not_exist_is_counted_as_unknown(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    """``reach_workflow_total`` is by namespace for the namespaces the hub knows (configured,
+    or with a registered agent); a workflow in any other one — a name anyone on an open bus
+    can make up — is counted under ``(unknown)``, and leaves no series named after it."""
+    ghost = "ghost" + uuid.uuid4().hex[:8]
+    async with Client(settings=wf_settings.model_copy(update={"namespace": ghost})) as mesh:
+        # Nobody serves the step: it waits for an agent until the workflow's timeout.
+        res = await mesh.fanout([Step(capability="nlp:none:v1", payload=1)], timeout=1.5)
+    assert res.state is TaskState.TIMEOUT, res
+    body = wf_hub.metrics.render()
+    assert b'reach_workflow_total{kind="fanout",namespace="(unknown)",state="TIMEOUT"} 1.0' in body
+    assert ghost.encode() not in body
 
 
 async def test_fanout_any_cancels_the_rest(

@@ -66,6 +66,7 @@ from reach_mesh.hub.shares import Shares, defer_delay
 from reach_mesh.logs import NAMESPACE_SHARE, WORKFLOW_INTERRUPTED, LineBudget, log_event
 from reach_mesh.models import AgentState, ErrorBody, TaskState
 from reach_mesh.tracing import inject, trace_id_from_headers
+from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE
 from reach_mesh.workflow import (
     TaskStatusEvent,
     WorkflowRecord,
@@ -118,6 +119,7 @@ class WorkflowEngine(WorkflowQueries):
         self._registry = registry
         self._router = router
         self._settings = settings
+        self._configured = frozenset((settings.namespace, *settings.namespaces))
         self.hub_id = hub_id
         self._metrics = metrics
         self._wf_kv: _durable.Bucket | None = None
@@ -450,11 +452,11 @@ class WorkflowEngine(WorkflowQueries):
         # that finds the result stored and announces it again).
         self._jsc.ack_later(msg)
         if not stored:
-            self._count_done(wf.spec.kind, result)
+            self._count_done(wf.ns, wf.spec.kind, result)
             if wf.cancel_won and result.hub_id == self.hub_id:  # (not another hub's result)
                 self.cancelled_total += 1
                 if self._metrics is not None:
-                    self._metrics.workflow_cancelled_total.inc()
+                    self._metrics.workflow_cancelled_total.labels(self._ns_label(wf.ns)).inc()
 
     def _interrupted(self, wf: Workflow, msg: Msg, err: Exception) -> None:
         """Say why a workflow goes back to the stream unfinished: JetStream unavailable past
@@ -647,7 +649,7 @@ class WorkflowEngine(WorkflowQueries):
             return
         with contextlib.suppress(Exception):
             await msg.term()
-        self._count_done(kind, result)
+        self._count_done(ns, kind, result)
 
     async def _keepalive(self) -> None:
         """``+WPI`` for every submission this hub runs, every ``workflow_ack_wait / 3``: one
@@ -760,11 +762,19 @@ class WorkflowEngine(WorkflowQueries):
             protocol.wf_done(ns, result.workflow_id), protocol.encode(result), inject(dict(headers))
         )
 
-    def _count_done(self, kind: str, result: WorkflowResult) -> None:
+    def _count_done(self, ns: str, kind: str, result: WorkflowResult) -> None:
         self.workflows_done += 1
         if self._metrics is not None:
-            self._metrics.workflow_total.labels(kind, result.state.value).inc()
+            self._metrics.workflow_total.labels(self._ns_label(ns), kind, result.state.value).inc()
             self._metrics.workflow_duration_seconds.labels(kind).observe(result.duration_ms / 1000)
+
+    def _ns_label(self, ns: str) -> str:
+        """``ns`` as a metric label: itself if it exists (configured, or holding a registered
+        agent, as for the hub's other series), else :data:`UNKNOWN_NAMESPACE` — a namespace
+        anyone on an open bus can make up must not make series."""
+        if ns in self._configured or self._registry.has_namespace(ns):
+            return ns
+        return UNKNOWN_NAMESPACE
 
     # ------------------------------------------------------------------ subscriptions
 

@@ -39,6 +39,10 @@ __all__ = [
 _go_float: Callable[[float], str] = floatToGoString
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+#: The ``namespace`` label of a workflow in a namespace that does not exist for the hub (no
+#: registered agent, not configured): one series for all of them, never one per made-up name.
+UNKNOWN_NAMESPACE: Final = "(unknown)"
 """Content type of :meth:`HubMetrics.render` output (Prometheus text format 0.0.4)."""
 
 
@@ -267,8 +271,9 @@ class HubMetrics:
         )
         self.workflow_total = Counter(
             "reach_workflow",
-            "Workflows that reached a final state, by kind (fanout, chain) and state.",
-            ["kind", "state"],
+            "Workflows that reached a final state, by namespace, kind (fanout, chain) and state. "
+            "A namespace with no registered agent and not configured is (unknown).",
+            ["namespace", "kind", "state"],
             registry=r,
         )
         self.workflow_takeover_total = Counter(
@@ -280,7 +285,8 @@ class HubMetrics:
         self.workflow_cancelled_total = Counter(
             "reach_workflow_cancelled",
             "Workflows this hub stopped on a cancel request (also counted in reach_workflow_total "
-            "as FAILED).",
+            "as FAILED), by namespace, as reach_workflow_total.",
+            ["namespace"],
             registry=r,
         )
         self.workflow_interrupted_total = Counter(
