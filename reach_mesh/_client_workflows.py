@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -445,14 +446,13 @@ class WorkflowsMixin:
             sub, done = await self._done_subscription(spec.workflow_id)
             delivered = False
             try:
-                duplicate = await self._submit(spec, headers, chosen_id=chosen_id)
-                result = None
-                if duplicate:
-                    result = await self._stored_result(spec.workflow_id)
+                result = await self._submit(spec, headers, chosen_id=chosen_id)
                 if result is None:
                     result, delivered = await self._await_done(
                         done, spec.workflow_id, timeout + _reply_slack(timeout)
                     )
+                if chosen_id:
+                    _refuse_another_specs(spec, result)
             finally:
                 if not delivered:
                     self._drop_done(done)  # a stored result or an error: not waited on now
@@ -463,11 +463,13 @@ class WorkflowsMixin:
 
     async def _submit(
         self, spec: WorkflowSpec, headers: dict[str, str], *, chosen_id: bool
-    ) -> bool:
-        """Publish to ``reach.wf.<ns>.submit``; True when JetStream saw the id before.
+    ) -> WorkflowResult | None:
+        """Publish to ``reach.wf.<ns>.submit``; the workflow's stored result when it has one
+        already (this id finished before), as far as this call read it.
 
         Infrastructure errors (no stream leader during an election, a reconnect) are retried
-        for up to ``_SUBMIT_RETRY`` seconds: the ``Nats-Msg-Id`` makes a repeat a no-op. A
+        for up to ``_SUBMIT_RETRY`` seconds: the ``Nats-Msg-Id`` makes a repeat a no-op (and
+        another submission of the same id is stored, and made the same workflow by the hubs). A
         ``chosen_id`` (the caller's, not a fresh random one) taken by another spec raises
         ``WorkflowConflictError``; a random id cannot be another spec's, so it is not read
         back (one round trip fewer per workflow)."""
@@ -485,7 +487,10 @@ class WorkflowsMixin:
                 size=len(body),
                 max_size=record_max,
             )
-        headers[protocol.HDR_MSG_ID] = protocol.submit_msg_id(spec.namespace, spec.workflow_id)
+        # Random per submission, repeated by its retries only (protocol.submit_msg_id).
+        headers[protocol.HDR_MSG_ID] = protocol.submit_msg_id(
+            spec.namespace, spec.workflow_id, uuid.uuid4().hex
+        )
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF
         jsc = await self._js_client()
         subject = protocol.wf_submit(spec.namespace)
@@ -516,11 +521,16 @@ class WorkflowsMixin:
         except MaxPayloadError as err:
             raise PayloadTooLargeError(f"workflow exceeds the max payload: {err}") from err
         if chosen_id:
-            await self._check_conflict(spec, duplicate=bool(ack.duplicate))
-        return bool(ack.duplicate)
+            return _final_result(await self._check_conflict(spec, duplicate=bool(ack.duplicate)))
+        if ack.duplicate:  # stored before (a retry): it may have finished meanwhile
+            return await self._stored_result(spec.workflow_id)
+        return None
 
-    async def _check_conflict(self, spec: WorkflowSpec, *, duplicate: bool) -> None:
-        """Refuse a workflow id that a submission with another spec took first."""
+    async def _check_conflict(
+        self, spec: WorkflowSpec, *, duplicate: bool
+    ) -> WorkflowRecord | None:
+        """Refuse a workflow id that a submission with another spec took first; the record
+        read, if any."""
         record = await self._workflow_record(spec.workflow_id)
         if record is None and duplicate:
             # Deduplicated by JetStream, not yet taken by a hub: wait a moment for its record.
@@ -528,14 +538,13 @@ class WorkflowsMixin:
             while record is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
                 record = await self._workflow_record(spec.workflow_id)
-        if record is None or record.spec_digest is None:
-            return
-        if record.spec_digest != spec_digest(spec):
+        if record is not None and record.spec_digest not in (None, spec_digest(spec)):
             raise WorkflowConflictError(
                 f"workflow id {spec.workflow_id!r} was submitted before with another spec; "
                 "the first spec stands (submit the same spec again, or use a new id)",
                 workflow_id=spec.workflow_id,
             )
+        return record
 
     async def _workflow_record(self, workflow_id: str) -> WorkflowRecord | None:
         """The stored record of a workflow of this namespace; None when there is none (or it
@@ -779,3 +788,16 @@ async def _stream_may_exist(js: Any, stream: str) -> bool:
     except Exception:
         return True  # cannot tell now (no leader, timeout): treat as there
     return True
+
+
+def _refuse_another_specs(spec: WorkflowSpec, result: WorkflowResult) -> None:
+    """Raise ``WorkflowConflictError`` when ``result`` is of another spec submitted under the
+    same (chosen) id first: two submissions that raced each other before either had a record
+    (or one queued behind a backlog) both passed the check at submission; the hubs ran the
+    first and refused the other, whose caller waited on the same id."""
+    if result.spec_digest is not None and result.spec_digest != spec_digest(spec):
+        raise WorkflowConflictError(
+            f"workflow id {spec.workflow_id!r} was submitted with another spec at about the "
+            "same time, which ran; this spec did not (submit it under a new id)",
+            workflow_id=spec.workflow_id,
+        )

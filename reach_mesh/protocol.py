@@ -395,15 +395,22 @@ def workflow_key(namespace: str, workflow_id: str) -> str:
 # workflow and task ids are unique within a namespace only, so every id carries it.
 
 
-def submit_msg_id(namespace: str, workflow_id: str) -> str:
-    """``<ns>.<workflow_id>`` — the ``Nats-Msg-Id`` of a workflow submission."""
-    return f"{namespace}.{workflow_id}"
+def submit_msg_id(namespace: str, workflow_id: str, nonce: str) -> str:
+    """``<ns>.<workflow_id>.<nonce>`` — the ``Nats-Msg-Id`` of one submission: ``nonce`` is
+    random per submission (its retries repeat it), so that JetStream drops the retries of this
+    submission and nothing else. An id anyone could predict (``<ns>.<workflow_id>`` alone)
+    would let any caller, of any namespace, store it first and have a workflow id a tenant
+    chooses dropped as a repeat for the dedup window. Submissions of one workflow id are made
+    one workflow by the hubs (its record), not by JetStream."""
+    return f"{namespace}.{workflow_id}.{nonce}"
 
 
 def workflow_id_of(msg_id: str) -> str:
-    """The workflow id a submission's ``Nats-Msg-Id`` names (``<ns>.<id>``, or a bare ``<id>``
-    as clients before namespaced ids sent it: workflow ids have no dots)."""
-    return msg_id.rsplit(".", 1)[-1]
+    """The workflow id a submission's ``Nats-Msg-Id`` names: ``<ns>.<id>.<nonce>``, or
+    ``<ns>.<id>`` and a bare ``<id>`` as earlier clients sent it (workflow ids, namespaces and
+    nonces have no dots)."""
+    parts = msg_id.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
 def attempt_msg_id(namespace: str, task_id: str, attempt: int) -> str:

@@ -450,6 +450,10 @@ class WorkflowResult(_Wire):
     submitted_at: float | None = None
     finished_at: float | None = None
     duration_ms: float = 0.0
+    #: :func:`spec_digest` of the spec that ran (None for a submission refused as malformed,
+    #: and from hubs before this field): a caller that submitted another spec under the same
+    #: id learns from it that the result is not its workflow's.
+    spec_digest: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -141,20 +141,21 @@ def test_labelled_example_validates(doc: str, model_name: str, body: str) -> Non
 
 def test_message_ids_carry_the_namespace_and_name_the_workflow() -> None:
     """Every ``Nats-Msg-Id`` starts with the namespace (JetStream deduplicates per stream; ids
-    are unique per namespace), and a hub reads the workflow id from a submission's, in the
-    form earlier clients sent too (workflow ids and namespaces have no dots)."""
+    are unique per namespace), a submission's ends with its random nonce, and a hub reads the
+    workflow id from a submission's, in the forms earlier clients sent too (workflow ids,
+    namespaces and nonces have no dots)."""
     ids = [
-        protocol.submit_msg_id("ns-a", "wf_1"),
+        protocol.submit_msg_id("ns-a", "wf_1", "n0nce"),
         protocol.attempt_msg_id("ns-a", "wf_1-0", 2),
         protocol.fence_msg_id("ns-a", "wf_1-0", 2),
         protocol.final_msg_id("ns-a", "wf_1-0", 2),
     ]
     assert ids == [
-        "ns-a.wf_1",
+        "ns-a.wf_1.n0nce",
         "ns-a.wf_1-0#2",
         "ns-a.wf_1-0#2.fence",
         "ns-a.wf_1-0#2.final",
     ]
-    assert protocol.submit_msg_id("ns-a", "x") != protocol.submit_msg_id("ns-b", "x")
-    for msg_id in (protocol.submit_msg_id("ns-a", "Wf-1_x"), "Wf-1_x"):
+    assert protocol.submit_msg_id("ns-a", "x", "n") != protocol.submit_msg_id("ns-b", "x", "n")
+    for msg_id in (protocol.submit_msg_id("ns-a", "Wf-1_x", "n0nce"), "ns-a.Wf-1_x", "Wf-1_x"):
         assert protocol.workflow_id_of(msg_id) == "Wf-1_x"

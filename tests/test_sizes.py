@@ -191,7 +191,9 @@ async def test_too_large_for_a_message_fails_at_once_and_runs_once(
             await mesh.nc.jetstream().publish(
                 protocol.wf_submit(settings.namespace),
                 body,
-                headers={"Nats-Msg-Id": protocol.submit_msg_id(settings.namespace, "size-record")},
+                headers={
+                    "Nats-Msg-Id": protocol.submit_msg_id(settings.namespace, "size-record", "n")
+                },
             )
             res = await mesh.workflow("size-record", timeout=10)
             assert res.state is TaskState.FAILED and res.steps == []
@@ -222,7 +224,7 @@ async def test_hub_refuses_a_submission_whose_step_an_agent_would_refuse(
         await mesh.nc.jetstream().publish(
             protocol.wf_submit(ns),
             json.dumps(spec).encode(),
-            headers={"Nats-Msg-Id": protocol.submit_msg_id(ns, "size-raw")},
+            headers={"Nats-Msg-Id": protocol.submit_msg_id(ns, "size-raw", "n")},
         )
         # ... and without a Nats-Msg-Id: the rejection is stored under the body's id.
         spec["workflow_id"] = "size-raw-bare"

@@ -399,24 +399,87 @@ async def test_resubmit_with_another_spec_is_a_conflict(
         wf_id = await mesh.submit_fanout(first, timeout=20)
         # The same spec again: a no-op.
         assert await mesh.submit_fanout(first, timeout=20, workflow_id=wf_id) == wf_id
-        # Another spec under the same id: refused with a typed error.
+        # Another spec under the same id: refused with a typed error. Its submission is
+        # stored (every submission has a Nats-Msg-Id of its own), and the hub refuses it too.
+        conflicts = engine.conflict_total
         with pytest.raises(WorkflowConflictError) as info:
             await mesh.submit_fanout(second, timeout=20, workflow_id=wf_id)
         assert info.value.code == "REACH_WORKFLOW_CONFLICT"
-        # A raw publish of the other spec with a new Nats-Msg-Id gets past JetStream's dedup:
-        # the hub refuses it and leaves the running workflow alone.
+        # A raw publish of the other spec, which no client checked: the hub refuses it and
+        # leaves the running workflow alone.
         spec = mesh._workflow_spec("fanout", second, "all", 20, wf_id)
-        conflicts = engine.conflict_total
         await mesh.nc.jetstream().publish(
             protocol.wf_submit(ns),
             protocol.encode(spec),
             headers={protocol.HDR_MSG_ID: f"{wf_id}-other"},
         )
-        await eventually(lambda: engine.conflict_total == conflicts + 1, timeout=5)
+        await eventually(lambda: engine.conflict_total == conflicts + 2, timeout=5)
         hold.set()
         res = await mesh.workflow(wf_id, timeout=10)
     assert res.state is TaskState.SUCCEEDED
     assert res.result == ["first"]
+
+
+async def test_a_workflow_id_stored_first_by_another_namespace_does_not_drop_a_submission(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """JetStream drops a repeat of a ``Nats-Msg-Id`` across the whole stream, and a caller
+    chooses its submissions' headers. A caller of another namespace that stores the id a
+    tenant's submission of ``order-1`` would have had without a nonce (``<ns>.order-1``, or the
+    bare id of earlier clients) must not have that submission dropped as a repeat: its
+    ``Nats-Msg-Id`` ends with a random nonce."""
+    other = wf_settings.model_copy(update={"namespace": f"{wf_settings.namespace}x"})
+    echo_agent(fleet, "forge.a1")
+    await fleet.agents[0].start()
+    steps = [Step(capability="wf:echo:v1", payload=1)]
+    async with Client(settings=other) as hostile, Client(settings=wf_settings) as mesh:
+        spec = hostile._workflow_spec("fanout", steps, "all", 10, "order-1")
+        js = hostile.nc.jetstream()
+        for forged in (f"{wf_settings.namespace}.order-1", "order-1"):
+            ack = await js.publish(
+                protocol.wf_submit(other.namespace),
+                protocol.encode(spec),
+                headers={protocol.HDR_MSG_ID: forged},
+            )
+            assert not ack.duplicate
+        res = await mesh.fanout(steps, workflow_id="order-1", timeout=10)
+    assert res.ok and res.result == [{"by": f"{wf_settings.namespace}.forge.a1", "in": 1}]
+
+
+async def test_two_specs_racing_for_one_id_one_runs_and_the_other_caller_is_told(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Two callers submit different specs under the same chosen id while no hub takes
+    submissions (a backlog, a restart): neither finds a record to compare with at submission.
+    The hubs run one and refuse the other; the other's caller, waiting on the same id, gets a
+    ``WorkflowConflictError`` — not the result of a workflow it did not submit."""
+    agent = fleet.agent("race.a1")
+    ran: list[Any] = []
+
+    @agent.handler("wf:race:v1")
+    async def race(task: Task[Any]) -> Any:
+        ran.append(task.payload)
+        return task.payload
+
+    async with Hub(settings=wf_settings):  # the streams and buckets, the agent registered
+        await agent.start()
+    async with Client(settings=wf_settings) as a, Client(settings=wf_settings) as b:
+        calls = [
+            asyncio.ensure_future(
+                mesh.fanout(
+                    [Step(capability="wf:race:v1", payload=which)], workflow_id="race", timeout=10
+                )
+            )
+            for mesh, which in ((a, "a"), (b, "b"))
+        ]
+        await asyncio.sleep(0.5)  # both stored; no record yet
+        assert not any(c.done() for c in calls)
+        async with Hub(settings=wf_settings):
+            got = await asyncio.gather(*calls, return_exceptions=True)
+    results = [g for g in got if isinstance(g, WorkflowResult)]
+    conflicts = [g for g in got if isinstance(g, WorkflowConflictError)]
+    assert len(results) == 1 and len(conflicts) == 1, got
+    assert results[0].ok and ran == results[0].result  # the winner's step ran, once
 
 
 async def test_a_result_read_after_a_reconnect_then_announced_keeps_the_client_reading(

@@ -257,6 +257,7 @@ class WorkflowShapes(StepRunner):
                 sp.set_attribute("reach.workflow.state", result.state.value)
         result.trace_id = wf.trace_id
         result.hub_id = self.hub_id
+        result.spec_digest = wf.digest
         result.submitted_at = wf.submitted_at
         result.finished_at = time.time()
         result.duration_ms = round((result.finished_at - min(t0, wf.submitted_at)) * 1000, 3)
