@@ -418,10 +418,12 @@ def attempt_msg_id(namespace: str, task_id: str, attempt: int) -> str:
     return f"{namespace}.{task_id}#{attempt}"
 
 
-def final_msg_id(namespace: str, task_id: str, attempt: int) -> str:
-    """``<ns>.<task_id>#n.final`` — the ``Nats-Msg-Id`` of attempt ``n``'s final status (an
-    agent repeats it, with ``cached``, for a redelivery of a finished attempt)."""
-    return f"{namespace}.{task_id}#{attempt}.final"
+def final_msg_id(namespace: str, task_id: str, attempt: int, nonce: str) -> str:
+    """``<ns>.<task_id>#n.final.<nonce>`` — the ``Nats-Msg-Id`` of attempt ``n``'s final
+    status; ``nonce`` is random per agent process (its repeats of the status, retried or
+    ``cached``, are stored once). An id any agent could predict would let it store it first,
+    on its own subject, and have the step's real final status dropped as a repeat."""
+    return f"{namespace}.{task_id}#{attempt}.final.{nonce}"
 
 
 def fence_msg_id(namespace: str, task_id: str, attempt: int) -> str:

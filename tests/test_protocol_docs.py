@@ -148,13 +148,13 @@ def test_message_ids_carry_the_namespace_and_name_the_workflow() -> None:
         protocol.submit_msg_id("ns-a", "wf_1", "n0nce"),
         protocol.attempt_msg_id("ns-a", "wf_1-0", 2),
         protocol.fence_msg_id("ns-a", "wf_1-0", 2),
-        protocol.final_msg_id("ns-a", "wf_1-0", 2),
+        protocol.final_msg_id("ns-a", "wf_1-0", 2, "n0nce"),
     ]
     assert ids == [
         "ns-a.wf_1.n0nce",
         "ns-a.wf_1-0#2",
         "ns-a.wf_1-0#2.fence",
-        "ns-a.wf_1-0#2.final",
+        "ns-a.wf_1-0#2.final.n0nce",
     ]
     assert protocol.submit_msg_id("ns-a", "x", "n") != protocol.submit_msg_id("ns-b", "x", "n")
     for msg_id in (protocol.submit_msg_id("ns-a", "Wf-1_x", "n0nce"), "ns-a.Wf-1_x", "Wf-1_x"):

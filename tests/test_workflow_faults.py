@@ -40,7 +40,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._tracking import StatusTracker, parse_task_state
 from reach_mesh.models import TaskEnvelope
 from reach_mesh.server import EmbeddedNats
-from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowResult
+from reach_mesh.workflow import TaskRecord, TaskStatusEvent, WorkflowRecord, WorkflowResult
 
 from .helpers import Fleet, echo_agent, eventually, free_port, task_record
 
@@ -444,6 +444,38 @@ async def test_a_workflow_id_stored_first_by_another_namespace_does_not_drop_a_s
             assert not ack.duplicate
         res = await mesh.fanout(steps, workflow_id="order-1", timeout=10)
     assert res.ok and res.result == [{"by": f"{wf_settings.namespace}.forge.a1", "in": 1}]
+
+
+async def test_a_final_status_id_stored_first_by_another_agent_does_not_drop_the_real_one(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """An agent chooses the ``Nats-Msg-Id`` of the statuses it stores, on its own subject. One
+    that stores the id another agent's final status of a step would have without a nonce
+    (``<ns>.<task_id>#1.final``) must not have that status dropped as a repeat: it is what a
+    hub taking the step over, and the agent after a restart, read back."""
+    ns = wf_settings.namespace
+    agent = echo_agent(fleet, "final.a1")
+    await agent.start()
+    js = wf_hub.nc.jetstream()
+    forged = TaskStatusEvent(
+        task_id="final-step", attempt=1, agent_id=f"{ns}.hostile.h1", state=TaskState.FAILED
+    )
+    ack = await js.publish(
+        protocol.task_status(f"{ns}.hostile.h1", "final-step"),
+        protocol.encode(forged),
+        headers={protocol.HDR_MSG_ID: f"{ns}.final-step#1.final"},
+    )
+    assert not ack.duplicate
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [Step(agent_id=agent.agent_id, payload=1, task_id="final-step")], timeout=10
+        )
+    assert res.ok
+    stored = await js.get_last_msg(
+        protocol.STREAM_STATUS, protocol.task_status(agent.agent_id, "final-step")
+    )
+    event = TaskStatusEvent.model_validate_json(stored.data or b"")
+    assert event.state is TaskState.SUCCEEDED and event.attempt == 1
 
 
 async def test_two_specs_racing_for_one_id_one_runs_and_the_other_caller_is_told(

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -102,6 +103,9 @@ class WorkConsumer:
         self._tasks_kv: KeyValue | None = None
         #: Fence reads (direct gets of ``reach_tasks``) and final statuses.
         self._jsc: JsClient | None = None
+        #: Ends this process's final-status ids (``protocol.final_msg_id``): no other agent
+        #: can predict them.
+        self._nonce = uuid.uuid4().hex
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
         self._checking: set[str] = set()
@@ -626,7 +630,7 @@ class WorkConsumer:
         out = inject(dict(headers))
         # A repeat of this publish (retried below) is stored once; subscribers see each.
         out[protocol.HDR_MSG_ID] = protocol.final_msg_id(
-            self._agent.namespace, env.task_id, env.attempt
+            self._agent.namespace, env.task_id, env.attempt, self._nonce
         )
         saying = self._saying.get(env.task_id)
         if saying is not None:
