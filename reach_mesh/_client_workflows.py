@@ -179,7 +179,12 @@ class WorkflowsMixin:
 
         ``MeshTimeoutError`` when it has no result within ``timeout`` (it goes on: ask again),
         ``MeshUnavailableError`` when this client is closed meanwhile. A result that came while
-        the connection was down is read from its record once the connection is back."""
+        the connection was down is read from its record once the connection is back.
+
+        It knows no spec, so it compares none: where callers may submit different specs
+        under one id of their own at about the same time, wait with ``fanout`` / ``chain``,
+        which raise ``WorkflowConflictError`` when another spec ran under it (``submit_*``
+        compares only with a record that exists when it submits)."""
         protocol.validate_workflow_id(workflow_id)
         sub, done = await self._done_subscription(workflow_id)
         try:
