@@ -33,7 +33,7 @@ from reach_mesh import (
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub.workflows import WorkflowEngine
-from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply
+from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply
 from reach_mesh.workflow import (
     TaskRecord,
     TaskStatusEvent,
@@ -637,13 +637,16 @@ async def test_the_cli_and_the_rest_api_cancel(fleet: Fleet, wf_settings: MeshSe
     assert held.finished == 0
 
 
+@pytest.mark.parametrize("lease", ["fresh", "lapsed"])
 async def test_a_step_finished_before_the_cancel_keeps_its_result_not_yet_stored(
-    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, lease: str
 ) -> None:
     """A step whose handler finished before the cancel, but whose final status is not in
     REACH_STATUS yet (its publish held up by a reconnect, as chaos seed 48 found under a NATS
     node kill): the hub asks its agent, and the step keeps its outcome instead of being
-    marked cancelled. The held-up publish stands in for the reconnect."""
+    marked cancelled. The held-up publish stands in for the reconnect. ``lapsed``: the
+    agent's lease lapsed too (SUSPECT) — a JetStream outage lapses every lease, as chaos seed
+    76 found — and it is asked all the same."""
     agent = echo_agent(fleet, "held.a1", "wf:held:v1")
     slow = fleet.agent("held.a2")
 
@@ -675,6 +678,14 @@ async def test_a_step_finished_before_the_cancel_keeps_its_result_not_yet_stored
             )
             # The other branch runs until it is cancelled.
             await eventually(lambda: f"{wf_id}-0" in fleet.runs, timeout=5)
+            if lease == "lapsed":
+                assert agent._hb_task is not None
+                agent._hb_task.cancel()
+                await eventually(
+                    lambda: wf_hub.registry.agents[agent.agent_id].state is AgentState.SUSPECT,
+                    timeout=5,
+                    interval=0.01,
+                )
             answer = await mesh.cancel_workflow(wf_id, timeout=10)
             assert answer.final
             res = await mesh.workflow(wf_id, timeout=10)

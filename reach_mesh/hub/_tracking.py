@@ -571,8 +571,12 @@ class StatusTracker:
 
         For a cancel: an outcome the agent has but that ``REACH_STATUS`` does not show yet
         (its final publish held up by a reconnect, a replica read behind its leader) then
-        decides the step instead of the cancel. An agent whose lease lapsed is not asked."""
-        if not self.lease_fresh(agent_id):
+        decides the step instead of the cancel. An agent taken for gone (LOST, or no longer
+        registered) is not asked; one whose lease lapsed (SUSPECT) is: a JetStream outage
+        lapses every lease (their renewals are KV writes), and it is then that the status
+        stream holds nothing yet — chaos seed 76 (node_kill) lost a step's result so."""
+        view = self._registry.agents.get(agent_id)
+        if view is None or view.state is AgentState.LOST:
             return None
         try:
             msg = await self._task_state(agent_id, task_id, workflow_id, None)
