@@ -68,8 +68,10 @@ REQUEST_TIMEOUT: Final = 3.0
 #: three frozen, about (1/3)**12 for a read of 3 s. (A wait doubling after each try gave four
 #: tries in 3 s, and a CI run lost a read whose four all went to the frozen replica.)
 HEDGE_AFTER: Final = 0.25
-#: At most this many of one client's direct gets are asked again at a time: a server or an
-#: event loop too busy to answer within ``HEDGE_AFTER`` is not sent more work than that.
+#: At most this many of one client's direct gets are being asked again at a time (each one a
+#: try every ``HEDGE_AFTER``): a server or an event loop too busy to answer within
+#: ``HEDGE_AFTER`` is not sent more work than that. A read holds one of them, however many
+#: tries it sends, so that one read nobody answers does not take every one.
 HEDGES_MAX: Final = 16
 
 #: What a KV delete or purge leaves behind (the key reads as absent).
@@ -123,7 +125,7 @@ class JsClient:
         self._later: list[tuple[str, bytes, dict[str, str] | None]] = []
         self._later_timer: asyncio.TimerHandle | None = None
         self._later_task: asyncio.Task[None] | None = None
-        #: Direct gets asked again and not answered yet (``_direct_get``).
+        #: Direct gets being asked again, not answered yet (``_direct_get``).
         self._hedging = 0
 
     async def start(self) -> None:
@@ -289,20 +291,22 @@ class JsClient:
     async def _direct_get(self, subject: str) -> Msg:
         """The first answer to a direct get on ``subject``, asked again after
         ``HEDGE_AFTER`` (and again after each such wait) without one, until this client's timeout
-        (while fewer than ``HEDGES_MAX`` are asked again). Of answers that came together, the
-        newest revision. (Futures, not a task per try: this is on the readers' hot paths.)"""
+        (if fewer than ``HEDGES_MAX`` other reads are being asked again). Of answers that came
+        together, the newest revision. (Futures, not a task per try: this is on the readers'
+        hot paths.)"""
         await self._before_request()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout
         tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle]] = {}
+        hedging = False  # this read holds one of the ``HEDGES_MAX``
         try:
             while True:
                 left = deadline - loop.time()
-                if not tries or (left > 0 and self._hedging < HEDGES_MAX):
+                if tries and left > 0 and not hedging and self._hedging < HEDGES_MAX:
+                    hedging = True
+                    self._hedging += 1
+                if not tries or (left > 0 and hedging):
                     token, future, timer = self._expect(left)
-                    if tries:
-                        self._hedging += 1
-                        future.add_done_callback(self._hedge_done)
                     tries[future] = (token, timer)
                     await self._nc.publish(subject, b"", reply=self._prefix + token)
                 # Every try ends by the deadline: past the last hedge, wait for the first.
@@ -314,12 +318,11 @@ class JsClient:
                         return done[0].result()  # raises (every try ends alike)
                     return answered[0] if len(answered) == 1 else max(answered, key=_revision)
         finally:
+            if hedging:
+                self._hedging -= 1
             for future, (token, timer) in tries.items():
                 self._forget(token, timer)
-                future.cancel()  # (a hedge's callback counts it out)
-
-    def _hedge_done(self, _: asyncio.Future[Msg]) -> None:
-        self._hedging -= 1
+                future.cancel()
 
     async def kv_write(self, bucket: str, key: str, value: bytes, last: int) -> int:
         """Write ``key`` if it is still at revision ``last`` (0: if it does not exist); the new

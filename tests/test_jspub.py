@@ -320,6 +320,43 @@ async def test_a_direct_get_not_answered_is_asked_again(nats_url: str) -> None:
         await nc.close()
 
 
+async def test_a_read_nobody_answers_holds_one_hedge_not_all(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read asked again every ``HEDGE_AFTER`` holds one of the client's ``HEDGES_MAX``, not
+    one per try: while a read nobody answers goes on (here for 3 s), another read whose first
+    try is lost is still asked again at once. (With a slot per try the first read held them
+    all within half a second, and the second waited for its deadline.)"""
+    monkeypatch.setattr(_jspub, "HEDGES_MAX", 2)
+    nc = await nats.connect(nats_url)
+    try:
+        asked: dict[str, int] = {}
+
+        async def replica(msg: Msg) -> None:
+            key = msg.subject.rsplit(".", 1)[-1]
+            asked[key] = asked.get(key, 0) + 1
+            if key == "b" and asked[key] > 1:  # "a" never; "b" from its second try on
+                await nc.publish(msg.reply, b"value", headers={"Nats-Sequence": "7"})
+
+        await nc.subscribe("$JS.API.DIRECT.GET.KV_hedgeshare.>", cb=replica)
+        await nc.flush()
+        jsc = JsClient(nc, timeout=3.0)
+        await jsc.start()
+        stuck = asyncio.ensure_future(jsc.kv_get("hedgeshare", "a"))
+        await asyncio.sleep(0.8)  # "a" has been asked four times
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        assert await jsc.kv_get("hedgeshare", "b") == (b"value", 7)
+        assert loop.time() - t < 0.6
+        assert not stuck.done() and asked["b"] == 2
+        with pytest.raises(nats.errors.TimeoutError):
+            await stuck
+        assert jsc._futures == {} and jsc._hedging == 0
+        await jsc.stop()
+    finally:
+        await nc.close()
+
+
 async def test_hedges_are_capped_and_a_read_nobody_answers_times_out(
     nats_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
