@@ -953,3 +953,43 @@ async def test_a_record_deleted_by_hand_is_written_over_at_the_leaders_revision(
     assert lagged == []  # the marker's revision came from the leader, not a replica
     assert "was taken over by another hub" not in caplog.text
     assert held.started == 0
+
+
+async def test_two_submissions_of_a_workflow_cancelled_before_it_started_both_end_at_once(
+    wf_settings: MeshSettings,
+) -> None:
+    """Each submission is stored (its ``Nats-Msg-Id`` has a nonce of its own), so a workflow
+    cancelled before any hub took it may have two messages: both runs write over the record
+    that holds only the cancel, and one wins. The other is acked at once, not left to come
+    back after its ack wait (5 s here) to learn what it could read now."""
+    ns = wf_settings.namespace
+    s = wf_settings.model_copy(update={"workflow_ack_wait": 5.0})
+    async with Hub(settings=s):
+        pass  # the streams and buckets
+    async with Client(settings=s) as mesh:
+        steps = [Step(capability="wf:none:v1", payload=1)]
+        for _ in range(2):
+            await mesh.submit_fanout(steps, workflow_id="twice-unstarted", timeout=20)
+        js = mesh.nc.jetstream()
+
+        async def stored() -> int:
+            """This namespace's submissions in the stream (other tests' may be there too)."""
+            subject = protocol.wf_submit(ns)
+            info = await js.stream_info(protocol.STREAM_WF, subjects_filter=subject)
+            return (info.state.subjects or {}).get(subject, 0)
+
+        assert await stored() == 2
+        # What a cancel made before any hub started it leaves (``before_start``).
+        kv = await js.key_value(protocol.KV_WORKFLOWS)
+        unstarted = WorkflowRecord(
+            state=TaskState.PENDING, cancel=ErrorBody(code=CANCELLED, message="before start")
+        )
+        await kv.create(protocol.workflow_key(ns, "twice-unstarted"), protocol.encode(unstarted))
+        async with Hub(settings=s):
+            res = await mesh.workflow("twice-unstarted", timeout=10)
+            assert res.error is not None and res.error.code == CANCELLED
+
+            async def both_gone() -> bool:
+                return await stored() == 0
+
+            await eventually(both_gone, timeout=2.5, interval=0.05)

@@ -205,7 +205,7 @@ class WorkflowEngine(WorkflowQueries):
                 max_age=s.workflow_retention,
                 duplicate_window=min(s.dedup_window, s.workflow_retention),
                 num_replicas=s.kv_replicas,
-                description="reach-mesh workflow submissions (dedup on <ns>.<workflow_id>)",
+                description="reach-mesh workflow submissions (dedup on <ns>.<workflow_id>.<nonce>)",
             ),
         )
         await ensure_stream(
@@ -418,6 +418,12 @@ class WorkflowEngine(WorkflowQueries):
                     # same conflict straight back.
                     await msg.nak(delay=0.1)
                 return
+            if await self._run_from_another(wf):
+                # It lost the start to another message of the same id (submitted again: each
+                # submission is stored), which its winner runs: this one is done with.
+                log.info("workflow %s: submitted again while another hub runs it; dropped", wf.id)
+                self._jsc.ack_later(msg)
+                return
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
         except TooLarge as big:
@@ -509,6 +515,25 @@ class WorkflowEngine(WorkflowQueries):
         if got is None or record is None:
             return False
         return got[1] == wf.rev and record.owner == self.hub_id
+
+    async def _run_from_another(self, wf: Workflow) -> bool:
+        """Whether a workflow this hub never owned (it lost its first write) runs from another
+        submission message than ``wf``'s (``WorkflowRecord.submission_seq``): a race of two
+        messages of one id, both over a record no hub ran (a cancel made before either
+        started). Read from the stream's leader; False when it cannot be read."""
+        if wf.rev != 0 or wf.seq is None:
+            return False
+        end = asyncio.get_running_loop().time() + 2.0
+        try:
+            got = await self._record_now(wf.ns, wf.id, end)
+        except MeshUnavailableError:
+            return False
+        record = stored_record(WorkflowRecord, got)
+        return (
+            record is not None
+            and record.submission_seq is not None
+            and record.submission_seq != wf.seq
+        )
 
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
