@@ -65,8 +65,6 @@ __all__ = ["WorkflowsMixin"]
 #: How long a workflow submission rides out JetStream being unavailable (a leader election
 #: takes 4-9 s) before it raises ``MeshUnavailableError``; a repeat is deduplicated.
 _SUBMIT_RETRY: Final = 15.0
-#: How long a duplicate submission waits for the first one's record, to compare the specs.
-_CONFLICT_WAIT: Final = 2.0
 
 #: How often a cancel asks again while the owner stops the workflow (s).
 _CANCEL_POLL: Final = 0.2
@@ -526,24 +524,17 @@ class WorkflowsMixin:
         except MaxPayloadError as err:
             raise PayloadTooLargeError(f"workflow exceeds the max payload: {err}") from err
         if chosen_id:
-            return _final_result(await self._check_conflict(spec, duplicate=bool(ack.duplicate)))
+            return _final_result(await self._check_conflict(spec))
         if ack.duplicate:  # stored before (a retry): it may have finished meanwhile
             return await self._stored_result(spec.workflow_id)
         return None
 
-    async def _check_conflict(
-        self, spec: WorkflowSpec, *, duplicate: bool
-    ) -> WorkflowRecord | None:
+    async def _check_conflict(self, spec: WorkflowSpec) -> WorkflowRecord | None:
         """Refuse a workflow id that a submission with another spec took first; the record
-        read, if any."""
+        read, if any. (None yet: no hub has taken a submission of the id; a result of another
+        spec is then told by ``_refuse_another_specs``.)"""
         record = await self._workflow_record(spec.workflow_id)
-        if record is None and duplicate:
-            # Deduplicated by JetStream, not yet taken by a hub: wait a moment for its record.
-            deadline = time.monotonic() + _CONFLICT_WAIT
-            while record is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-                record = await self._workflow_record(spec.workflow_id)
-        if record is not None and record.spec_digest not in (None, spec_digest(spec)):
+        if record is not None and record.spec_digest not in (None, wire_digest(spec)):
             raise WorkflowConflictError(
                 f"workflow id {spec.workflow_id!r} was submitted before with another spec; "
                 "the first spec stands (submit the same spec again, or use a new id)",
@@ -795,12 +786,18 @@ async def _stream_may_exist(js: Any, stream: str) -> bool:
     return True
 
 
+def wire_digest(spec: WorkflowSpec) -> str:
+    """:func:`spec_digest` of ``spec`` as the hubs read it: decoded from what is sent (a
+    payload's NaN or infinity is sent as null, and null fields are left out of the digest)."""
+    return spec_digest(protocol.decode(protocol.encode(spec), WorkflowSpec))
+
+
 def _refuse_another_specs(spec: WorkflowSpec, result: WorkflowResult) -> None:
     """Raise ``WorkflowConflictError`` when ``result`` is of another spec submitted under the
     same (chosen) id first: two submissions that raced each other before either had a record
     (or one queued behind a backlog) both passed the check at submission; the hubs ran the
     first and refused the other, whose caller waited on the same id."""
-    if result.spec_digest is not None and result.spec_digest != spec_digest(spec):
+    if result.spec_digest is not None and result.spec_digest != wire_digest(spec):
         raise WorkflowConflictError(
             f"workflow id {spec.workflow_id!r} was submitted with another spec at about the "
             "same time, which ran; this spec did not (submit it under a new id)",

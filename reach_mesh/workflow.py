@@ -111,7 +111,8 @@ class StepSpec(_Wire):
 
 
 class WorkflowSpec(_Wire):
-    """caller → hubs on ``reach.wf.<ns>.submit`` (``Nats-Msg-Id`` = ``<ns>.<workflow_id>``)."""
+    """caller → hubs on ``reach.wf.<ns>.submit`` (``Nats-Msg-Id`` =
+    ``<ns>.<workflow_id>.<nonce>``: ``protocol.submit_msg_id``)."""
 
     workflow_id: str
     kind: WorkflowKind
@@ -492,7 +493,7 @@ class WorkflowRecord(_Wire):
     result: WorkflowResult | None = None
     #: The stream sequence (``REACH_WF``) of the submission its owner runs it from: that
     #: message stays in the stream, unacked, until the result is stored. Another message of
-    #: the same id while it runs (a re-submission past the dedup window) is no takeover; that
+    #: the same id while it runs (a re-submission: each is stored) is no takeover; that
     #: one, redelivered when its owner is gone, is (absent in records of older hubs).
     submission_seq: int | None = None
 

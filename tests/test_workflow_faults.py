@@ -478,6 +478,22 @@ async def test_a_final_status_id_stored_first_by_another_agent_does_not_drop_the
     assert event.state is TaskState.SUCCEEDED and event.attempt == 1
 
 
+async def test_a_spec_compares_as_the_hubs_read_it(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A payload's NaN or infinity is sent as null, and the hubs digest what they read: the
+    client compares that, not its own objects, or its own workflow, run under an id it chose,
+    would come back as another spec's (``WorkflowConflictError``)."""
+    echo_agent(fleet, "nan.a1", "wf:nan:v1")
+    await fleet.agents[0].start()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability="wf:nan:v1", payload=float("nan"))]
+        res = await mesh.fanout(steps, timeout=10, workflow_id="nan-own")
+        assert res.ok and res.result == [{"by": fleet.agents[0].agent_id, "in": None}]
+        # Submitted again, it is the same workflow: its stored result, no conflict.
+        assert await mesh.fanout(steps, timeout=10, workflow_id="nan-own") == res
+
+
 async def test_two_specs_racing_for_one_id_one_runs_and_the_other_caller_is_told(
     fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

@@ -1,5 +1,5 @@
 """A workflow runs from its own submission: a second message of its id while it runs (a
-re-submission past the dedup window) takes it from nobody, and its own message coming back to
+re-submission: each is stored) takes it from nobody, and its own message coming back to
 a hub that refuses it (hubs of different versions or max_payloads, in a rolling change) ends
 it FAILED rather than RUNNING for good — on a real mesh."""
 
@@ -36,7 +36,8 @@ async def _record(settings: MeshSettings, wf_id: str) -> WorkflowRecord:
 async def test_a_resubmission_while_it_runs_takes_it_from_nobody(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
-    """Past the dedup window a re-submission is a new message: the hub that got it took the
+    """A re-submission is a new message (its Nats-Msg-Id has a nonce of its own; before that,
+    past the dedup window): the hub that got it took the
     workflow over from its live owner (and restarted its deadline), and the owner's message,
     still in the stream, took it back later. It is dropped; the owner goes on."""
     held = await Held(fleet).start()

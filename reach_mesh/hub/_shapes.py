@@ -138,8 +138,8 @@ class WorkflowShapes(StepRunner):
         start = protocol.encode(record)
         limit = self._nc.max_payload - protocol.MESSAGE_ROOM
         unstarted = False  # its record held only a cancel (made before any hub took it)
-        # One write for a new workflow; only an existing record (a takeover, or a re-submit
-        # after the dedup window) costs a read.
+        # One write for a new workflow; only an existing record (a takeover, or a re-submit)
+        # costs a read.
         try:
             if len(start) > limit:
                 # Never writable as it is: whatever is stored decides (below).
@@ -182,8 +182,8 @@ class WorkflowShapes(StepRunner):
                 and wf.seq is not None
                 and rec.submission_seq != wf.seq
             ):
-                # Another message of a workflow that runs from its own (a re-submission past
-                # the dedup window): that one stays in the stream until the result is stored,
+                # Another message of a workflow that runs from its own (a re-submission: each
+                # is stored): that one stays in the stream until the result is stored,
                 # and comes back to a hub if its owner is gone. Taking it over from this one
                 # would take it from a live owner, and restart its deadline.
                 raise Resubmitted(key) from None

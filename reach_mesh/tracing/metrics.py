@@ -39,11 +39,11 @@ __all__ = [
 _go_float: Callable[[float], str] = floatToGoString
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+"""Content type of :meth:`HubMetrics.render` output (Prometheus text format 0.0.4)."""
 
 #: The ``namespace`` label of a workflow in a namespace that does not exist for the hub (no
 #: registered agent, not configured): one series for all of them, never one per made-up name.
 UNKNOWN_NAMESPACE: Final = "(unknown)"
-"""Content type of :meth:`HubMetrics.render` output (Prometheus text format 0.0.4)."""
 
 
 def _buckets(first: float, last: float) -> tuple[float, ...]:
