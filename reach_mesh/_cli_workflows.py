@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from reach_mesh import protocol
 from reach_mesh._cli_fleet import cell, print_table, settings_of
 from reach_mesh.client import Client
-from reach_mesh.errors import UnknownWorkflowError
+from reach_mesh.errors import BadRequestError, UnknownWorkflowError
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import WorkflowView
 
@@ -51,6 +51,12 @@ def add_workflow_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) ->
         "recent workflows of a namespace, newest first: state, steps ok, owner, error",
     )
     workflows.add_argument("--namespace", help="the namespace (default: the configured one)")
+    workflows.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="every namespace's (an operator query: in secure mode, an operator identity)",
+    )
     workflows.add_argument(
         "--state",
         action="append",
@@ -119,15 +125,23 @@ async def cmd_workflow(args: argparse.Namespace) -> int:
 
 
 async def cmd_workflows(args: argparse.Namespace) -> int:
-    """The recent workflows of a namespace, newest first: one row each."""
+    """The recent workflows of a namespace (or of every one), newest first: one row each."""
+    every = args.all_namespaces
+    if every and args.namespace is not None:
+        raise BadRequestError("--all-namespaces lists every namespace: leave out --namespace")
     async with Client(settings=settings_of(args)) as c:
         listed = await c.list_workflows(
-            state=args.state or (), limit=args.limit, since=args.since, namespace=args.namespace
+            state=args.state or (),
+            limit=args.limit,
+            since=args.since,
+            namespace=args.namespace,
+            all_namespaces=every,
         )
     if args.json:
         print(listed.model_dump_json(indent=2))
         return 0
-    rows = [("WORKFLOW", "KIND", "STATE", "STEPS", "SUBMITTED", "TOOK", "OWNER", "ERROR")]
+    head = ("WORKFLOW", "KIND", "STATE", "STEPS", "SUBMITTED", "TOOK", "OWNER", "ERROR")
+    rows: list[tuple[str, ...]] = [("NAMESPACE", *head) if every else head]
     for w in listed.workflows:
         final = w.state not in (TaskState.RUNNING, TaskState.PENDING)
         steps = f"{w.steps - w.failed_steps}/{w.steps} ok" if final else str(w.steps)
@@ -136,26 +150,23 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
             ran = time.time() - w.submitted_at
             past = w.timeout is not None and ran > w.timeout
             took = f"{ran:,.0f} s so far" + (" (past its timeout)" if past else "")
-        rows.append(
-            (
-                w.workflow_id,
-                w.kind or "?",
-                w.state.value,
-                steps,
-                _when(w.submitted_at),
-                took,
-                w.owner or "-",
-                _said(w.error),
-            )
+        row = (
+            w.workflow_id,
+            w.kind or "?",
+            w.state.value,
+            steps,
+            _when(w.submitted_at),
+            took,
+            w.owner or "-",
+            _said(w.error),
         )
+        rows.append((w.namespace or "?", *row) if every else row)
     if listed.workflows:
         print_table(rows)
     n = len(listed.workflows)
     more = f" (the newest {n} of {listed.matched}: --limit)" if listed.matched > n else ""
-    print(
-        f"{listed.matched} workflow(s) of namespace {listed.namespace} since "
-        f"{_when(listed.since)}{more}"
-    )
+    whose = "every namespace" if listed.namespace is None else f"namespace {listed.namespace}"
+    print(f"{listed.matched} workflow(s) of {whose} since {_when(listed.since)}{more}")
     if listed.truncated:
         print(
             f"  partial: {listed.scanned:,} records read, back to "

@@ -214,6 +214,7 @@ class WorkflowsMixin:
         limit: int = protocol.WORKFLOW_LIST_LIMIT,
         since: float = protocol.WORKFLOW_LIST_SINCE,
         namespace: str | None = None,
+        all_namespaces: bool = False,
     ) -> WorkflowList:
         """The workflows of this client's namespace (or ``namespace``) whose record was
         written in the last ``since`` seconds, newest first, at most ``limit`` (up to 500);
@@ -225,7 +226,11 @@ class WorkflowsMixin:
         cut to the start of their message (``inspect_workflow`` has the whole). Bad arguments
         raise ``BadRequestError`` (from the hub, which checks them). A list the hub cannot read
         within 2.5 s is asked again, as every hub query is, until 10 s are up: then
-        ``MeshUnavailableError``."""
+        ``MeshUnavailableError``.
+
+        ``all_namespaces``: every namespace's (each summary says its ``namespace``), an
+        operator query (``{"op": "workflows"}`` on ``reach.hub.<ns>.admin``: in secure mode
+        only an operator identity may ask it)."""
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
         states = [state] if isinstance(state, str) else list(state)
         body = {
@@ -233,7 +238,11 @@ class WorkflowsMixin:
             "limit": limit,
             "since_s": since,
         }
-        return WorkflowList.model_validate_json(await self._query("workflows", body, ns=ns))
+        if all_namespaces:
+            data = await self._query("admin", {"op": "workflows", **body}, ns=ns)
+        else:
+            data = await self._query("workflows", body, ns=ns)
+        return WorkflowList.model_validate_json(data)
 
     async def cancel_workflow(
         self,

@@ -580,6 +580,8 @@ class WorkflowView(_Wire):
 class WorkflowSummary(_Wire):
     """One workflow of a :class:`WorkflowList`, as its newest record has it."""
 
+    #: Its namespace (None from hubs before this field).
+    namespace: str | None = None
     workflow_id: str
     kind: WorkflowKind | None = None
     #: RUNNING until its result is stored; PENDING for one cancelled before any hub took it
@@ -603,14 +605,16 @@ class WorkflowSummary(_Wire):
 
 class WorkflowList(_Wire):
     """hub → caller or operator (``reach.hub.<ns>.workflows``): a namespace's workflows whose
-    record was written in the window asked for, newest first (``reach-mesh workflows``).
+    record was written in the window asked for, newest first (``reach-mesh workflows``); or,
+    to an operator (``{"op": "workflows"}`` on ``reach.hub.<ns>.admin``), every namespace's.
 
     The bucket keeps each workflow's newest record, written when it starts and when it ends:
     one running for longer than the window is not in it. ``truncated``: the window held more
     records than one list reads, and its older ones were not read (an older workflow may be
     missing); ``oldest_read_at`` is the time of the oldest record read."""
 
-    namespace: str
+    #: The namespace listed; None: every namespace (an operator's list).
+    namespace: str | None = None
     hub_id: str
     workflows: list[WorkflowSummary] = Field(default_factory=list)
     #: Workflows in the window that match the filter (``workflows`` holds the newest ``limit``).

@@ -415,7 +415,9 @@ async def test_page_shows_fleet_rates_workflow_and_acts_on_the_registry(mesh: Me
             wait_for = f"""new Promise(ok => {{ const t = setInterval(() => {{
               const steps = document.querySelectorAll('[data-workflow="{wf_id}"] .step');
               const done = [...steps].every(s => s.dataset.state !== "PENDING");
-              if (document.querySelector('tr[data-agent]') && steps.length === 3 && done)
+              const failed = document.querySelector('#failed tr[data-failed="{wf_id}"]');
+              if (document.querySelector('tr[data-agent]') && steps.length === 3 && done
+                  && failed)
                 {{ clearInterval(t); ok(true); }} }}, 50); }})"""
             browser.evaluate(wait_for)
             seen["agents"] = browser.evaluate(
@@ -430,6 +432,10 @@ async def test_page_shows_fleet_rates_workflow_and_acts_on_the_registry(mesh: Me
             seen["steps"] = browser.evaluate(
                 f"[...document.querySelectorAll('[data-workflow=\"{wf_id}\"] .step')]"
                 ".map(s => s.dataset.state + ' ' + s.textContent.replace(/\\s+/g, ' ').trim())"
+            )
+            seen["failed"] = browser.evaluate(
+                f"(r => [r.dataset.ns, [...r.cells].map(c => c.textContent.trim())])"
+                f"(document.querySelector('#failed tr[data-failed=\"{wf_id}\"]'))"
             )
             seen["trace_link"] = browser.evaluate(
                 f"document.querySelector('[data-workflow=\"{wf_id}\"] a').href"
@@ -477,6 +483,10 @@ async def test_page_shows_fleet_rates_workflow_and_acts_on_the_registry(mesh: Me
     assert cards["p50 handler"].endswith(" ms") and cards["p99 handler"].endswith(" ms")
     assert [s.split(" ")[0] for s in seen["steps"]] == ["SUCCEEDED", "SUCCEEDED", "FAILED"]
     assert "attempt 1" in seen["steps"][0] and echo_id in seen["steps"][0]
+    # Every namespace's failed workflows of the last hour, from the records (any hub's).
+    failed_ns, cells = seen["failed"]
+    assert failed_ns == ns and cells[1] == ns and cells[3] == "2/3", cells
+    assert cells[4].startswith("REACH_HANDLER_FAILED"), cells
     assert seen["trace_link"] == TRACE_URL.replace("{trace_id}", mesh.workflow.trace_id or "")
     assert seen["explained"].startswith(f"strategy least_loaded · chosen {echo_id}")
     assert seen["asked"] == [

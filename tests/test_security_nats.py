@@ -324,6 +324,12 @@ async def test_operator_actions_only_by_operator(mesh: Mesh, as_identity: Any) -
         assert (await op.admin("cordon", VICTIM))["state"] == AgentState.CORDONED
         assert (await op.admin("uncordon", VICTIM))["state"] == AgentState.ONLINE
         assert VICTIM in {a.agent_id for a in await op.agents(all_namespaces=True)}
+        assert (await op.list_workflows(all_namespaces=True)).namespace is None
+    async with Client(settings=mesh.settings("caller", NS)) as caller:
+        # Every namespace's workflows are an operator query too (the admin subject).
+        with pytest.raises(NotPermittedError):
+            await caller.list_workflows(all_namespaces=True)
+        assert (await caller.list_workflows()).namespace == NS
     # A caller's view stays in its namespace: the fleet-wide list is an operator query.
     other = await as_identity("caller", "other")
     out = await ask(

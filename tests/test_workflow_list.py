@@ -183,6 +183,47 @@ async def test_the_cli_lists_the_failed_ones(
     assert bogus.returncode == 2 and "REACH_BAD_REQUEST" in bogus.stderr, bogus
 
 
+async def test_an_operator_lists_every_namespace(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The question before any namespace is known ("what failed in the last hour?"): every
+    namespace's workflows, each naming its own, over NATS and in the CLI (``-A``)."""
+    ns = wf_settings.namespace
+    other = wf_settings.model_copy(update={"namespace": f"{ns}y"})
+    await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
+    async with Client(settings=wf_settings) as mesh, Client(settings=other) as there:
+        ok = await mesh.fanout([Step(capability="wf:ok:v1", payload=1)], timeout=10)
+        gone = await there.fanout([Step(capability="wf:none:v1", payload=1)], timeout=1.5)
+        assert ok.ok and gone.state is TaskState.TIMEOUT
+        # (Other tests' workflows share this server: only these two namespaces are looked at.)
+        every = await mesh.list_workflows(all_namespaces=True, limit=500)
+        assert every.namespace is None
+        ours = [
+            (w.namespace, w.workflow_id, w.state)
+            for w in every.workflows
+            if w.namespace in (ns, other.namespace)
+        ]
+        assert ours == [
+            (other.namespace, gone.workflow_id, TaskState.TIMEOUT),
+            (ns, ok.workflow_id, TaskState.SUCCEEDED),
+        ]
+        failed = await mesh.list_workflows(all_namespaces=True, state="TIMEOUT", limit=500)
+        assert gone.workflow_id in _ids(failed) and ok.workflow_id not in _ids(failed)
+        # A namespace's own list names it too.
+        assert [w.namespace for w in (await mesh.list_workflows()).workflows] == [ns]
+    url = wf_settings.nats_url
+    assert url is not None
+    shown = await run_cli(url, "workflows", "-A", "--state", "TIMEOUT", "--limit", "500")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].split()[:3] == ["NAMESPACE", "WORKFLOW", "KIND"], lines
+    (row,) = [ln for ln in lines if gone.workflow_id in ln]
+    assert row.split()[:4] == [other.namespace, gone.workflow_id, "fanout", "TIMEOUT"], row
+    assert "workflow(s) of every namespace" in lines[-1]
+    both = await run_cli(url, "workflows", "--all-namespaces", "--namespace", ns)
+    assert both.returncode == 2 and "REACH_BAD_REQUEST" in both.stderr, both
+
+
 async def test_the_rest_api_serves_the_same_list(fleet: Fleet, wf_settings: MeshSettings) -> None:
     ns = wf_settings.namespace
     async with Hub(settings=wf_settings.model_copy(update={"http_port": 0})) as hub:
@@ -201,7 +242,20 @@ async def test_the_rest_api_serves_the_same_list(fleet: Fleet, wf_settings: Mesh
             f"{base}/api/workflows?namespace={ns}&state=SUCCEEDED&state=RUNNING&limit=5"
         )
         assert status == 200 and _ids(WorkflowList.model_validate_json(body)) == [ok.workflow_id]
-        for bad in ("state=NOPE", "limit=0", "limit=501", "since_s=-1", "namespace=a.b"):
+        # Every namespace's: the operators' list (the token is an operator's).
+        status, body = await fetch(f"{base}/api/workflows?all_namespaces=true&limit=500")
+        assert status == 200, body
+        every = WorkflowList.model_validate_json(body)
+        assert every.namespace is None
+        assert [w.workflow_id for w in every.workflows if w.namespace == ns] == _ids(listed)
+        for bad in (
+            "state=NOPE",
+            "limit=0",
+            "limit=501",
+            "since_s=-1",
+            "namespace=a.b",
+            f"all_namespaces=true&namespace={ns}",
+        ):
             status, body = await fetch(f"{base}/api/workflows?{bad}")
             assert status == 400, (bad, status, body)
             assert json.loads(body)["error"]["code"].startswith("REACH_BAD"), body

@@ -61,7 +61,15 @@ __all__ = [
 
 log = logging.getLogger("reach_mesh.hub")
 
-ADMIN_OPS: Final = ("cordon", "uncordon", "quarantine", "release", "remove", "agents")
+ADMIN_OPS: Final = (
+    "cordon",
+    "uncordon",
+    "quarantine",
+    "release",
+    "remove",
+    "agents",
+    "workflows",
+)
 #: Report codes for operator quarantine / release, broadcast so every hub's breaker follows.
 QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
 #: Capabilities a register audit event lists (with their count).
@@ -324,12 +332,20 @@ class ControlMixin:
     async def _on_workflows(self, msg: Msg, ns: str) -> bytes:
         """The recent workflows of ``ns`` (``hub/_wf_list.py``). One list reads up to
         ``SCAN_MAX`` records: it costs ``LIST_CHARGE`` views of the namespace's budget."""
-        states, limit, since_s = _list_asked(_json_object(msg.data))
+        return await self._list_workflows(ns, _json_object(msg.data), every=False)
+
+    async def _list_workflows(self, ns: str, body: dict[str, Any], *, every: bool) -> bytes:
+        """The recent workflows of ``ns`` — of every namespace with ``every`` (an operator's
+        ``workflows`` admin op, asked on ``ns``'s subject) — as ``body`` asks. One list reads
+        up to ``SCAN_MAX`` records: it costs ``LIST_CHARGE`` views of ``ns``'s budget."""
+        states, limit, since_s = _list_asked(body)
         if self.workflows is None:
             raise MeshUnavailableError("this hub runs no workflow engine")
         with self._view_slot(peer=False):
             self._charge_view(ns, LIST_CHARGE)
-            listed = await self.workflows.list(ns, states=states, limit=limit, since_s=since_s)
+            listed = await self.workflows.list(
+                None if every else ns, states=states, limit=limit, since_s=since_s
+            )
         return protocol.encode(listed)
 
     async def _on_peer_workflow(self, msg: Msg, ns: str) -> bytes:
@@ -558,6 +574,8 @@ class ControlMixin:
         op = body.get("op")
         if op == "agents":
             return self._fleet(None)
+        if op == "workflows":
+            return await self._list_workflows(ns, body, every=True)
         agent_id = protocol.validate_agent_id(str(body.get("agent_id", "")))
         reason = protocol.validate_reason(body.get("reason"))  # before anything is done
         if op in ("cordon", "uncordon"):

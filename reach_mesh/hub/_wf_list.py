@@ -1,6 +1,8 @@
 """A namespace's recent workflows, for the people running the mesh: the answer to
 ``reach.hub.<ns>.workflows`` (``reach-mesh workflows``, ``Client.list_workflows``) — what an
-operator asks first when callers report failures without an id, or to see what runs now.
+operator asks first when callers report failures without an id, or to see what runs now —
+and every namespace's, for operators only (``{"op": "workflows"}`` on ``reach.hub.<ns>.admin``:
+``reach-mesh workflows --all-namespaces``, the dashboard).
 
 Any hub answers, from the ``reach_workflows`` bucket's stream, which keeps each workflow's
 newest record write (written when it starts and when it ends: a workflow running longer than
@@ -50,7 +52,7 @@ _STREAM: Final = kv_stream(protocol.KV_WORKFLOWS)
 
 async def list_workflows(
     js: JetStreamContext,
-    ns: str,
+    ns: str | None,
     *,
     hub_id: str,
     states: Collection[TaskState] = (),
@@ -58,33 +60,36 @@ async def list_workflows(
     since_s: float = protocol.WORKFLOW_LIST_SINCE,
     within: float = LIST_DEADLINE,
 ) -> WorkflowList:
-    """The workflows of ``ns`` whose record was written in the last ``since_s`` seconds, newest
-    first, at most ``limit``; only those in ``states`` when given. ``MeshUnavailableError``
+    """The workflows of ``ns`` (None: of every namespace) whose record was written in the last
+    ``since_s`` seconds, newest first, at most ``limit``; only those in ``states`` when given.
+    ``MeshUnavailableError``
     when it cannot be read within ``within`` seconds (JetStream unavailable, or the hub too
     busy): a partial list would miss the newest records, which a list is asked for."""
     try:
         async with asyncio.timeout(within):
             return await _list(js, ns, hub_id, frozenset(states), limit, since_s)
     except TimeoutError:
+        whose = "every namespace" if ns is None else f"namespace {ns!r}"
         raise MeshUnavailableError(
-            f"the workflows of namespace {ns!r} could not be read within {within:g} s "
+            f"the workflows of {whose} could not be read within {within:g} s "
             "(JetStream unavailable, or this hub busy): ask again, or for a shorter window"
         ) from None
 
 
 async def _list(
     js: JetStreamContext,
-    ns: str,
+    ns: str | None,
     hub_id: str,
     wanted: frozenset[TaskState],
     limit: int,
     since_s: float,
 ) -> WorkflowList:
     since = datetime.now(UTC).timestamp() - since_s
-    subject = kv_subject(protocol.KV_WORKFLOWS, f"{ns}.*")
+    subject = kv_subject(protocol.KV_WORKFLOWS, ">" if ns is None else f"{ns}.*")
     prefix = subject[:-1]
     truncated = False
-    newest: dict[str, WorkflowSummary] = {}  # by id, in the order of their newest write
+    #: By key (``<ns>.<id>``), in the order of their newest write.
+    newest: dict[str, WorkflowSummary] = {}
     scanned = 0
     oldest: float | None = None
     name = _name()
@@ -109,12 +114,12 @@ async def _list(
                 scanned += 1
                 written = msg.metadata.timestamp.timestamp()
                 oldest = written if oldest is None else oldest
-                wf_id = msg.subject[len(prefix) :] if msg.subject.startswith(prefix) else None
-                if wf_id is not None and written >= since:
-                    newest.pop(wf_id, None)
-                    summary = _summary(wf_id, msg, written)
+                key = _key(msg.subject, prefix, ns)
+                if key is not None and written >= since:
+                    newest.pop(key, None)
+                    summary = _summary(key, msg, written)
                     if summary is not None:
-                        newest[wf_id] = summary
+                        newest[key] = summary
                 if msg.metadata.num_pending == 0 or scanned >= pending:
                     break
                 if scanned % _YIELD_EVERY == 0:
@@ -133,6 +138,16 @@ async def _list(
         since=round(since, 3),
         oldest_read_at=None if oldest is None else round(oldest, 3),
     )
+
+
+def _key(subject: str, prefix: str, ns: str | None) -> str | None:
+    """The key (``<ns>.<workflow_id>``) a record's subject names under ``prefix``; None for
+    one that names no workflow of ``ns`` (or of any namespace when None)."""
+    if not subject.startswith(prefix):
+        return None
+    rest = subject[len(prefix) :]
+    key = rest if ns is None else f"{ns}.{rest}"
+    return key if key.count(".") == 1 else None
 
 
 def _name() -> str:
@@ -267,17 +282,20 @@ def _error(error: _BriefError | None) -> ErrorBody | None:
     return ErrorBody(code=error.code, message=message)
 
 
-def _summary(wf_id: str, msg: Msg, written: float) -> WorkflowSummary | None:
-    """What a list shows of one record write; None for a delete, or a record it cannot read."""
+def _summary(key: str, msg: Msg, written: float) -> WorkflowSummary | None:
+    """What a list shows of the record write of ``key`` (``<ns>.<workflow_id>``); None for a
+    delete, or a record it cannot read."""
     if kv_marker(msg.headers) or not msg.data:
         return None
     try:
         record = _BriefRecord.model_validate_json(msg.data)
     except ValidationError:
         return None
+    ns, wf_id = key.split(".", 1)
     result = record.result
     if result is not None:
         return WorkflowSummary(
+            namespace=ns,
             workflow_id=wf_id,
             kind=result.kind,
             state=result.state,
@@ -293,6 +311,7 @@ def _summary(wf_id: str, msg: Msg, written: float) -> WorkflowSummary | None:
         )
     unstarted = record.owner is None and record.cancel is not None
     return WorkflowSummary(
+        namespace=ns,
         workflow_id=wf_id,
         kind=None if record.spec is None else record.spec.kind,
         state=TaskState.PENDING if unstarted else record.state,

@@ -76,13 +76,14 @@ class WorkflowQueries(WorkflowShapes):
 
     async def list(
         self,
-        ns: str,
+        ns: str | None,
         *,
         states: frozenset[TaskState],
         limit: int,
         since_s: float,
     ) -> WorkflowList:
-        """The recent workflows of ``ns``, newest first (``reach.hub.<ns>.workflows``;
+        """The recent workflows of ``ns`` (None: of every namespace), newest first
+        (``reach.hub.<ns>.workflows``, the operators' ``workflows`` admin op;
         ``hub/_wf_list.py``)."""
         return await list_workflows(
             self._js, ns, hub_id=self.hub_id, states=states, limit=limit, since_s=since_s

@@ -491,11 +491,25 @@ class HubHttp:
         since_s: Annotated[
             float, Query(gt=0, le=protocol.WORKFLOW_LIST_SINCE_MAX, description="seconds back")
         ] = protocol.WORKFLOW_LIST_SINCE,
+        all_namespaces: Annotated[
+            bool, Query(description="every namespace's (an operator's list; not with namespace)")
+        ] = False,
     ) -> Response:
         """``reach.hub.<ns>.workflows`` (``namespace``: ``default`` when not given), asked
-        like any caller asks it: the same budget, any hub."""
+        like any caller asks it: the same budget, any hub. ``all_namespaces``: the operators'
+        ``workflows`` admin op, which this hub answers (the token is an operator's)."""
         ns = protocol.DEFAULT_NAMESPACE if namespace is None else namespace
         body = {"state": state or [], "limit": limit, "since_s": since_s}
+        if all_namespaces:
+            if namespace is not None:
+                raise BadRequestError(
+                    "all_namespaces lists every namespace: leave out namespace",
+                    field="namespace",
+                )
+            asked = protocol.dumps({"op": "workflows", **body})
+            return await self._answer(
+                protocol.hub_subject(ns, "admin"), self.hub.admin_op(ns, asked, HTTP_REQUESTER)
+            )
         data = await self.nats_request(
             protocol.hub_subject(protocol.validate_namespace(ns), "workflows"),
             protocol.dumps(body),
