@@ -410,9 +410,10 @@ async def test_an_uncapped_result_fails_its_step_and_nothing_crashes(
     result (its task record written with it) crashed the step: ``REACH_INTERNAL``,
     ``MaxPayloadError``, after half a minute."""
     settings = wf_settings.model_copy(update={"nats_url": small_server.url})
-    # The status message (result and its own fields) fits under 1 MiB; the task record (the
-    # result, two attempts' history, the workflow's id) does not.
-    blob = {"blob": "x" * (MIB - 400)}
+    # The status message (result, its own fields and headers: the final status's id with its
+    # nonce) fits under 1 MiB; the task record (the result, two attempts' history, the
+    # workflow's id) does not.
+    blob = {"blob": "x" * (MIB - 500)}
     size, limit = len(json.dumps(blob, separators=(",", ":"))), MIB - 16 * 1024
     monkeypatch.setattr(Agent, "_max_result", property(lambda self: 10 * MIB))
     cap = "size:late:v1"
