@@ -68,10 +68,10 @@ REQUEST_TIMEOUT: Final = 3.0
 #: three frozen, about (1/3)**12 for a read of 3 s. (A wait doubling after each try gave four
 #: tries in 3 s, and a CI run lost a read whose four all went to the frozen replica.)
 HEDGE_AFTER: Final = 0.25
-#: At most this many of one client's direct gets are being asked again at a time (each one a
-#: try every ``HEDGE_AFTER``): a server or an event loop too busy to answer within
-#: ``HEDGE_AFTER`` is not sent more work than that. A read holds one of them, however many
-#: tries it sends, so that one read nobody answers does not take every one.
+#: At most this many of one client's direct gets are being asked again at a time, each a try
+#: every ``HEDGE_AFTER`` (so at most 64 tries a second more, per client): a server or an event
+#: loop too busy to answer within ``HEDGE_AFTER`` is not sent much more work. A read holds one
+#: of them, however many tries it sends, so that one read nobody answers does not take all.
 HEDGES_MAX: Final = 16
 
 #: What a KV delete or purge leaves behind (the key reads as absent).

@@ -955,15 +955,25 @@ async def test_a_record_deleted_by_hand_is_written_over_at_the_leaders_revision(
     assert held.started == 0
 
 
+@pytest.mark.parametrize("read", ["at once", "after the result"])
 async def test_two_submissions_of_a_workflow_cancelled_before_it_started_both_end_at_once(
-    wf_settings: MeshSettings,
+    wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch, read: str
 ) -> None:
     """Each submission is stored (its ``Nats-Msg-Id`` has a nonce of its own), so a workflow
     cancelled before any hub took it may have two messages: both runs write over the record
-    that holds only the cancel, and one wins. The other is acked at once, not left to come
-    back after its ack wait (5 s here) to learn what it could read now."""
+    that holds only the cancel, and one wins. The other ends at once, not left to come back
+    after its ack wait (5 s here) to learn what it could read now — also when the winner has
+    stored its result by the time the loser reads the record (``after the result``)."""
     ns = wf_settings.namespace
     s = wf_settings.model_copy(update={"workflow_ack_wait": 5.0})
+    if read == "after the result":
+        won_by_another = WorkflowEngine._won_by_another
+
+        async def late(self: WorkflowEngine, wf: Any) -> Any:
+            await asyncio.sleep(0.5)  # the winner, with no step to run, ends meanwhile
+            return await won_by_another(self, wf)
+
+        monkeypatch.setattr(WorkflowEngine, "_won_by_another", late)
     async with Hub(settings=s):
         pass  # the streams and buckets
     async with Client(settings=s) as mesh:
@@ -992,4 +1002,4 @@ async def test_two_submissions_of_a_workflow_cancelled_before_it_started_both_en
             async def both_gone() -> bool:
                 return await stored() == 0
 
-            await eventually(both_gone, timeout=2.5, interval=0.05)
+            await eventually(both_gone, timeout=3.0, interval=0.05)

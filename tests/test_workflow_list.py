@@ -7,6 +7,7 @@ import asyncio
 import json
 from typing import Any
 
+import nats
 import nats.js.errors
 import pytest
 
@@ -222,6 +223,29 @@ async def test_an_operator_lists_every_namespace(
     assert "workflow(s) of every namespace" in lines[-1]
     both = await run_cli(url, "workflows", "--all-namespaces", "--namespace", ns)
     assert both.returncode == 2 and "REACH_BAD_REQUEST" in both.stderr, both
+
+
+async def test_the_list_of_every_namespace_is_no_tenants_to_pay_for(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    """A namespace's lists are charged to its workflow-view budget; an operator's list of
+    every namespace, asked on any namespace's admin subject, is charged to none: a tenant that
+    spent its budget does not turn the operators' list away, and the list does not spend it."""
+    assert wf_settings.nats_url is not None
+    nc = await nats.connect(wf_settings.nats_url)
+    try:
+        own = protocol.hub_subject(wf_settings.namespace, "workflows")
+        codes = []
+        for _ in range(6):  # 10 views each, of a bucket of 40
+            reply = await nc.request(own, b"{}", timeout=5)
+            codes.append(json.loads(reply.data).get("error", {}).get("code"))
+        assert codes[:4] == [None] * 4 and "REACH_THROTTLED" in codes[4:], codes
+        admin = protocol.hub_subject(wf_settings.namespace, "admin")
+        for _ in range(6):
+            reply = await nc.request(admin, b'{"op": "workflows", "limit": 1}', timeout=5)
+            assert "error" not in json.loads(reply.data), reply.data
+    finally:
+        await nc.close()
 
 
 async def test_the_rest_api_serves_the_same_list(fleet: Fleet, wf_settings: MeshSettings) -> None:

@@ -337,12 +337,15 @@ class ControlMixin:
     async def _list_workflows(self, ns: str, body: dict[str, Any], *, every: bool) -> bytes:
         """The recent workflows of ``ns`` — of every namespace with ``every`` (an operator's
         ``workflows`` admin op, asked on ``ns``'s subject) — as ``body`` asks. One list reads
-        up to ``SCAN_MAX`` records: it costs ``LIST_CHARGE`` views of ``ns``'s budget."""
+        up to ``SCAN_MAX`` records: it costs ``LIST_CHARGE`` views of ``ns``'s budget; an
+        operator's list of every namespace is no tenant's to pay for, and is bounded by the
+        view slot it takes and its deadline alone."""
         states, limit, since_s = _list_asked(body)
         if self.workflows is None:
             raise MeshUnavailableError("this hub runs no workflow engine")
         with self._view_slot(peer=False):
-            self._charge_view(ns, LIST_CHARGE)
+            if not every:
+                self._charge_view(ns, LIST_CHARGE)
             listed = await self.workflows.list(
                 None if every else ns, states=states, limit=limit, since_s=since_s
             )

@@ -418,11 +418,27 @@ class WorkflowEngine(WorkflowQueries):
                     # same conflict straight back.
                     await msg.nak(delay=0.1)
                 return
-            if await self._run_from_another(wf):
+            won = await self._won_by_another(wf)
+            if won is not None:
                 # It lost the start to another message of the same id (submitted again: each
-                # submission is stored), which its winner runs: this one is done with.
-                log.info("workflow %s: submitted again while another hub runs it; dropped", wf.id)
-                self._jsc.ack_later(msg)
+                # submission is stored).
+                if won.spec_digest not in (None, wf.digest):
+                    self.conflict_total += 1
+                    log.warning(
+                        "workflow %s: submission refused, the id is taken by another spec", wf.id
+                    )
+                    with contextlib.suppress(Exception):
+                        await msg.term()
+                elif won.result is not None:
+                    # Finished already: back in a moment, it finds the result stored and
+                    # announces it again (as for any later re-submission).
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=0.1)
+                else:  # its winner runs it, and announces its result
+                    log.info(
+                        "workflow %s: submitted again while another hub runs it; dropped", wf.id
+                    )
+                    self._jsc.ack_later(msg)
                 return
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
@@ -516,24 +532,26 @@ class WorkflowEngine(WorkflowQueries):
             return False
         return got[1] == wf.rev and record.owner == self.hub_id
 
-    async def _run_from_another(self, wf: Workflow) -> bool:
-        """Whether a workflow this hub never owned (it lost its first write) runs from another
-        submission message than ``wf``'s (``WorkflowRecord.submission_seq``): a race of two
-        messages of one id, both over a record no hub ran (a cancel made before either
-        started). Read from the stream's leader; False when it cannot be read."""
+    async def _won_by_another(self, wf: Workflow) -> WorkflowRecord | None:
+        """The record of a workflow this hub never owned (it lost its first write) that
+        another submission message than ``wf``'s won: it runs from that one
+        (``WorkflowRecord.submission_seq``), or has ended already — a race of two messages
+        of one id, both over a record no hub ran (a cancel made before either started). Read
+        from the stream's leader; None when it is not that, or cannot be read."""
         if wf.rev != 0 or wf.seq is None:
-            return False
+            return None
         end = asyncio.get_running_loop().time() + 2.0
         try:
             got = await self._record_now(wf.ns, wf.id, end)
         except MeshUnavailableError:
-            return False
+            return None
         record = stored_record(WorkflowRecord, got)
-        return (
-            record is not None
-            and record.submission_seq is not None
-            and record.submission_seq != wf.seq
-        )
+        if record is None:
+            return None
+        if record.result is not None:
+            return record
+        other = record.submission_seq is not None and record.submission_seq != wf.seq
+        return record if other else None
 
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
