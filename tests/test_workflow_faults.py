@@ -494,6 +494,34 @@ async def test_a_spec_compares_as_the_hubs_read_it(
         assert await mesh.fanout(steps, timeout=10, workflow_id="nan-own") == res
 
 
+async def test_a_refused_spec_under_an_id_is_a_conflict_for_another_spec(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    """A submission the hubs refuse for what it asks (here a step naming an agent and a
+    capability) is stored FAILED under its id with its spec's digest: another spec submitted
+    under that id is told a conflict, not handed the refusal; the refused spec again gets it."""
+    ns = wf_settings.namespace
+    async with Client(settings=wf_settings) as mesh:
+        bad = {
+            "workflow_id": "refused-id",
+            "kind": "fanout",
+            "namespace": ns,
+            "steps": [{"agent_id": f"{ns}.a.a1", "capability": "wf:x:v1"}],
+        }
+        await mesh.nc.jetstream().publish(
+            protocol.wf_submit(ns),
+            json.dumps(bad).encode(),
+            headers={protocol.HDR_MSG_ID: f"{ns}.refused-id.n1"},
+        )
+        refused = await mesh.workflow("refused-id", timeout=10)
+        assert refused.state is TaskState.FAILED and refused.spec_digest is not None
+        assert refused.error is not None and refused.error.code == "REACH_BAD_WORKFLOW"
+        with pytest.raises(WorkflowConflictError):
+            await mesh.fanout(
+                [Step(capability="wf:x:v1", payload=1)], workflow_id="refused-id", timeout=10
+            )
+
+
 async def test_two_specs_racing_for_one_id_one_runs_and_the_other_caller_is_told(
     fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -59,12 +58,12 @@ from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
-from reach_mesh.hub._wf_queries import WorkflowQueries
+from reach_mesh.hub._wf_reject import WorkflowRefusals
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
 from reach_mesh.logs import NAMESPACE_SHARE, WORKFLOW_INTERRUPTED, LineBudget, log_event
-from reach_mesh.models import AgentState, ErrorBody, TaskState
+from reach_mesh.models import AgentState
 from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE
 from reach_mesh.workflow import (
@@ -83,9 +82,6 @@ __all__ = ["WorkflowEngine"]
 log = logging.getLogger("reach_mesh.hub.workflows")
 
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
-#: How long a submission this hub refuses waits before it comes back, while a workflow of its
-#: id runs from a record that does not say which message it runs from.
-_REFUSED_RUNNING_DELAY: Final = 30.0
 
 
 def _submit_namespace(subject: str) -> str:
@@ -94,7 +90,7 @@ def _submit_namespace(subject: str) -> str:
     return parts[2] if len(parts) > 2 else ""
 
 
-class WorkflowEngine(WorkflowQueries):
+class WorkflowEngine(WorkflowRefusals):
     """Runs the workflows this hub owns. Started and stopped by :class:`~reach_mesh.hub.Hub`.
 
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
@@ -532,27 +528,6 @@ class WorkflowEngine(WorkflowQueries):
             return False
         return got[1] == wf.rev and record.owner == self.hub_id
 
-    async def _won_by_another(self, wf: Workflow) -> WorkflowRecord | None:
-        """The record of a workflow this hub never owned (it lost its first write) that
-        another submission message than ``wf``'s won: it runs from that one
-        (``WorkflowRecord.submission_seq``), or has ended already — a race of two messages
-        of one id, both over a record no hub ran (a cancel made before either started). Read
-        from the stream's leader; None when it is not that, or cannot be read."""
-        if wf.rev != 0 or wf.seq is None:
-            return None
-        end = asyncio.get_running_loop().time() + 2.0
-        try:
-            got = await self._record_now(wf.ns, wf.id, end)
-        except MeshUnavailableError:
-            return None
-        record = stored_record(WorkflowRecord, got)
-        if record is None:
-            return None
-        if record.result is not None:
-            return record
-        other = record.submission_seq is not None and record.submission_seq != wf.seq
-        return record if other else None
-
     def _admit(self, msg: Msg, headers: dict[str, str]) -> Workflow:
         spec = protocol.decode(msg.data, WorkflowSpec, max_size=self._settings.max_payload * 8)
         ns = msg.subject.split(".")[2]
@@ -582,117 +557,6 @@ class WorkflowEngine(WorkflowQueries):
             digest=spec_digest(spec),
             seq=seq,
         )
-
-    async def _reject(self, msg: Msg, headers: dict[str, str], err: ReachError) -> None:
-        """A submission this hub refuses: store and publish its failed result, then term it
-        (never redelivered) — in that order: stored first, a rejection that meets a JetStream
-        outage comes back (nak) rather than leaving its caller without an answer.
-
-        An id that is a workflow's already keeps that workflow's record and result, with two
-        exceptions: a record holding only a cancel made before any hub took the submission
-        (the rejection is its end), and a running workflow whose own submission this is
-        (``WorkflowRecord.submission_seq``) — redelivered to a hub that cannot run it (hubs of
-        different versions, or ``max_payload``s, in a rolling change): it ends FAILED with
-        this error, over the record (its old owner's final write then fails and reads this
-        result), rather than the term leaving it RUNNING with no message to resume it from."""
-        log.info("rejecting workflow submission on %s: %s", msg.subject, err.message)
-        parts = msg.subject.split(".")
-        wf_id = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
-        ns = parts[2] if len(parts) > 2 else ""
-        kind: Literal["fanout", "chain"] = "fanout"
-        with contextlib.suppress(Exception):
-            body = json.loads(msg.data)
-            if body.get("kind") == "chain":
-                kind = "chain"
-            if not wf_id and isinstance(body.get("workflow_id"), str):
-                # No Nats-Msg-Id (a client that skips it): the id its body names, so that
-                # its caller, waiting on that id, gets this answer.
-                wf_id = body["workflow_id"]
-        try:
-            protocol.validate_workflow_id(wf_id)
-            protocol.validate_namespace(ns)
-        except ReachError:
-            with contextlib.suppress(Exception):
-                await msg.term()
-            return  # nobody can be waiting for a result without a valid id
-        result = WorkflowResult(
-            workflow_id=wf_id,
-            kind=kind,
-            state=TaskState.FAILED,
-            error=ErrorBody(code=err.code, message=err.message, details=err.details),
-            hub_id=self.hub_id,
-            finished_at=time.time(),
-        )
-        assert self._wf_kv is not None
-        kv = self._wf_kv
-        key = protocol.workflow_key(ns, wf_id)
-        record = WorkflowRecord(state=result.state, owner=self.hub_id, result=result)
-        try:
-            seq: int | None = msg.metadata.sequence.stream
-        except Exception:
-            seq = None
-        try:
-            try:
-                await _durable.create(
-                    kv,
-                    key,
-                    protocol.encode(record),
-                    self._io_deadline(),
-                    on_retry=self._infra_retry,
-                )
-            except KeyWrongLastSequenceError:
-                got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
-                held = stored_record(WorkflowRecord, got)
-                if got is None or held is None or held.result is not None:
-                    raise
-                own = held.submission_seq is not None and held.submission_seq == seq
-                if not (held.cancelled_before_start or own):
-                    if held.submission_seq is None and held.owner is not None:
-                        # A running workflow of a hub that did not say which message it runs
-                        # from: this may be that message. Not termed: it comes back (to a
-                        # hub that can run it, or once the workflow has ended).
-                        log.warning(
-                            "workflow %s runs while this hub refuses a submission of it (%s): "
-                            "handed back for later",
-                            wf_id,
-                            err.code,
-                        )
-                        with contextlib.suppress(Exception):
-                            await msg.nak(delay=_REFUSED_RUNNING_DELAY)
-                        return
-                    raise
-                if own:
-                    log.warning(
-                        "workflow %s came back to a hub that refuses it (%s: %s): it ends FAILED",
-                        wf_id,
-                        err.code,
-                        err.message,
-                    )
-                await _durable.cas(
-                    kv,
-                    key,
-                    protocol.encode(record),
-                    got[1],
-                    self._io_deadline(),
-                    on_retry=self._infra_retry,
-                )
-            await self._publish_done(ns, result, headers)
-        except KeyWrongLastSequenceError:
-            # The id is a workflow's already: its own record and result stand.
-            self.conflict_total += 1
-            with contextlib.suppress(Exception):
-                await msg.term()
-            return
-        except Exception as e:
-            # Not stored (JetStream unavailable past the retries): the rejection is made
-            # again when the submission comes back.
-            log.warning("cannot store the rejection of workflow %s: %r", wf_id, e)
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1.0)
-            return
-        with contextlib.suppress(Exception):
-            await msg.term()
-        self._count_done(ns, kind, result)
 
     async def _keepalive(self) -> None:
         """``+WPI`` for every submission this hub runs, every ``workflow_ack_wait / 3``: one

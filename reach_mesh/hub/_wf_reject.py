@@ -1,0 +1,200 @@
+"""The submissions a hub does not run: those it refuses (stored as a FAILED result, then
+termed) and those that lost the start of their workflow to another message of the same id.
+Split from :mod:`reach_mesh.hub.workflows` (which runs the workflows this hub owns)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Final, Literal
+
+from nats.aio.msg import Msg
+from nats.js.errors import KeyWrongLastSequenceError
+
+from reach_mesh import protocol
+from reach_mesh.errors import MeshUnavailableError, ReachError
+from reach_mesh.hub import _durable
+from reach_mesh.hub._steps import Workflow
+from reach_mesh.hub._wf_queries import WorkflowQueries
+from reach_mesh.models import ErrorBody, TaskState
+from reach_mesh.workflow import (
+    WorkflowRecord,
+    WorkflowResult,
+    WorkflowSpec,
+    spec_digest,
+    stored_record,
+)
+
+__all__ = ["WorkflowRefusals"]
+
+log = logging.getLogger("reach_mesh.hub.workflows")
+
+#: How long a submission this hub refuses waits before it comes back, while a workflow of its
+#: id runs from a record that does not say which message it runs from.
+_REFUSED_RUNNING_DELAY: Final = 30.0
+
+
+class WorkflowRefusals(WorkflowQueries):
+    """Refused and superseded submissions (the base of ``WorkflowEngine``, which sets every
+    attribute below)."""
+
+    #: Submissions refused because their id is another spec's workflow.
+    conflict_total: int
+
+    if TYPE_CHECKING:
+
+        async def _publish_done(
+            self, ns: str, result: WorkflowResult, headers: dict[str, str]
+        ) -> None: ...
+
+        def _count_done(self, ns: str, kind: str, result: WorkflowResult) -> None: ...
+
+    async def _won_by_another(self, wf: Workflow) -> WorkflowRecord | None:
+        """The record of a workflow this hub never owned (it lost its first write) that
+        another submission message than ``wf``'s won: it runs from that one
+        (``WorkflowRecord.submission_seq``), or has ended already — a race of two messages
+        of one id, both over a record no hub ran (a cancel made before either started). Read
+        from the stream's leader; None when it is not that, or cannot be read."""
+        if wf.rev != 0 or wf.seq is None:
+            return None
+        end = asyncio.get_running_loop().time() + 2.0
+        try:
+            got = await self._record_now(wf.ns, wf.id, end)
+        except MeshUnavailableError:
+            return None
+        record = stored_record(WorkflowRecord, got)
+        if record is None:
+            return None
+        if record.result is not None:
+            return record
+        other = record.submission_seq is not None and record.submission_seq != wf.seq
+        return record if other else None
+
+    async def _reject(self, msg: Msg, headers: dict[str, str], err: ReachError) -> None:
+        """A submission this hub refuses: store and publish its failed result, then term it
+        (never redelivered) — in that order: stored first, a rejection that meets a JetStream
+        outage comes back (nak) rather than leaving its caller without an answer.
+
+        An id that is a workflow's already keeps that workflow's record and result, with two
+        exceptions: a record holding only a cancel made before any hub took the submission
+        (the rejection is its end), and a running workflow whose own submission this is
+        (``WorkflowRecord.submission_seq``) — redelivered to a hub that cannot run it (hubs of
+        different versions, or ``max_payload``s, in a rolling change): it ends FAILED with
+        this error, over the record (its old owner's final write then fails and reads this
+        result), rather than the term leaving it RUNNING with no message to resume it from."""
+        log.info("rejecting workflow submission on %s: %s", msg.subject, err.message)
+        parts = msg.subject.split(".")
+        wf_id = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
+        ns = parts[2] if len(parts) > 2 else ""
+        kind: Literal["fanout", "chain"] = "fanout"
+        with contextlib.suppress(Exception):
+            body = json.loads(msg.data)
+            if body.get("kind") == "chain":
+                kind = "chain"
+            if not wf_id and isinstance(body.get("workflow_id"), str):
+                # No Nats-Msg-Id (a client that skips it): the id its body names, so that
+                # its caller, waiting on that id, gets this answer.
+                wf_id = body["workflow_id"]
+        try:
+            protocol.validate_workflow_id(wf_id)
+            protocol.validate_namespace(ns)
+        except ReachError:
+            with contextlib.suppress(Exception):
+                await msg.term()
+            return  # nobody can be waiting for a result without a valid id
+        digest = _digest_of(msg.data, self._settings.max_payload * 8)
+        result = WorkflowResult(
+            workflow_id=wf_id,
+            kind=kind,
+            state=TaskState.FAILED,
+            error=ErrorBody(code=err.code, message=err.message, details=err.details),
+            hub_id=self.hub_id,
+            finished_at=time.time(),
+            spec_digest=digest,
+        )
+        assert self._wf_kv is not None
+        kv = self._wf_kv
+        key = protocol.workflow_key(ns, wf_id)
+        record = WorkflowRecord(
+            state=result.state, owner=self.hub_id, result=result, spec_digest=digest
+        )
+        try:
+            seq: int | None = msg.metadata.sequence.stream
+        except Exception:
+            seq = None
+        try:
+            try:
+                await _durable.create(
+                    kv,
+                    key,
+                    protocol.encode(record),
+                    self._io_deadline(),
+                    on_retry=self._infra_retry,
+                )
+            except KeyWrongLastSequenceError:
+                got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
+                held = stored_record(WorkflowRecord, got)
+                if got is None or held is None or held.result is not None:
+                    raise
+                own = held.submission_seq is not None and held.submission_seq == seq
+                if not (held.cancelled_before_start or own):
+                    if held.submission_seq is None and held.owner is not None:
+                        # A running workflow of a hub that did not say which message it runs
+                        # from: this may be that message. Not termed: it comes back (to a
+                        # hub that can run it, or once the workflow has ended).
+                        log.warning(
+                            "workflow %s runs while this hub refuses a submission of it (%s): "
+                            "handed back for later",
+                            wf_id,
+                            err.code,
+                        )
+                        with contextlib.suppress(Exception):
+                            await msg.nak(delay=_REFUSED_RUNNING_DELAY)
+                        return
+                    raise
+                if own:
+                    log.warning(
+                        "workflow %s came back to a hub that refuses it (%s: %s): it ends FAILED",
+                        wf_id,
+                        err.code,
+                        err.message,
+                    )
+                await _durable.cas(
+                    kv,
+                    key,
+                    protocol.encode(record),
+                    got[1],
+                    self._io_deadline(),
+                    on_retry=self._infra_retry,
+                )
+            await self._publish_done(ns, result, headers)
+        except KeyWrongLastSequenceError:
+            # The id is a workflow's already: its own record and result stand.
+            self.conflict_total += 1
+            with contextlib.suppress(Exception):
+                await msg.term()
+            return
+        except Exception as e:
+            # Not stored (JetStream unavailable past the retries): the rejection is made
+            # again when the submission comes back.
+            log.warning("cannot store the rejection of workflow %s: %r", wf_id, e)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1.0)
+            return
+        with contextlib.suppress(Exception):
+            await msg.term()
+        self._count_done(ns, kind, result)
+
+
+def _digest_of(data: bytes, max_size: int) -> str | None:
+    """:func:`spec_digest` of a refused submission that still reads as a spec (refused for
+    what it asks, not its shape): the refusal is then this spec's, and another spec submitted
+    under the same id is told a conflict rather than handed the refusal. None when it does not
+    read as one."""
+    try:
+        return spec_digest(protocol.decode(data, WorkflowSpec, max_size=max_size))
+    except Exception:
+        return None
