@@ -197,7 +197,14 @@ class Hub(RoutingMixin, ControlMixin):
             await self._subscribe()
             # Durable workflows: after the registry and router, which the engine routes with.
             self.workflows = WorkflowEngine(
-                self._nc, self._js, self.registry, self.router, s, self.hub_id, metrics=self.metrics
+                self._nc,
+                self._js,
+                self.registry,
+                self.router,
+                s,
+                self.hub_id,
+                metrics=self.metrics,
+                known_namespace=self.known_namespace,
             )
             await self.workflows.start()
             # The streams and buckets may predate this hub's workflow_retention.

@@ -52,6 +52,32 @@ class WorkflowRefusals(WorkflowQueries):
 
         def _count_done(self, ns: str, kind: str, result: WorkflowResult) -> None: ...
 
+    async def _refuse_taken(self, msg: Msg, wf: Workflow) -> None:
+        """Refuse a submission whose id is another spec's workflow: counted, never run."""
+        self.conflict_total += 1
+        log.warning("workflow %s: submission refused, the id is taken by another spec", wf.id)
+        with contextlib.suppress(Exception):
+            await msg.term()
+
+    async def _lost_start(self, msg: Msg, wf: Workflow) -> bool:
+        """End a submission whose run lost its workflow's start to another message of the same
+        id (submitted again: each submission is stored), as the record tells; False when the
+        record tells no such thing (another hub took this very message over)."""
+        won = await self._won_by_another(wf)
+        if won is None:
+            return False
+        if won.spec_digest not in (None, wf.digest):
+            await self._refuse_taken(msg, wf)
+        elif won.result is not None:
+            # Finished already: back in a moment, it finds the result stored and announces
+            # it again (as for any later re-submission).
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=0.1)
+        else:  # its winner runs it, and announces its result
+            log.info("workflow %s: submitted again while another hub runs it; dropped", wf.id)
+            self._jsc.ack_later(msg)
+        return True
+
     async def _won_by_another(self, wf: Workflow) -> WorkflowRecord | None:
         """The record of a workflow this hub never owned (it lost its first write) that
         another submission message than ``wf``'s won: it runs from that one

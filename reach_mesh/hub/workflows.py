@@ -109,13 +109,15 @@ class WorkflowEngine(WorkflowRefusals):
         hub_id: str,
         *,
         metrics: Any = None,
+        known_namespace: Callable[[str], bool] | None = None,
     ) -> None:
         self._nc = nc
         self._js = js
         self._registry = registry
         self._router = router
         self._settings = settings
-        self._configured = frozenset((settings.namespace, *settings.namespaces))
+        #: Whether a namespace exists (``Hub.known_namespace``): only those name metric series.
+        self._known_namespace = known_namespace or registry.has_namespace
         self.hub_id = hub_id
         self._metrics = metrics
         self._wf_kv: _durable.Bucket | None = None
@@ -414,27 +416,7 @@ class WorkflowEngine(WorkflowRefusals):
                     # same conflict straight back.
                     await msg.nak(delay=0.1)
                 return
-            won = await self._won_by_another(wf)
-            if won is not None:
-                # It lost the start to another message of the same id (submitted again: each
-                # submission is stored).
-                if won.spec_digest not in (None, wf.digest):
-                    self.conflict_total += 1
-                    log.warning(
-                        "workflow %s: submission refused, the id is taken by another spec", wf.id
-                    )
-                    with contextlib.suppress(Exception):
-                        await msg.term()
-                elif won.result is not None:
-                    # Finished already: back in a moment, it finds the result stored and
-                    # announces it again (as for any later re-submission).
-                    with contextlib.suppress(Exception):
-                        await msg.nak(delay=0.1)
-                else:  # its winner runs it, and announces its result
-                    log.info(
-                        "workflow %s: submitted again while another hub runs it; dropped", wf.id
-                    )
-                    self._jsc.ack_later(msg)
+            if await self._lost_start(msg, wf):
                 return
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
@@ -448,10 +430,7 @@ class WorkflowEngine(WorkflowRefusals):
             self._jsc.ack_later(msg)
             return
         except SpecConflictError:
-            self.conflict_total += 1
-            log.warning("workflow %s: submission refused, the id is taken by another spec", wf.id)
-            with contextlib.suppress(Exception):
-                await msg.term()
+            await self._refuse_taken(msg, wf)
             return
         except asyncio.CancelledError:
             raise
@@ -679,9 +658,7 @@ class WorkflowEngine(WorkflowRefusals):
         """``ns`` as a metric label: itself if it exists (configured, or holding a registered
         agent, as for the hub's other series), else :data:`UNKNOWN_NAMESPACE` — a namespace
         anyone on an open bus can make up must not make series."""
-        if ns in self._configured or self._registry.has_namespace(ns):
-            return ns
-        return UNKNOWN_NAMESPACE
+        return ns if self._known_namespace(ns) else UNKNOWN_NAMESPACE
 
     # ------------------------------------------------------------------ subscriptions
 
