@@ -62,9 +62,9 @@ async def list_workflows(
 ) -> WorkflowList:
     """The workflows of ``ns`` (None: of every namespace) whose record was written in the last
     ``since_s`` seconds, newest first, at most ``limit``; only those in ``states`` when given.
-    ``MeshUnavailableError``
-    when it cannot be read within ``within`` seconds (JetStream unavailable, or the hub too
-    busy): a partial list would miss the newest records, which a list is asked for."""
+    ``MeshUnavailableError`` when it cannot be read within ``within`` seconds (JetStream
+    unavailable, or the hub too busy): a partial list would miss the newest records, which a
+    list is asked for."""
     try:
         async with asyncio.timeout(within):
             return await _list(js, ns, hub_id, frozenset(states), limit, since_s)
@@ -86,7 +86,7 @@ async def _list(
 ) -> WorkflowList:
     since = datetime.now(UTC).timestamp() - since_s
     subject = kv_subject(protocol.KV_WORKFLOWS, ">" if ns is None else f"{ns}.*")
-    prefix = subject[:-1]
+    prefix = kv_subject(protocol.KV_WORKFLOWS, "")  # a record's key follows: <ns>.<id>
     truncated = False
     #: By key (``<ns>.<id>``), in the order of their newest write.
     newest: dict[str, WorkflowSummary] = {}
@@ -114,8 +114,8 @@ async def _list(
                 scanned += 1
                 written = msg.metadata.timestamp.timestamp()
                 oldest = written if oldest is None else oldest
-                key = _key(msg.subject, prefix, ns)
-                if key is not None and written >= since:
+                key = msg.subject[len(prefix) :]  # (the filter is under the prefix)
+                if key.count(".") == 1 and written >= since:
                     newest.pop(key, None)
                     summary = _summary(key, msg, written)
                     if summary is not None:
@@ -138,16 +138,6 @@ async def _list(
         since=round(since, 3),
         oldest_read_at=None if oldest is None else round(oldest, 3),
     )
-
-
-def _key(subject: str, prefix: str, ns: str | None) -> str | None:
-    """The key (``<ns>.<workflow_id>``) a record's subject names under ``prefix``; None for
-    one that names no workflow of ``ns`` (or of any namespace when None)."""
-    if not subject.startswith(prefix):
-        return None
-    rest = subject[len(prefix) :]
-    key = rest if ns is None else f"{ns}.{rest}"
-    return key if key.count(".") == 1 else None
 
 
 def _name() -> str:
