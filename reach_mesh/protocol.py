@@ -420,9 +420,10 @@ def attempt_msg_id(namespace: str, task_id: str, attempt: int) -> str:
 
 def final_msg_id(namespace: str, task_id: str, attempt: int, nonce: str) -> str:
     """``<ns>.<task_id>#n.final.<nonce>`` — the ``Nats-Msg-Id`` of attempt ``n``'s final
-    status; ``nonce`` is random per agent process (its repeats of the status, retried or
-    ``cached``, are stored once). An id any agent could predict would let it store it first,
-    on its own subject, and have the step's real final status dropped as a repeat."""
+    status; ``nonce`` is unpredictable and the same for each repeat of that status from one
+    agent process (retried or ``cached``: stored once), the Python agent's a keyed hash of the
+    attempt under a key random per process. An id any agent could predict would let it store
+    it first, on its own subject, and have the step's real final status dropped as a repeat."""
     return f"{namespace}.{task_id}#{attempt}.final.{nonce}"
 
 

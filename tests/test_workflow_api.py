@@ -277,6 +277,51 @@ async def test_agent_restart_keeps_results(
         assert second.work.cached == 1
 
 
+async def test_final_status_ids_share_no_nonce_and_a_repeat_is_stored_once(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Each final status's ``Nats-Msg-Id`` ends with a nonce of its own: whoever reads one
+    cannot derive another of the same agent's (and store it first to have that status
+    dropped). The same status repeated (the same attempt redelivered) carries the same id and
+    is stored once."""
+    ns = wf_settings.namespace
+    agent = echo_agent(fleet, "nonce.a1", "wf:nonce:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        js = mesh.nc.jetstream()
+        res = await mesh.fanout(
+            [
+                Step(agent_id=agent.agent_id, payload=1, task_id="nonce-a"),
+                Step(agent_id=agent.agent_id, payload=2, task_id="nonce-b"),
+            ],
+            timeout=10,
+        )
+        assert res.ok
+        stored = {
+            t: await js.get_last_msg(
+                protocol.STREAM_STATUS, protocol.task_status(agent.agent_id, t)
+            )
+            for t in ("nonce-a", "nonce-b")
+        }
+        nonces = {}
+        for t, raw in stored.items():
+            msg_id = (raw.headers or {})[protocol.HDR_MSG_ID]
+            prefix = f"{ns}.{t}#1.final."
+            assert msg_id.startswith(prefix)
+            nonces[t] = msg_id.removeprefix(prefix)
+            assert len(nonces[t]) == 32 and int(nonces[t], 16) >= 0
+        assert nonces["nonce-a"] != nonces["nonce-b"]
+        # The same attempt again: answered from the table, its status id the same, not stored.
+        env = TaskEnvelope(task_id="nonce-a", attempt=1, payload=1, namespace=ns, track=True)
+        final = await _send_step(mesh, agent, env)
+        assert final.state is TaskState.SUCCEEDED and final.cached
+        again = await js.get_last_msg(
+            protocol.STREAM_STATUS, protocol.task_status(agent.agent_id, "nonce-a")
+        )
+        assert again.seq == stored["nonce-a"].seq
+        assert fleet.runs["nonce-a"] == 1
+
+
 async def test_final_status_is_the_last_event_of_its_task(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

@@ -26,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -103,9 +104,9 @@ class WorkConsumer:
         self._tasks_kv: KeyValue | None = None
         #: Fence reads (direct gets of ``reach_tasks``) and final statuses.
         self._jsc: JsClient | None = None
-        #: Ends this process's final-status ids (``protocol.final_msg_id``): no other agent
-        #: can predict them.
-        self._nonce = uuid.uuid4().hex
+        #: Keys the nonce of each final-status id (``protocol.final_msg_id``): random per
+        #: process, so no other agent can predict an id, nor one from another it has read.
+        self._nonce_key = secrets.token_bytes(32)
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
         self._checking: set[str] = set()
@@ -629,9 +630,7 @@ class WorkConsumer:
         body = protocol.encode(event)
         out = inject(dict(headers))
         # A repeat of this publish (retried below) is stored once; subscribers see each.
-        out[protocol.HDR_MSG_ID] = protocol.final_msg_id(
-            self._agent.namespace, env.task_id, env.attempt, self._nonce
-        )
+        out[protocol.HDR_MSG_ID] = self._final_msg_id(env)
         saying = self._saying.get(env.task_id)
         if saying is not None:
             # What was said of the task before goes out first: the final status must be the
@@ -667,6 +666,16 @@ class WorkConsumer:
                 # rides along with this connection's next JetStream request (``later``).
                 jsc.ack_later(m)
         self._release()
+
+    def _final_msg_id(self, env: TaskEnvelope) -> str:
+        """The final status's ``Nats-Msg-Id``: its nonce is a keyed hash of the attempt, the
+        same for every repeat of the status from this process (stored once) and unlike any
+        other status's (one id read gives nobody the next)."""
+        attempt = protocol.attempt_msg_id(self._agent.namespace, env.task_id, env.attempt)
+        nonce = hashlib.blake2b(attempt.encode(), key=self._nonce_key, digest_size=16)
+        return protocol.final_msg_id(
+            self._agent.namespace, env.task_id, env.attempt, nonce.hexdigest()
+        )
 
     def _say_accepted(self, held: _Held) -> None:
         held.accepted_timer = None
