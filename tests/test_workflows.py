@@ -1003,7 +1003,8 @@ async def test_a_hub_that_lost_a_workflow_while_paused_stops_keeping_its_submiss
     """Hub A stops renewing a running chain (paused, cut off) and hub B takes it over. A,
     back, would go on renewing its own older delivery of the submission — which nats-server
     takes for the message's, so when B dies the submission never comes back to any hub.
-    A finds the record names B and stops its run; B dies; hub C resumes the workflow."""
+    A's first keepalive pass finds the record names B and stops its run without renewing it
+    once; B dies; hub C resumes the workflow."""
     ns = wf_settings.namespace
     agent = fleet.agent("paused.x")
     step = held_handler(agent, "wf:paused:v1", "done")
@@ -1022,13 +1023,20 @@ async def test_a_hub_that_lost_a_workflow_while_paused_stops_keeping_its_submiss
             await asyncio.wait_for(step.started.wait(), 5)
             await engine_a._pull.stop()  # A pauses: no pulls, no +WPI
             engine_a._ticker.cancel()
+            (delivery,) = [m.reply for m in engine_a._running.values()]
+            renewals = await mesh.nc.subscribe(delivery)
             await hub_b.start()
             engine_b = hub_b.workflows
             assert engine_b is not None
             await eventually(lambda: (ns, wf_id) in engine_b.owned, timeout=10)
-            # A is back, late: it asks the records of what it runs, and stops what it lost.
-            await engine_a._stop_lost_runs()
+            # A is back, late: it asks the records of what it runs, and stops what it lost,
+            # before it renews anything: not one +WPI on its older delivery.
+            assert await engine_a._keep(check=True)
             await eventually(lambda: (ns, wf_id) not in engine_a.owned, timeout=5)
+            await hub_a.nc.flush()
+            await mesh.nc.flush()
+            assert renewals.pending_msgs == 0
+            await renewals.unsubscribe()
             engine_a._ticker = asyncio.create_task(engine_a._keepalive())
             await hub_b.nc.close()  # the new owner dies: no ack, no nak, no more +WPI
             await hub_c.start()

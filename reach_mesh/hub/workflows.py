@@ -555,16 +555,27 @@ class WorkflowEngine(WorkflowRefusals):
         while True:
             await asyncio.sleep(wait / 3)
             late = loop.time() - kept_at > wait
-            for msg in list(self._running.values()):
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
+            unchecked = not await self._keep(check=late or unchecked)
             if self._nc.is_connected:
                 kept_at = loop.time()
-            if late or unchecked:
-                try:
-                    unchecked = not await self._stop_lost_runs()
-                except Exception:
-                    unchecked = True
+
+    async def _keep(self, *, check: bool) -> bool:
+        """One keepalive pass: with ``check`` (a late tick, or one after a record could not
+        be read), first stop the runs lost meanwhile; then ``+WPI`` for each run still here —
+        none on a lost run's older delivery, not even once. False when a record could not be
+        read (its run is kept)."""
+        read = True
+        if check:
+            try:
+                read = await self._stop_lost_runs()
+            except Exception:
+                read = False
+        for task, msg in list(self._running.items()):
+            if task.done() or task.cancelling():
+                continue  # stopped as lost (above) or ending
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+        return read
 
     async def _stop_lost_runs(self) -> bool:
         """Stop each run of a workflow whose record names another hub as its owner now (read
