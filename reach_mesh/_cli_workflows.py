@@ -166,12 +166,15 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
     n = len(listed.workflows)
     more = f" (the newest {n} of {listed.matched}: --limit)" if listed.matched > n else ""
     whose = "every namespace" if listed.namespace is None else f"namespace {listed.namespace}"
-    print(f"{listed.matched} workflow(s) of {whose} since {_when(listed.since)}{more}")
+    print(
+        f"{listed.matched} workflow(s) of {whose} since {_when(listed.since)}, "
+        f"and unfinished from before{more}"
+    )
     if listed.truncated:
         print(
             f"  partial: {listed.scanned:,} records read, back to "
-            f"{_when(listed.oldest_read_at)}; older ones of the window were not read "
-            "(narrow --since)"
+            f"{_when(listed.oldest_read_at)}; older ones of the window, or unfinished ones "
+            "from before it, were not read (narrow --since or --state)"
         )
     return 0
 

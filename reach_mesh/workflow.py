@@ -585,7 +585,8 @@ class WorkflowSummary(_Wire):
     workflow_id: str
     kind: WorkflowKind | None = None
     #: RUNNING until its result is stored; PENDING for one cancelled before any hub took it
-    #: (it will not run: ``error`` says why).
+    #: (it will not run: ``error`` says why), or one no hub has taken yet (no record: only
+    #: its id and submission time are known).
     state: TaskState
     steps: int = 0
     #: Once final: the steps that did not succeed (failed, timed out, cancelled, or never run:
@@ -608,10 +609,12 @@ class WorkflowList(_Wire):
     record was written in the window asked for, newest first (``reach-mesh workflows``); or,
     to an operator (``{"op": "workflows"}`` on ``reach.hub.<ns>.admin``), every namespace's.
 
-    The bucket keeps each workflow's newest record, written when it starts and when it ends:
-    one running for longer than the window is not in it. ``truncated``: the window held more
-    records than one list reads, and its older ones were not read (an older workflow may be
-    missing); ``oldest_read_at`` is the time of the oldest record read."""
+    The bucket keeps each workflow's newest record, written when it starts and when it ends;
+    the workflows submitted before the window that have not ended (running since longer, or
+    no hub has taken them yet: PENDING) follow the window's, oldest first. ``truncated``: the
+    window held more records than one list reads, and its older ones were not read (an older
+    workflow may be missing), or not every unfinished older one was read; ``oldest_read_at``
+    is the time of the oldest record read in the window."""
 
     #: The namespace listed; None: every namespace (an operator's list).
     namespace: str | None = None

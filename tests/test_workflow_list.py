@@ -112,6 +112,71 @@ async def test_recent_workflows_newest_first_by_state(
         assert after.workflows[0].state is TaskState.SUCCEEDED
 
 
+async def test_unfinished_workflows_older_than_the_window_are_listed(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A workflow running for longer than the window asked for (its record was written when
+    it started) and one that no hub has taken yet (no record: PENDING, as of its submission)
+    are listed after the window's: their submissions still wait in the stream. One that ended
+    before the window is not. More of them than a list reads: the oldest, and it says so."""
+    ns = wf_settings.namespace
+    await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
+    slow = fleet.agent("slow.a1")
+    held = held_handler(slow, "wf:held:v1", "done")
+    await slow.start()
+    engine = wf_hub.workflows
+    assert engine is not None and engine._pull is not None
+    other = Hub(settings=wf_settings)
+    try:
+        async with Client(settings=wf_settings) as mesh:
+            ended = await mesh.fanout([Step(capability="wf:ok:v1", payload=0)], timeout=10)
+            running = await mesh.submit_chain([Step(capability="wf:held:v1")], timeout=30)
+            await asyncio.wait_for(held.started.wait(), 10)
+            await engine._pull.stop()  # this hub takes no more submissions
+            await wf_hub.nc.flush()
+            waiting = await mesh.submit_chain([Step(capability="wf:ok:v1")], timeout=30)
+            await asyncio.sleep(1.2)
+            recent = await mesh.list_workflows(since=1.0)
+            assert _ids(recent) == [running, waiting] and recent.matched == 2
+            by_id = {w.workflow_id: w for w in recent.workflows}
+            now = by_id[running]
+            assert (now.namespace, now.state, now.kind, now.owner) == (
+                ns,
+                TaskState.RUNNING,
+                "chain",
+                wf_hub.hub_id,
+            )
+            assert now.updated_at < recent.since
+            later = by_id[waiting]
+            assert (later.state, later.owner, later.kind) == (TaskState.PENDING, None, None)
+            assert later.submitted_at is not None and later.submitted_at < recent.since
+            assert ended.workflow_id not in _ids(await mesh.list_workflows(since=1.0))
+            only = await mesh.list_workflows(since=1.0, state="RUNNING")
+            assert _ids(only) == [running]
+            with monkeypatch.context() as m:
+                m.setattr(_wf_list, "UNFINISHED_MAX", 1)
+                cut = await mesh.list_workflows(since=1.0)
+            assert _ids(cut) == [running] and cut.truncated and not recent.truncated
+            with monkeypatch.context() as m:
+                m.setattr(_wf_list, "UNFINISHED_WITHIN", 0.0)
+                hurried = await mesh.list_workflows(since=1.0)
+            assert _ids(hurried) == [] and hurried.truncated  # answered, and says so
+            # Every namespace's list (the operator's) has them too.
+            every = await mesh.list_workflows(since=1.0, all_namespaces=True)
+            assert {running, waiting} <= set(_ids(every))
+            # Another hub takes the waiting one; the held one ends: both leave the list.
+            await other.start()
+            assert (await mesh.workflow(waiting, timeout=10)).ok
+            held.release.set()
+            assert (await mesh.workflow(running, timeout=10)).ok
+            assert _ids(await mesh.list_workflows(since=1.0)) == [running, waiting]
+            await asyncio.sleep(1.1)
+            assert _ids(await mesh.list_workflows(since=1.0)) == []
+    finally:
+        held.release.set()
+        await other.close()
+
+
 async def test_a_list_reads_the_newest_writes_and_says_when_it_stopped(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

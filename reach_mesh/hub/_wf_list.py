@@ -5,8 +5,9 @@ and every namespace's, for operators only (``{"op": "workflows"}`` on ``reach.hu
 ``reach-mesh workflows --all-namespaces``, the dashboard).
 
 Any hub answers, from the ``reach_workflows`` bucket's stream, which keeps each workflow's
-newest record write (written when it starts and when it ends: a workflow running longer than
-the window asked for, ``since_s``, is not in it; a deleted one is left out). The list is
+newest record write (written when it starts and when it ends; a deleted one is left out), in
+the window asked for (``since_s``); then the workflows submitted before the window that have
+not ended, from their submissions still in ``REACH_WF`` (``_unfinished_before``). The list is
 bounded whatever the mesh holds: at most :data:`SCAN_MAX` records are read — when the window
 holds more, those among the bucket's last :data:`SCAN_MAX` writes, and the answer says older
 ones were not read — and
@@ -26,14 +27,14 @@ from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Final
 
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
+from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._jspub import kv_marker, kv_stream, kv_subject
-from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.errors import MeshUnavailableError, ReachError
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import WorkflowKind, WorkflowList, WorkflowSummary
 
@@ -43,6 +44,10 @@ __all__ = ["LIST_DEADLINE", "SCAN_MAX", "list_workflows"]
 SCAN_MAX: Final = 10_000
 #: Seconds a list may take, JetStream requests included (then ``REACH_UNAVAILABLE``).
 LIST_DEADLINE: Final = 2.5
+#: Unfinished workflows submitted before the window that one list reads at most, and for
+#: how many seconds (of the list's ``LIST_DEADLINE``).
+UNFINISHED_MAX: Final = 1_000
+UNFINISHED_WITHIN: Final = 1.0
 #: Characters of an error's message a list shows (its details are left out).
 MESSAGE_MAX: Final = 300
 #: Messages read between two turns of the event loop.
@@ -117,7 +122,7 @@ async def _list(
                 key = msg.subject[len(prefix) :]  # (the filter is under the prefix)
                 if key.count(".") == 1 and written >= since:
                     newest.pop(key, None)
-                    summary = _summary(key, msg, written)
+                    summary = _summary(key, msg.headers, msg.data, written)
                     if summary is not None:
                         newest[key] = summary
                 if msg.metadata.num_pending == 0 or scanned >= pending:
@@ -127,7 +132,11 @@ async def _list(
     finally:
         # (shielded: a deadline that fires in it still deletes the consumer)
         await asyncio.shield(_close(js, sub, name))
-    matched = [s for s in reversed(newest.values()) if not wanted or s.state in wanted]
+    listed = list(reversed(newest.values()))
+    older, cut = await _unfinished_before(js, ns, since, newest)
+    scanned += len(older)
+    truncated = truncated or cut
+    matched = [s for s in listed + older if not wanted or s.state in wanted]
     return WorkflowList(
         namespace=ns,
         hub_id=hub_id,
@@ -138,6 +147,85 @@ async def _list(
         since=round(since, 3),
         oldest_read_at=None if oldest is None else round(oldest, 3),
     )
+
+
+async def _unfinished_before(
+    js: JetStreamContext, ns: str | None, since: float, listed: Collection[str]
+) -> tuple[list[WorkflowSummary], bool]:
+    """The workflows submitted before ``since`` that have not ended: their submission still
+    waits in ``REACH_WF`` (acked only once the result is stored), and their newest record
+    (written when they started) is older than the window. Oldest submission first, at most
+    :data:`UNFINISHED_MAX`, read for :data:`UNFINISHED_WITHIN` seconds at most (a backlog
+    of submissions must not cost the list its answer); and whether more were left unread.
+    A submission no hub has taken yet (no record) is PENDING, as of its submission."""
+    out: list[WorkflowSummary] = []
+    try:
+        async with asyncio.timeout(UNFINISHED_WITHIN):
+            return out, await _read_unfinished(js, ns, since, set(listed), out)
+    except TimeoutError:
+        return out, True
+
+
+async def _read_unfinished(
+    js: JetStreamContext,
+    ns: str | None,
+    since: float,
+    seen: set[str],
+    out: list[WorkflowSummary],
+) -> bool:
+    """Into ``out``, as :func:`_unfinished_before` says; True when more were left unread."""
+    subject = protocol.wf_submit("*" if ns is None else ns)
+    seq = 1
+    while True:  # (each pass moves on in the stream, and its time is bounded)
+        try:
+            msg = await js.get_msg(protocol.STREAM_WF, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            return False
+        submitted = msg.time.timestamp() if msg.time is not None else since
+        if submitted >= since:
+            return False  # this one and the rest: their records are in the window
+        seq = (msg.seq or seq) + 1
+        key = _submitted_key(msg)
+        if key is None or key in seen:
+            continue
+        if len(out) == UNFINISHED_MAX:
+            return True
+        seen.add(key)
+        try:
+            record = await js.get_last_msg(_STREAM, kv_subject(protocol.KV_WORKFLOWS, key))
+        except NotFoundError:
+            ns_of, wf_id = key.split(".", 1)
+            out.append(
+                WorkflowSummary(
+                    namespace=ns_of,
+                    workflow_id=wf_id,
+                    state=TaskState.PENDING,
+                    submitted_at=round(submitted, 3),
+                    updated_at=round(submitted, 3),
+                )
+            )
+            continue
+        written = record.time.timestamp() if record.time is not None else submitted
+        summary = _summary(key, record.headers, record.data, written)
+        if summary is not None:
+            out.append(summary)
+            if len(out) % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+
+
+def _submitted_key(msg: RawStreamMsg) -> str | None:
+    """``<ns>.<workflow_id>`` of a stored submission: its ``Nats-Msg-Id`` names the id, its
+    subject the namespace (None when neither reads as one)."""
+    ns = msg.subject.split(".")[2] if msg.subject and msg.subject.count(".") == 3 else None
+    msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
+    if ns is None or not msg_id:
+        return None
+    wf_id = protocol.workflow_id_of(msg_id)
+    try:
+        protocol.validate_workflow_id(wf_id)
+    except ReachError:
+        return None
+    return f"{ns}.{wf_id}"
 
 
 def _name() -> str:
@@ -272,13 +360,15 @@ def _error(error: _BriefError | None) -> ErrorBody | None:
     return ErrorBody(code=error.code, message=message)
 
 
-def _summary(key: str, msg: Msg, written: float) -> WorkflowSummary | None:
+def _summary(
+    key: str, headers: dict[str, str] | None, data: bytes | None, written: float
+) -> WorkflowSummary | None:
     """What a list shows of the record write of ``key`` (``<ns>.<workflow_id>``); None for a
     delete, or a record it cannot read."""
-    if kv_marker(msg.headers) or not msg.data:
+    if kv_marker(headers) or not data:
         return None
     try:
-        record = _BriefRecord.model_validate_json(msg.data)
+        record = _BriefRecord.model_validate_json(data)
     except ValidationError:
         return None
     ns, wf_id = key.split(".", 1)
