@@ -1023,7 +1023,11 @@ async def test_a_hub_that_lost_a_workflow_while_paused_stops_keeping_its_submiss
             await asyncio.wait_for(step.started.wait(), 5)
             await engine_a._pull.stop()  # A pauses: no pulls, no +WPI
             engine_a._ticker.cancel()
-            (delivery,) = [m.reply for m in engine_a._running.values()]
+            (delivery,) = [  # (other tests' submissions left behind may run here too)
+                m.reply
+                for m in engine_a._running.values()
+                if protocol.workflow_id_of((m.headers or {}).get(protocol.HDR_MSG_ID, "")) == wf_id
+            ]
             renewals = await mesh.nc.subscribe(delivery)
             await hub_b.start()
             engine_b = hub_b.workflows
