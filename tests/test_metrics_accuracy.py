@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings
+from reach_mesh import Client, MeshSettings, Step
 from reach_mesh.agent import Agent, Task
-from reach_mesh.hub import Hub
+from reach_mesh.hub import Hub, workflows
 from reach_mesh.logs import QUARANTINE
+from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually, heal, partition
+from .helpers import Fleet, eventually, free_port, heal, held_handler, partition
 
 
 def _state(hub: Hub, agent_id: str) -> str:
@@ -147,3 +149,65 @@ async def test_a_cached_reply_is_no_second_run_in_the_histograms(
     assert not first.cached and again.cached
     assert observed() == (before[0] + 1, before[1] + 1)
     assert hub.metrics.duplicate_delivery_total._value.get() == 1
+
+
+async def test_workflows_running_and_submissions_not_done_with(
+    wf_settings: MeshSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reach_workflows_running`` is what this hub runs now; ``reach_workflow_submissions``
+    counts the submissions no hub has been handed yet (``waiting``: what piles up when no
+    hub takes them) and those a hub has (``taken``), from the shared consumer. On a server
+    of its own: the shared consumer counts every namespace's submissions."""
+    monkeypatch.setattr(workflows, "SUBMISSIONS_EVERY", 0.05)
+    server = EmbeddedNats(tmp_path, port=free_port())
+    await server.astart()
+    s = wf_settings.model_copy(update={"nats_url": server.url})
+    hub, other = Hub(settings=s), Hub(settings=s)
+    fleet = Fleet(s)
+    slow = fleet.agent("slow.a1")
+    held = held_handler(slow, "wf:held:v1", "done")
+    try:
+        await hub.start()
+        await slow.start()
+        registry = hub.metrics.registry
+
+        def value(name: str, **labels: str) -> float | None:
+            return registry.get_sample_value(name, labels)
+
+        engine = hub.workflows
+        assert engine is not None and engine._pull is not None
+        async with Client(settings=s) as mesh:
+            assert value("reach_workflows_running") == 0
+            running = await mesh.submit_chain([Step(capability="wf:held:v1")], timeout=30)
+            await asyncio.wait_for(held.started.wait(), 10)
+            assert value("reach_workflows_running") == 1
+            await engine._pull.stop()  # this hub takes no more: the next two wait
+            await hub.nc.flush()
+            waiting = [
+                await mesh.submit_chain([Step(capability="wf:held:v1")], timeout=30)
+                for _ in range(2)
+            ]
+            await eventually(
+                lambda: value("reach_workflow_submissions", stage="waiting") == 2, timeout=5
+            )
+            assert value("reach_workflow_submissions", stage="taken") == 1
+            await other.start()  # takes the two waiting ones
+            await eventually(
+                lambda: value("reach_workflow_submissions", stage="waiting") == 0, timeout=5
+            )
+            await eventually(
+                lambda: value("reach_workflow_submissions", stage="taken") == 3, timeout=5
+            )
+            held.release.set()
+            for wf_id in (running, *waiting):
+                assert (await mesh.workflow(wf_id, timeout=10)).ok
+            await eventually(lambda: value("reach_workflows_running") == 0, timeout=5)
+            await eventually(
+                lambda: value("reach_workflow_submissions", stage="taken") == 0, timeout=5
+            )
+    finally:
+        held.release.set()
+        await fleet.close()
+        await other.close()
+        await hub.close()
+        server.stop()

@@ -65,7 +65,7 @@ from reach_mesh.hub.shares import Shares, defer_delay
 from reach_mesh.logs import NAMESPACE_SHARE, WORKFLOW_INTERRUPTED, LineBudget, log_event
 from reach_mesh.models import AgentState
 from reach_mesh.tracing import inject, trace_id_from_headers
-from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE
+from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE, HubMetrics
 from reach_mesh.workflow import (
     TaskStatusEvent,
     WorkflowRecord,
@@ -82,6 +82,8 @@ __all__ = ["WorkflowEngine"]
 log = logging.getLogger("reach_mesh.hub.workflows")
 
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
+#: Seconds between two reads of the shared consumer for ``reach_workflow_submissions``.
+SUBMISSIONS_EVERY: Final = 5.0
 
 
 def _submit_namespace(subject: str) -> str:
@@ -148,6 +150,7 @@ class WorkflowEngine(WorkflowRefusals):
         #: Workflows handed back by an error that is not the infrastructure's, per kind.
         self._error_lines = LineBudget(60.0)
         self._ticker: asyncio.Task[None] | None = None
+        self._counting: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Future[Any]] = set()
         self._pending = 0
         self._waiting_steps = {}
@@ -261,6 +264,11 @@ class WorkflowEngine(WorkflowRefusals):
         )
         await self._pull.start()
         self._ticker = asyncio.create_task(self._keepalive(), name="reach-workflow-keepalive")
+        if self._metrics is not None:
+            self._metrics.workflows_running.set_function(lambda: len(self._running))
+            self._counting = asyncio.create_task(
+                self._count_submissions(self._metrics), name="reach-workflow-submissions"
+            )
 
     async def stop(self) -> None:
         """Stop pulling; hand every running workflow back (nak) so another hub resumes it."""
@@ -269,6 +277,8 @@ class WorkflowEngine(WorkflowRefusals):
             await self._pull.stop()
         if self._ticker is not None:
             self._ticker.cancel()
+        if self._counting is not None:
+            self._counting.cancel()
         running = dict(self._running)
         for task in running:
             task.cancel()
@@ -558,6 +568,17 @@ class WorkflowEngine(WorkflowRefusals):
             unchecked = not await self._keep(check=late or unchecked)
             if self._nc.is_connected:
                 kept_at = loop.time()
+
+    async def _count_submissions(self, metrics: HubMetrics) -> None:
+        """``reach_workflow_submissions`` from the shared consumer, every
+        ``SUBMISSIONS_EVERY`` seconds (unchanged while it cannot be read)."""
+        gauge = metrics.workflow_submissions
+        while True:
+            with contextlib.suppress(Exception):
+                info = await self._js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
+                gauge.labels("waiting").set(info.num_pending or 0)
+                gauge.labels("taken").set(info.num_ack_pending or 0)
+            await asyncio.sleep(SUBMISSIONS_EVERY)
 
     async def _keep(self, *, check: bool) -> bool:
         """One keepalive pass: with ``check`` (a late tick, or one after a record could not

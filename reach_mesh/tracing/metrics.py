@@ -303,6 +303,19 @@ class HubMetrics:
             "workflow_concurrency workflows and their namespace its fair share of them.",
             registry=r,
         )
+        self.workflows_running = Gauge(
+            "reach_workflows_running",
+            "Workflows this hub runs now (it holds their submission until their result is stored).",
+            registry=r,
+        )
+        self.workflow_submissions = Gauge(
+            "reach_workflow_submissions",
+            "Workflow submissions not done with, from the hubs' shared consumer (read every "
+            "5 s): waiting (no hub has been handed them yet) and taken (a hub has them: "
+            "running, or handed back for later). Every hub reports the same: take max.",
+            ["stage"],
+            registry=r,
+        )
         self.workflow_duration_seconds = Histogram(
             "reach_workflow_duration_seconds",
             "Time from workflow submission to its final state, by kind.",
