@@ -174,7 +174,7 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
         print(
             f"  partial: {listed.scanned:,} records read, back to "
             f"{_when(listed.oldest_read_at)}; older ones of the window, or unfinished ones "
-            "from before it, were not read (narrow --since or --state)"
+            "from before it, were not read (a shorter --since is read in full)"
         )
     return 0
 

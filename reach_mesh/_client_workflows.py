@@ -221,10 +221,10 @@ class WorkflowsMixin:
         only those in ``state`` when given — e.g. ``state=["FAILED", "TIMEOUT"]`` for what
         failed in the last hour (``reach-mesh workflows``). A record is written when its
         workflow starts and when it ends; the unfinished ones submitted before the window
-        (running since longer, or PENDING: no hub has taken them yet) follow, oldest first, so
-        ``RUNNING`` lists what runs now. A busy namespace has more records in the window than
-        one list reads: the answer then says ``truncated`` and from when it read
-        (``oldest_read_at``). Errors are
+        (running since longer, or PENDING: no hub has taken them yet) follow, newest
+        submission first, so ``RUNNING`` lists what runs now. A busy namespace has more
+        records in the window than one list reads: the answer then says ``truncated`` and
+        from when it read (``oldest_read_at``). Errors are
         cut to the start of their message (``inspect_workflow`` has the whole). Bad arguments
         raise ``BadRequestError`` (from the hub, which checks them). A list the hub cannot read
         within 2.5 s is asked again, as every hub query is, until 10 s are up: then

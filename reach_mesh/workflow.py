@@ -611,9 +611,10 @@ class WorkflowList(_Wire):
 
     The bucket keeps each workflow's newest record, written when it starts and when it ends;
     the workflows submitted before the window that have not ended (running since longer, or
-    no hub has taken them yet: PENDING) follow the window's, oldest first. ``truncated``: the
-    window held more records than one list reads, and its older ones were not read (an older
-    workflow may be missing), or not every unfinished older one was read; ``oldest_read_at``
+    no hub has taken them yet: PENDING) follow the window's, newest submission first.
+    ``truncated``: the window held more records than one list reads, and its older ones were
+    not read (an older workflow may be missing), or not every unfinished older one was read;
+    ``oldest_read_at``
     is the time of the oldest record read in the window."""
 
     #: The namespace listed; None: every namespace (an operator's list).

@@ -28,6 +28,7 @@ from reach_mesh import (
     protocol,
 )
 from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope
 from reach_mesh.tracing import trace_id_from_headers
@@ -311,8 +312,13 @@ async def test_final_status_ids_share_no_nonce_and_a_repeat_is_stored_once(
             nonces[t] = msg_id.removeprefix(prefix)
             assert len(nonces[t]) == 32 and int(nonces[t], 16) >= 0
         assert nonces["nonce-a"] != nonces["nonce-b"]
-        # The same attempt again: answered from the table, its status id the same, not stored.
+        # Nor from the attempt alone: another process of the same agent keys its own.
         env = TaskEnvelope(task_id="nonce-a", attempt=1, payload=1, namespace=ns, track=True)
+        mine = agent.work._final_msg_id(env) if agent.work is not None else ""
+        assert mine == (stored["nonce-a"].headers or {})[protocol.HDR_MSG_ID]
+        twin = Agent(agent.agent_id, settings=wf_settings)
+        assert WorkConsumer(twin)._final_msg_id(env) != mine
+        # The same attempt again: answered from the table, its status id the same, not stored.
         final = await _send_step(mesh, agent, env)
         assert final.state is TaskState.SUCCEEDED and final.cached
         again = await js.get_last_msg(

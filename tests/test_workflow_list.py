@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import nats
@@ -116,9 +117,12 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A workflow running for longer than the window asked for (its record was written when
-    it started) and one that no hub has taken yet (no record: PENDING, as of its submission)
-    are listed after the window's: their submissions still wait in the stream. One that ended
-    before the window is not. More of them than a list reads: the oldest, and it says so."""
+    it started) and ones that no hub has taken yet (no record: PENDING, as of their
+    submission; one submitted without ``Nats-Msg-Id``) follow the window's, newest first:
+    their submissions still wait in the stream. Not another namespace's (but in the
+    operators' list), not one that ended before the window. More than a list reads, no time
+    left, or ``REACH_WF`` unreadable: what was read, and it says so; a list of final states
+    only does not look."""
     ns = wf_settings.namespace
     await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
     slow = fleet.agent("slow.a1")
@@ -127,17 +131,25 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
     engine = wf_hub.workflows
     assert engine is not None and engine._pull is not None
     other = Hub(settings=wf_settings)
+    elsewhere = wf_settings.model_copy(update={"namespace": f"{ns}x"})
+    fleet2 = Fleet(elsewhere)
     try:
-        async with Client(settings=wf_settings) as mesh:
+        await echo_agent(fleet2, "ok.a1", "wf:ok:v1").start()
+        async with Client(settings=wf_settings) as mesh, Client(settings=elsewhere) as mesh2:
             ended = await mesh.fanout([Step(capability="wf:ok:v1", payload=0)], timeout=10)
             running = await mesh.submit_chain([Step(capability="wf:held:v1")], timeout=30)
             await asyncio.wait_for(held.started.wait(), 10)
             await engine._pull.stop()  # this hub takes no more submissions
             await wf_hub.nc.flush()
             waiting = await mesh.submit_chain([Step(capability="wf:ok:v1")], timeout=30)
+            spec = mesh._workflow_spec("chain", [Step(capability="wf:ok:v1")], "all", 30, None)
+            await mesh.nc.jetstream().publish(protocol.wf_submit(ns), protocol.encode(spec))
+            bare = spec.workflow_id  # submitted without Nats-Msg-Id, as a raw client may
+            theirs = await mesh2.submit_chain([Step(capability="wf:ok:v1")], timeout=30)
             await asyncio.sleep(1.2)
             recent = await mesh.list_workflows(since=1.0)
-            assert _ids(recent) == [running, waiting] and recent.matched == 2
+            assert _ids(recent) == [bare, waiting, running] and recent.matched == 3
+            assert not recent.truncated
             by_id = {w.workflow_id: w for w in recent.workflows}
             now = by_id[running]
             assert (now.namespace, now.state, now.kind, now.owner) == (
@@ -151,29 +163,45 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
             assert (later.state, later.owner, later.kind) == (TaskState.PENDING, None, None)
             assert later.submitted_at is not None and later.submitted_at < recent.since
             assert ended.workflow_id not in _ids(await mesh.list_workflows(since=1.0))
-            only = await mesh.list_workflows(since=1.0, state="RUNNING")
-            assert _ids(only) == [running]
+            assert _ids(await mesh.list_workflows(since=1.0, state="RUNNING")) == [running]
+            every = await mesh.list_workflows(since=1.0, all_namespaces=True, limit=500)
+            assert {running, waiting, bare, theirs} <= set(_ids(every))
+            assert _ids(await mesh2.list_workflows(since=1.0)) == [theirs]
             with monkeypatch.context() as m:
                 m.setattr(_wf_list, "UNFINISHED_MAX", 1)
                 cut = await mesh.list_workflows(since=1.0)
-            assert _ids(cut) == [running] and cut.truncated and not recent.truncated
+                assert _ids(cut) == [running] and cut.truncated  # the oldest is read first
+                failed = await mesh.list_workflows(since=1.0, state=["FAILED", "TIMEOUT"])
+                assert not failed.truncated  # (nothing to look for before the window)
             with monkeypatch.context() as m:
                 m.setattr(_wf_list, "UNFINISHED_WITHIN", 0.0)
                 hurried = await mesh.list_workflows(since=1.0)
             assert _ids(hurried) == [] and hurried.truncated  # answered, and says so
-            # Every namespace's list (the operator's) has them too.
-            every = await mesh.list_workflows(since=1.0, all_namespaces=True)
-            assert {running, waiting} <= set(_ids(every))
-            # Another hub takes the waiting one; the held one ends: both leave the list.
+            loop = asyncio.get_running_loop()
+            late = await _wf_list._unfinished_before(
+                wf_hub.nc.jetstream(), ns, time.time(), (), loop.time()
+            )
+            assert late == ([], True)  # no time left by the list's own deadline
+
+            async def no_leader(*args: Any, **kw: Any) -> Any:
+                raise nats.js.errors.ServiceUnavailableError
+
+            with monkeypatch.context() as m:
+                m.setattr(nats.js.JetStreamContext, "get_msg", no_leader)
+                blind = await mesh.list_workflows(since=1.0)
+            assert _ids(blind) == [] and blind.truncated
+            # Another hub takes the waiting ones; the held one ends: all leave the list.
             await other.start()
+            assert (await mesh2.workflow(theirs, timeout=10)).ok
             assert (await mesh.workflow(waiting, timeout=10)).ok
+            assert (await mesh.workflow(bare, timeout=10)).ok
             held.release.set()
             assert (await mesh.workflow(running, timeout=10)).ok
-            assert _ids(await mesh.list_workflows(since=1.0)) == [running, waiting]
             await asyncio.sleep(1.1)
             assert _ids(await mesh.list_workflows(since=1.0)) == []
     finally:
         held.release.set()
+        await fleet2.close()
         await other.close()
 
 

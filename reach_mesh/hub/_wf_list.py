@@ -27,6 +27,8 @@ from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Final
 
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy, RawStreamMsg
 from nats.js.errors import NotFoundError
@@ -48,6 +50,10 @@ LIST_DEADLINE: Final = 2.5
 #: how many seconds (of the list's ``LIST_DEADLINE``).
 UNFINISHED_MAX: Final = 1_000
 UNFINISHED_WITHIN: Final = 1.0
+#: The states the unfinished workflows before the window can be in (a list asking for
+#: neither skips them), and the time left for the answer after they are read.
+_UNFINISHED: Final = frozenset({TaskState.RUNNING, TaskState.PENDING})
+_MARGIN: Final = 0.25
 #: Characters of an error's message a list shows (its details are left out).
 MESSAGE_MAX: Final = 300
 #: Messages read between two turns of the event loop.
@@ -70,9 +76,10 @@ async def list_workflows(
     ``MeshUnavailableError`` when it cannot be read within ``within`` seconds (JetStream
     unavailable, or the hub too busy): a partial list would miss the newest records, which a
     list is asked for."""
+    end = asyncio.get_running_loop().time() + within
     try:
-        async with asyncio.timeout(within):
-            return await _list(js, ns, hub_id, frozenset(states), limit, since_s)
+        async with asyncio.timeout_at(end):
+            return await _list(js, ns, hub_id, frozenset(states), limit, since_s, end)
     except TimeoutError:
         whose = "every namespace" if ns is None else f"namespace {ns!r}"
         raise MeshUnavailableError(
@@ -88,6 +95,7 @@ async def _list(
     wanted: frozenset[TaskState],
     limit: int,
     since_s: float,
+    end: float,
 ) -> WorkflowList:
     since = datetime.now(UTC).timestamp() - since_s
     subject = kv_subject(protocol.KV_WORKFLOWS, ">" if ns is None else f"{ns}.*")
@@ -133,10 +141,13 @@ async def _list(
         # (shielded: a deadline that fires in it still deletes the consumer)
         await asyncio.shield(_close(js, sub, name))
     listed = list(reversed(newest.values()))
-    older, cut = await _unfinished_before(js, ns, since, newest)
-    scanned += len(older)
-    truncated = truncated or cut
-    matched = [s for s in listed + older if not wanted or s.state in wanted]
+    if not wanted or wanted & _UNFINISHED:
+        # (a list of final states only has nothing to find there)
+        older, cut = await _unfinished_before(js, ns, since, newest, end - _MARGIN)
+        scanned += len(older)
+        truncated = truncated or cut
+        listed += reversed(older)  # (read oldest submission first)
+    matched = [s for s in listed if not wanted or s.state in wanted]
     return WorkflowList(
         namespace=ns,
         hub_id=hub_id,
@@ -150,19 +161,24 @@ async def _list(
 
 
 async def _unfinished_before(
-    js: JetStreamContext, ns: str | None, since: float, listed: Collection[str]
+    js: JetStreamContext, ns: str | None, since: float, listed: Collection[str], end: float
 ) -> tuple[list[WorkflowSummary], bool]:
     """The workflows submitted before ``since`` that have not ended: their submission still
     waits in ``REACH_WF`` (acked only once the result is stored), and their newest record
-    (written when they started) is older than the window. Oldest submission first, at most
-    :data:`UNFINISHED_MAX`, read for :data:`UNFINISHED_WITHIN` seconds at most (a backlog
-    of submissions must not cost the list its answer); and whether more were left unread.
-    A submission no hub has taken yet (no record) is PENDING, as of its submission."""
+    (written when they started) is older than the window. At most :data:`UNFINISHED_MAX`,
+    read for :data:`UNFINISHED_WITHIN` seconds at most and never past ``end`` (what the
+    list's deadline leaves: a backlog of submissions must not cost the list its answer); and
+    whether more were left unread — as when ``REACH_WF`` cannot be read (no leader), which
+    leaves the window's list whole. A submission no hub has taken yet (no record) is
+    PENDING, as of its submission."""
     out: list[WorkflowSummary] = []
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(UNFINISHED_WITHIN):
+        async with asyncio.timeout_at(min(loop.time() + UNFINISHED_WITHIN, end)):
             return out, await _read_unfinished(js, ns, since, set(listed), out)
     except TimeoutError:
+        return out, True
+    except (nats.errors.Error, nats.js.errors.Error):
         return out, True
 
 
@@ -214,13 +230,20 @@ async def _read_unfinished(
 
 
 def _submitted_key(msg: RawStreamMsg) -> str | None:
-    """``<ns>.<workflow_id>`` of a stored submission: its ``Nats-Msg-Id`` names the id, its
-    subject the namespace (None when neither reads as one)."""
+    """``<ns>.<workflow_id>`` of a stored submission: its subject names the namespace, its
+    ``Nats-Msg-Id`` the id, or its body's ``workflow_id`` (a submission may come without the
+    header); None when they read as none."""
     ns = msg.subject.split(".")[2] if msg.subject and msg.subject.count(".") == 3 else None
-    msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
-    if ns is None or not msg_id:
+    if ns is None:
         return None
-    wf_id = protocol.workflow_id_of(msg_id)
+    msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
+    if msg_id:
+        wf_id = protocol.workflow_id_of(msg_id)
+    else:
+        try:
+            wf_id = _SubmittedId.model_validate_json(msg.data or b"").workflow_id
+        except ValidationError:
+            return None
     try:
         protocol.validate_workflow_id(wf_id)
     except ReachError:
@@ -311,6 +334,10 @@ class _Brief(BaseModel):
     outcome are skipped, not built (a list holds up to ``SCAN_MAX`` of them)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class _SubmittedId(_Brief):
+    workflow_id: str
 
 
 class _BriefError(_Brief):
