@@ -168,13 +168,13 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
     whose = "every namespace" if listed.namespace is None else f"namespace {listed.namespace}"
     print(
         f"{listed.matched} workflow(s) of {whose} since {_when(listed.since)}, "
-        f"and unfinished from before{more}"
+        f"and unfinished ones{more}"
     )
     if listed.truncated:
         print(
             f"  partial: {listed.scanned:,} records read, back to "
             f"{_when(listed.oldest_read_at)}; older ones of the window, or unfinished ones "
-            "from before it, were not read (a shorter --since is read in full)"
+            "from before it, were not read (narrow --since or --state)"
         )
     return 0
 

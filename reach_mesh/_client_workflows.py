@@ -220,9 +220,9 @@ class WorkflowsMixin:
         written in the last ``since`` seconds, newest first, at most ``limit`` (up to 500);
         only those in ``state`` when given — e.g. ``state=["FAILED", "TIMEOUT"]`` for what
         failed in the last hour (``reach-mesh workflows``). A record is written when its
-        workflow starts and when it ends; the unfinished ones submitted before the window
-        (running since longer, or PENDING: no hub has taken them yet) follow, newest
-        submission first, so ``RUNNING`` lists what runs now. A busy namespace has more
+        workflow starts and when it ends; the unfinished ones not in the window (running since
+        before it, or PENDING: taken by no hub yet) are listed too, so ``RUNNING`` lists what
+        runs now. A busy namespace has more
         records in the window than one list reads: the answer then says ``truncated`` and
         from when it read (``oldest_read_at``). Errors are
         cut to the start of their message (``inspect_workflow`` has the whole). Bad arguments

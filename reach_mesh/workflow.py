@@ -610,8 +610,8 @@ class WorkflowList(_Wire):
     to an operator (``{"op": "workflows"}`` on ``reach.hub.<ns>.admin``), every namespace's.
 
     The bucket keeps each workflow's newest record, written when it starts and when it ends;
-    the workflows submitted before the window that have not ended (running since longer, or
-    no hub has taken them yet: PENDING) follow the window's, newest submission first.
+    the unfinished workflows not in the window (running since before it, or taken by no hub
+    yet, whenever submitted: PENDING) are listed too, in the same order.
     ``truncated``: the window held more records than one list reads, and its older ones were
     not read (an older workflow may be missing), or not every unfinished older one was read;
     ``oldest_read_at``

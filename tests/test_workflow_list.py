@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import nats
@@ -118,11 +117,11 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
 ) -> None:
     """A workflow running for longer than the window asked for (its record was written when
     it started) and ones that no hub has taken yet (no record: PENDING, as of their
-    submission; one submitted without ``Nats-Msg-Id``) follow the window's, newest first:
-    their submissions still wait in the stream. Not another namespace's (but in the
-    operators' list), not one that ended before the window. More than a list reads, no time
-    left, or ``REACH_WF`` unreadable: what was read, and it says so; a list of final states
-    only does not look."""
+    submission, in the default window too; one whose ``Nats-Msg-Id`` names another id) are
+    listed, newest first: their submissions still wait in the stream. Not another
+    namespace's (but in the operators' list), not one that ended before the window. More
+    than a list reads, no time left, or ``REACH_WF`` unreadable: what was read, and it says
+    so; a list of final states only does not look."""
     ns = wf_settings.namespace
     await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
     slow = fleet.agent("slow.a1")
@@ -143,8 +142,12 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
             await wf_hub.nc.flush()
             waiting = await mesh.submit_chain([Step(capability="wf:ok:v1")], timeout=30)
             spec = mesh._workflow_spec("chain", [Step(capability="wf:ok:v1")], "all", 30, None)
-            await mesh.nc.jetstream().publish(protocol.wf_submit(ns), protocol.encode(spec))
-            bare = spec.workflow_id  # submitted without Nats-Msg-Id, as a raw client may
+            await mesh.nc.jetstream().publish(
+                protocol.wf_submit(ns),
+                protocol.encode(spec),
+                headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, "decoy", "n")},
+            )
+            bare = spec.workflow_id  # its Nats-Msg-Id names another id: the body's runs
             theirs = await mesh2.submit_chain([Step(capability="wf:ok:v1")], timeout=30)
             await asyncio.sleep(1.2)
             recent = await mesh.list_workflows(since=1.0)
@@ -164,6 +167,9 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
             assert later.submitted_at is not None and later.submitted_at < recent.since
             assert ended.workflow_id not in _ids(await mesh.list_workflows(since=1.0))
             assert _ids(await mesh.list_workflows(since=1.0, state="RUNNING")) == [running]
+            # Taken by no hub, whenever submitted: in the default window too.
+            pending = await mesh.list_workflows(state="PENDING")
+            assert _ids(pending) == [bare, waiting] and "decoy" not in _ids(recent)
             every = await mesh.list_workflows(since=1.0, all_namespaces=True, limit=500)
             assert {running, waiting, bare, theirs} <= set(_ids(every))
             assert _ids(await mesh2.list_workflows(since=1.0)) == [theirs]
@@ -178,9 +184,7 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
                 hurried = await mesh.list_workflows(since=1.0)
             assert _ids(hurried) == [] and hurried.truncated  # answered, and says so
             loop = asyncio.get_running_loop()
-            late = await _wf_list._unfinished_before(
-                wf_hub.nc.jetstream(), ns, time.time(), (), loop.time()
-            )
+            late = await _wf_list._unfinished(wf_hub.nc.jetstream(), ns, (), loop.time())
             assert late == ([], True)  # no time left by the list's own deadline
 
             async def no_leader(*args: Any, **kw: Any) -> Any:

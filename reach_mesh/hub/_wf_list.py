@@ -6,8 +6,9 @@ and every namespace's, for operators only (``{"op": "workflows"}`` on ``reach.hu
 
 Any hub answers, from the ``reach_workflows`` bucket's stream, which keeps each workflow's
 newest record write (written when it starts and when it ends; a deleted one is left out), in
-the window asked for (``since_s``); then the workflows submitted before the window that have
-not ended, from their submissions still in ``REACH_WF`` (``_unfinished_before``). The list is
+the window asked for (``since_s``); and the unfinished workflows not in it (running since
+before the window, or taken by no hub yet), from their submissions still in ``REACH_WF``
+(``_unfinished``). The list is
 bounded whatever the mesh holds: at most :data:`SCAN_MAX` records are read — when the window
 holds more, those among the bucket's last :data:`SCAN_MAX` writes, and the answer says older
 ones were not read — and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 import uuid
 from collections.abc import Collection
 from datetime import UTC, datetime
@@ -46,11 +48,11 @@ __all__ = ["LIST_DEADLINE", "SCAN_MAX", "list_workflows"]
 SCAN_MAX: Final = 10_000
 #: Seconds a list may take, JetStream requests included (then ``REACH_UNAVAILABLE``).
 LIST_DEADLINE: Final = 2.5
-#: Unfinished workflows submitted before the window that one list reads at most, and for
+#: Unfinished workflows outside the window's records that one list reads at most, and for
 #: how many seconds (of the list's ``LIST_DEADLINE``).
 UNFINISHED_MAX: Final = 1_000
 UNFINISHED_WITHIN: Final = 1.0
-#: The states the unfinished workflows before the window can be in (a list asking for
+#: The states those unfinished workflows can be in (a list asking for
 #: neither skips them), and the time left for the answer after they are read.
 _UNFINISHED: Final = frozenset({TaskState.RUNNING, TaskState.PENDING})
 _MARGIN: Final = 0.25
@@ -143,10 +145,10 @@ async def _list(
     listed = list(reversed(newest.values()))
     if not wanted or wanted & _UNFINISHED:
         # (a list of final states only has nothing to find there)
-        older, cut = await _unfinished_before(js, ns, since, newest, end - _MARGIN)
-        scanned += len(older)
+        more, cut = await _unfinished(js, ns, newest, end - _MARGIN)
+        scanned += len(more)
         truncated = truncated or cut
-        listed += reversed(older)  # (read oldest submission first)
+        listed = sorted(listed + more, key=lambda s: s.updated_at, reverse=True)
     matched = [s for s in listed if not wanted or s.state in wanted]
     return WorkflowList(
         namespace=ns,
@@ -160,12 +162,13 @@ async def _list(
     )
 
 
-async def _unfinished_before(
-    js: JetStreamContext, ns: str | None, since: float, listed: Collection[str], end: float
+async def _unfinished(
+    js: JetStreamContext, ns: str | None, listed: Collection[str], end: float
 ) -> tuple[list[WorkflowSummary], bool]:
-    """The workflows submitted before ``since`` that have not ended: their submission still
-    waits in ``REACH_WF`` (acked only once the result is stored), and their newest record
-    (written when they started) is older than the window. At most :data:`UNFINISHED_MAX`,
+    """The unfinished workflows not in the window's list (``listed``): their submission still
+    waits in ``REACH_WF`` (acked only once the result is stored) — running since before the
+    window (their record was written when they started), or taken by no hub yet (no record,
+    whenever submitted). At most :data:`UNFINISHED_MAX`,
     read for :data:`UNFINISHED_WITHIN` seconds at most and never past ``end`` (what the
     list's deadline leaves: a backlog of submissions must not cost the list its answer); and
     whether more were left unread — as when ``REACH_WF`` cannot be read (no leader), which
@@ -175,7 +178,7 @@ async def _unfinished_before(
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout_at(min(loop.time() + UNFINISHED_WITHIN, end)):
-            return out, await _read_unfinished(js, ns, since, set(listed), out)
+            return out, await _read_unfinished(js, ns, set(listed), out)
     except TimeoutError:
         return out, True
     except (nats.errors.Error, nats.js.errors.Error):
@@ -185,11 +188,10 @@ async def _unfinished_before(
 async def _read_unfinished(
     js: JetStreamContext,
     ns: str | None,
-    since: float,
     seen: set[str],
     out: list[WorkflowSummary],
 ) -> bool:
-    """Into ``out``, as :func:`_unfinished_before` says; True when more were left unread."""
+    """Into ``out``, as :func:`_unfinished` says; True when more were left unread."""
     subject = protocol.wf_submit("*" if ns is None else ns)
     seq = 1
     while True:  # (each pass moves on in the stream, and its time is bounded)
@@ -197,9 +199,7 @@ async def _read_unfinished(
             msg = await js.get_msg(protocol.STREAM_WF, seq=seq, subject=subject, next=True)
         except NotFoundError:
             return False
-        submitted = msg.time.timestamp() if msg.time is not None else since
-        if submitted >= since:
-            return False  # this one and the rest: their records are in the window
+        submitted = msg.time.timestamp() if msg.time is not None else time.time()
         seq = (msg.seq or seq) + 1
         key = _submitted_key(msg)
         if key is None or key in seen:
@@ -231,19 +231,18 @@ async def _read_unfinished(
 
 def _submitted_key(msg: RawStreamMsg) -> str | None:
     """``<ns>.<workflow_id>`` of a stored submission: its subject names the namespace, its
-    ``Nats-Msg-Id`` the id, or its body's ``workflow_id`` (a submission may come without the
-    header); None when they read as none."""
+    body's ``workflow_id`` the id (what a hub runs), or its ``Nats-Msg-Id`` when the body is
+    no spec; None when they read as none."""
     ns = msg.subject.split(".")[2] if msg.subject and msg.subject.count(".") == 3 else None
     if ns is None:
         return None
-    msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
-    if msg_id:
-        wf_id = protocol.workflow_id_of(msg_id)
-    else:
-        try:
-            wf_id = _SubmittedId.model_validate_json(msg.data or b"").workflow_id
-        except ValidationError:
+    try:
+        wf_id = _SubmittedId.model_validate_json(msg.data or b"").workflow_id  # what runs
+    except ValidationError:
+        msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
+        if not msg_id:
             return None
+        wf_id = protocol.workflow_id_of(msg_id)  # (a refusal names it so)
     try:
         protocol.validate_workflow_id(wf_id)
     except ReachError:
