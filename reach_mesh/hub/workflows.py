@@ -53,11 +53,12 @@ from reach_mesh.errors import (
     ReachError,
     WorkflowSpecError,
 )
-from reach_mesh.hub import _durable
+from reach_mesh.hub import _durable, _wf_orphans
 from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
+from reach_mesh.hub._wf_orphans import OrphanSweep
 from reach_mesh.hub._wf_reject import WorkflowRefusals
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
@@ -92,7 +93,7 @@ def _submit_namespace(subject: str) -> str:
     return parts[2] if len(parts) > 2 else ""
 
 
-class WorkflowEngine(WorkflowRefusals):
+class WorkflowEngine(WorkflowRefusals, OrphanSweep):
     """Runs the workflows this hub owns. Started and stopped by :class:`~reach_mesh.hub.Hub`.
 
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
@@ -151,6 +152,10 @@ class WorkflowEngine(WorkflowRefusals):
         self._error_lines = LineBudget(60.0)
         self._ticker: asyncio.Task[None] | None = None
         self._counting: asyncio.Task[None] | None = None
+        self._sweeping: asyncio.Task[None] | None = None
+        self._adopting: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.orphans_adopted = 0
+        self.orphans_deleted = 0
         self._bg: set[asyncio.Future[Any]] = set()
         self._pending = 0
         self._waiting_steps = {}
@@ -279,6 +284,10 @@ class WorkflowEngine(WorkflowRefusals):
             self._ticker.cancel()
         if self._counting is not None:
             self._counting.cancel()
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+        for adopted in list(self._adopting.values()):
+            adopted.cancel()  # (its submission stays: another hub's sweep adopts it)
         running = dict(self._running)
         for task in running:
             task.cancel()
@@ -562,22 +571,41 @@ class WorkflowEngine(WorkflowRefusals):
         wait = self._settings.workflow_ack_wait
         kept_at = loop.time()
         unchecked = False  # a late tick could not read every record: the next tick asks again
+        swept_at = loop.time()
         while True:
             await asyncio.sleep(wait / 3)
             late = loop.time() - kept_at > wait
             unchecked = not await self._keep(check=late or unchecked)
             if self._nc.is_connected:
                 kept_at = loop.time()
+            if loop.time() - swept_at >= _wf_orphans.ORPHAN_SWEEP_EVERY and (
+                self._sweeping is None or self._sweeping.done()
+            ):
+                swept_at = loop.time()
+                self._sweeping = asyncio.create_task(self._sweep_quietly())
+
+    async def _sweep_quietly(self) -> None:
+        """A sweep for forgotten submissions (``OrphanSweep``); JetStream errors wait for the
+        next one."""
+        try:
+            await self._sweep_orphans()
+        except Exception as err:
+            log.debug("sweep for forgotten submissions: %r", err)
 
     async def _count_submissions(self, metrics: HubMetrics) -> None:
         """``reach_workflow_submissions`` from the shared consumer, every
-        ``SUBMISSIONS_EVERY`` seconds (unchanged while it cannot be read)."""
+        ``SUBMISSIONS_EVERY`` seconds (absent while it cannot be read)."""
         gauge = metrics.workflow_submissions
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 info = await self._js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
                 gauge.labels("waiting").set(info.num_pending or 0)
                 gauge.labels("taken").set(info.num_ack_pending or 0)
+            except Exception:
+                # Unread: no value, rather than an old one that max() over hubs would keep.
+                for stage in ("waiting", "taken"):
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(stage)
             await asyncio.sleep(SUBMISSIONS_EVERY)
 
     async def _keep(self, *, check: bool) -> bool:
