@@ -9,13 +9,14 @@ were still in the stream): a message at or below the floor that is still stored 
 consumer will never deliver again. If its workflow has no result, nothing would ever run it.
 
 Each hub sweeps for them (:meth:`OrphanSweep._sweep_orphans`, from the keepalive loop, every
-``ORPHAN_SWEEP_EVERY`` seconds, only messages older than two ack waits: an ack's removal may
-be in flight): a forgotten submission whose workflow is final is deleted; one whose workflow
-is unfinished is **adopted** — run from the stored message as if delivered, and deleted once
-its result is stored — by the hub its record names as owner (when that hub does not run it),
-by any hub when the record names none (never started; the record's create decides between
-two), or when its owner does not answer (gone). Taking a workflow over is the usual fenced
-takeover (the record's CAS): steps in flight are adopted, none runs twice.
+``ORPHAN_SWEEP_EVERY`` seconds, only messages submitted more than two ack waits ago): a
+forgotten submission whose workflow is final is deleted; one whose workflow is unfinished is
+**adopted** — run from the stored message as if delivered, and deleted once its result is
+stored — by the hub its record names as owner (when that hub does not run it), by any hub
+when the record names none (never started; of two hubs adopting it at once, the second takes
+it over by CAS and fences the first), or when nobody listens for its owner (no responders:
+gone). Taking a workflow over is the usual fenced takeover (the record's CAS): steps in
+flight are adopted, none runs twice.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class OrphanSweep:
 
         async def _own(self, msg: Msg) -> None: ...
 
+        async def ask(self, subject: str, body: bytes, *, timeout: float) -> bytes: ...
+
         async def _workflow_at_leader(
             self, ns: str, workflow_id: str
         ) -> tuple[bytes, int] | None: ...
@@ -124,7 +127,7 @@ class OrphanSweep:
                 return  # the consumer has it (pending, or not delivered yet)
             seq = raw.seq + 1
             if raw.time is None or raw.time.timestamp() > oldest:
-                continue  # acked a moment ago: its removal may still be on its way
+                continue  # submitted lately: left to the next sweep
             await self._forgotten(raw)
 
     async def _forgotten(self, raw: RawStreamMsg) -> None:
@@ -133,7 +136,7 @@ class OrphanSweep:
         try:
             spec = WorkflowSpec.model_validate_json(raw.data or b"")
         except ValueError:
-            await self._delete(raw)  # never a workflow: it would be refused
+            await self._delete(raw)  # never a workflow (no FAILED record is stored for it)
             return
         key = (spec.namespace, spec.workflow_id)
         if key in self._owning or key in self._adopting:
@@ -169,13 +172,13 @@ class OrphanSweep:
             self._adopting.pop(key, None)
 
     async def _answers(self, ns: str, owner: str | None) -> bool:
-        """Whether hub ``owner`` answers (a view request to it, as other hubs ask it):
-        False only when nobody listens for it — it is gone."""
+        """Whether hub ``owner`` answers (a view request to it, as other hubs ask it, with the
+        engine's random reply tokens): False only when nobody listens for it — it is gone."""
         if owner is None:
             return False
         body = json.dumps({"workflow_id": "-", "within_s": 0.5}).encode()
         try:
-            await self._nc.request(protocol.hub_peer(ns, "workflow", owner), body, timeout=1.0)
+            await self.ask(protocol.hub_peer(ns, "workflow", owner), body, timeout=1.0)
         except nats.errors.NoRespondersError:
             return False
         except (nats.errors.Error, ReachError, OSError):
