@@ -158,9 +158,14 @@ class JsClient:
 
     def ack_later(self, msg: Msg) -> None:
         """Ack a JetStream message (an empty publish on its reply subject, as ``msg.ack()``
-        sends) through :meth:`later`: for acks nothing waits on."""
-        if msg.reply and not msg.is_acked:
+        sends) through :meth:`later`: for acks nothing waits on. The message counts as acked
+        from now on (``is_acked``), as after ``msg.ack()``: nothing acks, naks or renews it
+        again."""
+        if msg.is_acked:
+            return
+        if msg.reply:
             self.later(msg.reply, b"")
+        msg._ackd = True
 
     async def flush_later(self) -> None:
         """Send what :meth:`later` holds now. A failure is logged: nobody waits on these."""

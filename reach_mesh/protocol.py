@@ -345,6 +345,12 @@ def wf_submit(namespace: str) -> str:
     return f"reach.wf.{namespace}.submit"
 
 
+def submit_namespace(subject: str) -> str:
+    """``<ns>`` of a submission's subject ``reach.wf.<ns>.submit`` ("" if it has none)."""
+    parts = subject.split(".", 3)
+    return parts[2] if len(parts) > 2 else ""
+
+
 def wf_event(namespace: str, workflow_id: str) -> str:
     """``reach.wf.<ns>.<wf_id>.event`` — step progress of one workflow (``REACH_WF_EVENTS``)."""
     return f"reach.wf.{namespace}.{workflow_id}.event"

@@ -5,13 +5,16 @@ election left it in: its ack floor past messages still stored (``_forget``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.js import JetStreamContext
 
 from reach_mesh import Client, MeshSettings, Step, protocol
+from reach_mesh.agent import Task
 from reach_mesh.hub import Hub, _wf_orphans
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import WorkflowRecord
@@ -95,6 +98,150 @@ async def test_a_submission_the_consumer_forgot_is_adopted(
                 return (await js.stream_info(protocol.STREAM_WF)).state.messages == 0
 
             await eventually(stream_empty, timeout=10)
+    finally:
+        await fleet.close()
+        await hub_a.close()
+        await hub_b.close()
+        server.stop()
+
+
+async def _hubs(s: MeshSettings, *ids: str) -> list[Hub]:
+    """Started hubs whose pulls are stopped: only their sweeps take submissions."""
+    hubs = []
+    for hub_id in ids:
+        hub = Hub(settings=s, hub_id=hub_id)
+        hubs.append(hub)
+        await hub.start()
+        engine = hub.workflows
+        assert engine is not None and engine._pull is not None
+        await engine._pull.stop()
+        await hub.nc.flush()
+    return hubs
+
+
+async def _submit_owned(
+    mesh: Client, js: JetStreamContext, owner: str, cap: str, submission_seq: int | None = None
+) -> str:
+    """A chain submission with a record naming ``owner``, running from ``submission_seq``
+    (this message's own by default), as a hub that took it would have written."""
+    ns = mesh.settings.namespace
+    spec = mesh._workflow_spec("chain", [Step(capability=cap)], "all", 60, None)
+    ack = await js.publish(
+        protocol.wf_submit(ns),
+        protocol.encode(spec),
+        headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, spec.workflow_id, "n")},
+    )
+    record = WorkflowRecord(
+        spec=spec,
+        owner=owner,
+        submitted_at=time.time(),
+        submission_seq=ack.seq if submission_seq is None else submission_seq,
+    )
+    kv = await js.key_value(protocol.KV_WORKFLOWS)
+    await kv.put(protocol.workflow_key(ns, spec.workflow_id), protocol.encode(record))
+    return spec.workflow_id
+
+
+async def test_forgotten_submissions_refused_or_run_from_another_message_are_deleted(
+    wf_settings: MeshSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forgotten submission the engine refuses, or finds its workflow run from another
+    message, ends as a delivered one would — refused with a FAILED result, or dropped — and
+    leaves the stream, adopted once: a malformed spec that names an id (its caller gets the
+    refusal), a body that is not JSON (nobody to answer), a re-submission of a workflow whose
+    record runs from another message."""
+    monkeypatch.setattr(_wf_orphans, "ORPHAN_SWEEP_EVERY", 0.2)
+    server = EmbeddedNats(tmp_path, port=free_port())
+    await server.astart()
+    s = wf_settings.model_copy(update={"nats_url": server.url})
+    ns = s.namespace
+    (hub,) = await _hubs(s, "hub-a")
+    try:
+        async with Client(settings=s) as mesh:
+            js = mesh.nc.jetstream()
+            await js.publish(
+                protocol.wf_submit(ns),
+                b'{"workflow_id": "wf-bad-1", "kind": "chain"}',
+                headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, "wf-bad-1", "n")},
+            )
+            await js.publish(protocol.wf_submit(ns), b"not json")
+            elsewhere = await _submit_owned(mesh, js, "hub-gone", "wf:ok:v1", submission_seq=1)
+            await _forget(js)
+            bad = await mesh.workflow("wf-bad-1", timeout=15)
+            assert not bad.ok and bad.error is not None
+            assert bad.error.code == "REACH_BAD_REQUEST"  # as a delivered one's
+
+            async def stream_empty() -> bool:
+                return (await js.stream_info(protocol.STREAM_WF)).state.messages == 0
+
+            await eventually(stream_empty, timeout=10)
+            engine = hub.workflows
+            assert engine is not None
+            await asyncio.sleep(1.0)  # five sweeps more: nothing adopted again
+            assert engine.orphans_adopted == 3
+            record = await engine._workflow_at_leader(ns, elsewhere)
+            assert record is not None
+            assert WorkflowRecord.model_validate_json(record[0]).owner == "hub-gone"
+    finally:
+        await hub.close()
+        server.stop()
+
+
+async def test_sweeps_go_on_where_the_last_stopped_within_the_hubs_concurrency(
+    wf_settings: MeshSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep looks at two messages here: three forgotten submissions of a live hub that
+    does not sweep stand in front of two no hub took; the sweeps go on behind them. The
+    adopted runs count against ``workflow_concurrency`` (1): one at a time, counted as
+    running. An owner that does not answer is gone only when silent twice an ack wait apart."""
+    monkeypatch.setattr(_wf_orphans, "ORPHAN_SWEEP_EVERY", 0.2)
+    monkeypatch.setattr(_wf_orphans, "_SWEEP_MAX", 2)
+    server = EmbeddedNats(tmp_path, port=free_port())
+    await server.astart()
+    s = wf_settings.model_copy(update={"nats_url": server.url, "workflow_concurrency": 1})
+    ns = s.namespace
+    hub_a, hub_b = await _hubs(s, "hub-a", "hub-b")
+    engine, engine_b = hub_a.workflows, hub_b.workflows
+    assert engine is not None and engine_b is not None
+
+    async def no_sweep() -> None:
+        return None
+
+    monkeypatch.setattr(engine_b, "_sweep_orphans", no_sweep)
+    fleet = Fleet(s)
+    agent = fleet.agent("slow.a1")
+
+    @agent.handler("wf:slow:v1")
+    async def slow(task: Task[Any]) -> Any:
+        await asyncio.sleep(1.5)
+        return {"in": task.payload}
+
+    try:
+        await agent.start()
+        async with Client(settings=s) as mesh:
+            js = mesh.nc.jetstream()
+            for _ in range(3):
+                await _submit_owned(mesh, js, "hub-b", "wf:slow:v1")
+            first = await mesh.submit_chain([Step(capability="wf:slow:v1")], timeout=60)
+            second = await mesh.submit_chain([Step(capability="wf:slow:v1")], timeout=60)
+            await _forget(js)
+
+            async def adopted() -> bool:
+                return engine.orphans_adopted > 0
+
+            await eventually(adopted, timeout=10)
+            await asyncio.sleep(0.6)  # three sweeps: the other one waits for room
+            assert engine.orphans_adopted == 1 and engine.running == 1
+            assert (await mesh.workflow(first, timeout=15)).hub_id == "hub-a"
+            assert (await mesh.workflow(second, timeout=15)).hub_id == "hub-a"
+            assert engine.orphans_adopted == 2
+
+            # The owner probe: silent once is not gone; silent again an ack wait later is.
+            assert not await engine._gone(ns, "hub-gone", {})
+            assert not await engine._gone(ns, "hub-gone", {})
+            await asyncio.sleep(s.workflow_ack_wait)
+            assert await engine._gone(ns, "hub-gone", {})
+            assert not await engine._gone(ns, "hub-b", {})
     finally:
         await fleet.close()
         await hub_a.close()

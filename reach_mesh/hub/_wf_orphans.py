@@ -9,14 +9,19 @@ were still in the stream): a message at or below the floor that is still stored 
 consumer will never deliver again. If its workflow has no result, nothing would ever run it.
 
 Each hub sweeps for them (:meth:`OrphanSweep._sweep_orphans`, from the keepalive loop, every
-``ORPHAN_SWEEP_EVERY`` seconds, only messages submitted more than two ack waits ago): a
-forgotten submission whose workflow is final is deleted; one whose workflow is unfinished is
-**adopted** — run from the stored message as if delivered, and deleted once its result is
-stored — by the hub its record names as owner (when that hub does not run it), by any hub
-when the record names none (never started; of two hubs adopting it at once, the second takes
-it over by CAS and fences the first), or when nobody listens for its owner (no responders:
-gone). Taking a workflow over is the usual fenced takeover (the record's CAS): steps in
-flight are adopted, none runs twice.
+``ORPHAN_SWEEP_EVERY`` seconds, at most ``_SWEEP_MAX`` messages each, the next sweep going on
+from where the last one stopped; only messages submitted more than two ack waits ago): a
+forgotten submission whose workflow is final is deleted; any other is **adopted** — run from
+the stored message as if delivered, within the hub's ``workflow_concurrency`` and its fair
+shares — and deleted once the engine is done with it (its result or its refusal stored, or
+another message found running its workflow); one the engine hands back stays for the next
+sweep. A workflow is adopted by the hub its record names as owner (when that hub does not run
+it), by any hub when the record names none (never started; of two hubs adopting it at once,
+the second takes it over by CAS and fences the first), or when nobody has listened for its
+owner at two probes at least an ack wait apart (gone). A submission that is no workflow is
+adopted too, to be refused as a delivered one is (a FAILED result for the id it names). Taking
+a workflow over is the usual fenced takeover (the record's CAS): steps in flight are adopted,
+none runs twice.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from nats.js.errors import NotFoundError
 from reach_mesh import protocol
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import ReachError
+from reach_mesh.hub.shares import Shares
 from reach_mesh.workflow import WorkflowRecord, WorkflowSpec, stored_record
 
 __all__ = ["ORPHAN_SWEEP_EVERY", "OrphanSweep"]
@@ -51,13 +57,17 @@ _SWEEP_MAX: Final = 256
 
 
 class _Adopted(Msg):
-    """A stored submission run as if delivered: there is no delivery to ack, nak or renew
-    (the consumer forgot it); it is deleted from the stream once its result is stored."""
+    """A stored submission run as if delivered. There is no delivery to ack, nak or renew (the
+    consumer forgot it): what the engine does with it is only noted — an ack or a term (the
+    engine is done with it: its result or refusal is stored, or another message runs its
+    workflow) makes the sweep delete it from the stream; a nak (handed back) leaves it for the
+    next sweep, as the consumer would redeliver it."""
 
     async def ack(self) -> None:
-        return None
+        self._ackd = True
 
     async def ack_sync(self, timeout: float = 1.0) -> Msg:
+        self._ackd = True
         return self
 
     async def nak(self, delay: int | float | None = None) -> None:
@@ -67,7 +77,7 @@ class _Adopted(Msg):
         return None
 
     async def term(self) -> None:
-        return None
+        self._ackd = True
 
 
 def _adopted(nc: Any, raw: RawStreamMsg) -> _Adopted:
@@ -93,8 +103,16 @@ class OrphanSweep:
     _settings: MeshSettings
     hub_id: str
     _owning: dict[tuple[str, str], Any]
-    #: Workflows this hub adopted and runs now (by ``(ns, id)``).
-    _adopting: dict[tuple[str, str], asyncio.Task[None]]
+    _running: dict[asyncio.Task[None], Msg]
+    _shares: Shares
+    #: Submissions this hub adopted and runs now, by stream sequence.
+    _adopting: dict[int, asyncio.Task[None]]
+    #: Where the next sweep starts (a stream sequence): one sweep looks at ``_SWEEP_MAX``
+    #: messages at most, the next one at those behind them.
+    _sweep_from: int
+    #: Owners (hub ids) that did not answer a sweep's probe: (first silence, last probe), by
+    #: the event loop's clock.
+    _silent: dict[str, tuple[float, float]]
     orphans_adopted: int
     orphans_deleted: int
 
@@ -109,13 +127,21 @@ class OrphanSweep:
         ) -> tuple[bytes, int] | None: ...
 
     async def _sweep_orphans(self) -> None:
-        """One sweep (see the module): adopt or delete what the consumer forgot."""
+        """One sweep (see the module): adopt or delete what the consumer forgot, from where
+        the last sweep stopped; back to the stream's start once past the ack floor."""
         info = await self._js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
         floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
+        now = asyncio.get_running_loop().time()
+        # Silences not probed in the last two sweeps are forgotten: a silence counts only
+        # when it lasts from one probe to the next.
+        for owner, (_, last) in list(self._silent.items()):
+            if now - last > 2 * ORPHAN_SWEEP_EVERY + self._settings.workflow_ack_wait:
+                del self._silent[owner]
         if not floor:
             return
         oldest = time.time() - 2 * self._settings.workflow_ack_wait
-        seq = 1
+        probed: dict[str, bool] = {}
+        seq, self._sweep_from = self._sweep_from, 1
         for _ in range(_SWEEP_MAX):
             try:
                 raw = await self._js.get_msg(
@@ -128,54 +154,86 @@ class OrphanSweep:
             seq = raw.seq + 1
             if raw.time is None or raw.time.timestamp() > oldest:
                 continue  # submitted lately: left to the next sweep
-            await self._forgotten(raw)
+            await self._forgotten(raw, probed)
+        self._sweep_from = seq
 
-    async def _forgotten(self, raw: RawStreamMsg) -> None:
+    async def _forgotten(self, raw: RawStreamMsg, probed: dict[str, bool]) -> None:
         """Delete ``raw`` (a submission at or below the ack floor) when its workflow is final;
-        adopt its workflow when it is unfinished and this hub should (see the module)."""
+        adopt it when its workflow is unfinished and this hub should (see the module) — or
+        when it is no workflow at all: refused as a delivered one would be (a FAILED result
+        stored for its id, when it names one), then deleted."""
+        if raw.seq is None or raw.seq in self._adopting:
+            return
+        ns = protocol.submit_namespace(raw.subject or "")
         try:
             spec = WorkflowSpec.model_validate_json(raw.data or b"")
         except ValueError:
-            await self._delete(raw)  # never a workflow (no FAILED record is stored for it)
-            return
-        key = (spec.namespace, spec.workflow_id)
-        if key in self._owning or key in self._adopting:
-            return  # running here: its result's store ends it
-        got = await self._workflow_at_leader(*key)
-        record = stored_record(WorkflowRecord, got)
-        if record is not None and (record.result is not None or record.state.final):
-            await self._delete(raw)
-            self.orphans_deleted += 1
-            return
-        owner = None if record is None else record.owner
-        if owner not in (None, self.hub_id) and await self._answers(spec.namespace, owner):
-            return  # a live owner: its own sweep adopts it
-        log.warning(
-            "workflow %s: its submission was forgotten by the hubs' consumer (a JetStream "
-            "election); adopted, resuming from its records",
-            spec.workflow_id,
-        )
-        self.orphans_adopted += 1
-        task = asyncio.create_task(self._adopt(raw, key), name="reach-workflow-adopted")
-        self._adopting[key] = task
-
-    async def _adopt(self, raw: RawStreamMsg, key: tuple[str, str]) -> None:
-        try:
-            await self._own(_adopted(self._nc, raw))
+            spec = None
+        if spec is not None:
+            key = (spec.namespace, spec.workflow_id)
+            if key in self._owning:
+                return  # running here: its result's store ends it
             got = await self._workflow_at_leader(*key)
             record = stored_record(WorkflowRecord, got)
             if record is not None and (record.result is not None or record.state.final):
                 await self._delete(raw)
-        except Exception as err:  # the next sweep tries again
-            log.warning("workflow %s: adopting it failed: %r", key[1], err)
-        finally:
-            self._adopting.pop(key, None)
+                self.orphans_deleted += 1
+                return
+            owner = None if record is None else record.owner
+            if owner not in (None, self.hub_id) and not await self._gone(ns, owner, probed):
+                return  # a live owner (or one silent only lately): its own sweep adopts it
+        if not self._shares.admits(ns):
+            return  # this hub runs its share: left to the next sweep (or another hub's)
+        log.warning(
+            "workflow submission %s (stream sequence %d) was forgotten by the hubs' consumer "
+            "(a JetStream election); adopted, resuming from its records",
+            "?" if spec is None else spec.workflow_id,
+            raw.seq,
+        )
+        self.orphans_adopted += 1
+        msg = _adopted(self._nc, raw)
+        self._shares.take(ns)
+        task = asyncio.create_task(self._adopt(raw, msg), name="reach-workflow-adopted")
+        self._adopting[raw.seq] = task
+        self._running[task] = msg
 
-    async def _answers(self, ns: str, owner: str | None) -> bool:
-        """Whether hub ``owner`` answers (a view request to it, as other hubs ask it, with the
-        engine's random reply tokens): False only when nobody listens for it — it is gone."""
-        if owner is None:
+        def done(task: asyncio.Task[None]) -> None:
+            self._running.pop(task, None)
+            self._shares.give(ns)
+            if raw.seq is not None and self._adopting.get(raw.seq) is task:
+                del self._adopting[raw.seq]
+
+        task.add_done_callback(done)
+
+    async def _adopt(self, raw: RawStreamMsg, msg: _Adopted) -> None:
+        """Run an adopted submission as a delivered one; delete it once the engine is done
+        with it (acked or termed), not when it hands it back."""
+        try:
+            await self._own(msg)
+            if msg.is_acked:
+                await self._delete(raw)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # the next sweep tries again
+            log.warning("adopted workflow submission %s: %r", raw.seq, err)
+
+    async def _gone(self, ns: str, owner: str, probed: dict[str, bool]) -> bool:
+        """Whether hub ``owner`` is gone: nobody listened for it at this sweep's probe nor at
+        one at least an ack wait before (one silence may be a reconnect). ``probed`` holds
+        this sweep's answers (one probe per owner and sweep)."""
+        if owner not in probed:
+            probed[owner] = await self._answers(ns, owner)
+        now = asyncio.get_running_loop().time()
+        if probed[owner]:
+            self._silent.pop(owner, None)
             return False
+        first = self._silent.get(owner, (now, now))[0]
+        self._silent[owner] = (first, now)
+        return now - first >= self._settings.workflow_ack_wait
+
+    async def _answers(self, ns: str, owner: str) -> bool:
+        """Whether hub ``owner`` answers (a view request to it, as other hubs ask it, with the
+        engine's random reply tokens): False only when nobody listens for it."""
         body = json.dumps({"workflow_id": "-", "within_s": 0.5}).encode()
         try:
             await self.ask(protocol.hub_peer(ns, "workflow", owner), body, timeout=1.0)

@@ -87,12 +87,6 @@ _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
 SUBMISSIONS_EVERY: Final = 5.0
 
 
-def _submit_namespace(subject: str) -> str:
-    """``<ns>`` of ``reach.wf.<ns>.submit``."""
-    parts = subject.split(".", 3)
-    return parts[2] if len(parts) > 2 else ""
-
-
 class WorkflowEngine(WorkflowRefusals, OrphanSweep):
     """Runs the workflows this hub owns. Started and stopped by :class:`~reach_mesh.hub.Hub`.
 
@@ -153,7 +147,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._ticker: asyncio.Task[None] | None = None
         self._counting: asyncio.Task[None] | None = None
         self._sweeping: asyncio.Task[None] | None = None
-        self._adopting: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._adopting: dict[int, asyncio.Task[None]] = {}
+        self._sweep_from = 1
+        self._silent: dict[str, tuple[float, float]] = {}
         self.orphans_adopted = 0
         self.orphans_deleted = 0
         self._bg: set[asyncio.Future[Any]] = set()
@@ -286,8 +282,8 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             self._counting.cancel()
         if self._sweeping is not None:
             self._sweeping.cancel()
-        for adopted in list(self._adopting.values()):
-            adopted.cancel()  # (its submission stays: another hub's sweep adopts it)
+        # (Adopted submissions are among them: their "nak" leaves them stored, for another
+        # hub's sweep.)
         running = dict(self._running)
         for task in running:
             task.cancel()
@@ -349,7 +345,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
     # ------------------------------------------------------------------ submissions
 
     def _on_submit(self, msg: Msg) -> None:
-        ns = _submit_namespace(msg.subject)
+        ns = protocol.submit_namespace(msg.subject)
         if not self._shares.admits(ns):
             self._defer(msg, ns)
             return
@@ -361,7 +357,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
     def _owned_done(self, task: asyncio.Task[None]) -> None:
         msg = self._running.pop(task, None)
         if msg is not None:
-            self._shares.give(_submit_namespace(msg.subject))
+            self._shares.give(protocol.submit_namespace(msg.subject))
         if self._pull is not None:
             self._pull.release()
         if not task.cancelled() and task.exception() is not None:
