@@ -159,7 +159,7 @@ class JsClient:
     def ack_later(self, msg: Msg) -> None:
         """Ack a JetStream message (an empty publish on its reply subject, as ``msg.ack()``
         sends) through :meth:`later`: for acks nothing waits on. The message counts as acked
-        from now on (``is_acked``), as after ``msg.ack()``: nothing acks, naks or renews it
+        from now on (``is_acked``), as after ``msg.ack()``: nats-py refuses to ack or nak it
         again."""
         if msg.is_acked:
             return

@@ -187,6 +187,64 @@ async def test_forgotten_submissions_refused_or_run_from_another_message_are_del
         server.stop()
 
 
+async def test_forgotten_submissions_of_a_live_owner_or_handed_back_stay(
+    wf_settings: MeshSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two forgotten submissions this hub cannot parse, each naming a workflow whose record
+    says it runs: one whose owner, hub B, is alive (left to B — never refused over B's run),
+    and one whose record names this hub but not the message it runs from (refused submissions
+    of it are handed back for later, as delivered ones are). Both stay in the stream."""
+    monkeypatch.setattr(_wf_orphans, "ORPHAN_SWEEP_EVERY", 0.2)
+    server = EmbeddedNats(tmp_path, port=free_port())
+    await server.astart()
+    s = wf_settings.model_copy(update={"nats_url": server.url})
+    ns = s.namespace
+    hub_a, hub_b = await _hubs(s, "hub-a", "hub-b")
+    engine, engine_b = hub_a.workflows, hub_b.workflows
+    assert engine is not None and engine_b is not None
+
+    async def no_sweep() -> None:
+        return None
+
+    monkeypatch.setattr(engine_b, "_sweep_orphans", no_sweep)
+    try:
+        async with Client(settings=s) as mesh:
+            js = mesh.nc.jetstream()
+            kv = await js.key_value(protocol.KV_WORKFLOWS)
+            for wf_id, owner, own_seq in (
+                ("wf-live-1", "hub-b", True),
+                ("wf-held-1", "hub-a", False),
+            ):
+                ack = await js.publish(
+                    protocol.wf_submit(ns),
+                    b'{"workflow_id": "%s", "kind": "chain"}' % wf_id.encode(),
+                    headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, wf_id, "n")},
+                )
+                record = WorkflowRecord(
+                    owner=owner,
+                    submitted_at=time.time(),
+                    submission_seq=ack.seq if own_seq else None,
+                )
+                await kv.put(protocol.workflow_key(ns, wf_id), protocol.encode(record))
+            await _forget(js)
+
+            async def adopted() -> bool:
+                return engine.orphans_adopted > 0
+
+            await eventually(adopted, timeout=10)
+            await asyncio.sleep(1.0)  # five sweeps more
+            assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 2
+            for wf_id, owner in (("wf-live-1", "hub-b"), ("wf-held-1", "hub-a")):
+                got = await engine._workflow_at_leader(ns, wf_id)
+                assert got is not None
+                held = WorkflowRecord.model_validate_json(got[0])
+                assert held.owner == owner and held.result is None, held
+    finally:
+        await hub_a.close()
+        await hub_b.close()
+        server.stop()
+
+
 async def test_sweeps_go_on_where_the_last_stopped_within_the_hubs_concurrency(
     wf_settings: MeshSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,10 +294,12 @@ async def test_sweeps_go_on_where_the_last_stopped_within_the_hubs_concurrency(
             assert (await mesh.workflow(second, timeout=15)).hub_id == "hub-a"
             assert engine.orphans_adopted == 2
 
-            # The owner probe: silent once is not gone; silent again an ack wait later is.
-            assert not await engine._gone(ns, "hub-gone", {})
-            assert not await engine._gone(ns, "hub-gone", {})
+            # The owner probe: silent once is not gone, however long the sweep that asked
+            # lasts (one probe an owner and sweep); silent again an ack wait later is.
+            probed: dict[str, tuple[bool, float]] = {}
+            assert not await engine._gone(ns, "hub-gone", probed)
             await asyncio.sleep(s.workflow_ack_wait)
+            assert not await engine._gone(ns, "hub-gone", probed)
             assert await engine._gone(ns, "hub-gone", {})
             assert not await engine._gone(ns, "hub-b", {})
     finally:

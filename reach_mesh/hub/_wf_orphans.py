@@ -15,13 +15,15 @@ forgotten submission whose workflow is final is deleted; any other is **adopted*
 the stored message as if delivered, within the hub's ``workflow_concurrency`` and its fair
 shares — and deleted once the engine is done with it (its result or its refusal stored, or
 another message found running its workflow); one the engine hands back stays for the next
-sweep. A workflow is adopted by the hub its record names as owner (when that hub does not run
-it), by any hub when the record names none (never started; of two hubs adopting it at once,
-the second takes it over by CAS and fences the first), or when nobody has listened for its
-owner at two probes at least an ack wait apart (gone). A submission that is no workflow is
-adopted too, to be refused as a delivered one is (a FAILED result for the id it names). Taking
-a workflow over is the usual fenced takeover (the record's CAS): steps in flight are adopted,
-none runs twice.
+sweep. A submission is adopted by the hub the record of its workflow id names as owner (when
+that hub does not run it), by any hub when there is no record or it names no owner (never
+started; of two hubs adopting it at once, the second takes it over by CAS and fences the
+first), or when nobody has listened for its owner at every probe for an ack wait (gone; see
+:meth:`OrphanSweep._gone`). A submission that is no workflow of its subject's namespace goes
+by the id its refusal would be stored under, and by the same rule: adopted, it is refused as
+a delivered one is (a FAILED result for that id); one that names no valid id is adopted by any
+hub and refused with nothing stored. Taking a workflow over is the usual fenced takeover (the
+record's CAS): steps in flight are adopted, none runs twice.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from nats.js.errors import NotFoundError
 from reach_mesh import protocol
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import ReachError
+from reach_mesh.hub._wf_reject import refused_id
 from reach_mesh.hub.shares import Shares
 from reach_mesh.workflow import WorkflowRecord, WorkflowSpec, stored_record
 
@@ -54,6 +57,9 @@ log = logging.getLogger("reach_mesh.hub.workflows")
 ORPHAN_SWEEP_EVERY: Final = 30.0
 #: Forgotten submissions one sweep looks at, at most.
 _SWEEP_MAX: Final = 256
+#: Seconds a silent owner is asked again at each sweep after a forgotten submission last
+#: named it.
+_SILENCE_KEPT: Final = 600.0
 
 
 class _Adopted(Msg):
@@ -110,9 +116,9 @@ class OrphanSweep:
     #: Where the next sweep starts (a stream sequence): one sweep looks at ``_SWEEP_MAX``
     #: messages at most, the next one at those behind them.
     _sweep_from: int
-    #: Owners (hub ids) that did not answer a sweep's probe: (first silence, last probe), by
-    #: the event loop's clock.
-    _silent: dict[str, tuple[float, float]]
+    #: Owners (hub ids) silent at every probe since the first: (that probe's time, when a
+    #: forgotten submission last named the owner, its namespace), by the event loop's clock.
+    _silent: dict[str, tuple[float, float, str]]
     orphans_adopted: int
     orphans_deleted: int
 
@@ -128,52 +134,80 @@ class OrphanSweep:
 
     async def _sweep_orphans(self) -> None:
         """One sweep (see the module): adopt or delete what the consumer forgot, from where
-        the last sweep stopped; back to the stream's start once past the ack floor."""
+        the last sweep stopped (where it failed, too); back to the stream's start once past
+        the ack floor."""
         info = await self._js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
         floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
-        now = asyncio.get_running_loop().time()
-        # Silences not probed in the last two sweeps are forgotten: a silence counts only
-        # when it lasts from one probe to the next.
-        for owner, (_, last) in list(self._silent.items()):
-            if now - last > 2 * ORPHAN_SWEEP_EVERY + self._settings.workflow_ack_wait:
-                del self._silent[owner]
+        probed = await self._probe_silent()
         if not floor:
             return
         oldest = time.time() - 2 * self._settings.workflow_ack_wait
-        probed: dict[str, bool] = {}
-        seq, self._sweep_from = self._sweep_from, 1
-        for _ in range(_SWEEP_MAX):
-            try:
-                raw = await self._js.get_msg(
-                    protocol.STREAM_WF, seq=seq, subject=protocol.wf_submit("*"), next=True
-                )
-            except NotFoundError:
-                return
-            if raw.seq is None or raw.seq > floor:
-                return  # the consumer has it (pending, or not delivered yet)
-            seq = raw.seq + 1
-            if raw.time is None or raw.time.timestamp() > oldest:
-                continue  # submitted lately: left to the next sweep
-            await self._forgotten(raw, probed)
-        self._sweep_from = seq
+        seq = self._sweep_from
+        try:
+            for _ in range(_SWEEP_MAX):
+                try:
+                    raw = await self._js.get_msg(
+                        protocol.STREAM_WF, seq=seq, subject=protocol.wf_submit("*"), next=True
+                    )
+                except NotFoundError:
+                    seq = 1
+                    return
+                if raw.seq is None or raw.seq > floor:
+                    seq = 1
+                    return  # the consumer has it (pending, or not delivered yet)
+                if raw.time is None or raw.time.timestamp() > oldest:
+                    seq = raw.seq + 1
+                    continue  # submitted lately: left to the next sweep
+                seq = raw.seq + 1
+                try:
+                    await self._forgotten(raw, probed)
+                except Exception as err:  # (JetStream errors) asked again at the next pass
+                    log.debug("forgotten submission %d: %r", raw.seq, err)
+        finally:
+            self._sweep_from = seq
 
-    async def _forgotten(self, raw: RawStreamMsg, probed: dict[str, bool]) -> None:
+    async def _probe_silent(self) -> dict[str, tuple[bool, float]]:
+        """Ask again each owner that was silent (``_silent``), so that a silence is one from
+        probe to probe, however long a pass over the stream takes; forget those no forgotten
+        submission has named for ``_SILENCE_KEPT`` seconds. Returns the answers (see
+        :meth:`_gone`)."""
+        probed: dict[str, tuple[bool, float]] = {}
+        loop = asyncio.get_running_loop()
+        for owner, (_, needed, ns) in list(self._silent.items()):
+            if loop.time() - needed > _SILENCE_KEPT:
+                del self._silent[owner]
+                continue
+            probed[owner] = (await self._answers(ns, owner), loop.time())
+            if probed[owner][0]:
+                del self._silent[owner]
+        return probed
+
+    async def _forgotten(self, raw: RawStreamMsg, probed: dict[str, tuple[bool, float]]) -> None:
         """Delete ``raw`` (a submission at or below the ack floor) when its workflow is final;
-        adopt it when its workflow is unfinished and this hub should (see the module) — or
-        when it is no workflow at all: refused as a delivered one would be (a FAILED result
-        stored for its id, when it names one), then deleted."""
+        adopt it when its workflow is unfinished and this hub should (see the module). A
+        submission that is no workflow of its subject's namespace is looked up under the id
+        its refusal would be stored under, and adopted by the same rule (to be refused), or
+        by any hub when it names no valid id (refused with nothing stored, then deleted)."""
         if raw.seq is None or raw.seq in self._adopting:
             return
         ns = protocol.submit_namespace(raw.subject or "")
         try:
-            spec = WorkflowSpec.model_validate_json(raw.data or b"")
+            spec: WorkflowSpec | None = WorkflowSpec.model_validate_json(raw.data or b"")
         except ValueError:
             spec = None
-        if spec is not None:
-            key = (spec.namespace, spec.workflow_id)
-            if key in self._owning:
+        if spec is not None and spec.namespace == ns:
+            wf_id = spec.workflow_id
+        else:
+            wf_id = refused_id(raw.headers, raw.data or b"")[0]
+        try:
+            protocol.validate_namespace(ns)
+            protocol.validate_workflow_id(wf_id)
+        except ReachError:
+            wf_id = ""  # nothing stored can name it
+        if wf_id:
+            if (ns, wf_id) in self._owning:
                 return  # running here: its result's store ends it
-            got = await self._workflow_at_leader(*key)
+            got = await self._workflow_at_leader(ns, wf_id)
             record = stored_record(WorkflowRecord, got)
             if record is not None and (record.result is not None or record.state.final):
                 await self._delete(raw)
@@ -187,7 +221,7 @@ class OrphanSweep:
         log.warning(
             "workflow submission %s (stream sequence %d) was forgotten by the hubs' consumer "
             "(a JetStream election); adopted, resuming from its records",
-            "?" if spec is None else spec.workflow_id,
+            wf_id or "?",
             raw.seq,
         )
         self.orphans_adopted += 1
@@ -217,19 +251,21 @@ class OrphanSweep:
         except Exception as err:  # the next sweep tries again
             log.warning("adopted workflow submission %s: %r", raw.seq, err)
 
-    async def _gone(self, ns: str, owner: str, probed: dict[str, bool]) -> bool:
-        """Whether hub ``owner`` is gone: nobody listened for it at this sweep's probe nor at
-        one at least an ack wait before (one silence may be a reconnect). ``probed`` holds
-        this sweep's answers (one probe per owner and sweep)."""
+    async def _gone(self, ns: str, owner: str, probed: dict[str, tuple[bool, float]]) -> bool:
+        """Whether hub ``owner`` is gone: nobody listened for it at a probe, nor at every probe
+        since one at least an ack wait before (one silence may be a reconnect). ``probed``
+        holds this sweep's answers, with when each was asked (one probe per owner and
+        sweep)."""
+        loop = asyncio.get_running_loop()
         if owner not in probed:
-            probed[owner] = await self._answers(ns, owner)
-        now = asyncio.get_running_loop().time()
-        if probed[owner]:
+            probed[owner] = (await self._answers(ns, owner), loop.time())
+        answered, at = probed[owner]
+        if answered:
             self._silent.pop(owner, None)
             return False
-        first = self._silent.get(owner, (now, now))[0]
-        self._silent[owner] = (first, now)
-        return now - first >= self._settings.workflow_ack_wait
+        first = self._silent.get(owner, (at, at, ns))[0]
+        self._silent[owner] = (first, loop.time(), ns)
+        return at - first >= self._settings.workflow_ack_wait
 
     async def _answers(self, ns: str, owner: str) -> bool:
         """Whether hub ``owner`` answers (a view request to it, as other hubs ask it, with the

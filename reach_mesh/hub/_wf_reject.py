@@ -28,7 +28,7 @@ from reach_mesh.workflow import (
     stored_record,
 )
 
-__all__ = ["WorkflowRefusals"]
+__all__ = ["WorkflowRefusals", "refused_id"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
@@ -112,18 +112,8 @@ class WorkflowRefusals(WorkflowQueries):
         this error, over the record (its old owner's final write then fails and reads this
         result), rather than the term leaving it RUNNING with no message to resume it from."""
         log.info("rejecting workflow submission on %s: %s", msg.subject, err.message)
-        parts = msg.subject.split(".")
-        wf_id = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
-        ns = parts[2] if len(parts) > 2 else ""
-        kind: Literal["fanout", "chain"] = "fanout"
-        with contextlib.suppress(Exception):
-            body = json.loads(msg.data)
-            if body.get("kind") == "chain":
-                kind = "chain"
-            if not wf_id and isinstance(body.get("workflow_id"), str):
-                # No Nats-Msg-Id (a client that skips it): the id its body names, so that
-                # its caller, waiting on that id, gets this answer.
-                wf_id = body["workflow_id"]
+        ns = protocol.submit_namespace(msg.subject)
+        wf_id, kind = refused_id(msg.headers, msg.data)
         try:
             protocol.validate_workflow_id(wf_id)
             protocol.validate_namespace(ns)
@@ -213,6 +203,24 @@ class WorkflowRefusals(WorkflowQueries):
         with contextlib.suppress(Exception):
             await msg.term()
         self._count_done(ns, kind, result)
+
+
+def refused_id(
+    headers: dict[str, str] | None, data: bytes
+) -> tuple[str, Literal["fanout", "chain"]]:
+    """The workflow id a refused submission is answered under, and its kind: the id its
+    ``Nats-Msg-Id`` names, else (a client that skips the header) the one its body names, so
+    that its caller, waiting on that id, gets the answer. "" when it names none (not
+    validated here)."""
+    wf_id = protocol.workflow_id_of((headers or {}).get(protocol.HDR_MSG_ID, ""))
+    kind: Literal["fanout", "chain"] = "fanout"
+    with contextlib.suppress(Exception):
+        body = json.loads(data)
+        if body.get("kind") == "chain":
+            kind = "chain"
+        if not wf_id and isinstance(body.get("workflow_id"), str):
+            wf_id = body["workflow_id"]
+    return wf_id, kind
 
 
 def _digest_of(data: bytes, max_size: int) -> str | None:
