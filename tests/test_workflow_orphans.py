@@ -16,6 +16,7 @@ from nats.js import JetStreamContext
 from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh.agent import Task
 from reach_mesh.hub import Hub, _wf_orphans
+from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import WorkflowRecord
 
@@ -119,6 +120,17 @@ async def _hubs(s: MeshSettings, *ids: str) -> list[Hub]:
     return hubs
 
 
+def _sweeping_only(hub_a: Hub, hub_b: Hub, monkeypatch: pytest.MonkeyPatch) -> WorkflowEngine:
+    """Hub B alive (it answers probes) but not sweeping: only hub A adopts. A's engine."""
+
+    async def no_sweep() -> None:
+        return None
+
+    assert hub_a.workflows is not None and hub_b.workflows is not None
+    monkeypatch.setattr(hub_b.workflows, "_sweep_orphans", no_sweep)
+    return hub_a.workflows
+
+
 async def _submit_owned(
     mesh: Client, js: JetStreamContext, owner: str, cap: str, submission_seq: int | None = None
 ) -> str:
@@ -200,13 +212,7 @@ async def test_forgotten_submissions_of_a_live_owner_or_handed_back_stay(
     s = wf_settings.model_copy(update={"nats_url": server.url})
     ns = s.namespace
     hub_a, hub_b = await _hubs(s, "hub-a", "hub-b")
-    engine, engine_b = hub_a.workflows, hub_b.workflows
-    assert engine is not None and engine_b is not None
-
-    async def no_sweep() -> None:
-        return None
-
-    monkeypatch.setattr(engine_b, "_sweep_orphans", no_sweep)
+    engine = _sweeping_only(hub_a, hub_b, monkeypatch)
     try:
         async with Client(settings=s) as mesh:
             js = mesh.nc.jetstream()
@@ -259,13 +265,7 @@ async def test_sweeps_go_on_where_the_last_stopped_within_the_hubs_concurrency(
     s = wf_settings.model_copy(update={"nats_url": server.url, "workflow_concurrency": 1})
     ns = s.namespace
     hub_a, hub_b = await _hubs(s, "hub-a", "hub-b")
-    engine, engine_b = hub_a.workflows, hub_b.workflows
-    assert engine is not None and engine_b is not None
-
-    async def no_sweep() -> None:
-        return None
-
-    monkeypatch.setattr(engine_b, "_sweep_orphans", no_sweep)
+    engine = _sweeping_only(hub_a, hub_b, monkeypatch)
     fleet = Fleet(s)
     agent = fleet.agent("slow.a1")
 
