@@ -99,6 +99,11 @@ async def test_a_submission_the_consumer_forgot_is_adopted(
                 return (await js.stream_info(protocol.STREAM_WF)).state.messages == 0
 
             await eventually(stream_empty, timeout=10)
+            adopted = sum(
+                hub.metrics.workflow_orphans_total.labels("adopted")._value.get()
+                for hub in (hub_a, hub_b)
+            )
+            assert adopted == 4
     finally:
         await fleet.close()
         await hub_a.close()

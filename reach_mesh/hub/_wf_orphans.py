@@ -47,6 +47,7 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import ReachError
 from reach_mesh.hub._wf_reject import refused_id
 from reach_mesh.hub.shares import Shares
+from reach_mesh.tracing.metrics import HubMetrics
 from reach_mesh.workflow import WorkflowRecord, WorkflowSpec, stored_record
 
 __all__ = ["ORPHAN_SWEEP_EVERY", "OrphanSweep"]
@@ -119,6 +120,7 @@ class OrphanSweep:
     #: Owners (hub ids) silent at every probe since the first: (that probe's time, when a
     #: forgotten submission last named the owner, its namespace), by the event loop's clock.
     _silent: dict[str, tuple[float, float, str]]
+    _metrics: HubMetrics | None
     orphans_adopted: int
     orphans_deleted: int
 
@@ -212,6 +214,8 @@ class OrphanSweep:
             if record is not None and (record.result is not None or record.state.final):
                 await self._delete(raw)
                 self.orphans_deleted += 1
+                if self._metrics is not None:
+                    self._metrics.workflow_orphans_total.labels("deleted").inc()
                 return
             owner = None if record is None else record.owner
             if owner not in (None, self.hub_id) and not await self._gone(ns, owner, probed):
@@ -225,6 +229,8 @@ class OrphanSweep:
             raw.seq,
         )
         self.orphans_adopted += 1
+        if self._metrics is not None:
+            self._metrics.workflow_orphans_total.labels("adopted").inc()
         msg = _adopted(self._nc, raw)
         self._shares.take(ns)
         task = asyncio.create_task(self._adopt(raw, msg), name="reach-workflow-adopted")

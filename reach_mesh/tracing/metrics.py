@@ -303,6 +303,14 @@ class HubMetrics:
             "workflow_concurrency workflows and their namespace its fair share of them.",
             registry=r,
         )
+        self.workflow_orphans_total = Counter(
+            "reach_workflow_orphans",
+            "Stored workflow submissions the hubs' consumer had forgotten (its ack floor passed "
+            "them across a JetStream election) that this hub's sweep found: adopted (run from "
+            "the stored message) or deleted (their workflow had ended).",
+            ["action"],
+            registry=r,
+        )
         self.workflows_running = Gauge(
             "reach_workflows_running",
             "Workflows this hub runs now (it holds their submission until their result is stored).",
