@@ -373,18 +373,34 @@ def work_subject(namespace: str, agent_id: str) -> str:
 
 
 def work_consumer(agent_id: str) -> str:
-    """Durable consumer name of ``agent_id`` on ``REACH_WORK`` (dots are not allowed in names;
-    a digest keeps ``a.b_c.d`` and ``a_b.c.d`` apart)."""
-    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:10]
-    return f"work-{agent_id.replace('.', '_')}-{digest}"[:200]
+    """Durable consumer name of ``agent_id`` on ``REACH_WORK`` (:func:`_agent_consumer`)."""
+    return _agent_consumer("work", agent_id)
 
 
 def status_consumer(agent_id: str) -> str:
     """Name of the consumer ``agent_id`` reads its final statuses back with, from
     ``REACH_STATUS`` at its start (one name per agent: NATS permissions allow an agent this
-    consumer only, so no other identity can re-point or delete it)."""
-    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:10]
-    return f"status-{agent_id.replace('.', '_')}-{digest}"[:200]
+    consumer only, so no other identity can re-point or delete it; :func:`_agent_consumer`)."""
+    return _agent_consumer("status", agent_id)
+
+
+#: Longest consumer name :func:`_agent_consumer` makes.
+_CONSUMER_NAME_MAX: Final = 200
+
+
+def _agent_consumer(prefix: str, agent_id: str) -> str:
+    """``<prefix>-<agent_id, dots as underscores>-<digest>``: dots are not allowed in names,
+    and the digest (of the id) keeps ``a.b_c.d`` and ``a_b.c.d`` apart. An id too long for the
+    name whole is cut, never its digest, which is then 128 bits long: no two agents' ids —
+    however long, whoever chose them — make one name, which their permissions would both
+    allow (either agent could delete or re-point the other's consumer)."""
+    flat = agent_id.replace(".", "_")
+    digest = hashlib.sha256(agent_id.encode()).hexdigest()
+    name = f"{prefix}-{flat}-{digest[:10]}"
+    if len(name) <= _CONSUMER_NAME_MAX:
+        return name
+    keep = _CONSUMER_NAME_MAX - len(prefix) - 2 - 32
+    return f"{prefix}-{flat[:keep]}-{digest[:32]}"
 
 
 def task_key(namespace: str, task_id: str) -> str:

@@ -9,6 +9,7 @@ docs/security.md maps each line of the threat model to the test here that proves
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -1188,3 +1189,29 @@ def test_seeds_go_only_into_new_files_of_a_private_directory(tmp_path: Path) -> 
         auth.add("agent", VICTIM)
     assert not (tmp_path / "elsewhere").exists()
     assert all(i.name != VICTIM for i in auth.identities())
+
+
+def test_agent_ids_never_share_a_consumer_name() -> None:
+    """An agent's consumers are named after its id, and the name is all its permissions bind:
+    two ids that made one name would let either agent delete or re-point the other's
+    consumer. Ids too long for a name whole (agent ids may take 194 characters) keep a 128-bit
+    digest; shorter ones keep the names they always had."""
+    long_ids = [
+        f"{'n' * 64}.{'s' * 64}.{'i' * 64}",
+        f"{'n' * 64}.{'s' * 64}.{'i' * 63}j",
+        f"{'n' * 64}.{'s' * 64}.{'i' * 10}",
+        f"{'n' * 62}_n.{'s' * 64}.{'i' * 64}",
+        f"{'n' * 62}.n_{'s' * 62}.{'i' * 64}",
+    ]
+    for agent_id in long_ids:
+        protocol.validate_agent_id(agent_id)
+    for make in (protocol.work_consumer, protocol.status_consumer):
+        names = [make(agent_id) for agent_id in long_ids]
+        assert len(set(names)) == len(names), names
+        assert all(len(name) <= 200 for name in names)
+        digest = hashlib.sha256(long_ids[0].encode()).hexdigest()
+        assert names[0].endswith(f"-{digest[:32]}")
+    short = "shop.svc.a1"
+    digest = hashlib.sha256(short.encode()).hexdigest()[:10]
+    assert protocol.work_consumer(short) == f"work-shop_svc_a1-{digest}"
+    assert protocol.status_consumer(short) == f"status-shop_svc_a1-{digest}"

@@ -244,6 +244,7 @@ def _submitted_key(msg: RawStreamMsg) -> str | None:
             return None
         wf_id = protocol.workflow_id_of(msg_id)  # (a refusal names it so)
     try:
+        protocol.validate_namespace(ns)  # (a literal "*" on an open bus: a wildcard key)
         protocol.validate_workflow_id(wf_id)
     except ReachError:
         return None
