@@ -103,7 +103,8 @@ async def test_a_submission_the_consumer_forgot_is_adopted(
                 hub.metrics.workflow_orphans_total.labels("adopted")._value.get()
                 for hub in (hub_a, hub_b)
             )
-            assert adopted == 4
+            # (Both hubs may adopt one with no owner or a gone one at once: the CAS decides.)
+            assert adopted >= 4
     finally:
         await fleet.close()
         await hub_a.close()
@@ -245,6 +246,10 @@ async def test_forgotten_submissions_of_a_live_owner_or_handed_back_stay(
             await eventually(adopted, timeout=10)
             await asyncio.sleep(1.0)  # five sweeps more
             assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 2
+            # Handed back for 30 s (a refusal while its workflow runs): not adopted again
+            # meanwhile, nor counted twice.
+            assert engine.orphans_adopted == 1
+            assert hub_a.metrics.workflow_orphans_total.labels("adopted")._value.get() == 1
             for wf_id, owner in (("wf-live-1", "hub-b"), ("wf-held-1", "hub-a")):
                 got = await engine._workflow_at_leader(ns, wf_id)
                 assert got is not None

@@ -77,8 +77,11 @@ class _Adopted(Msg):
         self._ackd = True
         return self
 
+    #: The delay of the engine's hand-back (``nak``), if it handed it back.
+    handed_back: float | None = None
+
     async def nak(self, delay: int | float | None = None) -> None:
-        return None
+        self.handed_back = float(delay or 0)
 
     async def in_progress(self) -> None:
         return None
@@ -114,6 +117,10 @@ class OrphanSweep:
     _shares: Shares
     #: Submissions this hub adopted and runs now, by stream sequence.
     _adopting: dict[int, asyncio.Task[None]]
+    #: Submissions this hub adopted and handed back (by stream sequence): when they may be
+    #: adopted again (the hand-back's delay, as the consumer would wait it, by the event
+    #: loop's clock); adopted again, they are not counted nor logged as forgotten again.
+    _handed_back: dict[int, float]
     #: Where the next sweep starts (a stream sequence): one sweep looks at ``_SWEEP_MAX``
     #: messages at most, the next one at those behind them.
     _sweep_from: int
@@ -192,6 +199,9 @@ class OrphanSweep:
         by any hub when it names no valid id (refused with nothing stored, then deleted)."""
         if raw.seq is None or raw.seq in self._adopting:
             return
+        again = self._handed_back.get(raw.seq)
+        if again is not None and again > asyncio.get_running_loop().time():
+            return  # handed back for later
         ns = protocol.submit_namespace(raw.subject or "")
         try:
             spec: WorkflowSpec | None = WorkflowSpec.model_validate_json(raw.data or b"")
@@ -222,15 +232,18 @@ class OrphanSweep:
                 return  # a live owner (or one silent only lately): its own sweep adopts it
         if not self._shares.admits(ns):
             return  # this hub runs its share: left to the next sweep (or another hub's)
-        log.warning(
-            "workflow submission %s (stream sequence %d) was forgotten by the hubs' consumer "
-            "(a JetStream election); adopted, resuming from its records",
-            wf_id or "?",
-            raw.seq,
-        )
-        self.orphans_adopted += 1
-        if self._metrics is not None:
-            self._metrics.workflow_orphans_total.labels("adopted").inc()
+        if again is None:
+            log.warning(
+                "workflow submission %s (stream sequence %d) was forgotten by the hubs' "
+                "consumer (a JetStream election); adopted, resuming from its records",
+                wf_id or "?",
+                raw.seq,
+            )
+            self.orphans_adopted += 1
+            if self._metrics is not None:
+                self._metrics.workflow_orphans_total.labels("adopted").inc()
+        else:
+            log.info("workflow submission %s (stream sequence %d): adopted again", wf_id, raw.seq)
         msg = _adopted(self._nc, raw)
         self._shares.take(ns)
         task = asyncio.create_task(self._adopt(raw, msg), name="reach-workflow-adopted")
@@ -251,11 +264,23 @@ class OrphanSweep:
         try:
             await self._own(msg)
             if msg.is_acked:
+                self._handed_back.pop(raw.seq or 0, None)
                 await self._delete(raw)
+            elif msg.handed_back is not None:
+                self._handed_back_for(raw.seq or 0, msg.handed_back)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the next sweep tries again
             log.warning("adopted workflow submission %s: %r", raw.seq, err)
+
+    def _handed_back_for(self, seq: int, delay: float) -> None:
+        """Note that adopted submission ``seq`` was handed back for ``delay`` seconds. Notes
+        of submissions gone meanwhile (ended by another hub) are dropped an hour on."""
+        now = asyncio.get_running_loop().time()
+        for old, at in list(self._handed_back.items()):
+            if at < now - 3600:
+                del self._handed_back[old]
+        self._handed_back[seq] = now + delay
 
     async def _gone(self, ns: str, owner: str, probed: dict[str, tuple[bool, float]]) -> bool:
         """Whether hub ``owner`` is gone: nobody listened for it at a probe, nor at every probe

@@ -149,6 +149,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._sweeping: asyncio.Task[None] | None = None
         self._adopting: dict[int, asyncio.Task[None]] = {}
         self._sweep_from = 1
+        self._handed_back: dict[int, float] = {}
         self._silent: dict[str, tuple[float, float, str]] = {}
         self.orphans_adopted = 0
         self.orphans_deleted = 0
