@@ -14,16 +14,16 @@ from where the last one stopped; only messages submitted more than two ack waits
 forgotten submission whose workflow is final is deleted; any other is **adopted** — run from
 the stored message as if delivered, within the hub's ``workflow_concurrency`` and its fair
 shares — and deleted once the engine is done with it (its result or its refusal stored, or
-another message found running its workflow); one the engine hands back stays for the next
-sweep. A submission is adopted by the hub the record of its workflow id names as owner (when
-that hub does not run it), by any hub when there is no record or it names no owner (never
-started; of two hubs adopting it at once, the second takes it over by CAS and fences the
-first), or when nobody has listened for its owner at every probe for an ack wait (gone; see
-:meth:`OrphanSweep._gone`). A submission that is no workflow of its subject's namespace goes
-by the id its refusal would be stored under, and by the same rule: adopted, it is refused as
-a delivered one is (a FAILED result for that id); one that names no valid id is adopted by any
-hub and refused with nothing stored. Taking a workflow over is the usual fenced takeover (the
-record's CAS): steps in flight are adopted, none runs twice.
+another message found running its workflow); one the engine hands back stays, adopted again
+once the hand-back's delay has passed. A submission is adopted by the hub the record of its
+workflow id names as owner (when that hub does not run it), by any hub when there is no record
+or it names no owner (never started; of two hubs adopting it at once, the second takes it over
+by CAS and fences the first), or when nobody has listened for its owner at every probe for an
+ack wait (gone; see :meth:`OrphanSweep._gone`). A submission that is no workflow of its
+subject's namespace goes by the id its refusal would be stored under, and by the same rule:
+adopted, it is refused as a delivered one is (a FAILED result for that id); one that names no
+valid id is adopted by any hub and refused with nothing stored. Taking a workflow over is the
+usual fenced takeover (the record's CAS): steps in flight are adopted, none runs twice.
 """
 
 from __future__ import annotations
