@@ -91,3 +91,17 @@ async def test_promtool_check_metrics_on_hub_and_agent(
     for text in (hub_text, agent_text):
         out = promtool("check", "metrics", stdin=text)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_counters_alerts_watch_with_increase_are_exported_at_zero() -> None:
+    """A labelled series Prometheus first sees at 1 has no increase: the counters an alert
+    watches with ``increase`` or ``rate`` on one label (ReachWorkflowSubmissionsForgotten,
+    ReachWorkflowErrors) are exported at 0 by a hub that never counted one."""
+    text = HubMetrics().render().decode()
+    for series in (
+        'reach_workflow_orphans_total{action="adopted"} 0.0',
+        'reach_workflow_orphans_total{action="deleted"} 0.0',
+        'reach_workflow_interrupted_total{cause="error"} 0.0',
+        'reach_workflow_interrupted_total{cause="infrastructure"} 0.0',
+    ):
+        assert series in text

@@ -311,6 +311,12 @@ class HubMetrics:
             ["action"],
             registry=r,
         )
+        # Exported at 0 from the start, as the interrupted causes: an alert on increase()
+        # sees the first one (a series that appears at 1 has no increase to Prometheus).
+        for action in ("adopted", "deleted"):
+            self.workflow_orphans_total.labels(action)
+        for cause in ("infrastructure", "error"):
+            self.workflow_interrupted_total.labels(cause)
         self.workflows_running = Gauge(
             "reach_workflows_running",
             "Workflows this hub runs now (it holds their submission until their result is stored).",
