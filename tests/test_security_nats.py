@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
+import string
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -1211,6 +1213,28 @@ def test_agent_ids_never_share_a_consumer_name() -> None:
         assert all(len(name) <= 200 for name in names)
         digest = hashlib.sha256(long_ids[0].encode()).hexdigest()
         assert names[0].endswith(f"-{digest[:32]}")
+
+    # Two 192-character ids that differ only in where a dot and an underscore stand (one
+    # name but for the digest), picked so that the 2 hex digits the old cut left agree.
+    def twins() -> tuple[str, str]:
+        for a, b, d in itertools.product(string.ascii_lowercase, repeat=3):
+            one = f"{a * 64}.{b * 62}.c_{d * 62}"
+            two = f"{a * 64}.{b * 62}_c.{d * 62}"
+            if hashlib.sha256(one.encode()).digest()[0] == hashlib.sha256(two.encode()).digest()[0]:
+                return one, two
+        raise AssertionError("no twins")
+
+    one, two = twins()
+    protocol.validate_agent_id(one)
+    protocol.validate_agent_id(two)
+
+    def old_cut(agent_id: str) -> str:  # the names before: cut at 200, digest included
+        digest = hashlib.sha256(agent_id.encode()).hexdigest()[:10]
+        return f"work-{agent_id.replace('.', '_')}-{digest}"[:200]
+
+    assert old_cut(one) == old_cut(two)
+    assert protocol.work_consumer(one) != protocol.work_consumer(two)
+    assert protocol.status_consumer(one) != protocol.status_consumer(two)
     short = "shop.svc.a1"
     digest = hashlib.sha256(short.encode()).hexdigest()[:10]
     assert protocol.work_consumer(short) == f"work-shop_svc_a1-{digest}"
