@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh.agent import Task
-from reach_mesh.hub import Hub, _wf_orphans
+from reach_mesh.hub import Hub, _wf_orphans, _wf_reject
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import WorkflowRecord
@@ -104,7 +105,7 @@ async def test_a_submission_the_consumer_forgot_is_adopted(
                 for hub in (hub_a, hub_b)
             )
             # (Both hubs may adopt one with no owner or a gone one at once: the CAS decides.)
-            assert adopted >= 4
+            assert 4 <= adopted <= 6
     finally:
         await fleet.close()
         await hub_a.close()
@@ -211,14 +212,25 @@ async def test_forgotten_submissions_of_a_live_owner_or_handed_back_stay(
     """Two forgotten submissions this hub cannot parse, each naming a workflow whose record
     says it runs: one whose owner, hub B, is alive (left to B — never refused over B's run),
     and one whose record names this hub but not the message it runs from (refused submissions
-    of it are handed back for later, as delivered ones are). Both stay in the stream."""
+    of it are handed back for later, as delivered ones are: here for 2 s). Both stay in the
+    stream; the handed-back one is adopted again once its 2 s have passed, not before, and is
+    counted as forgotten once."""
     monkeypatch.setattr(_wf_orphans, "ORPHAN_SWEEP_EVERY", 0.2)
+    monkeypatch.setattr(_wf_reject, "_REFUSED_RUNNING_DELAY", 2.0)
     server = EmbeddedNats(tmp_path, port=free_port())
     await server.astart()
     s = wf_settings.model_copy(update={"nats_url": server.url})
     ns = s.namespace
     hub_a, hub_b = await _hubs(s, "hub-a", "hub-b")
     engine = _sweeping_only(hub_a, hub_b, monkeypatch)
+    runs: list[float] = []  # when hub A ran an adopted submission (its pull is stopped)
+    own = engine._own
+
+    async def counted(msg: Msg) -> None:
+        runs.append(time.monotonic())
+        await own(msg)
+
+    monkeypatch.setattr(engine, "_own", counted)
     try:
         async with Client(settings=s) as mesh:
             js = mesh.nc.jetstream()
@@ -244,10 +256,16 @@ async def test_forgotten_submissions_of_a_live_owner_or_handed_back_stay(
                 return engine.orphans_adopted > 0
 
             await eventually(adopted, timeout=10)
-            await asyncio.sleep(1.0)  # five sweeps more
+            await asyncio.sleep(1.0)  # five sweeps more, within the 2 s
             assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 2
-            # Handed back for 30 s (a refusal while its workflow runs): not adopted again
-            # meanwhile, nor counted twice.
+            assert len(runs) == 1
+
+            async def adopted_again() -> bool:
+                return len(runs) > 1
+
+            await eventually(adopted_again, timeout=5)
+            assert runs[1] - runs[0] >= 2.0
+            assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 2
             assert engine.orphans_adopted == 1
             assert hub_a.metrics.workflow_orphans_total.labels("adopted")._value.get() == 1
             for wf_id, owner in (("wf-live-1", "hub-b"), ("wf-held-1", "hub-a")):

@@ -148,6 +148,10 @@ class OrphanSweep:
         info = await self._js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
         floor = info.ack_floor.stream_seq if info.ack_floor is not None else 0
         probed = await self._probe_silent()
+        now = asyncio.get_running_loop().time()
+        for seq, at in list(self._handed_back.items()):
+            if at < now - 3600:  # (ended by another hub meanwhile, most likely)
+                del self._handed_back[seq]
         if not floor:
             return
         oldest = time.time() - 2 * self._settings.workflow_ack_wait
@@ -223,6 +227,7 @@ class OrphanSweep:
             record = stored_record(WorkflowRecord, got)
             if record is not None and (record.result is not None or record.state.final):
                 await self._delete(raw)
+                self._handed_back.pop(raw.seq, None)
                 self.orphans_deleted += 1
                 if self._metrics is not None:
                     self._metrics.workflow_orphans_total.labels("deleted").inc()
@@ -243,7 +248,9 @@ class OrphanSweep:
             if self._metrics is not None:
                 self._metrics.workflow_orphans_total.labels("adopted").inc()
         else:
-            log.info("workflow submission %s (stream sequence %d): adopted again", wf_id, raw.seq)
+            log.info(
+                "workflow submission %s (stream sequence %d): adopted again", wf_id or "?", raw.seq
+            )
         msg = _adopted(self._nc, raw)
         self._shares.take(ns)
         task = asyncio.create_task(self._adopt(raw, msg), name="reach-workflow-adopted")
@@ -274,13 +281,8 @@ class OrphanSweep:
             log.warning("adopted workflow submission %s: %r", raw.seq, err)
 
     def _handed_back_for(self, seq: int, delay: float) -> None:
-        """Note that adopted submission ``seq`` was handed back for ``delay`` seconds. Notes
-        of submissions gone meanwhile (ended by another hub) are dropped an hour on."""
-        now = asyncio.get_running_loop().time()
-        for old, at in list(self._handed_back.items()):
-            if at < now - 3600:
-                del self._handed_back[old]
-        self._handed_back[seq] = now + delay
+        """Note that adopted submission ``seq`` was handed back for ``delay`` seconds."""
+        self._handed_back[seq] = asyncio.get_running_loop().time() + delay
 
     async def _gone(self, ns: str, owner: str, probed: dict[str, tuple[bool, float]]) -> bool:
         """Whether hub ``owner`` is gone: nobody listened for it at a probe, nor at every probe
