@@ -233,9 +233,7 @@ def _submitted_key(msg: RawStreamMsg) -> str | None:
     """``<ns>.<workflow_id>`` of a stored submission: its subject names the namespace, its
     body's ``workflow_id`` the id (what a hub runs), or its ``Nats-Msg-Id`` when the body is
     no spec; None when they read as none."""
-    ns = msg.subject.split(".")[2] if msg.subject and msg.subject.count(".") == 3 else None
-    if ns is None:
-        return None
+    ns = protocol.submit_namespace(msg.subject or "")
     try:
         wf_id = _SubmittedId.model_validate_json(msg.data or b"").workflow_id  # what runs
     except ValidationError:

@@ -67,8 +67,8 @@ class _Adopted(Msg):
     """A stored submission run as if delivered. There is no delivery to ack, nak or renew (the
     consumer forgot it): what the engine does with it is only noted — an ack or a term (the
     engine is done with it: its result or refusal is stored, or another message runs its
-    workflow) makes the sweep delete it from the stream; a nak (handed back) leaves it for the
-    next sweep, as the consumer would redeliver it."""
+    workflow) makes the sweep delete it from the stream; a nak (handed back) leaves it stored,
+    adopted again once the nak's delay has passed, as the consumer would redeliver it."""
 
     async def ack(self) -> None:
         self._ackd = True
@@ -168,10 +168,9 @@ class OrphanSweep:
                 if raw.seq is None or raw.seq > floor:
                     seq = 1
                     return  # the consumer has it (pending, or not delivered yet)
-                if raw.time is None or raw.time.timestamp() > oldest:
-                    seq = raw.seq + 1
-                    continue  # submitted lately: left to the next sweep
                 seq = raw.seq + 1
+                if raw.time is None or raw.time.timestamp() > oldest:
+                    continue  # submitted lately: left to the next sweep
                 try:
                     await self._forgotten(raw, probed)
                 except Exception as err:  # (JetStream errors) asked again at the next pass
@@ -236,7 +235,7 @@ class OrphanSweep:
             if owner not in (None, self.hub_id) and not await self._gone(ns, owner, probed):
                 return  # a live owner (or one silent only lately): its own sweep adopts it
         if not self._shares.admits(ns):
-            return  # this hub runs its share: left to the next sweep (or another hub's)
+            return  # this hub runs its share: left to a later pass (or another hub's)
         if again is None:
             log.warning(
                 "workflow submission %s (stream sequence %d) was forgotten by the hubs' "
@@ -274,15 +273,12 @@ class OrphanSweep:
                 self._handed_back.pop(raw.seq or 0, None)
                 await self._delete(raw)
             elif msg.handed_back is not None:
-                self._handed_back_for(raw.seq or 0, msg.handed_back)
+                loop = asyncio.get_running_loop()
+                self._handed_back[raw.seq or 0] = loop.time() + msg.handed_back
         except asyncio.CancelledError:
             raise
         except Exception as err:  # the next sweep tries again
             log.warning("adopted workflow submission %s: %r", raw.seq, err)
-
-    def _handed_back_for(self, seq: int, delay: float) -> None:
-        """Note that adopted submission ``seq`` was handed back for ``delay`` seconds."""
-        self._handed_back[seq] = asyncio.get_running_loop().time() + delay
 
     async def _gone(self, ns: str, owner: str, probed: dict[str, tuple[bool, float]]) -> bool:
         """Whether hub ``owner`` is gone: nobody listened for it at a probe, nor at every probe
