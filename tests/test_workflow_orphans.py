@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,24 @@ def _sweeping_only(hub_a: Hub, hub_b: Hub, monkeypatch: pytest.MonkeyPatch) -> W
     return hub_a.workflows
 
 
+@pytest.fixture
+async def two_hubs(
+    wf_settings: MeshSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[MeshSettings, WorkflowEngine]]:
+    """A nats-server of the test's own, hubs A and B with their pulls stopped, only A
+    sweeping (``_sweeping_only``): the settings and A's engine."""
+    server = EmbeddedNats(tmp_path, port=free_port())
+    await server.astart()
+    s = wf_settings.model_copy(update={"nats_url": server.url})
+    hub_a, hub_b = await _hubs(s, "hub-a", "hub-b")
+    try:
+        yield s, _sweeping_only(hub_a, hub_b, monkeypatch)
+    finally:
+        await hub_a.close()
+        await hub_b.close()
+        server.stop()
+
+
 async def _submit_owned(
     mesh: Client, js: JetStreamContext, owner: str, cap: str, submission_seq: int | None = None
 ) -> str:
@@ -207,7 +226,7 @@ async def test_forgotten_submissions_refused_or_run_from_another_message_are_del
 
 
 async def test_forgotten_submissions_of_a_live_owner_or_handed_back_stay(
-    wf_settings: MeshSettings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    two_hubs: tuple[MeshSettings, WorkflowEngine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two forgotten submissions this hub cannot parse, each naming a workflow whose record
     says it runs: one whose owner, hub B, is alive (left to B — never refused over B's run),
@@ -217,12 +236,8 @@ async def test_forgotten_submissions_of_a_live_owner_or_handed_back_stay(
     counted as forgotten once."""
     monkeypatch.setattr(_wf_orphans, "ORPHAN_SWEEP_EVERY", 0.2)
     monkeypatch.setattr(_wf_reject, "_REFUSED_RUNNING_DELAY", 2.0)
-    server = EmbeddedNats(tmp_path, port=free_port())
-    await server.astart()
-    s = wf_settings.model_copy(update={"nats_url": server.url})
+    s, engine = two_hubs
     ns = s.namespace
-    hub_a, hub_b = await _hubs(s, "hub-a", "hub-b")
-    engine = _sweeping_only(hub_a, hub_b, monkeypatch)
     runs: list[float] = []  # when hub A ran an adopted submission (its pull is stopped)
     own = engine._own
 
@@ -231,52 +246,48 @@ async def test_forgotten_submissions_of_a_live_owner_or_handed_back_stay(
         await own(msg)
 
     monkeypatch.setattr(engine, "_own", counted)
-    try:
-        async with Client(settings=s) as mesh:
-            js = mesh.nc.jetstream()
-            kv = await js.key_value(protocol.KV_WORKFLOWS)
-            for wf_id, owner, own_seq in (
-                ("wf-live-1", "hub-b", True),
-                ("wf-held-1", "hub-a", False),
-            ):
-                ack = await js.publish(
-                    protocol.wf_submit(ns),
-                    b'{"workflow_id": "%s", "kind": "chain"}' % wf_id.encode(),
-                    headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, wf_id, "n")},
-                )
-                record = WorkflowRecord(
-                    owner=owner,
-                    submitted_at=time.time(),
-                    submission_seq=ack.seq if own_seq else None,
-                )
-                await kv.put(protocol.workflow_key(ns, wf_id), protocol.encode(record))
-            await _forget(js)
+    async with Client(settings=s) as mesh:
+        js = mesh.nc.jetstream()
+        kv = await js.key_value(protocol.KV_WORKFLOWS)
+        for wf_id, owner, own_seq in (
+            ("wf-live-1", "hub-b", True),
+            ("wf-held-1", "hub-a", False),
+        ):
+            ack = await js.publish(
+                protocol.wf_submit(ns),
+                b'{"workflow_id": "%s", "kind": "chain"}' % wf_id.encode(),
+                headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, wf_id, "n")},
+            )
+            record = WorkflowRecord(
+                owner=owner,
+                submitted_at=time.time(),
+                submission_seq=ack.seq if own_seq else None,
+            )
+            await kv.put(protocol.workflow_key(ns, wf_id), protocol.encode(record))
+        await _forget(js)
 
-            async def adopted() -> bool:
-                return engine.orphans_adopted > 0
+        async def adopted() -> bool:
+            return engine.orphans_adopted > 0
 
-            await eventually(adopted, timeout=10)
-            await asyncio.sleep(1.0)  # five sweeps more, within the 2 s
-            assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 2
-            assert len(runs) == 1
+        await eventually(adopted, timeout=10)
+        await asyncio.sleep(1.0)  # five sweeps more, within the 2 s
+        assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 2
+        assert len(runs) == 1
 
-            async def adopted_again() -> bool:
-                return len(runs) > 1
+        async def adopted_again() -> bool:
+            return len(runs) > 1
 
-            await eventually(adopted_again, timeout=5)
-            assert runs[1] - runs[0] >= 2.0
-            assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 2
-            assert engine.orphans_adopted == 1
-            assert hub_a.metrics.workflow_orphans_total.labels("adopted")._value.get() == 1
-            for wf_id, owner in (("wf-live-1", "hub-b"), ("wf-held-1", "hub-a")):
-                got = await engine._workflow_at_leader(ns, wf_id)
-                assert got is not None
-                held = WorkflowRecord.model_validate_json(got[0])
-                assert held.owner == owner and held.result is None, held
-    finally:
-        await hub_a.close()
-        await hub_b.close()
-        server.stop()
+        await eventually(adopted_again, timeout=5)
+        assert runs[1] - runs[0] >= 2.0
+        assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 2
+        assert engine.orphans_adopted == 1
+        assert engine._metrics is not None
+        assert engine._metrics.workflow_orphans_total.labels("adopted")._value.get() == 1
+        for wf_id, owner in (("wf-live-1", "hub-b"), ("wf-held-1", "hub-a")):
+            got = await engine._workflow_at_leader(ns, wf_id)
+            assert got is not None
+            held = WorkflowRecord.model_validate_json(got[0])
+            assert held.owner == owner and held.result is None, held
 
 
 async def test_sweeps_go_on_where_the_last_stopped_within_the_hubs_concurrency(
@@ -335,3 +346,59 @@ async def test_sweeps_go_on_where_the_last_stopped_within_the_hubs_concurrency(
         await hub_a.close()
         await hub_b.close()
         server.stop()
+
+
+async def test_a_failed_sweep_goes_on_where_it_failed_and_old_silences_are_forgotten(
+    two_hubs: tuple[MeshSettings, WorkflowEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep cut short by a JetStream error (a read of the stream that times out) leaves
+    its cursor at the message it could not read: the next sweep starts there, not at the
+    stream's start nor past it. An owner found silent is asked again at each sweep, forgotten
+    once no forgotten submission has named it for ``_SILENCE_KEPT`` seconds; one that answers
+    is forgotten at once."""
+    s, engine = two_hubs
+    ns = s.namespace
+    async with Client(settings=s) as mesh:
+        js = mesh.nc.jetstream()
+        # Three forgotten submissions of hub B, alive: each sweep reads them and leaves them.
+        for _ in range(3):
+            await _submit_owned(mesh, js, "hub-b", "wf:ok:v1")
+        await _forget(js)
+        await asyncio.sleep(2 * s.workflow_ack_wait + 0.1)  # none "submitted lately"
+        first_seq = (await js.stream_info(protocol.STREAM_WF)).state.first_seq
+        read_at: list[int] = []
+        get_msg = engine._js.get_msg
+        fail_at = {2}  # the second read of the next sweep times out
+
+        async def reading(*args: Any, **kwargs: Any) -> Any:
+            read_at.append(kwargs["seq"])
+            if len(read_at) in fail_at:
+                raise TimeoutError
+            return await get_msg(*args, **kwargs)
+
+        monkeypatch.setattr(engine._js, "get_msg", reading)
+        with pytest.raises(TimeoutError):
+            await engine._sweep_orphans()
+        assert read_at == [1, first_seq + 1]
+        assert engine._sweep_from == first_seq + 1  # where it failed
+        fail_at.clear()
+        read_at.clear()
+        await engine._sweep_orphans()
+        assert read_at[0] == first_seq + 1  # went on from there
+        assert engine._sweep_from == 1  # past the floor: the next sweep starts over
+        assert engine.orphans_adopted == 0  # hub B's, alive
+        assert (await js.stream_info(protocol.STREAM_WF)).state.messages == 3
+
+    # Silent owners: asked again at each sweep's probe, forgotten when no longer named.
+    assert not await engine._gone(ns, "hub-gone", {})
+    assert "hub-gone" in engine._silent
+    probed = await engine._probe_silent()
+    assert probed["hub-gone"][0] is False and "hub-gone" in engine._silent
+    monkeypatch.setattr(_wf_orphans, "_SILENCE_KEPT", 0.2)
+    await asyncio.sleep(0.3)
+    assert await engine._probe_silent() == {}
+    assert engine._silent == {}
+    # An owner taken for silent that answers now (back from a reconnect): forgotten.
+    engine._silent["hub-b"] = (0.0, asyncio.get_running_loop().time(), ns)
+    probed = await engine._probe_silent()
+    assert probed["hub-b"][0] is True and engine._silent == {}
