@@ -24,6 +24,7 @@ __all__ = [
     "AgentRecord",
     "AgentRef",
     "AgentState",
+    "CordonRecord",
     "ErrorBody",
     "FailureReport",
     "FilteredAgent",
@@ -229,7 +230,22 @@ class AgentRecord(_Wire):
     task_subject: str
     #: Server-side wall time (seconds since epoch) of the hub that accepted the registration.
     registered_at: float
+    #: Cordoned by an operator (also kept, apart from the registration, in ``reach_cordons``:
+    #: :class:`CordonRecord`).
     cordoned: bool = False
+
+
+class CordonRecord(_Wire):
+    """Value in the ``reach_cordons`` KV bucket, key the agent id: an operator's cordon, which
+    outlives the agent's registrations (an unregister, a restart, a lease that ran out) until
+    an operator lifts it. Written by the hub that took the ``cordon``."""
+
+    #: The operator's reason, as audited.
+    reason: str | None = None
+    #: Who asked, as that hub could tell (``_requester``); None in open mode.
+    requester: str | None = None
+    #: The hub's wall time (seconds since epoch) when it was written: for people, not leases.
+    cordoned_at: float
 
 
 class HeartbeatRecord(_Wire):

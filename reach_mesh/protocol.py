@@ -31,6 +31,7 @@ __all__ = [
     "HUB_QUEUE",
     "INBOX_PREFIX",
     "KV_AGENTS",
+    "KV_CORDONS",
     "KV_HEARTBEATS",
     "KV_TASKS",
     "KV_WORKFLOWS",
@@ -97,6 +98,7 @@ HUB_QUEUE: Final = "reach-hubs"
 #: JetStream KV buckets.
 KV_AGENTS: Final = "reach_agents"  # agent_id -> AgentRecord (registration)
 KV_HEARTBEATS: Final = "reach_heartbeats"  # agent_id -> HeartbeatRecord (latest load report)
+KV_CORDONS: Final = "reach_cordons"  # agent_id -> CordonRecord (kept across registrations)
 KV_SESSIONS: Final = "reach_sessions"  # session key -> agent_id (sticky routing)
 
 #: JetStream streams.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -14,10 +15,12 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub
-from reach_mesh.models import Heartbeat
+from reach_mesh.models import AgentState, Heartbeat
+from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually
+from .helpers import eventually, free_port
 
 
 async def _ask(nc: Any, subject: str, body: bytes) -> dict[str, Any]:
@@ -182,3 +185,111 @@ async def test_capabilities_minted_past_a_bound_share_one_series(
 
 async def _echo(task: Task[Any]) -> Any:
     return task.payload
+
+
+async def test_an_agent_cannot_lift_an_operators_cordon_or_quarantine(
+    hub: Hub, settings: MeshSettings, nats_url: str, namespace: str
+) -> None:
+    """With only its own subjects (all NATS lets it publish in secure mode), an agent tries to
+    shed an operator's hold: it says goodbye and registers again, or registers under a new
+    session. The cordon stays — on this hub and on one that starts later —, and so does the
+    quarantine (its breaker is the id's, not the session's). An operator lifts a cordon
+    whether the agent is registered or not; nobody cordons an id never registered."""
+    agent_id = f"{namespace}.held.a1"
+    register = protocol.hub_agent_subject(agent_id, "register")
+    nc = await nats.connect(nats_url)
+    try:
+        await _registered(nc, agent_id, ["held:run:v1"])
+        async with Client(settings=settings) as c:
+            assert (await c.admin("cordon", agent_id, reason="disk swap"))["state"] == "CORDONED"
+            bye = json.dumps({"agent_id": agent_id, "session": "s1"}).encode()
+            out = await _ask(nc, protocol.hub_agent_subject(agent_id, "unregister"), bye)
+            assert out["removed"] is True and agent_id not in hub.registry.agents
+            for session in ("s2", "s3"):  # after the goodbye, then under a new session
+                out = await _ask(nc, register, _register(agent_id, ["held:run:v1"], session))
+                assert out["state"] == "CORDONED", out
+            # A record written without the flag (by a hub that had not seen the cordon yet,
+            # or of an earlier version): graded by the cordon all the same.
+            kv = await nc.jetstream().key_value(protocol.KV_AGENTS)
+            record = hub.registry.agents[agent_id].record.model_copy(update={"cordoned": False})
+            revision = await kv.put(agent_id, protocol.encode(record))
+
+            def applied() -> bool:
+                return hub.registry.agents[agent_id].revision >= revision
+
+            await eventually(applied, timeout=5)
+            assert hub.registry.agents[agent_id].state is AgentState.CORDONED
+            later = Hub(settings=settings)  # a hub that did not see the cordon made
+            await later.start()
+            try:
+                assert later.registry.agents[agent_id].state is AgentState.CORDONED
+            finally:
+                await later.close()
+
+            await _goodbye(nc, agent_id)
+            lifted = await c.admin("uncordon", agent_id)  # not registered: lifted all the same
+            assert lifted["state"] == "LOST" and agent_id not in hub.registry.cordons
+            out = await _ask(nc, register, _register(agent_id, ["held:run:v1"], "s4"))
+            assert out["state"] == "ONLINE", out
+            with pytest.raises(UnknownAgentError):
+                await c.admin("cordon", f"{namespace}.never.a1")
+
+            await c.admin("quarantine", agent_id, reason="bad answers")
+            view = hub.registry.agents[agent_id]
+            assert view.state is AgentState.QUARANTINED
+            out = await _ask(nc, register, _register(agent_id, ["held:run:v1"], "s5"))
+            assert out["state"] == "QUARANTINED", out
+            await _goodbye(nc, agent_id)
+            out = await _ask(nc, register, _register(agent_id, ["held:run:v1"], "s6"))
+            assert out["state"] == "QUARANTINED", out
+            assert hub.registry.agents[agent_id].quarantines == view.quarantines  # still one
+            await c.admin("release", agent_id)
+            assert hub.registry.agents[agent_id].state is AgentState.ONLINE
+    finally:
+        await _goodbye(nc, agent_id)
+        await nc.close()
+
+
+async def test_an_agent_flooding_its_register_subject_spends_its_own_budget(
+    settings: MeshSettings, tmp_path: Path, namespace: str
+) -> None:
+    """Garbage on one agent's own register subject, 40 times its namespace's registration
+    rate (5 a second here), does not hold up a neighbour's registrations meanwhile: the
+    sender's budget (a few in a row, then one a second) is charged first, by the identity its
+    subject names, so the flood takes at most that from its namespace's."""
+    server = EmbeddedNats(tmp_path, port=free_port())
+    await server.astart()
+    s = settings.model_copy(
+        update={"nats_url": server.url, "register_rate": 5.0, "register_burst": 5.0}
+    )
+    flooder, neighbour = f"{namespace}.flood.a1", f"{namespace}.calm.a1"
+    codes: list[str] = []
+    try:
+        async with Hub(settings=s):
+            nc = await nats.connect(server.url)
+
+            async def flood() -> None:
+                subject = protocol.hub_agent_subject(flooder, "register")
+                while True:
+                    out = await _ask(nc, subject, b"not json")
+                    codes.append(out["error"]["code"])
+                    await asyncio.sleep(0.005)
+
+            flooding = asyncio.create_task(flood())
+            try:
+                await asyncio.sleep(1.5)  # its burst spent, the namespace's refilled
+                for i in range(4):
+                    out = await _ask(
+                        nc,
+                        protocol.hub_agent_subject(neighbour, "register"),
+                        _register(neighbour, ["calm:run:v1"], session=f"n{i}"),
+                    )
+                    assert out.get("agent_id") == neighbour, out
+                    await asyncio.sleep(0.3)
+            finally:
+                flooding.cancel()
+                await nc.close()
+    finally:
+        server.stop()
+    assert len(codes) > 200 and set(codes) == {"REACH_BAD_REQUEST", "REACH_THROTTLED"}
+    assert codes.count("REACH_BAD_REQUEST") <= 10 + 3  # its burst, then one a second

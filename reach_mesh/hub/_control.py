@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Final
 
@@ -36,6 +37,7 @@ from reach_mesh.hub.throttle import Throttle
 from reach_mesh.logs import IDENTITY_REJECTED, QUARANTINE, LineBudget, log_event
 from reach_mesh.models import (
     AgentState,
+    CordonRecord,
     FailureReport,
     Heartbeat,
     HeartbeatReply,
@@ -124,6 +126,16 @@ class ControlMixin:
     # ------------------------------------------------------------------ registry verbs
 
     async def _on_register(self, msg: Msg, ns: str) -> bytes:
+        # The sender's own budget first, by the identity its subject names (what NATS binds to
+        # it): an agent registering in a loop — or flooding its subject with garbage — spends
+        # its own few tokens, not its namespace's, so its neighbours still register.
+        sender = protocol.identity_of(msg.subject) or ""
+        again = self._agent_register_throttle.check(sender)
+        if again > 0:
+            raise ThrottledError(
+                f"agent {sender!r} is registering too often",
+                retry_after_ms=int(again * 1000) + 1,
+            )
         retry = self._register_throttle.check(ns)
         if retry > 0:
             if self.known_namespace(ns):
@@ -133,12 +145,6 @@ class ControlMixin:
             )
         req = protocol.decode(msg.data, RegisterRequest, max_size=256 * 1024)
         self._check_identity(msg.subject, "register", req.card.agent_id)
-        again = self._agent_register_throttle.check(req.card.agent_id)
-        if again > 0:  # one agent re-registering in a loop; the namespace's others go on
-            raise ThrottledError(
-                f"agent {req.card.agent_id!r} is registering too often",
-                retry_after_ms=int(again * 1000) + 1,
-            )
         view = await self.registry.register(req, protocol.agent_task(req.card.agent_id))
         await self.audit.record(
             ns,
@@ -582,7 +588,13 @@ class ControlMixin:
         agent_id = protocol.validate_agent_id(str(body.get("agent_id", "")))
         reason = protocol.validate_reason(body.get("reason"))  # before anything is done
         if op in ("cordon", "uncordon"):
-            state = (await self.registry.set_cordon(agent_id, op == "cordon")).state
+            cordon = (
+                CordonRecord(reason=reason, requester=requester, cordoned_at=time.time())
+                if op == "cordon"
+                else None
+            )
+            view = await self.registry.set_cordon(agent_id, cordon)
+            state = AgentState.LOST if view is None else view.state  # (not registered)
         elif op in ("quarantine", "release"):
             view = self.registry.require(agent_id)
             code = QUARANTINE_CODE if op == "quarantine" else RELEASE_CODE

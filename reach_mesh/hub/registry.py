@@ -18,7 +18,6 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 from nats.aio.client import Client as NATS
@@ -33,6 +32,7 @@ from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import no_message
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import UnknownAgentError
+from reach_mesh.hub._agent_view import AgentView, StateListener
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
 from reach_mesh.hub.index import AgentIndex
 from reach_mesh.logs import LEASE_EXPIRED, log_event
@@ -40,6 +40,7 @@ from reach_mesh.models import (
     AgentInfo,
     AgentRecord,
     AgentState,
+    CordonRecord,
     Heartbeat,
     HeartbeatRecord,
     RegisterRequest,
@@ -50,12 +51,13 @@ __all__ = ["AgentView", "Registry"]
 log = logging.getLogger("reach_mesh.hub.registry")
 
 _ROUTABLE: Final = frozenset({AgentState.ONLINE, AgentState.SUSPECT})
-_RECENT_TAU: Final = 1.0
 #: The least time between two KV writes of one agent's heartbeat that changes its state
 #: (draining, unavailable, pressure); unchanged beats are written every quarter interval.
 _CHANGE_GAP: Final = 0.05
 #: Heartbeats of agents not known yet that are remembered (``Registry._early_beats``).
 _EARLY_BEATS_MAX: Final = 16_384
+#: Dropped agents whose breaker and health are remembered (``Registry._kept``), at most.
+_KEPT_MAX: Final = 10_000
 #: How long, and how many per namespace, agents declared LOST stay in ``recently_lost``.
 _LOST_KEPT_S: Final = 900.0
 _LOST_KEPT_MAX: Final = 200
@@ -64,106 +66,6 @@ _HB_STREAM: Final = f"KV_{protocol.KV_HEARTBEATS}"
 #: How long the leader read of an overdue agent's heartbeat may take: the grading loop waits
 #: on it, and a stream without a leader (the case it guards against) does not answer at all.
 _CONFIRM_TIMEOUT: Final = 2.0
-
-
-@dataclass(slots=True, eq=False)
-class AgentView:
-    """One registered agent as this hub sees it. Mutated only on the event loop."""
-
-    #: ``record.card.agent_id``, which never changes for a view (read on every route).
-    agent_id: str
-    record: AgentRecord
-    revision: int
-    #: This hub's monotonic time of the last heartbeat (or registration) it observed.
-    last_seen: float
-    state: AgentState = AgentState.ONLINE
-    inflight: int = 0
-    queue_depth: int = 0
-    pressure: float = 0.0
-    unavailable: frozenset[str] = frozenset()
-    draining: bool = False
-    #: KV revision of the newest heartbeat applied (this hub's own writes are not re-applied
-    #: when its watch delivers them back).
-    hb_revision: int = 0
-    #: When this hub last wrote the agent's heartbeat to KV, and the state it wrote
-    #: (draining, unavailable, pressure): beats in between that say nothing new are not
-    #: written; a change that came too soon is written once the gap has passed.
-    hb_written_at: float = -math.inf
-    hb_written_state: tuple[bool, frozenset[str], float] | None = None
-    #: The newest beat not written (and whether a write of it is scheduled).
-    hb_unwritten: HeartbeatRecord | None = None
-    hb_trailing: bool = False
-    #: Tasks this hub has delivered to the agent and not yet seen finish.
-    outstanding: int = 0
-    #: Decaying count of this hub's recent assignments (time constant ``_RECENT_TAU``) so a
-    #: burst between heartbeats spreads out instead of piling on one "idle" agent.
-    recent: float = 0.0
-    recent_at: float = 0.0
-    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
-    health: HealthScore = field(default_factory=HealthScore)
-    #: The breaker's openings already counted as quarantines: the agent's state leaves
-    #: QUARANTINED and comes back within one opening (a late heartbeat makes it SUSPECT a
-    #: while, a cordon outranks it), which is still one quarantine.
-    quarantines: int = 0
-    #: Dropped from the registry without being lost: it said goodbye, or another hub deleted
-    #: its record while this hub could not have seen its beats (blind). Listeners are told
-    #: ``LOST`` (it is gone) and read this to not call it a loss.
-    left: bool = False
-
-    @property
-    def beat_state(self) -> tuple[bool, frozenset[str], float]:
-        """What the agent's heartbeats say that changes routing: draining, unavailable
-        capabilities, pressure (a beat changing it is written to KV at once)."""
-        return (self.draining, self.unavailable, self.pressure)
-
-    @property
-    def busy(self) -> int:
-        """In-flight tasks known for sure: the agent's report or this hub's own deliveries."""
-        return max(self.inflight, self.outstanding)
-
-    def assigned(self, now: float) -> None:
-        """Count one assignment by this hub (for load estimates between heartbeats)."""
-        self.recent = self.recent * math.exp((self.recent_at - now) / _RECENT_TAU) + 1.0
-        self.recent_at = now
-
-    def estimated_inflight(self, now: float) -> float:
-        """Best estimate of in-flight work: known work plus recent direct-mode assignments."""
-        recent = self.recent * math.exp((self.recent_at - now) / _RECENT_TAU)
-        return max(self.inflight + recent, float(self.outstanding))
-
-    @property
-    def load(self) -> float:
-        return self.busy / self.record.card.max_concurrency
-
-    def lease_left(self, now: float) -> float:
-        return self.last_seen + self.record.lease_timeout - now
-
-    def info(self, now: float) -> AgentInfo:
-        card = self.record.card
-        return AgentInfo(
-            agent_id=card.agent_id,
-            state=self.state,
-            capabilities=card.capabilities,
-            labels=card.all_labels(),
-            inflight=self.busy,
-            max_concurrency=card.max_concurrency,
-            load=round(self.load, 4),
-            lease_left=round(self.lease_left(now), 3),
-            last_heartbeat_age=round(now - self.last_seen, 3),
-            health=self.health.value,
-            breaker=self.breaker.state.value,
-            session=self.record.session,
-            unavailable=sorted(self.unavailable),
-            tools=card.tools,
-            region=card.region,
-            zone=card.zone,
-            weight=card.weight,
-            metadata=card.metadata,
-            durable_work=card.durable_work,
-        )
-
-
-StateListener = Callable[[AgentView, AgentState, AgentState], None]
 
 
 class Registry:
@@ -205,6 +107,19 @@ class Registry:
         self._blind_at = float("-inf")
         #: Heartbeat writes waiting for their gap to pass (``_trailing``).
         self._trailers: set[asyncio.Task[None]] = set()
+        self._cordons_kv: KeyValue | None = None
+        #: Operators' cordons (``reach_cordons``): the KV revision of each cordoned agent id's
+        #: key, registered or not. A cordon belongs to the id, not to one registration.
+        self.cordons: dict[str, int] = {}
+        #: Cordons this hub lifted whose delete its watch has not delivered yet: the revision
+        #: of the put it lifted (a put of that revision or older, delivered late, is not a
+        #: cordon again).
+        self._lifted: dict[str, int] = {}
+        #: What this hub learned of dropped agents' behaviour (breaker, health, quarantines
+        #: counted), by id, while there is something to remember (a breaker not closed, a
+        #: health below its threshold): an agent that unregisters and registers again — or
+        #: registers under a new session — finds them as it left them (``apply_record``).
+        self._kept: OrderedDict[str, tuple[CircuitBreaker, HealthScore, int]] = OrderedDict()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,12 +134,27 @@ class Registry:
             replicas=s.kv_replicas,
             description="reach-mesh agent heartbeats (load reports)",
         )
+        self._cordons_kv = await ensure_kv(
+            self._js,
+            protocol.KV_CORDONS,
+            replicas=s.kv_replicas,
+            description="reach-mesh operators' cordons (kept across an agent's registrations)",
+        )
         self._reads = JsClient(self._nc)
         await self._reads.start()
+        cordons_loaded = asyncio.Event()
         agents_loaded = asyncio.Event()
         hbs_loaded = asyncio.Event()
         self._tasks = [
-            asyncio.create_task(self._watch_agents(agents_loaded), name="reach-watch-agents"),
+            asyncio.create_task(
+                self._watch(
+                    protocol.KV_CORDONS, self._cordons_kv, self._apply_cordon, cordons_loaded
+                ),
+                name="reach-watch-cordons",
+            ),
+            asyncio.create_task(
+                self._watch_agents(agents_loaded, cordons_loaded), name="reach-watch-agents"
+            ),
             asyncio.create_task(
                 self._watch_heartbeats(hbs_loaded, agents_loaded), name="reach-watch-heartbeats"
             ),
@@ -268,8 +198,9 @@ class Registry:
 
     # ------------------------------------------------------------------ watchers
 
-    async def _watch_agents(self, loaded: asyncio.Event) -> None:
+    async def _watch_agents(self, loaded: asyncio.Event, cordons_loaded: asyncio.Event) -> None:
         assert self._agents_kv is not None
+        await cordons_loaded.wait()  # an agent is graded knowing whether it is cordoned
         await self._watch(protocol.KV_AGENTS, self._agents_kv, self._apply_agent, loaded)
 
     async def _watch_heartbeats(self, loaded: asyncio.Event, agents_loaded: asyncio.Event) -> None:
@@ -363,13 +294,23 @@ class Registry:
         if view is not None and view.revision > revision:
             return view  # an older write arriving late (we applied a newer one locally)
         if view is None or view.record.session != record.session:
+            # A new registration of the id: what this hub learned of its behaviour stays (an
+            # agent does not clear its breaker, its health or an operator's quarantine by
+            # registering again, under a new session or after an unregister).
+            kept = (
+                (view.breaker, view.health, view.quarantines)
+                if view is not None
+                else self._kept.pop(agent_id, None)
+            )
             view = AgentView(
                 agent_id=agent_id,
                 record=record,
                 revision=revision,
                 last_seen=seen_at,
-                breaker=self._breaker(),
+                breaker=self._breaker() if kept is None else kept[0],
             )
+            if kept is not None:
+                view.health, view.quarantines = kept[1], kept[2]
             early = self._early_beats.pop(agent_id, None)
             if early is not None and early[0] == record.session:
                 view.hb_revision = early[1]
@@ -436,6 +377,13 @@ class Registry:
         (a goodbye, a delete this hub cannot call a loss) marks it ``left``."""
         view = self.agents.pop(agent_id, None)
         self.index.remove(agent_id)
+        if view is not None and (
+            view.breaker.state is not BreakerState.CLOSED or not view.health.healthy
+        ):
+            self._kept[agent_id] = (view.breaker, view.health, view.quarantines)
+            self._kept.move_to_end(agent_id)
+            if len(self._kept) > _KEPT_MAX:
+                self._kept.popitem(last=False)
         if view is not None:
             ns = view.record.card.namespace
             left = self._namespaces.get(ns, 1) - 1
@@ -459,7 +407,7 @@ class Registry:
             now, rec.lease_timeout
         ):
             view.state = AgentState.LOST
-        elif rec.cordoned:
+        elif rec.cordoned or view.agent_id in self.cordons:
             view.state = AgentState.CORDONED
         elif view.draining:
             view.state = AgentState.DRAINING
@@ -620,8 +568,8 @@ class Registry:
         )
         agent_id = req.card.agent_id
         existing = self.agents.get(agent_id)
-        if existing is not None and existing.record.cordoned:
-            record.cordoned = True  # an operator's cordon survives a restart of the agent
+        if agent_id in self.cordons or (existing is not None and existing.record.cordoned):
+            record.cordoned = True  # an operator's cordon outlives the agent's registrations
         hb = HeartbeatRecord(session=req.session)
         # Heartbeat first: watchers that see the record find a matching load report.
         hb_rev = await self._hb_kv.put(agent_id, protocol.encode(hb))
@@ -713,12 +661,45 @@ class Registry:
             await self._hb_kv.delete(agent_id)
         return True
 
-    async def set_cordon(self, agent_id: str, cordoned: bool) -> AgentView:
-        view = self.require(agent_id)
-        assert self._agents_kv is not None
-        record = view.record.model_copy(update={"cordoned": cordoned})
+    async def set_cordon(self, agent_id: str, cordon: CordonRecord | None) -> AgentView | None:
+        """Cordon the agent (``cordon``), or lift its cordon (None). The cordon is kept under
+        the agent id in ``reach_cordons`` — from there it outlives the registration, and every
+        hub grades by it — and written into the agent's record too (hubs of earlier versions
+        read it there). A cordon needs a registered agent; a cordon is lifted whether the
+        agent is registered or not. Returns the agent's view, None when it is not registered
+        (its cordon lifted)."""
+        assert self._agents_kv is not None and self._cordons_kv is not None
+        view = self.agents.get(agent_id)
+        if view is None and (cordon is not None or agent_id not in self.cordons):
+            self.require(agent_id)  # raises: unknown (or lately lost)
+        if cordon is not None:
+            rev = await self._cordons_kv.put(agent_id, protocol.encode(cordon))
+            self.cordons[agent_id] = max(rev, self.cordons.get(agent_id, 0))
+            self._lifted.pop(agent_id, None)
+        else:
+            with contextlib.suppress(KeyNotFoundError):
+                await self._cordons_kv.delete(agent_id)
+            self._lifted[agent_id] = self.cordons.pop(agent_id, 0)
+        if view is None:
+            return None
+        record = view.record.model_copy(update={"cordoned": cordon is not None})
         rev = await self._agents_kv.update(agent_id, protocol.encode(record), last=view.revision)
         return self.apply_record(record, rev, seen_at=view.last_seen)
+
+    def _apply_cordon(self, entry: KeyValue.Entry, *, initial: bool) -> None:
+        """A cordon written or lifted (by any hub): the agent, if registered, is graded
+        again."""
+        agent_id = entry.key
+        revision = entry.revision or 0
+        if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            self._lifted.pop(agent_id, None)
+            if self.cordons.get(agent_id, 0) < revision:
+                self.cordons.pop(agent_id, None)
+        elif revision > self._lifted.get(agent_id, 0) and revision >= self.cordons.get(agent_id, 0):
+            self.cordons[agent_id] = revision
+        view = self.agents.get(agent_id)
+        if view is not None:
+            self.regrade(view)
 
     async def fetch(self, agent_id: str) -> AgentView | None:
         """Read one agent from KV (for a registration this hub's watch has not delivered yet)."""

@@ -1,0 +1,117 @@
+"""One registered agent as a hub sees it (:class:`AgentView`): its record, its load as its
+heartbeats and this hub's own deliveries tell it, its breaker and health. Made and graded by
+:class:`~reach_mesh.hub.registry.Registry`; read on every route."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from reach_mesh.hub.breaker import CircuitBreaker, HealthScore
+from reach_mesh.models import AgentInfo, AgentRecord, AgentState, HeartbeatRecord
+
+__all__ = ["AgentView", "StateListener"]
+
+_RECENT_TAU: Final = 1.0
+
+
+@dataclass(slots=True, eq=False)
+class AgentView:
+    """One registered agent as this hub sees it. Mutated only on the event loop."""
+
+    #: ``record.card.agent_id``, which never changes for a view (read on every route).
+    agent_id: str
+    record: AgentRecord
+    revision: int
+    #: This hub's monotonic time of the last heartbeat (or registration) it observed.
+    last_seen: float
+    state: AgentState = AgentState.ONLINE
+    inflight: int = 0
+    queue_depth: int = 0
+    pressure: float = 0.0
+    unavailable: frozenset[str] = frozenset()
+    draining: bool = False
+    #: KV revision of the newest heartbeat applied (this hub's own writes are not re-applied
+    #: when its watch delivers them back).
+    hb_revision: int = 0
+    #: When this hub last wrote the agent's heartbeat to KV, and the state it wrote
+    #: (draining, unavailable, pressure): beats in between that say nothing new are not
+    #: written; a change that came too soon is written once the gap has passed.
+    hb_written_at: float = -math.inf
+    hb_written_state: tuple[bool, frozenset[str], float] | None = None
+    #: The newest beat not written (and whether a write of it is scheduled).
+    hb_unwritten: HeartbeatRecord | None = None
+    hb_trailing: bool = False
+    #: Tasks this hub has delivered to the agent and not yet seen finish.
+    outstanding: int = 0
+    #: Decaying count of this hub's recent assignments (time constant ``_RECENT_TAU``) so a
+    #: burst between heartbeats spreads out instead of piling on one "idle" agent.
+    recent: float = 0.0
+    recent_at: float = 0.0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    health: HealthScore = field(default_factory=HealthScore)
+    #: The breaker's openings already counted as quarantines: the agent's state leaves
+    #: QUARANTINED and comes back within one opening (a late heartbeat makes it SUSPECT a
+    #: while, a cordon outranks it), which is still one quarantine.
+    quarantines: int = 0
+    #: Dropped from the registry without being lost: it said goodbye, or another hub deleted
+    #: its record while this hub could not have seen its beats (blind). Listeners are told
+    #: ``LOST`` (it is gone) and read this to not call it a loss.
+    left: bool = False
+
+    @property
+    def beat_state(self) -> tuple[bool, frozenset[str], float]:
+        """What the agent's heartbeats say that changes routing: draining, unavailable
+        capabilities, pressure (a beat changing it is written to KV at once)."""
+        return (self.draining, self.unavailable, self.pressure)
+
+    @property
+    def busy(self) -> int:
+        """In-flight tasks known for sure: the agent's report or this hub's own deliveries."""
+        return max(self.inflight, self.outstanding)
+
+    def assigned(self, now: float) -> None:
+        """Count one assignment by this hub (for load estimates between heartbeats)."""
+        self.recent = self.recent * math.exp((self.recent_at - now) / _RECENT_TAU) + 1.0
+        self.recent_at = now
+
+    def estimated_inflight(self, now: float) -> float:
+        """Best estimate of in-flight work: known work plus recent direct-mode assignments."""
+        recent = self.recent * math.exp((self.recent_at - now) / _RECENT_TAU)
+        return max(self.inflight + recent, float(self.outstanding))
+
+    @property
+    def load(self) -> float:
+        return self.busy / self.record.card.max_concurrency
+
+    def lease_left(self, now: float) -> float:
+        return self.last_seen + self.record.lease_timeout - now
+
+    def info(self, now: float) -> AgentInfo:
+        card = self.record.card
+        return AgentInfo(
+            agent_id=card.agent_id,
+            state=self.state,
+            capabilities=card.capabilities,
+            labels=card.all_labels(),
+            inflight=self.busy,
+            max_concurrency=card.max_concurrency,
+            load=round(self.load, 4),
+            lease_left=round(self.lease_left(now), 3),
+            last_heartbeat_age=round(now - self.last_seen, 3),
+            health=self.health.value,
+            breaker=self.breaker.state.value,
+            session=self.record.session,
+            unavailable=sorted(self.unavailable),
+            tools=card.tools,
+            region=card.region,
+            zone=card.zone,
+            weight=card.weight,
+            metadata=card.metadata,
+            durable_work=card.durable_work,
+        )
+
+
+StateListener = Callable[[AgentView, AgentState, AgentState], None]
