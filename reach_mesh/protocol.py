@@ -38,6 +38,7 @@ __all__ = [
     "MESSAGE_ROOM",
     "PROTOCOL_VERSION",
     "REPLY_SUBJECT_RE",
+    "STRATEGY_NAMES",
     "STREAM_STATUS",
     "STREAM_WF",
     "STREAM_WF_EVENTS",
@@ -133,6 +134,12 @@ AGENT_ID_RE: Final = re.compile(rf"^{_TOKEN}\.{_TOKEN}\.{_TOKEN}$")
 CAPABILITY_RE: Final = re.compile(rf"^{_TOKEN}:{_TOKEN}:v[0-9]+$")
 TASK_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MAX_TOKEN_LEN: Final = 64
+#: The routing strategies a route or a workflow step may name (``strategy``). Here, not only in
+#: ``reach_mesh.hub.strategies`` (which implements each, under these names), so that a workflow
+#: spec is checked without the hub's code: a step naming another one could never be placed.
+STRATEGY_NAMES: Final = frozenset(
+    {"least_loaded", "round_robin", "weighted_random", "consistent_hash", "power_of_two"}
+)
 
 # --------------------------------------------------------------------------- validation
 

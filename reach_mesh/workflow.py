@@ -58,7 +58,9 @@ __all__ = [
 
 MAX_STEPS: Final = 256
 WorkflowKind = Literal["fanout", "chain"]
-_QUORUM_RE: Final = re.compile(r"^quorum\(\s*(\d{1,6})\s*\)$")
+#: ASCII: without it ``\d`` and ``\s`` match other scripts' digits and spaces (which ``int``
+#: reads too: ``quorum(\u0661)``, an Arabic-Indic one, was a quorum of 1).
+_QUORUM_RE: Final = re.compile(r"^quorum\(\s*(\d{1,6})\s*\)$", re.ASCII)
 
 
 class _Wire(BaseModel):
@@ -207,7 +209,7 @@ def validate_spec(spec: WorkflowSpec) -> int:
     """Check a workflow spec; return the number of successes that complete it.
 
     Raises ``WorkflowSpecError`` (empty, unknown policy, quorum > branches, a step without
-    exactly one target), ``InvalidAgentIdError``, ``InvalidCapabilityError``,
+    exactly one target, an unknown strategy), ``InvalidAgentIdError``, ``InvalidCapabilityError``,
     ``SelectorError`` (with the position) or ``BadRequestError`` for a bad id.
     """
     protocol.validate_workflow_id(spec.workflow_id)
@@ -242,6 +244,16 @@ def validate_spec(spec: WorkflowSpec) -> int:
                 Selector.parse(step.selector)
             if step.task_id is not None:
                 protocol.validate_task_id(step.task_id)
+            if step.strategy is not None and step.strategy not in protocol.STRATEGY_NAMES:
+                # Refused here: the router would refuse it each time the step is placed.
+                expected = sorted(protocol.STRATEGY_NAMES)
+                raise WorkflowSpecError(
+                    f"unknown strategy {step.strategy!r}: expected one of {', '.join(expected)} "
+                    "(or none: the hub's default_strategy)",
+                    field=f"steps.{i}.strategy",
+                    value=step.strategy,
+                    expected=expected,
+                )
         except (BadRequestError, SelectorError) as err:
             err.details.setdefault("step", i)
             err.message = f"step {i}: {err.message}"

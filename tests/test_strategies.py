@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reach_mesh import protocol
 from reach_mesh.errors import BadRequestError
 from reach_mesh.hub.strategies import (
     DEFAULT_STRATEGY,
@@ -262,3 +263,9 @@ def test_prefer_region() -> None:
     assert ids(prefer_region(cands, "cn-east", "z")) == ["a", "b"]  # no such zone: region
     assert ids(prefer_region(cands, "eu", "a")) == ["a", "b", "c", "d"]  # nothing local: all
     assert prefer_region(cands, None, None) is cands
+
+
+def test_the_wire_names_every_strategy_the_router_has() -> None:
+    """``protocol.STRATEGY_NAMES`` is what a workflow spec is checked against (without the
+    hub's code): a strategy missing there would be refused, one only there never placed."""
+    assert set(STRATEGIES) == protocol.STRATEGY_NAMES

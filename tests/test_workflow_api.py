@@ -32,7 +32,7 @@ from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope
 from reach_mesh.tracing import trace_id_from_headers
-from reach_mesh.workflow import TaskStatusEvent, WorkflowEvent
+from reach_mesh.workflow import TaskStatusEvent, WorkflowEvent, WorkflowSpec, validate_spec
 
 from .helpers import Fleet, echo_agent, eventually, held_handler, status_events
 
@@ -471,6 +471,59 @@ async def test_hub_survives_malformed_submissions(
             assert got.state is TaskState.FAILED and got.error is not None, got
         ok = await mesh.fanout([Step(capability="wf:ok:v1")], timeout=10)
         assert ok.state is TaskState.SUCCEEDED
+
+
+async def _submit_raw(mesh: Client, ns: str, wf_id: str, kind: str, steps: list[Any]) -> None:
+    body = {"workflow_id": wf_id, "kind": kind, "steps": steps, "namespace": ns, "timeout": 30}
+    await mesh.nc.jetstream().publish(
+        protocol.wf_submit(ns), json.dumps(body).encode(), headers={"Nats-Msg-Id": wf_id}
+    )
+
+
+@pytest.mark.parametrize("kind", ["fanout", "chain"])
+async def test_an_unknown_strategy_fails_the_workflow_at_once(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, kind: str
+) -> None:
+    """A step naming a strategy the router does not know was admitted, then the router's
+    refusal was taken for an infrastructure error: the submission was handed back forever and
+    its caller never answered. It is refused on admission now, like any malformed spec."""
+    ns = wf_settings.namespace
+    await echo_agent(fleet, "strat.a1", "wf:ok:v1").start()
+    steps = [{"capability": "wf:ok:v1"}, {"capability": "wf:ok:v1", "strategy": "bogus"}]
+    async with Client(settings=wf_settings) as mesh:
+        with pytest.raises(WorkflowSpecError, match="unknown strategy 'bogus'"):
+            validate_spec(
+                WorkflowSpec.model_validate({"workflow_id": "w", "kind": kind, "steps": steps})
+            )
+        await _submit_raw(mesh, ns, f"strat-{kind}", kind, steps)
+        started = time.monotonic()
+        got = await mesh.workflow(f"strat-{kind}", timeout=5)
+        assert time.monotonic() - started < 5
+        assert got.state is TaskState.FAILED and got.error is not None
+        assert got.error.code == "REACH_BAD_WORKFLOW"
+        assert got.error.details["field"] == "steps.1.strategy"
+
+
+@pytest.mark.parametrize("kind", ["fanout", "chain"])
+async def test_a_route_the_router_refuses_fails_its_step_not_the_hub(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, kind: str, monkeypatch: Any
+) -> None:
+    """The second line: a step the router refuses as the caller's mistake (here a strategy
+    the admission check is made to let through, as a hub of another version might) ends
+    FAILED with the router's error, instead of handing the workflow back forever."""
+    monkeypatch.setattr(protocol, "STRATEGY_NAMES", protocol.STRATEGY_NAMES | {"bogus"})
+    ns = wf_settings.namespace
+    await echo_agent(fleet, "strat.a1", "wf:ok:v1").start()
+    steps = [{"capability": "wf:ok:v1"}, {"capability": "wf:ok:v1", "strategy": "bogus"}]
+    async with Client(settings=wf_settings) as mesh:
+        await _submit_raw(mesh, ns, f"route-{kind}", kind, steps)
+        got = await mesh.workflow(f"route-{kind}", timeout=10)
+    assert got.state is TaskState.FAILED and got.error is not None
+    assert got.error.code == "REACH_BAD_REQUEST"
+    assert "unknown strategy 'bogus'" in got.error.message
+    if kind == "chain":
+        assert got.steps[0].state is TaskState.SUCCEEDED
+    assert got.steps[1].state is TaskState.FAILED and got.steps[1].attempts == 0
 
 
 async def test_work_consumer_is_durable(fleet: Fleet, wf_settings: MeshSettings) -> None:

@@ -15,7 +15,12 @@ from opentelemetry.context import Context
 from pydantic_core import to_json
 
 from reach_mesh import protocol
-from reach_mesh.errors import PayloadTooLargeError, ReachError, TaskIdConflictError
+from reach_mesh.errors import (
+    BadRequestError,
+    PayloadTooLargeError,
+    ReachError,
+    TaskIdConflictError,
+)
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import ErrorBody, RouteRequest, TaskState
 from reach_mesh.workflow import (
@@ -33,6 +38,7 @@ __all__ = [
     "Policy",
     "TaskIdTaken",
     "TooLarge",
+    "Unroutable",
     "Workflow",
     "backoff",
     "fit_result",
@@ -58,6 +64,17 @@ class TaskIdTaken(Exception):
     def __init__(self, workflow_id: str) -> None:
         super().__init__(workflow_id)
         self.workflow_id = workflow_id
+
+
+class Unroutable(Exception):
+    """The router refused a step's route as the caller's mistake (a ``BadRequestError``: a
+    strategy it does not know, ...). That is the step's outcome — FAILED with ``error`` — and
+    no infrastructure error: handed back, the workflow would fail the same way on every hub,
+    forever, and its caller would never get an answer."""
+
+    def __init__(self, error: BadRequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,13 @@ from nats.js.errors import KeyWrongLastSequenceError
 from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import MeshTimeoutError, NoMatchError, ReachError
+from reach_mesh.errors import BadRequestError, MeshTimeoutError, NoMatchError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import (
     NotOwnerError,
     Policy,
     TaskIdTaken,
+    Unroutable,
     Workflow,
     backoff,
     id_conflict,
@@ -245,6 +246,9 @@ class StepRunner(WorkflowEvents):
             # Another workflow's step holds the id: not run, not written (the record is
             # theirs); the same outcome on every owner that gets here while it is kept.
             return self._refuse(wf, index, id_conflict(wf, index, task_id, taken.workflow_id))
+        except Unroutable as bad:
+            # Nothing sent or written: the same refusal on every owner (it follows from the spec).
+            return self._refuse(wf, index, refused(wf, index, task_id, bad.error))
         # Why the step waits when matching agents exist but take no steps (in the TIMEOUT).
         no_work = self._no_work_reason(route, ns) if view is None else None
         if not fresh:
@@ -294,7 +298,13 @@ class StepRunner(WorkflowEvents):
                                 wf, key, rec, rev, track, None, reason=why
                             )
                             return rec
-                        view, capability = await self._choose(route, ns, exclude)
+                        try:
+                            view, capability = await self._choose(route, ns, exclude)
+                        except Unroutable as bad:
+                            rec, decided = await self._finish(
+                                wf, key, rec, rev, track, None, refusal=bad.error
+                            )
+                            return rec
                         no_work = self._no_work_reason(route, ns) if view is None else None
                         if view is None:
                             outcome = ("nomatch", None)
@@ -533,7 +543,10 @@ class StepRunner(WorkflowEvents):
                 # after its record is created (the claim, ``_begin``), never at the start.
                 first.append(None)
                 continue
-            view, capability = await self._choose(step_route(step), wf.ns, set())
+            try:
+                view, capability = await self._choose(step_route(step), wf.ns, set())
+            except Unroutable:
+                view = None  # refused when the step starts (``_step``)
             first.append(None if view is None else (view, capability))
         wf.first = first
 
@@ -608,6 +621,8 @@ class StepRunner(WorkflowEvents):
     async def _choose(
         self, route: RouteRequest, ns: str, exclude: set[str]
     ) -> tuple[AgentView | None, str | None]:
+        """An agent for the step (its load counted), else ``(None, None)`` while none matches;
+        ``Unroutable`` when the router refuses the route itself (the caller's mistake)."""
         if route.agent_id is not None and route.agent_id not in self._registry.agents:
             await self._registry.fetch(route.agent_id)
         for tried in (exclude, set()):
@@ -617,6 +632,8 @@ class StepRunner(WorkflowEvents):
                     choice = self._router.decide(route, ns, "wf", exclude=skip)
                 except NoMatchError:
                     break  # retry without ``tried``: better an agent that failed before
+                except BadRequestError as err:
+                    raise Unroutable(err) from err
                 view = choice.view
                 if not view.record.card.durable_work:
                     # Not known yet (registered before this engine listened): skip it.
@@ -700,15 +717,22 @@ class StepRunner(WorkflowEvents):
         event: TaskStatusEvent | None,
         *,
         reason: str | None = None,
+        refusal: ReachError | None = None,
     ) -> tuple[TaskRecord, int]:
-        """Record the step's outcome (``event``, or TIMEOUT when None); returns the record and
-        the attempt that decided it.
+        """Record the step's outcome (``event``; when None, FAILED with ``refusal`` if given,
+        else TIMEOUT); returns the record and the attempt that decided it (0: none did).
 
         The record is written only when the fence must change (see ``TaskRecord``): not when
         the current attempt decided the step — its agent has the outcome, and every other
         attempt is fenced by the attempt number already."""
         fence = (rec.attempt, rec.agent_id)
-        if event is None:
+        if event is None and refusal is not None:
+            decided = 0  # no attempt decided it: the route was refused
+            rec.state = TaskState.FAILED
+            rec.error = ErrorBody(
+                code=refusal.code, message=refusal.message, details=refusal.details
+            )
+        elif event is None:
             decided = rec.attempt
             rec.state = TaskState.TIMEOUT
             last = track.machine.state.value if track.agent_id is not None else "PENDING"
