@@ -11,7 +11,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from reach_mesh.errors import BadLeaseError
+from reach_mesh.errors import BadLeaseError, BadRequestError, InvalidCapabilityError
 from reach_mesh.protocol import (
     validate_agent_id,
     validate_capability,
@@ -97,12 +97,61 @@ def label_key_ok(key: str) -> bool:
 
 
 class ToolSpec(_Wire):
-    """A tool an agent offers: name, description and JSON Schema of its parameters."""
+    """A tool an agent offers: name, description and JSON Schema of its parameters.
+
+    Checked when the agent registers (:meth:`check`, from ``RegisterRequest``), not here: a
+    card stored by a hub of an earlier version must still load."""
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str = Field(default="", max_length=4096)
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
     capability: str | None = None
+
+    def check(self, index: int) -> None:
+        """Raise ``InvalidCapabilityError`` for a capability no route takes (A2A and MCP call
+        the tool through it), ``BadRequestError`` for parameters whose top level is not a
+        JSON Schema (MCP clients refuse a tool menu holding one). Only the keywords the MCP
+        tool schema types are checked: the schema is the agent's to write."""
+        where = f"card.tools.{index}"
+        if self.capability is not None:
+            try:
+                validate_capability(self.capability)
+            except InvalidCapabilityError as err:
+                err.message = f"tool {self.name!r} ({where}.capability): {err.message}"
+                err.args = (err.message,)
+                err.details.setdefault("field", f"{where}.capability")
+                raise
+        wrong = _schema_mistake(self.parameters)
+        if wrong is not None:
+            raise BadRequestError(
+                f"tool {self.name!r} ({where}.parameters): not a JSON Schema: {wrong}; "
+                "give the tool the JSON Schema of its arguments (an object)",
+                field=f"{where}.parameters",
+            )
+
+
+def _schema_mistake(schema: dict[str, Any]) -> str | None:
+    """What makes ``schema``'s top level no JSON Schema, in the keywords MCP types (``type``,
+    ``properties``, ``required``, ``$schema``); None when nothing does."""
+    kind, props, required = schema.get("type"), schema.get("properties"), schema.get("required")
+    if kind is not None and not _strings(kind, one=True):
+        return "type must be a string or a list of strings"
+    if props is not None and not (
+        isinstance(props, dict) and all(isinstance(v, dict | bool) for v in props.values())
+    ):
+        return "properties must be an object of schemas (objects or booleans)"
+    if required is not None and not _strings(required, one=False):
+        return "required must be a list of strings"
+    if not isinstance(schema.get("$schema", ""), str):
+        return "$schema must be a string"
+    return None
+
+
+def _strings(value: Any, *, one: bool) -> bool:
+    """Whether ``value`` is a list of strings (or, with ``one``, a string too)."""
+    if one and isinstance(value, str):
+        return True
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 class AgentCard(_Wire):
@@ -175,6 +224,12 @@ class RegisterRequest(_Wire):
                 lease_timeout=self.lease_timeout,
                 heartbeat_interval=self.heartbeat_interval,
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tools(self) -> RegisterRequest:
+        for i, tool in enumerate(self.card.tools):
+            tool.check(i)
         return self
 
 

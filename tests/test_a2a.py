@@ -17,9 +17,11 @@ from a2a.utils.errors import InvalidParamsError, TaskNotFoundError
 from google.protobuf.json_format import ParseDict
 from google.protobuf.struct_pb2 import Value
 
-from reach_mesh import MeshSettings
+from reach_mesh import MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
+
+from .helpers import eventually
 
 TOKEN = "token-of-the-a2a-hub"
 
@@ -173,3 +175,104 @@ async def test_one_namespace_pushes_out_its_own_tasks_not_anothers(
         assert (await clients[other].get_task(GetTaskRequest(id=small))).id == small
         with pytest.raises(TaskNotFoundError):
             await clients[namespace].get_task(GetTaskRequest(id=first))
+
+
+RAW_HEADERS = {
+    "Authorization": f"Bearer {TOKEN}",
+    "A2A-Version": "1.0",
+    "Content-Type": "application/json",
+}
+
+
+def rpc(method: str, message: dict[str, Any]) -> bytes:
+    """A raw JSON-RPC request, as a client in another language sends it (``NaN`` included:
+    Python's ``json`` writes it, and the SDK's parser reads it)."""
+    return json.dumps(
+        {"jsonrpc": "2.0", "id": "1", "method": method, "params": {"message": message}}
+    ).encode()
+
+
+def errors_in(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the hub logged at ERROR, or with a traceback."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"parts": [{"data": {"n": float("nan")}}], "metadata": {"skill": "echo"}},
+        {"parts": [{"text": "hi"}], "metadata": {"skill": "echo", "arguments": float("inf")}},
+    ],
+    ids=["data-part", "metadata"],
+)
+async def test_a_message_holding_nan_is_invalid_params(
+    a2a_hub: Hub,
+    settings: MeshSettings,
+    namespace: str,
+    caplog: pytest.LogCaptureFixture,
+    message: dict[str, Any],
+) -> None:
+    """NaN and Infinity have no JSON form: the SDK's ``MessageToDict`` refused them with a
+    ``ValueError``, answered -32603 with a traceback at ERROR."""
+    headers = RAW_HEADERS
+    body = rpc("SendMessage", {"messageId": "m1", "role": "ROLE_USER", **message})
+    async with worker(f"{namespace}.w.a1", settings) as agent, httpx.AsyncClient() as http:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            got = await http.post(
+                f"{a2a_hub.http_url}/a2a/{namespace}/", content=body, headers=headers
+            )
+        error = got.json()["error"]
+        assert error["code"] == -32602, error
+        assert "NaN and Infinity" in error["message"], error
+        assert not errors_in(caplog)
+        assert agent.handled == 0
+
+
+async def test_a_tool_whose_capability_no_route_takes_fails_its_task(
+    a2a_hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A card stored before registration checked tool capabilities may name one no route
+    takes: a message to that skill failed with -32603 and ERROR tracebacks. Its A2A task
+    fails now, with the typed error."""
+    headers = RAW_HEADERS
+    async with worker(f"{namespace}.w.a1", settings) as agent, httpx.AsyncClient() as http:
+        stored = a2a_hub.registry.agents[agent.agent_id].record.model_dump(mode="json")
+        stored["card"]["tools"].append({"name": "odd", "capability": "NOT A CAP"})
+        kv = await agent.nc.jetstream().key_value(protocol.KV_AGENTS)
+        await kv.put(agent.agent_id, json.dumps(stored).encode())
+        await eventually(lambda: "odd" in a2a_hub.http.a2a.skills(namespace))
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            message = {"messageId": "m1", "role": "ROLE_USER", "parts": [{"data": {}}]}
+            body = rpc("SendMessage", {**message, "metadata": {"skill": "odd"}})
+            got = await http.post(
+                f"{a2a_hub.http_url}/a2a/{namespace}/", content=body, headers=headers
+            )
+        task = got.json()["result"]["task"]
+        assert task["status"]["state"] == "TASK_STATE_FAILED", task
+        assert "REACH_BAD_CAPABILITY" in json.dumps(task["status"]), task
+        assert not errors_in(caplog)
+
+
+async def test_streaming_asked_of_a_card_without_it_is_no_error_in_the_log(
+    a2a_hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The card says ``streaming: false``; the SDK refused each ``SendStreamingMessage``
+    with an ERROR line of its own ("Validation failure"). A caller's mistake: one WARNING."""
+    headers = RAW_HEADERS
+    message = {"messageId": "m1", "role": "ROLE_USER", "parts": [{"data": {}}]}
+    body = rpc("SendStreamingMessage", {**message, "metadata": {"skill": "echo"}})
+    async with worker(f"{namespace}.w.a1", settings) as agent, httpx.AsyncClient() as http:
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            for _ in range(2):
+                got = await http.post(
+                    f"{a2a_hub.http_url}/a2a/{namespace}/", content=body, headers=headers
+                )
+                assert "Streaming is not supported" in got.text, got.text
+        assert not errors_in(caplog)
+        refused = [r for r in caplog.records if "A2A request refused" in r.getMessage()]
+        assert len(refused) == 2 and refused[0].levelno == logging.WARNING
+        assert "Streaming is not supported" in refused[0].getMessage()
+        assert agent.handled == 0

@@ -3,6 +3,7 @@ and nothing registered is lost. Requests are sent raw, as a client in another la
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -106,6 +107,32 @@ CASES = [
         },
         "REACH_BAD_LEASE",
         "3 x heartbeat_interval",
+    ),
+    # A tool's capability is what A2A and MCP route its calls to; its schema is what MCP
+    # clients are given (one they refuse failed tools/list for everybody).
+    (
+        "register",
+        register_body("{ns}", tools=[{"name": "t", "capability": "NOT A CAP"}]),
+        "REACH_BAD_CAPABILITY",
+        "card.tools.0.capability",
+    ),
+    (
+        "register",
+        register_body("{ns}", tools=[{"name": "t", "parameters": {"properties": 5}}]),
+        "REACH_BAD_REQUEST",
+        "properties must be an object of schemas",
+    ),
+    (
+        "register",
+        register_body("{ns}", tools=[{"name": "t", "parameters": {"type": 3, "required": ["a"]}}]),
+        "REACH_BAD_REQUEST",
+        "type must be a string",
+    ),
+    (
+        "register",
+        register_body("{ns}", tools=[{"name": "t", "parameters": {"required": "a"}}]),
+        "REACH_BAD_REQUEST",
+        "card.tools.0.parameters",
     ),
     ("heartbeat", {"agent_id": "{ns}.ghost.i1", "session": "s"}, "REACH_UNKNOWN_AGENT", "ghost"),
     (
@@ -299,3 +326,35 @@ def test_a_label_key_outside_ascii_is_refused(key: str) -> None:
     assert AgentCard(
         agent_id="ns.svc.i1", capabilities=["a:b:v1"], labels={"Zone-1": "x"}
     ).labels == {"zone-1": "x"}
+
+
+@pytest.mark.parametrize("policy", ["quorum(\u0661)", "quorum(\uff12)", "quorum(\u20031)"])
+def test_a_quorum_outside_ascii_is_refused(policy: str) -> None:
+    """``\\d`` and ``\\s`` match other scripts' digits and spaces, and ``int`` reads them:
+    ``quorum(\\u0661)`` (an Arabic-Indic one) was a quorum of 1."""
+    from reach_mesh.errors import WorkflowSpecError
+    from reach_mesh.workflow import parse_policy
+
+    assert parse_policy("quorum( 1 )", 2) == 1
+    with pytest.raises(WorkflowSpecError, match="unknown policy"):
+        parse_policy(policy, 2)
+
+
+async def test_a_traceparent_with_a_space_is_a_fresh_trace_not_a_broken_batch(
+    nc: NATS, agent: Agent, namespace: str
+) -> None:
+    """A version-01 traceparent whose added field held a space was taken as valid, kept, and
+    put on the task batch line to the agent, whose fields are separated by spaces: every
+    request of that batch failed. It is invalid now — a fresh trace, as other bad values."""
+    odd = "01-" + "a" * 32 + "-" + "b" * 16 + "-01-x y"
+    subject = protocol.hub_subject(namespace, "route")
+
+    async def one(i: int) -> dict[str, Any]:
+        body = json.dumps({"agent_id": agent.agent_id, "payload": i}).encode()
+        msg = await nc.request(subject, body, timeout=5, headers={"traceparent": odd})
+        out: dict[str, Any] = json.loads(msg.data)
+        return out
+
+    answers = await asyncio.gather(*(one(i) for i in range(10)))
+    assert [a.get("task", a).get("result") for a in answers] == list(range(10)), answers
+    assert all(a["task"]["state"] == "SUCCEEDED" for a in answers)

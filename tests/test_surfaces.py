@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import mcp_types as types
 import pytest
 from openapi_spec_validator import validate
 
-from reach_mesh import MeshSettings
+from reach_mesh import MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 
@@ -335,3 +336,57 @@ async def test_mcp_client_both_eras(
 
 async def _echo(task: Task[Any]) -> Any:
     return task.payload
+
+
+async def test_mcp_leaves_out_a_tool_whose_schema_no_client_takes(
+    http_hub: Hub, settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A card stored before registration checked tool schemas (by a hub of an earlier
+    version) may hold one the MCP SDK refuses: it failed ``tools/list`` for every client
+    (-32603, a traceback per call). That tool is left out, said once; the others are listed."""
+    assert http_hub.http_url is not None
+    async with (
+        fleet_agent(f"{namespace}.w.a1", settings) as agent,
+        mcp_session(http_hub.http_url, auth(http_hub)) as mcp,
+    ):
+        record = http_hub.registry.agents[agent.agent_id].record
+        odd = {
+            "name": "oddschema",
+            "capability": "work:echo:v1",
+            "parameters": {"type": "object", "properties": 5},
+        }
+        stored = record.model_dump(mode="json")
+        stored["card"]["tools"].append(odd)
+        kv = await agent.nc.jetstream().key_value(protocol.KV_AGENTS)
+        await kv.put(agent.agent_id, json.dumps(stored).encode())
+        await eventually(lambda: "oddschema" in [t["name"] for t in http_hub.http.tool_menu()])
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG):
+            for _ in range(3):
+                names = [t.name for t in (await mcp.list_tools()).tools]
+                assert names == ["echo"], names
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+        assert not errors, [r.getMessage() for r in errors]
+        said = [r for r in caplog.records if "left out of tools/list" in r.getMessage()]
+        assert len(said) == 1 and "oddschema" in said[0].getMessage()
+
+
+async def test_mcp_an_invalid_namespace_query_is_invalid_params(
+    http_hub: Hub, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``/mcp?namespace=BAD`` was answered with JSON-RPC code 0 and an ERROR traceback."""
+    from mcp.shared.exceptions import MCPError
+
+    assert http_hub.http_url is not None
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        async with mcp_session(http_hub.http_url, auth(http_hub), namespace="BAD") as mcp:
+            with pytest.raises(MCPError) as listed:
+                await mcp.list_tools()
+            with pytest.raises(MCPError) as called:
+                await mcp.call_tool("echo", {})
+    for got in (listed.value, called.value):
+        assert got.error.code == types.INVALID_PARAMS
+        assert "REACH_BAD_REQUEST" in got.error.message and "namespace" in got.error.message
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]

@@ -121,6 +121,8 @@ def test_inject_keeps_a_valid_traceparent_when_there_is_no_span() -> None:
     assert forwarded == received
     broken = inject({"traceparent": "00-zz-yy-01"})
     assert TRACEPARENT_RE.fullmatch(broken["traceparent"])
+    padded = inject({"traceparent": f" {received['traceparent']}\t"})
+    assert padded == received  # kept, without what was around it
 
 
 _TID = "0af7651916cd43dd8448eb211c80319c"
@@ -133,6 +135,12 @@ _SID = "b7ad6b7169203331"
         (f"00-{_TID}-{_SID}-01", _TID),
         (f" 00-{_TID}-{_SID}-00 ", _TID),
         (f"01-{_TID}-{_SID}-01-future", _TID),  # a later version may add fields
+        # ... but no whitespace in them, nor around the value but spaces and tabs: a kept
+        # traceparent goes on a batch line, whose fields are separated by spaces and newlines.
+        (f"01-{_TID}-{_SID}-01-x y", None),
+        (f"01-{_TID}-{_SID}-01-x\ty", None),
+        (f"00-{_TID}-{_SID}-01\n", None),
+        (f"01-{_TID}-{_SID}-01-\u00e9", None),
         (f"00-{_TID}-{_SID}-01-extra", None),
         (f"ff-{_TID}-{_SID}-01", None),
         (f"00-{'0' * 32}-{_SID}-01", None),

@@ -102,8 +102,10 @@ class _MeshExecutor(AgentExecutor):
                 new_task(context.task_id, context.context_id, A2aTaskState.TASK_STATE_SUBMITTED)
             )
         await updater.start_work()
-        req = RouteRequest(capability=capability, payload=arguments)
         try:
+            # In the try: a capability the route refuses (a tool's, from an agent of another
+            # version) fails this task, not the request with an internal error and a traceback.
+            req = RouteRequest(capability=capability, payload=arguments)
             data = await self.a2a.http.route_task(protocol.encode(req), self.namespace)
         except ReachError as err:
             text = f"{err.code}: {err.message}"
@@ -125,20 +127,37 @@ class _MeshExecutor(AgentExecutor):
 
 
 def _message_skill(message: Message | None) -> tuple[str | None, Any]:
-    """The skill a message names and its arguments (``metadata`` or a data part)."""
+    """The skill a message names and its arguments (``metadata`` or a data part);
+    ``InvalidParamsError`` for one that holds no JSON."""
     if message is None:
         return None, {}
-    meta = MessageToDict(message.metadata) if message.HasField("metadata") else {}
+    meta = (
+        _as_json(message.metadata, "the message's metadata") if message.HasField("metadata") else {}
+    )
     skill, arguments = meta.get("skill"), meta.get("arguments")
     for part in message.parts:
         if part.HasField("data"):
-            data = MessageToDict(part.data)
+            data = _as_json(part.data, "a data part of the message")
             if isinstance(data, dict) and "skill" in data:
                 skill = skill or data.get("skill")
                 arguments = data.get("arguments", arguments)
             elif arguments is None:
                 arguments = data
     return (str(skill) if skill is not None else None), ({} if arguments is None else arguments)
+
+
+def _as_json(value: Any, where: str) -> Any:
+    """``value`` (a protobuf ``Struct`` or ``Value``) as JSON. The SDK parses a body with
+    ``NaN`` or ``Infinity`` in it (Python's ``json`` does), which no JSON can hold:
+    ``MessageToDict`` refuses it with a ``ValueError``, which the SDK would answer as an
+    internal error, with a traceback in the hub's log. It is the caller's: invalid params."""
+    try:
+        return MessageToDict(value)
+    except ValueError as err:
+        raise InvalidParamsError(
+            f"{where} is not JSON ({err}): NaN and Infinity have no JSON form; "
+            "send them as strings or null"
+        ) from err
 
 
 class _MeshRequestHandler(DefaultRequestHandler):
@@ -353,12 +372,19 @@ class HubA2a:
 
 class _CallerMistakes(logging.Filter):
     """The SDK logs a request whose members or params do not parse at ERROR, with a traceback,
-    and answers it -32600 / -32602. For the hub that is a caller's mistake, as a bad route
-    request is: one WARNING line naming it, so a careless or hostile client cannot fill the
-    log with tracebacks (the envelope check in ``HubA2a.asgi_app`` answers most before)."""
+    and answers it -32600 / -32602; and at ERROR too a request for what the card says it
+    does not do (``SendStreamingMessage``, push notifications: "Validation failure"), which
+    it answers with an error of its own. For the hub each is a caller's mistake, as a bad
+    route request is: one WARNING line naming it, so a careless or hostile client cannot fill
+    the log with errors and tracebacks (the envelope check in ``HubA2a.asgi_app`` answers
+    most malformed ones before)."""
 
     MESSAGES: Final = frozenset(
-        {"Failed to validate base JSON-RPC request", "Failed to parse request params"}
+        {
+            "Failed to validate base JSON-RPC request",
+            "Failed to parse request params",
+            "Validation failure: %s",
+        }
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -368,15 +394,23 @@ class _CallerMistakes(logging.Filter):
             and record.msg in self.MESSAGES
         ):
             err = record.exc_info[1] if record.exc_info else None
+            said = record.getMessage()
             record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg, record.args = "A2A request refused (%s): %r", (record.msg, err)
+            if err is None:
+                record.msg, record.args = "A2A request refused: %s", (said,)
+            else:
+                record.msg, record.args = "A2A request refused (%s): %r", (said, err)
             record.exc_info = record.exc_text = None
             # The logger let it through as an ERROR: still wanted as a WARNING?
             return logging.getLogger(record.name).isEnabledFor(logging.WARNING)
         return True
 
 
-logging.getLogger("a2a.server.routes.jsonrpc_dispatcher").addFilter(_CallerMistakes())
+for _name in (
+    "a2a.server.routes.jsonrpc_dispatcher",
+    "a2a.server.request_handlers.request_handler",
+):
+    logging.getLogger(_name).addFilter(_CallerMistakes())
 
 
 def _route_path(scope: Scope) -> str:

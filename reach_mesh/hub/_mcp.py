@@ -24,11 +24,15 @@ from mcp.server.session import ServerSession
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
 from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
 from mcp.shared.subscriptions import ToolsListChanged
+from mcp_types.methods import serialize_server_result
+from mcp_types.version import KNOWN_PROTOCOL_VERSIONS
+from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh.errors import NoMatchError, ReachError
-from reach_mesh.logs import get_logger
+from reach_mesh.logs import LineBudget, get_logger
 from reach_mesh.models import RouteRequest
 
 if TYPE_CHECKING:
@@ -41,6 +45,8 @@ __all__ = ["HubMcp"]
 _log = get_logger(__name__)
 #: How often the menu is compared when no registry event woke the watcher.
 _MENU_POLL: Final = 1.0
+#: Tool schemas judged (``_servable``), remembered up to this many (then judged again).
+_SCHEMAS_KEPT: Final = 4096
 
 
 class _MeshServer(Server[Any]):
@@ -73,6 +79,10 @@ class HubMcp:
         #: Handshake-era connections that listed the tools: they hear about changes.
         self._connections: weakref.WeakSet[Any] = weakref.WeakSet()
         self._changed = asyncio.Event()
+        #: Tool JSON → whether every MCP protocol version takes it (``_servable``).
+        self._servable_tools: dict[str, bool] = {}
+        #: A tool left out of the menu is said once an hour per tool, not per ``tools/list``.
+        self._left_out = LineBudget(3600.0)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -114,16 +124,54 @@ class HubMcp:
         session = getattr(ctx, "session", None)
         if isinstance(session, ServerSession):
             self._connections.add(session._connection)
-        return types.ListToolsResult(
-            tools=[
-                types.Tool(
-                    name=t["name"],
-                    description=t["description"] or None,
-                    input_schema=_object_schema(t["inputSchema"]),
-                )
-                for t in self.http.tool_menu(_namespace(ctx))
-            ]
+        tools = [
+            types.Tool(
+                name=t["name"],
+                description=t["description"] or None,
+                input_schema=_object_schema(t["inputSchema"]),
+            )
+            for t in self.http.tool_menu(_namespace(ctx))
+        ]
+        return types.ListToolsResult(tools=[t for t in tools if self._servable(t)])
+
+    def _servable(self, tool: types.Tool) -> bool:
+        """Whether every MCP protocol version's ``Tool`` takes ``tool``. The SDK checks the
+        whole answer against the client's version only after the handler returned: one agent
+        whose schema it refuses (``properties: 5``, registered by an agent of an earlier
+        version, before registration checked it) would fail ``tools/list`` for every client
+        with an internal error. Such a tool is left out, and said at WARNING once an hour."""
+        # The answer's shape around the tool (its cache fields are the SDK's to fill).
+        body = types.ListToolsResult(tools=[tool], cache_scope="private", ttl_ms=0).model_dump(
+            by_alias=True, mode="json", exclude_none=True
         )
+        key = json.dumps(body["tools"], sort_keys=True)
+        ok = self._servable_tools.get(key)
+        if ok is None:
+            problem: str | None = None
+            for version in KNOWN_PROTOCOL_VERSIONS:
+                try:
+                    serialize_server_result("tools/list", version, body)
+                except KeyError:
+                    continue  # a version without tools/list
+                except ValidationError as err:
+                    first = err.errors(include_url=False)[0]
+                    where = ".".join(str(p) for p in first["loc"][2:])  # below tools.<i>
+                    problem = f"{where}: {first['msg']} (protocol {version})"
+                    break
+            ok = problem is None
+            if len(self._servable_tools) >= _SCHEMAS_KEPT:
+                self._servable_tools.clear()
+            self._servable_tools[key] = ok
+            if problem is not None:
+                self._left_out.warn(
+                    _log,
+                    tool.name,
+                    "MCP tool %r left out of tools/list: its inputSchema is no JSON Schema "
+                    "MCP clients take (%s); its agent must register it again with a valid one",
+                    tool.name,
+                    problem,
+                )
+        return ok
 
     async def _call_tool(
         self, ctx: Any, params: types.CallToolRequestParams
@@ -155,11 +203,20 @@ class HubMcp:
 
 
 def _namespace(ctx: Any) -> str | None:
-    """``/mcp?namespace=ns`` narrows the menu to one tenant."""
+    """``/mcp?namespace=ns`` narrows the menu to one tenant. An invalid one is the caller's
+    mistake: JSON-RPC invalid params (-32602) with the typed error as its ``data`` — any
+    other exception the SDK answers with code 0 and logs at ERROR with a traceback."""
     request = getattr(ctx, "request", None)
     query = getattr(request, "query_params", None)
     ns = None if query is None else query.get("namespace")
-    return None if ns is None else protocol.validate_namespace(ns)
+    try:
+        return None if ns is None else protocol.validate_namespace(ns)
+    except ReachError as err:
+        raise MCPError(
+            code=types.INVALID_PARAMS,
+            message=f"{err.code}: {err.message} (in ?namespace=)",
+            data=err.to_wire()["error"],
+        ) from None
 
 
 def _tool_error(text: str) -> types.CallToolResult:

@@ -50,9 +50,12 @@ TRACESTATE: Final = "tracestate"
 
 _ZERO_TRACE: Final = "0" * 32
 _ZERO_SPAN: Final = "0" * 16
-# The W3C grammar (same as OpenTelemetry's propagator); lower-case hex only.
+# The W3C grammar; lower-case hex only. A later version's added fields are visible ASCII: not
+# OpenTelemetry's ``(-.*)?``, which takes a space too — and a value the hub keeps goes on a
+# task batch line, whose fields are separated by spaces (``protocol.batch_line``): one such
+# header failed every request of its batch.
 _TRACEPARENT_RE: Final = re.compile(
-    r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?"
+    r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[!-~]*)?"
 )
 
 # A private generator, not the `random` module's: an application that seeds the global one
@@ -101,9 +104,12 @@ def inject(
         else:
             headers.pop(TRACESTATE, None)
         return headers
-    if _parse(headers.get(TRACEPARENT)) is None:
+    kept = headers.get(TRACEPARENT)
+    if kept is None or _parse(kept) is None:
         headers[TRACEPARENT] = _fresh_traceparent()
         headers.pop(TRACESTATE, None)
+    elif kept != kept.strip(" \t"):
+        headers[TRACEPARENT] = kept.strip(" \t")  # spaces around it: not the header's own
     return headers
 
 
@@ -211,7 +217,8 @@ def _parse(value: str | None) -> tuple[str, str, str] | None:
     """(trace_id, span_id, flags) as hex strings from a ``traceparent`` value, or ``None``."""
     if value is None:
         return None
-    match = _TRACEPARENT_RE.fullmatch(value.strip())
+    # Whitespace around it is tolerated (an HTTP header's, copied), none within.
+    match = _TRACEPARENT_RE.fullmatch(value.strip(" \t"))
     if match is None:
         return None
     version, trace_id, span_id, flags, rest = match.groups()
