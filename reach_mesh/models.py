@@ -334,7 +334,12 @@ Mode = Literal["proxy", "direct"]
 
 
 class RouteRequest(_Wire):
-    """caller → hub on ``reach.hub.<ns>.route``. Exactly one of agent_id/capability/selector."""
+    """caller → hub on ``reach.hub.<ns>.route``. Exactly one of agent_id/capability/selector.
+
+    Strict: a field of the wrong JSON type is refused (``REACH_BAD_REQUEST`` naming it), not
+    converted — ``"timeout": true`` was a 1 s timeout, ``"explain": "yes"`` an explanation."""
+
+    model_config = ConfigDict(extra="ignore", str_max_length=1 << 20, strict=True)
 
     agent_id: str | None = None
     capability: str | None = None

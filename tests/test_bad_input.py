@@ -151,6 +151,10 @@ CASES = [
         "position",
     ),
     ("route", {"capability": "text:echo:v1", "timeout": "soon"}, "REACH_BAD_REQUEST", "timeout"),
+    # Strict types: refused, not converted (a 1 s timeout, a 5 s one, an explanation).
+    ("route", {"capability": "text:echo:v1", "timeout": True}, "REACH_BAD_REQUEST", "timeout"),
+    ("route", {"capability": "text:echo:v1", "timeout": "5"}, "REACH_BAD_REQUEST", "timeout"),
+    ("route", {"capability": "text:echo:v1", "explain": "yes"}, "REACH_BAD_REQUEST", "explain"),
     ("route", {"capability": "text:echo:v1", "strategy": "magic"}, "REACH_BAD_REQUEST", "magic"),
     ("agents", b"{oops", "REACH_BAD_REQUEST", "malformed JSON"),
     ("admin", {"op": "explode", "agent_id": "{ns}.echo.a1"}, "REACH_BAD_REQUEST", "explode"),
