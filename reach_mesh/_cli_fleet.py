@@ -12,7 +12,7 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -24,7 +24,9 @@ from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.models import AgentInfo
 
 __all__ = [
+    "add_admin_commands",
     "cell",
+    "cmd_admin",
     "cmd_agents",
     "cmd_audit",
     "cmd_hubs",
@@ -268,3 +270,58 @@ async def cmd_tools(args: argparse.Namespace) -> int:
     else:
         print("(no tools)")
     return 0
+
+
+async def cmd_admin(args: argparse.Namespace) -> int:
+    async with Client(settings=settings_of(args)) as c:
+        out = await c.admin(args.command, args.agent_id, reason=args.reason)
+    print(json.dumps(out))
+    return 0
+
+
+def add_admin_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """The operator actions on one agent (``cordon``, ``uncordon``, ``quarantine``,
+    ``release``, ``remove``), each with what it does and for how long."""
+    # What each does and for how long (docs/operations.md, "Dashboard"), and who may.
+    for op, text, more in (
+        (
+            "cordon",
+            "stop routing new work to an agent, until uncordon",
+            "Work it holds runs on. Kept by agent id (the reach_cordons bucket: every hub "
+            "follows, hubs started later too): it stays cordoned through its restarts, a clean "
+            "stop, remove or LOST, until uncordon.",
+        ),
+        (
+            "uncordon",
+            "route new work to a cordoned agent again",
+            "Every hub follows. Also for an agent not registered now (its cordon is lifted).",
+        ),
+        (
+            "quarantine",
+            "open the agent's circuit breaker on every hub: no new work for "
+            "breaker_open_timeout (30 s by default), then one probe task",
+            "A probe that succeeds closes the breaker, one that fails opens it for another "
+            "breaker_open_timeout. Held by the running hubs only (a hub started later does "
+            "not know it); release ends it at once.",
+        ),
+        ("release", "close the agent's circuit breaker on every hub now", "Ends a quarantine."),
+        (
+            "remove",
+            "force-remove an agent from the registry (a live agent re-registers at its next "
+            "heartbeat: stop it first)",
+            "Its registration is deleted from every hub.",
+        ),
+    ):
+        sp = cmd(op, text)
+        sp.description = (
+            f"{text[0].upper()}{text[1:]}. {more} Audited (reach-mesh audit: kind admin) with "
+            "--reason and who asked. In secure mode it needs the operator identity "
+            "(REACH_CONFIG=<auth dir>/operator.admin.yaml)."
+        )
+        sp.add_argument("agent_id")
+        sp.add_argument(
+            "--reason",
+            metavar="TEXT",
+            help=f"why (at most {protocol.REASON_MAX} printable characters; kept in the audit)",
+        )
+        sp.set_defaults(func=cmd_admin)

@@ -24,9 +24,10 @@ import traceback
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
-from reach_mesh import __version__, _runner, protocol
+from reach_mesh import __version__, _runner
 from reach_mesh._auth import AuthDir
 from reach_mesh._cli_fleet import (
+    add_admin_commands,
     cmd_agents,
     cmd_audit,
     cmd_hubs,
@@ -36,7 +37,7 @@ from reach_mesh._cli_fleet import (
     print_table,
     settings_of,
 )
-from reach_mesh._cli_workflows import add_workflow_commands
+from reach_mesh._cli_workflows import _within, add_workflow_commands
 from reach_mesh._nats import shown
 from reach_mesh.client import Client
 from reach_mesh.errors import (
@@ -67,6 +68,11 @@ __all__ = ["main"]
 
 #: The exit codes of every command (README.md, "Running a mesh"; docs/operations.md, "Operator
 #: CLI").
+#: ``audit --since`` at most (ten years: the stream's own age limit, ``audit_max_age``, is
+#: the operator's to set) and ``--limit`` at most.
+_AUDIT_SINCE_MAX: Final = 10 * 365 * 86400.0
+_AUDIT_LIMIT_MAX: Final = 100_000
+
 EXIT_OK: Final = 0
 #: The task or workflow did not succeed (its result says why), or an error listed nowhere below.
 EXIT_FAILED: Final = 1
@@ -245,7 +251,7 @@ async def _start_hub(stack: contextlib.AsyncExitStack, hub: Hub, port: int | Non
         if err.errno == errno.EADDRINUSE:
             raise BadRequestError(
                 f"HTTP port {port} is already in use: pick another --http-port "
-                "(0 = any free port, -1 = no HTTP)"
+                "(0 = any free port), or none (up: --http-port -1; hub: leave it out)"
             ) from err
         raise
     stack.push_async_callback(hub.close)
@@ -424,13 +430,6 @@ def print_decision(d: RouteDecision, file: TextIO | None = None) -> None:
         print(f"  nearest: {json.dumps(d.nearest)}", file=out)
 
 
-async def cmd_admin(args: argparse.Namespace) -> int:
-    async with Client(settings=settings_of(args)) as c:
-        out = await c.admin(args.command, args.agent_id, reason=args.reason)
-    print(json.dumps(out))
-    return 0
-
-
 async def cmd_auth(args: argparse.Namespace) -> int:
     """``auth init DIR`` / ``auth add-agent ID`` / ``auth add-caller NS`` / ``auth add-operator
     NAME`` / ``auth add-hub NAME`` (docs/security.md)."""
@@ -471,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--nats",
         default=argparse.SUPPRESS,
-        help="NATS URL(s), comma separated (default: $REACH_NATS_URL)",
+        help="NATS URL(s), comma separated (default: $REACH_NATS_URL; up and demo start an "
+        "embedded server instead)",
     )
     common.add_argument(
         "--config", default=argparse.SUPPRESS, help="YAML settings file (default: $REACH_CONFIG)"
@@ -663,8 +663,18 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--trace-id", help="events of one trace")
     audit.add_argument("--task-id", help="events of one task")
     audit.add_argument("--namespace", help="only this namespace (default: every one)")
-    audit.add_argument("--since", type=float, default=3600.0, help="seconds back (default 1 h)")
-    audit.add_argument("--limit", type=int, default=1000, help="most events shown (default 1000)")
+    audit.add_argument(
+        "--since",
+        type=_within(float, 0.0, _AUDIT_SINCE_MAX, low_open=True),
+        default=3600.0,
+        help="seconds back (default 1 h; the stream keeps audit_max_age, 7 days by default)",
+    )
+    audit.add_argument(
+        "--limit",
+        type=_within(int, 1, _AUDIT_LIMIT_MAX),
+        default=1000,
+        help=f"most events shown (default 1000, at most {_AUDIT_LIMIT_MAX})",
+    )
     audit.add_argument("--json", action="store_true", help="print JSON")
     audit.set_defaults(func=cmd_audit)
 
@@ -679,45 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
     tools.add_argument("--json", action="store_true", help="print JSON")
     tools.set_defaults(func=cmd_tools)
 
-    # What each does and for how long (docs/operations.md, "Dashboard"), and who may.
-    for op, text, more in (
-        (
-            "cordon",
-            "stop routing new work to an agent, until uncordon",
-            "Work it holds runs on. Kept in its registry record (every hub follows): it stays "
-            "cordoned when it registers again (a restart after a crash), until it leaves the "
-            "registry (a clean stop, remove, or LOST).",
-        ),
-        ("uncordon", "route new work to a cordoned agent again", "Every hub follows."),
-        (
-            "quarantine",
-            "open the agent's circuit breaker on every hub: no new work for "
-            "breaker_open_timeout (30 s by default), then one probe task",
-            "A probe that succeeds closes the breaker, one that fails opens it for another "
-            "breaker_open_timeout. Held by the running hubs only (a hub started later does "
-            "not know it); release ends it at once.",
-        ),
-        ("release", "close the agent's circuit breaker on every hub now", "Ends a quarantine."),
-        (
-            "remove",
-            "force-remove an agent from the registry (a live agent re-registers at its next "
-            "heartbeat: stop it first)",
-            "Its registration is deleted from every hub.",
-        ),
-    ):
-        sp = cmd(op, text)
-        sp.description = (
-            f"{text[0].upper()}{text[1:]}. {more} Audited (reach-mesh audit: kind admin) with "
-            "--reason and who asked. In secure mode it needs the operator identity "
-            "(REACH_CONFIG=<auth dir>/operator.admin.yaml)."
-        )
-        sp.add_argument("agent_id")
-        sp.add_argument(
-            "--reason",
-            metavar="TEXT",
-            help=f"why (at most {protocol.REASON_MAX} printable characters; kept in the audit)",
-        )
-        sp.set_defaults(func=cmd_admin)
+    add_admin_commands(cmd)
     return p
 
 
@@ -737,9 +709,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.nats = args.nats_flag or os.environ.get("REACH_NATS_URL")
     args.config = getattr(args, "config", None)
     args.debug = getattr(args, "debug", False)
-    configure_logging(
-        getattr(args, "log_level", None) or os.environ.get("REACH_LOG_LEVEL", "WARNING")
-    )
+    level = getattr(args, "log_level", None) or os.environ.get("REACH_LOG_LEVEL", "WARNING")
+    try:
+        configure_logging(level)
+    except ValueError:
+        source = "--log-level" if getattr(args, "log_level", None) else "$REACH_LOG_LEVEL"
+        _print_error(
+            BadRequestError(
+                f"unknown log level {level!r} ({source}): use DEBUG, INFO, WARNING or ERROR",
+                field="log_level",
+            ),
+            details=False,
+        )
+        return EXIT_USAGE
     provider = None
     try:
         # --trace wins; without it the standard OTEL_* environment decides (off when unset).

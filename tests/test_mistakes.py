@@ -645,3 +645,21 @@ def test_an_unquoted_reason_is_told_by_its_command(capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         main(["auth", "add-agent", "a.b.c1", "extra"])
     assert "usage: reach-mesh auth add-agent" in capsys.readouterr().err
+
+
+def test_a_bad_log_level_or_audit_bound_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A log level nobody knows (flag or environment) is bad input, in one line with what
+    would do (exit 2, no traceback); ``audit --since`` of no time, or ``--limit 0``, are
+    refused, not answered with an empty list."""
+    from reach_mesh.cli import main
+
+    assert main(["agents", "--log-level", "FOO"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error REACH_BAD_REQUEST: unknown log level 'FOO' (--log-level)")
+    assert "use DEBUG, INFO, WARNING or ERROR" in err and "Traceback" not in err
+    _fails_in_one_line(["agents"], _env(REACH_LOG_LEVEL="verbose"), "$REACH_LOG_LEVEL")
+    for bad in (["--since", "-5"], ["--since", "0"], ["--limit", "0"]):
+        with pytest.raises(SystemExit) as out:
+            main(["audit", *bad])
+        assert out.value.code == 2
+        assert f"argument {bad[0]}: {bad[1]} is not in" in capsys.readouterr().err
