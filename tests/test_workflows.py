@@ -346,6 +346,75 @@ async def test_retries_exhausted_fail(wf_hub: Hub, fleet: Fleet, wf_settings: Me
     assert res.steps[0].attempts == 2
 
 
+async def test_a_handler_raising_cancelled_error_fails_once_per_attempt(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A handler whose awaited inner task was cancelled raises ``CancelledError`` while no
+    one cancels the attempt: that is its failure (``REACH_HANDLER_FAILED``), as any exception
+    — not an agent shutting down, which leaves the step unanswered for redelivery (it ran 14
+    times for one step with one retry). A request gets the same answer."""
+    runs = 0
+    agent = fleet.agent("cancelled.a1")
+
+    @agent.handler("wf:cancelled:v1")
+    async def cancelled(task: Task[Any]) -> None:
+        nonlocal runs
+        runs += 1
+        inner = asyncio.ensure_future(asyncio.sleep(10))
+        inner.cancel()
+        await inner  # raises CancelledError here: the inner task's, not this attempt's
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:cancelled:v1", retries=1)], timeout=10)
+        assert res.state is TaskState.FAILED, res
+        assert res.steps[0].attempts == 2 and runs == 2
+        assert res.steps[0].error is not None
+        assert res.steps[0].error.code == "REACH_HANDLER_FAILED"
+        reply = await mesh.request(capability="wf:cancelled:v1", payload={}, timeout=5)
+        assert reply.state is TaskState.FAILED and reply.error is not None
+        assert reply.error.code == "REACH_HANDLER_FAILED" and runs == 3
+    await asyncio.sleep(1.5)  # a redelivery would come within the work ack wait (1 s)
+    assert runs == 3
+
+
+async def test_a_result_nested_too_deep_to_parse_fails_at_once(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A result nested deeper than the mesh's JSON parsers read (about 200 levels) passed
+    every check, then no message carrying it could be read: the step's final status was never
+    written and the step redelivered to its deadline (TIMEOUT, late), a request's answer was
+    "malformed reply". It fails at once, not retried; one 180 levels deep is carried."""
+    runs = 0
+    agent = fleet.agent("deep.a1")
+
+    def nested(depth: int) -> Any:
+        value: Any = 1
+        for _ in range(depth):
+            value = [value]
+        return value
+
+    @agent.handler("wf:deep:v1")
+    async def deep(task: Task[Any]) -> Any:
+        nonlocal runs
+        runs += 1
+        return nested(task.payload["depth"])
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        step = Step(capability="wf:deep:v1", payload={"depth": 300}, retries=2)
+        res = await mesh.fanout([step], timeout=10)
+        assert res.state is TaskState.FAILED and runs == 1, res
+        assert res.steps[0].error is not None and "nests too deeply" in res.steps[0].error.message
+        reply = await mesh.request(capability="wf:deep:v1", payload={"depth": 300}, timeout=5)
+        assert reply.state is TaskState.FAILED and reply.error is not None
+        assert reply.error.code == "REACH_HANDLER_FAILED" and runs == 2
+        ok = await mesh.fanout([Step(capability="wf:deep:v1", payload={"depth": 180})], timeout=10)
+        assert ok.state is TaskState.SUCCEEDED and ok.steps[0].result == nested(180)
+        reply = await mesh.request(capability="wf:deep:v1", payload={"depth": 180}, timeout=5)
+        assert reply.state is TaskState.SUCCEEDED and reply.result == nested(180)
+
+
 async def test_graceful_agent_close_finishes_its_running_step(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

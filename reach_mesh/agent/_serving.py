@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from pydantic import TypeAdapter, ValidationError
-from pydantic_core import to_json
+from pydantic_core import from_json, to_json
 
 from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher
@@ -572,22 +572,37 @@ class ServingMixin:
             if recording:
                 sp.record_exception(err)
             return self._handler_failed(handler.capability, env, trace_id, err)
+        except asyncio.CancelledError as err:
+            current = asyncio.current_task()
+            if current is None or current.cancelling():
+                raise  # this attempt is cancelled (the agent stops, a ctl cancel): not an outcome
+            # The handler's own — an inner task it awaited was cancelled — with nobody
+            # cancelling the attempt: its failure, as any exception it raises. Taken for a
+            # shutdown, the attempt was left unanswered and its step redelivered, run again
+            # and again (a handler that raised it every time ran 14 times for one step).
+            if recording:
+                sp.record_exception(err)
+            return self._handler_failed(handler.capability, env, trace_id, err)
         try:
             out = _result_json(handler, result)
         except Exception:
             pass  # below, the general path decides (and words the error as it always has)
         else:
-            if len(out) <= self._max_result:
-                return out
-            return self._too_large(env, handler, trace_id, len(out))
+            if len(out) > self._max_result:
+                return self._too_large(env, handler, trace_id, len(out))
+            if _too_deep(out):
+                return self._failed(env, HandlerError.code, _TOO_DEEP, {"retryable": False})
+            return out
         try:
             dumped = _dump(handler, result)
         except Exception as err:
             text = f"handler result is not JSON-serialisable: {_describe(err)}"
             return self._failed(env, HandlerError.code, text)
-        size = len(to_json(dumped))
-        if size > self._max_result:
-            return self._too_large(env, handler, trace_id, size)
+        encoded = to_json(dumped)
+        if len(encoded) > self._max_result:
+            return self._too_large(env, handler, trace_id, len(encoded))
+        if _too_deep(encoded):
+            return self._failed(env, HandlerError.code, _TOO_DEEP, {"retryable": False})
         return self._reply(env, TaskState.SUCCEEDED, result=dumped)
 
     @property
@@ -630,7 +645,7 @@ class ServingMixin:
         )
 
     def _handler_failed(
-        self, capability: str, env: TaskEnvelope, trace_id: str | None, err: Exception
+        self, capability: str, env: TaskEnvelope, trace_id: str | None, err: BaseException
     ) -> TaskReply:
         """A handler's bug, as a FAILED reply (``REACH_HANDLER_FAILED``): a WARNING per task,
         its traceback at most once a minute per capability (a handler failing every task must
@@ -764,6 +779,32 @@ def _asking_workflow(body: dict[str, Any]) -> str | None:
     it asks about is then any step of the task id, as from hubs before they named it."""
     got = body.get("workflow_id")
     return got if isinstance(got, str) else None
+
+
+#: Levels of JSON a result must leave to the messages that carry it (a status event, a batch
+#: of replies): the mesh's JSON parsers (pydantic's) stop at about 200 levels.
+_CARRIER_DEPTH: Final = 8
+_CARRIER_OPEN: Final = b"[" * _CARRIER_DEPTH
+_CARRIER_CLOSE: Final = b"]" * _CARRIER_DEPTH
+_TOO_DEEP: Final = (
+    "handler result nests too deeply: the mesh's JSON parsers read about 190 levels of a "
+    "result (objects and lists within each other); return a flatter one"
+)
+
+
+def _too_deep(out: bytes) -> bool:
+    """Whether the result JSON ``out`` nests deeper than its receivers can parse. Such a
+    result passed every other check, then no message carrying it could be read: a request's
+    answer became ``malformed reply``, a step's final status could not be written and its
+    step was redelivered until its deadline. Counting brackets first (in C) keeps the parse
+    off nearly every result: one with fewer than ~190 of them cannot nest that deep."""
+    if out.count(b"[") + out.count(b"{") < 190:
+        return False
+    try:
+        from_json(_CARRIER_OPEN + out + _CARRIER_CLOSE)
+    except ValueError:
+        return True
+    return False
 
 
 def _describe(err: BaseException) -> str:
