@@ -271,7 +271,8 @@ class WorkflowsMixin:
         that takes the submission ends it cancelled without running a step (in a namespace
         no hub knows, ``UnknownWorkflowError`` all the same);
         ``MeshUnavailableError`` when no owner could be reached until ``timeout`` (its message
-        says whether the cancel may have been taken)."""
+        says whether the cancel may have been taken). Its asks carry one ``cancel_id``: the
+        hub audits them once per distinct answer, not once per ask."""
         protocol.validate_workflow_id(workflow_id)
         ns = self.namespace if namespace is None else protocol.validate_namespace(namespace)
         reason = protocol.validate_reason(reason)
@@ -279,6 +280,8 @@ class WorkflowsMixin:
         deadline = now + timeout
         # Just submitted, no hub has taken it yet: it has no record to cancel for a moment.
         unknown_until = now + min(timeout, _CANCEL_UNKNOWN_GRACE)
+        # Every ask of this cancel carries it: the hub audits them once per distinct answer.
+        cancel_id = uuid.uuid4().hex
         last: CancelResult | None = None
         while True:
             # The hub answers within what is left (at most 3 s), less the way back.
@@ -289,6 +292,7 @@ class WorkflowsMixin:
                 "workflow_id": workflow_id,
                 "reason": reason,
                 "within_s": within,
+                "cancel_id": cancel_id,
             }
             if before_start:
                 asked["before_start"] = True

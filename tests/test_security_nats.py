@@ -931,6 +931,114 @@ async def test_micro_discovery_in_secure_mode(mesh: Mesh, as_identity: Any) -> N
     await caller.publish_denied(f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}")
 
 
+async def _cli(*argv: str, config: Path, cwd: Path | None = None) -> tuple[int, str, float]:
+    """``reach-mesh ARGV`` in a process of its own, as the identity of ``config``
+    (``REACH_CONFIG``): exit code, stderr, seconds it took."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+    env["REACH_CONFIG"] = str(config)
+    if cwd is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(cwd), env.get("PYTHONPATH")]))
+    t0 = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "reach_mesh.cli",
+        *argv,
+        env=env,
+        cwd=cwd,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, err.decode(), time.monotonic() - t0
+
+
+async def test_hubs_with_a_caller_identity_is_not_permitted_at_once(mesh: Mesh) -> None:
+    """`reach-mesh hubs` (and `agents --via-micro`) asks $SRV.INFO, an operator read: with a
+    caller identity the server refuses the publish, and the command says so at once
+    (REACH_NOT_PERMITTED, exit code 2), not "no hub answered ... is a hub running?" (exit 3)
+    while one is. The operator identity lists the hub."""
+    from reach_mesh.hub._micro import discover_hubs
+
+    url = mesh.server.url
+    caller = mesh.auth.settings_file("caller", NS)
+    for argv in (("hubs",), ("hubs", "--json"), ("agents", "--via-micro")):
+        code, err, took = await _cli(*argv, "--nats", url, config=caller)
+        assert code == 2, (argv, err)
+        assert "REACH_NOT_PERMITTED" in err and "$SRV.INFO.reach-hub" in err, err
+        assert "operator identity" in err and "no hub answered" not in err, err
+        assert took < 10, took  # (a process start; the refusal itself is at once)
+    code, err, _ = await _cli(
+        "hubs", "--nats", url, config=mesh.auth.settings_file("operator", "admin")
+    )
+    assert code == 0, err
+    # The library call behind them, on a connection of reach_mesh's own.
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(NotPermittedError) as refused:
+            await discover_hubs(c.nc, wait=5.0)
+        assert loop.time() - t0 < 2.0
+        assert refused.value.details["subject"] == f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}"
+
+
+async def test_an_agent_with_another_identity_is_not_permitted_at_once(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    """An agent started with a caller's identity (or another agent's) is refused its own
+    subjects by the server: it fails at once with REACH_NOT_PERMITTED naming the subject and
+    the identity it needs (exit code 2), not after 30 s with "no hub answered the
+    registration ... is a hub running?" while one is."""
+    from reach_mesh.cli import EXIT_USAGE, exit_code
+
+    stray = f"{NS}.stray.a1"
+    for role, name in (("caller", NS), ("agent", ROGUE)):
+        agent = Agent(stray, settings=mesh.settings(role, name))
+
+        @agent.handler(CAP)
+        async def work(task: Task[Any]) -> Any:
+            return None
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(NotPermittedError) as refused:
+            await agent.start()
+        # Within seconds, not after 30 s. (With another agent's identity the server's refusal
+        # of the subscriptions can come after the flush: the work consumer's refused create
+        # then waits out its 5 s before the registration is refused.)
+        assert loop.time() - t0 < 10.0
+        message = refused.value.message
+        assert f"may not register agent id {stray}" in message, message
+        assert f"reach-mesh auth add-agent {stray}" in message, message
+        assert refused.value.details["subject"].startswith(f"reach.agent.{stray}.")
+        assert exit_code(refused.value) == EXIT_USAGE
+        assert stray not in mesh.hub.registry.agents
+    # The command an operator runs: `reach-mesh agent module:attr` with REACH_CONFIG.
+    (tmp_path / "stray_agent.py").write_text(
+        "from reach_mesh.agent import Agent\n"
+        f"agent = Agent({stray!r})\n"
+        f"@agent.handler({CAP!r})\n"
+        "async def work(task):\n"
+        "    return None\n"
+    )
+    code, err, took = await _cli(
+        "agent",
+        "stray_agent:agent",
+        "--nats",
+        mesh.server.url,
+        config=mesh.auth.settings_file("caller", NS),
+        cwd=tmp_path,
+    )
+    assert code == 2, err
+    assert "REACH_NOT_PERMITTED" in err and f"may not register agent id {stray}" in err, err
+    assert "no hub answered" not in err, err
+    assert took < 15, took
+
+
 # --------------------------------------------------------------------------- what NATS cannot check
 
 

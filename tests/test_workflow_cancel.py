@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import nats
@@ -501,6 +502,54 @@ async def test_a_workflow_cancelled_before_a_hub_takes_it_never_runs(
     assert any(f"workflow {queued} " in m and "cancelled before it started" in m for m in said)
     assert not any(queued in m and "took over" in m for m in said)
     assert held.started == 1
+
+
+async def test_a_cancel_of_an_unknown_id_is_audited_once(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    """The client asks again about an id no hub knows for 2 s (one just submitted may not be
+    taken yet): ten asks, one cancel, one audit event for its answer. Another cancel of the
+    same id is audited again, and so is every ask of one cancel whose answer changed."""
+    ns = wf_settings.namespace
+    async with Client(settings=wf_settings) as mesh:
+
+        async def cancels(wf_id: str) -> list[dict[str, Any]]:
+            await wf_hub.audit.flush()
+            events = await mesh.audit(namespace=ns, since=60)
+            return [e for e in events if e.get("kind") == "cancel" and e["workflow_id"] == wf_id]
+
+        t0 = time.monotonic()
+        with pytest.raises(UnknownWorkflowError):
+            await mesh.cancel_workflow("nobody-knows", reason="typo hunt")
+        assert time.monotonic() - t0 > 1.5  # it did ask again during the grace period
+        await eventually(lambda: _at_least(cancels("nobody-knows"), 1), timeout=5)
+        await asyncio.sleep(0.3)  # (nothing more comes: one flush interval is 75 ms)
+        (event,) = await cancels("nobody-knows")
+        assert event["error"] == "REACH_UNKNOWN_WORKFLOW" and event["reason"] == "typo hunt"
+        assert event["cancel_id"]
+        # A second cancel is a cancel of its own, audited as such.
+        with pytest.raises(UnknownWorkflowError):
+            await mesh.cancel_workflow("nobody-knows", timeout=1)
+        await eventually(lambda: _at_least(cancels("nobody-knows"), 2), timeout=5)
+        await asyncio.sleep(0.3)
+        assert len({e["cancel_id"] for e in await cancels("nobody-knows")}) == 2
+        # The asks of one cancel: audited again when the answer changes (here: recorded
+        # before it started), once per answer.
+        subject = protocol.hub_subject(ns, "cancel")
+        for before_start in (False, False, True, True):
+            body = {"workflow_id": "one-cancel", "cancel_id": "c1", "before_start": before_start}
+            await mesh.nc.request(subject, json.dumps(body).encode(), timeout=5)
+        await eventually(lambda: _at_least(cancels("one-cancel"), 2), timeout=5)
+        await asyncio.sleep(0.3)
+        asked = await cancels("one-cancel")
+        assert [(e.get("error"), e.get("state")) for e in asked] == [
+            ("REACH_UNKNOWN_WORKFLOW", None),
+            (None, "PENDING"),
+        ]
+
+
+async def _at_least(events: Awaitable[list[dict[str, Any]]], n: int) -> bool:
+    return len(await events) >= n
 
 
 async def test_bad_cancels_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettings) -> None:

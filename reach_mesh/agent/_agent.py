@@ -33,7 +33,7 @@ from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
 from reach_mesh._batch import AnswerBatcher
 from reach_mesh._guard import guarded
-from reach_mesh._nats import connect, refused_messages, shown
+from reach_mesh._nats import connect, refused_first, refused_messages, refused_since, shown
 from reach_mesh._shutdown import within
 from reach_mesh.agent._deadlines import _Deadlines
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
@@ -51,6 +51,7 @@ from reach_mesh.errors import (
     BadRequestError,
     InvalidCapabilityError,
     MeshUnavailableError,
+    NotPermittedError,
     ReachError,
     ThrottledError,
     UnknownAgentError,
@@ -330,7 +331,10 @@ class Agent(ServingMixin):
                 )
             ctl = protocol.agent_ctl(self.agent_id)
             self._subs.append(await self.nc.subscribe(ctl, cb=guarded(ctl, self._on_ctl)))
-            await self.nc.flush()
+            await self.nc.flush()  # the server refuses a subscription before it answers this
+            refused = refused_since(self.nc, 0.0, f"reach.agent.{self.agent_id}.")
+            if refused is not None:
+                raise self._not_permitted(refused)
             if self.durable_work:
                 # Durable workflow steps (JetStream): consumer ready before hubs route to us.
                 self.work = WorkConsumer(self)
@@ -358,16 +362,22 @@ class Agent(ServingMixin):
         while True:
             try:
                 sent = time.monotonic()
-                msg = await self.nc.request(subject, protocol.encode(req), timeout=5.0)
+                # A subject this identity may not publish fails at once, not after `patience`.
+                asked = self.nc.request(subject, protocol.encode(req), timeout=5.0)
+                msg = await refused_first(self.nc, subject, asked)
                 reply = protocol.parse_reply(msg.data, RegisterReply)
                 self.state = reply.state
                 self._answered_at = sent
                 self._registered.set()
                 log.info("agent %s registered with %s", self.agent_id, reply.hub_id)
                 return
+            except NotPermittedError as err:
+                raise self._not_permitted(subject) from err
             except ThrottledError as err:
                 wait = err.retry_after
             except (NoRespondersError, NatsTimeoutError, TimeoutError, MeshUnavailableError) as err:
+                if refused_since(self.nc, sent, subject) is not None:
+                    raise self._not_permitted(subject) from err
                 hint = (
                     "is a hub (`reach-mesh hub` or `reach-mesh up`) running on "
                     f"{shown(self.nats_url)}?"
@@ -390,6 +400,20 @@ class Agent(ServingMixin):
             # Exponential backoff with full jitter: a storm of agents spreads out.
             await asyncio.sleep(random.uniform(0, wait) + wait / 2)
             delay = min(delay * 2, 5.0)
+
+    def _not_permitted(self, subject: str) -> NotPermittedError:
+        """NATS refused this connection one of this agent's own subjects: it runs with an
+        identity that is not this agent's (a caller's, another agent's), which no retry mends."""
+        me = self.agent_id
+        return NotPermittedError(
+            f"NATS refused this identity the subject {subject!r} (permissions violation): this "
+            f"identity may not register agent id {me} (nor take its tasks). Run the agent "
+            f"with the agent identity issued for it: `reach-mesh auth add-agent {me} --dir "
+            f"<auth dir>` (then reload nats-server), and REACH_CONFIG=<auth dir>/agent.{me}.yaml "
+            "(docs/security.md)",
+            subject=subject,
+            agent_id=self.agent_id,
+        )
 
     async def _heartbeat_loop(self) -> None:
         interval = self.settings.heartbeat_interval

@@ -30,7 +30,7 @@ from reach_mesh.errors import (
     UnknownWorkflowError,
 )
 from reach_mesh.hub._wf_view import STEPS_PER_CHARGE, VIEW_DEADLINE
-from reach_mesh.hub.audit import AuditLog
+from reach_mesh.hub.audit import AuditLog, Repeats
 from reach_mesh.hub.breaker import caller_report
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.throttle import Throttle
@@ -109,6 +109,9 @@ class ControlMixin:
     #: Cancels being worked on now (``_on_cancel``: asked here; ``_on_peer_cancel``: by
     #: another hub), ``VIEWS_AT_ONCE`` of each.
     _cancels_running: dict[bool, int]
+    #: The cancel audit events let through per (namespace, requester, ``cancel_id``): the
+    #: asks of one cancel are audited once per distinct answer.
+    _cancel_repeats: Repeats
     #: Lines about owners that did not answer a workflow view, one per owner per minute.
     _owner_lines: LineBudget
     #: ``REACH-IDENTITY-REJECTED`` lines, one per verb per 30 s.
@@ -376,13 +379,21 @@ class ControlMixin:
         most ``protocol.CANCEL_WAIT``); with ``before_start`` one no hub has started yet is
         cancelled before it starts. Counted against the namespace's workflow-view budget;
         every cancel asked is audited (``cancel``), with ``requester``: who asked, as this hub
-        can tell (``_requester``; ``"http"``: its own HTTP API), never as a body says."""
+        can tell (``_requester``; ``"http"``: its own HTTP API), never as a body says — the
+        asks of one cancel (the same ``cancel_id``) once per distinct answer."""
         engine, body, workflow_id = self._view_asked(data)
         reason = protocol.validate_reason(body.get("reason"))
         within = _within_s(body, protocol.CANCEL_WAIT, default=protocol.CANCEL_WAIT)
         before_start = body.get("before_start", False)
         if not isinstance(before_start, bool):
             raise BadRequestError("before_start must be true or false", field="before_start")
+        cancel_id = body.get("cancel_id")
+        if cancel_id is not None and (
+            not isinstance(cancel_id, str) or not protocol.TASK_ID_RE.fullmatch(cancel_id)
+        ):
+            raise BadRequestError(
+                "cancel_id must be 1-64 characters of [A-Za-z0-9_-]", field="cancel_id"
+            )
         # Recorded before it starts when asked, and only where the namespace exists: in any
         # other nothing is left behind (REACH_UNKNOWN_WORKFLOW).
         unknown_ns = before_start and not self.known_namespace(ns)
@@ -418,19 +429,23 @@ class ControlMixin:
                 code = InternalError.code  # the dispatcher answers REACH_INTERNAL
                 raise
             finally:
-                await self.audit.record(
-                    ns,
-                    "cancel",
-                    workflow_id=workflow_id,
-                    requester=requester,
-                    reason=reason,
-                    before_start=before_start or None,
-                    final=None if answer is None else answer.final,
-                    cancelled=None if answer is None else answer.cancelled,
-                    state=None if answer is None else answer.state.value,
-                    owner=None if answer is None else answer.owner,
-                    error=code,
-                )
+                event: dict[str, Any] = {
+                    "workflow_id": workflow_id,
+                    "requester": requester,
+                    "reason": reason,
+                    "before_start": before_start or None,
+                    "final": None if answer is None else answer.final,
+                    "cancelled": None if answer is None else answer.cancelled,
+                    "state": None if answer is None else answer.state.value,
+                    "owner": None if answer is None else answer.owner,
+                    "error": code,
+                    "cancel_id": cancel_id,
+                }
+                # Asked again with the same cancel_id (the client asks until the answer is
+                # final, and for 2 s about an unknown id): audited when the answer changed.
+                key = (ns, requester, cancel_id)
+                if cancel_id is None or self._cancel_repeats.first(key, event):
+                    self.audit.add(ns, "cancel", event)
         return protocol.encode(answer)
 
     async def _on_peer_cancel(self, msg: Msg, ns: str) -> bytes:

@@ -44,7 +44,7 @@ from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableErr
 from reach_mesh.hub._control import VIEW_RATE, ControlMixin
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._routing import RoutingMixin
-from reach_mesh.hub.audit import AuditLog
+from reach_mesh.hub.audit import AuditLog, Repeats
 from reach_mesh.hub.registry import Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.sessions import SessionStore
@@ -128,6 +128,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._workflow_view_throttle = Throttle(VIEW_RATE, 2 * VIEW_RATE)
         self._views_running = {False: 0, True: 0}
         self._cancels_running = {False: 0, True: 0}
+        self._cancel_repeats = Repeats()
         self._owner_lines = LineBudget(60.0)
         #: A JetStream outage fails every control message (each heartbeat writes KV): one
         #: line per verb per 10 s, with the count held back.

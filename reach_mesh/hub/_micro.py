@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,6 +25,7 @@ from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from reach_mesh import __version__, protocol
 from reach_mesh._guard import guarded
+from reach_mesh._nats import not_permitted, refused_first, refused_since
 from reach_mesh.errors import ReachError
 
 if TYPE_CHECKING:
@@ -101,12 +103,19 @@ async def start_micro(hub: Hub) -> Service:
 
 async def discover_hubs(nc: Any, wait: float = 0.5) -> list[dict[str, Any]]:
     """Every hub's ``$SRV.INFO`` answer within ``wait`` seconds, each with ``"fleet"``: the
-    answer of its ``agents`` endpoint (``{"hub_id", "agents"}``, or ``None`` if it did not)."""
+    answer of its ``agents`` endpoint (``{"hub_id", "agents"}``, or ``None`` if it did not).
+
+    An identity NATS may not let ask (a caller's, in secure mode: discovery is an operator
+    read) gets :class:`~reach_mesh.errors.NotPermittedError` as soon as the server refuses the
+    publish, rather than an empty list that reads as "no hub is running" (on a connection
+    made by ``reach_mesh._nats.connect``, which keeps the server's refusals)."""
+    subject = f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}"
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     infos: list[dict[str, Any]] = []
-    try:
-        await nc.publish(f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}", b"", reply=inbox)
+
+    async def collect() -> None:
+        await nc.publish(subject, b"", reply=inbox)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while (left := deadline - loop.time()) > 0:
@@ -117,8 +126,15 @@ async def discover_hubs(nc: Any, wait: float = 0.5) -> list[dict[str, Any]]:
             if msg.data:  # not the server's "no responders" status
                 with contextlib.suppress(ReachError):
                     infos.append(protocol.loads_object(msg.data))
+
+    asked_at = time.monotonic()
+    try:
+        await refused_first(nc, subject, collect())
     finally:
-        await sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    if not infos and (refused := refused_since(nc, asked_at, subject)) is not None:
+        raise not_permitted(refused)  # refused as the window closed
 
     async def fleet(info: dict[str, Any]) -> None:
         subject = next(

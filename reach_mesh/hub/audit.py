@@ -18,6 +18,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Any, Final
 
 from nats.aio.client import Client as NATS
@@ -27,7 +29,7 @@ from pydantic_core import to_json
 
 from reach_mesh import protocol
 
-__all__ = ["FLUSH_EVENTS", "FLUSH_INTERVAL", "AuditLog"]
+__all__ = ["FLUSH_EVENTS", "FLUSH_INTERVAL", "REPEAT_WINDOW", "AuditLog", "Repeats"]
 
 log = logging.getLogger("reach_mesh.hub.audit")
 
@@ -36,6 +38,11 @@ FLUSH_INTERVAL: Final = 0.075
 #: A subject's buffer is published at once when it holds this many events (keeps one message
 #: far below the server's max payload: an event is a few hundred bytes).
 FLUSH_EVENTS: Final = 512
+#: How long :class:`Repeats` remembers what it let through for a key (s): longer than a client
+#: asks again about one request (``Client.cancel_workflow``: its timeout, 10 s by default).
+REPEAT_WINDOW: Final = 120.0
+#: Keys :class:`Repeats` remembers at most (the oldest forgotten first).
+REPEATS_KEPT: Final = 4096
 
 
 class AuditLog:
@@ -134,3 +141,31 @@ class AuditLog:
         if self._flushing:
             await asyncio.gather(*self._flushing, return_exceptions=True)
         await self.flush()
+
+
+class Repeats:
+    """Which events are repeats of the one audited last for the same key: a client asking the
+    same question again (``Client.cancel_workflow`` asks until it has a final answer, and for
+    a while about a workflow no hub knows yet, each ask with the same ``cancel_id``) is
+    audited once per distinct answer, not once per ask. An event that differs in any field
+    from the last one let through for its key is audited, so nothing an ask did is lost;
+    a key is forgotten ``window`` seconds after the event last let through for it."""
+
+    def __init__(self, window: float = REPEAT_WINDOW, kept: int = REPEATS_KEPT) -> None:
+        self._window = window
+        self._kept = kept
+        self._last: OrderedDict[Hashable, tuple[float, tuple[tuple[str, Any], ...]]] = OrderedDict()
+
+    def first(self, key: Hashable, fields: dict[str, Any]) -> bool:
+        """Whether ``fields`` are worth an event for ``key`` (not what the last event let
+        through for it said, within the window); remembered if so."""
+        now = time.monotonic()
+        said = tuple(sorted((k, repr(v)) for k, v in fields.items()))
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self._window and last[1] == said:
+            return False
+        self._last[key] = (now, said)
+        self._last.move_to_end(key)
+        while len(self._last) > self._kept:
+            self._last.popitem(last=False)
+        return True
