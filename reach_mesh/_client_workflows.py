@@ -304,7 +304,17 @@ class WorkflowsMixin:
                     raise  # (with before_start: a namespace the hub does not know)
                 await asyncio.sleep(_CANCEL_POLL)
                 continue
-            except (MeshTimeoutError, MeshUnavailableError, ThrottledError):
+            except MeshTimeoutError:
+                # No answer at all from the hub asked (slow, or gone since): a cancel is
+                # idempotent and its asks share one cancel_id, so ask again while there is
+                # time for an answer, then say what an owner said, if one did.
+                if time.monotonic() + _CANCEL_POLL + 1.2 >= deadline:
+                    if last is None:
+                        raise
+                    return last
+                await asyncio.sleep(_CANCEL_POLL)
+                continue
+            except (MeshUnavailableError, ThrottledError):
                 if last is None:
                     raise
                 # An owner said it had the cancel: ask on until the deadline (it may have

@@ -1052,3 +1052,32 @@ async def test_two_submissions_of_a_workflow_cancelled_before_it_started_both_en
                 return await stored() == 0
 
             await eventually(both_gone, timeout=3.0, interval=0.05)
+
+
+async def test_a_cancel_the_hub_answers_too_late_is_asked_again(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub that answers a cancel after the client stopped waiting (overloaded: a CI box's
+    two cores) is asked again — a cancel is idempotent and its asks share one cancel_id —
+    instead of the caller getting MeshTimeoutError for a cancel that went through."""
+    held = await Held(fleet).start()
+    engine = wf_hub.workflows
+    assert engine is not None
+    cancel = engine.cancel
+    asks = 0
+
+    async def slow_first(*args: Any, **kwargs: Any) -> Any:
+        nonlocal asks
+        asks += 1
+        answer = await cancel(*args, **kwargs)
+        if asks == 1:
+            await asyncio.sleep(kwargs["within"] + 1.5)  # past the client's wait for it
+        return answer
+
+    monkeypatch.setattr(engine, "cancel", slow_first)
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability="wf:slow:v1")], timeout=30)
+        await running(mesh, wf_id)
+        answer = await mesh.cancel_workflow(wf_id, reason="late answer", timeout=15)
+    assert asks >= 2 and answer.final and answer.cancelled, answer
+    assert held.cancelled.is_set()
