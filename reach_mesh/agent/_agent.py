@@ -331,7 +331,12 @@ class Agent(ServingMixin):
                 )
             ctl = protocol.agent_ctl(self.agent_id)
             self._subs.append(await self.nc.subscribe(ctl, cb=guarded(ctl, self._on_ctl)))
-            await self.nc.flush()  # the server refuses a subscription before it answers this
+            # The server refuses a subscription before it answers a PING sent after it — but
+            # nats-py writes flush()'s PING straight to the socket, ahead of commands still
+            # queued for its flusher (these SUBs, often): the first PONG can come back before
+            # the server has seen them. The second PING goes out after them.
+            await self.nc.flush()
+            await self.nc.flush()
             refused = refused_since(self.nc, 0.0, f"reach.agent.{self.agent_id}.")
             if refused is not None:
                 raise self._not_permitted(refused)
