@@ -302,15 +302,16 @@ class Registry:
                 if view is not None
                 else self._kept.pop(agent_id, None)
             )
+            breaker, health, quarantines = kept or (self._breaker(), HealthScore(), 0)
             view = AgentView(
                 agent_id=agent_id,
                 record=record,
                 revision=revision,
                 last_seen=seen_at,
-                breaker=self._breaker() if kept is None else kept[0],
+                breaker=breaker,
+                health=health,
+                quarantines=quarantines,
             )
-            if kept is not None:
-                view.health, view.quarantines = kept[1], kept[2]
             early = self._early_beats.pop(agent_id, None)
             if early is not None and early[0] == record.session:
                 view.hb_revision = early[1]
@@ -377,14 +378,12 @@ class Registry:
         (a goodbye, a delete this hub cannot call a loss) marks it ``left``."""
         view = self.agents.pop(agent_id, None)
         self.index.remove(agent_id)
-        if view is not None and (
-            view.breaker.state is not BreakerState.CLOSED or not view.health.healthy
-        ):
-            self._kept[agent_id] = (view.breaker, view.health, view.quarantines)
-            self._kept.move_to_end(agent_id)
-            if len(self._kept) > _KEPT_MAX:
-                self._kept.popitem(last=False)
         if view is not None:
+            if view.breaker.state is not BreakerState.CLOSED or not view.health.healthy:
+                self._kept[agent_id] = (view.breaker, view.health, view.quarantines)
+                self._kept.move_to_end(agent_id)
+                if len(self._kept) > _KEPT_MAX:
+                    self._kept.popitem(last=False)
             ns = view.record.card.namespace
             left = self._namespaces.get(ns, 1) - 1
             if left > 0:
@@ -407,7 +406,7 @@ class Registry:
             now, rec.lease_timeout
         ):
             view.state = AgentState.LOST
-        elif rec.cordoned or view.agent_id in self.cordons:
+        elif self.cordoned(view.agent_id, rec):
             view.state = AgentState.CORDONED
         elif view.draining:
             view.state = AgentState.DRAINING
@@ -568,7 +567,7 @@ class Registry:
         )
         agent_id = req.card.agent_id
         existing = self.agents.get(agent_id)
-        if agent_id in self.cordons or (existing is not None and existing.record.cordoned):
+        if self.cordoned(agent_id, None if existing is None else existing.record):
             record.cordoned = True  # an operator's cordon outlives the agent's registrations
         hb = HeartbeatRecord(session=req.session)
         # Heartbeat first: watchers that see the record find a matching load report.
@@ -685,6 +684,11 @@ class Registry:
         record = view.record.model_copy(update={"cordoned": cordon is not None})
         rev = await self._agents_kv.update(agent_id, protocol.encode(record), last=view.revision)
         return self.apply_record(record, rev, seen_at=view.last_seen)
+
+    def cordoned(self, agent_id: str, record: AgentRecord | None) -> bool:
+        """Whether an operator cordoned the agent: by its id's key in ``reach_cordons``, or by
+        the flag in its ``record`` (all a hub of an earlier version writes)."""
+        return agent_id in self.cordons or (record is not None and record.cordoned)
 
     def _apply_cordon(self, entry: KeyValue.Entry, *, initial: bool) -> None:
         """A cordon written or lifted (by any hub): the agent, if registered, is graded
