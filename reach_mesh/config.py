@@ -125,6 +125,16 @@ class MeshSettings(BaseModel):
     step_running_interval: float = Field(default=5.0, gt=0)
     #: No status event from an accepted attempt for this long: ask the agent (ctl task_state).
     step_silence_timeout: float = Field(default=15.0, gt=0)
+    #: An attempt still reported running this long past its step's ``timeout`` (counted from
+    #: when the hub heard its handler start) is taken as a TIMEOUT of that attempt and its
+    #: handler told to stop: an agent that does not end its handlers holds no step to the
+    #: workflow's deadline. Longer than ``handler_abandon_grace``: an agent of this SDK
+    #: answers first.
+    step_overdue_grace: float = Field(default=15.0, gt=0)
+    #: Agent: a step handler still running this long after its timeout cancelled it (it
+    #: ignores cancellation) is abandoned: its attempt is answered TIMEOUT and its keep-alives
+    #: stop. It keeps its slot until it returns, and what it returns then is dropped.
+    handler_abandon_grace: float = Field(default=5.0, gt=0)
     #: Handler failures retried per step (retryable errors only).
     step_retries: int = Field(default=2, ge=0, le=100)
     #: Delivery attempts with exponential backoff before slow pending re-delivery.

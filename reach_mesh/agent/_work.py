@@ -28,6 +28,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, superseded
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
-from reach_mesh.errors import NoHandlerError, PayloadTooLargeError, ReachError
+from reach_mesh.errors import MeshTimeoutError, NoHandlerError, PayloadTooLargeError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, stored_record
@@ -91,6 +92,14 @@ class _Held:
     extra: list[Msg] = field(default_factory=list)
     #: The pending ACCEPTED status (see ``_ACCEPTED_AFTER``); None once said or not needed.
     accepted_timer: asyncio.TimerHandle | None = None
+    #: Its idempotency record's waiter (resolved with the attempt's reply).
+    done: asyncio.Future[TaskReply] | None = None
+    #: When (monotonic) a handler that did not stop is abandoned (``WorkConsumer._abandon``):
+    #: ``handler_abandon_grace`` past its deadline, or past the cancel that fenced it.
+    abandon_at: float = math.inf
+    #: Abandoned: its attempt is answered (or dropped, when fenced) and no longer held; what
+    #: the handler returns, if it ever does, is dropped.
+    abandoned: bool = False
 
 
 class WorkConsumer:
@@ -126,6 +135,9 @@ class WorkConsumer:
         #: Task records read before a first run (fences): only where the stream cannot tell
         #: (``Fences.fresh``).
         self.fence_reads = 0
+        #: Handlers that did not stop when their attempt was cancelled (its timeout, or a
+        #: fence) and were abandoned (``_abandon``).
+        self.abandoned = 0
         self._loop_watch: asyncio.Task[None] | None = None
         agent.metrics.step_counts(self.counts)
 
@@ -138,6 +150,7 @@ class WorkConsumer:
             "cached": self.cached,
             "fence_reads": self.fence_reads,
             "markers": self.fences.markers,
+            "abandoned": self.abandoned,
         }
 
     def checking(self, task_id: str) -> bool:
@@ -441,7 +454,7 @@ class WorkConsumer:
         agent._remember(
             env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done, owner=owner)
         )
-        held = _Held(msg=msg, env=env, headers=headers, checked_at=checked_at)
+        held = _Held(msg=msg, env=env, headers=headers, checked_at=checked_at, done=done)
         self._held[env.task_id] = held
         if agent._running >= agent.max_concurrency:
             # It waits for a slot: say it is in hand. With a slot free the handler starts in
@@ -527,6 +540,10 @@ class WorkConsumer:
 
         def on_accept() -> None:
             held.accepted_at = held.last_running = time.monotonic()
+            held.abandon_at = min(
+                held.abandon_at,
+                held.accepted_at + env.timeout + self._settings.handler_abandon_grace,
+            )
             entry = agent._results.get(env.task_id)
             if entry is not None and entry.done is done:
                 entry.state = TaskState.ACCEPTED
@@ -571,6 +588,8 @@ class WorkConsumer:
         except asyncio.CancelledError:
             if waiting:
                 agent._waiting -= 1  # cancelled while queued for a slot
+            if held.abandoned:
+                raise  # its message was settled when it was abandoned
             self._held.pop(env.task_id, None)
             _quiet(held)
             entry = agent._results.get(env.task_id)
@@ -590,6 +609,17 @@ class WorkConsumer:
             # Not the handler's (``_attempt`` answers for those): the step still gets an
             # outcome, its entry and ``_held`` are let go below.
             reply = agent._failed_here(env, err)
+        if held.abandoned:
+            # Answered TIMEOUT (or dropped, fenced) when it was abandoned: the attempt has its
+            # final status, and nothing is said of an attempt after that.
+            log.warning(
+                "handler of %s attempt %d returned %s %.1fs after it was abandoned: dropped",
+                env.task_id,
+                held.env.attempt,
+                reply.state.value,
+                time.perf_counter() - t_start,
+            )
+            return
         reply.attempt = held.env.attempt
         reply.duration_ms = round((time.perf_counter() - t_start) * 1000, 3)
         reply.queued_ms = round((t_start - t_queued) * 1000, 3)
@@ -718,17 +748,93 @@ class WorkConsumer:
             await asyncio.sleep(interval)
             now = time.monotonic()
             for held in list(self._held.values()):
+                if now >= held.abandon_at:
+                    self._abandon(held)
+                    continue
                 for m in [held.msg, *held.extra]:
                     with contextlib.suppress(Exception):
                         await m.in_progress()
                 if (
                     held.accepted_at is not None
+                    and not held.fenced  # the hub gave it up: nothing to say of it
                     and now - held.last_running >= s.step_running_interval
                     and self._held.get(held.env.task_id) is held  # not finished meanwhile
                 ):
                     held.last_running = now
                     _quiet(held)
                     self._publish(held.env, TaskState.RUNNING, held.headers)
+
+    def _abandon(self, held: _Held) -> None:
+        """Let go of a step whose handler did not stop when its attempt was cancelled (by
+        its deadline, or by a fence) and ``handler_abandon_grace`` has passed since: a
+        handler that swallows ``CancelledError`` would otherwise keep the step RUNNING, by
+        its keep-alives, to the workflow's deadline. A timed-out attempt is answered TIMEOUT
+        (the hub retries it, preferably elsewhere); a fenced one is acked without a result.
+        The handler keeps its slot until it returns: it still runs, and the agent's load
+        says so."""
+        env = held.env
+        if self._held.get(env.task_id) is not held:
+            return  # finished meanwhile
+        del self._held[env.task_id]
+        held.abandoned = True
+        _quiet(held)
+        self.abandoned += 1
+        agent = self._agent
+        entry = agent._results.get(env.task_id)
+        mine = entry is not None and held.done is not None and entry.done is held.done
+        msgs = [held.msg, *held.extra]
+        if held.fenced:
+            log.warning(
+                "handler of %s attempt %d did not stop when cancelled: abandoned",
+                env.task_id,
+                env.attempt,
+            )
+            if mine:
+                agent._results.pop(env.task_id)
+            if held.done is not None and not held.done.done():
+                held.done.cancel()
+            agent._spawn(self._settle_fenced(msgs))
+            return
+        grace = self._settings.handler_abandon_grace
+        log.warning(
+            "handler of %s attempt %d ignored its %.3gs timeout for %.3gs more: abandoned, "
+            "answered TIMEOUT (its slot stays taken until it returns)",
+            env.task_id,
+            env.attempt,
+            env.timeout,
+            grace,
+        )
+        reply = TaskReply(
+            task_id=env.task_id,
+            attempt=env.attempt,
+            agent_id=agent.agent_id,
+            state=TaskState.TIMEOUT,
+            error=ErrorBody(
+                code=MeshTimeoutError.code,
+                message=f"handler did not finish within {env.timeout:.3g}s and did not stop "
+                f"when cancelled ({grace:.3g}s later): abandoned",
+                details={"abandoned": True},
+            ),
+        )
+        if held.accepted_at is not None:
+            reply.duration_ms = round((time.monotonic() - held.accepted_at) * 1000, 3)
+        agent.handled += 1
+        if mine:
+            assert entry is not None
+            entry.state = reply.state
+            entry.reply = reply
+            entry.attempt = reply.attempt
+            entry.done = None
+        if held.done is not None and not held.done.done():
+            held.done.set_result(reply)
+        agent._spawn(self._final(env, held.headers, reply, msgs))
+
+    async def _settle_fenced(self, msgs: list[Msg]) -> None:
+        """Ack the messages of a fenced attempt (no result: the hub moved on)."""
+        for m in msgs:
+            with contextlib.suppress(Exception):
+                await m.ack()
+        self._release()
 
     def cancel(self, task_id: str, attempt: int, workflow_id: str | None = None) -> bool:
         """The hub no longer needs this attempt (an ``any``/``quorum`` branch past its policy)
@@ -751,8 +857,15 @@ class WorkConsumer:
         held.fenced = True
         if held.task is not None:
             held.task.cancel()
+        self._abandon_after_cancel(held)
         self.fenced += 1
         return True
+
+    def _abandon_after_cancel(self, held: _Held) -> None:
+        """A cancelled handler that has not stopped ``handler_abandon_grace`` from now is
+        abandoned (``_abandon``)."""
+        when = time.monotonic() + self._settings.handler_abandon_grace
+        held.abandon_at = min(held.abandon_at, when)
 
     # ------------------------------------------------------------------ fencing after LOST
 
@@ -769,6 +882,7 @@ class WorkConsumer:
                 held.fenced = True
                 if held.task is not None:
                     held.task.cancel()
+                self._abandon_after_cancel(held)
                 fenced += 1
         self.fenced += fenced
         if fenced:

@@ -87,6 +87,10 @@ class Policy:
     ttl: float
     deliver_timeout: float
     silence_timeout: float
+    #: The step's own ``timeout`` (one attempt's handler run), and how long past it an attempt
+    #: still reported running is given before the hub takes it as a TIMEOUT.
+    attempt_timeout: float
+    overdue_grace: float
 
 
 @dataclass(slots=True, eq=False)

@@ -81,11 +81,12 @@ T = TypeVar("T")
 #: An attempt whose agent reported one of these has ended there: nothing to stop.
 _ENDED: Final = frozenset({TaskState.SUCCEEDED, TaskState.FAILED})
 
-Outcome = Literal["final", "undelivered", "lost", "nomatch", "deadline"]
+Outcome = Literal["final", "overdue", "undelivered", "lost", "nomatch", "deadline"]
 #: Why a step waits between attempts, by the outcome of the last one (no agent: the router's
 #: sentence instead).
 _WAITING_WHY: Final = {
     "final": "retrying after a handler failure",
+    "overdue": "its handler ran past its timeout; retrying",
     "undelivered": "its agent did not take it; retrying",
     "lost": "its agent was lost; retrying",
 }
@@ -115,6 +116,8 @@ class StepRunner(StepPlacing):
     duplicate_total: int
     #: Attempts after the first.
     retry_total: int
+    #: Attempts taken as TIMEOUT by the hub (``_overdue``).
+    overdue_total: int
     #: JetStream operations repeated after an infrastructure error (never an outcome).
     infra_retry_total: int
 
@@ -214,6 +217,8 @@ class StepRunner(StepPlacing):
             ttl=r.ttl or s.task_ttl,
             deliver_timeout=_floor(r.deliver_timeout, INTERVAL_MIN) or s.step_deliver_timeout,
             silence_timeout=_floor(r.silence_timeout, INTERVAL_MIN) or s.step_silence_timeout,
+            attempt_timeout=step.timeout,
+            overdue_grace=s.step_overdue_grace,
         )
 
     async def _step(self, wf: Workflow, index: int, step: StepSpec, payload: Any) -> TaskRecord:
@@ -330,15 +335,20 @@ class StepRunner(StepPlacing):
                     assert outcome is not None
                     kind, event = outcome
                     outcome = None
-                    if kind == "final" and event is not None:
+                    if kind == "overdue":
+                        event = self._overdue(rec, track, pol)
+                    elif kind == "final" and event is not None:
                         track.take()
+                    if event is not None:  # an outcome: the agent's, or the hub's (overdue)
                         note(rec, event)
                         settled, rec.handler_failures = settles(
                             event, rec.handler_failures, pol.retries
                         )
                         if settled:
                             track.deciding = event
-                            rec, decided = await self._finish(wf, key, rec, rev, track, event)
+                            rec, decided = await self._finish(
+                                wf, key, rec, rev, track, event, store=kind == "overdue"
+                            )
                             return rec
                         if step.agent_id is None:
                             exclude.add(event.agent_id)
@@ -381,7 +391,7 @@ class StepRunner(StepPlacing):
                         rec.updated_at = time.time()
                         rev = await self._cas(key, rec, rev, wf.deadline)
                         self._tracker.fence(track, rec.attempt)
-                        if kind != "final" and gave_up[1] is not None:
+                        if kind not in ("final", "overdue") and gave_up[1] is not None:
                             # Its work message may still wait in the stream: a marker behind it.
                             await self._mark(wf, gave_up[1], rec.task_id, gave_up[0])
                         if kind == "undelivered" and gave_up[1] is not None:
@@ -600,13 +610,15 @@ class StepRunner(StepPlacing):
         *,
         reason: str | None = None,
         refusal: ReachError | None = None,
+        store: bool = False,
     ) -> tuple[TaskRecord, int]:
         """Record the step's outcome (``event``; when None, FAILED with ``refusal`` if given,
         else TIMEOUT); returns the record and the attempt that decided it (0: none did).
 
         The record is written only when the fence must change (see ``TaskRecord``): not when
         the current attempt decided the step — its agent has the outcome, and every other
-        attempt is fenced by the attempt number already."""
+        attempt is fenced by the attempt number already — or when ``store``: an outcome the
+        hub decided for the current attempt (``_overdue``), which its agent does not have."""
         fence = (rec.attempt, rec.agent_id)
         if event is None and refusal is not None:
             decided = 0  # no attempt decided it: the route was refused
@@ -633,7 +645,7 @@ class StepRunner(StepPlacing):
         rec.stale += track.stale
         rec.decided_by = decided or None
         rec.updated_at = time.time()
-        if event is None or (event.attempt, event.agent_id) != fence:
+        if event is None or store or (event.attempt, event.agent_id) != fence:
             await self._cas(key, rec, rev, wf.deadline)
         # The deadline, or one attempt, decided the step: no other attempt is needed.
         self._stop_others(rec, None if event is None else event.attempt)
@@ -646,6 +658,38 @@ class StepRunner(StepPlacing):
             wf, rec.step, rec, rec.state, attempt=decided, agent_id=rec.agent_id, error=rec.error
         )
         return rec, decided
+
+    def _overdue(self, rec: TaskRecord, track: StepTrack, pol: Policy) -> TaskStatusEvent:
+        """The current attempt ran past its step's ``timeout`` and ``step_overdue_grace``,
+        by this hub's clock, and its agent still reports it running (a handler that ignores
+        cancellation, an agent that does not enforce timeouts): a TIMEOUT of that attempt,
+        decided here. Its handler is told to stop; an outcome it sends later is not acted on
+        (the attempt is finished for the step)."""
+        assert track.agent_id is not None and track.started_at is not None
+        ran = asyncio.get_running_loop().time() - track.started_at
+        err = MeshTimeoutError(
+            f"attempt {track.attempt} of step {rec.step} ({rec.task_id}) on {track.agent_id} "
+            f"still running {ran:.3g}s after its handler started, past its "
+            f"{pol.attempt_timeout:.3g}s timeout: its agent did not end it",
+            task_id=rec.task_id,
+            attempt=track.attempt,
+            agent_id=track.agent_id,
+            overdue=True,
+        )
+        track.finished.add(track.attempt)
+        self._cancel_attempt(track.agent_id, rec, track.attempt)
+        self.overdue_total += 1
+        if self._metrics is not None:
+            self._metrics.overdue_total.inc()
+        return TaskStatusEvent(
+            task_id=rec.task_id,
+            attempt=track.attempt,
+            agent_id=track.agent_id,
+            state=TaskState.TIMEOUT,
+            workflow_id=rec.workflow_id,
+            step=rec.step,
+            error=ErrorBody(code=err.code, message=err.message, details=err.details),
+        )
 
     def _take_outcome(self, rec: TaskRecord, event: TaskStatusEvent) -> None:
         """Write an attempt's final status into the step's record (its state, agent, result,
@@ -694,6 +738,16 @@ class StepRunner(StepPlacing):
                     wait_until = track.dispatched_at + pol.deliver_timeout
                 else:
                     wait_until = track.last_event + pol.silence_timeout
+                if track.started_at is not None:
+                    # The hub's own clock bounds a handler's run: an agent's keep-alives
+                    # would otherwise hold the step to the workflow's deadline. Only while
+                    # the agent is heard: a silent one (paused, cut off) is asked first, as
+                    # any silent attempt is, and answers for itself when it wakes.
+                    overdue_at = track.started_at + pol.attempt_timeout + pol.overdue_grace
+                    if now < overdue_at:
+                        wait_until = min(wait_until, overdue_at)
+                    elif now - track.heard_at < pol.silence_timeout:
+                        return "overdue", None
                 timeout = min(wait_until, deadline) - now
                 if timeout > 0:
                     await track.changed.wait(timeout)

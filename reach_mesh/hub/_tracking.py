@@ -61,6 +61,8 @@ _STATUS_READ_TIMEOUT: Final = 1.0
 _STATUS_READ_PATIENT: Final = 10.0
 #: At most this many agents' last statuses are read when catching up on a step.
 _CATCH_UP_AGENTS: Final = 8
+#: States that say an attempt's handler runs (its step's ``timeout`` counts from then).
+_STARTED: Final = frozenset({TaskState.ACCEPTED, TaskState.RUNNING})
 
 #: What asking an agent about the current attempt told us.
 #: ``done``: its outcome is now known; ``alive``: the agent has it (or an older attempt of the
@@ -133,6 +135,11 @@ class StepTrack:
     promised: int = -1
     dispatched_at: float = 0.0
     last_event: float = 0.0
+    #: When (loop time) this hub first heard the current attempt's handler run (ACCEPTED or
+    #: RUNNING): its step's ``timeout`` counts from here (``StepRunner._watch``).
+    started_at: float | None = None
+    #: When (loop time) the current attempt's agent last sent a status event for it.
+    heard_at: float = 0.0
     lost: bool = False
     stale: int = 0
     view: AgentView | None = None
@@ -268,6 +275,7 @@ class StatusTracker:
             del track.sent[min(track.sent)]
         track.machine = AckMachine(on_transition=track.on_transition)
         track.dispatched_at = track.last_event = now
+        track.started_at = None
         track.lost = False
         track.view = view
 
@@ -282,6 +290,7 @@ class StatusTracker:
         track.machine = AckMachine(on_transition=track.on_transition)
         track.machine.catch_up(TaskState.DELIVERED)
         track.dispatched_at = track.last_event = asyncio.get_running_loop().time()
+        track.started_at = None
         track.lost = False
 
     def fence(self, track: StepTrack, attempt: int) -> None:
@@ -289,6 +298,7 @@ class StatusTracker:
         track.release_view()
         track.attempt = attempt
         track.agent_id = None
+        track.started_at = None
         track.lost = False
         track.revived = None
 
@@ -376,7 +386,9 @@ class StatusTracker:
         if event.attempt == track.attempt:
             if not track.machine.catch_up(event.state):
                 return  # a repeat or an out-of-order older state
-            track.last_event = asyncio.get_running_loop().time()
+            now = track.last_event = track.heard_at = asyncio.get_running_loop().time()
+            if track.started_at is None and track.machine.state in _STARTED:
+                track.started_at = now
         elif (
             track.agent_id is None
             and not event.state.final

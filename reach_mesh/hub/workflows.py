@@ -161,6 +161,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self.duplicate_total = 0
         #: Attempts after the first.
         self.retry_total = 0
+        #: Attempts still reported running past their step's timeout and grace: taken as
+        #: TIMEOUT by this hub (``StepRunner._overdue``).
+        self.overdue_total = 0
         #: JetStream operations repeated after an infrastructure error (never an outcome).
         self.infra_retry_total = 0
         #: Submissions refused because their workflow id was taken by another spec.

@@ -239,6 +239,13 @@ class HubMetrics:
             "Task attempts after the first (retries and re-queues).",
             registry=r,
         )
+        self.overdue_total = Counter(
+            "reach_step_overdue",
+            "Step attempts still reported running past their step's timeout and "
+            "step_overdue_grace: taken as TIMEOUT by the hub and told to stop (their agent "
+            "does not end its handlers).",
+            registry=r,
+        )
         self.infra_retry_total = Counter(
             "reach_infra_retry",
             "JetStream operations of the workflow engine repeated after an infrastructure "
@@ -405,8 +412,8 @@ class _Refused(Collector):
 
 
 class _StepCounts(Collector):
-    """``reach_agent_steps_dropped_total`` (by reason), ``reach_agent_fence_reads_total`` and
-    ``reach_agent_fence_markers_total``."""
+    """``reach_agent_steps_dropped_total`` (by reason), ``reach_agent_fence_reads_total``,
+    ``reach_agent_fence_markers_total`` and ``reach_agent_handlers_abandoned_total``."""
 
     def __init__(self, read: Callable[[], dict[str, int]]) -> None:
         self._read = read
@@ -433,6 +440,13 @@ class _StepCounts(Collector):
             "reach_agent_fence_markers",
             "Fence markers received: a hub gave up an attempt it had sent this agent.",
             value=counts.get("markers", 0),
+        )
+        yield CounterMetricFamily(
+            "reach_agent_handlers_abandoned",
+            "Step handlers that did not stop when their attempt was cancelled (its timeout, or "
+            "a fence) and were abandoned: the attempt answered TIMEOUT or dropped, the handler "
+            "still holding its slot.",
+            value=counts.get("abandoned", 0),
         )
 
 

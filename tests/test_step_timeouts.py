@@ -1,0 +1,212 @@
+"""A step's ``timeout`` holds even against a handler that does not stop when cancelled.
+
+A handler that swallows ``CancelledError`` used to keep its step RUNNING (its agent's
+keep-alives went on) until the workflow's deadline, and the step was never retried. Now its
+agent abandons it (``handler_abandon_grace`` after the deadline: answered TIMEOUT, keep-alives
+stop, the slot stays taken), and the hub, by its own clock, takes an attempt still reported
+running ``step_overdue_grace`` past its timeout as a TIMEOUT (an agent that does not enforce
+its timeouts). Both on a real nats-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step, TaskState
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.workflow import step_task_id
+
+from .helpers import Fleet, eventually, status_events, task_record
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Stubborn:
+    """A handler that ignores every cancellation until ``release`` is set."""
+
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    cancels: int = 0
+    returned: int = 0
+
+
+def stubborn_handler(agent: Agent, cap: str) -> Stubborn:
+    state = Stubborn()
+
+    @agent.handler(cap)
+    async def run(task: Task[Any]) -> str:
+        state.started.set()
+        while not state.release.is_set():
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                state.cancels += 1  # ... and carries on
+        state.returned += 1
+        return "late"
+
+    return state
+
+
+def good_handler(agent: Agent, cap: str) -> None:
+    @agent.handler(cap)
+    async def run(task: Task[Any]) -> str:
+        return "ok"
+
+
+async def retried_elsewhere(mesh: Client, fleet: Fleet, stuck: Stubborn, cap: str) -> str:
+    """Submit a one-step fanout (timeout 0.5 s, one retry) that the stubborn handler takes,
+    then start a good agent: the step must end there, long before the workflow's 30 s.
+    Returns the workflow id."""
+    t0 = time.monotonic()
+    wf_id = await mesh.submit_fanout([Step(capability=cap, timeout=0.5, retries=1)], timeout=30)
+    await asyncio.wait_for(stuck.started.wait(), 5)
+    good = fleet.agent("good.a1")
+    good_handler(good, cap)
+    await good.start()
+    res = await mesh.workflow(wf_id, timeout=20)
+    took = time.monotonic() - t0
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[0].agent_id == good.agent_id and res.steps[0].attempts == 2
+    assert took < 10, f"took {took:.1f}s: not retried until the deadline"
+    return wf_id
+
+
+@pytest.fixture
+async def release_all() -> AsyncIterator[list[Stubborn]]:
+    """Stubborn handlers to let go at the end (so their agents can close)."""
+    held: list[Stubborn] = []
+    yield held
+    for h in held:
+        h.release.set()
+    await asyncio.sleep(0.05)
+
+
+async def test_an_agent_abandons_a_handler_that_ignores_its_timeout(
+    wf_settings: MeshSettings, release_all: list[Stubborn]
+) -> None:
+    """The agent answers TIMEOUT ``handler_abandon_grace`` after the deadline and stops its
+    keep-alives; the step is retried on another agent and succeeds long before the workflow's
+    deadline. The abandoned handler keeps its slot; what it returns later is dropped."""
+    s = wf_settings.model_copy(update={"handler_abandon_grace": 0.5, "step_overdue_grace": 60.0})
+    ns, cap = s.namespace, "wf:stubborn:v1"
+    fleet = Fleet(s)
+    async with Hub(settings=s) as hub:
+        stubborn = fleet.agent("stubborn.a1")
+        stuck = stubborn_handler(stubborn, cap)
+        release_all.append(stuck)
+        await stubborn.start()
+        try:
+            async with Client(settings=s) as mesh:
+                wf_id = await retried_elsewhere(mesh, fleet, stuck, cap)
+                assert stuck.cancels >= 1 and stuck.returned == 0
+                assert stubborn.work is not None and stubborn.work.abandoned == 1
+                assert stubborn.inflight == 1  # it still runs: the agent's load says so
+                task_id = step_task_id(wf_id, 0, Step(capability=cap))
+                rec = await task_record(hub.nc, ns, task_id)
+                assert rec is not None and rec.history[0].state is TaskState.TIMEOUT
+                assert rec.history[0].agent_id == stubborn.agent_id
+
+                # Nothing is said of the abandoned attempt after its final TIMEOUT ...
+                await asyncio.sleep(0.6)  # three keep-alive intervals
+                events = [
+                    e
+                    for e in await status_events(mesh, ns, task_id)
+                    if e.agent_id == stubborn.agent_id
+                ]
+                assert events[-1].state is TaskState.TIMEOUT, events
+                assert events[-1].error is not None and events[-1].error.details["abandoned"]
+                # ... and what its handler returns at last is dropped.
+                stuck.release.set()
+                await eventually(lambda: stubborn.inflight == 0)
+                assert stuck.returned == 1
+                await asyncio.sleep(0.3)
+                later = [
+                    e
+                    for e in await status_events(mesh, ns, task_id)
+                    if e.agent_id == stubborn.agent_id
+                ]
+                assert later == events
+                assert (await mesh.workflow(wf_id, timeout=5)).steps[0].result == "ok"
+                assert hub.workflows is not None and hub.workflows.overdue_total == 0
+        finally:
+            await fleet.close()
+
+
+async def test_the_hub_times_out_an_attempt_its_agent_keeps_running(
+    wf_settings: MeshSettings, release_all: list[Stubborn]
+) -> None:
+    """An agent that does not end a handler past its timeout (here: one that never abandons)
+    holds the step no longer than ``timeout + step_overdue_grace`` by the hub's clock: the
+    attempt is recorded TIMEOUT, its handler told to stop, and the step retried elsewhere."""
+    s = wf_settings.model_copy(update={"step_overdue_grace": 0.5})
+    ns, cap = s.namespace, "wf:kept:v1"
+    fleet = Fleet(s)
+    async with Hub(settings=s) as hub:
+        engine = hub.workflows
+        assert engine is not None
+        # Its own grace is longer than the workflow: only the hub can end the attempt.
+        kept = Agent(
+            f"{ns}.kept.a1", settings=s.model_copy(update={"handler_abandon_grace": 120.0})
+        )
+        fleet.agents.append(kept)
+        stuck = stubborn_handler(kept, cap)
+        release_all.append(stuck)
+        await kept.start()
+        try:
+            async with Client(settings=s) as mesh:
+                wf_id = await retried_elsewhere(mesh, fleet, stuck, cap)
+                assert engine.overdue_total == 1
+                assert hub.metrics.overdue_total._value.get() == 1
+                task_id = step_task_id(wf_id, 0, Step(capability=cap))
+                rec = await task_record(hub.nc, ns, task_id)
+                assert rec is not None
+                first = rec.history[0]
+                assert first.agent_id == kept.agent_id and first.state is TaskState.TIMEOUT
+                assert first.code == "REACH_TIMEOUT"
+                # Told to stop (a second cancellation, after its own deadline's), and its
+                # agent says no more of the attempt (no RUNNING for an attempt given up).
+                await eventually(lambda: stuck.cancels >= 2)
+                before = await status_events(mesh, ns, task_id)
+                await asyncio.sleep(0.6)
+                assert await status_events(mesh, ns, task_id) == before
+                assert kept.work is not None and kept.work.abandoned == 0
+        finally:
+            await fleet.close()
+
+
+async def test_a_step_that_waits_for_a_slot_is_timed_from_its_start(
+    wf_settings: MeshSettings,
+) -> None:
+    """The hub times a handler from when it heard it start, not from the dispatch: a step
+    queued behind another on a one-slot agent is not overdue for the time it waited, and a
+    handler that ends within its timeout is never overdue however small the grace."""
+    s = wf_settings.model_copy(update={"step_overdue_grace": 0.3})
+    cap = "wf:queued:v1"
+    fleet = Fleet(s)
+    async with Hub(settings=s) as hub:
+        agent = fleet.agent("queued.a1", max_concurrency=1)
+
+        @agent.handler(cap)
+        async def run(task: Task[int]) -> int:
+            await asyncio.sleep(0.7)
+            return task.payload
+
+        await agent.start()
+        try:
+            async with Client(settings=s) as mesh:
+                steps = [Step(capability=cap, payload=i, timeout=1.0, retries=0) for i in range(2)]
+                res = await mesh.fanout(steps, timeout=20)
+                assert res.state is TaskState.SUCCEEDED, res
+                assert [st.attempts for st in res.steps] == [1, 1]
+                assert sorted(st.result for st in res.steps) == [0, 1]
+                assert hub.workflows is not None and hub.workflows.overdue_total == 0
+        finally:
+            await fleet.close()
