@@ -45,6 +45,7 @@ from reach_mesh.errors import (
     MeshTimeoutError,
     MeshUnavailableError,
     NoHandlerError,
+    NoMatchError,
     PayloadTooLargeError,
     ReachError,
     ThrottledError,
@@ -88,6 +89,8 @@ log = get_logger(__name__)
 
 #: How often a client says that no hub answers, at most (seconds).
 _NO_HUB_LOG_INTERVAL: Final = 30.0
+#: Task ids whose agent a client remembers after a ``REACH_TIMEOUT`` (``Client._request``).
+_PINS_KEPT: Final = 10_000
 
 
 @dataclass(slots=True)
@@ -168,6 +171,9 @@ class Client(WorkflowsMixin):
         self._routes: collections.OrderedDict[_CacheKey, _Route] = collections.OrderedDict()
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
+        #: (namespace, task id) -> the agent a request of it timed out on (the newest
+        #: ``_PINS_KEPT``): asked again, it goes there (``_request``).
+        self._timed_out: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
         self._jsc: JsClient | None = None
         self._done_waits: dict[_Done, tuple[str, asyncio.Future[Msg]]] = {}
         self._rechecks: set[asyncio.Task[None]] = set()
@@ -301,7 +307,33 @@ class Client(WorkflowsMixin):
             return result
 
     async def _request(self, fields: _RouteFields, ns: str) -> TaskResult:
-        """:meth:`request` after its arguments are checked (inside its span, if traced)."""
+        """:meth:`request` after its arguments are checked (inside its span, if traced).
+
+        A task that timed out on an agent (``REACH_TIMEOUT`` naming it) and is asked again
+        with the same ``task_id`` by capability goes to that agent, whose idempotency cache
+        answers from the run it has: another agent would run it again. Whichever hub routes
+        it (a hub pins the ids it routed too, but only its own). When that agent is no longer
+        routable, the task is routed as asked (it may then run twice)."""
+        key = (ns, fields["task_id"])
+        pinned = self._timed_out.get(key) if self._timed_out else None
+        if pinned is not None and "agent_id" not in fields and "selector" not in fields:
+            try:
+                return await self._route({**fields, "agent_id": pinned}, ns)
+            except (NoMatchError, UnknownAgentError):
+                self._timed_out.pop(key, None)
+        try:
+            return await self._route(fields, ns)
+        except MeshTimeoutError as err:
+            agent = err.details.get("agent_id")
+            if isinstance(agent, str):
+                self._timed_out[key] = agent
+                self._timed_out.move_to_end(key)
+                if len(self._timed_out) > _PINS_KEPT:
+                    self._timed_out.popitem(last=False)
+            raise
+
+    async def _route(self, fields: _RouteFields, ns: str) -> TaskResult:
+        """One request as asked: through a hub (proxy), or decided by one (direct)."""
         timeout = fields["timeout"]
         mode = fields["mode"]
         headers = inject({})

@@ -9,12 +9,14 @@ same workflow (same id, same spec) stays a no-op.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Task
+from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
 from reach_mesh.workflow import StepResult, TaskStatusEvent
 
@@ -198,3 +200,92 @@ async def test_an_id_free_again_after_its_record_expired_runs_anew(
     ]
     assert [r.steps[0].cached for r in results] == [False] * 3
     assert fleet.runs == {"again-1": 3}
+
+
+def finishing_agents(
+    fleet: Fleet, names: tuple[str, ...], cap: str, runs: dict[str, int], release: asyncio.Event
+) -> None:
+    """Agents whose handler of ``cap`` counts its runs and finishes only once ``release`` is
+    set, even past its timeout: its side effect is under way, so its answer comes after the
+    hub gave up and the caller never gets it."""
+    for name in names:
+        agent = fleet.agent(name)
+
+        @agent.handler(cap)
+        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
+            runs[agent_id] = runs.get(agent_id, 0) + 1
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await release.wait()
+            return agent_id
+
+
+async def test_a_request_retried_with_its_task_id_goes_to_the_agent_that_has_it(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """A request whose answer the caller never got (its agent finished after the hub's
+    timeout) asked again with the same ``task_id`` — by capability, no ``agent_id`` — goes
+    to the agent that has it: that agent's idempotency cache answers from the run under way,
+    and the task runs once. Least-loaded alone would send it to the idle agent, which would
+    run it a second time."""
+    fleet = Fleet(settings)
+    runs: dict[str, int] = {}
+    release = asyncio.Event()
+    finishing_agents(fleet, ("pin.a1", "pin.a2"), "pin:slow:v1", runs, release)
+    for agent in fleet.agents:
+        await agent.start()
+    try:
+        async with Client(settings=settings) as mesh:
+            with pytest.raises(MeshTimeoutError) as first:
+                await mesh.request(capability="pin:slow:v1", task_id="order-9", timeout=0.5)
+            ran_on = first.value.details["agent_id"]
+            assert runs == {ran_on: 1}
+            retry = asyncio.ensure_future(
+                mesh.request(capability="pin:slow:v1", task_id="order-9", timeout=5)
+            )
+            await asyncio.sleep(0.3)
+            release.set()
+            res = await retry
+            assert res.agent_id == ran_on and res.result == ran_on
+            assert runs == {ran_on: 1}, runs
+            # Another task id is routed as before (least-loaded: the idle agent).
+            other = await mesh.request(capability="pin:slow:v1", task_id="order-10", timeout=5)
+            assert other.state is TaskState.SUCCEEDED
+    finally:
+        release.set()
+        await fleet.close()
+
+
+async def test_a_timed_out_task_asked_of_another_hub_goes_to_the_same_agent(
+    settings: MeshSettings,
+) -> None:
+    """The client remembers the agent a ``REACH_TIMEOUT`` named: asked again with the same
+    ``task_id``, the task goes there through a hub that never routed it (the first one is
+    gone), and runs once."""
+    fleet = Fleet(settings)
+    runs: dict[str, int] = {}
+    release = asyncio.Event()
+    finishing_agents(fleet, ("pin.b1", "pin.b2"), "pin:held:v1", runs, release)
+
+    first_hub = Hub(settings=settings)
+    await first_hub.start()
+    try:
+        for agent in fleet.agents:
+            await agent.start()
+        async with Client(settings=settings) as mesh:
+            with pytest.raises(MeshTimeoutError) as first:
+                await mesh.request(capability="pin:held:v1", task_id="order-11", timeout=0.5)
+            ran_on = first.value.details["agent_id"]
+            async with Hub(settings=settings):
+                await first_hub.close()
+                retry = asyncio.ensure_future(
+                    mesh.request(capability="pin:held:v1", task_id="order-11", timeout=5)
+                )
+                await asyncio.sleep(0.3)
+                release.set()
+                res = await retry
+                assert res.agent_id == ran_on and runs == {ran_on: 1}, runs
+    finally:
+        release.set()
+        await fleet.close()
+        await first_hub.close()

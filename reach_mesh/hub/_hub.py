@@ -43,7 +43,7 @@ from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableError, ReachError
 from reach_mesh.hub._control import VIEW_RATE, ControlMixin
 from reach_mesh.hub._dashboard import Dashboard
-from reach_mesh.hub._routing import RoutingMixin
+from reach_mesh.hub._routing import RoutingMixin, TaskPins
 from reach_mesh.hub.audit import AuditLog, Repeats
 from reach_mesh.hub.registry import Registry
 from reach_mesh.hub.router import Router
@@ -108,6 +108,7 @@ class Hub(RoutingMixin, ControlMixin):
         # Attempts decided in this pass of the event loop, per agent, and batches already full;
         # one task sends them all when the pass ends.
         self._outboxes = {}
+        self._pins = TaskPins()
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher

@@ -12,6 +12,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -64,6 +65,34 @@ _UNKNOWN_NS: Final = "*"
 #: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
 #: is unknown, so a short one (the SDK adds its own growing backoff).
 _FAIR_SHARE_RETRY_MS: Final = 100
+#: Caller-chosen task ids whose agent a hub remembers (``TaskPins``).
+PINS_KEPT: Final = 100_000
+
+
+class TaskPins:
+    """The agent each caller-chosen task id was last routed to by this hub, the newest
+    ``PINS_KEPT``: a retry of the task (same ``task_id``, after a ``REACH_TIMEOUT`` or a lost
+    reply) goes to the same agent while it is routable, whose idempotency cache then answers
+    it from the run it has (running or finished) instead of another agent running it again.
+    One dictionary lookup per route with a ``task_id``, and an insert per attempt sent."""
+
+    __slots__ = ("_agents",)
+
+    def __init__(self) -> None:
+        self._agents: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def get(self, namespace: str, task_id: str) -> str | None:
+        return self._agents.get((namespace, task_id))
+
+    def pin(self, namespace: str, task_id: str, agent_id: str) -> None:
+        agents = self._agents
+        key = (namespace, task_id)
+        if agents.get(key) == agent_id:
+            return
+        agents[key] = agent_id
+        agents.move_to_end(key)
+        if len(agents) > PINS_KEPT:
+            agents.popitem(last=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -91,6 +120,7 @@ class RoutingMixin(RouteEndMixin):
     _sender: asyncio.Task[None] | None
     _route_throttle: Throttle
     _route_seconds: LoopHistogram
+    _pins: TaskPins
     _local_ids: itertools.count[int]
 
     if TYPE_CHECKING:
@@ -173,7 +203,10 @@ class RoutingMixin(RouteEndMixin):
         flight.batch_reply = batch_reply
         flights.take(flight.ns)
         req = flight.req
-        if req.session_id is not None or (
+        if req.task_id is not None and req.agent_id is None:
+            # A retry of a task this hub routed: to the agent that has it, if still routable.
+            flight.sticky = self._pins.get(flight.ns, req.task_id)
+        if (req.session_id is not None and flight.sticky is None) or (
             req.agent_id is not None and req.agent_id not in self.registry.agents
         ):
             self._spawn(self._lookup_then_attempt(flight))
@@ -250,7 +283,7 @@ class RoutingMixin(RouteEndMixin):
         registered through another hub that this hub's watch has not shown yet."""
         req = flight.req
         try:
-            if req.session_id is not None:
+            if req.session_id is not None and flight.sticky is None:
                 flight.sticky = await self.sessions.get(flight.ns, req.session_id)
             if req.agent_id is not None and req.agent_id not in self.registry.agents:
                 await self.registry.fetch(req.agent_id)
@@ -305,6 +338,8 @@ class RoutingMixin(RouteEndMixin):
         if req.dry_run:
             await self._finish(flight, subject=view.record.task_subject)
             return
+        if req.task_id is not None and req.agent_id is None:
+            self._pins.pin(flight.ns, req.task_id, view.agent_id)
         if req.mode == "direct":
             view.assigned(self.registry.now)
             await self._finish(
