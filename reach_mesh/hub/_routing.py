@@ -12,7 +12,6 @@ import heapq
 import itertools
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -65,34 +64,36 @@ _UNKNOWN_NS: Final = "*"
 #: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
 #: is unknown, so a short one (the SDK adds its own growing backoff).
 _FAIR_SHARE_RETRY_MS: Final = 100
-#: Caller-chosen task ids whose agent a hub remembers (``TaskPins``).
+#: Task ids whose agent a hub remembers, at most (``TaskPins``).
 PINS_KEPT: Final = 100_000
 
 
 class TaskPins:
-    """The agent each caller-chosen task id was last routed to by this hub, the newest
-    ``PINS_KEPT``: a retry of the task (same ``task_id``, after a ``REACH_TIMEOUT`` or a lost
-    reply) goes to the same agent while it is routable, whose idempotency cache then answers
-    it from the run it has (running or finished) instead of another agent running it again.
-    One dictionary lookup per route with a ``task_id``, and an insert per attempt sent."""
+    """The agent each task id was last routed to by this hub: a retry of the task (same
+    ``task_id``, after a ``REACH_TIMEOUT`` or a lost reply) goes to the same agent while it is
+    routable, whose idempotency cache then answers it from the run it has (running or
+    finished) instead of another agent running it again.
 
-    __slots__ = ("_agents",)
+    Two generations of plain dicts, each up to half of ``PINS_KEPT``: an insert and at most
+    two lookups per route (an LRU's bookkeeping cost several times that on the hot path); a
+    pin lives between half and all of ``PINS_KEPT`` routes."""
+
+    __slots__ = ("_new", "_old")
 
     def __init__(self) -> None:
-        self._agents: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._new: dict[tuple[str, str], str] = {}
+        self._old: dict[tuple[str, str], str] = {}
 
     def get(self, namespace: str, task_id: str) -> str | None:
-        return self._agents.get((namespace, task_id))
+        key = (namespace, task_id)
+        agent = self._new.get(key)
+        return self._old.get(key) if agent is None else agent
 
     def pin(self, namespace: str, task_id: str, agent_id: str) -> None:
-        agents = self._agents
-        key = (namespace, task_id)
-        if agents.get(key) == agent_id:
-            return
-        agents[key] = agent_id
-        agents.move_to_end(key)
-        if len(agents) > PINS_KEPT:
-            agents.popitem(last=False)
+        new = self._new
+        new[(namespace, task_id)] = agent_id
+        if len(new) >= PINS_KEPT // 2:
+            self._old, self._new = new, {}
 
 
 @dataclass(slots=True, eq=False)
