@@ -20,6 +20,7 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState
 from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import AgentBusyError
 from reach_mesh.hub import Hub
 from reach_mesh.workflow import step_task_id
 
@@ -208,5 +209,58 @@ async def test_a_step_that_waits_for_a_slot_is_timed_from_its_start(
                 assert [st.attempts for st in res.steps] == [1, 1]
                 assert sorted(st.result for st in res.steps) == [0, 1]
                 assert hub.workflows is not None and hub.workflows.overdue_total == 0
+        finally:
+            await fleet.close()
+
+
+async def test_a_wedged_agent_takes_no_work_and_gives_back_what_waits(
+    wf_settings: MeshSettings, release_all: list[Stubborn]
+) -> None:
+    """An agent whose every slot is held by a handler past its timeout takes no new work
+    until one returns: a step waiting there for a slot is given back when the hub asks about
+    it (and runs elsewhere long before its deadline), a task is refused before it is
+    accepted, and its heartbeats report its capabilities unavailable."""
+    s = wf_settings.model_copy(update={"handler_abandon_grace": 0.3, "step_overdue_grace": 60.0})
+    cap = "wf:wedged:v1"
+    fleet = Fleet(s)
+    async with Hub(settings=s) as hub:
+        wedged = fleet.agent("wedged.a1", max_concurrency=1, max_queue=4)
+        stuck = stubborn_handler(wedged, cap)
+        release_all.append(stuck)
+        await wedged.start()
+        try:
+            async with Client(settings=s) as mesh:
+                first = await mesh.submit_fanout(
+                    [Step(capability=cap, timeout=0.3, retries=0)], timeout=30
+                )
+                await asyncio.wait_for(stuck.started.wait(), 5)
+                t0 = time.monotonic()
+                second = await mesh.submit_fanout(
+                    [Step(capability=cap, payload=2, timeout=5, retries=0)], timeout=30
+                )
+                await eventually(lambda: wedged._waiting == 1)  # behind the stuck handler
+                good = fleet.agent("good.a1")
+                good_handler(good, cap)
+                await good.start()
+
+                res = await mesh.workflow(first, timeout=20)
+                assert res.state is TaskState.TIMEOUT, res
+                await eventually(lambda: wedged.wedged)
+                res = await mesh.workflow(second, timeout=20)
+                assert res.state is TaskState.SUCCEEDED, res
+                assert res.steps[0].agent_id == good.agent_id and res.steps[0].attempts == 2
+                assert time.monotonic() - t0 < 10
+                assert stuck.started.is_set() and wedged.inflight == 1
+
+                with pytest.raises(AgentBusyError, match="did not stop at its timeout"):
+                    await mesh.request(agent_id=wedged.agent_id, timeout=1)
+                view = hub.registry.agents[wedged.agent_id]
+                await eventually(lambda: view.unavailable == frozenset({cap}))
+
+                # Once the handler returns, the agent takes work again.
+                stuck.release.set()
+                await eventually(lambda: not wedged.wedged and not view.unavailable)
+                reply = await mesh.request(agent_id=wedged.agent_id, timeout=5)
+                assert reply.state is TaskState.SUCCEEDED
         finally:
             await fleet.close()

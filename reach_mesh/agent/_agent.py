@@ -464,7 +464,8 @@ class Agent(ServingMixin):
             inflight=self._running,
             queue_depth=self._waiting,
             pressure=self.pressure,
-            unavailable=sorted(self.unavailable),
+            # Wedged (every slot held by a handler past its timeout): nothing can be served.
+            unavailable=self.capabilities if self.wedged else sorted(self.unavailable),
             draining=self.status is AgentStatus.DRAINING,
         )
         sent = time.monotonic()

@@ -35,6 +35,7 @@ class _Alarm:
         tb: TracebackType | None,
     ) -> None:
         if self.expired:
+            self._deadlines.overdue.pop(self, None)
             # Ours was the cancellation unless another one came meanwhile (shutdown): then that
             # one wins and the CancelledError goes on. The same test as asyncio.timeout's.
             if self.task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
@@ -54,7 +55,7 @@ class _Deadlines:
     once when they outnumber the armed ones (so the heap stays near the number running).
     """
 
-    __slots__ = ("_dead", "_heap", "_loop", "_seq", "_timer", "_timer_at")
+    __slots__ = ("_dead", "_heap", "_loop", "_seq", "_timer", "_timer_at", "overdue")
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, _Alarm]] = []
@@ -63,6 +64,16 @@ class _Deadlines:
         self._timer_at = math.inf
         self._dead = 0
         self._seq = itertools.count()
+        #: Handlers past their deadline that have not returned yet (cancelled, and still
+        #: running: cleaning up, or ignoring the cancellation) -> when (loop time) it expired.
+        self.overdue: dict[_Alarm, float] = {}
+
+    def stuck(self, grace: float) -> int:
+        """Handlers still running ``grace`` seconds or more past their deadline."""
+        if not self.overdue or self._loop is None:
+            return 0
+        limit = self._loop.time() - grace
+        return sum(1 for expired in self.overdue.values() if expired <= limit)
 
     def arm(self, timeout: float) -> _Alarm:
         """An alarm cancelling the current task ``timeout`` seconds from now."""
@@ -110,6 +121,7 @@ class _Deadlines:
             heapq.heappop(heap)
             alarm.armed = False
             alarm.expired = True
+            self.overdue[alarm] = when
             alarm.task.cancel()
         if heap:
             self._timer_at = heap[0][0]

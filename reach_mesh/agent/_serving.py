@@ -210,6 +210,18 @@ class ServingMixin:
                 req, protocol.encode_error(AgentBusyError(f"{self.agent_id} is draining"))
             )
             return
+        if self._running >= self.max_concurrency and self.wedged:
+            await self._respond(
+                req,
+                protocol.encode_error(
+                    AgentBusyError(
+                        f"{self.agent_id} has every handler slot held by a handler that did "
+                        "not stop at its timeout",
+                        agent_id=self.agent_id,
+                    )
+                ),
+            )
+            return
         if self._running + self._waiting >= self.max_concurrency + self.max_queue:
             await self._respond(
                 req,
@@ -239,6 +251,18 @@ class ServingMixin:
         self._remember(env.task_id, entry)
         self._waiting += 1
         self._spawn(self._run(req, env, handler, entry))
+
+    @property
+    def wedged(self) -> bool:
+        """Every handler slot is held by a handler still running ``handler_abandon_grace``
+        past its deadline (one that ignores its cancellation). Until one returns, the agent
+        takes no new work: it refuses tasks (``REACH_AGENT_BUSY``, before accepting them),
+        reports every capability unavailable in its heartbeats, and gives up the steps that
+        wait for a slot when a hub asks about them (``WorkConsumer.promise``)."""
+        deadlines = self._deadlines
+        return bool(deadlines.overdue) and (
+            deadlines.stuck(self.settings.handler_abandon_grace) >= self.max_concurrency
+        )
 
     def _pick_handler(self, capability: str | None) -> _Handler | None:
         if capability is None:
@@ -723,6 +747,15 @@ class ServingMixin:
             # In hand, its fence being read: the hub must not give this attempt up.
             return protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})
         if entry is not None and entry.reply is None:
+            if (
+                fence is not None
+                and self.work is not None
+                and self.work.give_up_queued(task_id, fence, asker)
+            ):
+                # It waited for a slot that handlers past their timeout hold (wedged).
+                return protocol.dumps(
+                    {"task_id": task_id, "state": TaskState.PENDING, "fenced": True}
+                )
             # Running (this attempt or an earlier one): either may deliver.
             return protocol.dumps(
                 {"task_id": task_id, "attempt": entry.attempt, "state": entry.state}

@@ -173,6 +173,28 @@ class WorkConsumer:
         self.fences.never_start(task_id, attempt, workflow_id)
         return True
 
+    def give_up_queued(self, task_id: str, attempt: int, workflow_id: str | None) -> bool:
+        """While the agent is wedged (``Agent.wedged``: every slot held by a handler past its
+        timeout), a hub about to give up ``attempt`` of a step that waits here for a slot
+        gets it back: dropped unrun, and promised never to start (the hub sends it
+        elsewhere). Its task is before its handler starts, at an await: cancelled, it acks
+        the message without a status (``_run``, fenced). True when given up."""
+        held = self._held.get(task_id)
+        if (
+            held is None
+            or held.accepted_at is not None
+            or held.task is None
+            or held.env.attempt > attempt
+            or (workflow_id is not None and held.env.workflow_id != workflow_id)
+            or not self._agent.wedged
+        ):
+            return False
+        held.fenced = True
+        held.task.cancel()
+        self.fenced += 1
+        self.fences.never_start(task_id, attempt, workflow_id)
+        return True
+
     async def start(self) -> None:
         """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
         leader): then the agent still starts — request-reply is core NATS — and the consumer
