@@ -67,7 +67,8 @@ _STARTED: Final = frozenset({TaskState.ACCEPTED, TaskState.RUNNING})
 #: What asking an agent about the current attempt told us.
 #: ``done``: its outcome is now known; ``alive``: the agent has it (or an older attempt of the
 #: step) in hand — or gave no usable answer while its lease holds (silence is not "I do not
-#: have it"); ``gone``: the agent does not have it, or is not there and its lease lapsed.
+#: have it"); ``gone``: the agent does not have it, or is not there and its lease lapsed, or
+#: it is there but deaf (heard after its ctl subject had no responders, which it still has).
 Verdict = Literal["done", "alive", "gone"]
 
 
@@ -228,6 +229,11 @@ class StatusTracker:
         self._said = LineBudget(_SAY_EVERY)
         #: Test seam (fault injection): return False to drop a status event as if lost.
         self.status_filter: Callable[[TaskStatusEvent], bool] | None = None
+        #: Steps whose last ``task_state`` question found nobody on its agent's ctl subject,
+        #: by task key: (agent, attempt, when — the registry's clock, at the answer — and
+        #: whether the agent was taken for deaf since). Dropped when the step is closed, hears
+        #: from its attempt, or is asked again (``_no_responders`` puts it back).
+        self._unanswered: dict[str, tuple[str, int, float, bool]] = {}
 
     # ------------------------------------------------------------------ tracks
 
@@ -324,6 +330,7 @@ class StatusTracker:
         track.outcomes.clear()
         if self._tracks.get(track.key) is track:
             del self._tracks[track.key]
+            self._unanswered.pop(track.key, None)
         if decided_by is not None:
             self._decided[track.key] = decided_by
             self._decided.move_to_end(track.key)
@@ -389,6 +396,8 @@ class StatusTracker:
             now = track.last_event = track.heard_at = asyncio.get_running_loop().time()
             if track.started_at is None and track.machine.state in _STARTED:
                 track.started_at = now
+            # Heard from: an earlier "no responders" says nothing about its next silence.
+            self._unanswered.pop(track.key, None)
         elif (
             track.agent_id is None
             and not event.state.final
@@ -544,11 +553,14 @@ class StatusTracker:
         attempt ``fence`` is about to be given up: an agent without it in hand promises never
         to start it (``"fenced": true``)."""
         try:
-            msg = await self._task_state(agent_id, track.task_id, track.workflow_id, fence)
+            try:
+                msg = await self._task_state(agent_id, track.task_id, track.workflow_id, fence)
+            finally:
+                # What the last question found counts only if this one finds nobody too
+                # (taken after it: a status heard from the attempt meanwhile dropped it).
+                unanswered = self._unanswered.pop(track.key, None)
         except NoRespondersError:
-            # Nobody on its ctl subject: dead, or cut off and reconnecting (a NATS node lost).
-            # Only a lapsed lease says which; a reconnecting agent may still take the attempt.
-            return "alive" if self.lease_fresh(agent_id) else "gone"
+            return self._no_responders(track, agent_id, fence, unanswered)
         except (NatsTimeoutError, TimeoutError):
             return self._by_lease(agent_id)
         except Exception:
@@ -574,6 +586,49 @@ class StatusTracker:
             # This attempt or an earlier one of the same step: either may deliver.
             return "alive"
         return "gone"  # PENDING: the agent never saw it
+
+    def _no_responders(
+        self,
+        track: StepTrack,
+        agent_id: str,
+        attempt: int,
+        before: tuple[str, int, float, bool] | None,
+    ) -> Verdict:
+        """Nobody on the agent's ctl subject: dead, cut off and reconnecting (a NATS node
+        lost), or connected but deaf (its subscriptions gone while its heartbeats go on — a
+        client whose subscription loop died). A lapsed lease says dead. While it holds, a
+        reconnecting agent may still take the attempt; but a reconnecting agent sends no
+        heartbeats, and its subscriptions are back before its first beat after the reconnect.
+        So one heard by this hub strictly after the ctl subject first had no responders (the
+        registry's ``last_seen``, on its own clock), with nobody there when asked again, is
+        deaf: gone, and counted as a delivery failure on its breaker and health. Once only per
+        attempt: the recheck after the fence finds it deaf still."""
+        if not self.lease_fresh(agent_id):
+            return "gone"
+        view = self._registry.agents.get(agent_id)
+        if before is None or before[:2] != (agent_id, attempt) or view is None:
+            self._unanswered[track.key] = (agent_id, attempt, self._registry.now, False)
+            return "alive"
+        since, deaf = before[2], before[3]
+        if not deaf and view.last_seen <= since:
+            self._unanswered[track.key] = before
+            return "alive"  # not heard since: it may be reconnecting
+        self._unanswered[track.key] = (agent_id, attempt, since, True)
+        if not deaf:
+            # What a route that found no responders counts (``RouteEndMixin._failed``): an
+            # agent that stays deaf is demoted (health), then quarantined (its breaker opens).
+            view.health.delivery_failure()
+            view.breaker.record(False)
+            self._registry.regrade(view)
+            if self._said.take(("deaf", agent_id)) is not None:
+                log.warning(
+                    "%s is heard but nobody answers on its ctl subject (its subscriptions are "
+                    "gone): attempt %d of %s given up",
+                    agent_id,
+                    attempt,
+                    track.task_id,
+                )
+        return "gone"
 
     async def held_outcome(
         self, task_id: str, workflow_id: str, agent_id: str, attempt: int

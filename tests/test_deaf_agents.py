@@ -1,0 +1,134 @@
+"""An agent heard but deaf, told apart from one reconnecting, on a real nats-server.
+
+- An agent whose heartbeats go on while nothing reaches it (its task, batch and ctl
+  subscriptions gone, its work consumer stopped: a client whose subscription loop died) is
+  given up on at its second probe, not at the workflow's deadline: the step is sent to another
+  agent and the workflow succeeds; the deaf agent's breaker counts the failure.
+- An agent cut off from NATS for several probes (no heartbeats, nobody on its ctl subject)
+  while its lease holds keeps its attempt: it may be reconnecting, and it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step, TaskState
+from reach_mesh.agent import Agent
+from reach_mesh.hub import Hub
+
+from .helpers import Fleet, Relay, echo_agent, eventually, held_handler
+
+pytestmark = pytest.mark.timeout(90)
+
+
+async def _deafen(agent: Agent) -> None:
+    """Nothing reaches ``agent`` any more, while its heartbeats go on."""
+    assert agent.work is not None and agent._hb_task is not None
+    await agent.work.stop()
+    for sub in list(agent._subs):
+        await sub.unsubscribe()
+        agent._subs.remove(sub)
+    await agent.nc.flush()  # the server dropped its interest before any hub asks
+
+
+def _sent_to(hub: Hub, wf_id: str, agent_id: str) -> bool:
+    """Whether ``hub`` runs a step of ``wf_id`` whose current attempt went to ``agent_id``."""
+    assert hub.workflows is not None
+    tracks = hub.workflows._tracker._tracks.values()
+    return any(t.workflow_id == wf_id and t.agent_id == agent_id for t in tracks)
+
+
+def _heard_since(hub: Hub, agent_id: str) -> Callable[[], bool]:
+    """Whether ``hub`` has heard ``agent_id`` since this was called."""
+    seen = hub.registry.agents[agent_id].last_seen
+    return lambda: hub.registry.agents[agent_id].last_seen > seen
+
+
+@pytest.mark.parametrize("kind", ["fanout", "chain"])
+async def test_a_step_sent_to_a_deaf_agent_is_sent_elsewhere(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, kind: str
+) -> None:
+    """The deaf agent D is the only one when the workflow starts, so its first step goes to D;
+    H starts then. D's lease holds (it beats every 0.2 s), so "no responders" alone would keep
+    the attempt until the deadline (30 s): D is heard after its ctl subject first had nobody,
+    and has nobody still at the next probe — deaf. The step goes to H and the workflow
+    succeeds in a few seconds."""
+    cap = f"wf:deaf{kind}:v1"
+    deaf = echo_agent(fleet, f"deaf{kind}.d", cap)
+    healthy = echo_agent(fleet, f"deaf{kind}.h", cap)
+    await deaf.start()
+    await _deafen(deaf)
+    loop = asyncio.get_running_loop()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [Step(capability=cap, payload=i) for i in range(2 if kind == "chain" else 1)]
+        submit = mesh.submit_fanout if kind == "fanout" else mesh.submit_chain
+        t0 = loop.time()
+        wf_id = await submit(steps, timeout=30)
+        await eventually(lambda: _sent_to(wf_hub, wf_id, deaf.agent_id), timeout=5)
+        await healthy.start()
+        res = await mesh.workflow(wf_id, timeout=30)
+        took = loop.time() - t0
+        view = await mesh.inspect_workflow(wf_id)
+    assert res.state is TaskState.SUCCEEDED, res.error
+    assert took < 10.0, took  # two probes and a retry, not the 30 s deadline
+    assert [s.agent_id for s in res.steps] == [healthy.agent_id] * len(steps)
+    first = view.steps[0].history[0]
+    assert (first.attempt, first.agent_id, first.code) == (1, deaf.agent_id, "lost"), first
+    assert sum(fleet.runs.values()) == len(steps)  # each step ran once, on H
+    # Counted as the delivery failure it is: a deaf agent that stays so is quarantined.
+    view_d = wf_hub.registry.agents[deaf.agent_id]
+    assert view_d.breaker.counts()[1] >= 1
+
+
+async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(
+    wf_hub: Hub, fleet: Fleet, nats_url: str, wf_settings: MeshSettings
+) -> None:
+    """A reconnecting agent is not deaf: cut off (its connection gone, so no heartbeats and
+    nobody on its ctl subject) for several silence timeouts while its lease (10 s) holds, then
+    back — and then cut off once more, after its heartbeats and RUNNING statuses were heard
+    again (heard from its attempt, the first cut's "no responders" no longer counts). It is
+    never heard while its ctl subject has nobody, so the step keeps its attempt: B never runs
+    it, and A's result decides it with one attempt."""
+    ns = wf_settings.namespace
+    cap = "wf:cutoff:v1"
+    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
+    await relay.start()
+    settings = wf_settings.model_copy(
+        update={
+            "nats_url": f"nats://127.0.0.1:{relay.port}",
+            "heartbeat_interval": 1.0,
+            "lease_timeout": 10.0,
+        }
+    )
+    a = Agent(f"{ns}.cutoff.a", settings=settings)
+    fleet.agents.append(a)
+    on_a = held_handler(a, cap, "answer of A")
+    b = fleet.agent("cutoff.b")
+    on_b = held_handler(b, cap, "answer of B")
+    await a.start()
+    assert wf_hub.workflows is not None
+    tracker = wf_hub.workflows._tracker
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
+        await asyncio.wait_for(on_a.started.wait(), 5)
+        await b.start()
+        for away in (3.0, 2.0):
+            await relay.cut()
+            await eventually(lambda: not a.nc.is_connected, timeout=5)
+            # Silence timeout 0.8 s: every probe meanwhile finds nobody on A's ctl subject.
+            await asyncio.sleep(away)
+            assert tracker.lease_fresh(a.agent_id)  # only heartbeats can tell it from deaf
+            await relay.start()
+            await eventually(lambda: a.nc.is_connected, timeout=10)
+            # Heard again (a heartbeat; its attempt's RUNNING keep-alives come more often).
+            await eventually(_heard_since(wf_hub, a.agent_id), timeout=5)
+            await asyncio.sleep(0.5)
+        on_a.release.set()
+        res = await mesh.workflow(wf_id, timeout=10)
+    assert res.state is TaskState.SUCCEEDED, res.error
+    assert res.result == ["answer of A"]
+    assert res.steps[0].attempts == 1
+    assert not on_b.started.is_set()
