@@ -29,6 +29,7 @@ __all__ = [
     "Refusals",
     "connect",
     "ensure_kv",
+    "flushed",
     "has_credentials",
     "has_identity",
     "not_permitted",
@@ -61,6 +62,8 @@ _MAX_PINGS_OUT: Final = 3
 #: taken for dead (a reconnect), and when the connection is closed on purpose.
 _CLOSE_DEAD: Final = 1.0
 _CLOSE_OWN: Final = 5.0
+#: Round trips :func:`flushed` makes at most.
+_FLUSH_ROUNDS: Final = 4
 #: The server's words for a subject this identity may not use (``-ERR``, handed to error_cb).
 _REFUSED_RE: Final = re.compile(
     r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE
@@ -261,6 +264,28 @@ async def refused_first(nc: NATS, subject: str, aw: Awaitable[T]) -> T:
         return task.result()
     task.cancel()
     raise not_permitted(subject)
+
+
+async def flushed(nc: NATS) -> None:
+    """Return once the server has processed every command ``nc`` sent before the call — its
+    SUBs and UNSUBs included, which ``nc.flush()`` alone does not promise: a subscription is
+    the server's (and a refusal of it has come back), an unsubscribe has taken this
+    connection out of a queue group, before a message from elsewhere needs it.
+
+    nats-py's ``subscribe``, ``unsubscribe`` and ``publish`` queue their command for its
+    flusher task and return; ``flush()`` writes its PING straight to the socket, ahead of what
+    is still queued, so its PONG can come back before the server has seen those commands. A
+    PING written while nothing is queued is behind all of them: flushed until one was (its
+    count, ``pending_data_size``, holds a PING's bytes too until the flusher runs — one round
+    trip more at worst). A connection other tasks publish on meanwhile may never find its
+    queue empty: after ``_FLUSH_ROUNDS`` round trips it settles for the last PING — the
+    flusher, kicked before the first, has written that queue by then (unless the socket has
+    been backed up all along)."""
+    for _ in range(_FLUSH_ROUNDS):
+        queued = nc.pending_data_size > 0
+        await nc.flush()  # (nothing awaited between the test and the PING's write)
+        if not queued:
+            return
 
 
 class _Connection(NATS):

@@ -24,6 +24,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import MeshSettings, protocol
+from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
@@ -189,7 +190,7 @@ async def heal(agent: Agent, *, beat: bool = True) -> None:
     agent._subs.append(
         await agent.nc.subscribe(protocol.agent_ctl(agent.agent_id), cb=agent._on_ctl)
     )
-    await agent.nc.flush()  # subscribed before a hub's next ctl request
+    await flushed(agent.nc)  # subscribed before a hub's next ctl request
     if beat:
         agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
 

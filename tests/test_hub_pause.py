@@ -17,6 +17,7 @@ from typing import Any
 import nats
 
 from reach_mesh import MeshSettings, protocol
+from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._agent import _BEAT_TRIES
 from reach_mesh.hub import Hub
@@ -50,7 +51,7 @@ async def _silent_hub(settings: MeshSettings) -> AsyncIterator[list[str]]:
     sub = await nc.subscribe(
         protocol.hub_agent_subject("*.*.*", "heartbeat"), queue=protocol.HUB_QUEUE, cb=swallow
     )
-    await nc.flush()  # in the queue group before the caller's agents beat
+    await flushed(nc)  # in the queue group before the caller's agents beat
     try:
         yield taken
     finally:

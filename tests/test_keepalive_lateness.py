@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import pytest
 
 from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, TaskState
+from reach_mesh._nats import flushed
 from reach_mesh.hub import Hub
 
 from .helpers import Fleet, LoopThread, eventually, held_handler
@@ -90,7 +91,7 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
             # pull request still open on the server (a race the stalled hub may win). Flushed:
             # the server has A's unsubscribe before A stalls, and drops its open pulls.
             await side.run(engine_a._pull.stop())
-            await side.run(hub_a.nc.flush())
+            await side.run(flushed(hub_a.nc))
             # Longer than an ack wait, whatever the keepalive's phase: its next pass is
             # late by its own clock (a +WPI buffered just before the stall is only sent
             # after it, so B's takeover alone would not say that much time passed).

@@ -37,6 +37,7 @@ from reach_mesh import (
     protocol,
 )
 from reach_mesh._auth import AuthDir
+from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.logs import LineBudget
@@ -986,6 +987,19 @@ async def test_hubs_with_a_caller_identity_is_not_permitted_at_once(mesh: Mesh) 
         assert refused.value.details["subject"] == f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}"
 
 
+async def test_flushed_returns_once_the_server_has_the_subscriptions(as_identity: Any) -> None:
+    """``flushed`` returns once the server has the SUBs sent before it: its refusal of one
+    has come back. (``nc.flush()`` alone does not promise it: nats-py queues a SUB for its
+    flusher task, and writes a flush's PING straight to the socket, ahead of it.)"""
+    conn = await as_identity("caller", NS)
+    ctl = protocol.agent_ctl(VICTIM)  # an agent's own: never a caller's
+    await conn.nc.subscribe(ctl)
+    assert conn.nc.pending_data_size > 0  # the SUB waits for the flusher
+    await flushed(conn.nc)
+    refused = f'permissions violation for subscription to "{ctl.lower()}"'
+    assert any(refused in e for e in conn.errors), conn.errors
+
+
 async def test_an_agent_with_another_identity_is_not_permitted_at_once(
     mesh: Mesh, tmp_path: Path
 ) -> None:
@@ -1007,8 +1021,8 @@ async def test_an_agent_with_another_identity_is_not_permitted_at_once(
         t0 = loop.time()
         with pytest.raises(NotPermittedError) as refused:
             await agent.start()
-        # At once, not after 30 s: the server refuses its subscriptions before it answers the
-        # agent's second flush (nats-py sends a flush's PING ahead of queued SUBs).
+        # At once, not after 30 s: the server refuses its subscriptions before its answer to
+        # the PING the agent's start sends after them (``flushed``).
         assert loop.time() - t0 < 3.0
         message = refused.value.message
         assert f"may not register agent id {stray}" in message, message

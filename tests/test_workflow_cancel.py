@@ -31,6 +31,7 @@ from reach_mesh import (
     UnknownWorkflowError,
     protocol,
 )
+from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub.workflows import WorkflowEngine
@@ -438,7 +439,11 @@ async def test_a_cancel_asked_of_another_hub_goes_to_the_owner(
             verb = protocol.hub_subject("*", "cancel")
             (sub,) = [sub for sub in wf_hub._subs if sub.subject == verb]
             await sub.unsubscribe()
-            await wf_hub.nc.flush()
+            # The server has the unsubscribe: no cancel goes to the owner after (nc.flush()
+            # alone sends its PING ahead of the UNSUB; a cancel the server still gave the
+            # owner's subscription would be dropped there unanswered, the client's first ask
+            # waited out).
+            await flushed(wf_hub.nc)
             answer = await mesh.cancel_workflow(first, reason="via another hub")
             assert answer.final and answer.cancelled and answer.owner == wf_hub.hub_id, answer
             assert answer.result is not None and answer.result.hub_id == wf_hub.hub_id
@@ -448,7 +453,7 @@ async def test_a_cancel_asked_of_another_hub_goes_to_the_owner(
             peer = protocol.hub_peer("*", "cancel", wf_hub.hub_id)
             (sub,) = [sub for sub in wf_hub._subs if sub.subject == peer]
             await sub.unsubscribe()
-            await wf_hub.nc.flush()
+            await flushed(wf_hub.nc)
             with pytest.raises(MeshUnavailableError, match="nothing was cancelled"):
                 await mesh.cancel_workflow(second, timeout=1.0)
             assert (await mesh.inspect_workflow(second)).state is TaskState.RUNNING

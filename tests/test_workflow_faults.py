@@ -35,6 +35,7 @@ from reach_mesh import (
     WorkflowConflictError,
     protocol,
 )
+from reach_mesh._nats import flushed
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub._tracking import StatusTracker, parse_task_state
@@ -275,7 +276,7 @@ async def test_probe_reads_a_raw_agents_answer(
             await msg.respond(json.dumps(out).encode())
 
         sub = await mesh.nc.subscribe(protocol.agent_ctl(agent_id), cb=ctl)
-        await mesh.nc.flush()  # the server has the subscription before the hub's probe
+        await flushed(mesh.nc)  # the server has the subscription before the hub's probe
         assert hub.workflows is not None
         tracker = StatusTracker(hub.nc, hub.workflows._jsc, hub.registry)
         rec = TaskRecord(

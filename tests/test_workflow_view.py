@@ -23,6 +23,7 @@ from reach_mesh import (
     WorkflowView,
     protocol,
 )
+from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub._control import VIEWS_AT_ONCE
@@ -94,7 +95,7 @@ async def test_a_running_workflow_seen_by_its_owner_and_by_another_hub(
             verb = protocol.hub_subject("*", "workflow")
             (sub,) = [sub for sub in wf_hub._subs if sub.subject == verb]
             await sub.unsubscribe()
-            await wf_hub.nc.flush()  # the server has it: no question goes to it after
+            await flushed(wf_hub.nc)  # the server has it: no question goes to it after
             for _ in range(3):
                 asked = await mesh.inspect_workflow(wf_id)
                 assert asked.live and asked.hub_id == wf_hub.hub_id, asked
@@ -103,7 +104,7 @@ async def test_a_running_workflow_seen_by_its_owner_and_by_another_hub(
             peer = protocol.hub_peer("*", "workflow", wf_hub.hub_id)
             (sub,) = [sub for sub in wf_hub._subs if sub.subject == peer]
             await sub.unsubscribe()
-            await wf_hub.nc.flush()  # the server has it: no question goes to it after
+            await flushed(wf_hub.nc)  # the server has it: no question goes to it after
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             fallback = await mesh.inspect_workflow(wf_id)  # taken by the other hub

@@ -24,6 +24,7 @@ from reach_mesh import (
     TaskState,
     protocol,
 )
+from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState, TaskEnvelope
@@ -1106,8 +1107,8 @@ async def test_a_hub_that_lost_a_workflow_while_paused_stops_keeping_its_submiss
             # before it renews anything: not one +WPI on its older delivery.
             assert await engine_a._keep(check=True)
             await eventually(lambda: (ns, wf_id) not in engine_a.owned, timeout=5)
-            await hub_a.nc.flush()
-            await mesh.nc.flush()
+            await flushed(hub_a.nc)  # anything A sent is at the server, and then here
+            await flushed(mesh.nc)
             assert renewals.pending_msgs == 0
             await renewals.unsubscribe()
             engine_a._ticker = asyncio.create_task(engine_a._keepalive())

@@ -33,7 +33,14 @@ from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
 from reach_mesh._batch import AnswerBatcher
 from reach_mesh._guard import guarded
-from reach_mesh._nats import connect, refused_first, refused_messages, refused_since, shown
+from reach_mesh._nats import (
+    connect,
+    flushed,
+    refused_first,
+    refused_messages,
+    refused_since,
+    shown,
+)
 from reach_mesh._shutdown import within
 from reach_mesh.agent._deadlines import _Deadlines
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
@@ -331,12 +338,9 @@ class Agent(ServingMixin):
                 )
             ctl = protocol.agent_ctl(self.agent_id)
             self._subs.append(await self.nc.subscribe(ctl, cb=guarded(ctl, self._on_ctl)))
-            # The server refuses a subscription before it answers a PING sent after it — but
-            # nats-py writes flush()'s PING straight to the socket, ahead of commands still
-            # queued for its flusher (these SUBs, often): the first PONG can come back before
-            # the server has seen them. The second PING goes out after them.
-            await self.nc.flush()
-            await self.nc.flush()
+            # The server refuses a subscription before it answers a PING sent after it:
+            # ``flushed`` sends one behind these SUBs (nc.flush()'s can go ahead of them).
+            await flushed(self.nc)
             refused = refused_since(self.nc, 0.0, f"reach.agent.{self.agent_id}.")
             if refused is not None:
                 raise self._not_permitted(refused)

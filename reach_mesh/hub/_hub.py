@@ -37,7 +37,7 @@ from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_workflow_retention
 from reach_mesh._guard import guarded
-from reach_mesh._nats import connect, refused_messages, shown
+from reach_mesh._nats import connect, flushed, refused_messages, shown
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableError, ReachError
@@ -221,6 +221,10 @@ class Hub(RoutingMixin, ControlMixin):
             from reach_mesh.hub._micro import start_micro
 
             self.micro = await start_micro(self)
+            # Every subscription above (the micro service's last) is the server's before this
+            # hub says it serves: not promised by nc.flush() alone, whose PING nats-py sends
+            # ahead of SUBs still queued (``flushed``).
+            await flushed(self.nc)
         except BaseException:
             await self.close()
             raise
@@ -274,7 +278,6 @@ class Hub(RoutingMixin, ControlMixin):
         ):
             cb = guarded(subject, on_msg, answers=False)  # nothing answers these
             self._subs.append(await self.nc.subscribe(subject, cb=cb))
-        await self.nc.flush()
 
     @property
     def routing(self) -> int:
