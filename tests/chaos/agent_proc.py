@@ -4,9 +4,11 @@ Settings come from ``REACH_*`` environment variables. The handler of ``chaos:wor
 a ``start`` line before it does anything and an ``end`` line when it ends (``O_APPEND`` writes:
 a SIGKILL loses nothing already written) — the history checker reads them.
 
-Payload: ``{"x": int, "mode": "ok" | "fail" | "slow", "ms": int}``; ``ok`` returns
-``{"x": x + 1}`` after ``ms`` milliseconds, ``fail`` raises a non-retryable ``TaskFailed``,
-``slow`` sleeps ``ms`` (longer than the step timeout: the agent cancels it).
+Payload: ``{"x": int, "mode": "ok" | "fail" | "slow" | "stubborn", "ms": int}``; ``ok``
+returns ``{"x": x + 1}`` after ``ms`` milliseconds, ``fail`` raises a non-retryable
+``TaskFailed``, ``slow`` sleeps ``ms`` (longer than the step timeout: the agent cancels it),
+``stubborn`` too but ignores the cancellation and returns (outcome ``late``: the agent has
+abandoned it by then, and drops what it returns).
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def build(agent_id: str, log_path: str) -> Agent:
         outcome = "error"
         try:
             p = task.payload
+            if p["mode"] == "stubborn":
+                loop = asyncio.get_running_loop()
+                until = loop.time() + p["ms"] / 1000
+                while (left := until - loop.time()) > 0:
+                    try:
+                        await asyncio.sleep(left)
+                    except asyncio.CancelledError:
+                        outcome = "late"  # ignored: its agent abandons it
+                if outcome == "late":
+                    return {"x": -1}  # dropped by the agent (a wrong result, were it kept)
             await asyncio.sleep(p["ms"] / 1000)
             if p["mode"] == "fail":
                 outcome = "failed"

@@ -75,6 +75,10 @@ TIMINGS: dict[str, Any] = {
     "retry_cap": 2.0,
     "pending_interval": 1.0,
     "nats_ping_interval": 0.5,
+    # A stubborn step (2.5 s against a 1 s timeout, ignoring its cancellation) is abandoned
+    # by its agent 1 s past its deadline; the hub's own deadline is later still.
+    "handler_abandon_grace": 1.0,
+    "step_overdue_grace": 4.0,
 }
 
 
@@ -292,13 +296,15 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
         steps = []
         for k in range(3):
             mode = variant if k == odd and variant != "cancel" else "ok"
+            if mode == "slow" and i % 4 >= 2:
+                mode = "stubborn"  # as slow, and it ignores its cancellation
             if variant == "cancel":
                 # Long enough to be cancelled while it runs; one step fails once and is
                 # retried (a failure handled by the hub must not become the step's outcome).
                 mode = "flaky" if k == odd else "ok"
                 ms = rng.randint(200, 1500)
             else:
-                ms = 2500 if mode == "slow" else rng.randint(20, 300)
+                ms = 2500 if mode in ("slow", "stubborn") else rng.randint(20, 300)
             payload: dict[str, Any] = {"mode": mode, "ms": ms}
             if kind == "fanout" or k == 0:
                 payload["x"] = x0 + k if kind == "fanout" else x0
@@ -306,7 +312,7 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
                 Step(
                     capability=CAPABILITY,
                     payload=payload,
-                    timeout=1.0 if mode == "slow" else 10.0,
+                    timeout=1.0 if mode in ("slow", "stubborn") else 10.0,
                     retry=RetryPolicy(retries=1 if mode == "flaky" else 0),
                     task_id=f"{wf_id}-n{k}" if named else None,
                 )
