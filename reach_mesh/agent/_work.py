@@ -635,7 +635,8 @@ class WorkConsumer:
             # Answered TIMEOUT (or dropped, fenced) when it was abandoned: the attempt has its
             # final status, and nothing is said of an attempt after that.
             log.warning(
-                "handler of %s attempt %d returned %s %.1fs after it was abandoned: dropped",
+                "handler of %s attempt %d returned %s at last (%.1fs after it started), "
+                "after it was abandoned: dropped",
                 env.task_id,
                 held.env.attempt,
                 reply.state.value,
