@@ -180,6 +180,7 @@ async def test_the_hub_times_out_an_attempt_its_agent_keeps_running(
                 assert await status_events(mesh, ns, task_id) == before
                 assert kept.work is not None and kept.work.abandoned == 0
         finally:
+            stuck.release.set()  # (its agent would wait for it to close)
             await fleet.close()
 
 
