@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import pytest
@@ -18,8 +19,9 @@ import pytest
 from reach_mesh import Client, MeshSettings, Step, TaskState
 from reach_mesh.agent import Agent
 from reach_mesh.hub import Hub
+from reach_mesh.models import CordonRecord
 
-from .helpers import Fleet, Relay, echo_agent, eventually, held_handler
+from .helpers import Fleet, HeldHandler, Relay, echo_agent, eventually, held_handler
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -45,6 +47,29 @@ def _heard_since(hub: Hub, agent_id: str) -> Callable[[], bool]:
     """Whether ``hub`` has heard ``agent_id`` since this was called."""
     seen = hub.registry.agents[agent_id].last_seen
     return lambda: hub.registry.agents[agent_id].last_seen > seen
+
+
+async def _relayed_pair(
+    fleet: Fleet, nats_url: str, wf_settings: MeshSettings, name: str, cap: str
+) -> tuple[Relay, Agent, HeldHandler, Agent, HeldHandler]:
+    """Agent A (started) behind a relay the test cuts, with a lease of 10 s that outlasts the
+    cuts, and agent B (not started yet), both serving ``cap`` with held handlers."""
+    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
+    await relay.start()
+    settings = wf_settings.model_copy(
+        update={
+            "nats_url": f"nats://127.0.0.1:{relay.port}",
+            "heartbeat_interval": 1.0,
+            "lease_timeout": 10.0,
+        }
+    )
+    a = Agent(f"{wf_settings.namespace}.{name}.a", settings=settings)
+    fleet.agents.append(a)
+    on_a = held_handler(a, cap, "answer of A")
+    b = fleet.agent(f"{name}.b")
+    on_b = held_handler(b, cap, "answer of B")
+    await a.start()
+    return relay, a, on_a, b, on_b
 
 
 @pytest.mark.parametrize("kind", ["fanout", "chain"])
@@ -92,23 +117,8 @@ async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(
     again (heard from its attempt, the first cut's "no responders" no longer counts). It is
     never heard while its ctl subject has nobody, so the step keeps its attempt: B never runs
     it, and A's result decides it with one attempt."""
-    ns = wf_settings.namespace
     cap = "wf:cutoff:v1"
-    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
-    await relay.start()
-    settings = wf_settings.model_copy(
-        update={
-            "nats_url": f"nats://127.0.0.1:{relay.port}",
-            "heartbeat_interval": 1.0,
-            "lease_timeout": 10.0,
-        }
-    )
-    a = Agent(f"{ns}.cutoff.a", settings=settings)
-    fleet.agents.append(a)
-    on_a = held_handler(a, cap, "answer of A")
-    b = fleet.agent("cutoff.b")
-    on_b = held_handler(b, cap, "answer of B")
-    await a.start()
+    relay, a, on_a, b, on_b = await _relayed_pair(fleet, nats_url, wf_settings, "cutoff", cap)
     assert wf_hub.workflows is not None
     tracker = wf_hub.workflows._tracker
     async with Client(settings=wf_settings) as mesh:
@@ -131,4 +141,39 @@ async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(
     assert res.state is TaskState.SUCCEEDED, res.error
     assert res.result == ["answer of A"]
     assert res.steps[0].attempts == 1
+    assert not on_b.started.is_set()
+
+
+async def test_a_record_written_by_another_hub_is_not_the_agent_speaking(
+    wf_hub: Hub, fleet: Fleet, nats_url: str, wf_settings: MeshSettings
+) -> None:
+    """An agent cut off while another hub rewrites its record (an operator's cordon) is not
+    taken for deaf: the record moves the owner's ``last_seen``, but only the agent's own
+    heartbeats and registrations say it spoke. Its attempt stays, and decides the step."""
+    cap = "wf:cordoned:v1"
+    relay, a, on_a, b, on_b = await _relayed_pair(fleet, nats_url, wf_settings, "cordoned", cap)
+    async with Hub(settings=wf_settings) as other, Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
+        await asyncio.wait_for(on_a.started.wait(), 5)
+        await eventually(
+            lambda: _sent_to(wf_hub, wf_id, a.agent_id) or _sent_to(other, wf_id, a.agent_id)
+        )
+        owner = wf_hub if _sent_to(wf_hub, wf_id, a.agent_id) else other
+        writer = other if owner is wf_hub else wf_hub
+        await b.start()
+        await relay.cut()
+        await eventually(lambda: not a.nc.is_connected, timeout=5)
+        await asyncio.sleep(1.2)  # a probe found nobody on A's ctl subject
+        heard = _heard_since(owner, a.agent_id)
+        await writer.registry.set_cordon(
+            a.agent_id, CordonRecord(reason="test", requester="test", cordoned_at=time.time())
+        )
+        await eventually(heard, timeout=5)  # the owner saw the record: last_seen moved
+        await asyncio.sleep(2.0)  # more probes, each finding nobody
+        await relay.start()
+        await eventually(lambda: a.nc.is_connected, timeout=10)
+        on_a.release.set()
+        res = await mesh.workflow(wf_id, timeout=10)
+    assert res.state is TaskState.SUCCEEDED, res.error
+    assert res.result == ["answer of A"] and res.steps[0].attempts == 1
     assert not on_b.started.is_set()

@@ -33,6 +33,10 @@ class AgentView:
     pressure: float = 0.0
     unavailable: frozenset[str] = frozenset()
     draining: bool = False
+    #: This hub's monotonic time of the last heartbeat or registration of the agent's own that
+    #: it applied: unlike ``last_seen``, not moved by a record another hub rewrote (a cordon).
+    #: The agent spoke then (``StatusTracker`` tells a deaf agent by it). -inf: not yet.
+    spoke_at: float = -math.inf
     #: KV revision of the newest heartbeat applied (this hub's own writes are not re-applied
     #: when its watch delivers them back).
     hb_revision: int = 0

@@ -600,7 +600,7 @@ class StatusTracker:
         reconnecting agent may still take the attempt; but a reconnecting agent sends no
         heartbeats, and its subscriptions are back before its first beat after the reconnect.
         So one heard by this hub strictly after the ctl subject first had no responders (the
-        registry's ``last_seen``, on its own clock), with nobody there when asked again, is
+        registry's ``spoke_at``, on its own clock), with nobody there when asked again, is
         deaf: gone, and counted as a delivery failure on its breaker and health. Once only per
         attempt: the recheck after the fence finds it deaf still."""
         if not self.lease_fresh(agent_id):
@@ -610,7 +610,7 @@ class StatusTracker:
             self._unanswered[track.key] = (agent_id, attempt, self._registry.now, False)
             return "alive"
         since, deaf = before[2], before[3]
-        if not deaf and view.last_seen <= since:
+        if not deaf and view.spoke_at <= since:
             self._unanswered[track.key] = before
             return "alive"  # not heard since: it may be reconnecting
         self._unanswered[track.key] = (agent_id, attempt, since, True)

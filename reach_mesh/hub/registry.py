@@ -308,6 +308,7 @@ class Registry:
                 record=record,
                 revision=revision,
                 last_seen=seen_at,
+                spoke_at=seen_at,
                 breaker=breaker,
                 health=health,
                 quarantines=quarantines,
@@ -360,6 +361,7 @@ class Registry:
 
     def apply_heartbeat(self, view: AgentView, hb: HeartbeatRecord, *, seen_at: float) -> None:
         view.last_seen = max(view.last_seen, seen_at)
+        view.spoke_at = max(view.spoke_at, seen_at)
         view.inflight = hb.inflight
         view.queue_depth = hb.queue_depth
         view.pressure = hb.pressure
