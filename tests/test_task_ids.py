@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import pytest
@@ -289,3 +290,37 @@ async def test_a_timed_out_task_asked_of_another_hub_goes_to_the_same_agent(
         release.set()
         await fleet.close()
         await first_hub.close()
+
+
+async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when_asked_again(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """A request-reply handler that ignores its timeout's cancellation is abandoned
+    ``handler_abandon_grace`` later: the task asked again with its ``task_id`` (to the same
+    agent) is answered TIMEOUT at once instead of waiting out its own timeout behind the
+    stuck run. When the handler returns at last, its result is what the task answers."""
+    s = settings.model_copy(update={"handler_abandon_grace": 0.3})
+    fleet = Fleet(s)
+    runs: dict[str, int] = {}
+    release = asyncio.Event()
+    finishing_agents(fleet, ("stuck.a1",), "pin:stuck:v1", runs, release)
+    agent = fleet.agents[0]
+    await agent.start()
+    try:
+        async with Client(settings=s) as mesh:
+            with pytest.raises(MeshTimeoutError):
+                await mesh.request(capability="pin:stuck:v1", task_id="order-12", timeout=0.5)
+            await asyncio.sleep(0.5)  # past its deadline and the grace: abandoned
+            t0 = time.monotonic()
+            with pytest.raises(MeshTimeoutError, match="did not stop when cancelled"):
+                await mesh.request(capability="pin:stuck:v1", task_id="order-12", timeout=5)
+            assert time.monotonic() - t0 < 2, "waited behind the stuck run"
+            assert agent.inflight == 1 and runs == {agent.agent_id: 1}  # it still runs
+            release.set()
+            await eventually(lambda: agent.inflight == 0)
+            res = await mesh.request(capability="pin:stuck:v1", task_id="order-12", timeout=5)
+            assert res.state is TaskState.SUCCEEDED and res.cached
+            assert res.result == agent.agent_id and runs == {agent.agent_id: 1}
+    finally:
+        release.set()
+        await fleet.close()

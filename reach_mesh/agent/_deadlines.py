@@ -7,6 +7,7 @@ import asyncio
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -16,14 +17,21 @@ class _Alarm:
     handler's ``await`` that turns the expiry's cancellation into ``TimeoutError`` exactly as
     ``asyncio.timeout()`` does."""
 
-    __slots__ = ("_cancelling", "_deadlines", "armed", "expired", "task")
+    __slots__ = ("_cancelling", "_deadlines", "armed", "expired", "on_abandon", "task")
 
-    def __init__(self, deadlines: _Deadlines, task: asyncio.Task[Any]) -> None:
+    def __init__(
+        self,
+        deadlines: _Deadlines,
+        task: asyncio.Task[Any],
+        on_abandon: Callable[[], None] | None = None,
+    ) -> None:
         self._deadlines = deadlines
         self.task = task
         self.armed = True
         self.expired = False
         self._cancelling = task.cancelling()
+        #: Called if the handler is still running ``grace`` past its deadline.
+        self.on_abandon = on_abandon
 
     def __enter__(self) -> None:
         return None
@@ -55,9 +63,12 @@ class _Deadlines:
     once when they outnumber the armed ones (so the heap stays near the number running).
     """
 
-    __slots__ = ("_dead", "_heap", "_loop", "_seq", "_timer", "_timer_at", "overdue")
+    __slots__ = ("_dead", "_grace", "_heap", "_loop", "_seq", "_timer", "_timer_at", "overdue")
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float = math.inf) -> None:
+        #: How long past its deadline a handler that did not stop is abandoned (its alarm's
+        #: ``on_abandon`` called): ``handler_abandon_grace``.
+        self._grace = grace
         self._heap: list[tuple[float, int, _Alarm]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -75,15 +86,16 @@ class _Deadlines:
         limit = self._loop.time() - grace
         return sum(1 for expired in self.overdue.values() if expired <= limit)
 
-    def arm(self, timeout: float) -> _Alarm:
-        """An alarm cancelling the current task ``timeout`` seconds from now."""
+    def arm(self, timeout: float, on_abandon: Callable[[], None] | None = None) -> _Alarm:
+        """An alarm cancelling the current task ``timeout`` seconds from now (and calling
+        ``on_abandon`` if the task has not stopped ``grace`` seconds later)."""
         task = asyncio.current_task()
         assert task is not None, "handlers run in a task"
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         when = loop.time() + timeout
-        alarm = _Alarm(self, task)
+        alarm = _Alarm(self, task, on_abandon)
         heapq.heappush(self._heap, (when, next(self._seq), alarm))
         if when < self._timer_at:
             if self._timer is not None:
@@ -100,6 +112,12 @@ class _Deadlines:
             heap[:] = [item for item in heap if item[2].armed]
             heapq.heapify(heap)
             self._dead = 0
+
+    def _abandon(self, alarm: _Alarm) -> None:
+        """``grace`` past its deadline: a handler still running (it ignored its cancellation)
+        is abandoned."""
+        if alarm in self.overdue and alarm.on_abandon is not None:
+            alarm.on_abandon()
 
     def _fire(self) -> None:
         loop = self._loop
@@ -122,6 +140,8 @@ class _Deadlines:
             alarm.armed = False
             alarm.expired = True
             self.overdue[alarm] = when
+            if alarm.on_abandon is not None and self._grace < math.inf:
+                loop.call_at(when + self._grace, self._abandon, alarm)
             alarm.task.cancel()
         if heap:
             self._timer_at = heap[0][0]

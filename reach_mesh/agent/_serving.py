@@ -305,6 +305,29 @@ class ServingMixin:
         parent = None if tracing_enabled() else carried_span(headers)
         trace_id = parent.trace_id if parent is not None else trace_id_from_headers(headers)
         out: bytes | TaskReply
+
+        def abandon() -> None:
+            # The handler ignored its timeout's cancellation for ``handler_abandon_grace``:
+            # the task is TIMEOUT for whoever asks for it meanwhile (a duplicate waits no
+            # more). Its caller had its answer already (its hub's deadline); should the
+            # handler return at last, its outcome replaces this one below.
+            if not entry.running:
+                return
+            reply = self._reply(
+                env,
+                TaskState.TIMEOUT,
+                error=ErrorBody(
+                    code=MeshTimeoutError.code,
+                    message=f"handler did not finish within {env.timeout:.3g}s and did not "
+                    "stop when cancelled: abandoned",
+                    details={"abandoned": True},
+                ),
+            )
+            entry.finish(TaskState.TIMEOUT, reply, b"")
+            waiter, entry.done = entry.done, None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(reply)
+
         queued = True
         try:
             if self._running < self.max_concurrency:
@@ -317,13 +340,15 @@ class ServingMixin:
             try:
                 if parent is None:
                     with self._handle_span(env, handler, headers) as sp:
-                        out = await self._attempt(env, handler, trace_id, sp, None, None)
+                        out = await self._attempt(env, handler, trace_id, sp, None, None, abandon)
                         _end_handle_span(sp, out)
                 else:
                     # What span() does with tracing off, minus its scope object and a parse.
                     token = otel_context.attach(trace.set_span_in_context(parent))
                     try:
-                        out = await self._attempt(env, handler, trace_id, parent, None, None)
+                        out = await self._attempt(
+                            env, handler, trace_id, parent, None, None, abandon
+                        )
                     finally:
                         otel_context.detach(token)
             except asyncio.CancelledError:
@@ -431,6 +456,7 @@ class ServingMixin:
         *,
         on_accept: Callable[[], None] | None = None,
         progress: Callable[[Any], Awaitable[None]] | None = None,
+        on_abandon: Callable[[], None] | None = None,
     ) -> TaskReply:
         """Run one attempt (:meth:`_attempt`) and count it in :attr:`metrics`.
 
@@ -442,7 +468,13 @@ class ServingMixin:
         try:
             with self._handle_span(env, handler, headers) as sp:
                 out = await self._attempt(
-                    env, handler, trace_id_from_headers(headers), sp, on_accept, progress
+                    env,
+                    handler,
+                    trace_id_from_headers(headers),
+                    sp,
+                    on_accept,
+                    progress,
+                    on_abandon,
                 )
                 _end_handle_span(sp, out)
         except asyncio.CancelledError:
@@ -509,9 +541,11 @@ class ServingMixin:
         sp: trace.Span,
         on_accept: Callable[[], None] | None,
         progress: Callable[[Any], Awaitable[None]] | None,
+        on_abandon: Callable[[], None] | None = None,
     ) -> bytes | TaskReply:
         """Validate the payload and run the handler under the attempt's timeout, inside its
-        span ``sp`` (see :meth:`_handle_span`).
+        span ``sp`` (see :meth:`_handle_span`). ``on_abandon`` is called if the handler is
+        still running ``handler_abandon_grace`` past its timeout (it ignored the cancellation).
 
         Returns the result's JSON when the handler succeeded, else the failed (or timed-out)
         reply. ``trace_id`` is the request's (the handler's ``task.trace_id``). ``on_accept``
@@ -559,7 +593,7 @@ class ServingMixin:
             on_accept()
         if recording:
             sp.add_event(TaskState.RUNNING.value)
-        alarm = self._deadlines.arm(env.timeout)
+        alarm = self._deadlines.arm(env.timeout, on_abandon)
         try:
             with alarm:
                 result = await handler.fn(task)

@@ -94,8 +94,9 @@ class _Held:
     accepted_timer: asyncio.TimerHandle | None = None
     #: Its idempotency record's waiter (resolved with the attempt's reply).
     done: asyncio.Future[TaskReply] | None = None
-    #: When (monotonic) a handler that did not stop is abandoned (``WorkConsumer._abandon``):
-    #: ``handler_abandon_grace`` past its deadline, or past the cancel that fenced it.
+    #: When (monotonic) a handler that a cancel did not stop is abandoned
+    #: (``WorkConsumer._abandon``): ``handler_abandon_grace`` after the cancel that fenced
+    #: it. (One past its deadline is abandoned by its alarm, ``_Deadlines``.)
     abandon_at: float = math.inf
     #: Abandoned: its attempt is answered (or dropped, when fenced) and no longer held; what
     #: the handler returns, if it ever does, is dropped.
@@ -562,10 +563,6 @@ class WorkConsumer:
 
         def on_accept() -> None:
             held.accepted_at = held.last_running = time.monotonic()
-            held.abandon_at = min(
-                held.abandon_at,
-                held.accepted_at + env.timeout + self._settings.handler_abandon_grace,
-            )
             entry = agent._results.get(env.task_id)
             if entry is not None and entry.done is done:
                 entry.state = TaskState.ACCEPTED
@@ -603,7 +600,12 @@ class WorkConsumer:
                     raise asyncio.CancelledError
                 t_start = time.perf_counter()
                 reply = await agent._call(
-                    env, handler, held.headers, on_accept=on_accept, progress=progress
+                    env,
+                    handler,
+                    held.headers,
+                    on_accept=on_accept,
+                    progress=progress,
+                    on_abandon=functools.partial(self._abandon, held),
                 )
             finally:
                 agent._release_slot()
