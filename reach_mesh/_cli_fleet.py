@@ -148,7 +148,9 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
                 f"{i.inflight}/{i.max_concurrency}",
                 f"{i.lease_left:.1f}s",
                 f"{i.health:g}",
-                ",".join(i.capabilities),
+                # Those it reports it cannot serve now (a dependency down; every one while its
+                # slots are held by handlers past their timeout) are marked.
+                ",".join(c + " (down)" if c in i.unavailable else c for c in i.capabilities),
             )
         )
     if len(rows) > 1:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState
+from reach_mesh._cli_fleet import _print_agents
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import AgentBusyError
 from reach_mesh.hub import Hub
@@ -215,7 +216,7 @@ async def test_a_step_that_waits_for_a_slot_is_timed_from_its_start(
 
 
 async def test_a_wedged_agent_takes_no_work_and_gives_back_what_waits(
-    wf_settings: MeshSettings, release_all: list[Stubborn]
+    wf_settings: MeshSettings, release_all: list[Stubborn], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An agent whose every slot is held by a handler past its timeout takes no new work
     until one returns: a step waiting there for a slot is given back when the hub asks about
@@ -257,6 +258,10 @@ async def test_a_wedged_agent_takes_no_work_and_gives_back_what_waits(
                     await mesh.request(agent_id=wedged.agent_id, timeout=1)
                 view = hub.registry.agents[wedged.agent_id]
                 await eventually(lambda: view.unavailable == frozenset({cap}))
+                # ... which `reach-mesh agents` shows.
+                _print_agents(await mesh.agents())
+                shown = capsys.readouterr().out
+                assert f"{wedged.agent_id}" in shown and f"{cap} (down)" in shown, shown
 
                 # Once the handler returns, the agent takes work again.
                 stuck.release.set()
