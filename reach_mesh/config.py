@@ -131,9 +131,10 @@ class MeshSettings(BaseModel):
     #: workflow's deadline. Longer than ``handler_abandon_grace``: an agent of this SDK
     #: answers first.
     step_overdue_grace: float = Field(default=15.0, gt=0)
-    #: Agent: a step handler still running this long after its timeout cancelled it (it
-    #: ignores cancellation) is abandoned: its attempt is answered TIMEOUT and its keep-alives
-    #: stop. It keeps its slot until it returns, and what it returns then is dropped.
+    #: Agent: a handler still running this long after its timeout cancelled it (it ignores
+    #: cancellation) is abandoned. A step's attempt is answered TIMEOUT and its keep-alives
+    #: stop (what the handler returns then is dropped); a request-reply task is TIMEOUT for a
+    #: copy asked meanwhile. The handler keeps its slot until it returns.
     handler_abandon_grace: float = Field(default=5.0, gt=0)
     #: Handler failures retried per step (retryable errors only).
     step_retries: int = Field(default=2, ge=0, le=100)

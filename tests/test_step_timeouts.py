@@ -57,6 +57,14 @@ def stubborn_handler(agent: Agent, cap: str) -> Stubborn:
     return state
 
 
+async def started_stubborn(agent: Agent, cap: str, release_all: list[Stubborn]) -> Stubborn:
+    """``agent`` started with a stubborn handler of ``cap``, let go at the test's end."""
+    stuck = stubborn_handler(agent, cap)
+    release_all.append(stuck)
+    await agent.start()
+    return stuck
+
+
 def good_handler(agent: Agent, cap: str) -> None:
     @agent.handler(cap)
     async def run(task: Task[Any]) -> str:
@@ -102,9 +110,7 @@ async def test_an_agent_abandons_a_handler_that_ignores_its_timeout(
     fleet = Fleet(s)
     async with Hub(settings=s) as hub:
         stubborn = fleet.agent("stubborn.a1")
-        stuck = stubborn_handler(stubborn, cap)
-        release_all.append(stuck)
-        await stubborn.start()
+        stuck = await started_stubborn(stubborn, cap, release_all)
         try:
             async with Client(settings=s) as mesh:
                 wf_id = await retried_elsewhere(mesh, fleet, stuck, cap)
@@ -159,9 +165,7 @@ async def test_the_hub_times_out_an_attempt_its_agent_keeps_running(
             f"{ns}.kept.a1", settings=s.model_copy(update={"handler_abandon_grace": 120.0})
         )
         fleet.agents.append(kept)
-        stuck = stubborn_handler(kept, cap)
-        release_all.append(stuck)
-        await kept.start()
+        stuck = await started_stubborn(kept, cap, release_all)
         try:
             async with Client(settings=s) as mesh:
                 wf_id = await retried_elsewhere(mesh, fleet, stuck, cap)
@@ -227,9 +231,7 @@ async def test_a_wedged_agent_takes_no_work_and_gives_back_what_waits(
     fleet = Fleet(s)
     async with Hub(settings=s) as hub:
         wedged = fleet.agent("wedged.a1", max_concurrency=1, max_queue=4)
-        stuck = stubborn_handler(wedged, cap)
-        release_all.append(stuck)
-        await wedged.start()
+        stuck = await started_stubborn(wedged, cap, release_all)
         try:
             async with Client(settings=s) as mesh:
                 first = await mesh.submit_fanout(

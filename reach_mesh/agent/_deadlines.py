@@ -79,11 +79,11 @@ class _Deadlines:
         #: running: cleaning up, or ignoring the cancellation) -> when (loop time) it expired.
         self.overdue: dict[_Alarm, float] = {}
 
-    def stuck(self, grace: float) -> int:
+    def stuck(self) -> int:
         """Handlers still running ``grace`` seconds or more past their deadline."""
         if not self.overdue or self._loop is None:
             return 0
-        limit = self._loop.time() - grace
+        limit = self._loop.time() - self._grace
         return sum(1 for expired in self.overdue.values() if expired <= limit)
 
     def arm(self, timeout: float, on_abandon: Callable[[], None] | None = None) -> _Alarm:

@@ -16,6 +16,7 @@ from pydantic_core import to_json
 from reach_mesh.agent._task import Task
 from reach_mesh.errors import (
     BadRequestError,
+    MeshTimeoutError,
     ReachError,
 )
 from reach_mesh.models import (
@@ -196,6 +197,17 @@ def _end_handle_span(sp: trace.Span, out: bytes | TaskReply) -> None:
     if reply.state is not TaskState.SUCCEEDED:
         message = reply.state.value if error is None else f"{error.code}: {error.message}"
         sp.set_status(trace.Status(trace.StatusCode.ERROR, message[:500]))
+
+
+def _abandoned_error(timeout: float) -> ErrorBody:
+    """The error of an attempt whose handler ignored its ``timeout``'s cancellation for
+    ``handler_abandon_grace``: the agent let it go (a step's or a request-reply task's)."""
+    return ErrorBody(
+        code=MeshTimeoutError.code,
+        message=f"handler did not finish within {timeout:.3g}s and did not stop when "
+        "cancelled: abandoned",
+        details={"abandoned": True},
+    )
 
 
 def _error_body(err: ReachError) -> ErrorBody:

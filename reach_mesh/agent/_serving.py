@@ -32,6 +32,7 @@ from reach_mesh.agent._results import (
     _ERROR_MESSAGE_MAX,
     _SUCCEEDED,
     _SUCCEEDED_NULL,
+    _abandoned_error,
     _dump,
     _end_handle_span,
     _error_body,
@@ -258,11 +259,8 @@ class ServingMixin:
         past its deadline (one that ignores its cancellation). Until one returns, the agent
         takes no new work: it refuses tasks (``REACH_AGENT_BUSY``, before accepting them),
         reports every capability unavailable in its heartbeats, and gives up the steps that
-        wait for a slot when a hub asks about them (``WorkConsumer.promise``)."""
-        deadlines = self._deadlines
-        return bool(deadlines.overdue) and (
-            deadlines.stuck(self.settings.handler_abandon_grace) >= self.max_concurrency
-        )
+        wait for a slot when a hub asks about them (``WorkConsumer.give_up_queued``)."""
+        return self._deadlines.stuck() >= self.max_concurrency
 
     def _pick_handler(self, capability: str | None) -> _Handler | None:
         if capability is None:
@@ -313,16 +311,7 @@ class ServingMixin:
             # handler return at last, its outcome replaces this one below.
             if not entry.running:
                 return
-            reply = self._reply(
-                env,
-                TaskState.TIMEOUT,
-                error=ErrorBody(
-                    code=MeshTimeoutError.code,
-                    message=f"handler did not finish within {env.timeout:.3g}s and did not "
-                    "stop when cancelled: abandoned",
-                    details={"abandoned": True},
-                ),
-            )
+            reply = self._reply(env, TaskState.TIMEOUT, error=_abandoned_error(env.timeout))
             entry.finish(TaskState.TIMEOUT, reply, b"")
             waiter, entry.done = entry.done, None
             if waiter is not None and not waiter.done():

@@ -46,8 +46,9 @@ from reach_mesh._consume import PullConsumer, ensure_task_resources, last_per_su
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, superseded
+from reach_mesh.agent._results import _abandoned_error
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
-from reach_mesh.errors import MeshTimeoutError, NoHandlerError, PayloadTooLargeError, ReachError
+from reach_mesh.errors import NoHandlerError, PayloadTooLargeError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, stored_record
@@ -81,6 +82,8 @@ class _Held:
     msg: Msg
     env: TaskEnvelope
     headers: dict[str, str]
+    #: Its idempotency record's waiter (resolved with the attempt's reply).
+    done: asyncio.Future[TaskReply]
     task: asyncio.Task[None] | None = None
     accepted_at: float | None = None
     last_running: float = 0.0
@@ -92,8 +95,6 @@ class _Held:
     extra: list[Msg] = field(default_factory=list)
     #: The pending ACCEPTED status (see ``_ACCEPTED_AFTER``); None once said or not needed.
     accepted_timer: asyncio.TimerHandle | None = None
-    #: Its idempotency record's waiter (resolved with the attempt's reply).
-    done: asyncio.Future[TaskReply] | None = None
     #: When (monotonic) a handler that a cancel did not stop is abandoned
     #: (``WorkConsumer._abandon``): ``handler_abandon_grace`` after the cancel that fenced
     #: it. (One past its deadline is abandoned by its alarm, ``_Deadlines``.)
@@ -484,7 +485,7 @@ class WorkConsumer:
             # this same pass and ACCEPTED implies DELIVERED (one status message fewer).
             self._publish(env, TaskState.DELIVERED, headers)
         held.task = asyncio.current_task()
-        await self._run(held, handler, done)
+        await self._run(held, handler)
 
     async def _settle_marker(self, msg: Msg, *, ok: bool) -> None:
         """Ack a fence marker (term a malformed one); it carries no step."""
@@ -553,9 +554,10 @@ class WorkConsumer:
 
     # ------------------------------------------------------------------ running
 
-    async def _run(self, held: _Held, handler: _Handler, done: asyncio.Future[TaskReply]) -> None:
+    async def _run(self, held: _Held, handler: _Handler) -> None:
         agent = self._agent
         env = held.env
+        done = held.done
         t_queued = time.perf_counter()
         t_start = t_queued
         agent._waiting += 1
@@ -616,18 +618,13 @@ class WorkConsumer:
                 raise  # its message was settled when it was abandoned
             self._held.pop(env.task_id, None)
             _quiet(held)
-            entry = agent._results.get(env.task_id)
-            if entry is not None and entry.done is done:
-                agent._results.pop(env.task_id)
-            if not done.done():
-                done.cancel()
+            self._forget(held)
             if held.fenced:
                 # Superseded while we were away (PRE_ONLINE): the result would be rejected.
-                for m in [held.msg, *held.extra]:
-                    with contextlib.suppress(Exception):
-                        await m.ack()
-            # Otherwise (shutdown) leave it un-acked: JetStream redelivers it after ack_wait.
-            self._release()
+                await self._settle_fenced([held.msg, *held.extra])
+            else:
+                # Shutdown: left un-acked, JetStream redelivers it after ack_wait.
+                self._release()
             raise
         except Exception as err:
             # Not the handler's (``_attempt`` answers for those): the step still gets an
@@ -649,14 +646,7 @@ class WorkConsumer:
         reply.duration_ms = round((time.perf_counter() - t_start) * 1000, 3)
         reply.queued_ms = round((t_start - t_queued) * 1000, 3)
         agent.handled += 1
-        entry = agent._results.get(env.task_id)
-        if entry is not None and entry.done is done:
-            entry.state = reply.state
-            entry.reply = reply
-            entry.attempt = reply.attempt
-            entry.done = None
-        if not done.done():
-            done.set_result(reply)
+        self._settle(held, reply)
         self._held.pop(env.task_id, None)
         _quiet(held)  # the final status implies ACCEPTED
         await self._final(held.env, held.headers, reply, [held.msg, *held.extra])
@@ -805,8 +795,6 @@ class WorkConsumer:
         _quiet(held)
         self.abandoned += 1
         agent = self._agent
-        entry = agent._results.get(env.task_id)
-        mine = entry is not None and held.done is not None and entry.done is held.done
         msgs = [held.msg, *held.extra]
         if held.fenced:
             log.warning(
@@ -814,45 +802,50 @@ class WorkConsumer:
                 env.task_id,
                 env.attempt,
             )
-            if mine:
-                agent._results.pop(env.task_id)
-            if held.done is not None and not held.done.done():
-                held.done.cancel()
+            self._forget(held)
             agent._spawn(self._settle_fenced(msgs))
             return
-        grace = self._settings.handler_abandon_grace
         log.warning(
             "handler of %s attempt %d ignored its %.3gs timeout for %.3gs more: abandoned, "
             "answered TIMEOUT (its slot stays taken until it returns)",
             env.task_id,
             env.attempt,
             env.timeout,
-            grace,
+            self._settings.handler_abandon_grace,
         )
         reply = TaskReply(
             task_id=env.task_id,
             attempt=env.attempt,
             agent_id=agent.agent_id,
             state=TaskState.TIMEOUT,
-            error=ErrorBody(
-                code=MeshTimeoutError.code,
-                message=f"handler did not finish within {env.timeout:.3g}s and did not stop "
-                f"when cancelled ({grace:.3g}s later): abandoned",
-                details={"abandoned": True},
-            ),
+            error=_abandoned_error(env.timeout),
         )
         if held.accepted_at is not None:
             reply.duration_ms = round((time.monotonic() - held.accepted_at) * 1000, 3)
         agent.handled += 1
-        if mine:
-            assert entry is not None
+        self._settle(held, reply)
+        agent._spawn(self._final(env, held.headers, reply, msgs))
+
+    def _settle(self, held: _Held, reply: TaskReply) -> None:
+        """The attempt's outcome is ``reply``: its idempotency record keeps it (if the
+        record is still this attempt's) and whoever waits on it has it."""
+        entry = self._agent._results.get(held.env.task_id)
+        if entry is not None and entry.done is held.done:
             entry.state = reply.state
             entry.reply = reply
             entry.attempt = reply.attempt
             entry.done = None
-        if held.done is not None and not held.done.done():
+        if not held.done.done():
             held.done.set_result(reply)
-        agent._spawn(self._final(env, held.headers, reply, msgs))
+
+    def _forget(self, held: _Held) -> None:
+        """The attempt ends without an outcome (shutdown, fenced): its idempotency record goes
+        (if still this attempt's), and whoever waits on it is let go."""
+        entry = self._agent._results.get(held.env.task_id)
+        if entry is not None and entry.done is held.done:
+            self._agent._results.pop(held.env.task_id)
+        if not held.done.done():
+            held.done.cancel()
 
     async def _settle_fenced(self, msgs: list[Msg]) -> None:
         """Ack the messages of a fenced attempt (no result: the hub moved on)."""
