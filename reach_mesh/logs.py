@@ -23,6 +23,7 @@ from reach_mesh.tracing import current_trace_id
 
 __all__ = [
     "AGENT_TIMEOUT",
+    "HANDLER_ABANDONED",
     "HANDLER_FAILED",
     "IDENTITY_REJECTED",
     "LEASE_EXPIRED",
@@ -58,6 +59,11 @@ IDENTITY_REJECTED: Final = "REACH-IDENTITY-REJECTED"
 HANDLER_FAILED: Final = "REACH-HANDLER-FAILED"
 """An agent's handler raised (WARNING, with the traceback at most once a minute per capability)
 or failed the task on purpose with ``TaskFailed`` (INFO)."""
+HANDLER_ABANDONED: Final = "REACH-HANDLER-ABANDONED"
+"""An agent let go of a handler that did not stop when its attempt was cancelled (its timeout,
+or a hub's cancel of a step) ``handler_abandon_grace`` earlier (WARNING): the attempt is
+answered TIMEOUT (or dropped, when cancelled) and the handler keeps its slot until it returns.
+At most one line per handler slot until such handlers return."""
 NAMESPACE_SHARE: Final = "REACH-NAMESPACE-SHARE"
 """A hub is full of workflows and a namespace holds its fair share of them: its further
 submissions wait in the stream while other namespaces' are taken (docs/workflows.md)."""
@@ -78,6 +84,7 @@ _EVENT_LEVELS: Final[Mapping[str, int]] = {
     QUARANTINE: logging.WARNING,
     ROUTE_LATENCY: logging.INFO,
     IDENTITY_REJECTED: logging.WARNING,
+    HANDLER_ABANDONED: logging.WARNING,
     MESSAGE_REFUSED: logging.WARNING,
 }
 

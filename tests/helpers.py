@@ -226,6 +226,15 @@ async def mcp_session(
         yield session
 
 
+def abandoned(agent: Agent, kind: str) -> float:
+    """``reach_agent_handlers_abandoned_total{kind=...}`` as the agent's registry exports it."""
+    value = agent.metrics.registry.get_sample_value(
+        "reach_agent_handlers_abandoned_total", {"kind": kind}
+    )
+    assert value is not None, "the series exists from the start"
+    return value
+
+
 async def task_record(nc: Any, ns: str, task_id: str) -> TaskRecord | None:
     """A step's record in ``reach_tasks`` as the hub stored it; None when it has none (a step
     whose fence never changed, see ``TaskRecord``)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -19,9 +20,10 @@ from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Task
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
+from reach_mesh.logs import HANDLER_ABANDONED
 from reach_mesh.workflow import StepResult, TaskStatusEvent
 
-from .helpers import Fleet, echo_agent, eventually, task_record
+from .helpers import Fleet, abandoned, echo_agent, eventually, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -293,7 +295,7 @@ async def test_a_timed_out_task_asked_of_another_hub_goes_to_the_same_agent(
 
 
 async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when_asked_again(
-    hub: Hub, settings: MeshSettings
+    hub: Hub, settings: MeshSettings, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A request-reply handler that ignores its timeout's cancellation is abandoned
     ``handler_abandon_grace`` later: the task asked again with its ``task_id`` (to the same
@@ -311,6 +313,11 @@ async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when
             with pytest.raises(MeshTimeoutError):
                 await mesh.request(capability="pin:stuck:v1", task_id="order-12", timeout=0.5)
             await asyncio.sleep(0.5)  # past its deadline and the grace: abandoned
+            # Told as steps are: a WARNING line with its keyword, and the count.
+            assert abandoned(agent, "request") == 1 and abandoned(agent, "step") == 0
+            lines = [r for r in caplog.records if getattr(r, "event", None) == HANDLER_ABANDONED]
+            assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+            assert getattr(lines[0], "task_id", None) == "order-12"
             t0 = time.monotonic()
             with pytest.raises(MeshTimeoutError, match="did not stop when cancelled"):
                 await mesh.request(capability="pin:stuck:v1", task_id="order-12", timeout=5)

@@ -52,7 +52,7 @@ from reach_mesh.errors import (
     PayloadTooLargeError,
     ReachError,
 )
-from reach_mesh.logs import HANDLER_FAILED, LineBudget, log_event
+from reach_mesh.logs import HANDLER_ABANDONED, HANDLER_FAILED, LineBudget, log_event
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import (
     SPAN_HANDLE,
@@ -311,6 +311,18 @@ class ServingMixin:
             # handler return at last, its outcome replaces this one below.
             if not entry.running:
                 return
+            log_event(
+                log,
+                HANDLER_ABANDONED,
+                f"handler {handler.capability} ignored its {env.timeout:.3g}s timeout for "
+                f"{self.settings.handler_abandon_grace:.3g}s more: abandoned, answered "
+                "TIMEOUT (its slot stays taken until it returns)",
+                task_id=env.task_id,
+                attempt=env.attempt,
+                trace_id=trace_id,
+                capability=handler.capability,
+            )
+            self.metrics.handlers_abandoned_total.labels("request").inc()
             reply = self._reply(env, TaskState.TIMEOUT, error=_abandoned_error(env.timeout))
             entry.finish(TaskState.TIMEOUT, reply, b"")
             waiter, entry.done = entry.done, None

@@ -49,8 +49,9 @@ from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, supe
 from reach_mesh.agent._results import _abandoned_error
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
 from reach_mesh.errors import NoHandlerError, PayloadTooLargeError, ReachError
+from reach_mesh.logs import HANDLER_ABANDONED, log_event
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
-from reach_mesh.tracing import inject
+from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, stored_record
 
 if TYPE_CHECKING:
@@ -137,9 +138,6 @@ class WorkConsumer:
         #: Task records read before a first run (fences): only where the stream cannot tell
         #: (``Fences.fresh``).
         self.fence_reads = 0
-        #: Handlers that did not stop when their attempt was cancelled (its timeout, or a
-        #: fence) and were abandoned (``_abandon``).
-        self.abandoned = 0
         self._loop_watch: asyncio.Task[None] | None = None
         agent.metrics.step_counts(self.counts)
 
@@ -152,7 +150,6 @@ class WorkConsumer:
             "cached": self.cached,
             "fence_reads": self.fence_reads,
             "markers": self.fences.markers,
-            "abandoned": self.abandoned,
         }
 
     def checking(self, task_id: str) -> bool:
@@ -793,26 +790,30 @@ class WorkConsumer:
         del self._held[env.task_id]
         held.abandoned = True
         _quiet(held)
-        self.abandoned += 1
         agent = self._agent
+        agent.metrics.handlers_abandoned_total.labels("step").inc()
         msgs = [held.msg, *held.extra]
         if held.fenced:
-            log.warning(
-                "handler of %s attempt %d did not stop when cancelled: abandoned",
-                env.task_id,
-                env.attempt,
+            what = "did not stop when its step was cancelled: abandoned"
+        else:
+            what = (
+                f"ignored its {env.timeout:.3g}s timeout for "
+                f"{self._settings.handler_abandon_grace:.3g}s more: abandoned, answered TIMEOUT"
             )
+        log_event(
+            log,
+            HANDLER_ABANDONED,
+            f"handler {env.capability} {what} (its slot stays taken until it returns)",
+            task_id=env.task_id,
+            attempt=env.attempt,
+            workflow_id=env.workflow_id,
+            trace_id=trace_id_from_headers(held.headers),
+            capability=env.capability,
+        )
+        if held.fenced:
             self._forget(held)
             agent._spawn(self._settle_fenced(msgs))
             return
-        log.warning(
-            "handler of %s attempt %d ignored its %.3gs timeout for %.3gs more: abandoned, "
-            "answered TIMEOUT (its slot stays taken until it returns)",
-            env.task_id,
-            env.attempt,
-            env.timeout,
-            self._settings.handler_abandon_grace,
-        )
         reply = TaskReply(
             task_id=env.task_id,
             attempt=env.attempt,

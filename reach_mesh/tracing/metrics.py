@@ -380,6 +380,17 @@ class AgentMetrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.handlers_abandoned_total = Counter(
+            "reach_agent_handlers_abandoned",
+            "Handlers that did not stop when their attempt was cancelled (its timeout, or a "
+            "hub's cancel of a step) and were abandoned handler_abandon_grace later, by kind "
+            "(step: a durable workflow step, request: request-reply): the attempt answered "
+            "TIMEOUT (or dropped, when cancelled), the handler still holding its slot.",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("step", "request"):
+            self.handlers_abandoned_total.labels(kind)  # both series exist from the start
 
     def step_counts(self, read: Callable[[], dict[str, int]]) -> None:
         """Export the durable-step counters ``read`` returns (names below), read when
@@ -412,8 +423,8 @@ class _Refused(Collector):
 
 
 class _StepCounts(Collector):
-    """``reach_agent_steps_dropped_total`` (by reason), ``reach_agent_fence_reads_total``,
-    ``reach_agent_fence_markers_total`` and ``reach_agent_handlers_abandoned_total``."""
+    """``reach_agent_steps_dropped_total`` (by reason), ``reach_agent_fence_reads_total`` and
+    ``reach_agent_fence_markers_total``."""
 
     def __init__(self, read: Callable[[], dict[str, int]]) -> None:
         self._read = read
@@ -440,13 +451,6 @@ class _StepCounts(Collector):
             "reach_agent_fence_markers",
             "Fence markers received: a hub gave up an attempt it had sent this agent.",
             value=counts.get("markers", 0),
-        )
-        yield CounterMetricFamily(
-            "reach_agent_handlers_abandoned",
-            "Step handlers that did not stop when their attempt was cancelled (its timeout, or "
-            "a fence) and were abandoned: the attempt answered TIMEOUT or dropped, the handler "
-            "still holding its slot.",
-            value=counts.get("abandoned", 0),
         )
 
 
