@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, TaskState
+from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, TaskState, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.hub import Hub
 
@@ -31,6 +31,13 @@ pytestmark = pytest.mark.timeout(60)
 T = TypeVar("T")
 
 _TAKEN_OVER = "was taken over by hub hub-b while this hub could not keep it"
+
+
+async def started_hub(settings: MeshSettings, hub_id: str) -> Hub:
+    """A started hub (on the loop that runs this: the side loop, stalled by the tests)."""
+    hub = Hub(settings=settings, hub_id=hub_id)
+    await hub.start()
+    return hub
 
 
 @pytest.mark.parametrize("first_read_fails", [False, True])
@@ -55,16 +62,11 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
     side = LoopThread()
     unstall = threading.Event()
 
-    async def make_a() -> Hub:
-        hub = Hub(settings=wf_settings, hub_id="hub-a")
-        await hub.start()
-        return hub
-
     hub_a: Hub | None = None
     hub_b = Hub(settings=wf_settings, hub_id="hub-b")
     hub_c = Hub(settings=wf_settings, hub_id="hub-c")
     try:
-        hub_a = await side.run(make_a())
+        hub_a = await side.run(started_hub(wf_settings, "hub-a"))
         engine_a = hub_a.workflows
         assert engine_a is not None and engine_a._pull is not None
         reads = 0
@@ -123,3 +125,58 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
             side.close()
         await hub_b.close()
         await hub_c.close()
+
+
+async def test_a_submission_that_comes_back_to_the_hub_running_it_renews_the_run(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """The only hub's loop stalls past the ack wait: nats-server delivers the submission again,
+    to it. Its run goes on with the new delivery instead of taking the workflow over from
+    itself (no takeover), and the submission is acked once it ends (not delivered again)."""
+    agent = fleet.agent("renew.x")
+    held = held_handler(agent, "wf:renew:v1", "done")
+    side = LoopThread()
+    unstall = threading.Event()
+
+    hub_a: Hub | None = None
+    try:
+        hub_a = await side.run(started_hub(wf_settings, "hub-a"))
+        engine = hub_a.workflows
+        assert engine is not None
+        await agent.start()
+        async with Client(settings=wf_settings) as mesh:
+            wf_id = await mesh.submit_chain([Step(capability="wf:renew:v1")], timeout=60)
+            await asyncio.wait_for(held.started.wait(), 10)
+            begun = side.stall(unstall, at_least=wf_settings.workflow_ack_wait + 0.5, limit=20.0)
+            await eventually(begun.is_set, timeout=5)
+            await asyncio.sleep(wf_settings.workflow_ack_wait + 0.7)  # redelivered meanwhile
+            unstall.set()
+            await eventually(lambda: side.call(lambda: engine.renewed_total >= 1), timeout=10)
+            held.release.set()
+            res = await mesh.workflow(wf_id, timeout=15)
+            assert res.state is TaskState.SUCCEEDED and res.hub_id == "hub-a", res
+            assert engine.takeover_total == 0
+            js = mesh.nc.jetstream()
+
+            async def unacked() -> int:
+                info = await js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
+                return (info.num_ack_pending or 0) + (info.num_pending or 0)
+
+            async def settled() -> bool:
+                return await unacked() == 0
+
+            await eventually(settled, timeout=5)
+            renewed = engine.renewed_total
+            await asyncio.sleep(wf_settings.workflow_ack_wait * 1.5)
+            assert await unacked() == 0 and engine.renewed_total == renewed
+            assert not await side.call(lambda: engine.owned)
+            # Both deliveries were one message to the pull: none is held any longer.
+            assert await side.call(lambda: engine._pull is not None and engine._pull.held) == 0
+    finally:
+        unstall.set()
+        held.release.set()
+        try:
+            if hub_a is not None:
+                await side.run(hub_a.close())
+        finally:
+            side.close()

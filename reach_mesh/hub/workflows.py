@@ -130,7 +130,10 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             registry,
             on_stale=None if metrics is None else metrics.stale_result_total.inc,
         )
+        #: The submission each run holds (its latest delivery: ``_renew``), and the run of each
+        #: submission by its stream sequence.
         self._running: dict[asyncio.Task[None], Msg] = {}
+        self._runs_by_seq: dict[int, asyncio.Task[None]] = {}
         #: The workflows this hub runs, by (namespace, id), from when their record names it
         #: (``_now_owner``): a cancel stops them, a view asks whether one runs here.
         self._owning: dict[tuple[str, str], tuple[Workflow, asyncio.Task[Any]]] = {}
@@ -141,6 +144,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self.deferred_total = 0
         self.takeover_total = 0
         self._takeover_lines = LineBudget(10.0)
+        #: Submissions delivered again to this hub while it ran them (``_renew``).
+        self.renewed_total = 0
+        self._renew_lines = LineBudget(30.0)
         self._defer_lines = LineBudget(30.0)
         #: Workflows handed back by an error that is not the infrastructure's, per kind.
         self._error_lines = LineBudget(60.0)
@@ -349,6 +355,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
     # ------------------------------------------------------------------ submissions
 
     def _on_submit(self, msg: Msg) -> None:
+        seq = _stream_seq(msg)
+        if seq is not None and seq in self._runs_by_seq and self._renew(msg, seq):
+            return
         ns = protocol.submit_namespace(msg.subject)
         if not self._shares.admits(ns):
             self._defer(msg, ns)
@@ -356,12 +365,55 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._shares.take(ns)
         task = asyncio.create_task(self._own(msg), name="reach-workflow")
         self._running[task] = msg
+        if seq is not None:
+            self._runs_by_seq[seq] = task
         task.add_done_callback(self._owned_done)
+
+    def _renew(self, msg: Msg, seq: int) -> bool:
+        """A submission this hub runs came back to it: its ``+WPI`` were late (its event loop
+        stalled, or it was cut off from NATS, past ``workflow_ack_wait``) and nats-server
+        delivered it again — here. The run goes on and holds the new delivery (its ``+WPI``
+        and its final ack go there) instead of a second run taking the workflow over from
+        the first: a compare-and-set, a rewritten record, and the first run stopped at its
+        next write, its steps adopted.
+
+        Only when no other hub had the submission in between (this delivery is the next
+        after the one the run holds): one that had it may have taken the workflow over, and
+        this delivery then resumes it as any other (a takeover, decided by its CAS)."""
+        task = self._runs_by_seq[seq]
+        held = self._running.get(task)
+        if held is None or task.done() or task.cancelling():
+            return False
+        try:
+            if msg.metadata.num_delivered != held.metadata.num_delivered + 1:
+                return False
+        except Exception:
+            return False
+        self._running[task] = msg
+        self.renewed_total += 1
+        if self._pull is not None:
+            self._pull.release()  # one message, held once (by the run)
+        suppressed = self._renew_lines.take()
+        if suppressed is not None:
+            log.warning(
+                "a workflow submission this hub runs was delivered to it again (stream "
+                "sequence %d, delivery %d): its renewals came later than workflow_ack_wait "
+                "(%.3gs; an event loop stall, or a cut from NATS); the run goes on "
+                "(%d such lines held back)",
+                seq,
+                msg.metadata.num_delivered,
+                self._settings.workflow_ack_wait,
+                suppressed,
+            )
+        return True
 
     def _owned_done(self, task: asyncio.Task[None]) -> None:
         msg = self._running.pop(task, None)
         if msg is not None:
             self._shares.give(protocol.submit_namespace(msg.subject))
+            seq = _stream_seq(msg)
+            if seq is not None and self._runs_by_seq.get(seq) is task:
+                del self._runs_by_seq[seq]
         if self._pull is not None:
             self._pull.release()
         if not task.cancelled() and task.exception() is not None:
@@ -418,6 +470,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             await self._reject(msg, headers, bad)
             return
         me = asyncio.current_task()
+        assert me is not None
         try:
             result, stored = await self._run(wf)
             if not stored:
@@ -433,29 +486,30 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
                 with contextlib.suppress(Exception):
                     # A moment's delay: a replica behind on that record would only bring the
                     # same conflict straight back.
-                    await msg.nak(delay=0.1)
+                    await self._delivery(me, msg).nak(delay=0.1)
                 return
-            if await self._lost_start(msg, wf):
+            if await self._lost_start(self._delivery(me, msg), wf):
                 return
             log.warning("workflow %s was taken over by another hub", wf.id)
             return  # neither ack nor nak: the other hub owns the message now
         except TooLarge as big:
             # Its record could never be written (``_run`` checks it before the first write).
-            await self._reject(msg, headers, big.error)
+            await self._reject(self._delivery(me, msg), headers, big.error)
             return
         except Resubmitted:
             # Its caller waits on .done like the first one's: the owner announces it.
             log.info("workflow %s: submitted again while another hub runs it; dropped", wf.id)
-            self._jsc.ack_later(msg)
+            self._jsc.ack_later(self._delivery(me, msg))
             return
         except SpecConflictError:
-            await self._refuse_taken(msg, wf)
+            await self._refuse_taken(self._delivery(me, msg), wf)
             return
         except asyncio.CancelledError:
             raise
         except Exception as err:
             # The infrastructure outlived our retries (NATS down, ...): give the workflow back;
             # whoever takes it resumes from the records. Never an outcome.
+            msg = self._delivery(me, msg)
             self._interrupted(wf, msg, err)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
@@ -466,13 +520,18 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         # The result is stored and announced: nothing waits on this ack, so it rides along
         # with the next JetStream write (a lost one only brings the submission back to a hub
         # that finds the result stored and announces it again).
-        self._jsc.ack_later(msg)
+        self._jsc.ack_later(self._delivery(me, msg))
         if not stored:
             self._count_done(wf.ns, wf.spec.kind, result)
             if wf.cancel_won and result.hub_id == self.hub_id:  # (not another hub's result)
                 self.cancelled_total += 1
                 if self._metrics is not None:
                     self._metrics.workflow_cancelled_total.labels(self._ns_label(wf.ns)).inc()
+
+    def _delivery(self, run: asyncio.Task[Any], msg: Msg) -> Msg:
+        """The latest delivery of the submission ``run`` holds (``msg``, or one it was
+        renewed with since: ``_renew``): what its ack, nak or term answers."""
+        return self._running.get(run, msg)
 
     def _interrupted(self, wf: Workflow, msg: Msg, err: Exception) -> None:
         """Say why a workflow goes back to the stream unfinished: JetStream unavailable past
@@ -733,3 +792,12 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             self._no_work.add(view.agent_id)
         if new is AgentState.LOST:
             self._tracker.mark_lost(view.agent_id)
+
+
+def _stream_seq(msg: Msg) -> int | None:
+    """The stream sequence of a JetStream delivery (its metadata is parsed once, kept on it)."""
+    try:
+        seq: int = msg.metadata.sequence.stream
+    except Exception:
+        return None
+    return seq
