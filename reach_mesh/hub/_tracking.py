@@ -71,6 +71,9 @@ _STARTED: Final = frozenset({TaskState.ACCEPTED, TaskState.RUNNING})
 #: it is there but deaf (heard after its ctl subject had no responders, which it still has).
 Verdict = Literal["done", "alive", "gone"]
 
+#: Why a deaf agent is quarantined (its breaker's ``why``: the REACH-QUARANTINE line, inspect).
+DEAF: Final = "deaf: heard, but nobody listens on its ctl subject (its subscriptions are gone)"
+
 
 class Signal:
     """Wakes the one coroutine that waits on a step (its own): :meth:`set` wakes it at once,
@@ -601,8 +604,10 @@ class StatusTracker:
         heartbeats, and its subscriptions are back before its first beat after the reconnect.
         So one heard by this hub strictly after the ctl subject first had no responders (the
         registry's ``spoke_at``, on its own clock), with nobody there when asked again, is
-        deaf: gone, and counted as a delivery failure on its breaker and health. Once only per
-        attempt: the recheck after the fence finds it deaf still."""
+        deaf: gone, counted as a delivery failure on its health, and quarantined (its breaker
+        opens: no further step or task goes to it until its half-open probe, after
+        ``breaker_open_timeout``, reaches it). Once only per attempt: the recheck after the
+        fence finds it deaf still."""
         if not self.lease_fresh(agent_id):
             return "gone"
         view = self._registry.agents.get(agent_id)
@@ -615,10 +620,11 @@ class StatusTracker:
             return "alive"  # not heard since: it may be reconnecting
         self._unanswered[track.key] = (agent_id, attempt, since, True)
         if not deaf:
-            # What a route that found no responders counts (``RouteEndMixin._failed``): an
-            # agent that stays deaf is demoted (health), then quarantined (its breaker opens).
+            # Certain, unlike one route that found no responders (``RouteEndMixin._failed``,
+            # which only counts): every attempt sent to it would wait out two probes. Its
+            # breaker's half-open probe finds out whether it listens again.
             view.health.delivery_failure()
-            view.breaker.record(False)
+            view.breaker.trip(DEAF)
             self._registry.regrade(view)
             if self._said.take(("deaf", agent_id)) is not None:
                 log.warning(

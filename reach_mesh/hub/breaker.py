@@ -238,9 +238,10 @@ class CircuitBreaker:
         self._expire(int(self._clock() // self.bucket))
         return self._successes, self._failures
 
-    def trip(self) -> None:
-        """Open the breaker now (operator quarantine); it half-opens after ``open_timeout``."""
-        self.why = "operator quarantine"
+    def trip(self, why: str = "operator quarantine") -> None:
+        """Open the breaker now, for ``why`` (an operator quarantine, or an agent found deaf);
+        it half-opens after ``open_timeout``."""
+        self.why = why
         self._open(self._clock())
 
     def reset(self) -> None:
