@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,37 @@ async def test_workflows_running_and_submissions_not_done_with(
         await other.close()
         await hub.close()
         server.stop()
+
+
+def _stalls(registry: Any) -> float:
+    """Samples of ``reach_event_loop_lag_seconds`` over 1 s (the alert's stalls)."""
+    count = registry.get_sample_value("reach_event_loop_lag_seconds_count")
+    within = registry.get_sample_value("reach_event_loop_lag_seconds_bucket", {"le": "1.0"})
+    assert count is not None and within is not None
+    return float(count - within)
+
+
+async def test_an_event_loop_stall_shows_in_the_lag_of_the_hub_and_the_agent(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """A blocking call on the event loop (as a handler that blocks, or CPU starvation) is one
+    sample of ``reach_event_loop_lag_seconds`` as long as the stall, in the hub's metrics and
+    in the agent's; a loop that keeps up samples a few milliseconds."""
+    agent = Agent(f"{namespace}.lag.a1", settings=settings)
+
+    @agent.handler("lag:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    await agent.start()
+    try:
+        registries = (hub.metrics.registry, agent.metrics.registry)
+        await asyncio.sleep(0.6)  # a few samples of a loop that keeps up
+        assert [_stalls(r) for r in registries] == [0.0, 0.0]
+        time.sleep(1.3)  # noqa: ASYNC251  (the test's loop is theirs: both stall)
+        await eventually(lambda: all(_stalls(r) == 1.0 for r in registries), timeout=2)
+        for r in registries:
+            total = r.get_sample_value("reach_event_loop_lag_seconds_sum")
+            assert total is not None and 1.0 < total < 3.0, total
+    finally:
+        await agent.close()

@@ -75,7 +75,12 @@ from reach_mesh.models import (
     UnregisterRequest,
 )
 from reach_mesh.tracing import flush_tracing, tracing_from_env
-from reach_mesh.tracing.metrics import AgentMetrics, refused_counter, serve_metrics
+from reach_mesh.tracing.metrics import (
+    AgentMetrics,
+    refused_counter,
+    serve_metrics,
+    watch_event_loop,
+)
 
 __all__ = ["Agent", "AgentStatus"]
 
@@ -193,6 +198,7 @@ class Agent(ServingMixin):
         # Answers to attempts that came in batches (made once connected).
         self._answers: AnswerBatcher
         self._hb_task: asyncio.Task[None] | None = None
+        self._loop_watch: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._registered = asyncio.Event()
         #: When we sent the last registration or heartbeat a hub answered (monotonic; a
@@ -350,6 +356,9 @@ class Agent(ServingMixin):
                 await self.work.start()
             await self._register()
             self._hb_task = asyncio.create_task(self._heartbeat_loop(), name="reach-heartbeat")
+            self._loop_watch = asyncio.create_task(
+                watch_event_loop(self.metrics.event_loop_lag_seconds), name="reach-loop-lag"
+            )
         except BaseException:
             await self.close()
             raise
@@ -509,9 +518,10 @@ class Agent(ServingMixin):
                 await within("work consumer stop", self.work.stop(), 5.0, log)
             if self._tasks:
                 await asyncio.wait(set(self._tasks), timeout=self.drain_timeout)
-            if self._hb_task is not None:
-                self._hb_task.cancel()
-                await within("heartbeat loop", self._hb_task, 2.0, log)
+            for what, task in (("heartbeat loop", self._hb_task), ("loop watch", self._loop_watch)):
+                if task is not None:
+                    task.cancel()
+                    await within(what, task, 2.0, log)
             if self._nc is not None and self._registered.is_set():
                 with contextlib.suppress(Exception):
                     await self.nc.request(

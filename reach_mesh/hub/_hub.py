@@ -53,7 +53,7 @@ from reach_mesh.hub.throttle import Throttle
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.logs import LineBudget
 from reach_mesh.tracing import tracing_from_env
-from reach_mesh.tracing.metrics import HubMetrics, refused_counter
+from reach_mesh.tracing.metrics import HubMetrics, refused_counter, watch_event_loop
 
 __all__ = ["Hub", "HubState"]
 
@@ -114,6 +114,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._answers: AnswerBatcher
         self._sender: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._loop_watch: asyncio.Task[None] | None = None
         # Routes asked in this process (``route``) awaiting their answer, by reply token.
         self._local = {}
         self._local_ids = itertools.count()
@@ -174,6 +175,9 @@ class Hub(RoutingMixin, ControlMixin):
             raise RuntimeError(f"hub cannot start from state {self.state.value}")
         self.state = HubState.RUNNING
         tracing_from_env(HUB_SERVICE_NAME)  # OTEL_TRACES_EXPORTER, if the process set none up
+        self._loop_watch = asyncio.create_task(
+            watch_event_loop(self.metrics.event_loop_lag_seconds), name="reach-loop-lag"
+        )
         try:
             self._nc = await connect(self.nats_url, name=self.hub_id, settings=self.settings)
             self._js = self._nc.jetstream(timeout=10.0)
@@ -331,6 +335,9 @@ class Hub(RoutingMixin, ControlMixin):
         if self._sweeper is not None:
             self._sweeper.cancel()
             await within("route sweeper", self._sweeper, 2.0, log)
+        if self._loop_watch is not None:
+            self._loop_watch.cancel()
+            await within("event loop watch", self._loop_watch, 2.0, log)
         if hasattr(self, "registry"):
             await within("registry stop", self.registry.stop(), 5.0, log)
         if hasattr(self, "audit"):

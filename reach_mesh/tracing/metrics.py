@@ -11,6 +11,7 @@ Every metric is documented in ``docs/operations.md``.
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Final
@@ -26,6 +27,7 @@ __all__ = [
     "CONTENT_TYPE",
     "DECISION_BUCKETS",
     "DURATION_BUCKETS",
+    "LAG_BUCKETS",
     "LATENCY_BUCKETS",
     "AgentMetrics",
     "HistogramChild",
@@ -33,6 +35,7 @@ __all__ = [
     "LoopHistogram",
     "refused_counter",
     "serve_metrics",
+    "watch_event_loop",
 ]
 
 #: How prometheus-client writes a bucket bound (``le``); the library leaves it untyped.
@@ -66,6 +69,33 @@ DECISION_BUCKETS: Final[tuple[float, ...]] = _buckets(0.000001, 1.0)
 """A route decision: 1 µs to 1 s, five bounds per decade. A decision takes about ten µs; from
 100 µs up (:data:`LATENCY_BUCKETS`) nearly all of them fell in the first bucket, and the
 dashboard's p50 and p99 read that bucket's bounds whatever the router did."""
+
+LAG_BUCKETS: Final[tuple[float, ...]] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+"""How late the event loop ran a timer (``reach_event_loop_lag_seconds``): a loop keeping up
+wakes within a millisecond or two; from 1 s on, renewals and heartbeat answers come late."""
+
+#: Seconds between two samples of the event loop's lag (:func:`watch_event_loop`).
+LAG_EVERY: Final = 0.25
+
+_LAG_HELP: Final = (
+    "How late this process's event loop ran a timer due every 0.25 s: CPU starvation, a "
+    "blocking call, a long GC pause or a paused process (from 1 s on, renewals, heartbeats "
+    "and their answers come late)."
+)
+
+
+async def watch_event_loop(lag: LoopHistogram, every: float = LAG_EVERY) -> None:
+    """Observe into ``lag``, every ``every`` seconds until cancelled, how late the running
+    event loop woke this task (one timer: the cost of the sample is the sample). A stall of
+    N seconds is one observation of about N."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every
+        await asyncio.sleep(every)
+        lag.observe(max(0.0, loop.time() - due))
+
 
 DURATION_BUCKETS: Final[tuple[float, ...]] = (
     *LATENCY_BUCKETS,
@@ -344,6 +374,9 @@ class HubMetrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.event_loop_lag_seconds = LoopHistogram(
+            "reach_event_loop_lag_seconds", _LAG_HELP, buckets=LAG_BUCKETS, registry=r
+        )
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (``CONTENT_TYPE``)."""
@@ -391,6 +424,9 @@ class AgentMetrics:
         )
         for kind in ("step", "request"):
             self.handlers_abandoned_total.labels(kind)  # both series exist from the start
+        self.event_loop_lag_seconds = LoopHistogram(
+            "reach_event_loop_lag_seconds", _LAG_HELP, buckets=LAG_BUCKETS, registry=r
+        )
 
     def step_counts(self, read: Callable[[], dict[str, int]]) -> None:
         """Export the durable-step counters ``read`` returns (names below), read when
