@@ -395,11 +395,13 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             self._pull.release()  # one message, held once (by the run)
         suppressed = self._renew_lines.take()
         if suppressed is not None:
+            wf_id = next((k[1] for k, (_, t) in self._owning.items() if t is task), "?")
             log.warning(
-                "a workflow submission this hub runs was delivered to it again (stream "
-                "sequence %d, delivery %d): its renewals came later than workflow_ack_wait "
-                "(%.3gs; an event loop stall, or a cut from NATS); the run goes on "
-                "(%d such lines held back)",
+                "the submission of workflow %s, which this hub runs, was delivered to it again "
+                "(stream sequence %d, delivery %d): its renewals came later than "
+                "workflow_ack_wait (%.3gs; an event loop stall, or a cut from NATS); the run "
+                "goes on (%d such lines held back)",
+                wf_id,
                 seq,
                 msg.metadata.num_delivered,
                 self._settings.workflow_ack_wait,
