@@ -512,6 +512,9 @@ class AgentInfo(_Wire):
     health: float
     breaker: str
     session: str
+    #: Why its breaker is not closed (open or half-open): ``N of its last M requests
+    #: failed``, ``its half-open probe failed``, ``operator quarantine``, or ``deaf: …``.
+    breaker_reason: str | None = None
     unavailable: list[str] = Field(default_factory=list)
     tools: list[ToolSpec] = Field(default_factory=list)
     region: str | None = None

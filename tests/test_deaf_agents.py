@@ -101,7 +101,9 @@ async def test_a_step_sent_to_a_deaf_agent_is_sent_elsewhere(
         # Quarantined at once (not after a breaker's worth of wasted steps): the next
         # workflow's steps go to H only, their first attempts included.
         view_d = wf_hub.registry.agents[deaf.agent_id]
-        assert view_d.state is AgentState.QUARANTINED and view_d.breaker.why == DEAF
+        assert view_d.state is AgentState.QUARANTINED
+        info = await mesh.inspect(deaf.agent_id)  # what an operator reads: why, too
+        assert info.state is AgentState.QUARANTINED and info.breaker_reason == DEAF
         again = await mesh.workflow(await submit(steps, timeout=30), timeout=10)
         assert again.state is TaskState.SUCCEEDED, again.error
         assert all(s.agent_id == healthy.agent_id and s.attempts == 1 for s in again.steps)

@@ -107,6 +107,7 @@ class AgentView:
             last_heartbeat_age=round(now - self.last_seen, 3),
             health=self.health.value,
             breaker=self.breaker.state.value,
+            breaker_reason=self.breaker.reason,
             session=self.record.session,
             unavailable=sorted(self.unavailable),
             tools=card.tools,

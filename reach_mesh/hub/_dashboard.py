@@ -527,6 +527,7 @@ def fleet(hub: Hub) -> dict[str, Any]:
                 "lease_left": round(view.lease_left(now), 3),
                 "health": round(view.health.value, 3),
                 "breaker": view.breaker.state.value,
+                "breaker_reason": view.breaker.reason,
                 "cordoned": hub.registry.cordoned(view.agent_id, view.record),
                 "capabilities": card.capabilities,
                 "labels": card.all_labels(),

@@ -165,6 +165,11 @@ class CircuitBreaker:
         return self._state
 
     @property
+    def reason(self) -> str | None:
+        """Why it is not closed (open, or half-open: why it last opened); None when closed."""
+        return None if self.state is BreakerState.CLOSED else self.why or None
+
+    @property
     def probe_available(self) -> bool:
         """Whether :meth:`allow` would return ``True`` now, without handing anything out."""
         state = self.state
