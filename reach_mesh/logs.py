@@ -32,6 +32,7 @@ __all__ = [
     "QUARANTINE",
     "ROUTE_LATENCY",
     "SELECT_EMPTY",
+    "SUBSCRIPTION_REFUSED",
     "WORKFLOW_INTERRUPTED",
     "HumanFormatter",
     "JsonFormatter",
@@ -72,6 +73,11 @@ WORKFLOW_INTERRUPTED: Final = "REACH-WORKFLOW-INTERRUPTED"
 unavailable past the retries (WARNING; another hub resumes it), or anything else (ERROR, with
 the traceback at most once a minute per kind of error: it comes back and fails again until
 the cause is fixed)."""
+SUBSCRIPTION_REFUSED: Final = "REACH-SUBSCRIPTION-REFUSED"
+"""NATS took away one of a running agent's own subscriptions (its task, batch or ctl subject,
+or its inbox: a permissions change reloaded into nats-server), so it would heartbeat with
+nothing reaching it (ERROR): the agent stops (``Agent.fault``), and ``serve()``/``run()`` end
+with the error."""
 MESSAGE_REFUSED: Final = "REACH-MESSAGE-REFUSED"
 """A message was dropped unread: it named a reply subject outside ``_INBOX.``, or it was not a
 message of the subscription it came on (a JetStream push delivery; docs/security.md)."""
@@ -85,6 +91,7 @@ _EVENT_LEVELS: Final[Mapping[str, int]] = {
     ROUTE_LATENCY: logging.INFO,
     IDENTITY_REJECTED: logging.WARNING,
     HANDLER_ABANDONED: logging.WARNING,
+    SUBSCRIPTION_REFUSED: logging.ERROR,
     MESSAGE_REFUSED: logging.WARNING,
 }
 

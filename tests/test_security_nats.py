@@ -1360,3 +1360,52 @@ def test_agent_ids_never_share_a_consumer_name() -> None:
     digest = hashlib.sha256(short.encode()).hexdigest()[:10]
     assert protocol.work_consumer(short) == f"work-shop_svc_a1-{digest}"
     assert protocol.status_consumer(short) == f"status-shop_svc_a1-{digest}"
+
+
+def _take_away(conf: Path, allowed: str) -> None:
+    """Drop one allowed subject of ``conf`` (an ``auth.conf``), as an operator's edit would."""
+    text = conf.read_text()
+    assert allowed in text
+    conf.write_text(text.replace(allowed, ""))
+
+
+async def test_an_agent_whose_subscription_is_taken_away_stops_instead_of_going_deaf(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's permissions change, reloaded into nats-server, takes away a running
+    agent's subscription to its own task subjects: nats-server drops the subscription and
+    says so, while the agent's heartbeats would still be allowed — a deaf agent that hubs keep
+    routing to. The agent stops instead: it leaves the registry, and ``serve()`` ends with
+    ``NotPermittedError`` (a supervisor restarts it; ``start()`` then says what is wrong)."""
+    from reach_mesh.agent._run import serve
+    from reach_mesh.logs import SUBSCRIPTION_REFUSED
+
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace=NS)
+    auth.add("agent", VICTIM)
+    with EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server:
+        hub = Hub(settings=auth.settings("hub", "main", nats_url=server.url, **FAST))
+        await hub.start()
+        agent = Agent(VICTIM, settings=auth.settings("agent", VICTIM, nats_url=server.url, **FAST))
+
+        @agent.handler(CAP)
+        async def work(task: Task[Any]) -> Any:
+            return task.payload
+
+        serving = asyncio.create_task(serve(agent))
+        try:
+            await eventually(lambda: VICTIM in hub.registry.agents, timeout=10)
+            async with Client(settings=auth.settings("caller", NS, nats_url=server.url)) as c:
+                assert (await c.request(capability=CAP, payload=1)).result == 1
+            _take_away(Path(auth.auth_conf), f'"reach.agent.{VICTIM}.>",')  # a mistake
+            server.reload()
+            with pytest.raises(NotPermittedError, match=f"reach.agent.{VICTIM}"):
+                await asyncio.wait_for(serving, 15)
+            assert agent.fault is not None and agent.status.value == "closed"
+            assert VICTIM not in hub.registry.agents  # its goodbye: routed to no more
+            lines = [r for r in caplog.records if getattr(r, "event", None) == SUBSCRIPTION_REFUSED]
+            assert len(lines) == 1 and lines[0].levelno == logging.ERROR
+        finally:
+            serving.cancel()
+            await asyncio.gather(serving, return_exceptions=True)
+            await hub.close()

@@ -36,6 +36,7 @@ from reach_mesh._guard import guarded
 from reach_mesh._nats import (
     connect,
     flushed,
+    refusals_of,
     refused_first,
     refused_messages,
     refused_since,
@@ -63,7 +64,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownAgentError,
 )
-from reach_mesh.logs import LineBudget
+from reach_mesh.logs import SUBSCRIPTION_REFUSED, LineBudget, log_event
 from reach_mesh.models import (
     AgentCard,
     AgentState,
@@ -201,6 +202,11 @@ class Agent(ServingMixin):
         self._loop_watch: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self._registered = asyncio.Event()
+        #: Why the agent stopped on its own (None: it did not): NATS took away one of its own
+        #: subscriptions while it ran (``_on_refused``). ``serve()`` ends with it.
+        self.fault: ReachError | None = None
+        self._faulted = asyncio.Event()
+        self._stopping: asyncio.Task[None] | None = None
         #: When we sent the last registration or heartbeat a hub answered (monotonic; a
         #: pause counts): see ``in_touch``.
         self._answered_at = -math.inf
@@ -350,6 +356,9 @@ class Agent(ServingMixin):
             refused = refused_since(self.nc, 0.0, f"reach.agent.{self.agent_id}.")
             if refused is not None:
                 raise self._not_permitted(refused)
+            refusals = refusals_of(self.nc)
+            if refusals is not None:  # from now on, a refusal of our own subjects stops us
+                refusals.listeners.append(self._on_refused)
             if self.durable_work:
                 # Durable workflow steps (JetStream): consumer ready before hubs route to us.
                 self.work = WorkConsumer(self)
@@ -418,6 +427,31 @@ class Agent(ServingMixin):
             # Exponential backoff with full jitter: a storm of agents spreads out.
             await asyncio.sleep(random.uniform(0, wait) + wait / 2)
             delay = min(delay * 2, 5.0)
+
+    def _on_refused(self, subject: str) -> None:
+        """NATS refused this connection ``subject`` (any refusal, as it happens). One of the
+        agent's own subscriptions — its task, batch or ctl subject, or its inbox, where its
+        work and its answers arrive — refused after it started is a permissions change
+        reloaded into nats-server: that subscription is gone, while the heartbeats would go on
+        (deaf). The agent stops: DRAINING (hubs route nothing more to it), running tasks
+        finish, goodbye; and ``serve()``/``run()`` end with the error, so a supervisor
+        restarts it and :meth:`start` says what is wrong until the permissions are mended."""
+        if self.fault is not None or self.status is not AgentStatus.RUNNING:
+            return
+        inbox = self.nc.new_inbox().rpartition(".")[0].lower() + "."
+        if not subject.startswith((f"reach.agent.{self.agent_id}.".lower(), inbox)):
+            return  # (a publish: refused on its own, where it is made)
+        self.fault = self._not_permitted(subject)
+        log_event(
+            log,
+            SUBSCRIPTION_REFUSED,
+            f"NATS took away agent {self.agent_id}'s subscription to {subject!r} (a permissions "
+            "change reloaded into nats-server?): nothing would reach it; it stops",
+            agent_id=self.agent_id,
+            subject=subject,
+        )
+        self._faulted.set()
+        self._stopping = asyncio.create_task(self.close(), name="reach-agent-stop")
 
     def _not_permitted(self, subject: str) -> NotPermittedError:
         """NATS refused this connection one of this agent's own subjects: it runs with an

@@ -17,7 +17,10 @@ __all__ = ["run", "serve"]
 async def serve(*agents: Agent, started: Callable[[], None] | None = None) -> None:
     """Start ``agents`` and serve until SIGTERM/SIGINT, then close them gracefully.
 
-    ``started`` is called once every agent is connected and registered."""
+    ``started`` is called once every agent is connected and registered. An agent that stops
+    on its own (:attr:`Agent.fault`: NATS took away one of its subscriptions) ends the
+    serving too: the others are closed, and its error is raised (a process supervisor then
+    restarts it)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -28,11 +31,20 @@ async def serve(*agents: Agent, started: Callable[[], None] | None = None) -> No
         if started is not None:
             started()
         _runner.settle()
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait())]
+        waits += [asyncio.ensure_future(a._faulted.wait()) for a in agents]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await asyncio.gather(*(a.close() for a in agents), return_exceptions=True)
+    fault = next((a.fault for a in agents if a.fault is not None), None)
+    if fault is not None:
+        raise fault
 
 
 def run(*agents: Agent) -> None:
