@@ -4,6 +4,7 @@
   subscriptions gone, its work consumer stopped: a client whose subscription loop died) is
   given up on at its second probe, not at the workflow's deadline: the step is sent to another
   agent and the workflow succeeds; the deaf agent is quarantined, and gets no further step.
+- Restarted, it is back once its breaker's half-open probe — a workflow step — succeeds.
 - An agent cut off from NATS for several probes (no heartbeats, nobody on its ctl subject)
   while its lease holds keeps its attempt: it may be reconnecting, and it is.
 """
@@ -20,6 +21,7 @@ from reach_mesh import Client, MeshSettings, Step, TaskState
 from reach_mesh.agent import Agent
 from reach_mesh.hub import Hub
 from reach_mesh.hub._tracking import DEAF
+from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState, CordonRecord
 
 from .helpers import Fleet, HeldHandler, Relay, echo_agent, eventually, held_handler
@@ -113,6 +115,46 @@ async def test_a_step_sent_to_a_deaf_agent_is_sent_elsewhere(
     first = view.steps[0].history[0]
     assert (first.attempt, first.agent_id, first.code) == (1, deaf.agent_id, "lost"), first
     assert sum(fleet.runs.values()) == 2 * len(steps)  # each step ran once, on H
+
+
+async def test_a_deaf_agent_restarted_is_back_once_its_half_open_probe_succeeds(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Found deaf, then restarted as an operator would (a fresh process, same agent id): after
+    ``breaker_open_timeout`` the router hands its half-open probe to a workflow step, and that
+    step's success closes the breaker — the next steps go to it too, not one per probe timeout
+    (30 s; chaos ``deaf``: a restarted agent took one step per hub in the 12 s after its probe).
+    The restarted agent is the only one left, so every step waits for it."""
+    settings = wf_settings.model_copy(update={"breaker_open_timeout": 1.0})
+    cap = "wf:deafback:v1"
+    async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
+        deaf = echo_agent(fleet, "deafback.d", cap)
+        healthy = echo_agent(fleet, "deafback.h", cap)
+        await deaf.start()
+        await _deafen(deaf)
+        wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
+        await eventually(lambda: _sent_to(hub, wf_id, deaf.agent_id), timeout=5)
+        await healthy.start()
+        res = await mesh.workflow(wf_id, timeout=30)
+        assert res.state is TaskState.SUCCEEDED, res.error
+        assert hub.registry.agents[deaf.agent_id].breaker.why == DEAF
+        await deaf.close()
+        await healthy.close()
+        back = echo_agent(fleet, "deafback.d", cap)
+        await back.start()
+
+        def half_open() -> bool:
+            view = hub.registry.agents.get(back.agent_id)
+            return view is not None and view.breaker.state is BreakerState.HALF_OPEN
+
+        await eventually(half_open, timeout=5)
+        for _ in range(3):
+            wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
+            res = await mesh.workflow(wf_id, timeout=10)
+            assert res.state is TaskState.SUCCEEDED, res.error
+            assert res.steps[0].agent_id == back.agent_id
+        view = hub.registry.agents[back.agent_id]
+        assert view.breaker.state is BreakerState.CLOSED and view.state is AgentState.ONLINE
 
 
 async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(

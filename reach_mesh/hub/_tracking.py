@@ -34,6 +34,7 @@ from reach_mesh._jspub import JsClient
 from reach_mesh._retry import no_message
 from reach_mesh.hub._step_state import kept_outcome
 from reach_mesh.hub.acks import AckMachine
+from reach_mesh.hub.breaker import BreakerState, is_agent_fault
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import AgentState, ErrorBody, TaskState
@@ -413,7 +414,31 @@ class StatusTracker:
         if event.state.final and event.attempt not in track.finished:
             track.finished.add(event.attempt)
             track.outcomes.append(event)
+            self._probe_verdict(event)
         track.changed.set()
+
+    def _probe_verdict(self, event: TaskStatusEvent) -> None:
+        """A sent attempt's final status, from its agent: while that agent's breaker is
+        half-open, the verdict of its probe, classified as a routed task's reply is
+        (``RouteEndMixin``): SUCCEEDED closes the breaker, TIMEOUT or the agent's own failure
+        opens it again. The router hands the single probe to whatever it places next, a
+        workflow step included — for an agent quarantined as deaf (by a step) the probe is
+        nearly always a step. Unreported, the probe stays "in flight" until ``probe_timeout``
+        (30 s), and the agent gets one step per hub per that, however well it answers. A
+        closed breaker counts no workflow outcome (as before)."""
+        view = self._registry.agents.get(event.agent_id)
+        if view is None or view.breaker.state is not BreakerState.HALF_OPEN:
+            return
+        if event.state is TaskState.SUCCEEDED:
+            view.breaker.record(True)
+        elif event.state is TaskState.TIMEOUT or (
+            event.state is TaskState.FAILED
+            and is_agent_fault(event.error.code if event.error is not None else None)
+        ):
+            view.breaker.record(False)
+        else:
+            return
+        self._registry.regrade(view)
 
     def _authentic(self, sender: str, data: bytes) -> TaskStatusEvent | None:
         """The event in ``data`` if it speaks for the agent its subject names, else None."""
