@@ -9,6 +9,12 @@ returns ``{"x": x + 1}`` after ``ms`` milliseconds, ``fail`` raises a non-retrya
 ``TaskFailed``, ``slow`` sleeps ``ms`` (longer than the step timeout: the agent cancels it),
 ``stubborn`` too but ignores the cancellation and returns (outcome ``late``: the agent has
 abandoned it by then, and drops what it returns).
+
+SIGUSR1 makes the agent deaf (the ``deaf`` fault): its work consumer stops and its task, batch
+and ctl subscriptions are unsubscribed — through the same internals as ``_deafen`` in
+``tests/test_deaf_agents.py``, a client whose subscription loop died — while its heartbeats go
+on, and the handlers it already runs finish (their statuses and keep-alives are publishes). It
+appends a ``deaf`` line when nothing reaches it any more. It stays so until it is restarted.
 """
 
 from __future__ import annotations
@@ -16,24 +22,32 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 import uuid
 from typing import Any
 
-from reach_mesh.agent import Agent, Task, TaskFailed, run
+from reach_mesh import _runner
+from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.agent._run import serve
 from reach_mesh.config import load_settings
 
 CAPABILITY = "chaos:work:v1"
 
 
-def build(agent_id: str, log_path: str) -> Agent:
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+class Log:
+    """The agent's JSON lines (``O_APPEND``: a SIGKILL loses nothing already written)."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def __call__(self, **ev: Any) -> None:
+        os.write(self.fd, (json.dumps({**ev, "t": time.time()}) + "\n").encode())
+
+
+def build(agent_id: str, log: Log) -> Agent:
     pid = os.getpid()
-
-    def log(**ev: Any) -> None:
-        os.write(fd, (json.dumps({**ev, "t": time.time()}) + "\n").encode())
-
     agent = Agent(agent_id, settings=load_settings(), max_concurrency=32)
 
     @agent.handler(CAPABILITY)
@@ -82,5 +96,30 @@ def build(agent_id: str, log_path: str) -> Agent:
     return agent
 
 
+async def deafen(agent: Agent, log: Log) -> None:
+    """Nothing reaches ``agent`` any more, while its heartbeats go on (as ``_deafen`` in
+    ``tests/test_deaf_agents.py``). A signal before the agent has started waits for it."""
+    await agent._registered.wait()  # (its subscriptions and work consumer are made before)
+    if agent.work is not None:
+        await agent.work.stop()
+    for sub in list(agent._subs):
+        await sub.unsubscribe()
+        agent._subs.remove(sub)
+    await agent.nc.flush()  # the server dropped its interest before any hub asks
+    log(ev="deaf", agent=agent.agent_id, pid=os.getpid(), running=agent._running)
+
+
+async def main(agent_id: str, log_path: str) -> None:
+    log = Log(log_path)
+    agent = build(agent_id, log)
+    loop = asyncio.get_running_loop()
+    deaf: list[asyncio.Task[None]] = []  # (a reference: the loop keeps only a weak one)
+    loop.add_signal_handler(
+        signal.SIGUSR1, lambda: deaf.append(loop.create_task(deafen(agent, log)))
+    )
+    await serve(agent)
+
+
 if __name__ == "__main__":
-    run(build(sys.argv[1], sys.argv[2]))
+    # ``reach_mesh.agent.run`` but for the SIGUSR1 handler (tracing is off in the chaos runs).
+    _runner.run(main(sys.argv[1], sys.argv[2]))

@@ -31,7 +31,7 @@ from nats.js.errors import NotFoundError
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
 from reach_mesh._retry import no_message
 from reach_mesh.errors import ReachError
-from reach_mesh.logs import LEASE_EXPIRED
+from reach_mesh.logs import LEASE_EXPIRED, QUARANTINE
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import step_task_id
 
@@ -40,7 +40,16 @@ from .agent_proc import CAPABILITY
 from .history import Expected, History, Report, check, read_faults, read_runs
 
 HERE = Path(__file__).parent
-FAULTS = ("agent_kill", "hub_kill", "node_kill", "node_stop", "agent_stop", "hub_stop", "slow")
+FAULTS = (
+    "agent_kill",
+    "hub_kill",
+    "node_kill",
+    "node_stop",
+    "agent_stop",
+    "hub_stop",
+    "deaf",
+    "slow",
+)
 #: How long a node_stop keeps its node frozen: past its clients' and its routes' PING
 #: deadlines (``nats_ping_interval`` and ``ROUTE_PING_INTERVAL`` x 4) and a raft election.
 NODE_STOP = 8.0
@@ -494,6 +503,27 @@ class Faults:
         proc.signal(signal.SIGCONT)
         self._log("hub_stop", proc.name, at, pid=proc.pid)
 
+    async def deaf(self) -> None:
+        """SIGUSR1 a random agent: it goes deaf (``agent_proc.deafen``: its work consumer
+        stopped, its task, batch and ctl subscriptions gone, its heartbeats going on) for
+        2 x (``step_deliver_timeout`` + ``step_silence_timeout``): every hub that sent it an
+        attempt meanwhile finds it deaf (two probes), gives the attempt up and quarantines it.
+        Then it is restarted as an operator would: SIGTERM (SIGKILL after 3 s) and a fresh
+        process with the same agent id, whose consumer finds the attempts sent meanwhile (each
+        given up and fenced, or still current)."""
+        proc = self.rng.choice(self.mesh.agents)
+        at = time.time()
+        pid = proc.pid
+        proc.signal(signal.SIGUSR1)
+        t = self.cfg.timings
+        await asyncio.sleep(2 * (t["step_deliver_timeout"] + t["step_silence_timeout"]))
+        restarted = time.time()
+        await asyncio.to_thread(proc.stop)
+        # -9: it did not end within 3 s of SIGTERM (a handler still running was killed).
+        code = None if proc.popen is None else proc.popen.returncode
+        proc.start()
+        self._log("deaf", proc.name, at, pid=pid, restarted=restarted, exit=code)
+
     async def leader_of(self, stream: str) -> str | None:
         try:
             info = await asyncio.wait_for(self.client.nc.jetstream().stream_info(stream), 2)
@@ -650,6 +680,11 @@ class ChaosRun:
     #: read only by an agent in touch with the hubs (docs/workflows.md).
     fence_reads: int = 0
     starts: int = 0
+    #: Agent processes that went deaf (their own ``deaf`` line), and the quarantines the hubs
+    #: logged for deafness (``REACH-QUARANTINE``, reason ``deaf: ...``; one per hub that found
+    #: it so): informational — after any other fault a deaf verdict would be a false one.
+    deafened: int = 0
+    deaf_quarantines: int = 0
 
     def table(self) -> str:
         head = (
@@ -671,6 +706,8 @@ class ChaosRun:
             f"{dict(self.stats.cancel_errors)}",
             f"  lease expiries logged by hubs: {self.lease_expiries}",
             f"  fence reads by agents: {self.fence_reads} (handler starts: {self.starts})",
+            f"  agents made deaf: {self.deafened}, deaf quarantines logged by hubs: "
+            f"{self.deaf_quarantines}",
         ]
         return "\n".join([self.report.table(head), *extra])
 
@@ -700,6 +737,27 @@ def _lags(lags: dict[str, float]) -> str:
     p50, p99 = got[len(got) // 2], got[min(len(got) - 1, int(len(got) * 0.99))]
     late = sum(1 for lag in got if lag > 5.0)
     return f"{len(got)}: p50 {p50:.3f} s, p99 {p99:.3f} s, max {got[-1]:.3f} s; over 5 s: {late}"
+
+
+def _deaf_quarantines(logs: Iterable[Path]) -> int:
+    """``REACH-QUARANTINE`` lines whose reason is deafness, in the hubs' logs."""
+    n = 0
+    for path in logs:
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            if f'"event":"{QUARANTINE}"' in line and '"reason":"deaf:' in line:
+                n += 1
+    return n
+
+
+def _deafened(logs: Iterable[Path]) -> int:
+    """Agent processes that logged going deaf (``agent_proc.deafen``)."""
+    n = 0
+    for path in logs:
+        if path.exists():
+            n += path.read_text(errors="replace").count('"ev": "deaf"')
+    return n
 
 
 def _fence_reads(logs: Iterable[Path]) -> tuple[int, int]:
@@ -752,7 +810,17 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
     )
     reads, starts = _fence_reads(mesh.agent_logs)
     result = ChaosRun(
-        cfg, report, history, stats, faults.count, time.monotonic() - t0, expiries, reads, starts
+        cfg,
+        report,
+        history,
+        stats,
+        faults.count,
+        time.monotonic() - t0,
+        expiries,
+        reads,
+        starts,
+        _deafened(mesh.agent_logs),
+        _deaf_quarantines(proc.log for proc in mesh.hubs),
     )
     (workdir / "table.txt").write_text(result.table() + "\n")
     # Per workflow, for a look at the tail: when its caller had it, how long after the result

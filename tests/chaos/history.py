@@ -28,6 +28,9 @@ from typing import Any
 FINAL = frozenset({"SUCCEEDED", "FAILED", "TIMEOUT"})
 #: Fault kinds that may explain a second run of a step: the agent that ran it died or was
 #: paused past its lease (then the mesh may re-dispatch, by design: the at-least-once window).
+#: Not ``deaf``: a deaf agent never takes the attempts sent to it (they are given up and run
+#: elsewhere, once), the handlers it had started finish and their statuses get through (they
+#: are publishes), and its restart (SIGTERM) waits for them — so it explains nothing.
 AGENT_FAULTS = frozenset({"agent_kill", "agent_stop"})
 HUB_FAULTS = frozenset({"hub_kill"})
 #: Slack (s) around a fault when deciding whether it explains a duplicate run.
@@ -76,7 +79,7 @@ class Run:
 
 @dataclass(frozen=True)
 class Fault:
-    kind: str  # agent_kill, agent_stop, hub_kill, node_kill, ...
+    kind: str  # agent_kill, agent_stop, hub_kill, node_kill, deaf, ...
     target: str  # agent id, hub name or node name
     at: float  # wall time the fault started
     until: float | None = None  # when it ended (SIGCONT, restart), if known

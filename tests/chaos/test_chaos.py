@@ -22,6 +22,9 @@ def _assert_invariants(run: ChaosRun) -> None:
     assert run.report.workflows > 0
     # Cancels were sent and some took effect: the cancel checks did not pass for want of any.
     assert run.report.cancels > 0 or run.cfg.cancel_share == 0, run.table()
+    if run.cfg.fault == "deaf":
+        # The fault did what it says: agents went deaf, and hubs found them so.
+        assert run.deafened == run.faults and run.deaf_quarantines > 0, run.table()
     assert run.report.ok, run.table()
 
 

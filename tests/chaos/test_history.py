@@ -214,6 +214,21 @@ def test_a_node_kill_explains_no_duplicate() -> None:
     assert check(h).dup_unexplained == 1
 
 
+def test_a_deaf_agent_explains_no_duplicate_and_no_lost_result() -> None:
+    """A deaf agent never starts what is sent to it and finishes what it had started: a
+    second run, or a first result not kept, around its deafness is a violation still."""
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.faults.append(Fault("deaf", "ns.a.a2", 0.9, until=9.0))
+    assert check(h).dup_unexplained == 1
+    h.records[WF]["result"]["steps"][1]["decided_by"] = 2
+    h.tasks[f"{WF}-1"] = task(
+        1, history=[{"attempt": 1, "state": "PENDING"}, {"attempt": 2, "state": "SUCCEEDED"}]
+    )
+    rep = check(h)
+    assert rep.first_result_lost == 1 and rep.dup_unexplained == 1 and not rep.ok
+
+
 def test_read_runs_pairs_start_and_end_and_skips_torn_lines(tmp_path: Path) -> None:
     log = tmp_path / "a.jsonl"
     start = {"ev": "start", "run": "r1", "wf": WF, "step": 0, "task": f"{WF}-0", "attempt": 1}
