@@ -2,8 +2,10 @@
 keep recent results for idempotency, drain gracefully; count what it handled (``/metrics``).
 
 This module holds the agent's state, handler registration and lifecycle (register, heartbeat,
-drain); ``Agent`` takes its serving path (tasks and batches, handler slots, idempotency, attempts
-and their answers, the control subject) from :class:`~reach_mesh.agent._serving.ServingMixin`.
+drain); ``Agent`` takes its serving path (tasks and batches, handler slots, idempotency, answers,
+the control subject) from :class:`~reach_mesh.agent._serving.ServingMixin`, and the running of
+one handler attempt (payload, deadline, result checks, failures, metrics) from its base
+:class:`~reach_mesh.agent._attempts.AttemptsMixin`.
 """
 
 from __future__ import annotations
@@ -43,14 +45,10 @@ from reach_mesh._nats import (
     shown,
 )
 from reach_mesh._shutdown import within
+from reach_mesh.agent._attempts import _TRACEBACK_INTERVAL
 from reach_mesh.agent._deadlines import _Deadlines
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
-from reach_mesh.agent._serving import (
-    _TRACEBACK_INTERVAL,
-    AgentStatus,
-    ServingMixin,
-    _Handler,
-)
+from reach_mesh.agent._serving import AgentStatus, ServingMixin, _Handler
 from reach_mesh.agent._table import Results
 from reach_mesh.agent._task import Task
 from reach_mesh.agent._work import WorkConsumer
@@ -182,7 +180,7 @@ class Agent(ServingMixin):
         # Constant middle of every SUCCEEDED reply (agent_id is a validated token).
         self._succeeded = f',"agent_id":"{agent_id}","state":"SUCCEEDED"'.encode()
         # Labelled metric children by capability / (capability, state): labels() costs more
-        # than the increment it is for (typed in ServingMixin).
+        # than the increment it is for (typed in AttemptsMixin).
         self._durations = {}
         self._succeeded_total = {}
         self._counters = {}
