@@ -249,7 +249,12 @@ async def _child(role: str, nats_url: str, ns: str) -> None:
     settings = MeshSettings(nats_url=nats_url, namespace=ns)
     loop = asyncio.get_running_loop()
     stop = loop.create_future()
-    loop.add_reader(sys.stdin.fileno(), lambda: stop.done() or stop.set_result(None))
+
+    def stdin_closed() -> None:
+        if not stop.done():
+            stop.set_result(None)
+
+    loop.add_reader(sys.stdin.fileno(), stdin_closed)
     if role == "hub":
         async with Hub(settings=settings):
             print("READY", flush=True)
@@ -386,23 +391,33 @@ async def run_workflow_bench(
         except Exception as err:
             bare = {"available": False, "reason": f"{type(err).__name__}: {err}"}
     pub_p50 = floor["js_publish_ack"]["p50_ms"] or 1e-9
-    fan = {**_lat(fan_lat), "sustained": fan_tp, "cost": fan_cost, "open_loop": fan_rates}
-    chn = {**_lat(chain_lat), "sustained": chain_tp, "cost": chain_cost, "open_loop": chain_rates}
+    fan_row: dict[str, Any] = {
+        **_lat(fan_lat),
+        "sustained": fan_tp,
+        "cost": fan_cost,
+        "open_loop": fan_rates,
+    }
+    chn_row: dict[str, Any] = {
+        **_lat(chain_lat),
+        "sustained": chain_tp,
+        "cost": chain_cost,
+        "open_loop": chain_rates,
+    }
     return {
         "quick": quick,
-        "fanout3": fan,
-        "chain3": chn,
+        "fanout3": fan_row,
+        "chain3": chn_row,
         "floor": floor,
         "bare": bare,
         "ratios": {
-            "fanout3_p50_over_js_publish_p50": round(fan["p50_ms"] / pub_p50, 2),
-            "chain3_p50_over_js_publish_p50": round(chn["p50_ms"] / pub_p50, 2),
+            "fanout3_p50_over_js_publish_p50": round(fan_row["p50_ms"] / pub_p50, 2),
+            "chain3_p50_over_js_publish_p50": round(chn_row["p50_ms"] / pub_p50, 2),
             "fanout3_per_s_over_js_publish_per_s": round(
                 fan_tp["per_s"] / floor["js_publish_ack"]["per_s"], 4
             ),
         },
         "targets": {
-            "fanout3_p50_le_10ms": fan["p50_ms"] <= 10.0,
+            "fanout3_p50_le_10ms": fan_row["p50_ms"] <= 10.0,
             "fanout3_ge_500_per_s": fan_tp["per_s"] >= 500,
         },
         "retention_s": settings.workflow_retention,

@@ -213,7 +213,12 @@ async def _child(role: str, nats_url: str, tag: str) -> None:
     names = _Names(tag)
     loop = asyncio.get_running_loop()
     stop: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(sys.stdin.fileno(), lambda: stop.done() or stop.set_result(None))
+
+    def stdin_closed() -> None:
+        if not stop.done():
+            stop.set_result(None)
+
+    loop.add_reader(sys.stdin.fileno(), stdin_closed)
     conns = [await nats.connect(nats_url) for _ in range(1 if role == "hub" else AGENTS)]
     if role == "hub":
         serving = [_hub(conns[0], names, stop)]
