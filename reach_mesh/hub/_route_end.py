@@ -38,7 +38,7 @@ from reach_mesh.hub._wire import (
     _reply_bytes,
 )
 from reach_mesh.hub.audit import AuditLog
-from reach_mesh.hub.breaker import is_agent_fault
+from reach_mesh.hub.breaker import attempt_verdict
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.shares import Shares
@@ -307,15 +307,12 @@ class RouteEndMixin:
                     self._duration_children[cap] = child
             if 0.0 <= head.duration_ms <= _MS_MAX:
                 child.observe(head.duration_ms / 1000)
-        if head.state is TaskState.SUCCEEDED:
-            view.health.success()
-            view.breaker.record(True)
-        elif head.state is TaskState.TIMEOUT or (
-            head.state is TaskState.FAILED
-            and is_agent_fault(head.error.code if head.error is not None else None)
-        ):
-            # The handler's own fault; a caller's bad payload (REACH_BAD_REQUEST) is not.
-            view.breaker.record(False)
+        # The handler's own fault counts; a caller's bad payload (REACH_BAD_REQUEST) does not.
+        verdict = attempt_verdict(head.state, head.error.code if head.error is not None else None)
+        if verdict is not None:
+            if verdict:
+                view.health.success()
+            view.breaker.record(verdict)
         self.registry.regrade(view)
         return head
 

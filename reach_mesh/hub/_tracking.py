@@ -34,7 +34,7 @@ from reach_mesh._jspub import JsClient
 from reach_mesh._retry import no_message
 from reach_mesh.hub._step_state import kept_outcome
 from reach_mesh.hub.acks import AckMachine
-from reach_mesh.hub.breaker import BreakerState, is_agent_fault
+from reach_mesh.hub.breaker import BreakerState, attempt_verdict
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import AgentState, ErrorBody, TaskState
@@ -429,16 +429,11 @@ class StatusTracker:
         view = self._registry.agents.get(event.agent_id)
         if view is None or view.breaker.state is not BreakerState.HALF_OPEN:
             return
-        if event.state is TaskState.SUCCEEDED:
-            view.breaker.record(True)
-        elif event.state is TaskState.TIMEOUT or (
-            event.state is TaskState.FAILED
-            and is_agent_fault(event.error.code if event.error is not None else None)
-        ):
-            view.breaker.record(False)
-        else:
-            return
-        self._registry.regrade(view)
+        code = event.error.code if event.error is not None else None
+        verdict = attempt_verdict(event.state, code)
+        if verdict is not None:
+            view.breaker.record(verdict)
+            self._registry.regrade(view)
 
     def _authentic(self, sender: str, data: bytes) -> TaskStatusEvent | None:
         """The event in ``data`` if it speaks for the agent its subject names, else None."""

@@ -33,6 +33,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnauthorizedError,
 )
+from reach_mesh.models import TaskState
 
 if TYPE_CHECKING:
     from reach_mesh.models import FailureReport
@@ -43,6 +44,7 @@ __all__ = [
     "BreakerState",
     "CircuitBreaker",
     "HealthScore",
+    "attempt_verdict",
     "caller_report",
     "is_agent_fault",
 ]
@@ -89,6 +91,17 @@ def is_agent_fault(code: str | None) -> bool:
     if code is None:
         return True
     return code not in NOT_AGENT_FAULTS and not code.startswith("REACH_BAD_")
+
+
+def attempt_verdict(state: TaskState, code: str | None) -> bool | None:
+    """What an attempt's final ``state`` (and error ``code``) tells the agent's breaker: True
+    (it succeeded), False (it timed out, or failed by its own fault), None (nothing: a
+    caller's bad payload, a cancel, not final)."""
+    if state is TaskState.SUCCEEDED:
+        return True
+    if state is TaskState.TIMEOUT or (state is TaskState.FAILED and is_agent_fault(code)):
+        return False
+    return None
 
 
 class BreakerState(enum.Enum):
