@@ -48,7 +48,7 @@ from reach_mesh.errors import (
     PayloadTooLargeError,
     ReachError,
 )
-from reach_mesh.logs import HANDLER_FAILED, LineBudget, log_event
+from reach_mesh.logs import HANDLER_ABANDONED, HANDLER_FAILED, LineBudget, log_event
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import SPAN_HANDLE, SpanKind, span, trace_id_from_headers
 from reach_mesh.tracing.metrics import AgentMetrics
@@ -301,6 +301,39 @@ class AttemptsMixin:
         return self._reply(env, TaskState.SUCCEEDED, result=dumped)
 
     # ------------------------------------------------------------------ outcomes
+
+    def _told_abandoned(
+        self,
+        env: TaskEnvelope,
+        capability: str | None,
+        trace_id: str | None,
+        *,
+        kind: typing.Literal["step", "request"],
+        cancelled: bool = False,
+    ) -> None:
+        """Say that the handler of ``env`` is let go (``REACH-HANDLER-ABANDONED``, counted in
+        ``reach_agent_handlers_abandoned_total{kind}``): it ignored its timeout's cancellation
+        for ``handler_abandon_grace`` (answered TIMEOUT), or, ``cancelled``, a hub's cancel of
+        its step (dropped). Either way it keeps its slot until it returns."""
+        self.metrics.handlers_abandoned_total.labels(kind).inc()
+        if cancelled:
+            what = "did not stop when its step was cancelled: abandoned"
+        else:
+            what = (
+                f"ignored its {env.timeout:.3g}s timeout for "
+                f"{self.settings.handler_abandon_grace:.3g}s more: abandoned, answered TIMEOUT"
+            )
+        fields: dict[str, Any] = {"workflow_id": env.workflow_id} if kind == "step" else {}
+        log_event(
+            log,
+            HANDLER_ABANDONED,
+            f"handler {capability} {what} (its slot stays taken until it returns)",
+            task_id=env.task_id,
+            attempt=env.attempt,
+            trace_id=trace_id,
+            capability=capability,
+            **fields,
+        )
 
     @property
     def _max_result(self) -> int:

@@ -32,7 +32,6 @@ from reach_mesh._retry import RetriesExhausted, retrying
 from reach_mesh.agent._results import _abandoned_error
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import PayloadTooLargeError
-from reach_mesh.logs import HANDLER_ABANDONED, log_event
 from reach_mesh.models import TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import TaskStatusEvent
@@ -346,25 +345,9 @@ class HeldSteps:
         held.abandoned = True
         _quiet(held)
         agent = self._agent
-        agent.metrics.handlers_abandoned_total.labels("step").inc()
+        trace_id = trace_id_from_headers(held.headers)
+        agent._told_abandoned(env, env.capability, trace_id, kind="step", cancelled=held.fenced)
         msgs = [held.msg, *held.extra]
-        if held.fenced:
-            what = "did not stop when its step was cancelled: abandoned"
-        else:
-            what = (
-                f"ignored its {env.timeout:.3g}s timeout for "
-                f"{self._settings.handler_abandon_grace:.3g}s more: abandoned, answered TIMEOUT"
-            )
-        log_event(
-            log,
-            HANDLER_ABANDONED,
-            f"handler {env.capability} {what} (its slot stays taken until it returns)",
-            task_id=env.task_id,
-            attempt=env.attempt,
-            workflow_id=env.workflow_id,
-            trace_id=trace_id_from_headers(held.headers),
-            capability=env.capability,
-        )
         if held.fenced:
             self._forget(held)
             agent._spawn(self._settle_fenced(msgs))

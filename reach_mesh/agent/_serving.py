@@ -30,7 +30,7 @@ from reach_mesh.agent._results import _abandoned_error, _end_handle_span
 from reach_mesh.agent._table import Results, _Entry
 from reach_mesh.agent._task import Task
 from reach_mesh.errors import AgentBusyError, BadRequestError, NoHandlerError, ReachError
-from reach_mesh.logs import HANDLER_ABANDONED, LineBudget, log_event
+from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.tracing import (
     TRACEPARENT,
@@ -269,18 +269,7 @@ class ServingMixin(AttemptsMixin):
             # handler return at last, its outcome replaces this one below.
             if not entry.running:
                 return
-            log_event(
-                log,
-                HANDLER_ABANDONED,
-                f"handler {handler.capability} ignored its {env.timeout:.3g}s timeout for "
-                f"{self.settings.handler_abandon_grace:.3g}s more: abandoned, answered "
-                "TIMEOUT (its slot stays taken until it returns)",
-                task_id=env.task_id,
-                attempt=env.attempt,
-                trace_id=trace_id,
-                capability=handler.capability,
-            )
-            self.metrics.handlers_abandoned_total.labels("request").inc()
+            self._told_abandoned(env, handler.capability, trace_id, kind="request")
             reply = self._reply(env, TaskState.TIMEOUT, error=_abandoned_error(env.timeout))
             entry.finish(TaskState.TIMEOUT, reply, b"")
             waiter, entry.done = entry.done, None
