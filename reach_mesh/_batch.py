@@ -33,7 +33,14 @@ from reach_mesh import protocol
 from reach_mesh._nats import not_permitted, refusals_of
 from reach_mesh.tracing import TRACEPARENT
 
-__all__ = ["BATCH_BYTES", "BATCH_ITEMS", "AnswerBatcher", "Batcher", "reply_token"]
+__all__ = [
+    "BATCH_BYTES",
+    "BATCH_ITEMS",
+    "AnswerBatcher",
+    "Batcher",
+    "inbox_prefix",
+    "reply_token",
+]
 
 #: Most requests in one batch message, and most bytes of bodies in it (hubs, agents, clients).
 BATCH_ITEMS: Final = 64
@@ -49,8 +56,12 @@ def private_inbox(nc: NATS) -> str:
     bits. Not nats-py's ``new_inbox()``: its NUIDs come from one generator, so an identity that
     sees one of them (agents see where they answer) could follow it to the reply subjects of
     nats-py's own requests, whose answers it may publish to (docs/security.md)."""
-    prefix = nc.new_inbox().rpartition(".")[0]
-    return f"{prefix}.{reply_token()}"
+    return f"{inbox_prefix(nc)}.{reply_token()}"
+
+
+def inbox_prefix(nc: NATS) -> str:
+    """``nc``'s inbox prefix (``_INBOX``, or the identity's own in secure mode), no dot."""
+    return nc.new_inbox().rpartition(".")[0]
 
 
 def reply_token() -> str:

@@ -42,10 +42,22 @@ __all__ = [
     "ensure_stream",
     "last_per_subject",
     "status_stream_config",
+    "stream_seq",
     "work_stream_config",
 ]
 
 log = logging.getLogger("reach_mesh.consume")
+
+
+def stream_seq(msg: Msg) -> int | None:
+    """The stream sequence of a JetStream delivery, None for anything else (nats-py parses
+    the metadata once and keeps it on the message)."""
+    try:
+        seq: int = msg.metadata.sequence.stream
+    except Exception:
+        return None
+    return seq
+
 
 #: What every JetStream delivery's reply subject (its ack subject) starts with.
 _ACK_PREFIX: Final = "$JS.ACK."

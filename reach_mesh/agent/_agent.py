@@ -33,7 +33,7 @@ from pydantic import TypeAdapter
 
 from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
-from reach_mesh._batch import AnswerBatcher
+from reach_mesh._batch import AnswerBatcher, inbox_prefix
 from reach_mesh._guard import guarded
 from reach_mesh._nats import (
     connect,
@@ -436,8 +436,8 @@ class Agent(ServingMixin):
         restarts it and :meth:`start` says what is wrong until the permissions are mended."""
         if self.fault is not None or self.status is not AgentStatus.RUNNING:
             return
-        inbox = self.nc.new_inbox().rpartition(".")[0].lower() + "."
-        if not subject.startswith((f"reach.agent.{self.agent_id}.".lower(), inbox)):
+        own = (f"reach.agent.{self.agent_id}.", f"{inbox_prefix(self.nc)}.")
+        if not subject.startswith(tuple(p.lower() for p in own)):
             return  # (a publish: refused on its own, where it is made)
         self.fault = self._not_permitted(subject)
         log_event(

@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
+from reach_mesh._consume import stream_seq
 from reach_mesh.errors import MeshUnavailableError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._steps import Workflow
@@ -137,10 +138,7 @@ class WorkflowRefusals(WorkflowQueries):
         record = WorkflowRecord(
             state=result.state, owner=self.hub_id, result=result, spec_digest=digest
         )
-        try:
-            seq: int | None = msg.metadata.sequence.stream
-        except Exception:
-            seq = None
+        seq = stream_seq(msg)
         try:
             try:
                 await _durable.create(

@@ -43,7 +43,7 @@ from nats.js.api import (
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources
+from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources, stream_seq
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
@@ -355,7 +355,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
     # ------------------------------------------------------------------ submissions
 
     def _on_submit(self, msg: Msg) -> None:
-        seq = _stream_seq(msg)
+        seq = stream_seq(msg)
         if seq is not None and seq in self._runs_by_seq and self._renew(msg, seq):
             return
         ns = protocol.submit_namespace(msg.subject)
@@ -413,7 +413,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         msg = self._running.pop(task, None)
         if msg is not None:
             self._shares.give(protocol.submit_namespace(msg.subject))
-            seq = _stream_seq(msg)
+            seq = stream_seq(msg)
             if seq is not None and self._runs_by_seq.get(seq) is task:
                 del self._runs_by_seq[seq]
         if self._pull is not None:
@@ -794,12 +794,3 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             self._no_work.add(view.agent_id)
         if new is AgentState.LOST:
             self._tracker.mark_lost(view.agent_id)
-
-
-def _stream_seq(msg: Msg) -> int | None:
-    """The stream sequence of a JetStream delivery (its metadata is parsed once, kept on it)."""
-    try:
-        seq: int = msg.metadata.sequence.stream
-    except Exception:
-        return None
-    return seq
