@@ -174,6 +174,17 @@ class Relay:
         self._writers.clear()
 
 
+async def relayed(
+    nats_url: str, settings: MeshSettings, **update: Any
+) -> tuple[Relay, MeshSettings]:
+    """A started :class:`Relay` in front of the nats-server at ``nats_url``, and ``settings``
+    that connect through it (with ``update``): the party the test cuts off."""
+    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
+    await relay.start()
+    through = f"nats://127.0.0.1:{relay.port}"
+    return relay, settings.model_copy(update={"nats_url": through, **update})
+
+
 async def partition(agent: Agent) -> None:
     """Cut ``agent`` off from the hubs while its handlers keep running: no heartbeats, and
     nobody answers on its ctl subject (what a network partition looks like from the hubs)."""

@@ -24,7 +24,7 @@ from reach_mesh.hub._tracking import DEAF
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState, CordonRecord
 
-from .helpers import Fleet, HeldHandler, Relay, echo_agent, eventually, held_handler
+from .helpers import Fleet, HeldHandler, Relay, echo_agent, eventually, held_handler, relayed
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -57,14 +57,8 @@ async def _relayed_pair(
 ) -> tuple[Relay, Agent, HeldHandler, Agent, HeldHandler]:
     """Agent A (started) behind a relay the test cuts, with a lease of 10 s that outlasts the
     cuts, and agent B (not started yet), both serving ``cap`` with held handlers."""
-    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
-    await relay.start()
-    settings = wf_settings.model_copy(
-        update={
-            "nats_url": f"nats://127.0.0.1:{relay.port}",
-            "heartbeat_interval": 1.0,
-            "lease_timeout": 10.0,
-        }
+    relay, settings = await relayed(
+        nats_url, wf_settings, heartbeat_interval=1.0, lease_timeout=10.0
     )
     a = Agent(f"{wf_settings.namespace}.{name}.a", settings=settings)
     fleet.agents.append(a)

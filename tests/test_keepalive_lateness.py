@@ -33,6 +33,15 @@ T = TypeVar("T")
 _TAKEN_OVER = "was taken over by hub hub-b while this hub could not keep it"
 
 
+async def closed_on(side: LoopThread, hub: Hub | None) -> None:
+    """Close ``hub`` on the side loop it runs on, then that loop."""
+    try:
+        if hub is not None:
+            await side.run(hub.close())
+    finally:
+        side.close()
+
+
 async def started_hub(settings: MeshSettings, hub_id: str) -> Hub:
     """A started hub (on the loop that runs this: the side loop, stalled by the tests)."""
     hub = Hub(settings=settings, hub_id=hub_id)
@@ -118,11 +127,7 @@ async def test_a_hub_whose_loop_stalled_past_the_ack_wait_stops_the_run_it_lost(
     finally:
         unstall.set()
         held.release.set()
-        try:
-            if hub_a is not None:
-                await side.run(hub_a.close())
-        finally:
-            side.close()
+        await closed_on(side, hub_a)
         await hub_b.close()
         await hub_c.close()
 
@@ -175,8 +180,4 @@ async def test_a_submission_that_comes_back_to_the_hub_running_it_renews_the_run
     finally:
         unstall.set()
         held.release.set()
-        try:
-            if hub_a is not None:
-                await side.run(hub_a.close())
-        finally:
-            side.close()
+        await closed_on(side, hub_a)

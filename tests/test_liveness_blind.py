@@ -30,7 +30,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import AgentCard, AgentState, RegisterRequest
 
-from .helpers import Relay, eventually
+from .helpers import Relay, eventually, relayed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,11 +54,7 @@ class _Mesh:
 @asynccontextmanager
 async def _mesh(settings: MeshSettings, nats_url: str, agent_id: str) -> AsyncIterator[_Mesh]:
     """Both hubs up, and ``agent_id`` registered, known to the seer, and never beating."""
-    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
-    await relay.start()
-    patient = settings.model_copy(
-        update={"nats_url": f"nats://127.0.0.1:{relay.port}", "suspect_timeout": 600.0}
-    )
+    relay, patient = await relayed(nats_url, settings, suspect_timeout=600.0)
     try:
         async with Hub(settings=settings) as judge, Hub(settings=patient) as seer:
             nc = await nats.connect(nats_url)

@@ -14,7 +14,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import Relay, eventually, free_port
+from .helpers import eventually, free_port, relayed
 
 
 def _agent(agent_id: str, cap: str, settings: MeshSettings) -> Agent:
@@ -115,9 +115,7 @@ async def test_a_caller_cut_off_while_its_workflow_finished_gets_it_when_back(
         await release.wait()
         return {"done": True}
 
-    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
-    await relay.start()
-    away = settings.model_copy(update={"nats_url": f"nats://127.0.0.1:{relay.port}"})
+    relay, away = await relayed(nats_url, settings)
     async with Hub(settings=settings), Client(settings=settings) as direct:
         await agent.start()
         try:

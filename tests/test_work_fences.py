@@ -31,7 +31,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope, TaskState
 from reach_mesh.workflow import TaskRecord
 
-from .helpers import Fleet, Relay, echo_agent, eventually
+from .helpers import Fleet, echo_agent, eventually, relayed
 
 
 async def _stale_step(
@@ -153,14 +153,8 @@ async def test_a_step_given_up_while_its_agent_was_cut_off_is_dropped_on_return(
     well under two heartbeat intervals, so by its heartbeats it is still in touch: the marker
     queued behind the message drops it."""
     ns = wf_settings.namespace
-    relay = Relay(int(nats_url.rsplit(":", 1)[1]))
-    await relay.start()
-    settings = wf_settings.model_copy(
-        update={
-            "nats_url": f"nats://127.0.0.1:{relay.port}",
-            "heartbeat_interval": 5.0,
-            "lease_timeout": 15.0,
-        }
+    relay, settings = await relayed(
+        nats_url, wf_settings, heartbeat_interval=5.0, lease_timeout=15.0
     )
     runs: list[str] = []
     a = _fence_agent(f"{ns}.cut.a", settings, runs)
