@@ -312,7 +312,7 @@ class Client(WorkflowsMixin):
         A task that timed out on an agent (``REACH_TIMEOUT`` naming it) and is asked again
         with the same ``task_id`` by capability goes to that agent, whose idempotency cache
         answers from the run it has: another agent would run it again. Whichever hub routes
-        it (a hub pins the ids it routed too, but only its own). When that agent is no longer
+        it (the hubs pin the ids they route too, and tell each other). When that agent is no longer
         routable, the task is routed as asked (it may then run twice)."""
         key = (ns, fields["task_id"])
         pinned = self._timed_out.get(key) if self._timed_out else None

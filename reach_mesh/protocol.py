@@ -240,7 +240,8 @@ def micro_subject(service_id: str, endpoint: str) -> str:
 
 def hub_broadcast(namespace: str, verb: str) -> str:
     """``reach.hubs.<ns>.<verb>`` — messages from one hub to every hub (no queue group); only
-    hubs may publish here. Verb: ``breaker`` (an operator's quarantine / release)."""
+    hubs may publish here. Verbs: ``breaker`` (an operator's quarantine / release), ``pins``
+    (the agents the task ids a hub routed went to)."""
     return f"reach.hubs.{namespace}.{verb}"
 
 

@@ -130,8 +130,10 @@ class Conn:
         needle = f'permissions violation for {what} to "{subject.lower()}"'
         await eventually(lambda: any(needle in e for e in self.errors), timeout=3.0)
 
-    async def publish_denied(self, subject: str, body: bytes = b"{}") -> None:
-        await self.nc.publish(subject, body)
+    async def publish_denied(
+        self, subject: str, body: bytes = b"{}", headers: dict[str, str] | None = None
+    ) -> None:
+        await self.nc.publish(subject, body, headers=headers)
         await self.nc.flush()
         await self.denied("publish", subject)
 
@@ -476,6 +478,20 @@ async def test_quarantine_report_from_a_caller_ignored(mesh: Mesh, as_identity: 
         await eventually(lambda: mesh.hub.registry.agents[VICTIM].state is AgentState.QUARANTINED)
         await op.admin("release", VICTIM)
         await eventually(lambda: mesh.hub.registry.agents[VICTIM].state is AgentState.ONLINE)
+
+
+async def test_pins_are_told_by_hubs_only(mesh: Mesh, as_identity: Any) -> None:
+    """The pins a hub tells the others (which agent a task id went to) steer retries: no
+    caller, agent or operator may publish them, so none can send another caller's retry to an
+    agent of its choosing."""
+    forged = b'[["order-77", "' + VICTIM.encode() + b'"]]'
+    for role, name in [*wrong_identities(), ("operator", "admin")]:
+        conn = await as_identity(role, name)
+        await conn.publish_denied(
+            protocol.hub_broadcast(NS, "pins"), forged, headers={"Reach-Hub": "hub-forged"}
+        )
+    await asyncio.sleep(0.2)
+    assert mesh.hub._pins.get(NS, "order-77") is None
 
 
 # --------------------------------------------------------------------------- 1, 2, 9: workflows

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Any
 
+import nats
 import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Task
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
+from reach_mesh.hub._pins import HUB_HEADER, decode_pins
 from reach_mesh.logs import HANDLER_ABANDONED
 from reach_mesh.workflow import StepResult, TaskStatusEvent
 
@@ -294,6 +297,48 @@ async def test_a_timed_out_task_asked_of_another_hub_goes_to_the_same_agent(
         await first_hub.close()
 
 
+async def test_a_task_whose_answer_was_lost_asked_of_another_hub_goes_to_the_same_agent(
+    settings: MeshSettings,
+) -> None:
+    """A caller whose answers never came (its connection dropped, its hub died) asks again
+    with the same task ids, and the hubs' queue group hands the retries to another hub, which
+    routed none of them: each still goes to the agent that has it, told by the first hub, and
+    runs once. (Routed by least-loaded alone, about half of them would run a second time on
+    the other agent: all six on their first agent by chance is 1 in 64.)"""
+    fleet = Fleet(settings)
+    runs: dict[str, int] = {}
+    release = asyncio.Event()
+    finishing_agents(fleet, ("pin.c1", "pin.c2"), "pin:lost:v1", runs, release)
+    ns = settings.namespace
+
+    def body(n: int) -> bytes:
+        return json.dumps(
+            {"capability": "pin:lost:v1", "task_id": f"lost-{n}", "payload": n, "timeout": 10}
+        ).encode()
+
+    try:
+        async with Hub(settings=settings) as first, Hub(settings=settings) as second:
+            for agent in fleet.agents:
+                await agent.start()
+            await eventually(lambda: len(first.registry.agents) == len(second.registry.agents) == 2)
+            tries = [asyncio.ensure_future(first.route(body(n), ns)) for n in range(6)]
+            await eventually(lambda: sum(runs.values()) == 6)
+            assert len(runs) == 2  # spread over both agents (least-loaded)
+            retries = [asyncio.ensure_future(second.route(body(n), ns)) for n in range(6)]
+            await asyncio.sleep(0.3)
+            release.set()
+            answers = [protocol.loads(raw) for raw in await asyncio.gather(*tries)]
+            again = [protocol.loads(raw) for raw in await asyncio.gather(*retries)]
+            assert [a["task"]["state"] for a in again] == ["SUCCEEDED"] * 6, again
+            first_agents = [a["agent_id"] for a in answers]
+            assert [a["agent_id"] for a in again] == first_agents
+            assert [a["task"]["result"] for a in again] == first_agents
+            assert sum(runs.values()) == 6, runs
+    finally:
+        release.set()
+        await fleet.close()
+
+
 async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when_asked_again(
     hub: Hub, settings: MeshSettings, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -330,4 +375,37 @@ async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when
             assert res.result == agent.agent_id and runs == {agent.agent_id: 1}
     finally:
         release.set()
+        await fleet.close()
+
+
+async def test_malformed_pins_from_a_hub_are_skipped_and_the_hub_routes_on(
+    hub: Hub, settings: MeshSettings, nats_url: str
+) -> None:
+    """A pins message is a JSON array of ``[task_id, agent_id]`` pairs: whatever else one
+    carries is skipped, a valid pair beside it is kept, and the hub routes on."""
+    assert decode_pins(b"{not json") == []
+    assert decode_pins(b'{"a": 1}') == []
+    assert decode_pins(
+        b'[["t1", "a1"], ["t2"], [1, "a"], "x", ["t3", "a3", "z"], ["t4", "a4"]]'
+    ) == [
+        ("t1", "a1"),
+        ("t4", "a4"),
+    ]
+    ns = settings.namespace
+    fleet = Fleet(settings)
+    echo_agent(fleet, "pin.d1", "pin:echo:v1")
+    await fleet.agents[0].start()
+    nc = await nats.connect(nats_url)
+    try:
+        subject = protocol.hub_broadcast(ns, "pins")
+        for data in (b"\xff\xfe", b"[[", b"[]", b'[["t9", "' + b"a" * 70_000 + b'"]]'):
+            await nc.publish(subject, data, headers={HUB_HEADER: "hub-other"})
+        await nc.publish(subject, b'[["t8", "x.pin.d9"]]', headers={HUB_HEADER: "hub-other"})
+        await nc.flush()
+        await eventually(lambda: hub._pins.get(ns, "t8") == "x.pin.d9")
+        async with Client(settings=settings) as mesh:
+            res = await mesh.request(capability="pin:echo:v1", payload=1, timeout=5)
+            assert res.state is TaskState.SUCCEEDED
+    finally:
+        await nc.close()
         await fleet.close()

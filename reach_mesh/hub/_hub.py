@@ -43,7 +43,8 @@ from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableError, ReachError
 from reach_mesh.hub._control import VIEW_RATE, ControlMixin
 from reach_mesh.hub._dashboard import Dashboard
-from reach_mesh.hub._routing import RoutingMixin, TaskPins
+from reach_mesh.hub._pins import TaskPins
+from reach_mesh.hub._routing import RoutingMixin
 from reach_mesh.hub.audit import AuditLog, Repeats
 from reach_mesh.hub.registry import Registry
 from reach_mesh.hub.router import Router
@@ -108,7 +109,9 @@ class Hub(RoutingMixin, ControlMixin):
         # Attempts decided in this pass of the event loop, per agent, and batches already full;
         # one task sends them all when the pass ends.
         self._outboxes = {}
+        # The agent each task id was routed to, this hub's and its peers' (``hub/_pins.py``).
         self._pins = TaskPins()
+        self._pins_sender: asyncio.Handle | None = None
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher
@@ -275,10 +278,12 @@ class Hub(RoutingMixin, ControlMixin):
                 await self.nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
             )
         # Failure reports go to every hub (no queue group): each keeps its own breakers. An
-        # operator's quarantine / release comes from a hub, on a subject only hubs publish to.
+        # operator's quarantine / release, and the pins of the tasks a hub routed, come from a
+        # hub, on subjects only hubs publish to.
         for subject, on_msg in (
             (protocol.hub_subject("*", "report"), self._on_report),
             (protocol.hub_broadcast("*", "breaker"), self._on_breaker),
+            (protocol.hub_broadcast("*", "pins"), self._on_pins),
         ):
             cb = guarded(subject, on_msg, answers=False)  # nothing answers these
             self._subs.append(await self.nc.subscribe(subject, cb=cb))

@@ -28,6 +28,7 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
 )
+from reach_mesh.hub._pins import HUB_HEADER, TaskPins, decode_pins, encode_pins
 from reach_mesh.hub._route_end import _LOCAL_REPLY, RouteEndMixin, _clip, _Flight
 from reach_mesh.hub._wire import (
     _envelope_bytes,
@@ -64,36 +65,6 @@ _UNKNOWN_NS: Final = "*"
 #: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
 #: is unknown, so a short one (the SDK adds its own growing backoff).
 _FAIR_SHARE_RETRY_MS: Final = 100
-#: Task ids whose agent a hub remembers, at most (``TaskPins``).
-PINS_KEPT: Final = 100_000
-
-
-class TaskPins:
-    """The agent each task id was last routed to by this hub: a retry of the task (same
-    ``task_id``, after a ``REACH_TIMEOUT`` or a lost reply) goes to the same agent while it is
-    routable, whose idempotency cache then answers it from the run it has (running or
-    finished) instead of another agent running it again.
-
-    Two generations of plain dicts, each up to half of ``PINS_KEPT``: an insert and at most
-    two lookups per route (an LRU's bookkeeping cost several times that on the hot path); a
-    pin lives between half and all of ``PINS_KEPT`` routes."""
-
-    __slots__ = ("_new", "_old")
-
-    def __init__(self) -> None:
-        self._new: dict[tuple[str, str], str] = {}
-        self._old: dict[tuple[str, str], str] = {}
-
-    def get(self, namespace: str, task_id: str) -> str | None:
-        key = (namespace, task_id)
-        agent = self._new.get(key)
-        return self._old.get(key) if agent is None else agent
-
-    def pin(self, namespace: str, task_id: str, agent_id: str) -> None:
-        new = self._new
-        new[(namespace, task_id)] = agent_id
-        if len(new) >= PINS_KEPT // 2:
-            self._old, self._new = new, {}
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +93,8 @@ class RoutingMixin(RouteEndMixin):
     _route_throttle: Throttle
     _route_seconds: LoopHistogram
     _pins: TaskPins
+    _pins_sender: asyncio.Handle | None
+    hub_id: str
     _local_ids: itertools.count[int]
 
     if TYPE_CHECKING:
@@ -339,8 +312,14 @@ class RoutingMixin(RouteEndMixin):
         if req.dry_run:
             await self._finish(flight, subject=view.record.task_subject)
             return
-        if req.task_id is not None and req.agent_id is None:
-            self._pins.pin(flight.ns, req.task_id, view.agent_id)
+        if (
+            req.task_id is not None
+            and req.agent_id is None
+            and self._pins.pin(flight.ns, req.task_id, view.agent_id)
+            and self._pins_sender is None
+        ):
+            # Sent after this pass's attempts and answers: the pins are for later retries.
+            self._pins_sender = asyncio.get_running_loop().call_soon(self._start_pins)
         if req.mode == "direct":
             view.assigned(self.registry.now)
             await self._finish(
@@ -442,6 +421,28 @@ class RoutingMixin(RouteEndMixin):
                     view.outstanding -= 1
                     self._end_deliver(flight, unavailable)
                     await self._finish(flight, error=unavailable)
+
+    def _start_pins(self) -> None:
+        self._spawn(self._send_pins())
+
+    async def _send_pins(self) -> None:
+        """Tell the other hubs the pins this pass of the event loop made (``hub/_pins.py``)."""
+        self._pins_sender = None
+        headers = {HUB_HEADER: self.hub_id}
+        try:
+            for ns, pairs in self._pins.outgoing().items():
+                for body in encode_pins(pairs):
+                    await self.nc.publish(protocol.hub_broadcast(ns, "pins"), body, headers=headers)
+        except Exception as err:  # the connection is closing or gone: the pins stay ours
+            log.debug("pins not sent to the other hubs: %s", type(err).__name__)
+
+    async def _on_pins(self, msg: Msg) -> None:
+        """Pins another hub made: a retry of one of those tasks that reaches this hub goes to
+        the agent that has it."""
+        headers = msg.headers
+        if headers is None or headers.get(HUB_HEADER) == self.hub_id:
+            return  # our own (every hub hears its own broadcasts)
+        self._pins.learn(msg.subject.split(".", 3)[2], decode_pins(msg.data))
 
     def _say_no_match(self, flight: _Flight, target: str | None) -> None:
         """``REACH-SELECT-EMPTY``, once per namespace and target every 10 s: a caller that
