@@ -151,6 +151,33 @@ async def test_a_deaf_agent_restarted_is_back_once_its_half_open_probe_succeeds(
         assert view.breaker.state is BreakerState.CLOSED and view.state is AgentState.ONLINE
 
 
+async def test_a_step_sent_before_the_breaker_opened_is_no_probe_verdict(
+    fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A step the agent held while an operator quarantined it ends after the breaker
+    half-opened: its success is old evidence, not the half-open probe's verdict, and the
+    breaker stays half-open. The probe is the next step sent there, whose success closes it."""
+    settings = wf_settings.model_copy(update={"breaker_open_timeout": 1.0})
+    cap = "wf:oldwin:v1"
+    agent = fleet.agent("oldwin.a")
+    on_a = held_handler(agent, cap)
+    async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
+        await agent.start()
+        held = await mesh.submit_fanout([Step(capability=cap, timeout=20)], timeout=30)
+        await asyncio.wait_for(on_a.started.wait(), 5)
+        await mesh.admin("quarantine", agent.agent_id)
+        view = hub.registry.agents[agent.agent_id]
+        await eventually(lambda: view.breaker.state is BreakerState.HALF_OPEN, timeout=5)
+        on_a.release.set()
+        res = await mesh.workflow(held, timeout=10)
+        assert res.state is TaskState.SUCCEEDED, res.error
+        assert view.breaker.state is BreakerState.HALF_OPEN  # not the probe's verdict
+        probe = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
+        res = await mesh.workflow(probe, timeout=10)
+        assert res.state is TaskState.SUCCEEDED and res.steps[0].agent_id == agent.agent_id
+        assert hub.registry.agents[agent.agent_id].breaker.state is BreakerState.CLOSED
+
+
 async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(
     wf_hub: Hub, fleet: Fleet, nats_url: str, wf_settings: MeshSettings
 ) -> None:

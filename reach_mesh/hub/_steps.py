@@ -42,6 +42,7 @@ from reach_mesh.hub._step_state import (
     step_route,
 )
 from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StatusTracker, StepTrack
+from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.models import ErrorBody, RouteRequest, TaskEnvelope, TaskState
@@ -555,6 +556,9 @@ class StepRunner(StepPlacing):
 
         A ``step`` PENDING event says the attempt went out, unless the workflow's ``start``
         event named it already (attempt 1 to ``first_agents[index]``)."""
+        view = track.view
+        if view is not None and view.breaker.state is BreakerState.HALF_OPEN:
+            track.probe = rec.attempt  # the breaker's single probe went to this attempt
         await self._send(wf, index, step, rec, capability, payload)
         if track.machine.state is TaskState.PENDING:
             # Its delivery timeout counts from when the work message was stored: a send that

@@ -148,6 +148,9 @@ class StepTrack:
     lost: bool = False
     stale: int = 0
     view: AgentView | None = None
+    #: The attempt this hub sent as its agent's half-open probe (0: none): only its final
+    #: status is the probe's verdict (``StatusTracker._probe_verdict``).
+    probe: int = 0
 
     @property
     def final(self) -> TaskStatusEvent | None:
@@ -414,18 +417,23 @@ class StatusTracker:
         if event.state.final and event.attempt not in track.finished:
             track.finished.add(event.attempt)
             track.outcomes.append(event)
-            self._probe_verdict(event)
+            if event.attempt == track.probe:
+                self._probe_verdict(event)
         track.changed.set()
 
     def _probe_verdict(self, event: TaskStatusEvent) -> None:
-        """A sent attempt's final status, from its agent: while that agent's breaker is
-        half-open, the verdict of its probe, classified as a routed task's reply is
+        """The final status of an attempt this hub sent as its agent's half-open probe
+        (``StepTrack.probe``): while the breaker is still half-open, the verdict of the probe,
+        classified as a routed task's reply is
         (``RouteEndMixin``): SUCCEEDED closes the breaker, TIMEOUT or the agent's own failure
         opens it again. The router hands the single probe to whatever it places next, a
         workflow step included — for an agent quarantined as deaf (by a step) the probe is
         nearly always a step. Unreported, the probe stays "in flight" until ``probe_timeout``
-        (30 s), and the agent gets one step per hub per that, however well it answers. A
-        closed breaker counts no workflow outcome (as before)."""
+        (30 s), and the agent gets one step per hub per that, however well it answers. The
+        final status of any other attempt is no verdict: one sent before the breaker opened
+        (a late or caught-up success of a step the agent held while it was quarantined), or
+        one another hub sent (each hub's breaker hands out its own probe). A closed breaker
+        counts no workflow outcome (as before)."""
         view = self._registry.agents.get(event.agent_id)
         if view is None or view.breaker.state is not BreakerState.HALF_OPEN:
             return
