@@ -159,6 +159,10 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     # from callers of its own namespace; never into another agent's inbox.
                     inbox_prefix("hub", "*") + ".>",
                     inbox_prefix("caller", ns) + ".>",
+                    # At start, whether another process serves its id (agent/_one_process.py):
+                    # a ping on its own ctl subject, answered into its own inbox.
+                    protocol.agent_ctl(agent_id),
+                    inbox,
                     # Durable workflow steps: its own consumer on REACH_WORK, nothing else.
                     f"{_API}.INFO",
                     f"{_API}.STREAM.INFO.{work}",

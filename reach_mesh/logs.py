@@ -22,6 +22,7 @@ from typing import Any, Final, TextIO
 from reach_mesh.tracing import current_trace_id
 
 __all__ = [
+    "AGENT_ID_IN_USE",
     "AGENT_TIMEOUT",
     "HANDLER_ABANDONED",
     "HANDLER_FAILED",
@@ -78,6 +79,10 @@ SUBSCRIPTION_REFUSED: Final = "REACH-SUBSCRIPTION-REFUSED"
 or its inbox: a permissions change reloaded into nats-server), so it would heartbeat with
 nothing reaching it (ERROR): the agent stops (``Agent.fault``), and ``serve()``/``run()`` end
 with the error."""
+AGENT_ID_IN_USE: Final = "REACH-AGENT-ID-IN-USE"
+"""A starting agent found another live process serving its agent id (its ctl subject
+answered): it waits for that one to stop before it subscribes to anything (WARNING, at most one
+line per 30 s while it waits; ``agent/_one_process.py``)."""
 MESSAGE_REFUSED: Final = "REACH-MESSAGE-REFUSED"
 """A message was dropped unread: it named a reply subject outside ``_INBOX.``, or it was not a
 message of the subscription it came on (a JetStream push delivery; docs/security.md)."""
@@ -93,6 +98,7 @@ _EVENT_LEVELS: Final[Mapping[str, int]] = {
     HANDLER_ABANDONED: logging.WARNING,
     SUBSCRIPTION_REFUSED: logging.ERROR,
     MESSAGE_REFUSED: logging.WARNING,
+    AGENT_ID_IN_USE: logging.WARNING,
 }
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=`` and is a field.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,7 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._serving import AgentStatus
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
 from reach_mesh.hub import Hub
+from reach_mesh.logs import AGENT_ID_IN_USE
 from reach_mesh.models import TaskReply
 
 from .helpers import eventually
@@ -370,3 +372,79 @@ async def test_copies_of_a_running_task_wait_only_as_many_as_the_agent_takes(
             out = await w
             assert out["result"] == "once" and out["cached"] is True
         assert agent._copies == 0
+
+
+def _said_in_use(caplog: pytest.LogCaptureFixture) -> bool:
+    return any(getattr(r, "event", None) == AGENT_ID_IN_USE for r in caplog.records)
+
+
+def _counting_agent(agent_id: str, settings: MeshSettings, ran: list[str], label: str) -> Agent:
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler("wf:twice:v1")
+    async def run(task: Task[Any]) -> str:
+        ran.append(label)
+        return label
+
+    return agent
+
+
+async def test_a_second_process_of_an_agent_id_waits_for_the_first_to_stop(
+    hub: Hub, settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deploy that starts an agent's new process before its old one stops: the new one
+    subscribes to nothing while the old one serves — no request, no workflow step reaches it,
+    so no step the old one holds is redelivered to it and run again — and says why
+    (``REACH-AGENT-ID-IN-USE``). Once the old one has stopped, it starts and serves."""
+    agent_id = f"{settings.namespace}.twice.a"
+    ran: list[str] = []
+    old = _counting_agent(agent_id, settings, ran, "old")
+    new = _counting_agent(agent_id, settings, ran, "new")
+    await old.start()
+    starting = asyncio.ensure_future(new.start())
+    try:
+        await eventually(lambda: _said_in_use(caplog), timeout=5)
+        async with Client(settings=settings) as mesh:
+            for n in range(6):
+                res = await mesh.request(capability="wf:twice:v1", payload=n, timeout=5)
+                assert res.result == "old"
+            wf = await mesh.fanout([Step(capability="wf:twice:v1")] * 3, timeout=10)
+            assert wf.ok and [s.result for s in wf.steps] == ["old"] * 3
+            assert not starting.done()
+            await old.close()
+            await asyncio.wait_for(starting, 5)
+            res = await mesh.request(capability="wf:twice:v1", payload=0, timeout=5)
+            assert res.result == "new" and ran == ["old"] * 9 + ["new"]
+    finally:
+        starting.cancel()
+        await old.close()
+        await new.close()
+
+
+async def test_an_agent_id_held_by_a_process_that_does_not_answer_is_taken_after_its_lease(
+    hub: Hub, settings: MeshSettings, nc: NATS, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process subscribed to the id's ctl subject that never answers (paused, its loop
+    blocked, cut off before NATS noticed) holds a starting agent back only as long as the hubs
+    wait before they declare an agent lost (``lease_timeout + suspect_timeout``); a process
+    that is gone holds nothing."""
+    agent_id = f"{settings.namespace}.twice.b"
+    mute = await nc.subscribe(protocol.agent_ctl(agent_id))
+    await nc.flush()
+    agent = _counting_agent(agent_id, settings, [], "b")
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(agent.start(), 10)
+        waited = time.monotonic() - started
+        assert settings.lease_timeout + settings.suspect_timeout <= waited < 5
+        assert _said_in_use(caplog) and "does not answer" in caplog.text
+    finally:
+        await agent.close()
+        await mute.unsubscribe()
+    again = _counting_agent(agent_id, settings, [], "b")
+    started = time.monotonic()
+    try:
+        await again.start()
+        assert time.monotonic() - started < 1
+    finally:
+        await again.close()

@@ -9,6 +9,7 @@ docs/security.md maps each line of the threat model to the test here that proves
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -40,7 +41,7 @@ from reach_mesh._auth import AuthDir
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
-from reach_mesh.logs import LineBudget
+from reach_mesh.logs import AGENT_ID_IN_USE, LineBudget
 from reach_mesh.models import AgentState, FailureReport, Heartbeat, UnregisterRequest
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import TaskStatusEvent
@@ -1425,3 +1426,35 @@ async def test_an_agent_whose_subscription_is_taken_away_stops_instead_of_going_
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
             await hub.close()
+
+
+async def test_a_second_process_of_an_agent_identity_waits_for_the_first(
+    mesh: Mesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One process per agent id, in secure mode: the ping a starting agent sends its own ctl
+    subject, and the running process's answer into the new one's inbox, are allowed — the
+    second process of the victim's identity waits (no "starting without the check") and takes
+    none of its tasks meanwhile."""
+    twin = Agent(VICTIM, settings=mesh.settings("agent", VICTIM))
+
+    @twin.handler(CAP)
+    async def work(task: Task[Any]) -> Any:
+        raise AssertionError("the twin took a task while the victim served")
+
+    starting = asyncio.ensure_future(twin.start())
+    try:
+        await eventually(
+            lambda: any(getattr(r, "event", None) == AGENT_ID_IN_USE for r in caplog.records),
+            timeout=5,
+        )
+        async with Client(settings=mesh.settings("caller", NS)) as caller:
+            for n in range(4):
+                res = await caller.request(capability=CAP, payload=n, timeout=5)
+                assert res.state is TaskState.SUCCEEDED and res.agent_id == VICTIM
+        assert not starting.done()
+        assert "without the check" not in caplog.text
+    finally:
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await twin.close()

@@ -47,6 +47,7 @@ from reach_mesh._nats import (
 from reach_mesh._shutdown import within
 from reach_mesh.agent._attempts import _TRACEBACK_INTERVAL
 from reach_mesh.agent._deadlines import _Deadlines
+from reach_mesh.agent._one_process import wait_for_other_process
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
 from reach_mesh.agent._serving import AgentStatus, ServingMixin, _Handler
 from reach_mesh.agent._table import Results
@@ -336,6 +337,10 @@ class Agent(ServingMixin):
                 )
             self._nc = await connect(self.nats_url, name=self.agent_id, settings=self.settings)
             self._answers = AnswerBatcher(self._nc)
+            # One process per agent id: a deploy's old process stops before this one serves.
+            await wait_for_other_process(self._nc, self.agent_id, self.settings)
+            # (A ping refused by an older auth.conf is no refused subscription.)
+            subscribed_at = time.monotonic()
             # Each only for messages of its own subject that can be answered safely: a
             # JetStream push delivery of someone's stored message is dropped (_guard.py).
             for subject, on_msg, queue in (
@@ -351,7 +356,7 @@ class Agent(ServingMixin):
             # The server refuses a subscription before it answers a PING sent after it:
             # ``flushed`` sends one behind these SUBs (nc.flush()'s can go ahead of them).
             await flushed(self.nc)
-            refused = refused_since(self.nc, 0.0, f"reach.agent.{self.agent_id}.")
+            refused = refused_since(self.nc, subscribed_at, f"reach.agent.{self.agent_id}.")
             if refused is not None:
                 raise self._not_permitted(refused)
             refusals = refusals_of(self.nc)

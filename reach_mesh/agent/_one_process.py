@@ -1,0 +1,100 @@
+"""One process per agent id: a starting agent waits while another live process serves its id.
+
+Two processes of one agent id (a deploy that starts the new process before the old one stops,
+the same command run twice) would share everything NATS keys by the id: its task subjects (a
+queue group), its work consumer, its ctl subject. A step the old process holds while its event
+loop is blocked past ``work_ack_wait`` is then redelivered to the new one, which has no record
+of it and runs it a second time, and request-reply retries of one task id reach either
+process's idempotency cache. So before it subscribes to anything, a starting agent asks its
+own ctl subject (``{"op": "ping"}``):
+
+- **no responders**: nobody serves the id (the usual start, a restart after a crash or a
+  clean stop): it starts;
+- **an answer** (another process, live, with its session): it waits, asking again every
+  second, until that process has stopped — a deploy's old process drains and closes — and
+  says so (``REACH-AGENT-ID-IN-USE``, WARNING, at most once per ``_SAY_EVERY``);
+- **no answer** (a process subscribed but not answering: paused, its loop blocked, or cut off
+  before NATS noticed): it asks again until the hubs would have declared that process lost
+  (``lease_timeout + suspect_timeout`` of silence), then starts, as the hubs then hand its
+  work to others;
+- **refused** (an ``auth.conf`` written before agents could ask their own ctl subject): it
+  starts without the check, and says so once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Final
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from reach_mesh import protocol
+from reach_mesh._nats import refused_first
+from reach_mesh.config import MeshSettings
+from reach_mesh.errors import NotPermittedError
+from reach_mesh.logs import AGENT_ID_IN_USE, get_logger, log_event
+
+__all__ = ["wait_for_other_process"]
+
+log = get_logger(__name__)
+
+#: How long a live process has to answer the ping (it answers from its event loop at once).
+_ASK_TIMEOUT: Final = 1.0
+#: Between two pings while another process serves the id.
+_ASK_EVERY: Final = 1.0
+#: Between two ``REACH-AGENT-ID-IN-USE`` lines while waiting.
+_SAY_EVERY: Final = 30.0
+_PING: Final = b'{"op":"ping"}'
+
+
+async def wait_for_other_process(nc: NATS, agent_id: str, settings: MeshSettings) -> None:
+    """Return once no other live process serves ``agent_id`` (see the module's docstring).
+    Call it connected and before subscribing to the agent's subjects."""
+    subject = protocol.agent_ctl(agent_id)
+    silent_for = settings.lease_timeout + settings.suspect_timeout
+    silent_since: float | None = None
+    said_at = -_SAY_EVERY
+    while True:
+        try:
+            msg = await refused_first(nc, subject, nc.request(subject, _PING, timeout=_ASK_TIMEOUT))
+        except NoRespondersError:
+            return
+        except NotPermittedError:
+            log.warning(
+                "cannot ask whether another process serves agent id %s: NATS refuses it its "
+                "own ctl subject (an auth.conf from before this version: rewrite it with "
+                "`reach-mesh auth add-agent %s`); starting without the check",
+                agent_id,
+                agent_id,
+            )
+            return
+        except (NatsTimeoutError, TimeoutError):
+            now = time.monotonic()
+            silent_since = now if silent_since is None else silent_since
+            if now - silent_since >= silent_for:
+                return  # as long as the hubs wait before they declare an agent lost
+            other = "a process that does not answer (paused, or its event loop blocked)"
+        else:
+            silent_since = None
+            try:
+                seen = protocol.loads_object(msg.data)
+            except Exception:
+                seen = {}
+            other = f"a live process (session {str(seen.get('session'))[:12]}…, " + (
+                f"{seen.get('status')})"
+            )
+        now = time.monotonic()
+        if now - said_at >= _SAY_EVERY:
+            said_at = now
+            log_event(
+                log,
+                AGENT_ID_IN_USE,
+                f"agent id {agent_id} is served by {other}: waiting for it to stop before "
+                "starting (one process per agent id; stop the old process first, or give each "
+                "process its own instance name)",
+                agent_id=agent_id,
+            )
+        await asyncio.sleep(_ASK_EVERY)
