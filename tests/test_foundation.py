@@ -220,7 +220,10 @@ async def test_restart_without_unregister_replaces_old_session(
     await crashed.start()
     old_session = crashed.session
     assert crashed._hb_task is not None
+    # Crashed: its heartbeats stop and its connection goes (with its subscriptions), and it
+    # never unregisters. (A live process of the id would hold the replacement back.)
     crashed._hb_task.cancel()
+    await crashed.nc.close()
     replacement = make_agent(agent_id, settings)
     async with replacement:
         assert hub.registry.agents[agent_id].record.session == replacement.session
