@@ -34,7 +34,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from reach_mesh import protocol
 from reach_mesh._nats import refused_first
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import NotPermittedError
+from reach_mesh.errors import NotPermittedError, ReachError
 from reach_mesh.logs import AGENT_ID_IN_USE, get_logger, log_event
 
 __all__ = ["wait_for_other_process"]
@@ -81,11 +81,10 @@ async def wait_for_other_process(nc: NATS, agent_id: str, settings: MeshSettings
             silent_since = None
             try:
                 seen = protocol.loads_object(msg.data)
-            except Exception:
-                seen = {}
-            other = f"a live process (session {str(seen.get('session'))[:12]}…, " + (
-                f"{seen.get('status')})"
-            )
+            except ReachError:
+                seen = {}  # (an answer all the same: someone serves the id)
+            session = str(seen.get("session"))[:12]
+            other = f"a live process (session {session}…, {seen.get('status')})"
         now = time.monotonic()
         if now - said_at >= _SAY_EVERY:
             said_at = now
