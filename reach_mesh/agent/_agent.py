@@ -319,7 +319,9 @@ class Agent(ServingMixin):
         return self._running
 
     async def start(self) -> None:
-        """Connect, subscribe, register (retrying with backoff), start heartbeating."""
+        """Connect, wait while another live process serves this agent id
+        (``agent/_one_process.py``), subscribe, register (retrying with backoff), start
+        heartbeating."""
         if self.status is not AgentStatus.NEW:
             raise RuntimeError(f"agent cannot start from state {self.status.value}")
         if not self._capabilities:
