@@ -381,16 +381,14 @@ async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when
 async def test_malformed_pins_from_a_hub_are_skipped_and_the_hub_routes_on(
     hub: Hub, settings: MeshSettings, nats_url: str
 ) -> None:
-    """A pins message is a JSON array of ``[task_id, agent_id]`` pairs: whatever else one
-    carries is skipped, a valid pair beside it is kept, and the hub routes on."""
+    """A pins message is a JSON array of ``[task_id, agent_id]`` pairs of valid ids: whatever
+    else one carries is skipped, a valid pair beside it is kept, and the hub routes on."""
     assert decode_pins(b"{not json") == []
     assert decode_pins(b'{"a": 1}') == []
     assert decode_pins(
-        b'[["t1", "a1"], ["t2"], [1, "a"], "x", ["t3", "a3", "z"], ["t4", "a4"]]'
-    ) == [
-        ("t1", "a1"),
-        ("t4", "a4"),
-    ]
+        b'[["t1", "n.s.a1"], ["t2"], [1, "n.s.a"], "x", ["t3", "n.s.a3", "z"], '
+        b'["t 5", "n.s.a5"], ["t6", "a6"], ["t4", "n.s.a4"]]'
+    ) == [("t1", "n.s.a1"), ("t4", "n.s.a4")]
     ns = settings.namespace
     fleet = Fleet(settings)
     echo_agent(fleet, "pin.d1", "pin:echo:v1")
@@ -403,6 +401,7 @@ async def test_malformed_pins_from_a_hub_are_skipped_and_the_hub_routes_on(
         await nc.publish(subject, b'[["t8", "x.pin.d9"]]', headers={HUB_HEADER: "hub-other"})
         await nc.flush()
         await eventually(lambda: hub._pins.get(ns, "t8") == "x.pin.d9")
+        assert hub._pins.get(ns, "t9") is None  # an agent id of 70,000 characters: skipped
         async with Client(settings=settings) as mesh:
             res = await mesh.request(capability="pin:echo:v1", payload=1, timeout=5)
             assert res.state is TaskState.SUCCEEDED

@@ -8,9 +8,10 @@ agent the task was routed to, while that agent is routable — whichever hub the
 the hubs are one queue group, and a retry rarely reaches the hub that routed the first try.
 
 Every hub tells the others the pins it makes: at the end of each pass of its event loop that
-made some, one message per namespace on ``reach.hubs.<ns>.pins`` (only hubs publish and
-subscribe there), a JSON array of ``[task_id, agent_id]`` pairs with the sender's hub id in the
-``Reach-Hub`` header, so a hub drops its own message unread. A retry comes after the caller's
+made some, one message per namespace (``PINS_PER_MESSAGE`` pairs at most each) on
+``reach.hubs.<ns>.pins`` (only hubs publish and subscribe there), a JSON array of
+``[task_id, agent_id]`` pairs with the sender's hub id in the ``Reach-Hub`` header, so a hub
+drops its own message unread. A retry comes after the caller's
 timeout, long after the message; a retry that comes sooner is routed as if it were new.
 """
 
@@ -19,7 +20,16 @@ from __future__ import annotations
 import json
 from typing import Final
 
-__all__ = ["HUB_HEADER", "PINS_KEPT", "PINS_PER_MESSAGE", "TaskPins", "decode_pins"]
+from reach_mesh.protocol import AGENT_ID_RE, TASK_ID_RE
+
+__all__ = [
+    "HUB_HEADER",
+    "PINS_KEPT",
+    "PINS_PER_MESSAGE",
+    "TaskPins",
+    "decode_pins",
+    "encode_pins",
+]
 
 #: Task ids whose agent a hub remembers, at most, of its own routes and again of its peers'.
 PINS_KEPT: Final = 100_000
@@ -98,8 +108,9 @@ def encode_pins(pairs: list[tuple[str, str]]) -> list[bytes]:
 
 
 def decode_pins(data: bytes) -> list[tuple[str, str]]:
-    """The pairs of a pins message; what is not a ``[task_id, agent_id]`` pair of strings is
-    skipped (only hubs publish there: a malformed pair is a bug, not an attack to answer)."""
+    """The pairs of a pins message; what is not a ``[task_id, agent_id]`` pair of valid ids
+    is skipped (only hubs publish there: a malformed pair is a bug, not an attack to answer,
+    but it must not grow the hub's memory)."""
     try:
         items = json.loads(data)
     except ValueError:
@@ -113,4 +124,6 @@ def decode_pins(data: bytes) -> list[tuple[str, str]]:
         and len(item) == 2
         and isinstance(item[0], str)
         and isinstance(item[1], str)
+        and TASK_ID_RE.fullmatch(item[0])
+        and AGENT_ID_RE.fullmatch(item[1])
     ]
