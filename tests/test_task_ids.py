@@ -12,6 +12,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -26,7 +30,7 @@ from reach_mesh.hub._pins import HUB_HEADER, decode_pins
 from reach_mesh.logs import HANDLER_ABANDONED
 from reach_mesh.workflow import StepResult, TaskStatusEvent
 
-from .helpers import Fleet, abandoned, echo_agent, eventually, task_record
+from .helpers import Fleet, abandoned, echo_agent, eventually, fetch, free_port, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -407,4 +411,85 @@ async def test_malformed_pins_from_a_hub_are_skipped_and_the_hub_routes_on(
             assert res.state is TaskState.SUCCEEDED
     finally:
         await nc.close()
+        await fleet.close()
+
+
+async def test_a_hub_killed_with_requests_in_flight_leaves_their_retries_to_the_same_agents(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """The fault the pins are for, with a real process: a hub (``reach-mesh hub``, its own
+    process) routes six requests to two agents, which are still running them when it is
+    SIGKILLed — no caller gets an answer. The caller asks again with the same task ids, and
+    the hub left routes each to the agent that has it (told by the dead hub's pins, sent
+    before it died): every task runs once. (By least-loaded alone — both agents hold three —
+    about half would run again elsewhere: all six on their first agent by chance is 1 in
+    64.)"""
+    ns = settings.namespace
+    ran: dict[str, list[str]] = {}
+    release = asyncio.Event()
+    fleet = Fleet(settings)
+    for name in ("kill.a1", "kill.a2"):
+        agent = fleet.agent(name)
+
+        @agent.handler("pin:kill:v1")
+        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
+            ran.setdefault(task.task_id, []).append(agent_id)
+            await release.wait()
+            return agent_id
+
+    port, token = free_port(), "t" * 32
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))} | {
+        "REACH_NATS_URL": nats_url,
+        "REACH_HTTP_PORT": str(port),
+        "REACH_HTTP_TOKEN": token,
+    }
+    doomed = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "reach_mesh.cli", "hub", env=env, stdout=subprocess.DEVNULL
+    )
+    auth = {"Authorization": f"Bearer {token}"}
+    base = f"http://127.0.0.1:{port}"
+
+    async def knows_both() -> bool:
+        with contextlib.suppress(OSError):
+            status, data = await fetch(f"{base}/api/agents?namespace={ns}", headers=auth)
+            return status == 200 and all(a.agent_id.encode() in data for a in fleet.agents)
+        return False
+
+    async def route_there(n: int) -> None:
+        body = json.dumps({"capability": "pin:kill:v1", "task_id": f"k-{n}", "timeout": 30})
+        with contextlib.suppress(OSError):  # the hub dies before it answers
+            await fetch(f"{base}/api/route?namespace={ns}", "POST", body.encode(), auth)
+
+    tries: list[asyncio.Future[None]] = []
+    try:
+        async with Hub(settings=settings) as survivor:
+            for agent in fleet.agents:
+                await agent.start()
+            await eventually(lambda: len(survivor.registry.agents) == 2)
+            await eventually(knows_both, timeout=10)
+            tries = [asyncio.ensure_future(route_there(n)) for n in range(6)]
+            await eventually(lambda: sum(len(v) for v in ran.values()) == 6, timeout=10)
+            assert len({agents[0] for agents in ran.values()}) == 2  # three on each
+            await asyncio.sleep(0.2)  # (its pins left with the attempts, milliseconds ago)
+            doomed.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(doomed.wait(), 10)
+            async with Client(settings=settings) as mesh:
+                retries = [
+                    asyncio.ensure_future(
+                        mesh.request(capability="pin:kill:v1", task_id=f"k-{n}", timeout=10)
+                    )
+                    for n in range(6)
+                ]
+                await asyncio.sleep(0.3)
+                release.set()
+                results = await asyncio.gather(*retries)
+            assert [r.state for r in results] == [TaskState.SUCCEEDED] * 6
+            assert {r.task_id: [r.agent_id] for r in results} == ran
+    finally:
+        release.set()
+        if doomed.returncode is None:
+            doomed.kill()
+            await doomed.wait()
+        for t in tries:
+            t.cancel()
         await fleet.close()
