@@ -111,7 +111,6 @@ class Hub(RoutingMixin, ControlMixin):
         self._outboxes = {}
         # The agent each task id was routed to, this hub's and its peers' (``hub/_pins.py``).
         self._pins = TaskPins()
-        self._pins_sender: asyncio.Handle | None = None
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher

@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 from typing import Final
 
-from reach_mesh.protocol import AGENT_ID_RE, TASK_ID_RE
+from reach_mesh.errors import ReachError
+from reach_mesh.protocol import AGENT_ID_RE, TASK_ID_RE, loads
 
 __all__ = [
     "HUB_HEADER",
@@ -80,7 +81,8 @@ class TaskPins:
 
     def pin(self, namespace: str, task_id: str, agent_id: str) -> bool:
         """This hub routed ``task_id`` to ``agent_id``. True when it is the first pin to send
-        since they were last taken (:meth:`outgoing`): the caller schedules the sending."""
+        since they were last taken (:meth:`outgoing`): the caller schedules the sending (until
+        it takes them, later pins go with this one)."""
         self._own.put((namespace, task_id), agent_id)
         first = not self._out
         self._out.setdefault(namespace, []).append((task_id, agent_id))
@@ -112,8 +114,8 @@ def decode_pins(data: bytes) -> list[tuple[str, str]]:
     is skipped (only hubs publish there: a malformed pair is a bug, not an attack to answer,
     but it must not grow the hub's memory)."""
     try:
-        items = json.loads(data)
-    except ValueError:
+        items = loads(data)
+    except ReachError:
         return []
     if not isinstance(items, list):
         return []

@@ -93,7 +93,6 @@ class RoutingMixin(RouteEndMixin):
     _route_throttle: Throttle
     _route_seconds: LoopHistogram
     _pins: TaskPins
-    _pins_sender: asyncio.Handle | None
     hub_id: str
     _local_ids: itertools.count[int]
 
@@ -316,10 +315,9 @@ class RoutingMixin(RouteEndMixin):
             req.task_id is not None
             and req.agent_id is None
             and self._pins.pin(flight.ns, req.task_id, view.agent_id)
-            and self._pins_sender is None
         ):
-            # Sent after this pass's attempts and answers: the pins are for later retries.
-            self._pins_sender = asyncio.get_running_loop().call_soon(self._start_pins)
+            # The first pin to send: sent after this pass's attempts (they are for retries).
+            asyncio.get_running_loop().call_soon(self._start_pins)
         if req.mode == "direct":
             view.assigned(self.registry.now)
             await self._finish(
@@ -427,7 +425,6 @@ class RoutingMixin(RouteEndMixin):
 
     async def _send_pins(self) -> None:
         """Tell the other hubs the pins this pass of the event loop made (``hub/_pins.py``)."""
-        self._pins_sender = None
         headers = {HUB_HEADER: self.hub_id}
         try:
             for ns, pairs in self._pins.outgoing().items():
