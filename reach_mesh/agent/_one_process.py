@@ -72,9 +72,9 @@ async def wait_for_other_process(nc: NATS, agent_id: str, settings: MeshSettings
             )
             return
         except (NatsTimeoutError, TimeoutError):
-            now = time.monotonic()
-            silent_since = now if silent_since is None else silent_since
-            if now - silent_since >= silent_for:
+            if silent_since is None:
+                silent_since = time.monotonic()
+            elif time.monotonic() - silent_since >= silent_for:
                 return  # as long as the hubs wait before they declare an agent lost
             other = "a process that does not answer (paused, or its event loop blocked)"
         else:
