@@ -389,6 +389,7 @@ async def test_malformed_pins_from_a_hub_are_skipped_and_the_hub_routes_on(
     else one carries is skipped, a valid pair beside it is kept, and the hub routes on."""
     assert decode_pins(b"{not json") == []
     assert decode_pins(b'{"a": 1}') == []
+    assert decode_pins(b"[" * 100_000) == []  # nested past the parser's depth
     assert decode_pins(
         b'[["t1", "n.s.a1"], ["t2"], [1, "n.s.a"], "x", ["t3", "n.s.a3", "z"], '
         b'["t 5", "n.s.a5"], ["t6", "a6"], ["t4", "n.s.a4"]]'
