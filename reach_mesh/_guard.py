@@ -28,7 +28,7 @@ from reach_mesh import protocol
 from reach_mesh._nats import _Connection
 from reach_mesh.logs import MESSAGE_REFUSED, LineBudget, get_logger, log_event
 
-__all__ = ["guarded", "matches", "refuse", "refused_total"]
+__all__ = ["guarded", "matches", "refuse", "refuse_body", "refused_total"]
 
 log = get_logger(__name__)
 
@@ -45,10 +45,9 @@ class _Refusals:
         self.total = 0
         self._lines = LineBudget(_LOG_INTERVAL)
 
-    def note(self, msg: Msg, why: str) -> None:
+    def note(self, nc: object, subject: str, reply: str, why: str) -> None:
         self.total += 1
         # And on the connection it came on: each hub and agent exports its own count.
-        nc = msg._client
         if isinstance(nc, _Connection):
             nc.messages_refused += 1
         held = self._lines.take()
@@ -57,10 +56,10 @@ class _Refusals:
         log_event(
             log,
             MESSAGE_REFUSED,
-            f"message on {msg.subject} dropped unread: {why} "
+            f"message on {subject} dropped unread: {why} "
             f"({held + 1} dropped since the last such line)",
-            subject=msg.subject,
-            reply=msg.reply,
+            subject=subject,
+            reply=reply,
             why=why,
             count=held + 1,
         )
@@ -71,7 +70,14 @@ _refusals = _Refusals()
 
 def refuse(msg: Msg, why: str) -> None:
     """Count and log (rate-limited) ``msg`` as dropped unread, for ``why``."""
-    _refusals.note(msg, why)
+    _refusals.note(msg._client, msg.subject, msg.reply, why)
+
+
+def refuse_body(nc: object, subject: str, why: str) -> None:
+    """Count (on ``nc``, the connection it came on) and log a message that came on
+    ``subject`` — live, or read back from a stream — as dropped: its body is not the
+    protocol's message for that subject (``why`` says what is wrong first)."""
+    _refusals.note(nc, subject, "", why)
 
 
 def refused_total() -> int:
@@ -129,13 +135,13 @@ def guarded(subscription: str, cb: Callback, *, answers: bool = True) -> Callbac
 
     async def on_msg(msg: Msg) -> None:
         if not match(msg.subject):
-            _refusals.note(msg, f"not a message of {subscription} (a JetStream push delivery)")
+            refuse(msg, f"not a message of {subscription} (a JetStream push delivery)")
             return
         if answers and msg.reply and not protocol.is_inbox(msg.reply):
-            _refusals.note(msg, f"reply subject {msg.reply[:80]!r} is not under _INBOX.")
+            refuse(msg, f"reply subject {msg.reply[:80]!r} is not under _INBOX.")
             return
         if not msg.data and msg.headers and _STATUS in msg.headers:
-            _refusals.note(msg, "a status message (a JetStream push consumer's)")
+            refuse(msg, "a status message (a JetStream push consumer's)")
             return
         await cb(msg)
 

@@ -581,7 +581,10 @@ def _translate(err: ValidationError, model: type[BaseModel]) -> BadRequestError:
 
 
 def raise_for_error(data: bytes) -> None:
-    """Raise the typed ``ReachError`` if ``data`` is an error body (``{"error": {...}}``)."""
+    """Raise the typed ``ReachError`` if ``data`` is an error body: an object whose only
+    member is ``error`` (protocol.md, "The error-body rule"). Only a body that starts with
+    ``error`` is parsed here; one with more members (a ``TaskReply`` serialised with its
+    ``error`` first) is a success body, read by the caller's model."""
     head = data[:24].lstrip()
     if head[:1] == b"{" and head[1:].lstrip().startswith(b'"error"'):
         try:
@@ -589,6 +592,8 @@ def raise_for_error(data: bytes) -> None:
             err = body["error"]
         except (ValueError, RecursionError, KeyError, TypeError) as exc:
             raise BadRequestError(f"malformed error reply: {exc}") from exc
+        if len(body) > 1:
+            return
         raise error_from_wire(err if isinstance(err, dict) else {"message": str(err)})
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from nats.js.errors import KeyNotFoundError
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
+from reach_mesh.models import AgentCard, RegisterRequest
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
@@ -353,3 +355,16 @@ class LoopThread:
         self._thread.join(10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+async def register_by_hand(nc: Any, card: AgentCard) -> str:
+    """Register ``card`` over ``nc`` as an agent speaking the wire protocol by hand would,
+    with a lease long enough that no heartbeat is needed during a test: its session."""
+    req = RegisterRequest(
+        card=card, session=uuid.uuid4().hex, heartbeat_interval=20, lease_timeout=60
+    )
+    reply = await nc.request(
+        protocol.hub_agent_subject(card.agent_id, "register"), protocol.encode(req), timeout=5
+    )
+    protocol.raise_for_error(reply.data)
+    return req.session

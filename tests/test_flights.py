@@ -7,7 +7,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -27,7 +26,6 @@ from reach_mesh.errors import (
 from reach_mesh.hub import Hub, HubState
 from reach_mesh.models import (
     AgentCard,
-    RegisterRequest,
     RouteReply,
     RouteRequest,
     TaskEnvelope,
@@ -35,7 +33,7 @@ from reach_mesh.models import (
     UnregisterRequest,
 )
 
-from .helpers import eventually
+from .helpers import eventually, register_by_hand
 
 CAP = "work:do:v1"
 
@@ -88,18 +86,10 @@ async def raw_agent(
             await nc.subscribe(protocol.agent_task(agent_id), cb=take)
             if batch:
                 await nc.subscribe(protocol.agent_batch(agent_id), cb=take_batch)
-        req = RegisterRequest(
-            card=AgentCard(agent_id=agent_id, capabilities=[CAP], batch=batch),
-            session=uuid.uuid4().hex,
-            heartbeat_interval=20,
-            lease_timeout=60,
-        )
-        reply = await nc.request(
-            protocol.hub_agent_subject(agent_id, "register"), protocol.encode(req), timeout=5
-        )
-        protocol.raise_for_error(reply.data)
+        card = AgentCard(agent_id=agent_id, capabilities=[CAP], batch=batch)
+        session = await register_by_hand(nc, card)
         yield received
-        bye = UnregisterRequest(agent_id=agent_id, session=req.session)
+        bye = UnregisterRequest(agent_id=agent_id, session=session)
         await nc.request(
             protocol.hub_agent_subject(agent_id, "unregister"), protocol.encode(bye), timeout=5
         )

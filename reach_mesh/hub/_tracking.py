@@ -30,6 +30,7 @@ from opentelemetry.trace import Span
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._guard import refuse_body
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import no_message
 from reach_mesh.hub._step_state import kept_outcome
@@ -367,11 +368,11 @@ class StatusTracker:
             decided = self._decided.get(key)
             if decided is None:
                 return  # not ours (another hub's workflow, or a request-reply task)
-            event = self._authentic(sender, msg.data)
+            event = self._authentic(sender, msg.data, msg.subject)
             if event is not None and event.state.final and event.attempt != decided:
                 self._stale(event, "after its step was decided")
             return
-        event = self._authentic(sender, msg.data)
+        event = self._authentic(sender, msg.data, msg.subject)
         if event is None or event.task_id != track.task_id:
             return
         if self.status_filter is not None and not self.status_filter(event):
@@ -443,9 +444,10 @@ class StatusTracker:
             view.breaker.record(verdict)
             self._registry.regrade(view)
 
-    def _authentic(self, sender: str, data: bytes) -> TaskStatusEvent | None:
-        """The event in ``data`` if it speaks for the agent its subject names, else None."""
-        event = _parse_status(data)
+    def _authentic(self, sender: str, data: bytes, subject: str) -> TaskStatusEvent | None:
+        """The event in ``data`` (which came on ``subject``) if it is one and speaks for the
+        agent its subject names, else None."""
+        event = self._parse_status(data, subject)
         if event is None or event.agent_id == sender:
             return self._kept(event, len(data))
         self.forged_total += 1
@@ -496,7 +498,7 @@ class StatusTracker:
             return None
         if len(stored[1]) > self._limit:
             # Read whole, as the step's owner reads it: it may hold what no record can.
-            event = self._kept(_parse_status(stored[1]), len(stored[1]))
+            event = self._kept(self._parse_status(stored[1], stored[2]), len(stored[1]))
             if event is None or event.agent_id != stored[0]:
                 return None
             return event.attempt, event.state, event.error
@@ -508,8 +510,9 @@ class StatusTracker:
 
     async def _last_stored(
         self, ns: str, task_id: str, agent_id: str | None, *, patient: bool = False
-    ) -> tuple[str, bytes] | None:
-        """(the agent its subject names, its body) of the newest stored status of a task."""
+    ) -> tuple[str, bytes, str] | None:
+        """(the agent its subject names, its body, its subject) of the newest stored status of
+        a task."""
         sender = agent_id if agent_id is not None else f"{ns}.*.*"
         js = self._js_patient if patient else self._js
         try:
@@ -523,7 +526,7 @@ class StatusTracker:
         ident = protocol.status_identity(raw.subject or "")
         if ident is None or not raw.data:
             return None
-        return ident[0], raw.data
+        return ident[0], raw.data, raw.subject or ""
 
     async def catch_up(
         self, track: StepTrack, agents: list[str] | None = None, *, patient: bool = False
@@ -605,7 +608,10 @@ class StatusTracker:
             track.promised = max(track.promised, fence)
         if state.final:
             if attempt is not None and track.sent.get(attempt) == agent_id:
-                event = self._kept(_held_event(body, agent_id, track.task_id), len(msg.data))
+                ctl = protocol.agent_ctl(agent_id)
+                event = self._kept(
+                    self._held_event(body, agent_id, track.task_id, ctl), len(msg.data)
+                )
                 if event is None:
                     return self._by_lease(agent_id)
                 self.offer(track, event)
@@ -689,7 +695,8 @@ class StatusTracker:
         state, held, body = answer
         if not state.final or held != attempt:
             return None
-        event = _held_event({**body, "workflow_id": workflow_id}, agent_id, task_id)
+        ctl = protocol.agent_ctl(agent_id)
+        event = self._held_event({**body, "workflow_id": workflow_id}, agent_id, task_id, ctl)
         return self._kept(event, len(msg.data))
 
     @property
@@ -703,6 +710,29 @@ class StatusTracker:
         if event is None or size <= limit:
             return event
         return kept_outcome(event, limit)
+
+    def _parse_status(self, data: bytes, subject: str) -> TaskStatusEvent | None:
+        """The status event in ``data``; None, counted and logged as a refused message
+        (``REACH-MESSAGE-REFUSED``), when it does not validate — an agent's bug that would
+        otherwise leave its step waiting for a status that never counts."""
+        try:
+            return TaskStatusEvent.model_validate_json(data)
+        except ValidationError as err:
+            refuse_body(self._nc, subject, _invalid(err))
+            return None
+
+    def _held_event(
+        self, body: dict[str, Any], agent_id: str, task_id: str, subject: str
+    ) -> TaskStatusEvent | None:
+        """A final ``task_state`` answer (the agent's reply, to ``subject``) as the status
+        event it stands for; None, counted and logged as :meth:`_parse_status` does."""
+        try:
+            return TaskStatusEvent.model_validate(
+                {**body, "agent_id": agent_id, "task_id": task_id}
+            )
+        except ValidationError as err:
+            refuse_body(self._nc, subject, "task_state answer: " + _invalid(err))
+            return None
 
     async def _task_state(
         self, agent_id: str, task_id: str, workflow_id: str, fence: int | None
@@ -737,16 +767,11 @@ class _StatusHead(BaseModel):
     error: ErrorBody | None = None
 
 
-def _held_event(body: dict[str, Any], agent_id: str, task_id: str) -> TaskStatusEvent | None:
-    """A final ``task_state`` answer (the agent's reply) as the status event it stands for."""
-    try:
-        return TaskStatusEvent.model_validate({**body, "agent_id": agent_id, "task_id": task_id})
-    except ValidationError:
-        return None
-
-
-def _parse_status(data: bytes) -> TaskStatusEvent | None:
-    try:
-        return TaskStatusEvent.model_validate_json(data)
-    except ValidationError:
-        return None
+def _invalid(err: ValidationError) -> str:
+    """What is wrong first in a status event that does not validate, for the log line."""
+    first = err.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in first["loc"]) or "event"
+    more = err.error_count() - 1
+    return f"not a valid TaskStatusEvent: {where}: {first['msg']}" + (
+        f" (and {more} more)" if more else ""
+    )
