@@ -29,6 +29,7 @@ from reach_mesh import (
 )
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.agent._work import WorkConsumer
+from reach_mesh.errors import UnknownWorkflowError
 from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope
 from reach_mesh.tracing import trace_id_from_headers
@@ -471,6 +472,44 @@ async def test_hub_survives_malformed_submissions(
             assert got.state is TaskState.FAILED and got.error is not None, got
         ok = await mesh.fanout([Step(capability="wf:ok:v1")], timeout=10)
         assert ok.state is TaskState.SUCCEEDED
+
+
+async def test_a_submission_whose_header_names_another_workflow_is_refused(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A client (one written in another language) whose ``Nats-Msg-Id`` names another id
+    than its body: the workflow ran under the body's id while its caller waited on the
+    header's, until its timeout. It is refused under the header's id now, and nothing runs."""
+    ns = wf_settings.namespace
+    runs: list[int] = []
+    agent = fleet.agent("hdr.a1")
+
+    @agent.handler("wf:hdr:v1")
+    async def count(task: Task[Any]) -> int:
+        runs.append(1)
+        return 1
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        steps = [{"capability": "wf:hdr:v1"}]
+        body = {"workflow_id": "body-id", "kind": "fanout", "steps": steps, "namespace": ns}
+        await mesh.nc.jetstream().publish(
+            protocol.wf_submit(ns),
+            json.dumps(body).encode(),
+            headers={
+                protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, "header-id", "n0nce"),
+                "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01",
+            },
+        )
+        got = await mesh.workflow("header-id", timeout=5)
+        assert got.trace_id == "ab" * 16  # the caller's trace, as a run's result has it
+        assert got.state is TaskState.FAILED and got.error is not None
+        assert got.error.code == "REACH_BAD_WORKFLOW", got.error
+        assert got.error.details["field"] == "workflow_id"
+        assert "body-id" in got.error.message
+        with pytest.raises(UnknownWorkflowError):
+            await mesh.inspect_workflow("body-id")
+        assert runs == []
 
 
 async def _submit_raw(mesh: Client, ns: str, wf_id: str, kind: str, steps: list[Any]) -> None:

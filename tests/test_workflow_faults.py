@@ -41,7 +41,13 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._tracking import StatusTracker, parse_task_state
 from reach_mesh.models import TaskEnvelope
 from reach_mesh.server import EmbeddedNats
-from reach_mesh.workflow import TaskRecord, TaskStatusEvent, WorkflowRecord, WorkflowResult
+from reach_mesh.workflow import (
+    TaskRecord,
+    TaskStatusEvent,
+    WorkflowRecord,
+    WorkflowResult,
+    spec_digest,
+)
 
 from .helpers import Fleet, echo_agent, eventually, free_port, task_record
 
@@ -412,13 +418,25 @@ async def test_resubmit_with_another_spec_is_a_conflict(
         await mesh.nc.jetstream().publish(
             protocol.wf_submit(ns),
             protocol.encode(spec),
-            headers={protocol.HDR_MSG_ID: f"{wf_id}-other"},
+            headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, wf_id, "other")},
         )
         await eventually(lambda: engine.conflict_total == conflicts + 2, timeout=5)
         hold.set()
         res = await mesh.workflow(wf_id, timeout=10)
-    assert res.state is TaskState.SUCCEEDED
-    assert res.result == ["first"]
+        assert res.state is TaskState.SUCCEEDED
+        assert res.result == ["first"]
+        # Once it has finished, such a submission has its caller told at once: the finished
+        # workflow's result is announced again, with its spec's digest, not the caller's.
+        done = await mesh.nc.subscribe(protocol.wf_done(ns, wf_id))
+        await mesh.nc.jetstream().publish(
+            protocol.wf_submit(ns),
+            protocol.encode(spec),
+            headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, wf_id, "late")},
+        )
+        told = WorkflowResult.model_validate_json((await done.next_msg(timeout=5)).data)
+        assert told.spec_digest == res.spec_digest != spec_digest(spec)
+        assert told.result == ["first"]
+        await eventually(lambda: engine.conflict_total == conflicts + 3, timeout=5)
 
 
 async def test_a_workflow_id_stored_first_by_another_namespace_does_not_drop_a_submission(

@@ -53,7 +53,12 @@ class _Unwritable(Exception):
 
 
 class SpecConflictError(Exception):
-    """The workflow id is taken by a submission with another spec."""
+    """The workflow id is taken by a submission with another spec: ``result`` is that
+    workflow's, when it has finished."""
+
+    def __init__(self, key: str, result: WorkflowResult | None) -> None:
+        super().__init__(key)
+        self.result = result
 
 
 class Resubmitted(Exception):
@@ -171,7 +176,7 @@ class WorkflowShapes(StepRunner):
                     )
                 ) from None
             if rec is not None and rec.spec_digest not in (None, wf.digest):
-                raise SpecConflictError(key) from None
+                raise SpecConflictError(key, final_result(got)) from None
             stored = final_result(got)
             if stored is not None:
                 return stored, True  # finished before: never run again

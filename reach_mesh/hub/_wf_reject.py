@@ -21,6 +21,7 @@ from reach_mesh.hub import _durable
 from reach_mesh.hub._steps import Workflow
 from reach_mesh.hub._wf_queries import WorkflowQueries
 from reach_mesh.models import ErrorBody, TaskState
+from reach_mesh.tracing import trace_id_from_headers
 from reach_mesh.workflow import (
     WorkflowRecord,
     WorkflowResult,
@@ -53,10 +54,17 @@ class WorkflowRefusals(WorkflowQueries):
 
         def _count_done(self, ns: str, kind: str, result: WorkflowResult) -> None: ...
 
-    async def _refuse_taken(self, msg: Msg, wf: Workflow) -> None:
-        """Refuse a submission whose id is another spec's workflow: counted, never run."""
+    async def _refuse_taken(self, msg: Msg, wf: Workflow, result: WorkflowResult | None) -> None:
+        """Refuse a submission whose id is another spec's workflow: counted, never run. When
+        that workflow has finished, its result is announced again, as for a repeat of the
+        same spec: a caller waiting on ``.done`` (one that skipped the record check before
+        submitting) reads the other spec's ``spec_digest`` there and knows at once. One still
+        running announces its result when it ends."""
         self.conflict_total += 1
         log.warning("workflow %s: submission refused, the id is taken by another spec", wf.id)
+        if result is not None:
+            with contextlib.suppress(Exception):
+                await self._publish_done(wf.ns, result, wf.headers)
         with contextlib.suppress(Exception):
             await msg.term()
 
@@ -68,7 +76,7 @@ class WorkflowRefusals(WorkflowQueries):
         if won is None:
             return False
         if won.spec_digest not in (None, wf.digest):
-            await self._refuse_taken(msg, wf)
+            await self._refuse_taken(msg, wf, won.result)
         elif won.result is not None:
             # Finished already: back in a moment, it finds the result stored and announces
             # it again (as for any later re-submission).
@@ -123,6 +131,7 @@ class WorkflowRefusals(WorkflowQueries):
                 await msg.term()
             return  # nobody can be waiting for a result without a valid id
         digest = _digest_of(msg.data, self._settings.max_payload * 8)
+        trace_id = trace_id_from_headers(headers)  # the caller's, as a run's result carries
         result = WorkflowResult(
             workflow_id=wf_id,
             kind=kind,
@@ -131,12 +140,17 @@ class WorkflowRefusals(WorkflowQueries):
             hub_id=self.hub_id,
             finished_at=time.time(),
             spec_digest=digest,
+            trace_id=trace_id,
         )
         assert self._wf_kv is not None
         kv = self._wf_kv
         key = protocol.workflow_key(ns, wf_id)
         record = WorkflowRecord(
-            state=result.state, owner=self.hub_id, result=result, spec_digest=digest
+            state=result.state,
+            owner=self.hub_id,
+            result=result,
+            spec_digest=digest,
+            trace_id=trace_id,
         )
         seq = stream_seq(msg)
         try:

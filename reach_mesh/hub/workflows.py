@@ -503,8 +503,8 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             log.info("workflow %s: submitted again while another hub runs it; dropped", wf.id)
             self._jsc.ack_later(self._delivery(me, msg))
             return
-        except SpecConflictError:
-            await self._refuse_taken(self._delivery(me, msg), wf)
+        except SpecConflictError as taken:
+            await self._refuse_taken(self._delivery(me, msg), wf, taken.result)
             return
         except asyncio.CancelledError:
             raise
@@ -594,6 +594,15 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             raise WorkflowSpecError(
                 f"workflow namespace {spec.namespace!r} does not match subject {msg.subject!r}",
                 field="namespace",
+            )
+        named = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
+        if named and named != spec.workflow_id:
+            # Its caller waits on one of the two ids: refused under the header's (as a
+            # submission that is no spec is), it is told, not left waiting for a workflow
+            # that runs under the other.
+            raise WorkflowSpecError(
+                f"workflow id {spec.workflow_id!r} does not match the Nats-Msg-Id's {named!r}",
+                field="workflow_id",
             )
         need = validate_spec(spec)
         check_payload_sizes(spec, len(msg.data), self._input_limit())
