@@ -6,14 +6,16 @@ pydantic model ``Name`` of ``reach_mesh.models`` or ``reach_mesh.workflow``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
-from reach_mesh import errors, models, protocol, workflow
+from reach_mesh import errors, models, protocol, schemas, workflow
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 PROTOCOL = (DOCS / "protocol.md").read_text()
@@ -160,3 +162,55 @@ def test_message_ids_carry_the_namespace_and_name_the_workflow() -> None:
     assert protocol.submit_msg_id("ns-a", "x", "n") != protocol.submit_msg_id("ns-b", "x", "n")
     for msg_id in (protocol.submit_msg_id("ns-a", "Wf-1_x", "n0nce"), "ns-a.Wf-1_x", "Wf-1_x"):
         assert protocol.workflow_id_of(msg_id) == "Wf-1_x"
+
+
+def _shape(schema: dict[str, Any]) -> dict[str, Any]:
+    """What a reader in another language relies on in a model's schema: its fields, which are
+    required, and the JSON types (``null`` included) each one takes — not the wording, which
+    another pydantic version may change."""
+
+    def types(prop: dict[str, Any]) -> list[str]:
+        alts = prop.get("anyOf") or prop.get("oneOf") or [prop]
+        out = set()
+        for alt in alts:
+            out.add(alt.get("type") or alt.get("$ref") or ("enum" if "enum" in alt else "any"))
+        return sorted(out)
+
+    if "properties" not in schema:
+        return {"enum": sorted(map(str, schema.get("enum", [])))}
+    return {
+        "required": sorted(schema.get("required", [])),
+        "fields": {name: types(prop) for name, prop in schema["properties"].items()},
+    }
+
+
+def test_protocol_schemas_file_is_the_models() -> None:
+    """``docs/protocol-schemas.json`` is what ``python -m reach_mesh.schemas`` writes from
+    the models: every wire model, each with the fields, required ones and types (nullable or
+    not) the models validate. Regenerate it after changing a model."""
+    committed = json.loads((DOCS / "protocol-schemas.json").read_text())
+    current = schemas.wire_schemas()
+    assert sorted(committed["$defs"]) == sorted(current["$defs"]), "regenerate the file"
+    for name, schema in current["$defs"].items():
+        assert _shape(committed["$defs"][name]) == _shape(schema), f"{name}: regenerate"
+    # What the protocol pages name as messages is in it, and the page points readers there.
+    for model in ("TaskEnvelope", "TaskReply", "TaskStatusEvent", "RegisterRequest", "Heartbeat"):
+        assert model in current["$defs"]
+    status = current["$defs"]["TaskStatusEvent"]["properties"]
+    assert _shape({"properties": {"d": status["duration_ms"]}})["fields"]["d"] == ["number"]
+    assert "protocol-schemas.json" in PROTOCOL
+
+
+_VECTOR = re.compile(r"^\s*\| `(\{.*?\})` \| `(\{.*?\})` \| `([0-9a-f]{32})` \|$", re.M)
+
+
+def test_spec_digest_vectors_are_the_hubs() -> None:
+    """The test vectors of protocol-workflows.md (what a client in another language checks its
+    canonical form against) are what ``spec_digest`` computes: the submitted spec read as the
+    hubs read it gives the digest, and the canonical form shown hashes to it."""
+    vectors = _VECTOR.findall(WORKFLOWS)
+    assert len(vectors) >= 2
+    for submitted, canonical, digest in vectors:
+        spec = workflow.WorkflowSpec.model_validate_json(submitted)
+        assert workflow.spec_digest(spec) == digest, submitted
+        assert hashlib.sha256(canonical.encode()).hexdigest()[:32] == digest, canonical
