@@ -585,7 +585,7 @@ def raise_for_error(data: bytes) -> None:
     member is ``error`` (protocol.md, "The error-body rule"). Only a body that starts with
     ``error`` is parsed here; one with more members (a ``TaskReply`` serialised with its
     ``error`` first) is a success body, read by the caller's model."""
-    head = data[:24].lstrip()
+    head = (data.lstrip() if data[:1].isspace() else data)[:24]
     if head[:1] == b"{" and head[1:].lstrip().startswith(b'"error"'):
         try:
             body = json.loads(data)

@@ -123,5 +123,7 @@ def test_an_error_body_is_an_object_whose_only_member_is_error() -> None:
     with pytest.raises(Exception, match="nobody") as got:
         protocol.raise_for_error(json.dumps({"error": err}).encode())
     assert getattr(got.value, "code", None) == "REACH_NO_MATCH"
+    with pytest.raises(Exception, match="nobody"):  # however much whitespace comes first
+        protocol.raise_for_error(b" " * 64 + json.dumps({"error": err}).encode())
     protocol.raise_for_error(json.dumps({"error": err, "task_id": "t1"}).encode())
     protocol.raise_for_error(json.dumps({"error": None, "task_id": "t1"}).encode())
