@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+# npm packages of the JS conformance tests (conformance/js), installed by `make test` too
+JS_STAMP := conformance/js/node_modules/.installed-stamp
 
-.PHONY: demo test chaos fuzz lint fmt bench bench-gateway bench-ab install clean
+.PHONY: demo test chaos fuzz conformance conformance-deps lint fmt bench bench-gateway bench-ab \
+        install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +20,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/reach-mesh demo
 
-test: $(STAMP)
+test: $(STAMP) $(JS_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # make chaos                          every fault type, 1000 workflows each (docs/reliability.md)
@@ -32,6 +35,22 @@ chaos: $(STAMP)
 fuzz: $(STAMP)
 	FUZZ_N=$(or $(FUZZ_N),400) FUZZ_SEED=$(or $(FUZZ_SEED),1) \
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_fuzz_input.py $(PYTEST_ARGS)
+
+# make conformance                    the JS agent and caller of conformance/js (written from the
+#                                     protocol docs alone) against a hub and Python agents: the
+#                                     short checks `make test` runs too, plus the long ones
+#                                     (secure mode, restart, kill -9; ~25 s). Needs Node.js >= 18.
+$(JS_STAMP): conformance/js/package-lock.json
+	@if command -v node >/dev/null && command -v npm >/dev/null; then \
+	  { npm ci --prefix conformance/js --no-audit --no-fund --loglevel=error && touch $@; } || \
+	  echo "could not install conformance/js's npm packages: the JS conformance tests skip" >&2; \
+	else echo "node/npm not found: the JS conformance tests skip (install Node.js >= 18)" >&2; fi
+
+conformance-deps: $(JS_STAMP)
+
+conformance: $(STAMP) $(JS_STAMP)
+	$(PY) -m pytest -q -rs -p no:cacheprovider -m 'not chaos' tests/test_conformance_js.py \
+	  $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -66,4 +85,4 @@ bench-ab: $(BENCH_STAMP)
 	$(PY) -m bench.ab $(BASE) $(or $(HEAD),HEAD) --rounds $(or $(ROUNDS),3)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info conformance/js/node_modules

@@ -11,7 +11,7 @@ from reach_mesh import MeshSettings
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import Fleet
+from .helpers import WF_FAST, Fleet
 
 _ns_counter = itertools.count(1)
 
@@ -57,18 +57,7 @@ async def hub(settings: MeshSettings) -> AsyncIterator[Hub]:
 def wf_settings(settings: MeshSettings) -> MeshSettings:
     """Short workflow intervals: a step with no taker gives up within a second or two, and a
     hub's workflows are taken over one second after it dies."""
-    return settings.model_copy(
-        update={
-            "workflow_ack_wait": 1.0,
-            "work_ack_wait": 1.0,
-            "step_deliver_timeout": 1.0,
-            "step_running_interval": 0.2,
-            "step_silence_timeout": 0.8,
-            "retry_base": 0.02,
-            "retry_cap": 0.1,
-            "pending_interval": 0.2,
-        }
-    )
+    return settings.model_copy(update=WF_FAST)
 
 
 @pytest.fixture

@@ -42,6 +42,20 @@ _GIVEN: set[int] = set()
 _T = TypeVar("_T")
 
 
+#: Short workflow intervals (the ``wf_settings`` fixture's): a step with no taker gives up
+#: within a second or two, and a hub's workflows are taken over one second after it dies.
+WF_FAST: dict[str, Any] = {
+    "workflow_ack_wait": 1.0,
+    "work_ack_wait": 1.0,
+    "step_deliver_timeout": 1.0,
+    "step_running_interval": 0.2,
+    "step_silence_timeout": 0.8,
+    "retry_base": 0.02,
+    "retry_cap": 0.1,
+    "pending_interval": 0.2,
+}
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now, for a server that must keep its port (a cluster
     node restarting as itself). Picked below the kernel's ephemeral range (32768+ on Linux),
