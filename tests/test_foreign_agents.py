@@ -24,7 +24,7 @@ from reach_mesh._nats import refused_messages
 from reach_mesh.errors import HandlerError
 from reach_mesh.hub import Hub
 from reach_mesh.logs import MESSAGE_REFUSED, LineBudget
-from reach_mesh.models import AgentCard, TaskEnvelope
+from reach_mesh.models import AgentCard, TaskEnvelope, UnregisterRequest
 
 from .helpers import Fleet, eventually, held_handler, register_by_hand
 
@@ -102,7 +102,7 @@ async def test_a_reply_with_its_error_first_is_a_reply(
 
     try:
         await nc.subscribe(protocol.agent_task(agent_id), cb=take)
-        await register_by_hand(nc, AgentCard(agent_id=agent_id, capabilities=[cap]))
+        session = await register_by_hand(nc, AgentCard(agent_id=agent_id, capabilities=[cap]))
         health = hub.registry.agents[agent_id].health
         before = health.value
         async with Client(settings=settings) as mesh:
@@ -112,6 +112,8 @@ async def test_a_reply_with_its_error_first_is_a_reply(
             with pytest.raises(HandlerError, match="no such invoice"):
                 res.raise_for_error()
         assert health.value >= before  # no delivery failure charged to the agent
+        bye = UnregisterRequest(agent_id=agent_id, session=session)  # (no ghost for the next)
+        await nc.request(protocol.hub_agent_subject(agent_id, "unregister"), protocol.encode(bye))
     finally:
         await nc.close()
 

@@ -118,8 +118,9 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
 ) -> None:
     """A workflow running for longer than the window asked for (its record was written when
     it started) and ones that no hub has taken yet (no record: PENDING, as of their
-    submission, in the default window too; one whose ``Nats-Msg-Id`` names another id) are
-    listed, newest first: their submissions still wait in the stream. Not another
+    submission, in the default window too; one whose ``Nats-Msg-Id`` names another id than its
+    body, under the header's id, which its refusal will be stored under) are listed, newest
+    first: their submissions still wait in the stream. Not another
     namespace's (but in the operators' list), not one that ended before the window. More
     than a list reads, no time left, or ``REACH_WF`` unreadable: what was read, and it says
     so; a list of final states only does not look."""
@@ -156,7 +157,7 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
                 protocol.encode(spec),
                 headers={protocol.HDR_MSG_ID: protocol.submit_msg_id(ns, "decoy", "n")},
             )
-            bare = spec.workflow_id  # its Nats-Msg-Id names another id: the body's runs
+            bare = "decoy"  # its Nats-Msg-Id names another id: refused under the header's
             theirs = await mesh2.submit_chain([Step(capability="wf:ok:v1")], timeout=30)
             await asyncio.sleep(1.2)
             recent = await mesh.list_workflows(since=1.0)
@@ -179,7 +180,8 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
             assert _ids(await mesh.list_workflows(since=1.0, state="RUNNING")) == [running]
             # Taken by no hub, whenever submitted: in the default window too.
             pending = await mesh.list_workflows(state="PENDING")
-            assert set(_ids(pending)) == {bare, waiting} and "decoy" not in _ids(recent)
+            assert set(_ids(pending)) == {bare, waiting}
+            assert spec.workflow_id not in _ids(recent)
             every = await mesh.list_workflows(since=1.0, all_namespaces=True, limit=500)
             assert {running, waiting, bare, theirs} <= set(_ids(every))
             assert _ids(await mesh2.list_workflows(since=1.0)) == [theirs]
@@ -208,7 +210,8 @@ async def test_unfinished_workflows_older_than_the_window_are_listed(
             await other.start()
             assert (await mesh2.workflow(theirs, timeout=10)).ok
             assert (await mesh.workflow(waiting, timeout=10)).ok
-            assert (await mesh.workflow(bare, timeout=10)).ok
+            refused = await mesh.workflow(bare, timeout=10)
+            assert refused.error is not None and refused.error.code == "REACH_BAD_WORKFLOW"
             held.release.set()
             assert (await mesh.workflow(running, timeout=10)).ok
             await asyncio.sleep(1.1)

@@ -231,16 +231,18 @@ async def _read_unfinished(
 
 def _submitted_key(msg: RawStreamMsg) -> str | None:
     """``<ns>.<workflow_id>`` of a stored submission: its subject names the namespace, its
-    body's ``workflow_id`` the id (what a hub runs), or its ``Nats-Msg-Id`` when the body is
-    no spec; None when they read as none."""
+    ``Nats-Msg-Id`` the id a hub answers it under (it runs a spec whose body names the same
+    id, and refuses any other submission under the header's), or — without that header — its
+    body's ``workflow_id``; None when they read as none."""
     ns = protocol.submit_namespace(msg.subject or "")
-    try:
-        wf_id = _SubmittedId.model_validate_json(msg.data or b"").workflow_id  # what runs
-    except ValidationError:
-        msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
-        if not msg_id:
+    msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
+    if msg_id:
+        wf_id = protocol.workflow_id_of(msg_id)
+    else:
+        try:
+            wf_id = _SubmittedId.model_validate_json(msg.data or b"").workflow_id
+        except ValidationError:
             return None
-        wf_id = protocol.workflow_id_of(msg_id)  # (a refusal names it so)
     try:
         protocol.validate_namespace(ns)  # (a literal "*" on an open bus: a wildcard key)
         protocol.validate_workflow_id(wf_id)
