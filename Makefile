@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 JS_STAMP := conformance/js/node_modules/.installed-stamp
 
 .PHONY: demo test chaos fuzz conformance conformance-deps lint fmt bench bench-gateway bench-ab \
-        install clean
+        bench-soak install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,9 @@ fmt: $(STAMP)
 #                       the results' gateway section (latest.json, docs/benchmarks.md; QUICK=1: quick.*)
 # make bench-ab BASE=rev [HEAD=rev] [ROUNDS=3]
 #                       the workflow engine of two commits, alternated (bench/ab.py, ~4 minutes)
+# make bench-soak [MINUTES=20]
+#                       RSS of hub, agents and nats-server under steady mixed load (bench/soak.py;
+#                       writes bench/results/soak.json)
 BENCH_STAMP := $(VENV)/.bench-stamp
 
 $(BENCH_STAMP): $(STAMP)
@@ -83,6 +86,9 @@ bench-gateway: $(BENCH_STAMP)
 bench-ab: $(BENCH_STAMP)
 	@test -n "$(BASE)" || { echo "make bench-ab BASE=<rev> [HEAD=<rev>] [ROUNDS=3]"; exit 2; }
 	$(PY) -m bench.ab $(BASE) $(or $(HEAD),HEAD) --rounds $(or $(ROUNDS),3)
+
+bench-soak: $(STAMP)
+	$(PY) -m bench.soak --minutes $(or $(MINUTES),20)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist *.egg-info conformance/js/node_modules
