@@ -510,6 +510,14 @@ async def test_a_submission_whose_header_names_another_workflow_is_refused(
         with pytest.raises(UnknownWorkflowError):
             await mesh.inspect_workflow("body-id")
         assert runs == []
+        # A header that names no valid id could hold no answer: the body's id runs.
+        await mesh.nc.jetstream().publish(
+            protocol.wf_submit(ns),
+            json.dumps(body).encode(),
+            headers={protocol.HDR_MSG_ID: f"{ns}.no such id!.n0nce"},
+        )
+        ran = await mesh.workflow("body-id", timeout=5)
+        assert ran.state is TaskState.SUCCEEDED and runs == [1]
 
 
 async def _submit_raw(mesh: Client, ns: str, wf_id: str, kind: str, steps: list[Any]) -> None:

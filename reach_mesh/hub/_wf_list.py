@@ -232,13 +232,11 @@ async def _read_unfinished(
 def _submitted_key(msg: RawStreamMsg) -> str | None:
     """``<ns>.<workflow_id>`` of a stored submission: its subject names the namespace, its
     ``Nats-Msg-Id`` the id a hub answers it under (it runs a spec whose body names the same
-    id, and refuses any other submission under the header's), or — without that header — its
-    body's ``workflow_id``; None when they read as none."""
+    id, and refuses any other submission under the header's), or — without a header naming a
+    valid id — its body's ``workflow_id``; None when they read as none."""
     ns = protocol.submit_namespace(msg.subject or "")
-    msg_id = (msg.headers or {}).get(protocol.HDR_MSG_ID)
-    if msg_id:
-        wf_id = protocol.workflow_id_of(msg_id)
-    else:
+    wf_id = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
+    if not protocol.WORKFLOW_ID_RE.fullmatch(wf_id):  # (none: the body's runs)
         try:
             wf_id = _SubmittedId.model_validate_json(msg.data or b"").workflow_id
         except ValidationError:

@@ -221,16 +221,17 @@ def refused_id(
     headers: dict[str, str] | None, data: bytes
 ) -> tuple[str, Literal["fanout", "chain"]]:
     """The workflow id a refused submission is answered under, and its kind: the id its
-    ``Nats-Msg-Id`` names, else (a client that skips the header) the one its body names, so
-    that its caller, waiting on that id, gets the answer. "" when it names none (not
-    validated here)."""
+    ``Nats-Msg-Id`` names, else (a client that skips the header, or names no valid id there)
+    the one its body names, so that its caller, waiting on that id, gets the answer. "" when
+    it names none (not validated here)."""
     wf_id = protocol.workflow_id_of((headers or {}).get(protocol.HDR_MSG_ID, ""))
+    named = bool(protocol.WORKFLOW_ID_RE.fullmatch(wf_id))
     kind: Literal["fanout", "chain"] = "fanout"
     with contextlib.suppress(Exception):
         body = json.loads(data)
         if body.get("kind") == "chain":
             kind = "chain"
-        if not wf_id and isinstance(body.get("workflow_id"), str):
+        if not named and isinstance(body.get("workflow_id"), str):
             wf_id = body["workflow_id"]
     return wf_id, kind
 

@@ -596,10 +596,11 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
                 field="namespace",
             )
         named = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
-        if named and named != spec.workflow_id:
+        if named != spec.workflow_id and protocol.WORKFLOW_ID_RE.fullmatch(named):
             # Its caller waits on one of the two ids: refused under the header's (as a
             # submission that is no spec is), it is told, not left waiting for a workflow
-            # that runs under the other.
+            # that runs under the other. (A header naming no valid id could hold no answer:
+            # the body's runs, as before.)
             raise WorkflowSpecError(
                 f"workflow id {spec.workflow_id!r} does not match the Nats-Msg-Id's {named!r}",
                 field="workflow_id",
