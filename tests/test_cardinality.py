@@ -121,3 +121,23 @@ async def test_unknown_namespace_is_a_typed_no_match(
         assert hub2.known_namespace(f"{namespace}later")
         assert not hub2.known_namespace(f"{namespace}nobody")
         assert hub2.known_namespace(namespace)  # the hub's own `namespace` setting
+
+
+async def test_what_a_hub_remembers_per_task_shares_one_copy_of_its_namespace(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """Each route request's subject is a new string, and so was the namespace taken from it:
+    a hub's pins (up to 100,000 of its own) held one copy each. They share the hub's one copy
+    now."""
+    agent = Agent(f"{settings.namespace}.shared.a1", settings=settings)
+
+    @agent.handler("work:shared:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with agent, Client(settings=settings) as mesh:
+        for n in range(3):
+            assert (await mesh.request(capability="work:shared:v1", payload=n)).ok
+    pinned = [key[0] for key in hub._pins._own._new if key[0] == settings.namespace]
+    assert len(pinned) == 3
+    assert all(ns is pinned[0] for ns in pinned)

@@ -150,7 +150,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._route_seconds = self.metrics.route_duration_seconds
         self._accepted_seconds = self.metrics.delivered_to_accepted_seconds
         # Namespaces already validated (bounded: cleared when it grows past any real fleet).
-        self._namespaces: set[str] = set()
+        self._namespaces: dict[str, str] = {}
         # Namespaces that exist without an agent: metrics and audit are kept only for these and
         # the registry's (bounded cardinality: what exists, not what callers type).
         self._configured = frozenset((s.namespace, *s.namespaces))
@@ -402,12 +402,16 @@ class Hub(RoutingMixin, ControlMixin):
         """The namespace token of ``reach.hub.<ns>.<verb>``, validated (and remembered, if it
         exists: callers' made-up namespaces must not grow this hub's memory)."""
         ns = subject.split(".", 3)[2]
-        if ns not in self._namespaces:
-            protocol.validate_namespace(ns)
-            if self.known_namespace(ns):
-                if len(self._namespaces) > 10_000:
-                    self._namespaces.clear()
-                self._namespaces.add(ns)
+        kept = self._namespaces.get(ns)
+        if kept is not None:
+            # The one copy this hub keeps: what remembers it per task (pins: up to 100,000
+            # each of its own and its peers') shares it instead of holding one per request.
+            return kept
+        protocol.validate_namespace(ns)
+        if self.known_namespace(ns):
+            if len(self._namespaces) > 10_000:
+                self._namespaces.clear()
+            self._namespaces[ns] = ns
         return ns
 
     @property
