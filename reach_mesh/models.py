@@ -240,6 +240,11 @@ class RegisterReply(_Wire):
     heartbeat_interval: float
     lease_timeout: float
     hub_id: str
+    #: The hub's settings an agent needs and no other message carries (None from a hub of an
+    #: earlier version): the largest result or progress (bytes of JSON) it takes, and how
+    #: long past a lapsed lease it waits before it declares an agent lost (seconds).
+    max_payload: int | None = None
+    suspect_timeout: float | None = None
 
 
 class Heartbeat(_Wire):

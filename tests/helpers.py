@@ -27,7 +27,7 @@ from nats.js.errors import KeyNotFoundError
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
-from reach_mesh.models import AgentCard, RegisterRequest
+from reach_mesh.models import AgentCard, RegisterReply, RegisterRequest
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
@@ -371,14 +371,13 @@ class LoopThread:
             self.loop.close()
 
 
-async def register_by_hand(nc: Any, card: AgentCard) -> str:
+async def register_by_hand(nc: Any, card: AgentCard) -> RegisterReply:
     """Register ``card`` over ``nc`` as an agent speaking the wire protocol by hand would,
-    with a lease long enough that no heartbeat is needed during a test: its session."""
+    with a lease long enough that no heartbeat is needed during a test: the hub's reply."""
     req = RegisterRequest(
         card=card, session=uuid.uuid4().hex, heartbeat_interval=20, lease_timeout=60
     )
     reply = await nc.request(
         protocol.hub_agent_subject(card.agent_id, "register"), protocol.encode(req), timeout=5
     )
-    protocol.raise_for_error(reply.data)
-    return req.session
+    return protocol.parse_reply(reply.data, RegisterReply)

@@ -87,9 +87,9 @@ async def raw_agent(
             if batch:
                 await nc.subscribe(protocol.agent_batch(agent_id), cb=take_batch)
         card = AgentCard(agent_id=agent_id, capabilities=[CAP], batch=batch)
-        session = await register_by_hand(nc, card)
+        registered = await register_by_hand(nc, card)
         yield received
-        bye = UnregisterRequest(agent_id=agent_id, session=session)
+        bye = UnregisterRequest(agent_id=agent_id, session=registered.session)
         await nc.request(
             protocol.hub_agent_subject(agent_id, "unregister"), protocol.encode(bye), timeout=5
         )

@@ -102,7 +102,10 @@ async def test_a_reply_with_its_error_first_is_a_reply(
 
     try:
         await nc.subscribe(protocol.agent_task(agent_id), cb=take)
-        session = await register_by_hand(nc, AgentCard(agent_id=agent_id, capabilities=[cap]))
+        registered = await register_by_hand(nc, AgentCard(agent_id=agent_id, capabilities=[cap]))
+        # What it cannot learn elsewhere (the mesh's settings, not the NATS server's).
+        assert registered.max_payload == settings.max_payload
+        assert registered.suspect_timeout == settings.suspect_timeout
         health = hub.registry.agents[agent_id].health
         before = health.value
         async with Client(settings=settings) as mesh:
@@ -112,7 +115,9 @@ async def test_a_reply_with_its_error_first_is_a_reply(
             with pytest.raises(HandlerError, match="no such invoice"):
                 res.raise_for_error()
         assert health.value >= before  # no delivery failure charged to the agent
-        bye = UnregisterRequest(agent_id=agent_id, session=session)  # (no ghost for the next)
+        bye = UnregisterRequest(
+            agent_id=agent_id, session=registered.session
+        )  # (no ghost for the next)
         await nc.request(protocol.hub_agent_subject(agent_id, "unregister"), protocol.encode(bye))
     finally:
         await nc.close()

@@ -168,6 +168,8 @@ class ControlMixin:
                 heartbeat_interval=view.record.heartbeat_interval,
                 lease_timeout=view.record.lease_timeout,
                 hub_id=self.hub_id,
+                max_payload=self.settings.max_payload,
+                suspect_timeout=self.settings.suspect_timeout,
             )
         )
 
