@@ -35,7 +35,14 @@ from reach_mesh import _runner
 from reach_mesh.agent import Agent, Task
 from reach_mesh.config import load_settings
 
-__all__ = ["AGENTBUS_CALLER", "AGENTBUS_WORKER", "MICRO_SUBJECT", "RAW_SUBJECT", "main"]
+__all__ = [
+    "AGENTBUS_CALLER",
+    "AGENTBUS_WORKER",
+    "MICRO_SUBJECT",
+    "RAW_SUBJECT",
+    "main",
+    "stdin_closed",
+]
 
 RAW_SUBJECT = "bench.raw.echo"
 MICRO_SUBJECT = "bench.micro.echo"
@@ -43,6 +50,21 @@ AGENTBUS_WORKER = "benchworker"
 AGENTBUS_CALLER = "benchcaller"
 ECHO_AGENT = "bench.echo.a1"
 ECHO_CAPABILITY = "bench:echo:v1"
+
+
+def stdin_closed() -> asyncio.Future[None]:
+    """Done once this process's stdin closes: how a child started by
+    ``bench.workflow_bench.child_processes`` learns that its parent is done with it (or
+    gone)."""
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future[None] = loop.create_future()
+
+    def closed() -> None:
+        if not stop.done():
+            stop.set_result(None)
+
+    loop.add_reader(sys.stdin.fileno(), closed)
+    return stop
 
 
 def _stop_event() -> asyncio.Event:

@@ -51,7 +51,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._procs import stdin_closed
 from bench._system import rss_mb
+from bench.workflow_bench import child_processes
 from reach_mesh import Client, MeshSettings, Step, _runner
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
@@ -97,7 +99,6 @@ def _dumper(role: str, out_dir: str | None) -> Any:
                 for s in stats[:60]
             ]
             snap.dump(str(Path(out_dir) / f"{role}_{count}.tmsnap"))
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / f"{role}_{count}.json").write_text(json.dumps(out, indent=1))
 
     return dump
@@ -123,13 +124,10 @@ def _agents(settings: MeshSettings) -> list[Agent]:
 
 
 async def _child(args: argparse.Namespace) -> None:
-    """``--role hub|agents``: serve until SIGTERM."""
+    """``--role hub|agents``: serve until stdin closes (``child_processes``)."""
     settings = MeshSettings(nats_url=args.nats, namespace=args.ns)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGUSR1, _dumper(args.role, args.dump_dir))
+    stop = stdin_closed()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dumper(args.role, args.dump_dir))
     async with contextlib.AsyncExitStack() as stack:
         if args.role == "hub":
             hub = Hub(settings=settings.model_copy(update={"http_port": 0}))
@@ -140,7 +138,7 @@ async def _child(args: argparse.Namespace) -> None:
                 stack.push_async_callback(agent.close)
         print("READY", flush=True)
         _runner.settle()  # as the entry points do once started
-        await stop.wait()
+        await stop
 
 
 # ---------------------------------------------------------------------------- caller
@@ -258,22 +256,6 @@ def _slope(points: list[tuple[float, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in points) / sxx
 
 
-async def _spawn(role: str, url: str, ns: str, args: argparse.Namespace) -> Any:
-    argv = [sys.executable, "-m", "bench.soak", "--role", role, "--nats", url, "--ns", ns]
-    if args.dump_dir:
-        argv += ["--dump-dir", args.dump_dir]
-    if args.tracemalloc:
-        argv = [sys.executable, "-X", "tracemalloc=1", *argv[1:]]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, cwd=str(ROOT)
-    )
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 60)
-    if not line.startswith(b"READY"):
-        raise RuntimeError(f"soak {role} process did not start: {line!r}")
-    return proc
-
-
 async def _soak(args: argparse.Namespace) -> dict[str, Any]:
     ns = f"soak{uuid.uuid4().hex[:6]}"
     run_id = uuid.uuid4().hex[:8]
@@ -284,15 +266,14 @@ async def _soak(args: argparse.Namespace) -> dict[str, Any]:
         import tracemalloc
 
         tracemalloc.start()
+        # The children trace their allocations too (the variable is inherited).
+        os.environ["PYTHONTRACEMALLOC"] = "1"
+    extra = ["--ns", ns, *(["--dump-dir", args.dump_dir] if args.dump_dir else [])]
     async with EmbeddedNats() as server:
         assert server.proc is not None
         pids: dict[str, int] = {"nats_server": server.proc.pid, "caller": os.getpid()}
-        procs = []
-        try:
-            for role in ("hub", "agents"):
-                proc = await _spawn(role, server.url, ns, args)
-                procs.append(proc)
-                pids[role] = proc.pid
+        async with child_processes(__file__, server.url, extra) as children:
+            pids.update(children)
             settings = MeshSettings(nats_url=server.url, namespace=ns)
             async with Client(settings=settings) as mesh:
                 load = _Load(mesh, args.route_rate, args.workflow_rate, run_id, args.faults)
@@ -345,14 +326,6 @@ async def _soak(args: argparse.Namespace) -> dict[str, Any]:
                 samples.append(sample())
                 show(samples[-1])
                 outcomes = dict(load.outcomes)
-        finally:
-            for proc in reversed(procs):
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(proc.wait(), 15)
-                except TimeoutError:
-                    proc.kill()
     judged = [s for s in samples if s["t_s"] >= args.judge_after * seconds]
     slopes: dict[str, Any] = {}
     for role in ("hub", "agents", "nats_server", "caller"):

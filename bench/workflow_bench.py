@@ -44,7 +44,7 @@ import nats
 
 from bench._jsstats import COUNTER_NAME, ClientMessages, CpuCounter, JsCounter, free_port, per_unit
 from bench._load import open_loop
-from bench._procs import _Profiling
+from bench._procs import _Profiling, stdin_closed
 from bench.workflow_floor import run_floor
 from reach_mesh import Client, MeshSettings, Step, _runner
 from reach_mesh.agent import Agent, Task
@@ -247,14 +247,7 @@ def _profiled(role: str) -> Iterator[None]:
 async def _child(role: str, nats_url: str, ns: str) -> None:
     """``--role hub|agents``: serve until stdin closes (the parent exits or kills us)."""
     settings = MeshSettings(nats_url=nats_url, namespace=ns)
-    loop = asyncio.get_running_loop()
-    stop = loop.create_future()
-
-    def stdin_closed() -> None:
-        if not stop.done():
-            stop.set_result(None)
-
-    loop.add_reader(sys.stdin.fileno(), stdin_closed)
+    stop = stdin_closed()
     if role == "hub":
         async with Hub(settings=settings):
             print("READY", flush=True)

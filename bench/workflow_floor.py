@@ -51,6 +51,7 @@ from nats.aio.msg import Msg
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from bench._jsstats import free_port
+from bench._procs import stdin_closed
 from reach_mesh import _runner
 from reach_mesh._consume import PullConsumer
 from reach_mesh._jspub import JsClient
@@ -211,14 +212,7 @@ async def _agent(nc: NATS, n: _Names, index: int, stop: asyncio.Future[None]) ->
 async def _child(role: str, nats_url: str, tag: str) -> None:
     """``--role hub|agents``: serve until stdin closes."""
     names = _Names(tag)
-    loop = asyncio.get_running_loop()
-    stop: asyncio.Future[None] = loop.create_future()
-
-    def stdin_closed() -> None:
-        if not stop.done():
-            stop.set_result(None)
-
-    loop.add_reader(sys.stdin.fileno(), stdin_closed)
+    stop = stdin_closed()
     conns = [await nats.connect(nats_url) for _ in range(1 if role == "hub" else AGENTS)]
     if role == "hub":
         serving = [_hub(conns[0], names, stop)]
