@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -63,6 +64,7 @@ __all__ = [
     "identity_of",
     "is_inbox",
     "join_answers",
+    "named_workflow_id",
     "namespace_of",
     "parse_reply",
     "raise_for_error",
@@ -443,6 +445,14 @@ def workflow_id_of(msg_id: str) -> str:
     nonces have no dots)."""
     parts = msg_id.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
+
+
+def named_workflow_id(headers: Mapping[str, str] | None) -> str:
+    """The workflow id a submission's ``Nats-Msg-Id`` names, when it is a valid one, else
+    "": the id a hub answers the submission under (it runs a spec whose body names the same
+    id, and refuses any other submission under this one); without it, the body's id."""
+    wf_id = workflow_id_of((headers or {}).get(HDR_MSG_ID, ""))
+    return wf_id if WORKFLOW_ID_RE.fullmatch(wf_id) else ""
 
 
 def attempt_msg_id(namespace: str, task_id: str, attempt: int) -> str:

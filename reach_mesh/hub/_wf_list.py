@@ -235,8 +235,8 @@ def _submitted_key(msg: RawStreamMsg) -> str | None:
     id, and refuses any other submission under the header's), or — without a header naming a
     valid id — its body's ``workflow_id``; None when they read as none."""
     ns = protocol.submit_namespace(msg.subject or "")
-    wf_id = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
-    if not protocol.WORKFLOW_ID_RE.fullmatch(wf_id):  # (none: the body's runs)
+    wf_id = protocol.named_workflow_id(msg.headers)
+    if not wf_id:  # (the body's runs)
         try:
             wf_id = _SubmittedId.model_validate_json(msg.data or b"").workflow_id
         except ValidationError:

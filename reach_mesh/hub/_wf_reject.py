@@ -224,14 +224,13 @@ def refused_id(
     ``Nats-Msg-Id`` names, else (a client that skips the header, or names no valid id there)
     the one its body names, so that its caller, waiting on that id, gets the answer. "" when
     it names none (not validated here)."""
-    wf_id = protocol.workflow_id_of((headers or {}).get(protocol.HDR_MSG_ID, ""))
-    named = bool(protocol.WORKFLOW_ID_RE.fullmatch(wf_id))
+    wf_id = protocol.named_workflow_id(headers)
     kind: Literal["fanout", "chain"] = "fanout"
     with contextlib.suppress(Exception):
         body = json.loads(data)
         if body.get("kind") == "chain":
             kind = "chain"
-        if not named and isinstance(body.get("workflow_id"), str):
+        if not wf_id and isinstance(body.get("workflow_id"), str):
             wf_id = body["workflow_id"]
     return wf_id, kind
 

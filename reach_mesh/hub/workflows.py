@@ -595,8 +595,8 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
                 f"workflow namespace {spec.namespace!r} does not match subject {msg.subject!r}",
                 field="namespace",
             )
-        named = protocol.workflow_id_of((msg.headers or {}).get(protocol.HDR_MSG_ID, ""))
-        if named != spec.workflow_id and protocol.WORKFLOW_ID_RE.fullmatch(named):
+        named = protocol.named_workflow_id(msg.headers)
+        if named and named != spec.workflow_id:
             # Its caller waits on one of the two ids: refused under the header's (as a
             # submission that is no spec is), it is told, not left waiting for a workflow
             # that runs under the other. (A header naming no valid id could hold no answer:
