@@ -321,10 +321,17 @@ def held_handler(agent: Agent, cap: str, answer: Any = None) -> HeldHandler:
     return held
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without its ``REACH_``/``OTEL_`` variables (a child
+    configured by the test alone), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+    return env | extra
+
+
 async def run_cli(nats_url: str, *args: str) -> subprocess.CompletedProcess[str]:
     """``reach-mesh --nats URL ARGS`` in a process of its own (no ``REACH_``/``OTEL_``
     variables of this one), in a thread: its exit code and output."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+    env = clean_env()
     argv = [sys.executable, "-m", "reach_mesh.cli", "--nats", nats_url, *args]
     return await asyncio.to_thread(subprocess.run, argv, env=env, capture_output=True, text=True)
 

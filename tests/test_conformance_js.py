@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -40,7 +39,7 @@ from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import WF_FAST, eventually, status_events
+from .helpers import WF_FAST, clean_env, eventually, status_events
 
 JS_DIR = Path(__file__).resolve().parents[1] / "conformance" / "js"
 NODE = shutil.which("node")
@@ -75,11 +74,15 @@ JS_AGENT_ENV = {
 }
 
 
-def _env(**extra: str) -> dict[str, str]:
-    """This process's environment without its ``REACH_``/``OTEL_`` variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
-    env.update(extra)
-    return env
+def _identity(auth: AuthDir | None, role: str, name: str) -> dict[str, str]:
+    """The environment that gives a JS process ``role``'s identity ``name`` in secure mode
+    (its nkey seed, its inbox prefix); none in plain mode."""
+    if auth is None:
+        return {}
+    return {
+        "REACH_NKEY_SEED_FILE": str(auth.seed_file(role, name)),
+        "REACH_INBOX_PREFIX": inbox_prefix(role, name),
+    }
 
 
 @dataclass
@@ -110,12 +113,14 @@ class JsAgents:
     _n: Iterator[int] = field(default_factory=lambda: iter(range(1, 1000)))
 
     async def start(self, agent_id: str, *, caps: str | None = None) -> JsAgent:
-        env = _env(REACH_NATS_URL=self.nats_url, REACH_AGENT_ID=agent_id, **JS_AGENT_ENV)
+        env = clean_env(
+            REACH_NATS_URL=self.nats_url,
+            REACH_AGENT_ID=agent_id,
+            **JS_AGENT_ENV,
+            **_identity(self.auth, "agent", agent_id),
+        )
         if caps:
             env["REACH_AGENT_CAPS"] = caps
-        if self.auth is not None:
-            env["REACH_NKEY_SEED_FILE"] = str(self.auth.seed_file("agent", agent_id))
-            env["REACH_INBOX_PREFIX"] = inbox_prefix("agent", agent_id)
         log = self.logs / f"{agent_id}.{next(self._n)}.log"
         with log.open("wb") as err:
             assert NODE is not None
@@ -152,10 +157,11 @@ async def run_caller(
     nats_url: str, namespace: str, *parts: str, auth: AuthDir | None = None, timeout: float = 90
 ) -> tuple[int, str]:
     """``node caller-test.js PARTS`` against the mesh: its exit code and output."""
-    env = _env(REACH_NATS_URL=nats_url, REACH_NAMESPACE=namespace)
-    if auth is not None:
-        env["REACH_NKEY_SEED_FILE"] = str(auth.seed_file("caller", namespace))
-        env["REACH_INBOX_PREFIX"] = inbox_prefix("caller", namespace)
+    env = clean_env(
+        REACH_NATS_URL=nats_url,
+        REACH_NAMESPACE=namespace,
+        **_identity(auth, "caller", namespace),
+    )
     assert NODE is not None
     proc = await asyncio.create_subprocess_exec(
         NODE,
