@@ -349,8 +349,9 @@ async def _soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__)
-    parser.add_argument("--minutes", type=float, default=15.0)
-    parser.add_argument("--route-rate", type=float, default=200.0, help="routes per second")
+    # The defaults are the run docs/operations.md reports.
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--route-rate", type=float, default=400.0, help="routes per second")
     parser.add_argument(
         "--workflow-rate", type=float, default=100.0, help="fanout(3) + chain(3) per second"
     )
