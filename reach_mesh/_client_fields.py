@@ -216,7 +216,7 @@ def _parse(adapter: TypeAdapter[_T], data: bytes, what: str) -> _T:
     """Validate a reply that is not an error body; a malformed one raises ``BadRequestError``
     naming the field, as ``protocol.decode`` does."""
     try:
-        return adapter.validate_json(data)
+        return protocol.validate_json(adapter.validate_json, data)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or what

@@ -588,7 +588,7 @@ class Client(WorkflowsMixin):
         ns = protocol.namespace_of(agent_id) if agent_id else self.namespace
         deadline = time.monotonic() + 10.0
         data = await self._call_hub(ns, "route", protocol.encode(req), inject({}), deadline, 5.0)
-        route = RouteReply.model_validate_json(data)
+        route = protocol.validate_json(RouteReply.model_validate_json, data)
         assert route.decision is not None
         return route.decision
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from copy import copy
 from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -76,7 +77,9 @@ __all__ = [
     "task_status",
     "validate_agent_id",
     "validate_capability",
+    "validate_json",
     "validate_namespace",
+    "validate_object",
     "validate_task_id",
     "validate_workflow_id",
     "wf_all",
@@ -529,6 +532,8 @@ def carried_max(max_payload: int, server_max_payload: int) -> int:
 # --------------------------------------------------------------------------- codec
 
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+D = TypeVar("D")
 
 _FIELD_ERRORS: Final[dict[str, type[BadRequestError]]] = {
     "agent_id": InvalidAgentIdError,
@@ -558,11 +563,90 @@ def decode(data: bytes, model: type[M], *, max_size: int | None = None) -> M:
             max_size=max_size,
         )
     try:
-        return model.model_validate_json(data)
+        return validate_json(model.model_validate_json, data)
     except ValidationError as err:
         raise _translate(err, model) from err
     except (ValueError, TypeError) as err:  # pragma: no cover - pydantic wraps these
         raise BadRequestError(f"malformed {model.__name__}: {err}") from err
+
+
+def validate_json(validate: Callable[[bytes], T], data: bytes) -> T:
+    """``validate(data)`` (a model's or adapter's ``validate_json``), reading a ``null`` in a
+    field that is not nullable as the field's absence — its default where it has one — as
+    protobuf's JSON mapping does: ``"duration_ms": null`` from an agent in another language is
+    the agent's result all the same, not a message to drop. A required field's ``null`` is
+    still refused, with the error of ``data`` as it came. Costs nothing on a valid message:
+    the second try is made only on a refusal."""
+    return _retried(validate, data, _nulls_left_out)
+
+
+def validate_object(validate: Callable[[dict[str, Any]], T], body: dict[str, Any]) -> T:
+    """:func:`validate_json` for a message already parsed (``validate``: a ``model_validate``)."""
+    return _retried(validate, body, _nulls_removed)
+
+
+def _retried(
+    validate: Callable[[D], T], data: D, fix: Callable[[D, ValidationError], D | None]
+) -> T:
+    try:
+        return validate(data)
+    except ValidationError as err:
+        fixed = fix(data, err)
+        if fixed is None:
+            raise
+        try:
+            return validate(fixed)
+        except ValidationError:
+            raise err from None
+
+
+def _nulls_left_out(data: bytes, err: ValidationError) -> bytes | None:
+    """``data`` without the ``null`` members ``err`` refused, re-encoded; None when something
+    else was refused too (or ``data`` is no JSON object)."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    fixed = _nulls_removed(body, err) if isinstance(body, dict) else None
+    return None if fixed is None else json.dumps(fixed, separators=(",", ":")).encode()
+
+
+def _nulls_removed(body: dict[str, Any], err: ValidationError) -> dict[str, Any] | None:
+    """A copy of ``body`` without the object members ``err`` refused for being ``null``; None
+    when an error is of anything else (a missing field, a wrong value, a ``null`` list item):
+    then nothing is fixed. Copied along the changed paths only."""
+    nulls: set[tuple[str | int, ...]] = set()
+    for e in err.errors(include_url=False):
+        if e["type"] == "missing" or e.get("input", ...) is not None:
+            return None
+        at = _null_at(body, tuple(e["loc"]))
+        if at is None:
+            return None
+        nulls.add(at)
+    fixed = dict(body)
+    for at in nulls:
+        parent: Any = fixed
+        for part in at[:-1]:
+            parent[part] = copy(parent[part])
+            parent = parent[part]
+        del parent[at[-1]]
+    return fixed
+
+
+def _null_at(body: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...] | None:
+    """The path in ``body`` along ``loc`` to an object member that is ``null`` (a union's
+    member tags may follow it in ``loc``), or None."""
+    node = body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            if node[part] is None:
+                return loc[: i + 1]
+        elif not (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
+            return None
+        elif node[part] is None:
+            return None  # a null item of a list is no absent field
+        node = node[part]
+    return None
 
 
 def _translate(err: ValidationError, model: type[BaseModel]) -> BadRequestError:
@@ -610,7 +694,7 @@ def raise_for_error(data: bytes) -> None:
 def parse_reply(data: bytes, model: type[M]) -> M:
     """Parse a reply: raise the typed ``ReachError`` if it is an error body."""
     raise_for_error(data)
-    return model.model_validate_json(data)
+    return validate_json(model.model_validate_json, data)
 
 
 def dumps(obj: Any) -> bytes:

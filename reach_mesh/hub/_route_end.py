@@ -268,7 +268,7 @@ class RouteEndMixin:
         capability = flight.capability
         try:
             protocol.raise_for_error(data)
-            head = _ReplyHead.model_validate_json(data)
+            head = protocol.validate_json(_ReplyHead.model_validate_json, data)
             if head.agent_id != view.agent_id or head.task_id != flight.task_id:
                 # Not the answer of the agent this attempt went to: nothing of it is used.
                 self._rejected("reply", None, head.agent_id, expected=view.agent_id)

@@ -503,7 +503,7 @@ class StatusTracker:
                 return None
             return event.attempt, event.state, event.error
         try:
-            head = _StatusHead.model_validate_json(stored[1])
+            head = protocol.validate_json(_StatusHead.model_validate_json, stored[1])
         except ValidationError:
             return None
         return None if head.agent_id != stored[0] else (head.attempt, head.state, head.error)
@@ -716,7 +716,7 @@ class StatusTracker:
         (``REACH-MESSAGE-REFUSED``), when it does not validate — an agent's bug that would
         otherwise leave its step waiting for a status that never counts."""
         try:
-            return TaskStatusEvent.model_validate_json(data)
+            return protocol.validate_json(TaskStatusEvent.model_validate_json, data)
         except ValidationError as err:
             refuse_body(self._nc, subject, _invalid(err))
             return None
@@ -727,8 +727,8 @@ class StatusTracker:
         """A final ``task_state`` answer (the agent's reply, to ``subject``) as the status
         event it stands for; None, counted and logged as :meth:`_parse_status` does."""
         try:
-            return TaskStatusEvent.model_validate(
-                {**body, "agent_id": agent_id, "task_id": task_id}
+            return protocol.validate_object(
+                TaskStatusEvent.model_validate, {**body, "agent_id": agent_id, "task_id": task_id}
             )
         except ValidationError as err:
             refuse_body(self._nc, subject, "task_state answer: " + _invalid(err))
