@@ -235,7 +235,10 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     # NATS micro discovery of the hubs and their endpoints.
                     "$SRV.>",
                     protocol.micro_subject("*", "agents"),
-                    f"{_API}.STREAM.INFO.{audit}",
+                    # ``reach-mesh doctor``: account, stream and queue info (no message).
+                    f"{_API}.INFO",
+                    f"{_API}.STREAM.INFO.*",
+                    f"{_API}.CONSUMER.INFO.{protocol.STREAM_WF}.{protocol.CONSUMER_HUBS}",
                     f"{_API}.CONSUMER.CREATE.{audit}",
                     f"{_API}.CONSUMER.CREATE.{audit}.>",
                     f"{_API}.CONSUMER.DELETE.{audit}.*",

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 
 from reach_mesh import __version__, _runner
 from reach_mesh._auth import AuthDir
+from reach_mesh._cli_doctor import cmd_doctor
 from reach_mesh._cli_fleet import (
     add_admin_commands,
     cmd_agents,
@@ -617,6 +618,14 @@ def build_parser() -> argparse.ArgumentParser:
     hubs = cmd("hubs", "list the live hubs (NATS micro discovery): id, version, HTTP, agents known")
     hubs.add_argument("--json", action="store_true", help="print JSON")
     hubs.set_defaults(func=cmd_hubs)
+
+    doctor = cmd(
+        "doctor",
+        "check the mesh and say what to do: NATS, security mode, JetStream and every stream "
+        "(replicas, leader, space), the workflow queue, hubs, agents; exit 1 if a check fails",
+    )
+    doctor.add_argument("--json", action="store_true", help="print JSON")
+    doctor.set_defaults(func=cmd_doctor)
 
     inspect = cmd("inspect", "one agent in detail")
     inspect.add_argument("agent_id")

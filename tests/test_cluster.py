@@ -18,6 +18,7 @@ import pytest
 from nats.js.api import KeyValueConfig, StorageType
 
 from reach_mesh import Client, MeshSettings, MeshTimeoutError
+from reach_mesh._cli_doctor import STREAMS, Finding, diagnose
 from reach_mesh._jspub import JsClient
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
@@ -96,6 +97,8 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
             await eventually(lambda: "ha.echo.a1" in hub_a.registry.agents, timeout=10)
             async with Client(settings=s_b) as c:
                 assert (await c.request(capability="ha:echo:v1", payload=1)).result == 1
+                streams = {f.check: f for f in await diagnose(s_b)}["streams"]
+                assert streams.status == "ok" and "(R3)" in streams.detail, streams
                 cluster[0].kill()  # SIGKILL one node (possibly the raft leader) and hub A's link
                 # Routing is core NATS on the surviving nodes: it keeps working through the
                 # election; hub B answers alone.
@@ -118,8 +121,25 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
                     assert res.result == "new"
                 # The first agent's heartbeats kept its lease through the election.
                 assert hub_b.registry.agents[a1.agent_id].state.value == "ONLINE"
+                # `reach-mesh doctor` names the streams that lost a replica (a warning: each
+                # keeps a quorum, and a leader).
+                degraded = await _doctor_streams(s_b)
+                assert degraded and all(f.status == "warn" for f in degraded), degraded
+                assert all("n0" in f.detail for f in degraded), degraded
     finally:
         await hub_a.close()
+
+
+async def _doctor_streams(settings: MeshSettings) -> list[Finding]:
+    """The streams ``reach-mesh doctor`` finds not ok, once it finds some and none failed (no
+    leader, or no answer: the elections after a node's loss take seconds), within 30 s."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = [f for f in await diagnose(settings) if f.check in STREAMS]
+        settled = found and all(f.status != "fail" for f in found)
+        if settled or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.5)
 
 
 async def _routes_to(node: EmbeddedNats, name: str) -> int:

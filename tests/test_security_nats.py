@@ -1004,6 +1004,29 @@ async def test_hubs_with_a_caller_identity_is_not_permitted_at_once(mesh: Mesh) 
         assert refused.value.details["subject"] == f"$SRV.INFO.{protocol.MICRO_HUB_SERVICE}"
 
 
+async def test_doctor_checks_everything_as_the_operator_and_says_what_a_caller_may_not(
+    mesh: Mesh,
+) -> None:
+    """``reach-mesh doctor`` as the operator makes every check (its role may read account,
+    stream and queue info, and nothing more); as a caller it makes those its role allows and
+    says which it could not — a warning, not a failure of the mesh."""
+    from reach_mesh._cli_doctor import diagnose
+
+    operator = {f.check: f for f in await diagnose(mesh.settings("operator", "admin"))}
+    assert not [f for f in operator.values() if f.status != "ok"], operator
+    assert "secure mode" in operator["security"].detail
+    assert "every namespace" in operator["agents"].detail
+    caller = {f.check: f for f in await diagnose(mesh.settings("caller", NS))}
+    assert not [f for f in caller.values() if f.status == "fail"], caller
+    for check in ("jetstream", "workflow queue", "hubs"):
+        assert caller[check].status == "warn" and "not checked" in caller[check].detail, check
+    assert f"namespace {NS!r}" in caller["agents"].detail, caller["agents"]
+    code, err, _ = await _cli(
+        "doctor", "--nats", mesh.server.url, config=mesh.auth.settings_file("operator", "admin")
+    )
+    assert code == 0, err
+
+
 async def test_flushed_returns_once_the_server_has_the_subscriptions(as_identity: Any) -> None:
     """``flushed`` returns once the server has the SUBs sent before it: its refusal of one
     has come back. (``nc.flush()`` alone does not promise it: nats-py queues a SUB for its

@@ -1,0 +1,346 @@
+"""``reach-mesh doctor``: is this mesh healthy, and if not, what to do — one command that reads
+what an operator would otherwise piece together from ``nats stream report``, ``reach-mesh
+hubs`` and ``reach-mesh agents``.
+
+Each check is one :class:`Finding` (``ok``, ``warn`` or ``fail``, and a line saying what was
+seen and, when it is not ok, what to do). Nothing is changed: every check is a read (server
+and account info, JetStream stream and consumer info, NATS micro discovery, a fleet query).
+A check the identity may not make (a caller's, in secure mode) is a warning saying so, not a
+failure of the mesh. ``reach_mesh.cli`` parses the command line and runs :func:`cmd_doctor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import shutil
+import textwrap
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Final, Literal, TypeVar
+from urllib.parse import urlsplit
+
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import StreamInfo
+from nats.js.errors import Error as JetStreamError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+from reach_mesh import __version__, protocol
+from reach_mesh._cli_fleet import settings_of
+from reach_mesh._nats import has_identity, refused_first, shown
+from reach_mesh.client import Client
+from reach_mesh.config import MeshSettings
+from reach_mesh.errors import NotPermittedError
+from reach_mesh.models import AgentInfo, AgentState
+
+__all__ = ["Finding", "cmd_doctor", "diagnose"]
+
+T = TypeVar("T")
+
+Status = Literal["ok", "warn", "fail"]
+
+#: The streams a mesh keeps (the KV buckets' streams are ``KV_<bucket>``), created by hubs.
+STREAMS: Final = (
+    protocol.STREAM_WF,
+    protocol.STREAM_WF_EVENTS,
+    protocol.STREAM_WORK,
+    protocol.STREAM_STATUS,
+    protocol.STREAM_AUDIT,
+    *(
+        f"KV_{b}"
+        for b in (
+            protocol.KV_AGENTS,
+            protocol.KV_HEARTBEATS,
+            protocol.KV_CORDONS,
+            protocol.KV_SESSIONS,
+            protocol.KV_TASKS,
+            protocol.KV_WORKFLOWS,
+        )
+    ),
+)
+#: What a stream (or the hubs' consumer) not found means.
+MISSING: Final = "hubs create them when they start (has a hub of this version run here?)"
+#: A stream or an account this full is a warning: writes are refused at its limit.
+FULL: Final = 0.8
+#: How long one read may take before it counts as not answered.
+READ_TIMEOUT: Final = 5.0
+#: Agent states that need an operator's look (SUSPECT: beats late; QUARANTINED: breaker open).
+TROUBLED: Final = (AgentState.SUSPECT, AgentState.QUARANTINED)
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One check's verdict."""
+
+    check: str
+    status: Status
+    detail: str
+
+
+async def diagnose(settings: MeshSettings) -> list[Finding]:
+    """Every check against the mesh ``settings`` name; raises ``MeshUnavailableError`` (from
+    the connection) when NATS cannot be reached at all."""
+    async with Client(settings=settings) as client:
+        nc = client.nc
+        found = [_server(nc, client.nats_url), _security(settings, client.nats_url)]
+        found.append(await _jetstream(nc))
+        if found[-1].status != "fail":
+            kept = [n for n in STREAMS if settings.audit_enabled or n != protocol.STREAM_AUDIT]
+            found += await _streams(nc, kept)
+            found.append(await _workflow_queue(nc))
+        hubs = await _hubs(nc)
+        found.append(hubs)
+        if hubs.status == "fail":  # nobody to ask: a fleet query would wait out its deadline
+            found.append(Finding("agents", "warn", "not checked: no hub answers"))
+        else:
+            found.append(await _agents(client))
+    return found
+
+
+def _server(nc: NATS, url: str | None) -> Finding:
+    v = nc.connected_server_version
+    return Finding(
+        "nats", "ok", f"connected to {shown(url)}, nats-server {v.major}.{v.minor}.{v.patch}"
+    )
+
+
+def _security(settings: MeshSettings, url: str | None) -> Finding:
+    if has_identity(settings):
+        return Finding("security", "ok", "secure mode: this connection has its own identity")
+    hosts = [urlsplit(u.strip()).hostname or "" for u in (url or "").split(",")]
+    if all(_loopback(h) for h in hosts):
+        return Finding("security", "ok", "open dev mode, on this machine only")
+    return Finding(
+        "security",
+        "warn",
+        "open mode on a network address: anyone who reaches NATS can register agents, forge "
+        "results and act as an operator (secure mode: reach-mesh auth init, docs/security.md)",
+    )
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def _jetstream(nc: NATS) -> Finding:
+    js = nc.jetstream(timeout=READ_TIMEOUT)
+    got = await _read(nc, "jetstream", "$JS.API.INFO", js.account_info)
+    if isinstance(got, Finding):
+        return got
+    storage, limit = got.storage, got.limits.max_storage
+    used = f"{_size(storage)} stored" + (f" of {_size(limit)}" if limit > 0 else "")
+    detail = f"enabled: {used}, {got.streams} streams, {got.consumers} consumers"
+    if limit > 0 and storage > FULL * limit:
+        return Finding(
+            "jetstream", "warn", f"{detail}: the account's store is nearly full (writes fail)"
+        )
+    return Finding("jetstream", "ok", detail)
+
+
+async def _streams(nc: NATS, names: list[str]) -> list[Finding]:
+    """A finding for each of the streams ``names`` that is not ok, after one for them all
+    (the audit stream is left out where the settings turn the audit off)."""
+    js = nc.jetstream(timeout=READ_TIMEOUT)
+
+    async def one(name: str) -> tuple[Finding, StreamInfo | None]:
+        got = await _read(nc, name, f"$JS.API.STREAM.INFO.{name}", lambda: js.stream_info(name))
+        return (got, None) if isinstance(got, Finding) else (_stream(got), got)
+
+    found = await asyncio.gather(*(one(name) for name in names))
+    if all(i is None and f.detail == MISSING for f, i in found):
+        return [Finding("streams", "warn", f"none of the {len(names)} exists: {MISSING}")]
+    bad = [f for f, _ in found if f.status != "ok"]
+    infos = [i for _, i in found if i is not None]
+    replicas = sorted({i.config.num_replicas or 1 for i in infos})
+    stored = sum(i.state.bytes for i in infos)
+    detail = (
+        f"{len(names) - len(bad)} of {len(names)} ok"
+        + (f" (R{'/R'.join(map(str, replicas))})" if replicas else "")
+        + f", {_size(stored)} stored"
+    )
+    worst: Status = "fail" if any(f.status == "fail" for f in bad) else "warn" if bad else "ok"
+    if bad:
+        detail += ": " + ", ".join(f.check for f in bad) + " below"
+    return [Finding("streams", worst, detail), *bad]
+
+
+def _stream(info: StreamInfo) -> Finding:
+    cfg, state, cluster = info.config, info.state, info.cluster
+    name = cfg.name or "?"
+    replicas = cfg.num_replicas or 1
+    detail = f"R{replicas}, {state.messages:,} messages, {_size(state.bytes)}"
+    problems: list[tuple[Status, str]] = []
+    clustered = cluster is not None and cluster.name is not None
+    if cluster is not None and not cluster.leader:
+        problems.append(("fail", "no leader: an election is under way, or its quorum is lost"))
+    elif clustered:
+        assert cluster is not None
+        detail += f", leader {cluster.leader}"
+    for peer in (cluster.replicas or []) if cluster is not None else []:
+        if peer.offline:
+            problems.append(("warn", f"replica {peer.name} offline"))
+        elif not peer.current:
+            problems.append(("warn", f"replica {peer.name} behind by {peer.lag or 0} operations"))
+    if clustered and replicas == 1:
+        problems.append(
+            ("warn", "one replica in a cluster: the loss of its server loses it (kv_replicas: 3)")
+        )
+    if cfg.max_bytes and cfg.max_bytes > 0 and state.bytes > FULL * cfg.max_bytes:
+        problems.append(("warn", f"nearly full ({_size(cfg.max_bytes)} at most)"))
+    if not problems:
+        return Finding(name, "ok", detail)
+    status: Status = "fail" if any(s == "fail" for s, _ in problems) else "warn"
+    return Finding(name, status, f"{detail}: " + "; ".join(p for _, p in problems))
+
+
+async def _workflow_queue(nc: NATS) -> Finding:
+    js = nc.jetstream(timeout=READ_TIMEOUT)
+    subject = f"$JS.API.CONSUMER.INFO.{protocol.STREAM_WF}.{protocol.CONSUMER_HUBS}"
+    got = await _read(
+        nc,
+        "workflow queue",
+        subject,
+        lambda: js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS),
+    )
+    if isinstance(got, Finding):
+        return got
+    waiting, held = got.num_pending or 0, got.num_ack_pending or 0
+    return Finding(
+        "workflow queue",
+        "ok",
+        f"{waiting:,} submissions not yet delivered to a hub, {held:,} held by hubs "
+        f"(running or deferred), {got.num_redelivered or 0:,} delivered again",
+    )
+
+
+async def _hubs(nc: NATS) -> Finding:
+    from reach_mesh.hub._micro import discover_hubs
+
+    try:
+        hubs = await discover_hubs(nc)
+    except NotPermittedError:
+        return Finding("hubs", "warn", "not checked: this identity may not use micro discovery")
+    if not hubs:
+        return Finding(
+            "hubs",
+            "fail",
+            f"no hub answers $SRV.INFO.{protocol.MICRO_HUB_SERVICE}: start one "
+            "(reach-mesh hub, or reach-mesh up); callers' requests wait for it meanwhile",
+        )
+    named = sorted(
+        f"{(h.get('metadata') or {}).get('hub_id', '?')} ({h.get('version', '?')})" for h in hubs
+    )
+    versions = {str(h.get("version", "?")) for h in hubs}
+    detail = f"{len(hubs)} answering: {', '.join(named)}"
+    if len(versions) > 1:
+        return Finding("hubs", "warn", f"{detail}: versions differ (a rolling upgrade?)")
+    if __version__ not in versions:
+        return Finding("hubs", "ok", f"{detail} (this CLI is {__version__})")
+    return Finding("hubs", "ok", detail)
+
+
+async def _agents(client: Client) -> Finding:
+    try:
+        fleet = await client.fleet(all_namespaces=True)
+        scope = "every namespace"
+    except NotPermittedError:
+        try:
+            fleet = await client.fleet()
+        except NotPermittedError:
+            return Finding("agents", "warn", "not checked: this identity may not list agents")
+        scope = f"namespace {client.namespace!r}"
+    infos = [AgentInfo.model_validate(a) for a in fleet.get("agents", [])]
+    if not infos:
+        return Finding(
+            "agents",
+            "warn",
+            f"no agent registered ({scope}): start one (reach-mesh agent module:attribute)",
+        )
+    states = Counter(i.state for i in infos)
+    detail = f"{len(infos)} in {scope}: " + ", ".join(
+        f"{n} {s.value}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])
+    )
+    troubled = [i.agent_id for i in infos if i.state in TROUBLED]
+    if troubled:
+        shown_ids = ", ".join(troubled[:5]) + (" …" if len(troubled) > 5 else "")
+        return Finding(
+            "agents", "warn", f"{detail}; look at {shown_ids} (reach-mesh inspect AGENT_ID)"
+        )
+    if not any(i.state is AgentState.ONLINE for i in infos):
+        return Finding("agents", "warn", f"{detail}: none ONLINE, nothing can be routed")
+    return Finding("agents", "ok", detail)
+
+
+async def _read(
+    nc: NATS, check: str, subject: str, read: Callable[[], Awaitable[T]]
+) -> T | Finding:
+    """``read()`` (a JetStream API request on ``subject``), or the finding of ``check`` that
+    says why it gave nothing: refused to this identity, not found, or no answer."""
+    try:
+        return await refused_first(nc, subject, read())
+    except NotPermittedError:
+        return Finding(check, "warn", f"not checked: this identity may not ask {subject}")
+    except NotFoundError:
+        return Finding(check, "warn", MISSING)
+    except (NoRespondersError, ServiceUnavailableError):
+        return Finding(
+            check,
+            "fail",
+            "JetStream does not answer: not enabled on this server or account (nats-server "
+            "-js), or its cluster has no quorum",
+        )
+    except (TimeoutError, NatsTimeoutError):
+        return Finding(
+            check,
+            "fail",
+            f"no answer within {READ_TIMEOUT:g}s (JetStream overloaded, or an election)",
+        )
+    except JetStreamError as err:
+        return Finding(check, "fail", f"JetStream refused: {err}")
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1024 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+async def cmd_doctor(args: argparse.Namespace) -> int:
+    found = await diagnose(settings_of(args))
+    failed = sum(f.status == "fail" for f in found)
+    warned = sum(f.status == "warn" for f in found)
+    if args.json:
+        print(json.dumps({"ok": not failed, "checks": [asdict(f) for f in found]}, indent=2))
+    else:
+        _print(found)
+        plural = "" if warned == 1 else "s"
+        print(f"\n{failed} failed, {warned} warning{plural}, {len(found) - failed - warned} ok")
+    return 1 if failed else 0
+
+
+def _print(found: list[Finding]) -> None:
+    """One finding a line, its detail wrapped under itself (the detail is the point: never
+    cut, unlike a table's last column)."""
+    width = max(len(f.check) for f in found)
+    columns = max(shutil.get_terminal_size().columns, 60)
+    for f in found:
+        head = f"{f.status.upper():<4}  {f.check:<{width}}  "
+        lines = textwrap.wrap(f.detail, max(columns - len(head), 30), break_on_hyphens=False) or [
+            ""
+        ]
+        print(head + lines[0])
+        for line in lines[1:]:
+            print(" " * len(head) + line)
