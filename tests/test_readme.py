@@ -99,7 +99,10 @@ def user_env(tmp_path: Path) -> Iterator[dict[str, str]]:
 
 #: What each command of "Running a mesh" must print (a regex on stdout).
 EXPECT = {
-    "doctor": r"(?m)^OK\s+hubs\s+1 answering(?s:.*)^(OK|WARN)\s+agents\s+3 in every namespace(?s:.*)^0 failed,",
+    "doctor": (
+        r"(?m)^OK\s+hubs\s+1 answering(?s:.*)"
+        r"^(OK|WARN)\s+agents\s+3 in every namespace(?s:.*)^0 failed,"
+    ),
     "agents": r"NS\s+AGENT\s+STATE.*\n(?s:.*)demo\s+demo\.calc\.c1\s+ONLINE",
     "inspect": r'"agent_id": "demo\.calc\.c1"',
     "--show-decision": r'"state": "SUCCEEDED"(?s:.*)"text": "bonjour"(?s:.*)"decision": \{',
