@@ -27,6 +27,7 @@ from nats.js.kv import KeyValue
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub
+from reach_mesh.hub.http import HubHttp
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import AgentCard, AgentState, RegisterRequest
 
@@ -148,8 +149,11 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
     agent_id = f"{settings.namespace}.blind.unseen"
     async with _mesh(settings, nats_url, agent_id) as mesh:
         seer = mesh.seer
+        assert not seer.registry.blind() and _blind_gauge(seer) == 0
         await mesh.relay.cut()
         await eventually(lambda: not seer.nc.is_connected, timeout=10)
+        await eventually(seer.registry.blind, timeout=5)  # its liveness pass notices
+        assert _blind_gauge(seer) == 1  # what alert ReachHubBlind reads
         await _deleted(mesh, agent_id)
         assert agent_id in seer.registry.agents  # the delete has not reached the seer yet
         await mesh.relay.start()
@@ -160,3 +164,11 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
         with pytest.raises(UnknownAgentError, match="is not registered"):
             seer.registry.require(agent_id)
         assert not await _seer_said_lost(mesh, settings, agent_id)  # nor does its audit
+
+
+def _blind_gauge(hub: Hub) -> float:
+    """``reach_registry_blind`` as the hub's ``/metrics`` would show it now."""
+    HubHttp(hub).refresh_gauges()
+    value = hub.metrics.registry.get_sample_value("reach_registry_blind")
+    assert value is not None
+    return value

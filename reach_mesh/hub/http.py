@@ -464,6 +464,7 @@ class HubHttp:
         m.preonline_count.set(
             sum(c for (_, st), c in counts.items() if st == AgentState.PRE_ONLINE.value)
         )
+        m.registry_blind.set(1 if self.hub.registry.blind() else 0)
 
     async def healthz(self) -> JSONResponse:
         ok = self.hub.nc.is_connected

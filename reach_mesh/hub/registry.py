@@ -419,6 +419,11 @@ class Registry:
         else:
             view.state = AgentState.ONLINE
 
+    def blind(self) -> bool:
+        """Whether this hub is blind now, for the default lease (``reach_registry_blind``):
+        it failed to read or write the registry, or was cut off from NATS, that recently."""
+        return self._blind(self._clock(), self._settings.lease_timeout)
+
     def _blind(self, now: float, lease: float) -> bool:
         """True while this hub cannot trust that it saw every heartbeat of the last lease."""
         return now - self._blind_at < lease

@@ -233,6 +233,13 @@ class HubMetrics:
         #: The attribute's name before the metric became ``reach_preonline_agents`` (the HTTP
         #: server sets it at scrape time); the same gauge.
         self.preonline_count = self.preonline_agents
+        self.registry_blind = Gauge(
+            "reach_registry_blind",
+            "1 while this hub cannot trust that it saw every heartbeat — within lease_timeout "
+            "of its last failure to read or write the registry in JetStream, or of being cut "
+            "off from NATS (it declares no agent LOST meanwhile) — else 0.",
+            registry=r,
+        )
         self.throttled_total = Counter(
             "reach_throttled",
             "Requests refused with REACH_THROTTLED, by namespace.",
