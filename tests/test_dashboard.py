@@ -138,6 +138,7 @@ async def test_fleet_separates_running_from_queued_and_offers_actions_by_state(
     ns = mesh.settings.namespace
     status, fleet = await mesh.get("fleet")
     assert status == 200, fleet
+    assert fleet["blind"] is False  # (a blind hub: tests/test_liveness_blind.py)
     # This module's agents (the hub sees every namespace's: earlier test files may leave some).
     mine = [a for a in fleet["agents"] if a["agent_id"].startswith(f"{ns}.")]
     assert len(mine) == 2 and {a["state"] for a in mine} == {"ONLINE"}, mine

@@ -27,6 +27,7 @@ from nats.js.kv import KeyValue
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub
+from reach_mesh.hub import _dashboard as dashboard
 from reach_mesh.hub.http import HubHttp
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import AgentCard, AgentState, RegisterRequest
@@ -154,6 +155,7 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
         await eventually(lambda: not seer.nc.is_connected, timeout=10)
         await eventually(seer.registry.blind, timeout=5)  # its liveness pass notices
         assert _blind_gauge(seer) == 1  # what alert ReachHubBlind reads
+        assert dashboard.fleet(seer)["blind"] is True  # the page's "JetStream unreachable"
         await _deleted(mesh, agent_id)
         assert agent_id in seer.registry.agents  # the delete has not reached the seer yet
         await mesh.relay.start()

@@ -540,6 +540,9 @@ def fleet(hub: Hub) -> dict[str, Any]:
     by_state[AgentState.LOST.value] = len(lost)
     return {
         "hub_id": hub.hub_id,
+        # This hub cannot read or write the registry in JetStream, or reach NATS, lately
+        # (``reach_registry_blind``): what it shows may be stale, and it declares nobody LOST.
+        "blind": hub.registry.blind(),
         "total": len(agents),
         "by_state": by_state,
         "agents": agents,
