@@ -242,6 +242,18 @@ async def _hubs(nc: NATS) -> Finding:
     )
     versions = {str(h.get("version", "?")) for h in hubs}
     detail = f"{len(hubs)} answering: {', '.join(named)}"
+    blind = sorted(
+        str((h.get("metadata") or {}).get("hub_id", "?"))
+        for h in hubs
+        if (h.get("fleet") or {}).get("blind")
+    )
+    if blind:
+        return Finding(
+            "hubs",
+            "fail",
+            f"{detail}: {', '.join(blind)} cannot read or write the registry in JetStream, or "
+            "reach NATS (reach_registry_blind; docs/operations.md, A hub cannot reach JetStream)",
+        )
     if len(versions) > 1:
         return Finding("hubs", "warn", f"{detail}: versions differ (a rolling upgrade?)")
     if __version__ not in versions:

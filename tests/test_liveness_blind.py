@@ -25,6 +25,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh._cli_doctor import diagnose
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub
 from reach_mesh.hub import _dashboard as dashboard
@@ -160,6 +161,10 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
         assert agent_id in seer.registry.agents  # the delete has not reached the seer yet
         await mesh.relay.start()
         await eventually(lambda: seer.nc.is_connected, timeout=10)
+        # Back, but still blind for a lease: `reach-mesh doctor` names it.
+        hubs = next(f for f in await diagnose(settings) if f.check == "hubs")
+        assert hubs.status == "fail" and f"{seer.hub_id} cannot read" in hubs.detail, hubs
+        assert f"{mesh.judge.hub_id} cannot" not in hubs.detail
         await eventually(lambda: agent_id not in seer.registry.agents, timeout=10)
         _dropped_overdue(mesh)
         assert seer.registry.recently_lost(settings.namespace) == []

@@ -86,6 +86,8 @@ async def start_micro(hub: Hub) -> Service:
             {
                 "hub_id": hub.hub_id,
                 "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
+                # Cannot read or write the registry lately (``reach_registry_blind``).
+                "blind": hub.registry.blind(),
             }
         )
         await request.respond(body)  # _Answerable passes only requests with a reply subject
