@@ -21,7 +21,6 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Final, Literal, TypeVar
-from urllib.parse import urlsplit
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
@@ -32,7 +31,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from reach_mesh import __version__, protocol
 from reach_mesh._cli_fleet import settings_of
-from reach_mesh._nats import has_identity, refused_first, shown
+from reach_mesh._nats import has_identity, hosts, refused_first, shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NotPermittedError
@@ -112,8 +111,7 @@ def _server(nc: NATS, url: str | None) -> Finding:
 def _security(settings: MeshSettings, url: str | None) -> Finding:
     if has_identity(settings):
         return Finding("security", "ok", "secure mode: this connection has its own identity")
-    hosts = [urlsplit(u.strip()).hostname or "" for u in (url or "").split(",")]
-    if all(_loopback(h) for h in hosts):
+    if all(_loopback(h) for h in hosts(url)):
         return Finding("security", "ok", "open dev mode, on this machine only")
     return Finding(
         "security",

@@ -32,6 +32,7 @@ __all__ = [
     "flushed",
     "has_credentials",
     "has_identity",
+    "hosts",
     "not_permitted",
     "refusals_of",
     "refused_first",
@@ -336,6 +337,12 @@ def has_credentials(url: str | None) -> bool:
     """Whether a NATS URL (comma-separated list allowed, scheme optional) carries a user or a
     password."""
     return any(p.username or p.password for p in map(_split, _servers(url)))
+
+
+def hosts(url: str | None) -> list[str]:
+    """The host of each server of a NATS URL (comma-separated list allowed, scheme
+    optional)."""
+    return [_split(server).hostname or "" for server in _servers(url)]
 
 
 def has_identity(settings: MeshSettings) -> bool:

@@ -14,7 +14,7 @@ import nats
 import pytest
 
 from reach_mesh import MeshSettings, protocol
-from reach_mesh._cli_doctor import STREAMS, Finding, diagnose
+from reach_mesh._cli_doctor import STREAMS, Finding, _security, diagnose
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats, find_nats_server
@@ -121,3 +121,23 @@ async def test_a_server_without_jetstream_fails(no_jetstream: str) -> None:
     assert "-js" in found["jetstream"].detail, found["jetstream"]
     assert "streams" not in found and "workflow queue" not in found
     assert found["hubs"].status == "fail"
+
+
+@pytest.mark.parametrize(
+    ("url", "token", "status"),
+    [
+        ("nats://127.0.0.1:4222,nats://localhost:4223", None, "ok"),
+        ("nats://[::1]:4222", None, "ok"),
+        ("nats://127.0.0.1:4222,nats://10.0.0.5:4222", None, "warn"),
+        ("nats.internal:4222", None, "warn"),
+        ("nats://10.0.0.5:4222", "s3cret", "ok"),
+    ],
+)
+def test_open_mode_on_a_network_address_is_a_warning(
+    url: str, token: str | None, status: str
+) -> None:
+    """Open mode is fine on loopback only; any identity (here a token) is secure mode."""
+    found = _security(MeshSettings(nats_url=url, nats_token=token), url)
+    assert found.status == status, found
+    if status == "warn":
+        assert "reach-mesh auth init" in found.detail
