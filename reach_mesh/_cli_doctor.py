@@ -34,7 +34,7 @@ from reach_mesh._cli_fleet import settings_of
 from reach_mesh._nats import has_identity, hosts, refused_first, shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import NotPermittedError
+from reach_mesh.errors import NotPermittedError, ReachError
 from reach_mesh.models import AgentInfo, AgentState
 
 __all__ = ["Finding", "cmd_doctor", "diagnose"]
@@ -82,8 +82,8 @@ class Finding:
 
 
 async def diagnose(settings: MeshSettings) -> list[Finding]:
-    """Every check against the mesh ``settings`` name; raises ``MeshUnavailableError`` (from
-    the connection) when NATS cannot be reached at all."""
+    """Every check, on a connection made with ``settings``; raises ``MeshUnavailableError``
+    (from the connection) when NATS cannot be reached at all."""
     async with Client(settings=settings) as client:
         nc = client.nc
         found = [_server(nc, client.nats_url), _security(settings, client.nats_url)]
@@ -260,15 +260,19 @@ async def _hubs(nc: NATS) -> Finding:
 
 
 async def _agents(client: Client) -> Finding:
-    try:
-        fleet = await client.fleet(all_namespaces=True)
-        scope = "every namespace"
-    except NotPermittedError:
+    asked = ((True, "every namespace"), (False, f"namespace {client.namespace!r}"))
+    for every, of in asked:  # every namespace is the operator's list; else its own
         try:
-            fleet = await client.fleet()
+            fleet, scope = await client.fleet(all_namespaces=every), of
+            break
         except NotPermittedError:
-            return Finding("agents", "warn", "not checked: this identity may not list agents")
-        scope = f"namespace {client.namespace!r}"
+            continue
+        except ReachError as err:  # a hub answered discovery, and then not the fleet query
+            return Finding(
+                "agents", "fail", f"no answer to the fleet query: {err.code}: {err.message}"
+            )
+    else:
+        return Finding("agents", "warn", "not checked: this identity may not list agents")
     infos = [AgentInfo.model_validate(a) for a in fleet.get("agents", [])]
     if not infos:
         return Finding(
