@@ -590,8 +590,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="PORT",
-        help="serve each agent's Prometheus /metrics: the first on PORT, the next on PORT+1, "
-        "... (0 = any free port; default off)",
+        help="serve each agent's Prometheus /metrics and readiness /healthz: the first on "
+        "PORT, the next on PORT+1, ... (0 = any free port; default off)",
     )
     agent.add_argument(
         "--metrics-host", default="127.0.0.1", help="address for --metrics-port (default loopback)"

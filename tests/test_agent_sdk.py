@@ -16,7 +16,7 @@ from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 
-from .helpers import fetch, mcp_session
+from .helpers import eventually, fetch, mcp_session
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,6 +95,36 @@ async def test_agent_metrics_count_tasks_and_steps(
     assert agent.metrics_url is None  # closed with the agent
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1].split("/")[0]))
+
+
+async def test_agent_healthz_is_ready_while_a_hub_holds_its_lease(
+    settings: MeshSettings, namespace: str
+) -> None:
+    """``GET /healthz`` beside the agent's ``/metrics``: 200 and ``ready`` while a hub answers
+    its heartbeats; 503 once none has for two heartbeat intervals (the hub stopped) — a
+    readiness probe's answer; closed with the agent."""
+    agent = counting_agent(f"{namespace}.health.a1", settings, metrics_port=0)
+    hub = Hub(settings=settings)
+    await hub.start()
+    try:
+        async with agent:
+            assert agent.metrics_url is not None
+            url = agent.metrics_url.removesuffix("/metrics") + "/healthz"
+            status, body = await fetch(url)
+            assert status == 200, body
+            said = json.loads(body)
+            assert said["ready"] is True and said["in_touch"] is True and not said["wedged"]
+            assert said["agent_id"] == agent.agent_id and said["status"] == "running"
+            assert said["state"] == "ONLINE"
+            await hub.close()
+
+            async def not_ready() -> bool:
+                status, body = await fetch(url)
+                return status == 503 and json.loads(body)["in_touch"] is False
+
+            await eventually(not_ready, timeout=5)
+    finally:
+        await hub.close()
 
 
 async def test_agent_inflight_gauge_reads_running_handlers(

@@ -335,7 +335,7 @@ class Agent(ServingMixin):
         try:
             if self._metrics_port is not None:
                 self._metrics_server = await serve_metrics(
-                    self.metrics.render, self._metrics_host, self._metrics_port
+                    self.metrics.render, self._metrics_host, self._metrics_port, self.health
                 )
             self._nc = await connect(self.nats_url, name=self.agent_id, settings=self.settings)
             self._answers = AnswerBatcher(self._nc)
@@ -535,6 +535,23 @@ class Agent(ServingMixin):
         if self._nc is None or not self._nc.is_connected:
             return False
         return time.monotonic() - self._answered_at < 2 * self.settings.heartbeat_interval
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Whether this agent is ready for work, and why (its metrics server's ``GET
+        /healthz``: 200 when ready, else 503). Ready: running (not draining or closed), in
+        touch with the hubs (:meth:`in_touch`: connected, its lease surely held) and not
+        wedged. A readiness signal: when no hub answers, every agent says not ready."""
+        in_touch = self.in_touch()
+        ready = self.status is AgentStatus.RUNNING and in_touch and not self.wedged
+        return ready, {
+            "agent_id": self.agent_id,
+            "ready": ready,
+            "status": self.status.value,
+            "state": None if self.state is None else self.state.value,
+            "in_touch": in_touch,
+            "wedged": self.wedged,
+            "inflight": self.inflight,
+        }
 
     async def heartbeat_now(self) -> None:
         """Send a heartbeat at once (e.g. after changing ``unavailable`` or ``pressure``)."""

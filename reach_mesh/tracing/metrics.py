@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -498,9 +498,13 @@ class _StepCounts(Collector):
 
 
 async def serve_metrics(
-    render: Callable[[], bytes], host: str = "127.0.0.1", port: int = 0
+    render: Callable[[], bytes],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    health: Callable[[], tuple[bool, dict[str, Any]]] | None = None,
 ) -> AsgiServer:
-    """Serve ``GET /metrics`` from ``render`` (e.g. ``AgentMetrics().render``) on ``host:port``.
+    """Serve ``GET /metrics`` from ``render`` (e.g. ``AgentMetrics().render``) on ``host:port``,
+    and with ``health`` ``GET /healthz``: its body as JSON, 200 when it says ready, else 503.
 
     For processes with nothing else to serve (an agent); the hub has ``/metrics`` on its own
     HTTP app. A Starlette app on uvicorn, on the caller's event loop. Returns the started
@@ -508,12 +512,21 @@ async def serve_metrics(
     """
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import Response
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
     async def metrics(request: Request) -> Response:
         return Response(render(), media_type=CONTENT_TYPE)
 
-    server = AsgiServer(Starlette(routes=[Route("/metrics", metrics, methods=["GET"])]))
+    routes = [Route("/metrics", metrics, methods=["GET"])]
+    if health is not None:
+        said = health
+
+        async def healthz(request: Request) -> Response:
+            ready, body = said()
+            return JSONResponse(body, 200 if ready else 503)
+
+        routes.append(Route("/healthz", healthz, methods=["GET"]))
+    server = AsgiServer(Starlette(routes=routes))
     await server.start(host, port)
     return server
