@@ -139,6 +139,13 @@ async def test_fleet_separates_running_from_queued_and_offers_actions_by_state(
     status, fleet = await mesh.get("fleet")
     assert status == 200, fleet
     assert fleet["blind"] is False  # (a blind hub: tests/test_liveness_blind.py)
+    status, health = await fetch(f"{mesh.base}/healthz")
+    assert status == 200 and json.loads(health) == {
+        "hub_id": mesh.hub.hub_id,
+        "nats_connected": True,
+        "agents": len(mesh.hub.registry),
+        "registry_blind": False,
+    }
     # This module's agents (the hub sees every namespace's: earlier test files may leave some).
     mine = [a for a in fleet["agents"] if a["agent_id"].startswith(f"{ns}.")]
     assert len(mine) == 2 and {a["state"] for a in mine} == {"ONLINE"}, mine

@@ -13,6 +13,7 @@ that the blind test cuts — its real disconnect path, noticed by its liveness p
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -157,6 +158,7 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
         await eventually(seer.registry.blind, timeout=5)  # its liveness pass notices
         assert _blind_gauge(seer) == 1  # what alert ReachHubBlind reads
         assert dashboard.fleet(seer)["blind"] is True  # the page's "JetStream unreachable"
+        assert json.loads(bytes((await HubHttp(seer).healthz()).body))["registry_blind"] is True
         await _deleted(mesh, agent_id)
         assert agent_id in seer.registry.agents  # the delete has not reached the seer yet
         await mesh.relay.start()

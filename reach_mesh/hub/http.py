@@ -135,6 +135,10 @@ class Health(BaseModel):
     hub_id: str
     nats_connected: bool
     agents: int
+    #: Cannot read or write the registry in JetStream lately (``reach_registry_blind``): said,
+    #: not a 503 — routing goes on, and a probe that restarted every hub on a JetStream
+    #: election would make it worse.
+    registry_blind: bool = False
 
 
 class ToolEntry(BaseModel):
@@ -468,7 +472,12 @@ class HubHttp:
 
     async def healthz(self) -> JSONResponse:
         ok = self.hub.nc.is_connected
-        health = Health(hub_id=self.hub.hub_id, nats_connected=ok, agents=len(self.hub.registry))
+        health = Health(
+            hub_id=self.hub.hub_id,
+            nats_connected=ok,
+            agents=len(self.hub.registry),
+            registry_blind=self.hub.registry.blind(),
+        )
         return JSONResponse(health.model_dump(mode="json"), 200 if ok else 503)
 
     async def list_agents(self, namespace: NamespaceQuery = None) -> AgentList:
