@@ -140,6 +140,10 @@ async def test_in_process_trace_parents_events_and_status(
         assert [e.name for e in handled.events] == [*ACK_EVENTS, "SUCCEEDED"]
     steps = [_parent_of(h, spans) for h in handles]
     assert [(s.attributes or {})["reach.step"] for s in steps] == [0, 1]
+    for step in steps:  # the hub's ACK machine of the attempt, as events of the step's span
+        moves = [(e.name, dict(e.attributes or {})) for e in step.events]
+        assert moves[0] == ("DELIVERED", {"reach.attempt": 1, "reach.from": "PENDING"}), moves
+        assert moves[-1][0] == "SUCCEEDED" and moves[-1][1]["reach.attempt"] == 1, moves
     for s in spans:  # no span of the trace points at a parent that was not recorded
         if s is not submit:
             _parent_of(s, spans)

@@ -109,6 +109,34 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+class _SpanEvents:
+    """An attempt's ACK transitions as events on its step's span.
+
+    Holds the span and the attempt number, never the :class:`StepTrack`: a closure over the
+    track, kept by the track and its machine, made every step a reference cycle (the track with
+    its machine, signal and queues) that only the cyclic collector freed: thousands of objects
+    per young collection of a loaded hub."""
+
+    __slots__ = ("_attempt", "_span")
+
+    def __init__(self, span: Span, attempt: int) -> None:
+        self._span = span
+        self._attempt = attempt
+
+    def __call__(self, old: TaskState, new: TaskState) -> None:
+        if self._span.is_recording():
+            self._span.add_event(
+                new.value, {"reach.attempt": self._attempt, "reach.from": old.value}
+            )
+
+
+def _machine(span: Span, attempt: int) -> AckMachine:
+    """A fresh ACK machine for ``attempt`` (made whenever the track's attempt changes to one
+    that is sent; the machine is only advanced by that attempt's events). A span that does not
+    record now never will (tracing off, or ended): no recorder then."""
+    return AckMachine(on_transition=_SpanEvents(span, attempt) if span.is_recording() else None)
+
+
 @dataclass(slots=True, eq=False)
 class StepTrack:
     """One step while it runs on this hub, fed by the status subscription."""
@@ -121,7 +149,8 @@ class StepTrack:
     attempt: int
     agent_id: str | None
     machine: AckMachine
-    on_transition: Callable[[TaskState, TaskState], None]
+    #: The step's span: each attempt's ACK machine records its transitions on it.
+    span: Span
     #: The attempts sent for this step -> their agents (any of them may still deliver): the
     #: newest ``ATTEMPTS_KEPT``, as the record's history keeps.
     sent: dict[int, str] = field(default_factory=dict)
@@ -248,10 +277,6 @@ class StatusTracker:
     def open(self, rec: TaskRecord, key: str, sp: Span) -> StepTrack:
         """Start tracking a step from its record (a fresh one, or one taken over)."""
 
-        def on_transition(old: TaskState, new: TaskState) -> None:
-            if sp.is_recording():
-                sp.add_event(new.value, {"reach.attempt": track.attempt, "reach.from": old.value})
-
         now = asyncio.get_running_loop().time()
         track = StepTrack(
             key=key,
@@ -260,8 +285,8 @@ class StatusTracker:
             workflow_id=rec.workflow_id,
             attempt=rec.attempt,
             agent_id=rec.agent_id,
-            machine=AckMachine(on_transition=on_transition),
-            on_transition=on_transition,
+            machine=_machine(sp, rec.attempt),
+            span=sp,
             sent={h.attempt: h.agent_id for h in rec.history if h.agent_id is not None},
             # Outcomes the record already accounts for are not acted on twice (a takeover
             # re-reads them from the status stream).
@@ -287,7 +312,7 @@ class StatusTracker:
         track.sent[attempt] = view.agent_id
         if len(track.sent) > ATTEMPTS_KEPT:
             del track.sent[min(track.sent)]
-        track.machine = AckMachine(on_transition=track.on_transition)
+        track.machine = _machine(track.span, attempt)
         track.dispatched_at = track.last_event = now
         track.started_at = None
         track.lost = False
@@ -301,7 +326,7 @@ class StatusTracker:
         track.revived = None
         track.attempt = attempt
         track.agent_id = agent_id
-        track.machine = AckMachine(on_transition=track.on_transition)
+        track.machine = _machine(track.span, attempt)
         track.machine.catch_up(TaskState.DELIVERED)
         track.dispatched_at = track.last_event = asyncio.get_running_loop().time()
         track.started_at = None
