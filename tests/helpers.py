@@ -253,6 +253,15 @@ async def mcp_session(
         yield session
 
 
+def handled(agent: Agent, capability: str, state: str) -> float:
+    """``reach_agent_handled_total{capability, state}`` as the agent's registry exports it
+    (0 when the series does not exist yet)."""
+    value = agent.metrics.registry.get_sample_value(
+        "reach_agent_handled_total", {"capability": capability, "state": state}
+    )
+    return value or 0.0
+
+
 def abandoned(agent: Agent, kind: str) -> float:
     """``reach_agent_handlers_abandoned_total{kind=...}`` as the agent's registry exports it."""
     value = agent.metrics.registry.get_sample_value(

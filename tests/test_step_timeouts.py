@@ -25,7 +25,7 @@ from reach_mesh.errors import AgentBusyError
 from reach_mesh.hub import Hub
 from reach_mesh.workflow import step_task_id
 
-from .helpers import Fleet, abandoned, eventually, status_events, task_record
+from .helpers import Fleet, abandoned, eventually, handled, status_events, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,6 +135,9 @@ async def test_an_agent_abandons_a_handler_that_ignores_its_timeout(
                 stuck.release.set()
                 await eventually(lambda: stubborn.inflight == 0)
                 assert stuck.returned == 1
+                # Counted as it was answered, TIMEOUT, not as what the handler returned late.
+                assert handled(stubborn, cap, "TIMEOUT") == 1
+                assert handled(stubborn, cap, "SUCCEEDED") == 0
                 await asyncio.sleep(0.3)
                 later = [
                     e

@@ -30,7 +30,16 @@ from reach_mesh.hub._pins import HUB_HEADER, decode_pins
 from reach_mesh.logs import HANDLER_ABANDONED
 from reach_mesh.workflow import StepResult, TaskStatusEvent
 
-from .helpers import Fleet, abandoned, echo_agent, eventually, fetch, free_port, task_record
+from .helpers import (
+    Fleet,
+    abandoned,
+    echo_agent,
+    eventually,
+    fetch,
+    free_port,
+    handled,
+    task_record,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -377,6 +386,10 @@ async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when
             res = await mesh.request(capability="pin:stuck:v1", task_id="order-12", timeout=5)
             assert res.state is TaskState.SUCCEEDED and res.cached
             assert res.result == agent.agent_id and runs == {agent.agent_id: 1}
+            # The attempt is counted as it was answered (TIMEOUT), once; its late return is
+            # not counted again, nor is the answer from the idempotency cache.
+            assert handled(agent, "pin:stuck:v1", "TIMEOUT") == 1
+            assert handled(agent, "pin:stuck:v1", "SUCCEEDED") == 0
     finally:
         release.set()
         await fleet.close()

@@ -185,6 +185,7 @@ class Agent(ServingMixin):
         self._durations = {}
         self._succeeded_total = {}
         self._counters = {}
+        self._abandoned = set()
         self._deadlines = _Deadlines(self.settings.handler_abandon_grace)
         self._tracebacks = LineBudget(_TRACEBACK_INTERVAL)
         self._malformed_lines = LineBudget(_TRACEBACK_INTERVAL)

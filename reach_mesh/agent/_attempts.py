@@ -32,6 +32,7 @@ from reach_mesh.agent._results import (
     _ERROR_MESSAGE_MAX,
     _SUCCEEDED,
     _SUCCEEDED_NULL,
+    _abandoned_error,
     _dump,
     _end_handle_span,
     _error_body,
@@ -80,6 +81,9 @@ class AttemptsMixin:
     _durations: dict[str, HistogramChild]
     _succeeded_total: dict[str, Counter]
     _counters: dict[tuple[str, TaskState], Counter]
+    #: (task id, attempt) of attempts counted when their handler was abandoned: its return,
+    #: should it come, is not counted again (``_counted_when_abandoned``).
+    _abandoned: set[tuple[str, int]]
     _succeeded: bytes
     _task_subject: str
 
@@ -116,9 +120,11 @@ class AttemptsMixin:
                 _end_handle_span(sp, out)
         except asyncio.CancelledError:
             # Shutdown or fencing: the attempt ends here without a result.
-            self._count_cancelled(cap, time.perf_counter() - t0)
+            if not self._counted_when_abandoned(env):
+                self._count_cancelled(cap, time.perf_counter() - t0)
             raise
-        self._count(cap, out, time.perf_counter() - t0)
+        if not self._counted_when_abandoned(env):
+            self._count(cap, out, time.perf_counter() - t0)
         if type(out) is bytes:
             return self._reply(env, TaskState.SUCCEEDED, result=json.loads(out))
         return typing.cast(TaskReply, out)
@@ -149,6 +155,18 @@ class AttemptsMixin:
         handled.inc()
         if reply.error is not None:
             self.metrics.failures_total.labels(capability, reply.error.code).inc()
+
+    def _counted_when_abandoned(self, env: TaskEnvelope) -> bool:
+        """Whether ``env``'s attempt was counted when its handler was abandoned (answered
+        TIMEOUT, or dropped for a cancel): then the outcome its handler returns at last, which
+        nobody is told, is not counted (once: the attempt is forgotten here)."""
+        if not self._abandoned:
+            return False  # (the common case: no tuple made)
+        key = (env.task_id, env.attempt)
+        if key not in self._abandoned:
+            return False
+        self._abandoned.discard(key)
+        return True
 
     def _count_cancelled(self, capability: str, elapsed: float) -> None:
         m = self.metrics
@@ -316,9 +334,17 @@ class AttemptsMixin:
         for ``handler_abandon_grace`` (answered TIMEOUT), or, ``cancelled``, a hub's cancel of
         its step (dropped). Either way it keeps its slot until it returns."""
         self.metrics.handlers_abandoned_total.labels(kind).inc()
+        # Counted as what it was answered (its duration: ``env.timeout`` and the grace, at
+        # least), not as what the handler may return at last.
+        elapsed = env.timeout + self.settings.handler_abandon_grace
+        cap = capability or "-"
+        self._abandoned.add((env.task_id, env.attempt))
         if cancelled:
+            self._count_cancelled(cap, elapsed)
             what = "did not stop when its step was cancelled: abandoned"
         else:
+            timed_out = self._reply(env, TaskState.TIMEOUT, error=_abandoned_error(env.timeout))
+            self._count(cap, timed_out, elapsed)
             what = (
                 f"ignored its {env.timeout:.3g}s timeout for "
                 f"{self.settings.handler_abandon_grace:.3g}s more: abandoned, answered TIMEOUT"

@@ -80,6 +80,8 @@ class _Held:
     #: Abandoned: its attempt is answered (or dropped, when fenced) and no longer held; what
     #: the handler returns, if it ever does, is dropped.
     abandoned: bool = False
+    #: The capability of the handler it runs (what its metrics are labelled by), once chosen.
+    capability: str | None = None
 
 
 class HeldSteps:
@@ -117,6 +119,7 @@ class HeldSteps:
         agent = self._agent
         env = held.env
         done = held.done
+        held.capability = handler.capability
         t_queued = time.perf_counter()
         t_start = t_queued
         agent._waiting += 1
@@ -346,7 +349,8 @@ class HeldSteps:
         _quiet(held)
         agent = self._agent
         trace_id = trace_id_from_headers(held.headers)
-        agent._told_abandoned(env, env.capability, trace_id, kind="step", cancelled=held.fenced)
+        capability = held.capability or env.capability
+        agent._told_abandoned(env, capability, trace_id, kind="step", cancelled=held.fenced)
         msgs = [held.msg, *held.extra]
         if held.fenced:
             self._forget(held)

@@ -300,12 +300,14 @@ class ServingMixin(AttemptsMixin):
                     finally:
                         otel_context.detach(token)
             except asyncio.CancelledError:
-                self._count_cancelled(handler.capability, time.perf_counter() - t_start)
+                if not self._counted_when_abandoned(env):
+                    self._count_cancelled(handler.capability, time.perf_counter() - t_start)
                 raise
             finally:
                 self._release_slot()
             t_end = time.perf_counter()
-            self._count(handler.capability, out, t_end - t_start)
+            if not self._counted_when_abandoned(env):
+                self._count(handler.capability, out, t_end - t_start)
         except asyncio.CancelledError:
             if queued:
                 self._waiting -= 1  # cancelled while it waited for a slot
