@@ -20,7 +20,7 @@ import textwrap
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import Final, Literal, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
@@ -92,9 +92,9 @@ async def diagnose(settings: MeshSettings) -> list[Finding]:
             kept = [n for n in STREAMS if settings.audit_enabled or n != protocol.STREAM_AUDIT]
             found += await _streams(nc, kept)
             found.append(await _workflow_queue(nc))
-        hubs = await _hubs(nc)
+        hubs, answering = await _hubs(nc)
         found.append(hubs)
-        if hubs.status == "fail":  # nobody to ask: a fleet query would wait out its deadline
+        if answering == 0:  # nobody to ask: a fleet query would wait out its deadline
             found.append(Finding("agents", "warn", "not checked: no hub answers"))
         else:
             found.append(await _agents(client))
@@ -221,13 +221,19 @@ async def _workflow_queue(nc: NATS) -> Finding:
     )
 
 
-async def _hubs(nc: NATS) -> Finding:
+async def _hubs(nc: NATS) -> tuple[Finding, int | None]:
+    """The hubs' finding, and how many answered micro discovery (None: not asked)."""
     from reach_mesh.hub._micro import discover_hubs
 
     try:
         hubs = await discover_hubs(nc)
     except NotPermittedError:
-        return Finding("hubs", "warn", "not checked: this identity may not use micro discovery")
+        why = "not checked: this identity may not use micro discovery"
+        return Finding("hubs", "warn", why), None
+    return _hubs_seen(hubs), len(hubs)
+
+
+def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
     if not hubs:
         return Finding(
             "hubs",

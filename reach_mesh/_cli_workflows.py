@@ -166,10 +166,11 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
     n = len(listed.workflows)
     more = f" (the newest {n} of {listed.matched}: --limit)" if listed.matched > n else ""
     whose = "every namespace" if listed.namespace is None else f"namespace {listed.namespace}"
-    print(
-        f"{listed.matched} workflow(s) of {whose} since {_when(listed.since)}, "
-        f"and unfinished ones{more}"
-    )
+    # Unfinished ones from before the window are listed too, unless only final states were
+    # asked for.
+    final_only = bool(args.state) and all(TaskState(s.upper()).final for s in args.state)
+    unfinished = "" if final_only else ", and unfinished ones"
+    print(f"{listed.matched} workflow(s) of {whose} since {_when(listed.since)}{unfinished}{more}")
     if listed.truncated:
         print(
             f"  partial: {listed.scanned:,} records read, back to "

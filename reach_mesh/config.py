@@ -169,9 +169,9 @@ class MeshSettings(BaseModel):
     # hub HTTP (metrics, REST, dashboard). 0 = pick a free port, None = off.
     http_host: str = "127.0.0.1"
     http_port: int | None = None
-    #: When set, ``/api/*`` and ``/mcp`` want ``Authorization: Bearer <token>`` (set it through
-    #: ``REACH_HTTP_TOKEN``, not a command line). ``/metrics``, ``/healthz``, ``/openapi.json``
-    #: and the dashboard page itself stay open.
+    #: When set, ``/api/*``, ``/mcp`` and ``/a2a/*`` want ``Authorization: Bearer <token>``
+    #: (set it through ``REACH_HTTP_TOKEN``, not a command line). ``/metrics``, ``/healthz``,
+    #: ``/openapi.json`` and the dashboard page itself stay open.
     http_token: str | None = Field(default=None, min_length=16, repr=False)
     #: ``Host`` names the hub's HTTP answers besides loopback names and ``http_host`` itself
     #: (DNS-rebinding defence); ``*`` accepts any. Comma separated in ``REACH_HTTP_ALLOWED_HOSTS``.

@@ -164,9 +164,11 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
         await mesh.relay.start()
         await eventually(lambda: seer.nc.is_connected, timeout=10)
         # Back, but still blind for a lease: `reach-mesh doctor` names it.
-        hubs = next(f for f in await diagnose(settings) if f.check == "hubs")
+        found = {f.check: f for f in await diagnose(settings)}
+        hubs = found["hubs"]
         assert hubs.status == "fail" and f"{seer.hub_id} cannot read" in hubs.detail, hubs
         assert f"{mesh.judge.hub_id} cannot" not in hubs.detail
+        assert "not checked" not in found["agents"].detail  # hubs answer: they are asked
         await eventually(lambda: agent_id not in seer.registry.agents, timeout=10)
         _dropped_overdue(mesh)
         assert seer.registry.recently_lost(settings.namespace) == []

@@ -288,6 +288,7 @@ async def test_the_cli_lists_the_failed_ones(
     assert lines[1].split()[:3] == [gone.workflow_id, "fanout", gone.state.value], lines
     assert "0/1 ok" in lines[1] and ok.workflow_id not in table.stdout
     assert f"1 workflow(s) of namespace {ns}" in lines[-1]
+    assert "unfinished" not in lines[-1]  # final states only: no unfinished one is listed
     assert as_json.returncode == 0, as_json.stderr
     assert _ids(WorkflowList.model_validate_json(as_json.stdout)) == [gone.workflow_id]
     # A bad state: usage error, exit code 2, the code on stderr.
