@@ -307,7 +307,7 @@ async def _read(
     """``read()`` (a JetStream API request on ``subject``), or the finding of ``check`` that
     says why it gave nothing: refused to this identity, not found, or no answer."""
     try:
-        return await refused_first(nc, subject, read())
+        return await refused_first(nc, subject, read(), expected=True)
     except NotPermittedError:
         return Finding(check, "warn", f"not checked: this identity may not ask {subject}")
     except NotFoundError:

@@ -170,6 +170,9 @@ class Refusals:
     def __init__(self) -> None:
         self._kept: OrderedDict[str, float] = OrderedDict()
         self._waiting: dict[str, list[asyncio.Future[None]]] = {}
+        #: Subjects whose refusal someone waits for as an answer, not a fault (a check of
+        #: what this identity may do: ``refused_first(expected=True)``): not logged.
+        self._expected: dict[str, int] = {}
         #: Called with each refused subject (lower-cased, as the server names it).
         self.listeners: list[Callable[[str], None]] = []
 
@@ -194,19 +197,34 @@ class Refusals:
                 return subject
         return None
 
-    def wait(self, subject: str) -> asyncio.Future[None]:
-        """A future done when ``subject`` is refused (pass it to :meth:`forget` after)."""
+    def wait(self, subject: str, *, expected: bool = False) -> asyncio.Future[None]:
+        """A future done when ``subject`` is refused (pass it to :meth:`forget` after);
+        ``expected``: its refusal is an answer, not logged meanwhile."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(subject.lower(), []).append(fut)
+        key = subject.lower()
+        self._waiting.setdefault(key, []).append(fut)
+        if expected:
+            self._expected[key] = self._expected.get(key, 0) + 1
         return fut
 
-    def forget(self, subject: str, fut: asyncio.Future[None]) -> None:
+    def expects(self, subject: str | None) -> bool:
+        """Whether a refusal of ``subject`` (as the server names it) is waited for as an
+        answer."""
+        return subject is not None and subject in self._expected
+
+    def forget(self, subject: str, fut: asyncio.Future[None], *, expected: bool = False) -> None:
         key = subject.lower()
         waiting = self._waiting.get(key)
         if waiting is not None and fut in waiting:
             waiting.remove(fut)
             if not waiting:
                 del self._waiting[key]
+        if expected:
+            left = self._expected.get(key, 0) - 1
+            if left > 0:
+                self._expected[key] = left
+            else:
+                self._expected.pop(key, None)
 
 
 def refused_subject(text: str) -> str | None:
@@ -244,14 +262,15 @@ def not_permitted(subject: str) -> NotPermittedError:
     )
 
 
-async def refused_first(nc: NATS, subject: str, aw: Awaitable[T]) -> T:
+async def refused_first(nc: NATS, subject: str, aw: Awaitable[T], *, expected: bool = False) -> T:
     """Await ``aw`` (a request published on ``subject``), or raise :class:`NotPermittedError`
     as soon as the server refuses this connection ``subject`` — instead of the request's
-    timeout, long after. Not for hot paths: a future and a task per call."""
+    timeout, long after. ``expected``: the refusal is an answer (a check of what this
+    identity may do), not a fault to log. Not for hot paths: a future and a task per call."""
     refusals = refusals_of(nc)
     if refusals is None:
         return await aw
-    refused = refusals.wait(subject)
+    refused = refusals.wait(subject, expected=expected)
     task = asyncio.ensure_future(aw)
     either: set[asyncio.Future[Any]] = {task, refused}
     try:
@@ -260,7 +279,7 @@ async def refused_first(nc: NATS, subject: str, aw: Awaitable[T]) -> T:
         task.cancel()
         raise
     finally:
-        refusals.forget(subject, refused)
+        refusals.forget(subject, refused, expected=expected)
     if task.done():
         return task.result()
     task.cancel()
@@ -453,9 +472,11 @@ class _Watch:
         if refused:
             # The server refusing this identity a subject (secure mode, docs/security.md).
             subject = refused_subject(str(err))
-            self._refused_lines.warn(log, subject, "NATS refused %s: %s", self.name, err)
-            if subject is not None and isinstance(self.nc, _Connection):
-                self.nc.refusals.note(subject)
+            refusals = self.nc.refusals if isinstance(self.nc, _Connection) else None
+            if refusals is None or not refusals.expects(subject):
+                self._refused_lines.warn(log, subject, "NATS refused %s: %s", self.name, err)
+            if subject is not None and refusals is not None:
+                refusals.note(subject)
         if not self.connected and (
             isinstance(err, nats.errors.AuthorizationError)
             # The handshake raises a plain nats Error with the server's -ERR text.
