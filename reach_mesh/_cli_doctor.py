@@ -226,7 +226,7 @@ async def _hubs(nc: NATS) -> tuple[Finding, int | None]:
     from reach_mesh.hub._micro import discover_hubs
 
     try:
-        hubs = await discover_hubs(nc)
+        hubs = await discover_hubs(nc, expected=True)
     except NotPermittedError:
         why = "not checked: this identity may not use micro discovery"
         return Finding("hubs", "warn", why), None

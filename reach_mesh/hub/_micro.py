@@ -103,9 +103,12 @@ async def start_micro(hub: Hub) -> Service:
     return service
 
 
-async def discover_hubs(nc: Any, wait: float = 0.5) -> list[dict[str, Any]]:
+async def discover_hubs(
+    nc: Any, wait: float = 0.5, *, expected: bool = False
+) -> list[dict[str, Any]]:
     """Every hub's ``$SRV.INFO`` answer within ``wait`` seconds, each with ``"fleet"``: the
     answer of its ``agents`` endpoint (``{"hub_id", "agents"}``, or ``None`` if it did not).
+    ``expected``: a refusal is an answer, not logged (``refused_first``).
 
     An identity NATS may not let ask (a caller's, in secure mode: discovery is an operator
     read) gets :class:`~reach_mesh.errors.NotPermittedError` as soon as the server refuses the
@@ -131,7 +134,7 @@ async def discover_hubs(nc: Any, wait: float = 0.5) -> list[dict[str, Any]]:
 
     asked_at = time.monotonic()
     try:
-        await refused_first(nc, subject, collect())
+        await refused_first(nc, subject, collect(), expected=expected)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
