@@ -58,7 +58,9 @@ class _Mesh:
 @asynccontextmanager
 async def _mesh(settings: MeshSettings, nats_url: str, agent_id: str) -> AsyncIterator[_Mesh]:
     """Both hubs up, and ``agent_id`` registered, known to the seer, and never beating."""
-    relay, patient = await relayed(nats_url, settings, suspect_timeout=600.0)
+    # The seer's own lease_timeout is only how long it says it is blind (``blind()``): long
+    # enough to be asked after its reconnection.
+    relay, patient = await relayed(nats_url, settings, suspect_timeout=600.0, lease_timeout=30.0)
     try:
         async with Hub(settings=settings) as judge, Hub(settings=patient) as seer:
             nc = await nats.connect(nats_url)
