@@ -35,6 +35,7 @@ from reach_mesh import (
     UnknownWorkflowError,
 )
 from reach_mesh._auth import AuthDir, inbox_prefix
+from reach_mesh._nats import refused_messages
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
@@ -112,7 +113,9 @@ class JsAgents:
     started: list[JsAgent] = field(default_factory=list)
     _n: Iterator[int] = field(default_factory=lambda: iter(range(1, 1000)))
 
-    async def start(self, agent_id: str, *, caps: str | None = None) -> JsAgent:
+    async def start(
+        self, agent_id: str, *, caps: str | None = None, nulls: bool = False
+    ) -> JsAgent:
         env = clean_env(
             REACH_NATS_URL=self.nats_url,
             REACH_AGENT_ID=agent_id,
@@ -121,6 +124,8 @@ class JsAgents:
         )
         if caps:
             env["REACH_AGENT_CAPS"] = caps
+        if nulls:
+            env["REACH_AGENT_NULLS"] = "1"
         log = self.logs / f"{agent_id}.{next(self._n)}.log"
         with log.open("wb") as err:
             assert NODE is not None
@@ -373,6 +378,25 @@ async def test_js_agent_registers_serves_and_unregisters(
     async with Client(settings=wf_settings) as mesh:
         a1 = await js_agent_serves(mesh, js_agents, namespace)
         await unregisters_on_sigterm(mesh, a1)
+
+
+async def test_js_agent_writing_nulls_keeps_its_results(
+    wf_hub: Hub, wf_settings: MeshSettings, js_agents: JsAgents, namespace: str
+) -> None:
+    """A JS agent whose encoder writes ``null`` into ``duration_ms``, ``queued_ms`` and
+    ``cached`` of its replies and status events (fields that are not nullable): its route
+    replies and its steps' final statuses are its results all the same — nothing refused."""
+    agent_id = f"{namespace}.jsnulls.n1"
+    async with Client(settings=wf_settings) as mesh:
+        await js_agents.start(agent_id, nulls=True)
+        await online(mesh, agent_id)
+        before = refused_messages(wf_hub.nc)
+        r = await mesh.request(agent_id=agent_id, capability="text:upper:v1", payload={"text": "n"})
+        assert (r.state.value, r.result["text"]) == ("SUCCEEDED", "N")
+        fan = await mesh.fanout([Step(capability="wf:double:v1", payload={"n": 2})], timeout=20)
+        assert fan.state.value == "SUCCEEDED", fan.error
+        assert fan.result[0]["n"] == 4 and fan.steps[0].agent_id == agent_id
+        assert refused_messages(wf_hub.nc) == before
 
 
 async def test_js_caller_routes_retries_and_runs_workflows(

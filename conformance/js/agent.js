@@ -50,7 +50,17 @@ const NONCE_KEY = crypto.randomBytes(32);
 const te = new TextEncoder();
 const td = new TextDecoder();
 
-const enc = (o) => te.encode(JSON.stringify(o));
+// REACH_AGENT_NULLS=1: an encoder that writes null for the numbers and flags it has no value
+// for, as a careless client might; readers take such a null as the field left out.
+const NULLS = process.env.REACH_AGENT_NULLS === '1';
+const NULLED = ['duration_ms', 'queued_ms', 'cached'];
+function nulled(o) {
+  if (!o || typeof o !== 'object' || Array.isArray(o)) return o;
+  const c = { ...o };
+  for (const k of NULLED) if (k in c) c[k] = null;
+  return c;
+}
+const enc = (o) => te.encode(JSON.stringify(NULLS ? nulled(o) : o));
 function dec(data) { try { return JSON.parse(td.decode(data)); } catch (e) { return undefined; } }
 const now = () => performance.now();
 
