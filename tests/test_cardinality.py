@@ -15,6 +15,7 @@ import pytest
 from reach_mesh import Client, MeshSettings, UnknownNamespaceError, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
+from reach_mesh.hub import _hub as hub_module
 
 from .helpers import eventually, fetch
 
@@ -141,3 +142,63 @@ async def test_what_a_hub_remembers_per_task_shares_one_copy_of_its_namespace(
     pinned = [key[0] for key in hub._pins._own._new if key[0] == settings.namespace]
     assert len(pinned) == 3
     assert all(ns is pinned[0] for ns in pinned)
+
+
+async def test_a_namespace_gone_from_the_hub_loses_its_series(
+    settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A namespace's series (``reach_task_total``, ``reach_lease_expired_total``…) stay while
+    it has an agent here, and ``NAMESPACE_SERIES_KEPT`` after its last one left, then go —
+    not kept for the hub's life. A configured namespace keeps them; one that comes back
+    counts from 0 again (its cached counter child is not a ghost)."""
+    monkeypatch.setattr(hub_module, "NAMESPACE_SERIES_KEPT", 0.5)
+    configured = f"{namespace}c"
+    s = settings.model_copy(update={"http_port": 0, "namespaces": [configured]})
+    tenant = settings.model_copy(update={"namespace": f"{namespace}g"})
+    gone = f'namespace="{tenant.namespace}"'.encode()
+    kept = f'namespace="{configured}"'.encode()
+
+    def echo_agent(name: str) -> Agent:
+        agent = Agent(f"{tenant.namespace}.{name}", settings=tenant)
+
+        @agent.handler("work:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        return agent
+
+    async with Hub(settings=s) as hub:
+        assert hub.http_url is not None
+        metrics = f"{hub.http_url}/metrics"
+        async with echo_agent("w.a1"), Client(settings=tenant) as c:
+            assert (await c.request(capability="work:echo:v1", payload=1)).ok
+            _, text = await fetch(metrics)
+            assert _series(text, "reach_task_total", gone)
+            assert _series(text, "reach_lease_expired_total", gone)
+        assert not hub.registry.has_namespace(tenant.namespace)
+        _, text = await fetch(metrics)  # gone for less than the time kept: still there
+        assert gone in text and kept in text
+
+        async def forgotten() -> bool:
+            _, text = await fetch(metrics)
+            return gone not in text
+
+        await eventually(forgotten, timeout=5, interval=0.2)
+        _, text = await fetch(metrics)
+        assert kept in text  # configured: its series stay (all zeros, for the alerts)
+        # Back: counted from 0 on a new series.
+        async with echo_agent("w.a2"), Client(settings=tenant) as c:
+            assert (await c.request(capability="work:echo:v1", payload=2)).ok
+            _, text = await fetch(metrics)
+        assert _series(text, "reach_task_total", gone) == [
+            f'reach_task_total{{mode="proxy",{gone.decode()},state="SUCCEEDED"}} 1.0'
+        ]
+
+
+def _series(text: bytes, name: str, label: bytes) -> list[str]:
+    """The lines of ``/metrics`` ``text`` of metric ``name`` with ``label``."""
+    return [
+        line
+        for line in text.decode().splitlines()
+        if line.startswith(name + "{") and label.decode() in line
+    ]

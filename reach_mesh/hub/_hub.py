@@ -54,7 +54,12 @@ from reach_mesh.hub.throttle import Throttle
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.logs import LineBudget
 from reach_mesh.tracing import tracing_from_env
-from reach_mesh.tracing.metrics import HubMetrics, refused_counter, watch_event_loop
+from reach_mesh.tracing.metrics import (
+    UNKNOWN_NAMESPACE,
+    HubMetrics,
+    refused_counter,
+    watch_event_loop,
+)
 
 __all__ = ["Hub", "HubState"]
 
@@ -63,6 +68,10 @@ log = logging.getLogger("reach_mesh.hub")
 #: ``service.name`` of a hub's spans unless ``OTEL_SERVICE_NAME`` says otherwise (the CLI's
 #: ``reach-mesh hub`` uses the same).
 HUB_SERVICE_NAME: Final = "reach-mesh-hub"
+#: Seconds a namespace's metric series outlive its last agent on a hub (when it is not
+#: configured): longer than any alert rule's window (15 min), so the last increments are
+#: scraped and read.
+NAMESPACE_SERIES_KEPT: Final = 1800.0
 
 
 class HubState(enum.Enum):
@@ -151,6 +160,9 @@ class Hub(RoutingMixin, ControlMixin):
         self._accepted_seconds = self.metrics.delivered_to_accepted_seconds
         # Namespaces already validated (bounded: cleared when it grows past any real fleet).
         self._namespaces: dict[str, str] = {}
+        #: Namespaces with metric series but no agent here (and not configured): since when
+        #: (monotonic), until their series are forgotten (``forget_gone_namespaces``).
+        self._series_orphaned: dict[str, float] = {}
         # Namespaces that exist without an agent: metrics and audit are kept only for these and
         # the registry's (bounded cardinality: what exists, not what callers type).
         self._configured = frozenset((s.namespace, *s.namespaces))
@@ -413,6 +425,30 @@ class Hub(RoutingMixin, ControlMixin):
                 self._namespaces.clear()
             self._namespaces[ns] = ns
         return ns
+
+    def forget_gone_namespaces(self) -> list[str]:
+        """Forget the metric series of namespaces with no agent on this hub (and not
+        configured) for ``NAMESPACE_SERIES_KEPT``: else every namespace that ever had an agent
+        here keeps its series for the hub's life. Called at each scrape (``/metrics``);
+        returns the namespaces forgotten. A namespace that comes back starts from 0, which
+        ``rate()`` and ``increase()`` read as a counter reset."""
+        now = asyncio.get_running_loop().time()
+        orphaned = self._series_orphaned
+        present = self.metrics.namespaces()
+        for ns in list(orphaned):
+            if ns not in present:
+                del orphaned[ns]
+        forgotten = []
+        for ns in present:
+            if ns == UNKNOWN_NAMESPACE or self.known_namespace(ns):
+                orphaned.pop(ns, None)
+            elif now - orphaned.setdefault(ns, now) >= NAMESPACE_SERIES_KEPT:
+                del orphaned[ns]
+                self.metrics.forget_namespace(ns)
+                for key in [k for k in self._task_counters if k[0] == ns]:
+                    del self._task_counters[key]  # (a child no longer exported)
+                forgotten.append(ns)
+        return forgotten
 
     @property
     def configured_namespaces(self) -> frozenset[str]:

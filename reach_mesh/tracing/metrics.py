@@ -12,6 +12,7 @@ Every metric is documented in ``docs/operations.md``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
@@ -384,6 +385,41 @@ class HubMetrics:
         self.event_loop_lag_seconds = LoopHistogram(
             "reach_event_loop_lag_seconds", _LAG_HELP, buckets=LAG_BUCKETS, registry=r
         )
+
+    def _namespaced(self) -> tuple[tuple[Any, tuple[str, ...]], ...]:
+        """The series labelled by namespace (besides ``reach_agents``, rewritten at every
+        scrape), with their label names in order."""
+        return (
+            (self.task_total, ("namespace", "mode", "state")),
+            (self.throttled_total, ("namespace",)),
+            (self.lease_expired_total, ("namespace",)),
+            (self.workflow_total, ("namespace", "kind", "state")),
+            (self.workflow_cancelled_total, ("namespace",)),
+        )
+
+    def namespaces(self) -> set[str]:
+        """Every namespace some series is labelled with."""
+        return {
+            sample.labels["namespace"]
+            for metric, _ in self._namespaced()
+            for family in metric.collect()
+            for sample in family.samples
+            if "namespace" in sample.labels
+        }
+
+    def forget_namespace(self, namespace: str) -> None:
+        """Remove every series labelled ``namespace`` (a namespace long gone from the hub:
+        the series of every namespace that ever had an agent would otherwise stay)."""
+        for metric, names in self._namespaced():
+            gone = {
+                tuple(sample.labels[n] for n in names)
+                for family in metric.collect()
+                for sample in family.samples
+                if sample.labels.get("namespace") == namespace
+            }
+            for values in gone:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*values)
 
     def render(self) -> bytes:
         """The registry in Prometheus text format (``CONTENT_TYPE``)."""
