@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from reach_mesh._cli_doctor import diagnose
 from reach_mesh.agent import Agent, Task
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
@@ -237,5 +238,16 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
                 f"      {info.agent_id:<22} {info.state.value:<8} load {info.load:.2f} "
                 f"lease {info.lease_left:4.1f}s  {', '.join(info.capabilities)}"
             )
+        # The whole mesh's health, as an operator checks it (`reach-mesh doctor`).
+        found = await diagnose(settings)
+        failed = [f"{f.check}: {f.detail}" for f in found if f.status == "fail"]
+        warned = sum(f.status == "warn" for f in found)
+        if failed:
+            failures += 1
+        out(
+            f"[{'ERR' if failed else 'ok '}] doctor: {len(found) - len(failed) - warned} ok, "
+            f"{warned} warning(s), {len(failed)} failed{': ' + '; '.join(failed) if failed else ''}"
+            " (reach-mesh doctor)"
+        )
     out("demo finished: " + ("all tasks succeeded" if failures == 0 else f"{failures} failed"))
     return failures

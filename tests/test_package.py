@@ -76,6 +76,7 @@ async def test_demo_runs_to_completion(nats_url: str) -> None:
     assert "[ok ] cancelled: chain " in text
     assert "FAILED REACH_WORKFLOW_CANCELLED (step 0 SUCCEEDED, step 1 cancelled)" in text
     assert "[ok ] listed: " in text and "1 FAILED" in text  # the cancelled chain
+    assert "[ok ] doctor: " in text and " 0 failed (reach-mesh doctor)" in text
     assert lines[-1] == "demo finished: all tasks succeeded"
 
 
