@@ -109,8 +109,16 @@ def _server(nc: NATS, url: str | None) -> Finding:
 
 
 def _security(settings: MeshSettings, url: str | None) -> Finding:
-    if has_identity(settings):
+    if settings.nats_nkey_seed or settings.nats_creds or settings.nats_tls_cert:
         return Finding("security", "ok", "secure mode: this connection has its own identity")
+    if has_identity(settings):  # a token, or a user and password in the URL
+        return Finding(
+            "security",
+            "warn",
+            "a shared secret (token or password) lets this connection in, but tells no "
+            "identity apart: whoever holds it may act as any agent or operator (secure mode: "
+            "reach-mesh auth init, docs/security.md)",
+        )
     if all(_loopback(h) for h in hosts(url)):
         return Finding("security", "ok", "open dev mode, on this machine only")
     return Finding(

@@ -130,13 +130,15 @@ async def test_a_server_without_jetstream_fails(no_jetstream: str) -> None:
         ("nats://[::1]:4222", None, "ok"),
         ("nats://127.0.0.1:4222,nats://10.0.0.5:4222", None, "warn"),
         ("nats.internal:4222", None, "warn"),
-        ("nats://10.0.0.5:4222", "s3cret", "ok"),
+        ("nats://10.0.0.5:4222", "s3cret", "warn"),
+        ("nats://u:p@10.0.0.5:4222", None, "warn"),
     ],
 )
 def test_open_mode_on_a_network_address_is_a_warning(
     url: str, token: str | None, status: str
 ) -> None:
-    """Open mode is fine on loopback only; any identity (here a token) is secure mode."""
+    """Open mode is fine on loopback only; a shared secret (a token, a password) lets a
+    connection in but tells no identity apart (secure mode: ``test_security_nats.py``)."""
     found = _security(MeshSettings(nats_url=url, nats_token=token), url)
     assert found.status == status, found
     if status == "warn":
