@@ -32,7 +32,6 @@ from reach_mesh.agent._results import (
     _ERROR_MESSAGE_MAX,
     _SUCCEEDED,
     _SUCCEEDED_NULL,
-    _abandoned_error,
     _dump,
     _end_handle_span,
     _error_body,
@@ -169,10 +168,17 @@ class AttemptsMixin:
         return True
 
     def _count_cancelled(self, capability: str, elapsed: float) -> None:
+        self._count_unanswered(capability, elapsed, TaskState.FAILED, "REACH_CANCELLED")
+
+    def _count_unanswered(
+        self, capability: str, elapsed: float, state: TaskState, code: str
+    ) -> None:
+        """Count an attempt that ended without its handler's answer: cancelled, or abandoned
+        (answered ``TIMEOUT`` for it)."""
         m = self.metrics
         m.handler_duration_seconds.labels(capability).observe(elapsed)
-        m.handled_total.labels(capability, TaskState.FAILED.value).inc()
-        m.failures_total.labels(capability, "REACH_CANCELLED").inc()
+        m.handled_total.labels(capability, state.value).inc()
+        m.failures_total.labels(capability, code).inc()
 
     def _handle_span(
         self, env: TaskEnvelope, handler: _Handler, headers: dict[str, str]
@@ -343,8 +349,7 @@ class AttemptsMixin:
             self._count_cancelled(cap, elapsed)
             what = "did not stop when its step was cancelled: abandoned"
         else:
-            timed_out = self._reply(env, TaskState.TIMEOUT, error=_abandoned_error(env.timeout))
-            self._count(cap, timed_out, elapsed)
+            self._count_unanswered(cap, elapsed, TaskState.TIMEOUT, MeshTimeoutError.code)
             what = (
                 f"ignored its {env.timeout:.3g}s timeout for "
                 f"{self.settings.handler_abandon_grace:.3g}s more: abandoned, answered TIMEOUT"
