@@ -575,29 +575,37 @@ def validate_json(validate: Callable[[bytes], T], data: bytes) -> T:
     field that is not nullable as the field's absence — its default where it has one — as
     protobuf's JSON mapping does: ``"duration_ms": null`` from an agent in another language is
     the agent's result all the same, not a message to drop. A required field's ``null`` is
-    still refused, with the error of ``data`` as it came. Costs nothing on a valid message:
-    the second try is made only on a refusal."""
-    return _retried(validate, data, _nulls_left_out)
+    still refused, with the error of ``data`` as it came. A valid message costs one call more
+    (status events and replies are hot paths): the second try is made only on a refusal."""
+    try:
+        return validate(data)
+    except ValidationError as err:
+        return _again(validate, data, err, _nulls_left_out)
 
 
 def validate_object(validate: Callable[[dict[str, Any]], T], body: dict[str, Any]) -> T:
     """:func:`validate_json` for a message already parsed (``validate``: a ``model_validate``)."""
-    return _retried(validate, body, _nulls_removed)
-
-
-def _retried(
-    validate: Callable[[D], T], data: D, fix: Callable[[D, ValidationError], D | None]
-) -> T:
     try:
-        return validate(data)
+        return validate(body)
     except ValidationError as err:
-        fixed = fix(data, err)
-        if fixed is None:
-            raise
-        try:
-            return validate(fixed)
-        except ValidationError:
-            raise err from None
+        return _again(validate, body, err, _nulls_removed)
+
+
+def _again(
+    validate: Callable[[D], T],
+    data: D,
+    err: ValidationError,
+    fix: Callable[[D, ValidationError], D | None],
+) -> T:
+    """``validate`` once more, on ``data`` without the nulls ``err`` refused; ``err`` itself
+    when there is nothing to fix, or the fixed message fails too."""
+    fixed = fix(data, err)
+    if fixed is None:
+        raise err
+    try:
+        return validate(fixed)
+    except ValidationError:
+        raise err from None
 
 
 def _nulls_left_out(data: bytes, err: ValidationError) -> bytes | None:
@@ -608,7 +616,7 @@ def _nulls_left_out(data: bytes, err: ValidationError) -> bytes | None:
     except (ValueError, RecursionError):
         return None
     fixed = _nulls_removed(body, err) if isinstance(body, dict) else None
-    return None if fixed is None else json.dumps(fixed, separators=(",", ":")).encode()
+    return None if fixed is None else dumps(fixed)
 
 
 def _nulls_removed(body: dict[str, Any], err: ValidationError) -> dict[str, Any] | None:
