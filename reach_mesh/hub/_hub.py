@@ -426,19 +426,18 @@ class Hub(RoutingMixin, ControlMixin):
             self._namespaces[ns] = ns
         return ns
 
-    def forget_gone_namespaces(self) -> list[str]:
+    def forget_gone_namespaces(self) -> None:
         """Forget the metric series of namespaces with no agent on this hub (and not
         configured) for ``NAMESPACE_SERIES_KEPT``: else every namespace that ever had an agent
-        here keeps its series for the hub's life. Called at each scrape (``/metrics``);
-        returns the namespaces forgotten. A namespace that comes back starts from 0, which
-        ``rate()`` and ``increase()`` read as a counter reset."""
+        here keeps its series for the hub's life. Called at each scrape (``/metrics``). A
+        namespace that comes back starts from 0, which ``rate()`` and ``increase()`` read as a
+        counter reset."""
         now = asyncio.get_running_loop().time()
         orphaned = self._series_orphaned
         present = self.metrics.namespaces()
         for ns in list(orphaned):
             if ns not in present:
                 del orphaned[ns]
-        forgotten = []
         for ns in present:
             if ns == UNKNOWN_NAMESPACE or self.known_namespace(ns):
                 orphaned.pop(ns, None)
@@ -447,8 +446,6 @@ class Hub(RoutingMixin, ControlMixin):
                 self.metrics.forget_namespace(ns)
                 for key in [k for k in self._task_counters if k[0] == ns]:
                     del self._task_counters[key]  # (a child no longer exported)
-                forgotten.append(ns)
-        return forgotten
 
     @property
     def configured_namespaces(self) -> frozenset[str]:
