@@ -18,7 +18,7 @@ import json
 import shutil
 import textwrap
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal, TypeVar
 
@@ -174,10 +174,9 @@ async def _streams(nc: NATS, names: list[str]) -> list[Finding]:
         + (f" (R{'/R'.join(map(str, replicas))})" if replicas else "")
         + f", {_size(stored)} stored"
     )
-    worst: Status = "fail" if any(f.status == "fail" for f in bad) else "warn" if bad else "ok"
     if bad:
         detail += ": " + ", ".join(f.check for f in bad) + " below"
-    return [Finding("streams", worst, detail), *bad]
+    return [Finding("streams", _worst(f.status for f in bad), detail), *bad]
 
 
 def _stream(info: StreamInfo) -> Finding:
@@ -187,11 +186,11 @@ def _stream(info: StreamInfo) -> Finding:
     detail = f"R{replicas}, {state.messages:,} messages, {_size(state.bytes)}"
     problems: list[tuple[Status, str]] = []
     clustered = cluster is not None and cluster.name is not None
-    if cluster is not None and not cluster.leader:
+    leader = None if cluster is None else cluster.leader
+    if cluster is not None and not leader:
         problems.append(("fail", "no leader: an election is under way, or its quorum is lost"))
     elif clustered:
-        assert cluster is not None
-        detail += f", leader {cluster.leader}"
+        detail += f", leader {leader}"
     for peer in (cluster.replicas or []) if cluster is not None else []:
         if peer.offline:
             problems.append(("warn", f"replica {peer.name} offline"))
@@ -205,8 +204,14 @@ def _stream(info: StreamInfo) -> Finding:
         problems.append(("warn", f"nearly full ({_size(cfg.max_bytes)} at most)"))
     if not problems:
         return Finding(name, "ok", detail)
-    status: Status = "fail" if any(s == "fail" for s, _ in problems) else "warn"
+    status = _worst(s for s, _ in problems)
     return Finding(name, status, f"{detail}: " + "; ".join(p for _, p in problems))
+
+
+def _worst(statuses: Iterable[Status]) -> Status:
+    """``fail`` if one is, else ``warn`` if one is, else ``ok``."""
+    seen = set(statuses)
+    return "fail" if "fail" in seen else "warn" if "warn" in seen else "ok"
 
 
 async def _workflow_queue(nc: NATS) -> Finding:
