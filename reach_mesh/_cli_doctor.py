@@ -259,17 +259,23 @@ def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
     )
     versions = {str(h.get("version", "?")) for h in hubs}
     detail = f"{len(hubs)} answering: {', '.join(named)}"
-    blind = sorted(
-        str((h.get("metadata") or {}).get("hub_id", "?"))
+    blind = {
+        str((h.get("metadata") or {}).get("hub_id", "?")): (h.get("fleet") or {}).get(
+            "blind_reason"
+        )
         for h in hubs
         if (h.get("fleet") or {}).get("blind")
-    )
+    }
     if blind:
+        why = "; ".join(f"{hub}: {reason}" for hub, reason in sorted(blind.items()) if reason)
+        full = any("storage is full" in str(reason) for reason in blind.values())
+        runbook = "JetStream storage is full" if full else "A hub cannot reach JetStream"
         return Finding(
             "hubs",
             "fail",
-            f"{detail}: {', '.join(blind)} cannot read or write the registry in JetStream, or "
-            "reach NATS (reach_registry_blind; docs/operations.md, A hub cannot reach JetStream)",
+            f"{detail}: {', '.join(sorted(blind))} cannot read or write the registry in "
+            f"JetStream, or reach NATS{f'; last failure of {why}' if why else ''} "
+            f"(reach_registry_blind; docs/operations.md, {runbook})",
         )
     if len(versions) > 1:
         return Finding("hubs", "warn", f"{detail}: versions differ (a rolling upgrade?)")

@@ -26,7 +26,7 @@ from reach_mesh import protocol
 from reach_mesh._client_fields import _consumer_name, _end_span, _reply_slack
 from reach_mesh._guard import refuse
 from reach_mesh._jspub import JsClient
-from reach_mesh._retry import RetriesExhausted, retrying
+from reach_mesh._retry import RetriesExhausted, describe, retrying, storage_full
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     MeshTimeoutError,
@@ -367,7 +367,7 @@ class WorkflowsMixin:
                     config=ConsumerConfig(name=_consumer_name()),
                 )
             except (nats.errors.Error, TimeoutError) as err:
-                raise MeshUnavailableError(f"cannot read workflow events: {err!r}") from err
+                raise MeshUnavailableError(f"cannot read workflow events: {describe(err)}") from err
             got = asyncio.ensure_future(sub.next_msg(timeout=None))
             seen = 0
             while not result_wait.done():
@@ -533,6 +533,16 @@ class WorkflowsMixin:
                         "no workflow stream: is a hub (`reach-mesh hub`) running?"
                     ) from None
                 raise
+            except nats.js.errors.APIError as err:
+                if storage_full(err):
+                    # No room comes back within a retry budget: an operator makes it.
+                    raise MeshUnavailableError(
+                        f"JetStream did not take workflow {spec.workflow_id}: {describe(err)}. "
+                        "Make room (docs/operations.md, JetStream storage is full); submitting "
+                        "the same workflow id again is safe",
+                        workflow_id=spec.workflow_id,
+                    ) from err
+                raise
 
         budget = _SUBMIT_RETRY if spec.timeout is None else min(_SUBMIT_RETRY, spec.timeout)
         try:
@@ -542,8 +552,8 @@ class WorkflowsMixin:
         except RetriesExhausted as err:
             raise MeshUnavailableError(
                 f"JetStream did not take workflow {spec.workflow_id} within {budget:g}s "
-                f"({err.__cause__!r}): the cluster may be electing a leader or unreachable; "
-                "submitting the same workflow id again is safe",
+                f"({describe(err.__cause__ or err)}): the cluster may be electing a leader or "
+                "unreachable; submitting the same workflow id again is safe",
                 workflow_id=spec.workflow_id,
             ) from err
         except MaxPayloadError as err:
@@ -775,7 +785,7 @@ def _event_msg(got: asyncio.Future[Msg]) -> Msg:
     try:
         return got.result()
     except nats.errors.Error as err:
-        raise MeshUnavailableError(f"workflow events stopped: {err!r}") from err
+        raise MeshUnavailableError(f"workflow events stopped: {describe(err)}") from err
 
 
 def _event_of(msg: Msg, subject: str) -> tuple[bool, WorkflowEvent | None]:

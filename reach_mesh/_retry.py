@@ -18,7 +18,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-__all__ = ["RetriesExhausted", "no_message", "retrying", "transient"]
+__all__ = ["RetriesExhausted", "describe", "no_message", "retrying", "storage_full", "transient"]
 
 log = logging.getLogger("reach_mesh.retry")
 
@@ -36,6 +36,10 @@ _NOT_YET_ERR_CODES: Final = frozenset({10158})
 #: message found"), or nothing (nats-py's own 404 of a direct get). A stream that is not there
 #: (10059: being recovered, or gone) answers 404 too, and knows nothing.
 _NO_MESSAGE_ERR_CODES: Final = frozenset({None, 10037})
+#: What JetStream answers a write it has no room for: 10023 ("insufficient resources": a store
+#: past the account's or the server's storage, ``max_file_store``); 10047 / 10028 ("insufficient
+#: storage / memory resources available": a stream whose ``max_bytes`` cannot be reserved).
+_FULL_ERR_CODES: Final = frozenset({10023, 10028, 10047})
 
 _TRANSIENT: Final = (
     nats.errors.TimeoutError,  # also FlushTimeoutError, nats.js FetchTimeoutError
@@ -69,6 +73,28 @@ def transient(err: BaseException) -> bool:
     )
 
 
+def storage_full(err: BaseException) -> bool:
+    """Whether JetStream refused a write for want of room (its storage is full). Transient for
+    the engine, which waits for room rather than turn a full disk into an outcome; a caller is
+    told at once (``Client.submit_*``): room comes back when an operator makes it."""
+    return (
+        isinstance(err, nats.js.errors.APIError)
+        and getattr(err, "err_code", None) in _FULL_ERR_CODES
+    )
+
+
+def describe(err: BaseException) -> str:
+    """``err`` for a log line or an error message: a JetStream API error with the server's own
+    words and code (nats-py's repr of one is empty: ``ServiceUnavailableError()``), and what a
+    full store means; anything else its repr."""
+    description = getattr(err, "description", None)
+    if not isinstance(err, nats.js.errors.APIError) or not description:
+        return repr(err)
+    code = getattr(err, "err_code", None)
+    said = f"{type(err).__name__}: {description}" + (f" (err_code {code})" if code else "")
+    return f"JetStream storage is full: {said}" if storage_full(err) else said
+
+
 def no_message(err: nats.js.errors.NotFoundError) -> bool:
     """Whether a ``NotFoundError`` of a message read means the stream has no such message (not
     that the stream itself could not be found)."""
@@ -94,8 +120,8 @@ async def retrying(
                 raise
             left = deadline - loop.time()
             if left <= 0:
-                raise RetriesExhausted(f"{what}: {err!r}") from err
-            log.info("%s: %r; retrying", what, err)
+                raise RetriesExhausted(f"{what}: {describe(err)}") from err
+            log.info("%s: %s; retrying", what, describe(err))
             if on_retry is not None:
                 on_retry()
             await asyncio.sleep(min(delay, left))

@@ -83,6 +83,7 @@ class EmbeddedNats:
         startup_timeout: float = 15.0,
         auth_token: str | None = None,
         auth_config: str | os.PathLike[str] | None = None,
+        max_file_store: int | None = None,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -103,6 +104,9 @@ class EmbeddedNats:
         #: A file of nats-server config (``reach-mesh auth``'s auth.conf: accounts, users,
         #: permissions) included in the server's config. Reloaded by :meth:`reload`.
         self.auth_config = Path(auth_config).resolve() if auth_config is not None else None
+        #: JetStream's file storage limit in bytes (``max_file_store``); the server's default
+        #: (most of the disk) when None.
+        self.max_file_store = max_file_store
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: Path | None = None
 
@@ -119,6 +123,7 @@ class EmbeddedNats:
             f"max_payload: {self.max_payload}",
             "jetstream {",
             f'  store_dir: "{self.store_dir / "js"}"',
+            *([f"  max_file_store: {self.max_file_store}"] if self.max_file_store else []),
             "}",
         ]
         if self.server_name:

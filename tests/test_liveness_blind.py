@@ -160,7 +160,9 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
         await eventually(seer.registry.blind, timeout=5)  # its liveness pass notices
         assert _blind_gauge(seer) == 1  # what alert ReachHubBlind reads
         assert dashboard.fleet(seer)["blind"] is True  # the page's "JetStream unreachable"
-        assert json.loads(bytes((await HubHttp(seer).healthz()).body))["registry_blind"] is True
+        health = json.loads(bytes((await HubHttp(seer).healthz()).body))
+        assert health["registry_blind"] is True
+        assert health["registry_blind_reason"] == "cut off from NATS", health
         await _deleted(mesh, agent_id)
         assert agent_id in seer.registry.agents  # the delete has not reached the seer yet
         await mesh.relay.start()
@@ -169,6 +171,7 @@ async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
         found = {f.check: f for f in await diagnose(settings)}
         hubs = found["hubs"]
         assert hubs.status == "fail" and f"{seer.hub_id} cannot read" in hubs.detail, hubs
+        assert "A hub cannot reach JetStream)" in hubs.detail, hubs  # its runbook section
         assert f"{mesh.judge.hub_id} cannot" not in hubs.detail
         assert "not checked" not in found["agents"].detail  # hubs answer: they are asked
         await eventually(lambda: agent_id not in seer.registry.agents, timeout=10)

@@ -543,6 +543,7 @@ def fleet(hub: Hub) -> dict[str, Any]:
         # This hub cannot read or write the registry in JetStream, or reach NATS, lately
         # (``reach_registry_blind``): what it shows may be stale, and it declares nobody LOST.
         "blind": hub.registry.blind(),
+        "blind_reason": hub.registry.blind_reason(),
         "total": len(agents),
         "by_state": by_state,
         "agents": agents,

@@ -38,6 +38,7 @@ from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_workflow_retention
 from reach_mesh._guard import guarded
 from reach_mesh._nats import connect, flushed, refused_messages, shown
+from reach_mesh._retry import describe, storage_full
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableError, ReachError
@@ -460,13 +461,17 @@ class Hub(RoutingMixin, ControlMixin):
     def error_body(self, subject: str, err: Exception) -> bytes:
         """The answer to a request on ``subject`` that ended with ``err``: a typed error as it
         is; NATS / JetStream trouble ``REACH_UNAVAILABLE`` (briefly unavailable, e.g. a raft
-        election after a node loss: retryable; logged one line per verb per 10 s); anything
+        election after a node loss: retryable; logged one line per verb per 10 s; a full
+        store says so); anything
         else ``REACH_INTERNAL``, logged with its traceback."""
         if isinstance(err, ReachError):
             return protocol.encode_error(err)
         if isinstance(err, nats.errors.Error):
             verb = subject.rsplit(".", 1)[-1]
-            self._outage_lines.warn(log, verb, "NATS/JetStream error on %s: %r", subject, err)
+            said = describe(err)
+            self._outage_lines.warn(log, verb, "NATS/JetStream error on %s: %s", subject, said)
+            if storage_full(err):
+                return protocol.encode_error(MeshUnavailableError(f"{said}; retry once made room"))
             return protocol.encode_error(
                 MeshUnavailableError(f"JetStream unavailable, retry: {type(err).__name__}")
             )

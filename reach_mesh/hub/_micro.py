@@ -86,8 +86,9 @@ async def start_micro(hub: Hub) -> Service:
             {
                 "hub_id": hub.hub_id,
                 "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
-                # Cannot read or write the registry lately (``reach_registry_blind``).
+                # Cannot read or write the registry lately (``reach_registry_blind``), and why.
                 "blind": hub.registry.blind(),
+                "blind_reason": hub.registry.blind_reason(),
             }
         )
         await request.respond(body)  # _Answerable passes only requests with a reply subject

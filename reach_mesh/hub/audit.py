@@ -15,7 +15,6 @@ request id, agent id, task id or trace id.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -28,6 +27,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from pydantic_core import to_json
 
 from reach_mesh import protocol
+from reach_mesh._retry import describe, storage_full
 
 __all__ = ["FLUSH_EVENTS", "FLUSH_INTERVAL", "REPEAT_WINDOW", "AuditLog", "Repeats"]
 
@@ -86,9 +86,21 @@ class AuditLog:
         )
         try:
             await self._js.add_stream(config)
-        except Exception:
-            with contextlib.suppress(Exception):
-                await self._js.update_stream(config)
+        except Exception as err:
+            try:
+                await self._js.update_stream(config)  # it exists: the settings may have changed
+            except Exception as again:
+                # Said, not raised: the hub runs without its audit history. A store that cannot
+                # reserve ``audit_max_bytes`` refuses the create, and the update finds nothing.
+                log.error(
+                    "no %s stream, audit events are not kept: %s%s",
+                    protocol.STREAM_AUDIT,
+                    describe(err if storage_full(err) else again),
+                    f" (audit_max_bytes, {self._max_bytes} bytes, must fit in the server's "
+                    "JetStream storage: lower it or raise max_file_store)"
+                    if storage_full(err)
+                    else "",
+                )
 
     def add(self, namespace: str, kind: str, fields: dict[str, Any]) -> None:
         """Buffer one event (no I/O here; an audit failure never fails a request).
@@ -134,7 +146,7 @@ class AuditLog:
             try:
                 await self._nc.publish(subject, body)
             except Exception as err:  # connection gone: nothing to do but say so
-                log.warning("audit publish of %d events failed: %r", len(events), err)
+                log.warning("audit publish of %d events failed: %s", len(events), describe(err))
 
     async def close(self) -> None:
         """Flush what is buffered and wait for flushes under way (call before draining)."""

@@ -139,6 +139,8 @@ class Health(BaseModel):
     #: not a 503 — routing goes on, and a probe that restarted every hub on a JetStream
     #: election would make it worse.
     registry_blind: bool = False
+    #: Why (the last such failure: ``JetStream storage is full: …``, ``cut off from NATS``).
+    registry_blind_reason: str | None = None
 
 
 class ToolEntry(BaseModel):
@@ -478,6 +480,7 @@ class HubHttp:
             nats_connected=ok,
             agents=len(self.hub.registry),
             registry_blind=self.hub.registry.blind(),
+            registry_blind_reason=self.hub.registry.blind_reason(),
         )
         return JSONResponse(health.model_dump(mode="json"), 200 if ok else 503)
 

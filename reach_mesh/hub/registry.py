@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
-from reach_mesh._retry import no_message
+from reach_mesh._retry import describe, no_message
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub._agent_view import AgentView, StateListener
@@ -105,6 +105,8 @@ class Registry:
         #: that could not see heartbeats lately does not declare anybody LOST: absence of
         #: evidence during a JetStream election is not evidence of death.
         self._blind_at = float("-inf")
+        #: What made this hub blind last (``describe`` of the error): told while it is blind.
+        self._blind_why = ""
         #: Heartbeat writes waiting for their gap to pass (``_trailing``).
         self._trailers: set[asyncio.Task[None]] = set()
         self._cordons_kv: KeyValue | None = None
@@ -230,10 +232,10 @@ class Registry:
             except asyncio.CancelledError:
                 raise
             except Exception as err:
-                self._blind_at = self._clock()
+                self._went_blind(f"cannot watch {name}: {describe(err)}")
                 failures += 1
                 if failures % 12 == 1:  # first failure, then about once a minute
-                    log.warning("cannot watch %s (%r); retrying", name, err)
+                    log.warning("%s; retrying", self._blind_why)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
@@ -253,8 +255,8 @@ class Registry:
             except asyncio.CancelledError:
                 raise
             except Exception as err:
-                self._blind_at = self._clock()
-                log.warning("watch of %s failed (%r); restarting it", name, err)
+                self._went_blind(f"the watch of {name} failed: {describe(err)}")
+                log.warning("%s; restarting it", self._blind_why)
             finally:
                 with contextlib.suppress(Exception):
                     await watcher.stop()  # type: ignore[no-untyped-call]
@@ -424,6 +426,15 @@ class Registry:
         it failed to read or write the registry, or was cut off from NATS, that recently."""
         return self._blind(self._clock(), self._settings.lease_timeout)
 
+    def blind_reason(self) -> str | None:
+        """Why this hub is blind (its last such failure, e.g. ``JetStream storage is full:
+        …``); None when it is not."""
+        return self._blind_why if self.blind() else None
+
+    def _went_blind(self, why: str) -> None:
+        self._blind_at = self._clock()
+        self._blind_why = why
+
     def _blind(self, now: float, lease: float) -> bool:
         """True while this hub cannot trust that it saw every heartbeat of the last lease."""
         return now - self._blind_at < lease
@@ -464,8 +475,8 @@ class Registry:
             self._apply_heartbeat(entry, initial=False)
 
     def _cannot_confirm(self, view: AgentView, err: Exception) -> None:
-        self._blind_at = self._clock()
-        log.info("cannot confirm %s is overdue (%r): not declaring it LOST", view.agent_id, err)
+        self._went_blind(f"cannot read the heartbeat of {view.agent_id}: {describe(err)}")
+        log.info("%s: not declaring it LOST", self._blind_why)
 
     def regrade(self, view: AgentView) -> None:
         old = view.state
@@ -481,7 +492,7 @@ class Registry:
             if not self._nc.is_connected:
                 # Cut off from NATS: no beat reaches this hub (its watches may not notice).
                 # Blind until a lease after it is back, as after a failed watch.
-                self._blind_at = now
+                self._went_blind("cut off from NATS")
             grace = self._settings.suspect_timeout
             for view in [v for v in self.agents.values() if v.state is not AgentState.LOST]:
                 lease = view.record.lease_timeout
@@ -645,10 +656,10 @@ class Registry:
         view.hb_unwritten = None
         try:
             revision = await self._hb_kv.put(view.agent_id, protocol.encode(record))
-        except Exception:
+        except Exception as err:
             # The other hubs will not see this beat, and we may be missing theirs: trust no
             # silence for a while (the agent's next beat writes again).
-            self._blind_at = self._clock()
+            self._went_blind(f"cannot write a heartbeat: {describe(err)}")
             view.hb_written_at = -math.inf
             raise
         view.hb_revision = max(view.hb_revision, revision)

@@ -47,6 +47,7 @@ from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resourc
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
+from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
     MeshUnavailableError,
@@ -556,7 +557,10 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             "deliveries": deliveries,
         }
         if infra:
-            text = f"workflow {wf.id} interrupted: {err!r}; handed back, resumed from its records"
+            text = (
+                f"workflow {wf.id} interrupted: {describe(err)}; handed back, resumed from its "
+                "records"
+            )
             log_event(log, WORKFLOW_INTERRUPTED, text, level=logging.WARNING, **fields)
             return
         held = self._error_lines.take(type(err).__name__)

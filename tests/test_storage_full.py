@@ -1,0 +1,144 @@
+"""JetStream's storage full (a server's ``max_file_store``, an account's limit, a disk): what the
+mesh keeps, what it says, and that nothing is lost.
+
+A server with 8 MiB of JetStream storage is filled by a stream of its own while a workflow's
+step runs. Routing needs no store and goes on. A submission is refused at once with what to
+do, not retried for seconds nor blamed on an election. The hub, whose heartbeat writes are
+refused, is blind and says why (``/healthz``, the micro fleet answer, ``reach-mesh doctor``),
+so it declares nobody LOST. The step's result, which could not be stored, is not lost and its
+handler does not run again: once there is room the workflow ends with both results, and the
+refused workflow id submitted again runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import nats
+import pytest
+from nats.js.api import StreamConfig
+
+from reach_mesh import Client, MeshSettings, Step
+from reach_mesh._cli_doctor import diagnose
+from reach_mesh._retry import storage_full
+from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.hub import Hub
+from reach_mesh.hub.http import HubHttp
+from reach_mesh.models import AgentState, TaskState
+from reach_mesh.server import EmbeddedNats
+
+from .helpers import WF_FAST, eventually
+
+#: Small enough to fill in a second, large enough for the mesh's own records.
+STORE = 8 << 20
+
+
+async def _fill(url: str) -> int:
+    """Fill the server's JetStream store with a stream of this test's; the messages stored."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name="FILLER", subjects=["filler.>"]))
+        stored = 0
+        while True:
+            try:
+                await js.publish("filler.x", b"x" * 60_000)
+            except Exception as err:
+                assert storage_full(err), err  # what the engine and the client tell apart
+                return stored
+            stored += 1
+    finally:
+        await nc.close()
+
+
+async def _make_room(url: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        await nc.jetstream().delete_stream("FILLER")
+    finally:
+        await nc.close()
+
+
+async def test_a_full_store_refuses_new_work_loudly_and_loses_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.ERROR, logger="reach_mesh.hub.audit")
+    async with EmbeddedNats(max_file_store=STORE) as server:
+        settings = MeshSettings(
+            nats_url=server.url,
+            namespace="full",
+            heartbeat_interval=0.2,
+            lease_timeout=0.6,
+            suspect_timeout=0.6,
+            liveness_interval=0.05,
+            **WF_FAST,
+        )
+        agent = Agent("full.echo.a1", settings=settings)
+        started, gate = asyncio.Event(), asyncio.Event()
+        runs: list[Any] = []
+
+        @agent.handler("test:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            runs.append(task.payload)
+            if task.payload == "slow":
+                started.set()
+                await gate.wait()
+            return task.payload
+
+        async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
+            # The audit stream reserves audit_max_bytes (1 GiB): no room for it here, and the
+            # hub says so instead of running without an audit history in silence.
+            said = " ".join(r.getMessage() for r in caplog.records)
+            assert "no REACH_AUDIT stream" in said and "audit_max_bytes" in said, said
+
+            steps = [Step(capability="test:echo:v1", payload=p) for p in ("slow", "fast")]
+            wf_id = await mesh.submit_fanout(steps, timeout=60)
+            await asyncio.wait_for(started.wait(), 10)
+            assert await _fill(server.url) > 0
+
+            # Routing needs no store.
+            routed = await mesh.request(capability="test:echo:v1", payload="routed")
+            assert routed.state is TaskState.SUCCEEDED and routed.result == "routed"
+
+            # A submission is refused at once, saying why and what to do.
+            refused = [Step(capability="test:echo:v1", payload="later")]
+            t0 = time.monotonic()
+            with pytest.raises(MeshUnavailableError) as caught:
+                await mesh.fanout(refused, workflow_id="full-later", timeout=30)
+            assert time.monotonic() - t0 < 3, "a full store is not an election: no retries"
+            text = str(caught.value)
+            assert "storage is full" in text and "insufficient resources" in text, text
+            assert "same workflow id again is safe" in text, text
+            assert caught.value.code == "REACH_UNAVAILABLE"
+
+            # The step's handler ends now: its final status finds no room.
+            gate.set()
+            # The hub's heartbeat writes are refused: blind, and why, wherever it is read.
+            await eventually(hub.registry.blind, timeout=5)
+            reason = hub.registry.blind_reason()
+            assert reason is not None and "storage is full" in reason, reason
+            health = json.loads(bytes((await HubHttp(hub).healthz()).body))
+            assert health["registry_blind"] is True
+            assert "storage is full" in health["registry_blind_reason"], health
+            found = {f.check: f for f in await diagnose(settings)}
+            assert found["hubs"].status == "fail", found["hubs"]
+            assert "storage is full" in found["hubs"].detail, found["hubs"]
+            assert "JetStream storage is full)" in found["hubs"].detail  # the runbook's section
+            await asyncio.sleep(2.0)  # several leases with no heartbeat stored
+            view = hub.registry.agents.get(agent.agent_id)
+            assert view is not None and view.state is not AgentState.LOST  # blind: nobody LOST
+
+            await _make_room(server.url)
+            result = await mesh.workflow(wf_id, timeout=30)
+            assert result.state is TaskState.SUCCEEDED, result
+            assert [s.result for s in result.steps] == ["slow", "fast"], result.steps
+            assert [s.attempts for s in result.steps] == [1, 1], result.steps
+            again = await mesh.fanout(refused, workflow_id="full-later", timeout=30)
+            assert again.state is TaskState.SUCCEEDED and again.steps[0].result == "later"
+            assert sorted(runs) == ["fast", "later", "routed", "slow"], runs  # each ran once
+            await eventually(lambda: not hub.registry.blind(), timeout=5)
