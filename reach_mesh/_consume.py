@@ -7,6 +7,10 @@ each message goes to ``on_msg`` immediately, and more are requested as capacity 
 
 Bounded: at most ``capacity`` messages are held (handed over and not yet released) plus
 outstanding requests. A watchdog re-pulls when a request was lost (reconnect, server restart).
+When nobody serves the consumer (a pull answered 503: its leader being elected, or the consumer
+gone — deleted by hand, with its stream, or idle past its ``inactive_threshold``) it pulls again
+on the watchdog's tick only, not at once, and after a few such answers asks its owner to check
+(``on_gone``): a consumer that is gone must be created again, or nothing more arrives.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 from nats.aio.client import Client as NATS
@@ -67,6 +71,10 @@ _YIELD_EVERY: Final = 256
 
 _STATUS: Final = "Status"
 _PENDING: Final = "Nats-Pending-Messages"
+#: Pulls answered 503 in a row (about half a second apart) before the owner is asked to check.
+_GONE_AFTER: Final = 3
+#: Longest wait between two checks while the 503s go on (doubling from 1 s).
+_GONE_CHECK_MAX: Final = 30.0
 
 
 class PullConsumer:
@@ -82,8 +90,16 @@ class PullConsumer:
         capacity: int,
         *,
         expires: float = 5.0,
+        on_gone: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._nc = nc
+        self._on_gone = on_gone
+        #: Pulls answered 503 in a row, the check of the consumer under way, and the earliest
+        #: time (monotonic) of the next one and its wait after that.
+        self._refused = 0
+        self._checking: asyncio.Task[None] | None = None
+        self._next_check = 0.0
+        self._check_wait = 1.0
         self._api = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._on_msg = on_msg
         self.capacity = max(1, capacity)
@@ -118,6 +134,8 @@ class PullConsumer:
     async def stop(self) -> None:
         """Stop pulling. Messages already handed over are still released by their owners."""
         self._stopped = True
+        if self._checking is not None:
+            self._checking.cancel()
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -139,6 +157,14 @@ class PullConsumer:
             status = headers.get(_STATUS, "")
             if status == "100":
                 return  # idle heartbeat
+            if status == "503":
+                # Nobody serves the consumer: pull again on the watchdog's tick, not at once
+                # (each answer is immediate: at once would be thousands a second).
+                self._outstanding = 0
+                self._refused += 1
+                self._maybe_check()
+                return
+            self._refused = 0
             # 404/408/409: this pull request is over; its unfilled part is no longer owed.
             pending = headers.get(_PENDING)
             if pending is not None and pending.isdigit():
@@ -155,11 +181,31 @@ class PullConsumer:
             return
         self._outstanding = max(0, self._outstanding - 1)
         self._held += 1
+        if self._refused:
+            self._refused, self._check_wait = 0, 1.0
         try:
             self._on_msg(msg)
         except Exception:
             log.exception("pull consumer handler failed")
             self.release()
+
+    def _maybe_check(self) -> None:
+        """Ask the owner to check the consumer (``on_gone``) after ``_GONE_AFTER`` 503s in a
+        row, one check at a time, then at most every 1, 2, 4 … 30 s while they go on."""
+        if self._on_gone is None or self._refused < _GONE_AFTER or self._stopped:
+            return
+        now = time.monotonic()
+        if (self._checking is not None and not self._checking.done()) or now < self._next_check:
+            return
+        self._next_check = now + self._check_wait
+        self._check_wait = min(self._check_wait * 2, _GONE_CHECK_MAX)
+        self._checking = asyncio.create_task(self._check(self._on_gone()))
+
+    async def _check(self, check: Awaitable[None]) -> None:
+        try:
+            await check
+        except Exception:
+            log.exception("checking the consumer behind %s failed", self._api)
 
     def _maybe_pull(self) -> None:
         if self._stopped or self._sub is None:

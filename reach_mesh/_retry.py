@@ -106,7 +106,7 @@ async def retrying(
     op: Callable[[], Awaitable[T]],
     deadline: float,
     *,
-    on_retry: Callable[[], None] | None = None,
+    on_retry: Callable[[BaseException], None] | None = None,
 ) -> T:
     """``await op()``, again after each transient error (backoff 50 ms doubling to 2 s) until
     ``deadline`` (event-loop time); then :class:`RetriesExhausted`. Other errors propagate."""
@@ -123,6 +123,6 @@ async def retrying(
                 raise RetriesExhausted(f"{what}: {describe(err)}") from err
             log.info("%s: %s; retrying", what, describe(err))
             if on_retry is not None:
-                on_retry()
+                on_retry(err)
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, _MAX_DELAY)

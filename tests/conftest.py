@@ -11,7 +11,7 @@ from reach_mesh import MeshSettings
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import WF_FAST, Fleet
+from .helpers import FAST, WF_FAST, Fleet
 
 _ns_counter = itertools.count(1)
 
@@ -36,15 +36,7 @@ def namespace() -> str:
 @pytest.fixture
 def settings(nats_url: str, namespace: str) -> MeshSettings:
     """Short liveness intervals so lease expiry can be tested in well under a second."""
-    return MeshSettings(
-        nats_url=nats_url,
-        namespace=namespace,
-        heartbeat_interval=0.2,
-        lease_timeout=0.6,
-        suspect_timeout=0.6,
-        liveness_interval=0.05,
-        request_timeout=5.0,
-    )
+    return MeshSettings(nats_url=nats_url, namespace=namespace, **FAST)
 
 
 @pytest.fixture

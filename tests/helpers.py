@@ -42,6 +42,15 @@ _GIVEN: set[int] = set()
 _T = TypeVar("_T")
 
 
+#: Short liveness intervals (the ``settings`` fixture's): lease expiry within a second.
+FAST: dict[str, Any] = {
+    "heartbeat_interval": 0.2,
+    "lease_timeout": 0.6,
+    "suspect_timeout": 0.6,
+    "liveness_interval": 0.05,
+    "request_timeout": 5.0,
+}
+
 #: Short workflow intervals (the ``wf_settings`` fixture's): a step with no taker gives up
 #: within a second or two, and a hub's workflows are taken over one second after it dies.
 WF_FAST: dict[str, Any] = {

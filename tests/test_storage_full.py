@@ -32,7 +32,7 @@ from reach_mesh.hub.http import HubHttp
 from reach_mesh.models import AgentState, TaskState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import WF_FAST, eventually
+from .helpers import FAST, WF_FAST, eventually
 
 #: Small enough to fill in a second, large enough for the mesh's own records.
 STORE = 8 << 20
@@ -69,15 +69,7 @@ async def test_a_full_store_refuses_new_work_loudly_and_loses_none(
 ) -> None:
     caplog.set_level(logging.ERROR, logger="reach_mesh.hub.audit")
     async with EmbeddedNats(max_file_store=STORE) as server:
-        settings = MeshSettings(
-            nats_url=server.url,
-            namespace="full",
-            heartbeat_interval=0.2,
-            lease_timeout=0.6,
-            suspect_timeout=0.6,
-            liveness_interval=0.05,
-            **WF_FAST,
-        )
+        settings = MeshSettings(nats_url=server.url, namespace="full", **FAST, **WF_FAST)
         agent = Agent("full.echo.a1", settings=settings)
         started, gate = asyncio.Event(), asyncio.Event()
         runs: list[Any] = []

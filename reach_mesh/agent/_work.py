@@ -39,12 +39,14 @@ from typing import TYPE_CHECKING, Final
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer, ensure_task_resources, last_per_subject
 from reach_mesh._jspub import JsClient
+from reach_mesh._retry import describe
 from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, superseded
 from reach_mesh.agent._held import HeldSteps, _Held
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
@@ -223,11 +225,45 @@ class WorkConsumer(HeldSteps):
         if self._pull is not None:  # (a try before failed past this point)
             await self._pull.stop()
         self._pull = PullConsumer(
-            agent.nc, protocol.STREAM_WORK, durable, self._on_msg, capacity, expires=5.0
+            agent.nc,
+            protocol.STREAM_WORK,
+            durable,
+            self._on_msg,
+            capacity,
+            expires=5.0,
+            on_gone=self._consumer_gone,
         )
         await self._pull.start()
         self._ticker = asyncio.create_task(self._tick(), name="reach-work-ticker")
         self._loop_watch = asyncio.create_task(self.fences.watch(), name="reach-loop-watch")
+
+    async def _consumer_gone(self) -> None:
+        """Nobody serves this agent's work consumer (its pulls answered 503) for a while. During
+        an election its leader is being chosen: it exists, and the pulls go on. Gone (deleted
+        by hand, with its stream, or idle past ``inactive_threshold``), it is created again
+        here — as at start: no step would reach this agent otherwise, while its heartbeats
+        say it is fine."""
+        assert self._js is not None
+        durable = protocol.work_consumer(self._agent.agent_id)
+        try:
+            await self._js.consumer_info(protocol.STREAM_WORK, durable, timeout=5.0)
+            return
+        except NotFoundError:
+            pass
+        try:
+            await asyncio.wait_for(self._prepare(), timeout=10.0)
+        except Exception as err:  # its stream gone too, and no right to create it: hubs do
+            log.warning(
+                "the work consumer of %s is gone, and cannot be created again yet (%s): "
+                "workflow steps do not reach it",
+                self._agent.agent_id,
+                describe(err),
+            )
+            return
+        log.warning(
+            "the work consumer of %s was gone (deleted, or its stream was): created again",
+            self._agent.agent_id,
+        )
 
     async def flush(self) -> None:
         """Send the acks still waiting to ride along (``JsClient.later``)."""

@@ -118,7 +118,7 @@ async def cas(
     last: int,
     deadline: float,
     *,
-    on_retry: Callable[[], None] | None = None,
+    on_retry: Callable[[BaseException], None] | None = None,
 ) -> int:
     """Write ``data`` if ``key`` is still at revision ``last``; the new revision. Raises
     ``KeyWrongLastSequenceError`` when somebody else wrote the key in between."""
@@ -133,7 +133,7 @@ async def create(
     data: bytes,
     deadline: float,
     *,
-    on_retry: Callable[[], None] | None = None,
+    on_retry: Callable[[BaseException], None] | None = None,
 ) -> int:
     """Create ``key``; its revision. ``KeyWrongLastSequenceError`` when it exists."""
     return await cas(bucket, key, data, 0, deadline, on_retry=on_retry)

@@ -42,6 +42,7 @@ from reach_mesh.hub._step_state import (
     step_route,
 )
 from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StatusTracker, StepTrack
+from reach_mesh.hub._wf_resources import WorkflowResources
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
@@ -106,6 +107,7 @@ class StepRunner(StepPlacing):
     _tasks_kv: _durable.Bucket | None
     _jsc: JsClient
     _tracker: StatusTracker
+    _resources: WorkflowResources
     _bg: set[asyncio.Future[Any]]
     _pending: int
     #: The steps counted in ``_pending``, by (namespace, workflow id, step index): what each
@@ -141,10 +143,11 @@ class StepRunner(StepPlacing):
         room for the work message's own fields and headers in what the NATS server takes."""
         return protocol.carried_max(self._settings.max_payload, self._nc.max_payload)
 
-    def _infra_retry(self) -> None:
+    def _infra_retry(self, err: BaseException) -> None:
         self.infra_retry_total += 1
         if self._metrics is not None:
             self._metrics.infra_retry_total.inc()
+        self._resources.check_soon(err)  # "no stream answered": one may have been deleted
 
     def _cancel_attempt(self, agent_id: str, rec: TaskRecord, attempt: int) -> None:
         """Stop a handler of ``rec``'s step that is already running, in the background (best

@@ -32,21 +32,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-)
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh._consume import PullConsumer, ensure_stream, ensure_task_resources, stream_seq
+from reach_mesh._consume import PullConsumer, stream_seq
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -61,6 +52,7 @@ from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_orphans import OrphanSweep
 from reach_mesh.hub._wf_reject import WorkflowRefusals
+from reach_mesh.hub._wf_resources import WorkflowResources
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
@@ -123,6 +115,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         #: Acked JetStream writes of the engine (KV compare-and-sets, work), and the core
         #: publishes that ride along with them (events, acks, ``.done``).
         self._jsc = JsClient(nc)
+        self._resources = WorkflowResources(js, settings)
         self._pull: PullConsumer | None = None
         self._status_sub: Subscription | None = None
         self._tracker = StatusTracker(
@@ -183,6 +176,11 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._no_work: set[str] = set()
 
     @property
+    def resources(self) -> WorkflowResources:
+        """The workflow streams, buckets and consumer, and how many were created again."""
+        return self._resources
+
+    @property
     def stale_total(self) -> int:
         """Final statuses not applied: from an attempt or agent the step did not send to, or
         arriving after the step was decided (a duplicate run)."""
@@ -207,57 +205,10 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
 
     async def start(self) -> None:
         s = self._settings
-        js = self._js
-        await ensure_stream(
-            js,
-            StreamConfig(
-                name=protocol.STREAM_WF,
-                subjects=[protocol.wf_submit("*")],
-                retention=RetentionPolicy.WORK_QUEUE,
-                storage=StorageType.FILE,
-                max_age=s.workflow_retention,
-                duplicate_window=min(s.dedup_window, s.workflow_retention),
-                num_replicas=s.kv_replicas,
-                description="reach-mesh workflow submissions (dedup on <ns>.<workflow_id>.<nonce>)",
-            ),
-        )
-        await ensure_stream(
-            js,
-            StreamConfig(
-                name=protocol.STREAM_WF_EVENTS,
-                # ``.done`` is announced on core NATS, not stored: its result is the record's.
-                subjects=[protocol.wf_event("*", "*")],
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                max_age=s.workflow_retention,
-                num_replicas=s.kv_replicas,
-                description="reach-mesh workflow step events",
-            ),
-        )
+        await self._resources.ensure()
         await self._jsc.start()
-        await ensure_task_resources(js, s)
         self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, self._jsc)
-        await ensure_kv(
-            js,
-            protocol.KV_WORKFLOWS,
-            replicas=s.kv_replicas,
-            ttl=s.workflow_retention,
-            description="reach-mesh workflow records",
-        )
         self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, self._jsc)
-        await js.add_consumer(
-            protocol.STREAM_WF,
-            ConsumerConfig(
-                durable_name=protocol.CONSUMER_HUBS,
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                ack_wait=s.workflow_ack_wait,
-                max_deliver=-1,
-                # Submissions deferred for fairness wait here (a nak's delay keeps them
-                # pending), so that other namespaces' are still delivered behind a flood.
-                max_ack_pending=max(s.workflow_concurrency * 64, 65_536),
-            ),
-        )
         statuses = protocol.task_status("*.*.*", "*")
         self._status_sub = await self._nc.subscribe(
             statuses, cb=guarded(statuses, self._on_status, answers=False), pending_msgs_limit=-1
@@ -273,9 +224,11 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             # workflows, and submissions over a share are handed back (``_defer``).
             self._shares.ceiling,
             expires=min(5.0, max(0.5, s.workflow_ack_wait)),
+            on_gone=self._resources.check,
         )
         await self._pull.start()
         self._ticker = asyncio.create_task(self._keepalive(), name="reach-workflow-keepalive")
+        self._resources.start()
         if self._metrics is not None:
             self._metrics.workflows_running.set_function(lambda: len(self._running))
             self._counting = asyncio.create_task(
@@ -289,6 +242,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             await self._pull.stop()
         if self._ticker is not None:
             self._ticker.cancel()
+        self._resources.stop()
         if self._counting is not None:
             self._counting.cancel()
         if self._sweeping is not None:

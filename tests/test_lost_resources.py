@@ -1,0 +1,158 @@
+"""A stream or a consumer of the mesh deleted under it (``nats stream rm`` by mistake, a
+bucket removed, a consumer idle past its ``inactive_threshold``): created again by whoever
+uses it, said in a log line, and the work goes on.
+
+Before, an agent whose work consumer was gone pulled from it thousands of times a second (each
+pull answered 503 at once, and pulled again at once) and never took another workflow step,
+while its heartbeats said it was fine; and hubs retried writes into a deleted stream, and
+pulls from a deleted consumer, in silence until restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from reach_mesh import Client, MeshSettings, Step, protocol
+from reach_mesh._consume import PullConsumer
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.models import TaskState
+from reach_mesh.server import EmbeddedNats
+
+from .helpers import FAST, WF_FAST, eventually
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[EmbeddedNats]:
+    """A server of the test's own: its streams are deleted."""
+    async with EmbeddedNats() as s:
+        yield s
+
+
+def _settings(url: str) -> MeshSettings:
+    return MeshSettings(nats_url=url, namespace="lost", audit_enabled=False, **FAST, **WF_FAST)
+
+
+def _echo(settings: MeshSettings) -> Agent:
+    agent = Agent("lost.echo.a1", settings=settings)
+
+    @agent.handler("test:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    return agent
+
+
+async def _exists(url: str, stream: str, consumer: str | None = None) -> bool:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await (js.stream_info(stream) if consumer is None else js.consumer_info(stream, consumer))
+        return True
+    except NotFoundError:
+        return False
+    finally:
+        await nc.close()
+
+
+async def _delete(url: str, stream: str, consumer: str | None = None) -> None:
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        await (
+            js.delete_stream(stream) if consumer is None else js.delete_consumer(stream, consumer)
+        )
+    finally:
+        await nc.close()
+
+
+async def _fanout_ok(mesh: Client, payload: Any) -> None:
+    result = await mesh.fanout([Step(capability="test:echo:v1", payload=payload)], timeout=20)
+    assert result.state is TaskState.SUCCEEDED and result.steps[0].result == payload, result
+
+
+async def test_pulls_from_a_consumer_nobody_serves_go_at_the_watchdogs_pace(
+    server: EmbeddedNats,
+) -> None:
+    """A consumer that is not there (and stays so): each pull is answered 503 at once. The
+    next goes on the watchdog's tick (half a second), not at once; the owner is asked to
+    check after three, then after 1, 2, 4 … s while they go on."""
+    nc = await nats.connect(server.url)
+    checks: list[float] = []
+
+    async def gone() -> None:
+        checks.append(asyncio.get_running_loop().time())
+
+    pull = PullConsumer(
+        nc, protocol.STREAM_WORK, "nobody", lambda msg: None, 16, expires=5.0, on_gone=gone
+    )
+    try:
+        sent = nc.stats["out_msgs"]
+        await pull.start()
+        await asyncio.sleep(3.2)
+        pulls = nc.stats["out_msgs"] - sent
+        assert 4 <= pulls <= 10, pulls  # each answered: at once, it was thousands a second
+        assert len(checks) == 2, checks  # after ~1.5 s, then 1 s later; the next at +2 s
+    finally:
+        await pull.stop()
+        await nc.close()
+
+
+async def test_an_agent_whose_work_consumer_is_deleted_creates_it_again(
+    server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its pulls, answered 503, go on at the watchdog's pace (not thousands a second); a few
+    such answers in, it finds its consumer gone, creates it again and says so; steps reach it
+    again."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh.agent.work")
+    settings = _settings(server.url)
+    agent = _echo(settings)
+    durable = protocol.work_consumer(agent.agent_id)
+    async with Hub(settings=settings), agent, Client(settings=settings) as mesh:
+        await _fanout_ok(mesh, 1)
+        await _delete(server.url, protocol.STREAM_WORK, durable)
+        sent = agent.nc.stats["out_msgs"]
+        await asyncio.sleep(2.0)
+        # Heartbeats (5 a second here) and pulls every half second; the old loop: thousands.
+        assert agent.nc.stats["out_msgs"] - sent < 60, agent.nc.stats["out_msgs"] - sent
+        await eventually(lambda: _exists(server.url, protocol.STREAM_WORK, durable), timeout=10)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("work consumer of lost.echo.a1 was gone" in m for m in said), said
+        await _fanout_ok(mesh, 2)
+
+
+async def test_a_hub_creates_again_the_workflow_streams_deleted_under_it(
+    server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The submissions stream (its pulls answered 503), then the record bucket (its first
+    write retried): each created again by the hub, with an ERROR naming it, and workflows run
+    again."""
+    caplog.set_level(logging.ERROR, logger="reach_mesh.hub.workflows")
+    settings = _settings(server.url)
+    async with (
+        Hub(settings=settings) as hub,
+        _echo(settings),
+        Client(settings=settings) as mesh,
+    ):
+        await _fanout_ok(mesh, 1)
+        await _delete(server.url, protocol.STREAM_WF)
+        await eventually(lambda: _exists(server.url, protocol.STREAM_WF), timeout=10)
+        await eventually(
+            lambda: _exists(server.url, protocol.STREAM_WF, protocol.CONSUMER_HUBS), timeout=10
+        )
+        await _fanout_ok(mesh, 2)
+        bucket = f"KV_{protocol.KV_WORKFLOWS}"
+        await _delete(server.url, bucket)
+        await _fanout_ok(mesh, 3)  # its record's first write finds no stream: a check
+        assert await _exists(server.url, bucket)
+        assert hub.workflows is not None and hub.workflows.resources.recreated_total == 2
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert f"{protocol.STREAM_WF} gone (deleted?): created again" in said, said
+        assert f"{bucket} gone (deleted?): created again" in said, said
