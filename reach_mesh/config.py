@@ -149,8 +149,8 @@ class MeshSettings(BaseModel):
     task_ttl: float = Field(default=7200.0, gt=0)
     #: Age of workflow records, task records, stored results and events in JetStream (the max
     #: age of the REACH_WF* / REACH_WORK / REACH_STATUS streams and the TTL of the workflow KV
-    #: buckets; a hub applies it to existing ones at start). At least ``task_ttl``: a record
-    #: must outlive the longest a step may stay unfinished.
+    #: buckets; a hub applies it to existing ones at start). It bounds how long a workflow may
+    #: run (``longest_workflow``): a record must outlive the run that writes it.
     workflow_retention: float = Field(default=86400.0, gt=0)
     #: How long a hub holds a workflow event (``start``, ``step``) before publishing it; events
     #: still held when the workflow's result is stored are dropped, as ``.done`` says it all.
@@ -193,13 +193,23 @@ class MeshSettings(BaseModel):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
 
+    @property
+    def longest_workflow(self) -> float:
+        """The longest a workflow may run (its ``timeout``, or ``task_ttl`` without one):
+        ``workflow_retention`` less time for its final write (the larger of a minute and two
+        ``workflow_ack_wait``). A record is written when the workflow starts and when it
+        ends, and JetStream drops it ``workflow_retention`` after its write: a run that
+        outlived it lost its record, and ended TIMEOUT at that age, its results dropped."""
+        return self.workflow_retention - max(60.0, 2 * self.workflow_ack_wait)
+
     @model_validator(mode="after")
     def _retention(self) -> MeshSettings:
-        if self.workflow_retention < self.task_ttl:
+        if self.task_ttl > self.longest_workflow:
             raise BadRequestError(
                 f"workflow_retention {self.workflow_retention:g}s is shorter than task_ttl "
-                f"({self.task_ttl:g}s): records of running workflows would expire; lower "
-                "task_ttl too"
+                f"({self.task_ttl:g}s) and the time to write a result "
+                f"({self.workflow_retention - self.longest_workflow:g}s): records of running "
+                "workflows would expire; raise workflow_retention or lower task_ttl"
             )
         return self
 

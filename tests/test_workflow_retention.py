@@ -1,17 +1,22 @@
 """``workflow_retention``: the streams and KV buckets of workflows carry it as their max age, a
 hub applies a changed value to the ones that exist, and a retention shorter than a step may stay
-unfinished is refused. Each test has its own nats-server: retention is server-wide state."""
+unfinished is refused, and so is a workflow that would outlive its records. Each test has its own
+nats-server: retention is server-wide state."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import nats
 import pytest
 
-from reach_mesh import MeshSettings, protocol
+from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh._consume import RETENTION_STREAMS
+from reach_mesh.agent import Agent, Task
 from reach_mesh.config import load_settings
 from reach_mesh.errors import BadRequestError
 from reach_mesh.hub import Hub
+from reach_mesh.models import TaskState
 from reach_mesh.server import EmbeddedNats
 
 
@@ -67,3 +72,36 @@ def test_retention_from_the_environment_and_its_lower_bound(
         load_settings()
     # The default keeps finished workflows for 24 h.
     assert MeshSettings().workflow_retention == 86400.0
+
+
+async def test_a_workflow_that_would_outlive_its_records_is_refused() -> None:
+    """A record is written when a workflow starts and when it ends, and dropped
+    ``workflow_retention`` after its write: a run longer than that lost it and ended TIMEOUT
+    at that age, its steps' results dropped. Such a workflow is refused when submitted, saying
+    why; one within ``longest_workflow`` runs."""
+    async with EmbeddedNats() as server:
+        settings = MeshSettings(
+            nats_url=server.url, namespace="ret", workflow_retention=120, task_ttl=30
+        )
+        assert settings.longest_workflow == 60.0  # less a minute for the final write
+        agent = Agent("ret.echo.a1", settings=settings)
+        runs: list[Any] = []
+
+        @agent.handler("test:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            runs.append(task.payload)
+            return task.payload
+
+        async with Hub(settings=settings), agent, Client(settings=settings) as mesh:
+            steps = [Step(capability="test:echo:v1", payload=1)]
+            refused = await mesh.fanout(steps, timeout=61)
+            assert refused.state is TaskState.FAILED and refused.error is not None, refused
+            assert refused.error.code == "REACH_BAD_WORKFLOW", refused.error
+            assert "longer than the hubs keep a running workflow's records (60s" in (
+                refused.error.message
+            ), refused.error
+            assert runs == []  # nothing ran
+            ran = await mesh.fanout(steps, timeout=60)
+            assert ran.state is TaskState.SUCCEEDED, ran
+            ran = await mesh.fanout(steps)  # no timeout: task_ttl (30 s) bounds it
+            assert ran.state is TaskState.SUCCEEDED, ran

@@ -572,6 +572,15 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         except Exception:
             submitted, seq = time.time(), None
         timeout = spec.timeout if spec.timeout is not None else self._settings.task_ttl
+        longest = self._settings.longest_workflow
+        if timeout > longest:
+            raise WorkflowSpecError(
+                f"workflow timeout {timeout:g}s is longer than the hubs keep a running "
+                f"workflow's records ({longest:g}s: workflow_retention "
+                f"{self._settings.workflow_retention:g}s less the time to write its result); "
+                "submit a shorter timeout, or raise the hubs' workflow_retention",
+                field="timeout",
+            )
         remaining = submitted + timeout - time.time()
         loop = asyncio.get_running_loop()
         return Workflow(
