@@ -153,6 +153,8 @@ async def test_a_hub_creates_again_the_workflow_streams_deleted_under_it(
         await _fanout_ok(mesh, 3)  # its record's first write finds no stream: a check
         assert await _exists(server.url, bucket)
         assert hub.workflows is not None and hub.workflows.resources.recreated_total == 2
+        # What alert ReachStreamRecreated reads.
+        assert hub.metrics.registry.get_sample_value("reach_jetstream_recreated_total") == 2
         said = " ".join(r.getMessage() for r in caplog.records)
         assert f"{protocol.STREAM_WF} gone (deleted?): created again" in said, said
         assert f"{bucket} gone (deleted?): created again" in said, said

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Final
 
 import nats.js.errors
@@ -62,9 +62,17 @@ class WorkflowResources:
     """Creates the workflow streams, buckets and the hubs' submissions consumer
     (:meth:`ensure`), and creates again the ones found gone (:meth:`check`)."""
 
-    def __init__(self, js: JetStreamContext, settings: MeshSettings) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        settings: MeshSettings,
+        *,
+        counted: Callable[[int], None] | None = None,
+    ) -> None:
         self._js = js
         self._settings = settings
+        #: Told how many were created again (``reach_jetstream_recreated_total``).
+        self._counted = counted
         self._checking: asyncio.Task[None] | None = None
         self._last_check = -CHECK_EVERY
         self._idle: asyncio.Task[None] | None = None
@@ -164,6 +172,8 @@ class WorkflowResources:
             log.error("%s gone, and not created again yet: %s", ", ".join(gone), describe(err))
             return
         self.recreated_total += len(gone)
+        if self._counted is not None:
+            self._counted(len(gone))
         log.error(
             "%s gone (deleted?): created again; what it held is lost — steps in flight are "
             "sent again by their deadlines (docs/operations.md, A stream of the mesh was "

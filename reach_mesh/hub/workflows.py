@@ -115,7 +115,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         #: Acked JetStream writes of the engine (KV compare-and-sets, work), and the core
         #: publishes that ride along with them (events, acks, ``.done``).
         self._jsc = JsClient(nc)
-        self._resources = WorkflowResources(js, settings)
+        self._resources = WorkflowResources(
+            js, settings, counted=None if metrics is None else metrics.recreated_total.inc
+        )
         self._pull: PullConsumer | None = None
         self._status_sub: Subscription | None = None
         self._tracker = StatusTracker(

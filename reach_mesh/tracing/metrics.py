@@ -290,6 +290,12 @@ class HubMetrics:
             "error (no leader, timeout, reconnect); never a step outcome.",
             registry=r,
         )
+        self.recreated_total = Counter(
+            "reach_jetstream_recreated",
+            "Workflow streams, buckets and the hubs' submissions consumer found deleted and "
+            "created again by this hub: what they held is lost.",
+            registry=r,
+        )
         self.stale_result_total = Counter(
             "reach_stale_result",
             "Final step statuses not applied: from an attempt or agent the step did not send "
