@@ -29,7 +29,14 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -44,6 +51,7 @@ __all__ = [
     "PullConsumer",
     "apply_workflow_retention",
     "ensure_stream",
+    "ensure_workflow_resources",
     "last_per_subject",
     "status_stream_config",
     "stream_seq",
@@ -336,7 +344,61 @@ async def ensure_task_resources(js: JetStreamContext, settings: MeshSettings) ->
     )
 
 
-#: What ``workflow_retention`` ages: the workflow streams and the streams of the KV buckets.
+async def ensure_workflow_resources(js: JetStreamContext, settings: MeshSettings) -> None:
+    """What a hub's workflow engine needs: the submissions and events streams, the task
+    resources, the record bucket and the hubs' shared submissions consumer (idempotent)."""
+    s = settings
+    await ensure_stream(
+        js,
+        StreamConfig(
+            name=protocol.STREAM_WF,
+            subjects=[protocol.wf_submit("*")],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            max_age=s.workflow_retention,
+            duplicate_window=min(s.dedup_window, s.workflow_retention),
+            num_replicas=s.kv_replicas,
+            description="reach-mesh workflow submissions (dedup on <ns>.<workflow_id>.<nonce>)",
+        ),
+    )
+    await ensure_stream(
+        js,
+        StreamConfig(
+            name=protocol.STREAM_WF_EVENTS,
+            # ``.done`` is announced on core NATS, not stored: its result is the record's.
+            subjects=[protocol.wf_event("*", "*")],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=s.workflow_retention,
+            num_replicas=s.kv_replicas,
+            description="reach-mesh workflow step events",
+        ),
+    )
+    await ensure_task_resources(js, s)
+    await ensure_kv(
+        js,
+        protocol.KV_WORKFLOWS,
+        replicas=s.kv_replicas,
+        ttl=s.workflow_retention,
+        description="reach-mesh workflow records",
+    )
+    await js.add_consumer(
+        protocol.STREAM_WF,
+        ConsumerConfig(
+            durable_name=protocol.CONSUMER_HUBS,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=s.workflow_ack_wait,
+            max_deliver=-1,
+            # Submissions deferred for fairness wait here (a nak's delay keeps them pending),
+            # so that other namespaces' are still delivered behind a flood.
+            max_ack_pending=max(s.workflow_concurrency * 64, 65_536),
+        ),
+    )
+
+
+#: What ``workflow_retention`` ages, and ``ensure_workflow_resources`` creates: the workflow
+#: streams and the streams of the KV buckets.
 RETENTION_STREAMS: Final = (
     protocol.STREAM_WF,
     protocol.STREAM_WF_EVENTS,

@@ -23,7 +23,7 @@ from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh._consume import PullConsumer
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
-from reach_mesh.models import TaskState
+from reach_mesh.models import AgentState, TaskState
 from reach_mesh.server import EmbeddedNats
 
 from .helpers import FAST, WF_FAST, eventually
@@ -152,9 +152,25 @@ async def test_a_hub_creates_again_the_workflow_streams_deleted_under_it(
         await _delete(server.url, bucket)
         await _fanout_ok(mesh, 3)  # its record's first write finds no stream: a check
         assert await _exists(server.url, bucket)
-        assert hub.workflows is not None and hub.workflows.resources.recreated_total == 2
+        assert hub.resources is not None and hub.resources.recreated_total == 2
         # What alert ReachStreamRecreated reads.
         assert hub.metrics.registry.get_sample_value("reach_jetstream_recreated_total") == 2
         said = " ".join(r.getMessage() for r in caplog.records)
         assert f"{protocol.STREAM_WF} gone (deleted?): created again" in said, said
         assert f"{bucket} gone (deleted?): created again" in said, said
+
+
+async def test_a_hub_creates_again_the_heartbeat_bucket_deleted_under_it(
+    server: EmbeddedNats,
+) -> None:
+    """The registry's buckets are watched the same way: the first heartbeat write that finds
+    no stream prompts the check. The hub, blind while it could not write, sees again; the
+    agent stays ONLINE."""
+    settings = _settings(server.url)
+    async with Hub(settings=settings) as hub, _echo(settings) as agent:
+        bucket = f"KV_{protocol.KV_HEARTBEATS}"
+        await _delete(server.url, bucket)
+        await eventually(lambda: _exists(server.url, bucket), timeout=10)
+        assert hub.resources is not None and hub.resources.recreated_total == 1
+        await eventually(lambda: not hub.registry.blind(), timeout=5)
+        assert hub.registry.agents[agent.agent_id].state is AgentState.ONLINE

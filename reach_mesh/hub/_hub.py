@@ -45,6 +45,7 @@ from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableErr
 from reach_mesh.hub._control import VIEW_RATE, ControlMixin
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._pins import TaskPins
+from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._routing import RoutingMixin
 from reach_mesh.hub.audit import AuditLog, Repeats
 from reach_mesh.hub.registry import Registry
@@ -174,6 +175,8 @@ class Hub(RoutingMixin, ControlMixin):
         self.http: Any = None  # reach_mesh.hub.http.HubHttp when settings.http_port is set
         self.micro: Any = None  # the nats.micro Service ($SRV.PING/INFO/STATS), once started
         self.workflows: WorkflowEngine | None = None
+        #: The JetStream streams, buckets and consumers of its parts, created again when gone.
+        self.resources: Resources | None = None
         #: The dashboard's bounded state (samples, recent decisions, workflows): with HTTP only.
         self.dashboard: Dashboard | None = None
 
@@ -207,13 +210,15 @@ class Hub(RoutingMixin, ControlMixin):
                 enabled=s.audit_enabled,
             )
             await self.audit.start()
-            self.registry = Registry(self._nc, self._js, self.settings)
+            self.resources = Resources(self._js, counted=self.metrics.recreated_total.inc)
+            self.registry = Registry(self._nc, self._js, self.settings, resources=self.resources)
             self.registry.on_state_change(self._on_state_change)
             await self.registry.start()
             self.sessions = SessionStore(
                 self._nc, self._js, ttl=s.sticky_ttl, replicas=s.kv_replicas
             )
             await self.sessions.start()
+            self.resources.add([f"KV_{protocol.KV_SESSIONS}"], self.sessions.ensure_bucket)
             self.router = Router(self.registry, self.settings, self.hub_id)
             await self._subscribe()
             # Durable workflows: after the registry and router, which the engine routes with.
@@ -226,8 +231,10 @@ class Hub(RoutingMixin, ControlMixin):
                 self.hub_id,
                 metrics=self.metrics,
                 known_namespace=self.known_namespace,
+                resources=self.resources,
             )
             await self.workflows.start()
+            self.resources.start()
             # The streams and buckets may predate this hub's workflow_retention.
             await apply_workflow_retention(self._js, s)
             if s.http_port is not None:
@@ -324,6 +331,8 @@ class Hub(RoutingMixin, ControlMixin):
             await within("HTTP server close", self.http.close(), 5.0, log)
         if self.dashboard is not None:
             await within("dashboard close", self.dashboard.close(), 2.0, log)
+        if self.resources is not None:
+            self.resources.stop()
         if self.workflows is not None:
             # Hand running workflows back (nak) so another hub resumes them at once.
             await within("workflow engine stop", self.workflows.stop(), 10.0, log)

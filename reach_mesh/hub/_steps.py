@@ -26,6 +26,7 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshTimeoutError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._placing import StepPlacing
+from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._step_state import (
     NotOwnerError,
     Policy,
@@ -42,7 +43,6 @@ from reach_mesh.hub._step_state import (
     step_route,
 )
 from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StatusTracker, StepTrack
-from reach_mesh.hub._wf_resources import WorkflowResources
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
@@ -107,7 +107,7 @@ class StepRunner(StepPlacing):
     _tasks_kv: _durable.Bucket | None
     _jsc: JsClient
     _tracker: StatusTracker
-    _resources: WorkflowResources
+    _resources: Resources
     _bg: set[asyncio.Future[Any]]
     _pending: int
     #: The steps counted in ``_pending``, by (namespace, workflow id, step index): what each

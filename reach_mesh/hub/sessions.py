@@ -49,7 +49,8 @@ class SessionStore:
         self._reads: JsClient | None = None
         self._cache: OrderedDict[str, tuple[str | None, float]] = OrderedDict()
 
-    async def start(self) -> None:
+    async def ensure_bucket(self) -> None:
+        """Create the sessions bucket unless it exists (at start, and when found gone)."""
         self._kv = await ensure_kv(
             self._js,
             protocol.KV_SESSIONS,
@@ -57,6 +58,9 @@ class SessionStore:
             ttl=self._ttl,
             description="reach-mesh sticky sessions",
         )
+
+    async def start(self) -> None:
+        await self.ensure_bucket()
         self._reads = JsClient(self._nc)
         await self._reads.start()
 

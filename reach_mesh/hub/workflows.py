@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -35,7 +36,12 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh._consume import PullConsumer, stream_seq
+from reach_mesh._consume import (
+    RETENTION_STREAMS,
+    PullConsumer,
+    ensure_workflow_resources,
+    stream_seq,
+)
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import describe
@@ -46,13 +52,13 @@ from reach_mesh.errors import (
     WorkflowSpecError,
 )
 from reach_mesh.hub import _durable, _wf_orphans
+from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_orphans import OrphanSweep
 from reach_mesh.hub._wf_reject import WorkflowRefusals
-from reach_mesh.hub._wf_resources import WorkflowResources
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
@@ -100,6 +106,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         *,
         metrics: Any = None,
         known_namespace: Callable[[str], bool] | None = None,
+        resources: Resources | None = None,
     ) -> None:
         self._nc = nc
         self._js = js
@@ -115,9 +122,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         #: Acked JetStream writes of the engine (KV compare-and-sets, work), and the core
         #: publishes that ride along with them (events, acks, ``.done``).
         self._jsc = JsClient(nc)
-        self._resources = WorkflowResources(
-            js, settings, counted=None if metrics is None else metrics.recreated_total.inc
-        )
+        self._resources = resources or Resources(js)
         self._pull: PullConsumer | None = None
         self._status_sub: Subscription | None = None
         self._tracker = StatusTracker(
@@ -178,11 +183,6 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._no_work: set[str] = set()
 
     @property
-    def resources(self) -> WorkflowResources:
-        """The workflow streams, buckets and consumer, and how many were created again."""
-        return self._resources
-
-    @property
     def stale_total(self) -> int:
         """Final statuses not applied: from an attempt or agent the step did not send to, or
         arriving after the step was decided (a duplicate run)."""
@@ -207,7 +207,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
 
     async def start(self) -> None:
         s = self._settings
-        await self._resources.ensure()
+        ensure = functools.partial(ensure_workflow_resources, self._js, s)
+        await ensure()
+        self._resources.add(RETENTION_STREAMS, ensure, consumer=protocol.CONSUMER_HUBS)
         await self._jsc.start()
         self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, self._jsc)
         self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, self._jsc)
@@ -230,7 +232,6 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         )
         await self._pull.start()
         self._ticker = asyncio.create_task(self._keepalive(), name="reach-workflow-keepalive")
-        self._resources.start()
         if self._metrics is not None:
             self._metrics.workflows_running.set_function(lambda: len(self._running))
             self._counting = asyncio.create_task(
@@ -244,7 +245,6 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             await self._pull.stop()
         if self._ticker is not None:
             self._ticker.cancel()
-        self._resources.stop()
         if self._counting is not None:
             self._counting.cancel()
         if self._sweeping is not None:

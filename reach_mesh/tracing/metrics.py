@@ -292,8 +292,8 @@ class HubMetrics:
         )
         self.recreated_total = Counter(
             "reach_jetstream_recreated",
-            "Workflow streams, buckets and the hubs' submissions consumer found deleted and "
-            "created again by this hub: what they held is lost.",
+            "Streams, buckets and consumers of the mesh (workflows, registry, sessions) found "
+            "deleted and created again by this hub: what they held is lost.",
             registry=r,
         )
         self.stale_result_total = Counter(

@@ -1,0 +1,244 @@
+"""How a hub grades its agents' leases: ONLINE, SUSPECT, LOST — and when it must not.
+
+The base of :class:`~reach_mesh.hub.registry.Registry` (which sets every attribute below).
+A hub that failed to read or write the registry lately, or was cut off from NATS, is *blind*
+(``reach_registry_blind``): it cannot tell a dead agent from a heartbeat it could not see, so
+it declares nobody LOST meanwhile; and before it declares an overdue agent LOST it reads that
+agent's heartbeat from the stream's leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Final
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KV_OP, KeyValue
+
+from reach_mesh import protocol
+from reach_mesh._retry import describe, no_message
+from reach_mesh.config import MeshSettings
+from reach_mesh.hub._agent_view import AgentView, StateListener
+from reach_mesh.hub._resources import Resources
+from reach_mesh.hub.breaker import BreakerState
+from reach_mesh.logs import LEASE_EXPIRED, log_event
+from reach_mesh.models import AgentRecord, AgentState
+
+__all__ = ["Liveness"]
+
+log = logging.getLogger("reach_mesh.hub.registry")
+
+#: How long, and how many per namespace, agents declared LOST stay in ``recently_lost``.
+LOST_KEPT_S: Final = 900.0
+_LOST_KEPT_MAX: Final = 200
+#: The heartbeat bucket's stream.
+_HB_STREAM: Final = f"KV_{protocol.KV_HEARTBEATS}"
+#: How long the leader read of an overdue agent's heartbeat may take: the grading loop waits
+#: on it, and a stream without a leader (the case it guards against) does not answer at all.
+_CONFIRM_TIMEOUT: Final = 2.0
+
+
+class Liveness:
+    """Lease grading and blindness (the base of ``Registry``)."""
+
+    _nc: NATS
+    _js: JetStreamContext
+    _settings: MeshSettings
+    _clock: Callable[[], float]
+    _resources: Resources | None
+    _agents_kv: KeyValue | None
+    _hb_kv: KeyValue | None
+    agents: dict[str, AgentView]
+    #: When this hub was last blind (its clock), and why.
+    _blind_at: float
+    _blind_why: str
+    #: Agents declared LOST lately, per namespace: (when, capabilities) by id.
+    _lost: dict[str, OrderedDict[str, tuple[float, tuple[str, ...]]]]
+    _listeners: list[StateListener]
+
+    def cordoned(self, agent_id: str, record: AgentRecord | None) -> bool:
+        raise NotImplementedError
+
+    def _apply_heartbeat(self, entry: KeyValue.Entry, *, initial: bool) -> None:
+        raise NotImplementedError
+
+    def _drop(self, agent_id: str, *, lost: bool) -> None:
+        raise NotImplementedError
+
+    def _grade(self, view: AgentView, now: float) -> None:
+        """Derive the agent's state from its lease, flags and breaker."""
+        age = now - view.last_seen
+        rec = view.record
+        if age > rec.lease_timeout + self._settings.suspect_timeout and not self._blind(
+            now, rec.lease_timeout
+        ):
+            view.state = AgentState.LOST
+        elif self.cordoned(view.agent_id, rec):
+            view.state = AgentState.CORDONED
+        elif view.draining:
+            view.state = AgentState.DRAINING
+        elif age > rec.lease_timeout:
+            view.state = AgentState.SUSPECT  # (also: overdue, but this hub was blind lately)
+        elif view.breaker.state is BreakerState.OPEN:
+            view.state = AgentState.QUARANTINED
+        else:
+            view.state = AgentState.ONLINE
+
+    def blind(self) -> bool:
+        """Whether this hub is blind now, for the default lease (``reach_registry_blind``):
+        it failed to read or write the registry, or was cut off from NATS, that recently."""
+        return self._blind(self._clock(), self._settings.lease_timeout)
+
+    def blind_reason(self) -> str | None:
+        """Why this hub is blind (its last such failure, e.g. ``JetStream storage is full:
+        …``); None when it is not."""
+        return self._blind_why if self.blind() else None
+
+    def _went_blind(self, why: str, err: BaseException | None = None) -> None:
+        self._blind_at = self._clock()
+        self._blind_why = why
+        if err is not None and self._resources is not None:
+            self._resources.check_soon(err)  # a bucket may have been deleted
+
+    def _blind(self, now: float, lease: float) -> bool:
+        """True while this hub cannot trust that it saw every heartbeat of the last lease."""
+        return now - self._blind_at < lease
+
+    async def _confirm_overdue(self, view: AgentView) -> None:
+        """Before an agent is declared LOST, read its heartbeat from the stream's leader: a
+        beat this hub missed (a watch that lagged) renews the lease from now, as the watch
+        would have (no wall clocks compared: at worst a dead agent's last beat, missed, keeps
+        it one lease longer). Not a direct get, which any replica answers: one that is behind
+        would miss the very beat this read looks for. Only "no message" means there is
+        no beat; any other failure (no leader, the stream being recovered) makes the hub
+        blind, and nobody is declared LOST on what it could not read."""
+        try:
+            raw = await asyncio.wait_for(
+                self._js.get_msg(
+                    _HB_STREAM, subject=f"$KV.{protocol.KV_HEARTBEATS}.{view.agent_id}"
+                ),
+                _CONFIRM_TIMEOUT,
+            )
+        except NotFoundError as err:
+            if no_message(err):
+                return
+            self._cannot_confirm(view, err)
+            return
+        except Exception as err:
+            self._cannot_confirm(view, err)
+            return
+        entry = KeyValue.Entry(
+            bucket=protocol.KV_HEARTBEATS,
+            key=view.agent_id,
+            value=raw.data,
+            revision=raw.seq,
+            delta=None,
+            created=None,
+            operation=(raw.headers or {}).get(KV_OP),
+        )
+        with contextlib.suppress(Exception):
+            self._apply_heartbeat(entry, initial=False)
+
+    def _cannot_confirm(self, view: AgentView, err: Exception) -> None:
+        self._went_blind(f"cannot read the heartbeat of {view.agent_id}: {describe(err)}")
+        log.info("%s: not declaring it LOST", self._blind_why)
+
+    def regrade(self, view: AgentView) -> None:
+        old = view.state
+        self._grade(view, self._clock())
+        if view.state != old:
+            self._notify(view, old)
+
+    async def _grade_loop(self) -> None:
+        interval = self._settings.liveness_interval
+        while True:
+            await asyncio.sleep(interval)
+            now = self._clock()
+            if not self._nc.is_connected:
+                # Cut off from NATS: no beat reaches this hub (its watches may not notice).
+                # Blind until a lease after it is back, as after a failed watch.
+                self._went_blind("cut off from NATS")
+            grace = self._settings.suspect_timeout
+            for view in [v for v in self.agents.values() if v.state is not AgentState.LOST]:
+                lease = view.record.lease_timeout
+                if now - view.last_seen > lease + grace and not self._blind(now, lease):
+                    await self._confirm_overdue(view)
+            now = self._clock()
+            lost: list[AgentView] = []
+            for view in list(self.agents.values()):
+                old = view.state
+                self._grade(view, now)
+                if view.state != old:
+                    self._notify(view, old)
+                if view.state is AgentState.LOST:
+                    lost.append(view)
+            for view in lost:
+                await self._expire(view)
+
+    async def _expire(self, view: AgentView) -> None:
+        """Remove a LOST agent from memory, and from KV unless it re-registered meanwhile."""
+        agent_id = view.agent_id
+        if self.agents.get(agent_id) is view:
+            self._drop(agent_id, lost=True)
+            self._declared_lost(view)
+        assert self._agents_kv is not None and self._hb_kv is not None
+        # CAS on the revision we graded: every hub may try, one wins, and a fresh
+        # registration (new revision) is never deleted by a stale decision.
+        with contextlib.suppress(KeyWrongLastSequenceError, KeyNotFoundError, Exception):
+            await self._agents_kv.delete(agent_id, last=view.revision)
+            await self._hb_kv.delete(agent_id)
+
+    def _overdue(self, view: AgentView) -> bool:
+        """Whether this hub has seen no beat of the agent for its lease, while it could have."""
+        now, lease = self._clock(), view.record.lease_timeout
+        return now - view.last_seen > lease and not self._blind(now, lease)
+
+    def _remember_lost(self, view: AgentView) -> None:
+        """Keep a LOST agent in ``recently_lost`` (it leaves every other listing)."""
+        ns = view.record.card.namespace
+        lost = self._lost.setdefault(ns, OrderedDict())
+        lost.pop(view.agent_id, None)
+        lost[view.agent_id] = (time.time(), tuple(view.record.card.capabilities))
+        while len(lost) > _LOST_KEPT_MAX:  # per namespace: no tenant evicts another's
+            lost.popitem(last=False)
+
+    def _declared_lost(self, view: AgentView) -> None:
+        """This hub let the agent's lease run out (from any state: draining, cordoned,
+        suspect): it leaves every listing now, so log it and keep it in ``recently_lost``."""
+        self._remember_lost(view)
+        log_event(
+            log,
+            LEASE_EXPIRED,
+            "agent LOST: no heartbeat for its lease and suspect_timeout; removed from the "
+            "registry (its history: reach-mesh audit --agent)",
+            agent_id=view.agent_id,
+            state="LOST",
+        )
+
+    def _notify(self, view: AgentView, old: AgentState) -> None:
+        if view.state is AgentState.SUSPECT and old is AgentState.ONLINE:
+            log_event(
+                log,
+                LEASE_EXPIRED,
+                "lease expired, agent is SUSPECT",
+                agent_id=view.agent_id,
+                state="SUSPECT",
+                lease_timeout=view.record.lease_timeout,
+            )
+        elif old is AgentState.LOST and view.state is not AgentState.LOST:
+            # Back (registered again): no longer "recently lost".
+            was = self._lost.get(view.record.card.namespace)
+            if was is not None:
+                was.pop(view.agent_id, None)
+        for listener in self._listeners:
+            try:
+                listener(view, old, view.state)
+            except Exception:
+                log.exception("state listener failed")
