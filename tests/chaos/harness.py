@@ -180,6 +180,11 @@ class Mesh:
         self.nodes = cluster_nodes(workdir, name="chaos")
         self.url = ",".join(n.url for n in self.nodes)
         env = dict(os.environ)
+        # The hubs and agents run the code of this tree (a worktree's, say), not whatever
+        # checkout the virtualenv's editable install points at, which may change meanwhile.
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(HERE.parent.parent), env.get("PYTHONPATH", "")) if p
+        )
         env.update({f"REACH_{k.upper()}": str(v) for k, v in cfg.timings.items()})
         env.update(
             {
