@@ -172,7 +172,7 @@ class PullConsumer:
                 self._refused += 1
                 self._maybe_check()
                 return
-            self._refused = 0
+            self._refused, self._check_wait = 0, 1.0  # served again
             # 404/408/409: this pull request is over; its unfilled part is no longer owed.
             pending = headers.get(_PENDING)
             if pending is not None and pending.isdigit():
@@ -189,8 +189,7 @@ class PullConsumer:
             return
         self._outstanding = max(0, self._outstanding - 1)
         self._held += 1
-        if self._refused:
-            self._refused, self._check_wait = 0, 1.0
+        self._refused, self._check_wait = 0, 1.0  # served again
         try:
             self._on_msg(msg)
         except Exception:

@@ -95,12 +95,18 @@ class Resources:
         if not _no_stream(err) or time.monotonic() - self._last_check < CHECK_EVERY:
             return
         if self._checking is None or self._checking.done():
-            self._checking = asyncio.create_task(self.check(), name="reach-resources")
+            self._checking = asyncio.create_task(self._check(), name="reach-resources")
 
     async def check(self) -> None:
         """Create again the streams and consumers that are gone, saying which (an ERROR: what
         they held is lost). Nothing when all are there, or when JetStream does not answer (an
-        election: "not found" is the only proof of absence)."""
+        election: "not found" is the only proof of absence). One check at a time: a caller
+        during one waits for it."""
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.create_task(self._check(), name="reach-resources")
+        await asyncio.shield(self._checking)
+
+    async def _check(self) -> None:
         self._last_check = time.monotonic()
         for part in self._parts:
             gone = [name for name in part.streams if await _gone(self._js.stream_info(name))]
