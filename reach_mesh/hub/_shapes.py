@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from typing import Any
 
 from nats.js.errors import KeyWrongLastSequenceError
@@ -229,7 +228,7 @@ class WorkflowShapes(StepRunner):
             else:
                 self._took_over(wf, None if rec is None else rec.owner)
         self._now_owner(wf)
-        t0 = time.time()
+        t0 = self._server_clock.now()
         with span(
             SPAN_WORKFLOW,
             kind=SpanKind.INTERNAL,
@@ -264,7 +263,7 @@ class WorkflowShapes(StepRunner):
         result.hub_id = self.hub_id
         result.spec_digest = wf.digest
         result.submitted_at = wf.submitted_at
-        result.finished_at = time.time()
+        result.finished_at = self._server_clock.now()
         result.duration_ms = round((result.finished_at - min(t0, wf.submitted_at)) * 1000, 3)
         return result, False
 
@@ -600,7 +599,7 @@ class WorkflowShapes(StepRunner):
                 note(rec, event)
                 self._take_outcome(rec, event)
                 rec.decided_by = event.attempt
-                rec.updated_at = time.time()
+                rec.updated_at = self._server_clock.now()
                 # Recorded: a record read from a replica behind its last write (a TIMEOUT,
                 # a next attempt) is not overruled unseen, and an outcome only in hand (or
                 # in its agent's memory) is kept — a restart that lost it, redelivered the
@@ -616,7 +615,7 @@ class WorkflowShapes(StepRunner):
             await self._remark(wf, rec)
             return
         rec.cancelled = True
-        rec.updated_at = time.time()
+        rec.updated_at = self._server_clock.now()
         wf.records[index] = rec
         if not await self._write_stopped(wf, key, rec, last, settle=settle):  # the fence
             return
@@ -680,7 +679,7 @@ class WorkflowShapes(StepRunner):
         it (a takeover it has not noticed) then finds the step cancelled when it gets there —
         its own create of the record fails — instead of starting it after the cancel's answer.
         A record made meanwhile (that hub started the step first) is fenced as any other."""
-        rec = new_record(wf, index, task_id, time.time())
+        rec = new_record(wf, index, task_id, self._server_clock.now())
         rec.cancelled = True
         try:
             await self._cas(key, rec, 0, wf.deadline)

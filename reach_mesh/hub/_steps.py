@@ -261,7 +261,7 @@ class StepRunner(StepPlacing):
             await self._remark(wf, rec)
         if rec.state.final or rec.cancelled:
             return rec  # finished before a takeover: never run again
-        ttl_left = rec.created_at + pol.ttl - time.time()
+        ttl_left = rec.created_at + pol.ttl - self._server_clock.now()
         deadline = min(wf.deadline, loop.time() + max(0.0, ttl_left))
         exclude: set[str] = set()
         said: str | None = None  # the waiting reason last published for this step
@@ -322,7 +322,7 @@ class StepRunner(StepPlacing):
                                 *rec.history[-ATTEMPTS_KEPT + 1 :],
                                 AttemptRecord(attempt=rec.attempt, agent_id=view.agent_id),
                             ]
-                            rec.updated_at = time.time()
+                            rec.updated_at = self._server_clock.now()
                             try:
                                 rev = await self._cas(key, rec, rev, wf.deadline)
                             except BaseException:
@@ -392,7 +392,7 @@ class StepRunner(StepPlacing):
                         rec.attempt += 1
                         rec.agent_id = None
                         rec.state = TaskState.PENDING
-                        rec.updated_at = time.time()
+                        rec.updated_at = self._server_clock.now()
                         rev = await self._cas(key, rec, rev, wf.deadline)
                         self._tracker.fence(track, rec.attempt)
                         if kind not in ("final", "overdue") and gave_up[1] is not None:
@@ -414,7 +414,7 @@ class StepRunner(StepPlacing):
                             "agent_id": None,
                             "attempts": rec.attempt,
                             "why": said if kind == "nomatch" else _WAITING_WHY.get(kind, kind),
-                            "since": time.time(),
+                            "since": time.time(),  # (this hub's: read by its own views)
                             "retry_in_s": round(min(delay, remaining), 3),
                         }
                         try:
@@ -458,7 +458,7 @@ class StepRunner(StepPlacing):
                 if not (adopted.state.final or adopted.cancelled):
                     rev = await self._fence_taken(wf, key, adopted, rev)
                 return adopted, rev, False, None, None
-        rec = new_record(wf, index, task_id, time.time())
+        rec = new_record(wf, index, task_id, self._server_clock.now())
         first = wf.first[index] if index < len(wf.first) else None
         if first is not None:
             wf.first[index] = None  # the step owns the agent's load count now
@@ -522,7 +522,7 @@ class StepRunner(StepPlacing):
         after this hub decided the step by its current attempt (which writes nothing), and
         send a step that finished to run again. If the old owner's write lands first, this
         one fails: ``NotOwnerError``, and the workflow is resumed from the records again."""
-        rec.updated_at = time.time()
+        rec.updated_at = self._server_clock.now()
         return await self._cas(key, rec, rev, wf.deadline)
 
     @staticmethod
@@ -651,7 +651,7 @@ class StepRunner(StepPlacing):
             self._take_outcome(rec, event)
         rec.stale += track.stale
         rec.decided_by = decided or None
-        rec.updated_at = time.time()
+        rec.updated_at = self._server_clock.now()
         if event is None or store or (event.attempt, event.agent_id) != fence:
             await self._cas(key, rec, rev, wf.deadline)
         # The deadline, or one attempt, decided the step: no other attempt is needed.

@@ -16,6 +16,7 @@ from opentelemetry.context import Context
 from reach_mesh import protocol
 from reach_mesh._jspub import JsClient
 from reach_mesh.config import MeshSettings
+from reach_mesh.hub._server_clock import ServerClock
 from reach_mesh.hub._step_state import Workflow
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.tracing import current_context, inject
@@ -29,6 +30,8 @@ class WorkflowEvents:
 
     _settings: MeshSettings
     _jsc: JsClient
+    #: The NATS server's wall clock (records' times, deadlines, TTLs): not the host's.
+    _server_clock: ServerClock
     #: Set when the hub stops: held events are dropped (the hub that takes over says them).
     _stopping: bool
 

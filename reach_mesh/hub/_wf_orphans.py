@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import TYPE_CHECKING, Any, Final
 
 import nats.errors
@@ -45,6 +44,7 @@ from nats.js.errors import NotFoundError
 from reach_mesh import protocol
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import ReachError
+from reach_mesh.hub._server_clock import ServerClock
 from reach_mesh.hub._wf_reject import refused_id
 from reach_mesh.hub.shares import Shares
 from reach_mesh.tracing.metrics import HubMetrics
@@ -111,6 +111,7 @@ class OrphanSweep:
     _nc: Any
     _js: JetStreamContext
     _settings: MeshSettings
+    _server_clock: ServerClock
     hub_id: str
     _owning: dict[tuple[str, str], Any]
     _running: dict[asyncio.Task[None], Msg]
@@ -154,7 +155,7 @@ class OrphanSweep:
                 del self._handed_back[seq]
         if not floor:
             return
-        oldest = time.time() - 2 * self._settings.workflow_ack_wait
+        oldest = self._server_clock.now() - 2 * self._settings.workflow_ack_wait
         seq = self._sweep_from
         try:
             for _ in range(_SWEEP_MAX):

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from typing import TYPE_CHECKING, Final, Literal
 
 from nats.aio.msg import Msg
@@ -138,7 +137,7 @@ class WorkflowRefusals(WorkflowQueries):
             state=TaskState.FAILED,
             error=ErrorBody(code=err.code, message=err.message, details=err.details),
             hub_id=self.hub_id,
-            finished_at=time.time(),
+            finished_at=self._server_clock.now(),
             spec_digest=digest,
             trace_id=trace_id,
         )

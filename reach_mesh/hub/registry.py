@@ -35,6 +35,7 @@ from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub._agent_view import AgentView, StateListener
 from reach_mesh.hub._liveness import LOST_KEPT_S, Liveness
 from reach_mesh.hub._resources import Resources
+from reach_mesh.hub._server_clock import ServerClock
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
 from reach_mesh.hub.index import AgentIndex
 from reach_mesh.models import (
@@ -72,11 +73,14 @@ class Registry(Liveness):
         *,
         clock: Callable[[], float] = time.monotonic,
         resources: Resources | None = None,
+        server_clock: ServerClock | None = None,
     ) -> None:
         self._nc = nc
         self._js = js
         self._settings = settings
         self._clock = clock
+        #: The NATS server's wall clock: what the stored entries' timestamps are read against.
+        self.server_clock = server_clock or ServerClock()
         #: The hub's JetStream resources: told when a watch or a write finds no stream.
         self._resources = resources
         self.agents: dict[str, AgentView] = {}
@@ -272,7 +276,7 @@ class Registry(Liveness):
         created: Any = entry.created
         if initial and created is not None:
             # Age entries loaded at start-up by the server's own timestamp.
-            age = max(0.0, time.time() - float(created.timestamp()))
+            age = max(0.0, self.server_clock.now() - float(created.timestamp()))
             return now - age
         return now
 
@@ -341,6 +345,8 @@ class Registry(Liveness):
         return view
 
     def _apply_heartbeat(self, entry: KeyValue.Entry, *, initial: bool) -> None:
+        if not initial:  # live: stored a moment ago, by the server's clock
+            self.server_clock.sample(entry.created)
         view = self.agents.get(entry.key)
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             self._early_beats.pop(entry.key, None)

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -53,6 +52,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _durable, _wf_orphans
 from reach_mesh.hub._resources import Resources
+from reach_mesh.hub._server_clock import ServerClock
 from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
@@ -107,8 +107,10 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         metrics: Any = None,
         known_namespace: Callable[[str], bool] | None = None,
         resources: Resources | None = None,
+        server_clock: ServerClock | None = None,
     ) -> None:
         self._nc = nc
+        self._server_clock = server_clock or ServerClock()
         self._js = js
         self._registry = registry
         self._router = router
@@ -571,8 +573,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             meta = msg.metadata
             submitted = meta.timestamp.timestamp()  # JetStream server time
             seq: int | None = meta.sequence.stream
+            self._server_clock.sample(submitted)
         except Exception:
-            submitted, seq = time.time(), None
+            submitted, seq = self._server_clock.now(), None
         timeout = spec.timeout if spec.timeout is not None else self._settings.task_ttl
         longest = self._settings.longest_workflow
         if timeout > longest:
@@ -583,7 +586,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
                 "submit a shorter timeout, or raise the hubs' workflow_retention",
                 field="timeout",
             )
-        remaining = submitted + timeout - time.time()
+        remaining = submitted + timeout - self._server_clock.now()
         loop = asyncio.get_running_loop()
         return Workflow(
             spec=spec,

@@ -1,0 +1,81 @@
+"""The NATS server's wall clock, as a hub can tell it from the messages it receives.
+
+A workflow's deadline is its submission's time as JetStream stored it (the server's clock) plus
+its timeout; a record loaded at start is aged by the server's timestamp. Reading "now" from the
+hub's own wall clock mixed two clocks: a hub whose clock ran two minutes ahead of the server's
+timed every workflow shorter than that out at once, dropping the results its agents sent, and
+one behind gave them that much longer.
+
+Every JetStream message a hub receives live carries the time the server stored it; it arrives
+after that. So ``local now - stored`` is the skew of the two clocks plus the message's delay,
+which is never negative, and its minimum over recent messages is the skew (plus the least
+delay, well under a millisecond on a LAN). The minimum is taken over the last one to two
+minutes (two windows), so that a clock corrected by NTP is followed; before any sample, and
+when none came for two windows, the last known skew holds (none at all: 0, the local clock).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Final
+
+__all__ = ["ServerClock"]
+
+#: Seconds of one window of samples; the skew is the least over the current and the last one.
+WINDOW: Final = 60.0
+
+
+class ServerClock:
+    """``now()``: the server's wall clock, estimated from :meth:`sample` (no I/O, O(1))."""
+
+    def __init__(
+        self,
+        *,
+        wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._wall = wall
+        self._monotonic = monotonic
+        self._current = math.inf
+        self._last = math.inf
+        self._window_end = monotonic() + WINDOW
+        #: The skew last estimated (local minus server, seconds): kept through quiet windows.
+        self._known = 0.0
+
+    def sample(self, stored: datetime | float | None) -> None:
+        """A JetStream message stored at ``stored`` (the server's time) arrived just now. Not
+        for messages read back or replayed: their delay is not small, and only raises the
+        minimum (harmless, but no information)."""
+        if stored is None:
+            return
+        at = stored if isinstance(stored, float | int) else stored.timestamp()
+        self._roll()
+        skew = self._wall() - at
+        if skew < self._current:
+            self._current = skew
+            self._known = min(self._current, self._last)
+
+    @property
+    def skew(self) -> float:
+        """This host's wall clock minus the server's, as estimated now (seconds)."""
+        self._roll()
+        return self._known
+
+    def now(self) -> float:
+        """The server's wall clock now (epoch seconds), as estimated."""
+        return self._wall() - self.skew
+
+    def _roll(self) -> None:
+        t = self._monotonic()
+        if t < self._window_end:
+            return
+        # One window passed (or more: then the last is empty).
+        self._last = self._current if t < self._window_end + WINDOW else math.inf
+        self._current = math.inf
+        self._window_end = t + WINDOW
+        best = min(self._current, self._last)
+        if best != math.inf:
+            self._known = best

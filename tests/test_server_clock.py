@@ -1,0 +1,91 @@
+"""Time is the server's: a hub whose wall clock is off the NATS server's keeps workflows'
+deadlines by the server's clock.
+
+A workflow's deadline is its submission's stored time (the server's clock) plus its timeout.
+Read against the hub's own clock, a hub two minutes ahead timed every shorter workflow out at
+once, dropping the results its agents sent; one behind let them run two minutes past their
+deadline. The hub now reads "now" from ``ServerClock``, which learns the skew from the
+timestamps of the JetStream messages it receives live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.hub._server_clock import WINDOW, ServerClock
+from reach_mesh.models import TaskState
+
+from .helpers import WF_FAST
+
+
+def test_the_skew_is_the_least_delay_seen_lately() -> None:
+    wall, mono = [1000.0], [0.0]
+    clock = ServerClock(wall=lambda: wall[0], monotonic=lambda: mono[0])
+    assert clock.skew == 0.0 and clock.now() == 1000.0  # nothing seen: the local clock
+    clock.sample(1000.0 - 120.5)  # this host is 120 s ahead; that message took 0.5 s
+    clock.sample(1000.0 - 120.001)
+    clock.sample(1000.0 - 300.0)  # an old message read late: no information
+    assert clock.skew == pytest.approx(120.001)
+    assert clock.now() == pytest.approx(1000.0 - 120.001)
+    # NTP steps this host back by 120 s: followed at once (a smaller skew is seen).
+    wall[0] -= 120.0
+    clock.sample(wall[0] - 0.002)
+    assert clock.skew == pytest.approx(0.002)
+    # Stepped ahead by 30 s: the least of the last two windows still holds it back...
+    wall[0] += 30.0
+    mono[0] += WINDOW
+    clock.sample(wall[0] - 30.002)
+    assert clock.skew == pytest.approx(0.002)
+    # ...until a whole window without the old skew.
+    mono[0] += WINDOW
+    clock.sample(wall[0] - 30.003)
+    assert clock.skew == pytest.approx(30.002)
+    # No messages for a long while: the last skew known holds.
+    mono[0] += 10 * WINDOW
+    assert clock.skew == pytest.approx(30.002)
+
+
+def _skewed(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """This process's wall clock ``seconds`` off the NATS server's (another host's)."""
+    real: Callable[[], float] = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + seconds)
+
+
+def _settings(nats_url: str, namespace: str) -> MeshSettings:
+    return MeshSettings(nats_url=nats_url, namespace=namespace, **WF_FAST)
+
+
+@pytest.mark.parametrize("skew", [120.0, -120.0])
+async def test_deadlines_hold_by_the_servers_clock_on_a_skewed_host(
+    monkeypatch: pytest.MonkeyPatch, nats_url: str, namespace: str, skew: float
+) -> None:
+    """A 30 s workflow whose step takes 0.3 s succeeds (ahead, it was TIMEOUT at once, the
+    result dropped); a 2 s workflow whose step takes 6 s is TIMEOUT at about 2 s (behind, it
+    ran on and SUCCEEDED past its deadline). Its times are the server's."""
+    _skewed(monkeypatch, skew)
+    settings = _settings(nats_url, namespace)
+    agent = Agent(f"{namespace}.clock.a1", settings=settings)
+
+    @agent.handler("test:sleep:v1")
+    async def sleep(task: Task[Any]) -> Any:
+        await asyncio.sleep(task.payload)
+        return task.payload
+
+    async with Hub(settings=settings), agent, Client(settings=settings) as mesh:
+        ok = await mesh.fanout([Step(capability="test:sleep:v1", payload=0.3)], timeout=30)
+        assert ok.state is TaskState.SUCCEEDED, ok
+        assert ok.submitted_at is not None and ok.finished_at is not None
+        assert abs(ok.finished_at - (time.time() - skew)) < 5  # the server's clock, not ours
+        assert ok.duration_ms is not None and 0 < ok.duration_ms < 5000, ok.duration_ms
+        t0 = time.monotonic()
+        late = await mesh.fanout([Step(capability="test:sleep:v1", payload=6.0)], timeout=2)
+        assert late.state is TaskState.TIMEOUT, late
+        assert time.monotonic() - t0 < 5, time.monotonic() - t0
