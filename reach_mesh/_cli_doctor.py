@@ -63,6 +63,8 @@ STREAMS: Final = (
     ),
 )
 #: What a stream (or the hubs' consumer) not found means.
+#: A hub's clock this far off the NATS server's (seconds) is a warning.
+CLOCK_SKEW: Final = 1.0
 MISSING: Final = "hubs create them when they start (has a hub of this version run here?)"
 #: A stream or an account this full is a warning: writes are refused at its limit.
 FULL: Final = 0.8
@@ -276,6 +278,19 @@ def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
             f"{detail}: {', '.join(sorted(blind))} cannot read or write the registry in "
             f"JetStream, or reach NATS{f'; last failure of {why}' if why else ''} "
             f"(reach_registry_blind; docs/operations.md, {runbook})",
+        )
+    skewed = sorted(
+        f"{(h.get('metadata') or {}).get('hub_id', '?')} {skew:+.1f}s"
+        for h in hubs
+        if abs(skew := float((h.get("fleet") or {}).get("clock_skew_s") or 0.0)) > CLOCK_SKEW
+    )
+    if skewed:
+        return Finding(
+            "hubs",
+            "warn",
+            f"{detail}: clock off the NATS server's: {', '.join(skewed)} — deadlines hold (hubs "
+            "read the server's), but their logs', audit's and metrics' times are off: fix "
+            "NTP on those hosts",
         )
     if len(versions) > 1:
         return Finding("hubs", "warn", f"{detail}: versions differ (a rolling upgrade?)")

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from reach_mesh import Client, MeshSettings, Step
+from reach_mesh._cli_doctor import diagnose
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub._server_clock import WINDOW, ServerClock
@@ -89,3 +90,7 @@ async def test_deadlines_hold_by_the_servers_clock_on_a_skewed_host(
         late = await mesh.fanout([Step(capability="test:sleep:v1", payload=6.0)], timeout=2)
         assert late.state is TaskState.TIMEOUT, late
         assert time.monotonic() - t0 < 5, time.monotonic() - t0
+        # The operator is told: the doctor names the hub and its skew.
+        hubs = {f.check: f for f in await diagnose(settings)}["hubs"]
+        assert hubs.status == "warn" and "clock off the NATS server's" in hubs.detail, hubs
+        assert f"{skew:+.0f}." in hubs.detail, hubs

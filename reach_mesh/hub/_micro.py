@@ -89,6 +89,8 @@ async def start_micro(hub: Hub) -> Service:
                 # Cannot read or write the registry lately (``reach_registry_blind``), and why.
                 "blind": hub.registry.blind(),
                 "blind_reason": hub.registry.blind_reason(),
+                # This hub's wall clock minus the NATS server's, as it estimates it (seconds).
+                "clock_skew_s": round(hub.registry.server_clock.skew, 3),
             }
         )
         await request.respond(body)  # _Answerable passes only requests with a reply subject

@@ -34,10 +34,11 @@ class ServerClock:
     def __init__(
         self,
         *,
-        wall: Callable[[], float] = time.time,
+        wall: Callable[[], float] | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._wall = wall
+        #: This host's wall clock (``time.time``, looked up at each call).
+        self._wall = wall or _host_wall
         self._monotonic = monotonic
         self._current = math.inf
         self._last = math.inf
@@ -79,3 +80,7 @@ class ServerClock:
         best = min(self._current, self._last)
         if best != math.inf:
             self._known = best
+
+
+def _host_wall() -> float:
+    return time.time()

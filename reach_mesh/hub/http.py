@@ -471,6 +471,7 @@ class HubHttp:
             sum(c for (_, st), c in counts.items() if st == AgentState.PRE_ONLINE.value)
         )
         m.registry_blind.set(1 if self.hub.registry.blind() else 0)
+        m.clock_skew.set(self.hub.registry.server_clock.skew)
         self.hub.forget_gone_namespaces()
 
     async def healthz(self) -> JSONResponse:

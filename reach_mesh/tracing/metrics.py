@@ -241,6 +241,13 @@ class HubMetrics:
             "off from NATS (it declares no agent LOST meanwhile) — else 0.",
             registry=r,
         )
+        self.clock_skew = Gauge(
+            "reach_clock_skew_seconds",
+            "This hub's wall clock minus the NATS server's, as estimated from the timestamps of "
+            "the JetStream messages it receives (deadlines use the server's; logs, audit and "
+            "metrics timestamps use this host's).",
+            registry=r,
+        )
         self.throttled_total = Counter(
             "reach_throttled",
             "Requests refused with REACH_THROTTLED, by namespace.",
