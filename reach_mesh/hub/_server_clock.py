@@ -6,12 +6,17 @@ hub's own wall clock mixed two clocks: a hub whose clock ran two minutes ahead o
 timed every workflow shorter than that out at once, dropping the results its agents sent, and
 one behind gave them that much longer.
 
-Every JetStream message a hub receives live carries the time the server stored it; it arrives
-after that. So ``local now - stored`` is the skew of the two clocks plus the message's delay,
-which is never negative, and its minimum over recent messages is the skew (plus the least
-delay, well under a millisecond on a LAN). The minimum is taken over the last one to two
-minutes (two windows), so that a clock corrected by NTP is followed; before any sample, and
-when none came for two windows, the last known skew holds (none at all: 0, the local clock).
+Every JetStream message carries the time the server stored it, and arrives after that. So
+``local now - stored`` is the skew of the two clocks plus the message's delay, which is never
+negative, and its minimum over recent messages is the skew (plus the least delay, well under
+a millisecond on a LAN). The samples are the heartbeat entries the registry's watch delivers
+live: each was written a moment before, by a hub that had just received the agent's beat.
+Not submissions: one may have waited in the stream for minutes (no hub running, a backlog),
+and at a hub's start it could be the only sample, taken for a skew of minutes.
+
+The minimum is taken over the last one to two minutes (two windows), so that a clock corrected
+by NTP is followed; before any sample, and when none came for two windows, the last known skew
+holds (none at all: 0, the local clock).
 """
 
 from __future__ import annotations

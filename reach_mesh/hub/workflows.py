@@ -573,7 +573,6 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             meta = msg.metadata
             submitted = meta.timestamp.timestamp()  # JetStream server time
             seq: int | None = meta.sequence.stream
-            self._server_clock.sample(submitted)
         except Exception:
             submitted, seq = self._server_clock.now(), None
         timeout = spec.timeout if spec.timeout is not None else self._settings.task_ttl
