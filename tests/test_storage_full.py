@@ -67,7 +67,7 @@ async def _make_room(url: str) -> None:
 async def test_a_full_store_refuses_new_work_loudly_and_loses_none(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.ERROR, logger="reach_mesh.hub.audit")
+    caplog.set_level(logging.WARNING, logger="reach_mesh.hub.audit")
     async with EmbeddedNats(max_file_store=STORE) as server:
         settings = MeshSettings(nats_url=server.url, namespace="full", **FAST, **WF_FAST)
         agent = Agent("full.echo.a1", settings=settings)
@@ -83,8 +83,9 @@ async def test_a_full_store_refuses_new_work_loudly_and_loses_none(
             return task.payload
 
         async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
-            # The audit stream reserves audit_max_bytes (1 GiB): no room for it here, and the
-            # hub says so instead of running without an audit history in silence.
+            # The audit stream reserves audit_max_bytes (1 GiB), or a sixteenth of it: no room
+            # for either here, and the hub says so instead of running without an audit history
+            # in silence (a larger store takes the sixteenth: the test below).
             said = " ".join(r.getMessage() for r in caplog.records)
             assert "no REACH_AUDIT stream" in said and "audit_max_bytes" in said, said
 
@@ -134,3 +135,18 @@ async def test_a_full_store_refuses_new_work_loudly_and_loses_none(
             assert again.state is TaskState.SUCCEEDED and again.steps[0].result == "later"
             assert sorted(runs) == ["fast", "later", "routed", "slow"], runs  # each ran once
             await eventually(lambda: not hub.registry.blind(), timeout=5)
+
+
+async def test_an_audit_stream_too_large_for_the_store_takes_a_sixteenth(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store smaller than audit_max_bytes (a small volume: the default is 1 GiB) but with
+    room for a sixteenth of it: the audit stream is created with that, and the hub says so."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh.hub.audit")
+    async with EmbeddedNats(max_file_store=STORE) as server:
+        settings = MeshSettings(nats_url=server.url, namespace="full", audit_max_bytes=32 << 20)
+        async with Hub(settings=settings) as hub:
+            audit = await hub.nc.jetstream().stream_info("REACH_AUDIT")
+            assert audit.config.max_bytes == 2 << 20, audit.config
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "REACH_AUDIT stream created with max_bytes 2097152" in said, said

@@ -33,6 +33,10 @@ __all__ = ["FLUSH_EVENTS", "FLUSH_INTERVAL", "REPEAT_WINDOW", "AuditLog", "Repea
 
 log = logging.getLogger("reach_mesh.hub.audit")
 
+#: When ``audit_max_bytes`` does not fit in JetStream's storage, this fraction of it is tried
+#: (64 MiB of the default), if at least ``_AUDIT_MIN_BYTES``.
+_AUDIT_FALLBACK: Final = 16
+_AUDIT_MIN_BYTES: Final = 1 << 20
 #: Longest an event waits in the buffer before it is published.
 FLUSH_INTERVAL: Final = 0.075
 #: A subject's buffer is published at once when it holds this many events (keeps one message
@@ -71,8 +75,45 @@ class AuditLog:
         self._flushing: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
+        """Create (or update) the audit stream. Its ``max_bytes`` is reserved in JetStream's
+        storage: where ``audit_max_bytes`` does not fit (a server with a small
+        ``max_file_store``, a small volume: the default is 1 GiB), a sixteenth of it is
+        tried, with a WARNING (not more: the audit must leave room for the work); where that
+        does not fit either, an ERROR, and the hub runs without its audit history. Never
+        raised: the audit must not stop a hub."""
         if not self.enabled:
             return
+        err: Exception | None = None
+        fallback = self._max_bytes // _AUDIT_FALLBACK
+        for size in (self._max_bytes, *([fallback] if fallback >= _AUDIT_MIN_BYTES else [])):
+            err = await self._create(size)
+            if err is None:
+                if size < self._max_bytes:
+                    log.warning(
+                        "%s stream created with max_bytes %d: audit_max_bytes (%d) does not "
+                        "fit in the server's JetStream storage (raise max_file_store, or set "
+                        "a smaller audit_max_bytes)",
+                        protocol.STREAM_AUDIT,
+                        size,
+                        self._max_bytes,
+                    )
+                return
+            if not storage_full(err):
+                break
+        assert err is not None
+        log.error(
+            "no %s stream, audit events are not kept: %s%s",
+            protocol.STREAM_AUDIT,
+            describe(err),
+            f" (audit_max_bytes, {self._max_bytes} bytes, does not fit in the server's "
+            "JetStream storage, nor a sixteenth of it: raise max_file_store, or lower "
+            "audit_max_bytes)"
+            if storage_full(err)
+            else "",
+        )
+
+    async def _create(self, max_bytes: int) -> Exception | None:
+        """Create the stream with ``max_bytes``, or update it when it exists; the error."""
         config = StreamConfig(
             name=protocol.STREAM_AUDIT,
             description="reach-mesh audit log",
@@ -80,27 +121,21 @@ class AuditLog:
             retention=RetentionPolicy.LIMITS,
             discard=DiscardPolicy.OLD,
             max_age=self._max_age,
-            max_bytes=self._max_bytes,
+            max_bytes=max_bytes,
             storage=StorageType.FILE,
             num_replicas=self._replicas,
         )
         try:
             await self._js.add_stream(config)
+            return None
         except Exception as err:
-            try:
-                await self._js.update_stream(config)  # it exists: the settings may have changed
-            except Exception as again:
-                # Said, not raised: the hub runs without its audit history. A store that cannot
-                # reserve ``audit_max_bytes`` refuses the create, and the update finds nothing.
-                log.error(
-                    "no %s stream, audit events are not kept: %s%s",
-                    protocol.STREAM_AUDIT,
-                    describe(err if storage_full(err) else again),
-                    f" (audit_max_bytes, {self._max_bytes} bytes, must fit in the server's "
-                    "JetStream storage: lower it or raise max_file_store)"
-                    if storage_full(err)
-                    else "",
-                )
+            if storage_full(err):
+                return err  # not there, and no room for it
+        try:
+            await self._js.update_stream(config)  # it exists: the settings may have changed
+            return None
+        except Exception as again:
+            return again
 
     def add(self, namespace: str, kind: str, fields: dict[str, Any]) -> None:
         """Buffer one event (no I/O here; an audit failure never fails a request).
