@@ -44,27 +44,10 @@ T = TypeVar("T")
 Status = Literal["ok", "warn", "fail"]
 
 #: The streams a mesh keeps (the KV buckets' streams are ``KV_<bucket>``), created by hubs.
-STREAMS: Final = (
-    protocol.STREAM_WF,
-    protocol.STREAM_WF_EVENTS,
-    protocol.STREAM_WORK,
-    protocol.STREAM_STATUS,
-    protocol.STREAM_AUDIT,
-    *(
-        f"KV_{b}"
-        for b in (
-            protocol.KV_AGENTS,
-            protocol.KV_HEARTBEATS,
-            protocol.KV_CORDONS,
-            protocol.KV_SESSIONS,
-            protocol.KV_TASKS,
-            protocol.KV_WORKFLOWS,
-        )
-    ),
-)
-#: What a stream (or the hubs' consumer) not found means.
+STREAMS: Final = protocol.MESH_STREAMS
 #: A hub's clock this far off the NATS server's (seconds) is a warning.
 CLOCK_SKEW: Final = 1.0
+#: What a stream (or the hubs' consumer) not found means.
 MISSING: Final = "hubs create them when they start (has a hub of this version run here?)"
 #: A stream or an account this full is a warning: writes are refused at its limit.
 FULL: Final = 0.8
@@ -200,7 +183,11 @@ def _stream(info: StreamInfo) -> Finding:
             problems.append(("warn", f"replica {peer.name} behind by {peer.lag or 0} operations"))
     if clustered and replicas == 1:
         problems.append(
-            ("warn", "one replica in a cluster: the loss of its server loses it (kv_replicas: 3)")
+            (
+                "warn",
+                "one replica in a cluster: the loss of its server loses it (kv_replicas: 3 "
+                "on the hubs, which scale it up at start)",
+            )
         )
     if cfg.max_bytes and cfg.max_bytes > 0 and state.bytes > FULL * cfg.max_bytes:
         problems.append(("warn", f"nearly full ({_size(cfg.max_bytes)} at most)"))

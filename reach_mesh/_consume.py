@@ -44,11 +44,13 @@ from reach_mesh import protocol
 from reach_mesh._batch import private_inbox
 from reach_mesh._guard import matches, refuse
 from reach_mesh._nats import ensure_kv
+from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 
 __all__ = [
     "RETENTION_STREAMS",
     "PullConsumer",
+    "apply_replicas",
     "apply_workflow_retention",
     "ensure_stream",
     "ensure_workflow_resources",
@@ -435,6 +437,37 @@ async def apply_workflow_retention(js: JetStreamContext, settings: MeshSettings)
         cfg.max_age = retention
         cfg.duplicate_window = window
         await js.update_stream(cfg)
+        changed.append(name)
+    return changed
+
+
+async def apply_replicas(js: JetStreamContext, settings: MeshSettings) -> list[str]:
+    """Give every existing stream of the mesh (``protocol.MESH_STREAMS``) at least
+    ``kv_replicas`` replicas; returns the names changed. Hubs call it at start: a mesh begun
+    on one server (R1) and moved to a cluster with ``kv_replicas: 3`` kept its streams at R1,
+    each lost with its server, and only ``reach-mesh doctor`` said so. Never fewer: a hub left
+    at the default (1) must not take a cluster's streams down to one replica — that is an
+    operator's decision (``nats stream edit``). A change the cluster cannot make (fewer
+    servers than replicas) is a WARNING, and the streams stay as they are."""
+    want = settings.kv_replicas
+    changed = []
+    for name in protocol.MESH_STREAMS:
+        try:
+            cfg = (await js.stream_info(name)).config
+        except NotFoundError:
+            continue
+        have = cfg.num_replicas or 1
+        if have >= want:
+            continue
+        cfg.num_replicas = want
+        try:
+            await js.update_stream(cfg)
+        except Exception as err:
+            log.warning(
+                "stream %s: R%d -> R%d (kv_replicas) refused: %s", name, have, want, describe(err)
+            )
+            continue
+        log.warning("stream %s: R%d -> R%d (kv_replicas)", name, have, want)
         changed.append(name)
     return changed
 

@@ -37,6 +37,7 @@ __all__ = [
     "KV_HEARTBEATS",
     "KV_TASKS",
     "KV_WORKFLOWS",
+    "MESH_STREAMS",
     "MESSAGE_ROOM",
     "PROTOCOL_VERSION",
     "REPLY_SUBJECT_RE",
@@ -117,6 +118,19 @@ STREAM_WF: Final = "REACH_WF"  # reach.wf.<ns>.submit (work queue, dedup on work
 STREAM_WF_EVENTS: Final = "REACH_WF_EVENTS"  # reach.wf.<ns>.<wf_id>.event
 STREAM_WORK: Final = "REACH_WORK"  # reach.work.<ns>.<agent_id> (work queue)
 STREAM_STATUS: Final = "REACH_STATUS"  # reach.status.<agent_id>.<task_id> (last: agent idempotency)
+#: Every stream of the mesh (a bucket's is ``KV_<bucket>``): what ``reach-mesh doctor`` checks
+#: and a hub gives its ``kv_replicas``.
+MESH_STREAMS: Final = (
+    STREAM_WF,
+    STREAM_WF_EVENTS,
+    STREAM_WORK,
+    STREAM_STATUS,
+    STREAM_AUDIT,
+    *(
+        f"KV_{b}"
+        for b in (KV_AGENTS, KV_HEARTBEATS, KV_CORDONS, KV_SESSIONS, KV_TASKS, KV_WORKFLOWS)
+    ),
+)
 #: The durable pull consumer every hub shares on ``REACH_WF``.
 CONSUMER_HUBS: Final = "reach-hubs"
 WORKFLOW_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,48}$")

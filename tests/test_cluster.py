@@ -313,3 +313,45 @@ async def _elected_other_than(js: Any, frozen: str) -> bool:
         info = await js.stream_info("KV_hedge")
         return info.cluster is not None and info.cluster.leader not in (None, frozen)
     return False
+
+
+async def test_a_mesh_begun_on_one_replica_gets_kv_replicas_when_the_hubs_say_three(
+    tmp_path: Path,
+) -> None:
+    """Streams made at R1 (a mesh begun with the default ``kv_replicas``) stayed R1 after the
+    hubs were given ``kv_replicas: 3``: each was lost with its server. A hub now scales them
+    up at start; one left at the default never scales them down."""
+    nodes = cluster_nodes(tmp_path, name="scale")
+    try:
+        for node in nodes:
+            node.start()
+        urls = ",".join(n.url for n in nodes)
+        await _js_ready(nodes[0].url)
+        one = MeshSettings(nats_url=urls, namespace="scale", kv_replicas=1)
+        async with Hub(settings=one):
+            pass
+        assert set((await _replicas(urls)).values()) == {1}
+        async with Hub(settings=one.model_copy(update={"kv_replicas": 3})):
+            pass
+        replicas = await _replicas(urls)
+        assert set(replicas) == set(STREAMS) and set(replicas.values()) == {3}, replicas
+        async with Hub(settings=one):  # the default again: left at three
+            pass
+        assert set((await _replicas(urls)).values()) == {3}
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def _replicas(url: str) -> dict[str, int]:
+    """Each existing stream of the mesh and its replicas, as the cluster has them."""
+    nc = await nats.connect(servers=url.split(","))
+    try:
+        js = nc.jetstream()
+        out: dict[str, int] = {}
+        for name in STREAMS:
+            with contextlib.suppress(Exception):
+                out[name] = (await js.stream_info(name)).config.num_replicas or 1
+        return out
+    finally:
+        await nc.close()

@@ -35,7 +35,7 @@ from nats.js import JetStreamContext
 
 from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher, private_inbox
-from reach_mesh._consume import apply_workflow_retention
+from reach_mesh._consume import apply_replicas, apply_workflow_retention
 from reach_mesh._guard import guarded
 from reach_mesh._nats import connect, flushed, refused_messages, shown
 from reach_mesh._retry import describe, storage_full
@@ -238,6 +238,8 @@ class Hub(RoutingMixin, ControlMixin):
             self.resources.start()
             # The streams and buckets may predate this hub's workflow_retention.
             await apply_workflow_retention(self._js, s)
+            # And they may predate its kv_replicas (a mesh begun on one server).
+            await apply_replicas(self._js, s)
             if s.http_port is not None:
                 self.dashboard = Dashboard(self)
                 await self.dashboard.start()

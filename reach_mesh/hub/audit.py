@@ -132,7 +132,11 @@ class AuditLog:
             if storage_full(err):
                 return err  # not there, and no room for it
         try:
-            await self._js.update_stream(config)  # it exists: the settings may have changed
+            # It exists: the settings may have changed. Never fewer replicas than it has: a
+            # hub left at the default kv_replicas must not scale a cluster's stream down.
+            have = (await self._js.stream_info(protocol.STREAM_AUDIT)).config.num_replicas or 1
+            config.num_replicas = max(self._replicas, have)
+            await self._js.update_stream(config)
             return None
         except Exception as again:
             return again
