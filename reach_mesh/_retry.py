@@ -37,9 +37,10 @@ _NOT_YET_ERR_CODES: Final = frozenset({10158})
 #: (10059: being recovered, or gone) answers 404 too, and knows nothing.
 _NO_MESSAGE_ERR_CODES: Final = frozenset({None, 10037})
 #: What JetStream answers a write it has no room for: 10023 ("insufficient resources": a store
-#: past the account's or the server's storage, ``max_file_store``); 10047 / 10028 ("insufficient
+#: past the server's storage, ``max_file_store``); 10002 ("resource limits exceeded for
+#: account": past the account's own ``jetstream`` limits); 10047 / 10028 ("insufficient
 #: storage / memory resources available": a stream whose ``max_bytes`` cannot be reserved).
-_FULL_ERR_CODES: Final = frozenset({10023, 10028, 10047})
+_FULL_ERR_CODES: Final = frozenset({10002, 10023, 10028, 10047})
 
 _TRANSIENT: Final = (
     nats.errors.TimeoutError,  # also FlushTimeoutError, nats.js FetchTimeoutError
@@ -70,6 +71,7 @@ def transient(err: BaseException) -> bool:
     return isinstance(err, nats.js.errors.APIError) and (
         getattr(err, "code", None) in _UNAVAILABLE_CODES
         or getattr(err, "err_code", None) in _NOT_YET_ERR_CODES
+        or storage_full(err)  # (an account's limit is a 400: room comes back, as for a 503)
     )
 
 

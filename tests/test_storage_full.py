@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -45,13 +46,15 @@ async def _fill(url: str) -> int:
         js = nc.jetstream()
         await js.add_stream(StreamConfig(name="FILLER", subjects=["filler.>"]))
         stored = 0
-        while True:
-            try:
-                await js.publish("filler.x", b"x" * 60_000)
-            except Exception as err:
-                assert storage_full(err), err  # what the engine and the client tell apart
-                return stored
-            stored += 1
+        for size in (60_000, 1_000, 10):  # to the last bytes: small messages fit in a remnant
+            while True:
+                try:
+                    await js.publish("filler.x", b"x" * size)
+                except Exception as err:
+                    assert storage_full(err), err  # what the engine and the client tell apart
+                    break
+                stored += 1
+        return stored
     finally:
         await nc.close()
 
@@ -150,3 +153,30 @@ async def test_an_audit_stream_too_large_for_the_store_takes_a_sixteenth(
             assert audit.config.max_bytes == 2 << 20, audit.config
         said = " ".join(r.getMessage() for r in caplog.records)
         assert "REACH_AUDIT stream created with max_bytes 2097152" in said, said
+
+
+async def test_an_account_nearly_full_is_a_doctor_warning(tmp_path: Path) -> None:
+    """An account's own JetStream limit (``jetstream: {max_file: …}`` in the server's
+    accounts): the doctor reads it and warns past 80 %, and a submission past it is refused
+    as the server's limit's is."""
+    conf = tmp_path / "accounts.conf"
+    conf.write_text(
+        "accounts {\n"
+        "  APP: {\n"
+        f"    jetstream: {{max_file: {STORE}, max_mem: 1048576}}\n"
+        '    users: [{user: "app", password: "app"}]\n'
+        "  }\n"
+        "}\n"
+    )
+    async with EmbeddedNats(tmp_path / "store", auth_config=conf) as server:
+        url = server.url.replace("nats://", "nats://app:app@")
+        settings = MeshSettings(nats_url=url, namespace="full", audit_enabled=False, **FAST)
+        async with Hub(settings=settings), Client(settings=settings) as mesh:
+            found = {f.check: f for f in await diagnose(settings)}
+            assert found["jetstream"].status == "ok", found["jetstream"]
+            assert await _fill(url) > 0
+            found = {f.check: f for f in await diagnose(settings)}
+            jetstream = found["jetstream"]
+            assert jetstream.status == "warn" and "nearly full" in jetstream.detail, jetstream
+            with pytest.raises(MeshUnavailableError, match="storage is full"):
+                await mesh.fanout([Step(capability="test:echo:v1", payload=1)], timeout=30)
