@@ -339,6 +339,31 @@ def held_handler(agent: Agent, cap: str, answer: Any = None) -> HeldHandler:
     return held
 
 
+@dataclass
+class GatedEcho:
+    """An echo handler that records each payload it runs and holds the payload ``hold``
+    until ``gate`` is set (``started`` set when it begins)."""
+
+    started: asyncio.Event
+    gate: asyncio.Event
+    runs: list[Any]
+
+
+def gated_echo(agent: Agent, cap: str, hold: Any) -> GatedEcho:
+    """Give ``agent`` a handler of ``cap`` that returns its payload, holding ``hold``."""
+    echo = GatedEcho(asyncio.Event(), asyncio.Event(), [])
+
+    @agent.handler(cap)
+    async def run(task: Task[Any]) -> Any:
+        echo.runs.append(task.payload)
+        if task.payload == hold:
+            echo.started.set()
+            await echo.gate.wait()
+        return task.payload
+
+    return echo
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without its ``REACH_``/``OTEL_`` variables (a child
     configured by the test alone), plus ``extra``."""

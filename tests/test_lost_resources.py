@@ -26,7 +26,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState, TaskState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import FAST, WF_FAST, eventually
+from .helpers import FAST, WF_FAST, eventually, gated_echo
 
 
 @pytest.fixture
@@ -174,3 +174,29 @@ async def test_a_hub_creates_again_the_heartbeat_bucket_deleted_under_it(
         assert hub.resources is not None and hub.resources.recreated_total == 1
         await eventually(lambda: not hub.registry.blind(), timeout=5)
         assert hub.registry.agents[agent.agent_id].state is AgentState.ONLINE
+
+
+async def test_a_running_workflow_keeps_its_result_when_its_record_bucket_is_deleted(
+    server: EmbeddedNats,
+) -> None:
+    """The record bucket deleted while a step runs: the bucket comes back empty, and the
+    owner's final write, which finds no record (not a takeover: that writes one naming its
+    hub), writes it again. The workflow ends with its results, each step run once. Before, the
+    owner took the missing record for a takeover and stopped, and nobody took the workflow
+    again before its deadline (``workflow_ack_wait``, 30 s, past its 10 s): TIMEOUT, its step's
+    result dropped."""
+    settings = _settings(server.url).model_copy(update={"workflow_ack_wait": 30.0})
+    agent = Agent("lost.gate.a1", settings=settings)
+    echo = gated_echo(agent, "test:gate:v1", hold="held")
+
+    async with Hub(settings=settings), agent, Client(settings=settings) as mesh:
+        steps = [Step(capability="test:gate:v1", payload=p) for p in ("held", "quick")]
+        wf_id = await mesh.submit_fanout(steps, timeout=10)
+        await asyncio.wait_for(echo.started.wait(), 5)
+        await _delete(server.url, f"KV_{protocol.KV_WORKFLOWS}")
+        await asyncio.sleep(0.5)
+        echo.gate.set()
+        result = await mesh.workflow(wf_id, timeout=15)
+        assert result.state is TaskState.SUCCEEDED, result
+        assert [(s.result, s.attempts) for s in result.steps] == [("held", 1), ("quick", 1)]
+        assert sorted(echo.runs) == ["held", "quick"], echo.runs

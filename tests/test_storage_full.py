@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 import nats
 import pytest
@@ -26,14 +25,14 @@ from nats.js.api import StreamConfig
 from reach_mesh import Client, MeshSettings, Step
 from reach_mesh._cli_doctor import diagnose
 from reach_mesh._retry import storage_full
-from reach_mesh.agent import Agent, Task
+from reach_mesh.agent import Agent
 from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.hub import Hub
 from reach_mesh.hub.http import HubHttp
 from reach_mesh.models import AgentState, TaskState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import FAST, WF_FAST, eventually
+from .helpers import FAST, WF_FAST, eventually, gated_echo
 
 #: Small enough to fill in a second, large enough for the mesh's own records.
 STORE = 8 << 20
@@ -74,16 +73,8 @@ async def test_a_full_store_refuses_new_work_loudly_and_loses_none(
     async with EmbeddedNats(max_file_store=STORE) as server:
         settings = MeshSettings(nats_url=server.url, namespace="full", **FAST, **WF_FAST)
         agent = Agent("full.echo.a1", settings=settings)
-        started, gate = asyncio.Event(), asyncio.Event()
-        runs: list[Any] = []
-
-        @agent.handler("test:echo:v1")
-        async def echo(task: Task[Any]) -> Any:
-            runs.append(task.payload)
-            if task.payload == "slow":
-                started.set()
-                await gate.wait()
-            return task.payload
+        echo = gated_echo(agent, "test:echo:v1", hold="slow")
+        started, gate, runs = echo.started, echo.gate, echo.runs
 
         async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
             # The audit stream reserves audit_max_bytes (1 GiB), or a sixteenth of it: no room

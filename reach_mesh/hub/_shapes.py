@@ -542,16 +542,25 @@ class WorkflowShapes(StepRunner):
     ) -> None:
         """Write the workflow record (``data``: encoded already) with a CAS on this hub's own
         revision (``wf.rev``, then the new one). ``KeyWrongLastSequenceError`` when another
-        hub wrote it since."""
-        assert self._wf_kv is not None
-        wf.rev = await _durable.cas(
-            self._wf_kv,
-            protocol.workflow_key(wf.ns, wf.id),
-            protocol.encode(record) if data is None else data,
-            wf.rev,
-            self._io_deadline(wf.deadline),
-            on_retry=self._infra_retry,
-        )
+        hub wrote it since.
+
+        A record that is not there at all was not taken over (a takeover writes one naming
+        its hub): it is gone — its bucket deleted — and is written again, as a create (of
+        this hub and one taking the workflow over meanwhile, one wins)."""
+        kv = self._wf_kv
+        assert kv is not None
+        key = protocol.workflow_key(wf.ns, wf.id)
+        body = protocol.encode(record) if data is None else data
+        deadline = self._io_deadline(wf.deadline)
+        try:
+            wf.rev = await _durable.cas(kv, key, body, wf.rev, deadline, on_retry=self._infra_retry)
+        except KeyWrongLastSequenceError:
+            if wf.rev == 0:
+                raise  # a create: the record exists
+            if await self._io(f"read {key}", lambda: _durable.get(kv, key), None) is not None:
+                raise
+            log.warning("workflow %s: its record was gone; written again", wf.id)
+            wf.rev = await _durable.create(kv, key, body, deadline, on_retry=self._infra_retry)
 
     async def _cancel_step(self, wf: Workflow, index: int, *, settle: bool = False) -> None:
         """Mark a branch the policy no longer needs: agents drop its undelivered attempts.
