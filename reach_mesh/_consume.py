@@ -174,7 +174,8 @@ class PullConsumer:
                 self._refused += 1
                 self._maybe_check()
                 return
-            self._refused, self._check_wait = 0, 1.0  # served again
+            if self._refused:  # served again (a check's backoff starts over)
+                self._refused, self._check_wait = 0, 1.0
             # 404/408/409: this pull request is over; its unfilled part is no longer owed.
             pending = headers.get(_PENDING)
             if pending is not None and pending.isdigit():
@@ -191,7 +192,8 @@ class PullConsumer:
             return
         self._outstanding = max(0, self._outstanding - 1)
         self._held += 1
-        self._refused, self._check_wait = 0, 1.0  # served again
+        if self._refused:  # served again
+            self._refused, self._check_wait = 0, 1.0
         try:
             self._on_msg(msg)
         except Exception:

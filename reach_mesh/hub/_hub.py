@@ -232,7 +232,6 @@ class Hub(RoutingMixin, ControlMixin):
                 metrics=self.metrics,
                 known_namespace=self.known_namespace,
                 resources=self.resources,
-                server_clock=self.registry.server_clock,
             )
             await self.workflows.start()
             self.resources.start()

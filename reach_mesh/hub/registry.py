@@ -73,14 +73,13 @@ class Registry(Liveness):
         *,
         clock: Callable[[], float] = time.monotonic,
         resources: Resources | None = None,
-        server_clock: ServerClock | None = None,
     ) -> None:
         self._nc = nc
         self._js = js
         self._settings = settings
         self._clock = clock
         #: The NATS server's wall clock: what the stored entries' timestamps are read against.
-        self.server_clock = server_clock or ServerClock()
+        self.server_clock = ServerClock()
         #: The hub's JetStream resources: told when a watch or a write finds no stream.
         self._resources = resources
         self.agents: dict[str, AgentView] = {}

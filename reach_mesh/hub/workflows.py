@@ -52,7 +52,6 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _durable, _wf_orphans
 from reach_mesh.hub._resources import Resources
-from reach_mesh.hub._server_clock import ServerClock
 from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import NotOwnerError, Workflow
@@ -107,10 +106,10 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         metrics: Any = None,
         known_namespace: Callable[[str], bool] | None = None,
         resources: Resources | None = None,
-        server_clock: ServerClock | None = None,
     ) -> None:
         self._nc = nc
-        self._server_clock = server_clock or ServerClock()
+        #: The registry's: it learns the server's clock from the heartbeats it watches.
+        self._server_clock = registry.server_clock
         self._js = js
         self._registry = registry
         self._router = router
