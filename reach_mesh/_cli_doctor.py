@@ -243,18 +243,18 @@ def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
             f"no hub answers $SRV.INFO.{protocol.MICRO_HUB_SERVICE}: start one "
             "(reach-mesh hub, or reach-mesh up); callers' requests wait for it meanwhile",
         )
-    named = sorted(
-        f"{(h.get('metadata') or {}).get('hub_id', '?')} ({h.get('version', '?')})" for h in hubs
-    )
-    versions = {str(h.get("version", "?")) for h in hubs}
-    detail = f"{len(hubs)} answering: {', '.join(named)}"
-    blind = {
-        str((h.get("metadata") or {}).get("hub_id", "?")): (h.get("fleet") or {}).get(
-            "blind_reason"
+    # Each hub's id, version and fleet answer (``discover_hubs``: None if it did not answer).
+    seen = [
+        (
+            str((h.get("metadata") or {}).get("hub_id", "?")),
+            str(h.get("version", "?")),
+            h.get("fleet") or {},
         )
         for h in hubs
-        if (h.get("fleet") or {}).get("blind")
-    }
+    ]
+    versions = {version for _, version, _ in seen}
+    detail = f"{len(hubs)} answering: " + ", ".join(sorted(f"{h} ({v})" for h, v, _ in seen))
+    blind = {hub: fleet.get("blind_reason") for hub, _, fleet in seen if fleet.get("blind")}
     if blind:
         why = "; ".join(f"{hub}: {reason}" for hub, reason in sorted(blind.items()) if reason)
         full = any("storage is full" in str(reason) for reason in blind.values())
@@ -267,9 +267,9 @@ def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
             f"(reach_registry_blind; docs/operations.md, {runbook})",
         )
     skewed = sorted(
-        f"{(h.get('metadata') or {}).get('hub_id', '?')} {skew:+.1f}s"
-        for h in hubs
-        if abs(skew := float((h.get("fleet") or {}).get("clock_skew_s") or 0.0)) > CLOCK_SKEW
+        f"{hub} {skew:+.1f}s"
+        for hub, _, fleet in seen
+        if abs(skew := float(fleet.get("clock_skew_s") or 0.0)) > CLOCK_SKEW
     )
     if skewed:
         return Finding(
