@@ -22,7 +22,7 @@ from reach_mesh._cli_doctor import diagnose
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub._server_clock import WINDOW, ServerClock
-from reach_mesh.models import TaskState
+from reach_mesh.models import AgentState, TaskState
 
 from .helpers import WF_FAST
 
@@ -94,3 +94,29 @@ async def test_deadlines_hold_by_the_servers_clock_on_a_skewed_host(
         hubs = {f.check: f for f in await diagnose(settings)}["hubs"]
         assert hubs.status == "warn" and "clock off the NATS server's" in hubs.detail, hubs
         assert f"{skew:+.0f}." in hubs.detail, hubs
+
+
+async def test_a_hub_knows_the_servers_clock_from_its_start(
+    monkeypatch: pytest.MonkeyPatch, nats_url: str, namespace: str
+) -> None:
+    """A hub 120 s ahead that starts among running agents: before any heartbeat reached it,
+    it aged their stored heartbeats by its own clock, 120 s, and took them for LOST. It asks the
+    server's time (a stream's info) before it loads the registry."""
+    settings = _settings(nats_url, namespace)
+    agent = Agent(f"{namespace}.clock.a1", settings=settings)
+
+    @agent.handler("test:sleep:v1")
+    async def sleep(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with Hub(settings=settings), agent:
+        _skewed(monkeypatch, 120.0)
+        late = Hub(settings=settings)
+        await late.start()
+        try:
+            assert late.registry.server_clock.skew == pytest.approx(120.0, abs=1.0)
+            view = late.registry.agents[agent.agent_id]
+            assert view.state is AgentState.ONLINE, view.state
+            assert time.monotonic() - view.last_seen < settings.heartbeat_interval + 1
+        finally:
+            await late.close()

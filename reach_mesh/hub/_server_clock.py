@@ -15,19 +15,26 @@ Not submissions: one may have waited in the stream for minutes (no hub running, 
 and at a hub's start it could be the only sample, taken for a skew of minutes.
 
 The minimum is taken over the last one to two minutes (two windows), so that a clock corrected
-by NTP is followed; before any sample, and when none came for two windows, the last known skew
-holds (none at all: 0, the local clock).
+by NTP is followed; when none came for two windows, the last known skew holds. The first sample
+is asked for at the hub's start (:func:`ask_server_time`), before the registry ages the entries
+it loads: a stream's info carries the server's time when it answered.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Final
 
-__all__ = ["ServerClock"]
+from nats.aio.client import Client as NATS
+
+__all__ = ["ServerClock", "ask_server_time"]
+
+log = logging.getLogger("reach_mesh.hub")
 
 #: Seconds of one window of samples; the skew is the least over the current and the last one.
 WINDOW: Final = 60.0
@@ -85,6 +92,18 @@ class ServerClock:
         best = min(self._current, self._last)
         if best != math.inf:
             self._known = best
+
+
+async def ask_server_time(nc: NATS, stream: str, clock: ServerClock) -> None:
+    """Sample ``clock`` with the server's time as ``stream``'s info gives it (``ts``, when the
+    server answered): the one sample a hub has before any message reaches it. Logged and
+    skipped if the server does not say (the local clock holds until a heartbeat comes)."""
+    try:
+        msg = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=2.0)
+        ts = json.loads(msg.data).get("ts")
+        clock.sample(datetime.fromisoformat(ts) if isinstance(ts, str) else None)
+    except Exception as err:
+        log.info("the NATS server's time is not known yet (%s): the local clock is used", err)
 
 
 def _host_wall() -> float:
