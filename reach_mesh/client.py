@@ -430,7 +430,7 @@ class Client(WorkflowsMixin):
                 else:
                     last = UnknownAgentError(f"{agent} has no subscriber on {target.subject}")
                     last.__cause__ = err
-                    code = MeshUnavailableError.code
+                    code = last.code  # reported as no fault: it may be reconnecting
                 tried.add(agent)
                 if key is not None:
                     self._drop(key, agent)

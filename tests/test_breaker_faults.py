@@ -19,7 +19,14 @@ from pydantic import BaseModel
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
-from reach_mesh.hub.breaker import NOT_AGENT_FAULTS, BreakerState, CircuitBreaker, is_agent_fault
+from reach_mesh.hub.breaker import (
+    NOT_AGENT_FAULTS,
+    BreakerState,
+    CircuitBreaker,
+    HealthScore,
+    caller_report,
+    is_agent_fault,
+)
 from reach_mesh.models import AgentState, FailureReport
 
 from .helpers import eventually, mcp_session
@@ -86,6 +93,23 @@ def test_reported_failure_is_no_probe_verdict_but_reported_success_is() -> None:
     assert _state(breaker) is BreakerState.HALF_OPEN  # a caller's word cannot re-open it
     breaker.report(True, "caller-1")
     assert _state(breaker) is BreakerState.CLOSED  # direct mode: the caller ran the probe
+
+
+def test_a_reported_no_responders_is_no_fault() -> None:
+    """``REACH_UNKNOWN_AGENT`` (nobody on the agent's subject: it may be reconnecting) spends
+    the reporter's budget and changes neither breaker nor health; ``REACH_UNAVAILABLE`` (what
+    SDKs before this version sent for it, and a handler's infrastructure error) counts."""
+    breaker, health = CircuitBreaker(clock=FakeClock()), HealthScore()
+
+    def report(code: str) -> bool:
+        return caller_report(
+            breaker, health, FailureReport(agent_id="t.a.b", success=False, code=code)
+        )
+
+    assert report("REACH_UNKNOWN_AGENT")
+    assert breaker.counts() == (0, 0) and health.value == 100
+    assert report("REACH_UNAVAILABLE")
+    assert breaker.counts() == (0, 1) and health.value == 90
 
 
 def test_reporters_past_the_bound_share_one_budget() -> None:

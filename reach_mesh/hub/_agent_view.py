@@ -37,6 +37,10 @@ class AgentView:
     #: it applied: unlike ``last_seen``, not moved by a record another hub rewrote (a cordon).
     #: The agent spoke then (``StatusTracker`` tells a deaf agent by it). -inf: not yet.
     spoke_at: float = -math.inf
+    #: This hub's monotonic time when a task it sent found nobody subscribed to the agent's
+    #: subject. Later than ``spoke_at``: not heard from since, maybe gone or reconnecting, so
+    #: routed to only when nobody else can take the task (the router's last tier).
+    unreached_at: float = -math.inf
     #: KV revision of the newest heartbeat applied (this hub's own writes are not re-applied
     #: when its watch delivers them back).
     hb_revision: int = 0

@@ -27,6 +27,7 @@ from reach_mesh.errors import (
     MeshUnavailableError,
     ReachError,
     ThrottledError,
+    UnknownAgentError,
     UnknownWorkflowError,
 )
 from reach_mesh.hub._wf_view import STEPS_PER_CHARGE, VIEW_DEADLINE
@@ -246,6 +247,9 @@ class ControlMixin:
             return
         if not caller_report(view.breaker, view.health, report):
             return  # the reporter's budget is spent: nothing changed
+        if not report.success and report.code == UnknownAgentError.code:
+            # The caller found nobody on its subject (direct mode): as a route of ours would.
+            view.unreached_at = self.registry.now
         self.registry.regrade(view)
 
     async def _on_breaker(self, msg: Msg) -> None:

@@ -113,6 +113,7 @@ class Hub(RoutingMixin, ControlMixin):
         # Proxy attempts awaiting their agent's reply, by reply token; their deadlines in a
         # heap (entries of answered attempts are dropped lazily); routes not yet answered.
         self._flights = {}
+        self._held = {}
         self._deadlines: list[tuple[float, str]] = []
         self._reply_prefix = ""
         self._reply_prefix_b = b""
@@ -319,6 +320,21 @@ class Hub(RoutingMixin, ControlMixin):
         """Base URL of this hub's HTTP endpoints (metrics, REST, dashboard), if enabled."""
         return None if self.http is None else str(self.http.url)
 
+    async def _end_held(self) -> None:
+        """End the routes waiting for an agent that may be reconnecting: unavailable, so the
+        SDK asks another hub with the same task id (nothing was sent to the agent)."""
+        held, self._held = self._held, {}
+        for flight, timer in held.values():
+            timer.cancel()
+            with contextlib.suppress(Exception):
+                await self._finish(
+                    flight,
+                    error=MeshUnavailableError(
+                        f"hub {self.hub_id} stopped while task {flight.task_id} waited for "
+                        "its agent: retry with the same task_id"
+                    ),
+                )
+
     async def close(self) -> None:
         """Stop taking requests, finish in-flight ones, drain the connection. Idempotent."""
         if self.state in (HubState.CLOSING, HubState.CLOSED):
@@ -338,6 +354,8 @@ class Hub(RoutingMixin, ControlMixin):
         if self.workflows is not None:
             # Hand running workflows back (nak) so another hub resumes them at once.
             await within("workflow engine stop", self.workflows.stop(), 10.0, log)
+        # Routes waiting for an agent that may be reconnecting (nothing sent to it) end now.
+        await self._end_held()
         # Routes in flight get their answers (or their deadline) for up to 5 s.
         for _ in range(500):
             if not self._inflight and self._ns_flights.total <= 0:
@@ -345,6 +363,7 @@ class Hub(RoutingMixin, ControlMixin):
             await asyncio.sleep(0.01)
         for task in list(self._inflight):
             task.cancel()
+        await self._end_held()  # (held again meanwhile)
         # Those still waiting for their agent end now, told so (counted, audited, their spans
         # ended): not left to their callers' timeouts once this hub's connection is gone.
         # Unavailable, so the SDK asks another hub with the same task id (the agent's

@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import heapq
 import logging
+import math
+import random
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -43,7 +45,7 @@ from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.shares import Shares
 from reach_mesh.logs import AGENT_TIMEOUT, ROUTE_LATENCY, LineBudget, log_event
-from reach_mesh.models import ErrorBody, RouteDecision, RouteRequest, TaskState
+from reach_mesh.models import AgentState, ErrorBody, RouteDecision, RouteRequest, TaskState
 from reach_mesh.tracing.metrics import HubMetrics, LoopHistogram
 
 __all__ = ["OTHER_CAPABILITY", "RouteEndMixin"]
@@ -62,6 +64,12 @@ OTHER_CAPABILITY: Final = "other"
 _LOCAL_REPLY: Final = "local "
 #: The longest time an agent's reply may report (ms: a day, a route's longest ``timeout``).
 _MS_MAX: Final = 86_400_000.0
+#: A route waiting for an agent that may be reconnecting (``_hold``) tries again after 20 ms,
+#: doubling up to 0.5 s (each wait spread by ±50 %), and tries last this long before its
+#: deadline (seconds).
+_HOLD_FIRST: Final = 0.02
+_HOLD_MAX: Final = 0.5
+_HOLD_SLACK: Final = 0.02
 
 
 class _ReplyHead(BaseModel):
@@ -100,7 +108,14 @@ class _Flight:
     sticky: str | None = None
     attempt: int = 0
     exclude: set[str] = field(default_factory=set)
+    #: ``attempt`` when the current round of tries began (``route_attempts`` per round).
+    round_start: int = 0
     last_error: ReachError | None = None
+    #: Agents this route found nobody listening for (``_unreachable``): since when, on the
+    #: registry's clock, or ``inf`` for one found deaf.
+    unreached: dict[str, float] | None = None
+    #: The next wait of a route held for an agent that may be reconnecting (``_hold``).
+    hold_delay: float = _HOLD_FIRST
     view: AgentView | None = None
     capability: str | None = None
     decision: RouteDecision | None = None
@@ -128,6 +143,8 @@ class RouteEndMixin:
     _deadlines: list[tuple[float, str]]
     #: Route flights per namespace, against ``hub_concurrency`` (fairness).
     _ns_flights: Shares
+    #: Routes waiting for an agent that may be reconnecting, by request id (``_hold``).
+    _held: dict[str, tuple[_Flight, asyncio.TimerHandle]]
     #: ``REACH-AGENT-TIMEOUT`` lines, one per agent per 10 s.
     _timeout_lines: LineBudget
     #: ``REACH-ROUTE-LATENCY`` lines, one per agent per 10 s (an overloaded hub makes every
@@ -203,10 +220,29 @@ class RouteEndMixin:
         await asyncio.sleep(0)  # these answers leave before the next batch of replies is read
 
     async def _unreachable(self, flight: _Flight) -> None:
+        """NATS answered that nobody listens on the agent's task subject: refused before
+        ACCEPTED (nothing ran), so the route goes on (``_refused``).
+
+        While its lease holds the agent may be reconnecting (its connection dropped, a NATS
+        server restarted or failed over): that costs it nothing, but until it is heard from
+        again routes go to it only when nobody else can take them (``unreached_at``), and a
+        route that finds no other agent waits for it (``_hold``). A reconnecting agent's
+        subscriptions are back before its first heartbeat after the reconnect, so one heard
+        from after this route first found it unreachable, and unreachable still, is deaf
+        (connected, its subscriptions gone): a delivery failure on its health and breaker,
+        and never waited for again by this route."""
         view = flight.view
         assert view is not None
         view.outstanding -= 1
-        self._failed(view, delivery=True)
+        unreached = flight.unreached
+        if unreached is None:
+            unreached = flight.unreached = {}
+        now = self.registry.now
+        since = unreached.setdefault(view.agent_id, now)
+        view.unreached_at = now
+        if view.spoke_at > since:
+            unreached[view.agent_id] = math.inf
+            self._failed(view, delivery=True)
         err = UnknownAgentError(
             f"agent {view.agent_id} has no subscriber on {view.record.task_subject}",
             agent_id=view.agent_id,
@@ -222,11 +258,50 @@ class RouteEndMixin:
         self._end_deliver(flight, err)
         flight.last_error = err
         flight.exclude.add(view.agent_id)
-        if flight.attempt >= self.settings.route_attempts or flight.req.agent_id is not None:
-            await self._finish(flight, error=err)
+        if (
+            flight.attempt - flight.round_start >= self.settings.route_attempts
+            or flight.req.agent_id is not None
+        ):
+            if not self._hold(flight):
+                await self._finish(flight, error=err)
         else:
             self.metrics.retry_total.inc()
             await self._attempt(flight)
+
+    def _hold(self, flight: _Flight) -> bool:
+        """Every candidate refused the route, and one of them only because nobody listened
+        on its subject while its lease holds (``_unreachable``): wait a little and try again
+        from the start (the deaf excepted), until the route's deadline or the lease's end;
+        ``False`` (answer now) when there is no such agent or no time left. Rare, so a timer
+        per route."""
+        unreached = flight.unreached
+        if not unreached or not any(self._may_return(a, s) for a, s in unreached.items()):
+            return False
+        left = flight.deadline - time.perf_counter() - _HOLD_SLACK
+        if left <= 0:
+            return False
+        wait = min(flight.hold_delay * random.uniform(0.5, 1.5), left)
+        flight.hold_delay = min(flight.hold_delay * 2, _HOLD_MAX)
+        flight.exclude = {a for a, since in unreached.items() if since == math.inf}
+        flight.round_start = flight.attempt
+        self.metrics.retry_total.inc()
+        timer = asyncio.get_running_loop().call_later(wait, self._unhold, flight)
+        self._held[flight.request_id] = (flight, timer)
+        return True
+
+    def _may_return(self, agent_id: str, since: float) -> bool:
+        """Whether an agent a route found nobody listening for may be reconnecting: not deaf,
+        and its lease has not lapsed (not SUSPECT: silent for a whole lease is no blip)."""
+        view = self.registry.agents.get(agent_id)
+        return (
+            since != math.inf
+            and view is not None
+            and view.state not in (AgentState.SUSPECT, AgentState.LOST)
+        )
+
+    def _unhold(self, flight: _Flight) -> None:
+        if self._held.pop(flight.request_id, None) is not None:  # (not ended by ``close``)
+            self._spawn(self._attempt(flight))
 
     async def _answered(self, flight: _Flight, data: bytes) -> None:
         view = flight.view

@@ -295,8 +295,9 @@ class RoutingMixin(RouteEndMixin):
                 else 0,
             )
         except NoMatchError as err:
-            if flight.last_error is not None and flight.exclude:
-                await self._finish(flight, error=flight.last_error)  # every candidate refused
+            if flight.last_error is not None and flight.exclude:  # every candidate refused
+                if not self._hold(flight):
+                    await self._finish(flight, error=flight.last_error)
                 return
             self._say_no_match(flight, _clip(req.agent_id or req.capability or req.selector))
             await self._finish(flight, error=err)

@@ -32,6 +32,7 @@ from reach_mesh.errors import (
     StaleAttemptError,
     ThrottledError,
     UnauthorizedError,
+    UnknownAgentError,
 )
 from reach_mesh.models import TaskState
 
@@ -381,7 +382,11 @@ def caller_report(breaker: CircuitBreaker, health: HealthScore, report: FailureR
     proxy mode); a caller's own error (:func:`is_agent_fault` false) changes nothing but still
     spends the budget; an agent fault counts as a reported — not witnessed — breaker failure.
     """
-    fault = report.success or is_agent_fault(report.code)
+    # No responders (``REACH_UNKNOWN_AGENT``) is no fault: the agent may be reconnecting, and
+    # the hub routes around it until it is heard again (``AgentView.unreached_at``).
+    fault = report.success or (
+        is_agent_fault(report.code) and report.code != UnknownAgentError.code
+    )
     if not breaker.report(report.success if fault else None, report.reporter or ""):
         return False
     if report.success:

@@ -57,6 +57,8 @@ EXPLAIN_CANDIDATES: Final = 100
 _SUSPECT: Final = "suspect"
 _SATURATED: Final = "saturated"
 _UNHEALTHY: Final = "unhealthy"
+#: Not heard from since a task found nobody subscribed to its subject: with the SUSPECT ones.
+_UNREACHED: Final = "unreached"
 
 
 @dataclass(slots=True)
@@ -223,7 +225,9 @@ class Router:
         ``REACH_AGENT_BUSY`` when really full, which the hub retries elsewhere — better than
         ``REACH_NO_MATCH``, which a caller must not retry); else the *unhealthy* ones (health
         below 60: a burst of BUSY refusals costs 20 points each, and an agent that is never
-        routed never earns them back); else SUSPECT ones (lease lapsed, maybe gone). The
+        routed never earns them back); else SUSPECT ones (lease lapsed, maybe gone) and
+        unreachable ones (a task found nobody on their subject since they were last heard:
+        gone, or reconnecting). The
         fallback tiers yield one agent each, the least loaded / healthiest. ``filtered``
         (reasons) is built only when ``explain``.
         """
@@ -260,12 +264,15 @@ class Router:
                             agent_id=agent_id, reason=f"health {score:g} < {_HEALTH_MIN:g}"
                         )
                     )
-            elif reason == _SUSPECT:
+            elif reason in (_SUSPECT, _UNREACHED):
                 suspects.append(view)
                 if filtered is not None:
-                    filtered.append(
-                        FilteredAgent(agent_id=agent_id, reason="SUSPECT (lease lapsed)")
+                    why = (
+                        "SUSPECT (lease lapsed)"
+                        if reason == _SUSPECT
+                        else "unreachable (nobody on its task subject since it was last heard)"
                     )
+                    filtered.append(FilteredAgent(agent_id=agent_id, reason=why))
             elif filtered is not None:
                 filtered.append(FilteredAgent(agent_id=agent_id, reason=reason))
         if live:
@@ -301,6 +308,8 @@ class Router:
             return _SUSPECT
         if state is not AgentState.ONLINE:
             return f"state {state.value}"
+        if view.unreached_at > view.spoke_at:
+            return _UNREACHED
         if view.breaker.state is BreakerState.HALF_OPEN and not view.breaker.probe_available:
             return "breaker half-open, probe in flight"
         if capability is not None and capability in view.unavailable:

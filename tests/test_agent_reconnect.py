@@ -1,0 +1,188 @@
+"""An agent whose connection to NATS drops for a moment (its host's network, a server's
+restart or failover) keeps its lease, and the routes that meet it while it reconnects wait
+for it within their timeout: they are not failed, and the agent is not quarantined for them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Literal
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, TaskState
+from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import UnknownAgentError
+from reach_mesh.hub import Hub
+from reach_mesh.hub.breaker import BreakerState
+from reach_mesh.models import AgentState
+
+from .helpers import eventually, relayed
+from .test_deaf_agents import _deafen
+
+CAP = "rc:echo:v1"
+
+
+def _settings(nats_url: str, namespace: str, lease: float = 5.0) -> MeshSettings:
+    # A lease that outlasts the cut: the agent is alive, only unreachable for a moment.
+    return MeshSettings(
+        nats_url=nats_url,
+        namespace=namespace,
+        heartbeat_interval=lease / 10,
+        lease_timeout=lease,
+        suspect_timeout=3.0,
+        audit_enabled=False,
+    )
+
+
+def _echo(agent_id: str, settings: MeshSettings) -> tuple[Agent, list[Any]]:
+    """An echo agent, and the payloads its handler ran for."""
+    agent = Agent(agent_id, settings=settings)
+    ran: list[Any] = []
+
+    @agent.handler(CAP)
+    async def echo(task: Task[Any]) -> Any:
+        ran.append(task.payload)
+        return task.payload
+
+    return agent, ran
+
+
+@pytest.mark.parametrize("mode", ["proxy", "direct"])
+async def test_routes_wait_for_an_agent_that_reconnects(
+    nats_url: str, namespace: str, mode: Literal["proxy", "direct"]
+) -> None:
+    s = _settings(nats_url, namespace)
+    relay, through = await relayed(nats_url, s)
+    agent, ran = _echo(f"{namespace}.echo.a1", through)
+    async with Hub(settings=s) as hub, agent, Client(settings=s) as c:
+        assert (await c.request(capability=CAP, payload=0, mode=mode)).result == 0
+        await relay.cut()
+        await eventually(lambda: not agent.nc.is_connected, timeout=5)
+        t0 = time.monotonic()
+        # A burst of callers while it is away (more than the breaker's minimum requests),
+        # by capability and by id.
+        calls = [
+            asyncio.create_task(c.request(capability=CAP, payload=i, timeout=10, mode=mode))
+            for i in range(1, 11)
+        ] + [
+            asyncio.create_task(
+                c.request(agent_id=agent.agent_id, payload=i, timeout=10, mode=mode)
+            )
+            for i in range(11, 13)
+        ]
+        await asyncio.sleep(1.5)
+        assert not any(t.done() for t in calls), [t.result() for t in calls if t.done()]
+        view = hub.registry.agents[agent.agent_id]
+        # Found unreachable (direct mode: the callers' reports say so), not heard since: the
+        # hub routes to it only when nobody else can take a task.
+        assert view.unreached_at > view.spoke_at
+        await relay.start()
+        results = await asyncio.gather(*calls)
+        assert [r.state for r in results] == [TaskState.SUCCEEDED] * 12
+        assert sorted(r.result for r in results) == list(range(1, 13))
+        assert sorted(ran) == list(range(13))  # each ran once
+        assert time.monotonic() - t0 < 6
+        assert view.unreached_at < view.spoke_at  # heard again
+        # Unreachable for a moment is not a failing agent.
+        assert view.breaker.state is BreakerState.CLOSED and view.health.value == 100
+        assert view.state is AgentState.ONLINE
+        assert (await c.request(capability=CAP, payload=13, mode=mode)).result == 13
+
+
+async def test_a_route_to_an_agent_that_stays_away_ends_with_its_timeout(
+    nats_url: str, namespace: str
+) -> None:
+    """Nobody comes back: the caller is told who is missing when its timeout is spent, not
+    later (and not REACH_TIMEOUT: the task was never delivered)."""
+    s = _settings(nats_url, namespace)
+    relay, through = await relayed(nats_url, s)
+    agent, _ = _echo(f"{namespace}.echo.a1", through)
+    async with Hub(settings=s), agent, Client(settings=s) as c:
+        assert (await c.request(capability=CAP, payload=0)).result == 0
+        await relay.cut()
+        await eventually(lambda: not agent.nc.is_connected, timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(UnknownAgentError, match="no subscriber"):
+            await c.request(capability=CAP, payload=1, timeout=1.5)
+        assert 1.0 < time.monotonic() - t0 < 2.5
+        await relay.start()
+
+
+async def test_a_route_stops_waiting_for_an_agent_whose_lease_lapses(
+    nats_url: str, namespace: str
+) -> None:
+    """Silent for a whole lease is no blip: the route is answered when the lease lapses (the
+    agent SUSPECT), not at its own timeout."""
+    s = _settings(nats_url, namespace, lease=1.0)
+    relay, through = await relayed(nats_url, s)
+    agent, ran = _echo(f"{namespace}.echo.a1", through)
+    async with Hub(settings=s) as hub, agent, Client(settings=s) as c:
+        assert (await c.request(capability=CAP, payload=0)).result == 0
+        await relay.cut()
+        await eventually(lambda: not agent.nc.is_connected, timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(UnknownAgentError, match="no subscriber"):
+            await c.request(agent_id=agent.agent_id, payload=1, timeout=10)
+        assert time.monotonic() - t0 < 2.5
+        assert hub.registry.agents[agent.agent_id].state is AgentState.SUSPECT
+        await relay.start()
+    assert ran == [0]
+
+
+async def test_a_route_stops_waiting_for_an_agent_heard_but_deaf(
+    nats_url: str, namespace: str
+) -> None:
+    """Heartbeats go on while nobody listens on its task subject (a client whose subscription
+    loop died): once heard after the route first found nobody, and nobody there still, it is
+    deaf — a delivery failure on its health and breaker, and not waited for."""
+    s = _settings(nats_url, namespace)
+    agent, _ = _echo(f"{namespace}.echo.a1", s)
+    async with Hub(settings=s) as hub, agent, Client(settings=s) as c:
+        assert (await c.request(capability=CAP, payload=0)).result == 0
+        await _deafen(agent)
+        view = hub.registry.agents[agent.agent_id]
+        t0 = time.monotonic()
+        with pytest.raises(UnknownAgentError, match="no subscriber"):
+            await c.request(agent_id=agent.agent_id, payload=1, timeout=8)
+        # Given up once a heartbeat (every 0.5 s) came after the first "no responders".
+        assert time.monotonic() - t0 < 3
+        assert view.health.value < 100
+        assert view.state is AgentState.ONLINE  # one failure: its breaker's window needs 5
+
+
+async def test_a_hub_closing_hands_its_waiting_routes_to_another(
+    nats_url: str, namespace: str
+) -> None:
+    """A hub that stops while a route waits for its agent ends that route at once, unavailable,
+    and the SDK asks the other hub, which waits for the agent in its turn."""
+    s = _settings(nats_url, namespace)
+    relay, through = await relayed(nats_url, s)
+    agent, ran = _echo(f"{namespace}.echo.a1", through)
+    hubs = [Hub(settings=s), Hub(settings=s)]
+    for hub in hubs:
+        await hub.start()
+    try:
+        async with agent, Client(settings=s) as c:
+            await eventually(lambda: all(agent.agent_id in h.registry.agents for h in hubs))
+            await relay.cut()
+            await eventually(lambda: not agent.nc.is_connected, timeout=5)
+            calls = [
+                asyncio.create_task(c.request(agent_id=agent.agent_id, payload=i, timeout=10))
+                for i in range(6)
+            ]
+            await eventually(lambda: any(h._held for h in hubs), timeout=5)
+            holding = next(h for h in hubs if h._held)
+            t0 = time.monotonic()
+            await holding.close()
+            assert time.monotonic() - t0 < 3  # not the 5 s kept for routes with their agents
+            assert not holding._held
+            await relay.start()
+            results = await asyncio.gather(*calls)
+            assert sorted(r.result for r in results) == list(range(6))
+            assert sorted(ran) == list(range(6))
+            other = next(h for h in hubs if h is not holding)
+            assert other.metrics.retry_total._value.get() > 0  # it waited in its turn
+    finally:
+        for hub in hubs:
+            await hub.close()
