@@ -24,6 +24,7 @@ from reach_mesh.tracing import current_trace_id
 __all__ = [
     "AGENT_ID_IN_USE",
     "AGENT_TIMEOUT",
+    "AGENT_UNREACHABLE",
     "HANDLER_ABANDONED",
     "HANDLER_FAILED",
     "IDENTITY_REJECTED",
@@ -46,6 +47,12 @@ __all__ = [
 AGENT_TIMEOUT: Final = "REACH-AGENT-TIMEOUT"
 """A hub delivered a task and its agent did not answer in time (at most one line per agent per
 10 s): a hung agent shows here long before its lease runs out."""
+AGENT_UNREACHABLE: Final = "REACH-AGENT-UNREACHABLE"
+"""A task a hub sent found nobody subscribed to the agent's task subject (NATS' "no
+responders") while the agent is registered (at most one line per agent per 10 s): reconnecting
+(its host's network, a NATS server restarted or failed over), gone without a goodbye, or — when
+``deaf`` — heard from since yet listening still to nothing. Routes wait for the one that may be
+reconnecting within their timeouts and its lease."""
 SELECT_EMPTY: Final = "REACH-SELECT-EMPTY"
 """A route request found no routable candidate (the line carries the explain summary)."""
 LEASE_EXPIRED: Final = "REACH-LEASE-EXPIRED"
@@ -91,6 +98,7 @@ message of the subscription it came on (a JetStream push delivery; docs/security
 _EVENT_LEVELS: Final[Mapping[str, int]] = {
     SELECT_EMPTY: logging.WARNING,
     AGENT_TIMEOUT: logging.WARNING,
+    AGENT_UNREACHABLE: logging.WARNING,
     LEASE_EXPIRED: logging.WARNING,
     QUARANTINE: logging.WARNING,
     ROUTE_LATENCY: logging.INFO,

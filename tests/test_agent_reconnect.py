@@ -91,10 +91,11 @@ async def test_routes_wait_for_an_agent_that_reconnects(
 
 
 async def test_a_route_to_an_agent_that_stays_away_ends_with_its_timeout(
-    nats_url: str, namespace: str
+    nats_url: str, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Nobody comes back: the caller is told who is missing when its timeout is spent, not
-    later (and not REACH_TIMEOUT: the task was never delivered)."""
+    later (and not REACH_TIMEOUT: the task was never delivered). The operator is told once
+    (``REACH-AGENT-UNREACHABLE``), not once per try."""
     s = _settings(nats_url, namespace)
     relay, through = await relayed(nats_url, s)
     agent, _ = _echo(f"{namespace}.echo.a1", through)
@@ -107,6 +108,10 @@ async def test_a_route_to_an_agent_that_stays_away_ends_with_its_timeout(
             await c.request(capability=CAP, payload=1, timeout=1.5)
         assert 1.0 < time.monotonic() - t0 < 2.5
         await relay.start()
+    lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-AGENT-UNREACHABLE"]
+    assert [(r.__dict__["agent_id"], r.__dict__["deaf"]) for r in lines] == [
+        (agent.agent_id, False)
+    ]
 
 
 async def test_a_route_stops_waiting_for_an_agent_whose_lease_lapses(
@@ -131,7 +136,7 @@ async def test_a_route_stops_waiting_for_an_agent_whose_lease_lapses(
 
 
 async def test_a_route_stops_waiting_for_an_agent_heard_but_deaf(
-    nats_url: str, namespace: str
+    nats_url: str, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Heartbeats go on while nobody listens on its task subject (a client whose subscription
     loop died): once heard after the route first found nobody, and nobody there still, it is
@@ -147,6 +152,12 @@ async def test_a_route_stops_waiting_for_an_agent_heard_but_deaf(
             await c.request(agent_id=agent.agent_id, payload=1, timeout=8)
         # Given up once a heartbeat (every 0.5 s) came after the first "no responders".
         assert time.monotonic() - t0 < 3
+        deaf = [
+            r.__dict__["deaf"]
+            for r in caplog.records
+            if getattr(r, "event", None) == "REACH-AGENT-UNREACHABLE"
+        ]
+        assert deaf == [False, True]  # the first try's, then the verdict
         assert view.health.value < 100
         assert view.state is AgentState.ONLINE  # one failure: its breaker's window needs 5
 

@@ -137,6 +137,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._ns_flights = Shares(s.hub_concurrency)
         self._no_match_lines = LineBudget(10.0)
         self._timeout_lines = LineBudget(10.0)
+        self._unreached_lines = LineBudget(10.0)
         self._slow_lines = LineBudget(10.0)
         self._rejected_lines = LineBudget(30.0)
         self._register_throttle = Throttle(s.register_rate, s.register_burst)

@@ -44,7 +44,13 @@ from reach_mesh.hub.breaker import attempt_verdict
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.sessions import SessionStore
 from reach_mesh.hub.shares import Shares
-from reach_mesh.logs import AGENT_TIMEOUT, ROUTE_LATENCY, LineBudget, log_event
+from reach_mesh.logs import (
+    AGENT_TIMEOUT,
+    AGENT_UNREACHABLE,
+    ROUTE_LATENCY,
+    LineBudget,
+    log_event,
+)
 from reach_mesh.models import AgentState, ErrorBody, RouteDecision, RouteRequest, TaskState
 from reach_mesh.tracing.metrics import HubMetrics, LoopHistogram
 
@@ -147,6 +153,8 @@ class RouteEndMixin:
     _held: dict[str, tuple[_Flight, asyncio.TimerHandle]]
     #: ``REACH-AGENT-TIMEOUT`` lines, one per agent per 10 s.
     _timeout_lines: LineBudget
+    #: ``REACH-AGENT-UNREACHABLE`` lines, one per agent (and verdict: deaf or not) per 10 s.
+    _unreached_lines: LineBudget
     #: ``REACH-ROUTE-LATENCY`` lines, one per agent per 10 s (an overloaded hub makes every
     #: route slow: a line each would add to the load).
     _slow_lines: LineBudget
@@ -240,13 +248,31 @@ class RouteEndMixin:
         now = self.registry.now
         since = unreached.setdefault(view.agent_id, now)
         view.unreached_at = now
-        if view.spoke_at > since:
+        deaf = view.spoke_at > since
+        if deaf:
             unreached[view.agent_id] = math.inf
             self._failed(view, delivery=True)
         err = UnknownAgentError(
             f"agent {view.agent_id} has no subscriber on {view.record.task_subject}",
             agent_id=view.agent_id,
         )
+        held = self._unreached_lines.take((view.agent_id, deaf))
+        if held is not None:
+            log_event(
+                log,
+                AGENT_UNREACHABLE,
+                err.message
+                + (
+                    ", though heard from since a route first found nobody: deaf"
+                    if deaf
+                    else ": reconnecting, or gone; routes wait for it within their timeouts"
+                ),
+                agent_id=view.agent_id,
+                task_id=flight.task_id,
+                trace_id=flight.trace_id,
+                deaf=deaf,
+                suppressed=held,
+            )
         await self._refused(flight, err)
 
     async def _refused(
