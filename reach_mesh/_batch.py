@@ -98,6 +98,9 @@ class Batcher:
         #: the server refuses this identity fails that message's requests at once
         #: (``refused``), and a batch subject NATS answers 503 for is not batched to a while.
         self._sent_on: dict[str, str] = {}
+        #: Requests sent on a live connection and not answered yet, by token: (subject, body,
+        #: headers), to ask again after a reconnection (``resend``).
+        self._unanswered: dict[str, tuple[str, bytes, dict[str, str]]] = {}
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
@@ -160,6 +163,8 @@ class Batcher:
             token = f"{batch_token}.0"
             self._futures[token] = future
             self._note_sent(batch_token, subject)
+            if self._nc.is_connected:
+                self._unanswered[token] = (subject, body, headers)
             await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
         else:
             batch = self._open.get(batch_subject)
@@ -182,6 +187,28 @@ class Batcher:
             raise NatsTimeoutError from err
         finally:
             self._futures.pop(token, None)
+            self._unanswered.pop(token, None)
+
+    async def resend(self) -> int:
+        """Ask again, after a reconnection, the requests sent before it and not answered:
+        answers sent while this client was away are lost (NATS keeps none). Each goes alone, to
+        its reply subject as before, so whichever answer comes first resolves it. Requests
+        published while the connection was down are not: nats-py held them and sent them on
+        reconnecting. Asking again is safe for what this batcher sends — route requests and
+        task envelopes, which carry a task id: a retry of a task id goes to the agent that has
+        it, whose idempotency table joins the run in hand (docs/protocol.md). The number asked."""
+        asked = 0
+        for token, (subject, body, headers) in list(self._unanswered.items()):
+            future = self._futures.get(token)
+            if future is None or future.done():
+                continue
+            try:
+                await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
+            except Exception as err:  # down again: the next reconnection asks again
+                log.debug("asking again after a reconnection stopped: %r", err)
+                break
+            asked += 1
+        return asked
 
     def _plain(self, batch_subject: str) -> bool:
         if time.monotonic() < self._plain_until[batch_subject]:
@@ -207,6 +234,10 @@ class Batcher:
     async def _send(self, batch: _Batch) -> None:
         prefix = self._prefix
         items = [item for item in batch.items if item[0] in self._futures]  # not timed out
+        if self._nc.is_connected:
+            unanswered = self._unanswered
+            for token, body, traceparent in items:
+                unanswered[token] = (batch.subject, body, {TRACEPARENT: traceparent})
         if len(items) == 1:
             token, body, traceparent = items[0]
             self._note_sent(batch.token, batch.subject)

@@ -165,6 +165,8 @@ class Client(WorkflowsMixin):
         self._nc = nc
         self._own_nc = nc is None
         self._batcher: Batcher | None = None
+        #: Asking again after a reconnection (``_on_reconnect``), kept until done.
+        self._resending: set[asyncio.Task[None]] = set()
         self._state = _State.NEW
         # Direct mode: cached decisions per routing key, this client's requests in flight per
         # agent (to spread over a cached decision), and when we last reported an agent failing.
@@ -199,10 +201,25 @@ class Client(WorkflowsMixin):
                 self.nats_url,
                 name=self._name,
                 settings=self.settings,
-                on_reconnect=self._recheck_done_waits,
+                on_reconnect=self._on_reconnect,
             )
         self._state = _State.OPEN
         return self
+
+    def _on_reconnect(self) -> None:
+        """Back on NATS after losing it: answers sent meanwhile are lost, so the requests that
+        wait for one are asked again (``Batcher.resend``), and workflow waits check again."""
+        self._recheck_done_waits()
+        if self._batcher is not None:
+            task = asyncio.get_running_loop().create_task(self._resend(self._batcher))
+            self._resending.add(task)
+            task.add_done_callback(self._resending.discard)
+
+    @staticmethod
+    async def _resend(batcher: Batcher) -> None:
+        asked = await batcher.resend()
+        if asked:
+            log.info("reconnected to NATS: asked %d request(s) again, with their task ids", asked)
 
     async def _start_batcher(self) -> Batcher:
         if self._batcher is None:

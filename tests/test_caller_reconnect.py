@@ -1,0 +1,63 @@
+"""A caller whose connection to NATS drops while its requests are out (its host's network, a
+NATS server restarted or failed over) gets their answers once it is back: the answers sent
+while it was away are lost, so its requests are asked again, with the same task ids, and each
+task runs once (the hubs' pins and the agent's idempotency table join the run in hand)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, Literal
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, TaskState
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+
+from .helpers import eventually, relayed
+
+CAP = "cr:slow:v1"
+
+
+@pytest.mark.parametrize(
+    ("mode", "hubs"), [("proxy", 1), ("direct", 1), ("proxy", 2)], ids=["proxy", "direct", "2hubs"]
+)
+async def test_answers_lost_while_the_caller_was_away_are_asked_again(
+    nats_url: str, namespace: str, mode: Literal["proxy", "direct"], hubs: int
+) -> None:
+    """With two hubs a request asked again may reach the other one: the first hub told it the
+    task's agent (``reach.hubs.<ns>.pins``), so the task still runs once."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    relay, through = await relayed(nats_url, s)
+    agent = Agent(f"{namespace}.slow.a1", settings=s)
+    runs: list[Any] = []
+
+    @agent.handler(CAP)
+    async def slow(task: Task[Any]) -> Any:
+        runs.append(task.payload)
+        await asyncio.sleep(0.5)
+        return task.payload
+
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(hubs):
+            await stack.enter_async_context(Hub(settings=s))
+        await stack.enter_async_context(agent)
+        c = await stack.enter_async_context(Client(settings=through))
+        assert (await c.request(capability=CAP, payload=0, mode=mode)).result == 0
+        calls = [
+            asyncio.create_task(c.request(capability=CAP, payload=i, timeout=10, mode=mode))
+            for i in range(1, 6)
+        ]
+        await eventually(lambda: len(runs) == 6, timeout=5)
+        await relay.cut()  # the answers come while the caller is away
+        await eventually(lambda: not c.nc.is_connected, timeout=5)
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        await relay.start()
+        results = await asyncio.gather(*calls)
+        assert [r.state for r in results] == [TaskState.SUCCEEDED] * 5
+        assert sorted(r.result for r in results) == [1, 2, 3, 4, 5]
+        assert time.monotonic() - t0 < 3  # not the requests' 10 s
+        assert sorted(runs) == [0, 1, 2, 3, 4, 5]  # each ran once
