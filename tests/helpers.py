@@ -231,6 +231,34 @@ async def heal(agent: Agent, *, beat: bool = True) -> None:
         agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
 
 
+def recording_agent(
+    agent_id: str, settings: MeshSettings, cap: str, delay: float = 0.0
+) -> tuple[Agent, list[Any]]:
+    """An agent whose one handler returns its payload after ``delay`` seconds, and the
+    payloads its handler ran for (in start order)."""
+    agent = Agent(agent_id, settings=settings)
+    runs: list[Any] = []
+
+    @agent.handler(cap)
+    async def echo(task: Task[Any]) -> Any:
+        runs.append(task.payload)
+        await asyncio.sleep(delay)
+        return task.payload
+
+    return agent, runs
+
+
+async def away_for_a_second(relay: Relay, connected: Callable[[], bool]) -> float:
+    """Cut ``relay``, wait until the party behind it has noticed (``connected`` false), let
+    a second pass, restore it; the monotonic time it was restored."""
+    await relay.cut()
+    await eventually(lambda: not connected(), timeout=5)
+    await asyncio.sleep(1.0)
+    t0 = time.monotonic()
+    await relay.start()
+    return t0
+
+
 def echo_agent(fleet: Fleet, name: str, cap: str = "wf:echo:v1", **kw: Any) -> Agent:
     agent = fleet.agent(name, **kw)
 

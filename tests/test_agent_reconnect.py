@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
 
 from reach_mesh import Client, MeshSettings, TaskState
-from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState
 
-from .helpers import eventually, relayed
+from .helpers import eventually, recording_agent, relayed
 from .test_deaf_agents import _deafen
 
 CAP = "rc:echo:v1"
@@ -35,26 +34,13 @@ def _settings(nats_url: str, namespace: str, lease: float = 5.0) -> MeshSettings
     )
 
 
-def _echo(agent_id: str, settings: MeshSettings) -> tuple[Agent, list[Any]]:
-    """An echo agent, and the payloads its handler ran for."""
-    agent = Agent(agent_id, settings=settings)
-    ran: list[Any] = []
-
-    @agent.handler(CAP)
-    async def echo(task: Task[Any]) -> Any:
-        ran.append(task.payload)
-        return task.payload
-
-    return agent, ran
-
-
 @pytest.mark.parametrize("mode", ["proxy", "direct"])
 async def test_routes_wait_for_an_agent_that_reconnects(
     nats_url: str, namespace: str, mode: Literal["proxy", "direct"]
 ) -> None:
     s = _settings(nats_url, namespace)
     relay, through = await relayed(nats_url, s)
-    agent, ran = _echo(f"{namespace}.echo.a1", through)
+    agent, ran = recording_agent(f"{namespace}.echo.a1", through, CAP)
     async with Hub(settings=s) as hub, agent, Client(settings=s) as c:
         assert (await c.request(capability=CAP, payload=0, mode=mode)).result == 0
         await relay.cut()
@@ -98,7 +84,7 @@ async def test_a_route_to_an_agent_that_stays_away_ends_with_its_timeout(
     (``REACH-AGENT-UNREACHABLE``), not once per try."""
     s = _settings(nats_url, namespace)
     relay, through = await relayed(nats_url, s)
-    agent, _ = _echo(f"{namespace}.echo.a1", through)
+    agent, _ = recording_agent(f"{namespace}.echo.a1", through, CAP)
     async with Hub(settings=s), agent, Client(settings=s) as c:
         assert (await c.request(capability=CAP, payload=0)).result == 0
         await relay.cut()
@@ -121,7 +107,7 @@ async def test_a_route_stops_waiting_for_an_agent_whose_lease_lapses(
     agent SUSPECT), not at its own timeout."""
     s = _settings(nats_url, namespace, lease=1.0)
     relay, through = await relayed(nats_url, s)
-    agent, ran = _echo(f"{namespace}.echo.a1", through)
+    agent, ran = recording_agent(f"{namespace}.echo.a1", through, CAP)
     async with Hub(settings=s) as hub, agent, Client(settings=s) as c:
         assert (await c.request(capability=CAP, payload=0)).result == 0
         await relay.cut()
@@ -142,7 +128,7 @@ async def test_a_route_stops_waiting_for_an_agent_heard_but_deaf(
     loop died): once heard after the route first found nobody, and nobody there still, it is
     deaf — a delivery failure on its health and breaker, and not waited for."""
     s = _settings(nats_url, namespace)
-    agent, _ = _echo(f"{namespace}.echo.a1", s)
+    agent, _ = recording_agent(f"{namespace}.echo.a1", s, CAP)
     async with Hub(settings=s) as hub, agent, Client(settings=s) as c:
         assert (await c.request(capability=CAP, payload=0)).result == 0
         await _deafen(agent)
@@ -169,7 +155,7 @@ async def test_a_hub_closing_hands_its_waiting_routes_to_another(
     and the SDK asks the other hub, which waits for the agent in its turn."""
     s = _settings(nats_url, namespace)
     relay, through = await relayed(nats_url, s)
-    agent, ran = _echo(f"{namespace}.echo.a1", through)
+    agent, ran = recording_agent(f"{namespace}.echo.a1", through, CAP)
     hubs = [Hub(settings=s), Hub(settings=s)]
     for hub in hubs:
         await hub.start()

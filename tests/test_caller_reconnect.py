@@ -1,22 +1,22 @@
-"""A caller whose connection to NATS drops while its requests are out (its host's network, a
-NATS server restarted or failed over) gets their answers once it is back: the answers sent
-while it was away are lost, so its requests are asked again, with the same task ids, and each
-task runs once (the hubs' pins and the agent's idempotency table join the run in hand)."""
+"""A caller, or a hub, whose connection to NATS drops while its requests are out (its host's
+network, a NATS server restarted or failed over) gets their answers once it is back: the
+answers sent while it was away are lost, so its requests are asked again, with the same task
+ids, and each task runs once (the hubs' pins and the agent's idempotency table join the run in
+hand)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
 
 from reach_mesh import Client, MeshSettings, TaskState
-from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 
-from .helpers import eventually, relayed
+from .helpers import away_for_a_second, eventually, recording_agent, relayed
 
 CAP = "cr:slow:v1"
 
@@ -31,15 +31,7 @@ async def test_answers_lost_while_the_caller_was_away_are_asked_again(
     task's agent (``reach.hubs.<ns>.pins``), so the task still runs once."""
     s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
     relay, through = await relayed(nats_url, s)
-    agent = Agent(f"{namespace}.slow.a1", settings=s)
-    runs: list[Any] = []
-
-    @agent.handler(CAP)
-    async def slow(task: Task[Any]) -> Any:
-        runs.append(task.payload)
-        await asyncio.sleep(0.5)
-        return task.payload
-
+    agent, runs = recording_agent(f"{namespace}.slow.a1", s, CAP, delay=0.5)
     async with contextlib.AsyncExitStack() as stack:
         for _ in range(hubs):
             await stack.enter_async_context(Hub(settings=s))
@@ -51,13 +43,33 @@ async def test_answers_lost_while_the_caller_was_away_are_asked_again(
             for i in range(1, 6)
         ]
         await eventually(lambda: len(runs) == 6, timeout=5)
-        await relay.cut()  # the answers come while the caller is away
-        await eventually(lambda: not c.nc.is_connected, timeout=5)
-        await asyncio.sleep(1.0)
-        t0 = time.monotonic()
-        await relay.start()
+        # The answers come while the caller is away.
+        t0 = await away_for_a_second(relay, lambda: c.nc.is_connected)
         results = await asyncio.gather(*calls)
         assert [r.state for r in results] == [TaskState.SUCCEEDED] * 5
         assert sorted(r.result for r in results) == [1, 2, 3, 4, 5]
         assert time.monotonic() - t0 < 3  # not the requests' 10 s
         assert sorted(runs) == [0, 1, 2, 3, 4, 5]  # each ran once
+
+
+async def test_answers_lost_while_the_hub_was_away_are_asked_again(
+    nats_url: str, namespace: str
+) -> None:
+    """The agents answer while the hub that sent their tasks is cut off: once back, it sends
+    each attempt still waiting again, and the agent answers from the run in hand."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    relay, through = await relayed(nats_url, s)
+    agent, runs = recording_agent(f"{namespace}.slow.a1", s, CAP, delay=0.5)
+    async with Hub(settings=through) as hub, agent, Client(settings=s) as c:
+        await eventually(lambda: agent.agent_id in hub.registry.agents)
+        calls = [
+            asyncio.create_task(c.request(capability=CAP, payload=i, timeout=10)) for i in range(5)
+        ]
+        await eventually(lambda: len(runs) == 5, timeout=5)
+        # The agent answers while the hub is away.
+        t0 = await away_for_a_second(relay, lambda: hub.nc.is_connected)
+        results = await asyncio.gather(*calls)
+        assert sorted(r.result for r in results) == [0, 1, 2, 3, 4]
+        assert time.monotonic() - t0 < 3  # not the requests' 10 s
+        assert sorted(runs) == [0, 1, 2, 3, 4]  # each ran once
+        assert all(r.cached for r in results)  # answered from the agent's idempotency table

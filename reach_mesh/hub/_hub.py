@@ -199,7 +199,12 @@ class Hub(RoutingMixin, ControlMixin):
             watch_event_loop(self.metrics.event_loop_lag_seconds), name="reach-loop-lag"
         )
         try:
-            self._nc = await connect(self.nats_url, name=self.hub_id, settings=self.settings)
+            self._nc = await connect(
+                self.nats_url,
+                name=self.hub_id,
+                settings=self.settings,
+                on_reconnect=lambda: self._spawn(self._ask_agents_again()),
+            )
             self._js = self._nc.jetstream(timeout=10.0)
             s = self.settings
             self.audit = AuditLog(

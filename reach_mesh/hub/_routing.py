@@ -421,6 +421,39 @@ class RoutingMixin(RouteEndMixin):
                     self._end_deliver(flight, unavailable)
                     await self._finish(flight, error=unavailable)
 
+    async def _ask_agents_again(self) -> None:
+        """Back on NATS after losing it: the agents' answers sent while this hub was away are
+        lost (NATS keeps none), so every attempt still waiting for one is sent again, alone, to
+        its own reply subject. Same task id and attempt: the agent's idempotency table answers
+        from the run in hand or its result, and the first answer ends the flight."""
+        prefix = self._reply_prefix
+        now = time.perf_counter()
+        asked = 0
+        for token, flight in list(self._flights.items()):
+            view, remaining = flight.view, flight.deadline - now
+            if view is None or flight.finished or remaining <= 0:
+                continue
+            body = _envelope_bytes(
+                flight.task_id,
+                flight.attempt,
+                flight.capability,
+                flight.req.payload,
+                flight.ns,
+                remaining,
+            )
+            span = flight.deliver_span
+            headers = inject_span(span) if span is not None else (flight.headers or {})
+            try:
+                await self.nc.publish(
+                    view.record.task_subject, body, reply=prefix + token, headers=headers
+                )
+            except Exception as err:  # down again: the next reconnection asks again
+                log.debug("asking agents again after a reconnection stopped: %r", err)
+                break
+            asked += 1
+        if asked:
+            log.info("reconnected to NATS: sent %d attempt(s) again to their agents", asked)
+
     def _start_pins(self) -> None:
         self._spawn(self._send_pins())
 
