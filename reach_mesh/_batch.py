@@ -11,7 +11,9 @@ Replies come to this client's own subjects, ``<inbox>.<batch token>.<index>`` pe
 several at once, one line each, to ``<inbox>.<batch token>``), and resolve one future each.
 NATS' "no responders" on a batch fails its requests with ``NoRespondersError``, as a plain
 request would; a responder that does not take batches looks the same, so after one such answer
-the client sends plain requests to that destination for a minute.
+the client sends plain requests to that destination for a minute. Answers sent while the
+connection was down are lost: after a reconnection the requests sent before it and still
+unanswered are asked again, alone (``resend``).
 """
 
 from __future__ import annotations

@@ -147,7 +147,11 @@ class _State(enum.Enum):
 
 
 class Client(WorkflowsMixin):
-    """``async with Client(url) as mesh: await mesh.request(capability=..., payload=...)``."""
+    """``async with Client(url) as mesh: await mesh.request(capability=..., payload=...)``.
+
+    Given a connection of the caller's own (``nc``), the client does not see it reconnect:
+    requests whose answers were lost while it was down wait out their timeouts, where a
+    client that connects itself asks them again (``_on_reconnect``)."""
 
     def __init__(
         self,
