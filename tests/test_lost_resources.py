@@ -200,3 +200,30 @@ async def test_a_running_workflow_keeps_its_result_when_its_record_bucket_is_del
         assert result.state is TaskState.SUCCEEDED, result
         assert [(s.result, s.attempts) for s in result.steps] == [("held", 1), ("quick", 1)]
         assert sorted(echo.runs) == ["held", "quick"], echo.runs
+
+
+async def test_a_cancel_writes_the_record_again_when_its_bucket_was_deleted(
+    server: EmbeddedNats,
+) -> None:
+    """The record bucket deleted while a step runs, then the workflow cancelled: the cancel's
+    final record is written again as a create (no record is not a takeover), and the cancel
+    answers final and true; the workflow's result is the cancel's."""
+    settings = _settings(server.url).model_copy(update={"workflow_ack_wait": 30.0})
+    agent = Agent("lost.cancel.a1", settings=settings)
+    echo = gated_echo(agent, "test:gate:v1", hold="held")
+
+    async with Hub(settings=settings), agent, Client(settings=settings) as mesh:
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="test:gate:v1", payload="held")], timeout=20
+        )
+        await asyncio.wait_for(echo.started.wait(), 5)
+        await _delete(server.url, f"KV_{protocol.KV_WORKFLOWS}")
+        await asyncio.sleep(0.5)
+        cancel = await mesh.cancel_workflow(wf_id, reason="bucket gone")
+        assert cancel.final and cancel.cancelled, cancel
+        assert cancel.result is not None and cancel.result.error is not None
+        assert cancel.result.error.code == "REACH_WORKFLOW_CANCELLED"
+        result = await mesh.workflow(wf_id, timeout=5)
+        assert result.state is TaskState.FAILED, result
+        assert result.error is not None and result.error.code == "REACH_WORKFLOW_CANCELLED"
+        echo.gate.set()

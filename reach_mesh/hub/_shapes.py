@@ -114,6 +114,7 @@ class WorkflowShapes(StepRunner):
         try:
             return await (read if end is None else within_time(read, end))
         except Exception as err:
+            self._resources.check_soon(err)  # the bucket may have been deleted
             raise MeshUnavailableError(
                 f"the record of workflow {workflow_id!r} could not be read "
                 f"({type(err).__name__}): ask again (a cancel is idempotent)"

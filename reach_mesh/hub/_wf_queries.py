@@ -121,8 +121,10 @@ class WorkflowQueries(WorkflowShapes):
         got = await self._record_now(ns, workflow_id, end)
         record = stored_record(WorkflowRecord, got)
         running = self._owning.get((ns, workflow_id))
-        if running is not None and record is not None and record.result is None:
-            if record.owner == self.hub_id:
+        if running is not None and (record is None or record.result is None):
+            # Ours: the record names this hub, or there is none while it runs here (its bucket
+            # was deleted: the run's next write creates it again, ``_owner_write``).
+            if record is None or record.owner == self.hub_id:
                 wf, task = running
                 if wf.cancel(_cancel_error(reason)):
                     log.info("workflow %s of %r: cancel requested (%s)", workflow_id, ns, reason)
@@ -130,7 +132,7 @@ class WorkflowQueries(WorkflowShapes):
                 await asyncio.wait({task}, timeout=max(0.0, end - loop.time() - 0.3))
                 got = await self._record_now(ns, workflow_id, end)
                 record = stored_record(WorkflowRecord, got)
-                if not task.done() and record is not None and record.result is None:
+                if not task.done() and (record is None or record.result is None):
                     return self._not_final(ns, workflow_id, self.hub_id)  # fencing, storing
             else:
                 running = None  # a run here that lost the workflow: its owner decides
