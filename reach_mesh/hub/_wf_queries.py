@@ -122,9 +122,13 @@ class WorkflowQueries(WorkflowShapes):
         record = stored_record(WorkflowRecord, got)
         running = self._owning.get((ns, workflow_id))
         if running is not None and (record is None or record.result is None):
-            # Ours: the record names this hub, or there is none while it runs here (its bucket
-            # was deleted: the run's next write creates it again, ``_owner_write``).
-            if record is None or record.owner == self.hub_id:
+            # Ours: the record names this hub, or there is none though the run here wrote it
+            # (``rev``: its bucket was deleted; the run's next write creates it again,
+            # ``_owner_write``). A run that has not written it yet is between owners (below):
+            # a cancel held only in its memory would be lost if it handed the workflow back.
+            if (record is None and running[0].rev > 0) or (
+                record is not None and record.owner == self.hub_id
+            ):
                 wf, task = running
                 if wf.cancel(_cancel_error(reason)):
                     log.info("workflow %s of %r: cancel requested (%s)", workflow_id, ns, reason)
