@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import Literal
 
+import nats
 import pytest
+from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, TaskState
 from reach_mesh.hub import Hub
@@ -56,16 +59,27 @@ async def test_answers_lost_while_the_hub_was_away_are_asked_again(
     nats_url: str, namespace: str
 ) -> None:
     """The agents answer while the hub that sent their tasks is cut off: once back, it sends
-    each attempt still waiting again, and the agent answers from the run in hand."""
+    each attempt still waiting again, and the agent answers from the run in hand. It tells the
+    other hubs those tasks' agents again first (a pins message sent just before the cut may
+    have been lost with it)."""
     s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
     relay, through = await relayed(nats_url, s)
     agent, runs = recording_agent(f"{namespace}.slow.a1", s, CAP, delay=0.5)
+    pins: list[bytes] = []
+    peer = await nats.connect(nats_url)  # where the other hubs hear pins
+
+    async def heard(msg: Msg) -> None:
+        pins.append(msg.data)
+
+    await peer.subscribe(f"reach.hubs.{namespace}.pins", cb=heard)
     async with Hub(settings=through) as hub, agent, Client(settings=s) as c:
         await eventually(lambda: agent.agent_id in hub.registry.agents)
         calls = [
             asyncio.create_task(c.request(capability=CAP, payload=i, timeout=10)) for i in range(5)
         ]
         await eventually(lambda: len(runs) == 5, timeout=5)
+        await eventually(lambda: len(_pinned(pins)) == 5)
+        before = len(pins)
         # The agent answers while the hub is away.
         t0 = await away_for_a_second(relay, lambda: hub.nc.is_connected)
         results = await asyncio.gather(*calls)
@@ -73,3 +87,10 @@ async def test_answers_lost_while_the_hub_was_away_are_asked_again(
         assert time.monotonic() - t0 < 3  # not the requests' 10 s
         assert sorted(runs) == [0, 1, 2, 3, 4]  # each ran once
         assert all(r.cached for r in results)  # answered from the agent's idempotency table
+        again = _pinned(pins[before:])
+        assert again == {r.task_id: agent.agent_id for r in results}, again
+    await peer.close()
+
+
+def _pinned(messages: list[bytes]) -> dict[str, str]:
+    return {task_id: agent_id for m in messages for task_id, agent_id in json.loads(m)}

@@ -425,11 +425,22 @@ class RoutingMixin(RouteEndMixin):
         """Back on NATS after losing it: the agents' answers sent while this hub was away are
         lost (NATS keeps none), so every attempt still waiting for one is sent again, alone, to
         its own reply subject. Same task id and attempt: the agent's idempotency table answers
-        from the run in hand or its result, and the first answer ends the flight."""
+        from the run in hand or its result, and the first answer ends the flight.
+
+        Their pins go to the other hubs again first: one made just before the connection was
+        lost may not have reached them, and their callers, back too, ask again through any hub."""
+        pending = list(self._flights.items())
+        repinned = False
+        for _, flight in pending:
+            req, view = flight.req, flight.view
+            if req.task_id is not None and req.agent_id is None and view is not None:
+                repinned = self._pins.pin(flight.ns, req.task_id, view.agent_id) or repinned
+        if repinned:
+            await self._send_pins()
         prefix = self._reply_prefix
         now = time.perf_counter()
         asked = 0
-        for token, flight in list(self._flights.items()):
+        for token, flight in pending:
             view, remaining = flight.view, flight.deadline - now
             if view is None or flight.finished or remaining <= 0:
                 continue
