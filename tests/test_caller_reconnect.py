@@ -16,7 +16,7 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from reach_mesh import Client, MeshSettings, TaskState
+from reach_mesh import Client, MeshSettings, Step, TaskState
 from reach_mesh.hub import Hub
 
 from .helpers import away_for_a_second, eventually, recording_agent, relayed
@@ -94,3 +94,25 @@ async def test_answers_lost_while_the_hub_was_away_are_asked_again(
 
 def _pinned(messages: list[bytes]) -> dict[str, str]:
     return {task_id: agent_id for m in messages for task_id, agent_id in json.loads(m)}
+
+
+async def test_a_workflow_result_stored_while_the_caller_was_away_is_read(
+    nats_url: str, namespace: str
+) -> None:
+    """A caller waiting for workflows whose results are stored while it is cut off: the
+    announcements it missed are lost, so once back it reads the records of the workflows it
+    waits for, and each wait ends within moments of the reconnection, not at its timeout."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    relay, through = await relayed(nats_url, s)
+    agent, runs = recording_agent(f"{namespace}.slow.a1", s, CAP, delay=0.5)
+    async with Hub(settings=s), agent, Client(settings=through) as c:
+        ids = [await c.submit_fanout([Step(capability=CAP, payload=i)]) for i in range(3)]
+        waits = [asyncio.create_task(c.workflow(wf_id, timeout=15)) for wf_id in ids]
+        await eventually(lambda: len(runs) == 3, timeout=5)
+        # The results are stored while the caller is away.
+        t0 = await away_for_a_second(relay, lambda: c.nc.is_connected)
+        results = await asyncio.gather(*waits)
+        assert [r.state for r in results] == [TaskState.SUCCEEDED] * 3
+        assert [r.result for r in results] == [[0], [1], [2]]  # a fanout: its steps' results
+        assert time.monotonic() - t0 < 3  # not the waits' 15 s
+        assert sorted(runs) == [0, 1, 2]
