@@ -16,7 +16,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState
 
-from .helpers import eventually, recording_agent, relayed
+from .helpers import away_for_a_second, eventually, recording_agent, relayed
 from .test_deaf_agents import _deafen
 
 CAP = "rc:echo:v1"
@@ -183,3 +183,23 @@ async def test_a_hub_closing_hands_its_waiting_routes_to_another(
     finally:
         for hub in hubs:
             await hub.close()
+
+
+async def test_an_agent_cut_off_while_it_runs_a_task_answers_once_back(
+    nats_url: str, namespace: str
+) -> None:
+    """The agent finishes its tasks while cut off: its answers wait in its connection's buffer
+    and go out once it is back, within the callers' timeouts; each task ran once."""
+    s = _settings(nats_url, namespace)
+    relay, through = await relayed(nats_url, s)
+    agent, ran = recording_agent(f"{namespace}.echo.a1", through, CAP, delay=0.5)
+    async with Hub(settings=s), agent, Client(settings=s) as c:
+        calls = [
+            asyncio.create_task(c.request(capability=CAP, payload=i, timeout=10)) for i in range(4)
+        ]
+        await eventually(lambda: len(ran) == 4, timeout=5)
+        t0 = await away_for_a_second(relay, lambda: agent.nc.is_connected)
+        results = await asyncio.gather(*calls)
+        assert sorted(r.result for r in results) == [0, 1, 2, 3]
+        assert time.monotonic() - t0 < 3
+        assert sorted(ran) == [0, 1, 2, 3]
