@@ -362,8 +362,11 @@ class Hub(RoutingMixin, ControlMixin):
             await within("workflow engine stop", self.workflows.stop(), 10.0, log)
         # Routes waiting for an agent that may be reconnecting (nothing sent to it) end now.
         await self._end_held()
-        # Routes in flight get their answers (or their deadline) for up to 5 s.
+        # Routes in flight get their answers (or their deadline) for up to 5 s; one that finds
+        # its agent gone meanwhile and would wait for it ends too.
         for _ in range(500):
+            if self._held:
+                await self._end_held()
             if not self._inflight and self._ns_flights.total <= 0:
                 break
             await asyncio.sleep(0.01)
