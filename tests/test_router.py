@@ -53,6 +53,23 @@ def test_saturated_agents_are_a_fallback_not_a_miss() -> None:
     assert choice.view is views[2] and choice.decision is None  # no decision unless explained
 
 
+def test_an_unreached_agent_is_a_fallback_but_keeps_its_exclusions() -> None:
+    """Not heard from since a task found nobody on its subject: routed to only when nobody
+    else can take the task — and never for a capability it reports unavailable."""
+    registry, router = fleet(2)
+    gone, other = sorted(registry.agents.values(), key=lambda v: v.agent_id)
+    gone.unreached_at = gone.spoke_at + 1.0
+    choice = router.decide(RouteRequest(capability=CAP, explain=True), "ns", "r1")
+    assert choice.view is other
+    other.unavailable = frozenset({CAP})
+    choice = router.decide(RouteRequest(capability=CAP, explain=True), "ns", "r2")
+    assert choice.view is gone and choice.decision is not None
+    assert choice.decision.fallback == "suspect"
+    gone.unavailable = frozenset({CAP})
+    with pytest.raises(NoMatchError):
+        router.decide(RouteRequest(capability=CAP), "ns", "r3")
+
+
 def test_no_match_still_explains_without_explain() -> None:
     registry, router = fleet(2)
     for view in registry.agents.values():

@@ -295,8 +295,8 @@ class Router:
         forced: bool,
         exclude: frozenset[str],
     ) -> str | None:
-        """Why ``view`` cannot take this request, or None. ``"saturated"``, ``"unhealthy"`` and
-        ``"suspect"`` mean fallback only."""
+        """Why ``view`` cannot take this request, or None. ``"saturated"``, ``"unhealthy"``,
+        ``"suspect"`` and ``"unreached"`` mean fallback only."""
         if view.agent_id in exclude:
             return "already tried for this request"
         card = view.record.card
@@ -308,12 +308,12 @@ class Router:
             return _SUSPECT
         if state is not AgentState.ONLINE:
             return f"state {state.value}"
-        if view.unreached_at > view.spoke_at:
-            return _UNREACHED
         if view.breaker.state is BreakerState.HALF_OPEN and not view.breaker.probe_available:
             return "breaker half-open, probe in flight"
         if capability is not None and capability in view.unavailable:
             return f"reports {capability} unavailable"
+        if view.unreached_at > view.spoke_at:
+            return _UNREACHED  # (after the exclusions: a fallback tier must not undo them)
         if forced:
             return None  # the caller chose this agent: capacity and health are its call
         if view.health.value < _HEALTH_MIN:
