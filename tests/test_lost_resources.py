@@ -22,9 +22,12 @@ from nats.js.errors import NotFoundError
 from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh._consume import PullConsumer
 from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.hub import Hub
+from reach_mesh.hub._steps import Workflow
 from reach_mesh.models import AgentState, TaskState
 from reach_mesh.server import EmbeddedNats
+from reach_mesh.workflow import WorkflowSpec
 
 from .helpers import FAST, WF_FAST, eventually, gated_echo
 
@@ -227,3 +230,27 @@ async def test_a_cancel_writes_the_record_again_when_its_bucket_was_deleted(
         assert result.state is TaskState.FAILED, result
         assert result.error is not None and result.error.code == "REACH_WORKFLOW_CANCELLED"
         echo.gate.set()
+
+
+async def test_a_cancel_before_the_run_here_wrote_its_record_is_asked_again(
+    server: EmbeddedNats,
+) -> None:
+    """The other side of the rule above: a run here that has not written its record yet (it
+    has just taken the submission) does not take a cancel into its memory only, which it
+    would lose if it handed the workflow back; the caller is told to ask again, as before."""
+    settings = _settings(server.url)
+    async with Hub(settings=settings) as hub:
+        engine = hub.workflows
+        assert engine is not None
+        spec = WorkflowSpec(workflow_id="starting", kind="fanout", steps=[], namespace="lost")
+        wf = Workflow(spec, 0, 0.0, 0.0, {}, None, "digest")  # rev 0: no record written yet
+        waiting = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(waiting)
+        engine._owning[("lost", "starting")] = (wf, task)
+        try:
+            with pytest.raises(MeshUnavailableError, match="between owners: it may have been"):
+                await engine.cancel("lost", "starting", "test", within=2.0)
+            assert wf.stop is None  # nothing held in the run's memory
+        finally:
+            del engine._owning[("lost", "starting")]
+            task.cancel()

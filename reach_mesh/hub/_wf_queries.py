@@ -122,14 +122,14 @@ class WorkflowQueries(WorkflowShapes):
         record = stored_record(WorkflowRecord, got)
         running = self._owning.get((ns, workflow_id))
         if running is not None and (record is None or record.result is None):
+            wf, task = running
             # Ours: the record names this hub, or there is none though the run here wrote it
             # (``rev``: its bucket was deleted; the run's next write creates it again,
             # ``_owner_write``). A run that has not written it yet is between owners (below):
             # a cancel held only in its memory would be lost if it handed the workflow back.
-            if (record is None and running[0].rev > 0) or (
+            if (record is None and wf.rev > 0) or (
                 record is not None and record.owner == self.hub_id
             ):
-                wf, task = running
                 if wf.cancel(_cancel_error(reason)):
                     log.info("workflow %s of %r: cancel requested (%s)", workflow_id, ns, reason)
                 # What is left of the time after the second read below.
@@ -138,7 +138,7 @@ class WorkflowQueries(WorkflowShapes):
                 record = stored_record(WorkflowRecord, got)
                 if not task.done() and (record is None or record.result is None):
                     return self._not_final(ns, workflow_id, self.hub_id)  # fencing, storing
-            else:
+            elif record is not None:
                 running = None  # a run here that lost the workflow: its owner decides
         stored = final_result(got)
         if stored is not None:
