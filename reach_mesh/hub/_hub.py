@@ -360,10 +360,9 @@ class Hub(RoutingMixin, ControlMixin):
         if self.workflows is not None:
             # Hand running workflows back (nak) so another hub resumes them at once.
             await within("workflow engine stop", self.workflows.stop(), 10.0, log)
-        # Routes waiting for an agent that may be reconnecting (nothing sent to it) end now.
-        await self._end_held()
-        # Routes in flight get their answers (or their deadline) for up to 5 s; one that finds
-        # its agent gone meanwhile and would wait for it ends too.
+        # Routes in flight get their answers (or their deadline) for up to 5 s; those waiting
+        # for an agent that may be reconnecting (nothing sent to it) end at once, as do those
+        # that start waiting meanwhile.
         for _ in range(500):
             if self._held:
                 await self._end_held()

@@ -33,7 +33,7 @@ from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub._agent_view import AgentView, StateListener
-from reach_mesh.hub._liveness import LOST_KEPT_S, Liveness
+from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, Liveness
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._server_clock import ServerClock, ask_server_time
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
@@ -147,7 +147,7 @@ class Registry(Liveness):
     async def start(self) -> None:
         await self.ensure_buckets()
         # The server's clock before the entries loaded below are aged by it.
-        await ask_server_time(self._nc, f"KV_{protocol.KV_HEARTBEATS}", self.server_clock)
+        await ask_server_time(self._nc, _HB_STREAM, self.server_clock)
         assert self._cordons_kv is not None
         if self._resources is not None:
             buckets = (protocol.KV_AGENTS, protocol.KV_HEARTBEATS, protocol.KV_CORDONS)
