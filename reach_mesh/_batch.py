@@ -101,8 +101,9 @@ class Batcher:
         #: (``refused``), and a batch subject NATS answers 503 for is not batched to a while.
         self._sent_on: dict[str, str] = {}
         #: Requests sent on a live connection and not answered yet, by token: (subject, body,
-        #: headers), to ask again after a reconnection (``resend``).
-        self._unanswered: dict[str, tuple[str, bytes, dict[str, str]]] = {}
+        #: headers — or, for one sent in a batch, its traceparent), to ask again after a
+        #: reconnection (``resend``; no headers dict is made per batched request until then).
+        self._unanswered: dict[str, tuple[str, bytes, dict[str, str] | str]] = {}
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
@@ -200,10 +201,11 @@ class Batcher:
         task envelopes, which carry a task id: a retry of a task id goes to the agent that has
         it, whose idempotency table joins the run in hand (docs/protocol.md). The number asked."""
         asked = 0
-        for token, (subject, body, headers) in list(self._unanswered.items()):
+        for token, (subject, body, sent) in list(self._unanswered.items()):
             future = self._futures.get(token)
             if future is None or future.done():
                 continue
+            headers = sent if isinstance(sent, dict) else {TRACEPARENT: sent}
             try:
                 await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
             except Exception as err:  # down again: the next reconnection asks again
@@ -239,7 +241,7 @@ class Batcher:
         if self._nc.is_connected:
             unanswered = self._unanswered
             for token, body, traceparent in items:
-                unanswered[token] = (batch.subject, body, {TRACEPARENT: traceparent})
+                unanswered[token] = (batch.subject, body, traceparent)
         if len(items) == 1:
             token, body, traceparent = items[0]
             self._note_sent(batch.token, batch.subject)
