@@ -221,6 +221,16 @@ async def partition(agent: Agent) -> None:
         agent._subs.remove(sub)
 
 
+async def deafen(agent: Agent) -> None:
+    """Nothing reaches ``agent`` any more, while its heartbeats go on."""
+    assert agent.work is not None and agent._hb_task is not None
+    await agent.work.stop()
+    for sub in list(agent._subs):
+        await sub.unsubscribe()
+        agent._subs.remove(sub)
+    await agent.nc.flush()  # the server dropped its interest before any hub asks
+
+
 async def heal(agent: Agent, *, beat: bool = True) -> None:
     """Undo :func:`partition`: answer on the ctl subject and (``beat``) heartbeat again."""
     agent._subs.append(

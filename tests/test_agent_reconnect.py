@@ -16,8 +16,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState
 
-from .helpers import away_for_a_second, eventually, recording_agent, relayed
-from .test_deaf_agents import _deafen
+from .helpers import away_for_a_second, deafen, eventually, recording_agent, relayed
 
 CAP = "rc:echo:v1"
 
@@ -131,7 +130,7 @@ async def test_a_route_stops_waiting_for_an_agent_heard_but_deaf(
     agent, _ = recording_agent(f"{namespace}.echo.a1", s, CAP)
     async with Hub(settings=s) as hub, agent, Client(settings=s) as c:
         assert (await c.request(capability=CAP, payload=0)).result == 0
-        await _deafen(agent)
+        await deafen(agent)
         view = hub.registry.agents[agent.agent_id]
         t0 = time.monotonic()
         with pytest.raises(UnknownAgentError, match="no subscriber"):

@@ -24,19 +24,18 @@ from reach_mesh.hub._tracking import DEAF
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState, CordonRecord
 
-from .helpers import Fleet, HeldHandler, Relay, echo_agent, eventually, held_handler, relayed
+from .helpers import (
+    Fleet,
+    HeldHandler,
+    Relay,
+    deafen,
+    echo_agent,
+    eventually,
+    held_handler,
+    relayed,
+)
 
 pytestmark = pytest.mark.timeout(90)
-
-
-async def _deafen(agent: Agent) -> None:
-    """Nothing reaches ``agent`` any more, while its heartbeats go on."""
-    assert agent.work is not None and agent._hb_task is not None
-    await agent.work.stop()
-    for sub in list(agent._subs):
-        await sub.unsubscribe()
-        agent._subs.remove(sub)
-    await agent.nc.flush()  # the server dropped its interest before any hub asks
 
 
 def _sent_to(hub: Hub, wf_id: str, agent_id: str) -> bool:
@@ -82,7 +81,7 @@ async def test_a_step_sent_to_a_deaf_agent_is_sent_elsewhere(
     deaf = echo_agent(fleet, f"deaf{kind}.d", cap)
     healthy = echo_agent(fleet, f"deaf{kind}.h", cap)
     await deaf.start()
-    await _deafen(deaf)
+    await deafen(deaf)
     loop = asyncio.get_running_loop()
     async with Client(settings=wf_settings) as mesh:
         steps = [Step(capability=cap, payload=i) for i in range(2 if kind == "chain" else 1)]
@@ -125,7 +124,7 @@ async def test_a_deaf_agent_restarted_is_back_once_its_half_open_probe_succeeds(
         deaf = echo_agent(fleet, "deafback.d", cap)
         healthy = echo_agent(fleet, "deafback.h", cap)
         await deaf.start()
-        await _deafen(deaf)
+        await deafen(deaf)
         wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
         await eventually(lambda: _sent_to(hub, wf_id, deaf.agent_id), timeout=5)
         await healthy.start()
