@@ -101,7 +101,14 @@ class WorkflowsMixin:
         @property
         def nc(self) -> NATS: ...
 
-        async def _query(self, verb: str, body: dict[str, Any], ns: str | None = None) -> bytes: ...
+        async def _query(
+            self,
+            verb: str,
+            body: dict[str, Any],
+            ns: str | None = None,
+            *,
+            repeatable: bool = True,
+        ) -> bytes: ...
 
         async def _call_hub(
             self,

@@ -101,7 +101,8 @@ async def connect(
     what the server answered (TLS, authorization). Once connected, losing the server is logged
     once, then every 30 s while it lasts, and the reconnection once. A permissions violation
     (secure mode, docs/security.md) is logged: it would otherwise only show as a timeout.
-    ``on_reconnect`` is called after each reconnection (subscriptions are in place again).
+    ``on_reconnect`` is called after each reconnection (subscriptions are in place again);
+    more listeners may join later (:func:`reconnects_of`).
     """
     if not url:
         raise BadRequestError(
@@ -134,12 +135,14 @@ async def connect(
         opts.update(_auth_options(settings))
     opts.update(options)
     watch = _Watch(name, shown(url))
-    watch.on_reconnect = on_reconnect
     opts.setdefault("error_cb", watch.error)
     opts.setdefault("disconnected_cb", watch.disconnected)
     opts.setdefault("reconnected_cb", watch.reconnected)
     nc = watch.nc = _Connection()
     nc.refusals = Refusals()
+    nc.reconnects = Reconnects()
+    if on_reconnect is not None:
+        nc.reconnects.listeners.append(on_reconnect)
     try:
         await _first_connect(nc, opts, watch, timeout)
     except (TimeoutError, OSError, nats.errors.Error) as err:
@@ -227,6 +230,74 @@ class Refusals:
                 self._expected.pop(key, None)
 
 
+class Reconnects:
+    """A connection's reconnections: answers sent to it while it was away are lost, so whoever
+    waits for one may need to ask again. Listeners are called after each reconnection
+    (subscriptions are in place again); :meth:`next` is a future for whoever waits for one."""
+
+    def __init__(self) -> None:
+        #: Reconnections so far.
+        self.count = 0
+        #: Called after each reconnection, in the order they joined.
+        self.listeners: list[Callable[[], None]] = []
+        self._next: asyncio.Future[None] | None = None
+
+    def next(self) -> asyncio.Future[None]:
+        """A future done at the next reconnection (shared: do not cancel it)."""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        return self._next
+
+    def note(self) -> None:
+        """The connection is back."""
+        self.count += 1
+        fut, self._next = self._next, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+        for listener in list(self.listeners):
+            listener()
+
+
+class Reconnected(Exception):
+    """The connection came back while a request waited for its answer (:func:`or_reconnected`):
+    an answer sent meanwhile is lost."""
+
+
+def reconnects_of(nc: NATS) -> Reconnects | None:
+    """The reconnections a connection made by :func:`connect` keeps (None for another one)."""
+    got = getattr(nc, "reconnects", None)
+    return got if isinstance(got, Reconnects) else None
+
+
+async def or_reconnected(nc: NATS, aw: Awaitable[T]) -> T:
+    """Await ``aw`` (a request on ``nc``), or raise :class:`Reconnected` as soon as ``nc``
+    reconnects first: for a request that is safe to ask again, whose answer may have been
+    lost meanwhile. Not for hot paths: a task per call."""
+    reconnects = reconnects_of(nc)
+    if reconnects is None:
+        return await aw
+    done = await _unless(aw, reconnects.next())
+    if done is None:
+        raise Reconnected
+    return done.result()
+
+
+async def _unless(aw: Awaitable[T], signal: asyncio.Future[Any]) -> asyncio.Future[T] | None:
+    """Await ``aw`` or ``signal``, whichever is done first: ``aw`` (as a future: its result
+    or error to take) when it is, None when ``signal`` came first (``aw`` is cancelled)."""
+    task = asyncio.ensure_future(aw)
+    either: set[asyncio.Future[Any]] = {task, signal}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task.done():
+        return task
+    task.cancel()
+    return None
+
+
 def refused_subject(text: str) -> str | None:
     """The subject a permissions violation of the server names (its text, as nats-py hands it
     over), lower-cased as the server writes it; None when it names none."""
@@ -271,19 +342,13 @@ async def refused_first(nc: NATS, subject: str, aw: Awaitable[T], *, expected: b
     if refusals is None:
         return await aw
     refused = refusals.wait(subject, expected=expected)
-    task = asyncio.ensure_future(aw)
-    either: set[asyncio.Future[Any]] = {task, refused}
     try:
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
+        done = await _unless(aw, refused)
     finally:
         refusals.forget(subject, refused, expected=expected)
-    if task.done():
-        return task.result()
-    task.cancel()
-    raise not_permitted(subject)
+    if done is None:
+        raise not_permitted(subject)
+    return done.result()
 
 
 async def flushed(nc: NATS) -> None:
@@ -319,6 +384,8 @@ class _Connection(NATS):
 
     #: Subjects the server refused this connection (``connect`` sets it).
     refusals: Refusals
+    #: Its reconnections (``connect`` sets it).
+    reconnects: Reconnects
     #: Messages its subscribers dropped unread (``_guard.refuse``): what the hub or agent
     #: owning the connection exports as ``reach_messages_refused_total``, theirs alone when
     #: several share a process.
@@ -444,8 +511,6 @@ class _Watch:
         self.refused = asyncio.Event()
         self.refusal: BaseException | None = None
         self._down_since: float | None = None
-        #: Called after each reconnection (``connect(on_reconnect=)``).
-        self.on_reconnect: Callable[[], None] | None = None
         self._logged_at = 0.0
         self._failures = 0
         #: Slow-consumer drops counted since the last report, the last subject, the report timer.
@@ -548,8 +613,8 @@ class _Watch:
         log.warning("%s: lost NATS at %s; reconnecting until it is back", self.name, self.url)
 
     async def reconnected(self) -> None:
-        if self.on_reconnect is not None:
-            self.on_reconnect()
+        if isinstance(self.nc, _Connection):
+            self.nc.reconnects.note()
         if self._down_since is None:
             return
         down = time.monotonic() - self._down_since

@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import enum
-import json
 import os
 import random
 import time
@@ -23,7 +22,6 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from reach_mesh import protocol
 from reach_mesh._batch import Batcher
-from reach_mesh._client_audit import read_audit
 from reach_mesh._client_fields import (
     _PROXY_REPLY,
     _TASK_REPLY,
@@ -35,9 +33,19 @@ from reach_mesh._client_fields import (
     _RouteFields,
     _TaskReply,
 )
+from reach_mesh._client_fleet import FleetMixin
 from reach_mesh._client_workflows import WorkflowsMixin, _Done
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import connect, not_permitted, refused_first, refused_since, shown
+from reach_mesh._nats import (
+    Reconnected,
+    connect,
+    not_permitted,
+    or_reconnected,
+    reconnects_of,
+    refused_first,
+    refused_since,
+    shown,
+)
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
@@ -54,8 +62,6 @@ from reach_mesh.errors import (
 )
 from reach_mesh.logs import LineBudget, get_logger
 from reach_mesh.models import (
-    AgentInfo,
-    FailureReport,
     RouteDecision,
     RouteReply,
     RouteRequest,
@@ -146,12 +152,14 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class Client(WorkflowsMixin):
+class Client(WorkflowsMixin, FleetMixin):
     """``async with Client(url) as mesh: await mesh.request(capability=..., payload=...)``.
 
-    Given a connection of the caller's own (``nc``), the client does not see it reconnect:
-    requests whose answers were lost while it was down wait out their timeouts, where a
-    client that connects itself asks them again (``_on_reconnect``)."""
+    Back on NATS after losing it, the client asks again what waits for an answer, which may
+    have been lost meanwhile (``_on_reconnect``, ``_call_hub``). Given a connection of the
+    caller's own (``nc``), it does so if that connection was made by
+    :func:`reach_mesh._nats.connect`; it cannot see another one reconnect, and then requests
+    whose answers were lost wait out their timeouts."""
 
     def __init__(
         self,
@@ -201,12 +209,10 @@ class Client(WorkflowsMixin):
         # OTEL_TRACES_EXPORTER honoured here too; service.name: OTEL_SERVICE_NAME, else ``name``.
         tracing_from_env(self._name)
         if self._nc is None:
-            self._nc = await connect(
-                self.nats_url,
-                name=self._name,
-                settings=self.settings,
-                on_reconnect=self._on_reconnect,
-            )
+            self._nc = await connect(self.nats_url, name=self._name, settings=self.settings)
+        reconnects = reconnects_of(self._nc)
+        if reconnects is not None:  # (a connection of the caller's own: ours too, if connect's)
+            reconnects.listeners.append(self._on_reconnect)
         self._state = _State.OPEN
         return self
 
@@ -239,6 +245,9 @@ class Client(WorkflowsMixin):
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
+        reconnects = None if self._nc is None else reconnects_of(self._nc)
+        if reconnects is not None and self._on_reconnect in reconnects.listeners:
+            reconnects.listeners.remove(self._on_reconnect)
         self._end_done_waits()
         if self._batcher is not None:
             with contextlib.suppress(Exception):
@@ -634,6 +643,8 @@ class Client(WorkflowsMixin):
         headers: dict[str, str],
         deadline: float,
         timeout: float,
+        *,
+        repeatable: bool = True,
     ) -> bytes:
         """Request a hub; retry what is retryable until the deadline, then raise the last.
 
@@ -643,11 +654,17 @@ class Client(WorkflowsMixin):
         or half the backoff (the rest), plus a random spread of up to the backoff, so that many
         callers retrying together do not stampede; the backoff doubles from 20 ms to 1 s. Past
         the deadline the last error is raised.
+
+        Back on NATS while it waits, a request is asked again at once (its answer may have
+        been sent while this client was away, and lost), unless it is not ``repeatable`` (an
+        operator's ``remove``). Routes are asked again by the batcher (``Batcher.resend``).
         """
         subject = protocol.hub_subject(ns, verb)
+        reconnects = reconnects_of(self.nc)
         delay = 0.02
         while True:
             asked_at = time.monotonic()
+            back_at = reconnects.count if reconnects is not None else 0
             left = deadline - asked_at
             wait_s = min(timeout, max(left, 0.0) + _reply_slack(timeout))
             try:
@@ -660,7 +677,13 @@ class Client(WorkflowsMixin):
                 else:
                     # A subject this identity may not publish fails at once, not at the timeout.
                     asked = self.nc.request(subject, body, timeout=wait_s, headers=headers)
+                    if repeatable:
+                        asked = or_reconnected(self.nc, asked)
                     data = (await refused_first(self.nc, subject, asked)).data
+            except Reconnected as err:
+                if time.monotonic() >= deadline:
+                    raise MeshTimeoutError(f"no answer on {subject} in time") from err
+                continue  # its answer may be lost: ask again at once, with the time left
             except NoRespondersError as err:
                 last: ReachError = MeshUnavailableError(
                     f"no hub answered on {subject}: is `reach-mesh hub` running?"
@@ -676,6 +699,12 @@ class Client(WorkflowsMixin):
                 refused = refused_since(self.nc, asked_at, protocol.hub_subject(ns, ""))
                 if refused is not None:
                     raise not_permitted(refused) from err
+                if not repeatable and reconnects is not None and reconnects.count != back_at:
+                    raise MeshTimeoutError(
+                        f"no answer on {subject} within {timeout:g}s: NATS reconnected "
+                        "meanwhile, so a hub may have done it and its answer been lost "
+                        "(not asked again: it is not safe to repeat); check before asking again"
+                    ) from err
                 raise MeshTimeoutError(f"no answer on {subject} within {timeout:g}s") from err
             else:
                 try:
@@ -694,102 +723,3 @@ class Client(WorkflowsMixin):
             if time.monotonic() >= deadline:
                 raise last  # no time left for one more: the caller has given up
             delay = min(delay * 2, 1.0)
-
-    # ------------------------------------------------------------------ fleet queries
-
-    async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
-        fleet = await self.fleet(all_namespaces=all_namespaces)
-        return [AgentInfo.model_validate(a) for a in fleet["agents"]]
-
-    async def recently_lost(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]:
-        """Agents the answering hub declared LOST in the last 15 minutes (no heartbeat for
-        their lease and grace) and that are not back: they are in no listing any more.
-        ``agent_id``, ``lost_at`` (the hub's clock), ``capabilities``; newest first."""
-        fleet = await self.fleet(all_namespaces=all_namespaces)
-        return list(fleet.get("recently_lost") or [])
-
-    async def fleet(self, *, all_namespaces: bool = False) -> dict[str, Any]:
-        """One hub's answer to the fleet query, as sent: ``hub_id``, ``agents`` (AgentInfo
-        objects as JSON) and ``recently_lost`` (docs/protocol.md, "Fleet queries")."""
-        if all_namespaces:  # an operator query (docs/security.md)
-            data = await self._query("admin", {"op": "agents"})
-        else:
-            data = await self._query("agents", {})
-        fleet: dict[str, Any] = json.loads(data)
-        return fleet
-
-    async def inspect(self, agent_id: str) -> AgentInfo:
-        protocol.validate_agent_id(agent_id)
-        data = await self._query(
-            "agents", {"agent_id": agent_id}, ns=protocol.namespace_of(agent_id)
-        )
-        return AgentInfo.model_validate_json(data)
-
-    async def admin(self, op: str, agent_id: str, reason: str | None = None) -> dict[str, Any]:
-        """An operator action (``cordon``, ``uncordon``, ``quarantine``, ``release``,
-        ``remove``) on ``agent_id``, as ``reach-mesh <op>`` does it; its answer
-        ``{"agent_id", "op", "state"}``. ``reason`` (printable, at most ``protocol.REASON_MAX``
-        characters) is kept in the audit event, with who asked as the hub tells it (secure
-        mode: this client's identity, e.g. ``operator.admin``)."""
-        protocol.validate_agent_id(agent_id)
-        body: dict[str, Any] = {"op": op, "agent_id": agent_id}
-        reason = protocol.validate_reason(reason)
-        if reason is not None:
-            body["reason"] = reason
-        data = await self._query("admin", body, ns=protocol.namespace_of(agent_id))
-        out: dict[str, Any] = json.loads(data)
-        return out
-
-    async def report(
-        self,
-        agent_id: str,
-        *,
-        success: bool,
-        code: str | None = None,
-        task_id: str | None = None,
-    ) -> None:
-        """Tell every hub how a call to ``agent_id`` went (feeds its circuit breaker).
-
-        The SDK does this itself in direct mode; use it for calls made outside the mesh."""
-        report = FailureReport(
-            agent_id=agent_id,
-            success=success,
-            code=code,
-            task_id=task_id,
-            reporter=self._reporter,
-        )
-        await self.nc.publish(
-            protocol.hub_subject(protocol.namespace_of(agent_id), "report"),
-            protocol.encode(report),
-        )
-
-    async def audit(
-        self,
-        *,
-        request_id: str | None = None,
-        agent_id: str | None = None,
-        trace_id: str | None = None,
-        task_id: str | None = None,
-        namespace: str | None = None,
-        since: float = 3600.0,
-        limit: int = 1000,
-    ) -> list[dict[str, Any]]:
-        """Audit events of the last ``since`` seconds matching every given filter, oldest
-        first (at most ``limit``, the newest ones). ``MeshUnavailableError`` when there is no
-        audit stream at all (no hub ever ran on this NATS, or audit is off)."""
-        return await read_audit(
-            self.nc,
-            request_id=request_id,
-            agent_id=agent_id,
-            trace_id=trace_id,
-            task_id=task_id,
-            namespace=namespace,
-            since=since,
-            limit=limit,
-        )
-
-    async def _query(self, verb: str, body: dict[str, Any], ns: str | None = None) -> bytes:
-        deadline = time.monotonic() + 10.0
-        return await self._call_hub(
-            ns or self.namespace, verb, protocol.dumps(body), inject({}), deadline, 5.0
-        )

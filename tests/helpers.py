@@ -173,22 +173,37 @@ class Relay:
         self.port = free_port()
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
+        #: Clear while what the server sends is held back (:meth:`hold`).
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     async def start(self) -> None:
+        self._flowing.set()
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         self._writers += [writer, up_writer]
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        async def pipe(
+            src: asyncio.StreamReader, dst: asyncio.StreamWriter, flowing: asyncio.Event | None
+        ) -> None:
             with contextlib.suppress(Exception):
                 while data := await src.read(65536):
+                    if flowing is not None:
+                        await flowing.wait()
+                        if dst.is_closing():
+                            break  # cut while held: what it held is lost
                     dst.write(data)
                     await dst.drain()
             dst.close()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, None), pipe(up_reader, writer, self._flowing))
+
+    def hold(self) -> None:
+        """Hold back what the server sends until the relay is cut (then it is lost): answers
+        sent to the party behind it are lost with the connection, however fast they come."""
+        self._flowing.clear()
 
     async def cut(self) -> None:
         assert self._server is not None
@@ -197,6 +212,7 @@ class Relay:
         for writer in self._writers:
             writer.close()
         self._writers.clear()
+        self._flowing.set()  # the held pipes see their connections closed, and end
 
 
 async def relayed(

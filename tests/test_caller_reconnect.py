@@ -10,16 +10,27 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
 
 import nats
 import pytest
 from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, Step, TaskState
+from reach_mesh._nats import connect
+from reach_mesh.agent import Agent
+from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
 
-from .helpers import away_for_a_second, eventually, recording_agent, relayed
+from .helpers import (
+    away_for_a_second,
+    eventually,
+    held_handler,
+    partition,
+    recording_agent,
+    relayed,
+)
 
 CAP = "cr:slow:v1"
 
@@ -53,6 +64,28 @@ async def test_answers_lost_while_the_caller_was_away_are_asked_again(
         assert sorted(r.result for r in results) == [1, 2, 3, 4, 5]
         assert time.monotonic() - t0 < 3  # not the requests' 10 s
         assert sorted(runs) == [0, 1, 2, 3, 4, 5]  # each ran once
+
+
+async def test_a_client_on_a_connection_of_its_callers_asks_again(
+    nats_url: str, namespace: str
+) -> None:
+    """A ``Client`` given a connection made by ``reach_mesh``'s ``connect`` (``nc=``) sees it
+    reconnect too, and asks its requests again."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    relay, through = await relayed(nats_url, s)
+    agent, runs = recording_agent(f"{namespace}.slow.a1", s, CAP, delay=0.5)
+    nc = await connect(through.nats_url, name="caller", settings=through)
+    async with Hub(settings=s), agent, Client(settings=through, nc=nc) as c:
+        calls = [
+            asyncio.create_task(c.request(capability=CAP, payload=i, timeout=10)) for i in range(3)
+        ]
+        await eventually(lambda: len(runs) == 3, timeout=5)
+        t0 = await away_for_a_second(relay, lambda: nc.is_connected)
+        results = await asyncio.gather(*calls)
+        assert sorted(r.result for r in results) == [0, 1, 2]
+        assert time.monotonic() - t0 < 3  # not the requests' 10 s
+        assert sorted(runs) == [0, 1, 2]
+    await nc.close()
 
 
 async def test_answers_lost_while_the_hub_was_away_are_asked_again(
@@ -116,3 +149,69 @@ async def test_a_workflow_result_stored_while_the_caller_was_away_is_read(
         assert [r.result for r in results] == [[0], [1], [2]]  # a fanout: its steps' results
         assert time.monotonic() - t0 < 3  # not the waits' 15 s
         assert sorted(runs) == [0, 1, 2]
+
+
+_QUERIES = ["agents", "workflow", "workflows", "cordon", "cancel"]
+
+
+@pytest.mark.parametrize("ask", _QUERIES)
+async def test_a_query_whose_answer_was_lost_is_asked_again(
+    nats_url: str, namespace: str, ask: str
+) -> None:
+    """Fleet and workflow queries, an operator's cordon and a cancel whose answer is lost with
+    the caller's connection are asked again once it is back (each is safe to repeat), and
+    answered within moments, not at their 5 s timeout (a cancel: its 4 s ask)."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    relay, through = await relayed(nats_url, s)
+    agent = Agent(f"{namespace}.slow.a1", settings=s)
+    held = held_handler(agent, CAP)  # the workflow runs until the test ends
+    async with Hub(settings=s), agent, Client(settings=through) as c:
+        wf_id = await c.submit_fanout([Step(capability=CAP, payload=0)])
+        await asyncio.wait_for(held.started.wait(), timeout=5)
+        asked: Callable[[], Awaitable[Any]] = {
+            "agents": lambda: c.agents(),
+            "workflow": lambda: c.inspect_workflow(wf_id),
+            "workflows": lambda: c.list_workflows(),
+            "cordon": lambda: c.admin("cordon", agent.agent_id),
+            "cancel": lambda: c.cancel_workflow(wf_id, timeout=10),
+        }[ask]
+        relay.hold()  # the answer is held back, then lost with the connection
+        call = asyncio.ensure_future(asked())
+        await asyncio.sleep(0.3)
+        t0 = await away_for_a_second(relay, lambda: c.nc.is_connected)
+        try:
+            got: Any = await call
+        finally:
+            held.release.set()
+        assert time.monotonic() - t0 < 2.0
+        if ask == "agents":
+            assert [a.agent_id for a in got] == [agent.agent_id]
+        elif ask == "workflow":
+            assert got.workflow_id == wf_id and got.state is TaskState.RUNNING
+        elif ask == "workflows":
+            assert [w.workflow_id for w in got.workflows] == [wf_id]
+        elif ask == "cordon":
+            assert got["op"] == "cordon" and got["agent_id"] == agent.agent_id
+        else:
+            assert got.final and got.cancelled
+
+
+async def test_a_remove_whose_answer_was_lost_is_not_asked_again(
+    nats_url: str, namespace: str
+) -> None:
+    """An operator's ``remove`` is not repeated (asked twice, it would answer "unknown agent"
+    for the agent it removed): its timeout says that NATS reconnected meanwhile, so it may
+    have been done."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    relay, through = await relayed(nats_url, s)
+    agent, _ = recording_agent(f"{namespace}.slow.a1", s, CAP)
+    async with Hub(settings=s) as hub, agent, Client(settings=through) as c:
+        await eventually(lambda: agent.agent_id in hub.registry.agents)
+        await partition(agent)  # (else it registers again once removed)
+        relay.hold()
+        call = asyncio.create_task(c.admin("remove", agent.agent_id))
+        await asyncio.sleep(0.3)
+        await away_for_a_second(relay, lambda: c.nc.is_connected)
+        with pytest.raises(MeshTimeoutError, match="NATS reconnected meanwhile"):
+            await call
+        assert agent.agent_id not in hub.registry.agents  # it was done

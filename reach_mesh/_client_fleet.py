@@ -1,0 +1,152 @@
+"""Fleet queries and operator actions from the caller's side: :class:`FleetMixin` is a base
+of :class:`~reach_mesh.client.Client` that lists and inspects agents, acts on them as an
+operator, reports calls made outside the mesh and reads the audit stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from nats.aio.client import Client as NATS
+
+from reach_mesh import protocol
+from reach_mesh._client_audit import read_audit
+from reach_mesh.models import AgentInfo, FailureReport
+from reach_mesh.tracing import inject
+
+
+class FleetMixin:
+    """The fleet half of :class:`~reach_mesh.client.Client` (the hub requests are its own)."""
+
+    namespace: str
+    #: Names this client in its failure reports (``Client.__init__``).
+    _reporter: str
+
+    if TYPE_CHECKING:
+
+        @property
+        def nc(self) -> NATS: ...
+
+        async def _call_hub(
+            self,
+            ns: str,
+            verb: str,
+            body: bytes,
+            headers: dict[str, str],
+            deadline: float,
+            timeout: float,
+            *,
+            repeatable: bool = True,
+        ) -> bytes: ...
+
+    async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
+        fleet = await self.fleet(all_namespaces=all_namespaces)
+        return [AgentInfo.model_validate(a) for a in fleet["agents"]]
+
+    async def recently_lost(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]:
+        """Agents the answering hub declared LOST in the last 15 minutes (no heartbeat for
+        their lease and grace) and that are not back: they are in no listing any more.
+        ``agent_id``, ``lost_at`` (the hub's clock), ``capabilities``; newest first."""
+        fleet = await self.fleet(all_namespaces=all_namespaces)
+        return list(fleet.get("recently_lost") or [])
+
+    async def fleet(self, *, all_namespaces: bool = False) -> dict[str, Any]:
+        """One hub's answer to the fleet query, as sent: ``hub_id``, ``agents`` (AgentInfo
+        objects as JSON) and ``recently_lost`` (docs/protocol.md, "Fleet queries")."""
+        if all_namespaces:  # an operator query (docs/security.md)
+            data = await self._query("admin", {"op": "agents"})
+        else:
+            data = await self._query("agents", {})
+        fleet: dict[str, Any] = json.loads(data)
+        return fleet
+
+    async def inspect(self, agent_id: str) -> AgentInfo:
+        protocol.validate_agent_id(agent_id)
+        data = await self._query(
+            "agents", {"agent_id": agent_id}, ns=protocol.namespace_of(agent_id)
+        )
+        return AgentInfo.model_validate_json(data)
+
+    async def admin(self, op: str, agent_id: str, reason: str | None = None) -> dict[str, Any]:
+        """An operator action (``cordon``, ``uncordon``, ``quarantine``, ``release``,
+        ``remove``) on ``agent_id``, as ``reach-mesh <op>`` does it; its answer
+        ``{"agent_id", "op", "state"}``. ``reason`` (printable, at most ``protocol.REASON_MAX``
+        characters) is kept in the audit event, with who asked as the hub tells it (secure
+        mode: this client's identity, e.g. ``operator.admin``). Asked again if NATS reconnects
+        before the answer (audited once per ask), but ``remove``: it raises
+        ``MeshTimeoutError`` saying so, since it may have been done."""
+        protocol.validate_agent_id(agent_id)
+        body: dict[str, Any] = {"op": op, "agent_id": agent_id}
+        reason = protocol.validate_reason(reason)
+        if reason is not None:
+            body["reason"] = reason
+        # Asked again after a reconnection, but for ``remove``: asked twice, it would answer
+        # "unknown agent" for the agent it removed the first time.
+        data = await self._query(
+            "admin", body, ns=protocol.namespace_of(agent_id), repeatable=op != "remove"
+        )
+        out: dict[str, Any] = json.loads(data)
+        return out
+
+    async def report(
+        self,
+        agent_id: str,
+        *,
+        success: bool,
+        code: str | None = None,
+        task_id: str | None = None,
+    ) -> None:
+        """Tell every hub how a call to ``agent_id`` went (feeds its circuit breaker).
+
+        The SDK does this itself in direct mode; use it for calls made outside the mesh."""
+        report = FailureReport(
+            agent_id=agent_id,
+            success=success,
+            code=code,
+            task_id=task_id,
+            reporter=self._reporter,
+        )
+        await self.nc.publish(
+            protocol.hub_subject(protocol.namespace_of(agent_id), "report"),
+            protocol.encode(report),
+        )
+
+    async def audit(
+        self,
+        *,
+        request_id: str | None = None,
+        agent_id: str | None = None,
+        trace_id: str | None = None,
+        task_id: str | None = None,
+        namespace: str | None = None,
+        since: float = 3600.0,
+        limit: int = 1000,
+    ) -> list[dict[str, Any]]:
+        """Audit events of the last ``since`` seconds matching every given filter, oldest
+        first (at most ``limit``, the newest ones). ``MeshUnavailableError`` when there is no
+        audit stream at all (no hub ever ran on this NATS, or audit is off)."""
+        return await read_audit(
+            self.nc,
+            request_id=request_id,
+            agent_id=agent_id,
+            trace_id=trace_id,
+            task_id=task_id,
+            namespace=namespace,
+            since=since,
+            limit=limit,
+        )
+
+    async def _query(
+        self, verb: str, body: dict[str, Any], ns: str | None = None, *, repeatable: bool = True
+    ) -> bytes:
+        deadline = time.monotonic() + 10.0
+        return await self._call_hub(
+            ns or self.namespace,
+            verb,
+            protocol.dumps(body),
+            inject({}),
+            deadline,
+            5.0,
+            repeatable=repeatable,
+        )
