@@ -5,40 +5,19 @@ operator, reports calls made outside the mesh and reads the audit stream."""
 from __future__ import annotations
 
 import json
-import time
-from typing import TYPE_CHECKING, Any
-
-from nats.aio.client import Client as NATS
+from typing import Any
 
 from reach_mesh import protocol
 from reach_mesh._client_audit import read_audit
+from reach_mesh._client_base import HubAsks
 from reach_mesh.models import AgentInfo, FailureReport
-from reach_mesh.tracing import inject
 
 
-class FleetMixin:
-    """The fleet half of :class:`~reach_mesh.client.Client` (the hub requests are its own)."""
+class FleetMixin(HubAsks):
+    """The fleet half of :class:`~reach_mesh.client.Client`."""
 
-    namespace: str
     #: Names this client in its failure reports (``Client.__init__``).
     _reporter: str
-
-    if TYPE_CHECKING:
-
-        @property
-        def nc(self) -> NATS: ...
-
-        async def _call_hub(
-            self,
-            ns: str,
-            verb: str,
-            body: bytes,
-            headers: dict[str, str],
-            deadline: float,
-            timeout: float,
-            *,
-            repeatable: bool = True,
-        ) -> bytes: ...
 
     async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
         fleet = await self.fleet(all_namespaces=all_namespaces)
@@ -135,18 +114,4 @@ class FleetMixin:
             namespace=namespace,
             since=since,
             limit=limit,
-        )
-
-    async def _query(
-        self, verb: str, body: dict[str, Any], ns: str | None = None, *, repeatable: bool = True
-    ) -> bytes:
-        deadline = time.monotonic() + 10.0
-        return await self._call_hub(
-            ns or self.namespace,
-            verb,
-            protocol.dumps(body),
-            inject({}),
-            deadline,
-            5.0,
-            repeatable=repeatable,
         )

@@ -11,10 +11,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal
 
 import nats.js.errors
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
@@ -23,6 +22,7 @@ from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._client_base import HubAsks
 from reach_mesh._client_fields import _consumer_name, _end_span, _reply_slack
 from reach_mesh._guard import refuse
 from reach_mesh._jspub import JsClient
@@ -83,10 +83,9 @@ _RESULT_RECHECK: Final = 5.0
 _Done = asyncio.Future[Msg | WorkflowResult]
 
 
-class WorkflowsMixin:
+class WorkflowsMixin(HubAsks):
     """The workflow methods of ``Client`` (which sets every attribute below)."""
 
-    namespace: str
     settings: MeshSettings
     #: Submissions and record reads (started with the first workflow call).
     _jsc: JsClient | None
@@ -95,30 +94,6 @@ class WorkflowsMixin:
     _done_waits: dict[_Done, tuple[str, asyncio.Future[Msg]]]
     #: Those re-checks running.
     _rechecks: set[asyncio.Task[None]]
-
-    if TYPE_CHECKING:
-
-        @property
-        def nc(self) -> NATS: ...
-
-        async def _query(
-            self,
-            verb: str,
-            body: dict[str, Any],
-            ns: str | None = None,
-            *,
-            repeatable: bool = True,
-        ) -> bytes: ...
-
-        async def _call_hub(
-            self,
-            ns: str,
-            verb: str,
-            body: bytes,
-            headers: dict[str, str],
-            deadline: float,
-            timeout: float,
-        ) -> bytes: ...
 
     # ------------------------------------------------------------------ workflows
 
