@@ -44,6 +44,7 @@ from nats.js.errors import (
 )
 
 from reach_mesh._batch import private_inbox, reply_token
+from reach_mesh._nats import reconnects_of
 from reach_mesh._retry import no_message
 
 __all__ = ["Ack", "JsClient", "kv_marker", "kv_stream", "kv_subject"]
@@ -127,17 +128,37 @@ class JsClient:
         self._later_task: asyncio.Task[None] | None = None
         #: Direct gets being asked again, not answered yet (``_direct_get``).
         self._hedging = 0
+        #: Acked publishes waiting for their acks: ended by a reconnection (``_on_reconnect``).
+        self._publishing: dict[str, asyncio.Future[Msg]] = {}
 
     async def start(self) -> None:
         self._sub = await self._nc.subscribe(
             self._prefix + "*", cb=self._on_ack, pending_msgs_limit=-1
         )
+        reconnects = reconnects_of(self._nc)
+        if reconnects is not None:
+            reconnects.listeners.append(self._on_reconnect)
 
     async def stop(self) -> None:
         await self.flush_later()
+        reconnects = reconnects_of(self._nc)
+        if reconnects is not None and self._on_reconnect in reconnects.listeners:
+            reconnects.listeners.remove(self._on_reconnect)
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
+
+    def _on_reconnect(self) -> None:
+        """Back on NATS: an ack sent while the connection was down is lost, and its publish
+        would wait out its timeout before its caller sent it again. Every caller of
+        :meth:`publish` sends a timed-out one again (``Nats-Msg-Id`` deduplicates a stream
+        message, a KV compare-and-set tells a lost answer from a lost race): time them out now.
+        (Direct gets are asked again every ``HEDGE_AFTER`` anyway.)"""
+        waiting = [f for f in self._publishing.values() if not f.done()]
+        for future in waiting:
+            future.set_exception(nats.errors.TimeoutError())
+        if waiting:
+            log.info("reconnected to NATS: %d JetStream publish(es) sent again", len(waiting))
 
     def later(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """Publish ``body`` to ``subject`` (core NATS, no answer) with the next request, or
@@ -204,13 +225,28 @@ class JsClient:
         timeout: float | None = None,
     ) -> Msg:
         """Send ``body`` to ``subject``; the answer. ``nats.errors.TimeoutError`` without one."""
+        return await self._request(subject, body, headers, timeout, publish=False)
+
+    async def _request(
+        self,
+        subject: str,
+        body: bytes,
+        headers: dict[str, str] | None,
+        timeout: float | None,
+        *,
+        publish: bool,
+    ) -> Msg:
         await self._before_request()
         token, future, timer = self._expect(self._timeout if timeout is None else timeout)
+        if publish:
+            self._publishing[token] = future
         try:
             await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
             return await future
         finally:
             self._forget(token, timer)
+            if publish:
+                del self._publishing[token]
 
     async def _before_request(self) -> None:
         if self._sub is None:
@@ -247,8 +283,9 @@ class JsClient:
         *,
         timeout: float | None = None,
     ) -> Ack:
-        """Publish ``body`` to ``subject`` and wait for the stream's ack."""
-        return _ack(await self.request(subject, body, headers, timeout=timeout))
+        """Publish ``body`` to ``subject`` and wait for the stream's ack: its caller sends it
+        again on ``nats.errors.TimeoutError``, which also ends the wait at a reconnection."""
+        return _ack(await self._request(subject, body, headers, timeout, publish=True))
 
     async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
         """The value and revision of ``key`` (a direct get, answered by any replica; asked

@@ -215,3 +215,25 @@ async def test_a_remove_whose_answer_was_lost_is_not_asked_again(
         with pytest.raises(MeshTimeoutError, match="NATS reconnected meanwhile"):
             await call
         assert agent.agent_id not in hub.registry.agents  # it was done
+
+
+async def test_a_submission_whose_ack_was_lost_is_sent_again_at_once(
+    nats_url: str, namespace: str
+) -> None:
+    """JetStream's ack of a workflow submission is lost with the caller's connection: once
+    back, the submission is sent again at once (not after its 3 s ack timeout), the server
+    drops the repeat as a duplicate (``Nats-Msg-Id``), and the workflow runs once."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    relay, through = await relayed(nats_url, s)
+    agent, runs = recording_agent(f"{namespace}.slow.a1", s, CAP)
+    async with Hub(settings=s), agent, Client(settings=through) as c:
+        await c.fanout([Step(capability=CAP, payload=0)], timeout=10)  # the client is warm
+        relay.hold()  # the ack is held back, then lost with the connection
+        call = asyncio.ensure_future(c.submit_fanout([Step(capability=CAP, payload=1)]))
+        await asyncio.sleep(0.3)
+        t0 = await away_for_a_second(relay, lambda: c.nc.is_connected)
+        wf_id = await call
+        assert time.monotonic() - t0 < 1.0  # not at the ack's 3 s timeout
+        result = await c.workflow(wf_id, timeout=10)
+        assert result.state is TaskState.SUCCEEDED and result.result == [1]
+        assert runs == [0, 1]  # each ran once
