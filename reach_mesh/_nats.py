@@ -28,6 +28,7 @@ from reach_mesh.logs import LineBudget
 __all__ = [
     "Refusals",
     "connect",
+    "connection_counts",
     "ensure_kv",
     "flushed",
     "has_credentials",
@@ -322,6 +323,17 @@ def refused_messages(nc: NATS | None) -> int:
     """Messages dropped unread on ``nc`` so far (0: not connected, or not made by
     :func:`connect`)."""
     return nc.messages_refused if isinstance(nc, _Connection) else 0
+
+
+def connection_counts(nc: NATS | None) -> tuple[int, int, bool]:
+    """What ``tracing.metrics.connection_metrics`` exports of ``nc``: the messages dropped
+    unread, its reconnections (0 for a connection not made by :func:`connect`) and whether it
+    is up."""
+    if nc is None:
+        return 0, 0, False
+    reconnects = reconnects_of(nc)
+    count = 0 if reconnects is None else reconnects.count
+    return refused_messages(nc), count, nc.is_connected
 
 
 def not_permitted(subject: str) -> NotPermittedError:

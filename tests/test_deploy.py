@@ -108,12 +108,14 @@ def test_rules_select_jobs_that_prometheus_scrapes() -> None:
 
 
 def test_rules_use_only_metric_names_the_code_exports() -> None:
-    from reach_mesh.tracing.metrics import AgentMetrics, HubMetrics
+    from reach_mesh.tracing.metrics import AgentMetrics, HubMetrics, connection_metrics
 
     agent = AgentMetrics()
     agent.step_counts(dict)  # (exported by agents that take workflow steps)
     exported = set()
     for metrics in (HubMetrics(), agent):
+        # (exported by every hub and agent, from their connection)
+        connection_metrics(metrics.registry, lambda: (0, 0, True))
         for family in metrics.registry.collect():
             exported.add(family.name)
             for suffix in ("_total", "_bucket", "_count", "_sum", "_created"):

@@ -15,7 +15,7 @@ from reach_mesh.hub import Hub, workflows
 from reach_mesh.logs import QUARANTINE
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import Fleet, eventually, free_port, heal, held_handler, partition
+from .helpers import Fleet, eventually, free_port, heal, held_handler, partition, relayed
 
 
 def _state(hub: Hub, agent_id: str) -> str:
@@ -246,3 +246,36 @@ async def test_an_event_loop_stall_shows_in_the_lag_of_the_hub_and_the_agent(
             assert total is not None and 1.0 < total < 3.0, total
     finally:
         await agent.close()
+
+
+def _sample(registry: Any, name: str) -> float:
+    """The one sample ``name`` of a scrape of ``registry``."""
+    (value,) = [s.value for f in registry.collect() for s in f.samples if s.name == name]
+    return float(value)
+
+
+async def test_a_reconnection_is_counted_by_the_process_it_happened_to(
+    settings: MeshSettings, nats_url: str, namespace: str
+) -> None:
+    """An agent's connection to NATS is cut for a second: its ``reach_nats_connected`` reads
+    0 meanwhile, and once it is back 1, with ``reach_nats_reconnects_total`` 1; the hub,
+    whose connection held, counts none."""
+    relay, through = await relayed(nats_url, settings)
+    agent = Agent(f"{namespace}.w.r1", settings=through)
+
+    @agent.handler("work:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with Hub(settings=settings) as hub, agent:
+        ours, its = agent.metrics.registry, hub.metrics.registry
+        assert _sample(ours, "reach_nats_connected") == 1
+        assert _sample(ours, "reach_nats_reconnects_total") == 0
+        await relay.cut()
+        await eventually(lambda: _sample(ours, "reach_nats_connected") == 0, timeout=5)
+        await asyncio.sleep(1.0)
+        await relay.start()
+        await eventually(lambda: _sample(ours, "reach_nats_connected") == 1, timeout=5)
+        assert _sample(ours, "reach_nats_reconnects_total") == 1
+        assert _sample(its, "reach_nats_reconnects_total") == 0
+        assert _sample(its, "reach_nats_connected") == 1

@@ -37,10 +37,10 @@ from reach_mesh._batch import AnswerBatcher, inbox_prefix
 from reach_mesh._guard import guarded
 from reach_mesh._nats import (
     connect,
+    connection_counts,
     flushed,
     refusals_of,
     refused_first,
-    refused_messages,
     refused_since,
     shown,
 )
@@ -77,7 +77,7 @@ from reach_mesh.models import (
 from reach_mesh.tracing import flush_tracing, tracing_from_env
 from reach_mesh.tracing.metrics import (
     AgentMetrics,
-    refused_counter,
+    connection_metrics,
     serve_metrics,
     watch_event_loop,
 )
@@ -174,7 +174,7 @@ class Agent(ServingMixin):
         self.state: AgentState | None = None
         self._nc: NATS | None = None
         # Its own connection's (a hub in the same process exports the hub's).
-        refused_counter(self.metrics.registry, lambda: refused_messages(self._nc))
+        connection_metrics(self.metrics.registry, lambda: connection_counts(self._nc))
         self._subs: list[Subscription] = []
         self._task_subject = protocol.agent_task(agent_id)
         self._max_envelope = self.settings.max_payload + 16 * 1024

@@ -37,7 +37,7 @@ from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_replicas, apply_workflow_retention
 from reach_mesh._guard import guarded
-from reach_mesh._nats import connect, flushed, refused_messages, shown
+from reach_mesh._nats import connect, connection_counts, flushed, shown
 from reach_mesh._retry import describe, storage_full
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
@@ -59,7 +59,7 @@ from reach_mesh.tracing import tracing_from_env
 from reach_mesh.tracing.metrics import (
     UNKNOWN_NAMESPACE,
     HubMetrics,
-    refused_counter,
+    connection_metrics,
     watch_event_loop,
 )
 
@@ -154,7 +154,7 @@ class Hub(RoutingMixin, ControlMixin):
         #: per subject per 10 s.
         self._malformed_lines = LineBudget(10.0)
         self.metrics = HubMetrics()
-        refused_counter(self.metrics.registry, lambda: refused_messages(self._nc))
+        connection_metrics(self.metrics.registry, lambda: connection_counts(self._nc))
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}

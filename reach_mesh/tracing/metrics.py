@@ -18,7 +18,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -34,7 +39,7 @@ __all__ = [
     "HistogramChild",
     "HubMetrics",
     "LoopHistogram",
-    "refused_counter",
+    "connection_metrics",
     "serve_metrics",
     "watch_event_loop",
 ]
@@ -494,23 +499,40 @@ class AgentMetrics:
         return bytes(generate_latest(self.registry))
 
 
-def refused_counter(registry: CollectorRegistry, read: Callable[[], int]) -> None:
-    """Export ``reach_messages_refused_total`` into ``registry``, read from ``read`` when
-    scraped (the count lives with the connection whose subscribers drop the messages)."""
-    registry.register(_Refused(read))
+def connection_metrics(
+    registry: CollectorRegistry, read: Callable[[], tuple[int, int, bool]]
+) -> None:
+    """Export ``reach_messages_refused_total``, ``reach_nats_reconnects_total`` and
+    ``reach_nats_connected`` into ``registry``, from what ``read`` returns when scraped: the
+    messages dropped unread, the reconnections so far and whether the connection is up (the
+    counts live with the connection)."""
+    registry.register(_Connection(read))
 
 
-class _Refused(Collector):
-    def __init__(self, read: Callable[[], int]) -> None:
+class _Connection(Collector):
+    def __init__(self, read: Callable[[], tuple[int, int, bool]]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
+        refused, reconnects, connected = self._read()
         yield CounterMetricFamily(
             "reach_messages_refused",
             "Messages this hub (or agent) dropped unread: a reply subject outside _INBOX., a "
             "message not of the subscription it came on (a JetStream push delivery), a "
             "pull-inbox message that is no JetStream delivery.",
-            value=self._read(),
+            value=refused,
+        )
+        yield CounterMetricFamily(
+            "reach_nats_reconnects",
+            "Times this hub's (or agent's) NATS connection came back after it was lost (a "
+            "network cut, a NATS server restarted or failed over): each loses the answers "
+            "sent meanwhile, which are asked again.",
+            value=reconnects,
+        )
+        yield GaugeMetricFamily(
+            "reach_nats_connected",
+            "1 while this hub's (or agent's) NATS connection is up, 0 while it reconnects.",
+            value=1 if connected else 0,
         )
 
 
