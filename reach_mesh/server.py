@@ -84,6 +84,7 @@ class EmbeddedNats:
         auth_token: str | None = None,
         auth_config: str | os.PathLike[str] | None = None,
         max_file_store: int | None = None,
+        no_advertise: bool = False,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -97,6 +98,10 @@ class EmbeddedNats:
         self.cluster_name = cluster_name
         self.cluster_port = cluster_port
         self.routes = list(routes)
+        #: A cluster node that does not tell its clients the other nodes' URLs: they keep to
+        #: the URLs they were given (a client behind a proxy or NAT, which the advertised
+        #: addresses would bypass).
+        self.no_advertise = no_advertise
         self.http_port = http_port
         self.binary = binary
         self.startup_timeout = startup_timeout
@@ -144,6 +149,7 @@ class EmbeddedNats:
                 f'  ping_interval: "{ROUTE_PING_INTERVAL}"',
                 f"  ping_max: {ROUTE_PING_MAX}",
                 "  routes: [" + ", ".join(self.routes) + "]",
+                *(["  no_advertise: true"] if self.no_advertise else []),
                 "}",
             ]
         return "\n".join(lines) + "\n"

@@ -86,11 +86,13 @@ def free_port() -> int:
 
 
 def cluster_nodes(
-    base: Path, n: int = 3, name: str = "mesh", *, http: bool = False
+    base: Path, n: int = 3, name: str = "mesh", *, http: bool = False, no_advertise: bool = False
 ) -> list[EmbeddedNats]:
     """``n`` nats-servers (not started) forming one JetStream cluster on loopback; their store
     dirs are ``base/n<i>`` and their ports fixed, so a killed node restarts as itself. With
-    ``http``, each serves its monitoring endpoints (``/routez``...) on ``http_port``."""
+    ``http``, each serves its monitoring endpoints (``/routez``...) on ``http_port``; with
+    ``no_advertise``, clients keep to the URLs they were given (relays in front of the nodes
+    would otherwise be bypassed on a reconnection)."""
     cports = [free_port() for _ in range(n)]
     routes = [f"nats://127.0.0.1:{p}" for p in cports]
     return [
@@ -102,6 +104,7 @@ def cluster_nodes(
             cluster_port=cports[i],
             routes=routes,
             http_port=free_port() if http else None,
+            no_advertise=no_advertise,
         )
         for i in range(n)
     ]

@@ -35,7 +35,7 @@ from reach_mesh.logs import LEASE_EXPIRED, QUARANTINE
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import step_task_id
 
-from ..helpers import cluster_nodes
+from ..helpers import Relay, cluster_nodes
 from .agent_proc import CAPABILITY
 from .history import Expected, History, Report, check, read_faults, read_runs
 
@@ -49,7 +49,10 @@ FAULTS = (
     "hub_stop",
     "deaf",
     "slow",
+    "blip",
 )
+#: How long a blip cuts a process's connections to NATS, at most (at least a tenth of it).
+BLIP_MAX = 2.0
 #: How long a node_stop keeps its node frozen: past its clients' and its routes' PING
 #: deadlines (``nats_ping_interval`` and ``ROUTE_PING_INTERVAL`` x 4) and a raft election.
 NODE_STOP = 8.0
@@ -177,7 +180,7 @@ class Mesh:
 
     def __init__(self, cfg: ChaosConfig, workdir: Path) -> None:
         self.cfg, self.dir = cfg, workdir
-        self.nodes = cluster_nodes(workdir, name="chaos")
+        self.nodes = cluster_nodes(workdir, name="chaos", no_advertise=cfg.fault == "blip")
         self.url = ",".join(n.url for n in self.nodes)
         env = dict(os.environ)
         # The hubs and agents run the code of this tree (a worktree's, say), not whatever
@@ -195,8 +198,16 @@ class Mesh:
             }
         )
         bindir = Path(sys.executable).parent
+        #: A blip run: each process (and the caller) reaches every node through relays of its
+        #: own, which a blip cuts (``Faults.blip``).
+        self.relays: dict[str, list[Relay]] = {}
         self.hubs = [
-            Proc(f"hub{i}", [str(bindir / "reach-mesh"), "hub"], env, workdir / f"hub{i}.log")
+            Proc(
+                f"hub{i}",
+                [str(bindir / "reach-mesh"), "hub"],
+                self._env(env, f"hub{i}"),
+                workdir / f"hub{i}.log",
+            )
             for i in range(cfg.hubs)
         ]
         self.agent_ids = [f"{cfg.namespace}.work.a{i}" for i in range(cfg.agents)]
@@ -205,12 +216,28 @@ class Mesh:
             Proc(
                 aid,
                 [sys.executable, str(HERE / "agent_proc.py"), aid, str(log)],
-                env,
+                self._env(env, aid),
                 workdir / f"{aid}.log",
             )
             for aid, log in zip(self.agent_ids, self.agent_logs, strict=True)
         ]
-        self.settings = MeshSettings(nats_url=self.url, namespace=cfg.namespace, **cfg.timings)
+        self.settings = MeshSettings(
+            nats_url=self._url("caller"), namespace=cfg.namespace, **cfg.timings
+        )
+
+    def _url(self, name: str) -> str:
+        """The NATS URL list process ``name`` connects with: its own relays in a blip run."""
+        if self.cfg.fault != "blip":
+            return self.url
+        relays = self.relays[name] = [Relay(int(n.url.rsplit(":", 1)[1])) for n in self.nodes]
+        return ",".join(f"nats://127.0.0.1:{r.port}" for r in relays)
+
+    def _env(self, env: dict[str, str], name: str) -> dict[str, str]:
+        return {**env, "REACH_NATS_URL": self._url(name)}
+
+    async def start_relays(self) -> None:
+        for relay in (r for relays in self.relays.values() for r in relays):
+            await relay.start()
 
     def nodes_up(self) -> None:
         for node in self.nodes:
@@ -572,6 +599,20 @@ class Faults:
                 os.killpg(pgid, signal.SIGCONT)
         self._log("node_stop", str(node.server_name), at, leader_of=stream)
 
+    async def blip(self) -> None:
+        """Cut one process's connections to NATS (a hub's, an agent's or the caller's) for
+        0.2-2 s, then let it reconnect: its host's network dropping for a moment. The answers
+        sent to it meanwhile are lost; nothing else is."""
+        target = self.rng.choice(sorted(self.mesh.relays))
+        relays = self.mesh.relays[target]
+        at = time.time()
+        for relay in relays:
+            await relay.cut()
+        await asyncio.sleep(self.rng.uniform(BLIP_MAX / 10, BLIP_MAX))
+        for relay in relays:
+            await relay.start()
+        self._log("blip", target, at)
+
 
 # --------------------------------------------------------------------------- collection
 
@@ -791,6 +832,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
     mesh = Mesh(cfg, workdir)
     try:
         await asyncio.to_thread(mesh.nodes_up)  # inside: a node that fails stops the others
+        await mesh.start_relays()
         async with Client(settings=mesh.settings) as client:
             await start_mesh(mesh, client)
             work = plan(cfg)

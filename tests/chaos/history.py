@@ -31,7 +31,9 @@ FINAL = frozenset({"SUCCEEDED", "FAILED", "TIMEOUT"})
 #: Not ``deaf``: a deaf agent never takes the attempts sent to it (they are given up and run
 #: elsewhere, once), the handlers it had started finish and their statuses get through (they
 #: are publishes), and its restart (SIGTERM) waits for them — so it explains nothing.
-AGENT_FAULTS = frozenset({"agent_kill", "agent_stop"})
+#: (A blip's target is a hub, an agent or the caller: as an agent fault it explains only the
+#: runs of the agent it cut off, which the hubs may have taken for gone and run elsewhere.)
+AGENT_FAULTS = frozenset({"agent_kill", "agent_stop", "blip"})
 HUB_FAULTS = frozenset({"hub_kill"})
 #: Slack (s) around a fault when deciding whether it explains a duplicate run.
 SLACK = 1.0
