@@ -256,7 +256,10 @@ class Reconnects:
         if fut is not None and not fut.done():
             fut.set_result(None)
         for listener in list(self.listeners):
-            listener()
+            try:
+                listener()
+            except Exception:  # one listener's bug must not keep the others from their turn
+                log.exception("a reconnection listener failed")
 
 
 class Reconnected(Exception):
