@@ -237,3 +237,36 @@ async def test_a_submission_whose_ack_was_lost_is_sent_again_at_once(
         result = await c.workflow(wf_id, timeout=10)
         assert result.state is TaskState.SUCCEEDED and result.result == [1]
         assert runs == [0, 1]  # each ran once
+
+
+async def test_workflow_events_followed_across_a_cut_miss_none(
+    nats_url: str, namespace: str
+) -> None:
+    """A caller follows a chain's events (``workflow_events``) and is cut off while its second
+    step ends: the events it yields are every event the stream holds, in order, as a reader
+    that was never cut reads them afterwards."""
+    s = MeshSettings(
+        nats_url=nats_url, namespace=namespace, audit_enabled=False, workflow_event_hold=0.0
+    )
+    relay, through = await relayed(nats_url, s)
+    agent, runs = recording_agent(f"{namespace}.slow.a1", s, CAP, delay=0.6)
+    async with Hub(settings=s), agent, Client(settings=through) as c, Client(settings=s) as d:
+        wf_id = await c.submit_chain([Step(capability=CAP, payload=i) for i in range(3)])
+        seen: list[Any] = []
+
+        async def follow() -> None:
+            async for ev in c.workflow_events(wf_id, timeout=20):
+                seen.append(ev)
+
+        following = asyncio.create_task(follow())
+        await eventually(lambda: len(runs) == 2, timeout=5)  # the second step runs
+        await away_for_a_second(relay, lambda: c.nc.is_connected)
+        await asyncio.wait_for(following, 15)
+        replayed = [ev async for ev in d.workflow_events(wf_id, timeout=5)]
+
+        def shown(events: list[Any]) -> list[tuple[Any, ...]]:
+            return [(e.kind, e.step, e.state, e.attempt) for e in events]
+
+        assert shown(seen) == shown(replayed)
+        assert [e.kind for e in seen].count("step") >= 3
+        assert seen[-1].kind == "done" and seen[-1].state is TaskState.SUCCEEDED
