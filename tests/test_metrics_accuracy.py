@@ -74,13 +74,7 @@ async def test_one_quarantine_is_counted_once_whatever_the_state_does_meanwhile(
 
 def _refused(registry: Any) -> float:
     """``reach_messages_refused_total`` as a scrape of ``registry`` reads it."""
-    (value,) = [
-        s.value
-        for family in registry.collect()
-        for s in family.samples
-        if s.name == "reach_messages_refused_total"
-    ]
-    return float(value)
+    return _sample(registry, "reach_messages_refused_total")
 
 
 async def test_each_hub_and_agent_exports_only_its_own_refusals(
