@@ -78,8 +78,9 @@ async function part1(c) {
     card: { agent_id: ghost, capabilities: ['cf:ghost:v1'] }, session: sess,
     heartbeat_interval: 5.0, lease_timeout: 15.0,
   });
+  // The hub waits for it (it may be reconnecting) until the route's timeout: a short one.
   await expectError('registered agent with no subscriber', 'REACH_UNKNOWN_AGENT',
-    () => c.route({ agent_id: ghost, payload: {} }),
+    () => c.route({ agent_id: ghost, payload: {}, timeout: 1 }),
     (e) => check('  details.agent_id names it', e.details.agent_id === ghost, e.details));
   const un = await c.hubRequest(`reach.hub.${NS}.unregister.ghost.g1`, { agent_id: ghost, session: sess });
   check('unregister ghost removed', un.body.removed === true, un.body);

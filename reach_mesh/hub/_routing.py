@@ -295,7 +295,9 @@ class RoutingMixin(RouteEndMixin):
                 else 0,
             )
         except NoMatchError as err:
-            if flight.last_error is not None and flight.exclude:  # every candidate refused
+            # Every candidate refused, or the one it waited for (``_hold``) was dropped since:
+            # the answer is the refusal (the agent missing), not "nobody was ever there".
+            if flight.last_error is not None and (flight.exclude or flight.unreached):
                 if not self._hold(flight):
                     await self._finish(flight, error=flight.last_error)
                 return
