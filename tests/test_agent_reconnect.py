@@ -226,3 +226,31 @@ async def test_an_agent_cut_off_while_it_runs_a_task_answers_once_back(
         assert sorted(r.result for r in results) == [0, 1, 2, 3]
         assert time.monotonic() - t0 < 3
         assert sorted(ran) == [0, 1, 2, 3]
+
+
+async def test_a_registration_whose_answer_was_lost_is_asked_again(
+    nats_url: str, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent starting while its connection drops: the hub's answer to its registration is
+    lost with the connection, and the agent asks again once it is back (a registration is
+    safe to repeat), not at the request's 5 s timeout."""
+    s = _settings(nats_url, namespace)
+    relay, through = await relayed(nats_url, s)
+    agent, _ = recording_agent(f"{namespace}.echo.a1", through, CAP)
+    starting = asyncio.ensure_future(agent.start())  # no hub yet: it asks again and again
+    try:
+        # Connected and subscribed: its registration found no hub.
+        await eventually(lambda: "no hub answered the registration" in caplog.text, timeout=5)
+        relay.hold()  # what the server sends is held back, then lost with the connection
+        async with Hub(settings=s) as hub:
+            await eventually(lambda: agent.agent_id in hub.registry.agents, timeout=5)
+            await asyncio.sleep(0.2)  # (the answer is in the relay)
+            assert not starting.done()
+            t0 = await away_for_a_second(relay, lambda: agent.nc.is_connected)
+            await asyncio.wait_for(starting, timeout=10)
+            assert time.monotonic() - t0 < 2.0  # not the registration's 5 s timeout
+            assert hub.registry.agents[agent.agent_id].state is AgentState.ONLINE
+            await agent.close()
+    finally:
+        starting.cancel()
+        await agent.close()

@@ -36,9 +36,11 @@ from reach_mesh._asgi import AsgiServer
 from reach_mesh._batch import AnswerBatcher, inbox_prefix
 from reach_mesh._guard import guarded
 from reach_mesh._nats import (
+    Reconnected,
     connect,
     connection_counts,
     flushed,
+    or_reconnected,
     refusals_of,
     refused_first,
     refused_since,
@@ -395,9 +397,11 @@ class Agent(ServingMixin):
         while True:
             try:
                 sent = time.monotonic()
-                # A subject this identity may not publish fails at once, not after `patience`.
+                # A subject this identity may not publish fails at once, not after `patience`;
+                # an answer lost with a dropped connection is asked again once it is back (a
+                # registration is safe to repeat), not at the timeout.
                 asked = self.nc.request(subject, protocol.encode(req), timeout=5.0)
-                msg = await refused_first(self.nc, subject, asked)
+                msg = await refused_first(self.nc, subject, or_reconnected(self.nc, asked))
                 reply = protocol.parse_reply(msg.data, RegisterReply)
                 self.state = reply.state
                 self._answered_at = sent
@@ -406,6 +410,9 @@ class Agent(ServingMixin):
                 return
             except NotPermittedError as err:
                 raise self._not_permitted(subject) from err
+            except Reconnected:
+                log.info("NATS reconnected before the registration's answer: asking again")
+                continue
             except ThrottledError as err:
                 wait = err.retry_after
             except (NoRespondersError, NatsTimeoutError, TimeoutError, MeshUnavailableError) as err:
