@@ -243,7 +243,9 @@ async def test_a_registration_whose_answer_was_lost_is_asked_again(
         await eventually(lambda: "no hub answered the registration" in caplog.text, timeout=5)
         relay.hold()  # what the server sends is held back, then lost with the connection
         async with Hub(settings=s) as hub:
-            await eventually(lambda: agent.agent_id in hub.registry.agents, timeout=5)
+            # (An ask sent before the hub subscribed got a "no responders" that is held too:
+            # the agent asks again at that ask's 5 s timeout.)
+            await eventually(lambda: agent.agent_id in hub.registry.agents, timeout=10)
             await asyncio.sleep(0.2)  # (the answer is in the relay)
             assert not starting.done()
             t0 = await away_for_a_second(relay, lambda: agent.nc.is_connected)
