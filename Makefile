@@ -20,8 +20,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/reach-mesh demo
 
+# make test                           the suite on TEST_WORKERS (2) processes (pytest-xdist); the
+#                                     tests that start clusters of nats-servers run on one of them
+# make test TEST_WORKERS=0            in this process, one test at a time
+TEST_WORKERS ?= 2
 test: $(STAMP) $(JS_STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # make chaos                          every fault type, 1000 workflows each (docs/reliability.md)
 # make chaos CHAOS_WORKFLOWS=200 CHAOS_FAULTS=node_kill,hub_kill

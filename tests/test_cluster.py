@@ -26,6 +26,10 @@ from reach_mesh.server import ROUTE_PING_INTERVAL, ROUTE_PING_MAX, EmbeddedNats
 
 from .helpers import cluster_nodes, eventually, fetch
 
+# Clusters of nats-servers: one at a time, on one of `make test`'s workers (with the short
+# chaos runs), so two never share the two cores.
+pytestmark = pytest.mark.xdist_group("clusters")
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[EmbeddedNats]]:

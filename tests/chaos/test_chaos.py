@@ -29,7 +29,8 @@ def _assert_invariants(run: ChaosRun) -> None:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("fault", ["agent_kill", "hub_kill", "hub_stop"])
+@pytest.mark.xdist_group("clusters")  # one cluster at a time (tests/test_cluster.py)
+@pytest.mark.parametrize("fault", ["agent_kill", "hub_kill", "hub_stop", "blip"])
 async def test_short_chaos(fault: str, tmp_path: Path) -> None:
     """~60 workflows at 10/s with a fault every 2 s: nothing lost, stuck, wrong, answered
     twice or re-run without a crash to explain it."""
