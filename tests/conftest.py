@@ -18,6 +18,7 @@ _ns_counter = itertools.count(1)
 
 @pytest.fixture(scope="session")
 def nats_server() -> Iterator[EmbeddedNats]:
+    """One nats-server per test process (each of ``make test``'s workers starts its own)."""
     with EmbeddedNats() as server:
         yield server
 
