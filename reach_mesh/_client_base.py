@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from nats.aio.client import Client as NATS
 
 from reach_mesh import protocol
+from reach_mesh._nats import Reconnects
 from reach_mesh.tracing import inject
 
 __all__ = ["HubAsks"]
@@ -20,6 +21,9 @@ class HubAsks:
     """A base of ``Client``'s mixins; ``Client`` sets ``namespace`` and has the rest."""
 
     namespace: str
+    #: The connection's reconnections (its own, or a watch's on a connection of the caller's
+    #: made elsewhere); None before ``connect``.
+    _reconnects: Reconnects | None
 
     if TYPE_CHECKING:
 

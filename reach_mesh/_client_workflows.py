@@ -575,7 +575,8 @@ class WorkflowsMixin(HubAsks):
 
     async def _js_client(self) -> JsClient:
         if self._jsc is None:
-            jsc = JsClient(self.nc, timeout=5.0)  # nats-py's JetStream default
+            # nats-py's JetStream default timeout
+            jsc = JsClient(self.nc, timeout=5.0, reconnects=self._reconnects)
             await jsc.start()
             if self._jsc is None:
                 self._jsc = jsc

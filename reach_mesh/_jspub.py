@@ -44,7 +44,7 @@ from nats.js.errors import (
 )
 
 from reach_mesh._batch import private_inbox, reply_token
-from reach_mesh._nats import reconnects_of
+from reach_mesh._nats import Reconnects, reconnects_of
 from reach_mesh._retry import no_message
 
 __all__ = ["Ack", "JsClient", "kv_marker", "kv_stream", "kv_subject"]
@@ -113,9 +113,16 @@ class JsClient:
     """Acked JetStream publishes for one connection (started and stopped with its owner)."""
 
     def __init__(
-        self, nc: NATS, *, timeout: float = REQUEST_TIMEOUT, linger: float = LINGER
+        self,
+        nc: NATS,
+        *,
+        timeout: float = REQUEST_TIMEOUT,
+        linger: float = LINGER,
+        reconnects: Reconnects | None = None,
     ) -> None:
+        """``reconnects``: ``nc``'s, when it keeps none itself (``_nats.ReconnectWatch``)."""
         self._nc = nc
+        self._reconnects = reconnects if reconnects is not None else reconnects_of(nc)
         self._js = nc.jetstream(timeout=timeout)
         self._timeout = timeout
         self._linger = linger
@@ -135,13 +142,13 @@ class JsClient:
         self._sub = await self._nc.subscribe(
             self._prefix + "*", cb=self._on_ack, pending_msgs_limit=-1
         )
-        reconnects = reconnects_of(self._nc)
+        reconnects = self._reconnects
         if reconnects is not None:
             reconnects.listeners.append(self._on_reconnect)
 
     async def stop(self) -> None:
         await self.flush_later()
-        reconnects = reconnects_of(self._nc)
+        reconnects = self._reconnects
         if reconnects is not None and self._on_reconnect in reconnects.listeners:
             reconnects.listeners.remove(self._on_reconnect)
         if self._sub is not None:

@@ -262,6 +262,29 @@ class Reconnects:
                 log.exception("a reconnection listener failed")
 
 
+class ReconnectWatch:
+    """The reconnections of a connection made elsewhere (by nats-py's own ``connect``, whose
+    one reconnect callback is its maker's): seen by reading nats-py's ``stats["reconnects"]``
+    every ``interval`` seconds, once the connection is up again (its subscriptions are in
+    place again by then). :meth:`stop` ends the watch."""
+
+    def __init__(self, nc: NATS, interval: float = 0.1) -> None:
+        self.reconnects = Reconnects()
+        self._task = asyncio.get_running_loop().create_task(self._watch(nc, interval))
+
+    async def _watch(self, nc: NATS, interval: float) -> None:
+        seen = nc.stats["reconnects"]
+        while not nc.is_closed:
+            await asyncio.sleep(interval)
+            now = nc.stats["reconnects"]
+            if now != seen and nc.is_connected:
+                seen = now
+                self.reconnects.note()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 class Reconnected(Exception):
     """The connection came back while a request waited for its answer (:func:`or_reconnected`):
     an answer sent meanwhile is lost."""
@@ -273,11 +296,13 @@ def reconnects_of(nc: NATS) -> Reconnects | None:
     return got if isinstance(got, Reconnects) else None
 
 
-async def or_reconnected(nc: NATS, aw: Awaitable[T]) -> T:
+async def or_reconnected(nc: NATS, aw: Awaitable[T], *, reconnects: Reconnects | None = None) -> T:
     """Await ``aw`` (a request on ``nc``), or raise :class:`Reconnected` as soon as ``nc``
     reconnects first: for a request that is safe to ask again, whose answer may have been
-    lost meanwhile. Not for hot paths: a task per call."""
-    reconnects = reconnects_of(nc)
+    lost meanwhile. ``reconnects``: ``nc``'s, when it keeps none itself (:class:`ReconnectWatch`).
+    Not for hot paths: a task per call."""
+    if reconnects is None:
+        reconnects = reconnects_of(nc)
     if reconnects is None:
         return await aw
     done = await _unless(aw, reconnects.next())

@@ -38,6 +38,8 @@ from reach_mesh._client_workflows import WorkflowsMixin, _Done
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import (
     Reconnected,
+    Reconnects,
+    ReconnectWatch,
     connect,
     not_permitted,
     or_reconnected,
@@ -157,9 +159,9 @@ class Client(WorkflowsMixin, FleetMixin):
 
     Back on NATS after losing it, the client asks again what waits for an answer, which may
     have been lost meanwhile (``_on_reconnect``, ``_call_hub``). Given a connection of the
-    caller's own (``nc``), it does so if that connection was made by
-    :func:`reach_mesh._nats.connect`; it cannot see another one reconnect, and then requests
-    whose answers were lost wait out their timeouts."""
+    caller's own (``nc``), it does so too: one made by :func:`reach_mesh._nats.connect` tells
+    it of its reconnections, another one (nats-py's ``connect``) is watched for them
+    (``_nats.ReconnectWatch``, within 0.1 s)."""
 
     def __init__(
         self,
@@ -179,6 +181,8 @@ class Client(WorkflowsMixin, FleetMixin):
         self._batcher: Batcher | None = None
         #: Asking again after a reconnection (``_on_reconnect``), kept until done.
         self._resending: set[asyncio.Task[None]] = set()
+        self._reconnects: Reconnects | None = None
+        self._watch: ReconnectWatch | None = None
         self._state = _State.NEW
         # Direct mode: cached decisions per routing key, this client's requests in flight per
         # agent (to spread over a cached decision), and when we last reported an agent failing.
@@ -211,8 +215,11 @@ class Client(WorkflowsMixin, FleetMixin):
         if self._nc is None:
             self._nc = await connect(self.nats_url, name=self._name, settings=self.settings)
         reconnects = reconnects_of(self._nc)
-        if reconnects is not None:  # (a connection of the caller's own: ours too, if connect's)
-            reconnects.listeners.append(self._on_reconnect)
+        if reconnects is None:  # a connection of the caller's own, not made by ``connect``
+            self._watch = ReconnectWatch(self._nc)
+            reconnects = self._watch.reconnects
+        reconnects.listeners.append(self._on_reconnect)
+        self._reconnects = reconnects
         self._state = _State.OPEN
         return self
 
@@ -245,9 +252,11 @@ class Client(WorkflowsMixin, FleetMixin):
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
-        reconnects = None if self._nc is None else reconnects_of(self._nc)
+        reconnects = self._reconnects
         if reconnects is not None and self._on_reconnect in reconnects.listeners:
             reconnects.listeners.remove(self._on_reconnect)
+        if self._watch is not None:
+            self._watch.stop()
         self._end_done_waits()
         if self._batcher is not None:
             with contextlib.suppress(Exception):
@@ -660,7 +669,7 @@ class Client(WorkflowsMixin, FleetMixin):
         operator's ``remove``). Routes are asked again by the batcher (``Batcher.resend``).
         """
         subject = protocol.hub_subject(ns, verb)
-        reconnects = reconnects_of(self.nc)
+        reconnects = self._reconnects
         delay = 0.02
         while True:
             asked_at = time.monotonic()
@@ -678,7 +687,7 @@ class Client(WorkflowsMixin, FleetMixin):
                     # A subject this identity may not publish fails at once, not at the timeout.
                     asked = self.nc.request(subject, body, timeout=wait_s, headers=headers)
                     if repeatable:
-                        asked = or_reconnected(self.nc, asked)
+                        asked = or_reconnected(self.nc, asked, reconnects=reconnects)
                     data = (await refused_first(self.nc, subject, asked)).data
             except Reconnected as err:
                 if time.monotonic() >= deadline:

@@ -66,26 +66,43 @@ async def test_answers_lost_while_the_caller_was_away_are_asked_again(
         assert sorted(runs) == [0, 1, 2, 3, 4, 5]  # each ran once
 
 
+@pytest.mark.parametrize("made_by", ["reach_mesh", "nats_py"])
 async def test_a_client_on_a_connection_of_its_callers_asks_again(
-    nats_url: str, namespace: str
+    nats_url: str, namespace: str, made_by: str
 ) -> None:
-    """A ``Client`` given a connection made by ``reach_mesh``'s ``connect`` (``nc=``) sees it
-    reconnect too, and asks its requests again."""
+    """A ``Client`` given a connection of the caller's own (``nc=``) sees it reconnect too,
+    and asks its routes and its queries again once it is back, not at their timeouts: one
+    made by ``reach_mesh``'s ``connect`` tells it, one made by nats-py's own ``connect``
+    (whose one reconnect callback is the caller's) is watched."""
     s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
     relay, through = await relayed(nats_url, s)
     agent, runs = recording_agent(f"{namespace}.slow.a1", s, CAP, delay=0.5)
-    nc = await connect(through.nats_url, name="caller", settings=through)
-    async with Hub(settings=s), agent, Client(settings=through, nc=nc) as c:
-        calls = [
-            asyncio.create_task(c.request(capability=CAP, payload=i, timeout=10)) for i in range(3)
-        ]
-        await eventually(lambda: len(runs) == 3, timeout=5)
-        t0 = await away_for_a_second(relay, lambda: nc.is_connected)
-        results = await asyncio.gather(*calls)
-        assert sorted(r.result for r in results) == [0, 1, 2]
-        assert time.monotonic() - t0 < 3  # not the requests' 10 s
-        assert sorted(runs) == [0, 1, 2]
-    await nc.close()
+    url = str(through.nats_url)
+    if made_by == "reach_mesh":
+        nc = await connect(url, name="caller", settings=through)
+    else:
+        nc = await nats.connect(url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+    try:
+        async with Hub(settings=s), agent, Client(settings=through, nc=nc) as c:
+            calls = [
+                asyncio.create_task(c.request(capability=CAP, payload=i, timeout=10))
+                for i in range(3)
+            ]
+            await eventually(lambda: len(runs) == 3, timeout=5)
+            t0 = await away_for_a_second(relay, lambda: nc.is_connected)
+            results = await asyncio.gather(*calls)
+            assert sorted(r.result for r in results) == [0, 1, 2]
+            assert time.monotonic() - t0 < 3  # not the requests' 10 s
+            assert sorted(runs) == [0, 1, 2]
+            # A query whose answer is lost with the connection.
+            relay.hold()
+            query = asyncio.ensure_future(c.agents())
+            await asyncio.sleep(0.3)
+            t0 = await away_for_a_second(relay, lambda: nc.is_connected)
+            assert [a.agent_id for a in await query] == [agent.agent_id]
+            assert time.monotonic() - t0 < 2.0  # not its 5 s timeout
+    finally:
+        await nc.close()
 
 
 async def test_answers_lost_while_the_hub_was_away_are_asked_again(
