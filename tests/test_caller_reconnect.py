@@ -22,6 +22,7 @@ from reach_mesh._nats import connect
 from reach_mesh.agent import Agent
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
+from reach_mesh.hub._wf_view import VIEW_DEADLINE
 
 from .helpers import (
     away_for_a_second,
@@ -103,6 +104,36 @@ async def test_a_client_on_a_connection_of_its_callers_asks_again(
             assert time.monotonic() - t0 < 2.0  # not its 5 s timeout
     finally:
         await nc.close()
+
+
+async def test_a_hub_asks_the_owner_again_when_its_answer_was_lost(
+    nats_url: str, namespace: str
+) -> None:
+    """A hub asked about a workflow another hub runs asks that owner (a view, a cancel); when
+    the owner's answer is lost with the asking hub's connection, it asks again once it is
+    back, within the question's time (else a view comes from the records alone)."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    relay, through = await relayed(nats_url, s)
+    agent = Agent(f"{namespace}.slow.a1", settings=s)
+    held = held_handler(agent, CAP)  # the workflow runs until the test ends
+    async with Hub(settings=s) as owner, agent, Client(settings=s) as c:
+        wf_id = await c.submit_fanout([Step(capability=CAP, payload=0)])
+        await asyncio.wait_for(held.started.wait(), timeout=5)
+        try:
+            async with Hub(settings=through) as other:  # after the owner took the workflow
+                # As long as a view's question may wait for an owner (2.5 s).
+                end = asyncio.get_running_loop().time() + VIEW_DEADLINE
+                relay.hold()  # the owner's answer is held back, then lost with the connection
+                asked = asyncio.ensure_future(other._ask_owner(namespace, wf_id, owner.hub_id, end))
+                await asyncio.sleep(0.1)
+                await relay.cut()  # for a moment: the question has 2.5 s in all
+                await eventually(lambda: not other.nc.is_connected, timeout=1)
+                await asyncio.sleep(0.3)
+                await relay.start()
+                view = await asked  # None: not answered in time (from the records then)
+                assert view is not None and view.live and view.owner == owner.hub_id
+        finally:
+            held.release.set()
 
 
 async def test_answers_lost_while_the_hub_was_away_are_asked_again(

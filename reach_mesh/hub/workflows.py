@@ -43,6 +43,7 @@ from reach_mesh._consume import (
 )
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
+from reach_mesh._nats import Reconnected, or_reconnected
 from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -293,11 +294,22 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             wf.cancel(stop.result())
 
     async def ask(self, subject: str, body: bytes, *, timeout: float) -> bytes:
-        """A request through the engine's JetStream client, with its random reply tokens (an
-        identity that may publish on reply subjects cannot guess them); raises on no answer."""
-        msg = await self._jsc.ask(subject, body, timeout=timeout)
-        data: bytes = msg.data
-        return data
+        """A request to another hub (a view, a cancel: each safe to ask twice) through the
+        engine's JetStream client, with its random reply tokens (an identity that may publish
+        on reply subjects cannot guess them); raises on no answer. Asked again at once when
+        this hub's connection comes back before the answer, which may be lost with it."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            try:
+                msg = await or_reconnected(self._nc, self._jsc.ask(subject, body, timeout=timeout))
+            except Reconnected:
+                timeout = end - loop.time()
+                if timeout <= 0:
+                    raise TimeoutError(f"no answer on {subject} in time") from None
+                continue
+            data: bytes = msg.data
+            return data
 
     @property
     def waiting_steps(self) -> list[dict[str, Any]]:
