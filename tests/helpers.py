@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -488,3 +488,12 @@ async def register_by_hand(nc: Any, card: AgentCard) -> RegisterReply:
         protocol.hub_agent_subject(card.agent_id, "register"), protocol.encode(req), timeout=5
     )
     return protocol.parse_reply(reply.data, RegisterReply)
+
+
+def a_server_of_its_own() -> Iterator[str]:
+    """For a module's own ``nats_url`` fixture: a nats-server of its own (the URL), for tests
+    that read what every namespace has on the server (the dashboard's agent counts, the
+    unscoped tool menu). The others share their worker's server, where another test's agent
+    may still hold its lease."""
+    with EmbeddedNats() as server:
+        yield server.url

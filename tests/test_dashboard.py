@@ -20,11 +20,10 @@ from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._dashboard import _Histogram
 from reach_mesh.models import AgentState
-from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import Step, WorkflowRecord, WorkflowResult
 
 from .chromium import Chromium, needs_chromium
-from .helpers import eventually, fetch
+from .helpers import a_server_of_its_own, eventually, fetch
 
 TOKEN = "dashboard-token-of-the-hub"
 #: Where the browser test leaves its screenshot (ignored by git).
@@ -74,11 +73,8 @@ class Mesh:
 
 @pytest.fixture(scope="module")
 def nats_url() -> Iterator[str]:
-    """A nats-server of this module's own: the page lists and counts every namespace's
-    agents, and another test's agent whose lease has not run out yet would count with these
-    (``make test``'s workers each run tests of every module on one server)."""
-    with EmbeddedNats() as server:
-        yield server.url
+    """The page lists and counts every namespace's agents: a server of this module's own."""
+    yield from a_server_of_its_own()
 
 
 def _agents(settings: MeshSettings) -> list[Agent]:

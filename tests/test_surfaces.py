@@ -10,7 +10,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -22,7 +22,7 @@ from reach_mesh import MeshSettings, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 
-from .helpers import eventually, fetch, mcp_session
+from .helpers import a_server_of_its_own, eventually, fetch, mcp_session
 
 TOKEN = "token-of-the-surfaces-hub"
 
@@ -35,6 +35,13 @@ def fleet_agent(agent_id: str, settings: MeshSettings) -> Agent:
         return task.payload
 
     return agent
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    """The unscoped tool menu lists every namespace's tools (a name offered in two is
+    qualified): a server of this module's own."""
+    yield from a_server_of_its_own()
 
 
 @pytest.fixture(params=[None, TOKEN], ids=["open", "token"])
