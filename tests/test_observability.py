@@ -184,7 +184,8 @@ async def test_rest_gateway_dashboard_and_openapi(
         # MCP tool menu and a tool call routed to the live agent.
         await fetch(f"{base}/api/agents/{agent.agent_id}/uncordon", "POST")
         await eventually(lambda: http_hub.registry.agents[agent.agent_id].state.value == "ONLINE")
-        async with mcp_session(base) as mcp:
+        # Its namespace's menu: another test's agent may still offer tools on the server.
+        async with mcp_session(base, namespace=namespace) as mcp:
             tools = (await mcp.list_tools()).tools
             assert tools[0].name == "echo" and tools[0].input_schema
             result = await mcp.call_tool("echo", {"x": 3})
