@@ -295,9 +295,10 @@ class RoutingMixin(RouteEndMixin):
                 else 0,
             )
         except NoMatchError as err:
-            # Every candidate refused, or the one it waited for (``_hold``) was dropped since:
-            # the answer is the refusal (the agent missing), not "nobody was ever there".
-            if flight.last_error is not None and (flight.exclude or flight.unreached):
+            # A candidate refused it before (``_refused``): every one has, or the one it
+            # waited for (``_hold``) was dropped since. The answer is that refusal (the agent
+            # missing, busy, ...), not "nobody was ever there".
+            if flight.last_error is not None:
                 if not self._hold(flight):
                     await self._finish(flight, error=flight.last_error)
                 return
