@@ -37,7 +37,15 @@ from reach_mesh.workflow import step_task_id
 
 from ..helpers import Relay, cluster_nodes
 from .agent_proc import CAPABILITY
-from .history import Expected, History, Report, check, read_faults, read_runs
+from .history import (
+    Expected,
+    ExpectedRoute,
+    History,
+    Report,
+    check,
+    read_faults,
+    read_runs,
+)
 
 HERE = Path(__file__).parent
 FAULTS = (
@@ -109,6 +117,9 @@ class ChaosConfig:
     #: (cancelled, or ended first: either is right; the cancel's answer must be the truth).
     cancel_share: float = 0.05
     drain: float = 60.0  # seconds callers wait for results after the last submission
+    #: Routed requests sent over the same time as the workflows (None: half as many), half
+    #: in proxy mode, half direct; a share fails non-retryably.
+    routes: int | None = None
     seed: int = 1
     namespace: str = "chaos"
     #: Settings of every process: ``TIMINGS`` and these overrides (``CHAOS_SETTINGS`` JSON).
@@ -117,6 +128,10 @@ class ChaosConfig:
     @property
     def timings(self) -> dict[str, Any]:
         return {**TIMINGS, **self.overrides}
+
+    @property
+    def route_count(self) -> int:
+        return self.workflows // 2 if self.routes is None else self.routes
 
     def __post_init__(self) -> None:
         if self.fault == "slow":
@@ -374,6 +389,34 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
 
 
 @dataclass
+class PlannedRoute:
+    task_id: str
+    mode: str  # proxy or direct
+    payload: dict[str, Any]
+    expected: ExpectedRoute
+
+
+def plan_routes(cfg: ChaosConfig) -> list[PlannedRoute]:
+    """Routed requests to the chaos capability, each with a task id of its own (its caller asks
+    again with it after an error); ``fail_share`` of them fail non-retryably. Planned with a
+    generator of their own: the workflows' plan is the same with or without them."""
+    rng = random.Random(cfg.seed * 1_000_003 + 7)
+    out: list[PlannedRoute] = []
+    for i in range(cfg.route_count):
+        mode = "proxy" if i % 2 == 0 else "direct"
+        x = rng.randrange(1000)
+        fail = rng.random() < cfg.fail_share
+        payload = {"mode": "fail" if fail else "ok", "ms": rng.randint(20, 300), "x": x}
+        exp = (
+            ExpectedRoute("FAILED", None, mode)
+            if fail
+            else ExpectedRoute("SUCCEEDED", {"x": x + 1}, mode)
+        )
+        out.append(PlannedRoute(f"{cfg.namespace}-{cfg.seed}-r{i:05d}", mode, payload, exp))
+    return out
+
+
+@dataclass
 class DriverStats:
     submit_errors: Counter[str] = field(default_factory=Counter)
     wait_errors: Counter[str] = field(default_factory=Counter)
@@ -389,6 +432,10 @@ class DriverStats:
     #: For answers over 1 s after ``finished_at``: how long after the final record was written
     #: (the stream's own timestamp) — what the announcement, not the store, took.
     after_write: dict[str, float] = field(default_factory=dict)
+    #: Errors of routed requests (each asked again with its task id), by type.
+    route_errors: Counter[str] = field(default_factory=Counter)
+    #: task id -> its caller's answer (the fields the checker reads) or its last error.
+    routes: dict[str, dict[str, Any] | str] = field(default_factory=dict)
 
 
 async def drive(
@@ -461,13 +508,50 @@ async def drive(
                 return
             await asyncio.sleep(0.25)
 
+    async def route(r: PlannedRoute) -> None:
+        """As a caller would: ask, and after an error ask again with the same task id."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                res = await client.request(
+                    capability=CAPABILITY,
+                    payload=r.payload,
+                    task_id=r.task_id,
+                    timeout=max(1.0, min(left, 10.0)),
+                    mode="direct" if r.mode == "direct" else "proxy",
+                )
+                stats.routes[r.task_id] = {
+                    "state": res.state.value,
+                    "result": res.result,
+                    "error": None if res.error is None else res.error.code,
+                    "agent_id": res.agent_id,
+                    "attempt": res.attempt,
+                }
+                return
+            except (ReachError, nats.errors.Error, TimeoutError) as err:
+                stats.route_errors[type(err).__name__] += 1
+                stats.routes[r.task_id] = f"{type(err).__name__}: {err}"
+                if time.monotonic() >= deadline:
+                    return
+                await asyncio.sleep(0.25)
+
+    async def routes() -> list[None]:
+        planned = plan_routes(cfg)
+        sent = []
+        for r in planned:
+            sent.append(asyncio.create_task(route(r)))
+            await asyncio.sleep(cfg.workflows / cfg.rate / max(1, len(planned)))
+        return await asyncio.gather(*sent)
+
     tasks = []
     cancellers: list[asyncio.Task[None]] = []
+    routing = asyncio.create_task(routes())
     for p in work:
         tasks.append(asyncio.create_task(one(p)))
         await asyncio.sleep(1 / cfg.rate)
     await asyncio.gather(*tasks)
     await asyncio.gather(*cancellers)
+    await routing
     return expected, callers
 
 
@@ -750,6 +834,7 @@ class ChaosRun:
             f"    of those over 1 s, after the record was written: {_lags(self.stats.after_write)}",
             f"  cancels sent: {len(self.stats.cancels)}, errors (asked again): "
             f"{dict(self.stats.cancel_errors)}",
+            f"  route errors (asked again with the task id): {dict(self.stats.route_errors)}",
             f"  lease expiries logged by hubs: {self.lease_expiries}",
             f"  fence reads by agents: {self.fence_reads} (handler starts: {self.starts})",
             f"  agents made deaf: {self.deafened}, deaf quarantines logged by hubs: "
@@ -847,6 +932,8 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
             history = await collect(client, mesh, work, expected, callers)
             await _after_write(client, mesh.cfg.namespace, stats)
             history.cancels = stats.cancels
+            history.route_expected = {r.task_id: r.expected for r in plan_routes(cfg)}
+            history.routes = stats.routes
     finally:
         await asyncio.to_thread(mesh.close)
     report = check(history)
@@ -894,6 +981,8 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
                 "cancels": history.cancels,
                 "tasks": history.tasks,
                 "expected": {k: asdict(v) for k, v in history.expected.items()},
+                "route_expected": {k: asdict(v) for k, v in history.route_expected.items()},
+                "routes": history.routes,
             },
             default=str,
         )

@@ -11,7 +11,9 @@ It takes everything a chaos run leaves behind and checks the workflow invariants
 - every ``.done`` announcement (the run captures them in a stream of its own);
 - what each caller's ``Client.workflow()`` returned, and what each cancel
   (``Client.cancel_workflow()``) answered and when;
-- the faults the harness injected (kind, target, time).
+- the faults the harness injected (kind, target, time);
+- the routed requests (``Client.request`` with a ``task_id``, asked again with it after an
+  error, as a caller would): what each was expected to answer and what its caller got.
 
 and returns a :class:`Report` whose :meth:`Report.table` is the table each run prints.
 """
@@ -63,13 +65,22 @@ class Expected:
     cancellable: bool = False
 
 
+@dataclass(frozen=True)
+class ExpectedRoute:
+    """A routed request: the state (and, SUCCEEDED, the result) its answer must have."""
+
+    state: str
+    result: Any = None
+    mode: str = "proxy"  # proxy or direct
+
+
 @dataclass
 class Run:
     """One handler execution as an agent logged it."""
 
     run_id: str
-    workflow_id: str
-    step: int
+    workflow_id: str | None  # None: a routed request's
+    step: int | None
     task_id: str
     attempt: int
     agent_id: str
@@ -126,6 +137,11 @@ class History:
     #: error string.
     cancels: dict[str, dict[str, Any] | str] = field(default_factory=dict)
     faults: list[Fault] = field(default_factory=list)
+    #: task id -> what its routed request must answer.
+    route_expected: dict[str, ExpectedRoute] = field(default_factory=dict)
+    #: task id -> its caller's last answer (``TaskResult`` fields: ``state``, ``result``,
+    #: ``error`` code, ``agent_id``, ``attempt``), or the last error string when none came.
+    routes: dict[str, dict[str, Any] | str] = field(default_factory=dict)
 
 
 @dataclass
@@ -156,6 +172,11 @@ class Report:
     ran_after_cancel: int = 0
     cancels: int = 0
     caller_errors: int = 0
+    routes: int = 0
+    #: A routed request its caller never had an answer for (asked again until the drain).
+    route_lost: int = 0
+    #: An answer that is not the handler's (another state or result).
+    route_wrong: int = 0
     violations: list[Violation] = field(default_factory=list)
 
     @property
@@ -175,6 +196,8 @@ class Report:
             or self.dup_unexplained
             or self.cancel_untrue
             or self.ran_after_cancel
+            or self.route_lost
+            or self.route_wrong
         )
 
     def add(self, kind: str, wf: str, detail: str) -> None:
@@ -197,6 +220,9 @@ class Report:
             "step record != result": self.step_record_mismatch,
             "handler runs": self.runs,
             "caller errors": self.caller_errors,
+            "routes": self.routes,
+            "routes lost": self.route_lost,
+            "routes wrong outcome": self.route_wrong,
         }
 
     def table(self, title: str = "chaos run", examples: int = 5) -> str:
@@ -381,9 +407,12 @@ def check(h: History) -> Report:
 
     runs_by_wf: dict[str, list[Run]] = defaultdict(list)
     for run in h.runs:
-        runs_by_wf[run.workflow_id].append(run)
+        if run.workflow_id is not None:
+            runs_by_wf[run.workflow_id].append(run)
     for wf, answer in sorted(h.cancels.items()):
         _check_cancel(rep, wf, answer, h, runs_by_wf.get(wf, []))
+
+    _check_routes(rep, h)
 
     for task_id, runs in runs_by_task.items():
         task = h.tasks.get(task_id)
@@ -391,7 +420,7 @@ def check(h: History) -> Report:
         lost = None if step is None else _first_result_lost(step, task or {}, runs, h.faults)
         if lost is not None:
             rep.first_result_lost += 1
-            rep.add("first result not kept", runs[0].workflow_id, lost)
+            rep.add("first result not kept", runs[0].workflow_id or task_id, lost)
         runs.sort(key=lambda r: r.start)
         flakes = [r for r in runs if r.outcome == "flaky"]  # each planned one more run
         for i, dup in enumerate(runs[1:], start=1):
@@ -410,13 +439,37 @@ def check(h: History) -> Report:
                 codes = {a.get("attempt"): a.get("code") for a in (task or {}).get("history", ())}
                 rep.add(
                     "dup run not explained",
-                    dup.workflow_id,
+                    dup.workflow_id or task_id,  # (a route's: none)
                     f"{task_id} ran on {prev.agent_id}#{prev.attempt} at {prev.start:.3f} "
                     f"({prev.outcome}) and again on {dup.agent_id}#{dup.attempt} "
                     f"at {dup.start:.3f} ({dup.outcome}); record code of "
                     f"#{prev.attempt}: {codes.get(prev.attempt)}",
                 )
     return rep
+
+
+def _check_routes(rep: Report, h: History) -> None:
+    """Every routed request was answered (its caller asks again with its task id after an
+    error), with what the handler returns. A second handler run of a route's task id is checked
+    with the steps' (``check``): only a fault explains it (docs/reliability.md: a retry goes
+    to the agent the first try went to, whose idempotency table answers)."""
+    for task_id, exp in sorted(h.route_expected.items()):
+        rep.routes += 1
+        got = h.routes.get(task_id)
+        if not isinstance(got, dict):
+            rep.route_lost += 1
+            rep.add("route lost", task_id, f"{exp.mode}: no answer; last error {got!r:.120}")
+            continue
+        if got.get("state") != exp.state or (
+            exp.state == "SUCCEEDED" and got.get("result") != exp.result
+        ):
+            rep.route_wrong += 1
+            rep.add(
+                "route wrong outcome",
+                task_id,
+                f"{exp.mode}: expected {exp.state} {json.dumps(exp.result)[:60]}, got "
+                f"{got.get('state')} {json.dumps(got.get('result'))[:60]} ({got.get('error')})",
+            )
 
 
 def _check_cancel(
@@ -541,6 +594,8 @@ def load(run_dir: Path) -> History:
         callers=data["callers"],
         cancels=data.get("cancels", {}),
         faults=read_faults(run_dir / "faults.jsonl"),
+        route_expected={k: ExpectedRoute(**v) for k, v in data.get("route_expected", {}).items()},
+        routes=data.get("routes", {}),
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from .history import Expected, Fault, History, Run, check, load, read_runs
+from .history import Expected, ExpectedRoute, Fault, History, Run, check, load, read_runs
 
 WF = "wf1"
 
@@ -407,3 +407,63 @@ def test_the_planned_retry_of_a_flaky_step_is_no_duplicate() -> None:
     assert rep.ok and rep.dup_unexplained == 0, rep.table()
     h.runs.append(run(0, "ns.a.a2", 2.5, attempt=3))  # one more than planned
     assert check(h).dup_unexplained == 1
+
+
+def with_route(state: str = "SUCCEEDED", value: Any = None) -> History:
+    """``clean()`` and one routed request, answered as planned unless told otherwise."""
+    h = clean()
+    h.route_expected["r1"] = ExpectedRoute("SUCCEEDED", {"x": 2}, "direct")
+    h.routes["r1"] = {"state": state, "result": {"x": 2} if value is None else value}
+    h.runs.append(Run("rr1", None, None, "r1", 1, "ns.a.a1", 1, 2.0, 2.1, "ok"))
+    return h
+
+
+def test_a_route_answered_as_planned_passes() -> None:
+    rep = check(with_route())
+    assert rep.ok and rep.routes == 1 and rep.runs == 3
+    assert rep.route_lost == rep.route_wrong == 0
+
+
+@pytest.mark.parametrize(
+    ("state", "value"), [("FAILED", None), ("TIMEOUT", None), ("SUCCEEDED", {"x": 3})]
+)
+def test_a_route_answered_otherwise_is_wrong(state: str, value: Any) -> None:
+    rep = check(with_route(state, value))
+    assert rep.route_wrong == 1 and not rep.ok
+    assert "route wrong outcome: 1" in rep.table()
+
+
+def test_a_route_never_answered_is_lost() -> None:
+    h = with_route()
+    h.routes["r1"] = "MeshTimeoutError: no answer"
+    rep = check(h)
+    assert rep.route_lost == 1 and not rep.ok and "route lost: 1" in rep.table()
+
+
+def test_a_second_run_of_a_routes_task_id_needs_a_fault() -> None:
+    h = with_route()
+    h.runs.append(Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 3.0, 3.1, "ok"))
+    rep = check(h)
+    assert rep.dup_unexplained == 1 and not rep.ok
+    assert "r1 ran on ns.a.a1#1" in rep.table()
+    h.faults.append(Fault("agent_kill", "ns.a.a1", 2.05, 3.0))
+    assert check(h).ok and check(h).dup_agent_crash == 1
+
+
+def test_routes_are_checked_again_offline(tmp_path: Path) -> None:
+    h = with_route(value={"x": 5})
+    (tmp_path / "history.json").write_text(
+        json.dumps(
+            {
+                "expected": {WF: {"kind": "fanout", "state": "SUCCEEDED", "result": ["a", "b"]}},
+                "records": h.records,
+                "tasks": h.tasks,
+                "done": h.done,
+                "callers": h.callers,
+                "route_expected": {"r1": {"state": "SUCCEEDED", "result": {"x": 2}}},
+                "routes": h.routes,
+            }
+        )
+    )
+    rep = check(load(tmp_path))
+    assert rep.routes == 1 and rep.route_wrong == 1
