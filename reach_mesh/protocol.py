@@ -501,6 +501,11 @@ WORKFLOW_LIST_LIMIT: Final = 50
 WORKFLOW_LIST_MAX: Final = 500
 WORKFLOW_LIST_SINCE: Final = 3600.0
 WORKFLOW_LIST_SINCE_MAX: Final = 7 * 86_400.0
+#: Largest body of a query or an operator's request to a hub (``agents``, ``workflow``,
+#: ``workflows``, ``cancel``, ``admin`` and the hubs' own questions to each other): they name an
+#: id or two and a reason, and a larger one is refused before it is parsed
+#: (``REACH_PAYLOAD_TOO_LARGE``), so that nobody stalls a hub's event loop with a parse.
+QUERY_MAX: Final = 64 * 1024
 #: Longest reason a cancel or an operator action may give (kept in the audit and, for a
 #: cancel, in the result's error message).
 REASON_MAX: Final = 200

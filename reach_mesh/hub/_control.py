@@ -25,6 +25,7 @@ from reach_mesh.errors import (
     IdentityMismatchError,
     InternalError,
     MeshUnavailableError,
+    PayloadTooLargeError,
     ReachError,
     ThrottledError,
     UnknownAgentError,
@@ -640,6 +641,15 @@ class ControlMixin:
 
 
 def _json_object(data: bytes) -> dict[str, Any]:
+    """The body of a query or an operator's request: a JSON object (empty: ``{}``), of at
+    most ``protocol.QUERY_MAX`` bytes — measured before it is parsed."""
+    if len(data) > protocol.QUERY_MAX:
+        raise PayloadTooLargeError(
+            f"a request of {len(data)} bytes exceeds the maximum of {protocol.QUERY_MAX} "
+            "bytes for a query or an operator's request",
+            size=len(data),
+            max_size=protocol.QUERY_MAX,
+        )
     if not data.strip():
         return {}
     return protocol.loads_object(data)
