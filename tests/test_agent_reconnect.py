@@ -221,6 +221,46 @@ async def test_an_agent_cut_off_while_it_runs_a_task_answers_once_back(
         assert sorted(ran) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("again", ["caller-retry", "hub-reconnect"])
+async def test_a_task_in_the_hands_of_a_cut_off_agent_is_not_run_by_another(
+    nats_url: str, namespace: str, again: str
+) -> None:
+    """An agent runs a task and its connection drops (its NATS server died, say). Asked for the
+    task again — a caller's retry with its task id, or the hub's own, once back on NATS
+    itself — nobody listens on that agent's subject: that says nothing of the task it has in
+    hand. The route waits for it alone while its lease holds (its answer comes once it is
+    back), where before another agent matching the route ran the task a second time (the
+    chaos suite's routes under node_kill)."""
+    s = _settings(nats_url, namespace)
+    relay, through = await relayed(nats_url, s)
+    hub_relay, hub_through = await relayed(nats_url, s)
+    a1, ran1 = recording_agent(f"{namespace}.echo.a1", through, CAP, delay=2.0)
+    a2, ran2 = recording_agent(f"{namespace}.echo.a2", s, CAP)
+    async with Hub(settings=hub_through if again == "hub-reconnect" else s), a1:
+        async with Client(settings=s) as c:
+            first = asyncio.create_task(c.request(capability=CAP, payload=7, task_id="t-7"))
+            await eventually(lambda: ran1 == [7], timeout=5)
+            async with a2:  # another agent for the route now, idle
+                await relay.cut()
+                if again == "hub-reconnect":
+                    await hub_relay.cut()
+                await eventually(lambda: not a1.nc.is_connected, timeout=5)
+                if again == "hub-reconnect":
+                    await hub_relay.start()  # the hub sends the attempt to a1 again: nobody
+                    retry = first
+                else:
+                    retry = asyncio.create_task(
+                        c.request(capability=CAP, payload=7, task_id="t-7", timeout=10)
+                    )
+                await asyncio.sleep(1.0)
+                assert ran2 == [] and not retry.done()
+                await relay.start()
+                results = await asyncio.gather(first, retry)
+        assert [r.result for r in results] == [7, 7]
+        assert {r.agent_id for r in results} == {a1.agent_id}
+        assert ran1 == [7] and ran2 == []  # once, by the agent that had it
+
+
 async def test_a_registration_whose_answer_was_lost_is_asked_again(
     nats_url: str, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:

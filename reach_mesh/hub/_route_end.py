@@ -122,6 +122,12 @@ class _Flight:
     unreached: dict[str, float] | None = None
     #: The next wait of a route held for an agent that may be reconnecting (``_hold``).
     hold_delay: float = _HOLD_FIRST
+    #: The agent that may have this task in hand already: an earlier try of its task id went
+    #: to it (the pins), or this attempt was sent to it again after a reconnection. While its
+    #: lease holds the route goes to it alone: nobody listening on its subject now (its
+    #: connection dropped) says nothing of what it runs, and another agent would run the task
+    #: a second time.
+    in_hand: str | None = None
     view: AgentView | None = None
     capability: str | None = None
     decision: RouteDecision | None = None
@@ -273,6 +279,14 @@ class RouteEndMixin:
                 deaf=deaf,
                 suppressed=held,
             )
+        if flight.in_hand == view.agent_id and self._may_return(view.agent_id, since):
+            # It may be running the task: wait for it alone (``RoutingMixin._decide_and_send``
+            # sends the task to it again: its idempotency table answers from the run in hand).
+            self._end_deliver(flight, err)
+            flight.last_error = err
+            if not self._hold(flight):
+                await self._finish(flight, error=err)
+            return
         await self._refused(flight, err)
 
     async def _refused(

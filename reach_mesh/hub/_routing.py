@@ -8,6 +8,7 @@ deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -36,7 +37,7 @@ from reach_mesh.hub._wire import (
     _new_id,
 )
 from reach_mesh.hub.registry import AgentView
-from reach_mesh.hub.router import Router
+from reach_mesh.hub.router import Choice, Router
 from reach_mesh.hub.throttle import Throttle
 from reach_mesh.logs import SELECT_EMPTY, LineBudget, log_event
 from reach_mesh.models import RouteRequest
@@ -177,8 +178,8 @@ class RoutingMixin(RouteEndMixin):
         flights.take(flight.ns)
         req = flight.req
         if req.task_id is not None and req.agent_id is None:
-            # A retry of a task this hub routed: to the agent that has it, if still routable.
-            flight.sticky = self._pins.get(flight.ns, req.task_id)
+            # A retry of a task a hub routed: to the agent that has it, if still routable.
+            flight.sticky = flight.in_hand = self._pins.get(flight.ns, req.task_id)
         if (req.session_id is not None and flight.sticky is None) or (
             req.agent_id is not None and req.agent_id not in self.registry.agents
         ):
@@ -281,19 +282,40 @@ class RoutingMixin(RouteEndMixin):
     async def _decide_and_send(self, flight: _Flight) -> None:
         req = flight.req
         flight.attempt += 1
-        try:
-            choice = self.router.decide(
+        # Alternates let a direct-mode caller cache the decision; a session or hash key asks
+        # for per-request routing, so those get none.
+        alternates = (
+            DIRECT_ALTERNATES
+            if req.mode == "direct" and req.session_id is None and req.hash_key is None
+            else 0
+        )
+        exclude = frozenset(flight.exclude)
+
+        def decide(only: str | None = None) -> Choice:
+            return self.router.decide(
                 req,
                 flight.ns,
                 flight.request_id,
-                exclude=frozenset(flight.exclude),
+                exclude=exclude,
                 sticky_agent=flight.sticky,
-                # Alternates let a direct-mode caller cache the decision; a session or hash key
-                # asks for per-request routing, so those get none.
-                alternates=DIRECT_ALTERNATES
-                if req.mode == "direct" and req.session_id is None and req.hash_key is None
-                else 0,
+                alternates=alternates,
+                only=only,
             )
+
+        # The agent that may have the task in hand, alone while it may be reconnecting
+        # (``_Flight.in_hand``); once it is not (lease lapsed, deaf, not routable for another
+        # reason) the route goes on as any other: the at-least-once window of an agent lost
+        # with the task (docs/reliability.md).
+        choice: Choice | None = None
+        holder = flight.in_hand
+        if holder is not None and self._may_return(
+            holder, (flight.unreached or {}).get(holder, 0.0)
+        ):
+            with contextlib.suppress(NoMatchError):
+                choice = decide(holder)
+        try:
+            if choice is None:
+                choice = decide()
         except NoMatchError as err:
             # A candidate refused it before (``_refused``): every one has, or the one it
             # waited for (``_hold``) was dropped since. The answer is that refusal (the agent
@@ -447,6 +469,7 @@ class RoutingMixin(RouteEndMixin):
             view, remaining = flight.view, flight.deadline - now
             if view is None or flight.finished or remaining <= 0:
                 continue
+            flight.in_hand = view.agent_id  # it may have had this attempt before the drop
             body = _envelope_bytes(
                 flight.task_id,
                 flight.attempt,

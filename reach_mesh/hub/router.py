@@ -112,10 +112,13 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         sticky_agent: str | None = None,
         alternates: int = 0,
+        only: str | None = None,
     ) -> Choice:
         """Choose an agent for ``req`` or raise ``NoMatchError`` carrying the decision.
 
         ``alternates``: also return up to that many other routable agents, best first.
+        ``only``: that agent or none — among those ``req`` matches, admitted as any other
+        (a task that may be in its hands already must not go to another, ``RoutingMixin``).
         """
         t0 = time.perf_counter()
         reg = self._registry
@@ -134,6 +137,8 @@ class Router:
             selector = Selector.parse(req.selector)  # parse results are cached (lru)
             ids = reg.index.select(selector, namespace)
             capability = selector.task_capability
+        if only is not None:
+            ids = (only,) if only in ids else ()
         strategy_name = req.strategy or self._settings.default_strategy
         strategy = self._strategies.get(strategy_name)
         if strategy is None:
