@@ -451,7 +451,16 @@ class Client(WorkflowsMixin, FleetMixin):
             request_id = target.request_id
             attempt += 1
             agent = target.agent_id
-            left = max(deadline - time.monotonic(), 0.001)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                # The decision came after the deadline (a slow hub, a stall of this loop): a
+                # task sent now would have no time to run, and its agent would keep that
+                # TIMEOUT as the task id's answer. Nothing was sent: the id is still fresh.
+                raise MeshTimeoutError(
+                    f"task {task_id} not delivered within its timeout: the route's decision "
+                    "came after it; nothing was sent to an agent",
+                    task_id=task_id,
+                )
             envelope = self._encode(_envelope(fields, attempt, ns, left))
             outstanding = self._outstanding
             outstanding[agent] = outstanding.get(agent, 0) + 1

@@ -208,6 +208,10 @@ class Relay:
         sent to the party behind it are lost with the connection, however fast they come."""
         self._flowing.clear()
 
+    def release(self) -> None:
+        """Let what :meth:`hold` held back through, late (a slow link, not a broken one)."""
+        self._flowing.set()
+
     async def cut(self) -> None:
         assert self._server is not None
         self._server.close()

@@ -15,6 +15,7 @@ from reach_mesh import (
     AgentBusyError,
     Client,
     MeshSettings,
+    MeshTimeoutError,
     MeshUnavailableError,
     NoMatchError,
     ThrottledError,
@@ -25,7 +26,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState, FailureReport
 
-from .helpers import eventually
+from .helpers import eventually, recording_agent, relayed
 
 
 def echo_agent(
@@ -508,6 +509,34 @@ async def test_direct_mode(hub: Hub, settings: MeshSettings, namespace: str) -> 
     async with a, Client(settings=settings) as c:
         res = await c.request(capability="work:echo:v1", payload={"x": 1}, mode="direct")
         assert res.ok and res.result == {"by": a.agent_id, "payload": {"x": 1}}
+
+
+async def test_a_direct_call_whose_decision_came_too_late_sends_nothing(
+    hub: Hub, settings: MeshSettings, nats_url: str, namespace: str
+) -> None:
+    """The hub's decision reaches the caller after the request's deadline (a slow link here;
+    a stalled loop or a hub slow to answer alike): the task is not sent. It was, with 1 ms
+    to run, and its agent kept that TIMEOUT as the task id's answer to every retry (a chaos
+    run's route was never answered); a retry with the same task id now runs it."""
+    a, ran = recording_agent(f"{namespace}.w.a1", settings, "work:echo:v1")
+    relay, through = await relayed(nats_url, settings)
+    async with a, Client(settings=through) as c:  # (no decision cached yet)
+        relay.hold()  # what the server sends the caller comes late
+        call = asyncio.create_task(
+            c.request(
+                capability="work:echo:v1", payload=1, task_id="late-1", timeout=0.3, mode="direct"
+            )
+        )
+        await asyncio.sleep(0.5)
+        relay.release()
+        with pytest.raises(MeshTimeoutError, match="nothing was sent"):
+            await call
+        assert ran == []
+        res = await c.request(
+            capability="work:echo:v1", payload=1, task_id="late-1", timeout=5, mode="direct"
+        )
+        assert res.result == 1 and ran == [1]
+    await relay.cut()
 
 
 async def test_agent_at_capacity_queues_instead_of_no_match(
