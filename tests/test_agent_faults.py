@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,7 @@ from pydantic import BaseModel, field_validator
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task
+from reach_mesh.agent._run import serve
 from reach_mesh.agent._serving import AgentStatus
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
 from reach_mesh.hub import Hub
@@ -417,6 +419,31 @@ async def test_a_second_process_of_an_agent_id_waits_for_the_first_to_stop(
             assert res.result == "new" and ran == ["old"] * 9 + ["new"]
     finally:
         starting.cancel()
+        await old.close()
+        await new.close()
+
+
+async def test_a_signal_stops_an_agent_process_that_waits_to_start(
+    hub: Hub, settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``reach-mesh agent`` (``serve``) waiting for its id's old process to stop takes a
+    SIGTERM at once: before, it went on waiting (a supervisor's SIGTERM then had to become a
+    SIGKILL), and with no hub answering it took the SIGTERM only at the registration's 30 s."""
+    agent_id = f"{settings.namespace}.twice.s"
+    old = _counting_agent(agent_id, settings, [], "old")
+    new = _counting_agent(agent_id, settings, [], "new")
+    await old.start()
+    try:
+        serving = asyncio.ensure_future(serve(new))
+        # (said once ``serve`` has its signal handlers: the SIGTERM below is its, not pytest's)
+        await eventually(lambda: _said_in_use(caplog), timeout=5)
+        t0 = time.monotonic()
+        signal.raise_signal(signal.SIGTERM)
+        await asyncio.wait_for(serving, 5)
+        assert time.monotonic() - t0 < 1.0
+        assert new.nc is None or not new.nc.is_connected
+        assert hub.registry.agents[agent_id].record.session == old.session  # the old one serves
+    finally:
         await old.close()
         await new.close()
 

@@ -4,6 +4,7 @@ does) and drains the agents gracefully on either."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from collections.abc import Callable
 
@@ -12,6 +13,8 @@ from reach_mesh.agent._agent import Agent
 from reach_mesh.tracing import configure_tracing
 
 __all__ = ["run", "serve"]
+
+log = logging.getLogger("reach_mesh.agent")
 
 
 async def serve(*agents: Agent, started: Callable[[], None] | None = None) -> None:
@@ -26,8 +29,22 @@ async def serve(*agents: Agent, started: Callable[[], None] | None = None) -> No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        for agent in agents:
-            await agent.start()
+        # A signal ends the starting too: an agent may wait long to start (its id still in
+        # use by a process being replaced, no hub answering yet), and a supervisor's SIGTERM
+        # must not have to become a SIGKILL.
+        starting = asyncio.ensure_future(_start_all(agents))
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not starting.done():
+                starting.cancel()
+                await asyncio.gather(starting, return_exceptions=True)
+        if starting.cancelled():
+            log.info("stopped by a signal while starting")
+            return
+        starting.result()  # (a start's error is raised)
         if started is not None:
             started()
         _runner.settle()
@@ -45,6 +62,11 @@ async def serve(*agents: Agent, started: Callable[[], None] | None = None) -> No
     fault = next((a.fault for a in agents if a.fault is not None), None)
     if fault is not None:
         raise fault
+
+
+async def _start_all(agents: tuple[Agent, ...]) -> None:
+    for agent in agents:
+        await agent.start()
 
 
 def run(*agents: Agent) -> None:
