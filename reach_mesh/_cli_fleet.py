@@ -20,7 +20,7 @@ from reach_mesh import protocol
 from reach_mesh._nats import shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
-from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.errors import BadRequestError, MeshUnavailableError
 from reach_mesh.models import AgentInfo
 
 __all__ = [
@@ -242,7 +242,12 @@ async def cmd_snapshot(args: argparse.Namespace) -> int:
     }
     text = json.dumps(snap, indent=2)
     if args.output:
-        await asyncio.to_thread(Path(args.output).write_text, text + "\n")
+        try:
+            await asyncio.to_thread(Path(args.output).write_text, text + "\n")
+        except OSError as err:
+            raise BadRequestError(
+                f"cannot write {args.output}: {err.strerror or err}", field="output"
+            ) from err
         print(f"wrote {len(infos)} agents to {args.output}")
     else:
         print(text)

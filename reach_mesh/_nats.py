@@ -113,7 +113,7 @@ async def connect(
         timeout = settings.connect_timeout if settings is not None else 2.0
     servers = _servers(url)
     for server in servers:
-        _check_scheme(server)
+        _check_url(server)
     opts: dict[str, Any] = {
         "name": name,
         "servers": servers,
@@ -493,13 +493,21 @@ def shown(url: str | None) -> str:
     return ",".join(out)
 
 
-def _check_scheme(server: str) -> None:
-    scheme = _split(server).scheme
-    if scheme not in _SCHEMES:
+def _check_url(server: str) -> None:
+    """A server's URL as nats-py can use it (a scheme it speaks, a port in range), else
+    ``BadRequestError`` at once, not a connect that fails for it."""
+    parts = _split(server)
+    if parts.scheme not in _SCHEMES:
         raise BadRequestError(
             f"{server!r} is not a NATS URL: use nats://host:4222 "
             f"(schemes {', '.join(s + '://' for s in _SCHEMES)})"
         )
+    try:
+        parts.port  # noqa: B018 (urlsplit checks it when read)
+    except ValueError:
+        raise BadRequestError(
+            f"{server!r} is not a NATS URL: its port is not a number in 0-65535"
+        ) from None
 
 
 async def _diagnose(servers: list[str], err: BaseException) -> str:

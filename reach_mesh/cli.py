@@ -318,6 +318,12 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         os.environ["REACH_CONFIG"] = args.config
     agents = load_agents(args.target)
     if args.metrics_port is not None:
+        if args.metrics_port and args.metrics_port + len(agents) - 1 > 65535:
+            raise BadRequestError(
+                f"--metrics-port {args.metrics_port} leaves no room for {len(agents)} agents' "
+                "ports (PORT, PORT+1, ...; at most 65535)",
+                field="metrics_port",
+            )
         for i, agent in enumerate(agents):
             port = args.metrics_port + i if args.metrics_port else 0
             agent.serve_metrics(port, args.metrics_host)
@@ -510,14 +516,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--hubs", type=int, default=1, help="hub instances to run (default 1)")
     up.add_argument(
         "--nats-port",
-        type=int,
+        type=_within(int, -1, 65535),
         default=DEFAULT_NATS_PORT,
         help=f"embedded NATS port (default {DEFAULT_NATS_PORT}, a free one if busy; -1 = any); "
         "JetStream is kept between runs in $REACH_STATE_DIR (~/.local/state/reach-mesh)",
     )
     up.add_argument(
         "--http-port",
-        type=int,
+        type=_within(int, -1, 65535),
         default=0,
         help="first hub's HTTP port for /metrics, REST, dashboard (0 = any free port; -1 = off)",
     )
@@ -555,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("init_dir", nargs="?", metavar="DIR", help="auth directory (or --dir)")
     init.add_argument("--namespace", default="default", help="the caller's namespace")
     init.add_argument("--host", default="0.0.0.0", help="listen address in nats.conf")
-    init.add_argument("--port", type=int, default=4222, help="client port in nats.conf")
+    init.add_argument(
+        "--port", type=_within(int, 0, 65535), default=4222, help="client port in nats.conf"
+    )
     for role, what, metavar in (
         ("agent", "credentials for one agent id", "AGENT_ID"),
         ("caller", "credentials for a caller of one namespace", "NAMESPACE"),
@@ -572,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     hub = cmd("hub", "run one hub instance against an existing NATS")
     hub.add_argument(
         "--http-port",
-        type=int,
+        type=_within(int, 0, 65535),
         default=None,
         help="HTTP port for /metrics, REST, dashboard ($REACH_HTTP_PORT; 0 = any; default off)",
     )
@@ -587,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agent.add_argument(
         "--metrics-port",
-        type=int,
+        type=_within(int, 0, 65535),
         default=None,
         metavar="PORT",
         help="serve each agent's Prometheus /metrics and readiness /healthz: the first on "

@@ -168,7 +168,7 @@ class MeshSettings(BaseModel):
 
     # hub HTTP (metrics, REST, dashboard). 0 = pick a free port, None = off.
     http_host: str = "127.0.0.1"
-    http_port: int | None = None
+    http_port: int | None = Field(default=None, ge=0, le=65535)
     #: When set, ``/api/*``, ``/mcp`` and ``/a2a/*`` want ``Authorization: Bearer <token>``
     #: (set it through ``REACH_HTTP_TOKEN``, not a command line). ``/metrics``, ``/healthz``,
     #: ``/openapi.json`` and the dashboard page itself stay open.

@@ -129,6 +129,51 @@ def test_a_url_that_is_not_nats_is_bad_input_not_unavailable() -> None:
     )
 
 
+def test_a_nats_url_whose_port_is_out_of_range_is_bad_input() -> None:
+    _fails_in_one_line(
+        ["agents", "--nats", "nats://127.0.0.1:99999"],
+        _env(),
+        "REACH_BAD_REQUEST",
+        "its port is not a number in 0-65535",
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["hub", "--http-port", "99999"],
+        ["hub", "--http-port", "-1"],
+        ["up", "--http-port", "-5"],
+        ["up", "--nats-port", "70000"],
+        ["agent", "x:y", "--metrics-port", "65536"],
+        ["auth", "init", "d", "--port", "99999"],
+    ],
+)
+def test_a_port_out_of_range_is_refused_not_wrapped(argv: list[str]) -> None:
+    """Ports were taken modulo 65536: ``--http-port 99999`` served on 34463, another
+    program's port perhaps (``hub --http-port -1`` on 65535: off is leaving it out)."""
+    run = subprocess.run([*CLI, *argv], env=_env(), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert "65535]" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_an_http_port_setting_out_of_range_names_the_variable(nats_url: str) -> None:
+    _fails_in_one_line(
+        ["hub", "--nats", nats_url], _env(REACH_HTTP_PORT="70000"), "REACH_HTTP_PORT"
+    )
+
+
+async def test_a_snapshot_that_cannot_be_written_is_bad_input(
+    hub: Hub, nats_url: str, tmp_path: Path
+) -> None:
+    code, _, err = await _cli("--nats", nats_url, "snapshot", "-o", str(tmp_path / "no" / "x.json"))
+    assert code == 2, err
+    assert err.decode().strip().splitlines() == [
+        f"error REACH_BAD_REQUEST: cannot write {tmp_path / 'no' / 'x.json'}: "
+        "No such file or directory"
+    ]
+
+
 @pytest.mark.parametrize("url", ["nats://127.0.0.1:{refused}", "nats://no-such-host.invalid:4222"])
 async def test_connect_fails_within_two_seconds(url: str) -> None:
     url = url.format(refused=_refused_port())
