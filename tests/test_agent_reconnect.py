@@ -221,22 +221,26 @@ async def test_an_agent_cut_off_while_it_runs_a_task_answers_once_back(
         assert sorted(ran) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("again", ["caller-retry", "hub-reconnect"])
+@pytest.mark.parametrize("again", ["caller-retry", "hub-reconnect", "lease-lapsed"])
 async def test_a_task_in_the_hands_of_a_cut_off_agent_is_not_run_by_another(
     nats_url: str, namespace: str, again: str
 ) -> None:
     """An agent runs a task and its connection drops (its NATS server died, say). Asked for the
     task again — a caller's retry with its task id, or the hub's own, once back on NATS
     itself — nobody listens on that agent's subject: that says nothing of the task it has in
-    hand. The route waits for it alone while its lease holds (its answer comes once it is
+    hand. The route waits for it alone until it is declared LOST (its answer comes once it is
     back), where before another agent matching the route ran the task a second time (the
-    chaos suite's routes under node_kill)."""
+    chaos suite's routes under node_kill). ``lease-lapsed``: the agent is away longer than its
+    lease (SUSPECT, not yet LOST: its NATS server frozen for seconds, under node_stop), and
+    the retry still waits for it."""
     s = _settings(nats_url, namespace)
+    if again == "lease-lapsed":
+        s = s.model_copy(update={"lease_timeout": 0.6, "heartbeat_interval": 0.1})
     relay, through = await relayed(nats_url, s)
     hub_relay, hub_through = await relayed(nats_url, s)
     a1, ran1 = recording_agent(f"{namespace}.echo.a1", through, CAP, delay=2.0)
     a2, ran2 = recording_agent(f"{namespace}.echo.a2", s, CAP)
-    async with Hub(settings=hub_through if again == "hub-reconnect" else s), a1:
+    async with Hub(settings=hub_through if again == "hub-reconnect" else s) as hub, a1:
         async with Client(settings=s) as c:
             first = asyncio.create_task(c.request(capability=CAP, payload=7, task_id="t-7"))
             await eventually(lambda: ran1 == [7], timeout=5)
@@ -254,6 +258,11 @@ async def test_a_task_in_the_hands_of_a_cut_off_agent_is_not_run_by_another(
                     )
                 await asyncio.sleep(1.0)
                 assert ran2 == [] and not retry.done()
+                if again == "lease-lapsed":
+                    view = hub.registry.agents[a1.agent_id]
+                    await eventually(lambda: view.state is AgentState.SUSPECT, timeout=3)
+                    await asyncio.sleep(0.5)
+                    assert ran2 == [] and not retry.done()
                 await relay.start()
                 results = await asyncio.gather(first, retry)
         assert [r.result for r in results] == [7, 7]

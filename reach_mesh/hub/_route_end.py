@@ -123,10 +123,10 @@ class _Flight:
     #: The next wait of a route held for an agent that may be reconnecting (``_hold``).
     hold_delay: float = _HOLD_FIRST
     #: The agent that may have this task in hand already: an earlier try of its task id went
-    #: to it (the pins), or this attempt was sent to it again after a reconnection. While its
-    #: lease holds the route goes to it alone: nobody listening on its subject now (its
-    #: connection dropped) says nothing of what it runs, and another agent would run the task
-    #: a second time.
+    #: to it (the pins), or this attempt was sent to it again after a reconnection. Until it
+    #: is declared gone (LOST) the route goes to it alone (``_may_hold_task``): nobody
+    #: listening on its subject now (its connection dropped) says nothing of what it runs,
+    #: and another agent would run the task a second time.
     in_hand: str | None = None
     view: AgentView | None = None
     capability: str | None = None
@@ -279,8 +279,8 @@ class RouteEndMixin:
                 deaf=deaf,
                 suppressed=held,
             )
-        if flight.in_hand == view.agent_id and self._may_return(view.agent_id, since):
-            # It may be running the task: wait for it alone (``RoutingMixin._decide_and_send``
+        if flight.in_hand == view.agent_id and self._may_hold_task(view.agent_id, since):
+            # It may have the task: wait for it alone (``RoutingMixin._decide_and_send``
             # sends the task to it again: its idempotency table answers from the run in hand).
             self._end_deliver(flight, err)
             flight.last_error = err
@@ -315,7 +315,10 @@ class RouteEndMixin:
         ``False`` (answer now) when there is no such agent or no time left. Rare, so a timer
         per route."""
         unreached = flight.unreached
-        if not unreached or not any(self._may_return(a, s) for a, s in unreached.items()):
+        if not unreached or not any(
+            self._may_return(a, s) or (a == flight.in_hand and self._may_hold_task(a, s))
+            for a, s in unreached.items()
+        ):
             return False
         left = flight.deadline - time.perf_counter() - _HOLD_SLACK
         if left <= 0:
@@ -338,6 +341,14 @@ class RouteEndMixin:
             and view is not None
             and view.state not in (AgentState.SUSPECT, AgentState.LOST)
         )
+
+    def _may_hold_task(self, agent_id: str, since: float) -> bool:
+        """Whether a route waits for the agent that may have its task in hand
+        (``_Flight.in_hand``): not deaf, and not declared gone (LOST) — a lapsed lease
+        (SUSPECT) is not enough: its NATS server frozen for seconds, say, it comes back with
+        the task run, and another agent would run it again."""
+        view = self.registry.agents.get(agent_id)
+        return since != math.inf and view is not None and view.state is not AgentState.LOST
 
     def _unhold(self, flight: _Flight) -> None:
         if self._held.pop(flight.request_id, None) is not None:  # (not ended by ``close``)

@@ -302,13 +302,13 @@ class RoutingMixin(RouteEndMixin):
                 only=only,
             )
 
-        # The agent that may have the task in hand, alone while it may be reconnecting
-        # (``_Flight.in_hand``); once it is not (lease lapsed, deaf, not routable for another
-        # reason) the route goes on as any other: the at-least-once window of an agent lost
-        # with the task (docs/reliability.md).
+        # The agent that may have the task in hand, alone until it is declared gone (LOST) or
+        # found deaf (``_Flight.in_hand``, ``_may_hold_task``); then, or when it is not
+        # routable for another reason, the route goes on as any other: the at-least-once
+        # window of an agent lost with the task (docs/reliability.md).
         choice: Choice | None = None
         holder = flight.in_hand
-        if holder is not None and self._may_return(
+        if holder is not None and self._may_hold_task(
             holder, (flight.unreached or {}).get(holder, 0.0)
         ):
             with contextlib.suppress(NoMatchError):
