@@ -457,7 +457,10 @@ async def cmd_auth(args: argparse.Namespace) -> int:
                 f"and pass --dir DIR (or set REACH_AUTH_DIR) to add to it"
             )
         issued = [auth.add(role, args.identity)]
-        print(f"added to {auth.auth_conf}: reload a running server (nats-server --signal reload)")
+        print(
+            f"added to {auth.auth_conf}: reload each running server "
+            "(kill -HUP <pid>, or nats-server --signal reload=<pid>)"
+        )
     for ident in issued:
         where = auth.settings_file(ident.role, ident.name)
         print(f"  {ident.role:<8} {ident.name:<32} REACH_CONFIG={where}")
