@@ -40,9 +40,17 @@ __all__ = [
     "BATCH_ITEMS",
     "AnswerBatcher",
     "Batcher",
+    "NoRespondersOnResend",
     "inbox_prefix",
     "reply_token",
 ]
+
+
+class NoRespondersOnResend(NoRespondersError):
+    """Nobody listens on the subject of a request asked again after a reconnection
+    (:meth:`Batcher.resend`): unlike a first send's, this says nothing of whether the first
+    one was delivered — a task envelope may be in its agent's hands."""
+
 
 #: Most requests in one batch message, and most bytes of bodies in it (hubs, agents, clients).
 BATCH_ITEMS: Final = 64
@@ -104,6 +112,8 @@ class Batcher:
         #: headers — or, for one sent in a batch, its traceparent), to ask again after a
         #: reconnection (``resend``; no headers dict is made per batched request until then).
         self._unanswered: dict[str, tuple[str, bytes, dict[str, str] | str]] = {}
+        #: Tokens of the requests asked again after a reconnection, until answered.
+        self._resent: set[str] = set()
         self._sub: Subscription | None = None
 
     async def start(self) -> None:
@@ -191,6 +201,7 @@ class Batcher:
         finally:
             self._futures.pop(token, None)
             self._unanswered.pop(token, None)
+            self._resent.discard(token)
 
     async def resend(self) -> int:
         """Ask again, after a reconnection, the requests sent before it and not answered:
@@ -211,6 +222,7 @@ class Batcher:
             except Exception as err:  # down again: the next reconnection asks again
                 log.debug("asking again after a reconnection stopped: %r", err)
                 break
+            self._resent.add(token)
             asked += 1
         return asked
 
@@ -266,7 +278,12 @@ class Batcher:
         futures = self._futures
         if "." in token:  # one request's own reply subject
             self._sent_on.pop(token.partition(".")[0], None)
-            self._resolve(futures.get(token), data, no_responders)
+            future = futures.get(token)
+            if no_responders and token in self._resent and future is not None:
+                if not future.done():
+                    future.set_exception(NoRespondersOnResend())
+                return
+            self._resolve(future, data, no_responders)
             return
         batch_subject = self._sent_on.pop(token, None)
         if no_responders:  # a batch found nobody (or only responders that take no batches)

@@ -21,7 +21,7 @@ from nats.errors import MaxPayloadError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from reach_mesh import protocol
-from reach_mesh._batch import Batcher
+from reach_mesh._batch import Batcher, NoRespondersOnResend
 from reach_mesh._client_fields import (
     _PROXY_REPLY,
     _TASK_REPLY,
@@ -424,8 +424,12 @@ class Client(WorkflowsMixin, FleetMixin):
         request_id: str | None = None
         decision: RouteDecision | None = None
         last: ReachError | None = None
+        #: The agent that may have the task in hand: asked again after this client's
+        #: reconnection, nobody listened on its subject (its connection dropped too, say), which
+        #: says nothing of the first send. Tried alone until the deadline, as a hub does.
+        held: _Cached | None = None
         while True:
-            target = self._cached(key, tried) if key is not None else None
+            target = held or (self._cached(key, tried) if key is not None else None)
             if target is None:
                 if last is not None:
                     # Every agent we knew of refused: back off before asking a hub again.
@@ -473,6 +477,23 @@ class Client(WorkflowsMixin, FleetMixin):
                 protocol.raise_for_error(data)
                 reply = _parse(_TASK_REPLY, data, "TaskReply")
             except (AgentBusyError, NoHandlerError, NoRespondersError) as err:
+                if isinstance(err, NoRespondersError) and (
+                    held is not None or isinstance(err, NoRespondersOnResend)
+                ):
+                    held = target
+                    wait = delay * random.uniform(0.5, 1.5)
+                    delay = min(delay * 2, 1.0)
+                    if time.monotonic() + wait >= deadline:
+                        raise MeshTimeoutError(
+                            f"agent {agent} did not answer task {task_id}: asked again after "
+                            "a reconnection, nobody listened on its subject (it may have the "
+                            "task: retry with the same task_id)",
+                            task_id=task_id,
+                            agent_id=agent,
+                        ) from err
+                    await asyncio.sleep(wait)
+                    continue
+                held = None  # (it answers: not ours to wait for any more)
                 if isinstance(err, ReachError):
                     last, code = err, err.code
                 else:

@@ -270,6 +270,41 @@ async def test_a_task_in_the_hands_of_a_cut_off_agent_is_not_run_by_another(
         assert ran1 == [7] and ran2 == []  # once, by the agent that had it
 
 
+async def test_a_direct_call_asked_again_waits_for_the_agent_that_has_its_task(
+    nats_url: str, namespace: str
+) -> None:
+    """Direct mode: the caller and the agent running its task lose their NATS server at once.
+    The caller, back first, asks the agent again (``Batcher.resend``): nobody listens there,
+    which says nothing of the first send, so the call waits for that agent alone rather than
+    going on to the next agent of its cached decision (a chaos route under node_kill ran on a
+    second agent 31 ms after the kill, as attempt 2)."""
+    s = _settings(nats_url, namespace)
+    relays = [await relayed(nats_url, s) for _ in range(2)]
+    caller_relay, caller_through = await relayed(nats_url, s)
+    agents = [
+        recording_agent(f"{namespace}.echo.a{i}", through, CAP, delay=2.0)
+        for i, (_, through) in enumerate(relays)
+    ]
+    async with Hub(settings=s), agents[0][0], agents[1][0]:
+        async with Client(settings=caller_through) as c:
+            call = asyncio.create_task(
+                c.request(capability=CAP, payload=7, task_id="d-7", timeout=10, mode="direct")
+            )
+            await eventually(lambda: any(ran for _, ran in agents), timeout=5)
+            x = 0 if agents[0][1] else 1  # the agent that has it; the other one is idle
+            (holder, ran), (_, other) = agents[x], agents[1 - x]
+            await relays[x][0].cut()
+            await caller_relay.cut()
+            await eventually(lambda: not holder.nc.is_connected, timeout=5)
+            await caller_relay.start()  # the caller asks the holder again: nobody listens
+            await asyncio.sleep(1.0)
+            assert other == [] and not call.done()
+            await relays[x][0].start()
+            res = await call
+        assert res.result == 7 and res.agent_id == holder.agent_id
+        assert ran == [7] and other == []  # once, by the agent that had it
+
+
 async def test_a_registration_whose_answer_was_lost_is_asked_again(
     nats_url: str, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
