@@ -433,8 +433,9 @@ def print_decision(d: RouteDecision, file: TextIO | None = None) -> None:
     print_table(rows, indent="  ", file=out)
     if d.fallback:
         print(f"  fallback: {d.fallback}", file=out)
-    if d.nearest:
-        print(f"  nearest: {json.dumps(d.nearest)}", file=out)
+    for what, near in (d.nearest or {}).items():
+        if near:  # (an empty part says nothing: none is printed)
+            print(f"  nearest, {what.replace('_', ' ')}: {json.dumps(near)}", file=out)
 
 
 async def cmd_auth(args: argparse.Namespace) -> int:

@@ -72,7 +72,17 @@ async def test_the_route_continues_the_callers_trace_and_finds_the_agents_namesp
         error = json.loads(answer)["error"]
         assert got == 404 and error["code"] == "REACH_UNKNOWN_NAMESPACE", answer
         assert error["details"]["namespace"] == "default"
-    assert len(calls) == 3
+        # A namespace in the body is not where a REST route's goes: refused, not ignored
+        # (the task went to ``default``); the same one as the query's is harmless.
+        got, answer = await fetch(f"{base}/api/route", "POST", route_body(namespace=namespace))
+        error = json.loads(answer)["error"]
+        assert got == 400 and error["details"]["field"] == "namespace", answer
+        assert "?namespace=" in error["message"]
+        got, answer = await fetch(
+            f"{base}/api/route?namespace={namespace}", "POST", route_body(namespace=namespace)
+        )
+        assert got == 200, answer
+    assert len(calls) == 4
 
 
 async def test_the_fast_path_is_guarded_and_bounded(

@@ -15,6 +15,7 @@ and route table; the endpoint is the same either way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -190,12 +191,24 @@ def _route_namespace(raw: bytes, namespace: str | None) -> str:
     """Where a REST route goes: the agent's own namespace when the body names an ``agent_id``
     (a route on ``reach.hub.<ns>.route`` must), else ``?namespace=``, else ``default``."""
     ns = protocol.DEFAULT_NAMESPACE if namespace is None else protocol.validate_namespace(namespace)
-    if b"agent_id" in raw or b"\\u" in raw:  # a JSON key may be spelt with escapes
+    if b"agent_id" in raw or b"namespace" in raw or b"\\u" in raw:  # (keys may use escapes)
         try:
-            agent_id = json.loads(raw).get("agent_id")
+            body = json.loads(raw)
+            said = body.get("namespace")
+            agent_id = body.get("agent_id")
+        except (ValueError, RecursionError, AttributeError, TypeError):
+            return ns  # not a JSON object: the hub's decoder says what is wrong
+        # (no valid agent id: the hub's decoder says what is wrong with one)
+        with contextlib.suppress(TypeError, ReachError):
             ns = protocol.namespace_of(protocol.validate_agent_id(agent_id))
-        except (ValueError, RecursionError, AttributeError, TypeError, ReachError):
-            pass  # not an object with a valid agent id: the hub's decoder says what is wrong
+        if said is not None and said != ns:
+            # A RouteRequest has no namespace: the field would be ignored, and the task routed
+            # in another namespace than its caller meant.
+            raise BadRequestError(
+                f"a REST route's namespace is its query's (?namespace=...) or its agent_id's, "
+                f"here {ns!r}: the body's namespace {str(said)[:64]!r} is not read",
+                field="namespace",
+            )
     return ns
 
 
