@@ -1233,10 +1233,12 @@ async def test_a_push_delivery_to_another_agents_subject_is_dropped(
         await rogue.nc.request(delete, b"", timeout=5)
 
 
-async def test_http_api_closed_in_secure_mode_without_a_token(mesh: Mesh) -> None:
+async def test_http_api_closed_in_secure_mode_without_a_token(
+    mesh: Mesh, caplog: pytest.LogCaptureFixture
+) -> None:
     """A hub with a NATS identity acts with the hub's rights: without ``http_token`` its
-    ``/api/``, ``/mcp`` and ``/a2a/`` routes refuse everyone (probes and metrics stay open);
-    with one, they want it."""
+    ``/api/``, ``/mcp`` and ``/a2a/`` routes refuse everyone (probes and metrics stay open),
+    which it says once at its start; with one, they want it."""
     import urllib.error
     import urllib.request
 
@@ -1260,9 +1262,13 @@ async def test_http_api_closed_in_secure_mode_without_a_token(mesh: Mesh) -> Non
             assert hub.http_url is not None
             status, body = await asyncio.to_thread(get, f"{hub.http_url}/api/agents")
             assert status == 401, body
+            said = [r.getMessage() for r in caplog.records if "is closed" in r.getMessage()]
             if want is None:
                 assert b"secure mode" in body
+                assert len(said) == 1 and "REACH_HTTP_TOKEN" in said[0], said
+                caplog.clear()
             else:
+                assert said == []
                 status, body = await asyncio.to_thread(get, f"{hub.http_url}/api/agents", want)
                 assert status == 200, body
             for open_path in ("/healthz", "/metrics"):

@@ -16,6 +16,7 @@ GET route with ``hub.http.app.get("/api/…")(handler)``: it is guarded and docu
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Awaitable
 from importlib import resources
@@ -78,6 +79,8 @@ AdminOp = Literal["cordon", "uncordon", "quarantine", "release", "remove", "simu
 #: Who asked, in the audit events of what this hub's HTTP API (REST, dashboard) asks itself:
 #: whoever holds its bearer token (``http_token``).
 HTTP_REQUESTER: Final = "http"
+
+log = logging.getLogger("reach_mesh.hub")
 
 
 # --------------------------------------------------------------------------- wire models
@@ -405,6 +408,14 @@ class HubHttp:
     async def start(self, host: str, port: int) -> None:
         self._host = host
         await self.server.start(host, port)
+        s = self.hub.settings
+        if has_identity(s) and s.http_token is None:
+            # Said once, at start: its API answers 401 until then (docs/security.md).
+            log.warning(
+                "HTTP API on port %d is closed: this hub has a NATS identity (secure mode) and "
+                "no http_token (REACH_HTTP_TOKEN), so /api/, /mcp and /a2a/ answer 401",
+                self.port,
+            )
 
     async def close(self) -> None:
         await self.server.close()
