@@ -48,6 +48,8 @@ STREAMS: Final = protocol.MESH_STREAMS
 #: A hub's clock this far off the NATS server's (seconds) is a warning.
 CLOCK_SKEW: Final = 1.0
 #: What a stream (or the hubs' consumer) not found means.
+#: How a check this identity may not make begins (NATS refused it the API subject).
+NOT_ASKED: Final = "not checked: this identity may not ask "
 MISSING: Final = "hubs create them when they start (has a hub of this version run here?)"
 #: A stream or an account this full is a warning: writes are refused at its limit.
 FULL: Final = 0.8
@@ -150,18 +152,28 @@ async def _streams(nc: NATS, names: list[str]) -> list[Finding]:
     found = await asyncio.gather(*(one(name) for name in names))
     if all(i is None and f.detail == MISSING for f, i in found):
         return [Finding("streams", "warn", f"none of the {len(names)} exists: {MISSING}")]
-    bad = [f for f, _ in found if f.status != "ok"]
+    # Those this identity may not ask about (a caller's, an agent's): one line for them all.
+    denied = [f.check for f, _ in found if f.detail.startswith(NOT_ASKED)]
+    bad = [f for f, _ in found if f.status != "ok" and f.check not in denied]
     infos = [i for _, i in found if i is not None]
     replicas = sorted({i.config.num_replicas or 1 for i in infos})
     stored = sum(i.state.bytes for i in infos)
+    checked = len(names) - len(denied)
     detail = (
-        f"{len(names) - len(bad)} of {len(names)} ok"
+        f"{checked - len(bad)} of {checked} ok"
         + (f" (R{'/R'.join(map(str, replicas))})" if replicas else "")
         + f", {_size(stored)} stored"
     )
     if bad:
         detail += ": " + ", ".join(f.check for f in bad) + " below"
-    return [Finding("streams", _worst(f.status for f in bad), detail), *bad]
+    statuses = [f.status for f in bad]
+    if denied:
+        statuses.append("warn")
+        detail += (
+            f"; {len(denied)} not checked, this identity may not ask about them "
+            f"({', '.join(denied)}): run the doctor as the operator"
+        )
+    return [Finding("streams", _worst(statuses), detail), *bad]
 
 
 def _stream(info: StreamInfo) -> Finding:
@@ -330,7 +342,7 @@ async def _read(
     try:
         return await refused_first(nc, subject, read(), expected=True)
     except NotPermittedError:
-        return Finding(check, "warn", f"not checked: this identity may not ask {subject}")
+        return Finding(check, "warn", f"{NOT_ASKED}{subject}")
     except NotFoundError:
         return Finding(check, "warn", MISSING)
     except (NoRespondersError, ServiceUnavailableError):

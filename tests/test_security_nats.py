@@ -1025,6 +1025,11 @@ async def test_doctor_checks_everything_as_the_operator_and_says_what_a_caller_m
     for check in ("jetstream", "workflow queue", "hubs"):
         assert caller[check].status == "warn" and "not checked" in caller[check].detail, check
     assert f"namespace {NS!r}" in caller["agents"].detail, caller["agents"]
+    # The streams it may not ask about are one line, not a warning per stream.
+    streams = caller["streams"]
+    assert streams.status == "warn" and "not checked" in streams.detail, streams
+    assert "run the doctor as the operator" in streams.detail
+    assert not [f for f in caller.values() if f.check.startswith(("REACH_", "KV_"))], caller
     code, err, _ = await _cli(
         "doctor", "--nats", mesh.server.url, config=mesh.auth.settings_file("operator", "admin")
     )
