@@ -54,6 +54,9 @@ _GONE_LOG_INTERVAL: Final = 30.0
 _SLOW_LOG_INTERVAL: Final = 10.0
 #: What a broken, refused or closing connection raises (also inside our callbacks).
 _TRANSPORT_ERRORS: Final = (nats.errors.Error, OSError, EOFError, TimeoutError)
+#: How nats-py says the connection is lost (the socket closed, PINGs unanswered), just before
+#: its disconnected callback: that one's line says it (``_Watch.disconnected``).
+_LOSS_ERRORS: Final = (nats.errors.StaleConnectionError, ConnectionResetError, EOFError)
 #: Where nats-py runs a subscription's callback: an error it catches there (and hands to
 #: ``error_cb``) has this frame first in its traceback.
 _CALLBACK_RUNNER: Final = "_wait_for_msgs"
@@ -601,6 +604,8 @@ class _Watch:
             return
         now = time.monotonic()
         if self._down_since is None:
+            if isinstance(err, _LOSS_ERRORS):
+                return  # the connection is lost: ``disconnected`` says so, once
             # Connected: a callback's own transport error, a server -ERR, a websocket or creds
             # error on the way to a reconnect. Worth a line, not a flood.
             if not refused and now - self._noted_at >= _GONE_LOG_INTERVAL:

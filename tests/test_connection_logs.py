@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from reach_mesh import MeshSettings, _nats
 from reach_mesh._nats import connect
 
-from .helpers import eventually
+from .helpers import eventually, relayed
 
 
 @pytest.fixture
@@ -89,6 +89,23 @@ async def test_other_errors_while_connected_are_one_warning(
     warnings = [r for r in caplog.records if "NATS error" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING, caplog.records
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_lost_connection_is_one_line_not_two(
+    nats_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server closing the socket: the ``lost NATS`` line says it; nats-py's
+    ``UnexpectedEOF`` handed to the error callback just before is not a second line."""
+    caplog.set_level(logging.INFO, logger="reach_mesh.nats")
+    relay, _ = await relayed(nats_url, MeshSettings(nats_url=nats_url))
+    conn = await connect(f"nats://127.0.0.1:{relay.port}", name="loss-test")
+    try:
+        await relay.cut()
+        await eventually(lambda: not conn.is_connected, timeout=5)
+        await eventually(lambda: any("lost NATS" in r.getMessage() for r in caplog.records))
+        assert not [r for r in caplog.records if "NATS error" in r.getMessage()], caplog.records
+    finally:
+        await conn.close()
 
 
 async def test_every_connection_pings_its_server_every_few_seconds(nats_url: str) -> None:
