@@ -267,7 +267,9 @@ def _explain(err: ValidationError, source: dict[str, str]) -> str:
     if first["type"] == "extra_forbidden":
         close = difflib.get_close_matches(name, list(MeshSettings.model_fields), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"unknown setting {where!r}{hint}"
+        # ``where`` is "<file>: <key>" for a settings file's key: the key quoted, the file named.
+        file = where[: -len(name)].rstrip(": ") if where != name and where.endswith(name) else ""
+        return f"unknown setting {name!r}" + (f" in {file}" if file else "") + hint
     if first["type"] == "string_too_short":
         need = (first.get("ctx") or {}).get("min_length")
         return f"{where} is too short: it needs at least {need} characters"

@@ -83,8 +83,7 @@ def test_misspelled_yaml_key(nats_url: str, tmp_path: Path) -> None:
     _fails_in_one_line(
         ["--config", str(conf), "agents", "--nats", nats_url],
         _env(),
-        "unknown setting",
-        "heartbeat_intervl",
+        f"unknown setting 'heartbeat_intervl' in {conf}",
         "did you mean 'heartbeat_interval'?",
     )
 
