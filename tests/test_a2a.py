@@ -105,6 +105,10 @@ async def test_card_send_result_and_errors(
         # A namespace with no agents has no card.
         got = await http.get(f"{a2a_hub.http_url}/a2a/nobody-here/.well-known/agent-card.json")
         assert got.status_code == 404
+        error = got.json()["error"]
+        assert error["code"] == "REACH_UNKNOWN_NAMESPACE", error
+        assert error["details"] == {"namespace": "nobody-here"}
+        assert "no agent has registered in namespace 'nobody-here'" in error["message"]
 
 
 async def test_finished_tasks_kept_are_bounded(

@@ -348,7 +348,17 @@ class HubA2a:
             await JSONResponse(err.to_wire(), 400)(scope, receive, send)
             return
         if not self.http.hub.registry.has_namespace(namespace):
-            body = {"error": {"code": "REACH_UNKNOWN_NAMESPACE", "message": namespace}}
+            message = (
+                f"no agent has registered in namespace {namespace!r} (A2A serves each "
+                "namespace at /a2a/<namespace>/): check the namespace, or start its agents"
+            )
+            body = {
+                "error": {
+                    "code": "REACH_UNKNOWN_NAMESPACE",
+                    "message": message,
+                    "details": {"namespace": namespace},
+                }
+            }
             await JSONResponse(body, 404)(scope, receive, send)
             return
         if scope["method"] == "POST" and _route_path(scope) in ("", "/"):
