@@ -191,7 +191,10 @@ class Client(WorkflowsMixin, FleetMixin):
         self._failed_at: dict[str, float] = {}
         #: (namespace, task id) -> the agent a request of it timed out on (the newest
         #: ``_PINS_KEPT``): asked again, it goes there (``_request``).
-        self._timed_out: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        #: (namespace, task id) -> (agent, attempt) of a task that timed out on that agent.
+        self._timed_out: collections.OrderedDict[tuple[str, str], tuple[str, int]] = (
+            collections.OrderedDict()
+        )
         self._jsc: JsClient | None = None
         self._done_waits: dict[_Done, tuple[str, asyncio.Future[Msg]]] = {}
         self._rechecks: set[asyncio.Task[None]] = set()
@@ -355,24 +358,32 @@ class Client(WorkflowsMixin, FleetMixin):
         routable, the task is routed as asked (it may then run twice)."""
         key = (ns, fields["task_id"])
         pinned = self._timed_out.get(key) if self._timed_out else None
-        if pinned is not None and "agent_id" not in fields and "selector" not in fields:
-            try:
-                return await self._route({**fields, "agent_id": pinned}, ns)
-            except (NoMatchError, UnknownAgentError):
-                self._timed_out.pop(key, None)
+        after = 0  # direct mode: the attempt this one comes after, on the agent it goes to
+        if pinned is not None and "selector" not in fields:
+            agent, attempt = pinned
+            if "agent_id" not in fields:
+                try:
+                    return await self._route({**fields, "agent_id": agent}, ns, after=attempt)
+                except (NoMatchError, UnknownAgentError):
+                    self._timed_out.pop(key, None)
+            elif fields["agent_id"] == agent:
+                after = attempt
         try:
-            return await self._route(fields, ns)
+            return await self._route(fields, ns, after=after)
         except MeshTimeoutError as err:
-            agent = err.details.get("agent_id")
-            if isinstance(agent, str):
-                self._timed_out[key] = agent
+            named = err.details.get("agent_id")
+            tried = err.details.get("attempt")
+            if isinstance(named, str):
+                self._timed_out[key] = (named, tried if isinstance(tried, int) else 1)
                 self._timed_out.move_to_end(key)
                 if len(self._timed_out) > _PINS_KEPT:
                     self._timed_out.popitem(last=False)
             raise
 
-    async def _route(self, fields: _RouteFields, ns: str) -> TaskResult:
-        """One request as asked: through a hub (proxy), or decided by one (direct)."""
+    async def _route(self, fields: _RouteFields, ns: str, *, after: int = 0) -> TaskResult:
+        """One request as asked: through a hub (proxy), or decided by one (direct: its first
+        attempt is ``after + 1``, the next of a task that timed out on that agent — a later
+        attempt of a timed-out task runs again, a copy of attempt 1 would get its TIMEOUT)."""
         timeout = fields["timeout"]
         mode = fields["mode"]
         headers = inject({})
@@ -380,7 +391,7 @@ class Client(WorkflowsMixin, FleetMixin):
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
         if mode == "direct":
-            task, request_id, decision = await self._direct(fields, ns, headers, deadline)
+            task, request_id, decision = await self._direct(fields, ns, headers, deadline, after)
             return self._result(task, request_id, decision, trace_id, t0)
         body = self._encode(fields)
         reply = await self._call_hub(
@@ -403,7 +414,12 @@ class Client(WorkflowsMixin, FleetMixin):
         return body
 
     async def _direct(
-        self, fields: _RouteFields, ns: str, headers: dict[str, str], deadline: float
+        self,
+        fields: _RouteFields,
+        ns: str,
+        headers: dict[str, str],
+        deadline: float,
+        after: int = 0,
     ) -> tuple[_TaskReply, str | None, RouteDecision | None]:
         """Direct mode: a hub decides (or a cached decision does); call the agent ourselves.
 
@@ -418,7 +434,7 @@ class Client(WorkflowsMixin, FleetMixin):
         task_id = fields["task_id"]
         key = self._cache_key(fields, ns)
         tried: set[str] = set()
-        attempt = 0
+        attempt = after
         delay = 0.02
         body: bytes | None = None
         request_id: str | None = None
@@ -490,6 +506,7 @@ class Client(WorkflowsMixin, FleetMixin):
                             "task: retry with the same task_id)",
                             task_id=task_id,
                             agent_id=agent,
+                            attempt=attempt,
                         ) from err
                     await asyncio.sleep(wait)
                     continue
@@ -513,6 +530,7 @@ class Client(WorkflowsMixin, FleetMixin):
                     f"agent {agent} did not answer task {task_id}",
                     task_id=task_id,
                     agent_id=agent,
+                    attempt=attempt,
                 ) from err
             finally:
                 n = outstanding[agent] - 1
@@ -612,7 +630,10 @@ class Client(WorkflowsMixin, FleetMixin):
         state = task["state"]
         if state is TaskState.TIMEOUT and error is not None:
             raise MeshTimeoutError(
-                error.message, task_id=task["task_id"], agent_id=task["agent_id"]
+                error.message,
+                task_id=task["task_id"],
+                agent_id=task["agent_id"],
+                attempt=task["attempt"],
             )
         return TaskResult(
             state=state,

@@ -539,6 +539,26 @@ async def test_a_direct_call_whose_decision_came_too_late_sends_nothing(
     await relay.cut()
 
 
+async def test_a_direct_retry_of_a_task_that_timed_out_on_its_agent_runs_it_again(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """Direct mode: the handler outlasted the call's timeout (its agent ended it: TIMEOUT).
+    The retry with the same task id goes to that agent as its next attempt, which a TIMEOUT
+    runs again; as attempt 1 again it got the stored TIMEOUT, every time (a chaos route whose
+    decision came with 42 ms left was never answered)."""
+    a, ran = recording_agent(f"{namespace}.w.a1", settings, "work:echo:v1", delay=0.4)
+    async with a, Client(settings=settings) as c:
+        with pytest.raises(MeshTimeoutError):  # (the caller's wait or the agent's answer)
+            await c.request(
+                capability="work:echo:v1", payload=1, task_id="slow-1", timeout=0.2, mode="direct"
+            )
+        await asyncio.sleep(0.5)  # its agent has ended the handler: TIMEOUT, kept for the id
+        res = await c.request(
+            capability="work:echo:v1", payload=1, task_id="slow-1", timeout=5, mode="direct"
+        )
+        assert res.result == 1 and res.attempt == 2 and ran == [1, 1]
+
+
 async def test_agent_at_capacity_queues_instead_of_no_match(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:

@@ -37,6 +37,12 @@ FINAL = frozenset({"SUCCEEDED", "FAILED", "TIMEOUT"})
 #: runs of the agent it cut off, which the hubs may have taken for gone and run elsewhere.)
 AGENT_FAULTS = frozenset({"agent_kill", "agent_stop", "blip"})
 HUB_FAULTS = frozenset({"hub_kill"})
+#: A NATS server frozen (SIGSTOP) holds, then loses or delivers late, what it was sent: a
+#: route's retry may then reach a hub that never had the pins message of its first try (it
+#: was held by, or sent to a hub connected to, the frozen server), and is routed as new — the
+#: documented window of the pins (docs/reliability.md). Explains a route's second run only
+#: (a workflow step's attempt is fenced by its record, not by pins).
+FROZEN_NODE_FAULTS = frozenset({"node_stop"})
 #: Slack (s) around a fault when deciding whether it explains a duplicate run.
 SLACK = 1.0
 #: How long (s) before an earlier run an agent fault still explains a re-run: an attempt sent
@@ -163,6 +169,9 @@ class Report:
     runs: int = 0
     dup_agent_crash: int = 0
     dup_hub_crash: int = 0
+    #: A route's task id ran again on another agent around a frozen NATS server (its pins
+    #: window): counted apart, allowed (``FROZEN_NODE_FAULTS``).
+    dup_route_frozen: int = 0
     dup_unexplained: int = 0
     first_result_lost: int = 0
     #: A cancel whose final answer is not the stored outcome (it said cancelled and the
@@ -212,6 +221,7 @@ class Report:
             "two final results": self.two_results,
             "dup runs explained (agent crash)": self.dup_agent_crash,
             "dup runs explained (hub crash)": self.dup_hub_crash,
+            "route dup runs around a frozen node": self.dup_route_frozen,
             "dup runs NOT explained": self.dup_unexplained,
             "first result not kept": self.first_result_lost,
             "cancelled (answered final)": self.cancels,
@@ -286,6 +296,17 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
                 if prev.start - before <= f.at <= dup.start + SLACK:
                     return tag
     return None
+
+
+def _around_frozen(prev: Run, dup: Run, faults: list[Fault]) -> bool:
+    """Whether a NATS server was frozen between a route's run and its second run (from
+    ``SLACK`` s before the first started to the second's start)."""
+    return any(
+        f.kind in FROZEN_NODE_FAULTS
+        and f.at <= dup.start
+        and (f.until if f.until is not None else f.at) >= prev.start - SLACK
+        for f in faults
+    )
 
 
 def _first_result_lost(
@@ -433,6 +454,8 @@ def check(h: History) -> Report:
                 rep.dup_agent_crash += 1
             elif why == "hub":
                 rep.dup_hub_crash += 1
+            elif dup.workflow_id is None and _around_frozen(runs[i - 1], dup, h.faults):
+                rep.dup_route_frozen += 1
             else:
                 rep.dup_unexplained += 1
                 prev = runs[i - 1]

@@ -467,3 +467,32 @@ def test_routes_are_checked_again_offline(tmp_path: Path) -> None:
     )
     rep = check(load(tmp_path))
     assert rep.routes == 1 and rep.route_wrong == 1
+
+
+def test_a_routes_second_run_around_a_frozen_node_is_counted_apart() -> None:
+    """The pins' documented window: a frozen NATS server held or lost the message that would
+    have sent the retry to the first agent. Only for routes, and only in that window."""
+    h = with_route()
+    h.runs.append(Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 9.0, 9.1, "ok"))
+    h.faults.append(Fault("node_stop", "n0", 1.5, 9.5))
+    rep = check(h)
+    assert rep.ok and rep.dup_route_frozen == 1 and rep.dup_unexplained == 0
+    assert check(with_frozen(h, at=9.2)).dup_unexplained == 1  # frozen after the second run
+    assert check(with_frozen(h, at=0.1, until=0.5)).dup_unexplained == 1  # over before
+
+
+def with_frozen(h: History, at: float, until: float | None = None) -> History:
+    return History(
+        **{
+            **h.__dict__,
+            "faults": [Fault("node_stop", "n0", at, at + 8 if until is None else until)],
+        }
+    )
+
+
+def test_a_frozen_node_explains_no_step_run_twice() -> None:
+    h = clean()
+    h.runs.append(run(0, "ns.a.a2", 3.0, attempt=2))
+    h.faults.append(Fault("node_stop", "n0", 1.5, 9.5))
+    rep = check(h)
+    assert rep.dup_unexplained == 1 and rep.dup_route_frozen == 0 and not rep.ok
