@@ -260,7 +260,8 @@ def micro_subject(service_id: str, endpoint: str) -> str:
 def hub_broadcast(namespace: str, verb: str) -> str:
     """``reach.hubs.<ns>.<verb>`` — messages from one hub to every hub (no queue group); only
     hubs may publish here. Verbs: ``breaker`` (an operator's quarantine / release), ``pins``
-    (the agents the task ids a hub routed went to)."""
+    (the agents the task ids a hub routed went to), ``pins_ask`` (a hub that started asks the
+    others to send their newest pins again)."""
     return f"reach.hubs.{namespace}.{verb}"
 
 

@@ -26,7 +26,7 @@ from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Task
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
-from reach_mesh.hub._pins import HUB_HEADER, decode_pins
+from reach_mesh.hub._pins import HUB_HEADER, TaskPins, decode_pins
 from reach_mesh.logs import HANDLER_ABANDONED
 from reach_mesh.workflow import StepResult, TaskStatusEvent
 
@@ -310,14 +310,18 @@ async def test_a_timed_out_task_asked_of_another_hub_goes_to_the_same_agent(
         await first_hub.close()
 
 
+@pytest.mark.parametrize("second", ["running", "started-after"])
 async def test_a_task_whose_answer_was_lost_asked_of_another_hub_goes_to_the_same_agent(
-    settings: MeshSettings,
+    settings: MeshSettings, second: str
 ) -> None:
     """A caller whose answers never came (its connection dropped, its hub died) asks again
     with the same task ids, and the hubs' queue group hands the retries to another hub, which
     routed none of them: each still goes to the agent that has it, told by the first hub, and
     runs once. (Routed by least-loaded alone, about half of them would run a second time on
-    the other agent: all six on their first agent by chance is 1 in 64.)"""
+    the other agent: all six on their first agent by chance is 1 in 64.) ``started-after``:
+    that hub started after the first tries (a restarted one, say), so it heard none of their
+    pins; it asks for them at its start (``pins_ask``) — before, its retries were routed as
+    new (the chaos suite's routes under hub_kill)."""
     fleet = Fleet(settings)
     runs: dict[str, int] = {}
     release = asyncio.Event()
@@ -330,14 +334,21 @@ async def test_a_task_whose_answer_was_lost_asked_of_another_hub_goes_to_the_sam
         ).encode()
 
     try:
-        async with Hub(settings=settings) as first, Hub(settings=settings) as second:
+        async with contextlib.AsyncExitStack() as stack:
+            first = await stack.enter_async_context(Hub(settings=settings))
+            if second == "running":
+                other = await stack.enter_async_context(Hub(settings=settings))
             for agent in fleet.agents:
                 await agent.start()
-            await eventually(lambda: _ours(first, ns) == _ours(second, ns) == 2)
+            await eventually(lambda: _ours(first, ns) == 2)
             tries = [asyncio.ensure_future(first.route(body(n), ns)) for n in range(6)]
             await eventually(lambda: sum(runs.values()) == 6)
             assert len(runs) == 2  # spread over both agents (least-loaded)
-            retries = [asyncio.ensure_future(second.route(body(n), ns)) for n in range(6)]
+            if second == "started-after":
+                other = await stack.enter_async_context(Hub(settings=settings))
+            await eventually(lambda: _ours(other, ns) == 2)
+            await eventually(lambda: all(other._pins.get(ns, f"lost-{n}") for n in range(6)))
+            retries = [asyncio.ensure_future(other.route(body(n), ns)) for n in range(6)]
             await asyncio.sleep(0.3)
             release.set()
             answers = [protocol.loads(raw) for raw in await asyncio.gather(*tries)]
@@ -393,6 +404,21 @@ async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when
     finally:
         release.set()
         await fleet.close()
+
+
+def test_the_pins_sent_again_are_the_newest_of_the_hubs_own() -> None:
+    """What a hub sends again when another starts (``pins_ask``): its own pins, newest first,
+    at most as many as asked — not those its peers told it."""
+    pins = TaskPins()
+    for i in range(10):
+        pins.pin("ns", f"t{i}", f"ns.a.a{i % 2}")
+    pins.learn("ns", [("peer", "ns.a.a9")])
+    pins.pin("other", "t0", "other.a.a0")
+    assert pins.recent(3) == {
+        "other": [("t0", "other.a.a0")],
+        "ns": [("t9", "ns.a.a1"), ("t8", "ns.a.a0")],
+    }
+    assert sum(len(v) for v in pins.recent(100).values()) == 11
 
 
 async def test_malformed_pins_from_a_hub_are_skipped_and_the_hub_routes_on(

@@ -123,6 +123,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._outboxes = {}
         # The agent each task id was routed to, this hub's and its peers' (``hub/_pins.py``).
         self._pins = TaskPins()
+        self._pins_replayed_at = -1e9
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher
@@ -260,6 +261,8 @@ class Hub(RoutingMixin, ControlMixin):
             # hub says it serves: not promised by nc.flush() alone, whose PING nats-py sends
             # ahead of SUBs still queued (``flushed``).
             await flushed(self.nc)
+            # Listening for pins now: ask for those made before this hub started.
+            await self._ask_pins()
         except BaseException:
             await self.close()
             raise
@@ -312,6 +315,7 @@ class Hub(RoutingMixin, ControlMixin):
             (protocol.hub_subject("*", "report"), self._on_report),
             (protocol.hub_broadcast("*", "breaker"), self._on_breaker),
             (protocol.hub_broadcast("*", "pins"), self._on_pins),
+            (protocol.hub_broadcast("*", "pins_ask"), self._on_pins_ask),
         ):
             cb = guarded(subject, on_msg, answers=False)  # nothing answers these
             self._subs.append(await self.nc.subscribe(subject, cb=cb))

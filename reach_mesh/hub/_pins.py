@@ -13,6 +13,12 @@ made some, one message per namespace (``PINS_PER_MESSAGE`` pairs at most each) o
 ``[task_id, agent_id]`` pairs with the sender's hub id in the ``Reach-Hub`` header, so a hub
 drops its own message unread. A retry comes after the caller's
 timeout, long after the message; a retry that comes sooner is routed as if it were new.
+
+A hub that starts has heard none of the pins made before it (a restarted one has lost its
+own): it asks on ``reach.hubs.<ns>.pins_ask`` once it listens for pins, and every other hub
+sends its newest ``PINS_REPLAY`` again as usual (once a second at most). Without it, a retry
+that reached a hub restarted since its first try ran on another agent (the chaos suite's
+routes under ``hub_kill``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ __all__ = [
     "HUB_HEADER",
     "PINS_KEPT",
     "PINS_PER_MESSAGE",
+    "PINS_REPLAY",
     "TaskPins",
     "decode_pins",
     "encode_pins",
@@ -38,6 +45,9 @@ PINS_KEPT: Final = 100_000
 PINS_PER_MESSAGE: Final = 2_048
 #: The header naming the hub that sent a pins message.
 HUB_HEADER: Final = "Reach-Hub"
+#: A hub's newest pins it sends again when another hub starts (``pins_ask``), at most: the
+#: retries that matter come within a request's timeout of their first try.
+PINS_REPLAY: Final = 8 * PINS_PER_MESSAGE
 
 
 class _Generations:
@@ -91,6 +101,19 @@ class TaskPins:
     def outgoing(self) -> dict[str, list[tuple[str, str]]]:
         """The pins made since the last call, by namespace (and forget them)."""
         out, self._out = self._out, {}
+        return out
+
+    def recent(self, most: int) -> dict[str, list[tuple[str, str]]]:
+        """This hub's newest pins, ``most`` at most, by namespace: what a hub that started
+        since they were made has not heard (``pins_ask``)."""
+        out: dict[str, list[tuple[str, str]]] = {}
+        taken = 0
+        for gen in (self._own._new, self._own._old):
+            for (namespace, task_id), agent_id in reversed(gen.items()):
+                if taken >= most:
+                    return out
+                out.setdefault(namespace, []).append((task_id, agent_id))
+                taken += 1
         return out
 
     def learn(self, namespace: str, pairs: list[tuple[str, str]]) -> None:

@@ -29,7 +29,13 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
 )
-from reach_mesh.hub._pins import HUB_HEADER, TaskPins, decode_pins, encode_pins
+from reach_mesh.hub._pins import (
+    HUB_HEADER,
+    PINS_REPLAY,
+    TaskPins,
+    decode_pins,
+    encode_pins,
+)
 from reach_mesh.hub._route_end import _LOCAL_REPLY, RouteEndMixin, _clip, _Flight
 from reach_mesh.hub._wire import (
     _envelope_bytes,
@@ -66,6 +72,8 @@ _UNKNOWN_NS: Final = "*"
 #: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
 #: is unknown, so a short one (the SDK adds its own growing backoff).
 _FAIR_SHARE_RETRY_MS: Final = 100
+#: A hub sends its pins again for hubs that started (``pins_ask``) once a second at most.
+_PINS_REPLAY_EVERY: Final = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +102,8 @@ class RoutingMixin(RouteEndMixin):
     _route_throttle: Throttle
     _route_seconds: LoopHistogram
     _pins: TaskPins
+    #: When this hub last sent its pins again (``_on_pins_ask``), monotonic.
+    _pins_replayed_at: float
     hub_id: str
     _local_ids: itertools.count[int]
 
@@ -503,6 +513,36 @@ class RoutingMixin(RouteEndMixin):
                     await self.nc.publish(protocol.hub_broadcast(ns, "pins"), body, headers=headers)
         except Exception as err:  # the connection is closing or gone: the pins stay ours
             log.debug("pins not sent to the other hubs: %s", type(err).__name__)
+
+    async def _ask_pins(self) -> None:
+        """Just started (listening for pins): ask the other hubs for the pins they made before,
+        which this hub never heard (``hub/_pins.py``)."""
+        try:
+            await self.nc.publish(
+                protocol.hub_broadcast(self.settings.namespace, "pins_ask"),
+                b"",
+                headers={HUB_HEADER: self.hub_id},
+            )
+        except Exception as err:  # not connected: the pins it hears from now on still count
+            log.debug("pins not asked of the other hubs: %s", type(err).__name__)
+
+    async def _on_pins_ask(self, msg: Msg) -> None:
+        """Another hub started: send it (every hub hears it) this hub's newest pins again, at
+        most once a second whoever asks."""
+        headers = msg.headers
+        if headers is None or headers.get(HUB_HEADER) == self.hub_id:
+            return
+        now = time.monotonic()
+        if now - self._pins_replayed_at < _PINS_REPLAY_EVERY:
+            return
+        self._pins_replayed_at = now
+        headers = {HUB_HEADER: self.hub_id}
+        try:
+            for ns, pairs in self._pins.recent(PINS_REPLAY).items():
+                for body in encode_pins(pairs):
+                    await self.nc.publish(protocol.hub_broadcast(ns, "pins"), body, headers=headers)
+        except Exception as err:  # the connection is closing or gone
+            log.debug("pins not sent again: %s", type(err).__name__)
 
     async def _on_pins(self, msg: Msg) -> None:
         """Pins another hub made: a retry of one of those tasks that reaches this hub goes to
