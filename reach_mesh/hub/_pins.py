@@ -16,7 +16,8 @@ timeout, long after the message; a retry that comes sooner is routed as if it we
 
 A hub that starts has heard none of the pins made before it (a restarted one has lost its
 own): it asks on ``reach.hubs.<ns>.pins_ask`` once it listens for pins, and every other hub
-sends its newest ``PINS_REPLAY`` again as usual (once a second at most). Without it, a retry
+sends the newest ``PINS_REPLAY`` of its own and of its peers' again as usual (once a second at
+most). Without it, a retry
 that reached a hub restarted since its first try ran on another agent (the chaos suite's
 routes under ``hub_kill``).
 """
@@ -104,16 +105,18 @@ class TaskPins:
         return out
 
     def recent(self, most: int) -> dict[str, list[tuple[str, str]]]:
-        """This hub's newest pins, ``most`` at most, by namespace: what a hub that started
-        since they were made has not heard (``pins_ask``)."""
+        """The newest pins this hub knows, ``most`` at most of its own and as many of its
+        peers', by namespace: what a hub that started since they were made has not heard
+        (``pins_ask``) — a restarted hub lost its own, which its peers kept."""
         out: dict[str, list[tuple[str, str]]] = {}
-        taken = 0
-        for gen in (self._own._new, self._own._old):
-            for (namespace, task_id), agent_id in reversed(gen.items()):
-                if taken >= most:
-                    return out
-                out.setdefault(namespace, []).append((task_id, agent_id))
-                taken += 1
+        for kept in (self._own, self._peers):
+            taken = 0
+            for gen in (kept._new, kept._old):
+                for (namespace, task_id), agent_id in reversed(gen.items()):
+                    if taken >= most:
+                        break
+                    out.setdefault(namespace, []).append((task_id, agent_id))
+                    taken += 1
         return out
 
     def learn(self, namespace: str, pairs: list[tuple[str, str]]) -> None:
