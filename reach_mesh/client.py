@@ -189,9 +189,9 @@ class Client(WorkflowsMixin, FleetMixin):
         self._routes: collections.OrderedDict[_CacheKey, _Route] = collections.OrderedDict()
         self._outstanding: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
-        #: (namespace, task id) -> the agent a request of it timed out on (the newest
-        #: ``_PINS_KEPT``): asked again, it goes there (``_request``).
-        #: (namespace, task id) -> (agent, attempt) of a task that timed out on that agent.
+        #: (namespace, task id) -> the agent a request of it timed out on, and the attempt (the
+        #: newest ``_PINS_KEPT``): asked again, it goes there, in direct mode as its next
+        #: attempt (``_request``).
         self._timed_out: collections.OrderedDict[tuple[str, str], tuple[str, int]] = (
             collections.OrderedDict()
         )
