@@ -24,7 +24,9 @@ routes under ``hub_kill``).
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from typing import Final
 
 from reach_mesh.errors import ReachError
@@ -72,6 +74,12 @@ class _Generations:
         if len(new) >= PINS_KEPT // 2:
             self._old, self._new = new, {}
 
+    def newest(self, most: int) -> Iterator[tuple[tuple[str, str], str]]:
+        """The ``most`` newest entries, newest first."""
+        return itertools.islice(
+            itertools.chain(reversed(self._new.items()), reversed(self._old.items())), most
+        )
+
 
 class TaskPins:
     """This hub's pins and those its peers told it, kept apart so that a busy peer does not
@@ -110,13 +118,8 @@ class TaskPins:
         (``pins_ask``) — a restarted hub lost its own, which its peers kept."""
         out: dict[str, list[tuple[str, str]]] = {}
         for kept in (self._own, self._peers):
-            taken = 0
-            for gen in (kept._new, kept._old):
-                for (namespace, task_id), agent_id in reversed(gen.items()):
-                    if taken >= most:
-                        break
-                    out.setdefault(namespace, []).append((task_id, agent_id))
-                    taken += 1
+            for (namespace, task_id), agent_id in kept.newest(most):
+                out.setdefault(namespace, []).append((task_id, agent_id))
         return out
 
     def learn(self, namespace: str, pairs: list[tuple[str, str]]) -> None:

@@ -506,9 +506,13 @@ class RoutingMixin(RouteEndMixin):
 
     async def _send_pins(self) -> None:
         """Tell the other hubs the pins this pass of the event loop made (``hub/_pins.py``)."""
+        await self._publish_pins(self._pins.outgoing())
+
+    async def _publish_pins(self, pins: dict[str, list[tuple[str, str]]]) -> None:
+        """``pins`` (pairs by namespace) on ``reach.hubs.<ns>.pins``, to every other hub."""
         headers = {HUB_HEADER: self.hub_id}
         try:
-            for ns, pairs in self._pins.outgoing().items():
+            for ns, pairs in pins.items():
                 for body in encode_pins(pairs):
                     await self.nc.publish(protocol.hub_broadcast(ns, "pins"), body, headers=headers)
         except Exception as err:  # the connection is closing or gone: the pins stay ours
@@ -536,13 +540,7 @@ class RoutingMixin(RouteEndMixin):
         if now - self._pins_replayed_at < _PINS_REPLAY_EVERY:
             return
         self._pins_replayed_at = now
-        headers = {HUB_HEADER: self.hub_id}
-        try:
-            for ns, pairs in self._pins.recent(PINS_REPLAY).items():
-                for body in encode_pins(pairs):
-                    await self.nc.publish(protocol.hub_broadcast(ns, "pins"), body, headers=headers)
-        except Exception as err:  # the connection is closing or gone
-            log.debug("pins not sent again: %s", type(err).__name__)
+        await self._publish_pins(self._pins.recent(PINS_REPLAY))
 
     async def _on_pins(self, msg: Msg) -> None:
         """Pins another hub made: a retry of one of those tasks that reaches this hub goes to

@@ -408,8 +408,7 @@ class HubHttp:
     async def start(self, host: str, port: int) -> None:
         self._host = host
         await self.server.start(host, port)
-        s = self.hub.settings
-        if has_identity(s) and s.http_token is None:
+        if self.guard.closed:
             # Said once, at start: its API answers 401 until then (docs/security.md).
             log.warning(
                 "HTTP API on port %d is closed: this hub has a NATS identity (secure mode) and "

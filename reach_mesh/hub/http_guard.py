@@ -88,6 +88,11 @@ class HttpGuard:
         self._token = token.encode() if token is not None else None
         self._closed = closed and token is None
 
+    @property
+    def closed(self) -> bool:
+        """Guarded routes refuse everyone: a NATS identity and no token (secure mode)."""
+        return self._closed
+
     def check(
         self, method: str, path: str, headers: Mapping[str, str], *, auth: bool
     ) -> Refusal | None:
