@@ -358,32 +358,40 @@ class Client(WorkflowsMixin, FleetMixin):
         routable, the task is routed as asked (it may then run twice)."""
         key = (ns, fields["task_id"])
         pinned = self._timed_out.get(key) if self._timed_out else None
-        after = 0  # direct mode: the attempt this one comes after, on the agent it goes to
+        after = 0  # the attempt this one comes after, on the agent it goes to
         if pinned is not None and "selector" not in fields:
             agent, attempt = pinned
             if "agent_id" not in fields:
                 try:
-                    return await self._route({**fields, "agent_id": agent}, ns, after=attempt)
+                    return await self._remembering(key, {**fields, "agent_id": agent}, ns, attempt)
                 except (NoMatchError, UnknownAgentError):
                     self._timed_out.pop(key, None)
             elif fields["agent_id"] == agent:
                 after = attempt
+        return await self._remembering(key, fields, ns, after)
+
+    async def _remembering(
+        self, key: tuple[str, str], fields: _RouteFields, ns: str, after: int
+    ) -> TaskResult:
+        """:meth:`_route`, remembering the agent and attempt a ``REACH_TIMEOUT`` names (a retry
+        of a retry counts on from the newest)."""
         try:
             return await self._route(fields, ns, after=after)
         except MeshTimeoutError as err:
             named = err.details.get("agent_id")
             tried = err.details.get("attempt")
             if isinstance(named, str):
-                self._timed_out[key] = (named, tried if isinstance(tried, int) else 1)
+                self._timed_out[key] = (named, tried if isinstance(tried, int) else after + 1)
                 self._timed_out.move_to_end(key)
                 if len(self._timed_out) > _PINS_KEPT:
                     self._timed_out.popitem(last=False)
             raise
 
     async def _route(self, fields: _RouteFields, ns: str, *, after: int = 0) -> TaskResult:
-        """One request as asked: through a hub (proxy), or decided by one (direct: its first
-        attempt is ``after + 1``, the next of a task that timed out on that agent — a later
-        attempt of a timed-out task runs again, a copy of attempt 1 would get its TIMEOUT)."""
+        """One request as asked: through a hub (proxy), or decided by one (direct). Its first
+        attempt is ``after + 1``, the next of a task that timed out on that agent (a later
+        attempt of a timed-out task runs again, a copy of attempt 1 would get its TIMEOUT):
+        numbered here in direct mode, by the hub (``after_attempt``) in proxy mode."""
         timeout = fields["timeout"]
         mode = fields["mode"]
         headers = inject({})
@@ -393,7 +401,7 @@ class Client(WorkflowsMixin, FleetMixin):
         if mode == "direct":
             task, request_id, decision = await self._direct(fields, ns, headers, deadline, after)
             return self._result(task, request_id, decision, trace_id, t0)
-        body = self._encode(fields)
+        body = self._encode(fields if not after else {**fields, "after_attempt": after})
         reply = await self._call_hub(
             ns, "route", body, headers, deadline, timeout + _reply_slack(timeout)
         )

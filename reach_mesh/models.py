@@ -324,6 +324,10 @@ class HeartbeatRecord(_Wire):
 ERROR_CODE_MAX: Final = 64
 
 
+#: The largest ``RouteRequest.after_attempt``: attempts are counted per request, a few each.
+MAX_AFTER_ATTEMPT: Final = 1_000_000
+
+
 class ErrorBody(_Wire):
     code: str
     message: str
@@ -361,6 +365,11 @@ class RouteRequest(_Wire):
     explain: bool = False
     #: Only decide; do not deliver (implies ``explain``).
     dry_run: bool = False
+    #: A retry of ``task_id`` after its attempt ``after_attempt`` timed out (the
+    #: ``REACH_TIMEOUT``'s ``details.attempt``): the hub numbers this request's attempts from
+    #: ``after_attempt + 1``, which an agent that timed out runs again (attempt 1 would get its
+    #: stored TIMEOUT). Proxy mode; a direct-mode caller numbers its envelopes itself.
+    after_attempt: int = Field(default=0, ge=0, le=MAX_AFTER_ATTEMPT)
 
     @field_validator("agent_id")
     @classmethod
@@ -380,6 +389,8 @@ class RouteRequest(_Wire):
     @model_validator(mode="after")
     def _one_target(self) -> RouteRequest:
         # agent_id may name the handler with capability; otherwise exactly one target.
+        if self.after_attempt and self.task_id is None:
+            raise ValueError("after_attempt needs the task_id whose attempt timed out")
         given = [n for n in ("agent_id", "capability", "selector") if getattr(self, n)]
         if given == ["agent_id", "capability"]:
             return self

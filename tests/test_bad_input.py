@@ -156,6 +156,26 @@ CASES = [
     ("route", {"capability": "text:echo:v1", "timeout": "5"}, "REACH_BAD_REQUEST", "timeout"),
     ("route", {"capability": "text:echo:v1", "explain": "yes"}, "REACH_BAD_REQUEST", "explain"),
     ("route", {"capability": "text:echo:v1", "strategy": "magic"}, "REACH_BAD_REQUEST", "magic"),
+    # after_attempt: a count, of a named task id.
+    (
+        "route",
+        {"capability": "text:echo:v1", "task_id": "t1", "after_attempt": -1},
+        "REACH_BAD_REQUEST",
+        "after_attempt",
+    ),
+    (
+        "route",
+        {"capability": "text:echo:v1", "task_id": "t1", "after_attempt": "2"},
+        "REACH_BAD_REQUEST",
+        "after_attempt",
+    ),
+    (
+        "route",
+        {"capability": "text:echo:v1", "task_id": "t1", "after_attempt": 1_000_001},
+        "REACH_BAD_REQUEST",
+        "after_attempt",
+    ),
+    ("route", {"capability": "text:echo:v1", "after_attempt": 2}, "REACH_BAD_REQUEST", "task_id"),
     ("agents", b"{oops", "REACH_BAD_REQUEST", "malformed JSON"),
     ("admin", {"op": "explode", "agent_id": "{ns}.echo.a1"}, "REACH_BAD_REQUEST", "explode"),
 ]

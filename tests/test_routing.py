@@ -24,7 +24,7 @@ from reach_mesh import (
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import BreakerState
-from reach_mesh.models import AgentState, FailureReport
+from reach_mesh.models import AgentState, FailureReport, Mode
 
 from .helpers import eventually, recording_agent, relayed
 
@@ -539,24 +539,29 @@ async def test_a_direct_call_whose_decision_came_too_late_sends_nothing(
     await relay.cut()
 
 
-async def test_a_direct_retry_of_a_task_that_timed_out_on_its_agent_runs_it_again(
-    hub: Hub, settings: MeshSettings, namespace: str
+@pytest.mark.parametrize("mode", ["direct", "proxy"])
+async def test_a_retry_of_a_task_that_timed_out_on_its_agent_runs_it_again(
+    hub: Hub, settings: MeshSettings, namespace: str, mode: Mode
 ) -> None:
-    """Direct mode: the handler outlasted the call's timeout (its agent ended it: TIMEOUT).
-    The retry with the same task id goes to that agent as its next attempt, which a TIMEOUT
-    runs again; as attempt 1 again it got the stored TIMEOUT, every time (a chaos route whose
-    decision came with 42 ms left was never answered)."""
+    """The handler outlasted the call's timeout (its agent ended it: TIMEOUT). The retry with
+    the same task id goes to that agent as its next attempt, which a TIMEOUT runs again; as
+    attempt 1 again it got the stored TIMEOUT, every time (a chaos route whose decision came
+    with 42 ms left was never answered; through a hub, every retry of a timed-out task). Direct
+    mode numbers the attempt in the client, proxy mode in the hub (``after_attempt``). A retry
+    that times out too is followed by one that counts on from it."""
     a, ran = recording_agent(f"{namespace}.w.a1", settings, "work:echo:v1", delay=0.4)
     async with a, Client(settings=settings) as c:
-        with pytest.raises(MeshTimeoutError):  # (the caller's wait or the agent's answer)
-            await c.request(
-                capability="work:echo:v1", payload=1, task_id="slow-1", timeout=0.2, mode="direct"
-            )
-        await asyncio.sleep(0.5)  # its agent has ended the handler: TIMEOUT, kept for the id
+        for attempt in (1, 2):
+            with pytest.raises(MeshTimeoutError):  # (the caller's wait or the agent's answer)
+                await c.request(
+                    capability="work:echo:v1", payload=1, task_id="slow-1", timeout=0.2, mode=mode
+                )
+            await asyncio.sleep(0.5)  # its agent has ended the handler: TIMEOUT, kept for the id
+            assert ran == [1] * attempt
         res = await c.request(
-            capability="work:echo:v1", payload=1, task_id="slow-1", timeout=5, mode="direct"
+            capability="work:echo:v1", payload=1, task_id="slow-1", timeout=5, mode=mode
         )
-        assert res.result == 1 and res.attempt == 2 and ran == [1, 1]
+        assert res.result == 1 and res.attempt == 3 and ran == [1, 1, 1]
 
 
 async def test_agent_at_capacity_queues_instead_of_no_match(

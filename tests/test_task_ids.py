@@ -378,7 +378,9 @@ async def test_a_task_whose_handler_ignores_its_timeout_is_answered_timeout_when
     """A request-reply handler that ignores its timeout's cancellation is abandoned
     ``handler_abandon_grace`` later: the task asked again with its ``task_id`` (to the same
     agent) is answered TIMEOUT at once instead of waiting out its own timeout behind the
-    stuck run. When the handler returns at last, its result is what the task answers."""
+    stuck run — and is not run again beside it, though the retry is the next attempt (which
+    a TIMEOUT otherwise runs again). When the handler returns at last, its result is what the
+    task answers."""
     s = settings.model_copy(update={"handler_abandon_grace": 0.3})
     fleet = Fleet(s)
     runs: dict[str, int] = {}

@@ -147,7 +147,7 @@ class ServingMixin(AttemptsMixin):
             return
         entry = self._results.get(env.task_id)
         # (A rerun is decided here, on the reader, so a second copy read next sees its entry.)
-        if entry is not None and not _runs_again(entry, env):
+        if entry is not None and not _runs_again(entry, env, self._abandoned):
             waits = entry.running
             if waits and self._copies >= self.max_concurrency + self.max_queue:
                 # Copies of running tasks wait for their runs: as many as the agent takes.
@@ -480,9 +480,14 @@ def _asking_workflow(body: dict[str, Any]) -> str | None:
     return got if isinstance(got, str) else None
 
 
-def _runs_again(entry: _Entry, env: TaskEnvelope) -> bool:
+def _runs_again(entry: _Entry, env: TaskEnvelope, abandoned: set[tuple[str, int]]) -> bool:
     """Whether ``env`` is a later attempt of a task that failed or timed out here: it runs
-    again (a copy of a running or succeeded one never does)."""
+    again (a copy of a running or succeeded one never does, nor one of a task whose handler
+    was abandoned and still runs — ``abandoned``: it is answered that TIMEOUT, as a copy is,
+    rather than run twice at once)."""
     return (
-        not entry.running and entry.state is not TaskState.SUCCEEDED and env.attempt > entry.attempt
+        not entry.running
+        and entry.state is not TaskState.SUCCEEDED
+        and env.attempt > entry.attempt
+        and (not abandoned or (env.task_id, entry.attempt) not in abandoned)
     )
