@@ -46,7 +46,8 @@ class MeshSettings(BaseModel):
     namespace: str = "default"
     #: Namespaces a hub keeps metrics and audit subjects for even while no agent is registered
     #: in them (besides ``namespace``). Routes to a namespace that is neither configured nor has
-    #: a registered agent get ``REACH_UNKNOWN_NAMESPACE`` and leave no trace (docs/security.md).
+    #: a registered agent get ``REACH_UNKNOWN_NAMESPACE`` and leave no trace but a shared count
+    #: (namespace ``(unknown)``) and a line now and then (docs/security.md).
     namespaces: tuple[str, ...] = ()
 
     # liveness

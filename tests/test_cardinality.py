@@ -59,9 +59,19 @@ async def _route_unknown(nc: Any, prefix: str, count: int) -> set[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def _sample(exposition: bytes, series: str) -> float:
+    """The value of one series (its name and labels as ``/metrics`` writes them), 0 if absent."""
+    for line in exposition.decode().splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 async def test_routes_to_unknown_namespaces_leave_no_trace(
-    settings: MeshSettings, namespace: str, nats_url: str
+    settings: MeshSettings, namespace: str, nats_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """... but one: they are counted together, as namespace ``(unknown)``, and logged at a
+    rate (a caller with a misspelled namespace fails every request; an operator sees it)."""
     async with Hub(settings=settings.model_copy(update={"http_port": 0})) as hub:
         agent = Agent(f"{namespace}.w.a1", settings=settings)
 
@@ -106,6 +116,11 @@ async def test_routes_to_unknown_namespaces_leave_no_trace(
     assert growth_rss < 0.05
     assert prefix.encode() not in after
     assert not [s for s in audited if s.split(".")[2].startswith(prefix)]
+    counted = 'reach_task_total{mode="proxy",namespace="(unknown)",state="UNKNOWN_NAMESPACE"}'
+    assert _sample(after, counted) - _sample(before, counted) == UNKNOWN
+    told = [r for r in caplog.records if getattr(r, "unknown_namespace", False)]
+    assert told and told[0].event == "REACH-SELECT-EMPTY", told  # type: ignore[attr-defined]
+    assert len(told) <= 2  # one per 10 s for every unknown namespace together
 
 
 async def test_unknown_namespace_is_a_typed_no_match(

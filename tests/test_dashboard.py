@@ -18,7 +18,7 @@ from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
-from reach_mesh.hub._dashboard import _Histogram
+from reach_mesh.hub._dashboard import _between, _Histogram, _Sample
 from reach_mesh.models import AgentState
 from reach_mesh.workflow import Step, WorkflowRecord, WorkflowResult
 
@@ -184,7 +184,8 @@ async def test_traffic_counts_rates_successes_and_latency(mesh: Mesh) -> None:
     now = traffic["now"]
     # 6 echoes, 2 failures, 1 with no taker (and the fanout's steps, which are not routes).
     assert now["requests"] == 9, now
-    assert now["success_rate"] == pytest.approx(6 / 9, abs=1e-3)
+    # Among the tasks that ran and ended, as the success-rate alert: no match is an error.
+    assert now["success_rate"] == pytest.approx(6 / 8, abs=1e-3)
     assert now["errors"] == {"FAILED": 2, "NO_MATCH": 1}
     assert now["rate"] > 0
     assert now["p50_ms"] is not None and 1.0 <= now["p50_ms"] <= now["p99_ms"] < 1000
@@ -494,7 +495,8 @@ async def test_page_shows_fleet_rates_workflow_and_acts_on_the_registry(mesh: Me
     assert agents[echo_id][2] == ["cordon", "quarantine", "simulate-lost", "remove"]
     cards = seen["cards"]
     assert cards["agents"] == "2" and cards["ONLINE"] == "2"
-    assert float(cards["requests/s"]) > 0 and cards["success"] == "66.7%"
+    assert float(cards["routes/s"]) > 0 and cards["success"] == "75.0%"  # NO_MATCH aside
+    assert "busy refusals/s" not in cards  # shown while agents refuse tries as full
     assert cards["p50 handler"].endswith(" ms") and cards["p99 handler"].endswith(" ms")
     assert [s.split(" ")[0] for s in seen["steps"]] == ["SUCCEEDED", "SUCCEEDED", "FAILED"]
     assert "attempt 1" in seen["steps"][0] and echo_id in seen["steps"][0]
@@ -626,3 +628,22 @@ async def test_a_running_workflow_is_cancelled_from_the_page(wf_settings: MeshSe
     assert res.error is not None and res.error.code == "REACH_WORKFLOW_CANCELLED"
     assert res.error.message == "cancelled on request: from the dashboard"
     assert res.steps[0].cancelled
+
+
+def test_the_success_rate_is_taken_among_tasks_that_ran_as_the_alert_takes_it() -> None:
+    """Busy refusals (tried again by the SDK, each counted), no match and throttling are
+    errors of the window, not failures of a task: a saturated agent's retries made the page
+    read 8 % success (the SRE audit), where the success-rate alert reads 100 %."""
+    old = _Sample(0.0, {}, _Histogram(), _Histogram())
+    new = _Sample(
+        60.0,
+        {"SUCCEEDED": 45, "ROUTED": 5, "FAILED": 2, "TIMEOUT": 3, "AGENT_BUSY": 540, "NO_MATCH": 5},
+        _Histogram(),
+        _Histogram(),
+    )
+    window = _between(new, old)
+    assert window["requests"] == 600 and window["rate"] == 10.0
+    assert window["success_rate"] == pytest.approx(50 / 55, abs=1e-4)
+    assert window["errors"] == {"AGENT_BUSY": 540, "FAILED": 2, "NO_MATCH": 5, "TIMEOUT": 3}
+    only_refused = _Sample(60.0, {"AGENT_BUSY": 10}, _Histogram(), _Histogram())
+    assert _between(only_refused, old)["success_rate"] is None  # nothing ran: no rate

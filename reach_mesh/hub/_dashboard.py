@@ -77,6 +77,10 @@ WINDOW: Final = 60.0
 
 #: Task outcomes that are the caller's success (ROUTED: a direct-mode or dry-run decision).
 _OK_STATES: Final = frozenset({"SUCCEEDED", "ROUTED", "ACCEPTED", "DELIVERED", "RUNNING"})
+#: The outcomes a success rate is taken among, as ``ReachSuccessRateLow`` takes it: tasks that
+#: ran and ended. No match, busy, throttled and refused payloads are not the agents' failures
+#: (and busy and throttled tries are repeated by the SDK): they are the window's ``errors``.
+_RATED_STATES: Final = _OK_STATES | {"FAILED", "TIMEOUT"}
 _STATES: Final = frozenset(s.value for s in TaskState)
 #: Operator actions that apply to an agent, by what it is now (the page offers only these).
 _ACTIONS: Final[dict[AgentState, tuple[str, ...]]] = {
@@ -164,6 +168,7 @@ def _between(new: _Sample, old: _Sample) -> dict[str, Any]:
     delta = {k: v - old.outcomes.get(k, 0.0) for k, v in new.outcomes.items()}
     total = sum(delta.values())
     ok = sum(v for k, v in delta.items() if k in _OK_STATES)
+    rated = sum(v for k, v in delta.items() if k in _RATED_STATES)
     task, route = new.task.minus(old.task), new.route.minus(old.route)
 
     def ms(h: _Histogram, q: float, scale: float) -> float | None:
@@ -175,7 +180,7 @@ def _between(new: _Sample, old: _Sample) -> dict[str, Any]:
         "seconds": round(span, 3),
         "requests": int(total),
         "rate": round(total / span, 3),
-        "success_rate": None if total <= 0 else round(ok / total, 4),
+        "success_rate": None if rated <= 0 else round(ok / rated, 4),
         "errors": {k: int(v) for k, v in sorted(delta.items()) if k not in _OK_STATES and v > 0},
         "p50_ms": ms(task, 0.5, 1e3),
         "p99_ms": ms(task, 0.99, 1e3),

@@ -56,7 +56,7 @@ from reach_mesh.tracing import (
     open_span,
     tracing_enabled,
 )
-from reach_mesh.tracing.metrics import LoopHistogram
+from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE, LoopHistogram
 
 __all__ = ["RoutingMixin"]
 
@@ -220,8 +220,13 @@ class RoutingMixin(RouteEndMixin):
         )
         known = self.known_namespace(ns)
         if not known and req.agent_id is None:
-            # Answered at once: no flight, no metric series, no audit subject for it.
-            raise self.router.unknown_namespace(req, ns)
+            # Answered at once: no flight, no audit subject for it, and no series of its own —
+            # counted (and logged, at a rate) under one name: a misspelled namespace fails
+            # every request it makes, and an operator must be able to see that.
+            err = self.router.unknown_namespace(req, ns)
+            self._count(UNKNOWN_NAMESPACE, req.mode, "UNKNOWN_NAMESPACE")
+            self._say_unknown_namespace(ns, req)
+            raise err
         retry = self._route_throttle.check(ns if known else _UNKNOWN_NS)
         if retry > 0:
             if known:
@@ -551,6 +556,23 @@ class RoutingMixin(RouteEndMixin):
         if headers is None or headers.get(HUB_HEADER) == self.hub_id:
             return  # our own (every hub hears its own broadcasts)
         self._pins.learn(msg.subject.split(".", 3)[2], decode_pins(msg.data))
+
+    def _say_unknown_namespace(self, ns: str, req: RouteRequest) -> None:
+        """``REACH-SELECT-EMPTY`` for a route to a namespace this hub does not know, once
+        every 10 s for all such namespaces together (anyone may make names up): the one seen
+        last, and how many more routes went to unknown namespaces meanwhile."""
+        held = self._no_match_lines.take(_UNKNOWN_NS)
+        if held is None:
+            return
+        log_event(
+            log,
+            SELECT_EMPTY,
+            "route to a namespace with no registered agent, not configured on this hub",
+            namespace=ns,
+            target=req.capability or req.selector,
+            unknown_namespace=True,
+            suppressed=held,
+        )
 
     def _say_no_match(self, flight: _Flight, target: str | None) -> None:
         """``REACH-SELECT-EMPTY``, once per namespace and target every 10 s: a caller that
