@@ -166,6 +166,13 @@ async def _streams(nc: NATS, names: list[str]) -> list[Finding]:
     )
     if bad:
         detail += ": " + ", ".join(f.check for f in bad) + " below"
+    servers = sorted({name for i in infos for name in _silent(i)})
+    if servers:
+        # A server down shows in every stream it holds a replica of: say it once, first.
+        detail += (
+            f"; server {', '.join(servers)} not heard from by the streams' leaders: down or cut "
+            "off (restart it; docs/operations.md, 'A NATS node is lost')"
+        )
     statuses = [f.status for f in bad]
     if denied:
         statuses.append("warn")
@@ -188,9 +195,20 @@ def _stream(info: StreamInfo) -> Finding:
         problems.append(("fail", "no leader: an election is under way, or its quorum is lost"))
     elif clustered:
         detail += f", leader {leader}"
+    silent = _silent(info)
     for peer in (cluster.replicas or []) if cluster is not None else []:
         if peer.offline:
             problems.append(("warn", f"replica {peer.name} offline"))
+        elif peer.name in silent:
+            heard = silent[peer.name]
+            problems.append(
+                (
+                    "warn",
+                    f"replica {peer.name} not heard from "
+                    + ("since its leader was elected" if heard is None else f"for {heard:.0f} s")
+                    + ": its server is down or cut off",
+                )
+            )
         elif not peer.current:
             problems.append(("warn", f"replica {peer.name} behind by {peer.lag or 0} operations"))
     if clustered and replicas == 1:
@@ -207,6 +225,27 @@ def _stream(info: StreamInfo) -> Finding:
         return Finding(name, "ok", detail)
     status = _worst(s for s, _ in problems)
     return Finding(name, status, f"{detail}: " + "; ".join(p for _, p in problems))
+
+
+#: A replica not current and not heard from for this long is taken for a server down or cut
+#: off, not one catching up (its leader hears from a live one every second or so).
+SILENT_S: Final = 5.0
+
+
+def _silent(info: StreamInfo) -> dict[str, float | None]:
+    """The replicas of a stream not heard from by its leader for ``SILENT_S`` (seconds since,
+    or None: never since the leader was elected). nats-server seldom marks a killed server's
+    replicas ``offline``: they only fall behind, and silent."""
+    cluster = info.cluster
+    out: dict[str, float | None] = {}
+    for peer in (cluster.replicas or []) if cluster is not None else []:
+        if peer.current or peer.offline or peer.name is None:
+            continue
+        if not peer.active:
+            out[peer.name] = None
+        elif peer.active / 1e9 >= SILENT_S:
+            out[peer.name] = peer.active / 1e9
+    return out
 
 
 def _worst(statuses: Iterable[Status]) -> Status:

@@ -663,7 +663,9 @@ class _Watch:
             return  # closed on purpose
         self._down_since = self._logged_at = time.monotonic()
         self._failures = 0
-        log.warning("%s: lost NATS at %s; reconnecting until it is back", self.name, self.url)
+        log.warning(
+            "%s: lost NATS at %s; reconnecting until it is back", self.name, _server_of(self.nc)
+        )
 
     async def reconnected(self) -> None:
         if isinstance(self.nc, _Connection):
@@ -672,7 +674,23 @@ class _Watch:
             return
         down = time.monotonic() - self._down_since
         self._down_since = None
-        log.warning("%s: reconnected to NATS after %.1f s", self.name, down)
+        log.warning(
+            "%s: reconnected to NATS after %.1f s, at %s", self.name, down, _server_of(self.nc)
+        )
+
+
+def _server_of(nc: NATS | None) -> str:
+    """The server a connection is on, or was on when it dropped (not the configured list: of
+    a cluster's URLs, which one went away), credentials left out."""
+    srv = getattr(nc, "_current_server", None)  # nats-py keeps no public name for a lost one
+    uri = getattr(srv, "uri", None)
+    if uri is None or not uri.hostname:
+        return "?"
+    return (
+        f"{uri.scheme}://{uri.hostname}:{uri.port}"
+        if uri.port
+        else f"{uri.scheme}://{uri.hostname}"
+    )
 
 
 def _auth_options(settings: MeshSettings) -> dict[str, Any]:

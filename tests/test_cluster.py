@@ -130,6 +130,19 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
                 degraded = await _doctor_streams(s_b)
                 assert degraded and all(f.status == "warn" for f in degraded), degraded
                 assert all("n0" in f.detail for f in degraded), degraded
+
+                # Once the leaders have not heard from it for seconds, the doctor says the
+                # server is down or cut off — once, in its summary — not that its replicas are
+                # "behind" (nats-server does not mark them offline): a node to restart, not
+                # one to wait for.
+                async def told() -> bool:
+                    found = {f.check: f for f in await diagnose(s_b)}
+                    summary = found["streams"].detail
+                    return "server n0 not heard from" in summary and all(
+                        "replica n0 not heard from" in found[f.check].detail for f in degraded
+                    )
+
+                await eventually(told, timeout=30, interval=1)
     finally:
         await hub_a.close()
 

@@ -94,15 +94,21 @@ async def test_other_errors_while_connected_are_one_warning(
 async def test_a_lost_connection_is_one_line_not_two(
     nats_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The server closing the socket: the ``lost NATS`` line says it; nats-py's
-    ``UnexpectedEOF`` handed to the error callback just before is not a second line."""
+    """The server closing the socket: the ``lost NATS`` line says it — and which server of the
+    configured ones it was (it named the whole list) —; nats-py's ``UnexpectedEOF`` handed to
+    the error callback just before is not a second line."""
     caplog.set_level(logging.INFO, logger="reach_mesh.nats")
-    relay, _ = await relayed(nats_url, MeshSettings(nats_url=nats_url))
-    conn = await connect(f"nats://127.0.0.1:{relay.port}", name="loss-test")
+    relays = [(await relayed(nats_url, MeshSettings(nats_url=nats_url)))[0] for _ in range(2)]
+    urls = [f"nats://127.0.0.1:{r.port}" for r in relays]
+    conn = await connect(",".join(urls), name="loss-test")
     try:
-        await relay.cut()
+        on = next(u for u in urls if u == conn.connected_url.geturl())  # type: ignore[union-attr]
+        for relay in relays:
+            await relay.cut()
         await eventually(lambda: not conn.is_connected, timeout=5)
         await eventually(lambda: any("lost NATS" in r.getMessage() for r in caplog.records))
+        lost = [r.getMessage() for r in caplog.records if "lost NATS" in r.getMessage()]
+        assert lost == [f"loss-test: lost NATS at {on}; reconnecting until it is back"], lost
         assert not [r for r in caplog.records if "NATS error" in r.getMessage()], caplog.records
     finally:
         await conn.close()
