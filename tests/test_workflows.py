@@ -11,7 +11,8 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -26,7 +27,7 @@ from reach_mesh import (
 )
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
-from reach_mesh.hub import Hub
+from reach_mesh.hub import Hub, _shapes
 from reach_mesh.models import AgentState, TaskEnvelope
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, merge_payload
 
@@ -560,8 +561,12 @@ async def _handover(settings: MeshSettings, release: asyncio.Event) -> AsyncIter
 
 
 async def test_hub_killed_mid_workflow(
-    fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(_shapes, "TAKEOVERS_TOLD_AFTER", 0.2)
     started = asyncio.Event()
     hold = asyncio.Event()
     agent = fleet.agent("chain.a1")
@@ -614,12 +619,39 @@ async def test_hub_killed_mid_workflow(
         assert res.result == 2
         assert res.hub_id == "hub-b"
         assert runs == Counter({0: 1, 1: 1})  # no step ran twice
-        # One line per 10 s: it may name an earlier test's leftover instead of this workflow.
-        assert any(
-            r.getMessage().startswith("took over ")
-            for r in caplog.records
-            if r.name == "reach_mesh.hub.workflows"
+        # One line for the takeovers of a few seconds: it may name an earlier test's leftover
+        # instead of this workflow.
+        await eventually(
+            lambda: any(
+                r.getMessage().startswith("took over ")
+                for r in caplog.records
+                if r.name == "reach_mesh.hub.workflows"
+            )
         )
+
+
+async def test_a_mass_takeover_is_told_in_one_line_with_its_count(
+    wf_hub: Hub, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead hub's workflows come to another together: one line tells how many (the SRE
+    audit: 12 taken over, told as 'took over 1 workflow(s)', the rest held for a next line
+    that never came)."""
+    monkeypatch.setattr(_shapes, "TAKEOVERS_TOLD_AFTER", 0.2)
+    engine = wf_hub.workflows
+    assert engine is not None
+    before = engine.takeover_total
+    for i in range(12):
+        engine._took_over(cast(Any, SimpleNamespace(id=f"wf-mass-{i}")), "hub-dead")
+
+    def told() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "wf-mass-" in r.getMessage()]
+
+    await eventually(lambda: bool(told()))
+    assert told() == [
+        "took over 12 workflow(s) within 0.2 s, e.g. wf-mass-0 from hub hub-dead: their owner "
+        "stopped renewing them (died, stopped or cut off); resuming from the records"
+    ]
+    assert engine.takeover_total == before + 12
 
 
 async def test_hub_killed_mid_fanout_adopts_the_attempts_named_at_start(

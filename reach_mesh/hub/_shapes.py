@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any
+from typing import Any, Final
 
 from nats.js.errors import KeyWrongLastSequenceError
 
@@ -26,7 +26,6 @@ from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable, settles
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.hub._wf_view import within_time
-from reach_mesh.logs import LineBudget
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, span
 from reach_mesh.workflow import (
@@ -45,6 +44,9 @@ from reach_mesh.workflow import (
 __all__ = ["Resubmitted", "SpecConflictError", "WorkflowShapes", "final_result"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
+
+#: Takeovers are told in one line per this many seconds from the first (``_took_over``).
+TAKEOVERS_TOLD_AFTER: Final = 5.0
 
 
 class _Unwritable(Exception):
@@ -73,23 +75,38 @@ class WorkflowShapes(StepRunner):
     _wf_kv: _durable.Bucket | None
     #: Workflows this hub took over from a record another owner (or itself, earlier) wrote.
     takeover_total: int
-    #: "took over" lines: one per 10 s.
-    _takeover_lines: LineBudget
+    #: Takeovers not yet told (``_tell_takeovers``), one of them, and the timer that tells.
+    _takeovers_untold: int
+    _takeover_example: tuple[str, str | None]
+    _takeover_timer: asyncio.TimerHandle | None
 
     def _took_over(self, wf: Workflow, previous: str | None) -> None:
-        """Count a takeover; tell it in the log at most once per 10 s (a dead hub hands over
-        all its workflows at once)."""
+        """Count a takeover; tell it in the log with those of the next ``TAKEOVERS_TOLD_AFTER``
+        seconds, in one line (a dead hub hands over all its workflows at once: the first of
+        them alone in a line, the rest held for a next one that may never come, told a
+        mass takeover as one workflow)."""
         self.takeover_total += 1
         if self._metrics is not None:
             self._metrics.workflow_takeover_total.inc()
-        held = self._takeover_lines.take()
-        if held is None:
+        self._takeovers_untold += 1
+        if self._takeover_timer is None:
+            self._takeover_example = (wf.id, previous)
+            self._takeover_timer = asyncio.get_running_loop().call_later(
+                TAKEOVERS_TOLD_AFTER, self._tell_takeovers
+            )
+
+    def _tell_takeovers(self) -> None:
+        self._takeover_timer = None
+        told, self._takeovers_untold = self._takeovers_untold, 0
+        if not told:
             return
+        wf_id, previous = self._takeover_example
         log.warning(
-            "took over %d workflow(s), e.g. %s from hub %s: its owner stopped renewing it "
-            "(died, stopped or cut off); resuming from the records",
-            held + 1,
-            wf.id,
+            "took over %d workflow(s) within %g s, e.g. %s from hub %s: their owner stopped "
+            "renewing them (died, stopped or cut off); resuming from the records",
+            told,
+            TAKEOVERS_TOLD_AFTER,
+            wf_id,
             previous,
         )
 

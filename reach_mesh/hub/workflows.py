@@ -146,7 +146,10 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         #: the warning telling it, once per 30 s.
         self.deferred_total = 0
         self.takeover_total = 0
-        self._takeover_lines = LineBudget(10.0)
+        #: Takeovers not yet told, an example of them, and the timer that tells them.
+        self._takeovers_untold = 0
+        self._takeover_example: tuple[str, str | None] = ("", None)
+        self._takeover_timer: asyncio.TimerHandle | None = None
         #: Submissions delivered again to this hub while it ran them (``_renew``).
         self.renewed_total = 0
         self._renew_lines = LineBudget(30.0)
@@ -251,6 +254,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             self._counting.cancel()
         if self._sweeping is not None:
             self._sweeping.cancel()
+        if self._takeover_timer is not None:
+            self._takeover_timer.cancel()
+            self._tell_takeovers()
         # (Adopted submissions are among them: their "nak" leaves them stored, for another
         # hub's sweep.)
         running = dict(self._running)
