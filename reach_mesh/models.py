@@ -369,7 +369,7 @@ class RouteRequest(_Wire):
     #: ``REACH_TIMEOUT``'s ``details.attempt``): the hub numbers this request's attempts from
     #: ``after_attempt + 1``, which an agent that timed out runs again (attempt 1 would get its
     #: stored TIMEOUT). Proxy mode; a direct-mode caller numbers its envelopes itself.
-    after_attempt: int = Field(default=0, ge=0, le=MAX_AFTER_ATTEMPT)
+    after_attempt: int | None = Field(default=None, ge=0, le=MAX_AFTER_ATTEMPT)
 
     @field_validator("agent_id")
     @classmethod

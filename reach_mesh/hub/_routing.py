@@ -250,8 +250,8 @@ class RoutingMixin(RouteEndMixin):
             t0=now,
             deadline=now + req.timeout,
             task_id=req.task_id or _new_id() + _new_id(),
-            attempt=req.after_attempt,
-            round_start=req.after_attempt,
+            attempt=req.after_attempt or 0,
+            round_start=req.after_attempt or 0,
         )
         if tracing_enabled():
             sp = open_span(
