@@ -14,6 +14,7 @@ from copy import copy
 from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 
 from reach_mesh.errors import (
     BadLeaseError,
@@ -730,14 +731,17 @@ def dumps(obj: Any) -> bytes:
 
 
 def loads(data: bytes | str) -> Any:
-    """Parse JSON from the wire; a ``BadRequestError`` for anything that is not JSON — nesting
-    too deep for the parser included (``json`` raises ``RecursionError`` there, not
-    ``ValueError``)."""
+    """Parse JSON from the wire; a ``BadRequestError`` for anything that is not JSON.
+
+    pydantic's parser, as the models': it refuses a lone surrogate (``"\\udce9"``, or its
+    bytes), which Python's ``json`` takes — a string no JSON writer of the mesh can write
+    again, so a hub that kept one from an agent failed each time it stored it — and nesting
+    deeper than about 200 levels, which no model of the mesh would read either."""
     try:
-        return json.loads(data)
-    except RecursionError as err:
-        raise BadRequestError("malformed JSON: nested too deeply") from err
+        return from_json(data)
     except ValueError as err:
+        if "recursion limit" in str(err):
+            raise BadRequestError("malformed JSON: nested too deeply") from err
         raise BadRequestError(f"malformed JSON: {err}") from err
 
 

@@ -177,6 +177,8 @@ CASES = [
     ),
     ("route", {"capability": "text:echo:v1", "after_attempt": 2}, "REACH_BAD_REQUEST", "task_id"),
     ("agents", b"{oops", "REACH_BAD_REQUEST", "malformed JSON"),
+    # A lone surrogate: no JSON writer of the mesh could write it again.
+    ("agents", b'{"namespace": "caf\\udce9"}', "REACH_BAD_REQUEST", "lone leading surrogate"),
     ("admin", {"op": "explode", "agent_id": "{ns}.echo.a1"}, "REACH_BAD_REQUEST", "explode"),
 ]
 

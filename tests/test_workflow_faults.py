@@ -245,6 +245,14 @@ def test_task_state_answers_parse_by_the_protocol() -> None:
     assert parse_task_state(b'{"error": {"code": "REACH_BAD_REQUEST", "message": "x"}}') is None
     assert parse_task_state(b"not json") is None
     assert parse_task_state(b'{"state": 3}') is None
+    # A lone surrogate (escaped, or as its bytes) is no answer: Python's json took it, and the
+    # hub that kept it from an agent failed each time it stored the workflow record.
+    for text in (b'"caf\\udce9"', b'"caf\xed\xb3\xa9"'):
+        body = b'{"task_id": "t", "attempt": 1, "state": "SUCCEEDED", "result": %b}' % text
+        assert parse_task_state(body) is None, body
+    paired = b'{"task_id": "t", "attempt": 1, "state": "SUCCEEDED", "result": "\\ud83d\\ude00"}'
+    answer = parse_task_state(paired)
+    assert answer is not None and answer[2]["result"] == "\U0001f600"  # (a pair: one character)
 
 
 @pytest.mark.parametrize(

@@ -417,6 +417,48 @@ async def test_a_result_nested_too_deep_to_parse_fails_at_once(
         assert reply.state is TaskState.SUCCEEDED and reply.result == nested(180)
 
 
+async def test_a_result_or_error_that_is_not_valid_unicode_fails_at_once(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A lone surrogate (a file name decoded with ``surrogateescape``) in a handler's result
+    cannot be written as JSON: the agent failed the attempt itself, over and over (a step
+    redelivered to its deadline, the workflow uncancellable meanwhile; a request answered
+    "malformed reply"). The step fails at once, saying why; in an error message it is
+    written as its escape, and the handler's own code and message are kept."""
+    runs = 0
+    agent = fleet.agent("surr.a1")
+    name = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+
+    @agent.handler("wf:surr:v1")
+    async def surr(task: Task[Any]) -> Any:
+        nonlocal runs
+        runs += 1
+        if task.payload["fail"]:
+            raise TaskFailed(f"no file {name}", code="APP_NO_FILE", retryable=False)
+        return {"files": [name]}
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        step = Step(capability="wf:surr:v1", payload={"fail": False}, retries=2)
+        res = await mesh.fanout([step], timeout=20)
+        assert res.state is TaskState.FAILED and runs == 1, res
+        error = res.steps[0].error
+        assert error is not None and "not valid Unicode" in error.message, error
+        assert res.duration_ms < 5000, res
+        for mode in ("proxy", "direct"):
+            reply = await mesh.request(
+                capability="wf:surr:v1", payload={"fail": False}, timeout=5, mode=mode
+            )
+            assert reply.state is TaskState.FAILED and reply.error is not None, reply
+            assert "not valid Unicode" in reply.error.message, reply.error
+        failed = await mesh.fanout(
+            [Step(capability="wf:surr:v1", payload={"fail": True})], timeout=20
+        )
+        error = failed.steps[0].error
+        assert error is not None and error.details["code"] == "APP_NO_FILE", failed
+        assert error.message == "no file caf\\udce9.txt", error
+
+
 async def test_graceful_agent_close_finishes_its_running_step(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

@@ -37,6 +37,7 @@ from reach_mesh.agent._results import (
     _error_body,
     _json_string,
     _result_json,
+    sendable,
 )
 from reach_mesh.agent._task import Task
 from reach_mesh.config import MeshSettings
@@ -317,7 +318,13 @@ class AttemptsMixin:
         except Exception as err:
             text = f"handler result is not JSON-serialisable: {_describe(err)}"
             return self._failed(env, HandlerError.code, text)
-        encoded = to_json(dumped)
+        try:
+            encoded = to_json(dumped)
+        except ValueError as err:  # a lone surrogate (Python's json writes its escape)
+            # No JSON writer of the mesh takes one: the reply, the step's status and record
+            # all failed to be written, and the step was redelivered until its deadline.
+            text = f"{_NOT_UNICODE}: {_describe(err)}"
+            return self._failed(env, HandlerError.code, text, {"retryable": False})
         if len(encoded) > self._max_result:
             return self._too_large(env, handler, trace_id, len(encoded))
         if _too_deep(encoded):
@@ -486,6 +493,12 @@ _TOO_DEEP: Final = (
 )
 
 
+_NOT_UNICODE: Final = (
+    "handler result is not valid Unicode (a lone surrogate: a name decoded with "
+    "errors='surrogateescape'?); return text that is, e.g. decoded with errors='replace'"
+)
+
+
 def _too_deep(out: bytes) -> bool:
     """Whether the result JSON ``out`` nests deeper than its receivers can parse. Such a
     result passed every other check, then no message carrying it could be read: a request's
@@ -505,7 +518,7 @@ def _describe(err: BaseException) -> str:
     """``Type: message`` of an exception whose ``__str__`` is anyone's code: one that raises
     must not turn an attempt's answer into an exception of our own."""
     try:
-        text = str(err)
+        text = sendable(str(err))
     except Exception:
         text = "<unprintable exception>"
     return f"{type(err).__name__}: {text}" if text else type(err).__name__

@@ -11,7 +11,7 @@ from typing import Any, Final
 
 from opentelemetry import trace
 from pydantic import BaseModel, TypeAdapter
-from pydantic_core import to_json
+from pydantic_core import from_json, to_json
 
 from reach_mesh.agent._task import Task
 from reach_mesh.errors import (
@@ -142,7 +142,12 @@ def _result_json(handler: _Handler, result: Any) -> bytes:
     elif isinstance(result, BaseModel):
         out = result.model_dump_json().encode()
     elif _encode_json is not None:
-        return "".join(_encode_json(result, 0)).encode()
+        out = "".join(_encode_json(result, 0)).encode()
+        if b"\\ud" in out:
+            # A surrogate's escape: a pair is a character beyond the BMP (an emoji), a lone
+            # one no receiver reads (pydantic's parser refuses it): the general path says so.
+            from_json(out)
+        return out
     else:  # pragma: no cover - CPython has the C writer
         return _JSON.encode(result).encode()
     if b"NaN" in out or b"Infinity" in out:
@@ -224,4 +229,19 @@ def _error_body(err: ReachError) -> ErrorBody:
         if not isinstance(size, int) or size > _ERROR_DETAILS_MAX:
             kept = {k: details[k] for k in ("retryable",) if k in details}
             details = {**kept, "details_left_out": size}
-    return ErrorBody(code=err.code, message=err.message[:_ERROR_MESSAGE_MAX], details=details)
+    return ErrorBody(
+        code=sendable(err.code), message=sendable(err.message[:_ERROR_MESSAGE_MAX]), details=details
+    )
+
+
+def sendable(text: str) -> str:
+    """``text`` as JSON can carry it: a lone surrogate (a name decoded with
+    ``errors="surrogateescape"``) written as its escape, ``\\udce9``; no JSON writer of the mesh
+    takes one as it is."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text

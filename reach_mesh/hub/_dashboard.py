@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from collections import OrderedDict, deque
@@ -351,7 +350,7 @@ class Dashboard:
     async def _on_status(self, msg: Msg) -> None:
         # On the subscription's reader: a parse and dictionary updates, no awaits.
         try:
-            ev = json.loads(msg.data)
+            ev = protocol.loads(msg.data)
             wf_id, step, state = ev.get("workflow_id"), ev.get("step"), ev.get("state")
             attempt = ev.get("attempt")
             if (

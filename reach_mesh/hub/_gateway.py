@@ -16,7 +16,6 @@ and route table; the endpoint is the same either way.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from typing import TYPE_CHECKING, Annotated, Any, Final
@@ -193,10 +192,10 @@ def _route_namespace(raw: bytes, namespace: str | None) -> str:
     ns = protocol.DEFAULT_NAMESPACE if namespace is None else protocol.validate_namespace(namespace)
     if b"agent_id" in raw or b"namespace" in raw or b"\\u" in raw:  # (keys may use escapes)
         try:
-            body = json.loads(raw)
+            body = protocol.loads(raw)
             said = body.get("namespace")
             agent_id = body.get("agent_id")
-        except (ValueError, RecursionError, AttributeError, TypeError):
+        except (ReachError, AttributeError, TypeError):
             return ns  # not a JSON object: the hub's decoder says what is wrong
         # (no valid agent id: the hub's decoder says what is wrong with one)
         with contextlib.suppress(TypeError, ReachError):

@@ -14,7 +14,6 @@ and logged, never applied.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from reach_mesh import protocol
 from reach_mesh._guard import refuse_body
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import no_message
+from reach_mesh.errors import ReachError
 from reach_mesh.hub._step_state import kept_outcome
 from reach_mesh.hub.acks import AckMachine
 from reach_mesh.hub.breaker import BreakerState, attempt_verdict
@@ -218,8 +218,8 @@ def parse_task_state(data: bytes) -> tuple[TaskState, int | None, dict[str, Any]
     request itself failed) has no ``state``.
     """
     try:
-        body = json.loads(data)
-    except (ValueError, RecursionError):
+        body = protocol.loads(data)  # (a lone surrogate is no answer: nothing could store it)
+    except ReachError:
         return None
     if not isinstance(body, dict):
         return None

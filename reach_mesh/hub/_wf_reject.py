@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import TYPE_CHECKING, Final, Literal
 
@@ -226,7 +225,7 @@ def refused_id(
     wf_id = protocol.named_workflow_id(headers)
     kind: Literal["fanout", "chain"] = "fanout"
     with contextlib.suppress(Exception):
-        body = json.loads(data)
+        body = protocol.loads(data)
         if body.get("kind") == "chain":
             kind = "chain"
         if not wf_id and isinstance(body.get("workflow_id"), str):
