@@ -10,6 +10,7 @@ from reach_mesh.client import Client, TaskResult
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
+    AgentReplacedError,
     BadLeaseError,
     BadRequestError,
     ForbiddenHostError,
@@ -61,6 +62,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AgentBusyError",
     "AgentInfo",
+    "AgentReplacedError",
     "AgentState",
     "BadLeaseError",
     "BadRequestError",

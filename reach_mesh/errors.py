@@ -18,6 +18,7 @@ Every error carries a stable wire ``code`` so that clients in any language can a
     │   └── UnknownNamespaceError   REACH_UNKNOWN_NAMESPACE (no agent, not configured)
     ├── ThrottledError              REACH_THROTTLED        (with retry_after_ms)
     ├── AgentBusyError              REACH_AGENT_BUSY       (not accepted: safe to retry)
+    ├── AgentReplacedError          REACH_AGENT_REPLACED   (another process serves the id)
     ├── NoHandlerError              REACH_NO_HANDLER       (agent lacks the capability)
     ├── HandlerError                REACH_HANDLER_FAILED   (the user's handler raised)
     ├── StaleAttemptError           REACH_STALE_ATTEMPT    (fenced)
@@ -40,6 +41,7 @@ from typing import Any, ClassVar, Final
 
 __all__ = [
     "AgentBusyError",
+    "AgentReplacedError",
     "BadLeaseError",
     "BadRequestError",
     "ForbiddenHostError",
@@ -245,6 +247,15 @@ class MeshUnavailableError(ReachError):
 
 class InternalError(ReachError):
     code = "REACH_INTERNAL"
+
+
+class AgentReplacedError(ReachError):
+    """Another process serves this agent id: it started while this one was silent to the hubs
+    for longer than they wait before declaring an agent lost (paused, its event loop blocked,
+    or cut off), and this one stopped rather than share the id's subjects with it (every task
+    would reach both). Raised in the agent that stood down; never on the wire."""
+
+    code = "REACH_AGENT_REPLACED"
 
 
 class NotPermittedError(ReachError):

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -16,7 +19,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, field_validator
 
-from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh import Client, MeshSettings, MeshTimeoutError, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._run import serve
 from reach_mesh.agent._serving import AgentStatus
@@ -25,7 +28,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.logs import AGENT_ID_IN_USE
 from reach_mesh.models import TaskReply
 
-from .helpers import eventually
+from .helpers import FAST, eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -421,6 +424,102 @@ async def test_a_second_process_of_an_agent_id_waits_for_the_first_to_stop(
         starting.cancel()
         await old.close()
         await new.close()
+
+
+_PAUSED_AGENT = """
+import json, sys
+from reach_mesh import MeshSettings
+from reach_mesh.agent import Agent, Task, run
+
+cfg = json.loads(sys.argv[1])
+agent = Agent(cfg["agent_id"], settings=MeshSettings(**cfg["settings"]))
+
+
+@agent.handler("dup:once:v1")
+async def once(task: Task) -> str:
+    with open(cfg["runs"], "a") as f:
+        f.write(f"old {task.task_id}\\n")
+    return "old"
+
+
+run(agent)
+"""
+
+
+async def test_a_paused_process_replaced_meanwhile_stops_when_it_resumes(
+    settings: MeshSettings, tmp_path: Path
+) -> None:
+    """An agent process paused (SIGSTOP, a stalled VM) for longer than the hubs wait before
+    they declare it lost; a new process of its id starts meanwhile, as it then may. When the
+    old one resumes, the tasks that reached it during the pause — the new one ran them — are
+    not run again, and it stops (``REACH_AGENT_REPLACED``), the new one serving alone. Before,
+    both ran on: the old process ran those tasks a second time, and the two took turns
+    registering the id, each told by the hubs that the other's registration had replaced its
+    own (the careless-agent audit: 6 of 7 retries run again, a step run twice)."""
+    agent_id = f"{settings.namespace}.paused.a"
+    runs = tmp_path / "runs.txt"
+    script = tmp_path / "old_agent.py"
+    script.write_text(_PAUSED_AGENT)
+    cfg = {
+        "agent_id": agent_id,
+        "runs": str(runs),
+        "settings": settings.model_dump(include={"nats_url", "namespace", *FAST}),
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(script),
+        json.dumps(cfg),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    ran: list[str] = []
+    new = Agent(agent_id, settings=settings)
+
+    @new.handler("dup:once:v1")
+    async def once(task: Task[Any]) -> str:
+        ran.append(task.task_id)
+        return "new"
+
+    # (The tasks the paused process takes time out: no breaker may quarantine the id meanwhile.)
+    hub = Hub(settings=settings.model_copy(update={"breaker_min_requests": 1000}))
+    await hub.start()
+    try:
+        await eventually(lambda: agent_id in hub.registry.agents, timeout=20)
+        proc.send_signal(signal.SIGSTOP)
+        await asyncio.wait_for(new.start(), 10)  # once the old one was silent long enough
+        async with Client(settings=settings) as mesh:
+            # The id's task subject is a queue group: a task may go to the paused process,
+            # and is then asked again (with its task id) until the new one has it.
+            ids = [f"once-{i}" for i in range(6)]
+            for task_id in ids:
+                for _ in range(20):
+                    try:
+                        res = await mesh.request(
+                            capability="dup:once:v1", task_id=task_id, timeout=0.5
+                        )
+                    except MeshTimeoutError:
+                        continue
+                    assert res.result == "new", res
+                    break
+            proc.send_signal(signal.SIGCONT)
+            await asyncio.wait_for(proc.wait(), 15)
+            _, err = await proc.communicate()
+            assert proc.returncode != 0 and b"AgentReplacedError" in err, err[-2000:]
+            assert b"is served by another process" in err, err[-2000:]
+            assert not runs.exists(), runs.read_text()  # none run again by the old process
+            assert ran == ids
+            assert hub.registry.agents[agent_id].record.session == new.session
+            res = await mesh.request(capability="dup:once:v1", task_id="once-9", timeout=5)
+            assert res.result == "new" and ran == [*ids, "once-9"]
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            await proc.wait()
+        await new.close()
+        await hub.close()
 
 
 async def test_a_signal_stops_an_agent_process_that_waits_to_start(

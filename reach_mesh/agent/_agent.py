@@ -49,7 +49,7 @@ from reach_mesh._nats import (
 from reach_mesh._shutdown import within
 from reach_mesh.agent._attempts import _TRACEBACK_INTERVAL
 from reach_mesh.agent._deadlines import _Deadlines
-from reach_mesh.agent._one_process import wait_for_other_process
+from reach_mesh.agent._one_process import other_process, wait_for_other_process
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
 from reach_mesh.agent._serving import AgentStatus, ServingMixin, _Handler
 from reach_mesh.agent._table import Results
@@ -57,6 +57,7 @@ from reach_mesh.agent._task import Task
 from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
+    AgentReplacedError,
     BadRequestError,
     InvalidCapabilityError,
     MeshUnavailableError,
@@ -65,7 +66,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownAgentError,
 )
-from reach_mesh.logs import SUBSCRIPTION_REFUSED, LineBudget, log_event
+from reach_mesh.logs import AGENT_ID_IN_USE, SUBSCRIPTION_REFUSED, LineBudget, log_event
 from reach_mesh.models import (
     AgentCard,
     AgentState,
@@ -212,6 +213,10 @@ class Agent(ServingMixin):
         #: When we sent the last registration or heartbeat a hub answered (monotonic; a
         #: pause counts): see ``in_touch``.
         self._answered_at = -math.inf
+        #: When we last knew this process serves the id alone: a hub answered (as
+        #: ``_answered_at``), or no other process answered our ctl ping (``_confirm_identity``).
+        self._heard_at = -math.inf
+        self._confirming: asyncio.Task[None] | None = None
         self.handled = 0
         #: Durable workflow steps over JetStream (``reach.work.<ns>.<agent_id>``).
         self.work: WorkConsumer | None = None
@@ -404,7 +409,7 @@ class Agent(ServingMixin):
                 msg = await refused_first(self.nc, subject, or_reconnected(self.nc, asked))
                 reply = protocol.parse_reply(msg.data, RegisterReply)
                 self.state = reply.state
-                self._answered_at = sent
+                self._answered_at = self._heard_at = sent
                 self._registered.set()
                 log.info("agent %s registered with %s", self.agent_id, reply.hub_id)
                 return
@@ -486,6 +491,10 @@ class Agent(ServingMixin):
         timeout = max(interval / (2 * _BEAT_TRIES), 0.05)
         while True:
             await asyncio.sleep(interval * random.uniform(0.9, 1.0))
+            if self.may_be_replaced():
+                await self.confirm_identity()
+                if self.fault is not None:
+                    return
             try:
                 await self._beat_answered(subject, timeout)
             except UnknownAgentError:
@@ -532,7 +541,51 @@ class Agent(ServingMixin):
         msg = await self.nc.request(subject, protocol.encode(hb), timeout=timeout)
         reply = protocol.parse_reply(msg.data, HeartbeatReply)
         self.state = reply.state
-        self._answered_at = sent  # the hub renewed the lease after this, not before
+        # The hub renewed the lease after this, not before.
+        self._answered_at = self._heard_at = max(self._heard_at, sent)
+
+    def may_be_replaced(self) -> bool:
+        """Silent to the hubs — no registration or heartbeat of ours answered, nor another
+        process of the id ruled out, since — for as long as a new process of this id waits
+        before it starts (``lease_timeout + suspect_timeout``, ``_one_process``): paused, its
+        event loop blocked or cut off, this process may have been replaced, and then both would
+        take every task sent to the id. It serves nothing until it knows
+        (:meth:`confirm_identity`)."""
+        silent = time.monotonic() - self._heard_at
+        return silent >= self.settings.lease_timeout + self.settings.suspect_timeout and (
+            self._heard_at != -math.inf  # (not registered yet)
+        )
+
+    def confirm_soon(self) -> None:
+        """:meth:`confirm_identity` in the background, once at a time."""
+        if self._confirming is None or self._confirming.done():
+            self._confirming = asyncio.create_task(
+                self.confirm_identity(), name="reach-agent-confirm"
+            )
+
+    async def confirm_identity(self) -> None:
+        """Ask whether another process serves this agent id (its ctl ping); if one does, stop
+        (:class:`AgentReplacedError`, ``serve()`` ends with it) rather than share the id."""
+        silent = time.monotonic() - self._heard_at
+        asked = time.monotonic()
+        try:
+            other = await other_process(self.nc, self.agent_id, self.session)
+        except Exception:
+            return  # (cannot ask now: the next heartbeat, or the next task, asks again)
+        if other is None:
+            self._heard_at = max(self._heard_at, asked)
+            return
+        if self.fault is not None or self.status is not AgentStatus.RUNNING:
+            return
+        self.fault = AgentReplacedError(
+            f"agent id {self.agent_id} is served by another process (session {other[:12]}…), "
+            f"started while this one was silent to the hubs for {silent:.0f} s (paused, its "
+            "event loop blocked, or cut off): this one stops, not to take the id's tasks too",
+            agent_id=self.agent_id,
+        )
+        log_event(log, AGENT_ID_IN_USE, self.fault.message, agent_id=self.agent_id)
+        self._faulted.set()
+        self._stopping = asyncio.create_task(self.close(), name="reach-agent-stop")
 
     def in_touch(self) -> bool:
         """True while the hubs surely hold our lease: connected, and a hub answered a

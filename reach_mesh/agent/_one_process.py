@@ -19,15 +19,22 @@ own ctl subject (``{"op": "ping"}``):
   work to others;
 - **refused** (an ``auth.conf`` written before agents could ask their own ctl subject): it
   starts without the check, and says so once.
+
+The other way round, a process that was silent to the hubs that long (paused, or cut off) may
+have been replaced meanwhile, and both would then take every task sent to the id. Before it
+serves again it asks the same question (:func:`other_process`), and stops if another process
+answers (``Agent``'s ``_confirm_identity``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Final
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
@@ -37,7 +44,7 @@ from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NotPermittedError, ReachError
 from reach_mesh.logs import AGENT_ID_IN_USE, get_logger, log_event
 
-__all__ = ["wait_for_other_process"]
+__all__ = ["other_process", "wait_for_other_process"]
 
 log = get_logger(__name__)
 
@@ -97,3 +104,30 @@ async def wait_for_other_process(nc: NATS, agent_id: str, settings: MeshSettings
                 agent_id=agent_id,
             )
         await asyncio.sleep(_ASK_EVERY)
+
+
+#: How long a process that may have been replaced waits for other processes' answers.
+_OTHERS_WAIT: Final = 0.5
+
+
+async def other_process(nc: NATS, agent_id: str, session: str) -> str | None:
+    """The session of another live process that serves ``agent_id`` (one that answers its ctl
+    ping within ``_OTHERS_WAIT``, with a session other than ``session``), or None. The asking
+    process, subscribed to the same subject, answers too: its own answer is left out."""
+    others: list[str] = []
+
+    async def on_answer(msg: Msg) -> None:
+        with contextlib.suppress(ReachError):
+            seen = str(protocol.loads_object(msg.data).get("session"))
+            if seen != session:
+                others.append(seen)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_answer)
+    try:
+        await nc.publish(protocol.agent_ctl(agent_id), _PING, reply=inbox)
+        await asyncio.sleep(_OTHERS_WAIT)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return others[0] if others else None

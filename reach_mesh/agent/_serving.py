@@ -100,10 +100,17 @@ class ServingMixin(AttemptsMixin):
     _malformed_lines: LineBudget
     _max_envelope: int
 
+    _confirming: asyncio.Task[None] | None
+    fault: ReachError | None
+
     if typing.TYPE_CHECKING:
 
         @property
         def capabilities(self) -> list[str]: ...
+
+        def may_be_replaced(self) -> bool: ...
+
+        def confirm_soon(self) -> None: ...
 
     # ------------------------------------------------------------------ serving
     #
@@ -138,8 +145,14 @@ class ServingMixin(AttemptsMixin):
         # Let this batch's handlers run (and answer) before the next batch is read.
         await asyncio.sleep(0)
 
-    async def _take(self, data: bytes, req: _Request) -> None:
+    async def _take(self, data: bytes, req: _Request, *, confirmed: bool = False) -> None:
         # Runs on the subscription's reader: never block here.
+        if not confirmed and self.may_be_replaced():
+            # Silent to the hubs for as long as a new process of this id waits to start (a
+            # pause): a task read now may have reached that process too. Taken once we know.
+            self.confirm_soon()
+            self._spawn(self._take_when_confirmed(data, req))
+            return
         try:
             env = protocol.decode(data, TaskEnvelope, max_size=self._max_envelope)
         except ReachError as err:
@@ -233,6 +246,17 @@ class ServingMixin(AttemptsMixin):
     def _remember(self, task_id: str, entry: _Entry) -> None:
         """Keep ``entry`` as ``task_id``'s (see :class:`~reach_mesh.agent._table.Results`)."""
         self._results.remember(task_id, entry)
+
+    async def _take_when_confirmed(self, data: bytes, req: _Request) -> None:
+        """A task read while this process may have been replaced (``may_be_replaced``): taken
+        once no other process answered for the id. Else the other process, subscribed to the
+        same subject, had it too: left to it, unanswered — a refusal from here would send the
+        task on to yet another agent while that process runs it."""
+        if self._confirming is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._confirming)
+        if self.fault is None and self.status is AgentStatus.RUNNING:
+            await self._take(data, req, confirmed=True)
 
     async def _duplicate(
         self, req: _Request, env: TaskEnvelope, entry: _Entry, counted: bool
