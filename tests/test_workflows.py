@@ -380,6 +380,48 @@ async def test_a_handler_raising_cancelled_error_fails_once_per_attempt(
     assert runs == 3
 
 
+class _OwnBaseError(BaseException):
+    """A handler's own exception not derived from ``Exception``."""
+
+
+@pytest.mark.parametrize("raised", [_OwnBaseError, GeneratorExit, SystemExit, KeyboardInterrupt])
+async def test_a_handler_raising_what_is_not_an_exception_fails_as_any_handler(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, raised: type[BaseException]
+) -> None:
+    """A handler that raises a ``BaseException`` that is no ``Exception``: its failure, as any
+    (the careless-agent audit: the task stayed DELIVERED for good, every retry of its id
+    waited for it; a step was reported RUNNING until the hub gave up on it; ``SystemExit`` took
+    the agent down without a drain). The agent keeps serving."""
+    runs = 0
+    agent = fleet.agent(f"base.{raised.__name__.lower().strip('_')}")
+
+    @agent.handler("wf:base:v1")
+    async def base(task: Task[Any]) -> None:
+        nonlocal runs
+        runs += 1
+        raise raised("from the handler")
+
+    @agent.handler("wf:fine:v1")
+    async def fine(task: Task[Any]) -> str:
+        return "fine"
+
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout([Step(capability="wf:base:v1", retries=1)], timeout=10)
+        assert res.state is TaskState.FAILED and runs == 2, res
+        error = res.steps[0].error
+        assert error is not None and error.code == "REACH_HANDLER_FAILED", error
+        assert error.details["type"] == raised.__name__
+        for _ in range(2):  # the second: the stored failure, at once
+            reply = await mesh.request(
+                agent_id=agent.agent_id, capability="wf:base:v1", task_id="base-1", timeout=5
+            )
+            assert reply.state is TaskState.FAILED and reply.error is not None, reply
+            assert reply.error.code == "REACH_HANDLER_FAILED" and runs == 3
+        ok = await mesh.request(agent_id=agent.agent_id, capability="wf:fine:v1", timeout=5)
+        assert ok.result == "fine"
+
+
 async def test_a_result_nested_too_deep_to_parse_fails_at_once(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:

@@ -303,6 +303,15 @@ class AttemptsMixin:
             if recording:
                 sp.record_exception(err)
             return self._handler_failed(handler.capability, env, trace_id, err)
+        except BaseException as err:
+            # Not an Exception: GeneratorExit, one of the handler's own, KeyboardInterrupt or
+            # SystemExit raised in its code (the agent's own signals stop it through its
+            # handlers, never inside a task). Its failure as well: escaping, it left the task
+            # DELIVERED for good (every retry waited for it) or, SystemExit, took the whole
+            # agent down without a drain.
+            if recording:
+                sp.record_exception(err)
+            return self._handler_failed(handler.capability, env, trace_id, err)
         try:
             out = _result_json(handler, result)
         except Exception:
