@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import errno
 import importlib
+import inspect
 import json
 import os
 import secrets
@@ -296,12 +297,15 @@ def load_agents(spec: str) -> list[Any]:
         raise BadRequestError(f"{module_name!r} has no attribute {attr!r}") from err
     if callable(obj) and not isinstance(obj, Agent):
         try:
-            obj = obj()
+            inspect.signature(obj).bind()
         except TypeError as err:
             raise BadRequestError(
                 f"{spec!r} is a function that cannot be called without arguments ({err}): "
                 "name an Agent, a list of Agents, or a function of no arguments"
             ) from err
+        except ValueError:
+            pass  # (no signature to read, a builtin: called as it is)
+        obj = obj()  # what it raises is its own error, with its traceback
     agents = list(obj) if isinstance(obj, list | tuple) else [obj]
     if not agents or not all(isinstance(a, Agent) for a in agents):
         raise BadRequestError(f"{spec!r} is not an Agent or a list of Agents")

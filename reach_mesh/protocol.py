@@ -65,6 +65,7 @@ __all__ = [
     "hub_peer",
     "hub_subject",
     "identity_of",
+    "invalid",
     "is_inbox",
     "join_answers",
     "named_workflow_id",
@@ -586,7 +587,7 @@ def decode(data: bytes, model: type[M], *, max_size: int | None = None) -> M:
     try:
         return validate_json(model.model_validate_json, data)
     except ValidationError as err:
-        raise _translate(err, model) from err
+        raise invalid(err, model) from err
     except (ValueError, TypeError) as err:  # pragma: no cover - pydantic wraps these
         raise BadRequestError(f"malformed {model.__name__}: {err}") from err
 
@@ -678,7 +679,8 @@ def _null_at(body: Any, loc: tuple[str | int, ...]) -> tuple[str | int, ...] | N
     return None
 
 
-def _translate(err: ValidationError, model: type[BaseModel]) -> BadRequestError:
+def invalid(err: ValidationError, model: type[BaseModel]) -> BadRequestError:
+    """``err`` (``model``'s validation failing) as the typed error that names its first field."""
     first = err.errors(include_url=False)[0]
     if first["type"] == "json_invalid":
         return BadRequestError(

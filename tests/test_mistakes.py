@@ -201,6 +201,50 @@ def test_agent_does_not_claim_to_serve_before_it_is_connected(tmp_path: Path) ->
     assert "serving" not in out
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ("labels={f'k{i}': 'v' for i in range(129)}", "labels"),
+        ("max_concurrency=100001", "max_concurrency"),
+        ("weight=0", "weight"),
+    ],
+)
+def test_an_agent_over_a_card_limit_is_told_in_one_line(
+    tmp_path: Path, kwargs: str, field: str
+) -> None:
+    """A card over a documented limit: one ``REACH_BAD_REQUEST`` line naming the field, exit
+    2, before anything connects (it was pydantic's ValidationError, several lines, exit 1,
+    after the agent had connected and subscribed)."""
+    (tmp_path / "over.py").write_text(
+        "from reach_mesh.agent import Agent, Task\n"
+        f"agent = Agent('over.echo.a1', {kwargs})\n"
+        "@agent.handler('over:echo:v1')\n"
+        "async def echo(task: Task[int]) -> int:\n"
+        "    return task.payload\n"
+    )
+    url = f"nats://127.0.0.1:{_refused_port()}"  # (nothing connects: refused first)
+    _fails_in_one_line(
+        ["agent", "over:agent", "--nats", url], _env(), "REACH_BAD_REQUEST", field, cwd=tmp_path
+    )
+
+
+def test_a_factory_that_fails_is_not_said_to_need_arguments(tmp_path: Path) -> None:
+    """A ``TypeError`` raised inside a factory of no arguments is its own error (its
+    traceback shows where), not "a function that cannot be called without arguments"."""
+    (tmp_path / "factory.py").write_text("def agents():\n    return len(3)\n")
+    run = subprocess.run(
+        [*CLI, "agent", "factory:agents", "--nats", "nats://127.0.0.1:1"],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode != 0
+    assert "cannot be called without arguments" not in run.stderr
+    assert "object of type 'int' has no len()" in run.stderr, run.stderr
+
+
 def test_agent_target_that_needs_arguments(tmp_path: Path) -> None:
     (tmp_path / "factory.py").write_text("def agents(settings):\n    return []\n")
     _fails_in_one_line(

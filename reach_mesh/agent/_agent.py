@@ -29,7 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
@@ -336,6 +336,10 @@ class Agent(ServingMixin):
             raise InvalidCapabilityError(
                 f"agent {self.agent_id} has no capabilities: add a handler or list them"
             )
+        try:
+            self.card()  # over a limit (labels, tools, max_concurrency…): said before connecting
+        except ValidationError as err:
+            raise protocol.invalid(err, AgentCard) from err
         self.status = AgentStatus.RUNNING
         # OTEL_TRACES_EXPORTER honoured here too (not only by run() and the CLI); the service
         # is the agent id's middle token unless OTEL_SERVICE_NAME says otherwise.
