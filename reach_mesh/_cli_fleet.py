@@ -145,7 +145,7 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
                 i.agent_id,
                 i.state.value,
                 f"{i.load:.2f}",
-                f"{i.inflight}/{i.max_concurrency}",
+                _inflight(i),
                 f"{i.lease_left:.1f}s",
                 f"{i.health:g}",
                 # Those it reports it cannot serve now (a dependency down; every one while its
@@ -155,6 +155,14 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
         )
     if len(rows) > 1:
         print_table(rows)
+
+
+def _inflight(info: AgentInfo) -> str:
+    """Tasks running of ``max_concurrency``, and those past it apart (queued behind them), as
+    the dashboard shows them: ``2/2 +12``, never ``14/2``."""
+    cap = info.max_concurrency
+    over = info.inflight - cap
+    return f"{min(info.inflight, cap)}/{cap}" + (f" +{over}" if over > 0 else "")
 
 
 def cell(text: str, width: int) -> str:

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh._cli_fleet import _inflight
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._dashboard import _between, _Histogram, _Sample
-from reach_mesh.models import AgentState
+from reach_mesh.models import AgentInfo, AgentState
 from reach_mesh.workflow import Step, WorkflowRecord, WorkflowResult
 
 from .chromium import Chromium, needs_chromium
@@ -647,3 +648,25 @@ def test_the_success_rate_is_taken_among_tasks_that_ran_as_the_alert_takes_it() 
     assert window["errors"] == {"AGENT_BUSY": 540, "FAILED": 2, "NO_MATCH": 5, "TIMEOUT": 3}
     only_refused = _Sample(60.0, {"AGENT_BUSY": 10}, _Histogram(), _Histogram())
     assert _between(only_refused, old)["success_rate"] is None  # nothing ran: no rate
+
+
+def test_the_cli_shows_tasks_past_the_slots_apart_as_the_dashboard_does() -> None:
+    """``reach-mesh agents`` showed ``14/2`` for a saturated agent where the dashboard shows 2
+    of 2 running and the rest queued (the SRE audit): now ``2/2 +12``."""
+    info = AgentInfo(
+        agent_id="n.s.i",
+        state=AgentState.ONLINE,
+        capabilities=["a:b:v1"],
+        labels={},
+        inflight=14,
+        max_concurrency=2,
+        load=7.0,
+        lease_left=1.0,
+        last_heartbeat_age=0.1,
+        health=1.0,
+        breaker="closed",
+        session="s",
+    )
+    assert _inflight(info) == "2/2 +12"
+    assert _inflight(info.model_copy(update={"inflight": 1})) == "1/2"
+    assert _inflight(info.model_copy(update={"inflight": 2})) == "2/2"
