@@ -197,7 +197,8 @@ class HubMetrics:
         r = self.registry
         self.task_total = Counter(
             "reach_task",
-            "Task attempts that reached a state, by namespace, delivery mode and state.",
+            "Route requests this hub answered, once each, by namespace, delivery mode and outcome "
+            "(the agent's final state, ROUTED in direct mode, or the error code without REACH_).",
             ["namespace", "mode", "state"],
             registry=r,
         )
