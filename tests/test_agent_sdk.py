@@ -12,7 +12,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh import BadRequestError, Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 
@@ -282,6 +282,31 @@ def test_handler_tool_is_checked_at_decoration(settings: MeshSettings) -> None:
         @agent.handler("other:thing:v1", tool="anything")
         async def again(task: Task[Any]) -> None:
             return None
+
+    # A second handler for a capability replaced the first without a word.
+    with pytest.raises(ValueError, match="has a handler already"):
+
+        @agent.handler("any:thing:v1")
+        async def twice(task: Task[Any]) -> None:
+            return None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"max_concurrency": True}, "max_concurrency must be an integer"),
+        ({"max_concurrency": 2.5}, "max_concurrency must be an integer"),
+        ({"max_concurrency": 0}, "max_concurrency must be >= 1"),
+        ({"max_queue": -1}, "max_queue must be an integer >= 0"),
+        ({"max_queue": 1.5}, "max_queue must be an integer >= 0"),
+    ],
+)
+def test_slot_counts_are_checked_when_the_agent_is_built(
+    settings: MeshSettings, kwargs: dict[str, Any], needle: str
+) -> None:
+    """``max_queue=-1`` and ``max_concurrency=True`` were taken (the careless-agent audit)."""
+    with pytest.raises(BadRequestError, match=needle):
+        Agent("t0.slots.a1", settings=settings, **kwargs)
 
 
 # --------------------------------------------------------------------------- handler slots

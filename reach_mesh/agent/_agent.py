@@ -148,8 +148,14 @@ class Agent(ServingMixin):
         self._labels = _labels(agent_id, labels or {})
         self.settings = settings or load_settings(nats_url=nats_url)
         self.nats_url = nats_url or self.settings.nats_url
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int):
+            raise BadRequestError(f"max_concurrency must be an integer, not {max_concurrency!r}")
         if max_concurrency < 1:
             raise BadRequestError("max_concurrency must be >= 1")
+        if max_queue is not None and (
+            isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0
+        ):
+            raise BadRequestError(f"max_queue must be an integer >= 0, not {max_queue!r}")
         self.max_concurrency = max_concurrency
         #: Tasks that may wait for a slot; beyond that the agent answers REACH_AGENT_BUSY.
         self.max_queue = max_concurrency if max_queue is None else max_queue
@@ -244,6 +250,9 @@ class Agent(ServingMixin):
             raise RuntimeError("add handlers before the agent starts")
         if tool is not None and any(t.name == tool for t in self._tools):
             raise ValueError(f"tool {tool!r} is declared twice")
+        if capability in self._handlers:
+            # The second replaced the first without a word (the careless-agent audit).
+            raise ValueError(f"capability {capability} has a handler already")
 
         def decorate(fn: F) -> F:
             if not inspect.iscoroutinefunction(fn):
