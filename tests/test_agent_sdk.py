@@ -12,7 +12,15 @@ from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from reach_mesh import BadRequestError, Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh import (
+    BadRequestError,
+    Client,
+    MeshSettings,
+    NoHandlerError,
+    Step,
+    TaskState,
+    protocol,
+)
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 
@@ -341,3 +349,27 @@ async def test_handler_slots_go_in_line_and_past_cancelled_waiters(
     assert agent.inflight == 0
     await agent._slot()
     assert agent.inflight == 1
+
+
+async def test_a_task_that_names_no_capability_of_an_agent_with_several_is_told_so(
+    hub: Hub, settings: MeshSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """By agent id alone, to an agent with two handlers: which to run is not said. The
+    refusal says so (it read "no handler for None"); a capability listed without a handler
+    is said when the agent starts."""
+    agent = Agent(f"{settings.namespace}.two.a1", settings=settings, capabilities=["two:listed:v1"])
+
+    @agent.handler("two:a:v1")
+    async def a(task: Task[Any]) -> str:
+        return "a"
+
+    @agent.handler("two:b:v1")
+    async def b(task: Task[Any]) -> str:
+        return "b"
+
+    async with agent, Client(settings=settings) as mesh:
+        assert "lists capabilities it has no handler for: two:listed:v1" in caplog.text
+        with pytest.raises(NoHandlerError, match="names no capability"):
+            await mesh.request(agent_id=agent.agent_id, payload=1, timeout=5)
+        ok = await mesh.request(agent_id=agent.agent_id, capability="two:b:v1", timeout=5)
+        assert ok.result == "b"

@@ -349,6 +349,15 @@ class Agent(ServingMixin):
             self.card()  # over a limit (labels, tools, max_concurrency…): said before connecting
         except ValidationError as err:
             raise protocol.invalid(err, AgentCard) from err
+        unserved = sorted(set(self._capabilities) - set(self._handlers))
+        if unserved and self._handlers:
+            # Routed to it, such a task is refused (REACH_NO_HANDLER) and goes elsewhere.
+            log.warning(
+                "agent %s lists capabilities it has no handler for: %s (its tasks are "
+                "answered REACH_NO_HANDLER)",
+                self.agent_id,
+                ", ".join(unserved),
+            )
         self.status = AgentStatus.RUNNING
         # OTEL_TRACES_EXPORTER honoured here too (not only by run() and the CLI); the service
         # is the agent id's middle token unless OTEL_SERVICE_NAME says otherwise.

@@ -212,7 +212,10 @@ class ServingMixin(AttemptsMixin):
                 req,
                 protocol.encode_error(
                     NoHandlerError(
-                        f"{self.agent_id} has no handler for {env.capability!r}",
+                        f"{self.agent_id} has no handler for {env.capability!r}"
+                        if env.capability is not None
+                        else f"the task names no capability and {self.agent_id} has "
+                        f"{len(self._handlers)} handlers: name one (capability)",
                         agent_id=self.agent_id,
                         capabilities=self.capabilities,
                     )
