@@ -223,6 +223,8 @@ class Agent(ServingMixin):
         #: ``_answered_at``), or no other process answered our ctl ping (``_confirm_identity``).
         self._heard_at = -math.inf
         self._confirming: asyncio.Task[None] | None = None
+        #: Silence after which another process may serve the id (``may_be_replaced``).
+        self._replaced_after = self.settings.lease_timeout + self.settings.suspect_timeout
         self.handled = 0
         #: Durable workflow steps over JetStream (``reach.work.<ns>.<agent_id>``).
         self.work: WorkConsumer | None = None
@@ -573,10 +575,9 @@ class Agent(ServingMixin):
         event loop blocked or cut off, this process may have been replaced, and then both would
         take every task sent to the id. It serves nothing until it knows
         (:meth:`confirm_identity`)."""
-        silent = time.monotonic() - self._heard_at
-        return silent >= self.settings.lease_timeout + self.settings.suspect_timeout and (
-            self._heard_at != -math.inf  # (not registered yet)
-        )
+        # (Read for every task. -inf until registered: not "replaced".)
+        heard = self._heard_at
+        return heard != -math.inf and time.monotonic() - heard >= self._replaced_after
 
     def confirm_soon(self) -> None:
         """:meth:`confirm_identity` in the background, once at a time."""
