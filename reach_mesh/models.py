@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from reach_mesh.errors import BadLeaseError, BadRequestError, InvalidCapabilityError
 from reach_mesh.protocol import (
+    TASK_ID_RE,
     validate_agent_id,
     validate_capability,
     validate_task_id,
@@ -339,6 +340,15 @@ class ErrorBody(_Wire):
         return code[:ERROR_CODE_MAX]
 
 
+#: What protocol-schemas.json says of a task id (``validate_task_id`` checks it: the schema of
+#: a plain ``str`` field said only "at most 1 MiB").
+TASK_ID_SCHEMA: Final[dict[str, Any]] = {
+    "pattern": TASK_ID_RE.pattern,
+    "minLength": 1,
+    "maxLength": 64,
+}
+
+
 Mode = Literal["proxy", "direct"]
 
 
@@ -354,7 +364,7 @@ class RouteRequest(_Wire):
     capability: str | None = None
     selector: str | None = Field(default=None, max_length=4096)
     payload: Any = None
-    task_id: str | None = None
+    task_id: str | None = Field(default=None, json_schema_extra=TASK_ID_SCHEMA)
     timeout: float = Field(default=30.0, gt=0, le=86400)
     mode: Mode = "proxy"
     strategy: str | None = Field(default=None, max_length=32)
@@ -405,7 +415,7 @@ class RouteRequest(_Wire):
 class TaskEnvelope(_Wire):
     """hub/caller → agent on ``reach.agent.<agent_id>.task``: one attempt of one task."""
 
-    task_id: str
+    task_id: str = Field(json_schema_extra=TASK_ID_SCHEMA)
     attempt: int = Field(default=1, ge=1)
     #: The handler to run; ``None`` means the agent's only handler.
     capability: str | None = None
@@ -429,7 +439,7 @@ class TaskEnvelope(_Wire):
 class TaskReply(_Wire):
     """agent → hub/caller: the final (or current, for a state query) state of an attempt."""
 
-    task_id: str
+    task_id: str = Field(json_schema_extra=TASK_ID_SCHEMA)
     attempt: int
     agent_id: str
     state: TaskState
