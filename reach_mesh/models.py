@@ -191,7 +191,19 @@ class AgentCard(_Wire):
         for key in v:
             if not label_key_ok(key):
                 raise ValueError(f"invalid label key {key!r}: expected [a-z0-9][a-z0-9_.-]*")
-        return {k.lower(): val for k, val in v.items()}
+        out = {k.lower(): val for k, val in v.items()}
+        if len(out) < len(v):
+            # Keys are read in any case: two that differ only in case were one label, the
+            # last one's value kept without a word.
+            seen: dict[str, str] = {}
+            for key in v:
+                if key.lower() in seen:
+                    raise ValueError(
+                        f"label keys {seen[key.lower()]!r} and {key!r} differ only in case "
+                        "(keys are read in any case): keep one"
+                    )
+                seen[key.lower()] = key
+        return out
 
     @property
     def namespace(self) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from reach_mesh import (
     BadRequestError,
@@ -23,6 +23,7 @@ from reach_mesh import (
 )
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
+from reach_mesh.models import AgentCard
 
 from .helpers import eventually, fetch, mcp_session
 
@@ -373,3 +374,15 @@ async def test_a_task_that_names_no_capability_of_an_agent_with_several_is_told_
             await mesh.request(agent_id=agent.agent_id, payload=1, timeout=5)
         ok = await mesh.request(agent_id=agent.agent_id, capability="two:b:v1", timeout=5)
         assert ok.result == "b"
+
+
+def test_label_keys_that_differ_only_in_case_are_refused(settings: MeshSettings) -> None:
+    """``{"Region": "eu", "region": "us"}`` became ``region=us`` without a word (the
+    careless-agent audit); a registration from another language is refused as well."""
+    with pytest.raises(BadRequestError, match="differ only in case"):
+        Agent("t0.case.a1", settings=settings, labels={"Region": "eu", "region": "us"})
+    with pytest.raises(ValidationError, match="differ only in case"):
+        AgentCard(agent_id="t0.case.a1", capabilities=["a:b:v1"], labels={"A": "1", "a": "2"})
+    assert AgentCard(
+        agent_id="t0.case.a1", capabilities=["a:b:v1"], labels={"Zone": "z"}
+    ).labels == {"zone": "z"}

@@ -121,6 +121,12 @@ def _labels(agent_id: str, labels: Mapping[str, object]) -> dict[str, str]:
             raise BadRequestError(
                 f"agent {agent_id}: label {key!r} must be 1 to {LABEL_MAX} characters"
             )
+        same = next((k for k in out if k.lower() == key.lower()), None)
+        if same is not None:
+            raise BadRequestError(
+                f"agent {agent_id}: label keys {same!r} and {key!r} differ only in case (keys "
+                "are read in any case): keep one"
+            )
         out[key] = text
     return out
 
