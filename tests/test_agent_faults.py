@@ -19,8 +19,17 @@ import pytest
 from nats.aio.client import Client as NATS
 from pydantic import BaseModel, field_validator
 
-from reach_mesh import Client, MeshSettings, MeshTimeoutError, Step, TaskState, protocol
+from reach_mesh import (
+    AgentReplacedError,
+    Client,
+    MeshSettings,
+    MeshTimeoutError,
+    Step,
+    TaskState,
+    protocol,
+)
 from reach_mesh.agent import Agent, Task
+from reach_mesh.agent import _agent as agent_module
 from reach_mesh.agent._run import serve
 from reach_mesh.agent._serving import AgentStatus
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
@@ -520,6 +529,43 @@ async def test_a_paused_process_replaced_meanwhile_stops_when_it_resumes(
             await proc.wait()
         await new.close()
         await hub.close()
+
+
+async def test_two_live_processes_of_an_agent_id_settle_on_one(
+    hub: Hub, settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes of one id that both got past the start check (started at the same
+    moment, each asking before the other subscribed): each registration replaced the other's,
+    and each heartbeat, told so, registered again — for good, the id's tasks split between
+    them. Now a process told its registration is gone asks who else serves the id, and of two
+    live ones the one with the smaller session keeps it; the other stops."""
+    agent_id = f"{settings.namespace}.twice.c"
+    ran: list[str] = []
+    first = _counting_agent(agent_id, settings, ran, "first")
+    second = _counting_agent(agent_id, settings, ran, "second")
+    await first.start()
+
+    async def no_check(*args: Any) -> None:
+        return None
+
+    monkeypatch.setattr(agent_module, "wait_for_other_process", no_check)
+    await second.start()  # (as if it had asked before the first one subscribed)
+    try:
+        await eventually(lambda: (first.fault is None) != (second.fault is None), timeout=10)
+        kept, gone = (first, second) if first.fault is None else (second, first)
+        assert isinstance(gone.fault, AgentReplacedError), gone.fault
+        assert "started at once" in gone.fault.message and kept.session < gone.session
+        await eventually(lambda: hub.registry.agents[agent_id].record.session == kept.session)
+        await asyncio.sleep(4 * settings.heartbeat_interval)  # settled: no registering in turn
+        assert kept.fault is None and hub.registry.agents[agent_id].record.session == kept.session
+        label = "first" if kept is first else "second"
+        async with Client(settings=settings) as mesh:
+            for n in range(4):
+                res = await mesh.request(agent_id=agent_id, payload=n, timeout=5)
+                assert res.result == label
+    finally:
+        await first.close()
+        await second.close()
 
 
 async def test_a_signal_stops_an_agent_process_that_waits_to_start(

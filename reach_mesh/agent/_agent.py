@@ -522,6 +522,11 @@ class Agent(ServingMixin):
             try:
                 await self._beat_answered(subject, timeout)
             except UnknownAgentError:
+                # Declared lost, removed by an operator — or registered since by another live
+                # process of this id (two started at once): then one of them stops.
+                await self.confirm_identity(live=True)
+                if self.fault is not None:
+                    return
                 log.warning("hub does not know %s: registering again", self.agent_id)
                 if self.work is not None:
                     # Declared LOST: stay PRE_ONLINE until our superseded attempts are fenced.
@@ -586,9 +591,13 @@ class Agent(ServingMixin):
                 self.confirm_identity(), name="reach-agent-confirm"
             )
 
-    async def confirm_identity(self) -> None:
+    async def confirm_identity(self, *, live: bool = False) -> None:
         """Ask whether another process serves this agent id (its ctl ping); if one does, stop
-        (:class:`AgentReplacedError`, ``serve()`` ends with it) rather than share the id."""
+        (:class:`AgentReplacedError`, ``serve()`` ends with it) rather than share the id.
+        ``live``: asked because a hub no longer knows our registration, not after a silence —
+        both processes may be live (started at once, each before the other subscribed), and
+        each re-registering would replace the other's for good: the one with the smaller
+        session keeps the id, the other stops."""
         silent = time.monotonic() - self._heard_at
         asked = time.monotonic()
         try:
@@ -600,10 +609,18 @@ class Agent(ServingMixin):
             return
         if self.fault is not None or self.status is not AgentStatus.RUNNING:
             return
+        if live and other > self.session:
+            return  # (ours is kept: the other one stops when it asks)
+        why = (
+            "which registered it too (two processes started at once): the one with the "
+            "smaller session keeps the id"
+            if live
+            else f"started while this one was silent to the hubs for {silent:.0f} s (paused, "
+            "its event loop blocked, or cut off)"
+        )
         self.fault = AgentReplacedError(
             f"agent id {self.agent_id} is served by another process (session {other[:12]}…), "
-            f"started while this one was silent to the hubs for {silent:.0f} s (paused, its "
-            "event loop blocked, or cut off): this one stops, not to take the id's tasks too",
+            f"{why}: this one stops, not to take the id's tasks too",
             agent_id=self.agent_id,
         )
         log_event(log, AGENT_ID_IN_USE, self.fault.message, agent_id=self.agent_id)
