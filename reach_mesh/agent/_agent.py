@@ -220,7 +220,7 @@ class Agent(ServingMixin):
         #: pause counts): see ``in_touch``.
         self._answered_at = -math.inf
         #: When we last knew this process serves the id alone: a hub answered (as
-        #: ``_answered_at``), or no other process answered our ctl ping (``_confirm_identity``).
+        #: ``_answered_at``), or no other process answered our ctl ping (``confirm_identity``).
         self._heard_at = -math.inf
         self._confirming: asyncio.Task[None] | None = None
         #: Silence after which another process may serve the id (``may_be_replaced``).
@@ -570,8 +570,8 @@ class Agent(ServingMixin):
         msg = await self.nc.request(subject, protocol.encode(hb), timeout=timeout)
         reply = protocol.parse_reply(msg.data, HeartbeatReply)
         self.state = reply.state
-        # The hub renewed the lease after this, not before.
-        self._answered_at = self._heard_at = max(self._heard_at, sent)
+        self._answered_at = sent  # the hub renewed the lease after this, not before
+        self._heard_at = max(self._heard_at, sent)
 
     def may_be_replaced(self) -> bool:
         """Silent to the hubs — no registration or heartbeat of ours answered, nor another

@@ -23,7 +23,8 @@ own ctl subject (``{"op": "ping"}``):
 The other way round, a process that was silent to the hubs that long (paused, or cut off) may
 have been replaced meanwhile, and both would then take every task sent to the id. Before it
 serves again it asks the same question (:func:`other_process`), and stops if another process
-answers (``Agent``'s ``_confirm_identity``).
+answers (``Agent.confirm_identity``; also when a hub no longer knows its registration: two
+live processes of the id keep the one with the smaller session).
 """
 
 from __future__ import annotations

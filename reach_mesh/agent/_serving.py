@@ -252,9 +252,9 @@ class ServingMixin(AttemptsMixin):
 
     async def _take_when_confirmed(self, data: bytes, req: _Request) -> None:
         """A task read while this process may have been replaced (``may_be_replaced``): taken
-        once no other process answered for the id. Else the other process, subscribed to the
-        same subject, had it too: left to it, unanswered — a refusal from here would send the
-        task on to yet another agent while that process runs it."""
+        once no other process answered for the id. Else it is left unanswered: its caller asks
+        again with its task id, and the retry reaches the process that serves the id now (which
+        may have run it already) — a refusal from here would send it on to another agent."""
         if self._confirming is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._confirming)
