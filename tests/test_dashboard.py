@@ -670,3 +670,50 @@ def test_the_cli_shows_tasks_past_the_slots_apart_as_the_dashboard_does() -> Non
     assert _inflight(info) == "2/2 +12"
     assert _inflight(info.model_copy(update={"inflight": 1})) == "1/2"
     assert _inflight(info.model_copy(update={"inflight": 2})) == "2/2"
+
+
+@needs_chromium
+async def test_busy_refusals_show_in_red_and_do_not_count_against_success(
+    wf_settings: MeshSettings,
+) -> None:
+    """An agent refusing tries as full: the page shows "busy refusals/s" in red, and its
+    success rate is the tasks that ran (the SRE audit: 8 %, and no sign of why)."""
+    async with running_mesh(wf_settings) as m:
+        ns = wf_settings.namespace
+        full = Agent(f"{ns}.full.c1", settings=wf_settings, max_concurrency=1, max_queue=0)
+
+        @full.handler("work:full:v1")
+        async def slow(task: Task[Any]) -> str:
+            await asyncio.sleep(0.3)
+            return "done"
+
+        async with full, Client(settings=wf_settings) as mesh:
+            # Six at once for one slot: refused (AGENT_BUSY, through the hub: proxy mode) and
+            # asked again by the SDK until each gets its turn, well within its timeout.
+            calls = [mesh.request(capability="work:full:v1", timeout=5.0) for _ in range(6)]
+            got = await asyncio.gather(*calls)
+        assert [g.result for g in got] == ["done"] * 6
+
+        def operate() -> dict[str, str]:
+            with Chromium() as browser:
+                browser.watch_console()
+                browser.open(f"{m.base}/")
+                cards: dict[str, str] = browser.evaluate(
+                    """new Promise(ok => { const t = setInterval(() => {
+                         const cards = Object.fromEntries(
+                           [...document.querySelectorAll('.card')].map(c => [
+                             c.querySelector('span').textContent,
+                             c.querySelector('b').textContent
+                               + (c.classList.contains('bad') ? ' bad' : '')]));
+                         if (cards['busy refusals/s']) { clearInterval(t); ok(cards); }
+                       }, 50); })"""
+                )
+                assert browser.console_errors() == []
+                return cards
+
+        cards = await asyncio.to_thread(operate)
+        assert (
+            cards["busy refusals/s"].endswith(" bad")
+            and float(cards["busy refusals/s"].split()[0]) > 0
+        )
+        assert cards["success"].startswith("100.0%"), cards  # the refusals are not failures
