@@ -480,6 +480,9 @@ class Agent(ServingMixin):
         restarts it and :meth:`start` says what is wrong until the permissions are mended."""
         if self.fault is not None or self.status is not AgentStatus.RUNNING:
             return
+        refusals = refusals_of(self.nc)
+        if refusals is not None and refusals.expects(subject):
+            return  # a question whose refusal is its answer (``other_process``), not a loss
         own = (f"reach.agent.{self.agent_id}.", f"{inbox_prefix(self.nc)}.")
         if not subject.startswith(tuple(p.lower() for p in own)):
             return  # (a publish: refused on its own, where it is made)

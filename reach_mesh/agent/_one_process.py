@@ -123,11 +123,19 @@ async def other_process(nc: NATS, agent_id: str, session: str) -> str | None:
             if seen != session:
                 others.append(seen)
 
+    async def ask() -> None:
+        await nc.publish(subject, _PING, reply=inbox)
+        await asyncio.sleep(_OTHERS_WAIT)
+
+    subject = protocol.agent_ctl(agent_id)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=on_answer)
     try:
-        await nc.publish(protocol.agent_ctl(agent_id), _PING, reply=inbox)
-        await asyncio.sleep(_OTHERS_WAIT)
+        # Refused (an auth.conf from before agents could ask their own ctl subject, as at
+        # start): nobody can be asked, and this is no lost subscription of the agent's.
+        await refused_first(nc, subject, ask(), expected=True)
+    except NotPermittedError:
+        return None
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
