@@ -1466,6 +1466,39 @@ async def test_an_agent_whose_subscription_is_taken_away_stops_instead_of_going_
             await hub.close()
 
 
+async def test_an_agent_asking_under_an_old_auth_conf_is_refused_and_serves_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under an ``auth.conf`` from before agents could ask their own ctl subject, the question
+    an agent asks when a hub no longer knows its registration (or after a long silence) is
+    refused: nobody could be asked, and the agent serves on — before, the refusal was taken
+    for a subscription NATS had taken away, and the agent stopped."""
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace=NS)
+    auth.add("agent", VICTIM)
+    with EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server:
+        hub = Hub(settings=auth.settings("hub", "main", nats_url=server.url, **FAST))
+        await hub.start()
+        agent = Agent(VICTIM, settings=auth.settings("agent", VICTIM, nats_url=server.url, **FAST))
+
+        @agent.handler(CAP)
+        async def work(task: Task[Any]) -> Any:
+            return task.payload
+
+        try:
+            await agent.start()
+            _take_away(Path(auth.auth_conf), f'"{protocol.agent_ctl(VICTIM)}",')  # (its publish)
+            server.reload()
+            await asyncio.sleep(0.5)  # (the reload applied)
+            await agent.confirm_identity(live=True)
+            assert agent.fault is None and agent.status.value == "running", agent.fault
+            async with Client(settings=auth.settings("caller", NS, nats_url=server.url)) as c:
+                assert (await c.request(capability=CAP, payload=1)).result == 1
+        finally:
+            await agent.close()
+            await hub.close()
+
+
 async def test_a_second_process_of_an_agent_identity_waits_for_the_first(
     mesh: Mesh, caplog: pytest.LogCaptureFixture
 ) -> None:
