@@ -1424,17 +1424,12 @@ def _take_away(conf: Path, allowed: str) -> None:
     conf.write_text(text.replace(allowed, ""))
 
 
-async def test_an_agent_whose_subscription_is_taken_away_stops_instead_of_going_deaf(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    """An operator's permissions change, reloaded into nats-server, takes away a running
-    agent's subscription to its own task subjects: nats-server drops the subscription and
-    says so, while the agent's heartbeats would still be allowed — a deaf agent that hubs keep
-    routing to. The agent stops instead: it leaves the registry, and ``serve()`` ends with
-    ``NotPermittedError`` (a supervisor restarts it; ``start()`` then says what is wrong)."""
-    from reach_mesh.agent._run import serve
-    from reach_mesh.logs import SUBSCRIPTION_REFUSED
-
+@contextlib.asynccontextmanager
+async def _secure_victim(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[AuthDir, EmbeddedNats, Hub, Agent]]:
+    """A secure-mode nats-server of its own with a hub, and the victim agent (not started;
+    its handler echoes the payload)."""
     auth = AuthDir(tmp_path / "auth")
     auth.init(namespace=NS)
     auth.add("agent", VICTIM)
@@ -1447,6 +1442,24 @@ async def test_an_agent_whose_subscription_is_taken_away_stops_instead_of_going_
         async def work(task: Task[Any]) -> Any:
             return task.payload
 
+        try:
+            yield auth, server, hub, agent
+        finally:
+            await hub.close()
+
+
+async def test_an_agent_whose_subscription_is_taken_away_stops_instead_of_going_deaf(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's permissions change, reloaded into nats-server, takes away a running
+    agent's subscription to its own task subjects: nats-server drops the subscription and
+    says so, while the agent's heartbeats would still be allowed — a deaf agent that hubs keep
+    routing to. The agent stops instead: it leaves the registry, and ``serve()`` ends with
+    ``NotPermittedError`` (a supervisor restarts it; ``start()`` then says what is wrong)."""
+    from reach_mesh.agent._run import serve
+    from reach_mesh.logs import SUBSCRIPTION_REFUSED
+
+    async with _secure_victim(tmp_path) as (auth, server, hub, agent):
         serving = asyncio.create_task(serve(agent))
         try:
             await eventually(lambda: VICTIM in hub.registry.agents, timeout=10)
@@ -1463,7 +1476,6 @@ async def test_an_agent_whose_subscription_is_taken_away_stops_instead_of_going_
         finally:
             serving.cancel()
             await asyncio.gather(serving, return_exceptions=True)
-            await hub.close()
 
 
 async def test_an_agent_asking_under_an_old_auth_conf_is_refused_and_serves_on(
@@ -1473,18 +1485,7 @@ async def test_an_agent_asking_under_an_old_auth_conf_is_refused_and_serves_on(
     an agent asks when a hub no longer knows its registration (or after a long silence) is
     refused: nobody could be asked, and the agent serves on — before, the refusal was taken
     for a subscription NATS had taken away, and the agent stopped."""
-    auth = AuthDir(tmp_path / "auth")
-    auth.init(namespace=NS)
-    auth.add("agent", VICTIM)
-    with EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server:
-        hub = Hub(settings=auth.settings("hub", "main", nats_url=server.url, **FAST))
-        await hub.start()
-        agent = Agent(VICTIM, settings=auth.settings("agent", VICTIM, nats_url=server.url, **FAST))
-
-        @agent.handler(CAP)
-        async def work(task: Task[Any]) -> Any:
-            return task.payload
-
+    async with _secure_victim(tmp_path) as (auth, server, _hub, agent):
         try:
             await agent.start()
             _take_away(Path(auth.auth_conf), f'"{protocol.agent_ctl(VICTIM)}",')  # (its publish)
@@ -1496,7 +1497,6 @@ async def test_an_agent_asking_under_an_old_auth_conf_is_refused_and_serves_on(
                 assert (await c.request(capability=CAP, payload=1)).result == 1
         finally:
             await agent.close()
-            await hub.close()
 
 
 async def test_a_second_process_of_an_agent_identity_waits_for_the_first(
