@@ -23,10 +23,11 @@ import nats
 import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
-from reach_mesh.agent import Task
+from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._pins import HUB_HEADER, TaskPins, decode_pins
+from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.logs import HANDLER_ABANDONED
 from reach_mesh.workflow import StepResult, TaskStatusEvent
 
@@ -550,3 +551,34 @@ async def test_a_hub_killed_with_requests_in_flight_leaves_their_retries_to_the_
 def _ours(hub: Hub, ns: str) -> int:
     """The agents of namespace ``ns`` a hub knows (other tests' may be on the server too)."""
     return sum(1 for agent_id in hub.registry.agents if agent_id.startswith(f"{ns}."))
+
+
+async def test_asking_again_for_a_failed_task_does_not_quarantine_its_agent(
+    hub: Hub, settings: MeshSettings
+) -> None:
+    """A task that failed, asked again with its task id: the agent answers its stored failure
+    (``cached``), which is no new run of the handler and no failure of the agent. Counted as
+    one, five such answers opened the breaker of a healthy agent (the careless-agent audit's
+    re-run), and every caller of it then got ``REACH_NO_MATCH``."""
+    runs = 0
+    agent = Agent(f"{settings.namespace}.once.a1", settings=settings)
+
+    @agent.handler("once:fail:v1")
+    async def fail(task: Task[Any]) -> None:
+        nonlocal runs
+        runs += 1
+        raise TaskFailed("no such order", retryable=False)
+
+    @agent.handler("once:ok:v1")
+    async def ok(task: Task[Any]) -> str:
+        return "ok"
+
+    async with agent, Client(settings=settings) as mesh:
+        for n in range(8):
+            res = await mesh.request(capability="once:fail:v1", task_id="order-404", timeout=5)
+            assert res.state is TaskState.FAILED and res.cached is (n > 0), res
+        assert runs == 1
+        view = hub.registry.agents[agent.agent_id]
+        assert view.breaker.state is BreakerState.CLOSED, view.breaker.reason
+        fine = await mesh.request(capability="once:ok:v1", timeout=5)
+        assert fine.result == "ok"

@@ -433,8 +433,14 @@ class RouteEndMixin:
                     self._duration_children[cap] = child
             if 0.0 <= head.duration_ms <= _MS_MAX:
                 child.observe(head.duration_ms / 1000)
-        # The handler's own fault counts; a caller's bad payload (REACH_BAD_REQUEST) does not.
-        verdict = attempt_verdict(head.state, head.error.code if head.error is not None else None)
+        # The handler's own fault counts; a caller's bad payload (REACH_BAD_REQUEST) does not,
+        # nor an answer from the agent's idempotency cache: no new run, and its run was counted
+        # (a caller asking again for a failed task id quarantined a healthy agent).
+        verdict = (
+            None
+            if head.cached
+            else attempt_verdict(head.state, head.error.code if head.error is not None else None)
+        )
         if verdict is not None:
             if verdict:
                 view.health.success()
