@@ -188,21 +188,20 @@ class AgentCard(_Wire):
     @field_validator("labels")
     @classmethod
     def _labels(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
+        out: dict[str, str] = {}
+        given: dict[str, str] = {}  # lower-cased key -> as written
+        for key, val in v.items():
             if not label_key_ok(key):
                 raise ValueError(f"invalid label key {key!r}: expected [a-z0-9][a-z0-9_.-]*")
-        out = {k.lower(): val for k, val in v.items()}
-        if len(out) < len(v):
-            # Keys are read in any case: two that differ only in case were one label, the
-            # last one's value kept without a word.
-            seen: dict[str, str] = {}
-            for key in v:
-                if key.lower() in seen:
-                    raise ValueError(
-                        f"label keys {seen[key.lower()]!r} and {key!r} differ only in case "
-                        "(keys are read in any case): keep one"
-                    )
-                seen[key.lower()] = key
+            low = key.lower()
+            if low in given:
+                # Keys are read in any case: the two were one label, the last value kept.
+                raise ValueError(
+                    f"label keys {given[low]!r} and {key!r} differ only in case "
+                    "(keys are read in any case): keep one"
+                )
+            given[low] = key
+            out[low] = val
         return out
 
     @property

@@ -117,24 +117,16 @@ def test_unreachable_nats_says_why(url: str, cause: str) -> None:
     _fails_in_one_line(["agents", "--nats", url], _env(), "REACH_UNAVAILABLE", cause, code=3)
 
 
-def test_a_url_that_is_not_nats_is_bad_input_not_unavailable() -> None:
+@pytest.mark.parametrize(
+    ("url", "cause"),
+    [
+        ("http://127.0.0.1:4222", "is not a NATS URL: use nats://host:4222"),
+        ("nats://127.0.0.1:99999", "its port is not a number in 0-65535"),
+    ],
+)
+def test_a_url_that_is_not_a_nats_one_is_bad_input_not_unavailable(url: str, cause: str) -> None:
     """Exit 2 (fix the command), not 3 (try again later): retrying cannot help."""
-    _fails_in_one_line(
-        ["agents", "--nats", "http://127.0.0.1:4222"],
-        _env(),
-        "REACH_BAD_REQUEST",
-        "is not a NATS URL: use nats://host:4222",
-        code=2,
-    )
-
-
-def test_a_nats_url_whose_port_is_out_of_range_is_bad_input() -> None:
-    _fails_in_one_line(
-        ["agents", "--nats", "nats://127.0.0.1:99999"],
-        _env(),
-        "REACH_BAD_REQUEST",
-        "its port is not a number in 0-65535",
-    )
+    _fails_in_one_line(["agents", "--nats", url], _env(), "REACH_BAD_REQUEST", cause, code=2)
 
 
 @pytest.mark.parametrize(
