@@ -112,6 +112,10 @@ def kv_marker(headers: dict[str, str] | None) -> bool:
 class JsClient:
     """Acked JetStream publishes for one connection (started and stopped with its owner)."""
 
+    #: The event loop it was started on, asked once: on Python 3.11 every
+    #: ``asyncio.get_running_loop()`` is a ``getpid`` system call.
+    _loop: asyncio.AbstractEventLoop
+
     def __init__(
         self,
         nc: NATS,
@@ -139,6 +143,7 @@ class JsClient:
         self._publishing: dict[str, asyncio.Future[Msg]] = {}
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._sub = await self._nc.subscribe(
             self._prefix + "*", cb=self._on_ack, pending_msgs_limit=-1
         )
@@ -173,8 +178,7 @@ class JsClient:
         any request made after them."""
         self._later.append((subject, body, headers))
         if self._later_timer is None:
-            loop = asyncio.get_running_loop()
-            self._later_timer = loop.call_later(self._linger, self._linger_over)
+            self._later_timer = self._loop.call_later(self._linger, self._linger_over)
 
     async def send(self, subject: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         """Publish ``body`` to ``subject`` (core NATS, no answer) now, after everything
@@ -218,8 +222,7 @@ class JsClient:
             return
         if self._later_task is not None and not self._later_task.done():
             # Still sending the previous lot: these go next.
-            loop = asyncio.get_running_loop()
-            self._later_timer = loop.call_later(self._linger, self._linger_over)
+            self._later_timer = self._loop.call_later(self._linger, self._linger_over)
             return
         self._later_task = asyncio.ensure_future(self.flush_later())
 
@@ -263,7 +266,7 @@ class JsClient:
 
     def _expect(self, timeout: float) -> tuple[str, asyncio.Future[Msg], asyncio.TimerHandle]:
         """A reply token, the future its answer resolves, and the timer that expires it."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         token = reply_token()
         future: asyncio.Future[Msg] = loop.create_future()
         self._futures[token] = future
@@ -344,7 +347,7 @@ class JsClient:
         together, the newest revision. (Futures, not a task per try: this is on the readers'
         hot paths.)"""
         await self._before_request()
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         deadline = loop.time() + self._timeout
         tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle]] = {}
         hedging = False  # this read holds one of the ``HEDGES_MAX``

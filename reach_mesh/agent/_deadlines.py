@@ -89,11 +89,11 @@ class _Deadlines:
     def arm(self, timeout: float, on_abandon: Callable[[], None] | None = None) -> _Alarm:
         """An alarm cancelling the current task ``timeout`` seconds from now (and calling
         ``on_abandon`` if the task has not stopped ``grace`` seconds later)."""
-        task = asyncio.current_task()
-        assert task is not None, "handlers run in a task"
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
+        assert task is not None, "handlers run in a task"
         when = loop.time() + timeout
         alarm = _Alarm(self, task, on_abandon)
         heapq.heappush(self._heap, (when, next(self._seq), alarm))

@@ -94,6 +94,15 @@ class Fences:
         self._watched_at = math.inf
         #: Fence markers received (a hub gave up an attempt it had sent us).
         self.markers = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _running(self) -> asyncio.AbstractEventLoop:
+        """The event loop, asked once: on Python 3.11 each ``asyncio.get_running_loop()`` is
+        a ``getpid`` system call, and these are asked for every step delivered."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     # ------------------------------------------------------------------ promises
 
@@ -168,14 +177,14 @@ class Fences:
         """
         if delivery.delivered != 1 or not self._agent.in_touch():
             return False
-        now = asyncio.get_running_loop().time()
+        now = self._running().time()
         # A stall seen lately, or one going on now (the watch overdue: this pass of the loop
         # may be the first after it, ahead of the watch's own wake-up).
         return now - self._stalled_at > _STALL_MEMORY and now - self._watched_at < _TICK + _STALL
 
     async def watch(self) -> None:
         """Note when the event loop stalls (see ``fresh``). Runs until cancelled."""
-        loop = asyncio.get_running_loop()
+        loop = self._running()
         while True:
             t = self._watched_at = loop.time()
             await asyncio.sleep(_TICK)
@@ -184,13 +193,12 @@ class Fences:
 
     # ------------------------------------------------------------------ what arrives behind
 
-    @staticmethod
-    def behind_of(delivery: Delivery | None) -> Behind | None:
+    def behind_of(self, delivery: Delivery | None) -> Behind | None:
         """For a first delivery with messages queued behind it, what to count of them (pass it
         to ``arrived`` with this same message, before its run starts)."""
         if delivery is None or delivery.delivered != 1 or delivery.pending <= 0:
             return None
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[bool] = self._running().create_future()
         return Behind(delivery.sseq, delivery.pending, fut)
 
     def arrived(self, delivery: Delivery | None, behind: Behind | None) -> None:

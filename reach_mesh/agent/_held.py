@@ -90,6 +90,9 @@ class HeldSteps:
 
     _agent: Agent
     _settings: MeshSettings
+    #: The event loop (``WorkConsumer.start``), asked once: on Python 3.11 each
+    #: ``asyncio.get_running_loop()`` or ``current_task()`` is a ``getpid`` system call.
+    _loop: asyncio.AbstractEventLoop
     #: Fence reads (direct gets of ``reach_tasks``) and final statuses.
     _jsc: JsClient | None
     #: Keys the nonce of each final-status id (``protocol.final_msg_id``): random per
@@ -130,9 +133,7 @@ class HeldSteps:
             entry = agent._results.get(env.task_id)
             if entry is not None and entry.done is done:
                 entry.state = TaskState.ACCEPTED
-            held.accepted_timer = asyncio.get_running_loop().call_later(
-                _ACCEPTED_AFTER, self._say_accepted, held
-            )
+            held.accepted_timer = self._loop.call_later(_ACCEPTED_AFTER, self._say_accepted, held)
 
         async def progress(info: Any) -> None:
             if self._held.get(env.task_id) is not held:
@@ -240,7 +241,7 @@ class HeldSteps:
             await retrying(
                 f"final status of {env.task_id}",
                 functools.partial(jsc.publish, subject, body, out),
-                asyncio.get_running_loop().time() + _FINAL_RETRY,
+                self._loop.time() + _FINAL_RETRY,
             )
         except Exception as err:
             failed.append(

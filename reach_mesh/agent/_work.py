@@ -157,6 +157,7 @@ class WorkConsumer(HeldSteps):
         """Set up the consumer. JetStream may be briefly unavailable (a cluster electing a
         leader): then the agent still starts — request-reply is core NATS — and the consumer
         is set up in the background; steps wait in the stream meanwhile."""
+        self._loop = asyncio.get_running_loop()
         try:
             await asyncio.wait_for(
                 self._prepare(), timeout=max(self._settings.connect_timeout, 5.0)
@@ -459,7 +460,7 @@ class WorkConsumer(HeldSteps):
                 [msg],
             )
             return
-        done: asyncio.Future[TaskReply] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[TaskReply] = self._loop.create_future()
         owner = None if env.workflow_id is None else (env.workflow_id, env.step)
         agent._remember(
             env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done, owner=owner)
@@ -470,7 +471,7 @@ class WorkConsumer(HeldSteps):
             # It waits for a slot: say it is in hand. With a slot free the handler starts in
             # this same pass and ACCEPTED implies DELIVERED (one status message fewer).
             self._publish(env, TaskState.DELIVERED, headers)
-        held.task = asyncio.current_task()
+        held.task = asyncio.current_task(self._loop)
         await self._run(held, handler)
 
     async def _settle_marker(self, msg: Msg, *, ok: bool) -> None:

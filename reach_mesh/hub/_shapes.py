@@ -290,7 +290,7 @@ class WorkflowShapes(StepRunner):
         stop = wf.stopper()  # a cancel (``Workflow.cancel``)
         # Cancelled before it started here (a takeover of a recorded cancel): no step starts.
         tasks = {
-            asyncio.create_task(self._step(wf, i, s, s.payload)): i
+            self._loop.create_task(self._step(wf, i, s, s.payload)): i
             for i, s in enumerate(spec.steps)
             if not stop.done()
         }
@@ -444,7 +444,7 @@ class WorkflowShapes(StepRunner):
         """Run a chain's step (inline: a task of its own per step cost 8 % of a chain's
         throughput); a cancel interrupts it (``Workflow.cancel``). None when a cancel stopped
         it before it finished (a step that had finished keeps its outcome)."""
-        wf.step_task = asyncio.current_task()
+        wf.step_task = asyncio.current_task(self._loop)
         try:
             rec = await self._step(wf, index, step, payload)
         except asyncio.CancelledError:

@@ -129,7 +129,7 @@ class StepRunner(StepPlacing):
     def _io_deadline(self, deadline: float | None = None) -> float:
         """How long an infrastructure error is retried: to ``deadline`` (loop time), and at
         least ``workflow_ack_wait`` from now (past a deadline the TIMEOUT must be written)."""
-        now = asyncio.get_running_loop().time()
+        now = self._loop.time()
         floor = now + self._settings.workflow_ack_wait
         return floor if deadline is None else max(deadline, floor)
 
@@ -234,7 +234,7 @@ class StepRunner(StepPlacing):
         that was sent may still deliver its outcome until the step is decided: the first one
         wins (``StatusTracker.offer``), later ones are counted as stale.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         ns = wf.ns
         task_id = step_task_id(wf.id, index, step)
         key = protocol.task_key(ns, task_id)
@@ -566,7 +566,7 @@ class StepRunner(StepPlacing):
         if track.machine.state is TaskState.PENDING:
             # Its delivery timeout counts from when the work message was stored: a send that
             # took long (retried through a JetStream election) is no silence of the agent's.
-            track.dispatched_at = asyncio.get_running_loop().time()
+            track.dispatched_at = self._loop.time()
         if rec.attempt != 1 or rec.agent_id != wf.first_agent(index):
             self._step_event(
                 wf, index, rec, TaskState.PENDING, attempt=rec.attempt, agent_id=rec.agent_id
@@ -673,7 +673,7 @@ class StepRunner(StepPlacing):
         decided here. Its handler is told to stop; an outcome it sends later is not acted on
         (the attempt is finished for the step)."""
         assert track.agent_id is not None and track.started_at is not None
-        ran = asyncio.get_running_loop().time() - track.started_at
+        ran = self._loop.time() - track.started_at
         err = MeshTimeoutError(
             f"attempt {track.attempt} of step {rec.step} ({rec.task_id}) on {track.agent_id} "
             f"still running {ran:.3g}s after its handler started, past its "
@@ -732,7 +732,7 @@ class StepRunner(StepPlacing):
         self, track: StepTrack, pol: Policy, deadline: float
     ) -> tuple[Outcome, TaskStatusEvent | None]:
         """Wait for the current attempt's outcome (or any earlier attempt's, first wins)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         while True:
             if track.final is not None:
                 return "final", track.final

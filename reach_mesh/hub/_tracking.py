@@ -271,13 +271,21 @@ class StatusTracker:
         #: whether the agent was taken for deaf since). Dropped when the step is closed, hears
         #: from its attempt, or is asked again (``_no_responders`` puts it back).
         self._unanswered: dict[str, tuple[str, int, float, bool]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _now(self) -> float:
+        """The event loop's time, the loop asked once (``WorkflowEvents._loop`` says why)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop.time()
 
     # ------------------------------------------------------------------ tracks
 
     def open(self, rec: TaskRecord, key: str, sp: Span) -> StepTrack:
         """Start tracking a step from its record (a fresh one, or one taken over)."""
 
-        now = asyncio.get_running_loop().time()
+        now = self._now()
         track = StepTrack(
             key=key,
             task_id=rec.task_id,
@@ -305,7 +313,7 @@ class StatusTracker:
 
     def dispatch(self, track: StepTrack, attempt: int, view: AgentView) -> None:
         """``attempt`` (already recorded) goes to ``view``'s agent now."""
-        now = asyncio.get_running_loop().time()
+        now = self._now()
         track.release_view()
         track.attempt = attempt
         track.agent_id = view.agent_id
@@ -328,7 +336,7 @@ class StatusTracker:
         track.agent_id = agent_id
         track.machine = _machine(track.span, attempt)
         track.machine.catch_up(TaskState.DELIVERED)
-        track.dispatched_at = track.last_event = asyncio.get_running_loop().time()
+        track.dispatched_at = track.last_event = self._now()
         track.started_at = None
         track.lost = False
 
@@ -426,7 +434,7 @@ class StatusTracker:
         if event.attempt == track.attempt:
             if not track.machine.catch_up(event.state):
                 return  # a repeat or an out-of-order older state
-            now = track.last_event = track.heard_at = asyncio.get_running_loop().time()
+            now = track.last_event = track.heard_at = self._now()
             if track.started_at is None and track.machine.state in _STARTED:
                 track.started_at = now
             # Heard from: an earlier "no responders" says nothing about its next silence.

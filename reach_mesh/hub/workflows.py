@@ -211,6 +211,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         s = self._settings
         ensure = functools.partial(ensure_workflow_resources, self._js, s)
         await ensure()
@@ -291,7 +292,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         to this run of it from now on, in place of any other run of it here (which lost it;
         a cancel that one took is carried over)."""
         key = (wf.ns, wf.id)
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         assert task is not None
         old = self._owning.get(key)
         self._owning[key] = (wf, task)
@@ -339,7 +340,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             self._defer(msg, ns)
             return
         self._shares.take(ns)
-        task = asyncio.create_task(self._own(msg), name="reach-workflow")
+        task = self._loop.create_task(self._own(msg), name="reach-workflow")
         self._running[task] = msg
         if seq is not None:
             self._runs_by_seq[seq] = task
@@ -447,7 +448,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             bad = WorkflowSpecError(f"invalid workflow: {type(err).__name__}: {str(err)[:200]}")
             await self._reject(msg, headers, bad)
             return
-        me = asyncio.current_task()
+        me = asyncio.current_task(self._loop)
         assert me is not None
         try:
             result, stored = await self._run(wf)
@@ -603,11 +604,10 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
                 field="timeout",
             )
         remaining = submitted + timeout - self._server_clock.now()
-        loop = asyncio.get_running_loop()
         return Workflow(
             spec=spec,
             need=need,
-            deadline=loop.time() + max(0.0, remaining),
+            deadline=self._loop.time() + max(0.0, remaining),
             submitted_at=submitted,
             headers=headers,
             trace_id=trace_id_from_headers(headers),
