@@ -22,6 +22,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -141,10 +142,16 @@ class Batcher:
             self._sent_on.clear()
         self._sent_on[token] = subject
 
-    async def stop(self) -> None:
+    async def stop(self, error: Callable[[], BaseException] | None = None) -> None:
+        """Stop hearing answers; the requests still waiting for one fail now, each with an
+        ``error()`` of its own (without ``error``, each waits out its timeout)."""
         refusals = refusals_of(self._nc)
         if refusals is not None and self.refused in refusals.listeners:
             refusals.listeners.remove(self.refused)
+        if error is not None:
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_exception(error())
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()

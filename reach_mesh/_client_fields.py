@@ -101,6 +101,24 @@ def _end_span(sp: Span, state: TaskState, code: str | None) -> None:
         sp.set_status(Status(StatusCode.ERROR, code or state.value))
 
 
+def _check_timeout(
+    timeout: object, maximum: float = 86400.0, error: type[BadRequestError] = BadRequestError
+) -> float:
+    """``timeout`` as seconds in (0, ``maximum``], else ``error`` naming the field (a string,
+    ``None``, a bool or NaN is no number of seconds here)."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout <= maximum  # NaN fails too
+    ):
+        raise error(
+            f"invalid timeout {timeout!r}: expected seconds in (0, {maximum:g}]",
+            field="timeout",
+            value=repr(timeout)[:100],
+        )
+    return float(timeout)
+
+
 def _route_fields(
     *,
     agent_id: str | None,
@@ -133,12 +151,7 @@ def _route_fields(
         protocol.validate_task_id(task_id)
     else:
         task_id = os.urandom(16).hex()  # what uuid4().hex is, at a quarter of the cost
-    if not isinstance(timeout, int | float) or not 0 < timeout <= 86400:  # NaN fails too
-        raise BadRequestError(
-            f"invalid timeout {timeout!r}: expected seconds in (0, 86400]",
-            field="timeout",
-            value=repr(timeout)[:100],
-        )
+    timeout = _check_timeout(timeout)
     if mode not in _MODES:
         raise BadRequestError(
             f"invalid mode {mode!r}: expected 'proxy' or 'direct'",
@@ -147,7 +160,7 @@ def _route_fields(
         )
     fields: _RouteFields = {
         "task_id": task_id,
-        "timeout": float(timeout),
+        "timeout": timeout,
         "mode": mode,
         "explain": bool(explain),
         "dry_run": False,

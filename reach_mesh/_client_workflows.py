@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Final, Literal
 
 import nats.js.errors
+import pydantic_core
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import MaxPayloadError
@@ -23,7 +24,7 @@ from pydantic import ValidationError
 
 from reach_mesh import protocol
 from reach_mesh._client_base import HubAsks
-from reach_mesh._client_fields import _consumer_name, _end_span, _reply_slack
+from reach_mesh._client_fields import _check_timeout, _consumer_name, _end_span, _reply_slack
 from reach_mesh._guard import refuse
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, describe, retrying, storage_full
@@ -45,6 +46,7 @@ from reach_mesh.tracing import (
     span,
 )
 from reach_mesh.workflow import (
+    SECONDS_MAX,
     CancelResult,
     Step,
     WorkflowEvent,
@@ -65,6 +67,10 @@ __all__ = ["WorkflowsMixin"]
 #: How long a workflow submission rides out JetStream being unavailable (a leader election
 #: takes 4-9 s) before it raises ``MeshUnavailableError``; a repeat is deduplicated.
 _SUBMIT_RETRY: Final = 15.0
+#: One try of a submission: the JetStream client's timeout, or what is left of the budget (at
+#: least ``_SUBMIT_TRY_MIN``).
+_SUBMIT_TRY: Final = 5.0
+_SUBMIT_TRY_MIN: Final = 0.25
 
 #: How often a cancel asks again while the owner stops the workflow (s).
 _CANCEL_POLL: Final = 0.2
@@ -78,6 +84,10 @@ _EVENT_DRAIN: Final = 2.0
 #: How often a wait for a result also reads the record (s): ``.done`` is announced once, on
 #: core NATS, and one lost on the way (a NATS node dying as it passed) ends the wait then.
 _RESULT_RECHECK: Final = 5.0
+#: The longest a wait that ran out reads the record for a result it may hold (a read bounded
+#: by the caller's timeout otherwise: with NATS unreachable a read takes the JetStream
+#: client's 5 s, which a ``workflow(id, timeout=1)`` must not wait).
+_LAST_LOOK: Final = 0.5
 
 #: A wait for a workflow's ``.done``: its message, or the stored result a re-check read.
 _Done = asyncio.Future[Msg | WorkflowResult]
@@ -114,6 +124,8 @@ class WorkflowsMixin(HubAsks):
         that fails is *returned* (``result.state``), not raised. Waiting ends as
         :meth:`workflow`'s does.
         """
+        # Checked before the spec (which takes None, and a string of digits): it is waited.
+        timeout = _check_timeout(timeout, SECONDS_MAX, WorkflowSpecError)
         spec = self._workflow_spec("fanout", steps, policy, timeout, workflow_id)
         return await self._run_workflow(spec, timeout, chosen_id=workflow_id is not None)
 
@@ -123,6 +135,7 @@ class WorkflowsMixin(HubAsks):
         """Run ``steps`` in order; each step's input is the previous output merged with its own
         payload (see :func:`reach_mesh.workflow.merge_payload`). ``result.result`` is the last
         step's output."""
+        timeout = _check_timeout(timeout, SECONDS_MAX, WorkflowSpecError)
         spec = self._workflow_spec("chain", steps, "all", timeout, workflow_id)
         return await self._run_workflow(spec, timeout, chosen_id=workflow_id is not None)
 
@@ -166,12 +179,16 @@ class WorkflowsMixin(HubAsks):
         which raise ``WorkflowConflictError`` when another spec ran under it (``submit_*``
         compares only with a record that exists when it submits)."""
         protocol.validate_workflow_id(workflow_id)
+        timeout = _check_timeout(timeout, SECONDS_MAX)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         sub, done = await self._done_subscription(workflow_id)
         try:
-            found = await self._stored_result(workflow_id)
+            found = await self._stored_result(workflow_id, within=timeout)
             if found is not None:
                 return found
-            return (await self._await_done(done, workflow_id, timeout))[0]
+            spent = loop.time() - began
+            return (await self._await_done(done, workflow_id, timeout, spent=spent))[0]
         finally:
             self._drop_done(done)
             with contextlib.suppress(Exception):
@@ -411,20 +428,26 @@ class WorkflowsMixin(HubAsks):
         timeout: float | None,
         workflow_id: str | None,
     ) -> WorkflowSpec:
+        where: tuple[str | int, ...] = ()
         try:
+            specs = []
+            for i, step in enumerate(steps):
+                where = ("steps", i)
+                specs.append(step.spec() if isinstance(step, Step) else _bad_step(step))
+            where = ()
             spec = WorkflowSpec(
                 workflow_id=workflow_id or new_workflow_id(),
                 kind=kind,
-                steps=[s.spec() if isinstance(s, Step) else _bad_step(s) for s in steps],
+                steps=specs,
                 policy=policy,
                 timeout=timeout,
                 namespace=self.namespace,
             )
         except ValidationError as err:
             first = err.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in first["loc"]) or "workflow"
+            field = ".".join(str(p) for p in (*where, *first["loc"])) or "workflow"
             raise WorkflowSpecError(
-                f"invalid workflow: {where}: {first['msg']}", field=where
+                f"invalid workflow: {field}: {first['msg']}", field=field
             ) from err
         validate_spec(spec)  # typed errors here, before anything is sent
         return spec
@@ -483,7 +506,12 @@ class WorkflowsMixin(HubAsks):
         ``chosen_id`` (the caller's, not a fresh random one) taken by another spec raises
         ``WorkflowConflictError``; a random id cannot be another spec's, so it is not read
         back (one round trip fewer per workflow)."""
-        body = protocol.encode(spec)
+        try:
+            body = protocol.encode(spec)
+        except pydantic_core.PydanticSerializationError as err:
+            raise WorkflowSpecError(
+                f"invalid workflow: a payload cannot be written as JSON: {err}", field="payload"
+            ) from err
         # What the hub would refuse (it checks the same), refused before anything is sent.
         server: int = self.nc.max_payload
         check_payload_sizes(
@@ -504,10 +532,15 @@ class WorkflowsMixin(HubAsks):
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF
         jsc = await self._js_client()
         subject = protocol.wf_submit(spec.namespace)
+        budget = _SUBMIT_RETRY if spec.timeout is None else min(_SUBMIT_RETRY, spec.timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
 
         async def publish() -> Any:
+            # Each try within the budget (one try may wait the JetStream client's 5 s).
+            left = min(_SUBMIT_TRY, max(_SUBMIT_TRY_MIN, deadline - loop.time()))
             try:
-                return await jsc.publish(subject, body, headers)
+                return await jsc.publish(subject, body, headers, timeout=left)
             except nats.js.errors.NoStreamResponseError:
                 # No stream answered: none exists (no hub ever ran), or it has no leader now.
                 if not await _stream_may_exist(self.nc.jetstream(), protocol.STREAM_WF):
@@ -526,11 +559,8 @@ class WorkflowsMixin(HubAsks):
                     ) from err
                 raise
 
-        budget = _SUBMIT_RETRY if spec.timeout is None else min(_SUBMIT_RETRY, spec.timeout)
         try:
-            ack = await retrying(
-                f"submit {spec.workflow_id}", publish, asyncio.get_running_loop().time() + budget
-            )
+            ack = await retrying(f"submit {spec.workflow_id}", publish, deadline)
         except RetriesExhausted as err:
             raise MeshUnavailableError(
                 f"JetStream did not take workflow {spec.workflow_id} within {budget:g}s "
@@ -584,8 +614,18 @@ class WorkflowsMixin(HubAsks):
                 await jsc.stop()
         return self._jsc
 
-    async def _stored_result(self, workflow_id: str) -> WorkflowResult | None:
-        return _final_result(await self._workflow_record(workflow_id))
+    async def _stored_result(
+        self, workflow_id: str, *, within: float | None = None
+    ) -> WorkflowResult | None:
+        """The workflow's result, if its record holds one; None also when the record cannot
+        be read (``within`` seconds, if given)."""
+        read = self._workflow_record(workflow_id)
+        if within is None:
+            return _final_result(await read)
+        try:
+            return _final_result(await asyncio.wait_for(read, within))
+        except TimeoutError:
+            return None
 
     async def _done_subscription(self, workflow_id: str) -> tuple[Subscription, _Done]:
         """A subscription to the workflow's ``.done`` for one message, and the wait it ends.
@@ -665,7 +705,7 @@ class WorkflowsMixin(HubAsks):
                 )
 
     async def _await_done(
-        self, done: _Done, workflow_id: str, timeout: float
+        self, done: _Done, workflow_id: str, timeout: float, *, spent: float = 0.0
     ) -> tuple[WorkflowResult, bool]:
         """The result and whether a message ended ``done``'s subscription (it is over then).
         ``done``: from :meth:`_done_subscription`. The record is also read every
@@ -674,9 +714,9 @@ class WorkflowsMixin(HubAsks):
         A message that is not the workflow's own announcement — a JetStream push consumer can
         deliver anything stored to any subject (``reach_mesh/_guard.py``) — is dropped: the
         wait goes on on a subscription of its own, after a look at the record (which only hubs
-        write)."""
+        write). ``spent``: of ``timeout``, what the caller spent before."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+        deadline = loop.time() + timeout - spent
         spent = False  # the caller's subscription had its one message
         own: tuple[Subscription, _Done] | None = None  # ours, while it has had none
         try:
@@ -688,7 +728,11 @@ class WorkflowsMixin(HubAsks):
                         # The read races the announcement (it may wait out an election).
                         read = asyncio.ensure_future(self._stored_result(workflow_id))
                         either: set[asyncio.Future[Any]] = {done, read}
-                        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait(
+                            either,
+                            timeout=max(0.0, deadline - loop.time()),
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
                         if not read.done():
                             read.cancel()
                         elif (found := read.result()) is not None:
@@ -701,7 +745,7 @@ class WorkflowsMixin(HubAsks):
                 except TimeoutError as err:
                     # The record is the source of truth: the result may be stored while its
                     # .done announcement is still on the way (a hub died between the two).
-                    found = await self._stored_result(workflow_id)
+                    found = await self._stored_result(workflow_id, within=min(timeout, _LAST_LOOK))
                     if found is not None:
                         return found, spent
                     raise MeshTimeoutError(
@@ -721,7 +765,9 @@ class WorkflowsMixin(HubAsks):
                     return result, spent
                 own = await self._done_subscription(workflow_id)
                 done = own[1]
-                found = await self._stored_result(workflow_id)
+                found = await self._stored_result(
+                    workflow_id, within=max(_LAST_LOOK, deadline - loop.time())
+                )
                 if found is not None:
                     return found, spent
         finally:

@@ -51,6 +51,7 @@ from reach_mesh._nats import (
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     AgentBusyError,
+    BadRequestError,
     InternalError,
     MeshTimeoutError,
     MeshUnavailableError,
@@ -154,6 +155,13 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
+def _closed_while_waiting() -> MeshUnavailableError:
+    return MeshUnavailableError(
+        "the client was closed while waiting for this answer (the task may still run: ask "
+        "again with its task_id from another client)"
+    )
+
+
 class Client(WorkflowsMixin, FleetMixin):
     """``async with Client(url) as mesh: await mesh.request(capability=..., payload=...)``.
 
@@ -184,6 +192,8 @@ class Client(WorkflowsMixin, FleetMixin):
         self._reconnects: Reconnects | None = None
         self._watch: ReconnectWatch | None = None
         self._state = _State.NEW
+        #: The event loop it was connected on: its connection and waits belong to it.
+        self._loop: asyncio.AbstractEventLoop | None = None
         # Direct mode: cached decisions per routing key, this client's requests in flight per
         # agent (to spread over a cached decision), and when we last reported an agent failing.
         self._routes: collections.OrderedDict[_CacheKey, _Route] = collections.OrderedDict()
@@ -206,9 +216,33 @@ class Client(WorkflowsMixin, FleetMixin):
 
     @property
     def nc(self) -> NATS:
+        """The client's NATS connection (see :meth:`_check_usable`)."""
+        self._check_usable()
         if self._nc is None:
             raise RuntimeError("client is not connected: use `async with Client(...)`")
         return self._nc
+
+    def _check_usable(self) -> None:
+        """``MeshUnavailableError`` once the client is closed; ``RuntimeError`` when called
+        from another event loop than the one it was connected on (a thread's
+        ``asyncio.run``): nats-py's connection and the client's waits belong to that loop, and
+        a call from another one waited out its timeout and left the client unable to hear
+        any answer after it."""
+        if self._state is _State.CLOSED:
+            raise MeshUnavailableError(
+                "this client is closed: its requests and waits ended with it (connect a new one)"
+            )
+        if self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not from a coroutine: nothing of the loop's is touched
+        if running is not self._loop:
+            raise RuntimeError(
+                "this Client was connected on another event loop: use it from that loop only "
+                "(asyncio.run_coroutine_threadsafe from other threads), or one Client per loop"
+            )
 
     async def connect(self) -> Client:
         if self._state is not _State.NEW:
@@ -223,6 +257,7 @@ class Client(WorkflowsMixin, FleetMixin):
             reconnects = self._watch.reconnects
         reconnects.listeners.append(self._on_reconnect)
         self._reconnects = reconnects
+        self._loop = asyncio.get_running_loop()
         self._state = _State.OPEN
         return self
 
@@ -263,7 +298,7 @@ class Client(WorkflowsMixin, FleetMixin):
         self._end_done_waits()
         if self._batcher is not None:
             with contextlib.suppress(Exception):
-                await self._batcher.stop()
+                await self._batcher.stop(_closed_while_waiting)
         if self._jsc is not None:
             with contextlib.suppress(Exception):
                 await self._jsc.stop()
@@ -355,13 +390,21 @@ class Client(WorkflowsMixin, FleetMixin):
         with the same ``task_id`` by capability goes to that agent, whose idempotency cache
         answers from the run it has: another agent would run it again. Whichever hub routes
         it (the hubs pin the ids they route too, and tell each other). When that agent is no longer
-        routable, the task is routed as asked (it may then run twice)."""
+        routable, the task is routed as asked (it may then run twice). Either way, and asked
+        by selector, it goes as the attempt after the one that timed out (``after_attempt``):
+        a handler that ran out of time runs again."""
+        self._check_usable()
         key = (ns, fields["task_id"])
         pinned = self._timed_out.get(key) if self._timed_out else None
         after = 0  # the attempt this one comes after, on the agent it goes to
-        if pinned is not None and "selector" not in fields:
+        if pinned is not None:
             agent, attempt = pinned
-            if "agent_id" not in fields:
+            if "selector" in fields:
+                # A selector names no agent to pin (nor may it be given with one): the next
+                # attempt, wherever the selector takes it — on the agent that timed out, its
+                # stored TIMEOUT would answer attempt 1 again for as long as it kept it.
+                after = attempt
+            elif "agent_id" not in fields:
                 try:
                     return await self._remembering(key, {**fields, "agent_id": agent}, ns, attempt)
                 except (NoMatchError, UnknownAgentError):
@@ -411,7 +454,12 @@ class Client(WorkflowsMixin, FleetMixin):
     def _encode(self, fields: Mapping[str, Any]) -> bytes:
         """A wire model's fields as ``protocol.encode`` writes the model (NaN and infinities as
         ``null``); ``PayloadTooLargeError`` past the size limit, before anything is sent."""
-        body = pydantic_core.to_json(fields, inf_nan_mode="null")
+        try:
+            body = pydantic_core.to_json(fields, inf_nan_mode="null")
+        except pydantic_core.PydanticSerializationError as err:
+            raise BadRequestError(
+                f"invalid payload: it cannot be written as JSON: {err}", field="payload"
+            ) from err
         if len(body) > self.settings.max_payload + 16 * 1024:
             raise PayloadTooLargeError(
                 f"request of {len(body)} bytes exceeds the maximum payload of "
@@ -727,6 +775,7 @@ class Client(WorkflowsMixin, FleetMixin):
         been sent while this client was away, and lost), unless it is not ``repeatable`` (an
         operator's ``remove``). Routes are asked again by the batcher (``Batcher.resend``).
         """
+        self._check_usable()
         subject = protocol.hub_subject(ns, verb)
         reconnects = self._reconnects
         delay = 0.02

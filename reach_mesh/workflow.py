@@ -135,7 +135,16 @@ class Step:
     ``<workflow_id>-<index>`` so a re-submitted workflow finds its steps again.
     """
 
-    __slots__ = ("agent_id", "capability", "payload", "retry", "selector", "task_id", "timeout")
+    __slots__ = (
+        "agent_id",
+        "capability",
+        "payload",
+        "retries",
+        "retry",
+        "selector",
+        "task_id",
+        "timeout",
+    )
 
     def __init__(
         self,
@@ -154,10 +163,8 @@ class Step:
         self.selector = selector
         self.payload = payload
         self.timeout = timeout
-        policy = retry or RetryPolicy()
-        if retries is not None:
-            policy = policy.model_copy(update={"retries": retries})
-        self.retry = policy
+        self.retries = retries
+        self.retry = retry or RetryPolicy()
         self.task_id = task_id
 
     def spec(self) -> StepSpec:
@@ -168,7 +175,10 @@ class Step:
             selector=self.selector,
             payload=self.payload,
             timeout=self.timeout,
-            retry=self.retry,
+            # ``retries`` validated here with the rest (a WorkflowSpecError before sending).
+            retry=self.retry
+            if self.retries is None
+            else {**self.retry.model_dump(), "retries": self.retries},
             task_id=self.task_id,
         )
 
@@ -234,7 +244,7 @@ def validate_spec(spec: WorkflowSpec) -> int:
                 protocol.validate_agent_id(step.agent_id)
                 if protocol.namespace_of(step.agent_id) != spec.namespace:
                     raise WorkflowSpecError(
-                        f"step {i}: agent {step.agent_id!r} is not in namespace {spec.namespace!r}",
+                        f"agent {step.agent_id!r} is not in namespace {spec.namespace!r}",
                         field=f"steps.{i}.agent_id",
                         step=i,
                     )

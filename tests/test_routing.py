@@ -539,28 +539,31 @@ async def test_a_direct_call_whose_decision_came_too_late_sends_nothing(
     await relay.cut()
 
 
+@pytest.mark.parametrize("target", ["capability", "selector"])
 @pytest.mark.parametrize("mode", ["direct", "proxy"])
 async def test_a_retry_of_a_task_that_timed_out_on_its_agent_runs_it_again(
-    hub: Hub, settings: MeshSettings, namespace: str, mode: Mode
+    hub: Hub, settings: MeshSettings, namespace: str, mode: Mode, target: str
 ) -> None:
     """The handler outlasted the call's timeout (its agent ended it: TIMEOUT). The retry with
     the same task id goes to that agent as its next attempt, which a TIMEOUT runs again; as
     attempt 1 again it got the stored TIMEOUT, every time (a chaos route whose decision came
     with 42 ms left was never answered; through a hub, every retry of a timed-out task). Direct
     mode numbers the attempt in the client, proxy mode in the hub (``after_attempt``). A retry
-    that times out too is followed by one that counts on from it."""
+    that times out too is followed by one that counts on from it. By selector too (the
+    README's first form), which names no agent to pin: its retries were attempt 1 for good."""
     a, ran = recording_agent(f"{namespace}.w.a1", settings, "work:echo:v1", delay=0.4)
+    to: dict[str, Any] = (
+        {"capability": "work:echo:v1"}
+        if target == "capability"
+        else {"selector": "cap=work:echo:v1"}
+    )
     async with a, Client(settings=settings) as c:
         for attempt in (1, 2):
             with pytest.raises(MeshTimeoutError):  # (the caller's wait or the agent's answer)
-                await c.request(
-                    capability="work:echo:v1", payload=1, task_id="slow-1", timeout=0.2, mode=mode
-                )
+                await c.request(**to, payload=1, task_id="slow-1", timeout=0.2, mode=mode)
             await asyncio.sleep(0.5)  # its agent has ended the handler: TIMEOUT, kept for the id
             assert ran == [1] * attempt
-        res = await c.request(
-            capability="work:echo:v1", payload=1, task_id="slow-1", timeout=5, mode=mode
-        )
+        res = await c.request(**to, payload=1, task_id="slow-1", timeout=5, mode=mode)
         assert res.result == 1 and res.attempt == 3 and ran == [1, 1, 1]
 
 
