@@ -19,7 +19,7 @@ from reach_mesh._cli_fleet import _inflight
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
-from reach_mesh.hub._dashboard import _between, _Histogram, _Sample
+from reach_mesh.hub._dashboard import UNCONFIRMED, _between, _Histogram, _Sample
 from reach_mesh.models import AgentInfo, AgentState
 from reach_mesh.workflow import Step, WorkflowRecord, WorkflowResult
 
@@ -332,6 +332,38 @@ async def test_an_agent_cannot_rewrite_a_finished_workflow_or_list_a_made_up_one
         await eventually(lambda: (ns, "dash-ghost") not in keeper.workflows)
     step = keeper.workflows[key].steps[0]
     assert (step.state, step.attempt, step.agent_id) == ("SUCCEEDED", 1, f"{ns}.echo.a1")
+
+
+async def test_made_up_workflows_cannot_push_real_ones_off_the_panel(mesh: Mesh) -> None:
+    """An agent publishing RUNNING events for 60 made-up workflow ids of its namespace: the
+    panel keeps every workflow whose record it has read (they emptied it: it kept the newest
+    50 of any kind), and at most ``UNCONFIRMED`` of those it knows only from events."""
+    ns = mesh.settings.namespace
+    wf = mesh.workflow
+    keeper = mesh.hub.dashboard
+    assert wf is not None and keeper is not None
+    key = (ns, wf.workflow_id)
+    await eventually(lambda: key in keeper.workflows and keeper.workflows[key].known)
+    forger = f"{ns}.flaky.b1"
+    async with Client(settings=mesh.settings) as c:
+        for i in range(60):
+            body = {
+                "task_id": f"dash-flood-{i}-0",
+                "workflow_id": f"dash-flood-{i}",
+                "step": 0,
+                "attempt": 1,
+                "state": "RUNNING",
+                "agent_id": forger,
+            }
+            await c.nc.publish(
+                protocol.task_status(forger, body["task_id"]), json.dumps(body).encode()
+            )
+        await c.nc.flush()
+        await eventually(lambda: (ns, "dash-flood-59") in keeper.workflows)
+    _, body = await mesh.get("workflows")
+    listed = {w["workflow_id"] for w in body["workflows"]}
+    assert wf.workflow_id in listed
+    assert len([w for w in listed if w.startswith("dash-flood-")]) <= UNCONFIRMED
 
 
 async def test_pending_lists_a_step_no_agent_can_take(

@@ -48,6 +48,7 @@ __all__ = [
     "DECISIONS",
     "SAMPLES",
     "SAMPLE_INTERVAL",
+    "UNCONFIRMED",
     "WORKFLOWS",
     "Dashboard",
     "decisions_limit",
@@ -69,6 +70,8 @@ SAMPLES: Final = 72
 DECISIONS: Final = 200
 #: Workflows kept (oldest forgotten first).
 WORKFLOWS: Final = 50
+#: Workflows known only from status events (no record read yet) kept besides those.
+UNCONFIRMED: Final = 16
 #: Task records read per unfinished workflow and pass (steps no status event told of).
 _STEP_READS: Final = 16
 #: The window of the "now" figures (rate, success rate, p50/p99).
@@ -226,6 +229,9 @@ class _Workflow:
     submitted_at: float | None = None
     finished_at: float | None = None
     read: bool = False  # the reach_workflows record has been read once
+    #: Its record exists (read, or this hub runs it): unlike a workflow known only from
+    #: status events — which any agent may make up — it is never pushed out by those.
+    known: bool = False
     #: Its final record was read: its steps are the record's, and status events change
     #: nothing any more (an agent may publish any event on its own subject).
     settled: bool = False
@@ -320,15 +326,26 @@ class Dashboard:
         engine = self.hub.workflows
         for ns, wf_id in [] if engine is None else engine.owned:
             if (ns, wf_id) not in self.workflows:
-                wf = self._remember(_Workflow(wf_id, ns, time.time()))
+                wf = _Workflow(wf_id, ns, time.time(), known=True)
+                self._remember(wf)
                 wf.read = True
                 self._read_later(wf)
 
     def _remember(self, wf: _Workflow) -> _Workflow:
+        """Keep ``wf``: the newest :data:`WORKFLOWS` of those with a record, and the newest
+        :data:`UNCONFIRMED` of those known only from status events until their record is read
+        (an agent making up events for 60 workflow ids once emptied the panel)."""
         self.workflows[(wf.namespace, wf.workflow_id)] = wf
-        while len(self.workflows) > WORKFLOWS:
-            self.workflows.popitem(last=False)
+        self._trim()
         return wf
+
+    def _trim(self) -> None:
+        unknown = [k for k, w in self.workflows.items() if not w.known]
+        for key in unknown[: max(0, len(unknown) - UNCONFIRMED)]:
+            del self.workflows[key]
+        known = len(self.workflows) - min(len(unknown), UNCONFIRMED)
+        for key in [k for k, w in self.workflows.items() if w.known][: max(0, known - WORKFLOWS)]:
+            del self.workflows[key]
 
     def record_route(
         self,
@@ -424,6 +441,9 @@ class Dashboard:
             record = WorkflowRecord.model_validate_json(got[0])
         except Exception:
             return
+        if not wf.known and self.workflows.get((wf.namespace, wf.workflow_id)) is wf:
+            wf.known = True
+            self._trim()  # one more with a record: the oldest of those may go
         wf.owner, wf.trace_id = record.owner, record.trace_id
         wf.submitted_at = record.submitted_at
         if record.spec is not None:
