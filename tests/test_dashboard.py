@@ -347,17 +347,16 @@ async def test_made_up_workflows_cannot_push_real_ones_off_the_panel(mesh: Mesh)
     forger = f"{ns}.flaky.b1"
     async with Client(settings=mesh.settings) as c:
         for i in range(60):
+            task_id = f"dash-flood-{i}-0"
             body = {
-                "task_id": f"dash-flood-{i}-0",
+                "task_id": task_id,
                 "workflow_id": f"dash-flood-{i}",
                 "step": 0,
                 "attempt": 1,
                 "state": "RUNNING",
                 "agent_id": forger,
             }
-            await c.nc.publish(
-                protocol.task_status(forger, body["task_id"]), json.dumps(body).encode()
-            )
+            await c.nc.publish(protocol.task_status(forger, task_id), json.dumps(body).encode())
         await c.nc.flush()
         await eventually(lambda: (ns, "dash-flood-59") in keeper.workflows)
     _, body = await mesh.get("workflows")
