@@ -356,15 +356,21 @@ def refused_messages(nc: NATS | None) -> int:
     return nc.messages_refused if isinstance(nc, _Connection) else 0
 
 
-def connection_counts(nc: NATS | None) -> tuple[int, int, bool]:
-    """What ``tracing.metrics.connection_metrics`` exports of ``nc``: the messages dropped
-    unread, its reconnections (0 for a connection not made by :func:`connect`) and whether it
-    is up."""
-    if nc is None:
-        return 0, 0, False
-    reconnects = reconnects_of(nc)
-    count = 0 if reconnects is None else reconnects.count
-    return refused_messages(nc), count, nc.is_connected
+def connection_counts(*ncs: NATS | None) -> tuple[int, int, bool]:
+    """What ``tracing.metrics.connection_metrics`` exports of ``ncs`` (a hub's two, an
+    agent's one): the messages dropped unread, the reconnections (none counted for a
+    connection not made by :func:`connect`), and whether every one is up."""
+    refused = count = 0
+    up = bool(ncs)
+    for nc in ncs:
+        if nc is None:
+            up = False
+            continue
+        reconnects = reconnects_of(nc)
+        count += 0 if reconnects is None else reconnects.count
+        refused += refused_messages(nc)
+        up = up and nc.is_connected
+    return refused, count, up
 
 
 def not_permitted(subject: str) -> NotPermittedError:

@@ -85,6 +85,7 @@ class EmbeddedNats:
         auth_config: str | os.PathLike[str] | None = None,
         max_file_store: int | None = None,
         no_advertise: bool = False,
+        max_pending: int | None = None,
     ) -> None:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -112,6 +113,9 @@ class EmbeddedNats:
         #: JetStream's file storage limit in bytes (``max_file_store``); the server's default
         #: (most of the disk) when None.
         self.max_file_store = max_file_store
+        #: Bytes the server holds for one connection before it cuts it as a slow consumer
+        #: (``max_pending``; 64 MiB when None).
+        self.max_pending = max_pending
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: Path | None = None
 
@@ -126,6 +130,7 @@ class EmbeddedNats:
             f"host: {self.host}",
             f"port: {self.port}",
             f"max_payload: {self.max_payload}",
+            *([f"max_pending: {self.max_pending}"] if self.max_pending else []),
             "jetstream {",
             f'  store_dir: "{self.store_dir / "js"}"',
             *([f"  max_file_store: {self.max_file_store}"] if self.max_file_store else []),

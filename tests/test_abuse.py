@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import nats
 import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh._nats import reconnects_of
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub
@@ -293,3 +296,51 @@ async def test_an_agent_flooding_its_register_subject_spends_its_own_budget(
         server.stop()
     assert len(codes) > 200 and set(codes) == {"REACH_BAD_REQUEST", "REACH_THROTTLED"}
     assert codes.count("REACH_BAD_REQUEST") <= 10 + 3  # its burst, then one a second
+
+
+async def test_a_route_flood_cut_off_as_a_slow_consumer_leaves_the_hubs_other_connection(
+    tmp_path: Path,
+) -> None:
+    """A caller's route flood that a hub cannot read as fast: nats-server cuts the connection
+    the routes come on (a slow consumer), not the one that carries heartbeats, statuses and KV
+    writes — the audit of secure mode saw a hub's only connection cut twice by one caller,
+    and the agents of every namespace go SUSPECT. The hub's event loop is stalled here (as a
+    flood it cannot keep up with stalls it) while another thread floods; the server holds at
+    most 4 MiB for a connection."""
+    async with EmbeddedNats(str(tmp_path), max_pending=4 << 20, max_payload=1 << 20) as server:
+        settings = MeshSettings(nats_url=server.url, namespace="flood", heartbeat_interval=0.5)
+        agent = Agent("flood.echo.a1", settings=settings)
+
+        @agent.handler("work:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
+            assert (await mesh.request(capability="work:echo:v1", payload=1)).result == 1
+            route_nc = hub._route_nc
+            assert route_nc is not None
+            main, routes = reconnects_of(hub.nc), reconnects_of(route_nc)
+            assert main is not None and routes is not None
+            line = b"_INBOX.flood x " + json.dumps({"selector": "x" * 4000}).encode()
+            batch = b"\n".join([line] * 16)  # about 64 KiB a message
+
+            def flood() -> None:
+                async def publish() -> None:
+                    nc = await nats.connect(server.url)
+                    for _ in range(1_000):  # 64 MiB, far past what the sockets hold
+                        await nc.publish(protocol.hub_subject("flood", "route_batch"), batch)
+                    await nc.flush(timeout=30)
+                    await nc.close()
+
+                asyncio.run(publish())
+
+            flooding = threading.Thread(target=flood)
+            flooding.start()
+            time.sleep(3.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
+            await asyncio.to_thread(flooding.join, 60)
+            await eventually(lambda: routes.count >= 1 and route_nc.is_connected, timeout=30)
+            assert main.count == 0, "the flood cut the hub's main connection"
+            view = hub.registry.agents["flood.echo.a1"]
+            await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
+            res = await mesh.request(capability="work:echo:v1", payload=2, timeout=10)
+            assert res.result == 2

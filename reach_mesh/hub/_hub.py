@@ -106,6 +106,8 @@ class Hub(RoutingMixin, ControlMixin):
             )
         self.state = HubState.NEW
         self._nc: NATS | None = None
+        #: Route requests come in on a connection of their own (see ``start``).
+        self._route_nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self._subs: list[Subscription] = []
         self._inflight: set[asyncio.Task[None]] = set()
@@ -155,7 +157,9 @@ class Hub(RoutingMixin, ControlMixin):
         #: per subject per 10 s.
         self._malformed_lines = LineBudget(10.0)
         self.metrics = HubMetrics()
-        connection_metrics(self.metrics.registry, lambda: connection_counts(self._nc))
+        connection_metrics(
+            self.metrics.registry, lambda: connection_counts(self._nc, self._route_nc)
+        )
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}
@@ -205,6 +209,14 @@ class Hub(RoutingMixin, ControlMixin):
                 name=self.hub_id,
                 settings=self.settings,
                 on_reconnect=lambda: self._spawn(self._ask_agents_again()),
+            )
+            # Every namespace's route requests on a connection of their own: a flood of them
+            # that this hub cannot read as fast has nats-server cut that connection (a slow
+            # consumer: 64 MiB waiting), not the one that carries the agents' heartbeats, the
+            # workflows' statuses and the KV writes — a caller's flood once cut that one, and
+            # every tenant's agents went SUSPECT. Answers leave on the other connection.
+            self._route_nc = await connect(
+                self.nats_url, name=f"{self.hub_id}-routes", settings=self.settings
             )
             self._js = self._nc.jetstream(timeout=10.0)
             s = self.settings
@@ -261,6 +273,7 @@ class Hub(RoutingMixin, ControlMixin):
             # hub says it serves: not promised by nc.flush() alone, whose PING nats-py sends
             # ahead of SUBs still queued (``flushed``).
             await flushed(self.nc)
+            await flushed(self._route_nc)
             # Listening for pins now: ask for those made before this hub started.
             await self._ask_pins()
         except BaseException:
@@ -299,6 +312,7 @@ class Hub(RoutingMixin, ControlMixin):
             self._reply_prefix + ">", cb=self._on_agent_reply, pending_msgs_limit=-1
         )
         self._sweeper = asyncio.create_task(self._sweep_deadlines())
+        assert self._route_nc is not None
         for verb, on_route in (
             ("route", self._on_route_msg),
             ("route_batch", self._on_route_batch),
@@ -306,7 +320,7 @@ class Hub(RoutingMixin, ControlMixin):
             subject = protocol.hub_subject("*", verb)
             cb = guarded(subject, on_route)
             self._subs.append(
-                await self.nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
+                await self._route_nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
             )
         # Failure reports go to every hub (no queue group): each keeps its own breakers. An
         # operator's quarantine / release, and the pins of the tasks a hub routed, come from a
@@ -319,6 +333,12 @@ class Hub(RoutingMixin, ControlMixin):
         ):
             cb = guarded(subject, on_msg, answers=False)  # nothing answers these
             self._subs.append(await self.nc.subscribe(subject, cb=cb))
+
+    @property
+    def nats_connected(self) -> bool:
+        """Whether both of the hub's NATS connections are up (its routes come on one of
+        their own: ``start``)."""
+        return connection_counts(self._nc, self._route_nc)[2]
 
     @property
     def routing(self) -> int:
@@ -404,9 +424,10 @@ class Hub(RoutingMixin, ControlMixin):
             await within("audit flush", self.audit.close(), 5.0, log)
         if hasattr(self, "_answers"):
             await within("answer flush", self._answers.flush(), 5.0, log)
-        if self._nc is not None:
-            await within("NATS drain", self._nc.drain(), 5.0, log)
-            await within("NATS close", self._nc.close(), 5.0, log)
+        for nc in (self._route_nc, self._nc):
+            if nc is not None:
+                await within("NATS drain", nc.drain(), 5.0, log)
+                await within("NATS close", nc.close(), 5.0, log)
         self.state = HubState.CLOSED
 
     async def __aenter__(self) -> Hub:

@@ -485,7 +485,7 @@ class HubHttp:
         self.hub.forget_gone_namespaces()
 
     async def healthz(self) -> JSONResponse:
-        ok = self.hub.nc.is_connected
+        ok = self.hub.nats_connected
         health = Health(
             hub_id=self.hub.hub_id,
             nats_connected=ok,

@@ -525,14 +525,16 @@ class _Connection(Collector):
         )
         yield CounterMetricFamily(
             "reach_nats_reconnects",
-            "Times this hub's (or agent's) NATS connection came back after it was lost (a "
-            "network cut, a NATS server restarted or failed over): each loses the answers "
-            "sent meanwhile, which are asked again.",
+            "Times this hub's NATS connections (its routes come on one of their own) or this "
+            "agent's came back after they were lost (a network cut, a NATS server restarted "
+            "or failed over, a slow consumer cut off): each loses the answers sent meanwhile, "
+            "which are asked again.",
             value=reconnects,
         )
         yield GaugeMetricFamily(
             "reach_nats_connected",
-            "1 while this hub's (or agent's) NATS connection is up, 0 while it reconnects.",
+            "1 while this hub's NATS connections (or this agent's one) are up, 0 while one "
+            "reconnects.",
             value=1 if connected else 0,
         )
 
