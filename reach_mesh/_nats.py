@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import re
 import socket
 import ssl
@@ -52,6 +53,9 @@ _GONE_LOG_INTERVAL: Final = 30.0
 #: Slow-consumer drops (nats-py discarding messages a subscription did not read in time): the
 #: first is logged at once, later ones counted and logged every this many seconds.
 _SLOW_LOG_INTERVAL: Final = 10.0
+#: A connection told that its server enters lame-duck mode leaves it within this many seconds
+#: (a random time in it: a node's clients do not all arrive on the others at once).
+_LAME_DUCK_SPREAD: Final = 1.0
 #: What a broken, refused or closing connection raises (also inside our callbacks).
 _TRANSPORT_ERRORS: Final = (nats.errors.Error, OSError, EOFError, TimeoutError)
 #: How nats-py says the connection is lost (the socket closed, PINGs unanswered), just before
@@ -142,6 +146,7 @@ async def connect(
     opts.setdefault("error_cb", watch.error)
     opts.setdefault("disconnected_cb", watch.disconnected)
     opts.setdefault("reconnected_cb", watch.reconnected)
+    opts.setdefault("lame_duck_mode_cb", watch.lame_duck)
     nc = watch.nc = _Connection()
     nc.refusals = Refusals()
     nc.reconnects = Reconnects()
@@ -579,6 +584,8 @@ class _Watch:
         #: Permissions violations: one line per refused subject per 30 s (a misconfigured
         #: agent is refused on every heartbeat, every publish).
         self._refused_lines = LineBudget(_GONE_LOG_INTERVAL)
+        #: Leaving a server in lame-duck mode on purpose (``lame_duck``): not a loss to warn of.
+        self._leaving = False
 
     async def error(self, err: Exception) -> None:
         self.last_error = err
@@ -662,6 +669,37 @@ class _Watch:
             _SLOW_LOG_INTERVAL, self._slow_report
         )
 
+    async def lame_duck(self) -> None:
+        """The server announced lame-duck mode (nats-server's gentle shutdown, SIGUSR2 or
+        ``--signal ldm``): it stops JetStream at once but closes its clients only after its
+        grace period (10 s), during which work pulls, KV writes and heartbeats stored through
+        it stalled — steps were sent again, leases expired. So leave it now, within
+        ``_LAME_DUCK_SPREAD`` s, for another server of the pool (it takes no new connections:
+        nats-py reconnects elsewhere). With no other server known, stay.
+
+        Called on nats-py's reader: nothing here awaits."""
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            return
+        here = nc.connected_url
+        others = [u for u in nc.servers if here is None or u.netloc != here.netloc]
+        if not others:
+            log.warning(
+                "%s: NATS server %s is shutting down (lame duck mode) and no other server is "
+                "known: staying until it closes this connection",
+                self.name,
+                _server_of(nc),
+            )
+            return
+        log.info(
+            "%s: NATS server %s is shutting down (lame duck mode): moving to another of %d",
+            self.name,
+            _server_of(nc),
+            len(others),
+        )
+        self._leaving = True
+        _cut_if_open(getattr(nc, "_transport", None), random.uniform(0, _LAME_DUCK_SPREAD))
+
     async def disconnected(self) -> None:
         if not self.connected or self._down_since is not None:
             return
@@ -669,8 +707,12 @@ class _Watch:
             return  # closed on purpose
         self._down_since = self._logged_at = time.monotonic()
         self._failures = 0
-        log.warning(
-            "%s: lost NATS at %s; reconnecting until it is back", self.name, _server_of(self.nc)
+        log.log(
+            logging.INFO if self._leaving else logging.WARNING,
+            "%s: %s NATS at %s; reconnecting until it is back",
+            self.name,
+            "left" if self._leaving else "lost",
+            _server_of(self.nc),
         )
 
     async def reconnected(self) -> None:
@@ -680,9 +722,14 @@ class _Watch:
             return
         down = time.monotonic() - self._down_since
         self._down_since = None
-        log.warning(
-            "%s: reconnected to NATS after %.1f s, at %s", self.name, down, _server_of(self.nc)
+        log.log(
+            logging.INFO if self._leaving else logging.WARNING,
+            "%s: reconnected to NATS after %.1f s, at %s",
+            self.name,
+            down,
+            _server_of(self.nc),
         )
+        self._leaving = False
 
 
 def _server_of(nc: NATS | None) -> str:

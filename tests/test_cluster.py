@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,15 @@ async def _js_ready(url: str, timeout: float = 20.0) -> None:
                 await asyncio.sleep(0.2)
     finally:
         await nc.close()
+
+
+async def _started(nodes: list[EmbeddedNats]) -> list[str]:
+    """Start ``nodes``; their URLs once the cluster has a JetStream meta leader."""
+    for node in nodes:
+        node.start()
+    urls = [n.url for n in nodes]
+    await _js_ready(urls[1])
+    return urls
 
 
 def _sides(urls: list[str], ns: str, **over: Any) -> tuple[MeshSettings, MeshSettings]:
@@ -147,6 +157,29 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
         await hub_a.close()
 
 
+@contextlib.asynccontextmanager
+async def _across(
+    s_a: MeshSettings, s_b: MeshSettings, ns: str
+) -> AsyncIterator[tuple[Hub, Agent, Client]]:
+    """Hub A and an echo agent on ``s_a`` (node 0 only), hub B and a client on ``s_b``; yields
+    hub A, the agent and the client once the client reached the agent through the cluster."""
+    agent = Agent(f"{ns}.echo.a1", settings=s_a)
+
+    @agent.handler(f"{ns}:echo:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with (
+        Hub(settings=s_a, hub_id="hub-a") as hub_a,
+        Hub(settings=s_b, hub_id="hub-b") as hub_b,
+        agent,
+        Client(settings=s_b) as c,
+    ):
+        await eventually(lambda: agent.agent_id in hub_b.registry.agents, timeout=10)
+        assert (await c.request(agent_id=agent.agent_id, payload=0)).result == 0
+        yield hub_a, agent, c
+
+
 async def _doctor_streams(settings: MeshSettings) -> list[Finding]:
     """The streams ``reach-mesh doctor`` finds not ok, once it finds some and none failed (no
     leader, or no answer: the elections after a node's loss take seconds), within 30 s."""
@@ -176,12 +209,9 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
     stayed for minutes and the routes for 60-90 s, losing about half the requests."""
     nodes = cluster_nodes(tmp_path, name="frozen", http=True)
     try:
-        for node in nodes:
-            node.start()
+        urls = await _started(nodes)
         frozen = nodes[0]
         assert frozen.proc is not None
-        urls = [n.url for n in nodes]
-        await _js_ready(urls[1])
         ping = 0.5
         # Hub A and the agent know node 0 only (the others come from the cluster's gossip).
         # Leases outlive the election of the streams' leaders the frozen node held (their
@@ -194,20 +224,7 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
             nats_ping_interval=ping,
             connect_timeout=0.5,
         )
-        agent = Agent("fz.echo.a1", settings=s_a)
-
-        @agent.handler("fz:echo:v1")
-        async def echo(task: Task[Any]) -> Any:
-            return task.payload
-
-        async with (
-            Hub(settings=s_a, hub_id="hub-a") as hub_a,
-            Hub(settings=s_b, hub_id="hub-b") as hub_b,
-            agent,
-            Client(settings=s_b) as c,
-        ):
-            await eventually(lambda: agent.agent_id in hub_b.registry.agents, timeout=10)
-            assert (await c.request(agent_id=agent.agent_id, payload=0)).result == 0
+        async with _across(s_a, s_b, "fz") as (hub_a, agent, c):
             frozen_port = int(urls[0].rsplit(":", 1)[1])
             assert agent.nc.connected_url is not None
             assert agent.nc.connected_url.port == frozen_port
@@ -372,3 +389,55 @@ async def _replicas(url: str) -> dict[str, int]:
         return out
     finally:
         await nc.close()
+
+
+async def test_a_node_in_lame_duck_mode_is_left_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-server's gentle shutdown (SIGUSR2: lame-duck mode) stops its JetStream at once but
+    closes its clients only after a 10 s grace: a hub and an agent that stayed there meanwhile
+    had their pulls, KV writes and heartbeats stall (an audit's rolling node restarts: steps
+    sent again, leases expired, p99 6-10 s; with SIGTERM none of it). Told of it, they move to
+    another node within a second, saying so at INFO (a planned move is no loss to warn of),
+    and the mesh routes on."""
+    nodes = cluster_nodes(tmp_path, name="ldm")
+    try:
+        urls = await _started(nodes)
+        leaving = nodes[0]
+        assert leaving.proc is not None
+        # Hub A and the agent know node 0 only (the others come from the cluster's gossip).
+        s_a, s_b = _sides(urls, "ldm", lease_timeout=15.0, suspect_timeout=15.0)
+        async with _across(s_a, s_b, "ldm") as (hub_a, agent, c):
+            port = int(urls[0].rsplit(":", 1)[1])
+            conns = [agent.nc, hub_a.nc, hub_a._route_nc]
+            assert all(nc is not None and nc.connected_url.port == port for nc in conns)  # type: ignore[union-attr]
+
+            def moved() -> bool:
+                return all(
+                    nc is not None
+                    and nc.is_connected
+                    and nc.connected_url is not None
+                    and nc.connected_url.port != port
+                    for nc in conns
+                )
+
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="reach_mesh"):
+                leaving.proc.send_signal(signal.SIGUSR2)
+                began = time.monotonic()
+                await eventually(moved, timeout=9)
+                assert time.monotonic() - began < 4.0  # within a second, slack for a loaded box
+                for i in range(10):
+                    res = await c.request(agent_id=agent.agent_id, payload=i, timeout=10)
+                    assert res.result == i
+            said = [r.getMessage() for r in caplog.records if "lame duck" in r.getMessage()]
+            assert said and all("moving to another" in line for line in said), said
+            lost = [
+                r
+                for r in caplog.records
+                if r.levelno >= logging.WARNING and "NATS" in r.getMessage()
+            ]
+            assert not [r.getMessage() for r in lost if "lost NATS" in r.getMessage()]
+    finally:
+        for node in nodes:
+            node.stop()
