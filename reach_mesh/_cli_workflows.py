@@ -217,9 +217,19 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
             print(f"  error {_said(result.error)}")
         if result is not None:
             for s in result.steps:
-                state = s.state.value + (" (cancelled)" if s.cancelled else "")
+                state = _step_state(s.state, s.cancelled, s.attempts)
                 print(f"  step {s.index}: {state}  {s.agent_id or '-'}  {_said(s.error)}")
     return 0 if answer.final or answer.recorded_before_start else 1
+
+
+def _step_state(state: TaskState, cancelled: bool, attempts: int) -> str:
+    """A step's state for people: a cancelled step's record says PENDING whatever its attempt
+    had reached (records hold no running state), so say whether one was ever sent."""
+    if not cancelled or state.final:
+        return state.value + (" (cancelled)" if cancelled else "")
+    if attempts <= 0:
+        return "cancelled, never sent"
+    return f"cancelled after attempt {attempts} was sent"
 
 
 def _when(ts: float | None) -> str:
@@ -248,7 +258,7 @@ def _print_workflow(v: WorkflowView) -> None:
         print(f"  partial: could not read {', '.join(v.unreadable)}")
     rows = [("STEP", "STATE", "ATTEMPT", "AGENT", "TARGET", "ERROR / WAITING")]
     for s in v.steps:
-        state = s.state.value + (" (cancelled)" if s.cancelled else "")
+        state = _step_state(s.state, s.cancelled, s.attempt)
         note = _said(s.error)
         if s.waiting is not None:
             again = "" if s.retry_in_s is None else f", tries again in {s.retry_in_s:g} s"

@@ -695,6 +695,14 @@ class Agent(ServingMixin):
             for task in late:
                 task.cancel()
             if late:  # they answer REACH_CANCELLED
+                log.warning(
+                    "agent %s stopping: %d task(s) still running after drain_timeout (%g s) "
+                    "cancelled; their callers or workflows try them again (on another agent, "
+                    "or on this id once it is back)",
+                    self.agent_id,
+                    len(late),
+                    self.drain_timeout,
+                )
                 await asyncio.wait(late, timeout=1.0)
             if self.work is not None:
                 await within("work keep-alives", self.work.stop_keepalives(), 2.0, log)

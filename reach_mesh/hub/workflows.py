@@ -268,6 +268,14 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
                 await task
             with contextlib.suppress(Exception):
                 await msg.nak()
+        if running:
+            # The hub that resumes them logs a takeover, as for a hub that died: say here
+            # that this one was planned.
+            log.info(
+                "hub %s stopping: handed %d running workflow(s) back for another hub to resume",
+                self.hub_id,
+                len(running),
+            )
         for bg in list(self._bg):
             bg.cancel()
         if self._status_sub is not None:
