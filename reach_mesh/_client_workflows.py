@@ -227,7 +227,8 @@ class WorkflowsMixin(HubAsks):
         cut to the start of their message (``inspect_workflow`` has the whole). Bad arguments
         raise ``BadRequestError`` (from the hub, which checks them). A list the hub cannot read
         within 2.5 s is asked again, as every hub query is, until 10 s are up: then
-        ``MeshUnavailableError``.
+        ``MeshUnavailableError``; no answer at all (NATS unreachable, a hub gone mid-question)
+        is ``MeshTimeoutError`` after 5 s.
 
         ``all_namespaces``: every namespace's (each summary says its ``namespace``), an
         operator query (``{"op": "workflows"}`` on ``reach.hub.<ns>.admin``: in secure mode

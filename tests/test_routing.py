@@ -26,7 +26,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState, FailureReport, Mode
 
-from .helpers import eventually, recording_agent, relayed
+from .helpers import eventually, held_handler, recording_agent, relayed
 
 
 def echo_agent(
@@ -652,3 +652,38 @@ async def test_direct_mode_session_requests_are_routed_each_time(
         for i in range(3):
             await c.request(capability="work:echo:v1", payload=i, mode="direct", session_id="s1")
         assert _routed(hub, namespace) == 3
+
+
+async def test_a_request_naming_a_restarting_agent_is_told_so(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """An agent restarted gracefully (SIGTERM: it drains, says goodbye, a new process
+    registers): a request naming it meanwhile is refused (``REACH_NO_MATCH``, as before) with
+    what to do — an SRE audit's callers read "state DRAINING", then "not registered", for the
+    whole drain, as for an id that never existed. Once the new process registers, it is
+    served."""
+    agent_id = f"{namespace}.w.restart"
+    old = Agent(agent_id, settings=settings)
+    held = held_handler(old, "work:echo:v1", answer=0)
+    async with Client(settings=settings) as c:
+        await old.start()
+        running = asyncio.create_task(c.request(agent_id=agent_id, payload=0, timeout=20))
+        await asyncio.wait_for(held.started.wait(), 5)
+        closing = asyncio.create_task(old.close())  # drains: the held task keeps it DRAINING
+        view = hub.registry.agents[agent_id]
+        await eventually(lambda: view.state is AgentState.DRAINING)
+        with pytest.raises(NoMatchError, match=r"DRAINING \(stopping, or restarting") as err:
+            await c.request(agent_id=agent_id, payload=1, timeout=5)
+        assert "ask again with the same task_id" in err.value.message
+        held.release.set()
+        assert (await running).result == 0
+        await closing
+        with pytest.raises(
+            NoMatchError, match=r"it unregistered \d+s ago \(stopped, or restarting"
+        ):
+            await c.request(agent_id=agent_id, payload=2, timeout=5)
+        with pytest.raises(NoMatchError, match=r"'.*never\.was' is not registered$"):
+            await c.request(agent_id=f"{namespace}.never.was", payload=3, timeout=5)
+        new, _ = recording_agent(agent_id, settings, "work:echo:v1")
+        async with new:
+            assert (await c.request(agent_id=agent_id, payload=4, timeout=5)).result == 4

@@ -121,6 +121,10 @@ class Registry(Liveness):
         #: health below its threshold): an agent that unregisters and registers again — or
         #: registers under a new session — finds them as it left them (``apply_record``).
         self._kept: OrderedDict[str, tuple[CircuitBreaker, HealthScore, int]] = OrderedDict()
+        #: Agents that said goodbye (or whose record another hub deleted as not overdue), by
+        #: id: when (wall clock), the newest ``_KEPT_MAX``. A request naming one is told it
+        #: left, and that a restart registers it again, not only "not registered".
+        self._left: OrderedDict[str, float] = OrderedDict()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -409,6 +413,11 @@ class Registry(Liveness):
             old = view.state
             view.state = AgentState.LOST
             view.left = not lost
+            if not lost:
+                self._left[agent_id] = time.time()
+                self._left.move_to_end(agent_id)
+                if len(self._left) > _KEPT_MAX:
+                    self._left.popitem(last=False)
             if old is not AgentState.LOST:  # (graded LOST already: its listeners were told)
                 self._notify(view, old)
 
@@ -588,18 +597,33 @@ class Registry(Liveness):
     def require(self, agent_id: str) -> AgentView:
         view = self.agents.get(agent_id)
         if view is None:
-            in_ns = self._lost.get(protocol.namespace_of(agent_id))
-            lost = None if in_ns is None else in_ns.get(agent_id)
-            if lost is not None and time.time() - lost[0] < LOST_KEPT_S:
-                raise UnknownAgentError(
-                    f"agent {agent_id!r} was declared LOST {time.time() - lost[0]:.0f}s ago (no "
-                    f"heartbeat for its lease and suspect_timeout): restart it; its history: "
-                    f"reach-mesh audit --agent {agent_id}",
-                    agent_id=agent_id,
-                    lost_at=lost[0],
-                )
-            raise UnknownAgentError(f"agent {agent_id!r} is not registered", agent_id=agent_id)
+            raise self.not_registered(agent_id)
         return view
+
+    def not_registered(self, agent_id: str) -> UnknownAgentError:
+        """The error for ``agent_id``, not registered here: declared LOST lately, gone with a
+        goodbye lately (stopped — or restarting, and back once it registers), or unknown."""
+        now = time.time()
+        in_ns = self._lost.get(protocol.namespace_of(agent_id))
+        lost = None if in_ns is None else in_ns.get(agent_id)
+        if lost is not None and now - lost[0] < LOST_KEPT_S:
+            return UnknownAgentError(
+                f"agent {agent_id!r} was declared LOST {now - lost[0]:.0f}s ago (no "
+                f"heartbeat for its lease and suspect_timeout): restart it; its history: "
+                f"reach-mesh audit --agent {agent_id}",
+                agent_id=agent_id,
+                lost_at=lost[0],
+            )
+        left = self._left.get(agent_id)
+        if left is not None and now - left < LOST_KEPT_S:
+            return UnknownAgentError(
+                f"agent {agent_id!r} is not registered: it unregistered {now - left:.0f}s ago "
+                "(stopped, or restarting: a restart registers it again; ask again with the "
+                "same task_id then, or route by capability)",
+                agent_id=agent_id,
+                left_at=left,
+            )
+        return UnknownAgentError(f"agent {agent_id!r} is not registered", agent_id=agent_id)
 
     def recently_lost(self, namespace: str | None = None) -> list[dict[str, Any]]:
         """Agents declared LOST in the last 15 minutes (and not back), newest first: id, when

@@ -59,6 +59,11 @@ _SATURATED: Final = "saturated"
 _UNHEALTHY: Final = "unhealthy"
 #: Not heard from since a task found nobody subscribed to its subject: with the SUSPECT ones.
 _UNREACHED: Final = "unreached"
+#: Why a draining agent takes nothing new, for a caller that named it (``agent_id``).
+_DRAINING: Final = (
+    "state DRAINING (stopping, or restarting: no new work; a restart registers it again, ask "
+    "again with the same task_id then, or route by capability)"
+)
 
 
 @dataclass(slots=True)
@@ -311,6 +316,8 @@ class Router:
         state = view.state
         if state is AgentState.SUSPECT:
             return _SUSPECT
+        if state is AgentState.DRAINING and forced:
+            return _DRAINING  # named by the caller: say what to do about it
         if state is not AgentState.ONLINE:
             return f"state {state.value}"
         if view.breaker.state is BreakerState.HALF_OPEN and not view.breaker.probe_available:
@@ -412,7 +419,7 @@ class Router:
         decision.nearest = nearest or None
         here = [f for f in filtered if not f.reason.startswith(_OTHER_NS)]
         if req.agent_id is not None and not filtered:
-            msg = f"agent {req.agent_id!r} is not registered"
+            msg = self._registry.not_registered(req.agent_id).message
         elif here:
             msg = f"no routable agent for {decision.target}: " + "; ".join(
                 f"{f.agent_id}: {f.reason}" for f in here[:5]
