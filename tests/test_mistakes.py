@@ -743,3 +743,45 @@ def test_a_bad_log_level_or_audit_bound_is_one_line(capsys: pytest.CaptureFixtur
             main(["audit", *bad])
         assert out.value.code == 2
         assert f"argument {bad[0]}: {bad[1]} is not in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("own_logging", [False, True])
+def test_an_agent_script_logs_without_being_told_to(tmp_path: Path, own_logging: bool) -> None:
+    """A script that starts its agent with ``reach_mesh.agent.run`` and sets up no logging: its
+    warnings reach stderr as the CLI's do (an SRE audit's agents said nothing — no hub, a
+    drain cut short — unless the script configured logging). A script that set logging up
+    keeps its own."""
+    script = tmp_path / "agent_script.py"
+    setup = "logging.basicConfig(format='OWN %(levelname)s %(message)s')\n" if own_logging else ""
+    script.write_text(
+        "import logging, os\n"
+        "from reach_mesh import MeshSettings\n"
+        "from reach_mesh.agent import Agent, Task, run\n"
+        f"{setup}"
+        "agent = Agent('nohub.echo.a1', settings=MeshSettings(nats_url=os.environ['URL']))\n"
+        "@agent.handler('demo:echo:v1')\n"
+        "async def echo(task: Task[int]) -> int:\n"
+        "    return task.payload\n"
+        "run(agent)\n"
+    )
+    with EmbeddedNats() as server:  # no hub: the agent warns that none answers
+        proc = subprocess.Popen(
+            [sys.executable, str(script)],
+            env=_env(URL=server.url),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stderr is not None
+            deadline = time.monotonic() + 20
+            line = ""
+            while time.monotonic() < deadline and "no hub answered" not in line:
+                line = proc.stderr.readline()
+            assert "no hub answered the registration" in line, line
+            if own_logging:
+                assert line.startswith("OWN WARNING"), line
+            else:
+                assert json.loads(line)["level"] == "WARNING"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=20)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable
 
 from reach_mesh import _runner
 from reach_mesh.agent._agent import Agent
+from reach_mesh.logs import configure_logging
 from reach_mesh.tracing import configure_tracing
 
 __all__ = ["run", "serve"]
@@ -75,7 +77,16 @@ def run(*agents: Agent) -> None:
 
     Tracing follows the standard OpenTelemetry environment (``OTEL_TRACES_EXPORTER`` …; off
     when unset), with the first agent's service (``<namespace>.<service>.<instance>``) as the
-    default service name."""
+    default service name. Logging, when the script set up none, goes to stderr as the CLI's
+    does (``REACH_LOG_LEVEL``, default ``WARNING``): an agent with no hub, a lost NATS server,
+    handlers cancelled at the end of a drain are said, not silent."""
+    if not logging.getLogger().handlers:
+        level = os.environ.get("REACH_LOG_LEVEL", "WARNING")
+        try:
+            configure_logging(level)
+        except ValueError:
+            configure_logging("WARNING")
+            log.warning("unknown REACH_LOG_LEVEL %r: logging at WARNING", level)
     provider = configure_tracing(agents[0].agent_id.split(".")[1] if agents else "reach-mesh-agent")
     try:
         _runner.run(serve(*agents))
