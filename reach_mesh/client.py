@@ -393,7 +393,6 @@ class Client(WorkflowsMixin, FleetMixin):
         routable, the task is routed as asked (it may then run twice). Either way, and asked
         by selector, it goes as the attempt after the one that timed out (``after_attempt``):
         a handler that ran out of time runs again."""
-        self._check_usable()
         key = (ns, fields["task_id"])
         pinned = self._timed_out.get(key) if self._timed_out else None
         after = 0  # the attempt this one comes after, on the agent it goes to
@@ -487,6 +486,9 @@ class Client(WorkflowsMixin, FleetMixin):
         the cache and reported; the next cached agent is tried at once, and when none is left a
         hub is asked again after a backoff with jitter, until the deadline.
         """
+        # Checked here and in ``_call_hub``: once per request either way (a proxy request
+        # reaches only the latter; a direct one the latter only when its decision is not cached).
+        self._check_usable()
         task_id = fields["task_id"]
         key = self._cache_key(fields, ns)
         tried: set[str] = set()
