@@ -112,6 +112,42 @@ def test_a_reported_no_responders_is_no_fault() -> None:
     assert breaker.counts() == (0, 1) and health.value == 90
 
 
+def test_reports_alone_never_make_an_agent_unhealthy() -> None:
+    """Callers of a namespace share one identity and name their ``reporter`` themselves: 20
+    made-up names reporting timeouts and busy refusals once drove a healthy agent's score to
+    0, out of rotation while any healthy agent matched. Reports alone now stop at the
+    threshold; with a failure the hub saw itself in the window they count in full."""
+    clock = FakeClock()
+    # (min_requests: the witnessed failure below must not open the breaker, which starts a
+    # new window.)
+    breaker, health = CircuitBreaker(min_requests=1000, clock=clock), HealthScore()
+    for i in range(20):
+        for code in ("REACH_TIMEOUT", "REACH_AGENT_BUSY", "REACH_HANDLER_FAILED"):
+            caller_report(
+                breaker,
+                health,
+                FailureReport(agent_id="t.a.b", success=False, code=code, reporter=f"r{i}"),
+            )
+    assert health.value == health.threshold and health.healthy
+    assert _state(breaker) is BreakerState.CLOSED
+    breaker.record(False)  # a failure the hub witnessed
+    caller_report(
+        breaker,
+        health,
+        FailureReport(agent_id="t.a.b", success=False, code="REACH_TIMEOUT", reporter="r99"),
+    )
+    assert health.value == health.threshold - health.accept_timeout_penalty
+    assert not health.healthy
+    # A report never raises a score already below the threshold either.
+    clock.now += 120.0  # the witnessed failure leaves the window
+    caller_report(
+        breaker,
+        health,
+        FailureReport(agent_id="t.a.b", success=False, code="REACH_TIMEOUT", reporter="r98"),
+    )
+    assert health.value == health.threshold - health.accept_timeout_penalty
+
+
 def test_reporters_past_the_bound_share_one_budget() -> None:
     breaker = CircuitBreaker(report_budget=1, clock=FakeClock())
     names = [uuid.uuid4().hex for _ in range(1100)]

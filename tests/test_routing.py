@@ -262,12 +262,52 @@ async def test_caller_reports_feed_the_breaker_but_never_open_it_alone(
         await eventually(lambda: view.breaker.counts() == (0, 12))
         assert view.breaker.state is BreakerState.CLOSED
         assert view.state is AgentState.ONLINE
+        # Nor do they take it out of rotation: twelve reported timeouts once left it at 40,
+        # routed to only when no healthy agent matched.
+        assert view.health.healthy
+        decision = await c.route(capability="work:echo:v1")
+        assert decision.chosen == a.agent_id and decision.fallback is None
         # One failure the hub witnessed, on top of the reported ones, opens it.
         fail = True
         res = await c.request(agent_id=a.agent_id, payload=1)
         assert res.error is not None and res.error.code == "REACH_HANDLER_FAILED"
         # cast: mypy keeps the narrowing from before the awaits above
         assert cast(AgentState, view.state) is AgentState.QUARANTINED
+
+
+async def test_a_callers_word_that_nobody_serves_an_agent_is_checked(
+    hub: Hub, settings: MeshSettings, namespace: str, nats_url: str
+) -> None:
+    """A report of no responders (``REACH_UNKNOWN_AGENT``) once set a live agent aside on the
+    caller's word alone, until it was next heard from: a caller reporting it under a few
+    made-up names each heartbeat kept a healthy agent out of rotation. The hub now asks the
+    agent's ctl subject itself (the reconnect tests show a real absence still counts)."""
+    a = echo_agent(f"{namespace}.w.a1", settings)
+    b = echo_agent(f"{namespace}.w.b1", settings)
+    await start_all(a, b)
+    try:
+        view = hub.registry.agents[a.agent_id]
+        before = view.unreached_at
+        nc = await nats.connect(nats_url)
+        try:
+            subject = protocol.hub_subject(namespace, "report")
+            for i in range(6):
+                report = FailureReport(
+                    agent_id=a.agent_id, code="REACH_UNKNOWN_AGENT", reporter=f"made-up-{i}"
+                )
+                await nc.publish(subject, protocol.encode(report))
+            await nc.flush()
+        finally:
+            await nc.close()
+        await asyncio.sleep(0.3)
+        await eventually(lambda: not hub._pinging)
+        assert view.unreached_at == before  # (its heartbeats would hide it a moment later)
+        async with Client(settings=settings) as c:
+            decision = await c.route(capability="work:echo:v1")
+        assert a.agent_id not in {f.agent_id for f in decision.filtered}, decision.filtered
+        assert decision.fallback is None
+    finally:
+        await close_all(a, b)
 
 
 async def test_unavailable_capability_is_filtered(

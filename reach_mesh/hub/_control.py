@@ -79,6 +79,9 @@ QUARANTINE_CODE: Final = "REACH_OPERATOR_QUARANTINE"
 #: Capabilities a register audit event lists (with their count).
 _AUDIT_CAPABILITIES: Final = 16
 RELEASE_CODE: Final = "REACH_OPERATOR_RELEASE"
+#: What a hub asks an agent's ctl subject to check a caller's word that nobody is there.
+_PING: Final = b'{"op":"ping"}'
+_PING_TIMEOUT: Final = 1.0
 #: Workflow views a hub answers per second and namespace (burst: twice that), a view of more
 #: than 16 steps counting one more per 16 steps. Each reads up to two JetStream messages per
 #: step: a loop of them must not become a load on the server.
@@ -118,6 +121,8 @@ class ControlMixin:
     _owner_lines: LineBudget
     #: ``REACH-IDENTITY-REJECTED`` lines, one per verb per 30 s.
     _rejected_lines: LineBudget
+    #: Agents whose ctl subject this hub is asking now (``_nobody_on``): one ask at a time.
+    _pinging: set[str]
 
     workflows: WorkflowEngine | None
 
@@ -249,9 +254,34 @@ class ControlMixin:
         if not caller_report(view.breaker, view.health, report):
             return  # the reporter's budget is spent: nothing changed
         if not report.success and report.code == UnknownAgentError.code:
-            # The caller found nobody on its subject (direct mode): as a route of ours would.
+            # The caller found nobody on its subject (direct mode). Its word alone does not
+            # set the agent aside (callers name their reporter themselves: one could keep a
+            # live agent out of rotation): the hub looks for itself, as a route of ours would.
+            if (
+                not await self._nobody_on(view)
+                or self.registry.agents.get(view.agent_id) is not view
+            ):
+                return
             view.unreached_at = self.registry.now
         self.registry.regrade(view)
+
+    async def _nobody_on(self, view: AgentView) -> bool:
+        """Whether NATS answers *no responders* for ``view``'s ctl subject (every process of
+        an agent id subscribes it, on the connection of its task subject). ``False`` when it
+        answers, when asking fails or times out, and while another ask about it is out."""
+        agent_id = view.agent_id
+        if agent_id in self._pinging:
+            return False
+        self._pinging.add(agent_id)
+        try:
+            await self.nc.request(protocol.agent_ctl(agent_id), _PING, timeout=_PING_TIMEOUT)
+        except nats.errors.NoRespondersError:
+            return True
+        except Exception:
+            return False
+        finally:
+            self._pinging.discard(agent_id)
+        return False
 
     async def _on_breaker(self, msg: Msg) -> None:
         """An operator's quarantine / release, broadcast by the hub that took the request."""

@@ -150,6 +150,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._cancels_running = {False: 0, True: 0}
         self._cancel_repeats = Repeats()
         self._owner_lines = LineBudget(60.0)
+        self._pinging: set[str] = set()
         #: A JetStream outage fails every control message (each heartbeat writes KV): one
         #: line per verb per 10 s, with the count held back.
         self._outage_lines = LineBudget(10.0)

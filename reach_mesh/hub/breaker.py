@@ -257,6 +257,12 @@ class CircuitBreaker:
         self._expire(int(self._clock() // self.bucket))
         return self._successes, self._failures
 
+    @property
+    def witnessed(self) -> bool:
+        """Whether the hub saw a failure of the agent itself within the current window."""
+        self._expire(int(self._clock() // self.bucket))
+        return self._witnessed > 0
+
     def trip(self, why: str = "operator quarantine") -> None:
         """Open the breaker now, for ``why`` (an operator quarantine, or an agent found deaf);
         it half-opens after ``open_timeout``."""
@@ -354,24 +360,26 @@ class HealthScore:
         """Whether the score is at least ``threshold``."""
         return self._value >= self.threshold
 
-    def _add(self, delta: float) -> None:
-        self._value = min(max(self._value + delta, 0.0), self.maximum)
+    def _add(self, delta: float, floor: float = 0.0) -> None:
+        # ``floor``: a penalty stops there (or where the score already is, if lower).
+        self._value = min(max(self._value + delta, min(floor, self._value)), self.maximum)
 
     def success(self) -> None:
         """A task was accepted and finished: earn ``success_bonus`` back."""
         self._add(self.success_bonus)
 
-    def delivery_failure(self) -> None:
-        """A delivery failed (no responder, transport error)."""
-        self._add(-self.delivery_failure_penalty)
+    def delivery_failure(self, floor: float = 0.0) -> None:
+        """A delivery failed (no responder, transport error). ``floor``: the score it may
+        fall to (a caller's report alone: ``threshold``)."""
+        self._add(-self.delivery_failure_penalty, floor)
 
-    def accept_timeout(self) -> None:
+    def accept_timeout(self, floor: float = 0.0) -> None:
         """The agent did not accept a delivered task in time."""
-        self._add(-self.accept_timeout_penalty)
+        self._add(-self.accept_timeout_penalty, floor)
 
-    def overloaded(self) -> None:
+    def overloaded(self, floor: float = 0.0) -> None:
         """The agent refused work as busy."""
-        self._add(-self.overloaded_penalty)
+        self._add(-self.overloaded_penalty, floor)
 
 
 def caller_report(breaker: CircuitBreaker, health: HealthScore, report: FailureReport) -> bool:
@@ -381,6 +389,12 @@ def caller_report(breaker: CircuitBreaker, health: HealthScore, report: FailureR
     A success counts for both; a busy refusal lowers the health score only (overload, as in
     proxy mode); a caller's own error (:func:`is_agent_fault` false) changes nothing but still
     spends the budget; an agent fault counts as a reported — not witnessed — breaker failure.
+
+    Reports alone never make an agent unhealthy (a score under ``threshold``, which routes
+    around it), as they never open its breaker: their penalties stop at the threshold unless
+    the hub saw a failure of the agent itself in the breaker's window. Callers of a namespace
+    share one identity and name their ``reporter`` themselves, so one of them could otherwise
+    keep a healthy agent out of rotation with reports under made-up names.
     """
     # No responders (``REACH_UNKNOWN_AGENT``) is no fault: the agent may be reconnecting, and
     # the hub routes around it until it is heard again (``AgentView.unreached_at``).
@@ -391,10 +405,12 @@ def caller_report(breaker: CircuitBreaker, health: HealthScore, report: FailureR
         return False
     if report.success:
         health.success()
-    elif report.code == AgentBusyError.code:
-        health.overloaded()
+        return True
+    floor = 0.0 if breaker.witnessed else health.threshold
+    if report.code == AgentBusyError.code:
+        health.overloaded(floor)
     elif report.code == MeshTimeoutError.code:
-        health.accept_timeout()
+        health.accept_timeout(floor)
     elif fault:
-        health.delivery_failure()
+        health.delivery_failure(floor)
     return True
