@@ -14,9 +14,9 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.hub import Hub
-from reach_mesh.workflow import WorkflowRecord
+from reach_mesh.workflow import StepSpec, WorkflowRecord, WorkflowResult, WorkflowSpec
 
-from .helpers import Fleet, eventually
+from .helpers import Fleet, echo_agent, eventually
 from .test_workflow_cancel import Held, running
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,3 +105,37 @@ async def test_its_own_submission_back_at_a_hub_that_refuses_it_ends_it_failed(
     assert record.result is not None and record.result.state is TaskState.FAILED
     held.release.set()
     assert json.loads(result.model_dump_json())["workflow_id"] == wf_id
+
+
+async def test_a_submission_with_no_trace_context_gets_one_trace(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A submission sent with no ``traceparent`` (a client in another language) got no
+    ``trace_id`` in its result or record, while the hub's ``.done`` carried a trace it had
+    started for itself: the hub now starts the workflow's trace and keeps it everywhere."""
+    agent = echo_agent(fleet, "tr.a1")
+    await agent.start()
+    ns = wf_settings.namespace
+    spec = WorkflowSpec(
+        workflow_id="no-trace-1",
+        kind="fanout",
+        steps=[StepSpec(capability="wf:echo:v1", payload=1)],
+        timeout=20,
+        namespace=ns,
+    )
+    nc = await nats.connect(wf_settings.nats_url or "")
+    try:
+        done = await nc.subscribe(protocol.wf_done(ns, spec.workflow_id))
+        await nc.jetstream().publish(
+            protocol.wf_submit(ns), protocol.encode(spec), stream=protocol.STREAM_WF
+        )
+        msg = await done.next_msg(timeout=15)
+    finally:
+        await nc.close()
+    result = WorkflowResult.model_validate_json(msg.data)
+    assert result.state is TaskState.SUCCEEDED
+    assert result.trace_id is not None and len(result.trace_id) == 32
+    assert msg.headers is not None
+    assert msg.headers["traceparent"].split("-")[1] == result.trace_id
+    record = await _record(wf_settings, spec.workflow_id)
+    assert record.trace_id == result.trace_id

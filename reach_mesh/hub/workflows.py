@@ -64,7 +64,7 @@ from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
 from reach_mesh.logs import NAMESPACE_SHARE, WORKFLOW_INTERRUPTED, LineBudget, log_event
 from reach_mesh.models import AgentState
-from reach_mesh.tracing import inject, trace_id_from_headers
+from reach_mesh.tracing import inject, started_trace
 from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE, HubMetrics
 from reach_mesh.workflow import (
     TaskStatusEvent,
@@ -612,13 +612,16 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
                 field="timeout",
             )
         remaining = submitted + timeout - self._server_clock.now()
+        # With no (valid) trace context the mesh starts the workflow's trace, as every hub that
+        # runs this submission starts it (one that takes it over goes on in the same trace).
+        trace_id = started_trace(headers, f"{ns}/{spec.workflow_id}/{seq}".encode())
         return Workflow(
             spec=spec,
             need=need,
             deadline=self._loop.time() + max(0.0, remaining),
             submitted_at=submitted,
             headers=headers,
-            trace_id=trace_id_from_headers(headers),
+            trace_id=trace_id,
             digest=spec_digest(spec),
             seq=seq,
         )

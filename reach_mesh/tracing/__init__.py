@@ -18,6 +18,7 @@ from ._propagation import (
     current_trace_id,
     extract,
     inject,
+    started_trace,
     trace_id_from_headers,
 )
 from ._setup import (
@@ -60,6 +61,7 @@ __all__ = [
     "memory_exporter",
     "open_span",
     "span",
+    "started_trace",
     "trace_id_from_headers",
     "tracing_enabled",
     "tracing_from_env",

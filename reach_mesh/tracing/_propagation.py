@@ -14,6 +14,7 @@ the trace id alone, so all hops of one trace agree.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import re
@@ -42,6 +43,7 @@ __all__ = [
     "extract",
     "extract_onto",
     "inject",
+    "started_trace",
     "trace_id_from_headers",
 ]
 
@@ -144,6 +146,19 @@ def trace_id_from_headers(headers: Mapping[str, str] | None) -> str | None:
         return None
     parsed = _parse(headers.get(TRACEPARENT))
     return parsed[0] if parsed is not None else None
+
+
+def started_trace(headers: dict[str, str], seed: bytes) -> str:
+    """The trace id of ``headers``' ``traceparent``; without a valid one, start a trace in
+    ``headers`` (sampled, as :func:`inject` does) whose id is made from ``seed``: processes
+    that start the trace of one message from the same seed start the same trace."""
+    parsed = _parse(headers.get(TRACEPARENT))
+    if parsed is not None:
+        return parsed[0]
+    trace_id = hashlib.blake2b(seed, digest_size=16).hexdigest()
+    headers[TRACEPARENT] = f"00-{trace_id}-{os.urandom(8).hex()}-01"
+    headers.pop(TRACESTATE, None)
+    return trace_id
 
 
 def current_trace_id() -> str | None:
