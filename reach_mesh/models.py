@@ -341,7 +341,9 @@ MAX_AFTER_ATTEMPT: Final = 1_000_000
 
 
 class ErrorBody(_Wire):
-    code: str
+    #: At most ``ERROR_CODE_MAX`` characters: readers cut a longer one (what the schema says
+    #: writers write).
+    code: str = Field(json_schema_extra={"maxLength": ERROR_CODE_MAX})
     message: str
     details: dict[str, Any] = Field(default_factory=dict)
 
