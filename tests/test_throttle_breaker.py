@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from reach_mesh.hub.breaker import HEALTH_THRESHOLD, BreakerState, CircuitBreaker, HealthScore
 from reach_mesh.hub.shares import Shares, defer_delay
-from reach_mesh.hub.throttle import Throttle, TokenBucket
+from reach_mesh.hub.throttle import Pacer, Throttle, TokenBucket
 
 
 class FakeClock:
@@ -97,6 +97,17 @@ def test_throttle_keys_are_independent_and_bounded() -> None:
     assert "ns-b" not in throttle
     assert "ns-a" in throttle
     assert throttle.check("ns-a") > 0.0  # a kept its (empty) bucket
+
+
+def test_pacer_books_one_turn_each_after_the_burst() -> None:
+    clock = FakeClock()
+    pacer = Pacer(10.0, 3.0, clock=clock)
+    assert [round(pacer.turn("a"), 3) for _ in range(6)] == [0, 0, 0, 0.1, 0.2, 0.3]
+    assert pacer.turn("b") == 0  # keys are paced apart
+    clock.now += 10.0  # idle: the burst is there again, no more
+    assert [round(pacer.turn("a"), 3) for _ in range(4)] == [0, 0, 0, 0.1]
+    with pytest.raises(ValueError):
+        Pacer(0.0, 1.0)
 
 
 def test_throttle_validation() -> None:

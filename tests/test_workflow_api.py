@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -31,7 +32,8 @@ from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.errors import UnknownWorkflowError
 from reach_mesh.hub import Hub
-from reach_mesh.models import TaskEnvelope
+from reach_mesh.hub.throttle import Pacer
+from reach_mesh.models import RouteRequest, TaskEnvelope
 from reach_mesh.tracing import trace_id_from_headers
 from reach_mesh.workflow import TaskStatusEvent, WorkflowEvent, WorkflowSpec, validate_spec
 
@@ -756,6 +758,48 @@ async def test_retry_intervals_under_their_floors_run_at_the_floors(
     assert res.state is TaskState.SUCCEEDED
 
 
+async def test_a_namespaces_steps_are_placed_again_at_a_bounded_pace(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """An audit's caller submitted 20 fanouts of 256 steps to a capability nobody serves,
+    ``pending_interval`` at its 0.1 s floor: the hub placed each step again ten times a
+    second, and another namespace's fanout(3) took 5 s instead of 6 ms. A namespace's steps
+    are now placed again in turns (``REPLACE_RATE`` a second, here 20 after a burst of 10),
+    while another namespace's workflow runs at once. (The rate is set low here so that a
+    few steps show it.)"""
+    engine = wf_hub.workflows
+    assert engine is not None
+    engine._replacing = Pacer(20.0, 10.0)
+    tries: Counter[str] = Counter()
+    choose = engine._choose
+
+    async def counted(route: RouteRequest, ns: str, exclude: set[str]) -> Any:
+        tries[ns] += 1
+        return await choose(route, ns, exclude)
+
+    engine._choose = counted  # type: ignore[method-assign]
+    other = wf_settings.model_copy(update={"namespace": f"{wf_settings.namespace}x"})
+    agent = echo_agent(Fleet(other), "pace.a1", "wf:pace:v1")
+    await agent.start()
+    spin = RetryPolicy(fast_attempts=0, pending_interval=0.1)
+    try:
+        async with Client(settings=wf_settings) as mesh, Client(settings=other) as theirs:
+            steps = [Step(capability="wf:nobody:v1", retry=spin) for _ in range(40)]
+            wf_id = await mesh.submit_fanout(steps, timeout=30)
+            await asyncio.sleep(0.5)  # all placed once and waiting
+            placed = tries[wf_settings.namespace]
+            t0 = time.monotonic()
+            res = await theirs.fanout([Step(capability="wf:pace:v1") for _ in range(3)])
+            assert res.state is TaskState.SUCCEEDED
+            await asyncio.sleep(max(0.0, 2.0 - (time.monotonic() - t0)))
+            again = tries[wf_settings.namespace] - placed
+            await mesh.cancel_workflow(wf_id)
+    finally:
+        await agent.close()
+    # 40 steps every 0.1 s would be about 800 in two seconds; in turns, about 40.
+    assert 10 <= again <= 70, again
+
+
 async def test_events_from_another_subject_are_not_the_watched_workflows(
     wf_settings: MeshSettings, fleet: Fleet
 ) -> None:
@@ -792,3 +836,23 @@ async def test_events_from_another_subject_are_not_the_watched_workflows(
         await asyncio.wait_for(following, 15)
     assert [e for e in seen if e.agent_id == "forged.x.y"] == []
     assert seen[-1].kind == "done" and seen[-1].result is not None
+
+
+async def test_a_workflow_whose_time_ran_out_before_a_step_was_sent_runs_nothing(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A workflow ``timeout`` of 1e-9 s (valid: greater than 0) ended TIMEOUT, but only after
+    its steps were sent: each ran on its agent, and each result was thrown away ("not
+    applied: after its step was decided"). Now nothing is sent once the deadline passed."""
+    agent = echo_agent(fleet, "late.a1", "wf:late:v1")
+    await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:late:v1", payload=i) for i in range(3)], timeout=1e-9
+        )
+        res = await mesh.workflow(wf_id, timeout=10)
+        chain = await mesh.chain([Step(capability="wf:late:v1", payload=0)], timeout=1e-9)
+    assert res.state is TaskState.TIMEOUT and chain.state is TaskState.TIMEOUT
+    assert all(s.state is TaskState.TIMEOUT for s in res.steps + chain.steps)
+    await asyncio.sleep(0.3)  # (a step sent would have run by now)
+    assert sum(fleet.runs.values()) == 0, fleet.runs

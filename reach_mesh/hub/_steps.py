@@ -46,6 +46,7 @@ from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StatusTracker, StepTrack
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
+from reach_mesh.hub.throttle import Pacer
 from reach_mesh.models import ErrorBody, RouteRequest, TaskEnvelope, TaskState
 from reach_mesh.tracing import SPAN_STEP, SpanKind, inject, span
 from reach_mesh.workflow import (
@@ -79,6 +80,13 @@ def _same_write(stored: TaskRecord, written: TaskRecord) -> bool:
 
 
 T = TypeVar("T")
+
+#: Steps of one namespace a hub places again per second (after a try that found no agent or
+#: failed), after a first ``REPLACE_BURST``: past it they wait for their turn, so a tenant's
+#: thousands of steps waiting for an agent nobody serves (``pending_interval`` at its 0.1 s
+#: floor once took a hub from every other tenant) cost the hub a bounded share.
+REPLACE_RATE: Final = 500.0
+REPLACE_BURST: Final = 1000.0
 
 #: An attempt whose agent reported one of these has ended there: nothing to stop.
 _ENDED: Final = frozenset({TaskState.SUCCEEDED, TaskState.FAILED})
@@ -115,6 +123,8 @@ class StepRunner(StepPlacing):
     _waiting_steps: dict[tuple[str, str, int], dict[str, Any]]
     #: Set when the hub stops: its unfinished workflows go back to the stream for another hub.
     _stopping: bool
+    #: Turns of steps placed again (after a try that found no agent, or failed), per namespace.
+    _replacing: Pacer
     #: Final answers that came from an agent's idempotency cache (a duplicate delivery).
     duplicate_total: int
     #: Attempts after the first.
@@ -274,7 +284,13 @@ class StepRunner(StepPlacing):
             decided: int | None = None
             try:
                 outcome: tuple[Outcome, TaskStatusEvent | None] | None = None
-                if fresh and view is not None:
+                if fresh and view is not None and loop.time() >= deadline:
+                    # Its time ran out before it went out (a deadline past on admission, or
+                    # spent before it): nothing is sent — a run could only be thrown away —
+                    # and the deadline decides it below.
+                    view.outstanding = max(0, view.outstanding - 1)
+                    rec.attempt, rec.agent_id, rec.history = 0, None, []
+                elif fresh and view is not None:
                     track.view = view
                     outcome = await self._attempt(
                         wf, index, step, rec, capability, payload, track, pol, deadline
@@ -404,6 +420,10 @@ class StepRunner(StepPlacing):
                             await self._tracker.recheck(track, gave_up[0], gave_up[1])
                     remaining = deadline - loop.time()
                     if remaining > 0:
+                        # A namespace's steps are placed again at a pace of their own on this
+                        # hub (``REPLACE_RATE``): thousands waiting for an agent nobody serves
+                        # must not keep the hub from every other tenant's work.
+                        delay = max(delay, self._replacing.turn(ns))
                         self._pending_delta(1)
                         self._waiting_steps[(wf.ns, wf.id, index)] = {
                             "workflow_id": wf.id,

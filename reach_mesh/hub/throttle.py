@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["DEFAULT_MAX_KEYS", "Throttle", "TokenBucket"]
+__all__ = ["DEFAULT_MAX_KEYS", "Pacer", "Throttle", "TokenBucket"]
 
 #: Default bound on tracked keys: one bucket is ~100 bytes, so this caps memory near 1 MB.
 DEFAULT_MAX_KEYS: Final = 10_000
@@ -108,3 +108,40 @@ class Throttle:
 
     def __contains__(self, key: object) -> bool:
         return key in self._buckets
+
+
+class Pacer:
+    """Turns per key at ``rate`` a second after a first ``burst``: :meth:`turn` tells each
+    caller how long to wait for its own, longer and longer while callers come faster than
+    ``rate``.
+
+    Unlike :meth:`Throttle.check`, which says "not now", a turn is booked: a thousand
+    callers told to come back are a thousand wake-ups fighting for each token, a thousand
+    booked turns are one each. At most ``max_keys`` keys (the least recently used forgotten,
+    leniently)."""
+
+    def __init__(
+        self,
+        rate: float,
+        burst: float,
+        *,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        TokenBucket(rate, burst, clock)  # the same checks of rate and burst
+        self.rate = rate
+        self.burst = burst
+        self.max_keys = max_keys
+        self._clock = clock
+        # Per key, when the turn after the ones booked would be, were there no burst.
+        self._next: OrderedDict[str, float] = OrderedDict()
+
+    def turn(self, key: str) -> float:
+        """Book ``key``'s next turn: the seconds until it (0 within the burst)."""
+        now = self._clock()
+        booked = max(self._next.get(key, now), now)
+        self._next[key] = booked + 1.0 / self.rate
+        self._next.move_to_end(key)
+        if len(self._next) > self.max_keys:
+            self._next.popitem(last=False)
+        return max(0.0, booked - (self.burst - 1.0) / self.rate - now)

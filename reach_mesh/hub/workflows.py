@@ -55,13 +55,14 @@ from reach_mesh.hub import _durable, _wf_orphans
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
-from reach_mesh.hub._steps import NotOwnerError, Workflow
+from reach_mesh.hub._steps import REPLACE_BURST, REPLACE_RATE, NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_orphans import OrphanSweep
 from reach_mesh.hub._wf_reject import WorkflowRefusals
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares, defer_delay
+from reach_mesh.hub.throttle import Pacer
 from reach_mesh.logs import NAMESPACE_SHARE, WORKFLOW_INTERRUPTED, LineBudget, log_event
 from reach_mesh.models import AgentState
 from reach_mesh.tracing import inject, started_trace
@@ -168,6 +169,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._bg: set[asyncio.Future[Any]] = set()
         self._pending = 0
         self._waiting_steps = {}
+        self._replacing = Pacer(REPLACE_RATE, REPLACE_BURST)
         self._stopping = False
         #: Final answers that came from an agent's idempotency cache (a duplicate delivery).
         self.duplicate_total = 0
