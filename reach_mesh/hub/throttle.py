@@ -9,12 +9,13 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 __all__ = ["DEFAULT_MAX_KEYS", "Pacer", "Throttle", "TokenBucket"]
 
 #: Default bound on tracked keys: one bucket is ~100 bytes, so this caps memory near 1 MB.
 DEFAULT_MAX_KEYS: Final = 10_000
+V = TypeVar("V")
 # Float slack: a caller that waits exactly the returned retry_after must then be admitted, even
 # when rate * retry_after rounds to a hair below one token.
 _EPSILON: Final = 1e-9
@@ -66,13 +67,9 @@ class TokenBucket:
         return (n - self._tokens) / self.rate
 
 
-class Throttle:
-    """Token buckets per key, created on first use, at most ``max_keys`` of them.
-
-    The least recently used bucket is evicted beyond ``max_keys``. An evicted key starts again
-    with a full bucket, so eviction can only be lenient, never wrongly throttle; size
-    ``max_keys`` above the number of keys that are active within ``burst / rate`` seconds.
-    """
+class _PerKey(Generic[V]):
+    """``rate`` and ``burst`` per key, at most ``max_keys`` keys (validated at once), each
+    key's state in ``_keys``, least recently used first."""
 
     def __init__(
         self,
@@ -90,27 +87,36 @@ class Throttle:
         self.burst = burst
         self.max_keys = max_keys
         self._clock = clock
-        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._keys: OrderedDict[str, V] = OrderedDict()
+
+
+class Throttle(_PerKey[TokenBucket]):
+    """Token buckets per key, created on first use, at most ``max_keys`` of them.
+
+    The least recently used bucket is evicted beyond ``max_keys``. An evicted key starts again
+    with a full bucket, so eviction can only be lenient, never wrongly throttle; size
+    ``max_keys`` above the number of keys that are active within ``burst / rate`` seconds.
+    """
 
     def check(self, key: str, n: float = 1.0) -> float:
         """Take ``n`` tokens from ``key``'s bucket: ``0.0`` if allowed, else ``retry_after``."""
-        bucket = self._buckets.get(key)
+        bucket = self._keys.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = TokenBucket(self.rate, self.burst, self._clock)
-            if len(self._buckets) > self.max_keys:
-                self._buckets.popitem(last=False)
+            bucket = self._keys[key] = TokenBucket(self.rate, self.burst, self._clock)
+            if len(self._keys) > self.max_keys:
+                self._keys.popitem(last=False)
         else:
-            self._buckets.move_to_end(key)
+            self._keys.move_to_end(key)
         return bucket.try_take(n)
 
     def __len__(self) -> int:
-        return len(self._buckets)
+        return len(self._keys)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._buckets
+        return key in self._keys
 
 
-class Pacer:
+class Pacer(_PerKey[float]):
     """Turns per key at ``rate`` a second after a first ``burst``: :meth:`turn` tells each
     caller how long to wait for its own, longer and longer while callers come faster than
     ``rate``.
@@ -118,30 +124,15 @@ class Pacer:
     Unlike :meth:`Throttle.check`, which says "not now", a turn is booked: a thousand
     callers told to come back are a thousand wake-ups fighting for each token, a thousand
     booked turns are one each. At most ``max_keys`` keys (the least recently used forgotten,
-    leniently)."""
-
-    def __init__(
-        self,
-        rate: float,
-        burst: float,
-        *,
-        max_keys: int = DEFAULT_MAX_KEYS,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        TokenBucket(rate, burst, clock)  # the same checks of rate and burst
-        self.rate = rate
-        self.burst = burst
-        self.max_keys = max_keys
-        self._clock = clock
-        # Per key, when the turn after the ones booked would be, were there no burst.
-        self._next: OrderedDict[str, float] = OrderedDict()
+    leniently); ``_keys`` holds, per key, when the turn after those booked would be, were
+    there no burst."""
 
     def turn(self, key: str) -> float:
         """Book ``key``'s next turn: the seconds until it (0 within the burst)."""
         now = self._clock()
-        booked = max(self._next.get(key, now), now)
-        self._next[key] = booked + 1.0 / self.rate
-        self._next.move_to_end(key)
-        if len(self._next) > self.max_keys:
-            self._next.popitem(last=False)
+        booked = max(self._keys.get(key, now), now)
+        self._keys[key] = booked + 1.0 / self.rate
+        self._keys.move_to_end(key)
+        if len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
         return max(0.0, booked - (self.burst - 1.0) / self.rate - now)
