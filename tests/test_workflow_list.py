@@ -246,6 +246,28 @@ async def test_a_list_reads_the_newest_writes_and_says_when_it_stopped(
     assert part.oldest_read_at > whole.oldest_read_at
 
 
+async def test_a_list_reads_the_newest_records_that_fit_its_bytes(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records hold results: an audit's forty 6 MB records made every list of their namespace
+    (and the operator's of every namespace) ``REACH_UNAVAILABLE`` for a day, their parsing
+    past the list's deadline. A list now weighs the records from their headers first and
+    reads the newest that fit ``BYTES_MAX`` (here about two of four), saying it stopped."""
+    await echo_agent(fleet, "big.a1", "wf:big:v1").start()
+    async with Client(settings=wf_settings) as mesh:
+        done = [
+            await mesh.fanout([Step(capability="wf:big:v1", payload="x" * 20_000)], timeout=10)
+            for _ in range(4)
+        ]
+        whole = await mesh.list_workflows()
+        assert not whole.truncated and whole.matched == 4
+        monkeypatch.setattr(_wf_list, "BYTES_MAX", 110_000)  # (each record: about 41 KB)
+        part = await mesh.list_workflows()
+    newest_first = [r.workflow_id for r in reversed(done)]
+    assert part.truncated and part.matched == part.scanned == 2, part
+    assert _ids(part) == newest_first[:2]
+
+
 async def test_bad_list_questions_get_typed_errors(wf_hub: Hub, wf_settings: MeshSettings) -> None:
     async with Client(settings=wf_settings) as mesh:
         bad: list[tuple[dict[str, Any], str]] = [

@@ -46,6 +46,12 @@ __all__ = ["LIST_DEADLINE", "SCAN_MAX", "list_workflows"]
 
 #: Records one list reads at most (the bucket keeps one per workflow: its newest write).
 SCAN_MAX: Final = 10_000
+#: Bytes of records one list reads at most (a record holds its workflow's results: forty
+#: records of 6 MB made every list of their namespace ``REACH_UNAVAILABLE``, its parsing past
+#: ``LIST_DEADLINE``). Past it, the newest records that fit are read, and the answer says
+#: older ones were not; what the records weigh is read first from their headers alone, when
+#: the whole bucket weighs more.
+BYTES_MAX: Final = 32 << 20
 #: Seconds a list may take, JetStream requests included (then ``REACH_UNAVAILABLE``).
 LIST_DEADLINE: Final = 2.5
 #: Unfinished workflows outside the window's records that one list reads at most, and for
@@ -111,13 +117,18 @@ async def _list(
     sub = await _open(js, subject, name, DeliverPolicy.BY_START_TIME, start_time=since)
     try:
         pending = await _to_read(sub)
-        if pending > SCAN_MAX:
+        first: int | None = None
+        info = await js.stream_info(_STREAM) if pending > 0 else None
+        if info is not None and pending > SCAN_MAX:
             # More records in the window than one list reads: those among the bucket's last
             # SCAN_MAX writes (of every namespace: the filter cannot count back; superseded
             # writes are gone, so there are fewer records than that).
-            await _close(js, sub, name)
-            info = await js.stream_info(_STREAM)
             first = max(info.state.first_seq, info.state.last_seq - SCAN_MAX + 1)
+        if info is not None and info.state.bytes > BYTES_MAX:
+            weighed = await _fitting(js, subject, since, first, min(pending, SCAN_MAX))
+            first = first if weighed is None else weighed
+        if first is not None:
+            await _close(js, sub, name)
             name = _name()
             sub = await _open(js, subject, name, DeliverPolicy.BY_START_SEQUENCE, start_seq=first)
             pending = await _to_read(sub)
@@ -160,6 +171,40 @@ async def _list(
         since=round(since, 3),
         oldest_read_at=None if oldest is None else round(oldest, 3),
     )
+
+
+async def _fitting(
+    js: JetStreamContext, subject: str, since: float, first: int | None, count: int
+) -> int | None:
+    """The stream sequence from which the records on ``subject`` (those written since
+    ``since``, or from ``first``) weigh at most ``BYTES_MAX``, read from their headers alone;
+    None when they all do."""
+    name = _name()
+    if first is None:
+        sub = await _open(
+            js, subject, name, DeliverPolicy.BY_START_TIME, start_time=since, headers_only=True
+        )
+    else:
+        sub = await _open(
+            js, subject, name, DeliverPolicy.BY_START_SEQUENCE, start_seq=first, headers_only=True
+        )
+    sizes: list[tuple[int, int]] = []
+    try:
+        async for msg in sub.messages:
+            size = (msg.headers or {}).get("Nats-Msg-Size", "0")
+            sizes.append((msg.metadata.sequence.stream, int(size) if size.isdigit() else 0))
+            if msg.metadata.num_pending == 0 or len(sizes) >= count:
+                break
+            if len(sizes) % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
+    finally:
+        await asyncio.shield(_close(js, sub, name))
+    total = 0
+    for i in range(len(sizes) - 1, -1, -1):
+        total += sizes[i][1]
+        if total > BYTES_MAX:
+            return sizes[i + 1][0] if i + 1 < len(sizes) else sizes[i][0] + 1
+    return None
 
 
 async def _unfinished(
@@ -265,6 +310,7 @@ async def _open(
     *,
     start_time: float | None = None,
     start_seq: int | None = None,
+    headers_only: bool = False,
 ) -> JetStreamContext.PushSubscription:
     """An ordered consumer of the bucket's stream on ``subject`` (named: its filter travels in
     the API subject, as NATS permissions want it), from ``start_time`` or ``start_seq``. It is
@@ -275,6 +321,7 @@ async def _open(
         deliver_policy=policy,
         opt_start_time=None if start_time is None else datetime.fromtimestamp(start_time, UTC),
         opt_start_seq=start_seq,
+        headers_only=headers_only or None,
     )
     making = asyncio.ensure_future(
         js.subscribe(
