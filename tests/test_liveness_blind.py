@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import nats
 import pytest
@@ -188,3 +189,55 @@ def _blind_gauge(hub: Hub) -> float:
     value = hub.metrics.registry.get_sample_value("reach_registry_blind")
     assert value is not None
     return value
+
+
+async def test_a_hub_that_loads_slowly_declares_no_beating_agent_lost(
+    settings: MeshSettings, nats_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub restarted on a busy node (a scale audit: 5,000 agents) took longer to load the
+    registry than one grading tick: records were graded by their registration, older than a
+    lease and grace, before their heartbeats were read, and 1,617 agents that beat all along
+    were declared LOST and deleted from KV — by every hub. Here the new hub reads the
+    heartbeats 2 s late: it grades nobody until its load is done."""
+    from reach_mesh.agent import Agent
+    from reach_mesh.hub.registry import Registry
+
+    s = settings.model_copy(
+        update={
+            "heartbeat_interval": 0.2,
+            "lease_timeout": 0.8,
+            "suspect_timeout": 0.5,
+            "liveness_interval": 0.1,
+            "audit_enabled": False,
+        }
+    )
+    agent = Agent(f"{namespace}.slow.a1", settings=s)
+
+    @agent.handler("slow:echo:v1")
+    async def echo(task: Any) -> Any:
+        return task.payload
+
+    async with Hub(settings=s) as first, agent:
+        await asyncio.sleep(2.0)  # its registration is now older than lease + grace
+        seen: list[tuple[AgentState, AgentState]] = []
+        first.registry.on_state_change(lambda v, old, new: seen.append((old, new)))
+        revision = first.registry.agents[agent.agent_id].revision
+        watch = Registry._watch_heartbeats
+
+        async def late(self: Registry, loaded: asyncio.Event, after: asyncio.Event) -> None:
+            await asyncio.sleep(2.0)  # a busy node: the heartbeats are read late
+            await watch(self, loaded, after)
+
+        monkeypatch.setattr(Registry, "_watch_heartbeats", late)
+        async with Hub(settings=s) as second:
+            monkeypatch.undo()
+            view = second.registry.agents[agent.agent_id]
+            assert view.state is AgentState.ONLINE
+            await asyncio.sleep(1.0)
+            assert first.registry.agents[agent.agent_id].state is AgentState.ONLINE
+            assert second.registry.agents.get(agent.agent_id) is view
+            assert view.state is AgentState.ONLINE
+            # Never dropped (it registers again when told it is unknown: that hides it from
+            # the end state, not from the first hub, which saw it deleted and back).
+            assert seen == []
+            assert view.revision == revision

@@ -56,6 +56,8 @@ class Liveness:
     _agents_kv: KeyValue | None
     _hb_kv: KeyValue | None
     agents: dict[str, AgentView]
+    #: Set once the registry's first load from KV is done (agents, then their heartbeats).
+    _ready: asyncio.Event
     #: When this hub was last blind (its clock), and why.
     _blind_at: float
     _blind_why: str
@@ -160,13 +162,20 @@ class Liveness:
         interval = self._settings.liveness_interval
         while True:
             await asyncio.sleep(interval)
+            if not self._ready.is_set():
+                # Still loading: a record is graded by its registration until its heartbeat
+                # is read, so a long load (a busy node) would declare LOST — and delete for
+                # every hub — agents that beat all along (a restart once did so to 1,617).
+                continue
             now = self._clock()
             if not self._nc.is_connected:
                 # Cut off from NATS: no beat reaches this hub (its watches may not notice).
                 # Blind until a lease after it is back, as after a failed watch.
                 self._went_blind("cut off from NATS")
             grace = self._settings.suspect_timeout
-            for view in [v for v in self.agents.values() if v.state is not AgentState.LOST]:
+            # Every overdue view, LOST ones included: a view graded LOST when its record was
+            # installed (by an old beat) is confirmed like any other before it is expired.
+            for view in list(self.agents.values()):
                 lease = view.record.lease_timeout
                 if now - view.last_seen > lease + grace and not self._blind(now, lease):
                     await self._confirm_overdue(view)
