@@ -93,6 +93,7 @@ async def connect(
     name: str,
     settings: MeshSettings | None = None,
     timeout: float | None = None,
+    patience: float = 0.0,
     on_reconnect: Callable[[], None] | None = None,
     **options: Any,
 ) -> NATS:
@@ -103,6 +104,10 @@ async def connect(
     unlimited (a hub or agent outlives a server restart or a cluster failover). Credentials
     and TLS come from ``settings`` (``nats_creds``, ``nats_token``, ``nats_nkey_seed`` with
     ``nats_inbox_prefix``, ``nats_tls_*``); a user and password may also be given in the URL.
+
+    ``patience``: how long to keep at it past ``timeout`` while the server's port answers but
+    the connection is not made (a busy server: a fleet's processes all starting at once, on
+    a loaded node) — not when nothing listens, nor for refused credentials.
 
     A failed first connect says why: a URL that is not ``nats://``/``tls://``/``ws(s)://`` at
     once, else after ``timeout`` the host that does not resolve, the port that refuses, or
@@ -153,7 +158,7 @@ async def connect(
     if on_reconnect is not None:
         nc.reconnects.listeners.append(on_reconnect)
     try:
-        await _first_connect(nc, opts, watch, timeout)
+        await _first_connect(nc, opts, watch, timeout, patience)
     except (TimeoutError, OSError, nats.errors.Error) as err:
         with contextlib.suppress(Exception):
             await nc.close()
@@ -553,6 +558,23 @@ async def _diagnose(servers: list[str], err: BaseException) -> str:
     return "; ".join(dict.fromkeys(causes))
 
 
+async def _answering(servers: list[str]) -> bool:
+    """Whether any of ``servers`` takes a TCP connection within a second (busy, not gone)."""
+    for server in servers:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(parts.hostname or "127.0.0.1", parts.port or 4222), 1.0
+            )
+        except (OSError, TimeoutError):
+            continue
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+        return True
+    return False
+
+
 def _from_callback(err: BaseException) -> bool:
     """Whether a subscription's message callback raised ``err`` (not the connection)."""
     tb = err.__traceback__
@@ -764,18 +786,37 @@ def _auth_options(settings: MeshSettings) -> dict[str, Any]:
     return opts
 
 
-async def _first_connect(nc: NATS, opts: dict[str, Any], watch: _Watch, timeout: float) -> None:
-    """``nc.connect`` within ``timeout``; a refused authorization ends it at once.
+async def _first_connect(
+    nc: NATS, opts: dict[str, Any], watch: _Watch, timeout: float, patience: float = 0.0
+) -> None:
+    """``nc.connect`` within ``timeout`` — or ``patience``, while a server's port answers;
+    a refused authorization ends it at once.
 
     During the first connect nats-py only retries when reconnects are allowed; they stay on,
     and this bounds the time. Retrying a wrong credential cannot help, so it is not waited on.
     """
+    loop = asyncio.get_running_loop()
+    end = loop.time() + max(timeout, patience)
     connecting = asyncio.ensure_future(nc.connect(**opts))
     refused = asyncio.ensure_future(watch.refused.wait())
     try:
-        done, _ = await asyncio.wait(
-            {connecting, refused}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
+        wait = timeout
+        while True:
+            done, _ = await asyncio.wait(
+                {connecting, refused}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+            )
+            if done or loop.time() >= end or not await _answering(opts["servers"]):
+                break
+            if wait == timeout:
+                log.warning(
+                    "NATS at %s answers but has not taken the connection of %s in %gs (a busy "
+                    "server, or not a NATS server at that port): still trying (up to %gs)",
+                    watch.url,
+                    watch.name,
+                    timeout,
+                    patience,
+                )
+            wait = min(1.0, end - loop.time())
     finally:
         for task in (connecting, refused):
             task.cancel()
