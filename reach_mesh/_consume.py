@@ -6,7 +6,12 @@ outstanding on the consumer's ``MSG.NEXT`` API (the "consume" pattern of the new
 each message goes to ``on_msg`` immediately, and more are requested as capacity frees up.
 
 Bounded: at most ``capacity`` messages are held (handed over and not yet released) plus
-outstanding requests. A watchdog re-pulls when a request was lost (reconnect, server restart).
+outstanding requests, and each request brings at most ``max_bytes`` (the server's
+``max_payload`` and room for a message's subject: the largest message a stream holds), so
+deliveries in flight to this connection stay a few such messages, however large each is — a
+hub once pulled 60 submissions of 4 MiB at once and nats-server cut its connection, and every
+tenant's heartbeats with it, as a slow consumer (64 MiB pending). A watchdog re-pulls when a
+request was lost (reconnect, server restart).
 When nobody serves the consumer (a pull answered 503: its leader being elected, or the consumer
 gone — deleted by hand, with its stream, or idle past its ``inactive_threshold``) it pulls again
 on the watchdog's tick only, not at once, and after a few such answers asks its owner to check
@@ -48,6 +53,7 @@ from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 
 __all__ = [
+    "PULL_ROOM",
     "RETENTION_STREAMS",
     "PullConsumer",
     "apply_replicas",
@@ -81,6 +87,12 @@ _YIELD_EVERY: Final = 256
 
 _STATUS: Final = "Status"
 _PENDING: Final = "Nats-Pending-Messages"
+_PENDING_BYTES: Final = "Nats-Pending-Bytes"
+#: Bytes of a pull's ``max_bytes`` beside the server's ``max_payload`` (which bounds a message's
+#: headers and body): its subject, counted too by nats-server. A message over a pull's
+#: ``max_bytes`` is never delivered by it (nats-server 2.15 ends the pull at once, 409
+#: "Message Size Exceeds MaxBytes"), so the bound must hold the largest message there is.
+PULL_ROOM: Final = protocol.MESSAGE_ROOM
 #: Pulls answered 503 in a row (about half a second apart) before the owner is asked to check.
 _GONE_AFTER: Final = 3
 #: Longest wait between two checks while the 503s go on (doubling from 1 s).
@@ -116,6 +128,8 @@ class PullConsumer:
         self._expires = expires
         self._held = 0
         self._outstanding = 0
+        #: The ``max_bytes`` of the last pull request.
+        self._max_bytes = 0
         self._last_seen = time.monotonic()
         self._sub: Subscription | None = None
         self._inbox = ""
@@ -176,7 +190,9 @@ class PullConsumer:
                 return
             if self._refused:  # served again (a check's backoff starts over)
                 self._refused, self._check_wait = 0, 1.0
-            # 404/408/409: this pull request is over; its unfilled part is no longer owed.
+            # 404/408/409: this pull request is over; its unfilled part is no longer owed (409
+            # "Message Size Exceeds MaxBytes": the next message did not fit in what was left of
+            # its max_bytes — pulled again at once, with a whole max_bytes).
             pending = headers.get(_PENDING)
             if pending is not None and pending.isdigit():
                 self._outstanding = max(0, self._outstanding - int(pending))
@@ -184,6 +200,11 @@ class PullConsumer:
                 self._outstanding = 0
             if status not in ("404", "408"):
                 log.debug("pull on %s ended: %s %s", self._api, status, headers)
+            if status == "409" and headers.get(_PENDING_BYTES) == str(self._max_bytes):
+                # Nothing fit at all (a message over max_bytes: the server's max_payload is
+                # smaller than when it was stored): on the watchdog's tick, not thousands a
+                # second.
+                return
             self._maybe_pull()
             return
         if not msg.reply.startswith(_ACK_PREFIX):
@@ -226,7 +247,9 @@ class PullConsumer:
         if want <= 0 or (self._outstanding > 0 and want < max(1, self.capacity // 2)):
             return
         self._outstanding += want
-        body = json.dumps({"batch": want, "expires": int(self._expires * 1e9)}).encode()
+        self._max_bytes = int(self._nc.max_payload) + PULL_ROOM  # (the server's, this connection's)
+        ask = {"batch": want, "max_bytes": self._max_bytes, "expires": int(self._expires * 1e9)}
+        body = json.dumps(ask).encode()
         task = asyncio.create_task(self._publish(body))
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)

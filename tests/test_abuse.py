@@ -16,6 +16,7 @@ import nats
 import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh._consume import PullConsumer
 from reach_mesh._nats import reconnects_of
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import UnknownAgentError
@@ -344,3 +345,93 @@ async def test_a_route_flood_cut_off_as_a_slow_consumer_leaves_the_hubs_other_co
             await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
             res = await mesh.request(capability="work:echo:v1", payload=2, timeout=10)
             assert res.result == 2
+
+
+async def test_big_submissions_are_pulled_a_few_at_a_time_not_all_at_once(
+    tmp_path: Path,
+) -> None:
+    """Submissions of nearly the server's ``max_payload`` each (the audit's: 60 of 4 MiB,
+    refused, had the hub's main connection cut as a slow consumer five times) stored while
+    the hub's loop is stalled: each pull of the hub carries ``max_bytes``, so no more than
+    that is on its way to it, and the hub goes on pulling past the pulls the bound ends
+    (409), refusing each; its main connection is never cut and its agent stays ONLINE."""
+    async with EmbeddedNats(str(tmp_path), max_pending=4 << 20, max_payload=1 << 20) as server:
+        settings = MeshSettings(nats_url=server.url, namespace="bigsub", heartbeat_interval=0.5)
+        agent = Agent("bigsub.echo.a1", settings=settings)
+        agent.handler("work:echo:v1")(_echo)
+        async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
+            assert (await mesh.request(capability="work:echo:v1", payload=1)).result == 1
+            main = reconnects_of(hub.nc)
+            assert main is not None and hub.workflows is not None
+            nc = await nats.connect(server.url)
+            js = nc.jetstream()
+            subject = protocol.wf_submit("bigsub")
+            body = json.dumps({"workflow_id": "big", "steps": "x" * (900 << 10)}).encode()
+
+            def stored() -> None:
+                async def publish() -> None:
+                    snc = await nats.connect(server.url)
+                    sjs = snc.jetstream()
+                    for i in range(24):  # about 21 MiB, five times what the server holds
+                        await sjs.publish(subject, body, headers={"Nats-Msg-Id": f"big-{i}"})
+                    await snc.close()
+
+                asyncio.run(publish())
+
+            storing = threading.Thread(target=stored)
+            storing.start()
+            await asyncio.to_thread(storing.join, 30)  # the pull outstanding gets them now
+            time.sleep(2.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
+
+            async def left() -> int:
+                messages: int = (await js.stream_info(protocol.STREAM_WF)).state.messages
+                return messages
+
+            for _ in range(100):
+                if await left() == 0:
+                    break
+                await asyncio.sleep(0.1)
+            assert main.count == 0, "the submissions cut the hub's main connection"
+            assert await left() == 0, "the submissions were not all pulled"
+            await nc.close()
+            view = hub.registry.agents[agent.agent_id]
+            await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
+            assert (await mesh.request(capability="work:echo:v1", payload=2)).result == 2
+
+
+async def test_a_pull_carries_max_bytes_and_goes_on_past_a_delivery_it_cut_short(
+    nats_url: str,
+) -> None:
+    """Each pull request says ``max_bytes``; when the next message does not fit in what is left
+    of it, nats-server ends the pull (409 "Message Size Exceeds MaxBytes") and the consumer
+    pulls again at once: every message arrives, none is held back."""
+    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+
+    nc, watcher = await nats.connect(nats_url), await nats.connect(nats_url)
+    js = nc.jetstream()
+    name = f"PULLB_{time.monotonic_ns()}"
+    got: list[Any] = []
+    pull = PullConsumer(nc, name, "c", got.append, 16)
+    asked: list[dict[str, Any]] = []
+
+    async def seen(msg: Any) -> None:  # the pull requests, as the server gets them
+        asked.append(json.loads(msg.data))
+
+    await watcher.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{name}.c", cb=seen)
+    await watcher.flush()
+    try:
+        await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
+        await js.add_consumer(name, ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT))
+        # Each a little over half of max_bytes: one per pull.
+        big = b"x" * (nc.max_payload // 2 + 100)
+        for _ in range(5):
+            await js.publish(f"{name.lower()}.a", big)
+        await pull.start()
+        await eventually(lambda: len(got) == 5, timeout=5)
+        assert asked and all(a["max_bytes"] == nc.max_payload + (16 << 10) for a in asked)
+        assert len(asked) >= 3  # at most one such message a pull (two fit in none)
+    finally:
+        await pull.stop()
+        await js.delete_stream(name)
+        await nc.close()
+        await watcher.close()
