@@ -75,6 +75,7 @@ __all__ = [
     "split_answers",
     "split_batch",
     "status_identity",
+    "status_max",
     "submit_msg_id",
     "task_key",
     "task_status",
@@ -549,6 +550,13 @@ def carried_max(max_payload: int, server_max_payload: int) -> int:
     takes), and what the server carries beside a message's own fields
     (docs/protocol.md, "Sizes")."""
     return min(max_payload, server_max_payload - MESSAGE_ROOM)
+
+
+def status_max(max_payload: int, server_max_payload: int) -> int:
+    """The largest status event an agent of the SDK sends, in bytes: a result or progress of
+    at most :func:`carried_max`, and ``MESSAGE_ROOM`` for its other fields (an error is cut
+    to 2,000 characters and 8 KiB of details). A hub drops a larger one unread."""
+    return carried_max(max_payload, server_max_payload) + MESSAGE_ROOM
 
 
 # --------------------------------------------------------------------------- codec

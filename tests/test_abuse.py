@@ -17,7 +17,7 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh._consume import PullConsumer
-from reach_mesh._nats import reconnects_of
+from reach_mesh._nats import reconnects_of, refused_messages
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub
@@ -347,6 +347,62 @@ async def test_a_route_flood_cut_off_as_a_slow_consumer_leaves_the_hubs_other_co
             assert res.result == 2
 
 
+def _flood_from_a_thread(url: str, subject: str, body: bytes, count: int) -> threading.Thread:
+    """Publish ``count`` times ``body`` on ``subject`` from a thread of its own (its own event
+    loop: the test's is stalled on purpose)."""
+
+    def flood() -> None:
+        async def publish() -> None:
+            nc = await nats.connect(url)
+            for _ in range(count):
+                await nc.publish(subject, body)
+            await nc.flush(timeout=30)
+            await nc.close()
+
+        asyncio.run(publish())
+
+    flooding = threading.Thread(target=flood)
+    flooding.start()
+    return flooding
+
+
+async def test_a_status_flood_cut_off_as_a_slow_consumer_leaves_the_hubs_main_connection(
+    tmp_path: Path,
+) -> None:
+    """An agent flooding its own status subject with large statuses (what a compromised
+    agent may publish: the audit sent 250 of 6 MiB in 8 s and had a hub's main connection cut
+    six times, and another namespace's agent went SUSPECT) outruns a hub whose loop is
+    stalled: nats-server cuts the connection the statuses come on (``<hub_id>-statuses``), not
+    the one that carries heartbeats and KV writes; the agent stays ONLINE."""
+    async with EmbeddedNats(str(tmp_path), max_pending=4 << 20, max_payload=1 << 20) as server:
+        settings = MeshSettings(nats_url=server.url, namespace="sflood", heartbeat_interval=0.5)
+        agent = Agent("sflood.echo.a1", settings=settings)
+        agent.handler("work:echo:v1")(_echo)
+        async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
+            assert (await mesh.request(capability="work:echo:v1", payload=1)).result == 1
+            main, statuses = reconnects_of(hub.nc), reconnects_of(hub.status_nc)
+            assert main is not None and statuses is not None
+            event = {
+                "task_id": "t1",
+                "attempt": 1,
+                "agent_id": agent.agent_id,
+                "state": "RUNNING",
+                "progress": "x" * (512 << 10),
+            }
+            subject = protocol.task_status(agent.agent_id, "t1")
+            flooding = _flood_from_a_thread(server.url, subject, json.dumps(event).encode(), 80)
+            time.sleep(3.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
+            await asyncio.to_thread(flooding.join, 60)
+            await eventually(lambda: statuses.count + main.count >= 1, timeout=30)
+            assert main.count == 0, "the status flood cut the hub's main connection"
+            status_nc = hub.status_nc
+            await eventually(lambda: statuses.count >= 1 and status_nc.is_connected, timeout=30)
+            view = hub.registry.agents[agent.agent_id]
+            await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
+            assert (await mesh.request(capability="work:echo:v1", payload=2)).result == 2
+            await eventually(lambda: hub.nats_connected, timeout=10)
+
+
 async def test_big_submissions_are_pulled_a_few_at_a_time_not_all_at_once(
     tmp_path: Path,
 ) -> None:
@@ -435,3 +491,46 @@ async def test_a_pull_carries_max_bytes_and_goes_on_past_a_delivery_it_cut_short
         await js.delete_stream(name)
         await nc.close()
         await watcher.close()
+
+
+async def test_a_status_larger_than_any_agent_sends_is_refused_unparsed(
+    hub: Hub, settings: MeshSettings, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A status event over what an agent sends (a result or progress of at most
+    ``max_payload``, and room for its other fields) is dropped on its length alone: counted
+    as refused (``reach_messages_refused_total``), never parsed; one at the bound is read."""
+    assert hub.workflows is not None
+    tracker = hub.workflows._tracker
+    limit = protocol.status_max(settings.max_payload, hub.nc.max_payload)
+    assert tracker.max_status == limit == settings.max_payload + protocol.MESSAGE_ROOM
+    parsed: list[int] = []
+    parse = tracker._parse_status
+
+    def counted(data: bytes, subject: str) -> Any:
+        parsed.append(len(data))
+        return parse(data, subject)
+
+    monkeypatch.setattr(tracker, "_parse_status", counted)
+    # A step this hub tracks: its statuses are parsed (a stand-in track, as the engine keeps).
+    agent_id = f"{settings.namespace}.giant.a1"
+    key = protocol.task_key(settings.namespace, "t-giant")
+    monkeypatch.setitem(tracker._decided, key, 1)
+    before = refused_messages(hub.status_nc)
+    subject = protocol.task_status(agent_id, "t-giant")
+    head = {"task_id": "t-giant", "attempt": 2, "agent_id": agent_id, "state": "SUCCEEDED"}
+    fits = json.dumps({**head, "result": "x" * (limit - 200)}).encode()
+    giant = json.dumps({**head, "result": "x" * (limit + 1)}).encode()
+    assert len(fits) <= limit < len(giant)
+    nc = await nats.connect(nats_url)
+    try:
+        for _ in range(3):
+            await nc.publish(subject, giant)
+        await nc.publish(subject, fits)
+        await nc.flush()
+        await eventually(lambda: parsed == [len(fits)], timeout=5)
+    finally:
+        await nc.close()
+    assert refused_messages(hub.status_nc) == before + 3
+    metrics = hub.metrics.render().decode()
+    own = sum(refused_messages(c) for c in (hub.nc, hub._route_nc, hub.status_nc))
+    assert f"reach_messages_refused_total {float(own)}" in metrics

@@ -1148,9 +1148,10 @@ async def test_hub_answers_only_on_inboxes(mesh: Mesh, as_identity: Any) -> None
         await conn.nc.flush()
     await eventually(lambda: refused_total() >= refused + 4)
     metrics = mesh.hub.metrics.render().decode()
-    # The hub's own refusals, on its two connections (the process's count has its agents'
+    # The hub's own refusals, on its three connections (the process's count has its agents'
     # and clients' too); the routes came on the one of their own.
-    own = refused_messages(mesh.hub.nc) + refused_messages(mesh.hub._route_nc)
+    hub = mesh.hub
+    own = sum(refused_messages(c) for c in (hub.nc, hub._route_nc, hub._status_nc))
     assert refused_messages(mesh.hub._route_nc) >= 1
     assert f"reach_messages_refused_total {float(own)}" in metrics
     await asyncio.sleep(0.3)  # an answer, had one been sent, would be stored by now

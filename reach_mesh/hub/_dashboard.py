@@ -288,7 +288,8 @@ class Dashboard:
             self._jsc = JsClient(self.hub.nc)
             await self._jsc.start()
         statuses = protocol.task_status("*.*.*", "*")
-        self._sub = await self.hub.nc.subscribe(
+        # On the hub's statuses connection, as the engine's: a flood cuts that one only.
+        self._sub = await self.hub.status_nc.subscribe(
             statuses, cb=guarded(statuses, self._on_status, answers=False), pending_msgs_limit=-1
         )
 
@@ -366,6 +367,9 @@ class Dashboard:
 
     async def _on_status(self, msg: Msg) -> None:
         # On the subscription's reader: a parse and dictionary updates, no awaits.
+        engine = self.hub.workflows
+        if engine is not None and len(msg.data) > engine.max_status:
+            return  # larger than any agent sends: the engine counts it refused, unparsed
         try:
             ev = protocol.loads(msg.data)
             wf_id, step, state = ev.get("workflow_id"), ev.get("step"), ev.get("state")

@@ -106,8 +106,10 @@ class Hub(RoutingMixin, ControlMixin):
             )
         self.state = HubState.NEW
         self._nc: NATS | None = None
-        #: Route requests come in on a connection of their own (see ``start``).
+        #: Route requests come in on a connection of their own, and so do status events (see
+        #: ``start``).
         self._route_nc: NATS | None = None
+        self._status_nc: NATS | None = None
         self._js: JetStreamContext | None = None
         self._subs: list[Subscription] = []
         self._inflight: set[asyncio.Task[None]] = set()
@@ -158,9 +160,7 @@ class Hub(RoutingMixin, ControlMixin):
         #: per subject per 10 s.
         self._malformed_lines = LineBudget(10.0)
         self.metrics = HubMetrics()
-        connection_metrics(
-            self.metrics.registry, lambda: connection_counts(self._nc, self._route_nc)
-        )
+        connection_metrics(self.metrics.registry, lambda: connection_counts(*self._connections))
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}
@@ -213,11 +213,18 @@ class Hub(RoutingMixin, ControlMixin):
             )
             # Every namespace's route requests on a connection of their own: a flood of them
             # that this hub cannot read as fast has nats-server cut that connection (a slow
-            # consumer: 64 MiB waiting), not the one that carries the agents' heartbeats, the
-            # workflows' statuses and the KV writes — a caller's flood once cut that one, and
-            # every tenant's agents went SUSPECT. Answers leave on the other connection.
+            # consumer: 64 MiB waiting), not the one that carries the agents' heartbeats and
+            # the KV writes — a caller's flood once cut that one, and every tenant's agents
+            # went SUSPECT. Answers leave on the main connection.
             self._route_nc = await connect(
                 self.nats_url, name=f"{self.hub_id}-routes", settings=self.settings
+            )
+            # And every agent's status events (workflow steps) on a third: an agent may publish
+            # on its own status subject as much as it likes (once 250 statuses of 6 MiB in 8 s
+            # had this hub's main connection cut six times). Missed while it is cut, a step's
+            # status is read from REACH_STATUS when the step's silence has it ask.
+            self._status_nc = await connect(
+                self.nats_url, name=f"{self.hub_id}-statuses", settings=self.settings
             )
             self._js = self._nc.jetstream(timeout=10.0)
             s = self.settings
@@ -253,6 +260,7 @@ class Hub(RoutingMixin, ControlMixin):
                 metrics=self.metrics,
                 known_namespace=self.known_namespace,
                 resources=self.resources,
+                status_nc=self._status_nc,
             )
             await self.workflows.start()
             self.resources.start()
@@ -273,8 +281,9 @@ class Hub(RoutingMixin, ControlMixin):
             # Every subscription above (the micro service's last) is the server's before this
             # hub says it serves: not promised by nc.flush() alone, whose PING nats-py sends
             # ahead of SUBs still queued (``flushed``).
-            await flushed(self.nc)
-            await flushed(self._route_nc)
+            for nc in self._connections:
+                assert nc is not None
+                await flushed(nc)
             # Listening for pins now: ask for those made before this hub started.
             await self._ask_pins()
         except BaseException:
@@ -336,10 +345,22 @@ class Hub(RoutingMixin, ControlMixin):
             self._subs.append(await self.nc.subscribe(subject, cb=cb))
 
     @property
+    def _connections(self) -> tuple[NATS | None, NATS | None, NATS | None]:
+        """The hub's NATS connections: the main one, routes', statuses' (``start``)."""
+        return self._nc, self._route_nc, self._status_nc
+
+    @property
+    def status_nc(self) -> NATS:
+        """The connection status events come in on."""
+        if self._status_nc is None:
+            raise RuntimeError("hub is not started")
+        return self._status_nc
+
+    @property
     def nats_connected(self) -> bool:
-        """Whether both of the hub's NATS connections are up (its routes come on one of
-        their own: ``start``)."""
-        return connection_counts(self._nc, self._route_nc)[2]
+        """Whether all three of the hub's NATS connections are up (its routes and the status
+        events come on ones of their own: ``start``)."""
+        return connection_counts(*self._connections)[2]
 
     @property
     def routing(self) -> int:
@@ -425,7 +446,7 @@ class Hub(RoutingMixin, ControlMixin):
             await within("audit flush", self.audit.close(), 5.0, log)
         if hasattr(self, "_answers"):
             await within("answer flush", self._answers.flush(), 5.0, log)
-        for nc in (self._route_nc, self._nc):
+        for nc in (self._status_nc, self._route_nc, self._nc):
             if nc is not None:
                 await within("NATS drain", nc.drain(), 5.0, log)
                 await within("NATS close", nc.close(), 5.0, log)

@@ -29,7 +29,7 @@ from opentelemetry.trace import Span
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._guard import refuse_body
+from reach_mesh._guard import refuse, refuse_body
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import no_message
 from reach_mesh.errors import ReachError
@@ -244,8 +244,12 @@ class StatusTracker:
         registry: Registry,
         *,
         on_stale: Callable[[], None] | None = None,
+        max_payload: int | None = None,
     ) -> None:
         self._nc = nc
+        #: The mesh's ``max_payload`` (the settings'), which bounds what an agent sends
+        #: (``max_status``); None: the server's only.
+        self._max_payload = max_payload
         #: Asks agents (ctl ``task_state``) with unguessable reply subjects: an agent may
         #: publish on hubs' reply subjects, and a forged answer could decide a step.
         self._jsc = jsc
@@ -388,8 +392,23 @@ class StatusTracker:
 
     # ------------------------------------------------------------------ status events
 
+    @property
+    def max_status(self) -> int:
+        """The largest status event taken live: what an agent sends at most
+        (``protocol.status_max``; the server's ``max_payload`` when the mesh's is not known)."""
+        server = int(self._nc.max_payload)
+        mesh = server if self._max_payload is None else self._max_payload
+        return protocol.status_max(mesh, server)
+
     def on_status(self, msg: Msg) -> None:
         """The status subscription's callback: a parse and dictionary lookups, no I/O."""
+        if len(msg.data) > self.max_status:
+            # Larger than any agent sends (a result or progress is cut at max_payload): a
+            # flood of them costs this length check, not a parse each. Counted and logged as
+            # refused (on the connection it came on); a step still waiting learns its outcome
+            # from REACH_STATUS when its silence has it ask (``last_status``), as after a loss.
+            refuse(msg, f"a status event of {len(msg.data)} bytes, over {self.max_status}")
+            return
         # The subject names the agent that sent the event (NATS permissions bind it to it).
         ident = protocol.status_identity(msg.subject)
         if ident is None:

@@ -43,7 +43,7 @@ from reach_mesh._consume import (
 )
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import Reconnected, or_reconnected
+from reach_mesh._nats import Reconnected, flushed, or_reconnected
 from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -108,8 +108,11 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         metrics: Any = None,
         known_namespace: Callable[[str], bool] | None = None,
         resources: Resources | None = None,
+        status_nc: NATS | None = None,
     ) -> None:
         self._nc = nc
+        #: Where status events come in (the hub's ``<hub_id>-statuses``; ``nc`` when None).
+        self._status_nc = status_nc or nc
         #: The registry's: it learns the server's clock from the heartbeats it watches.
         self._server_clock = registry.server_clock
         self._js = js
@@ -133,6 +136,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             self._jsc,
             registry,
             on_stale=None if metrics is None else metrics.stale_result_total.inc,
+            max_payload=settings.max_payload,
         )
         #: The submission each run holds (its latest delivery: ``_renew``), and the run of each
         #: submission by its stream sequence.
@@ -196,6 +200,11 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         return self._tracker.stale_total
 
     @property
+    def max_status(self) -> int:
+        """The largest status event taken (``StatusTracker.max_status``)."""
+        return self._tracker.max_status
+
+    @property
     def forged_total(self) -> int:
         """Status events refused because their body spoke for another agent than the one
         their subject names (docs/security.md)."""
@@ -222,9 +231,12 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, self._jsc)
         self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, self._jsc)
         statuses = protocol.task_status("*.*.*", "*")
-        self._status_sub = await self._nc.subscribe(
+        self._status_sub = await self._status_nc.subscribe(
             statuses, cb=guarded(statuses, self._on_status, answers=False), pending_msgs_limit=-1
         )
+        # The server has it before the first step is sent (pulled below): on another
+        # connection, the SUB is not ordered before this one's publishes.
+        await flushed(self._status_nc)
         self._registry.on_state_change(self._on_agent_state)
         self._no_work.update(v.agent_id for v in self._registry if not v.record.card.durable_work)
         self._pull = PullConsumer(
