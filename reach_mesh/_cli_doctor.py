@@ -17,7 +17,6 @@ import ipaddress
 import json
 import shutil
 import textwrap
-from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal, TypeVar
@@ -35,7 +34,7 @@ from reach_mesh._nats import has_identity, hosts, refused_first, shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NotPermittedError, ReachError
-from reach_mesh.models import AgentInfo, AgentState
+from reach_mesh.models import AgentState
 
 __all__ = ["Finding", "cmd_doctor", "diagnose"]
 
@@ -279,7 +278,8 @@ async def _hubs(nc: NATS) -> tuple[Finding, int | None]:
     from reach_mesh.hub._micro import discover_hubs
 
     try:
-        hubs = await discover_hubs(nc, expected=True)
+        # Each hub's health and counts; not its list of agents.
+        hubs = await discover_hubs(nc, expected=True, fleet_ask=b'{"limit":0}')
     except NotPermittedError:
         why = "not checked: this identity may not use micro discovery"
         return Finding("hubs", "warn", why), None
@@ -338,10 +338,14 @@ def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
 
 
 async def _agents(client: Client) -> Finding:
+    """The fleet's states, counted by the answering hub (``by_state``): the troubled agents
+    only are listed (five of them), so a fleet of any size is checked in one small answer."""
     asked = ((True, "every namespace"), (False, f"namespace {client.namespace!r}"))
+    troubled_states = [s.value for s in TROUBLED]
     for every, of in asked:  # every namespace is the operator's list; else its own
         try:
-            fleet, scope = await client.fleet(all_namespaces=every), of
+            infos = await client.agents(all_namespaces=every, state=troubled_states, limit=5)
+            scope = of
             break
         except NotPermittedError:
             continue
@@ -351,24 +355,25 @@ async def _agents(client: Client) -> Finding:
             )
     else:
         return Finding("agents", "warn", "not checked: this identity may not list agents")
-    infos = [AgentInfo.model_validate(a) for a in fleet.get("agents", [])]
-    if not infos:
+    states = {AgentState(s): n for s, n in infos.by_state.items() if n}
+    total = sum(states.values())
+    if not total:
         return Finding(
             "agents",
             "warn",
             f"no agent registered ({scope}): start one (reach-mesh agent module:attribute)",
         )
-    states = Counter(i.state for i in infos)
-    detail = f"{len(infos)} in {scope}: " + ", ".join(
+    detail = f"{total} in {scope}: " + ", ".join(
         f"{n} {s.value}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])
     )
+    # (an older hub ignores the filter and sends every agent)
     troubled = [i.agent_id for i in infos if i.state in TROUBLED]
     if troubled:
-        shown_ids = ", ".join(troubled[:5]) + (" …" if len(troubled) > 5 else "")
+        shown_ids = ", ".join(troubled[:5]) + (" …" if infos.matched > 5 else "")
         return Finding(
             "agents", "warn", f"{detail}; look at {shown_ids} (reach-mesh inspect AGENT_ID)"
         )
-    if not any(i.state is AgentState.ONLINE for i in infos):
+    if not states.get(AgentState.ONLINE):
         return Finding("agents", "warn", f"{detail}: none ONLINE, nothing can be routed")
     return Finding("agents", "ok", detail)
 

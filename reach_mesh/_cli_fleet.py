@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from reach_mesh import protocol
+from reach_mesh._client_fleet import AgentList
 from reach_mesh._nats import shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings, load_settings
@@ -50,17 +51,27 @@ async def cmd_agents(args: argparse.Namespace) -> int:
         return await _agents_via_micro(args)
     async with Client(settings=settings_of(args), namespace=args.namespace) as c:
         # One query, one hub's view: its agents and those it declared LOST lately.
-        fleet = await c.fleet(all_namespaces=args.namespace is None)
-    infos = [AgentInfo.model_validate(a) for a in fleet["agents"]]
+        fleet = await c.fleet(
+            all_namespaces=args.namespace is None,
+            state=args.state,
+            capability=args.capability,
+            limit=args.limit,
+            offset=args.offset,
+        )
+    infos = AgentList.of(fleet)
     lost: list[dict[str, Any]] = fleet.get("recently_lost") or []
     if args.json:
         print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
+        if infos.truncated:  # stdout stays the list a script reads
+            print(_cut(infos, args.offset, paged=True), file=sys.stderr)
         return 0
     _print_agents(infos)
     if not infos and args.namespace is not None:
         print(f"(no agents in namespace {args.namespace!r}; without --namespace: every one)")
-    elif not infos:
-        print("(no agents)")
+    elif not infos and not infos.truncated:
+        print("(no agents)" if not infos.total else f"(none of {infos.total} agents match)")
+    if infos.truncated:
+        print(_cut(infos, args.offset, paged=True))
     if lost:
         # They are in no listing any more: say where they went.
         print("\nrecently LOST (no heartbeat for their lease; kept 15 min):")
@@ -71,7 +82,26 @@ async def cmd_agents(args: argparse.Namespace) -> int:
             for e in lost
         ]
         print_table(rows)
+        held = int(fleet.get("recently_lost_total", len(lost)))
+        if held > len(lost):
+            print(f"(showing {len(lost)} of {held} recently LOST agents, newest first)")
     return 0
+
+
+def _cut(infos: AgentList, offset: int = 0, *, paged: bool = False) -> str:
+    """What a cut fleet answer left out, and how to see the rest."""
+    shown_ = f"{offset + 1}-{offset + len(infos)}" if offset and infos else str(len(infos))
+    counts = ", ".join(f"{n} {s}" for s, n in sorted(infos.by_state.items(), key=lambda kv: -kv[1]))
+    text = (
+        f"showing {shown_} of {infos.matched} agents"
+        + (f" ({infos.total} in all: {counts})" if counts else "")
+        + "; one answer holds what fits in one NATS message (max_payload)"
+    )
+    if paged:
+        text += ": narrow with --namespace, --state or --capability"
+        if infos.next_offset is not None:
+            text += f", or see the next page with --offset {infos.next_offset}"
+    return text
 
 
 async def _discover_hubs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -93,13 +123,15 @@ def _print_hubs(hubs: Sequence[dict[str, Any]]) -> None:
     rows = [("HUB", "VERSION", "HTTP", "AGENTS")]
     for hub in hubs:
         meta = hub.get("metadata") or {}
-        known = (hub.get("fleet") or {}).get("agents")
+        fleet = hub.get("fleet") or {}
+        known = fleet.get("agents")
+        count = fleet.get("total", None if known is None else len(known))
         rows.append(
             (
                 str(meta.get("hub_id", "?")),
                 str(hub.get("version", "?")),
                 str(meta.get("http_url") or "-"),
-                "?" if known is None else str(len(known)),
+                "?" if count is None else str(count),
             )
         )
     if len(rows) > 1:
@@ -133,6 +165,13 @@ async def _agents_via_micro(args: argparse.Namespace) -> int:
     _print_agents(list(seen.values()))
     if not seen:
         print("(no agents)")
+    for hub in hubs:
+        fleet = hub.get("fleet") or {}
+        if fleet.get("truncated"):
+            print(
+                f"hub {fleet.get('hub_id', '?')}: {_cut(AgentList.of(fleet))}: see them "
+                "all with reach-mesh agents (--offset pages)"
+            )
     return 0
 
 
@@ -237,15 +276,34 @@ def _field(value: Any) -> str:
     return str(value)
 
 
+#: Pages of agents one snapshot reads at most (each as many agents as one NATS message holds:
+#: ~2,500 at 1 MiB).
+SNAPSHOT_PAGES = 100
+
+
 async def cmd_snapshot(args: argparse.Namespace) -> int:
+    seen: dict[str, AgentInfo] = {}
     async with Client(settings=settings_of(args)) as c:
-        infos = await c.agents(all_namespaces=True)
+        # Page by page: one answer holds what fits in one NATS message. Agents that come or
+        # go meanwhile may be missed or listed once each; ``total`` is the first page's count.
+        first = page = await c.agents(all_namespaces=True)
+        at = 0
+        for _ in range(SNAPSHOT_PAGES):
+            for info in page:
+                seen.setdefault(info.agent_id, info)
+            if page.next_offset is None or page.next_offset <= at:
+                break
+            at = page.next_offset
+            page = await c.agents(all_namespaces=True, offset=at)
+    infos = sorted(seen.values(), key=lambda i: i.agent_id)
     by_state: dict[str, int] = {}
     for info in infos:
         by_state[info.state.value] = by_state.get(info.state.value, 0) + 1
     snap = {
         "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "by_state": by_state,
+        "total": first.total,
+        "truncated": page.next_offset is not None,
         "agents": [i.model_dump(mode="json") for i in infos],
     }
     text = json.dumps(snap, indent=2)
@@ -259,12 +317,19 @@ async def cmd_snapshot(args: argparse.Namespace) -> int:
         print(f"wrote {len(infos)} agents to {args.output}")
     else:
         print(text)
+    if snap["truncated"]:
+        print(
+            f"snapshot cut: {len(infos)} of {first.total} agents in {SNAPSHOT_PAGES} pages",
+            file=sys.stderr,
+        )
     return 0
 
 
 async def cmd_tools(args: argparse.Namespace) -> int:
     async with Client(settings=settings_of(args), namespace=args.namespace) as c:
         infos = await c.agents(all_namespaces=args.namespace is None)
+    if infos.truncated:
+        print(f"tools of the agents shown: {_cut(infos)}", file=sys.stderr)
     menu: dict[str, list[str]] = {}
     described: dict[str, str] = {}
     for info in infos:

@@ -5,6 +5,7 @@ operator, reports calls made outside the mesh and reads the audit stream."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from reach_mesh import protocol
@@ -13,30 +14,105 @@ from reach_mesh._client_base import HubAsks
 from reach_mesh.models import AgentInfo, FailureReport
 
 
+class AgentList(list[AgentInfo]):
+    """What :meth:`FleetMixin.agents` returns: a list of :class:`AgentInfo`, and what the
+    answer says of those it left out. ``truncated``: more agents matched than it holds (cut to
+    fit one NATS message, or by ``limit``); ``matched``: the agents that match the query,
+    ``total``: those in its scope, ``by_state``: theirs by state; ``next_offset``: the
+    ``offset`` of the next page (None: none left)."""
+
+    truncated: bool = False
+    total: int = 0
+    matched: int = 0
+    next_offset: int | None = None
+    by_state: dict[str, int]
+
+    @classmethod
+    def of(cls, fleet: dict[str, Any]) -> AgentList:
+        """The list of a fleet answer (``FleetMixin.fleet``); an older hub's, which sends no
+        counts, counts what it holds."""
+        out = cls(AgentInfo.model_validate(a) for a in fleet.get("agents") or [])
+        out.total = int(fleet.get("total", len(out)))
+        out.matched = int(fleet.get("matched", len(out)))
+        out.truncated = bool(fleet.get("truncated", False))
+        nxt = fleet.get("next_offset")
+        out.next_offset = nxt if isinstance(nxt, int) else None
+        counted = fleet.get("by_state")
+        if not isinstance(counted, dict):
+            counted = {}
+            for info in out:
+                counted[info.state.value] = counted.get(info.state.value, 0) + 1
+        out.by_state = counted
+        return out
+
+
 class FleetMixin(HubAsks):
     """The fleet half of :class:`~reach_mesh.client.Client`."""
 
     #: Names this client in its failure reports (``Client.__init__``).
     _reporter: str
 
-    async def agents(self, *, all_namespaces: bool = False) -> list[AgentInfo]:
-        fleet = await self.fleet(all_namespaces=all_namespaces)
-        return [AgentInfo.model_validate(a) for a in fleet["agents"]]
+    async def agents(
+        self,
+        *,
+        all_namespaces: bool = False,
+        state: str | Sequence[str] | None = None,
+        capability: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> AgentList:
+        """The agents of this client's namespace (``all_namespaces``: of every one, an
+        operator query), in ``agent_id`` order: as many as one answer carries (one NATS
+        message: ~2,500 agents at nats-server's default ``max_payload`` of 1 MiB). A list of
+        :class:`AgentInfo` whose ``truncated`` says agents were left out (``matched``
+        of them in all; ask again with ``offset=next_offset`` for the next page), with
+        ``total`` and ``by_state`` counting every agent in scope. ``state`` (names),
+        ``capability``, ``limit`` and ``offset`` narrow it (docs/protocol.md, "Fleet
+        queries")."""
+        fleet = await self.fleet(
+            all_namespaces=all_namespaces,
+            state=state,
+            capability=capability,
+            limit=limit,
+            offset=offset,
+        )
+        return AgentList.of(fleet)
 
     async def recently_lost(self, *, all_namespaces: bool = False) -> list[dict[str, Any]]:
         """Agents the answering hub declared LOST in the last 15 minutes (no heartbeat for
         their lease and grace) and that are not back: they are in no listing any more.
-        ``agent_id``, ``lost_at`` (the hub's clock), ``capabilities``; newest first."""
-        fleet = await self.fleet(all_namespaces=all_namespaces)
+        ``agent_id``, ``lost_at`` (the hub's clock), ``capabilities``; newest first (as many
+        as fit in an eighth of an answer: ``recently_lost_total`` of ``fleet()`` counts them
+        all)."""
+        fleet = await self.fleet(all_namespaces=all_namespaces, limit=0)
         return list(fleet.get("recently_lost") or [])
 
-    async def fleet(self, *, all_namespaces: bool = False) -> dict[str, Any]:
+    async def fleet(
+        self,
+        *,
+        all_namespaces: bool = False,
+        state: str | Sequence[str] | None = None,
+        capability: str | None = None,
+        limit: int | None = None,
+        offset: int = 0,
+    ) -> dict[str, Any]:
         """One hub's answer to the fleet query, as sent: ``hub_id``, ``agents`` (AgentInfo
-        objects as JSON) and ``recently_lost`` (docs/protocol.md, "Fleet queries")."""
+        objects as JSON, as many as fit), ``total``, ``by_state``, ``matched``, ``offset``,
+        ``truncated``, ``next_offset``, ``recently_lost`` and ``recently_lost_total``
+        (docs/protocol.md, "Fleet queries")."""
+        body: dict[str, Any] = {}
+        if state is not None:
+            body["state"] = state if isinstance(state, str) else list(state)
+        if capability is not None:
+            body["capability"] = capability
+        if limit is not None:
+            body["limit"] = limit
+        if offset:
+            body["offset"] = offset
         if all_namespaces:  # an operator query (docs/security.md)
-            data = await self._query("admin", {"op": "agents"})
+            data = await self._query("admin", {"op": "agents", **body})
         else:
-            data = await self._query("agents", {})
+            data = await self._query("agents", body)
         fleet: dict[str, Any] = json.loads(data)
         return fleet
 

@@ -625,6 +625,23 @@ def build_parser() -> argparse.ArgumentParser:
     agents.add_argument("--all", action="store_true", help=argparse.SUPPRESS)  # the default now
     agents.add_argument("--json", action="store_true", help="print JSON")
     agents.add_argument(
+        "--state",
+        action="append",
+        metavar="STATE",
+        help="only agents in this state (ONLINE, SUSPECT, ...; repeat for several)",
+    )
+    agents.add_argument("--capability", metavar="CAP", help="only agents serving this capability")
+    agents.add_argument(
+        "--limit", type=int, metavar="N", help="at most N agents (default: as many as fit)"
+    )
+    agents.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        metavar="K",
+        help="skip the first K matching agents (in agent id order): the next page",
+    )
+    agents.add_argument(
         "--via-micro",
         action="store_true",
         help="discover the hubs by NATS micro ($SRV.INFO.reach-hub) and list what each knows",

@@ -31,6 +31,7 @@ from reach_mesh.errors import (
     UnknownAgentError,
     UnknownWorkflowError,
 )
+from reach_mesh.hub._fleet import fleet_answer, fleet_asked
 from reach_mesh.hub._wf_view import STEPS_PER_CHARGE, VIEW_DEADLINE
 from reach_mesh.hub.audit import AuditLog, Repeats
 from reach_mesh.hub.breaker import caller_report
@@ -342,7 +343,7 @@ class ControlMixin:
     # ------------------------------------------------------------------ queries & admin
 
     async def _on_agents(self, msg: Msg, ns: str) -> bytes:
-        body = _json_object(msg.data)
+        body = json_object(msg.data)
         agent_id = body.get("agent_id")
         if agent_id is not None:
             agent_id = protocol.validate_agent_id(str(agent_id))
@@ -360,7 +361,7 @@ class ControlMixin:
                 '{"op": "agents"} on reach.hub.<ns>.admin',
                 field="all_namespaces",
             )
-        return self._fleet(ns)
+        return self._fleet(ns, body)
 
     async def _on_workflow(self, msg: Msg, ns: str) -> bytes:
         """One workflow of ``ns`` as it stands (``hub/_wf_view.py``)."""
@@ -378,7 +379,7 @@ class ControlMixin:
     async def _on_workflows(self, msg: Msg, ns: str) -> bytes:
         """The recent workflows of ``ns`` (``hub/_wf_list.py``). One list reads up to
         ``SCAN_MAX`` records: it costs ``LIST_CHARGE`` views of the namespace's budget."""
-        return await self._list_workflows(ns, _json_object(msg.data), every=False)
+        return await self._list_workflows(ns, json_object(msg.data), every=False)
 
     async def _list_workflows(self, ns: str, body: dict[str, Any], *, every: bool) -> bytes:
         """The recent workflows of ``ns`` — of every namespace with ``every`` (an operator's
@@ -542,7 +543,7 @@ class ControlMixin:
 
     def _view_asked(self, data: bytes) -> tuple[WorkflowEngine, dict[str, Any], str]:
         """The engine, the body and the workflow id of a question about a workflow."""
-        body = _json_object(data)
+        body = json_object(data)
         raw = body.get("workflow_id")
         if not isinstance(raw, str):
             raise BadRequestError("workflow_id (a string) is required", field="workflow_id")
@@ -607,15 +608,11 @@ class ControlMixin:
                 retry_after_ms=int(retry * 1000) + 1,
             )
 
-    def _fleet(self, namespace: str | None) -> bytes:
-        infos = self.registry.infos(namespace)
-        return protocol.dumps(
-            {
-                "hub_id": self.hub_id,
-                "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
-                "recently_lost": self.registry.recently_lost(namespace),
-            }
-        )
+    def _fleet(self, namespace: str | None, body: dict[str, Any]) -> bytes:
+        """The agents ``body`` asks for (``hub/_fleet.py``): as many as one NATS message of
+        this hub's connection carries, with the counts of all of them."""
+        ask = fleet_asked(body)
+        return fleet_answer(self.registry, self.hub_id, namespace, ask, self.nc.max_payload)
 
     def _requester(self, msg: Msg) -> str | None:
         """Who asked, as far as NATS lets this hub tell: in secure mode (this hub has an
@@ -631,10 +628,10 @@ class ControlMixin:
         """The operator action ``data`` asks (the body of ``reach.hub.<ns>.admin``), audited
         (``admin``) with the operator's ``reason`` and ``requester``: who asked, as this hub
         can tell (``_requester``; ``"http"``: its own HTTP API), never as a body says."""
-        body = _json_object(data)
+        body = json_object(data)
         op = body.get("op")
         if op == "agents":
-            return self._fleet(None)
+            return self._fleet(None, body)
         if op == "workflows":
             return await self._list_workflows(ns, body, every=True)
         agent_id = protocol.validate_agent_id(str(body.get("agent_id", "")))
@@ -670,7 +667,7 @@ class ControlMixin:
         return protocol.dumps({"agent_id": agent_id, "op": op, "state": state})
 
 
-def _json_object(data: bytes) -> dict[str, Any]:
+def json_object(data: bytes) -> dict[str, Any]:
     """The body of a query or an operator's request: a JSON object (empty: ``{}``), of at
     most ``protocol.QUERY_MAX`` bytes — measured before it is parsed."""
     if len(data) > protocol.QUERY_MAX:

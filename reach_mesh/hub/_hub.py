@@ -41,7 +41,13 @@ from reach_mesh._nats import connect, connection_counts, flushed, shown
 from reach_mesh._retry import describe, storage_full
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
-from reach_mesh.errors import BadRequestError, InternalError, MeshUnavailableError, ReachError
+from reach_mesh.errors import (
+    BadRequestError,
+    InternalError,
+    MeshUnavailableError,
+    PayloadTooLargeError,
+    ReachError,
+)
 from reach_mesh.hub._control import VIEW_RATE, ControlMixin
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._pins import TaskPins
@@ -156,6 +162,9 @@ class Hub(RoutingMixin, ControlMixin):
         #: A JetStream outage fails every control message (each heartbeat writes KV): one
         #: line per verb per 10 s, with the count held back.
         self._outage_lines = LineBudget(10.0)
+        #: Answers that could not be sent (too large, or NATS refused the publish): one line
+        #: per verb and reason per 10 s.
+        self._answer_lines = LineBudget(10.0)
         #: Malformed lines of route batches (anyone in a namespace may send them): one line
         #: per subject per 10 s.
         self._malformed_lines = LineBudget(10.0)
@@ -570,5 +579,49 @@ class Hub(RoutingMixin, ControlMixin):
         except Exception as err:  # the hub never crashes on input
             body = self.error_body(msg.subject, err)
         if body is not None and msg.reply:
-            with contextlib.suppress(Exception):
-                await self.nc.publish(msg.reply, body)
+            await self.answer(msg.subject, msg.reply, body)
+
+    async def answer(self, subject: str, reply: str, body: bytes) -> None:
+        """Publish ``body``, the answer to a request on ``subject``, to ``reply``
+        (:meth:`sendable`). A publish NATS refuses (connection closed, draining, reconnecting
+        with its buffer full) is logged, one line per verb per 10 s — the asker times out and
+        asks again; anything else is a bug, logged with its traceback."""
+        try:
+            await self.nc.publish(reply, self.sendable(subject, body))
+        except nats.errors.Error as err:
+            if self.state is HubState.RUNNING:
+                verb = subject.rsplit(".", 1)[-1]
+                self._answer_lines.warn(
+                    log, ("lost", verb), "could not answer %s: %s", subject, describe(err)
+                )
+        except Exception:
+            log.exception("could not answer %s", subject)
+
+    def sendable(self, subject: str, body: bytes) -> bytes:
+        """``body``, the answer to a request on ``subject``, if one NATS message carries it.
+        One larger than the connection's ``max_payload`` (nats-server: 1 MiB by default)
+        cannot be sent: the asker gets ``REACH_PAYLOAD_TOO_LARGE`` saying so instead of
+        waiting out its timeout, and the hub logs a WARNING (one line per verb per 10 s)."""
+        most = self.nc.max_payload
+        if len(body) <= most:
+            return body
+        self._answer_lines.warn(
+            log,
+            ("large", subject.rsplit(".", 1)[-1]),
+            "answer of %d bytes to %s exceeds NATS max_payload (%d bytes): answered "
+            "REACH_PAYLOAD_TOO_LARGE instead",
+            len(body),
+            subject,
+            most,
+        )
+        return protocol.encode_error(
+            PayloadTooLargeError(
+                f"the answer to {subject} is {len(body):,} bytes, over this NATS server's "
+                f"max_payload of {most:,} bytes: ask for less (a fleet query: limit, offset, "
+                "state, capability; a workflow list: limit, state, since_s), or raise "
+                "max_payload in nats-server's configuration",
+                size=len(body),
+                max_size=most,
+                subject=subject,
+            )
+        )

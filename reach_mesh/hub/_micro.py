@@ -27,6 +27,8 @@ from reach_mesh import __version__, protocol
 from reach_mesh._guard import guarded
 from reach_mesh._nats import not_permitted, refused_first, refused_since
 from reach_mesh.errors import ReachError
+from reach_mesh.hub._control import json_object
+from reach_mesh.hub._fleet import fleet_answer, fleet_asked
 
 if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
@@ -81,37 +83,51 @@ async def start_micro(hub: Hub) -> Service:
     )
 
     async def agents(request: Request) -> None:
-        infos = hub.registry.infos(None)
-        body = protocol.dumps(
-            {
-                "hub_id": hub.hub_id,
-                "agents": [i.model_dump(mode="json", exclude_none=True) for i in infos],
-                # Cannot read or write the registry lately (``reach_registry_blind``), and why.
-                "blind": hub.registry.blind(),
-                "blind_reason": hub.registry.blind_reason(),
-                # This hub's wall clock minus the NATS server's, as it estimates it (seconds).
-                "clock_skew_s": round(hub.registry.server_clock.skew, 3),
-            }
-        )
-        await request.respond(body)  # _Answerable passes only requests with a reply subject
+        try:
+            ask = fleet_asked(json_object(request.data))
+        except ReachError as err:
+            body = protocol.encode_error(err)
+        else:
+            body = fleet_answer(
+                hub.registry,
+                hub.hub_id,
+                None,
+                ask,
+                hub.nc.max_payload,
+                {
+                    # Cannot read or write the registry lately (``reach_registry_blind``), and
+                    # why.
+                    "blind": hub.registry.blind(),
+                    "blind_reason": hub.registry.blind_reason(),
+                    # This hub's wall clock minus the NATS server's, as it estimates it
+                    # (seconds).
+                    "clock_skew_s": round(hub.registry.server_clock.skew, 3),
+                },
+            )
+        # _Answerable passes only requests with a reply subject; one too large to send is
+        # answered REACH_PAYLOAD_TOO_LARGE (``Hub.sendable``).
+        await request.respond(hub.sendable(request.subject, body))
 
     await service.add_endpoint(
         EndpointConfig(
             name="agents",
             subject=protocol.micro_subject(hub.hub_id, "agents"),
             handler=agents,
-            metadata={"description": "this hub's view of the fleet (AgentInfo list)"},
+            metadata={
+                "description": "this hub's view of the fleet (AgentInfo list, as many as fit)"
+            },
         )
     )
     return service
 
 
 async def discover_hubs(
-    nc: Any, wait: float = 0.5, *, expected: bool = False
+    nc: Any, wait: float = 0.5, *, expected: bool = False, fleet_ask: bytes = b""
 ) -> list[dict[str, Any]]:
     """Every hub's ``$SRV.INFO`` answer within ``wait`` seconds, each with ``"fleet"``: the
     answer of its ``agents`` endpoint (``{"hub_id", "agents"}``, or ``None`` if it did not).
-    ``expected``: a refusal is an answer, not logged (``refused_first``).
+    ``expected``: a refusal is an answer, not logged (``refused_first``). ``fleet_ask``: the
+    body of the ``agents`` request (``b'{"limit":0}'``: the counts and the hub's health only).
 
     An identity NATS may not let ask (a caller's, in secure mode: discovery is an operator
     read) gets :class:`~reach_mesh.errors.NotPermittedError` as soon as the server refuses the
@@ -151,7 +167,7 @@ async def discover_hubs(
         info["fleet"] = None
         if subject is not None:
             try:
-                info["fleet"] = json.loads((await nc.request(subject, b"", timeout=5)).data)
+                info["fleet"] = json.loads((await nc.request(subject, fleet_ask, timeout=5)).data)
             except Exception:  # a hub that went away meanwhile: listed without its fleet
                 info["fleet"] = None
 

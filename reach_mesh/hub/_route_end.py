@@ -184,6 +184,8 @@ class RouteEndMixin:
 
         def _spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
 
+        async def answer(self, subject: str, reply: str, body: bytes) -> None: ...
+
         def _rejected(self, verb: str, sender: str | None, claimed: str, **fields: Any) -> None: ...
 
         async def _attempt(self, flight: _Flight) -> None: ...
@@ -650,8 +652,9 @@ class RouteEndMixin:
             return
         if batch_reply and self._answers.add(batch_reply, reply, body):
             return
-        with contextlib.suppress(Exception):
-            await self.nc.publish(reply, body)
+        # (one too large to send is answered REACH_PAYLOAD_TOO_LARGE; a publish NATS refuses
+        # is logged: ``Hub.answer``)
+        await self.answer("route", reply, body)
 
     def _failed(self, view: AgentView, *, delivery: bool) -> None:
         if delivery:

@@ -655,11 +655,15 @@ class Registry(Liveness):
     def __len__(self) -> int:
         return len(self.agents)
 
-    def infos(self, namespace: str | None = None) -> list[AgentInfo]:
-        now = self._clock()
+    def views(self, namespace: str | None = None) -> list[AgentView]:
+        """The agents of ``namespace`` (None: of every namespace), in ``agent_id`` order."""
         if namespace is None:
             views: Iterable[AgentView] = self.agents.values()
         else:  # the namespace's agents only: one tenant's query never walks the others'
             agents = self.agents
             views = [v for a in self.index.members(namespace) if (v := agents.get(a)) is not None]
-        return [v.info(now) for v in sorted(views, key=lambda v: v.agent_id)]
+        return sorted(views, key=lambda v: v.agent_id)
+
+    def infos(self, namespace: str | None = None) -> list[AgentInfo]:
+        now = self._clock()
+        return [v.info(now) for v in self.views(namespace)]

@@ -1,0 +1,127 @@
+"""The answer to a fleet query (``reach.hub.<ns>.agents``, the ``agents`` admin op, the micro
+service's ``agents`` endpoint): the agents asked for, in ``agent_id`` order, as many as fit in
+one NATS message, with counts that say what was left out.
+
+One answer is one NATS message: at most the server's ``max_payload`` (1 MiB by default,
+~2,500 agents). The agents past what fits are left out — ``truncated``, with ``next_offset`` to
+ask for the next page — and ``total``, ``matched`` and ``by_state`` count every one, so a
+caller that counts (``reach-mesh doctor``) never needs the list.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from reach_mesh import protocol
+from reach_mesh.errors import BadRequestError
+from reach_mesh.hub.registry import Registry
+from reach_mesh.models import AgentState
+
+__all__ = ["FleetAsk", "fleet_answer", "fleet_asked"]
+
+#: Share of an answer's bytes that ``recently_lost`` may take (the agents get the rest).
+_LOST_SHARE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class FleetAsk:
+    """What a fleet query asks for: agents in ``states`` (empty: any) serving ``capability``
+    (None: any), from the ``offset``-th of those in ``agent_id`` order, at most ``limit`` (None:
+    as many as fit; 0: the counts only)."""
+
+    states: frozenset[AgentState] = frozenset()
+    capability: str | None = None
+    limit: int | None = None
+    offset: int = 0
+
+
+def fleet_asked(body: dict[str, Any]) -> FleetAsk:
+    """``state`` (a state name or a list of them), ``capability``, ``limit`` and ``offset`` of
+    a fleet query, checked (``REACH_BAD_REQUEST`` naming the field)."""
+    raw = body.get("state", [])
+    names = [raw] if isinstance(raw, str) else raw
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadRequestError("state must be a state name or a list of them", field="state")
+    try:
+        states = frozenset(AgentState(n.upper()) for n in names)
+    except ValueError:
+        raise BadRequestError(
+            f"state must be among {', '.join(s.value for s in AgentState)}", field="state"
+        ) from None
+    capability = body.get("capability")
+    if capability is not None:
+        if not isinstance(capability, str):
+            raise BadRequestError("capability must be a string", field="capability")
+        capability = protocol.validate_capability(capability)
+    limit = body.get("limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise BadRequestError("limit must be an integer >= 0", field="limit")
+    offset = body.get("offset", 0)
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise BadRequestError("offset must be an integer >= 0", field="offset")
+    return FleetAsk(states, capability, limit, offset)
+
+
+def fleet_answer(
+    registry: Registry,
+    hub_id: str,
+    namespace: str | None,
+    ask: FleetAsk,
+    max_payload: int,
+    extra: dict[str, Any] | None = None,
+) -> bytes:
+    """The answer to ``ask`` about ``namespace``'s agents (None: every namespace's), of at
+    most ``max_payload`` less ``protocol.MESSAGE_ROOM`` bytes: ``hub_id``, ``total`` (agents
+    in scope), ``by_state`` (theirs, whatever the filters), ``matched`` (those the filters
+    keep), ``offset``, ``agents`` (AgentInfo objects), ``truncated`` (matched agents past
+    ``offset`` were left out, by ``limit`` or to fit), ``next_offset`` (where the next page
+    starts, null when none is left), ``recently_lost`` (newest first, as many as fit in an
+    eighth of the answer) and ``recently_lost_total``; then ``extra``'s fields."""
+    views = registry.views(namespace)
+    by_state = Counter(v.state.value for v in views)
+    cap = ask.capability
+    matched = [
+        v
+        for v in views
+        if (not ask.states or v.state in ask.states)
+        and (cap is None or cap in v.record.card.capabilities)
+    ]
+    budget = max_payload - protocol.MESSAGE_ROOM
+    lost_all = registry.recently_lost(namespace)
+    lost: list[dict[str, Any]] = []
+    lost_bytes = 0
+    for entry in lost_all:
+        lost_bytes += len(protocol.dumps(entry)) + 1
+        if lost_bytes > budget // _LOST_SHARE:
+            break
+        lost.append(entry)
+    head: dict[str, Any] = {
+        "hub_id": hub_id,
+        "total": len(views),
+        "by_state": dict(sorted(by_state.items())),
+        "matched": len(matched),
+        "offset": ask.offset,
+        "recently_lost": lost,
+        "recently_lost_total": len(lost_all),
+        **(extra or {}),
+    }
+    # (room for "truncated" and "next_offset", written last)
+    left = budget - len(protocol.dumps(head)) - 64
+    page = matched[ask.offset :]
+    if ask.limit is not None:
+        page = page[: ask.limit]
+    now = registry.now
+    parts: list[bytes] = []
+    for view in page:
+        part = protocol.encode(view.info(now))
+        left -= len(part) + 1
+        if left < 0 and parts:  # (the first always: a page moves on, or is too large to send)
+            break
+        parts.append(part)
+    end = ask.offset + len(parts)
+    more = end < len(matched)
+    head["truncated"] = more
+    head["next_offset"] = end if more else None
+    return protocol.dumps(head)[:-1] + b',"agents":[' + b",".join(parts) + b"]}"
