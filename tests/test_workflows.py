@@ -27,7 +27,7 @@ from reach_mesh import (
 )
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
-from reach_mesh.hub import Hub, _shapes
+from reach_mesh.hub import Hub, _shapes, workflows
 from reach_mesh.models import AgentState, TaskEnvelope
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, merge_payload
 
@@ -256,6 +256,25 @@ async def test_chain_stops_at_failure(wf_hub: Hub, fleet: Fleet, wf_settings: Me
 # --------------------------------------------------------------------------- fairness
 
 
+def _hung_and_quick(
+    fleet: Fleet, s: MeshSettings, cap: str
+) -> tuple[Agent, asyncio.Event, Agent, MeshSettings]:
+    """Two tenants: an agent of ``s``'s namespace whose ``cap`` hangs until the event is set,
+    and an echo agent (``wf:echo:v1``) of another namespace, with that namespace's settings."""
+    release = asyncio.Event()
+    slow = fleet.agent("slow.s1", max_concurrency=16)
+
+    @slow.handler(cap)
+    async def hang(task: Task[Any]) -> str:
+        await release.wait()
+        return "done"
+
+    other_settings = s.model_copy(update={"namespace": f"{s.namespace}x"})
+    other = echo_agent(Fleet(other_settings), "quick.q1")
+    fleet.agents.append(other)
+    return slow, release, other, other_settings
+
+
 async def test_tenants_whose_workflows_hang_cannot_take_a_hub(
     fleet: Fleet, wf_settings: MeshSettings, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -265,18 +284,8 @@ async def test_tenants_whose_workflows_hang_cannot_take_a_hub(
     agent answers, every one of its workflows finishes, the deferred ones too. (Before fair
     shares the full hub stopped pulling, and the other tenant's workflow waited.)"""
     s = wf_settings.model_copy(update={"workflow_concurrency": 4})
-    ns, other_ns = s.namespace, f"{s.namespace}x"
-    release = asyncio.Event()
-    slow = fleet.agent("slow.s1", max_concurrency=16)
-
-    @slow.handler("wf:slow:v1")
-    async def hang(task: Task[Any]) -> str:
-        await release.wait()
-        return "done"
-
-    other_settings = s.model_copy(update={"namespace": other_ns})
-    other = echo_agent(Fleet(other_settings), "quick.q1")
-    fleet.agents.append(other)
+    ns = s.namespace
+    slow, release, other, other_settings = _hung_and_quick(fleet, s, "wf:slow:v1")
     async with Hub(settings=s) as hub:
         await slow.start()
         await other.start()
@@ -303,6 +312,42 @@ async def test_tenants_whose_workflows_hang_cannot_take_a_hub(
             assert [r.state for r in results] == [TaskState.SUCCEEDED] * 6
             assert [r.result for r in results] == [["done"]] * 6
         assert engine._shares.held(ns) == 0
+
+
+async def test_a_tenants_big_submissions_cannot_take_a_hubs_memory(
+    fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running workflow holds its spec, payloads included: a caller's 120 specs of 7 MB
+    once held a hub at 1.3 GB (``workflow_concurrency``, 1,024, counts workflows, not bytes).
+    The bytes of the submissions a hub runs are shared between namespaces as the count is
+    (``HELD_BYTES``, here 100 KB): past it a tenant's further big submissions wait in the
+    stream, another tenant's workflow runs at once, and all finish once the first's agent
+    answers."""
+    monkeypatch.setattr(workflows, "HELD_BYTES", 100_000)
+    ns = wf_settings.namespace
+    slow, release, other, other_settings = _hung_and_quick(fleet, wf_settings, "wf:big:v1")
+    async with Hub(settings=wf_settings) as hub:
+        await slow.start()
+        await other.start()
+        engine = hub.workflows
+        assert engine is not None
+        async with Client(settings=wf_settings) as mesh, Client(settings=other_settings) as theirs:
+            ids = [
+                await mesh.submit_fanout(
+                    [Step(capability="wf:big:v1", payload="x" * 40_000)], timeout=30
+                )
+                for _ in range(5)
+            ]
+            await eventually(lambda: engine.deferred_total >= 1 and slow.inflight >= 3)
+            res = await asyncio.wait_for(
+                theirs.fanout([Step(capability="wf:echo:v1", payload="b")], timeout=10), 5
+            )
+            assert res.state is TaskState.SUCCEEDED
+            assert slow.inflight == 3 and engine._shares.held(ns) == 3
+            release.set()
+            results = [await mesh.workflow(wf_id, timeout=20) for wf_id in ids]
+            assert [r.state for r in results] == [TaskState.SUCCEEDED] * 5
+        assert engine._held_bytes.held(ns) == 0 and engine._held_bytes.total == 0
 
 
 # --------------------------------------------------------------------------- retries

@@ -1,5 +1,6 @@
 """The submissions a hub does not run: those it refuses (stored as a FAILED result, then
-termed) and those that lost the start of their workflow to another message of the same id.
+termed), those that lost the start of their workflow to another message of the same id, and
+those it gives back for later (their namespace holds its fair share of the hub).
 Split from :mod:`reach_mesh.hub.workflows` (which runs the workflows this hub owns)."""
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh._consume import stream_seq
+from reach_mesh._consume import PullConsumer, stream_seq
 from reach_mesh.errors import MeshUnavailableError, ReachError
 from reach_mesh.hub import _durable
 from reach_mesh.hub._steps import Workflow
 from reach_mesh.hub._wf_queries import WorkflowQueries
+from reach_mesh.hub.shares import Shares, defer_delay
+from reach_mesh.logs import NAMESPACE_SHARE, LineBudget, log_event
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.tracing import trace_id_from_headers
 from reach_mesh.workflow import (
@@ -43,6 +46,13 @@ class WorkflowRefusals(WorkflowQueries):
 
     #: Submissions refused because their id is another spec's workflow.
     conflict_total: int
+    #: Submissions given back for later: their namespace held its fair share (``_defer``).
+    deferred_total: int
+    _defer_lines: LineBudget
+    #: What each namespace holds of this hub: workflows, and the bytes of their submissions.
+    _shares: Shares
+    _held_bytes: Shares
+    _pull: PullConsumer | None
 
     if TYPE_CHECKING:
 
@@ -51,6 +61,43 @@ class WorkflowRefusals(WorkflowQueries):
         ) -> None: ...
 
         def _count_done(self, ns: str, kind: str, result: WorkflowResult) -> None: ...
+
+    def _defer(self, msg: Msg, ns: str) -> None:
+        """Fairness: this hub runs ``workflow_concurrency`` workflows (or ``HELD_BYTES`` of
+        submissions) and ``ns`` its fair share of them (:class:`~reach_mesh.hub.shares.Shares`).
+        The submission
+        goes back to the stream for later — a nak whose delay grows with its deliveries
+        (:func:`~reach_mesh.hub.shares.defer_delay`) — and the pull moves on to the
+        submissions behind it, other namespaces' among them. Nothing is read or written for
+        it: whoever takes it later starts or resumes it from the records as usual."""
+        self.deferred_total += 1
+        if self._metrics is not None:
+            self._metrics.workflow_deferred_total.inc()
+        try:
+            deliveries = msg.metadata.num_delivered or 1
+        except Exception:
+            deliveries = 1
+        if self._defer_lines.take() is not None:
+            log_event(
+                log,
+                NAMESPACE_SHARE,
+                f"this hub runs {self._shares.total} workflows ({self._held_bytes.total:,} "
+                f"bytes of submissions) and namespace {ns!r} its fair share of them "
+                f"({self._shares.held(ns)} of {self._shares.share(ns)}, "
+                f"{self._held_bytes.held(ns):,} of {self._held_bytes.share(ns):,} bytes): its "
+                "further submissions wait in the stream",
+                level=logging.WARNING,
+                namespace=ns,
+                deferred=self.deferred_total,
+            )
+        self._background(self._hand_back(msg, defer_delay(deliveries)))
+
+    async def _hand_back(self, msg: Msg, delay: float) -> None:
+        try:
+            await msg.nak(delay=delay)
+        finally:
+            if self._pull is not None:
+                self._pull.release()
 
     async def _refuse_taken(self, msg: Msg, wf: Workflow, result: WorkflowResult | None) -> None:
         """Refuse a submission whose id is another spec's workflow: counted, never run. When

@@ -68,17 +68,20 @@ class Shares:
             return True
         return total < self.ceiling and self._held.get(ns, 0) < self.share(ns)
 
-    def take(self, ns: str) -> None:
-        self._held[ns] = self._held.get(ns, 0) + 1
-        self.total += 1
+    def take(self, ns: str, n: int = 1) -> None:
+        """``ns`` takes ``n`` (one workflow, or its bytes)."""
+        self._held[ns] = self._held.get(ns, 0) + n
+        self.total += n
 
-    def give(self, ns: str) -> None:
+    def give(self, ns: str, n: int = 1) -> None:
+        """``ns`` gives back ``n`` of what it took."""
         held = self._held.pop(ns, 0)
         if held == 0:
             return  # never taken: nothing to give back
-        self.total -= 1
-        if held > 1:
-            self._held[ns] = held - 1
+        n = min(n, held)
+        self.total -= n
+        if held > n:
+            self._held[ns] = held - n
 
     def __len__(self) -> int:
         """Namespaces holding anything."""

@@ -61,9 +61,9 @@ from reach_mesh.hub._wf_orphans import OrphanSweep
 from reach_mesh.hub._wf_reject import WorkflowRefusals
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
-from reach_mesh.hub.shares import Shares, defer_delay
+from reach_mesh.hub.shares import Shares
 from reach_mesh.hub.throttle import Pacer
-from reach_mesh.logs import NAMESPACE_SHARE, WORKFLOW_INTERRUPTED, LineBudget, log_event
+from reach_mesh.logs import WORKFLOW_INTERRUPTED, LineBudget, log_event
 from reach_mesh.models import AgentState
 from reach_mesh.tracing import inject, started_trace
 from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE, HubMetrics
@@ -83,6 +83,11 @@ __all__ = ["WorkflowEngine"]
 log = logging.getLogger("reach_mesh.hub.workflows")
 
 _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
+#: Bytes of submissions a hub runs before it admits more only below a namespace's fair share
+#: of them, as ``workflow_concurrency`` counts workflows (``Shares``; at most ``CEILING``
+#: times this in all). A running workflow holds its spec, payloads included: a caller's 120
+#: specs of 7 MB once held a hub at 1.3 GB, and 1,024 of them would have held 10 GB.
+HELD_BYTES: Final = 128 << 20
 #: Seconds between two reads of the shared consumer for ``reach_workflow_submissions``.
 SUBMISSIONS_EVERY: Final = 5.0
 
@@ -147,6 +152,8 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._owning: dict[tuple[str, str], tuple[Workflow, asyncio.Task[Any]]] = {}
         #: Workflows run per namespace, against ``workflow_concurrency`` (fairness).
         self._shares = Shares(settings.workflow_concurrency)
+        #: The bytes of the submissions it runs, shared the same way (``HELD_BYTES``).
+        self._held_bytes = Shares(HELD_BYTES)
         #: Submissions handed back because their namespace held its share (``_defer``), and
         #: the warning telling it, once per 30 s.
         self.deferred_total = 0
@@ -358,10 +365,11 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         if seq is not None and seq in self._runs_by_seq and self._renew(msg, seq):
             return
         ns = protocol.submit_namespace(msg.subject)
-        if not self._shares.admits(ns):
+        if not (self._shares.admits(ns) and self._held_bytes.admits(ns)):
             self._defer(msg, ns)
             return
         self._shares.take(ns)
+        self._held_bytes.take(ns, len(msg.data))
         task = self._loop.create_task(self._own(msg), name="reach-workflow")
         self._running[task] = msg
         if seq is not None:
@@ -411,7 +419,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
     def _owned_done(self, task: asyncio.Task[None]) -> None:
         msg = self._running.pop(task, None)
         if msg is not None:
-            self._shares.give(protocol.submit_namespace(msg.subject))
+            ns = protocol.submit_namespace(msg.subject)
+            self._shares.give(ns)
+            self._held_bytes.give(ns, len(msg.data))
             seq = stream_seq(msg)
             if seq is not None and self._runs_by_seq.get(seq) is task:
                 del self._runs_by_seq[seq]
@@ -419,40 +429,6 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             self._pull.release()
         if not task.cancelled() and task.exception() is not None:
             log.error("workflow task failed", exc_info=task.exception())
-
-    def _defer(self, msg: Msg, ns: str) -> None:
-        """Fairness: this hub runs ``workflow_concurrency`` workflows and ``ns`` its fair share
-        of them (:class:`~reach_mesh.hub.shares.Shares`). The submission
-        goes back to the stream for later — a nak whose delay grows with its deliveries
-        (:func:`~reach_mesh.hub.shares.defer_delay`) — and the pull moves on to the
-        submissions behind it, other namespaces' among them. Nothing is read or written for
-        it: whoever takes it later starts or resumes it from the records as usual."""
-        self.deferred_total += 1
-        if self._metrics is not None:
-            self._metrics.workflow_deferred_total.inc()
-        try:
-            deliveries = msg.metadata.num_delivered or 1
-        except Exception:
-            deliveries = 1
-        if self._defer_lines.take() is not None:
-            log_event(
-                log,
-                NAMESPACE_SHARE,
-                f"this hub runs {self._shares.total} workflows and namespace {ns!r} its fair "
-                f"share of them ({self._shares.held(ns)} of {self._shares.share(ns)}): its "
-                "further submissions wait in the stream",
-                level=logging.WARNING,
-                namespace=ns,
-                deferred=self.deferred_total,
-            )
-        self._background(self._hand_back(msg, defer_delay(deliveries)))
-
-    async def _hand_back(self, msg: Msg, delay: float) -> None:
-        try:
-            await msg.nak(delay=delay)
-        finally:
-            if self._pull is not None:
-                self._pull.release()
 
     async def _own(self, msg: Msg) -> None:
         raw = dict(msg.headers or {})
