@@ -65,9 +65,8 @@ class WorkflowRefusals(WorkflowQueries):
     def _defer(self, msg: Msg, ns: str) -> None:
         """Fairness: this hub runs ``workflow_concurrency`` workflows (or ``HELD_BYTES`` of
         submissions) and ``ns`` its fair share of them (:class:`~reach_mesh.hub.shares.Shares`).
-        The submission
-        goes back to the stream for later — a nak whose delay grows with its deliveries
-        (:func:`~reach_mesh.hub.shares.defer_delay`) — and the pull moves on to the
+        The submission goes back to the stream for later — a nak whose delay grows with its
+        deliveries (:func:`~reach_mesh.hub.shares.defer_delay`) — and the pull moves on to the
         submissions behind it, other namespaces' among them. Nothing is read or written for
         it: whoever takes it later starts or resumes it from the records as usual."""
         self.deferred_total += 1
