@@ -167,6 +167,17 @@ async def test_rest_gateway_dashboard_and_openapi(
         assert status == 404 and json.loads(body)["error"]["code"] == "REACH_NO_MATCH"
         status, body = await fetch(f"{base}/api/agents?namespace={namespace}")
         assert [a["agent_id"] for a in json.loads(body)["agents"]] == [agent.agent_id]
+        # Filters and pages, as the fleet query over NATS (thousands need not come whole).
+        status, body = await fetch(f"{base}/api/agents?namespace={namespace}&limit=0")
+        page = json.loads(body)
+        assert (page["agents"], page["total"], page["matched"]) == ([], 1, 1)
+        assert page["truncated"] and page["next_offset"] == 0 and page["by_state"]
+        status, body = await fetch(
+            f"{base}/api/agents?namespace={namespace}&state=LOST&capability=work:echo:v1"
+        )
+        assert (json.loads(body)["agents"], json.loads(body)["matched"]) == ([], 0)
+        status, body = await fetch(f"{base}/api/agents?namespace={namespace}&state=BOGUS")
+        assert status == 400 and json.loads(body)["error"]["code"] == "REACH_BAD_REQUEST"
         status, body = await fetch(f"{base}/api/agents/{namespace}.ghost.x")
         assert status == 404
         status, body = await fetch(f"{base}/")

@@ -44,6 +44,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _dashboard as dash
 from reach_mesh.hub._a2a import HubA2a
+from reach_mesh.hub._fleet import fleet_answer, fleet_asked
 from reach_mesh.hub._gateway import (
     NamespaceQuery,
     RouteEndpoint,
@@ -79,6 +80,9 @@ AdminOp = Literal["cordon", "uncordon", "quarantine", "release", "remove", "simu
 #: Who asked, in the audit events of what this hub's HTTP API (REST, dashboard) asks itself:
 #: whoever holds its bearer token (``http_token``).
 HTTP_REQUESTER: Final = "http"
+#: Bytes of agents one ``GET /api/agents`` answers at most (about 40,000 agents): past them,
+#: ``truncated`` and ``next_offset``, as the fleet query over NATS within ``max_payload``.
+HTTP_FLEET_MAX: Final = 16 << 20
 
 log = logging.getLogger("reach_mesh.hub")
 
@@ -124,8 +128,19 @@ class ErrorResponse(BaseModel):
 
 
 class AgentList(BaseModel):
+    """The agents asked for, in ``agent_id`` order, and what was left out (as the fleet query
+    answers, ``hub/_fleet.py``)."""
+
     hub_id: str
     agents: list[AgentInfo]
+    total: int = Field(description="agents in scope, whatever the filters")
+    by_state: dict[str, int] = Field(description="those agents by state")
+    matched: int = Field(description="agents the filters keep")
+    offset: int = 0
+    truncated: bool = Field(description="matched agents past offset were left out (limit)")
+    next_offset: int | None = Field(description="where the next page starts; null: none left")
+    recently_lost: list[dict[str, Any]] = Field(default_factory=list)
+    recently_lost_total: int = 0
 
 
 class AdminResult(BaseModel):
@@ -495,10 +510,28 @@ class HubHttp:
         )
         return JSONResponse(health.model_dump(mode="json"), 200 if ok else 503)
 
-    async def list_agents(self, namespace: NamespaceQuery = None) -> AgentList:
+    async def list_agents(
+        self,
+        namespace: NamespaceQuery = None,
+        state: Annotated[
+            list[str] | None, Query(description="only these states (repeat for more)")
+        ] = None,
+        capability: Annotated[str | None, Query(description="only agents serving it")] = None,
+        limit: Annotated[
+            int | None, Query(ge=0, description="most agents listed (0: the counts only)")
+        ] = None,
+        offset: Annotated[int, Query(ge=0, description="skip the first agents matched")] = 0,
+    ) -> Response:
+        """The fleet query over HTTP: the same answer, filters and pages (a fleet of thousands
+        need not come whole every time), bounded at ``HTTP_FLEET_MAX`` bytes."""
         if namespace is not None:
             protocol.validate_namespace(namespace)
-        return AgentList(hub_id=self.hub.hub_id, agents=self.hub.registry.infos(namespace))
+        body: dict[str, Any] = {"state": state or [], "limit": limit, "offset": offset}
+        if capability is not None:
+            body["capability"] = capability
+        ask = fleet_asked(body)
+        data = fleet_answer(self.hub.registry, self.hub.hub_id, namespace, ask, HTTP_FLEET_MAX)
+        return Response(data, media_type="application/json")
 
     async def get_agent(self, agent_id: AgentIdPath) -> AgentInfo:
         view = self.hub.registry.require(protocol.validate_agent_id(agent_id))
