@@ -25,12 +25,12 @@ from reach_mesh.errors import (
     IdentityMismatchError,
     InternalError,
     MeshUnavailableError,
-    PayloadTooLargeError,
     ReachError,
     ThrottledError,
     UnknownAgentError,
     UnknownWorkflowError,
 )
+from reach_mesh.hub._asked import asked_states, json_object
 from reach_mesh.hub._fleet import fleet_answer, fleet_asked
 from reach_mesh.hub._wf_view import STEPS_PER_CHARGE, VIEW_DEADLINE
 from reach_mesh.hub.audit import AuditLog, Repeats
@@ -667,34 +667,10 @@ class ControlMixin:
         return protocol.dumps({"agent_id": agent_id, "op": op, "state": state})
 
 
-def json_object(data: bytes) -> dict[str, Any]:
-    """The body of a query or an operator's request: a JSON object (empty: ``{}``), of at
-    most ``protocol.QUERY_MAX`` bytes — measured before it is parsed."""
-    if len(data) > protocol.QUERY_MAX:
-        raise PayloadTooLargeError(
-            f"a request of {len(data)} bytes exceeds the maximum of {protocol.QUERY_MAX} "
-            "bytes for a query or an operator's request",
-            size=len(data),
-            max_size=protocol.QUERY_MAX,
-        )
-    if not data.strip():
-        return {}
-    return protocol.loads_object(data)
-
-
 def _list_asked(body: dict[str, Any]) -> tuple[frozenset[TaskState], int, float]:
     """``state`` (a state name or a list of them), ``limit`` and ``since_s`` of a list of
     workflows (``reach.hub.<ns>.workflows``), checked."""
-    raw = body.get("state", [])
-    names = [raw] if isinstance(raw, str) else raw
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise BadRequestError("state must be a state name or a list of them", field="state")
-    try:
-        states = frozenset(TaskState(n.upper()) for n in names)
-    except ValueError:
-        raise BadRequestError(
-            f"state must be among {', '.join(s.value for s in TaskState)}", field="state"
-        ) from None
+    states = asked_states(body, TaskState)
     limit = body.get("limit", protocol.WORKFLOW_LIST_LIMIT)
     most = protocol.WORKFLOW_LIST_MAX
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= most:

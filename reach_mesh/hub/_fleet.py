@@ -16,6 +16,7 @@ from typing import Any
 
 from reach_mesh import protocol
 from reach_mesh.errors import BadRequestError
+from reach_mesh.hub._asked import asked_states
 from reach_mesh.hub.registry import Registry
 from reach_mesh.models import AgentState
 
@@ -40,16 +41,7 @@ class FleetAsk:
 def fleet_asked(body: dict[str, Any]) -> FleetAsk:
     """``state`` (a state name or a list of them), ``capability``, ``limit`` and ``offset`` of
     a fleet query, checked (``REACH_BAD_REQUEST`` naming the field)."""
-    raw = body.get("state", [])
-    names = [raw] if isinstance(raw, str) else raw
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise BadRequestError("state must be a state name or a list of them", field="state")
-    try:
-        states = frozenset(AgentState(n.upper()) for n in names)
-    except ValueError:
-        raise BadRequestError(
-            f"state must be among {', '.join(s.value for s in AgentState)}", field="state"
-        ) from None
+    states = asked_states(body, AgentState)
     capability = body.get("capability")
     if capability is not None:
         if not isinstance(capability, str):

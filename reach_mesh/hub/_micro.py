@@ -27,7 +27,7 @@ from reach_mesh import __version__, protocol
 from reach_mesh._guard import guarded
 from reach_mesh._nats import not_permitted, refused_first, refused_since
 from reach_mesh.errors import ReachError
-from reach_mesh.hub._control import json_object
+from reach_mesh.hub._asked import json_object
 from reach_mesh.hub._fleet import fleet_answer, fleet_asked
 
 if TYPE_CHECKING:
