@@ -155,6 +155,6 @@ def test_a_route_never_looks_at_another_namespaces_fleet(monkeypatch: pytest.Mon
 def test_a_namespaces_listing_is_its_own_agents_only() -> None:
     registry, _ = fleet(300)
     add_agent(registry, "tiny.w.a1")
-    assert [i.agent_id for i in registry.infos("tiny")] == ["tiny.w.a1"]
-    assert len(registry.infos("ns")) == 300 and len(registry.infos()) == 301
-    assert registry.infos("none") == []
+    assert [v.agent_id for v in registry.views("tiny")] == ["tiny.w.a1"]
+    assert len(registry.views("ns")) == 300 and len(registry.views()) == 301
+    assert registry.views("none") == []

@@ -39,7 +39,6 @@ from reach_mesh.hub._server_clock import ServerClock, ask_server_time
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
 from reach_mesh.hub.index import AgentIndex
 from reach_mesh.models import (
-    AgentInfo,
     AgentRecord,
     AgentState,
     CordonRecord,
@@ -663,7 +662,3 @@ class Registry(Liveness):
             agents = self.agents
             views = [v for a in self.index.members(namespace) if (v := agents.get(a)) is not None]
         return sorted(views, key=lambda v: v.agent_id)
-
-    def infos(self, namespace: str | None = None) -> list[AgentInfo]:
-        now = self._clock()
-        return [v.info(now) for v in self.views(namespace)]
