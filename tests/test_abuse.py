@@ -6,9 +6,11 @@ lists of what an agent or a caller may send are absorbed by the hub (docs/securi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +301,22 @@ async def test_an_agent_flooding_its_register_subject_spends_its_own_budget(
     assert codes.count("REACH_BAD_REQUEST") <= 10 + 3  # its burst, then one a second
 
 
+@contextlib.asynccontextmanager
+async def _tight_mesh(
+    tmp_path: Path, ns: str
+) -> AsyncIterator[tuple[EmbeddedNats, Hub, Agent, Client]]:
+    """A server holding at most 4 MiB for a connection (and messages of 1 MiB), a hub, an echo
+    agent ``<ns>.echo.a1`` that answered once, and a client: where a flood the hub cannot read
+    as fast gets a connection cut as a slow consumer within seconds."""
+    async with EmbeddedNats(str(tmp_path), max_pending=4 << 20, max_payload=1 << 20) as server:
+        settings = MeshSettings(nats_url=server.url, namespace=ns, heartbeat_interval=0.5)
+        agent = Agent(f"{ns}.echo.a1", settings=settings)
+        agent.handler("work:echo:v1")(_echo)
+        async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
+            assert (await mesh.request(capability="work:echo:v1", payload=1)).result == 1
+            yield server, hub, agent, mesh
+
+
 async def test_a_route_flood_cut_off_as_a_slow_consumer_leaves_the_hubs_other_connection(
     tmp_path: Path,
 ) -> None:
@@ -308,43 +326,24 @@ async def test_a_route_flood_cut_off_as_a_slow_consumer_leaves_the_hubs_other_co
     and the agents of every namespace go SUSPECT. The hub's event loop is stalled here (as a
     flood it cannot keep up with stalls it) while another thread floods; the server holds at
     most 4 MiB for a connection."""
-    async with EmbeddedNats(str(tmp_path), max_pending=4 << 20, max_payload=1 << 20) as server:
-        settings = MeshSettings(nats_url=server.url, namespace="flood", heartbeat_interval=0.5)
-        agent = Agent("flood.echo.a1", settings=settings)
-
-        @agent.handler("work:echo:v1")
-        async def echo(task: Task[Any]) -> Any:
-            return task.payload
-
-        async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
-            assert (await mesh.request(capability="work:echo:v1", payload=1)).result == 1
-            route_nc = hub._route_nc
-            assert route_nc is not None
-            main, routes = reconnects_of(hub.nc), reconnects_of(route_nc)
-            assert main is not None and routes is not None
-            line = b"_INBOX.flood x " + json.dumps({"selector": "x" * 4000}).encode()
-            batch = b"\n".join([line] * 16)  # about 64 KiB a message
-
-            def flood() -> None:
-                async def publish() -> None:
-                    nc = await nats.connect(server.url)
-                    for _ in range(1_000):  # 64 MiB, far past what the sockets hold
-                        await nc.publish(protocol.hub_subject("flood", "route_batch"), batch)
-                    await nc.flush(timeout=30)
-                    await nc.close()
-
-                asyncio.run(publish())
-
-            flooding = threading.Thread(target=flood)
-            flooding.start()
-            time.sleep(3.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
-            await asyncio.to_thread(flooding.join, 60)
-            await eventually(lambda: routes.count >= 1 and route_nc.is_connected, timeout=30)
-            assert main.count == 0, "the flood cut the hub's main connection"
-            view = hub.registry.agents["flood.echo.a1"]
-            await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
-            res = await mesh.request(capability="work:echo:v1", payload=2, timeout=10)
-            assert res.result == 2
+    async with _tight_mesh(tmp_path, "flood") as (server, hub, _, mesh):
+        route_nc = hub._route_nc
+        assert route_nc is not None
+        main, routes = reconnects_of(hub.nc), reconnects_of(route_nc)
+        assert main is not None and routes is not None
+        line = b"_INBOX.flood x " + json.dumps({"selector": "x" * 4000}).encode()
+        batch = b"\n".join([line] * 16)  # about 64 KiB a message
+        subject = protocol.hub_subject("flood", "route_batch")
+        # 1,000 of them: 64 MiB, far past what the sockets hold
+        flooding = _flood_from_a_thread(server.url, subject, batch, 1_000)
+        time.sleep(3.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
+        await asyncio.to_thread(flooding.join, 60)
+        await eventually(lambda: routes.count >= 1 and route_nc.is_connected, timeout=30)
+        assert main.count == 0, "the flood cut the hub's main connection"
+        view = hub.registry.agents["flood.echo.a1"]
+        await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
+        res = await mesh.request(capability="work:echo:v1", payload=2, timeout=10)
+        assert res.result == 2
 
 
 def _flood_from_a_thread(url: str, subject: str, body: bytes, count: int) -> threading.Thread:
@@ -374,33 +373,28 @@ async def test_a_status_flood_cut_off_as_a_slow_consumer_leaves_the_hubs_main_co
     six times, and another namespace's agent went SUSPECT) outruns a hub whose loop is
     stalled: nats-server cuts the connection the statuses come on (``<hub_id>-statuses``), not
     the one that carries heartbeats and KV writes; the agent stays ONLINE."""
-    async with EmbeddedNats(str(tmp_path), max_pending=4 << 20, max_payload=1 << 20) as server:
-        settings = MeshSettings(nats_url=server.url, namespace="sflood", heartbeat_interval=0.5)
-        agent = Agent("sflood.echo.a1", settings=settings)
-        agent.handler("work:echo:v1")(_echo)
-        async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
-            assert (await mesh.request(capability="work:echo:v1", payload=1)).result == 1
-            main, statuses = reconnects_of(hub.nc), reconnects_of(hub.status_nc)
-            assert main is not None and statuses is not None
-            event = {
-                "task_id": "t1",
-                "attempt": 1,
-                "agent_id": agent.agent_id,
-                "state": "RUNNING",
-                "progress": "x" * (512 << 10),
-            }
-            subject = protocol.task_status(agent.agent_id, "t1")
-            flooding = _flood_from_a_thread(server.url, subject, json.dumps(event).encode(), 80)
-            time.sleep(3.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
-            await asyncio.to_thread(flooding.join, 60)
-            await eventually(lambda: statuses.count + main.count >= 1, timeout=30)
-            assert main.count == 0, "the status flood cut the hub's main connection"
-            status_nc = hub.status_nc
-            await eventually(lambda: statuses.count >= 1 and status_nc.is_connected, timeout=30)
-            view = hub.registry.agents[agent.agent_id]
-            await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
-            assert (await mesh.request(capability="work:echo:v1", payload=2)).result == 2
-            await eventually(lambda: hub.nats_connected, timeout=10)
+    async with _tight_mesh(tmp_path, "sflood") as (server, hub, agent, mesh):
+        main, statuses = reconnects_of(hub.nc), reconnects_of(hub.status_nc)
+        assert main is not None and statuses is not None
+        event = {
+            "task_id": "t1",
+            "attempt": 1,
+            "agent_id": agent.agent_id,
+            "state": "RUNNING",
+            "progress": "x" * (512 << 10),
+        }
+        subject = protocol.task_status(agent.agent_id, "t1")
+        flooding = _flood_from_a_thread(server.url, subject, json.dumps(event).encode(), 80)
+        time.sleep(3.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
+        await asyncio.to_thread(flooding.join, 60)
+        await eventually(lambda: statuses.count + main.count >= 1, timeout=30)
+        assert main.count == 0, "the status flood cut the hub's main connection"
+        status_nc = hub.status_nc
+        await eventually(lambda: statuses.count >= 1 and status_nc.is_connected, timeout=30)
+        view = hub.registry.agents[agent.agent_id]
+        await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
+        assert (await mesh.request(capability="work:echo:v1", payload=2)).result == 2
+        await eventually(lambda: hub.nats_connected, timeout=10)
 
 
 async def test_big_submissions_are_pulled_a_few_at_a_time_not_all_at_once(
@@ -411,48 +405,43 @@ async def test_big_submissions_are_pulled_a_few_at_a_time_not_all_at_once(
     the hub's loop is stalled: each pull of the hub carries ``max_bytes``, so no more than
     that is on its way to it, and the hub goes on pulling past the pulls the bound ends
     (409), refusing each; its main connection is never cut and its agent stays ONLINE."""
-    async with EmbeddedNats(str(tmp_path), max_pending=4 << 20, max_payload=1 << 20) as server:
-        settings = MeshSettings(nats_url=server.url, namespace="bigsub", heartbeat_interval=0.5)
-        agent = Agent("bigsub.echo.a1", settings=settings)
-        agent.handler("work:echo:v1")(_echo)
-        async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
-            assert (await mesh.request(capability="work:echo:v1", payload=1)).result == 1
-            main = reconnects_of(hub.nc)
-            assert main is not None and hub.workflows is not None
-            nc = await nats.connect(server.url)
-            js = nc.jetstream()
-            subject = protocol.wf_submit("bigsub")
-            body = json.dumps({"workflow_id": "big", "steps": "x" * (900 << 10)}).encode()
+    async with _tight_mesh(tmp_path, "bigsub") as (server, hub, agent, mesh):
+        main = reconnects_of(hub.nc)
+        assert main is not None and hub.workflows is not None
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        subject = protocol.wf_submit("bigsub")
+        body = json.dumps({"workflow_id": "big", "steps": "x" * (900 << 10)}).encode()
 
-            def stored() -> None:
-                async def publish() -> None:
-                    snc = await nats.connect(server.url)
-                    sjs = snc.jetstream()
-                    for i in range(24):  # about 21 MiB, five times what the server holds
-                        await sjs.publish(subject, body, headers={"Nats-Msg-Id": f"big-{i}"})
-                    await snc.close()
+        def stored() -> None:
+            async def publish() -> None:
+                snc = await nats.connect(server.url)
+                sjs = snc.jetstream()
+                for i in range(24):  # about 21 MiB, five times what the server holds
+                    await sjs.publish(subject, body, headers={"Nats-Msg-Id": f"big-{i}"})
+                await snc.close()
 
-                asyncio.run(publish())
+            asyncio.run(publish())
 
-            storing = threading.Thread(target=stored)
-            storing.start()
-            await asyncio.to_thread(storing.join, 30)  # the pull outstanding gets them now
-            time.sleep(2.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
+        storing = threading.Thread(target=stored)
+        storing.start()
+        await asyncio.to_thread(storing.join, 30)  # the pull outstanding gets them now
+        time.sleep(2.0)  # noqa: ASYNC251 - the hub's loop stalled on purpose: it reads nothing
 
-            async def left() -> int:
-                messages: int = (await js.stream_info(protocol.STREAM_WF)).state.messages
-                return messages
+        async def left() -> int:
+            messages: int = (await js.stream_info(protocol.STREAM_WF)).state.messages
+            return messages
 
-            for _ in range(100):
-                if await left() == 0:
-                    break
-                await asyncio.sleep(0.1)
-            assert main.count == 0, "the submissions cut the hub's main connection"
-            assert await left() == 0, "the submissions were not all pulled"
-            await nc.close()
-            view = hub.registry.agents[agent.agent_id]
-            await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
-            assert (await mesh.request(capability="work:echo:v1", payload=2)).result == 2
+        for _ in range(100):
+            if await left() == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert main.count == 0, "the submissions cut the hub's main connection"
+        assert await left() == 0, "the submissions were not all pulled"
+        await nc.close()
+        view = hub.registry.agents[agent.agent_id]
+        await eventually(lambda: view.state is AgentState.ONLINE, timeout=10)
+        assert (await mesh.request(capability="work:echo:v1", payload=2)).result == 2
 
 
 async def test_a_pull_carries_max_bytes_and_goes_on_past_a_delivery_it_cut_short(
