@@ -34,7 +34,8 @@ from reach_mesh._client_fields import (
     _TaskReply,
 )
 from reach_mesh._client_fleet import FleetMixin
-from reach_mesh._client_workflows import WorkflowsMixin, _Done
+from reach_mesh._client_results import _Done
+from reach_mesh._client_workflows import WorkflowsMixin
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import (
     Reconnected,
