@@ -694,7 +694,7 @@ async def test_audit_where_no_hub_ever_ran_says_so() -> None:
 
 def test_agent_spec_given_as_a_file_name_says_how_to_name_the_module(tmp_path: Path) -> None:
     """`reach-mesh agent myagents.py:agent` — a file name where a module name goes."""
-    from reach_mesh.cli import load_agents
+    from reach_mesh._cli_serve import load_agents
     from reach_mesh.errors import BadRequestError
 
     with pytest.raises(BadRequestError, match=r"a module name, not a file: myagents:agent"):
