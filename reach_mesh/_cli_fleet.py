@@ -57,13 +57,14 @@ async def cmd_agents(args: argparse.Namespace) -> int:
             capability=args.capability,
             limit=args.limit,
             offset=args.offset,
+            after=args.after,
         )
     infos = AgentList.of(fleet)
     lost: list[dict[str, Any]] = fleet.get("recently_lost") or []
     if args.json:
         print(json.dumps([i.model_dump(mode="json") for i in infos], indent=2))
         if infos.truncated:  # stdout stays the list a script reads
-            print(_cut(infos, args.offset, paged=True), file=sys.stderr)
+            print(_cut(infos, paged=True), file=sys.stderr)
         return 0
     _print_agents(infos)
     if not infos and args.namespace is not None:
@@ -71,7 +72,7 @@ async def cmd_agents(args: argparse.Namespace) -> int:
     elif not infos and not infos.truncated:
         print("(no agents)" if not infos.total else f"(none of {infos.total} agents match)")
     if infos.truncated:
-        print(_cut(infos, args.offset, paged=True))
+        print(_cut(infos, paged=True))
     if lost:
         # They are in no listing any more: say where they went.
         print("\nrecently LOST (no heartbeat for their lease; kept 15 min):")
@@ -88,9 +89,10 @@ async def cmd_agents(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cut(infos: AgentList, offset: int = 0, *, paged: bool = False) -> str:
+def _cut(infos: AgentList, *, paged: bool = False) -> str:
     """What a cut fleet answer left out, and how to see the rest."""
-    shown_ = f"{offset + 1}-{offset + len(infos)}" if offset and infos else str(len(infos))
+    start = (infos.next_offset or infos.matched) - len(infos)  # (where the page began)
+    shown_ = f"{start + 1}-{start + len(infos)}" if start > 0 and infos else str(len(infos))
     counts = ", ".join(f"{n} {s}" for s, n in sorted(infos.by_state.items(), key=lambda kv: -kv[1]))
     text = (
         f"showing {shown_} of {infos.matched} agents"
@@ -99,8 +101,8 @@ def _cut(infos: AgentList, offset: int = 0, *, paged: bool = False) -> str:
     )
     if paged:
         text += ": narrow with --namespace, --state or --capability"
-        if infos.next_offset is not None:
-            text += f", or see the next page with --offset {infos.next_offset}"
+        if infos.next_after is not None:
+            text += f", or see the next page with --after {infos.next_after}"
     return text
 
 
@@ -284,17 +286,16 @@ SNAPSHOT_PAGES = 100
 async def cmd_snapshot(args: argparse.Namespace) -> int:
     seen: dict[str, AgentInfo] = {}
     async with Client(settings=settings_of(args)) as c:
-        # Page by page: one answer holds what fits in one NATS message. Agents that come or
-        # go meanwhile may be missed or listed once each; ``total`` is the first page's count.
+        # Page by page: one answer holds what fits in one NATS message. Each page is asked
+        # after the last agent id of the one before: an agent there all along is in one page
+        # whoever came or went meanwhile; ``total`` is the first page's count.
         first = page = await c.agents(all_namespaces=True)
-        at = 0
         for _ in range(SNAPSHOT_PAGES):
             for info in page:
                 seen.setdefault(info.agent_id, info)
-            if page.next_offset is None or page.next_offset <= at:
+            if page.next_after is None:
                 break
-            at = page.next_offset
-            page = await c.agents(all_namespaces=True, offset=at)
+            page = await c.agents(all_namespaces=True, after=page.next_after)
     infos = sorted(seen.values(), key=lambda i: i.agent_id)
     by_state: dict[str, int] = {}
     for info in infos:
@@ -303,7 +304,7 @@ async def cmd_snapshot(args: argparse.Namespace) -> int:
         "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "by_state": by_state,
         "total": first.total,
-        "truncated": page.next_offset is not None,
+        "truncated": page.next_after is not None,
         "agents": [i.model_dump(mode="json") for i in infos],
     }
     text = json.dumps(snap, indent=2)

@@ -18,12 +18,13 @@ class AgentList(list[AgentInfo]):
     """What :meth:`FleetMixin.agents` returns: a list of :class:`AgentInfo`, and what the
     answer says of those it left out. ``truncated``: more agents matched than it holds (cut to
     fit one NATS message, or by ``limit``); ``matched``: the agents that match the query,
-    ``total``: those in its scope, ``by_state``: theirs by state; ``next_offset``: the
-    ``offset`` of the next page (None: none left)."""
+    ``total``: those in its scope, ``by_state``: theirs by state; ``next_after``: the agent id
+    to ask the next page ``after`` (None: none left), ``next_offset`` its ``offset``."""
 
     truncated: bool = False
     total: int = 0
     matched: int = 0
+    next_after: str | None = None
     next_offset: int | None = None
     by_state: dict[str, int]
 
@@ -37,6 +38,8 @@ class AgentList(list[AgentInfo]):
         out.truncated = bool(fleet.get("truncated", False))
         nxt = fleet.get("next_offset")
         out.next_offset = nxt if isinstance(nxt, int) else None
+        after = fleet.get("next_after")
+        out.next_after = after if isinstance(after, str) else None
         counted = fleet.get("by_state")
         if not isinstance(counted, dict):
             counted = {}
@@ -60,21 +63,24 @@ class FleetMixin(HubAsks):
         capability: str | None = None,
         limit: int | None = None,
         offset: int = 0,
+        after: str | None = None,
     ) -> AgentList:
         """The agents of this client's namespace (``all_namespaces``: of every one, an
         operator query), in ``agent_id`` order: as many as one answer carries (one NATS
         message: ~2,500 agents at nats-server's default ``max_payload`` of 1 MiB). A list of
         :class:`AgentInfo` whose ``truncated`` says agents were left out (``matched``
-        of them in all; ask again with ``offset=next_offset`` for the next page), with
+        of them in all; ask again with ``after=next_after`` for the next page, which misses
+        nobody for agents coming or going meanwhile, as ``offset=next_offset`` may), with
         ``total`` and ``by_state`` counting every agent in scope. ``state`` (names),
-        ``capability``, ``limit`` and ``offset`` narrow it (docs/protocol.md, "Fleet
-        queries")."""
+        ``capability``, ``limit``, ``after`` (an agent id: those sorting after it) and
+        ``offset`` narrow it (docs/protocol.md, "Fleet queries")."""
         fleet = await self.fleet(
             all_namespaces=all_namespaces,
             state=state,
             capability=capability,
             limit=limit,
             offset=offset,
+            after=after,
         )
         return AgentList.of(fleet)
 
@@ -95,10 +101,12 @@ class FleetMixin(HubAsks):
         capability: str | None = None,
         limit: int | None = None,
         offset: int = 0,
+        after: str | None = None,
     ) -> dict[str, Any]:
         """One hub's answer to the fleet query, as sent: ``hub_id``, ``agents`` (AgentInfo
         objects as JSON, as many as fit), ``total``, ``by_state``, ``matched``, ``offset``,
-        ``truncated``, ``next_offset``, ``recently_lost`` and ``recently_lost_total``
+        ``truncated``, ``next_after``, ``next_offset``, ``recently_lost`` and
+        ``recently_lost_total``
         (docs/protocol.md, "Fleet queries")."""
         body: dict[str, Any] = {}
         if state is not None:
@@ -109,6 +117,8 @@ class FleetMixin(HubAsks):
             body["limit"] = limit
         if offset:
             body["offset"] = offset
+        if after is not None:
+            body["after"] = after
         if all_namespaces:  # an operator query (docs/security.md)
             data = await self._query("admin", {"op": "agents", **body})
         else:

@@ -413,7 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="K",
-        help="skip the first K matching agents (in agent id order): the next page",
+        help="skip the first K matching agents (in agent id order)",
+    )
+    agents.add_argument(
+        "--after",
+        metavar="AGENT_ID",
+        help="only agents whose id sorts after AGENT_ID: the next page, from the last one shown",
     )
     agents.add_argument(
         "--via-micro",

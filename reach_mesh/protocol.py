@@ -156,6 +156,8 @@ AGENT_ID_RE: Final = re.compile(rf"^{_TOKEN}\.{_TOKEN}\.{_TOKEN}$")
 CAPABILITY_RE: Final = re.compile(rf"^{_TOKEN}:{_TOKEN}:v[0-9]+$")
 TASK_ID_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MAX_TOKEN_LEN: Final = 64
+#: The longest agent id: three tokens and their two dots.
+AGENT_ID_MAX: Final = 3 * _MAX_TOKEN_LEN + 2
 #: The routing strategies a route or a workflow step may name (``strategy``). Here, not only in
 #: ``reach_mesh.hub.strategies`` (which implements each, under these names), so that a workflow
 #: spec is checked without the hub's code: a step naming another one could never be placed.
@@ -181,7 +183,7 @@ def validate_agent_id(agent_id: str) -> str:
     """Return ``agent_id`` if it is ``<namespace>.<service>.<instance>``, else raise."""
     if (
         not isinstance(agent_id, str)
-        or len(agent_id) > 3 * _MAX_TOKEN_LEN + 2
+        or len(agent_id) > AGENT_ID_MAX
         or not AGENT_ID_RE.fullmatch(agent_id)
     ):
         raise InvalidAgentIdError(

@@ -125,7 +125,13 @@ async def test_cli_shows_the_cut_and_doctor_counts(
     out = await run_cli(url, "agents", "--namespace", namespace)
     assert out.returncode == 0, out.stderr
     last = out.stdout.strip().splitlines()[-1]
-    assert f"of {AGENTS} agents" in last and "--offset" in last and "--state" in last
+    assert f"of {AGENTS} agents" in last and "--after" in last and "--state" in last
+    # The page it points to starts after the last agent shown.
+    shown_last = out.stdout.strip().splitlines()[-2].split()[1]  # (NS, AGENT, ...)
+    after = last.split("--after ")[1].split()[0]
+    assert after == shown_last
+    nxt = await run_cli(url, "agents", "--namespace", namespace, "--after", after, "--json")
+    assert json.loads(nxt.stdout)[0]["agent_id"] > after
     js = await run_cli(url, "agents", "--namespace", namespace, "--json")
     assert js.returncode == 0, js.stderr
     listed = json.loads(js.stdout)
@@ -140,6 +146,37 @@ async def test_cli_shows_the_cut_and_doctor_counts(
     assert checks["agents"]["status"] == "ok", checks["agents"]
     assert f"{AGENTS} in every namespace" in checks["agents"]["detail"]
     assert checks["hubs"]["status"] == "ok", checks["hubs"]
+
+
+async def test_pages_asked_after_the_last_id_miss_nobody_when_agents_leave(
+    small: tuple[MeshSettings, Hub], namespace: str
+) -> None:
+    """Paging by ``offset`` counts positions: agents leaving before the next page is asked
+    shift the rest, and as many that stayed are never listed. Paging ``after`` the last agent
+    id shown lists every agent that stayed, once (what ``snapshot`` does)."""
+    settings, _ = small
+    ids = [_card(namespace, i).agent_id for i in range(AGENTS)]
+    async with Client(settings=settings) as c:
+        first = await c.agents()
+        assert first.truncated and first.next_after == first[-1].agent_id
+        for info in first[:5]:
+            await c.admin("remove", info.agent_id)
+        assert first.next_offset is not None
+        by_offset = await c.agents(offset=first.next_offset)
+        assert by_offset[0].agent_id == ids[len(first) + 5]  # five that stayed, skipped
+        seen = [i.agent_id for i in first]
+        page = first
+        while page.next_after is not None:
+            page = await c.agents(after=page.next_after)
+            seen += [i.agent_id for i in page]
+        assert seen == ids
+        # ``after`` with the other filters; an id no agent has any more is a place in the order.
+        assert (await c.agents(after=ids[0], limit=1))[0].agent_id == ids[5]
+        tail = await c.agents(after=ids[-4], limit=2)
+        assert [i.agent_id for i in tail] == ids[-3:-1] and tail.next_after == ids[-2]
+        with pytest.raises(BadRequestError) as bad:
+            await c.agents(after="Not An Id")
+        assert bad.value.details.get("field") == "after"
 
 
 async def test_an_answer_too_large_to_send_is_a_typed_error(

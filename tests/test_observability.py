@@ -178,6 +178,12 @@ async def test_rest_gateway_dashboard_and_openapi(
         assert (json.loads(body)["agents"], json.loads(body)["matched"]) == ([], 0)
         status, body = await fetch(f"{base}/api/agents?namespace={namespace}&state=BOGUS")
         assert status == 400 and json.loads(body)["error"]["code"] == "REACH_BAD_REQUEST"
+        status, body = await fetch(f"{base}/api/agents?after={agent.agent_id}")
+        assert status == 200 and agent.agent_id not in [
+            a["agent_id"] for a in json.loads(body)["agents"]
+        ]
+        status, body = await fetch(f"{base}/api/agents?after=Bad..id")
+        assert status == 400 and json.loads(body)["error"]["details"]["field"] == "after"
         status, body = await fetch(f"{base}/api/agents/{namespace}.ghost.x")
         assert status == 404
         status, body = await fetch(f"{base}/")

@@ -3,19 +3,21 @@ service's ``agents`` endpoint): the agents asked for, in ``agent_id`` order, as 
 one NATS message, with counts that say what was left out.
 
 One answer is one NATS message: at most the server's ``max_payload`` (1 MiB by default,
-~2,500 agents). The agents past what fits are left out — ``truncated``, with ``next_offset`` to
-ask for the next page — and ``total``, ``matched`` and ``by_state`` count every one, so a
-caller that counts (``reach-mesh doctor``) never needs the list.
+~2,500 agents). The agents past what fits are left out — ``truncated``, with ``next_after``
+(and ``next_offset``) to ask for the next page — and ``total``, ``matched`` and ``by_state``
+count every one, so a caller that counts (``reach-mesh doctor``) never needs the list.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from reach_mesh import protocol
-from reach_mesh.errors import BadRequestError
+from reach_mesh.errors import BadRequestError, InvalidAgentIdError
+from reach_mesh.hub._agent_view import AgentView
 from reach_mesh.hub._asked import asked_states
 from reach_mesh.hub.registry import Registry
 from reach_mesh.models import AgentState
@@ -29,18 +31,20 @@ _LOST_SHARE = 8
 @dataclass(frozen=True, slots=True)
 class FleetAsk:
     """What a fleet query asks for: agents in ``states`` (empty: any) serving ``capability``
-    (None: any), from the ``offset``-th of those in ``agent_id`` order, at most ``limit`` (None:
-    as many as fit; 0: the counts only)."""
+    (None: any), in ``agent_id`` order those whose id sorts after ``after`` (None: from the
+    first), skipping ``offset`` of them, at most ``limit`` (None: as many as fit; 0: the counts
+    only)."""
 
     states: frozenset[AgentState] = frozenset()
     capability: str | None = None
     limit: int | None = None
     offset: int = 0
+    after: str | None = None
 
 
 def fleet_asked(body: dict[str, Any]) -> FleetAsk:
-    """``state`` (a state name or a list of them), ``capability``, ``limit`` and ``offset`` of
-    a fleet query, checked (``REACH_BAD_REQUEST`` naming the field)."""
+    """``state`` (a state name or a list of them), ``capability``, ``limit``, ``offset`` and
+    ``after`` of a fleet query, checked (a ``BadRequestError`` naming the field)."""
     states = asked_states(body, AgentState)
     capability = body.get("capability")
     if capability is not None:
@@ -53,7 +57,13 @@ def fleet_asked(body: dict[str, Any]) -> FleetAsk:
     offset = body.get("offset", 0)
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise BadRequestError("offset must be an integer >= 0", field="offset")
-    return FleetAsk(states, capability, limit, offset)
+    after = body.get("after")
+    if after is not None:
+        try:
+            after = protocol.validate_agent_id(after)
+        except InvalidAgentIdError as err:
+            raise InvalidAgentIdError(f"after: {err.message}", field="after") from None
+    return FleetAsk(states, capability, limit, offset, after)
 
 
 def fleet_answer(
@@ -68,9 +78,11 @@ def fleet_answer(
     most ``max_payload`` less ``protocol.MESSAGE_ROOM`` bytes: ``hub_id``, ``total`` (agents
     in scope), ``by_state`` (theirs, whatever the filters), ``matched`` (those the filters
     keep), ``offset``, ``agents`` (AgentInfo objects), ``truncated`` (matched agents past
-    ``offset`` were left out, by ``limit`` or to fit), ``next_offset`` (where the next page
-    starts, null when none is left), ``recently_lost`` (newest first, as many as fit in an
-    eighth of the answer) and ``recently_lost_total``; then ``extra``'s fields."""
+    the page were left out, by ``limit`` or to fit), ``next_after`` (the last agent id of the
+    page, which the next page is asked ``after``; null when none is left), ``next_offset`` (the
+    page's end among the matched agents, null likewise), ``recently_lost`` (newest first, as
+    many as fit in an eighth of the answer) and ``recently_lost_total``; then ``extra``'s
+    fields."""
     views = registry.views(namespace)
     by_state = Counter(v.state.value for v in views)
     cap = ask.capability
@@ -99,9 +111,11 @@ def fleet_answer(
         "recently_lost_total": len(lost_all),
         **(extra or {}),
     }
-    # (room for "truncated" and "next_offset", written last)
-    left = budget - len(protocol.dumps(head)) - 64
-    page = matched[ask.offset :]
+    # (room for "truncated", "next_after" and "next_offset", written last)
+    left = budget - len(protocol.dumps(head)) - 96 - protocol.AGENT_ID_MAX
+    start = 0 if ask.after is None else bisect.bisect_right(matched, ask.after, key=_agent_id)
+    start += ask.offset
+    page = matched[start:]
     if ask.limit is not None:
         page = page[: ask.limit]
     now = registry.now
@@ -112,8 +126,13 @@ def fleet_answer(
         if left < 0 and parts:  # (the first always: a page moves on, or is too large to send)
             break
         parts.append(part)
-    end = ask.offset + len(parts)
+    end = start + len(parts)
     more = end < len(matched)
     head["truncated"] = more
+    head["next_after"] = page[len(parts) - 1].agent_id if more and parts else None
     head["next_offset"] = end if more else None
     return protocol.dumps(head)[:-1] + b',"agents":[' + b",".join(parts) + b"]}"
+
+
+def _agent_id(view: AgentView) -> str:
+    return view.agent_id

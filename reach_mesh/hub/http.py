@@ -137,7 +137,10 @@ class AgentList(BaseModel):
     by_state: dict[str, int] = Field(description="those agents by state")
     matched: int = Field(description="agents the filters keep")
     offset: int = 0
-    truncated: bool = Field(description="matched agents past offset were left out (limit)")
+    truncated: bool = Field(description="matched agents past the page were left out")
+    next_after: str | None = Field(
+        default=None, description="ask the next page after this agent id; null: none left"
+    )
     next_offset: int | None = Field(description="where the next page starts; null: none left")
     recently_lost: list[dict[str, Any]] = Field(default_factory=list)
     recently_lost_total: int = 0
@@ -521,6 +524,9 @@ class HubHttp:
             int | None, Query(ge=0, description="most agents listed (0: the counts only)")
         ] = None,
         offset: Annotated[int, Query(ge=0, description="skip the first agents matched")] = 0,
+        after: Annotated[
+            str | None, Query(description="only agents whose id sorts after it: the next page")
+        ] = None,
     ) -> Response:
         """The fleet query over HTTP: the same answer, filters and pages (a fleet of thousands
         need not come whole every time), bounded at ``HTTP_FLEET_MAX`` bytes."""
@@ -529,6 +535,8 @@ class HubHttp:
         body: dict[str, Any] = {"state": state or [], "limit": limit, "offset": offset}
         if capability is not None:
             body["capability"] = capability
+        if after is not None:
+            body["after"] = after
         ask = fleet_asked(body)
         data = fleet_answer(self.hub.registry, self.hub.hub_id, namespace, ask, HTTP_FLEET_MAX)
         return Response(data, media_type="application/json")
