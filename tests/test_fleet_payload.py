@@ -17,6 +17,7 @@ import nats
 import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh._client_fleet import AgentList
 from reach_mesh.errors import BadRequestError, PayloadTooLargeError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._micro import discover_hubs
@@ -62,6 +63,19 @@ async def _register(url: str, ns: str) -> None:
         await nc.close()
 
 
+async def _paged(c: Client, first: AgentList, *, by_offset: bool) -> list[str]:
+    """The agent ids of ``first`` and of every page after it, asked by ``offset`` or ``after``."""
+    seen = [i.agent_id for i in first]
+    page = first
+    while (page.next_offset if by_offset else page.next_after) is not None:
+        if by_offset:
+            page = await c.agents(offset=page.next_offset or 0)
+        else:
+            page = await c.agents(after=page.next_after)
+        seen += [i.agent_id for i in page]
+    return seen
+
+
 @pytest.fixture
 async def small(tmp_path: Path, namespace: str) -> AsyncIterator[tuple[MeshSettings, Hub]]:
     async with EmbeddedNats(str(tmp_path), max_payload=MAX_PAYLOAD) as server:
@@ -86,12 +100,7 @@ async def test_fleet_query_is_cut_to_one_message_and_pages(
         assert first.next_offset == len(first)
         assert first.by_state == {"ONLINE": AGENTS}
         # Paged: every agent once.
-        seen = [i.agent_id for i in first]
-        page = first
-        while page.next_offset is not None:
-            page = await c.agents(offset=page.next_offset)
-            seen += [i.agent_id for i in page]
-        assert seen == ids
+        assert await _paged(c, first, by_offset=True) == ids
         # The operator's list of every namespace is cut the same way.
         every = await c.fleet(all_namespaces=True)
         assert every["truncated"] and every["total"] >= AGENTS
@@ -164,12 +173,7 @@ async def test_pages_asked_after_the_last_id_miss_nobody_when_agents_leave(
         assert first.next_offset is not None
         by_offset = await c.agents(offset=first.next_offset)
         assert by_offset[0].agent_id == ids[len(first) + 5]  # five that stayed, skipped
-        seen = [i.agent_id for i in first]
-        page = first
-        while page.next_after is not None:
-            page = await c.agents(after=page.next_after)
-            seen += [i.agent_id for i in page]
-        assert seen == ids
+        assert await _paged(c, first, by_offset=False) == ids
         # ``after`` with the other filters; an id no agent has any more is a place in the order.
         assert (await c.agents(after=ids[0], limit=1))[0].agent_id == ids[5]
         tail = await c.agents(after=ids[-4], limit=2)
