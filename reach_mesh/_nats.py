@@ -11,7 +11,7 @@ import socket
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
@@ -366,21 +366,21 @@ def refused_messages(nc: NATS | None) -> int:
     return nc.messages_refused if isinstance(nc, _Connection) else 0
 
 
-def connection_counts(*ncs: NATS | None) -> tuple[int, int, bool]:
-    """What ``tracing.metrics.connection_metrics`` exports of ``ncs`` (a hub's two, an
-    agent's one): the messages dropped unread, the reconnections (none counted for a
-    connection not made by :func:`connect`), and whether every one is up."""
-    refused = count = 0
-    up = bool(ncs)
-    for nc in ncs:
+def connection_counts(named: Mapping[str, NATS | None]) -> tuple[int, dict[str, tuple[int, bool]]]:
+    """What ``tracing.metrics.connection_metrics`` exports of the ``named`` connections (a
+    hub's three, an agent's one): the messages dropped unread on all of them, and per name the
+    reconnections (none counted for a connection not made by :func:`connect`) and whether it
+    is up (not when None: not made yet)."""
+    refused = 0
+    each: dict[str, tuple[int, bool]] = {}
+    for name, nc in named.items():
         if nc is None:
-            up = False
+            each[name] = (0, False)
             continue
         reconnects = reconnects_of(nc)
-        count += 0 if reconnects is None else reconnects.count
         refused += refused_messages(nc)
-        up = up and nc.is_connected
-    return refused, count, up
+        each[name] = (0 if reconnects is None else reconnects.count, nc.is_connected)
+    return refused, each
 
 
 def not_permitted(subject: str) -> NotPermittedError:

@@ -242,9 +242,14 @@ async def test_an_event_loop_stall_shows_in_the_lag_of_the_hub_and_the_agent(
         await agent.close()
 
 
-def _sample(registry: Any, name: str) -> float:
-    """The one sample ``name`` of a scrape of ``registry``."""
-    (value,) = [s.value for f in registry.collect() for s in f.samples if s.name == name]
+def _sample(registry: Any, name: str, **labels: str) -> float:
+    """The one sample ``name`` (with ``labels``) of a scrape of ``registry``."""
+    (value,) = [
+        s.value
+        for f in registry.collect()
+        for s in f.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
     return float(value)
 
 
@@ -253,7 +258,7 @@ async def test_a_reconnection_is_counted_by_the_process_it_happened_to(
 ) -> None:
     """An agent's connection to NATS is cut for a second: its ``reach_nats_connected`` reads
     0 meanwhile, and once it is back 1, with ``reach_nats_reconnects_total`` 1; the hub,
-    whose connection held, counts none."""
+    whose three connections held, counts none, each by its name."""
     relay, through = await relayed(nats_url, settings)
     agent = Agent(f"{namespace}.w.r1", settings=through)
 
@@ -271,5 +276,7 @@ async def test_a_reconnection_is_counted_by_the_process_it_happened_to(
         await relay.start()
         await eventually(lambda: _sample(ours, "reach_nats_connected") == 1, timeout=5)
         assert _sample(ours, "reach_nats_reconnects_total") == 1
-        assert _sample(its, "reach_nats_reconnects_total") == 0
-        assert _sample(its, "reach_nats_connected") == 1
+        assert _sample(ours, "reach_nats_connected", connection="main") == 1
+        for connection in ("main", "routes", "statuses"):
+            assert _sample(its, "reach_nats_reconnects_total", connection=connection) == 0
+            assert _sample(its, "reach_nats_connected", connection=connection) == 1

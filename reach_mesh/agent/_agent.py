@@ -186,7 +186,7 @@ class Agent(ServingMixin):
         self.state: AgentState | None = None
         self._nc: NATS | None = None
         # Its own connection's (a hub in the same process exports the hub's).
-        connection_metrics(self.metrics.registry, lambda: connection_counts(self._nc))
+        connection_metrics(self.metrics.registry, lambda: connection_counts({"main": self._nc}))
         self._subs: list[Subscription] = []
         self._task_subject = protocol.agent_task(agent_id)
         self._max_envelope = self.settings.max_payload + 16 * 1024

@@ -169,7 +169,7 @@ class Hub(RoutingMixin, ControlMixin):
         #: per subject per 10 s.
         self._malformed_lines = LineBudget(10.0)
         self.metrics = HubMetrics()
-        connection_metrics(self.metrics.registry, lambda: connection_counts(*self._connections))
+        connection_metrics(self.metrics.registry, lambda: connection_counts(self._connections))
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}
@@ -290,7 +290,7 @@ class Hub(RoutingMixin, ControlMixin):
             # Every subscription above (the micro service's last) is the server's before this
             # hub says it serves: not promised by nc.flush() alone, whose PING nats-py sends
             # ahead of SUBs still queued (``flushed``).
-            for nc in self._connections:
+            for nc in self._connections.values():
                 assert nc is not None
                 await flushed(nc)
             # Listening for pins now: ask for those made before this hub started.
@@ -354,9 +354,10 @@ class Hub(RoutingMixin, ControlMixin):
             self._subs.append(await self.nc.subscribe(subject, cb=cb))
 
     @property
-    def _connections(self) -> tuple[NATS | None, NATS | None, NATS | None]:
-        """The hub's NATS connections: the main one, routes', statuses' (``start``)."""
-        return self._nc, self._route_nc, self._status_nc
+    def _connections(self) -> dict[str, NATS | None]:
+        """The hub's NATS connections by the name its metrics give them: the main one,
+        routes', statuses' (``start``)."""
+        return {"main": self._nc, "routes": self._route_nc, "statuses": self._status_nc}
 
     @property
     def status_nc(self) -> NATS:
@@ -369,7 +370,7 @@ class Hub(RoutingMixin, ControlMixin):
     def nats_connected(self) -> bool:
         """Whether all three of the hub's NATS connections are up (its routes and the status
         events come on ones of their own: ``start``)."""
-        return connection_counts(*self._connections)[2]
+        return all(up for _, up in connection_counts(self._connections)[1].values())
 
     @property
     def routing(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -500,22 +500,25 @@ class AgentMetrics:
         return bytes(generate_latest(self.registry))
 
 
-def connection_metrics(
-    registry: CollectorRegistry, read: Callable[[], tuple[int, int, bool]]
-) -> None:
+#: What ``connection_metrics`` reads when scraped: the messages dropped unread (all connections),
+#: and per connection (``main``, a hub's ``routes`` and ``statuses``) its reconnections so far
+#: and whether it is up.
+ConnectionCounts = tuple[int, Mapping[str, tuple[int, bool]]]
+
+
+def connection_metrics(registry: CollectorRegistry, read: Callable[[], ConnectionCounts]) -> None:
     """Export ``reach_messages_refused_total``, ``reach_nats_reconnects_total`` and
-    ``reach_nats_connected`` into ``registry``, from what ``read`` returns when scraped: the
-    messages dropped unread, the reconnections so far and whether the connection is up (the
-    counts live with the connection)."""
+    ``reach_nats_connected`` (both by ``connection``) into ``registry``, from what ``read``
+    returns when scraped (the counts live with the connections)."""
     registry.register(_Connection(read))
 
 
 class _Connection(Collector):
-    def __init__(self, read: Callable[[], tuple[int, int, bool]]) -> None:
+    def __init__(self, read: Callable[[], ConnectionCounts]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[Metric]:
-        refused, reconnects, connected = self._read()
+        refused, named = self._read()
         yield CounterMetricFamily(
             "reach_messages_refused",
             "Messages this hub (or agent) dropped unread: a reply subject outside _INBOX., a "
@@ -523,20 +526,25 @@ class _Connection(Collector):
             "pull-inbox message that is no JetStream delivery.",
             value=refused,
         )
-        yield CounterMetricFamily(
+        reconnects = CounterMetricFamily(
             "reach_nats_reconnects",
-            "Times this hub's NATS connections (its routes come on one of their own) or this "
-            "agent's came back after they were lost (a network cut, a NATS server restarted "
-            "or failed over, a slow consumer cut off): each loses the answers sent meanwhile, "
-            "which are asked again.",
-            value=reconnects,
+            "Times this hub's NATS connection (main; routes and statuses: the routes and the "
+            "status events come on ones of their own) or this agent's came back after it was "
+            "lost (a network cut, a NATS server restarted or failed over, a slow consumer cut "
+            "off): each loses the answers sent meanwhile, which are asked again.",
+            labels=["connection"],
         )
-        yield GaugeMetricFamily(
+        connected = GaugeMetricFamily(
             "reach_nats_connected",
-            "1 while this hub's NATS connections (or this agent's one) are up, 0 while one "
+            "1 while this NATS connection of the hub's (or the agent's) is up, 0 while it "
             "reconnects.",
-            value=1 if connected else 0,
+            labels=["connection"],
         )
+        for name, (count, up) in named.items():
+            reconnects.add_metric([name], count)
+            connected.add_metric([name], 1 if up else 0)
+        yield reconnects
+        yield connected
 
 
 class _StepCounts(Collector):
