@@ -439,6 +439,15 @@ async def test_warnings_tell_a_lost_agent_and_hold_back_repeated_no_matches(
             # Gone from every listing, but not without a trace.
             (lost,) = [e for e in await c.recently_lost() if e["agent_id"] == agent.agent_id]
             assert lost["capabilities"] == ["work:echo:v1"] and lost["lost_at"] > 0
+
+            # The query's filters keep those that match: asked for others, it is not there.
+            def listed(fleet: dict[str, Any]) -> bool:
+                return agent.agent_id in [e["agent_id"] for e in fleet["recently_lost"]]
+
+            assert listed(await c.fleet(state="LOST"))
+            assert listed(await c.fleet(capability="work:echo:v1"))
+            assert not listed(await c.fleet(state="ONLINE"))
+            assert not listed(await c.fleet(capability="work:other:v1"))
             with pytest.raises(UnknownAgentError, match="was declared LOST"):
                 await c.inspect(agent.agent_id)
             fleet = dash.fleet(hub)  # the dashboard's LOST card counts it

@@ -81,8 +81,8 @@ def fleet_answer(
     the page were left out, by ``limit`` or to fit), ``next_after`` (the last agent id of the
     page, which the next page is asked ``after``; null when none is left), ``next_offset`` (the
     page's end among the matched agents, null likewise), ``recently_lost`` (newest first, as
-    many as fit in an eighth of the answer) and ``recently_lost_total``; then ``extra``'s
-    fields."""
+    many as fit in an eighth of the answer; those the ``state`` and ``capability`` filters
+    keep) and ``recently_lost_total``; then ``extra``'s fields."""
     views = registry.views(namespace)
     by_state = Counter(v.state.value for v in views)
     cap = ask.capability
@@ -94,6 +94,10 @@ def fleet_answer(
     ]
     budget = max_payload - protocol.MESSAGE_ROOM
     lost_all = registry.recently_lost(namespace)
+    if ask.states and AgentState.LOST not in ask.states:
+        lost_all = []  # (asked for other states: those LOST are none of them)
+    elif cap is not None:
+        lost_all = [e for e in lost_all if cap in e["capabilities"]]
     lost: list[dict[str, Any]] = []
     lost_bytes = 0
     for entry in lost_all:
