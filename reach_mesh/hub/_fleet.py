@@ -6,6 +6,9 @@ One answer is one NATS message: at most the server's ``max_payload`` (1 MiB by d
 ~2,500 agents). The agents past what fits are left out — ``truncated``, with ``next_after``
 (and ``next_offset``) to ask for the next page — and ``total``, ``matched`` and ``by_state``
 count every one, so a caller that counts (``reach-mesh doctor``) never needs the list.
+
+Which agents a listing holds — filters, counts, the page — is :func:`fleet_page`'s, whoever
+lists them: the fleet query, ``GET /api/agents`` and the dashboard's fleet view.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from reach_mesh.hub._asked import asked_states
 from reach_mesh.hub.registry import Registry
 from reach_mesh.models import AgentState
 
-__all__ = ["FleetAsk", "fleet_answer", "fleet_asked"]
+__all__ = ["FleetAsk", "FleetPage", "fleet_answer", "fleet_asked", "fleet_page"]
 
 #: Share of an answer's bytes that ``recently_lost`` may take (the agents get the rest).
 _LOST_SHARE = 8
@@ -66,6 +69,41 @@ def fleet_asked(body: dict[str, Any]) -> FleetAsk:
     return FleetAsk(states, capability, limit, offset, after)
 
 
+@dataclass(frozen=True, slots=True)
+class FleetPage:
+    """The agents a fleet query picked: ``total`` (agents in scope), ``by_state`` (theirs,
+    whatever the filters), ``matched`` (those the filters keep), ``start`` (where the page
+    starts among them: past ``ask.after``, then ``ask.offset`` more) and ``views``, the page:
+    at most ``ask.limit`` matched agents from ``start`` on, in ``agent_id`` order."""
+
+    ask: FleetAsk
+    total: int
+    by_state: dict[str, int]
+    matched: int
+    start: int
+    views: list[AgentView]
+
+
+def fleet_page(registry: Registry, namespace: str | None, ask: FleetAsk) -> FleetPage:
+    """The page ``ask`` picks of ``namespace``'s agents (None: every namespace's): the one
+    selection of every fleet listing (the fleet query, ``GET /api/agents``, the dashboard)."""
+    views = registry.views(namespace)
+    by_state = Counter(v.state.value for v in views)
+    cap = ask.capability
+    matched = [
+        v
+        for v in views
+        if (not ask.states or v.state in ask.states)
+        and (cap is None or cap in v.record.card.capabilities)
+    ]
+    start = 0 if ask.after is None else bisect.bisect_right(matched, ask.after, key=_agent_id)
+    start += ask.offset
+    page = matched[start:]
+    if ask.limit is not None:
+        page = page[: ask.limit]
+    return FleetPage(ask, len(views), dict(sorted(by_state.items())), len(matched), start, page)
+
+
 def fleet_answer(
     registry: Registry,
     hub_id: str,
@@ -83,15 +121,8 @@ def fleet_answer(
     page's end among the matched agents, null likewise), ``recently_lost`` (newest first, as
     many as fit in an eighth of the answer; those the ``state`` and ``capability`` filters
     keep) and ``recently_lost_total``; then ``extra``'s fields."""
-    views = registry.views(namespace)
-    by_state = Counter(v.state.value for v in views)
+    picked = fleet_page(registry, namespace, ask)
     cap = ask.capability
-    matched = [
-        v
-        for v in views
-        if (not ask.states or v.state in ask.states)
-        and (cap is None or cap in v.record.card.capabilities)
-    ]
     budget = max_payload - protocol.MESSAGE_ROOM
     lost_all = registry.recently_lost(namespace)
     if ask.states and AgentState.LOST not in ask.states:
@@ -107,9 +138,9 @@ def fleet_answer(
         lost.append(entry)
     head: dict[str, Any] = {
         "hub_id": hub_id,
-        "total": len(views),
-        "by_state": dict(sorted(by_state.items())),
-        "matched": len(matched),
+        "total": picked.total,
+        "by_state": picked.by_state,
+        "matched": picked.matched,
         "offset": ask.offset,
         "recently_lost": lost,
         "recently_lost_total": len(lost_all),
@@ -117,23 +148,18 @@ def fleet_answer(
     }
     # (room for "truncated", "next_after" and "next_offset", written last)
     left = budget - len(protocol.dumps(head)) - 96 - protocol.AGENT_ID_MAX
-    start = 0 if ask.after is None else bisect.bisect_right(matched, ask.after, key=_agent_id)
-    start += ask.offset
-    page = matched[start:]
-    if ask.limit is not None:
-        page = page[: ask.limit]
     now = registry.now
     parts: list[bytes] = []
-    for view in page:
+    for view in picked.views:
         part = protocol.encode(view.info(now))
         left -= len(part) + 1
         if left < 0 and parts:  # (the first always: a page moves on, or is too large to send)
             break
         parts.append(part)
-    end = start + len(parts)
-    more = end < len(matched)
+    end = picked.start + len(parts)
+    more = end < picked.matched
     head["truncated"] = more
-    head["next_after"] = page[len(parts) - 1].agent_id if more and parts else None
+    head["next_after"] = picked.views[len(parts) - 1].agent_id if more and parts else None
     head["next_offset"] = end if more else None
     return protocol.dumps(head)[:-1] + b',"agents":[' + b",".join(parts) + b"]}"
 
