@@ -36,6 +36,7 @@ from reach_mesh import protocol
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
 from reach_mesh.errors import BadRequestError, InternalError, ReachError
+from reach_mesh.hub._fleet import FleetAsk, fleet_page
 from reach_mesh.models import AgentState, RouteDecision, TaskState
 from reach_mesh.workflow import TaskRecord, WorkflowRecord, WorkflowSpec, step_task_id
 
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DECISIONS",
+    "FLEET_LOST_SHOWN",
+    "FLEET_PAGE",
+    "FLEET_PAGE_MAX",
     "SAMPLES",
     "SAMPLE_INTERVAL",
     "UNCONFIRMED",
@@ -74,6 +78,12 @@ WORKFLOWS: Final = 50
 UNCONFIRMED: Final = 16
 #: Task records read per unfinished workflow and pass (steps no status event told of).
 _STEP_READS: Final = 16
+#: Agents one fleet view lists when the page does not say (``limit``), and at most: the page is
+#: refreshed every 2 s per open tab, so it asks for a page, never the whole fleet.
+FLEET_PAGE: Final = 200
+FLEET_PAGE_MAX: Final = 1000
+#: Agents declared LOST lately that the fleet view lists (the newest; all are counted).
+FLEET_LOST_SHOWN: Final = 50
 #: The window of the "now" figures (rate, success rate, p50/p99).
 WINDOW: Final = 60.0
 
@@ -532,15 +542,23 @@ def settings(hub: Hub) -> dict[str, Any]:
     }
 
 
-def fleet(hub: Hub) -> dict[str, Any]:
-    """Agents by state; each with what runs (``inflight`` of ``max_concurrency``) and what
-    waits (``queued``) apart, health, breaker and the operator actions that apply."""
+def fleet(hub: Hub, ask: FleetAsk | None = None, namespace: str | None = None) -> dict[str, Any]:
+    """One page of the fleet (``namespace``'s; None: every namespace's), picked as the fleet
+    query picks it (``hub/_fleet.py``: ``ask``'s states, capability, offset and limit;
+    :data:`FLEET_PAGE` agents when there is no ``ask``), with the counts of all of it:
+    ``total``, ``by_state`` (``LOST``: declared in the last 15 minutes), ``matched``,
+    ``truncated``, ``next_offset``. Each agent with what runs (``inflight`` of
+    ``max_concurrency``) and what waits (``queued``) apart, health, breaker and the operator
+    actions that apply."""
+    ask = ask or FleetAsk(limit=FLEET_PAGE)
+    if ask.limit is None or ask.limit > FLEET_PAGE_MAX:
+        raise BadRequestError(f"limit must be an integer from 0 to {FLEET_PAGE_MAX}", field="limit")
+    picked = fleet_page(hub.registry, namespace, ask)
     now = hub.registry.now
-    by_state = {state.value: 0 for state in AgentState}
+    by_state = {state.value: 0 for state in AgentState} | picked.by_state
     agents = []
-    for view in sorted(hub.registry, key=lambda v: v.agent_id):
+    for view in picked.views:
         card = view.record.card
-        by_state[view.state.value] += 1
         busy, cap = view.busy, card.max_concurrency
         agents.append(
             {
@@ -563,19 +581,28 @@ def fleet(hub: Hub) -> dict[str, Any]:
                 "actions": list(_ACTIONS.get(view.state, ("remove",))),
             }
         )
-    # LOST agents leave the registry: count (and list) the ones lost in the last 15 minutes.
-    lost = hub.registry.recently_lost()
+    # LOST agents leave the registry: count the ones lost in the last 15 minutes, list the
+    # newest (a zone lost at once is thousands of them).
+    lost = hub.registry.recently_lost(namespace)
     by_state[AgentState.LOST.value] = len(lost)
+    end = ask.offset + len(agents)
     return {
         "hub_id": hub.hub_id,
+        "namespace": namespace,
         # This hub cannot read or write the registry in JetStream, or reach NATS, lately
         # (``reach_registry_blind``): what it shows may be stale, and it declares nobody LOST.
         "blind": hub.registry.blind(),
         "blind_reason": hub.registry.blind_reason(),
-        "total": len(agents),
+        "total": picked.total,
         "by_state": by_state,
+        "matched": picked.matched,
+        "offset": ask.offset,
+        "limit": ask.limit,
+        "truncated": end < picked.matched,
+        "next_offset": end if end < picked.matched else None,
         "agents": agents,
-        "recently_lost": lost,
+        "recently_lost": lost[:FLEET_LOST_SHOWN],
+        "recently_lost_total": len(lost),
     }
 
 

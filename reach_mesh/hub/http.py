@@ -44,7 +44,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _dashboard as dash
 from reach_mesh.hub._a2a import HubA2a
-from reach_mesh.hub._fleet import fleet_answer, fleet_asked
+from reach_mesh.hub._fleet import FleetAsk, fleet_answer, fleet_asked
 from reach_mesh.hub._gateway import (
     NamespaceQuery,
     RouteEndpoint,
@@ -83,6 +83,13 @@ HTTP_REQUESTER: Final = "http"
 #: Bytes of agents one ``GET /api/agents`` answers at most (about 40,000 agents): past them,
 #: ``truncated`` and ``next_offset``, as the fleet query over NATS within ``max_payload``.
 HTTP_FLEET_MAX: Final = 16 << 20
+#: The filters and page of a fleet listing (``/api/agents``, ``/api/dashboard/fleet``).
+StatesQuery = Annotated[list[str] | None, Query(description="only these states (repeat for more)")]
+CapabilityQuery = Annotated[str | None, Query(description="only agents serving it")]
+OffsetQuery = Annotated[int, Query(ge=0, description="skip the first agents matched")]
+AfterQuery = Annotated[
+    str | None, Query(description="only agents whose id sorts after it: the next page")
+]
 
 log = logging.getLogger("reach_mesh.hub")
 
@@ -345,10 +352,6 @@ class HubHttp:
                 "This hub's id, sampling interval and trace viewer link template",
                 dash.settings,
             ),
-            "fleet": (
-                "Agents by state; running (of max) and queued apart; applicable actions",
-                dash.fleet,
-            ),
             "traffic": (
                 "Request rate, success rate, p50/p99 over the last minute, and a series",
                 dash.traffic,
@@ -362,6 +365,13 @@ class HubHttp:
                 dash.pending,
             ),
         }
+        app.get(
+            "/api/dashboard/fleet",
+            summary="One page of agents (filtered as /api/agents is), with the counts of all: "
+            "by state; running (of max) and queued apart; applicable actions",
+            response_model=dict[str, Any],
+            responses=_errors(400, *refused),
+        )(self.dashboard_fleet)
         for part, (summary, build) in views.items():
             app.get(
                 f"/api/dashboard/{part}",
@@ -459,6 +469,25 @@ class HubHttp:
 
         return view
 
+    async def dashboard_fleet(
+        self,
+        namespace: NamespaceQuery = None,
+        state: StatesQuery = None,
+        capability: CapabilityQuery = None,
+        limit: Annotated[
+            int,
+            Query(
+                ge=0,
+                le=dash.FLEET_PAGE_MAX,
+                description="most agents listed (0: the counts only)",
+            ),
+        ] = dash.FLEET_PAGE,
+        offset: OffsetQuery = 0,
+    ) -> dict[str, Any]:
+        """The dashboard's fleet view: one page, at most ``dash.FLEET_PAGE_MAX`` agents."""
+        ask = _fleet_ask(namespace, state, capability, limit, offset)
+        return dash.fleet(self.hub, ask, namespace)
+
     async def decisions(
         self, n: Annotated[int, Query(ge=1, le=dash.DECISIONS)] = 50
     ) -> dict[str, Any]:
@@ -516,28 +545,17 @@ class HubHttp:
     async def list_agents(
         self,
         namespace: NamespaceQuery = None,
-        state: Annotated[
-            list[str] | None, Query(description="only these states (repeat for more)")
-        ] = None,
-        capability: Annotated[str | None, Query(description="only agents serving it")] = None,
+        state: StatesQuery = None,
+        capability: CapabilityQuery = None,
         limit: Annotated[
             int | None, Query(ge=0, description="most agents listed (0: the counts only)")
         ] = None,
-        offset: Annotated[int, Query(ge=0, description="skip the first agents matched")] = 0,
-        after: Annotated[
-            str | None, Query(description="only agents whose id sorts after it: the next page")
-        ] = None,
+        offset: OffsetQuery = 0,
+        after: AfterQuery = None,
     ) -> Response:
         """The fleet query over HTTP: the same answer, filters and pages (a fleet of thousands
         need not come whole every time), bounded at ``HTTP_FLEET_MAX`` bytes."""
-        if namespace is not None:
-            protocol.validate_namespace(namespace)
-        body: dict[str, Any] = {"state": state or [], "limit": limit, "offset": offset}
-        if capability is not None:
-            body["capability"] = capability
-        if after is not None:
-            body["after"] = after
-        ask = fleet_asked(body)
+        ask = _fleet_ask(namespace, state, capability, limit, offset, after)
         data = fleet_answer(self.hub.registry, self.hub.hub_id, namespace, ask, HTTP_FLEET_MAX)
         return Response(data, media_type="application/json")
 
@@ -731,6 +749,26 @@ class HubHttp:
         if namespace is not None:
             protocol.validate_namespace(namespace)
         return ToolMenu.model_validate({"tools": self.tool_menu(namespace)})
+
+
+def _fleet_ask(
+    namespace: str | None,
+    state: list[str] | None,
+    capability: str | None,
+    limit: int | None,
+    offset: int,
+    after: str | None = None,
+) -> FleetAsk:
+    """The query parameters of a fleet listing (``/api/agents``, ``/api/dashboard/fleet``)
+    read as the fleet query reads its body: ``REACH_BAD_REQUEST`` (400) naming the field."""
+    if namespace is not None:
+        protocol.validate_namespace(namespace)
+    body: dict[str, Any] = {"state": state or [], "limit": limit, "offset": offset}
+    if capability is not None:
+        body["capability"] = capability
+    if after is not None:
+        body["after"] = after
+    return fleet_asked(body)
 
 
 def _fix_400(doc: dict[str, Any]) -> None:
