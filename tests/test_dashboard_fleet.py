@@ -1,8 +1,8 @@
 """The dashboard's fleet view at fleet scale: one page of hundreds of agents (picked as the
 fleet query picks it, ``hub/_fleet.py``), the counts of all of them, a body bounded by the page
-whatever the fleet, and typed 400s for what it cannot read. Agents are registered by the wire
-protocol (docs/protocol.md, "Registration"), as tests/test_fleet_payload.py does: no agent
-process each."""
+whatever the fleet, typed 400s for what it cannot read, and the page in headless Chromium
+paging and filtering it. Agents are registered by the wire protocol (docs/protocol.md,
+"Registration"), as tests/test_fleet_payload.py does: no agent process each."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._dashboard import FLEET_PAGE, FLEET_PAGE_MAX
 from reach_mesh.models import AgentCard, RegisterRequest
 
+from .chromium import Chromium, needs_chromium
 from .helpers import a_server_of_its_own, fetch
 
 AGENTS = 500
@@ -27,6 +28,7 @@ RARE = 20  # a000..a019 serve kb:rare:v1 instead of kb:search:v1
 CORDONED = (7, 250, 444)
 #: A label value (free text to 256 characters) that is markup: shown as text, never run.
 MARKUP = '<img src=x onerror="window.__pwned=1">'
+TO = "\N{EN DASH}"  # of the page's "showing 1-200 of 500"
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +186,92 @@ async def test_what_the_view_cannot_read_is_a_typed_400(
         assert err["details"]["field"] == field and field.split(".")[-1] in err["message"], err
     else:
         assert "invalid capability 'search'" in err["message"], err
+
+
+@needs_chromium
+async def test_the_page_counts_pages_and_filters_the_fleet(fleet: Fleet) -> None:
+    ids = fleet.ids
+
+    def operate() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        with Chromium() as browser:
+            browser.watch_console()
+            browser.open(f"{fleet.base}/?namespace={fleet.ns}")
+
+            def after(expr: str) -> Any:
+                """``expr`` once it is truthy (the page asks the hub, then draws)."""
+                return browser.evaluate(
+                    f"""new Promise(ok => {{ const t = setInterval(() => {{
+                      const v = ({expr}); if (v) {{ clearInterval(t); ok(v); }} }}, 50); }})"""
+                )
+
+            rows = (
+                "[...document.querySelectorAll('#agents tr[data-agent]')].map(r => r.dataset.agent)"
+            )
+            showing = "document.getElementById('f-showing').textContent"
+            seen["first"] = after(f"{showing}.startsWith('showing 1{TO}') && {rows}")
+            seen["showing"] = browser.evaluate(showing)
+            seen["cards"] = browser.evaluate(
+                "Object.fromEntries([...document.querySelectorAll('.card')].map(c => "
+                "[c.querySelector('span').textContent, c.querySelector('b').textContent]))"
+            )
+            seen["label"] = browser.evaluate(
+                f"document.querySelector('tr[data-agent=\"{ids[1]}\"]').cells[8].textContent"
+            )
+            seen["prev_disabled"] = browser.evaluate("document.getElementById('f-prev').disabled")
+            browser.evaluate("document.getElementById('f-next').click()")
+            seen["second"] = after(f"{showing}.startsWith('showing 201{TO}') && {rows}")
+            seen["address"] = browser.evaluate("location.search")
+            browser.evaluate("document.getElementById('f-next').click()")
+            seen["third"] = after(f"{showing}.startsWith('showing 401{TO}') && {rows}")
+            seen["next_disabled"] = browser.evaluate("document.getElementById('f-next').disabled")
+            # A state's count filters the view to it, from the first page.
+            browser.evaluate("document.querySelector('.card[data-filter=\"CORDONED\"]').click()")
+            seen["cordoned"] = after(f"{showing}.includes('of 3 matched') && {rows}")
+            seen["cordoned_showing"] = browser.evaluate(showing)
+            seen["cordoned_address"] = browser.evaluate("location.search")
+            # A capability, any state.
+            browser.evaluate(
+                """(() => { const s = document.getElementById('f-state'); s.value = '';
+                   s.dispatchEvent(new Event('change'));
+                   document.getElementById('f-cap').value = 'kb:rare:v1';
+                   document.getElementById('f-cap').form.requestSubmit(); })()"""
+            )
+            seen["rare"] = after(f"{showing}.includes('of {RARE} matched') && {rows}")
+            # One the hub refuses: said in the fleet view; the counts stay.
+            browser.evaluate(
+                """(() => { document.getElementById('f-cap').value = 'not-a-capability';
+                   document.getElementById('f-cap').form.requestSubmit(); })()"""
+            )
+            seen["refused"] = after(
+                "(t => t.includes('refused') && t)(document.getElementById('agents').textContent)"
+            )
+            seen["cards_after"] = browser.evaluate("document.querySelectorAll('.card').length")
+            seen["pwned"] = browser.evaluate(
+                "window.__pwned === undefined && !document.querySelector('#agents img')"
+            )
+            # The refused filter is the browser's log entry (a 400), not a page error.
+            seen["errors"] = [e for e in browser.console_errors() if "400" not in e]
+        return seen
+
+    seen = await asyncio.to_thread(operate)
+    assert seen["errors"] == [], seen["errors"]
+    assert seen["first"] == ids[:FLEET_PAGE]
+    assert seen["showing"] == f"showing 1{TO}{FLEET_PAGE} of {AGENTS} in {fleet.ns}"
+    cards = seen["cards"]
+    assert cards["agents"] == str(AGENTS) and cards["ONLINE"] == str(AGENTS - 3)
+    assert cards["CORDONED"] == "3"
+    assert seen["label"].replace(" ", "").find("note=" + MARKUP.replace(" ", "")) >= 0
+    assert seen["prev_disabled"] is True
+    assert seen["second"] == ids[FLEET_PAGE : 2 * FLEET_PAGE]
+    assert "offset=200" in seen["address"] and f"namespace={fleet.ns}" in seen["address"]
+    assert seen["third"] == ids[2 * FLEET_PAGE :] and seen["next_disabled"] is True
+    assert seen["cordoned"] == [ids[i] for i in CORDONED]
+    assert (
+        seen["cordoned_showing"] == f"showing 1{TO}3 of 3 matched ({AGENTS} in all) in {fleet.ns}"
+    )
+    assert "state=CORDONED" in seen["cordoned_address"]
+    assert "offset" not in seen["cordoned_address"]
+    assert seen["rare"] == ids[:RARE]
+    assert "REACH_BAD_CAPABILITY" in seen["refused"]
+    assert seen["cards_after"] > 3 and seen["pwned"] is True
