@@ -501,3 +501,30 @@ def a_server_of_its_own() -> Iterator[str]:
     may still hold its lease."""
     with EmbeddedNats() as server:
         yield server.url
+
+
+async def register_cards(
+    url: str, cards: list[AgentCard], *, heartbeat_interval: float, lease_timeout: float
+) -> None:
+    """Register ``cards`` by the wire protocol (docs/protocol.md, "Registration"), all at once,
+    from one plain nats-py connection: many agents, cheaply, whose leases outlive a test when
+    ``lease_timeout`` does (nothing heartbeats for them)."""
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+
+        async def one(i: int, card: AgentCard) -> None:
+            req = RegisterRequest(
+                card=card,
+                session=f"s{i}",
+                heartbeat_interval=heartbeat_interval,
+                lease_timeout=lease_timeout,
+            )
+            subject = protocol.hub_agent_subject(card.agent_id, "register")
+            msg = await nc.request(subject, protocol.encode(req), timeout=10)
+            assert b'"error"' not in msg.data, msg.data
+
+        await asyncio.gather(*(one(i, card) for i, card in enumerate(cards)))
+    finally:
+        await nc.close()

@@ -12,16 +12,15 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 from urllib.parse import urlencode
 
-import nats
 import pytest
 
-from reach_mesh import MeshSettings, protocol
+from reach_mesh import MeshSettings
 from reach_mesh.hub import Hub
 from reach_mesh.hub._dashboard import FLEET_PAGE, FLEET_PAGE_MAX
-from reach_mesh.models import AgentCard, RegisterRequest
+from reach_mesh.models import AgentCard
 
 from .chromium import Chromium, needs_chromium
-from .helpers import a_server_of_its_own, fetch
+from .helpers import a_server_of_its_own, fetch, register_cards
 
 AGENTS = 500
 RARE = 20  # a000..a019 serve kb:rare:v1 instead of kb:search:v1
@@ -72,21 +71,8 @@ async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
     ns = "dashfleet"
     settings = MeshSettings(nats_url=nats_url, namespace=ns, http_port=0)
     async with Hub(settings=settings) as hub:
-        nc = await nats.connect(nats_url)
-        try:
-
-            async def one(i: int) -> None:
-                card = _card(ns, i)
-                req = RegisterRequest(
-                    card=card, session=f"s{i}", heartbeat_interval=20, lease_timeout=120
-                )
-                subject = protocol.hub_agent_subject(card.agent_id, "register")
-                msg = await nc.request(subject, protocol.encode(req), timeout=10)
-                assert b'"error"' not in msg.data, msg.data
-
-            await asyncio.gather(*(one(i) for i in range(AGENTS)))
-        finally:
-            await nc.close()
+        cards = [_card(ns, i) for i in range(AGENTS)]
+        await register_cards(nats_url, cards, heartbeat_interval=20, lease_timeout=120)
         f = Fleet(hub, ns)
         for i in CORDONED:
             status, body = await fetch(f"{f.base}/api/agents/{f.ids[i]}/cordon", "POST", b"{}")

@@ -5,7 +5,6 @@ agents are more than one answer holds."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -13,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
@@ -21,10 +19,10 @@ from reach_mesh._client_fleet import AgentList
 from reach_mesh.errors import BadRequestError, PayloadTooLargeError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._micro import discover_hubs
-from reach_mesh.models import AgentCard, RegisterRequest
+from reach_mesh.models import AgentCard
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import run_cli
+from .helpers import register_cards, run_cli
 
 MAX_PAYLOAD = 64 << 10
 AGENTS = 300
@@ -41,26 +39,9 @@ def _card(ns: str, i: int) -> AgentCard:
 
 
 async def _register(url: str, ns: str) -> None:
-    """``AGENTS`` agents registered by the wire protocol (docs/protocol.md, "Registration"),
-    with leases that outlive the test."""
-    nc = await nats.connect(url)
-    try:
-
-        async def one(i: int) -> None:
-            card = _card(ns, i)
-            req = RegisterRequest(
-                card=card, session=f"s{i}", heartbeat_interval=5, lease_timeout=60
-            )
-            msg = await nc.request(
-                protocol.hub_agent_subject(card.agent_id, "register"),
-                protocol.encode(req),
-                timeout=10,
-            )
-            assert b'"error"' not in msg.data, msg.data
-
-        await asyncio.gather(*(one(i) for i in range(AGENTS)))
-    finally:
-        await nc.close()
+    """``AGENTS`` agents registered by the wire protocol, with leases that outlive the test."""
+    cards = [_card(ns, i) for i in range(AGENTS)]
+    await register_cards(url, cards, heartbeat_interval=5, lease_timeout=60)
 
 
 async def _paged(c: Client, first: AgentList, *, by_offset: bool) -> list[str]:
