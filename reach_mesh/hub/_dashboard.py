@@ -55,7 +55,6 @@ __all__ = [
     "UNCONFIRMED",
     "WORKFLOWS",
     "Dashboard",
-    "decisions_limit",
     "fleet",
     "pending",
     "recent_decisions",
@@ -521,15 +520,6 @@ def _keeper(hub: Hub) -> Dashboard:
     if hub.dashboard is None:
         raise InternalError("this hub keeps no dashboard state (its HTTP server is off)")
     return hub.dashboard
-
-
-def decisions_limit(raw: str | None) -> int:
-    """The ``n`` query parameter of the decisions endpoint: 1 to :data:`DECISIONS`."""
-    if raw is None:
-        return 50
-    if not raw.isdigit() or not 1 <= int(raw) <= DECISIONS:
-        raise BadRequestError(f"n must be an integer from 1 to {DECISIONS}, not {raw!r}", field="n")
-    return int(raw)
 
 
 def settings(hub: Hub) -> dict[str, Any]:
