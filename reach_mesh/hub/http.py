@@ -27,7 +27,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from pydantic import BaseModel, Field, StrictBool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -52,6 +51,15 @@ from reach_mesh.hub._gateway import (
     route_contract,
     served_by,
     status_for,
+)
+from reach_mesh.hub._http_models import (
+    AdminBody,
+    AdminResult,
+    AgentList,
+    CancelBody,
+    Health,
+    ToolMenu,
+    errors,
 )
 from reach_mesh.hub._mcp import HubMcp
 from reach_mesh.hub.http_guard import HttpGuard
@@ -92,112 +100,6 @@ AfterQuery = Annotated[
 ]
 
 log = logging.getLogger("reach_mesh.hub")
-
-
-# --------------------------------------------------------------------------- wire models
-
-
-class AdminBody(BaseModel):
-    """The body of ``POST /api/agents/{agent_id}/{op}`` (``{}`` will do)."""
-
-    reason: str | None = Field(
-        default=None,
-        max_length=protocol.REASON_MAX,
-        description='why (printable text; audited, with requester "http")',
-    )
-
-
-class CancelBody(BaseModel):
-    """The body of ``POST /api/workflows/{id}/cancel`` (optional)."""
-
-    reason: str | None = Field(
-        default=None,
-        max_length=protocol.REASON_MAX,
-        description='why (printable text; audited, with requester "http")',
-    )
-    before_start: StrictBool = Field(
-        default=False,
-        description="a workflow no hub has started yet (its submission waits) is cancelled "
-        "before it starts: the cancel is recorded and it never runs",
-    )
-
-
-class ErrorDetail(BaseModel):
-    code: str = Field(description="stable REACH_* code, e.g. REACH_NO_MATCH")
-    message: str
-    details: dict[str, Any] | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every error the HTTP API answers: ``{"error": {"code", "message", "details"?}}``."""
-
-    error: ErrorDetail
-
-
-class AgentList(BaseModel):
-    """The agents asked for, in ``agent_id`` order, and what was left out (as the fleet query
-    answers, ``hub/_fleet.py``)."""
-
-    hub_id: str
-    agents: list[AgentInfo]
-    total: int = Field(description="agents in scope, whatever the filters")
-    by_state: dict[str, int] = Field(description="those agents by state")
-    matched: int = Field(description="agents the filters keep")
-    offset: int = 0
-    truncated: bool = Field(description="matched agents past the page were left out")
-    next_after: str | None = Field(
-        default=None, description="ask the next page after this agent id; null: none left"
-    )
-    next_offset: int | None = Field(description="where the next page starts; null: none left")
-    recently_lost: list[dict[str, Any]] = Field(default_factory=list)
-    recently_lost_total: int = 0
-
-
-class AdminResult(BaseModel):
-    agent_id: str
-    op: str
-    state: AgentState
-
-
-class Health(BaseModel):
-    hub_id: str
-    nats_connected: bool
-    agents: int
-    #: Cannot read or write the registry in JetStream lately (``reach_registry_blind``): said,
-    #: not a 503 — routing goes on, and a probe that restarted every hub on a JetStream
-    #: election would make it worse.
-    registry_blind: bool = False
-    #: Why (the last such failure: ``JetStream storage is full: …``, ``cut off from NATS``).
-    registry_blind_reason: str | None = None
-
-
-class ToolEntry(BaseModel):
-    name: str
-    description: str
-    inputSchema: dict[str, Any]
-    capability: str | None
-    agents: list[str]
-
-
-class ToolMenu(BaseModel):
-    tools: list[ToolEntry]
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    text = {
-        400: "bad request (REACH_BAD_REQUEST and its kinds)",
-        401: "bearer token missing or wrong (REACH_UNAUTHORIZED)",
-        403: "Host or Origin refused (REACH_FORBIDDEN_HOST / REACH_FORBIDDEN_ORIGIN)",
-        404: "no such agent, no match, or no handler",
-        409: "conflict",
-        413: "payload too large",
-        415: "POST without Content-Type: application/json",
-        429: "throttled (Retry-After says when to try again)",
-        502: "the agent or the mesh answered with an error",
-        503: "no capacity or NATS unavailable",
-        504: "no answer in time",
-    }
-    return {s: {"model": ErrorResponse, "description": text[s]} for s in statuses}
 
 
 class GuardMiddleware:
@@ -284,7 +186,7 @@ class HubHttp:
             name="route",
             summary="Route one task to a live agent and return its answer",
             response_model=RouteReply,
-            responses=_errors(400, 404, 409, 413, 415, 429, 502, 503, 504, *refused),
+            responses=errors(400, 404, 409, 413, 415, 429, 502, 503, 504, *refused),
             route_class_override=served_by(self.route),
         )
         # Open: what a browser, a prober or Prometheus fetches.
@@ -306,44 +208,44 @@ class HubHttp:
             "/api/agents",
             summary="Agents as this hub sees them",
             response_model=AgentList,
-            responses=_errors(400, *refused),
+            responses=errors(400, *refused),
         )(self.list_agents)
         app.get(
             "/api/agents/{agent_id}",
             summary="One agent",
             response_model=AgentInfo,
-            responses=_errors(400, 404, *refused),
+            responses=errors(400, 404, *refused),
         )(self.get_agent)
         app.post(
             "/api/agents/{agent_id}/{op}",
             summary="Operator action on one agent",
             response_model=AdminResult,
-            responses=_errors(400, 404, 415, 502, 503, *refused),
+            responses=errors(400, 404, 415, 502, 503, *refused),
         )(self.agent_op)
         app.get(
             "/api/workflows",
             summary="A namespace's recent workflows, newest first: state, steps, owner, error",
             response_model=WorkflowList,
-            responses=_errors(400, 429, 503, 504, *refused),
+            responses=errors(400, 429, 503, 504, *refused),
         )(self.list_workflows)
         app.get(
             "/api/workflows/{workflow_id}",
             summary="One workflow as it stands: owner, each step's state, attempts and errors",
             response_model=WorkflowView,
-            responses=_errors(400, 404, 429, 503, 504, *refused),
+            responses=errors(400, 404, 429, 503, 504, *refused),
         )(self.get_workflow)
         app.post(
             "/api/workflows/{workflow_id}/cancel",
             summary="Cancel a workflow: its unfinished steps are cancelled, its result is FAILED "
             "(REACH_WORKFLOW_CANCELLED); with before_start, one no hub has started yet never runs",
             response_model=CancelResult,
-            responses=_errors(400, 404, 415, 429, 502, 503, *refused),
+            responses=errors(400, 404, 415, 429, 502, 503, *refused),
         )(self.cancel_workflow)
         app.get(
             "/api/tools",
             summary="The mesh's tool menu (union over live, routable agents)",
             response_model=ToolMenu,
-            responses=_errors(400, *refused),
+            responses=errors(400, *refused),
         )(self.tools)
         app.get("/favicon.ico", include_in_schema=False)(self.favicon)
         # The dashboard's data (hub/_dashboard.py): one JSON view per panel.
@@ -370,20 +272,20 @@ class HubHttp:
             summary="One page of agents (filtered as /api/agents is), with the counts of all: "
             "by state; running (of max) and queued apart; applicable actions",
             response_model=dict[str, Any],
-            responses=_errors(400, *refused),
+            responses=errors(400, *refused),
         )(self.dashboard_fleet)
         for part, (summary, build) in views.items():
             app.get(
                 f"/api/dashboard/{part}",
                 summary=summary,
                 response_model=dict[str, Any],
-                responses=_errors(400, *refused),
+                responses=errors(400, *refused),
             )(self._view(build))
         app.get(
             "/api/dashboard/decisions",
             summary="This hub's last route outcomes with the router's explanation, newest first",
             response_model=dict[str, Any],
-            responses=_errors(400, *refused),
+            responses=errors(400, *refused),
         )(self.decisions)
         app.router.routes.append(
             Route("/mcp", self.mcp.asgi_app, methods=["GET", "POST", "DELETE"])
@@ -425,7 +327,7 @@ class HubHttp:
                     # Validation answers 400 with the typed body (not FastAPI's 422).
                     responses = operation["responses"]
                     if responses.pop("422", None) is not None:
-                        responses.setdefault("400", _errors(400)[400] | {})
+                        responses.setdefault("400", errors(400)[400] | {})
             schemas = components.setdefault("schemas", {})
             schemas.pop("HTTPValidationError", None)
             schemas.pop("ValidationError", None)
