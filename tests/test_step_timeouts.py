@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings, Step, TaskState
+from reach_mesh import Client, MeshSettings, RetryPolicy, Step, TaskState
 from reach_mesh._cli_fleet import _print_agents
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import AgentBusyError
 from reach_mesh.hub import Hub
-from reach_mesh.workflow import step_task_id
+from reach_mesh.workflow import TaskStatusEvent, step_task_id
 
 from .helpers import Fleet, abandoned, eventually, handled, status_events, task_record
 
@@ -274,4 +274,58 @@ async def test_a_wedged_agent_takes_no_work_and_gives_back_what_waits(
                 reply = await mesh.request(agent_id=wedged.agent_id, timeout=5)
                 assert reply.state is TaskState.SUCCEEDED
         finally:
+            await fleet.close()
+
+
+async def test_a_final_status_the_hub_missed_is_no_overdue_timeout(
+    wf_settings: MeshSettings,
+) -> None:
+    """A step whose ``silence_timeout`` is longer than its ``timeout`` + ``step_overdue_grace``
+    (a caller's retry policy may say so): its attempt's final status never reaches the hub (the
+    hub's statuses connection cut as it came; ``status_filter`` drops it here), so the hub last
+    heard the attempt running when its overdue time comes. The outcome is in ``REACH_STATUS``
+    and its agent holds it: it decides the step — not a TIMEOUT of the hub's own, which threw
+    the result away and ran the step again (the audit's status_chaos run with cuts: 15 steps
+    of 120 workflows run twice)."""
+    s = wf_settings.model_copy(update={"step_overdue_grace": 0.5})
+    cap = "wf:missedfinal:v1"
+    fleet = Fleet(s)
+    async with Hub(settings=s) as hub:
+        engine = hub.workflows
+        assert engine is not None
+        agent = fleet.agent("missedfinal.a1")
+
+        @agent.handler(cap)
+        async def run(task: Task[int]) -> int:
+            fleet.runs[task.task_id] += 1
+            await asyncio.sleep(0.3)  # long enough to say ACCEPTED: the hub times it
+            return task.payload
+
+        await agent.start()
+        dropped: list[TaskStatusEvent] = []
+
+        def lose_first_final(ev: TaskStatusEvent) -> bool:
+            if ev.state.final and not dropped:
+                dropped.append(ev)
+                return False
+            return True
+
+        engine.status_filter = lose_first_final
+        try:
+            async with Client(settings=s) as mesh:
+                step = Step(
+                    capability=cap,
+                    payload=7,
+                    timeout=1.0,
+                    retry=RetryPolicy(retries=1, silence_timeout=5.0),
+                )
+                res = await mesh.fanout([step], timeout=20)
+                assert dropped, "the fault was not injected"
+                assert res.state is TaskState.SUCCEEDED, res
+                assert res.steps[0].result == 7
+                assert res.steps[0].attempts == 1, res.steps[0]
+                assert fleet.runs[res.steps[0].task_id] == 1
+                assert engine.overdue_total == 0
+        finally:
+            engine.status_filter = None
             await fleet.close()

@@ -774,6 +774,13 @@ class StepRunner(StepPlacing):
                     if now < overdue_at:
                         wait_until = min(wait_until, overdue_at)
                     elif now - track.heard_at < pol.silence_timeout:
+                        # Heard within its silence timeout, but not necessarily since its
+                        # handler ended: a final status missed (the statuses connection cut)
+                        # leaves the attempt "running" here. What is stored, or what its agent
+                        # holds, decides before the hub's own TIMEOUT does.
+                        await self._tracker.missed_final(track)
+                        if track.final is not None:
+                            continue
                         return "overdue", None
                 timeout = min(wait_until, deadline) - now
                 if timeout > 0:

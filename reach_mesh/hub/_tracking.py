@@ -619,6 +619,22 @@ class StatusTracker:
             await self.catch_up(track, unread, patient=True)
         return "done" if track.final is not None else verdict
 
+    async def missed_final(self, track: StepTrack) -> None:
+        """Before the hub takes the current attempt as overdue (``StepRunner._watch``): a final
+        status this hub missed — its statuses connection cut, its agent's status never
+        re-sent — is read from ``REACH_STATUS``, else asked of the attempt's agent (ctl
+        ``task_state``, no fence), and offered as any other outcome. The agent reported the
+        attempt's end; a TIMEOUT of the hub's own would throw its outcome away and run the
+        step again."""
+        await self.catch_up(track)
+        if track.final is not None or track.agent_id is None:
+            return
+        event = await self.held_outcome(
+            track.task_id, track.workflow_id, track.agent_id, track.attempt
+        )
+        if event is not None:
+            self.offer(track, event)
+
     async def recheck(self, track: StepTrack, attempt: int, agent_id: str) -> None:
         """Ask again about an attempt just given up on, *after* the next one is recorded.
 
