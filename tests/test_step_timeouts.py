@@ -329,3 +329,49 @@ async def test_a_final_status_the_hub_missed_is_no_overdue_timeout(
         finally:
             engine.status_filter = None
             await fleet.close()
+
+
+async def test_a_final_status_the_hub_missed_before_the_deadline_is_no_timeout(
+    wf_settings: MeshSettings,
+) -> None:
+    """The workflow's deadline comes while the hub waits out a step's silence: its attempt
+    ended, SUCCEEDED, long before it, but the status never reached the hub (its statuses
+    connection cut as it came; ``status_filter`` drops it here), and the silence timeout that
+    would have had the hub read it is longer than what was left. The outcome is in
+    ``REACH_STATUS`` and its agent holds it: it decides the step, not a TIMEOUT of the
+    deadline's — a connection cut is no outcome, and the agent's result is not thrown away."""
+    s = wf_settings.model_copy(update={"step_silence_timeout": 10.0})
+    cap = "wf:missedbydeadline:v1"
+    fleet = Fleet(s)
+    async with Hub(settings=s) as hub:
+        engine = hub.workflows
+        assert engine is not None
+        agent = fleet.agent("missedbydeadline.a1")
+
+        @agent.handler(cap)
+        async def run(task: Task[int]) -> int:
+            fleet.runs[task.task_id] += 1
+            await asyncio.sleep(0.3)
+            return task.payload
+
+        await agent.start()
+        dropped: list[TaskStatusEvent] = []
+
+        def lose_first_final(ev: TaskStatusEvent) -> bool:
+            if ev.state.final and not dropped:
+                dropped.append(ev)
+                return False
+            return True
+
+        engine.status_filter = lose_first_final
+        try:
+            async with Client(settings=s) as mesh:
+                step = Step(capability=cap, payload=7, timeout=1.0, retries=0)
+                res = await mesh.fanout([step], timeout=2.5)
+                assert dropped, "the fault was not injected"
+                assert res.state is TaskState.SUCCEEDED, res
+                assert res.steps[0].result == 7 and res.steps[0].attempts == 1
+                assert fleet.runs[res.steps[0].task_id] == 1
+        finally:
+            engine.status_filter = None
+            await fleet.close()

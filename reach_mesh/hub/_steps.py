@@ -314,6 +314,11 @@ class StepRunner(StepPlacing):
                         self._tracker.readopt(track)
                         outcome = await self._watch(track, pol, deadline)
                     if outcome is None:
+                        if loop.time() >= deadline and track.sent:
+                            # (An attempt given up on may have ended meanwhile, unheard.)
+                            await self._tracker.catch_up(track)
+                            if track.final is not None:
+                                continue
                         if loop.time() >= deadline:
                             why = self._unplaced(rec, route, ns, no_work)
                             rec, decided = await self._finish(
@@ -760,6 +765,11 @@ class StepRunner(StepPlacing):
             if not lost:
                 now = loop.time()
                 if now >= deadline:
+                    # An outcome sent before it that this hub missed (its statuses connection
+                    # cut, the silence timeout not yet run out) decides, not the deadline.
+                    await self._tracker.missed_final(track)
+                    if track.final is not None:
+                        continue
                     return "deadline", None
                 if track.machine.state is TaskState.PENDING:
                     wait_until = track.dispatched_at + pol.deliver_timeout

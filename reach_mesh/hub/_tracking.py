@@ -620,12 +620,13 @@ class StatusTracker:
         return "done" if track.final is not None else verdict
 
     async def missed_final(self, track: StepTrack) -> None:
-        """Before the hub takes the current attempt as overdue (``StepRunner._watch``): a final
-        status this hub missed — its statuses connection cut, its agent's status never
-        re-sent — is read from ``REACH_STATUS``, else asked of the attempt's agent (ctl
-        ``task_state``, no fence), and offered as any other outcome. The agent reported the
-        attempt's end; a TIMEOUT of the hub's own would throw its outcome away and run the
-        step again."""
+        """Before the hub decides a step's attempt TIMEOUT itself — overdue, or at the step's
+        deadline (``StepRunner._watch``): a final status this hub missed — its statuses
+        connection cut while the silence timeout that would have it read the status stream
+        had not run out — is read from ``REACH_STATUS``, else asked of the attempt's agent
+        (ctl ``task_state``, no fence), and offered as any other outcome. The agent reported
+        the attempt's end: a TIMEOUT of the hub's own would throw its outcome away (and,
+        overdue, run the step again)."""
         await self.catch_up(track)
         if track.final is not None or track.agent_id is None:
             return
