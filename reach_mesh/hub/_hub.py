@@ -231,7 +231,8 @@ class Hub(RoutingMixin, ControlMixin):
             # And every agent's status events (workflow steps) on a third: an agent may publish
             # on its own status subject as much as it likes (once 250 statuses of 6 MiB in 8 s
             # had this hub's main connection cut six times). Missed while it is cut, a step's
-            # status is read from REACH_STATUS when the step's silence has it ask.
+            # statuses are read from REACH_STATUS once it is back (``StatusTracker.after_gap``),
+            # and before the hub decides a TIMEOUT itself (``missed_final``).
             self._status_nc = await connect(
                 self.nats_url, name=f"{self.hub_id}-statuses", settings=self.settings
             )

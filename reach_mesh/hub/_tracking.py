@@ -63,6 +63,8 @@ _STATUS_READ_TIMEOUT: Final = 1.0
 _STATUS_READ_PATIENT: Final = 10.0
 #: At most this many agents' last statuses are read when catching up on a step.
 _CATCH_UP_AGENTS: Final = 8
+#: Steps whose statuses are read at once after the statuses connection comes back.
+_GAP_READS: Final = 16
 #: States that say an attempt's handler runs (its step's ``timeout`` counts from then).
 _STARTED: Final = frozenset({TaskState.ACCEPTED, TaskState.RUNNING})
 
@@ -276,6 +278,9 @@ class StatusTracker:
         #: from its attempt, or is asked again (``_no_responders`` puts it back).
         self._unanswered: dict[str, tuple[str, int, float, bool]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Set while :meth:`after_gap` runs: a reconnection meanwhile has it read once more.
+        self._gap_running = False
+        self._gap_again = False
 
     def _now(self) -> float:
         """The event loop's time, the loop asked once (``WorkflowEvents._loop`` says why)."""
@@ -581,13 +586,19 @@ class StatusTracker:
         return ident[0], raw.data, raw.subject or ""
 
     async def catch_up(
-        self, track: StepTrack, agents: list[str] | None = None, *, patient: bool = False
+        self,
+        track: StepTrack,
+        agents: list[str] | None = None,
+        *,
+        patient: bool = False,
+        finals: bool = False,
     ) -> list[str]:
         """Apply the newest stored status from each agent the step was sent to (newest attempt
         first; or from ``agents``): statuses this hub missed — sent while another hub owned the
         workflow, or while the subscription was cut off — are outcomes like any other. Returns
         the agents whose read went unanswered (a JetStream election): a status of theirs may be
-        stored that this hub did not see."""
+        stored that this hub did not see. ``finals``: only final statuses are applied (a
+        stored keep-alive, however old, would count as hearing from the attempt now)."""
         if agents is None:
             newest = sorted(track.sent.items(), reverse=True)
             agents = list(dict.fromkeys(a for _, a in newest))[:_CATCH_UP_AGENTS]
@@ -601,7 +612,7 @@ class StatusTracker:
                 log.debug("cannot read the last status of %s: %r", track.task_id, err)
                 unread.append(agent_id)
                 continue
-            if last is not None:
+            if last is not None and (last.state.final or not finals):
                 self.offer(track, last)
         return unread
 
@@ -618,6 +629,38 @@ class StatusTracker:
         if verdict == "gone" and unread and track.final is None:
             await self.catch_up(track, unread, patient=True)
         return "done" if track.final is not None else verdict
+
+    async def after_gap(self) -> None:
+        """The statuses connection is back after a cut (a slow consumer's, a network's): every
+        status event sent while it was away is lost to it, the final ones too. Each step this
+        hub runs reads what its attempts stored meanwhile (``catch_up``) now, not when its
+        silence timeout (15 s) or the deliver timeout has it ask: a step that ended in the
+        gap is decided at once, and its workflow's deadline does not run out meanwhile. A
+        reconnection during a pass has it run once more (one pass at a time). Only final
+        statuses, and only of steps with an attempt out: a stored keep-alive is no news of
+        the attempt now, and one of an attempt given up on must not revive it."""
+        if self._gap_running:
+            self._gap_again = True
+            return
+        self._gap_running = True
+        turns = asyncio.Semaphore(_GAP_READS)
+
+        async def read(track: StepTrack) -> None:
+            async with turns:
+                if self._tracks.get(track.key) is track and track.final is None:
+                    await self.catch_up(track, finals=True)
+
+        try:
+            while True:
+                self._gap_again = False
+                tracks = [
+                    t for t in self._tracks.values() if t.final is None and t.agent_id is not None
+                ]
+                await asyncio.gather(*(read(t) for t in tracks))
+                if not self._gap_again:
+                    return
+        finally:
+            self._gap_running = False
 
     async def missed_final(self, track: StepTrack) -> None:
         """Before the hub decides a step's attempt TIMEOUT itself — overdue, or at the step's

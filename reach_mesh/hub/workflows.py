@@ -43,7 +43,7 @@ from reach_mesh._consume import (
 )
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import Reconnected, flushed, or_reconnected
+from reach_mesh._nats import Reconnected, flushed, or_reconnected, reconnects_of
 from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
@@ -244,6 +244,10 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         # The server has it before the first step is sent (pulled below): on another
         # connection, the SUB is not ordered before this one's publishes.
         await flushed(self._status_nc)
+        # Statuses sent while that connection was away are lost to it: read them back then.
+        reconnects = reconnects_of(self._status_nc)
+        if reconnects is not None:
+            reconnects.listeners.append(self._statuses_back)
         self._registry.on_state_change(self._on_agent_state)
         self._no_work.update(v.agent_id for v in self._registry if not v.record.card.durable_work)
         self._pull = PullConsumer(
@@ -299,6 +303,9 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             )
         for bg in list(self._bg):
             bg.cancel()
+        reconnects = reconnects_of(self._status_nc)
+        if reconnects is not None and self._statuses_back in reconnects.listeners:
+            reconnects.listeners.remove(self._statuses_back)
         if self._status_sub is not None:
             with contextlib.suppress(Exception):
                 await self._status_sub.unsubscribe()
@@ -781,6 +788,11 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         return ns if self._known_namespace(ns) else UNKNOWN_NAMESPACE
 
     # ------------------------------------------------------------------ subscriptions
+
+    def _statuses_back(self) -> None:
+        """The statuses connection reconnected: the running steps read what they missed."""
+        if not self._stopping:
+            self._background(self._tracker.after_gap())
 
     async def _on_status(self, msg: Msg) -> None:
         # On the subscription's reader: no awaits, no I/O — dictionary lookups and a parse.
