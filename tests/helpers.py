@@ -528,3 +528,17 @@ async def register_cards(
         await asyncio.gather(*(one(i, card) for i, card in enumerate(cards)))
     finally:
         await nc.close()
+
+
+class LoseFirstFinal:
+    """A ``WorkflowEngine.status_filter`` that drops the first final status the hub would hear
+    (lost on its way: the hub's statuses connection cut as it came); ``dropped`` holds it."""
+
+    def __init__(self) -> None:
+        self.dropped: list[TaskStatusEvent] = []
+
+    def __call__(self, ev: TaskStatusEvent) -> bool:
+        if ev.state.final and not self.dropped:
+            self.dropped.append(ev)
+            return False
+        return True

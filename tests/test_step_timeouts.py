@@ -23,9 +23,17 @@ from reach_mesh._cli_fleet import _print_agents
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import AgentBusyError
 from reach_mesh.hub import Hub
-from reach_mesh.workflow import TaskStatusEvent, step_task_id
+from reach_mesh.workflow import step_task_id
 
-from .helpers import Fleet, abandoned, eventually, handled, status_events, task_record
+from .helpers import (
+    Fleet,
+    LoseFirstFinal,
+    abandoned,
+    eventually,
+    handled,
+    status_events,
+    task_record,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -277,6 +285,39 @@ async def test_a_wedged_agent_takes_no_work_and_gives_back_what_waits(
             await fleet.close()
 
 
+async def _final_missed(s: MeshSettings, cap: str, step: Step, timeout: float) -> None:
+    """One fanout of ``step`` to one agent whose handler takes 0.3 s (long enough to say
+    ACCEPTED: the hub times it), the attempt's final status lost on its way to the hub: it
+    must end SUCCEEDED, in one attempt, its handler run once, and no attempt taken overdue."""
+    fleet = Fleet(s)
+    async with Hub(settings=s) as hub:
+        engine = hub.workflows
+        assert engine is not None
+        agent = fleet.agent(f"{cap.split(':')[1]}.a1")
+
+        @agent.handler(cap)
+        async def run(task: Task[int]) -> int:
+            fleet.runs[task.task_id] += 1
+            await asyncio.sleep(0.3)
+            return task.payload
+
+        await agent.start()
+        lose = LoseFirstFinal()
+        engine.status_filter = lose
+        try:
+            async with Client(settings=s) as mesh:
+                res = await mesh.fanout([step], timeout=timeout)
+                assert lose.dropped, "the fault was not injected"
+                assert res.state is TaskState.SUCCEEDED, res
+                assert res.steps[0].result == 7
+                assert res.steps[0].attempts == 1, res.steps[0]
+                assert fleet.runs[res.steps[0].task_id] == 1
+                assert engine.overdue_total == 0
+        finally:
+            engine.status_filter = None
+            await fleet.close()
+
+
 async def test_a_final_status_the_hub_missed_is_no_overdue_timeout(
     wf_settings: MeshSettings,
 ) -> None:
@@ -288,47 +329,9 @@ async def test_a_final_status_the_hub_missed_is_no_overdue_timeout(
     the result away and ran the step again (the audit's status_chaos run with cuts: 15 steps
     of 120 workflows run twice)."""
     s = wf_settings.model_copy(update={"step_overdue_grace": 0.5})
-    cap = "wf:missedfinal:v1"
-    fleet = Fleet(s)
-    async with Hub(settings=s) as hub:
-        engine = hub.workflows
-        assert engine is not None
-        agent = fleet.agent("missedfinal.a1")
-
-        @agent.handler(cap)
-        async def run(task: Task[int]) -> int:
-            fleet.runs[task.task_id] += 1
-            await asyncio.sleep(0.3)  # long enough to say ACCEPTED: the hub times it
-            return task.payload
-
-        await agent.start()
-        dropped: list[TaskStatusEvent] = []
-
-        def lose_first_final(ev: TaskStatusEvent) -> bool:
-            if ev.state.final and not dropped:
-                dropped.append(ev)
-                return False
-            return True
-
-        engine.status_filter = lose_first_final
-        try:
-            async with Client(settings=s) as mesh:
-                step = Step(
-                    capability=cap,
-                    payload=7,
-                    timeout=1.0,
-                    retry=RetryPolicy(retries=1, silence_timeout=5.0),
-                )
-                res = await mesh.fanout([step], timeout=20)
-                assert dropped, "the fault was not injected"
-                assert res.state is TaskState.SUCCEEDED, res
-                assert res.steps[0].result == 7
-                assert res.steps[0].attempts == 1, res.steps[0]
-                assert fleet.runs[res.steps[0].task_id] == 1
-                assert engine.overdue_total == 0
-        finally:
-            engine.status_filter = None
-            await fleet.close()
+    retry = RetryPolicy(retries=1, silence_timeout=5.0)
+    step = Step(capability="wf:missedfinal:v1", payload=7, timeout=1.0, retry=retry)
+    await _final_missed(s, "wf:missedfinal:v1", step, timeout=20)
 
 
 async def test_a_final_status_the_hub_missed_before_the_deadline_is_no_timeout(
@@ -341,37 +344,5 @@ async def test_a_final_status_the_hub_missed_before_the_deadline_is_no_timeout(
     ``REACH_STATUS`` and its agent holds it: it decides the step, not a TIMEOUT of the
     deadline's — a connection cut is no outcome, and the agent's result is not thrown away."""
     s = wf_settings.model_copy(update={"step_silence_timeout": 10.0})
-    cap = "wf:missedbydeadline:v1"
-    fleet = Fleet(s)
-    async with Hub(settings=s) as hub:
-        engine = hub.workflows
-        assert engine is not None
-        agent = fleet.agent("missedbydeadline.a1")
-
-        @agent.handler(cap)
-        async def run(task: Task[int]) -> int:
-            fleet.runs[task.task_id] += 1
-            await asyncio.sleep(0.3)
-            return task.payload
-
-        await agent.start()
-        dropped: list[TaskStatusEvent] = []
-
-        def lose_first_final(ev: TaskStatusEvent) -> bool:
-            if ev.state.final and not dropped:
-                dropped.append(ev)
-                return False
-            return True
-
-        engine.status_filter = lose_first_final
-        try:
-            async with Client(settings=s) as mesh:
-                step = Step(capability=cap, payload=7, timeout=1.0, retries=0)
-                res = await mesh.fanout([step], timeout=2.5)
-                assert dropped, "the fault was not injected"
-                assert res.state is TaskState.SUCCEEDED, res
-                assert res.steps[0].result == 7 and res.steps[0].attempts == 1
-                assert fleet.runs[res.steps[0].task_id] == 1
-        finally:
-            engine.status_filter = None
-            await fleet.close()
+    step = Step(capability="wf:missedbydeadline:v1", payload=7, timeout=1.0, retries=0)
+    await _final_missed(s, "wf:missedbydeadline:v1", step, timeout=2.5)

@@ -29,11 +29,12 @@ from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub, _shapes, workflows
 from reach_mesh.models import AgentState, TaskEnvelope
-from reach_mesh.workflow import TaskRecord, TaskStatusEvent, merge_payload
+from reach_mesh.workflow import TaskRecord, merge_payload
 
 from .helpers import (
     Fleet,
     HeldHandler,
+    LoseFirstFinal,
     echo_agent,
     eventually,
     heal,
@@ -617,15 +618,9 @@ async def test_lost_status_and_duplicate_delivery_run_once(
     await agent.start()
     engine = wf_hub.workflows
     assert engine is not None
-    dropped: list[TaskStatusEvent] = []
-
-    def lose_first_final(ev: TaskStatusEvent) -> bool:
-        if ev.state.final and not dropped:
-            dropped.append(ev)
-            return False
-        return True
-
-    engine.status_filter = lose_first_final  # the final status never reaches the hub
+    lose = LoseFirstFinal()
+    dropped = lose.dropped
+    engine.status_filter = lose  # the final status never reaches the hub
     try:
         async with Client(settings=wf_settings) as mesh:
             res = await mesh.fanout([Step(capability="wf:dup:v1", payload="x")], timeout=10)
