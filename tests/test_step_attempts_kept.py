@@ -19,7 +19,7 @@ import pytest
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, TaskState, protocol
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub
-from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StepTrack
+from reach_mesh.hub._step_track import ATTEMPTS_KEPT, StepTrack
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.workflow import TaskRecord, step_task_id
 

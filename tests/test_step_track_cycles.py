@@ -16,7 +16,7 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState
 from reach_mesh.hub import Hub
-from reach_mesh.hub._tracking import StepTrack
+from reach_mesh.hub._step_track import StepTrack
 
 from .helpers import Fleet, echo_agent
 

@@ -42,7 +42,8 @@ from reach_mesh.hub._step_state import (
     settles,
     step_route,
 )
-from reach_mesh.hub._tracking import ATTEMPTS_KEPT, StatusTracker, StepTrack
+from reach_mesh.hub._step_track import ATTEMPTS_KEPT, StepTrack
+from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
