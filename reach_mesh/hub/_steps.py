@@ -5,28 +5,21 @@ engine owns workflows (submissions, fanout/chain, results); the runner runs thei
 choosing an agent (:class:`~reach_mesh.hub._placing.StepPlacing`, its base), recording each
 attempt in the task record (the fence) before sending it, watching its status events through
 the :class:`~reach_mesh.hub._tracking.StatusTracker`, retrying, and recording the outcome.
-Infrastructure errors are retried here (:mod:`reach_mesh.hub._durable`) and never become an
-outcome.
+Infrastructure errors are retried (:class:`~reach_mesh.hub._step_io.StepIO`, its base, on
+:mod:`reach_mesh.hub._durable`) and never become an outcome.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal
 
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import JsClient
-from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshTimeoutError, ReachError
 from reach_mesh.hub import _durable
-from reach_mesh.hub._placing import StepPlacing
-from reach_mesh.hub._resources import Resources
+from reach_mesh.hub._step_io import StepIO
 from reach_mesh.hub._step_state import (
     NotOwnerError,
     Policy,
@@ -43,11 +36,8 @@ from reach_mesh.hub._step_state import (
     step_route,
 )
 from reach_mesh.hub._step_track import ATTEMPTS_KEPT, StepTrack
-from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub.breaker import BreakerState
-from reach_mesh.hub.registry import AgentView, Registry
-from reach_mesh.hub.router import Router
-from reach_mesh.hub.throttle import Pacer
+from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import ErrorBody, RouteRequest, TaskEnvelope, TaskState
 from reach_mesh.tracing import SPAN_STEP, SpanKind, inject, span
 from reach_mesh.workflow import (
@@ -80,17 +70,12 @@ def _same_write(stored: TaskRecord, written: TaskRecord) -> bool:
     )
 
 
-T = TypeVar("T")
-
 #: Steps of one namespace a hub places again per second (after a try that found no agent or
 #: failed), after a first ``REPLACE_BURST``: past it they wait for their turn, so a tenant's
 #: thousands of steps waiting for an agent nobody serves (``pending_interval`` at its 0.1 s
 #: floor once took a hub from every other tenant) cost the hub a bounded share.
 REPLACE_RATE: Final = 500.0
 REPLACE_BURST: Final = 1000.0
-
-#: An attempt whose agent reported one of these has ended there: nothing to stop.
-_ENDED: Final = frozenset({TaskState.SUCCEEDED, TaskState.FAILED})
 
 Outcome = Literal["final", "overdue", "undelivered", "lost", "nomatch", "deadline"]
 #: Why a step waits between attempts, by the outcome of the last one (no agent: the router's
@@ -103,119 +88,16 @@ _WAITING_WHY: Final = {
 }
 
 
-class StepRunner(StepPlacing):
+class StepRunner(StepIO):
     """Runs steps of the workflows a hub owns (the base of ``WorkflowEngine``, which sets
-    every attribute below)."""
+    every attribute of its bases)."""
 
-    _nc: NATS
-    _js: JetStreamContext
-    _registry: Registry
-    _router: Router
-    _settings: MeshSettings
-    _metrics: Any
-    _tasks_kv: _durable.Bucket | None
-    _jsc: JsClient
-    _tracker: StatusTracker
-    _resources: Resources
-    _bg: set[asyncio.Future[Any]]
-    _pending: int
-    #: The steps counted in ``_pending``, by (namespace, workflow id, step index): what each
-    #: waits for (workflow ids are unique per namespace only: callers may choose them).
-    _waiting_steps: dict[tuple[str, str, int], dict[str, Any]]
-    #: Set when the hub stops: its unfinished workflows go back to the stream for another hub.
-    _stopping: bool
-    #: Turns of steps placed again (after a try that found no agent, or failed), per namespace.
-    _replacing: Pacer
     #: Final answers that came from an agent's idempotency cache (a duplicate delivery).
     duplicate_total: int
     #: Attempts after the first.
     retry_total: int
     #: Attempts taken as TIMEOUT by the hub (``_overdue``).
     overdue_total: int
-    #: JetStream operations repeated after an infrastructure error (never an outcome).
-    infra_retry_total: int
-
-    # ------------------------------------------------------------------ infrastructure
-
-    def _io_deadline(self, deadline: float | None = None) -> float:
-        """How long an infrastructure error is retried: to ``deadline`` (loop time), and at
-        least ``workflow_ack_wait`` from now (past a deadline the TIMEOUT must be written)."""
-        now = self._loop.time()
-        floor = now + self._settings.workflow_ack_wait
-        return floor if deadline is None else max(deadline, floor)
-
-    async def _io(self, what: str, op: Callable[[], Awaitable[T]], deadline: float | None) -> T:
-        return await _durable.retrying(
-            what, op, self._io_deadline(deadline), on_retry=self._infra_retry
-        )
-
-    def _input_limit(self) -> int:
-        """The largest step input, in bytes of JSON: ``max_payload`` (what an agent takes), and
-        room for the work message's own fields and headers in what the NATS server takes."""
-        return protocol.carried_max(self._settings.max_payload, self._nc.max_payload)
-
-    def _infra_retry(self, err: BaseException) -> None:
-        self.infra_retry_total += 1
-        if self._metrics is not None:
-            self._metrics.infra_retry_total.inc()
-        self._resources.check_soon(err)  # "no stream answered": one may have been deleted
-
-    def _cancel_attempt(self, agent_id: str, rec: TaskRecord, attempt: int) -> None:
-        """Stop a handler of ``rec``'s step that is already running, in the background (best
-        effort: the task record already fences its result; this frees the agent's slot
-        sooner)."""
-        body = protocol.dumps(
-            {
-                "op": "cancel",
-                "task_id": rec.task_id,
-                "attempt": attempt,
-                "workflow_id": rec.workflow_id,
-            }
-        )
-        self._background(self._jsc.ask(protocol.agent_ctl(agent_id), body, timeout=1.0))
-
-    def _stop_others(self, rec: TaskRecord, decided: int | None) -> None:
-        """Ask the agent of every attempt of ``rec``'s step that may still run, but attempt
-        ``decided`` (whose outcome decided the step; None: none did), to stop it. Earlier
-        attempts too: a hub that gives an attempt up (its agent silent, or LOST) lets it run,
-        since its result may still decide the step; once the step is decided or cancelled
-        none of them is needed. Attempts whose agent reported their end are skipped."""
-        for past in rec.history:
-            if past.agent_id is None or past.attempt == decided or past.state in _ENDED:
-                continue
-            self._cancel_attempt(past.agent_id, rec, past.attempt)
-
-    async def _mark(self, wf: Workflow, agent_id: str, task_id: str, attempt: int) -> None:
-        """Store a fence marker for ``attempt`` on ``agent_id``'s work subject, after the
-        record that gives the attempt up: if its work message still waits in the stream, the
-        marker is pending behind it, and the agent drops the message without running it
-        (``reach_mesh/agent/_fences.py``). Deduplicated by ``Nats-Msg-Id``: the markers are
-        stored again on a takeover and when a branch is cancelled (``_remark``)."""
-        subject = protocol.work_subject(wf.ns, agent_id)
-        headers = {
-            protocol.HDR_MSG_ID: protocol.fence_msg_id(wf.ns, task_id, attempt),
-            protocol.HDR_EXPECTED_STREAM: protocol.STREAM_WORK,
-            protocol.HDR_FENCE: str(attempt),
-        }
-        body = protocol.dumps({"task_id": task_id, "attempt": attempt, "workflow_id": wf.id})
-        await self._io(
-            f"publish {subject}",
-            lambda: self._jsc.publish(subject, body, headers),
-            wf.deadline,
-        )
-
-    async def _remark(self, wf: Workflow, rec: TaskRecord) -> None:
-        """Store (again: deduplicated) the markers of every attempt ``rec`` gives up: on a
-        takeover (the previous owner may have died between a record and its markers) and
-        when a branch is cancelled (its step may have been stopped between them)."""
-        for past in rec.history:
-            if past.agent_id is None:
-                continue
-            decided_it = rec.state.final and past.attempt == rec.decided_by
-            if decided_it and rec.state is not TaskState.TIMEOUT:
-                continue  # its own outcome decided the step
-            if past.attempt < rec.attempt or rec.cancelled or rec.state.final:
-                await self._mark(wf, past.agent_id, rec.task_id, past.attempt)
 
     # ------------------------------------------------------------------ one step
 
@@ -738,20 +620,6 @@ class StepRunner(StepPlacing):
             if self._metrics is not None:
                 self._metrics.duplicate_delivery_total.inc()
 
-    async def _cas(self, key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
-        assert self._tasks_kv is not None
-        try:
-            return await _durable.cas(
-                self._tasks_kv,
-                key,
-                protocol.encode(rec),
-                rev,
-                self._io_deadline(deadline),
-                on_retry=self._infra_retry,
-            )
-        except KeyWrongLastSequenceError as err:
-            raise NotOwnerError(key) from err
-
     # ------------------------------------------------------------------ watching an attempt
 
     async def _watch(
@@ -812,18 +680,3 @@ class StepRunner(StepPlacing):
             if lost or track.machine.state is not TaskState.PENDING:
                 return "lost", None
             return "undelivered", None
-
-    def _background(self, aw: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(aw)
-        self._bg.add(task)
-        task.add_done_callback(self._bg_done)
-
-    def _bg_done(self, task: asyncio.Future[Any]) -> None:
-        self._bg.discard(task)
-        if not task.cancelled():
-            task.exception()
-
-    def _pending_delta(self, delta: int) -> None:
-        self._pending += delta
-        if self._metrics is not None:
-            self._metrics.pending_tasks.set(self._pending)
