@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, Step, TaskState
 from reach_mesh._nats import connect
-from reach_mesh.agent import Agent
+from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._wf_view import VIEW_DEADLINE
@@ -175,6 +175,50 @@ async def test_answers_lost_while_the_hub_was_away_are_asked_again(
 
 def _pinned(messages: list[bytes]) -> dict[str, str]:
     return {task_id: agent_id for m in messages for task_id, agent_id in json.loads(m)}
+
+
+@pytest.mark.parametrize("mode", ["direct", "proxy"])
+async def test_a_failure_whose_answer_was_lost_is_not_run_again(
+    nats_url: str, namespace: str, mode: Literal["direct", "proxy"]
+) -> None:
+    """A handler fails for good (``TaskFailed(retryable=False)``) and its answer never reaches
+    the one waiting for it, which stays connected (a partition between NATS servers, not a cut
+    it would notice): in direct mode the caller, in proxy mode the hub. That wait times out
+    naming the agent and the attempt, so the caller's retry of the task id goes to that agent
+    as its next attempt (a handler that ran out of time runs again) — and the agent ran the
+    failed task again: twice under the chaos ``partition`` fault (seed 144), a non-retryable
+    failure run a second time. The failure is the task's outcome: the retry gets it."""
+    s = MeshSettings(nats_url=nats_url, namespace=namespace, audit_enabled=False)
+    # No PINGs while the answer is held: the party behind the relay notices nothing.
+    relay, through = await relayed(nats_url, s, nats_ping_interval=60.0)
+    agent = Agent(f"{namespace}.fails.a1", settings=s)
+    runs: list[int] = []
+    go = asyncio.Event()
+
+    @agent.handler(CAP)
+    async def fails(task: Task[Any]) -> Any:
+        runs.append(task.attempt)
+        await go.wait()
+        raise TaskFailed("no such thing", retryable=False)
+
+    caller, hub_s = (through, s) if mode == "direct" else (s, through)
+    async with Hub(settings=hub_s) as hub, agent, Client(settings=caller) as c:
+        await eventually(lambda: agent.agent_id in hub.registry.agents)
+        first = asyncio.ensure_future(
+            c.request(capability=CAP, payload=0, task_id="t-lost", timeout=2, mode=mode)
+        )
+        await eventually(lambda: len(runs) == 1, timeout=5)
+        relay.hold()  # the failure's answer is held back
+        go.set()
+        with pytest.raises(MeshTimeoutError) as timed_out:
+            await first
+        assert timed_out.value.details.get("agent_id") == agent.agent_id
+        relay.release()  # (late: nobody waits for it any more)
+        again = await c.request(capability=CAP, payload=0, task_id="t-lost", timeout=5, mode=mode)
+        assert again.state is TaskState.FAILED, again
+        assert again.error is not None and "no such thing" in again.error.message
+        assert runs == [1]  # once
+        await relay.cut()
 
 
 async def test_a_workflow_result_stored_while_the_caller_was_away_is_read(

@@ -511,10 +511,24 @@ def _runs_again(entry: _Entry, env: TaskEnvelope, abandoned: set[tuple[str, int]
     """Whether ``env`` is a later attempt of a task that failed or timed out here: it runs
     again (a copy of a running or succeeded one never does, nor one of a task whose handler
     was abandoned and still runs — ``abandoned``: it is answered that TIMEOUT, as a copy is,
-    rather than run twice at once)."""
+    rather than run twice at once — nor one of a task that failed for good, ``retryable``
+    false: that failure is its outcome. A caller whose wait for it timed out, its answer lost
+    on the way, asks again as the next attempt, as after a timeout: it ran twice under the
+    chaos ``partition`` fault)."""
     return (
         not entry.running
         and entry.state is not TaskState.SUCCEEDED
         and env.attempt > entry.attempt
         and (not abandoned or (env.task_id, entry.attempt) not in abandoned)
+        and not _failed_for_good(entry)
     )
+
+
+def _failed_for_good(entry: _Entry) -> bool:
+    """A FAILED entry whose error says ``retryable: false`` (``TaskFailed(retryable=False)``,
+    a payload the handler cannot take)."""
+    if entry.state is not TaskState.FAILED:
+        return False
+    reply = entry.reply
+    err = None if reply is None else reply.error
+    return err is not None and err.details.get("retryable", True) is False
