@@ -85,29 +85,65 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-31999")
 
 
+class _RelayedNode(EmbeddedNats):
+    """A cluster node that advertises a route URL nothing listens on: the other nodes reach it
+    only through the routes they were given (relays), never by the URL gossip would tell them
+    (which a partition's cut would not cover)."""
+
+    def __init__(self, *args: Any, route_advertise: str, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.route_advertise = route_advertise
+
+    def _config(self) -> str:
+        return (
+            super()
+            ._config()
+            .replace("  routes: [", f"  advertise: {self.route_advertise}\n  routes: [", 1)
+        )
+
+
 def cluster_nodes(
-    base: Path, n: int = 3, name: str = "mesh", *, http: bool = False, no_advertise: bool = False
+    base: Path,
+    n: int = 3,
+    name: str = "mesh",
+    *,
+    http: bool = False,
+    no_advertise: bool = False,
+    route_relays: dict[tuple[int, int], Relay] | None = None,
 ) -> list[EmbeddedNats]:
     """``n`` nats-servers (not started) forming one JetStream cluster on loopback; their store
     dirs are ``base/n<i>`` and their ports fixed, so a killed node restarts as itself. With
     ``http``, each serves its monitoring endpoints (``/routez``...) on ``http_port``; with
     ``no_advertise``, clients keep to the URLs they were given (relays in front of the nodes
-    would otherwise be bypassed on a reconnection)."""
+    would otherwise be bypassed on a reconnection). With ``route_relays`` (an empty dict,
+    filled here), node ``i`` reaches node ``j`` through relay ``(i, j)`` (not started: the
+    caller starts them, before the nodes or soon after) and only through it: cutting every
+    relay of a node cuts it off from the others (a partition) while its clients stay."""
     cports = [free_port() for _ in range(n)]
-    routes = [f"nats://127.0.0.1:{p}" for p in cports]
-    return [
-        EmbeddedNats(
-            base / f"n{i}",
-            port=free_port(),
-            server_name=f"n{i}",
-            cluster_name=name,
-            cluster_port=cports[i],
-            routes=routes,
-            http_port=free_port() if http else None,
-            no_advertise=no_advertise,
-        )
-        for i in range(n)
-    ]
+    routes = [[f"nats://127.0.0.1:{p}" for p in cports] for _ in range(n)]
+    if route_relays is not None:
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    route_relays[i, j] = Relay(cports[j])
+            routes[i] = [f"nats://127.0.0.1:{route_relays[i, j].port}" for j in range(n) if j != i]
+    nodes: list[EmbeddedNats] = []
+    for i in range(n):
+        kw: dict[str, Any] = {
+            "port": free_port(),
+            "server_name": f"n{i}",
+            "cluster_name": name,
+            "cluster_port": cports[i],
+            "routes": routes[i],
+            "http_port": free_port() if http else None,
+            "no_advertise": no_advertise,
+        }
+        if route_relays is None:
+            nodes.append(EmbeddedNats(base / f"n{i}", **kw))
+        else:
+            dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+            nodes.append(_RelayedNode(base / f"n{i}", route_advertise=dead, **kw))
+    return nodes
 
 
 async def eventually(
@@ -176,6 +212,9 @@ class Relay:
         self.port = free_port()
         self._server: asyncio.Server | None = None
         self._writers: list[asyncio.StreamWriter] = []
+        #: Bumped by each :meth:`cut`: a connection accepted before a cut whose upstream
+        #: connection is made after it is closed, not relayed past the cut.
+        self._cuts = 0
         #: Clear while what the server sends is held back (:meth:`hold`).
         self._flowing = asyncio.Event()
         self._flowing.set()
@@ -185,7 +224,16 @@ class Relay:
         self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        cuts = self._cuts
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:  # the server is down: so is the connection through the relay
+            writer.close()
+            return
+        if cuts != self._cuts:  # cut meanwhile
+            writer.close()
+            up_writer.close()
+            return
         self._writers += [writer, up_writer]
 
         async def pipe(
@@ -213,7 +261,10 @@ class Relay:
         self._flowing.set()
 
     async def cut(self) -> None:
+        """Close every connection through the relay, both ways, and refuse new ones until
+        :meth:`start`."""
         assert self._server is not None
+        self._cuts += 1
         self._server.close()
         await self._server.wait_closed()
         for writer in self._writers:

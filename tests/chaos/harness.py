@@ -35,7 +35,7 @@ from reach_mesh.logs import LEASE_EXPIRED, QUARANTINE
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import step_task_id
 
-from ..helpers import Relay, cluster_nodes
+from ..helpers import Relay, cluster_nodes, fetch
 from .agent_proc import CAPABILITY
 from .history import (
     Expected,
@@ -59,11 +59,18 @@ FAULTS = (
     "slow",
     "blip",
 )
+#: Faults run only when named (``CHAOS_FAULTS=partition``): ``partition`` is not clean yet
+#: (docs/reliability.md: a hub whose connections straddle the cut loses its routes' answers,
+#: and their retries after the heal run again elsewhere).
+OPT_IN_FAULTS = ("partition",)
 #: How long a blip cuts a process's connections to NATS, at most (at least a tenth of it).
 BLIP_MAX = 2.0
 #: How long a node_stop keeps its node frozen: past its clients' and its routes' PING
 #: deadlines (``nats_ping_interval`` and ``ROUTE_PING_INTERVAL`` x 4) and a raft election.
 NODE_STOP = 8.0
+#: How long a partition cuts a node off from the other two, at least and at most: past its
+#: routes' loss (at once: the cut closes them) and a raft election on each side.
+PARTITION_MIN, PARTITION_MAX = 3.0, 10.0
 #: Streams whose leader a node kill aims at, in turn (the KV buckets are streams too).
 LEADER_TARGETS = (
     "KV_reach_tasks",
@@ -104,7 +111,7 @@ TIMINGS: dict[str, Any] = {
 
 @dataclass
 class ChaosConfig:
-    fault: str = "agent_kill"  # one of FAULTS, or "none"
+    fault: str = "agent_kill"  # one of FAULTS or OPT_IN_FAULTS, or "none"
     workflows: int = 60
     rate: float = 10.0  # submissions per second
     hubs: int = 3
@@ -195,7 +202,17 @@ class Mesh:
 
     def __init__(self, cfg: ChaosConfig, workdir: Path) -> None:
         self.cfg, self.dir = cfg, workdir
-        self.nodes = cluster_nodes(workdir, name="chaos", no_advertise=cfg.fault == "blip")
+        #: A partition run: node ``i`` reaches node ``j`` through route relay ``(i, j)`` only,
+        #: which a partition cuts (``Faults.partition``); the nodes serve ``/connz`` (who is
+        #: connected to the node cut off).
+        self.route_relays: dict[tuple[int, int], Relay] = {}
+        self.nodes = cluster_nodes(
+            workdir,
+            name="chaos",
+            no_advertise=cfg.fault == "blip",
+            http=cfg.fault == "partition",
+            route_relays=self.route_relays if cfg.fault == "partition" else None,
+        )
         self.url = ",".join(n.url for n in self.nodes)
         env = dict(os.environ)
         # The hubs and agents run the code of this tree (a worktree's, say), not whatever
@@ -252,6 +269,8 @@ class Mesh:
 
     async def start_relays(self) -> None:
         for relay in (r for relays in self.relays.values() for r in relays):
+            await relay.start()
+        for relay in self.route_relays.values():
             await relay.start()
 
     def nodes_up(self) -> None:
@@ -697,6 +716,39 @@ class Faults:
             await relay.start()
         self._log("blip", target, at)
 
+    async def partition(self) -> None:
+        """Cut the node leading the next stream of ``LEADER_TARGETS`` off from the other two
+        for ``PARTITION_MIN``-``PARTITION_MAX`` s, then heal: every route relay to or from it
+        cut (its routes closed both ways, new ones refused), while it and the hubs, agents and
+        caller connected to it stay up and connected — they hear nothing wrong, but their
+        JetStream requests find no quorum and their messages reach only the clients of their
+        side. Logs the node's clients (their connection names) as ``cut_off``."""
+        node, stream = await self._next_leader()
+        i = self.mesh.nodes.index(node)
+        relays = [r for (a, b), r in self.mesh.route_relays.items() if i in (a, b)]
+        before = await self._clients(node)
+        at = time.time()
+        for relay in relays:
+            await relay.cut()
+        await asyncio.sleep(self.rng.uniform(PARTITION_MIN, PARTITION_MAX))
+        during = await self._clients(node)
+        for relay in relays:
+            await relay.start()
+        cut_off = sorted(set(before) | set(during))
+        self._log("partition", str(node.server_name), at, leader_of=stream, cut_off=cut_off)
+
+    @staticmethod
+    async def _clients(node: EmbeddedNats) -> list[str]:
+        """The names of the client connections of ``node`` (its ``/connz``)."""
+        try:
+            status, body = await fetch(f"http://127.0.0.1:{node.http_port}/connz?limit=4096")
+        except OSError:
+            return []
+        if status != 200:
+            return []
+        conns = json.loads(body).get("connections") or []
+        return [str(c.get("name") or c.get("cid")) for c in conns]
+
 
 # --------------------------------------------------------------------------- collection
 
@@ -916,8 +968,8 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
     t0 = time.monotonic()
     mesh = Mesh(cfg, workdir)
     try:
+        await mesh.start_relays()  # the route relays before the nodes that dial them
         await asyncio.to_thread(mesh.nodes_up)  # inside: a node that fails stops the others
-        await mesh.start_relays()
         async with Client(settings=mesh.settings) as client:
             await start_mesh(mesh, client)
             work = plan(cfg)

@@ -43,6 +43,17 @@ HUB_FAULTS = frozenset({"hub_kill"})
 #: documented window of the pins (docs/reliability.md). Explains a route's second run only
 #: (a workflow step's attempt is fenced by its record, not by pins).
 FROZEN_NODE_FAULTS = frozenset({"node_stop"})
+#: A NATS server cut off from the others (``partition``: its routes cut, it and its clients up)
+#: cuts its agents off from the hubs of the other side: they may be declared LOST meanwhile and
+#: their work run elsewhere — as for an agent paused past its lease. It explains a second run
+#: of a task whose earlier run was on an agent it cut off (``Fault.cut_off``) that started from
+#: when the cut began until ``HEAL`` s after it ended, and a first result of such an agent not
+#: kept; nothing later (a retry long after the heal that runs elsewhere is not its doing).
+CUT_OFF_FAULTS = frozenset({"partition"})
+#: How long (s) after a partition heals an agent it cut off may still be unroutable: declared
+#: LOST during the cut, it is routable again once it has registered again (about a heartbeat
+#: and a KV write after the heal; its lease + suspect grace at most, 2.5 s in the chaos runs).
+HEAL = 3.0
 #: Slack (s) around a fault when deciding whether it explains a duplicate run.
 SLACK = 1.0
 #: How long (s) before an earlier run an agent fault still explains a re-run: an attempt sent
@@ -102,6 +113,8 @@ class Fault:
     target: str  # agent id, hub name or node name
     at: float  # wall time the fault started
     until: float | None = None  # when it ended (SIGCONT, restart), if known
+    #: A partition's: the client connections of the node it cut off (agent ids among them).
+    cut_off: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -277,8 +290,10 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
     """Why a handler ran again for a step that already ran: an agent fault of an earlier run's
     agent from ``PRIOR`` s before that run's start to this one's (``agent``); or this run's
     own agent paused since before an earlier run started, this run's first line within
-    ``WOKE`` s of its waking (``agent``: decided before the pause, see ``WOKE``); else a hub
-    fault from ``SLACK`` s before (``hub``); else ``None``."""
+    ``WOKE`` s of its waking (``agent``: decided before the pause, see ``WOKE``); or a
+    partition that cut an earlier run's agent off, this run within ``HEAL`` s of its end
+    (``agent``, see ``CUT_OFF_FAULTS``); else a hub fault from ``SLACK`` s before (``hub``);
+    else ``None``."""
     for f in faults:
         if (
             f.kind == "agent_stop"
@@ -288,6 +303,15 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
             and any(prev.attempt > dup.attempt and f.at <= prev.start for prev in earlier)
         ):
             return "agent"
+    for prev in earlier:
+        for f in faults:
+            if (
+                f.kind in CUT_OFF_FAULTS
+                and prev.agent_id in f.cut_off
+                and f.at - PRIOR <= prev.start <= (f.until or f.at) + SLACK
+                and f.at <= dup.start <= (f.until or f.at) + HEAL
+            ):
+                return "agent"
     for kinds, tag, before in ((AGENT_FAULTS, "agent", PRIOR), (HUB_FAULTS, "hub", SLACK)):
         for prev in earlier:
             for f in faults:
@@ -332,6 +356,14 @@ def _first_result_lost(
         f.kind in AGENT_FAULTS
         and f.target == first.agent_id
         and first.start - SLACK <= f.at <= end + SLACK
+        for f in faults
+    ):
+        return None
+    if any(  # its result held up on the far side of a partition, stored after another's
+        f.kind in CUT_OFF_FAULTS
+        and first.agent_id in f.cut_off
+        and f.at - SLACK <= end
+        and first.start <= (f.until or f.at) + SLACK
         for f in faults
     ):
         return None
@@ -600,7 +632,8 @@ def read_faults(path: Path) -> list[Fault]:
     out = []
     for line in path.read_text().splitlines():
         ev = json.loads(line)
-        out.append(Fault(ev["kind"], ev["target"], ev["at"], ev.get("until")))
+        cut_off = tuple(ev.get("cut_off") or ())
+        out.append(Fault(ev["kind"], ev["target"], ev["at"], ev.get("until"), cut_off))
     return out
 
 

@@ -8,7 +8,17 @@ from typing import Any
 
 import pytest
 
-from .history import Expected, ExpectedRoute, Fault, History, Run, check, load, read_runs
+from .history import (
+    Expected,
+    ExpectedRoute,
+    Fault,
+    History,
+    Run,
+    check,
+    load,
+    read_faults,
+    read_runs,
+)
 
 WF = "wf1"
 
@@ -496,3 +506,48 @@ def test_a_frozen_node_explains_no_step_run_twice() -> None:
     h.faults.append(Fault("node_stop", "n0", 1.5, 9.5))
     rep = check(h)
     assert rep.dup_unexplained == 1 and rep.dup_route_frozen == 0 and not rep.ok
+
+
+def test_a_partition_explains_the_runs_of_the_agents_it_cut_off_until_soon_after_it() -> None:
+    """An agent on the node a partition cut off may be declared LOST by the hubs of the other
+    side and its step run elsewhere (a route's retry too): explained, during the cut and until
+    ``HEAL`` s after it. Not an agent it did not cut off, nor a second run long after the heal
+    (seed 144: retries 15 s after the heal ran elsewhere, their pins lost in the cut)."""
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
+    h.faults.append(Fault("partition", "n2", 1.5, 4.0, cut_off=("ns.a.a2", "hub-1")))
+    rep = check(h)
+    assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0 and rep.ok
+    later = History(**{**h.__dict__, "runs": [*h.runs[:2], run(1, "ns.a.a3", 9.0, attempt=2)]})
+    assert check(later).dup_unexplained == 1
+    other = History(
+        **{**h.__dict__, "faults": [Fault("partition", "n1", 1.5, 4.0, cut_off=("ns.a.a1",))]}
+    )
+    assert check(other).dup_unexplained == 1
+    route = with_route()
+    route.runs.append(Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 3.0, 3.1, "ok"))
+    route.faults.append(Fault("partition", "n0", 1.9, 2.5, cut_off=("ns.a.a1",)))
+    assert check(route).ok and check(route).dup_agent_crash == 1
+
+
+def test_a_first_result_held_up_by_a_partition_is_explained() -> None:
+    """The first run's result, on the far side of a partition, was stored after another
+    attempt's: not a valid result thrown away by the hub."""
+    h = clean()
+    h.runs.append(run(1, "ns.a.a3", 3.0, attempt=2))
+    h.records[WF]["result"]["steps"][1]["decided_by"] = 2
+    h.tasks[f"{WF}-1"] = task(
+        1, history=[{"attempt": 1, "state": "PENDING"}, {"attempt": 2, "state": "SUCCEEDED"}]
+    )
+    assert check(h).first_result_lost == 1
+    h.faults.append(Fault("partition", "n2", 0.5, 4.0, cut_off=("ns.a.a2",)))
+    rep = check(h)
+    assert rep.first_result_lost == 0 and rep.dup_agent_crash == 1 and rep.ok
+
+
+def test_a_partitions_cut_off_clients_are_read_back(tmp_path: Path) -> None:
+    line = {"kind": "partition", "target": "n1", "at": 1.0, "until": 5.0, "cut_off": ["a", "b"]}
+    (tmp_path / "faults.jsonl").write_text(json.dumps(line) + "\n")
+    assert read_faults(tmp_path / "faults.jsonl") == [
+        Fault("partition", "n1", 1.0, 5.0, cut_off=("a", "b"))
+    ]
