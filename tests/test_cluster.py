@@ -18,11 +18,12 @@ import nats
 import pytest
 from nats.js.api import KeyValueConfig, StorageType
 
-from reach_mesh import Client, MeshSettings, MeshTimeoutError
+from reach_mesh import Client, MeshSettings, MeshTimeoutError, protocol
 from reach_mesh._cli_doctor import STREAMS, Finding, diagnose
 from reach_mesh._jspub import JsClient
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
+from reach_mesh.models import AgentState
 from reach_mesh.server import ROUTE_PING_INTERVAL, ROUTE_PING_MAX, EmbeddedNats
 
 from .helpers import cluster_nodes, eventually, fetch
@@ -438,6 +439,76 @@ async def test_a_node_in_lame_duck_mode_is_left_at_once(
                 if r.levelno >= logging.WARNING and "NATS" in r.getMessage()
             ]
             assert not [r.getMessage() for r in lost if "lost NATS" in r.getMessage()]
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def test_a_hub_cut_off_with_a_stream_leader_declares_nobody_lost(tmp_path: Path) -> None:
+    """A partition between NATS servers: node 0, leader of the heartbeat stream, is cut off
+    from the other two at the route level (its routes cut, new ones refused) while it and its
+    hub stay up and connected. That hub hears no beat of the agent on the other side, and the
+    stale leader next to it still answers its confirming reads (for some ten seconds) from what
+    it had: it declared the agent LOST within the lease — as a hub cut off this way did to
+    every agent of the other side under the chaos ``partition`` fault, and gave their steps
+    up and ran them again once healed. Now it asks the leader whether it heard from a quorum
+    lately first, finds it has not, and is blind: the agent stays SUSPECT there."""
+    relays: dict[tuple[int, int], Any] = {}
+    nodes = cluster_nodes(tmp_path, name="cutoff", route_relays=relays)
+    for relay in relays.values():
+        await relay.start()
+    try:
+        urls = await _started(nodes)
+        fast = dict(heartbeat_interval=0.2, lease_timeout=0.6, suspect_timeout=0.6)
+        s_a, s_b = _sides(urls, "co", liveness_interval=0.05, **fast)
+        agent = Agent("co.echo.a1", settings=s_b)
+
+        @agent.handler("co:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        async with (
+            Hub(settings=s_a, hub_id="hub-a") as hub_a,
+            Hub(settings=s_b, hub_id="hub-b"),
+            agent,
+        ):
+            await eventually(lambda: agent.agent_id in hub_a.registry.agents, timeout=10)
+            js = hub_a.nc.jetstream()
+            stream = f"KV_{protocol.KV_HEARTBEATS}"
+            preferred = json.dumps({"placement": {"preferred": "n0"}}).encode()
+
+            async def led_by_n0() -> bool:
+                info = await js.stream_info(stream)
+                if info.cluster is not None and info.cluster.leader == "n0":
+                    return True
+                with contextlib.suppress(Exception):
+                    await hub_a.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", preferred)
+                return False
+
+            await eventually(led_by_n0, timeout=20, interval=0.5)
+            await eventually(
+                lambda: hub_a.registry.agents[agent.agent_id].state is AgentState.ONLINE,
+                timeout=10,
+            )
+            seen: list[AgentState] = []
+            hub_a.registry.on_state_change(
+                lambda view, old, new: seen.append(new) if view.agent_id == agent.agent_id else None
+            )
+            for (i, j), relay in relays.items():
+                if 0 in (i, j):
+                    await relay.cut()
+            try:
+                # Past lease + grace (1.2 s) several times over; within the stale leader's
+                # own lease on the stream (it answers reads for some ten seconds).
+                await asyncio.sleep(4.0)
+                assert AgentState.LOST not in seen, seen
+                assert AgentState.SUSPECT in seen, seen  # it did hear nothing
+                assert hub_a.registry.blind()
+                assert "quorum" in (hub_a.registry.blind_reason() or "")
+            finally:
+                for (i, j), relay in relays.items():
+                    if 0 in (i, j):
+                        await relay.start()
     finally:
         for node in nodes:
             node.stop()

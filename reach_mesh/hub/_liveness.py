@@ -4,7 +4,12 @@ The base of :class:`~reach_mesh.hub.registry.Registry` (which sets every attribu
 A hub that failed to read or write the registry lately, or was cut off from NATS, is *blind*
 (``reach_registry_blind``): it cannot tell a dead agent from a heartbeat it could not see, so
 it declares nobody LOST meanwhile; and before it declares an overdue agent LOST it reads that
-agent's heartbeat from the stream's leader.
+agent's heartbeat from the stream's leader — once it knows that leader heard from a quorum
+of its replicas since the agent's lease lapsed (it could store a beat meanwhile): a node cut
+off from the others (a partition between NATS servers, which its clients do not notice) stays
+the leader of the streams it led for seconds and answers reads from what it had, so a hub on
+its side, hearing no beat of the agents on the other side (which could store none meanwhile),
+took every one of them for LOST and gave their steps up.
 """
 
 from __future__ import annotations
@@ -148,6 +153,46 @@ class Liveness:
         with contextlib.suppress(Exception):
             self._apply_heartbeat(entry, initial=False)
 
+    async def _quorum_heard(self) -> float | None:
+        """How long ago (s) the heartbeat stream's leader, which answers ``_confirm_overdue``'s
+        reads, last heard from a quorum of its replicas (``cluster.replicas[].active``: a
+        follower answers every append — each beat is one — and nats-server's raft heartbeat,
+        every second); 0 for a stream of one replica. None when it cannot be read: the hub is
+        blind then."""
+        try:
+            info = await asyncio.wait_for(self._js.stream_info(_HB_STREAM), _CONFIRM_TIMEOUT)
+        except Exception as err:
+            self._went_blind(f"cannot read the heartbeat stream's state: {describe(err)}")
+            log.info("%s: not declaring anyone LOST", self._blind_why)
+            return None
+        cluster = info.cluster
+        peers = (cluster.replicas or []) if cluster is not None else []
+        heard = sorted(
+            p.active / 1e9 for p in peers if p.current and not p.offline and p.active is not None
+        )
+        need = (len(peers) + 1) // 2  # with the leader, a majority of the replicas
+        if need == 0:
+            return 0.0
+        return heard[need - 1] if len(heard) >= need else float("inf")
+
+    def _could_store(self, view: AgentView, heard: float, now: float) -> bool:
+        """Whether the heartbeat stream could have stored a beat of ``view``'s agent during
+        the grace its lease lapsed into: its leader heard from a quorum since the lease lapsed.
+        Else no beat could be stored meanwhile (a NATS server cut off from the others keeps
+        leading the streams it led, and answering reads, for some ten seconds; the other side
+        elects a new leader only seconds later): the agent's silence says nothing, the hub is
+        blind."""
+        since_lapse = now - view.last_seen - view.record.lease_timeout
+        if heard < since_lapse:
+            return True
+        self._went_blind(
+            f"the heartbeat stream's leader last heard from a quorum of its replicas {heard:.3g}s "
+            f"ago, before the lease of {view.agent_id} lapsed: no beat could be stored since (a "
+            "NATS server cut off from the others?)"
+        )
+        log.info("%s: not declaring it LOST", self._blind_why)
+        return False
+
     def _cannot_confirm(self, view: AgentView, err: Exception) -> None:
         self._went_blind(f"cannot read the heartbeat of {view.agent_id}: {describe(err)}")
         log.info("%s: not declaring it LOST", self._blind_why)
@@ -174,11 +219,17 @@ class Liveness:
                 self._went_blind("cut off from NATS")
             grace = self._settings.suspect_timeout
             # Every overdue view, LOST ones included: a view graded LOST when its record was
-            # installed (by an old beat) is confirmed like any other before it is expired.
+            # installed (by an old beat) is confirmed like any other before it is expired —
+            # read from a leader that could store its beats since its lease lapsed (asked
+            # once per pass), or not at all.
+            heard: float | None = None
             for view in list(self.agents.values()):
                 lease = view.record.lease_timeout
                 if now - view.last_seen > lease + grace and not self._blind(now, lease):
-                    await self._confirm_overdue(view)
+                    if heard is None:
+                        heard = await self._quorum_heard()
+                    if heard is not None and self._could_store(view, heard, now):
+                        await self._confirm_overdue(view)
             now = self._clock()
             lost: list[AgentView] = []
             for view in list(self.agents.values()):
