@@ -473,6 +473,23 @@ def _servers(url: str | None) -> list[str]:
     return [u.strip() for u in (url or "").split(",") if u.strip()]
 
 
+def beside(nc: NATS, url: str | None) -> dict[str, Any]:
+    """``connect`` options for a connection to the server ``nc`` is connected to, first of
+    ``url``'s (the others after it, in order, for its reconnections): one process's connections
+    on one server. Spread over the cluster by chance, a hub's were on both sides of a partition
+    between servers — route requests taken on one side, answers and agents on the other, each
+    route's answer lost. Nothing when that server is not one of ``url``'s (one the cluster
+    told of): the connection picks as usual."""
+    at = nc.connected_url
+    servers = _servers(url)
+    if at is None or len(servers) < 2:
+        return {}
+    here = [s for s in servers if (_split(s).hostname, _split(s).port) == (at.hostname, at.port)]
+    if not here:
+        return {}
+    return {"servers": here + [s for s in servers if s not in here], "dont_randomize": True}
+
+
 def _split(server: str) -> SplitResult:
     """One server's URL as nats-py reads it: ``nats://`` when no scheme is given."""
     return urlsplit(server if "://" in server else f"nats://{server}")

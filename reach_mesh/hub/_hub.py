@@ -37,7 +37,7 @@ from reach_mesh import protocol
 from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_replicas, apply_workflow_retention
 from reach_mesh._guard import guarded
-from reach_mesh._nats import connect, connection_counts, flushed, shown
+from reach_mesh._nats import beside, connect, connection_counts, flushed, shown
 from reach_mesh._retry import describe, storage_full
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
@@ -225,8 +225,13 @@ class Hub(RoutingMixin, ControlMixin):
             # consumer: 64 MiB waiting), not the one that carries the agents' heartbeats and
             # the KV writes — a caller's flood once cut that one, and every tenant's agents
             # went SUSPECT. Answers leave on the main connection.
+            # Both on the main connection's server: a hub on one side of a partition between
+            # servers, not on both (``beside``).
             self._route_nc = await connect(
-                self.nats_url, name=f"{self.hub_id}-routes", settings=self.settings
+                self.nats_url,
+                name=f"{self.hub_id}-routes",
+                settings=self.settings,
+                **beside(self._nc, self.nats_url),
             )
             # And every agent's status events (workflow steps) on a third: an agent may publish
             # on its own status subject as much as it likes (once 250 statuses of 6 MiB in 8 s
@@ -234,7 +239,10 @@ class Hub(RoutingMixin, ControlMixin):
             # statuses are read from REACH_STATUS once it is back (``StatusTracker.after_gap``),
             # and before the hub decides a TIMEOUT itself (``missed_final``).
             self._status_nc = await connect(
-                self.nats_url, name=f"{self.hub_id}-statuses", settings=self.settings
+                self.nats_url,
+                name=f"{self.hub_id}-statuses",
+                settings=self.settings,
+                **beside(self._nc, self.nats_url),
             )
             self._js = self._nc.jetstream(timeout=10.0)
             s = self.settings
