@@ -481,6 +481,14 @@ def check(h: History) -> Report:
             if planned is not None:
                 flakes.remove(planned)
                 continue
+            if dup.workflow_id is None and any(
+                r.outcome == "cancelled" and r.agent_id == dup.agent_id and r.attempt < dup.attempt
+                for r in runs[:i]
+            ):
+                # A route that timed out on its agent (its handler cancelled at the deadline:
+                # a decision that came late left it little time), asked again by its caller
+                # as the next attempt there: run again by design (docs/reliability.md).
+                continue
             why = _explained(dup, runs[:i], h.faults)
             if why == "agent":
                 rep.dup_agent_crash += 1

@@ -551,3 +551,20 @@ def test_a_partitions_cut_off_clients_are_read_back(tmp_path: Path) -> None:
     assert read_faults(tmp_path / "faults.jsonl") == [
         Fault("partition", "n1", 1.0, 5.0, cut_off=("a", "b"))
     ]
+
+
+def test_a_route_that_timed_out_on_its_agent_runs_there_again_as_its_next_attempt() -> None:
+    """Its caller asks again after ``REACH_TIMEOUT``: the next attempt, on the same agent,
+    runs (seed 147: a direct-mode decision that came after a partition left 0.5 s). Not on
+    another agent, nor after a run that did not time out."""
+    h = with_route()
+    h.runs[-1] = Run("rr1", None, None, "r1", 1, "ns.a.a1", 1, 2.0, 2.5, "cancelled")
+    h.runs.append(Run("rr2", None, None, "r1", 2, "ns.a.a1", 1, 3.0, 3.1, "ok"))
+    assert check(h).ok and check(h).dup_unexplained == 0
+    elsewhere = History(
+        **{
+            **h.__dict__,
+            "runs": [*h.runs[:-1], Run("rr2", None, None, "r1", 2, "ns.a.a2", 1, 3.0, 3.1, "ok")],
+        }
+    )
+    assert check(elsewhere).dup_unexplained == 1
