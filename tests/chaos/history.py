@@ -46,9 +46,12 @@ FROZEN_NODE_FAULTS = frozenset({"node_stop"})
 #: A NATS server cut off from the others (``partition``: its routes cut, it and its clients up)
 #: cuts its agents off from the hubs of the other side: they may be declared LOST meanwhile and
 #: their work run elsewhere — as for an agent paused past its lease. It explains a second run
-#: of a task whose earlier run was on an agent it cut off (``Fault.cut_off``) that started from
-#: when the cut began until ``HEAL`` s after it ended, and a first result of such an agent not
-#: kept; nothing later (a retry long after the heal that runs elsewhere is not its doing).
+#: of a task whose earlier run was on an agent it cut off (``Fault.cut_off``), that run begun
+#: from ``PRIOR`` s before the cut to its end: a step's whenever it comes (its attempt was given
+#: up for good while the agent was cut off; the owner sends the next once it can, after
+#: elections and takeovers), a route's only until ``HEAL`` s after the heal (a retry later than
+#: that should reach the agent that has the task again: the hubs' pins); and a first result of
+#: such an agent not kept.
 CUT_OFF_FAULTS = frozenset({"partition"})
 #: How long (s) after a partition heals an agent it cut off may still be unroutable: declared
 #: LOST during the cut, it is routable again once it has registered again (about a heartbeat
@@ -291,8 +294,8 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
     agent from ``PRIOR`` s before that run's start to this one's (``agent``); or this run's
     own agent paused since before an earlier run started, this run's first line within
     ``WOKE`` s of its waking (``agent``: decided before the pause, see ``WOKE``); or a
-    partition that cut an earlier run's agent off, this run within ``HEAL`` s of its end
-    (``agent``, see ``CUT_OFF_FAULTS``); else a hub fault from ``SLACK`` s before (``hub``);
+    partition that cut an earlier run's agent off (a route's run within ``HEAL`` s of its
+    end; ``agent``, see ``CUT_OFF_FAULTS``); else a hub fault from ``SLACK`` s before (``hub``);
     else ``None``."""
     for f in faults:
         if (
@@ -309,7 +312,8 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
                 f.kind in CUT_OFF_FAULTS
                 and prev.agent_id in f.cut_off
                 and f.at - PRIOR <= prev.start <= (f.until or f.at) + SLACK
-                and f.at <= dup.start <= (f.until or f.at) + HEAL
+                and f.at <= dup.start
+                and (dup.workflow_id is not None or dup.start <= (f.until or f.at) + HEAL)
             ):
                 return "agent"
     for kinds, tag, before in ((AGENT_FAULTS, "agent", PRIOR), (HUB_FAULTS, "hub", SLACK)):

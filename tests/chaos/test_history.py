@@ -511,15 +511,16 @@ def test_a_frozen_node_explains_no_step_run_twice() -> None:
 def test_a_partition_explains_the_runs_of_the_agents_it_cut_off_until_soon_after_it() -> None:
     """An agent on the node a partition cut off may be declared LOST by the hubs of the other
     side and its step run elsewhere (a route's retry too): explained, during the cut and until
-    ``HEAL`` s after it. Not an agent it did not cut off, nor a second run long after the heal
-    (seed 144: retries 15 s after the heal ran elsewhere, their pins lost in the cut)."""
+    ``HEAL`` s after it for a route, whenever for a step (its attempt was given up for good).
+    Not an agent it did not cut off, nor a route's retry long after the heal (seed 144:
+    retries 15 s after the heal ran elsewhere, their pins lost in the cut)."""
     h = clean()
     h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
     h.faults.append(Fault("partition", "n2", 1.5, 4.0, cut_off=("ns.a.a2", "hub-1")))
     rep = check(h)
     assert rep.dup_agent_crash == 1 and rep.dup_unexplained == 0 and rep.ok
-    later = History(**{**h.__dict__, "runs": [*h.runs[:2], run(1, "ns.a.a3", 9.0, attempt=2)]})
-    assert check(later).dup_unexplained == 1
+    later = History(**{**h.__dict__, "runs": [*h.runs[:2], run(1, "ns.a.a3", 30.0, attempt=2)]})
+    assert check(later).dup_agent_crash == 1  # a step's attempt given up for good in the cut
     other = History(
         **{**h.__dict__, "faults": [Fault("partition", "n1", 1.5, 4.0, cut_off=("ns.a.a1",))]}
     )
@@ -528,6 +529,16 @@ def test_a_partition_explains_the_runs_of_the_agents_it_cut_off_until_soon_after
     route.runs.append(Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 3.0, 3.1, "ok"))
     route.faults.append(Fault("partition", "n0", 1.9, 2.5, cut_off=("ns.a.a1",)))
     assert check(route).ok and check(route).dup_agent_crash == 1
+    late = History(
+        **{
+            **route.__dict__,
+            "runs": [
+                *route.runs[:-1],
+                Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 9.0, 9.1, "ok"),
+            ],
+        }
+    )
+    assert check(late).dup_unexplained == 1  # a route's retry long after the heal
 
 
 def test_a_first_result_held_up_by_a_partition_is_explained() -> None:
