@@ -60,8 +60,8 @@ FAULTS = (
     "blip",
 )
 #: Faults run only when named (``CHAOS_FAULTS=partition``): ``partition`` is not clean yet
-#: (docs/reliability.md: a hub whose connections straddle the cut loses its routes' answers,
-#: and their retries after the heal run again elsewhere).
+#: (docs/reliability.md: a hub cut off from a step's agent gives its silent attempt up on a
+#: lease lapsed by its own reckoning, and the step runs again).
 OPT_IN_FAULTS = ("partition",)
 #: How long a blip cuts a process's connections to NATS, at most (at least a tenth of it).
 BLIP_MAX = 2.0
