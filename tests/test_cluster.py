@@ -531,7 +531,7 @@ async def test_a_hubs_connections_are_on_one_server(tmp_path: Path) -> None:
                 for i in range(6)
             ]
             for hub in hubs:
-                conns = hub._connections
+                conns = hub._connections.values()
                 at = {(c.connected_url.port if c and c.connected_url else None) for c in conns}
                 assert len(at) == 1 and None not in at, (hub.hub_id, at)
     finally:
