@@ -29,8 +29,10 @@ test: $(STAMP) $(JS_STAMP)
 
 # make chaos                          every fault type, 1000 workflows each (docs/reliability.md)
 # make chaos CHAOS_WORKFLOWS=200 CHAOS_FAULTS=node_kill,hub_kill
+# make chaos CHAOS_SECURE=1             the same in secure mode (docs/security.md)
 chaos: $(STAMP)
 	CHAOS_WORKFLOWS=$(or $(CHAOS_WORKFLOWS),1000) CHAOS_FAULTS=$(CHAOS_FAULTS) \
+	CHAOS_SECURE=$(CHAOS_SECURE) \
 	CHAOS_OUT=$(or $(CHAOS_OUT),chaos-out) \
 	$(PY) -m pytest -q -s -p no:cacheprovider -m chaos tests/chaos $(PYTEST_ARGS)
 

@@ -110,6 +110,7 @@ def cluster_nodes(
     http: bool = False,
     no_advertise: bool = False,
     route_relays: dict[tuple[int, int], Relay] | None = None,
+    auth_config: Path | None = None,
 ) -> list[EmbeddedNats]:
     """``n`` nats-servers (not started) forming one JetStream cluster on loopback; their store
     dirs are ``base/n<i>`` and their ports fixed, so a killed node restarts as itself. With
@@ -118,7 +119,9 @@ def cluster_nodes(
     would otherwise be bypassed on a reconnection). With ``route_relays`` (an empty dict,
     filled here), node ``i`` reaches node ``j`` through relay ``(i, j)`` (not started: the
     caller starts them, before the nodes or soon after) and only through it: cutting every
-    relay of a node cuts it off from the others (a partition) while its clients stay."""
+    relay of a node cuts it off from the others (a partition) while its clients stay. With
+    ``auth_config`` (``reach-mesh auth``'s auth.conf), each node includes it, as
+    docs/operations.md has a secure cluster do."""
     cports = [free_port() for _ in range(n)]
     routes = [[f"nats://127.0.0.1:{p}" for p in cports] for _ in range(n)]
     if route_relays is not None:
@@ -137,6 +140,7 @@ def cluster_nodes(
             "routes": routes[i],
             "http_port": free_port() if http else None,
             "no_advertise": no_advertise,
+            "auth_config": auth_config,
         }
         if route_relays is None:
             nodes.append(EmbeddedNats(base / f"n{i}", **kw))

@@ -32,6 +32,7 @@ from reach_mesh import _runner
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.agent._run import serve
 from reach_mesh.config import load_settings
+from reach_mesh.logs import configure_logging
 
 CAPABILITY = "chaos:work:v1"
 
@@ -121,5 +122,8 @@ async def main(agent_id: str, log_path: str) -> None:
 
 
 if __name__ == "__main__":
-    # ``reach_mesh.agent.run`` but for the SIGUSR1 handler (tracing is off in the chaos runs).
+    # ``reach_mesh.agent.run`` but for the SIGUSR1 handler (tracing is off in the chaos runs),
+    # and its logging: the agent's WARNINGs (a lost server, a subject NATS refused this
+    # identity) go to the process's log as a hub's do.
+    configure_logging(os.environ.get("REACH_LOG_LEVEL", "WARNING"))
     _runner.run(main(sys.argv[1], sys.argv[2]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -29,6 +30,7 @@ from nats.js.api import DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
+from reach_mesh._auth import AuthDir
 from reach_mesh._retry import no_message
 from reach_mesh.errors import ReachError
 from reach_mesh.logs import LEASE_EXPIRED, QUARANTINE
@@ -129,6 +131,10 @@ class ChaosConfig:
     routes: int | None = None
     seed: int = 1
     namespace: str = "chaos"
+    #: Secure mode (``CHAOS_SECURE=1``): the nodes enforce the identities of ``reach-mesh auth``
+    #: and every process connects as its own (docs/security.md); the faults, the workload and
+    #: the checks are the same.
+    secure: bool = False
     #: Settings of every process: ``TIMINGS`` and these overrides (``CHAOS_SETTINGS`` JSON).
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -202,6 +208,19 @@ class Mesh:
 
     def __init__(self, cfg: ChaosConfig, workdir: Path) -> None:
         self.cfg, self.dir = cfg, workdir
+        bindir = Path(sys.executable).parent
+        env = dict(os.environ)
+        # The hubs and agents run the code of this tree (a worktree's, say), not whatever
+        # checkout the virtualenv's editable install points at, which may change meanwhile.
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(HERE.parent.parent), env.get("PYTHONPATH", "")) if p
+        )
+        self.agent_ids = [f"{cfg.namespace}.work.a{i}" for i in range(cfg.agents)]
+        #: Secure mode: the auth directory, issued with the CLI as docs/operations.md says
+        #: (this tree's CLI: the permissions are this tree's).
+        self.auth = (
+            _issue(bindir, env, workdir / "auth", cfg, self.agent_ids) if cfg.secure else None
+        )
         #: A partition run: node ``i`` reaches node ``j`` through route relay ``(i, j)`` only,
         #: which a partition cuts (``Faults.partition``); the nodes serve ``/connz`` (who is
         #: connected to the node cut off).
@@ -212,14 +231,9 @@ class Mesh:
             no_advertise=cfg.fault == "blip",
             http=cfg.fault == "partition",
             route_relays=self.route_relays if cfg.fault == "partition" else None,
+            auth_config=None if self.auth is None else self.auth.auth_conf,
         )
         self.url = ",".join(n.url for n in self.nodes)
-        env = dict(os.environ)
-        # The hubs and agents run the code of this tree (a worktree's, say), not whatever
-        # checkout the virtualenv's editable install points at, which may change meanwhile.
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(HERE.parent.parent), env.get("PYTHONPATH", "")) if p
-        )
         env.update({f"REACH_{k.upper()}": str(v) for k, v in cfg.timings.items()})
         env.update(
             {
@@ -229,7 +243,6 @@ class Mesh:
                 "OTEL_TRACES_EXPORTER": "none",
             }
         )
-        bindir = Path(sys.executable).parent
         #: A blip run: each process (and the caller) reaches every node through relays of its
         #: own, which a blip cuts (``Faults.blip``).
         self.relays: dict[str, list[Relay]] = {}
@@ -237,24 +250,36 @@ class Mesh:
             Proc(
                 f"hub{i}",
                 [str(bindir / "reach-mesh"), "hub"],
-                self._env(env, f"hub{i}"),
+                self._env(env, f"hub{i}", "hub.main"),
                 workdir / f"hub{i}.log",
             )
             for i in range(cfg.hubs)
         ]
-        self.agent_ids = [f"{cfg.namespace}.work.a{i}" for i in range(cfg.agents)]
         self.agent_logs = [workdir / f"{a}.jsonl" for a in self.agent_ids]
         self.agents = [
             Proc(
                 aid,
                 [sys.executable, str(HERE / "agent_proc.py"), aid, str(log)],
-                self._env(env, aid),
+                self._env(env, aid, f"agent.{aid}"),
                 workdir / f"{aid}.log",
             )
             for aid, log in zip(self.agent_ids, self.agent_logs, strict=True)
         ]
-        self.settings = MeshSettings(
-            nats_url=self._url("caller"), namespace=cfg.namespace, **cfg.timings
+        if self.auth is None:
+            self.settings = MeshSettings(
+                nats_url=self._url("caller"), namespace=cfg.namespace, **cfg.timings
+            )
+        else:
+            self.settings = self.auth.settings(
+                "caller", cfg.namespace, nats_url=self._url("caller"), **cfg.timings
+            )
+        #: The run's own reads and writes (streams, leaders, ``DONE_CAPTURE``, the checker's
+        #: records): the caller's connection, or in secure mode one of the hub identity's — no
+        #: other may read them all — straight to the nodes (None: the caller's).
+        self.observer = (
+            None
+            if self.auth is None
+            else self.auth.settings("hub", "main", nats_url=self.url, **cfg.timings)
         )
 
     def _url(self, name: str) -> str:
@@ -264,8 +289,13 @@ class Mesh:
         relays = self.relays[name] = [Relay(int(n.url.rsplit(":", 1)[1])) for n in self.nodes]
         return ",".join(f"nats://127.0.0.1:{r.port}" for r in relays)
 
-    def _env(self, env: dict[str, str], name: str) -> dict[str, str]:
-        return {**env, "REACH_NATS_URL": self._url(name)}
+    def _env(self, env: dict[str, str], name: str, identity: str) -> dict[str, str]:
+        """The environment of process ``name``; in secure mode with ``REACH_CONFIG`` naming
+        the settings file of its identity (``<role>.<name>``)."""
+        out = {**env, "REACH_NATS_URL": self._url(name)}
+        if self.auth is not None:
+            out["REACH_CONFIG"] = str(self.auth.path / f"{identity}.yaml")
+        return out
 
     async def start_relays(self) -> None:
         for relay in (r for relays in self.relays.values() for r in relays):
@@ -284,6 +314,19 @@ class Mesh:
             node.stop(kill=True)
 
 
+def _issue(
+    bindir: Path, env: dict[str, str], auth: Path, cfg: ChaosConfig, agent_ids: list[str]
+) -> AuthDir:
+    """``reach-mesh auth init`` (the hub, the operator, the caller of the namespace) and
+    ``auth add-agent`` for each agent id, into ``auth``."""
+    cli = str(bindir / "reach-mesh")
+    cmds = [[cli, "auth", "init", str(auth), "--namespace", cfg.namespace]]
+    cmds += [[cli, "auth", "add-agent", aid, "--dir", str(auth)] for aid in agent_ids]
+    for argv in cmds:
+        subprocess.run(argv, env=env, check=True, capture_output=True)
+    return AuthDir(auth)
+
+
 async def _until(what: str, check: Any, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
@@ -297,8 +340,8 @@ async def _until(what: str, check: Any, timeout: float) -> None:
     raise TimeoutError(f"{what} not ready within {timeout:g}s (last error: {last!r})")
 
 
-async def start_mesh(mesh: Mesh, client: Client) -> None:
-    js = client.nc.jetstream()
+async def start_mesh(mesh: Mesh, client: Client, observer: Client) -> None:
+    js = observer.nc.jetstream()
     await _until("JetStream cluster", js.account_info, 30)
     for hub in mesh.hubs:
         hub.start()
@@ -872,6 +915,7 @@ class ChaosRun:
         head = (
             f"fault={self.cfg.fault} workflows={self.cfg.workflows} rate={self.cfg.rate}/s "
             f"faults injected={self.faults} seconds={self.seconds:.0f}"
+            + (" secure" if self.cfg.secure else "")
         )
         extra = [
             f"  submit errors (retried): {sum(self.stats.submit_errors.values())}"
@@ -967,26 +1011,41 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
     await asyncio.to_thread(workdir.mkdir, parents=True)
     t0 = time.monotonic()
     mesh = Mesh(cfg, workdir)
+    # The caller's own lines (its reconnections, the requests it asked again) beside the
+    # processes' logs, with the time the agents' and the faults' lines have.
+    caller_log = logging.FileHandler(workdir / "caller.log")
+    caller_log.setFormatter(logging.Formatter("%(created).3f %(levelname)s %(name)s %(message)s"))
+    reach_log = logging.getLogger("reach_mesh")
+    level = reach_log.level
+    reach_log.setLevel(logging.INFO)
+    reach_log.addHandler(caller_log)
     try:
         await mesh.start_relays()  # the route relays before the nodes that dial them
         await asyncio.to_thread(mesh.nodes_up)  # inside: a node that fails stops the others
-        async with Client(settings=mesh.settings) as client:
-            await start_mesh(mesh, client)
+        async with contextlib.AsyncExitStack() as stack:
+            client = await stack.enter_async_context(Client(settings=mesh.settings))
+            observer = client
+            if mesh.observer is not None:
+                observer = await stack.enter_async_context(Client(settings=mesh.observer))
+            await start_mesh(mesh, client, observer)
             work = plan(cfg)
             stats = DriverStats()
-            faults = Faults(cfg, mesh, client)
+            faults = Faults(cfg, mesh, observer)
             injector = asyncio.create_task(faults.run())
             driver = asyncio.create_task(drive(cfg, client, work, stats))
             await asyncio.sleep(cfg.workflows / cfg.rate)
             faults.stop.set()
             await injector  # the last fault ends (restarted, SIGCONT) before the drain
             expected, callers = await driver
-            history = await collect(client, mesh, work, expected, callers)
-            await _after_write(client, mesh.cfg.namespace, stats)
+            history = await collect(observer, mesh, work, expected, callers)
+            await _after_write(observer, mesh.cfg.namespace, stats)
             history.cancels = stats.cancels
             history.route_expected = {r.task_id: r.expected for r in plan_routes(cfg)}
             history.routes = stats.routes
     finally:
+        reach_log.removeHandler(caller_log)
+        reach_log.setLevel(level)
+        caller_log.close()
         await asyncio.to_thread(mesh.close)
     report = check(history)
     expiries = sum(

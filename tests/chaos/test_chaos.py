@@ -54,6 +54,7 @@ async def test_long_chaos(fault: str, tmp_path: Path) -> None:
         seed=int(os.environ.get("CHAOS_SEED", "1")),
         drain=90,
         overrides=json.loads(os.environ.get("CHAOS_SETTINGS") or "{}"),
+        secure=os.environ.get("CHAOS_SECURE", "") not in ("", "0"),
     )
     out = os.environ.get("CHAOS_OUT")
     workdir = Path(out) / fault if out else tmp_path
