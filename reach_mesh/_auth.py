@@ -212,6 +212,9 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                     protocol.agent_task(f"{ns}.*.*"),
                     protocol.agent_batch(f"{ns}.*.*"),
                     protocol.wf_submit(ns),
+                    # Whether the stream it submits to exists, when a submission meets none:
+                    # refused, no hub ever having run looked like an election (retried 15 s).
+                    f"{_API}.STREAM.INFO.{protocol.STREAM_WF}",
                     f"{_API}.STREAM.INFO.{_KV_WORKFLOWS_STREAM}",
                     f"{_API}.DIRECT.GET.{_KV_WORKFLOWS_STREAM}.$KV.{protocol.KV_WORKFLOWS}.{ns}.>",
                     f"{_API}.STREAM.INFO.{protocol.STREAM_WF_EVENTS}",

@@ -934,6 +934,29 @@ async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
         await asyncio.to_thread(proc.wait, 15)
 
 
+async def test_a_caller_may_ask_whether_the_workflow_stream_exists(tmp_path: Path) -> None:
+    """A submission that meets no stream (no hub ever ran, or a cluster electing the stream's
+    leader) has the ``Client`` ask JetStream whether ``REACH_WF`` exists; a caller identity may.
+    Once it could not: the refused question waited its 5 s and said "cannot tell", so with no
+    hub a secure caller retried for 15 s and was told JetStream had not taken the workflow
+    (``tests/test_mistakes.py`` has the open-mode twin), and in the chaos suite's ``node_kill``
+    in secure mode each no-stream answer during an election cost those 5 s of the submission's
+    budget: 283 submissions given up on and asked again, 327 ``Publish Violation`` lines."""
+    d = tmp_path / "auth"
+    auth = AuthDir(d)
+    auth.init(namespace=NS)
+    async with (
+        EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server,
+        Client(settings=auth.settings("caller", NS, nats_url=server.url)) as c,
+    ):
+        t0 = time.monotonic()
+        with pytest.raises(MeshUnavailableError, match=r"no workflow stream: is a hub"):
+            await c.fanout([Step(capability=CAP, payload={})], timeout=30)
+        assert time.monotonic() - t0 < 5.0
+    log = (tmp_path / "store" / "nats.log").read_text()
+    assert "Violation" not in log
+
+
 async def test_micro_discovery_in_secure_mode(mesh: Mesh, as_identity: Any) -> None:
     """The hub identity serves $SRV (its micro service started under its permissions); the
     operator may discover the hubs and ask their agents endpoint; a caller may not."""
