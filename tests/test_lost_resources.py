@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -128,6 +129,30 @@ async def test_an_agent_whose_work_consumer_is_deleted_creates_it_again(
         await eventually(lambda: _exists(server.url, protocol.STREAM_WORK, durable), timeout=10)
         said = [r.getMessage() for r in caplog.records]
         assert any("work consumer of lost.echo.a1 was gone" in m for m in said), said
+        await _fanout_ok(mesh, 2)
+
+
+async def test_an_agent_that_cannot_ask_about_its_work_consumer_pulls_on(
+    server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The check behind pulls answered 503 (``_consumer_gone``) that gets no answer itself —
+    a cluster electing the stream's leader, here the server frozen past the check's 5 s — is
+    no error: the consumer may well be there, the pulls go on and the next check asks again.
+    It raised, and each agent logged an ERROR with a traceback per election (the chaos
+    suite's node_kill: 28 in two runs)."""
+    caplog.set_level(logging.INFO, logger="reach_mesh")
+    settings = _settings(server.url)
+    agent = _echo(settings)
+    async with Hub(settings=settings), agent, Client(settings=settings) as mesh:
+        await _fanout_ok(mesh, 1)
+        assert agent.work is not None and server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            await agent.work._consumer_gone()  # no answer within its 5 s: no exception
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("cannot tell now whether the work consumer" in m for m in said), said
         await _fanout_ok(mesh, 2)
 
 

@@ -251,6 +251,17 @@ class WorkConsumer(HeldSteps):
             return
         except NotFoundError:
             pass
+        except Exception as err:
+            # No answer (an election: the stream or the meta group has no leader yet; NATS
+            # unreachable): it may well be there, and the pulls go on; asked again at the next
+            # check. Once an ERROR with a traceback, per agent and election (the chaos suite's
+            # node_kill).
+            log.info(
+                "cannot tell now whether the work consumer of %s is there (%s): pulling on",
+                self._agent.agent_id,
+                describe(err),
+            )
+            return
         try:
             await asyncio.wait_for(self._prepare(), timeout=10.0)
         except Exception as err:  # its stream gone too, and no right to create it: hubs do
