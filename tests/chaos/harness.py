@@ -1,6 +1,6 @@
 """The chaos harness: a real 3-node NATS cluster (R3 streams and KV), hubs and agents as separate
-processes, a workload driver with known expected outcomes, fault injection, and the collection
-of everything the history checker (:mod:`.history`) needs.
+processes, a workload driver with known expected outcomes (:mod:`.workload`), fault injection
+(:mod:`.faults`), and the collection of everything the history checker (:mod:`.history`) needs.
 
 ``run_chaos(ChaosConfig(...), workdir)`` does one run and returns the checker's report; every
 artefact (agent logs, hub logs, nats logs, faults, the collected history) stays in ``workdir``.
@@ -13,13 +13,11 @@ import contextlib
 import json
 import logging
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,25 +27,23 @@ import nats
 from nats.js.api import DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
+from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh._auth import AuthDir
 from reach_mesh._retry import no_message
-from reach_mesh.errors import ReachError
 from reach_mesh.logs import LEASE_EXPIRED, QUARANTINE
-from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import step_task_id
 
-from ..helpers import Relay, cluster_nodes, fetch
-from .agent_proc import CAPABILITY
+from ..helpers import Relay, cluster_nodes
+from .faults import Faults
 from .history import (
     Expected,
-    ExpectedRoute,
     History,
     Report,
     check,
     read_faults,
     read_runs,
 )
+from .workload import DriverStats, Planned, drive, plan, plan_routes
 
 HERE = Path(__file__).parent
 FAULTS = (
@@ -65,24 +61,6 @@ FAULTS = (
 #: (docs/reliability.md: a hub cut off from a step's agent gives its silent attempt up on a
 #: lease lapsed by its own reckoning, and the step runs again).
 OPT_IN_FAULTS = ("partition",)
-#: How long a blip cuts a process's connections to NATS, at most (at least a tenth of it).
-BLIP_MAX = 2.0
-#: How long a node_stop keeps its node frozen: past its clients' and its routes' PING
-#: deadlines (``nats_ping_interval`` and ``ROUTE_PING_INTERVAL`` x 4) and a raft election.
-NODE_STOP = 8.0
-#: How long a partition cuts a node off from the other two, at least and at most: past its
-#: routes' loss (at once: the cut closes them) and a raft election on each side.
-PARTITION_MIN, PARTITION_MAX = 3.0, 10.0
-#: Streams whose leader a node kill aims at, in turn (the KV buckets are streams too).
-LEADER_TARGETS = (
-    "KV_reach_tasks",
-    "REACH_WF",
-    "KV_reach_workflows",
-    "REACH_WF_EVENTS",
-    "REACH_WORK",
-    "REACH_STATUS",
-)
-
 #: The run's own stream of every ``.done`` announcement (core NATS in the mesh).
 DONE_CAPTURE = "CHAOS_DONE"
 
@@ -370,427 +348,6 @@ async def start_mesh(mesh: Mesh, client: Client, observer: Client) -> None:
         return sum(1 for a in infos if a.state.value == "ONLINE") >= len(mesh.agents)
 
     await _until("agents", online, 60)
-
-
-# --------------------------------------------------------------------------- the workload
-
-
-@dataclass
-class Planned:
-    workflow_id: str
-    kind: str
-    steps: list[Step]
-    expected: Expected
-    #: Seconds after its submission its caller cancels it (None: never).
-    cancel_after: float | None = None
-
-
-def plan(cfg: ChaosConfig) -> list[Planned]:
-    """Fanouts and chains of 3 steps; a share has a step that fails non-retryably or one that
-    is slower than its timeout, and a share is cancelled by its caller (one of its steps fails
-    once, retryably, and has ``retries=1``: that second run is the only planned one, logged
-    after a ``flaky`` run). Every other step has ``retries=0``: a second handler run of it is
-    never a planned retry."""
-    rng = random.Random(cfg.seed)
-    out: list[Planned] = []
-    for i in range(cfg.workflows):
-        kind = "fanout" if i % 2 == 0 else "chain"
-        r = rng.random()
-        variant = (
-            "fail"
-            if r < cfg.fail_share
-            else "slow"
-            if r < cfg.fail_share + cfg.slow_share
-            else "cancel"
-            if r < cfg.fail_share + cfg.slow_share + cfg.cancel_share
-            else ""
-        )
-        odd = rng.randrange(3) if variant else -1
-        x0 = rng.randrange(1000)
-        wf_id = f"{cfg.namespace}-{cfg.seed}-{i:05d}"
-        # A quarter of them (a chain and a fanout in every eight) name their steps' task ids:
-        # such steps are claimed (their record created) before they are sent.
-        named = i % 8 in (1, 2)
-        steps = []
-        for k in range(3):
-            mode = variant if k == odd and variant != "cancel" else "ok"
-            if mode == "slow" and i % 4 >= 2:
-                mode = "stubborn"  # as slow, and it ignores its cancellation
-            if variant == "cancel":
-                # Long enough to be cancelled while it runs; one step fails once and is
-                # retried (a failure handled by the hub must not become the step's outcome).
-                mode = "flaky" if k == odd else "ok"
-                ms = rng.randint(200, 1500)
-            else:
-                ms = 2500 if mode in ("slow", "stubborn") else rng.randint(20, 300)
-            payload: dict[str, Any] = {"mode": mode, "ms": ms}
-            if kind == "fanout" or k == 0:
-                payload["x"] = x0 + k if kind == "fanout" else x0
-            steps.append(
-                Step(
-                    capability=CAPABILITY,
-                    payload=payload,
-                    timeout=1.0 if mode in ("slow", "stubborn") else 10.0,
-                    retry=RetryPolicy(retries=1 if mode == "flaky" else 0),
-                    task_id=f"{wf_id}-n{k}" if named else None,
-                )
-            )
-        cancel_after = rng.uniform(0.0, 1.2) if variant == "cancel" else None
-        if variant == "fail":
-            exp = Expected(kind, "FAILED")
-        elif variant == "slow":
-            exp = Expected(kind, "TIMEOUT")
-        elif kind == "fanout":
-            exp = Expected(kind, "SUCCEEDED", [{"x": x0 + k + 1} for k in range(3)])
-        else:
-            exp = Expected(kind, "SUCCEEDED", {"x": x0 + 3})
-        if cancel_after is not None:
-            exp = Expected(exp.kind, exp.state, exp.result, cancellable=True)
-        out.append(Planned(wf_id, kind, steps, exp, cancel_after))
-    return out
-
-
-@dataclass
-class PlannedRoute:
-    task_id: str
-    mode: str  # proxy or direct
-    payload: dict[str, Any]
-    expected: ExpectedRoute
-
-
-def plan_routes(cfg: ChaosConfig) -> list[PlannedRoute]:
-    """Routed requests to the chaos capability, each with a task id of its own (its caller asks
-    again with it after an error); ``fail_share`` of them fail non-retryably. Planned with a
-    generator of their own: the workflows' plan is the same with or without them."""
-    rng = random.Random(cfg.seed * 1_000_003 + 7)
-    out: list[PlannedRoute] = []
-    for i in range(cfg.route_count):
-        mode = "proxy" if i % 2 == 0 else "direct"
-        x = rng.randrange(1000)
-        fail = rng.random() < cfg.fail_share
-        payload = {"mode": "fail" if fail else "ok", "ms": rng.randint(20, 300), "x": x}
-        exp = (
-            ExpectedRoute("FAILED", None, mode)
-            if fail
-            else ExpectedRoute("SUCCEEDED", {"x": x + 1}, mode)
-        )
-        out.append(PlannedRoute(f"{cfg.namespace}-{cfg.seed}-r{i:05d}", mode, payload, exp))
-    return out
-
-
-@dataclass
-class DriverStats:
-    submit_errors: Counter[str] = field(default_factory=Counter)
-    wait_errors: Counter[str] = field(default_factory=Counter)
-    submit_gave_up: int = 0
-    cancel_errors: Counter[str] = field(default_factory=Counter)
-    #: workflow id -> the cancel's last answer (with ``t``, when it came) or an error string.
-    cancels: dict[str, dict[str, Any] | str] = field(default_factory=dict)
-    #: workflow id -> how long (s) after its result was stored the caller had it (an
-    #: announcement lost on the way shows here: the wait then ends on a read of the record).
-    answer_lag: dict[str, float] = field(default_factory=dict)
-    #: When (wall clock) each caller had its answer.
-    answered_at: dict[str, float] = field(default_factory=dict)
-    #: For answers over 1 s after ``finished_at``: how long after the final record was written
-    #: (the stream's own timestamp) — what the announcement, not the store, took.
-    after_write: dict[str, float] = field(default_factory=dict)
-    #: Errors of routed requests (each asked again with its task id), by type.
-    route_errors: Counter[str] = field(default_factory=Counter)
-    #: task id -> its caller's answer (the fields the checker reads) or its last error.
-    routes: dict[str, dict[str, Any] | str] = field(default_factory=dict)
-
-
-async def drive(
-    cfg: ChaosConfig, client: Client, work: list[Planned], stats: DriverStats
-) -> tuple[dict[str, Expected], dict[str, dict[str, Any] | str]]:
-    """Submit at ``cfg.rate``/s; each caller then waits with ``Client.workflow()`` (asking again
-    after errors, as a caller would) until ``cfg.drain`` after the last submission."""
-    expected: dict[str, Expected] = {}
-    callers: dict[str, dict[str, Any] | str] = {}
-    deadline = time.monotonic() + cfg.workflows / cfg.rate + cfg.drain
-
-    async def one(p: Planned) -> None:
-        submit = client.submit_fanout if p.kind == "fanout" else client.submit_chain
-        while True:
-            try:
-                await submit(p.steps, workflow_id=p.workflow_id)
-                break
-            except (ReachError, nats.errors.Error, TimeoutError) as err:
-                text = str(err).replace(p.workflow_id, "<id>")
-                stats.submit_errors[f"{type(err).__name__}: {text[:70]}"] += 1
-                if time.monotonic() > deadline - cfg.drain / 2:
-                    stats.submit_gave_up += 1
-                    return
-                await asyncio.sleep(0.25)
-        expected[p.workflow_id] = p.expected
-        if p.cancel_after is not None:
-            cancellers.append(asyncio.create_task(cancel(p, p.cancel_after)))
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                res = await client.workflow(p.workflow_id, timeout=max(1.0, min(left, 15.0)))
-                callers[p.workflow_id] = res.model_dump(mode="json")
-                if res.finished_at is not None:
-                    stats.answered_at[p.workflow_id] = now = time.time()
-                    stats.answer_lag[p.workflow_id] = now - res.finished_at
-                return
-            except (ReachError, nats.errors.Error, TimeoutError) as err:
-                stats.wait_errors[type(err).__name__] += 1
-                if time.monotonic() >= deadline:
-                    callers[p.workflow_id] = f"{type(err).__name__}: {err}"
-                    return
-                await asyncio.sleep(0.25)
-
-    async def cancel(p: Planned, after: float) -> None:
-        """As a caller would: ask until the answer is final (or the drain ends). A third of
-        them ask with ``before_start`` (recorded even before a hub took the submission)."""
-        await asyncio.sleep(after)
-        asked = time.time()
-        early = int(p.workflow_id[-5:]) % 3 == 0
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                answer = await client.cancel_workflow(
-                    p.workflow_id,
-                    reason="chaos",
-                    timeout=max(1.0, min(left, 15.0)),
-                    before_start=early,
-                )
-                stats.cancels[p.workflow_id] = {
-                    **answer.model_dump(mode="json"),
-                    "t": time.time(),
-                    "asked": asked,
-                }
-                if answer.final:
-                    return
-            except (ReachError, nats.errors.Error, TimeoutError) as err:
-                stats.cancel_errors[type(err).__name__] += 1
-                stats.cancels.setdefault(p.workflow_id, f"{type(err).__name__}: {err}")
-            if time.monotonic() >= deadline:
-                return
-            await asyncio.sleep(0.25)
-
-    async def route(r: PlannedRoute) -> None:
-        """As a caller would: ask, and after an error ask again with the same task id."""
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                res = await client.request(
-                    capability=CAPABILITY,
-                    payload=r.payload,
-                    task_id=r.task_id,
-                    timeout=max(1.0, min(left, 10.0)),
-                    mode="direct" if r.mode == "direct" else "proxy",
-                )
-                stats.routes[r.task_id] = {
-                    "state": res.state.value,
-                    "result": res.result,
-                    "error": None if res.error is None else res.error.code,
-                    "agent_id": res.agent_id,
-                    "attempt": res.attempt,
-                }
-                return
-            except (ReachError, nats.errors.Error, TimeoutError) as err:
-                stats.route_errors[type(err).__name__] += 1
-                stats.routes[r.task_id] = f"{type(err).__name__}: {err}"
-                if time.monotonic() >= deadline:
-                    return
-                await asyncio.sleep(0.25)
-
-    async def routes() -> list[None]:
-        planned = plan_routes(cfg)
-        sent = []
-        for r in planned:
-            sent.append(asyncio.create_task(route(r)))
-            await asyncio.sleep(cfg.workflows / cfg.rate / max(1, len(planned)))
-        return await asyncio.gather(*sent)
-
-    tasks = []
-    cancellers: list[asyncio.Task[None]] = []
-    routing = asyncio.create_task(routes())
-    for p in work:
-        tasks.append(asyncio.create_task(one(p)))
-        await asyncio.sleep(1 / cfg.rate)
-    await asyncio.gather(*tasks)
-    await asyncio.gather(*cancellers)
-    await routing
-    return expected, callers
-
-
-# --------------------------------------------------------------------------- faults
-
-
-class Faults:
-    """Injects ``cfg.fault`` every ``cfg.fault_every`` seconds until stopped; logs each fault
-    (kind, target, start, end) as a JSON line for the checker."""
-
-    def __init__(self, cfg: ChaosConfig, mesh: Mesh, client: Client) -> None:
-        self.cfg, self.mesh, self.client = cfg, mesh, client
-        self.path = mesh.dir / "faults.jsonl"
-        self.rng = random.Random(cfg.seed + 1000)
-        self.stop = asyncio.Event()
-        self.count = 0
-
-    def _log(self, kind: str, target: str, at: float, **extra: Any) -> None:
-        line = {"kind": kind, "target": target, "at": at, "until": time.time(), **extra}
-        with self.path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
-
-    async def run(self) -> None:
-        if self.cfg.fault in ("none", "slow"):
-            return
-        while not self.stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), self.cfg.fault_every)
-                return
-            await getattr(self, self.cfg.fault)()
-            self.count += 1
-
-    async def _kill_restart(self, kind: str, proc: Proc) -> None:
-        at = time.time()
-        pid = proc.pid
-        proc.kill()
-        await asyncio.sleep(self.cfg.down)
-        proc.start()
-        self._log(kind, proc.name, at, pid=pid)
-
-    async def agent_kill(self) -> None:
-        await self._kill_restart("agent_kill", self.rng.choice(self.mesh.agents))
-
-    async def hub_kill(self) -> None:
-        await self._kill_restart("hub_kill", self.rng.choice(self.mesh.hubs))
-
-    async def agent_stop(self) -> None:
-        """SIGSTOP longer than lease + suspect grace (the hubs declare it LOST), then SIGCONT."""
-        proc = self.rng.choice(self.mesh.agents)
-        at = time.time()
-        proc.signal(signal.SIGSTOP)
-        t = self.cfg.timings
-        await asyncio.sleep(t["lease_timeout"] + t["suspect_timeout"] + 2.0)
-        proc.signal(signal.SIGCONT)
-        self._log("agent_stop", proc.name, at, pid=proc.pid)
-
-    async def hub_stop(self) -> None:
-        """SIGSTOP a hub past ``workflow_ack_wait`` (the other hubs take its workflows over),
-        then SIGCONT: it wakes with stale state, every timer due at once (a long GC pause, a
-        stalled VM)."""
-        proc = self.rng.choice(self.mesh.hubs)
-        at = time.time()
-        proc.signal(signal.SIGSTOP)
-        await asyncio.sleep(self.cfg.timings["workflow_ack_wait"] + 3.0)
-        proc.signal(signal.SIGCONT)
-        self._log("hub_stop", proc.name, at, pid=proc.pid)
-
-    async def deaf(self) -> None:
-        """SIGUSR1 a random agent: it goes deaf (``agent_proc.deafen``: its work consumer
-        stopped, its task, batch and ctl subscriptions gone, its heartbeats going on) for
-        2 x (``step_deliver_timeout`` + ``step_silence_timeout``): every hub that sent it an
-        attempt meanwhile finds it deaf (two probes), gives the attempt up and quarantines it.
-        Then it is restarted as an operator would: SIGTERM (SIGKILL after 3 s) and a fresh
-        process with the same agent id, whose consumer finds the attempts sent meanwhile (each
-        given up and fenced, or still current)."""
-        proc = self.rng.choice(self.mesh.agents)
-        at = time.time()
-        pid = proc.pid
-        proc.signal(signal.SIGUSR1)
-        t = self.cfg.timings
-        await asyncio.sleep(2 * (t["step_deliver_timeout"] + t["step_silence_timeout"]))
-        restarted = time.time()
-        await asyncio.to_thread(proc.stop)
-        # -9: it did not end within 3 s of SIGTERM (a handler still running was killed).
-        code = None if proc.popen is None else proc.popen.returncode
-        proc.start()
-        self._log("deaf", proc.name, at, pid=pid, restarted=restarted, exit=code)
-
-    async def leader_of(self, stream: str) -> str | None:
-        try:
-            info = await asyncio.wait_for(self.client.nc.jetstream().stream_info(stream), 2)
-        except Exception:
-            return None
-        return None if info.cluster is None else info.cluster.leader
-
-    async def _next_leader(self) -> tuple[EmbeddedNats, str | None]:
-        """The node leading the next stream of ``LEADER_TARGETS`` and that stream (a random
-        node and None when the leader cannot be read)."""
-        stream = LEADER_TARGETS[self.count % len(LEADER_TARGETS)]
-        leader = await self.leader_of(stream)
-        names = [n.server_name for n in self.mesh.nodes]
-        if leader in names:
-            return self.mesh.nodes[names.index(leader)], stream
-        return self.rng.choice(self.mesh.nodes), None
-
-    async def node_kill(self) -> None:
-        """SIGKILL the node leading the next stream of ``LEADER_TARGETS`` (a random node when
-        the leader cannot be read), restart it after ``down`` (at least 3 s)."""
-        node, stream = await self._next_leader()
-        at = time.time()
-        await asyncio.to_thread(node.kill)
-        await asyncio.sleep(max(self.cfg.down, 3.0))
-        await asyncio.to_thread(node.start)
-        self._log("node_kill", str(node.server_name), at, leader_of=stream)
-
-    async def node_stop(self) -> None:
-        """SIGSTOP the node leading the next stream of ``LEADER_TARGETS`` for ``NODE_STOP``
-        seconds, then SIGCONT: a stalled VM, or a partition that drops packets instead of
-        resetting connections (its sockets stay open; only missing PONGs tell)."""
-        node, stream = await self._next_leader()
-        assert node.proc is not None
-        pgid = node.proc.pid
-        at = time.time()
-        os.killpg(pgid, signal.SIGSTOP)
-        try:
-            await asyncio.sleep(NODE_STOP)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGCONT)
-        self._log("node_stop", str(node.server_name), at, leader_of=stream)
-
-    async def blip(self) -> None:
-        """Cut one process's connections to NATS (a hub's, an agent's or the caller's) for
-        0.2-2 s, then let it reconnect: its host's network dropping for a moment. The answers
-        sent to it meanwhile are lost; nothing else is."""
-        target = self.rng.choice(sorted(self.mesh.relays))
-        relays = self.mesh.relays[target]
-        at = time.time()
-        for relay in relays:
-            await relay.cut()
-        await asyncio.sleep(self.rng.uniform(BLIP_MAX / 10, BLIP_MAX))
-        for relay in relays:
-            await relay.start()
-        self._log("blip", target, at)
-
-    async def partition(self) -> None:
-        """Cut the node leading the next stream of ``LEADER_TARGETS`` off from the other two
-        for ``PARTITION_MIN``-``PARTITION_MAX`` s, then heal: every route relay to or from it
-        cut (its routes closed both ways, new ones refused), while it and the hubs, agents and
-        caller connected to it stay up and connected — they hear nothing wrong, but their
-        JetStream requests find no quorum and their messages reach only the clients of their
-        side. Logs the node's clients (their connection names) as ``cut_off``."""
-        node, stream = await self._next_leader()
-        i = self.mesh.nodes.index(node)
-        relays = [r for (a, b), r in self.mesh.route_relays.items() if i in (a, b)]
-        before = await self._clients(node)
-        at = time.time()
-        for relay in relays:
-            await relay.cut()
-        await asyncio.sleep(self.rng.uniform(PARTITION_MIN, PARTITION_MAX))
-        during = await self._clients(node)
-        for relay in relays:
-            await relay.start()
-        cut_off = sorted(set(before) | set(during))
-        self._log("partition", str(node.server_name), at, leader_of=stream, cut_off=cut_off)
-
-    @staticmethod
-    async def _clients(node: EmbeddedNats) -> list[str]:
-        """The names of the client connections of ``node`` (its ``/connz``)."""
-        try:
-            status, body = await fetch(f"http://127.0.0.1:{node.http_port}/connz?limit=4096")
-        except OSError:
-            return []
-        if status != 200:
-            return []
-        conns = json.loads(body).get("connections") or []
-        return [str(c.get("name") or c.get("cid")) for c in conns]
 
 
 # --------------------------------------------------------------------------- collection
