@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -22,12 +22,24 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
+from reach_mesh._nats_urls import (
+    beside,
+    check_url,
+    has_credentials,
+    has_identity,
+    hosts,
+    shown,
+)
+from reach_mesh._nats_urls import (
+    servers as _servers,
+)
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import BadRequestError, MeshUnavailableError, NotPermittedError
 from reach_mesh.logs import LineBudget
 
 __all__ = [
     "Refusals",
+    "beside",
     "connect",
     "connection_counts",
     "ensure_kv",
@@ -47,7 +59,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("reach_mesh.nats")
 
-_SCHEMES: Final = ("nats", "tls", "ws", "wss")
 #: While NATS is gone, one log line per this many seconds (nats-py retries every 0.25 s).
 _GONE_LOG_INTERVAL: Final = 30.0
 #: Slow-consumer drops (nats-py discarding messages a subscription did not read in time): the
@@ -125,7 +136,7 @@ async def connect(
         timeout = settings.connect_timeout if settings is not None else 2.0
     servers = _servers(url)
     for server in servers:
-        _check_url(server)
+        check_url(server)
     opts: dict[str, Any] = {
         "name": name,
         "servers": servers,
@@ -467,83 +478,6 @@ def _cut_if_open(transport: object, delay: float) -> None:
         return  # not connected yet, or a websocket (aiohttp closes it on its own timeout)
     socket_transport = writer.transport
     asyncio.get_running_loop().call_later(delay, socket_transport.abort)
-
-
-def _servers(url: str | None) -> list[str]:
-    return [u.strip() for u in (url or "").split(",") if u.strip()]
-
-
-def beside(nc: NATS, url: str | None) -> dict[str, Any]:
-    """``connect`` options for a connection to the server ``nc`` is connected to, first of
-    ``url``'s (the others after it, in order, for its reconnections): one process's connections
-    on one server. Spread over the cluster by chance, a hub's were on both sides of a partition
-    between servers — route requests taken on one side, answers and agents on the other, each
-    route's answer lost. Nothing when that server is not one of ``url``'s (one the cluster
-    told of): the connection picks as usual."""
-    at = nc.connected_url
-    servers = _servers(url)
-    if at is None or len(servers) < 2:
-        return {}
-    here = [s for s in servers if (_split(s).hostname, _split(s).port) == (at.hostname, at.port)]
-    if not here:
-        return {}
-    return {"servers": here + [s for s in servers if s not in here], "dont_randomize": True}
-
-
-def _split(server: str) -> SplitResult:
-    """One server's URL as nats-py reads it: ``nats://`` when no scheme is given."""
-    return urlsplit(server if "://" in server else f"nats://{server}")
-
-
-def has_credentials(url: str | None) -> bool:
-    """Whether a NATS URL (comma-separated list allowed, scheme optional) carries a user or a
-    password."""
-    return any(p.username or p.password for p in map(_split, _servers(url)))
-
-
-def hosts(url: str | None) -> list[str]:
-    """The host of each server of a NATS URL (comma-separated list allowed, scheme
-    optional)."""
-    return [_split(server).hostname or "" for server in _servers(url)]
-
-
-def has_identity(settings: MeshSettings) -> bool:
-    """Whether a process connects to NATS as someone (nkey, creds, token, a client
-    certificate, or a user and password in the URL): secure mode, where tenants are kept apart
-    (a hub's HTTP API is closed without its token, answers name no other namespace)."""
-    named = (settings.nats_nkey_seed, settings.nats_creds, settings.nats_token)
-    return any(named) or settings.nats_tls_cert is not None or has_credentials(settings.nats_url)
-
-
-def shown(url: str | None) -> str:
-    """A NATS URL as it may be printed: every server's user and password left out."""
-    out = []
-    for server in _servers(url):
-        parts = _split(server)
-        if parts.username is None and parts.password is None:
-            out.append(server)
-            continue
-        host = parts.netloc.rpartition("@")[2]
-        scheme = f"{parts.scheme}://" if "://" in server else ""
-        out.append(f"{scheme}{host}{parts.path}")
-    return ",".join(out)
-
-
-def _check_url(server: str) -> None:
-    """A server's URL as nats-py can use it (a scheme it speaks, a port in range), else
-    ``BadRequestError`` at once, not a connect that fails for it."""
-    parts = _split(server)
-    if parts.scheme not in _SCHEMES:
-        raise BadRequestError(
-            f"{server!r} is not a NATS URL: use nats://host:4222 "
-            f"(schemes {', '.join(s + '://' for s in _SCHEMES)})"
-        )
-    try:
-        parts.port  # noqa: B018 (urlsplit checks it when read)
-    except ValueError:
-        raise BadRequestError(
-            f"{server!r} is not a NATS URL: its port is not a number in 0-65535"
-        ) from None
 
 
 async def _diagnose(servers: list[str], err: BaseException) -> str:

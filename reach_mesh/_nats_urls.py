@@ -1,0 +1,96 @@
+"""NATS URLs as reach-mesh reads them: a comma-separated list of servers, the scheme optional
+(``nats://`` when not given) — checked before a connect (:func:`check_url`), printed without
+credentials (:func:`shown`), and read for what they say of the identity a process connects as.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+from urllib.parse import SplitResult, urlsplit
+
+from nats.aio.client import Client as NATS
+
+from reach_mesh.config import MeshSettings
+from reach_mesh.errors import BadRequestError
+
+__all__ = ["beside", "check_url", "has_credentials", "has_identity", "hosts", "servers", "shown"]
+
+_SCHEMES: Final = ("nats", "tls", "ws", "wss")
+
+
+def servers(url: str | None) -> list[str]:
+    """The servers of a NATS URL list, each as given."""
+    return [u.strip() for u in (url or "").split(",") if u.strip()]
+
+
+def beside(nc: NATS, url: str | None) -> dict[str, Any]:
+    """``connect`` options for a connection to the server ``nc`` is connected to, first of
+    ``url``'s (the others after it, in order, for its reconnections): one process's connections
+    on one server. Spread over the cluster by chance, a hub's were on both sides of a partition
+    between servers — route requests taken on one side, answers and agents on the other, each
+    route's answer lost. Nothing when that server is not one of ``url``'s (one the cluster
+    told of): the connection picks as usual."""
+    at = nc.connected_url
+    listed = servers(url)
+    if at is None or len(listed) < 2:
+        return {}
+    here = [s for s in listed if (_split(s).hostname, _split(s).port) == (at.hostname, at.port)]
+    if not here:
+        return {}
+    return {"servers": here + [s for s in listed if s not in here], "dont_randomize": True}
+
+
+def _split(server: str) -> SplitResult:
+    """One server's URL as nats-py reads it: ``nats://`` when no scheme is given."""
+    return urlsplit(server if "://" in server else f"nats://{server}")
+
+
+def has_credentials(url: str | None) -> bool:
+    """Whether a NATS URL (comma-separated list allowed, scheme optional) carries a user or a
+    password."""
+    return any(p.username or p.password for p in map(_split, servers(url)))
+
+
+def hosts(url: str | None) -> list[str]:
+    """The host of each server of a NATS URL (comma-separated list allowed, scheme
+    optional)."""
+    return [_split(server).hostname or "" for server in servers(url)]
+
+
+def has_identity(settings: MeshSettings) -> bool:
+    """Whether a process connects to NATS as someone (nkey, creds, token, a client
+    certificate, or a user and password in the URL): secure mode, where tenants are kept apart
+    (a hub's HTTP API is closed without its token, answers name no other namespace)."""
+    named = (settings.nats_nkey_seed, settings.nats_creds, settings.nats_token)
+    return any(named) or settings.nats_tls_cert is not None or has_credentials(settings.nats_url)
+
+
+def shown(url: str | None) -> str:
+    """A NATS URL as it may be printed: every server's user and password left out."""
+    out = []
+    for server in servers(url):
+        parts = _split(server)
+        if parts.username is None and parts.password is None:
+            out.append(server)
+            continue
+        host = parts.netloc.rpartition("@")[2]
+        scheme = f"{parts.scheme}://" if "://" in server else ""
+        out.append(f"{scheme}{host}{parts.path}")
+    return ",".join(out)
+
+
+def check_url(server: str) -> None:
+    """A server's URL as nats-py can use it (a scheme it speaks, a port in range), else
+    ``BadRequestError`` at once, not a connect that fails for it."""
+    parts = _split(server)
+    if parts.scheme not in _SCHEMES:
+        raise BadRequestError(
+            f"{server!r} is not a NATS URL: use nats://host:4222 "
+            f"(schemes {', '.join(s + '://' for s in _SCHEMES)})"
+        )
+    try:
+        parts.port  # noqa: B018 (urlsplit checks it when read)
+    except ValueError:
+        raise BadRequestError(
+            f"{server!r} is not a NATS URL: its port is not a number in 0-65535"
+        ) from None
