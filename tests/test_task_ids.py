@@ -39,6 +39,7 @@ from .helpers import (
     fetch,
     free_port,
     handled,
+    relayed,
     task_record,
 )
 
@@ -551,6 +552,66 @@ async def test_a_hub_killed_with_requests_in_flight_leaves_their_retries_to_the_
 def _ours(hub: Hub, ns: str) -> int:
     """The agents of namespace ``ns`` a hub knows (other tests' may be on the server too)."""
     return sum(1 for agent_id in hub.registry.agents if agent_id.startswith(f"{ns}."))
+
+
+async def test_a_hub_back_on_nats_asks_for_the_pins_made_while_it_was_away(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """A hub whose connection to NATS dropped heard none of the pins the other hubs made
+    meanwhile: it asks for them again once it is back, as it does when it starts. Six requests
+    routed by the other hub while it was away (its agents still running them), that hub then
+    stopping — its callers ask again, and the hub that was away sends each to the agent that
+    has it: every task runs once. (The secure chaos run's ``node_kill``: a caller's requests
+    asked again after its reconnection reached a hub that had missed their pins, and three
+    ran twice.)"""
+    ns = settings.namespace
+    ran: dict[str, list[str]] = {}
+    release = asyncio.Event()
+    fleet = Fleet(settings)
+    for name in ("back.a1", "back.a2"):
+        agent = fleet.agent(name)
+
+        @agent.handler("pin:back:v1")
+        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
+            ran.setdefault(task.task_id, []).append(agent_id)
+            await release.wait()
+            return agent_id
+
+    relay, through = await relayed(nats_url, settings)
+    first = Hub(settings=settings)
+    try:
+        async with Hub(settings=through) as away:
+            await first.start()
+            for agent in fleet.agents:
+                await agent.start()
+            await eventually(lambda: _ours(first, ns) == 2 and _ours(away, ns) == 2)
+            await relay.cut()
+            await eventually(lambda: not away.nats_connected)
+            async with Client(settings=settings) as mesh:
+                tries = [
+                    asyncio.ensure_future(
+                        mesh.request(capability="pin:back:v1", task_id=f"b-{n}", timeout=20)
+                    )
+                    for n in range(6)
+                ]
+                await eventually(lambda: sum(len(v) for v in ran.values()) == 6, timeout=10)
+                assert len({agents[0] for agents in ran.values()}) == 2  # three on each
+                await relay.start()
+                await eventually(lambda: away.nats_connected, timeout=10)
+                await eventually(
+                    lambda: all(away._pins.get(ns, f"b-{n}") for n in range(6)), timeout=5
+                )
+                await first.close()  # its requests end REACH_UNAVAILABLE: asked of ``away``
+                await asyncio.sleep(0.3)
+                release.set()
+                results = await asyncio.gather(*tries)
+            assert [r.state for r in results] == [TaskState.SUCCEEDED] * 6
+            assert {r.task_id: [r.agent_id] for r in results} == ran
+    finally:
+        release.set()
+        await first.close()
+        await relay.cut()
+        await fleet.close()
 
 
 async def test_asking_again_for_a_failed_task_does_not_quarantine_its_agent(

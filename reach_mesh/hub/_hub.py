@@ -218,7 +218,7 @@ class Hub(RoutingMixin, ControlMixin):
                 self.nats_url,
                 name=self.hub_id,
                 settings=self.settings,
-                on_reconnect=lambda: self._spawn(self._ask_agents_again()),
+                on_reconnect=self._back_on_nats,
             )
             # Every namespace's route requests on a connection of their own: a flood of them
             # that this hub cannot read as fast has nats-server cut that connection (a slow
@@ -361,6 +361,14 @@ class Hub(RoutingMixin, ControlMixin):
         ):
             cb = guarded(subject, on_msg, answers=False)  # nothing answers these
             self._subs.append(await self.nc.subscribe(subject, cb=cb))
+
+    def _back_on_nats(self) -> None:
+        """The main connection is back: send again the attempts still waiting for their
+        agents' answers (lost meanwhile), and ask the other hubs again for their pins — those
+        they made while this hub was away never reached it, and a retry of one of those tasks
+        that reaches it now must go to the agent that has it (``hub/_pins.py``)."""
+        self._spawn(self._ask_agents_again())
+        self._spawn(self._ask_pins())
 
     @property
     def _connections(self) -> dict[str, NATS | None]:

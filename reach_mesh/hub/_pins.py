@@ -15,7 +15,9 @@ drops its own message unread. A retry comes after the caller's
 timeout, long after the message; a retry that comes sooner is routed as if it were new.
 
 A hub that starts has heard none of the pins made before it (a restarted one has lost its
-own): it asks on ``reach.hubs.<ns>.pins_ask`` once it listens for pins, and every other hub
+own), nor has one back on NATS those made while it was away: it asks on
+``reach.hubs.<ns>.pins_ask`` once it listens for pins, and again whenever its connection comes
+back, and every other hub
 sends the newest ``PINS_REPLAY`` of its own and of its peers' again as usual (once a second at
 most). Without it, a retry
 that reached a hub restarted since its first try ran on another agent (the chaos suite's

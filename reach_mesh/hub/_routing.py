@@ -526,8 +526,8 @@ class RoutingMixin(RouteEndMixin):
             log.debug("pins not sent to the other hubs: %s", type(err).__name__)
 
     async def _ask_pins(self) -> None:
-        """Just started (listening for pins): ask the other hubs for the pins they made before,
-        which this hub never heard (``hub/_pins.py``)."""
+        """Just started (listening for pins), or back on NATS: ask the other hubs for the pins
+        they made before, which this hub never heard (``hub/_pins.py``)."""
         try:
             await self.nc.publish(
                 protocol.hub_broadcast(self.settings.namespace, "pins_ask"),
