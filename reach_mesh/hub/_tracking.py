@@ -708,9 +708,15 @@ class StatusTracker:
         return "alive" if view is not None and view.state is not AgentState.LOST else "gone"
 
     def lease_fresh(self, agent_id: str) -> bool:
-        """Its lease has not lapsed (not SUSPECT or LOST): silence may be a reconnect."""
+        """Its lease has not lapsed (not SUSPECT or LOST): silence may be a reconnect. Nor can
+        it be said to have lapsed while this hub is blind (``Registry.blind``: it could not
+        have seen the beats — a partition between NATS servers, between it and the agent: a
+        hub that took such a lapse as the agent gone gave its running attempts up and ran
+        their steps again, the chaos ``partition`` fault)."""
         view = self._registry.agents.get(agent_id)
-        return view is not None and view.state not in (AgentState.SUSPECT, AgentState.LOST)
+        if view is None or view.state is AgentState.LOST:
+            return False
+        return view.state is not AgentState.SUSPECT or self._registry.blind()
 
 
 class _StatusHead(BaseModel):
