@@ -1,5 +1,5 @@
-"""The chaos suite's fault injection: :class:`Faults` injects one kind of fault (``FAULTS``,
-``OPT_IN_FAULTS`` in :mod:`.harness`) into a run's mesh every ``fault_every`` seconds and logs
+"""The chaos suite's fault injection: :class:`Faults` injects one kind of fault (``FAULTS`` in
+:mod:`.harness`) into a run's mesh every ``fault_every`` seconds and logs
 each for the history checker (``faults.jsonl``)."""
 
 from __future__ import annotations

@@ -56,11 +56,8 @@ FAULTS = (
     "deaf",
     "slow",
     "blip",
+    "partition",
 )
-#: Faults run only when named (``CHAOS_FAULTS=partition``): ``partition`` is not clean yet
-#: (docs/reliability.md: a hub cut off from a step's agent gives its silent attempt up on a
-#: lease lapsed by its own reckoning, and the step runs again).
-OPT_IN_FAULTS = ("partition",)
 #: The run's own stream of every ``.done`` announcement (core NATS in the mesh).
 DONE_CAPTURE = "CHAOS_DONE"
 
@@ -91,7 +88,7 @@ TIMINGS: dict[str, Any] = {
 
 @dataclass
 class ChaosConfig:
-    fault: str = "agent_kill"  # one of FAULTS or OPT_IN_FAULTS, or "none"
+    fault: str = "agent_kill"  # one of FAULTS, or "none"
     workflows: int = 60
     rate: float = 10.0  # submissions per second
     hubs: int = 3
