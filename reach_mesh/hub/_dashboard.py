@@ -575,7 +575,7 @@ def fleet(hub: Hub, ask: FleetAsk | None = None, namespace: str | None = None) -
     # newest (a zone lost at once is thousands of them).
     lost = hub.registry.recently_lost(namespace)
     by_state[AgentState.LOST.value] = len(lost)
-    end = ask.offset + len(agents)
+    end = picked.start + len(agents)
     return {
         "hub_id": hub.hub_id,
         "namespace": namespace,

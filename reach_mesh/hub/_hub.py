@@ -387,7 +387,7 @@ class Hub(RoutingMixin, ControlMixin):
     def nats_connected(self) -> bool:
         """Whether all three of the hub's NATS connections are up (its routes and the status
         events come on ones of their own: ``start``)."""
-        return all(up for _, up in connection_counts(self._connections)[1].values())
+        return all(nc is not None and nc.is_connected for nc in self._connections.values())
 
     @property
     def routing(self) -> int:
