@@ -30,12 +30,30 @@ def _assert_invariants(run: ChaosRun) -> None:
 
 @pytest.mark.timeout(150)
 @pytest.mark.xdist_group("clusters")  # one cluster at a time (tests/test_cluster.py)
-@pytest.mark.parametrize("fault", ["agent_kill", "hub_kill", "hub_stop", "blip"])
-async def test_short_chaos(fault: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("fault", "secure"),
+    [
+        ("agent_kill", False),
+        ("hub_kill", False),
+        ("hub_stop", False),
+        ("blip", False),
+        ("partition", False),
+        ("hub_kill", True),
+    ],
+)
+async def test_short_chaos(fault: str, secure: bool, tmp_path: Path) -> None:
     """~60 workflows at 10/s with a fault every 2 s: nothing lost, stuck, wrong, answered
-    twice or re-run without a crash to explain it."""
+    twice or re-run without a crash to explain it (one run in secure mode: every process with
+    its own identity, as docs/security.md has them)."""
     cfg = ChaosConfig(
-        fault=fault, workflows=60, rate=10, hubs=2, agents=4, fault_every=2.0, drain=40
+        fault=fault,
+        workflows=60,
+        rate=10,
+        hubs=2,
+        agents=4,
+        fault_every=2.0,
+        drain=40,
+        secure=secure,
     )
     _assert_invariants(await run_chaos(cfg, tmp_path))
 
