@@ -166,6 +166,12 @@ class EmbeddedNats:
         conf = self.store_dir / "nats.conf"
         conf.write_text(self._config())
         self._log = self.store_dir / "nats.log"
+        # A restart (a node killed and started again, ``up`` run again on its state dir) keeps
+        # the last run's log as ``nats.log.1``: what it said before it died is what an operator
+        # looks for. The new one starts empty (its readiness is read from it).
+        with contextlib.suppress(OSError):
+            if self._log.stat().st_size > 0:
+                os.replace(self._log, self.store_dir / "nats.log.1")
         log = self._log.open("wb")
         try:
             self.proc = subprocess.Popen(

@@ -49,6 +49,11 @@ async def test_server_restart(tmp_path: Path) -> None:
             server.kill()
             server = EmbeddedNats(tmp_path, port=port)
             await server.astart()
+            # The killed server's log is kept beside the new one's (what it said last is what
+            # an operator looks for), the new one starts empty.
+            before = (tmp_path / "nats.log.1").read_text()
+            now = (tmp_path / "nats.log").read_text()
+            assert before.count("Server is ready") == 1 and now.count("Server is ready") == 1
             # Routing: the client retries while the hub reconnects, and the hub waits for the
             # agent to be back on the new server (nobody on its subject until then).
             res = await c.request(capability="rs:echo:v1", payload=2, timeout=10)
