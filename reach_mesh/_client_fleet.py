@@ -106,8 +106,7 @@ class FleetMixin(HubAsks):
         """One hub's answer to the fleet query, as sent: ``hub_id``, ``agents`` (AgentInfo
         objects as JSON, as many as fit), ``total``, ``by_state``, ``matched``, ``offset``,
         ``truncated``, ``next_after``, ``next_offset``, ``recently_lost`` and
-        ``recently_lost_total``
-        (docs/protocol.md, "Fleet queries")."""
+        ``recently_lost_total`` (docs/protocol.md, "Fleet queries")."""
         body: dict[str, Any] = {}
         if state is not None:
             body["state"] = state if isinstance(state, str) else list(state)
