@@ -58,6 +58,7 @@ async def cmd_agents(args: argparse.Namespace) -> int:
             limit=args.limit,
             offset=args.offset,
             after=args.after,
+            attention=args.attention,
         )
     infos = AgentList.of(fleet)
     lost: list[dict[str, Any]] = fleet.get("recently_lost") or []
@@ -73,6 +74,11 @@ async def cmd_agents(args: argparse.Namespace) -> int:
         print("(no agents)" if not infos.total else f"(none of {infos.total} agents match)")
     if infos.truncated:
         print(_cut(infos, paged=True))
+    if infos.attention_total and not args.attention:
+        print(
+            f"({infos.attention_total} of {infos.total} agents need attention: "
+            "see them with --attention)"
+        )
     if lost:
         # They are in no listing any more: say where they went.
         print("\nrecently LOST (no heartbeat for their lease; kept 15 min):")
@@ -178,22 +184,26 @@ async def _agents_via_micro(args: argparse.Namespace) -> int:
 
 
 def _print_agents(infos: Sequence[AgentInfo]) -> None:
-    rows = [("NS", "AGENT", "STATE", "LOAD", "INFLIGHT", "LEASE", "HEALTH", "CAPABILITIES")]
+    """The agents as a table; an ATTENTION column when any of them needs an operator's look
+    (before CAPABILITIES, the last column, which a terminal cuts)."""
+    concerned = any(i.attention for i in infos)
+    head = ("NS", "AGENT", "STATE", "LOAD", "INFLIGHT", "LEASE", "HEALTH")
+    rows: list[tuple[str, ...]] = [(*head, *(("ATTENTION",) if concerned else ()), "CAPABILITIES")]
     for i in sorted(infos, key=lambda i: i.agent_id):
-        rows.append(
-            (
-                protocol.namespace_of(i.agent_id),
-                i.agent_id,
-                i.state.value,
-                f"{i.load:.2f}",
-                _inflight(i),
-                f"{i.lease_left:.1f}s",
-                f"{i.health:g}",
-                # Those it reports it cannot serve now (a dependency down; every one while its
-                # slots are held by handlers past their timeout) are marked.
-                ",".join(c + " (down)" if c in i.unavailable else c for c in i.capabilities),
-            )
+        row = (
+            protocol.namespace_of(i.agent_id),
+            i.agent_id,
+            i.state.value,
+            f"{i.load:.2f}",
+            _inflight(i),
+            f"{i.lease_left:.1f}s",
+            f"{i.health:g}",
         )
+        why = (",".join(i.attention) or "-",) if concerned else ()
+        # Capabilities it reports it cannot serve now (a dependency down; every one while its
+        # slots are held by handlers past their timeout) are marked.
+        caps = ",".join(c + " (down)" if c in i.unavailable else c for c in i.capabilities)
+        rows.append((*row, *why, caps))
     if len(rows) > 1:
         print_table(rows)
 

@@ -19,13 +19,15 @@ class AgentList(list[AgentInfo]):
     answer says of those it left out. ``truncated``: more agents matched than it holds (cut to
     fit one NATS message, or by ``limit``); ``matched``: the agents that match the query,
     ``total``: those in its scope, ``by_state``: theirs by state; ``next_after``: the agent id
-    to ask the next page ``after`` (None: none left), ``next_offset`` its ``offset``."""
+    to ask the next page ``after`` (None: none left), ``next_offset`` its ``offset``;
+    ``attention_total``: the agents in scope that need an operator's look."""
 
     truncated: bool = False
     total: int = 0
     matched: int = 0
     next_after: str | None = None
     next_offset: int | None = None
+    attention_total: int = 0
     by_state: dict[str, int]
 
     @classmethod
@@ -40,6 +42,10 @@ class AgentList(list[AgentInfo]):
         out.next_offset = nxt if isinstance(nxt, int) else None
         after = fleet.get("next_after")
         out.next_after = after if isinstance(after, str) else None
+        concerned = fleet.get("attention_total")
+        out.attention_total = (
+            concerned if isinstance(concerned, int) else sum(1 for i in out if i.attention)
+        )
         counted = fleet.get("by_state")
         if not isinstance(counted, dict):
             counted = {}
@@ -64,6 +70,7 @@ class FleetMixin(HubAsks):
         limit: int | None = None,
         offset: int = 0,
         after: str | None = None,
+        attention: bool = False,
     ) -> AgentList:
         """The agents of this client's namespace (``all_namespaces``: of every one, an
         operator query), in ``agent_id`` order: as many as one answer carries (one NATS
@@ -71,9 +78,10 @@ class FleetMixin(HubAsks):
         :class:`AgentInfo` whose ``truncated`` says agents were left out (``matched``
         of them in all; ask again with ``after=next_after`` for the next page, which misses
         nobody for agents coming or going meanwhile, as ``offset=next_offset`` may), with
-        ``total`` and ``by_state`` counting every agent in scope. ``state`` (names),
-        ``capability``, ``limit``, ``after`` (an agent id: those sorting after it) and
-        ``offset`` narrow it (docs/protocol.md, "Fleet queries")."""
+        ``total``, ``by_state`` and ``attention_total`` counting every agent in scope.
+        ``state`` (names), ``capability``, ``attention`` (only agents that need an operator's
+        look: their ``AgentInfo.attention`` says why), ``limit``, ``after`` (an agent id: those
+        sorting after it) and ``offset`` narrow it (docs/protocol.md, "Fleet queries")."""
         fleet = await self.fleet(
             all_namespaces=all_namespaces,
             state=state,
@@ -81,6 +89,7 @@ class FleetMixin(HubAsks):
             limit=limit,
             offset=offset,
             after=after,
+            attention=attention,
         )
         return AgentList.of(fleet)
 
@@ -102,9 +111,11 @@ class FleetMixin(HubAsks):
         limit: int | None = None,
         offset: int = 0,
         after: str | None = None,
+        attention: bool = False,
     ) -> dict[str, Any]:
         """One hub's answer to the fleet query, as sent: ``hub_id``, ``agents`` (AgentInfo
-        objects as JSON, as many as fit), ``total``, ``by_state``, ``matched``, ``offset``,
+        objects as JSON, as many as fit), ``total``, ``by_state``, ``attention_total``,
+        ``matched``, ``offset``,
         ``truncated``, ``next_after``, ``next_offset``, ``recently_lost`` and
         ``recently_lost_total`` (docs/protocol.md, "Fleet queries")."""
         body: dict[str, Any] = {}
@@ -118,6 +129,8 @@ class FleetMixin(HubAsks):
             body["offset"] = offset
         if after is not None:
             body["after"] = after
+        if attention:
+            body["attention"] = True
         if all_namespaces:  # an operator query (docs/security.md)
             data = await self._query("admin", {"op": "agents", **body})
         else:

@@ -406,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     agents.add_argument("--capability", metavar="CAP", help="only agents serving this capability")
     agents.add_argument(
+        "--attention",
+        action="store_true",
+        help="only agents that need an operator's look (late heartbeats, breaker not closed, "
+        "low health, capabilities down, saturated, unreached), with why",
+    )
+    agents.add_argument(
         "--limit", type=int, metavar="N", help="at most N agents (default: as many as fit)"
     )
     agents.add_argument(

@@ -561,3 +561,7 @@ class AgentInfo(_Wire):
     weight: float = 1.0
     metadata: dict[str, Any] = Field(default_factory=dict)
     durable_work: bool = True
+    #: Why it needs an operator's look, empty when nothing does: ``suspect``,
+    #: ``breaker_open``, ``breaker_half_open``, ``unhealthy``, ``unavailable``, ``saturated``,
+    #: ``unreached`` (docs/protocol.md, "Fleet queries"). An older hub sends none.
+    attention: list[str] = Field(default_factory=list)

@@ -171,6 +171,14 @@ class Chromium:
             raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
         return result["result"].get("value")
 
+    def once(self, expression: str) -> Any:
+        """The value of ``expression`` in the page once it is truthy (polled every 50 ms: the
+        page asks the hub, then draws); the browser's timeout bounds the wait."""
+        return self.evaluate(
+            f"""new Promise(ok => {{ const t = setInterval(() => {{
+              const v = ({expression}); if (v) {{ clearInterval(t); ok(v); }} }}, 50); }})"""
+        )
+
     def _call(self, method: str, *, session: bool = False, **params: Any) -> dict[str, Any]:
         msg_id = self._send(method, params, self._session if session else None)
         deadline = time.monotonic() + self._timeout

@@ -183,13 +183,7 @@ async def test_the_page_counts_pages_and_filters_the_fleet(fleet: Fleet) -> None
         with Chromium() as browser:
             browser.watch_console()
             browser.open(f"{fleet.base}/?namespace={fleet.ns}")
-
-            def after(expr: str) -> Any:
-                """``expr`` once it is truthy (the page asks the hub, then draws)."""
-                return browser.evaluate(
-                    f"""new Promise(ok => {{ const t = setInterval(() => {{
-                      const v = ({expr}); if (v) {{ clearInterval(t); ok(v); }} }}, 50); }})"""
-                )
+            after = browser.once
 
             rows = (
                 "[...document.querySelectorAll('#agents tr[data-agent]')].map(r => r.dataset.agent)"
@@ -202,7 +196,7 @@ async def test_the_page_counts_pages_and_filters_the_fleet(fleet: Fleet) -> None
                 "[c.querySelector('span').textContent, c.querySelector('b').textContent]))"
             )
             seen["label"] = browser.evaluate(
-                f"document.querySelector('tr[data-agent=\"{ids[1]}\"]').cells[8].textContent"
+                f"document.querySelector('tr[data-agent=\"{ids[1]}\"]').cells[9].textContent"
             )
             seen["prev_disabled"] = browser.evaluate("document.getElementById('f-prev').disabled")
             browser.evaluate("document.getElementById('f-next').click()")

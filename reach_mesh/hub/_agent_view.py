@@ -9,10 +9,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
-from reach_mesh.hub.breaker import CircuitBreaker, HealthScore
+from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
 from reach_mesh.models import AgentInfo, AgentRecord, AgentState, HeartbeatRecord
 
-__all__ = ["AgentView", "StateListener"]
+__all__ = ["ATTENTION", "AgentView", "StateListener"]
+
+#: Why an agent needs an operator's look (``AgentView.concerns``), in the order they are
+#: listed: its heartbeats are late (``suspect``); its breaker is open or lets one probe through
+#: (its ``breaker_reason`` says why); its health score is under the threshold; it reports
+#: capabilities it cannot serve now; every one of its slots is busy (``saturated``: more work
+#: waits); a task found nobody on its subject since it last spoke (``unreached``).
+ATTENTION: Final = (
+    "suspect",
+    "breaker_open",
+    "breaker_half_open",
+    "unhealthy",
+    "unavailable",
+    "saturated",
+    "unreached",
+)
 
 _RECENT_TAU: Final = 1.0
 
@@ -97,6 +112,27 @@ class AgentView:
     def lease_left(self, now: float) -> float:
         return self.last_seen + self.record.lease_timeout - now
 
+    def concerns(self) -> list[str]:
+        """Why this agent needs an operator's look (:data:`ATTENTION`'s codes, in that order);
+        empty when nothing does. A state an operator chose (draining, cordoned) is none."""
+        out: list[str] = []
+        if self.state is AgentState.SUSPECT:
+            out.append("suspect")
+        breaker = self.breaker.state
+        if breaker is BreakerState.OPEN:
+            out.append("breaker_open")
+        elif breaker is BreakerState.HALF_OPEN:
+            out.append("breaker_half_open")
+        if not self.health.healthy:
+            out.append("unhealthy")
+        if self.unavailable:
+            out.append("unavailable")
+        if self.busy >= self.record.card.max_concurrency or self.queue_depth:
+            out.append("saturated")
+        if self.unreached_at > self.spoke_at:
+            out.append("unreached")
+        return out
+
     def info(self, now: float) -> AgentInfo:
         card = self.record.card
         return AgentInfo(
@@ -120,6 +156,7 @@ class AgentView:
             weight=card.weight,
             metadata=card.metadata,
             durable_work=card.durable_work,
+            attention=self.concerns(),
         )
 
 

@@ -536,7 +536,8 @@ def fleet(hub: Hub, ask: FleetAsk | None = None, namespace: str | None = None) -
     """One page of the fleet (``namespace``'s; None: every namespace's), picked as the fleet
     query picks it (``hub/_fleet.py``: ``ask``'s states, capability, offset and limit;
     :data:`FLEET_PAGE` agents when there is no ``ask``), with the counts of all of it:
-    ``total``, ``by_state`` (``LOST``: declared in the last 15 minutes), ``matched``,
+    ``total``, ``by_state`` (``LOST``: declared in the last 15 minutes), ``attention_total``
+    (agents that need an operator's look, each with its ``attention`` codes), ``matched``,
     ``truncated``, ``next_offset``. Each agent with what runs (``inflight`` of
     ``max_concurrency``) and what waits (``queued``) apart, health, breaker and the operator
     actions that apply."""
@@ -568,6 +569,7 @@ def fleet(hub: Hub, ask: FleetAsk | None = None, namespace: str | None = None) -
                 "capabilities": card.capabilities,
                 "labels": card.all_labels(),
                 "unavailable": sorted(view.unavailable),
+                "attention": view.concerns(),
                 "actions": list(_ACTIONS.get(view.state, ("remove",))),
             }
         )
@@ -585,6 +587,8 @@ def fleet(hub: Hub, ask: FleetAsk | None = None, namespace: str | None = None) -
         "blind_reason": hub.registry.blind_reason(),
         "total": picked.total,
         "by_state": by_state,
+        "attention_total": picked.attention,
+        "attention": ask.attention,
         "matched": picked.matched,
         "offset": ask.offset,
         "limit": ask.limit,

@@ -34,21 +34,27 @@ _LOST_SHARE = 8
 @dataclass(frozen=True, slots=True)
 class FleetAsk:
     """What a fleet query asks for: agents in ``states`` (empty: any) serving ``capability``
-    (None: any), in ``agent_id`` order those whose id sorts after ``after`` (None: from the
-    first), skipping ``offset`` of them, at most ``limit`` (None: as many as fit; 0: the counts
-    only)."""
+    (None: any), only those that need an operator's look when ``attention``
+    (``AgentView.concerns``), in ``agent_id`` order those whose id sorts after ``after``
+    (None: from the first), skipping ``offset`` of them, at most ``limit`` (None: as many as
+    fit; 0: the counts only)."""
 
     states: frozenset[AgentState] = frozenset()
     capability: str | None = None
     limit: int | None = None
     offset: int = 0
     after: str | None = None
+    attention: bool = False
 
 
 def fleet_asked(body: dict[str, Any]) -> FleetAsk:
-    """``state`` (a state name or a list of them), ``capability``, ``limit``, ``offset`` and
-    ``after`` of a fleet query, checked (a ``BadRequestError`` naming the field)."""
+    """``state`` (a state name or a list of them), ``capability``, ``attention``, ``limit``,
+    ``offset`` and ``after`` of a fleet query, checked (a ``BadRequestError`` naming the
+    field)."""
     states = asked_states(body, AgentState)
+    attention = body.get("attention", False)
+    if not isinstance(attention, bool):
+        raise BadRequestError("attention must be true or false", field="attention")
     capability = body.get("capability")
     if capability is not None:
         if not isinstance(capability, str):
@@ -66,19 +72,21 @@ def fleet_asked(body: dict[str, Any]) -> FleetAsk:
             after = protocol.validate_agent_id(after)
         except InvalidAgentIdError as err:
             raise InvalidAgentIdError(f"after: {err.message}", field="after") from None
-    return FleetAsk(states, capability, limit, offset, after)
+    return FleetAsk(states, capability, limit, offset, after, attention)
 
 
 @dataclass(frozen=True, slots=True)
 class FleetPage:
     """The agents a fleet query picked: ``total`` (agents in scope), ``by_state`` (theirs,
-    whatever the filters), ``matched`` (those the filters keep), ``start`` (where the page
-    starts among them: past ``ask.after``, then ``ask.offset`` more) and ``views``, the page:
-    at most ``ask.limit`` matched agents from ``start`` on, in ``agent_id`` order."""
+    whatever the filters), ``attention`` (those of them that need an operator's look, whatever
+    the filters), ``matched`` (those the filters keep), ``start`` (where the page starts among
+    them: past ``ask.after``, then ``ask.offset`` more) and ``views``, the page: at most
+    ``ask.limit`` matched agents from ``start`` on, in ``agent_id`` order."""
 
     ask: FleetAsk
     total: int
     by_state: dict[str, int]
+    attention: int
     matched: int
     start: int
     views: list[AgentView]
@@ -89,19 +97,22 @@ def fleet_page(registry: Registry, namespace: str | None, ask: FleetAsk) -> Flee
     selection of every fleet listing (the fleet query, ``GET /api/agents``, the dashboard)."""
     views = registry.views(namespace)
     by_state = Counter(v.state.value for v in views)
+    concerned = sum(1 for v in views if v.concerns())
     cap = ask.capability
     matched = [
         v
         for v in views
         if (not ask.states or v.state in ask.states)
         and (cap is None or cap in v.record.card.capabilities)
+        and (not ask.attention or v.concerns())
     ]
     start = 0 if ask.after is None else bisect.bisect_right(matched, ask.after, key=_agent_id)
     start += ask.offset
     page = matched[start:]
     if ask.limit is not None:
         page = page[: ask.limit]
-    return FleetPage(ask, len(views), dict(sorted(by_state.items())), len(matched), start, page)
+    counts = dict(sorted(by_state.items()))
+    return FleetPage(ask, len(views), counts, concerned, len(matched), start, page)
 
 
 def fleet_answer(
@@ -114,8 +125,9 @@ def fleet_answer(
 ) -> bytes:
     """The answer to ``ask`` about ``namespace``'s agents (None: every namespace's), of at
     most ``max_payload`` less ``protocol.MESSAGE_ROOM`` bytes: ``hub_id``, ``total`` (agents
-    in scope), ``by_state`` (theirs, whatever the filters), ``matched`` (those the filters
-    keep), ``offset``, ``agents`` (AgentInfo objects), ``truncated`` (matched agents past
+    in scope), ``by_state`` (theirs, whatever the filters), ``attention_total`` (those of them
+    that need an operator's look, whatever the filters), ``matched`` (those the filters keep),
+    ``offset``, ``agents`` (AgentInfo objects), ``truncated`` (matched agents past
     the page were left out, by ``limit`` or to fit), ``next_after`` (the last agent id of the
     page, which the next page is asked ``after``; null when none is left), ``next_offset`` (the
     page's end among the matched agents, null likewise), ``recently_lost`` (newest first, as
@@ -140,6 +152,7 @@ def fleet_answer(
         "hub_id": hub_id,
         "total": picked.total,
         "by_state": picked.by_state,
+        "attention_total": picked.attention,
         "matched": picked.matched,
         "offset": ask.offset,
         "recently_lost": lost,

@@ -43,6 +43,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _dashboard as dash
 from reach_mesh.hub._a2a import HubA2a
+from reach_mesh.hub._agent_view import ATTENTION
 from reach_mesh.hub._fleet import FleetAsk, fleet_answer, fleet_asked
 from reach_mesh.hub._gateway import (
     NamespaceQuery,
@@ -97,6 +98,9 @@ CapabilityQuery = Annotated[str | None, Query(description="only agents serving i
 OffsetQuery = Annotated[int, Query(ge=0, description="skip the first agents matched")]
 AfterQuery = Annotated[
     str | None, Query(description="only agents whose id sorts after it: the next page")
+]
+AttentionQuery = Annotated[
+    bool, Query(description="only agents that need an operator's look (their `attention`)")
 ]
 
 log = logging.getLogger("reach_mesh.hub")
@@ -385,9 +389,10 @@ class HubHttp:
             ),
         ] = dash.FLEET_PAGE,
         offset: OffsetQuery = 0,
+        attention: AttentionQuery = False,
     ) -> dict[str, Any]:
         """The dashboard's fleet view: one page, at most ``dash.FLEET_PAGE_MAX`` agents."""
-        ask = _fleet_ask(namespace, state, capability, limit, offset)
+        ask = _fleet_ask(namespace, state, capability, limit, offset, attention=attention)
         return dash.fleet(self.hub, ask, namespace)
 
     async def decisions(
@@ -416,16 +421,22 @@ class HubHttp:
         that as 0)."""
         m = self.hub.metrics
         counts: dict[tuple[str, str], int] = {}
+        concerns: dict[tuple[str, str], int] = {}
         namespaces: set[str] = set(self.hub.configured_namespaces)
         for view in self.hub.registry:
             ns = view.record.card.namespace
             namespaces.add(ns)
             key = (ns, view.state.value)
             counts[key] = counts.get(key, 0) + 1
+            for why in view.concerns():
+                concerns[ns, why] = concerns.get((ns, why), 0) + 1
         m.agents.clear()
+        m.agents_attention.clear()
         for ns in namespaces:
             for state in AgentState:
                 m.agents.labels(ns, state.value).set(counts.get((ns, state.value), 0))
+            for why in ATTENTION:
+                m.agents_attention.labels(ns, why).set(concerns.get((ns, why), 0))
         m.preonline_count.set(
             sum(c for (_, st), c in counts.items() if st == AgentState.PRE_ONLINE.value)
         )
@@ -454,10 +465,11 @@ class HubHttp:
         ] = None,
         offset: OffsetQuery = 0,
         after: AfterQuery = None,
+        attention: AttentionQuery = False,
     ) -> Response:
         """The fleet query over HTTP: the same answer, filters and pages (a fleet of thousands
         need not come whole every time), bounded at ``HTTP_FLEET_MAX`` bytes."""
-        ask = _fleet_ask(namespace, state, capability, limit, offset, after)
+        ask = _fleet_ask(namespace, state, capability, limit, offset, after, attention=attention)
         data = fleet_answer(self.hub.registry, self.hub.hub_id, namespace, ask, HTTP_FLEET_MAX)
         return Response(data, media_type="application/json")
 
@@ -660,12 +672,19 @@ def _fleet_ask(
     limit: int | None,
     offset: int,
     after: str | None = None,
+    *,
+    attention: bool = False,
 ) -> FleetAsk:
     """The query parameters of a fleet listing (``/api/agents``, ``/api/dashboard/fleet``)
     read as the fleet query reads its body: ``REACH_BAD_REQUEST`` (400) naming the field."""
     if namespace is not None:
         protocol.validate_namespace(namespace)
-    body: dict[str, Any] = {"state": state or [], "limit": limit, "offset": offset}
+    body: dict[str, Any] = {
+        "state": state or [],
+        "limit": limit,
+        "offset": offset,
+        "attention": attention,
+    }
     if capability is not None:
         body["capability"] = capability
     if after is not None:

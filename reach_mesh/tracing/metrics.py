@@ -232,6 +232,14 @@ class HubMetrics:
             ["namespace", "state"],
             registry=r,
         )
+        self.agents_attention = Gauge(
+            "reach_agents_attention",
+            "Registered agents that need an operator's look, by namespace and reason (suspect, "
+            "breaker_open, breaker_half_open, unhealthy, unavailable, saturated, unreached); an "
+            "agent with several reasons counts under each.",
+            ["namespace", "reason"],
+            registry=r,
+        )
         self.preonline_agents = Gauge(
             "reach_preonline_agents",
             "Agents held in PRE_ONLINE (returned after LOST, stale attempts not yet fenced).",
