@@ -6,7 +6,7 @@ machinery.
 workflow engine's hot path (several acked writes per workflow) that machinery cost as much as
 the rest of the write; a KV read (``kv.get``) adds a header parser, a raw-message object and an
 exception for a missing key. :class:`JsClient` does the same exchanges with one wildcard reply
-subscription, a future and a timer per request, a plain ``json.loads`` of an ack, and ``None``
+subscription, a future and a timer per request, pydantic's parser on an ack, and ``None``
 for a missing key.
 
 It raises what nats-py raises, so :mod:`reach_mesh._retry` classifies the errors the same way:
@@ -26,7 +26,6 @@ and parties allowed to answer into a hub's inbox must not guess the next one.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from nats.js.errors import (
     NoStreamResponseError,
     NotFoundError,
 )
+from pydantic_core import from_json
 
 from reach_mesh._batch import private_inbox, reply_token
 from reach_mesh._nats import Reconnects, reconnects_of
@@ -432,7 +432,7 @@ def _ack(msg: Msg) -> Ack:
             raise NoStreamResponseError
         raise APIError(code=int(headers.get("Status") or 0) or None, description="empty answer")
     try:
-        body = json.loads(msg.data)
+        body = from_json(msg.data)  # (a fifth of json.loads' time on bytes: one per ack)
     except ValueError as err:
         raise APIError(description=f"unreadable JetStream ack: {msg.data[:80]!r}") from err
     error = body.get("error")

@@ -13,7 +13,6 @@ result's JSON (``bytes``) for as long as it can: a request-reply answer is writt
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import typing
@@ -126,7 +125,7 @@ class AttemptsMixin:
         if not self._counted_when_abandoned(env):
             self._count(cap, out, time.perf_counter() - t0)
         if type(out) is bytes:
-            return self._reply(env, TaskState.SUCCEEDED, result=json.loads(out))
+            return self._reply(env, TaskState.SUCCEEDED, result=from_json(out))
         return typing.cast(TaskReply, out)
 
     def _count(self, capability: str, out: bytes | TaskReply, elapsed: float) -> None:
