@@ -54,7 +54,8 @@ MISSING: Final = "hubs create them when they start (has a hub of this version ru
 FULL: Final = 0.8
 #: How long one read may take before it counts as not answered.
 READ_TIMEOUT: Final = 5.0
-#: Agent states that need an operator's look (SUSPECT: beats late; QUARANTINED: breaker open).
+#: Agent states that need an operator's look (SUSPECT: beats late; QUARANTINED: breaker open),
+#: as a hub of an earlier version, which sends no ``AgentInfo.attention``, is read.
 TROUBLED: Final = (AgentState.SUSPECT, AgentState.QUARANTINED)
 
 
@@ -338,13 +339,13 @@ def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
 
 
 async def _agents(client: Client) -> Finding:
-    """The fleet's states, counted by the answering hub (``by_state``): the troubled agents
-    only are listed (five of them), so a fleet of any size is checked in one small answer."""
+    """The fleet's states, counted by the answering hub (``by_state``): the agents that need
+    an operator's look only are listed (five of them, with why: ``AgentInfo.attention``), so a
+    fleet of any size is checked in one small answer."""
     asked = ((True, "every namespace"), (False, f"namespace {client.namespace!r}"))
-    troubled_states = [s.value for s in TROUBLED]
     for every, of in asked:  # every namespace is the operator's list; else its own
         try:
-            infos = await client.agents(all_namespaces=every, state=troubled_states, limit=5)
+            infos = await client.agents(all_namespaces=every, attention=True, limit=5)
             scope = of
             break
         except NotPermittedError:
@@ -366,12 +367,20 @@ async def _agents(client: Client) -> Finding:
     detail = f"{total} in {scope}: " + ", ".join(
         f"{n} {s.value}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])
     )
-    # (an older hub ignores the filter and sends every agent)
-    troubled = [i.agent_id for i in infos if i.state in TROUBLED]
+    # (an older hub ignores the filter and sends every agent, and no ``attention``)
+    troubled = [i for i in infos if i.attention or i.state in TROUBLED]
     if troubled:
-        shown_ids = ", ".join(troubled[:5]) + (" …" if infos.matched > 5 else "")
+        count = max(infos.attention_total, len(troubled))
+        shown = ", ".join(
+            f"{i.agent_id} ({', '.join(i.attention) or i.state.value})" for i in troubled[:5]
+        )
+        if count > 5:
+            shown += f" and {count - 5} more"
         return Finding(
-            "agents", "warn", f"{detail}; look at {shown_ids} (reach-mesh inspect AGENT_ID)"
+            "agents",
+            "warn",
+            f"{detail}; {count} need attention: {shown} "
+            "(reach-mesh agents --attention; reach-mesh inspect AGENT_ID)",
         )
     if not states.get(AgentState.ONLINE):
         return Finding("agents", "warn", f"{detail}: none ONLINE, nothing can be routed")

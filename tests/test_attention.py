@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh._cli_doctor import diagnose
 from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._agent_view import ATTENTION
@@ -238,3 +240,22 @@ async def test_metrics_count_them_by_reason(fleet: Fleet) -> None:
         for why in concerns:
             want[why] += 1
     assert counted == want
+
+
+async def test_doctor_names_them_with_why(fleet: Fleet) -> None:
+    """``reach-mesh doctor`` warns with how many need attention, the first five with why, and
+    how many more (other tests' agents on this server may be among them)."""
+    found = {f.check: f for f in await diagnose(fleet.settings)}
+    async with Client(settings=fleet.settings) as c:
+        every = await c.agents(all_namespaces=True, limit=0)
+    agents = found["agents"]
+    count = every.attention_total
+    assert agents.status == "warn" and count >= len(EXPECTED), agents
+    assert f"; {count} need attention: " in agents.detail, agents
+    named = dict(re.findall(r"([\w-]+\.[\w-]+\.[\w-]+) \(([^)]*)\)", agents.detail))
+    assert len(named) == min(count, 5), agents
+    for agent_id, why in named.items():
+        mine = agent_id.removeprefix(f"{fleet.ns}.svc.")
+        assert why == ", ".join(EXPECTED[mine]) if mine in EXPECTED else why, agents
+    assert (f"and {count - 5} more" in agents.detail) == (count > 5), agents
+    assert "reach-mesh agents --attention" in agents.detail
