@@ -114,11 +114,22 @@ class AgentView:
 
     def concerns(self) -> list[str]:
         """Why this agent needs an operator's look (:data:`ATTENTION`'s codes, in that order);
-        empty when nothing does. A state an operator chose (draining, cordoned) is none."""
+        empty when nothing does. A state an operator chose (draining, cordoned) is none. Read
+        for every agent of every fleet listing and scrape: the common answer (none) is decided
+        by one expression."""
+        breaker = self.breaker.state
+        full = max(self.inflight, self.outstanding) >= self.record.card.max_concurrency
+        if (
+            breaker is BreakerState.CLOSED
+            and self.state is not AgentState.SUSPECT
+            and not (self.unavailable or self.queue_depth or full)
+            and self.unreached_at <= self.spoke_at
+            and self.health.healthy
+        ):
+            return []
         out: list[str] = []
         if self.state is AgentState.SUSPECT:
             out.append("suspect")
-        breaker = self.breaker.state
         if breaker is BreakerState.OPEN:
             out.append("breaker_open")
         elif breaker is BreakerState.HALF_OPEN:
@@ -127,7 +138,7 @@ class AgentView:
             out.append("unhealthy")
         if self.unavailable:
             out.append("unavailable")
-        if self.busy >= self.record.card.max_concurrency or self.queue_depth:
+        if full or self.queue_depth:
             out.append("saturated")
         if self.unreached_at > self.spoke_at:
             out.append("unreached")
