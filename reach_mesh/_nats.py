@@ -460,6 +460,8 @@ class _Connection(NATS):
     #: owning the connection exports as ``reach_messages_refused_total``, theirs alone when
     #: several share a process.
     messages_refused: int = 0
+    #: Leaving its server on purpose, to join its siblings' (``_nats_together``): not a loss.
+    moving: bool = False
 
     async def _attempt_reconnect(self) -> None:
         _cut_if_open(self._transport, _CLOSE_DEAD)
@@ -680,6 +682,7 @@ class _Watch:
             return  # closed on purpose
         self._down_since = self._logged_at = time.monotonic()
         self._failures = 0
+        self._leaving = self._leaving or getattr(self.nc, "moving", False)
         log.log(
             logging.INFO if self._leaving else logging.WARNING,
             "%s: %s NATS at %s; reconnecting until it is back",
@@ -689,20 +692,21 @@ class _Watch:
         )
 
     async def reconnected(self) -> None:
+        leaving, self._leaving = self._leaving, False
         if isinstance(self.nc, _Connection):
+            self.nc.moving = False
             self.nc.reconnects.note()
         if self._down_since is None:
             return
         down = time.monotonic() - self._down_since
         self._down_since = None
         log.log(
-            logging.INFO if self._leaving else logging.WARNING,
+            logging.INFO if leaving else logging.WARNING,
             "%s: reconnected to NATS after %.1f s, at %s",
             self.name,
             down,
             _server_of(self.nc),
         )
-        self._leaving = False
 
 
 def _server_of(nc: NATS | None) -> str:

@@ -537,3 +537,93 @@ async def test_a_hubs_connections_are_on_one_server(tmp_path: Path) -> None:
     finally:
         for node in nodes:
             node.stop()
+
+
+def _cut(nc: Any) -> None:
+    """Abort ``nc``'s socket: to nats-py, its server cut it (as nats-server cuts a slow
+    consumer); it reconnects."""
+    nc._transport._io_writer.transport.abort()
+
+
+async def test_a_hubs_connections_stay_on_one_server_after_reconnections(tmp_path: Path) -> None:
+    """A hub's three connections share a server after reconnections too, not only at connect.
+    Before, each reconnected on its own: the routes connection cut alone (a slow consumer)
+    came back on the next server of its list, and after a node's loss the main one picked at
+    random — apart for good, as when they were spread at connect (a partition between those
+    servers lost every route's answer). Now each reconnects where the others are; one that
+    lands elsewhere anyway (two landing at once on different servers) is moved to the main
+    one's server, its subscriptions taken off its server first, and routing goes on."""
+    nodes = cluster_nodes(tmp_path, name="together")
+    try:
+        urls = await _started(nodes)
+        s = MeshSettings(
+            nats_url=",".join(urls), namespace="tg", audit_enabled=False, **_FAST_CONNECT
+        )
+        agent = Agent("tg.echo.a1", settings=s)
+
+        @agent.handler("tg:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        async with Hub(settings=s, hub_id="hub-t") as hub, agent, Client(settings=s) as c:
+            conns = hub._connections
+
+            def ports() -> dict[str, int | None]:
+                return {
+                    name: nc.connected_url.port if nc and nc.connected_url else None
+                    for name, nc in conns.items()
+                }
+
+            def together() -> bool:
+                at = set(ports().values())
+                return len(at) == 1 and None not in at
+
+            def reconnects(name: str) -> int:
+                return int(conns[name].stats["reconnects"])  # type: ignore[union-attr]
+
+            assert together(), ports()
+            # The routes connection alone is cut: it comes back where the other two are.
+            _cut(conns["routes"])
+            await eventually(lambda: reconnects("routes") == 1 and together(), timeout=5)
+            assert not hub.together.apart()
+
+            # The node all three are on is killed: wherever each lands first, they end on one.
+            port = ports()["main"]
+            (lost,) = [n for n in nodes if n.url.endswith(f":{port}")]
+            lost.kill()
+            await eventually(lambda: together() and ports()["main"] != port, timeout=10)
+            assert not hub.together.apart() and _sample(hub, "reach_nats_split") == 0
+            await asyncio.to_thread(lost.start)
+
+            # The routes connection lands on another server than the main one's (two landing
+            # at once, each where nobody was yet): it is moved to main's, and still routes.
+            route_nc: Any = conns["routes"]
+            pick = route_nc._reconnect_to_server_handler
+            here = ports()["main"]
+
+            def elsewhere(servers: list[Any], info: dict[str, Any]) -> tuple[Any, float]:
+                route_nc._reconnect_to_server_handler = pick  # (once)
+                return next(s for s in servers if s.uri.port not in (here, port)), 0.0
+
+            route_nc._reconnect_to_server_handler = elsewhere
+            before, moved = reconnects("routes"), dict(hub.together.moves)
+            _cut(route_nc)
+            await eventually(lambda: reconnects("routes") == before + 2 and together(), timeout=5)
+            assert hub.together.moves == {**moved, "routes": moved["routes"] + 1}
+            assert (
+                _sample(hub, "reach_nats_moves_total", connection="routes") == moved["routes"] + 1
+            )
+            assert _sample(hub, "reach_nats_split") == 0
+            for i in range(5):
+                assert (await c.request(capability="tg:echo:v1", payload=i, timeout=5)).result == i
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+#: A killed node refuses at once; a connect to a live one takes milliseconds.
+_FAST_CONNECT: dict[str, Any] = {"connect_timeout": 1.0}
+
+
+def _sample(hub: Hub, name: str, **labels: str) -> float | None:
+    return hub.metrics.registry.get_sample_value(name, labels)

@@ -153,6 +153,8 @@ async def test_fleet_separates_running_from_queued_and_offers_actions_by_state(
         "agents": len(mesh.hub.registry),
         "registry_blind": False,
         "registry_blind_reason": None,
+        "nats_servers": mesh.hub.together.servers(),
+        "nats_split": False,
     }
     # This module's agents (the hub sees every namespace's: earlier test files may leave some).
     mine = [a for a in fleet["agents"] if a["agent_id"].startswith(f"{ns}.")]

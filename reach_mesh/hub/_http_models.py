@@ -96,6 +96,10 @@ class Health(BaseModel):
     registry_blind: bool = False
     #: Why (the last such failure: ``JetStream storage is full: …``, ``cut off from NATS``).
     registry_blind_reason: str | None = None
+    #: The NATS server each connection (main, routes, statuses) is on; None: reconnecting.
+    nats_servers: dict[str, str | None] = {}
+    #: Those up are on more than one server (``reach_nats_split``): said, not a 503.
+    nats_split: bool = False
 
 
 class ToolEntry(BaseModel):

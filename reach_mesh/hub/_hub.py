@@ -38,6 +38,7 @@ from reach_mesh._batch import AnswerBatcher, private_inbox
 from reach_mesh._consume import apply_replicas, apply_workflow_retention
 from reach_mesh._guard import guarded
 from reach_mesh._nats import beside, connect, connection_counts, flushed, shown
+from reach_mesh._nats_together import Together
 from reach_mesh._retry import describe, storage_full
 from reach_mesh._shutdown import within
 from reach_mesh.config import MeshSettings, load_settings
@@ -66,6 +67,7 @@ from reach_mesh.tracing.metrics import (
     UNKNOWN_NAMESPACE,
     HubMetrics,
     connection_metrics,
+    together_metrics,
     watch_event_loop,
 )
 
@@ -116,6 +118,8 @@ class Hub(RoutingMixin, ControlMixin):
         #: ``start``).
         self._route_nc: NATS | None = None
         self._status_nc: NATS | None = None
+        #: Keeps the three on the main one's server after reconnections (``_nats_together``).
+        self.together = Together(self.hub_id)
         self._js: JetStreamContext | None = None
         self._subs: list[Subscription] = []
         self._inflight: set[asyncio.Task[None]] = set()
@@ -170,6 +174,10 @@ class Hub(RoutingMixin, ControlMixin):
         self._malformed_lines = LineBudget(10.0)
         self.metrics = HubMetrics()
         connection_metrics(self.metrics.registry, lambda: connection_counts(self._connections))
+        together_metrics(
+            self.metrics.registry,
+            lambda: (self.together.servers(), self.together.apart(), self.together.moves),
+        )
         # Labelled metric children by label values: Counter.labels() costs a lock and a dict
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}
@@ -219,20 +227,25 @@ class Hub(RoutingMixin, ControlMixin):
                 name=self.hub_id,
                 settings=self.settings,
                 on_reconnect=self._back_on_nats,
+                **self.together.options("main"),
             )
+            self.together.add("main", self._nc)
             # Every namespace's route requests on a connection of their own: a flood of them
             # that this hub cannot read as fast has nats-server cut that connection (a slow
             # consumer: 64 MiB waiting), not the one that carries the agents' heartbeats and
             # the KV writes — a caller's flood once cut that one, and every tenant's agents
             # went SUSPECT. Answers leave on the main connection.
             # Both on the main connection's server: a hub on one side of a partition between
-            # servers, not on both (``beside``).
+            # servers, not on both (``beside``); and there again after reconnections
+            # (``together``).
             self._route_nc = await connect(
                 self.nats_url,
                 name=f"{self.hub_id}-routes",
                 settings=self.settings,
                 **beside(self._nc, self.nats_url),
+                **self.together.options("routes"),
             )
+            self.together.add("routes", self._route_nc)
             # And every agent's status events (workflow steps) on a third: an agent may publish
             # on its own status subject as much as it likes (once 250 statuses of 6 MiB in 8 s
             # had this hub's main connection cut six times). Missed while it is cut, a step's
@@ -243,7 +256,9 @@ class Hub(RoutingMixin, ControlMixin):
                 name=f"{self.hub_id}-statuses",
                 settings=self.settings,
                 **beside(self._nc, self.nats_url),
+                **self.together.options("statuses"),
             )
+            self.together.add("statuses", self._status_nc)
             self._js = self._nc.jetstream(timeout=10.0)
             s = self.settings
             self.audit = AuditLog(
@@ -304,6 +319,7 @@ class Hub(RoutingMixin, ControlMixin):
                 await flushed(nc)
             # Listening for pins now: ask for those made before this hub started.
             await self._ask_pins()
+            self.together.start()
         except BaseException:
             await self.close()
             raise
@@ -419,6 +435,7 @@ class Hub(RoutingMixin, ControlMixin):
         if self.state in (HubState.CLOSING, HubState.CLOSED):
             return
         self.state = HubState.CLOSING
+        self.together.stop()
         if self.micro is not None:
             await within("micro service stop", self.micro.stop(), 2.0, log)
         for sub in self._subs:

@@ -452,6 +452,8 @@ class HubHttp:
             agents=len(self.hub.registry),
             registry_blind=self.hub.registry.blind(),
             registry_blind_reason=self.hub.registry.blind_reason(),
+            nats_servers=self.hub.together.servers(),
+            nats_split=self.hub.together.apart(),
         )
         return JSONResponse(health.model_dump(mode="json"), 200 if ok else 503)
 

@@ -41,6 +41,7 @@ __all__ = [
     "LoopHistogram",
     "connection_metrics",
     "serve_metrics",
+    "together_metrics",
     "watch_event_loop",
 ]
 
@@ -553,6 +554,54 @@ class _Connection(Collector):
             connected.add_metric([name], 1 if up else 0)
         yield reconnects
         yield connected
+
+
+#: What ``together_metrics`` reads when scraped: the server each of a hub's connections is on
+#: (None while it reconnects), whether those up are on more than one, and the moves made per
+#: connection to join the main one's server.
+TogetherCounts = tuple[Mapping[str, str | None], bool, Mapping[str, int]]
+
+
+def together_metrics(registry: CollectorRegistry, read: Callable[[], TogetherCounts]) -> None:
+    """Export ``reach_nats_server`` (by ``connection`` and ``server``), ``reach_nats_split``
+    and ``reach_nats_moves_total`` (by ``connection``) into ``registry``, from what ``read``
+    returns when scraped (``_nats_together.Together``)."""
+    registry.register(_Together(read))
+
+
+class _Together(Collector):
+    def __init__(self, read: Callable[[], TogetherCounts]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        servers, split, moves = self._read()
+        on = GaugeMetricFamily(
+            "reach_nats_server",
+            "1 for the NATS server each of this hub's connections is on (server_name), none "
+            "while it reconnects: the three belong on one (a partition between servers would "
+            "otherwise lose route answers).",
+            labels=["connection", "server"],
+        )
+        for name, server in servers.items():
+            if server is not None:
+                on.add_metric([name, server], 1)
+        yield on
+        yield GaugeMetricFamily(
+            "reach_nats_split",
+            "1 while this hub's NATS connections that are up are on more than one server of "
+            "the cluster (one could not reach the main one's server; a move is tried again "
+            "every 30 s).",
+            value=1 if split else 0,
+        )
+        moved = CounterMetricFamily(
+            "reach_nats_moves",
+            "Times this hub moved a NATS connection (routes, statuses) to the main one's "
+            "server after it came back on another (each also counts as a reconnection).",
+            labels=["connection"],
+        )
+        for name, count in moves.items():
+            moved.add_metric([name], count)
+        yield moved
 
 
 class _StepCounts(Collector):
