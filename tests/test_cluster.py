@@ -553,7 +553,8 @@ async def test_a_hubs_connections_stay_on_one_server_after_reconnections(tmp_pat
     servers lost every route's answer). Now each reconnects where the others are; one that
     lands elsewhere anyway (two landing at once on different servers) is moved to the main
     one's server, its subscriptions taken off its server first, and routing goes on."""
-    nodes = cluster_nodes(tmp_path, name="together")
+    # (Clients keep to the URLs given: the last step takes one out of a connection's list.)
+    nodes = cluster_nodes(tmp_path, name="together", no_advertise=True)
     try:
         urls = await _started(nodes)
         s = MeshSettings(
@@ -616,6 +617,20 @@ async def test_a_hubs_connections_stay_on_one_server_after_reconnections(tmp_pat
             assert _sample(hub, "reach_nats_split") == 0
             for i in range(5):
                 assert (await c.request(capability="tg:echo:v1", payload=i, timeout=5)).result == i
+
+            # The routes connection cannot reach the main one's server (here: not in its list):
+            # it comes back elsewhere, one move is tried, and it stays apart — no loop of
+            # moves — and says so.
+            route_nc.set_server_pool([u for u in urls if not u.endswith(f":{here}")])
+            before, tries = reconnects("routes"), hub.together.moves["routes"]
+            _cut(route_nc)
+            await eventually(lambda: reconnects("routes") == before + 2, timeout=5)
+            await asyncio.sleep(1.0)
+            assert reconnects("routes") == before + 2 and hub.together.moves["routes"] == tries + 1
+            assert hub.together.apart() and _sample(hub, "reach_nats_split") == 1
+            servers = hub.together.servers()
+            assert servers["main"] == servers["statuses"] != servers["routes"] is not None
+            assert (await c.request(capability="tg:echo:v1", payload="x", timeout=5)).result == "x"
     finally:
         for node in nodes:
             node.stop()
