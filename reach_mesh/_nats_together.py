@@ -84,7 +84,8 @@ def server_name(nc: NATS | None) -> str | None:
 class _Pick:
     """The server one connection reconnects to (nats-py's ``reconnect_to_server_handler``,
     called before each try): where its siblings are, once per reconnection, else the one
-    tried least lately, the one it lost last (unless it is moving: then back there first)."""
+    tried least lately, the one it lost last (unless it is moving: then back there first),
+    then in the process's own random order (``Together.rank``)."""
 
     def __init__(self, together: Together, name: str) -> None:
         self._together = together
@@ -129,7 +130,7 @@ class _Pick:
     def _order(self, s: Server) -> tuple[float, bool, float]:
         netloc = s.uri.netloc
         lost_last = (netloc == self._lost) != self.moving
-        return (self._tried.get(netloc, -math.inf), lost_last, random.random())
+        return (self._tried.get(netloc, -math.inf), lost_last, self._together.rank(netloc))
 
 
 class Together:
@@ -153,6 +154,7 @@ class Together:
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
         self._apart_lines = LineBudget(REJOIN_INTERVAL)
+        self._ranks: dict[str, float] = {}
 
     def options(self, name: str) -> dict[str, Any]:
         """``connect`` options of the connection ``name``."""
@@ -183,6 +185,15 @@ class Together:
         for task in [*self._tasks, self._ticker]:
             if task is not None:
                 task.cancel()
+
+    def rank(self, netloc: str) -> float:
+        """A server's place among those none of the connections is on: drawn at random
+        once per process (hubs spread over the cluster), the same for its connections — lost
+        at once (their server killed), they all pick the same one first, and nothing moves."""
+        got = self._ranks.get(netloc)
+        if got is None:
+            got = self._ranks[netloc] = random.random()
+        return got
 
     def connection(self, name: str) -> NATS | None:
         return self._conns.get(name)
@@ -219,18 +230,21 @@ class Together:
     def _back(self, name: str) -> None:
         """Connection ``name`` reconnected (its subscriptions are in place again)."""
         pick = self._picks.get(name)
+        moved = pick is not None and pick.moving  # (this reconnection was a move's)
         main = self._main
         if pick is not None and main is not None and name != main[0]:
             url, count = main[1].connected_url, _count(main[1])
             here = server_id(main[1])
-            tried = url is not None and (pick.moving or url.netloc in pick.missed)
+            tried = url is not None and (moved or url.netloc in pick.missed)
             if tried and here is not None and server_id(self._conns[name]) != here:
                 # Moved, or it tried main's server in this reconnection, and is elsewhere: not
                 # moved there again for this (re)connection of main's (until the next rejoin).
                 self._tried_for[name] = ((here, count), time.monotonic())
         if pick is not None:
             pick.reset()
-        self._moving.discard(name)
+        if moved:
+            # (Not before: a move decided while this reconnection ended has yet to happen.)
+            self._moving.discard(name)
         self._check()
 
     def _check(self, *, again: bool = False) -> None:
@@ -280,10 +294,16 @@ class Together:
 
     async def _move(self, name: str, nc: NATS, main_name: str, main_nc: NATS) -> None:
         """Reconnect ``nc`` to ``main_nc``'s server, its subscriptions taken off its server
-        first (nats-py keeps them, and subscribes them again where it reconnects)."""
+        first (nats-py keeps them, and subscribes them again where it reconnects). Until that
+        reconnection ends (``_back``), no other move of ``nc`` is decided."""
+        pick = self._picks.get(name)
+        forced = False
         try:
-            if not nc.is_connected or nc.is_draining or nc.is_closed:
+            here = server_id(main_nc)
+            if nc.is_draining or nc.is_closed or here is None:
                 return
+            if not nc.is_connected or server_id(nc) == here:
+                return  # reconnecting (it goes where main is), or there already
             log.info(
                 "%s: NATS connection %s moving to server %s, where %s is (from %s)",
                 self.owner,
@@ -298,17 +318,19 @@ class Together:
                 for sid in list(nc._subs):
                     await nc._send_command(prot_command.unsub_cmd(sid, 0))
                 await asyncio.wait_for(flushed(nc), _UNSUB_WAIT)
-            if nc.is_connected and not nc.is_draining:
-                pick = self._picks.get(name)
-                if pick is not None:
-                    pick.reset(moving=True)
-                await nc.force_reconnect()
-            # (Else it is reconnecting already, or closing: nats-py subscribes again anyway.)
+            if pick is not None and (nc.is_connected or nc.is_reconnecting):
+                # (Reconnecting already, lost meanwhile: that reconnection is the move.)
+                pick.reset(moving=True)
+                forced = True
+                if nc.is_connected and not nc.is_draining:
+                    await nc.force_reconnect()
+            # (Else closing: nats-py subscribes again on a reconnection anyway.)
         except Exception:
             log.exception("%s: moving NATS connection %s failed", self.owner, name)
         finally:
-            if not nc.is_reconnecting:
+            if not forced:
                 self._moving.discard(name)
+                nc.moving = False  # type: ignore[attr-defined]
 
     async def _tick(self) -> None:
         while not self._stopped:

@@ -550,9 +550,10 @@ async def test_a_hubs_connections_stay_on_one_server_after_reconnections(tmp_pat
     Before, each reconnected on its own: the routes connection cut alone (a slow consumer)
     came back on the next server of its list, and after a node's loss the main one picked at
     random — apart for good, as when they were spread at connect (a partition between those
-    servers lost every route's answer). Now each reconnects where the others are; one that
-    lands elsewhere anyway (two landing at once on different servers) is moved to the main
-    one's server, its subscriptions taken off its server first, and routing goes on."""
+    servers lost every route's answer). Now each reconnects where the others are (lost at
+    once, all three pick the same server); one that lands elsewhere anyway is moved to the
+    main one's server, its subscriptions taken off its server first, and routing goes on;
+    one that cannot get there is moved once, not in a loop, and the hub says it is apart."""
     # (Clients keep to the URLs given: the last step takes one out of a connection's list.)
     nodes = cluster_nodes(tmp_path, name="together", no_advertise=True)
     try:
@@ -588,12 +589,15 @@ async def test_a_hubs_connections_stay_on_one_server_after_reconnections(tmp_pat
             await eventually(lambda: reconnects("routes") == 1 and together(), timeout=5)
             assert not hub.together.apart()
 
-            # The node all three are on is killed: wherever each lands first, they end on one.
+            # The node all three are on is killed: they land on one other node, all three at
+            # once (the same pick of servers: none has to be moved).
             port = ports()["main"]
             (lost,) = [n for n in nodes if n.url.endswith(f":{port}")]
             lost.kill()
             await eventually(lambda: together() and ports()["main"] != port, timeout=10)
             assert not hub.together.apart() and _sample(hub, "reach_nats_split") == 0
+            assert hub.together.moves == {"main": 0, "routes": 0, "statuses": 0}
+            assert [reconnects(name) for name in conns] == [1, 2, 1]
             await asyncio.to_thread(lost.start)
 
             # The routes connection lands on another server than the main one's (two landing
