@@ -9,12 +9,13 @@ goes where the others are*:
 
 * When a connection reconnects (its server lost, a slow-consumer cut, a lame-duck notice), it
   tries the server its siblings are on first: the main one's for routes and statuses; for the
-  main one, the server of a sibling that is up (whoever lands first after a node's loss sets
-  the place, the others follow it). Once per reconnection: if that server does not take it,
-  it picks as nats-py would (round-robin, the one it lost last, 0.25 s between two tries of
-  one server) — no loop on a server that some connections reach and others do not.
-* When a connection is up on another server than the main one (two landed at once on
-  different servers, or one could not reach main's), it is *moved* there: its subscriptions
+  main one, the server of a sibling that is up. Once per reconnection: if that server does
+  not take it, it picks as nats-py would (the server tried least lately, the one it lost
+  last, 0.25 s between two tries of one server) — no loop on a server that some connections
+  reach and others do not — in an order of servers drawn at random per process and shared by
+  its connections: lost at once (their server killed), they all land on the same one.
+* When a connection is up on another server than the main one (one could not reach main's,
+  or landed where main could not follow), it is *moved* there: its subscriptions
   are taken off its server first (UNSUB, then a round trip: what that server sent before is
   read, nothing after is sent), then it reconnects (nats-py subscribes them again on the new
   server; a route request meanwhile goes to another hub of the queue group, or is answered
