@@ -25,8 +25,9 @@ goes where the others are*:
 
 Nothing here runs per message: only on reconnections, and a check every ``REJOIN_INTERVAL``.
 A single server (nothing discovered either) makes all of it a no-op: every pick is that one.
-What each connection is on, and whether they are apart, is for :func:`servers_of`, the hub's
-``/healthz`` and its ``reach_nats_server`` / ``reach_nats_split`` metrics.
+What each connection is on, and whether they are apart (:meth:`Together.servers`,
+:meth:`Together.apart`), the hub says in ``/healthz`` and its ``reach_nats_server`` /
+``reach_nats_split`` metrics; its moves are ``reach_nats_moves_total``.
 """
 
 from __future__ import annotations
