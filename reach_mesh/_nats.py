@@ -6,11 +6,9 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import socket
 import ssl
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
@@ -22,6 +20,15 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
+from reach_mesh._nats_refusals import (
+    Refusals,
+    not_permitted,
+    refusals_of,
+    refused_first,
+    refused_since,
+    refused_subject,
+    unless,
+)
 from reach_mesh._nats_urls import (
     beside,
     check_url,
@@ -84,18 +91,6 @@ _CLOSE_DEAD: Final = 1.0
 _CLOSE_OWN: Final = 5.0
 #: Round trips :func:`flushed` makes at most.
 _FLUSH_ROUNDS: Final = 4
-#: The server's words for a subject this identity may not use (``-ERR``, handed to error_cb).
-_REFUSED_RE: Final = re.compile(
-    r'permissions violation for (publish|subscription) to "([^"]+)"', re.IGNORECASE
-)
-#: Refused subjects remembered per connection (the newest).
-_REFUSALS_KEPT: Final = 256
-#: What to do about a refusal, in a message meant for whoever runs a command.
-_REFUSED_HINT: Final = (
-    "operator commands (cordon, remove, agents of every namespace, audit, ...) need the "
-    "operator identity (REACH_CONFIG=<auth dir>/operator.admin.yaml); a caller identity acts "
-    "in its own namespace only (docs/security.md)"
-)
 
 
 async def connect(
@@ -189,72 +184,6 @@ async def connect(
     return nc
 
 
-class Refusals:
-    """The subjects the server refused this connection (NATS permissions, secure mode): a
-    refused publish is only an ``-ERR`` handed to the error callback, so a request on it would
-    otherwise end as a timeout. Told at once to whoever waits on the subject
-    (:func:`refused_first`), and kept (the newest ``_REFUSALS_KEPT``) for :meth:`since`."""
-
-    def __init__(self) -> None:
-        self._kept: OrderedDict[str, float] = OrderedDict()
-        self._waiting: dict[str, list[asyncio.Future[None]]] = {}
-        #: Subjects whose refusal someone waits for as an answer, not a fault (a check of
-        #: what this identity may do: ``refused_first(expected=True)``): not logged.
-        self._expected: dict[str, int] = {}
-        #: Called with each refused subject (lower-cased, as the server names it).
-        self.listeners: list[Callable[[str], None]] = []
-
-    def note(self, subject: str) -> None:
-        """The server refused this connection ``subject`` (``refused_subject``)."""
-        self._kept[subject] = time.monotonic()
-        self._kept.move_to_end(subject)
-        while len(self._kept) > _REFUSALS_KEPT:
-            self._kept.popitem(last=False)
-        for fut in self._waiting.pop(subject, []):
-            if not fut.done():
-                fut.set_result(None)
-        for listener in self.listeners:
-            listener(subject)
-
-    def since(self, t0: float, prefix: str) -> str | None:
-        """A subject starting with ``prefix`` refused at monotonic time ``t0`` or later (as the
-        server names it: lower-cased)."""
-        prefix = prefix.lower()
-        for subject, at in reversed(self._kept.items()):
-            if at >= t0 and subject.startswith(prefix):
-                return subject
-        return None
-
-    def wait(self, subject: str, *, expected: bool = False) -> asyncio.Future[None]:
-        """A future done when ``subject`` is refused (pass it to :meth:`forget` after);
-        ``expected``: its refusal is an answer, not logged meanwhile."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        key = subject.lower()
-        self._waiting.setdefault(key, []).append(fut)
-        if expected:
-            self._expected[key] = self._expected.get(key, 0) + 1
-        return fut
-
-    def expects(self, subject: str | None) -> bool:
-        """Whether a refusal of ``subject`` (as the server names it) is waited for as an
-        answer."""
-        return subject is not None and subject in self._expected
-
-    def forget(self, subject: str, fut: asyncio.Future[None], *, expected: bool = False) -> None:
-        key = subject.lower()
-        waiting = self._waiting.get(key)
-        if waiting is not None and fut in waiting:
-            waiting.remove(fut)
-            if not waiting:
-                del self._waiting[key]
-        if expected:
-            left = self._expected.get(key, 0) - 1
-            if left > 0:
-                self._expected[key] = left
-            else:
-                self._expected.pop(key, None)
-
-
 class Reconnects:
     """A connection's reconnections: answers sent to it while it was away are lost, so whoever
     waits for one may need to ask again. Listeners are called after each reconnection
@@ -329,46 +258,10 @@ async def or_reconnected(nc: NATS, aw: Awaitable[T], *, reconnects: Reconnects |
         reconnects = reconnects_of(nc)
     if reconnects is None:
         return await aw
-    done = await _unless(aw, reconnects.next())
+    done = await unless(aw, reconnects.next())
     if done is None:
         raise Reconnected
     return done.result()
-
-
-async def _unless(aw: Awaitable[T], signal: asyncio.Future[Any]) -> asyncio.Future[T] | None:
-    """Await ``aw`` or ``signal``, whichever is done first: ``aw`` (as a future: its result
-    or error to take) when it is, None when ``signal`` came first (``aw`` is cancelled)."""
-    task = asyncio.ensure_future(aw)
-    either: set[asyncio.Future[Any]] = {task, signal}
-    try:
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if task.done():
-        return task
-    task.cancel()
-    return None
-
-
-def refused_subject(text: str) -> str | None:
-    """The subject a permissions violation of the server names (its text, as nats-py hands it
-    over), lower-cased as the server writes it; None when it names none."""
-    m = _REFUSED_RE.search(text)
-    return None if m is None else m.group(2).lower()
-
-
-def refusals_of(nc: NATS) -> Refusals | None:
-    """The refusals a connection made by :func:`connect` keeps (None for another one)."""
-    got = getattr(nc, "refusals", None)
-    return got if isinstance(got, Refusals) else None
-
-
-def refused_since(nc: NATS, t0: float, prefix: str) -> str | None:
-    """A subject starting with ``prefix`` that NATS refused ``nc`` since ``t0`` (monotonic):
-    what a request that timed out may have been refused (None: nothing, or not known)."""
-    refusals = refusals_of(nc)
-    return None if refusals is None else refusals.since(t0, prefix)
 
 
 def refused_messages(nc: NATS | None) -> int:
@@ -392,33 +285,6 @@ def connection_counts(named: Mapping[str, NATS | None]) -> tuple[int, dict[str, 
         refused += refused_messages(nc)
         each[name] = (0 if reconnects is None else reconnects.count, nc.is_connected)
     return refused, each
-
-
-def not_permitted(subject: str) -> NotPermittedError:
-    """The error for a subject the server refused this identity."""
-    return NotPermittedError(
-        f"NATS refused this identity the subject {subject!r} (permissions violation): "
-        f"{_REFUSED_HINT}",
-        subject=subject,
-    )
-
-
-async def refused_first(nc: NATS, subject: str, aw: Awaitable[T], *, expected: bool = False) -> T:
-    """Await ``aw`` (a request published on ``subject``), or raise :class:`NotPermittedError`
-    as soon as the server refuses this connection ``subject`` — instead of the request's
-    timeout, long after. ``expected``: the refusal is an answer (a check of what this
-    identity may do), not a fault to log. Not for hot paths: a future and a task per call."""
-    refusals = refusals_of(nc)
-    if refusals is None:
-        return await aw
-    refused = refusals.wait(subject, expected=expected)
-    try:
-        done = await _unless(aw, refused)
-    finally:
-        refusals.forget(subject, refused, expected=expected)
-    if done is None:
-        raise not_permitted(subject)
-    return done.result()
 
 
 async def flushed(nc: NATS) -> None:
