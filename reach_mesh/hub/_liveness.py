@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -69,6 +71,19 @@ class Liveness:
     #: Agents declared LOST lately, per namespace: (when, capabilities) by id.
     _lost: dict[str, OrderedDict[str, tuple[float, tuple[str, ...]]]]
     _listeners: list[StateListener]
+    #: When each agent's lease runs out (``last_seen + lease_timeout``) if it beats no more,
+    #: a heap of (deadline, tiebreak, view): the grading loop looks at an agent when its
+    #: deadline has passed, not at the whole fleet every pass. An entry is not updated by a
+    #: beat (the beat moves ``last_seen`` only): one whose view beat since is pushed again with
+    #: its new deadline when it comes up; one of a view no longer registered is dropped then.
+    _deadlines: list[tuple[float, int, AgentView]]
+    _tiebreak: itertools.count[int]
+    #: The agents the grading loop grades every pass, by id: overdue (their deadline passed),
+    #: or in a state time can end (SUSPECT, QUARANTINED — its breaker half-opens —, DRAINING,
+    #: CORDONED, LOST). An ONLINE agent within its lease is not: nothing but an event (a beat,
+    #: a record, a cordon, a breaker's verdict: each grades it at once) changes its state
+    #: before its deadline.
+    _unsteady: dict[str, AgentView]
 
     def cordoned(self, agent_id: str, record: AgentRecord | None) -> bool:
         raise NotImplementedError
@@ -199,9 +214,50 @@ class Liveness:
 
     def regrade(self, view: AgentView) -> None:
         old = view.state
-        self._grade(view, self._clock())
+        now = self._clock()
+        self._grade(view, now)
         if view.state != old:
             self._notify(view, old)
+        if (
+            now - view.last_seen > view.record.lease_timeout
+            and self.agents.get(view.agent_id) is view
+        ):
+            self._unsteady[view.agent_id] = view  # its last_seen may have moved back (a drill)
+
+    def _track(self, view: AgentView) -> None:
+        """Have the grading loop look at ``view`` when its lease runs out (and at every pass
+        while it is not ONLINE). Called for every record installed (a new view, or a lease
+        that changed); a beat only moves the deadline later, which the heap finds out when
+        the old one comes up."""
+        heapq.heappush(
+            self._deadlines,
+            (view.last_seen + view.record.lease_timeout, next(self._tiebreak), view),
+        )
+        if view.state is not AgentState.ONLINE:
+            self._unsteady[view.agent_id] = view
+        if len(self._deadlines) > 2 * len(self.agents) + 1024:
+            # Entries of views gone (registered again, dropped) wait for their deadline, up
+            # to a day's lease: rebuilt from the registered views when they outnumber them.
+            self._deadlines = [
+                (v.last_seen + v.record.lease_timeout, next(self._tiebreak), v)
+                for v in self.agents.values()
+            ]
+            heapq.heapify(self._deadlines)
+
+    def _due(self, now: float) -> None:
+        """Move the views whose lease ran out by ``now`` from the heap to ``_unsteady``;
+        push those that beat since again, with their new deadline."""
+        heap, agents, unsteady = self._deadlines, self.agents, self._unsteady
+        while heap and heap[0][0] <= now:
+            view = heapq.heappop(heap)[2]
+            agent_id = view.agent_id
+            if agents.get(agent_id) is not view or unsteady.get(agent_id) is view:
+                continue  # gone, or graded every pass already
+            due = view.last_seen + view.record.lease_timeout
+            if due > now:
+                heapq.heappush(heap, (due, next(self._tiebreak), view))
+            else:
+                unsteady[agent_id] = view
 
     async def _grade_loop(self) -> None:
         interval = self._settings.liveness_interval
@@ -217,13 +273,14 @@ class Liveness:
                 # Cut off from NATS: no beat reaches this hub (its watches may not notice).
                 # Blind until a lease after it is back, as after a failed watch.
                 self._went_blind("cut off from NATS")
+            self._due(now)
             grace = self._settings.suspect_timeout
             # Every overdue view, LOST ones included: a view graded LOST when its record was
             # installed (by an old beat) is confirmed like any other before it is expired —
             # read from a leader that could store its beats since its lease lapsed (asked
-            # once per pass), or not at all.
+            # once per pass), or not at all. (Every overdue view is in ``_unsteady``.)
             heard: float | None = None
-            for view in list(self.agents.values()):
+            for view in list(self._unsteady.values()):
                 lease = view.record.lease_timeout
                 if now - view.last_seen > lease + grace and not self._blind(now, lease):
                     if heard is None:
@@ -232,13 +289,28 @@ class Liveness:
                         await self._confirm_overdue(view)
             now = self._clock()
             lost: list[AgentView] = []
-            for view in list(self.agents.values()):
+            agents, unsteady = self.agents, self._unsteady
+            for agent_id, view in list(unsteady.items()):
+                if agents.get(agent_id) is not view:
+                    if unsteady.get(agent_id) is view:
+                        del unsteady[agent_id]  # gone, or registered again (a view of its own)
+                    continue
                 old = view.state
                 self._grade(view, now)
                 if view.state != old:
                     self._notify(view, old)
                 if view.state is AgentState.LOST:
                     lost.append(view)
+                elif (
+                    view.state is AgentState.ONLINE
+                    and now - view.last_seen <= view.record.lease_timeout
+                    and unsteady.get(agent_id) is view
+                ):
+                    del unsteady[agent_id]  # steady again: looked at when its lease runs out
+                    heapq.heappush(
+                        self._deadlines,
+                        (view.last_seen + view.record.lease_timeout, next(self._tiebreak), view),
+                    )
             for view in lost:
                 await self._expire(view)
 
@@ -283,6 +355,8 @@ class Liveness:
         )
 
     def _notify(self, view: AgentView, old: AgentState) -> None:
+        if view.state is not AgentState.ONLINE and self.agents.get(view.agent_id) is view:
+            self._unsteady[view.agent_id] = view
         if view.state is AgentState.SUSPECT and old is AgentState.ONLINE:
             log_event(
                 log,

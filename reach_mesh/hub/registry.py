@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
@@ -91,6 +92,9 @@ class Registry(Liveness):
         #: of that session, by agent id.
         self._early_beats: dict[str, tuple[str, int]] = {}
         self.index = AgentIndex()
+        self._deadlines = []
+        self._tiebreak = itertools.count()
+        self._unsteady = {}
         self._agents_kv: KeyValue | None = None
         self._hb_kv: KeyValue | None = None
         #: One-off reads (``fetch``): direct gets asked again when a replica does not answer
@@ -346,6 +350,7 @@ class Registry(Liveness):
         self._grade(view, self._clock())
         if view.state != old_state:
             self._notify(view, old_state)
+        self._track(view)
         return view
 
     def _apply_heartbeat(self, entry: KeyValue.Entry, *, initial: bool) -> None:
@@ -396,6 +401,7 @@ class Registry(Liveness):
         """Remove the agent; its listeners are told it is LOST (gone), and ``lost=False``
         (a goodbye, a delete this hub cannot call a loss) marks it ``left``."""
         view = self.agents.pop(agent_id, None)
+        self._unsteady.pop(agent_id, None)
         self.index.remove(agent_id)
         if view is not None:
             if view.breaker.state is not BreakerState.CLOSED or not view.health.healthy:
