@@ -59,6 +59,9 @@ class AgentView:
     #: KV revision of the newest heartbeat applied (this hub's own writes are not re-applied
     #: when its watch delivers them back).
     hb_revision: int = 0
+    #: KV revision of the newest heartbeat this hub wrote for the view: its watch delivering
+    #: it back is known for one at once, without reading it.
+    hb_own_revision: int = 0
     #: When this hub last wrote the agent's heartbeat to KV, and the state it wrote
     #: (draining, unavailable, pressure): beats in between that say nothing new are not
     #: written; a change that came too soon is written once the gap has passed.

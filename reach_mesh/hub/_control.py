@@ -95,6 +95,23 @@ VIEWS_AT_ONCE: Final = 8
 LIST_CHARGE: Final = 10
 
 
+#: ``HeartbeatReply`` bodies by (state, lease): a beat's answer is one of a few.
+_HB_REPLIES: dict[tuple[AgentState, float], bytes] = {}
+_HB_REPLIES_MAX: Final = 1024
+
+
+def _heartbeat_reply(state: AgentState, lease_timeout: float) -> bytes:
+    key = (state, lease_timeout)
+    body = _HB_REPLIES.get(key)
+    if body is None:
+        if len(_HB_REPLIES) >= _HB_REPLIES_MAX:  # leases are the agents' to choose
+            _HB_REPLIES.clear()
+        body = _HB_REPLIES[key] = protocol.encode(
+            HeartbeatReply(state=state, lease_timeout=lease_timeout)
+        )
+    return body
+
+
 class ControlMixin:
     """The registry-verb, report and admin methods of ``Hub`` (which sets every attribute
     below in its ``__init__`` and ``start``)."""
@@ -186,9 +203,7 @@ class ControlMixin:
         self._check_identity(msg.subject, "heartbeat", hb.agent_id)
         view = await self.registry.heartbeat(hb)
         self.metrics.heartbeat_total.inc()
-        return protocol.encode(
-            HeartbeatReply(state=view.state, lease_timeout=view.record.lease_timeout)
-        )
+        return _heartbeat_reply(view.state, view.record.lease_timeout)
 
     async def _on_unregister(self, msg: Msg, ns: str) -> bytes:
         req = protocol.decode(msg.data, UnregisterRequest, max_size=64 * 1024)

@@ -28,7 +28,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import JsClient
+from reach_mesh._jspub import JsClient, kv_subject
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
@@ -60,6 +60,10 @@ _CHANGE_GAP: Final = 0.05
 _EARLY_BEATS_MAX: Final = 16_384
 #: Dropped agents whose breaker and health are remembered (``Registry._kept``), at most.
 _KEPT_MAX: Final = 10_000
+_NONE: Final[frozenset[str]] = frozenset()
+#: How long a heartbeat's KV write waits for JetStream's ack (as the hub's JetStream context,
+#: which ``KeyValue.put`` used).
+_WRITE_TIMEOUT: Final = 10.0
 
 
 class Registry(Liveness):
@@ -360,11 +364,13 @@ class Registry(Liveness):
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
             self._early_beats.pop(entry.key, None)
             return
+        revision = entry.revision or 0
+        if view is not None and revision == view.hb_own_revision:
+            return  # this hub's own write of the view's beat, coming back: applied already
         try:
             hb = HeartbeatRecord.model_validate_json(entry.value)
         except ValidationError:
             return
-        revision = entry.revision or 0
         if view is None or hb.session != view.record.session:
             # Before its record — a new agent's, or a restarted one's new session (the
             # registration writes its heartbeat first, and the two buckets are watched
@@ -387,7 +393,7 @@ class Registry(Liveness):
         view.inflight = hb.inflight
         view.queue_depth = hb.queue_depth
         view.pressure = hb.pressure
-        view.unavailable = frozenset(hb.unavailable)
+        view.unavailable = frozenset(hb.unavailable) if hb.unavailable else _NONE
         view.draining = hb.draining
         # A live heartbeat slowly restores health (+1 per beat): an agent demoted by past
         # failures is not left in the fallback tier forever once it behaves.
@@ -462,7 +468,9 @@ class Registry(Liveness):
                 agent_id=hb.agent_id,
             )
         assert self._hb_kv is not None
-        record = HeartbeatRecord(
+        # Validated already, as a ``Heartbeat`` (whose fields are these, each as strict or
+        # stricter): not validated a second time on every beat.
+        record = HeartbeatRecord.model_construct(
             session=hb.session,
             inflight=hb.inflight,
             queue_depth=hb.queue_depth,
@@ -509,15 +517,25 @@ class Registry(Liveness):
         view.hb_written_at = now
         view.hb_written_state = view.beat_state
         view.hb_unwritten = None
+        assert self._reads is not None
         try:
-            revision = await self._hb_kv.put(view.agent_id, protocol.encode(record))
+            # Not ``KeyValue.put``: nats-py's request machinery (a NUID inbox, ``wait_for``, a
+            # ``PubAck`` built by introspection) cost more than the rest of the beat.
+            ack = await self._reads.publish(
+                self._hb_subject(view.agent_id), protocol.encode(record), timeout=_WRITE_TIMEOUT
+            )
         except Exception as err:
             # The other hubs will not see this beat, and we may be missing theirs: trust no
             # silence for a while (the agent's next beat writes again).
             self._went_blind(f"cannot write a heartbeat: {describe(err)}", err)
             view.hb_written_at = -math.inf
             raise
-        view.hb_revision = max(view.hb_revision, revision)
+        view.hb_own_revision = ack.seq
+        view.hb_revision = max(view.hb_revision, ack.seq)
+
+    @staticmethod
+    def _hb_subject(agent_id: str) -> str:
+        return kv_subject(protocol.KV_HEARTBEATS, agent_id)
 
     async def unregister(self, agent_id: str, session: str | None) -> bool:
         assert self._agents_kv is not None and self._hb_kv is not None
