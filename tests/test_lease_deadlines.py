@@ -14,8 +14,8 @@ import nats
 
 from reach_mesh import MeshSettings, protocol
 from reach_mesh.hub import Hub
-from reach_mesh.hub.registry import AgentView
-from reach_mesh.models import AgentCard, AgentState, Heartbeat, RegisterRequest
+from reach_mesh.hub.registry import AgentView, stored_beat
+from reach_mesh.models import AgentCard, AgentState, Heartbeat, HeartbeatRecord, RegisterRequest
 
 from .helpers import eventually
 
@@ -161,3 +161,25 @@ async def test_a_drill_that_moves_last_seen_back_is_graded(
         await eventually(lambda: seen[-1][1] is AgentState.LOST, timeout=5)
     finally:
         await nc.close()
+
+
+def test_a_beat_is_stored_as_its_heartbeat_record() -> None:
+    """What a hub writes for a beat (its fields but the agent id) reads back as the
+    ``HeartbeatRecord`` the beat's fields make, whatever the beat says."""
+    beats = [
+        Heartbeat(agent_id="ns.svc.a1", session="s1"),
+        Heartbeat(
+            agent_id="ns.svc.a1",
+            session="s" * 64,
+            inflight=3,
+            queue_depth=7,
+            pressure=0.25,
+            unavailable=["x:y:v1", "é:ü:v2"],
+            draining=True,
+        ),
+    ]
+    for hb in beats:
+        stored = HeartbeatRecord.model_validate_json(stored_beat(hb))
+        fields = hb.model_dump(exclude={"agent_id"})
+        assert stored == HeartbeatRecord(**fields)
+        assert "agent_id" not in protocol.loads(stored_beat(hb))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
-from reach_mesh.models import AgentInfo, AgentRecord, AgentState, HeartbeatRecord
+from reach_mesh.models import AgentInfo, AgentRecord, AgentState, Heartbeat
 
 __all__ = ["ATTENTION", "AgentView", "StateListener"]
 
@@ -68,7 +68,7 @@ class AgentView:
     hb_written_at: float = -math.inf
     hb_written_state: tuple[bool, frozenset[str], float] | None = None
     #: The newest beat not written (and whether a write of it is scheduled).
-    hb_unwritten: HeartbeatRecord | None = None
+    hb_unwritten: Heartbeat | None = None
     hb_trailing: bool = False
     #: Tasks this hub has delivered to the agent and not yet seen finish.
     outstanding: int = 0

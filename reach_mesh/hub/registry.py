@@ -66,6 +66,13 @@ _NONE: Final[frozenset[str]] = frozenset()
 _WRITE_TIMEOUT: Final = 10.0
 
 
+def stored_beat(hb: Heartbeat) -> bytes:
+    """The ``HeartbeatRecord`` a validated beat is stored as, encoded: the beat's fields but its
+    agent id (the key), each of which the beat validated as strictly as the record would. Not
+    a record built, validated again and dumped, on every beat."""
+    return hb.model_dump_json(exclude={"agent_id"}, exclude_none=True).encode()
+
+
 class Registry(Liveness):
     """Registry state of one hub: KV buckets + watchers + index + lease grading."""
 
@@ -387,7 +394,9 @@ class Registry(Liveness):
         view.hb_revision = revision
         self.apply_heartbeat(view, hb, seen_at=self._seen_at(entry, initial))
 
-    def apply_heartbeat(self, view: AgentView, hb: HeartbeatRecord, *, seen_at: float) -> None:
+    def apply_heartbeat(
+        self, view: AgentView, hb: HeartbeatRecord | Heartbeat, *, seen_at: float
+    ) -> None:
         view.last_seen = max(view.last_seen, seen_at)
         view.spoke_at = max(view.spoke_at, seen_at)
         view.inflight = hb.inflight
@@ -468,21 +477,11 @@ class Registry(Liveness):
                 agent_id=hb.agent_id,
             )
         assert self._hb_kv is not None
-        # Validated already, as a ``Heartbeat`` (whose fields are these, each as strict or
-        # stricter): not validated a second time on every beat.
-        record = HeartbeatRecord.model_construct(
-            session=hb.session,
-            inflight=hb.inflight,
-            queue_depth=hb.queue_depth,
-            pressure=hb.pressure,
-            unavailable=hb.unavailable,
-            draining=hb.draining,
-        )
         # This hub counts the beat at once; the KV write tells the other hubs. If JetStream is
         # briefly unavailable (leader election) the beat still renews the lease here and the
         # error goes back to the agent, whose next beat writes again.
         now = self._clock()
-        self.apply_heartbeat(view, record, seen_at=now)
+        self.apply_heartbeat(view, hb, seen_at=now)
         # A beat soon after the last one written renews the lease here only, unless it
         # changes what the agent takes: a flood of beats must not become a flood of KV writes
         # (and of state events), and the others' leases last far longer than the gap.
@@ -490,14 +489,14 @@ class Registry(Liveness):
         gap = _CHANGE_GAP if changed else view.record.heartbeat_interval / 4
         wait = view.hb_written_at + gap - now
         if wait > 0:
-            view.hb_unwritten = record
+            view.hb_unwritten = hb
             if changed and not view.hb_trailing:  # the change is written when the gap ends
                 view.hb_trailing = True
                 task = asyncio.get_running_loop().create_task(self._trailing(view, wait))
                 self._trailers.add(task)
                 task.add_done_callback(self._trailers.discard)
             return view
-        await self._write_beat(view, record, now)
+        await self._write_beat(view, hb, now)
         return view
 
     async def _trailing(self, view: AgentView, wait: float) -> None:
@@ -512,7 +511,7 @@ class Registry(Liveness):
         with contextlib.suppress(Exception):  # the agent's next beat writes again
             await self._write_beat(view, record, self._clock())
 
-    async def _write_beat(self, view: AgentView, record: HeartbeatRecord, now: float) -> None:
+    async def _write_beat(self, view: AgentView, hb: Heartbeat, now: float) -> None:
         assert self._hb_kv is not None
         view.hb_written_at = now
         view.hb_written_state = view.beat_state
@@ -522,7 +521,7 @@ class Registry(Liveness):
             # Not ``KeyValue.put``: nats-py's request machinery (a NUID inbox, ``wait_for``, a
             # ``PubAck`` built by introspection) cost more than the rest of the beat.
             ack = await self._reads.publish(
-                self._hb_subject(view.agent_id), protocol.encode(record), timeout=_WRITE_TIMEOUT
+                self._hb_subject(view.agent_id), stored_beat(hb), timeout=_WRITE_TIMEOUT
             )
         except Exception as err:
             # The other hubs will not see this beat, and we may be missing theirs: trust no
