@@ -288,6 +288,7 @@ class Liveness:
                     if heard is not None and self._could_store(view, heard, now):
                         await self._confirm_overdue(view)
             now = self._clock()
+            self._due(now)  # (and those whose lease ran out while the reads above waited)
             lost: list[AgentView] = []
             agents, unsteady = self.agents, self._unsteady
             for agent_id, view in list(unsteady.items()):
