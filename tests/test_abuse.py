@@ -19,6 +19,7 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh._consume import PullConsumer
+from reach_mesh._jspub import Ack
 from reach_mesh._nats import reconnects_of, refused_messages
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import UnknownAgentError
@@ -68,16 +69,18 @@ async def test_a_heartbeat_flood_is_not_a_kv_write_flood(
     try:
         await _registered(nc, agent_id, ["x:y:v1"])
         view = hub.registry.agents[agent_id]
-        kv = hub.registry._hb_kv
-        assert kv is not None
+        jsc = hub.registry._reads  # (a beat's KV write is an acked publish of this client)
+        assert jsc is not None
         writes: list[str] = []
-        put = kv.put
+        publish = jsc.publish
+        hb_subject = f"$KV.{protocol.KV_HEARTBEATS}."
 
-        async def counted(key: str, value: bytes) -> int:  # the real write, counted
-            writes.append(key)
-            return await put(key, value)
+        async def counted(subject: str, body: bytes, *args: Any, **kw: Any) -> Ack:
+            if subject.startswith(hb_subject):  # the real write, counted
+                writes.append(subject[len(hb_subject) :])
+            return await publish(subject, body, *args, **kw)
 
-        monkeypatch.setattr(kv, "put", counted)
+        monkeypatch.setattr(jsc, "publish", counted)
         beat = protocol.encode(Heartbeat(agent_id=agent_id, session="s1"))
         subject = protocol.hub_agent_subject(agent_id, "heartbeat")
         answers = await asyncio.gather(*(_ask(nc, subject, beat) for _ in range(200)))
