@@ -100,6 +100,8 @@ class ChaosConfig:
     #: Workflows of slower steps that their caller cancels 0-1.2 s after submitting them
     #: (cancelled, or ended first: either is right; the cancel's answer must be the truth).
     cancel_share: float = 0.05
+    #: Policy fanouts (``any``, ``quorum(2)``) planned so that the policy cannot be met.
+    lose_share: float = 0.15
     drain: float = 60.0  # seconds callers wait for results after the last submission
     #: Routed requests sent over the same time as the workflows (None: half as many), half
     #: in proxy mode, half direct; a share fails non-retryably.

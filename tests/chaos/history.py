@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .policies import check_policy, result_matches
+
 FINAL = frozenset({"SUCCEEDED", "FAILED", "TIMEOUT"})
 #: Fault kinds that may explain a second run of a step: the agent that ran it died or was
 #: paused past its lease (then the mesh may re-dispatch, by design: the at-least-once window).
@@ -83,6 +85,10 @@ class Expected:
     #: A caller cancels it while it runs: FAILED with ``REACH_WORKFLOW_CANCELLED`` is right
     #: too (the cancel came first), and so is ``state`` (the workflow ended first).
     cancellable: bool = False
+    #: The fanout's completion policy; other than ``all`` (tests/chaos/policies.py), the
+    #: result is checked step by step: ``values`` holds each step's value, were it needed.
+    policy: str = "all"
+    values: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,18 @@ class Report:
     #: A handler of a cancelled workflow started after the cancel's final answer.
     ran_after_cancel: int = 0
     cancels: int = 0
+    #: Fanouts with a policy that decides early (``any``, ``quorum(k)``), and their steps
+    #: stopped as unneeded (informative).
+    policy_fanouts: int = 0
+    stopped_unneeded: int = 0
+    #: A step stopped as unneeded reported as a failure (or its error the workflow's), or a
+    #: step of a decided result neither ended nor stopped.
+    unneeded_as_failure: int = 0
+    #: A step that ended with a result before the policy decided, stopped as unneeded.
+    needed_not_kept: int = 0
+    #: Handlers of steps stopped as unneeded started after the result was stored
+    #: (informative: that fence is best effort).
+    unneeded_late_starts: int = 0
     caller_errors: int = 0
     routes: int = 0
     #: A routed request its caller never had an answer for (asked again until the drain).
@@ -217,6 +235,8 @@ class Report:
             or self.stuck
             or self.wrong_outcome
             or self.first_result_lost
+            or self.unneeded_as_failure
+            or self.needed_not_kept
             or self.two_results
             or self.dup_unexplained
             or self.cancel_untrue
@@ -244,6 +264,11 @@ class Report:
             "cancel answer untrue": self.cancel_untrue,
             "ran after its cancel": self.ran_after_cancel,
             "step record != result": self.step_record_mismatch,
+            "policy fanouts (any, quorum)": self.policy_fanouts,
+            "steps stopped as unneeded": self.stopped_unneeded,
+            "unneeded step as failure": self.unneeded_as_failure,
+            "needed result not kept": self.needed_not_kept,
+            "unneeded step started late": self.unneeded_late_starts,
             "handler runs": self.runs,
             "caller errors": self.caller_errors,
             "routes": self.routes,
@@ -284,6 +309,8 @@ def _record_outcome(record: Mapping[str, Any] | None) -> Outcome | None:
 def _matches(expected: Expected, got: Outcome) -> bool:
     if got.error == CANCELLED:
         return expected.cancellable and got.state == "FAILED"
+    if expected.policy != "all":
+        return result_matches(expected, got.state, got.result, got.steps)
     if got.state != expected.state:
         return False
     return expected.state != "SUCCEEDED" or got.result == expected.result
@@ -337,6 +364,27 @@ def _around_frozen(prev: Run, dup: Run, faults: list[Fault]) -> bool:
     )
 
 
+def _held_up(run: Run, faults: list[Fault]) -> bool:
+    """Whether a fault may have kept ``run``'s outcome from the hubs: its agent died or was
+    paused right then, or a partition held its result up on the far side (stored after
+    another's)."""
+    end = run.end or run.start
+    return any(
+        (
+            f.kind in AGENT_FAULTS
+            and f.target == run.agent_id
+            and run.start - SLACK <= f.at <= end + SLACK
+        )
+        or (
+            f.kind in CUT_OFF_FAULTS
+            and run.agent_id in f.cut_off
+            and f.at - SLACK <= end
+            and run.start <= (f.until or f.at) + SLACK
+        )
+        for f in faults
+    )
+
+
 def _first_result_lost(
     step: Mapping[str, Any], task: Mapping[str, Any], runs: list[Run], faults: list[Fault]
 ) -> str | None:
@@ -353,24 +401,9 @@ def _first_result_lost(
         return None
     first = done[0]
     decided = {step.get("decided_by")}
-    if first.attempt in decided:
+    if first.attempt in decided or _held_up(first, faults):
         return None
     end = first.end or first.start
-    if any(
-        f.kind in AGENT_FAULTS
-        and f.target == first.agent_id
-        and first.start - SLACK <= f.at <= end + SLACK
-        for f in faults
-    ):
-        return None
-    if any(  # its result held up on the far side of a partition, stored after another's
-        f.kind in CUT_OFF_FAULTS
-        and first.agent_id in f.cut_off
-        and f.at - SLACK <= end
-        and first.start <= (f.until or f.at) + SLACK
-        for f in faults
-    ):
-        return None
     return (
         f"{first.task_id}: {first.agent_id}#{first.attempt} ended {first.outcome} at {end:.3f}, "
         f"the result says attempt {step.get('decided_by')} decided ({step['state']}); history "
@@ -386,8 +419,11 @@ def check(h: History) -> Report:
     runs_by_task: dict[str, list[Run]] = defaultdict(list)
     #: task id -> its StepResult in the stored workflow result (the one source of truth).
     steps: dict[str, Mapping[str, Any]] = {}
+    runs_by_wf: dict[str, list[Run]] = defaultdict(list)
     for run in h.runs:
         runs_by_task[run.task_id].append(run)
+        if run.workflow_id is not None:
+            runs_by_wf[run.workflow_id].append(run)
 
     for wf, exp in sorted(h.expected.items()):
         record = h.records.get(wf)
@@ -444,6 +480,8 @@ def check(h: History) -> Report:
                 f"got {final.state} {json.dumps(final.result)[:80]}",
             )
         result = (record or {}).get("result") or {}
+        if exp.policy != "all":
+            _check_policy(rep, wf, result, runs_by_wf.get(wf, []), h.faults)
         for step in result.get("steps") or ():
             steps[str(step.get("task_id"))] = step
             task = h.tasks.get(str(step.get("task_id")))
@@ -462,10 +500,6 @@ def check(h: History) -> Report:
                     f"task record {task.get('state')} (attempt {task.get('attempt')})",
                 )
 
-    runs_by_wf: dict[str, list[Run]] = defaultdict(list)
-    for run in h.runs:
-        if run.workflow_id is not None:
-            runs_by_wf[run.workflow_id].append(run)
     for wf, answer in sorted(h.cancels.items()):
         _check_cancel(rep, wf, answer, h, runs_by_wf.get(wf, []))
 
@@ -513,6 +547,23 @@ def check(h: History) -> Report:
                     f"#{prev.attempt}: {codes.get(prev.attempt)}",
                 )
     return rep
+
+
+def _check_policy(
+    rep: Report, wf: str, result: Mapping[str, Any], runs: list[Run], faults: list[Fault]
+) -> None:
+    """A fanout whose policy decides early (tests/chaos/policies.py)."""
+    rep.policy_fanouts += 1
+    got = check_policy(result, runs, lambda run: _held_up(run, faults))
+    rep.stopped_unneeded += got.stopped
+    rep.unneeded_late_starts += got.late_starts
+    for column, detail in got.problems:
+        if column == "needed":
+            rep.needed_not_kept += 1
+            rep.add("needed result not kept", wf, detail)
+        else:
+            rep.unneeded_as_failure += 1
+            rep.add("unneeded step as failure", wf, detail)
 
 
 def _check_routes(rep: Report, h: History) -> None:
@@ -654,7 +705,10 @@ def load(run_dir: Path) -> History:
     ``faults.jsonl``), to check it again: ``python -m tests.chaos.history chaos-out/node_kill``."""
     data = json.loads((run_dir / "history.json").read_text())
     return History(
-        expected={k: Expected(**v) for k, v in data["expected"].items()},
+        expected={
+            k: Expected(**{**v, "values": tuple(v.get("values") or ())})
+            for k, v in data["expected"].items()
+        },
         runs=read_runs(p for p in run_dir.glob("*.jsonl") if p.name != "faults.jsonl"),
         records=data["records"],
         tasks=data["tasks"],

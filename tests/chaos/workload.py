@@ -8,7 +8,7 @@ import asyncio
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import nats
@@ -18,6 +18,7 @@ from reach_mesh.errors import ReachError
 
 from .agent_proc import CAPABILITY
 from .history import Expected, ExpectedRoute
+from .policies import POLICIES, expected_state
 
 if TYPE_CHECKING:
     from .harness import ChaosConfig
@@ -33,6 +34,13 @@ class Planned:
     expected: Expected
     #: Seconds after its submission its caller cancels it (None: never).
     cancel_after: float | None = None
+    #: A fanout's completion policy (tests/chaos/policies.py).
+    policy: str = "all"
+
+
+#: Handler times (ms) of a policy fanout's steps by speed rank: the policy decides on the
+#: fast ones, before the slowest ends (it is stopped as unneeded).
+SPEEDS = ((20, 150), (300, 600), (1800, 3000))
 
 
 def plan(cfg: ChaosConfig) -> list[Planned]:
@@ -40,11 +48,18 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
     is slower than its timeout, and a share is cancelled by its caller (one of its steps fails
     once, retryably, and has ``retries=1``: that second run is the only planned one, logged
     after a ``flaky`` run). Every other step has ``retries=0``: a second handler run of it is
-    never a planned retry."""
+    never a planned retry.
+
+    Half the fanouts (two in every eight workflows) have a policy that decides before every
+    step ended — ``any`` and ``quorum(2)`` in turn (tests/chaos/policies.py) — their steps of
+    three speeds (``SPEEDS``); a share of them (``cfg.lose_share``) cannot meet it: ``any``
+    with every step failing (or every one slower than its timeout), ``quorum(2)`` with two
+    (the third, the slowest, stopped as unneeded)."""
     rng = random.Random(cfg.seed)
     out: list[Planned] = []
     for i in range(cfg.workflows):
         kind = "fanout" if i % 2 == 0 else "chain"
+        policy = POLICIES[(i % 8 - 4) // 2] if i % 8 in (4, 6) else "all"
         r = rng.random()
         variant = (
             "fail"
@@ -59,11 +74,22 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
         x0 = rng.randrange(1000)
         wf_id = f"{cfg.namespace}-{cfg.seed}-{i:05d}"
         # A quarter of them (a chain and a fanout in every eight) name their steps' task ids:
-        # such steps are claimed (their record created) before they are sent.
-        named = i % 8 in (1, 2)
+        # such steps are claimed (their record created) before they are sent; and every
+        # other ``any`` fanout (its unneeded steps fenced with claimed records).
+        named = i % 8 in (1, 2) or i % 16 == 4
+        speed: list[int] = []
+        losing: set[int] = set()
+        if policy != "all":
+            speed = rng.sample(range(3), 3)  # step -> speed rank
+            lose = rng.random()
+            if variant in ("", "fail", "slow") and lose < cfg.lose_share:
+                variant = "fail" if lose < cfg.lose_share / 2 else "slow"
+                # Out of reach: every step fails (any), or the two fastest (quorum(2)).
+                losing = {k for k in range(3) if policy == "any" or speed[k] < 2}
         steps = []
+        modes = []
         for k in range(3):
-            mode = variant if k == odd and variant != "cancel" else "ok"
+            mode = variant if (k == odd or k in losing) and variant != "cancel" else "ok"
             if mode == "slow" and i % 4 >= 2:
                 mode = "stubborn"  # as slow, and it ignores its cancellation
             if variant == "cancel":
@@ -71,8 +97,13 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
                 # retried (a failure handled by the hub must not become the step's outcome).
                 mode = "flaky" if k == odd else "ok"
                 ms = rng.randint(200, 1500)
+            elif mode in ("slow", "stubborn"):
+                ms = 2500
+            elif speed:
+                ms = rng.randint(*SPEEDS[speed[k]])
             else:
-                ms = 2500 if mode in ("slow", "stubborn") else rng.randint(20, 300)
+                ms = rng.randint(20, 300)
+            modes.append(mode)
             payload: dict[str, Any] = {"mode": mode, "ms": ms}
             if kind == "fanout" or k == 0:
                 payload["x"] = x0 + k if kind == "fanout" else x0
@@ -86,7 +117,10 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
                 )
             )
         cancel_after = rng.uniform(0.0, 1.2) if variant == "cancel" else None
-        if variant == "fail":
+        if policy != "all":
+            values = tuple({"x": x0 + k + 1} for k in range(3))
+            exp = Expected(kind, expected_state(policy, modes), policy=policy, values=values)
+        elif variant == "fail":
             exp = Expected(kind, "FAILED")
         elif variant == "slow":
             exp = Expected(kind, "TIMEOUT")
@@ -95,8 +129,8 @@ def plan(cfg: ChaosConfig) -> list[Planned]:
         else:
             exp = Expected(kind, "SUCCEEDED", {"x": x0 + 3})
         if cancel_after is not None:
-            exp = Expected(exp.kind, exp.state, exp.result, cancellable=True)
-        out.append(Planned(wf_id, kind, steps, exp, cancel_after))
+            exp = replace(exp, cancellable=True)
+        out.append(Planned(wf_id, kind, steps, exp, cancel_after, policy))
     return out
 
 
@@ -160,10 +194,12 @@ async def drive(
     deadline = time.monotonic() + cfg.workflows / cfg.rate + cfg.drain
 
     async def one(p: Planned) -> None:
-        submit = client.submit_fanout if p.kind == "fanout" else client.submit_chain
         while True:
             try:
-                await submit(p.steps, workflow_id=p.workflow_id)
+                if p.kind == "fanout":
+                    await client.submit_fanout(p.steps, policy=p.policy, workflow_id=p.workflow_id)
+                else:
+                    await client.submit_chain(p.steps, workflow_id=p.workflow_id)
                 break
             except (ReachError, nats.errors.Error, TimeoutError) as err:
                 text = str(err).replace(p.workflow_id, "<id>")

@@ -1,0 +1,175 @@
+"""Fanouts whose completion policy decides before every step finished (``any``,
+``quorum(k)``) in the chaos suite: what the workload plans for them (:func:`expected_state`)
+and what the checker holds them to (:func:`result_matches`, :func:`check_policy`;
+docs/reliability.md).
+
+The hub stops the steps such a fanout no longer needs once its policy is met or out of reach
+(``_fanout`` in ``reach_mesh/hub/_shapes.py``): their records are marked ``cancelled`` and
+their running handlers are told to stop. The promises checked here:
+
+- the outcome follows the policy from the steps' real outcomes: SUCCEEDED iff ``k`` steps
+  succeeded (their results in the result list, ``None`` for every other step); otherwise
+  TIMEOUT iff every step that failed timed out, else FAILED;
+- a step stopped as unneeded is reported so (``cancelled``, not FAILED/TIMEOUT) and never
+  counted as a failure: the workflow's error is a real failure's;
+- no needed result is thrown away: a step that succeeded (or failed for good) before the
+  policy decided is not stopped as unneeded;
+- a step stopped as unneeded starts no handler after the result was stored (informative: the
+  fence of an unneeded branch is best effort, docs/workflows.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from reach_mesh.workflow import parse_policy
+
+if TYPE_CHECKING:
+    from .history import Expected, Run
+
+#: The policies the workload gives a share of its fanouts (beside the default ``all``).
+POLICIES = ("any", "quorum(2)")
+#: Planned step modes that end SUCCEEDED (``flaky`` after its one planned retry).
+SUCCESS_MODES = frozenset({"ok", "flaky"})
+#: Modes that end TIMEOUT (slower than the step's timeout).
+TIMEOUT_MODES = frozenset({"slow", "stubborn"})
+#: A step that ended with a result this long (s) before the policy decided was needed: it
+#: must not be stopped as unneeded (its status had reached the hub long before).
+DECIDE_SLACK = 0.3
+#: Slack (s) after the result was stored before an unneeded step's start counts as late.
+LATE_SLACK = 0.3
+
+FINAL = frozenset({"SUCCEEDED", "FAILED", "TIMEOUT"})
+
+
+def need(policy: str, branches: int) -> int:
+    """How many successes complete a fanout of ``branches`` steps under ``policy``."""
+    return parse_policy(policy, branches)
+
+
+def expected_state(policy: str, modes: Sequence[str]) -> str:
+    """The outcome a fanout of steps planned as ``modes`` must end with under ``policy``:
+    SUCCEEDED when enough of them succeed, else TIMEOUT when every step that does not succeed
+    times out, else FAILED. (The workload plans the failures of a fanout that cannot succeed
+    all of one kind, so which failure the policy meets first does not matter.)"""
+    succeeding = sum(m in SUCCESS_MODES for m in modes)
+    if succeeding >= need(policy, len(modes)):
+        return "SUCCEEDED"
+    failing = [m for m in modes if m not in SUCCESS_MODES]
+    return "TIMEOUT" if all(m in TIMEOUT_MODES for m in failing) else "FAILED"
+
+
+def result_matches(exp: Expected, state: str, result: Any, steps: Sequence[str]) -> bool:
+    """A policy fanout's final state and result (not a cancel's): the planned state; when
+    SUCCEEDED, at least ``k`` steps SUCCEEDED, each with its planned value in the result list
+    and ``None`` for every other step."""
+    if state != exp.state:
+        return False
+    if state != "SUCCEEDED":
+        return True
+    values = list(exp.values)
+    if not isinstance(result, list) or len(result) != len(values) or len(steps) != len(values):
+        return False
+    if sum(s == "SUCCEEDED" for s in steps) < need(exp.policy, len(values)):
+        return False
+    return all(
+        got == (values[i] if steps[i] == "SUCCEEDED" else None) for i, got in enumerate(result)
+    )
+
+
+@dataclass
+class PolicyCheck:
+    """What :func:`check_policy` found in one policy fanout."""
+
+    #: Steps stopped as unneeded (``cancelled`` in a result the policy decided).
+    stopped: int = 0
+    #: Handlers of such steps started after the result was stored (informative).
+    late_starts: int = 0
+    #: (column, detail) per violation: ``unneeded`` (a step stopped as unneeded counted as
+    #: a failure, or left neither finished nor stopped) or ``needed`` (a needed result
+    #: thrown away).
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+
+def check_policy(
+    result: Mapping[str, Any],
+    runs: Sequence[Run],
+    explained: Callable[[Run], bool],
+) -> PolicyCheck:
+    """The stored result of one policy fanout against its handlers' runs (``runs``: every run
+    of its steps). ``explained(run)``: a fault may have kept that run's outcome from the hub
+    (its agent killed, paused or cut off around it). A fanout stopped by its caller's cancel
+    is left to the cancel checks (only its steps' states are checked here)."""
+    out = PolicyCheck()
+    steps = list(result.get("steps") or ())
+    by_step: dict[int, list[Run]] = {}
+    for run in runs:
+        if run.step is not None:
+            by_step.setdefault(run.step, []).append(run)
+    error = result.get("error")
+    cancelled_by_caller = isinstance(error, dict) and error.get("code") == _CANCELLED
+    for s in steps:
+        if s.get("cancelled") and s.get("state") in ("FAILED", "TIMEOUT"):
+            out.problems.append(
+                ("unneeded", f"step {s.get('index')} stopped as unneeded says {s.get('state')}")
+            )
+        elif not s.get("cancelled") and s.get("state") not in FINAL:
+            out.problems.append(
+                ("unneeded", f"step {s.get('index')} {s.get('state')}: neither ended nor stopped")
+            )
+    if cancelled_by_caller:
+        return out
+    decided = [s for s in steps if not s.get("cancelled") and s.get("state") in FINAL]
+    if result.get("state") != "SUCCEEDED":
+        # The error is one of a step that really failed, never of a stopped one.
+        real = [s.get("error") for s in decided if s.get("state") != "SUCCEEDED"]
+        if error not in real:
+            out.problems.append(
+                ("unneeded", f"{result.get('state')} with error {error!r:.100}, not a step's")
+            )
+    # When the policy decided: the last of the deciding outcomes (its handler's end, else the
+    # time the hub recorded the step's outcome).
+    ends: list[float] = []
+    for s in decided:
+        deciding = [
+            r.end
+            for r in by_step.get(int(s.get("index", -1)), ())
+            if r.attempt == s.get("decided_by") and r.end is not None
+        ]
+        if deciding:
+            ends.append(min(deciding))
+        elif s.get("finished_at") is not None:
+            ends.append(float(s["finished_at"]))
+    decided_at = max(ends, default=None)
+    finished_at = result.get("finished_at")
+    for s in steps:
+        if not s.get("cancelled"):
+            continue
+        out.stopped += 1
+        mine = sorted(by_step.get(int(s.get("index", -1)), ()), key=lambda r: r.start)
+        if finished_at is not None:
+            out.late_starts += sum(r.start > float(finished_at) + LATE_SLACK for r in mine)
+        if decided_at is None:
+            continue
+        for r in mine:
+            if (
+                r.outcome in ("ok", "failed")
+                and r.end is not None
+                and r.end < decided_at - DECIDE_SLACK
+                and not explained(r)
+            ):
+                out.problems.append(
+                    (
+                        "needed",
+                        f"{r.task_id}: {r.agent_id}#{r.attempt} ended {r.outcome} at "
+                        f"{r.end:.3f}, the policy decided at {decided_at:.3f} and the step "
+                        f"says stopped as unneeded ({s.get('state')})",
+                    )
+                )
+                break
+    return out
+
+
+_CANCELLED = "REACH_WORKFLOW_CANCELLED"
