@@ -55,6 +55,14 @@ FROZEN_NODE_FAULTS = frozenset({"node_stop"})
 #: that should reach the agent that has the task again: the hubs' pins); and a first result of
 #: such an agent not kept.
 CUT_OFF_FAULTS = frozenset({"partition"})
+#: Faults that may hold a final status up on its way to the hub (published again after an
+#: election or a reconnection, read back after a gap or a takeover): the order outcomes reach
+#: the hub in may then differ from the order the handlers ended in — which successes an
+#: ``any``/``quorum`` fanout keeps (tests/chaos/policies.py).
+STATUS_FAULTS = frozenset({"node_kill", "node_stop", "partition", "blip", "hub_kill", "hub_stop"})
+#: How long (s) after such a fault ends its elections may still hold writes up (a restarted
+#: or healed server catching up; docs/reliability.md: 4-10 s of ``NoStreamResponseError``).
+ELECTIONS = 10.0
 #: How long (s) after a partition heals an agent it cut off may still be unroutable: declared
 #: LOST during the cut, it is routable again once it has registered again (about a heartbeat
 #: and a KV write after the heal; its lease + suspect grace at most, 2.5 s in the chaos runs).
@@ -211,6 +219,9 @@ class Report:
     unneeded_as_failure: int = 0
     #: A step that ended with a result before the policy decided, stopped as unneeded.
     needed_not_kept: int = 0
+    #: Steps stopped as unneeded that had ended with a result before the policy decided,
+    #: their status held up by a fault (informative: ``STATUS_FAULTS``).
+    stopped_delayed: int = 0
     #: Handlers of steps stopped as unneeded started after the result was stored
     #: (informative: that fence is best effort).
     unneeded_late_starts: int = 0
@@ -268,6 +279,7 @@ class Report:
             "steps stopped as unneeded": self.stopped_unneeded,
             "unneeded step as failure": self.unneeded_as_failure,
             "needed result not kept": self.needed_not_kept,
+            "ended before a fault-held decision": self.stopped_delayed,
             "unneeded step started late": self.unneeded_late_starts,
             "handler runs": self.runs,
             "caller errors": self.caller_errors,
@@ -381,6 +393,19 @@ def _held_up(run: Run, faults: list[Fault]) -> bool:
             and f.at - SLACK <= end
             and run.start <= (f.until or f.at) + SLACK
         )
+        for f in faults
+    )
+
+
+def _status_delayed(run: Run, until: float, faults: list[Fault]) -> bool:
+    """Whether a fault may have held ``run``'s outcome up on its way to the hub until
+    ``until``: ``_held_up``, or a NATS server, a hub or a connection lost between its end
+    (less ``ELECTIONS``) and then (``STATUS_FAULTS``)."""
+    end = run.end or run.start
+    return _held_up(run, faults) or any(
+        f.kind in STATUS_FAULTS
+        and f.at <= until + SLACK
+        and (f.until if f.until is not None else f.at) + ELECTIONS >= end
         for f in faults
     )
 
@@ -554,8 +579,9 @@ def _check_policy(
 ) -> None:
     """A fanout whose policy decides early (tests/chaos/policies.py)."""
     rep.policy_fanouts += 1
-    got = check_policy(result, runs, lambda run: _held_up(run, faults))
+    got = check_policy(result, runs, lambda run, until: _status_delayed(run, until, faults))
     rep.stopped_unneeded += got.stopped
+    rep.stopped_delayed += got.delayed
     rep.unneeded_late_starts += got.late_starts
     for column, detail in got.problems:
         if column == "needed":

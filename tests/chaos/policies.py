@@ -10,7 +10,8 @@ their running handlers are told to stop. The promises checked here:
 - the outcome follows the policy from the steps' real outcomes: SUCCEEDED iff ``k`` steps
   succeeded (their results in the result list, ``None`` for every other step); otherwise
   TIMEOUT iff every step that failed timed out, else FAILED;
-- a step stopped as unneeded is reported so (``cancelled``, not FAILED/TIMEOUT) and never
+- a step stopped as unneeded is reported so (``cancelled``, not FAILED/TIMEOUT, with every
+  attempt that was sent: a run of a later attempt than it reports was never fenced) and never
   counted as a failure: the workflow's error is a real failure's;
 - no needed result is thrown away: a step that succeeded (or failed for good) before the
   policy decided is not stopped as unneeded;
@@ -87,21 +88,27 @@ class PolicyCheck:
     stopped: int = 0
     #: Handlers of such steps started after the result was stored (informative).
     late_starts: int = 0
+    #: Steps stopped as unneeded whose handler had ended with a result before the policy
+    #: decided, a fault explaining why the hub had not heard it yet (informative).
+    delayed: int = 0
     #: (column, detail) per violation: ``unneeded`` (a step stopped as unneeded counted as
-    #: a failure, or left neither finished nor stopped) or ``needed`` (a needed result
-    #: thrown away).
+    #: a failure or reported with fewer attempts than ran, or a step left neither finished
+    #: nor stopped) or ``needed`` (a needed result thrown away).
     problems: list[tuple[str, str]] = field(default_factory=list)
 
 
 def check_policy(
     result: Mapping[str, Any],
     runs: Sequence[Run],
-    explained: Callable[[Run], bool],
+    explained: Callable[[Run, float], bool],
 ) -> PolicyCheck:
     """The stored result of one policy fanout against its handlers' runs (``runs``: every run
-    of its steps). ``explained(run)``: a fault may have kept that run's outcome from the hub
-    (its agent killed, paused or cut off around it). A fanout stopped by its caller's cancel
-    is left to the cancel checks (only its steps' states are checked here)."""
+    of its steps). ``explained(run, decided_at)``: a fault may have kept that run's outcome
+    from the hub until the policy had decided (its agent killed, paused or cut off around it;
+    a NATS server, a hub or a connection lost meanwhile: its status published again, or read
+    back, after others' — which successes a policy keeps is then the order they reached the
+    hub in). A fanout stopped by its caller's cancel is left to the cancel checks (only its
+    steps' states are checked here)."""
     out = PolicyCheck()
     steps = list(result.get("steps") or ())
     by_step: dict[int, list[Run]] = {}
@@ -114,6 +121,19 @@ def check_policy(
         if s.get("cancelled") and s.get("state") in ("FAILED", "TIMEOUT"):
             out.problems.append(
                 ("unneeded", f"step {s.get('index')} stopped as unneeded says {s.get('state')}")
+            )
+        elif s.get("cancelled") and any(
+            r.attempt > int(s.get("attempts") or 0) for r in by_step.get(int(s["index"]), ())
+        ):
+            # Reported stopped before any attempt was sent (or fewer than ran): an attempt out
+            # that nobody fenced — the step's record read as missing (a replica behind).
+            ran = max(r.attempt for r in by_step[int(s["index"])])
+            out.problems.append(
+                (
+                    "unneeded",
+                    f"step {s['index']} stopped as unneeded after {s.get('attempts') or 0} "
+                    f"attempts, but attempt {ran} ran",
+                )
             )
         elif not s.get("cancelled") and s.get("state") not in FINAL:
             out.problems.append(
@@ -158,8 +178,10 @@ def check_policy(
                 r.outcome in ("ok", "failed")
                 and r.end is not None
                 and r.end < decided_at - DECIDE_SLACK
-                and not explained(r)
             ):
+                if explained(r, decided_at):
+                    out.delayed += 1
+                    break
                 out.problems.append(
                     (
                         "needed",

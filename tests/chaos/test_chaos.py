@@ -22,6 +22,10 @@ def _assert_invariants(run: ChaosRun) -> None:
     assert run.report.workflows > 0
     # Cancels were sent and some took effect: the cancel checks did not pass for want of any.
     assert run.report.cancels > 0 or run.cfg.cancel_share == 0, run.table()
+    # Policy fanouts ran, and their policies decided before every step ended (the checks of
+    # tests/chaos/policies.py had something to check).
+    if run.cfg.workflows >= 8:
+        assert run.report.policy_fanouts > 0 and run.report.stopped_unneeded > 0, run.table()
     if run.cfg.fault == "deaf":
         # The fault did what it says: agents went deaf, and hubs found them so.
         assert run.deafened == run.faults and run.deaf_quarantines > 0, run.table()
@@ -44,7 +48,9 @@ def _assert_invariants(run: ChaosRun) -> None:
 async def test_short_chaos(fault: str, secure: bool, tmp_path: Path) -> None:
     """~60 workflows at 10/s with a fault every 2 s: nothing lost, stuck, wrong, answered
     twice or re-run without a crash to explain it (one run in secure mode: every process with
-    its own identity, as docs/security.md has them)."""
+    its own identity, as docs/security.md has them). A quarter of them are fanouts with
+    policy ``any`` or ``quorum(2)`` (the workload's plan): their unneeded steps stopped under
+    the fault too."""
     cfg = ChaosConfig(
         fault=fault,
         workflows=60,
