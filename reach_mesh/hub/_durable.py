@@ -73,6 +73,15 @@ async def get(bucket: Bucket, key: str) -> tuple[bytes, int] | None:
     return await bucket.jsc.kv_get(bucket.name, key)
 
 
+async def get_at_leader(bucket: Bucket, key: str) -> tuple[bytes, int] | None:
+    """What :func:`get` reads, as the stream's leader has it (not a replica that may lag
+    behind a write); None when it does not exist or was deleted."""
+    entry = await bucket.jsc.kv_entry_at_leader(bucket.name, key)
+    if entry is None or entry[2]:
+        return None
+    return entry[0], entry[1]
+
+
 class _Write:
     """One compare-and-set, retried: tells a lost answer from a lost race."""
 

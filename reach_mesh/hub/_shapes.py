@@ -593,6 +593,12 @@ class WorkflowShapes(StepRunner):
         task_id = step_task_id(wf.id, index, step)
         key = protocol.task_key(wf.ns, task_id)
         got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
+        if got is None:
+            # A direct get is answered by any replica, and one behind the step's create says
+            # "no such key": a step whose attempt is in no workflow record (a named one, or
+            # one sent again) would be taken for never started, left unfenced and running.
+            # The leader decides.
+            got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
         await self._stop_step(wf, index, task_id, got, settle=settle)
 
     async def _stop_step(

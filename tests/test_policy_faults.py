@@ -1,0 +1,94 @@
+"""Fanouts whose policy decides before every step ended (``any``, ``quorum(k)``) under the
+faults the chaos suite found (tests/chaos/policies.py), on a real nats-server: the steps the
+policy no longer needs are stopped — fenced and their handlers told to stop — whatever a read
+of their records says."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step, protocol
+from reach_mesh.agent import Task
+from reach_mesh.hub import Hub
+from reach_mesh.models import TaskState
+
+from .helpers import Fleet, eventually, task_record
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("policy", ["any", "quorum(2)"])
+async def test_an_unneeded_step_read_from_a_replica_behind_is_stopped_all_the_same(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    policy: str,
+) -> None:
+    """A fanout whose steps name their task ids (claimed: a task record each before it is
+    sent) is decided by its fast steps while the slow one runs. The hub reads the slow step's
+    record to fence it, and the read — a direct get, answered by any replica — comes from a
+    replica behind the record's create: "no such key". A named step has no attempt in the
+    workflow record, so the hub took it for never started and stopped nothing: no fence, no
+    cancel to its agent; the handler ran to its end after the result was stored, and the
+    result said the step had no attempt (chaos ``partition``, seed 301: an unneeded step's
+    handler started 5 s after the result, its record never marked cancelled)."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    started = asyncio.Event()
+    ended: list[str] = []
+    slow = fleet.agent("behind.slow")
+    fast = fleet.agent("behind.fast")
+    tag = policy[0]  # (task ids of their own per case)
+
+    @slow.handler("wf:behind-slow:v1")
+    async def wait(task: Task[Any]) -> str:
+        started.set()
+        try:
+            await asyncio.sleep(8)
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+        ended.append("ran to its end")
+        return "late"
+
+    @fast.handler("wf:behind-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await started.wait()  # decided while the slow step runs
+        return task.payload
+
+    await slow.start()
+    await fast.start()
+    behind = protocol.task_key(ns, f"behind-{tag}-slow")
+    real_get = engine._jsc.kv_get
+
+    async def replica_behind(bucket: str, key: str) -> tuple[bytes, int] | None:
+        if bucket == protocol.KV_TASKS and key == behind and started.is_set():
+            return None  # a replica that has not got the step's create yet
+        return await real_get(bucket, key)
+
+    monkeypatch.setattr(engine._jsc, "kv_get", replica_behind)
+    fasts = 1 if policy == "any" else 2
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [Step(capability="wf:behind-slow:v1", task_id=f"behind-{tag}-slow", timeout=10)]
+            + [
+                Step(capability="wf:behind-fast:v1", payload=i, task_id=f"behind-{tag}-f{i}")
+                for i in range(fasts)
+            ],
+            policy=policy,
+            timeout=20,
+        )
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[0].cancelled and all(s.ok for s in res.steps[1:]), res.steps
+    # The result tells what was sent: attempt 1, to the slow agent.
+    assert res.steps[0].attempts == 1 and res.steps[0].agent_id == slow.agent_id, res.steps[0]
+    # Fenced, and its handler stopped at once (not left to run its 8 s).
+    await eventually(lambda: bool(ended), timeout=3)
+    assert ended == ["cancelled"]
+    rec = await task_record(wf_hub.nc, ns, f"behind-{tag}-slow")
+    assert rec is not None and rec.cancelled, rec
