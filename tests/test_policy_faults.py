@@ -6,6 +6,7 @@ of their records says."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -13,9 +14,16 @@ import pytest
 from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh.agent import Task
 from reach_mesh.hub import Hub
-from reach_mesh.models import TaskState
+from reach_mesh.models import ErrorBody, TaskState
+from reach_mesh.workflow import (
+    AttemptRecord,
+    TaskRecord,
+    TaskStatusEvent,
+    WorkflowRecord,
+    spec_digest,
+)
 
-from .helpers import Fleet, eventually, task_record
+from .helpers import Fleet, echo_agent, eventually, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,3 +100,81 @@ async def test_an_unneeded_step_read_from_a_replica_behind_is_stopped_all_the_sa
     assert ended == ["cancelled"]
     rec = await task_record(wf_hub.nc, ns, f"behind-{tag}-slow")
     assert rec is not None and rec.cancelled, rec
+
+
+async def test_a_branch_its_owner_stopped_is_no_failure_for_the_hub_that_takes_it_over(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``quorum(2)`` fanout whose owner saw two steps fail (the quorum out of reach), fenced
+    the third as unneeded and died before it stored the result. The hub that takes it over
+    finds the stopped branch's record ``cancelled`` at once — before it has read the failures
+    back from the status stream (steps decided by their first attempt have no final record)
+    — and counted it as the fanout's first failure: the result's error was the stopped
+    step's ("step 2 ended PENDING"), not a failure's. (The status stream's reads take 0.3 s
+    here, as after an election: the stopped branch comes first every time.)"""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    catch_up = tracker.catch_up
+
+    async def slow_catch_up(track: Any) -> None:
+        await asyncio.sleep(0.3)
+        await catch_up(track)
+
+    monkeypatch.setattr(tracker, "catch_up", slow_catch_up)
+    agent = echo_agent(fleet, "taken.a1", "wf:taken:v1")
+    await agent.start()
+    wf_id = "policy-taken-over"
+    steps = [Step(capability="wf:taken:v1", payload=i, timeout=10) for i in range(3)]
+    failure = ErrorBody(
+        code="REACH_HANDLER_FAILED", message="planned", details={"retryable": False}
+    )
+    async with Client(settings=wf_settings) as mesh:
+        spec = mesh._workflow_spec("fanout", steps, "quorum(2)", 30, wf_id)
+        js = mesh.nc.jetstream()
+        record = WorkflowRecord(
+            spec=spec,
+            spec_digest=spec_digest(spec),
+            owner="hub-gone",
+            submitted_at=time.time(),
+            first_agents=[agent.agent_id] * 3,
+        )
+        wfs = await js.key_value(protocol.KV_WORKFLOWS)
+        await wfs.put(protocol.workflow_key(ns, wf_id), protocol.encode(record))
+        for i in range(2):  # failed for good on the agent: only their statuses say so
+            status = TaskStatusEvent(
+                task_id=f"{wf_id}-{i}",
+                attempt=1,
+                agent_id=agent.agent_id,
+                state=TaskState.FAILED,
+                workflow_id=wf_id,
+                step=i,
+                error=failure,
+            )
+            await js.publish(
+                protocol.task_status(agent.agent_id, status.task_id), protocol.encode(status)
+            )
+        stopped = TaskRecord(
+            task_id=f"{wf_id}-2",
+            workflow_id=wf_id,
+            step=2,
+            namespace=ns,
+            attempt=1,
+            agent_id=agent.agent_id,
+            history=[AttemptRecord(attempt=1, agent_id=agent.agent_id, state=TaskState.PENDING)],
+            cancelled=True,
+        )
+        tasks = await js.key_value(protocol.KV_TASKS)
+        await tasks.put(protocol.task_key(ns, stopped.task_id), protocol.encode(stopped))
+        # The submission comes back to a hub (JetStream redelivers it: the owner died).
+        await mesh.submit_fanout(steps, policy="quorum(2)", workflow_id=wf_id, timeout=30)
+        res = await mesh.workflow(wf_id, timeout=15)
+    assert res.state is TaskState.FAILED, res
+    # A failure puts the quorum out of reach (step 2 can no longer succeed): step 1
+    # (the other) may be stopped as unneeded then. Stopped steps are reported so, never as failures.
+    assert any(s.state is TaskState.FAILED and not s.cancelled for s in res.steps), res.steps
+    for s in res.steps:
+        assert s.state is TaskState.FAILED or (s.cancelled and not s.state.final), s
+    assert res.steps[2].cancelled, res.steps[2]
+    assert res.error is not None and res.error.code == failure.code, res.error

@@ -297,7 +297,7 @@ class WorkflowShapes(StepRunner):
         pending = set(tasks)
         # The steps to stop below: those still running, or every one if none started.
         to_stop = list(range(len(spec.steps))) if stop.done() else []
-        succeeded = failed = 0
+        succeeded = failed = unneeded = 0
         first_error: TaskRecord | None = None
         decided = False  # by the policy, before every step finished
         n = len(spec.steps)
@@ -310,10 +310,15 @@ class WorkflowShapes(StepRunner):
                     rec = self._record_of(wf, tasks[t], t)
                     if rec.state is TaskState.SUCCEEDED:
                         succeeded += 1
+                    elif rec.cancelled and not rec.state.final:
+                        # Stopped as unneeded by the hub this one took it over from: it can
+                        # no longer succeed, but it is no failure (nor the fanout's error).
+                        unneeded += 1
                     else:
                         failed += 1
                         first_error = first_error or rec
-                if spec.policy != "all" and (succeeded >= wf.need or n - failed < wf.need):
+                out = failed + unneeded
+                if spec.policy != "all" and (succeeded >= wf.need or n - out < wf.need):
                     decided = True
                     break
                 if pending and stop.done():
@@ -349,7 +354,8 @@ class WorkflowShapes(StepRunner):
                     None,
                 )
                 # Settled steps may meet the policy (or put it out of reach): its outcome then.
-                decided = spec.policy != "all" and (succeeded >= wf.need or n - failed < wf.need)
+                out = failed + unneeded
+                decided = spec.policy != "all" and (succeeded >= wf.need or n - out < wf.need)
         # Cancelled: unless the policy had decided, or every step had finished anyway (the
         # outcome stands then: no valid result is thrown away for a cancel that came late).
         stopped = None if decided else self._stopped(wf)
