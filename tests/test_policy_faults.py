@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from reach_mesh import Client, MeshSettings, Step, protocol
-from reach_mesh.agent import Task
+from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import (
@@ -100,6 +100,88 @@ async def test_an_unneeded_step_read_from_a_replica_behind_is_stopped_all_the_sa
     assert ended == ["cancelled"]
     rec = await task_record(wf_hub.nc, ns, f"behind-{tag}-slow")
     assert rec is not None and rec.cancelled, rec
+
+
+async def test_an_unneeded_step_read_at_an_older_attempt_is_stopped_at_its_current_one(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``quorum(2)`` fanout's slow step failed once, retryably: its record moved on to
+    attempt 2, which runs when the two fast steps meet the quorum. The hub's read of the slow
+    step's record, to fence it, comes from a replica behind that write: attempt 1. The fence
+    (a compare-and-set on that revision) failed, and the hub, the workflow still its own,
+    stopped what the old record named — attempt 1, long over — and left attempt 2 running,
+    unfenced, to its end (chaos ``partition``, seed 301: a step reported stopped after 3
+    attempts, its attempt 4 run to the end after the result)."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    second, snapped = asyncio.Event(), asyncio.Event()
+    ended: list[str] = []
+    slow = fleet.agent("older.slow")
+    fast = fleet.agent("older.fast")
+
+    @slow.handler("wf:older-slow:v1")
+    async def wait(task: Task[Any]) -> str:
+        if task.attempt == 1:
+            await snapped.wait()  # (the test has the record at attempt 1)
+            raise TaskFailed("once", retryable=True)
+        second.set()
+        try:
+            await asyncio.sleep(8)
+        except asyncio.CancelledError:
+            ended.append("cancelled")
+            raise
+        ended.append("ran to its end")
+        return "late"
+
+    @fast.handler("wf:older-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await second.wait()  # decided while attempt 2 of the slow step runs
+        return task.payload
+
+    await slow.start()
+    await fast.start()
+    key = protocol.task_key(ns, "older-slow")
+    first: list[tuple[bytes, int]] = []  # the record at attempt 1, as a replica behind has it
+    real_get = engine._jsc.kv_get
+
+    async def replica_behind(bucket: str, k: str) -> tuple[bytes, int] | None:
+        if bucket == protocol.KV_TASKS and k == key and second.is_set() and first:
+            return first[0]
+        return await real_get(bucket, k)
+
+    monkeypatch.setattr(engine._jsc, "kv_get", replica_behind)
+    async with Client(settings=wf_settings) as mesh:
+        tasks = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:older-slow:v1", task_id="older-slow", retries=1, timeout=10)]
+            + [
+                Step(capability="wf:older-fast:v1", payload=i, task_id=f"older-f{i}")
+                for i in range(2)
+            ],
+            policy="quorum(2)",
+            timeout=20,
+        )
+
+        async def at_attempt_1() -> bool:
+            try:
+                entry = await tasks.get(key)
+            except Exception:
+                return False
+            if entry.value is None or TaskRecord.model_validate_json(entry.value).attempt != 1:
+                return False
+            first.append((entry.value, int(entry.revision or 0)))
+            return True
+
+        await eventually(at_attempt_1, timeout=5)
+        snapped.set()
+        res = await mesh.workflow(wf_id, timeout=15)
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[0].cancelled and res.steps[0].attempts == 2, res.steps[0]
+    await eventually(lambda: bool(ended), timeout=3)
+    assert ended == ["cancelled"]
+    rec = await task_record(wf_hub.nc, ns, "older-slow")
+    assert rec is not None and rec.cancelled and rec.attempt == 2, rec
 
 
 async def test_a_branch_its_owner_stopped_is_no_failure_for_the_hub_that_takes_it_over(

@@ -598,12 +598,14 @@ class WorkflowShapes(StepRunner):
         step = wf.spec.steps[index]
         task_id = step_task_id(wf.id, index, step)
         key = protocol.task_key(wf.ns, task_id)
-        got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
-        if got is None:
-            # A direct get is answered by any replica, and one behind the step's create says
-            # "no such key": a step whose attempt is in no workflow record (a named one, or
-            # one sent again) would be taken for never started, left unfenced and running.
-            # The leader decides.
+        # A direct get is answered by any replica, and one behind the step's last write gives
+        # an older attempt (its agents told to stop, the current one left running, unfenced)
+        # or "no such key" (a step whose attempt no workflow record holds taken for never
+        # started). An unneeded branch is fenced once, from the leader's record; a cancel's
+        # compare-and-set finds a stale read out, and a missing record is asked of the leader.
+        read = _durable.get if settle else _durable.get_at_leader
+        got = await self._io(f"read {key}", lambda: read(kv, key), None)
+        if got is None and settle:
             got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
         await self._stop_step(wf, index, task_id, got, settle=settle)
 
