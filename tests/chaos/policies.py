@@ -149,19 +149,23 @@ def check_policy(
             out.problems.append(
                 ("unneeded", f"{result.get('state')} with error {error!r:.100}, not a step's")
             )
-    # When the policy decided: the last of the deciding outcomes (its handler's end, else the
-    # time the hub recorded the step's outcome).
+    # When the policy decided: the last of the deciding outcomes, as the hub applied it (the
+    # step's ``finished_at``), else its handler's end (a ``late`` handler — one that ignored
+    # its cancellation — ends long after its TIMEOUT decided).
     ends: list[float] = []
     for s in decided:
+        if s.get("finished_at") is not None:
+            ends.append(float(s["finished_at"]))
+            continue
         deciding = [
             r.end
             for r in by_step.get(int(s.get("index", -1)), ())
-            if r.attempt == s.get("decided_by") and r.end is not None
+            if r.attempt == s.get("decided_by")
+            and r.end is not None
+            and r.outcome in ("ok", "failed", "cancelled")
         ]
         if deciding:
             ends.append(min(deciding))
-        elif s.get("finished_at") is not None:
-            ends.append(float(s["finished_at"]))
     decided_at = max(ends, default=None)
     finished_at = result.get("finished_at")
     for s in steps:
