@@ -23,8 +23,9 @@ from reach_mesh.errors import (
     ReachError,
 )
 from reach_mesh.hub import _durable
-from reach_mesh.hub._step_state import TooLarge, new_record, note, retryable, settles
-from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
+from reach_mesh.hub._step_state import TooLarge
+from reach_mesh.hub._step_stop import StepStopping
+from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._wf_view import within_time
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.tracing import SPAN_WORKFLOW, SpanKind, span
@@ -32,7 +33,6 @@ from reach_mesh.workflow import (
     StepResult,
     StepSpec,
     TaskRecord,
-    TaskStatusEvent,
     WorkflowEvent,
     WorkflowRecord,
     WorkflowResult,
@@ -67,7 +67,7 @@ class Resubmitted(Exception):
     ``WorkflowRecord.submission_seq``): nothing to do with this one but let it go."""
 
 
-class WorkflowShapes(StepRunner):
+class WorkflowShapes(StepStopping):
     """Runs an owned workflow's record and shape (the base of ``WorkflowEngine``, which sets
     every attribute below)."""
 
@@ -585,204 +585,6 @@ class WorkflowShapes(StepRunner):
                 raise
             log.warning("workflow %s: its record was gone; written again", wf.id)
             wf.rev = await _durable.create(kv, key, body, deadline, on_retry=self._infra_retry)
-
-    async def _cancel_step(self, wf: Workflow, index: int, *, settle: bool = False) -> None:
-        """Mark a branch the policy no longer needs: agents drop its undelivered attempts.
-
-        ``settle`` (a cancel of the workflow): a step whose outcome an attempt stored in
-        ``REACH_STATUS`` but the hub has not applied (it finished while being cancelled, or
-        before a takeover: a step decided by its current attempt has no final record) keeps
-        that outcome instead of being marked cancelled."""
-        assert self._tasks_kv is not None
-        kv = self._tasks_kv
-        step = wf.spec.steps[index]
-        task_id = step_task_id(wf.id, index, step)
-        key = protocol.task_key(wf.ns, task_id)
-        # A direct get is answered by any replica, and one behind the step's last write gives
-        # an older attempt (its agents told to stop, the current one left running, unfenced)
-        # or "no such key" (a step whose attempt no workflow record holds taken for never
-        # started). An unneeded branch is fenced once, from the leader's record; a cancel's
-        # compare-and-set finds a stale read out, and a missing record is asked of the leader.
-        read = _durable.get if settle else _durable.get_at_leader
-        got = await self._io(f"read {key}", lambda: read(kv, key), None)
-        if got is None and settle:
-            got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
-        await self._stop_step(wf, index, task_id, got, settle=settle)
-
-    async def _stop_step(
-        self, wf: Workflow, index: int, task_id: str, got: tuple[bytes, int] | None, *, settle: bool
-    ) -> None:
-        """``_cancel_step`` from the step's record as read (``got``: value and revision)."""
-        key = protocol.task_key(wf.ns, task_id)
-        if got is not None:
-            rec = TaskRecord.model_validate_json(got[0])
-            if not rec.is_step(wf.id, index):
-                # Its task id is another workflow's: never sent for this one, nothing to stop
-                # (and theirs is not ours to touch). Only ``_step`` reports the conflict, when
-                # the step is reached.
-                return
-        else:
-            # No record: its attempt 1, if sent, is the one the workflow record names.
-            named = self._named_attempt(wf, index, task_id)
-            if named is None:
-                if settle:
-                    await self._fence_unstarted(wf, index, task_id, key)
-                return
-            rec = named
-        last = 0 if got is None else got[1]
-        if not rec.state.final and not rec.cancelled:
-            # An outcome the step had in hand and had not applied when it was stopped first:
-            # it may be stored nowhere else yet. Then, settling, what the status stream holds.
-            event = self._unapplied(wf, index, rec)
-            if event is None and settle:
-                event, _ = await self._stored_outcome(wf, rec)
-            if event is not None:  # as ``_finish`` applies an outcome
-                note(rec, event)
-                self._take_outcome(rec, event)
-                rec.decided_by = event.attempt
-                rec.updated_at = self._server_clock.now()
-                # Recorded: a record read from a replica behind its last write (a TIMEOUT,
-                # a next attempt) is not overruled unseen, and an outcome only in hand (or
-                # in its agent's memory) is kept — a restart that lost it, redelivered the
-                # same attempt, must find the step final (dropped), not run it again.
-                if not await self._write_stopped(wf, key, rec, last, settle=settle):
-                    wf.records[index] = rec  # (its outcome, though the new owner's to store)
-                    return
-                self._stop_others(rec, event.attempt)  # none other is needed any more
-        if rec.state.final:
-            wf.records[index] = rec
-            # Cancelled right after its record was written (by the deadline, by an earlier
-            # attempt), its markers may be missing: store them (deduplicated).
-            await self._remark(wf, rec)
-            return
-        rec.cancelled = True
-        rec.updated_at = self._server_clock.now()
-        wf.records[index] = rec
-        if not await self._write_stopped(wf, key, rec, last, settle=settle):  # the fence
-            return
-        # Every attempt it sent, not only the current one: the branch may have been cancelled
-        # between a fence-first record and its marker. A failure here is the workflow's
-        # (``_fanout`` raises it): the result must not be stored before the markers are.
-        await self._remark(wf, rec)
-        self._stop_others(rec, None)
-
-    async def _write_stopped(
-        self, wf: Workflow, key: str, rec: TaskRecord, last: int, *, settle: bool
-    ) -> bool:
-        """Write a stopped step's record, a CAS on the revision read (``last``). Settling (a
-        cancel of the workflow) it must land: a record read from a replica behind its last
-        write is not overruled by this one; a lost race or outlived retries send the workflow
-        back to JetStream (``NotOwnerError``, ...), and the cancel is finished from fresh
-        reads. For a branch the policy no longer needs it is best effort.
-
-        False when the step is not this hub's to stop: the record moved since it was read and
-        the workflow record names another owner now (this hub lost the workflow without
-        noticing). The new owner adopted the step's attempts; telling their agents to stop
-        would stop a handler it is waiting on and make it run the step again. A move this
-        hub cannot explain (the workflow record unreadable: most likely an election, and
-        the workflow still its own) stops them as before, with their fence markers: a branch
-        left running unfenced could still run its queued attempt later."""
-        if settle:
-            await self._cas(key, rec, last, wf.deadline)
-            return True
-        assert self._tasks_kv is not None
-        try:
-            await _durable.cas(self._tasks_kv, key, protocol.encode(rec), last, self._io_deadline())
-        except KeyWrongLastSequenceError:
-            # Another hub's write, or this hub's own read from a replica behind it.
-            try:
-                return await self._owner_now(wf.ns, wf.id) in (None, self.hub_id)
-            except MeshUnavailableError:
-                return True  # (an election: most likely still its own)
-        except Exception:
-            pass  # best effort: the attempts are stopped all the same
-        return True
-
-    def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
-        """The outcome that decides step ``index`` among those it had in hand and had not
-        applied when it was stopped (``Workflow.unapplied``, in the order the step would have
-        taken them): a success, or a failure it would not have retried; None if none would
-        have decided it (the step is cancelled then)."""
-        events = wf.unapplied.pop(index, None)
-        if not events:
-            return None
-        retries = self._policy(wf.spec.steps[index]).retries
-        failures = rec.handler_failures
-        for event in events:
-            settled, failures = settles(event, failures, retries)
-            if settled:
-                return event
-        return None
-
-    async def _fence_unstarted(self, wf: Workflow, index: int, task_id: str, key: str) -> None:
-        """A cancelled workflow's step that no attempt was sent for: its record is created,
-        cancelled, before the result is stored. A hub that lost the workflow and still runs
-        it (a takeover it has not noticed) then finds the step cancelled when it gets there —
-        its own create of the record fails — instead of starting it after the cancel's answer.
-        A record made meanwhile (that hub started the step first) is fenced as any other."""
-        rec = new_record(wf, index, task_id, self._server_clock.now())
-        rec.cancelled = True
-        try:
-            await self._cas(key, rec, 0, wf.deadline)
-        except NotOwnerError:
-            kv = self._tasks_kv
-            assert kv is not None
-            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
-            if got is None:
-                # Read from a replica behind the write that beat ours: the workflow goes back
-                # to JetStream, and the recorded cancel is finished from fresh reads.
-                raise
-            # It exists now: fenced from what was read (never read again here, so a replica
-            # that lost it once more cannot bring the step back to this create).
-            await self._stop_step(wf, index, task_id, got, settle=True)
-            return
-        wf.records[index] = rec
-
-    async def _stored_outcome(
-        self, wf: Workflow, rec: TaskRecord
-    ) -> tuple[TaskStatusEvent | None, bool]:
-        """The final status an attempt of ``rec`` stored in ``REACH_STATUS`` (the current
-        attempt's first, else the earliest attempt's) or, none being stored, the outcome its
-        current attempt's agent holds (``StatusTracker.held_outcome``; then True: held, not
-        stored), or None. Raises when the stream does not answer: the workflow goes back to
-        JetStream rather than a result be thrown away."""
-        # Attempts whose outcome the hub has not handled: one it had handled (a failure it
-        # retried) is in the history with its final state, and decided nothing.
-        open_ = {
-            (h.attempt, h.agent_id)
-            for h in rec.history
-            if h.agent_id is not None and not h.state.final
-        }
-        if rec.agent_id is not None and rec.attempt > 0:
-            open_.add((rec.attempt, rec.agent_id))
-        agents = list(dict.fromkeys(a for _, a in sorted(open_, reverse=True) if a is not None))
-        found: list[TaskStatusEvent] = []
-        for agent_id in agents[:_SETTLE_AGENTS]:
-            last = await self._tracker.last_status(wf.ns, rec.task_id, agent_id, patient=True)
-            if last is None or (last.attempt, last.agent_id) not in open_:
-                continue
-            if last.workflow_id is not None and last.workflow_id != wf.id:
-                continue  # the same task id in another workflow (its record expired since)
-            # Only an outcome that decides the step: a success, or a failure not retried (a
-            # retryable one would have been followed by another attempt: not finished).
-            if last.state is TaskState.SUCCEEDED or (last.state.final and not retryable(last)):
-                found.append(last)
-        if not found and rec.agent_id is not None and rec.attempt > 0:
-            # Nothing stored (yet): the current attempt's agent may hold its outcome.
-            held = await self._tracker.held_outcome(rec.task_id, wf.id, rec.agent_id, rec.attempt)
-            if held is not None and (held.state is TaskState.SUCCEEDED or not retryable(held)):
-                return held, True
-        # A success first (no valid result is thrown away), then the earliest attempt's.
-        event = min(
-            found,
-            key=lambda e: (e.state is not TaskState.SUCCEEDED, e.attempt),
-            default=None,
-        )
-        return event, False
-
-
-#: Agents whose stored status a cancel reads for one step (its newest attempts').
-_SETTLE_AGENTS = 4
 
 
 # --------------------------------------------------------------------------- helpers
