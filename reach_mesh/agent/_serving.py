@@ -429,14 +429,16 @@ class ServingMixin(AttemptsMixin):
             raise BadRequestError(f"fence must be an attempt (>= 1), got {fence}")
         entry = self._results.get(task_id)
         asker = _asking_workflow(body)
-        if (
-            entry is not None
-            and asker is not None
-            and (entry.owner is None or entry.owner[0] != asker)
+        # ``route: true``: a hub asks whether a resent request-reply task is here
+        # (hub/_holders.py) — a workflow's step of the same id is not.
+        route = body.get("route") is True
+        if entry is not None and (
+            (asker is not None and (entry.owner is None or entry.owner[0] != asker))
+            or (route and entry.owner is not None)
         ):
             # The id was another workflow's step, or a request-reply task: not what is asked.
             entry = None
-        if entry is None and self.work is not None and self.work.checking(task_id):
+        if entry is None and not route and self.work is not None and self.work.checking(task_id):
             # In hand, its fence being read: the hub must not give this attempt up.
             return protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})
         if entry is not None and entry.reply is None:
