@@ -217,13 +217,18 @@ class Batcher:
         published while the connection was down are not: nats-py held them and sent them on
         reconnecting. Asking again is safe for what this batcher sends — route requests and
         task envelopes, which carry a task id: a retry of a task id goes to the agent that has
-        it, whose idempotency table joins the run in hand (docs/protocol.md). The number asked."""
+        it, whose idempotency table joins the run in hand (docs/protocol.md; each is marked
+        ``Reach-Resend: 1``, so that a hub with no pin for it asks who has it first). The
+        number asked."""
         asked = 0
         for token, (subject, body, sent) in list(self._unanswered.items()):
             future = self._futures.get(token)
             if future is None or future.done():
                 continue
-            headers = sent if isinstance(sent, dict) else {TRACEPARENT: sent}
+            # Marked (``Reach-Resend``): a hub with no pin for its task id asks who has it
+            # before choosing an agent (agents ignore the header).
+            headers = {**sent} if isinstance(sent, dict) else {TRACEPARENT: sent}
+            headers[protocol.HDR_RESEND] = "1"
             try:
                 await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
             except Exception as err:  # down again: the next reconnection asks again

@@ -593,7 +593,13 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
                     protocol.raise_for_error(data)
                 except ThrottledError as err:
                     last, wait = err, err.retry_after
-                except (AgentBusyError, MeshUnavailableError) as err:
+                except MeshUnavailableError as err:
+                    last, wait = err, delay / 2
+                    if verb == "route" and protocol.HDR_RESEND not in headers:
+                        # A hub that stopped ends the routes it holds so: their tasks may be
+                        # in an agent's hands, and the next hub must look for it first.
+                        headers = {**headers, protocol.HDR_RESEND: "1"}
+                except AgentBusyError as err:
                     last, wait = err, delay / 2
                 else:
                     return data

@@ -146,6 +146,9 @@ HDR_EXPECTED_STREAM: Final = "Nats-Expected-Stream"
 #: On a message of ``reach.work.<ns>.<agent_id>``: not a step but a fence marker — the hub gave
 #: up this attempt number of the task in its body (docs/protocol-workflows.md).
 HDR_FENCE: Final = "Reach-Fence"
+#: On a route request: ``1`` — the caller sends again a request of this task id that it sent
+#: before and saw no answer to (docs/protocol.md, "Resends"; ``hub/_holders.py``).
+HDR_RESEND: Final = "Reach-Resend"
 
 # Checked with fullmatch, never match: Python's $ also matches before a final newline, and an
 # id ending in one passed (the subject it made was refused later, by nats-py). The patterns
@@ -266,7 +269,8 @@ def hub_broadcast(namespace: str, verb: str) -> str:
     """``reach.hubs.<ns>.<verb>`` — messages from one hub to every hub (no queue group); only
     hubs may publish here. Verbs: ``breaker`` (an operator's quarantine / release), ``pins``
     (the agents the task ids a hub routed went to), ``pins_ask`` (a hub that started asks the
-    others to send their newest pins again)."""
+    others to send their newest pins again), ``pin_of`` (a request: which agent one resent
+    task id went to; answered only by a hub that knows)."""
     return f"reach.hubs.{namespace}.{verb}"
 
 

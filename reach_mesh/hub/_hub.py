@@ -138,6 +138,8 @@ class Hub(RoutingMixin, ControlMixin):
         # The agent each task id was routed to, this hub's and its peers' (``hub/_pins.py``).
         self._pins = TaskPins()
         self._pins_replayed_at = -1e9
+        # Resent tasks whose holder this hub is asking for (``hub/_holders.py``).
+        self._seeking = 0
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher
@@ -377,6 +379,9 @@ class Hub(RoutingMixin, ControlMixin):
         ):
             cb = guarded(subject, on_msg, answers=False)  # nothing answers these
             self._subs.append(await self.nc.subscribe(subject, cb=cb))
+        # Which agent a resent task went to, asked by a hub that has no pin for it.
+        subject = protocol.hub_broadcast("*", "pin_of")
+        self._subs.append(await self.nc.subscribe(subject, cb=guarded(subject, self._on_pin_of)))
 
     def _back_on_nats(self) -> None:
         """The main connection is back: send again the attempts still waiting for their

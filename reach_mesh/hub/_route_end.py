@@ -128,6 +128,9 @@ class _Flight:
     #: listening on its subject now (its connection dropped) says nothing of what it runs,
     #: and another agent would run the task a second time.
     in_hand: str | None = None
+    #: The caller marked it sent again (``Reach-Resend``): with no pin, the hub asks who
+    #: holds the task before it decides (``hub/_holders.py``).
+    resend: bool = False
     view: AgentView | None = None
     capability: str | None = None
     decision: RouteDecision | None = None

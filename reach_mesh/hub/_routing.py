@@ -29,6 +29,12 @@ from reach_mesh.errors import (
     ReachError,
     ThrottledError,
 )
+from reach_mesh.hub._holders import (
+    HOLDER_SEEKS_MOST,
+    RESEND_HEADER,
+    HoldersMixin,
+    resend_marked,
+)
 from reach_mesh.hub._pins import (
     HUB_HEADER,
     PINS_REPLAY,
@@ -86,7 +92,7 @@ class _Outbox:
     size: int = 0
 
 
-class RoutingMixin(RouteEndMixin):
+class RoutingMixin(HoldersMixin, RouteEndMixin):
     """The routing methods of ``Hub`` (which sets every attribute below, and its base's, in
     its ``__init__`` and ``start``)."""
 
@@ -190,6 +196,10 @@ class RoutingMixin(RouteEndMixin):
         if req.task_id is not None and req.agent_id is None:
             # A retry of a task a hub routed: to the agent that has it, if still routable.
             flight.sticky = flight.in_hand = self._pins.get(flight.ns, req.task_id)
+            if flight.in_hand is None and flight.resend and self._seeking < HOLDER_SEEKS_MOST:
+                # Sent again, and no pin here: ask who holds it first (``hub/_holders.py``).
+                self._spawn(self._seek_then_attempt(flight))
+                return
         if (req.session_id is not None and flight.sticky is None) or (
             req.agent_id is not None and req.agent_id not in self.registry.agents
         ):
@@ -252,6 +262,7 @@ class RoutingMixin(RouteEndMixin):
             task_id=req.task_id or _new_id() + _new_id(),
             attempt=req.after_attempt or 0,
             round_start=req.after_attempt or 0,
+            resend=headers is not None and RESEND_HEADER in headers and resend_marked(headers),
         )
         if tracing_enabled():
             sp = open_span(
@@ -268,6 +279,22 @@ class RoutingMixin(RouteEndMixin):
             # strings it came as (or a new trace starts here).
             flight.headers, flight.trace_id = _forward_trace(headers)
         return flight
+
+    async def _seek_then_attempt(self, flight: _Flight) -> None:
+        """A resent task this hub has no pin for: to the agent the other hubs or the agents
+        say holds it, if any (``hub/_holders.py``); then routed as any other."""
+        req = flight.req
+        assert req.task_id is not None
+        try:
+            holder = await self._seek_holder(
+                flight.ns, req.task_id, self.router.matching(req, flight.ns)
+            )
+        except Exception:  # a bug, not the input: routed as if unmarked
+            log.exception("route %s: seeking its task's holder failed", flight.request_id)
+            holder = None
+        if holder is not None:
+            flight.sticky = flight.in_hand = holder
+        await self._lookup_then_attempt(flight)
 
     async def _lookup_then_attempt(self, flight: _Flight) -> None:
         """The KV reads a route needs before it can decide: its session's agent, or an agent

@@ -21,7 +21,7 @@ from typing import Final, Literal
 
 from reach_mesh._nats import has_identity
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import NoMatchError, UnknownNamespaceError
+from reach_mesh.errors import NoMatchError, ReachError, UnknownNamespaceError
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.index import Matches
 from reach_mesh.hub.registry import AgentView, Registry
@@ -493,6 +493,19 @@ class Router:
                 msg += f"; did you mean {' or '.join(similar[:3])}?"
                 details["similar_capabilities"] = similar
         return UnknownNamespaceError(msg, **details)
+
+    def matching(self, req: RouteRequest, namespace: str) -> Collection[str]:
+        """Ids of ``namespace``'s agents that ``req`` targets by capability or selector,
+        routable or not (none for a bad selector: its route fails when it decides)."""
+        index = self._registry.index
+        try:
+            if req.capability is not None:
+                return index.capable(req.capability, namespace)
+            if req.selector is not None:
+                return index.select(Selector.parse(req.selector), namespace)
+        except ReachError:
+            pass
+        return ()
 
     def _ids(self, req: RouteRequest) -> Collection[str]:
         """Agent ids (of any namespace) that could serve ``req`` by its target."""

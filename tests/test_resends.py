@@ -1,0 +1,261 @@
+"""A route request sent again (``Reach-Resend: 1``) reaching a hub that holds no pin for its
+task id: the hub asks the other hubs and the agents who has it before it chooses, and the task
+runs once (``hub/_holders.py``, docs/protocol.md "Resends").
+
+The race it closes (the secure chaos run's ``node_kill``): a caller back on NATS asks again at
+once, and its request reaches a hub whose own connection is coming back at the same moment,
+before the other hubs answered its pins ask. Here that ask is held for as long as the test
+needs (not a sleep that hopes to lose the race)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh.agent import Task
+from reach_mesh.errors import BadRequestError
+from reach_mesh.hub import Hub
+from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
+
+from .helpers import Fleet, echo_agent, eventually, relayed
+
+pytestmark = pytest.mark.timeout(60)
+
+CAP = "resend:slow:v1"
+
+
+def _ours(hub: Hub, ns: str) -> int:
+    return sum(1 for agent_id in hub.registry.agents if agent_id.startswith(f"{ns}."))
+
+
+def _holding(hub: Hub, held: asyncio.Event) -> Callable[[Msg], Coroutine[Any, Any, None]]:
+    """``hub``'s answer to the other hubs' pins asks, held until ``held`` is set."""
+    answer = hub._on_pins_ask
+
+    async def on_pins_ask(msg: Msg) -> None:
+        await held.wait()
+        await answer(msg)
+
+    return on_pins_ask
+
+
+async def _stop_routing(hub: Hub) -> None:
+    """``hub`` takes no more route requests (its flights go on): what the caller sends again
+    reaches the other hub."""
+    for sub in list(hub._subs):
+        if sub.subject.endswith((".route", ".route_batch")):
+            await sub.unsubscribe()
+            hub._subs.remove(sub)
+
+
+@pytest.mark.parametrize("pin_kept", [True, False], ids=["hub_knows", "hub_gone"])
+async def test_a_resend_reaching_a_hub_without_its_pin_goes_to_the_agent_that_has_it(
+    settings: MeshSettings, nats_url: str, pin_kept: bool
+) -> None:
+    """Four tasks routed by ``first`` to ``a1`` while ``away`` was cut off; ``a2`` joins (no
+    load: the one a new route would go to). ``away`` comes back; ``first`` holds its answer to
+    ``away``'s pins ask, and takes no more routes. The caller, cut off and back, asks again:
+    its requests reach ``away``, which has no pin for them — it asks who has them (``first``
+    answers ``pin_of``, or, ``first`` gone, ``a1`` answers ``task_state``) and sends each to
+    ``a1``, whose idempotency table joins the run in hand: each ran once. Before, ``away``
+    sent them to ``a2``, and they ran twice."""
+    ns = settings.namespace
+    ran: dict[str, list[str]] = {}
+    release = asyncio.Event()
+    asks_answered = asyncio.Event()
+    fleet = Fleet(settings)
+    for name in ("rs.a1", "rs.a2"):
+        agent = fleet.agent(name)
+
+        @agent.handler(CAP)
+        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
+            ran.setdefault(task.task_id, []).append(agent_id)
+            await release.wait()
+            return agent_id
+
+    a1, a2 = fleet.agents
+    hub_relay, hub_through = await relayed(nats_url, settings)
+    caller_relay, caller_through = await relayed(nats_url, settings)
+    first = Hub(settings=settings)
+    first._on_pins_ask = _holding(first, asks_answered)  # type: ignore[method-assign,assignment]
+    try:
+        async with Hub(settings=hub_through) as away:
+            await first.start()
+            await a1.start()
+            await eventually(lambda: _ours(first, ns) == 1 and _ours(away, ns) == 1)
+            await hub_relay.cut()
+            await eventually(lambda: not away.nats_connected)
+            async with Client(settings=caller_through) as mesh:
+                tries = [
+                    asyncio.ensure_future(
+                        mesh.request(capability=CAP, task_id=f"rs-{n}", timeout=20)
+                    )
+                    for n in range(4)
+                ]
+                await eventually(lambda: len(ran) == 4, timeout=10)
+                await a2.start()
+                await hub_relay.start()
+                await eventually(lambda: away.nats_connected and _ours(away, ns) == 2, timeout=10)
+                assert not any(away._pins.get(ns, f"rs-{n}") for n in range(4))  # ask held
+                await _stop_routing(first)
+                if not pin_kept:
+                    # Its flights end REACH_UNAVAILABLE: the caller asks again (marked) too.
+                    await first.close()
+                await caller_relay.cut()
+                await eventually(lambda: not mesh.nc.is_connected)
+                await caller_relay.start()
+                await eventually(lambda: mesh.nc.is_connected, timeout=10)
+                # Every task asked again has been routed by ``away`` (to whichever agent).
+                await eventually(lambda: len(away._flights) == 4, timeout=10)
+                await asyncio.sleep(0.2)  # a run on another agent would have started by now
+                assert {task_id: len(agents) for task_id, agents in ran.items()} == {
+                    f"rs-{n}": 1 for n in range(4)
+                }
+                release.set()
+                results = await asyncio.gather(*tries)
+            assert [r.state for r in results] == [TaskState.SUCCEEDED] * 4
+            assert {r.agent_id for r in results} == {a1.agent_id}
+            assert all(agents == [a1.agent_id] for agents in ran.values())
+    finally:
+        release.set()
+        asks_answered.set()
+        await first.close()
+        await hub_relay.cut()
+        await caller_relay.cut()
+        await fleet.close()
+
+
+async def test_a_resend_nobody_holds_is_routed_without_waiting_out_the_ask(
+    hub: Hub, settings: MeshSettings, nats_url: str
+) -> None:
+    """A marked resend whose first send never reached an agent: every candidate says it does
+    not hold it, so the hub routes it at once (not after ``HOLDER_WAIT``); an unmarked request
+    asks nobody."""
+    fleet = Fleet(settings)
+    agent = fleet.agent("rs.solo")
+    asked: list[str] = []
+
+    @agent.handler(CAP)
+    async def run(task: Task[Any]) -> str:
+        return task.task_id
+
+    nc = await nats.connect(nats_url)
+    try:
+        await agent.start()
+        await eventually(lambda: _ours(hub, settings.namespace) == 1)
+
+        async def note(msg: Msg) -> None:
+            asked.append(msg.subject)
+
+        await nc.subscribe(protocol.hub_broadcast(settings.namespace, "pin_of"), cb=note)
+        body = protocol.dumps({"capability": CAP, "task_id": "rs-new", "timeout": 5})
+        route = protocol.hub_subject(settings.namespace, "route")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        reply = await nc.request(route, body, timeout=5, headers={protocol.HDR_RESEND: "1"})
+        took = loop.time() - t0
+        answer = protocol.loads_object(reply.data)
+        assert answer["task"]["state"] == TaskState.SUCCEEDED
+        assert answer["task"].get("cached", False) is False
+        assert took < HOLDER_WAIT
+        await eventually(lambda: len(asked) == 1)
+        # Unmarked: nobody is asked.
+        body = protocol.dumps({"capability": CAP, "task_id": "rs-plain", "timeout": 5})
+        reply = await nc.request(route, body, timeout=5)
+        assert protocol.loads_object(reply.data)["task"]["state"] == TaskState.SUCCEEDED
+        await asyncio.sleep(0.1)
+        assert len(asked) == 1
+        # Marked again, now that ``hub`` holds its pin: nobody is asked either.
+        body = protocol.dumps({"capability": CAP, "task_id": "rs-new", "timeout": 5})
+        reply = await nc.request(route, body, timeout=5, headers={protocol.HDR_RESEND: "1"})
+        assert protocol.loads_object(reply.data)["task"]["cached"] is True
+        await asyncio.sleep(0.1)
+        assert len(asked) == 1
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+        await fleet.close()
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "", "1;1", "0"])
+async def test_a_malformed_resend_header_is_a_bad_request(
+    hub: Hub, settings: MeshSettings, nats_url: str, value: str
+) -> None:
+    """Anything but ``1`` in ``Reach-Resend`` is answered ``REACH_BAD_REQUEST`` naming the
+    header; the hub goes on routing."""
+    with pytest.raises(BadRequestError):
+        resend_marked({protocol.HDR_RESEND: value})
+    nc = await nats.connect(nats_url)
+    try:
+        body = protocol.dumps({"capability": CAP, "task_id": "rs-bad", "timeout": 1})
+        route = protocol.hub_subject(settings.namespace, "route")
+        reply = await nc.request(route, body, timeout=5, headers={protocol.HDR_RESEND: value})
+        error = protocol.loads_object(reply.data)["error"]
+        assert error["code"] == "REACH_BAD_REQUEST"
+        assert protocol.HDR_RESEND in error["message"]
+        assert error["details"]["field"] == protocol.HDR_RESEND
+        assert hub.nats_connected
+    finally:
+        await nc.close()
+
+
+async def test_a_hub_answers_pin_of_only_for_the_pins_it_has(
+    hub: Hub, settings: MeshSettings, nats_url: str
+) -> None:
+    """``reach.hubs.<ns>.pin_of``: the agent a task id went to, from a hub that has its pin;
+    silence from one that has none, and for a malformed task id."""
+    ns = settings.namespace
+    hub._pins.learn(ns, [("rs-known", f"{ns}.rs.a1")])
+    nc = await nats.connect(nats_url)
+    try:
+        subject = protocol.hub_broadcast(ns, "pin_of")
+        other = {"Reach-Hub": "another-hub"}
+        reply = await nc.request(subject, b"rs-known", timeout=2, headers=other)
+        assert reply.data == f"{ns}.rs.a1".encode()
+        for asked in (b"rs-unknown", b"not a task id!"):
+            with pytest.raises(nats.errors.TimeoutError):
+                await nc.request(subject, asked, timeout=0.3, headers=other)
+        with pytest.raises(nats.errors.TimeoutError):  # its own question: not answered
+            await nc.request(subject, b"rs-known", timeout=0.3, headers={"Reach-Hub": hub.hub_id})
+    finally:
+        await nc.close()
+
+
+async def test_an_agent_asked_for_a_resent_route_counts_request_reply_tasks_only(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nats_url: str
+) -> None:
+    """ctl ``task_state`` with ``route: true`` (a hub seeking a resent route's holder): a
+    request-reply task of the id is held; a workflow's step of the same id is not — a resend
+    naming it must not be sent to that step's agent."""
+    agent = echo_agent(fleet, "rs.wf", "wf:rs:v1")
+    await agent.start()
+    ctl = protocol.agent_ctl(agent.agent_id)
+    async with Client(settings=wf_settings) as mesh:
+        done = await mesh.fanout(
+            [Step(capability="wf:rs:v1", payload="x", task_id="rs-step")], timeout=10
+        )
+        assert done.state is TaskState.SUCCEEDED
+        await mesh.request(capability="wf:rs:v1", payload="y", task_id="rs-route")
+    nc = await nats.connect(nats_url)
+    try:
+
+        async def state(task_id: str, **extra: Any) -> dict[str, Any]:
+            body = protocol.dumps({"op": "task_state", "task_id": task_id, **extra})
+            return protocol.loads_object((await nc.request(ctl, body, timeout=2)).data)
+
+        assert (await state("rs-route", route=True))["state"] == TaskState.SUCCEEDED
+        assert (await state("rs-step"))["state"] == TaskState.SUCCEEDED  # as before
+        assert await state("rs-step", route=True) == {
+            "task_id": "rs-step",
+            "state": TaskState.PENDING,
+        }
+        assert (await state("rs-none", route=True))["state"] == TaskState.PENDING
+    finally:
+        await nc.close()
