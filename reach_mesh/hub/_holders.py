@@ -8,7 +8,8 @@ runs it. The hubs' pins (``hub/_pins.py``) usually send it there. But a hub may 
 it: its connection came back a moment ago and its pins ask is not answered yet (the secure
 chaos run's ``node_kill``: three routes of 500 ran twice in 3 of 11 runs), it started since,
 or the hub that routed the first send died before its pins message left. Such a hub does not
-choose at once: it asks, at the same moment and for ``HOLDER_WAIT`` at most,
+choose at once: it asks, at the same moment and for ``HOLDER_WAIT`` at most (half the
+route's time left, if less),
 
 - the other hubs, on ``reach.hubs.<ns>.pin_of`` (body: the task id; a hub that has a pin
   answers the agent id, the others stay silent), and
@@ -112,10 +113,13 @@ class HoldersMixin:
         @property
         def nc(self) -> NATS: ...
 
-    async def _seek_holder(self, ns: str, task_id: str, candidates: Collection[str]) -> str | None:
+    async def _seek_holder(
+        self, ns: str, task_id: str, candidates: Collection[str], wait: float = HOLDER_WAIT
+    ) -> str | None:
         """The agent the other hubs or the ``candidates`` say holds ``task_id``, or None
-        (module docstring). Asked for ``HOLDER_WAIT`` at most; never raises."""
+        (module docstring). Asked for ``wait`` seconds at most; never raises."""
         nc = self.nc
+        wait = max(0.001, min(wait, HOLDER_WAIT))
         asked = list(itertools.islice(candidates, HOLDER_ASK_MOST))
         every = len(asked) == len(candidates)
         body = protocol.dumps({"op": "task_state", "task_id": task_id, "route": True})
@@ -123,13 +127,13 @@ class HoldersMixin:
             nc.request(
                 protocol.hub_broadcast(ns, "pin_of"),
                 task_id.encode(),
-                timeout=HOLDER_WAIT,
+                timeout=wait,
                 headers={HUB_HEADER: self.hub_id},
             )
         )
         agent_asks: dict[asyncio.Future[Msg], str] = {
             asyncio.ensure_future(
-                nc.request(protocol.agent_ctl(agent_id), body, timeout=HOLDER_WAIT)
+                nc.request(protocol.agent_ctl(agent_id), body, timeout=wait)
             ): agent_id
             for agent_id in asked
         }

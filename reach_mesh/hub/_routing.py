@@ -286,8 +286,12 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         req = flight.req
         assert req.task_id is not None
         try:
+            # Half its time left at most: the route must still be decided and run.
             holder = await self._seek_holder(
-                flight.ns, req.task_id, self.router.matching(req, flight.ns)
+                flight.ns,
+                req.task_id,
+                self.router.matching(req, flight.ns),
+                (flight.deadline - time.perf_counter()) / 2,
             )
         except Exception:  # a bug, not the input: routed as if unmarked
             log.exception("route %s: seeking its task's holder failed", flight.request_id)
