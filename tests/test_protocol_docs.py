@@ -52,6 +52,7 @@ BUILT = {
     protocol.hub_broadcast(_NS, "breaker"),
     protocol.hub_broadcast(_NS, "pins"),
     protocol.hub_broadcast(_NS, "pins_ask"),
+    protocol.hub_broadcast(_NS, "pin_of"),
     protocol.hub_peer(_NS, "workflow", "hub1"),
     protocol.hub_peer(_NS, "cancel", "hub1"),
     protocol.agent_task(_AGENT),

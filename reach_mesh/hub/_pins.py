@@ -12,7 +12,9 @@ made some, one message per namespace (``PINS_PER_MESSAGE`` pairs at most each) o
 ``reach.hubs.<ns>.pins`` (only hubs publish and subscribe there), a JSON array of
 ``[task_id, agent_id]`` pairs with the sender's hub id in the ``Reach-Hub`` header, so a hub
 drops its own message unread. A retry comes after the caller's
-timeout, long after the message; a retry that comes sooner is routed as if it were new.
+timeout, long after the message; a retry that comes sooner is routed as if it were new —
+unless the caller marks it as sent again (``Reach-Resend``): then a hub with no pin for it
+asks the other hubs and the agents who holds it first (``hub/_holders.py``).
 
 A hub that starts has heard none of the pins made before it (a restarted one has lost its
 own), nor has one back on NATS those made while it was away: it asks on
