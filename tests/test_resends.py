@@ -23,6 +23,7 @@ from reach_mesh.agent import Task
 from reach_mesh.errors import BadRequestError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
+from reach_mesh.models import AgentState
 
 from .helpers import Fleet, echo_agent, eventually, relayed
 
@@ -132,12 +133,13 @@ async def test_a_resend_reaching_a_hub_without_its_pin_goes_to_the_agent_that_ha
         await fleet.close()
 
 
-async def test_a_resend_nobody_holds_is_routed_without_waiting_out_the_ask(
+async def test_a_resend_nobody_holds_is_routed_as_new_once_the_ask_is_over(
     hub: Hub, settings: MeshSettings, nats_url: str
 ) -> None:
-    """A marked resend whose first send never reached an agent: every candidate says it does
-    not hold it, so the hub routes it at once (not after ``HOLDER_WAIT``); an unmarked request
-    asks nobody."""
+    """A marked resend whose first send never reached an agent: nobody claims it, so the hub
+    routes it as new once ``HOLDER_WAIT`` is over (not at once when the agents say no: another
+    copy may be on its way through another hub); an unmarked request asks nobody, nor does a
+    marked one whose pin the hub has."""
     fleet = Fleet(settings)
     agent = fleet.agent("rs.solo")
     asked: list[str] = []
@@ -164,7 +166,7 @@ async def test_a_resend_nobody_holds_is_routed_without_waiting_out_the_ask(
         answer = protocol.loads_object(reply.data)
         assert answer["task"]["state"] == TaskState.SUCCEEDED
         assert answer["task"].get("cached", False) is False
-        assert took < HOLDER_WAIT
+        assert HOLDER_WAIT * 0.9 <= took < HOLDER_WAIT + 1.0
         await eventually(lambda: len(asked) == 1)
         # Unmarked: nobody is asked.
         body = protocol.dumps({"capability": CAP, "task_id": "rs-plain", "timeout": 5})
@@ -172,15 +174,95 @@ async def test_a_resend_nobody_holds_is_routed_without_waiting_out_the_ask(
         assert protocol.loads_object(reply.data)["task"]["state"] == TaskState.SUCCEEDED
         await asyncio.sleep(0.1)
         assert len(asked) == 1
-        # Marked again, now that ``hub`` holds its pin: nobody is asked either.
+        # Marked again, now that ``hub`` holds its pin: nobody is asked either, nor waited for.
         body = protocol.dumps({"capability": CAP, "task_id": "rs-new", "timeout": 5})
+        t0 = loop.time()
         reply = await nc.request(route, body, timeout=5, headers={protocol.HDR_RESEND: "1"})
+        assert loop.time() - t0 < HOLDER_WAIT
         assert protocol.loads_object(reply.data)["task"]["cached"] is True
         await asyncio.sleep(0.1)
         assert len(asked) == 1
     finally:
         with contextlib.suppress(Exception):
             await nc.close()
+        await fleet.close()
+
+
+async def test_a_resend_waits_for_the_copy_another_hub_routes_at_the_same_moment(
+    settings: MeshSettings,
+) -> None:
+    """Two copies of one request at once: nats-py sends on reconnecting what it had buffered
+    while its connection was already dead, and the ``Client`` asks again, marked. The marked
+    copy reaches ``seeker`` first: nobody has the task yet, and both agents say so. Then the
+    unmarked one reaches ``router``, which sends it to ``a2`` (``a1`` is quarantined in its
+    view), and whose pins message tells ``seeker``: the marked copy goes to ``a2`` too, and
+    the task runs once. Before, ``seeker`` routed it as soon as both agents said no — to
+    ``a1``, the less loaded in its view — and it ran on both (the secure chaos run's
+    ``node_kill``, seeds 202 and 203). ``router`` hears no pins here: ``seeker``'s would
+    otherwise send its copy after the first."""
+    ns = settings.namespace
+    ran: dict[str, list[str]] = {}
+    release = asyncio.Event()
+    learned = asyncio.Event()
+    states: list[str] = []
+    fleet = Fleet(settings)
+    for name in ("rs.a1", "rs.a2"):
+        agent = fleet.agent(name)
+
+        @agent.handler(CAP)
+        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
+            ran.setdefault(task.task_id, []).append(agent_id)
+            await release.wait()
+            return agent_id
+
+        answer = agent._task_state
+
+        def noted(body: dict[str, Any], answer: Callable[..., bytes] = answer) -> bytes:
+            states.append(str(body.get("task_id")))
+            return answer(body)
+
+        agent._task_state = noted  # type: ignore[method-assign]
+    a1, a2 = fleet.agents
+    router = Hub(settings=settings)
+    router._on_pins = _holding(router, learned)  # type: ignore[method-assign,assignment]
+    seeker = Hub(settings=settings)
+    try:
+        await router.start()
+        await seeker.start()
+        for agent in fleet.agents:
+            await agent.start()
+        await eventually(lambda: _ours(router, ns) == 2 and _ours(seeker, ns) == 2)
+        # ``a2`` busier than ``a1`` in ``seeker``'s view; ``a1`` quarantined in ``router``'s.
+        busy = asyncio.ensure_future(
+            seeker.route(
+                protocol.dumps({"agent_id": a2.agent_id, "capability": CAP, "task_id": "rs-busy"}),
+                ns,
+            )
+        )
+        await eventually(lambda: "rs-busy" in ran)
+        quarantined = router.registry.agents[a1.agent_id]
+        quarantined.breaker.trip()
+        router.registry.regrade(quarantined)
+        assert quarantined.state is AgentState.QUARANTINED
+        body = protocol.dumps({"capability": CAP, "task_id": "rs-twice", "timeout": 10})
+        marked = asyncio.ensure_future(seeker.route(body, ns, {protocol.HDR_RESEND: "1"}))
+        # Both agents said they do not have it (or, before, it was routed at once).
+        await eventually(lambda: states.count("rs-twice") == 2 or "rs-twice" in ran)
+        plain = asyncio.ensure_future(router.route(body, ns, None))
+        await eventually(lambda: getattr(seeker, "_seeking", 0) == 0, timeout=5)
+        await eventually(lambda: len(seeker._flights) == 2)  # both routes out
+        await asyncio.sleep(0.2)  # a second run would have started by now
+        assert ran["rs-twice"] == [a2.agent_id]
+        release.set()
+        answers = [protocol.loads_object(a)["task"] for a in await asyncio.gather(marked, plain)]
+        assert {a["agent_id"] for a in answers} == {a2.agent_id}
+        assert sorted(a.get("cached", False) for a in answers) == [False, True]
+        await busy
+    finally:
+        release.set()
+        learned.set()
+        await seeker.close()
+        await router.close()
         await fleet.close()
 
 

@@ -18,18 +18,23 @@ route's time left, if less),
   asking changes nothing on the agent).
 
 The first hub to name an agent, or agent to hold the task id (any state but ``PENDING``
-without an attempt: running, queued, or finished — its idempotency table answers), is where
-the route goes, as for a pin (``_Flight.in_hand``). When every agent asked says it does not
-hold it, the hub routes at once, without waiting for the hubs: a hub's pin names an agent,
-and that agent said no. Otherwise (some agent silent, or more candidates than were asked) it
-routes when ``HOLDER_WAIT`` is over, as if the request were new.
+without an attempt: running, queued, or finished — its idempotency table answers), or a pins
+message that names one meanwhile, is where the route goes, as for a pin
+(``_Flight.in_hand``). Nobody claiming it, the hub waits the whole ``HOLDER_WAIT`` even when
+every agent said no, then routes it as new (or to a pin it made itself meanwhile): another
+copy of the same request may be on its way to an agent through another hub at that moment —
+nats-py sends on reconnecting what it had buffered while its connection was already dead, and
+the ``Client`` asks again too (the secure chaos run, seeds 202 and 203: a marked copy whose
+agents all said no, routed at once, ran beside the unmarked copy another hub had just routed);
+that hub's pins message comes within the wait.
 
 An unmarked request costs nothing of this, nor does a marked one whose pin this hub has. The
 mark lets a caller do nothing it could not do unmarked: the route is decided among the agents
 its request matches, in its own namespace, as any other; and sending the same task id again
 unmarked would reach the agent that holds it through the pins anyway. It costs the hub at most
-``HOLDER_ASK_MOST + 1`` small requests and ``HOLDER_WAIT``, within the namespace's route rate,
-and no more than ``HOLDER_SEEKS_MOST`` seeks at once (beyond, a resend is routed unmarked).
+``HOLDER_ASK_MOST + 1`` small requests and ``HOLDER_WAIT`` of the route's time, within the
+namespace's route rate, and no more than ``HOLDER_SEEKS_MOST`` seeks at once (beyond, a resend
+is routed unmarked).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -63,7 +68,7 @@ log = logging.getLogger("reach_mesh.hub")
 #: The header a caller puts on a route request it sends again (value ``1``).
 RESEND_HEADER: Final = protocol.HDR_RESEND
 #: How long a hub asks, at most, who holds a resent task it has no pin for (seconds).
-HOLDER_WAIT: Final = 0.25
+HOLDER_WAIT: Final = 0.5
 #: Agents a hub asks at most whether they hold a resent task.
 HOLDER_ASK_MOST: Final = 32
 #: Resent tasks a hub seeks the holder of at once, at most; beyond, routed as if unmarked.
@@ -105,8 +110,11 @@ class HoldersMixin:
 
     hub_id: str
     _pins: TaskPins
-    #: Holder seeks in progress (``HOLDER_SEEKS_MOST``).
+    #: Holder seeks in progress (``HOLDER_SEEKS_MOST``; counted by ``RoutingMixin``).
     _seeking: int
+    #: What the seeks in progress wait for from the other hubs' pins messages, by
+    #: (namespace, task id).
+    _pin_waits: dict[tuple[str, str], list[asyncio.Future[str]]]
 
     if TYPE_CHECKING:
 
@@ -116,37 +124,46 @@ class HoldersMixin:
     async def _seek_holder(
         self, ns: str, task_id: str, candidates: Collection[str], wait: float = HOLDER_WAIT
     ) -> str | None:
-        """The agent the other hubs or the ``candidates`` say holds ``task_id``, or None
-        (module docstring). Asked for ``wait`` seconds at most; never raises."""
+        """The agent the other hubs or the ``candidates`` say holds ``task_id``, or that a pin
+        made meanwhile names, or None (module docstring). Takes ``wait`` seconds
+        (``HOLDER_WAIT`` at most) unless someone names the holder sooner; never raises."""
         nc = self.nc
-        wait = max(0.001, min(wait, HOLDER_WAIT))
-        asked = list(itertools.islice(candidates, HOLDER_ASK_MOST))
-        every = len(asked) == len(candidates)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.001, min(wait, HOLDER_WAIT))
+        left = deadline - loop.time()
+        key = (ns, task_id)
+        learned: asyncio.Future[str] = loop.create_future()
+        self._pin_waits.setdefault(key, []).append(learned)
         body = protocol.dumps({"op": "task_state", "task_id": task_id, "route": True})
         hub_ask: asyncio.Future[Msg] = asyncio.ensure_future(
             nc.request(
                 protocol.hub_broadcast(ns, "pin_of"),
                 task_id.encode(),
-                timeout=wait,
+                timeout=left,
                 headers={HUB_HEADER: self.hub_id},
             )
         )
         agent_asks: dict[asyncio.Future[Msg], str] = {
             asyncio.ensure_future(
-                nc.request(protocol.agent_ctl(agent_id), body, timeout=wait)
+                nc.request(protocol.agent_ctl(agent_id), body, timeout=left)
             ): agent_id
-            for agent_id in asked
+            for agent_id in itertools.islice(candidates, HOLDER_ASK_MOST)
         }
-        pending: set[asyncio.Future[Msg]] = {hub_ask, *agent_asks}
-        said_no = 0
-        self._seeking += 1
+        pending: set[asyncio.Future[Any]] = {learned, hub_ask, *agent_asks}
         try:
-            while pending and not (every and said_no == len(asked)):
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            while (left := deadline - loop.time()) > 0:
+                done, pending = await asyncio.wait(
+                    pending, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    break  # time is up
                 for ask in done:
                     if ask.cancelled() or ask.exception() is not None:
                         continue
-                    data = ask.result().data
+                    if ask is learned:
+                        return learned.result()
+                    reply: Msg = ask.result()
+                    data = reply.data
                     if ask is hub_ask:
                         agent_id = data.decode(errors="replace")
                         if protocol.AGENT_ID_RE.fullmatch(agent_id) and agent_id.startswith(
@@ -155,17 +172,29 @@ class HoldersMixin:
                             return agent_id
                     elif _holds(data):
                         return agent_asks[ask]
-                    else:
-                        said_no += 1
-            # Every candidate said no (a hub's pin would name one of them), or time is up.
-            return None
+            # Nobody claimed it: a pin this hub made meanwhile (another copy of the request,
+            # routed here as new), if any.
+            return self._pins.get(ns, task_id)
         finally:
-            self._seeking -= 1
+            waits = self._pin_waits.get(key)
+            if waits is not None:
+                waits.remove(learned)
+                if not waits:
+                    del self._pin_waits[key]
             for ask in pending:
                 ask.cancel()
             for ask in pending:
                 with contextlib.suppress(BaseException):
                     await ask
+
+    def _pins_learned(self, ns: str, pairs: list[tuple[str, str]]) -> None:
+        """Pins a peer made (its pins message): a seek waiting for one of them has its holder
+        (another copy of the same request, routed by that hub as new a moment ago)."""
+        waits = self._pin_waits
+        for task_id, agent_id in pairs:
+            for learned in waits.get((ns, task_id), ()):
+                if not learned.done():
+                    learned.set_result(agent_id)
 
     async def _on_pin_of(self, msg: Msg) -> None:
         """``reach.hubs.<ns>.pin_of``: another hub asks which agent a resent task went to;

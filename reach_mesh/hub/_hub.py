@@ -140,6 +140,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._pins_replayed_at = -1e9
         # Resent tasks whose holder this hub is asking for (``hub/_holders.py``).
         self._seeking = 0
+        self._pin_waits: dict[tuple[str, str], list[asyncio.Future[str]]] = {}
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher

@@ -198,6 +198,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             flight.sticky = flight.in_hand = self._pins.get(flight.ns, req.task_id)
             if flight.in_hand is None and flight.resend and self._seeking < HOLDER_SEEKS_MOST:
                 # Sent again, and no pin here: ask who holds it first (``hub/_holders.py``).
+                self._seeking += 1
                 self._spawn(self._seek_then_attempt(flight))
                 return
         if (req.session_id is not None and flight.sticky is None) or (
@@ -296,6 +297,8 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         except Exception:  # a bug, not the input: routed as if unmarked
             log.exception("route %s: seeking its task's holder failed", flight.request_id)
             holder = None
+        finally:
+            self._seeking -= 1
         if holder is not None:
             flight.sticky = flight.in_hand = holder
         await self._lookup_then_attempt(flight)
@@ -586,7 +589,10 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         headers = msg.headers
         if headers is None or headers.get(HUB_HEADER) == self.hub_id:
             return  # our own (every hub hears its own broadcasts)
-        self._pins.learn(msg.subject.split(".", 3)[2], decode_pins(msg.data))
+        ns, pairs = msg.subject.split(".", 3)[2], decode_pins(msg.data)
+        self._pins.learn(ns, pairs)
+        if self._pin_waits:  # a resend waits for its holder (``hub/_holders.py``)
+            self._pins_learned(ns, pairs)
 
     def _say_unknown_namespace(self, ns: str, req: RouteRequest) -> None:
         """``REACH-SELECT-EMPTY`` for a route to a namespace this hub does not know, once
