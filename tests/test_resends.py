@@ -47,6 +47,24 @@ def _holding(hub: Hub, held: asyncio.Event) -> Callable[[Msg], Coroutine[Any, An
     return on_pins_ask
 
 
+def _two_recording(settings: MeshSettings) -> tuple[Fleet, dict[str, list[str]], asyncio.Event]:
+    """Agents ``rs.a1`` and ``rs.a2`` serving ``CAP``: each run noted by task id (which agents
+    ran it), each held until the event is set."""
+    ran: dict[str, list[str]] = {}
+    release = asyncio.Event()
+    fleet = Fleet(settings)
+    for name in ("rs.a1", "rs.a2"):
+        agent = fleet.agent(name)
+
+        @agent.handler(CAP)
+        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
+            ran.setdefault(task.task_id, []).append(agent_id)
+            await release.wait()
+            return agent_id
+
+    return fleet, ran, release
+
+
 async def _stop_routing(hub: Hub) -> None:
     """``hub`` takes no more route requests (its flights go on): what the caller sends again
     reaches the other hub."""
@@ -68,19 +86,8 @@ async def test_a_resend_reaching_a_hub_without_its_pin_goes_to_the_agent_that_ha
     ``a1``, whose idempotency table joins the run in hand: each ran once. Before, ``away``
     sent them to ``a2``, and they ran twice."""
     ns = settings.namespace
-    ran: dict[str, list[str]] = {}
-    release = asyncio.Event()
     asks_answered = asyncio.Event()
-    fleet = Fleet(settings)
-    for name in ("rs.a1", "rs.a2"):
-        agent = fleet.agent(name)
-
-        @agent.handler(CAP)
-        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
-            ran.setdefault(task.task_id, []).append(agent_id)
-            await release.wait()
-            return agent_id
-
+    fleet, ran, release = _two_recording(settings)
     a1, a2 = fleet.agents
     hub_relay, hub_through = await relayed(nats_url, settings)
     caller_relay, caller_through = await relayed(nats_url, settings)
@@ -201,20 +208,10 @@ async def test_a_resend_waits_for_the_copy_another_hub_routes_at_the_same_moment
     ``node_kill``, seeds 202 and 203). ``router`` hears no pins here: ``seeker``'s would
     otherwise send its copy after the first."""
     ns = settings.namespace
-    ran: dict[str, list[str]] = {}
-    release = asyncio.Event()
     learned = asyncio.Event()
     states: list[str] = []
-    fleet = Fleet(settings)
-    for name in ("rs.a1", "rs.a2"):
-        agent = fleet.agent(name)
-
-        @agent.handler(CAP)
-        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
-            ran.setdefault(task.task_id, []).append(agent_id)
-            await release.wait()
-            return agent_id
-
+    fleet, ran, release = _two_recording(settings)
+    for agent in fleet.agents:
         answer = agent._task_state
 
         def noted(body: dict[str, Any], answer: Callable[..., bytes] = answer) -> bytes:
