@@ -175,6 +175,11 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         self._timed_out: collections.OrderedDict[tuple[str, str], tuple[str, int]] = (
             collections.OrderedDict()
         )
+        #: (namespace, task id) -> how often :meth:`request` was asked it, for the task ids
+        #: the caller chose (the newest ``_PINS_KEPT``): one asked again is sent marked
+        #: ``Reach-Resend`` (``_route``), so that a hub that never heard the pin of its first
+        #: send (lost in a partition) asks who has it before choosing.
+        self._asked: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
         self._jsc: JsClient | None = None
         self._done_waits: dict[_Done, tuple[str, asyncio.Future[Msg]]] = {}
         self._rechecks: set[asyncio.Task[None]] = set()
@@ -335,6 +340,8 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
             explain=explain,
         )
         ns = protocol.namespace_of(agent_id) if agent_id else self.namespace
+        if task_id:
+            self._count_asked((ns, task_id))
         if not tracing_enabled():
             return await self._request(fields, ns)
         # The caller's span: the root of the trace (or a child of the application's span),
@@ -352,6 +359,14 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
             if result.request_id is not None:
                 sp.set_attribute("reach.request_id", result.request_id)
             return result
+
+    def _count_asked(self, key: tuple[str, str]) -> None:
+        """One more :meth:`request` of a task id the caller chose (``_asked``)."""
+        asked = self._asked
+        asked[key] = asked.get(key, 0) + 1
+        asked.move_to_end(key)
+        if len(asked) > _PINS_KEPT:
+            asked.popitem(last=False)
 
     async def _request(self, fields: _RouteFields, ns: str) -> TaskResult:
         """:meth:`request` after its arguments are checked (inside its span, if traced).
@@ -414,6 +429,10 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
             task, request_id, decision = await self._direct(fields, ns, headers, deadline, after)
             return self._result(task, request_id, decision, trace_id, t0)
         body = self._encode(fields if not after else {**fields, "after_attempt": after})
+        if self._asked and self._asked.get((ns, fields["task_id"]), 0) > 1:
+            # Asked again by the caller (its answer lost, say): a hub without the pin of the
+            # first send asks who has the task before choosing (docs/protocol.md, "Resends").
+            headers[protocol.HDR_RESEND] = "1"
         reply = await self._call_hub(
             ns, "route", body, headers, deadline, timeout + _reply_slack(timeout)
         )

@@ -19,6 +19,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh._nats import flushed
 from reach_mesh.agent import Task
 from reach_mesh.errors import BadRequestError
 from reach_mesh.hub import Hub
@@ -72,6 +73,9 @@ async def _stop_routing(hub: Hub) -> None:
         if sub.subject.endswith((".route", ".route_batch")):
             await sub.unsubscribe()
             hub._subs.remove(sub)
+    for nc in (hub._route_nc, hub._nc):  # the server has the UNSUBs before the caller asks
+        if nc is not None:
+            await flushed(nc)
 
 
 @pytest.mark.parametrize("pin_kept", [True, False], ids=["hub_knows", "hub_gone"])
@@ -338,3 +342,57 @@ async def test_an_agent_asked_for_a_resent_route_counts_request_reply_tasks_only
         assert (await state("rs-none", route=True))["state"] == TaskState.PENDING
     finally:
         await nc.close()
+
+
+async def test_a_callers_own_retry_of_a_task_id_is_marked(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """The caller itself asks again with the same ``task_id`` (its first request's answer
+    lost — here, the request cancelled — as the README tells it to) and the retry reaches a hub
+    that never heard the pin of the first send (lost in a partition: here, its pins ask held
+    and the pins messages ignored). The ``Client`` marks it (it asked that id before), so that
+    hub asks who has it (``first`` answers ``pin_of``) and the task runs once. Before, unmarked,
+    it went to the idle agent and ran twice (the secure chaos run, seed 151, ``partition``: a
+    route asked again by its caller 13 s later ran on a second agent)."""
+    ns = settings.namespace
+    fleet, ran, release = _two_recording(settings)
+    a1, a2 = fleet.agents
+    asks_answered = asyncio.Event()
+    first = Hub(settings=settings)
+    first._on_pins_ask = _holding(first, asks_answered)  # type: ignore[method-assign,assignment]
+    second = Hub(settings=settings)
+
+    async def deaf(msg: Msg) -> None:
+        """(the pins messages of ``first`` lost)"""
+
+    second._on_pins = deaf  # type: ignore[method-assign]
+    try:
+        await first.start()
+        await a1.start()
+        async with Client(settings=settings) as mesh:
+            await eventually(lambda: _ours(first, ns) == 1)
+            one = asyncio.ensure_future(mesh.request(capability=CAP, task_id="own-1", timeout=20))
+            await eventually(lambda: ran.get("own-1") == [a1.agent_id], timeout=10)
+            one.cancel()  # (its answer lost, for the caller)
+            with contextlib.suppress(asyncio.CancelledError):
+                await one
+            await second.start()
+            await a2.start()
+            await eventually(lambda: _ours(second, ns) == 2 and _ours(first, ns) == 2)
+            assert second._pins.get(ns, "own-1") is None
+            # ``a1`` busy with it in ``second``'s view: a new route would go to ``a2``.
+            await eventually(lambda: second.registry.agents[a1.agent_id].busy == 1, timeout=10)
+            await _stop_routing(first)
+            again = asyncio.ensure_future(mesh.request(capability=CAP, task_id="own-1", timeout=20))
+            await eventually(lambda: len(second._flights) == 1, timeout=10)
+            await asyncio.sleep(HOLDER_WAIT + 0.3)  # a run on a2 would have started by now
+            assert ran == {"own-1": [a1.agent_id]}
+            release.set()
+            result = await again
+        assert result.state is TaskState.SUCCEEDED and result.agent_id == a1.agent_id
+    finally:
+        release.set()
+        asks_answered.set()
+        await second.close()
+        await first.close()
+        await fleet.close()
