@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -26,7 +26,7 @@ from reach_mesh.hub._agent_view import ATTENTION
 from reach_mesh.models import AgentCard, AgentState, Heartbeat
 
 from .chromium import Chromium, needs_chromium
-from .helpers import eventually, fetch, register_cards, run_cli
+from .helpers import a_server_of_its_own, eventually, fetch, register_cards, run_cli
 
 CAP = "kb:search:v1"
 #: The agent ids of the dashboard's fleet table, as drawn.
@@ -48,6 +48,13 @@ class Fleet:
         assert self.hub.http_url is not None
         status, body = await fetch(f"{self.hub.http_url}{path}?{urlencode(query, doseq=True)}")
         return status, json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    """A server of this module's own: its agents hold leases of 120 s, which tests sharing
+    their worker's server (and its hub, which sees every namespace) must not find there."""
+    yield from a_server_of_its_own()
 
 
 def _card(ns: str, name: str) -> AgentCard:
@@ -244,7 +251,7 @@ async def test_metrics_count_them_by_reason(fleet: Fleet) -> None:
 
 async def test_doctor_names_them_with_why(fleet: Fleet) -> None:
     """``reach-mesh doctor`` warns with how many need attention, the first five with why, and
-    how many more (other tests' agents on this server may be among them)."""
+    how many more (the module's earlier tests' agents on this server may be among them)."""
     found = {f.check: f for f in await diagnose(fleet.settings)}
     async with Client(settings=fleet.settings) as c:
         every = await c.agents(all_namespaces=True, limit=0)
