@@ -28,6 +28,18 @@ from .helpers import Fleet, echo_agent, eventually, task_record
 pytestmark = pytest.mark.timeout(60)
 
 
+async def _until_stopped(ended: list[str]) -> str:
+    """A slow step's handler: 8 s, noting in ``ended`` whether it was cancelled (stopped as
+    unneeded) or ran to its end."""
+    try:
+        await asyncio.sleep(8)
+    except asyncio.CancelledError:
+        ended.append("cancelled")
+        raise
+    ended.append("ran to its end")
+    return "late"
+
+
 @pytest.mark.parametrize("policy", ["any", "quorum(2)"])
 async def test_an_unneeded_step_read_from_a_replica_behind_is_stopped_all_the_same(
     wf_hub: Hub,
@@ -56,13 +68,7 @@ async def test_an_unneeded_step_read_from_a_replica_behind_is_stopped_all_the_sa
     @slow.handler("wf:behind-slow:v1")
     async def wait(task: Task[Any]) -> str:
         started.set()
-        try:
-            await asyncio.sleep(8)
-        except asyncio.CancelledError:
-            ended.append("cancelled")
-            raise
-        ended.append("ran to its end")
-        return "late"
+        return await _until_stopped(ended)
 
     @fast.handler("wf:behind-fast:v1")
     async def quick(task: Task[Any]) -> Any:
@@ -126,13 +132,7 @@ async def test_an_unneeded_step_read_at_an_older_attempt_is_stopped_at_its_curre
             await snapped.wait()  # (the test has the record at attempt 1)
             raise TaskFailed("once", retryable=True)
         second.set()
-        try:
-            await asyncio.sleep(8)
-        except asyncio.CancelledError:
-            ended.append("cancelled")
-            raise
-        ended.append("ran to its end")
-        return "late"
+        return await _until_stopped(ended)
 
     @fast.handler("wf:older-fast:v1")
     async def quick(task: Task[Any]) -> Any:

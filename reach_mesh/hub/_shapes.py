@@ -69,9 +69,8 @@ class Resubmitted(Exception):
 
 class WorkflowShapes(StepStopping):
     """Runs an owned workflow's record and shape (the base of ``WorkflowEngine``, which sets
-    every attribute below)."""
+    every attribute below; ``hub_id`` is declared on ``StepStopping``)."""
 
-    hub_id: str
     _wf_kv: _durable.Bucket | None
     #: Workflows this hub took over from a record another owner (or itself, earlier) wrote.
     takeover_total: int
