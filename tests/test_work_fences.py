@@ -31,7 +31,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import TaskEnvelope, TaskState
 from reach_mesh.workflow import TaskRecord
 
-from .helpers import Fleet, echo_agent, eventually, relayed
+from .helpers import Fleet, echo_agent, eventually, heal, partition, relayed
 
 
 async def _stale_step(
@@ -233,8 +233,10 @@ async def _busy(
     release: asyncio.Event,
     runs: list[str],
     settings: MeshSettings | None = None,
+    finish: asyncio.Event | None = None,
 ) -> Agent:
-    """An agent with one slot, taken by a blocking step: its next step waits in the stream."""
+    """An agent with one slot, taken by a blocking step: its next step waits in the stream
+    (and, ``finish``, runs until it is set)."""
     if settings is None:
         a = fleet.agent(name, max_concurrency=1, max_queue=0)
     else:
@@ -249,6 +251,8 @@ async def _busy(
     @a.handler("wf:queued:v1")
     async def queued(task: Task[Any]) -> str:
         runs.append(task.task_id)
+        if finish is not None:
+            await asyncio.wait_for(finish.wait(), 20)
         return "ran"
 
     await a.start()
@@ -337,6 +341,65 @@ async def test_an_agent_declared_lost_is_asked_before_its_attempt_is_given_up(
         assert a.work.fences.promised("lost-step") == 1
     release.set()
     assert runs == []
+
+
+async def test_an_attempt_started_just_before_its_lost_fence_is_watched_again(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent cut off with a step queued for it is declared LOST; the hub finds nobody on
+    its ctl subject and gives the attempt up. Back before the hub's fence write lands (a
+    JetStream election after the heal holds it up), the agent reads the old record and
+    starts the attempt. The hub asks again after its write (``next``: the attempt recorded):
+    told it is in hand, it watches that attempt instead of sending the next one elsewhere,
+    and the agent's own fence on return from LOST keeps it too. The step runs once.
+
+    Chaos seed 151, ``partition``: without the second ask the step ran on another agent
+    0.4 s later (21 such steps in one run)."""
+    release, finish, fenced = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    runs: list[str] = []
+    a = await _busy(fleet, "revive.a", release, runs, finish=finish)
+    b = fleet.agent("revive.b")
+    b_runs: list[str] = []
+
+    @b.handler("wf:queued:v1")
+    async def elsewhere(task: Task[Any]) -> str:
+        b_runs.append(task.task_id)
+        return "ran on b"
+
+    engine = wf_hub.workflows
+    assert engine is not None and a.work is not None
+    cas = engine._cas
+
+    async def held_fence(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
+        if rec.task_id == "revive-step" and rec.attempt == 2 and rec.agent_id is None:
+            # The heal comes while the fence waits: A answers on ctl again, its slot frees,
+            # it pulls attempt 1 and starts it (out of touch, it reads the old record).
+            await heal(a, beat=False)
+            release.set()
+            await eventually(lambda: runs == ["revive-step"], 10)
+            try:
+                return await cas(key, rec, rev, deadline)
+            finally:
+                fenced.set()
+        return await cas(key, rec, rev, deadline)
+
+    monkeypatch.setattr(engine, "_cas", held_fence)
+    async with Client(settings=wf_settings) as mesh:
+        await _block(mesh, a)
+        wf_id = await mesh.submit_fanout([_queued("revive-step", silence_timeout=30)], timeout=30)
+        await asyncio.sleep(0.3)  # attempt 1 stored for A, waiting behind the blocker
+        await b.start()  # where attempt 2 would go
+        await partition(a)
+        await asyncio.wait_for(fenced.wait(), 20)
+        await asyncio.sleep(0.5)  # time for attempt 2 to reach B, were it sent
+        # A heartbeats again: answered "unknown" (LOST), it fences itself before registering.
+        a._hb_task = asyncio.create_task(a._heartbeat_loop())
+        await eventually(lambda: a.agent_id in wf_hub.registry.agents, 10)  # registered again
+        finish.set()
+        res = await mesh.workflow(wf_id, timeout=15)
+    assert res.state is TaskState.SUCCEEDED and res.result == ["ran"]
+    assert runs == ["revive-step"] and b_runs == []
+    assert a.work.fenced == 0
 
 
 async def test_a_cancel_before_arrival_is_a_promise(
@@ -432,8 +495,9 @@ async def test_malformed_fence_markers_and_ctl_fences_are_refused_and_lose_nothi
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
     """Markers whose attempt is not an attempt (< 1, not an integer) or whose body is not one
-    are termed unread; a ctl ``task_state`` fence or ``cancel`` attempt below 1 is answered
-    ``REACH_BAD_REQUEST``. Nothing is promised, and the agent's next step runs as usual."""
+    are termed unread; a ctl ``task_state`` fence or ``cancel`` attempt below 1, or a ``next``
+    not above its ``fence``, is answered ``REACH_BAD_REQUEST``. Nothing is promised, and the
+    agent's next step runs as usual."""
     ns = wf_settings.namespace
     a = echo_agent(fleet, "bad.marks", "wf:marks:v1")
     await a.start()
@@ -461,12 +525,15 @@ async def test_malformed_fence_markers_and_ctl_fences_are_refused_and_lose_nothi
         for op in (
             {"op": "task_state", "task_id": "c-neg", "fence": -1},
             {"op": "task_state", "task_id": "c-zero", "fence": 0},
+            {"op": "task_state", "task_id": "c-next", "fence": 2, "next": 2},
+            {"op": "task_state", "task_id": "c-next", "fence": 1, "next": "2"},
+            {"op": "task_state", "task_id": "c-next", "next": 2},
             {"op": "cancel", "task_id": "c-neg", "attempt": -1},
             {"op": "cancel", "task_id": "c-bool", "attempt": True},
         ):
             answer = json.loads((await mesh.nc.request(ctl, protocol.dumps(op), timeout=5)).data)
             assert answer["error"]["code"] == "REACH_BAD_REQUEST", (op, answer)
-        assert a.work.fences.promised("c-neg") == -1
+        assert a.work.fences.promised("c-neg") == -1 and a.work.fences.promised("c-next") == -1
         res = await mesh.fanout([Step(agent_id=a.agent_id, payload=1)], timeout=10)
         assert res.state is TaskState.SUCCEEDED
         durable = protocol.work_consumer(a.agent_id)

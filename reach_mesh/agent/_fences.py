@@ -56,6 +56,8 @@ _STALL_MEMORY: Final = 1.0
 _PROMISES: Final = 50_000
 #: Workflows whose steps one task id is promised for at once (normally one).
 _PROMISE_STEPS: Final = 4
+#: Attempts a hub watches again after giving them up (task ids, oldest forgotten first).
+_REVIVED: Final = 10_000
 
 
 class Delivery(NamedTuple):
@@ -92,6 +94,9 @@ class Fences:
         #: ``watch``): a watch overdue is a stall going on, or just over.
         self._stalled_at = -math.inf
         self._watched_at = math.inf
+        #: Attempts a hub gave up, then asked about and was told are in hand, so watches
+        #: again: task id -> the attempt its record names since (``revive``).
+        self._revived: OrderedDict[str, int] = OrderedDict()
         #: Fence markers received (a hub gave up an attempt it had sent us).
         self.markers = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,6 +139,33 @@ class Fences:
         self._promised.move_to_end(task_id)
         while len(self._promised) > _PROMISES:
             self._promised.popitem(last=False)
+
+    def revive(self, task_id: str, recorded: int) -> None:
+        """A hub that gave up an attempt of ``task_id`` and wrote attempt ``recorded`` to its
+        record asked about it afterwards (ctl ``task_state`` with ``fence`` and ``next``) and
+        was told it is in hand: it watches that attempt again (``Tracker.recheck``). Neither
+        that record nor the marker stored before the ask fences it (:meth:`revived`)."""
+        if self._revived.get(task_id, 0) < recorded:
+            self._revived[task_id] = recorded
+        self._revived.move_to_end(task_id)
+        while len(self._revived) > _REVIVED:
+            self._revived.popitem(last=False)
+
+    def revived(self, env: TaskEnvelope, record: TaskRecord | None) -> bool:
+        """Whether attempt ``env.attempt``, which ``record`` (or, None, a promise) fences,
+        is one a hub watches again (:meth:`revive`): the record still names the attempt
+        recorded when the hub asked, with no agent, undecided. Anything the hub wrote since
+        (another agent, a decision, a cancel, a later fence) fences it as usual."""
+        recorded = self._revived.get(env.task_id)
+        if recorded is None or env.attempt >= recorded:
+            return False
+        return record is None or (
+            record.is_step(env.workflow_id, env.step)
+            and record.attempt == recorded
+            and record.agent_id is None
+            and not record.cancelled
+            and not record.state.final
+        )
 
     def on_marker(self, msg: Msg) -> bool:
         """A fence marker: a hub gave up attempt ``n`` of the task (header ``Reach-Fence: n``,

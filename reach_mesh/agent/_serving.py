@@ -427,6 +427,16 @@ class ServingMixin(AttemptsMixin):
             fence = None
         elif fence < 1:
             raise BadRequestError(f"fence must be an attempt (>= 1), got {fence}")
+        recorded = body.get("next")
+        if recorded is not None and (
+            fence is None
+            or isinstance(recorded, bool)
+            or not isinstance(recorded, int)
+            or recorded <= fence
+        ):
+            raise BadRequestError(
+                f"next must be the attempt recorded after fence {fence}, got {recorded!r}"
+            )
         entry = self._results.get(task_id)
         asker = _asking_workflow(body)
         # ``route: true``: a hub asks whether a resent request-reply task is here
@@ -439,7 +449,10 @@ class ServingMixin(AttemptsMixin):
             # The id was another workflow's step, or a request-reply task: not what is asked.
             entry = None
         if entry is None and not route and self.work is not None and self.work.checking(task_id):
-            # In hand, its fence being read: the hub must not give this attempt up.
+            # In hand, its fence being read: the hub must not give this attempt up (and, asked
+            # after its fence, watches it again: the fence read must not drop it).
+            if recorded is not None:
+                self.work.fences.revive(task_id, recorded)
             return protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})
         if entry is not None and entry.reply is None:
             if (
@@ -451,7 +464,11 @@ class ServingMixin(AttemptsMixin):
                 return protocol.dumps(
                     {"task_id": task_id, "state": TaskState.PENDING, "fenced": True}
                 )
-            # Running (this attempt or an earlier one): either may deliver.
+            # Running (this attempt or an earlier one): either may deliver. Asked after the
+            # hub's fence: it watches the attempt again, which our fence on return from LOST
+            # must then not cancel.
+            if recorded is not None and self.work is not None:
+                self.work.fences.revive(task_id, recorded)
             return protocol.dumps(
                 {"task_id": task_id, "attempt": entry.attempt, "state": entry.state}
             )

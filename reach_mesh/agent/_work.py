@@ -444,11 +444,13 @@ class WorkConsumer(HeldSteps):
                 return
             finally:
                 self._checking.discard(env.task_id)
-        if (record is not None and superseded(record, env, agent.agent_id)) or (
-            env.attempt <= fences.promised(env.task_id, env.workflow_id)
-        ):
+        if (
+            (record is not None and superseded(record, env, agent.agent_id))
+            or env.attempt <= fences.promised(env.task_id, env.workflow_id)
+        ) and not fences.revived(env, record):
             # Fenced before it ran: the hub moved on (another attempt, cancelled, finished),
-            # as its record, a marker behind it or a cancel meanwhile says.
+            # as its record, a marker behind it or a cancel meanwhile says — unless the hub
+            # asked after its fence and was told it is in hand (``Fences.revive``).
             await self._drop(msg)
             return
         handler = agent._pick_handler(env.capability)
@@ -560,7 +562,11 @@ class WorkConsumer(HeldSteps):
             record = await self._record(env)
         except Exception:
             return False
-        return record is not None and superseded(record, env, self._agent.agent_id)
+        return (
+            record is not None
+            and superseded(record, env, self._agent.agent_id)
+            and not self.fences.revived(env, record)
+        )
 
     # ------------------------------------------------------------------ cancelled by a hub
 
@@ -600,7 +606,11 @@ class WorkConsumer(HeldSteps):
         fenced = 0
         for held in list(self._held.values()):
             record = await self._record(held.env)
-            if record is not None and superseded(record, held.env, agent.agent_id):
+            if (
+                record is not None
+                and superseded(record, held.env, agent.agent_id)
+                and not self.fences.revived(held.env, record)
+            ):
                 held.fenced = True
                 if held.task is not None:
                     held.task.cancel()

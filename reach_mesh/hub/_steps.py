@@ -300,12 +300,12 @@ class StepRunner(StepIO):
                         rev = await self._cas(key, rec, rev, wf.deadline)
                         self._tracker.fence(track, rec.attempt)
                         if kind not in ("final", "overdue") and gave_up[1] is not None:
-                            # Its work message may still wait in the stream: a marker behind it.
+                            # Its work message may still wait in the stream: a marker behind
+                            # it. Its agent may have taken it just before the fence: ask again
+                            # (one declared LOST too: back from a partition, it may have read
+                            # the record before this write and started the attempt).
                             await self._mark(wf, gave_up[1], rec.task_id, gave_up[0])
-                        if kind == "undelivered" and gave_up[1] is not None:
-                            # ... unless its agent took it just before the fence: ask again.
-                            # (An agent declared LOST is not asked: LOST re-routes.)
-                            await self._tracker.recheck(track, gave_up[0], gave_up[1])
+                            await self._tracker.recheck(track, gave_up[0], gave_up[1], rec.attempt)
                     remaining = deadline - loop.time()
                     if remaining > 0:
                         # A namespace's steps are placed again at a pace of their own on this

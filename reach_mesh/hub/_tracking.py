@@ -523,28 +523,39 @@ class StatusTracker:
         if event is not None:
             self.offer(track, event)
 
-    async def recheck(self, track: StepTrack, attempt: int, agent_id: str) -> None:
-        """Ask again about an attempt just given up on, *after* the next one is recorded.
+    async def recheck(self, track: StepTrack, attempt: int, agent_id: str, recorded: int) -> None:
+        """Ask again about an attempt just given up on, *after* the next one (``recorded``) is
+        written to the step's record.
 
         The agent reads the record before it runs an attempt, and marks the attempt as in hand
         before that read; so once the fence is written, an agent that does not have the
         attempt in hand will drop it, and one that has it may have passed the old record —
         then the step watches that attempt again (``revived``) instead of sending a new one.
+        The ask says which attempt the record names now (``next``): an agent back after
+        ``LOST`` keeps the attempt it answered for while the record still names that one
+        (its fence on return would cancel it otherwise, and the step waits for it).
+        Asked of agents declared LOST too: back from a partition, such an agent read the
+        record before the fence landed and started its queued attempt (chaos seed 151,
+        ``partition``: the step ran again elsewhere 0.4 s later).
         """
         if track.promised >= attempt:
             return  # the agent promised, when it was asked, never to start it
-        verdict = await self._ask(track, agent_id, fence=attempt)
+        verdict = await self._ask(track, agent_id, fence=attempt, recorded=recorded)
         if verdict == "alive" and track.final is None:
             track.revived = (attempt, agent_id)
             track.changed.set()
 
-    async def _ask(self, track: StepTrack, agent_id: str, *, fence: int) -> Verdict:
+    async def _ask(
+        self, track: StepTrack, agent_id: str, *, fence: int, recorded: int | None = None
+    ) -> Verdict:
         """Ask ``agent_id`` for the step's task state (ctl ``task_state``), telling it that
-        attempt ``fence`` is about to be given up: an agent without it in hand promises never
-        to start it (``"fenced": true``)."""
+        attempt ``fence`` is about to be given up (or, ``recorded``, was, with that attempt
+        recorded): an agent without it in hand promises never to start it (``"fenced": true``)."""
         try:
             try:
-                msg = await self._task_state(agent_id, track.task_id, track.workflow_id, fence)
+                msg = await self._task_state(
+                    agent_id, track.task_id, track.workflow_id, fence, recorded
+                )
             finally:
                 # What the last question found counts only if this one finds nobody too
                 # (taken after it: a status heard from the attempt meanwhile dropped it).
@@ -691,13 +702,21 @@ class StatusTracker:
             return None
 
     async def _task_state(
-        self, agent_id: str, task_id: str, workflow_id: str, fence: int | None
+        self,
+        agent_id: str,
+        task_id: str,
+        workflow_id: str,
+        fence: int | None,
+        recorded: int | None = None,
     ) -> Msg:
         """Ask ``agent_id`` ctl ``task_state`` about the step's task (with ``fence``: attempt
-        ``fence`` is about to be given up). Raises what the request raises."""
+        ``fence`` is about to be given up; with ``recorded`` too: it was, and the record names
+        attempt ``recorded`` now). Raises what the request raises."""
         body: dict[str, Any] = {"op": "task_state", "task_id": task_id, "workflow_id": workflow_id}
         if fence is not None:
             body["fence"] = fence
+            if recorded is not None:
+                body["next"] = recorded
         return await self._jsc.ask(
             protocol.agent_ctl(agent_id), protocol.dumps(body), timeout=_CTL_TIMEOUT
         )
