@@ -314,6 +314,7 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         zone: str | None = None,
         mode: Literal["proxy", "direct"] = "proxy",
         explain: bool = False,
+        resend: bool = False,
     ) -> TaskResult:
         """Route one task and wait for its final state.
 
@@ -323,7 +324,15 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         raised only when the deadline leaves no room for another try; typed
         ``BadRequestError``\\ s for bad input. A handler failure is *returned*:
         ``TaskResult(state=FAILED, error=...)``.
+
+        ``resend``: this ``task_id`` was asked before, by an earlier process of the caller
+        say (one that restarted after a ``MeshTimeoutError``): in proxy mode the request is
+        marked ``Reach-Resend``, so a hub that never heard where the first send went asks who
+        holds the task before it chooses (docs/protocol.md, "Resends"). This ``Client``
+        marks its own repeats of a task id without it.
         """
+        if resend and not task_id:
+            raise BadRequestError("resend needs the task_id asked before", field="resend")
         fields = _route_fields(
             agent_id=agent_id,
             capability=capability,
@@ -341,7 +350,7 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         )
         ns = protocol.namespace_of(agent_id) if agent_id else self.namespace
         if task_id:
-            self._count_asked((ns, task_id))
+            self._count_asked((ns, task_id), 2 if resend else 1)
         if not tracing_enabled():
             return await self._request(fields, ns)
         # The caller's span: the root of the trace (or a child of the application's span),
@@ -360,10 +369,10 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
                 sp.set_attribute("reach.request_id", result.request_id)
             return result
 
-    def _count_asked(self, key: tuple[str, str]) -> None:
-        """One more :meth:`request` of a task id the caller chose (``_asked``)."""
+    def _count_asked(self, key: tuple[str, str], times: int = 1) -> None:
+        """``times`` more :meth:`request`\\ s of a task id the caller chose (``_asked``)."""
         asked = self._asked
-        asked[key] = asked.get(key, 0) + 1
+        asked[key] = asked.get(key, 0) + times
         asked.move_to_end(key)
         if len(asked) > _PINS_KEPT:
             asked.popitem(last=False)

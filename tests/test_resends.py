@@ -344,8 +344,9 @@ async def test_an_agent_asked_for_a_resent_route_counts_request_reply_tasks_only
         await nc.close()
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-client", "restarted-caller"])
 async def test_a_callers_own_retry_of_a_task_id_is_marked(
-    settings: MeshSettings, nats_url: str
+    settings: MeshSettings, nats_url: str, restarted: bool
 ) -> None:
     """The caller itself asks again with the same ``task_id`` (its first request's answer
     lost — here, the request cancelled — as the README tells it to) and the retry reaches a hub
@@ -353,7 +354,8 @@ async def test_a_callers_own_retry_of_a_task_id_is_marked(
     and the pins messages ignored). The ``Client`` marks it (it asked that id before), so that
     hub asks who has it (``first`` answers ``pin_of``) and the task runs once. Before, unmarked,
     it went to the idle agent and ran twice (the secure chaos run, seed 151, ``partition``: a
-    route asked again by its caller 13 s later ran on a second agent)."""
+    route asked again by its caller 13 s later ran on a second agent). A caller that
+    restarted has a new ``Client``, which never asked the id: it says so (``resend=True``)."""
     ns = settings.namespace
     fleet, ran, release = _two_recording(settings)
     a1, a2 = fleet.agents
@@ -369,7 +371,7 @@ async def test_a_callers_own_retry_of_a_task_id_is_marked(
     try:
         await first.start()
         await a1.start()
-        async with Client(settings=settings) as mesh:
+        async with Client(settings=settings) as mesh, contextlib.AsyncExitStack() as stack:
             await eventually(lambda: _ours(first, ns) == 1)
             one = asyncio.ensure_future(mesh.request(capability=CAP, task_id="own-1", timeout=20))
             await eventually(lambda: ran.get("own-1") == [a1.agent_id], timeout=10)
@@ -383,7 +385,12 @@ async def test_a_callers_own_retry_of_a_task_id_is_marked(
             # ``a1`` busy with it in ``second``'s view: a new route would go to ``a2``.
             await eventually(lambda: second.registry.agents[a1.agent_id].busy == 1, timeout=10)
             await _stop_routing(first)
-            again = asyncio.ensure_future(mesh.request(capability=CAP, task_id="own-1", timeout=20))
+            if restarted:
+                later = await stack.enter_async_context(Client(settings=settings))
+                retry = later.request(capability=CAP, task_id="own-1", timeout=20, resend=True)
+            else:
+                retry = mesh.request(capability=CAP, task_id="own-1", timeout=20)
+            again = asyncio.ensure_future(retry)
             await eventually(lambda: len(second._flights) == 1, timeout=10)
             await asyncio.sleep(HOLDER_WAIT + 0.3)  # a run on a2 would have started by now
             assert ran == {"own-1": [a1.agent_id]}
@@ -396,3 +403,14 @@ async def test_a_callers_own_retry_of_a_task_id_is_marked(
         await second.close()
         await first.close()
         await fleet.close()
+
+
+async def test_a_resend_without_a_task_id_is_a_bad_request(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """``resend=True`` says the task id was asked before: without one it means nothing, and
+    is refused before anything is sent."""
+    async with Client(settings=settings) as mesh:
+        with pytest.raises(BadRequestError) as err:
+            await mesh.request(capability=CAP, payload=1, resend=True)
+    assert err.value.details == {"field": "resend"}
