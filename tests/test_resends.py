@@ -25,6 +25,7 @@ from reach_mesh.errors import BadRequestError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
 from reach_mesh.models import AgentState
+from reach_mesh.tracing.metrics import RESEND_FOUND
 
 from .helpers import Fleet, echo_agent, eventually, relayed
 
@@ -64,6 +65,13 @@ def _two_recording(settings: MeshSettings) -> tuple[Fleet, dict[str, list[str]],
             return agent_id
 
     return fleet, ran, release
+
+
+def _seeks(hub: Hub, found: str) -> float:
+    """``reach_resend_seek_total{found=...}`` of ``hub``."""
+    value = hub.metrics.registry.get_sample_value("reach_resend_seek_total", {"found": found})
+    assert value is not None
+    return value
 
 
 async def _stop_routing(hub: Hub) -> None:
@@ -135,6 +143,12 @@ async def test_a_resend_reaching_a_hub_without_its_pin_goes_to_the_agent_that_ha
             assert [r.state for r in results] == [TaskState.SUCCEEDED] * 4
             assert {r.agent_id for r in results} == {a1.agent_id}
             assert all(agents == [a1.agent_id] for agents in ran.values())
+            # What each seek found, on /metrics: never nobody.
+            seeks = {found: _seeks(away, found) for found in RESEND_FOUND}
+            assert seeks["nobody"] == seeks["skipped"] == 0
+            assert seeks["hub"] + seeks["agent"] + seeks["pin"] >= 4, seeks
+            if not pin_kept:
+                assert seeks["hub"] == 0
     finally:
         release.set()
         asks_answered.set()
@@ -167,6 +181,7 @@ async def test_a_resend_nobody_holds_is_routed_as_new_once_the_ask_is_over(
         async def note(msg: Msg) -> None:
             asked.append(msg.subject)
 
+        nobody = _seeks(hub, "nobody")
         await nc.subscribe(protocol.hub_broadcast(settings.namespace, "pin_of"), cb=note)
         body = protocol.dumps({"capability": CAP, "task_id": "rs-new", "timeout": 5})
         route = protocol.hub_subject(settings.namespace, "route")
@@ -179,6 +194,7 @@ async def test_a_resend_nobody_holds_is_routed_as_new_once_the_ask_is_over(
         assert answer["task"].get("cached", False) is False
         assert HOLDER_WAIT * 0.9 <= took < HOLDER_WAIT + 1.0
         await eventually(lambda: len(asked) == 1)
+        assert _seeks(hub, "nobody") == nobody + 1
         # Unmarked: nobody is asked.
         body = protocol.dumps({"capability": CAP, "task_id": "rs-plain", "timeout": 5})
         reply = await nc.request(route, body, timeout=5)
@@ -193,6 +209,7 @@ async def test_a_resend_nobody_holds_is_routed_as_new_once_the_ask_is_over(
         assert protocol.loads_object(reply.data)["task"]["cached"] is True
         await asyncio.sleep(0.1)
         assert len(asked) == 1
+        assert _seeks(hub, "nobody") == nobody + 1  # (no seek: counted nowhere)
     finally:
         with contextlib.suppress(Exception):
             await nc.close()

@@ -53,6 +53,7 @@ from reach_mesh import protocol
 from reach_mesh.errors import BadRequestError, ReachError
 from reach_mesh.hub._pins import HUB_HEADER, TaskPins
 from reach_mesh.models import TaskState
+from reach_mesh.tracing.metrics import HubMetrics
 
 __all__ = [
     "HOLDER_ASK_MOST",
@@ -109,6 +110,7 @@ class HoldersMixin:
     attribute below)."""
 
     hub_id: str
+    metrics: HubMetrics
     _pins: TaskPins
     #: Holder seeks in progress (``HOLDER_SEEKS_MOST``; counted by ``RoutingMixin``).
     _seeking: int
@@ -161,7 +163,7 @@ class HoldersMixin:
                     if ask.cancelled() or ask.exception() is not None:
                         continue
                     if ask is learned:
-                        return learned.result()
+                        return self._found("pin", learned.result())
                     reply: Msg = ask.result()
                     data = reply.data
                     if ask is hub_ask:
@@ -169,12 +171,13 @@ class HoldersMixin:
                         if protocol.AGENT_ID_RE.fullmatch(agent_id) and agent_id.startswith(
                             ns + "."
                         ):
-                            return agent_id
+                            return self._found("hub", agent_id)
                     elif _holds(data):
-                        return agent_asks[ask]
+                        return self._found("agent", agent_asks[ask])
             # Nobody claimed it: a pin this hub made meanwhile (another copy of the request,
             # routed here as new), if any.
-            return self._pins.get(ns, task_id)
+            made = self._pins.get(ns, task_id)
+            return self._found("nobody" if made is None else "pin", made)
         finally:
             waits = self._pin_waits.get(key)
             if waits is not None:
@@ -186,6 +189,11 @@ class HoldersMixin:
             for ask in pending:
                 with contextlib.suppress(BaseException):
                     await ask
+
+    def _found(self, found: str, agent_id: str | None) -> str | None:
+        """Count what a seek found (``reach_resend_seek_total``); returns ``agent_id``."""
+        self.metrics.resend_seek_total.labels(found).inc()
+        return agent_id
 
     def _pins_learned(self, ns: str, pairs: list[tuple[str, str]]) -> None:
         """Pins a peer made (its pins message): a seek waiting for one of them has its holder

@@ -196,11 +196,13 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         if req.task_id is not None and req.agent_id is None:
             # A retry of a task a hub routed: to the agent that has it, if still routable.
             flight.sticky = flight.in_hand = self._pins.get(flight.ns, req.task_id)
-            if flight.in_hand is None and flight.resend and self._seeking < HOLDER_SEEKS_MOST:
-                # Sent again, and no pin here: ask who holds it first (``hub/_holders.py``).
-                self._seeking += 1
-                self._spawn(self._seek_then_attempt(flight))
-                return
+            if flight.in_hand is None and flight.resend:
+                if self._seeking < HOLDER_SEEKS_MOST:
+                    # Sent again, and no pin here: ask who holds it first (``hub/_holders.py``).
+                    self._seeking += 1
+                    self._spawn(self._seek_then_attempt(flight))
+                    return
+                self.metrics.resend_seek_total.labels("skipped").inc()
         if (req.session_id is not None and flight.sticky is None) or (
             req.agent_id is not None and req.agent_id not in self.registry.agents
         ):

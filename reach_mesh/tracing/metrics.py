@@ -190,6 +190,10 @@ class LoopHistogram(Collector):
         yield family
 
 
+#: What a hub's seek for the holder of a resent route found (``reach_resend_seek_total``).
+RESEND_FOUND: Final = ("hub", "agent", "pin", "nobody", "skipped")
+
+
 class HubMetrics:
     """The metrics one hub exports on ``/metrics``; see ``docs/operations.md``."""
 
@@ -324,6 +328,16 @@ class HubMetrics:
             "to, or after the step was decided (a duplicate run).",
             registry=r,
         )
+        self.resend_seek_total = Counter(
+            "reach_resend_seek",
+            "Resent route requests (Reach-Resend) this hub had no pin for: by who named the "
+            "agent holding the task (hub, agent, pin), nobody (routed as new), or skipped "
+            "(too many asks at once: routed as if unmarked).",
+            ["found"],
+            registry=r,
+        )
+        for found in RESEND_FOUND:
+            self.resend_seek_total.labels(found)
         self.late_reply_total = Counter(
             "reach_late_reply",
             "Agent replies to a proxy attempt that had already timed out (answer dropped).",
