@@ -78,8 +78,12 @@ EXPECTED = {
     "queued": ["saturated"],
     "quarantined": ["breaker_open"],
     "late": ["suspect"],
+    # Cordoned by an operator, then its beats stopped: CORDONED, but late all the same.
+    "cordoned_late": ["suspect"],
     "unreached": ["unreached"],
 }
+#: Registered with a short lease that lapses during the fixture (the others beat every 20 s).
+LATE = ("late", "cordoned_late")
 
 
 @pytest.fixture
@@ -89,12 +93,15 @@ async def fleet(nats_url: str, namespace: str) -> AsyncIterator[Fleet]:
         nats_url=nats_url, namespace=namespace, http_port=0, suspect_timeout=120
     )
     async with Hub(settings=settings) as hub:
-        steady = [_card(namespace, n) for n in ("fine", *EXPECTED) if n != "late"]
+        steady = [_card(namespace, n) for n in ("fine", *EXPECTED) if n not in LATE]
         await register_cards(nats_url, steady, heartbeat_interval=20, lease_timeout=120)
         # (``register_cards`` names the sessions by their place in the list)
         f = Fleet(hub, settings, namespace, {c.agent_id: f"s{i}" for i, c in enumerate(steady)})
         await register_cards(
-            nats_url, [_card(namespace, "late")], heartbeat_interval=0.3, lease_timeout=1.0
+            nats_url,
+            [_card(namespace, n) for n in LATE],
+            heartbeat_interval=0.3,
+            lease_timeout=1.0,
         )
         # What the agents report: a capability down, every slot busy, work waiting.
         reports: dict[str, dict[str, Any]] = {
@@ -111,6 +118,10 @@ async def fleet(nats_url: str, namespace: str) -> AsyncIterator[Fleet]:
             f"{hub.http_url}/api/agents/{f.id('quarantined')}/quarantine", "POST", b"{}"
         )
         assert status == 200, body
+        status, body = await fetch(
+            f"{hub.http_url}/api/agents/{f.id('cordoned_late')}/cordon", "POST", b"{}"
+        )
+        assert status == 200, body
         # Nobody serves the agent's task subject (registered by the wire, no process): a task
         # sent to it finds nobody there.
         async with Client(settings=settings) as c:
@@ -118,7 +129,12 @@ async def fleet(nats_url: str, namespace: str) -> AsyncIterator[Fleet]:
                 await c.request(agent_id=f.id("unreached"), payload={}, timeout=3)
 
         def suspect() -> bool:
-            return hub.registry.require(f.id("late")).state is AgentState.SUSPECT
+            late = hub.registry.require(f.id("cordoned_late"))
+            return (
+                hub.registry.require(f.id("late")).state is AgentState.SUSPECT
+                and late.state is AgentState.CORDONED
+                and late.late
+            )
 
         await eventually(suspect, timeout=10)
         yield f
@@ -151,7 +167,9 @@ async def test_http_and_the_dashboard_pick_the_same_agents(fleet: Fleet) -> None
     agents = listed["agents"]
     assert isinstance(agents, list) and [a["agent_id"] for a in agents] == want
     status, page = await fleet.http("/api/dashboard/fleet", namespace=fleet.ns, attention="true")
-    assert status == 200 and page["attention"] is True and page["attention_total"] == 6, page
+    assert (
+        status == 200 and page["attention"] is True and page["attention_total"] == len(EXPECTED)
+    ), page
     rows = page["agents"]
     assert isinstance(rows, list)
     assert {a["agent_id"]: a["attention"] for a in rows} == {

@@ -43,6 +43,9 @@ class AgentView:
     #: This hub's monotonic time of the last heartbeat (or registration) it observed.
     last_seen: float
     state: AgentState = AgentState.ONLINE
+    #: Its lease lapsed when last graded (``Liveness._grade``): SUSPECT, or CORDONED or
+    #: DRAINING — states an operator or the agent chose, which the lapse does not show.
+    late: bool = False
     inflight: int = 0
     queue_depth: int = 0
     pressure: float = 0.0
@@ -117,21 +120,22 @@ class AgentView:
 
     def concerns(self) -> list[str]:
         """Why this agent needs an operator's look (:data:`ATTENTION`'s codes, in that order);
-        empty when nothing does. A state an operator chose (draining, cordoned) is none. Read
+        empty when nothing does. A state an operator chose (draining, cordoned) is none, but
+        its lapsed lease is (``suspect``: a cordoned agent that stopped beating, say). Read
         for every agent of every fleet listing and scrape: the common answer (none) is decided
         by one expression."""
         breaker = self.breaker.state
         full = max(self.inflight, self.outstanding) >= self.record.card.max_concurrency
         if (
             breaker is BreakerState.CLOSED
-            and self.state is not AgentState.SUSPECT
+            and not self.late
             and not (self.unavailable or self.queue_depth or full)
             and self.unreached_at <= self.spoke_at
             and self.health.healthy
         ):
             return []
         out: list[str] = []
-        if self.state is AgentState.SUSPECT:
+        if self.late:
             out.append("suspect")
         if breaker is BreakerState.OPEN:
             out.append("breaker_open")

@@ -98,6 +98,7 @@ class Liveness:
         """Derive the agent's state from its lease, flags and breaker."""
         age = now - view.last_seen
         rec = view.record
+        view.late = age > rec.lease_timeout
         if age > rec.lease_timeout + self._settings.suspect_timeout and not self._blind(
             now, rec.lease_timeout
         ):
