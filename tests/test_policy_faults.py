@@ -6,6 +6,7 @@ of their records says."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -13,8 +14,8 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh.agent import Task, TaskFailed
-from reach_mesh.hub import Hub
-from reach_mesh.models import ErrorBody, TaskState
+from reach_mesh.hub import Hub, _durable
+from reach_mesh.models import ErrorBody, TaskEnvelope, TaskState
 from reach_mesh.workflow import (
     AttemptRecord,
     TaskRecord,
@@ -181,6 +182,107 @@ async def test_an_unneeded_step_read_at_an_older_attempt_is_stopped_at_its_curre
     await eventually(lambda: bool(ended), timeout=3)
     assert ended == ["cancelled"]
     rec = await task_record(wf_hub.nc, ns, "older-slow")
+    assert rec is not None and rec.cancelled and rec.attempt == 2, rec
+
+
+async def test_an_unneeded_step_whose_record_moved_after_its_read_is_stopped_at_the_new_attempt(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``any`` fanout is decided by its fast step while the slow step's attempt 1 runs.
+    The hub reads the slow step's record at the stream's leader to fence it — and a write of
+    that record lands right after the read: attempt 2, sent to another agent (a write in
+    flight when the branch became unneeded; here the write of a hub that still runs the
+    workflow, behind a partition, and sends the attempt it recorded). The fence, a
+    compare-and-set on the revision read, fails; the workflow is still this hub's. Stopped
+    from the record it had read, the hub told attempt 1's agent to stop and left attempt 2
+    running, unfenced, to its end after the result (the chaos checker's "unneeded step
+    started late"). It reads the record at the leader once more and stops the step from
+    that: attempt 2 fenced and told to stop too."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    started, ready, second = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    ended: dict[int, list[str]] = {1: [], 2: []}
+    slow = fleet.agent("moved.slow")
+    other = fleet.agent("moved.other")
+    fast = fleet.agent("moved.fast")
+    capability = "wf:moved-slow:v1"
+
+    @slow.handler(capability)
+    async def first(task: Task[Any]) -> str:
+        started.set()
+        return await _until_stopped(ended[1])
+
+    @other.handler(capability)
+    async def later(task: Task[Any]) -> str:
+        second.set()
+        return await _until_stopped(ended[2])
+
+    @fast.handler("wf:moved-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await ready.wait()  # decided while attempt 1 of the slow step runs
+        return task.payload
+
+    await slow.start()
+    await fast.start()
+    key = protocol.task_key(ns, "moved-slow")
+    real_read = _durable.get_at_leader
+    js = wf_hub.nc.jetstream()
+    tasks = await js.key_value(protocol.KV_TASKS)
+    moved: list[int] = []
+
+    async def read_then_moved(bucket: _durable.Bucket, k: str) -> tuple[bytes, int] | None:
+        got = await real_read(bucket, k)
+        if k != key or moved or got is None:
+            return got
+        # Right after the read: the record moves to attempt 2, which is sent to ``other``.
+        rec = TaskRecord.model_validate_json(got[0])
+        assert rec.attempt == 1 and rec.agent_id == slow.agent_id, rec
+        rec.attempt, rec.agent_id, rec.state = 2, other.agent_id, TaskState.PENDING
+        rec.history = [*rec.history, AttemptRecord(attempt=2, agent_id=other.agent_id)]
+        moved.append(await tasks.update(k, protocol.encode(rec), last=got[1]))
+        env = TaskEnvelope(
+            task_id=rec.task_id,
+            attempt=2,
+            capability=capability,
+            payload=None,
+            namespace=ns,
+            timeout=10,
+            workflow_id=rec.workflow_id,
+            step=0,
+            track=True,
+        )
+        headers = {
+            protocol.HDR_MSG_ID: protocol.attempt_msg_id(ns, rec.task_id, 2),
+            protocol.HDR_EXPECTED_STREAM: protocol.STREAM_WORK,
+        }
+        subject = protocol.work_subject(ns, other.agent_id)
+        await js.publish(subject, protocol.encode(env), headers=headers)
+        await asyncio.wait_for(second.wait(), 5)  # attempt 2 runs
+        return got  # the stop goes on from the revision it read
+
+    monkeypatch.setattr(_durable, "get_at_leader", read_then_moved)
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout(
+            [
+                Step(capability=capability, task_id="moved-slow", timeout=10),
+                Step(capability="wf:moved-fast:v1", payload=0, task_id="moved-f0"),
+            ],
+            policy="any",
+            timeout=20,
+        )
+        await asyncio.wait_for(started.wait(), 5)
+        await other.start()  # (after attempt 1 went to ``slow``)
+        ready.set()
+        res = await mesh.workflow(wf_id, timeout=15)
+    assert res.state is TaskState.SUCCEEDED, res
+    assert moved, "the stop never read the slow step's record at the leader"
+    assert res.steps[0].cancelled and res.steps[1].ok, res.steps
+    # Both attempts stopped at once (not left to run their 8 s), the record fenced at 2.
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: bool(ended[1] and ended[2]), timeout=3)
+    assert ended == {1: ["cancelled"], 2: ["cancelled"]}, ended
+    rec = await task_record(wf_hub.nc, ns, "moved-slow")
     assert rec is not None and rec.cancelled and rec.attempt == 2, rec
 
 

@@ -837,7 +837,7 @@ async def test_a_hub_that_lost_a_fanout_leaves_its_unneeded_branch_to_the_new_ow
     taken: list[int] = []  # the branch another hub took over
 
     async def taken_over_first(
-        wf: Any, index: int, task_id: str, got: Any, *, settle: bool
+        wf: Any, index: int, task_id: str, got: Any, *, settle: bool, **kw: Any
     ) -> None:
         if not settle and not taken:
             taken.append(index)
@@ -855,7 +855,7 @@ async def test_a_hub_that_lost_a_fanout_leaves_its_unneeded_branch_to_the_new_ow
             assert named is not None
             tasks = await js.key_value(protocol.KV_TASKS)
             await tasks.create(protocol.task_key(ns, task_id), protocol.encode(named))
-        await stop_step(wf, index, task_id, got, settle=settle)
+        await stop_step(wf, index, task_id, got, settle=settle, **kw)
 
     monkeypatch.setattr(engine, "_stop_step", taken_over_first)
     async with Client(settings=wf_settings) as mesh:
@@ -894,7 +894,9 @@ async def test_an_owner_whose_read_lagged_still_stops_its_unneeded_branch(
     lagged: list[int] = []
     leader_reads = 0
 
-    async def lagging_read(wf: Any, index: int, task_id: str, got: Any, *, settle: bool) -> None:
+    async def lagging_read(
+        wf: Any, index: int, task_id: str, got: Any, *, settle: bool, **kw: Any
+    ) -> None:
         if not settle and not lagged:
             lagged.append(index)
             # This hub's own earlier write of the record, which the read did not see.
@@ -903,7 +905,7 @@ async def test_an_owner_whose_read_lagged_still_stops_its_unneeded_branch(
             tasks = await wf_hub.nc.jetstream().key_value(protocol.KV_TASKS)
             await tasks.create(protocol.task_key(ns, task_id), protocol.encode(named))
             got = None
-        await stop_step(wf, index, task_id, got, settle=settle)
+        await stop_step(wf, index, task_id, got, settle=settle, **kw)
 
     async def leader(ns_: str, workflow_id: str) -> Any:
         nonlocal leader_reads

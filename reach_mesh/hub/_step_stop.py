@@ -10,6 +10,7 @@ The base of :class:`~reach_mesh.hub._shapes.WorkflowShapes`; on
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from nats.js.errors import KeyWrongLastSequenceError
 
@@ -26,6 +27,9 @@ from reach_mesh.workflow import TaskRecord, TaskStatusEvent, step_task_id
 __all__ = ["StepStopping"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
+
+#: How a stopped step's record write went (``StepStopping._write_stopped``).
+Stopped = Literal["written", "moved", "not ours"]
 
 
 class StepStopping(StepRunner):
@@ -61,9 +65,24 @@ class StepStopping(StepRunner):
         await self._stop_step(wf, index, task_id, got, settle=settle)
 
     async def _stop_step(
-        self, wf: Workflow, index: int, task_id: str, got: tuple[bytes, int] | None, *, settle: bool
+        self,
+        wf: Workflow,
+        index: int,
+        task_id: str,
+        got: tuple[bytes, int] | None,
+        *,
+        settle: bool,
+        carried: TaskStatusEvent | None = None,
+        again: bool = True,
     ) -> None:
-        """``_cancel_step`` from the step's record as read (``got``: value and revision)."""
+        """``_cancel_step`` from the step's record as read (``got``: value and revision).
+
+        An unneeded branch whose record moved after it was read at the leader (a write in
+        flight when it became unneeded: its runner's next attempt, a hub still running the
+        workflow behind a partition, that sent the attempt it recorded) is stopped from the
+        record read at the leader once more (``again``), with the outcome the first pass took
+        from ``Workflow.unapplied`` (``carried``): the attempt the read missed would
+        otherwise be left unfenced and running. Then best effort, as the first pass."""
         key = protocol.task_key(wf.ns, task_id)
         if got is not None:
             rec = TaskRecord.model_validate_json(got[0])
@@ -84,7 +103,7 @@ class StepStopping(StepRunner):
         if not rec.state.final and not rec.cancelled:
             # An outcome the step had in hand and had not applied when it was stopped first:
             # it may be stored nowhere else yet. Then, settling, what the status stream holds.
-            event = self._unapplied(wf, index, rec)
+            event = carried if carried is not None else self._unapplied(wf, index, rec)
             if event is None and settle:
                 event, _ = await self._stored_outcome(wf, rec)
             if event is not None:  # as ``_finish`` applies an outcome
@@ -96,7 +115,10 @@ class StepStopping(StepRunner):
                 # a next attempt) is not overruled unseen, and an outcome only in hand (or
                 # in its agent's memory) is kept — a restart that lost it, redelivered the
                 # same attempt, must find the step final (dropped), not run it again.
-                if not await self._write_stopped(wf, key, rec, last, settle=settle):
+                wrote = await self._write_stopped(wf, key, rec, last, settle=settle)
+                if wrote == "moved" and again and await self._stop_again(wf, index, task_id, event):
+                    return
+                if wrote == "not ours":
                     wf.records[index] = rec  # (its outcome, though the new owner's to store)
                     return
                 self._stop_others(rec, event.attempt)  # none other is needed any more
@@ -109,7 +131,10 @@ class StepStopping(StepRunner):
         rec.cancelled = True
         rec.updated_at = self._server_clock.now()
         wf.records[index] = rec
-        if not await self._write_stopped(wf, key, rec, last, settle=settle):  # the fence
+        wrote = await self._write_stopped(wf, key, rec, last, settle=settle)  # the fence
+        if wrote == "moved" and again and await self._stop_again(wf, index, task_id, None):
+            return
+        if wrote == "not ours":
             return
         # Every attempt it sent, not only the current one: the branch may have been cancelled
         # between a fence-first record and its marker. A failure here is the workflow's
@@ -117,37 +142,58 @@ class StepStopping(StepRunner):
         await self._remark(wf, rec)
         self._stop_others(rec, None)
 
+    async def _stop_again(
+        self, wf: Workflow, index: int, task_id: str, carried: TaskStatusEvent | None
+    ) -> bool:
+        """``_stop_step`` of an unneeded branch whose fence found its record moved since it
+        was read: from the record read at the leader again, once (``carried``: the outcome the
+        first pass applied). False when that read fails: the caller stops the step from the
+        record it had, best effort, as before."""
+        assert self._tasks_kv is not None
+        kv = self._tasks_kv
+        key = protocol.task_key(wf.ns, task_id)
+        try:
+            got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
+        except Exception:
+            log.debug("reading %s again to stop it failed", key, exc_info=True)
+            return False
+        await self._stop_step(wf, index, task_id, got, settle=False, carried=carried, again=False)
+        return True
+
     async def _write_stopped(
         self, wf: Workflow, key: str, rec: TaskRecord, last: int, *, settle: bool
-    ) -> bool:
+    ) -> Stopped:
         """Write a stopped step's record, a CAS on the revision read (``last``). Settling (a
         cancel of the workflow) it must land: a record read from a replica behind its last
         write is not overruled by this one; a lost race or outlived retries send the workflow
         back to JetStream (``NotOwnerError``, ...), and the cancel is finished from fresh
         reads. For a branch the policy no longer needs it is best effort.
 
-        False when the step is not this hub's to stop: the record moved since it was read and
-        the workflow record names another owner now (this hub lost the workflow without
-        noticing). The new owner adopted the step's attempts; telling their agents to stop
-        would stop a handler it is waiting on and make it run the step again. A move this
+        "moved" when the record moved since it was read and the workflow is still this hub's
+        (``_stop_again``). "not ours" when the step is not this hub's to stop: the record
+        moved and the workflow record names another owner now (this hub lost the workflow
+        without noticing). The new owner adopted the step's attempts; telling their agents to
+        stop would stop a handler it is waiting on and make it run the step again. A move this
         hub cannot explain (the workflow record unreadable: most likely an election, and
-        the workflow still its own) stops them as before, with their fence markers: a branch
-        left running unfenced could still run its queued attempt later."""
+        the workflow still its own) is "moved": the step is stopped, with its fence markers
+        — a branch left running unfenced could still run its queued attempt later."""
         if settle:
             await self._cas(key, rec, last, wf.deadline)
-            return True
+            return "written"
         assert self._tasks_kv is not None
         try:
             await _durable.cas(self._tasks_kv, key, protocol.encode(rec), last, self._io_deadline())
         except KeyWrongLastSequenceError:
-            # Another hub's write, or this hub's own read from a replica behind it.
+            # Another hub's write, or a write of this hub's that landed after the read (its
+            # runner's, in flight when the branch became unneeded).
             try:
-                return await self._owner_now(wf.ns, wf.id) in (None, self.hub_id)
+                ours = await self._owner_now(wf.ns, wf.id) in (None, self.hub_id)
             except MeshUnavailableError:
-                return True  # (an election: most likely still its own)
+                ours = True  # (an election: most likely still its own)
+            return "moved" if ours else "not ours"
         except Exception:
             pass  # best effort: the attempts are stopped all the same
-        return True
+        return "written"
 
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
         """The outcome that decides step ``index`` among those it had in hand and had not
