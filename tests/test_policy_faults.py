@@ -185,8 +185,13 @@ async def test_an_unneeded_step_read_at_an_older_attempt_is_stopped_at_its_curre
     assert rec is not None and rec.cancelled and rec.attempt == 2, rec
 
 
+@pytest.mark.parametrize("stale", [0, 2], ids=["leader", "old-leader-awake"])
 async def test_an_unneeded_step_whose_record_moved_after_its_read_is_stopped_at_the_new_attempt(
-    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    stale: int,
 ) -> None:
     """An ``any`` fanout is decided by its fast step while the slow step's attempt 1 runs.
     The hub reads the slow step's record at the stream's leader to fence it — and a write of
@@ -197,7 +202,10 @@ async def test_an_unneeded_step_whose_record_moved_after_its_read_is_stopped_at_
     from the record it had read, the hub told attempt 1's agent to stop and left attempt 2
     running, unfenced, to its end after the result (the chaos checker's "unneeded step
     started late"). It reads the record at the leader once more and stops the step from
-    that: attempt 2 fenced and told to stop too."""
+    that: attempt 2 fenced and told to stop too. ``stale``: the next reads still answer the
+    record as it was — a stream leader stopped (SIGSTOP) and running again answers as the
+    leader for a moment from what it had (chaos seed 152, ``node_stop``) — and the hub asks
+    again until a read shows the move."""
     ns = wf_settings.namespace
     engine = wf_hub.workflows
     assert engine is not None
@@ -230,11 +238,19 @@ async def test_an_unneeded_step_whose_record_moved_after_its_read_is_stopped_at_
     js = wf_hub.nc.jetstream()
     tasks = await js.key_value(protocol.KV_TASKS)
     moved: list[int] = []
+    before: list[tuple[bytes, int]] = []
+    stale_left = [stale]
 
     async def read_then_moved(bucket: _durable.Bucket, k: str) -> tuple[bytes, int] | None:
         got = await real_read(bucket, k)
-        if k != key or moved or got is None:
+        if k != key or got is None:
             return got
+        if moved:
+            if stale_left[0] > 0:
+                stale_left[0] -= 1
+                return before[0]  # (the old leader, awake again, answers what it had)
+            return got
+        before.append(got)
         # Right after the read: the record moves to attempt 2, which is sent to ``other``.
         rec = TaskRecord.model_validate_json(got[0])
         assert rec.attempt == 1 and rec.agent_id == slow.agent_id, rec
@@ -284,6 +300,7 @@ async def test_an_unneeded_step_whose_record_moved_after_its_read_is_stopped_at_
     assert ended == {1: ["cancelled"], 2: ["cancelled"]}, ended
     rec = await task_record(wf_hub.nc, ns, "moved-slow")
     assert rec is not None and rec.cancelled and rec.attempt == 2, rec
+    assert stale_left == [0]  # (every stale read was made)
 
 
 async def test_a_branch_its_owner_stopped_is_no_failure_for_the_hub_that_takes_it_over(

@@ -9,8 +9,9 @@ The base of :class:`~reach_mesh.hub._shapes.WorkflowShapes`; on
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Literal
+from typing import Final, Literal
 
 from nats.js.errors import KeyWrongLastSequenceError
 
@@ -30,6 +31,9 @@ log = logging.getLogger("reach_mesh.hub.workflows")
 
 #: How a stopped step's record write went (``StepStopping._write_stopped``).
 Stopped = Literal["written", "moved", "not ours"]
+#: How long (s) a stop whose record moved asks the leader again for the move
+#: (``StepStopping._stop_again``).
+_MOVED_WAIT: Final = 3.0
 
 
 class StepStopping(StepRunner):
@@ -116,7 +120,11 @@ class StepStopping(StepRunner):
                 # in its agent's memory) is kept — a restart that lost it, redelivered the
                 # same attempt, must find the step final (dropped), not run it again.
                 wrote = await self._write_stopped(wf, key, rec, last, settle=settle)
-                if wrote == "moved" and again and await self._stop_again(wf, index, task_id, event):
+                if (
+                    wrote == "moved"
+                    and again
+                    and await self._stop_again(wf, index, task_id, event, last)
+                ):
                     return
                 if wrote == "not ours":
                     wf.records[index] = rec  # (its outcome, though the new owner's to store)
@@ -132,7 +140,7 @@ class StepStopping(StepRunner):
         rec.updated_at = self._server_clock.now()
         wf.records[index] = rec
         wrote = await self._write_stopped(wf, key, rec, last, settle=settle)  # the fence
-        if wrote == "moved" and again and await self._stop_again(wf, index, task_id, None):
+        if wrote == "moved" and again and await self._stop_again(wf, index, task_id, None, last):
             return
         if wrote == "not ours":
             return
@@ -143,20 +151,36 @@ class StepStopping(StepRunner):
         self._stop_others(rec, None)
 
     async def _stop_again(
-        self, wf: Workflow, index: int, task_id: str, carried: TaskStatusEvent | None
+        self, wf: Workflow, index: int, task_id: str, carried: TaskStatusEvent | None, last: int
     ) -> bool:
         """``_stop_step`` of an unneeded branch whose fence found its record moved since it
-        was read: from the record read at the leader again, once (``carried``: the outcome the
-        first pass applied). False when that read fails: the caller stops the step from the
-        record it had, best effort, as before."""
+        was read (at revision ``last``, 0: not found): from the record read at the leader
+        again, once (``carried``: the outcome the first pass applied). The read must show the
+        move: a server the stream's leader was, stopped (SIGSTOP, a stalled VM) and running
+        again, answers as the leader for a moment from what it had before — chaos seed 152,
+        ``node_stop``: the first read found no record of a step whose attempt 2 ran, and the
+        second read would have found the same. Asked again for up to ``_MOVED_WAIT`` s
+        meanwhile. False when no read shows it: the caller stops the step from the record it
+        had, best effort, as before."""
         assert self._tasks_kv is not None
         kv = self._tasks_kv
         key = protocol.task_key(wf.ns, task_id)
-        try:
-            got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
-        except Exception:
-            log.debug("reading %s again to stop it failed", key, exc_info=True)
-            return False
+        loop = asyncio.get_running_loop()
+        until = loop.time() + _MOVED_WAIT
+        pause = 0.05
+        while True:
+            try:
+                got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
+            except Exception:
+                log.debug("reading %s again to stop it failed", key, exc_info=True)
+                return False
+            if got is not None and got[1] > last:
+                break
+            if loop.time() + pause > until:
+                log.info("%s: its record's move not seen at the leader; stopped as read", key)
+                return False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
         await self._stop_step(wf, index, task_id, got, settle=False, carried=carried, again=False)
         return True
 
