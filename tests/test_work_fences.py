@@ -42,9 +42,12 @@ async def _stale_step(
     capability: str = "wf:fence:v1",
     *,
     marker: bool = True,
+    cancelled: bool = True,
+    copy: str = "",
 ) -> None:
     """Store a work message for attempt 1 of ``task_id`` that a hub has cancelled: its record
-    says so, and (``marker``) a fence marker is stored behind the message."""
+    says so (unless not ``cancelled``), and (``marker``) a fence marker is stored behind the
+    message. ``copy``: a suffix to its message id (the same attempt stored again)."""
     js = nc.jetstream()
     kv = await js.key_value(protocol.KV_TASKS)
     record = TaskRecord(
@@ -54,7 +57,7 @@ async def _stale_step(
         namespace=ns,
         attempt=1,
         agent_id=agent_id,
-        cancelled=True,
+        cancelled=cancelled,
     )
     env = TaskEnvelope(
         task_id=task_id,
@@ -70,7 +73,7 @@ async def _stale_step(
     await js.publish(
         subject,
         protocol.encode(env),
-        headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(ns, task_id, 1)},
+        headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(ns, task_id, 1) + copy},
     )
     if marker:
         await js.publish(
@@ -400,6 +403,48 @@ async def test_an_attempt_started_just_before_its_lost_fence_is_watched_again(
     assert res.state is TaskState.SUCCEEDED and res.result == ["ran"]
     assert runs == ["revive-step"] and b_runs == []
     assert a.work.fenced == 0
+
+
+async def test_a_cancelled_attempt_delivered_again_is_not_run_again(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A hub cancels a running attempt (ctl ``cancel``: a branch its policy no longer needs);
+    the agent stops the handler and acks the message. The ack is lost (JetStream electing a
+    leader) and the message comes again, with a record read that says the attempt is current
+    (a replica behind the cancel). The agent promised, when it stopped the handler, never to
+    start the attempt again, and drops it. Chaos secure seed 152, ``partition``: a step
+    cancelled as unneeded ran again, in full, on the same agent 5 s later."""
+    ns = wf_settings.namespace
+    started = asyncio.Event()
+    runs: list[str] = []
+    a = fleet.agent("again.a")
+
+    @a.handler("wf:fence:v1")
+    async def run(task: Task[Any]) -> str:
+        runs.append(task.task_id)
+        started.set()
+        await asyncio.sleep(30)
+        return "ran"
+
+    await a.start()
+    work = a.work
+    assert work is not None
+    async with Client(settings=wf_settings) as mesh:
+        await _stale_step(mesh.nc, ns, a.agent_id, "again-step", marker=False, cancelled=False)
+        await asyncio.wait_for(started.wait(), 5)
+        body = {"op": "cancel", "task_id": "again-step", "attempt": 1, "workflow_id": "fence-wf"}
+        answer = await mesh.nc.request(
+            protocol.agent_ctl(a.agent_id), protocol.dumps(body), timeout=5
+        )
+        assert json.loads(answer.data)["cancelled"] is True
+        await eventually(lambda: work.fenced == 1 and not work._held)
+        # The same attempt delivered again; its record still says it is current.
+        await _stale_step(
+            mesh.nc, ns, a.agent_id, "again-step", marker=False, cancelled=False, copy="-again"
+        )
+        await eventually(lambda: work.fenced == 2, 5)
+    assert runs == ["again-step"]
+    assert work.fences.promised("again-step", "fence-wf") == 1
 
 
 async def test_a_cancel_before_arrival_is_a_promise(

@@ -38,6 +38,7 @@ from reach_mesh.workflow import TaskStatusEvent
 
 if TYPE_CHECKING:
     from reach_mesh.agent._agent import Agent
+    from reach_mesh.agent._fences import Fences
     from reach_mesh.agent._serving import _Handler
 
 __all__ = ["HeldSteps"]
@@ -105,6 +106,8 @@ class HeldSteps:
     _saying: dict[str, asyncio.Future[None]]
     #: Work messages dropped because their attempt was fenced (superseded or cancelled).
     fenced: int
+    #: Promises never to start an attempt (``_fences.Fences``).
+    fences: Fences
 
     if TYPE_CHECKING:
 
@@ -184,7 +187,7 @@ class HeldSteps:
             self._forget(held)
             if held.fenced:
                 # Superseded while we were away (PRE_ONLINE): the result would be rejected.
-                await self._settle_fenced([held.msg, *held.extra])
+                await self._settle_fenced(held.env, [held.msg, *held.extra])
             else:
                 # Shutdown: left un-acked, JetStream redelivers it after ack_wait.
                 self._release()
@@ -355,7 +358,7 @@ class HeldSteps:
         msgs = [held.msg, *held.extra]
         if held.fenced:
             self._forget(held)
-            agent._spawn(self._settle_fenced(msgs))
+            agent._spawn(self._settle_fenced(env, msgs))
             return
         reply = TaskReply(
             task_id=env.task_id,
@@ -391,8 +394,13 @@ class HeldSteps:
         if not held.done.done():
             held.done.cancel()
 
-    async def _settle_fenced(self, msgs: list[Msg]) -> None:
-        """Ack the messages of a fenced attempt (no result: the hub moved on)."""
+    async def _settle_fenced(self, env: TaskEnvelope, msgs: list[Msg]) -> None:
+        """Ack the messages of a fenced attempt (no result: the hub moved on), and promise
+        never to start it again: an ack lost on its way (JetStream electing a leader) has the
+        message delivered again, and the record read then may come from a replica behind the
+        hub's fence or cancel (chaos secure seed 152, ``partition``: a step cancelled as
+        unneeded ran again, in full, on the same agent 5 s later)."""
+        self.fences.never_start(env.task_id, env.attempt, env.workflow_id)
         for m in msgs:
             with contextlib.suppress(Exception):
                 await m.ack()

@@ -450,7 +450,11 @@ class WorkConsumer(HeldSteps):
         ) and not fences.revived(env, record):
             # Fenced before it ran: the hub moved on (another attempt, cancelled, finished),
             # as its record, a marker behind it or a cancel meanwhile says — unless the hub
-            # asked after its fence and was told it is in hand (``Fences.revive``).
+            # asked after its fence and was told it is in hand (``Fences.revive``). Promised
+            # too, unless the record read is older than the attempt (a replica behind): a
+            # copy delivered again (this ack lost) may read a replica behind the fence.
+            if record is None or record.attempt >= env.attempt:
+                fences.never_start(env.task_id, env.attempt, env.workflow_id)
             await self._drop(msg)
             return
         handler = agent._pick_handler(env.capability)
