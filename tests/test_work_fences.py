@@ -584,3 +584,103 @@ async def test_malformed_fence_markers_and_ctl_fences_are_refused_and_lose_nothi
         durable = protocol.work_consumer(a.agent_id)
         consumer = await js.consumer_info(protocol.STREAM_WORK, durable)
         assert consumer.num_redelivered == 0
+
+
+async def _two_slots(
+    fleet: Fleet, service: str, release: asyncio.Event, runs: list[str], b_runs: list[str]
+) -> tuple[Agent, Agent]:
+    """Agent A of ``service`` with two slots (its pulls bring a fence marker in while a step's
+    fence is being read), started, and agent B, where an attempt given up on would go."""
+    a = fleet.agent(f"{service}.a", max_concurrency=2, max_queue=0)
+
+    @a.handler("wf:block:v1")
+    async def block(task: Task[Any]) -> str:
+        await release.wait()
+        return "unblocked"
+
+    @a.handler("wf:queued:v1")
+    async def queued(task: Task[Any]) -> str:
+        runs.append(task.task_id)
+        return "ran"
+
+    b = fleet.agent(f"{service}.b")
+
+    @b.handler("wf:queued:v1")
+    async def elsewhere(task: Task[Any]) -> str:
+        b_runs.append(task.task_id)
+        return "ran on b"
+
+    await a.start()
+    return a, b
+
+
+@pytest.mark.parametrize("read", ["old", "unreadable"])
+async def test_a_revived_attempt_is_kept_whatever_its_fence_read_found_first(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    read: str,
+) -> None:
+    """Back from a partition, the agent reads the step's record (out of touch) just before
+    the hub's LOST fence lands: the read finds the old record (``old``) or fails
+    (``unreadable``: the message is sent again). Meanwhile the hub's marker arrives and the
+    hub, asking after its fence, is told the attempt is in hand (the read is going on) and
+    watches it again. The agent must not drop it for that marker — neither with the old
+    record in hand, nor when the message comes again — or the step waits for an attempt
+    nobody runs (here its 30 s silence timeout)."""
+    step = f"revive-read-{read}"
+    release, fenced = asyncio.Event(), asyncio.Event()
+    runs: list[str] = []
+    b_runs: list[str] = []
+    a, b = await _two_slots(fleet, f"rread-{read}", release, runs, b_runs)
+    work = a.work
+    assert work is not None
+    record = work._record
+    was_read = asyncio.Event()
+    reads: list[TaskEnvelope] = []
+
+    async def slow_record(env: TaskEnvelope) -> TaskRecord | None:
+        if env.task_id != step or reads:
+            return await record(env)
+        reads.append(env)
+        got = await record(env)  # before the hub's fence write
+        was_read.set()
+        # The answer comes late: the marker and the hub's ask after its fence come first.
+        await eventually(
+            lambda: work.fences.promised(step) >= 1 and step in work.fences._revived, 10
+        )
+        if read == "unreadable":
+            raise RuntimeError("no JetStream answer")
+        return got
+
+    monkeypatch.setattr(work, "_record", slow_record)
+    engine = wf_hub.workflows
+    assert engine is not None
+    cas = engine._cas
+
+    async def held_fence(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
+        if rec.task_id == step and rec.attempt == 2 and rec.agent_id is None:
+            await heal(a, beat=False)
+            release.set()  # its slots free: it pulls attempt 1 and reads its record
+            await asyncio.wait_for(was_read.wait(), 10)
+            try:
+                return await cas(key, rec, rev, deadline)
+            finally:
+                fenced.set()
+        return await cas(key, rec, rev, deadline)
+
+    monkeypatch.setattr(engine, "_cas", held_fence)
+    async with Client(settings=wf_settings) as mesh:
+        for _ in range(2):
+            await mesh.submit_fanout([Step(capability="wf:block:v1")], timeout=30)
+        await eventually(lambda: a._running == 2, timeout=5)
+        wf_id = await mesh.submit_fanout([_queued(step, silence_timeout=30)], timeout=30)
+        await asyncio.sleep(0.3)  # attempt 1 stored for A, waiting behind the blockers
+        await b.start()
+        await partition(a)
+        await asyncio.wait_for(fenced.wait(), 20)
+        await eventually(lambda: runs == [step], 5)
+        res = await mesh.workflow(wf_id, timeout=10)
+    assert res.state is TaskState.SUCCEEDED and res.result == ["ran"]
+    assert runs == [step] and b_runs == []

@@ -385,8 +385,12 @@ class WorkConsumer(HeldSteps):
                 await msg.term()
             self._release()
             return
-        if env.attempt <= self.fences.promised(env.task_id, env.workflow_id):
-            # A hub gave this attempt up and we promised never to start it (see ``promise``).
+        if env.attempt <= self.fences.promised(env.task_id, env.workflow_id) and not (
+            self.fences.revived(env, None)
+        ):
+            # A hub gave this attempt up and we promised never to start it (see ``promise``)
+            # — unless it asked again after its fence and was told the attempt is in hand (a
+            # copy sent again after its fence read failed): its record decides, read below.
             await self._drop(msg)
             return
         # Only the trace context travels on: the JetStream headers (Nats-Msg-Id, expected
@@ -431,23 +435,22 @@ class WorkConsumer(HeldSteps):
                     self._checking.discard(env.task_id)
             fences.forget_behind(behind)
         if read:
-            self._checking.add(env.task_id)
-            try:
-                record = await self._record(env)
-            except Exception as exc:
-                # The fence cannot be read (JetStream electing a leader, a reconnect): never
-                # run unfenced — the step may be decided already. JetStream redelivers it.
-                log.info("task record of %s unreadable (%r): retrying it later", env.task_id, exc)
-                with contextlib.suppress(Exception):
-                    await msg.nak(delay=0.5)
-                self._release()
+            ok, record = await self._read_fence(msg, env)
+            if not ok:
                 return
-            finally:
-                self._checking.discard(env.task_id)
         if (
-            (record is not None and superseded(record, env, agent.agent_id))
-            or env.attempt <= fences.promised(env.task_id, env.workflow_id)
-        ) and not fences.revived(env, record):
+            record is not None
+            and self._fenced(env, record)
+            and fences.revived(env, None)
+            and not superseded(record, env, agent.agent_id)
+        ):
+            # Fenced by a promise only, with a record read before the fence of a hub that then
+            # asked and was told the attempt is in hand (the read was going on): its marker is
+            # that promise. The record as it stands now says whether anything fenced it since.
+            ok, record = await self._read_fence(msg, env)
+            if not ok:
+                return
+        if self._fenced(env, record):
             # Fenced before it ran: the hub moved on (another attempt, cancelled, finished),
             # as its record, a marker behind it or a cancel meanwhile says — unless the hub
             # asked after its fence and was told it is in hand (``Fences.revive``). Promised
@@ -490,6 +493,33 @@ class WorkConsumer(HeldSteps):
             self._publish(env, TaskState.DELIVERED, headers)
         held.task = asyncio.current_task(self._loop)
         await self._run(held, handler)
+
+    async def _read_fence(self, msg: Msg, env: TaskEnvelope) -> tuple[bool, TaskRecord | None]:
+        """``(True, the step's record)``, read with the attempt marked as in hand meanwhile
+        (``checking``); ``(False, None)`` when it cannot be read now: the message comes again
+        later (nak'd), never run unfenced."""
+        self._checking.add(env.task_id)
+        try:
+            return True, await self._record(env)
+        except Exception as exc:
+            # The fence cannot be read (JetStream electing a leader, a reconnect): never run
+            # unfenced — the step may be decided already. JetStream redelivers it.
+            log.info("task record of %s unreadable (%r): retrying it later", env.task_id, exc)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=0.5)
+            self._release()
+            return False, None
+        finally:
+            self._checking.discard(env.task_id)
+
+    def _fenced(self, env: TaskEnvelope, record: TaskRecord | None) -> bool:
+        """Whether ``record`` (None: not read) or a promise fences this attempt, and no hub
+        watches it again after asking (``Fences.revived``)."""
+        fences = self.fences
+        return (
+            (record is not None and superseded(record, env, self._agent.agent_id))
+            or env.attempt <= fences.promised(env.task_id, env.workflow_id)
+        ) and not fences.revived(env, record)
 
     async def _settle_marker(self, msg: Msg, *, ok: bool) -> None:
         """Ack a fence marker (term a malformed one); it carries no step."""
