@@ -684,3 +684,81 @@ async def test_a_revived_attempt_is_kept_whatever_its_fence_read_found_first(
         res = await mesh.workflow(wf_id, timeout=10)
     assert res.state is TaskState.SUCCEEDED and res.result == ["ran"]
     assert runs == [step] and b_runs == []
+
+
+async def test_a_revived_attempt_given_up_again_is_fenced_again(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step queued on A (waiting for its slot) is given up when A is declared LOST, and
+    watched again: A, back before the hub's fence landed, said after it that the attempt is
+    in hand. A is cut off again, and the hub gives the revived attempt up a second time. That
+    must fence it again (a record write, a marker, the ask): the record still naming the
+    attempt of the first fence, with no agent, is what A keeps the revived attempt for — A,
+    back once more before attempt 2 is recorded for B, would start it while B runs attempt 2."""
+    step = "revive-again"
+    release = asyncio.Event()
+    runs: list[str] = []
+    b_runs: list[str] = []
+    a = fleet.agent("again.a", max_concurrency=1, max_queue=1)
+
+    @a.handler("wf:block:v1")
+    async def block(task: Task[Any]) -> str:
+        await release.wait()
+        return "unblocked"
+
+    @a.handler("wf:queued:v1")
+    async def queued(task: Task[Any]) -> str:
+        runs.append(task.task_id)
+        return "ran"
+
+    b = fleet.agent("again.b")
+
+    @b.handler("wf:queued:v1")
+    async def elsewhere(task: Task[Any]) -> str:
+        b_runs.append(task.task_id)
+        return "ran on b"
+
+    await a.start()
+    work = a.work
+    assert work is not None
+    engine = wf_hub.workflows
+    assert engine is not None
+    cas = engine._cas
+    writes: list[TaskRecord] = []
+    second = asyncio.Event()
+
+    async def held(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
+        if rec.task_id != step or rec.attempt < 2 or len(writes) >= 2:
+            return await cas(key, rec, rev, deadline)
+        writes.append(rec.model_copy())
+        # A answers on ctl again while the hub's write waits (a JetStream election).
+        await heal(a, beat=False)
+        if len(writes) == 1:
+            return await cas(key, rec, rev, deadline)
+        # Its slot frees: the attempt it holds starts, reading the record first.
+        release.set()
+        await eventually(lambda: runs == [step], 10)
+        try:
+            return await cas(key, rec, rev, deadline)
+        finally:
+            second.set()
+
+    monkeypatch.setattr(engine, "_cas", held)
+    async with Client(settings=wf_settings) as mesh:
+        await mesh.submit_fanout([Step(capability="wf:block:v1")], timeout=30)
+        await eventually(lambda: a._running == 1, timeout=5)
+        wf_id = await mesh.submit_fanout([_queued(step, silence_timeout=2)], timeout=30)
+        await eventually(lambda: step in work._held, 5)  # queued on A for its slot
+        await b.start()
+        await partition(a)
+        # Given up (LOST), asked after the fence: in hand, so watched again.
+        await eventually(lambda: work.fences._revived.get(step) == 2, 20)
+        await asyncio.sleep(0.3)
+        await partition(a)  # silent again: the hub gives the revived attempt up
+        res = await mesh.workflow(wf_id, timeout=20)
+        await asyncio.wait_for(second.wait(), 10)
+        await asyncio.sleep(1.0)  # time for attempt 2 to run on B, were it sent
+    assert res.state is TaskState.SUCCEEDED and res.result == ["ran"]
+    assert runs == [step] and b_runs == []
+    # The second give-up recorded attempt 3, no agent: the first one's record fenced no more.
+    assert [(w.attempt, w.agent_id) for w in writes] == [(2, None), (3, None)]

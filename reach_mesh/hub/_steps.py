@@ -289,9 +289,12 @@ class StepRunner(StepIO):
                         else:
                             delay = pol.pending_interval
                             exclude.clear()  # slow phase: any suitable agent again
-                    if rec.agent_id is not None:
+                    if rec.agent_id is not None or track.agent_id is not None:
                         # Fence first: record the next attempt (no agent yet) before waiting,
-                        # so the attempt we gave up on is dropped unrun if it turns up.
+                        # so the attempt we gave up on is dropped unrun if it turns up. Also
+                        # an attempt watched again (``readopt``; its record names the next
+                        # attempt with no agent already): its agent keeps it for that record
+                        # (``Fences.revived``), so only a new one fences it.
                         gave_up = (track.attempt, track.agent_id)
                         rec.attempt += 1
                         rec.agent_id = None
