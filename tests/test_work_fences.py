@@ -752,7 +752,7 @@ async def test_a_revived_attempt_given_up_again_is_fenced_again(
         await b.start()
         await partition(a)
         # Given up (LOST), asked after the fence: in hand, so watched again.
-        await eventually(lambda: work.fences._revived.get(step) == 2, 20)
+        await eventually(lambda: work.fences._revived.get(step, (None, 0))[1] == 2, 20)
         await asyncio.sleep(0.3)
         await partition(a)  # silent again: the hub gives the revived attempt up
         res = await mesh.workflow(wf_id, timeout=20)
@@ -762,3 +762,68 @@ async def test_a_revived_attempt_given_up_again_is_fenced_again(
     assert runs == [step] and b_runs == []
     # The second give-up recorded attempt 3, no agent: the first one's record fenced no more.
     assert [(w.attempt, w.agent_id) for w in writes] == [(2, None), (3, None)]
+
+
+async def test_a_revive_is_of_one_workflows_step(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """A hub asked after its fence and was told a step of one workflow is in hand: what the
+    agent keeps that attempt for (``Fences.revive``) says nothing of a step of another
+    workflow naming the same task id later (the id free again once its record expired) —
+    a promise made for that one drops its attempt as usual."""
+    ns = wf_settings.namespace
+    go = asyncio.Event()
+    runs: list[Any] = []
+    a = fleet.agent("revscope.a")
+
+    @a.handler("wf:revscope:v1")
+    async def run(task: Task[Any]) -> str:
+        runs.append(task.payload)
+        await asyncio.wait_for(go.wait(), 10)
+        return "ran"
+
+    await a.start()
+    work = a.work
+    assert work is not None
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:revscope:v1", payload="first", task_id="revscope-t")],
+            timeout=10,
+        )
+        await eventually(lambda: runs == ["first"])
+        asked = {
+            "op": "task_state",
+            "task_id": "revscope-t",
+            "workflow_id": wf_id,
+            "fence": 1,
+            "next": 2,
+        }
+        reply = await mesh.nc.request(protocol.agent_ctl(a.agent_id), protocol.dumps(asked), 5)
+        assert json.loads(reply.data)["state"] in ("ACCEPTED", "RUNNING")
+        go.set()
+        assert (await mesh.workflow(wf_id, timeout=10)).state is TaskState.SUCCEEDED
+        # Another workflow's step of the same id, given up (promised) before it arrives.
+        js = mesh.nc.jetstream()
+        subject = protocol.work_subject(ns, a.agent_id)
+        await js.publish(
+            subject,
+            protocol.dumps({"task_id": "revscope-t", "attempt": 1, "workflow_id": "wf-two"}),
+            headers={protocol.HDR_MSG_ID: f"{ns}.revscope-t#1.fence", protocol.HDR_FENCE: "1"},
+        )
+        await eventually(lambda: work.fences.promised("revscope-t", "wf-two") == 1)
+        env = TaskEnvelope(
+            task_id="revscope-t",
+            capability="wf:revscope:v1",
+            payload="second",
+            namespace=ns,
+            workflow_id="wf-two",
+            step=0,
+        )
+        fenced = work.fenced
+        await js.publish(
+            subject,
+            protocol.encode(env),
+            headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(ns, "revscope-t", 1) + "x"},
+        )
+        await eventually(lambda: work.fenced > fenced or len(runs) > 1)
+    assert runs == ["first"]

@@ -95,8 +95,9 @@ class Fences:
         self._stalled_at = -math.inf
         self._watched_at = math.inf
         #: Attempts a hub gave up, then asked about and was told are in hand, so watches
-        #: again: task id -> the attempt its record names since (``revive``).
-        self._revived: OrderedDict[str, int] = OrderedDict()
+        #: again: task id -> (the workflow whose step it is, None: any; the attempt its
+        #: record names since) (``revive``).
+        self._revived: OrderedDict[str, tuple[str | None, int]] = OrderedDict()
         #: Fence markers received (a hub gave up an attempt it had sent us).
         self.markers = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,13 +141,15 @@ class Fences:
         while len(self._promised) > _PROMISES:
             self._promised.popitem(last=False)
 
-    def revive(self, task_id: str, recorded: int) -> None:
-        """A hub that gave up an attempt of ``task_id`` and wrote attempt ``recorded`` to its
-        record asked about it afterwards (ctl ``task_state`` with ``fence`` and ``next``) and
-        was told it is in hand: it watches that attempt again (``Tracker.recheck``). Neither
-        that record nor the marker stored before the ask fences it (:meth:`revived`)."""
-        if self._revived.get(task_id, 0) < recorded:
-            self._revived[task_id] = recorded
+    def revive(self, task_id: str, recorded: int, workflow_id: str | None = None) -> None:
+        """A hub that gave up an attempt of ``task_id`` (the step of ``workflow_id``, when
+        given) and wrote attempt ``recorded`` to its record asked about it afterwards (ctl
+        ``task_state`` with ``fence`` and ``next``) and was told it is in hand: it watches
+        that attempt again (``Tracker.recheck``). Neither that record nor the marker stored
+        before the ask fences it (:meth:`revived`)."""
+        got = self._revived.get(task_id)
+        if got is None or got[0] != workflow_id or got[1] < recorded:
+            self._revived[task_id] = (workflow_id, recorded)
         self._revived.move_to_end(task_id)
         while len(self._revived) > _REVIVED:
             self._revived.popitem(last=False)
@@ -156,8 +159,11 @@ class Fences:
         is one a hub watches again (:meth:`revive`): the record still names the attempt
         recorded when the hub asked, with no agent, undecided. Anything the hub wrote since
         (another agent, a decision, a cancel, a later fence) fences it as usual."""
-        recorded = self._revived.get(env.task_id)
-        if recorded is None or env.attempt >= recorded:
+        got = self._revived.get(env.task_id)
+        if got is None or (got[0] is not None and got[0] != env.workflow_id):
+            return False  # (a step of another workflow: the id used again)
+        recorded = got[1]
+        if env.attempt >= recorded:
             return False
         return record is None or (
             record.is_step(env.workflow_id, env.step)

@@ -452,7 +452,7 @@ class ServingMixin(AttemptsMixin):
             # In hand, its fence being read: the hub must not give this attempt up (and, asked
             # after its fence, watches it again: the fence read must not drop it).
             if recorded is not None:
-                self.work.fences.revive(task_id, recorded)
+                self.work.fences.revive(task_id, recorded, asker)
             return protocol.dumps({"task_id": task_id, "state": TaskState.DELIVERED})
         if entry is not None and entry.reply is None:
             if (
@@ -468,7 +468,7 @@ class ServingMixin(AttemptsMixin):
             # hub's fence: it watches the attempt again, which our fence on return from LOST
             # must then not cancel.
             if recorded is not None and self.work is not None:
-                self.work.fences.revive(task_id, recorded)
+                self.work.fences.revive(task_id, recorded, asker)
             return protocol.dumps(
                 {"task_id": task_id, "attempt": entry.attempt, "state": entry.state}
             )

@@ -386,11 +386,12 @@ class WorkConsumer(HeldSteps):
             self._release()
             return
         if env.attempt <= self.fences.promised(env.task_id, env.workflow_id) and not (
-            self.fences.revived(env, None)
+            delivery is not None and delivery.delivered > 1 and self.fences.revived(env, None)
         ):
             # A hub gave this attempt up and we promised never to start it (see ``promise``)
-            # — unless it asked again after its fence and was told the attempt is in hand (a
-            # copy sent again after its fence read failed): its record decides, read below.
+            # — unless it asked again after its fence and was told the attempt is in hand, and
+            # this is a copy sent again (its fence read failed): its record decides, read
+            # below (a copy sent again always reads it).
             await self._drop(msg)
             return
         # Only the trace context travels on: the JetStream headers (Nats-Msg-Id, expected
