@@ -33,6 +33,7 @@ from reach_mesh import (
     RetryPolicy,
     Step,
     UnknownWorkflowError,
+    protocol,
 )
 from reach_mesh._auth import AuthDir, inbox_prefix
 from reach_mesh._nats import refused_messages
@@ -459,6 +460,11 @@ async def test_js_agent_keeps_its_lease_retries_times_out_and_cancels(
         assert cancel.result.error.code == "REACH_WORKFLOW_CANCELLED"
         # the handler was stopped by the ctl cancel, not left to finish its 8 s
         await eventually(lambda: f"cancelled {step_tid} # 1" in a1.text(), timeout=5)
+        # a ``next`` that is not an attempt after ``fence``: refused, naming the field
+        ask = {"op": "task_state", "task_id": "js-next-1", "fence": 2, "next": 2}
+        answer = await mesh.nc.request(protocol.agent_ctl(a1_id), protocol.dumps(ask), timeout=5)
+        error = json.loads(answer.data)["error"]
+        assert (error["code"], error["details"]["field"]) == ("REACH_BAD_REQUEST", "next"), error
         await unregisters_on_sigterm(mesh, a1)
 
 

@@ -268,6 +268,13 @@ function onCtl(msg) {
     if (q.fence !== undefined && q.fence !== null && !(Number.isInteger(q.fence) && q.fence >= 1)) {
       return respond(errorBody('REACH_BAD_REQUEST', 'fence must be an integer >= 1', { field: 'fence' }));
     }
+    // `next` (asked after the hub's fence): this agent does not keep a revived attempt past
+    // that record (the hub then waits its silence timeout, as for an `undelivered` give-up),
+    // but refuses a malformed one as the protocol says.
+    if (q.next !== undefined && q.next !== null
+        && !(Number.isInteger(q.next) && Number.isInteger(q.fence) && q.next > q.fence)) {
+      return respond(errorBody('REACH_BAD_REQUEST', 'next must be an attempt after fence', { field: 'next' }));
+    }
     const wfId = q.workflow_id || null;
     let t = wfTasks.get(q.task_id);
     if (t && wfId && t.workflow_id !== wfId) t = null; // another workflow's: not reported

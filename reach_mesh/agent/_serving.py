@@ -435,7 +435,8 @@ class ServingMixin(AttemptsMixin):
             or recorded <= fence
         ):
             raise BadRequestError(
-                f"next must be the attempt recorded after fence {fence}, got {recorded!r}"
+                f"next must be the attempt recorded after fence {fence}, got {recorded!r}",
+                field="next",
             )
         entry = self._results.get(task_id)
         asker = _asking_workflow(body)
