@@ -25,6 +25,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, protocol
+from reach_mesh._guard import guarded
 from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._fences import delivery_of
 from reach_mesh.hub import Hub
@@ -178,6 +179,17 @@ async def test_a_step_given_up_while_its_agent_was_cut_off_is_dropped_on_return(
         await a.close()
 
 
+async def _silent(fleet: Fleet, name: str, runs: list[str]) -> Agent:
+    """A started fence agent whose heartbeats then stop: silent, still connected and
+    listening."""
+    a = _fence_agent(f"{fleet.settings.namespace}.{name}", fleet.settings, runs)
+    fleet.agents.append(a)
+    await a.start()
+    assert a._hb_task is not None
+    a._hb_task.cancel()
+    return a
+
+
 async def test_an_agent_out_of_touch_reads_the_fence(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
 ) -> None:
@@ -185,11 +197,8 @@ async def test_an_agent_out_of_touch_reads_the_fence(
     have declared it LOST and moved on without reaching it."""
     ns = wf_settings.namespace
     runs: list[str] = []
-    a = _fence_agent(f"{ns}.away.a", wf_settings, runs)
-    fleet.agents.append(a)
-    await a.start()
-    assert a.work is not None and a._hb_task is not None
-    a._hb_task.cancel()  # silent, still connected and listening
+    a = await _silent(fleet, "away.a", runs)
+    assert a.work is not None
     await eventually(lambda: not a.in_touch(), timeout=2)
     async with Client(settings=wf_settings) as mesh:
         # No marker behind it: only being out of touch makes the agent read the record.
@@ -197,6 +206,38 @@ async def test_an_agent_out_of_touch_reads_the_fence(
         await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=5)
     assert runs == []
     assert a.work.fence_reads == 1
+
+
+async def test_an_agent_out_of_touch_waits_for_a_hubs_answer_before_its_fence(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """Out of touch, an agent heartbeats once before it reads a step's record: right after a
+    partition heals, the replica of the records on its side is behind the fences the hubs
+    wrote meanwhile (chaos seed 153, ``partition``: 14 steps ran again 0.26 s after the heal).
+    While no hub answers the step waits, unread and unrun; once one does, it runs."""
+    ns = wf_settings.namespace
+    runs: list[str] = []
+    a = await _silent(fleet, "touch.a", runs)
+    assert a.work is not None
+    beats = protocol.hub_agent_subject("*.*.*", "heartbeat")
+    (sub,) = [s for s in wf_hub._subs if s.subject == beats]
+    await sub.unsubscribe()  # nobody answers heartbeats
+    wf_hub._subs.remove(sub)
+    await wf_hub.nc.flush()
+    await eventually(lambda: not a.in_touch(), timeout=3)
+    async with Client(settings=wf_settings) as mesh:
+        # A step its record says is current (no marker, not cancelled).
+        await _stale_step(mesh.nc, ns, a.agent_id, "touch-step", marker=False, cancelled=False)
+        await asyncio.sleep(1.5)
+        assert runs == [] and a.work.fence_reads == 0
+        cb = guarded(beats, wf_hub._dispatcher(wf_hub._on_heartbeat))
+        wf_hub._subs.append(await wf_hub.nc.subscribe(beats, queue=protocol.HUB_QUEUE, cb=cb))
+        await wf_hub.nc.flush()
+        # (Its lease lapsed meanwhile: declared LOST, it registers again, as after a heal.)
+        a._hb_task = asyncio.create_task(a._heartbeat_loop())
+        await eventually(lambda: runs == ["touch-step"], timeout=10)
+    assert a.in_touch()
+    assert a.work.fence_reads >= 1
 
 
 async def test_an_agent_whose_loop_stalled_reads_the_fence(
@@ -350,11 +391,11 @@ async def test_an_attempt_started_just_before_its_lost_fence_is_watched_again(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An agent cut off with a step queued for it is declared LOST; the hub finds nobody on
-    its ctl subject and gives the attempt up. Back before the hub's fence write lands (a
-    JetStream election after the heal holds it up), the agent reads the old record and
-    starts the attempt. The hub asks again after its write (``next``: the attempt recorded):
-    told it is in hand, it watches that attempt instead of sending the next one elsewhere,
-    and the agent's own fence on return from LOST keeps it too. The step runs once.
+    its ctl subject and gives the attempt up. Back (registered again) before the hub's
+    fence write lands (a JetStream election after the heal holds it up), the agent reads the
+    old record and starts the attempt. The hub asks again after its write (``next``: the
+    attempt recorded): told it is in hand, it watches that attempt instead of sending the
+    next one elsewhere. The step runs once.
 
     Chaos seed 151, ``partition``: without the second ask the step ran on another agent
     0.4 s later (21 such steps in one run)."""
@@ -375,9 +416,10 @@ async def test_an_attempt_started_just_before_its_lost_fence_is_watched_again(
 
     async def held_fence(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
         if rec.task_id == "revive-step" and rec.attempt == 2 and rec.agent_id is None:
-            # The heal comes while the fence waits: A answers on ctl again, its slot frees,
-            # it pulls attempt 1 and starts it (out of touch, it reads the old record).
-            await heal(a, beat=False)
+            # The heal comes while the fence waits: A answers on ctl again and heartbeats
+            # (told it is unknown, it registers again), its slot frees, it pulls attempt 1
+            # and, back in touch, starts it (it reads the old record).
+            await heal(a)
             release.set()
             await eventually(lambda: runs == ["revive-step"], 10)
             try:
@@ -395,8 +437,6 @@ async def test_an_attempt_started_just_before_its_lost_fence_is_watched_again(
         await partition(a)
         await asyncio.wait_for(fenced.wait(), 20)
         await asyncio.sleep(0.5)  # time for attempt 2 to reach B, were it sent
-        # A heartbeats again: answered "unknown" (LOST), it fences itself before registering.
-        a._hb_task = asyncio.create_task(a._heartbeat_loop())
         await eventually(lambda: a.agent_id in wf_hub.registry.agents, 10)  # registered again
         finish.set()
         res = await mesh.workflow(wf_id, timeout=15)
@@ -661,7 +701,7 @@ async def test_a_revived_attempt_is_kept_whatever_its_fence_read_found_first(
 
     async def held_fence(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
         if rec.task_id == step and rec.attempt == 2 and rec.agent_id is None:
-            await heal(a, beat=False)
+            await heal(a)  # (it registers again: back in touch, it reads records)
             release.set()  # its slots free: it pulls attempt 1 and reads its record
             await asyncio.wait_for(was_read.wait(), 10)
             try:

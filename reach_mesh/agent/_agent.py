@@ -225,6 +225,9 @@ class Agent(ServingMixin):
         #: When we last knew this process serves the id alone: a hub answered (as
         #: ``_answered_at``), or no other process answered our ctl ping (``confirm_identity``).
         self._heard_at = -math.inf
+        #: The heartbeat that brings us back in touch, one for all the steps waiting for it
+        #: (``back_in_touch``).
+        self._touching: asyncio.Future[bool] | None = None
         self._confirming: asyncio.Task[None] | None = None
         #: Silence after which another process may serve the id (``may_be_replaced``).
         self._replaced_after = self.settings.lease_timeout + self.settings.suspect_timeout
@@ -649,6 +652,30 @@ class Agent(ServingMixin):
         if self._nc is None or not self._nc.is_connected:
             return False
         return time.monotonic() - self._answered_at < 2 * self.settings.heartbeat_interval
+
+    async def back_in_touch(self) -> bool:
+        """Before a step delivered while out of touch (:meth:`in_touch` False: paused, cut
+        off) reads its fence: one heartbeat now, answered, so the hubs hold our lease again.
+        Right after a partition heals, the replica of the task records on our side is behind
+        the fences the hubs wrote meanwhile: read at once, it let the attempts given up during
+        the cut run again (chaos seed 153, ``partition``: 14 steps ran again 0.26 s after the
+        heal, their attempt 2 done elsewhere). False when no hub answered, or a hub no longer
+        knows us (declared LOST: the heartbeat loop fences our attempts and registers again):
+        the step waits. One heartbeat at a time for every step waiting."""
+        if self.in_touch():
+            return True
+        touching = self._touching
+        if touching is None or touching.done():
+            touching = self._touching = asyncio.ensure_future(self._touch())
+        return await asyncio.shield(touching)
+
+    async def _touch(self) -> bool:
+        timeout = max(min(self.settings.heartbeat_interval, 1.0), 0.05)
+        try:
+            await self._beat(protocol.hub_agent_subject(self.agent_id, "heartbeat"), timeout)
+        except Exception:  # (no hub, not known, a reconnect: the step waits for the next)
+            return False
+        return self.in_touch()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Whether this agent is ready for work, and why (its metrics server's ``GET

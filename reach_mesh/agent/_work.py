@@ -435,6 +435,13 @@ class WorkConsumer(HeldSteps):
                 finally:
                     self._checking.discard(env.task_id)
             fences.forget_behind(behind)
+        if read and env.workflow_id is not None and not await agent.back_in_touch():
+            # Out of touch with the hubs, and no hub answers now: its record, read here,
+            # may be behind their fence (``Agent.back_in_touch``). JetStream brings it again.
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=0.5)
+            self._release()
+            return
         if read:
             ok, record = await self._read_fence(msg, env)
             if not ok:
