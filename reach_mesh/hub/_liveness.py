@@ -38,10 +38,13 @@ from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.logs import LEASE_EXPIRED, log_event
 from reach_mesh.models import AgentRecord, AgentState
 
-__all__ = ["Liveness"]
+__all__ = ["Liveness", "LostEntry"]
 
 log = logging.getLogger("reach_mesh.hub.registry")
 
+#: An agent declared LOST lately: when (wall clock), its capabilities and its labels (with
+#: ``region``/``zone``, as a selector sees them) when it was lost.
+LostEntry = tuple[float, tuple[str, ...], dict[str, str]]
 #: How long, and how many per namespace, agents declared LOST stay in ``recently_lost``.
 LOST_KEPT_S: Final = 900.0
 _LOST_KEPT_MAX: Final = 200
@@ -68,8 +71,9 @@ class Liveness:
     #: When this hub was last blind (its clock), and why.
     _blind_at: float
     _blind_why: str
-    #: Agents declared LOST lately, per namespace: (when, capabilities) by id.
-    _lost: dict[str, OrderedDict[str, tuple[float, tuple[str, ...]]]]
+    #: Agents declared LOST lately, per namespace: (when, capabilities, labels as the
+    #: selector sees them) by id, oldest first.
+    _lost: dict[str, OrderedDict[str, LostEntry]]
     _listeners: list[StateListener]
     #: When each agent's lease runs out (``last_seen + lease_timeout``) if it beats no more,
     #: a heap of (deadline, tiebreak, view): the grading loop looks at an agent when its
@@ -339,7 +343,8 @@ class Liveness:
         ns = view.record.card.namespace
         lost = self._lost.setdefault(ns, OrderedDict())
         lost.pop(view.agent_id, None)
-        lost[view.agent_id] = (time.time(), tuple(view.record.card.capabilities))
+        card = view.record.card
+        lost[view.agent_id] = (time.time(), tuple(card.capabilities), card.all_labels())
         while len(lost) > _LOST_KEPT_MAX:  # per namespace: no tenant evicts another's
             lost.popitem(last=False)
 

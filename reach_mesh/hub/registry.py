@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, Final
 
 from nats.aio.client import Client as NATS
@@ -34,7 +34,7 @@ from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub._agent_view import AgentView, StateListener
-from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, Liveness
+from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, Liveness, LostEntry
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._server_clock import ServerClock, ask_server_time
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
@@ -98,7 +98,7 @@ class Registry(Liveness):
         self._namespaces: dict[str, int] = {}
         #: Agents this hub declared LOST lately (lease and grace ran out), by id: they leave
         #: every listing, so ``recently_lost`` tells where they went. Bounded in age and count.
-        self._lost: dict[str, OrderedDict[str, tuple[float, tuple[str, ...]]]] = {}
+        self._lost: dict[str, OrderedDict[str, LostEntry]] = {}
         #: (session, revision) of the heartbeat the watch delivered before the agent's record
         #: of that session, by agent id.
         self._early_beats: dict[str, tuple[str, int]] = {}
@@ -663,10 +663,32 @@ class Registry(Liveness):
                 continue
             out += [
                 {"agent_id": agent_id, "lost_at": round(at, 3), "capabilities": list(caps)}
-                for agent_id, (at, caps) in lost.items()
+                for agent_id, (at, caps, _) in lost.items()
                 if agent_id not in self.agents
             ]
         return sorted(out, key=lambda e: -e["lost_at"])
+
+    def lost_matching(
+        self,
+        namespace: str,
+        match: Callable[[Collection[str], Mapping[str, str]], bool],
+        most: int,
+    ) -> list[str]:
+        """Ids of ``namespace``'s agents declared LOST in the last 15 minutes and not
+        registered again, newest first, whose card when lost ``match`` accepts (capabilities,
+        labels as a selector sees them): ``most`` at most. Reads at most the namespace's
+        ``recently_lost`` (200 entries)."""
+        lost = self._lost.get(namespace)
+        if not lost:
+            return []
+        horizon = time.time() - LOST_KEPT_S
+        out: list[str] = []
+        for agent_id, (at, caps, labels) in reversed(lost.items()):
+            if at < horizon or len(out) >= most:
+                break
+            if agent_id not in self.agents and match(caps, labels):
+                out.append(agent_id)
+        return out
 
     def routable(self, view: AgentView) -> bool:
         return view.state in _ROUTABLE

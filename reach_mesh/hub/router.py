@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -506,6 +506,27 @@ class Router:
         except ReachError:
             pass
         return ()
+
+    def matching_lost(self, req: RouteRequest, namespace: str, most: int) -> list[str]:
+        """Ids of ``namespace``'s agents declared LOST lately and not registered again whose
+        registration ``req`` targeted by capability or selector (as :meth:`matching` for the
+        registered: the capability declared, or the selector's reference semantics the index
+        implements), newest first, ``most`` at most; none for a bad selector."""
+        match: Callable[[Collection[str], Mapping[str, str]], bool]
+        if req.capability is not None:
+            capability = req.capability
+
+            def match(capabilities: Collection[str], _: Mapping[str, str]) -> bool:
+                return capability in capabilities
+
+        elif req.selector is not None:
+            try:
+                match = Selector.parse(req.selector).matches
+            except ReachError:
+                return []
+        else:
+            return []
+        return self._registry.lost_matching(namespace, match, most)
 
     def _ids(self, req: RouteRequest) -> Collection[str]:
         """Agent ids (of any namespace) that could serve ``req`` by its target."""
