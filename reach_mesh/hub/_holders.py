@@ -52,11 +52,13 @@ from nats.aio.msg import Msg
 from reach_mesh import protocol
 from reach_mesh.errors import BadRequestError, ReachError
 from reach_mesh.hub._pins import HUB_HEADER, TaskPins
-from reach_mesh.models import TaskState
+from reach_mesh.hub.registry import AgentView, Registry
+from reach_mesh.models import AgentState, TaskState
 from reach_mesh.tracing.metrics import HubMetrics
 
 __all__ = [
     "HOLDER_ASK_MOST",
+    "HOLDER_BACK_WAIT",
     "HOLDER_SEEKS_MOST",
     "HOLDER_WAIT",
     "RESEND_HEADER",
@@ -72,6 +74,11 @@ RESEND_HEADER: Final = protocol.HDR_RESEND
 HOLDER_WAIT: Final = 0.5
 #: Agents a hub asks at most whether they hold a resent task.
 HOLDER_ASK_MOST: Final = 32
+#: How long a route waits, at most, for the holder of its task that the hub declared LOST,
+#: back on NATS (it answered), to register again (seconds; half the route's time left, if
+#: less). Its registration comes with its next heartbeat (every 5 s by default), once
+#: JetStream takes writes again — seconds after a partition heals.
+HOLDER_BACK_WAIT: Final = 10.0
 #: Resent tasks a hub seeks the holder of at once, at most; beyond, routed as if unmarked.
 HOLDER_SEEKS_MOST: Final = 256
 
@@ -117,6 +124,10 @@ class HoldersMixin:
     #: What the seeks in progress wait for from the other hubs' pins messages, by
     #: (namespace, task id).
     _pin_waits: dict[tuple[str, str], list[asyncio.Future[str]]]
+    #: Routes waiting for the holder of their task, declared LOST, to register again, by
+    #: agent id (:meth:`_holder_back`).
+    _back_waits: dict[str, list[asyncio.Future[None]]]
+    registry: Registry
 
     if TYPE_CHECKING:
 
@@ -124,11 +135,21 @@ class HoldersMixin:
         def nc(self) -> NATS: ...
 
     async def _seek_holder(
-        self, ns: str, task_id: str, candidates: Collection[str], wait: float = HOLDER_WAIT
+        self,
+        ns: str,
+        task_id: str,
+        candidates: Collection[str],
+        wait: float = HOLDER_WAIT,
+        lost: Collection[str] = (),
     ) -> str | None:
-        """The agent the other hubs or the ``candidates`` say holds ``task_id``, or that a pin
-        made meanwhile names, or None (module docstring). Takes ``wait`` seconds
-        (``HOLDER_WAIT`` at most) unless someone names the holder sooner; never raises."""
+        """The agent the other hubs or the ``candidates`` (registered) or ``lost`` (declared
+        LOST lately, not registered again) say holds ``task_id``, or that a pin made meanwhile
+        names, or None (module docstring). Takes ``wait`` seconds (``HOLDER_WAIT`` at most)
+        unless someone names the holder sooner; never raises. A hub or pin naming one of
+        ``lost`` is not taken for an answer (its pin outlived its registration): that agent's
+        own answer is. An agent of ``lost`` that holds it is returned uncounted: the caller
+        counts the seek once it knows whether that agent registered again
+        (:meth:`_holder_back`)."""
         nc = self.nc
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.001, min(wait, HOLDER_WAIT))
@@ -149,7 +170,10 @@ class HoldersMixin:
             asyncio.ensure_future(
                 nc.request(protocol.agent_ctl(agent_id), body, timeout=left)
             ): agent_id
-            for agent_id in itertools.islice(candidates, HOLDER_ASK_MOST)
+            for agent_id in itertools.chain(
+                itertools.islice(candidates, HOLDER_ASK_MOST),
+                itertools.islice(lost, HOLDER_ASK_MOST),
+            )
         }
         pending: set[asyncio.Future[Any]] = {learned, hub_ask, *agent_asks}
         try:
@@ -163,17 +187,22 @@ class HoldersMixin:
                     if ask.cancelled() or ask.exception() is not None:
                         continue
                     if ask is learned:
-                        return self._found("pin", learned.result())
+                        if learned.result() not in lost:
+                            return self._found("pin", learned.result())
+                        continue
                     reply: Msg = ask.result()
                     data = reply.data
                     if ask is hub_ask:
                         agent_id = data.decode(errors="replace")
-                        if protocol.AGENT_ID_RE.fullmatch(agent_id) and agent_id.startswith(
-                            ns + "."
+                        if (
+                            protocol.AGENT_ID_RE.fullmatch(agent_id)
+                            and agent_id.startswith(ns + ".")
+                            and agent_id not in lost
                         ):
                             return self._found("hub", agent_id)
                     elif _holds(data):
-                        return self._found("agent", agent_asks[ask])
+                        agent_id = agent_asks[ask]
+                        return agent_id if agent_id in lost else self._found("agent", agent_id)
             # Nobody claimed it: a pin this hub made meanwhile (another copy of the request,
             # routed here as new), if any.
             made = self._pins.get(ns, task_id)
@@ -189,6 +218,35 @@ class HoldersMixin:
             for ask in pending:
                 with contextlib.suppress(BaseException):
                     await ask
+
+    async def _holder_back(self, agent_id: str, wait: float) -> bool:
+        """Whether ``agent_id`` — declared LOST, and found holding a resent task — is
+        registered again, waiting ``wait`` seconds (``HOLDER_BACK_WAIT`` at most) for this
+        hub's registry to show it (its watch, or a registration through this hub). Counts
+        the seek: ``agent`` if it is back, else ``lost`` (routed as new: it runs twice)."""
+        if agent_id not in self.registry.agents and wait > 0:
+            back: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._back_waits.setdefault(agent_id, []).append(back)
+            try:
+                await asyncio.wait({back}, timeout=min(wait, HOLDER_BACK_WAIT))
+            finally:
+                waits = self._back_waits.get(agent_id)
+                if waits is not None:
+                    waits.remove(back)
+                    if not waits:
+                        del self._back_waits[agent_id]
+                back.cancel()
+        came = agent_id in self.registry.agents
+        self._found("agent" if came else "lost", agent_id)
+        return came
+
+    def _holder_state(self, view: AgentView, old: AgentState, new: AgentState) -> None:
+        """The registry's state listener: an agent registered again (LOST before) wakes the
+        routes waiting for it (:meth:`_holder_back`)."""
+        if old is AgentState.LOST and new is not AgentState.LOST and self._back_waits:
+            for back in self._back_waits.get(view.agent_id, ()):
+                if not back.done():
+                    back.set_result(None)
 
     def _found(self, found: str, agent_id: str | None) -> str | None:
         """Count what a seek found (``reach_resend_seek_total``); returns ``agent_id``."""

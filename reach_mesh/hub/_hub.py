@@ -141,6 +141,7 @@ class Hub(RoutingMixin, ControlMixin):
         # Resent tasks whose holder this hub is asking for (``hub/_holders.py``).
         self._seeking = 0
         self._pin_waits: dict[tuple[str, str], list[asyncio.Future[str]]] = {}
+        self._back_waits: dict[str, list[asyncio.Future[None]]] = {}
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher
@@ -277,6 +278,7 @@ class Hub(RoutingMixin, ControlMixin):
             self.resources = Resources(self._js, counted=self.metrics.recreated_total.inc)
             self.registry = Registry(self._nc, self._js, self.settings, resources=self.resources)
             self.registry.on_state_change(self._on_state_change)
+            self.registry.on_state_change(self._holder_state)
             await self.registry.start()
             self.sessions = SessionStore(
                 self._nc, self._js, ttl=s.sticky_ttl, replicas=s.kv_replicas

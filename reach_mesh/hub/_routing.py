@@ -30,6 +30,7 @@ from reach_mesh.errors import (
     ThrottledError,
 )
 from reach_mesh.hub._holders import (
+    HOLDER_ASK_MOST,
     HOLDER_SEEKS_MOST,
     RESEND_HEADER,
     HoldersMixin,
@@ -196,9 +197,12 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         if req.task_id is not None and req.agent_id is None:
             # A retry of a task a hub routed: to the agent that has it, if still routable.
             flight.sticky = flight.in_hand = self._pins.get(flight.ns, req.task_id)
-            if flight.in_hand is None and flight.resend:
+            if flight.resend and (
+                flight.in_hand is None or flight.in_hand not in self.registry.agents
+            ):
                 if self._seeking < HOLDER_SEEKS_MOST:
-                    # Sent again, and no pin here: ask who holds it first (``hub/_holders.py``).
+                    # Sent again, and no pin here (or one naming an agent no longer registered:
+                    # declared LOST, say): ask who holds it first (``hub/_holders.py``).
                     self._seeking += 1
                     self._spawn(self._seek_then_attempt(flight))
                     return
@@ -289,13 +293,24 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         req = flight.req
         assert req.task_id is not None
         try:
+            lost = self.router.matching_lost(req, flight.ns, HOLDER_ASK_MOST)
             # Half its time left at most: the route must still be decided and run.
             holder = await self._seek_holder(
                 flight.ns,
                 req.task_id,
                 self.router.matching(req, flight.ns),
                 (flight.deadline - time.perf_counter()) / 2,
+                lost,
             )
+            # A holder declared LOST, back on NATS with the task: routed to it once it has
+            # registered again, waiting half the time left at most — the other half is for
+            # the attempt (joining its run), or for a new run if it does not come.
+            if (
+                holder is not None
+                and holder in lost
+                and not await self._holder_back(holder, (flight.deadline - time.perf_counter()) / 2)
+            ):
+                holder = None
         except Exception:  # a bug, not the input: routed as if unmarked
             log.exception("route %s: seeking its task's holder failed", flight.request_id)
             holder = None

@@ -191,7 +191,7 @@ class LoopHistogram(Collector):
 
 
 #: What a hub's seek for the holder of a resent route found (``reach_resend_seek_total``).
-RESEND_FOUND: Final = ("hub", "agent", "pin", "nobody", "skipped")
+RESEND_FOUND: Final = ("hub", "agent", "pin", "nobody", "lost", "skipped")
 
 
 class HubMetrics:
@@ -330,9 +330,10 @@ class HubMetrics:
         )
         self.resend_seek_total = Counter(
             "reach_resend_seek",
-            "Resent route requests (Reach-Resend) this hub had no pin for: by who named the "
-            "agent holding the task (hub, agent, pin), nobody (routed as new), or skipped "
-            "(too many asks at once: routed as if unmarked).",
+            "Resent route requests (Reach-Resend) this hub had no pin to a registered agent "
+            "for: by who named the agent holding the task (hub, agent, pin), nobody (routed "
+            "as new), lost (held by an agent declared LOST that did not register again in "
+            "time: routed as new), or skipped (too many asks at once: routed as if unmarked).",
             ["found"],
             registry=r,
         )
