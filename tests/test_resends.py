@@ -27,7 +27,7 @@ from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
 from reach_mesh.models import AgentState
 from reach_mesh.tracing.metrics import RESEND_FOUND
 
-from .helpers import Fleet, echo_agent, eventually, relayed
+from .helpers import Fleet, echo_agent, eventually, heal, partition, relayed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -431,3 +431,98 @@ async def test_a_resend_without_a_task_id_is_a_bad_request(
         with pytest.raises(BadRequestError) as err:
             await mesh.request(capability=CAP, payload=1, resend=True)
     assert err.value.details == {"field": "resend"}
+
+
+async def _held_lost(
+    hub: Hub, mesh: Client, fleet: Fleet, ran: dict[str, list[str]], task_id: str
+) -> None:
+    """``a1`` takes ``task_id`` (its handler held) and is cut off (``partition``) until
+    ``hub`` declares it LOST; ``a2`` is registered and idle. The caller's first request is
+    given up (its answer lost, for the caller). ``a1`` is then back on NATS — it answers its
+    ctl subject — but not registered: its heartbeats (which would register it again) held."""
+    ns = hub.settings.namespace
+    a1, a2 = fleet.agents
+    await a1.start()
+    await eventually(lambda: _ours(hub, ns) == 1)
+    first = asyncio.ensure_future(mesh.request(capability=CAP, task_id=task_id, timeout=30))
+    await eventually(lambda: ran.get(task_id) == [a1.agent_id], timeout=10)
+    await a2.start()
+    await eventually(lambda: _ours(hub, ns) == 2, timeout=10)
+    await partition(a1)
+    await eventually(lambda: a1.agent_id not in hub.registry.agents, timeout=10)
+    assert [e["agent_id"] for e in hub.registry.recently_lost(ns)] == [a1.agent_id]
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    await heal(a1, beat=False)
+
+
+async def test_a_resend_goes_to_its_holder_declared_lost_once_it_registers_again(
+    settings: MeshSettings,
+) -> None:
+    """The chaos ``partition`` fault: ``a1`` runs a task and is cut off long enough to be
+    declared LOST (out of the registry); back on NATS, it is not registered yet (JetStream
+    not back, its next heartbeat not due). The caller asks again (marked: the same
+    ``Client``). The hub's pin names ``a1``, which is not routable, and no registered agent
+    has the task: it asks the agents it declared LOST lately too, ``a1`` says it holds it,
+    and the route waits for ``a1`` to register again, then goes to it — its idempotency
+    table joins the run in hand: the task runs once. Before, it went to ``a2`` at once and
+    ran twice."""
+    ns = settings.namespace
+    fleet, ran, release = _two_recording(settings)
+    a1, _ = fleet.agents
+    try:
+        async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
+            await _held_lost(hub, mesh, fleet, ran, "lh-back")
+            agent_found = _seeks(hub, "agent")
+            again = asyncio.ensure_future(
+                mesh.request(capability=CAP, task_id="lh-back", timeout=20)
+            )
+            await asyncio.sleep(HOLDER_WAIT + 0.5)  # a run on a2 would have started by now
+            assert ran == {"lh-back": [a1.agent_id]}
+            assert not again.done()
+            a1._hb_task = asyncio.create_task(a1._heartbeat_loop())  # registers again
+            await eventually(lambda: a1.agent_id in hub.registry.agents, timeout=10)
+            await eventually(lambda: _ours(hub, ns) == 2)
+            await asyncio.sleep(0.3)
+            assert ran == {"lh-back": [a1.agent_id]}
+            release.set()
+            result = await again
+        assert result.state is TaskState.SUCCEEDED and result.agent_id == a1.agent_id
+        assert ran == {"lh-back": [a1.agent_id]}
+        assert _seeks(hub, "agent") == agent_found + 1
+    finally:
+        release.set()
+        await fleet.close()
+
+
+async def test_a_resend_whose_lost_holder_never_registers_again_is_routed_as_new(
+    settings: MeshSettings,
+) -> None:
+    """As above, but ``a1`` never registers again: the route waits for it half the time it
+    has left at most, then goes to ``a2`` as a new route, within the request's timeout, and
+    the seek is counted ``found="lost"`` (the task ran twice)."""
+    fleet, ran, release = _two_recording(settings)
+    a1, a2 = fleet.agents
+    try:
+        async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
+            await _held_lost(hub, mesh, fleet, ran, "lh-gone")
+            lost_found = _seeks(hub, "lost")
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            timeout = 4.0
+            again = asyncio.ensure_future(
+                mesh.request(capability=CAP, task_id="lh-gone", timeout=timeout)
+            )
+            await eventually(lambda: len(ran["lh-gone"]) == 2, timeout=timeout)
+            took = loop.time() - t0
+            # The ask, then half of what is left: a2 still has the other half to run it in.
+            assert HOLDER_WAIT < took < HOLDER_WAIT + (timeout - HOLDER_WAIT) / 2 + 0.5
+            release.set()
+            result = await again
+        assert result.state is TaskState.SUCCEEDED and result.agent_id == a2.agent_id
+        assert ran == {"lh-gone": [a1.agent_id, a2.agent_id]}
+        assert _seeks(hub, "lost") == lost_found + 1
+    finally:
+        release.set()
+        await fleet.close()
