@@ -7,33 +7,54 @@ reconnection, its answer lost; after a hub that held its route stopped — marks
 runs it. The hubs' pins (``hub/_pins.py``) usually send it there. But a hub may hold no pin for
 it: its connection came back a moment ago and its pins ask is not answered yet (the secure
 chaos run's ``node_kill``: three routes of 500 ran twice in 3 of 11 runs), it started since,
-or the hub that routed the first send died before its pins message left. Such a hub does not
-choose at once: it asks, at the same moment and for ``HOLDER_WAIT`` at most (half the
-route's time left, if less),
+or the hub that routed the first send died before its pins message left. Or its pin names an
+agent no longer registered: the chaos run's ``partition``, an agent running the task cut off
+long enough to be declared LOST, back on NATS but not registered yet (its registration is a
+KV write, and JetStream comes back seconds after the network) — not routable, not asked
+before, so the retry ran on another agent too. Such a hub does not choose at once: it asks,
+at the same moment and for ``HOLDER_WAIT`` at most (half the route's time left, if less),
 
 - the other hubs, on ``reach.hubs.<ns>.pin_of`` (body: the task id; a hub that has a pin
-  answers the agent id, the others stay silent), and
-- the agents that could serve the request (``HOLDER_ASK_MOST`` at most), ctl ``task_state``
-  with ``route: true`` (a request-reply task of that id, not a workflow's step; no fence:
-  asking changes nothing on the agent).
+  answers the agent id, the others stay silent),
+- the registered agents that could serve the request (``HOLDER_ASK_MOST`` at most), and
+- the agents this hub declared LOST lately (its ``recently_lost``: 15 minutes, and not
+  registered again), newest first, whose registration the request matched (capability or
+  selector, ``Router.matching_lost``; ``HOLDER_ASK_MOST`` at most) — an agent back on NATS
+  answers its ctl subject while unregistered;
+
+the agents by ctl ``task_state`` with ``route: true`` (a request-reply task of that id, not
+a workflow's step; no fence: asking changes nothing on the agent).
 
 The first hub to name an agent, or agent to hold the task id (any state but ``PENDING``
 without an attempt: running, queued, or finished — its idempotency table answers), or a pins
 message that names one meanwhile, is where the route goes, as for a pin
-(``_Flight.in_hand``). Nobody claiming it, the hub waits the whole ``HOLDER_WAIT`` even when
-every agent said no, then routes it as new (or to a pin it made itself meanwhile): another
-copy of the same request may be on its way to an agent through another hub at that moment —
-nats-py sends on reconnecting what it had buffered while its connection was already dead, and
-the ``Client`` asks again too (the secure chaos run, seeds 202 and 203: a marked copy whose
-agents all said no, routed at once, ran beside the unmarked copy another hub had just routed);
-that hub's pins message comes within the wait.
+(``_Flight.in_hand``) — except that a hub or pins message naming one of the recently LOST
+asked is not taken for an answer (pins outlive registrations): that agent's own answer is.
+One of those that holds the task is not routable yet: the route waits for it to register
+again — this hub's registry shows it (its watch, or a registration through this hub: the
+registry's state listener, ``_holder_back``) — for half the route's time left at most, and
+``HOLDER_BACK_WAIT`` (10 s: its next heartbeat, 5 s apart by default, registers it once
+JetStream takes writes again), keeping the other half for the attempt (joining the run in
+hand, or a new run). Back, the route goes to it as for a pin; not back in time, it is routed
+as new (counted ``found="lost"``: the task runs twice).
 
-An unmarked request costs nothing of this, nor does a marked one whose pin this hub has. The
-mark lets a caller do nothing it could not do unmarked: the route is decided among the agents
-its request matches, in its own namespace, as any other; and sending the same task id again
-unmarked would reach the agent that holds it through the pins anyway. It costs the hub at most
-``HOLDER_ASK_MOST + 1`` small requests and ``HOLDER_WAIT`` of the route's time, within the
-namespace's route rate, and no more than ``HOLDER_SEEKS_MOST`` seeks at once (beyond, a resend
+Nobody claiming it, the hub waits the whole ``HOLDER_WAIT`` even when every agent said no, then
+routes it as new (or to a pin it made itself meanwhile): another copy of the same request may
+be on its way to an agent through another hub at that moment — nats-py sends on reconnecting
+what it had buffered while its connection was already dead, and the ``Client`` asks again too
+(the secure chaos run, seeds 202 and 203: a marked copy whose agents all said no, routed at
+once, ran beside the unmarked copy another hub had just routed); that hub's pins message comes
+within the wait.
+
+An unmarked request costs nothing of this, nor does a marked one whose pin names an agent
+registered here. The mark lets a caller do nothing it could not do unmarked: the route is
+decided among the agents its request matches, in its own namespace, as any other (a LOST holder
+is routed to only once registered again, and only if it still matches); and sending the same
+task id again unmarked would reach the agent that holds it through the pins anyway. It costs
+the hub at most ``2 * HOLDER_ASK_MOST + 1`` small requests (an agent lost for good answers "no
+responders" at once) and ``HOLDER_WAIT`` of the route's time — plus the wait for a LOST holder
+that said it has the task, which only the agent of that id can cause — within the namespace's
+route rate, and no more than ``HOLDER_SEEKS_MOST`` seeks (and waits) at once (beyond, a resend
 is routed unmarked).
 """
 
