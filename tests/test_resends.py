@@ -434,7 +434,12 @@ async def test_a_resend_without_a_task_id_is_a_bad_request(
 
 
 async def _held_lost(
-    hub: Hub, mesh: Client, fleet: Fleet, ran: dict[str, list[str]], task_id: str
+    hub: Hub,
+    mesh: Client,
+    fleet: Fleet,
+    ran: dict[str, list[str]],
+    task_id: str,
+    target: dict[str, Any],
 ) -> None:
     """``a1`` takes ``task_id`` (its handler held) and is cut off (``partition``) until
     ``hub`` declares it LOST; ``a2`` is registered and idle. The caller's first request is
@@ -444,7 +449,7 @@ async def _held_lost(
     a1, a2 = fleet.agents
     await a1.start()
     await eventually(lambda: _ours(hub, ns) == 1)
-    first = asyncio.ensure_future(mesh.request(capability=CAP, task_id=task_id, timeout=30))
+    first = asyncio.ensure_future(mesh.request(**target, task_id=task_id, timeout=30))
     await eventually(lambda: ran.get(task_id) == [a1.agent_id], timeout=10)
     await a2.start()
     await eventually(lambda: _ours(hub, ns) == 2, timeout=10)
@@ -457,8 +462,13 @@ async def _held_lost(
     await heal(a1, beat=False)
 
 
+@pytest.mark.parametrize(
+    "target",
+    [{"capability": CAP}, {"selector": f"cap={CAP} AND tier!=gold"}],
+    ids=["capability", "selector"],
+)
 async def test_a_resend_goes_to_its_holder_declared_lost_once_it_registers_again(
-    settings: MeshSettings,
+    settings: MeshSettings, target: dict[str, Any]
 ) -> None:
     """The chaos ``partition`` fault: ``a1`` runs a task and is cut off long enough to be
     declared LOST (out of the registry); back on NATS, it is not registered yet (JetStream
@@ -467,17 +477,16 @@ async def test_a_resend_goes_to_its_holder_declared_lost_once_it_registers_again
     has the task: it asks the agents it declared LOST lately too, ``a1`` says it holds it,
     and the route waits for ``a1`` to register again, then goes to it — its idempotency
     table joins the run in hand: the task runs once. Before, it went to ``a2`` at once and
-    ran twice."""
+    ran twice. Routed by capability or by selector (the registration the lost agent had is
+    matched as the router matches a registered one's)."""
     ns = settings.namespace
     fleet, ran, release = _two_recording(settings)
     a1, _ = fleet.agents
     try:
         async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
-            await _held_lost(hub, mesh, fleet, ran, "lh-back")
+            await _held_lost(hub, mesh, fleet, ran, "lh-back", target)
             agent_found = _seeks(hub, "agent")
-            again = asyncio.ensure_future(
-                mesh.request(capability=CAP, task_id="lh-back", timeout=20)
-            )
+            again = asyncio.ensure_future(mesh.request(**target, task_id="lh-back", timeout=20))
             await asyncio.sleep(HOLDER_WAIT + 0.5)  # a run on a2 would have started by now
             assert ran == {"lh-back": [a1.agent_id]}
             assert not again.done()
@@ -506,7 +515,7 @@ async def test_a_resend_whose_lost_holder_never_registers_again_is_routed_as_new
     a1, a2 = fleet.agents
     try:
         async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
-            await _held_lost(hub, mesh, fleet, ran, "lh-gone")
+            await _held_lost(hub, mesh, fleet, ran, "lh-gone", {"capability": CAP})
             lost_found = _seeks(hub, "lost")
             loop = asyncio.get_running_loop()
             t0 = loop.time()
@@ -516,8 +525,8 @@ async def test_a_resend_whose_lost_holder_never_registers_again_is_routed_as_new
             )
             await eventually(lambda: len(ran["lh-gone"]) == 2, timeout=timeout)
             took = loop.time() - t0
-            # The ask, then half of what is left: a2 still has the other half to run it in.
-            assert HOLDER_WAIT < took < HOLDER_WAIT + (timeout - HOLDER_WAIT) / 2 + 0.5
+            # The ask, then half of what is left (1.75 s): a2 has the other half to run it in.
+            assert HOLDER_WAIT + 1.0 < took < HOLDER_WAIT + (timeout - HOLDER_WAIT) / 2 + 1.0
             release.set()
             result = await again
         assert result.state is TaskState.SUCCEEDED and result.agent_id == a2.agent_id
