@@ -379,3 +379,56 @@ async def test_a_branch_its_owner_stopped_is_no_failure_for_the_hub_that_takes_i
         assert s.state is TaskState.FAILED or (s.cancelled and not s.state.final), s
     assert res.steps[2].cancelled, res.steps[2]
     assert res.error is not None and res.error.code == failure.code, res.error
+
+
+async def test_an_unneeded_step_whose_leader_cannot_be_read_is_stopped_all_the_same(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stop of an unneeded branch reads its record at the stream's leader; while no
+    leader answers (an election after a server was killed), past the retries, it is read from
+    a replica instead and the branch stopped best effort. Before, the error handed the whole
+    workflow back, each time it came back (chaos secure seed 154, ``node_kill``: ten
+    workflows handed back so, two of them never delivered again)."""
+    ns = wf_settings.namespace
+    ended: list[str] = []
+    slow = fleet.agent("noleader.slow")
+    fast = fleet.agent("noleader.fast")
+
+    @slow.handler("wf:nl-slow:v1")
+    async def late(task: Task[Any]) -> str:
+        return await _until_stopped(ended)
+
+    @fast.handler("wf:nl-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        return task.payload
+
+    await slow.start()
+    await fast.start()
+    key = protocol.task_key(ns, "nl-slow")
+    real_read = _durable.get_at_leader
+    asked: list[str] = []
+
+    async def no_leader(bucket: _durable.Bucket, k: str) -> tuple[bytes, int] | None:
+        if k == key:
+            asked.append(k)
+            raise TimeoutError("no leader answers")
+        return await real_read(bucket, k)
+
+    monkeypatch.setattr(_durable, "get_at_leader", no_leader)
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [
+                Step(capability="wf:nl-slow:v1", task_id="nl-slow", timeout=10),
+                Step(capability="wf:nl-fast:v1", payload=0, task_id="nl-f0"),
+            ],
+            policy="any",
+            timeout=15,
+        )
+    assert res.state is TaskState.SUCCEEDED, res
+    assert asked, "the stop never read the slow step's record at the leader"
+    assert res.steps[0].cancelled and res.steps[1].ok, res.steps
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: bool(ended), timeout=3)
+    assert ended == ["cancelled"]
+    rec = await task_record(wf_hub.nc, ns, "nl-slow")
+    assert rec is not None and rec.cancelled, rec

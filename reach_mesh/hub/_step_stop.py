@@ -16,6 +16,7 @@ from typing import Final, Literal
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import protocol
+from reach_mesh._retry import RetriesExhausted
 from reach_mesh.errors import (
     MeshUnavailableError,
 )
@@ -63,7 +64,17 @@ class StepStopping(StepRunner):
         # started). An unneeded branch is fenced once, from the leader's record; a cancel's
         # compare-and-set finds a stale read out, and a missing record is asked of the leader.
         read = _durable.get if settle else _durable.get_at_leader
-        got = await self._io(f"read {key}", lambda: read(kv, key), None)
+        try:
+            got = await self._io(f"read {key}", lambda: read(kv, key), None)
+        except RetriesExhausted:
+            if settle:
+                raise
+            # The leader unreachable past the retries (an election: a killed server led the
+            # records): an unneeded branch is stopped best effort, from any replica's record
+            # (a stale one fails the compare-and-set: read again, ``_stop_again``). Raised,
+            # it handed the whole workflow back — chaos secure seed 154, ``node_kill``: ten
+            # workflows so, two never delivered again.
+            got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
         if got is None and settle:
             got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
         await self._stop_step(wf, index, task_id, got, settle=settle)
