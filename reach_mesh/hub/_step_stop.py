@@ -73,8 +73,13 @@ class StepStopping(StepRunner):
             # records): an unneeded branch is stopped best effort, from any replica's record
             # (a stale one fails the compare-and-set: read again, ``_stop_again``). Raised,
             # it handed the whole workflow back — chaos secure seed 154, ``node_kill``: ten
-            # workflows so, two never delivered again.
+            # workflows so, two never delivered again. But a replica with no record of the
+            # step may be behind its create: "never started" is not concluded from it (the
+            # same seed's ``partition``: two branches so taken for unstarted ran after the
+            # result), and the workflow goes back as before.
             got = await self._io(f"read {key}", lambda: _durable.get(kv, key), None)
+            if got is None:
+                raise
         if got is None and settle:
             got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
         await self._stop_step(wf, index, task_id, got, settle=settle)
