@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -399,7 +400,7 @@ async def test_an_attempt_started_just_before_its_lost_fence_is_watched_again(
 
     Chaos seed 151, ``partition``: without the second ask the step ran on another agent
     0.4 s later (21 such steps in one run)."""
-    release, finish, fenced = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    release, finish = asyncio.Event(), asyncio.Event()
     runs: list[str] = []
     a = await _busy(fleet, "revive.a", release, runs, finish=finish)
     b = fleet.agent("revive.b")
@@ -410,25 +411,18 @@ async def test_an_attempt_started_just_before_its_lost_fence_is_watched_again(
         b_runs.append(task.task_id)
         return "ran on b"
 
-    engine = wf_hub.workflows
-    assert engine is not None and a.work is not None
-    cas = engine._cas
-
-    async def held_fence(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
-        if rec.task_id == "revive-step" and rec.attempt == 2 and rec.agent_id is None:
-            # The heal comes while the fence waits: A answers on ctl again and heartbeats
-            # (told it is unknown, it registers again), its slot frees, it pulls attempt 1
-            # and, back in touch, starts it (it reads the old record).
-            await heal(a)
-            release.set()
-            await eventually(lambda: runs == ["revive-step"], 10)
-            try:
-                return await cas(key, rec, rev, deadline)
-            finally:
-                fenced.set()
-        return await cas(key, rec, rev, deadline)
-
-    monkeypatch.setattr(engine, "_cas", held_fence)
+    assert a.work is not None
+    # The heal comes while the fence waits: A answers on ctl again and heartbeats (told it
+    # is unknown, it registers again), its slot frees, it pulls attempt 1 and, back in
+    # touch, starts it (it reads the old record).
+    fenced = _hold_fence(
+        monkeypatch,
+        wf_hub,
+        "revive-step",
+        a,
+        release,
+        lambda: eventually(lambda: runs == ["revive-step"], 10),
+    )
     async with Client(settings=wf_settings) as mesh:
         await _block(mesh, a)
         wf_id = await mesh.submit_fanout([_queued("revive-step", silence_timeout=30)], timeout=30)
@@ -626,12 +620,52 @@ async def test_malformed_fence_markers_and_ctl_fences_are_refused_and_lose_nothi
         assert consumer.num_redelivered == 0
 
 
+def _hold_fence(
+    monkeypatch: pytest.MonkeyPatch,
+    hub: Hub,
+    step: str,
+    a: Agent,
+    release: asyncio.Event,
+    meanwhile: Callable[[], Awaitable[object]],
+) -> asyncio.Event:
+    """Hold ``hub``'s write of ``step``'s first fence (attempt 2, no agent) while ``a`` comes
+    back (healed: it heartbeats and registers again), its slots free (``release``) and
+    ``meanwhile`` is done: an agent back before a fence held up by JetStream. Returns the event
+    set once the write went through."""
+    engine = hub.workflows
+    assert engine is not None
+    cas = engine._cas
+    fenced = asyncio.Event()
+
+    async def held(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
+        if rec.task_id == step and rec.attempt == 2 and rec.agent_id is None:
+            await heal(a)
+            release.set()
+            await meanwhile()
+            try:
+                return await cas(key, rec, rev, deadline)
+            finally:
+                fenced.set()
+        return await cas(key, rec, rev, deadline)
+
+    monkeypatch.setattr(engine, "_cas", held)
+    return fenced
+
+
 async def _two_slots(
-    fleet: Fleet, service: str, release: asyncio.Event, runs: list[str], b_runs: list[str]
+    fleet: Fleet,
+    service: str,
+    release: asyncio.Event,
+    runs: list[str],
+    b_runs: list[str],
+    *,
+    slots: int = 2,
+    queue: int = 0,
 ) -> tuple[Agent, Agent]:
-    """Agent A of ``service`` with two slots (its pulls bring a fence marker in while a step's
-    fence is being read), started, and agent B, where an attempt given up on would go."""
-    a = fleet.agent(f"{service}.a", max_concurrency=2, max_queue=0)
+    """Agent A of ``service`` with ``slots`` slots (two: its pulls bring a fence marker in
+    while a step's fence is being read), started, and agent B, where an attempt given up on
+    would go."""
+    a = fleet.agent(f"{service}.a", max_concurrency=slots, max_queue=queue)
 
     @a.handler("wf:block:v1")
     async def block(task: Task[Any]) -> str:
@@ -670,7 +704,7 @@ async def test_a_revived_attempt_is_kept_whatever_its_fence_read_found_first(
     record in hand, nor when the message comes again — or the step waits for an attempt
     nobody runs (here its 30 s silence timeout)."""
     step = f"revive-read-{read}"
-    release, fenced = asyncio.Event(), asyncio.Event()
+    release = asyncio.Event()
     runs: list[str] = []
     b_runs: list[str] = []
     a, b = await _two_slots(fleet, f"rread-{read}", release, runs, b_runs)
@@ -695,22 +729,11 @@ async def test_a_revived_attempt_is_kept_whatever_its_fence_read_found_first(
         return got
 
     monkeypatch.setattr(work, "_record", slow_record)
-    engine = wf_hub.workflows
-    assert engine is not None
-    cas = engine._cas
-
-    async def held_fence(key: str, rec: TaskRecord, rev: int, deadline: float) -> int:
-        if rec.task_id == step and rec.attempt == 2 and rec.agent_id is None:
-            await heal(a)  # (it registers again: back in touch, it reads records)
-            release.set()  # its slots free: it pulls attempt 1 and reads its record
-            await asyncio.wait_for(was_read.wait(), 10)
-            try:
-                return await cas(key, rec, rev, deadline)
-            finally:
-                fenced.set()
-        return await cas(key, rec, rev, deadline)
-
-    monkeypatch.setattr(engine, "_cas", held_fence)
+    # (Healed, it registers again and, back in touch, reads records; its slots free: it
+    # pulls attempt 1 and reads its record.)
+    fenced = _hold_fence(
+        monkeypatch, wf_hub, step, a, release, lambda: asyncio.wait_for(was_read.wait(), 10)
+    )
     async with Client(settings=wf_settings) as mesh:
         for _ in range(2):
             await mesh.submit_fanout([Step(capability="wf:block:v1")], timeout=30)
@@ -739,26 +762,7 @@ async def test_a_revived_attempt_given_up_again_is_fenced_again(
     release = asyncio.Event()
     runs: list[str] = []
     b_runs: list[str] = []
-    a = fleet.agent("again.a", max_concurrency=1, max_queue=1)
-
-    @a.handler("wf:block:v1")
-    async def block(task: Task[Any]) -> str:
-        await release.wait()
-        return "unblocked"
-
-    @a.handler("wf:queued:v1")
-    async def queued(task: Task[Any]) -> str:
-        runs.append(task.task_id)
-        return "ran"
-
-    b = fleet.agent("again.b")
-
-    @b.handler("wf:queued:v1")
-    async def elsewhere(task: Task[Any]) -> str:
-        b_runs.append(task.task_id)
-        return "ran on b"
-
-    await a.start()
+    a, b = await _two_slots(fleet, "again", release, runs, b_runs, slots=1, queue=1)
     work = a.work
     assert work is not None
     engine = wf_hub.workflows
