@@ -142,6 +142,13 @@ class OrphanSweep:
             self, ns: str, workflow_id: str
         ) -> tuple[bytes, int] | None: ...
 
+    async def _sweep_quietly(self) -> None:
+        """A sweep (from the keepalive loop); JetStream errors wait for the next one."""
+        try:
+            await self._sweep_orphans()
+        except Exception as err:
+            log.debug("sweep for forgotten submissions: %r", err)
+
     async def _sweep_orphans(self) -> None:
         """One sweep (see the module): adopt or delete what the consumer forgot, from where
         the last sweep stopped (where it failed, too); back to the stream's start once past
@@ -251,17 +258,23 @@ class OrphanSweep:
             log.info(
                 "workflow submission %s (stream sequence %d): adopted again", wf_id or "?", raw.seq
             )
+        self._start_adopted(raw, ns)
+
+    def _start_adopted(self, raw: RawStreamMsg, ns: str) -> None:
+        """Run ``raw`` (a submission of namespace ``ns``, with its stream sequence) as if
+        delivered, within the namespace's share (the caller checked that it admits it)."""
+        seq = raw.seq or 0
         msg = _adopted(self._nc, raw)
         self._shares.take(ns)
         task = asyncio.create_task(self._adopt(raw, msg), name="reach-workflow-adopted")
-        self._adopting[raw.seq] = task
+        self._adopting[seq] = task
         self._running[task] = msg
 
         def done(task: asyncio.Task[None]) -> None:
             self._running.pop(task, None)
             self._shares.give(ns)
-            if raw.seq is not None and self._adopting.get(raw.seq) is task:
-                del self._adopting[raw.seq]
+            if self._adopting.get(seq) is task:
+                del self._adopting[seq]
 
         task.add_done_callback(done)
 

@@ -57,7 +57,7 @@ from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import REPLACE_BURST, REPLACE_RATE, NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
-from reach_mesh.hub._wf_orphans import OrphanSweep
+from reach_mesh.hub._wf_handbacks import HandBacks
 from reach_mesh.hub._wf_reject import WorkflowRefusals
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
@@ -92,7 +92,7 @@ HELD_BYTES: Final = 128 << 20
 SUBMISSIONS_EVERY: Final = 5.0
 
 
-class WorkflowEngine(WorkflowRefusals, OrphanSweep):
+class WorkflowEngine(WorkflowRefusals, HandBacks):
     """Runs the workflows this hub owns. Started and stopped by :class:`~reach_mesh.hub.Hub`.
 
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
@@ -175,6 +175,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
         self._sweep_from = 1
         self._handed_back: dict[int, float] = {}
         self._silent: dict[str, tuple[float, float, str]] = {}
+        self._init_hand_backs()
         self.orphans_adopted = 0
         self.orphans_deleted = 0
         self._bg: set[asyncio.Future[Any]] = set()
@@ -467,6 +468,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
                 # an election). Nobody would resume the workflow before the ack wait: hand it
                 # back now, and whoever takes it resumes from the records.
                 log.warning("workflow %s: a step's record moved under its owner; resuming", wf.id)
+                self._remember_hand_back(wf)
                 with contextlib.suppress(Exception):
                     # A moment's delay: a replica behind on that record would only bring the
                     # same conflict straight back.
@@ -495,6 +497,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             # whoever takes it resumes from the records. Never an outcome.
             msg = self._delivery(me, msg)
             self._interrupted(wf, msg, err)
+            self._remember_hand_back(wf)  # (looked at again if not delivered again: HandBacks)
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1.0)
             return
@@ -643,6 +646,7 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             await asyncio.sleep(wait / 3)
             late = loop.time() - kept_at > wait
             unchecked = not await self._keep(check=late or unchecked)
+            self._recheck_hand_backs()
             if self._nc.is_connected:
                 kept_at = loop.time()
             if loop.time() - swept_at >= _wf_orphans.ORPHAN_SWEEP_EVERY and (
@@ -650,14 +654,6 @@ class WorkflowEngine(WorkflowRefusals, OrphanSweep):
             ):
                 swept_at = loop.time()
                 self._sweeping = asyncio.create_task(self._sweep_quietly())
-
-    async def _sweep_quietly(self) -> None:
-        """A sweep for forgotten submissions (``OrphanSweep``); JetStream errors wait for the
-        next one."""
-        try:
-            await self._sweep_orphans()
-        except Exception as err:
-            log.debug("sweep for forgotten submissions: %r", err)
 
     async def _count_submissions(self, metrics: HubMetrics) -> None:
         """``reach_workflow_submissions`` from the shared consumer, every
