@@ -319,6 +319,27 @@ async def heal(agent: Agent, *, beat: bool = True) -> None:
         agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
 
 
+def two_holding(
+    settings: MeshSettings, name: str, capability: str
+) -> tuple[Fleet, dict[str, list[str]], asyncio.Event]:
+    """Two agents ``<name>.a1`` and ``<name>.a2`` (not started) serving ``capability``,
+    whose handlers note the agent each task ran on (``ran``: task id -> agents) and hold it
+    until ``release`` is set."""
+    ran: dict[str, list[str]] = {}
+    release = asyncio.Event()
+    fleet = Fleet(settings)
+    for agent_name in (f"{name}.a1", f"{name}.a2"):
+        agent = fleet.agent(agent_name)
+
+        @agent.handler(capability)
+        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
+            ran.setdefault(task.task_id, []).append(agent_id)
+            await release.wait()
+            return agent_id
+
+    return fleet, ran, release
+
+
 def recording_agent(
     agent_id: str, settings: MeshSettings, cap: str, delay: float = 0.0
 ) -> tuple[Agent, list[Any]]:

@@ -27,7 +27,7 @@ from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
 from reach_mesh.models import AgentState
 from reach_mesh.tracing.metrics import RESEND_FOUND
 
-from .helpers import Fleet, echo_agent, eventually, heal, partition, relayed
+from .helpers import Fleet, echo_agent, eventually, heal, partition, relayed, two_holding
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,24 +47,6 @@ def _holding(hub: Hub, held: asyncio.Event) -> Callable[[Msg], Coroutine[Any, An
         await answer(msg)
 
     return on_pins_ask
-
-
-def _two_recording(settings: MeshSettings) -> tuple[Fleet, dict[str, list[str]], asyncio.Event]:
-    """Agents ``rs.a1`` and ``rs.a2`` serving ``CAP``: each run noted by task id (which agents
-    ran it), each held until the event is set."""
-    ran: dict[str, list[str]] = {}
-    release = asyncio.Event()
-    fleet = Fleet(settings)
-    for name in ("rs.a1", "rs.a2"):
-        agent = fleet.agent(name)
-
-        @agent.handler(CAP)
-        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
-            ran.setdefault(task.task_id, []).append(agent_id)
-            await release.wait()
-            return agent_id
-
-    return fleet, ran, release
 
 
 def _seeks(hub: Hub, found: str) -> float:
@@ -99,7 +81,7 @@ async def test_a_resend_reaching_a_hub_without_its_pin_goes_to_the_agent_that_ha
     sent them to ``a2``, and they ran twice."""
     ns = settings.namespace
     asks_answered = asyncio.Event()
-    fleet, ran, release = _two_recording(settings)
+    fleet, ran, release = two_holding(settings, "rs", CAP)
     a1, a2 = fleet.agents
     hub_relay, hub_through = await relayed(nats_url, settings)
     caller_relay, caller_through = await relayed(nats_url, settings)
@@ -231,7 +213,7 @@ async def test_a_resend_waits_for_the_copy_another_hub_routes_at_the_same_moment
     ns = settings.namespace
     learned = asyncio.Event()
     states: list[str] = []
-    fleet, ran, release = _two_recording(settings)
+    fleet, ran, release = two_holding(settings, "rs", CAP)
     for agent in fleet.agents:
         answer = agent._task_state
 
@@ -374,7 +356,7 @@ async def test_a_callers_own_retry_of_a_task_id_is_marked(
     route asked again by its caller 13 s later ran on a second agent). A caller that
     restarted has a new ``Client``, which never asked the id: it says so (``resend=True``)."""
     ns = settings.namespace
-    fleet, ran, release = _two_recording(settings)
+    fleet, ran, release = two_holding(settings, "rs", CAP)
     a1, a2 = fleet.agents
     asks_answered = asyncio.Event()
     first = Hub(settings=settings)
@@ -480,7 +462,7 @@ async def test_a_resend_goes_to_its_holder_declared_lost_once_it_registers_again
     ran twice. Routed by capability or by selector (the registration the lost agent had is
     matched as the router matches a registered one's)."""
     ns = settings.namespace
-    fleet, ran, release = _two_recording(settings)
+    fleet, ran, release = two_holding(settings, "rs", CAP)
     a1, _ = fleet.agents
     try:
         async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
@@ -511,7 +493,7 @@ async def test_a_resend_whose_lost_holder_never_registers_again_is_routed_as_new
     """As above, but ``a1`` never registers again: the route waits for it half the time it
     has left at most, then goes to ``a2`` as a new route, within the request's timeout, and
     the seek is counted ``found="lost"`` (the task ran twice)."""
-    fleet, ran, release = _two_recording(settings)
+    fleet, ran, release = two_holding(settings, "rs", CAP)
     a1, a2 = fleet.agents
     try:
         async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:

@@ -41,6 +41,7 @@ from .helpers import (
     handled,
     relayed,
     task_record,
+    two_holding,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -479,7 +480,7 @@ async def test_a_hub_killed_with_requests_in_flight_leaves_their_retries_to_the_
     about half would run again elsewhere: all six on their first agent by chance is 1 in
     64.)"""
     ns = settings.namespace
-    fleet, ran, release = _two_holding(settings, "kill")
+    fleet, ran, release = two_holding(settings, "kill", "pin:kill:v1")
 
     port, token = free_port(), "t" * 32
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REACH_", "OTEL_"))} | {
@@ -539,27 +540,6 @@ async def test_a_hub_killed_with_requests_in_flight_leaves_their_retries_to_the_
         await fleet.close()
 
 
-def _two_holding(
-    settings: MeshSettings, name: str
-) -> tuple[Fleet, dict[str, list[str]], asyncio.Event]:
-    """Two agents ``<name>.a1`` and ``<name>.a2`` (not started) serving ``pin:<name>:v1``,
-    whose handlers note the agent each task ran on (``ran``: task id -> agents) and hold it
-    until ``release`` is set."""
-    ran: dict[str, list[str]] = {}
-    release = asyncio.Event()
-    fleet = Fleet(settings)
-    for agent_name in (f"{name}.a1", f"{name}.a2"):
-        agent = fleet.agent(agent_name)
-
-        @agent.handler(f"pin:{name}:v1")
-        async def run(task: Task[Any], agent_id: str = agent.agent_id) -> str:
-            ran.setdefault(task.task_id, []).append(agent_id)
-            await release.wait()
-            return agent_id
-
-    return fleet, ran, release
-
-
 def _ours(hub: Hub, ns: str) -> int:
     """The agents of namespace ``ns`` a hub knows (other tests' may be on the server too)."""
     return sum(1 for agent_id in hub.registry.agents if agent_id.startswith(f"{ns}."))
@@ -576,7 +556,7 @@ async def test_a_hub_back_on_nats_asks_for_the_pins_made_while_it_was_away(
     asked again after its reconnection reached a hub that had missed their pins, and three
     ran twice.)"""
     ns = settings.namespace
-    fleet, ran, release = _two_holding(settings, "back")
+    fleet, ran, release = two_holding(settings, "back", "pin:back:v1")
 
     relay, through = await relayed(nats_url, settings)
     first = Hub(settings=settings)

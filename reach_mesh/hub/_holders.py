@@ -65,7 +65,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -88,6 +88,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("reach_mesh.hub")
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 #: The header a caller puts on a route request it sends again (value ``1``).
 RESEND_HEADER: Final = protocol.HDR_RESEND
@@ -120,6 +123,15 @@ def resend_marked(headers: dict[str, str] | None) -> bool:
             value=value[:100],
         )
     return True
+
+
+def _unwait(waits: dict[K, list[asyncio.Future[V]]], key: K, fut: asyncio.Future[V]) -> None:
+    """Take ``fut`` off the futures waiting under ``key`` (the key goes with its last one)."""
+    under = waits.get(key)
+    if under is not None:
+        under.remove(fut)
+        if not under:
+            del waits[key]
 
 
 def _holds(data: bytes) -> bool:
@@ -229,11 +241,7 @@ class HoldersMixin:
             made = self._pins.get(ns, task_id)
             return self._found("nobody" if made is None else "pin", made)
         finally:
-            waits = self._pin_waits.get(key)
-            if waits is not None:
-                waits.remove(learned)
-                if not waits:
-                    del self._pin_waits[key]
+            _unwait(self._pin_waits, key, learned)
             for ask in pending:
                 ask.cancel()
             for ask in pending:
@@ -251,11 +259,7 @@ class HoldersMixin:
             try:
                 await asyncio.wait({back}, timeout=min(wait, HOLDER_BACK_WAIT))
             finally:
-                waits = self._back_waits.get(agent_id)
-                if waits is not None:
-                    waits.remove(back)
-                    if not waits:
-                        del self._back_waits[agent_id]
+                _unwait(self._back_waits, agent_id, back)
                 back.cancel()
         came = agent_id in self.registry.agents
         self._found("agent" if came else "lost", agent_id)
