@@ -30,14 +30,25 @@ __all__ = ["ROW", "median_row", "row_of", "table"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: What one run is reduced to (per second, ms, µs of hub CPU per fanout(3)).
-ROW = ("fanout_per_s", "chain_per_s", "bare_fanout_per_s", "fanout_p50_ms", "hub_us_per_fanout")
+#: What one run is reduced to (per second, ms, µs of CPU per workflow by process).
+ROW = (
+    "fanout_per_s",
+    "chain_per_s",
+    "bare_fanout_per_s",
+    "fanout_p50_ms",
+    "hub_us_per_fanout",
+    "agents_us_per_fanout",
+    "caller_us_per_fanout",
+    "hub_us_per_chain",
+    "agents_us_per_chain",
+)
 
 
 def row_of(result: dict[str, Any]) -> dict[str, float | None]:
     """One run of ``workflow_bench.py --quick --split`` (its JSON) as a :data:`ROW`."""
     fan, chain, bare = result["fanout3"], result["chain3"], result.get("bare") or {}
     cpu = fan.get("cost", {}).get("cpu_us", {})
+    chain_cpu = chain.get("cost", {}).get("cpu_us", {})
     bare_fan = bare.get("fanout3", {}).get("sustained", {}) if bare.get("available") else {}
     return {
         "fanout_per_s": fan["sustained"]["per_s"],
@@ -45,6 +56,10 @@ def row_of(result: dict[str, Any]) -> dict[str, float | None]:
         "bare_fanout_per_s": bare_fan.get("per_s"),
         "fanout_p50_ms": fan["p50_ms"],
         "hub_us_per_fanout": cpu.get("hub"),
+        "agents_us_per_fanout": cpu.get("agents"),
+        "caller_us_per_fanout": cpu.get("caller"),
+        "hub_us_per_chain": chain_cpu.get("hub"),
+        "agents_us_per_chain": chain_cpu.get("agents"),
     }
 
 
