@@ -11,7 +11,7 @@ import pytest
 
 from reach_mesh import Client, MeshSettings, Step
 from reach_mesh.agent import Agent, Task
-from reach_mesh.hub import Hub, workflows
+from reach_mesh.hub import Hub, _wf_keepalive
 from reach_mesh.logs import QUARANTINE
 from reach_mesh.server import EmbeddedNats
 
@@ -153,7 +153,7 @@ async def test_workflows_running_and_submissions_not_done_with(
     counts the submissions no hub has been handed yet (``waiting``: what piles up when no
     hub takes them) and those a hub has (``taken``), from the shared consumer. On a server
     of its own: the shared consumer counts every namespace's submissions."""
-    monkeypatch.setattr(workflows, "SUBMISSIONS_EVERY", 0.05)
+    monkeypatch.setattr(_wf_keepalive, "SUBMISSIONS_EVERY", 0.05)
     server = EmbeddedNats(tmp_path, port=free_port())
     await server.astart()
     s = wf_settings.model_copy(update={"nats_url": server.url})

@@ -51,13 +51,13 @@ from reach_mesh.errors import (
     ReachError,
     WorkflowSpecError,
 )
-from reach_mesh.hub import _durable, _wf_orphans
+from reach_mesh.hub import _durable
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
 from reach_mesh.hub._step_state import TooLarge, fit_result
 from reach_mesh.hub._steps import REPLACE_BURST, REPLACE_RATE, NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
-from reach_mesh.hub._wf_handbacks import HandBacks
+from reach_mesh.hub._wf_keepalive import SubmissionKeepalive
 from reach_mesh.hub._wf_reject import WorkflowRefusals
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
@@ -66,7 +66,7 @@ from reach_mesh.hub.throttle import Pacer
 from reach_mesh.logs import WORKFLOW_INTERRUPTED, LineBudget, log_event
 from reach_mesh.models import AgentState
 from reach_mesh.tracing import inject, started_trace
-from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE, HubMetrics
+from reach_mesh.tracing.metrics import UNKNOWN_NAMESPACE
 from reach_mesh.workflow import (
     TaskStatusEvent,
     WorkflowRecord,
@@ -88,11 +88,9 @@ _TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
 #: times this in all). A running workflow holds its spec, payloads included: a caller's 120
 #: specs of 7 MB once held a hub at 1.3 GB, and 1,024 of them would have held 10 GB.
 HELD_BYTES: Final = 128 << 20
-#: Seconds between two reads of the shared consumer for ``reach_workflow_submissions``.
-SUBMISSIONS_EVERY: Final = 5.0
 
 
-class WorkflowEngine(WorkflowRefusals, HandBacks):
+class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
     """Runs the workflows this hub owns. Started and stopped by :class:`~reach_mesh.hub.Hub`.
 
     ``metrics`` (a :class:`~reach_mesh.tracing.metrics.HubMetrics`) is optional; when given,
@@ -625,99 +623,6 @@ class WorkflowEngine(WorkflowRefusals, HandBacks):
             digest=spec_digest(spec),
             seq=seq,
         )
-
-    async def _keepalive(self) -> None:
-        """``+WPI`` for every submission this hub runs, every ``workflow_ack_wait / 3``: one
-        loop for all of them.
-
-        A hub that could not send them for an ack wait (paused, cut off from NATS, its loop
-        stalled) may have lost workflows to another hub meanwhile, which took them over from
-        the redelivered submission. It asks their records, and stops the runs it lost
-        (``_stop_lost_runs``): its ``+WPI`` on its own, older delivery would keep the
-        submission from coming back to any hub (nats-server takes it for the message's), so
-        a new owner that died would leave the workflow unresumed until this run's next write
-        failed — after its step, which may run for hours."""
-        loop = asyncio.get_running_loop()
-        wait = self._settings.workflow_ack_wait
-        kept_at = loop.time()
-        unchecked = False  # a late tick could not read every record: the next tick asks again
-        swept_at = loop.time()
-        while True:
-            await asyncio.sleep(wait / 3)
-            late = loop.time() - kept_at > wait
-            unchecked = not await self._keep(check=late or unchecked)
-            self._recheck_hand_backs()
-            if self._nc.is_connected:
-                kept_at = loop.time()
-            if loop.time() - swept_at >= _wf_orphans.ORPHAN_SWEEP_EVERY and (
-                self._sweeping is None or self._sweeping.done()
-            ):
-                swept_at = loop.time()
-                self._sweeping = asyncio.create_task(self._sweep_quietly())
-
-    async def _count_submissions(self, metrics: HubMetrics) -> None:
-        """``reach_workflow_submissions`` from the shared consumer, every
-        ``SUBMISSIONS_EVERY`` seconds (absent while it cannot be read)."""
-        gauge = metrics.workflow_submissions
-        while True:
-            try:
-                info = await self._js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
-                gauge.labels("waiting").set(info.num_pending or 0)
-                gauge.labels("taken").set(info.num_ack_pending or 0)
-            except Exception:
-                # Unread: no value, rather than an old one that max() over hubs would keep.
-                for stage in ("waiting", "taken"):
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(stage)
-            await asyncio.sleep(SUBMISSIONS_EVERY)
-
-    async def _keep(self, *, check: bool) -> bool:
-        """One keepalive pass: with ``check`` (a late tick, or one after a record could not
-        be read), first stop the runs lost meanwhile; then ``+WPI`` for each run still here —
-        none on a lost run's older delivery, not even once. False when a record could not be
-        read (its run is kept)."""
-        read = True
-        if check:
-            try:
-                read = await self._stop_lost_runs()
-            except Exception:
-                read = False
-        for task, msg in list(self._running.items()):
-            if task.done() or task.cancelling():
-                continue  # stopped as lost (above) or ending
-            with contextlib.suppress(Exception):
-                await msg.in_progress()
-        return read
-
-    async def _stop_lost_runs(self) -> bool:
-        """Stop each run of a workflow whose record names another hub as its owner now (read
-        from the stream's leader; a record that cannot be read keeps its run). False when a
-        record could not be read (JetStream still recovering after the pause, ...)."""
-        gate = asyncio.Semaphore(32)
-        unread = 0
-
-        async def check(ns: str, workflow_id: str, task: asyncio.Task[None]) -> None:
-            nonlocal unread
-            async with gate:
-                try:
-                    owner = await self._owner_now(ns, workflow_id)
-                except MeshUnavailableError:
-                    unread += 1
-                    return
-            if owner in (None, self.hub_id) or task.done():
-                return
-            log.warning(
-                "workflow %s was taken over by hub %s while this hub could not keep it "
-                "(paused, cut off); its run here stops",
-                workflow_id,
-                owner,
-            )
-            task.cancel()
-
-        await asyncio.gather(
-            *(check(ns, wid, task) for (ns, wid), (_, task) in list(self._owning.items()))
-        )
-        return unread == 0
 
     async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
         """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
