@@ -76,6 +76,8 @@ def _same_write(stored: TaskRecord, written: TaskRecord) -> bool:
 #: floor once took a hub from every other tenant) cost the hub a bounded share.
 REPLACE_RATE: Final = 500.0
 REPLACE_BURST: Final = 1000.0
+#: Distinct step retry policies a hub keeps made (``StepRunner._policy``; past it, forgotten).
+POLICIES_KEPT: Final = 256
 
 Outcome = Literal["final", "overdue", "undelivered", "lost", "nomatch", "deadline"]
 #: Why a step waits between attempts, by the outcome of the last one (no agent: the router's
@@ -98,12 +100,38 @@ class StepRunner(StepIO):
     retry_total: int
     #: Attempts taken as TIMEOUT by the hub (``_overdue``).
     overdue_total: int
+    #: Retry policies made, by the spec values they were made of (``_policy``).
+    _policies: dict[tuple[float | None, ...], Policy]
 
     # ------------------------------------------------------------------ one step
 
     def _policy(self, step: StepSpec) -> Policy:
         """The step's retry policy: the spec's values, at least their floors (a spec must not
-        set the hub spinning for a step; ``RetryPolicy``), else the hub's settings."""
+        set the hub spinning for a step; ``RetryPolicy``), else the hub's settings.
+
+        Made once per distinct spec values (``_policies``, a few hundred kept): building it
+        took ~5 µs a step, 3 % of a hub's CPU per fanout(3)."""
+        r = step.retry
+        key = (
+            r.retries,
+            r.fast_attempts,
+            r.backoff_base,
+            r.backoff_cap,
+            r.pending_interval,
+            r.ttl,
+            r.deliver_timeout,
+            r.silence_timeout,
+            step.timeout,
+        )
+        pol = self._policies.get(key)
+        if pol is None:
+            pol = self._make_policy(step)
+            if len(self._policies) >= POLICIES_KEPT:
+                self._policies.clear()
+            self._policies[key] = pol
+        return pol
+
+    def _make_policy(self, step: StepSpec) -> Policy:
         s, r = self._settings, step.retry
         return Policy(
             retries=s.step_retries if r.retries is None else r.retries,

@@ -185,6 +185,7 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
         self.duplicate_total = 0
         #: Attempts after the first.
         self.retry_total = 0
+        self._policies = {}
         #: Attempts still reported running past their step's timeout and grace: taken as
         #: TIMEOUT by this hub (``StepRunner._overdue``).
         self.overdue_total = 0
