@@ -18,9 +18,9 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh import Client, MeshSettings, Step, TaskResult, TaskState, protocol
 from reach_mesh._nats import flushed
-from reach_mesh.agent import Task
+from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import BadRequestError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
@@ -444,6 +444,30 @@ async def _held_lost(
     await heal(a1, beat=False)
 
 
+async def _held_until_back(
+    hub: Hub,
+    a1: Agent,
+    ran: dict[str, list[str]],
+    task_id: str,
+    again: asyncio.Future[TaskResult],
+    release: asyncio.Event,
+) -> None:
+    """The caller's request ``again`` for ``task_id``, which ``a1`` holds (back on NATS, not
+    registered), waits past the seek's ask without running anywhere; ``a1`` registers again
+    with ``hub``, the handler is let go, and the answer is ``a1``'s: the task ran once."""
+    await asyncio.sleep(HOLDER_WAIT + 0.5)  # a run on a2 would have started by now
+    assert ran == {task_id: [a1.agent_id]}
+    assert not again.done()
+    a1._hb_task = asyncio.create_task(a1._heartbeat_loop())  # registers again
+    await eventually(lambda: a1.agent_id in hub.registry.agents, timeout=10)
+    await asyncio.sleep(0.3)
+    assert ran == {task_id: [a1.agent_id]}
+    release.set()
+    result = await again
+    assert result.state is TaskState.SUCCEEDED and result.agent_id == a1.agent_id
+    assert ran == {task_id: [a1.agent_id]}
+
+
 @pytest.mark.parametrize(
     "target",
     [{"capability": CAP}, {"selector": f"cap={CAP} AND tier!=gold"}],
@@ -469,18 +493,8 @@ async def test_a_resend_goes_to_its_holder_declared_lost_once_it_registers_again
             await _held_lost(hub, mesh, fleet, ran, "lh-back", target)
             agent_found = _seeks(hub, "agent")
             again = asyncio.ensure_future(mesh.request(**target, task_id="lh-back", timeout=20))
-            await asyncio.sleep(HOLDER_WAIT + 0.5)  # a run on a2 would have started by now
-            assert ran == {"lh-back": [a1.agent_id]}
-            assert not again.done()
-            a1._hb_task = asyncio.create_task(a1._heartbeat_loop())  # registers again
-            await eventually(lambda: a1.agent_id in hub.registry.agents, timeout=10)
+            await _held_until_back(hub, a1, ran, "lh-back", again, release)
             await eventually(lambda: _ours(hub, ns) == 2)
-            await asyncio.sleep(0.3)
-            assert ran == {"lh-back": [a1.agent_id]}
-            release.set()
-            result = await again
-        assert result.state is TaskState.SUCCEEDED and result.agent_id == a1.agent_id
-        assert ran == {"lh-back": [a1.agent_id]}
         assert _seeks(hub, "agent") == agent_found + 1
     finally:
         release.set()
@@ -516,4 +530,62 @@ async def test_a_resend_whose_lost_holder_never_registers_again_is_routed_as_new
         assert _seeks(hub, "lost") == lost_found + 1
     finally:
         release.set()
+        await fleet.close()
+
+
+@pytest.mark.parametrize("first_kept", [True, False], ids=["first_up", "first_gone"])
+async def test_a_resend_reaching_another_hub_goes_to_its_holder_declared_lost(
+    settings: MeshSettings, first_kept: bool
+) -> None:
+    """The seek of a hub with no pin, for a holder declared LOST: ``first`` routed the task to
+    ``a1``, which was cut off until both hubs declared it LOST, and is back on NATS but not
+    registered. ``second`` never learned the pin (``first`` holds its answer to ``second``'s
+    pins ask). The caller asks again, and ``first`` takes no more routes (or is gone): the
+    request reaches ``second``, which asks the other hubs (``first``'s pin names an agent
+    that is not registered: not an answer) and the agents it declared LOST lately; ``a1``
+    says it holds the task, and the route waits for it to register again, then goes to it:
+    the task runs once."""
+    ns = settings.namespace
+    asks_answered = asyncio.Event()
+    fleet, ran, release = two_holding(settings, "rs", CAP)
+    a1, a2 = fleet.agents
+    second = Hub(settings=settings)  # started once the task runs: it never learns the pin
+    first = Hub(settings=settings)
+    first._on_pins_ask = _holding(first, asks_answered)  # type: ignore[method-assign,assignment]
+    try:
+        await first.start()
+        await a1.start()
+        await eventually(lambda: _ours(first, ns) == 1)
+        async with Client(settings=settings) as mesh:
+            task = asyncio.ensure_future(
+                mesh.request(capability=CAP, task_id="lh-other", timeout=30)
+            )
+            await eventually(lambda: ran.get("lh-other") == [a1.agent_id], timeout=10)
+            await second.start()
+            await a2.start()
+            await eventually(lambda: _ours(first, ns) == 2 and _ours(second, ns) == 2, timeout=10)
+            await partition(a1)
+            await eventually(
+                lambda: all(a1.agent_id not in h.registry.agents for h in (first, second)),
+                timeout=10,
+            )
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await heal(a1, beat=False)
+            await _stop_routing(first)
+            if not first_kept:
+                await first.close()
+            assert second._pins.get(ns, "lh-other") is None
+            agent_found = _seeks(second, "agent")
+            again = asyncio.ensure_future(
+                mesh.request(capability=CAP, task_id="lh-other", timeout=20)
+            )
+            await _held_until_back(second, a1, ran, "lh-other", again, release)
+        assert _seeks(second, "agent") == agent_found + 1
+    finally:
+        release.set()
+        asks_answered.set()
+        await second.close()
+        await first.close()
         await fleet.close()
