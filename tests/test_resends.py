@@ -19,11 +19,14 @@ import pytest
 from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, Step, TaskResult, TaskState, protocol
+from reach_mesh._guard import guarded
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
-from reach_mesh.errors import BadRequestError
+from reach_mesh.agent._agent import _AGENT_QUEUE
+from reach_mesh.errors import BadRequestError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
+from reach_mesh.hub._pins import decode_pins
 from reach_mesh.models import AgentState
 from reach_mesh.tracing.metrics import RESEND_FOUND
 
@@ -588,4 +591,111 @@ async def test_a_resend_reaching_another_hub_goes_to_its_holder_declared_lost(
         asks_answered.set()
         await second.close()
         await first.close()
+
+
+def _served_subjects(agent: Agent) -> tuple[str, ...]:
+    """The subjects ``agent`` is sent tasks and ctl requests on."""
+    aid = agent.agent_id
+    return (protocol.agent_task(aid), protocol.agent_batch(aid), protocol.agent_ctl(aid))
+
+
+async def _cut_off(agent: Agent) -> None:
+    """``agent`` cut off (a partition): no heartbeats, nobody listening on its subjects."""
+    assert agent._hb_task is not None
+    agent._hb_task.cancel()
+    served = _served_subjects(agent)
+    for sub in [s for s in agent._subs if s.subject in served]:
+        await sub.unsubscribe()
+        agent._subs.remove(sub)
+    await flushed(agent.nc)
+
+
+async def _back(agent: Agent) -> None:
+    """Undo :func:`_cut_off`: subscribed again, then heartbeating (registering again)."""
+    task, batch, ctl = _served_subjects(agent)
+    for subject, on_msg, queue in (
+        (task, agent._on_task, _AGENT_QUEUE),
+        (batch, agent._on_batch, _AGENT_QUEUE),
+        (ctl, agent._on_ctl, None),
+    ):
+        cb = guarded(subject, on_msg)
+        if queue is None:
+            agent._subs.append(await agent.nc.subscribe(subject, cb=cb))
+        else:
+            agent._subs.append(
+                await agent.nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=-1)
+            )
+    await flushed(agent.nc)
+    agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
+
+
+async def test_an_attempt_refused_before_accepted_leaves_the_pin_on_the_holder(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """The secure chaos run's ``partition``, seed 155: ``a1`` runs a task and is cut off until
+    declared LOST; back on NATS, it is not registered yet. The caller asks again: ``a1`` says
+    it holds the task but does not register within the wait, so the route goes on as new —
+    to ``a2``, cut off in turn at that moment: nobody listens on its subjects, nothing ran
+    there, and the pin goes back to ``a1``. ``a2`` comes back; the caller asks again: the pin
+    names ``a1``, not registered, so ``a1`` is asked, says it holds the task, and the route
+    waits for it to register again, then joins its run: the task ran once. Before, the
+    refused attempt left the pin on ``a2``, and a pin naming a registered agent is taken as
+    is: the next try ran on ``a2``, a second run."""
+    ns = settings.namespace
+    fleet, ran, release = two_holding(settings, "rs", CAP)
+    a1, a2 = fleet.agents
+    told: list[str] = []  # what the other hubs hear the task id is pinned to, in order
+
+    async def note(msg: Msg) -> None:
+        told.extend(
+            agent_id for task_id, agent_id in decode_pins(msg.data) if task_id == "lh-refused"
+        )
+
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.subscribe(protocol.hub_broadcast(ns, "pins"), cb=note)
+        await flushed(nc)
+        async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
+            await _held_lost(hub, mesh, fleet, ran, "lh-refused", {"capability": CAP})
+            holder_back = hub._holder_back
+            cut: list[str] = []
+
+            async def then_cut_a2(agent_id: str, wait: float) -> bool:
+                came = await holder_back(agent_id, wait)
+                if not cut:  # the first resend: a2 cut off as its route goes on as new
+                    cut.append(a2.agent_id)
+                    await _cut_off(a2)
+                return came
+
+            hub._holder_back = then_cut_a2  # type: ignore[method-assign]
+            with pytest.raises(ReachError):
+                await mesh.request(capability=CAP, task_id="lh-refused", timeout=3)
+            assert cut == [a2.agent_id]
+            assert ran == {"lh-refused": [a1.agent_id]}
+            assert hub._pins.get(ns, "lh-refused") == a1.agent_id
+            # And so at the other hubs: told a2, then a1 again.
+            await eventually(lambda: a2.agent_id in told and told[-1] == a1.agent_id)
+            await _back(a2)
+            await eventually(
+                lambda: (
+                    (view := hub.registry.agents.get(a2.agent_id)) is not None
+                    and view.state is AgentState.ONLINE
+                ),
+                timeout=10,
+            )
+            again = asyncio.ensure_future(
+                mesh.request(capability=CAP, task_id="lh-refused", timeout=20)
+            )
+            await asyncio.sleep(HOLDER_WAIT + 0.5)  # a run on a2 would have started by now
+            assert ran == {"lh-refused": [a1.agent_id]}
+            assert not again.done()
+            a1._hb_task = asyncio.create_task(a1._heartbeat_loop())  # registers again
+            await eventually(lambda: a1.agent_id in hub.registry.agents, timeout=10)
+            release.set()
+            result = await again
+        assert result.state is TaskState.SUCCEEDED and result.agent_id == a1.agent_id
+        assert ran == {"lh-refused": [a1.agent_id]}
+    finally:
+        release.set()
+        await nc.close()
         await fleet.close()

@@ -6,6 +6,9 @@ asked again with the same ``task_id``. The agent that has it answers the repeat 
 idempotency cache; any other agent would run the task a second time. So the retry goes to the
 agent the task was routed to, while that agent is routable — whichever hub the retry reaches:
 the hubs are one queue group, and a retry rarely reaches the hub that routed the first try.
+An attempt the agent refused before ``ACCEPTED`` (nobody listening on its subject, busy, no
+handler) puts the pin back on the agent it named before (``RoutingMixin._unpin``): that agent
+never had the task, the one before may.
 
 Every hub tells the others the pins it makes: at the end of each pass of its event loop that
 made some, one message per namespace (``PINS_PER_MESSAGE`` pairs at most each) on

@@ -131,6 +131,10 @@ class _Flight:
     #: The caller marked it sent again (``Reach-Resend``): with no pin, the hub asks who
     #: holds the task before it decides (``hub/_holders.py``).
     resend: bool = False
+    #: The agent its task id was pinned to before the attempt in flight pinned it to another
+    #: (``RoutingMixin._decide_and_send``): the pin goes back to it if that attempt is refused
+    #: before ACCEPTED (``_refused``: it never reached the other agent).
+    pinned_over: str | None = None
     view: AgentView | None = None
     capability: str | None = None
     decision: RouteDecision | None = None
@@ -192,6 +196,8 @@ class RouteEndMixin:
         def _rejected(self, verb: str, sender: str | None, claimed: str, **fields: Any) -> None: ...
 
         async def _attempt(self, flight: _Flight) -> None: ...
+
+        def _unpin(self, flight: _Flight, agent_id: str) -> None: ...
 
     # ------------------------------------------------------------------ ending a route
     #
@@ -297,9 +303,11 @@ class RouteEndMixin:
     async def _refused(
         self, flight: _Flight, err: AgentBusyError | NoHandlerError | UnknownAgentError
     ) -> None:
-        """Refused before ACCEPTED: safe to try another agent."""
+        """Refused before ACCEPTED: safe to try another agent (and the task id's pin goes back
+        to the agent it named before this attempt: ``_unpin``)."""
         view = flight.view
         assert view is not None
+        self._unpin(flight, view.agent_id)
         self._end_deliver(flight, err)
         flight.last_error = err
         flight.exclude.add(view.agent_id)
