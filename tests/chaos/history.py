@@ -67,6 +67,11 @@ ELECTIONS = 10.0
 #: LOST during the cut, it is routable again once it has registered again (about a heartbeat
 #: and a KV write after the heal; its lease + suspect grace at most, 2.5 s in the chaos runs).
 HEAL = 3.0
+#: How long (s) after a partition's relays are back (``Fault.until``) its routes may still be
+#: down: a nats-server dials a lost route again once a second (its route reconnect interval),
+#: so the two sides hear each other again within a second of the heal — secure seed 156:
+#: 0.75 s and 0.80 s (the servers' "Route connection created").
+REJOIN = 1.0
 #: Slack (s) around a fault when deciding whether it explains a duplicate run.
 SLACK = 1.0
 #: How long (s) before an earlier run an agent fault still explains a re-run: an attempt sent
@@ -209,6 +214,10 @@ class Report:
     cancel_untrue: int = 0
     #: A handler of a cancelled workflow started after the cancel's final answer.
     ran_after_cancel: int = 0
+    #: A step whose handler had ended with a result before its cancel was sent, cancelled by
+    #: a decision taken while a partition still cut its agent off (``_cut_off_until``):
+    #: nobody that could decide had that result (informative).
+    cancelled_cut_off: int = 0
     cancels: int = 0
     #: Fanouts with a policy that decides early (``any``, ``quorum(k)``), and their steps
     #: stopped as unneeded (informative).
@@ -274,6 +283,7 @@ class Report:
             "cancelled (answered final)": self.cancels,
             "cancel answer untrue": self.cancel_untrue,
             "ran after its cancel": self.ran_after_cancel,
+            "finished step cancelled while cut off": self.cancelled_cut_off,
             "step record != result": self.step_record_mismatch,
             "policy fanouts (any, quorum)": self.policy_fanouts,
             "steps stopped as unneeded": self.stopped_unneeded,
@@ -406,6 +416,25 @@ def _status_delayed(run: Run, until: float, faults: list[Fault]) -> bool:
         f.kind in STATUS_FAULTS
         and f.at <= until + SLACK
         and (f.until if f.until is not None else f.at) + ELECTIONS >= end
+        for f in faults
+    )
+
+
+def _cut_off_until(run: Run, decided: float, faults: list[Fault]) -> bool:
+    """Whether a partition cut ``run``'s agent off from the hub that decided its step, by
+    ``decided`` at the latest: the agent among the node's clients (``Fault.cut_off``), the cut
+    begun by the time the run ended and its routes not back yet when the step was decided
+    (``REJOIN`` s after the relays). Its final status then had been stored nowhere (JetStream
+    finds no quorum on the cut-off side, and the agent publishes it again only once its server
+    hears the others), and neither could the agent be asked across the cut: nothing the
+    deciding hub could read or ask had the result — secure seed 156, two cancels so."""
+    end = run.end or run.start
+    return any(
+        f.kind in CUT_OFF_FAULTS
+        and run.agent_id in f.cut_off
+        and f.until is not None
+        and f.at <= end
+        and decided <= f.until + REJOIN
         for f in faults
     )
 
@@ -622,7 +651,9 @@ def _check_cancel(
     """A cancel's final answer must be the stored outcome; no handler of a step the cancel
     stopped may start after that answer (the fence), except on an agent that had passed the
     fence before it was paused (``WOKE``); and a step whose handler had ended with a result
-    before the cancel was even sent must keep it (no valid result thrown away)."""
+    before the cancel was even sent must keep it (no valid result thrown away) — unless its
+    agent was killed or paused right then, or a partition cut it off from the run's end until
+    the step was decided (``_cut_off_until``: counted apart)."""
     if isinstance(answer, str) or not answer.get("final"):
         return  # never answered final: nothing was promised
     stored = _record_outcome(h.records.get(wf))
@@ -648,6 +679,7 @@ def _check_cancel(
     asked = float(answer.get("asked") or at)
     result = (h.records.get(wf) or {}).get("result") or {}
     stopped = {str(s.get("task_id")) for s in result.get("steps") or () if s.get("cancelled")}
+    finished_at = result.get("finished_at")
     for run in runs:
         if run.task_id not in stopped:
             continue
@@ -676,6 +708,16 @@ def _check_cancel(
                 for f in h.faults
             )
         ):
+            # When the step was decided at the latest: its record's last write (its fence, or
+            # a later one's), and the final record's (written after every fence).
+            decided = [
+                float(t)
+                for t in (finished_at, (h.tasks.get(run.task_id) or {}).get("updated_at"))
+                if isinstance(t, (int, float))
+            ]
+            if decided and _cut_off_until(run, min(decided), h.faults):
+                rep.cancelled_cut_off += 1
+                continue
             rep.first_result_lost += 1
             rep.add(
                 "finished step cancelled",

@@ -397,6 +397,42 @@ def test_a_step_that_had_finished_is_not_cancelled() -> None:
     assert check(h).first_result_lost == 0
 
 
+def test_a_finished_step_cancelled_while_a_partition_cut_its_agent_off_is_explained() -> None:
+    """Secure seed 156: the step's agent, cut off with its node, ended ok just after the cut
+    (its final status stored nowhere: no quorum on its side), the cancel came on the other
+    side and the step was decided there before the routes were back (a second after the
+    relays at most): no hub that could decide had the result. Counted apart."""
+    h = cancelled(answer_at=8.0)  # the cancel sent at 7.5, the result stored at 7.9
+    h.runs[0] = run(0, "ns.a.a1", 1.0)  # ended ok at 1.1
+    h.records[WF]["result"]["finished_at"] = 7.9
+    h.tasks[f"{WF}-0"]["updated_at"] = 7.8  # its fence
+    assert check(h).first_result_lost == 1
+    cut = Fault("partition", "n2", 1.05, 7.2, cut_off=("ns.a.a1",))  # routes back by 8.2
+    h.faults.append(cut)
+    rep = check(h)
+    assert rep.first_result_lost == 0 and rep.cancelled_cut_off == 1 and rep.ok, rep.table()
+    assert "finished step cancelled while cut off" in rep.table()
+    # Decided once the routes were back (the fence, the final record: the earlier bounds
+    # it), its status could have been read or its agent asked: a result thrown away.
+    h.tasks[f"{WF}-0"]["updated_at"] = h.records[WF]["result"]["finished_at"] = 8.3
+    assert check(h).first_result_lost == 1
+    h.tasks[f"{WF}-0"]["updated_at"] = 8.1  # a later rewrite of the final record: its fence
+    assert check(h).first_result_lost == 0
+    del h.tasks[f"{WF}-0"]["updated_at"], h.records[WF]["result"]["finished_at"]
+    assert check(h).first_result_lost == 1  # not known when it was decided: nothing explained
+    h.tasks[f"{WF}-0"]["updated_at"] = 7.8
+    # Ended before the cut (its status stored then), another agent cut off, or the cut's end
+    # not known: nothing explained.
+    for fault in (
+        Fault("partition", "n2", 1.2, 7.2, cut_off=("ns.a.a1",)),
+        Fault("partition", "n2", 1.05, 7.2, cut_off=("ns.a.a2",)),
+        Fault("partition", "n2", 1.05, None, cut_off=("ns.a.a1",)),
+        Fault("node_kill", "n2", 1.05, 7.2),
+    ):
+        h.faults = [fault]
+        assert check(h).first_result_lost == 1, fault
+
+
 def test_the_final_record_keeps_its_cancel_exactly_when_the_result_is_the_cancels() -> None:
     h = cancelled()
     del h.records[WF]["cancel"]
