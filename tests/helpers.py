@@ -27,9 +27,9 @@ from nats.js.errors import KeyNotFoundError
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
-from reach_mesh.models import AgentCard, RegisterReply, RegisterRequest
+from reach_mesh.models import AgentCard, RegisterReply, RegisterRequest, TaskState
 from reach_mesh.server import EmbeddedNats
-from reach_mesh.workflow import TaskRecord, TaskStatusEvent
+from reach_mesh.workflow import AttemptRecord, TaskRecord, TaskStatusEvent
 
 if TYPE_CHECKING:
     from mcp.client.session import ClientSession
@@ -415,6 +415,22 @@ def abandoned(agent: Agent, kind: str) -> float:
     )
     assert value is not None, "the series exists from the start"
     return value
+
+
+def cancelled_step(ns: str, wf_id: str, step: int, agent_id: str, **fields: Any) -> TaskRecord:
+    """Step ``step``'s record as a hub fences it for a cancel or a policy: its attempt 1, sent to
+    ``agent_id`` (``{wf_id}-{step}``: the default task id), cancelled; ``fields`` set too."""
+    return TaskRecord(
+        task_id=f"{wf_id}-{step}",
+        workflow_id=wf_id,
+        step=step,
+        namespace=ns,
+        attempt=1,
+        agent_id=agent_id,
+        history=[AttemptRecord(attempt=1, agent_id=agent_id, state=TaskState.PENDING)],
+        cancelled=True,
+        **fields,
+    )
 
 
 async def task_record(nc: Any, ns: str, task_id: str) -> TaskRecord | None:

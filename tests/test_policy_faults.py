@@ -24,7 +24,7 @@ from reach_mesh.workflow import (
     spec_digest,
 )
 
-from .helpers import Fleet, echo_agent, eventually, task_record
+from .helpers import Fleet, cancelled_step, echo_agent, eventually, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -356,16 +356,7 @@ async def test_a_branch_its_owner_stopped_is_no_failure_for_the_hub_that_takes_i
             await js.publish(
                 protocol.task_status(agent.agent_id, status.task_id), protocol.encode(status)
             )
-        stopped = TaskRecord(
-            task_id=f"{wf_id}-2",
-            workflow_id=wf_id,
-            step=2,
-            namespace=ns,
-            attempt=1,
-            agent_id=agent.agent_id,
-            history=[AttemptRecord(attempt=1, agent_id=agent.agent_id, state=TaskState.PENDING)],
-            cancelled=True,
-        )
+        stopped = cancelled_step(ns, wf_id, 2, agent.agent_id)
         tasks = await js.key_value(protocol.KV_TASKS)
         await tasks.put(protocol.task_key(ns, stopped.task_id), protocol.encode(stopped))
         # The submission comes back to a hub (JetStream redelivers it: the owner died).

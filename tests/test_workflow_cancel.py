@@ -44,7 +44,7 @@ from reach_mesh.workflow import (
     spec_digest,
 )
 
-from .helpers import Fleet, echo_agent, eventually, fetch, task_record
+from .helpers import Fleet, cancelled_step, echo_agent, eventually, fetch, task_record
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -281,6 +281,36 @@ async def test_a_hub_taking_over_finishes_the_cancel_its_owner_took(
         assert answer.final and answer.cancelled and answer.result == res
     await asyncio.sleep(0.2)
     assert held.started == 0
+
+
+async def test_a_step_fenced_before_a_takeover_keeps_the_time_it_was_fenced(
+    wf_hub: Hub, wf_settings: MeshSettings
+) -> None:
+    """A hub finishing a cancel its owner took writes the fence of a step the owner had
+    cancelled again, as it was: the record's ``updated_at`` stays the time the step was
+    cancelled (when the cancel decided it), not that of the rewrite. The chaos checker
+    reads it so: secure seed 156 cancelled a step while a partition still cut its agent off,
+    and the hubs that finished the cancel after two more takeovers wrote that time over."""
+    wf_id = "fenced-before"
+    steps = [Step(capability="wf:slow:v1", payload={"i": i}) for i in range(2)]
+    async with Client(settings=wf_settings) as mesh:
+        ns, agent_id = mesh.namespace, f"{mesh.namespace}.gone.a1"
+        cancel = ErrorBody(code=CANCELLED, message="cancelled on request: before the crash")
+        await seed_owner(mesh, "fanout", steps, wf_id, "hub-gone", [agent_id, None], cancel)
+        fenced_at = time.time() - 5.0
+        fenced = cancelled_step(
+            ns, wf_id, 0, agent_id, created_at=fenced_at - 1.0, updated_at=fenced_at
+        )
+        tasks = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+        await tasks.create(protocol.task_key(ns, fenced.task_id), protocol.encode(fenced))
+        await mesh.submit_fanout(steps, workflow_id=wf_id, timeout=30)
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.state is TaskState.FAILED and res.error == cancel, res
+        assert all(step.cancelled for step in res.steps), res.steps
+        first = await task_record(mesh.nc, ns, fenced.task_id)
+        assert first is not None and first.cancelled and first.updated_at == fenced_at, first
+        second = await task_record(mesh.nc, ns, f"{wf_id}-1")  # fenced by this hub: now
+        assert second is not None and second.cancelled and second.updated_at > fenced_at + 4
 
 
 async def test_a_chain_taken_over_and_cancelled_fences_the_steps_it_never_started(

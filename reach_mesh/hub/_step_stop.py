@@ -152,8 +152,11 @@ class StepStopping(StepRunner):
             # attempt), its markers may be missing: store them (deduplicated).
             await self._remark(wf, rec)
             return
-        rec.cancelled = True
-        rec.updated_at = self._server_clock.now()
+        if not rec.cancelled:
+            rec.cancelled = True
+            # A step fenced before (a cancel finished again after a takeover) keeps the time
+            # it was fenced: when the cancel decided it, which the writes again do not change.
+            rec.updated_at = self._server_clock.now()
         wf.records[index] = rec
         wrote = await self._write_stopped(wf, key, rec, last, settle=settle)  # the fence
         if wrote == "moved" and again and await self._stop_again(wf, index, task_id, None, last):
