@@ -41,6 +41,7 @@ ROW = (
     "caller_us_per_fanout",
     "hub_us_per_chain",
     "agents_us_per_chain",
+    "caller_us_per_chain",
 )
 
 
@@ -60,6 +61,7 @@ def row_of(result: dict[str, Any]) -> dict[str, float | None]:
         "caller_us_per_fanout": cpu.get("caller"),
         "hub_us_per_chain": chain_cpu.get("hub"),
         "agents_us_per_chain": chain_cpu.get("agents"),
+        "caller_us_per_chain": chain_cpu.get("caller"),
     }
 
 

@@ -256,7 +256,7 @@ def test_the_ab_table_alternates_two_commits_and_compares_medians() -> None:
                 "p50_ms": 4.0,
                 "cost": {"cpu_us": {"hub": hub, "agents": 400.0}},
             },
-            "chain3": {"sustained": {"per_s": chain}},
+            "chain3": {"sustained": {"per_s": chain}, "cost": {"cpu_us": {"caller": 200.0}}},
             "bare": {"available": bare, "fanout3": {"sustained": {"per_s": 2000.0}}},
         }
 
@@ -265,5 +265,5 @@ def test_the_ab_table_alternates_two_commits_and_compares_medians() -> None:
     assert rows[2][1]["bare_fanout_per_s"] is None  # a run without its bare exchanges
     assert median_row([r for n, r in rows if n.startswith("a#")])["fanout_per_s"] == 695.0
     text = table(rows)
-    assert "| **median a** | 695 | 555 | 2000 | 4 | 1025 | 400 | - | - | - |" in text, text
+    assert "| **median a** | 695 | 555 | 2000 | 4 | 1025 | 400 | - | - | - | 200 |" in text, text
     assert "| **b / a** | 1.122 | 1.072 | 1 | 1 | 0.917 |" in text, text
