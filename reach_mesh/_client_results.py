@@ -50,6 +50,8 @@ class ResultWaits(HubAsks):
     _done_waits: dict[_Done, tuple[str, asyncio.Future[Msg]]]
     #: Those re-checks running.
     _rechecks: set[asyncio.Task[None]]
+    #: The event loop the client was connected on (``nc`` checks that it is the running one).
+    _loop: asyncio.AbstractEventLoop | None
 
     async def _workflow_record(self, workflow_id: str) -> WorkflowRecord | None:
         """The stored record of a workflow of this namespace; None when there is none (or it
@@ -98,11 +100,12 @@ class ResultWaits(HubAsks):
         future of its own, which only it resolves; the wait returned follows it, and a re-check
         after a reconnect (``_recheck_done_waits``) or a closing client resolves the wait and
         cancels nats-py's future instead, which nats-py then leaves alone."""
-        loop = asyncio.get_running_loop()
+        nc = self.nc  # raises from another event loop than the client's: ``_loop`` is this one
+        loop = self._loop or asyncio.get_running_loop()
         inner: asyncio.Future[Msg] = loop.create_future()
         done: _Done = loop.create_future()
         inner.add_done_callback(functools.partial(_follow, done))
-        sub = await self.nc.subscribe(
+        sub = await nc.subscribe(
             protocol.wf_done(self.namespace, workflow_id), future=inner, max_msgs=1
         )
         # nats-py's ``max_msgs`` only stops reading here; ``UNSUB <sid> 1`` (sent with the SUB)
@@ -176,8 +179,12 @@ class ResultWaits(HubAsks):
         A message that is not the workflow's own announcement — a JetStream push consumer can
         deliver anything stored to any subject (``reach_mesh/_guard.py``) — is dropped: the
         wait goes on on a subscription of its own, after a look at the record (which only hubs
-        write). ``spent``: of ``timeout``, what the caller spent before."""
-        loop = asyncio.get_running_loop()
+        write). ``spent``: of ``timeout``, what the caller spent before.
+
+        Its waits are :func:`_settled`, not ``asyncio.wait`` and ``wait_for``: every workflow
+        call waits here, and those two cost a set, a task wrapper or a second future and a
+        pass of the event loop each."""
+        loop = self._loop or asyncio.get_running_loop()  # ``done``'s: checked as it was made
         deadline = loop.time() + timeout - spent
         spent = False  # the caller's subscription had its one message
         own: tuple[Subscription, _Done] | None = None  # ours, while it has had none
@@ -185,7 +192,7 @@ class ResultWaits(HubAsks):
             while True:
                 left = deadline - loop.time()
                 if left > _RESULT_RECHECK:
-                    await asyncio.wait({done}, timeout=_RESULT_RECHECK)
+                    await _settled(loop, done, _RESULT_RECHECK)
                     if not done.done():
                         # The read races the announcement (it may wait out an election).
                         read = asyncio.ensure_future(self._stored_result(workflow_id))
@@ -201,9 +208,13 @@ class ResultWaits(HubAsks):
                             return found, spent
                         continue
                 try:
-                    if left <= 0:
-                        raise TimeoutError
-                    got = await asyncio.wait_for(done, left)
+                    if not done.done():
+                        if left > 0:
+                            await _settled(loop, done, left)
+                        if not done.done():
+                            done.cancel()  # (as ``wait_for`` did): a late .done is dropped
+                            raise TimeoutError
+                    got = done.result()
                 except TimeoutError as err:
                     # The record is the source of truth: the result may be stored while its
                     # .done announcement is still on the way (a hub died between the two).
@@ -257,6 +268,25 @@ class ResultWaits(HubAsks):
                 why = f"the result of another workflow ({result.workflow_id})"
         refuse(msg, why)
         return None
+
+
+async def _settled(loop: asyncio.AbstractEventLoop, done: _Done, timeout: float) -> None:
+    """Return when ``done`` is done, or after ``timeout`` seconds (``done`` is left as it is)."""
+    if done.done():
+        return
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    done.add_done_callback(wake)
+    timer = loop.call_later(timeout, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        done.remove_done_callback(wake)
 
 
 def _follow(done: _Done, inner: asyncio.Future[Msg]) -> None:

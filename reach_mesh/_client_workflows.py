@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -55,7 +56,6 @@ from reach_mesh.workflow import (
     WorkflowSpec,
     WorkflowView,
     check_payload_sizes,
-    new_workflow_id,
     spec_digest,
     validate_spec,
 )
@@ -418,7 +418,8 @@ class WorkflowsMixin(ResultWaits):
                 specs.append(step.spec() if isinstance(step, Step) else _bad_step(step))
             where = ()
             spec = WorkflowSpec(
-                workflow_id=workflow_id or new_workflow_id(),
+                # (``new_workflow_id()``'s 32 hex digits, at a quarter of its cost)
+                workflow_id=workflow_id or os.urandom(16).hex(),
                 kind=kind,
                 steps=specs,
                 policy=policy,
@@ -507,15 +508,16 @@ class WorkflowsMixin(ResultWaits):
                 size=len(body),
                 max_size=record_max,
             )
-        # Random per submission, repeated by its retries only (protocol.submit_msg_id).
+        # Random per submission, repeated by its retries only (protocol.submit_msg_id); as
+        # ``uuid4().hex`` was, at a quarter of its cost.
         headers[protocol.HDR_MSG_ID] = protocol.submit_msg_id(
-            spec.namespace, spec.workflow_id, uuid.uuid4().hex
+            spec.namespace, spec.workflow_id, os.urandom(16).hex()
         )
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WF
         jsc = await self._js_client()
         subject = protocol.wf_submit(spec.namespace)
         budget = _SUBMIT_RETRY if spec.timeout is None else min(_SUBMIT_RETRY, spec.timeout)
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()  # (``self.nc`` checked it)
         deadline = loop.time() + budget
 
         async def publish() -> Any:
