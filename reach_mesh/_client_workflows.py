@@ -56,6 +56,7 @@ from reach_mesh.workflow import (
     WorkflowSpec,
     WorkflowView,
     check_payload_sizes,
+    new_workflow_id,
     spec_digest,
     validate_spec,
 )
@@ -418,8 +419,7 @@ class WorkflowsMixin(ResultWaits):
                 specs.append(step.spec() if isinstance(step, Step) else _bad_step(step))
             where = ()
             spec = WorkflowSpec(
-                # (``new_workflow_id()``'s 32 hex digits, at a quarter of its cost)
-                workflow_id=workflow_id or os.urandom(16).hex(),
+                workflow_id=workflow_id or new_workflow_id(),
                 kind=kind,
                 steps=specs,
                 policy=policy,

@@ -10,8 +10,8 @@ Pure: no I/O. The engine lives in :mod:`reach_mesh.hub.workflows`, the agent sid
 from __future__ import annotations
 
 import hashlib
+import os
 import re
-import uuid
 from typing import Any, Final, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -323,7 +323,8 @@ def spec_digest(spec: WorkflowSpec) -> str:
 
 
 def new_workflow_id() -> str:
-    return uuid.uuid4().hex
+    """32 random hex digits (128 bits, as ``uuid4().hex`` gave, at a quarter of its cost)."""
+    return os.urandom(16).hex()
 
 
 def merge_payload(previous: Any, own: Any) -> Any:
