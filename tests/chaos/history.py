@@ -52,8 +52,9 @@ FROZEN_NODE_FAULTS = frozenset({"node_stop"})
 #: from ``PRIOR`` s before the cut to its end: a step's whenever it comes (its attempt was given
 #: up for good while the agent was cut off; the owner sends the next once it can, after
 #: elections and takeovers), a route's only until ``HEAL`` s after the heal (a retry later than
-#: that should reach the agent that has the task again: the hubs' pins); and a first result of
-#: such an agent not kept.
+#: that should reach the agent that has the task again: the hubs' pins) — or, its answer lost
+#: in that cut, while a later partition begun before its caller asked again cut that agent off
+#: again (``_cut_off_again``); and a first result of such an agent not kept.
 CUT_OFF_FAULTS = frozenset({"partition"})
 #: Faults that may hold a final status up on its way to the hub (published again after an
 #: election or a reconnection, read back after a gap or a takeover): the order outcomes reach
@@ -74,6 +75,12 @@ HEAL = 3.0
 REJOIN = 1.0
 #: Slack (s) around a fault when deciding whether it explains a duplicate run.
 SLACK = 1.0
+#: How long (s) a chaos caller waits for a route's answer before it asks again with the same
+#: task id (workload.py's ``route``; less only near the end of the run).
+ROUTE_TIMEOUT = 10.0
+#: The connection name of the chaos callers (``Client``'s default): a partition whose
+#: ``cut_off`` has it cut a caller off too.
+CALLER = "reach-client"
 #: How long (s) before an earlier run an agent fault still explains a re-run: an attempt sent
 #: to an agent that was killed is redelivered to its restarted process (after the kill, the
 #: restart and the work ack wait) while the hub, having lost the old process, sends the next.
@@ -344,8 +351,9 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
     own agent paused since before an earlier run started, this run's first line within
     ``WOKE`` s of its waking (``agent``: decided before the pause, see ``WOKE``); or a
     partition that cut an earlier run's agent off (a route's run within ``HEAL`` s of its
-    end; ``agent``, see ``CUT_OFF_FAULTS``); else a hub fault from ``SLACK`` s before (``hub``);
-    else ``None``."""
+    end; ``agent``, see ``CUT_OFF_FAULTS``), or a route's run while a later one cut it off
+    again before its caller could ask (``agent``, ``_cut_off_again``); else a hub fault from
+    ``SLACK`` s before (``hub``); else ``None``."""
     for f in faults:
         if (
             f.kind == "agent_stop"
@@ -365,6 +373,8 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
                 and (dup.workflow_id is not None or dup.start <= (f.until or f.at) + HEAL)
             ):
                 return "agent"
+        if dup.workflow_id is None and _cut_off_again(prev, dup, faults):
+            return "agent"
     for kinds, tag, before in ((AGENT_FAULTS, "agent", PRIOR), (HUB_FAULTS, "hub", SLACK)):
         for prev in earlier:
             for f in faults:
@@ -373,6 +383,35 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
                 if prev.start - before <= f.at <= dup.start + SLACK:
                     return tag
     return None
+
+
+def _cut_off_again(prev: Run, dup: Run, faults: list[Fault]) -> bool:
+    """Whether a route's second run came while the agent of its first run was out of its
+    caller's reach for the whole time the caller could ask again: that run's answer lost in
+    a partition that cut its agent off as it ran (from ``SLACK`` s before its end to as long
+    after the heal), and its agent cut off again, away from the callers, by a partition
+    begun before the caller's wait for that answer ran out (``ROUTE_TIMEOUT`` s after the run
+    started, ``SLACK``), the second run from that cut to ``HEAL`` s after its heal: every
+    retry found the holder out of reach — declared LOST by the hubs of the caller's side, not
+    answering the seek across the cut (docs/reliability.md: the at-least-once window of a
+    holder out of reach; secure seed 158). The reach the heal between gave back was spent
+    while the caller still waited for the lost answer."""
+    end = prev.end or prev.start
+    answer_lost = any(
+        f.kind in CUT_OFF_FAULTS
+        and prev.agent_id in f.cut_off
+        and f.at - SLACK <= end
+        and prev.start <= (f.until or f.at) + SLACK
+        for f in faults
+    )
+    return answer_lost and any(
+        f.kind in CUT_OFF_FAULTS
+        and prev.agent_id in f.cut_off
+        and CALLER not in f.cut_off
+        and prev.start < f.at <= prev.start + ROUTE_TIMEOUT + SLACK
+        and f.at <= dup.start <= (f.until or f.at) + HEAL
+        for f in faults
+    )
 
 
 def _around_frozen(prev: Run, dup: Run, faults: list[Fault]) -> bool:

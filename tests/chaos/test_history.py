@@ -578,6 +578,42 @@ def test_a_partition_explains_the_runs_of_the_agents_it_cut_off_until_soon_after
     assert check(late).dup_unexplained == 1  # a route's retry long after the heal
 
 
+def test_a_routes_run_while_its_holder_is_cut_off_again_before_its_caller_asks_is_explained() -> (
+    None
+):
+    """Secure seed 158's ``partition``: the route ran on ``a1`` (2.0-2.1 here), whose node was
+    cut off 0.05 s after the run began: its answer lost. The heal (5.0) gave ``a1`` back while
+    its caller still waited for that answer (``ROUTE_TIMEOUT``, to 12.0), and the next cut of
+    that node (11.4) took it again before the caller asked again: every retry found the holder
+    cut off and LOST, and one ran on ``a2`` (19.2) — the at-least-once window of a holder out
+    of reach. Not if the holder was within reach when the caller could ask (the second cut
+    begun after the wait ran out), nor if that cut cut the caller off too (it could ask the
+    holder there), nor if the first run's answer was not lost in a cut, nor long after the
+    second heal."""
+    first = Fault("partition", "n0", 2.05, 5.0, cut_off=("ns.a.a1", "hub-0"))
+    again = Fault("partition", "n0", 11.4, 20.5, cut_off=("ns.a.a1", "hub-0"))
+    dup = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 19.2, 19.4, "ok")
+
+    def routed(*faults: Fault, second: Run = dup) -> History:
+        h = with_route()
+        h.runs.append(second)
+        h.faults.extend(faults)
+        return h
+
+    assert check(routed(first)).dup_unexplained == 1  # (11 s after the first heal: not HEAL)
+    rep = check(routed(first, again))
+    assert rep.ok and rep.dup_agent_crash == 1 and rep.dup_unexplained == 0, rep.table()
+    later = Fault("partition", "n0", 13.2, 20.5, cut_off=("ns.a.a1",))  # after the wait
+    assert check(routed(first, later)).dup_unexplained == 1
+    with_caller = Fault("partition", "n0", 11.4, 20.5, cut_off=("ns.a.a1", "reach-client"))
+    assert check(routed(first, with_caller)).dup_unexplained == 1
+    not_lost = Fault("partition", "n0", 3.2, 5.0, cut_off=("ns.a.a1",))  # the answer was out
+    assert check(routed(not_lost, again)).dup_unexplained == 1
+    assert check(routed(again)).dup_unexplained == 1  # the first run not cut off at all
+    late = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 24.0, 24.2, "ok")
+    assert check(routed(first, again, second=late)).dup_unexplained == 1
+
+
 def test_a_first_result_held_up_by_a_partition_is_explained() -> None:
     """The first run's result, on the far side of a partition, was stored after another
     attempt's: not a valid result thrown away by the hub."""

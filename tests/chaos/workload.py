@@ -17,7 +17,7 @@ from reach_mesh import Client, RetryPolicy, Step
 from reach_mesh.errors import ReachError
 
 from .agent_proc import CAPABILITY
-from .history import Expected, ExpectedRoute
+from .history import ROUTE_TIMEOUT, Expected, ExpectedRoute
 from .policies import POLICIES, expected_state
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ async def drive(
                     capability=CAPABILITY,
                     payload=r.payload,
                     task_id=r.task_id,
-                    timeout=max(1.0, min(left, 10.0)),
+                    timeout=max(1.0, min(left, ROUTE_TIMEOUT)),
                     mode="direct" if r.mode == "direct" else "proxy",
                 )
                 stats.routes[r.task_id] = {
