@@ -20,8 +20,7 @@ import pytest
 from reach_mesh import Client, MeshSettings, Step, TaskState
 from reach_mesh.agent import Agent
 from reach_mesh.hub import Hub
-from reach_mesh.hub._tracking import DEAF
-from reach_mesh.hub.breaker import BreakerState
+from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.models import AgentState, CordonRecord
 
 from .helpers import (

@@ -27,6 +27,7 @@ from reach_mesh.errors import BadRequestError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
 from reach_mesh.hub._pins import decode_pins
+from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState
 from reach_mesh.tracing.metrics import RESEND_FOUND
 
@@ -698,4 +699,58 @@ async def test_an_attempt_refused_before_accepted_leaves_the_pin_on_the_holder(
     finally:
         release.set()
         await nc.close()
+        await fleet.close()
+
+
+@pytest.mark.parametrize("breaker", ["open", "half_open"])
+async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
+    settings: MeshSettings, breaker: str
+) -> None:
+    """The secure chaos run's ``node_kill``, seed 158: ``first`` routes a task to ``a1``,
+    which runs it; the caller's answer is lost with its connection, and it asks again,
+    marked. The resend reaches ``second``, which has the pin (``first``'s pins message) but
+    whose breaker quarantined ``a1`` earlier (breakers are each hub's own), or is half-open
+    with its probe out. The retry joins ``a1``'s run: a retry of a task the agent holds is no
+    new work, its idempotency table answers. Before, the breaker kept ``a1`` out of the
+    holder's route, and the task ran again on ``a2``."""
+    ns = settings.namespace
+    fleet, ran, release = two_holding(settings, "qh", CAP)
+    a1, a2 = fleet.agents
+    first = Hub(settings=settings)
+    second = Hub(settings=settings)
+    try:
+        await first.start()
+        await second.start()
+        await a1.start()
+        await eventually(lambda: _ours(first, ns) == 1 and _ours(second, ns) == 1)
+        body = protocol.dumps({"capability": CAP, "task_id": "qh-held", "timeout": 10})
+        routed = asyncio.ensure_future(first.route(body, ns, None))
+        await eventually(lambda: "qh-held" in ran)
+        await a2.start()
+        await eventually(lambda: _ours(first, ns) == 2 and _ours(second, ns) == 2)
+        await eventually(lambda: second._pins.get(ns, "qh-held") == a1.agent_id)
+        view = second.registry.agents[a1.agent_id]
+        view.breaker.trip()
+        if breaker == "half_open":
+            view.breaker._opened_at -= view.breaker.open_timeout
+            assert view.breaker.allow()  # its probe out
+        second.registry.regrade(view)
+        assert view.state is (AgentState.QUARANTINED if breaker == "open" else AgentState.ONLINE)
+        resent = asyncio.ensure_future(second.route(body, ns, {protocol.HDR_RESEND: "1"}))
+        await eventually(lambda: len(second._flights) == 1)
+        await asyncio.sleep(0.2)  # a run on a2 would have started by now
+        assert ran == {"qh-held": [a1.agent_id]}
+        release.set()
+        answers = [protocol.loads_object(a)["task"] for a in await asyncio.gather(routed, resent)]
+        assert [a["agent_id"] for a in answers] == [a1.agent_id, a1.agent_id]
+        assert [a.get("cached", False) for a in answers] == [False, True]
+        assert ran == {"qh-held": [a1.agent_id]}
+        # The answer from its table is no probe's verdict: the breaker is as it was.
+        assert view.breaker.state is (
+            BreakerState.OPEN if breaker == "open" else BreakerState.HALF_OPEN
+        )
+    finally:
+        release.set()
+        await second.close()
+        await first.close()
         await fleet.close()

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from reach_mesh import MeshSettings, NoMatchError
+from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.hub.registry import Registry
 from reach_mesh.hub.router import EXPLAIN_CANDIDATES, SAMPLE_SIZE, Router
-from reach_mesh.models import AgentCard, AgentRecord, RouteRequest
+from reach_mesh.models import AgentCard, AgentRecord, AgentState, RouteRequest
 
 CAP = "work:echo:v1"
 
@@ -158,3 +159,29 @@ def test_a_namespaces_listing_is_its_own_agents_only() -> None:
     assert [v.agent_id for v in registry.views("tiny")] == ["tiny.w.a1"]
     assert len(registry.views("ns")) == 300 and len(registry.views()) == 301
     assert registry.views("none") == []
+
+
+def test_the_holder_of_a_task_is_routed_to_whatever_its_breaker_says_unless_deaf() -> None:
+    """``only`` (the agent that may hold the task): a retry of a task it holds is no new
+    work, so this hub's breaker — open, or half-open with its probe out — does not send it
+    to another agent, which would run it again (secure chaos run ``node_kill``, seed 158);
+    the holder is given no probe. A holder found deaf stays out: it cannot answer."""
+    registry, router = fleet(2)
+    holder, other = sorted(registry.agents.values(), key=lambda v: v.agent_id)
+    req = RouteRequest(capability=CAP, task_id="t1")
+    holder.breaker.trip()
+    registry.regrade(holder)
+    assert holder.state is AgentState.QUARANTINED
+    assert router.decide(req, "ns", "r1").view is other  # new work: not to it
+    assert router.decide(req, "ns", "r2", only=holder.agent_id).view is holder
+    holder.breaker._opened_at -= holder.breaker.open_timeout  # half-open
+    registry.regrade(holder)
+    assert holder.breaker.allow()  # its probe out
+    assert router.decide(req, "ns", "r3", only=holder.agent_id).view is holder
+    holder.breaker._probe_at = None  # the probe back: the holder's route does not take it
+    assert router.decide(req, "ns", "r4", only=holder.agent_id).view is holder
+    assert holder.breaker.state is BreakerState.HALF_OPEN and holder.breaker.probe_available
+    holder.breaker.trip(DEAF)
+    registry.regrade(holder)
+    with pytest.raises(NoMatchError):
+        router.decide(req, "ns", "r5", only=holder.agent_id)

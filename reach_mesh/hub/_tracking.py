@@ -38,7 +38,7 @@ from reach_mesh.hub._step_track import (
     new_machine,
     parse_task_state,
 )
-from reach_mesh.hub.breaker import BreakerState, attempt_verdict
+from reach_mesh.hub.breaker import DEAF, BreakerState, attempt_verdict
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.logs import LineBudget
 from reach_mesh.models import AgentState, ErrorBody, TaskState
@@ -74,9 +74,6 @@ _STARTED: Final = frozenset({TaskState.ACCEPTED, TaskState.RUNNING})
 #: have it"); ``gone``: the agent does not have it, or is not there and its lease lapsed, or
 #: it is there but deaf (heard after its ctl subject had no responders, which it still has).
 Verdict = Literal["done", "alive", "gone"]
-
-#: Why a deaf agent is quarantined (its breaker's ``why``: the REACH-QUARANTINE line, inspect).
-DEAF: Final = "deaf: heard, but nobody listens on its ctl subject (its subscriptions are gone)"
 
 
 class StatusTracker:

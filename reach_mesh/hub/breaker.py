@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from reach_mesh.models import FailureReport
 
 __all__ = [
+    "DEAF",
     "HEALTH_THRESHOLD",
     "NOT_AGENT_FAULTS",
     "BreakerState",
@@ -50,6 +51,8 @@ __all__ = [
     "is_agent_fault",
 ]
 
+#: Why a deaf agent is quarantined (its breaker's ``why``: the REACH-QUARANTINE line, inspect).
+DEAF: Final = "deaf: heard, but nobody listens on its ctl subject (its subscriptions are gone)"
 #: Below this health score an agent is not routable.
 HEALTH_THRESHOLD: Final = 60.0
 #: Reporters one breaker tells apart per window; reports from more share one budget.

@@ -22,7 +22,7 @@ from typing import Final, Literal
 from reach_mesh._nats import has_identity
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NoMatchError, ReachError, UnknownNamespaceError
-from reach_mesh.hub.breaker import BreakerState
+from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.hub.index import Matches
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.strategies import (
@@ -123,7 +123,15 @@ class Router:
 
         ``alternates``: also return up to that many other routable agents, best first.
         ``only``: that agent or none — among those ``req`` matches, admitted as any other
-        (a task that may be in its hands already must not go to another, ``RoutingMixin``).
+        (a task that may be in its hands already must not go to another, ``RoutingMixin``)
+        except for its breaker: open (``QUARANTINED``) or half-open with its probe out, it is
+        still admitted, and given no probe (unless the breaker opened because it was found
+        deaf: nobody listens on its subjects). The breaker keeps new work from an agent that
+        fails it; a retry of a task it holds is none — its idempotency table answers from
+        the run in hand or its result, no handler runs — and another agent would run the
+        task a second time. (Breakers are each hub's own: the secure chaos run's
+        ``node_kill``, seed 158 — a caller's resend reached the one hub whose breaker had
+        quarantined the holder, and ran on another agent.)
         """
         t0 = time.perf_counter()
         reg = self._registry
@@ -165,17 +173,22 @@ class Router:
             if sticky_agent is not None and sticky_agent in ids and sticky_agent not in pool:
                 pool.append(sticky_agent)  # a sticky session must not lose to the dice
             sampled = True
-        live, tier, filtered = self._admit(pool, namespace, capability, forced, exclude, explain)
+        held = only is not None
+        live, tier, filtered = self._admit(
+            pool, namespace, capability, forced, exclude, explain, held
+        )
         if not live and sampled:
             # The sample was unlucky (or most of the set is unroutable): look at everything.
             sampled = False
-            live, tier, filtered = self._admit(ids, namespace, capability, forced, exclude, explain)
+            live, tier, filtered = self._admit(
+                ids, namespace, capability, forced, exclude, explain, held
+            )
         if not live:
             elapsed = (time.perf_counter() - t0) * 1e6
             decision = self._decision(request_id, req, selector, strategy_name, ids, sampled)
             decision.elapsed_us = elapsed
             if filtered is None:  # explain was off: redo the pass that says why
-                filtered = self._admit(ids, namespace, capability, forced, exclude, True)[2]
+                filtered = self._admit(ids, namespace, capability, forced, exclude, True, held)[2]
             raise self._no_match(req, namespace, decision, filtered or [], selector, ids)
 
         chosen: AgentView | None = None
@@ -198,9 +211,10 @@ class Router:
                     narrowed, req.hash_key or req.session_id, self._weights, self._rng
                 )
                 chosen = reg.agents[pick.agent_id]
-        if not req.dry_run and chosen.breaker.state is BreakerState.HALF_OPEN:
+        if not req.dry_run and not held and chosen.breaker.state is BreakerState.HALF_OPEN:
             # Hand out the single probe; a dry run (``route``, ``--dry-run``) sends nothing,
-            # so it must not take it from the next real request.
+            # so it must not take it from the next real request, nor a task's holder, whose
+            # answer from its idempotency table says nothing of its health.
             chosen.breaker.allow()
         others: list[AgentView] = []
         if alternates > 0 and len(live) > 1:
@@ -227,6 +241,7 @@ class Router:
         forced: bool,
         exclude: frozenset[str],
         explain: bool,
+        held: bool = False,
     ) -> tuple[list[AgentView], str | None, list[FilteredAgent] | None]:
         """Filter ``ids`` into the routable tier: (routable agents, fallback tier, filtered).
 
@@ -251,7 +266,7 @@ class Router:
             view = agents.get(agent_id)
             if view is None:
                 continue
-            reason = self._filter(view, namespace, capability, forced, exclude)
+            reason = self._filter(view, namespace, capability, forced, exclude, held)
             if reason is None:
                 live.append(view)
                 continue
@@ -304,9 +319,12 @@ class Router:
         capability: str | None,
         forced: bool,
         exclude: frozenset[str],
+        held: bool = False,
     ) -> str | None:
         """Why ``view`` cannot take this request, or None. ``"saturated"``, ``"unhealthy"``,
-        ``"suspect"`` and ``"unreached"`` mean fallback only."""
+        ``"suspect"`` and ``"unreached"`` mean fallback only. ``held``: ``view`` may hold the
+        task (``decide``'s ``only``): its breaker (``QUARANTINED``, half-open with its probe
+        out) does not keep it out, unless it opened because the agent was found deaf."""
         if view.agent_id in exclude:
             return "already tried for this request"
         card = view.record.card
@@ -318,9 +336,15 @@ class Router:
             return _SUSPECT
         if state is AgentState.DRAINING and forced:
             return _DRAINING  # named by the caller: say what to do about it
-        if state is not AgentState.ONLINE:
+        # A holder found deaf stays out: nobody listens on its subjects, it cannot answer.
+        held = held and view.breaker.why != DEAF
+        if state is not AgentState.ONLINE and not (held and state is AgentState.QUARANTINED):
             return f"state {state.value}"
-        if view.breaker.state is BreakerState.HALF_OPEN and not view.breaker.probe_available:
+        if (
+            not held
+            and view.breaker.state is BreakerState.HALF_OPEN
+            and not view.breaker.probe_available
+        ):
             return "breaker half-open, probe in flight"
         if capability is not None and capability in view.unavailable:
             return f"reports {capability} unavailable"
