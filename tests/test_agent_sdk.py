@@ -11,6 +11,7 @@ import pytest
 from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ValidationError
+from pydantic_core import to_json
 
 from reach_mesh import (
     BadRequestError,
@@ -22,8 +23,10 @@ from reach_mesh import (
     protocol,
 )
 from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.hub import Hub
-from reach_mesh.models import AgentCard
+from reach_mesh.models import AgentCard, TaskEnvelope, TaskReply
+from reach_mesh.workflow import TaskStatusEvent
 
 from .helpers import eventually, fetch, mcp_session
 
@@ -386,3 +389,47 @@ def test_label_keys_that_differ_only_in_case_are_refused(settings: MeshSettings)
     assert AgentCard(
         agent_id="t0.case.a1", capabilities=["a:b:v1"], labels={"Zone": "z"}
     ).labels == {"zone": "z"}
+
+
+# --------------------------------------------------------------------------- step statuses
+
+
+@pytest.mark.parametrize(
+    ("result", "workflow_id", "step"),
+    [
+        ({"a": None, "b": [1.0, 1e20, "é\u2028"], "c": {"d": True}}, "wf-1", 0),
+        (None, "wf-1", 2),
+        ("text", None, None),
+        ([1, 2], 'w"f\\1', 7),
+    ],
+)
+def test_a_succeeded_steps_status_is_what_its_model_writes(
+    result: Any, workflow_id: str | None, step: int | None
+) -> None:
+    """A succeeded step's final status is written around its result's JSON
+    (``HeldSteps._succeeded``), not by ``TaskStatusEvent``: the same fields in the same order,
+    the same values, ``None`` ones left out, and the same reply read back from it."""
+    agent = Agent("t0.status.a1", settings=MeshSettings(namespace="t0"))
+    work = WorkConsumer(agent)
+    env = TaskEnvelope(
+        task_id="t-1", attempt=3, payload=1, workflow_id=workflow_id, step=step, namespace="t0"
+    )
+    body = work._succeeded(env, to_json(result), 12.3456, 0.5)
+    event = TaskStatusEvent(
+        task_id="t-1",
+        attempt=3,
+        agent_id=agent.agent_id,
+        state=TaskState.SUCCEEDED,
+        workflow_id=workflow_id,
+        step=step,
+        result=result,
+        duration_ms=12.346,
+        queued_ms=0.5,
+    )
+    expected = json.loads(protocol.encode(event))
+    got = json.loads(body)
+    assert got == expected
+    assert list(got) == list(expected)
+    assert TaskReply.model_validate_json(body) == TaskReply.model_validate(
+        event.model_dump(include=set(TaskReply.model_fields))
+    )

@@ -35,7 +35,7 @@ from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub.workflows import WorkflowEngine
-from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply
+from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope
 from reach_mesh.workflow import (
     TaskRecord,
     TaskStatusEvent,
@@ -743,15 +743,15 @@ async def test_a_step_finished_before_the_cancel_keeps_its_result_not_yet_stored
     await slow.start()
     assert agent.work is not None
     release = asyncio.Event()
-    final = agent.work._final
+    final = agent.work._store_final
 
     async def held_up(
-        env: TaskEnvelope, headers: dict[str, str], reply: TaskReply, msgs: list[Msg]
+        env: TaskEnvelope, headers: dict[str, str], body: bytes, msgs: list[Msg]
     ) -> None:
         await release.wait()
-        await final(env, headers, reply, msgs)
+        await final(env, headers, body, msgs)
 
-    agent.work._final = held_up  # type: ignore[method-assign]
+    agent.work._store_final = held_up  # type: ignore[method-assign]
     try:
         async with Client(settings=wf_settings) as mesh:
             wf_id = await mesh.submit_fanout(

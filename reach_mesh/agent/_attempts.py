@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Final
 
 from nats.aio.client import Client as NATS
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from pydantic import ValidationError
 from pydantic_core import from_json, to_json
@@ -50,7 +51,14 @@ from reach_mesh.errors import (
 )
 from reach_mesh.logs import HANDLER_ABANDONED, HANDLER_FAILED, LineBudget, log_event
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskReply, TaskState
-from reach_mesh.tracing import SPAN_HANDLE, SpanKind, span, trace_id_from_headers
+from reach_mesh.tracing import (
+    SPAN_HANDLE,
+    SpanKind,
+    carried_span,
+    span,
+    trace_id_from_headers,
+    tracing_enabled,
+)
 from reach_mesh.tracing.metrics import AgentMetrics
 
 if typing.TYPE_CHECKING:
@@ -97,26 +105,41 @@ class AttemptsMixin:
         on_accept: Callable[[], None] | None = None,
         progress: Callable[[Any], Awaitable[None]] | None = None,
         on_abandon: Callable[[], None] | None = None,
-    ) -> TaskReply:
-        """Run one attempt (:meth:`_attempt`) and count it in :attr:`metrics`.
+    ) -> bytes | TaskReply:
+        """Run one attempt (:meth:`_attempt`) and count it in :attr:`metrics`; the result's
+        JSON when it succeeded, else the reply.
 
         Durable workflow steps come through here (request-reply tasks take the same steps in
         ``ServingMixin._run``), so the agent's metrics cover both; duplicates answered from the
         idempotency cache never do."""
         cap = handler.capability
         t0 = time.perf_counter()
+        # Tracing off (the common case): the traceparent is parsed once, here, into the trace
+        # context the handler runs in — what ``span()`` makes current, without its scope
+        # object and a second parse (as ``ServingMixin._run`` does). Otherwise, or without a
+        # valid one, ``span()`` decides.
+        parent = None if tracing_enabled() else carried_span(headers)
         try:
-            with self._handle_span(env, handler, headers) as sp:
-                out = await self._attempt(
-                    env,
-                    handler,
-                    trace_id_from_headers(headers),
-                    sp,
-                    on_accept,
-                    progress,
-                    on_abandon,
-                )
-                _end_handle_span(sp, out)
+            if parent is None:
+                with self._handle_span(env, handler, headers) as sp:
+                    out = await self._attempt(
+                        env,
+                        handler,
+                        trace_id_from_headers(headers),
+                        sp,
+                        on_accept,
+                        progress,
+                        on_abandon,
+                    )
+                    _end_handle_span(sp, out)
+            else:
+                token = otel_context.attach(trace.set_span_in_context(parent))
+                try:
+                    out = await self._attempt(
+                        env, handler, parent.trace_id, parent, on_accept, progress, on_abandon
+                    )
+                finally:
+                    otel_context.detach(token)
         except asyncio.CancelledError:
             # Shutdown or fencing: the attempt ends here without a result.
             if not self._counted_when_abandoned(env):
@@ -124,9 +147,7 @@ class AttemptsMixin:
             raise
         if not self._counted_when_abandoned(env):
             self._count(cap, out, time.perf_counter() - t0)
-        if type(out) is bytes:
-            return self._reply(env, TaskState.SUCCEEDED, result=from_json(out))
-        return typing.cast(TaskReply, out)
+        return out
 
     def _count(self, capability: str, out: bytes | TaskReply, elapsed: float) -> None:
         """Count one finished attempt: duration, final state, failure code."""

@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import math
 import time
+import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -28,8 +28,8 @@ from pydantic_core import to_json
 from reach_mesh import protocol
 from reach_mesh._consume import PullConsumer
 from reach_mesh._jspub import JsClient
-from reach_mesh._retry import RetriesExhausted, retrying
-from reach_mesh.agent._results import _abandoned_error
+from reach_mesh._retry import RetriesExhausted, describe, retrying, transient
+from reach_mesh.agent._results import _abandoned_error, _json_string
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import PayloadTooLargeError
 from reach_mesh.models import TaskEnvelope, TaskReply, TaskState
@@ -37,9 +37,12 @@ from reach_mesh.tracing import inject, trace_id_from_headers
 from reach_mesh.workflow import TaskStatusEvent
 
 if TYPE_CHECKING:
+    import hashlib
+
     from reach_mesh.agent._agent import Agent
     from reach_mesh.agent._fences import Fences
     from reach_mesh.agent._serving import _Handler
+    from reach_mesh.agent._table import _Entry
 
 __all__ = ["HeldSteps"]
 
@@ -52,6 +55,16 @@ _FINAL_RETRY: Final = 10.0
 #: ACCEPTED is published only for a handler still running this long after it started: a
 #: quicker one's final status implies it (one status message fewer per step).
 _ACCEPTED_AFTER: Final = 0.05
+#: A SUCCEEDED step's final status as ``protocol.encode`` writes its ``TaskStatusEvent``
+#: (``None`` fields left out, in the model's field order), around the result's JSON
+#: (``HeldSteps._succeeded``): task id, attempt, agent id and state, workflow and step, result.
+_STEP_SUCCEEDED: Final = (
+    b'{"task_id":%b,"attempt":%d%b%b,"result":%b,"cached":false,"duration_ms":%.3f,'
+    b'"queued_ms":%.3f}'
+)
+_STEP_SUCCEEDED_NULL: Final = (
+    b'{"task_id":%b,"attempt":%d%b%b,"cached":false,"duration_ms":%.3f,"queued_ms":%.3f}'
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -61,8 +74,8 @@ class _Held:
     msg: Msg
     env: TaskEnvelope
     headers: dict[str, str]
-    #: Its idempotency record's waiter (resolved with the attempt's reply).
-    done: asyncio.Future[TaskReply]
+    #: Its idempotency record (``Agent._results``), while the table keeps it as this attempt's.
+    entry: _Entry
     task: asyncio.Task[None] | None = None
     accepted_at: float | None = None
     last_running: float = 0.0
@@ -99,6 +112,8 @@ class HeldSteps:
     #: Keys the nonce of each final-status id (``protocol.final_msg_id``): random per
     #: process, so no other agent can predict an id, nor one from another it has read.
     _nonce_key: bytes
+    #: blake2b keyed with ``_nonce_key``, nothing hashed yet: each nonce starts from a copy.
+    _nonce_hash: hashlib.blake2b
     _pull: PullConsumer | None
     _held: dict[str, _Held]
     #: The newest non-final status publish of each task still under way: the final status
@@ -124,7 +139,6 @@ class HeldSteps:
     async def _run(self, held: _Held, handler: _Handler) -> None:
         agent = self._agent
         env = held.env
-        done = held.done
         held.capability = handler.capability
         t_queued = time.perf_counter()
         t_start = t_queued
@@ -133,9 +147,8 @@ class HeldSteps:
 
         def on_accept() -> None:
             held.accepted_at = held.last_running = time.monotonic()
-            entry = agent._results.get(env.task_id)
-            if entry is not None and entry.done is done:
-                entry.state = TaskState.ACCEPTED
+            if agent._results.get(env.task_id) is held.entry:
+                held.entry.state = TaskState.ACCEPTED
             held.accepted_timer = self._loop.call_later(_ACCEPTED_AFTER, self._say_accepted, held)
 
         async def progress(info: Any) -> None:
@@ -167,7 +180,7 @@ class HeldSteps:
                     self.fenced += 1
                     raise asyncio.CancelledError
                 t_start = time.perf_counter()
-                reply = await agent._call(
+                out = await agent._call(
                     env,
                     handler,
                     held.headers,
@@ -195,7 +208,8 @@ class HeldSteps:
         except Exception as err:
             # Not the handler's (``_attempt`` answers for those): the step still gets an
             # outcome, its entry and ``_held`` are let go below.
-            reply = agent._failed_here(env, err)
+            out = agent._failed_here(env, err)
+        t_end = time.perf_counter()
         if held.abandoned:
             # Answered TIMEOUT (or dropped, fenced) when it was abandoned: the attempt has its
             # final status, and nothing is said of an attempt after that.
@@ -204,18 +218,54 @@ class HeldSteps:
                 "after it was abandoned: dropped",
                 env.task_id,
                 held.env.attempt,
-                reply.state.value,
-                time.perf_counter() - t_start,
+                "SUCCEEDED" if type(out) is bytes else typing.cast(TaskReply, out).state.value,
+                t_end - t_start,
             )
             return
-        reply.attempt = held.env.attempt
-        reply.duration_ms = round((time.perf_counter() - t_start) * 1000, 3)
-        reply.queued_ms = round((t_start - t_queued) * 1000, 3)
         agent.handled += 1
-        self._settle(held, reply)
+        env = held.env  # (its attempt may have moved on meanwhile: ``WorkConsumer._known``)
+        duration_ms = (t_end - t_start) * 1000
+        queued_ms = (t_start - t_queued) * 1000
+        if type(out) is bytes:
+            # A success stays the result's JSON: its final status is written around it, and
+            # the idempotency record keeps that status (a ``TaskReply`` once a copy asks).
+            body = self._succeeded(env, out, duration_ms, queued_ms)
+            self._settle(held, TaskState.SUCCEEDED, None, body)
+        else:
+            reply = typing.cast(TaskReply, out)
+            reply.attempt = env.attempt
+            reply.duration_ms = round(duration_ms, 3)
+            reply.queued_ms = round(queued_ms, 3)
+            body = protocol.encode(_event(env, reply.state, agent.agent_id, reply=reply))
+            self._settle(held, reply.state, reply, body)
         self._held.pop(env.task_id, None)
         _quiet(held)  # the final status implies ACCEPTED
-        await self._final(held.env, held.headers, reply, [held.msg, *held.extra])
+        await self._store_final(env, held.headers, body, [held.msg, *held.extra])
+
+    def _succeeded(
+        self, env: TaskEnvelope, result: bytes, duration_ms: float, queued_ms: float
+    ) -> bytes:
+        """The final status of ``env``'s attempt SUCCEEDED with the result JSON ``result``, as
+        ``protocol.encode`` writes its ``TaskStatusEvent`` (several times cheaper than the
+        models and their serialiser). ``task_id`` and ``workflow_id`` came from the wire,
+        so they are escaped; the agent id is ours."""
+        task_id = _json_string(env.task_id).encode()
+        where = b""
+        if env.workflow_id is not None:
+            where = b',"workflow_id":' + _json_string(env.workflow_id).encode()
+        if env.step is not None:
+            where += b',"step":%d' % env.step
+        ours = self._agent._succeeded
+        if result == b"null":  # (a None result is left out, as any None field)
+            return _STEP_SUCCEEDED_NULL % (
+                task_id,
+                env.attempt,
+                ours,
+                where,
+                duration_ms,
+                queued_ms,
+            )
+        return _STEP_SUCCEEDED % (task_id, env.attempt, ours, where, result, duration_ms, queued_ms)
 
     # ------------------------------------------------------------------ what is said of it
 
@@ -224,11 +274,20 @@ class HeldSteps:
     ) -> None:
         """Publish the final status (stored by JetStream: it is also what a restart of this
         agent reads back), then ack."""
+        event = _event(env, reply.state, self._agent.agent_id, reply=reply)
+        await self._store_final(env, headers, protocol.encode(event), msgs)
+
+    async def _store_final(
+        self,
+        env: TaskEnvelope,
+        headers: dict[str, str],
+        body: bytes,
+        msgs: list[Msg],
+    ) -> None:
+        """:meth:`_final` of the final status ``body``, written already."""
         assert self._jsc is not None
         jsc = self._jsc
-        event = _event(env, reply.state, self._agent.agent_id, reply=reply)
         subject = protocol.task_status(self._agent.agent_id, env.task_id)
-        body = protocol.encode(event)
         out = inject(dict(headers))
         # A repeat of this publish (retried below) is stored once; subscribers see each.
         out[protocol.HDR_MSG_ID] = self._final_msg_id(env)
@@ -238,18 +297,28 @@ class HeldSteps:
             # last event stored on its subject.
             await asyncio.wait([saying])
         # Through a JetStream election (a few seconds) at once, rather than by redelivery:
-        # the hub takes the first outcome it hears, so a late one may be a wasted run.
+        # the hub takes the first outcome it hears, so a late one may be a wasted run. The
+        # first try goes without ``retrying``'s machinery (it nearly always is the only one).
         failed: list[BaseException] = []
+        deadline = self._loop.time() + _FINAL_RETRY
         try:
-            await retrying(
-                f"final status of {env.task_id}",
-                functools.partial(jsc.publish, subject, body, out),
-                self._loop.time() + _FINAL_RETRY,
-            )
+            await jsc.publish(subject, body, out)
         except Exception as err:
-            failed.append(
-                err.__cause__ if isinstance(err, RetriesExhausted) and err.__cause__ else err
-            )
+            if not transient(err):
+                failed.append(err)
+            else:
+                what = f"final status of {env.task_id}"
+                log.info("%s: %s; retrying", what, describe(err))
+                try:
+                    await retrying(
+                        what, functools.partial(jsc.publish, subject, body, out), deadline
+                    )
+                except Exception as again:
+                    failed.append(
+                        again.__cause__
+                        if isinstance(again, RetriesExhausted) and again.__cause__
+                        else again
+                    )
         if failed:
             # The status is not durable: let JetStream redeliver; the duplicate re-publishes.
             log.warning(
@@ -273,7 +342,8 @@ class HeldSteps:
         same for every repeat of the status from this process (stored once) and unlike any
         other status's (one id read gives nobody the next)."""
         attempt = protocol.attempt_msg_id(self._agent.namespace, env.task_id, env.attempt)
-        nonce = hashlib.blake2b(attempt.encode(), key=self._nonce_key, digest_size=16)
+        nonce = self._nonce_hash.copy()  # (keyed once: a copy skips hashing the key block)
+        nonce.update(attempt.encode())
         return protocol.final_msg_id(
             self._agent.namespace, env.task_id, env.attempt, nonce.hexdigest()
         )
@@ -296,7 +366,7 @@ class HeldSteps:
         if agent._nc is None:
             return
         event = _event(env, state, agent.agent_id, progress=progress)
-        task = asyncio.ensure_future(
+        task = self._loop.create_task(
             agent._nc.publish(
                 protocol.task_status(self._agent.agent_id, env.task_id),
                 protocol.encode(event),
@@ -370,29 +440,30 @@ class HeldSteps:
         if held.accepted_at is not None:
             reply.duration_ms = round((time.monotonic() - held.accepted_at) * 1000, 3)
         agent.handled += 1
-        self._settle(held, reply)
+        self._settle(held, reply.state, reply, b"")
         agent._spawn(self._final(env, held.headers, reply, msgs))
 
-    def _settle(self, held: _Held, reply: TaskReply) -> None:
-        """The attempt's outcome is ``reply``: its idempotency record keeps it (if the
-        record is still this attempt's) and whoever waits on it has it."""
-        entry = self._agent._results.get(held.env.task_id)
-        if entry is not None and entry.done is held.done:
-            entry.state = reply.state
-            entry.reply = reply
-            entry.attempt = reply.attempt
-            entry.done = None
-        if not held.done.done():
-            held.done.set_result(reply)
+    def _settle(self, held: _Held, state: TaskState, reply: TaskReply | None, body: bytes) -> None:
+        """The attempt's outcome is ``reply`` (None: the final status ``body``, a success):
+        its idempotency record keeps it (if the record is still this attempt's) and whoever
+        waits on it (a copy sent as a request, ``ServingMixin._duplicate``) has it."""
+        entry = held.entry
+        if self._agent._results.get(held.env.task_id) is entry:
+            entry.attempt = held.env.attempt
+            entry.finish(state, reply, body)
+        waiter, entry.done = entry.done, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply or TaskReply.model_validate_json(body))
 
     def _forget(self, held: _Held) -> None:
         """The attempt ends without an outcome (shutdown, fenced): its idempotency record goes
         (if still this attempt's), and whoever waits on it is let go."""
-        entry = self._agent._results.get(held.env.task_id)
-        if entry is not None and entry.done is held.done:
+        entry = held.entry
+        if self._agent._results.get(held.env.task_id) is entry:
             self._agent._results.pop(held.env.task_id)
-        if not held.done.done():
-            held.done.cancel()
+        waiter, entry.done = entry.done, None
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
 
     async def _settle_fenced(self, env: TaskEnvelope, msgs: list[Msg]) -> None:
         """Ack the messages of a fenced attempt (no result: the hub moved on), and promise

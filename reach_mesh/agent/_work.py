@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Final
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Final
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -61,7 +63,7 @@ __all__ = ["WorkConsumer"]
 
 log = logging.getLogger("reach_mesh.agent.work")
 
-_TRACE_HEADERS: Final = frozenset({"traceparent", "tracestate", "baggage"})
+_TRACE_HEADERS: Final = ("traceparent", "tracestate", "baggage")
 #: A step whose fence was read longer ago than this (it waited for a slot, or the process was
 #: paused) reads it again before its handler starts: the hub may have moved on meanwhile.
 _REFENCE_AFTER: Final = 0.25
@@ -81,6 +83,7 @@ class WorkConsumer(HeldSteps):
         # Described where ``HeldSteps`` types them: _jsc, _nonce_key, _pull, _held, _saying.
         self._jsc: JsClient | None = None
         self._nonce_key = secrets.token_bytes(32)
+        self._nonce_hash = hashlib.blake2b(key=self._nonce_key, digest_size=16)
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
         self._checking: set[str] = set()
@@ -344,11 +347,19 @@ class WorkConsumer(HeldSteps):
         behind: Behind | None = None
         if msg.headers and protocol.HDR_FENCE in msg.headers:
             marker = self.fences.on_marker(msg)
-            self._agent._spawn(self._settle_marker(msg, ok=marker))
+            self._spawn(self._settle_marker(msg, ok=marker))
         else:
             behind = self.fences.behind_of(delivery)
-            self._agent._spawn(self._handle(msg, delivery, behind))
+            self._spawn(self._handle(msg, delivery, behind))
         self.fences.arrived(delivery, behind)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """``Agent._spawn`` on this consumer's loop (``asyncio.create_task`` asks for the
+        running loop: a ``getpid`` system call on Python 3.11)."""
+        task = self._loop.create_task(coro)
+        tasks = self._agent._tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
     async def _drop(self, msg: Msg) -> None:
         """Drop a work message unrun: its attempt is fenced (acked, counted, no status)."""
@@ -488,12 +499,10 @@ class WorkConsumer(HeldSteps):
                 [msg],
             )
             return
-        done: asyncio.Future[TaskReply] = self._loop.create_future()
         owner = None if env.workflow_id is None else (env.workflow_id, env.step)
-        agent._remember(
-            env.task_id, _Entry(env.attempt, TaskState.DELIVERED, done=done, owner=owner)
-        )
-        held = _Held(msg=msg, env=env, headers=headers, checked_at=checked_at, done=done)
+        entry = _Entry(env.attempt, TaskState.DELIVERED, owner=owner)
+        agent._remember(env.task_id, entry)
+        held = _Held(msg=msg, env=env, headers=headers, entry=entry, checked_at=checked_at)
         self._held[env.task_id] = held
         if agent._running >= agent.max_concurrency:
             # It waits for a slot: say it is in hand. With a slot free the handler starts in
@@ -623,7 +632,7 @@ class WorkConsumer(HeldSteps):
             entry = self._agent._results.get(task_id)
             if workflow_id is not None and entry is not None and entry.owner is not None:
                 entry = entry if entry.owner[0] == workflow_id else None
-            if entry is None or entry.reply is None or entry.attempt < attempt:
+            if entry is None or entry.running or entry.attempt < attempt:
                 # Not here yet (still in the stream, or never sent, or its fence being read):
                 # never start it. (One we finished is not run again anyway: idempotency.)
                 self.fences.never_start(task_id, attempt, workflow_id)
@@ -665,9 +674,13 @@ class WorkConsumer(HeldSteps):
 
 
 def _trace_headers(headers: dict[str, str] | None) -> dict[str, str]:
-    if not headers:
-        return {}
-    return {k: v for k, v in headers.items() if k in _TRACE_HEADERS}
+    out: dict[str, str] = {}
+    if headers:
+        for key in _TRACE_HEADERS:
+            value = headers.get(key)
+            if value is not None:
+                out[key] = value
+    return out
 
 
 def _another_step(entry: _Entry, env: TaskEnvelope) -> bool:
