@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -28,7 +29,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
 from reach_mesh.hub._pins import decode_pins
 from reach_mesh.hub.breaker import BreakerState
-from reach_mesh.models import AgentState
+from reach_mesh.models import AgentState, CordonRecord
 from reach_mesh.tracing.metrics import RESEND_FOUND
 
 from .helpers import Fleet, echo_agent, eventually, heal, partition, relayed, two_holding
@@ -702,7 +703,7 @@ async def test_an_attempt_refused_before_accepted_leaves_the_pin_on_the_holder(
         await fleet.close()
 
 
-@pytest.mark.parametrize("breaker", ["open", "half_open"])
+@pytest.mark.parametrize("breaker", ["open", "half_open", "draining", "cordoned"])
 async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
     settings: MeshSettings, breaker: str
 ) -> None:
@@ -712,7 +713,8 @@ async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
     whose breaker quarantined ``a1`` earlier (breakers are each hub's own), or is half-open
     with its probe out. The retry joins ``a1``'s run: a retry of a task the agent holds is no
     new work, its idempotency table answers. Before, the breaker kept ``a1`` out of the
-    holder's route, and the task ran again on ``a2``."""
+    holder's route, and the task ran again on ``a2``. The same for a holder ``second`` sees
+    draining, or that an operator cordoned: each keeps new work from it, not this retry."""
     ns = settings.namespace
     fleet, ran, release = two_holding(settings, "qh", CAP)
     a1, a2 = fleet.agents
@@ -730,12 +732,26 @@ async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
         await eventually(lambda: _ours(first, ns) == 2 and _ours(second, ns) == 2)
         await eventually(lambda: second._pins.get(ns, "qh-held") == a1.agent_id)
         view = second.registry.agents[a1.agent_id]
-        view.breaker.trip()
+        if breaker == "draining":
+            view.draining = True  # (as its draining heartbeat says)
+        elif breaker == "cordoned":
+            cordon = CordonRecord(reason="test", cordoned_at=time.time())
+            view = await second.registry.set_cordon(a1.agent_id, cordon) or view
+        else:
+            view.breaker.trip()
         if breaker == "half_open":
             view.breaker._opened_at -= view.breaker.open_timeout
             assert view.breaker.allow()  # its probe out
         second.registry.regrade(view)
-        assert view.state is (AgentState.QUARANTINED if breaker == "open" else AgentState.ONLINE)
+        assert (
+            view.state
+            is {
+                "open": AgentState.QUARANTINED,
+                "half_open": AgentState.ONLINE,
+                "draining": AgentState.DRAINING,
+                "cordoned": AgentState.CORDONED,
+            }[breaker]
+        )
         resent = asyncio.ensure_future(second.route(body, ns, {protocol.HDR_RESEND: "1"}))
         await eventually(lambda: len(second._flights) == 1)
         await asyncio.sleep(0.2)  # a run on a2 would have started by now
@@ -746,9 +762,10 @@ async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
         assert [a.get("cached", False) for a in answers] == [False, True]
         assert ran == {"qh-held": [a1.agent_id]}
         # The answer from its table is no probe's verdict: the breaker is as it was.
-        assert view.breaker.state is (
-            BreakerState.OPEN if breaker == "open" else BreakerState.HALF_OPEN
-        )
+        assert view.breaker.state is {
+            "open": BreakerState.OPEN,
+            "half_open": BreakerState.HALF_OPEN,
+        }.get(breaker, BreakerState.CLOSED)
     finally:
         release.set()
         await second.close()

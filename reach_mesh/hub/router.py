@@ -81,6 +81,12 @@ class Choice:
     alternates: list[AgentView] = field(default_factory=list)
 
 
+#: States that keep new work from an agent but not a retry of a task it may hold (``_filter``).
+_HOLDER_STATES: Final = frozenset(
+    {AgentState.QUARANTINED, AgentState.DRAINING, AgentState.CORDONED}
+)
+
+
 class Router:
     def __init__(
         self,
@@ -124,9 +130,10 @@ class Router:
         ``alternates``: also return up to that many other routable agents, best first.
         ``only``: that agent or none — among those ``req`` matches, admitted as any other
         (a task that may be in its hands already must not go to another, ``RoutingMixin``)
-        except for its breaker: open (``QUARANTINED``) or half-open with its probe out, it is
-        still admitted, and given no probe (unless the breaker opened because it was found
-        deaf: nobody listens on its subjects). The breaker keeps new work from an agent that
+        except for its breaker, its drain and an operator's cordon: open (``QUARANTINED``) or
+        half-open with its probe out, ``DRAINING`` or ``CORDONED``, it is still admitted, and
+        given no probe (unless the breaker opened because it was found deaf: nobody listens
+        on its subjects). The breaker keeps new work from an agent that
         fails it; a retry of a task it holds is none — its idempotency table answers from
         the run in hand or its result, no handler runs — and another agent would run the
         task a second time. (Breakers are each hub's own: the secure chaos run's
@@ -324,7 +331,9 @@ class Router:
         """Why ``view`` cannot take this request, or None. ``"saturated"``, ``"unhealthy"``,
         ``"suspect"`` and ``"unreached"`` mean fallback only. ``held``: ``view`` may hold the
         task (``decide``'s ``only``): its breaker (``QUARANTINED``, half-open with its probe
-        out) does not keep it out, unless it opened because the agent was found deaf."""
+        out), a drain or an operator's cordon does not keep it out (each keeps new work from
+        it; the agent answers a task it holds from its idempotency table before it looks at
+        its drain), unless its breaker opened because it was found deaf."""
         if view.agent_id in exclude:
             return "already tried for this request"
         card = view.record.card
@@ -338,7 +347,7 @@ class Router:
             return _DRAINING  # named by the caller: say what to do about it
         # A holder found deaf stays out: nobody listens on its subjects, it cannot answer.
         held = held and view.breaker.why != DEAF
-        if state is not AgentState.ONLINE and not (held and state is AgentState.QUARANTINED):
+        if state is not AgentState.ONLINE and not (held and state in _HOLDER_STATES):
             return f"state {state.value}"
         if (
             not held
