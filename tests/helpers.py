@@ -27,12 +27,14 @@ from nats.js.errors import KeyNotFoundError
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
-from reach_mesh.models import AgentCard, RegisterReply, RegisterRequest, TaskState
+from reach_mesh.models import AgentCard, AgentState, RegisterReply, RegisterRequest, TaskState
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import AttemptRecord, TaskRecord, TaskStatusEvent
 
 if TYPE_CHECKING:
     from mcp.client.session import ClientSession
+
+    from reach_mesh.hub import Hub
 
 
 #: Ports handed out by ``free_port`` in this process: never twice.
@@ -574,16 +576,39 @@ class LoopThread:
             self.loop.close()
 
 
-async def register_by_hand(nc: Any, card: AgentCard) -> RegisterReply:
-    """Register ``card`` over ``nc`` as an agent speaking the wire protocol by hand would,
-    with a lease long enough that no heartbeat is needed during a test: the hub's reply."""
+async def register_by_hand(
+    nc: Any,
+    card: AgentCard,
+    *,
+    session: str | None = None,
+    heartbeat_interval: float = 20,
+    lease_timeout: float = 60,
+) -> RegisterReply:
+    """Register ``card`` over ``nc`` as an agent speaking the wire protocol by hand would
+    (by default with a new session, and a lease long enough that no heartbeat is needed
+    during a test): the hub's reply."""
     req = RegisterRequest(
-        card=card, session=uuid.uuid4().hex, heartbeat_interval=20, lease_timeout=60
+        card=card,
+        session=session or uuid.uuid4().hex,
+        heartbeat_interval=heartbeat_interval,
+        lease_timeout=lease_timeout,
     )
     reply = await nc.request(
         protocol.hub_agent_subject(card.agent_id, "register"), protocol.encode(req), timeout=5
     )
     return protocol.parse_reply(reply.data, RegisterReply)
+
+
+def states_of(hub: Hub, agent_id: str) -> list[AgentState]:
+    """The states ``hub``'s registry grades the agent into from now on, in order."""
+    seen: list[AgentState] = []
+
+    def record(view: Any, old: AgentState, new: AgentState) -> None:
+        if view.agent_id == agent_id:
+            seen.append(new)
+
+    hub.registry.on_state_change(record)
+    return seen
 
 
 def a_server_of_its_own() -> Iterator[str]:

@@ -19,48 +19,27 @@ import nats
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.hub import Hub
-from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import (
     AgentCard,
     AgentState,
     HeartbeatRecord,
-    RegisterRequest,
     UnregisterRequest,
 )
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually
+from .helpers import eventually, register_by_hand, states_of
 
 _HB_STREAM = f"KV_{protocol.KV_HEARTBEATS}"
 
 
 async def _register(nc: Any, agent_id: str, session: str) -> None:
-    req = RegisterRequest(
-        card=AgentCard(agent_id=agent_id, capabilities=["lease:confirm:v1"]),
-        session=session,
-        heartbeat_interval=0.2,
-        lease_timeout=0.6,
-    )
-    reply = await nc.request(
-        protocol.hub_agent_subject(agent_id, "register"), protocol.encode(req), timeout=5
-    )
-    protocol.raise_for_error(reply.data)
+    card = AgentCard(agent_id=agent_id, capabilities=["lease:confirm:v1"])
+    await register_by_hand(nc, card, session=session, heartbeat_interval=0.2, lease_timeout=0.6)
 
 
 def _stop_heartbeat_watch(hub: Hub) -> None:
     (watch,) = [t for t in hub.registry._tasks if t.get_name() == "reach-watch-heartbeats"]
     watch.cancel()
-
-
-def _states(hub: Hub, agent_id: str) -> list[AgentState]:
-    seen: list[AgentState] = []
-
-    def record(view: AgentView, old: AgentState, new: AgentState) -> None:
-        if view.agent_id == agent_id:
-            seen.append(new)
-
-    hub.registry.on_state_change(record)
-    return seen
 
 
 async def test_a_missed_beat_is_read_from_the_stream_leader(
@@ -83,7 +62,7 @@ async def test_a_missed_beat_is_read_from_the_stream_leader(
         await nc.flush()
         await _register(nc, agent_id, session)
         _stop_heartbeat_watch(hub)
-        seen = _states(hub, agent_id)
+        seen = states_of(hub, agent_id)
         kv = await nc.jetstream().key_value(protocol.KV_HEARTBEATS)
         beat = protocol.encode(HeartbeatRecord(session=session))
         # Lease 0.6 s + grace 0.6 s: a confirmation every 1.2 s or so; 3.5 s of beats is two
@@ -119,7 +98,7 @@ async def test_no_heartbeat_stream_is_not_a_missing_beat(settings: MeshSettings)
             try:
                 await _register(nc, agent_id, uuid.uuid4().hex)
                 _stop_heartbeat_watch(hub)
-                seen = _states(hub, agent_id)
+                seen = states_of(hub, agent_id)
                 await nc.jetstream().delete_stream(_HB_STREAM)
                 # Well past lease + grace (1.2 s), confirmed every liveness pass (50 ms).
                 await eventually(lambda: AgentState.SUSPECT in seen, timeout=5)
@@ -138,7 +117,7 @@ async def test_an_agent_dead_before_its_first_beat_is_never_online_again(
     used to renew the lease: ONLINE again while dead, LOST a whole lease later, the lease
     expiry said twice. It goes SUSPECT, then LOST, once."""
     agent_id = f"{settings.namespace}.confirm.a3"
-    seen = _states(hub, agent_id)
+    seen = states_of(hub, agent_id)
     assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     try:
@@ -250,7 +229,7 @@ async def test_a_restarted_agent_dead_before_its_first_beat_is_not_revived(
     nc = await nats.connect(settings.nats_url)
     try:
         await _register(nc, agent_id, uuid.uuid4().hex)
-        seen = _states(hub, agent_id)
+        seen = states_of(hub, agent_id)
         js = nc.jetstream()
         records = await js.key_value(protocol.KV_AGENTS)
         beats = await js.key_value(protocol.KV_HEARTBEATS)
