@@ -48,6 +48,8 @@ LostEntry = tuple[float, tuple[str, ...], dict[str, str]]
 #: How long, and how many per namespace, agents declared LOST stay in ``recently_lost``.
 LOST_KEPT_S: Final = 900.0
 _LOST_KEPT_MAX: Final = 200
+#: Views declared LOST kept until their record's delete is delivered (``_lost_views``).
+_LOST_VIEWS_MAX: Final = 10_000
 #: The heartbeat bucket's stream.
 _HB_STREAM: Final = f"KV_{protocol.KV_HEARTBEATS}"
 #: How long the leader read of an overdue agent's heartbeat may take: the grading loop waits
@@ -74,6 +76,8 @@ class Liveness:
     #: Agents declared LOST lately, per namespace: (when, capabilities, labels as the
     #: selector sees them) by id, oldest first.
     _lost: dict[str, OrderedDict[str, LostEntry]]
+    #: The views this hub declared LOST, until their record's delete is delivered.
+    _lost_views: OrderedDict[str, AgentView]
     _listeners: list[StateListener]
     #: When each agent's lease runs out (``last_seen + lease_timeout``) if it beats no more,
     #: a heap of (deadline, tiebreak, view): the grading loop looks at an agent when its
@@ -326,6 +330,11 @@ class Liveness:
         if self.agents.get(agent_id) is view:
             self._drop(agent_id, lost=True)
             self._declared_lost(view)
+            # Until its delete is delivered, its record read back is not the agent alive.
+            self._lost_views[agent_id] = view
+            self._lost_views.move_to_end(agent_id)
+            if len(self._lost_views) > _LOST_VIEWS_MAX:
+                self._lost_views.popitem(last=False)
         assert self._agents_kv is not None and self._hb_kv is not None
         # CAS on the revision we graded: every hub may try, one wins, and a fresh
         # registration (new revision) is never deleted by a stale decision.

@@ -102,6 +102,11 @@ class Registry(Liveness):
         #: (session, revision) of the heartbeat the watch delivered before the agent's record
         #: of that session, by agent id.
         self._early_beats: dict[str, tuple[str, int]] = {}
+        #: The views this hub declared LOST whose record's delete its watch has not delivered
+        #: (it may not have landed: JetStream could not write then), by id, the newest
+        #: 10,000: that record, read back (``fetch``, a watch's replay), is not this agent
+        #: alive again — only a newer beat of its session, or a newer record, is.
+        self._lost_views: OrderedDict[str, AgentView] = OrderedDict()
         self.index = AgentIndex()
         self._deadlines = []
         self._tiebreak = itertools.count()
@@ -302,6 +307,7 @@ class Registry(Liveness):
     def _apply_agent(self, entry: KeyValue.Entry, *, initial: bool) -> None:
         agent_id = entry.key
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+            self._lost_views.pop(agent_id, None)  # nothing left to read back
             view = self.agents.get(agent_id)
             # Deleted by another hub that declared it LOST (an agent that says goodbye is not
             # overdue): listed as recently LOST here too, as on that hub.
@@ -315,12 +321,29 @@ class Registry(Liveness):
         except ValidationError:
             log.warning("ignoring malformed agent record %s", agent_id)
             return
-        self.apply_record(record, entry.revision or 0, seen_at=self._seen_at(entry, initial))
+        revision = entry.revision or 0
+        if self._judged_lost(agent_id, record, revision):
+            return  # (a watch restarted: its replay delivers the record again)
+        self.apply_record(record, revision, seen_at=self._seen_at(entry, initial))
+
+    def _judged_lost(self, agent_id: str, record: AgentRecord, revision: int) -> bool:
+        """Whether ``record`` is the registration this hub declared LOST (its revision, or an
+        older one: a replica behind), undeleted, with no beat of the agent's stored since the
+        verdict: installed again it would be heard "now" — ONLINE, routable — while the agent
+        may be cut off or dead. KV revisions only (the server's order), no clock. A dict
+        lookup unless the agent was declared LOST lately."""
+        if agent_id in self.agents:
+            return False
+        gone = self._lost_views.get(agent_id)
+        if gone is None or revision > gone.revision:
+            return False
+        early = self._early_beats.get(agent_id)
+        return early is None or early[0] != record.session or early[1] <= gone.hb_revision
 
     def apply_record(self, record: AgentRecord, revision: int, *, seen_at: float) -> AgentView:
         """Install (or replace) an agent record in memory and in the index."""
         agent_id = record.card.agent_id
-        view = self.agents.get(agent_id)
+        view = view_was = self.agents.get(agent_id)
         if view is not None and view.revision > revision:
             return view  # an older write arriving late (we applied a newer one locally)
         if view is None or view.record.session != record.session:
@@ -346,6 +369,13 @@ class Registry(Liveness):
             early = self._early_beats.pop(agent_id, None)
             if early is not None and early[0] == record.session:
                 view.hb_revision = early[1]
+            gone = self._lost_views.pop(agent_id, None) if view_was is None else None
+            if gone is not None and gone.record.session == record.session:
+                # The registration this hub declared LOST, back (a beat since, or its record
+                # written again): the beats it had applied are not new ones (the leader read
+                # before LOST would take its last beat for a fresh one).
+                view.hb_revision = max(view.hb_revision, gone.hb_revision)
+                view.hb_own_revision = gone.hb_own_revision
             old_state = AgentState.LOST
             if agent_id not in self.agents:
                 ns = record.card.namespace
@@ -388,6 +418,17 @@ class Registry(Liveness):
             if len(self._early_beats) >= _EARLY_BEATS_MAX:
                 self._early_beats.clear()
             self._early_beats[entry.key] = (hb.session, revision)
+            gone = self._lost_views.get(entry.key) if view is None else None
+            if (
+                gone is not None
+                and gone.record.session == hb.session
+                and revision > gone.hb_revision
+            ):
+                # A beat stored after this hub declared the agent LOST (another hub's write:
+                # through this one, a beat of an agent not registered is refused, and the
+                # agent registers again), its record undeleted: it is back.
+                back = self.apply_record(gone.record, gone.revision, seen_at=self._clock())
+                self.apply_heartbeat(back, hb, seen_at=self._seen_at(entry, initial))
             return
         if revision <= view.hb_revision:
             return  # our own write coming back (already applied), or an older one
@@ -608,6 +649,8 @@ class Registry(Liveness):
             record = AgentRecord.model_validate_json(got[0])
         except ValidationError:
             return None
+        if self._judged_lost(agent_id, record, got[1]):
+            return None  # declared LOST here, its delete not landed: not heard from since
         return self.apply_record(record, got[1], seen_at=self._clock())
 
     # ------------------------------------------------------------------ reads
