@@ -352,7 +352,9 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
     ``WOKE`` s of its waking (``agent``: decided before the pause, see ``WOKE``); or a
     partition that cut an earlier run's agent off (a route's run within ``HEAL`` s of its
     end; ``agent``, see ``CUT_OFF_FAULTS``), or a route's run while a later one cut it off
-    again before its caller could ask (``agent``, ``_cut_off_again``); else a hub fault from
+    again before its caller could ask (``agent``, ``_cut_off_again``), or while it had yet to
+    register again when its caller asked (``agent``, ``_unregistered_when_asked``); else a hub
+    fault from
     ``SLACK`` s before (``hub``); else ``None``."""
     for f in faults:
         if (
@@ -373,7 +375,9 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
                 and (dup.workflow_id is not None or dup.start <= (f.until or f.at) + HEAL)
             ):
                 return "agent"
-        if dup.workflow_id is None and _cut_off_again(prev, dup, faults):
+        if dup.workflow_id is None and (
+            _cut_off_again(prev, dup, faults) or _unregistered_when_asked(prev, dup, faults)
+        ):
             return "agent"
     for kinds, tag, before in ((AGENT_FAULTS, "agent", PRIOR), (HUB_FAULTS, "hub", SLACK)):
         for prev in earlier:
@@ -411,6 +415,53 @@ def _cut_off_again(prev: Run, dup: Run, faults: list[Fault]) -> bool:
         and prev.start < f.at <= prev.start + ROUTE_TIMEOUT + SLACK
         and f.at <= dup.start <= (f.until or f.at) + HEAL
         for f in faults
+    )
+
+
+def _unregistered_when_asked(prev: Run, dup: Run, faults: list[Fault]) -> bool:
+    """Whether a route's second run was its caller's retry after its wait for the first run's
+    answer ran out, while the agent of that run had yet to register again and was then cut
+    off again: that answer lost in a partition that cut its caller or its agent off as the run
+    ended (from ``SLACK`` s before its end to as long after the heal); that agent cut off,
+    before the run, by a partition of at least ``HEAL`` s (long enough to be declared LOST)
+    healed at most ``ELECTIONS`` s before the run started (its registration again a JetStream
+    write, which the elections after the cuts may refuse for that long and more); the second
+    run from ``SLACK`` s before the wait's end (``ROUTE_TIMEOUT`` s after the first run
+    started) to ``SLACK`` s after it; and that agent cut off again, away from the callers, by a
+    partition begun within half a ``ROUTE_TIMEOUT`` after the retry — a resend's longest wait
+    for a LOST holder's registration (docs/protocol.md, "Resends"). The holder the retry
+    named was registered at no hub (the ``Client`` sends it there by ``agent_id``: "no
+    routable agent"; then by capability, as new), nor could it have registered in time to be
+    waited for: the at-least-once window of a holder out of reach, its registration refused
+    (open seed 160 ``partition``; docs/reliability.md)."""
+    end = prev.end or prev.start
+    answer_lost = any(
+        f.kind in CUT_OFF_FAULTS
+        and (prev.agent_id in f.cut_off or CALLER in f.cut_off)
+        and f.at - SLACK <= end
+        and prev.start <= (f.until or f.at) + SLACK
+        for f in faults
+    )
+    was_lost = any(
+        f.kind in CUT_OFF_FAULTS
+        and prev.agent_id in f.cut_off
+        and f.until is not None
+        and f.until - f.at >= HEAL
+        and prev.start - ELECTIONS <= f.until <= prev.start
+        for f in faults
+    )
+    retried = abs(dup.start - (prev.start + ROUTE_TIMEOUT)) <= SLACK
+    return (
+        answer_lost
+        and was_lost
+        and retried
+        and any(
+            f.kind in CUT_OFF_FAULTS
+            and prev.agent_id in f.cut_off
+            and CALLER not in f.cut_off
+            and dup.start <= f.at <= dup.start + ROUTE_TIMEOUT / 2
+            for f in faults
+        )
     )
 
 

@@ -781,3 +781,42 @@ def test_a_step_stopped_as_unneeded_reports_every_attempt_that_ran() -> None:
     rep = check(h)
     assert rep.unneeded_as_failure == 1 and not rep.ok, rep.table()
     assert "attempt 1 ran" in rep.violations[0].detail
+
+
+def test_a_routes_retry_while_its_holder_had_yet_to_register_again_is_explained() -> None:
+    """Open seed 160's ``partition``: ``a1`` was cut off (1.0-5.6) and declared LOST; back, it
+    could not register again (JetStream refused the write for 35 s). The route ran on it
+    (10.6-10.8), and a cut that took its caller (10.615) lost the answer. The caller's retry
+    after its 10 s wait (20.86) named ``a1``, registered at no hub: "no routable agent", then
+    routed by capability as new, to ``a2``; ``a1`` was cut off again 0.52 s later (21.38), so
+    no wait for its registration could have ended in time. Not without the earlier cut (the
+    holder registered), nor if the answer was not lost, nor a run long before or after the
+    wait's end, nor without the next cut (the holder might have registered), nor if that cut
+    came with the callers."""
+    before = Fault("partition", "n0", 1.0, 5.6, cut_off=("ns.a.a1",))
+    caller = Fault("partition", "n1", 10.615, 16.4, cut_off=("ns.a.a0", "reach-client"))
+    again = Fault("partition", "n0", 21.38, 30.8, cut_off=("ns.a.a1",))
+    first = Run("rr1", None, None, "r1", 1, "ns.a.a1", 1, 10.6, 10.8, "ok")
+    dup = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 20.86, 21.0, "ok")
+
+    def routed(*faults: Fault, second: Run = dup) -> History:
+        h = with_route()
+        h.runs[-1] = first  # (with_route's run of r1)
+        h.runs.append(second)
+        h.faults.extend(faults)
+        return h
+
+    rep = check(routed(before, caller, again))
+    assert rep.ok and rep.dup_agent_crash == 1 and rep.dup_unexplained == 0, rep.table()
+    assert check(routed(caller, again)).dup_unexplained == 1  # never cut off before
+    short = Fault("partition", "n0", 4.0, 5.6, cut_off=("ns.a.a1",))  # too short for LOST
+    assert check(routed(short, caller, again)).dup_unexplained == 1
+    assert check(routed(before, again)).dup_unexplained == 1  # the answer not lost
+    for at in (14.0, 23.0):
+        other = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, at, at + 0.1, "ok")
+        assert check(routed(before, caller, again, second=other)).dup_unexplained == 1
+    assert check(routed(before, caller)).dup_unexplained == 1  # no cut after the retry
+    late = Fault("partition", "n0", 26.5, 30.8, cut_off=("ns.a.a1",))  # past a resend's wait
+    assert check(routed(before, caller, late)).dup_unexplained == 1
+    with_caller = Fault("partition", "n0", 21.38, 30.8, cut_off=("ns.a.a1", "reach-client"))
+    assert check(routed(before, caller, with_caller)).dup_unexplained == 1
