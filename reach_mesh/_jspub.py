@@ -246,7 +246,8 @@ class JsClient:
         *,
         publish: bool,
     ) -> Msg:
-        await self._before_request()
+        if self._sub is None or self._later:  # (no coroutine made for the common case)
+            await self._before_request()
         token, future, timer = self._expect(self._timeout if timeout is None else timeout)
         if publish:
             self._publishing[token] = future

@@ -112,19 +112,28 @@ async def retrying(
 ) -> T:
     """``await op()``, again after each transient error (backoff 50 ms doubling to 2 s) until
     ``deadline`` (event-loop time); then :class:`RetriesExhausted`. Other errors propagate."""
+    failed: Exception
+    try:
+        return await op()  # mostly answered: nothing below is made for the first try
+    except Exception as err:
+        if not transient(err):
+            raise
+        failed = err
+    # (Asked only now: on 3.11 each ``get_running_loop`` is a getpid syscall.)
     loop = asyncio.get_running_loop()
     delay = _FIRST_DELAY
     while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise RetriesExhausted(f"{what}: {describe(failed)}") from failed
+        log.info("%s: %s; retrying", what, describe(failed))
+        if on_retry is not None:
+            on_retry(failed)
+        await asyncio.sleep(min(delay, left))
+        delay = min(delay * 2, _MAX_DELAY)
         try:
             return await op()
         except Exception as err:
             if not transient(err):
                 raise
-            left = deadline - loop.time()
-            if left <= 0:
-                raise RetriesExhausted(f"{what}: {describe(err)}") from err
-            log.info("%s: %s; retrying", what, describe(err))
-            if on_retry is not None:
-                on_retry(err)
-            await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, _MAX_DELAY)
+            failed = err
