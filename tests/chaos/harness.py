@@ -42,6 +42,7 @@ from .history import (
     check,
     read_faults,
     read_runs,
+    read_unstored,
 )
 from .workload import DriverStats, Planned, drive, plan, plan_routes
 
@@ -438,6 +439,7 @@ async def collect(
     await asyncio.gather(*(one(p) for p in work if p.workflow_id in expected))
     h.done = await collect_done(client, ns)
     h.runs = read_runs(p for p in mesh.agent_logs if p.exists())
+    h.unstored = read_unstored(p.with_suffix(".log") for p in mesh.agent_logs)
     h.faults = read_faults(mesh.dir / "faults.jsonl")
     return h
 

@@ -21,9 +21,11 @@ and returns a :class:`Report` whose :meth:`Report.table` is the table each run p
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,25 @@ PRIOR = 5.0
 #: when SIGSTOP landed (nothing can notice a pause in between). It is the at-least-once
 #: window of an agent paused after its handler started, seen from the handler's first line.
 WOKE = 0.05
+#: How long (s) after its handler ended an agent may still be trying to store a step's final
+#: status before it logs "final status of <task> not stored" and leaves the work message to be
+#: delivered again (``_FINAL_RETRY``, 10 s, in reach_mesh/agent/_held.py, and its last try's
+#: request timeout, ``REQUEST_TIMEOUT``, 3 s).
+STORE_RETRY = 13.0
+#: The errors of a final status's store that say JetStream did not take it (an election, a
+#: stream without a leader, a connection lost): not an agent's refusal or a bad message.
+UNSTORED_ERRORS = frozenset(
+    {
+        "TimeoutError",
+        "NoStreamResponseError",
+        "ServiceUnavailableError",
+        "ServerError",
+        "NoRespondersError",
+        "ConnectionClosedError",
+        "ConnectionReconnectingError",
+        "StaleConnectionError",
+    }
+)
 #: The error code of a workflow stopped by a cancel.
 CANCELLED = "REACH_WORKFLOW_CANCELLED"
 #: Slack (s) for the cancel checks: every process runs on this host's clock.
@@ -190,6 +211,10 @@ class History:
     #: task id -> its caller's last answer (``TaskResult`` fields: ``state``, ``result``,
     #: ``error`` code, ``agent_id``, ``attempt``), or the last error string when none came.
     routes: dict[str, dict[str, Any] | str] = field(default_factory=dict)
+    #: (agent id, task id) -> when that agent gave up storing the task's final status, each
+    #: time (its log's "final status of <task> not stored" line, a JetStream error in it:
+    #: ``read_unstored``).
+    unstored: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -345,7 +370,12 @@ def _matches(expected: Expected, got: Outcome) -> bool:
     return expected.state != "SUCCEEDED" or got.result == expected.result
 
 
-def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
+def _explained(
+    dup: Run,
+    earlier: list[Run],
+    faults: list[Fault],
+    unstored: Mapping[tuple[str, str], list[float]] | None = None,
+) -> str | None:
     """Why a handler ran again for a step that already ran: an agent fault of an earlier run's
     agent from ``PRIOR`` s before that run's start to this one's (``agent``); or this run's
     own agent paused since before an earlier run started, this run's first line within
@@ -353,7 +383,9 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
     partition that cut an earlier run's agent off (a route's run within ``HEAL`` s of its
     end; ``agent``, see ``CUT_OFF_FAULTS``), or a route's run while a later one cut it off
     again before its caller could ask (``agent``, ``_cut_off_again``), or while it had yet to
-    register again when its caller asked (``agent``, ``_unregistered_when_asked``); else a hub
+    register again when its caller asked (``agent``, ``_unregistered_when_asked``), or a
+    step's run whose final status JetStream had not taken when a partition cut its agent
+    off, this run from that cut on (``agent``, ``_unstored_until_cut``); else a hub
     fault from
     ``SLACK`` s before (``hub``); else ``None``."""
     for f in faults:
@@ -379,6 +411,10 @@ def _explained(dup: Run, earlier: list[Run], faults: list[Fault]) -> str | None:
             _cut_off_again(prev, dup, faults) or _unregistered_when_asked(prev, dup, faults)
         ):
             return "agent"
+        if dup.workflow_id is not None:
+            cut = _unstored_until_cut(prev, faults, unstored or {})
+            if cut is not None and cut <= dup.start:
+                return "agent"
     for kinds, tag, before in ((AGENT_FAULTS, "agent", PRIOR), (HUB_FAULTS, "hub", SLACK)):
         for prev in earlier:
             for f in faults:
@@ -465,6 +501,36 @@ def _unregistered_when_asked(prev: Run, dup: Run, faults: list[Fault]) -> bool:
     )
 
 
+def _unstored_until_cut(
+    run: Run, faults: list[Fault], unstored: Mapping[tuple[str, str], list[float]]
+) -> float | None:
+    """When a partition cut ``run``'s agent off while that agent still tried to store the
+    run's final status, which JetStream never took (None: no such cut). The agent said so:
+    its "final status of <task> not stored" line, with a JetStream error (``UNSTORED_ERRORS``),
+    within ``STORE_RETRY`` s of the run's end (its stores retried that long, through elections);
+    and the cut (its agent among the node's clients) began between the run's start and that
+    line. The result was then in the agent's hands alone, on the cut-off side (and in those
+    of hubs that heard it live, over core NATS: the owner, were it cut off too): the hubs of
+    the other side, finding nothing stored, gave the attempt up for its agent LOST and ran
+    the step again — the at-least-once window of an agent cut off past its lease, the
+    result not yet durable. Secure seed 161, ``partition``: the rejoin of a node cut off 7 s
+    unseated the leaders of ``REACH_STATUS``, ``KV_reach_tasks`` and ``REACH_WORK`` 0.09 s
+    after the heal (its raft terms higher: "Detected another leader with higher term"), and
+    none was elected before the next cut, 5 s later, took the agents that had run steps in
+    between (and their workflows' owner); ``REACH_STATUS`` stored nothing for 9.2 s
+    (docs/reliability.md)."""
+    end = run.end
+    if end is None:
+        return None
+    for said in unstored.get((run.agent_id, run.task_id), ()):
+        if not end <= said <= end + STORE_RETRY + SLACK:
+            continue
+        for f in faults:
+            if f.kind in CUT_OFF_FAULTS and run.agent_id in f.cut_off and run.start <= f.at <= said:
+                return f.at
+    return None
+
+
 def _around_frozen(prev: Run, dup: Run, faults: list[Fault]) -> bool:
     """Whether a NATS server was frozen between a route's run and its second run (from
     ``SLACK`` s before the first started to the second's start)."""
@@ -530,12 +596,17 @@ def _cut_off_until(run: Run, decided: float, faults: list[Fault]) -> bool:
 
 
 def _first_result_lost(
-    step: Mapping[str, Any], task: Mapping[str, Any], runs: list[Run], faults: list[Fault]
+    step: Mapping[str, Any],
+    task: Mapping[str, Any],
+    runs: list[Run],
+    faults: list[Fault],
+    unstored: Mapping[tuple[str, str], list[float]] | None = None,
 ) -> str | None:
     """Invariant 3 on one step: the first handler run that produced a result (ok or a
     non-retryable failure) must be the attempt the stored workflow result says decided the
     step (``decided_by``), unless its agent died or was paused right then (its result may never
-    have been stored)."""
+    have been stored), or was cut off before JetStream took its status
+    (``_unstored_until_cut``)."""
     if step.get("state") not in FINAL or step.get("cancelled"):
         return None
     done = sorted(
@@ -546,6 +617,8 @@ def _first_result_lost(
     first = done[0]
     decided = {step.get("decided_by")}
     if first.attempt in decided or _held_up(first, faults):
+        return None
+    if _unstored_until_cut(first, faults, unstored or {}) is not None:
         return None
     end = first.end or first.start
     return (
@@ -652,7 +725,11 @@ def check(h: History) -> Report:
     for task_id, runs in runs_by_task.items():
         task = h.tasks.get(task_id)
         step = steps.get(task_id)
-        lost = None if step is None else _first_result_lost(step, task or {}, runs, h.faults)
+        lost = (
+            None
+            if step is None
+            else _first_result_lost(step, task or {}, runs, h.faults, h.unstored)
+        )
         if lost is not None:
             rep.first_result_lost += 1
             rep.add("first result not kept", runs[0].workflow_id or task_id, lost)
@@ -671,7 +748,7 @@ def check(h: History) -> Report:
                 # a decision that came late left it little time), asked again by its caller
                 # as the next attempt there: run again by design (docs/reliability.md).
                 continue
-            why = _explained(dup, runs[:i], h.faults)
+            why = _explained(dup, runs[:i], h.faults, h.unstored)
             if why == "agent":
                 rep.dup_agent_crash += 1
             elif why == "hub":
@@ -847,6 +924,31 @@ def read_runs(paths: Iterable[Path]) -> list[Run]:
     return list(runs.values())
 
 
+#: An agent's line when it gave up storing a step's final status (reach_mesh/agent/_held.py).
+_UNSTORED = re.compile(r"final status of (\S+) not stored: (\w+)\(")
+
+
+def read_unstored(paths: Iterable[Path]) -> dict[tuple[str, str], list[float]]:
+    """Agents' process logs (``<agent id>.log``, JSON lines): when each gave up storing a
+    task's final status for a JetStream error (``UNSTORED_ERRORS``), by (agent id, task id)."""
+    out: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for path in paths:
+        if not path.exists():
+            continue
+        agent_id = path.name.removesuffix(".log")
+        for line in path.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            m = _UNSTORED.match(str(ev.get("msg", "")))
+            if m is None or m.group(2) not in UNSTORED_ERRORS or not ev.get("ts"):
+                continue
+            t = datetime.fromisoformat(str(ev["ts"]).replace("Z", "+00:00")).timestamp()
+            out[(agent_id, m.group(1))].append(t)
+    return dict(out)
+
+
 def read_faults(path: Path) -> list[Fault]:
     if not path.exists():
         return []
@@ -862,12 +964,13 @@ def load(run_dir: Path) -> History:
     """The history a chaos run left in its directory (``history.json``, the agent logs,
     ``faults.jsonl``), to check it again: ``python -m tests.chaos.history chaos-out/node_kill``."""
     data = json.loads((run_dir / "history.json").read_text())
+    agent_logs = [p for p in run_dir.glob("*.jsonl") if p.name != "faults.jsonl"]
     return History(
         expected={
             k: Expected(**{**v, "values": tuple(v.get("values") or ())})
             for k, v in data["expected"].items()
         },
-        runs=read_runs(p for p in run_dir.glob("*.jsonl") if p.name != "faults.jsonl"),
+        runs=read_runs(agent_logs),
         records=data["records"],
         tasks=data["tasks"],
         done=data["done"],
@@ -876,6 +979,7 @@ def load(run_dir: Path) -> History:
         faults=read_faults(run_dir / "faults.jsonl"),
         route_expected={k: ExpectedRoute(**v) for k, v in data.get("route_expected", {}).items()},
         routes=data.get("routes", {}),
+        unstored=read_unstored(p.with_suffix(".log") for p in agent_logs),
     )
 
 

@@ -18,6 +18,7 @@ from .history import (
     load,
     read_faults,
     read_runs,
+    read_unstored,
 )
 from .policies import expected_state
 
@@ -51,6 +52,21 @@ def run(i: int, agent: str, start: float, attempt: int = 1, outcome: str = "ok")
     return Run(
         f"r{agent}{start}", WF, i, f"{WF}-{i}", attempt, agent, 1, start, start + 0.1, outcome
     )
+
+
+def rerun_decides(h: History, at: float, code: str) -> History:
+    """``h`` with step 1 run again on ``ns.a.a3`` at ``at`` as attempt 2, which decided it:
+    attempt 1 given up with ``code``."""
+    h.runs.append(run(1, "ns.a.a3", at, attempt=2))
+    h.records[WF]["result"]["steps"][1]["decided_by"] = 2
+    h.tasks[f"{WF}-1"] = task(
+        1,
+        history=[
+            {"attempt": 1, "state": "PENDING", "code": code},
+            {"attempt": 2, "state": "SUCCEEDED"},
+        ],
+    )
+    return h
 
 
 def clean() -> History:
@@ -258,16 +274,7 @@ def test_read_runs_pairs_start_and_end_and_skips_torn_lines(tmp_path: Path) -> N
 def test_first_result_thrown_away() -> None:
     """Attempt 1 succeeded first, yet the record was decided by attempt 2 (the issue's
     'valid results are thrown away')."""
-    h = clean()
-    h.runs.append(run(1, "ns.a.a3", 5.0, attempt=2))
-    h.records[WF]["result"]["steps"][1]["decided_by"] = 2
-    h.tasks[f"{WF}-1"] = task(
-        1,
-        history=[
-            {"attempt": 1, "state": "PENDING", "code": "undelivered"},
-            {"attempt": 2, "state": "SUCCEEDED"},
-        ],
-    )
+    h = rerun_decides(clean(), 5.0, "undelivered")
     rep = check(h)
     assert rep.first_result_lost == 1 and not rep.ok
     assert "#1 PENDING undelivered" in rep.violations[0].detail
@@ -627,6 +634,64 @@ def test_a_first_result_held_up_by_a_partition_is_explained() -> None:
     h.faults.append(Fault("partition", "n2", 0.5, 4.0, cut_off=("ns.a.a2",)))
     rep = check(h)
     assert rep.first_result_lost == 0 and rep.dup_agent_crash == 1 and rep.ok
+
+
+def test_a_result_not_stored_when_its_agent_was_cut_off_explains_the_next_run() -> None:
+    """Secure seed 161's ``partition`` (seconds of the run; here): the heal of a cut (45.8;
+    9.6) unseated the leaders of ``REACH_STATUS`` and the task records, none elected before
+    the next cut (50.85; 14.85) took the agent that had run the step (45.7-46.1; 9.7-9.8) and
+    its workflow's owner. The agent's stores of the final status went unanswered until it
+    gave up (its "not stored" line, 58.2; 22.1); the hubs of the other side, nothing stored,
+    gave the attempt up for the agent LOST and ran the step again (56.8; 20.0): the first
+    result not kept and the re-run, explained. Not without the agent's line (its status may
+    have been stored: a hub lost it), nor the line of another agent or task, nor one from
+    before the cut (the agent in reach then) or long after the run, nor a re-run before the
+    cut (``read_unstored`` leaves out lines of other errors)."""
+    h = clean()
+    h.runs[1] = run(1, "ns.a.a2", 9.7)
+    h = rerun_decides(h, 20.0, "lost")
+    h.faults.extend(
+        [
+            Fault("partition", "n2", 2.0, 9.6, cut_off=("hub-1",)),
+            Fault("partition", "n0", 14.85, 24.7, cut_off=("ns.a.a2", "hub-0")),
+        ]
+    )
+    rep = check(h)
+    # (begun 5.15 s before the cut: not the runs a partition explains, ``PRIOR``)
+    assert rep.first_result_lost == 1 and rep.dup_unexplained == 1
+    h.unstored = {("ns.a.a2", f"{WF}-1"): [22.1]}
+    rep = check(h)
+    assert rep.ok and rep.first_result_lost == 0 and rep.dup_agent_crash == 1, rep.table()
+    for unstored in (
+        {("ns.a.a1", f"{WF}-1"): [22.1]},  # another agent's line
+        {("ns.a.a2", f"{WF}-0"): [22.1]},  # another task's
+        {("ns.a.a2", f"{WF}-1"): [14.0]},  # given up before the cut: it was in reach then
+        {("ns.a.a2", f"{WF}-1"): [40.0]},  # long after its run: another store
+    ):
+        other = History(**{**h.__dict__, "unstored": unstored})
+        assert check(other).first_result_lost == 1, unstored
+    early = History(**{**h.__dict__, "runs": [*h.runs[:2], run(1, "ns.a.a3", 14.0, attempt=2)]})
+    assert check(early).dup_unexplained == 1  # run again before the cut: not for it
+
+
+def test_an_agents_unstored_final_statuses_are_read_from_its_log(tmp_path: Path) -> None:
+    """The agent's process log (``<agent id>.log``, JSON lines) says when it gave up storing a
+    final status: only for JetStream's errors (no answer, no stream, unavailable)."""
+    lines = [
+        {
+            "ts": "2026-12-06T01:37:38.232Z",
+            "msg": "final status of t-2 not stored: TimeoutError() ",
+        },
+        {
+            "ts": "2026-12-06T01:37:39.000Z",
+            "msg": "final status of t-3 not stored: ValueError('x')",
+        },
+        {"ts": "2026-12-06T01:37:40.000Z", "msg": "heartbeat of a failed: TimeoutError()"},
+    ]
+    text = "\n".join(json.dumps(x) for x in lines) + "\n{torn"
+    (tmp_path / "ns.a.a1.log").write_text(text)
+    got = read_unstored([tmp_path / "ns.a.a1.log", tmp_path / "ns.a.a2.log"])
+    assert got == {("ns.a.a1", "t-2"): [1796521058.232]}
 
 
 def test_a_partitions_cut_off_clients_are_read_back(tmp_path: Path) -> None:
