@@ -17,7 +17,8 @@ from reach_mesh import Client, RetryPolicy, Step
 from reach_mesh.errors import ReachError
 
 from .agent_proc import CAPABILITY
-from .history import ROUTE_TIMEOUT, Expected, ExpectedRoute
+from .explained import ROUTE_TIMEOUT
+from .history import Expected, ExpectedRoute
 from .policies import POLICIES, expected_state
 
 if TYPE_CHECKING:
