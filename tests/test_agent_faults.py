@@ -5,6 +5,7 @@ is never lost, and steps keep their ack deadline through a drain — on a real m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from pydantic import BaseModel, field_validator
 
 from reach_mesh import (
@@ -35,7 +37,7 @@ from reach_mesh.agent._serving import AgentStatus
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
 from reach_mesh.hub import Hub
 from reach_mesh.logs import AGENT_ID_IN_USE
-from reach_mesh.models import TaskReply
+from reach_mesh.models import TaskEnvelope, TaskReply
 
 from .helpers import FAST, eventually
 
@@ -529,6 +531,50 @@ async def test_a_paused_process_replaced_meanwhile_stops_when_it_resumes(
             await proc.wait()
         await new.close()
         await hub.close()
+
+
+async def test_a_process_paused_before_it_read_its_registration_answer_runs_no_task(
+    hub: Hub, settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pause above, begun after a hub registered the old process but before the process
+    read the answer (a SIGSTOP right after it registered). A task that reached it meanwhile,
+    read on resume ahead of that answer, was run: the silence ``may_be_replaced`` measures
+    began at the registration's answer only, nothing counted before it (the test above failed
+    so, once, in CI under load: ``old once-2``). It begins at the start check now."""
+    agent_id = f"{settings.namespace}.paused.r"
+    ran: list[str] = []
+    old = _counting_agent(agent_id, settings, ran, "old")
+    registering = asyncio.Event()
+
+    async def unanswered() -> None:  # sent, answered, the answer not read: the pause
+        registering.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(old, "_register", unanswered)
+    starting = asyncio.create_task(old.start())
+    new = _counting_agent(agent_id, settings, ran, "new")
+    try:
+        await asyncio.wait_for(registering.wait(), 10)
+        await asyncio.sleep(settings.lease_timeout + settings.suspect_timeout + 0.2)
+
+        async def no_check(*args: Any) -> None:
+            return None
+
+        # (The old one, paused, would not have answered the new one's ping.)
+        monkeypatch.setattr(agent_module, "wait_for_other_process", no_check)
+        await new.start()
+        # A task that reached the old process during its pause, read on resume.
+        env = protocol.encode(TaskEnvelope(task_id="once-r", capability="wf:twice:v1"))
+        await old._on_task(Msg(_client=old.nc, subject=old._task_subject, reply="", data=env))
+        await eventually(lambda: old.fault is not None or bool(ran), timeout=10)
+        assert ran == [] and isinstance(old.fault, AgentReplacedError), (ran, old.fault)
+        assert "is served by another process" in old.fault.message
+    finally:
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await old.close()
+        await new.close()
 
 
 async def test_two_live_processes_of_an_agent_id_settle_on_one(

@@ -222,8 +222,9 @@ class Agent(ServingMixin):
         #: When we sent the last registration or heartbeat a hub answered (monotonic; a
         #: pause counts): see ``in_touch``.
         self._answered_at = -math.inf
-        #: When we last knew this process serves the id alone: a hub answered (as
-        #: ``_answered_at``), or no other process answered our ctl ping (``confirm_identity``).
+        #: When we last knew this process serves the id alone: the start check passed, a hub
+        #: answered (as ``_answered_at``), or no other process answered our ctl ping
+        #: (``confirm_identity``).
         self._heard_at = -math.inf
         #: The heartbeat that brings us back in touch, one for all the steps waiting for it
         #: (``back_in_touch``).
@@ -386,8 +387,10 @@ class Agent(ServingMixin):
             self._answers = AnswerBatcher(self._nc)
             # One process per agent id: a deploy's old process stops before this one serves.
             await wait_for_other_process(self._nc, self.agent_id, self.settings)
+            # Serving the id alone from here: a silence before the registration's answer is
+            # read (paused right after the hubs registered us) counts for ``may_be_replaced``.
             # (A ping refused by an older auth.conf is no refused subscription.)
-            subscribed_at = time.monotonic()
+            self._heard_at = subscribed_at = time.monotonic()
             # Each only for messages of its own subject that can be answered safely: a
             # JetStream push delivery of someone's stored message is dropped (_guard.py).
             for subject, on_msg, queue in (
@@ -596,7 +599,7 @@ class Agent(ServingMixin):
         event loop blocked or cut off, this process may have been replaced, and then both would
         take every task sent to the id. It serves nothing until it knows
         (:meth:`confirm_identity`)."""
-        # (Read for every task. -inf until registered: not "replaced".)
+        # (Read for every task. -inf until started: not "replaced".)
         heard = self._heard_at
         return heard != -math.inf and time.monotonic() - heard >= self._replaced_after
 
