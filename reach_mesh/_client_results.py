@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from reach_mesh import protocol
 from reach_mesh._client_base import HubAsks
 from reach_mesh._guard import refuse
-from reach_mesh._jspub import JsClient
+from reach_mesh._jspub import JsClient, first_done
 from reach_mesh._retry import retrying
 from reach_mesh.errors import MeshTimeoutError, MeshUnavailableError
 from reach_mesh.workflow import WorkflowRecord, WorkflowResult, stored_record
@@ -181,9 +181,9 @@ class ResultWaits(HubAsks):
         wait goes on on a subscription of its own, after a look at the record (which only hubs
         write). ``spent``: of ``timeout``, what the caller spent before.
 
-        Its waits are :func:`_settled`, not ``asyncio.wait`` and ``wait_for``: every workflow
-        call waits here, and those two cost a set, a task wrapper or a second future and a
-        pass of the event loop each."""
+        Its waits are :func:`~reach_mesh._jspub.first_done`, not ``asyncio.wait`` and
+        ``wait_for``: every workflow call waits here, and those two cost a set, a task wrapper
+        or a second future and a pass of the event loop each."""
         loop = self._loop or asyncio.get_running_loop()  # ``done``'s: checked as it was made
         deadline = loop.time() + timeout - spent
         spent = False  # the caller's subscription had its one message
@@ -192,7 +192,7 @@ class ResultWaits(HubAsks):
             while True:
                 left = deadline - loop.time()
                 if left > _RESULT_RECHECK:
-                    await _settled(loop, done, _RESULT_RECHECK)
+                    await first_done(loop, (done,), _RESULT_RECHECK)
                     if not done.done():
                         # The read races the announcement (it may wait out an election).
                         read = asyncio.ensure_future(self._stored_result(workflow_id))
@@ -210,7 +210,7 @@ class ResultWaits(HubAsks):
                 try:
                     if not done.done():
                         if left > 0:
-                            await _settled(loop, done, left)
+                            await first_done(loop, (done,), left)
                         if not done.done():
                             done.cancel()  # (as ``wait_for`` did): a late .done is dropped
                             raise TimeoutError
@@ -268,25 +268,6 @@ class ResultWaits(HubAsks):
                 why = f"the result of another workflow ({result.workflow_id})"
         refuse(msg, why)
         return None
-
-
-async def _settled(loop: asyncio.AbstractEventLoop, done: _Done, timeout: float) -> None:
-    """Return when ``done`` is done, or after ``timeout`` seconds (``done`` is left as it is)."""
-    if done.done():
-        return
-    waiter: asyncio.Future[None] = loop.create_future()
-
-    def wake(_: object = None) -> None:
-        if not waiter.done():
-            waiter.set_result(None)
-
-    done.add_done_callback(wake)
-    timer = loop.call_later(timeout, wake)
-    try:
-        await waiter
-    finally:
-        timer.cancel()
-        done.remove_done_callback(wake)
 
 
 def _follow(done: _Done, inner: asyncio.Future[Msg]) -> None:

@@ -29,7 +29,7 @@ import asyncio
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -47,7 +47,7 @@ from reach_mesh._batch import private_inbox, reply_token
 from reach_mesh._nats import Reconnects, reconnects_of
 from reach_mesh._retry import no_message
 
-__all__ = ["Ack", "JsClient", "kv_marker", "kv_stream", "kv_subject"]
+__all__ = ["Ack", "JsClient", "first_done", "kv_marker", "kv_stream", "kv_subject"]
 
 log = logging.getLogger("reach_mesh.jspub")
 
@@ -363,7 +363,7 @@ class JsClient:
                     tries[future] = (token, timer)
                     await self._nc.publish(subject, b"", reply=self._prefix + token)
                 # Every try ends by the deadline: past the last hedge, wait for the first.
-                await _first(loop, tries, HEDGE_AFTER if left > HEDGE_AFTER else None)
+                await first_done(loop, tries, HEDGE_AFTER if left > HEDGE_AFTER else None)
                 done = [f for f in tries if f.done()]
                 if done:
                     answered = [f.result() for f in done if f.exception() is None]
@@ -391,8 +391,8 @@ class JsClient:
             future.set_result(msg)
 
 
-async def _first(
-    loop: asyncio.AbstractEventLoop, futures: Iterable[asyncio.Future[Msg]], timeout: float | None
+async def first_done(
+    loop: asyncio.AbstractEventLoop, futures: Iterable[asyncio.Future[Any]], timeout: float | None
 ) -> None:
     """Return when one of ``futures`` is done, or after ``timeout``: a lighter
     ``asyncio.wait`` (no sets built per call) for a read whose first try mostly ends at once."""
