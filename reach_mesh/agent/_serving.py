@@ -241,8 +241,13 @@ class ServingMixin(AttemptsMixin):
             return next(iter(self._handlers.values())) if len(self._handlers) == 1 else None
         return self._handlers.get(capability)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
+    def _spawn(
+        self, coro: Coroutine[Any, Any, None], loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        """Run ``coro`` as a task the agent keeps until it ends. ``loop``: the running one, when
+        the caller has it (``asyncio.create_task`` asks for it: a ``getpid`` system call on
+        Python 3.11, once per work message on the step path)."""
+        task = (loop or asyncio.get_running_loop()).create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -35,8 +35,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -347,19 +346,11 @@ class WorkConsumer(HeldSteps):
         behind: Behind | None = None
         if msg.headers and protocol.HDR_FENCE in msg.headers:
             marker = self.fences.on_marker(msg)
-            self._spawn(self._settle_marker(msg, ok=marker))
+            self._agent._spawn(self._settle_marker(msg, ok=marker), self._loop)
         else:
             behind = self.fences.behind_of(delivery)
-            self._spawn(self._handle(msg, delivery, behind))
+            self._agent._spawn(self._handle(msg, delivery, behind), self._loop)
         self.fences.arrived(delivery, behind)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """``Agent._spawn`` on this consumer's loop (``asyncio.create_task`` asks for the
-        running loop: a ``getpid`` system call on Python 3.11)."""
-        task = self._loop.create_task(coro)
-        tasks = self._agent._tasks
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
 
     async def _drop(self, msg: Msg) -> None:
         """Drop a work message unrun: its attempt is fenced (acked, counted, no status)."""
