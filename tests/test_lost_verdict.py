@@ -10,7 +10,8 @@ registration written again — brings it back, and then at once.
 
 The agent here is registered and beats by hand (its beats written to the bucket, as a hub
 writes them); the hub's delete of the record fails, as it does without a quorum. Against a
-real nats-server."""
+real nats-server. And that delete is retried until it lands: three nodes, two killed at the
+verdict and started again."""
 
 from __future__ import annotations
 
@@ -18,17 +19,27 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.errors import NoMatchError
 from reach_mesh.hub import Hub
-from reach_mesh.models import AgentCard, AgentState, HeartbeatRecord
+from reach_mesh.models import AgentCard, AgentRecord, AgentState, HeartbeatRecord
+from reach_mesh.server import EmbeddedNats
 
-from .helpers import a_server_of_its_own, eventually, register_by_hand, states_of
+from .helpers import (
+    FAST,
+    a_server_of_its_own,
+    cluster_nodes,
+    eventually,
+    register_by_hand,
+    states_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +84,12 @@ async def _lost_undeleted(
     for _ in range(4):
         await beats.put(agent_id, protocol.encode(HeartbeatRecord(session=session)))
         await asyncio.sleep(0.15)
-    await eventually(lambda: AgentState.LOST in seen and agent_id in held, timeout=10)
+    # Its delete tried and failed, or put off (another's failed lately: retried with it).
+    undeleted = hub.registry._undeleted.views
+    await eventually(
+        lambda: AgentState.LOST in seen and (agent_id in held or agent_id in undeleted),
+        timeout=10,
+    )
     records = await nc.jetstream().key_value(protocol.KV_AGENTS)
     assert (await records.get(agent_id)).value  # the delete did not land
     assert agent_id not in hub.registry.agents
@@ -153,3 +169,114 @@ async def test_a_lost_agent_installed_again_keeps_its_heartbeat_revision(
     await records.put(agent_id, (await records.get(agent_id)).value or b"")
     await eventually(lambda: AgentState.LOST in seen, timeout=10)
     assert seen == [AgentState.ONLINE, AgentState.SUSPECT, AgentState.LOST], seen
+
+
+async def _leader_not_on(nc: Any, stream: str, server: str) -> None:
+    """Have ``stream``'s leader be another server than ``server`` (stepped down if it is)."""
+    js = nc.jetstream()
+
+    async def elsewhere() -> bool:
+        try:
+            info = await js.stream_info(stream)
+        except Exception:
+            return False
+        leader = info.cluster.leader if info.cluster is not None else None
+        if leader == server:
+            await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=2)
+            return False
+        return leader is not None
+
+    await eventually(elsewhere, timeout=15, interval=0.2)
+
+
+async def _writable(nc: Any) -> None:
+    """Wait until the cluster has a JetStream meta leader (R3 buckets can be made)."""
+
+    async def ready() -> bool:
+        try:
+            await nc.jetstream().account_info()
+        except Exception:
+            return False
+        return True
+
+    await eventually(ready, timeout=20, interval=0.2)
+
+
+@pytest.mark.xdist_group("clusters")
+async def test_a_lost_agents_record_whose_delete_failed_is_deleted_once_it_can_be(
+    tmp_path: Path,
+) -> None:
+    """Three nodes, R3 buckets, the hub on node 0. When the hub declares two agents LOST, the
+    other two nodes die — the agents' stream's leader with them: no quorum, the deletes fail.
+    Once the nodes are back, the hub deletes the record it graded (a fresh client reads it
+    gone); the other agent, registered again meanwhile, keeps its new record."""
+    nodes = cluster_nodes(tmp_path)
+    for node in nodes:
+        node.start()
+    ns = f"ld{uuid.uuid4().hex[:6]}"
+    gone_id, back_id = f"{ns}.verdict.gone", f"{ns}.verdict.back"
+    # Passes 0.5 s apart: the two agents, beating together, are declared LOST in one pass.
+    fast = {**FAST, "suspect_timeout": 1.5, "liveness_interval": 0.5}
+    settings = MeshSettings(nats_url=nodes[0].url, namespace=ns, kv_replicas=3, **fast)
+    killed: list[EmbeddedNats] = []
+
+    def kill_the_others(view: Any, old: AgentState, new: AgentState) -> None:
+        if new is AgentState.LOST and view.agent_id in (gone_id, back_id) and not killed:
+            killed.extend(nodes[1:])
+            for node in killed:
+                node.kill()  # (in the grading pass, before the verdict's deletes)
+
+    nc = await nats.connect(nodes[0].url)
+    try:
+        await _writable(nc)
+        async with Hub(settings=settings) as hub:
+            await _leader_not_on(nc, f"KV_{protocol.KV_AGENTS}", "n0")
+            sessions = {gone_id: uuid.uuid4().hex, back_id: uuid.uuid4().hex}
+            for agent_id, session in sessions.items():
+                await _register(nc, agent_id, session)
+            beats = await nc.jetstream().key_value(protocol.KV_HEARTBEATS)
+            for _ in range(3):
+                for agent_id, session in sessions.items():
+                    await beats.put(agent_id, protocol.encode(HeartbeatRecord(session=session)))
+                await asyncio.sleep(0.15)
+            hub.registry.on_state_change(kill_the_others)
+            await eventually(lambda: bool(killed), timeout=10)
+            await asyncio.sleep(1.5)  # (the hub's retries fail meanwhile)
+            for node in killed:
+                await asyncio.to_thread(node.start)
+
+            card = AgentCard(agent_id=back_id, capabilities=["lost:verdict:v1"])
+            new_session = uuid.uuid4().hex
+
+            async def registered_again() -> bool:
+                try:  # (a long lease: it is not LOST again)
+                    await register_by_hand(nc, card, session=new_session)
+                except Exception:
+                    return False  # (no quorum yet)
+                return True
+
+            await eventually(registered_again, timeout=20, interval=0.5)
+            fresh = await nats.connect(nodes[1].url)
+            try:
+                records = await fresh.jetstream().key_value(protocol.KV_AGENTS)
+
+                async def deleted() -> bool:
+                    try:
+                        await records.get(gone_id)
+                    except KeyNotFoundError:
+                        return True
+                    return False
+
+                await eventually(deleted, timeout=20, interval=0.2)
+                await eventually(lambda: back_id in hub.registry.agents, timeout=5)
+                await asyncio.sleep(1.0)  # (a retry of its old verdict would have run)
+                record = AgentRecord.model_validate_json((await records.get(back_id)).value or b"")
+                assert record.session == new_session
+                assert hub.registry.agents[back_id].state is AgentState.ONLINE
+                assert gone_id not in hub.registry.agents
+            finally:
+                await fresh.close()
+    finally:
+        await nc.close()
+        for node in nodes:
+            node.stop()

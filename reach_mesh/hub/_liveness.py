@@ -22,11 +22,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Final
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KV_OP, KeyValue
 
 from reach_mesh import protocol
@@ -38,7 +39,7 @@ from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.logs import LEASE_EXPIRED, log_event
 from reach_mesh.models import AgentRecord, AgentState
 
-__all__ = ["Liveness", "LostEntry"]
+__all__ = ["Liveness", "LostEntry", "Undeleted"]
 
 log = logging.getLogger("reach_mesh.hub.registry")
 
@@ -55,6 +56,31 @@ _HB_STREAM: Final = f"KV_{protocol.KV_HEARTBEATS}"
 #: How long the leader read of an overdue agent's heartbeat may take: the grading loop waits
 #: on it, and a stream without a leader (the case it guards against) does not answer at all.
 _CONFIRM_TIMEOUT: Final = 2.0
+#: How long the delete of a LOST agent's record may take: the grading loop waits on the
+#: verdict's, and a stream without a quorum does not answer (nats-py would wait 10 s).
+_DELETE_TIMEOUT: Final = 2.0
+#: Undeleted records retried in one pass, at most; the wait before the next pass after a
+#: failed delete, doubled from the first to the last (s).
+_RETRIES_PER_PASS: Final = 32
+_RETRY_WAIT: Final = (0.5, 5.0)
+#: JetStream's "wrong last sequence": the record was written (or deleted) since the verdict.
+_WRONG_LAST_SEQUENCE: Final = 10071
+
+
+@dataclass
+class Undeleted:
+    """The views this hub declared LOST whose record's delete did not land (no quorum, a
+    timeout), by id, oldest first, the newest ``_LOST_VIEWS_MAX``: their delete is retried on
+    the grading loop's passes until it lands, or is settled otherwise — the record written
+    since (the CAS fails), its delete or a newer record delivered (out of ``_lost_views``),
+    the agent registered again or back (in ``agents``)."""
+
+    views: OrderedDict[str, AgentView] = field(default_factory=OrderedDict)
+    #: When the next retry may be made (the hub's clock), and the wait after a failure.
+    at: float = float("-inf")
+    wait: float = _RETRY_WAIT[0]
+    #: A pass's retries, while they run (the grading loop does not wait on them).
+    task: asyncio.Task[None] | None = None
 
 
 class Liveness:
@@ -78,6 +104,8 @@ class Liveness:
     _lost: dict[str, OrderedDict[str, LostEntry]]
     #: The views this hub declared LOST, until their record's delete is delivered.
     _lost_views: OrderedDict[str, AgentView]
+    #: Those whose record's delete failed: retried (``_retry_deletes``).
+    _undeleted: Undeleted
     _listeners: list[StateListener]
     #: When each agent's lease runs out (``last_seen + lease_timeout``) if it beats no more,
     #: a heap of (deadline, tiebreak, view): the grading loop looks at an agent when its
@@ -269,6 +297,16 @@ class Liveness:
                 unsteady[agent_id] = view
 
     async def _grade_loop(self) -> None:
+        try:
+            await self._grade_passes()
+        finally:
+            task = self._undeleted.task
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _grade_passes(self) -> None:
         interval = self._settings.liveness_interval
         while True:
             await asyncio.sleep(interval)
@@ -323,6 +361,7 @@ class Liveness:
                     )
             for view in lost:
                 await self._expire(view)
+            self._retry_soon()
 
     async def _expire(self, view: AgentView) -> None:
         """Remove a LOST agent from memory, and from KV unless it re-registered meanwhile."""
@@ -335,12 +374,81 @@ class Liveness:
             self._lost_views.move_to_end(agent_id)
             if len(self._lost_views) > _LOST_VIEWS_MAX:
                 self._lost_views.popitem(last=False)
+        undeleted = self._undeleted
+        undeleted.views.pop(agent_id, None)  # an earlier verdict's: settled by this one
+        if self._clock() < undeleted.at:
+            # A delete failed lately (the bucket is likely unavailable still): not waited on
+            # here, for every agent of the pass; retried with the others.
+            self._keep_undeleted(view, "a delete failed lately")
+            return
+        await self._delete_lost(view)
+
+    async def _delete_lost(self, view: AgentView) -> bool:
+        """Delete the record of an agent this hub declared LOST, then its heartbeat: a CAS on
+        the revision it graded — every hub may try, one wins, and a fresh registration (a new
+        revision) is never deleted by a stale verdict. False if it failed (it is retried)."""
         assert self._agents_kv is not None and self._hb_kv is not None
-        # CAS on the revision we graded: every hub may try, one wins, and a fresh
-        # registration (new revision) is never deleted by a stale decision.
-        with contextlib.suppress(KeyWrongLastSequenceError, KeyNotFoundError, Exception):
-            await self._agents_kv.delete(agent_id, last=view.revision)
-            await self._hb_kv.delete(agent_id)
+        agent_id, undeleted = view.agent_id, self._undeleted
+        try:
+            await asyncio.wait_for(
+                self._agents_kv.delete(agent_id, last=view.revision), _DELETE_TIMEOUT
+            )
+        except Exception as err:
+            if _written_since(err):
+                undeleted.views.pop(agent_id, None)  # by another hub, or registered again
+                return True
+            if undeleted.views.get(agent_id) is view:
+                undeleted.views.move_to_end(agent_id)  # (the others first, next time)
+            else:
+                self._keep_undeleted(view, describe(err))
+            undeleted.at = self._clock() + undeleted.wait
+            undeleted.wait = min(2 * undeleted.wait, _RETRY_WAIT[1])
+            return False
+        undeleted.wait = _RETRY_WAIT[0]
+        if undeleted.views.pop(agent_id, None) is not None:
+            log.info("deleted the record of %s, declared LOST, on a retry", agent_id)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._hb_kv.delete(agent_id), _DELETE_TIMEOUT)
+        return True
+
+    def _keep_undeleted(self, view: AgentView, why: str) -> None:
+        if self._lost_views.get(view.agent_id) is not view:
+            return  # registered again before the verdict's delete: its record is not ours
+        log.warning(
+            "cannot delete the record of %s, declared LOST: %s; retrying", view.agent_id, why
+        )
+        views = self._undeleted.views
+        views[view.agent_id] = view
+        if len(views) > _LOST_VIEWS_MAX:
+            views.popitem(last=False)
+
+    def _retry_soon(self) -> None:
+        """Retry the deletes that did not land, in a task of their own (one pass's at a time),
+        once the wait after the last failure is over. Not while this hub is blind: it may have
+        missed a beat of the agent's session, stored since the verdict, that brought it back —
+        and its record, undeleted, is the agent's again (the verdict would not be made now)."""
+        undeleted = self._undeleted
+        if (
+            undeleted.views
+            and (undeleted.task is None or undeleted.task.done())
+            and self._clock() >= undeleted.at
+            and not self.blind()
+        ):
+            undeleted.task = asyncio.create_task(self._retry_deletes(), name="reach-lost-deletes")
+
+    async def _retry_deletes(self) -> None:
+        """Retry the oldest undeleted records, ``_RETRIES_PER_PASS`` at most, until a delete
+        fails: the bucket is unavailable still, the others would fail too (one try per pass,
+        after a wait that doubles)."""
+        views = self._undeleted.views
+        for agent_id, view in list(itertools.islice(views.items(), _RETRIES_PER_PASS)):
+            if views.get(agent_id) is not view:
+                continue
+            if self._lost_views.get(agent_id) is not view or agent_id in self.agents:
+                del views[agent_id]  # delivered deleted or newer, registered again, or back
+                continue
+            if not await self._delete_lost(view):
+                return
 
     def _overdue(self, view: AgentView) -> bool:
         """Whether this hub has seen no beat of the agent for its lease, while it could have."""
@@ -392,3 +500,11 @@ class Liveness:
                 listener(view, old, view.state)
             except Exception:
                 log.exception("state listener failed")
+
+
+def _written_since(err: Exception) -> bool:
+    """Whether a CAS delete failed because the key was written (or deleted) since the revision
+    it names: nats-py's ``delete`` raises JetStream's error as it is."""
+    return isinstance(err, KeyWrongLastSequenceError | KeyNotFoundError) or (
+        isinstance(err, APIError) and err.err_code == _WRONG_LAST_SEQUENCE
+    )

@@ -34,7 +34,7 @@ from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub._agent_view import AgentView, StateListener
-from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, Liveness, LostEntry
+from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, Liveness, LostEntry, Undeleted
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._server_clock import ServerClock, ask_server_time
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
@@ -107,6 +107,8 @@ class Registry(Liveness):
         #: 10,000: that record, read back (``fetch``, a watch's replay), is not this agent
         #: alive again — only a newer beat of its session, or a newer record, is.
         self._lost_views: OrderedDict[str, AgentView] = OrderedDict()
+        #: Those whose record's delete failed, retried until it lands or is settled.
+        self._undeleted = Undeleted()
         self.index = AgentIndex()
         self._deadlines = []
         self._tiebreak = itertools.count()
