@@ -457,17 +457,11 @@ run(agent)
 """
 
 
-async def test_a_paused_process_replaced_meanwhile_stops_when_it_resumes(
-    settings: MeshSettings, tmp_path: Path
-) -> None:
-    """An agent process paused (SIGSTOP, a stalled VM) for longer than the hubs wait before
-    they declare it lost; a new process of its id starts meanwhile, as it then may. When the
-    old one resumes, the tasks that reached it during the pause — the new one ran them — are
-    not run again, and it stops (``REACH_AGENT_REPLACED``), the new one serving alone. Before,
-    both ran on: the old process ran those tasks a second time, and the two took turns
-    registering the id, each told by the hubs that the other's registration had replaced its
-    own (the careless-agent audit: 6 of 7 retries run again, a step run twice)."""
-    agent_id = f"{settings.namespace}.paused.a"
+async def _old_and_new(
+    agent_id: str, settings: MeshSettings, tmp_path: Path
+) -> tuple[asyncio.subprocess.Process, Path, Agent, list[str]]:
+    """The id's old process (``_PAUSED_AGENT``, started) and the file where it notes each
+    task it runs; its new process (an :class:`Agent`, not started) and the tasks it runs."""
     runs = tmp_path / "runs.txt"
     script = tmp_path / "old_agent.py"
     script.write_text(_PAUSED_AGENT)
@@ -493,6 +487,29 @@ async def test_a_paused_process_replaced_meanwhile_stops_when_it_resumes(
         ran.append(task.task_id)
         return "new"
 
+    return proc, runs, new, ran
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    """``proc`` killed, should it still run (paused or not)."""
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        await proc.wait()
+
+
+async def test_a_paused_process_replaced_meanwhile_stops_when_it_resumes(
+    settings: MeshSettings, tmp_path: Path
+) -> None:
+    """An agent process paused (SIGSTOP, a stalled VM) for longer than the hubs wait before
+    they declare it lost; a new process of its id starts meanwhile, as it then may. When the
+    old one resumes, the tasks that reached it during the pause — the new one ran them — are
+    not run again, and it stops (``REACH_AGENT_REPLACED``), the new one serving alone. Before,
+    both ran on: the old process ran those tasks a second time, and the two took turns
+    registering the id, each told by the hubs that the other's registration had replaced its
+    own (the careless-agent audit: 6 of 7 retries run again, a step run twice)."""
+    agent_id = f"{settings.namespace}.paused.a"
+    proc, runs, new, ran = await _old_and_new(agent_id, settings, tmp_path)
     # (The tasks the paused process takes time out: no breaker may quarantine the id meanwhile.)
     hub = Hub(settings=settings.model_copy(update={"breaker_min_requests": 1000}))
     await hub.start()
@@ -525,12 +542,63 @@ async def test_a_paused_process_replaced_meanwhile_stops_when_it_resumes(
             res = await mesh.request(capability="dup:once:v1", task_id="once-9", timeout=5)
             assert res.result == "new" and ran == [*ids, "once-9"]
     finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-            await proc.wait()
+        await _kill(proc)
         await new.close()
         await hub.close()
+
+
+async def test_a_process_paused_while_it_retries_its_registration_leaves_the_id_to_the_new(
+    settings: MeshSettings, nc: NATS, tmp_path: Path
+) -> None:
+    """The pause above, begun while the old process still retried its registration (no hub
+    answering yet: starting with the mesh, a JetStream election, a hub restart). A new process
+    of the id started meanwhile and registered. On resume, the old one's next try registered
+    again, over the new one's registration: both served the id (or the old one kept it, the
+    new one stopping). Now a try after such a silence first asks who serves the id, and the
+    old process stops (``start()`` raises :class:`AgentReplacedError`) without registering."""
+    agent_id = f"{settings.namespace}.paused.g"
+    sent: list[str] = []  # the session of each registration of the id sent to the hubs
+
+    async def seen(msg: Msg) -> None:
+        sent.append(json.loads(msg.data)["session"])
+
+    proc, runs, new, ran = await _old_and_new(agent_id, settings, tmp_path)
+    assert proc.stderr is not None
+    hub: Hub | None = None
+    exited = asyncio.ensure_future(proc.wait())
+    try:
+        # No hub yet: the old process retries its registration (and says so, once).
+        while b"no hub answered the registration" not in await asyncio.wait_for(
+            proc.stderr.readline(), 20
+        ):
+            pass
+        proc.send_signal(signal.SIGSTOP)
+        # (Listening from now on only: a listener is a responder, the old one's tries would
+        # have waited for an answer instead of failing at once.)
+        await nc.subscribe(protocol.hub_agent_subject(agent_id, "register"), cb=seen)
+        await nc.flush()
+        hub = Hub(settings=settings)
+        await hub.start()
+        await asyncio.wait_for(new.start(), 10)  # once the old one was silent long enough
+        assert hub.registry.agents[agent_id].record.session == new.session
+        proc.send_signal(signal.SIGCONT)
+        await eventually(lambda: exited.done() or set(sent) != {new.session}, timeout=15)
+        assert set(sent) == {new.session}, "the old process registered again"
+        _, err = await proc.communicate()
+        assert proc.returncode != 0 and b"AgentReplacedError" in err, err[-2000:]
+        assert b"is served by another process" in err, err[-2000:]
+        assert new.fault is None and hub.registry.agents[agent_id].record.session == new.session
+        async with Client(settings=settings) as mesh:
+            for n in range(4):
+                res = await mesh.request(capability="dup:once:v1", task_id=f"g-{n}", timeout=5)
+                assert res.result == "new"
+        assert ran == [f"g-{n}" for n in range(4)] and not runs.exists()
+        assert set(sent) == {new.session}
+    finally:
+        await _kill(proc)
+        await new.close()
+        if hub is not None:
+            await hub.close()
 
 
 async def test_a_process_paused_before_it_read_its_registration_answer_runs_no_task(

@@ -229,7 +229,7 @@ class Agent(ServingMixin):
         #: The heartbeat that brings us back in touch, one for all the steps waiting for it
         #: (``back_in_touch``).
         self._touching: asyncio.Future[bool] | None = None
-        self._confirming: asyncio.Task[None] | None = None
+        self._confirming: asyncio.Task[bool] | None = None
         #: Silence after which another process may serve the id (``may_be_replaced``).
         self._replaced_after = self.settings.lease_timeout + self.settings.suspect_timeout
         self.handled = 0
@@ -442,6 +442,17 @@ class Agent(ServingMixin):
         while True:
             try:
                 sent = time.monotonic()
+                if self.may_be_replaced() and not await self.confirm_identity():
+                    # Silent since the start check, or since the last answer, for as long as a
+                    # new process of this id waits to start (paused between two tries): it may
+                    # have registered meanwhile, and ours, sent now, would replace its
+                    # registration — both would then serve the id. Stopped if it answers; not
+                    # sent blind if nobody can be asked (the next try asks again).
+                    if self.fault is not None:
+                        raise self.fault
+                    raise MeshUnavailableError(
+                        f"could not ask whether another process serves {self.agent_id}"
+                    )
                 # A subject this identity may not publish fails at once, not after `patience`;
                 # an answer lost with a dropped connection is asked again once it is back (a
                 # registration is safe to repeat), not at the timeout.
@@ -554,6 +565,8 @@ class Agent(ServingMixin):
                         await self.work.fence_stale()
                 with contextlib.suppress(ReachError):
                     await self._register()
+                if self.fault is not None:
+                    return  # (replaced while registering again after a silence)
             except (NoRespondersError, NatsTimeoutError, TimeoutError, ReachError) as err:
                 if self.nc.is_connected:  # else the connection says NATS is gone, once
                     log.warning("heartbeat of %s failed: %r", self.agent_id, err)
@@ -610,26 +623,31 @@ class Agent(ServingMixin):
                 self.confirm_identity(), name="reach-agent-confirm"
             )
 
-    async def confirm_identity(self, *, live: bool = False) -> None:
+    async def confirm_identity(self, *, live: bool = False) -> bool:
         """Ask whether another process serves this agent id (its ctl ping); if one does, stop
         (:class:`AgentReplacedError`, ``serve()`` ends with it) rather than share the id.
         ``live``: asked because a hub no longer knows our registration, not after a silence —
         both processes may be live (started at once, each before the other subscribed), and
         each re-registering would replace the other's for good: the one with the smaller
-        session keeps the id, the other stops."""
+        session keeps the id, the other stops.
+
+        True when this process keeps the id (nobody else answered, or ours is kept); False
+        when it stops, or when it could not ask (cut off from NATS: the next heartbeat, task
+        or registration try asks again) — then it knows no more than before, and what waited
+        for the answer (a task, a registration) waits on."""
         silent = time.monotonic() - self._heard_at
         asked = time.monotonic()
         try:
             other = await other_process(self.nc, self.agent_id, self.session)
         except Exception:
-            return  # (cannot ask now: the next heartbeat, or the next task, asks again)
+            return False  # (cannot ask now: the next heartbeat, or the next task, asks again)
         if other is None:
             self._heard_at = max(self._heard_at, asked)
-            return
+            return True
         if self.fault is not None or self.status is not AgentStatus.RUNNING:
-            return
+            return False
         if live and other > self.session:
-            return  # (ours is kept: the other one stops when it asks)
+            return True  # (ours is kept: the other one stops when it asks)
         why = (
             "which registered it too (two processes started at once): the one with the "
             "smaller session keeps the id"
@@ -645,6 +663,7 @@ class Agent(ServingMixin):
         log_event(log, AGENT_ID_IN_USE, self.fault.message, agent_id=self.agent_id)
         self._faulted.set()
         self._stopping = asyncio.create_task(self.close(), name="reach-agent-stop")
+        return False
 
     def in_touch(self) -> bool:
         """True while the hubs surely hold our lease: connected, and a hub answered a

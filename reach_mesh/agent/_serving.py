@@ -100,7 +100,7 @@ class ServingMixin(AttemptsMixin):
     _malformed_lines: LineBudget
     _max_envelope: int
 
-    _confirming: asyncio.Task[None] | None
+    _confirming: asyncio.Task[bool] | None
     fault: ReachError | None
 
     if typing.TYPE_CHECKING:
