@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -39,7 +40,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.logs import AGENT_ID_IN_USE
 from reach_mesh.models import TaskEnvelope, TaskReply
 
-from .helpers import FAST, eventually
+from .helpers import FAST, LoopThread, eventually, relayed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -643,6 +644,51 @@ async def test_a_process_paused_before_it_read_its_registration_answer_runs_no_t
             await starting
         await old.close()
         await new.close()
+
+
+async def test_a_task_read_after_a_pause_waits_while_nobody_can_be_asked(
+    hub: Hub, settings: MeshSettings, nats_url: str, nc: NATS
+) -> None:
+    """A process whose event loop was blocked past ``may_be_replaced`` reads, on resume, a
+    task sent to it meanwhile — and is cut off from NATS by then, so it cannot ask whether
+    another process serves the id now. The task was run all the same: the ping, buffered by
+    nats-py while it reconnects, found nobody to answer it, which was taken for "nobody else"
+    (and had the ask failed, ``_take_when_confirmed`` took the task anyway). It is left
+    unanswered now, and once back the caller's second ask runs it, once."""
+    relay, through = await relayed(nats_url, settings)
+    side = LoopThread()
+    ran: list[str] = []
+    agent = _counting_agent(f"{settings.namespace}.paused.n", through, ran, "a")
+    env = protocol.encode(TaskEnvelope(task_id="cut-1", capability="wf:twice:v1"))
+    answers = await nc.subscribe(inbox := nc.new_inbox())
+    try:
+        await side.run(agent.start())
+        until = threading.Event()
+        begun = side.stall(until, settings.lease_timeout + settings.suspect_timeout + 0.3, 10)
+        assert await asyncio.to_thread(begun.wait, 5)
+        await nc.publish(agent._task_subject, env, reply=inbox)
+        await nc.flush()
+        await asyncio.sleep(0.3)  # relayed into the stalled agent's socket, unread
+        await relay.cut()
+        until.set()
+        await asyncio.sleep(2.0)  # read on resume; confirmed (or not) in 0.5 s
+        assert ran == [] and await side.call(agent.may_be_replaced)
+        await relay.start()
+
+        async def back() -> bool:
+            return not await side.call(agent.may_be_replaced)
+
+        await eventually(back, timeout=10)
+        reply = await nc.request(agent._task_subject, env, timeout=5)
+        assert TaskReply.model_validate_json(reply.data).result == "a" and ran == ["a"]
+        with pytest.raises(nats.errors.TimeoutError):
+            await answers.next_msg(timeout=0.1)  # the copy read while cut off: unanswered
+        assert agent.fault is None
+    finally:
+        await side.run(agent.close())
+        side.close()
+        with contextlib.suppress(Exception):
+            await relay.cut()
 
 
 async def test_two_live_processes_of_an_agent_id_settle_on_one(

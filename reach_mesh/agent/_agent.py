@@ -553,10 +553,12 @@ class Agent(ServingMixin):
                 await self._beat_answered(subject, timeout)
             except UnknownAgentError:
                 # Declared lost, removed by an operator — or registered since by another live
-                # process of this id (two started at once): then one of them stops.
-                await self.confirm_identity(live=True)
-                if self.fault is not None:
-                    return
+                # process of this id (two started at once): then one of them stops. Not
+                # registered again blind when nobody could be asked: the next beat asks again.
+                if not await self.confirm_identity(live=True):
+                    if self.fault is not None:
+                        return
+                    continue
                 log.warning("hub does not know %s: registering again", self.agent_id)
                 if self.work is not None:
                     # Declared LOST: stay PRE_ONLINE until our superseded attempts are fenced.

@@ -22,9 +22,11 @@ own ctl subject (``{"op": "ping"}``):
 
 The other way round, a process that was silent to the hubs that long (paused, or cut off) may
 have been replaced meanwhile, and both would then take every task sent to the id. Before it
-serves again it asks the same question (:func:`other_process`), and stops if another process
-answers (``Agent.confirm_identity``; also when a hub no longer knows its registration: two
-live processes of the id keep the one with the smaller session).
+serves again — takes a task, beats, or tries its registration again — it asks the same question
+(:func:`other_process`), and stops if another process answers (``Agent.confirm_identity``; also
+when a hub no longer knows its registration: two live processes of the id keep the one with the
+smaller session). One that cannot ask (cut off from NATS) serves nothing held back meanwhile
+and registers nothing until it can.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from reach_mesh import protocol
 from reach_mesh._nats import refused_first
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import NotPermittedError, ReachError
+from reach_mesh.errors import MeshUnavailableError, NotPermittedError, ReachError
 from reach_mesh.logs import AGENT_ID_IN_USE, get_logger, log_event
 
 __all__ = ["other_process", "wait_for_other_process"]
@@ -114,7 +116,14 @@ _OTHERS_WAIT: Final = 0.5
 async def other_process(nc: NATS, agent_id: str, session: str) -> str | None:
     """The session of another live process that serves ``agent_id`` (one that answers its ctl
     ping within ``_OTHERS_WAIT``, with a session other than ``session``), or None. The asking
-    process, subscribed to the same subject, answers too: its own answer is left out."""
+    process, subscribed to the same subject, answers too: its own answer is left out.
+
+    Raises :class:`MeshUnavailableError` when it cannot tell: not connected when it would ask,
+    or the connection dropped while it waited. nats-py buffers a publish while it reconnects,
+    and the ping, or the answers to it, are then lost: no answer is no proof of nobody."""
+    if not nc.is_connected:
+        raise MeshUnavailableError(f"cannot ask who serves agent id {agent_id}: not connected")
+    reconnects = nc.stats["reconnects"]
     others: list[str] = []
 
     async def on_answer(msg: Msg) -> None:
@@ -139,4 +148,8 @@ async def other_process(nc: NATS, agent_id: str, session: str) -> str | None:
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-    return others[0] if others else None
+    if others:
+        return others[0]
+    if not nc.is_connected or nc.stats["reconnects"] != reconnects:
+        raise MeshUnavailableError(f"cannot ask who serves agent id {agent_id}: cut off meanwhile")
+    return None

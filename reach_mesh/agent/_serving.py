@@ -259,11 +259,13 @@ class ServingMixin(AttemptsMixin):
         """A task read while this process may have been replaced (``may_be_replaced``): taken
         once no other process answered for the id. Else it is left unanswered: its caller asks
         again with its task id, and the retry reaches the process that serves the id now (which
-        may have run it already) — a refusal from here would send it on to another agent."""
+        may have run it already) — a refusal from here would send it on to another agent. Left
+        so too when nobody could be asked (cut off from NATS: the confirmation failed, and the
+        process may still have been replaced)."""
         if self._confirming is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._confirming)
-        if self.fault is None and self.status is AgentStatus.RUNNING:
+        if self.fault is None and self.status is AgentStatus.RUNNING and not self.may_be_replaced():
             await self._take(data, req, confirmed=True)
 
     async def _duplicate(
