@@ -24,7 +24,7 @@ from reach_mesh._guard import guarded
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._agent import _AGENT_QUEUE
-from reach_mesh.errors import BadRequestError, ReachError
+from reach_mesh.errors import BadRequestError, MeshUnavailableError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
 from reach_mesh.hub._pins import decode_pins
@@ -533,6 +533,64 @@ async def test_a_resend_whose_lost_holder_never_registers_again_is_routed_as_new
         assert result.state is TaskState.SUCCEEDED and result.agent_id == a2.agent_id
         assert ran == {"lh-gone": [a1.agent_id, a2.agent_id]}
         assert _seeks(hub, "lost") == lost_found + 1
+    finally:
+        release.set()
+        await fleet.close()
+
+
+async def test_a_lost_holder_whose_registration_was_refused_a_while_is_back_within_the_wait(
+    settings: MeshSettings,
+) -> None:
+    """The secure chaos run's ``partition``, seed 165 (two routes): ``a1`` runs a task and is
+    cut off until declared LOST; back on NATS, its registration is refused for seconds
+    (JetStream took no writes: leaders unseated by the healed node's rejoin), so it tries again
+    and again. The caller asks again: ``a1`` says it holds the task, and the hub waits for its
+    registration (half the route's time left); JetStream takes writes again early in that
+    wait. ``a1``, registered before, tries within a heartbeat interval and is back in time:
+    the route joins its run, the task runs once. Before, its tries backed off as at its start
+    (up to 7.5 s apart once the backoff reached its 5 s cap): the next one came after the wait,
+    and the route ran on ``a2`` too (the seek counted ``found="lost"``)."""
+    fleet, ran, release = two_holding(settings, "rs", CAP)
+    a1, a2 = fleet.agents
+    hub = Hub(settings=settings)
+    register = hub._on_register
+    refused: list[float] = []
+    refusing = asyncio.Event()
+
+    async def on_register(msg: Msg, ns: str) -> bytes:
+        # JetStream taking no writes: the hub answers REACH_UNAVAILABLE, as its KV put fails.
+        if refusing.is_set():
+            refused.append(time.monotonic())
+            raise MeshUnavailableError("JetStream unavailable, retry: NoStreamResponseError")
+        return await register(msg, ns)
+
+    hub._on_register = on_register  # type: ignore[method-assign]
+    try:
+        async with hub, Client(settings=settings) as mesh:
+            await _held_lost(hub, mesh, fleet, ran, "lh-late", {"capability": CAP})
+            agent_found, lost_found = _seeks(hub, "agent"), _seeks(hub, "lost")
+            refusing.set()
+            a1._hb_task = asyncio.create_task(a1._heartbeat_loop())  # told unknown: registers
+            # Its eighth try refused: at the start's backoff the next is 2.5-7.5 s away.
+            await eventually(lambda: len(refused) >= 8, timeout=30, interval=0.005)
+            timeout = 3.5
+            again = asyncio.ensure_future(
+                mesh.request(capability=CAP, task_id="lh-late", timeout=timeout)
+            )
+            await asyncio.sleep(0.3)
+            refusing.clear()  # JetStream takes writes again, 1.45 s before the wait ends
+            await eventually(
+                lambda: a1.agent_id in hub.registry.agents or len(ran["lh-late"]) > 1,
+                timeout=timeout,
+            )
+            await asyncio.sleep(0.3)
+            assert ran == {"lh-late": [a1.agent_id]}
+            release.set()
+            result = await again
+        assert result.state is TaskState.SUCCEEDED and result.agent_id == a1.agent_id
+        assert ran == {"lh-late": [a1.agent_id]}
+        assert _seeks(hub, "agent") == agent_found + 1 and _seeks(hub, "lost") == lost_found
+        assert a2.agent_id not in ran["lh-late"]
     finally:
         release.set()
         await fleet.close()

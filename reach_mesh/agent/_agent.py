@@ -439,6 +439,13 @@ class Agent(ServingMixin):
         patience = max(s.connect_timeout, _PATIENCE)
         deadline = time.monotonic() + patience
         warned = False
+        # Registered before (declared LOST or removed, registering again): tried again within
+        # a heartbeat interval, as its beats would come, not after the start's backoff (up to
+        # 7.5 s): a hub that found it holding a resent task waits for its registration, half
+        # the route's time at most (hub/_holders.py), counting on its next beat once JetStream
+        # takes writes again. A fleet starting at once still spreads out over the backoff, and
+        # a hub's throttle (``ThrottledError``) is obeyed as it says.
+        again = self._registered.is_set()
         while True:
             try:
                 sent = time.monotonic()
@@ -470,7 +477,7 @@ class Agent(ServingMixin):
                 log.info("NATS reconnected before the registration's answer: asking again")
                 continue
             except ThrottledError as err:
-                wait = err.retry_after
+                wait, most = err.retry_after, math.inf  # the hub's word, not shortened
             except (NoRespondersError, NatsTimeoutError, TimeoutError, MeshUnavailableError) as err:
                 if refused_since(self.nc, sent, subject) is not None:
                     raise self._not_permitted(subject) from err
@@ -492,9 +499,9 @@ class Agent(ServingMixin):
                         hint,
                         max(0.0, deadline - time.monotonic()),
                     )
-                wait = delay
+                wait, most = delay, s.heartbeat_interval if again else math.inf
             # Exponential backoff with full jitter: a storm of agents spreads out.
-            await asyncio.sleep(random.uniform(0, wait) + wait / 2)
+            await asyncio.sleep(min(random.uniform(0, wait) + wait / 2, most))
             delay = min(delay * 2, 5.0)
 
     def _on_refused(self, subject: str) -> None:
