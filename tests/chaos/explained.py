@@ -42,8 +42,9 @@ FROZEN_NODE_FAULTS = frozenset({"node_stop"})
 #: up for good while the agent was cut off; the owner sends the next once it can, after
 #: elections and takeovers), a route's only until ``HEAL`` s after the heal (a retry later than
 #: that should reach the agent that has the task again: the hubs' pins) — or, its answer lost
-#: in that cut, while a later partition begun before its caller asked again cut that agent off
-#: again (``_cut_off_again``); and a first result of such an agent not kept.
+#: in that cut (or in one of its caller), while a later partition begun before its caller
+#: asked again cut that agent off again (``_cut_off_again``); and a first result of such an
+#: agent not kept.
 CUT_OFF_FAULTS = frozenset({"partition"})
 #: Faults that may hold a final status up on its way to the hub (published again after an
 #: election or a reconnection, read back after a gap or a takeover): the order outcomes reach
@@ -158,18 +159,20 @@ def _explained(
 def _cut_off_again(prev: Run, dup: Run, faults: list[Fault]) -> bool:
     """Whether a route's second run came while the agent of its first run was out of its
     caller's reach for the whole time the caller could ask again: that run's answer lost in
-    a partition that cut its agent off as it ran (from ``SLACK`` s before its end to as long
-    after the heal), and its agent cut off again, away from the callers, by a partition
-    begun before the caller's wait for that answer ran out (``ROUTE_TIMEOUT`` s after the run
-    started, ``SLACK``), the second run from that cut to ``HEAL`` s after its heal: every
-    retry found the holder out of reach — declared LOST by the hubs of the caller's side, not
-    answering the seek across the cut (docs/reliability.md: the at-least-once window of a
-    holder out of reach; secure seed 158). The reach the heal between gave back was spent
-    while the caller still waited for the lost answer."""
+    a partition that cut its agent or its caller off as it ran (from ``SLACK`` s before its
+    end to as long after the heal), and its agent cut off again, away from the callers, by a
+    partition begun before the caller's wait for that answer ran out (``ROUTE_TIMEOUT`` s
+    after the run started, ``SLACK``), the second run from that cut to ``HEAL`` s after its
+    heal: every retry found the holder out of reach — declared LOST by the hubs of the
+    caller's side, not answering the seek across the cut (docs/reliability.md: the
+    at-least-once window of a holder out of reach; secure seed 158, the agent cut off as it
+    ran; secure seed 165, the caller and the hub that routed it cut off 7 ms after the run
+    began). The reach the heal between gave back was spent while the caller still waited for
+    the lost answer."""
     end = prev.end or prev.start
     answer_lost = any(
         f.kind in CUT_OFF_FAULTS
-        and prev.agent_id in f.cut_off
+        and (prev.agent_id in f.cut_off or CALLER in f.cut_off)
         and f.at - SLACK <= end
         and prev.start <= (f.until or f.at) + SLACK
         for f in faults

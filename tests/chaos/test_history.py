@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from .explained import _cut_off_again, _unregistered_when_asked
 from .history import (
     Expected,
     ExpectedRoute,
@@ -472,6 +473,14 @@ def with_route(state: str = "SUCCEEDED", value: Any = None) -> History:
     return h
 
 
+def rerouted(second: Run, *faults: Fault) -> History:
+    """``with_route()``, its route run again as ``second``, and ``faults``."""
+    h = with_route()
+    h.runs.append(second)
+    h.faults.extend(faults)
+    return h
+
+
 def test_a_route_answered_as_planned_passes() -> None:
     rep = check(with_route())
     assert rep.ok and rep.routes == 1 and rep.runs == 3
@@ -602,10 +611,7 @@ def test_a_routes_run_while_its_holder_is_cut_off_again_before_its_caller_asks_i
     dup = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 19.2, 19.4, "ok")
 
     def routed(*faults: Fault, second: Run = dup) -> History:
-        h = with_route()
-        h.runs.append(second)
-        h.faults.extend(faults)
-        return h
+        return rerouted(second, *faults)
 
     assert check(routed(first)).dup_unexplained == 1  # (11 s after the first heal: not HEAL)
     rep = check(routed(first, again))
@@ -619,6 +625,37 @@ def test_a_routes_run_while_its_holder_is_cut_off_again_before_its_caller_asks_i
     assert check(routed(again)).dup_unexplained == 1  # the first run not cut off at all
     late = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 24.0, 24.2, "ok")
     assert check(routed(first, again, second=late)).dup_unexplained == 1
+
+
+def test_a_routes_run_while_its_holder_is_cut_off_after_its_caller_was_is_explained() -> None:
+    """Secure seed 165's ``partition`` (``chaos-165-r00304``): the route ran on ``a1`` (2.0-2.1
+    here), and its caller's node was cut off 7 ms after the run began, with the caller and the
+    hub that had routed it: the answer lost. The heal (6.8) gave the caller back while it still
+    waited for that answer (to 12.0), and a cut of ``a1``'s node (11.8), away from the caller,
+    took ``a1`` before the caller asked again: every retry found it out of reach until it was
+    declared LOST, and the route ran on ``a2`` (18.0) — as ``_cut_off_again`` for a first cut
+    of the agent. Not if the first cut took neither the caller nor ``a1`` (a hub alone), nor if
+    it began after the answer was out, nor if ``a1`` was within reach when the caller could
+    ask (its cut begun after the wait), nor if that cut took the caller too, nor long after
+    its heal."""
+    callers = Fault("partition", "n1", 2.05, 6.8, cut_off=("hub-1", "reach-client"))
+    again = Fault("partition", "n2", 11.8, 19.5, cut_off=("ns.a.a1", "hub-2"))
+    dup = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 18.0, 18.2, "ok")
+
+    assert check(rerouted(dup, callers)).dup_unexplained == 1
+    assert check(rerouted(dup, again)).dup_unexplained == 1  # the first answer not lost in a cut
+    rep = check(rerouted(dup, callers, again))
+    assert rep.ok and rep.dup_agent_crash == 1 and rep.dup_unexplained == 0, rep.table()
+    hub_alone = Fault("partition", "n1", 2.05, 6.8, cut_off=("hub-1",))
+    assert check(rerouted(dup, hub_alone, again)).dup_unexplained == 1
+    answered = Fault("partition", "n1", 3.2, 6.8, cut_off=("hub-1", "reach-client"))
+    assert check(rerouted(dup, answered, again)).dup_unexplained == 1
+    after_wait = Fault("partition", "n2", 13.2, 19.5, cut_off=("ns.a.a1",))
+    assert check(rerouted(dup, callers, after_wait)).dup_unexplained == 1
+    with_caller = Fault("partition", "n2", 11.8, 19.5, cut_off=("ns.a.a1", "reach-client"))
+    assert check(rerouted(dup, callers, with_caller)).dup_unexplained == 1
+    late = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 23.0, 23.2, "ok")
+    assert check(rerouted(late, callers, again)).dup_unexplained == 1
 
 
 def test_a_first_result_held_up_by_a_partition_is_explained() -> None:
@@ -877,9 +914,15 @@ def test_a_routes_retry_while_its_holder_had_yet_to_register_again_is_explained(
     short = Fault("partition", "n0", 4.0, 5.6, cut_off=("ns.a.a1",))  # too short for LOST
     assert check(routed(short, caller, again)).dup_unexplained == 1
     assert check(routed(before, again)).dup_unexplained == 1  # the answer not lost
-    for at in (14.0, 23.0):
+    for at in (14.0, 34.0):
         other = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, at, at + 0.1, "ok")
         assert check(routed(before, caller, again, second=other)).dup_unexplained == 1
+    # 2.1 s after the wait's end: not a retry that found the holder unregistered, but within
+    # the next cut of ``a1``, begun within ``SLACK`` of the wait's end: ``_cut_off_again``'s
+    # window, the answer lost in the caller's cut (seed 165).
+    other = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 23.0, 23.1, "ok")
+    assert not _unregistered_when_asked(first, other, [before, caller, again])
+    assert _cut_off_again(first, other, [before, caller, again])
     assert check(routed(before, caller)).dup_unexplained == 1  # no cut after the retry
     late = Fault("partition", "n0", 26.5, 30.8, cut_off=("ns.a.a1",))  # past a resend's wait
     assert check(routed(before, caller, late)).dup_unexplained == 1
