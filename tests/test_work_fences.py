@@ -377,13 +377,17 @@ async def test_an_agent_declared_lost_is_asked_before_its_attempt_is_given_up(
     async with Client(settings=wf_settings) as mesh:
         await _block(mesh, a)
         # No give-up by silence first: only LOST moves the step on.
-        await mesh.submit_fanout([_queued("lost-step", silence_timeout=30)], timeout=30)
+        wf_id = await mesh.submit_fanout([_queued("lost-step", silence_timeout=30)], timeout=30)
         await asyncio.sleep(0.3)  # attempt 1 stored for A, waiting behind the blocker
         a._hb_task.cancel()
         work = a.work
         assert work is not None
         await eventually(lambda: work.fences.promised("lost-step") >= 0, 10)
         assert a.work.fences.promised("lost-step") == 1
+        # Its step has nowhere else to go: ended here, not left running (its submission
+        # handed back by the closing hub) for the next tests' hubs, which serve every
+        # namespace, to take over until its deadline.
+        assert (await mesh.cancel_workflow(wf_id)).final
     release.set()
     assert runs == []
 
