@@ -103,6 +103,11 @@ _BEAT_TRIES: Final = 3
 _PATIENCE: Final = 30.0
 
 
+class _Unconfirmed(MeshUnavailableError):
+    """A registration try not sent: after a silence, nobody could be asked whether another
+    process serves the id (cut off from NATS)."""
+
+
 class Agent(ServingMixin):
     """An agent on the mesh.
 
@@ -457,7 +462,7 @@ class Agent(ServingMixin):
                     # sent blind if nobody can be asked (the next try asks again).
                     if self.fault is not None:
                         raise self.fault
-                    raise MeshUnavailableError(
+                    raise _Unconfirmed(
                         f"could not ask whether another process serves {self.agent_id}"
                     )
                 # A subject this identity may not publish fails at once, not after `patience`;
@@ -481,21 +486,25 @@ class Agent(ServingMixin):
             except (NoRespondersError, NatsTimeoutError, TimeoutError, MeshUnavailableError) as err:
                 if refused_since(self.nc, sent, subject) is not None:
                     raise self._not_permitted(subject) from err
-                hint = (
-                    "is a hub (`reach-mesh hub` or `reach-mesh up`) running on "
-                    f"{shown(self.nats_url)}?"
-                )
+                if isinstance(err, _Unconfirmed):
+                    what = f"{self.agent_id} did not register: {err.message}"
+                    hint = f"is NATS reachable on {shown(self.nats_url)}?"
+                else:
+                    what = f"no hub answered the registration of {self.agent_id}"
+                    hint = (
+                        "is a hub (`reach-mesh hub` or `reach-mesh up`) running on "
+                        f"{shown(self.nats_url)}?"
+                    )
                 if time.monotonic() > deadline and not self._registered.is_set():
                     raise MeshUnavailableError(
-                        f"no hub answered the registration of {self.agent_id} within "
-                        f"{patience:.0f} s ({type(err).__name__}): {hint}"
+                        f"{what} within {patience:.0f} s ({type(err).__name__.lstrip('_')}): {hint}"
                     ) from err
                 if not warned:
                     warned = True
                     log.warning(
-                        "no hub answered the registration of %s (%s): %s Retrying for up to %.0f s",
-                        self.agent_id,
-                        type(err).__name__,
+                        "%s (%s): %s Retrying for up to %.0f s",
+                        what,
+                        type(err).__name__.lstrip("_"),
                         hint,
                         max(0.0, deadline - time.monotonic()),
                     )
