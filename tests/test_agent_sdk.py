@@ -7,7 +7,9 @@ import asyncio
 import json
 from typing import Any
 
+import nats
 import pytest
+from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ValidationError
@@ -159,6 +161,45 @@ async def test_agent_inflight_gauge_reads_running_handlers(
         release.set()
         assert (await call).state is TaskState.SUCCEEDED
         assert parse(agent.metrics.render())[("reach_agent_inflight", ())] == 0
+
+
+async def test_a_stop_cut_short_by_its_callers_timeout_leaves_nothing_running(
+    hub: Hub, settings: MeshSettings, namespace: str, nats_url: str
+) -> None:
+    """``close()`` cancelled by its caller's own timeout (a handler still running, a long
+    ``drain_timeout``): the agent stops beating and its connection closes, instead of staying
+    registered and routed to as a closed agent that keeps its lease."""
+    started = asyncio.Event()
+    agent = Agent(f"{namespace}.cut.a1", settings=settings, durable_work=False, drain_timeout=60)
+
+    @agent.handler("slow:cut:v1")
+    async def wait(task: Task[Any]) -> str:
+        started.set()
+        await asyncio.sleep(120)
+        return "done"
+
+    await agent.start()
+    beats: list[bytes] = []
+
+    async def beat(msg: Msg) -> None:
+        beats.append(msg.data)
+
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.subscribe(protocol.hub_agent_subject(agent.agent_id, "heartbeat"), cb=beat)
+        async with Client(settings=settings) as mesh:
+            call = asyncio.ensure_future(mesh.request(capability="slow:cut:v1", payload={}))
+            await asyncio.wait_for(started.wait(), 5)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(agent.close(), 0.5)
+            call.cancel()
+        assert agent.nc.is_closed
+        beats.clear()
+        await asyncio.sleep(3 * settings.heartbeat_interval)
+        assert beats == []
+        await eventually(lambda: agent.agent_id not in hub.registry.agents, timeout=30)
+    finally:
+        await nc.close()
 
 
 # --------------------------------------------------------------------------- durable_work

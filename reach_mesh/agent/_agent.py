@@ -790,6 +790,15 @@ class Agent(ServingMixin):
                 await within("NATS drain", self._nc.drain(), 5.0, log)
                 await within("NATS close", self._nc.close(), 5.0, log)
         finally:
+            # Cut short (its caller's own timeout cancelled this stop, or a step failed):
+            # nothing of the agent goes on behind it. A heartbeat loop left running kept a
+            # closed agent's lease — registered, routed to — and its connection took tasks.
+            me = asyncio.current_task()
+            for task in (self._hb_task, self._loop_watch, *self._tasks):
+                if task is not None and task is not me and not task.done():
+                    task.cancel()
+            if self._nc is not None and not self._nc.is_closed:
+                await within("NATS close", self._nc.close(), 5.0, log)
             if self.work is not None:  # (stopped above unless the drain failed first)
                 await within("work keep-alives", self.work.stop_keepalives(), 2.0, log)
             if self._metrics_server is not None:
