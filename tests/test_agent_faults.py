@@ -691,6 +691,51 @@ async def test_a_task_read_after_a_pause_waits_while_nobody_can_be_asked(
             await relay.cut()
 
 
+async def test_a_task_read_after_a_pause_waits_while_answers_cannot_reach_the_process(
+    hub: Hub, settings: MeshSettings, nats_url: str, nc: NATS
+) -> None:
+    """The pause above, and on resume a link that delivers nothing to the process (a one-way
+    partition, a stalled link nats-py has not noticed yet: no reconnect, still "connected").
+    A new process of the id started and registered during the pause; the old one's ping
+    reached it, its answer did not come back — and no answer within the wait was taken for
+    "nobody else": the task read on resume ran a second time, next to the new process. No
+    answer proves nothing unless the connection is shown to carry answers (a PONG behind
+    them): the task is left, and once the link is back the old process stops."""
+    relay, through = await relayed(nats_url, settings)
+    side = LoopThread()
+    ran: list[str] = []
+    agent_id = f"{settings.namespace}.paused.h"
+    old = _counting_agent(agent_id, through, ran, "old")
+    new = _counting_agent(agent_id, settings, ran, "new")
+    env = protocol.encode(TaskEnvelope(task_id="held-1", capability="wf:twice:v1"))
+    try:
+        await side.run(old.start())
+        until = threading.Event()
+        begun = side.stall(until, settings.lease_timeout + settings.suspect_timeout + 0.3, 20)
+        assert await asyncio.to_thread(begun.wait, 5)
+        await nc.publish(old._task_subject, env, reply=nc.new_inbox())
+        await nc.flush()
+        await asyncio.sleep(0.3)  # relayed into the stalled process's socket, unread
+        await asyncio.wait_for(new.start(), 15)  # the old one, stalled, does not answer
+        assert hub.registry.agents[agent_id].record.session == new.session
+        relay.hold()  # nothing reaches the old process from now on
+        until.set()
+        await asyncio.sleep(2.5)  # read on resume; asked (0.5 s), the answer held back
+        assert ran == [], "the old process ran the task next to the new one"
+        await relay.cut()
+        await relay.start()
+        await eventually(lambda: old.fault is not None, timeout=15)
+        assert isinstance(old.fault, AgentReplacedError), old.fault
+        assert ran == [] and new.fault is None
+    finally:
+        with contextlib.suppress(Exception):
+            await side.run(old.close())
+        side.close()
+        await new.close()
+        with contextlib.suppress(Exception):
+            await relay.cut()
+
+
 async def test_two_live_processes_of_an_agent_id_settle_on_one(
     hub: Hub, settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

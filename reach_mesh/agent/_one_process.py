@@ -119,8 +119,10 @@ async def other_process(nc: NATS, agent_id: str, session: str) -> str | None:
     process, subscribed to the same subject, answers too: its own answer is left out.
 
     Raises :class:`MeshUnavailableError` when it cannot tell: not connected when it would ask,
-    or the connection dropped while it waited. nats-py buffers a publish while it reconnects,
-    and the ping, or the answers to it, are then lost: no answer is no proof of nobody."""
+    the connection dropped while it waited, or NATS did not answer a PING sent after the wait
+    (what the server sends does not reach this process). nats-py buffers a publish while it
+    reconnects, and the ping, or the answers to it, are then lost: no answer is no proof of
+    nobody."""
     if not nc.is_connected:
         raise MeshUnavailableError(f"cannot ask who serves agent id {agent_id}: not connected")
     reconnects = nc.stats["reconnects"]
@@ -135,6 +137,17 @@ async def other_process(nc: NATS, agent_id: str, session: str) -> str | None:
     async def ask() -> None:
         await nc.publish(subject, _PING, reply=inbox)
         await asyncio.sleep(_OTHERS_WAIT)
+        if others:
+            return
+        # No answer proves nobody only over a connection that carries what the server sends:
+        # a PONG behind the answers. A link that delivers nothing (held, cut one way, dead
+        # without nats-py noticing yet) is no reconnect, and still "connected".
+        try:
+            await nc.flush(timeout=_ASK_TIMEOUT)  # type: ignore[arg-type]
+        except Exception as err:
+            raise MeshUnavailableError(
+                f"cannot ask who serves agent id {agent_id}: no answer from NATS ({err!r})"
+            ) from err
 
     subject = protocol.agent_ctl(agent_id)
     inbox = nc.new_inbox()
