@@ -27,6 +27,7 @@ from nats.js.errors import KeyNotFoundError
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.models import AgentCard, AgentState, RegisterReply, RegisterRequest, TaskState
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import AttemptRecord, TaskRecord, TaskStatusEvent
@@ -597,6 +598,24 @@ async def register_by_hand(
         protocol.hub_agent_subject(card.agent_id, "register"), protocol.encode(req), timeout=5
     )
     return protocol.parse_reply(reply.data, RegisterReply)
+
+
+def refusing_registrations(hub: Hub) -> tuple[list[float], asyncio.Event]:
+    """While the event returned is set, ``hub`` (not started yet) answers every registration
+    ``REACH_UNAVAILABLE``, as when its KV put fails (JetStream taking no writes); the list
+    notes when each refused one came (``time.monotonic``)."""
+    register = hub._on_register
+    refused: list[float] = []
+    refusing = asyncio.Event()
+
+    async def on_register(msg: Any, ns: str) -> bytes:
+        if refusing.is_set():
+            refused.append(time.monotonic())
+            raise MeshUnavailableError("JetStream unavailable, retry: NoStreamResponseError")
+        return await register(msg, ns)
+
+    hub._on_register = on_register  # type: ignore[method-assign]
+    return refused, refusing
 
 
 def states_of(hub: Hub, agent_id: str) -> list[AgentState]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -40,7 +41,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.logs import AGENT_ID_IN_USE
 from reach_mesh.models import TaskEnvelope, TaskReply
 
-from .helpers import FAST, LoopThread, eventually, relayed
+from .helpers import FAST, LoopThread, eventually, refusing_registrations, relayed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -734,6 +735,35 @@ async def test_a_task_read_after_a_pause_waits_while_answers_cannot_reach_the_pr
         await new.close()
         with contextlib.suppress(Exception):
             await relay.cut()
+
+
+async def test_tries_to_register_again_stay_spread_within_a_heartbeat_interval(
+    settings: MeshSettings,
+) -> None:
+    """An agent registered before, whose registration a hub refuses again and again
+    (``REACH_UNAVAILABLE``: JetStream takes no writes), tries again at least once per
+    ``heartbeat_interval`` — at a jittered time within it. The backoff's draw was cut at the
+    interval: once the backoff passed it, every try came exactly one interval after the last
+    answer, so a fleet refused at one instant (a hub answering its queue at once after a
+    stall) tried again at one instant, interval after interval, for as long as it lasted."""
+    hub = Hub(settings=settings)
+    tries, refusing = refusing_registrations(hub)
+    agent = _counting_agent(f"{settings.namespace}.again.j", settings, [], "a")
+    async with hub:
+        try:
+            await agent.start()
+            refusing.set()
+            again = asyncio.create_task(agent._register())  # (as after "unknown agent")
+            await eventually(lambda: len(tries) >= 20, timeout=30, interval=0.01)
+            again.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await again
+        finally:
+            await agent.close()
+    interval = settings.heartbeat_interval
+    gaps = [b - a for a, b in itertools.pairwise(tries)][5:]  # (the backoff past the interval)
+    assert max(gaps) < interval + 0.1, gaps  # at least once per interval
+    assert max(gaps) - min(gaps) > interval / 4, gaps  # spread, not in step
 
 
 async def test_two_live_processes_of_an_agent_id_settle_on_one(

@@ -24,7 +24,7 @@ from reach_mesh._guard import guarded
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._agent import _AGENT_QUEUE
-from reach_mesh.errors import BadRequestError, MeshUnavailableError, ReachError
+from reach_mesh.errors import BadRequestError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
 from reach_mesh.hub._pins import decode_pins
@@ -32,7 +32,16 @@ from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentState, CordonRecord
 from reach_mesh.tracing.metrics import RESEND_FOUND
 
-from .helpers import Fleet, echo_agent, eventually, heal, partition, relayed, two_holding
+from .helpers import (
+    Fleet,
+    echo_agent,
+    eventually,
+    heal,
+    partition,
+    refusing_registrations,
+    relayed,
+    two_holding,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -553,18 +562,8 @@ async def test_a_lost_holder_whose_registration_was_refused_a_while_is_back_with
     fleet, ran, release = two_holding(settings, "rs", CAP)
     a1, a2 = fleet.agents
     hub = Hub(settings=settings)
-    register = hub._on_register
-    refused: list[float] = []
-    refusing = asyncio.Event()
-
-    async def on_register(msg: Msg, ns: str) -> bytes:
-        # JetStream taking no writes: the hub answers REACH_UNAVAILABLE, as its KV put fails.
-        if refusing.is_set():
-            refused.append(time.monotonic())
-            raise MeshUnavailableError("JetStream unavailable, retry: NoStreamResponseError")
-        return await register(msg, ns)
-
-    hub._on_register = on_register  # type: ignore[method-assign]
+    # JetStream taking no writes: the hub answers REACH_UNAVAILABLE, as its KV put fails.
+    refused, refusing = refusing_registrations(hub)
     try:
         async with hub, Client(settings=settings) as mesh:
             await _held_lost(hub, mesh, fleet, ran, "lh-late", {"capability": CAP})

@@ -509,8 +509,11 @@ class Agent(ServingMixin):
                         max(0.0, deadline - time.monotonic()),
                     )
                 wait, most = delay, s.heartbeat_interval if again else math.inf
-            # Exponential backoff with full jitter: a storm of agents spreads out.
-            await asyncio.sleep(min(random.uniform(0, wait) + wait / 2, most))
+            # Exponential backoff with full jitter: a storm of agents spreads out — within
+            # `most` too: the draw (up to 1.5 x wait) is scaled into it, not cut at it (cut, every
+            # try of a fleet refused at one instant came one interval later, in step, for good).
+            wait = min(wait, most / 1.5)
+            await asyncio.sleep(random.uniform(0, wait) + wait / 2)
             delay = min(delay * 2, 5.0)
 
     def _on_refused(self, subject: str) -> None:
