@@ -59,6 +59,19 @@ async def _register(nc: Any, agent_id: str, session: str) -> None:
     await register_by_hand(nc, card, session=session, heartbeat_interval=0.2, lease_timeout=0.6)
 
 
+async def _register_beating_together(nc: Any, sessions: dict[str, str]) -> Any:
+    """Register the agents (id: session) and beat them together a while, then stop: declared
+    LOST in one grading pass. The heartbeat bucket."""
+    for agent_id, session in sessions.items():
+        await _register(nc, agent_id, session)
+    beats = await nc.jetstream().key_value(protocol.KV_HEARTBEATS)
+    for _ in range(3):
+        for agent_id, session in sessions.items():
+            await beats.put(agent_id, protocol.encode(HeartbeatRecord(session=session)))
+        await asyncio.sleep(0.15)
+    return beats
+
+
 def _hold_deletes(hub: Hub, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The hub's deletes of agent records fail (no quorum): the records stay in KV."""
     held: list[str] = []
@@ -232,13 +245,7 @@ async def test_a_lost_agents_record_whose_delete_failed_is_deleted_once_it_can_b
         async with Hub(settings=settings) as hub:
             await _leader_not_on(nc, f"KV_{protocol.KV_AGENTS}", "n0")
             sessions = {gone_id: uuid.uuid4().hex, back_id: uuid.uuid4().hex}
-            for agent_id, session in sessions.items():
-                await _register(nc, agent_id, session)
-            beats = await nc.jetstream().key_value(protocol.KV_HEARTBEATS)
-            for _ in range(3):
-                for agent_id, session in sessions.items():
-                    await beats.put(agent_id, protocol.encode(HeartbeatRecord(session=session)))
-                await asyncio.sleep(0.15)
+            await _register_beating_together(nc, sessions)
             hub.registry.on_state_change(kill_the_others)
             await eventually(lambda: bool(killed), timeout=10)
             await asyncio.sleep(1.5)  # (the hub's retries fail meanwhile)
@@ -280,3 +287,42 @@ async def test_a_lost_agents_record_whose_delete_failed_is_deleted_once_it_can_b
         await nc.close()
         for node in nodes:
             node.stop()
+
+
+async def test_an_agent_that_beats_while_its_pass_expires_another_is_not_expired(
+    settings: MeshSettings, nc: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two agents declared LOST in one grading pass; while the first one's record is deleted
+    (a slow delete: up to ``_DELETE_TIMEOUT``, the bucket without a quorum), the second one's
+    beat is stored (through another hub) and applied: ONLINE again. The pass then expired it
+    all the same, from the list it made before its awaits: dropped from the registry, its
+    record — still the revision graded — deleted, although it beats."""
+    ns = settings.namespace
+    ids = [f"{ns}.verdict.p0", f"{ns}.verdict.p1"]
+    sessions = {agent_id: uuid.uuid4().hex for agent_id in ids}
+    # Passes 0.5 s apart: the two agents, beating together, are declared LOST in one pass.
+    async with Hub(settings=settings.model_copy(update={"liveness_interval": 0.5})) as hub:
+        beats = await _register_beating_together(nc, sessions)
+        registry = hub.registry
+        assert registry._agents_kv is not None
+        real = registry._agents_kv.delete
+        back: list[str] = []
+
+        async def delete(key: str, *args: Any, **kwargs: Any) -> bool:
+            if not back and key in ids:
+                other = ids[1 - ids.index(key)]
+                back.append(other)
+                await beats.put(other, protocol.encode(HeartbeatRecord(session=sessions[other])))
+                view = registry.agents.get(other)
+                assert view is not None, "not graded in the same pass"
+                await eventually(lambda: view.state is AgentState.ONLINE, timeout=2)
+            return await real(key, *args, **kwargs)
+
+        monkeypatch.setattr(registry._agents_kv, "delete", delete)
+        await eventually(lambda: bool(back), timeout=10)
+        other = back[0]
+        await asyncio.sleep(0.2)
+        assert other in registry.agents, "expired although it beat"
+        assert registry.agents[other].state is AgentState.ONLINE
+        records = await nc.jetstream().key_value(protocol.KV_AGENTS)
+        assert (await records.get(other)).value  # its record stays

@@ -367,6 +367,10 @@ class Liveness:
         """Remove a LOST agent from memory, and from KV unless it re-registered meanwhile."""
         agent_id = view.agent_id
         if self.agents.get(agent_id) is view:
+            if view.state is not AgentState.LOST:
+                # Back since its pass graded it: a beat applied while the pass awaited (the
+                # deletes of the agents before it, up to ``_DELETE_TIMEOUT`` each).
+                return
             self._drop(agent_id, lost=True)
             self._declared_lost(view)
             # Until its delete is delivered, its record read back is not the agent alive.
