@@ -129,7 +129,10 @@ class DirectRoutes(HubAsks):
                     delay = min(delay * 2, 1.0)
                     tried.clear()
                 if body is None:
-                    body = self._encode(fields)
+                    # ``after_attempt`` tells the hub this retries a task that timed out on the
+                    # agent it names: admitted whatever that hub's breaker says of it (the
+                    # envelopes are numbered here all the same).
+                    body = self._encode(fields if not after else {**fields, "after_attempt": after})
                 left = deadline - time.monotonic()
                 data = await self._call_hub(ns, "route", body, headers, deadline, left + 5.0)
                 route = protocol.decode(data, RouteReply)

@@ -185,3 +185,24 @@ def test_the_holder_of_a_task_is_routed_to_whatever_its_breaker_says_unless_deaf
     registry.regrade(holder)
     with pytest.raises(NoMatchError):
         router.decide(req, "ns", "r5", only=holder.agent_id)
+
+
+def test_a_named_agent_a_task_timed_out_on_is_routed_to_whatever_its_breaker_says() -> None:
+    """``agent_id`` with ``after_attempt`` (the ``Client``'s retry of a task that timed out
+    there): that agent may hold the task, so its breaker does not turn the retry away, which
+    the caller then routed as new to another agent (secure chaos run ``partition``, seed
+    168). Named without ``after_attempt``, a quarantined agent is still no match; found
+    deaf, not even with it."""
+    registry, router = fleet(2)
+    holder, _ = sorted(registry.agents.values(), key=lambda v: v.agent_id)
+    holder.breaker.trip()
+    registry.regrade(holder)
+    assert holder.state is AgentState.QUARANTINED
+    retry = RouteRequest(agent_id=holder.agent_id, task_id="t1", after_attempt=1)
+    assert router.decide(retry, "ns", "r1").view is holder
+    with pytest.raises(NoMatchError):
+        router.decide(RouteRequest(agent_id=holder.agent_id, task_id="t1"), "ns", "r2")
+    holder.breaker.trip(DEAF)
+    registry.regrade(holder)
+    with pytest.raises(NoMatchError):
+        router.decide(retry, "ns", "r3")

@@ -727,3 +727,34 @@ async def test_a_request_naming_a_restarting_agent_is_told_so(
         new, _ = recording_agent(agent_id, settings, "work:echo:v1")
         async with new:
             assert (await c.request(agent_id=agent_id, payload=4, timeout=5)).result == 4
+
+
+@pytest.mark.parametrize("mode", ["direct", "proxy"])
+async def test_a_retry_of_a_timed_out_task_goes_to_its_agent_whatever_the_breaker_says(
+    hub: Hub, settings: MeshSettings, namespace: str, mode: Mode
+) -> None:
+    """The retry of a task that timed out on its agent names that agent (``agent_id`` and
+    ``after_attempt``): it may hold the task, so this hub's breaker — opened by the timeouts —
+    does not turn it away, as it does not a pinned retry. Turned away (``REACH_NO_MATCH``),
+    the ``Client`` dropped its pin and the task ran on another agent too, as attempt 1 (secure
+    chaos run ``partition``, seed 168, route r00445: the hub that took the retry had the agent
+    quarantined for 30 s)."""
+    a1, ran1 = recording_agent(f"{namespace}.w.a1", settings, "work:echo:v1", delay=0.4)
+    a2, ran2 = recording_agent(f"{namespace}.w.a2", settings, "work:echo:v1")
+    async with a1, a2, Client(settings=settings) as c:
+        await eventually(lambda: len(hub.registry.agents) >= 2)
+        with pytest.raises(MeshTimeoutError):
+            await c.request(
+                agent_id=a1.agent_id, payload=1, task_id="slow-q", timeout=0.2, mode=mode
+            )
+        await asyncio.sleep(0.5)  # its agent has ended the handler: TIMEOUT, kept for the id
+        assert ran1 == [1]
+        view = hub.registry.agents[a1.agent_id]
+        view.breaker.trip()
+        hub.registry.regrade(view)
+        assert view.state is AgentState.QUARANTINED
+        res = await c.request(
+            capability="work:echo:v1", payload=1, task_id="slow-q", timeout=5, mode=mode
+        )
+        assert res.agent_id == a1.agent_id and res.attempt == 2
+        assert ran1 == [1, 1] and ran2 == []

@@ -138,7 +138,10 @@ class Router:
         the run in hand or its result, no handler runs — and another agent would run the
         task a second time. (Breakers are each hub's own: the secure chaos run's
         ``node_kill``, seed 158 — a caller's resend reached the one hub whose breaker had
-        quarantined the holder, and ran on another agent.)
+        quarantined the holder, and ran on another agent.) So is the agent a request names
+        (``agent_id``) with ``after_attempt``: the retry of a task that timed out there (the
+        ``Client``'s pin after ``REACH_TIMEOUT``) — its breaker, opened by those very
+        timeouts, or a cordon does not turn it away (a drain still does: the caller is told).
         """
         t0 = time.perf_counter()
         reg = self._registry
@@ -180,7 +183,11 @@ class Router:
             if sticky_agent is not None and sticky_agent in ids and sticky_agent not in pool:
                 pool.append(sticky_agent)  # a sticky session must not lose to the dice
             sampled = True
-        held = only is not None
+        # ``only``, or the retry of a task that timed out on the agent the caller names
+        # (``after_attempt``, the ``Client``'s pin after a ``REACH_TIMEOUT``): that agent may
+        # hold it. Turned away for its breaker, the caller routed it as new and it ran on
+        # another agent too (secure chaos run ``partition``, seed 168).
+        held = only is not None or (forced and bool(req.after_attempt) and req.task_id is not None)
         live, tier, filtered = self._admit(
             pool, namespace, capability, forced, exclude, explain, held
         )
