@@ -106,6 +106,7 @@ def _explained(
     earlier: list[Run],
     faults: list[Fault],
     unstored: Mapping[tuple[str, str], list[float]] | None = None,
+    unregistered: Mapping[str, list[float]] | None = None,
 ) -> str | None:
     """Why a handler ran again for a step that already ran: an agent fault of an earlier run's
     agent from ``PRIOR`` s before that run's start to this one's (``agent``); or this run's
@@ -114,7 +115,9 @@ def _explained(
     partition that cut an earlier run's agent off (a route's run within ``HEAL`` s of its
     end; ``agent``, see ``CUT_OFF_FAULTS``), or a route's run while a later one cut it off
     again before its caller could ask (``agent``, ``_cut_off_again``), or while it had yet to
-    register again when its caller asked (``agent``, ``_unregistered_when_asked``), or a
+    register again when its caller asked (``agent``, ``_unregistered_when_asked``), or whose
+    registration again was refused from the heal of the cut that lost its answer to its
+    caller's retry (``agent``, ``_unregistered_at_retry``), or a
     step's run whose final status JetStream had not taken when a partition cut its agent
     off, this run from that cut on (``agent``, ``_unstored_until_cut``); else a hub
     fault from
@@ -139,7 +142,9 @@ def _explained(
             ):
                 return "agent"
         if dup.workflow_id is None and (
-            _cut_off_again(prev, dup, faults) or _unregistered_when_asked(prev, dup, faults)
+            _cut_off_again(prev, dup, faults)
+            or _unregistered_when_asked(prev, dup, faults)
+            or _unregistered_at_retry(prev, dup, faults, unregistered or {})
         ):
             return "agent"
         if dup.workflow_id is not None:
@@ -231,6 +236,39 @@ def _unregistered_when_asked(prev: Run, dup: Run, faults: list[Fault]) -> bool:
             and dup.start <= f.at <= dup.start + ROUTE_TIMEOUT / 2
             for f in faults
         )
+    )
+
+
+def _unregistered_at_retry(
+    prev: Run, dup: Run, faults: list[Fault], unregistered: Mapping[str, list[float]]
+) -> bool:
+    """Whether a route's second run was its caller's retry after its wait for the first run's
+    answer ran out (from ``SLACK`` s before ``ROUTE_TIMEOUT`` s after the first run started to
+    ``SLACK`` s after), the agent of that run cut off as the run ended, its answer lost, by a
+    partition long enough to have it declared LOST (``HEAL`` s or more), healed before the
+    retry and at most ``ELECTIONS`` s before it, and that agent's try to register again
+    refused between the heal and the retry (its log says so: ``unregistered``, from
+    ``read_unregistered``). The retry named it (the ``Client``'s pin after ``REACH_TIMEOUT``),
+    no hub had it registered ("no routable agent"), and it was routed as new; a marked resend
+    waits for a LOST holder's registration half the time left at most
+    (docs/protocol.md, "Resends"). The at-least-once window of a holder out of reach, its
+    registration refused past ``HEAL`` (secure seed 168, ``partition``, route r00049: its
+    agent cut off 70 ms into the run for 7.3 s with ``n0``, leader of ``KV_reach_tasks``, its
+    registration refused 2.1 s after the heal and not taken for 11 s more; the retry 10.8 s
+    after the run began, 3.4 s after the heal)."""
+    if abs(dup.start - (prev.start + ROUTE_TIMEOUT)) > SLACK:
+        return False
+    end = prev.end or prev.start
+    refused = unregistered.get(prev.agent_id, ())
+    return any(
+        f.kind in CUT_OFF_FAULTS
+        and prev.agent_id in f.cut_off
+        and f.until is not None
+        and f.until - f.at >= HEAL
+        and f.at - SLACK <= end <= f.until
+        and f.until <= dup.start <= f.until + ELECTIONS
+        and any(f.until <= t <= dup.start for t in refused)
+        for f in faults
     )
 
 

@@ -42,6 +42,7 @@ from .history import (
     check,
     read_faults,
     read_runs,
+    read_unregistered,
     read_unstored,
 )
 from .workload import DriverStats, Planned, drive, plan, plan_routes
@@ -440,6 +441,7 @@ async def collect(
     h.done = await collect_done(client, ns)
     h.runs = read_runs(p for p in mesh.agent_logs if p.exists())
     h.unstored = read_unstored(p.with_suffix(".log") for p in mesh.agent_logs)
+    h.unregistered = read_unregistered(p.with_suffix(".log") for p in mesh.agent_logs)
     h.faults = read_faults(mesh.dir / "faults.jsonl")
     return h
 

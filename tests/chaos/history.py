@@ -147,6 +147,10 @@ class History:
     #: time (its log's "final status of <task> not stored" line, a JetStream error in it:
     #: ``read_unstored``).
     unstored: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    #: agent id -> when that agent's try to register again was refused, each time (its log's
+    #: "no hub answered the registration of <id>" or "<id> did not register" line:
+    #: ``read_unregistered``).
+    unregistered: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -419,7 +423,7 @@ def check(h: History) -> Report:
                 # a decision that came late left it little time), asked again by its caller
                 # as the next attempt there: run again by design (docs/reliability.md).
                 continue
-            why = _explained(dup, runs[:i], h.faults, h.unstored)
+            why = _explained(dup, runs[:i], h.faults, h.unstored, h.unregistered)
             if why == "agent":
                 rep.dup_agent_crash += 1
             elif why == "hub":
@@ -620,6 +624,30 @@ def read_unstored(paths: Iterable[Path]) -> dict[tuple[str, str], list[float]]:
     return dict(out)
 
 
+_UNREGISTERED = re.compile(r"no hub answered the registration of (\S+) |(\S+) did not register:")
+
+
+def read_unregistered(paths: Iterable[Path]) -> dict[str, list[float]]:
+    """Agents' process logs (``<agent id>.log``): when each logged a refused try to register
+    (again), by agent id."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for path in paths:
+        if not path.exists():
+            continue
+        agent_id = path.name.removesuffix(".log")
+        for line in path.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            m = _UNREGISTERED.match(str(ev.get("msg", "")))
+            if m is None or (m.group(1) or m.group(2)) != agent_id or not ev.get("ts"):
+                continue
+            t = datetime.fromisoformat(str(ev["ts"]).replace("Z", "+00:00")).timestamp()
+            out[agent_id].append(t)
+    return dict(out)
+
+
 def read_faults(path: Path) -> list[Fault]:
     if not path.exists():
         return []
@@ -651,6 +679,7 @@ def load(run_dir: Path) -> History:
         route_expected={k: ExpectedRoute(**v) for k, v in data.get("route_expected", {}).items()},
         routes=data.get("routes", {}),
         unstored=read_unstored(p.with_suffix(".log") for p in agent_logs),
+        unregistered=read_unregistered(p.with_suffix(".log") for p in agent_logs),
     )
 
 

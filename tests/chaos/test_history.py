@@ -19,6 +19,7 @@ from .history import (
     load,
     read_faults,
     read_runs,
+    read_unregistered,
     read_unstored,
 )
 from .policies import expected_state
@@ -928,3 +929,49 @@ def test_a_routes_retry_while_its_holder_had_yet_to_register_again_is_explained(
     assert check(routed(before, caller, late)).dup_unexplained == 1
     with_caller = Fault("partition", "n0", 21.38, 30.8, cut_off=("ns.a.a1", "reach-client"))
     assert check(routed(before, caller, with_caller)).dup_unexplained == 1
+
+
+def test_a_routes_retry_while_its_holders_registration_was_refused_is_explained() -> None:
+    """Secure seed 168's ``partition`` (``chaos-168-r00049``): the route ran on ``a1`` (2.0-2.1
+    here), ``a1`` was cut off 70 ms into the run for 7.26 s (long enough to be declared LOST),
+    its answer lost; back, its registration again was refused (its log, 2.1 s after the heal:
+    JetStream not taking writes yet), and the caller's retry, when its wait ran out (12.0, and
+    0.76 s to decide), found it registered nowhere — 3.4 s after the heal, past ``HEAL`` — and
+    ran on ``a2``. Not without the refusal in its log between the heal and the retry, nor for a
+    run that is not the caller's retry, nor when the cut began after the answer was out or was
+    too short to have ``a1`` declared LOST."""
+    cut = Fault("partition", "n0", 2.07, 9.33, cut_off=("ns.a.a1",))
+    dup = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 12.76, 12.9, "ok")
+
+    def routed(*faults: Fault, second: Run = dup, refused: tuple[float, ...] = (11.46,)) -> History:
+        h = rerouted(second, *faults)
+        h.unregistered = {"ns.a.a1": list(refused)} if refused else {}
+        return h
+
+    rep = check(routed(cut))
+    assert rep.ok and rep.dup_agent_crash == 1 and rep.dup_unexplained == 0, rep.table()
+    assert check(routed(cut, refused=())).dup_unexplained == 1
+    assert check(routed(cut, refused=(5.0,))).dup_unexplained == 1  # while it was cut off
+    assert check(routed(cut, refused=(13.0,))).dup_unexplained == 1  # after the retry
+    other = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 14.0, 14.1, "ok")
+    assert check(routed(cut, second=other)).dup_unexplained == 1  # not the caller's retry
+    answered = Fault("partition", "n0", 3.2, 9.33, cut_off=("ns.a.a1",))
+    assert check(routed(answered)).dup_unexplained == 1
+    short = Fault("partition", "n0", 2.07, 4.5, cut_off=("ns.a.a1",))
+    assert check(routed(short, refused=(4.6,))).dup_unexplained == 1
+
+
+def test_an_agents_refused_registrations_are_read_from_its_log(tmp_path: Path) -> None:
+    lines = [
+        {
+            "ts": "2026-12-06T04:35:55.989Z",
+            "msg": "no hub answered the registration of "
+            "ns.a.a1 (MeshUnavailableError): is a hub running on nats://x? Retrying for up to 30 s",
+        },
+        {"ts": "2026-12-06T04:35:56.5Z", "msg": "ns.a.a1 did not register: nobody answered"},
+        {"ts": "2026-12-06T04:35:57Z", "msg": "hub does not know ns.a.a1: registering again"},
+        {"ts": "2026-12-06T04:35:58Z", "msg": "no hub answered the registration of ns.a.a9 (x)"},
+    ]
+    (tmp_path / "ns.a.a1.log").write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
+    got = read_unregistered([tmp_path / "ns.a.a1.log", tmp_path / "ns.a.a2.log"])
+    assert got == {"ns.a.a1": [1796531755.989, 1796531756.5]}
