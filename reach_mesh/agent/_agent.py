@@ -2,9 +2,11 @@
 keep recent results for idempotency, drain gracefully; count what it handled (``/metrics``).
 
 This module holds the agent's state, handler registration and lifecycle (register, heartbeat,
-drain); ``Agent`` takes its serving path (tasks and batches, handler slots, idempotency, answers,
-the control subject) from :class:`~reach_mesh.agent._serving.ServingMixin`, and the running of
-one handler attempt (payload, deadline, result checks, failures, metrics) from its base
+drain). ``Agent`` takes its standing with the hubs (the replacement check after a silence,
+whether its lease is surely held) from :class:`~reach_mesh.agent._identity.IdentityMixin`; its
+serving path (tasks and batches, handler slots, idempotency, answers, the control subject) from
+:class:`~reach_mesh.agent._serving.ServingMixin`; and the running of one handler attempt
+(payload, deadline, result checks, failures, metrics) from its base
 :class:`~reach_mesh.agent._attempts.AttemptsMixin`.
 """
 
@@ -49,7 +51,8 @@ from reach_mesh._nats import (
 from reach_mesh._shutdown import within
 from reach_mesh.agent._attempts import _TRACEBACK_INTERVAL
 from reach_mesh.agent._deadlines import _Deadlines
-from reach_mesh.agent._one_process import other_process, wait_for_other_process
+from reach_mesh.agent._identity import IdentityMixin
+from reach_mesh.agent._one_process import wait_for_other_process
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
 from reach_mesh.agent._serving import AgentStatus, ServingMixin, _Handler
 from reach_mesh.agent._table import Results
@@ -57,7 +60,6 @@ from reach_mesh.agent._task import Task
 from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
-    AgentReplacedError,
     BadRequestError,
     InvalidCapabilityError,
     MeshUnavailableError,
@@ -66,7 +68,7 @@ from reach_mesh.errors import (
     ThrottledError,
     UnknownAgentError,
 )
-from reach_mesh.logs import AGENT_ID_IN_USE, SUBSCRIPTION_REFUSED, LineBudget, log_event
+from reach_mesh.logs import SUBSCRIPTION_REFUSED, LineBudget, log_event
 from reach_mesh.models import (
     AgentCard,
     AgentState,
@@ -108,7 +110,7 @@ class _Unconfirmed(MeshUnavailableError):
     process serves the id (cut off from NATS)."""
 
 
-class Agent(ServingMixin):
+class Agent(IdentityMixin, ServingMixin):
     """An agent on the mesh.
 
     ::
@@ -625,100 +627,6 @@ class Agent(ServingMixin):
         self.state = reply.state
         self._answered_at = sent  # the hub renewed the lease after this, not before
         self._heard_at = max(self._heard_at, sent)
-
-    def may_be_replaced(self) -> bool:
-        """Silent to the hubs — no registration or heartbeat of ours answered, nor another
-        process of the id ruled out, since — for as long as a new process of this id waits
-        before it starts (``lease_timeout + suspect_timeout``, ``_one_process``): paused, its
-        event loop blocked or cut off, this process may have been replaced, and then both would
-        take every task sent to the id. It serves nothing until it knows
-        (:meth:`confirm_identity`)."""
-        # (Read for every task. -inf until started: not "replaced".)
-        heard = self._heard_at
-        return heard != -math.inf and time.monotonic() - heard >= self._replaced_after
-
-    def confirm_soon(self) -> None:
-        """:meth:`confirm_identity` in the background, once at a time."""
-        if self._confirming is None or self._confirming.done():
-            self._confirming = asyncio.create_task(
-                self.confirm_identity(), name="reach-agent-confirm"
-            )
-
-    async def confirm_identity(self, *, live: bool = False) -> bool:
-        """Ask whether another process serves this agent id (its ctl ping); if one does, stop
-        (:class:`AgentReplacedError`, ``serve()`` ends with it) rather than share the id.
-        ``live``: asked because a hub no longer knows our registration, not after a silence —
-        both processes may be live (started at once, each before the other subscribed), and
-        each re-registering would replace the other's for good: the one with the smaller
-        session keeps the id, the other stops.
-
-        True when this process keeps the id (nobody else answered, or ours is kept); False
-        when it stops, or when it could not ask (cut off from NATS: the next heartbeat, task
-        or registration try asks again) — then it knows no more than before, and what waited
-        for the answer (a task, a registration) waits on."""
-        silent = time.monotonic() - self._heard_at
-        asked = time.monotonic()
-        try:
-            other = await other_process(self.nc, self.agent_id, self.session)
-        except Exception:
-            return False  # (cannot ask now: the next heartbeat, or the next task, asks again)
-        if other is None:
-            self._heard_at = max(self._heard_at, asked)
-            return True
-        if self.fault is not None or self.status is not AgentStatus.RUNNING:
-            return False
-        if live and other > self.session:
-            return True  # (ours is kept: the other one stops when it asks)
-        why = (
-            "which registered it too (two processes started at once): the one with the "
-            "smaller session keeps the id"
-            if live
-            else f"started while this one was silent to the hubs for {silent:.0f} s (paused, "
-            "its event loop blocked, or cut off)"
-        )
-        self.fault = AgentReplacedError(
-            f"agent id {self.agent_id} is served by another process (session {other[:12]}…), "
-            f"{why}: this one stops, not to take the id's tasks too",
-            agent_id=self.agent_id,
-        )
-        log_event(log, AGENT_ID_IN_USE, self.fault.message, agent_id=self.agent_id)
-        self._faulted.set()
-        self._stopping = asyncio.create_task(self.close(), name="reach-agent-stop")
-        return False
-
-    def in_touch(self) -> bool:
-        """True while the hubs surely hold our lease: connected, and a hub answered a
-        registration or heartbeat we sent within the last two heartbeat intervals. A lease is
-        at least three, so no hub can have declared us SUSPECT or LOST — and given our
-        attempts up without asking us — meanwhile. False after a pause of the process
-        (SIGSTOP, a stalled VM) or a partition, until the next answer."""
-        if self._nc is None or not self._nc.is_connected:
-            return False
-        return time.monotonic() - self._answered_at < 2 * self.settings.heartbeat_interval
-
-    async def back_in_touch(self) -> bool:
-        """Before a step delivered while out of touch (:meth:`in_touch` False: paused, cut
-        off) reads its fence: one heartbeat now, answered, so the hubs hold our lease again.
-        Right after a partition heals, the replica of the task records on our side is behind
-        the fences the hubs wrote meanwhile: read at once, it let the attempts given up during
-        the cut run again (chaos seed 153, ``partition``: 14 steps ran again 0.26 s after the
-        heal, their attempt 2 done elsewhere). False when no hub answered, or a hub no longer
-        knows us (declared LOST: the heartbeat loop fences our attempts and registers again):
-        the step waits. One heartbeat at a time for every step waiting."""
-        if self.in_touch():
-            return True
-        touching = self._touching
-        if touching is None or touching.done():
-            touching = self._touching = asyncio.ensure_future(self._touch())
-        return await asyncio.shield(touching)
-
-    async def _touch(self) -> bool:
-        timeout = max(min(self.settings.heartbeat_interval, 1.0), 0.05)
-        try:
-            await self._beat(protocol.hub_agent_subject(self.agent_id, "heartbeat"), timeout)
-        except Exception:  # (no hub, not known, a reconnect: the step waits for the next)
-            return False
-        return self.in_touch()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Whether this agent is ready for work, and why (its metrics server's ``GET
