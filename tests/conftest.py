@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Iterator
 
+import nats
 import pytest
+from nats.aio.client import Client as NATS
 
 from reach_mesh import MeshSettings
 from reach_mesh.hub import Hub
@@ -26,6 +28,14 @@ def nats_server() -> Iterator[EmbeddedNats]:
 @pytest.fixture(scope="session")
 def nats_url(nats_server: EmbeddedNats) -> str:
     return nats_server.url
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[NATS]:
+    """A plain NATS connection to the test server (a test's own subscriptions and requests)."""
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
 
 
 @pytest.fixture

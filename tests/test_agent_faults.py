@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -30,13 +29,6 @@ from reach_mesh.models import TaskReply
 from .helpers import eventually
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
 
 
 class Picky(BaseModel):

@@ -14,7 +14,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +40,6 @@ from reach_mesh.models import TaskEnvelope, TaskReply
 from .helpers import FAST, LoopThread, eventually, refusing_registrations, relayed
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
 
 
 def _said_in_use(caplog: pytest.LogCaptureFixture) -> bool:

@@ -8,7 +8,6 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -16,13 +15,6 @@ from reach_mesh import Client, MeshSettings, PayloadTooLargeError, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
-
-
-@pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    conn = await nats.connect(nats_url)
-    yield conn
-    await conn.close()
 
 
 @pytest.fixture
