@@ -161,6 +161,19 @@ def _explained(
     return None
 
 
+def _answer_lost(prev: Run, faults: list[Fault]) -> bool:
+    """Whether a route run's answer was lost in a partition that cut its agent or its caller
+    off as it ended (from ``SLACK`` s before its end to as long after the heal)."""
+    end = prev.end or prev.start
+    return any(
+        f.kind in CUT_OFF_FAULTS
+        and (prev.agent_id in f.cut_off or CALLER in f.cut_off)
+        and f.at - SLACK <= end
+        and prev.start <= (f.until or f.at) + SLACK
+        for f in faults
+    )
+
+
 def _cut_off_again(prev: Run, dup: Run, faults: list[Fault]) -> bool:
     """Whether a route's second run came while the agent of its first run was out of its
     caller's reach for the whole time the caller could ask again: that run's answer lost in
@@ -174,15 +187,7 @@ def _cut_off_again(prev: Run, dup: Run, faults: list[Fault]) -> bool:
     ran; secure seed 165, the caller and the hub that routed it cut off 7 ms after the run
     began). The reach the heal between gave back was spent while the caller still waited for
     the lost answer."""
-    end = prev.end or prev.start
-    answer_lost = any(
-        f.kind in CUT_OFF_FAULTS
-        and (prev.agent_id in f.cut_off or CALLER in f.cut_off)
-        and f.at - SLACK <= end
-        and prev.start <= (f.until or f.at) + SLACK
-        for f in faults
-    )
-    return answer_lost and any(
+    return _answer_lost(prev, faults) and any(
         f.kind in CUT_OFF_FAULTS
         and prev.agent_id in f.cut_off
         and CALLER not in f.cut_off
@@ -208,14 +213,7 @@ def _unregistered_when_asked(prev: Run, dup: Run, faults: list[Fault]) -> bool:
     routable agent"; then by capability, as new), nor could it have registered in time to be
     waited for: the at-least-once window of a holder out of reach, its registration refused
     (open seed 160 ``partition``; docs/reliability.md)."""
-    end = prev.end or prev.start
-    answer_lost = any(
-        f.kind in CUT_OFF_FAULTS
-        and (prev.agent_id in f.cut_off or CALLER in f.cut_off)
-        and f.at - SLACK <= end
-        and prev.start <= (f.until or f.at) + SLACK
-        for f in faults
-    )
+    answer_lost = _answer_lost(prev, faults)
     was_lost = any(
         f.kind in CUT_OFF_FAULTS
         and prev.agent_id in f.cut_off

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -607,19 +607,9 @@ def read_unstored(paths: Iterable[Path]) -> dict[tuple[str, str], list[float]]:
     """Agents' process logs (``<agent id>.log``, JSON lines): when each gave up storing a
     task's final status for a JetStream error (``UNSTORED_ERRORS``), by (agent id, task id)."""
     out: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for path in paths:
-        if not path.exists():
-            continue
-        agent_id = path.name.removesuffix(".log")
-        for line in path.read_text().splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            m = _UNSTORED.match(str(ev.get("msg", "")))
-            if m is None or m.group(2) not in UNSTORED_ERRORS or not ev.get("ts"):
-                continue
-            t = datetime.fromisoformat(str(ev["ts"]).replace("Z", "+00:00")).timestamp()
+    for agent_id, msg, t in _log_lines(paths):
+        m = _UNSTORED.match(msg)
+        if m is not None and m.group(2) in UNSTORED_ERRORS:
             out[(agent_id, m.group(1))].append(t)
     return dict(out)
 
@@ -631,6 +621,16 @@ def read_unregistered(paths: Iterable[Path]) -> dict[str, list[float]]:
     """Agents' process logs (``<agent id>.log``): when each logged a refused try to register
     (again), by agent id."""
     out: dict[str, list[float]] = defaultdict(list)
+    for agent_id, msg, t in _log_lines(paths):
+        m = _UNREGISTERED.match(msg)
+        if m is not None and (m.group(1) or m.group(2)) == agent_id:
+            out[agent_id].append(t)
+    return dict(out)
+
+
+def _log_lines(paths: Iterable[Path]) -> Iterator[tuple[str, str, float]]:
+    """Agents' process logs (``<agent id>.log``, JSON lines): (agent id, message, time) of
+    every line with a timestamp; missing files and torn lines skipped."""
     for path in paths:
         if not path.exists():
             continue
@@ -640,12 +640,9 @@ def read_unregistered(paths: Iterable[Path]) -> dict[str, list[float]]:
                 ev = json.loads(line)
             except ValueError:
                 continue
-            m = _UNREGISTERED.match(str(ev.get("msg", "")))
-            if m is None or (m.group(1) or m.group(2)) != agent_id or not ev.get("ts"):
-                continue
-            t = datetime.fromisoformat(str(ev["ts"]).replace("Z", "+00:00")).timestamp()
-            out[agent_id].append(t)
-    return dict(out)
+            if ev.get("ts"):
+                t = datetime.fromisoformat(str(ev["ts"]).replace("Z", "+00:00")).timestamp()
+                yield agent_id, str(ev.get("msg", "")), t
 
 
 def read_faults(path: Path) -> list[Fault]:
