@@ -225,6 +225,8 @@ class Relay:
         #: Clear while what the server sends is held back (:meth:`hold`).
         self._flowing = asyncio.Event()
         self._flowing.set()
+        #: What the server sends that, once relayed, holds back what follows (:meth:`hold_after`).
+        self._hold_after: bytes | None = None
 
     async def start(self) -> None:
         self._flowing.set()
@@ -254,6 +256,10 @@ class Relay:
                             break  # cut while held: what it held is lost
                     dst.write(data)
                     await dst.drain()
+                    marker = self._hold_after
+                    if flowing is not None and marker is not None and marker in data:
+                        self._hold_after = None
+                        flowing.clear()
             dst.close()
 
         await asyncio.gather(pipe(reader, up_writer, None), pipe(up_reader, writer, self._flowing))
@@ -262,6 +268,16 @@ class Relay:
         """Hold back what the server sends until the relay is cut (then it is lost): answers
         sent to the party behind it are lost with the connection, however fast they come."""
         self._flowing.clear()
+
+    def hold_after(self, marker: bytes) -> None:
+        """:meth:`hold` as soon as what the server sends has carried ``marker`` through: the
+        party behind the relay reads that answer, and nothing after it."""
+        self._hold_after = marker
+
+    @property
+    def holding(self) -> bool:
+        """Whether what the server sends is held back now."""
+        return not self._flowing.is_set()
 
     def release(self) -> None:
         """Let what :meth:`hold` held back through, late (a slow link, not a broken one)."""

@@ -387,6 +387,34 @@ async def test_a_task_read_after_a_pause_waits_while_answers_cannot_reach_the_pr
             await relay.cut()
 
 
+async def test_an_agent_forgotten_by_the_hub_registers_again_only_once_it_could_ask(
+    hub: Hub, settings: MeshSettings, nats_url: str
+) -> None:
+    """A heartbeat answered "unknown agent" (removed, declared lost — or another live process
+    of the id registered) asks whether another process serves the id before it registers
+    again. When that ask cannot be made — here the link delivers nothing after the answer, so
+    no PONG shows the silence means "nobody else" — it does not register again blind, which
+    could replace the other process's registration for good: the next beat asks again, and
+    once the link is back the agent registers again."""
+    relay, through = await relayed(nats_url, settings)
+    agent = _counting_agent(f"{settings.namespace}.forgotten.f", through, [], "f")
+    try:
+        await agent.start()
+        first = hub.registry.agents[agent.agent_id].record.session
+        relay.hold_after(b"REACH_UNKNOWN_AGENT")  # the answer arrives, nothing after it
+        assert await hub.registry.unregister(agent.agent_id, None)
+        await asyncio.sleep(3.0)  # many beats: the answer read, the ask cut short
+        assert relay.holding, "no heartbeat was answered 'unknown agent'"
+        assert agent.agent_id not in hub.registry.agents, "registered again without asking"
+        relay.release()
+        await eventually(lambda: agent.agent_id in hub.registry.agents, timeout=10)
+        assert hub.registry.agents[agent.agent_id].record.session == first
+        assert agent.fault is None
+    finally:
+        await agent.close()
+        await relay.cut()
+
+
 async def test_tries_to_register_again_stay_spread_within_a_heartbeat_interval(
     settings: MeshSettings,
 ) -> None:
