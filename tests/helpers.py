@@ -24,13 +24,26 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 
-from reach_mesh import MeshSettings, protocol
+from reach_mesh import Client, MeshSettings, Step, UnknownWorkflowError, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import MeshUnavailableError
-from reach_mesh.models import AgentCard, AgentState, RegisterReply, RegisterRequest, TaskState
+from reach_mesh.models import (
+    AgentCard,
+    AgentState,
+    ErrorBody,
+    RegisterReply,
+    RegisterRequest,
+    TaskState,
+)
 from reach_mesh.server import EmbeddedNats
-from reach_mesh.workflow import AttemptRecord, TaskRecord, TaskStatusEvent
+from reach_mesh.workflow import (
+    AttemptRecord,
+    TaskRecord,
+    TaskStatusEvent,
+    WorkflowRecord,
+    spec_digest,
+)
 
 if TYPE_CHECKING:
     from mcp.client.session import ClientSession
@@ -694,3 +707,69 @@ class LoseFirstFinal:
             self.dropped.append(ev)
             return False
         return True
+
+
+class Held:
+    """A started agent whose ``wf:slow:v1`` handler runs until released, and says whether a
+    run of it was cancelled (the hub's cancel reached the agent)."""
+
+    def __init__(self, fleet: Fleet, name: str = "slow.a1") -> None:
+        self.release = asyncio.Event()
+        self.started = 0
+        self.cancelled = asyncio.Event()
+        self.finished = 0
+        self.agent: Agent = fleet.agent(name)
+
+        @self.agent.handler("wf:slow:v1")
+        async def wait(task: Task[Any]) -> str:
+            self.started += 1
+            try:
+                await self.release.wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+            self.finished += 1
+            return "done"
+
+    async def start(self) -> Held:
+        await self.agent.start()
+        return self
+
+
+async def running(
+    mesh: Client, wf_id: str, step: int = 0, state: TaskState = TaskState.RUNNING
+) -> None:
+    """Until step ``step`` of the workflow is in ``state`` (RUNNING: on its agent)."""
+
+    async def check() -> bool:
+        try:
+            view = await mesh.inspect_workflow(wf_id)
+        except UnknownWorkflowError:
+            return False
+        return len(view.steps) > step and view.steps[step].state is state
+
+    await eventually(check, timeout=10)
+
+
+async def seed_owner(
+    mesh: Client,
+    kind: str,
+    steps: list[Step],
+    wf_id: str,
+    owner: str,
+    first_agents: list[str | None],
+    cancel: ErrorBody | None = None,
+) -> None:
+    """A workflow record as ``owner`` left it (``first_agents``' attempts 1 sent at the
+    start), for a hub to take over when the submission comes back."""
+    spec = mesh._workflow_spec(kind, steps, "all", 30, wf_id)  # type: ignore[arg-type]
+    record = WorkflowRecord(
+        spec=spec,
+        spec_digest=spec_digest(spec),
+        owner=owner,
+        submitted_at=time.time(),
+        first_agents=first_agents,
+        cancel=cancel,
+    )
+    kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+    await kv.put(protocol.workflow_key(mesh.namespace, wf_id), protocol.encode(record))

@@ -16,8 +16,7 @@ from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.hub import Hub
 from reach_mesh.workflow import StepSpec, WorkflowRecord, WorkflowResult, WorkflowSpec
 
-from .helpers import Fleet, echo_agent, eventually
-from .test_workflow_cancel import Held, running
+from .helpers import Fleet, Held, echo_agent, eventually, running
 
 pytestmark = pytest.mark.timeout(60)
 
