@@ -68,6 +68,17 @@ SLACK = 1.0
 #: How long (s) a chaos caller waits for a route's answer before it asks again with the same
 #: task id (workload.py's ``route``; less only near the end of the run).
 ROUTE_TIMEOUT = 10.0
+#: How long (s) after its wait for a route's answer ran out a chaos caller asks again: the
+#: ``Client`` waits for the hub's answer 5 % of the timeout longer (``_reply_slack``: 0.5 s of
+#: ``ROUTE_TIMEOUT``), and workload.py's ``route`` pauses 0.25 s before it asks again.
+RETRY_LAG = 0.75
+#: When (s after a route's first run) its caller's retry ends its wait for that run's agent, the
+#: holder, to register again (``_unregistered_at_retry``): the retry, marked as a resend, comes
+#: ``ROUTE_TIMEOUT + RETRY_LAG`` s after the first send; its hub, finding the agent declared
+#: LOST but back on NATS and holding the task (its ctl answer), waits for its registration half
+#: the retry's time left at most (``ROUTE_TIMEOUT / 2``; reach_mesh/hub/_holders.py,
+#: ``HOLDER_BACK_WAIT``), then routes it as new.
+HOLDER_WAITED = ROUTE_TIMEOUT + RETRY_LAG + ROUTE_TIMEOUT / 2
 #: The connection name of the chaos callers (``Client``'s default): a partition whose
 #: ``cut_off`` has it cut a caller off too.
 CALLER = "reach-client"
@@ -117,7 +128,8 @@ def _explained(
     again before its caller could ask (``agent``, ``_cut_off_again``), or while it had yet to
     register again when its caller asked (``agent``, ``_unregistered_when_asked``), or whose
     registration again was refused from the heal of the cut that lost its answer to its
-    caller's retry (``agent``, ``_unregistered_at_retry``), or a
+    caller's retry, or to the end of that retry's wait for it (``agent``,
+    ``_unregistered_at_retry``), or a
     step's run whose final status JetStream had not taken when a partition cut its agent
     off, this run from that cut on (``agent``, ``_unstored_until_cut``); else a hub
     fault from
@@ -253,8 +265,23 @@ def _unregistered_at_retry(
     registration refused past ``HEAL`` (secure seed 168, ``partition``, route r00049: its
     agent cut off 70 ms into the run for 7.3 s with ``n0``, leader of ``KV_reach_tasks``, its
     registration refused 2.1 s after the heal and not taken for 11 s more; the retry 10.8 s
-    after the run began, 3.4 s after the heal)."""
-    if abs(dup.start - (prev.start + ROUTE_TIMEOUT)) > SLACK:
+    after the run began, 3.4 s after the heal).
+
+    Or the second run came when the retry's wait for that agent ran out (``SLACK`` s either
+    side of ``HOLDER_WAITED`` s after the first run started), the retry asked (and the cut
+    healed) ``ROUTE_TIMEOUT / 2`` s before it: back on NATS, the agent answered the hub's ask
+    that it held the task, and the hub waited for its registration, refused all along, half the
+    retry's time (secure seed 171, ``partition``, route r00282: ``a0`` cut off 0.1 s into the
+    run for 9.9 s with the caller, declared LOST; its registration refused 1.0 s after the heal,
+    ``KV_reach_agents`` without a leader from 0.6 s to 7.0 s after it and taking the
+    registration at 9.2 s; the second run 15.74 s after the first began, 5.74 s after the
+    heal)."""
+    since = dup.start - prev.start
+    if abs(since - ROUTE_TIMEOUT) <= SLACK:
+        asked = dup.start  # routed as new at once: registered at no hub (seed 168)
+    elif abs(since - HOLDER_WAITED) <= SLACK:
+        asked = dup.start - ROUTE_TIMEOUT / 2  # after the wait for the holder (seed 171)
+    else:
         return False
     end = prev.end or prev.start
     refused = unregistered.get(prev.agent_id, ())
@@ -264,7 +291,7 @@ def _unregistered_at_retry(
         and f.until is not None
         and f.until - f.at >= HEAL
         and f.at - SLACK <= end <= f.until
-        and f.until <= dup.start <= f.until + ELECTIONS
+        and f.until <= asked <= f.until + ELECTIONS
         and any(f.until <= t <= dup.start for t in refused)
         for f in faults
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from .explained import _cut_off_again, _unregistered_when_asked
+from .explained import _cut_off_again, _unregistered_at_retry, _unregistered_when_asked
 from .history import (
     ExpectedRoute,
     Fault,
@@ -389,6 +389,43 @@ def test_a_routes_retry_while_its_holders_registration_was_refused_is_explained(
     answered = Fault("partition", "n0", 3.2, 9.33, cut_off=("ns.a.a1",))
     assert check(routed(answered)).dup_unexplained == 1
     short = Fault("partition", "n0", 2.07, 4.5, cut_off=("ns.a.a1",))
+    assert check(routed(short, refused=(4.6,))).dup_unexplained == 1
+
+
+def test_a_routes_retry_whose_wait_for_its_holders_registration_ran_out_is_explained() -> None:
+    """Secure seed 171's ``partition`` (``chaos-171-r00282``): the route ran on ``a1`` (2.0-2.1
+    here), ``a1`` and the caller were cut off 0.1 s into the run for 9.9 s (``a1`` declared
+    LOST), the answer lost; back, ``a1``'s registration was refused (its log, 1.0 s after the
+    heal; ``KV_reach_agents`` without a leader from 0.6 s to 7.0 s after it). The caller's retry
+    (~12.75, marked) found ``a1`` holding the task, and its hub waited for the registration half
+    the retry's time, then routed it as new: ``a2`` ran it 15.74 s after the first run began
+    (17.74), 5.74 s after the heal. Not without the refusal between the heal and that run, nor
+    for a run between the retry's window and the wait's end or after that end, nor when the cut
+    healed after the retry's ask (the hub could not have found ``a1``: no wait), nor when the
+    answer was out before the cut, nor after a cut too short to have ``a1`` declared LOST."""
+    cut = Fault("partition", "n1", 2.1, 12.0, cut_off=("ns.a.a1", "reach-client"))
+    dup = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 17.74, 17.9, "ok")
+
+    def routed(*faults: Fault, second: Run = dup, refused: tuple[float, ...] = (13.02,)) -> History:
+        h = rerouted(second, *faults)
+        h.unregistered = {"ns.a.a1": list(refused)} if refused else {}
+        return h
+
+    rep = check(routed(cut))
+    assert rep.ok and rep.dup_agent_crash == 1 and rep.dup_unexplained == 0, rep.table()
+    first = Run("rr1", None, None, "r1", 1, "ns.a.a1", 1, 2.0, 2.1, "ok")  # (with_route's)
+    assert _unregistered_at_retry(first, dup, [cut], {"ns.a.a1": [13.02]})
+    assert check(routed(cut, refused=())).dup_unexplained == 1
+    assert check(routed(cut, refused=(11.0,))).dup_unexplained == 1  # while it was cut off
+    assert check(routed(cut, refused=(18.0,))).dup_unexplained == 1  # after the run
+    for at in (15.3, 19.5):  # neither the retry nor the wait's end: past the retry, past the wait
+        other = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, at, at + 0.1, "ok")
+        assert check(routed(cut, second=other)).dup_unexplained == 1
+    late = Fault("partition", "n1", 2.1, 14.0, cut_off=("ns.a.a1", "reach-client"))
+    assert check(routed(late, refused=(14.5,))).dup_unexplained == 1  # healed after the ask
+    answered = Fault("partition", "n1", 3.2, 12.0, cut_off=("ns.a.a1", "reach-client"))
+    assert check(routed(answered)).dup_unexplained == 1
+    short = Fault("partition", "n1", 2.1, 4.5, cut_off=("ns.a.a1", "reach-client"))
     assert check(routed(short, refused=(4.6,))).dup_unexplained == 1
 
 
