@@ -185,6 +185,101 @@ async def test_an_unneeded_step_read_at_an_older_attempt_is_stopped_at_its_curre
     assert rec is not None and rec.cancelled and rec.attempt == 2, rec
 
 
+async def test_an_unneeded_step_read_behind_the_hubs_own_write_is_stopped_at_its_attempt(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``quorum(2)`` fanout's slow step failed once, retryably: this hub recorded attempt 2
+    and sent it. While it runs the two fast steps meet the quorum, and the stop of the slow
+    step meets a stream with no leader (a server stopped, SIGSTOP, and running again: an
+    election). Its read at the leader fails past the retries; the replica read instead is the
+    server that was stopped, behind this hub's own writes: attempt 1. The fence, a
+    compare-and-set on that revision, fails too (no leader): no "moved" to read again. The
+    hub stopped what that record named — attempt 1, long over —, reported the step stopped
+    after 1 attempt, and left attempt 2 running to its end (chaos secure seed 171,
+    ``node_stop``: "step 0 stopped as unneeded after 2 attempts, but attempt 3 ran"). The hub
+    wrote attempt 2 itself: a read behind its own write is not the step's record."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    second, snapped = asyncio.Event(), asyncio.Event()
+    ended: list[str] = []
+    slow = fleet.agent("own.slow")
+    fast = fleet.agent("own.fast")
+
+    @slow.handler("wf:own-slow:v1")
+    async def wait(task: Task[Any]) -> str:
+        if task.attempt == 1:
+            await snapped.wait()  # (the test has the record at attempt 1)
+            raise TaskFailed("once", retryable=True)
+        second.set()
+        return await _until_stopped(ended)
+
+    @fast.handler("wf:own-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await second.wait()  # decided while attempt 2 of the slow step runs
+        return task.payload
+
+    await slow.start()
+    await fast.start()
+    key = protocol.task_key(ns, "own-slow")
+    first: list[tuple[bytes, int]] = []  # the record at attempt 1, as the replica behind has it
+    real_get = engine._jsc.kv_get
+    real_read = _durable.get_at_leader
+    real_cas = _durable.cas
+    asked: list[str] = []
+
+    async def replica_behind(bucket: str, k: str) -> tuple[bytes, int] | None:
+        if bucket == protocol.KV_TASKS and k == key and second.is_set() and first:
+            return first[0]
+        return await real_get(bucket, k)
+
+    async def no_leader(bucket: _durable.Bucket, k: str) -> tuple[bytes, int] | None:
+        if k == key and second.is_set():
+            asked.append(k)
+            raise TimeoutError("no leader answers")
+        return await real_read(bucket, k)
+
+    async def no_leader_write(
+        bucket: _durable.Bucket, k: str, data: bytes, last: int, deadline: float, **kw: Any
+    ) -> int:
+        if k == key and TaskRecord.model_validate_json(data).cancelled:
+            raise TimeoutError("no leader answers")
+        return await real_cas(bucket, k, data, last, deadline, **kw)
+
+    monkeypatch.setattr(engine._jsc, "kv_get", replica_behind)
+    monkeypatch.setattr(_durable, "get_at_leader", no_leader)
+    monkeypatch.setattr(_durable, "cas", no_leader_write)
+    async with Client(settings=wf_settings) as mesh:
+        tasks = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+        wf_id = await mesh.submit_fanout(
+            [Step(capability="wf:own-slow:v1", task_id="own-slow", retries=1, timeout=10)]
+            + [Step(capability="wf:own-fast:v1", payload=i, task_id=f"own-f{i}") for i in range(2)],
+            policy="quorum(2)",
+            timeout=20,
+        )
+
+        async def at_attempt_1() -> bool:
+            try:
+                entry = await tasks.get(key)
+            except Exception:
+                return False
+            if entry.value is None or TaskRecord.model_validate_json(entry.value).attempt != 1:
+                return False
+            first.append((entry.value, int(entry.revision or 0)))
+            return True
+
+        await eventually(at_attempt_1, timeout=5)
+        snapped.set()
+        res = await mesh.workflow(wf_id, timeout=15)
+    assert res.state is TaskState.SUCCEEDED, res
+    assert asked, "the stop never read the slow step's record at the leader"
+    # The result tells what was sent: attempt 2, and it was told to stop at once.
+    assert res.steps[0].cancelled and res.steps[0].attempts == 2, res.steps[0]
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: bool(ended), timeout=3)
+    assert ended == ["cancelled"], ended
+
+
 @pytest.mark.parametrize("stale", [0, 2], ids=["leader", "old-leader-awake"])
 async def test_an_unneeded_step_whose_record_moved_after_its_read_is_stopped_at_the_new_attempt(
     wf_hub: Hub,

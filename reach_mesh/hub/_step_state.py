@@ -117,6 +117,10 @@ class Workflow:
     #: Per step stopped undecided (a cancel, an unneeded branch): the outcomes it had in hand
     #: and had not applied (``StatusTracker.close``), for ``WorkflowShapes._cancel_step``.
     unapplied: dict[int, list[TaskStatusEvent]] = field(default_factory=dict)
+    #: Per step stopped undecided: its record as its runner here had it and the revision of
+    #: the runner's last write of it (``StepRunner._step``), for ``_cancel_step``: a read
+    #: behind this hub's own write (a replica, with no leader to ask) is not the step's record.
+    written: dict[int, tuple[TaskRecord, int]] = field(default_factory=dict)
     #: Events not sent yet (``StepRunner._event``): made (and their trace context written)
     #: only when sent, with the trace context current when they happened; and the timer.
     held: list[tuple[Callable[[], WorkflowEvent], Context]] = field(default_factory=list)

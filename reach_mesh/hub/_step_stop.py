@@ -82,6 +82,14 @@ class StepStopping(StepRunner):
                 raise
         if got is None and settle:
             got = await self._io(f"read {key}", lambda: _durable.get_at_leader(kv, key), None)
+        own = wf.written.pop(index, None)
+        if own is not None and own[1] > (0 if got is None else got[1]):
+            # Behind this hub's own last write of the record (a replica read while no leader
+            # answered: chaos secure seed 171, ``node_stop``, a server SIGSTOPped through two
+            # writes): the attempts it names are not all that were sent, and stopped from it,
+            # the step's current attempt ran on, unfenced, reported never sent. Stopped from
+            # the record as this hub wrote it instead.
+            got = (protocol.encode(own[0]), own[1])
         await self._stop_step(wf, index, task_id, got, settle=settle)
 
     async def _stop_step(

@@ -365,6 +365,8 @@ class StepRunner(StepIO):
                 left = self._tracker.close(track, decided)
                 if left:
                     wf.unapplied[index] = left
+                if not rec.state.final:  # (stopped undecided: ``Workflow.written``)
+                    wf.written[index] = (rec, rev)
 
     def _refuse(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskRecord:
         """A step refused before anything was sent or written (``refused``): its event."""
