@@ -21,6 +21,7 @@ ordered by it, which is what makes giving up an attempt safe without a lineariza
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import math
 from collections import OrderedDict
@@ -51,6 +52,8 @@ _BEHIND_WAIT: Final = 0.05
 _TICK: Final = 0.05
 _STALL: Final = 0.05
 _STALL_MEMORY: Final = 1.0
+#: Waits kept for messages behind, settled ones included, before those are dropped.
+_COMPACT_AT: Final = 256
 #: Fence promises kept (task ids, oldest forgotten first). A promise forgotten early leaves the
 #: hub's task record as the fence, as for an agent that does not know promises.
 _PROMISES: Final = 50_000
@@ -74,8 +77,22 @@ class Behind:
     """A run waiting for the messages queued behind its own (:meth:`Fences.wait_behind`)."""
 
     sseq: int
+    #: The messages the server had stored behind it, not delivered yet.
     need: int
-    done: asyncio.Future[bool]
+    #: Counted arrivals (``Fences._counted``) at which every one of them has arrived.
+    target: int = 0
+    #: Whether they all arrived (None: not known yet). Set once: by the count, a gap, or
+    #: ``forget_behind`` (False).
+    result: bool | None = None
+    #: Made only when a run waits for the result (usually it is known by then).
+    waiter: asyncio.Future[bool] | None = None
+
+    def settle(self, result: bool) -> None:
+        if self.result is None:
+            self.result = result
+            waiter = self.waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(result)
 
 
 class Fences:
@@ -86,9 +103,14 @@ class Fences:
         #: Attempts promised to a hub never to start: task id -> the workflow whose step it is
         #: (None: any, as a hub that did not say) -> the highest such attempt.
         self._promised: OrderedDict[str, dict[str | None, int]] = OrderedDict()
-        #: Runs waiting for the messages queued behind theirs, and the last consumer sequence
-        #: received (a gap means a delivery was lost: every waiter reads its record instead).
-        self._behind_waits: list[Behind] = []
+        #: Runs waiting for the messages queued behind theirs, a heap by ``Behind.target``
+        #: (ties in arrival order), and the last consumer sequence received (a gap means a
+        #: delivery was lost: every waiter reads its record instead). ``_counted``: the first
+        #: deliveries counted so far; ``_top_sseq``: the highest stream sequence of a waiter.
+        self._behind_waits: list[tuple[int, int, Behind]] = []
+        self._counted = 0
+        self._top_sseq = -1
+        self._compact_at = _COMPACT_AT
         self._last_cseq = -1
         #: When the event loop last stalled, and when the watch last woke (loop time;
         #: ``watch``): a watch overdue is a stall going on, or just over.
@@ -236,8 +258,8 @@ class Fences:
         to ``arrived`` with this same message, before its run starts)."""
         if delivery is None or delivery.delivered != 1 or delivery.pending <= 0:
             return None
-        fut: asyncio.Future[bool] = self._running().create_future()
-        return Behind(delivery.sseq, delivery.pending, fut)
+        # (Its target is set by ``arrived``, from the count after its own arrival.)
+        return Behind(delivery.sseq, delivery.pending)
 
     def arrived(self, delivery: Delivery | None, behind: Behind | None) -> None:
         """Count a work message or marker, in stream order, before any run: a fence marker's
@@ -251,30 +273,41 @@ class Fences:
         delivered, sseq, cseq, _ = delivery
         gap = cseq != self._last_cseq + 1
         self._last_cseq = cseq
+        waits = self._behind_waits
         if gap:
             # A delivery we never got (lost with a server), or the consumer's sequence moved
             # (a new leader): what was behind cannot be counted. Read the records.
-            for w in self._behind_waits:
-                if not w.done.done():
-                    w.done.set_result(False)
-            self._behind_waits = []
-        elif delivered == 1 and self._behind_waits:
+            for _, _, w in waits:
+                w.settle(False)
+            waits.clear()
+            self._top_sseq = -1
+        elif delivered == 1 and waits:
             # (A redelivery is none of the messages that were pending behind.)
             self._count_behind(sseq)
         if behind is not None:
-            self._behind_waits.append(behind)
+            # Counted from the next arrival: done once ``need`` more have come.
+            behind.target = self._counted + behind.need
+            self._top_sseq = max(self._top_sseq, behind.sseq)
+            heapq.heappush(waits, (behind.target, cseq, behind))
 
     def _count_behind(self, sseq: int) -> None:
-        left = []
-        for w in self._behind_waits:
-            if sseq > w.sseq:
-                w.need -= 1
-            if w.need <= 0:
-                if not w.done.done():
-                    w.done.set_result(True)
-            else:
-                left.append(w)
-        self._behind_waits = left
+        """A first delivery of stream sequence ``sseq``: one more of the messages behind each
+        waiter with a lower sequence (all of them, in stream order)."""
+        waits = self._behind_waits
+        if sseq <= self._top_sseq:
+            # Not behind every waiter (not seen in stream order, but then counted exactly):
+            # the ones it is not behind need one more arrival than they did.
+            for i, (target, order, w) in enumerate(waits):
+                if sseq <= w.sseq:
+                    w.target = target + 1
+                    waits[i] = (target + 1, order, w)
+            heapq.heapify(waits)
+        counted = self._counted = self._counted + 1
+        while waits and waits[0][0] <= counted:
+            heapq.heappop(waits)[2].settle(True)
+        if not waits:
+            self._top_sseq = -1
+            self._compact_at = _COMPACT_AT
 
     @staticmethod
     async def wait_behind(behind: Behind) -> bool:
@@ -283,20 +316,27 @@ class Fences:
         consumer sequence missing in between (counted by ``arrived`` from the moment this
         one arrived). A fence marker among them has made its promise by then. False when
         they did not all arrive in time, or a delivery went missing: read the record."""
-        done = behind.done
-        if done.done():  # usually: they came in the same read from the socket
-            return not done.cancelled() and done.result()
+        if behind.result is not None:  # usually: they came in the same read from the socket
+            return behind.result
+        waiter = behind.waiter = asyncio.get_running_loop().create_future()
         try:
-            return await asyncio.wait_for(done, _BEHIND_WAIT)
+            return await asyncio.wait_for(waiter, _BEHIND_WAIT)
         except TimeoutError:
             return False
 
     def forget_behind(self, behind: Behind) -> None:
-        """Stop counting for ``behind`` (its run read its record, or ended)."""
-        if behind in self._behind_waits:
-            self._behind_waits.remove(behind)
-        if not behind.done.done():
-            behind.done.cancel()
+        """Stop counting for ``behind`` (its run read its record, or ended). It stays in the
+        heap, settled, until its target comes (or a gap): at most as many as were pending."""
+        behind.settle(False)
+        if behind.waiter is not None and not behind.waiter.done():
+            behind.waiter.cancel()
+        waits = self._behind_waits
+        if len(waits) > self._compact_at:
+            # Many runs stopped counting for messages that have not arrived (they read their
+            # records instead): keep only the waits still open.
+            waits[:] = [e for e in waits if e[2].result is None]
+            heapq.heapify(waits)
+            self._compact_at = max(_COMPACT_AT, 2 * len(waits))
 
 
 def delivery_of(reply: str | None) -> Delivery | None:
