@@ -13,7 +13,10 @@ import nats.js.errors
 import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh.errors import BadRequestError
 from reach_mesh.hub import Hub
+from reach_mesh.hub._wire import _step_envelope_bytes
+from reach_mesh.models import TaskEnvelope
 from reach_mesh.workflow import StepSpec, WorkflowRecord, WorkflowResult, WorkflowSpec
 
 from .helpers import Fleet, Held, echo_agent, eventually, running
@@ -138,3 +141,31 @@ async def test_a_submission_with_no_trace_context_gets_one_trace(
     assert msg.headers["traceparent"].split("-")[1] == result.trace_id
     record = await _record(wf_settings, spec.workflow_id)
     assert record.trace_id == result.trace_id
+
+
+@pytest.mark.parametrize(
+    "payload", [None, {"a": None, "b": [None, 1.5, 'é"x']}, 1e-7, "x", [], True, 10**30]
+)
+@pytest.mark.parametrize("timeout", [30.0, 0.001, 1e-5, 86400.0, 5])
+@pytest.mark.parametrize("capability", [None, "bench:echo:v1"])
+def test_a_steps_work_message_is_the_envelope_model_encoded(
+    payload: Any, timeout: float, capability: str | None
+) -> None:
+    """The hub writes a step's work message directly (``_step_envelope_bytes``): the very
+    bytes of the ``TaskEnvelope`` model through ``protocol.encode``, and a task id the model
+    would refuse is refused."""
+    env = TaskEnvelope(
+        task_id="wf-1",
+        attempt=2,
+        capability=capability,
+        payload=payload,
+        namespace="ns",
+        timeout=timeout,
+        workflow_id="wf",
+        step=1,
+        track=True,
+    )
+    written = _step_envelope_bytes("wf-1", 2, capability, payload, "ns", timeout, "wf", 1)
+    assert written == protocol.encode(env)
+    with pytest.raises(BadRequestError):
+        _step_envelope_bytes('a"b', 1, capability, payload, "ns", timeout, "wf", 1)

@@ -36,9 +36,10 @@ from reach_mesh.hub._step_state import (
     step_route,
 )
 from reach_mesh.hub._step_track import ATTEMPTS_KEPT, StepTrack
+from reach_mesh.hub._wire import _step_envelope_bytes
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.registry import AgentView
-from reach_mesh.models import ErrorBody, RouteRequest, TaskEnvelope, TaskState
+from reach_mesh.models import ErrorBody, RouteRequest, TaskState
 from reach_mesh.tracing import SPAN_STEP, SpanKind, inject, span
 from reach_mesh.workflow import (
     BACKOFF_MIN,
@@ -524,23 +525,14 @@ class StepRunner(StepIO):
         payload: Any,
     ) -> None:
         assert rec.agent_id is not None
-        env = TaskEnvelope(
-            task_id=rec.task_id,
-            attempt=rec.attempt,
-            capability=capability,
-            payload=payload,
-            namespace=wf.ns,
-            timeout=step.timeout,
-            workflow_id=wf.id,
-            step=index,
-            track=True,
+        body = _step_envelope_bytes(
+            rec.task_id, rec.attempt, capability, payload, wf.ns, step.timeout, wf.id, index
         )
         headers = inject({})
         # The attempt's id: a repeat after an infrastructure error is dropped by JetStream.
         headers[protocol.HDR_MSG_ID] = protocol.attempt_msg_id(wf.ns, rec.task_id, rec.attempt)
         headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WORK
         subject = protocol.work_subject(wf.ns, rec.agent_id)
-        body = protocol.encode(env)
         await self._io(
             f"publish {subject}",
             lambda: self._jsc.publish(subject, body, headers),

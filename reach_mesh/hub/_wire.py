@@ -62,6 +62,41 @@ def _envelope_bytes(
     return b"".join(parts)
 
 
+def _step_envelope_bytes(
+    task_id: str,
+    attempt: int,
+    capability: str | None,
+    payload: Any,
+    namespace: str,
+    timeout: float,
+    workflow_id: str,
+    step: int,
+) -> bytes:
+    """A workflow step's ``TaskEnvelope`` (``track`` set) as JSON, written directly: the
+    bytes ``protocol.encode`` makes of the model (``tests/test_workflow_submissions.py``
+    compares them), without building and validating a model per attempt. ``task_id`` is
+    checked here as the model's validator does (it is quoted without escaping); the workflow
+    id, namespace and capability were validated on admission, the timeout by ``StepSpec``."""
+    protocol.validate_task_id(task_id)
+    parts = [b'{"task_id":"', task_id.encode(), b'","attempt":', str(attempt).encode()]
+    if capability is not None:
+        parts += (b',"capability":"', capability.encode(), b'"')
+    if payload is not None:
+        parts += (b',"payload":', to_json(payload))
+    parts += (
+        b',"namespace":"',
+        namespace.encode(),
+        b'","timeout":',
+        to_json(float(timeout)),
+        b',"workflow_id":"',
+        workflow_id.encode(),
+        b'","step":',
+        str(step).encode(),
+        b',"track":true}',
+    )
+    return b"".join(parts)
+
+
 def _reply_bytes(
     request_id: str,
     agent_id: str,
