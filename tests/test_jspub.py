@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import nats
 import nats.errors
@@ -218,6 +219,52 @@ async def test_ask_has_an_unguessable_reply_and_knows_no_responders(nats_url: st
             assert len(token) == 16 and int(token, 16) >= 0  # 64 random bits
             assert nuid[:12] not in prefix  # nats-py's NUID generator is nowhere in it
     finally:
+        await jsc.stop()
+        await nc.close()
+
+
+async def test_requests_time_out_at_their_deadlines_on_one_timer(nats_url: str) -> None:
+    """Unanswered requests time out when their own timeouts run out, in order or not (a
+    shorter one made after a longer one gets a timer of its own); answered ones leave the
+    queue of deadlines, and one timer serves it."""
+    nc = await nats.connect(nats_url)
+    jsc = JsClient(nc, timeout=0.4)
+    await jsc.start()
+    silent = f"silent.{uuid.uuid4().hex}"
+    subject = f"echo.{uuid.uuid4().hex}"
+
+    async def echo(msg: Msg) -> None:
+        await msg.respond(msg.data)
+
+    async def timed(coro: Any) -> tuple[float, BaseException | None]:
+        t0 = asyncio.get_running_loop().time()
+        try:
+            await coro
+            err = None
+        except Exception as e:
+            err = e
+        return asyncio.get_running_loop().time() - t0, err
+
+    sub = await nc.subscribe(silent)  # listens, never answers
+    echo_sub = await nc.subscribe(subject, cb=echo)
+    try:
+        await nc.flush()
+        got = await asyncio.gather(
+            timed(jsc.request(silent, b"a")),
+            timed(jsc.request(subject, b"b")),
+            timed(jsc.request(silent, b"c", timeout=0.15)),
+            timed(jsc.request(silent, b"d")),
+        )
+        (ta, ea), (tb, eb), (tc, ec), (td, ed) = got
+        assert eb is None and tb < 0.3
+        for took, err, want in ((ta, ea, 0.4), (tc, ec, 0.15), (td, ed, 0.4)):
+            assert isinstance(err, nats.errors.TimeoutError)
+            assert want - 0.01 <= took < want + 0.2
+        assert not jsc._futures
+        await eventually(lambda: not jsc._deadlines and jsc._deadline_timer is None)
+    finally:
+        await sub.unsubscribe()
+        await echo_sub.unsubscribe()
         await jsc.stop()
         await nc.close()
 
