@@ -120,3 +120,29 @@ async def test_a_hub_knows_the_servers_clock_from_its_start(
             assert time.monotonic() - view.last_seen < settings.heartbeat_interval + 1
         finally:
             await late.close()
+
+
+async def test_a_tiny_timeout_runs_nothing_while_the_hubs_estimate_lags(
+    monkeypatch: pytest.MonkeyPatch, nats_url: str, namespace: str
+) -> None:
+    """The hub's estimate of the server's clock is behind it by the least delay among its
+    samples: a few ms on a loaded machine. A deadline counted from that estimate gave a
+    workflow those ms: with a 1e-9 s timeout its step was sent, ran, and the chain ended
+    SUCCEEDED (``make test`` under load, once). The server's clock is past the submission's
+    stored time whatever the estimate says: nothing is sent."""
+    settings = _settings(nats_url, namespace)
+    ran: list[Any] = []
+    agent = Agent(f"{namespace}.clock.a1", settings=settings)
+
+    @agent.handler("test:tiny:v1")
+    async def tiny(task: Task[Any]) -> Any:
+        ran.append(task.payload)
+        return task.payload
+
+    async with Hub(settings=settings) as hub, agent, Client(settings=settings) as mesh:
+        clock = hub.registry.server_clock
+        monkeypatch.setattr(clock, "now", lambda: time.time() - clock.skew - 0.05)
+        chain = await mesh.chain([Step(capability="test:tiny:v1", payload=0)], timeout=1e-9)
+        assert chain.state is TaskState.TIMEOUT, chain
+        await asyncio.sleep(0.3)  # (a step sent would have run by now)
+    assert ran == []

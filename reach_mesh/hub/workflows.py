@@ -610,7 +610,11 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
                 "submit a shorter timeout, or raise the hubs' workflow_retention",
                 field="timeout",
             )
-        remaining = submitted + timeout - self._server_clock.now()
+        # The server's clock has passed the time it stored the submission at, whatever our
+        # estimate of it says: an estimate behind by its sample's delay (a loaded hub: a few
+        # ms) gave a workflow that much longer than its timeout — a 1e-9 s one had its steps
+        # sent and run, and ended SUCCEEDED.
+        remaining = submitted + timeout - max(self._server_clock.now(), submitted)
         # With no (valid) trace context the mesh starts the workflow's trace, as every hub that
         # runs this submission starts it (one that takes it over goes on in the same trace).
         trace_id = started_trace(headers, f"{ns}/{spec.workflow_id}/{seq}".encode())
