@@ -329,3 +329,46 @@ async def test_an_attempt_refused_before_accepted_leaves_the_pin_on_the_holder(
         release.set()
         await nc.close()
         await fleet.close()
+
+
+async def test_a_lost_holder_that_finished_the_task_answers_the_resend_with_its_stored_result(
+    settings: MeshSettings,
+) -> None:
+    """The secure chaos run's ``partition``, seed 171: ``a1`` ran a task to the end
+    (SUCCEEDED, its idempotency table holds the reply), but its answer was lost — the caller
+    gave up — and a partition got ``a1`` declared LOST. Back on NATS, its registrations are
+    refused (JetStream taking no writes) for longer than the route's wait. The caller asks
+    again: ``a1`` says on its ctl subject that it finished the task, with the reply it stored,
+    and the hub answers the caller with that copy (``cached``, ``a1``'s) at once, counted
+    ``found="lost_copy"``: nothing runs again. Before, the route waited for ``a1``'s
+    registration for half its time left, then ran the task again on ``a2`` (``found="lost"``).
+    """
+    fleet, ran, release = two_holding(settings, "rs", CAP)
+    a1, a2 = fleet.agents
+    hub = Hub(settings=settings)
+    refused, refusing = refusing_registrations(hub)
+    try:
+        async with hub, Client(settings=settings) as mesh:
+            await _held_lost(hub, mesh, fleet, ran, "lh-done", {"capability": CAP})
+            release.set()  # a1 finishes the task: its reply to the hub reaches no caller
+            await eventually(lambda: not (entry := a1._results.get("lh-done")) or not entry.running)
+            entry = a1._results.get("lh-done")
+            assert entry is not None and entry.state is TaskState.SUCCEEDED
+            lost_found = _seeks(hub, "lost")
+            refusing.set()  # and so for the whole test: a1 never registers again
+            a1._hb_task = asyncio.create_task(a1._heartbeat_loop())  # told unknown: registers
+            await eventually(lambda: len(refused) >= 2, timeout=10, interval=0.005)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            result = await mesh.request(capability=CAP, task_id="lh-done", timeout=4.0)
+            took = loop.time() - t0
+            assert a1.agent_id not in hub.registry.agents
+        assert result.state is TaskState.SUCCEEDED and result.agent_id == a1.agent_id
+        assert result.result == a1.agent_id and result.cached
+        assert ran == {"lh-done": [a1.agent_id]}
+        assert took < HOLDER_WAIT + 1.0  # no wait for the registration
+        assert a2.agent_id not in ran["lh-done"]
+        assert _seeks(hub, "lost") == lost_found and _seeks(hub, "lost_copy") == 1
+    finally:
+        release.set()
+        await fleet.close()

@@ -71,10 +71,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from reach_mesh import protocol
+from reach_mesh.config import MeshSettings
 from reach_mesh.errors import BadRequestError, ReachError
 from reach_mesh.hub._pins import HUB_HEADER, TaskPins
 from reach_mesh.hub.registry import AgentView, Registry
-from reach_mesh.models import AgentState, TaskState
+from reach_mesh.models import AgentState, TaskReply, TaskState
 from reach_mesh.tracing.metrics import HubMetrics
 
 __all__ = [
@@ -105,6 +106,9 @@ HOLDER_ASK_MOST: Final = 32
 HOLDER_BACK_WAIT: Final = 10.0
 #: Resent tasks a hub seeks the holder of at once, at most; beyond, routed as if unmarked.
 HOLDER_SEEKS_MOST: Final = 256
+#: What a holder's ``task_state`` answer may take beyond ``max_payload`` (its reply's fields
+#: around the result) before it is dropped unread.
+_COPY_SLACK: Final = 16 * 1024
 
 
 def resend_marked(headers: dict[str, str] | None) -> bool:
@@ -145,11 +149,44 @@ def _holds(data: bytes) -> bool:
     return "attempt" in body or body.get("state") not in (None, TaskState.PENDING.value)
 
 
+def _stored_copy(
+    data: bytes, agent_id: str, task_id: str, attempt: int, max_size: int
+) -> TaskReply | None:
+    """The copy of ``task_id``'s stored reply that answers a route whose holder ``agent_id``,
+    declared LOST, answered ctl ``task_state`` with ``data``, or None: the answer is its final
+    ``TaskReply`` for this very agent and task id, and the attempt the route would send it
+    (``attempt``) would be answered with it, not run again (``agent/_serving.py``,
+    ``_runs_again``): it SUCCEEDED, or it is of ``attempt`` or a later one, or it FAILED for
+    good (``details.retryable`` false). Anything else — running or queued (no reply yet), an
+    earlier attempt that failed or timed out (a later one runs again), an error answer, a
+    malformed or oversized one (over ``max_size`` bytes: dropped unread), one speaking for
+    another agent or task — is no copy. The copy says ``cached: true``."""
+    try:
+        reply = protocol.decode(data, TaskReply, max_size=max_size)
+    except ReachError:
+        return None
+    if reply.agent_id != agent_id or reply.task_id != task_id or not reply.state.final:
+        return None
+    err = reply.error
+    if not (
+        reply.state is TaskState.SUCCEEDED
+        or reply.attempt >= attempt
+        or (
+            reply.state is TaskState.FAILED
+            and err is not None
+            and err.details.get("retryable", True) is False
+        )
+    ):
+        return None
+    return reply.model_copy(update={"cached": True})
+
+
 class HoldersMixin:
     """The methods of ``Hub`` that find the holder of a resent task (``Hub`` sets every
     attribute below)."""
 
     hub_id: str
+    settings: MeshSettings
     metrics: HubMetrics
     _pins: TaskPins
     #: Holder seeks in progress (``HOLDER_SEEKS_MOST``; counted by ``RoutingMixin``).
@@ -174,16 +211,25 @@ class HoldersMixin:
         candidates: Collection[str],
         wait: float = HOLDER_WAIT,
         lost: Collection[str] = (),
-    ) -> str | None:
+        attempt: int = 1,
+    ) -> tuple[str | None, TaskReply | None]:
         """The agent the other hubs or the ``candidates`` (registered) or ``lost`` (declared
         LOST lately, not registered again) say holds ``task_id``, or that a pin made meanwhile
-        names, or None (module docstring). Takes ``wait`` seconds (``HOLDER_WAIT`` at most)
+        names, or None (module docstring); and, for an agent of ``lost`` that finished the
+        task, the copy of its stored reply that answers the route's attempt ``attempt``
+        (:func:`_stored_copy`), else None. Takes ``wait`` seconds (``HOLDER_WAIT`` at most)
         unless someone names the holder sooner; never raises. A hub or pin naming one of
         ``lost`` is not taken for an answer (its pin outlived its registration): that agent's
         own answer is. An agent of ``lost`` that holds it is returned uncounted: the caller
-        counts the seek once it knows whether that agent registered again
-        (:meth:`_holder_back`)."""
-        nc = self.nc
+        counts the seek once it knows whether it answers with the copy (``lost_copy``) or
+        that agent registered again (:meth:`_holder_back`).
+
+        Every ask's reply subject carries 64 random bits (``Registry.asks``): agents may
+        publish on this hub's reply subjects, and a registered agent asked here sees its own
+        ask's — with nats-py's NUIDs it could follow them to the ask of a LOST holder and
+        answer it with a made-up result."""
+        asks = self.registry.asks
+        max_size = self.settings.max_payload + _COPY_SLACK
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.001, min(wait, HOLDER_WAIT))
         left = deadline - loop.time()
@@ -192,16 +238,16 @@ class HoldersMixin:
         self._pin_waits.setdefault(key, []).append(learned)
         body = protocol.dumps({"op": "task_state", "task_id": task_id, "route": True})
         hub_ask: asyncio.Future[Msg] = asyncio.ensure_future(
-            nc.request(
+            asks.request(
                 protocol.hub_broadcast(ns, "pin_of"),
                 task_id.encode(),
+                {HUB_HEADER: self.hub_id},
                 timeout=left,
-                headers={HUB_HEADER: self.hub_id},
             )
         )
         agent_asks: dict[asyncio.Future[Msg], str] = {
             asyncio.ensure_future(
-                nc.request(protocol.agent_ctl(agent_id), body, timeout=left)
+                asks.ask(protocol.agent_ctl(agent_id), body, timeout=left)
             ): agent_id
             for agent_id in itertools.chain(
                 itertools.islice(candidates, HOLDER_ASK_MOST),
@@ -221,7 +267,7 @@ class HoldersMixin:
                         continue
                     if ask is learned:
                         if learned.result() not in lost:
-                            return self._found("pin", learned.result())
+                            return self._found("pin", learned.result()), None
                         continue
                     reply: Msg = ask.result()
                     data = reply.data
@@ -232,14 +278,18 @@ class HoldersMixin:
                             and agent_id.startswith(ns + ".")
                             and agent_id not in lost
                         ):
-                            return self._found("hub", agent_id)
+                            return self._found("hub", agent_id), None
                     elif _holds(data):
                         agent_id = agent_asks[ask]
-                        return agent_id if agent_id in lost else self._found("agent", agent_id)
+                        if agent_id not in lost:
+                            return self._found("agent", agent_id), None
+                        # Finished: its stored reply answers the route (it may not register
+                        # again in time); running or queued: the route waits for it.
+                        return agent_id, _stored_copy(data, agent_id, task_id, attempt, max_size)
             # Nobody claimed it: a pin this hub made meanwhile (another copy of the request,
             # routed here as new), if any.
             made = self._pins.get(ns, task_id)
-            return self._found("nobody" if made is None else "pin", made)
+            return self._found("nobody" if made is None else "pin", made), None
         finally:
             _unwait(self._pin_waits, key, learned)
             for ask in pending:

@@ -532,14 +532,17 @@ class RouteEndMixin:
         subject: str | None = None,
         alternates: list[AgentView] | None = None,
         error: ReachError | None = None,
+        holder: str | None = None,
     ) -> None:
         """The one way a route ends: count it, audit it, close its span, answer the caller.
-        Once per flight, and its slot is given back whatever happens on the way."""
+        Once per flight, and its slot is given back whatever happens on the way. ``holder``:
+        the agent whose stored reply ``task`` is when no attempt was sent (a resend's holder
+        declared LOST, ``hub/_holders.py``)."""
         if flight.finished:
             return
         flight.finished = True
         try:
-            body = self._conclude(flight, task, head, subject, alternates, error)
+            body = self._conclude(flight, task, head, subject, alternates, error, holder)
         except Exception:  # a bug, not the request: the caller still gets a typed answer
             log.exception("finishing route %s failed", flight.request_id)
             body = protocol.encode_error(InternalError("internal error finishing the route"))
@@ -555,10 +558,14 @@ class RouteEndMixin:
         subject: str | None,
         alternates: list[AgentView] | None,
         error: ReachError | None,
+        holder: str | None = None,
     ) -> bytes:
         """Count, audit and close the span of an ending route; its answer's bytes."""
         req, ns = flight.req, flight.ns
         view = flight.view
+        # The agent the answer is from: the one the attempt went to, or the holder whose
+        # stored reply it is.
+        agent_id = view.agent_id if view is not None else holder
         target = req.agent_id or req.capability or req.selector
         # An agent id in a namespace that does not exist (checked in the registry's KV first):
         # answered, but neither counted nor audited.
@@ -579,7 +586,7 @@ class RouteEndMixin:
                 event["attempts"] = flight.attempt
             body = protocol.encode_error(error)
         else:
-            assert view is not None
+            assert agent_id is not None
             if head is not None:
                 state = head.state.value
             else:
@@ -598,7 +605,7 @@ class RouteEndMixin:
                 "request_id": flight.request_id,
                 "trace_id": flight.trace_id,
                 "task_id": head.task_id if head is not None else req.task_id,
-                "agent_id": view.agent_id,
+                "agent_id": agent_id,
                 "target": _clip(target),
                 "state": state,
                 "attempts": flight.attempt,
@@ -608,9 +615,9 @@ class RouteEndMixin:
                 event["reason"] = _clip(head.error.message)
             body = _reply_bytes(
                 flight.request_id,
-                view.agent_id,
+                agent_id,
                 subject=subject,
-                batch_subject=_batch_subject(view) if subject is not None else None,
+                batch_subject=_batch_subject(view) if subject is not None and view else None,
                 task=task,
                 decision=flight.decision,
                 alternates=alternates,
@@ -626,7 +633,6 @@ class RouteEndMixin:
                 )
         elapsed = time.perf_counter() - flight.t0
         if elapsed > _SLOW_ROUTE:
-            agent_id = view.agent_id if view is not None else None
             held = self._slow_lines.take(agent_id)
             if held is not None:
                 log_event(
@@ -641,8 +647,8 @@ class RouteEndMixin:
                 )
         sp = flight.span
         if sp is not None:
-            if view is not None:
-                sp.set_attribute("reach.agent_id", view.agent_id)
+            if agent_id is not None:
+                sp.set_attribute("reach.agent_id", agent_id)
             sp.set_attribute("reach.attempts", flight.attempt)
             if head is not None:  # the agent's final state: FAILED is the handler's, not ours
                 sp.set_attribute("reach.state", head.state.value)

@@ -43,7 +43,7 @@ from reach_mesh.hub._pins import (
     decode_pins,
     encode_pins,
 )
-from reach_mesh.hub._route_end import _LOCAL_REPLY, RouteEndMixin, _clip, _Flight
+from reach_mesh.hub._route_end import _LOCAL_REPLY, RouteEndMixin, _clip, _Flight, _ReplyHead
 from reach_mesh.hub._wire import (
     _envelope_bytes,
     _forward_trace,
@@ -53,7 +53,7 @@ from reach_mesh.hub.registry import AgentView
 from reach_mesh.hub.router import Choice, Router
 from reach_mesh.hub.throttle import Throttle
 from reach_mesh.logs import SELECT_EMPTY, LineBudget, log_event
-from reach_mesh.models import RouteRequest
+from reach_mesh.models import RouteRequest, TaskReply
 from reach_mesh.tracing import (
     SPAN_DELIVER,
     SPAN_ROUTE,
@@ -292,33 +292,58 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         say holds it, if any (``hub/_holders.py``); then routed as any other."""
         req = flight.req
         assert req.task_id is not None
+        copy: TaskReply | None = None
         try:
             lost = self.router.matching_lost(req, flight.ns, HOLDER_ASK_MOST)
             # Half its time left at most: the route must still be decided and run.
-            holder = await self._seek_holder(
+            holder, copy = await self._seek_holder(
                 flight.ns,
                 req.task_id,
                 self.router.matching(req, flight.ns),
                 (flight.deadline - time.perf_counter()) / 2,
                 lost,
+                flight.attempt + 1,
             )
-            # A holder declared LOST, back on NATS with the task: routed to it once it has
-            # registered again, waiting half the time left at most — the other half is for
-            # the attempt (joining its run), or for a new run if it does not come.
-            if (
-                holder is not None
-                and holder in lost
-                and not await self._holder_back(holder, (flight.deadline - time.perf_counter()) / 2)
-            ):
-                holder = None
+            if copy is not None and (req.mode != "proxy" or req.dry_run):
+                copy = None  # a decision is asked for, not the task's outcome
+            if holder is not None and holder in lost:
+                if copy is not None:
+                    # A holder declared LOST that finished the task: its stored reply is the
+                    # answer (it may not register again in time; nothing runs again).
+                    self._found("lost_copy", holder)
+                # Else still running or queued there: routed to it once it has registered
+                # again, waiting half the time left at most — the other half is for the
+                # attempt (joining its run), or for a new run if it does not come.
+                elif not await self._holder_back(
+                    holder, (flight.deadline - time.perf_counter()) / 2
+                ):
+                    holder = None
         except Exception:  # a bug, not the input: routed as if unmarked
             log.exception("route %s: seeking its task's holder failed", flight.request_id)
-            holder = None
+            holder = copy = None
         finally:
             self._seeking -= 1
+        if holder is not None and copy is not None:
+            await self._answer_copy(flight, holder, copy)
+            return
         if holder is not None:
             flight.sticky = flight.in_hand = holder
         await self._lookup_then_attempt(flight)
+
+    async def _answer_copy(self, flight: _Flight, holder: str, copy: TaskReply) -> None:
+        """Answer a resent route with the reply its holder ``holder`` — declared LOST, not
+        registered — stored for its task (``cached``: an answer from its idempotency table,
+        as a copy sent to it would get; ``hub/_holders.py``). No attempt is sent: its
+        figures, health and breaker are not touched (the run was counted when it ran)."""
+        try:
+            task = protocol.encode(copy)
+            head = _ReplyHead.model_validate(copy.model_dump(exclude={"result"}))
+        except Exception:  # a bug, not the input (the copy was validated): routed as new
+            log.exception("route %s: answering its holder's copy failed", flight.request_id)
+            await self._lookup_then_attempt(flight)
+            return
+        self.metrics.duplicate_delivery_total.inc()
+        await self._finish(flight, task=task, head=head, holder=holder)
 
     async def _lookup_then_attempt(self, flight: _Flight) -> None:
         """The KV reads a route needs before it can decide: its session's agent, or an agent

@@ -169,6 +169,16 @@ class Registry(Liveness):
             description="reach-mesh operators' cordons (kept across an agent's registrations)",
         )
 
+    @property
+    def asks(self) -> JsClient:
+        """This hub's requests whose reply subjects carry 64 random bits (``JsClient.ask``),
+        for asks whose answer must come from the party asked: an agent sees the reply
+        subjects of the requests it serves and may publish on every hub's, so it must not be
+        able to guess the next one, as it could nats-py's (``hub/_holders.py``). Once
+        started."""
+        assert self._reads is not None, "registry not started"
+        return self._reads
+
     async def start(self) -> None:
         await self.ensure_buckets()
         # The server's clock before the entries loaded below are aged by it.

@@ -191,7 +191,7 @@ class LoopHistogram(Collector):
 
 
 #: What a hub's seek for the holder of a resent route found (``reach_resend_seek_total``).
-RESEND_FOUND: Final = ("hub", "agent", "pin", "nobody", "lost", "skipped")
+RESEND_FOUND: Final = ("hub", "agent", "pin", "nobody", "lost", "lost_copy", "skipped")
 
 
 class HubMetrics:
@@ -333,7 +333,9 @@ class HubMetrics:
             "Resent route requests (Reach-Resend) this hub had no pin to a registered agent "
             "for: by who named the agent holding the task (hub, agent, pin), nobody (routed "
             "as new), lost (held by an agent declared LOST that did not register again in "
-            "time: routed as new), or skipped (too many asks at once: routed as if unmarked).",
+            "time: routed as new), lost_copy (finished by an agent declared LOST: answered "
+            "with its stored reply), or skipped (too many asks at once: routed as if "
+            "unmarked).",
             ["found"],
             registry=r,
         )
