@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from typing import Any
 
 import nats
@@ -19,7 +20,7 @@ from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent
 from reach_mesh.errors import ReachError
 from reach_mesh.hub import Hub
-from reach_mesh.hub._holders import HOLDER_WAIT
+from reach_mesh.hub._holders import HOLDER_WAIT, _stored_copy
 from reach_mesh.hub._pins import decode_pins
 from reach_mesh.models import AgentState
 
@@ -332,7 +333,7 @@ async def test_an_attempt_refused_before_accepted_leaves_the_pin_on_the_holder(
 
 
 async def test_a_lost_holder_that_finished_the_task_answers_the_resend_with_its_stored_result(
-    settings: MeshSettings,
+    settings: MeshSettings, nats_url: str
 ) -> None:
     """The secure chaos run's ``partition``, seed 171: ``a1`` ran a task to the end
     (SUCCEEDED, its idempotency table holds the reply), but its answer was lost — the caller
@@ -342,12 +343,26 @@ async def test_a_lost_holder_that_finished_the_task_answers_the_resend_with_its_
     and the hub answers the caller with that copy (``cached``, ``a1``'s) at once, counted
     ``found="lost_copy"``: nothing runs again. Before, the route waited for ``a1``'s
     registration for half its time left, then ran the task again on ``a2`` (``found="lost"``).
-    """
+
+    The copy is a result handed to a caller, so the asks' reply subjects must not be
+    guessable by the agents asked (every agent may publish on hubs' reply subjects): each ends
+    in 64 random bits, none under nats-py's request prefix (whose NUIDs an agent could follow
+    from its own ask to the LOST holder's)."""
+    ns = settings.namespace
     fleet, ran, release = two_holding(settings, "rs", CAP)
     a1, a2 = fleet.agents
     hub = Hub(settings=settings)
     refused, refusing = refusing_registrations(hub)
+    asked: list[str] = []  # the reply subjects of the ctl asks about the task id
+
+    async def note(msg: Msg) -> None:
+        if b"lh-done" in msg.data:
+            asked.append(msg.reply)
+
+    nc = await nats.connect(nats_url)
     try:
+        await nc.subscribe(protocol.agent_ctl(f"{ns}.rs.*"), cb=note)
+        await flushed(nc)
         async with hub, Client(settings=settings) as mesh:
             await _held_lost(hub, mesh, fleet, ran, "lh-done", {"capability": CAP})
             release.set()  # a1 finishes the task: its reply to the hub reaches no caller
@@ -369,6 +384,59 @@ async def test_a_lost_holder_that_finished_the_task_answers_the_resend_with_its_
         assert took < HOLDER_WAIT + 1.0  # no wait for the registration
         assert a2.agent_id not in ran["lh-done"]
         assert _seeks(hub, "lost") == lost_found and _seeks(hub, "lost_copy") == 1
+        assert len(asked) == 2  # a2 (registered) and a1 (LOST)
+        nuid_prefix = (hub.nc._resp_sub_prefix or b"").decode()
+        for reply in asked:
+            assert re.fullmatch(r"_INBOX\.[0-9a-f]{16}\.[0-9a-f]{16}", reply), reply
+            assert not nuid_prefix or not reply.startswith(nuid_prefix)
+        assert len(set(asked)) == 2
     finally:
         release.set()
+        await nc.close()
         await fleet.close()
+
+
+def _answer(**fields: Any) -> bytes:
+    """An agent's ctl ``task_state`` answer: a stored ``TaskReply`` of ``rs.a1``."""
+    reply = {"task_id": "t", "attempt": 1, "agent_id": "n.rs.a1", "state": "SUCCEEDED"}
+    return protocol.dumps({**reply, "result": "r", **fields})
+
+
+@pytest.mark.parametrize(
+    ("answer", "attempt", "copied"),
+    [
+        (_answer(), 1, True),
+        (_answer(), 3, True),  # a later attempt of a succeeded task is answered from it
+        (_answer(state="TIMEOUT", attempt=2), 2, True),  # that attempt's own outcome
+        (_answer(state="TIMEOUT"), 2, False),  # a later attempt runs again
+        (_answer(state="FAILED", error={"code": "E", "message": "m"}), 2, False),
+        (
+            _answer(
+                state="FAILED",
+                error={"code": "E", "message": "m", "details": {"retryable": False}},
+            ),
+            2,
+            True,  # failed for good: that failure is its outcome
+        ),
+        (_answer(state="RUNNING"), 1, False),
+        (protocol.dumps({"task_id": "t", "attempt": 1, "state": "DELIVERED"}), 1, False),
+        (_answer(agent_id="n.rs.a2"), 1, False),  # speaks for another agent
+        (_answer(task_id="u"), 1, False),  # or another task
+        (_answer(result="x" * 300), 1, False),  # over the size allowed: dropped unread
+        (protocol.dumps({"error": {"code": "REACH_BAD_REQUEST", "message": "m"}}), 1, False),
+        (b'{"task_id": "t", "attempt": "one"', 1, False),
+        (b"\xff\xfe", 1, False),
+    ],
+)
+def test_only_a_final_reply_of_the_holder_asked_that_a_copy_would_get_is_a_copy(
+    answer: bytes, attempt: int, copied: bool
+) -> None:
+    """What a LOST holder's ``task_state`` answer must be for the hub to answer the resend
+    with it: the final reply of that agent and task id that a copy of the route's attempt
+    sent to it would be answered with (the agent's own rule: not run again); malformed,
+    oversized, error and foreign answers are no copy (the route waits for the holder, as
+    before), never an exception."""
+    copy = _stored_copy(answer, "n.rs.a1", "t", attempt, 256)
+    assert (copy is not None) is copied
+    if copy is not None:
+        assert copy.cached and copy.agent_id == "n.rs.a1" and copy.task_id == "t"

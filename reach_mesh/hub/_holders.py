@@ -30,13 +30,36 @@ without an attempt: running, queued, or finished — its idempotency table answe
 message that names one meanwhile, is where the route goes, as for a pin
 (``_Flight.in_hand``) — except that a hub or pins message naming one of the recently LOST
 asked is not taken for an answer (pins outlive registrations): that agent's own answer is.
-One of those that holds the task is not routable yet: the route waits for it to register
-again — this hub's registry shows it (its watch, or a registration through this hub: the
-registry's state listener, ``_holder_back``) — for half the route's time left at most, and
-``HOLDER_BACK_WAIT`` (10 s: its next heartbeat, 5 s apart by default, registers it once
-JetStream takes writes again), keeping the other half for the attempt (joining the run in
-hand, or a new run). Back, the route goes to it as for a pin; not back in time, it is routed
-as new (counted ``found="lost"``: the task runs twice).
+One of those that holds the task is not routable yet. If it FINISHED the task — its answer is
+the final ``TaskReply`` it stored, for that agent and task id, and the attempt the route would
+send it would be answered with it rather than run again (SUCCEEDED; of that attempt or a later
+one; FAILED with ``retryable: false``: the agent's own rule, ``_runs_again``;
+``_stored_copy``) — a proxy-mode route is answered at once with that reply, ``cached: true``,
+its ``agent_id`` the holder's (counted ``found="lost_copy"``; no attempt is sent, nothing runs,
+no pin or session is written, no health or breaker figure moves): exactly what its idempotency
+table would answer a copy, without waiting for a registration that JetStream may refuse for
+longer than the wait (the chaos ``partition`` runs, seeds 165, 168 and 171: such a route ran
+again on another agent). Still running or queued there (no reply yet: joining that run needs
+the agent routable), or its stored reply one that a copy would not get (an earlier attempt
+that failed or timed out: a later one runs again), or a direct-mode or dry-run route (they ask
+for a decision, not the outcome): the route waits for it to register again — this hub's
+registry shows it (its watch, or a registration through this hub: the registry's state
+listener, ``_holder_back``) — for half the route's time left at most, and ``HOLDER_BACK_WAIT``
+(10 s: its next heartbeat, 5 s apart by default, registers it once JetStream takes writes
+again), keeping the other half for the attempt (joining the run in hand, or a new run). Back,
+the route goes to it as for a pin; not back in time, it is routed as new (counted
+``found="lost"``: the task runs twice).
+
+The stored reply is a result handed to a caller, so it must come from the holder. Only the
+holder's identity may subscribe to its ctl subject (secure mode, ``_auth.py``), so only it
+receives the ask; but every agent may publish on hubs' reply subjects (it answers hubs), so
+each ask's reply subject carries 64 random bits from the OS (``Registry.asks``, a
+``JsClient``), not nats-py's NUIDs — a registered agent asked in the same seek sees its own
+ask's reply subject and could follow the NUIDs to the LOST holder's, and answer it with a
+made-up result. An answer that speaks for another agent or task id, is not a final reply, is
+malformed or larger than ``max_payload`` + 16 KiB (dropped unread) is no copy. The holder may
+lie about its own result, as it may when a route is sent to it: it is asked only as an agent
+of the request's namespace whose registration the request matched.
 
 Nobody claiming it, the hub waits the whole ``HOLDER_WAIT`` even when every agent said no, then
 routes it as new (or to a pin it made itself meanwhile): another copy of the same request may
