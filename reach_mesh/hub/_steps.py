@@ -696,6 +696,13 @@ class StepRunner(StepIO):
             verdict = await self._tracker.probe(track)
             if track.final is not None:
                 continue
+            if verdict == "unread":
+                # Its agent is gone, but what it stored could not be read (no leader for the
+                # status stream): not given up on that; asked about again after its timeout
+                # (the deadline decides at the latest, ``missed_final`` first).
+                track.lost = False
+                track.last_event = track.dispatched_at = loop.time()
+                continue
             if verdict == "alive":
                 # The agent has it (we missed DELIVERED, or it is queued for a slot).
                 track.lost = False

@@ -72,8 +72,10 @@ _STARTED: Final = frozenset({TaskState.ACCEPTED, TaskState.RUNNING})
 #: ``done``: its outcome is now known; ``alive``: the agent has it (or an older attempt of the
 #: step) in hand — or gave no usable answer while its lease holds (silence is not "I do not
 #: have it"); ``gone``: the agent does not have it, or is not there and its lease lapsed, or
-#: it is there but deaf (heard after its ctl subject had no responders, which it still has).
-Verdict = Literal["done", "alive", "gone"]
+#: it is there but deaf (heard after its ctl subject had no responders, which it still has);
+#: ``unread`` (``probe`` only): the agent is gone, but the status stream, which may hold its
+#: outcome, did not answer even a patient read — the attempt is kept and asked about again.
+Verdict = Literal["done", "alive", "gone", "unread"]
 
 
 class StatusTracker:
@@ -460,7 +462,11 @@ class StatusTracker:
     async def probe(self, track: StepTrack) -> Verdict:
         """Silence on the current attempt: read the status stream, then ask its agent. Before
         the attempt is given up for an agent gone, an unanswered read is made again, patiently:
-        the outcome it may hold decides the step, and a step must not run again for it."""
+        the outcome it may hold decides the step, and a step must not run again for it. Still
+        unanswered: ``unread`` — not given up on what could not be read (chaos secure seed 173,
+        ``partition``: a node's rejoin left ``REACH_STATUS`` without a leader for 9.3 s, its
+        agent cut off and declared LOST meanwhile; the attempt's SUCCEEDED, stored before,
+        was thrown away and the step run again)."""
         unread = await self.catch_up(track)
         if track.final is not None:
             return "done"
@@ -468,7 +474,9 @@ class StatusTracker:
         if track.agent_id is not None:
             verdict = await self._ask(track, track.agent_id, fence=track.attempt)
         if verdict == "gone" and unread and track.final is None:
-            await self.catch_up(track, unread, patient=True)
+            unread = await self.catch_up(track, unread, patient=True)
+            if unread and track.final is None:
+                return "unread"
         return "done" if track.final is not None else verdict
 
     async def after_gap(self) -> None:

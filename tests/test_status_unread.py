@@ -1,0 +1,150 @@
+"""An attempt whose agent is gone is not given up while the status stream that may hold its
+outcome cannot be read (chaos secure seed 173, ``partition``).
+
+A node's rejoin left ``REACH_STATUS`` without a leader for 9.3 s. A workflow taken over in that
+window could not read its steps' stored SUCCEEDED (stored before, its first owner heard them
+live and handed the workflow back); their agent, cut off, was declared LOST, and the hub's
+probe — its read unanswered, even the patient one — gave attempt 1 up and ran the steps
+again: a valid result thrown away (invariant 3). The probe now says ``unread``: the attempt is
+kept and asked about again; once the stream answers, its stored outcome decides the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from nats.js.errors import ServiceUnavailableError
+from opentelemetry.trace import INVALID_SPAN
+
+from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh.hub import Hub
+from reach_mesh.hub._tracking import StatusTracker
+from reach_mesh.workflow import TaskRecord, TaskStatusEvent
+
+from .helpers import Fleet, eventually, held_handler, partition
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _unavailable() -> ServiceUnavailableError:
+    return ServiceUnavailableError(code=503, err_code=10008, description="no leader")
+
+
+async def _probe_with_reads(settings: MeshSettings, reads: list[Any]) -> tuple[str, Any]:
+    """Probe attempt 1 of a step whose agent is not there (no ctl subscriber, no lease): each
+    status read takes the next of ``reads`` (an exception is raised, anything else returned)."""
+    agent_id = f"{settings.namespace}.gone.a1"
+    async with Hub(settings=settings) as hub:
+        assert hub.workflows is not None
+        tracker = StatusTracker(hub.nc, hub.workflows._jsc, hub.registry)
+        answers = list(reads)
+
+        async def last_status(
+            ns: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+        ) -> TaskStatusEvent | None:
+            got = answers.pop(0)
+            if isinstance(got, BaseException):
+                raise got
+            assert got is None or isinstance(got, TaskStatusEvent)
+            return got
+
+        tracker.last_status = last_status  # type: ignore[method-assign]
+        rec = TaskRecord(
+            task_id="gone-task",
+            workflow_id="gone",
+            step=0,
+            namespace=settings.namespace,
+            attempt=1,
+            agent_id=agent_id,
+        )
+        track = tracker.open(rec, protocol.task_key(settings.namespace, "gone-task"), INVALID_SPAN)
+        verdict = await tracker.probe(track)
+        assert not answers, "every planned read was made"
+        return verdict, track.final
+
+
+async def test_a_gone_agents_attempt_is_kept_while_its_status_cannot_be_read(
+    settings: MeshSettings,
+) -> None:
+    """Both reads (the quick one, then the patient one) unanswered: ``unread``, not ``gone``."""
+    verdict, final = await _probe_with_reads(settings, [_unavailable(), _unavailable()])
+    assert verdict == "unread" and final is None
+
+
+async def test_a_gone_agents_attempt_with_nothing_stored_is_given_up(
+    settings: MeshSettings,
+) -> None:
+    """Negative: the stream answered, with nothing stored — gone (the retry goes ahead)."""
+    verdict, final = await _probe_with_reads(settings, [None])
+    assert verdict == "gone" and final is None
+
+
+async def test_a_patient_read_that_answers_decides_the_step(settings: MeshSettings) -> None:
+    """Negative: the quick read unanswered, the patient one finds the outcome: done."""
+    agent_id = f"{settings.namespace}.gone.a1"
+    stored = TaskStatusEvent(
+        task_id="gone-task",
+        attempt=1,
+        agent_id=agent_id,
+        state=TaskState.SUCCEEDED,
+        workflow_id="gone",
+        step=0,
+        result=7,
+    )
+    verdict, final = await _probe_with_reads(settings, [_unavailable(), stored])
+    assert verdict == "done" and final is not None and final.result == 7
+
+
+async def test_a_stored_result_is_kept_through_a_status_stream_without_leader(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seed-173 shape: attempt 1 on A succeeds and its status is stored, but the hub does
+    not hear it (another owner did) and cannot read the stream (no leader); A is cut off and
+    declared LOST. The hub must not run the step again on B: once the stream answers, A's
+    stored result decides the step (attempt 1)."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    cap = "wf:unread:v1"
+    a, b = fleet.agent("unread.a"), fleet.agent("unread.b")
+    on_a, on_b = held_handler(a, cap, "answer of A"), held_handler(b, cap, "answer of B")
+    leaderless = asyncio.Event()
+    last_status = engine._tracker.last_status
+
+    async def no_leader(ns: str, task_id: str, agent_id: str | None = None, **kw: Any) -> Any:
+        if leaderless.is_set():
+            raise _unavailable()
+        return await last_status(ns, task_id, agent_id, **kw)
+
+    monkeypatch.setattr(engine._tracker, "last_status", no_leader)
+    # A's live statuses reach another hub only (this one took the workflow over since).
+    engine.status_filter = lambda event: event.agent_id != a.agent_id
+    await a.start()
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
+        await asyncio.wait_for(on_a.started.wait(), 5)
+        leaderless.set()
+        await partition(a)  # no heartbeats, nobody on its ctl subject; its handler runs on
+        on_a.release.set()
+        subject = protocol.task_status(a.agent_id, f"{wf_id}-0")
+
+        async def stored() -> bool:
+            try:
+                raw = await mesh.nc.jetstream().get_last_msg(protocol.STREAM_STATUS, subject)
+            except Exception:
+                return False
+            return bool(json.loads(raw.data or b"{}").get("state") == "SUCCEEDED")
+
+        await eventually(stored, timeout=10)
+        await b.start()
+        await eventually(lambda: a.agent_id not in wf_hub.registry.agents, timeout=20)
+        await asyncio.sleep(3 * wf_settings.step_deliver_timeout)  # several probes
+        ran_again = on_b.started.is_set()
+        leaderless.clear()
+        on_b.release.set()  # (before the fix: let attempt 2 finish)
+        res = await mesh.workflow(wf_id, timeout=20)
+    assert not ran_again, "attempt 1 given up while its stored result could not be read"
+    step = res.steps[0]
+    assert (step.state, step.result, step.decided_by) == (TaskState.SUCCEEDED, "answer of A", 1)
