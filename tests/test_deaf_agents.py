@@ -12,13 +12,17 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
-from reach_mesh import Client, MeshSettings, Step, TaskState
-from reach_mesh.agent import Agent
+from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
+from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.models import AgentState, CordonRecord
@@ -245,3 +249,33 @@ async def test_a_record_written_by_another_hub_is_not_the_agent_speaking(
     assert res.state is TaskState.SUCCEEDED, res.error
     assert res.result == ["answer of A"] and res.steps[0].attempts == 1
     assert not on_b.started.is_set()
+
+
+async def test_the_deaf_check_asks_with_a_reply_subject_nobody_can_guess(
+    hub: Hub, settings: MeshSettings, nc: NATS
+) -> None:
+    """Whether anybody listens on an agent's ctl subject is asked with 64 random bits in the
+    reply subject (``Registry.asks``), not nats-py's sequential ids: every agent may publish
+    on hubs' reply subjects, and one that could guess the next could answer for a deaf agent
+    and keep work going to it. An answer, as from the agent, means somebody listens."""
+    agent = Agent(f"{settings.namespace}.deafcheck.a", settings=settings)
+
+    @agent.handler("test:deafcheck:v1")
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    await agent.start()
+    try:
+        replies: list[str] = []
+
+        async def seen(msg: Msg) -> None:
+            replies.append(msg.reply)
+
+        await nc.subscribe(protocol.agent_ctl(agent.agent_id), cb=seen)
+        await nc.flush()
+        view = hub.registry.agents[agent.agent_id]
+        assert not await hub._nobody_on(view)  # the agent answered its ping
+        await eventually(lambda: len(replies) == 1)
+        assert re.fullmatch(r"_INBOX\.[0-9a-f]{16}\.[0-9a-f]{16}", replies[0]), replies
+    finally:
+        await agent.close()

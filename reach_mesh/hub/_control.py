@@ -284,13 +284,17 @@ class ControlMixin:
     async def _nobody_on(self, view: AgentView) -> bool:
         """Whether NATS answers *no responders* for ``view``'s ctl subject (every process of
         an agent id subscribes it, on the connection of its task subject). ``False`` when it
-        answers, when asking fails or times out, and while another ask about it is out."""
+        answers, when asking fails or times out, and while another ask about it is out.
+
+        Asked with a random reply subject (``Registry.asks``): agents may publish on this
+        hub's reply subjects, and one that could guess the next of nats-py's could answer for
+        a deaf agent and keep work going to it."""
         agent_id = view.agent_id
         if agent_id in self._pinging:
             return False
         self._pinging.add(agent_id)
         try:
-            await self.nc.request(protocol.agent_ctl(agent_id), _PING, timeout=_PING_TIMEOUT)
+            await self.registry.asks.ask(protocol.agent_ctl(agent_id), _PING, timeout=_PING_TIMEOUT)
         except nats.errors.NoRespondersError:
             return True
         except Exception:
