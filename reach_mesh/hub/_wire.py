@@ -53,13 +53,22 @@ def _envelope_bytes(
     plus ``model_dump_json`` cost several times more on every request). Ids, capability and
     namespace are validated protocol tokens: quoted without escaping; the payload goes through
     pydantic's JSON serialiser, as ``protocol.encode`` would."""
+    parts = _envelope_parts(task_id, attempt, capability, payload, namespace)
+    parts += (repr(timeout).encode(), b"}")
+    return b"".join(parts)
+
+
+def _envelope_parts(
+    task_id: str, attempt: int, capability: str | None, payload: Any, namespace: str
+) -> list[bytes]:
+    """A ``TaskEnvelope``'s JSON up to its ``timeout`` value (both envelopes written here)."""
     parts = [b'{"task_id":"', task_id.encode(), b'","attempt":', str(attempt).encode()]
     if capability is not None:
         parts += (b',"capability":"', capability.encode(), b'"')
     if payload is not None:
         parts += (b',"payload":', to_json(payload))
-    parts += (b',"namespace":"', namespace.encode(), b'","timeout":', repr(timeout).encode(), b"}")
-    return b"".join(parts)
+    parts += (b',"namespace":"', namespace.encode(), b'","timeout":')
+    return parts
 
 
 def _step_envelope_bytes(
@@ -78,15 +87,8 @@ def _step_envelope_bytes(
     checked here as the model's validator does (it is quoted without escaping); the workflow
     id, namespace and capability were validated on admission, the timeout by ``StepSpec``."""
     protocol.validate_task_id(task_id)
-    parts = [b'{"task_id":"', task_id.encode(), b'","attempt":', str(attempt).encode()]
-    if capability is not None:
-        parts += (b',"capability":"', capability.encode(), b'"')
-    if payload is not None:
-        parts += (b',"payload":', to_json(payload))
+    parts = _envelope_parts(task_id, attempt, capability, payload, namespace)
     parts += (
-        b',"namespace":"',
-        namespace.encode(),
-        b'","timeout":',
         to_json(float(timeout)),
         b',"workflow_id":"',
         workflow_id.encode(),
