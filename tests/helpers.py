@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -164,6 +165,36 @@ def cluster_nodes(
             dead = f"127.0.0.1:{free_port()}"  # nothing listens there
             nodes.append(_RelayedNode(base / f"n{i}", route_advertise=dead, **kw))
     return nodes
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` stopped (``T``); true where there is no ``/proc`` to read."""
+    tasks = Path(f"/proc/{pid}/task")
+    for stat in tasks.glob("*/stat"):
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # a thread gone meanwhile
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+async def freeze(pid: int, *, group: bool = False) -> None:
+    """SIGSTOP ``pid`` (its process group with ``group``) and return once every thread of it is
+    stopped. ``kill`` returns when the signal is pending, not delivered: the thread that takes it
+    stops the others, and on a loaded machine it may wait for a CPU while another thread of the
+    process reads a request and answers it (CI: a nats-server answered a ``consumer_info`` sent
+    right after its SIGSTOP)."""
+    if group:
+        os.killpg(pid, signal.SIGSTOP)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5.0
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped 5 s after its SIGSTOP")
+        await asyncio.sleep(0.001)
 
 
 async def eventually(

@@ -26,7 +26,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState
 from reach_mesh.server import ROUTE_PING_INTERVAL, ROUTE_PING_MAX, EmbeddedNats
 
-from .helpers import cluster_nodes, eventually, fetch
+from .helpers import cluster_nodes, eventually, fetch, freeze
 
 # Clusters of nats-servers: one at a time, on one of `make test`'s workers (with the short
 # chaos runs), so two never share the two cores.
@@ -233,7 +233,7 @@ async def test_a_frozen_node_is_left_within_seconds(tmp_path: Path) -> None:
             assert all([await _routes_to(n, str(frozen.server_name)) for n in nodes[1:]])
 
             pgid = frozen.proc.pid
-            os.killpg(pgid, signal.SIGSTOP)
+            await freeze(pgid, group=True)
             frozen_at = time.monotonic()
             try:
                 # More queued towards the frozen node than the socket buffers hold: nats-py
@@ -322,7 +322,7 @@ async def test_a_direct_get_is_answered_around_a_frozen_leader(tmp_path: Path) -
         js = nc.jetstream(timeout=1.0)
         jsc = JsClient(nc, timeout=3.0)
         await jsc.start()
-        os.killpg(frozen.proc.pid, signal.SIGSTOP)
+        await freeze(frozen.proc.pid, group=True)
         try:
             await eventually(
                 lambda: _elected_other_than(js, str(frozen.server_name)), timeout=20, interval=0.2

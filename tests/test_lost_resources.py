@@ -30,7 +30,7 @@ from reach_mesh.models import AgentState, TaskState
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import WorkflowSpec
 
-from .helpers import FAST, WF_FAST, eventually, gated_echo
+from .helpers import FAST, WF_FAST, eventually, freeze, gated_echo
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ async def test_an_agent_that_cannot_ask_about_its_work_consumer_pulls_on(
     async with Hub(settings=settings), agent, Client(settings=settings) as mesh:
         await _fanout_ok(mesh, 1)
         assert agent.work is not None and server.proc is not None
-        server.proc.send_signal(signal.SIGSTOP)
+        await freeze(server.proc.pid)
         try:
             await agent.work._consumer_gone()  # no answer within its 5 s: no exception
         finally:
