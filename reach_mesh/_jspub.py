@@ -36,6 +36,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import ClusterInfo
 from nats.js.errors import (
     APIError,
     KeyWrongLastSequenceError,
@@ -47,6 +48,7 @@ from pydantic_core import from_json
 from reach_mesh._batch import private_inbox, reply_token
 from reach_mesh._nats import Reconnects, reconnects_of
 from reach_mesh._retry import no_message
+from reach_mesh.errors import MeshUnavailableError
 
 __all__ = ["Ack", "JsClient", "first_done", "kv_marker", "kv_stream", "kv_subject"]
 
@@ -379,6 +381,30 @@ class JsClient:
             return None
         return raw.data or b"", int(raw.seq or 0), marker
 
+    async def kv_entry_caught_up(
+        self, bucket: str, key: str, *, heard_within: float
+    ) -> tuple[bytes, int, bool] | None:
+        """What :meth:`kv_entry` reads, once the stream's leader says every replica that may
+        answer it has what the leader has: its ``STREAM.INFO`` (which the leader answers) shows
+        a leader that heard from a quorum of its replicas within ``heard_within`` s — not one
+        cut off from them, which keeps leading, and answering, for some ten seconds — and
+        every replica not offline current (its log holds every entry the leader had applied).
+        A direct get then reads what the leader had applied when it answered (give or take a
+        follower applying the last entries it stored). Raises ``MeshUnavailableError`` (or
+        what ``STREAM.INFO`` raises: no leader) otherwise.
+
+        Not the leader's ``STREAM.MSG.GET`` (:meth:`kv_entry_at_leader`): its subject does not
+        name the key, and an agent may read its own namespace's keys only (``_auth.py``). Nor
+        a direct get's ``min_last_seq`` (the read-after-write ADR): nats-server 2.15 ignores
+        it."""
+        stream = kv_stream(bucket)
+        info = await self._js.stream_info(stream)
+        cluster = info.cluster
+        behind = _not_caught_up(cluster, heard_within) if cluster is not None else None
+        if behind is not None:
+            raise MeshUnavailableError(f"{stream}: {behind}")
+        return await self.kv_entry(bucket, key)
+
     async def _direct_get(self, subject: str) -> Msg:
         """The first answer to a direct get on ``subject``, asked again after
         ``HEDGE_AFTER`` (and again after each such wait) without one, until this client's timeout
@@ -452,6 +478,27 @@ async def first_done(
             timer.cancel()
         for future in futures:
             future.remove_done_callback(wake)
+
+
+def _not_caught_up(cluster: ClusterInfo, heard_within: float) -> str | None:
+    """Why a direct get on the stream of ``cluster`` (its leader's ``STREAM.INFO``) may be
+    answered by a replica behind its leader, or None (see ``JsClient.kv_entry_caught_up``).
+    An offline replica answers nothing (a node down for good must not stop every read)."""
+    if not cluster.leader:
+        return "no leader"
+    peers = cluster.replicas or []
+    heard = [
+        p
+        for p in peers
+        if p.current and not p.offline and p.active is not None and p.active / 1e9 <= heard_within
+    ]
+    if len(heard) < (len(peers) + 1) // 2:  # with the leader, a majority of the replicas
+        return f"its leader {cluster.leader} did not hear from a quorum within {heard_within:g} s"
+    # ("Current": its log holds every entry the leader applied; new ones may be in flight.)
+    behind = [str(p.name) for p in peers if not p.offline and not p.current]
+    if behind:
+        return f"replica(s) {', '.join(behind)} behind its leader {cluster.leader}"
+    return None
 
 
 def _revision(msg: Msg) -> int:

@@ -233,6 +233,10 @@ class Agent(IdentityMixin, ServingMixin):
         #: answered (as ``_answered_at``), or no other process answered our ctl ping
         #: (``confirm_identity``).
         self._heard_at = -math.inf
+        #: Until when (monotonic) a step's fence is read only once the task records' leader
+        #: says its replicas caught up: back from a silence the hubs may have given our
+        #: attempts up in (``wary``), since when, until such a read (``caught_up``).
+        self._wary_until = self._wary_since = -math.inf
         #: The heartbeat that brings us back in touch, one for all the steps waiting for it
         #: (``back_in_touch``).
         self._touching: asyncio.Future[bool] | None = None
@@ -474,7 +478,8 @@ class Agent(IdentityMixin, ServingMixin):
                 msg = await refused_first(self.nc, subject, or_reconnected(self.nc, asked))
                 reply = protocol.parse_reply(msg.data, RegisterReply)
                 self.state = reply.state
-                self._answered_at = self._heard_at = sent
+                self._answered(sent)
+                self._heard_at = sent
                 self._registered.set()
                 log.info("agent %s registered with %s", self.agent_id, reply.hub_id)
                 return
@@ -573,6 +578,10 @@ class Agent(IdentityMixin, ServingMixin):
             try:
                 await self._beat_answered(subject, timeout)
             except UnknownAgentError:
+                # (Declared LOST, likely: our attempts given up meanwhile. ``fence_stale``
+                # below, and the steps after it, read the records once their replicas caught
+                # up: ``wary``.)
+                self._be_wary(time.monotonic() - self._answered_at)
                 # Declared lost, removed by an operator — or registered since by another live
                 # process of this id (two started at once): then one of them stops. Not
                 # registered again blind when nobody could be asked: the next beat asks again.
@@ -625,7 +634,7 @@ class Agent(IdentityMixin, ServingMixin):
         msg = await self.nc.request(subject, protocol.encode(hb), timeout=timeout)
         reply = protocol.parse_reply(msg.data, HeartbeatReply)
         self.state = reply.state
-        self._answered_at = sent  # the hub renewed the lease after this, not before
+        self._answered(sent)  # the hub renewed the lease after this, not before
         self._heard_at = max(self._heard_at, sent)
 
     def health(self) -> tuple[bool, dict[str, Any]]:

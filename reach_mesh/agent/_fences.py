@@ -223,10 +223,11 @@ class Fences:
 
     def fresh(self, delivery: Delivery) -> bool:
         """Whether this run may skip its task record: a first delivery, to an agent in touch
-        with the hubs (``Agent.in_touch``: not paused, not cut off) whose event loop has not
-        stalled lately (``watch``: a message delivered before a stall may have been given up
-        while it waited unread), provided no fence marker for it was queued behind it
-        (``wait_behind``, when ``pending`` > 0).
+        with the hubs (``Agent.in_touch``: not paused, not cut off; and not ``Agent.wary``:
+        back lately from a silence its attempts may have been given up in) whose event loop
+        has not stalled lately (``watch``: a message delivered before a stall may have been
+        given up while it waited unread), provided no fence marker for it was queued behind
+        it (``wait_behind``, when ``pending`` > 0).
 
         A hub that gives up an attempt it sent writes the record, then stores a fence marker
         on the attempt's work subject (``on_marker``); a hub that cancels a branch or takes
@@ -235,7 +236,8 @@ class Fences:
         behind it — or the hub, between its record write and its marker, raced the
         delivery, as a hub's write races a record read.
         """
-        if delivery.delivered != 1 or not self._agent.in_touch():
+        agent = self._agent
+        if delivery.delivered != 1 or not agent.in_touch() or agent.wary():
             return False
         now = self._running().time()
         # A stall seen lately, or one going on now (the watch overdue: this pass of the loop

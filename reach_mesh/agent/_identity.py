@@ -12,6 +12,7 @@ import logging
 import math
 import time
 import typing
+from typing import Final
 
 from nats.aio.client import Client as NATS
 
@@ -25,6 +26,9 @@ from reach_mesh.logs import AGENT_ID_IN_USE, log_event
 __all__ = ["IdentityMixin"]
 
 log = logging.getLogger("reach_mesh.agent")
+
+#: How long an agent stays wary at most (``_be_wary``), in silences.
+_WARY_SPANS: Final = 10
 
 
 class IdentityMixin:
@@ -40,6 +44,9 @@ class IdentityMixin:
     _answered_at: float
     #: When this process last knew it alone serves the id (``may_be_replaced``).
     _heard_at: float
+    #: Until when fences are read only once the replicas caught up (``wary``), and since when.
+    _wary_until: float
+    _wary_since: float
     _replaced_after: float
     _confirming: asyncio.Task[bool] | None
     _touching: asyncio.Future[bool] | None
@@ -120,10 +127,51 @@ class IdentityMixin:
         registration or heartbeat we sent within the last two heartbeat intervals. A lease is
         at least three, so no hub can have declared us SUSPECT or LOST — and given our
         attempts up without asking us — meanwhile. False after a pause of the process
-        (SIGSTOP, a stalled VM) or a partition, until the next answer."""
+        (SIGSTOP, a stalled VM) or a partition, until the next answer (which may come from a
+        hub whose view lags: :meth:`wary` for a while after a silence this long)."""
         if self._nc is None or not self._nc.is_connected:
             return False
         return time.monotonic() - self._answered_at < 2 * self.settings.heartbeat_interval
+
+    def _answered(self, sent: float) -> None:
+        """A hub answered the registration or heartbeat we sent at ``sent``: in touch again
+        (:meth:`in_touch`) — and wary (:meth:`wary`) if the last answer before it is a lease
+        or more older: the hubs may have declared us LOST and given our attempts up."""
+        silent = sent - self._answered_at
+        if silent >= self.settings.lease_timeout and self._answered_at != -math.inf:
+            self._be_wary(silent)
+        self._answered_at = sent
+
+    def _be_wary(self, silent: float) -> None:
+        """Back from ``silent`` seconds without an answer, or told we are no longer known:
+        :meth:`wary` until a fence read finds the task records' replicas caught up with their
+        leader (:meth:`caught_up`) — or, a replica never catching up, for ``_WARY_SPANS`` times
+        the silence (at least lease + grace, what the hubs wait before they declare an agent
+        LOST): such a replica is a fault for an operator (``reach-mesh doctor``), and every
+        workflow step of the agent would wait for it meanwhile."""
+        s = self.settings
+        span = max(silent if math.isfinite(silent) else 0.0, s.lease_timeout + s.suspect_timeout)
+        now = self._wary_since = time.monotonic()
+        self._wary_until = max(self._wary_until, now + _WARY_SPANS * span)
+
+    def wary(self) -> bool:
+        """Whether every step reads its fence for now (``Fences.fresh``), and only once the
+        task records' stream leader says each replica has caught up with it
+        (``WorkConsumer._record``): back from a silence of a lease or more (paused, cut off),
+        the hubs may have declared us LOST and given our attempts up meanwhile, and the replica
+        next to us may not have their writes yet — while a hub on our side, whose view lags as
+        well, answers our heartbeats as if nothing happened: ``in_touch`` then proves nothing
+        (chaos secure seed 174, ``partition``: ``chaos-174-00474-n0`` attempt 1 ran 2.4 s after
+        attempt 2, its record read at the replica of the node cut off with it, the records'
+        stream without a leader)."""
+        return time.monotonic() < self._wary_until
+
+    def caught_up(self, asked_at: float) -> None:
+        """The task records' leader, asked at ``asked_at``, said every replica had caught up
+        with it: whatever the hubs wrote while we were silent is on each of them, and a direct
+        get may answer a fence again. (A silence since then keeps us wary.)"""
+        if asked_at >= self._wary_since:
+            self._wary_until = -math.inf
 
     async def back_in_touch(self) -> bool:
         """Before a step delivered while out of touch (:meth:`in_touch` False: paused, cut

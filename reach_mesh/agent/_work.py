@@ -66,6 +66,10 @@ _TRACE_HEADERS: Final = ("traceparent", "tracestate", "baggage")
 #: A step whose fence was read longer ago than this (it waited for a slot, or the process was
 #: paused) reads it again before its handler starts: the hub may have moved on meanwhile.
 _REFENCE_AFTER: Final = 0.25
+#: A wary fence read (``_record``) takes the task records' stream leader's word only if it
+#: heard from its replicas within this long (s): nats-server's raft heartbeat comes every
+#: second. One cut off with the agent keeps leading for some ten seconds, behind.
+_QUORUM_HEARD: Final = 2.0
 #: What of a final status event makes the reply it announces (read back after a restart).
 _REPLY_FIELDS: Final = set(TaskReply.model_fields)
 
@@ -585,14 +589,24 @@ class WorkConsumer(HeldSteps):
 
     async def _record(self, env: TaskEnvelope) -> TaskRecord | None:
         """The hub's task record (the fence), or None for work sent without one. Raises when
-        the record cannot be read now."""
+        the record cannot be read now. A direct get, answered by any replica — while the
+        agent is wary (``Agent.wary``: back from a silence its attempts may have been given up
+        in, the replica next to it maybe behind the fences the hubs wrote meanwhile) only once
+        the records' stream leader says every replica has caught up with it
+        (``JsClient.kv_entry_caught_up``; it is no longer wary then); else it raises."""
         if self._tasks_kv is None or self._jsc is None or env.workflow_id is None:
             return None
         self.fence_reads += 1
-        got = await self._jsc.kv_get(
-            protocol.KV_TASKS, protocol.task_key(env.namespace, env.task_id)
+        agent = self._agent
+        key = protocol.task_key(env.namespace, env.task_id)
+        if not agent.wary():
+            return stored_record(TaskRecord, await self._jsc.kv_get(protocol.KV_TASKS, key))
+        asked_at = time.monotonic()
+        entry = await self._jsc.kv_entry_caught_up(
+            protocol.KV_TASKS, key, heard_within=_QUORUM_HEARD
         )
-        return stored_record(TaskRecord, got)
+        agent.caught_up(asked_at)  # (the next steps read as usual)
+        return stored_record(TaskRecord, None if entry is None or entry[2] else entry[:2])
 
     async def _fenced_since(self, held: _Held) -> bool:
         """True when the step's record, read again because its first reading is old, says the
