@@ -11,8 +11,9 @@ import time
 from typing import Any
 
 import pytest
+from nats.js.errors import KeyWrongLastSequenceError
 
-from reach_mesh import Client, MeshSettings, Step, protocol
+from reach_mesh import Client, MeshSettings, Step, WorkflowResult, protocol
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub, _durable
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskState
@@ -39,6 +40,19 @@ async def _until_stopped(ended: list[str]) -> str:
         raise
     ended.append("ran to its end")
     return "late"
+
+
+async def _slow_or_fast(mesh: Client, name: str) -> WorkflowResult:
+    """An ``any`` fanout of a slow step (task id ``{name}-slow``, capability
+    ``wf:{name}-slow:v1``) and a fast one (``{name}-f0``, ``wf:{name}-fast:v1``), to its result."""
+    return await mesh.fanout(
+        [
+            Step(capability=f"wf:{name}-slow:v1", task_id=f"{name}-slow", timeout=10),
+            Step(capability=f"wf:{name}-fast:v1", payload=0, task_id=f"{name}-f0"),
+        ],
+        policy="any",
+        timeout=15,
+    )
 
 
 @pytest.mark.parametrize("policy", ["any", "quorum(2)"])
@@ -280,6 +294,68 @@ async def test_an_unneeded_step_read_behind_the_hubs_own_write_is_stopped_at_its
     assert ended == ["cancelled"], ended
 
 
+async def test_an_unneeded_step_with_no_record_yet_is_fenced_against_a_late_create(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``any`` fanout's slow step has no record yet when the fast step decides it: its
+    create does not land (the stream does not answer it), and no agent was chosen for it when
+    the workflow started. The stop read no record at the leader and concluded "never started"
+    — true then — and wrote nothing. But a create of that record still in flight, the
+    previous owner's (a hub that lost the workflow without noticing, its create retried
+    through the elections), then landed after the result and that hub sent its attempt 1,
+    which ran to its end (chaos secure seed 177, ``node_stop``: "step 1 stopped as unneeded
+    after 0 attempts, but attempt 1 ran", chaos-177-00324, -00420, -00596). The stop creates
+    the step's record, cancelled, as a cancel's does: that late create fails, and its hub
+    finds the step stopped instead of sending it."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    stalled = asyncio.Event()
+    fast = fleet.agent("unmade.fast")
+
+    @fast.handler("wf:unmade-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await stalled.wait()  # decided while the slow step's create hangs
+        return task.payload
+
+    await fast.start()
+    key = protocol.task_key(ns, "unmade-slow")
+    real_create = _durable.create
+
+    async def no_answer(
+        bucket: _durable.Bucket, k: str, data: bytes, deadline: float, **kw: Any
+    ) -> int:
+        if k == key:
+            stalled.set()
+            await asyncio.Event().wait()  # never answered (the runner is cancelled)
+        return await real_create(bucket, k, data, deadline, **kw)
+
+    monkeypatch.setattr(_durable, "create", no_answer)
+    async with Client(settings=wf_settings) as mesh:
+        # No agent serves the slow step: none is chosen when the workflow starts (no
+        # ``first_agents`` attempt to fence it by).
+        res = await _slow_or_fast(mesh, "unmade")
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[0].cancelled and res.steps[0].attempts == 0, res.steps[0]
+    # The previous owner's create lands now, naming the attempt 1 it would send next.
+    late = TaskRecord(
+        task_id="unmade-slow",
+        workflow_id=res.workflow_id,
+        step=0,
+        namespace=ns,
+        attempt=1,
+        agent_id="unmade.slow",
+        history=[AttemptRecord(attempt=1, agent_id="unmade.slow", state=TaskState.PENDING)],
+    )
+    assert engine._tasks_kv is not None
+    with pytest.raises(KeyWrongLastSequenceError):
+        await real_create(
+            engine._tasks_kv, key, protocol.encode(late), asyncio.get_running_loop().time() + 5
+        )
+    rec = await task_record(wf_hub.nc, ns, "unmade-slow")
+    assert rec is not None and rec.cancelled and rec.attempt == 0, rec
+
+
 @pytest.mark.parametrize("stale", [0, 2], ids=["leader", "old-leader-awake"])
 async def test_an_unneeded_step_whose_record_moved_after_its_read_is_stopped_at_the_new_attempt(
     wf_hub: Hub,
@@ -502,14 +578,7 @@ async def test_an_unneeded_step_whose_leader_cannot_be_read_is_stopped_all_the_s
 
     monkeypatch.setattr(_durable, "get_at_leader", no_leader)
     async with Client(settings=wf_settings) as mesh:
-        res = await mesh.fanout(
-            [
-                Step(capability="wf:nl-slow:v1", task_id="nl-slow", timeout=10),
-                Step(capability="wf:nl-fast:v1", payload=0, task_id="nl-f0"),
-            ],
-            policy="any",
-            timeout=15,
-        )
+        res = await _slow_or_fast(mesh, "nl")
     assert res.state is TaskState.SUCCEEDED, res
     assert asked, "the stop never read the slow step's record at the leader"
     assert res.steps[0].cancelled and res.steps[1].ok, res.steps

@@ -123,8 +123,7 @@ class StepStopping(StepRunner):
             # No record: its attempt 1, if sent, is the one the workflow record names.
             named = self._named_attempt(wf, index, task_id)
             if named is None:
-                if settle:
-                    await self._fence_unstarted(wf, index, task_id, key)
+                await self._fence_unstarted(wf, index, task_id, key, settle=settle)
                 return
             rec = named
         last = 0 if got is None else got[1]
@@ -262,14 +261,31 @@ class StepStopping(StepRunner):
                 return event
         return None
 
-    async def _fence_unstarted(self, wf: Workflow, index: int, task_id: str, key: str) -> None:
-        """A cancelled workflow's step that no attempt was sent for: its record is created,
-        cancelled, before the result is stored. A hub that lost the workflow and still runs
-        it (a takeover it has not noticed) then finds the step cancelled when it gets there —
-        its own create of the record fails — instead of starting it after the cancel's answer.
-        A record made meanwhile (that hub started the step first) is fenced as any other."""
+    async def _fence_unstarted(
+        self, wf: Workflow, index: int, task_id: str, key: str, *, settle: bool
+    ) -> None:
+        """A step that no attempt was sent for (no record at the leader, none named in the
+        workflow record): its record is created, cancelled, before the result is stored. A
+        hub that lost the workflow and still runs it (a takeover it has not noticed) then
+        finds the step cancelled when it gets there — its own create of the record fails —
+        instead of starting it after the result: "never started" is true when it is read,
+        and such a create may still be in flight (chaos secure seed 177, ``node_stop``: the
+        previous owner's creates, retried through the elections, landed after the new
+        owner's result, and three unneeded branches reported never sent ran to their end).
+
+        Settling (a cancel of the workflow) it must land; a record made meanwhile (that hub
+        started the step first) is fenced as any other. For an unneeded branch it is best
+        effort, as its other fences: a record made meanwhile is stopped from the leader's
+        read (``_stop_again``)."""
         rec = new_record(wf, index, task_id, self._server_clock.now())
         rec.cancelled = True
+        if not settle:
+            wrote = await self._write_stopped(wf, key, rec, 0, settle=False)
+            if wrote == "written":
+                wf.records[index] = rec
+            elif wrote == "moved":
+                await self._stop_again(wf, index, task_id, None, 0)
+            return
         try:
             await self._cas(key, rec, 0, wf.deadline)
         except NotOwnerError:
