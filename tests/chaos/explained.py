@@ -11,7 +11,8 @@ says which chaos run each came from.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -82,6 +83,15 @@ HOLDER_WAITED = ROUTE_TIMEOUT + RETRY_LAG + ROUTE_TIMEOUT / 2
 #: The connection name of the chaos callers (``Client``'s default): a partition whose
 #: ``cut_off`` has it cut a caller off too.
 CALLER = "reach-client"
+#: The connection name of a secure chaos run's observer (harness.py: the hub identity's
+#: connection that injects the faults and reads the streams and records): its own, so that a
+#: partition's ``cut_off`` names ``CALLER`` only when it cut the caller off. Secure runs before
+#: it gave the observer the caller's name (``Client``'s default): their ``cut_off`` naming
+#: ``CALLER`` may mean the observer alone (``caller_side``).
+OBSERVER = "reach-observer"
+#: Route runs begun inside a partition, on agents it left out and none on an agent it cut off,
+#: that put the caller on the other side (``caller_side``).
+SIDE_RUNS = 10
 #: How long (s) before an earlier run an agent fault still explains a re-run: an attempt sent
 #: to an agent that was killed is redelivered to its restarted process (after the kill, the
 #: restart and the work ack wait) while the hub, having lost the old process, sends the next.
@@ -110,6 +120,31 @@ UNSTORED_ERRORS = frozenset(
         "StaleConnectionError",
     }
 )
+
+
+def caller_side(faults: list[Fault], runs: Iterable[Run]) -> list[Fault]:
+    """``faults`` of a secure run whose observer had the caller's connection name (``CALLER``;
+    ``OBSERVER`` since), each partition's ``cut_off`` naming ``CALLER`` only if the caller was
+    with the node it cut off: one whose inside (from ``SLACK`` s after it began to its heal) saw
+    ``SIDE_RUNS`` or more route runs begin on agents it left out, and none on an agent it cut
+    off, loses that name — the observer was the one cut off. A caller's requests reach only the
+    hubs of its side, and those only the agents of its side: a caller cut off with the node
+    has its routes run there (or nowhere, no hub there: secure seed 168, 0 runs anywhere in
+    three cuts), while a hub of the other side may still send a few routes held since before
+    the cut to its own agents (secure seed 165: 2 beside 38 on the cut-off agents). Secure seed
+    176, ``partition``: the observer on ``n0``, the caller on ``n1``; both cuts of ``n0`` named
+    ``CALLER``, and 30 and 76 route runs began inside them, every one on an agent of ``n1`` or
+    ``n2`` — read as cuts of the caller, they kept ``_cut_off_again`` from a route's re-run
+    (``chaos-176-r00270``) while its holder, the caller away, was out of reach."""
+    routes = [r for r in runs if r.workflow_id is None]
+    out = []
+    for f in faults:
+        if f.kind in CUT_OFF_FAULTS and CALLER in f.cut_off and f.until is not None:
+            inside = [r.agent_id in f.cut_off for r in routes if f.at + SLACK <= r.start <= f.until]
+            if len(inside) >= SIDE_RUNS and not any(inside):
+                f = dataclasses.replace(f, cut_off=tuple(c for c in f.cut_off if c != CALLER))
+        out.append(f)
+    return out
 
 
 def _explained(

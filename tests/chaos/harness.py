@@ -34,6 +34,7 @@ from reach_mesh.logs import LEASE_EXPIRED, QUARANTINE
 from reach_mesh.workflow import step_task_id
 
 from ..helpers import Relay, cluster_nodes
+from .explained import OBSERVER
 from .faults import Faults
 from .history import (
     Expected,
@@ -586,7 +587,11 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
             client = await stack.enter_async_context(Client(settings=mesh.settings))
             observer = client
             if mesh.observer is not None:
-                observer = await stack.enter_async_context(Client(settings=mesh.observer))
+                # A name of its own: a partition's ``cut_off`` (the node's connection names)
+                # then names the caller only when the caller is there (``caller_side``).
+                observer = await stack.enter_async_context(
+                    Client(settings=mesh.observer, name=OBSERVER)
+                )
             await start_mesh(mesh, client, observer)
             work = plan(cfg)
             stats = DriverStats()
@@ -602,6 +607,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
             history.cancels = stats.cancels
             history.route_expected = {r.task_id: r.expected for r in plan_routes(cfg)}
             history.routes = stats.routes
+            history.observer = None if mesh.observer is None else OBSERVER
     finally:
         reach_log.removeHandler(caller_log)
         reach_log.setLevel(level)
@@ -654,6 +660,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
                 "expected": {k: asdict(v) for k, v in history.expected.items()},
                 "route_expected": {k: asdict(v) for k, v in history.route_expected.items()},
                 "routes": history.routes,
+                "observer": history.observer,
             },
             default=str,
         )

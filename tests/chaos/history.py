@@ -31,6 +31,7 @@ from typing import Any
 
 from .explained import (
     AGENT_FAULTS,
+    CALLER,
     FINAL,
     SLACK,
     UNSTORED_ERRORS,
@@ -40,6 +41,7 @@ from .explained import (
     _explained,
     _first_result_lost,
     _status_delayed,
+    caller_side,
 )
 from .policies import check_policy, result_matches
 
@@ -151,6 +153,11 @@ class History:
     #: "no hub answered the registration of <id>" or "<id> did not register" line:
     #: ``read_unregistered``).
     unregistered: dict[str, list[float]] = field(default_factory=dict)
+    #: The connection name of the run's observer (a secure run's hub-identity connection:
+    #: ``OBSERVER``), or None (the caller's connection observes). ``CALLER`` in secure runs
+    #: from before ``OBSERVER``: a partition's ``cut_off`` naming ``CALLER`` may mean the
+    #: observer alone, and the routes tell (``caller_side``).
+    observer: str | None = None
 
 
 @dataclass
@@ -308,6 +315,7 @@ def _matches(expected: Expected, got: Outcome) -> bool:
 
 def check(h: History) -> Report:
     rep = Report(workflows=len(h.expected), runs=len(h.runs))
+    faults = h.faults if h.observer != CALLER else caller_side(h.faults, h.runs)
     runs_by_task: dict[str, list[Run]] = defaultdict(list)
     #: task id -> its StepResult in the stored workflow result (the one source of truth).
     steps: dict[str, Mapping[str, Any]] = {}
@@ -373,7 +381,7 @@ def check(h: History) -> Report:
             )
         result = (record or {}).get("result") or {}
         if exp.policy != "all":
-            _check_policy(rep, wf, result, runs_by_wf.get(wf, []), h.faults)
+            _check_policy(rep, wf, result, runs_by_wf.get(wf, []), faults)
         for step in result.get("steps") or ():
             steps[str(step.get("task_id"))] = step
             task = h.tasks.get(str(step.get("task_id")))
@@ -401,9 +409,7 @@ def check(h: History) -> Report:
         task = h.tasks.get(task_id)
         step = steps.get(task_id)
         lost = (
-            None
-            if step is None
-            else _first_result_lost(step, task or {}, runs, h.faults, h.unstored)
+            None if step is None else _first_result_lost(step, task or {}, runs, faults, h.unstored)
         )
         if lost is not None:
             rep.first_result_lost += 1
@@ -423,12 +429,12 @@ def check(h: History) -> Report:
                 # a decision that came late left it little time), asked again by its caller
                 # as the next attempt there: run again by design (docs/reliability.md).
                 continue
-            why = _explained(dup, runs[:i], h.faults, h.unstored, h.unregistered)
+            why = _explained(dup, runs[:i], faults, h.unstored, h.unregistered)
             if why == "agent":
                 rep.dup_agent_crash += 1
             elif why == "hub":
                 rep.dup_hub_crash += 1
-            elif dup.workflow_id is None and _around_frozen(runs[i - 1], dup, h.faults):
+            elif dup.workflow_id is None and _around_frozen(runs[i - 1], dup, faults):
                 rep.dup_route_frozen += 1
             else:
                 rep.dup_unexplained += 1
@@ -677,6 +683,8 @@ def load(run_dir: Path) -> History:
         routes=data.get("routes", {}),
         unstored=read_unstored(p.with_suffix(".log") for p in agent_logs),
         unregistered=read_unregistered(p.with_suffix(".log") for p in agent_logs),
+        # Secure runs from before the observer had a name of its own gave it the caller's.
+        observer=data.get("observer", CALLER if data.get("config", {}).get("secure") else None),
     )
 
 

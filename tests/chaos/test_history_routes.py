@@ -10,7 +10,15 @@ from typing import Any
 
 import pytest
 
-from .explained import _cut_off_again, _unregistered_at_retry, _unregistered_when_asked
+from .explained import (
+    CALLER,
+    OBSERVER,
+    SIDE_RUNS,
+    _cut_off_again,
+    _unregistered_at_retry,
+    _unregistered_when_asked,
+    caller_side,
+)
 from .history import (
     ExpectedRoute,
     Fault,
@@ -91,6 +99,24 @@ def test_routes_are_checked_again_offline(tmp_path: Path) -> None:
     )
     rep = check(load(tmp_path))
     assert rep.routes == 1 and rep.route_wrong == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "observer"),
+    [
+        ({}, None),  # an open run: the caller's connection observes
+        ({"config": {"secure": True}}, CALLER),  # before the observer had a name of its own
+        ({"config": {"secure": True}, "observer": OBSERVER}, OBSERVER),
+        ({"config": {"secure": False}, "observer": None}, None),
+    ],
+)
+def test_a_runs_observer_is_read_back(
+    tmp_path: Path, fields: dict[str, Any], observer: str | None
+) -> None:
+    h = with_route()
+    data = {"expected": {}, "records": {}, "tasks": {}, "done": {}, "callers": {}, **fields}
+    (tmp_path / "history.json").write_text(json.dumps({**data, "routes": h.routes}))
+    assert load(tmp_path).observer == observer
 
 
 def test_a_routes_second_run_around_a_frozen_node_is_counted_apart() -> None:
@@ -217,6 +243,54 @@ def test_a_routes_run_while_its_holder_is_cut_off_after_its_caller_was_is_explai
     assert check(rerouted(dup, callers, with_caller)).dup_unexplained == 1
     late = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 23.0, 23.2, "ok")
     assert check(rerouted(late, callers, again)).dup_unexplained == 1
+
+
+def test_a_cut_naming_the_callers_name_of_an_observer_is_read_from_the_routes_run_in_it() -> None:
+    """Secure seed 176's ``partition`` (``chaos-176-r00270``; seconds past 1796548390, the
+    times here in brackets): ``a1`` ran the route 4.746-4.937 (2.0-2.1), and ``n1`` was cut off
+    at 4.924 (2.05) with the caller and the hub that had routed it: the answer lost. ``n0`` was
+    cut off at 13.587 (11.8) with ``a1`` and the observer — a secure run's hub-identity
+    connection, named as the caller then — not the caller: 76 route runs began in that cut, every
+    one on the other side's agents. Every retry found ``a1`` out of reach until it was declared
+    LOST, and the route ran on ``a4`` at 16.715 (15.0): ``_cut_off_again``, once the cut is read
+    as one of the observer. Not in a run whose observer has a name of its own (or is the
+    caller's connection), nor with fewer than ``SIDE_RUNS`` such route runs, nor with one of
+    them on an agent the cut took, nor counting runs of the cut's first ``SLACK`` s or of
+    workflow steps."""
+    callers = Fault("partition", "n1", 2.05, 6.8, cut_off=("hub-1", CALLER))
+    observers = Fault("partition", "n0", 11.8, 19.5, cut_off=("ns.a.a1", CALLER))
+    dup = Run("rr2", None, None, "r1", 1, "ns.a.a4", 1, 15.0, 15.2, "ok")
+
+    def routes(*agents: str, at: float = 13.0) -> list[Run]:
+        """Other routes' runs on ``agents``, from ``at``, 0.1 s apart."""
+        return [
+            Run(f"o{i}", None, None, f"o{i}", 1, agent, 1, at + i / 10, at + i / 10 + 0.1, "ok")
+            for i, agent in enumerate(agents)
+        ]
+
+    def seen(runs: list[Run], observer: str | None = CALLER) -> History:
+        h = rerouted(dup, callers, observers)
+        h.runs.extend(runs)
+        h.observer = observer
+        return h
+
+    others = ["ns.a.a3", "ns.a.a4"] * (SIDE_RUNS // 2)
+    rep = check(seen(routes(*others)))
+    assert rep.ok and rep.dup_agent_crash == 1 and rep.dup_unexplained == 0, rep.table()
+    assert check(seen(routes(*others), observer=None)).dup_unexplained == 1
+    assert check(seen(routes(*others), observer=OBSERVER)).dup_unexplained == 1
+    few = others[: SIDE_RUNS - 2]  # with the re-run itself (on a4, in the cut): one short
+    assert check(seen(routes(*few))).dup_unexplained == 1
+    assert check(seen(routes(*others, "ns.a.a1"))).dup_unexplained == 1  # routes ran there
+    assert check(seen(routes(*others, at=11.8))).dup_unexplained == 1  # some in its first 1 s
+    steps = [
+        Run(f"s{i}", f"w{i}", 0, f"w{i}-0", 1, agent, 1, 13.0 + i / 10, 13.1 + i / 10, "ok")
+        for i, agent in enumerate(others)
+    ]
+    assert check(seen(steps)).dup_unexplained == 1  # (workflow steps are no caller's routes)
+    # The caller's own cut keeps its name: no route ran in it (nor could, the answers lost).
+    (kept, read) = caller_side([callers, observers], routes(*others))
+    assert kept == callers and read.cut_off == ("ns.a.a1",)
 
 
 def test_a_first_result_held_up_by_a_partition_is_explained() -> None:
