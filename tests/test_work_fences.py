@@ -180,6 +180,59 @@ async def test_a_step_given_up_while_its_agent_was_cut_off_is_dropped_on_return(
         await a.close()
 
 
+async def test_a_step_waiting_for_its_slot_does_not_start_while_its_agent_is_cut_off(
+    wf_hub: Hub, nats_url: str, wf_settings: MeshSettings
+) -> None:
+    """A step past its fence waits for a slot; the agent's connection goes down, and meanwhile
+    the hubs give its attempt up (the record moves on). The slot frees during the cut: the
+    step's second read (its first is old) cannot be made — which used to mean "run it, it
+    passed", and it ran while its attempt ran elsewhere. It waits for a hub's answer instead,
+    and back, it reads the record and is dropped."""
+    ns = wf_settings.namespace
+    relay, settings = await relayed(nats_url, wf_settings)
+    release = asyncio.Event()
+    runs: list[str] = []
+    a = Agent(f"{ns}.slot.a", settings=settings, max_concurrency=1, max_queue=1)
+
+    @a.handler("wf:fence:v1")
+    async def step(task: Task[Any]) -> str:
+        runs.append(task.task_id)
+        return "ran"
+
+    @a.handler("wf:block:v1")
+    async def block(task: Task[Any]) -> str:
+        await release.wait()
+        return "unblocked"
+
+    await a.start()
+    try:
+        assert a.work is not None
+        async with Client(settings=wf_settings) as mesh:
+            await _stale_step(
+                mesh.nc, ns, a.agent_id, "slot-block", "wf:block:v1", marker=False, cancelled=False
+            )
+            await eventually(lambda: a._running == 1)
+            await _stale_step(mesh.nc, ns, a.agent_id, "slot-step", marker=False, cancelled=False)
+            await eventually(lambda: a._waiting == 1)  # past its fence, waiting for the slot
+            await relay.cut()
+            await eventually(lambda: not a.nc.is_connected)
+            kv = await mesh.nc.jetstream().key_value(protocol.KV_TASKS)
+            moved = TaskRecord(
+                task_id="slot-step", workflow_id="fence-wf", step=0, namespace=ns, attempt=2
+            )
+            await kv.put(protocol.task_key(ns, "slot-step"), protocol.encode(moved))
+            await asyncio.sleep(0.5)  # its fence read is old now: read again before it starts
+            release.set()  # the slot frees while the agent is cut off
+            # Longer than a fence read's own timeout (3 s): it would have failed by now.
+            await asyncio.sleep(4.0)
+            assert runs == []
+            await relay.start()
+            await eventually(lambda: a.work is not None and a.work.fenced >= 1, timeout=15)
+        assert runs == []
+    finally:
+        await a.close()
+
+
 async def _silent(fleet: Fleet, name: str, runs: list[str]) -> Agent:
     """A started fence agent whose heartbeats then stop: silent, still connected and
     listening."""

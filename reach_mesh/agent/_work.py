@@ -66,6 +66,8 @@ _TRACE_HEADERS: Final = ("traceparent", "tracestate", "baggage")
 #: A step whose fence was read longer ago than this (it waited for a slot, or the process was
 #: paused) reads it again before its handler starts: the hub may have moved on meanwhile.
 _REFENCE_AFTER: Final = 0.25
+#: How long (s) such a step waits before it asks again, out of touch or wary (``_fenced_since``).
+_REFENCE_WAIT: Final = 0.5
 #: A wary fence read (``_record``) takes the task records' stream leader's word only if it
 #: heard from its replicas within this long (s): nats-server's raft heartbeat comes every
 #: second. One cut off with the agent keeps leading for some ten seconds, behind.
@@ -610,18 +612,32 @@ class WorkConsumer(HeldSteps):
 
     async def _fenced_since(self, held: _Held) -> bool:
         """True when the step's record, read again because its first reading is old, says the
-        hub moved on (another attempt, cancelled, decided). Unreadable: run it (it passed)."""
+        hub moved on (another attempt, cancelled, decided). Unreadable: run it (it passed) —
+        but not out of touch with the hubs, nor wary (``Agent.wary``): the step may have
+        waited for its slot through a silence the hubs gave its attempt up in, and the read
+        that failed is the one that would say so (a cut-off connection, the replica next to
+        us behind). Then it waits, slot held, until a hub answers and the record can be
+        trusted, as a first read does (``_handle_inner``: nak'd then, until back in touch)."""
         env = held.env
         if env.workflow_id is None or time.monotonic() - held.checked_at < _REFENCE_AFTER:
             return False
-        try:
-            record = await self._record(env)
-        except Exception:
-            return False
+        agent, fences = self._agent, self.fences
+        while True:
+            # (A hub that asked after giving it up, and was told it is in hand, watches it
+            # again, whoever else answers us: ``Fences.revive``.)
+            revived = fences.revived(env, None)
+            if revived or await agent.back_in_touch():
+                try:
+                    record = await self._record(env)
+                    break
+                except Exception:
+                    if revived or not agent.wary():
+                        return False
+            await asyncio.sleep(_REFENCE_WAIT)
         return (
             record is not None
-            and superseded(record, env, self._agent.agent_id)
-            and not self.fences.revived(env, record)
+            and superseded(record, env, agent.agent_id)
+            and not fences.revived(env, record)
         )
 
     # ------------------------------------------------------------------ cancelled by a hub
