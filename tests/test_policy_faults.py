@@ -19,6 +19,7 @@ from reach_mesh.hub import Hub, _durable
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskState
 from reach_mesh.workflow import (
     AttemptRecord,
+    StepResult,
     TaskRecord,
     TaskStatusEvent,
     WorkflowRecord,
@@ -53,6 +54,22 @@ async def _slow_or_fast(mesh: Client, name: str) -> WorkflowResult:
         policy="any",
         timeout=15,
     )
+
+
+def _hang_create(monkeypatch: pytest.MonkeyPatch, key: str, stalled: asyncio.Event) -> None:
+    """The hub's create of the task record ``key`` is never answered (its runner waits until
+    it is cancelled): ``stalled`` is set when it is sent."""
+    real_create = _durable.create
+
+    async def no_answer(
+        bucket: _durable.Bucket, k: str, data: bytes, deadline: float, **kw: Any
+    ) -> int:
+        if k == key:
+            stalled.set()
+            await asyncio.Event().wait()
+        return await real_create(bucket, k, data, deadline, **kw)
+
+    monkeypatch.setattr(_durable, "create", no_answer)
 
 
 @pytest.mark.parametrize("policy", ["any", "quorum(2)"])
@@ -321,16 +338,7 @@ async def test_an_unneeded_step_with_no_record_yet_is_fenced_against_a_late_crea
     await fast.start()
     key = protocol.task_key(ns, "unmade-slow")
     real_create = _durable.create
-
-    async def no_answer(
-        bucket: _durable.Bucket, k: str, data: bytes, deadline: float, **kw: Any
-    ) -> int:
-        if k == key:
-            stalled.set()
-            await asyncio.Event().wait()  # never answered (the runner is cancelled)
-        return await real_create(bucket, k, data, deadline, **kw)
-
-    monkeypatch.setattr(_durable, "create", no_answer)
+    _hang_create(monkeypatch, key, stalled)
     async with Client(settings=wf_settings) as mesh:
         # No agent serves the slow step: none is chosen when the workflow starts (no
         # ``first_agents`` attempt to fence it by).
@@ -587,3 +595,159 @@ async def test_an_unneeded_step_whose_leader_cannot_be_read_is_stopped_all_the_s
     assert ended == ["cancelled"]
     rec = await task_record(wf_hub.nc, ns, "nl-slow")
     assert rec is not None and rec.cancelled, rec
+
+
+async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_as_it_was(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``any`` fanout's owner lost it without noticing (another hub took it over by a
+    compare-and-set on its workflow record), its create of the slow step's record hung
+    through the elections. The new owner made that record, sent its attempt 1, was decided by
+    it — which writes nothing more: the record stays PENDING at attempt 1 — and stored the
+    result. Then the old owner's fast step succeeded, its policy decided, and it fenced the
+    slow step as unneeded: from the record at the leader, a compare-and-set on a revision
+    nobody had moved since, which landed. The step that decided the workflow read
+    ``cancelled`` ever after (in the views, the API, and for its agents' fence reads),
+    against the stored result (chaos secure seed 177, ``node_stop``, chaos-177-00596). A
+    stop of a step whose record this hub did not write last is written only while the
+    workflow record at the leader still names this hub: here it names the new owner, and the
+    record is left as that owner made it."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    stalled, ready = asyncio.Event(), asyncio.Event()
+    fast = fleet.agent("lost.fast")
+
+    @fast.handler("wf:lost-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await ready.wait()  # decided after the takeover
+        return task.payload
+
+    await fast.start()
+    key = protocol.task_key(ns, "lost-slow")
+    _hang_create(monkeypatch, key, stalled)
+    new_owner, agent_id = "hub-new-owner", "lost.other"
+    async with Client(settings=wf_settings) as mesh:
+        # No agent serves the slow step: none is chosen at the start (no ``first_agents``).
+        wf_id = await mesh.submit_fanout(
+            [
+                Step(capability="wf:lost-slow:v1", task_id="lost-slow", timeout=10),
+                Step(capability="wf:lost-fast:v1", payload=0, task_id="lost-f0"),
+            ],
+            policy="any",
+            timeout=15,
+        )
+        await asyncio.wait_for(stalled.wait(), 5)
+        js = mesh.nc.jetstream()
+        wfs = await js.key_value(protocol.KV_WORKFLOWS)
+        wf_key = protocol.workflow_key(ns, wf_id)
+        entry = await wfs.get(wf_key)
+        assert entry.value is not None
+        record = WorkflowRecord.model_validate_json(entry.value)
+        # The new owner: its takeover, the slow step's record (attempt 1 decided it), its result.
+        record.owner = new_owner
+        revision = await wfs.update(wf_key, protocol.encode(record), last=entry.revision)
+        made = TaskRecord(
+            task_id="lost-slow",
+            workflow_id=wf_id,
+            step=0,
+            namespace=ns,
+            attempt=1,
+            agent_id=agent_id,
+            history=[AttemptRecord(attempt=1, agent_id=agent_id, state=TaskState.PENDING)],
+        )
+        tasks = await js.key_value(protocol.KV_TASKS)
+        made_at = await tasks.create(key, protocol.encode(made))
+        record.state = TaskState.SUCCEEDED
+        record.result = WorkflowResult(
+            workflow_id=wf_id,
+            kind="fanout",
+            policy="any",
+            state=TaskState.SUCCEEDED,
+            steps=[
+                StepResult(
+                    index=0,
+                    task_id="lost-slow",
+                    state=TaskState.SUCCEEDED,
+                    agent_id=agent_id,
+                    attempts=1,
+                    decided_by=1,
+                    result="slow",
+                ),
+                StepResult(index=1, task_id="lost-f0", state=TaskState.PENDING, cancelled=True),
+            ],
+            result=["slow", None],
+            hub_id=new_owner,
+        )
+        await wfs.update(wf_key, protocol.encode(record), last=revision)
+        ready.set()  # the old owner's fast step succeeds: its policy decides
+        res = await mesh.workflow(wf_id, timeout=10)
+        assert res.hub_id == new_owner and res.steps[0].ok, res  # the stored result
+        # The old owner has run its fanout to its end (it found the result stored).
+        await eventually(lambda: not engine._owning, timeout=5)
+        got = await tasks.get(key)
+    assert got.revision == made_at, TaskRecord.model_validate_json(got.value or b"")
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["first-agents", "task-ids"])
+async def test_the_owners_unneeded_branch_is_stopped_with_no_read_of_the_workflow_record(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    named: bool,
+) -> None:
+    """The normal end of an ``any`` fanout: its owner stops the branch it no longer needs
+    from the record it wrote itself (or, with no task record, the attempt 1 its workflow
+    record names), without asking who owns the workflow — that read is only for a record
+    another hub wrote (see the test above)."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    started = asyncio.Event()
+    ended: list[str] = []
+    slow = fleet.agent("own.slow")
+    fast = fleet.agent("own.fast")
+    tag = "n" if named else "f"
+
+    @slow.handler("wf:own-slow:v1")
+    async def wait(task: Task[Any]) -> str:
+        started.set()
+        return await _until_stopped(ended)
+
+    @fast.handler("wf:own-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await started.wait()  # decided while the slow step runs
+        return task.payload
+
+    await slow.start()
+    await fast.start()
+    reads: list[str] = []
+    owner_now = engine._owner_now
+
+    async def counted(ns: str, workflow_id: str) -> str | None:
+        reads.append(workflow_id)
+        return await owner_now(ns, workflow_id)
+
+    monkeypatch.setattr(engine, "_owner_now", counted)
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [
+                Step(
+                    capability="wf:own-slow:v1",
+                    task_id=f"own-{tag}-slow" if named else None,
+                    timeout=10,
+                ),
+                Step(
+                    capability="wf:own-fast:v1",
+                    payload=0,
+                    task_id=f"own-{tag}-f0" if named else None,
+                ),
+            ],
+            policy="any",
+            timeout=15,
+        )
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[0].cancelled and res.steps[1].ok, res.steps
+    await eventually(lambda: bool(ended), timeout=3)
+    assert ended == ["cancelled"]
+    assert reads == []

@@ -90,7 +90,10 @@ class StepStopping(StepRunner):
             # the step's current attempt ran on, unfenced, reported never sent. Stopped from
             # the record as this hub wrote it instead.
             got = (protocol.encode(own[0]), own[1])
-        await self._stop_step(wf, index, task_id, got, settle=settle)
+        # The record as this hub last wrote it (or, revision 0, the attempt 1 its workflow
+        # record names): the normal end of a branch, stopped with no read of the owner.
+        mine = own is not None and own[1] == (0 if got is None else got[1])
+        await self._stop_step(wf, index, task_id, got, settle=settle, mine=mine)
 
     async def _stop_step(
         self,
@@ -102,8 +105,10 @@ class StepStopping(StepRunner):
         settle: bool,
         carried: TaskStatusEvent | None = None,
         again: bool = True,
+        mine: bool = False,
     ) -> None:
-        """``_cancel_step`` from the step's record as read (``got``: value and revision).
+        """``_cancel_step`` from the step's record as read (``got``: value and revision);
+        ``mine``: the record is as this hub last wrote it (``_write_stopped``).
 
         An unneeded branch whose record moved after it was read at the leader (a write in
         flight when it became unneeded: its runner's next attempt, a hub still running the
@@ -142,7 +147,7 @@ class StepStopping(StepRunner):
                 # a next attempt) is not overruled unseen, and an outcome only in hand (or
                 # in its agent's memory) is kept — a restart that lost it, redelivered the
                 # same attempt, must find the step final (dropped), not run it again.
-                wrote = await self._write_stopped(wf, key, rec, last, settle=settle)
+                wrote = await self._write_stopped(wf, key, rec, last, settle=settle, mine=mine)
                 if (
                     wrote == "moved"
                     and again
@@ -165,7 +170,7 @@ class StepStopping(StepRunner):
             # it was fenced: when the cancel decided it, which the writes again do not change.
             rec.updated_at = self._server_clock.now()
         wf.records[index] = rec
-        wrote = await self._write_stopped(wf, key, rec, last, settle=settle)  # the fence
+        wrote = await self._write_stopped(wf, key, rec, last, settle=settle, mine=mine)  # fence
         if wrote == "moved" and again and await self._stop_again(wf, index, task_id, None, last):
             return
         if wrote == "not ours":
@@ -211,7 +216,7 @@ class StepStopping(StepRunner):
         return True
 
     async def _write_stopped(
-        self, wf: Workflow, key: str, rec: TaskRecord, last: int, *, settle: bool
+        self, wf: Workflow, key: str, rec: TaskRecord, last: int, *, settle: bool, mine: bool
     ) -> Stopped:
         """Write a stopped step's record, a CAS on the revision read (``last``). Settling (a
         cancel of the workflow) it must land: a record read from a replica behind its last
@@ -226,24 +231,40 @@ class StepStopping(StepRunner):
         stop would stop a handler it is waiting on and make it run the step again. A move this
         hub cannot explain (the workflow record unreadable: most likely an election, and
         the workflow still its own) is "moved": the step is stopped, with its fence markers
-        — a branch left running unfenced could still run its queued attempt later."""
+        — a branch left running unfenced could still run its queued attempt later.
+
+        A record this hub did not write last (not ``mine``: another hub's, or none) is
+        written only while the workflow record at the leader names this hub ("not ours"
+        otherwise, nothing written). A compare-and-set on such a record's revision lands
+        whoever owns the workflow: a hub that lost it without noticing and whose policy
+        decided on its own branch's outcome fenced, as unneeded, the step that had decided
+        the workflow for the new owner — by its current attempt, so the record unmoved
+        since that owner made it — and the step's record read ``cancelled`` against the
+        stored result (chaos secure seed 177, ``node_stop``, chaos-177-00596). The owner's
+        own branches (the normal path) are stopped with no read of the workflow record."""
         if settle:
             await self._cas(key, rec, last, wf.deadline)
             return "written"
         assert self._tasks_kv is not None
+        if not mine and not await self._still_ours(wf):
+            return "not ours"
         try:
             await _durable.cas(self._tasks_kv, key, protocol.encode(rec), last, self._io_deadline())
         except KeyWrongLastSequenceError:
             # Another hub's write, or a write of this hub's that landed after the read (its
             # runner's, in flight when the branch became unneeded).
-            try:
-                ours = await self._owner_now(wf.ns, wf.id) in (None, self.hub_id)
-            except MeshUnavailableError:
-                ours = True  # (an election: most likely still its own)
-            return "moved" if ours else "not ours"
+            return "moved" if await self._still_ours(wf) else "not ours"
         except Exception:
             pass  # best effort: the attempts are stopped all the same
         return "written"
+
+    async def _still_ours(self, wf: Workflow) -> bool:
+        """Whether the workflow record at the leader names this hub (or none) as the owner;
+        True when it cannot be read (an election: most likely still its own)."""
+        try:
+            return await self._owner_now(wf.ns, wf.id) in (None, self.hub_id)
+        except MeshUnavailableError:
+            return True
 
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
         """The outcome that decides step ``index`` among those it had in hand and had not
@@ -280,7 +301,7 @@ class StepStopping(StepRunner):
         rec = new_record(wf, index, task_id, self._server_clock.now())
         rec.cancelled = True
         if not settle:
-            wrote = await self._write_stopped(wf, key, rec, 0, settle=False)
+            wrote = await self._write_stopped(wf, key, rec, 0, settle=False, mine=False)
             if wrote == "written":
                 wf.records[index] = rec
             elif wrote == "moved":
