@@ -389,15 +389,23 @@ def check(h: History) -> Report:
                 continue
             # A step decided by its current attempt keeps its record as it was (the hub writes
             # a task record only when the fence must change): then the record's attempt must
-            # be the deciding one. Otherwise the record holds the outcome.
-            kept = task.get("state") not in FINAL and task.get("attempt") == step.get("decided_by")
+            # be the deciding one, and unfenced — a record fenced since (``cancelled``) says
+            # the step was stopped, not decided (chaos secure seed 177, ``node_stop``,
+            # chaos-177-00596: a hub that had lost the workflow stopped the step that decided
+            # it). Otherwise the record holds the outcome.
+            kept = (
+                task.get("state") not in FINAL
+                and task.get("attempt") == step.get("decided_by")
+                and not task.get("cancelled")
+            )
             if not kept and task.get("state") != step.get("state"):
                 rep.step_record_mismatch += 1
+                fenced = ", cancelled" if task.get("cancelled") else ""
                 rep.add(
                     "step record != result",
                     wf,
                     f"step {step.get('index')}: result says {step.get('state')}, "
-                    f"task record {task.get('state')} (attempt {task.get('attempt')})",
+                    f"task record {task.get('state')} (attempt {task.get('attempt')}{fenced})",
                 )
 
     for wf, answer in sorted(h.cancels.items()):

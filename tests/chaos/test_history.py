@@ -314,6 +314,25 @@ def test_a_step_record_kept_as_sent_must_name_the_deciding_attempt() -> None:
     assert check(h).step_record_mismatch == 1
 
 
+def test_a_step_record_kept_as_sent_must_not_be_fenced_since() -> None:
+    """A step decided by its current attempt whose record, kept as sent, was fenced since
+    (``cancelled``: a hub that had lost the workflow stopped it as unneeded, chaos secure
+    seed 177, ``node_stop``, chaos-177-00596) says the step was stopped, against the result:
+    a mismatch. Not a record that holds the outcome (fenced or not), nor a step the result
+    says was stopped."""
+    h = clean()
+    h.tasks[f"{WF}-1"] = {**task(1, "PENDING"), "attempt": 1, "cancelled": True}
+    rep = check(h)
+    assert rep.step_record_mismatch == 1 and rep.ok, rep.violations
+    assert "cancelled" in rep.violations[0].detail
+    h.tasks[f"{WF}-1"] = {**task(1, "SUCCEEDED"), "cancelled": True}
+    assert check(h).step_record_mismatch == 0
+    h = clean()
+    h.records[WF]["result"]["steps"][1].update(state="PENDING", cancelled=True)
+    h.tasks[f"{WF}-1"] = {**task(1, "PENDING"), "attempt": 1, "cancelled": True}
+    assert check(h).step_record_mismatch == 0
+
+
 def cancelled_result() -> dict[str, Any]:
     res = result("FAILED")
     res["error"] = {"code": "REACH_WORKFLOW_CANCELLED", "message": "cancelled on request: chaos"}
