@@ -16,6 +16,7 @@ from nats.js.errors import KeyWrongLastSequenceError
 from reach_mesh import Client, MeshSettings, Step, WorkflowResult, protocol
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub, _durable
+from reach_mesh.hub._step_track import StepTrack
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskState
 from reach_mesh.workflow import (
     AttemptRecord,
@@ -751,3 +752,57 @@ async def test_the_owners_unneeded_branch_is_stopped_with_no_read_of_the_workflo
     await eventually(lambda: bool(ended), timeout=3)
     assert ended == ["cancelled"]
     assert reads == []
+
+
+async def test_a_step_that_ran_on_to_its_outcome_through_its_stop_keeps_it(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``quorum(2)`` fanout's step 0 has its SUCCEEDED in hand but is held in an await (a
+    read of the status stream, a question to its agent) when its two siblings meet the
+    quorum. The fanout cancels it, and the await swallows the cancellation — Python 3.11's
+    ``asyncio.wait_for``, under nats-py's requests, returns its future's result when that
+    completed with the cancel — so the step runs on and decides by its SUCCEEDED (its event
+    says so). The fanout took it for still running all the same: fenced as unneeded, its
+    record read PENDING (its current attempt decided it: nothing written), its result thrown
+    away and the step reported stopped (chaos secure seed 179, ``partition``,
+    chaos-179-00590: a5's SUCCEEDED, stored 1 s before the deciding one, reported PENDING,
+    stopped as unneeded)."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    in_hand = asyncio.Event()
+    swallowed: list[bool] = []
+    agent = fleet.agent("ranon.a")
+
+    @agent.handler("wf:ranon:v1")
+    async def work(task: Task[Any]) -> Any:
+        if task.payload != 0:
+            await in_hand.wait()  # the siblings succeed once step 0's outcome is in hand
+        return task.payload
+
+    await agent.start()
+    real_watch = engine._watch
+
+    async def held(track: StepTrack, pol: Any, deadline: float) -> Any:
+        if track.task_id == "ranon-0":
+            await eventually(lambda: track.final is not None, timeout=5)
+            in_hand.set()
+            try:
+                await asyncio.Event().wait()  # a read the fanout's decision cancels
+            except asyncio.CancelledError:
+                swallowed.append(True)  # (as ``wait_for`` does when its read just answered)
+        return await real_watch(track, pol, deadline)
+
+    monkeypatch.setattr(engine, "_watch", held)
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [Step(capability="wf:ranon:v1", payload=i, task_id=f"ranon-{i}") for i in range(3)],
+            policy="quorum(2)",
+            timeout=15,
+        )
+    assert swallowed, "the fanout never cancelled step 0"
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[0].state is TaskState.SUCCEEDED and not res.steps[0].cancelled, res.steps
+    assert res.result == [0, 1, 2], res.result
+    rec = await task_record(wf_hub.nc, ns, "ranon-0")
+    assert rec is not None and not rec.cancelled, rec

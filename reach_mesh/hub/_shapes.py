@@ -330,6 +330,18 @@ class WorkflowShapes(StepStopping):
             for t in tasks:  # a branch's error is reported once, by the branch we acted on
                 if t.done() and not t.cancelled():
                     t.exception()
+        if decided:
+            # A branch that ran on to its outcome through the cancel (an await in it swallowed
+            # the cancellation: Python 3.11's ``wait_for``, under nats-py's requests, returns
+            # a result that came with it) decided its step: that outcome is kept, not fenced
+            # as unneeded. Its record was read PENDING by the stop (an outcome of the current
+            # attempt writes nothing) and the result thrown away — chaos secure seed 179,
+            # ``partition``, chaos-179-00590: a SUCCEEDED stored 1 s before the deciding one,
+            # its step event sent, reported stopped as unneeded.
+            ran_on = {t for t in pending if not t.cancelled() and t.exception() is None}
+            for t in ran_on:
+                self._record_of(wf, tasks[t], t)
+            pending -= ran_on
         to_stop += sorted(tasks[t] for t in pending)
         if to_stop:
             if not decided:
