@@ -381,15 +381,13 @@ class JsClient:
             return None
         return raw.data or b"", int(raw.seq or 0), marker
 
-    async def kv_entry_caught_up(
-        self, bucket: str, key: str, *, heard_within: float
-    ) -> tuple[bytes, int, bool] | None:
-        """What :meth:`kv_entry` reads, once the stream's leader says every replica that may
-        answer it has what the leader has: its ``STREAM.INFO`` (which the leader answers) shows
-        a leader that heard from a quorum of its replicas within ``heard_within`` s — not one
-        cut off from them, which keeps leading, and answering, for some ten seconds — and
-        every replica not offline current (its log holds every entry the leader had applied).
-        A direct get then reads what the leader had applied when it answered (give or take a
+    async def replicas_caught_up(self, bucket: str, *, heard_within: float) -> None:
+        """Return once the stream's leader says every replica that may answer a direct get
+        has what the leader has: its ``STREAM.INFO`` (which the leader answers) shows a leader
+        that heard from a quorum of its replicas within ``heard_within`` s — not one cut off
+        from them, which keeps leading, and answering, for some ten seconds — and every
+        replica not offline current (its log holds every entry the leader had applied). A
+        direct get made after it reads what the leader had applied then (give or take a
         follower applying the last entries it stored). Raises ``MeshUnavailableError`` (or
         what ``STREAM.INFO`` raises: no leader) otherwise.
 
@@ -403,7 +401,6 @@ class JsClient:
         behind = _not_caught_up(cluster, heard_within) if cluster is not None else None
         if behind is not None:
             raise MeshUnavailableError(f"{stream}: {behind}")
-        return await self.kv_entry(bucket, key)
 
     async def _direct_get(self, subject: str) -> Msg:
         """The first answer to a direct get on ``subject``, asked again after
@@ -482,7 +479,7 @@ async def first_done(
 
 def _not_caught_up(cluster: ClusterInfo, heard_within: float) -> str | None:
     """Why a direct get on the stream of ``cluster`` (its leader's ``STREAM.INFO``) may be
-    answered by a replica behind its leader, or None (see ``JsClient.kv_entry_caught_up``).
+    answered by a replica behind its leader, or None (see ``JsClient.replicas_caught_up``).
     An offline replica answers nothing (a node down for good must not stop every read)."""
     if not cluster.leader:
         return "no leader"

@@ -293,3 +293,49 @@ def test_a_replica_behind_its_leader_is_told_from_its_stream_info(
 ) -> None:
     cluster = ClusterInfo(leader=leader, replicas=peers)
     assert (_not_caught_up(cluster, 2.0) is None) is ok
+
+
+async def test_wary_reads_at_once_share_one_check_of_the_replicas(
+    wf_hub: Any, fleet: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back from a partition, every step waiting reads its fence at once (and each again at
+    every redelivery until a check passes): one ``STREAM.INFO`` answers all those in flight,
+    not one each — a load on the JetStream API while the cluster recovers. A check asked
+    before a later silence answers for none after it."""
+    a: Agent = fleet.agent("share.a")
+
+    @a.handler(_CAP)
+    async def step(task: Task[Any]) -> str:
+        return "ran"
+
+    await a.start()
+    work = a.work
+    assert work is not None and work._jsc is not None
+    real = work._jsc.replicas_caught_up
+    checks: list[str] = []
+
+    async def counted(bucket: str, *, heard_within: float) -> None:
+        checks.append(bucket)
+        await real(bucket, heard_within=heard_within)  # the server's own answer
+
+    monkeypatch.setattr(work._jsc, "replicas_caught_up", counted)
+    ns = fleet.settings.namespace
+    envs = [
+        TaskEnvelope(
+            task_id=f"share-{i}",
+            capability=_CAP,
+            payload=None,
+            namespace=ns,
+            workflow_id="share-wf",
+            step=i,
+        )
+        for i in range(20)
+    ]
+    a._be_wary(10.0)
+    assert a.wary()
+    assert await asyncio.gather(*(work._record(e) for e in envs)) == [None] * 20
+    assert checks == [protocol.KV_TASKS]
+    assert not a.wary()  # (one node: nothing to catch up with)
+    a._be_wary(10.0)  # silent again: the check before says nothing of it
+    assert await work._record(envs[0]) is None
+    assert len(checks) == 2

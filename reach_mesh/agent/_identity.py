@@ -166,6 +166,11 @@ class IdentityMixin:
         stream without a leader)."""
         return time.monotonic() < self._wary_until
 
+    def wary_since(self) -> float:
+        """When (monotonic) the last silence that made us :meth:`wary` ended: what a check of
+        the replicas asked before it says nothing about."""
+        return self._wary_since
+
     def caught_up(self, asked_at: float) -> None:
         """The task records' leader, asked at ``asked_at``, said every replica had caught up
         with it: whatever the hubs wrote while we were silent is on each of them, and a direct

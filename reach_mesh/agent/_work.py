@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import secrets
 import time
 from typing import TYPE_CHECKING, Final
@@ -72,6 +73,9 @@ _REFENCE_WAIT: Final = 0.5
 #: heard from its replicas within this long (s): nats-server's raft heartbeat comes every
 #: second. One cut off with the agent keeps leading for some ten seconds, behind.
 _QUORUM_HEARD: Final = 2.0
+#: How long (s) a failed check of the records' replicas answers for the wary reads that
+#: follow (``_replicas_checked``).
+_RECHECK_AFTER: Final = 0.25
 #: What of a final status event makes the reply it announces (read back after a restart).
 _REPLY_FIELDS: Final = set(TaskReply.model_fields)
 
@@ -92,6 +96,9 @@ class WorkConsumer(HeldSteps):
         self._pull: PullConsumer | None = None
         self._held: dict[str, _Held] = {}
         self._checking: set[str] = set()
+        #: The last check that the task records' replicas caught up (``_replicas_checked``):
+        #: when it was asked, its future, and when it ended (inf: not yet).
+        self._replica_check: tuple[float, asyncio.Future[None], float] | None = None
         self._saying: dict[str, asyncio.Future[None]] = {}
         #: Promises never to start an attempt, what arrived behind each message, stalls.
         self.fences = Fences(agent)
@@ -595,7 +602,8 @@ class WorkConsumer(HeldSteps):
         agent is wary (``Agent.wary``: back from a silence its attempts may have been given up
         in, the replica next to it maybe behind the fences the hubs wrote meanwhile) only once
         the records' stream leader says every replica has caught up with it
-        (``JsClient.kv_entry_caught_up``; it is no longer wary then); else it raises."""
+        (``JsClient.replicas_caught_up``, one check at a time for all of them:
+        ``_replicas_checked``; it is no longer wary then); else it raises."""
         if self._tasks_kv is None or self._jsc is None or env.workflow_id is None:
             return None
         self.fence_reads += 1
@@ -603,12 +611,49 @@ class WorkConsumer(HeldSteps):
         key = protocol.task_key(env.namespace, env.task_id)
         if not agent.wary():
             return stored_record(TaskRecord, await self._jsc.kv_get(protocol.KV_TASKS, key))
-        asked_at = time.monotonic()
-        entry = await self._jsc.kv_entry_caught_up(
-            protocol.KV_TASKS, key, heard_within=_QUORUM_HEARD
-        )
+        asked_at = await self._replicas_checked()
+        entry = await self._jsc.kv_entry(protocol.KV_TASKS, key)
         agent.caught_up(asked_at)  # (the next steps read as usual)
         return stored_record(TaskRecord, None if entry is None or entry[2] else entry[:2])
+
+    async def _replicas_checked(self) -> float:
+        """When a check that the task records' replicas caught up with their leader began,
+        once it passed (raises what it raised otherwise). One ``STREAM.INFO`` at a time for
+        every wary read (``_record``): back from a partition, each step waiting asks, and
+        each is redelivered every 0.5 s until a check passes — a request per step and
+        redelivery to the JetStream API would be a load of its own while the cluster
+        recovers. A check that failed less than ``_RECHECK_AFTER`` ago answers for a new one;
+        a passed one does not (it ended the wary span it was asked in), nor one asked before
+        the agent's last silence (``Agent.caught_up`` would not take it)."""
+        assert self._jsc is not None
+        check = self._replica_check
+        if (
+            check is None
+            or check[0] < self._agent.wary_since()
+            or (
+                check[1].done()
+                and (
+                    check[1].cancelled()
+                    or check[1].exception() is None
+                    or time.monotonic() - check[2] > _RECHECK_AFTER
+                )
+            )
+        ):
+            asked_at = time.monotonic()
+            future = asyncio.ensure_future(
+                self._jsc.replicas_caught_up(protocol.KV_TASKS, heard_within=_QUORUM_HEARD)
+            )
+            check = self._replica_check = (asked_at, future, math.inf)
+            future.add_done_callback(self._replicas_answered)
+        await asyncio.shield(check[1])
+        return check[0]
+
+    def _replicas_answered(self, future: asyncio.Future[None]) -> None:
+        check = self._replica_check
+        if check is not None and check[1] is future:
+            self._replica_check = (check[0], future, time.monotonic())
+        if not future.cancelled():
+            future.exception()  # (retrieved: an awaiter may have gone meanwhile)
 
     async def _fenced_since(self, held: _Held) -> bool:
         """True when the step's record, read again because its first reading is old, says the
