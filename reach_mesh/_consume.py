@@ -50,6 +50,7 @@ from reach_mesh._batch import private_inbox
 from reach_mesh._guard import matches, refuse
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import describe
+from reach_mesh._starting import set_up
 from reach_mesh.config import MeshSettings
 
 __all__ = [
@@ -341,18 +342,24 @@ async def last_per_subject(
 
 
 async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """Create the stream unless it exists (idempotent across hubs and agents)."""
-    assert config.name is not None
-    try:
-        await js.stream_info(config.name)
-        return
-    except NotFoundError:
-        pass
-    try:
-        await js.add_stream(config)
-    except BadRequestError:
-        # Created meanwhile by another process (same name): use it as it is.
-        await js.stream_info(config.name)
+    """Create the stream unless it exists (idempotent across hubs and agents). While a
+    process starts, asked again through an election or an outage (``_starting``)."""
+    name = config.name
+    assert name is not None
+
+    async def create_unless_there() -> None:
+        try:
+            await js.stream_info(name)
+            return
+        except NotFoundError:
+            pass
+        try:
+            await js.add_stream(config)
+        except BadRequestError:
+            # Created meanwhile by another process (same name): use it as it is.
+            await js.stream_info(name)
+
+    await set_up(f"stream {name}", create_unless_there)
 
 
 async def ensure_task_resources(js: JetStreamContext, settings: MeshSettings) -> KeyValue:
@@ -408,18 +415,20 @@ async def ensure_workflow_resources(js: JetStreamContext, settings: MeshSettings
         ttl=s.workflow_retention,
         description="reach-mesh workflow records",
     )
-    await js.add_consumer(
-        protocol.STREAM_WF,
-        ConsumerConfig(
-            durable_name=protocol.CONSUMER_HUBS,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=s.workflow_ack_wait,
-            max_deliver=-1,
-            # Submissions deferred for fairness wait here (a nak's delay keeps them pending),
-            # so that other namespaces' are still delivered behind a flood.
-            max_ack_pending=max(s.workflow_concurrency * 64, 65_536),
-        ),
+    hubs = ConsumerConfig(
+        durable_name=protocol.CONSUMER_HUBS,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=s.workflow_ack_wait,
+        max_deliver=-1,
+        # Submissions deferred for fairness wait here (a nak's delay keeps them pending),
+        # so that other namespaces' are still delivered behind a flood.
+        max_ack_pending=max(s.workflow_concurrency * 64, 65_536),
+    )
+    # (Created again with the same settings: the one that exists, unchanged.)
+    await set_up(
+        f"consumer {protocol.CONSUMER_HUBS} of {protocol.STREAM_WF}",
+        lambda: js.add_consumer(protocol.STREAM_WF, hubs),
     )
 
 

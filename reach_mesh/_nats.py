@@ -40,6 +40,7 @@ from reach_mesh._nats_urls import (
 from reach_mesh._nats_urls import (
     servers as _servers,
 )
+from reach_mesh._starting import set_up
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import BadRequestError, MeshUnavailableError, NotPermittedError
 from reach_mesh.logs import LineBudget
@@ -659,11 +660,8 @@ async def ensure_kv(
     ttl: float | None = None,
     description: str = "",
 ) -> KeyValue:
-    """Bind to ``bucket``, creating it if it does not exist yet (idempotent across hubs)."""
-    try:
-        return await js.key_value(bucket)
-    except BucketNotFoundError:
-        pass
+    """Bind to ``bucket``, creating it if it does not exist yet (idempotent across hubs).
+    While a process starts, asked again through an election or an outage (``_starting``)."""
     cfg = KeyValueConfig(
         bucket=bucket,
         description=description,
@@ -675,8 +673,16 @@ async def ensure_kv(
         # where NATS permissions can limit an identity to its own keys (docs/security.md).
         direct=True,
     )
-    try:
-        return await js.create_key_value(cfg)
-    except nats.js.errors.BadRequestError:
-        # Another hub created it first with the same config (or a compatible one).
-        return await js.key_value(bucket)
+
+    async def bind_or_create() -> KeyValue:
+        try:
+            return await js.key_value(bucket)
+        except BucketNotFoundError:
+            pass
+        try:
+            return await js.create_key_value(cfg)
+        except nats.js.errors.BadRequestError:
+            # Another hub created it first with the same config (or a compatible one).
+            return await js.key_value(bucket)
+
+    return await set_up(f"bucket {bucket}", bind_or_create)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Final, TypeVar
 
@@ -109,9 +110,12 @@ async def retrying(
     deadline: float,
     *,
     on_retry: Callable[[BaseException], None] | None = None,
+    jitter: bool = False,
 ) -> T:
     """``await op()``, again after each transient error (backoff 50 ms doubling to 2 s) until
-    ``deadline`` (event-loop time); then :class:`RetriesExhausted`. Other errors propagate."""
+    ``deadline`` (event-loop time); then :class:`RetriesExhausted`. Other errors propagate.
+    ``jitter``: each pause is 50-100 % of its step, so that processes that failed together
+    (hubs started at once, during one election) do not ask again all at once."""
     failed: Exception
     try:
         return await op()  # mostly answered: nothing below is made for the first try
@@ -126,10 +130,11 @@ async def retrying(
         left = deadline - loop.time()
         if left <= 0:
             raise RetriesExhausted(f"{what}: {describe(failed)}") from failed
-        log.info("%s: %s; retrying", what, describe(failed))
         if on_retry is not None:
             on_retry(failed)
-        await asyncio.sleep(min(delay, left))
+        log.info("%s: %s; retrying", what, describe(failed))
+        pause = delay * random.uniform(0.5, 1.0) if jitter else delay
+        await asyncio.sleep(min(pause, left))
         delay = min(delay * 2, _MAX_DELAY)
         try:
             return await op()

@@ -88,6 +88,11 @@ class MeshSettings(BaseModel):
 
     # JetStream
     kv_replicas: int = Field(default=1, ge=1, le=5)
+    #: How long a starting hub keeps asking again for its JetStream setup (its streams,
+    #: buckets and consumers) while JetStream does not answer or answers "unavailable" — a
+    #: leader election, its server cut off from the others, a cluster without a quorum —
+    #: before it gives up with ``REACH_UNAVAILABLE`` naming what it could not set up.
+    start_timeout: float = Field(default=60.0, gt=0)
 
     # backpressure: per-namespace token buckets (requests/s and burst)
     route_rate: float = Field(default=50_000.0, gt=0)

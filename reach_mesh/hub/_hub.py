@@ -41,6 +41,7 @@ from reach_mesh._nats import beside, connect, connection_counts, flushed, shown
 from reach_mesh._nats_together import Together
 from reach_mesh._retry import describe, storage_full
 from reach_mesh._shutdown import within
+from reach_mesh._starting import Starting, set_up, starting, time_to_start
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
     BadRequestError,
@@ -225,15 +226,27 @@ class Hub(RoutingMixin, ControlMixin):
         self._loop_watch = asyncio.create_task(
             watch_event_loop(self.metrics.event_loop_lag_seconds), name="reach-loop-lag"
         )
+        # Its JetStream setup is asked again through an election or an outage, for up to
+        # start_timeout: six chaos runs lost a hub that exited at start on one unanswered
+        # request (``_starting``).
+        with starting(f"hub {self.hub_id}", self.settings.start_timeout) as setup:
+            await self._start(setup)
+        log.info("hub %s serving on %s", self.hub_id, shown(self.nats_url))
+
+    async def _start(self, setup: Starting) -> None:
         try:
+            # A server whose port answers but that is slow to take the connection (busy,
+            # frozen for a moment) is waited on for the rest of start_timeout, as an agent's.
             self._nc = await connect(
                 self.nats_url,
                 name=self.hub_id,
                 settings=self.settings,
+                patience=time_to_start(0.0),
                 on_reconnect=self._back_on_nats,
                 **self.together.options("main"),
             )
             self.together.add("main", self._nc)
+            setup.watch(self._nc)  # (its JetStream requests: refused ones end the start)
             # Every namespace's route requests on a connection of their own: a flood of them
             # that this hub cannot read as fast has nats-server cut that connection (a slow
             # consumer: 64 MiB waiting), not the one that carries the agents' heartbeats and
@@ -246,6 +259,7 @@ class Hub(RoutingMixin, ControlMixin):
                 self.nats_url,
                 name=f"{self.hub_id}-routes",
                 settings=self.settings,
+                patience=time_to_start(0.0),
                 **beside(self._nc, self.nats_url),
                 **self.together.options("routes"),
             )
@@ -259,6 +273,7 @@ class Hub(RoutingMixin, ControlMixin):
                 self.nats_url,
                 name=f"{self.hub_id}-statuses",
                 settings=self.settings,
+                patience=time_to_start(0.0),
                 **beside(self._nc, self.nats_url),
                 **self.together.options("statuses"),
             )
@@ -302,10 +317,14 @@ class Hub(RoutingMixin, ControlMixin):
             )
             await self.workflows.start()
             self.resources.start()
+            js = self._js
             # The streams and buckets may predate this hub's workflow_retention.
-            await apply_workflow_retention(self._js, s)
+            await set_up(
+                "the streams' max age (workflow_retention)",
+                lambda: apply_workflow_retention(js, s),
+            )
             # And they may predate its kv_replicas (a mesh begun on one server).
-            await apply_replicas(self._js, s)
+            await set_up("the streams' replicas (kv_replicas)", lambda: apply_replicas(js, s))
             if s.http_port is not None:
                 self.dashboard = Dashboard(self)
                 await self.dashboard.start()
@@ -328,7 +347,6 @@ class Hub(RoutingMixin, ControlMixin):
         except BaseException:
             await self.close()
             raise
-        log.info("hub %s serving on %s", self.hub_id, shown(self.nats_url))
 
     async def _subscribe(self) -> None:
         q = protocol.HUB_QUEUE

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Final
 
 from nats.aio.client import Client as NATS
@@ -27,7 +27,8 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from pydantic_core import to_json
 
 from reach_mesh import protocol
-from reach_mesh._retry import describe, storage_full
+from reach_mesh._retry import describe, storage_full, transient
+from reach_mesh._starting import set_up
 
 __all__ = ["FLUSH_EVENTS", "FLUSH_INTERVAL", "REPEAT_WINDOW", "AuditLog", "Repeats"]
 
@@ -86,7 +87,11 @@ class AuditLog:
         err: Exception | None = None
         fallback = self._max_bytes // _AUDIT_FALLBACK
         for size in (self._max_bytes, *([fallback] if fallback >= _AUDIT_MIN_BYTES else [])):
-            err = await self._create(size)
+            try:
+                # Asked again through an election while the hub starts (``_starting``).
+                err = await set_up(f"stream {protocol.STREAM_AUDIT}", self._create_or_raise(size))
+            except Exception as gave_up:  # (still never raised)
+                err = gave_up
             if err is None:
                 if size < self._max_bytes:
                     log.warning(
@@ -111,6 +116,18 @@ class AuditLog:
             if storage_full(err)
             else "",
         )
+
+    def _create_or_raise(self, max_bytes: int) -> Callable[[], Awaitable[Exception | None]]:
+        """:meth:`_create`, raising the errors of an outage (to be asked again) but for a full
+        store, which ``start`` answers with a smaller stream."""
+
+        async def create() -> Exception | None:
+            err = await self._create(max_bytes)
+            if err is not None and transient(err) and not storage_full(err):
+                raise err
+            return err
+
+        return create
 
     async def _create(self, max_bytes: int) -> Exception | None:
         """Create the stream with ``max_bytes``, or update it when it exists; the error."""

@@ -31,8 +31,9 @@ from reach_mesh import protocol
 from reach_mesh._jspub import JsClient, kv_subject
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import describe
+from reach_mesh._starting import time_to_start
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import UnknownAgentError
+from reach_mesh.errors import MeshUnavailableError, UnknownAgentError
 from reach_mesh.hub._agent_view import AgentView, StateListener
 from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, Liveness, LostEntry, Undeleted
 from reach_mesh.hub._resources import Resources
@@ -64,6 +65,8 @@ _NONE: Final[frozenset[str]] = frozenset()
 #: How long a heartbeat's KV write waits for JetStream's ack (as the hub's JetStream context,
 #: which ``KeyValue.put`` used).
 _WRITE_TIMEOUT: Final = 10.0
+#: How long ``start`` waits for the first load of the agents and their heartbeats, at least.
+_LOAD_TIMEOUT: Final = 30.0
 
 
 def stored_beat(hb: Heartbeat) -> bytes:
@@ -207,7 +210,18 @@ class Registry(Liveness):
             ),
             asyncio.create_task(self._grade_loop(), name="reach-liveness"),
         ]
-        await asyncio.wait_for(asyncio.gather(agents_loaded.wait(), hbs_loaded.wait()), timeout=30)
+        # The watches retry by themselves; while the hub starts, for what is left of its
+        # start_timeout (``_starting``).
+        wait = time_to_start(_LOAD_TIMEOUT)
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(agents_loaded.wait(), hbs_loaded.wait()), timeout=wait
+            )
+        except TimeoutError as err:
+            raise MeshUnavailableError(
+                f"the registry ({protocol.KV_AGENTS}, {protocol.KV_HEARTBEATS}) was not loaded "
+                f"from JetStream within {wait:.0f}s: {self._blind_why or 'no answer'}"
+            ) from err
         self._ready.set()
 
     async def stop(self) -> None:

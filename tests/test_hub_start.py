@@ -1,0 +1,163 @@
+"""A hub comes up through a JetStream outage at start, and fails fast on what no wait mends.
+
+Six chaos runs (seeds 163, 166, 168, 174-176) lost a hub that exited at start with a bare
+``nats: timeout``: one JetStream request of its setup went unanswered (the hubs were creating
+the same streams at once, on a cluster just formed). A hub now asks again for up to
+``start_timeout`` (``reach_mesh/_starting.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+
+from reach_mesh import Client, MeshSettings
+from reach_mesh._auth import AuthDir
+from reach_mesh.agent import Agent, Task
+from reach_mesh.errors import MeshUnavailableError, NotPermittedError
+from reach_mesh.hub import Hub
+from reach_mesh.server import EmbeddedNats
+
+from .helpers import cluster_nodes, freeze
+
+# Clusters of nats-servers: one at a time (with the other cluster tests).
+pytestmark = pytest.mark.xdist_group("clusters")
+
+NS = "hstart"
+FAST: dict[str, Any] = {
+    "heartbeat_interval": 0.5,
+    "lease_timeout": 3.0,
+    "suspect_timeout": 3.0,
+    "request_timeout": 10.0,
+}
+
+
+@contextlib.asynccontextmanager
+async def _without_quorum(base: Path, name: str) -> AsyncIterator[list[EmbeddedNats]]:
+    """A 3-node cluster whose nodes 1 and 2 are frozen (SIGSTOP) once it has a JetStream meta
+    leader, and whose node 0 has since answered a JetStream request "unavailable" (no quorum),
+    as a hub starting on it is answered; :func:`thaw` them. All stopped at the end."""
+    nodes = cluster_nodes(base, name=name)
+    try:
+        for node in nodes:
+            await node.astart()
+        nc = await nats.connect(nodes[0].url)
+        try:
+            js = nc.jetstream(timeout=1.0)
+            await _until(js.account_info, lambda err: False, "no JetStream meta leader")
+            for node in nodes[1:]:
+                assert node.proc is not None
+                await freeze(node.proc.pid, group=True)
+            unavailable = nats.js.errors.ServiceUnavailableError
+            await _until(
+                lambda: js.stream_info("NOT_THERE"),
+                lambda err: isinstance(err, unavailable),
+                "the lone node still answers JetStream",
+            )
+        finally:
+            await nc.close()
+        yield nodes
+    finally:
+        thaw(nodes)
+        for node in nodes:
+            node.stop()
+
+
+def thaw(nodes: list[EmbeddedNats]) -> None:
+    """SIGCONT every node (those not frozen too)."""
+    for node in nodes:
+        if node.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.proc.pid, signal.SIGCONT)
+
+
+async def _until(
+    ask: Callable[[], Awaitable[object]], awaited: Callable[[Exception], bool], why: str
+) -> None:
+    """Ask until ``ask`` succeeds or fails with an error ``awaited`` wants (15 s at most)."""
+    deadline = time.monotonic() + 15.0
+    while True:
+        try:
+            await ask()
+            return
+        except (nats.errors.Error, TimeoutError) as err:
+            if awaited(err):
+                return
+            assert time.monotonic() < deadline, why
+            await asyncio.sleep(0.2)
+
+
+async def test_a_hub_started_while_the_cluster_has_no_quorum_serves_once_it_has(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two of three nodes frozen (SIGSTOP): the lone node answers the hub's JetStream setup
+    "temporarily unavailable" (or not at all), and the hub's start failed at once. It now
+    says what it waits for, asks again, and serves routes once the nodes are back."""
+    async with _without_quorum(tmp_path, "hstart") as nodes:
+        settings = MeshSettings(
+            nats_url=nodes[0].url, namespace=NS, kv_replicas=3, start_timeout=30.0, **FAST
+        )
+        hub = Hub(settings=settings, hub_id="hub-patient")
+        caplog.set_level(logging.INFO, logger="reach_mesh.start")
+        starting = asyncio.create_task(hub.start())
+        await asyncio.sleep(2.0)
+        assert not starting.done(), starting  # (without the retries: failed by now)
+        waits = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert waits and "not set up yet" in waits[0].getMessage(), caplog.text
+        thaw(nodes)
+        await asyncio.wait_for(starting, timeout=20)
+        try:
+            agent = Agent(f"{NS}.echo.a1", settings=settings)
+
+            @agent.handler("hstart:echo:v1")
+            async def echo(task: Task[Any]) -> Any:
+                return task.payload
+
+            async with agent, Client(settings=settings) as c:
+                reply = await c.request(capability="hstart:echo:v1", payload=7)
+                assert reply.result == 7
+        finally:
+            await hub.close()
+
+
+async def test_a_hub_gives_up_naming_what_it_could_not_set_up(tmp_path: Path) -> None:
+    """The same lone node, never healed: past ``start_timeout`` the start fails with
+    ``REACH_UNAVAILABLE`` naming the stream or bucket, not a bare ``nats: timeout``."""
+    async with _without_quorum(tmp_path, "hgive") as nodes:
+        settings = MeshSettings(
+            nats_url=nodes[0].url, namespace=NS, kv_replicas=3, start_timeout=1.5, **FAST
+        )
+        hub = Hub(settings=settings, hub_id="hub-gives-up")
+        began = time.monotonic()
+        with pytest.raises(MeshUnavailableError) as caught:
+            await hub.start()
+        assert time.monotonic() - began < 12.0  # (one request's 10 s timeout at most past it)
+        said = caught.value.message
+        assert "hub hub-gives-up could not set up" in said and "start_timeout" in said, said
+        assert any(w in said for w in ("stream ", "bucket ")), said
+
+
+async def test_a_hub_refused_the_jetstream_api_fails_at_once(tmp_path: Path) -> None:
+    """An identity NATS refuses the JetStream API (a caller's, here) is not asked again until
+    ``start_timeout``: the refusal ends the start at once, ``REACH_NOT_PERMITTED`` naming the
+    subject (it was a request timing out, ``nats: timeout``, after 10 s)."""
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace=NS)
+    with EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server:
+        settings = auth.settings("caller", NS, nats_url=server.url, start_timeout=60.0)
+        hub = Hub(settings=settings, hub_id="hub-refused")
+        began = time.monotonic()
+        with pytest.raises(NotPermittedError) as caught:
+            await hub.start()
+        assert time.monotonic() - began < 5.0
+        assert "$js.api." in caught.value.message, caught.value.message
