@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -235,6 +236,10 @@ class Mesh:
             )
             for i in range(cfg.hubs)
         ]
+        #: Hubs that did not come up before the faults began, by name: what their log said
+        #: last (a hub that exited at start — six runs once went on with two hubs of three
+        #: unnoticed, each logged only ``error: nats: timeout`` — or one still starting).
+        self.hubs_not_up: dict[str, str] = {}
         self.agent_logs = [workdir / f"{a}.jsonl" for a in self.agent_ids]
         self.agents = [
             Proc(
@@ -332,6 +337,9 @@ async def start_mesh(mesh: Mesh, client: Client, observer: Client) -> None:
         return True
 
     await _until("hub streams", buckets, 60)
+    # Every hub serving before the faults begin: the streams are the first hub's; one still
+    # starting meets the first fault in its start.
+    mesh.hubs_not_up.update(await hubs_serving(mesh.hubs, HUB_START_WAIT))
     # The mesh announces results on core NATS (the records are their durable copy); the
     # checker compares every announcement with the record, so the run keeps them all here.
     await js.add_stream(
@@ -350,6 +358,36 @@ async def start_mesh(mesh: Mesh, client: Client, observer: Client) -> None:
         return sum(1 for a in infos if a.state.value == "ONLINE") >= len(mesh.agents)
 
     await _until("agents", online, 60)
+
+
+#: How long ``start_mesh`` waits for every hub to say it serves: past a hub's own
+#: ``start_timeout`` (60 s), so a hub that cannot start has exited by then.
+HUB_START_WAIT = 75.0
+#: The line ``reach-mesh hub`` prints (stdout, into its log) once it serves.
+_SERVING = re.compile(r"^hub \S+ serving on ", re.MULTILINE)
+
+
+async def hubs_serving(hubs: list[Proc], timeout: float) -> dict[str, str]:
+    """Wait until each hub process said it serves, or exited. Those that exited (or had still
+    not said it after ``timeout``), by name, with their log's last line: the run goes on
+    with the others, and its table says so."""
+    deadline = time.monotonic() + timeout
+    waiting = list(hubs)
+    not_up: dict[str, str] = {}
+    while waiting:
+        for proc in list(waiting):
+            text = proc.log.read_text(errors="replace") if proc.log.exists() else ""
+            if _SERVING.search(text):
+                waiting.remove(proc)
+            elif not proc.alive or time.monotonic() >= deadline:
+                lines = text.strip().splitlines()
+                said = lines[-1][:200] if lines else "(nothing)"
+                state = "exited at start" if not proc.alive else f"not serving after {timeout:g}s"
+                not_up[proc.name] = f"{state}: {said}"
+                waiting.remove(proc)
+        if waiting:
+            await asyncio.sleep(0.25)
+    return not_up
 
 
 # --------------------------------------------------------------------------- collection
@@ -471,12 +509,20 @@ class ChaosRun:
     #: it so): informational — after any other fault a deaf verdict would be a false one.
     deafened: int = 0
     deaf_quarantines: int = 0
+    #: Hubs that were not serving when the faults began (``Mesh.hubs_not_up``): the run had
+    #: fewer hubs than its config says.
+    hubs_not_up: dict[str, str] = field(default_factory=dict)
 
     def table(self) -> str:
         head = (
             f"fault={self.cfg.fault} workflows={self.cfg.workflows} rate={self.cfg.rate}/s "
             f"faults injected={self.faults} seconds={self.seconds:.0f}"
             + (" secure" if self.cfg.secure else "")
+            + (
+                f" ({len(self.hubs_not_up)} of {self.cfg.hubs} HUBS NOT UP)"
+                if self.hubs_not_up
+                else ""
+            )
         )
         extra = [
             f"  submit errors (retried): {sum(self.stats.submit_errors.values())}"
@@ -496,6 +542,7 @@ class ChaosRun:
             f"  fence reads by agents: {self.fence_reads} (handler starts: {self.starts})",
             f"  agents made deaf: {self.deafened}, deaf quarantines logged by hubs: "
             f"{self.deaf_quarantines}",
+            *(f"  hub {name} not up: {why}" for name, why in sorted(self.hubs_not_up.items())),
         ]
         return "\n".join([self.report.table(head), *extra])
 
@@ -632,6 +679,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
         starts,
         _deafened(mesh.agent_logs),
         _deaf_quarantines(proc.log for proc in mesh.hubs),
+        mesh.hubs_not_up,
     )
     (workdir / "table.txt").write_text(result.table() + "\n")
     # Per workflow, for a look at the tail: when its caller had it, how long after the result
@@ -661,6 +709,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
                 "route_expected": {k: asdict(v) for k, v in history.route_expected.items()},
                 "routes": history.routes,
                 "observer": history.observer,
+                "hubs_not_up": mesh.hubs_not_up,
             },
             default=str,
         )
