@@ -598,8 +598,13 @@ async def test_an_unneeded_step_whose_leader_cannot_be_read_is_stopped_all_the_s
     assert rec is not None and rec.cancelled, rec
 
 
+@pytest.mark.parametrize("same_hub", [False, True], ids=["another-hub", "this-hub"])
 async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_as_it_was(
-    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    same_hub: bool,
 ) -> None:
     """An ``any`` fanout's owner lost it without noticing (another hub took it over by a
     compare-and-set on its workflow record), its create of the slow step's record hung
@@ -612,7 +617,12 @@ async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_a
     against the stored result (chaos secure seed 177, ``node_stop``, chaos-177-00596). A
     stop of a step whose record this hub did not write last is written only while the
     workflow record at the leader still names this hub: here it names the new owner, and the
-    record is left as that owner made it."""
+    record is left as that owner made it.
+
+    ``this-hub``: the new owner is a second run of the workflow on the same hub (its
+    hand-back adopted there, then the submission delivered there again), whose takeover
+    leaves the record naming that hub — the first run is no owner all the same (chaos secure
+    seed 182, ``partition``: four fanouts so)."""
     ns = wf_settings.namespace
     engine = wf_hub.workflows
     assert engine is not None
@@ -627,7 +637,8 @@ async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_a
     await fast.start()
     key = protocol.task_key(ns, "lost-slow")
     _hang_create(monkeypatch, key, stalled)
-    new_owner, agent_id = "hub-new-owner", "lost.other"
+    new_owner = engine.hub_id if same_hub else "hub-new-owner"
+    agent_id = "lost.other"
     async with Client(settings=wf_settings) as mesh:
         # No agent serves the slow step: none is chosen at the start (no ``first_agents``).
         wf_id = await mesh.submit_fanout(
@@ -723,13 +734,15 @@ async def test_the_owners_unneeded_branch_is_stopped_with_no_read_of_the_workflo
     await slow.start()
     await fast.start()
     reads: list[str] = []
-    owner_now = engine._owner_now
+    record_now = engine._record_now
 
-    async def counted(ns: str, workflow_id: str) -> str | None:
+    async def counted(
+        ns: str, workflow_id: str, end: float | None = None
+    ) -> tuple[bytes, int] | None:
         reads.append(workflow_id)
-        return await owner_now(ns, workflow_id)
+        return await record_now(ns, workflow_id, end)
 
-    monkeypatch.setattr(engine, "_owner_now", counted)
+    monkeypatch.setattr(engine, "_record_now", counted)
     async with Client(settings=wf_settings) as mesh:
         res = await mesh.fanout(
             [

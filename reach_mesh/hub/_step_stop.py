@@ -24,7 +24,13 @@ from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import new_record, note, retryable, settles
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.models import TaskState
-from reach_mesh.workflow import TaskRecord, TaskStatusEvent, step_task_id
+from reach_mesh.workflow import (
+    TaskRecord,
+    TaskStatusEvent,
+    WorkflowRecord,
+    step_task_id,
+    stored_record,
+)
 
 __all__ = ["StepStopping"]
 
@@ -42,8 +48,10 @@ class StepStopping(StepRunner):
 
     hub_id: str
 
-    async def _owner_now(self, ns: str, workflow_id: str) -> str | None:
-        """The hub the workflow record names now (``WorkflowShapes``)."""
+    async def _record_now(
+        self, ns: str, workflow_id: str, end: float | None = None
+    ) -> tuple[bytes, int] | None:
+        """The workflow record (value, revision) at its stream's leader (``WorkflowShapes``)."""
         raise NotImplementedError
 
     async def _cancel_step(self, wf: Workflow, index: int, *, settle: bool = False) -> None:
@@ -234,10 +242,11 @@ class StepStopping(StepRunner):
         — a branch left running unfenced could still run its queued attempt later.
 
         A record this hub did not write last (not ``mine``: another hub's, or none) is
-        written only while the workflow record at the leader names this hub ("not ours"
-        otherwise, nothing written). A compare-and-set on such a record's revision lands
-        whoever owns the workflow: a hub that lost it without noticing and whose policy
-        decided on its own branch's outcome fenced, as unneeded, the step that had decided
+        written only while the workflow record at the leader is this run's (``_still_ours``:
+        naming this hub, at the run's revision; "not ours" otherwise, nothing written). A
+        compare-and-set on such a record's revision lands whoever owns the workflow: a hub
+        that lost it without noticing and whose policy decided on its own branch's outcome
+        fenced, as unneeded, the step that had decided
         the workflow for the new owner — by its current attempt, so the record unmoved
         since that owner made it — and the step's record read ``cancelled`` against the
         stored result (chaos secure seed 177, ``node_stop``, chaos-177-00596). The owner's
@@ -259,12 +268,26 @@ class StepStopping(StepRunner):
         return "written"
 
     async def _still_ours(self, wf: Workflow) -> bool:
-        """Whether the workflow record at the leader names this hub (or none) as the owner;
-        True when it cannot be read (an election: most likely still its own)."""
+        """Whether the workflow record at the leader is still this run's: naming this hub at
+        the revision the run last wrote (``wf.rev``: every write of it while the run lives is
+        the run's own, awaited, none in flight during a stop), or naming none; True when it
+        cannot be read (an election: most likely still its own).
+
+        The hub's id alone does not tell: a second run of the workflow on this same hub (its
+        hand-back adopted here, then the submission delivered here again) takes it over by a
+        compare-and-set that leaves the owner as it was, and the first run, decided by
+        another branch, fenced the step that decided it for the second — chaos secure seed
+        182, ``partition``: four fanouts so, each step record ``cancelled`` against the
+        stored result."""
+        end = asyncio.get_running_loop().time() + 2.0
         try:
-            return await self._owner_now(wf.ns, wf.id) in (None, self.hub_id)
+            got = await self._record_now(wf.ns, wf.id, end)
         except MeshUnavailableError:
             return True
+        record = stored_record(WorkflowRecord, got)
+        if got is None or record is None or record.owner is None:
+            return True
+        return record.owner == self.hub_id and got[1] == wf.rev
 
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
         """The outcome that decides step ``index`` among those it had in hand and had not
