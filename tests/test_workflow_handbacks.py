@@ -23,7 +23,7 @@ from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.models import TaskState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import Fleet, echo_agent, eventually, free_port
+from .helpers import Fleet, Held, echo_agent, eventually, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,3 +155,52 @@ async def test_a_hand_back_whose_nak_was_lost_is_adopted_from_the_stored_message
 
     handed = _hand_back_once(engine, monkeypatch, lost)
     await _run_handed_back(s, hub, fleet, handed, caplog)
+
+
+async def test_a_delivery_of_an_adopted_submission_stops_the_adopted_run(
+    one_hub: tuple[MeshSettings, Hub, Fleet], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hub adopts a submission (as from a hand-back not delivered again), and the
+    consumer then delivers that submission to it after all (chaos seed 182, ``partition``):
+    the delivered run takes the workflow over from the adopted one by CAS — the record names
+    the same hub — and the adopted run stops then, not at its next write: one run of the
+    workflow on the hub, its step run once, the result stored once."""
+    s, hub, fleet = one_hub
+    engine = hub.workflows
+    assert engine is not None and engine._pull is not None
+    held = await Held(fleet).start()
+    await engine._pull.stop()  # the submission waits in the consumer, delivered by the test
+    caplog.set_level(logging.INFO, logger="reach_mesh.hub.workflows")
+    async with Client(settings=s) as mesh:
+        js = mesh.nc.jetstream()
+        wf_id = await mesh.submit_chain([Step(capability="wf:slow:v1")], timeout=60)
+        raw = await js.get_msg(
+            protocol.STREAM_WF, seq=1, subject=protocol.wf_submit(s.namespace), next=True
+        )
+        engine._start_adopted(raw, s.namespace)
+        await eventually(lambda: held.started == 1, timeout=10)
+        (adopted,) = engine._adopting.values()
+
+        consumer = await js.pull_subscribe_bind(protocol.CONSUMER_HUBS, protocol.STREAM_WF)
+        (delivered,) = await consumer.fetch(1, timeout=10)
+        engine._on_submit(delivered)
+        await eventually(lambda: engine.takeover_total == 1, timeout=10)
+        # The adopted run stops with the takeover, while the step is still running.
+        await eventually(adopted.done, timeout=5)
+        assert held.started == 1 and held.finished == 0
+        assert not engine._adopting and len(engine._running) == 1
+        assert engine.owned == [(s.namespace, wf_id)]
+
+        held.release.set()
+        res = await mesh.workflow(wf_id, timeout=20)
+        assert res.state is TaskState.SUCCEEDED, res
+        assert res.steps[0].result == "done"
+        assert held.started == 1 and held.finished == 1
+        assert engine.workflows_done == 1
+        lines = [r.getMessage() for r in caplog.records]
+        assert any("another run of it on this hub" in m for m in lines), lines
+
+        async def stream_empty() -> bool:
+            return (await js.stream_info(protocol.STREAM_WF)).state.messages == 0
+
+        await eventually(stream_empty, timeout=5)  # the delivered run acked it

@@ -326,7 +326,16 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
     def _now_owner(self, wf: Workflow) -> None:
         """The workflow record names this hub (created, or taken over): cancels and views go
         to this run of it from now on, in place of any other run of it here (which lost it;
-        a cancel that one took is carried over)."""
+        a cancel that one took is carried over).
+
+        That other run is stopped here, as ``_stop_lost_runs`` stops a run another hub took
+        over: this run's compare-and-set moved the record past the revision it holds, and
+        nothing else would tell it — it ran on, deciding the steps this run decides, sending
+        stops and cancels for this run's attempts, trying a second final write (chaos
+        seed 182, ``partition``: hub-cc7687ff adopted a workflow it had handed back, then the
+        submission was delivered to it again, and both runs went on). Nothing of its
+        submission is answered: this run holds it, as a run that lost to another hub leaves
+        it to that hub."""
         key = (wf.ns, wf.id)
         task = asyncio.current_task(self._loop)
         assert task is not None
@@ -335,6 +344,11 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
         stop = None if old is None or old[0] is wf else old[0].stop
         if stop is not None and stop.done():
             wf.cancel(stop.result())
+        if old is not None and old[1] is not task and not old[1].done():
+            log.info(
+                "workflow %s: taken over by another run of it on this hub; the first stops", wf.id
+            )
+            old[1].cancel()
 
     async def ask(self, subject: str, body: bytes, *, timeout: float) -> bytes:
         """A request to another hub (a view, a cancel: each safe to ask twice) through the
