@@ -59,10 +59,13 @@ async def _without_quorum(base: Path, name: str) -> AsyncIterator[list[EmbeddedN
                 assert node.proc is not None
                 await freeze(node.proc.pid, group=True)
             unavailable = nats.js.errors.ServiceUnavailableError
+            # The lone node, if it led the meta group, leads on until it finds it lost its
+            # quorum — some ten seconds, more on a loaded machine (CI: over 15 s).
             await _until(
                 lambda: js.stream_info("NOT_THERE"),
                 lambda err: isinstance(err, unavailable),
                 "the lone node still answers JetStream",
+                within=60.0,
             )
         finally:
             await nc.close()
@@ -82,10 +85,15 @@ def thaw(nodes: list[EmbeddedNats]) -> None:
 
 
 async def _until(
-    ask: Callable[[], Awaitable[object]], awaited: Callable[[Exception], bool], why: str
+    ask: Callable[[], Awaitable[object]],
+    awaited: Callable[[Exception], bool],
+    why: str,
+    *,
+    within: float = 15.0,
 ) -> None:
-    """Ask until ``ask`` succeeds or fails with an error ``awaited`` wants (15 s at most)."""
-    deadline = time.monotonic() + 15.0
+    """Ask until ``ask`` succeeds or fails with an error ``awaited`` wants (``within`` s at
+    most)."""
+    deadline = time.monotonic() + within
     while True:
         try:
             await ask()
