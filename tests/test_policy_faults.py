@@ -14,7 +14,7 @@ import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
 from reach_mesh import Client, MeshSettings, Step, WorkflowResult, protocol
-from reach_mesh.agent import Task, TaskFailed
+from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub, _durable
 from reach_mesh.hub._step_track import StepTrack
 from reach_mesh.models import ErrorBody, TaskEnvelope, TaskState
@@ -57,6 +57,57 @@ async def _slow_or_fast(mesh: Client, name: str) -> WorkflowResult:
     )
 
 
+async def _slow_while_fast(
+    fleet: Fleet, name: str, started: asyncio.Event, ended: list[str]
+) -> Agent:
+    """Start agents ``{name}.slow`` (``wf:{name}-slow:v1``: sets ``started``, then runs until
+    stopped, ``ended`` saying how) and ``{name}.fast`` (``wf:{name}-fast:v1``: its payload,
+    once the slow step started: decided while the slow step runs); the slow one."""
+    slow = fleet.agent(f"{name}.slow")
+    fast = fleet.agent(f"{name}.fast")
+
+    @slow.handler(f"wf:{name}-slow:v1")
+    async def wait(task: Task[Any]) -> str:
+        started.set()
+        return await _until_stopped(ended)
+
+    @fast.handler(f"wf:{name}-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await started.wait()
+        return task.payload
+
+    await slow.start()
+    await fast.start()
+    return slow
+
+
+async def _retried_while_fast(
+    fleet: Fleet, name: str, snapped: asyncio.Event, second: asyncio.Event, ended: list[str]
+) -> Agent:
+    """As :func:`_slow_while_fast`, but the slow step's attempt 1 fails (retryable) once
+    ``snapped`` is set, and its attempt 2 (setting ``second``) is the one that runs until
+    stopped: the fast step decides while attempt 2 runs."""
+    slow = fleet.agent(f"{name}.slow")
+    fast = fleet.agent(f"{name}.fast")
+
+    @slow.handler(f"wf:{name}-slow:v1")
+    async def wait(task: Task[Any]) -> str:
+        if task.attempt == 1:
+            await snapped.wait()  # (the test has the record at attempt 1)
+            raise TaskFailed("once", retryable=True)
+        second.set()
+        return await _until_stopped(ended)
+
+    @fast.handler(f"wf:{name}-fast:v1")
+    async def quick(task: Task[Any]) -> Any:
+        await second.wait()
+        return task.payload
+
+    await slow.start()
+    await fast.start()
+    return slow
+
+
 def _hang_create(monkeypatch: pytest.MonkeyPatch, key: str, stalled: asyncio.Event) -> None:
     """The hub's create of the task record ``key`` is never answered (its runner waits until
     it is cancelled): ``stalled`` is set when it is sent."""
@@ -94,22 +145,8 @@ async def test_an_unneeded_step_read_from_a_replica_behind_is_stopped_all_the_sa
     assert engine is not None
     started = asyncio.Event()
     ended: list[str] = []
-    slow = fleet.agent("behind.slow")
-    fast = fleet.agent("behind.fast")
     tag = policy[0]  # (task ids of their own per case)
-
-    @slow.handler("wf:behind-slow:v1")
-    async def wait(task: Task[Any]) -> str:
-        started.set()
-        return await _until_stopped(ended)
-
-    @fast.handler("wf:behind-fast:v1")
-    async def quick(task: Task[Any]) -> Any:
-        await started.wait()  # decided while the slow step runs
-        return task.payload
-
-    await slow.start()
-    await fast.start()
+    slow = await _slow_while_fast(fleet, "behind", started, ended)
     behind = protocol.task_key(ns, f"behind-{tag}-slow")
     real_get = engine._jsc.kv_get
 
@@ -156,24 +193,7 @@ async def test_an_unneeded_step_read_at_an_older_attempt_is_stopped_at_its_curre
     assert engine is not None
     second, snapped = asyncio.Event(), asyncio.Event()
     ended: list[str] = []
-    slow = fleet.agent("older.slow")
-    fast = fleet.agent("older.fast")
-
-    @slow.handler("wf:older-slow:v1")
-    async def wait(task: Task[Any]) -> str:
-        if task.attempt == 1:
-            await snapped.wait()  # (the test has the record at attempt 1)
-            raise TaskFailed("once", retryable=True)
-        second.set()
-        return await _until_stopped(ended)
-
-    @fast.handler("wf:older-fast:v1")
-    async def quick(task: Task[Any]) -> Any:
-        await second.wait()  # decided while attempt 2 of the slow step runs
-        return task.payload
-
-    await slow.start()
-    await fast.start()
+    await _retried_while_fast(fleet, "older", snapped, second, ended)
     key = protocol.task_key(ns, "older-slow")
     first: list[tuple[bytes, int]] = []  # the record at attempt 1, as a replica behind has it
     real_get = engine._jsc.kv_get
@@ -235,24 +255,7 @@ async def test_an_unneeded_step_read_behind_the_hubs_own_write_is_stopped_at_its
     assert engine is not None
     second, snapped = asyncio.Event(), asyncio.Event()
     ended: list[str] = []
-    slow = fleet.agent("own.slow")
-    fast = fleet.agent("own.fast")
-
-    @slow.handler("wf:own-slow:v1")
-    async def wait(task: Task[Any]) -> str:
-        if task.attempt == 1:
-            await snapped.wait()  # (the test has the record at attempt 1)
-            raise TaskFailed("once", retryable=True)
-        second.set()
-        return await _until_stopped(ended)
-
-    @fast.handler("wf:own-fast:v1")
-    async def quick(task: Task[Any]) -> Any:
-        await second.wait()  # decided while attempt 2 of the slow step runs
-        return task.payload
-
-    await slow.start()
-    await fast.start()
+    await _retried_while_fast(fleet, "own", snapped, second, ended)
     key = protocol.task_key(ns, "own-slow")
     first: list[tuple[bytes, int]] = []  # the record at attempt 1, as the replica behind has it
     real_get = engine._jsc.kv_get
@@ -717,22 +720,8 @@ async def test_the_owners_unneeded_branch_is_stopped_with_no_read_of_the_workflo
     assert engine is not None
     started = asyncio.Event()
     ended: list[str] = []
-    slow = fleet.agent("own.slow")
-    fast = fleet.agent("own.fast")
     tag = "n" if named else "f"
-
-    @slow.handler("wf:own-slow:v1")
-    async def wait(task: Task[Any]) -> str:
-        started.set()
-        return await _until_stopped(ended)
-
-    @fast.handler("wf:own-fast:v1")
-    async def quick(task: Task[Any]) -> Any:
-        await started.wait()  # decided while the slow step runs
-        return task.payload
-
-    await slow.start()
-    await fast.start()
+    await _slow_while_fast(fleet, "own", started, ended)
     reads: list[str] = []
     record_now = engine._record_now
 
