@@ -78,6 +78,15 @@ HEDGE_AFTER: Final = 0.25
 #: of them, however many tries it sends, so that one read nobody answers does not take all.
 HEDGES_MAX: Final = 16
 
+#: A publish given to :meth:`JsClient.publish_hedged` not answered within this long is sent
+#: again (and again after each such wait): a stream without a leader drops a publish, and a
+#: leader is mostly back within a second or two of losing one. An ack takes a millisecond or
+#: so; a repeat is stored once (``Nats-Msg-Id``).
+PUBLISH_HEDGE_AFTER: Final = 0.5
+#: JetStream's "duplicate message id is in process": a publish with the same ``Nats-Msg-Id``
+#: is being stored (proposed, not yet committed).
+_IN_PROCESS: Final = 10158
+
 #: What a KV delete or purge leaves behind (the key reads as absent).
 _KV_OPERATION: Final = "KV-Operation"
 
@@ -337,6 +346,66 @@ class JsClient:
         """Publish ``body`` to ``subject`` and wait for the stream's ack: its caller sends it
         again on ``nats.errors.TimeoutError``, which also ends the wait at a reconnection."""
         return _ack(await self._request(subject, body, headers, timeout, publish=True))
+
+    async def publish_hedged(
+        self,
+        subject: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        every: float = PUBLISH_HEDGE_AFTER,
+        timeout: float | None = None,
+    ) -> Ack:
+        """:meth:`publish` of a message with a ``Nats-Msg-Id`` (a repeat is stored once), sent
+        again after each ``every`` seconds without an answer while the earlier tries may still
+        answer; the first ack. A stream without a leader drops a publish rather than answer
+        it: a try sent once a leader is back is stored at once, where a single try would wait
+        out its timeout and may miss a short span with a leader. An answer "duplicate message
+        id is in process" (an earlier try is being stored) waits for the others, as does a try
+        that timed out; the last such error is raised when none is left and time is up. Other
+        errors are the stream's answer: raised at once."""
+        await self._before_request()
+        loop = self._loop
+        now = loop.time()
+        deadline = now + (self._timeout if timeout is None else timeout)
+        next_try = now
+        tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle | None]] = {}
+        failed: BaseException | None = None
+        try:
+            while True:
+                now = loop.time()
+                if now < deadline and now >= next_try:
+                    token, future, timer = self._expect(deadline - now)
+                    tries[future] = (token, timer)
+                    self._publishing[token] = future
+                    await self._nc.publish(
+                        subject, body, reply=self._prefix + token, headers=headers
+                    )
+                    next_try = now + every
+                waiting = [f for f in tries if not f.done()]
+                if waiting or next_try < deadline:
+                    pause = next_try - loop.time() if next_try < deadline else None
+                    await first_done(loop, waiting, pause)
+                for future in [f for f in tries if f.done()]:
+                    token, timer = tries.pop(future)
+                    self._forget(token, timer)
+                    self._publishing.pop(token, None)
+                    try:
+                        return _ack(future.result())
+                    except APIError as err:
+                        if getattr(err, "err_code", None) != _IN_PROCESS:
+                            raise
+                        failed = err
+                    except nats.errors.TimeoutError as err:
+                        failed = err
+                if not tries and max(loop.time(), next_try) >= deadline:
+                    assert failed is not None  # (a try is sent before the deadline)
+                    raise failed
+        finally:
+            for future, (token, timer) in tries.items():
+                self._forget(token, timer)
+                self._publishing.pop(token, None)
+                future.cancel()
 
     async def kv_get(self, bucket: str, key: str) -> tuple[bytes, int] | None:
         """The value and revision of ``key`` (a direct get, answered by any replica; asked

@@ -10,13 +10,13 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 
 from reach_mesh import Client, MeshSettings, MeshTimeoutError, protocol
 from reach_mesh._cli_doctor import STREAMS, Finding, diagnose
@@ -282,57 +282,90 @@ async def test_a_direct_get_is_answered_around_a_frozen_leader(tmp_path: Path) -
     each of four runs. Each read not answered within
     ``HEDGE_AFTER`` is asked again, and again every ``HEDGE_AFTER``: every one is answered
     (with a wait doubling after each try, four tries in 3 s, a CI run lost one)."""
-    nodes = cluster_nodes(tmp_path, name="hedge")
+
+    async def make(js: Any) -> str:
+        kv = await js.create_key_value(
+            KeyValueConfig(bucket="hedge", replicas=3, storage=StorageType.FILE, direct=True)
+        )
+        for i in range(20):
+            await kv.put(f"k{i}", b"%d" % i)
+        return "KV_hedge"
+
+    # A reader on another node; the old leader frozen, until a new one is elected.
+    async with _leader_frozen(tmp_path, "hedge", make) as (js, jsc, frozen):
+        await eventually(
+            lambda: _elected_other_than(js, str(frozen.server_name)), timeout=20, interval=0.2
+        )
+        slowest = 0.0
+        for i in range(300):
+            t = time.monotonic()
+            got = await jsc.kv_get("hedge", f"k{i % 20}")
+            slowest = max(slowest, time.monotonic() - t)
+            assert got is not None and got[0] == b"%d" % (i % 20)
+    assert slowest < 3.0, slowest
+
+
+async def test_a_hedged_publish_is_stored_by_the_leader_elected_after_a_freeze(
+    tmp_path: Path,
+) -> None:
+    """A stream's leader frozen: a publish sent then goes to it alone (the only node with
+    interest in the stream's subjects) and nobody answers. A plain publish waits out its
+    timeout, and its caller's next try may come after the span with a new leader is over
+    (secure chaos seed 183: agents' final statuses missed a 1.3 s span with a leader, and the
+    hub that took their workflows over gave the results up). ``publish_hedged`` sends it again
+    every ``PUBLISH_HEDGE_AFTER``: stored once, by the new leader, as soon as it is elected."""
+
+    async def make(js: Any) -> str:
+        config = StreamConfig(
+            name="HEDGEPUB", subjects=["hedgepub.>"], num_replicas=3, storage=StorageType.FILE
+        )
+        await js.add_stream(config)
+        await js.publish("hedgepub.first", b"1")
+        return "HEDGEPUB"
+
+    async with _leader_frozen(tmp_path, "hedgepub", make) as (js, jsc, _):
+        plain = asyncio.ensure_future(
+            jsc.publish("hedgepub.plain", b"p", {"Nats-Msg-Id": "plain-1"}, timeout=8.0)
+        )
+        ack = await jsc.publish_hedged(
+            "hedgepub.hedged", b"h", {"Nats-Msg-Id": "hedged-1"}, timeout=30.0
+        )
+        assert ack.stream == "HEDGEPUB" and not ack.duplicate
+        with pytest.raises(nats.errors.TimeoutError):
+            await plain
+        # Stored once, however many tries reached the new leader.
+        info = await js.stream_info("HEDGEPUB", subjects_filter="hedgepub.>")
+        assert info.state.subjects == {"hedgepub.first": 1, "hedgepub.hedged": 1}
+        assert jsc._futures == {} and jsc._publishing == {}
+
+
+@contextlib.asynccontextmanager
+async def _leader_frozen(
+    base: Path, name: str, make: Callable[[Any], Awaitable[str]]
+) -> AsyncIterator[tuple[Any, JsClient, EmbeddedNats]]:
+    """A 3-node cluster with the R3 stream ``make`` creates (it returns its name), its leader
+    frozen once both followers are current. Yields JetStream and a ``JsClient`` (3 s) on
+    another node, and the frozen node; thaws it and stops every node after."""
+    nodes = cluster_nodes(base, name=name)
     try:
         for node in nodes:
             node.start()
         urls = [n.url for n in nodes]
         await _js_ready(urls[0])
         nc = await nats.connect(servers=[urls[0]], dont_randomize=True)
-        js = nc.jetstream(timeout=1.0)
         try:
-            kv = await js.create_key_value(
-                KeyValueConfig(bucket="hedge", replicas=3, storage=StorageType.FILE, direct=True)
-            )
-            for i in range(20):
-                await kv.put(f"k{i}", b"%d" % i)
-
-            async def leader() -> str | None:
-                """The stream's leader once both followers are current, else None."""
-                with contextlib.suppress(nats.errors.Error):
-                    info = await js.stream_info("KV_hedge")
-                    followers = [] if info.cluster is None else info.cluster.replicas or []
-                    if len(followers) == 2 and all(r.current for r in followers):
-                        assert info.cluster is not None
-                        return info.cluster.leader
-                return None
-
-            async def elected() -> bool:
-                return bool(await leader())
-
-            await eventually(elected, timeout=10, interval=0.2)
-            (frozen,) = [n for n in nodes if n.server_name == await leader()]
+            frozen = await _settled_leader(nc.jetstream(timeout=1.0), make, nodes)
         finally:
             await nc.close()
         assert frozen.proc is not None
-        # A reader on another node; the old leader frozen, until a new one is elected.
         nc = await nats.connect(
             servers=[next(n.url for n in nodes if n is not frozen)], dont_randomize=True
         )
-        js = nc.jetstream(timeout=1.0)
         jsc = JsClient(nc, timeout=3.0)
         await jsc.start()
         await freeze(frozen.proc.pid, group=True)
         try:
-            await eventually(
-                lambda: _elected_other_than(js, str(frozen.server_name)), timeout=20, interval=0.2
-            )
-            slowest = 0.0
-            for i in range(300):
-                t = time.monotonic()
-                got = await jsc.kv_get("hedge", f"k{i % 20}")
-                slowest = max(slowest, time.monotonic() - t)
-                assert got is not None and got[0] == b"%d" % (i % 20)
+            yield nc.jetstream(timeout=1.0), jsc, frozen
         finally:
             os.killpg(frozen.proc.pid, signal.SIGCONT)
             await jsc.stop()
@@ -340,7 +373,30 @@ async def test_a_direct_get_is_answered_around_a_frozen_leader(tmp_path: Path) -
     finally:
         for node in nodes:
             node.stop()
-    assert slowest < 3.0, slowest
+
+
+async def _settled_leader(
+    js: Any, make: Callable[[Any], Awaitable[str]], nodes: list[EmbeddedNats]
+) -> EmbeddedNats:
+    """The node leading the stream ``make`` creates, once both its followers are current."""
+    stream = await make(js)
+
+    async def leader() -> str | None:
+        with contextlib.suppress(nats.errors.Error):
+            info = await js.stream_info(stream)
+            followers = [] if info.cluster is None else info.cluster.replicas or []
+            if len(followers) == 2 and all(r.current for r in followers):
+                assert info.cluster is not None
+                return str(info.cluster.leader)
+        return None
+
+    async def settled() -> bool:
+        return bool(await leader())
+
+    await eventually(settled, timeout=10, interval=0.2)
+    name = await leader()
+    (node,) = [n for n in nodes if n.server_name == name]
+    return node
 
 
 async def _elected_other_than(js: Any, frozen: str) -> bool:

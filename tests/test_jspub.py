@@ -427,3 +427,62 @@ async def test_hedges_are_capped_and_a_read_nobody_answers_times_out(
         await jsc.stop()
     finally:
         await nc.close()
+
+
+async def _scripted_stream(nc: NATS, subject: str, answers: list[bytes | None]) -> list[str]:
+    """What answers publishes on ``subject`` (no stream serves it), on a real server: the n-th
+    publish is answered ``answers[n]``, or never (a leader frozen or gone) where it is None or
+    past the list. Returns the publishes' reply subjects as they come."""
+    asked: list[str] = []
+
+    async def leader(msg: Msg) -> None:
+        n = len(asked)
+        asked.append(msg.reply)
+        if n < len(answers) and answers[n] is not None:
+            await nc.publish(msg.reply, answers[n] or b"")
+
+    await nc.subscribe(subject, cb=leader)
+    await nc.flush()
+    return asked
+
+
+_IN_PROCESS = (
+    b'{"error":{"code":400,"err_code":10158,"description":"duplicate message id is in process"}}'
+)
+
+
+async def test_a_hedged_publish_is_sent_again_until_one_try_is_stored(nats_url: str) -> None:
+    """Unanswered, it is sent again after ``PUBLISH_HEDGE_AFTER``; "in process" (an earlier try
+    is being stored) is not its answer: the next try's ack is. A stream's own refusal is
+    raised at once; tries nobody answers end at the timeout, with nothing left waiting."""
+    nc = await nats.connect(nats_url)
+    try:
+        ack = b'{"stream":"S","seq":9}'
+        asked = await _scripted_stream(nc, "hedged.once", [None, _IN_PROCESS, ack])
+        jsc = JsClient(nc, timeout=3.0)
+        await jsc.start()
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        got = await jsc.publish_hedged("hedged.once", b"x", {"Nats-Msg-Id": "m1"}, every=0.2)
+        assert got == _jspub.Ack("S", 9, False)
+        assert len(asked) == 3 and len(set(asked)) == 3  # three tries, three reply tokens
+        assert 0.4 <= loop.time() - t < 1.5
+        assert jsc._futures == {} and jsc._publishing == {}
+
+        refusal = b'{"error":{"code":400,"err_code":10060,"description":"expected stream"}}'
+        asked = await _scripted_stream(nc, "hedged.refused", [None, refusal])
+        with pytest.raises(APIError) as refused:
+            await jsc.publish_hedged("hedged.refused", b"x", {"Nats-Msg-Id": "m2"}, every=0.2)
+        assert refused.value.err_code == 10060 and len(asked) == 2
+
+        asked = await _scripted_stream(nc, "hedged.never", [])
+        t = loop.time()
+        with pytest.raises(nats.errors.TimeoutError):
+            await jsc.publish_hedged(
+                "hedged.never", b"x", {"Nats-Msg-Id": "m3"}, every=0.2, timeout=1.0
+            )
+        assert 1.0 <= loop.time() - t < 1.5 and 5 <= len(asked) <= 6
+        assert jsc._futures == {} and jsc._publishing == {}
+        await jsc.stop()
+    finally:
+        await nc.close()

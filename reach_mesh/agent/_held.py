@@ -299,10 +299,13 @@ class HeldSteps:
         # Through a JetStream election (a few seconds) at once, rather than by redelivery:
         # the hub takes the first outcome it hears, so a late one may be a wasted run. The
         # first try goes without ``retrying``'s machinery (it nearly always is the only one).
+        # Hedged: a stream without a leader drops a publish, and the span with a leader
+        # before the next fault may be short (a hub that cannot read this status gives the
+        # attempt up as lost).
         failed: list[BaseException] = []
         deadline = self._loop.time() + _FINAL_RETRY
         try:
-            await jsc.publish(subject, body, out)
+            await jsc.publish_hedged(subject, body, out)
         except Exception as err:
             if not transient(err):
                 failed.append(err)
@@ -311,7 +314,7 @@ class HeldSteps:
                 log.info("%s: %s; retrying", what, describe(err))
                 try:
                     await retrying(
-                        what, functools.partial(jsc.publish, subject, body, out), deadline
+                        what, functools.partial(jsc.publish_hedged, subject, body, out), deadline
                     )
                 except Exception as again:
                     failed.append(
