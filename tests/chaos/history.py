@@ -613,8 +613,12 @@ def read_runs(paths: Iterable[Path]) -> list[Run]:
     return list(runs.values())
 
 
-#: An agent's line when it gave up storing a step's final status (reach_mesh/agent/_held.py).
-_UNSTORED = re.compile(r"final status of (\S+) not stored: (\w+)\(")
+#: An agent's line when it gave up storing a step's final status (reach_mesh/agent/_held.py):
+#: the error's class, then what the server said.
+_UNSTORED = re.compile(r"final status of (\S+) not stored: (\w+)\((.*)")
+#: JetStream's 10158 (nats-py raises a bare ``APIError``): a try with the same ``Nats-Msg-Id``
+#: was proposed and not committed — on a leader cut off from its quorum, not stored.
+_IN_PROCESS = "duplicate message id is in process"
 
 
 def read_unstored(paths: Iterable[Path]) -> dict[tuple[str, str], list[float]]:
@@ -623,7 +627,7 @@ def read_unstored(paths: Iterable[Path]) -> dict[tuple[str, str], list[float]]:
     out: dict[tuple[str, str], list[float]] = defaultdict(list)
     for agent_id, msg, t in _log_lines(paths):
         m = _UNSTORED.match(msg)
-        if m is not None and m.group(2) in UNSTORED_ERRORS:
+        if m is not None and (m.group(2) in UNSTORED_ERRORS or _IN_PROCESS in m.group(3)):
             out[(agent_id, m.group(1))].append(t)
     return dict(out)
 

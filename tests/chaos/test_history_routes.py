@@ -348,7 +348,8 @@ def test_a_result_not_stored_when_its_agent_was_cut_off_explains_the_next_run() 
 
 def test_an_agents_unstored_final_statuses_are_read_from_its_log(tmp_path: Path) -> None:
     """The agent's process log (``<agent id>.log``, JSON lines) says when it gave up storing a
-    final status: only for JetStream's errors (no answer, no stream, unavailable)."""
+    final status: only for JetStream's errors (no answer, no stream, unavailable, a try
+    proposed on a leader cut off from its quorum: "in process")."""
     lines = [
         {
             "ts": "2026-12-06T01:37:38.232Z",
@@ -359,11 +360,19 @@ def test_an_agents_unstored_final_statuses_are_read_from_its_log(tmp_path: Path)
             "msg": "final status of t-3 not stored: ValueError('x')",
         },
         {"ts": "2026-12-06T01:37:40.000Z", "msg": "heartbeat of a failed: TimeoutError()"},
+        {
+            "ts": "2026-12-06T01:37:41.000Z",
+            "msg": "final status of t-4 not stored: APIError() duplicate message id is in process",
+        },
+        {
+            "ts": "2026-12-06T01:37:42.000Z",
+            "msg": "final status of t-5 not stored: APIError() insufficient resources",
+        },
     ]
     text = "\n".join(json.dumps(x) for x in lines) + "\n{torn"
     (tmp_path / "ns.a.a1.log").write_text(text)
     got = read_unstored([tmp_path / "ns.a.a1.log", tmp_path / "ns.a.a2.log"])
-    assert got == {("ns.a.a1", "t-2"): [1796521058.232]}
+    assert got == {("ns.a.a1", "t-2"): [1796521058.232], ("ns.a.a1", "t-4"): [1796521061.0]}
 
 
 def test_a_partitions_cut_off_clients_are_read_back(tmp_path: Path) -> None:
