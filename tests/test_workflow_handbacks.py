@@ -7,6 +7,7 @@ the variant, the ``nak`` lost while the message stays stored and no hub pulls it
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -204,3 +205,46 @@ async def test_a_delivery_of_an_adopted_submission_stops_the_adopted_run(
             return (await js.stream_info(protocol.STREAM_WF)).state.messages == 0
 
         await eventually(stream_empty, timeout=5)  # the delivered run acked it
+
+
+async def test_a_hand_back_delivered_again_is_not_adopted_before_its_run_takes_it(
+    one_hub: tuple[MeshSettings, Hub, Fleet], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hub handed a workflow back and the consumer delivered it again: a run of it is on
+    the hub, though not yet in ``_owning`` (its compare-and-set not made yet). The hand-back
+    check must leave it to that run, not adopt a second run of the same workflow."""
+    s, hub, fleet = one_hub
+    engine = hub.workflows
+    assert engine is not None
+    go = asyncio.Event()
+    delivered: list[int] = []
+
+    async def quick(msg: Msg, nak: Callable[..., Awaitable[None]], delay: float | None) -> None:
+        await nak(delay=0.1)
+
+    handed = _hand_back_once(engine, monkeypatch, quick)
+    own = engine._own
+
+    async def held_again(msg: Msg) -> None:
+        if handed and not isinstance(msg, _Adopted):
+            delivered.append(msg.metadata.sequence.stream)
+            await go.wait()  # delivered again, its run not started yet
+        await own(msg)
+
+    monkeypatch.setattr(engine, "_own", held_again)
+    async with Client(settings=s) as mesh:
+        wf_id = await mesh.submit_chain([Step(capability=_CAP, payload=7)], timeout=60)
+        await eventually(lambda: delivered == handed and bool(handed), timeout=10)
+        key = (s.namespace, wf_id)
+        wf, _ = engine._handed[key]
+        # Old enough to be adopted (past the delivery it waits for, not yet forgotten).
+        since = asyncio.get_running_loop().time() - (1.5 + 2 * s.workflow_ack_wait)
+        engine._handed[key] = (wf, since)
+        await engine._check_hand_backs()
+        assert engine.orphans_adopted == 0 and not engine._adopting
+        assert key not in engine._handed  # left to the delivered run
+        go.set()
+        res = await mesh.workflow(wf_id, timeout=20)
+        assert res.state is TaskState.SUCCEEDED, res
+        assert sum(fleet.runs.values()) == 1
+        assert engine.orphans_adopted == 0

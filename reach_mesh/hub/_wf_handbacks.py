@@ -53,6 +53,8 @@ class HandBacks(OrphanSweep):
     _handed: dict[tuple[str, str], tuple[Workflow, float]]
     #: Workflows adopted from a hand-back (warned once each), and when.
     _readopted: dict[tuple[str, str], float]
+    #: Runs of submissions delivered to this hub, by stream sequence (``WorkflowEngine``).
+    _runs_by_seq: dict[int, asyncio.Task[None]]
     _rechecking: asyncio.Future[None] | None
 
     if TYPE_CHECKING:
@@ -88,7 +90,11 @@ class HandBacks(OrphanSweep):
             log.debug("handed-back workflows: %r", err)
 
     def _running_here(self, wf: Workflow) -> bool:
-        return (wf.ns, wf.id) in self._owning or (wf.seq or 0) in self._adopting
+        """Whether a run of ``wf`` is on this hub: one that owns it, one adopting it, or one
+        its submission was delivered to again (before that run's compare-and-set puts it in
+        ``_owning``; adopted then, the two runs would take it from each other)."""
+        seq = wf.seq or 0
+        return (wf.ns, wf.id) in self._owning or seq in self._adopting or seq in self._runs_by_seq
 
     async def _check_hand_backs(self) -> None:
         """One pass (see the module): forget or adopt each hand-back old enough."""
