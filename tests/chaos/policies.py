@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from reach_mesh.errors import WorkflowSpecError
 from reach_mesh.workflow import parse_policy
 
 if TYPE_CHECKING:
@@ -149,13 +150,20 @@ def check_policy(
             out.problems.append(
                 ("unneeded", f"{result.get('state')} with error {error!r:.100}, not a step's")
             )
-    # When the policy decided: the last of the deciding outcomes, as the hub applied it (the
-    # step's ``finished_at``), else its handler's end (a ``late`` handler — one that ignored
-    # its cancellation — ends long after its TIMEOUT decided).
-    ends: list[float] = []
+    # When the policy decided: the outcome that met it (the ``k``-th success of a SUCCEEDED
+    # result) or put it out of reach (the failure that left fewer than ``k`` steps able to
+    # succeed), as the hub applied it (the step's ``finished_at``), else its handler's end (a
+    # ``late`` handler — one that ignored its cancellation — ends long after its TIMEOUT
+    # decided). Not the last of every decided step: a branch that ran on to its outcome
+    # through its stop (a swallowed cancellation) is kept, and may end long after the
+    # decision (chaos secure seed 184, ``node_stop``, chaos-184-00972: an ``any`` fanout met
+    # by step 0 at 620.04; step 2 ran on to 643.0, and step 1's failure at 642.1 was taken
+    # for one ended before the decision).
+    ends: list[tuple[float, bool]] = []  # (end, succeeded)
     for s in decided:
+        ok = s.get("state") == "SUCCEEDED"
         if s.get("finished_at") is not None:
-            ends.append(float(s["finished_at"]))
+            ends.append((float(s["finished_at"]), ok))
             continue
         deciding = [
             r.end
@@ -165,8 +173,8 @@ def check_policy(
             and r.outcome in ("ok", "failed", "cancelled")
         ]
         if deciding:
-            ends.append(min(deciding))
-    decided_at = max(ends, default=None)
+            ends.append((min(deciding), ok))
+    decided_at = _decided_at(result, len(steps), ends)
     finished_at = result.get("finished_at")
     for s in steps:
         if not s.get("cancelled"):
@@ -196,6 +204,26 @@ def check_policy(
                 )
                 break
     return out
+
+
+def _decided_at(
+    result: Mapping[str, Any], branches: int, ends: Sequence[tuple[float, bool]]
+) -> float | None:
+    """When a policy fanout's policy was met or put out of reach, from its decided steps'
+    ``(end, succeeded)``: the ``k``-th success of a SUCCEEDED result, else the failure that
+    left fewer than ``k`` steps able to succeed; the last end when they do not say (steps
+    stopped by an earlier owner count as failures there, and are not among ``ends``)."""
+    try:
+        k = need(str(result.get("policy")), branches)
+    except WorkflowSpecError:
+        k = None
+    wins = sorted(end for end, ok in ends if ok)
+    losses = sorted(end for end, ok in ends if not ok)
+    if k is not None and result.get("state") == "SUCCEEDED" and len(wins) >= k >= 1:
+        return wins[k - 1]
+    if k is not None and result.get("state") != "SUCCEEDED" and len(losses) > branches - k >= 0:
+        return losses[branches - k]
+    return max((end for end, _ in ends), default=None)
 
 
 _CANCELLED = "REACH_WORKFLOW_CANCELLED"

@@ -136,3 +136,33 @@ def test_a_step_stopped_as_unneeded_reports_every_attempt_that_ran() -> None:
     rep = check(h)
     assert rep.unneeded_as_failure == 1 and not rep.ok, rep.table()
     assert "attempt 1 ran" in rep.violations[0].detail
+
+
+def test_a_branch_that_ran_on_past_the_decision_does_not_move_it() -> None:
+    """An ``any`` fanout met by step 0 (at 1.15); step 2's branch ran on through its stop (a
+    swallowed cancellation) to a SUCCEEDED kept at 9.0, and step 1's handler failed at 8.0,
+    long after the decision: not a needed result thrown away (chaos secure seed 184,
+    ``node_stop``, chaos-184-00972: decided at 620.04, step 2 ran on to 643.0, step 1's
+    failure at 642.1 was counted as needed)."""
+    h = policy_history(states=("SUCCEEDED", "PENDING", "SUCCEEDED"))
+    h.records[WF]["result"]["steps"][2]["finished_at"] = 9.0
+    h.runs += [run(1, "ns.a.a2", 7.9, outcome="failed"), run(2, "ns.a.a3", 8.5)]
+    h.runs[-2].end = 8.0
+    h.runs[-1].end = 9.0
+    rep = check(h)
+    assert rep.needed_not_kept == 0 and rep.ok, rep.table()
+    # A failure that had ended before the success that met the policy was needed (its step
+    # must say FAILED, not stopped).
+    h.runs[-2].start, h.runs[-2].end = 0.5, 0.6
+    rep = check(h)
+    assert rep.needed_not_kept == 1 and not rep.ok, rep.table()
+
+
+def test_a_quorum_is_decided_by_its_kth_success() -> None:
+    """quorum(2): steps 0 and 2 succeeded (1.15, 3.15), step 1 stopped; step 1's success at
+    2.0 came before the quorum was met at 3.15: needed, thrown away."""
+    h = policy_history(policy="quorum(2)", states=("SUCCEEDED", "PENDING", "SUCCEEDED"))
+    h.expected[WF] = Expected("fanout", "SUCCEEDED", policy="quorum(2)", values=VALUES)
+    h.runs += [run(1, "ns.a.a2", 1.9), run(2, "ns.a.a3", 3.0)]
+    h.runs[-2].end = 2.0
+    assert check(h).needed_not_kept == 1
