@@ -162,18 +162,23 @@ def check_policy(
     ends: list[tuple[float, bool]] = []  # (end, succeeded)
     for s in decided:
         ok = s.get("state") == "SUCCEEDED"
-        if s.get("finished_at") is not None:
-            ends.append((float(s["finished_at"]), ok))
-            continue
+        # The earlier of the two: a run that took the workflow over applies an outcome
+        # stored long before (``finished_at`` is when it did), and another run may have
+        # decided on it then (chaos secure seed 184, ``partition``: chaos-184-00716's kept
+        # success ended at 077.88, applied by the last owner at 079.84). A ``late`` handler's
+        # end is after its TIMEOUT, as ``finished_at`` is: the earlier is the closer. (A
+        # handler's end precedes its outcome's store: an outcome stored late, after another
+        # step's that ended later, is not told apart here.)
         deciding = [
             r.end
             for r in by_step.get(int(s.get("index", -1)), ())
             if r.attempt == s.get("decided_by")
             and r.end is not None
-            and r.outcome in ("ok", "failed", "cancelled")
+            and r.outcome in ("ok", "failed", "cancelled", "late")
         ]
-        if deciding:
-            ends.append((min(deciding), ok))
+        applied = [float(s["finished_at"])] if s.get("finished_at") is not None else []
+        if deciding or applied:
+            ends.append((min(applied + deciding), ok))
     decided_at = _decided_at(result, len(steps), ends)
     finished_at = result.get("finished_at")
     for s in steps:

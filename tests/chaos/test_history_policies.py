@@ -166,3 +166,19 @@ def test_a_quorum_is_decided_by_its_kth_success() -> None:
     h.runs += [run(1, "ns.a.a2", 1.9), run(2, "ns.a.a3", 3.0)]
     h.runs[-2].end = 2.0
     assert check(h).needed_not_kept == 1
+
+
+def test_an_outcome_applied_late_by_a_takeover_decided_when_it_ended() -> None:
+    """An ``any`` fanout whose kept success (step 0, its run ended at 1.1) was applied at 4.0
+    by the run that took the workflow over last (its ``finished_at``); step 1's success at
+    1.6 came after the one that met the policy: not needed (chaos secure seed 184,
+    ``partition``, chaos-184-00716: the kept success ended at 077.88, applied at 079.84, and
+    the stopped one ended at 078.21)."""
+    h = policy_history()
+    h.records[WF]["result"]["steps"][0]["finished_at"] = 4.0
+    h.runs.append(run(1, "ns.a.a2", 1.5))
+    rep = check(h)
+    assert rep.needed_not_kept == 0 and rep.ok, rep.table()
+    # Ended before the kept one did, it was the first success: needed.
+    h.runs[-1].start, h.runs[-1].end = 0.5, 0.6
+    assert check(h).needed_not_kept == 1
