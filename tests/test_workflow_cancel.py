@@ -785,3 +785,59 @@ async def test_a_step_a_stale_hub_starts_while_the_cancel_fences_it_is_fenced_on
         fenced = TaskRecord.model_validate_json(entry.value)
         assert (fenced.attempt, fenced.agent_id) == (1, "stale.agent")  # the stale hub's, kept
     assert held.finished == 0
+
+
+async def test_a_chain_step_that_ran_on_through_its_cancel_is_stopped_all_the_same(
+    fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's running step is interrupted by a cancel in an await that swallows it (Python
+    3.11's ``wait_for`` under nats-py's requests, with no outcome in hand): it does not watch
+    its attempt on to its end (8 s) nor send another — it stops there, as a fanout's branch
+    does (``Workflow.halted``; chaos secure seed 184's fanout, ``node_stop``). It ran on
+    until its workflow's submission, no longer kept in progress for a task cancelling, was
+    delivered again (``workflow_ack_wait``: 5 s here) and the cancel finished from there."""
+    loop = asyncio.get_running_loop()
+    started = asyncio.Event()
+    stopped: list[float] = []
+    swallowed: list[float] = []
+    agent = fleet.agent("ranon.a1")
+
+    @agent.handler("wf:ranon:v1")
+    async def work(task: Task[Any]) -> str:
+        started.set()
+        try:
+            await asyncio.sleep(8)
+        except asyncio.CancelledError:
+            stopped.append(loop.time())
+            raise
+        return "late"
+
+    slow_ack = wf_settings.model_copy(update={"workflow_ack_wait": 5.0})
+    async with Hub(settings=slow_ack) as hub, Client(settings=wf_settings) as mesh:
+        await agent.start()
+        engine = hub.workflows
+        assert engine is not None
+        real_watch = engine._watch
+
+        async def held(track: Any, pol: Any, deadline: float) -> Any:
+            if not swallowed:
+                try:
+                    await asyncio.Event().wait()  # a read the cancel interrupts
+                except asyncio.CancelledError:
+                    swallowed.append(loop.time())  # swallowed, no outcome in hand
+            return await real_watch(track, pol, deadline)
+
+        monkeypatch.setattr(engine, "_watch", held)
+        wf_id = await mesh.submit_chain(
+            [Step(capability="wf:ranon:v1", task_id="ranon-chain-0", timeout=10)], timeout=30
+        )
+        await asyncio.wait_for(started.wait(), 5)
+        answer = await mesh.cancel_workflow(wf_id, timeout=10)
+        answered_at = loop.time()
+        assert swallowed, "the cancel never reached the step"
+        assert answered_at - swallowed[0] < 2.0, f"answered {answered_at - swallowed[0]:.2f}s"
+        assert answer.final and answer.cancelled and answer.state is TaskState.FAILED, answer
+        assert answer.result is not None and answer.result.steps[0].cancelled, answer.result
+        await eventually(lambda: bool(stopped), timeout=3)
+        rec = await task_record(hub.nc, wf_settings.namespace, "ranon-chain-0")
+        assert rec is not None and rec.cancelled and rec.attempt == 1, rec

@@ -140,6 +140,10 @@ class Workflow:
     #: The result is the cancel's (its final record keeps ``cancel``: how a cancel's answer
     #: tells it from a step's error of the same code).
     cancel_won: bool = False
+    #: The fanout cancelled the branches it had not seen end (its policy met, a cancel, an
+    #: error): one that runs on through its cancellation (an await in it swallowed it) starts
+    #: nothing more (:meth:`halted`).
+    branches_stopped: bool = False
 
     def stopper(self) -> asyncio.Future[ErrorBody]:
         """The future a cancel sets (:attr:`stop`), made on first use."""
@@ -168,6 +172,16 @@ class Workflow:
         self.interrupted = False
         task = asyncio.current_task()
         return task is not None and task.uncancel() == 0
+
+    def halted(self) -> bool:
+        """Whether the step that asks was stopped — a fanout's branch its fanout no longer
+        waits for (``branches_stopped``), a chain's step a cancel interrupted — and runs on
+        only because an await in it swallowed the cancellation (Python 3.11's ``wait_for``,
+        under nats-py's requests, returns a result that came with the cancel). Such a step
+        records and sends no new attempt and watches none on (``StepRunner._step``, ``_watch``):
+        it ends as cancelled, and its shape stops it as any other. An outcome it has in hand
+        still decides it (``WorkflowShapes._fanout``'s ``ran_on``)."""
+        return self.branches_stopped or self.interrupted
 
     def first_agent(self, index: int) -> str | None:
         """The agent the workflow record names for step ``index``'s attempt 1, if any."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -131,6 +132,8 @@ class StepTrack:
     #: The attempt this hub sent as its agent's half-open probe (0: none): only its final
     #: status is the probe's verdict (``StatusTracker._probe_verdict``).
     probe: int = 0
+    #: Whether the step was stopped while it runs on (``Workflow.halted``): its watch ends.
+    halted: Callable[[], bool] | None = None
 
     @property
     def final(self) -> TaskStatusEvent | None:

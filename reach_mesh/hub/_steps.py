@@ -11,6 +11,7 @@ Infrastructure errors are retried (:class:`~reach_mesh.hub._step_io.StepIO`, its
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Final, Literal
 
@@ -58,6 +59,16 @@ __all__ = ["NotOwnerError", "Outcome", "StepRunner", "Workflow"]
 def _floor(value: float | None, floor: float) -> float | None:
     """``value`` raised to ``floor``; None stays None (the hub's setting applies)."""
     return None if value is None else max(value, floor)
+
+
+def _halt(wf: Workflow) -> None:
+    """End a step that was stopped but runs on (``Workflow.halted``: an await in it swallowed
+    the cancellation) as cancelled, before it records or sends anything new: its shape stops
+    it as it stops any other (a fanout's branch that went on recording and sending attempts
+    for 23 s held the fanout's result and its other stops up — chaos secure seed 184,
+    ``node_stop``, chaos-184-00972)."""
+    if wf.halted():
+        raise asyncio.CancelledError(f"workflow {wf.id}: the step was stopped")
 
 
 def _same_write(stored: TaskRecord, written: TaskRecord) -> bool:
@@ -193,6 +204,7 @@ class StepRunner(StepIO):
             attributes={"reach.task_id": task_id, "reach.step": index},
         ) as sp:
             track = self._tracker.open(rec, key, sp)
+            track.halted = wf.halted
             decided: int | None = None
             try:
                 outcome: tuple[Outcome, TaskStatusEvent | None] | None = None
@@ -204,6 +216,7 @@ class StepRunner(StepIO):
                     rec.attempt, rec.agent_id, rec.history = 0, None, []
                 elif fresh and view is not None:
                     track.view = view
+                    _halt(wf)
                     outcome = await self._attempt(
                         wf, index, step, rec, capability, payload, track, pol, deadline
                     )
@@ -226,6 +239,7 @@ class StepRunner(StepIO):
                         self._tracker.readopt(track)
                         outcome = await self._watch(track, pol, deadline)
                     if outcome is None:
+                        _halt(wf)  # (an outcome in hand still decides it, above)
                         if loop.time() >= deadline and track.sent:
                             # (An attempt given up on may have ended meanwhile, unheard.)
                             await self._tracker.catch_up(track)
@@ -248,6 +262,9 @@ class StepRunner(StepIO):
                         if view is None:
                             outcome = ("nomatch", None)
                         else:
+                            if wf.halted():  # (stopped while its agent was chosen)
+                                view.outstanding = max(0, view.outstanding - 1)
+                                _halt(wf)
                             rec.attempt = max(rec.attempt, 1)
                             rec.agent_id = view.agent_id
                             rec.state = TaskState.PENDING
@@ -262,6 +279,7 @@ class StepRunner(StepIO):
                                 view.outstanding = max(0, view.outstanding - 1)
                                 raise
                             self._tracker.dispatch(track, rec.attempt, view)
+                            _halt(wf)  # (stopped while its record was written: not sent)
                             if rec.attempt > 1:
                                 self.retry_total += 1
                                 if self._metrics is not None:
@@ -318,6 +336,7 @@ class StepRunner(StepIO):
                         else:
                             delay = pol.pending_interval
                             exclude.clear()  # slow phase: any suitable agent again
+                    _halt(wf)
                     if rec.agent_id is not None or track.agent_id is not None:
                         # Fence first: record the next attempt (no agent yet) before waiting,
                         # so the attempt we gave up on is dropped unrun if it turns up. Also
@@ -655,6 +674,9 @@ class StepRunner(StepIO):
         while True:
             if track.final is not None:
                 return "final", track.final
+            if track.halted is not None and track.halted():
+                # Stopped while it runs on (``_halt``): not watched on to an outcome.
+                raise asyncio.CancelledError(f"{track.task_id}: the step was stopped")
             lost = track.lost
             if not lost:
                 now = loop.time()
