@@ -36,6 +36,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 from nats.js.api import ClusterInfo
 from nats.js.errors import (
     APIError,
@@ -50,7 +51,16 @@ from reach_mesh._nats import Reconnects, reconnects_of
 from reach_mesh._retry import no_message
 from reach_mesh.errors import MeshUnavailableError
 
-__all__ = ["Ack", "JsClient", "first_done", "kv_marker", "kv_stream", "kv_subject"]
+__all__ = [
+    "Ack",
+    "JsClient",
+    "entry_at_leader",
+    "entry_at_quorate_leader",
+    "first_done",
+    "kv_marker",
+    "kv_stream",
+    "kv_subject",
+]
 
 log = logging.getLogger("reach_mesh.jspub")
 
@@ -439,16 +449,7 @@ class JsClient:
         lag behind a write, so what a compare-and-set on ``key`` is decided by. None when there
         is no message. A "not found" of the stream itself (being recovered: it knows nothing,
         and "no such key" would be a wrong answer) propagates."""
-        try:
-            raw = await self._js.get_last_msg(kv_stream(bucket), kv_subject(bucket, key))
-        except NotFoundError as err:
-            if not no_message(err):
-                raise
-            return None
-        marker = kv_marker(raw.headers)
-        if not raw.data and not marker:
-            return None
-        return raw.data or b"", int(raw.seq or 0), marker
+        return await entry_at_leader(self._js, bucket, key)
 
     async def replicas_caught_up(self, bucket: str, *, heard_within: float) -> None:
         """Return once the stream's leader says every replica that may answer a direct get
@@ -546,10 +547,44 @@ async def first_done(
             future.remove_done_callback(wake)
 
 
-def _not_caught_up(cluster: ClusterInfo, heard_within: float) -> str | None:
-    """Why a direct get on the stream of ``cluster`` (its leader's ``STREAM.INFO``) may be
-    answered by a replica behind its leader, or None (see ``JsClient.replicas_caught_up``).
-    An offline replica answers nothing (a node down for good must not stop every read)."""
+async def entry_at_leader(
+    js: JetStreamContext, bucket: str, key: str
+) -> tuple[bytes, int, bool] | None:
+    """``JsClient.kv_entry_at_leader``, on any JetStream context: ``STREAM.MSG.GET`` of the
+    last message on ``key``'s subject, which only the stream's leader answers."""
+    try:
+        raw = await js.get_last_msg(kv_stream(bucket), kv_subject(bucket, key))
+    except NotFoundError as err:
+        if not no_message(err):
+            raise
+        return None
+    marker = kv_marker(raw.headers)
+    if not raw.data and not marker:
+        return None
+    return raw.data or b"", int(raw.seq or 0), marker
+
+
+async def entry_at_quorate_leader(
+    js: JetStreamContext, bucket: str, key: str, *, heard_within: float
+) -> tuple[bytes, int, bool] | None:
+    """What :func:`entry_at_leader` reads, once the stream's leader (its ``STREAM.INFO``) says
+    it heard from a quorum of its replicas within ``heard_within`` s — not one cut off from
+    them, which keeps leading, and answering, for some ten seconds while the others may elect
+    another and write past it. A replica behind is no matter: the leader answers. Raises
+    ``MeshUnavailableError`` (or what JetStream raised) otherwise."""
+    stream = kv_stream(bucket)
+    info = await js.stream_info(stream)
+    cluster = info.cluster
+    unheard = _not_quorate(cluster, heard_within) if cluster is not None else None
+    if unheard is not None:
+        raise MeshUnavailableError(f"{stream}: {unheard}")
+    return await entry_at_leader(js, bucket, key)
+
+
+def _not_quorate(cluster: ClusterInfo, heard_within: float) -> str | None:
+    """Why the leader of ``cluster`` (its ``STREAM.INFO``) may not be the stream's leader for
+    the others — none, or one that did not hear from a quorum of its replicas within
+    ``heard_within`` s — or None."""
     if not cluster.leader:
         return "no leader"
     peers = cluster.replicas or []
@@ -560,6 +595,17 @@ def _not_caught_up(cluster: ClusterInfo, heard_within: float) -> str | None:
     ]
     if len(heard) < (len(peers) + 1) // 2:  # with the leader, a majority of the replicas
         return f"its leader {cluster.leader} did not hear from a quorum within {heard_within:g} s"
+    return None
+
+
+def _not_caught_up(cluster: ClusterInfo, heard_within: float) -> str | None:
+    """Why a direct get on the stream of ``cluster`` (its leader's ``STREAM.INFO``) may be
+    answered by a replica behind its leader, or None (see ``JsClient.replicas_caught_up``).
+    An offline replica answers nothing (a node down for good must not stop every read)."""
+    unheard = _not_quorate(cluster, heard_within)
+    if unheard is not None:
+        return unheard
+    peers = cluster.replicas or []
     # ("Current": its log holds every entry the leader applied; new ones may be in flight.)
     behind = [str(p.name) for p in peers if not p.offline and not p.current]
     if behind:

@@ -32,6 +32,8 @@ __all__ = [
     "Heartbeat",
     "HeartbeatRecord",
     "HeartbeatReply",
+    "RecordReply",
+    "RecordRequest",
     "RegisterReply",
     "RegisterRequest",
     "RouteDecision",
@@ -447,6 +449,30 @@ class TaskEnvelope(_Wire):
         # It keys the agent's idempotency cache and names a status subject: a direct-mode
         # caller must not key it with a megabyte (or a subject wildcard).
         return validate_task_id(v)
+
+
+class RecordRequest(_Wire):
+    """agent → a hub on ``reach.hub.<ns>.record.<service>.<instance>``: read the task record
+    of ``task_id`` in the agent's namespace (the subject's) at the records' stream leader."""
+
+    task_id: str = Field(json_schema_extra=TASK_ID_SCHEMA)
+
+    @field_validator("task_id")
+    @classmethod
+    def _task_id(cls, v: str) -> str:
+        return validate_task_id(v)
+
+
+class RecordReply(_Wire):
+    """The answer to a ``RecordRequest``: the record as the stream's leader has it."""
+
+    task_id: str
+    #: The stream sequence of the key's last message (a delete or purge marker's too); 0 when
+    #: the key never had one.
+    revision: int = Field(default=0, ge=0)
+    #: The stored value, a ``TaskRecord`` as JSON; null when the key is absent (no message,
+    #: or a delete or purge marker) or its value is not a JSON object.
+    record: dict[str, Any] | None = None
 
 
 class TaskReply(_Wire):

@@ -237,13 +237,14 @@ def hub_subject(namespace: str, verb: str) -> str:
 
 
 #: The verbs an agent sends about itself, on subjects that name it (``hub_agent_subject``).
-AGENT_VERBS: Final = ("register", "heartbeat", "unregister")
+AGENT_VERBS: Final = ("register", "heartbeat", "unregister", "record")
 
 
 def hub_agent_subject(agent_id: str, verb: str) -> str:
-    """``reach.hub.<ns>.<verb>.<service>.<instance>`` — an agent's register, heartbeat and
-    unregister requests, on a subject that carries its id so that NATS permissions can allow an
-    agent these verbs for its own id only. ``agent_id`` may be ``*.*.*`` (subscriptions)."""
+    """``reach.hub.<ns>.<verb>.<service>.<instance>`` — an agent's register, heartbeat,
+    unregister and record (a leader read of one of its namespace's task records) requests, on
+    a subject that carries its id so that NATS permissions can allow an agent these verbs for
+    its own id only. ``agent_id`` may be ``*.*.*`` (subscriptions)."""
     ns, service, instance = agent_id.split(".")
     return f"reach.hub.{ns}.{verb}.{service}.{instance}"
 

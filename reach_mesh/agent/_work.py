@@ -51,6 +51,7 @@ from reach_mesh._jspub import JsClient
 from reach_mesh._retry import describe
 from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, superseded
 from reach_mesh.agent._held import HeldSteps, _Held
+from reach_mesh.agent._leader_read import LeaderReads
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
@@ -102,6 +103,8 @@ class WorkConsumer(HeldSteps):
         self._saying: dict[str, asyncio.Future[None]] = {}
         #: Promises never to start an attempt, what arrived behind each message, stalls.
         self.fences = Fences(agent)
+        #: Wary reads whose replica check failed, read at the leader through a hub instead.
+        self.leader_reads = LeaderReads(agent)
         self._ticker: asyncio.Task[None] | None = None
         self._retry: asyncio.Task[None] | None = None
         #: Duplicate deliveries of an attempt this agent already had (not run again).
@@ -603,7 +606,8 @@ class WorkConsumer(HeldSteps):
         in, the replica next to it maybe behind the fences the hubs wrote meanwhile) only once
         the records' stream leader says every replica has caught up with it
         (``JsClient.replicas_caught_up``, one check at a time for all of them:
-        ``_replicas_checked``; it is no longer wary then); else it raises."""
+        ``_replicas_checked``; it is no longer wary then); else as the leader has it, read
+        by a hub (``LeaderReads``: the agent stays wary), or it raises when no hub answers."""
         if self._tasks_kv is None or self._jsc is None or env.workflow_id is None:
             return None
         self.fence_reads += 1
@@ -611,7 +615,11 @@ class WorkConsumer(HeldSteps):
         key = protocol.task_key(env.namespace, env.task_id)
         if not agent.wary():
             return stored_record(TaskRecord, await self._jsc.kv_get(protocol.KV_TASKS, key))
-        asked_at = await self._replicas_checked()
+        try:
+            asked_at = await self._replicas_checked()
+        except Exception as check:
+            return await self.leader_reads.read(self._jsc, env, check)
+        self.leader_reads.passed()
         entry = await self._jsc.kv_entry(protocol.KV_TASKS, key)
         agent.caught_up(asked_at)  # (the next steps read as usual)
         return stored_record(TaskRecord, None if entry is None or entry[2] else entry[:2])

@@ -53,6 +53,7 @@ from reach_mesh.errors import (
 from reach_mesh.hub._control import VIEW_RATE, ControlMixin
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._pins import TaskPins
+from reach_mesh.hub._record_read import RecordReadMixin
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._routing import RoutingMixin
 from reach_mesh.hub.audit import AuditLog, Repeats
@@ -95,7 +96,7 @@ class HubState(enum.Enum):
 Handler = Callable[[Msg, str], Awaitable[bytes | None]]
 
 
-class Hub(RoutingMixin, ControlMixin):
+class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
     """One hub instance. ``async with Hub(url) as hub:`` serves until the block exits."""
 
     def __init__(
@@ -165,6 +166,7 @@ class Hub(RoutingMixin, ControlMixin):
         self._workflow_view_throttle = Throttle(VIEW_RATE, 2 * VIEW_RATE)
         self._views_running = {False: 0, True: 0}
         self._cancels_running = {False: 0, True: 0}
+        self._record_reads = 0
         self._cancel_repeats = Repeats()
         self._owner_lines = LineBudget(60.0)
         self._pinging: set[str] = set()
@@ -355,6 +357,7 @@ class Hub(RoutingMixin, ControlMixin):
             (protocol.hub_agent_subject("*.*.*", "register"), self._on_register),
             (protocol.hub_agent_subject("*.*.*", "heartbeat"), self._on_heartbeat),
             (protocol.hub_agent_subject("*.*.*", "unregister"), self._on_unregister),
+            (protocol.hub_agent_subject("*.*.*", "record"), self._on_record),
             (protocol.hub_subject("*", "agents"), self._on_agents),
             (protocol.hub_subject("*", "admin"), self._on_admin),
             (protocol.hub_subject("*", "workflow"), self._on_workflow),

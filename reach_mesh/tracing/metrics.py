@@ -351,6 +351,16 @@ class HubMetrics:
             "Heartbeats received.",
             registry=r,
         )
+        self.record_reads_total = Counter(
+            "reach_record_reads",
+            "Task records read at their stream's leader for wary agents (verb record), by "
+            "outcome: found, absent, unavailable (JetStream did not answer, or its leader had "
+            "no quorum lately), refused (bad input, or this hub busy).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("found", "absent", "unavailable", "refused"):
+            self.record_reads_total.labels(outcome)
         self.http_refused_total = Counter(
             "reach_http_refused",
             "HTTP requests refused before their handler ran, by error code "

@@ -1,0 +1,246 @@
+"""A wary agent whose replica check fails reads its step's record at the stream's leader
+through a hub (agent verb ``record``), on real nats-servers.
+
+Chaos secure seed 184, ``node_stop``: a node thawed after a SIGSTOP, and its replica of
+``KV_reach_tasks`` stayed not current for some 80 s while the leader had its quorum. Every
+wary agent's steps waited for it (``WorkConsumer._replicas_checked`` failed): some 120 s with
+almost no step started, 24,581 attempts given up as undelivered. Now the hubs read the record
+at the leader for them (``hub/_record_read.py``, ``agent/_leader_read.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from reach_mesh import protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.config import MeshSettings
+from reach_mesh.hub import Hub
+
+from .helpers import cluster_nodes, eventually, freeze
+from .test_cluster import _js_ready
+from .test_wary_fences import _CAP, _NS, _TASKS, _record, _send_step
+
+
+@pytest.mark.xdist_group("clusters")
+@pytest.mark.timeout(120)
+async def test_a_wary_agent_runs_a_step_while_a_follower_of_the_records_is_frozen(
+    tmp_path: Path,
+) -> None:
+    """One follower of ``KV_reach_tasks`` frozen (SIGSTOP), the leader with its quorum: a wary
+    agent's step runs within seconds, its record read at the leader by a hub; a step whose
+    record moved on is still dropped. Without the hub read it waited out the whole freeze."""
+    nodes = cluster_nodes(tmp_path, name="wlr")
+    for node in nodes:
+        node.start()
+    pid = None
+    try:
+        await _js_ready(nodes[0].url)
+        settings = MeshSettings(
+            nats_url=nodes[0].url,
+            namespace=_NS,
+            kv_replicas=3,
+            heartbeat_interval=0.5,
+            lease_timeout=1.5,
+            suspect_timeout=1.0,
+            work_ack_wait=2.0,
+            audit_enabled=False,
+        )
+        other = await nats.connect(nodes[0].url)
+        js = other.jetstream(timeout=5.0)
+        runs: list[str] = []
+        async with Hub(settings=settings, hub_id="hub-wlr") as hub:
+            agent = Agent(f"{_NS}.wlr.a1", settings=settings)
+
+            @agent.handler(_CAP)
+            async def step(task: Task[Any]) -> str:
+                runs.append(task.task_id)
+                return "ran"
+
+            await agent.start()
+            work = agent.work
+            assert work is not None
+            await eventually(lambda: work._pull is not None)
+            kv = await js.key_value(protocol.KV_TASKS)
+            await _send_step(js, kv, "wlr-before", agent.agent_id)
+            await eventually(lambda: runs == ["wlr-before"], timeout=10)
+            info = await js.stream_info(_TASKS)
+            assert info.cluster is not None
+            leader = info.cluster.leader
+            frozen = next(i for i in range(3) if f"n{i}" != leader and i != 0)
+            # What the step's delivery needs besides its record, led off the frozen node (else
+            # it waits for an election there, whatever the record read does).
+            work_stream, consumer = protocol.STREAM_WORK, protocol.work_consumer(agent.agent_id)
+            away = json.dumps({"placement": {"preferred": leader}}).encode()
+
+            async def led_elsewhere() -> bool:
+                s_info = await js.stream_info(work_stream)
+                c_info = await js.consumer_info(work_stream, consumer)
+                ok = True
+                if s_info.cluster is not None and s_info.cluster.leader == f"n{frozen}":
+                    await other.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{work_stream}", away)
+                    ok = False
+                if c_info.cluster is not None and c_info.cluster.leader == f"n{frozen}":
+                    subject = f"$JS.API.CONSUMER.LEADER.STEPDOWN.{work_stream}.{consumer}"
+                    await other.request(subject, away)
+                    ok = False
+                return ok
+
+            await eventually(led_elsewhere, timeout=20, interval=0.5)
+            proc = nodes[frozen].proc
+            assert proc is not None
+            pid = proc.pid
+            await freeze(pid)
+            agent._be_wary(3.0)  # back from a 3 s silence, as every chaos agent was
+            assert agent.wary()
+            # A write the frozen replica does not have: it cannot be current from now on.
+            key = protocol.task_key(_NS, "wlr-gone")
+            await kv.put(key, _record("wlr-gone", 2, f"{_NS}.wlr.a2"))
+            sent = time.monotonic()
+            await _send_step(js, kv, "wlr-step", agent.agent_id)
+            await eventually(lambda: "wlr-step" in runs, timeout=8, interval=0.05)
+            took = time.monotonic() - sent
+            # Attempt 1 of a step the record says moved on to attempt 2: dropped, read at the
+            # leader too (the frozen replica never had attempt 2).
+            fenced = work.fenced
+            await _send_step_only(js, "wlr-gone", agent.agent_id)
+            await eventually(lambda: work.fenced > fenced, timeout=8)
+            assert "wlr-gone" not in runs
+            assert work.leader_reads.answered >= 2
+            assert agent.wary()  # a hub's read says nothing of the replicas: still wary
+            found = hub.metrics.record_reads_total.labels("found")._value.get()
+            assert found >= 2
+            print(f"ran {took:.2f} s after it was sent, frozen n{frozen}, leader {leader}")
+            os.kill(pid, signal.SIGCONT)
+            pid = None
+            await agent.close()
+        await other.close()
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        for node in nodes:
+            node.stop()
+
+
+async def _send_step_only(js: Any, task_id: str, agent_id: str) -> None:
+    """Attempt 1 of ``task_id``'s work message, its record left as it is."""
+    from reach_mesh.models import TaskEnvelope
+
+    env = TaskEnvelope(
+        task_id=task_id, capability=_CAP, namespace=_NS, workflow_id=f"{task_id}-wf", step=0
+    )
+    await js.publish(
+        protocol.work_subject(_NS, agent_id),
+        protocol.encode(env),
+        headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(_NS, task_id, 1)},
+    )
+
+
+async def _ask(nc: NATS, subject: str, body: bytes) -> dict[str, Any]:
+    msg = await nc.request(subject, body, timeout=5)
+    out: dict[str, Any] = json.loads(msg.data)
+    return out
+
+
+async def test_a_hub_reads_a_record_of_the_askers_namespace_only(
+    nc: NATS, hub: Hub, namespace: str
+) -> None:
+    """Answers of the ``record`` verb, sent raw as an agent in another language would: the
+    record and its revision; absent (never written, or deleted); typed errors for bad input.
+    The key is the subject's namespace and a task id, which has no dots: no body reads
+    another namespace's record."""
+    js = nc.jetstream()
+    kv = await js.key_value(protocol.KV_TASKS)
+    mine = f"{namespace}.svc.i1"
+    subject = protocol.hub_agent_subject(mine, "record")
+    rec = {"task_id": "t1", "workflow_id": "wf1", "step": 0, "attempt": 3, "namespace": namespace}
+    rev = await kv.put(protocol.task_key(namespace, "t1"), json.dumps(rec).encode())
+    other_ns = f"{namespace}x"
+    await kv.put(protocol.task_key(other_ns, "t1"), json.dumps({**rec, "attempt": 9}).encode())
+
+    out = await _ask(nc, subject, b'{"task_id": "t1"}')
+    assert out == {"task_id": "t1", "revision": rev, "record": rec}
+    # The other namespace's record of the same id is never this subject's to read.
+    other = await _ask(nc, protocol.hub_agent_subject(f"{other_ns}.svc.i1", "record"), b"{}")
+    assert other["error"]["code"] == "REACH_BAD_REQUEST"
+    assert (await _ask(nc, subject, b'{"task_id": "t1"}'))["record"]["attempt"] == 3
+
+    out = await _ask(nc, subject, b'{"task_id": "never"}')
+    assert out == {"task_id": "never", "revision": 0}  # (null fields are left out)
+    await kv.delete(protocol.task_key(namespace, "t1"))
+    out = await _ask(nc, subject, b'{"task_id": "t1"}')
+    assert "record" not in out and out["revision"] > rev
+
+    for body, code, needle in [
+        (b"{not json", "REACH_BAD_REQUEST", "malformed JSON"),
+        (b"[1]", "REACH_BAD_REQUEST", "RecordRequest"),
+        (b"{}", "REACH_BAD_REQUEST", "task_id"),
+        # What would name another namespace's key, or a wildcard: not a task id.
+        (json.dumps({"task_id": f"{other_ns}.t1"}).encode(), "REACH_BAD_REQUEST", other_ns),
+        (b'{"task_id": "a.*"}', "REACH_BAD_REQUEST", "a.*"),
+        (b'{"task_id": ">"}', "REACH_BAD_REQUEST", ">"),
+        (json.dumps({"task_id": "x" * 2000}).encode(), "REACH_PAYLOAD_TOO_LARGE", "1024"),
+    ]:
+        out = await _ask(nc, subject, body)
+        assert out["error"]["code"] == code, (body, out)
+        assert needle in json.dumps(out["error"]), (body, out)
+    refused = hub.metrics.record_reads_total.labels("refused")._value.get()
+    assert refused >= 8
+    assert hub.metrics.record_reads_total.labels("absent")._value.get() >= 2
+    # The hub serves on.
+    assert "record" not in await _ask(nc, subject, b'{"task_id": "never"}')
+
+
+async def test_a_wary_agent_reads_through_a_hub_only_when_its_replica_check_fails(
+    hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fast path is as it was: a passed check, then a direct get, no hub asked. A failed
+    check: the hub's leader read decides (the agent stays wary); no hub answering: the read
+    fails (the step waits)."""
+    from reach_mesh.errors import MeshUnavailableError
+    from reach_mesh.models import TaskEnvelope
+    from reach_mesh.workflow import TaskRecord
+
+    agent = Agent(f"{namespace}.lr.a1", settings=settings)
+
+    @agent.handler(_CAP)
+    async def step(task: Task[Any]) -> str:
+        return "ran"
+
+    async with agent:
+        work = agent.work
+        assert work is not None and work._jsc is not None
+        await eventually(lambda: work._tasks_kv is not None)
+        js = agent.nc.jetstream()
+        kv = await js.key_value(protocol.KV_TASKS)
+        rec = TaskRecord(task_id="s1", workflow_id="wf", step=0, namespace=namespace, attempt=2)
+        await kv.put(protocol.task_key(namespace, "s1"), protocol.encode(rec))
+        env = TaskEnvelope(
+            task_id="s1", capability=_CAP, namespace=namespace, workflow_id="wf", step=0
+        )
+        agent._be_wary(10.0)
+        got = await work._record(env)
+        assert got is not None and got.attempt == 2
+        assert work.leader_reads.answered == 0 and not agent.wary()
+
+        async def behind(bucket: str, *, heard_within: float) -> None:
+            raise MeshUnavailableError("KV_reach_tasks: replica(s) n1 behind its leader n0")
+
+        monkeypatch.setattr(work._jsc, "replicas_caught_up", behind)
+        agent._be_wary(10.0)
+        got = await work._record(env)
+        assert got is not None and got.attempt == 2
+        assert work.leader_reads.answered == 1 and agent.wary()
+        await hub.close()  # no hub answers: the read fails, the step would wait
+        with pytest.raises(MeshUnavailableError, match="behind its leader"):
+            await work._record(env)
+        assert work.leader_reads.unanswered == 1
