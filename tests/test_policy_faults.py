@@ -555,6 +555,125 @@ async def test_a_branch_its_owner_stopped_is_no_failure_for_the_hub_that_takes_i
     assert res.error is not None and res.error.code == failure.code, res.error
 
 
+@pytest.mark.parametrize("stored", ["succeeded", "timeout", "failed"])
+async def test_an_unneeded_branch_whose_stored_outcome_the_run_never_heard_keeps_it(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    stored: str,
+) -> None:
+    """A policy fanout taken over from a hub that died: its other steps' records are final
+    already (written by a run before), and the last step's attempt 1 stored its outcome in
+    ``REACH_STATUS`` while no hub owned the workflow. The run that takes it over decides its
+    policy at once, on the final records, before the last step's runner has read back what
+    its attempt stored (``catch_up``: slowed here, as after an election) — and stopped that
+    step as unneeded without a look at the status stream: its stored outcome, which met or
+    decided the policy as much as the others, was reported "stopped as unneeded (PENDING)"
+    and its record written ``cancelled`` (chaos secure seed 184, ``partition``:
+    chaos-184-00574, quorum(2), step 2's TIMEOUT stored 3.6 s before the last takeover;
+    chaos-184-00828, ``any``, the first success). A branch of a run that took the workflow
+    over keeps the outcome its current attempt stored, as one that ran on to it does.
+
+    ``succeeded``: an ``any`` fanout decided by step 0's final record, step 1 SUCCEEDED with
+    its value; ``timeout``/``failed``: ``quorum(2)`` of three, steps 0 and 1 final
+    TIMEOUT/FAILED (the quorum out of reach), step 2's stored TIMEOUT (``retries=0``: it
+    decides the step) or FAILED for good."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    wf_id = f"unheard-{stored}"
+    last = 1 if stored == "succeeded" else 2
+    branch = f"{wf_id}-{last}"
+    tracker = engine._tracker
+    catch_up = tracker.catch_up
+
+    async def slow_catch_up(track: StepTrack, *args: Any, **kwargs: Any) -> list[str]:
+        if track.task_id == branch:
+            # (Cancelled here by the policy's decision, if not before: in its record's read
+            # or write. Never heard by the run, either way.)
+            await asyncio.sleep(1.0)
+        return await catch_up(track, *args, **kwargs)
+
+    monkeypatch.setattr(tracker, "catch_up", slow_catch_up)
+    agent = echo_agent(fleet, "unheard.a1", "wf:unheard:v1")
+    await agent.start()
+    policy = "any" if stored == "succeeded" else "quorum(2)"
+    steps = [
+        Step(capability="wf:unheard:v1", payload=i, timeout=10, retries=0) for i in range(last + 1)
+    ]
+    state = {
+        "succeeded": TaskState.SUCCEEDED,
+        "timeout": TaskState.TIMEOUT,
+        "failed": TaskState.FAILED,
+    }[stored]
+    error = (
+        None
+        if state is TaskState.SUCCEEDED
+        else ErrorBody(
+            code="REACH_TIMEOUT" if state is TaskState.TIMEOUT else "REACH_HANDLER_FAILED",
+            message="planned",
+            details={"retryable": False} if state is TaskState.FAILED else {},
+        )
+    )
+    async with Client(settings=wf_settings) as mesh:
+        spec = mesh._workflow_spec("fanout", steps, policy, 30, wf_id)
+        js = mesh.nc.jetstream()
+        record = WorkflowRecord(
+            spec=spec,
+            spec_digest=spec_digest(spec),
+            owner="hub-gone",
+            submitted_at=time.time(),
+            first_agents=[agent.agent_id] * len(steps),
+        )
+        wfs = await js.key_value(protocol.KV_WORKFLOWS)
+        await wfs.put(protocol.workflow_key(ns, wf_id), protocol.encode(record))
+        tasks = await js.key_value(protocol.KV_TASKS)
+        for i in range(last):  # final records (a run before wrote them): the policy decides
+            done = TaskRecord(
+                task_id=f"{wf_id}-{i}",
+                workflow_id=wf_id,
+                step=i,
+                namespace=ns,
+                state=state,
+                attempt=1,
+                agent_id=agent.agent_id,
+                decided_by=1,
+                result=f"v{i}" if error is None else None,
+                error=error,
+                history=[AttemptRecord(attempt=1, agent_id=agent.agent_id, state=state)],
+            )
+            await tasks.put(protocol.task_key(ns, done.task_id), protocol.encode(done))
+        # The last step's attempt 1 (named in the workflow record, no task record) stored
+        # its outcome while no hub owned the workflow.
+        status = TaskStatusEvent(
+            task_id=branch,
+            attempt=1,
+            agent_id=agent.agent_id,
+            state=state,
+            workflow_id=wf_id,
+            step=last,
+            result=f"v{last}" if error is None else None,
+            error=error,
+        )
+        await js.publish(protocol.task_status(agent.agent_id, branch), protocol.encode(status))
+        # The submission comes back to a hub (JetStream redelivers it: the owner died).
+        await mesh.submit_fanout(steps, policy=policy, workflow_id=wf_id, timeout=30)
+        res = await mesh.workflow(wf_id, timeout=15)
+    assert res.state is state, res
+    got = res.steps[last]
+    assert got.state is state and not got.cancelled, res.steps
+    assert got.decided_by == 1 and got.attempts == 1, got
+    if error is None:
+        assert got.result == f"v{last}", got
+        assert res.result == ["v0", "v1"], res.result
+    else:
+        assert got.error is not None and got.error.code == error.code, got
+        assert res.result == [None] * len(steps), res.result
+    rec = await task_record(wf_hub.nc, ns, branch)
+    assert rec is None or (rec.state is state and not rec.cancelled), rec
+
+
 async def test_an_unneeded_step_whose_leader_cannot_be_read_is_stopped_all_the_same(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,7 +21,7 @@ from reach_mesh.errors import (
     MeshUnavailableError,
 )
 from reach_mesh.hub import _durable
-from reach_mesh.hub._step_state import new_record, note, retryable, settles
+from reach_mesh.hub._step_state import new_record, note, settles
 from reach_mesh.hub._steps import NotOwnerError, StepRunner, Workflow
 from reach_mesh.models import TaskState
 from reach_mesh.workflow import (
@@ -145,7 +145,9 @@ class StepStopping(StepRunner):
             # it may be stored nowhere else yet. Then, settling, what the status stream holds.
             event = carried if carried is not None else self._unapplied(wf, index, rec)
             if event is None and settle:
-                event, _ = await self._stored_outcome(wf, rec)
+                event, _ = await self._stored_outcome(wf, index, rec)
+            elif event is None and (wf.taken_over or not mine):
+                event = await self._unheard_outcome(wf, index, rec)
             if event is not None:  # as ``_finish`` applies an outcome
                 note(rec, event)
                 self._take_outcome(rec, event)
@@ -289,6 +291,34 @@ class StepStopping(StepRunner):
             return True
         return record.owner == self.hub_id and got[1] == wf.rev
 
+    async def _unheard_outcome(
+        self, wf: Workflow, index: int, rec: TaskRecord
+    ) -> TaskStatusEvent | None:
+        """For an unneeded branch of a run that may not have heard all its attempts said (it
+        took the workflow over or resumed it, or the record is not as this run wrote it): the
+        outcome an attempt stored in ``REACH_STATUS`` that decides the step
+        (``_stored_outcome``, without asking its agent), or None — also when the stream does
+        not answer: the branch is fenced then, best effort, as before.
+
+        An outcome stored while no hub listened (its owner gone, cut off) is heard by the run
+        that takes the workflow over only when its runner reads it back (``catch_up``), after
+        its record's read and write: a policy that run decides first, on a record already
+        final, stopped the branch as unneeded, and its stored outcome — one that met or
+        decided the policy, in the order the outcomes were stored — was reported PENDING,
+        stopped (chaos secure seed 184, ``partition``: chaos-184-00574's TIMEOUT stored 3.6 s
+        before the last takeover, chaos-184-00828's first success). Kept, it decides the step
+        as a branch that ran on to its outcome does (``_fanout``'s ``ran_on``). The owner's
+        own branches (``mine``, no takeover) heard every outcome its subscription delivered
+        (those not applied are ``Workflow.unapplied``): stopped with no read."""
+        try:
+            event, _ = await self._stored_outcome(wf, index, rec, patient=False, held=False)
+        except Exception:
+            log.debug(
+                "%s: its stored status could not be read to stop it", rec.task_id, exc_info=True
+            )
+            return None
+        return event
+
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
         """The outcome that decides step ``index`` among those it had in hand and had not
         applied when it was stopped (``Workflow.unapplied``, in the order the step would have
@@ -347,13 +377,22 @@ class StepStopping(StepRunner):
         wf.records[index] = rec
 
     async def _stored_outcome(
-        self, wf: Workflow, rec: TaskRecord
+        self,
+        wf: Workflow,
+        index: int,
+        rec: TaskRecord,
+        *,
+        patient: bool = True,
+        held: bool = True,
     ) -> tuple[TaskStatusEvent | None, bool]:
         """The final status an attempt of ``rec`` stored in ``REACH_STATUS`` (the current
         attempt's first, else the earliest attempt's) or, none being stored, the outcome its
         current attempt's agent holds (``StatusTracker.held_outcome``; then True: held, not
-        stored), or None. Raises when the stream does not answer: the workflow goes back to
-        JetStream rather than a result be thrown away."""
+        stored; not asked unless ``held``), or None. Only an outcome that decides the step, as
+        ``_step`` would have taken it (``settles``): a success, a failure not to be retried,
+        or one past the step's retries (a TIMEOUT with ``retries=0``). Raises when the stream
+        does not answer (read ``patient``-ly): the workflow goes back to JetStream rather
+        than a result be thrown away."""
         # Attempts whose outcome the hub has not handled: one it had handled (a failure it
         # retried) is in the history with its final state, and decided nothing.
         open_ = {
@@ -364,22 +403,27 @@ class StepStopping(StepRunner):
         if rec.agent_id is not None and rec.attempt > 0:
             open_.add((rec.attempt, rec.agent_id))
         agents = list(dict.fromkeys(a for _, a in sorted(open_, reverse=True) if a is not None))
+        retries = self._policy(wf.spec.steps[index]).retries
+
+        def decides(event: TaskStatusEvent) -> bool:
+            # A success, or a failure not retried (a retryable one within the step's retries
+            # would have been followed by another attempt: not finished).
+            return event.state.final and settles(event, rec.handler_failures, retries)[0]
+
         found: list[TaskStatusEvent] = []
         for agent_id in agents[:_SETTLE_AGENTS]:
-            last = await self._tracker.last_status(wf.ns, rec.task_id, agent_id, patient=True)
+            last = await self._tracker.last_status(wf.ns, rec.task_id, agent_id, patient=patient)
             if last is None or (last.attempt, last.agent_id) not in open_:
                 continue
             if last.workflow_id is not None and last.workflow_id != wf.id:
                 continue  # the same task id in another workflow (its record expired since)
-            # Only an outcome that decides the step: a success, or a failure not retried (a
-            # retryable one would have been followed by another attempt: not finished).
-            if last.state is TaskState.SUCCEEDED or (last.state.final and not retryable(last)):
+            if decides(last):
                 found.append(last)
-        if not found and rec.agent_id is not None and rec.attempt > 0:
+        if not found and held and rec.agent_id is not None and rec.attempt > 0:
             # Nothing stored (yet): the current attempt's agent may hold its outcome.
-            held = await self._tracker.held_outcome(rec.task_id, wf.id, rec.agent_id, rec.attempt)
-            if held is not None and (held.state is TaskState.SUCCEEDED or not retryable(held)):
-                return held, True
+            kept = await self._tracker.held_outcome(rec.task_id, wf.id, rec.agent_id, rec.attempt)
+            if kept is not None and decides(kept):
+                return kept, True
         # A success first (no valid result is thrown away), then the earliest attempt's.
         event = min(
             found,
