@@ -1,0 +1,182 @@
+"""Policy fanouts (``any``, ``quorum(k)``) whose unneeded branch swallows its cancellation (an
+await in it: Python 3.11's ``wait_for`` under nats-py's requests), on a real nats-server: an
+outcome it ran on to is kept, and one with none holds neither the result nor the other stops
+up. Split from ``test_policy_faults.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, Step
+from reach_mesh.agent import Task, TaskFailed
+from reach_mesh.hub import Hub
+from reach_mesh.hub._step_track import StepTrack
+from reach_mesh.models import TaskState
+
+from .helpers import Fleet, eventually, task_record
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_a_step_that_ran_on_to_its_outcome_through_its_stop_keeps_it(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``quorum(2)`` fanout's step 0 has its SUCCEEDED in hand but is held in an await (a
+    read of the status stream, a question to its agent) when its two siblings meet the
+    quorum. The fanout cancels it, and the await swallows the cancellation — Python 3.11's
+    ``asyncio.wait_for``, under nats-py's requests, returns its future's result when that
+    completed with the cancel — so the step runs on and decides by its SUCCEEDED (its event
+    says so). The fanout took it for still running all the same: fenced as unneeded, its
+    record read PENDING (its current attempt decided it: nothing written), its result thrown
+    away and the step reported stopped (chaos secure seed 179, ``partition``,
+    chaos-179-00590: a5's SUCCEEDED, stored 1 s before the deciding one, reported PENDING,
+    stopped as unneeded)."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    in_hand = asyncio.Event()
+    swallowed: list[bool] = []
+    agent = fleet.agent("ranon.a")
+
+    @agent.handler("wf:ranon:v1")
+    async def work(task: Task[Any]) -> Any:
+        if task.payload != 0:
+            await in_hand.wait()  # the siblings succeed once step 0's outcome is in hand
+        return task.payload
+
+    await agent.start()
+    real_watch = engine._watch
+
+    async def held(track: StepTrack, pol: Any, deadline: float) -> Any:
+        if track.task_id == "ranon-0":
+            await eventually(lambda: track.final is not None, timeout=5)
+            in_hand.set()
+            try:
+                await asyncio.Event().wait()  # a read the fanout's decision cancels
+            except asyncio.CancelledError:
+                swallowed.append(True)  # (as ``wait_for`` does when its read just answered)
+        return await real_watch(track, pol, deadline)
+
+    monkeypatch.setattr(engine, "_watch", held)
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [Step(capability="wf:ranon:v1", payload=i, task_id=f"ranon-{i}") for i in range(3)],
+            policy="quorum(2)",
+            timeout=15,
+        )
+    assert swallowed, "the fanout never cancelled step 0"
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[0].state is TaskState.SUCCEEDED and not res.steps[0].cancelled, res.steps
+    assert res.result == [0, 1, 2], res.result
+    rec = await task_record(wf_hub.nc, ns, "ranon-0")
+    assert rec is not None and not rec.cancelled, rec
+
+
+@pytest.mark.parametrize("how", ["retried", "watched", "deaf"])
+async def test_a_branch_that_ran_on_through_its_stop_without_an_outcome_holds_nothing_up(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    """An ``any`` fanout of three steps is decided by step 0 while steps 1 and 2 run. Step 2's
+    runner is held in an await (a read of the status stream, a question to its agent) that
+    swallows the fanout's cancellation, with no outcome in hand — then, ``retried``: its
+    attempt 1 fails (retryable) and the step would send attempt 2; ``watched``: it watches
+    its attempt 1 on, running; ``deaf``: the await swallows every cancel for 4 s.
+
+    The fanout waited for the branch to end: the result stored, and step 1 fenced, only when
+    it did, and meanwhile it recorded and sent new attempts (chaos secure seed 184,
+    ``node_stop``, chaos-184-00972: an ``any`` fanout decided at 20.04 whose step 2 ran on
+    for 23 s through five new attempts; the result stored at 43.02 and step 1's fence,
+    stopping the unneeded branch, slipped to 43.001, so a3 ran step 1's attempt 16 at 42.04).
+    Now the result and the fences come at once, and the branch starts nothing more."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    loop = asyncio.get_running_loop()
+    started = {1: asyncio.Event(), 2: asyncio.Event()}
+    swallowed = asyncio.Event()
+    cancelled_at: list[float] = []  # when the fanout's (first) cancel reached step 2's await
+    held_ended = asyncio.Event()
+    runs: list[tuple[int, int]] = []  # (step, attempt) as handlers started
+    stopped: dict[int, float] = {}  # step -> when its handler was cancelled
+
+    async def work(task: Task[Any]) -> Any:
+        step = task.payload
+        if step == 0:
+            await started[1].wait()
+            await started[2].wait()  # decided while steps 1 and 2 run
+            return 0
+        runs.append((step, task.attempt))
+        started[step].set()
+        if how == "retried" and step == 2 and task.attempt == 1:
+            await swallowed.wait()
+            raise TaskFailed("once", retryable=True)
+        try:
+            await asyncio.sleep(8)
+        except asyncio.CancelledError:
+            stopped.setdefault(step, loop.time())
+            raise
+        return step
+
+    for name in ("swal.a", "swal.b"):  # two: a retry of step 2 has another agent to go to
+        fleet.agent(name).handler("wf:swal:v1")(work)
+    for agent in fleet.agents:
+        await agent.start()
+    real_watch = engine._watch
+    held_once: list[bool] = []
+
+    async def held(track: StepTrack, pol: Any, deadline: float) -> Any:
+        if track.task_id != f"swal-{how}-2" or held_once:
+            return await real_watch(track, pol, deadline)
+        held_once.append(True)
+        try:
+            try:
+                await asyncio.Event().wait()  # a read the fanout's decision cancels
+            except asyncio.CancelledError:
+                cancelled_at.append(loop.time())  # swallowed, no outcome in hand
+                swallowed.set()
+            until = loop.time() + 4
+            while how == "deaf" and loop.time() < until:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(until - loop.time())
+            return await real_watch(track, pol, deadline)
+        finally:
+            held_ended.set()
+
+    monkeypatch.setattr(engine, "_watch", held)
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [
+                Step(capability="wf:swal:v1", payload=i, task_id=f"swal-{how}-{i}", timeout=10)
+                for i in range(3)
+            ],
+            policy="any",
+            timeout=20,
+        )
+        done_at = loop.time()
+    assert cancelled_at, "the fanout never cancelled step 2"
+    decided_at = cancelled_at[0]
+    # Stored at once: not when the branch that ignored its cancel ends (8 s, or 4 s deaf).
+    assert done_at - decided_at < 2.0, f"result stored {done_at - decided_at:.2f}s after"
+    assert res.state is TaskState.SUCCEEDED and res.result == [0, None, None], res
+    assert res.steps[0].ok and res.steps[1].cancelled and res.steps[2].cancelled, res.steps
+    # The other unneeded branch fenced and its handler stopped at once too.
+    await eventually(lambda: 1 in stopped, timeout=3)
+    assert stopped[1] - decided_at < 2.0, f"step 1 stopped {stopped[1] - decided_at:.2f}s after"
+    if how != "retried":  # (its attempt 1 failed by itself)
+        await eventually(lambda: 2 in stopped, timeout=3)
+        assert stopped[2] - decided_at < 2.0, stopped
+    # Once the branch has ended (the deaf await too): it started no attempt after the decision.
+    await asyncio.wait_for(held_ended.wait(), timeout=10)
+    await asyncio.sleep(0.5)  # (a retry's backoff is 0.02-0.1 s)
+    assert [a for s, a in runs if s == 2] == [1], runs
+    rec = await task_record(wf_hub.nc, ns, f"swal-{how}-2")
+    assert rec is not None and rec.cancelled, rec
+    assert all(h.attempt == 1 for h in rec.history if h.agent_id is not None), rec.history
