@@ -35,7 +35,7 @@ from reach_mesh.hub.http import HubHttp
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import AgentCard, AgentState, RegisterRequest
 
-from .helpers import Relay, eventually, relayed
+from .helpers import Relay, eventually, register_by_hand, relayed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -241,3 +241,33 @@ async def test_a_hub_that_loads_slowly_declares_no_beating_agent_lost(
             # the end state, not from the first hub, which saw it deleted and back).
             assert seen == []
             assert view.revision == revision
+
+
+async def test_a_heartbeat_stream_able_again_keeps_the_hub_blind_a_lease(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """The heartbeat stream's leader, cut off, did not hear from a quorum (no beat could be
+    stored: the hub is blind); back in touch a moment ago, it has — yet the beats of the cut
+    were all refused, and the agent's next one may not have landed yet. The first look that
+    finds it able again keeps the hub blind for a lease; the next one trusts it (chaos secure
+    seed 184, ``partition``: an agent declared LOST 0.29 s after the heal)."""
+    agent_id = f"{settings.namespace}.blind.quorum"
+    async with Hub(settings=settings, hub_id="hub-q") as hub:
+        nc = await nats.connect(nats_url)
+        try:
+            await register_by_hand(nc, AgentCard(agent_id=agent_id, capabilities=["blind:q:v1"]))
+            registry = hub.registry
+            await eventually(lambda: agent_id in registry.agents, timeout=5)
+            view = registry.agents[agent_id]
+            lease = view.record.lease_timeout
+            now = view.last_seen + lease + 10.0  # its lease lapsed 10 s ago
+            assert not registry._could_store(view, 30.0, now)  # no quorum since: unable
+            assert registry.blind() and "quorum" in (registry.blind_reason() or "")
+            registry._blind_at = float("-inf")  # (a lease later: no longer blind)
+            assert not registry._could_store(view, 0.1, now)  # able again: a lease more
+            assert registry.blind() and "again" in (registry.blind_reason() or "")
+            registry._blind_at = float("-inf")
+            assert registry._could_store(view, 0.1, now)  # able, and it was: trusted
+            assert not registry.blind()
+        finally:
+            await nc.close()

@@ -9,7 +9,8 @@ of its replicas since the agent's lease lapsed (it could store a beat meanwhile)
 off from the others (a partition between NATS servers, which its clients do not notice) stays
 the leader of the streams it led for seconds and answers reads from what it had, so a hub on
 its side, hearing no beat of the agents on the other side (which could store none meanwhile),
-took every one of them for LOST and gave their steps up.
+took every one of them for LOST and gave their steps up. A stream found able again after a
+look that found it unable keeps the hub blind a lease more (``_could_store``).
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ class Liveness:
     #: When this hub was last blind (its clock), and why.
     _blind_at: float
     _blind_why: str
+    #: Whether the last look at the heartbeat stream found it unable to store a beat (no
+    #: answer, or a leader that did not hear from a quorum): the first that finds it able
+    #: again keeps this hub blind a lease longer (``_could_store``).
+    _hb_unable: bool
     #: Agents declared LOST lately, per namespace: (when, capabilities, labels as the
     #: selector sees them) by id, oldest first.
     _lost: dict[str, OrderedDict[str, LostEntry]]
@@ -214,6 +219,7 @@ class Liveness:
         try:
             info = await asyncio.wait_for(self._js.stream_info(_HB_STREAM), _CONFIRM_TIMEOUT)
         except Exception as err:
+            self._hb_unable = True
             self._went_blind(f"cannot read the heartbeat stream's state: {describe(err)}")
             log.info("%s: not declaring anyone LOST", self._blind_why)
             return None
@@ -233,10 +239,28 @@ class Liveness:
         Else no beat could be stored meanwhile (a NATS server cut off from the others keeps
         leading the streams it led, and answering reads, for some ten seconds; the other side
         elects a new leader only seconds later): the agent's silence says nothing, the hub is
-        blind."""
+        blind.
+
+        The leader's last contact with a quorum says nothing of the span before it: a leader
+        back in touch a moment ago could store no beat while it was cut off, and the agents
+        that beat to it then (not cut off themselves: no leader on their side yet) had every
+        beat refused. So the first look that finds the stream able again after one that found
+        it unable keeps the hub blind for a lease: the agents' beats land meanwhile (chaos
+        secure seed 184, ``partition``: a hub cut off with the heartbeat stream's leader for
+        5 s, blind meanwhile, declared an agent of the other side LOST 0.29 s after the heal,
+        its beats refused throughout the cut, and a route it had run was run again)."""
         since_lapse = now - view.last_seen - view.record.lease_timeout
         if heard < since_lapse:
+            if self._hb_unable:
+                self._hb_unable = False
+                self._went_blind(
+                    "the heartbeat stream's leader hears from a quorum again: a lease for the "
+                    "beats it could not store meanwhile to land"
+                )
+                log.info("%s: not declaring %s LOST", self._blind_why, view.agent_id)
+                return False
             return True
+        self._hb_unable = True
         self._went_blind(
             f"the heartbeat stream's leader last heard from a quorum of its replicas {heard:.3g}s "
             f"ago, before the lease of {view.agent_id} lapsed: no beat could be stored since (a "
@@ -246,6 +270,7 @@ class Liveness:
         return False
 
     def _cannot_confirm(self, view: AgentView, err: Exception) -> None:
+        self._hb_unable = True
         self._went_blind(f"cannot read the heartbeat of {view.agent_id}: {describe(err)}")
         log.info("%s: not declaring it LOST", self._blind_why)
 
