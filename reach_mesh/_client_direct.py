@@ -90,6 +90,8 @@ class DirectRoutes(HubAsks):
         headers: dict[str, str],
         deadline: float,
         after: int = 0,
+        *,
+        resend: bool = False,
     ) -> tuple[_TaskReply, str | None, RouteDecision | None]:
         """Direct mode: a hub decides (or a cached decision does); call the agent ourselves.
 
@@ -100,12 +102,18 @@ class DirectRoutes(HubAsks):
         (``REACH_AGENT_BUSY``, ``REACH_NO_HANDLER``) or is gone (no responders) is dropped from
         the cache and reported; the next cached agent is tried at once, and when none is left a
         hub is asked again after a backoff with jitter, until the deadline.
+
+        ``resend``: the caller asked this task id before (``Client._route``): each request to
+        a hub is marked ``Reach-Resend`` (not the envelopes: agents ignore it), and no cached
+        decision is used or stored — only a hub knows who holds the task (its pins, or the
+        seek a marked request makes: a holder declared LOST is waited for).
         """
         # Checked here and in ``_call_hub``: once per request either way (a proxy request
         # reaches only the latter; a direct one the latter only when its decision is not cached).
         self._check_usable()
         task_id = fields["task_id"]
-        key = self._cache_key(fields, ns)
+        key = None if resend else self._cache_key(fields, ns)
+        hub_headers = {**headers, protocol.HDR_RESEND: "1"} if resend else headers
         tried: set[str] = set()
         attempt = after
         delay = 0.02
@@ -134,7 +142,7 @@ class DirectRoutes(HubAsks):
                     # envelopes are numbered here all the same).
                     body = self._encode(fields if not after else {**fields, "after_attempt": after})
                 left = deadline - time.monotonic()
-                data = await self._call_hub(ns, "route", body, headers, deadline, left + 5.0)
+                data = await self._call_hub(ns, "route", body, hub_headers, deadline, left + 5.0)
                 route = protocol.decode(data, RouteReply)
                 if route.agent_id is None or route.subject is None:
                     raise InternalError(f"hub reply to task {task_id} names no agent to call")

@@ -326,10 +326,11 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         ``TaskResult(state=FAILED, error=...)``.
 
         ``resend``: this ``task_id`` was asked before, by an earlier process of the caller
-        say (one that restarted after a ``MeshTimeoutError``): in proxy mode the request is
-        marked ``Reach-Resend``, so a hub that never heard where the first send went asks who
-        holds the task before it chooses (docs/protocol.md, "Resends"). This ``Client``
-        marks its own repeats of a task id without it.
+        say (one that restarted after a ``MeshTimeoutError``): the request to the hub is
+        marked ``Reach-Resend`` (in direct mode too, and never answered from a cached
+        decision), so a hub that never heard where the first send went asks who holds the
+        task before it chooses (docs/protocol.md, "Resends"). This ``Client`` marks its own
+        repeats of a task id without it.
         """
         if resend and not task_id:
             raise BadRequestError("resend needs the task_id asked before", field="resend")
@@ -434,13 +435,17 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         trace_id = trace_id_from_headers(headers)
         t0 = time.perf_counter()
         deadline = time.monotonic() + timeout
+        # Asked again by the caller (its answer lost, say): a hub without the pin of the first
+        # send asks who has the task before choosing (docs/protocol.md, "Resends") — in direct
+        # mode too, where only the hub's request carries the mark.
+        resend = bool(self._asked) and self._asked.get((ns, fields["task_id"]), 0) > 1
         if mode == "direct":
-            task, request_id, decision = await self._direct(fields, ns, headers, deadline, after)
+            task, request_id, decision = await self._direct(
+                fields, ns, headers, deadline, after, resend=resend
+            )
             return self._result(task, request_id, decision, trace_id, t0)
         body = self._encode(fields if not after else {**fields, "after_attempt": after})
-        if self._asked and self._asked.get((ns, fields["task_id"]), 0) > 1:
-            # Asked again by the caller (its answer lost, say): a hub without the pin of the
-            # first send asks who has the task before choosing (docs/protocol.md, "Resends").
+        if resend:
             headers[protocol.HDR_RESEND] = "1"
         reply = await self._call_hub(
             ns, "route", body, headers, deadline, timeout + _reply_slack(timeout)

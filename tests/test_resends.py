@@ -442,8 +442,9 @@ async def _cut_off(agent: Agent) -> None:
     await flushed(agent.nc)
 
 
-async def _back(agent: Agent) -> None:
-    """Undo :func:`_cut_off`: subscribed again, then heartbeating (registering again)."""
+async def _back(agent: Agent, *, beat: bool = True) -> None:
+    """Undo :func:`_cut_off`: subscribed again, then (``beat``) heartbeating (registering
+    again)."""
     task, batch, ctl = _served_subjects(agent)
     for subject, on_msg, queue in (
         (task, agent._on_task, _AGENT_QUEUE),
@@ -458,7 +459,8 @@ async def _back(agent: Agent) -> None:
                 await agent.nc.subscribe(subject, queue=queue, cb=cb, pending_msgs_limit=-1)
             )
     await flushed(agent.nc)
-    agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
+    if beat:
+        agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
 
 
 @pytest.mark.parametrize("breaker", ["open", "half_open", "draining", "cordoned"])

@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from reach_mesh import Client, MeshSettings, TaskResult, TaskState, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent
-from reach_mesh.errors import ReachError
+from reach_mesh.errors import MeshTimeoutError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, _stored_copy
 from reach_mesh.hub._pins import decode_pins
@@ -440,3 +440,76 @@ def test_only_a_final_reply_of_the_holder_asked_that_a_copy_would_get_is_a_copy(
     assert (copy is not None) is copied
     if copy is not None:
         assert copy.cached and copy.agent_id == "n.rs.a1" and copy.task_id == "t"
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["decided", "cached_decision"])
+async def test_a_direct_mode_retry_after_a_timeout_is_marked_and_answered_by_its_lost_holder(
+    settings: MeshSettings, cached: bool
+) -> None:
+    """The secure chaos run's ``partition``, seed 184, in direct mode (the caller calls the
+    agent itself): ``a1`` ran a task to the end, its answer lost in a cut, and the caller's
+    request timed out (``MeshTimeoutError`` naming ``a1``). ``a1`` was cut off until declared
+    LOST; back on NATS, it is not registered yet. The caller asks again: to ``a1`` first (the
+    ``Client``'s pin of a task that timed out there), which the hub cannot route to (not
+    registered), then by capability as asked — marked ``Reach-Resend`` like a proxy-mode
+    retry, and sent to a hub even when the caller holds a decision for the capability
+    (``cached_decision``: one naming ``a2``, made for another task meanwhile). The hub asks
+    the agents it declared LOST lately, ``a1`` says it holds the task, and the route waits
+    for ``a1`` to register again, then names it: ``a1``'s idempotency table answers from the
+    reply it stored, and the task ran once. Before, the direct-mode retry went unmarked
+    (or straight to the cached ``a2``) and ran again on ``a2``."""
+    if cached:
+        settings = settings.model_copy(update={"direct_cache_ttl": 60.0})
+    fleet, ran, release = two_holding(settings, "dr", CAP)
+    a1, a2 = fleet.agents
+    ns = settings.namespace
+    answer = a1._answer
+    lost: list[bytes] = []
+
+    async def in_the_cut(req: Any, body: bytes, headers: dict[str, str] | None) -> None:
+        lost.append(body)  # (a1's answers never reach the caller)
+
+    try:
+        async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
+            await a1.start()
+            await eventually(lambda: _ours(hub, ns) == 1)
+            first = asyncio.ensure_future(
+                mesh.request(capability=CAP, task_id="dr-1", mode="direct", timeout=2.0)
+            )
+            await eventually(lambda: ran.get("dr-1") == [a1.agent_id], timeout=10)
+            a1._answer = in_the_cut  # type: ignore[method-assign]
+            release.set()  # a1 finishes the task: its answer is lost
+            with pytest.raises(MeshTimeoutError) as timed_out:
+                await first
+            assert timed_out.value.details["agent_id"] == a1.agent_id
+            assert lost
+            entry = a1._results.get("dr-1")
+            assert entry is not None and entry.state is TaskState.SUCCEEDED
+            a1._answer = answer  # type: ignore[method-assign]
+            await a2.start()
+            await eventually(lambda: _ours(hub, ns) == 2, timeout=10)
+            await _cut_off(a1)
+            await eventually(lambda: a1.agent_id not in hub.registry.agents, timeout=10)
+            if cached:
+                # Another task of the caller's meanwhile: its decision (a2) is cached.
+                other = await mesh.request(
+                    capability=CAP, task_id="dr-other", mode="direct", timeout=5
+                )
+                assert other.agent_id == a2.agent_id
+            await _back(a1, beat=False)  # on NATS again, not registered
+            agent_found = _seeks(hub, "agent")
+            again = asyncio.ensure_future(
+                mesh.request(capability=CAP, task_id="dr-1", mode="direct", timeout=20)
+            )
+            await asyncio.sleep(HOLDER_WAIT + 0.5)  # a run on a2 would have started by now
+            assert ran["dr-1"] == [a1.agent_id]
+            assert not again.done()
+            a1._hb_task = asyncio.create_task(a1._heartbeat_loop())  # registers again
+            result = await again
+        assert result.state is TaskState.SUCCEEDED and result.agent_id == a1.agent_id
+        assert result.result == a1.agent_id and result.cached
+        assert ran["dr-1"] == [a1.agent_id]
+        assert _seeks(hub, "agent") == agent_found + 1
+    finally:
+        release.set()
+        await fleet.close()
