@@ -250,7 +250,8 @@ async def test_a_heartbeat_stream_able_again_keeps_the_hub_blind_a_lease(
     stored: the hub is blind); back in touch a moment ago, it has — yet the beats of the cut
     were all refused, and the agent's next one may not have landed yet. The first look that
     finds it able again keeps the hub blind for a lease; the next one trusts it (chaos secure
-    seed 184, ``partition``: an agent declared LOST 0.29 s after the heal)."""
+    seed 184, ``partition``: an agent declared LOST 0.29 s after the heal) — if it was unable
+    since the agent was last heard."""
     agent_id = f"{settings.namespace}.blind.quorum"
     async with Hub(settings=settings, hub_id="hub-q") as hub:
         nc = await nats.connect(nats_url)
@@ -268,6 +269,11 @@ async def test_a_heartbeat_stream_able_again_keeps_the_hub_blind_a_lease(
             assert registry.blind() and "again" in (registry.blind_reason() or "")
             registry._blind_at = float("-inf")
             assert registry._could_store(view, 0.1, now)  # able, and it was: trusted
+            assert not registry.blind()
+            # Unable only before the agent's last beat was heard (a hiccup long ago): that
+            # says nothing of its silence since, trusted at once.
+            registry._hb_unable_at = view.last_seen - 1.0
+            assert registry._could_store(view, 0.1, now)
             assert not registry.blind()
         finally:
             await nc.close()

@@ -100,10 +100,11 @@ class Liveness:
     #: When this hub was last blind (its clock), and why.
     _blind_at: float
     _blind_why: str
-    #: Whether the last look at the heartbeat stream found it unable to store a beat (no
-    #: answer, or a leader that did not hear from a quorum): the first that finds it able
-    #: again keeps this hub blind a lease longer (``_could_store``).
-    _hb_unable: bool
+    #: When (this hub's clock) the last look at the heartbeat stream found it unable to store
+    #: a beat (no answer, or a leader that did not hear from a quorum), -inf once a look
+    #: found it able since: the first that does keeps this hub blind a lease longer, if the
+    #: unable one was recent enough to have refused the agent's beats (``_could_store``).
+    _hb_unable_at: float
     #: Agents declared LOST lately, per namespace: (when, capabilities, labels as the
     #: selector sees them) by id, oldest first.
     _lost: dict[str, OrderedDict[str, LostEntry]]
@@ -219,7 +220,7 @@ class Liveness:
         try:
             info = await asyncio.wait_for(self._js.stream_info(_HB_STREAM), _CONFIRM_TIMEOUT)
         except Exception as err:
-            self._hb_unable = True
+            self._hb_unable_at = self._clock()
             self._went_blind(f"cannot read the heartbeat stream's state: {describe(err)}")
             log.info("%s: not declaring anyone LOST", self._blind_why)
             return None
@@ -251,8 +252,8 @@ class Liveness:
         its beats refused throughout the cut, and a route it had run was run again)."""
         since_lapse = now - view.last_seen - view.record.lease_timeout
         if heard < since_lapse:
-            if self._hb_unable:
-                self._hb_unable = False
+            unable_at, self._hb_unable_at = self._hb_unable_at, float("-inf")
+            if unable_at >= view.last_seen:  # (unable since the agent's last beat was heard)
                 self._went_blind(
                     "the heartbeat stream's leader hears from a quorum again: a lease for the "
                     "beats it could not store meanwhile to land"
@@ -260,7 +261,7 @@ class Liveness:
                 log.info("%s: not declaring %s LOST", self._blind_why, view.agent_id)
                 return False
             return True
-        self._hb_unable = True
+        self._hb_unable_at = now
         self._went_blind(
             f"the heartbeat stream's leader last heard from a quorum of its replicas {heard:.3g}s "
             f"ago, before the lease of {view.agent_id} lapsed: no beat could be stored since (a "
@@ -270,7 +271,7 @@ class Liveness:
         return False
 
     def _cannot_confirm(self, view: AgentView, err: Exception) -> None:
-        self._hb_unable = True
+        self._hb_unable_at = self._clock()
         self._went_blind(f"cannot read the heartbeat of {view.agent_id}: {describe(err)}")
         log.info("%s: not declaring it LOST", self._blind_why)
 

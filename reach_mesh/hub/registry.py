@@ -130,7 +130,7 @@ class Registry(Liveness):
         self._blind_at = float("-inf")
         #: What made this hub blind last (``describe`` of the error): told while it is blind.
         self._blind_why = ""
-        self._hb_unable = False
+        self._hb_unable_at = float("-inf")
         #: Heartbeat writes waiting for their gap to pass (``_trailing``).
         self._trailers: set[asyncio.Task[None]] = set()
         self._cordons_kv: KeyValue | None = None
