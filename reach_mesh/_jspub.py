@@ -93,6 +93,10 @@ HEDGES_MAX: Final = 16
 #: leader is mostly back within a second or two of losing one. An ack takes a millisecond or
 #: so; a repeat is stored once (``Nats-Msg-Id``).
 PUBLISH_HEDGE_AFTER: Final = 0.5
+#: At most this many of one client's hedged publishes send again at a time (each a try every
+#: ``PUBLISH_HEDGE_AFTER``): a leader too loaded to ack within that is not sent many more.
+#: A publish past them waits for the tries it sent, and sends again once one is free.
+PUBLISH_HEDGES_MAX: Final = 16
 #: JetStream's "duplicate message id is in process": a publish with the same ``Nats-Msg-Id``
 #: is being stored (proposed, not yet committed).
 _IN_PROCESS: Final = 10158
@@ -161,6 +165,8 @@ class JsClient:
         self._later_task: asyncio.Task[None] | None = None
         #: Direct gets being asked again, not answered yet (``_direct_get``).
         self._hedging = 0
+        #: Publishes being sent again, not answered yet (``publish_hedged``).
+        self._publish_hedging = 0
         #: Acked publishes waiting for their acks: ended by a reconnection (``_on_reconnect``).
         self._publishing: dict[str, asyncio.Future[Msg]] = {}
         #: When requests time out, oldest first (deadline, reply token), and the one timer
@@ -373,7 +379,8 @@ class JsClient:
         out its timeout and may miss a short span with a leader. An answer "duplicate message
         id is in process" (an earlier try is being stored) waits for the others, as does a try
         that timed out; the last such error is raised when none is left and time is up. Other
-        errors are the stream's answer: raised at once."""
+        errors are the stream's answer: raised at once. At most ``PUBLISH_HEDGES_MAX`` of this
+        client's publishes send again at a time; one past them waits for its tries."""
         await self._before_request()
         loop = self._loop
         now = loop.time()
@@ -381,10 +388,17 @@ class JsClient:
         next_try = now
         tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle | None]] = {}
         failed: BaseException | None = None
+        hedging = False  # this publish holds one of the ``PUBLISH_HEDGES_MAX``
         try:
             while True:
                 now = loop.time()
-                if now < deadline and now >= next_try:
+                if tries and not hedging and now >= next_try:
+                    if self._publish_hedging < PUBLISH_HEDGES_MAX:
+                        hedging = True
+                        self._publish_hedging += 1
+                    else:
+                        next_try = now + every  # (asked again for a free one then)
+                if now < deadline and now >= next_try and (hedging or not tries):
                     token, future, timer = self._expect(deadline - now)
                     tries[future] = (token, timer)
                     self._publishing[token] = future
@@ -409,9 +423,10 @@ class JsClient:
                     except nats.errors.TimeoutError as err:
                         failed = err
                 if not tries and max(loop.time(), next_try) >= deadline:
-                    assert failed is not None  # (a try is sent before the deadline)
-                    raise failed
+                    raise failed if failed is not None else nats.errors.TimeoutError()
         finally:
+            if hedging:
+                self._publish_hedging -= 1
             for future, (token, timer) in tries.items():
                 self._forget(token, timer)
                 self._publishing.pop(token, None)

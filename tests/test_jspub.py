@@ -482,7 +482,16 @@ async def test_a_hedged_publish_is_sent_again_until_one_try_is_stored(nats_url: 
                 "hedged.never", b"x", {"Nats-Msg-Id": "m3"}, every=0.2, timeout=1.0
             )
         assert 1.0 <= loop.time() - t < 1.5 and 5 <= len(asked) <= 6
-        assert jsc._futures == {} and jsc._publishing == {}
+        assert jsc._futures == {} and jsc._publishing == {} and jsc._publish_hedging == 0
+        # Past ``PUBLISH_HEDGES_MAX`` publishes sending again, one waits for its first try.
+        jsc._publish_hedging = _jspub.PUBLISH_HEDGES_MAX
+        asked = await _scripted_stream(nc, "hedged.capped", [])
+        with pytest.raises(nats.errors.TimeoutError):
+            await jsc.publish_hedged(
+                "hedged.capped", b"x", {"Nats-Msg-Id": "m4"}, every=0.2, timeout=1.0
+            )
+        assert len(asked) == 1 and jsc._publish_hedging == _jspub.PUBLISH_HEDGES_MAX
+        jsc._publish_hedging = 0
         await jsc.stop()
     finally:
         await nc.close()
