@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings, Step
+from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub._step_track import StepTrack
@@ -180,3 +180,66 @@ async def test_a_branch_that_ran_on_through_its_stop_without_an_outcome_holds_no
     rec = await task_record(wf_hub.nc, ns, f"swal-{how}-2")
     assert rec is not None and rec.cancelled, rec
     assert all(h.attempt == 1 for h in rec.history if h.agent_id is not None), rec.history
+
+
+async def test_a_branch_left_running_with_an_outcome_in_hand_keeps_it(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``any`` fanout: step 2's success is in its runner's hands (heard live; not stored:
+    purged here) but not yet applied — the runner held in an await that swallows every
+    cancellation for 4 s — when step 0 decides. The fanout stops waiting for it after
+    ``BRANCH_STOP_WAIT`` and stops the branch from the outcomes it has in hand, as a branch
+    that ended would have left them (``Workflow.unapplied``): its success kept, not fenced
+    from its record as unneeded and reported PENDING (a valid result thrown away)."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    loop = asyncio.get_running_loop()
+    in_hand = asyncio.Event()
+    held_ended = asyncio.Event()
+
+    async def work(task: Task[Any]) -> Any:
+        if task.payload == 0:
+            await in_hand.wait()  # decides once step 2's success is in hand, unapplied
+        elif task.payload == 1:
+            await asyncio.sleep(8)
+        return task.payload
+
+    fleet.agent("hand.a").handler("wf:hand:v1")(work)
+    await fleet.agents[0].start()
+    real_watch = engine._watch
+
+    async def deaf(track: StepTrack, pol: Any, deadline: float) -> Any:
+        if track.task_id != "hand-2":
+            return await real_watch(track, pol, deadline)
+        try:
+            await eventually(lambda: track.final is not None, timeout=10)
+            # Stored nowhere yet (its agent still retrying the store, say): in hand only.
+            js = wf_hub.nc.jetstream()
+            await js.purge_stream(
+                protocol.STREAM_STATUS,
+                subject=protocol.task_status(fleet.agents[0].agent_id, "hand-2"),
+            )
+            in_hand.set()
+            until = loop.time() + 4
+            while loop.time() < until:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(until - loop.time())
+            return await real_watch(track, pol, deadline)
+        finally:
+            held_ended.set()
+
+    monkeypatch.setattr(engine, "_watch", deaf)
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [
+                Step(capability="wf:hand:v1", payload=i, task_id=f"hand-{i}", timeout=10)
+                for i in range(3)
+            ],
+            policy="any",
+            timeout=20,
+        )
+    assert res.state is TaskState.SUCCEEDED, res
+    assert res.steps[2].ok and not res.steps[2].cancelled, res.steps[2]
+    assert res.result == [0, None, 2], res.result
+    assert res.steps[1].cancelled
+    await asyncio.wait_for(held_ended.wait(), timeout=10)

@@ -423,21 +423,39 @@ class WorkflowShapes(StepStopping):
         loop = self._loop
         until = loop.time() + BRANCH_STOP_WAIT
         left = set(pending)
-        while left:
+        try:
+            while left:
+                for t in left:
+                    t.cancel()
+                wait = min(BRANCH_RECANCEL, until - loop.time())
+                if wait <= 0:
+                    break
+                _, left = await asyncio.wait(left, timeout=wait)
             for t in left:
-                t.cancel()
-            wait = min(BRANCH_RECANCEL, until - loop.time())
-            if wait <= 0:
-                break
-            _, left = await asyncio.wait(left, timeout=wait)
-        for t in left:
-            log.warning(
-                "workflow %s: step %d ran on through %g s of cancellations; not waited for",
-                wf.id,
-                tasks[t],
-                BRANCH_STOP_WAIT,
-            )
-            self._background(t)  # its end, whatever it is, is nobody's outcome
+                log.warning(
+                    "workflow %s: step %d ran on through %g s of cancellations; not waited for",
+                    wf.id,
+                    tasks[t],
+                    BRANCH_STOP_WAIT,
+                )
+                self._in_hand(wf, tasks[t])
+        finally:
+            for t in left:  # (also when this wait is cancelled: the hub stopping)
+                self._background(t)  # its end, whatever it is, is nobody's outcome
+
+    def _in_hand(self, wf: Workflow, index: int) -> None:
+        """The outcomes step ``index``, still running, has in hand and has not applied (the one
+        it is deciding by, then those queued), as its end would leave them in
+        ``Workflow.unapplied``: its stop settles it from them. It may be stuck writing a
+        success whose agent is still retrying its store, stored nowhere else yet; fenced from
+        its record, that result would be thrown away (chaos secure seed 179's class)."""
+        step = wf.spec.steps[index]
+        track = self._tracker.track(protocol.task_key(wf.ns, step_task_id(wf.id, index, step)))
+        if track is None:
+            return
+        held = ([track.deciding] if track.deciding is not None else []) + list(track.outcomes)
+        if held:
+            wf.unapplied[index] = held
 
     async def _chain(self, wf: Workflow) -> WorkflowResult:
         spec = wf.spec
