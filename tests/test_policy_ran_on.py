@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings, Step, protocol
+from reach_mesh import Client, MeshSettings, Step, WorkflowResult, protocol
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub
 from reach_mesh.hub._step_track import StepTrack
@@ -142,24 +142,15 @@ async def test_a_branch_that_ran_on_through_its_stop_without_an_outcome_holds_no
             except asyncio.CancelledError:
                 cancelled_at.append(loop.time())  # swallowed, no outcome in hand
                 swallowed.set()
-            until = loop.time() + 4
-            while how == "deaf" and loop.time() < until:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.sleep(until - loop.time())
+            if how == "deaf":
+                await _deaf(4.0)
             return await real_watch(track, pol, deadline)
         finally:
             held_ended.set()
 
     monkeypatch.setattr(engine, "_watch", held)
     async with Client(settings=wf_settings) as mesh:
-        res = await mesh.fanout(
-            [
-                Step(capability="wf:swal:v1", payload=i, task_id=f"swal-{how}-{i}", timeout=10)
-                for i in range(3)
-            ],
-            policy="any",
-            timeout=20,
-        )
+        res = await _any_of_three(mesh, "wf:swal:v1", f"swal-{how}")
         done_at = loop.time()
     assert cancelled_at, "the fanout never cancelled step 2"
     decided_at = cancelled_at[0]
@@ -193,7 +184,6 @@ async def test_a_branch_left_running_with_an_outcome_in_hand_keeps_it(
     from its record as unneeded and reported PENDING (a valid result thrown away)."""
     engine = wf_hub.workflows
     assert engine is not None
-    loop = asyncio.get_running_loop()
     in_hand = asyncio.Event()
     held_ended = asyncio.Event()
 
@@ -220,26 +210,35 @@ async def test_a_branch_left_running_with_an_outcome_in_hand_keeps_it(
                 subject=protocol.task_status(fleet.agents[0].agent_id, "hand-2"),
             )
             in_hand.set()
-            until = loop.time() + 4
-            while loop.time() < until:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.sleep(until - loop.time())
+            await _deaf(4.0)
             return await real_watch(track, pol, deadline)
         finally:
             held_ended.set()
 
     monkeypatch.setattr(engine, "_watch", deaf)
     async with Client(settings=wf_settings) as mesh:
-        res = await mesh.fanout(
-            [
-                Step(capability="wf:hand:v1", payload=i, task_id=f"hand-{i}", timeout=10)
-                for i in range(3)
-            ],
-            policy="any",
-            timeout=20,
-        )
+        res = await _any_of_three(mesh, "wf:hand:v1", "hand")
     assert res.state is TaskState.SUCCEEDED, res
     assert res.steps[2].ok and not res.steps[2].cancelled, res.steps[2]
     assert res.result == [0, None, 2], res.result
     assert res.steps[1].cancelled
     await asyncio.wait_for(held_ended.wait(), timeout=10)
+
+
+async def _deaf(seconds: float) -> None:
+    """Swallow every cancellation for ``seconds``, as an await that swallows them would."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + seconds
+    while loop.time() < until:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(until - loop.time())
+
+
+async def _any_of_three(mesh: Client, capability: str, prefix: str) -> WorkflowResult:
+    """An ``any`` fanout of three steps of ``capability``, payloads 0-2, task ids
+    ``<prefix>-<i>``."""
+    steps = [
+        Step(capability=capability, payload=i, task_id=f"{prefix}-{i}", timeout=10)
+        for i in range(3)
+    ]
+    return await mesh.fanout(steps, policy="any", timeout=20)
