@@ -354,7 +354,7 @@ async def _leader_frozen(
         await _js_ready(urls[0])
         nc = await nats.connect(servers=[urls[0]], dont_randomize=True)
         try:
-            frozen = await _settled_leader(nc.jetstream(timeout=1.0), make, nodes)
+            frozen = await _settled_leader(nc.jetstream(timeout=10.0), make, nodes)
         finally:
             await nc.close()
         assert frozen.proc is not None
@@ -365,7 +365,7 @@ async def _leader_frozen(
         await jsc.start()
         await freeze(frozen.proc.pid, group=True)
         try:
-            yield nc.jetstream(timeout=1.0), jsc, frozen
+            yield nc.jetstream(timeout=3.0), jsc, frozen
         finally:
             os.killpg(frozen.proc.pid, signal.SIGCONT)
             await jsc.stop()
