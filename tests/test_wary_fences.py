@@ -109,8 +109,10 @@ def _record(task_id: str, attempt: int, agent_id: str) -> bytes:
 
 
 async def _send_step(js: Any, kv: Any, task_id: str, agent_id: str) -> None:
-    """Attempt 1 of a step for ``agent_id``: its record, then its work message."""
-    await kv.put(protocol.task_key(_NS, task_id), _record(task_id, 1, agent_id))
+    """Attempt 1 of a step for ``agent_id``: its record (left as it is with ``kv`` None),
+    then its work message."""
+    if kv is not None:
+        await kv.put(protocol.task_key(_NS, task_id), _record(task_id, 1, agent_id))
     env = TaskEnvelope(
         task_id=task_id,
         capability=_CAP,
