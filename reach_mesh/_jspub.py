@@ -173,6 +173,10 @@ class JsClient:
         #: that expires them (``_expect``).
         self._deadlines: deque[tuple[float, str]] = deque()
         self._deadline_timer: asyncio.TimerHandle | None = None
+        #: When hedged publishes not answered by then send again (time, reply token of their
+        #: first try), oldest first, and the one timer that wakes them (``_hedge_due``).
+        self._hedges: deque[tuple[float, str]] = deque()
+        self._hedge_timer: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -380,13 +384,96 @@ class JsClient:
         id is in process" (an earlier try is being stored) waits for the others, as does a try
         that timed out; the last such error is raised when none is left and time is up. Other
         errors are the stream's answer: raised at once. At most ``PUBLISH_HEDGES_MAX`` of this
-        client's publishes send again at a time; one past them waits for its tries."""
+        client's publishes send again at a time; one past them waits for its tries.
+
+        The first try is awaited as :meth:`publish`'s is, with no timer of its own: the
+        client's one hedge timer (``_hedge_due``) wakes it if it is not answered within
+        ``every`` (most are answered in a millisecond), and only then does it wait on several."""
         await self._before_request()
         loop = self._loop
         now = loop.time()
         deadline = now + (self._timeout if timeout is None else timeout)
-        next_try = now
         tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle | None]] = {}
+        token, future, timer = self._expect(deadline - now)
+        self._publishing[token] = future
+        try:
+            self._hedge_at(now + every, token)
+            await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
+            return _ack(await future)
+        except _HedgeDue:
+            # Not answered within ``every``: ``_futures[token]`` is a new future its answer
+            # still resolves; wait on it with the tries sent from now on.
+            future = self._futures[token]
+            if timer is not None:
+                timer.cancel()
+                timer = loop.call_at(deadline, _expire, future)
+            tries[future] = (token, timer)
+        except APIError as err:
+            if getattr(err, "err_code", None) != _IN_PROCESS:
+                raise
+            tries[future] = (token, timer)  # (done: dropped below, its error kept)
+        except nats.errors.TimeoutError:
+            tries[future] = (token, timer)
+        finally:
+            if not tries:
+                self._forget(token, timer)
+                del self._publishing[token]
+        return await self._hedge_on(subject, body, headers, tries, every, deadline)
+
+    def _hedge_at(self, at: float, token: str) -> None:
+        """Wake the hedged publish whose first try is ``token`` at ``at`` if it is not
+        answered by then (``_hedge_due``)."""
+        queue = self._hedges
+        if queue and at < queue[-1][0]:  # (an ``every`` shorter than the last one's)
+            self._loop.call_at(at, self._hedge_one, token)
+            return
+        queue.append((at, token))
+        if self._hedge_timer is None:
+            self._hedge_timer = self._loop.call_at(queue[0][0], self._hedge_due)
+
+    def _hedge_due(self) -> None:
+        """Wake the hedged publishes due to send again; drop the answered ones; set the timer
+        again for the oldest one still waiting."""
+        self._hedge_timer = None
+        queue = self._hedges
+        now = self._loop.time()
+        while queue:
+            at, token = queue[0]
+            if at > now:
+                future = self._futures.get(token)
+                if future is not None and not future.done():
+                    self._hedge_timer = self._loop.call_at(at, self._hedge_due)
+                    return
+            else:
+                self._hedge_one(token)
+            queue.popleft()
+
+    def _hedge_one(self, token: str) -> None:
+        """Wake the hedged publish waiting on ``token``'s answer, if it still waits: its
+        future ends with ``_HedgeDue``, and a new one takes its place under the same token
+        (the answer still resolves it; the deadline queue and a reconnection end it)."""
+        future = self._futures.get(token)
+        if future is None or future.done():
+            return
+        fresh: asyncio.Future[Msg] = self._loop.create_future()
+        self._futures[token] = fresh
+        if token in self._publishing:
+            self._publishing[token] = fresh
+        future.set_exception(_HedgeDue())
+
+    async def _hedge_on(
+        self,
+        subject: str,
+        body: bytes,
+        headers: dict[str, str],
+        tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle | None]],
+        every: float,
+        deadline: float,
+    ) -> Ack:
+        """:meth:`publish_hedged` past its first try's ``every``: a try sent again after each
+        ``every`` without an answer, all awaited, the first ack returned."""
+        loop = self._loop
+        next_try = loop.time()
         failed: BaseException | None = None
         hedging = False  # this publish holds one of the ``PUBLISH_HEDGES_MAX``
         try:
@@ -631,6 +718,11 @@ def _not_caught_up(cluster: ClusterInfo, heard_within: float) -> str | None:
 def _revision(msg: Msg) -> int:
     """The stream sequence of a direct get's answer (0: a status, no message)."""
     return int((msg.headers or {}).get("Nats-Sequence") or 0)
+
+
+class _HedgeDue(Exception):
+    """A hedged publish's first try was not answered within its ``every``
+    (``JsClient._hedge_one``): it sends again."""
 
 
 def _expire(future: asyncio.Future[Msg]) -> None:

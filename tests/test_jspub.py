@@ -495,3 +495,61 @@ async def test_a_hedged_publish_is_sent_again_until_one_try_is_stored(nats_url: 
         await jsc.stop()
     finally:
         await nc.close()
+
+
+async def test_a_hedged_publishs_first_try_answered_late_or_at_once(nats_url: str) -> None:
+    """The first try waits on the client's one hedge timer, not one of its own: answered at
+    once, it is sent once and leaves nothing waiting; answered only after the publish sent
+    again, its answer still counts (its future was replaced under the same reply token). A
+    shorter ``every`` than those queued still wakes on time."""
+    nc = await nats.connect(nats_url)
+    try:
+        jsc = JsClient(nc, timeout=3.0)
+        await jsc.start()
+        loop = asyncio.get_running_loop()
+        ack = b'{"stream":"S","seq":4}'
+        asked = await _scripted_stream(nc, "hedged.fast", [ack, ack])
+        got = await jsc.publish_hedged("hedged.fast", b"x", {"Nats-Msg-Id": "f1"}, every=0.2)
+        assert got == _jspub.Ack("S", 4, False) and len(jsc._hedges) == 1
+        await asyncio.sleep(0.3)  # past its ``every``: nothing sent again, the queue drained
+        assert len(asked) == 1 and not jsc._hedges and jsc._hedge_timer is None
+
+        first: list[str] = []
+
+        async def answer_late(reply: str) -> None:
+            await asyncio.sleep(0.35)
+            await nc.publish(reply, b'{"stream":"S","seq":5,"duplicate":false}')
+
+        async def slow_leader(msg: Msg) -> None:
+            first.append(msg.reply)
+            if len(first) == 1:  # answers the first try 0.35 s late, never the others
+                answering.append(asyncio.create_task(answer_late(msg.reply)))
+
+        answering: list[asyncio.Task[None]] = []
+
+        await nc.subscribe("hedged.late", cb=slow_leader)
+        await nc.flush()
+        t = loop.time()
+        got = await jsc.publish_hedged("hedged.late", b"x", {"Nats-Msg-Id": "f2"}, every=0.2)
+        assert got == _jspub.Ack("S", 5, False) and len(first) == 2
+        assert 0.3 <= loop.time() - t < 0.6
+
+        # A shorter ``every`` than the one queued before it (a timer of its own).
+        never = await _scripted_stream(nc, "hedged.short", [])
+        await _scripted_stream(nc, "hedged.long", [])
+        slow = asyncio.create_task(
+            jsc.publish_hedged("hedged.long", b"x", {"Nats-Msg-Id": "f3"}, every=2.0)
+        )
+        await asyncio.sleep(0.05)
+        with pytest.raises(nats.errors.TimeoutError):
+            await jsc.publish_hedged(
+                "hedged.short", b"x", {"Nats-Msg-Id": "f4"}, every=0.1, timeout=0.35
+            )
+        assert 3 <= len(never) <= 4
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        assert jsc._futures == {} and jsc._publishing == {} and jsc._publish_hedging == 0
+        await jsc.stop()
+    finally:
+        await nc.close()
