@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings, Step, WorkflowResult, protocol
+from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, WorkflowResult, protocol
 from reach_mesh.agent import Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub._step_track import StepTrack
@@ -201,6 +201,96 @@ async def test_an_unneeded_branch_whose_stored_outcome_the_run_never_heard_keeps
         assert res.result == [None] * len(steps), res.result
     rec = await task_record(wf_hub.nc, ns, branch)
     assert rec is None or (rec.state is state and not rec.cancelled), rec
+
+
+async def test_an_unheard_outcome_is_kept_when_another_agents_status_read_fails(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above (``succeeded``), but the unneeded branch had two open attempts on two agents:
+    attempt 1 on a live agent, which stored its success while no hub owned the workflow, and
+    attempt 2 on an agent whose ``REACH_STATUS`` read fails (the stream not answering in
+    time for that subject). The reads are one per agent, newest attempt first: the failed
+    one threw away the success read after it, and the branch was fenced as stopped
+    (PENDING) — a valid result thrown away for a read the step did not need."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    wf_id = "unheard-unread"
+    branch = f"{wf_id}-1"
+    tracker = engine._tracker
+    catch_up, last_status = tracker.catch_up, tracker.last_status
+    gone = f"{ns}.unread.gone"
+    failed: list[str] = []
+
+    async def slow_catch_up(track: StepTrack, *args: Any, **kwargs: Any) -> list[str]:
+        if track.task_id == branch:
+            await asyncio.sleep(1.0)  # (never heard by the run: see above)
+        return await catch_up(track, *args, **kwargs)
+
+    async def unreadable(
+        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+    ) -> TaskStatusEvent | None:
+        if task_id == branch and agent_id == gone:
+            failed.append(agent_id)
+            raise MeshUnavailableError("REACH_STATUS did not answer")
+        return await last_status(ns_, task_id, agent_id, patient=patient)
+
+    monkeypatch.setattr(tracker, "catch_up", slow_catch_up)
+    monkeypatch.setattr(tracker, "last_status", unreadable)
+    agent = echo_agent(fleet, "unread.a1", "wf:unread:v1")
+    await agent.start()
+    steps = [Step(capability="wf:unread:v1", payload=i, timeout=10, retries=1) for i in range(2)]
+    async with Client(settings=wf_settings) as mesh:
+        js = await _owned_by_a_gone_hub(mesh, ns, wf_id, steps, "any", agent.agent_id)
+        tasks = await js.key_value(protocol.KV_TASKS)
+        done = TaskRecord(
+            task_id=f"{wf_id}-0",
+            workflow_id=wf_id,
+            step=0,
+            namespace=ns,
+            state=TaskState.SUCCEEDED,
+            attempt=1,
+            agent_id=agent.agent_id,
+            decided_by=1,
+            result="v0",
+            history=[AttemptRecord(attempt=1, agent_id=agent.agent_id, state=TaskState.SUCCEEDED)],
+        )
+        await tasks.put(protocol.task_key(ns, done.task_id), protocol.encode(done))
+        # The branch's attempt 2 went to another agent (attempt 1's unheard, as after a
+        # takeover); attempt 1 stored its success meanwhile.
+        two = TaskRecord(
+            task_id=branch,
+            workflow_id=wf_id,
+            step=1,
+            namespace=ns,
+            attempt=2,
+            agent_id=gone,
+            history=[
+                AttemptRecord(attempt=1, agent_id=agent.agent_id, state=TaskState.RUNNING),
+                AttemptRecord(attempt=2, agent_id=gone),
+            ],
+        )
+        await tasks.put(protocol.task_key(ns, branch), protocol.encode(two))
+        status = TaskStatusEvent(
+            task_id=branch,
+            attempt=1,
+            agent_id=agent.agent_id,
+            state=TaskState.SUCCEEDED,
+            workflow_id=wf_id,
+            step=1,
+            result="v1",
+        )
+        await js.publish(protocol.task_status(agent.agent_id, branch), protocol.encode(status))
+        await mesh.submit_fanout(steps, policy="any", workflow_id=wf_id, timeout=30)
+        res = await mesh.workflow(wf_id, timeout=15)
+    assert failed, "the branch's stop never read the failing agent's status"
+    assert res.state is TaskState.SUCCEEDED, res
+    got = res.steps[1]
+    assert got.state is TaskState.SUCCEEDED and not got.cancelled, res.steps
+    assert got.decided_by == 1 and got.result == "v1", got
+    rec = await task_record(wf_hub.nc, ns, branch)
+    assert rec is not None and rec.state is TaskState.SUCCEEDED and not rec.cancelled, rec
+    assert rec.decided_by == 1 and rec.result == "v1", rec
 
 
 @pytest.mark.parametrize("same_hub", [False, True], ids=["another-hub", "this-hub"])

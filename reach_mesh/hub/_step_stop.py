@@ -309,14 +309,24 @@ class StepStopping(StepRunner):
         before the last takeover, chaos-184-00828's first success). Kept, it decides the step
         as a branch that ran on to its outcome does (``_fanout``'s ``ran_on``). The owner's
         own branches (``mine``, no takeover) heard every outcome its subscription delivered
-        (those not applied are ``Workflow.unapplied``): stopped with no read."""
-        try:
-            event, _ = await self._stored_outcome(wf, index, rec, patient=False, held=False)
-        except Exception:
+        (those not applied are ``Workflow.unapplied``): stopped with no read.
+
+        The reads are one per attempt's agent: one that fails leaves out that agent's outcome
+        only, not one another agent's read found (which decides the step as well; a branch
+        stopped for a read of a third agent it did not need lost it)."""
+        unread: list[Exception] = []
+        event, _ = await self._stored_outcome(
+            wf, index, rec, patient=False, held=False, unread=unread
+        )
+        if unread:
             log.debug(
-                "%s: its stored status could not be read to stop it", rec.task_id, exc_info=True
+                "%s: the stored status of %d of its attempts' agents could not be read to stop "
+                "it%s",
+                rec.task_id,
+                len(unread),
+                "" if event is None else " (stopped with another's)",
+                exc_info=unread[0],
             )
-            return None
         return event
 
     def _unapplied(self, wf: Workflow, index: int, rec: TaskRecord) -> TaskStatusEvent | None:
@@ -384,6 +394,7 @@ class StepStopping(StepRunner):
         *,
         patient: bool = True,
         held: bool = True,
+        unread: list[Exception] | None = None,
     ) -> tuple[TaskStatusEvent | None, bool]:
         """The final status an attempt of ``rec`` stored in ``REACH_STATUS`` (the current
         attempt's first, else the earliest attempt's) or, none being stored, the outcome its
@@ -392,7 +403,9 @@ class StepStopping(StepRunner):
         ``_step`` would have taken it (``settles``): a success, a failure not to be retried,
         or one past the step's retries (a TIMEOUT with ``retries=0``). Raises when the stream
         does not answer (read ``patient``-ly): the workflow goes back to JetStream rather
-        than a result be thrown away."""
+        than a result be thrown away — unless ``unread`` is given: then an agent's read that
+        fails is added to it and skipped, and what the others' reads found is answered (best
+        effort: a success the failed read would have found is not preferred to it)."""
         # Attempts whose outcome the hub has not handled: one it had handled (a failure it
         # retried) is in the history with its final state, and decided nothing.
         open_ = {
@@ -412,7 +425,15 @@ class StepStopping(StepRunner):
 
         found: list[TaskStatusEvent] = []
         for agent_id in agents[:_SETTLE_AGENTS]:
-            last = await self._tracker.last_status(wf.ns, rec.task_id, agent_id, patient=patient)
+            try:
+                last = await self._tracker.last_status(
+                    wf.ns, rec.task_id, agent_id, patient=patient
+                )
+            except Exception as err:
+                if unread is None:
+                    raise
+                unread.append(err)
+                continue
             if last is None or (last.attempt, last.agent_id) not in open_:
                 continue
             if last.workflow_id is not None and last.workflow_id != wf.id:
