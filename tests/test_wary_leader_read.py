@@ -30,6 +30,7 @@ from reach_mesh.models import TaskEnvelope
 from reach_mesh.workflow import TaskRecord
 
 from .helpers import cluster_nodes, eventually, freeze
+from .test_agent_sdk import parse
 from .test_cluster import _js_ready
 from .test_wary_fences import _CAP, _NS, _TASKS, _record, _send_step
 
@@ -119,6 +120,7 @@ async def test_a_wary_agent_runs_a_step_while_a_follower_of_the_records_is_froze
             await eventually(lambda: work.fenced > fenced, timeout=8)
             assert "wlr-gone" not in runs
             assert work.leader_reads.answered >= 2
+            assert _leader_reads(agent, "answered") == work.leader_reads.answered
             assert agent.wary()  # a hub's read says nothing of the replicas: still wary
             found = hub.metrics.record_reads_total.labels("found")._value.get()
             assert found >= 2
@@ -132,6 +134,12 @@ async def test_a_wary_agent_runs_a_step_while_a_follower_of_the_records_is_froze
             os.kill(pid, signal.SIGCONT)
         for node in nodes:
             node.stop()
+
+
+def _leader_reads(agent: Agent, outcome: str) -> float:
+    """``reach_agent_leader_reads_total{outcome}`` as the agent exports it."""
+    samples = parse(agent.metrics.render())
+    return samples[("reach_agent_leader_reads_total", (("outcome", outcome),))]
 
 
 async def _ask(nc: NATS, subject: str, body: bytes) -> dict[str, Any]:
@@ -218,6 +226,8 @@ async def test_a_wary_agent_reads_through_a_hub_only_when_its_replica_check_fail
         got = await work._record(env)
         assert got is not None and got.attempt == 2
         assert work.leader_reads.answered == 0 and not agent.wary()
+        # Both outcomes exported from the start, at 0.
+        assert _leader_reads(agent, "answered") == _leader_reads(agent, "unanswered") == 0
 
         async def behind(bucket: str, *, heard_within: float) -> None:
             raise MeshUnavailableError("KV_reach_tasks: replica(s) n1 behind its leader n0")
@@ -227,7 +237,9 @@ async def test_a_wary_agent_reads_through_a_hub_only_when_its_replica_check_fail
         got = await work._record(env)
         assert got is not None and got.attempt == 2
         assert work.leader_reads.answered == 1 and agent.wary()
+        assert _leader_reads(agent, "answered") == 1
         await hub.close()  # no hub answers: the read fails, the step would wait
         with pytest.raises(MeshUnavailableError, match="behind its leader"):
             await work._record(env)
         assert work.leader_reads.unanswered == 1
+        assert _leader_reads(agent, "unanswered") == 1 and _leader_reads(agent, "answered") == 1

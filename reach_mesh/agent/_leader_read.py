@@ -53,7 +53,8 @@ class LeaderReads:
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
-        #: Steps whose records a hub read at the leader, and asks that got no record.
+        #: Steps whose records a hub read at the leader, and reads no hub answered (not asked,
+        #: no answer, an error): ``reach_agent_leader_reads_total{outcome}``.
         self.answered = 0
         self.unanswered = 0
         #: Since when (monotonic) wary reads' checks have failed, None while they pass.

@@ -120,13 +120,16 @@ class WorkConsumer(HeldSteps):
 
     def counts(self) -> dict[str, int]:
         """The step counters (exported as ``reach_agent_steps_dropped_total``,
-        ``reach_agent_fence_reads_total`` and ``reach_agent_fence_markers_total``)."""
+        ``reach_agent_fence_reads_total``, ``reach_agent_fence_markers_total`` and
+        ``reach_agent_leader_reads_total``)."""
         return {
             "fenced": self.fenced,
             "duplicate": self.duplicates,
             "cached": self.cached,
             "fence_reads": self.fence_reads,
             "markers": self.fences.markers,
+            "leader_reads_answered": self.leader_reads.answered,
+            "leader_reads_unanswered": self.leader_reads.unanswered,
         }
 
     def checking(self, task_id: str) -> bool:

@@ -632,8 +632,8 @@ class _Together(Collector):
 
 
 class _StepCounts(Collector):
-    """``reach_agent_steps_dropped_total`` (by reason), ``reach_agent_fence_reads_total`` and
-    ``reach_agent_fence_markers_total``."""
+    """``reach_agent_steps_dropped_total`` (by reason), ``reach_agent_fence_reads_total``,
+    ``reach_agent_fence_markers_total`` and ``reach_agent_leader_reads_total`` (by outcome)."""
 
     def __init__(self, read: Callable[[], dict[str, int]]) -> None:
         self._read = read
@@ -661,6 +661,17 @@ class _StepCounts(Collector):
             "Fence markers received: a hub gave up an attempt it had sent this agent.",
             value=counts.get("markers", 0),
         )
+        leader = CounterMetricFamily(
+            "reach_agent_leader_reads",
+            "Wary fence reads whose replica check failed, asked of a hub to read the task "
+            "record at its stream's leader (verb record), by outcome: answered (the step went "
+            "on from the hub's read), unanswered (no hub answered, or it answered an error: "
+            "the step waits).",
+            labels=["outcome"],
+        )
+        for outcome in ("answered", "unanswered"):
+            leader.add_metric([outcome], counts.get(f"leader_reads_{outcome}", 0))
+        yield leader
 
 
 async def serve_metrics(
