@@ -1210,6 +1210,65 @@ async def test_an_agent_consumes_only_its_own_work_subject(mesh: Mesh, as_identi
     await rogue.publish_denied(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", body)
 
 
+async def test_a_wary_agent_reads_its_namespaces_records_at_the_leader_through_a_hub(
+    mesh: Mesh, as_identity: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verb ``record`` under the per-identity permissions: the victim's wary fence read, its
+    replica check failing, is read at the stream's leader by the hub — asked on its own
+    subject, answered into its private inbox — and the step's record is the one it gets. An
+    agent asks on its own subject only: another agent's is refused by the server
+    (``test_agent_verbs_for_another_id_refused_by_server[record]``), and so is its own
+    service and instance under another namespace, a wildcard subject, and the verb from a
+    caller or the operator. On its own subject it reads what its direct gets read, its
+    namespace's records (of any agent: the namespace is the boundary), and no body names
+    another namespace's key."""
+    from reach_mesh.agent._work import WorkConsumer
+    from reach_mesh.models import TaskEnvelope
+    from reach_mesh.workflow import TaskRecord
+
+    tasks = await mesh.hub.nc.jetstream().key_value(protocol.KV_TASKS)
+    mine = TaskRecord(task_id="sec-rec", workflow_id="wf", step=0, namespace=NS, attempt=2)
+    rev = await tasks.put(protocol.task_key(NS, "sec-rec"), protocol.encode(mine))
+    theirs = mine.model_copy(update={"namespace": "other", "attempt": 9})
+    await tasks.put(protocol.task_key("other", "sec-rec"), protocol.encode(theirs))
+    victim = mesh.victim
+    work = victim.work
+    assert isinstance(work, WorkConsumer)
+    await eventually(lambda: work._tasks_kv is not None and work._jsc is not None)
+    assert work._jsc is not None
+    env = TaskEnvelope(task_id="sec-rec", capability=CAP, namespace=NS, workflow_id="wf", step=0)
+
+    async def behind(bucket: str, *, heard_within: float) -> None:
+        raise MeshUnavailableError("KV_reach_tasks: replica(s) n1 behind its leader n0")
+
+    found = mesh.hub.metrics.record_reads_total.labels("found")._value.get()
+    answered = work.leader_reads.answered
+    monkeypatch.setattr(work._jsc, "replicas_caught_up", behind)
+    victim._be_wary(10.0)
+    got = await work._record(env)
+    assert got is not None and got.attempt == 2 and got.namespace == NS
+    assert work.leader_reads.answered == answered + 1 and victim.wary()
+    assert mesh.hub.metrics.record_reads_total.labels("found")._value.get() == found + 1
+    monkeypatch.undo()
+    await asyncio.sleep(0.3)  # (a failed check answers for the next ones for 0.25 s)
+    assert (await work._record(env)) is not None and not victim.wary()  # (as it was)
+
+    rogue = await as_identity("agent", ROGUE)
+    own = protocol.hub_agent_subject(ROGUE, "record")
+    out = await ask(rogue, own, b'{"task_id": "sec-rec"}')
+    assert out["revision"] == rev and out["record"]["attempt"] == 2, out
+    out = await ask(rogue, own, json.dumps({"task_id": "other.sec-rec"}).encode())
+    assert out["error"]["code"] == "REACH_BAD_REQUEST", out
+    assert not rogue.errors
+    elsewhere = protocol.hub_agent_subject(f"other.{ROGUE.split('.', 1)[1]}", "record")
+    await rogue.publish_denied(elsewhere, b'{"task_id": "sec-rec"}')
+    await rogue.publish_denied("reach.hub.*.record.rogue.a1", b'{"task_id": "sec-rec"}')
+    for role, name in (("caller", NS), ("caller", "other"), ("operator", "admin")):
+        conn = await as_identity(role, name)
+        await conn.publish_denied(own, b'{"task_id": "sec-rec"}')
+        await conn.publish_denied(elsewhere, b'{"task_id": "sec-rec"}')
+
+
 @pytest.mark.parametrize("target", ["task", "ctl"])
 async def test_a_push_delivery_to_another_agents_subject_is_dropped(
     mesh: Mesh, as_identity: Any, target: str

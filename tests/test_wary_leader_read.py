@@ -10,6 +10,7 @@ at the leader for them (``hub/_record_read.py``, ``agent/_leader_read.py``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from reach_mesh import protocol
+from reach_mesh._auth import AuthDir
 from reach_mesh.agent import Agent, Task
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshUnavailableError
@@ -31,39 +33,52 @@ from reach_mesh.workflow import TaskRecord
 
 from .helpers import cluster_nodes, eventually, freeze
 from .test_agent_sdk import parse
-from .test_cluster import _js_ready
 from .test_wary_fences import _CAP, _NS, _TASKS, _record, _send_step
 
 
 @pytest.mark.xdist_group("clusters")
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("secure", [False, True], ids=["open", "secure"])
 async def test_a_wary_agent_runs_a_step_while_a_follower_of_the_records_is_frozen(
-    tmp_path: Path,
+    tmp_path: Path, secure: bool
 ) -> None:
     """One follower of ``KV_reach_tasks`` frozen (SIGSTOP), the leader with its quorum: a wary
     agent's step runs within seconds, its record read at the leader by a hub; a step whose
-    record moved on is still dropped. Without the hub read it waited out the whole freeze."""
-    nodes = cluster_nodes(tmp_path, name="wlr")
+    record moved on is still dropped. Without the hub read it waited out the whole freeze.
+
+    ``secure``: every process with its own identity and NATS permissions (``reach-mesh
+    auth``), as in chaos secure runs: the agent asks on its own subject, the hub answers into
+    its inbox (the test's own connection is a hub's, which may write records and work)."""
+    agent_id = f"{_NS}.wlr.a1"
+    auth = AuthDir(tmp_path / "auth")
+    if secure:
+        auth.init(namespace=_NS)
+        auth.add("agent", agent_id)
+    nodes = cluster_nodes(tmp_path, name="wlr", auth_config=auth.auth_conf if secure else None)
     for node in nodes:
         node.start()
     pid = None
     try:
-        await _js_ready(nodes[0].url)
-        settings = MeshSettings(
-            nats_url=nodes[0].url,
-            namespace=_NS,
-            kv_replicas=3,
-            heartbeat_interval=0.5,
-            lease_timeout=1.5,
-            suspect_timeout=1.0,
-            work_ack_wait=2.0,
-            audit_enabled=False,
-        )
-        other = await nats.connect(nodes[0].url)
+        fields: dict[str, Any] = {
+            "nats_url": nodes[0].url,
+            "namespace": _NS,
+            "kv_replicas": 3,
+            "heartbeat_interval": 0.5,
+            "lease_timeout": 1.5,
+            "suspect_timeout": 1.0,
+            "work_ack_wait": 2.0,
+            "audit_enabled": False,
+        }
+        hub_settings = MeshSettings(**fields)
+        agent_settings = hub_settings
+        if secure:
+            hub_settings = auth.settings("hub", "main", **fields)
+            agent_settings = auth.settings("agent", agent_id, **fields)
+        other = await _js_ready_as(hub_settings)
         js = other.jetstream(timeout=5.0)
         runs: list[str] = []
-        async with Hub(settings=settings, hub_id="hub-wlr") as hub:
-            agent = Agent(f"{_NS}.wlr.a1", settings=settings)
+        async with Hub(settings=hub_settings, hub_id="hub-wlr") as hub:
+            agent = Agent(agent_id, settings=agent_settings)
 
             @agent.handler(_CAP)
             async def step(task: Task[Any]) -> str:
@@ -134,6 +149,27 @@ async def test_a_wary_agent_runs_a_step_while_a_follower_of_the_records_is_froze
             os.kill(pid, signal.SIGCONT)
         for node in nodes:
             node.stop()
+
+
+async def _js_ready_as(settings: MeshSettings, timeout: float = 20.0) -> NATS:
+    """A connection with ``settings``' identity (none in open mode), once the cluster has a
+    JetStream meta leader (``test_cluster._js_ready``, which connects with none)."""
+    assert settings.nats_url is not None
+    nc = await nats.connect(
+        settings.nats_url,
+        nkeys_seed=settings.nats_nkey_seed,
+        inbox_prefix=settings.nats_inbox_prefix or "_INBOX",
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await nc.jetstream().account_info()
+            return nc
+        except Exception:
+            if time.monotonic() > deadline:
+                await nc.close()
+                raise
+            await asyncio.sleep(0.2)
 
 
 def _leader_reads(agent: Agent, outcome: str) -> float:
