@@ -18,6 +18,9 @@ from .harness import FAULTS, ChaosConfig, ChaosRun, run_chaos
 
 def _assert_invariants(run: ChaosRun) -> None:
     print("\n" + run.table())
+    # Every hub of the config was serving when the faults began (one that exited at start or
+    # did not serve within ``HUB_START_WAIT`` makes a run of fewer hubs than it says).
+    assert not run.hubs_not_up, run.table()
     assert run.faults > 0 or run.cfg.fault in ("none", "slow"), "no fault was injected"
     assert run.report.workflows > 0
     # Cancels were sent and some took effect: the cancel checks did not pass for want of any.
