@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError
@@ -263,6 +264,43 @@ async def or_reconnected(nc: NATS, aw: Awaitable[T], *, reconnects: Reconnects |
     if done is None:
         raise Reconnected
     return done.result()
+
+
+async def hedged_request(
+    nc: NATS, subject: str, payload: bytes, *, timeout: float, every: float
+) -> Msg:
+    """``nc.request``, sent again after each ``every`` seconds without an answer while the
+    earlier tries may still answer; the first answer. For a request any member of a queue
+    group may answer and that is safe to repeat (an agent's registration): one sent to a
+    member that does not answer (paused, wedged) is asked of another within ``every``,
+    rather than waited on for ``timeout``. No responders, or any error but a timeout, is
+    raised at once; ``nats.errors.TimeoutError`` when no try is answered within ``timeout``.
+    Not for hot paths: a task per try."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    tries: set[asyncio.Task[Msg]] = set()
+    try:
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise nats.errors.TimeoutError
+            tries.add(loop.create_task(nc.request(subject, payload, timeout=left)))
+            done, _ = await asyncio.wait(
+                tries, timeout=min(every, left), return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                tries.discard(task)
+                err = task.exception()
+                if err is None:
+                    return task.result()
+                if not isinstance(err, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+                    raise err
+    finally:
+        for task in tries:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # (retrieved: a try answered late is not logged)
 
 
 def refused_messages(nc: NATS | None) -> int:

@@ -19,7 +19,7 @@ import nats
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
-from reach_mesh.agent._agent import _BEAT_TRIES
+from reach_mesh.agent._agent import _BEAT_TRIES, _REGISTER_HEDGE
 from reach_mesh.hub import Hub
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import AgentState
@@ -38,9 +38,9 @@ def _agent(agent_id: str, settings: MeshSettings) -> Agent:
 
 
 @asynccontextmanager
-async def _silent_hub(settings: MeshSettings) -> AsyncIterator[list[str]]:
-    """A member of the hubs' queue group that takes every heartbeat it is given and never
-    answers; yields the subjects of the beats it took."""
+async def _silent_hub(settings: MeshSettings, verb: str = "heartbeat") -> AsyncIterator[list[str]]:
+    """A member of the hubs' queue group that takes every heartbeat (or other agent ``verb``)
+    it is given and never answers; yields the subjects of the requests it took."""
     assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     taken: list[str] = []
@@ -49,7 +49,7 @@ async def _silent_hub(settings: MeshSettings) -> AsyncIterator[list[str]]:
         taken.append(msg.subject)
 
     sub = await nc.subscribe(
-        protocol.hub_agent_subject("*.*.*", "heartbeat"), queue=protocol.HUB_QUEUE, cb=swallow
+        protocol.hub_agent_subject("*.*.*", verb), queue=protocol.HUB_QUEUE, cb=swallow
     )
     await flushed(nc)  # in the queue group before the caller's agents beat
     try:
@@ -113,3 +113,37 @@ async def test_a_silent_hub_costs_no_agent_its_lease(settings: MeshSettings) -> 
     assert taken, "the silent hub was never given a beat"
     assert states == [AgentState.ONLINE, AgentState.ONLINE]
     assert not [st for _, st in during if st in (AgentState.SUSPECT, AgentState.LOST)], during
+
+
+async def test_a_registration_given_to_a_silent_hub_is_asked_of_another(
+    settings: MeshSettings,
+) -> None:
+    """A registration the queue group hands to a silent hub is sent again after
+    ``_REGISTER_HEDGE`` (1 s), the first try still awaited, and a hub that answers registers
+    the agent: its start waits about that long, not the request's 5 s timeout and a retry.
+    Agents are started until the silent hub has been given one (a group of two picks it at
+    random: half of them)."""
+    loop = asyncio.get_running_loop()
+    took: dict[str, float] = {}
+    agents: list[Agent] = []
+    async with Hub(settings=settings) as hub, _silent_hub(settings, "register") as taken:
+        try:
+            for n in range(20):
+                agent = _agent(f"pause.echo.r{n}", settings)
+                agents.append(agent)
+                t = loop.time()
+                await agent.start()
+                took[agent.agent_id] = loop.time() - t
+                assert agent.agent_id in hub.registry.agents
+                if taken:
+                    break
+        finally:
+            for agent in agents:
+                await agent.close()
+    assert taken, "the silent hub was never given a registration"
+    silent = protocol.hub_agent_subject(agents[-1].agent_id, "register")
+    assert set(taken) == {silent}, taken
+    # The one given to the silent hub: a hedge interval per try it took (the next try too
+    # may go to it), not the 5 s timeout; the others at once.
+    assert _REGISTER_HEDGE <= took[agents[-1].agent_id] < _REGISTER_HEDGE * len(taken) + 1.0
+    assert all(t < 1.0 for a, t in took.items() if a != agents[-1].agent_id), took

@@ -42,6 +42,7 @@ from reach_mesh._nats import (
     connect,
     connection_counts,
     flushed,
+    hedged_request,
     or_reconnected,
     refusals_of,
     refused_first,
@@ -100,6 +101,10 @@ _AGENT_QUEUE: Final = "reach-agent"
 #: again at once, the beat most likely reaches another hub, and a beat that found no hub in all
 #: its tries still leaves the lease (at least 3 intervals) a whole interval to spare.
 _BEAT_TRIES: Final = 3
+#: A registration not answered within this long is sent again, to whichever hub the queue
+#: group picks, while the earlier tries are still awaited (``_nats.hedged_request``): a hub
+#: registers an agent in a few milliseconds, or in seconds while JetStream elects a leader.
+_REGISTER_HEDGE: Final = 1.0
 #: Seconds an agent starting keeps trying to connect to a NATS server whose port answers, and
 #: to register with a hub, before ``start()`` gives up (``connect_timeout`` when longer).
 _PATIENCE: Final = 30.0
@@ -474,7 +479,11 @@ class Agent(IdentityMixin, ServingMixin):
                 # A subject this identity may not publish fails at once, not after `patience`;
                 # an answer lost with a dropped connection is asked again once it is back (a
                 # registration is safe to repeat), not at the timeout.
-                asked = self.nc.request(subject, protocol.encode(req), timeout=5.0)
+                # Asked of another hub after each ``_REGISTER_HEDGE`` without an answer (the
+                # earlier tries still awaited): one hub paused or wedged is not waited on.
+                asked = hedged_request(
+                    self.nc, subject, protocol.encode(req), timeout=5.0, every=_REGISTER_HEDGE
+                )
                 msg = await refused_first(self.nc, subject, or_reconnected(self.nc, asked))
                 reply = protocol.parse_reply(msg.data, RegisterReply)
                 self.state = reply.state
