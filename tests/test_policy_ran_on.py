@@ -10,10 +10,12 @@ import contextlib
 from typing import Any
 
 import pytest
+from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, Step, WorkflowResult, protocol
 from reach_mesh.agent import Task, TaskFailed
-from reach_mesh.hub import Hub
+from reach_mesh.hub import Hub, _shapes
+from reach_mesh.hub._step_state import Workflow
 from reach_mesh.hub._step_track import StepTrack
 from reach_mesh.models import TaskState
 
@@ -223,6 +225,99 @@ async def test_a_branch_left_running_with_an_outcome_in_hand_keeps_it(
     assert res.result == [0, None, 2], res.result
     assert res.steps[1].cancelled
     await asyncio.wait_for(held_ended.wait(), timeout=10)
+
+
+@pytest.mark.parametrize("backstop", ["on", "off"])
+async def test_a_branch_cancelled_as_its_status_read_is_answered_stops_at_the_read(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    backstop: str,
+) -> None:
+    """An ``any`` fanout of three steps is decided by step 0 while step 2's runner reads the
+    status stream (``StatusTracker.catch_up``, as its probe of a silent attempt does: nats-py's
+    ``get_last_msg``, a request awaited in ``asyncio.wait_for``), and the answer to that read
+    comes in the very iteration in which the fanout cancels the branch: held back from the
+    read until the fanout decides, and handed to it just before ``_end_branches`` cancels.
+
+    Python 3.11's ``wait_for`` returned the answer and swallowed the cancel; the branch ran on
+    (chaos secure seed 184, ``node_stop``, chaos-184-00972: step 2 ran on for 23 s through five
+    new attempts). Now the read raises ``CancelledError`` (``_nats._Connection``) and the
+    branch ends there. ``off``: without d5aeec7's backstop (``Workflow.halted``, and one
+    cancel instead of one every 50 ms), so that the fix alone is what stops it."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    loop = asyncio.get_running_loop()
+    if backstop == "off":
+        monkeypatch.setattr(Workflow, "halted", lambda self: False)
+        monkeypatch.setattr(_shapes, "BRANCH_RECANCEL", 6.0)
+        monkeypatch.setattr(_shapes, "BRANCH_STOP_WAIT", 6.0)
+    answered = asyncio.Event()  # step 2's read was answered (its answer held back)
+    held: list[tuple[asyncio.Future[Msg], asyncio.Future[Msg]]] = []  # (the read's, the answer)
+    branch: list[asyncio.Task[Any]] = []
+    at_read: list[str] = []
+    decided_at: list[float] = []
+
+    async def work(task: Task[Any]) -> Any:
+        if task.payload == 0:
+            await answered.wait()  # decides while step 2's read waits for its answer
+            return 0
+        await asyncio.sleep(8)
+        return task.payload
+
+    agent = fleet.agent("read.a")
+    agent.handler("wf:read:v1")(work)
+    await agent.start()
+    nc = engine._tracker._js_patient._nc  # the connection its status reads go through
+
+    class HoldAnswer(dict[str, "asyncio.Future[Msg]"]):
+        """nats-py's ``_resp_map``: step 2's read's answer goes to a future of the test's."""
+
+        def __setitem__(self, token: str, future: asyncio.Future[Msg]) -> None:
+            if not held and branch and asyncio.current_task() is branch[0]:
+                answer: asyncio.Future[Msg] = loop.create_future()
+                answer.add_done_callback(lambda _: answered.set())
+                held.append((future, answer))
+                future = answer
+            super().__setitem__(token, future)
+
+    real_watch = engine._watch
+    real_end = engine._end_branches
+
+    async def read_then_watch(track: StepTrack, pol: Any, deadline: float) -> Any:
+        if track.task_id != "read-2" or branch:
+            return await real_watch(track, pol, deadline)
+        me = asyncio.current_task()
+        assert me is not None
+        branch.append(me)
+        monkeypatch.setattr(nc, "_resp_map", HoldAnswer(nc._resp_map))
+        try:
+            await engine._tracker.catch_up(track, [agent.agent_id], patient=True)
+        except asyncio.CancelledError:
+            at_read.append("cancelled")
+            raise
+        at_read.append("ran on")
+        return await real_watch(track, pol, deadline)
+
+    async def end_branches(wf: Workflow, tasks: Any, pending: Any) -> None:
+        decided_at.append(loop.time())
+        if held and not held[0][0].done():
+            read, answer = held[0]
+            read.set_result(answer.result())  # the answer comes in as the cancel lands
+        await real_end(wf, tasks, pending)
+
+    monkeypatch.setattr(engine, "_watch", read_then_watch)
+    monkeypatch.setattr(engine, "_end_branches", end_branches)
+    async with Client(settings=wf_settings) as mesh:
+        res = await _any_of_three(mesh, "wf:read:v1", "read")
+        done_at = loop.time()
+    assert held and decided_at, "step 2's read was not under way when the fanout decided"
+    assert at_read == ["cancelled"], f"the branch {at_read} through its cancel at the read"
+    assert branch[0].cancelled()
+    assert done_at - decided_at[0] < 2.0, f"result stored {done_at - decided_at[0]:.2f}s after"
+    assert res.state is TaskState.SUCCEEDED and res.result == [0, None, None], res
+    assert res.steps[1].cancelled and res.steps[2].cancelled, res.steps
 
 
 async def _deaf(seconds: float) -> None:
