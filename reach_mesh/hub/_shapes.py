@@ -335,7 +335,8 @@ class WorkflowShapes(StepStopping):
         if decided:
             # A branch that ran on to its outcome through the cancel (an await in it swallowed
             # the cancellation: Python 3.11's ``wait_for``, under nats-py's requests, returns
-            # a result that came with it) decided its step: that outcome is kept, not fenced
+            # a result that came with it — raised again now, ``_nats._Connection``; or one
+            # that came as the branch ended) decided its step: that outcome is kept, not fenced
             # as unneeded. Its record was read PENDING by the stop (an outcome of the current
             # attempt writes nothing) and the result thrown away — chaos secure seed 179,
             # ``partition``, chaos-179-00590: a SUCCEEDED stored 1 s before the deciding one,
@@ -411,13 +412,15 @@ class WorkflowShapes(StepStopping):
     ) -> None:
         """Cancel the fanout's branches still running (``pending``), and wait for them to end:
         cancelled again every ``BRANCH_RECANCEL`` s, for up to ``BRANCH_STOP_WAIT`` s. An await
-        may swallow a cancellation (nats-py's ``_flush_pending``; Python 3.11's ``wait_for``
-        under its requests, when the answer came with the cancel): waited for once, such a
-        branch held the result and the stop of every other unneeded branch up while it ran
-        on, recording and sending new attempts — chaos secure seed 184, ``node_stop``,
+        swallowed a cancellation — Python 3.11's ``wait_for`` under nats-py's requests (the
+        branch's status stream read), when the answer came with the cancel: waited for once,
+        such a branch held the result and the stop of every other unneeded branch up while it
+        ran on, recording and sending new attempts — chaos secure seed 184, ``node_stop``,
         chaos-184-00972: an ``any`` fanout decided at 20.04 stored its result at 43.02, and an
-        unneeded step, fenced only then, ran its attempt 16 at 42.04. A branch that runs on
-        starts nothing new (``Workflow.branches_stopped``). One still running past the wait is
+        unneeded step, fenced only then, ran its attempt 16 at 42.04. nats-py's swallowing
+        awaits raise it now (``_nats._Connection``, ``reach_mesh._cancels``); these cancels
+        again, and ``Workflow.branches_stopped`` (a branch that runs on starts nothing new),
+        are the backstop for any other await that would. One still running past the wait is
         left to end by itself (its step is fenced below all the same)."""
         wf.branches_stopped = True
         loop = self._loop

@@ -177,7 +177,8 @@ class Workflow:
         """Whether the step that asks was stopped — a fanout's branch its fanout no longer
         waits for (``branches_stopped``), a chain's step a cancel interrupted — and runs on
         only because an await in it swallowed the cancellation (Python 3.11's ``wait_for``,
-        under nats-py's requests, returns a result that came with the cancel). Such a step
+        under nats-py's requests, returns a result that came with the cancel: raised again
+        now, ``_nats._Connection``; this is the backstop for any other such await). Such a step
         records and sends no new attempt and watches none on (``StepRunner._step``, ``_watch``):
         it ends as cancelled, and its shape stops it as any other. An outcome it has in hand
         still decides it (``WorkflowShapes._fanout``'s ``ran_on``)."""
