@@ -15,14 +15,17 @@ import pytest
 from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, WorkflowResult, protocol
 from reach_mesh.agent import Task
 from reach_mesh.hub import Hub
+from reach_mesh.hub._step_state import Workflow
 from reach_mesh.hub._step_track import StepTrack
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import (
     AttemptRecord,
     StepResult,
+    StepSpec,
     TaskRecord,
     TaskStatusEvent,
     WorkflowRecord,
+    WorkflowSpec,
     spec_digest,
 )
 
@@ -465,3 +468,70 @@ async def _owned_by_a_gone_hub(
     wfs = await js.key_value(protocol.KV_WORKFLOWS)
     await wfs.put(protocol.workflow_key(ns, wf_id), protocol.encode(record))
     return js
+
+
+async def test_an_unneeded_branchs_status_reads_are_made_at_once(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A branch with three open attempts on three agents, stopped while ``REACH_STATUS``
+    answers none of them in time (each read fails after its timeout): the reads run at once,
+    so the stop waits one read's timeout, not one per agent; what one read finds is kept.
+    (They were one after another: a stream without a leader held each stop up to four.)"""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    agents = [f"{ns}.reads.a{n}" for n in range(3)]
+    success = TaskStatusEvent(
+        task_id="reads-1",
+        attempt=1,
+        agent_id=agents[0],
+        state=TaskState.SUCCEEDED,
+        workflow_id="reads",
+        step=1,
+        result="kept",
+    )
+    answering: set[str] = set()
+
+    async def slow_reads(
+        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+    ) -> TaskStatusEvent | None:
+        await asyncio.sleep(0.5)  # (the status read's timeout, shortened)
+        if agent_id in answering:
+            return success
+        raise MeshUnavailableError("REACH_STATUS did not answer")
+
+    monkeypatch.setattr(tracker, "last_status", slow_reads)
+    spec = WorkflowSpec(
+        workflow_id="reads",
+        kind="fanout",
+        steps=[StepSpec(capability="wf:reads:v1") for _ in range(2)],
+        policy="any",
+        namespace=ns,
+    )
+    wf = Workflow(
+        spec=spec, need=1, deadline=0.0, submitted_at=0.0, headers={}, trace_id=None, digest=""
+    )
+    rec = TaskRecord(
+        task_id="reads-1",
+        workflow_id="reads",
+        step=1,
+        namespace=ns,
+        attempt=3,
+        agent_id=agents[2],
+        history=[
+            AttemptRecord(attempt=1, agent_id=agents[0], state=TaskState.RUNNING),
+            AttemptRecord(attempt=2, agent_id=agents[1], state=TaskState.RUNNING),
+            AttemptRecord(attempt=3, agent_id=agents[2]),
+        ],
+    )
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    assert await engine._unheard_outcome(wf, 1, rec) is None
+    took = loop.time() - t
+    assert took < 0.9, f"the three reads took {took:.2f} s: one after another"
+
+    answering.add(agents[0])  # attempt 1's agent stored its success; the other two fail
+    unread: list[Exception] = []
+    event, held = await engine._stored_outcome(wf, 1, rec, patient=False, held=False, unread=unread)
+    assert event == success and not held and len(unread) == 2

@@ -424,15 +424,20 @@ class StepStopping(StepRunner):
             return event.state.final and settles(event, rec.handler_failures, retries)[0]
 
         found: list[TaskStatusEvent] = []
-        for agent_id in agents[:_SETTLE_AGENTS]:
-            try:
-                last = await self._tracker.last_status(
-                    wf.ns, rec.task_id, agent_id, patient=patient
-                )
-            except Exception as err:
-                if unread is None:
-                    raise
-                unread.append(err)
+        # One read per agent, all at once: read one after another, a stream without a leader
+        # held the stop a read's timeout per agent (up to ``_SETTLE_AGENTS`` of them).
+        reads = await asyncio.gather(
+            *(
+                self._tracker.last_status(wf.ns, rec.task_id, agent_id, patient=patient)
+                for agent_id in agents[:_SETTLE_AGENTS]
+            ),
+            return_exceptions=True,
+        )
+        for last in reads:
+            if isinstance(last, BaseException):
+                if unread is None or not isinstance(last, Exception):
+                    raise last
+                unread.append(last)
                 continue
             if last is None or (last.attempt, last.agent_id) not in open_:
                 continue
