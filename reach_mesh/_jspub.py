@@ -396,29 +396,32 @@ class JsClient:
         tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle | None]] = {}
         token, future, timer = self._expect(deadline - now)
         self._publishing[token] = future
+        next_try = now + every
         try:
-            self._hedge_at(now + every, token)
+            self._hedge_at(next_try, token)
             await self._nc.publish(subject, body, reply=self._prefix + token, headers=headers)
             return _ack(await future)
         except _HedgeDue:
             # Not answered within ``every``: ``_futures[token]`` is a new future its answer
-            # still resolves; wait on it with the tries sent from now on.
-            future = self._futures[token]
+            # still resolves (maybe already has); wait on it with the tries sent from now on.
+            fresh = self._futures[token]
             if timer is not None:
                 timer.cancel()
-                timer = loop.call_at(deadline, _expire, future)
-            tries[future] = (token, timer)
+                timer = loop.call_at(deadline, _expire, fresh)
+            tries[fresh] = (token, timer)
         except APIError as err:
             if getattr(err, "err_code", None) != _IN_PROCESS:
                 raise
-            tries[future] = (token, timer)  # (done: dropped below, its error kept)
+            tries[future] = (token, timer)  # (its error kept; the next try at ``next_try``)
         except nats.errors.TimeoutError:
             tries[future] = (token, timer)
         finally:
             if not tries:
                 self._forget(token, timer)
                 del self._publishing[token]
-        return await self._hedge_on(subject, body, headers, tries, every, deadline)
+                if future.done() and not future.cancelled():
+                    future.exception()  # (a ``_HedgeDue`` nobody awaited: not logged)
+        return await self._hedge_on(subject, body, headers, tries, every, next_try, deadline)
 
     def _hedge_at(self, at: float, token: str) -> None:
         """Wake the hedged publish whose first try is ``token`` at ``at`` if it is not
@@ -468,17 +471,32 @@ class JsClient:
         headers: dict[str, str],
         tries: dict[asyncio.Future[Msg], tuple[str, asyncio.TimerHandle | None]],
         every: float,
+        next_try: float,
         deadline: float,
     ) -> Ack:
-        """:meth:`publish_hedged` past its first try's ``every``: a try sent again after each
-        ``every`` without an answer, all awaited, the first ack returned."""
+        """:meth:`publish_hedged` past its first try: a try sent again at ``next_try`` and
+        after each ``every`` without an answer, all awaited, the first ack returned. An answer
+        already in hand is taken before anything is sent."""
         loop = self._loop
-        next_try = loop.time()
         failed: BaseException | None = None
         hedging = False  # this publish holds one of the ``PUBLISH_HEDGES_MAX``
         try:
             while True:
+                for future in [f for f in tries if f.done()]:
+                    token, timer = tries.pop(future)
+                    self._forget(token, timer)
+                    self._publishing.pop(token, None)
+                    try:
+                        return _ack(future.result())
+                    except APIError as err:
+                        if getattr(err, "err_code", None) != _IN_PROCESS:
+                            raise
+                        failed = err
+                    except nats.errors.TimeoutError as err:
+                        failed = err
                 now = loop.time()
+                if not tries and max(now, next_try) >= deadline:
+                    raise failed if failed is not None else nats.errors.TimeoutError()
                 if tries and not hedging and now >= next_try:
                     if self._publish_hedging < PUBLISH_HEDGES_MAX:
                         hedging = True
@@ -497,20 +515,6 @@ class JsClient:
                 if waiting or next_try < deadline:
                     pause = next_try - loop.time() if next_try < deadline else None
                     await first_done(loop, waiting, pause)
-                for future in [f for f in tries if f.done()]:
-                    token, timer = tries.pop(future)
-                    self._forget(token, timer)
-                    self._publishing.pop(token, None)
-                    try:
-                        return _ack(future.result())
-                    except APIError as err:
-                        if getattr(err, "err_code", None) != _IN_PROCESS:
-                            raise
-                        failed = err
-                    except nats.errors.TimeoutError as err:
-                        failed = err
-                if not tries and max(loop.time(), next_try) >= deadline:
-                    raise failed if failed is not None else nats.errors.TimeoutError()
         finally:
             if hedging:
                 self._publish_hedging -= 1

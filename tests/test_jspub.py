@@ -553,3 +553,49 @@ async def test_a_hedged_publishs_first_try_answered_late_or_at_once(nats_url: st
         await jsc.stop()
     finally:
         await nc.close()
+
+
+async def test_a_hedged_publish_takes_an_answer_in_hand_and_resends_an_error_later(
+    nats_url: str,
+) -> None:
+    """An answer that came as the hedge fired (the new future already resolved) is taken at
+    once, nothing sent again; a first try answered "in process" is sent again ``every``
+    after it, not at once (a try at once mostly earns the same answer)."""
+    nc = await nats.connect(nats_url)
+    try:
+        jsc = JsClient(nc, timeout=3.0)
+        await jsc.start()
+        loop = asyncio.get_running_loop()
+        asked = await _scripted_stream(nc, "hedged.inhand", [])
+        hedge_one = jsc._hedge_one
+
+        def hedge_then_answer(token: str) -> None:
+            hedge_one(token)
+            fresh = jsc._futures.get(token)
+            if fresh is not None and not fresh.done():
+                ack = b'{"stream":"S","seq":7}'
+                fresh.set_result(Msg(_client=nc, subject="x", reply="", data=ack, headers=None))
+
+        jsc._hedge_one = hedge_then_answer  # type: ignore[method-assign]
+        t = loop.time()
+        got = await jsc.publish_hedged("hedged.inhand", b"x", {"Nats-Msg-Id": "h1"}, every=0.2)
+        assert got == _jspub.Ack("S", 7, False)
+        assert len(asked) == 1 and loop.time() - t < 0.35
+        jsc._hedge_one = hedge_one  # type: ignore[method-assign]
+
+        times: list[float] = []
+
+        async def leader(msg: Msg) -> None:
+            times.append(loop.time())
+            answer = _IN_PROCESS if len(times) == 1 else b'{"stream":"S","seq":8}'
+            await nc.publish(msg.reply, answer)
+
+        await nc.subscribe("hedged.busy", cb=leader)
+        await nc.flush()
+        got = await jsc.publish_hedged("hedged.busy", b"x", {"Nats-Msg-Id": "h2"}, every=0.2)
+        assert got == _jspub.Ack("S", 8, False) and len(times) == 2
+        assert times[1] - times[0] >= 0.18, times
+        assert jsc._futures == {} and jsc._publishing == {} and jsc._publish_hedging == 0
+        await jsc.stop()
+    finally:
+        await nc.close()
