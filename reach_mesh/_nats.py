@@ -269,40 +269,75 @@ async def or_reconnected(nc: NATS, aw: Awaitable[T], *, reconnects: Reconnects |
 
 
 async def hedged_request(
-    nc: NATS, subject: str, payload: bytes, *, timeout: float, every: float
+    nc: NATS,
+    subject: str,
+    payload: bytes,
+    *,
+    timeout: float,
+    every: float,
+    final: Callable[[Msg], bool] | None = None,
 ) -> Msg:
     """``nc.request``, sent again after each ``every`` seconds without an answer while the
     earlier tries may still answer; the first answer. For a request any member of a queue
     group may answer and that is safe to repeat (an agent's registration): one sent to a
     member that does not answer (paused, wedged) is asked of another within ``every``,
-    rather than waited on for ``timeout``. No responders, or any error but a timeout, is
-    raised at once; ``nats.errors.TimeoutError`` when no try is answered within ``timeout``.
-    Not for hot paths: a task per try."""
+    rather than waited on for ``timeout``.
+
+    ``final``: whether an answer ends the wait. One that does not (a refusal that says
+    "later": throttled, JetStream unavailable) is kept while the tries still out may give
+    a final one, for ``every`` at most, and is the answer if none does; nothing more is sent
+    once any answer came. No responders, or any error but a timeout, is raised at once;
+    ``nats.errors.TimeoutError`` when no try is answered within ``timeout``. Not for hot
+    paths: a task per try."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     tries: set[asyncio.Task[Msg]] = set()
+    next_send = loop.time()
+    kept: Msg | None = None  # an answer not ``final``, and until when it waits for one
+    kept_until = 0.0
     try:
         while True:
-            left = deadline - loop.time()
-            if left <= 0:
+            now = loop.time()
+            if kept is not None and (not tries or now >= kept_until):
+                return kept
+            if now >= deadline:
                 raise nats.errors.TimeoutError
-            tries.add(loop.create_task(nc.request(subject, payload, timeout=left)))
+            if kept is None and now >= next_send:
+                tries.add(loop.create_task(nc.request(subject, payload, timeout=deadline - now)))
+                next_send = now + every
+            wake = min(deadline, next_send if kept is None else kept_until) - loop.time()
+            if not tries:
+                await asyncio.sleep(max(wake, 0.0))
+                continue
             done, _ = await asyncio.wait(
-                tries, timeout=min(every, left), return_when=asyncio.FIRST_COMPLETED
+                tries, timeout=max(wake, 0.0), return_when=asyncio.FIRST_COMPLETED
             )
-            for task in done:
+            # Answers first: an error of a try that ended with them does not hide them.
+            for task in sorted(done, key=lambda t: t.cancelled() or t.exception() is not None):
                 tries.discard(task)
+                if task.cancelled():
+                    continue
                 err = task.exception()
                 if err is None:
-                    return task.result()
-                if not isinstance(err, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+                    msg = task.result()
+                    if final is None or final(msg):
+                        return msg
+                    if kept is None:
+                        kept, kept_until = msg, loop.time() + every
+                elif not isinstance(err, (nats.errors.TimeoutError, asyncio.TimeoutError)):
                     raise err
     finally:
         for task in tries:
             if not task.done():
                 task.cancel()
+                task.add_done_callback(_retrieved)
             elif not task.cancelled():
                 task.exception()  # (retrieved: a try answered late is not logged)
+
+
+def _retrieved(task: asyncio.Task[Msg]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def refused_messages(nc: NATS | None) -> int:

@@ -17,9 +17,10 @@ from typing import Any
 import nats
 
 from reach_mesh import MeshSettings, protocol
-from reach_mesh._nats import flushed
+from reach_mesh._nats import flushed, hedged_request
 from reach_mesh.agent import Agent, Task
-from reach_mesh.agent._agent import _BEAT_TRIES, _REGISTER_HEDGE
+from reach_mesh.agent._agent import _BEAT_TRIES, _REGISTER_HEDGE, _not_later
+from reach_mesh.errors import ThrottledError
 from reach_mesh.hub import Hub
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import AgentState
@@ -147,3 +148,56 @@ async def test_a_registration_given_to_a_silent_hub_is_asked_of_another(
     # may go to it), not the 5 s timeout; the others at once.
     assert _REGISTER_HEDGE <= took[agents[-1].agent_id] < _REGISTER_HEDGE * len(taken) + 1.0
     assert all(t < 1.0 for a, t in took.items() if a != agents[-1].agent_id), took
+
+
+async def test_a_registration_answered_later_waits_for_a_slower_acceptance(
+    settings: MeshSettings,
+) -> None:
+    """The hedged registration's first answer need not end it: a hub's "later" (throttled)
+    that comes while an earlier try is still out waits up to ``_REGISTER_HEDGE`` for that
+    try's answer, which wins when it accepts; alone, the "later" is the answer."""
+    assert settings.nats_url is not None
+    nc = await nats.connect(settings.nats_url)
+    loop = asyncio.get_running_loop()
+    throttled = protocol.encode_error(ThrottledError("later", retry_after_ms=500))
+    seen: list[float] = []
+    replies: list[asyncio.Task[None]] = []
+
+    async def answer(reply: str, body: bytes, after: float) -> None:
+        await asyncio.sleep(after)
+        await nc.publish(reply, body)
+
+    async def hubs(msg: Any) -> None:
+        seen.append(loop.time())
+        # The first try is accepted after 1.5 s (a hub slow in an election); the next ones
+        # are throttled at once.
+        after, body = (1.5, b'{"ok": true}') if len(seen) == 1 else (0.0, throttled)
+        replies.append(asyncio.create_task(answer(msg.reply, body, after)))
+
+    try:
+        await nc.subscribe("pause.register.slow", cb=hubs)
+        await flushed(nc)
+        t = loop.time()
+        got = await hedged_request(
+            nc, "pause.register.slow", b"{}", timeout=5.0, every=_REGISTER_HEDGE, final=_not_later
+        )
+        assert got.data == b'{"ok": true}' and len(seen) == 2, (got.data, seen)
+        assert 1.4 <= loop.time() - t < 2.0
+        # No other try out: the "later" is the answer, at once.
+        seen.clear()
+
+        async def hubs_busy(msg: Any) -> None:
+            seen.append(loop.time())
+            await nc.publish(msg.reply, throttled)
+
+        await nc.subscribe("pause.register.busy", cb=hubs_busy)
+        await flushed(nc)
+        t = loop.time()
+        got = await hedged_request(
+            nc, "pause.register.busy", b"{}", timeout=5.0, every=_REGISTER_HEDGE, final=_not_later
+        )
+        assert got.data == throttled and len(seen) == 1 and loop.time() - t < 0.5
+    finally:
+        for task in replies:
+            task.cancel()
+        await nc.close()

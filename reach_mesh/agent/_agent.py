@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any, Final, TypeVar
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -108,6 +109,18 @@ _REGISTER_HEDGE: Final = 1.0
 #: Seconds an agent starting keeps trying to connect to a NATS server whose port answers, and
 #: to register with a hub, before ``start()`` gives up (``connect_timeout`` when longer).
 _PATIENCE: Final = 30.0
+
+
+def _not_later(msg: Msg) -> bool:
+    """Whether a hub's answer to a registration ends its hedged tries: anything but "later"
+    (throttled, JetStream unavailable), which another try still out may better."""
+    try:
+        protocol.raise_for_error(msg.data)
+    except (ThrottledError, MeshUnavailableError):
+        return False
+    except Exception:
+        return True
+    return True
 
 
 class _Unconfirmed(MeshUnavailableError):
@@ -482,7 +495,12 @@ class Agent(IdentityMixin, ServingMixin):
                 # Asked of another hub after each ``_REGISTER_HEDGE`` without an answer (the
                 # earlier tries still awaited): one hub paused or wedged is not waited on.
                 asked = hedged_request(
-                    self.nc, subject, protocol.encode(req), timeout=5.0, every=_REGISTER_HEDGE
+                    self.nc,
+                    subject,
+                    protocol.encode(req),
+                    timeout=5.0,
+                    every=_REGISTER_HEDGE,
+                    final=_not_later,
                 )
                 msg = await refused_first(self.nc, subject, or_reconnected(self.nc, asked))
                 reply = protocol.parse_reply(msg.data, RegisterReply)
