@@ -185,12 +185,10 @@ class Liveness:
         no beat; any other failure (no leader, the stream being recovered) makes the hub
         blind, and nobody is declared LOST on what it could not read."""
         try:
-            raw = await asyncio.wait_for(
-                self._js.get_msg(
+            async with asyncio.timeout(_CONFIRM_TIMEOUT):
+                raw = await self._js.get_msg(
                     _HB_STREAM, subject=f"$KV.{protocol.KV_HEARTBEATS}.{view.agent_id}"
-                ),
-                _CONFIRM_TIMEOUT,
-            )
+                )
         except NotFoundError as err:
             if no_message(err):
                 return
@@ -218,7 +216,8 @@ class Liveness:
         every second); 0 for a stream of one replica. None when it cannot be read: the hub is
         blind then."""
         try:
-            info = await asyncio.wait_for(self._js.stream_info(_HB_STREAM), _CONFIRM_TIMEOUT)
+            async with asyncio.timeout(_CONFIRM_TIMEOUT):
+                info = await self._js.stream_info(_HB_STREAM)
         except Exception as err:
             self._hb_unable_at = self._clock()
             self._went_blind(f"cannot read the heartbeat stream's state: {describe(err)}")
@@ -420,9 +419,8 @@ class Liveness:
         assert self._agents_kv is not None and self._hb_kv is not None
         agent_id, undeleted = view.agent_id, self._undeleted
         try:
-            await asyncio.wait_for(
-                self._agents_kv.delete(agent_id, last=view.revision), _DELETE_TIMEOUT
-            )
+            async with asyncio.timeout(_DELETE_TIMEOUT):
+                await self._agents_kv.delete(agent_id, last=view.revision)
         except Exception as err:
             if _written_since(err):
                 undeleted.views.pop(agent_id, None)  # by another hub, or registered again
@@ -438,7 +436,8 @@ class Liveness:
         if undeleted.views.pop(agent_id, None) is not None:
             log.info("deleted the record of %s, declared LOST, on a retry", agent_id)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._hb_kv.delete(agent_id), _DELETE_TIMEOUT)
+            async with asyncio.timeout(_DELETE_TIMEOUT):
+                await self._hb_kv.delete(agent_id)
         return True
 
     def _keep_undeleted(self, view: AgentView, why: str) -> None:

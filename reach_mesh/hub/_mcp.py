@@ -104,7 +104,8 @@ class HubMcp:
         names = self._names()
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), _MENU_POLL)
+                async with asyncio.timeout(_MENU_POLL):
+                    await self._changed.wait()
             self._changed.clear()
             now = self._names()
             if now == names:

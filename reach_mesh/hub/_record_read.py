@@ -75,10 +75,10 @@ class RecordReadMixin:
             self._record_reads += 1
             outcome = "unavailable"
             try:
-                got = await asyncio.wait_for(
-                    entry_at_quorate_leader(js, protocol.KV_TASKS, key, heard_within=_QUORUM_HEARD),
-                    _READ_TIMEOUT,
-                )
+                async with asyncio.timeout(_READ_TIMEOUT):
+                    got = await entry_at_quorate_leader(
+                        js, protocol.KV_TASKS, key, heard_within=_QUORUM_HEARD
+                    )
             except TimeoutError as err:
                 raise MeshUnavailableError(
                     f"the leader of KV_{protocol.KV_TASKS} did not answer within "

@@ -215,9 +215,8 @@ class Registry(Liveness):
         # start_timeout (``_starting``).
         wait = time_to_start(_LOAD_TIMEOUT)
         try:
-            await asyncio.wait_for(
-                asyncio.gather(agents_loaded.wait(), hbs_loaded.wait()), timeout=wait
-            )
+            async with asyncio.timeout(wait):
+                await asyncio.gather(agents_loaded.wait(), hbs_loaded.wait())
         except TimeoutError as err:
             raise MeshUnavailableError(
                 f"the registry ({protocol.KV_AGENTS}, {protocol.KV_HEARTBEATS}) was not loaded "
