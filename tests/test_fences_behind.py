@@ -10,9 +10,12 @@ arrival, as it was counted before), over random delivery sequences.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 from typing import Any
+
+import pytest
 
 from reach_mesh.agent._fences import Behind, Delivery, Fences
 
@@ -143,3 +146,32 @@ async def test_a_wait_is_answered_when_the_rest_arrives() -> None:
     assert late is not None
     fences.arrived(d, late)
     assert await Fences.wait_behind(late) is False
+
+
+async def test_a_wait_cancelled_as_it_is_answered_raises() -> None:
+    """The run's task cancelled (fenced: ``Work.give_up``, or the agent stopping) in the loop
+    iteration its wait is answered: the cancel is raised there. Python 3.11's ``wait_for``
+    returned the answer instead, and the run went on (to its handler, fenced or not):
+    ``reach_mesh._cancels``. The answer and the cancel come in one synchronous pass, as a
+    consumer's read and a give-up handled in one loop iteration do: no timing."""
+    fences = _fences()
+    d = Delivery(1, 10, 1, 1)
+    behind = fences.behind_of(d)
+    assert behind is not None
+    fences.arrived(d, behind)
+    trail: list[object] = []
+
+    async def run() -> None:
+        trail.append(await Fences.wait_behind(behind))
+        await asyncio.sleep(0)  # a later await is not cancelled either
+        trail.append("ran on")
+
+    task = asyncio.ensure_future(run())
+    await asyncio.sleep(0)  # waiting for the one behind it
+    assert behind.waiter is not None and not task.done()
+    fences.arrived(Delivery(1, 11, 2, 0), None)  # it arrives: the answer ...
+    assert behind.waiter.done()
+    task.cancel()  # ... and the cancel, before the task runs again
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert trail == [], trail

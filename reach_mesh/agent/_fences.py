@@ -320,9 +320,11 @@ class Fences:
         they did not all arrive in time, or a delivery went missing: read the record."""
         if behind.result is not None:  # usually: they came in the same read from the socket
             return behind.result
-        waiter = behind.waiter = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        behind.waiter = waiter
         try:
-            return await asyncio.wait_for(waiter, _BEHIND_WAIT)
+            async with asyncio.timeout(_BEHIND_WAIT):
+                return await waiter
         except TimeoutError:
             return False
 

@@ -180,9 +180,8 @@ class WorkConsumer(HeldSteps):
         is set up in the background; steps wait in the stream meanwhile."""
         self._loop = asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(
-                self._prepare(), timeout=max(self._settings.connect_timeout, 5.0)
-            )
+            async with asyncio.timeout(max(self._settings.connect_timeout, 5.0)):
+                await self._prepare()
             await self._open()
         except (TimeoutError, Exception) as err:
             log.warning(
@@ -197,7 +196,8 @@ class WorkConsumer(HeldSteps):
         while True:
             await asyncio.sleep(delay)
             try:
-                await asyncio.wait_for(self._prepare(), timeout=10.0)
+                async with asyncio.timeout(10.0):
+                    await self._prepare()
                 await self._open()
             except (TimeoutError, Exception) as err:
                 log.debug("work consumer setup failed: %r", err)
@@ -284,7 +284,8 @@ class WorkConsumer(HeldSteps):
             )
             return
         try:
-            await asyncio.wait_for(self._prepare(), timeout=10.0)
+            async with asyncio.timeout(10.0):
+                await self._prepare()
         except Exception as err:  # its stream gone too, and no right to create it: hubs do
             log.warning(
                 "the work consumer of %s is gone, and cannot be created again yet (%s): "
