@@ -202,7 +202,8 @@ class Batcher:
             batch.items.append((token, body, traceparent))
             batch.size += len(body)
         try:
-            return await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):
+                return await future
         except TimeoutError as err:
             raise NatsTimeoutError from err
         finally:

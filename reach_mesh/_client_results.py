@@ -16,6 +16,7 @@ from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._cancels import uncancelled
 from reach_mesh._client_base import HubAsks
 from reach_mesh._guard import refuse
 from reach_mesh._jspub import JsClient, first_done
@@ -87,7 +88,9 @@ class ResultWaits(HubAsks):
         if within is None:
             return _final_result(await read)
         try:
-            return _final_result(await asyncio.wait_for(read, within))
+            async with asyncio.timeout(within):
+                # (``uncancelled``: the caller's own connection may be nats-py's.)
+                return _final_result(await uncancelled(read))
         except TimeoutError:
             return None
 

@@ -24,6 +24,7 @@ from opentelemetry.trace import Span
 from pydantic import ValidationError
 
 from reach_mesh import protocol
+from reach_mesh._cancels import uncancelled
 from reach_mesh._client_fields import _check_timeout, _consumer_name, _end_span, _reply_slack
 from reach_mesh._client_results import ResultWaits, _Done, _final_result
 from reach_mesh._guard import refuse
@@ -364,10 +365,11 @@ class WorkflowsMixin(ResultWaits):
             # The events stored before the result that are still to read.
             stored = 0
             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                info = await asyncio.wait_for(
-                    js.stream_info(protocol.STREAM_WF_EVENTS, subjects_filter=subject),
-                    _EVENT_DRAIN,
-                )
+                async with asyncio.timeout(_EVENT_DRAIN):
+                    # (``uncancelled``: the caller's own connection may be nats-py's.)
+                    info = await uncancelled(
+                        js.stream_info(protocol.STREAM_WF_EVENTS, subjects_filter=subject)
+                    )
                 stored = (info.state.subjects or {}).get(subject, 0)
             end = asyncio.get_running_loop().time() + _EVENT_DRAIN
             while seen < stored:

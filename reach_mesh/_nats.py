@@ -464,12 +464,14 @@ async def _diagnose(servers: list[str], err: BaseException) -> str:
         parts = urlsplit(server if "://" in server else f"nats://{server}")
         host, port = parts.hostname or "127.0.0.1", parts.port or 4222
         try:
-            await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), 1.0)
+            async with asyncio.timeout(1.0):
+                await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (OSError, TimeoutError):
             causes.append(f"unknown host {host!r}")
             continue
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
+            async with asyncio.timeout(1.0):
+                _, writer = await asyncio.open_connection(host, port)
         except ConnectionRefusedError:
             causes.append(f"connection refused: nothing listens on {host}:{port}")
             continue
@@ -490,9 +492,10 @@ async def _answering(servers: list[str]) -> bool:
     for server in servers:
         parts = urlsplit(server if "://" in server else f"nats://{server}")
         try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(parts.hostname or "127.0.0.1", parts.port or 4222), 1.0
-            )
+            async with asyncio.timeout(1.0):
+                _, writer = await asyncio.open_connection(
+                    parts.hostname or "127.0.0.1", parts.port or 4222
+                )
         except (OSError, TimeoutError):
             continue
         writer.close()

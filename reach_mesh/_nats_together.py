@@ -319,7 +319,8 @@ class Together:
             with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
                 for sid in list(nc._subs):
                     await nc._send_command(prot_command.unsub_cmd(sid, 0))
-                await asyncio.wait_for(flushed(nc), _UNSUB_WAIT)
+                async with asyncio.timeout(_UNSUB_WAIT):
+                    await flushed(nc)
             if pick is not None and (nc.is_connected or nc.is_reconnecting):
                 # (Reconnecting already, lost meanwhile: that reconnection is the move.)
                 pick.reset(moving=True)

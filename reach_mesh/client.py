@@ -22,6 +22,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from reach_mesh import protocol
 from reach_mesh._batch import Batcher
+from reach_mesh._cancels import uncancelled
 from reach_mesh._client_direct import DirectRoutes, _CacheKey, _Route
 from reach_mesh._client_fields import (
     _PROXY_REPLY,
@@ -279,7 +280,10 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
                 await self._jsc.stop()
         if self._nc is not None and self._own_nc:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._nc.drain(), timeout=5)
+                async with asyncio.timeout(5):
+                    # nats-py's drain swallows a cancel (``except CancelledError: pass``),
+                    # in this task now (``wait_for`` ran it in a task of its own): raised.
+                    await uncancelled(self._nc.drain())
             with contextlib.suppress(Exception):
                 await self._nc.close()
         with contextlib.suppress(Exception):
