@@ -16,6 +16,15 @@ await returned: a cancel that came in it, and did not come out of it. A cancel t
 inside it (``Task.uncancel``, as ``asyncio.timeout`` does) leaves the count as it was and is
 not raised. ``reach_mesh._nats._Connection`` applies it to nats-py's swallowing awaits, so every
 connection reach-mesh makes (hub, agent, client) has them raise a cancel as any await does.
+
+reach-mesh's own code bounds an await with ``async with asyncio.timeout(t): await x``, never
+``asyncio.wait_for`` (``tests/test_nats_cancels.py`` holds it to that): on 3.11 the timeout's
+cancel is delivered at the await itself, so a cancel of the task that comes with the answer is
+raised there, and it is the timeout's own cancel alone that becomes ``TimeoutError``. Unlike
+``wait_for``, ``x`` runs in the awaiting task, not a task of its own: an await in ``x`` that
+swallows a cancel swallows the caller's, so such an ``x`` is awaited through
+:func:`uncancelled` (nats-py's ``drain``; a caller's own nats-py connection, which is no
+``_Connection``).
 """
 
 from __future__ import annotations

@@ -9,15 +9,18 @@ on the future it waits for: no timing), and must raise ``CancelledError``."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.api import StreamConfig
 
+import reach_mesh
 from reach_mesh._cancels import uncancelled
 from reach_mesh._nats import connect
 
@@ -172,3 +175,44 @@ async def test_an_await_that_swallowed_a_cancel_raises_it_again() -> None:
         except asyncio.CancelledError:
             got = "cancelled"
         assert got == expect, (make.__name__, wrapped, got)
+
+
+def _wait_fors(tree: ast.AST) -> list[int]:
+    """Lines of ``tree`` that name ``asyncio.wait_for`` (``asyncio.wait_for``,
+    ``asyncio.tasks.wait_for``, ``from asyncio import wait_for``): calls, or a reference that
+    calls it later."""
+    lines: list[int] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "wait_for":
+            base = node.value
+            if isinstance(base, ast.Attribute) and base.attr == "tasks":
+                base = base.value
+            if isinstance(base, ast.Name) and base.id == "asyncio":
+                lines.append(node.lineno)
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module in ("asyncio", "asyncio.tasks")
+            and any(alias.name == "wait_for" for alias in node.names)
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_reach_mesh_does_not_await_in_wait_for() -> None:
+    """reach-mesh's own awaits with a deadline use ``asyncio.timeout``: Python 3.11's
+    ``wait_for`` swallows a cancel that lands as its awaitable completes (above)."""
+    assert _wait_fors(ast.parse("import asyncio\nasyncio.wait_for(f, 1)\n")) == [2]
+    assert _wait_fors(ast.parse("from asyncio import wait_for\n")) == [1]
+    assert _wait_fors(ast.parse("# asyncio.wait_for(f, 1)\nx.wait_for(f)\n")) == []
+    package = Path(reach_mesh.__file__).parent
+    found = [
+        f"{path.relative_to(package.parent)}:{line}"
+        for path in sorted(package.rglob("*.py"))
+        for line in _wait_fors(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+    ]
+    assert not found, (
+        f"asyncio.wait_for in reach_mesh ({', '.join(found)}): Python 3.11's wait_for swallows "
+        "a cancellation that lands in the loop iteration its awaitable completes (CPython "
+        "gh-86296); use `async with asyncio.timeout(t): await x` (see reach_mesh/_cancels.py's "
+        "docstring)"
+    )
