@@ -57,6 +57,9 @@ _HB_STREAM: Final = f"KV_{protocol.KV_HEARTBEATS}"
 #: How long the leader read of an overdue agent's heartbeat may take: the grading loop waits
 #: on it, and a stream without a leader (the case it guards against) does not answer at all.
 _CONFIRM_TIMEOUT: Final = 2.0
+#: Steps probing agents whose leases lapsed share one look at the heartbeat stream made
+#: within this many seconds (``Liveness.lapse_seen``): one agent's death is many steps'.
+_LOOK_SHARED: Final = 0.5
 #: How long the delete of a LOST agent's record may take: the grading loop waits on the
 #: verdict's, and a stream without a quorum does not answer (nats-py would wait 10 s).
 _DELETE_TIMEOUT: Final = 2.0
@@ -105,6 +108,8 @@ class Liveness:
     #: found it able since: the first that does keeps this hub blind a lease longer, if the
     #: unable one was recent enough to have refused the agent's beats (``_could_store``).
     _hb_unable_at: float
+    #: The last look at the heartbeat stream made for ``lapse_seen`` (when, its answer).
+    _hb_look: tuple[float, asyncio.Future[float | None]] | None
     #: Agents declared LOST lately, per namespace: (when, capabilities, labels as the
     #: selector sees them) by id, oldest first.
     _lost: dict[str, OrderedDict[str, LostEntry]]
@@ -268,6 +273,31 @@ class Liveness:
         )
         log.info("%s: not declaring it LOST", self._blind_why)
         return False
+
+    async def lapse_seen(self, view: AgentView) -> bool:
+        """Whether ``view``'s lapsed lease (SUSPECT, this hub not blind) says its agent went
+        silent, for a step given up on it: the heartbeat stream's leader, looked at now, has
+        heard from a quorum since the lease lapsed, and no look since the agent's last beat
+        found the stream unable to store one. Else its beats may have been refused (this hub
+        cut off with a stream's leader, or from it, before anything told it so: chaos secure
+        seed 193, ``partition`` — all three hubs cut off with a node, not yet blind, gave up
+        five attempts of agents on the other side whose leases they had seen lapse; the
+        attempts had finished, their results were stored 5 s later, and the steps ran again).
+        A look that cannot be made makes the hub blind (``_quorum_heard``); one that finds no
+        quorum heard since does not (a lease that lapsed a moment ago is younger than the
+        leader's last contact): the step asks again at its next probe. Looks made within
+        ``_LOOK_SHARED`` of each other are one (``stream_info``)."""
+        now = self._clock()
+        look = self._hb_look
+        if look is None or now - look[0] > _LOOK_SHARED:
+            look = self._hb_look = (now, asyncio.ensure_future(self._quorum_heard()))
+        heard = await asyncio.shield(look[1])
+        if heard is None:
+            return False
+        now = self._clock()
+        heard += now - look[0]  # (as of now)
+        since_lapse = now - view.last_seen - view.record.lease_timeout
+        return heard < since_lapse and self._hb_unable_at < view.last_seen
 
     def _cannot_confirm(self, view: AgentView, err: Exception) -> None:
         self._hb_unable_at = self._clock()

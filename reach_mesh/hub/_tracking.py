@@ -566,6 +566,8 @@ class StatusTracker:
                 # (taken after it: a status heard from the attempt meanwhile dropped it).
                 unanswered = self._unanswered.pop(track.key, None)
         except NoRespondersError:
+            if not self.lease_fresh(agent_id) and not await self._lapse_seen(agent_id):
+                return "alive"  # (asked again at the step's next probe)
             return self._no_responders(track, agent_id, fence, unanswered)
         except (NatsTimeoutError, TimeoutError):
             return self._by_lease(agent_id)
@@ -730,6 +732,16 @@ class StatusTracker:
         """No usable answer (a busy agent answers late): its lease decides."""
         view = self._registry.agents.get(agent_id)
         return "alive" if view is not None and view.state is not AgentState.LOST else "gone"
+
+    async def _lapse_seen(self, agent_id: str) -> bool:
+        """Whether a lapsed lease says the agent went silent: LOST (the grading loop confirmed
+        it at the heartbeat stream's leader), or SUSPECT with the stream's leader heard from a
+        quorum since (``Registry.lapse_seen``). Nobody on its ctl subject says no more while
+        this hub may be the one cut off."""
+        view = self._registry.agents.get(agent_id)
+        if view is None or view.state is AgentState.LOST:
+            return True
+        return await self._registry.lapse_seen(view)
 
     def lease_fresh(self, agent_id: str) -> bool:
         """Its lease has not lapsed (not SUSPECT or LOST): silence may be a reconnect. Nor can

@@ -131,6 +131,7 @@ class Registry(Liveness):
         #: What made this hub blind last (``describe`` of the error): told while it is blind.
         self._blind_why = ""
         self._hb_unable_at = float("-inf")
+        self._hb_look = None
         #: Heartbeat writes waiting for their gap to pass (``_trailing``).
         self._trailers: set[asyncio.Task[None]] = set()
         self._cordons_kv: KeyValue | None = None
