@@ -116,6 +116,9 @@ class StepTrack:
     #: An attempt given up on that showed life after the next one was recorded (before it was
     #: sent): (attempt, agent). The step watches it again instead of sending a new one.
     revived: tuple[int, str] | None = None
+    #: Attempts given up on (``lost``, ``undelivered``) whose agents' stored statuses were
+    #: read before a later attempt was sent (``StatusTracker.given_up_read``): not read again.
+    checked: set[int] = field(default_factory=set)
     #: The highest attempt its agent promised never to start (ctl ``task_state`` with
     #: ``fence``): given up on safely, no need to ask again after the record is fenced.
     promised: int = -1

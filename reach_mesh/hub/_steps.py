@@ -230,7 +230,10 @@ class StepRunner(StepIO):
                         # Mid-attempt: adopt it instead of sending it again.
                         outcome = await self._watch(track, pol, deadline)
                     # else: taken over between recording an attempt and sending it: send it
-                    # now, unless an earlier attempt's outcome arrived (loop top).
+                    # now, unless an earlier attempt's outcome arrived (loop top). Attempts
+                    # given up on before (and one sent under the record's attempt) are read
+                    # again before that (``given_up_read``): one whose stored status could
+                    # not be read here is not sent anew on that.
                 while True:
                     if outcome is None and track.final is not None:
                         outcome = ("final", track.final)  # an earlier attempt delivered
@@ -251,6 +254,19 @@ class StepRunner(StepIO):
                                 wf, key, rec, rev, track, None, reason=why
                             )
                             return rec
+                        if track.sent:
+                            # Attempts given up on (lost, undelivered) may have stored their
+                            # outcome since, or before a takeover: read first (once each).
+                            read = await self._tracker.given_up_read(track)
+                            if track.final is not None:
+                                continue  # (decided by it, loop top)
+                            if not read:
+                                # What one stored could not be read (no leader for the status
+                                # stream): not sent anew on that; read again after a while.
+                                await track.wait_outcome(
+                                    min(pol.deliver_timeout, max(0.0, deadline - loop.time()))
+                                )
+                                continue
                         try:
                             view, capability = await self._choose(route, ns, exclude)
                         except Unroutable as bad:

@@ -479,6 +479,40 @@ class StatusTracker:
                 return "unread"
         return "done" if track.final is not None else verdict
 
+    async def given_up_read(self, track: StepTrack) -> bool:
+        """Before a new attempt of the step is sent: read the stored statuses of the agents of
+        its attempts given up on (``lost``, ``undelivered``: sent, with no outcome) that were
+        not read since. Such an attempt may have ended after it was given up (its agent cut
+        off, not gone) — or before a takeover, while no hub listened — and a success it stored
+        decides the step: the step must not run again for it (chaos secure seed 193,
+        ``partition``: five steps taken over with attempt 1 given up as ``lost`` and its
+        SUCCEEDED stored; the new owner's read found no leader for ``REACH_STATUS``, and it
+        sent attempt 2). An unanswered read is made again, patiently (as ``probe`` does).
+        Returns False when a read still went unanswered: a new attempt is not sent on that
+        (the step waits and asks again; its deadline decides at the latest). Only final
+        statuses are applied (a stored keep-alive is no news of the attempt now). Nothing
+        is read for a step with no attempt given up (a first attempt, a retry after a
+        handler failure or a TIMEOUT, which its outcome accounts for)."""
+        track.checked &= track.sent.keys()
+        given_up = {
+            n: a
+            for n, a in track.sent.items()
+            if n not in track.finished
+            and n not in track.checked
+            and (n != track.attempt or track.agent_id is None)  # (not one out there now)
+        }
+        if not given_up:
+            return True
+        newest = sorted(given_up.items(), reverse=True)
+        agents = list(dict.fromkeys(a for _, a in newest))[:_CATCH_UP_AGENTS]
+        unread = await self.catch_up(track, agents, finals=True)
+        if unread and track.final is None:
+            unread = await self.catch_up(track, unread, patient=True, finals=True)
+        if track.final is not None:
+            return True
+        track.checked.update(n for n, a in given_up.items() if a in agents and a not in unread)
+        return not unread
+
     async def after_gap(self) -> None:
         """The statuses connection is back after a cut (a slow consumer's, a network's): every
         status event sent while it was away is lost to it, the final ones too. Each step this

@@ -1,0 +1,168 @@
+"""A step taken over with an attempt its previous owner gave up on (``lost``) whose success was
+stored after the give-up, on a real nats-server: the new owner reads it — patiently, and again
+after a while when ``REACH_STATUS`` does not answer — before it sends another attempt, and the
+stored success decides the step (chaos secure seed 193, ``partition``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan
+
+from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, protocol
+from reach_mesh.hub import Hub
+from reach_mesh.models import TaskState
+from reach_mesh.workflow import AttemptRecord, TaskRecord, TaskStatusEvent
+
+from .helpers import Fleet, echo_agent, task_record
+from .test_policy_takeovers import _owned_by_a_gone_hub
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("unanswered", [1, 4])
+async def test_a_given_up_attempts_stored_success_decides_the_step_taken_over(
+    wf_hub: Hub,
+    fleet: Fleet,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    unanswered: int,
+) -> None:
+    """A fanout owned by a hub that is gone: its step's attempt 1 was given up as ``lost``
+    (the record names attempt 2, no agent yet) and its SUCCEEDED was stored in
+    ``REACH_STATUS`` after the give-up. The hub that takes the workflow over read the stored
+    statuses (``catch_up``), found no answer (the stream without a leader), ignored the
+    unread agent and sent attempt 2: the step ran again, the stored success thrown away.
+    The status reads of the step fail ``unanswered`` times here (1: the takeover's read; 4:
+    its patient read again, and the first read after a wait): the step must end with
+    attempt 1's success, attempt 2 never sent."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    last_status = tracker.last_status
+    wf_id = f"given-up-{unanswered}"
+    branch = f"{wf_id}-0"
+    reads: list[bool] = []
+
+    async def unreadable(
+        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+    ) -> TaskStatusEvent | None:
+        if task_id == branch:
+            reads.append(patient)
+            if len(reads) <= unanswered:
+                raise MeshUnavailableError("REACH_STATUS did not answer")
+        return await last_status(ns_, task_id, agent_id, patient=patient)
+
+    monkeypatch.setattr(tracker, "last_status", unreadable)
+    agent = echo_agent(fleet, "given-up.a1", "wf:given-up:v1")
+    await agent.start()
+    steps = [Step(capability="wf:given-up:v1", payload=0, timeout=10)]
+    async with Client(settings=wf_settings) as mesh:
+        js = await _owned_by_a_gone_hub(mesh, ns, wf_id, steps, "all", agent.agent_id)
+        tasks = await js.key_value(protocol.KV_TASKS)
+        # The previous owner gave attempt 1 up (its agent cut off, declared LOST) and fenced
+        # it: attempt 2 recorded with no agent yet. Then it died.
+        fenced = TaskRecord(
+            task_id=branch,
+            workflow_id=wf_id,
+            step=0,
+            namespace=ns,
+            attempt=2,
+            delivery_failures=1,
+            created_at=time.time(),
+            history=[AttemptRecord(attempt=1, agent_id=agent.agent_id, code="lost")],
+        )
+        await tasks.put(protocol.task_key(ns, branch), protocol.encode(fenced))
+        # Attempt 1 had run: its success was stored after the give-up.
+        status = TaskStatusEvent(
+            task_id=branch,
+            attempt=1,
+            agent_id=agent.agent_id,
+            state=TaskState.SUCCEEDED,
+            workflow_id=wf_id,
+            step=0,
+            result="stored",
+        )
+        await js.publish(protocol.task_status(agent.agent_id, branch), protocol.encode(status))
+        # The submission comes back to a hub (JetStream redelivers it: the owner died).
+        await mesh.submit_fanout(steps, policy="all", workflow_id=wf_id, timeout=30)
+        res = await mesh.workflow(wf_id, timeout=20)
+    assert res.state is TaskState.SUCCEEDED, res
+    got = res.steps[0]
+    assert got.decided_by == 1 and got.result == "stored", got
+    assert fleet.runs[branch] == 0, "attempt 2 was sent and ran"
+    rec: Any = await task_record(wf_hub.nc, ns, branch)
+    assert rec is not None and rec.state is TaskState.SUCCEEDED, rec
+    assert rec.decided_by == 1 and rec.result == "stored" and rec.attempt == 2, rec
+    assert len(reads) > unanswered, reads
+    if unanswered > 1:
+        assert True in reads, "no patient read of the unanswered status"
+
+
+async def test_only_attempts_given_up_are_read_before_a_new_one_once_each(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``given_up_read``: nothing is read for a step whose earlier attempts have outcomes (a
+    retry after a handler failure: the hot path); an attempt given up on (``lost``) is read
+    once, and not again once read; one whose read went unanswered (also patiently) holds the
+    next attempt back (False) and is read again the next time."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    reads: list[tuple[str | None, bool]] = []
+    answering = True
+
+    async def counted(
+        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+    ) -> TaskStatusEvent | None:
+        reads.append((agent_id, patient))
+        if not answering:
+            raise MeshUnavailableError("REACH_STATUS did not answer")
+        return None
+
+    monkeypatch.setattr(tracker, "last_status", counted)
+    a1, a2 = f"{ns}.read.a1", f"{ns}.read.a2"
+    failed = TaskRecord(
+        task_id="read-0",
+        workflow_id="read",
+        step=0,
+        namespace=ns,
+        attempt=2,
+        history=[AttemptRecord(attempt=1, agent_id=a1, state=TaskState.FAILED)],
+    )
+    track = tracker.open(
+        failed, protocol.task_key(ns, "read-0"), NonRecordingSpan(INVALID_SPAN_CONTEXT)
+    )
+    try:
+        assert await tracker.given_up_read(track) and reads == []
+    finally:
+        tracker.close(track, None)
+    lost = TaskRecord(
+        task_id="read-1",
+        workflow_id="read",
+        step=1,
+        namespace=ns,
+        attempt=3,
+        history=[
+            AttemptRecord(attempt=1, agent_id=a1, state=TaskState.FAILED),
+            AttemptRecord(attempt=2, agent_id=a2, code="lost"),
+        ],
+    )
+    track = tracker.open(
+        lost, protocol.task_key(ns, "read-1"), NonRecordingSpan(INVALID_SPAN_CONTEXT)
+    )
+    try:
+        answering = False
+        assert not await tracker.given_up_read(track)
+        assert reads == [(a2, False), (a2, True)], reads
+        answering = True
+        assert await tracker.given_up_read(track)
+        assert reads[2:] == [(a2, False)], reads
+        assert await tracker.given_up_read(track)
+        assert len(reads) == 3, reads  # read once: not again
+    finally:
+        tracker.close(track, None)
