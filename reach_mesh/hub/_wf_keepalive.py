@@ -4,8 +4,9 @@ A hub holds each submission it runs in progress (``+WPI``) from one loop for all
 every ``workflow_ack_wait / 3`` (:meth:`SubmissionKeepalive._keepalive`); the same loop looks
 at the workflows it handed back (:class:`~reach_mesh.hub._wf_handbacks.HandBacks`) and starts
 the orphan sweep. A hub whose ticks came late (paused, cut off from NATS) first stops the runs
-another hub took over meanwhile (``_stop_lost_runs``). ``_count_submissions`` keeps the
-``reach_workflow_submissions`` gauge from the shared consumer.
+another hub took over meanwhile (``_stop_lost_runs``). ``_watch_submissions`` keeps the
+``reach_workflow_submissions`` gauge from the shared consumer, and watches its leader
+(``_stale_leader``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Final
 
+from nats.js.api import ConsumerInfo
+
 from reach_mesh import protocol
+from reach_mesh._retry import describe
 from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.hub import _wf_orphans
+from reach_mesh.hub._stale_leader import HOLD_FLOOR, StaleLeaderWatch, step_down
 from reach_mesh.hub._wf_handbacks import HandBacks
 from reach_mesh.tracing.metrics import HubMetrics
 
@@ -33,6 +38,8 @@ class SubmissionKeepalive(HandBacks):
     """``+WPI`` for the submissions a hub runs (a base of ``WorkflowEngine``; see the module)."""
 
     _sweeping: asyncio.Task[None] | None
+    #: The watch of ``_watch_submissions`` (None before its first look).
+    _stale_watch: StaleLeaderWatch | None = None
 
     if TYPE_CHECKING:
 
@@ -67,21 +74,59 @@ class SubmissionKeepalive(HandBacks):
                 swept_at = loop.time()
                 self._sweeping = asyncio.create_task(self._sweep_quietly())
 
-    async def _count_submissions(self, metrics: HubMetrics) -> None:
-        """``reach_workflow_submissions`` from the shared consumer, every
-        ``SUBMISSIONS_EVERY`` seconds (absent while it cannot be read)."""
-        gauge = metrics.workflow_submissions
+    async def _watch_submissions(self, metrics: HubMetrics | None) -> None:
+        """Every ``SUBMISSIONS_EVERY`` seconds, the shared consumer's info and
+        ``REACH_WF``'s: ``reach_workflow_submissions`` (absent while it cannot be read), and
+        the watch on a consumer leader sitting on a stale copy of the stream
+        (``_stale_leader``: a step-down asked for when it is seen long enough)."""
+        loop = asyncio.get_running_loop()
+        watch = StaleLeaderWatch(max(HOLD_FLOOR, 2 * self._settings.workflow_ack_wait))
+        self._stale_watch = watch
         while True:
             try:
                 info = await self._js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
-                gauge.labels("waiting").set(info.num_pending or 0)
-                gauge.labels("taken").set(info.num_ack_pending or 0)
             except Exception:
-                # Unread: no value, rather than an old one that max() over hubs would keep.
-                for stage in ("waiting", "taken"):
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(stage)
+                info = None
+                watch.unread()
+            if metrics is not None:
+                gauge = metrics.workflow_submissions
+                if info is not None:
+                    gauge.labels("waiting").set(info.num_pending or 0)
+                    gauge.labels("taken").set(info.num_ack_pending or 0)
+                else:
+                    # Unread: no value, rather than an old one that max() over hubs would keep.
+                    for stage in ("waiting", "taken"):
+                        with contextlib.suppress(KeyError):
+                            gauge.remove(stage)
+            if info is not None and info.cluster is not None and info.cluster.leader:
+                await self._watch_leader(watch, info, loop.time())
             await asyncio.sleep(SUBMISSIONS_EVERY)
+
+    async def _watch_leader(self, watch: StaleLeaderWatch, info: ConsumerInfo, now: float) -> None:
+        """One look of ``watch`` (the stream's info read now), and the step-down it asks for."""
+        try:
+            stream = await self._js.stream_info(protocol.STREAM_WF)
+        except Exception:
+            watch.unread()
+            return
+        verdict = watch.observe(stream, info, now)
+        if verdict is None:
+            return
+        try:
+            said = await step_down(
+                self._nc, protocol.STREAM_WF, protocol.CONSUMER_HUBS, verdict.prefer
+            )
+        except Exception as err:
+            said = f"not answered: {describe(err)}"
+        log.warning(
+            "consumer %s of %s: its leader %s sits on a stale copy of the stream (%s): asked "
+            "it to step down, %s (docs/operations.md, A consumer leader on a stale replica)",
+            protocol.CONSUMER_HUBS,
+            protocol.STREAM_WF,
+            verdict.server,
+            verdict.why,
+            said,
+        )
 
     async def _keep(self, *, check: bool) -> bool:
         """One keepalive pass: with ``check`` (a late tick, or one after a record could not

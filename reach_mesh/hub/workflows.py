@@ -265,9 +265,9 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
         self._ticker = asyncio.create_task(self._keepalive(), name="reach-workflow-keepalive")
         if self._metrics is not None:
             self._metrics.workflows_running.set_function(lambda: len(self._running))
-            self._counting = asyncio.create_task(
-                self._count_submissions(self._metrics), name="reach-workflow-submissions"
-            )
+        self._counting = asyncio.create_task(
+            self._watch_submissions(self._metrics), name="reach-workflow-submissions"
+        )
 
     async def stop(self) -> None:
         """Stop pulling; hand every running workflow back (nak) so another hub resumes it."""
