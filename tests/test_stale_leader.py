@@ -9,6 +9,7 @@ delivered to any hub, with no error anywhere (nats-io/nats-server#3299)."""
 from __future__ import annotations
 
 import itertools
+from datetime import UTC, datetime
 
 from nats.js.api import (
     ClusterInfo,
@@ -34,7 +35,7 @@ def _stream(
             name=p,
             current=current if p == stale else True,
             lag=lag if p == stale else 0,
-            active=0.1,
+            active=100_000_000,
         )
         for p in others
     ]
@@ -54,7 +55,7 @@ def _consumer(
         name=protocol.CONSUMER_HUBS,
         stream_name=protocol.STREAM_WF,
         config=ConsumerConfig(durable_name=protocol.CONSUMER_HUBS, max_ack_pending=65_536),
-        created=0.0,
+        created=datetime(2026, 1, 1, tzinfo=UTC),
         delivered=SequenceInfo(consumer_seq=delivered, stream_seq=delivered),
         num_ack_pending=ack_pending,
         num_waiting=waiting,
