@@ -122,7 +122,11 @@ def permissions(role: str, name: str) -> dict[str, Any]:
             "publish": {
                 "allow": [
                     "reach.>",  # replies aside, everything a hub sends starts here
-                    f"{_API}.>",  # creates and reads streams, buckets, consumers
+                    # Creates and reads streams, buckets, consumers; and asks the leader of
+                    # the submissions consumer to step down when it sits on a stale copy of
+                    # REACH_WF: $JS.API.CONSUMER.LEADER.STEPDOWN.REACH_WF.reach-hubs
+                    # (hub/_stale_leader.py; docs/security.md).
+                    f"{_API}.>",
                     "$KV.>",  # the only writer of registry, task and workflow records
                     "$JS.ACK.>",
                     "$JS.FC.>",
