@@ -15,7 +15,8 @@ seconds (``max(10 s, 2 * workflow_ack_wait)``), the consumer's leader is not the
 leader and either
 
 * the stream's replica on the consumer leader's server is behind (not ``current``, or a
-  ``lag``), or
+  ``lag``) and not catching up (its ``lag`` never smaller than at the look before: a healthy
+  follower under load lags by a few entries at times, then less), or
 * the stream holds submissions past the consumer's ``delivered.stream_seq`` while hubs' pulls
   wait (``num_waiting``) and the consumer may deliver (``num_ack_pending`` under its
   ``max_ack_pending``), and ``delivered.stream_seq`` did not move,
@@ -63,6 +64,7 @@ class _Look:
     consumer_leader: str
     stream_leader: str | None
     behind: bool
+    lag: int
     stalled: bool
     delivered: int
     why: str
@@ -98,7 +100,8 @@ def _look(stream: StreamInfo, consumer: ConsumerInfo) -> _Look | None:
         f"{delivered}, {consumer.num_waiting or 0} pull(s) waiting, "
         f"{consumer.num_ack_pending or 0} ack pending"
     )
-    return _Look(c_leader, s_leader, behind, stalled, delivered, "; ".join(parts))
+    lag = (replica.lag or 0) if replica is not None else 0
+    return _Look(c_leader, s_leader, behind, lag, stalled, delivered, "; ".join(parts))
 
 
 class StaleLeaderWatch:
@@ -117,6 +120,7 @@ class StaleLeaderWatch:
         #: every look (the stall: with ``delivered.stream_seq`` at ``_stalled_at``).
         self._leader: str | None = None
         self._behind_since: float | None = None
+        self._lag = 0
         self._stalled_since: float | None = None
         self._stalled_at = 0
         self._stepped_at: float | None = None
@@ -126,6 +130,7 @@ class StaleLeaderWatch:
     def unread(self) -> None:
         """A look that could not be read: the runs of looks start again."""
         self._leader = self._behind_since = self._stalled_since = None
+        self._lag = 0
 
     def observe(self, stream: StreamInfo, consumer: ConsumerInfo, now: float) -> Verdict | None:
         """One look at ``stream`` and ``consumer`` at ``now`` (monotonic): a step-down to ask
@@ -138,10 +143,11 @@ class StaleLeaderWatch:
             if seen is None:
                 return None
             self._leader = seen.consumer_leader
-        if not seen.behind:
-            self._behind_since = None
-        elif self._behind_since is None:
+        if not seen.behind or seen.lag < self._lag:
+            self._behind_since = None  # caught up, or catching up
+        if seen.behind and self._behind_since is None:
             self._behind_since = now
+        self._lag = seen.lag
         if not seen.stalled or (
             self._stalled_since is not None and seen.delivered != self._stalled_at
         ):
