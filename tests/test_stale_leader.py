@@ -27,7 +27,13 @@ from reach_mesh.hub._stale_leader import StaleLeaderWatch
 
 
 def _stream(
-    last_seq: int, *, leader: str = "n0", stale: str = "n1", current: bool = True, lag: int = 0
+    last_seq: int,
+    *,
+    leader: str = "n0",
+    stale: str = "n1",
+    current: bool = True,
+    lag: int = 0,
+    messages: int = 10,
 ) -> StreamInfo:
     others = [p for p in ("n0", "n1", "n2") if p != leader]
     replicas = [
@@ -42,7 +48,7 @@ def _stream(
     return StreamInfo(
         config=StreamConfig(name=protocol.STREAM_WF),
         state=StreamState(
-            messages=10, bytes=1000, first_seq=1, last_seq=last_seq, consumer_count=1
+            messages=messages, bytes=1000, first_seq=1, last_seq=last_seq, consumer_count=1
         ),
         cluster=ClusterInfo(name="mesh", leader=leader, replicas=replicas),
     )
@@ -147,3 +153,20 @@ def test_step_downs_are_rate_limited() -> None:
     assert all(b - a >= 30 for a, b in itertools.pairwise(asked))
     assert len(asked) == len(range(15, 200, 30))
     assert watch.step_downs == len(asked)
+
+
+def test_a_deleted_tail_is_no_stall() -> None:
+    """The newest submissions gone undelivered (deleted: a work queue's message, a hand-back's)
+    leave ``last_seq`` past ``delivered`` for good; with no message in the stream beyond
+    those the consumer has out, that is no stall, however long it lasts."""
+    watch = StaleLeaderWatch(10.0)
+    for t in range(0, 120, 5):
+        got = watch.observe(_stream(120, messages=2), _consumer(100, ack_pending=2), float(t))
+        assert got is None
+    # The same with undelivered messages in the stream: asked for once the hold is over.
+    watch = StaleLeaderWatch(10.0)
+    asked = [
+        watch.observe(_stream(120, messages=30), _consumer(100, ack_pending=2), float(t))
+        for t in range(0, 20, 5)
+    ]
+    assert asked[:2] == [None, None] and asked[-1] is not None

@@ -17,9 +17,10 @@ leader and either
 * the stream's replica on the consumer leader's server is behind (not ``current``, or a
   ``lag``) and not catching up (its ``lag`` never smaller than at the look before: a healthy
   follower under load lags by a few entries at times, then less), or
-* the stream holds submissions past the consumer's ``delivered.stream_seq`` while hubs' pulls
-  wait (``num_waiting``) and the consumer may deliver (``num_ack_pending`` under its
-  ``max_ack_pending``), and ``delivered.stream_seq`` did not move,
+* the stream holds submissions past the consumer's ``delivered.stream_seq``, more messages
+  than the consumer has out (``num_ack_pending``), while hubs' pulls wait (``num_waiting``)
+  and the consumer may deliver (``num_ack_pending`` under its ``max_ack_pending``), and
+  ``delivered.stream_seq`` did not move,
 
 the hub asks the consumer's leader to step down (``$JS.API.CONSUMER.LEADER.STEPDOWN``,
 preferring the stream leader's server), at most once per ``STEP_DOWN_EVERY`` seconds, with a
@@ -87,7 +88,14 @@ def _look(stream: StreamInfo, consumer: ConsumerInfo) -> _Look | None:
     can_deliver = (
         max_pending is None or max_pending <= 0 or ((consumer.num_ack_pending or 0) < max_pending)
     )
-    stalled = last_seq > delivered and (consumer.num_waiting or 0) > 0 and can_deliver
+    # Messages the stream (its leader) holds beyond those the consumer has out: undelivered
+    # ones. ``last_seq`` past ``delivered`` alone is no sign: a work queue's newest messages
+    # may be gone undelivered (deleted, a hand-back's), and an idle mesh would step down
+    # every ``STEP_DOWN_EVERY`` for them.
+    undelivered = stream.state.messages > (consumer.num_ack_pending or 0)
+    stalled = (
+        last_seq > delivered and undelivered and (consumer.num_waiting or 0) > 0 and can_deliver
+    )
     if not behind and not stalled:
         return None
     parts = []
