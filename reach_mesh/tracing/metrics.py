@@ -665,8 +665,8 @@ class _StepCounts(Collector):
             "reach_agent_leader_reads",
             "Wary fence reads whose replica check failed, asked of a hub to read the task "
             "record at its stream's leader (verb record), by outcome: answered (the step went "
-            "on from the hub's read), unanswered (no hub answered, or it answered an error: "
-            "the step waits).",
+            "on from the hub's read), unanswered (no hub answered or none was asked, it "
+            "answered an error, or the step is of another namespace: the step waits).",
             labels=["outcome"],
         )
         for outcome in ("answered", "unanswered"):
