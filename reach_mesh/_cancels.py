@@ -10,7 +10,7 @@ asyncio.CancelledError: pass``, which swallows a cancel wherever it suspends (a 
 full flusher queue). A hub's step cancelled while it read the status stream, its answer just
 in, ran on for 23 s through five new attempts (chaos secure seed 184, ``node_stop``).
 
-:func:`uncancelled` (and :func:`raise_swallowed`, for an await of its own) raise the
+:func:`uncancelled` raises the
 ``CancelledError`` again when the task's ``cancelling()`` count rose during the await but the
 await returned: a cancel that came in it, and did not come out of it. A cancel taken back
 inside it (``Task.uncancel``, as ``asyncio.timeout`` does) leaves the count as it was and is
@@ -33,39 +33,29 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["cancel_count", "raise_swallowed", "uncancelled"]
+__all__ = ["uncancelled"]
 
 T = TypeVar("T")
-
-
-def cancel_count(
-    loop: asyncio.AbstractEventLoop | None = None,
-) -> tuple[asyncio.Task[object] | None, int]:
-    """The current task (None outside one) and its ``cancelling()`` count now: what
-    :func:`raise_swallowed` compares after the await. ``loop``: the running loop, when the
-    caller knows it (on 3.11 ``current_task()`` finds it by a ``getpid`` syscall, ~0.2 µs)."""
-    task = asyncio.current_task(loop)
-    return task, 0 if task is None else task.cancelling()
-
-
-def raise_swallowed(task: asyncio.Task[object] | None, before: int) -> None:
-    """Raise ``CancelledError`` if ``task`` was cancelled since its ``cancelling()`` count was
-    ``before`` (:func:`cancel_count`) and that cancellation was not raised (an await returned
-    in spite of it)."""
-    if task is not None and task.cancelling() > before:
-        raise asyncio.CancelledError("a cancellation an await swallowed, raised again")
 
 
 async def uncancelled(aw: Awaitable[T]) -> T:
     """``await aw``, raising ``CancelledError`` if the task was cancelled during it and ``aw``
     swallowed that (returned a result, or raised something else)."""
-    task, before = cancel_count()
+    task = asyncio.current_task()
+    before = 0 if task is None else task.cancelling()
     try:
         got = await aw
     except asyncio.CancelledError:
         raise
     except BaseException:
-        raise_swallowed(task, before)  # (converted into another error: the cancel comes first)
+        _raise_swallowed(task, before)  # (converted into another error: the cancel comes first)
         raise
-    raise_swallowed(task, before)
+    _raise_swallowed(task, before)
     return got
+
+
+def _raise_swallowed(task: asyncio.Task[object] | None, before: int) -> None:
+    """Raise ``CancelledError`` if ``task`` was cancelled since its ``cancelling()`` count was
+    ``before`` and that cancellation was not raised (an await returned in spite of it)."""
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError("a cancellation an await swallowed, raised again")

@@ -254,8 +254,7 @@ class Liveness:
         secure seed 184, ``partition``: a hub cut off with the heartbeat stream's leader for
         5 s, blind meanwhile, declared an agent of the other side LOST 0.29 s after the heal,
         its beats refused throughout the cut, and a route it had run was run again)."""
-        since_lapse = now - view.last_seen - view.record.lease_timeout
-        if heard < since_lapse:
+        if _heard_since_lapse(view, heard, now):
             unable_at, self._hb_unable_at = self._hb_unable_at, float("-inf")
             if unable_at >= view.last_seen:  # (unable since the agent's last beat was heard)
                 self._went_blind(
@@ -296,8 +295,8 @@ class Liveness:
             return False
         now = self._clock()
         heard += now - look[0]  # (as of now)
-        since_lapse = now - view.last_seen - view.record.lease_timeout
-        return heard < since_lapse and self._hb_unable_at < view.last_seen
+        # ``_could_store``'s rule, without its verdicts (blindness) of a look made for one step.
+        return _heard_since_lapse(view, heard, now) and self._hb_unable_at < view.last_seen
 
     def _cannot_confirm(self, view: AgentView, err: Exception) -> None:
         self._hb_unable_at = self._clock()
@@ -567,3 +566,9 @@ def _written_since(err: Exception) -> bool:
     return isinstance(err, KeyWrongLastSequenceError | KeyNotFoundError) or (
         isinstance(err, APIError) and err.err_code == _WRONG_LAST_SEQUENCE
     )
+
+
+def _heard_since_lapse(view: AgentView, heard: float, now: float) -> bool:
+    """Whether the heartbeat stream's leader, which last heard from a quorum ``heard``
+    seconds before ``now``, did so after ``view``'s lease lapsed."""
+    return heard < now - view.last_seen - view.record.lease_timeout
