@@ -7,6 +7,7 @@ here a watch that finds the leader stale at its first look stands in for it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
@@ -94,8 +95,17 @@ async def test_a_hub_moves_the_submissions_consumers_leader(
                     line = next(r for r in caplog.records if "step down" in r.getMessage())
                     assert line.levelno == logging.WARNING
                     assert verdict.server in line.getMessage()
-                    # Asked again by the helper, with no preference: it moves off that one.
+                    # A second hub that saw the same stale leader asks after the move (its
+                    # verdict names the stale server and prefers the new leader): not asked,
+                    # and the healthy leader stays.
                     now = seen[-1]
+                    said = await step_down(
+                        nc, protocol.STREAM_WF, protocol.CONSUMER_HUBS, now, of=verdict.server
+                    )
+                    assert said == f"not asked: {now} leads it now", said
+                    await asyncio.sleep(1.0)
+                    assert await leader() == now
+                    # Asked again by the helper, with no preference: it moves off that one.
                     said = await step_down(nc, protocol.STREAM_WF, protocol.CONSUMER_HUBS, None)
                     assert said == "done", said
 

@@ -114,7 +114,11 @@ class SubmissionKeepalive(HandBacks):
             return
         try:
             said = await step_down(
-                self._nc, protocol.STREAM_WF, protocol.CONSUMER_HUBS, verdict.prefer
+                self._nc,
+                protocol.STREAM_WF,
+                protocol.CONSUMER_HUBS,
+                verdict.prefer,
+                of=verdict.server,
             )
         except Exception as err:
             said = f"not answered: {describe(err)}"
