@@ -26,6 +26,7 @@ and parties allowed to answer into a hub's inbox must not guess the next one.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -60,6 +61,8 @@ __all__ = [
     "kv_marker",
     "kv_stream",
     "kv_subject",
+    "kv_unregistered",
+    "kv_unregistered_marker",
 ]
 
 log = logging.getLogger("reach_mesh.jspub")
@@ -127,6 +130,26 @@ def kv_subject(bucket: str, key: str) -> str:
 def kv_stream(bucket: str) -> str:
     """The stream a KV bucket is."""
     return f"KV_{bucket}"
+
+
+def kv_unregistered_marker(
+    bucket: str, key: str, session: str
+) -> tuple[str, bytes, dict[str, str]]:
+    """The subject, body and headers of a delete marker of ``key`` that names the registration
+    ``session`` it ends (``{"unregistered": session}``; a KV reader takes it as any delete)."""
+    body = json.dumps({"unregistered": session}, separators=(",", ":")).encode()
+    return kv_subject(bucket, key), body, {_KV_OPERATION: "DEL"}
+
+
+def kv_unregistered(body: bytes) -> str | None:
+    """The session a delete marker's ``body`` says it ended (:func:`kv_unregistered_marker`),
+    or None."""
+    try:
+        said = json.loads(body) if body else None
+    except ValueError:
+        return None
+    session = said.get("unregistered") if isinstance(said, dict) else None
+    return session if isinstance(session, str) else None
 
 
 def kv_marker(headers: dict[str, str] | None) -> bool:

@@ -19,6 +19,7 @@ Every error carries a stable wire ``code`` so that clients in any language can a
     ├── ThrottledError              REACH_THROTTLED        (with retry_after_ms)
     ├── AgentBusyError              REACH_AGENT_BUSY       (not accepted: safe to retry)
     ├── AgentReplacedError          REACH_AGENT_REPLACED   (another process serves the id)
+    ├── SessionEndedError           REACH_SESSION_ENDED    (register: the session unregistered)
     ├── NoHandlerError              REACH_NO_HANDLER       (agent lacks the capability)
     ├── HandlerError                REACH_HANDLER_FAILED   (the user's handler raised)
     ├── StaleAttemptError           REACH_STALE_ATTEMPT    (fenced)
@@ -59,6 +60,7 @@ __all__ = [
     "PayloadTooLargeError",
     "ReachError",
     "SelectorError",
+    "SessionEndedError",
     "StaleAttemptError",
     "TaskCancelledError",
     "TaskIdConflictError",
@@ -256,6 +258,15 @@ class AgentReplacedError(ReachError):
     would reach both). Raised in the agent that stood down; never on the wire."""
 
     code = "REACH_AGENT_REPLACED"
+
+
+class SessionEndedError(ReachError):
+    """A registration of a session its agent already unregistered: a try of it handled late
+    (a hub paused or wedged while the agent, answered by another, went on, unregistered and
+    left). Registered, it would bring a gone agent back into every hub's index until its lease
+    ran out. A process registers under a fresh session."""
+
+    code = "REACH_SESSION_ENDED"
 
 
 class NotPermittedError(ReachError):

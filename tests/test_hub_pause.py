@@ -10,6 +10,7 @@ the same to real hub processes with SIGSTOP."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -200,4 +201,54 @@ async def test_a_registration_answered_later_waits_for_a_slower_acceptance(
     finally:
         for task in replies:
             task.cancel()
+        await nc.close()
+
+
+async def test_a_registration_handled_after_its_agent_unregistered_is_refused(
+    settings: MeshSettings,
+) -> None:
+    """A try of a registration that a paused hub handles when it wakes — after the agent,
+    answered by another hub, unregistered and left — is refused (``REACH_SESSION_ENDED``): the
+    unregister's delete marker names the session it ended. Registered, the gone agent would be
+    routed to until its lease ran out. A new process of the id (a fresh session) registers."""
+    assert settings.nats_url is not None
+    held: list[Any] = []
+    nc = await nats.connect(settings.nats_url)
+    try:
+
+        async def hold(msg: Any) -> None:
+            held.append(msg)
+
+        sub = await nc.subscribe(
+            protocol.hub_agent_subject("*.*.*", "register"), queue=protocol.HUB_QUEUE, cb=hold
+        )
+        await flushed(nc)
+        async with Hub(settings=settings) as hub:
+            agent: Agent | None = None
+            for n in range(20):
+                agent = _agent(f"pause.echo.u{n}", settings)
+                await agent.start()
+                if held:
+                    break
+                await agent.close()
+            assert agent is not None and held, "the paused hub was never given a registration"
+            await sub.unsubscribe()  # the paused hub is gone from the group; its try is not
+            await agent.close()  # unregistered, through the hub that answers
+            await eventually(lambda: agent.agent_id not in hub.registry.agents)
+            # The paused hub wakes: the try it held is handled now (by the hub that answers).
+            late = held[0]
+            reply = await nc.request(late.subject, late.data, timeout=5.0)
+            body = json.loads(reply.data)
+            assert "error" in body, f"the gone agent registered again: {body}"
+            assert body["error"]["code"] == "REACH_SESSION_ENDED", body
+            await asyncio.sleep(0.3)
+            assert agent.agent_id not in hub.registry.agents
+            # A new process of the id registers under its own session.
+            again = _agent(agent.agent_id, settings)
+            await again.start()
+            try:
+                assert hub.registry.agents[agent.agent_id].record.session == again.session
+            finally:
+                await again.close()
+    finally:
         await nc.close()

@@ -28,12 +28,12 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import JsClient, kv_subject
+from reach_mesh._jspub import JsClient, kv_subject, kv_unregistered, kv_unregistered_marker
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import describe
 from reach_mesh._starting import time_to_start
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import MeshUnavailableError, UnknownAgentError
+from reach_mesh.errors import MeshUnavailableError, SessionEndedError, UnknownAgentError
 from reach_mesh.hub._agent_view import AgentView, StateListener
 from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, Liveness, LostEntry, Undeleted
 from reach_mesh.hub._resources import Resources
@@ -522,6 +522,7 @@ class Registry(Liveness):
             registered_at=time.time(),
         )
         agent_id = req.card.agent_id
+        await self._refuse_ended(agent_id, req.session)
         existing = self.agents.get(agent_id)
         if self.cordoned(agent_id, None if existing is None else existing.record):
             record.cordoned = True  # an operator's cordon outlives the agent's registrations
@@ -534,6 +535,27 @@ class Registry(Liveness):
             # Written by the registration, not a beat (see ``_apply_heartbeat``).
             view.hb_revision = max(view.hb_revision, hb_rev)
         return view
+
+    async def _refuse_ended(self, agent_id: str, session: str) -> None:
+        """Raise ``SessionEndedError`` when ``agent_id``'s record was deleted by an unregister
+        of ``session`` (its delete marker names the session: :meth:`unregister`). The agent
+        sends a registration again after 1 s without an answer, and a hub that was paused or
+        wedged meanwhile handles the earlier try when it wakes, maybe after the agent, answered
+        by another hub, unregistered and left: registered, a gone agent would be routed to
+        until its lease ran out. A read that fails lets the registration through (its write
+        is what decides, and fails alike)."""
+        assert self._reads is not None
+        try:
+            got = await self._reads.kv_entry(protocol.KV_AGENTS, agent_id)
+        except Exception as err:
+            log.debug("registration of %s: its record could not be read: %r", agent_id, err)
+            return
+        if got is not None and got[2] and kv_unregistered(got[0]) == session:
+            raise SessionEndedError(
+                f"agent {agent_id!r} unregistered session {session!r}: a process registers "
+                "under a fresh session",
+                agent_id=agent_id,
+            )
 
     async def heartbeat(self, hb: Heartbeat) -> AgentView:
         view = self.agents.get(hb.agent_id)
@@ -612,8 +634,15 @@ class Registry(Liveness):
         if session is not None and view.record.session != session:
             return False  # a newer incarnation owns the id now
         self._drop(agent_id, lost=False)
-        with contextlib.suppress(KeyNotFoundError):
-            await self._agents_kv.delete(agent_id)
+        if session is None:
+            with contextlib.suppress(KeyNotFoundError):
+                await self._agents_kv.delete(agent_id)
+        else:
+            # The delete marker names the session it ended: a try of its registration handled
+            # late is refused (``_refuse_ended``).
+            assert self._reads is not None
+            subject, body, headers = kv_unregistered_marker(protocol.KV_AGENTS, agent_id, session)
+            await self._reads.publish(subject, body, headers)
         with contextlib.suppress(KeyNotFoundError):
             await self._hb_kv.delete(agent_id)
         return True
