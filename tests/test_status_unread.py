@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 from nats.js.errors import ServiceUnavailableError
@@ -21,31 +22,42 @@ from opentelemetry.trace import INVALID_SPAN
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.hub import Hub
-from reach_mesh.hub._tracking import StatusTracker
+from reach_mesh.hub._tracking import StatusTracker, StepTrack
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent
 
 from .helpers import Fleet, eventually, held_handler, partition
 
 pytestmark = pytest.mark.timeout(90)
 
+T = TypeVar("T")
+
 
 def _unavailable() -> ServiceUnavailableError:
     return ServiceUnavailableError(code=503, err_code=10008, description="no leader")
 
 
-async def _probe_with_reads(settings: MeshSettings, reads: list[Any]) -> tuple[str, Any]:
-    """Probe attempt 1 of a step whose agent is not there (no ctl subscriber, no lease): each
-    status read takes the next of ``reads`` (an exception is raised, anything else returned)."""
+async def with_reads(
+    settings: MeshSettings,
+    reads: list[Any],
+    act: Callable[[StatusTracker, StepTrack], Awaitable[T]],
+) -> tuple[T, TaskStatusEvent | None, int]:
+    """``act`` on attempt 1 of a step whose agent is not there (no ctl subscriber, no lease):
+    each status read takes the next of ``reads`` (an exception is raised, anything else
+    returned; the last one again once they run out). Returns what ``act`` returned, the
+    step's outcome, and how many reads were made."""
     agent_id = f"{settings.namespace}.gone.a1"
     async with Hub(settings=settings) as hub:
         assert hub.workflows is not None
         tracker = StatusTracker(hub.nc, hub.workflows._jsc, hub.registry)
         answers = list(reads)
+        made = 0
 
         async def last_status(
             ns: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
         ) -> TaskStatusEvent | None:
-            got = answers.pop(0)
+            nonlocal made
+            made += 1
+            got = answers.pop(0) if len(answers) > 1 else answers[0]
             if isinstance(got, BaseException):
                 raise got
             assert got is None or isinstance(got, TaskStatusEvent)
@@ -61,9 +73,15 @@ async def _probe_with_reads(settings: MeshSettings, reads: list[Any]) -> tuple[s
             agent_id=agent_id,
         )
         track = tracker.open(rec, protocol.task_key(settings.namespace, "gone-task"), INVALID_SPAN)
-        verdict = await tracker.probe(track)
-        assert not answers, "every planned read was made"
-        return verdict, track.final
+        got = await act(tracker, track)
+        return got, track.final, made
+
+
+async def _probe_with_reads(settings: MeshSettings, reads: list[Any]) -> tuple[str, Any]:
+    """Probe the gone agent's attempt (``with_reads``): its verdict and the step's outcome."""
+    verdict, final, made = await with_reads(settings, reads, lambda t, track: t.probe(track))
+    assert made == len(reads), "every planned read was made"
+    return verdict, final
 
 
 async def test_a_gone_agents_attempt_is_kept_while_its_status_cannot_be_read(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from reach_mesh._cli_fleet import _print_agents
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import AgentBusyError
 from reach_mesh.hub import Hub
+from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.workflow import step_task_id
 
 from .helpers import (
@@ -285,10 +286,19 @@ async def test_a_wedged_agent_takes_no_work_and_gives_back_what_waits(
             await fleet.close()
 
 
-async def _final_missed(s: MeshSettings, cap: str, step: Step, timeout: float) -> None:
+async def _final_missed(
+    s: MeshSettings,
+    cap: str,
+    step: Step,
+    timeout: float,
+    *,
+    lost: Callable[[Agent, WorkflowEngine, float], Awaitable[None]] | None = None,
+) -> None:
     """One fanout of ``step`` to one agent whose handler takes 0.3 s (long enough to say
     ACCEPTED: the hub times it), the attempt's final status lost on its way to the hub: it
-    must end SUCCEEDED, in one attempt, its handler run once, and no attempt taken overdue."""
+    must end SUCCEEDED, in one attempt, its handler run once, and no attempt taken overdue.
+    ``lost``: awaited once that status was lost (stored by then), with the agent, the hub's
+    engine and when (``time.monotonic``) the workflow was submitted."""
     fleet = Fleet(s)
     async with Hub(settings=s) as hub:
         engine = hub.workflows
@@ -306,13 +316,18 @@ async def _final_missed(s: MeshSettings, cap: str, step: Step, timeout: float) -
         engine.status_filter = lose
         try:
             async with Client(settings=s) as mesh:
-                res = await mesh.fanout([step], timeout=timeout)
+                t0 = time.monotonic()
+                wf_id = await mesh.submit_fanout([step], timeout=timeout)
+                if lost is not None:
+                    await eventually(lambda: bool(lose.dropped), timeout=5)
+                    await lost(agent, engine, t0)
+                res = await mesh.workflow(wf_id, timeout=30)
                 assert lose.dropped, "the fault was not injected"
+                assert engine.overdue_total == 0, "the hub took its own TIMEOUT (overdue)"
                 assert res.state is TaskState.SUCCEEDED, res
                 assert res.steps[0].result == 7
                 assert res.steps[0].attempts == 1, res.steps[0]
                 assert fleet.runs[res.steps[0].task_id] == 1
-                assert engine.overdue_total == 0
         finally:
             engine.status_filter = None
             await fleet.close()

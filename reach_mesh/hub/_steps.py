@@ -685,8 +685,23 @@ class StepRunner(StepIO):
     async def _watch(
         self, track: StepTrack, pol: Policy, deadline: float
     ) -> tuple[Outcome, TaskStatusEvent | None]:
-        """Wait for the current attempt's outcome (or any earlier attempt's, first wins)."""
+        """Wait for the current attempt's outcome (or any earlier attempt's, first wins).
+
+        Before the hub decides the attempt TIMEOUT itself (overdue, or at the deadline) it
+        looks for a final status it missed (``StatusTracker.missed_final``). Overdue with the
+        status stream unanswered even to a patient read (an election) and no outcome from the
+        agent (cut off, or running it still), the attempt is not timed out on that — a
+        SUCCEEDED stored there (this attempt's, or an earlier one's) would decide the step,
+        and a retry would run it again: it is watched on and asked about again after
+        ``silence_timeout`` (a silent agent's probe first), the deadline deciding at the
+        latest. At the deadline the hub reads on for ``_STATUS_READ_PATIENT`` (10 s) past it,
+        then the deadline decides on what was found: a bounded hold covers an election (seed
+        173: 9.3 s without leader), while the caller's deadline must not wait on a stream
+        that may stay without leader for minutes (quorum lost); and a TIMEOUT there sends no
+        attempt again — the risk left is a stored result not seen (logged), no second run."""
         loop = self._loop
+        # Overdue, with what is stored unread: not asked about again before then.
+        read_again = 0.0
         while True:
             if track.final is not None:
                 return "final", track.final
@@ -699,7 +714,7 @@ class StepRunner(StepIO):
                 if now >= deadline:
                     # An outcome sent before it that this hub missed (its statuses connection
                     # cut, the silence timeout not yet run out) decides, not the deadline.
-                    await self._tracker.missed_final(track)
+                    await self._tracker.missed_final(track, hold=True)
                     if track.final is not None:
                         continue
                     return "deadline", None
@@ -720,10 +735,19 @@ class StepRunner(StepIO):
                         # handler ended: a final status missed (the statuses connection cut)
                         # leaves the attempt "running" here. What is stored, or what its agent
                         # holds, decides before the hub's own TIMEOUT does.
-                        await self._tracker.missed_final(track)
-                        if track.final is not None:
+                        if now < read_again:
+                            wait_until = min(wait_until, read_again)
+                        else:
+                            read = await self._tracker.missed_final(track)
+                            if track.final is not None:
+                                continue
+                            if read:
+                                return "overdue", None
+                            # The status stream did not answer, even patiently (no leader),
+                            # nor did the agent: not timed out on that (what it stored may
+                            # decide the step); asked again after its silence timeout.
+                            read_again = loop.time() + pol.silence_timeout
                             continue
-                        return "overdue", None
                 timeout = min(wait_until, deadline) - now
                 if timeout > 0:
                     await track.changed.wait(timeout)

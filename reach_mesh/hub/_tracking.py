@@ -61,6 +61,9 @@ _STATUS_READ_TIMEOUT: Final = 1.0
 #: ... except before giving up an attempt whose agent is gone: then an unanswered read is
 #: made again with this patience (a slow leader may hold the outcome that decides the step).
 _STATUS_READ_PATIENT: Final = 10.0
+#: How often an unanswered read is made again while a step at its deadline waits for the
+#: status stream (``missed_final``, ``hold``).
+_REREAD_PAUSE: Final = 0.5
 #: At most this many agents' last statuses are read when catching up on a step.
 _CATCH_UP_AGENTS: Final = 8
 #: Steps whose statuses are read at once after the statuses connection comes back.
@@ -545,22 +548,55 @@ class StatusTracker:
         finally:
             self._gap_running = False
 
-    async def missed_final(self, track: StepTrack) -> None:
+    async def missed_final(self, track: StepTrack, *, hold: bool = False) -> bool:
         """Before the hub decides a step's attempt TIMEOUT itself — overdue, or at the step's
         deadline (``StepRunner._watch``): a final status this hub missed — its statuses
         connection cut while the silence timeout that would have it read the status stream
         had not run out — is read from ``REACH_STATUS``, else asked of the attempt's agent
         (ctl ``task_state``, no fence), and offered as any other outcome. The agent reported
         the attempt's end: a TIMEOUT of the hub's own would throw its outcome away (and,
-        overdue, run the step again)."""
-        await self.catch_up(track)
-        if track.final is not None or track.agent_id is None:
-            return
-        event = await self.held_outcome(
-            track.task_id, track.workflow_id, track.agent_id, track.attempt
-        )
-        if event is not None:
-            self.offer(track, event)
+        overdue, run the step again).
+
+        A read the stream did not answer (an election: no leader) is made again patiently, as
+        ``probe`` does, when the agent gave no outcome either (cut off). Returns False when one
+        is still unanswered and no outcome was found: what is stored may decide the step, and
+        the hub's TIMEOUT must wait (overdue: the attempt is watched on and asked about again;
+        ``_watch``). ``hold`` (at the deadline, which cannot wait for ever): unanswered reads
+        are made again every ``_REREAD_PAUSE`` for ``_STATUS_READ_PATIENT`` in all: an
+        election takes seconds (seed 173: 9.3 s), and a stream without leader may refuse a
+        read at once (503) — a patient read alone then waits nothing out. Then False, and the
+        deadline decides on what was found (logged: a stored outcome may have gone unseen)."""
+        until = self._now() + _STATUS_READ_PATIENT
+        unread = await self.catch_up(track)
+        if track.final is not None:
+            return True
+        if track.agent_id is not None:
+            event = await self.held_outcome(
+                track.task_id, track.workflow_id, track.agent_id, track.attempt
+            )
+            if event is not None:
+                self.offer(track, event)
+                if track.final is not None:
+                    return True
+        if unread:
+            unread = await self.catch_up(track, unread, patient=True)
+        while hold and unread and track.final is None and self._now() < until:
+            pause = min(self._now() + _REREAD_PAUSE, until)
+            while track.final is None and (left := pause - self._now()) > 0:
+                await track.changed.wait(left)  # (an outcome heard live decides at once)
+            if track.final is None:
+                unread = await self.catch_up(track, unread)
+        if track.final is not None:
+            return True
+        if unread and hold and self._said.take("deadline_unread") is not None:
+            log.warning(
+                "%s reached its deadline with the stored statuses of %s unread (the status "
+                "stream did not answer within %.3gs): an outcome stored there was not seen",
+                track.task_id,
+                ", ".join(unread),
+                _STATUS_READ_PATIENT,
+            )
+        return not unread
 
     async def recheck(self, track: StepTrack, attempt: int, agent_id: str, recorded: int) -> None:
         """Ask again about an attempt just given up on, *after* the next one (``recorded``) is
