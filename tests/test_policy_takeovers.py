@@ -452,11 +452,19 @@ async def test_the_owners_unneeded_branch_is_stopped_with_no_read_of_the_workflo
 
 
 async def _owned_by_a_gone_hub(
-    mesh: Client, ns: str, wf_id: str, steps: list[Step], policy: str, agent_id: str
+    mesh: Client,
+    ns: str,
+    wf_id: str,
+    steps: list[Step],
+    policy: str,
+    agent_id: str,
+    *,
+    timeout: float = 30,
 ) -> Any:
     """Write the record of a fanout ``wf_id`` as a hub that is gone left it (owner
-    ``hub-gone``, every step's attempt 1 on ``agent_id``); the caller's JetStream context."""
-    spec = mesh._workflow_spec("fanout", steps, policy, 30, wf_id)
+    ``hub-gone``, every step's attempt 1 on ``agent_id``, the workflow's ``timeout``); the
+    caller's JetStream context."""
+    spec = mesh._workflow_spec("fanout", steps, policy, timeout, wf_id)
     js = mesh.nc.jetstream()
     record = WorkflowRecord(
         spec=spec,

@@ -257,7 +257,14 @@ class StepRunner(StepIO):
                         if track.sent:
                             # Attempts given up on (lost, undelivered) may have stored their
                             # outcome since, or before a takeover: read first (once each).
-                            read = await self._tracker.given_up_read(track)
+                            # Within the step's deadline: unanswered reads, one agent after
+                            # another and each patiently (11 s), held a step with three such
+                            # agents 33 s past it (tests/test_given_up_deadline.py).
+                            try:
+                                async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                                    read = await self._tracker.given_up_read(track)
+                            except TimeoutError:
+                                read = False  # (the deadline decides it, loop top)
                             if track.final is not None:
                                 continue  # (decided by it, loop top)
                             if not read:
