@@ -166,3 +166,50 @@ async def test_only_attempts_given_up_are_read_before_a_new_one_once_each(
         assert len(reads) == 3, reads  # read once: not again
     finally:
         tracker.close(track, None)
+
+
+async def test_every_attempt_given_up_is_read_before_a_new_one(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose attempts given up on went to more agents than one status read asks of
+    (``_CATCH_UP_AGENTS``, 8): the oldest one's stored success was never read, and
+    ``given_up_read`` said all was read — a new attempt sent, the step run again."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    agents = [f"{ns}.many.a{n}" for n in range(9)]
+    success = TaskStatusEvent(
+        task_id="many-0",
+        attempt=1,
+        agent_id=agents[0],
+        state=TaskState.SUCCEEDED,
+        workflow_id="many",
+        step=0,
+        result="stored",
+    )
+
+    async def stored(
+        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+    ) -> TaskStatusEvent | None:
+        return success if agent_id == agents[0] else None
+
+    monkeypatch.setattr(tracker, "last_status", stored)
+    rec = TaskRecord(
+        task_id="many-0",
+        workflow_id="many",
+        step=0,
+        namespace=ns,
+        attempt=len(agents) + 1,
+        history=[
+            AttemptRecord(attempt=n + 1, agent_id=a, code="lost") for n, a in enumerate(agents)
+        ],
+    )
+    track = tracker.open(
+        rec, protocol.task_key(ns, "many-0"), NonRecordingSpan(INVALID_SPAN_CONTEXT)
+    )
+    try:
+        read = await tracker.given_up_read(track)
+        assert track.final is not None or not read, "attempt 1's stored success never read"
+    finally:
+        tracker.close(track, None)

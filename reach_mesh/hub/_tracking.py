@@ -506,14 +506,16 @@ class StatusTracker:
         }
         if not given_up:
             return True
+        # Every one (read once each): ``catch_up``'s newest ``_CATCH_UP_AGENTS`` left an
+        # older attempt's stored success unread, and the step ran again.
         newest = sorted(given_up.items(), reverse=True)
-        agents = list(dict.fromkeys(a for _, a in newest))[:_CATCH_UP_AGENTS]
+        agents = list(dict.fromkeys(a for _, a in newest))
         unread = await self.catch_up(track, agents, finals=True)
         if unread and track.final is None:
             unread = await self.catch_up(track, unread, patient=True, finals=True)
         if track.final is not None:
             return True
-        track.checked.update(n for n, a in given_up.items() if a in agents and a not in unread)
+        track.checked.update(n for n, a in given_up.items() if a not in unread)
         return not unread
 
     async def after_gap(self) -> None:
