@@ -5,7 +5,9 @@ stored success decides the step (chaos secure seed 193, ``partition``)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +22,17 @@ from .helpers import Fleet, echo_agent, task_record
 from .test_policy_takeovers import _owned_by_a_gone_hub
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.contextmanager
+def _opened(tracker: Any, rec: TaskRecord) -> Iterator[Any]:
+    """The step of ``rec`` tracked by ``tracker`` (closed after)."""
+    key = protocol.task_key(rec.namespace, rec.task_id)
+    track = tracker.open(rec, key, NonRecordingSpan(INVALID_SPAN_CONTEXT))
+    try:
+        yield track
+    finally:
+        tracker.close(track, None)
 
 
 @pytest.mark.parametrize("unanswered", [1, 4])
@@ -205,11 +218,40 @@ async def test_every_attempt_given_up_is_read_before_a_new_one(
             AttemptRecord(attempt=n + 1, agent_id=a, code="lost") for n, a in enumerate(agents)
         ],
     )
-    track = tracker.open(
-        rec, protocol.task_key(ns, "many-0"), NonRecordingSpan(INVALID_SPAN_CONTEXT)
-    )
-    try:
+    with _opened(tracker, rec) as track:
         read = await tracker.given_up_read(track)
         assert track.final is not None or not read, "attempt 1's stored success never read"
-    finally:
-        tracker.close(track, None)
+
+
+async def test_an_attempt_its_agent_promised_never_to_start_holds_no_retry_back(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt 1 given up as ``undelivered`` after its agent promised never to start it (ctl
+    ``task_state`` with ``fence``: ``"fenced": true``) stored nothing and never will: its
+    unanswered status read (``REACH_STATUS`` electing a leader) must not hold attempt 2 back.
+    It did, a ``step_deliver_timeout`` per try, until the stream answered again."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    reads: list[str | None] = []
+
+    async def unanswered(
+        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+    ) -> TaskStatusEvent | None:
+        reads.append(agent_id)
+        raise MeshUnavailableError("REACH_STATUS did not answer")
+
+    monkeypatch.setattr(tracker, "last_status", unanswered)
+    rec = TaskRecord(
+        task_id="promised-0",
+        workflow_id="promised",
+        step=0,
+        namespace=ns,
+        attempt=2,
+        history=[AttemptRecord(attempt=1, agent_id=f"{ns}.promised.a1", code="undelivered")],
+    )
+    with _opened(tracker, rec) as track:
+        track.promised = 1  # (as ``_ask`` notes the agent's "fenced": true for attempt 1)
+        assert await tracker.given_up_read(track), reads
+        assert reads == []

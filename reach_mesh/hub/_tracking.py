@@ -485,9 +485,11 @@ class StatusTracker:
     async def given_up_read(self, track: StepTrack) -> bool:
         """Before a new attempt of the step is sent: read the stored statuses of the agents of
         its attempts given up on (``lost``, ``undelivered``: sent, with no outcome) that were
-        not read since. Such an attempt may have ended after it was given up (its agent cut
-        off, not gone) — or before a takeover, while no hub listened — and a success it stored
-        decides the step: the step must not run again for it (chaos secure seed 193,
+        not read since — not one its agent promised never to start (``promised``), which
+        stored nothing and whose unanswered read would hold the next attempt back for
+        nothing. Such an attempt may have ended after it was given up (its agent cut off, not
+        gone) — or before a takeover, while no hub listened — and a success it stored decides
+        the step: the step must not run again for it (chaos secure seed 193,
         ``partition``: five steps taken over with attempt 1 given up as ``lost`` and its
         SUCCEEDED stored; the new owner's read found no leader for ``REACH_STATUS``, and it
         sent attempt 2). An unanswered read is made again, patiently (as ``probe`` does).
@@ -503,6 +505,7 @@ class StatusTracker:
             if n not in track.finished
             and n not in track.checked
             and (n != track.attempt or track.agent_id is None)  # (not one out there now)
+            and n != track.promised  # (its agent promised never to start it: nothing stored)
         }
         if not given_up:
             return True
