@@ -189,23 +189,25 @@ async def step_down(
 ) -> str:
     """Ask ``durable``'s leader to step down, preferring ``prefer`` (a server name) as the new
     one; asked again with no preference when that one is refused (not a peer, already the
-    leader). With ``of``, first read who leads now, and ask only if ``of`` still does: a
-    step-down goes to whoever leads when it lands, and three hubs that saw the same stale
-    leader would otherwise move a healthy one on (the one the first step-down chose, asked
-    with its own name preferred, is refused and then asked with none). What the server
-    answered, for the log."""
-    if of is not None:
-        msg = await nc.request(f"$JS.API.CONSUMER.INFO.{stream}.{durable}", b"", timeout=timeout)
-        info = json.loads(msg.data or b"{}")
-        now = (info.get("cluster") or {}).get("leader")
-        if now != of:
-            return f"not asked: {now or 'no server'} leads it now"
+    leader). With ``of``, first read who leads now, before each request, and ask only if
+    ``of`` still does: a step-down goes to whoever leads when it lands, and three hubs that saw
+    the same stale leader would otherwise move a healthy one on (the one the first step-down
+    chose, asked with its own name preferred, is refused and then asked with none). What the
+    server answered, for the log."""
     subject = f"$JS.API.CONSUMER.LEADER.STEPDOWN.{stream}.{durable}"
     bodies = [b""]
     if prefer:
         bodies.insert(0, json.dumps({"placement": {"preferred": prefer}}).encode())
     said = ""
     for body in bodies:
+        if of is not None:
+            msg = await nc.request(
+                f"$JS.API.CONSUMER.INFO.{stream}.{durable}", b"", timeout=timeout
+            )
+            info = json.loads(msg.data or b"{}")
+            now = (info.get("cluster") or {}).get("leader")
+            if now != of:
+                return f"not asked: {now or 'no server'} leads it now"
         msg = await nc.request(subject, body, timeout=timeout)
         answer = json.loads(msg.data or b"{}")
         if answer.get("success"):
