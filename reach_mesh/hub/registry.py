@@ -226,9 +226,14 @@ class Registry(Liveness):
         self._ready.set()
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._trailers]:
+        # A heartbeat-stream look still out (``lapse_seen``) too: it must not outlive the hub.
+        pending: list[asyncio.Future[Any]] = [*self._tasks, *self._trailers]
+        if self._hb_look is not None:
+            pending.append(self._hb_look[1])
+            self._hb_look = None
+        for task in pending:
             task.cancel()
-        for task in [*self._tasks, *self._trailers]:
+        for task in pending:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
