@@ -276,6 +276,7 @@ async def hedged_request(
     timeout: float,
     every: float,
     final: Callable[[Msg], bool] | None = None,
+    most: int | None = None,
 ) -> Msg:
     """``nc.request``, sent again after each ``every`` seconds without an answer while the
     earlier tries may still answer; the first answer. For a request any member of a queue
@@ -286,13 +287,16 @@ async def hedged_request(
     ``final``: whether an answer ends the wait. One that does not (a refusal that says
     "later": throttled, JetStream unavailable) is kept while the tries still out may give
     a final one, for ``every`` at most, and is the answer if none does; nothing more is sent
-    once any answer came. No responders, or any error but a timeout, is raised at once;
+    once any answer came. ``most``: at most this many tries (a member slow because JetStream
+    is, in an election, is not sent more writes than that). No responders, or any error but a
+    timeout, is raised at once;
     ``nats.errors.TimeoutError`` when no try is answered within ``timeout``. Not for hot
     paths: a task per try."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     tries: set[asyncio.Task[Msg]] = set()
     next_send = loop.time()
+    sent = 0
     kept: Msg | None = None  # an answer not ``final``, and until when it waits for one
     kept_until = 0.0
     try:
@@ -304,7 +308,8 @@ async def hedged_request(
                 raise nats.errors.TimeoutError
             if kept is None and now >= next_send:
                 tries.add(loop.create_task(nc.request(subject, payload, timeout=deadline - now)))
-                next_send = now + every
+                sent += 1
+                next_send = now + every if most is None or sent < most else deadline
             wake = min(deadline, next_send if kept is None else kept_until) - loop.time()
             if not tries:
                 await asyncio.sleep(max(wake, 0.0))

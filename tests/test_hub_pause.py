@@ -16,11 +16,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import nats
+import nats.errors
+import pytest
 
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._nats import flushed, hedged_request
 from reach_mesh.agent import Agent, Task
-from reach_mesh.agent._agent import _BEAT_TRIES, _REGISTER_HEDGE, _not_later
+from reach_mesh.agent._agent import _BEAT_TRIES, _REGISTER_HEDGE, _REGISTER_TRIES, _not_later
 from reach_mesh.errors import ThrottledError
 from reach_mesh.hub import Hub
 from reach_mesh.hub.registry import AgentView
@@ -146,8 +148,14 @@ async def test_a_registration_given_to_a_silent_hub_is_asked_of_another(
     silent = protocol.hub_agent_subject(agents[-1].agent_id, "register")
     assert set(taken) == {silent}, taken
     # The one given to the silent hub: a hedge interval per try it took (the next try too
-    # may go to it), not the 5 s timeout; the others at once.
-    assert _REGISTER_HEDGE <= took[agents[-1].agent_id] < _REGISTER_HEDGE * len(taken) + 1.0
+    # may go to it), not the 5 s timeout — unless every one of the ``_REGISTER_TRIES`` did
+    # (one in eight here): then the timeout and a new request; the others at once.
+    most = (
+        _REGISTER_HEDGE * len(taken) + 1.0
+        if len(taken) < _REGISTER_TRIES
+        else 5.0 + _REGISTER_HEDGE * (len(taken) - _REGISTER_TRIES) + 1.5
+    )
+    assert _REGISTER_HEDGE <= took[agents[-1].agent_id] < most, (took, taken)
     assert all(t < 1.0 for a, t in took.items() if a != agents[-1].agent_id), took
 
 
@@ -250,5 +258,28 @@ async def test_a_registration_handled_after_its_agent_unregistered_is_refused(
                 assert hub.registry.agents[agent.agent_id].record.session == again.session
             finally:
                 await again.close()
+    finally:
+        await nc.close()
+
+
+async def test_a_hedged_request_sends_at_most_its_tries(settings: MeshSettings) -> None:
+    """``hedged_request(most=n)``: n tries to a member that never answers, then the timeout."""
+    assert settings.nats_url is not None
+    nc = await nats.connect(settings.nats_url)
+    seen: list[str] = []
+
+    async def silent(msg: Any) -> None:
+        seen.append(msg.subject)
+
+    try:
+        await nc.subscribe("pause.register.most", cb=silent)
+        await flushed(nc)
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        with pytest.raises(nats.errors.TimeoutError):
+            await hedged_request(nc, "pause.register.most", b"{}", timeout=1.0, every=0.1, most=3)
+        assert 0.9 < loop.time() - t < 1.5
+        await asyncio.sleep(0.1)
+        assert len(seen) == 3, seen
     finally:
         await nc.close()

@@ -106,6 +106,8 @@ _BEAT_TRIES: Final = 3
 #: group picks, while the earlier tries are still awaited (``_nats.hedged_request``): a hub
 #: registers an agent in a few milliseconds, or in seconds while JetStream elects a leader.
 _REGISTER_HEDGE: Final = 1.0
+#: At most this many tries of one registration request (``hedged_request``'s ``most``).
+_REGISTER_TRIES: Final = 3
 #: Seconds an agent starting keeps trying to connect to a NATS server whose port answers, and
 #: to register with a hub, before ``start()`` gives up (``connect_timeout`` when longer).
 _PATIENCE: Final = 30.0
@@ -494,6 +496,8 @@ class Agent(IdentityMixin, ServingMixin):
                 # registration is safe to repeat), not at the timeout.
                 # Asked of another hub after each ``_REGISTER_HEDGE`` without an answer (the
                 # earlier tries still awaited): one hub paused or wedged is not waited on.
+                # Three tries at most: hubs slow because JetStream is (an election) are not
+                # sent a fleet's registrations five times over, two KV writes each.
                 asked = hedged_request(
                     self.nc,
                     subject,
@@ -501,6 +505,7 @@ class Agent(IdentityMixin, ServingMixin):
                     timeout=5.0,
                     every=_REGISTER_HEDGE,
                     final=_not_later,
+                    most=_REGISTER_TRIES,
                 )
                 msg = await refused_first(self.nc, subject, or_reconnected(self.nc, asked))
                 reply = protocol.parse_reply(msg.data, RegisterReply)
