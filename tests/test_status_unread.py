@@ -23,7 +23,7 @@ from opentelemetry.trace import INVALID_SPAN
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.hub import Hub
 from reach_mesh.hub._tracking import StatusTracker, StepTrack
-from reach_mesh.workflow import TaskRecord, TaskStatusEvent
+from reach_mesh.workflow import AttemptRecord, TaskRecord, TaskStatusEvent
 
 from .helpers import Fleet, eventually, held_handler, partition
 
@@ -166,3 +166,73 @@ async def test_a_stored_result_is_kept_through_a_status_stream_without_leader(
     assert not ran_again, "attempt 1 given up while its stored result could not be read"
     step = res.steps[0]
     assert (step.state, step.result, step.decided_by) == (TaskState.SUCCEEDED, "answer of A", 1)
+
+
+async def test_a_steps_agents_are_read_at_once(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``catch_up`` of a step sent to three agents, each read taking about 1 s (a slow leader):
+    the reads run at once, so the step waits one read, not one per agent (with ``patient``
+    an unanswered one takes up to 10 s: ``probe``, ``given_up_read`` and the deadline's hold
+    waited up to 10 s per agent, eight at most). What is read is offered as one read after
+    another offered it, newest attempt first (here attempt 3's read ends last), and an
+    agent's failed read is its own (unread)."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    agents = [f"{ns}.atonce.a{n}" for n in range(3)]
+
+    def stored(n: int, state: TaskState) -> TaskStatusEvent:
+        return TaskStatusEvent(
+            task_id="atonce-0",
+            attempt=n + 1,
+            agent_id=agents[n],
+            state=state,
+            workflow_id="atonce",
+            step=0,
+        )
+
+    # (agent -> how long its read takes, and what it gives)
+    answers: dict[str, tuple[float, Any]] = {
+        agents[0]: (0.8, stored(0, TaskState.SUCCEEDED)),
+        agents[1]: (1.0, _unavailable()),
+        agents[2]: (1.2, stored(2, TaskState.FAILED)),
+    }
+
+    async def slow_reads(
+        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+    ) -> TaskStatusEvent | None:
+        assert agent_id is not None
+        took, got = answers[agent_id]
+        await asyncio.sleep(took)
+        if isinstance(got, BaseException):
+            raise got
+        assert isinstance(got, TaskStatusEvent)
+        return got
+
+    monkeypatch.setattr(tracker, "last_status", slow_reads)
+    rec = TaskRecord(
+        task_id="atonce-0",
+        workflow_id="atonce",
+        step=0,
+        namespace=ns,
+        attempt=3,
+        agent_id=agents[2],
+        history=[
+            AttemptRecord(attempt=1, agent_id=agents[0], code="lost"),
+            AttemptRecord(attempt=2, agent_id=agents[1], code="lost"),
+            AttemptRecord(attempt=3, agent_id=agents[2]),
+        ],
+    )
+    track = tracker.open(rec, protocol.task_key(ns, "atonce-0"), INVALID_SPAN)
+    try:
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        unread = await tracker.catch_up(track)
+        took = loop.time() - t
+        assert took < 2.0, f"the three reads took {took:.2f} s: one after another"
+        assert unread == [agents[1]], unread
+        assert [e.attempt for e in track.outcomes] == [3, 1], track.outcomes
+    finally:
+        tracker.close(track, None)

@@ -444,21 +444,34 @@ class StatusTracker:
         workflow, or while the subscription was cut off — are outcomes like any other. Returns
         the agents whose read went unanswered (a JetStream election): a status of theirs may be
         stored that this hub did not see. ``finals``: only final statuses are applied (a
-        stored keep-alive, however old, would count as hearing from the attempt now)."""
+        stored keep-alive, however old, would count as hearing from the attempt now).
+
+        The agents are read at once, and what they stored is offered after every read is
+        done, in their order (as one read after another offered it): a stream that does not
+        answer holds the step one read's timeout — up to ``_STATUS_READ_PATIENT`` when
+        ``patient`` — not one per agent (up to ``_CATCH_UP_AGENTS``)."""
         if agents is None:
             newest = sorted(track.sent.items(), reverse=True)
             agents = list(dict.fromkeys(a for _, a in newest))[:_CATCH_UP_AGENTS]
-        unread = []
-        for agent_id in agents:
+
+        async def read(agent_id: str) -> TaskStatusEvent | Exception | None:
             try:
-                last = await self.last_status(
+                return await self.last_status(
                     track.namespace, track.task_id, agent_id, patient=patient
                 )
-            except Exception as err:
-                log.debug("cannot read the last status of %s: %r", track.task_id, err)
+            except Exception as err:  # (each agent's own: the others' reads are kept)
+                return err
+
+        if len(agents) == 1:  # (the usual step: read in its own task, no task made for it)
+            got = [await read(agents[0])]
+        else:
+            got = await asyncio.gather(*(read(a) for a in agents))
+        unread = []
+        for agent_id, last in zip(agents, got, strict=True):
+            if isinstance(last, Exception):
+                log.debug("cannot read the last status of %s: %r", track.task_id, last)
                 unread.append(agent_id)
-                continue
-            if last is not None and (last.state.final or not finals):
+            elif last is not None and (last.state.final or not finals):
                 self.offer(track, last)
         return unread
 
