@@ -21,7 +21,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from reach_mesh import MeshSettings, RetryPolicy, Step, TaskState
 from reach_mesh.agent import Agent
 from reach_mesh.hub import _tracking
-from reach_mesh.hub._tracking import StatusTracker
+from reach_mesh.hub._tracking import StatusTracker, StepTrack
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.workflow import TaskStatusEvent
 
@@ -210,3 +210,55 @@ async def test_a_step_whose_stored_status_is_unread_at_its_deadline_is_no_timeou
     s = _cut_off_agents_keep_their_lease(wf_settings, step_silence_timeout=10.0)
     step = Step(capability="wf:deadlineunread:v1", payload=7, timeout=1.0, retries=0)
     await _stored_unread(s, monkeypatch, step, timeout=2.5, mode=mode, answer_at=answer_at)
+
+
+# ---------------------------------------------------------------- between attempts
+
+
+async def _given_up_final_with_reads(
+    settings: MeshSettings, reads: list[Any]
+) -> tuple[tuple[bool, tuple[int, str] | None], TaskStatusEvent | None, int]:
+    """``given_up_final`` at a step's deadline between attempts (``with_reads``): the gone
+    agent's attempt 1 given up on — attempt 2 recorded, no agent yet. What it returned with
+    the attempt revived (if any), the step's outcome, and how many reads were made."""
+
+    async def at_deadline(t: StatusTracker, track: StepTrack) -> tuple[bool, Any]:
+        t.fence(track, 2)
+        read = await t.given_up_final(track)
+        return read, track.revived
+
+    return await with_reads(settings, reads, at_deadline)
+
+
+async def test_between_attempts_the_deadline_reads_go_on_through_an_election(
+    settings: MeshSettings,
+) -> None:
+    """The deadline reached between attempts: the stored SUCCEEDED of the attempt given up
+    on is read through an election (the fifth read answers, within the hold) and decides."""
+    reads: list[Any] = [_unavailable()] * 4 + [_stored(settings)]
+    (read, _), final, made = await _given_up_final_with_reads(settings, reads)
+    assert made == 5 and read is True and final is not None and final.result == 7
+
+
+async def test_between_attempts_the_deadline_hold_is_bounded(
+    settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream never answering: False after ``_STATUS_READ_PATIENT`` (1.5 s here); the
+    deadline then decides."""
+    monkeypatch.setattr(_tracking, "_STATUS_READ_PATIENT", 1.5)
+    t0 = time.monotonic()
+    (read, _), final, made = await _given_up_final_with_reads(settings, [_unavailable()])
+    took = time.monotonic() - t0
+    assert read is False and final is None
+    assert made >= 4, made  # quick, patient, then about one per 0.5 s
+    assert took < 5, f"held {took:.1f}s"
+
+
+async def test_between_attempts_a_stored_keep_alive_revives_nothing(
+    settings: MeshSettings,
+) -> None:
+    """Negative: only final statuses of attempts given up on are applied — a stored RUNNING
+    (however old) is no news of the attempt now, and does not revive it; nothing unread."""
+    running = _stored(settings).model_copy(update={"state": TaskState.RUNNING, "result": None})
+    (read, revived), final, made = await _given_up_final_with_reads(settings, [running])
+    assert (read, revived, final, made) == (True, None, None, 1)

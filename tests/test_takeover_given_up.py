@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan
 
-from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, protocol
+from reach_mesh import (
+    Client,
+    MeshSettings,
+    MeshUnavailableError,
+    Step,
+    WorkflowResult,
+    protocol,
+)
 from reach_mesh.hub import Hub
 from reach_mesh.models import TaskState
 from reach_mesh.workflow import AttemptRecord, TaskRecord, TaskStatusEvent
@@ -35,6 +42,77 @@ def _opened(tracker: Any, rec: TaskRecord) -> Iterator[Any]:
         tracker.close(track, None)
 
 
+async def _taken_over(
+    hub: Hub,
+    fleet: Fleet,
+    settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
+    wf_id: str,
+    refused: Callable[[bool], bool],
+    timeout: float = 30,
+) -> WorkflowResult:
+    """A fanout of one step, ``wf_id`` (``timeout``), owned by a hub that is gone: attempt 1
+    (on an agent that is there) given up as ``lost`` (its agent cut off, declared LOST) and
+    fenced — attempt 2 recorded with no agent yet — before it died; attempt 1 had run, and
+    its SUCCEEDED was stored after the give-up. The submission comes back to ``hub``
+    (JetStream redelivers it: the owner died), whose status reads of the step are refused (no
+    leader) while ``refused(patient)`` says so. The workflow's result."""
+    ns = settings.namespace
+    engine = hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    last_status = tracker.last_status
+    branch = f"{wf_id}-0"
+
+    async def no_leader(
+        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
+    ) -> TaskStatusEvent | None:
+        if task_id == branch and refused(patient):
+            raise MeshUnavailableError("REACH_STATUS did not answer")
+        return await last_status(ns_, task_id, agent_id, patient=patient)
+
+    monkeypatch.setattr(tracker, "last_status", no_leader)
+    cap = f"wf:{wf_id}:v1"
+    agent = echo_agent(fleet, f"{wf_id}.a1", cap)
+    await agent.start()
+    steps = [Step(capability=cap, payload=0, timeout=10)]
+    async with Client(settings=settings) as mesh:
+        js = await _owned_by_a_gone_hub(
+            mesh, ns, wf_id, steps, "all", agent.agent_id, timeout=timeout
+        )
+        tasks = await js.key_value(protocol.KV_TASKS)
+        fenced = TaskRecord(
+            task_id=branch,
+            workflow_id=wf_id,
+            step=0,
+            namespace=ns,
+            attempt=2,
+            delivery_failures=1,
+            created_at=time.time(),
+            history=[AttemptRecord(attempt=1, agent_id=agent.agent_id, code="lost")],
+        )
+        await tasks.put(protocol.task_key(ns, branch), protocol.encode(fenced))
+        status = TaskStatusEvent(
+            task_id=branch,
+            attempt=1,
+            agent_id=agent.agent_id,
+            state=TaskState.SUCCEEDED,
+            workflow_id=wf_id,
+            step=0,
+            result="stored",
+        )
+        await js.publish(protocol.task_status(agent.agent_id, branch), protocol.encode(status))
+        await mesh.submit_fanout(steps, policy="all", workflow_id=wf_id, timeout=timeout)
+        return await mesh.workflow(wf_id, timeout=20)
+
+
+def _decided_by_the_stored_success(res: WorkflowResult, fleet: Fleet) -> None:
+    assert res.state is TaskState.SUCCEEDED, res
+    got = res.steps[0]
+    assert got.decided_by == 1 and got.result == "stored", got
+    assert fleet.runs[got.task_id] == 0, "attempt 2 was sent and ran"
+
+
 @pytest.mark.parametrize("unanswered", [1, 4])
 async def test_a_given_up_attempts_stored_success_decides_the_step_taken_over(
     wf_hub: Hub,
@@ -52,61 +130,16 @@ async def test_a_given_up_attempts_stored_success_decides_the_step_taken_over(
     its patient read again, and the first read after a wait): the step must end with
     attempt 1's success, attempt 2 never sent."""
     ns = wf_settings.namespace
-    engine = wf_hub.workflows
-    assert engine is not None
-    tracker = engine._tracker
-    last_status = tracker.last_status
     wf_id = f"given-up-{unanswered}"
     branch = f"{wf_id}-0"
     reads: list[bool] = []
 
-    async def unreadable(
-        ns_: str, task_id: str, agent_id: str | None = None, *, patient: bool = False
-    ) -> TaskStatusEvent | None:
-        if task_id == branch:
-            reads.append(patient)
-            if len(reads) <= unanswered:
-                raise MeshUnavailableError("REACH_STATUS did not answer")
-        return await last_status(ns_, task_id, agent_id, patient=patient)
+    def refused(patient: bool) -> bool:
+        reads.append(patient)
+        return len(reads) <= unanswered
 
-    monkeypatch.setattr(tracker, "last_status", unreadable)
-    agent = echo_agent(fleet, "given-up.a1", "wf:given-up:v1")
-    await agent.start()
-    steps = [Step(capability="wf:given-up:v1", payload=0, timeout=10)]
-    async with Client(settings=wf_settings) as mesh:
-        js = await _owned_by_a_gone_hub(mesh, ns, wf_id, steps, "all", agent.agent_id)
-        tasks = await js.key_value(protocol.KV_TASKS)
-        # The previous owner gave attempt 1 up (its agent cut off, declared LOST) and fenced
-        # it: attempt 2 recorded with no agent yet. Then it died.
-        fenced = TaskRecord(
-            task_id=branch,
-            workflow_id=wf_id,
-            step=0,
-            namespace=ns,
-            attempt=2,
-            delivery_failures=1,
-            created_at=time.time(),
-            history=[AttemptRecord(attempt=1, agent_id=agent.agent_id, code="lost")],
-        )
-        await tasks.put(protocol.task_key(ns, branch), protocol.encode(fenced))
-        # Attempt 1 had run: its success was stored after the give-up.
-        status = TaskStatusEvent(
-            task_id=branch,
-            attempt=1,
-            agent_id=agent.agent_id,
-            state=TaskState.SUCCEEDED,
-            workflow_id=wf_id,
-            step=0,
-            result="stored",
-        )
-        await js.publish(protocol.task_status(agent.agent_id, branch), protocol.encode(status))
-        # The submission comes back to a hub (JetStream redelivers it: the owner died).
-        await mesh.submit_fanout(steps, policy="all", workflow_id=wf_id, timeout=30)
-        res = await mesh.workflow(wf_id, timeout=20)
-    assert res.state is TaskState.SUCCEEDED, res
-    got = res.steps[0]
-    assert got.decided_by == 1 and got.result == "stored", got
-    assert fleet.runs[branch] == 0, "attempt 2 was sent and ran"
+    res = await _taken_over(wf_hub, fleet, wf_settings, monkeypatch, wf_id, refused)
+    _decided_by_the_stored_success(res, fleet)
     rec: Any = await task_record(wf_hub.nc, ns, branch)
     assert rec is not None and rec.state is TaskState.SUCCEEDED, rec
     assert rec.decided_by == 1 and rec.result == "stored" and rec.attempt == 2, rec
@@ -179,6 +212,33 @@ async def test_only_attempts_given_up_are_read_before_a_new_one_once_each(
         assert len(reads) == 3, reads  # read once: not again
     finally:
         tracker.close(track, None)
+
+
+async def test_a_given_up_attempts_stored_success_unread_at_the_deadline_decides_the_step(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, the fanout (3 s) taken over with attempt 1 given up as ``lost`` and its
+    SUCCEEDED stored, but ``REACH_STATUS`` refuses every read of the step until 2 s past the
+    workflow's deadline (no leader): the new owner sends no attempt 2 on an unread status
+    (``given_up_read``), and the deadline comes between attempts. There the hub read once,
+    ignored the unread agent and ended the step TIMEOUT: the stored success thrown away. It
+    now reads on (``given_up_final``: the bounded hold of the ``_watch`` deadline), and the
+    stored success decides the step once the stream answers; attempt 2 never sent."""
+    timeout = 3.0
+    reads: list[float] = []
+
+    def refused(patient: bool) -> bool:
+        reads.append(time.monotonic() - t0)
+        return reads[-1] < timeout + 2.0
+
+    t0 = time.monotonic()
+    res = await _taken_over(
+        wf_hub, fleet, wf_settings, monkeypatch, "given-up-deadline", refused, timeout
+    )
+    took = time.monotonic() - t0
+    _decided_by_the_stored_success(res, fleet)
+    assert any(r >= timeout for r in reads), reads  # read at the deadline (and on)
+    assert took < timeout + 6.0, f"decided {took:.1f}s after the submission"
 
 
 async def test_every_attempt_given_up_is_read_before_a_new_one(

@@ -244,8 +244,11 @@ class StepRunner(StepIO):
                     if outcome is None:
                         _halt(wf)  # (an outcome in hand still decides it, above)
                         if loop.time() >= deadline and track.sent:
-                            # (An attempt given up on may have ended meanwhile, unheard.)
-                            await self._tracker.catch_up(track)
+                            # An attempt given up on (lost, undelivered) may have ended
+                            # meanwhile, unheard, its SUCCEEDED stored: it decides, not the
+                            # deadline. Reads unanswered (no leader) are held for a bounded
+                            # while, as at the deadline in ``_watch``.
+                            await self._tracker.given_up_final(track)
                             if track.final is not None:
                                 continue
                         if loop.time() >= deadline:

@@ -475,6 +475,44 @@ class StatusTracker:
                 self.offer(track, last)
         return unread
 
+    async def _read_on(
+        self,
+        track: StepTrack,
+        unread: list[str],
+        *,
+        finals: bool = False,
+        until: float | None = None,
+    ) -> list[str]:
+        """Read the stored statuses of ``unread`` (agents whose quick read went unanswered)
+        again, patiently; returns the agents still unread (none once an outcome is found).
+
+        ``until`` (a step at its deadline, which cannot wait for ever): the reads still
+        unanswered are made again every ``_REREAD_PAUSE`` until then (the loop's time) — an
+        election takes seconds (seed 173: 9.3 s), and a stream without leader may refuse a
+        read at once (503), which a patient read alone then waits nothing out; an outcome
+        heard live meanwhile ends the wait at once. Agents still unread then are logged (an
+        outcome stored there may go unseen: the deadline decides). ``finals`` as for
+        :meth:`catch_up`."""
+        if unread and track.final is None:
+            unread = await self.catch_up(track, unread, patient=True, finals=finals)
+        while until is not None and unread and track.final is None and self._now() < until:
+            pause = min(self._now() + _REREAD_PAUSE, until)
+            while track.final is None and (left := pause - self._now()) > 0:
+                await track.changed.wait(left)  # (an outcome heard live decides at once)
+            if track.final is None:
+                unread = await self.catch_up(track, unread, finals=finals)
+        if track.final is not None:
+            return []
+        if unread and until is not None and self._said.take("deadline_unread") is not None:
+            log.warning(
+                "%s reached its deadline with the stored statuses of %s unread (the status "
+                "stream did not answer within %.3gs): an outcome stored there was not seen",
+                track.task_id,
+                ", ".join(unread),
+                _STATUS_READ_PATIENT,
+            )
+        return unread
+
     async def probe(self, track: StepTrack) -> Verdict:
         """Silence on the current attempt: read the status stream, then ask its agent. Before
         the attempt is given up for an agent gone, an unanswered read is made again, patiently:
@@ -489,10 +527,8 @@ class StatusTracker:
         verdict: Verdict = "gone"
         if track.agent_id is not None:
             verdict = await self._ask(track, track.agent_id, fence=track.attempt)
-        if verdict == "gone" and unread and track.final is None:
-            unread = await self.catch_up(track, unread, patient=True)
-            if unread and track.final is None:
-                return "unread"
+        if verdict == "gone" and unread and await self._read_on(track, unread):
+            return "unread"
         return "done" if track.final is not None else verdict
 
     async def given_up_read(self, track: StepTrack) -> bool:
@@ -527,8 +563,7 @@ class StatusTracker:
         newest = sorted(given_up.items(), reverse=True)
         agents = list(dict.fromkeys(a for _, a in newest))
         unread = await self.catch_up(track, agents, finals=True)
-        if unread and track.final is None:
-            unread = await self.catch_up(track, unread, patient=True, finals=True)
+        unread = await self._read_on(track, unread, finals=True)
         if track.final is not None:
             return True
         track.checked.update(n for n, a in given_up.items() if a not in unread)
@@ -583,7 +618,9 @@ class StatusTracker:
         are made again every ``_REREAD_PAUSE`` for ``_STATUS_READ_PATIENT`` in all: an
         election takes seconds (seed 173: 9.3 s), and a stream without leader may refuse a
         read at once (503) — a patient read alone then waits nothing out. Then False, and the
-        deadline decides on what was found (logged: a stored outcome may have gone unseen)."""
+        deadline decides on what was found (logged: a stored outcome may have gone unseen).
+        The reads again are ``_read_on``'s, as ``probe``'s, ``given_up_read``'s and those of a
+        deadline reached between attempts (``given_up_final``)."""
         until = self._now() + _STATUS_READ_PATIENT
         unread = await self.catch_up(track)
         if track.final is not None:
@@ -596,25 +633,30 @@ class StatusTracker:
                 self.offer(track, event)
                 if track.final is not None:
                     return True
-        if unread:
-            unread = await self.catch_up(track, unread, patient=True)
-        while hold and unread and track.final is None and self._now() < until:
-            pause = min(self._now() + _REREAD_PAUSE, until)
-            while track.final is None and (left := pause - self._now()) > 0:
-                await track.changed.wait(left)  # (an outcome heard live decides at once)
-            if track.final is None:
-                unread = await self.catch_up(track, unread)
-        if track.final is not None:
+        unread = await self._read_on(track, unread, until=until if hold else None)
+        return track.final is not None or not unread
+
+    async def given_up_final(self, track: StepTrack) -> bool:
+        """At the step's deadline between attempts (none out: the last one given up on, or
+        failed, and the next not sent — ``StepRunner._step``): read the stored statuses of
+        the attempts given up on (sent, with no outcome: ``lost``, ``undelivered``) before the
+        deadline decides the step. Such an attempt may have ended since — its agent cut off,
+        not gone — and a SUCCEEDED it stored decides the step; the deadline's TIMEOUT would
+        throw it away. Only final statuses are applied (as ``given_up_read``: a stored
+        keep-alive is no news of the attempt now, and must not revive it). Reads unanswered
+        (an election) are held for as ``missed_final`` at the deadline does (``_read_on``:
+        every ``_REREAD_PAUSE`` for ``_STATUS_READ_PATIENT`` in all), then the deadline
+        decides on what was found. Returns False when a read stayed unanswered."""
+        until = self._now() + _STATUS_READ_PATIENT
+        open_ = sorted(
+            ((n, a) for n, a in track.sent.items() if n not in track.finished), reverse=True
+        )
+        agents = list(dict.fromkeys(a for _, a in open_))[:_CATCH_UP_AGENTS]
+        if not agents:
             return True
-        if unread and hold and self._said.take("deadline_unread") is not None:
-            log.warning(
-                "%s reached its deadline with the stored statuses of %s unread (the status "
-                "stream did not answer within %.3gs): an outcome stored there was not seen",
-                track.task_id,
-                ", ".join(unread),
-                _STATUS_READ_PATIENT,
-            )
-        return not unread
+        unread = await self.catch_up(track, agents, finals=True)
+        unread = await self._read_on(track, unread, finals=True, until=until)
+        return track.final is not None or not unread
 
     async def recheck(self, track: StepTrack, attempt: int, agent_id: str, recorded: int) -> None:
         """Ask again about an attempt just given up on, *after* the next one (``recorded``) is
