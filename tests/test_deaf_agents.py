@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
+from reach_mesh.hub._liveness import heartbeat_entry
 from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.models import AgentState, CordonRecord
 
@@ -69,6 +70,20 @@ async def _relayed_pair(
     on_b = held_handler(b, cap, "answer of B")
     await a.start()
     return relay, a, on_a, b, on_b
+
+
+async def _decided_by_a(
+    relay: Relay, a: Agent, on_a: HeldHandler, on_b: HeldHandler, mesh: Client, wf_id: str
+) -> None:
+    """A back on NATS (``relay`` restored) finishes the step: its result decides it, with one
+    attempt, and B never ran it."""
+    await relay.start()
+    await eventually(lambda: a.nc.is_connected, timeout=10)
+    on_a.release.set()
+    res = await mesh.workflow(wf_id, timeout=10)
+    assert res.state is TaskState.SUCCEEDED, res.error
+    assert res.result == ["answer of A"] and res.steps[0].attempts == 1
+    assert not on_b.started.is_set()
 
 
 @pytest.mark.parametrize("kind", ["fanout", "chain"])
@@ -216,6 +231,54 @@ async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(
     assert not on_b.started.is_set()
 
 
+@pytest.mark.parametrize("path", ["watch", "leader_read"])
+async def test_a_beat_stored_before_a_cut_and_delivered_late_is_not_the_agent_heard(
+    wf_hub: Hub, fleet: Fleet, nats_url: str, wf_settings: MeshSettings, path: str
+) -> None:
+    """Chaos secure seed 198 (``partition``): a hub cut off with a NATS node missed the last
+    beats the agents of another node stored; it got them only seconds later — after those
+    agents were cut off in turn, and its probes had found nobody on their ctl subjects — once
+    the heartbeat stream had a leader again (its watch catching up, or the read from the
+    leader before a LOST verdict). Applied as heard *now*, each beat made its agent "heard
+    after nobody answered", and the hub quarantined all three cut-off agents as deaf within
+    0.4 s; a route one of them had run then ran again elsewhere. A beat is heard when the
+    server stored it: here before the ctl subject had nobody, so the agent may be
+    reconnecting — it keeps its attempt, and is not quarantined."""
+    cap = f"wf:latebeat{path}:v1"
+    relay, a, on_a, b, on_b = await _relayed_pair(
+        fleet, nats_url, wf_settings, f"latebeat{path}", cap
+    )
+    registry = wf_hub.registry
+    async with Client(settings=wf_settings) as mesh:
+        wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
+        await asyncio.wait_for(on_a.started.wait(), 5)
+        await b.start()
+        await eventually(lambda: _sent_to(wf_hub, wf_id, a.agent_id))
+        await relay.cut()
+        await eventually(lambda: not a.nc.is_connected, timeout=5)
+        # Its last beat, stored before the cut, as the leader has it.
+        stream, subject = (
+            f"KV_{protocol.KV_HEARTBEATS}",
+            f"$KV.{protocol.KV_HEARTBEATS}.{a.agent_id}",
+        )
+        raw = await registry._js.get_msg(stream, subject=subject)
+        assert raw.time is not None
+        await asyncio.sleep(2.0)  # probes (silence timeout 0.8 s) found nobody on A's ctl subject
+        view = registry.agents[a.agent_id]
+        # This hub never applied it (as a hub cut off when it was stored): delivered now.
+        view.hb_revision = view.hb_own_revision = 0
+        spoke = view.spoke_at
+        if path == "watch":
+            registry._apply_heartbeat(heartbeat_entry(a.agent_id, raw), initial=False)
+        else:
+            await registry._confirm_overdue(view)
+        assert view.hb_revision == raw.seq  # applied
+        await asyncio.sleep(2.0)  # more probes, each finding nobody
+        assert view.breaker.why != DEAF and view.breaker.state is BreakerState.CLOSED
+        assert view.spoke_at <= spoke + 0.5  # (stored before the cut: the agent spoke then)
+        await _decided_by_a(relay, a, on_a, on_b, mesh, wf_id)
+
+
 async def test_a_record_written_by_another_hub_is_not_the_agent_speaking(
     wf_hub: Hub, fleet: Fleet, nats_url: str, wf_settings: MeshSettings
 ) -> None:
@@ -242,13 +305,7 @@ async def test_a_record_written_by_another_hub_is_not_the_agent_speaking(
         )
         await eventually(heard, timeout=5)  # the owner saw the record: last_seen moved
         await asyncio.sleep(2.0)  # more probes, each finding nobody
-        await relay.start()
-        await eventually(lambda: a.nc.is_connected, timeout=10)
-        on_a.release.set()
-        res = await mesh.workflow(wf_id, timeout=10)
-    assert res.state is TaskState.SUCCEEDED, res.error
-    assert res.result == ["answer of A"] and res.steps[0].attempts == 1
-    assert not on_b.started.is_set()
+        await _decided_by_a(relay, a, on_a, on_b, mesh, wf_id)
 
 
 async def test_the_deaf_check_asks_with_a_reply_subject_nobody_can_guess(

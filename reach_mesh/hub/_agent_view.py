@@ -53,7 +53,9 @@ class AgentView:
     draining: bool = False
     #: This hub's monotonic time of the last heartbeat or registration of the agent's own that
     #: it applied: unlike ``last_seen``, not moved by a record another hub rewrote (a cordon).
-    #: The agent spoke then (``StatusTracker`` tells a deaf agent by it). -inf: not yet.
+    #: The agent spoke then (``StatusTracker`` tells a deaf agent by it). For one read from
+    #: KV, when the server stored it (``Registry._stored_at``), not when it arrived: a beat
+    #: delivered late is not the agent heard since. -inf: not yet.
     spoke_at: float = -math.inf
     #: This hub's monotonic time when a task it sent found nobody subscribed to the agent's
     #: subject. Later than ``spoke_at``: not heard from since, maybe gone or reconnecting, so

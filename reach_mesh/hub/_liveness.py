@@ -24,10 +24,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final, cast
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KV_OP, KeyValue
 
@@ -40,7 +41,7 @@ from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.logs import LEASE_EXPIRED, log_event
 from reach_mesh.models import AgentRecord, AgentState
 
-__all__ = ["Liveness", "LostEntry", "Undeleted"]
+__all__ = ["Liveness", "LostEntry", "Undeleted", "heartbeat_entry"]
 
 log = logging.getLogger("reach_mesh.hub.registry")
 
@@ -135,7 +136,9 @@ class Liveness:
     def cordoned(self, agent_id: str, record: AgentRecord | None) -> bool:
         raise NotImplementedError
 
-    def _apply_heartbeat(self, entry: KeyValue.Entry, *, initial: bool) -> None:
+    def _apply_heartbeat(
+        self, entry: KeyValue.Entry, *, initial: bool, read_back: bool = False
+    ) -> None:
         raise NotImplementedError
 
     def _drop(self, agent_id: str, *, lost: bool) -> None:
@@ -202,17 +205,10 @@ class Liveness:
         except Exception as err:
             self._cannot_confirm(view, err)
             return
-        entry = KeyValue.Entry(
-            bucket=protocol.KV_HEARTBEATS,
-            key=view.agent_id,
-            value=raw.data,
-            revision=raw.seq,
-            delta=None,
-            created=None,
-            operation=(raw.headers or {}).get(KV_OP),
-        )
         with contextlib.suppress(Exception):
-            self._apply_heartbeat(entry, initial=False)
+            self._apply_heartbeat(
+                heartbeat_entry(view.agent_id, raw), initial=False, read_back=True
+            )
 
     async def _quorum_heard(self) -> float | None:
         """How long ago (s) the heartbeat stream's leader, which answers ``_confirm_overdue``'s
@@ -565,6 +561,21 @@ def _written_since(err: Exception) -> bool:
     it names: nats-py's ``delete`` raises JetStream's error as it is."""
     return isinstance(err, KeyWrongLastSequenceError | KeyNotFoundError) or (
         isinstance(err, APIError) and err.err_code == _WRONG_LAST_SEQUENCE
+    )
+
+
+def heartbeat_entry(agent_id: str, raw: RawStreamMsg) -> KeyValue.Entry:
+    """``agent_id``'s heartbeat as read from its stream (``raw``), as a watch delivers it, with
+    the time the server stored it: a beat from before the lease lapsed renews the lease (this
+    hub missed it) but is no sign the agent spoke since (``spoke_at``)."""
+    return KeyValue.Entry(
+        bucket=protocol.KV_HEARTBEATS,
+        key=agent_id,
+        value=raw.data,
+        revision=raw.seq,
+        delta=None,
+        created=cast(Any, raw.time),
+        operation=(raw.headers or {}).get(KV_OP),
     )
 
 

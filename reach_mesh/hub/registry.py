@@ -328,13 +328,23 @@ class Registry(Liveness):
             await asyncio.sleep(delay)
 
     def _seen_at(self, entry: KeyValue.Entry, initial: bool) -> float:
+        """When ``entry`` counts as seen for the agent's lease (``last_seen``): on arrival,
+        the hub's clock (docs/architecture.md, "Leases on the hub's clock"); an entry loaded at
+        start-up is aged by the server's timestamp (:meth:`_stored_at`)."""
+        return self._stored_at(entry) if initial else self._clock()
+
+    def _stored_at(self, entry: KeyValue.Entry) -> float:
+        """When the server stored ``entry``, on this hub's clock: now less its age by the
+        server's clock (``server_clock``); now for an entry without a timestamp. When the
+        agent spoke (``spoke_at``, the deaf rule): a beat stored before its agent was cut off
+        and delivered late — a watch catching up once the stream has a leader again, a read
+        from the leader of one the watch missed — is not the agent heard after its ctl subject
+        had nobody (chaos secure seed 198, ``partition``)."""
         now = self._clock()
         created: Any = entry.created
-        if initial and created is not None:
-            # Age entries loaded at start-up by the server's own timestamp.
-            age = max(0.0, self.server_clock.now() - float(created.timestamp()))
-            return now - age
-        return now
+        if created is None:
+            return now
+        return now - max(0.0, self.server_clock.now() - float(created.timestamp()))
 
     def _apply_agent(self, entry: KeyValue.Entry, *, initial: bool) -> None:
         agent_id = entry.key
@@ -356,7 +366,12 @@ class Registry(Liveness):
         revision = entry.revision or 0
         if self._judged_lost(agent_id, record, revision):
             return  # (a watch restarted: its replay delivers the record again)
-        self.apply_record(record, revision, seen_at=self._seen_at(entry, initial))
+        self.apply_record(
+            record,
+            revision,
+            seen_at=self._seen_at(entry, initial),
+            heard_at=self._stored_at(entry),
+        )
 
     def _judged_lost(self, agent_id: str, record: AgentRecord, revision: int) -> bool:
         """Whether ``record`` is the registration this hub declared LOST (its revision, or an
@@ -372,8 +387,17 @@ class Registry(Liveness):
         early = self._early_beats.get(agent_id)
         return early is None or early[0] != record.session or early[1] <= gone.hb_revision
 
-    def apply_record(self, record: AgentRecord, revision: int, *, seen_at: float) -> AgentView:
-        """Install (or replace) an agent record in memory and in the index."""
+    def apply_record(
+        self,
+        record: AgentRecord,
+        revision: int,
+        *,
+        seen_at: float,
+        heard_at: float | None = None,
+    ) -> AgentView:
+        """Install (or replace) an agent record in memory and in the index. ``seen_at``
+        renews the lease; ``heard_at`` (default ``seen_at``) is when the agent spoke, for a
+        new registration (``spoke_at``: a record read from KV, when it was stored)."""
         agent_id = record.card.agent_id
         view = view_was = self.agents.get(agent_id)
         if view is not None and view.revision > revision:
@@ -393,7 +417,7 @@ class Registry(Liveness):
                 record=record,
                 revision=revision,
                 last_seen=seen_at,
-                spoke_at=seen_at,
+                spoke_at=seen_at if heard_at is None else min(seen_at, heard_at),
                 breaker=breaker,
                 health=health,
                 quarantines=quarantines,
@@ -426,8 +450,10 @@ class Registry(Liveness):
         self._track(view)
         return view
 
-    def _apply_heartbeat(self, entry: KeyValue.Entry, *, initial: bool) -> None:
-        if not initial:  # live: stored a moment ago, by the server's clock
+    def _apply_heartbeat(
+        self, entry: KeyValue.Entry, *, initial: bool, read_back: bool = False
+    ) -> None:
+        if not initial and not read_back:  # live: stored a moment ago, by the server's clock
             self.server_clock.sample(entry.created)
         view = self.agents.get(entry.key)
         if entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
@@ -460,18 +486,30 @@ class Registry(Liveness):
                 # through this one, a beat of an agent not registered is refused, and the
                 # agent registers again), its record undeleted: it is back.
                 back = self.apply_record(gone.record, gone.revision, seen_at=self._clock())
-                self.apply_heartbeat(back, hb, seen_at=self._seen_at(entry, initial))
+                self.apply_heartbeat(
+                    back, hb, seen_at=self._seen_at(entry, initial), heard_at=self._stored_at(entry)
+                )
             return
         if revision <= view.hb_revision:
             return  # our own write coming back (already applied), or an older one
         view.hb_revision = revision
-        self.apply_heartbeat(view, hb, seen_at=self._seen_at(entry, initial))
+        self.apply_heartbeat(
+            view, hb, seen_at=self._seen_at(entry, initial), heard_at=self._stored_at(entry)
+        )
 
     def apply_heartbeat(
-        self, view: AgentView, hb: HeartbeatRecord | Heartbeat, *, seen_at: float
+        self,
+        view: AgentView,
+        hb: HeartbeatRecord | Heartbeat,
+        *,
+        seen_at: float,
+        heard_at: float | None = None,
     ) -> None:
+        """Apply a beat of ``view``'s agent: ``seen_at`` renews its lease (this hub's clock,
+        on arrival), ``heard_at`` (default ``seen_at``; never later) is when the agent spoke —
+        for a beat read from KV, when the server stored it (:meth:`_stored_at`)."""
         view.last_seen = max(view.last_seen, seen_at)
-        view.spoke_at = max(view.spoke_at, seen_at)
+        view.spoke_at = max(view.spoke_at, seen_at if heard_at is None else min(seen_at, heard_at))
         view.inflight = hb.inflight
         view.queue_depth = hb.queue_depth
         view.pressure = hb.pressure
