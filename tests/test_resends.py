@@ -27,7 +27,7 @@ from reach_mesh.agent._agent import _AGENT_QUEUE
 from reach_mesh.errors import BadRequestError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._holders import HOLDER_WAIT, resend_marked
-from reach_mesh.hub.breaker import BreakerState
+from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.models import AgentState, CordonRecord
 from reach_mesh.tracing.metrics import RESEND_FOUND
 
@@ -463,7 +463,9 @@ async def _back(agent: Agent, *, beat: bool = True) -> None:
         agent._hb_task = asyncio.create_task(agent._heartbeat_loop())
 
 
-@pytest.mark.parametrize("breaker", ["open", "half_open", "draining", "cordoned"])
+@pytest.mark.parametrize(
+    "breaker", ["open", "half_open", "draining", "cordoned", "deaf", "deaf_named"]
+)
 async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
     settings: MeshSettings, breaker: str
 ) -> None:
@@ -474,7 +476,14 @@ async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
     with its probe out. The retry joins ``a1``'s run: a retry of a task the agent holds is no
     new work, its idempotency table answers. Before, the breaker kept ``a1`` out of the
     holder's route, and the task ran again on ``a2``. The same for a holder ``second`` sees
-    draining, or that an operator cordoned: each keeps new work from it, not this retry."""
+    draining, or that an operator cordoned: each keeps new work from it, not this retry.
+
+    And a holder ``second`` found deaf (chaos secure seed 198, ``partition``: taken for deaf
+    while it was cut off), which answers on its ctl subject now: it is not deaf, so the
+    retry goes to it — marked by capability, or naming it with ``after_attempt`` (the
+    ``Client``'s pin after ``REACH_TIMEOUT``; ``deaf_named``). Before, the deaf verdict kept
+    it out of its own task's retry (``REACH_NO_MATCH`` for the named one), and the task ran
+    again on another agent."""
     ns = settings.namespace
     fleet, ran, release = two_holding(settings, "qh", CAP)
     a1, a2 = fleet.agents
@@ -497,6 +506,8 @@ async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
         elif breaker == "cordoned":
             cordon = CordonRecord(reason="test", cordoned_at=time.time())
             view = await second.registry.set_cordon(a1.agent_id, cordon) or view
+        elif breaker.startswith("deaf"):
+            view.breaker.trip(DEAF)
         else:
             view.breaker.trip()
         if breaker == "half_open":
@@ -510,9 +521,22 @@ async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
                 "half_open": AgentState.ONLINE,
                 "draining": AgentState.DRAINING,
                 "cordoned": AgentState.CORDONED,
+                "deaf": AgentState.QUARANTINED,
+                "deaf_named": AgentState.QUARANTINED,
             }[breaker]
         )
-        resent = asyncio.ensure_future(second.route(body, ns, {protocol.HDR_RESEND: "1"}))
+        again = body
+        if breaker == "deaf_named":
+            again = protocol.dumps(
+                {
+                    "agent_id": a1.agent_id,
+                    "capability": CAP,
+                    "task_id": "qh-held",
+                    "after_attempt": 1,
+                    "timeout": 10,
+                }
+            )
+        resent = asyncio.ensure_future(second.route(again, ns, {protocol.HDR_RESEND: "1"}))
         await eventually(lambda: len(second._flights) == 1)
         await asyncio.sleep(0.2)  # a run on a2 would have started by now
         assert ran == {"qh-held": [a1.agent_id]}
@@ -521,7 +545,8 @@ async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
         assert [a["agent_id"] for a in answers] == [a1.agent_id, a1.agent_id]
         assert [a.get("cached", False) for a in answers] == [False, True]
         assert ran == {"qh-held": [a1.agent_id]}
-        # The answer from its table is no probe's verdict: the breaker is as it was.
+        # The answer from its table is no probe's verdict: the breaker is as it was (found
+        # deaf, closed: it answered on its ctl subject).
         assert view.breaker.state is {
             "open": BreakerState.OPEN,
             "half_open": BreakerState.HALF_OPEN,

@@ -294,6 +294,8 @@ class HoldersMixin:
                         continue
                     reply: Msg = ask.result()
                     data = reply.data
+                    if ask in agent_asks:
+                        self._ctl_answered(agent_asks[ask])
                     if ask is hub_ask:
                         agent_id = data.decode(errors="replace")
                         if (
@@ -320,6 +322,13 @@ class HoldersMixin:
             for ask in pending:
                 with contextlib.suppress(BaseException):
                     await ask
+
+    def _ctl_answered(self, agent_id: str) -> None:
+        """``agent_id`` answered on its ctl subject: not deaf (``Registry.answered_on_ctl``),
+        so a holder this hub found deaf may be routed to again."""
+        view = self.registry.agents.get(agent_id)
+        if view is not None:
+            self.registry.answered_on_ctl(view)
 
     async def _holder_back(self, agent_id: str, wait: float) -> bool:
         """Whether ``agent_id`` — declared LOST, and found holding a resent task — is

@@ -37,7 +37,7 @@ from reach_mesh._retry import describe, no_message
 from reach_mesh.config import MeshSettings
 from reach_mesh.hub._agent_view import AgentView, StateListener
 from reach_mesh.hub._resources import Resources
-from reach_mesh.hub.breaker import BreakerState
+from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.logs import LEASE_EXPIRED, log_event
 from reach_mesh.models import AgentRecord, AgentState
 
@@ -298,6 +298,26 @@ class Liveness:
         self._hb_unable_at = self._clock()
         self._went_blind(f"cannot read the heartbeat of {view.agent_id}: {describe(err)}")
         log.info("%s: not declaring it LOST", self._blind_why)
+
+    def answered_on_ctl(self, view: AgentView) -> None:
+        """``view``'s agent answered on its ctl subject (any answer: ``task_state``, a ping).
+        Found deaf means nobody listens there, so the verdict was wrong or is over — a cut-off
+        agent taken for deaf, or a deaf one restarted: its breaker, open (or half-open) for
+        that verdict alone, closes, and a route may go to it again (a task it holds, first:
+        ``Router.decide``'s ``only``). A breaker opened for anything else stays as it was.
+        Only the agent's own identity may subscribe to its ctl subject (secure mode,
+        ``_auth.py``), and the hubs ask with reply subjects nobody can guess
+        (``Registry.asks``): an answer is the agent's."""
+        breaker = view.breaker
+        if breaker.why != DEAF:
+            return
+        breaker.why = ""
+        if breaker.state is not BreakerState.CLOSED:
+            breaker.reset()
+            log.warning(
+                "%s answers on its ctl subject: not deaf, its breaker closes", view.agent_id
+            )
+        self.regrade(view)
 
     def regrade(self, view: AgentView) -> None:
         old = view.state

@@ -49,6 +49,7 @@ from reach_mesh.hub._wire import (
     _forward_trace,
     _new_id,
 )
+from reach_mesh.hub.breaker import DEAF
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.hub.router import Choice, Router
 from reach_mesh.hub.throttle import Throttle
@@ -81,6 +82,10 @@ _UNKNOWN_NS: Final = "*"
 _FAIR_SHARE_RETRY_MS: Final = 100
 #: A hub sends its pins again for hubs that started (``pins_ask``) once a second at most.
 _PINS_REPLAY_EVERY: Final = 1.0
+#: What a holder found deaf is asked on its ctl subject before its route is decided
+#: (``RoutingMixin._ask_deaf_holder``), and how long it may take to answer (seconds).
+_PING: Final = b'{"op":"ping"}'
+_DEAF_ASK_TIMEOUT: Final = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -330,6 +335,26 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             flight.sticky = flight.in_hand = holder
         await self._lookup_then_attempt(flight)
 
+    async def _ask_deaf_holder(self, agent_id: str | None) -> None:
+        """The agent that may hold the route's task (``_Flight.in_hand``, or the agent a retry
+        names with ``after_attempt``), if this hub found it deaf (its breaker open for that:
+        ``Router.decide`` keeps a deaf holder out), is asked on its ctl subject first: an
+        answer disproves the verdict (``Registry.answered_on_ctl``), and the route goes to it,
+        whose idempotency table answers from the run it holds. Taken for deaf while it was cut
+        off (a beat stored before the cut and delivered late), a holder that had run a route
+        was turned away from the caller's retry, and the task ran again on another agent
+        (chaos secure seed 198, ``partition``). Nobody there, or no answer within
+        ``_DEAF_ASK_TIMEOUT``: still deaf, kept out."""
+        view = self.registry.agents.get(agent_id) if agent_id is not None else None
+        if view is None or view.breaker.why != DEAF:
+            return
+        with contextlib.suppress(Exception):  # nobody there, no answer: deaf still
+            await self.registry.asks.ask(
+                protocol.agent_ctl(view.agent_id), _PING, timeout=_DEAF_ASK_TIMEOUT
+            )
+            if self.registry.agents.get(view.agent_id) is view:
+                self.registry.answered_on_ctl(view)
+
     async def _answer_copy(self, flight: _Flight, holder: str, copy: TaskReply) -> None:
         """Answer a resent route with the reply its holder ``holder`` — declared LOST, not
         registered — stored for its task (``cached``: an answer from its idempotency table,
@@ -401,6 +426,9 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         # window of an agent lost with the task (docs/reliability.md).
         choice: Choice | None = None
         holder = flight.in_hand
+        await self._ask_deaf_holder(
+            holder or (req.agent_id if req.after_attempt and req.task_id is not None else None)
+        )
         if holder is not None and self._may_hold_task(
             holder, (flight.unreached or {}).get(holder, 0.0)
         ):

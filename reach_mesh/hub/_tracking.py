@@ -848,15 +848,20 @@ class StatusTracker:
     ) -> Msg:
         """Ask ``agent_id`` ctl ``task_state`` about the step's task (with ``fence``: attempt
         ``fence`` is about to be given up; with ``recorded`` too: it was, and the record names
-        attempt ``recorded`` now). Raises what the request raises."""
+        attempt ``recorded`` now). Raises what the request raises. Answered, the agent
+        listens on its ctl subject: not deaf (``Registry.answered_on_ctl``)."""
         body: dict[str, Any] = {"op": "task_state", "task_id": task_id, "workflow_id": workflow_id}
         if fence is not None:
             body["fence"] = fence
             if recorded is not None:
                 body["next"] = recorded
-        return await self._jsc.ask(
+        msg = await self._jsc.ask(
             protocol.agent_ctl(agent_id), protocol.dumps(body), timeout=_CTL_TIMEOUT
         )
+        view = self._registry.agents.get(agent_id)
+        if view is not None:
+            self._registry.answered_on_ctl(view)
+        return msg
 
     def _by_lease(self, agent_id: str) -> Verdict:
         """No usable answer (a busy agent answers late): its lease decides."""

@@ -353,6 +353,8 @@ class Router:
         if state is AgentState.DRAINING and forced:
             return _DRAINING  # named by the caller: say what to do about it
         # A holder found deaf stays out: nobody listens on its subjects, it cannot answer.
+        # (Asked on its ctl subject before the route is decided, ``_ask_deaf_holder``: one
+        # that answers is not deaf, its breaker closed, ``Registry.answered_on_ctl``.)
         held = held and view.breaker.why != DEAF
         if state is not AgentState.ONLINE and not (held and state in _HOLDER_STATES):
             return f"state {state.value}"
