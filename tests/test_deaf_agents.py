@@ -240,7 +240,7 @@ async def test_a_beat_stored_before_a_cut_and_delivered_late_is_not_the_agent_he
     agents were cut off in turn, and its probes had found nobody on their ctl subjects — once
     the heartbeat stream had a leader again (its watch catching up, or the read from the
     leader before a LOST verdict). Applied as heard *now*, each beat made its agent "heard
-    after nobody answered", and the hub quarantined all three cut-off agents as deaf within
+    after nobody answered", and the hub quarantined all four cut-off agents as deaf within
     0.4 s; a route one of them had run then ran again elsewhere. A beat is heard when the
     server stored it: here before the ctl subject had nobody, so the agent may be
     reconnecting — it keeps its attempt, and is not quarantined."""
