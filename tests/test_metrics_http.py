@@ -67,6 +67,28 @@ def test_hub_metrics_render_and_count() -> None:
     assert samples[("reach_workflow_duration_seconds_count", (("kind", "chain"),))] == 1
 
 
+def test_workflow_done_counts_across_a_forgotten_namespace() -> None:
+    """``workflow_done`` keeps its series; forgetting a namespace drops them with it, and the
+    next workflow of that namespace counts from 1 again (exported, not on a stale series)."""
+    metrics = HubMetrics()
+    for _ in range(2):
+        metrics.workflow_done("finance", "fanout", "SUCCEEDED", 0.5)
+    metrics.workflow_done("ops", "chain", "FAILED", 2.0)
+    done = (("kind", "fanout"), ("namespace", "finance"), ("state", "SUCCEEDED"))
+    samples = _samples(metrics.render())
+    assert samples[("reach_workflow_total", done)] == 2
+    assert samples[("reach_workflow_duration_seconds_count", (("kind", "fanout"),))] == 2
+    assert samples[("reach_workflow_duration_seconds_sum", (("kind", "chain"),))] == 2.0
+    metrics.forget_namespace("finance")
+    assert ("reach_workflow_total", done) not in _samples(metrics.render())
+    metrics.workflow_done("finance", "fanout", "SUCCEEDED", 0.5)
+    samples = _samples(metrics.render())
+    assert samples[("reach_workflow_total", done)] == 1
+    assert samples[("reach_workflow_duration_seconds_count", (("kind", "fanout"),))] == 3
+    failed = (("kind", "chain"), ("namespace", "ops"), ("state", "FAILED"))
+    assert samples[("reach_workflow_total", failed)] == 1
+
+
 def test_hubs_in_one_process_do_not_share_metrics() -> None:
     first, second = HubMetrics(), HubMetrics()
     first.retry_total.inc()

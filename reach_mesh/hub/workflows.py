@@ -698,8 +698,9 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
     def _count_done(self, ns: str, kind: str, result: WorkflowResult) -> None:
         self.workflows_done += 1
         if self._metrics is not None:
-            self._metrics.workflow_total.labels(self._ns_label(ns), kind, result.state.value).inc()
-            self._metrics.workflow_duration_seconds.labels(kind).observe(result.duration_ms / 1000)
+            self._metrics.workflow_done(
+                self._ns_label(ns), kind, result.state.value, result.duration_ms / 1000
+            )
 
     def _ns_label(self, ns: str) -> str:
         """``ns`` as a metric label: itself if it exists (configured, or holding a registered
