@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
@@ -67,6 +67,9 @@ _NONE: Final[frozenset[str]] = frozenset()
 _WRITE_TIMEOUT: Final = 10.0
 #: How long ``start`` waits for the first load of the agents and their heartbeats, at least.
 _LOAD_TIMEOUT: Final = 30.0
+#: A registration's record written over the entry its session check read (compare-and-set):
+#: at most this many tries when other writes of the key came between (``Registry.register``).
+_RECORD_TRIES: Final = 3
 
 
 def stored_beat(hb: Heartbeat) -> bytes:
@@ -565,40 +568,74 @@ class Registry(Liveness):
             registered_at=time.time(),
         )
         agent_id = req.card.agent_id
-        await self._refuse_ended(agent_id, req.session)
+        last = await self._refuse_ended(agent_id, req.session)
         existing = self.agents.get(agent_id)
         if self.cordoned(agent_id, None if existing is None else existing.record):
             record.cordoned = True  # an operator's cordon outlives the agent's registrations
         hb = HeartbeatRecord(session=req.session)
         # Heartbeat first: watchers that see the record find a matching load report.
         hb_rev = await self._hb_kv.put(agent_id, protocol.encode(hb))
-        rev = await self._agents_kv.put(agent_id, protocol.encode(record))
+        try:
+            rev = await self._write_record(agent_id, record, last)
+        except SessionEndedError:
+            # Unregistered between the check and the write: its beat written just now goes.
+            with contextlib.suppress(Exception):
+                await self._hb_kv.delete(agent_id, last=hb_rev)
+            raise
         view = self.apply_record(record, rev, seen_at=self._clock())
         if view.record.session == req.session:
             # Written by the registration, not a beat (see ``_apply_heartbeat``).
             view.hb_revision = max(view.hb_revision, hb_rev)
         return view
 
-    async def _refuse_ended(self, agent_id: str, session: str) -> None:
+    async def _refuse_ended(
+        self, agent_id: str, session: str, *, at_leader: bool = False
+    ) -> int | None:
         """Raise ``SessionEndedError`` when ``agent_id``'s record was deleted by an unregister
         of ``session`` (its delete marker names the session: :meth:`unregister`). The agent
         sends a registration again after 1 s without an answer, and a hub that was paused or
         wedged meanwhile handles the earlier try when it wakes, maybe after the agent, answered
         by another hub, unregistered and left: registered, a gone agent would be routed to
-        until its lease ran out. A read that fails lets the registration through (its write
-        is what decides, and fails alike)."""
+        until its lease ran out. Returns the revision read (0: no entry), which the record is
+        written over (:meth:`_write_record`: an unregister that comes between the check and
+        the write is not undone); None when the read failed, which lets the registration
+        through (its write is what decides, and fails alike)."""
         assert self._reads is not None
         try:
-            got = await self._reads.kv_entry(protocol.KV_AGENTS, agent_id)
+            if at_leader:
+                got = await self._reads.kv_entry_at_leader(protocol.KV_AGENTS, agent_id)
+            else:
+                got = await self._reads.kv_entry(protocol.KV_AGENTS, agent_id)
         except Exception as err:
             log.debug("registration of %s: its record could not be read: %r", agent_id, err)
-            return
+            return None
         if got is not None and got[2] and kv_unregistered(got[0]) == session:
             raise SessionEndedError(
                 f"agent {agent_id!r} unregistered session {session!r}: a process registers "
                 "under a fresh session",
                 agent_id=agent_id,
             )
+        return 0 if got is None else got[1]
+
+    async def _write_record(self, agent_id: str, record: AgentRecord, last: int | None) -> int:
+        """Write a registration's ``record`` over revision ``last`` of the key (what the
+        session check read; None: unread, written as it is). Another write between them (an
+        unregister of this session, a hedged try of the same registration, a cordon) fails
+        the compare-and-set: the key is read again at the stream's leader and checked again
+        (``SessionEndedError``), ``_RECORD_TRIES`` times at most."""
+        assert self._agents_kv is not None
+        value = protocol.encode(record)
+        for _ in range(_RECORD_TRIES):
+            if last is None:
+                return await self._agents_kv.put(agent_id, value)
+            try:
+                return await self._agents_kv.update(agent_id, value, last=last)
+            except KeyWrongLastSequenceError:
+                last = await self._refuse_ended(agent_id, record.session, at_leader=True)
+        raise MeshUnavailableError(
+            f"the record of {agent_id} was written by others meanwhile, {_RECORD_TRIES} times: "
+            "register again"
+        )
 
     async def heartbeat(self, hb: Heartbeat) -> AgentView:
         view = self.agents.get(hb.agent_id)
