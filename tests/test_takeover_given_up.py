@@ -241,23 +241,19 @@ async def test_a_given_up_attempts_stored_success_unread_at_the_deadline_decides
     assert took < timeout + 6.0, f"decided {took:.1f}s after the submission"
 
 
-async def test_every_attempt_given_up_is_read_before_a_new_one(
-    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A step whose attempts given up on went to more agents than one status read asks of
-    (``_CATCH_UP_AGENTS``, 8): the oldest one's stored success was never read, and
-    ``given_up_read`` said all was read — a new attempt sent, the step run again."""
-    ns = wf_settings.namespace
-    engine = wf_hub.workflows
-    assert engine is not None
-    tracker = engine._tracker
-    agents = [f"{ns}.many.a{n}" for n in range(9)]
+def _nine_given_up(
+    tracker: Any, ns: str, wf_id: str, monkeypatch: pytest.MonkeyPatch, *, attempt: int
+) -> TaskRecord:
+    """A step whose attempts 1-9, given up as ``lost``, went to nine agents, attempt 1's
+    SUCCEEDED stored (``tracker``'s reads find it, and nothing for the others); its record
+    names ``attempt``."""
+    agents = [f"{ns}.{wf_id}.a{n}" for n in range(9)]
     success = TaskStatusEvent(
-        task_id="many-0",
+        task_id=f"{wf_id}-0",
         attempt=1,
         agent_id=agents[0],
         state=TaskState.SUCCEEDED,
-        workflow_id="many",
+        workflow_id=wf_id,
         step=0,
         result="stored",
     )
@@ -268,16 +264,28 @@ async def test_every_attempt_given_up_is_read_before_a_new_one(
         return success if agent_id == agents[0] else None
 
     monkeypatch.setattr(tracker, "last_status", stored)
-    rec = TaskRecord(
-        task_id="many-0",
-        workflow_id="many",
+    return TaskRecord(
+        task_id=f"{wf_id}-0",
+        workflow_id=wf_id,
         step=0,
         namespace=ns,
-        attempt=len(agents) + 1,
+        attempt=attempt,
         history=[
             AttemptRecord(attempt=n + 1, agent_id=a, code="lost") for n, a in enumerate(agents)
         ],
     )
+
+
+async def test_every_attempt_given_up_is_read_before_a_new_one(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose attempts given up on went to more agents than one status read asks of
+    (``_CATCH_UP_AGENTS``, 8): the oldest one's stored success was never read, and
+    ``given_up_read`` said all was read — a new attempt sent, the step run again."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    rec = _nine_given_up(tracker, wf_settings.namespace, "many", monkeypatch, attempt=10)
     with _opened(tracker, rec) as track:
         read = await tracker.given_up_read(track)
         assert track.final is not None or not read, "attempt 1's stored success never read"
@@ -315,3 +323,20 @@ async def test_an_attempt_its_agent_promised_never_to_start_holds_no_retry_back(
         track.promised = 1  # (as ``_ask`` notes the agent's "fenced": true for attempt 1)
         assert await tracker.given_up_read(track), reads
         assert reads == []
+
+
+async def test_every_attempt_given_up_is_read_at_the_deadline(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline reached between attempts reads every agent of the attempts given up on,
+    as ``given_up_read`` does (b9227e7), not the newest ``_CATCH_UP_AGENTS`` (8): with nine,
+    attempt 1's stored success (stored after ``given_up_read`` had checked it) was never
+    read, and the step ended ``TIMEOUT`` — a valid result thrown away."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    rec = _nine_given_up(tracker, wf_settings.namespace, "late", monkeypatch, attempt=9)
+    with _opened(tracker, rec) as track:
+        await tracker.given_up_final(track)
+        assert track.final is not None, "attempt 1's stored success never read"
+        assert track.final.result == "stored"

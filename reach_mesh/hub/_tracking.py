@@ -651,7 +651,9 @@ class StatusTracker:
         open_ = sorted(
             ((n, a) for n, a in track.sent.items() if n not in track.finished), reverse=True
         )
-        agents = list(dict.fromkeys(a for _, a in open_))[:_CATCH_UP_AGENTS]
+        # Every one, as ``given_up_read`` reads them: the newest ``_CATCH_UP_AGENTS`` left an
+        # older attempt's success, stored after ``given_up_read`` had checked it, unread.
+        agents = list(dict.fromkeys(a for _, a in open_))
         if not agents:
             return True
         unread = await self.catch_up(track, agents, finals=True)
