@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, NonRecordingSpan
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task
@@ -27,6 +28,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._liveness import heartbeat_entry
 from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.models import AgentState, CordonRecord
+from reach_mesh.workflow import TaskRecord
 
 from .helpers import (
     Fleet,
@@ -336,3 +338,40 @@ async def test_the_deaf_check_asks_with_a_reply_subject_nobody_can_guess(
         assert re.fullmatch(r"_INBOX\.[0-9a-f]{16}\.[0-9a-f]{16}", replies[0]), replies
     finally:
         await agent.close()
+
+
+async def test_a_deaf_verdict_does_not_replace_an_operators_quarantine(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """An agent an operator quarantined (its breaker tripped) and then found deaf by a probe
+    of an attempt it had before: the breaker keeps the operator's reason, so an answer on its
+    ctl subject — which clears a deaf verdict (``Registry.answered_on_ctl``) — does not lift
+    the operator's quarantine."""
+    agent = echo_agent(fleet, "deafop.a", "wf:deafop:v1")
+    await agent.start()
+    engine = wf_hub.workflows
+    assert engine is not None
+    tracker = engine._tracker
+    view = wf_hub.registry.agents[agent.agent_id]
+    view.breaker.trip()  # as the operator's quarantine does (``_control``)
+    rec = TaskRecord(
+        task_id="deafop-0",
+        workflow_id="deafop",
+        step=0,
+        namespace=wf_settings.namespace,
+        attempt=1,
+        agent_id=agent.agent_id,
+    )
+    key = protocol.task_key(rec.namespace, rec.task_id)
+    track = tracker.open(rec, key, NonRecordingSpan(INVALID_SPAN_CONTEXT))
+    try:
+        since = view.spoke_at - 1.0  # nobody answered, and the agent was heard after that
+        verdict = tracker._no_responders(
+            track, agent.agent_id, 1, (agent.agent_id, 1, since, False)
+        )
+        assert verdict == "gone"
+        assert view.breaker.why == "operator quarantine", view.breaker.why
+        wf_hub.registry.answered_on_ctl(view)
+        assert view.breaker.state is BreakerState.OPEN
+    finally:
+        tracker.close(track, None)

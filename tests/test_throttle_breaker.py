@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reach_mesh.hub.breaker import HEALTH_THRESHOLD, BreakerState, CircuitBreaker, HealthScore
+from reach_mesh.hub.breaker import (
+    DEAF,
+    HEALTH_THRESHOLD,
+    BreakerState,
+    CircuitBreaker,
+    HealthScore,
+)
 from reach_mesh.hub.shares import Shares, defer_delay
 from reach_mesh.hub.throttle import Pacer, Throttle, TokenBucket
 
@@ -215,6 +221,25 @@ def test_breaker_half_open_failure_reopens() -> None:
     clock.advance(30)
     assert _state(breaker) is BreakerState.HALF_OPEN
     assert breaker.allow()
+
+
+def test_a_breaker_closed_forgets_why_it_opened() -> None:
+    """A deaf verdict (or any trip) is over once the breaker closes, by its half-open probe
+    or an operator's reset: a holder whose probe reached it is not kept out as deaf
+    (``Router``'s ``why != DEAF``) until a ping of its ctl subject is answered."""
+    clock = FakeClock()
+    breaker = _breaker(clock)
+    breaker.trip(DEAF)
+    assert breaker.why == DEAF
+    clock.advance(30)
+    assert breaker.allow()  # the half-open probe
+    breaker.record(True)
+    assert _state(breaker) is BreakerState.CLOSED
+    assert breaker.why == ""
+    breaker.trip()
+    assert breaker.why == "operator quarantine"
+    breaker.reset()
+    assert breaker.why == ""
 
 
 def test_breaker_lost_probe_is_reissued() -> None:

@@ -764,7 +764,12 @@ class StatusTracker:
             # which only counts): every attempt sent to it would wait out two probes. Its
             # breaker's half-open probe finds out whether it listens again.
             view.health.delivery_failure()
-            view.breaker.trip(DEAF)
+            breaker = view.breaker
+            if breaker.state is BreakerState.CLOSED or breaker.why == DEAF:
+                # (Not over an operator's quarantine, or a breaker opened for failures: its
+                # reason stands, and a ctl answer — which clears a deaf verdict — must not
+                # lift it.)
+                breaker.trip(DEAF)
             self._registry.regrade(view)
             if self._said.take(("deaf", agent_id)) is not None:
                 log.warning(

@@ -240,6 +240,7 @@ class CircuitBreaker:
         if state is BreakerState.HALF_OPEN:
             if success:
                 self._state = BreakerState.CLOSED
+                self.why = ""  # (a deaf verdict too: its probe reached it)
                 self._reset_window()
             elif witnessed:
                 self.why = "its half-open probe failed"
@@ -275,6 +276,7 @@ class CircuitBreaker:
     def reset(self) -> None:
         """Close the breaker and forget the window (operator action)."""
         self._state = BreakerState.CLOSED
+        self.why = ""
         self._probe_at = None
         self._reset_window()
 
