@@ -649,7 +649,13 @@ class StatusTracker:
         decides on what was found. Returns False when a read stayed unanswered."""
         until = self._now() + _STATUS_READ_PATIENT
         open_ = sorted(
-            ((n, a) for n, a in track.sent.items() if n not in track.finished), reverse=True
+            (
+                (n, a)
+                for n, a in track.sent.items()
+                # (not one its agent promised never to start: it stored nothing)
+                if n not in track.finished and n != track.promised
+            ),
+            reverse=True,
         )
         # Every one, as ``given_up_read`` reads them: the newest ``_CATCH_UP_AGENTS`` left an
         # older attempt's success, stored after ``given_up_read`` had checked it, unread.
