@@ -31,6 +31,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Final
 
 import nats.errors
@@ -559,6 +560,21 @@ class JsClient:
         """What :meth:`kv_get` reads, delete and purge markers included: the value, the
         revision and whether it is such a marker; None when there is no message or it is
         empty."""
+        got = await self._kv_message(bucket, key)
+        return None if got is None else (got[0].data, _revision(got[0]), got[1])
+
+    async def kv_get_stored(self, bucket: str, key: str) -> tuple[bytes, int, float | None] | None:
+        """What :meth:`kv_get` reads, with when the server stored it (its clock, epoch
+        seconds: the answer's ``Nats-Time-Stamp``; None if it does not say)."""
+        got = await self._kv_message(bucket, key)
+        if got is None or got[1]:
+            return None
+        msg = got[0]
+        return msg.data, _revision(msg), _stored_time(msg)
+
+    async def _kv_message(self, bucket: str, key: str) -> tuple[Msg, bool] | None:
+        """A direct get's answer for ``key`` and whether it is a delete or purge marker; None
+        when there is no message or it is empty."""
         msg = await self._direct_get(
             f"$JS.API.DIRECT.GET.{kv_stream(bucket)}.{kv_subject(bucket, key)}"
         )
@@ -571,7 +587,7 @@ class JsClient:
             if status == "503":
                 raise NoStreamResponseError
             APIError.from_msg(msg)  # raises
-        return msg.data, _revision(msg), marker
+        return msg, marker
 
     async def kv_entry_at_leader(self, bucket: str, key: str) -> tuple[bytes, int, bool] | None:
         """What :meth:`kv_entry` reads, as the stream's leader has it: not a replica that may
@@ -745,6 +761,18 @@ def _not_caught_up(cluster: ClusterInfo, heard_within: float) -> str | None:
 def _revision(msg: Msg) -> int:
     """The stream sequence of a direct get's answer (0: a status, no message)."""
     return int((msg.headers or {}).get("Nats-Sequence") or 0)
+
+
+def _stored_time(msg: Msg) -> float | None:
+    """When the server stored the message a direct get answered with (its clock, epoch
+    seconds: ``Nats-Time-Stamp``, RFC 3339); None when the header is missing or unreadable."""
+    stamp = (msg.headers or {}).get("Nats-Time-Stamp")
+    if not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return None
 
 
 class _HedgeDue(Exception):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,8 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub._liveness import heartbeat_entry
 from reach_mesh.hub.breaker import DEAF, BreakerState
-from reach_mesh.models import AgentState, CordonRecord
+from reach_mesh.hub.registry import Registry
+from reach_mesh.models import AgentCard, AgentRecord, AgentState, CordonRecord
 from reach_mesh.workflow import TaskRecord
 
 from .helpers import (
@@ -308,6 +310,40 @@ async def test_a_record_written_by_another_hub_is_not_the_agent_speaking(
         await eventually(heard, timeout=5)  # the owner saw the record: last_seen moved
         await asyncio.sleep(2.0)  # more probes, each finding nobody
         await _decided_by_a(relay, a, on_a, on_b, mesh, wf_id)
+
+
+async def test_a_record_read_for_a_route_was_spoken_when_the_server_stored_it(
+    settings: MeshSettings, nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A route naming an agent whose registration this hub's watch has not shown yet reads
+    its record from KV (``Registry.fetch``). Its lease starts then; but the agent spoke when
+    the server stored the record (the direct get's ``Nats-Time-Stamp``), as for a record or
+    beat the watch delivers: one stored before the agent was cut off and read seconds later
+    is not the agent heard after its ctl subject had nobody (the deaf rule, ``spoke_at``)."""
+    # This hub's watch of the records shows it nothing: every record is one not shown yet.
+    monkeypatch.setattr(Registry, "_apply_agent", lambda self, entry, *, initial: None)
+    agent_id = f"{settings.namespace}.fetched.a"
+    record = AgentRecord(
+        card=AgentCard(agent_id=agent_id, capabilities=["test:fetched:v1"]),
+        session=uuid.uuid4().hex,
+        heartbeat_interval=20.0,
+        lease_timeout=60.0,
+        task_subject=protocol.agent_task(agent_id),
+        registered_at=time.time(),
+    )
+    async with Hub(settings=settings) as hub:
+        records = await nc.jetstream().key_value(protocol.KV_AGENTS)
+        await records.put(agent_id, protocol.encode(record))
+        stored = hub.registry.now
+        await asyncio.sleep(1.5)
+        assert agent_id not in hub.registry.agents
+        try:
+            view = await hub.registry.fetch(agent_id)
+            assert view is not None and view.record.session == record.session
+            assert view.last_seen >= stored + 1.5  # the lease: from the read
+            assert abs(view.spoke_at - stored) < 0.5, view.spoke_at - stored
+        finally:
+            await records.delete(agent_id)  # (later tests' hubs load the records)
 
 
 async def test_the_deaf_check_asks_with_a_reply_subject_nobody_can_guess(

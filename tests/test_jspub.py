@@ -4,6 +4,7 @@ compare-and-set, and the errors ``_retry`` tells apart (an answer vs the infrast
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -67,10 +68,16 @@ async def test_acks_dedup_cas_and_errors(nats_url: str) -> None:
         # Direct gets: the value and its revision; absent, deleted and empty keys are None.
         assert await pub.kv_get(bucket, "k") == (b"v2", rev2)
         assert await pub.kv_get(bucket, "missing") is None
+        # ... and with when the server stored it (its clock: this host's, here).
+        stored = await pub.kv_get_stored(bucket, "k")
+        assert stored is not None and stored[:2] == (b"v2", rev2)
+        assert stored[2] is not None and abs(stored[2] - time.time()) < 2.0, stored
+        assert await pub.kv_get_stored(bucket, "missing") is None
         await kv.put("empty", b"")
         assert await pub.kv_get(bucket, "empty") is None
         await kv.delete("k")
         assert await pub.kv_get(bucket, "k") is None
+        assert await pub.kv_get_stored(bucket, "k") is None
         # ... though kv_entry shows its delete marker and the marker's revision.
         marker = await pub.kv_entry(bucket, "k")
         assert marker is not None and marker[2] and marker[1] > rev2

@@ -343,11 +343,16 @@ class Registry(Liveness):
         and delivered late — a watch catching up once the stream has a leader again, a read
         from the leader of one the watch missed — is not the agent heard after its ctl subject
         had nobody (chaos secure seed 198, ``partition``)."""
-        now = self._clock()
         created: Any = entry.created
-        if created is None:
+        return self._server_time_here(None if created is None else float(created.timestamp()))
+
+    def _server_time_here(self, stored: float | None) -> float:
+        """``stored`` (the server's wall clock, epoch seconds) on this hub's clock: now less
+        its age by the server's clock (``server_clock``); now when None."""
+        now = self._clock()
+        if stored is None:
             return now
-        return now - max(0.0, self.server_clock.now() - float(created.timestamp()))
+        return now - max(0.0, self.server_clock.now() - stored)
 
     def _apply_agent(self, entry: KeyValue.Entry, *, initial: bool) -> None:
         agent_id = entry.key
@@ -773,10 +778,12 @@ class Registry(Liveness):
             self.regrade(view)
 
     async def fetch(self, agent_id: str) -> AgentView | None:
-        """Read one agent from KV (for a registration this hub's watch has not delivered yet)."""
+        """Read one agent from KV (for a registration this hub's watch has not delivered yet).
+        Its lease renewed now; the agent spoke (``spoke_at``) when the server stored the
+        record, as for one the watch delivers (:meth:`_stored_at`)."""
         assert self._reads is not None
         try:
-            got = await self._reads.kv_get(protocol.KV_AGENTS, agent_id)
+            got = await self._reads.kv_get_stored(protocol.KV_AGENTS, agent_id)
         except Exception:
             return None  # unreadable now: as unknown, which the caller retries or reports
         if got is None:
@@ -787,7 +794,9 @@ class Registry(Liveness):
             return None
         if self._judged_lost(agent_id, record, got[1]):
             return None  # declared LOST here, its delete not landed: not heard from since
-        return self.apply_record(record, got[1], seen_at=self._clock())
+        return self.apply_record(
+            record, got[1], seen_at=self._clock(), heard_at=self._server_time_here(got[2])
+        )
 
     # ------------------------------------------------------------------ reads
 
