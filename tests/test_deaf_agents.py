@@ -4,7 +4,8 @@
   subscriptions gone, its work consumer stopped: a client whose subscription loop died) is
   given up on at its second probe, not at the workflow's deadline: the step is sent to another
   agent and the workflow succeeds; the deaf agent is quarantined, and gets no further step.
-- Restarted, it is back once its breaker's half-open probe — a workflow step — succeeds.
+- Restarted (a new process: a new session, subscribed before it registered), it is
+  routable at once: "deaf" was said of the process, not the agent id.
 - An agent cut off from NATS for several probes (no heartbeats, nobody on its ctl subject)
   while its lease holds keeps its attempt: it may be reconnecting, and it is.
 """
@@ -29,7 +30,13 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._liveness import heartbeat_entry
 from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.hub.registry import Registry
-from reach_mesh.models import AgentCard, AgentRecord, AgentState, CordonRecord
+from reach_mesh.models import (
+    AgentCard,
+    AgentRecord,
+    AgentState,
+    CordonRecord,
+    UnregisterRequest,
+)
 from reach_mesh.workflow import TaskRecord
 
 from .helpers import (
@@ -40,6 +47,8 @@ from .helpers import (
     echo_agent,
     eventually,
     held_handler,
+    partition,
+    register_by_hand,
     relayed,
 )
 
@@ -132,19 +141,22 @@ async def test_a_step_sent_to_a_deaf_agent_is_sent_elsewhere(
     assert sum(fleet.runs.values()) == 2 * len(steps)  # each step ran once, on H
 
 
-async def test_a_deaf_agent_restarted_is_back_once_its_half_open_probe_succeeds(
-    fleet: Fleet, wf_settings: MeshSettings
+@pytest.mark.parametrize("how", ["goodbye", "killed"])
+async def test_a_deaf_agent_restarted_under_a_new_session_is_routable_at_once(
+    fleet: Fleet, wf_settings: MeshSettings, how: str
 ) -> None:
-    """Found deaf, then restarted as an operator would (a fresh process, same agent id): after
-    ``breaker_open_timeout`` the router hands its half-open probe to a workflow step, and that
-    step's success closes the breaker — the next steps go to it too, not one per probe timeout
-    (30 s; chaos ``deaf``: a restarted agent took one step per hub in the 12 s after its probe).
-    The restarted agent is the only one left, so every step waits for it."""
-    settings = wf_settings.model_copy(update={"breaker_open_timeout": 1.0})
-    cap = "wf:deafback:v1"
+    """Found deaf, then restarted as an operator would (a fresh process, same agent id):
+    after its goodbye, or killed (no goodbye: the hub still has its view, its lease holding).
+    "Deaf" was said of the process — its subscriptions gone —, and the new one subscribed to
+    its ctl subject before it registered: its registration, under a new session, closes the
+    breaker that verdict opened. It is routable at once, not after ``breaker_open_timeout``
+    (60 s here) and a half-open probe; and it is the only one left, so every step goes to it.
+    (An operator's quarantine outlives a new session: test_abuse.)"""
+    settings = wf_settings.model_copy(update={"breaker_open_timeout": 60.0})
+    cap = f"wf:deafback{how}:v1"
     async with Hub(settings=settings) as hub, Client(settings=settings) as mesh:
-        deaf = echo_agent(fleet, "deafback.d", cap)
-        healthy = echo_agent(fleet, "deafback.h", cap)
+        deaf = echo_agent(fleet, f"deafback{how}.d", cap)
+        healthy = echo_agent(fleet, f"deafback{how}.h", cap)
         await deaf.start()
         await deafen(deaf)
         wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
@@ -152,24 +164,62 @@ async def test_a_deaf_agent_restarted_is_back_once_its_half_open_probe_succeeds(
         await healthy.start()
         res = await mesh.workflow(wf_id, timeout=30)
         assert res.state is TaskState.SUCCEEDED, res.error
-        assert hub.registry.agents[deaf.agent_id].breaker.why == DEAF
-        await deaf.close()
+        view = hub.registry.agents[deaf.agent_id]
+        assert view.breaker.why == DEAF and view.state is AgentState.QUARANTINED
+        if how == "goodbye":
+            await deaf.close()
+        else:
+            await partition(deaf)  # silent, and no goodbye: its view stays
         await healthy.close()
-        back = echo_agent(fleet, "deafback.d", cap)
+        back = echo_agent(fleet, f"deafback{how}.d", cap)
         await back.start()
-
-        def half_open() -> bool:
-            view = hub.registry.agents.get(back.agent_id)
-            return view is not None and view.breaker.state is BreakerState.HALF_OPEN
-
-        await eventually(half_open, timeout=5)
+        view = hub.registry.agents[back.agent_id]
+        assert view.record.session == back.session != deaf.session
+        assert view.breaker.state is BreakerState.CLOSED and not view.breaker.why
+        assert view.state is AgentState.ONLINE
         for _ in range(3):
             wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
             res = await mesh.workflow(wf_id, timeout=10)
             assert res.state is TaskState.SUCCEEDED, res.error
             assert res.steps[0].agent_id == back.agent_id
-        view = hub.registry.agents[back.agent_id]
-        assert view.breaker.state is BreakerState.CLOSED and view.state is AgentState.ONLINE
+
+
+async def test_only_a_registration_under_another_session_clears_deaf(
+    hub: Hub, settings: MeshSettings, nc: NATS
+) -> None:
+    """What a registration does to the id's breaker (registered by hand): one of the session
+    found deaf — registering again, before or after a goodbye, is the same process — keeps
+    the verdict; one under another session clears it; an operator's quarantine outlives
+    every new session."""
+    agent_id = f"{settings.namespace}.deafsession.a"
+    card = AgentCard(agent_id=agent_id, capabilities=["test:deafsession:v1"])
+    registry = hub.registry
+
+    async def goodbye() -> None:
+        bye = protocol.encode(UnregisterRequest(agent_id=agent_id))
+        await nc.request(protocol.hub_agent_subject(agent_id, "unregister"), bye, timeout=5)
+        assert agent_id not in registry.agents
+
+    async def registered(session: str) -> tuple[AgentState, str]:
+        await register_by_hand(nc, card, session=session)
+        view = registry.agents[agent_id]
+        assert view.record.session == session
+        return view.state, view.breaker.why
+
+    await register_by_hand(nc, card, session="s1")
+    registry.agents[agent_id].breaker.trip(DEAF)
+    registry.regrade(registry.agents[agent_id])
+    assert await registered("s1") == (AgentState.QUARANTINED, DEAF)
+    await goodbye()
+    assert await registered("s1") == (AgentState.QUARANTINED, DEAF)
+    assert await registered("s2") == (AgentState.ONLINE, "")
+    registry.agents[agent_id].breaker.trip(DEAF)
+    await goodbye()
+    assert await registered("s3") == (AgentState.ONLINE, "")
+    registry.agents[agent_id].breaker.trip()  # an operator's quarantine
+    for session in ("s4", "s5"):
+        assert await registered(session) == (AgentState.QUARANTINED, "operator quarantine")
+    await goodbye()
 
 
 async def test_a_step_sent_before_the_breaker_opened_is_no_probe_verdict(

@@ -37,11 +37,11 @@ from reach_mesh._retry import describe, no_message
 from reach_mesh.config import MeshSettings
 from reach_mesh.hub._agent_view import AgentView, StateListener
 from reach_mesh.hub._resources import Resources
-from reach_mesh.hub.breaker import DEAF, BreakerState
+from reach_mesh.hub.breaker import DEAF, BreakerState, CircuitBreaker
 from reach_mesh.logs import LEASE_EXPIRED, log_event
 from reach_mesh.models import AgentRecord, AgentState
 
-__all__ = ["Liveness", "LostEntry", "Undeleted", "heartbeat_entry"]
+__all__ = ["Liveness", "LostEntry", "Undeleted", "heartbeat_entry", "not_deaf"]
 
 log = logging.getLogger("reach_mesh.hub.registry")
 
@@ -308,16 +308,8 @@ class Liveness:
         Only the agent's own identity may subscribe to its ctl subject (secure mode,
         ``_auth.py``), and the hubs ask with reply subjects nobody can guess
         (``Registry.asks``): an answer is the agent's."""
-        breaker = view.breaker
-        if breaker.why != DEAF:
-            return
-        breaker.why = ""
-        if breaker.state is not BreakerState.CLOSED:
-            breaker.reset()
-            log.warning(
-                "%s answers on its ctl subject: not deaf, its breaker closes", view.agent_id
-            )
-        self.regrade(view)
+        if not_deaf(view.breaker, view.agent_id, "answers on its ctl subject"):
+            self.regrade(view)
 
     def regrade(self, view: AgentView) -> None:
         old = view.state
@@ -582,6 +574,20 @@ def _written_since(err: Exception) -> bool:
     return isinstance(err, KeyWrongLastSequenceError | KeyNotFoundError) or (
         isinstance(err, APIError) and err.err_code == _WRONG_LAST_SEQUENCE
     )
+
+
+def not_deaf(breaker: CircuitBreaker, agent_id: str, because: str) -> bool:
+    """Clear a "deaf" verdict of ``agent_id`` (``because``: what disproves it): its breaker,
+    open or half-open for that verdict alone, closes, and its ``why`` is cleared. False (and
+    nothing changed) when the breaker is closed or tripped for anything else (an operator's
+    quarantine, a failure rate, a failed probe)."""
+    if breaker.why != DEAF:
+        return False
+    breaker.why = ""
+    if breaker.state is not BreakerState.CLOSED:
+        breaker.reset()
+        log.warning("%s %s: not deaf, its breaker closes", agent_id, because)
+    return True
 
 
 def heartbeat_entry(agent_id: str, raw: RawStreamMsg) -> KeyValue.Entry:

@@ -35,7 +35,14 @@ from reach_mesh._starting import time_to_start
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import MeshUnavailableError, SessionEndedError, UnknownAgentError
 from reach_mesh.hub._agent_view import AgentView, StateListener
-from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, Liveness, LostEntry, Undeleted
+from reach_mesh.hub._liveness import (
+    _HB_STREAM,
+    LOST_KEPT_S,
+    Liveness,
+    LostEntry,
+    Undeleted,
+    not_deaf,
+)
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._server_clock import ServerClock, ask_server_time
 from reach_mesh.hub.breaker import BreakerState, CircuitBreaker, HealthScore
@@ -146,10 +153,11 @@ class Registry(Liveness):
         #: cordon again).
         self._lifted: dict[str, int] = {}
         #: What this hub learned of dropped agents' behaviour (breaker, health, quarantines
-        #: counted), by id, while there is something to remember (a breaker not closed, a
-        #: health below its threshold): an agent that unregisters and registers again — or
-        #: registers under a new session — finds them as it left them (``apply_record``).
-        self._kept: OrderedDict[str, tuple[CircuitBreaker, HealthScore, int]] = OrderedDict()
+        #: counted) and its session, by id, while there is something to remember (a breaker
+        #: not closed, a health below its threshold): an agent that unregisters and registers
+        #: again — or registers under a new session — finds them as it left them
+        #: (``apply_record``; a "deaf" verdict on the process aside).
+        self._kept: OrderedDict[str, tuple[CircuitBreaker, HealthScore, int, str]] = OrderedDict()
         #: Agents that said goodbye (or whose record another hub deleted as not overdue), by
         #: id: when (wall clock), the newest ``_KEPT_MAX``. A request naming one is told it
         #: left, and that a restart registers it again, not only "not registered".
@@ -415,11 +423,19 @@ class Registry(Liveness):
             # agent does not clear its breaker, its health or an operator's quarantine by
             # registering again, under a new session or after an unregister).
             kept = (
-                (view.breaker, view.health, view.quarantines)
+                (view.breaker, view.health, view.quarantines, view.record.session)
                 if view is not None
                 else self._kept.pop(agent_id, None)
             )
-            breaker, health, quarantines = kept or (self._breaker(), HealthScore(), 0)
+            breaker, health, quarantines, was = kept or (self._breaker(), HealthScore(), 0, "")
+            if was and was != record.session:
+                # Except a verdict on a process: "deaf" (nobody on its ctl subject) was said
+                # of the one registered under ``was`` (a registration under any other session
+                # clears it, so a trip is always of the last session). A new session is a new
+                # process, which subscribed to its ctl subject before it registered
+                # (``Agent.start``): it listens, and is routable at once, not after its
+                # breaker's open timeout. An operator's quarantine, a failure rate: kept.
+                not_deaf(breaker, agent_id, "registered under a new session")
             view = AgentView(
                 agent_id=agent_id,
                 record=record,
@@ -539,7 +555,12 @@ class Registry(Liveness):
         self.index.remove(agent_id)
         if view is not None:
             if view.breaker.state is not BreakerState.CLOSED or not view.health.healthy:
-                self._kept[agent_id] = (view.breaker, view.health, view.quarantines)
+                self._kept[agent_id] = (
+                    view.breaker,
+                    view.health,
+                    view.quarantines,
+                    view.record.session,
+                )
                 self._kept.move_to_end(agent_id)
                 if len(self._kept) > _KEPT_MAX:
                     self._kept.popitem(last=False)
