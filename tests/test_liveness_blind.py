@@ -338,3 +338,20 @@ async def test_a_lapsed_lease_gives_an_attempt_up_only_when_the_beats_could_land
         monkeypatch.setattr(registry, "_quorum_heard", quorum_heard)
         assert await tracker._ask(track, agent_id, fence=1) == "gone"
         tracker.close(track, True)
+
+
+async def test_a_record_applied_again_does_not_renew_a_lapsed_lease(
+    settings: MeshSettings, nats_url: str
+) -> None:
+    """The same write of an agent's record applied again — the hub's own registration echoed
+    by its watch, late on a loaded machine, or a watch's replay — is no sign of the agent: a
+    lease that lapsed meanwhile stays lapsed (it renewed it, and
+    ``test_a_lapsed_lease_gives_an_attempt_up_only_when_the_beats_could_land`` failed in CI
+    when the echo came after the test let the lease lapse)."""
+    async with _hub_and_silent_agent(settings, nats_url, "echo") as (hub, view):
+        registry = hub.registry
+        view.last_seen = registry._clock() - view.record.lease_timeout - 0.2
+        registry.regrade(view)
+        assert view.state is AgentState.SUSPECT
+        again = registry.apply_record(view.record, view.revision, seen_at=registry._clock())
+        assert again is view and view.state is AgentState.SUSPECT, view.state

@@ -416,8 +416,11 @@ class Registry(Liveness):
         new registration (``spoke_at``: a record read from KV, when it was stored)."""
         agent_id = record.card.agent_id
         view = view_was = self.agents.get(agent_id)
-        if view is not None and view.revision > revision:
-            return view  # an older write arriving late (we applied a newer one locally)
+        if view is not None and view.revision >= revision:
+            # An older write arriving late (we applied a newer one locally), or this one again
+            # (our own registration's echo from the watch, a watch's replay): nothing new, and
+            # no sign of the agent — it must not renew a lease that lapsed since.
+            return view
         if view is None or view.record.session != record.session:
             # A new registration of the id: what this hub learned of its behaviour stays (an
             # agent does not clear its breaker, its health or an operator's quarantine by
