@@ -150,13 +150,14 @@ async def test_a_registration_given_to_a_silent_hub_is_asked_of_another(
     # The one given to the silent hub: a hedge interval per try it took (the next try too
     # may go to it), not the 5 s timeout — unless every one of the ``_REGISTER_TRIES`` did
     # (one in eight here): then the timeout and a new request; the others at once.
+    # (Bounds with a second to spare: a registration's KV writes on a loaded machine.)
     most = (
-        _REGISTER_HEDGE * len(taken) + 1.0
+        _REGISTER_HEDGE * len(taken) + 2.0
         if len(taken) < _REGISTER_TRIES
-        else 5.0 + _REGISTER_HEDGE * (len(taken) - _REGISTER_TRIES) + 1.5
+        else 5.0 + _REGISTER_HEDGE * (len(taken) - _REGISTER_TRIES) + 2.5
     )
     assert _REGISTER_HEDGE <= took[agents[-1].agent_id] < most, (took, taken)
-    assert all(t < 1.0 for a, t in took.items() if a != agents[-1].agent_id), took
+    assert all(t < 2.0 for a, t in took.items() if a != agents[-1].agent_id), took
 
 
 async def test_a_registration_answered_later_waits_for_a_slower_acceptance(
