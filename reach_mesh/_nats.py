@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import socket
 import ssl
 import time
@@ -18,14 +17,13 @@ import nats
 from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import BadHeaderError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
-from nats.protocol.command import hpub_cmd
 
 from reach_mesh._cancels import uncancelled
+from reach_mesh._nats_headers import HeaderCodec
 from reach_mesh._nats_refusals import (
     Refusals,
     not_permitted,
@@ -98,16 +96,6 @@ _CLOSE_DEAD: Final = 1.0
 _CLOSE_OWN: Final = 5.0
 #: Round trips :func:`flushed` makes at most.
 _FLUSH_ROUNDS: Final = 4
-
-#: A header name as nats-py accepts one to send (its ``_HEADER_KEY_RE``: an HTTP token).
-_HEADER_NAME: Final = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-#: Whitespace inside a received header name, as ``str.isspace`` finds it (``\s`` on a str
-#: pattern is the same class).
-_SPACE: Final = re.compile(r"\s")
-#: Each header name sent, as it is written (``b"Name: "``), validated once; ``b""``: blank,
-#: skipped. Bounded (``_HEADER_NAMES_KEPT``): names are the mesh's own few and trace context.
-_header_names: dict[str, bytes] = {}
-_HEADER_NAMES_KEPT: Final = 256
 
 
 async def connect(
@@ -403,7 +391,7 @@ async def flushed(nc: NATS) -> None:
             return
 
 
-class _Connection(NATS):
+class _Connection(HeaderCodec):
     """nats-py's client, whose close of a connection is bounded.
 
     nats-py waits for a closed connection's socket to close before it reconnects (or
@@ -462,72 +450,6 @@ class _Connection(NATS):
     async def _close(self, status: int, do_cbs: bool = True) -> None:
         _cut_if_open(self._transport, _CLOSE_OWN)
         await super()._close(status, do_cbs)
-
-    # nats-py's header codec, the same bytes in and out at less CPU: every workflow message
-    # but the acks carries headers (a fanout(3) parses ~4 header blocks on the hub and writes
-    # ~8): its regex check of each name on every publish, and a generator over each received
-    # name's characters, were ~2 % of a hub's CPU per workflow.
-
-    async def _send_publish(
-        self,
-        subject: str,
-        reply: str,
-        payload: bytes,
-        payload_size: int,
-        headers: dict[str, Any] | None,
-    ) -> None:
-        if headers is None or subject == "":
-            await super()._send_publish(subject, reply, payload, payload_size, headers)
-            return
-        hdr = bytearray(b"NATS/1.0\r\n")
-        for k, v in headers.items():
-            name = _header_names.get(k)
-            if name is None:
-                name = _header_name(k)
-            if name:
-                hdr += name
-                value = v.strip()
-                if "\r" in value or "\n" in value:
-                    value = value.replace("\r", " ").replace("\n", " ")
-                hdr += value.encode()
-                hdr += b"\r\n"
-        hdr += b"\r\n"
-        stats = self.stats
-        stats["out_msgs"] += 1
-        stats["out_bytes"] += payload_size
-        await self._send_command(hpub_cmd(subject, reply, hdr, payload))
-        if self._flush_queue is not None and self._flush_queue.empty():
-            await self._flush_pending()
-
-    @staticmethod
-    def _parse_header_lines(raw: bytes) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for line in raw.split(b"\r\n"):
-            if not line:
-                continue
-            name, sep, value = line.partition(b":")
-            if not sep:
-                continue
-            try:
-                key = name.strip().decode("ascii")
-            except UnicodeDecodeError:
-                continue
-            if _SPACE.search(key) is not None:
-                continue
-            out[key] = value.strip().decode("utf-8", "replace")
-        return out
-
-
-def _header_name(key: str) -> bytes:
-    """``key`` as nats-py writes a header name (``b"Name: "``; ``b""`` when blank, which it
-    skips), kept for the next publish; ``BadHeaderError`` when it is no valid name."""
-    name = key.strip()
-    if name and not _HEADER_NAME.fullmatch(name):
-        raise BadHeaderError(name)
-    out = name.encode() + b": " if name else b""
-    if len(_header_names) < _HEADER_NAMES_KEPT:
-        _header_names[key] = out
-    return out
 
 
 def _cut_if_open(transport: object, delay: float) -> None:
