@@ -14,7 +14,7 @@ import time
 import pytest
 
 from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, protocol
-from reach_mesh.hub import Hub, _tracking
+from reach_mesh.hub import Hub, _status_reads
 from reach_mesh.models import TaskState
 from reach_mesh.workflow import (
     AttemptRecord,
@@ -52,7 +52,9 @@ async def test_given_up_reads_hold_a_step_far_past_its_deadline(
         if task_id == branch:
             # As a read of a stream without a leader: no answer within the read's timeout.
             await asyncio.sleep(
-                _tracking._STATUS_READ_PATIENT if patient else _tracking._STATUS_READ_TIMEOUT
+                _status_reads._STATUS_READ_PATIENT
+                if patient
+                else _status_reads._STATUS_READ_TIMEOUT
             )
             raise MeshUnavailableError("REACH_STATUS did not answer")
         return await last_status(ns_, task_id, agent_id, patient=patient)
@@ -81,7 +83,7 @@ async def test_given_up_reads_hold_a_step_far_past_its_deadline(
         res = await mesh.workflow(wf_id, timeout=100)
         took = time.monotonic() - started
     assert res.steps[0].state is TaskState.TIMEOUT, res
-    hold = _tracking._STATUS_READ_TIMEOUT + _tracking._STATUS_READ_PATIENT
+    hold = _status_reads._STATUS_READ_TIMEOUT + _status_reads._STATUS_READ_PATIENT
     assert took < timeout + hold + 4.0, (
         f"the workflow's {timeout:g}s deadline decided after {took:.1f}s"
     )

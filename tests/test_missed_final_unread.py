@@ -20,7 +20,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from reach_mesh import MeshSettings, RetryPolicy, Step, TaskState
 from reach_mesh.agent import Agent
-from reach_mesh.hub import _tracking
+from reach_mesh.hub import _status_reads
 from reach_mesh.hub._tracking import StatusTracker, StepTrack
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.workflow import TaskStatusEvent
@@ -95,7 +95,7 @@ async def test_at_the_deadline_the_hold_is_bounded(
 ) -> None:
     """``hold`` with the stream never answering: False after ``_STATUS_READ_PATIENT`` (1.5 s
     here) — the deadline then decides; reads every ``_REREAD_PAUSE`` meanwhile."""
-    monkeypatch.setattr(_tracking, "_STATUS_READ_PATIENT", 1.5)
+    monkeypatch.setattr(_status_reads, "_STATUS_READ_PATIENT", 1.5)
     t0 = time.monotonic()
     read, final, made = await _missed_final_with_reads(settings, [_unavailable()], hold=True)
     took = time.monotonic() - t0
@@ -245,7 +245,7 @@ async def test_between_attempts_the_deadline_hold_is_bounded(
 ) -> None:
     """The stream never answering: False after ``_STATUS_READ_PATIENT`` (1.5 s here); the
     deadline then decides."""
-    monkeypatch.setattr(_tracking, "_STATUS_READ_PATIENT", 1.5)
+    monkeypatch.setattr(_status_reads, "_STATUS_READ_PATIENT", 1.5)
     t0 = time.monotonic()
     (read, _), final, made = await _given_up_final_with_reads(settings, [_unavailable()])
     took = time.monotonic() - t0
