@@ -335,7 +335,13 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             flight.sticky = flight.in_hand = holder
         await self._lookup_then_attempt(flight)
 
-    async def _ask_deaf_holder(self, agent_id: str | None) -> None:
+    def _deaf_holder(self, agent_id: str | None) -> AgentView | None:
+        """``agent_id``'s view if this hub found it deaf (its breaker's ``why``), else None: a
+        dict lookup, on every route decision, before anything is awaited for it."""
+        view = self.registry.agents.get(agent_id) if agent_id is not None else None
+        return view if view is not None and view.breaker.why == DEAF else None
+
+    async def _ask_deaf_holder(self, view: AgentView) -> None:
         """The agent that may hold the route's task (``_Flight.in_hand``, or the agent a retry
         names with ``after_attempt``), if this hub found it deaf (its breaker open for that:
         ``Router.decide`` keeps a deaf holder out), is asked on its ctl subject first: an
@@ -345,9 +351,6 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         was turned away from the caller's retry, and the task ran again on another agent
         (chaos secure seed 198, ``partition``). Nobody there, or no answer within
         ``_DEAF_ASK_TIMEOUT``: still deaf, kept out."""
-        view = self.registry.agents.get(agent_id) if agent_id is not None else None
-        if view is None or view.breaker.why != DEAF:
-            return
         with contextlib.suppress(Exception):  # nobody there, no answer: deaf still
             await self.registry.asks.ask(
                 protocol.agent_ctl(view.agent_id), _PING, timeout=_DEAF_ASK_TIMEOUT
@@ -426,9 +429,11 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         # window of an agent lost with the task (docs/reliability.md).
         choice: Choice | None = None
         holder = flight.in_hand
-        await self._ask_deaf_holder(
+        deaf = self._deaf_holder(
             holder or (req.agent_id if req.after_attempt and req.task_id is not None else None)
         )
+        if deaf is not None:  # (no coroutine on the usual route: only for a holder found deaf)
+            await self._ask_deaf_holder(deaf)
         if holder is not None and self._may_hold_task(
             holder, (flight.unreached or {}).get(holder, 0.0)
         ):
