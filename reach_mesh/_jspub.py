@@ -406,9 +406,11 @@ class JsClient:
         it: a try sent once a leader is back is stored at once, where a single try would wait
         out its timeout and may miss a short span with a leader. An answer "duplicate message
         id is in process" (an earlier try is being stored) waits for the others, as does a try
-        that timed out; the last such error is raised when none is left and time is up. Other
-        errors are the stream's answer: raised at once. At most ``PUBLISH_HEDGES_MAX`` of this
-        client's publishes send again at a time; one past them waits for its tries.
+        that timed out or was answered "no responders" (503: in an election, no server had
+        interest in the subject yet); the last such error is raised when none is left and time
+        is up. Other errors are the stream's answer: raised at once. At most
+        ``PUBLISH_HEDGES_MAX`` of this client's publishes send again at a time; one past them
+        waits for its tries.
 
         The first try is awaited as :meth:`publish`'s is, with no timer of its own: the
         client's one hedge timer (``_hedge_due``) wakes it if it is not answered within
@@ -437,7 +439,7 @@ class JsClient:
             if getattr(err, "err_code", None) != _IN_PROCESS:
                 raise
             tries[future] = (token, timer)  # (its error kept; the next try at ``next_try``)
-        except nats.errors.TimeoutError:
+        except (nats.errors.TimeoutError, NoStreamResponseError):
             tries[future] = (token, timer)
         finally:
             if not tries:
@@ -516,7 +518,7 @@ class JsClient:
                         if getattr(err, "err_code", None) != _IN_PROCESS:
                             raise
                         failed = err
-                    except nats.errors.TimeoutError as err:
+                    except (nats.errors.TimeoutError, NoStreamResponseError) as err:
                         failed = err
                 now = loop.time()
                 if not tries and max(now, next_try) >= deadline:

@@ -504,6 +504,40 @@ async def test_a_hedged_publish_is_sent_again_until_one_try_is_stored(nats_url: 
         await nc.close()
 
 
+async def test_a_hedged_publish_answered_no_responders_is_sent_again(nats_url: str) -> None:
+    """A try answered "no responders" (503: in an election no server has interest in the
+    stream's subjects yet) is not the publish's answer: the next try, once the subject is
+    served again, is stored. Only when every try until the timeout got a 503 is it raised."""
+    nc = await nats.connect(nats_url)
+    try:
+        jsc = JsClient(nc, timeout=3.0)
+        await jsc.start()
+        loop = asyncio.get_running_loop()
+
+        async def served_later() -> list[str]:
+            await asyncio.sleep(0.5)
+            return await _scripted_stream(nc, "hedged.elected", [b'{"stream":"S","seq":4}'])
+
+        serving = asyncio.ensure_future(served_later())
+        t = loop.time()
+        got = await jsc.publish_hedged("hedged.elected", b"x", {"Nats-Msg-Id": "n1"}, every=0.2)
+        assert got == _jspub.Ack("S", 4, False)
+        assert 0.5 <= loop.time() - t < 1.5
+        assert len(await serving) == 1  # the tries before it got 503s; one reached it
+        assert jsc._futures == {} and jsc._publishing == {} and jsc._publish_hedging == 0
+
+        t = loop.time()
+        with pytest.raises(NoStreamResponseError):
+            await jsc.publish_hedged(
+                "hedged.nobody", b"x", {"Nats-Msg-Id": "n2"}, every=0.2, timeout=1.0
+            )
+        assert 0.8 <= loop.time() - t < 1.5
+        assert jsc._futures == {} and jsc._publishing == {} and jsc._publish_hedging == 0
+        await jsc.stop()
+    finally:
+        await nc.close()
+
+
 async def test_a_hedged_publishs_first_try_answered_late_or_at_once(nats_url: str) -> None:
     """The first try waits on the client's one hedge timer, not one of its own: answered at
     once, it is sent once and leaves nothing waiting; answered only after the publish sent
