@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nats
 
-from reach_mesh._jspub import JsClient, kv_subject
+from reach_mesh._jspub import JsClient
+from reach_mesh._kv import kv_subject
 from reach_mesh._nats import ensure_kv
 from reach_mesh.server import EmbeddedNats
 

@@ -26,7 +26,6 @@ and parties allowed to answer into a hub's inbox must not guess the next one.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -38,32 +37,28 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
-from nats.js.api import ClusterInfo
 from nats.js.errors import (
     APIError,
     KeyWrongLastSequenceError,
     NoStreamResponseError,
-    NotFoundError,
 )
 from pydantic_core import from_json
 
 from reach_mesh._batch import private_inbox, reply_token
+from reach_mesh._kv import (
+    entry_at_leader,
+    kv_marker,
+    kv_stream,
+    kv_subject,
+    not_caught_up,
+)
 from reach_mesh._nats import Reconnects, reconnects_of
-from reach_mesh._retry import no_message
 from reach_mesh.errors import MeshUnavailableError
 
 __all__ = [
     "Ack",
     "JsClient",
-    "entry_at_leader",
-    "entry_at_quorate_leader",
     "first_done",
-    "kv_marker",
-    "kv_stream",
-    "kv_subject",
-    "kv_unregistered",
-    "kv_unregistered_marker",
 ]
 
 log = logging.getLogger("reach_mesh.jspub")
@@ -105,9 +100,6 @@ PUBLISH_HEDGES_MAX: Final = 16
 #: is being stored (proposed, not yet committed).
 _IN_PROCESS: Final = 10158
 
-#: What a KV delete or purge leaves behind (the key reads as absent).
-_KV_OPERATION: Final = "KV-Operation"
-
 #: JetStream's "wrong last sequence" error codes (a KV compare-and-set that lost).
 _WRONG_LAST: Final = frozenset({10071, 10164})
 #: The header of a KV compare-and-set: the revision the key must still be at (0: absent).
@@ -121,42 +113,6 @@ class Ack:
     stream: str
     seq: int
     duplicate: bool
-
-
-def kv_subject(bucket: str, key: str) -> str:
-    """The subject a KV bucket stores ``key`` under."""
-    return f"$KV.{bucket}.{key}"
-
-
-def kv_stream(bucket: str) -> str:
-    """The stream a KV bucket is."""
-    return f"KV_{bucket}"
-
-
-def kv_unregistered_marker(
-    bucket: str, key: str, session: str
-) -> tuple[str, bytes, dict[str, str]]:
-    """The subject, body and headers of a delete marker of ``key`` that names the registration
-    ``session`` it ends (``{"unregistered": session}``; a KV reader takes it as any delete)."""
-    body = json.dumps({"unregistered": session}, separators=(",", ":")).encode()
-    return kv_subject(bucket, key), body, {_KV_OPERATION: "DEL"}
-
-
-def kv_unregistered(body: bytes) -> str | None:
-    """The session a delete marker's ``body`` says it ended (:func:`kv_unregistered_marker`),
-    or None."""
-    try:
-        said = json.loads(body) if body else None
-    except ValueError:
-        return None
-    session = said.get("unregistered") if isinstance(said, dict) else None
-    return session if isinstance(session, str) else None
-
-
-def kv_marker(headers: dict[str, str] | None) -> bool:
-    """Whether a KV message with ``headers`` is a delete or purge marker (the key reads as
-    absent)."""
-    return (headers or {}).get(_KV_OPERATION) in ("DEL", "PURGE")
 
 
 class JsClient:
@@ -615,7 +571,7 @@ class JsClient:
         stream = kv_stream(bucket)
         info = await self._js.stream_info(stream)
         cluster = info.cluster
-        behind = _not_caught_up(cluster, heard_within) if cluster is not None else None
+        behind = not_caught_up(cluster, heard_within) if cluster is not None else None
         if behind is not None:
             raise MeshUnavailableError(f"{stream}: {behind}")
 
@@ -692,72 +648,6 @@ async def first_done(
             timer.cancel()
         for future in futures:
             future.remove_done_callback(wake)
-
-
-async def entry_at_leader(
-    js: JetStreamContext, bucket: str, key: str
-) -> tuple[bytes, int, bool] | None:
-    """``JsClient.kv_entry_at_leader``, on any JetStream context: ``STREAM.MSG.GET`` of the
-    last message on ``key``'s subject, which only the stream's leader answers."""
-    try:
-        raw = await js.get_last_msg(kv_stream(bucket), kv_subject(bucket, key))
-    except NotFoundError as err:
-        if not no_message(err):
-            raise
-        return None
-    marker = kv_marker(raw.headers)
-    if not raw.data and not marker:
-        return None
-    return raw.data or b"", int(raw.seq or 0), marker
-
-
-async def entry_at_quorate_leader(
-    js: JetStreamContext, bucket: str, key: str, *, heard_within: float
-) -> tuple[bytes, int, bool] | None:
-    """What :func:`entry_at_leader` reads, once the stream's leader (its ``STREAM.INFO``) says
-    it heard from a quorum of its replicas within ``heard_within`` s — not one cut off from
-    them, which keeps leading, and answering, for some ten seconds while the others may elect
-    another and write past it. A replica behind is no matter: the leader answers. Raises
-    ``MeshUnavailableError`` (or what JetStream raised) otherwise."""
-    stream = kv_stream(bucket)
-    info = await js.stream_info(stream)
-    cluster = info.cluster
-    unheard = _not_quorate(cluster, heard_within) if cluster is not None else None
-    if unheard is not None:
-        raise MeshUnavailableError(f"{stream}: {unheard}")
-    return await entry_at_leader(js, bucket, key)
-
-
-def _not_quorate(cluster: ClusterInfo, heard_within: float) -> str | None:
-    """Why the leader of ``cluster`` (its ``STREAM.INFO``) may not be the stream's leader for
-    the others — none, or one that did not hear from a quorum of its replicas within
-    ``heard_within`` s — or None."""
-    if not cluster.leader:
-        return "no leader"
-    peers = cluster.replicas or []
-    heard = [
-        p
-        for p in peers
-        if p.current and not p.offline and p.active is not None and p.active / 1e9 <= heard_within
-    ]
-    if len(heard) < (len(peers) + 1) // 2:  # with the leader, a majority of the replicas
-        return f"its leader {cluster.leader} did not hear from a quorum within {heard_within:g} s"
-    return None
-
-
-def _not_caught_up(cluster: ClusterInfo, heard_within: float) -> str | None:
-    """Why a direct get on the stream of ``cluster`` (its leader's ``STREAM.INFO``) may be
-    answered by a replica behind its leader, or None (see ``JsClient.replicas_caught_up``).
-    An offline replica answers nothing (a node down for good must not stop every read)."""
-    unheard = _not_quorate(cluster, heard_within)
-    if unheard is not None:
-        return unheard
-    peers = cluster.replicas or []
-    # ("Current": its log holds every entry the leader applied; new ones may be in flight.)
-    behind = [str(p.name) for p in peers if not p.offline and not p.current]
-    if behind:
-        return f"replica(s) {', '.join(behind)} behind its leader {cluster.leader}"
-    return None
 
 
 def _revision(msg: Msg) -> int:

@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 from nats.js.api import ClusterInfo, PeerInfo
 
 from reach_mesh import MeshSettings, protocol
-from reach_mesh._jspub import _not_caught_up
+from reach_mesh._kv import not_caught_up
 from reach_mesh.agent import Agent, Task
 from reach_mesh.models import (
     AgentState,
@@ -294,7 +294,7 @@ def test_a_replica_behind_its_leader_is_told_from_its_stream_info(
     leader: str, peers: list[PeerInfo], ok: bool
 ) -> None:
     cluster = ClusterInfo(leader=leader, replicas=peers)
-    assert (_not_caught_up(cluster, 2.0) is None) is ok
+    assert (not_caught_up(cluster, 2.0) is None) is ok
 
 
 async def test_wary_reads_at_once_share_one_check_of_the_replicas(

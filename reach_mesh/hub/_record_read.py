@@ -22,7 +22,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from reach_mesh import protocol
-from reach_mesh._jspub import entry_at_quorate_leader
+from reach_mesh._kv import entry_at_quorate_leader
 from reach_mesh.errors import BadRequestError, MeshUnavailableError, ThrottledError
 from reach_mesh.models import RecordReply, RecordRequest
 

@@ -37,7 +37,7 @@ from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import kv_marker, kv_stream, kv_subject
+from reach_mesh._kv import kv_marker, kv_stream, kv_subject
 from reach_mesh.errors import MeshUnavailableError, ReachError
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import WorkflowKind, WorkflowList, WorkflowSummary

@@ -32,7 +32,8 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import JsClient, kv_subject, kv_unregistered, kv_unregistered_marker
+from reach_mesh._jspub import JsClient
+from reach_mesh._kv import kv_subject, kv_unregistered, kv_unregistered_marker
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import describe
 from reach_mesh._starting import time_to_start
