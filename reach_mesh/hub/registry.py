@@ -32,7 +32,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from reach_mesh import protocol
-from reach_mesh._jspub import JsClient
+from reach_mesh._jspub import EXPECTED_LAST_SUBJECT_SEQUENCE, JsClient
 from reach_mesh._kv import kv_subject, kv_unregistered, kv_unregistered_marker
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import describe
@@ -78,6 +78,14 @@ def stored_beat(hb: Heartbeat) -> bytes:
     agent id (the key), each of which the beat validated as strictly as the record would. Not
     a record built, validated again and dumped, on every beat."""
     return hb.model_dump_json(exclude={"agent_id"}, exclude_none=True).encode()
+
+
+def _session_of(record: bytes) -> str | None:
+    """The ``session`` of a stored ``AgentRecord`` (None: unreadable)."""
+    try:
+        return AgentRecord.model_validate_json(record).session
+    except ValidationError:
+        return None
 
 
 class Registry(RegistryWatch):
@@ -409,25 +417,70 @@ class Registry(RegistryWatch):
         return kv_subject(protocol.KV_HEARTBEATS, agent_id)
 
     async def unregister(self, agent_id: str, session: str | None) -> bool:
+        """End the agent's registration: its record deleted (and its heartbeat). With
+        ``session``, only a registration of that session, and the delete marker names it
+        (:meth:`_end_session`); True when the session's registration is ended — by this call,
+        or by an earlier try of it —, False when the id's record is of another session, or
+        there is none. Raises (``MeshUnavailableError``, JetStream's errors: the agent asks
+        again) when the record could not be read or deleted: an unregister answered is one
+        whose registration is gone."""
         assert self._agents_kv is not None and self._hb_kv is not None
         view = self.agents.get(agent_id)
-        if view is None:
-            return False
-        if session is not None and view.record.session != session:
-            return False  # a newer incarnation owns the id now
-        self._drop(agent_id, lost=False)
         if session is None:
+            if view is None:
+                return False
+            self._drop(agent_id, lost=False)
             with contextlib.suppress(KeyNotFoundError):
                 await self._agents_kv.delete(agent_id)
         else:
-            # The delete marker names the session it ended: a try of its registration handled
-            # late is refused (``_refuse_ended``).
-            assert self._reads is not None
-            subject, body, headers = kv_unregistered_marker(protocol.KV_AGENTS, agent_id, session)
-            await self._reads.publish(subject, body, headers)
+            known = view is not None and view.record.session == session
+            last = view.revision if known and view is not None else None
+            if not await self._end_session(agent_id, session, last):
+                return False
+            if known and self.agents.get(agent_id) is view:
+                self._drop(agent_id, lost=False)
         with contextlib.suppress(KeyNotFoundError):
             await self._hb_kv.delete(agent_id)
         return True
+
+    async def _end_session(self, agent_id: str, session: str, last: int | None) -> bool:
+        """Write the delete marker that ends ``session``'s registration of ``agent_id``
+        (``{"unregistered": session}``: a try of that registration handled late is refused,
+        ``_refuse_ended``), over revision ``last`` of the key (compare-and-set: no newer
+        registration is deleted). ``last`` None — this hub has no view of that registration:
+        its watch has not delivered it yet, or it is of another session here — or a
+        compare-and-set that lost: the key is read at the stream's leader, and the marker
+        written over what it holds if that is a record of ``session`` (or a delete that names
+        no session: a LOST verdict's, which a late try would not be refused by). Whether
+        ``session``'s registration is ended (False: the key holds another session's record
+        or its marker, or nothing). Up to ``_RECORD_TRIES`` tries when other writes of the
+        key come between."""
+        assert self._reads is not None
+        subject, body, headers = kv_unregistered_marker(protocol.KV_AGENTS, agent_id, session)
+        for _ in range(_RECORD_TRIES):
+            if last is None:
+                got = await self._reads.kv_entry_at_leader(protocol.KV_AGENTS, agent_id)
+                if got is None:
+                    return False  # never registered (or purged)
+                value, revision, marker = got
+                if marker:
+                    said = kv_unregistered(value)
+                    if said is not None:
+                        return said == session  # ended already (a try of this unregister)
+                elif _session_of(value) != session:
+                    return False  # another session's registration owns the id
+                last = revision
+            try:
+                await self._reads.publish(
+                    subject, body, {**headers, EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)}
+                )
+                return True
+            except KeyWrongLastSequenceError:
+                last = None  # written meanwhile: read again
+        raise MeshUnavailableError(
+            f"the record of {agent_id} was written by others meanwhile, {_RECORD_TRIES} times: "
+            "unregister again"
+        )
 
     async def set_cordon(self, agent_id: str, cordon: CordonRecord | None) -> AgentView | None:
         """Cordon the agent (``cordon``), or lift its cordon (None). The cordon is kept under
