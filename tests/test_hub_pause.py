@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import nats
@@ -29,6 +27,7 @@ from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import AgentState
 
 from .helpers import eventually
+from .silent_hub import silent_hub
 
 
 def _agent(agent_id: str, settings: MeshSettings) -> Agent:
@@ -41,28 +40,6 @@ def _agent(agent_id: str, settings: MeshSettings) -> Agent:
     return agent
 
 
-@asynccontextmanager
-async def _silent_hub(settings: MeshSettings, verb: str = "heartbeat") -> AsyncIterator[list[str]]:
-    """A member of the hubs' queue group that takes every heartbeat (or other agent ``verb``)
-    it is given and never answers; yields the subjects of the requests it took."""
-    assert settings.nats_url is not None
-    nc = await nats.connect(settings.nats_url)
-    taken: list[str] = []
-
-    async def swallow(msg: Any) -> None:
-        taken.append(msg.subject)
-
-    sub = await nc.subscribe(
-        protocol.hub_agent_subject("*.*.*", verb), queue=protocol.HUB_QUEUE, cb=swallow
-    )
-    await flushed(nc)  # in the queue group before the caller's agents beat
-    try:
-        yield taken
-    finally:
-        await sub.unsubscribe()
-        await nc.close()
-
-
 async def test_an_unanswered_heartbeat_is_sent_again_at_once(settings: MeshSettings) -> None:
     """With only a silent hub left, every heartbeat is tried ``_BEAT_TRIES`` times in its
     interval, each try waiting a sixth of the interval (before: one try, waiting 1 s)."""
@@ -72,7 +49,7 @@ async def test_an_unanswered_heartbeat_is_sent_again_at_once(settings: MeshSetti
         await agent.start()
         await eventually(lambda: "pause.echo.a1" in hub.registry.agents, timeout=5)
     try:
-        async with _silent_hub(s) as taken:  # the only hub left
+        async with silent_hub(s) as taken:  # the only hub left
             await asyncio.sleep(1.5)
             beats = list(taken)
     finally:
@@ -106,7 +83,7 @@ async def test_a_silent_hub_costs_no_agent_its_lease(settings: MeshSettings) -> 
 
                 await eventually(online, timeout=5)
             seen.clear()
-            async with _silent_hub(s) as taken:
+            async with silent_hub(s) as taken:
                 # 3 s of beats, and on until the silent hub was given one: a queue group of
                 # three picks it at random, so ten beats pass it by once in ~60 runs.
                 await asyncio.sleep(3.0)
@@ -130,7 +107,7 @@ async def test_a_registration_given_to_a_silent_hub_is_asked_of_another(
     loop = asyncio.get_running_loop()
     took: dict[str, float] = {}
     agents: list[Agent] = []
-    async with Hub(settings=settings) as hub, _silent_hub(settings, "register") as taken:
+    async with Hub(settings=settings) as hub, silent_hub(settings, "register") as taken:
         try:
             for n in range(20):
                 agent = _agent(f"pause.echo.r{n}", settings)

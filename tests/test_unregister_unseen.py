@@ -5,7 +5,8 @@ registration another hub answered) answered ``removed: false`` and wrote nothing
 agent SDK asked once and went: its record stayed in ``reach_agents``, the gone agent ONLINE
 and routed to on every hub until its lease and grace ran out, and a late try of its
 registration was not refused. A hub with no view of the session reads the key at the stream's
-leader and ends a registration of that session it finds there."""
+leader and ends a registration of that session it finds there; the SDK asks again when a
+try is unanswered (a paused hub took it) or refused "later"."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from reach_mesh.hub.registry import Registry
 from reach_mesh.models import AgentCard, AgentRecord, RegisterRequest
 
 from .helpers import eventually
+from .silent_hub import silent_hub
 
 
 def _slow(settings: MeshSettings) -> MeshSettings:
@@ -149,3 +151,27 @@ async def test_a_late_unregister_of_an_old_session_leaves_the_new_one_registered
             # Its own unregister ends it, from the hub behind too.
             assert await registry.unregister(agent_id, new)
             assert await _ended(nc, agent_id) == new
+
+
+async def test_an_unregister_a_silent_hub_took_is_asked_of_another(
+    settings: MeshSettings, namespace: str, nc: Any
+) -> None:
+    """The agent's goodbye given to a hub that never answers (paused, wedged) is asked again,
+    and the hub that answers ends the registration (before: one try, and the agent went)."""
+    s = _slow(settings)
+    agent_id = f"{namespace}.unseen.c1"
+    agent = _agent(agent_id, s)
+    async with Hub(settings=s) as hub:
+        await agent.start()
+        await eventually(lambda: agent_id in hub.registry.agents, timeout=5)
+    async with silent_hub(s, "unregister") as taken:  # the only hub left, for now
+        closing = asyncio.create_task(agent.close())
+        try:
+            await eventually(lambda: bool(taken), timeout=10)
+            async with Hub(settings=s) as answering:
+                await asyncio.wait_for(asyncio.shield(closing), 15)
+                assert await _ended(nc, agent_id) == agent.session
+                await eventually(lambda: agent_id not in answering.registry.agents, timeout=5)
+        finally:
+            await closing
+    assert taken[0] == protocol.hub_agent_subject(agent_id, "unregister")

@@ -53,6 +53,7 @@ from reach_mesh._nats import (
 from reach_mesh._shutdown import within
 from reach_mesh.agent._attempts import _TRACEBACK_INTERVAL
 from reach_mesh.agent._deadlines import _Deadlines
+from reach_mesh.agent._goodbye import unregister
 from reach_mesh.agent._identity import IdentityMixin
 from reach_mesh.agent._one_process import wait_for_other_process
 from reach_mesh.agent._results import _bare, _handler_signature, _labels, _tool_spec
@@ -79,7 +80,6 @@ from reach_mesh.models import (
     RegisterReply,
     RegisterRequest,
     ToolSpec,
-    UnregisterRequest,
 )
 from reach_mesh.tracing import flush_tracing, tracing_from_env
 from reach_mesh.tracing.metrics import (
@@ -713,13 +713,7 @@ class Agent(IdentityMixin, ServingMixin):
                     await within(what, task, 2.0, log)
             if self._nc is not None and self._registered.is_set():
                 with contextlib.suppress(Exception):
-                    await self.nc.request(
-                        protocol.hub_agent_subject(self.agent_id, "unregister"),
-                        protocol.encode(
-                            UnregisterRequest(agent_id=self.agent_id, session=self.session)
-                        ),
-                        timeout=2.0,
-                    )
+                    await unregister(self.nc, self.agent_id, self.session, final=_not_later)
             late = list(self._tasks)
             for task in late:
                 task.cancel()
