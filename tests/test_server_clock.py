@@ -146,3 +146,44 @@ async def test_a_tiny_timeout_runs_nothing_while_the_hubs_estimate_lags(
         assert chain.state is TaskState.TIMEOUT, chain
         await asyncio.sleep(0.3)  # (a step sent would have run by now)
     assert ran == []
+
+
+async def test_a_host_clock_stepped_ahead_costs_no_agent_its_lease(
+    monkeypatch: pytest.MonkeyPatch, settings: MeshSettings, namespace: str
+) -> None:
+    """The hubs' host clock steps 5 s ahead (NTP) while their agents beat (to either hub, as
+    the queue group picks): the estimate of the server's clock keeps the old skew for one to
+    two minutes (``ServerClock``: the least over two windows), so it runs 5 s ahead, and every
+    stored entry looks 5 s older than it is — longer than a lease and its grace here (0.6 s
+    each). A lease counts from a beat's arrival, not from its stored time mapped onto the
+    hub's clock: counted from the stored time (never later than arrival), a beat another hub
+    wrote renewed nothing, and live agents went SUSPECT, then LOST — deleted for every hub
+    (scratch run: 12 SUSPECT and 2 LOST verdicts on one hub in 8 s, six agents)."""
+    agents = []
+    for n in range(4):
+        agent = Agent(f"{namespace}.step.a{n}", settings=settings)
+
+        @agent.handler("test:step:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        agents.append(agent)
+    async with Hub(settings=settings) as one, Hub(settings=settings) as two:
+        try:
+            for agent in agents:
+                await agent.start()
+            await asyncio.sleep(1.0)
+            went: list[tuple[str, AgentState]] = []
+            for hub in (one, two):
+                hub.registry.on_state_change(lambda v, old, new: went.append((v.agent_id, new)))
+            server_now = one.registry.server_clock.now()
+            _skewed(monkeypatch, 5.0)
+            assert one.registry.server_clock.now() - server_now == pytest.approx(5.0, abs=0.5)
+            await asyncio.sleep(3.0)
+            assert went == [], went
+            for hub in (one, two):
+                states = {hub.registry.agents[a.agent_id].state for a in agents}
+                assert states == {AgentState.ONLINE}, states
+        finally:
+            for agent in agents:
+                await agent.close()
