@@ -451,6 +451,27 @@ class _Connection(HeaderCodec):
         _cut_if_open(self._transport, _CLOSE_OWN)
         await super()._close(status, do_cbs)
 
+    async def _process_msg(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
+    ) -> None:
+        # nats-server passes a publisher's subject, reply subject and header block on as they
+        # came: bytes that are not UTF-8, a header block shorter than "NATS/1.0", a status
+        # line that does not decode. nats-py raises on them in its read loop, which then ends
+        # (logged, not reconnected): the connection stays up but reads nothing more until its
+        # PINGs go unanswered. One such message from any identity that may publish where a
+        # hub listens (a caller's report reaches every hub) made the hub's main connection
+        # deaf for seconds each time. Dropped here instead, counted and logged as refused.
+        try:
+            await super()._process_msg(sid, subject, reply, data, headers)
+        except (ValueError, IndexError) as err:  # (UnicodeDecodeError is a ValueError)
+            from reach_mesh._guard import refuse_body  # (it imports this module)
+
+            refuse_body(
+                self,
+                subject.decode("utf-8", "replace"),
+                f"malformed message (subject, reply subject or headers): {err!r:.120}",
+            )
+
 
 def _cut_if_open(transport: object, delay: float) -> None:
     """Abort the socket under nats-py's ``transport`` if it is still open ``delay`` s from

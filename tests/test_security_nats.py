@@ -1187,6 +1187,54 @@ async def test_hub_answers_only_on_inboxes(mesh: Mesh, as_identity: Any) -> None
     assert VICTIM in [a["agent_id"] for a in out["agents"]]
 
 
+async def test_a_malformed_message_does_not_deafen_a_hubs_connection(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """nats-server passes on a publisher's subject, reply subject and header block as they
+    came. nats-py raised on bytes that are not UTF-8 or a header block shorter than its
+    version line, in its read loop, which then ended: the hub's connection stayed up but read
+    nothing until its PINGs went unanswered (seconds). One caller's report (every hub reads
+    them) or one agent's status on its own subject did that to every hub. Such messages are
+    dropped and counted; the connection reads on."""
+    from reach_mesh._nats import refused_messages
+    from reach_mesh.models import RouteRequest
+
+    hub = mesh.hub
+    main, statuses = refused_messages(hub.nc), refused_messages(hub._status_nc)
+    caller = await as_identity("caller", NS)
+    report = protocol.hub_subject(NS, "report").encode()
+
+    def hpub(subject: bytes, header: bytes) -> bytes:
+        size = f" {len(header)} {len(header) + 2}\r\n".encode()
+        return b"HPUB " + subject + size + header + b"{}\r\n"
+
+    for cmd in (
+        b"PUB " + report + b" \xff\xfe 2\r\n{}\r\n",  # a reply subject
+        hpub(report, b"\r\n\r\n"),  # a header block shorter than "NATS/1.0"
+        hpub(report, b"NATS/1.0 \xff\xfe\r\n\r\n"),  # a status line
+        hpub(report, b"NATS/1.0 503 \xff\r\n\r\n"),  # a status description
+    ):
+        await caller.nc._send_command(cmd)
+    rogue = await as_identity("agent", ROGUE)
+    status = protocol.task_status(ROGUE, "x").encode()[:-1] + b"\xff"
+    await rogue.nc._send_command(b"PUB " + status + b" 2\r\n{}\r\n")  # a subject
+    # Callers of its namespace reach an agent's task subject (direct mode).
+    victim = refused_messages(mesh.victim.nc)
+    await caller.nc._send_command(hpub(protocol.agent_task(VICTIM).encode(), b"\r\n\r\n"))
+    for conn in (caller, rogue):
+        await conn.nc.flush()
+    await eventually(lambda: refused_messages(mesh.victim.nc) >= victim + 1)
+    await eventually(lambda: refused_messages(hub.nc) >= main + 4)
+    await eventually(lambda: refused_messages(hub._status_nc) >= statuses + 1)
+    assert not caller.errors and not rogue.errors
+    # The main connection reads on: answered at once (deaf, it answered after its PINGs failed).
+    out = json.loads((await caller.nc.request(protocol.hub_subject(NS, "agents"), b"{}", 1)).data)
+    assert VICTIM in [a["agent_id"] for a in out["agents"]]
+    route = protocol.encode(RouteRequest(agent_id=VICTIM, capability=CAP, payload=1, timeout=1))
+    answer = await caller.nc.request(protocol.hub_subject(NS, "route"), route, 1)
+    assert json.loads(answer.data)["task"]["result"] == {"by": VICTIM, "in": 1}
+
+
 async def test_an_agent_consumes_only_its_own_work_subject(mesh: Mesh, as_identity: Any) -> None:
     """An agent creates its work consumer by name with the filter in the API subject, and
     may name only its own work subject there: one filtering another agent's steps (or

@@ -576,7 +576,8 @@ class _Connection(Collector):
             "reach_messages_refused",
             "Messages this hub (or agent) dropped unread: a reply subject outside _INBOX., a "
             "message not of the subscription it came on (a JetStream push delivery), a "
-            "pull-inbox message that is no JetStream delivery.",
+            "pull-inbox message that is no JetStream delivery, a malformed message (a subject, "
+            "reply subject or header block nats-py cannot read).",
             value=refused,
         )
         reconnects = CounterMetricFamily(
