@@ -1204,9 +1204,9 @@ async def test_a_malformed_message_does_not_deafen_a_hubs_connection(
     caller = await as_identity("caller", NS)
     report = protocol.hub_subject(NS, "report").encode()
 
-    def hpub(subject: bytes, header: bytes) -> bytes:
+    def hpub(subject: bytes, header: bytes, reply: bytes = b"") -> bytes:
         size = f" {len(header)} {len(header) + 2}\r\n".encode()
-        return b"HPUB " + subject + size + header + b"{}\r\n"
+        return b"HPUB " + subject + (b" " + reply if reply else b"") + size + header + b"{}\r\n"
 
     for cmd in (
         b"PUB " + report + b" \xff\xfe 2\r\n{}\r\n",  # a reply subject
@@ -1233,6 +1233,22 @@ async def test_a_malformed_message_does_not_deafen_a_hubs_connection(
     route = protocol.encode(RouteRequest(agent_id=VICTIM, capability=CAP, payload=1, timeout=1))
     answer = await caller.nc.request(protocol.hub_subject(NS, "route"), route, 1)
     assert json.loads(answer.data)["task"]["result"] == {"by": VICTIM, "in": 1}
+    # Stored, such a submission came back to the hubs after every ack wait, and every hub
+    # that pulled it went deaf again: every namespace's workflows (and heartbeats) stopped.
+    inbox = caller.nc.new_inbox()
+    acked = await caller.nc.subscribe(inbox, max_msgs=1)
+    submit = protocol.wf_submit(NS).encode()
+    # (JetStream stores this header block as it came; a bad status line it drops.)
+    await caller.nc._send_command(hpub(submit, b"\r\n\r\n", inbox.encode()))
+    poison = json.loads((await acked.next_msg(timeout=2)).data)["seq"]
+    js = hub.nc.jetstream()
+    try:
+        await eventually(lambda: refused_messages(hub.nc) >= main + 5)
+        async with Client(settings=mesh.settings("caller", NS)) as c:
+            res = await c.fanout([Step(agent_id=VICTIM, payload=2)], timeout=2)
+        assert res.state is TaskState.SUCCEEDED
+    finally:
+        await js.delete_msg(protocol.STREAM_WF, poison)
 
 
 async def test_an_agent_consumes_only_its_own_work_subject(mesh: Mesh, as_identity: Any) -> None:
