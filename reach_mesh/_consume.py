@@ -48,7 +48,7 @@ from nats.js.kv import KeyValue
 from reach_mesh import protocol
 from reach_mesh._batch import private_inbox
 from reach_mesh._guard import matches, refuse
-from reach_mesh._nats import ensure_kv
+from reach_mesh._nats import ensure_kv, on_unreadable
 from reach_mesh._retry import describe
 from reach_mesh._starting import set_up
 from reach_mesh.config import MeshSettings
@@ -153,6 +153,7 @@ class PullConsumer:
         # answer hubs there), and deliveries must come from JetStream only.
         self._inbox = private_inbox(self._nc)
         self._sub = await self._nc.subscribe(self._inbox, cb=self._cb, pending_msgs_limit=-1)
+        on_unreadable(self._nc, self._sub._id, self._term_unreadable)
         self._watchdog = asyncio.create_task(self._watch(), name="reach-pull-watchdog")
         self._maybe_pull()
 
@@ -166,6 +167,7 @@ class PullConsumer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._watchdog
         if self._sub is not None:
+            on_unreadable(self._nc, self._sub._id, None)
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
@@ -221,6 +223,19 @@ class PullConsumer:
         except Exception:
             log.exception("pull consumer handler failed")
             self.release()
+
+    def _term_unreadable(self, ack: str) -> None:
+        """A delivery nats-py could not read (its subject or headers; dropped, counted): ended
+        on the stream (``+TERM``), so that it does not come back after every ack wait."""
+        self._outstanding = max(0, self._outstanding - 1)
+        task = asyncio.create_task(self._term(ack))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        self._maybe_pull()
+
+    async def _term(self, ack: str) -> None:
+        with contextlib.suppress(Exception):  # (unanswered: it comes back, and is termed then)
+            await self._nc.publish(ack, b"+TERM")
 
     def _maybe_check(self) -> None:
         """Ask the owner to check the consumer (``on_gone``) after ``_GONE_AFTER`` 503s in a

@@ -410,6 +410,9 @@ class _Connection(HeaderCodec):
     messages_refused: int = 0
     #: Leaving its server on purpose, to join its siblings' (``_nats_together``): not a loss.
     moving: bool = False
+    #: Pull consumers' inboxes (by subscription id), and what each does with a JetStream
+    #: delivery there that cannot be read: given its ack subject (``on_unreadable``).
+    unreadable: dict[int, Callable[[str], None]] | None = None
 
     async def _attempt_reconnect(self) -> None:
         _cut_if_open(self._transport, _CLOSE_DEAD)
@@ -471,6 +474,30 @@ class _Connection(HeaderCodec):
                 subject.decode("utf-8", "replace"),
                 f"malformed message (subject, reply subject or headers): {err!r:.120}",
             )
+            # A stored one, pulled, would come back after every ack wait: its pull consumer
+            # ends it. Only on a pull inbox (64 random bits: JetStream's deliveries only), so
+            # that no one has this connection end a message of its choosing.
+            unread = self.unreadable.get(sid) if self.unreadable else None
+            if unread is not None and reply.startswith(_ACK_B):
+                unread(reply.decode("ascii", "replace"))
+
+
+_ACK_B: Final = b"$JS.ACK."
+
+
+def on_unreadable(nc: NATS, sid: int, then: Callable[[str], None] | None) -> None:
+    """Have ``then`` called with the ack subject of a JetStream delivery on subscription
+    ``sid`` (a pull consumer's inbox) that cannot be read (``_Connection._process_msg``);
+    ``None``: no longer. Nothing on a connection not made by :func:`connect`."""
+    if not isinstance(nc, _Connection):
+        return
+    if then is None:
+        if nc.unreadable:
+            nc.unreadable.pop(sid, None)
+        return
+    if nc.unreadable is None:
+        nc.unreadable = {}
+    nc.unreadable[sid] = then
 
 
 def _cut_if_open(transport: object, delay: float) -> None:

@@ -1235,6 +1235,7 @@ async def test_a_malformed_message_does_not_deafen_a_hubs_connection(
     assert json.loads(answer.data)["task"]["result"] == {"by": VICTIM, "in": 1}
     # Stored, such a submission came back to the hubs after every ack wait, and every hub
     # that pulled it went deaf again: every namespace's workflows (and heartbeats) stopped.
+    # Now the hub that pulls it drops it and ends it on the stream.
     inbox = caller.nc.new_inbox()
     acked = await caller.nc.subscribe(inbox, max_msgs=1)
     submit = protocol.wf_submit(NS).encode()
@@ -1242,13 +1243,24 @@ async def test_a_malformed_message_does_not_deafen_a_hubs_connection(
     await caller.nc._send_command(hpub(submit, b"\r\n\r\n", inbox.encode()))
     poison = json.loads((await acked.next_msg(timeout=2)).data)["seq"]
     js = hub.nc.jetstream()
+
+    async def gone() -> bool:
+        try:
+            await js.get_msg(protocol.STREAM_WF, poison)
+        except nats.js.errors.NotFoundError:  # no message found
+            return True
+        return False
+
     try:
-        await eventually(lambda: refused_messages(hub.nc) >= main + 5)
+        await eventually(gone, timeout=3.0)
+        assert refused_messages(hub.nc) == main + 5
         async with Client(settings=mesh.settings("caller", NS)) as c:
             res = await c.fanout([Step(agent_id=VICTIM, payload=2)], timeout=2)
         assert res.state is TaskState.SUCCEEDED
+        assert refused_messages(hub.nc) == main + 5  # (it did not come back)
     finally:
-        await js.delete_msg(protocol.STREAM_WF, poison)
+        with contextlib.suppress(nats.js.errors.APIError):
+            await js.delete_msg(protocol.STREAM_WF, poison)
 
 
 async def test_an_agent_consumes_only_its_own_work_subject(mesh: Mesh, as_identity: Any) -> None:
