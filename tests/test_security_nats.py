@@ -1217,7 +1217,12 @@ async def test_a_malformed_message_does_not_deafen_a_hubs_connection(
         await caller.nc._send_command(cmd)
     rogue = await as_identity("agent", ROGUE)
     status = protocol.task_status(ROGUE, "x").encode()[:-1] + b"\xff"
-    await rogue.nc._send_command(b"PUB " + status + b" 2\r\n{}\r\n")  # a subject
+    stored = rogue.nc.new_inbox()
+    rogue_acked = await rogue.nc.subscribe(stored, max_msgs=1)
+    # A subject (stored too: taken out below, so that the rogue's own loads never meet it).
+    await rogue.nc._send_command(b"PUB " + status + f" {stored} 2\r\n{{}}\r\n".encode())
+    status_seq = json.loads((await rogue_acked.next_msg(timeout=2)).data)["seq"]
+    await hub.nc.jetstream().delete_msg(protocol.STREAM_STATUS, status_seq)
     # Callers of its namespace reach an agent's task subject (direct mode).
     victim = refused_messages(mesh.victim.nc)
     await caller.nc._send_command(hpub(protocol.agent_task(VICTIM).encode(), b"\r\n\r\n"))
@@ -1284,6 +1289,89 @@ async def test_an_agent_consumes_only_its_own_work_subject(mesh: Mesh, as_identi
     await rogue.publish_denied(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{victims}", body)
     await rogue.publish_denied(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.reach.work.>", body)
     await rogue.publish_denied(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", body)
+
+
+async def test_a_jetstream_request_body_never_widens_what_its_subject_allows(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """Permissions check the API subject, never the body; nats-server must hold the body to
+    the subject. A direct get "of its namespace" whose body asks for another key or sequence,
+    a consumer created "on its own subject" whose body lists other filters
+    (``filter_subjects``), an ack on its own consumer naming the stream sequence of another
+    agent's step (REACH_WORK is a work queue: an ack removes the message), and push
+    deliveries of its own statuses to ``$KV.`` and ``$JS.API.`` subjects (nats-server does not
+    check a deliver subject): all refused or without effect (nats-server 2.15.1)."""
+    rogue = await as_identity("agent", ROGUE)
+    other = await as_identity("caller", "other")
+    get = "$JS.API.DIRECT.GET"
+    for conn, stream, key in (
+        (rogue, f"KV_{protocol.KV_TASKS}", f"$KV.{protocol.KV_TASKS}.{NS}.x"),
+        (other, f"KV_{protocol.KV_WORKFLOWS}", f"$KV.{protocol.KV_WORKFLOWS}.other.x"),
+    ):
+        for body in (b'{"seq": 1}', b'{"last_by_subj": "$KV.>"}', b'{"next_by_subj": "$KV.>"}'):
+            answer = await conn.nc.request(f"{get}.{stream}.{key}", body, timeout=2)
+            assert answer.headers is not None and answer.headers.get("Status") == "408", body
+    create = "$JS.API.CONSUMER.CREATE"
+    own_status = protocol.task_status(ROGUE, ">")
+    own_work = protocol.work_subject(NS, ROGUE)
+    for conn, api, widened in (
+        (
+            rogue,
+            f"{protocol.STREAM_STATUS}.{protocol.status_consumer(ROGUE)}.{own_status}",
+            ["reach.status.>"],
+        ),
+        (
+            rogue,
+            f"{protocol.STREAM_WORK}.{protocol.work_consumer(ROGUE)}.{own_work}",
+            [own_work, "reach.work.>"],
+        ),
+        (other, f"{protocol.STREAM_WF_EVENTS}.peek.reach.wf.other.>", [f"reach.wf.{NS}.>"]),
+    ):
+        config = {"name": api.split(".")[1], "filter_subjects": widened, "ack_policy": "none"}
+        body = json.dumps({"stream_name": api.split(".")[0], "config": config}).encode()
+        answer = json.loads((await conn.nc.request(f"{create}.{api}", body, timeout=2)).data)
+        assert answer["error"]["err_code"] == 10137, answer  # "cannot use subject based API"
+    # The victim's step, waiting in REACH_WORK (the victim's agent is not taking steps).
+    js = mesh.hub.nc.jetstream()
+    step = await js.publish(protocol.work_subject(NS, VICTIM) + ".probe", b"{}")
+    durable = protocol.work_consumer(ROGUE)
+    work = {"name": durable, "filter_subject": own_work, "ack_policy": "explicit"}
+    body = json.dumps({"stream_name": protocol.STREAM_WORK, "config": work}).encode()
+    made = await rogue.nc.request(f"{create}.{protocol.STREAM_WORK}.{durable}.{own_work}", body, 2)
+    assert "error" not in json.loads(made.data), made.data
+    # Its own status consumer, pushed to where only hubs publish.
+    name = protocol.status_consumer(ROGUE)
+    await rogue.nc.publish(protocol.task_status(ROGUE, "pushed"), b"{}")
+    kv_before = await agent_snapshot(mesh)
+    try:
+        ack = f"$JS.ACK.{protocol.STREAM_WORK}.{durable}.1.{step.seq}.1.{time.time_ns()}.0"
+        await rogue.nc.publish(ack, b"")
+        await rogue.nc.publish(ack, b"+TERM")
+        for target in (
+            f"$KV.{protocol.KV_AGENTS}.{VICTIM}",
+            f"$JS.API.STREAM.PURGE.KV_{protocol.KV_AGENTS}",
+            f"$JS.API.STREAM.DELETE.{protocol.STREAM_WORK}",
+        ):
+            push = {
+                "name": name,
+                "filter_subject": own_status,
+                "deliver_subject": target,
+                "deliver_policy": "last",
+                "ack_policy": "none",
+            }
+            body = json.dumps({"stream_name": protocol.STREAM_STATUS, "config": push}).encode()
+            api = f"{protocol.STREAM_STATUS}.{name}.{own_status}"
+            made = json.loads((await rogue.nc.request(f"{create}.{api}", body, 2)).data)
+            assert "error" not in made, made
+            await asyncio.sleep(0.2)
+            await rogue.nc.request(f"$JS.API.CONSUMER.DELETE.{protocol.STREAM_STATUS}.{name}")
+        assert (await js.get_msg(protocol.STREAM_WORK, step.seq)).data == b"{}"
+        assert await agent_snapshot(mesh) == kv_before
+        assert not rogue.errors and not other.errors
+    finally:
+        await js.delete_msg(protocol.STREAM_WORK, step.seq)
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_consumer(protocol.STREAM_WORK, durable)
 
 
 async def test_a_wary_agent_reads_its_namespaces_records_at_the_leader_through_a_hub(
