@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from nats.aio.client import Client as NATS
 
 from reach_mesh import protocol
-from reach_mesh._nats import Reconnects
+from reach_mesh._nats_asking import Reconnects
 from reach_mesh.tracing import inject
 
 __all__ = ["HubAsks"]

@@ -52,7 +52,7 @@ from reach_mesh._kv import (
     kv_subject,
     not_caught_up,
 )
-from reach_mesh._nats import Reconnects, reconnects_of
+from reach_mesh._nats_asking import Reconnects, reconnects_of
 from reach_mesh.errors import MeshUnavailableError
 
 __all__ = [
@@ -130,7 +130,7 @@ class JsClient:
         linger: float = LINGER,
         reconnects: Reconnects | None = None,
     ) -> None:
-        """``reconnects``: ``nc``'s, when it keeps none itself (``_nats.ReconnectWatch``)."""
+        """``reconnects``: ``nc``'s, when it keeps none itself (``_nats_asking.ReconnectWatch``)."""
         self._nc = nc
         self._reconnects = reconnects if reconnects is not None else reconnects_of(nc)
         self._js = nc.jetstream(timeout=timeout)

@@ -45,7 +45,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.client import Server
 from nats.protocol import command as prot_command
 
-from reach_mesh._nats import flushed, reconnects_of
+from reach_mesh._nats import flushed
+from reach_mesh._nats_asking import reconnects_of
 from reach_mesh.logs import LineBudget
 
 __all__ = ["REJOIN_INTERVAL", "Together", "server_id", "server_name"]

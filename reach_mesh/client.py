@@ -37,17 +37,13 @@ from reach_mesh._client_fleet import FleetMixin
 from reach_mesh._client_results import _Done
 from reach_mesh._client_workflows import WorkflowsMixin
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import (
+from reach_mesh._nats import connect, not_permitted, refused_first, refused_since, shown
+from reach_mesh._nats_asking import (
     Reconnected,
     Reconnects,
     ReconnectWatch,
-    connect,
-    not_permitted,
     or_reconnected,
     reconnects_of,
-    refused_first,
-    refused_since,
-    shown,
 )
 from reach_mesh.config import MeshSettings, load_settings
 from reach_mesh.errors import (
@@ -140,7 +136,7 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
     have been lost meanwhile (``_on_reconnect``, ``_call_hub``). Given a connection of the
     caller's own (``nc``), it does so too: one made by :func:`reach_mesh._nats.connect` tells
     it of its reconnections, another one (nats-py's ``connect``) is watched for them
-    (``_nats.ReconnectWatch``, within 0.1 s)."""
+    (``_nats_asking.ReconnectWatch``, within 0.1 s)."""
 
     def __init__(
         self,

@@ -20,7 +20,8 @@ import pytest
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh._consume import PullConsumer
 from reach_mesh._jspub import Ack
-from reach_mesh._nats import reconnects_of, refused_messages
+from reach_mesh._nats import refused_messages
+from reach_mesh._nats_asking import reconnects_of
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import UnknownAgentError
 from reach_mesh.hub import Hub

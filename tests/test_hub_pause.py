@@ -18,7 +18,8 @@ import nats.errors
 import pytest
 
 from reach_mesh import MeshSettings, protocol
-from reach_mesh._nats import flushed, hedged_request
+from reach_mesh._nats import flushed
+from reach_mesh._nats_asking import hedged_request
 from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._agent import _BEAT_TRIES, _REGISTER_HEDGE, _REGISTER_TRIES, _not_later
 from reach_mesh.errors import ThrottledError

@@ -20,7 +20,7 @@ import nats
 import pytest
 
 from reach_mesh import Client, MeshSettings, Step, TaskState
-from reach_mesh._nats import reconnects_of
+from reach_mesh._nats_asking import reconnects_of
 from reach_mesh.agent import Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats

@@ -39,17 +39,15 @@ from reach_mesh._asgi import AsgiServer
 from reach_mesh._batch import AnswerBatcher, inbox_prefix
 from reach_mesh._guard import guarded
 from reach_mesh._nats import (
-    Reconnected,
     connect,
     connection_counts,
     flushed,
-    hedged_request,
-    or_reconnected,
     refusals_of,
     refused_first,
     refused_since,
     shown,
 )
+from reach_mesh._nats_asking import Reconnected, hedged_request, or_reconnected
 from reach_mesh._shutdown import within
 from reach_mesh.agent._attempts import _TRACEBACK_INTERVAL
 from reach_mesh.agent._deadlines import _Deadlines
@@ -103,7 +101,7 @@ _AGENT_QUEUE: Final = "reach-agent"
 #: its tries still leaves the lease (at least 3 intervals) a whole interval to spare.
 _BEAT_TRIES: Final = 3
 #: A registration not answered within this long is sent again, to whichever hub the queue
-#: group picks, while the earlier tries are still awaited (``_nats.hedged_request``): a hub
+#: group picks, while the earlier tries are still awaited (``_nats_asking.hedged_request``): a hub
 #: registers an agent in a few milliseconds, or in seconds while JetStream elects a leader.
 _REGISTER_HEDGE: Final = 1.0
 #: At most this many tries of one registration request (``hedged_request``'s ``most``).

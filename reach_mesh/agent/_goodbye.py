@@ -14,7 +14,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from reach_mesh import protocol
-from reach_mesh._nats import hedged_request
+from reach_mesh._nats_asking import hedged_request
 from reach_mesh._retry import describe
 from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.models import UnregisterRequest

@@ -43,7 +43,8 @@ from reach_mesh._consume import (
 )
 from reach_mesh._guard import guarded
 from reach_mesh._jspub import JsClient
-from reach_mesh._nats import Reconnected, flushed, or_reconnected, reconnects_of
+from reach_mesh._nats import flushed
+from reach_mesh._nats_asking import Reconnected, or_reconnected, reconnects_of
 from reach_mesh._retry import describe
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
