@@ -18,7 +18,7 @@ from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import Header, KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
@@ -308,6 +308,18 @@ class _Connection(HeaderCodec):
         # hub listens (a caller's report reaches every hub) made the hub's main connection
         # deaf for seconds each time. Dropped here instead, counted and logged as refused.
         try:
+            # (An empty body with headers: what nats-py alone may take for a control message.)
+            if not data and headers:
+                target = await self._answered_at(sid, reply, headers)
+                if target is not None and not target.startswith(_FC):
+                    from reach_mesh._guard import refuse_body  # (it imports this module)
+
+                    refuse_body(
+                        self,
+                        subject.decode("utf-8", "replace"),
+                        f"JetStream control message answered at {target!r:.80}, not {_FC}",
+                    )
+                    return
             await super()._process_msg(sid, subject, reply, data, headers)
         except (ValueError, IndexError) as err:  # (UnicodeDecodeError is a ValueError)
             from reach_mesh._guard import refuse_body  # (it imports this module)
@@ -324,8 +336,32 @@ class _Connection(HeaderCodec):
             if unread is not None and reply.startswith(_ACK_B):
                 unread(reply.decode("ascii", "replace"))
 
+    async def _answered_at(self, sid: int, reply: bytes, headers: bytes) -> str | None:
+        """Where nats-py's ``_process_msg`` publishes an empty answer to this message, read as
+        it reads it (None: nowhere): on a JetStream push subscription, to a status-100 "Idle
+        Heartbeat"'s ``Nats-Consumer-Stalled`` header, to a "FlowControl ..."'s reply subject.
+        The server's are under ``$JS.FC.``; anyone who may publish on the deliver subject
+        could name any subject this connection may publish to (a hub's
+        ``$JS.API.STREAM.DELETE.<stream>`` takes an empty body). Status 100 is the server's
+        status line (``NATS/1.0 100 ...``) or any publisher's ``Status: 100`` header alike."""
+        sub = self._subs.get(sid)
+        if sub is None or sub._jsi is None:
+            return None
+        hdr = await self._process_headers(headers)
+        control = self._is_control_message(b"", hdr) if hdr else None
+        if not control or hdr is None:
+            return None
+        if control.startswith("Idle"):
+            return hdr.get(_STALLED) or None
+        if control.startswith("Flow") and reply:
+            return reply.decode()
+        return None
+
 
 _ACK_B: Final = b"$JS.ACK."
+#: Where a JetStream server's flow control and stalled-consumer subjects are.
+_FC: Final = "$JS.FC."
+_STALLED: Final = Header.CONSUMER_STALLED
 
 
 def on_unreadable(nc: NATS, sid: int, then: Callable[[str], None] | None) -> None:
