@@ -438,6 +438,16 @@ async def _answering(servers: list[str]) -> bool:
     return False
 
 
+def _said(err: BaseException) -> str:
+    """``str(err)``, or its repr when that raises: this runs in nats-py's read loop, which
+    an exception ends (nats-py's ``ConsumerSequenceMismatchError`` for an idle heartbeat with
+    no ``Nats-Last-Consumer`` — anyone's, forged on a push subscription — cannot be str'd)."""
+    try:
+        return str(err)
+    except Exception:
+        return repr(err)
+
+
 def _from_callback(err: BaseException) -> bool:
     """Whether a subscription's message callback raised ``err`` (not the connection)."""
     tb = err.__traceback__
@@ -482,10 +492,11 @@ class _Watch:
         if isinstance(err, nats.errors.SlowConsumerError):
             self._slow_consumer(err.subject)
             return
-        refused = "permissions violation" in str(err).lower()
+        said = _said(err)
+        refused = "permissions violation" in said.lower()
         if refused:
             # The server refusing this identity a subject (secure mode, docs/security.md).
-            subject = refused_subject(str(err))
+            subject = refused_subject(said)
             refusals = self.nc.refusals if isinstance(self.nc, _Connection) else None
             if refusals is None or not refusals.expects(subject):
                 self._refused_lines.warn(log, subject, "NATS refused %s: %s", self.name, err)
@@ -494,7 +505,7 @@ class _Watch:
         if not self.connected and (
             isinstance(err, nats.errors.AuthorizationError)
             # The handshake raises a plain nats Error with the server's -ERR text.
-            or "authorization violation" in str(err).lower()
+            or "authorization violation" in said.lower()
         ):
             self.refusal = err
             self.refused.set()

@@ -99,6 +99,33 @@ async def test_forged_flow_control_and_stalled_heartbeat_are_not_answered(
     await sub.unsubscribe()
 
 
+async def test_a_forged_heartbeat_does_not_end_the_read_loop(
+    ours: NATS, nc: NATS, nats_url: str
+) -> None:
+    """nats-py takes an idle heartbeat without ``Nats-Last-Consumer`` for a gap in a
+    (not ordered) push consumer's sequence and hands the error to ``_Watch.error``, whose
+    ``str()`` of it raised in the read loop: the connection read nothing more."""
+    await _stream(nc, "BEATING", ["beating.>"])
+    got: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        got.append(msg.data)
+
+    js = ours.jetstream()
+    sub = await js.subscribe("beating.>", cb=on_msg, flow_control=True, idle_heartbeat=5.0)
+    await nc.jetstream().publish("beating.1", b"one")
+    await eventually(lambda: got == [b"one"])
+    rogue = await nats.connect(nats_url)
+    try:
+        await _raw(rogue, sub.subject, "", b"NATS/1.0 100 Idle Heartbeat\r\n\r\n")
+        await flushed(rogue)
+    finally:
+        await rogue.close()
+    await nc.jetstream().publish("beating.2", b"two")
+    await eventually(lambda: got == [b"one", b"two"])
+    await sub.unsubscribe()
+
+
 @pytest.mark.parametrize("ordered", [False, True])
 async def test_genuine_flow_control_still_answered(ours: NATS, nc: NATS, ordered: bool) -> None:
     stream = f"FLOWING{int(ordered)}"
