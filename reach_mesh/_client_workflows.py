@@ -71,6 +71,18 @@ _SUBMIT_RETRY: Final = 15.0
 #: least ``_SUBMIT_TRY_MIN``).
 _SUBMIT_TRY: Final = 5.0
 _SUBMIT_TRY_MIN: Final = 0.25
+#: The longest pause between two tries of a submission (``retrying``'s is 2 s). A "no
+#: responders" (no leader of the stream: an election) is answered by the caller's own server,
+#: at no cost to the cluster, and the stream takes submissions again as soon as a leader is
+#: elected: a 2 s pause kept them waiting up to 2 s past it (chaos seed 202, partition).
+_SUBMIT_PAUSE_MAX: Final = 0.5
+#: How long a submission answered "no responders" waits for JetStream to say whether the
+#: workflow stream exists at all (asked once per submission, and never by a client that had
+#: one stored). While the stream's leader is dead and not yet replaced nobody answers that
+#: question: asked after every try with the JetStream client's 5 s timeout, it made each try
+#: of a submission 5 s long, and three tries in the 15 s budget all fell in elections (chaos
+#: seed 202, node_kill: 14 submissions failed, each one stored 5 s after its tries).
+_STREAM_CHECK: Final = 1.0
 
 #: How often a cancel asks again while the owner stops the workflow (s).
 _CANCEL_POLL: Final = 0.2
@@ -87,6 +99,9 @@ class WorkflowsMixin(ResultWaits):
     """The workflow methods of ``Client`` (which sets every attribute below)."""
 
     settings: MeshSettings
+    #: A submission was stored: the workflow stream exists, and a "no responders" is an
+    #: election (``_submit`` asks no more whether the stream is there).
+    _wf_stream_seen: bool
 
     # ------------------------------------------------------------------ workflows
 
@@ -521,18 +536,24 @@ class WorkflowsMixin(ResultWaits):
         budget = _SUBMIT_RETRY if spec.timeout is None else min(_SUBMIT_RETRY, spec.timeout)
         loop = self._loop or asyncio.get_running_loop()  # (``self.nc`` checked it)
         deadline = loop.time() + budget
+        # Whether the stream is known to be there (or was asked about in this submission).
+        checked = self._wf_stream_seen
 
         async def publish() -> Any:
+            nonlocal checked
             # Each try within the budget (one try may wait the JetStream client's 5 s).
             left = min(_SUBMIT_TRY, max(_SUBMIT_TRY_MIN, deadline - loop.time()))
             try:
                 return await jsc.publish(subject, body, headers, timeout=left)
             except nats.js.errors.NoStreamResponseError:
                 # No stream answered: none exists (no hub ever ran), or it has no leader now.
-                if not await _stream_may_exist(self.nc.jetstream(), protocol.STREAM_WF):
-                    raise MeshUnavailableError(
-                        "no workflow stream: is a hub (`reach-mesh hub`) running?"
-                    ) from None
+                if not checked:
+                    checked = True
+                    js = self.nc.jetstream(timeout=min(_STREAM_CHECK, left))
+                    if not await _stream_may_exist(js, protocol.STREAM_WF):
+                        raise MeshUnavailableError(
+                            "no workflow stream: is a hub (`reach-mesh hub`) running?"
+                        ) from None
                 raise
             except nats.js.errors.APIError as err:
                 if storage_full(err):
@@ -546,7 +567,9 @@ class WorkflowsMixin(ResultWaits):
                 raise
 
         try:
-            ack = await retrying(f"submit {spec.workflow_id}", publish, deadline)
+            ack = await retrying(
+                f"submit {spec.workflow_id}", publish, deadline, max_delay=_SUBMIT_PAUSE_MAX
+            )
         except RetriesExhausted as err:
             raise MeshUnavailableError(
                 f"JetStream did not take workflow {spec.workflow_id} within {budget:g}s "
@@ -556,6 +579,7 @@ class WorkflowsMixin(ResultWaits):
             ) from err
         except MaxPayloadError as err:
             raise PayloadTooLargeError(f"workflow exceeds the max payload: {err}") from err
+        self._wf_stream_seen = True
         if chosen_id:
             return _final_result(await self._check_conflict(spec))
         if ack.duplicate:  # stored before (a retry): it may have finished meanwhile

@@ -111,11 +111,13 @@ async def retrying(
     *,
     on_retry: Callable[[BaseException], None] | None = None,
     jitter: bool = False,
+    max_delay: float = _MAX_DELAY,
 ) -> T:
-    """``await op()``, again after each transient error (backoff 50 ms doubling to 2 s) until
-    ``deadline`` (event-loop time); then :class:`RetriesExhausted`. Other errors propagate.
-    ``jitter``: each pause is 50-100 % of its step, so that processes that failed together
-    (hubs started at once, during one election) do not ask again all at once."""
+    """``await op()``, again after each transient error (backoff 50 ms doubling to
+    ``max_delay``, 2 s) until ``deadline`` (event-loop time); then :class:`RetriesExhausted`.
+    Other errors propagate. ``jitter``: each pause is 50-100 % of its step, so that processes
+    that failed together (hubs started at once, during one election) do not ask again all at
+    once."""
     failed: Exception
     try:
         return await op()  # mostly answered: nothing below is made for the first try
@@ -135,7 +137,7 @@ async def retrying(
         log.info("%s: %s; retrying", what, describe(failed))
         pause = delay * random.uniform(0.5, 1.0) if jitter else delay
         await asyncio.sleep(min(pause, left))
-        delay = min(delay * 2, _MAX_DELAY)
+        delay = min(delay * 2, max_delay)
         try:
             return await op()
         except Exception as err:

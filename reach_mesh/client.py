@@ -178,6 +178,7 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         #: send (lost in a partition) asks who has it before choosing.
         self._asked: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
         self._jsc: JsClient | None = None
+        self._wf_stream_seen = False
         self._done_waits: dict[_Done, tuple[str, asyncio.Future[Msg]]] = {}
         self._rechecks: set[asyncio.Task[None]] = set()
         # Names this client in its failure reports: each reporter's reports count a bounded
