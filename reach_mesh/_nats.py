@@ -106,6 +106,7 @@ async def connect(
     timeout: float | None = None,
     patience: float = 0.0,
     on_reconnect: Callable[[], None] | None = None,
+    leave_cut_off: bool = False,
     **options: Any,
 ) -> NATS:
     """Connect to ``url`` (comma-separated list allowed) or raise ``MeshUnavailableError``.
@@ -126,7 +127,8 @@ async def connect(
     once, then every 30 s while it lasts, and the reconnection once. A permissions violation
     (secure mode, docs/security.md) is logged: it would otherwise only show as a timeout.
     ``on_reconnect`` is called after each reconnection (subscriptions are in place again);
-    more listeners may join later (:func:`reconnects_of`).
+    more listeners may join later (:func:`reconnects_of`). ``leave_cut_off``: leave a server
+    that lost every route to the rest of its cluster for another one (``_Watch.cut_off``).
     """
     if not url:
         raise BadRequestError(
@@ -166,6 +168,8 @@ async def connect(
     nc = watch.nc = _Connection()
     nc.refusals = Refusals()
     nc.reconnects = Reconnects()
+    if leave_cut_off:
+        nc.on_cut_off = watch.cut_off
     if on_reconnect is not None:
         nc.reconnects.listeners.append(on_reconnect)
     try:
@@ -256,10 +260,51 @@ class _Connection(HeaderCodec):
     #: Pull consumers' inboxes (by subscription id), and what each does with a JetStream
     #: delivery there that cannot be read: given its ack subject (``on_unreadable``).
     unreadable: dict[int, Callable[[str], None]] | None = None
+    #: Called when its server tells it has lost every route to the rest of its cluster
+    #: (``connect``'s ``leave_cut_off``); nothing is called when None.
+    on_cut_off: Callable[[], None] | None = None
+    #: The most client URLs its server's INFO listed (its own included) since it connected.
+    _listed: int = 0
+    #: The server (netloc) it is leaving because that one was cut off: tried last.
+    _left: str | None = None
+
+    async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
+        await super()._process_info(info, initial_connection)
+        urls = info.get("connect_urls")
+        if not isinstance(urls, list):
+            return  # a server alone by design, or one that advertises no URLs
+        if initial_connection or len(urls) > 1:
+            self._listed = len(urls) if initial_connection else max(self._listed, len(urls))
+            return
+        # A server lists its own client URL and those of the servers it has a route to: one
+        # that listed others and now lists itself alone was cut off from its cluster (its
+        # routes lost, the others up: a partition). It still takes this connection's
+        # requests and publishes: the streams it led go on taking proposals they never
+        # commit (5 s timeouts, then "duplicate message id is in process"), those it did not
+        # lead answer 503, while the other side elects leaders and takes them. Chaos seed 202
+        # (``partition``): a caller on a cut-off REACH_WF leader got nothing stored for the
+        # whole 9 s cut, and that replica never caught up after it ("Expected first catchup
+        # entry to be a snapshot and peerstate", nats-server 2.15.1): cut off in turn, the
+        # next node took the stream's quorum (16 s without submissions). Reproduced with 20
+        # submissions/s: it caught up at once when the caller left at once, and not when it
+        # stayed (2 runs of 2) or left within a 0-1 s spread.
+        if self._listed > 1 and self.on_cut_off is not None:
+            self._listed = len(urls)
+            current = self._current_server
+            self._left = None if current is None else current.uri.netloc
+            self.on_cut_off()
 
     async def _attempt_reconnect(self) -> None:
         _cut_if_open(self._transport, _CLOSE_DEAD)
         await super()._attempt_reconnect()
+
+    async def _select_next_server(self) -> None:
+        # nats-py's round robin over a shuffled pool, with a server left because it was cut
+        # off put last: it takes connections, and would take this one back at once.
+        left, self._left = self._left, None
+        if left is not None:
+            self._server_pool.sort(key=lambda s: s.uri.netloc == left)
+        await super()._select_next_server()
 
     # nats-py's awaits that swallow a cancellation (``reach_mesh._cancels``) raise it: its
     # requests and flush wait in Python 3.11's ``asyncio.wait_for``, which returns the answer
@@ -574,6 +619,28 @@ class _Watch:
         nats-py reconnects elsewhere). With no other server known, stay.
 
         Called on nats-py's reader: nothing here awaits."""
+        self._leave(
+            logging.INFO,
+            "is shutting down (lame duck mode)",
+            "staying until it closes this connection",
+            _LAME_DUCK_SPREAD,
+        )
+
+    def cut_off(self) -> None:
+        """The server lost every route to the rest of its cluster (``_Connection``): leave it
+        for another server of the pool, one on the side that elects leaders (nats-py tries the
+        others first; a server that is down refuses, and one cut off too says so again). At
+        once, not spread as from a lame duck: what it takes meanwhile, the streams it leads
+        propose and never commit. With no other server known, stay. Called on nats-py's
+        reader: nothing here awaits."""
+        self._leave(
+            logging.WARNING,
+            "lost its routes to the rest of its cluster (cut off: it lists no other server)",
+            "staying",
+            0.0,
+        )
+
+    def _leave(self, level: int, why: str, staying: str, spread: float) -> None:
         nc = self.nc
         if nc is None or not nc.is_connected:
             return
@@ -581,20 +648,23 @@ class _Watch:
         others = [u for u in nc.servers if here is None or u.netloc != here.netloc]
         if not others:
             log.warning(
-                "%s: NATS server %s is shutting down (lame duck mode) and no other server is "
-                "known: staying until it closes this connection",
+                "%s: NATS server %s %s and no other server is known: %s",
                 self.name,
                 _server_of(nc),
+                why,
+                staying,
             )
             return
-        log.info(
-            "%s: NATS server %s is shutting down (lame duck mode): moving to another of %d",
+        log.log(
+            level,
+            "%s: NATS server %s %s: moving to another of %d",
             self.name,
             _server_of(nc),
+            why,
             len(others),
         )
         self._leaving = True
-        _cut_if_open(getattr(nc, "_transport", None), random.uniform(0, _LAME_DUCK_SPREAD))
+        _cut_if_open(getattr(nc, "_transport", None), random.uniform(0, spread))
 
     async def disconnected(self) -> None:
         if not self.connected or self._down_since is not None:

@@ -223,7 +223,9 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         # OTEL_TRACES_EXPORTER honoured here too; service.name: OTEL_SERVICE_NAME, else ``name``.
         tracing_from_env(self._name)
         if self._nc is None:
-            self._nc = await connect(self.nats_url, name=self._name, settings=self.settings)
+            self._nc = await connect(
+                self.nats_url, name=self._name, settings=self.settings, leave_cut_off=True
+            )
         reconnects = reconnects_of(self._nc)
         if reconnects is None:  # a connection of the caller's own, not made by ``connect``
             self._watch = ReconnectWatch(self._nc)

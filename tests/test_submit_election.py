@@ -12,22 +12,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
+from nats.aio.client import Client as NATS
 from nats.js.api import StorageType, StreamConfig
 
 from reach_mesh import Client, MeshSettings, Step, protocol
+from reach_mesh.server import EmbeddedNats
 
-from .helpers import cluster_nodes
+from .helpers import cluster_nodes, eventually
 from .test_cluster import _js_ready, _settled_leader
 
 pytestmark = pytest.mark.xdist_group("clusters")
 
 _STEPS = [Step(capability="sub:echo:v1", payload={})]
+#: The workflow stream, as the hubs make it where it matters here (R3, deduplicating).
+_WF_STREAM = StreamConfig(
+    name=protocol.STREAM_WF,
+    subjects=[protocol.wf_submit("*")],
+    num_replicas=3,
+    storage=StorageType.FILE,
+    duplicate_window=120,
+)
 
 
 @pytest.mark.timeout(120)
@@ -36,21 +47,11 @@ async def test_submissions_are_stored_as_soon_as_a_dead_leaders_stream_has_a_new
 ) -> None:
     nodes = cluster_nodes(tmp_path, name="subel")
     try:
-        for node in nodes:
-            node.start()
-        await _js_ready(nodes[0].url)
-        nc = await nats.connect(servers=[nodes[0].url], dont_randomize=True)
+        nc = await _started(nodes)
         try:
 
             async def make(js: Any) -> str:
-                config = StreamConfig(
-                    name=protocol.STREAM_WF,
-                    subjects=["reach.wf.*.submit"],
-                    num_replicas=3,
-                    storage=StorageType.FILE,
-                    duplicate_window=120,
-                )
-                await js.add_stream(config)
+                await js.add_stream(_WF_STREAM)
                 return protocol.STREAM_WF
 
             leader = await _settled_leader(nc.jetstream(timeout=10.0), make, nodes)
@@ -101,3 +102,76 @@ async def test_submissions_are_stored_as_soon_as_a_dead_leaders_stream_has_a_new
     finally:
         for node in nodes:
             node.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_caller_on_a_server_cut_off_from_its_cluster_moves_and_is_served(
+    tmp_path: Path,
+) -> None:
+    """A partition: the caller's server loses its routes to the other two, which keep the
+    workflow stream (its leader is there). nats-py stays on its server (the connection is
+    fine) and every submission was answered 503 for the whole cut (chaos seed 202: 9 s), or,
+    when that server led the stream, taken and never committed. The server's INFO then lists
+    no other server: the caller leaves it, and its submissions are stored on the other side."""
+    relays: dict[tuple[int, int], Any] = {}
+    nodes = cluster_nodes(tmp_path, name="cutcaller", route_relays=relays)
+    for relay in relays.values():
+        await relay.start()
+    cut = nodes[1]
+    try:
+        nc = await _started(nodes)
+        try:
+            js = nc.jetstream(timeout=5.0)
+            await js.add_stream(_WF_STREAM)
+            preferred = json.dumps({"placement": {"preferred": "n0"}}).encode()
+
+            async def led_by_n0() -> bool:
+                with contextlib.suppress(nats.errors.Error):
+                    info = await js.stream_info(protocol.STREAM_WF)
+                    replicas = [] if info.cluster is None else info.cluster.replicas or []
+                    if info.cluster is not None and info.cluster.leader == "n0":
+                        return len(replicas) == 2 and all(r.current for r in replicas)
+                    await nc.request(
+                        f"$JS.API.STREAM.LEADER.STEPDOWN.{protocol.STREAM_WF}", preferred
+                    )
+                return False
+
+            await eventually(led_by_n0, timeout=30, interval=0.5)
+        finally:
+            await nc.close()
+        # Given the cut-off server's URL alone: the others are those its INFO told of.
+        settings = MeshSettings(nats_url=cut.url, namespace="cutcaller")
+        async with Client(settings=settings) as client:
+            await client.submit_fanout(_STEPS)
+            assert client.nc.connected_url is not None
+            assert client.nc.connected_url.netloc == cut.url.split("//")[1]
+            for (i, j), relay in relays.items():
+                if 1 in (i, j):
+                    await relay.cut()
+            try:
+                t0 = time.monotonic()
+                await client.submit_fanout(_STEPS)
+                took = time.monotonic() - t0
+                assert client.nc.connected_url is not None
+                moved_to = client.nc.connected_url.netloc
+            finally:
+                for (i, j), relay in relays.items():
+                    if 1 in (i, j):
+                        await relay.start()
+        assert moved_to != cut.url.split("//")[1]
+        assert took < 4.0, took
+    finally:
+        for node in nodes:
+            node.stop()
+        for relay in relays.values():
+            with contextlib.suppress(Exception):
+                await relay.cut()
+
+
+async def _started(nodes: list[EmbeddedNats]) -> NATS:
+    """Start ``nodes``; a connection to the first once the cluster has a JetStream meta
+    leader (to make the stream with)."""
+    for node in nodes:
+        node.start()
+    await _js_ready(nodes[0].url)
+    return await nats.connect(servers=[nodes[0].url], dont_randomize=True)

@@ -184,10 +184,11 @@ class Faults:
     async def partition(self) -> None:
         """Cut the node leading the next stream of ``LEADER_TARGETS`` off from the other two
         for ``PARTITION_MIN``-``PARTITION_MAX`` s, then heal: every route relay to or from it
-        cut (its routes closed both ways, new ones refused), while it and the hubs, agents and
-        caller connected to it stay up and connected — they hear nothing wrong, but their
-        JetStream requests find no quorum and their messages reach only the clients of their
-        side. Logs the node's clients (their connection names) as ``cut_off``."""
+        cut (its routes closed both ways, new ones refused), while it and the hubs and agents
+        connected to it stay up and connected — they hear nothing wrong, but their JetStream
+        requests find no quorum and their messages reach only the clients of their side (the
+        caller leaves it at once: its INFO lists no other server). Logs the node's clients
+        (their connection names, before the cut and at its end) as ``cut_off``."""
         node, stream = await self._next_leader()
         i = self.mesh.nodes.index(node)
         relays = [r for (a, b), r in self.mesh.route_relays.items() if i in (a, b)]
