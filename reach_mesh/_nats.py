@@ -6,12 +6,10 @@ import asyncio
 import contextlib
 import logging
 import random
-import socket
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Final, TypeVar
-from urllib.parse import urlsplit
 
 import nats
 from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
@@ -34,8 +32,10 @@ from reach_mesh._nats_refusals import (
     refused_subject,
 )
 from reach_mesh._nats_urls import (
+    answering,
     beside,
     check_url,
+    diagnose,
     has_credentials,
     has_identity,
     hosts,
@@ -177,7 +177,7 @@ async def connect(
     except (TimeoutError, OSError, nats.errors.Error) as err:
         with contextlib.suppress(Exception):
             await nc.close()
-        cause = await _diagnose(servers, watch.refusal or watch.last_error or err)
+        cause = await diagnose(servers, watch.refusal or watch.last_error or err)
         if watch.refusal is not None:
             # Credentials the server does not know (or none where it wants some): trying
             # again cannot help, pointing at the settings file does.
@@ -432,55 +432,6 @@ def _cut_if_open(transport: object, delay: float) -> None:
         return  # not connected yet, or a websocket (aiohttp closes it on its own timeout)
     socket_transport = writer.transport
     asyncio.get_running_loop().call_later(delay, socket_transport.abort)
-
-
-async def _diagnose(servers: list[str], err: BaseException) -> str:
-    """Why the first connect failed, in words: unknown host, refused port, or what nats said."""
-    loop = asyncio.get_running_loop()
-    causes: list[str] = []
-    for server in servers:
-        parts = urlsplit(server if "://" in server else f"nats://{server}")
-        host, port = parts.hostname or "127.0.0.1", parts.port or 4222
-        try:
-            async with asyncio.timeout(1.0):
-                await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (OSError, TimeoutError):
-            causes.append(f"unknown host {host!r}")
-            continue
-        try:
-            async with asyncio.timeout(1.0):
-                _, writer = await asyncio.open_connection(host, port)
-        except ConnectionRefusedError:
-            causes.append(f"connection refused: nothing listens on {host}:{port}")
-            continue
-        except (OSError, TimeoutError):
-            causes.append(f"no answer from {host}:{port}")
-            continue
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
-    if not causes:
-        # The port answers: the NATS handshake failed (TLS, authorization, not a NATS server).
-        return str(err) or repr(err)
-    return "; ".join(dict.fromkeys(causes))
-
-
-async def _answering(servers: list[str]) -> bool:
-    """Whether any of ``servers`` takes a TCP connection within a second (busy, not gone)."""
-    for server in servers:
-        parts = urlsplit(server if "://" in server else f"nats://{server}")
-        try:
-            async with asyncio.timeout(1.0):
-                _, writer = await asyncio.open_connection(
-                    parts.hostname or "127.0.0.1", parts.port or 4222
-                )
-        except (OSError, TimeoutError):
-            continue
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
-        return True
-    return False
 
 
 def _said(err: BaseException) -> str:
@@ -751,7 +702,7 @@ async def _first_connect(
             done, _ = await asyncio.wait(
                 {connecting, refused}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
             )
-            if done or loop.time() >= end or not await _answering(opts["servers"]):
+            if done or loop.time() >= end or not await answering(opts["servers"]):
                 break
             if wait == timeout:
                 log.warning(

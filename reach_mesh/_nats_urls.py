@@ -1,10 +1,14 @@
 """NATS URLs as reach-mesh reads them: a comma-separated list of servers, the scheme optional
 (``nats://`` when not given) — checked before a connect (:func:`check_url`), printed without
-credentials (:func:`shown`), and read for what they say of the identity a process connects as.
+credentials (:func:`shown`), and read for what they say of the identity a process connects as;
+and the servers asked whether they answer at all (:func:`diagnose`, :func:`answering`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import socket
 from typing import Any, Final
 from urllib.parse import SplitResult, urlsplit
 
@@ -13,7 +17,17 @@ from nats.aio.client import Client as NATS
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import BadRequestError
 
-__all__ = ["beside", "check_url", "has_credentials", "has_identity", "hosts", "servers", "shown"]
+__all__ = [
+    "answering",
+    "beside",
+    "check_url",
+    "diagnose",
+    "has_credentials",
+    "has_identity",
+    "hosts",
+    "servers",
+    "shown",
+]
 
 _SCHEMES: Final = ("nats", "tls", "ws", "wss")
 
@@ -94,3 +108,52 @@ def check_url(server: str) -> None:
         raise BadRequestError(
             f"{server!r} is not a NATS URL: its port is not a number in 0-65535"
         ) from None
+
+
+async def diagnose(servers: list[str], err: BaseException) -> str:
+    """Why the first connect failed, in words: unknown host, refused port, or what nats said."""
+    loop = asyncio.get_running_loop()
+    causes: list[str] = []
+    for server in servers:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+        try:
+            async with asyncio.timeout(1.0):
+                await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, TimeoutError):
+            causes.append(f"unknown host {host!r}")
+            continue
+        try:
+            async with asyncio.timeout(1.0):
+                _, writer = await asyncio.open_connection(host, port)
+        except ConnectionRefusedError:
+            causes.append(f"connection refused: nothing listens on {host}:{port}")
+            continue
+        except (OSError, TimeoutError):
+            causes.append(f"no answer from {host}:{port}")
+            continue
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    if not causes:
+        # The port answers: the NATS handshake failed (TLS, authorization, not a NATS server).
+        return str(err) or repr(err)
+    return "; ".join(dict.fromkeys(causes))
+
+
+async def answering(servers: list[str]) -> bool:
+    """Whether any of ``servers`` takes a TCP connection within a second (busy, not gone)."""
+    for server in servers:
+        parts = urlsplit(server if "://" in server else f"nats://{server}")
+        try:
+            async with asyncio.timeout(1.0):
+                _, writer = await asyncio.open_connection(
+                    parts.hostname or "127.0.0.1", parts.port or 4222
+                )
+        except (OSError, TimeoutError):
+            continue
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+        return True
+    return False
