@@ -47,6 +47,7 @@ from pydantic_core import from_json
 from reach_mesh._batch import private_inbox, reply_token
 from reach_mesh._kv import (
     entry_at_leader,
+    entry_at_quorate_leader,
     kv_marker,
     kv_stream,
     kv_subject,
@@ -553,6 +554,16 @@ class JsClient:
         is no message. A "not found" of the stream itself (being recovered: it knows nothing,
         and "no such key" would be a wrong answer) propagates."""
         return await entry_at_leader(self._js, bucket, key)
+
+    async def kv_entry_at_quorate_leader(
+        self, bucket: str, key: str, *, heard_within: float
+    ) -> tuple[bytes, int, bool] | None:
+        """:meth:`kv_entry_at_leader`, once the stream's leader (its ``STREAM.INFO``) says it
+        heard from a quorum of its replicas within ``heard_within`` s: not a leader cut off
+        from them, which keeps leading and answering from what it had, for some ten seconds,
+        while the others elect another and write past it. ``MeshUnavailableError`` (or what
+        JetStream raised) otherwise."""
+        return await entry_at_quorate_leader(self._js, bucket, key, heard_within=heard_within)
 
     async def replicas_caught_up(self, bucket: str, *, heard_within: float) -> None:
         """Return once the stream's leader says every replica that may answer a direct get

@@ -11,6 +11,8 @@ import time
 from typing import Any
 
 import pytest
+from nats.js.api import ClusterInfo, PeerInfo, RawStreamMsg, StreamInfo
+from nats.js.errors import ServiceUnavailableError
 
 from reach_mesh import Client, MeshSettings, MeshUnavailableError, Step, WorkflowResult, protocol
 from reach_mesh.agent import Task
@@ -296,6 +298,7 @@ async def test_an_unheard_outcome_is_kept_when_another_agents_status_read_fails(
     assert rec.decided_by == 1 and rec.result == "v1", rec
 
 
+@pytest.mark.parametrize("leader", ["leader", "deposed-leader", "no-meta-leader"])
 @pytest.mark.parametrize("same_hub", [False, True], ids=["another-hub", "this-hub"])
 async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_as_it_was(
     wf_hub: Hub,
@@ -303,6 +306,7 @@ async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_a
     wf_settings: MeshSettings,
     monkeypatch: pytest.MonkeyPatch,
     same_hub: bool,
+    leader: str,
 ) -> None:
     """An ``any`` fanout's owner lost it without noticing (another hub took it over by a
     compare-and-set on its workflow record), its create of the slow step's record hung
@@ -320,10 +324,20 @@ async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_a
     ``this-hub``: the new owner is a second run of the workflow on the same hub (its
     hand-back adopted there, then the submission delivered there again), whose takeover
     leaves the record naming that hub — the first run is no owner all the same (chaos secure
-    seed 182, ``partition``: four fanouts so)."""
+    seed 182, ``partition``: four fanouts so).
+
+    ``deposed-leader``: for a moment after the takeover the workflow record is read "at the
+    leader" from a server that led its stream, was cut off with the old owner, and still
+    leads, answering the record as it was (this hub, the run's revision) while its
+    ``STREAM.INFO`` shows it heard from no replica for seconds. ``no-meta-leader``: every
+    such read is answered "JetStream system temporarily unavailable", as a server back from
+    a cut with no metadata leader yet answers. Neither says whose the workflow is: the old
+    owner asks again, and writes nothing over the new owner's step (chaos secure seed 203,
+    ``partition``, chaos-203-00822: it fenced it, from a deposed leader's answer)."""
     ns = wf_settings.namespace
     engine = wf_hub.workflows
     assert engine is not None
+    stale = _workflow_reads_stale(monkeypatch, engine._jsc._js, leader)
     stalled, ready = asyncio.Event(), asyncio.Event()
     fast = fleet.agent("lost.fast")
 
@@ -390,6 +404,8 @@ async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_a
             hub_id=new_owner,
         )
         await wfs.update(wf_key, protocol.encode(record), last=revision)
+        stale.entry = entry  # (the record as the old owner's run wrote it)
+        stale.opened = True
         ready.set()  # the old owner's fast step succeeds: its policy decides
         res = await mesh.workflow(wf_id, timeout=10)
         assert res.hub_id == new_owner and res.steps[0].ok, res  # the stored result
@@ -397,6 +413,70 @@ async def test_a_hub_that_lost_the_workflow_leaves_the_new_owners_decided_step_a
         await eventually(lambda: not engine._owning, timeout=5)
         got = await tasks.get(key)
     assert got.revision == made_at, TaskRecord.model_validate_json(got.value or b"")
+    assert (leader == "leader") == (not stale.hits), stale.hits
+
+
+class _StaleReads:
+    """Once ``opened``, until ``STALE_FOR`` s after the first such read, ``_workflow_reads_stale``
+    answers the leader reads of the workflow records' stream as a server that cannot say who
+    owns the workflow does."""
+
+    STALE_FOR = 0.6
+
+    def __init__(self) -> None:
+        self.opened = False
+        self.until: float | None = None
+        self.entry: Any = None
+        self.hits = 0
+
+
+def _workflow_reads_stale(monkeypatch: pytest.MonkeyPatch, js: Any, leader: str) -> _StaleReads:
+    """Reads of ``KV_reach_workflows`` at its leader (``STREAM.INFO``, ``STREAM.MSG.GET``) on
+    the JetStream context ``js``, while ``_StaleReads`` says so: ``deposed-leader`` answers
+    ``entry`` (a ``KV.get`` answer) and a cluster whose leader heard from no replica for 7 s;
+    ``no-meta-leader`` raises a 503 ("JetStream system temporarily unavailable"). ``leader``:
+    as they are."""
+    stale = _StaleReads()
+    if leader == "leader":
+        return stale
+    stream = f"KV_{protocol.KV_WORKFLOWS}"
+    real_info, real_get = js.stream_info, js.get_last_msg
+    loop = asyncio.get_running_loop()
+
+    def now_stale(name: str) -> bool:
+        if name != stream or not stale.opened:
+            return False
+        if stale.until is None:
+            stale.until = loop.time() + stale.STALE_FOR
+        elif loop.time() >= stale.until:
+            return False
+        stale.hits += 1
+        if leader == "no-meta-leader":
+            raise ServiceUnavailableError(
+                code=503, err_code=10008, description="JetStream system temporarily unavailable"
+            )
+        return True
+
+    async def info(name: str, subjects_filter: str | None = None) -> StreamInfo:
+        got: StreamInfo = await real_info(name, subjects_filter)
+        if now_stale(name):
+            unheard = [
+                PeerInfo(name=n, current=False, offline=False, active=7_000_000_000, lag=40)
+                for n in ("n0", "n2")
+            ]
+            got.cluster = ClusterInfo(leader="n1", name="chaos", replicas=unheard)
+        return got
+
+    async def last(name: str, subject: str, direct: bool | None = False) -> RawStreamMsg:
+        if now_stale(name):
+            e = stale.entry
+            return RawStreamMsg(subject=subject, seq=e.revision, data=e.value, stream=name)
+        got: RawStreamMsg = await real_get(name, subject, direct)
+        return got
+
+    monkeypatch.setattr(js, "stream_info", info)
+    monkeypatch.setattr(js, "get_last_msg", last)
+    return stale
 
 
 @pytest.mark.parametrize("named", [False, True], ids=["first-agents", "task-ids"])
@@ -421,10 +501,10 @@ async def test_the_owners_unneeded_branch_is_stopped_with_no_read_of_the_workflo
     record_now = engine._record_now
 
     async def counted(
-        ns: str, workflow_id: str, end: float | None = None
+        ns: str, workflow_id: str, end: float | None = None, *, quorate: bool = False
     ) -> tuple[bytes, int] | None:
         reads.append(workflow_id)
-        return await record_now(ns, workflow_id, end)
+        return await record_now(ns, workflow_id, end, quorate=quorate)
 
     monkeypatch.setattr(engine, "_record_now", counted)
     async with Client(settings=wf_settings) as mesh:

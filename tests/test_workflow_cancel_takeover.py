@@ -122,12 +122,12 @@ async def test_an_owner_whose_read_lagged_still_stops_its_unneeded_branch(
             got = None
         await stop_step(wf, index, task_id, got, settle=settle, **kw)
 
-    async def leader(ns_: str, workflow_id: str) -> Any:
+    async def leader(ns_: str, workflow_id: str, *, quorate: bool = False) -> Any:
         nonlocal leader_reads
         leader_reads += 1
         if not leader_answers:
             raise nats.errors.TimeoutError
-        return await at_leader(ns_, workflow_id)
+        return await at_leader(ns_, workflow_id, quorate=quorate)
 
     monkeypatch.setattr(engine, "_stop_step", lagging_read)
     monkeypatch.setattr(engine, "_workflow_at_leader", leader)

@@ -24,7 +24,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub import _durable
 from reach_mesh.hub._step_state import TooLarge
-from reach_mesh.hub._step_stop import StepStopping
+from reach_mesh.hub._step_stop import LEADER_HEARD, StepStopping
 from reach_mesh.hub._steps import NotOwnerError, Workflow
 from reach_mesh.hub._wf_view import within_time
 from reach_mesh.models import ErrorBody, TaskState
@@ -113,24 +113,33 @@ class WorkflowShapes(StepStopping):
             previous,
         )
 
-    async def _workflow_at_leader(self, ns: str, workflow_id: str) -> tuple[bytes, int] | None:
+    async def _workflow_at_leader(
+        self, ns: str, workflow_id: str, *, quorate: bool = False
+    ) -> tuple[bytes, int] | None:
         """The workflow record (value, revision) as its stream's leader has it; None when
         there is none or it was deleted. NATS's own errors propagate (``_io`` retries the
         transient ones), and so does a "not found" of the stream itself
-        (``JsClient.kv_entry_at_leader``)."""
+        (``JsClient.kv_entry_at_leader``). ``quorate``: only from a leader that heard from a
+        quorum of its replicas within ``LEADER_HEARD`` s (``MeshUnavailableError`` else)."""
         key = protocol.workflow_key(ns, workflow_id)
-        entry = await self._jsc.kv_entry_at_leader(protocol.KV_WORKFLOWS, key)
+        if quorate:
+            entry = await self._jsc.kv_entry_at_quorate_leader(
+                protocol.KV_WORKFLOWS, key, heard_within=LEADER_HEARD
+            )
+        else:
+            entry = await self._jsc.kv_entry_at_leader(protocol.KV_WORKFLOWS, key)
         if entry is None or entry[2]:
             return None
         return entry[0], entry[1]
 
     async def _record_now(
-        self, ns: str, workflow_id: str, end: float | None = None
+        self, ns: str, workflow_id: str, end: float | None = None, *, quorate: bool = False
     ) -> tuple[bytes, int] | None:
         """The workflow record (value, revision) as its stream's leader has it — not a replica
         that may lag behind a takeover or a final write — by loop time ``end`` if given; None
-        when there is none; ``MeshUnavailableError`` when it cannot be read."""
-        read = self._workflow_at_leader(ns, workflow_id)
+        when there is none; ``MeshUnavailableError`` when it cannot be read (``quorate``:
+        also when the leader did not hear from a quorum lately, ``_workflow_at_leader``)."""
+        read = self._workflow_at_leader(ns, workflow_id, quorate=quorate)
         try:
             return await (read if end is None else within_time(read, end))
         except Exception as err:

@@ -32,7 +32,7 @@ from reach_mesh.workflow import (
     stored_record,
 )
 
-__all__ = ["StepStopping"]
+__all__ = ["LEADER_HEARD", "StepStopping"]
 
 log = logging.getLogger("reach_mesh.hub.workflows")
 
@@ -41,6 +41,15 @@ Stopped = Literal["written", "moved", "not ours"]
 #: How long (s) a stop whose record moved asks the leader again for the move
 #: (``StepStopping._stop_again``).
 _MOVED_WAIT: Final = 3.0
+#: How long (s) the stop of a step whose record this run did not write asks again for the
+#: workflow record when no leader that heard from a quorum answers (``_still_ours``): an
+#: election after a partition heals takes a moment, and a guess of whose the step is fenced
+#: the step that had decided the workflow for its new owner.
+_OWNER_WAIT: Final = 3.0
+#: The workflow record's leader is believed (``_still_ours``) if it heard from a quorum of its
+#: replicas within this long (s): one cut off from them keeps leading, and answering from what
+#: it had, for some ten seconds.
+LEADER_HEARD: Final = 2.0
 
 
 class StepStopping(StepRunner):
@@ -49,7 +58,7 @@ class StepStopping(StepRunner):
     hub_id: str
 
     async def _record_now(
-        self, ns: str, workflow_id: str, end: float | None = None
+        self, ns: str, workflow_id: str, end: float | None = None, *, quorate: bool = False
     ) -> tuple[bytes, int] | None:
         """The workflow record (value, revision) at its stream's leader (``WorkflowShapes``)."""
         raise NotImplementedError
@@ -251,13 +260,16 @@ class StepStopping(StepRunner):
         fenced, as unneeded, the step that had decided
         the workflow for the new owner — by its current attempt, so the record unmoved
         since that owner made it — and the step's record read ``cancelled`` against the
-        stored result (chaos secure seed 177, ``node_stop``, chaos-177-00596). The owner's
-        own branches (the normal path) are stopped with no read of the workflow record."""
+        stored result (chaos secure seed 177, ``node_stop``, chaos-177-00596). That read is
+        believed only from a leader that heard from a quorum lately, and asked again for a
+        while when none answers (``patient``): chaos secure seed 203, ``partition``,
+        chaos-203-00822. The owner's own branches (the normal path) are stopped with no read
+        of the workflow record."""
         if settle:
             await self._cas(key, rec, last, wf.deadline)
             return "written"
         assert self._tasks_kv is not None
-        if not mine and not await self._still_ours(wf):
+        if not mine and not await self._still_ours(wf, patient=True):
             return "not ours"
         try:
             await _durable.cas(self._tasks_kv, key, protocol.encode(rec), last, self._io_deadline())
@@ -269,11 +281,27 @@ class StepStopping(StepRunner):
             pass  # best effort: the attempts are stopped all the same
         return "written"
 
-    async def _still_ours(self, wf: Workflow) -> bool:
+    async def _still_ours(self, wf: Workflow, *, patient: bool = False) -> bool:
         """Whether the workflow record at the leader is still this run's: naming this hub at
         the revision the run last wrote (``wf.rev``: every write of it while the run lives is
         the run's own, awaited, none in flight during a stop), or naming none; True when it
-        cannot be read (an election: most likely still its own).
+        cannot be read (an election: most likely still its own) — ``patient``: asked again
+        for up to ``_OWNER_WAIT`` s first.
+
+        Read only from a leader that heard from a quorum of its replicas within
+        ``LEADER_HEARD`` s (its ``STREAM.INFO``), and ``patient`` with a read that fails:
+        chaos secure seed 203, ``partition``, chaos-203-00822. ``n1``, leading the workflow
+        records, was cut off for 6.4 s with the ``quorum(2)`` fanout's first owner; the others
+        elected ``n2``, and a second hub took the fanout over there and made its steps'
+        records. Healed, the first owner heard step 1's success, its policy decided, and it
+        stopped step 2 as unneeded: a record it had not written, so it asked whose the
+        workflow was — and ``n1`` answered, within 0.15 s of the routes coming back: still
+        leading (a cut-off leader steps down after some ten seconds, or on hearing of a higher
+        term: 0.06 s before the fence), with the record as it was, or with no metadata leader
+        yet (until 37 ms after the fence: every leader read it takes is answered "JetStream
+        system temporarily unavailable" at once), taken for "still ours". Either way the fence
+        landed, 0.24 s before step 2's success, stored late, decided the workflow for the new
+        owner, and its record read ``cancelled`` against the stored result.
 
         The hub's id alone does not tell: a second run of the workflow on this same hub (its
         hand-back adopted here, then the submission delivered here again) takes it over by a
@@ -281,11 +309,26 @@ class StepStopping(StepRunner):
         another branch, fenced the step that decided it for the second — chaos secure seed
         182, ``partition``: four fanouts so, each step record ``cancelled`` against the
         stored result."""
-        end = asyncio.get_running_loop().time() + 2.0
-        try:
-            got = await self._record_now(wf.ns, wf.id, end)
-        except MeshUnavailableError:
-            return True
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + (_OWNER_WAIT if patient else 0.0)
+        pause = 0.05
+        while True:
+            try:
+                got = await self._record_now(wf.ns, wf.id, loop.time() + 2.0, quorate=True)
+                break
+            except MeshUnavailableError as err:
+                if loop.time() + pause > give_up:
+                    if patient:
+                        log.info(
+                            "workflow %s: its record not read at a leader for %g s (%s); "
+                            "taken for still this hub's",
+                            wf.id,
+                            _OWNER_WAIT,
+                            err,
+                        )
+                    return True
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
         record = stored_record(WorkflowRecord, got)
         if got is None or record is None or record.owner is None:
             return True
