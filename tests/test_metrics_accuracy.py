@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings, Step
+from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub, _wf_keepalive
 from reach_mesh.logs import QUARANTINE
@@ -178,13 +178,33 @@ async def test_workflows_running_and_submissions_not_done_with(
             assert value("reach_workflows_running") == 1
             await engine._pull.stop()  # this hub takes no more: the next two wait
             await hub.nc.flush()
+            js = hub.nc.jetstream()
+
+            async def no_pull_waits() -> bool:
+                # A pull request it sent before it stopped may still wait at the server (until
+                # it expires, or the server sees nobody listens on its inbox): a submission
+                # handed to it would count as taken. (ci173: "waiting" stayed short of 2 for
+                # 5 s on a loaded machine.)
+                info = await js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
+                return not info.num_waiting
+
+            await eventually(no_pull_waits, timeout=10)
             waiting = [
                 await mesh.submit_chain([Step(capability="wf:held:v1")], timeout=30)
                 for _ in range(2)
             ]
-            await eventually(
-                lambda: value("reach_workflow_submissions", stage="waiting") == 2, timeout=5
-            )
+            try:
+                await eventually(
+                    lambda: value("reach_workflow_submissions", stage="waiting") == 2, timeout=10
+                )
+            except AssertionError:
+                info = await js.consumer_info(protocol.STREAM_WF, protocol.CONSUMER_HUBS)
+                raise AssertionError(
+                    f"waiting={value('reach_workflow_submissions', stage='waiting')} "
+                    f"taken={value('reach_workflow_submissions', stage='taken')}; the consumer: "
+                    f"pending={info.num_pending} ack_pending={info.num_ack_pending} "
+                    f"waiting pulls={info.num_waiting}"
+                ) from None
             assert value("reach_workflow_submissions", stage="taken") == 1
             await other.start()  # takes the two waiting ones
             await eventually(
