@@ -131,6 +131,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._flights = {}
         self._held = {}
         self._deadlines: list[tuple[float, str]] = []
+        self._sweep_wake = asyncio.Event()
         self._reply_prefix = ""
         self._reply_prefix_b = b""
         self._reply_prefix_len = 0

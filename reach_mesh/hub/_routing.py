@@ -526,6 +526,8 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         flight.token = token
         self._flights[token] = flight
         heapq.heappush(self._deadlines, (flight.deadline, token))
+        if len(self._deadlines) == 1:
+            self._sweep_wake.set()  # (the sweep waits while the heap is empty)
         view.outstanding += 1
 
     async def _send_outboxes(self) -> None:
