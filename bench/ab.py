@@ -42,7 +42,19 @@ ROW = (
     "hub_us_per_chain",
     "agents_us_per_chain",
     "caller_us_per_chain",
+    # Open loop (issue 15): p50 at 100 workflows/s, p50 and p99 at half the sustained rate.
+    "fanout_100_p50_ms",
+    "fanout_half_p50_ms",
+    "fanout_half_p99_ms",
+    "chain_100_p50_ms",
+    "chain_half_p99_ms",
 )
+
+
+def _open_loop(row: dict[str, Any], point: str, key: str) -> float | None:
+    """``row``'s open-loop ``point`` (``"100"``, ``"half_sustained"``) value ``key``."""
+    value = row.get("open_loop", {}).get(point, {}).get(key)
+    return None if value is None else float(value)
 
 
 def row_of(result: dict[str, Any]) -> dict[str, float | None]:
@@ -62,6 +74,11 @@ def row_of(result: dict[str, Any]) -> dict[str, float | None]:
         "hub_us_per_chain": chain_cpu.get("hub"),
         "agents_us_per_chain": chain_cpu.get("agents"),
         "caller_us_per_chain": chain_cpu.get("caller"),
+        "fanout_100_p50_ms": _open_loop(fan, "100", "p50_ms"),
+        "fanout_half_p50_ms": _open_loop(fan, "half_sustained", "p50_ms"),
+        "fanout_half_p99_ms": _open_loop(fan, "half_sustained", "p99_ms"),
+        "chain_100_p50_ms": _open_loop(chain, "100", "p50_ms"),
+        "chain_half_p99_ms": _open_loop(chain, "half_sustained", "p99_ms"),
     }
 
 

@@ -267,3 +267,12 @@ def test_the_ab_table_alternates_two_commits_and_compares_medians() -> None:
     text = table(rows)
     assert "| **median a** | 695 | 555 | 2000 | 4 | 1025 | 400 | - | - | - | 200 |" in text, text
     assert "| **b / a** | 1.122 | 1.072 | 1 | 1 | 0.917 |" in text, text
+    # The open-loop points, where a run has them (issue 15's latency goals).
+    latency = run(700, 560, 1000)
+    latency["fanout3"]["open_loop"] = {
+        "100": {"p50_ms": 3.5},
+        "half_sustained": {"p50_ms": 9.0, "p99_ms": 60.0},
+    }
+    got = row_of(latency)
+    assert (got["fanout_100_p50_ms"], got["fanout_half_p99_ms"]) == (3.5, 60.0)
+    assert got["chain_100_p50_ms"] is None
