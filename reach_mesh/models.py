@@ -261,13 +261,21 @@ class RegisterReply(_Wire):
     suspect_timeout: float | None = None
 
 
+#: The largest ``inflight`` / ``queue_depth`` a heartbeat may report (no agent runs or queues a
+#: billion tasks; a float holds it exactly).
+LOAD_MAX: Final = 1_000_000_000
+
+
 class Heartbeat(_Wire):
     """agent → hub on ``reach.hub.<ns>.heartbeat``. Carries load, never a timestamp."""
 
     agent_id: str
     session: str = Field(min_length=1, max_length=64)
-    inflight: int = Field(default=0, ge=0)
-    queue_depth: int = Field(default=0, ge=0)
+    #: At most :data:`LOAD_MAX` each: hubs score an agent's load in floats, and an integer no
+    #: float holds (JSON has no bound) once made every route among that agent's peers
+    #: ``REACH_INTERNAL`` (an ``OverflowError``), however well the others served.
+    inflight: int = Field(default=0, ge=0, le=LOAD_MAX)
+    queue_depth: int = Field(default=0, ge=0, le=LOAD_MAX)
     pressure: float = Field(default=0.0, ge=0.0, le=1.0)
     #: Capabilities the agent reports it cannot serve right now (e.g. a dependency is down).
     unavailable: list[str] = Field(default_factory=list, max_length=256)

@@ -408,3 +408,27 @@ async def test_a_traceparent_with_a_space_is_a_fresh_trace_not_a_broken_batch(
     answers = await asyncio.gather(*(one(i) for i in range(10)))
     assert [a.get("task", a).get("result") for a in answers] == list(range(10)), answers
     assert all(a["task"]["state"] == "SUCCEEDED" for a in answers)
+
+
+@pytest.mark.parametrize("field", ["queue_depth", "inflight"])
+async def test_a_heartbeat_number_too_large_for_a_float_breaks_no_route(
+    nc: NATS, agent: Agent, settings: MeshSettings, namespace: str, field: str
+) -> None:
+    """A heartbeat's load is the agent's word, bounded: an ``inflight`` or ``queue_depth`` no
+    float holds (JSON sets no bound) once made every route among the agent's peers
+    ``REACH_INTERNAL`` (``load_score``'s ``OverflowError``). Such a beat is refused, typed."""
+    rogue = f"{namespace}.rogue.r1"
+    out = await ask(
+        nc,
+        protocol.hub_agent_subject(rogue, "register"),
+        register_body(namespace) | {"card": {"agent_id": rogue, "capabilities": ["text:echo:v1"]}},
+    )
+    assert "error" not in out, out
+    beat = {"agent_id": rogue, "session": "s1", field: int("1" + "0" * 400)}
+    out = await ask(nc, protocol.hub_agent_subject(rogue, "heartbeat"), beat)
+    assert out["error"]["code"] == "REACH_BAD_REQUEST", out
+    assert field in out["error"]["message"]
+    async with Client(settings=settings) as c:
+        for _ in range(10):
+            res = await asyncio.wait_for(c.request(capability="text:echo:v1", payload="hi"), 5)
+            assert (res.result, res.agent_id) == ("hi", agent.agent_id)
