@@ -36,11 +36,13 @@ async def _ask(nc: Any, subject: str, body: bytes) -> dict[str, Any]:
     return answer
 
 
-def _register(agent_id: str, caps: list[str], session: str = "s1") -> bytes:
+def _register(
+    agent_id: str, caps: list[str], session: str = "s1", heartbeat_interval: float = 1.0
+) -> bytes:
     body = {
         "card": {"agent_id": agent_id, "capabilities": caps},
         "session": session,
-        "heartbeat_interval": 1.0,
+        "heartbeat_interval": heartbeat_interval,
         "lease_timeout": 3.0,
     }
     return json.dumps(body).encode()
@@ -53,10 +55,9 @@ async def _goodbye(nc: Any, *agent_ids: str) -> None:
         await nc.request(protocol.hub_agent_subject(agent_id, "unregister"), bye, timeout=5)
 
 
-async def _registered(nc: Any, agent_id: str, caps: list[str]) -> None:
-    out = await _ask(
-        nc, protocol.hub_agent_subject(agent_id, "register"), _register(agent_id, caps)
-    )
+async def _registered(nc: Any, agent_id: str, caps: list[str], interval: float = 1.0) -> None:
+    body = _register(agent_id, caps, heartbeat_interval=interval)
+    out = await _ask(nc, protocol.hub_agent_subject(agent_id, "register"), body)
     assert out["agent_id"] == agent_id, out
 
 
@@ -99,6 +100,41 @@ async def test_a_heartbeat_flood_is_not_a_kv_write_flood(
         assert len(writes) == before + 1 and not view.draining
         await eventually(lambda: len(writes) == before + 2, timeout=2)
         assert view.hb_written_state is not None and view.hb_written_state[0] is False
+    finally:
+        await _goodbye(nc, agent_id)
+        await nc.close()
+
+
+async def test_an_agent_choosing_a_tiny_heartbeat_interval_still_floods_no_kv_writes(
+    hub: Hub, nats_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interval is the agent's to choose (``heartbeat_interval`` > 0): one of 0.1 ms once
+    made a quarter of it the gap between unchanged beats' KV writes, so a flood of its beats
+    was a flood of writes again (each read by every hub's watch). Unchanged beats are written
+    at most every 50 ms, whatever the interval."""
+    agent_id = f"{namespace}.flood.a2"
+    nc = await nats.connect(nats_url)
+    try:
+        await _registered(nc, agent_id, ["x:y:v1"], interval=0.0001)
+        jsc = hub.registry._reads
+        assert jsc is not None
+        writes: list[str] = []
+        publish = jsc.publish
+        hb_subject = f"$KV.{protocol.KV_HEARTBEATS}.{agent_id}"
+
+        async def counted(subject: str, body: bytes, *args: Any, **kw: Any) -> Ack:
+            if subject == hb_subject:
+                writes.append(subject)
+            return await publish(subject, body, *args, **kw)
+
+        monkeypatch.setattr(jsc, "publish", counted)
+        beat = protocol.encode(Heartbeat(agent_id=agent_id, session="s1"))
+        subject = protocol.hub_agent_subject(agent_id, "heartbeat")
+        started = time.monotonic()
+        answers = await asyncio.gather(*(_ask(nc, subject, beat) for _ in range(200)))
+        elapsed = time.monotonic() - started
+        assert all(a.get("state") == "ONLINE" for a in answers), answers[:3]
+        assert len(writes) <= 2 + elapsed / 0.05, (len(writes), elapsed)
     finally:
         await _goodbye(nc, agent_id)
         await nc.close()

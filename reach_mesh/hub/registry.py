@@ -61,7 +61,8 @@ log = logging.getLogger("reach_mesh.hub.registry")
 
 _ROUTABLE: Final = frozenset({AgentState.ONLINE, AgentState.SUSPECT})
 #: The least time between two KV writes of one agent's heartbeat that changes its state
-#: (draining, unavailable, pressure); unchanged beats are written every quarter interval.
+#: (draining, unavailable, pressure); unchanged beats are written every quarter interval, and
+#: never more often than this either.
 _CHANGE_GAP: Final = 0.05
 #: How long a heartbeat's KV write waits for JetStream's ack (as the hub's JetStream context,
 #: which ``KeyValue.put`` used).
@@ -366,7 +367,9 @@ class Registry(RegistryWatch):
         # changes what the agent takes: a flood of beats must not become a flood of KV writes
         # (and of state events), and the others' leases last far longer than the gap.
         changed = view.beat_state != view.hb_written_state
-        gap = _CHANGE_GAP if changed else view.record.heartbeat_interval / 4
+        # The interval is the agent's choice: never less than the change gap (one of 0.1 ms
+        # once made every beat of a flood a write again).
+        gap = _CHANGE_GAP if changed else max(_CHANGE_GAP, view.record.heartbeat_interval / 4)
         wait = view.hb_written_at + gap - now
         if wait > 0:
             view.hb_unwritten = hb
