@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 import pytest
@@ -140,6 +140,39 @@ async def open_hub(settings: MeshSettings) -> AsyncIterator[Hub]:
 def refused(hub: Hub, code: str) -> float:
     value: float = hub.metrics.http_refused_total.labels(code)._value.get()
     return value
+
+
+async def test_a_websocket_never_passes_the_guard(settings: MeshSettings, namespace: str) -> None:
+    """The hub serves no websocket, and the guard judges HTTP requests: a websocket handshake
+    (which browsers send across origins without asking, and uvicorn turns into a websocket
+    scope when the ``websockets`` package is installed) went on to the app unjudged — no
+    Host, Origin or token check — into the A2A mount, which answered 404
+    ``REACH_UNKNOWN_NAMESPACE`` for a namespace without agents and raised for one with (an
+    ERROR traceback each): any web page could list the hub's tenants. It is closed before
+    any route, as no route takes it."""
+    from reach_mesh.hub.http import GuardMiddleware
+
+    token = settings.model_copy(update={"http_port": 0, "http_token": TOKEN})
+    async with Hub(settings=token) as hub:
+        entered: list[str] = []
+
+        async def inner(scope: Any, receive: Any, send: Any) -> None:
+            entered.append(scope["path"])
+
+        guard = GuardMiddleware(inner, hub.http)
+        for path in (f"/a2a/{namespace}/", "/mcp", "/api/agents", "/"):
+            sent: list[MutableMapping[str, Any]] = []
+
+            async def send(message: MutableMapping[str, Any]) -> None:
+                sent.append(message)  # noqa: B023 - awaited within the iteration
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "websocket.connect"}
+
+            scope = {"type": "websocket", "path": path, "headers": [(b"host", b"127.0.0.1")]}
+            await guard(scope, receive, send)
+            assert [m["type"] for m in sent] == ["websocket.close"], (path, sent)
+        assert entered == []
 
 
 async def test_hub_refuses_cross_origin_rebinding_and_non_json_posts(

@@ -120,6 +120,12 @@ class GuardMiddleware:
         self._posts: dict[str, ASGIApp] = {"/api/route": http.route}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # No route serves one, and the checks below judge HTTP: closed before any route
+            # (browsers open websockets across origins without asking; an A2A mount once took
+            # them, token or not, and raised).
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
