@@ -410,13 +410,24 @@ async def test_a_traceparent_with_a_space_is_a_fresh_trace_not_a_broken_batch(
     assert all(a["task"]["state"] == "SUCCEEDED" for a in answers)
 
 
-@pytest.mark.parametrize("field", ["queue_depth", "inflight"])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("queue_depth", int("1" + "0" * 400)),
+        ("inflight", int("1" + "0" * 400)),
+        ("queue_depth", -1),
+        ("pressure", float("nan")),
+        ("pressure", float("inf")),
+        ("pressure", -0.5),
+    ],
+)
 async def test_a_heartbeat_number_too_large_for_a_float_breaks_no_route(
-    nc: NATS, agent: Agent, settings: MeshSettings, namespace: str, field: str
+    nc: NATS, agent: Agent, settings: MeshSettings, namespace: str, field: str, value: Any
 ) -> None:
     """A heartbeat's load is the agent's word, bounded: an ``inflight`` or ``queue_depth`` no
     float holds (JSON sets no bound) once made every route among the agent's peers
-    ``REACH_INTERNAL`` (``load_score``'s ``OverflowError``). Such a beat is refused, typed."""
+    ``REACH_INTERNAL`` (``load_score``'s ``OverflowError``); negative, NaN or infinite load
+    would rank the agent first. Such a beat is refused, typed, and routing goes on."""
     rogue = f"{namespace}.rogue.r1"
     out = await ask(
         nc,
@@ -424,7 +435,7 @@ async def test_a_heartbeat_number_too_large_for_a_float_breaks_no_route(
         register_body(namespace) | {"card": {"agent_id": rogue, "capabilities": ["text:echo:v1"]}},
     )
     assert "error" not in out, out
-    beat = {"agent_id": rogue, "session": "s1", field: int("1" + "0" * 400)}
+    beat = {"agent_id": rogue, "session": "s1", field: value}
     out = await ask(nc, protocol.hub_agent_subject(rogue, "heartbeat"), beat)
     assert out["error"]["code"] == "REACH_BAD_REQUEST", out
     assert field in out["error"]["message"]
