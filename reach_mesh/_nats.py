@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import ssl
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -356,7 +357,9 @@ class _Connection(HeaderCodec):
             # (An empty body with headers: what nats-py alone may take for a control message.)
             if not data and headers:
                 target = await self._answered_at(sid, reply, headers)
-                if target is not None and not target.startswith(_FC):
+                if target is not None and (
+                    not target.startswith(_FC) or _NOT_IN_SUBJECT.search(target) is not None
+                ):
                     from reach_mesh._guard import refuse_body  # (it imports this module)
 
                     refuse_body(
@@ -407,6 +410,9 @@ _ACK_B: Final = b"$JS.ACK."
 #: Where a JetStream server's flow control and stalled-consumer subjects are.
 _FC: Final = "$JS.FC."
 _STALLED: Final = Header.CONSUMER_STALLED
+#: What no subject holds (nats-py's publish raises ``BadSubjectError`` on it, which in the read
+#: loop ends it): a header value under ``$JS.FC.`` may hold it — only the server's is a subject.
+_NOT_IN_SUBJECT: Final = re.compile(r"[ \t\r\n]")
 
 
 def on_unreadable(nc: NATS, sid: int, then: Callable[[str], None] | None) -> None:

@@ -170,3 +170,37 @@ async def test_genuine_flow_control_still_answered(ours: NATS, nc: NATS, ordered
     assert answers, "no flow control request was answered"
     assert refused_messages(ours) == before
     await sub.unsubscribe()
+
+
+@pytest.mark.parametrize("target", ["$JS.FC.forged target", "$JS.FC.forged\ttarget"])
+async def test_a_stalled_heartbeat_naming_no_subject_does_not_end_the_read_loop(
+    ours: NATS, nc: NATS, nats_url: str, target: str
+) -> None:
+    """A ``Nats-Consumer-Stalled`` under ``$JS.FC.`` with whitespace in it is no subject:
+    nats-py's publish of the answer raised ``BadSubjectError`` in the read loop, which ended
+    it (the connection read nothing more)."""
+    await _stream(nc, "STALLING", ["stalling.>"])
+    got: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        got.append(msg.data)
+
+    js = ours.jetstream()
+    sub = await js.subscribe("stalling.>", cb=on_msg, flow_control=True, idle_heartbeat=5.0)
+    await nc.jetstream().publish("stalling.1", b"one")
+    await eventually(lambda: got == [b"one"])
+    before = refused_messages(ours)
+    rogue = await nats.connect(nats_url)
+    try:
+        stalled = (
+            b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 1\r\nNats-Last-Stream: 1\r\n"
+            b"Nats-Consumer-Stalled: " + target.encode() + b"\r\n\r\n"
+        )
+        await _raw(rogue, sub.subject, "", stalled)
+        await flushed(rogue)
+    finally:
+        await rogue.close()
+    await eventually(lambda: refused_messages(ours) == before + 1)
+    await nc.jetstream().publish("stalling.2", b"two")
+    await eventually(lambda: got == [b"one", b"two"])
+    await sub.unsubscribe()
