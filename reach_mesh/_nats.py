@@ -369,7 +369,11 @@ class _Connection(HeaderCodec):
                     )
                     return
             await super()._process_msg(sid, subject, reply, data, headers)
-        except (ValueError, IndexError) as err:  # (UnicodeDecodeError is a ValueError)
+        except (ValueError, IndexError, nats.errors.Error) as err:
+            # (UnicodeDecodeError is a ValueError. nats-py's own errors: on a push
+            # subscription, a forged delivery whose reply subject is no ``$JS.ACK.`` one —
+            # NotJSMessageError, at once on an ordered consumer, at the next idle heartbeat on
+            # another —, a control message's answer to no subject — BadSubjectError.)
             from reach_mesh._guard import refuse_body  # (it imports this module)
 
             refuse_body(
@@ -377,6 +381,8 @@ class _Connection(HeaderCodec):
                 subject.decode("utf-8", "replace"),
                 f"malformed message (subject, reply subject or headers): {err!r:.120}",
             )
+            if isinstance(err, nats.errors.Error):
+                return  # (no reading error: not one to end on its stream)
             # A stored one, pulled, would come back after every ack wait: its pull consumer
             # ends it. Only on a pull inbox (64 random bits: JetStream's deliveries only), so
             # that no one has this connection end a message of its choosing.

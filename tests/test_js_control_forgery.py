@@ -204,3 +204,40 @@ async def test_a_stalled_heartbeat_naming_no_subject_does_not_end_the_read_loop(
     await nc.jetstream().publish("stalling.2", b"two")
     await eventually(lambda: got == [b"one", b"two"])
     await sub.unsubscribe()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+async def test_a_forged_delivery_with_a_reply_of_no_ack_does_not_end_the_read_loop(
+    ours: NATS, nc: NATS, nats_url: str, ordered: bool
+) -> None:
+    """A message on a push subscription's deliver subject whose reply subject is no
+    ``$JS.ACK.`` one: nats-py reads its metadata from the reply (an ordered consumer at once,
+    another at its next idle heartbeat) and raised ``NotJSMessageError`` in the read loop."""
+    prefix = f"replying{int(ordered)}"
+    await _stream(nc, prefix.upper(), [f"{prefix}.>"])
+    got: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        got.append(msg.data)
+
+    js = ours.jetstream()
+    if ordered:
+        sub = await js.subscribe(f"{prefix}.>", cb=on_msg, ordered_consumer=True)
+    else:
+        sub = await js.subscribe(f"{prefix}.>", cb=on_msg, flow_control=True, idle_heartbeat=5.0)
+    await nc.jetstream().publish(f"{prefix}.1", b"one")
+    await eventually(lambda: got == [b"one"])
+    rogue = await nats.connect(nats_url)
+    try:
+        await rogue.publish(sub.subject, b"forged", reply="forged.reply")
+        # (The server's idle heartbeat, as it comes: nats-py checks the sequence at it.)
+        beat = (
+            b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 1\r\nNats-Last-Stream: 1\r\n\r\n"
+        )
+        await _raw(rogue, sub.subject, "", beat)
+        await flushed(rogue)
+    finally:
+        await rogue.close()
+    await nc.jetstream().publish(f"{prefix}.2", b"two")
+    await eventually(lambda: got[-1:] == [b"two"])
+    await sub.unsubscribe()
