@@ -367,6 +367,7 @@ class _Connection(HeaderCodec):
                         subject.decode("utf-8", "replace"),
                         f"JetStream control message answered at {target!r:.80}, not {_FC}",
                     )
+                    self._passed(sid, reply)
                     return
             await super()._process_msg(sid, subject, reply, data, headers)
         except (ValueError, IndexError, nats.errors.Error) as err:
@@ -381,6 +382,7 @@ class _Connection(HeaderCodec):
                 subject.decode("utf-8", "replace"),
                 f"malformed message (subject, reply subject or headers): {err!r:.120}",
             )
+            self._passed(sid, reply)
             if isinstance(err, nats.errors.Error):
                 return  # (no reading error: not one to end on its stream)
             # A stored one, pulled, would come back after every ack wait: its pull consumer
@@ -389,6 +391,25 @@ class _Connection(HeaderCodec):
             unread = self.unreadable.get(sid) if self.unreadable else None
             if unread is not None and reply.startswith(_ACK_B):
                 unread(reply.decode("ascii", "replace"))
+
+    def _passed(self, sid: int, reply: bytes) -> None:
+        """A delivery of an ordered consumer dropped unread still counts as delivered: else
+        nats-py, which never saw its consumer sequence, takes the next delivery for a gap and
+        resets the consumer from the last one it saw — which delivers the dropped one again,
+        dropped again, and nothing after it ever (a stored message: anyone's who may publish
+        on the stream's subjects). As nats-py's own check of a delivery does (same tokens)."""
+        sub = self._subs.get(sid)
+        jsi = None if sub is None else sub._jsi
+        if jsi is None or not jsi._ordered or not reply.startswith(_ACK_B):
+            return
+        tokens = reply.split(b".")
+        try:
+            sseq, dseq = int(tokens[5]), int(tokens[6])
+        except (ValueError, IndexError):
+            return
+        if dseq == jsi._dseq:
+            jsi._dseq = dseq + 1
+            jsi._sseq = sseq
 
     async def _answered_at(self, sid: int, reply: bytes, headers: bytes) -> str | None:
         """Where nats-py's ``_process_msg`` publishes an empty answer to this message, read as

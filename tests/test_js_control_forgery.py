@@ -241,3 +241,40 @@ async def test_a_forged_delivery_with_a_reply_of_no_ack_does_not_end_the_read_lo
     await nc.jetstream().publish(f"{prefix}.2", b"two")
     await eventually(lambda: got[-1:] == [b"two"])
     await sub.unsubscribe()
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        b"NATS/1.0\r\nStatus: 100\r\nDescription: Idle Heartbeat\r\n"
+        b"Nats-Consumer-Stalled: $JS.API.STREAM.DELETE.STORED\r\n\r\n",
+        b"NATS/1.0\r\nStatus: 100\r\nDescription: Idle Heartbeat\r\n"
+        b"Nats-Consumer-Stalled: $JS.FC.a b\r\n\r\n",
+    ],
+    ids=["stalled", "stalled-no-subject"],
+)
+async def test_a_stored_message_dropped_unread_does_not_reset_an_ordered_consumer_forever(
+    ours: NATS, nc: NATS, headers: bytes
+) -> None:
+    """A message stored with headers a connection drops unread (a forged control message:
+    any publisher on the stream's subjects, an agent on its REACH_STATUS subjects), read by an
+    ordered consumer (reach-mesh's last-per-subject reads, workflow lists): nats-py never saw
+    its consumer sequence, took the next delivery for a gap and reset the consumer from before
+    it — which delivered it again, dropped again, and nothing after it, ever (hundreds of
+    consumers created a second)."""
+    await _stream(nc, "STORED", ["stored.>"])
+    await _raw(nc, "stored.forged", "", headers)
+    await flushed(nc)
+    await nc.jetstream().publish("stored.good", b"good")
+    before = refused_messages(ours)
+    got: list[bytes] = []
+
+    async def on_msg(msg: Msg) -> None:
+        got.append(msg.data)
+
+    sub = await ours.jetstream().subscribe("stored.>", cb=on_msg, ordered_consumer=True)
+    await eventually(lambda: got == [b"good"])
+    await nc.jetstream().publish("stored.after", b"after")
+    await eventually(lambda: got == [b"good", b"after"])
+    assert refused_messages(ours) == before + 1
+    await sub.unsubscribe()
