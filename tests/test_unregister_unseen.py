@@ -19,13 +19,14 @@ import pytest
 from reach_mesh import MeshSettings, protocol
 from reach_mesh._kv import entry_at_leader, kv_unregistered
 from reach_mesh.agent import Agent, Task
+from reach_mesh.client import Client
 from reach_mesh.errors import SessionEndedError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._registry_watch import RegistryWatch
 from reach_mesh.hub.registry import Registry
-from reach_mesh.models import AgentCard, AgentRecord, RegisterRequest
+from reach_mesh.models import AgentCard, AgentRecord, RegisterRequest, UnregisterRequest
 
-from .helpers import eventually
+from .helpers import eventually, register_by_hand
 from .silent_hub import silent_hub
 
 
@@ -175,3 +176,28 @@ async def test_an_unregister_a_silent_hub_took_is_asked_of_another(
         finally:
             await closing
     assert taken[0] == protocol.hub_agent_subject(agent_id, "unregister")
+
+
+async def test_a_repeated_unregister_is_audited_once(
+    settings: MeshSettings, namespace: str, nc: Any
+) -> None:
+    """The agent asks its goodbye again until answered (a try answered, its answer lost, is
+    asked again), and a repeat is answered ``removed`` as the first was: the audit says the
+    agent left once (it said so for every repeat)."""
+    s = _slow(settings)
+    agent_id = f"{namespace}.unseen.d1"
+    session = uuid.uuid4().hex
+    card = AgentCard(agent_id=agent_id, capabilities=["unseen:echo:v1"])
+    async with Hub(settings=s) as hub:
+        await register_by_hand(nc, card, session=session, heartbeat_interval=5, lease_timeout=15)
+        await eventually(lambda: agent_id in hub.registry.agents, timeout=5)
+        bye = protocol.encode(UnregisterRequest(agent_id=agent_id, session=session))
+        for _ in range(3):
+            msg = await nc.request(protocol.hub_agent_subject(agent_id, "unregister"), bye, 5)
+            assert protocol.loads(msg.data)["removed"] is True
+        await asyncio.sleep(0.1)
+        await hub.audit.flush()
+        async with Client(settings=s) as c:
+            audit = await c.audit(namespace=namespace, since=60)
+    byes = [e for e in audit if e["kind"] == "unregister" and e["agent_id"] == agent_id]
+    assert len(byes) == 1, byes

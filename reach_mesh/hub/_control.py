@@ -135,6 +135,9 @@ class ControlMixin:
     #: The cancel audit events let through per (namespace, requester, ``cancel_id``): the
     #: asks of one cancel are audited once per distinct answer.
     _cancel_repeats: Repeats
+    #: The unregister audit events let through per (agent id, session): a repeat of one
+    #: (the agent asks until answered, b99cd53) is answered ``removed`` again, audited once.
+    _unregister_repeats: Repeats
     #: Lines about owners that did not answer a workflow view, one per owner per minute.
     _owner_lines: LineBudget
     #: ``REACH-IDENTITY-REJECTED`` lines, one per verb per 30 s.
@@ -209,7 +212,13 @@ class ControlMixin:
         req = protocol.decode(msg.data, UnregisterRequest, max_size=64 * 1024)
         self._check_identity(msg.subject, "unregister", req.agent_id)
         removed = await self.registry.unregister(req.agent_id, req.session)
-        if removed:
+        # (A repeat of a session's unregister is answered removed as the first was: the
+        # agent asks again until answered. Audited once here; a repeat another hub answers —
+        # one this hub's answer was lost for, or slower than 0.5 s — is audited there.)
+        if removed and (
+            req.session is None
+            or self._unregister_repeats.first((req.agent_id, req.session), {"removed": True})
+        ):
             await self.audit.record(ns, "unregister", agent_id=req.agent_id, reason="graceful")
         return protocol.dumps({"agent_id": req.agent_id, "removed": removed})
 

@@ -169,6 +169,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._cancels_running = {False: 0, True: 0}
         self._record_reads = 0
         self._cancel_repeats = Repeats()
+        self._unregister_repeats = Repeats()
         self._owner_lines = LineBudget(60.0)
         self._pinging: set[str] = set()
         #: A JetStream outage fails every control message (each heartbeat writes KV): one
