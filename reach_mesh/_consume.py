@@ -48,7 +48,8 @@ from nats.js.kv import KeyValue
 from reach_mesh import protocol
 from reach_mesh._batch import private_inbox
 from reach_mesh._guard import matches, refuse
-from reach_mesh._nats import ensure_kv, on_unreadable
+from reach_mesh._nats import ensure_kv
+from reach_mesh._nats_intake import on_unreadable
 from reach_mesh._retry import describe
 from reach_mesh._starting import set_up
 from reach_mesh.config import MeshSettings

@@ -5,7 +5,7 @@ nats-py answers a status-100 message on a push subscription: an idle heartbeat c
 ``Nats-Consumer-Stalled: <subject>`` by publishing an empty message to that subject, a flow
 control request by publishing one to its reply subject — with the subscriber's permissions
 (a hub's: ``$JS.API.STREAM.DELETE.<stream>`` takes an empty body). The server's own always
-name a ``$JS.FC.`` subject; ``_Connection._process_msg`` drops the others (refused). Both
+name a ``$JS.FC.`` subject; ``MessageGuard._process_msg`` drops the others (refused). Both
 spellings nats-py reads as status 100 are forged: the status line (``NATS/1.0 100 ...``, only
 the server writes it) and a ``Status: 100`` header (any publisher's)."""
 
