@@ -128,7 +128,7 @@ async def connect(
     (secure mode, docs/security.md) is logged: it would otherwise only show as a timeout.
     ``on_reconnect`` is called after each reconnection (subscriptions are in place again);
     more listeners may join later (:func:`reconnects_of`). ``leave_cut_off``: leave a server
-    that lost every route to the rest of its cluster for another one (``_Watch.cut_off``).
+    that lost its routes to most of its cluster for another one (``_Watch.cut_off``).
     """
     if not url:
         raise BadRequestError(
@@ -253,7 +253,7 @@ class _Connection(MessageGuard):
     reconnects: Reconnects
     #: Leaving its server on purpose, to join its siblings' (``_nats_together``): not a loss.
     moving: bool = False
-    #: Called when its server tells it has lost every route to the rest of its cluster
+    #: Called when its server tells it has lost its routes to most of its cluster
     #: (``connect``'s ``leave_cut_off``); nothing is called when None.
     on_cut_off: Callable[[], None] | None = None
     #: The most client URLs its server's INFO listed (its own included) since it connected.
@@ -264,14 +264,17 @@ class _Connection(MessageGuard):
     async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
         await super()._process_info(info, initial_connection)
         urls = info.get("connect_urls")
-        if not isinstance(urls, list):
+        if not isinstance(urls, list) or not urls:
             return  # a server alone by design, or one that advertises no URLs
-        if initial_connection or len(urls) > 1:
+        if initial_connection or 2 * len(urls) >= self._listed:
             self._listed = len(urls) if initial_connection else max(self._listed, len(urls))
             return
-        # A server lists its own client URL and those of the servers it has a route to: one
-        # that listed others and now lists itself alone was cut off from its cluster (its
-        # routes lost, the others up: a partition). It still takes this connection's
+        # A server lists its own client URL(s) and those of the servers it has a route to: one
+        # that lists fewer than half the URLs it listed was cut off from most of its cluster
+        # (its routes lost, the others up: a partition, on the minority's side). Counted in
+        # URLs, not servers (a server may advertise several: the same share of each), and a
+        # majority lost, not any route: one peer of two restarting, or lame duck's INFO (which
+        # leaves its own URL out), is not a cut. It still takes this connection's
         # requests and publishes: the streams it led go on taking proposals they never
         # commit (5 s timeouts, then "duplicate message id is in process"), those it did not
         # lead answer 503, while the other side elects leaders and takes them. Chaos seed 202
@@ -281,7 +284,7 @@ class _Connection(MessageGuard):
         # next node took the stream's quorum (16 s without submissions). Reproduced with 20
         # submissions/s: it caught up at once when the caller left at once, and not when it
         # stayed (2 runs of 2) or left within a 0-1 s spread.
-        if self._listed > 1 and self.on_cut_off is not None:
+        if self.on_cut_off is not None:
             self._listed = len(urls)
             current = self._current_server
             self._left = None if current is None else current.uri.netloc
@@ -490,7 +493,7 @@ class _Watch:
         )
 
     def cut_off(self) -> None:
-        """The server lost every route to the rest of its cluster (``_Connection``): leave it
+        """The server lost its routes to most of its cluster (``_Connection``): leave it
         for another server of the pool, one on the side that elects leaders (nats-py tries the
         others first; a server that is down refuses, and one cut off too says so again). At
         once, not spread as from a lame duck: what it takes meanwhile, the streams it leads
@@ -498,7 +501,8 @@ class _Watch:
         reader: nothing here awaits."""
         self._leave(
             logging.WARNING,
-            "lost its routes to the rest of its cluster (cut off: it lists no other server)",
+            "lost its routes to most of its cluster (cut off: it lists fewer than half the "
+            "servers it did)",
             "staying",
             0.0,
         )

@@ -175,3 +175,39 @@ async def _started(nodes: list[EmbeddedNats]) -> NATS:
         node.start()
     await _js_ready(nodes[0].url)
     return await nats.connect(servers=[nodes[0].url], dont_randomize=True)
+
+
+@pytest.mark.parametrize(
+    ("listed", "cut"),
+    [
+        ([3, 1], True),  # cut off from both others of three
+        ([5, 2], True),  # on the minority's side of five
+        ([6, 2], True),  # three servers with two addresses each, one cut off
+        ([3, 2, 1], True),  # one peer gone, then the other: a majority lost
+        ([2, 1], False),  # one peer of two restarting: no majority to lose
+        ([4, 2], False),  # the same with two addresses each
+        ([5, 3], False),  # the majority's side of five
+        ([3, 2], False),  # lame duck's INFO (its own URL left out), or one peer restarting
+        ([3, 0], False),  # no URL advertised: nothing said of its routes
+    ],
+)
+async def test_a_server_is_cut_off_when_it_lists_fewer_than_half_the_urls_it_listed(
+    nats_url: str, listed: list[int], cut: bool
+) -> None:
+    """The rule ``_Connection._process_info`` applies to each INFO a caller's server sends: a
+    cut is most of the cluster's URLs lost, not any route (the server's INFOs are given as a
+    cluster's server would send them; the caller's own connection is real)."""
+    from reach_mesh._nats import connect
+
+    nc = await connect(nats_url, name="cut-rule", leave_cut_off=True)
+    seen: list[int] = []
+    try:
+        nc.on_cut_off = lambda: seen.append(1)  # type: ignore[attr-defined]
+        first, *then = listed
+        urls = [f"192.0.2.{i}:4222" for i in range(1, max(listed) + 1)]
+        await nc._process_info({"connect_urls": urls[:first]}, initial_connection=True)
+        for n in then:
+            await nc._process_info({"connect_urls": urls[:n]})
+        assert bool(seen) is cut
+    finally:
+        await nc.close()

@@ -187,8 +187,8 @@ class Faults:
         cut (its routes closed both ways, new ones refused), while it and the hubs and agents
         connected to it stay up and connected — they hear nothing wrong, but their JetStream
         requests find no quorum and their messages reach only the clients of their side (the
-        caller leaves it at once: its INFO lists no other server). Logs the node's clients
-        (their connection names, before the cut and at its end) as ``cut_off``."""
+        caller leaves it at once: its INFO lists fewer than half the servers it did). Logs the
+        node's clients (their connection names, before the cut and at its end) as ``cut_off``."""
         node, stream = await self._next_leader()
         i = self.mesh.nodes.index(node)
         relays = [r for (a, b), r in self.mesh.route_relays.items() if i in (a, b)]
