@@ -4,7 +4,8 @@ nats-server passes a publisher's subject, reply subject and header block on as t
 nats-py acts on some messages by itself in its read loop. :class:`MessageGuard` (the base of
 every connection reach-mesh makes) drops, counts (``reach_messages_refused_total``) and logs
 (``REACH-MESSAGE-REFUSED``) a message nats-py cannot read — which would end its read loop —
-and a JetStream control message nats-py would answer anywhere but under ``$JS.FC.``. A pulled
+a JetStream control message nats-py would answer anywhere but under ``$JS.FC.``, and a
+stored message it would take for one (nats-py neither delivers nor counts it). A pulled
 delivery it cannot read is ended on its stream (:func:`on_unreadable`); a dropped delivery of
 an ordered consumer still counts as delivered. docs/security.md's threat table lists the
 attacks.
@@ -50,17 +51,21 @@ class MessageGuard(HeaderCodec):
         try:
             # (An empty body with headers: what nats-py alone may take for a control message.)
             if not data and headers:
-                target = await self._answered_at(sid, reply, headers)
-                if target is not None and (
+                control, target = await self._control_of(sid, reply, headers)
+                why = None
+                if control is not None and reply.startswith(_ACK_B):
+                    # A stored message (the server's own control messages have no reply or a
+                    # $JS.FC. one): nats-py neither delivers nor counts it, and an ordered
+                    # consumer reset from before it forever, answered or not.
+                    why = f"stored message read as a JetStream control message ({control!r:.40})"
+                elif target is not None and (
                     not target.startswith(_FC) or _NOT_IN_SUBJECT.search(target) is not None
                 ):
+                    why = f"JetStream control message answered at {target!r:.80}, not {_FC}"
+                if why is not None:
                     from reach_mesh._guard import refuse_body  # (it imports this module)
 
-                    refuse_body(
-                        self,
-                        subject.decode("utf-8", "replace"),
-                        f"JetStream control message answered at {target!r:.80}, not {_FC}",
-                    )
+                    refuse_body(self, subject.decode("utf-8", "replace"), why)
                     self._passed(sid, reply)
                     return
             await super()._process_msg(sid, subject, reply, data, headers)
@@ -105,9 +110,13 @@ class MessageGuard(HeaderCodec):
             jsi._dseq = dseq + 1
             jsi._sseq = sseq
 
-    async def _answered_at(self, sid: int, reply: bytes, headers: bytes) -> str | None:
-        """Where nats-py's ``_process_msg`` publishes an empty answer to this message, read as
-        it reads it (None: nowhere): on a JetStream push subscription, to a status-100 "Idle
+    async def _control_of(
+        self, sid: int, reply: bytes, headers: bytes
+    ) -> tuple[str | None, str | None]:
+        """Whether nats-py takes this message for a JetStream control message (its
+        description; None: not one), and where its ``_process_msg`` publishes an empty answer
+        to it, read as it reads it (None: nowhere): on a JetStream push subscription, to a
+        status-100 "Idle
         Heartbeat"'s ``Nats-Consumer-Stalled`` header, to a "FlowControl ..."'s reply subject.
         The server's are under ``$JS.FC.``; anyone who may publish on the deliver subject
         could name any subject this connection may publish to (a hub's
@@ -115,16 +124,16 @@ class MessageGuard(HeaderCodec):
         status line (``NATS/1.0 100 ...``) or any publisher's ``Status: 100`` header alike."""
         sub = self._subs.get(sid)
         if sub is None or sub._jsi is None:
-            return None
+            return None, None
         hdr = await self._process_headers(headers)
         control = self._is_control_message(b"", hdr) if hdr else None
         if not control or hdr is None:
-            return None
+            return None, None
         if control.startswith("Idle"):
-            return hdr.get(_STALLED) or None
+            return control, hdr.get(_STALLED) or None
         if control.startswith("Flow") and reply:
-            return reply.decode()
-        return None
+            return control, reply.decode()
+        return control, None
 
 
 _ACK_B: Final = b"$JS.ACK."

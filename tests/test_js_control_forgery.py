@@ -250,8 +250,14 @@ async def test_a_forged_delivery_with_a_reply_of_no_ack_does_not_end_the_read_lo
         b"Nats-Consumer-Stalled: $JS.API.STREAM.DELETE.STORED\r\n\r\n",
         b"NATS/1.0\r\nStatus: 100\r\nDescription: Idle Heartbeat\r\n"
         b"Nats-Consumer-Stalled: $JS.FC.a b\r\n\r\n",
+        # Control messages nats-py answers under $JS.FC. or not at all: not answered
+        # anywhere else, but neither delivered nor counted either (the consumer reset too).
+        b"NATS/1.0\r\nStatus: 100\r\nDescription: Idle Heartbeat\r\n\r\n",
+        b"NATS/1.0\r\nStatus: 100\r\nDescription: Idle Heartbeat\r\n"
+        b"Nats-Consumer-Stalled: $JS.FC.x\r\n\r\n",
+        b"NATS/1.0\r\nStatus: 100\r\nDescription: Anything\r\n\r\n",
     ],
-    ids=["stalled", "stalled-no-subject"],
+    ids=["stalled", "stalled-no-subject", "idle", "idle-fc", "other"],
 )
 async def test_a_stored_message_dropped_unread_does_not_reset_an_ordered_consumer_forever(
     ours: NATS, nc: NATS, headers: bytes
