@@ -13,6 +13,7 @@ attacks.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from typing import Final
@@ -24,6 +25,8 @@ from nats.js.api import Header
 from reach_mesh._nats_headers import HeaderCodec
 
 __all__ = ["MessageGuard", "on_unreadable"]
+
+log = logging.getLogger("reach_mesh.nats")
 
 
 class MessageGuard(HeaderCodec):
@@ -74,6 +77,11 @@ class MessageGuard(HeaderCodec):
             # subscription, a forged delivery whose reply subject is no ``$JS.ACK.`` one —
             # NotJSMessageError, at once on an ordered consumer, at the next idle heartbeat on
             # another —, a control message's answer to no subject — BadSubjectError.)
+            if isinstance(err, nats.errors.Error) and not isinstance(err, _FORGED):
+                # The connection's own state (an answer to the server's flow control while it
+                # closes, drains or reconnects): nothing of the message's; the loop reads on.
+                log.debug("message on %r not handled: %r", subject, err)
+                return
             from reach_mesh._guard import refuse_body  # (it imports this module)
 
             refuse_body(
@@ -136,6 +144,10 @@ class MessageGuard(HeaderCodec):
         return control, None
 
 
+#: nats-py's errors a forged message raises in its read loop (``_process_msg``): a push
+#: delivery whose reply subject is no ``$JS.ACK.`` one, a control message answered to no
+#: subject. Its other errors there are the connection's own (closing, draining).
+_FORGED: Final = (nats.errors.NotJSMessageError, nats.errors.BadSubjectError)
 _ACK_B: Final = b"$JS.ACK."
 #: Where a JetStream server's flow control and stalled-consumer subjects are.
 _FC: Final = "$JS.FC."
