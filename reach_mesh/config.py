@@ -14,7 +14,8 @@ from typing import Any, Final
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from reach_mesh.errors import BadLeaseError, BadRequestError
+from reach_mesh.errors import BadRequestError
+from reach_mesh.models import lease_error
 
 __all__ = ["MeshSettings", "load_settings"]
 
@@ -221,11 +222,11 @@ class MeshSettings(BaseModel):
 
     @model_validator(mode="after")
     def _lease(self) -> MeshSettings:
-        if self.lease_timeout < 3 * self.heartbeat_interval - 1e-9:
-            raise BadLeaseError(
-                f"lease_timeout {self.lease_timeout:g}s must be at least 3 x heartbeat_interval "
-                f"({3 * self.heartbeat_interval:g}s)"
-            )
+        # The registration's rule (minimums included): an agent's settings a hub would refuse
+        # fail here, not at every registration.
+        err = lease_error(self.heartbeat_interval, self.lease_timeout)
+        if err is not None:
+            raise err
         return self
 
 

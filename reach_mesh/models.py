@@ -9,7 +9,14 @@ from __future__ import annotations
 import enum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from reach_mesh.errors import BadLeaseError, BadRequestError, InvalidCapabilityError
 from reach_mesh.protocol import (
@@ -45,6 +52,7 @@ __all__ = [
     "ToolSpec",
     "UnregisterRequest",
     "label_key_ok",
+    "lease_error",
 ]
 
 
@@ -220,24 +228,85 @@ class AgentCard(_Wire):
         return labels
 
 
+#: The least time between two KV writes of an agent's unchanged heartbeat (a hub writes one
+#: at most every ``max(BEAT_WRITE_GAP, heartbeat_interval / 4)``: ``Registry.heartbeat``). The
+#: other hubs renew the agent's lease only by those writes.
+BEAT_WRITE_GAP: Final = 0.05
+#: The shortest ``heartbeat_interval`` a registration (and ``MeshSettings``) may ask for: two
+#: write gaps, so that every beat of an agent at the minimum, sent up to 10 % early (its
+#: jitter), is still a KV write the other hubs read.
+MIN_HEARTBEAT_INTERVAL: Final = 2 * BEAT_WRITE_GAP
+#: The shortest ``lease_timeout``: ten write gaps. A lease of 30 ms (an agent may choose it)
+#: lapsed on every other hub between two writes, 50 ms apart at the least, so that they saw
+#: the agent SUSPECT and ONLINE again all the time; the write's ack, the watch's delivery and
+#: the server-clock estimate the other hubs age it by take a few ms more; and a beat sent
+#: three times (each try waiting at least 50 ms) at the minimum interval still lands within
+#: half of it.
+MIN_LEASE_TIMEOUT: Final = 10 * BEAT_WRITE_GAP
+
+
+def _floor(field: str, value: float) -> str | None:
+    """Why ``value`` of ``field`` is below its minimum (None: it is not)."""
+    if field == "heartbeat_interval" and not value >= MIN_HEARTBEAT_INTERVAL:
+        return (
+            f"{value:g}s is below the minimum of {MIN_HEARTBEAT_INTERVAL:g}s "
+            f"(hubs write an unchanged beat to the registry at most every "
+            f"{BEAT_WRITE_GAP * 1000:g} ms)"
+        )
+    if field == "lease_timeout" and not value >= MIN_LEASE_TIMEOUT:
+        return (
+            f"{value:g}s is below the minimum of {MIN_LEASE_TIMEOUT:g}s (the other "
+            "hubs renew a lease by the registry's writes of its beats, at most one per "
+            f"{BEAT_WRITE_GAP * 1000:g} ms: a shorter lease lapses between them)"
+        )
+    return None
+
+
+def lease_error(heartbeat_interval: float, lease_timeout: float) -> BadLeaseError | None:
+    """What is wrong with a lease of ``lease_timeout`` renewed every ``heartbeat_interval``
+    (None: nothing): the rule of registrations and of ``MeshSettings`` alike."""
+    fields = {"heartbeat_interval": heartbeat_interval, "lease_timeout": lease_timeout}
+    for field, value in fields.items():
+        why = _floor(field, value)
+        if why is not None:
+            return BadLeaseError(f"{field} {why}", field=field, **fields)
+    if lease_timeout < 3 * heartbeat_interval - 1e-9:
+        return BadLeaseError(
+            f"lease_timeout {lease_timeout:g}s is shorter than 3 x heartbeat_interval "
+            f"({3 * heartbeat_interval:g}s)",
+            **fields,
+        )
+    return None
+
+
 class RegisterRequest(_Wire):
     """agent → hub on ``reach.hub.<ns>.register``."""
 
     card: AgentCard
     #: A fresh id per agent process start; fences heartbeats from an older incarnation.
     session: str = Field(min_length=1, max_length=64)
-    heartbeat_interval: float = Field(default=5.0, gt=0, le=3600)
-    lease_timeout: float = Field(default=15.0, gt=0, le=86400)
+    #: At least :data:`MIN_HEARTBEAT_INTERVAL` and :data:`MIN_LEASE_TIMEOUT` (``_minimum``:
+    #: the error says why; the schema shows the bounds).
+    heartbeat_interval: float = Field(
+        default=5.0, le=3600, json_schema_extra={"minimum": MIN_HEARTBEAT_INTERVAL}
+    )
+    lease_timeout: float = Field(
+        default=15.0, le=86400, json_schema_extra={"minimum": MIN_LEASE_TIMEOUT}
+    )
+
+    @field_validator("heartbeat_interval", "lease_timeout")
+    @classmethod
+    def _minimum(cls, v: float, info: ValidationInfo) -> float:
+        why = _floor(str(info.field_name), v)
+        if why is not None:
+            raise ValueError(why)
+        return v
 
     @model_validator(mode="after")
     def _lease(self) -> RegisterRequest:
-        if self.lease_timeout < 3 * self.heartbeat_interval - 1e-9:
-            raise BadLeaseError(
-                f"lease_timeout {self.lease_timeout:g}s is shorter than 3 x heartbeat_interval "
-                f"({3 * self.heartbeat_interval:g}s)",
-                lease_timeout=self.lease_timeout,
-                heartbeat_interval=self.heartbeat_interval,
-            )
+        err = lease_error(self.heartbeat_interval, self.lease_timeout)
+        if err is not None:
+            raise err
         return self
 
     @model_validator(mode="after")

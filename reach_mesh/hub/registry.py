@@ -47,6 +47,7 @@ from reach_mesh.hub._server_clock import ServerClock, ask_server_time
 from reach_mesh.hub.breaker import CircuitBreaker, HealthScore
 from reach_mesh.hub.index import AgentIndex
 from reach_mesh.models import (
+    BEAT_WRITE_GAP,
     AgentRecord,
     AgentState,
     CordonRecord,
@@ -63,7 +64,7 @@ _ROUTABLE: Final = frozenset({AgentState.ONLINE, AgentState.SUSPECT})
 #: The least time between two KV writes of one agent's heartbeat that changes its state
 #: (draining, unavailable, pressure); unchanged beats are written every quarter interval, and
 #: never more often than this either.
-_CHANGE_GAP: Final = 0.05
+_CHANGE_GAP: Final = BEAT_WRITE_GAP
 #: How long a heartbeat's KV write waits for JetStream's ack (as the hub's JetStream context,
 #: which ``KeyValue.put`` used).
 _WRITE_TIMEOUT: Final = 10.0
