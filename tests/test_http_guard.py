@@ -4,6 +4,7 @@ the bearer token — as a pure check, against a real hub, and from pages in head
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
@@ -108,6 +109,24 @@ def test_bearer_scheme_is_case_insensitive() -> None:
         **HOST,
     )
     assert got == (403, "REACH_FORBIDDEN_ORIGIN")
+
+
+def test_a_declared_body_over_the_bound_is_refused_after_the_other_checks() -> None:
+    guard = HttpGuard(bind_host="127.0.0.1", token=TOKEN, max_body=100)
+    ok = {"content_type": "application/json", "authorization": f"Bearer {TOKEN}", **HOST}
+    assert code_of(guard, "POST", "/api/x", True, content_length="100", **ok) is None
+    for length in ("101", str(1 << 40), "-1", "1e9"):
+        got = code_of(guard, "POST", "/api/x", True, content_length=length, **ok)
+        assert got == (413, "REACH_PAYLOAD_TOO_LARGE"), length
+    # A stranger without the token learns nothing more: 401 first.
+    got = code_of(guard, "POST", "/api/x", True, content_length="101", **JSON, **HOST)
+    assert got == (401, "REACH_UNAUTHORIZED")
+    assert (
+        code_of(
+            HttpGuard(bind_host="127.0.0.1"), "POST", "/x", content_length="9" * 30, **JSON, **HOST
+        )
+        is None
+    )
 
 
 def test_refusals_are_typed_in_the_settings_too() -> None:
@@ -225,6 +244,74 @@ async def test_hub_refuses_cross_origin_rebinding_and_non_json_posts(
         mcp_headers = {"Origin": f"http://{own}", "Accept": "application/json, text/event-stream"}
         got, body = await fetch(f"{base}/mcp", "POST", init, mcp_headers)
         assert got == 200 and b'"listChanged":true' in body, body
+
+
+async def _post_raw(port: int, path: str, body: bytes, *, chunked: bool) -> tuple[int, bytes]:
+    """One POST on a socket of its own: the body with its ``Content-Length``, or chunked (64 KiB
+    chunks, no length said); the status and body of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        writer.write(f"{head}Content-Type: application/json\r\n{framing}\r\n\r\n".encode())
+        if chunked:
+            for i in range(0, len(body), 64 * 1024):
+                part = body[i : i + 64 * 1024]
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            writer.write(b"0\r\n\r\n")
+        else:
+            writer.write(body)
+        with contextlib.suppress(ConnectionError):  # refused before it was all sent: fine
+            await writer.drain()
+        status_line, _, rest = (await reader.readuntil(b"\r\n\r\n")).partition(b"\r\n")
+        headers = dict(
+            line.lower().split(b": ", 1) for line in rest.split(b"\r\n") if b": " in line
+        )
+        answer = await reader.readexactly(int(headers[b"content-length"]))
+        return int(status_line.split()[1]), answer
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+async def test_a_body_over_the_bound_is_refused_before_any_route_reads_it(
+    settings: MeshSettings, namespace: str, chunked: bool
+) -> None:
+    """The admin and cancel routes (FastAPI's body parsing) read a body of any size: 200 MB sent
+    to ``/api/agents/<id>/cordon`` in open mode was read whole (the hub's RSS past 900 MB) and
+    the cordon done, its padding ignored. Every route now takes at most ``max_payload`` and
+    64 KiB, declared or chunked: past it 413 with the typed body, and nothing done."""
+    s = settings.model_copy(update={"http_port": 0, "max_payload": 4096})
+    async with Hub(settings=s) as hub, echo_agent(f"{namespace}.w.a1", settings) as agent:
+        view = hub.registry.agents[agent.agent_id]
+        limit = hub.http.guard.max_body
+        assert limit == 4096 + 64 * 1024
+        pad = json.dumps({"reason": "big", "pad": "x" * (limit + 100 * 1024)}).encode()
+        paths = [
+            f"/api/agents/{agent.agent_id}/cordon",
+            f"/api/workflows/wf-1/cancel?namespace={namespace}",
+            f"/api/route?namespace={namespace}",
+            "/mcp",
+            f"/a2a/{namespace}/",
+        ]
+        for path in paths:
+            status, answer = await _post_raw(hub.http.port, path, pad, chunked=chunked)
+            assert status == 413, (path, answer[:300])
+            error = json.loads(answer)["error"]
+            if path.startswith("/a2a/"):  # JSON-RPC's shape there: an invalid request
+                assert error["code"] == -32600 and "over this hub's limit" in error["message"]
+                continue
+            assert error["code"] == "REACH_PAYLOAD_TOO_LARGE", (path, error)
+            assert error["details"]["max_size"] == limit, (path, error)
+        assert refused(hub, "REACH_PAYLOAD_TOO_LARGE") == len(paths)
+        await asyncio.sleep(0.1)
+        assert view.state is AgentState.ONLINE  # the cordon was not done
+        # Within the bound, chunked or not, the route reads the body as sent.
+        small = json.dumps({"reason": "within", "pad": "x" * 1000}).encode()
+        path = f"/api/agents/{agent.agent_id}/cordon"
+        status, answer = await _post_raw(hub.http.port, path, small, chunked=chunked)
+        assert status == 200, answer
+        await eventually(lambda: view.state is AgentState.CORDONED)
 
 
 # --------------------------------------------------------------------------- a real browser

@@ -40,12 +40,11 @@ from a2a.utils.errors import InvalidParamsError
 from google.protobuf.json_format import MessageToDict
 from starlette.responses import JSONResponse
 from starlette.routing import Router
-from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
 from reach_mesh import __version__, protocol
 from reach_mesh.errors import ReachError
-from reach_mesh.hub._gateway import read_body
+from reach_mesh.hub._gateway import read_body, replay
 from reach_mesh.models import RouteRequest, TaskState
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ if TYPE_CHECKING:
 
     from reach_mesh.hub.http import HubHttp
 
-__all__ = ["A2A_STATES", "HubA2a"]
+__all__ = ["A2A_STATES", "HubA2a", "rpc_error"]
 
 #: The six-state machine (and PENDING) as A2A task states.
 A2A_STATES: Final = {
@@ -368,7 +367,7 @@ class HubA2a:
             try:
                 raw = await read_body(receive, self._limit, slack=_RPC_SLACK)
             except ReachError as err:
-                await JSONResponse(_rpc_error(None, -32600, err.message), 413)(scope, receive, send)
+                await JSONResponse(rpc_error(None, -32600, err.message), 413)(scope, receive, send)
                 return
             if raw is None:
                 return  # the client went away
@@ -376,7 +375,7 @@ class HubA2a:
             if refusal is not None:
                 await JSONResponse(refusal)(scope, receive, send)
                 return
-            receive = _replay(raw, receive)
+            receive = replay(raw, receive)
         await self._tenant(namespace)(scope, receive, send)
 
 
@@ -431,7 +430,8 @@ def _route_path(scope: Scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
-def _rpc_error(rpc_id: Any, code: int, message: str) -> dict[str, Any]:
+def rpc_error(rpc_id: Any, code: int, message: str) -> dict[str, Any]:
+    """A JSON-RPC 2.0 error answer."""
     return {"jsonrpc": "2.0", "id": rpc_id, "error": {"code": code, "message": message}}
 
 
@@ -441,33 +441,19 @@ def _check_envelope(raw: bytes) -> dict[str, Any] | None:
     try:
         body = protocol.loads(raw)
     except ReachError as err:
-        return _rpc_error(None, -32700, f"Parse error: {err.message}")
+        return rpc_error(None, -32700, f"Parse error: {err.message}")
     if not isinstance(body, dict):
-        return _rpc_error(None, -32600, "Invalid Request: expected one JSON-RPC request object")
+        return rpc_error(None, -32600, "Invalid Request: expected one JSON-RPC request object")
     rpc_id = body.get("id")
     if isinstance(rpc_id, bool) or not isinstance(rpc_id, str | int | None):
-        return _rpc_error(None, -32600, "Invalid Request: id must be a string or an integer")
+        return rpc_error(None, -32600, "Invalid Request: id must be a string or an integer")
     if body.get("jsonrpc") != "2.0":
-        return _rpc_error(rpc_id, -32600, 'Invalid Request: "jsonrpc" must be "2.0"')
+        return rpc_error(rpc_id, -32600, 'Invalid Request: "jsonrpc" must be "2.0"')
     if not isinstance(body.get("method"), str):
-        return _rpc_error(rpc_id, -32600, "Invalid Request: method must be a string")
+        return rpc_error(rpc_id, -32600, "Invalid Request: method must be a string")
     if not isinstance(body.get("params", {}), dict | list):
-        return _rpc_error(rpc_id, -32600, "Invalid Request: params must be an object or array")
+        return rpc_error(rpc_id, -32600, "Invalid Request: params must be an object or array")
     extra = set(body) - _RPC_MEMBERS
     if extra:
-        return _rpc_error(rpc_id, -32600, f"Invalid Request: unknown members {sorted(extra)}")
+        return rpc_error(rpc_id, -32600, f"Invalid Request: unknown members {sorted(extra)}")
     return None
-
-
-def _replay(raw: bytes, receive: Receive) -> Receive:
-    """``receive`` with the body already read given back first."""
-    pending = True
-
-    async def replay() -> AsgiMessage:
-        nonlocal pending
-        if pending:
-            pending = False
-            return {"type": "http.request", "body": raw, "more_body": False}
-        return await receive()
-
-    return replay

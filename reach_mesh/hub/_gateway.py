@@ -48,12 +48,15 @@ from reach_mesh.tracing import TRACEPARENT, TRACESTATE
 
 if TYPE_CHECKING:
     from reach_mesh.hub._hub import Hub
+    from reach_mesh.hub.http_guard import HttpGuard, Refusal
 
 __all__ = [
     "NamespaceQuery",
     "RouteEndpoint",
+    "body_within",
     "error_response",
     "read_body",
+    "replay",
     "route_contract",
     "served_by",
     "status_for",
@@ -168,6 +171,41 @@ async def read_body(receive: Receive, limit: int, *, slack: int = _ENVELOPE_SLAC
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def body_within(receive: Receive, guard: HttpGuard) -> bytes | Refusal | None:
+    """A chunked request body, read whole, or the guard's refusal once it passes ``max_body``
+    (nothing more is kept: the server drops the rest as it comes, after the answer); None:
+    the client went away."""
+    limit = guard.max_body
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk: bytes = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            return guard.too_large(size)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` with ``body`` given first, as one message (then the server's own, such as
+    a disconnect)."""
+    given = False
+
+    async def replayed() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
 
 
 def _query_namespace(scope: Scope) -> str | None:

@@ -42,13 +42,15 @@ from reach_mesh.errors import (
     UnknownAgentError,
 )
 from reach_mesh.hub import _dashboard as dash
-from reach_mesh.hub._a2a import HubA2a
+from reach_mesh.hub._a2a import HubA2a, rpc_error
 from reach_mesh.hub._agent_view import ATTENTION
 from reach_mesh.hub._fleet import FleetAsk, fleet_answer, fleet_asked
 from reach_mesh.hub._gateway import (
     NamespaceQuery,
     RouteEndpoint,
+    body_within,
     error_response,
+    replay,
     route_contract,
     served_by,
     status_for,
@@ -75,6 +77,9 @@ if TYPE_CHECKING:
 __all__ = ["HubHttp", "status_for"]
 
 _VERSION: Final = "0.1.0"
+#: Bytes of a request body past ``max_payload`` the guard lets through (``HttpGuard.max_body``):
+#: the largest envelope any route allows around a payload (MCP's and A2A's JSON-RPC).
+BODY_SLACK: Final = 64 * 1024
 #: Paths behind the bearer token (when ``http_token`` is set).
 _GUARDED_PREFIXES: Final = ("/api/", "/mcp", "/a2a/")
 #: Path parameters carry their grammar, so the document says what is accepted.
@@ -138,14 +143,30 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = self.http.guard.check(
+        guard = self.http.guard
+        refusal = guard.check(
             scope["method"], path, headers, auth=path.startswith(_GUARDED_PREFIXES)
         )
+        if refusal is None and "content-length" not in headers and "transfer-encoding" in headers:
+            # A chunked body says no length: read here, within the guard's bound, before any
+            # route (each reads a body its own way, some with no bound at all).
+            got = await body_within(receive, guard)
+            if got is None:
+                return  # the client went away: nobody to answer
+            if isinstance(got, bytes):
+                receive = replay(got, receive)
+            else:
+                refusal = got
         if refusal is None:
             await target(scope, receive, send)
             return
         self.http.hub.metrics.http_refused_total.labels(refusal.error.code).inc()
-        response = JSONResponse(refusal.error.to_wire(), refusal.status, dict(refusal.headers))
+        body = refusal.error.to_wire()
+        if refusal.status == 413 and path.startswith("/a2a/"):
+            # A2A speaks JSON-RPC: a body over the bound is an invalid request there, as the
+            # mount answered it before the guard bounded every route (docs/protocol.md).
+            body = rpc_error(None, -32600, refusal.error.message)
+        response = JSONResponse(body, refusal.status, dict(refusal.headers))
         await response(scope, receive, send)
 
 
@@ -164,6 +185,9 @@ class HubHttp:
             # who can reach the port.
             # Its HTTP API would act with the hub's NATS identity's rights.
             closed=has_identity(s),
+            # The most any route takes (a route's, an MCP or A2A message's payload and its
+            # envelope): the admin and cancel bodies had no bound at all.
+            max_body=s.max_payload + BODY_SLACK,
         )
         #: ``POST /api/route``, the gateway's hot path (``_gateway.py``).
         self.route = RouteEndpoint(hub)

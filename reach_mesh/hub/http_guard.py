@@ -21,6 +21,12 @@ The checks, in order (docs/security.md, "HTTP surface"):
   the scheme in any case (RFC 9110 §11.1), compared in constant time. 401 ``REACH_UNAUTHORIZED``.
   A hub with a NATS identity (secure mode) and no token keeps its guarded routes closed: they
   would act with the hub's rights for any local process. 401 ``REACH_UNAUTHORIZED`` too.
+- **Body size** — every request that passed the checks above: a ``Content-Length`` over
+  ``max_body`` (the hub's ``max_payload`` and 64 KiB for a request's own fields: the most any
+  route takes) is refused before a byte of the body is read (the server drops the rest as it
+  comes, without keeping it). A chunked body, which declares no length, is read by the server's
+  middleware up to ``max_body`` (:meth:`HttpGuard.too_large` once it passes) before any route
+  runs. 413 ``REACH_PAYLOAD_TOO_LARGE``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from urllib.parse import urlsplit
 from reach_mesh.errors import (
     ForbiddenHostError,
     ForbiddenOriginError,
+    PayloadTooLargeError,
     ReachError,
     UnauthorizedError,
     UnsupportedMediaTypeError,
@@ -66,7 +73,8 @@ class HttpGuard:
     ``bind_host`` is the address the server listens on; ``allowed_hosts`` extra ``Host`` names
     (``"*"``: any); ``allowed_origins`` extra ``scheme://host[:port]`` origins; ``token`` the
     bearer token of guarded routes (``None``: no token wanted, unless ``closed``: then guarded
-    routes are refused to everyone).
+    routes are refused to everyone); ``max_body`` the most bytes of a request body (``None``:
+    no bound).
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class HttpGuard:
         allowed_origins: Iterable[str] = (),
         token: str | None = None,
         closed: bool = False,
+        max_body: int | None = None,
     ) -> None:
         hosts = {_host_name(h) for h in allowed_hosts}
         self._any_host = "*" in hosts
@@ -87,6 +96,7 @@ class HttpGuard:
         self._origins = frozenset(o.rstrip("/").lower() for o in allowed_origins)
         self._token = token.encode() if token is not None else None
         self._closed = closed and token is None
+        self.max_body = max_body
 
     @property
     def closed(self) -> bool:
@@ -148,7 +158,27 @@ class HttpGuard:
                 ),
                 _WWW_AUTHENTICATE,
             )
+        declared = headers.get("content-length")
+        if self.max_body is not None and declared is not None:
+            size = _length(declared)
+            if size is None or size > self.max_body:
+                return self.too_large(size, declared=True)
         return None
+
+    def too_large(self, size: int | None, *, declared: bool = False) -> Refusal:
+        """The refusal of a body of ``size`` bytes (or more, when not ``declared``: a chunked
+        body read up to there; None: a ``Content-Length`` that is no length)."""
+        assert self.max_body is not None
+        said = "no length" if size is None else f"{size}{'' if declared else '+'} bytes"
+        return Refusal(
+            413,
+            PayloadTooLargeError(
+                f"request body of {said} is over this hub's limit of {self.max_body} bytes "
+                "(max_payload and 64 KiB for the request's own fields)",
+                size=size,
+                max_size=self.max_body,
+            ),
+        )
 
     def _origin_allowed(self, origin: str, host: str) -> bool:
         origin = origin.strip().lower()
@@ -199,3 +229,9 @@ def _host_name(host: str) -> str:
 
 def _media_type(content_type: str) -> str:
     return content_type.partition(";")[0].strip().lower()
+
+
+def _length(value: str) -> int | None:
+    """A ``Content-Length`` as a number of bytes (None: not one)."""
+    value = value.strip()
+    return int(value) if value.isdigit() and value.isascii() else None
