@@ -20,7 +20,7 @@ from reach_mesh import MeshSettings, protocol
 from reach_mesh._kv import entry_at_leader, kv_unregistered
 from reach_mesh.agent import Agent, Task
 from reach_mesh.client import Client
-from reach_mesh.errors import SessionEndedError
+from reach_mesh.errors import SessionEndedError, ThrottledError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._registry_watch import RegistryWatch
 from reach_mesh.hub.registry import Registry
@@ -201,3 +201,34 @@ async def test_a_repeated_unregister_is_audited_once(
             audit = await c.audit(namespace=namespace, since=60)
     byes = [e for e in audit if e["kind"] == "unregister" and e["agent_id"] == agent_id]
     assert len(byes) == 1, byes
+
+
+async def test_a_throttled_unregister_is_asked_again_within_the_budget(
+    settings: MeshSettings, namespace: str, nc: Any
+) -> None:
+    """A goodbye refused ``REACH_THROTTLED`` — "later", as the SDK's hedged tries take it —
+    is asked again after its ``retry_after`` within the goodbye's 5 s (before: one try, the
+    error swallowed, the agent registered until its lease ran out). No hub of this version
+    throttles an unregister: this one answers its first as a hub that did would."""
+    s = _slow(settings)
+    agent_id = f"{namespace}.unseen.e1"
+    agent = _agent(agent_id, s)
+    hub = Hub(settings=s)
+    tries: list[float] = []
+    answer = hub._on_unregister
+
+    async def throttling(msg: Any, ns: str) -> bytes:
+        tries.append(asyncio.get_running_loop().time())
+        if len(tries) == 1:
+            raise ThrottledError("unregistering too fast", retry_after_ms=700)
+        return await answer(msg, ns)
+
+    hub._on_unregister = throttling  # type: ignore[method-assign]
+    async with hub:
+        await agent.start()
+        await eventually(lambda: agent_id in hub.registry.agents, timeout=5)
+        await asyncio.wait_for(agent.close(), 10)
+        assert len(tries) == 2, tries
+        assert tries[1] - tries[0] >= 0.7  # its retry_after, not the 0.5 s hedge
+        assert await _ended(nc, agent_id) == agent.session
+        await eventually(lambda: agent_id not in hub.registry.agents, timeout=5)

@@ -16,7 +16,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from reach_mesh import protocol
 from reach_mesh._nats_asking import hedged_request
 from reach_mesh._retry import describe
-from reach_mesh.errors import MeshUnavailableError
+from reach_mesh.errors import MeshUnavailableError, ThrottledError
 from reach_mesh.models import UnregisterRequest
 
 __all__ = ["unregister"]
@@ -36,10 +36,10 @@ async def unregister(
     """End ``session``'s registration of ``agent_id``, asked until a hub says it did (or knows
     none of it): a try unanswered (its hub paused, wedged) is asked of another after
     ``UNREGISTER_HEDGE``, one refused "later" (``final`` says which: JetStream unavailable,
-    the record not read or not deleted) again, for ``UNREGISTER_PATIENCE`` at most; not when
-    no hub listens. A hub answers an unregister once the registration is gone, and a repeat
-    of one that ended it alike. Not ended, the agent stays registered — and routed to —
-    until its lease runs out: logged."""
+    the record not read or not deleted, throttled — after its ``retry_after``) again, for
+    ``UNREGISTER_PATIENCE`` at most; not when no hub listens. A hub answers an unregister
+    once the registration is gone, and a repeat of one that ended it alike. Not ended, the
+    agent stays registered — and routed to — until its lease runs out: logged."""
     subject = protocol.hub_agent_subject(agent_id, "unregister")
     body = protocol.encode(UnregisterRequest(agent_id=agent_id, session=session))
     deadline = time.monotonic() + UNREGISTER_PATIENCE
@@ -61,12 +61,15 @@ async def unregister(
             # waited on: every agent stopped while the hubs are away would wait.
             log.info("agent %s could not unregister: no hub answers", agent_id)
             return
-        except (NatsTimeoutError, TimeoutError, MeshUnavailableError) as err:
-            if time.monotonic() + UNREGISTER_HEDGE >= deadline:
+        except (NatsTimeoutError, TimeoutError, MeshUnavailableError, ThrottledError) as err:
+            # (Throttled: "later", as ``final`` takes it; no hub of this version throttles an
+            # unregister, but one that did ended the goodbye after a single try, silently.)
+            pause = max(UNREGISTER_HEDGE, err.retry_after if isinstance(err, ThrottledError) else 0)
+            if time.monotonic() + pause >= deadline:
                 log.warning(
                     "agent %s could not unregister (%s): registered until its lease runs out",
                     agent_id,
                     describe(err),
                 )
                 return
-            await asyncio.sleep(UNREGISTER_HEDGE)
+            await asyncio.sleep(pause)
