@@ -180,6 +180,11 @@ class MeshSettings(BaseModel):
     #: (set it through ``REACH_HTTP_TOKEN``, not a command line). ``/metrics``, ``/healthz``,
     #: ``/openapi.json`` and the dashboard page itself stay open.
     http_token: str | None = Field(default=None, min_length=16, repr=False)
+    #: ``/metrics`` wants the bearer token too, as ``/api/*`` does: it names namespaces and
+    #: capabilities. Off by default (scrapers configured without a token keep working);
+    #: Prometheus sends one with ``authorization: {credentials: ...}`` in its scrape config.
+    #: In secure mode without ``http_token``, ``/metrics`` is then closed like the API.
+    http_metrics_auth: bool = False
     #: ``Host`` names the hub's HTTP answers besides loopback names and ``http_host`` itself
     #: (DNS-rebinding defence); ``*`` accepts any. Comma separated in ``REACH_HTTP_ALLOWED_HOSTS``.
     http_allowed_hosts: tuple[str, ...] = ()

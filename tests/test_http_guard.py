@@ -314,6 +314,36 @@ async def test_a_body_over_the_bound_is_refused_before_any_route_reads_it(
         await eventually(lambda: view.state is AgentState.CORDONED)
 
 
+async def test_metrics_want_the_token_only_when_asked(settings: MeshSettings) -> None:
+    """``/metrics`` names namespaces and capabilities, and stays open by default (scrapers
+    without a token keep working); with ``http_metrics_auth`` it wants the API's bearer token,
+    as Prometheus sends it (``authorization: {credentials: ...}``), and the OpenAPI document
+    says so. ``/healthz`` stays open for probes either way."""
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    for asked in (False, True):
+        s = settings.model_copy(
+            update={"http_port": 0, "http_token": TOKEN, "http_metrics_auth": asked}
+        )
+        async with Hub(settings=s) as hub:
+            base = hub.http_url
+            assert base is not None
+            status, body = await fetch(f"{base}/metrics")
+            if asked:
+                assert status == 401, body
+                assert json.loads(body)["error"]["code"] == "REACH_UNAUTHORIZED"
+                status, body = await fetch(f"{base}/metrics", headers={"Authorization": "x"})
+                assert status == 401, body
+            else:
+                assert status == 200 and b"reach_" in body, body[:200]
+            status, body = await fetch(f"{base}/metrics", headers=bearer)
+            assert status == 200 and b"reach_" in body, body[:200]
+            assert (await fetch(f"{base}/healthz"))[0] == 200
+            _, doc = await fetch(f"{base}/openapi.json")
+            metrics = json.loads(doc)["paths"]["/metrics"]["get"]
+            assert ("security" in metrics) is asked, metrics
+            assert ("401" in metrics["responses"]) is asked, metrics["responses"]
+
+
 # --------------------------------------------------------------------------- a real browser
 
 

@@ -123,6 +123,8 @@ class GuardMiddleware:
         self.app = app
         self.http = http
         self._posts: dict[str, ASGIApp] = {"/api/route": http.route}
+        #: Paths behind the token when it is set (``/metrics`` only if asked).
+        self._guarded = http.guarded_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -144,9 +146,7 @@ class GuardMiddleware:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         guard = self.http.guard
-        refusal = guard.check(
-            scope["method"], path, headers, auth=path.startswith(_GUARDED_PREFIXES)
-        )
+        refusal = guard.check(scope["method"], path, headers, auth=path.startswith(self._guarded))
         if refusal is None and "content-length" not in headers and "transfer-encoding" in headers:
             # A chunked body says no length: read here, within the guard's bound, before any
             # route (each reads a body its own way, some with no bound at all).
@@ -229,7 +229,11 @@ class HubHttp:
             "/metrics",
             summary="Prometheus metrics (text exposition)",
             response_class=Response,
-            responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+            responses={
+                200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}},
+                # Behind the token only with ``http_metrics_auth``.
+                **(errors(*refused) if self.hub.settings.http_metrics_auth else {}),
+            },
         )(self.metrics)
         app.get(
             "/healthz",
@@ -334,6 +338,13 @@ class HubHttp:
     def guard_has_token(self) -> bool:
         return self.hub.settings.http_token is not None
 
+    @property
+    def guarded_prefixes(self) -> tuple[str, ...]:
+        """Paths (prefixes) that want the bearer token when the hub has one: the API's, and
+        ``/metrics`` with ``http_metrics_auth``."""
+        extra = ("/metrics",) if self.hub.settings.http_metrics_auth else ()
+        return (*_GUARDED_PREFIXES, *extra)
+
     def _openapi(self) -> dict[str, Any]:
         """FastAPI's document plus the bearer scheme (required on /api/ when a token is set)."""
         if self.app.openapi_schema is None:
@@ -356,7 +367,7 @@ class HubHttp:
             }
             for path, item in doc["paths"].items():
                 for operation in item.values():
-                    if self.guard_has_token and path.startswith(_GUARDED_PREFIXES):
+                    if self.guard_has_token and path.startswith(self.guarded_prefixes):
                         operation["security"] = [{"bearer": []}]
                     # Validation answers 400 with the typed body (not FastAPI's 422).
                     responses = operation["responses"]
@@ -376,8 +387,9 @@ class HubHttp:
             # Said once, at start: its API answers 401 until then (docs/security.md).
             log.warning(
                 "HTTP API on port %d is closed: this hub has a NATS identity (secure mode) and "
-                "no http_token (REACH_HTTP_TOKEN), so /api/, /mcp and /a2a/ answer 401",
+                "no http_token (REACH_HTTP_TOKEN), so /api/, /mcp%s answer 401",
                 self.port,
+                ", /a2a/ and /metrics" if self.hub.settings.http_metrics_auth else " and /a2a/",
             )
 
     async def close(self) -> None:
