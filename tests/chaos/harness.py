@@ -533,8 +533,11 @@ class ChaosRun:
             ),
             f"  submit gave up: {self.stats.submit_gave_up}",
             f"  caller wait errors (retried): {dict(self.stats.wait_errors)}",
-            f"  callers' answers after the result was stored: {_lags(self.stats.answer_lag)}",
+            f"  callers' answers after the result's finished_at (its store included): "
+            f"{_lags(self.stats.answer_lag)}",
             f"    of those over 1 s, after the record was written: {_lags(self.stats.after_write)}",
+            "  waits that ran out after the record was written: "
+            + _ran_out(self.stats.ran_out_stored, self.stats.timed_out),
             f"  cancels sent: {len(self.stats.cancels)}, errors (asked again): "
             f"{dict(self.stats.cancel_errors)}",
             f"  route errors (asked again with the task id): {dict(self.stats.route_errors)}",
@@ -549,19 +552,57 @@ class ChaosRun:
 
 async def _after_write(client: Client, ns: str, stats: DriverStats) -> None:
     """Fill ``stats.after_write``: for each answer over 1 s late, the time between the final
-    record's write (its stream timestamp) and the caller's answer."""
+    record's write (its stream timestamp: the bucket keeps one message per key, and a final
+    record is written once) and the caller's answer; and ``stats.ran_out_stored``: the waits
+    that ran out after that write. (A write a cut-off leader took is stamped when it took it
+    and read only once it is committed, after the heal: a wait that ran out in between is
+    counted too, and an answer then looks late after the write.)"""
     js = client.nc.jetstream()
     stream = f"KV_{protocol.KV_WORKFLOWS}"
-    for wf, lag in stats.answer_lag.items():
-        if lag <= 1.0:
-            continue
+    written: dict[str, float] = {}
+    for wf in sorted(
+        {wf for wf, lag in stats.answer_lag.items() if lag > 1.0} | set(stats.timed_out)
+    ):
         subject = f"$KV.{protocol.KV_WORKFLOWS}.{protocol.workflow_key(ns, wf)}"
         try:
             raw = await js.get_last_msg(stream, subject)
         except Exception:
             continue
-        if raw.time is not None:
-            stats.after_write[wf] = stats.answered_at[wf] - raw.time.timestamp()
+        if raw.time is not None and _final(raw.data):
+            written[wf] = raw.time.timestamp()
+    for wf, lag in stats.answer_lag.items():
+        if lag > 1.0 and wf in written:
+            stats.after_write[wf] = stats.answered_at[wf] - written[wf]
+    stats.ran_out_stored = ran_out_after_write(stats.timed_out, written)
+
+
+def _final(data: bytes | None) -> bool:
+    """Whether a workflow record holds its result (a record never final has no write to
+    measure from)."""
+    try:
+        return bool(data) and json.loads(data or b"{}").get("result") is not None
+    except ValueError:
+        return False
+
+
+def ran_out_after_write(
+    timed_out: dict[str, list[float]], written: dict[str, float]
+) -> list[float]:
+    """For each wait that ran out (``timed_out``: workflow id -> when its waits did) after its
+    workflow's final record was written (``written``: workflow id -> when), how long after."""
+    return sorted(
+        t - written[wf]
+        for wf, ends in timed_out.items()
+        if wf in written
+        for t in ends
+        if t > written[wf]
+    )
+
+
+def _ran_out(gaps: list[float], timed_out: dict[str, list[float]]) -> str:
+    """The waits that ran out with the result stored, of all that ran out."""
+    total = sum(len(ends) for ends in timed_out.values())
+    return f"{len(gaps)} of {total}" + (f" (max {gaps[-1]:.3f} s after the write)" if gaps else "")
 
 
 def _lags(lags: dict[str, float]) -> str:
@@ -691,6 +732,7 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
                     "answered_at": stats.answered_at[wf],
                     "lag": lag,
                     "after_write": stats.after_write.get(wf),
+                    "timed_out": stats.timed_out.get(wf, []),
                 }
                 for wf, lag in stats.answer_lag.items()
             }

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import nats
 
 from reach_mesh import Client, RetryPolicy, Step
-from reach_mesh.errors import ReachError
+from reach_mesh.errors import MeshTimeoutError, ReachError
 
 from .agent_proc import CAPABILITY
 from .explained import ROUTE_TIMEOUT
@@ -171,14 +171,21 @@ class DriverStats:
     cancel_errors: Counter[str] = field(default_factory=Counter)
     #: workflow id -> the cancel's last answer (with ``t``, when it came) or an error string.
     cancels: dict[str, dict[str, Any] | str] = field(default_factory=dict)
-    #: workflow id -> how long (s) after its result was stored the caller had it (an
-    #: announcement lost on the way shows here: the wait then ends on a read of the record).
+    #: workflow id -> how long (s) after its result's ``finished_at`` the caller had it: the
+    #: hub sets it before it stores the result, so this includes the store (a record bucket
+    #: electing a leader holds it for seconds), not only what the answer took once stored
+    #: (``after_write``).
     answer_lag: dict[str, float] = field(default_factory=dict)
     #: When (wall clock) each caller had its answer.
     answered_at: dict[str, float] = field(default_factory=dict)
     #: For answers over 1 s after ``finished_at``: how long after the final record was written
     #: (the stream's own timestamp) — what the announcement, not the store, took.
     after_write: dict[str, float] = field(default_factory=dict)
+    #: workflow id -> when (wall clock) each of its caller's waits ran out (``MeshTimeoutError``).
+    timed_out: dict[str, list[float]] = field(default_factory=dict)
+    #: For each wait that ran out after its record's final write: how long after it (s) — a
+    #: stored result its caller did not have when its wait ended.
+    ran_out_stored: list[float] = field(default_factory=list)
     #: Errors of routed requests (each asked again with its task id), by type.
     route_errors: Counter[str] = field(default_factory=Counter)
     #: task id -> its caller's answer (the fields the checker reads) or its last error.
@@ -223,6 +230,8 @@ async def drive(
                 return
             except (ReachError, nats.errors.Error, TimeoutError) as err:
                 stats.wait_errors[type(err).__name__] += 1
+                if isinstance(err, MeshTimeoutError):
+                    stats.timed_out.setdefault(p.workflow_id, []).append(time.time())
                 if time.monotonic() >= deadline:
                     callers[p.workflow_id] = f"{type(err).__name__}: {err}"
                     return
