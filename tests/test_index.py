@@ -122,6 +122,26 @@ def test_nearest() -> None:
     assert not index.nearest(Selector.parse("zzz=1"))
 
 
+def test_nearest_suggests_keys_agents_have_for_a_misspelled_one() -> None:
+    index = _index(REGISTRY)
+    near = index.nearest(Selector.parse("cap=email:send:v1 AND regin=cn-east"))
+    assert near.similar_keys == {"regin": ["region"]}
+    # A comparison's key is compared with the keys that hold quantities only.
+    assert index.nearest(Selector.parse("mme_gte=8GiB")).similar_keys == {"mme": ["mem"]}
+    # "capability=<a capability>" means cap=...
+    near = index.nearest(Selector.parse("capability=email:send:v1"))
+    assert near.similar_keys == {"capability": ["cap"]}
+    # A key some agent has, a negative term, a key like nothing: no suggestion.
+    for text in ("region=mars", "regin!=cn-east", "regin !exists", "zzz=1"):
+        assert index.nearest(Selector.parse(text)).similar_keys == {}, text
+    # Within a namespace: only the keys its agents have.
+    other = _index({"other.x.y": (frozenset({"a:b:v1"}), {"zone": "z1"})})
+    assert other.nearest(Selector.parse("zome=z1"), namespace="other").similar_keys == {
+        "zome": ["zone"]
+    }
+    assert other.nearest(Selector.parse("zome=z1"), namespace="ns").similar_keys == {}
+
+
 # -- equivalence with the brute force ----------------------------------------------------------
 
 _CAPS = ["email:send:v1", "email:read:v1", "data:query:v2", "img:gen:v1"]

@@ -103,6 +103,16 @@ async def test_no_match_explains_nearest(hub: Hub, settings: MeshSettings, names
         with pytest.raises(NoMatchError) as info:
             await c.request(capability="work:echo:v2", payload=1)
         assert "work:echo:v1" in info.value.details["similar_capabilities"]
+        # A misspelled label key: no agent has it, the message says which one they have.
+        with pytest.raises(NoMatchError) as info:
+            await c.request(selector="cap=work:echo:v1 AND regin=cn-east", payload=1)
+        assert info.value.details["similar_keys"] == {"regin": ["region"]}
+        assert info.value.message.endswith(
+            "no agent has a label 'regin' (did you mean region=cn-east?)"
+        ), info.value.message
+        with pytest.raises(NoMatchError) as info:
+            await c.request(selector="capability=work:echo:v1", payload=1)
+        assert "did you mean cap=work:echo:v1?" in info.value.message, info.value.message
 
 
 async def test_explained_decision_lists_filters_and_scores(

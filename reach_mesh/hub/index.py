@@ -28,12 +28,12 @@ import heapq
 import random
 import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Final
 
-from reach_mesh.selector import CAPABILITY_KEY, Selector, label_quantities
+from reach_mesh.selector import CAPABILITY_KEY, CAPABILITY_RE, Selector, Term, label_quantities
 
 __all__ = ["AgentIndex", "Matches", "NearMiss"]
 
@@ -58,14 +58,19 @@ class NearMiss:
     (only for selectors of two or more terms). ``similar_capabilities``: known capabilities
     close to requested ones that no agent has. ``similar_values``: for ``key=value`` terms that
     no agent satisfies, close values that do exist for that key (``cn_east`` → ``cn-east``).
+    ``similar_keys``: for positive label terms whose key no agent has at all, close keys that
+    agents do have (``regin=eu-west`` → ``region``; ``capability=…`` → ``cap``).
     """
 
     partial: list[tuple[str, str]] = field(default_factory=list)
     similar_capabilities: list[str] = field(default_factory=list)
     similar_values: dict[str, list[str]] = field(default_factory=dict)
+    similar_keys: dict[str, list[str]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.partial or self.similar_capabilities or self.similar_values)
+        return bool(
+            self.partial or self.similar_capabilities or self.similar_values or self.similar_keys
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,7 +550,28 @@ class AgentIndex:
                 )
                 if close:
                     near.similar_values[term.key] = close
+        self._similar_keys(terms, within, limit, near)
         return near
+
+    def _similar_keys(self, terms: Sequence[Term], within: int, limit: int, near: NearMiss) -> None:
+        """``near.similar_keys``: a positive label term (``=``, ``exists``, a comparison) whose
+        key no agent of ``within`` has is most likely a misspelled key, not a missing agent."""
+        known: list[str] | None = None
+        for term in terms:
+            key = term.key
+            if key == CAPABILITY_KEY or term.op in ("!=", "!exists") or key in near.similar_keys:
+                continue
+            if self._key_bits.get(key, 0) & within:
+                continue
+            if term.op == "=" and CAPABILITY_RE.fullmatch(term.value or "") is not None:
+                near.similar_keys[key] = [CAPABILITY_KEY]  # capability=a:b:v1 means cap=a:b:v1
+                continue
+            if known is None:
+                known = sorted(k for k, bits in self._key_bits.items() if bits & within)
+            pool = known if term.number is None else [k for k in known if k in self._quantities]
+            close = difflib.get_close_matches(key, pool, n=limit, cutoff=_SIMILARITY_CUTOFF)
+            if close:
+                near.similar_keys[key] = close
 
 
 def _discard(mapping: dict[str, set[str]], key: str, agent_id: str) -> None:

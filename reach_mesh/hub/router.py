@@ -13,6 +13,7 @@ bounded random sample of a very large candidate set (see :data:`SAMPLE_SIZE`).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -457,6 +458,8 @@ class Router:
                 "similar_capabilities": near.similar_capabilities,
                 "similar_values": near.similar_values,
             }
+            if near.similar_keys:
+                nearest["similar_keys"] = near.similar_keys
         decision.filtered = filtered + self._unselected(selector, ids, namespace)
         decision.nearest = nearest or None
         here = [f for f in filtered if not f.reason.startswith(_OTHER_NS)]
@@ -480,6 +483,10 @@ class Router:
             # A misspelled label value ("region=eu-wset"): the values agents do have.
             close = [f"{k}={v}" for k, vs in values.items() for v in vs[:3]]
             msg += f"; did you mean {' or '.join(close[:3])}?"
+        keys = nearest.get("similar_keys")
+        if isinstance(keys, dict) and keys and selector is not None:
+            # A misspelled label key ("regin=eu-west"): no agent has it at all.
+            msg += "; " + _key_hint(selector, keys)
         return NoMatchError(msg, decision=decision.model_dump(exclude_none=True), **nearest)
 
     def _unselected(
@@ -611,3 +618,18 @@ def _elsewhere_sentence(namespace: str, counts: dict[str, int]) -> str:
         f"no agent in namespace {namespace!r} matches; {where} "
         f"(ask namespace {top!r}: --namespace {top} / Client(namespace={top!r}))"
     )
+
+
+def _key_hint(selector: Selector, keys: dict[str, list[str]]) -> str:
+    """``no agent has a label 'regin' (did you mean region=eu-west?)`` for each key of
+    ``keys`` (a misspelled key → the close keys agents have), the term rewritten with them."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for term in selector.terms:
+        close = keys.get(term.key)
+        if not close or term.key in seen:
+            continue
+        seen.add(term.key)
+        tries = " or ".join(str(dataclasses.replace(term, key=k)) for k in close[:3])
+        out.append(f"no agent has a label {term.key!r} (did you mean {tries}?)")
+    return "; ".join(out)
