@@ -110,6 +110,14 @@ def check_url(server: str) -> None:
         ) from None
 
 
+_REFUSED: Final = "connection refused"
+#: What to do when nothing listens where the URL points: the usual first-hour mistake.
+_NO_SERVER_HINT: Final = (
+    "is nats-server running? `reach-mesh up` starts one on 4222; else point --nats or "
+    "$REACH_NATS_URL at yours"
+)
+
+
 async def diagnose(servers: list[str], err: BaseException) -> str:
     """Why the first connect failed, in words: unknown host, refused port, or what nats said."""
     loop = asyncio.get_running_loop()
@@ -127,7 +135,7 @@ async def diagnose(servers: list[str], err: BaseException) -> str:
             async with asyncio.timeout(1.0):
                 _, writer = await asyncio.open_connection(host, port)
         except ConnectionRefusedError:
-            causes.append(f"connection refused: nothing listens on {host}:{port}")
+            causes.append(f"{_REFUSED}: nothing listens on {host}:{port}")
             continue
         except (OSError, TimeoutError):
             causes.append(f"no answer from {host}:{port}")
@@ -138,7 +146,10 @@ async def diagnose(servers: list[str], err: BaseException) -> str:
     if not causes:
         # The port answers: the NATS handshake failed (TLS, authorization, not a NATS server).
         return str(err) or repr(err)
-    return "; ".join(dict.fromkeys(causes))
+    said = "; ".join(dict.fromkeys(causes))
+    if any(cause.startswith(_REFUSED) for cause in causes):
+        said += f" ({_NO_SERVER_HINT})"
+    return said
 
 
 async def answering(servers: list[str]) -> bool:

@@ -117,6 +117,19 @@ def test_unreachable_nats_says_why(url: str, cause: str) -> None:
     _fails_in_one_line(["agents", "--nats", url], _env(), "REACH_UNAVAILABLE", cause, code=3)
 
 
+def test_nothing_listening_says_what_to_do() -> None:
+    """The first-hour mistake: no server started yet. The line says how to start one."""
+    url = f"nats://127.0.0.1:{_refused_port()}"
+    _fails_in_one_line(
+        ["doctor", "--nats", url],
+        _env(),
+        "connection refused",
+        "is nats-server running? `reach-mesh up` starts one",
+        "$REACH_NATS_URL",
+        code=3,
+    )
+
+
 @pytest.mark.parametrize(
     ("url", "cause"),
     [
