@@ -17,7 +17,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from reach_mesh import _runner
 from reach_mesh._auth import AuthDir
@@ -29,8 +29,22 @@ from reach_mesh.server import EmbeddedNats
 if TYPE_CHECKING:
     from reach_mesh.hub import Hub
 
-__all__ = ["DEFAULT_NATS_PORT", "cmd_agent", "cmd_demo", "cmd_hub", "cmd_up", "load_agents"]
+__all__ = [
+    "DEFAULT_NATS_PORT",
+    "DEMO_NEXT",
+    "cmd_agent",
+    "cmd_demo",
+    "cmd_hub",
+    "cmd_up",
+    "load_agents",
+]
 
+
+#: The demo's last line when it ran its own server: where the commands it printed work.
+DEMO_NEXT: Final = (
+    "the demo's mesh stopped with it: to try those commands, run `reach-mesh up --demo` in "
+    'another terminal and export the REACH_NATS_URL it prints (README, "Running a mesh")'
+)
 
 #: ``up`` listens here unless told otherwise, so a restart comes back on the same URL and the
 #: agents and hubs still connected to the last run reconnect by themselves.
@@ -252,4 +266,7 @@ async def cmd_demo(args: argparse.Namespace) -> int:
 
     async with _nats(args) as url:
         failures = await run_demo(settings_of(args, nats_url=url))
+    if not args.nats_flag:
+        # The commands printed above need a mesh, and this one stopped with the demo.
+        print(DEMO_NEXT, flush=True)
     return 1 if failures else 0

@@ -13,13 +13,17 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from pydantic import BaseModel
 
+from reach_mesh import protocol
 from reach_mesh._cli_doctor import diagnose
+from reach_mesh._nats import connect, shown
 from reach_mesh.agent import Agent, Task
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
-from reach_mesh.errors import NoMatchError, ReachError
+from reach_mesh.errors import BadRequestError, NoMatchError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.models import ToolSpec
 from reach_mesh.workflow import Step
@@ -71,7 +75,7 @@ def demo_agents(settings: MeshSettings | None = None) -> list[Agent]:
         }
 
     @calculator.handler("math:stats:v1")
-    async def stats(task: Task[Numbers]) -> dict[str, float]:
+    async def stats(task: Task[Numbers]) -> dict[str, int | float]:  # n stays a count
         vals = task.payload.values
         return {"n": len(vals), "sum": sum(vals), "mean": sum(vals) / len(vals) if vals else 0.0}
 
@@ -90,9 +94,37 @@ def _quiet(logger: str) -> Iterator[None]:
         log.setLevel(level)
 
 
+async def _served_already(settings: MeshSettings, agent_ids: list[str]) -> list[str]:
+    """The ids among ``agent_ids`` that a live process serves on this NATS already (its ctl
+    subject answers, or does not say "no responders"): a demo agent started beside one would
+    wait for it to stop (one process per agent id), and the demo with it, for ever."""
+    nc = await connect(settings.nats_url, name="reach-mesh demo", settings=settings)
+    served: list[str] = []
+    try:
+        for agent_id in agent_ids:
+            try:
+                await nc.request(protocol.agent_ctl(agent_id), b'{"op":"ping"}', timeout=1.0)
+            except NoRespondersError:
+                continue
+            except NatsError:
+                pass  # subscribed but silent (paused): still in the way
+            served.append(agent_id)
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
+    return served
+
+
 @contextlib.asynccontextmanager
 async def _fleet(settings: MeshSettings) -> AsyncIterator[list[Agent]]:
     agents = demo_agents(settings)
+    served = await _served_already(settings, [a.agent_id for a in agents])
+    if served:
+        raise BadRequestError(
+            f"the demo's agents already run on {shown(settings.nats_url)} ({', '.join(served)}: "
+            "`reach-mesh up --demo`?), and the demo starts its own: run `reach-mesh demo` "
+            "without --nats (it starts its own NATS), or stop those agents first"
+        )
     async with Hub(settings=settings):
         try:
             for agent in agents:
@@ -227,12 +259,22 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
                 await mesh.request(capability="text:translate:v2", payload={"text": "x"})
         except NoMatchError as err:
             out(f"[ok ] no match is typed: {err.code}: {err.message}")
+        else:
+            failures += 1
+            out("[ERR] no match is typed: text:translate:v2 was served, by nobody that should")
         decision = await mesh.route(selector="cap=text:translate:v1 AND region=eu-west")
         out(
             f"[ok ] explained: {decision.target} -> {decision.chosen} "
             f"(strategy {decision.strategy}, {len(decision.candidates)} candidate(s))"
         )
         agents_info = await mesh.agents()
+        online = sum(info.state.value == "ONLINE" for info in agents_info)
+        out(
+            f"[{'ok ' if online == len(agents) else 'ERR'}] fleet: {online} of "
+            f"{len(agents_info)} agent(s) ONLINE (reach-mesh agents --namespace {mesh.namespace})"
+        )
+        if online != len(agents):
+            failures += 1
         for info in agents_info:
             out(
                 f"      {info.agent_id:<22} {info.state.value:<8} load {info.load:.2f} "

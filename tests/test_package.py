@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import subprocess
@@ -10,8 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
-from reach_mesh import BadLeaseError, Client, MeshSettings, NotPermittedError, load_settings
+from reach_mesh import (
+    BadLeaseError,
+    BadRequestError,
+    Client,
+    MeshSettings,
+    NotPermittedError,
+    load_settings,
+    protocol,
+)
+from reach_mesh._cli_serve import DEMO_NEXT
 from reach_mesh.agent import Agent, Task
 from reach_mesh.demo import run_demo
 from reach_mesh.hub import Hub
@@ -77,7 +89,28 @@ async def test_demo_runs_to_completion(nats_url: str) -> None:
     assert "FAILED REACH_WORKFLOW_CANCELLED (step 0 SUCCEEDED, step 1 cancelled)" in text
     assert "[ok ] listed: " in text and "1 FAILED" in text  # the cancelled chain
     assert "[ok ] doctor: " in text and " 0 failed (reach-mesh doctor)" in text
+    assert "[ok ] fleet: 3 of 3 agent(s) ONLINE (reach-mesh agents --namespace demo)" in text
+    assert '{"n": 3, "sum": 12.0, "mean": 4.0}' in text  # a count is an integer
     assert lines[-1] == "demo finished: all tasks succeeded"
+
+
+async def test_demo_beside_running_demo_agents_says_so_at_once(nats_url: str, nc: NATS) -> None:
+    """`reach-mesh demo --nats URL` on a mesh that runs the demo's agents already (`reach-mesh
+    up --demo`): its own agents would wait for those to stop, and the demo hang; it says why."""
+
+    async def answer(msg: Msg) -> None:  # a live process serving demo.calc.c1
+        await msg.respond(b'{"session": "s"}')
+
+    sub = await nc.subscribe(protocol.agent_ctl("demo.calc.c1"), cb=answer)
+    await nc.flush()
+    try:
+        async with asyncio.timeout(15):
+            with pytest.raises(BadRequestError) as info:
+                await run_demo(MeshSettings(nats_url=nats_url), out=lambda _: None)
+    finally:
+        await sub.unsubscribe()
+    assert "the demo's agents already run on" in info.value.message
+    assert "demo.calc.c1" in info.value.message and "translator" not in info.value.message
 
 
 def test_demo_command_with_embedded_server() -> None:
@@ -95,6 +128,8 @@ def test_demo_command_with_embedded_server() -> None:
     assert "demo finished: all tasks succeeded" in out.stdout
     assert "WARNING" not in out.stdout + out.stderr  # its deliberate no-match is no fault
     assert "did you mean text:translate:v1?" in out.stdout
+    # Its mesh is gone when it ends: the last line says where the commands it printed work.
+    assert out.stdout.strip().splitlines()[-1] == DEMO_NEXT
 
 
 def test_otel_environment_turns_tracing_on_in_the_cli() -> None:
