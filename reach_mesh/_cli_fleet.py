@@ -409,7 +409,7 @@ def add_admin_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) -> No
             "--reason and who asked. In secure mode it needs the operator identity "
             "(REACH_CONFIG=<auth dir>/operator.admin.yaml)."
         )
-        sp.add_argument("agent_id")
+        sp.add_argument("agent_id", help="namespace.service.instance, e.g. demo.calc.c1")
         sp.add_argument(
             "--reason",
             metavar="TEXT",

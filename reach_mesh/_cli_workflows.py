@@ -42,7 +42,9 @@ def add_workflow_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) ->
     workflow = cmd(
         "workflow", "one workflow as it stands: owner, each step's state, attempts and errors"
     )
-    workflow.add_argument("workflow_id")
+    workflow.add_argument(
+        "workflow_id", help="as a caller got it (res.workflow_id, submit_*) or `workflows` lists"
+    )
     workflow.add_argument("--namespace", help="its namespace (default: the configured one)")
     workflow.add_argument("--json", action="store_true", help="print JSON")
     workflow.set_defaults(func=cmd_workflow)
@@ -83,7 +85,9 @@ def add_workflow_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) ->
         "stop a running workflow: unfinished steps are cancelled, its result is FAILED "
         "(REACH_WORKFLOW_CANCELLED)",
     )
-    cancel.add_argument("workflow_id")
+    cancel.add_argument(
+        "workflow_id", help="as a caller got it (res.workflow_id, submit_*) or `workflows` lists"
+    )
     cancel.add_argument("--namespace", help="its namespace (default: the configured one)")
     cancel.add_argument("--reason", help="why (kept in its result's error and the audit)")
     cancel.add_argument(

@@ -278,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = argparse.ArgumentParser(
         prog="reach-mesh",
-        description=__doc__.split("\n")[0],
+        description="Run the mesh, talk to it, inspect it.\n"
+        "`reach-mesh COMMAND --help`: one command's options.",
         parents=[common],
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -446,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(func=cmd_doctor)
 
     inspect = cmd("inspect", "one agent in detail")
-    inspect.add_argument("agent_id")
+    inspect.add_argument("agent_id", help="namespace.service.instance, e.g. demo.calc.c1")
     inspect.set_defaults(func=cmd_inspect)
 
     reach = cmd("reach", "send one task through the mesh and print the result")

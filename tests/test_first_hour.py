@@ -370,3 +370,19 @@ async def test_reach_waits_the_configured_request_timeout(
     assert proc.returncode == 5, (out, err)
     assert err.startswith(b"error REACH_TIMEOUT"), err
     assert took < 20, took  # the old fixed default waited 30 s
+
+
+def test_help_is_plain_text_and_every_argument_says_what_it_takes() -> None:
+    """`reach-mesh --help` shows no reST markup (``…``), and no command has a bare positional
+    argument (`inspect agent_id` with nothing saying its form)."""
+    import argparse
+
+    from reach_mesh.cli import build_parser
+
+    parser = build_parser()
+    assert "``" not in parser.format_help()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if not action.option_strings and not isinstance(action, argparse._SubParsersAction):
+                assert action.help, f"reach-mesh {name}: {action.dest} has no help"
