@@ -19,6 +19,7 @@ from reach_mesh import (
     MeshUnavailableError,
     NoMatchError,
     ThrottledError,
+    UnknownAgentError,
     protocol,
 )
 from reach_mesh.agent import Agent, Task
@@ -113,6 +114,16 @@ async def test_no_match_explains_nearest(hub: Hub, settings: MeshSettings, names
         with pytest.raises(NoMatchError) as info:
             await c.request(selector="capability=work:echo:v1", payload=1)
         assert "did you mean cap=work:echo:v1?" in info.value.message, info.value.message
+        # An agent id with a typo: the registered ids of its namespace that are close.
+        with pytest.raises(NoMatchError) as info:
+            await c.request(agent_id=f"{namespace}.w.a9", payload=1)
+        assert info.value.message.endswith(f"is not registered; did you mean {a.agent_id}?"), (
+            info.value.message
+        )
+        with pytest.raises(UnknownAgentError) as unknown:
+            await c.inspect(f"{namespace}.w.a9")
+        assert unknown.value.message.endswith(f"did you mean {a.agent_id}?")
+        assert unknown.value.details["similar_agents"] == [a.agent_id]
 
 
 async def test_explained_decision_lists_filters_and_scores(

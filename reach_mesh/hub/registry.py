@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import itertools
 import logging
 import math
@@ -73,6 +74,11 @@ _LOAD_TIMEOUT: Final = 30.0
 #: A registration's record written over the entry its session check read (compare-and-set):
 #: at most this many tries when other writes of the key came between (``Registry.register``).
 _RECORD_TRIES: Final = 3
+#: An unknown agent id's "did you mean": the registered ids of its namespace looked at, at most
+#: (difflib is quadratic in the id's length, linear in their number), and how close they must
+#: be (demo.calc.c9 → demo.calc.c1 is 0.92, as is a misspelled service: demo.calk.c1).
+_SIMILAR_SCAN: Final = 2_000
+_SIMILAR_ID_CUTOFF: Final = 0.85
 
 
 def stored_beat(hb: Heartbeat) -> bytes:
@@ -587,7 +593,21 @@ class Registry(RegistryWatch):
                 agent_id=agent_id,
                 left_at=left,
             )
+        close = self._similar_ids(agent_id)
+        if close:
+            return UnknownAgentError(
+                f"agent {agent_id!r} is not registered; did you mean {' or '.join(close)}?",
+                agent_id=agent_id,
+                similar_agents=close,
+            )
         return UnknownAgentError(f"agent {agent_id!r} is not registered", agent_id=agent_id)
+
+    def _similar_ids(self, agent_id: str) -> list[str]:
+        """Registered ids of ``agent_id``'s namespace that are close to it (a typo: ``c9`` for
+        ``c1``); the first ``_SIMILAR_SCAN`` of the namespace only, an error path's work."""
+        members = self.index.members(protocol.namespace_of(agent_id))
+        ids = list(itertools.islice(members, _SIMILAR_SCAN))
+        return difflib.get_close_matches(agent_id, ids, n=3, cutoff=_SIMILAR_ID_CUTOFF)
 
     def recently_lost(self, namespace: str | None = None) -> list[dict[str, Any]]:
         """Agents declared LOST in the last 15 minutes (and not back), newest first: id, when
