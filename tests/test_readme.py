@@ -188,7 +188,8 @@ def test_readme_running_a_mesh_works_as_written(tmp_path: Path, user_env: dict[s
             timeout=90,
         )
         assert run.returncode == 0, run.stderr
-        assert re.search(r"^fanout SUCCEEDED", run.stdout, re.M), run.stdout
+        fanned = r"^fanout SUCCEEDED \[\('demo\.\S+', 'SUCCEEDED'\)"  # states as words
+        assert re.search(fanned, run.stdout, re.M), run.stdout
         assert re.search(r"^chain SUCCEEDED \{'summary'", run.stdout, re.M), run.stdout
         assert re.search(r"^event done SUCCEEDED", run.stdout, re.M), run.stdout
         assert re.search(r"^submitted SUCCEEDED", run.stdout, re.M), run.stdout
