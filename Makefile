@@ -3,21 +3,27 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+# the package alone (what `make demo` needs); STAMP adds the dev tools (tests, lint) on top
+RUN_STAMP := $(VENV)/.run-stamp
 # npm packages of the JS conformance tests (conformance/js), installed by `make test` too
 JS_STAMP := conformance/js/node_modules/.installed-stamp
 
 .PHONY: demo test chaos fuzz conformance conformance-deps lint fmt bench bench-gateway bench-ab \
         bench-soak install clean
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUN_STAMP)
 	$(VENV)/bin/reach-mesh demo
 
 # make test                           the suite on TEST_WORKERS (2) processes (pytest-xdist); the
