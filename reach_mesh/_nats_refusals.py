@@ -36,7 +36,7 @@ _REFUSALS_KEPT: Final = 256
 _REFUSED_HINT: Final = (
     "operator commands (cordon, remove, agents of every namespace, audit, ...) need the "
     "operator identity (REACH_CONFIG=<auth dir>/operator.admin.yaml); a caller identity acts "
-    "in its own namespace only (docs/security.md)"
+    "in its own namespace only: name it (reach-mesh agents --namespace <ns>; docs/security.md)"
 )
 
 

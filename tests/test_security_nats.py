@@ -395,6 +395,8 @@ async def test_a_refused_identity_is_told_at_once_not_timed_out(
         assert loop.time() - t0 < 2.0
         assert err.value.details["subject"] == protocol.hub_subject(NS, "admin")
         assert exit_code(err.value) == EXIT_USAGE
+        # A caller's own reads need only its namespace named: the line says how.
+        assert "reach-mesh agents --namespace <ns>" in err.value.message
         for _ in range(3):
             with pytest.raises(NotPermittedError):
                 await caller.admin("cordon", VICTIM)
