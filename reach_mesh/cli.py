@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, TextIO
+from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
 
 from reach_mesh import __version__, _runner
 from reach_mesh._auth import AuthDir
@@ -252,6 +254,55 @@ async def cmd_auth(args: argparse.Namespace) -> int:
 _TRACE_HELP = "span exporter (default: the OTEL_* environment; off when unset)"
 
 
+#: Commands a new user tries first, from other tools, and the reach-mesh command for each.
+_FAMILIAR: Final[Mapping[str, str]] = {
+    "status": "doctor",
+    "health": "doctor",
+    "check": "doctor",
+    "explain": "reach --dry-run",
+    "route": "reach --dry-run",
+    "send": "reach",
+    "request": "reach",
+    "call": "reach",
+    "list": "agents",
+    "ls": "agents",
+    "fleet": "agents",
+    "get": "inspect",
+    "describe": "inspect",
+    "logs": "audit",
+    "events": "audit",
+    "server": "up",
+    "start": "up",
+    "run": "up",
+}
+_INVALID_COMMAND: Final = re.compile(r"argument COMMAND: invalid choice: '([^']*)'")
+
+
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: an unknown command also says which one was meant."""
+
+    def error(self, message: str) -> NoReturn:
+        wrong = _INVALID_COMMAND.search(message)
+        if wrong is not None:
+            given = wrong.group(1).lower()
+            meant = _FAMILIAR.get(given)
+            if meant is None:  # a typo, of a command or of a familiar name
+                close = difflib.get_close_matches(given, [*_commands(self), *_FAMILIAR], n=1)
+                meant = _FAMILIAR.get(close[0], close[0]) if close else None
+            if meant is not None:
+                message = f"unknown command {wrong.group(1)!r}: did you mean `reach-mesh {meant}`?"
+            else:
+                message += " (reach-mesh --help says what each does)"
+        super().error(message)
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Global options may come before or after the subcommand (`reach-mesh --nats URL agents`):
     # both parsers have them, and SUPPRESS keeps a subcommand from resetting what came before.
@@ -276,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="show the traceback of an error (normally one line)",
     )
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="reach-mesh",
         description="Run the mesh, talk to it, inspect it.\n"
         "`reach-mesh COMMAND --help`: one command's options.",
@@ -285,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"reach-mesh {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=argparse.ArgumentParser
+    )
 
     def cmd(name: str, help: str) -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help, description=help, parents=[common])

@@ -386,3 +386,35 @@ def test_help_is_plain_text_and_every_argument_says_what_it_takes() -> None:
         for action in command._actions:
             if not action.option_strings and not isinstance(action, argparse._SubParsersAction):
                 assert action.help, f"reach-mesh {name}: {action.dest} has no help"
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("status", "doctor"),  # a name from other tools
+        ("explain", "reach --dry-run"),
+        ("agnets", "agents"),  # a typo of a command
+        ("stauts", "doctor"),  # a typo of a familiar name
+    ],
+)
+def test_an_unknown_command_says_which_one_was_meant(
+    typed: str, meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from reach_mesh.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--nats", "nats://127.0.0.1:4222", typed])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unknown command {typed!r}: did you mean `reach-mesh {meant}`?" in err, err
+
+
+def test_an_unknown_command_like_none_points_at_the_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from reach_mesh.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["xyzzy"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'xyzzy'" in err and "reach-mesh --help says what each does" in err
