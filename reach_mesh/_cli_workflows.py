@@ -91,7 +91,10 @@ def add_workflow_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) ->
     cancel.add_argument("--namespace", help="its namespace (default: the configured one)")
     cancel.add_argument("--reason", help="why (kept in its result's error and the audit)")
     cancel.add_argument(
-        "--timeout", type=float, default=10.0, help="seconds to wait for its final result"
+        "--timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for its final result (default 10)",
     )
     cancel.add_argument(
         "--before-start",
