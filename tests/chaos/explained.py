@@ -15,6 +15,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from reach_mesh.hub._holders import HOLDER_WAIT
+
 if TYPE_CHECKING:
     from .history import Fault, Run
 
@@ -289,7 +291,9 @@ def _unregistered_at_retry(
 ) -> bool:
     """Whether a route's second run was its caller's retry after its wait for the first run's
     answer ran out (from ``SLACK`` s before ``ROUTE_TIMEOUT`` s after the first run started to
-    ``SLACK`` s after), the agent of that run cut off as the run ended, its answer lost, by a
+    ``SLACK`` s after, plus ``HOLDER_WAIT``: its hub, the retry marked as a resend, waits that
+    long to hear from a holder before it routes it as new), the agent of that run cut off as
+    the run ended, its answer lost, by a
     partition long enough to have it declared LOST (``HEAL`` s or more), healed before the
     retry and at most ``ELECTIONS`` s before it, and that agent's try to register again
     refused between the heal and the retry (its log says so: ``unregistered``, from
@@ -300,7 +304,11 @@ def _unregistered_at_retry(
     registration refused past ``HEAL`` (secure seed 168, ``partition``, route r00049: its
     agent cut off 70 ms into the run for 7.3 s with ``n0``, leader of ``KV_reach_tasks``, its
     registration refused 2.1 s after the heal and not taken for 11 s more; the retry 10.8 s
-    after the run began, 3.4 s after the heal).
+    after the run began, 3.4 s after the heal. Secure seed 207, ``partition``, route r00049
+    again: ``a5`` cut off 46 ms into the run for 8.0 s with ``n0``, declared LOST, its
+    registration refused 1.2 s after the heal; a route to it by agent id (the retry, by its
+    time) found "no routable agent" 10.25 s after the run began; routed as new on ``a3``
+    11.10 s after it, past the ``HOLDER_WAIT`` of a resend nobody claimed).
 
     Or the second run came when the retry's wait for that agent ran out (``SLACK`` s either
     side of ``HOLDER_WAITED`` s after the first run started), the retry asked (and the cut
@@ -312,8 +320,8 @@ def _unregistered_at_retry(
     registration at 9.2 s; the second run 15.74 s after the first began, 5.74 s after the
     heal)."""
     since = dup.start - prev.start
-    if abs(since - ROUTE_TIMEOUT) <= SLACK:
-        asked = dup.start  # routed as new at once: registered at no hub (seed 168)
+    if ROUTE_TIMEOUT - SLACK <= since <= ROUTE_TIMEOUT + HOLDER_WAIT + SLACK:
+        asked = dup.start  # routed as new at once: registered at no hub (seeds 168, 207)
     elif abs(since - HOLDER_WAITED) <= SLACK:
         asked = dup.start - ROUTE_TIMEOUT / 2  # after the wait for the holder (seed 171)
     else:

@@ -469,6 +469,10 @@ def test_a_routes_retry_while_its_holders_registration_was_refused_is_explained(
     assert check(routed(cut, refused=(13.0,))).dup_unexplained == 1  # after the retry
     other = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 14.0, 14.1, "ok")
     assert check(routed(cut, second=other)).dup_unexplained == 1  # not the caller's retry
+    # Secure seed 207 (``chaos-207-r00049``): the retry routed as new 11.1 s after the run
+    # began, past the ``HOLDER_WAIT`` of a resend nobody claimed.
+    resent = Run("rr2", None, None, "r1", 1, "ns.a.a2", 1, 13.1, 13.2, "ok")
+    assert check(routed(cut, second=resent)).dup_unexplained == 0
     answered = Fault("partition", "n0", 3.2, 9.33, cut_off=("ns.a.a1",))
     assert check(routed(answered)).dup_unexplained == 1
     short = Fault("partition", "n0", 2.07, 4.5, cut_off=("ns.a.a1",))
