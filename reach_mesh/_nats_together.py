@@ -1,6 +1,6 @@
 """A process's NATS connections kept on one server of a cluster, after reconnections too.
 
-A hub holds three connections (main; routes; statuses: ``hub/_hub.py``). Spread over a
+A hub holds four connections (main; routes; statuses; agents: ``hub/_hub.py``). Spread over a
 cluster's servers, a partition between those servers lost every proxy route's answer (the
 request taken on one side, the task and the answer sent on the other). At connect the others
 list main's server first (``_nats_urls.beside``); after that, each connection reconnects on
@@ -8,7 +8,7 @@ its own. :class:`Together` keeps them together from then on, with one rule — *
 goes where the others are*:
 
 * When a connection reconnects (its server lost, a slow-consumer cut, a lame-duck notice), it
-  tries the server its siblings are on first: the main one's for routes and statuses; for the
+  tries the server its siblings are on first: the main one's for the others; for the
   main one, the server of a sibling that is up. Once per reconnection: if that server does
   not take it, it picks as nats-py would (the server tried least lately, the one it lost
   last, 0.25 s between two tries of one server) — no loop on a server that some connections

@@ -466,7 +466,7 @@ async def test_a_node_in_lame_duck_mode_is_left_at_once(
         s_a, s_b = _sides(urls, "ldm", lease_timeout=15.0, suspect_timeout=15.0)
         async with _across(s_a, s_b, "ldm") as (hub_a, agent, c):
             port = int(urls[0].rsplit(":", 1)[1])
-            conns = [agent.nc, hub_a.nc, hub_a._route_nc, hub_a._status_nc]
+            conns = [agent.nc, hub_a.nc, hub_a._route_nc, hub_a._status_nc, hub_a._agents_nc]
             assert all(nc is not None and nc.connected_url.port == port for nc in conns)  # type: ignore[union-attr]
 
             def moved() -> bool:

@@ -120,7 +120,9 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         #: ``start``).
         self._route_nc: NATS | None = None
         self._status_nc: NATS | None = None
-        #: Keeps the three on the main one's server after reconnections (``_nats_together``).
+        #: And what agents send (their verbs, their answers), and what they answer.
+        self._agents_nc: NATS | None = None
+        #: Keeps the four on the main one's server after reconnections (``_nats_together``).
         self.together = Together(self.hub_id)
         self._js: JetStreamContext | None = None
         self._subs: list[Subscription] = []
@@ -282,6 +284,24 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
                 **self.together.options("statuses"),
             )
             self.together.add("statuses", self._status_nc)
+            # And a fourth for what agents send a hub on subjects they may publish to: their
+            # own verbs (register, heartbeat, unregister, record), their answers to proxied
+            # tasks and to this hub's asks (whose reply subjects they see: they may publish
+            # into every hub's inbox), and the tasks and asks those answer (NATS says "no
+            # responders" only to the connection that holds the reply subscription). A flood
+            # of tiny messages on any of them once cut the main connection, and with it every
+            # tenant's KV watches and pulls. The routes' connection likewise takes every
+            # subject a caller or an operator may send to (``_subscribe``).
+            self._agents_nc = await connect(
+                self.nats_url,
+                name=f"{self.hub_id}-agents",
+                settings=self.settings,
+                patience=time_to_start(0.0),
+                on_reconnect=self._back_on_agents,
+                **beside(self._nc, self.nats_url),
+                **self.together.options("agents"),
+            )
+            self.together.add("agents", self._agents_nc)
             self._js = self._nc.jetstream(timeout=10.0)
             s = self.settings
             self.audit = AuditLog(
@@ -295,7 +315,13 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             )
             await self.audit.start()
             self.resources = Resources(self._js, counted=self.metrics.recreated_total.inc)
-            self.registry = Registry(self._nc, self._js, self.settings, resources=self.resources)
+            self.registry = Registry(
+                self._nc,
+                self._js,
+                self.settings,
+                resources=self.resources,
+                asks_nc=self._agents_nc,
+            )
             self.registry.on_state_change(self._on_state_change)
             self.registry.on_state_change(self._holder_state)
             await self.registry.start()
@@ -354,37 +380,42 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
 
     async def _subscribe(self) -> None:
         q = protocol.HUB_QUEUE
-        table: list[tuple[str, Handler]] = [
+        assert self._route_nc is not None and self._agents_nc is not None
+        agents_nc, route_nc = self._agents_nc, self._route_nc
+        # Who may publish on a subject decides the connection it is read on: agents (their own
+        # verbs), callers and operators (the routes'), hubs only (their peer subjects: the
+        # main one) — a flood cuts the connection of its kind, never the main one (``_start``).
+        table: list[tuple[str, Handler, NATS]] = [
             # An agent's own verbs, on subjects naming it (NATS permissions bind them to it).
-            (protocol.hub_agent_subject("*.*.*", "register"), self._on_register),
-            (protocol.hub_agent_subject("*.*.*", "heartbeat"), self._on_heartbeat),
-            (protocol.hub_agent_subject("*.*.*", "unregister"), self._on_unregister),
-            (protocol.hub_agent_subject("*.*.*", "record"), self._on_record),
-            (protocol.hub_subject("*", "agents"), self._on_agents),
-            (protocol.hub_subject("*", "admin"), self._on_admin),
-            (protocol.hub_subject("*", "workflow"), self._on_workflow),
-            (protocol.hub_subject("*", "workflows"), self._on_workflows),
+            (protocol.hub_agent_subject("*.*.*", "register"), self._on_register, agents_nc),
+            (protocol.hub_agent_subject("*.*.*", "heartbeat"), self._on_heartbeat, agents_nc),
+            (protocol.hub_agent_subject("*.*.*", "unregister"), self._on_unregister, agents_nc),
+            (protocol.hub_agent_subject("*.*.*", "record"), self._on_record, agents_nc),
+            (protocol.hub_subject("*", "agents"), self._on_agents, route_nc),
+            (protocol.hub_subject("*", "admin"), self._on_admin, route_nc),
+            (protocol.hub_subject("*", "workflow"), self._on_workflow, route_nc),
+            (protocol.hub_subject("*", "workflows"), self._on_workflows, route_nc),
             # Asked by another hub, about a workflow this one owns (a subject of its own).
-            (protocol.hub_peer("*", "workflow", self.hub_id), self._on_peer_workflow),
-            (protocol.hub_subject("*", "cancel"), self._on_cancel),
-            (protocol.hub_peer("*", "cancel", self.hub_id), self._on_peer_cancel),
+            (protocol.hub_peer("*", "workflow", self.hub_id), self._on_peer_workflow, self.nc),
+            (protocol.hub_subject("*", "cancel"), self._on_cancel, route_nc),
+            (protocol.hub_peer("*", "cancel", self.hub_id), self._on_peer_cancel, self.nc),
         ]
-        for subject, handler in table:
+        for subject, handler, nc in table:
             cb = guarded(subject, self._dispatcher(handler))
-            sub = await self.nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
+            sub = await nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
             self._subs.append(sub)
         self._answers = AnswerBatcher(self.nc)
-        # Agents answer proxy attempts on this hub's own reply subjects.
-        self._reply_prefix = private_inbox(self.nc) + "."
+        # Agents answer proxy attempts on this hub's own reply subjects, on the connection the
+        # attempts leave on (``_task_nc``).
+        self._reply_prefix = private_inbox(agents_nc) + "."
         self._reply_prefix_b = self._reply_prefix.encode()
         self._reply_prefix_len = len(self._reply_prefix)
         # Unguessable (64 random bits), and NATS' "no responders" status messages for a
         # proxied attempt arrive here: not guarded like the request subjects.
-        self._reply_sub = await self.nc.subscribe(
+        self._reply_sub = await agents_nc.subscribe(
             self._reply_prefix + ">", cb=self._on_agent_reply, pending_msgs_limit=-1
         )
         self._sweeper = asyncio.create_task(self._sweep_deadlines())
-        assert self._route_nc is not None
         for verb, on_route in (
             ("route", self._on_route_msg),
             ("route_batch", self._on_route_batch),
@@ -394,11 +425,13 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             self._subs.append(
                 await self._route_nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
             )
-        # Failure reports go to every hub (no queue group): each keeps its own breakers. An
-        # operator's quarantine / release, and the pins of the tasks a hub routed, come from a
-        # hub, on subjects only hubs publish to.
+        # Failure reports go to every hub (no queue group): each keeps its own breakers. Callers
+        # send them (the routes' connection). An operator's quarantine / release, and the pins
+        # of the tasks a hub routed, come from a hub, on subjects only hubs publish to.
+        subject = protocol.hub_subject("*", "report")
+        cb = guarded(subject, self._on_report, answers=False)  # nothing answers these
+        self._subs.append(await route_nc.subscribe(subject, cb=cb))
         for subject, on_msg in (
-            (protocol.hub_subject("*", "report"), self._on_report),
             (protocol.hub_broadcast("*", "breaker"), self._on_breaker),
             (protocol.hub_broadcast("*", "pins"), self._on_pins),
             (protocol.hub_broadcast("*", "pins_ask"), self._on_pins_ask),
@@ -417,11 +450,28 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._spawn(self._ask_agents_again())
         self._spawn(self._ask_pins())
 
+    def _back_on_agents(self) -> None:
+        """The agents' connection is back: the answers to the attempts sent on it may have
+        been lost meanwhile (``_ask_agents_again``)."""
+        self._spawn(self._ask_agents_again())
+
+    @property
+    def _task_nc(self) -> NATS:
+        """The connection proxied attempts leave on: the one their answers come back on."""
+        if self._agents_nc is None:
+            raise RuntimeError("hub is not started")
+        return self._agents_nc
+
     @property
     def _connections(self) -> dict[str, NATS | None]:
         """The hub's NATS connections by the name its metrics give them: the main one,
-        routes', statuses' (``start``)."""
-        return {"main": self._nc, "routes": self._route_nc, "statuses": self._status_nc}
+        routes', statuses', agents' (``start``)."""
+        return {
+            "main": self._nc,
+            "routes": self._route_nc,
+            "statuses": self._status_nc,
+            "agents": self._agents_nc,
+        }
 
     @property
     def status_nc(self) -> NATS:
@@ -432,8 +482,8 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
 
     @property
     def nats_connected(self) -> bool:
-        """Whether all three of the hub's NATS connections are up (its routes and the status
-        events come on ones of their own: ``start``)."""
+        """Whether all four of the hub's NATS connections are up (callers' requests, status
+        events and what else agents send come on ones of their own: ``start``)."""
         return all(nc is not None and nc.is_connected for nc in self._connections.values())
 
     @property
@@ -521,7 +571,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             await within("audit flush", self.audit.close(), 5.0, log)
         if hasattr(self, "_answers"):
             await within("answer flush", self._answers.flush(), 5.0, log)
-        for nc in (self._status_nc, self._route_nc, self._nc):
+        for nc in (self._agents_nc, self._status_nc, self._route_nc, self._nc):
             if nc is not None:
                 await within("NATS drain", nc.drain(), 5.0, log)
                 await within("NATS close", nc.close(), 5.0, log)

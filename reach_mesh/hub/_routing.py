@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from reach_mesh import protocol
@@ -122,6 +123,9 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
     if TYPE_CHECKING:
 
         def _namespace(self, subject: str) -> str: ...
+
+        @property
+        def _task_nc(self) -> NATS: ...
 
     # ------------------------------------------------------------------ routing
     #
@@ -556,14 +560,14 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
                 ]
                 if len(lines) > 1:
                     items = [item for item in items if len(item[2]) != 1]
-                    await self.nc.publish(
+                    await self._task_nc.publish(
                         protocol.agent_batch(view.agent_id),
                         b"\n".join(lines),
                         reply=prefix + box.token,
                     )
             subject = view.record.task_subject
             for token, body, headers in items:
-                await self.nc.publish(subject, body, reply=prefix + token, headers=headers)
+                await self._task_nc.publish(subject, body, reply=prefix + token, headers=headers)
         except Exception as err:  # the connection is closing or gone
             unavailable = MeshUnavailableError(f"cannot reach NATS: {type(err).__name__}")
             for token, _, _ in box.items:
@@ -608,7 +612,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             span = flight.deliver_span
             headers = inject_span(span) if span is not None else (flight.headers or {})
             try:
-                await self.nc.publish(
+                await self._task_nc.publish(
                     view.record.task_subject, body, reply=prefix + token, headers=headers
                 )
             except Exception as err:  # down again: the next reconnection asks again

@@ -107,8 +107,11 @@ class Registry(RegistryWatch):
         *,
         clock: Callable[[], float] = time.monotonic,
         resources: Resources | None = None,
+        asks_nc: NATS | None = None,
     ) -> None:
         self._nc = nc
+        #: Where this hub asks agents (``asks``): the connection their answers come back on.
+        self._asks_nc = asks_nc
         self._js = js
         self._settings = settings
         self._clock = clock
@@ -141,6 +144,7 @@ class Registry(RegistryWatch):
         #: One-off reads (``fetch``): direct gets asked again when a replica does not answer
         #: soon (a frozen node's), not nats-py's, which wait out their whole timeout.
         self._reads: JsClient | None = None
+        self._asks: JsClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._listeners: list[StateListener] = []
         self._ready = asyncio.Event()
@@ -200,10 +204,12 @@ class Registry(RegistryWatch):
         """This hub's requests whose reply subjects carry 64 random bits (``JsClient.ask``),
         for asks whose answer must come from the party asked: an agent sees the reply
         subjects of the requests it serves and may publish on every hub's, so it must not be
-        able to guess the next one, as it could nats-py's (``hub/_holders.py``). Once
-        started."""
-        assert self._reads is not None, "registry not started"
-        return self._reads
+        able to guess the next one, as it could nats-py's (``hub/_holders.py``). On a
+        connection of their own when the hub gave one (``asks_nc``): an agent that learns the
+        reply prefix may flood it, and must not cut the connection of the registry's
+        JetStream with it. Once started."""
+        assert self._asks is not None, "registry not started"
+        return self._asks
 
     async def start(self) -> None:
         await self.ensure_buckets()
@@ -215,6 +221,11 @@ class Registry(RegistryWatch):
             self._resources.add([f"KV_{b}" for b in buckets], self.ensure_buckets)
         self._reads = JsClient(self._nc)
         await self._reads.start()
+        if self._asks_nc is None or self._asks_nc is self._nc:
+            self._asks = self._reads
+        else:
+            self._asks = JsClient(self._asks_nc)
+            await self._asks.start()
         cordons_loaded = asyncio.Event()
         agents_loaded = asyncio.Event()
         hbs_loaded = asyncio.Event()

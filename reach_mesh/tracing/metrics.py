@@ -554,8 +554,8 @@ class AgentMetrics:
 
 
 #: What ``connection_metrics`` reads when scraped: the messages dropped unread (all connections),
-#: and per connection (``main``, a hub's ``routes`` and ``statuses``) its reconnections so far
-#: and whether it is up.
+#: and per connection (``main``, a hub's ``routes``, ``statuses`` and ``agents``) its
+#: reconnections so far and whether it is up.
 ConnectionCounts = tuple[int, Mapping[str, tuple[int, bool]]]
 
 
@@ -582,8 +582,9 @@ class _Connection(Collector):
         )
         reconnects = CounterMetricFamily(
             "reach_nats_reconnects",
-            "Times this hub's NATS connection (main; routes and statuses: the routes and the "
-            "status events come on ones of their own) or this agent's came back after it was "
+            "Times this hub's NATS connection (main; routes, statuses and agents: callers' "
+            "requests, status events and agents' other messages come on ones of their own) or "
+            "this agent's came back after it was "
             "lost (a network cut, a NATS server restarted or failed over, a slow consumer cut "
             "off): each loses the answers sent meanwhile, which are asked again.",
             labels=["connection"],
@@ -640,7 +641,7 @@ class _Together(Collector):
         )
         moved = CounterMetricFamily(
             "reach_nats_moves",
-            "Times this hub moved a NATS connection (routes, statuses) to the main one's "
+            "Times this hub moved a NATS connection (routes, statuses, agents) to the main one's "
             "server after it came back on another (each also counts as a reconnection).",
             labels=["connection"],
         )
