@@ -279,3 +279,44 @@ async def test_a_wary_agent_reads_through_a_hub_only_when_its_replica_check_fail
             await work._record(env)
         assert work.leader_reads.unanswered == 1
         assert _leader_reads(agent, "unanswered") == 1 and _leader_reads(agent, "answered") == 1
+
+
+async def test_one_namespace_cannot_take_every_leader_read_of_a_hub(
+    nc: NATS, hub: Hub, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub makes ``RECORD_READS_AT_ONCE`` leader reads at once, each held up to 1.5 s when
+    the leader is slow (when wary reads happen). One namespace's agents — one compromised
+    agent asking on its own subject, 64 requests at once — took them all, and every other
+    tenant's wary agents were ``REACH_THROTTLED``: their steps waited. A namespace holds at
+    most ``RECORD_READS_PER_NAMESPACE`` of them; another namespace's read is made."""
+    from reach_mesh.hub import _record_read
+
+    release = asyncio.Event()
+
+    async def slow_leader(*args: Any, **kwargs: Any) -> None:
+        await release.wait()
+
+    monkeypatch.setattr(_record_read, "entry_at_quorate_leader", slow_leader)
+    rogue = protocol.hub_agent_subject(f"{namespace}.rogue.a1", "record")
+    flood = [
+        asyncio.ensure_future(_ask(nc, rogue, b'{"task_id": "t%d"}' % i))
+        for i in range(_record_read.RECORD_READS_AT_ONCE)
+    ]
+    try:
+        throttled: list[dict[str, Any]] = []
+
+        async def answered() -> bool:
+            throttled[:] = [f.result() for f in flood if f.done()]
+            return len(throttled) >= len(flood) - _record_read.RECORD_READS_PER_NAMESPACE
+
+        await eventually(answered, timeout=5)
+        assert all(a["error"]["code"] == "REACH_THROTTLED" for a in throttled), throttled
+        other = protocol.hub_agent_subject(f"{namespace}x.calm.a1", "record")
+        asked = asyncio.ensure_future(_ask(nc, other, b'{"task_id": "t1"}'))
+        await eventually(lambda: hub._record_reads_by_ns.get(f"{namespace}x") == 1, timeout=5)
+        release.set()
+        assert "error" not in await asked
+        assert all("error" not in a for a in await asyncio.gather(*flood) if a not in throttled)
+    finally:
+        release.set()
+        await asyncio.gather(*flood, return_exceptions=True)

@@ -170,6 +170,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._views_running = {False: 0, True: 0}
         self._cancels_running = {False: 0, True: 0}
         self._record_reads = 0
+        self._record_reads_by_ns: dict[str, int] = {}
         self._cancel_repeats = Repeats()
         self._unregister_repeats = Repeats()
         self._owner_lines = LineBudget(60.0)

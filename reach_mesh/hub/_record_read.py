@@ -29,12 +29,15 @@ from reach_mesh.models import RecordReply, RecordRequest
 if TYPE_CHECKING:
     from reach_mesh.tracing.metrics import HubMetrics
 
-__all__ = ["RECORD_READS_AT_ONCE", "RecordReadMixin"]
+__all__ = ["RECORD_READS_AT_ONCE", "RECORD_READS_PER_NAMESPACE", "RecordReadMixin"]
 
 #: Leader reads one hub makes at once; past it, ``REACH_THROTTLED`` at once (the agent waits
 #: and asks again, as when no hub answers): a cluster catching up must not get a request to
 #: its leader per waiting step from every hub.
 RECORD_READS_AT_ONCE: Final = 64
+#: Of those, what one namespace's agents may hold: one compromised agent asking on its own
+#: subject (or a tenant's many wary agents) must not take every tenant's reads.
+RECORD_READS_PER_NAMESPACE: Final = 16
 #: A request carries one task id (at most 64 characters).
 RECORD_REQUEST_MAX: Final = 1024
 #: The leader's word is taken if it heard from a quorum of its replicas within this long (s),
@@ -49,8 +52,10 @@ class RecordReadMixin:
 
     metrics: HubMetrics
     _js: JetStreamContext | None
-    #: Leader reads in progress (``RECORD_READS_AT_ONCE``).
+    #: Leader reads in progress (``RECORD_READS_AT_ONCE``), and per namespace
+    #: (``RECORD_READS_PER_NAMESPACE``; none kept at 0).
     _record_reads: int
+    _record_reads_by_ns: dict[str, int]
 
     async def _on_record(self, msg: Msg, ns: str) -> bytes:
         """Answer a ``RecordRequest`` with a ``RecordReply``; ``REACH_BAD_REQUEST`` /
@@ -66,6 +71,12 @@ class RecordReadMixin:
             req = protocol.decode(msg.data, RecordRequest, max_size=RECORD_REQUEST_MAX)
             if self._record_reads >= RECORD_READS_AT_ONCE:
                 raise ThrottledError("this hub is busy with other record reads", retry_after_ms=100)
+            held = self._record_reads_by_ns
+            if held.get(ns, 0) >= RECORD_READS_PER_NAMESPACE:
+                raise ThrottledError(
+                    f"namespace {ns!r} holds its share of this hub's record reads",
+                    retry_after_ms=100,
+                )
             js = self._js
             if js is None:
                 raise MeshUnavailableError("this hub is not connected to JetStream yet")
@@ -73,6 +84,7 @@ class RecordReadMixin:
             # one of its namespace's, whatever the body says.
             key = protocol.task_key(ns, req.task_id)
             self._record_reads += 1
+            held[ns] = held.get(ns, 0) + 1
             outcome = "unavailable"
             try:
                 async with asyncio.timeout(_READ_TIMEOUT):
@@ -86,6 +98,9 @@ class RecordReadMixin:
                 ) from err
             finally:
                 self._record_reads -= 1
+                held[ns] -= 1
+                if not held[ns]:
+                    del held[ns]
             reply = RecordReply(task_id=req.task_id)
             if got is not None:
                 value, reply.revision, marker = got
