@@ -420,6 +420,34 @@ async def test_a_task_that_names_no_capability_of_an_agent_with_several_is_told_
         assert ok.result == "b"
 
 
+async def test_a_handler_is_told_its_agents_namespace_whatever_the_envelope_says(
+    hub: Hub, settings: MeshSettings, nats_url: str
+) -> None:
+    """A direct-mode caller writes the envelope itself, and NATS permissions let a caller reach
+    only agents of its own namespace: an envelope naming another (``"namespace": "bank"``)
+    told the handler ``task.namespace == "bank"`` — what a handler keying data by tenant
+    would trust. The agent's namespace is its id's; the handler is told that one."""
+    agent = Agent(f"{settings.namespace}.ns.a1", settings=settings, durable_work=False)
+    seen: list[str] = []
+
+    @agent.handler("ns:echo:v1")
+    async def echo(task: Task[Any]) -> str:
+        seen.append(task.namespace)
+        return task.namespace
+
+    async with agent:
+        nc = await nats.connect(nats_url)
+        try:
+            env = TaskEnvelope(task_id="ns-1", payload=1, namespace="bank")
+            msg = await nc.request(
+                protocol.agent_task(agent.agent_id), env.model_dump_json().encode(), 5
+            )
+        finally:
+            await nc.close()
+    reply = TaskReply.model_validate_json(msg.data)
+    assert reply.result == settings.namespace and seen == [settings.namespace]
+
+
 def test_label_keys_that_differ_only_in_case_are_refused(settings: MeshSettings) -> None:
     """``{"Region": "eu", "region": "us"}`` became ``region=us`` without a word (the
     careless-agent audit); a registration from another language is refused as well."""

@@ -262,7 +262,9 @@ class AttemptsMixin:
             attempt=env.attempt,
             capability=handler.capability,
             agent_id=self.agent_id,
-            namespace=env.namespace,
+            # The agent's own (its id's): a direct-mode caller writes the envelope, and may
+            # name any namespace there; NATS lets it reach only agents of its own.
+            namespace=protocol.namespace_of(self.agent_id),
             trace_id=trace_id,
             workflow_id=env.workflow_id,
             step=env.step,

@@ -25,6 +25,7 @@ class Task(Generic[P]):
     attempt: int
     capability: str
     agent_id: str
+    #: The agent's namespace (its id's), never the envelope's word.
     namespace: str
     trace_id: str | None = None
     workflow_id: str | None = None
