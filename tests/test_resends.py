@@ -556,3 +556,55 @@ async def test_a_resend_goes_to_its_holder_quarantined_by_the_hub_it_reaches(
         await second.close()
         await first.close()
         await fleet.close()
+
+
+async def test_one_namespace_marking_every_route_leaves_the_others_resends_their_seeks(
+    hub: Hub, settings: MeshSettings, nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub seeks the holders of ``HOLDER_SEEKS_MOST`` resends at once, each waiting up to
+    ``HOLDER_WAIT`` when nobody claims the task; beyond, a resend is routed unmarked (it may
+    run twice). A caller marking every route it sends (new task ids: no pins) held them all,
+    and another tenant's resends after a reconnection were routed unmarked. One namespace
+    holds ``HOLDER_SEEKS_PER_NAMESPACE`` of them; the other's resend is still sought."""
+    from reach_mesh.hub._holders import HOLDER_SEEKS_MOST, HOLDER_SEEKS_PER_NAMESPACE
+
+    release = asyncio.Event()
+    sought: list[str] = []
+
+    async def slow_seek(ns: str, task_id: str, *args: Any) -> tuple[None, None]:
+        sought.append(ns)
+        await release.wait()
+        return None, None
+
+    monkeypatch.setattr(hub, "_seek_holder", slow_seek)
+    flooder, other = settings.namespace, f"{settings.namespace}x"
+    # A namespace the hub knows (a route to one it does not is answered at once).
+    idle = Agent(f"{other}.idle.a1", settings=settings, durable_work=False)
+    idle.handler("idle:work:v1")(_idle)
+    marked = {protocol.HDR_RESEND: "1"}
+    nc = await nats.connect(nats_url)
+    try:
+        await idle.start()
+        await eventually(lambda: _ours(hub, other) == 1)
+        for i in range(HOLDER_SEEKS_MOST):
+            body = protocol.dumps({"capability": CAP, "task_id": f"flood-{i}", "timeout": 5})
+            await nc.publish(protocol.hub_subject(flooder, "route"), body, headers=marked)
+        await nc.flush()
+        skipped = _seeks(hub, "skipped")
+        await eventually(lambda: _seeks(hub, "skipped") - skipped + len(sought) >= 200)
+        body = protocol.dumps({"capability": CAP, "task_id": "mine", "timeout": 5})
+        asked = asyncio.ensure_future(
+            nc.request(protocol.hub_subject(other, "route"), body, timeout=5, headers=marked)
+        )
+        await eventually(lambda: other in sought, timeout=3)
+        assert sought.count(flooder) == HOLDER_SEEKS_PER_NAMESPACE
+        release.set()
+        assert "error" in protocol.loads_object((await asked).data)  # (nobody serves CAP)
+    finally:
+        release.set()
+        await nc.close()
+        await idle.close()
+
+
+async def _idle(task: Task[Any]) -> None:
+    return None

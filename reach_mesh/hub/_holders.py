@@ -77,8 +77,9 @@ task id again unmarked would reach the agent that holds it through the pins anyw
 the hub at most ``2 * HOLDER_ASK_MOST + 1`` small requests (an agent lost for good answers "no
 responders" at once) and ``HOLDER_WAIT`` of the route's time — plus the wait for a LOST holder
 that said it has the task, which only the agent of that id can cause — within the namespace's
-route rate, and no more than ``HOLDER_SEEKS_MOST`` seeks (and waits) at once (beyond, a resend
-is routed unmarked).
+route rate, and no more than ``HOLDER_SEEKS_MOST`` seeks (and waits) at once, of which
+``HOLDER_SEEKS_PER_NAMESPACE`` for one namespace (beyond, a resend is routed unmarked: a
+caller marking every route once left every other tenant's resends unasked).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ __all__ = [
     "HOLDER_ASK_MOST",
     "HOLDER_BACK_WAIT",
     "HOLDER_SEEKS_MOST",
+    "HOLDER_SEEKS_PER_NAMESPACE",
     "HOLDER_WAIT",
     "RESEND_HEADER",
     "HoldersMixin",
@@ -129,6 +131,10 @@ HOLDER_ASK_MOST: Final = 32
 HOLDER_BACK_WAIT: Final = 10.0
 #: Resent tasks a hub seeks the holder of at once, at most; beyond, routed as if unmarked.
 HOLDER_SEEKS_MOST: Final = 256
+#: Of those, what one namespace's resends may hold: a caller marking every route it sends
+#: (each seek waits ``HOLDER_WAIT`` when nobody claims the task) must not leave the other
+#: tenants' resends unasked — routed as new, run twice.
+HOLDER_SEEKS_PER_NAMESPACE: Final = 64
 #: What a holder's ``task_state`` answer may take beyond ``max_payload`` (its reply's fields
 #: around the result) before it is dropped unread.
 _COPY_SLACK: Final = 16 * 1024
@@ -212,8 +218,10 @@ class HoldersMixin:
     settings: MeshSettings
     metrics: HubMetrics
     _pins: TaskPins
-    #: Holder seeks in progress (``HOLDER_SEEKS_MOST``; counted by ``RoutingMixin``).
+    #: Holder seeks in progress (``HOLDER_SEEKS_MOST``; counted by ``RoutingMixin``), and
+    #: per namespace (``HOLDER_SEEKS_PER_NAMESPACE``; none kept at 0).
     _seeking: int
+    _seeking_by_ns: dict[str, int]
     #: What the seeks in progress wait for from the other hubs' pins messages, by
     #: (namespace, task id).
     _pin_waits: dict[tuple[str, str], list[asyncio.Future[str]]]

@@ -145,6 +145,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._pins_replayed_at = -1e9
         # Resent tasks whose holder this hub is asking for (``hub/_holders.py``).
         self._seeking = 0
+        self._seeking_by_ns: dict[str, int] = {}
         self._pin_waits: dict[tuple[str, str], list[asyncio.Future[str]]] = {}
         self._back_waits: dict[str, list[asyncio.Future[None]]] = {}
         self._full = []

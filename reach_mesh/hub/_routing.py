@@ -33,6 +33,7 @@ from reach_mesh.errors import (
 from reach_mesh.hub._holders import (
     HOLDER_ASK_MOST,
     HOLDER_SEEKS_MOST,
+    HOLDER_SEEKS_PER_NAMESPACE,
     RESEND_HEADER,
     HoldersMixin,
     resend_marked,
@@ -209,10 +210,13 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             if flight.resend and (
                 flight.in_hand is None or flight.in_hand not in self.registry.agents
             ):
-                if self._seeking < HOLDER_SEEKS_MOST:
+                seeking = self._seeking_by_ns
+                held = seeking.get(flight.ns, 0)
+                if self._seeking < HOLDER_SEEKS_MOST and held < HOLDER_SEEKS_PER_NAMESPACE:
                     # Sent again, and no pin here (or one naming an agent no longer registered:
                     # declared LOST, say): ask who holds it first (``hub/_holders.py``).
                     self._seeking += 1
+                    seeking[flight.ns] = held + 1
                     self._spawn(self._seek_then_attempt(flight))
                     return
                 self.metrics.resend_seek_total.labels("skipped").inc()
@@ -332,6 +336,10 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             holder = copy = None
         finally:
             self._seeking -= 1
+            seeking = self._seeking_by_ns
+            seeking[flight.ns] -= 1
+            if not seeking[flight.ns]:
+                del seeking[flight.ns]
         if holder is not None and copy is not None:
             await self._answer_copy(flight, holder, copy)
             return
