@@ -37,6 +37,8 @@ TARGETS: dict[str, Target] = {
     "caller report": lambda hub, a: protocol.hub_subject(a.namespace, "report"),
     "caller workflow": lambda hub, a: protocol.hub_subject(a.namespace, "workflow"),
     "operator admin": lambda hub, a: protocol.hub_subject(a.namespace, "admin"),
+    "operator micro discovery": lambda hub, a: "$SRV.PING",
+    "operator micro agents": lambda hub, a: protocol.micro_subject(hub.hub_id, "agents"),
     # An agent sees these in the reply subjects of the tasks and asks it is sent, and may
     # publish into every hub's inbox (it answers there).
     "agent proxy replies": lambda hub, a: hub._reply_prefix + "junk",

@@ -476,6 +476,13 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         }
 
     @property
+    def route_nc(self) -> NATS:
+        """The connection callers' and operators' requests come in on (``_subscribe``)."""
+        if self._route_nc is None:
+            raise RuntimeError("hub is not started")
+        return self._route_nc
+
+    @property
     def status_nc(self) -> NATS:
         """The connection status events come in on."""
         if self._status_nc is None:

@@ -68,7 +68,9 @@ class _Answerable:
 async def start_micro(hub: Hub) -> Service:
     """Register ``hub`` as a ``reach-hub`` micro service; ``await service.stop()`` withdraws it."""
     service = await add_service(
-        cast(NATS, _Answerable(hub.nc)),
+        # On the connection of the other requests an operator may send (its discovery and
+        # ``agents`` asks): a flood of them must not cut the main one (``Hub._start``).
+        cast(NATS, _Answerable(hub.route_nc)),
         ServiceConfig(
             name=protocol.MICRO_HUB_SERVICE,
             version=__version__,
