@@ -581,7 +581,7 @@ async def test_a_hub_cut_off_with_a_stream_leader_declares_nobody_lost(tmp_path:
 
 
 async def test_a_hubs_connections_are_on_one_server(tmp_path: Path) -> None:
-    """Given every node's URL, a hub's three connections (main, routes, statuses) pick the
+    """Given every node's URL, a hub's connections (main, routes, statuses, agents) pick the
     same server. Each picked one at random before, so most hubs had connections on two or three
     nodes: cut off from the others by a partition, such a hub took route requests on one side
     and sent the tasks, and their answers, on the other — every route it took in the cut lost
@@ -612,7 +612,7 @@ def _cut(nc: Any) -> None:
 
 
 async def test_a_hubs_connections_stay_on_one_server_after_reconnections(tmp_path: Path) -> None:
-    """A hub's three connections share a server after reconnections too, not only at connect.
+    """A hub's connections share a server after reconnections too, not only at connect.
     Before, each reconnected on its own: the routes connection cut alone (a slow consumer)
     came back on the next server of its list, and after a node's loss the main one picked at
     random — apart for good, as when they were spread at connect (a partition between those
@@ -662,8 +662,8 @@ async def test_a_hubs_connections_stay_on_one_server_after_reconnections(tmp_pat
             lost.kill()
             await eventually(lambda: together() and ports()["main"] != port, timeout=10)
             assert not hub.together.apart() and _sample(hub, "reach_nats_split") == 0
-            assert hub.together.moves == {"main": 0, "routes": 0, "statuses": 0}
-            assert [reconnects(name) for name in conns] == [1, 2, 1]
+            assert hub.together.moves == {"main": 0, "routes": 0, "statuses": 0, "agents": 0}
+            assert [reconnects(name) for name in conns] == [1, 2, 1, 1]
             await asyncio.to_thread(lost.start)
 
             # The routes connection lands on another server than the main one's (two landing

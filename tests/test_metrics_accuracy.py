@@ -303,6 +303,6 @@ async def test_a_reconnection_is_counted_by_the_process_it_happened_to(
             timeout=5,
         )
         assert _sample(ours, "reach_nats_connected", connection="main") == 1
-        for connection in ("main", "routes", "statuses"):
+        for connection in ("main", "routes", "statuses", "agents"):
             assert _sample(its, "reach_nats_reconnects_total", connection=connection) == 0
             assert _sample(its, "reach_nats_connected", connection=connection) == 1
