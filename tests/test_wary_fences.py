@@ -131,7 +131,11 @@ async def test_an_agent_back_from_a_long_silence_reads_no_fence_a_replica_behind
     tmp_path: Path,
 ) -> None:
     relays: dict[tuple[int, int], Relay] = {}
-    nodes: list[EmbeddedNats] = cluster_nodes(tmp_path, name="wary", route_relays=relays)
+    # The agent knows n2 alone (nothing advertised): cut off, it has no other server to go to
+    # and stays (one that knows another leaves: tests/test_cut_off_nodes.py).
+    nodes: list[EmbeddedNats] = cluster_nodes(
+        tmp_path, name="wary", route_relays=relays, no_advertise=True
+    )
     for relay in relays.values():
         await relay.start()
     cut_off = [r for (i, j), r in relays.items() if 2 in (i, j)]

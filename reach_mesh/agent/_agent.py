@@ -407,11 +407,17 @@ class Agent(IdentityMixin, ServingMixin):
                 )
             # As patient as registering (``_register``): a fleet's processes all starting at
             # once on a busy node once had 1,222 of 5,000 agents fail here after 2 s.
+            # A server cut off from most of its cluster is left for another (``leave_cut_off``):
+            # staying, the agent's heartbeats reached no hub of the majority's side, which
+            # declared it LOST and routed it nothing for the whole cut. Leaving is a
+            # reconnection, as when its server dies: its subscriptions, work consumer and
+            # statuses carry on, and a silence it makes counts as any other (``_identity``).
             self._nc = await connect(
                 self.nats_url,
                 name=self.agent_id,
                 settings=self.settings,
                 patience=max(self.settings.connect_timeout, _PATIENCE),
+                leave_cut_off=True,
             )
             self._answers = AnswerBatcher(self._nc)
             # One process per agent id: a deploy's old process stops before this one serves.

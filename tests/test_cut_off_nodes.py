@@ -1,0 +1,160 @@
+"""Hubs and agents on a NATS server cut off from the rest of its cluster, on a real 3-node
+cluster: they leave it for a server of the majority's side, as a caller does
+(``tests/test_submit_election.py``), and go on serving and being served there.
+
+A partition between servers leaves the cut-off node's clients connected to it (it answers
+their PINGs); it tells them of the cut in its INFO (it lists only the servers it still has a
+route to: ``_nats._Connection``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.hub import Hub
+from reach_mesh.models import AgentState
+from reach_mesh.server import EmbeddedNats
+
+from .helpers import Relay, cluster_nodes, eventually
+from .test_cluster import _js_ready
+
+pytestmark = pytest.mark.xdist_group("clusters")
+
+#: Fast leases: lease + grace 1.2 s, a cut of 4 s is past it three times over.
+_FAST: dict[str, Any] = dict(
+    kv_replicas=3,
+    heartbeat_interval=0.2,
+    lease_timeout=0.6,
+    suspect_timeout=0.6,
+    liveness_interval=0.05,
+    audit_enabled=False,
+)
+#: How long the cut lasts.
+_CUT = 4.0
+
+
+async def _cluster(tmp_path: Path, name: str) -> tuple[list[EmbeddedNats], dict[Any, Relay]]:
+    relays: dict[tuple[int, int], Relay] = {}
+    nodes = cluster_nodes(tmp_path, name=name, route_relays=relays)
+    for relay in relays.values():
+        await relay.start()
+    for node in nodes:
+        node.start()
+    await _js_ready(nodes[0].url)
+    return nodes, relays
+
+
+async def _led_by_n0(hub: Hub, *streams: str) -> None:
+    """Every one of ``streams`` led from n0 (not the node to be cut off), its replicas
+    current: the majority's side keeps their leaders through the cut."""
+    js = hub.nc.jetstream(timeout=5.0)
+    preferred = json.dumps({"placement": {"preferred": "n0"}}).encode()
+
+    async def led() -> bool:
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                info = await js.stream_info(stream)
+                cluster = info.cluster
+                if cluster is not None and cluster.leader == "n0":
+                    replicas = cluster.replicas or []
+                    if len(replicas) == 2 and all(r.current for r in replicas):
+                        continue
+                    return False
+                await hub.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", preferred)
+            return False
+        return True
+
+    await eventually(led, timeout=30, interval=0.5)
+
+
+async def _cut(relays: dict[Any, Relay], node: int) -> None:
+    for (i, j), relay in relays.items():
+        if node in (i, j):
+            await relay.cut()
+
+
+async def _heal(relays: dict[Any, Relay], node: int) -> None:
+    for (i, j), relay in relays.items():
+        if node in (i, j):
+            with contextlib.suppress(Exception):
+                await relay.start()
+
+
+@pytest.mark.timeout(120)
+async def test_an_agent_on_a_server_cut_off_from_its_cluster_moves_and_stays_online(
+    tmp_path: Path,
+) -> None:
+    """The agent's server (n1) loses its routes to the other two, where the hub is. Before,
+    the agent stayed on it: its heartbeats found no hub (no route to the other side), the hub
+    declared it SUSPECT then LOST within lease + grace and routed nothing to it for the whole
+    cut, though two healthy servers were up. Now it leaves n1 for one of them at once (its
+    INFO lists one URL of three), and stays ONLINE and served: a reconnection, as when its
+    server dies, within its lease."""
+    nodes, relays = await _cluster(tmp_path, "cutagent")
+    try:
+        hub_side = MeshSettings(nats_url=nodes[0].url, namespace="ca", **_FAST)
+        # Given the server to be cut off alone: the others are those its INFO told of.
+        agent_side = MeshSettings(nats_url=nodes[1].url, namespace="ca", **_FAST)
+        agent = Agent("ca.echo.a1", settings=agent_side)
+
+        @agent.handler("ca:echo:v1")
+        async def echo(task: Task[Any]) -> Any:
+            return task.payload
+
+        async with Hub(settings=hub_side, hub_id="hub-a") as hub, agent:
+            await _led_by_n0(hub, f"KV_{protocol.KV_HEARTBEATS}")
+            await eventually(
+                lambda: (
+                    agent.agent_id in hub.registry.agents
+                    and hub.registry.agents[agent.agent_id].state is AgentState.ONLINE
+                ),
+                timeout=10,
+            )
+            assert agent.nc.connected_url is not None
+            assert agent.nc.connected_url.netloc == nodes[1].url.split("//")[1]
+            seen: list[AgentState] = []
+            hub.registry.on_state_change(
+                lambda view, old, new: seen.append(new) if view.agent_id == agent.agent_id else None
+            )
+            async with Client(settings=hub_side) as client:
+                assert (await client.request(capability="ca:echo:v1", payload=0)).result == 0
+                await _cut(relays, 1)
+                try:
+                    served: list[Any] = []
+                    failed: list[str] = []
+                    end = time.monotonic() + _CUT
+                    i = 0
+                    while time.monotonic() < end:
+                        i += 1
+                        try:
+                            reply = await client.request(
+                                capability="ca:echo:v1", payload=i, timeout=2.0
+                            )
+                            served.append(reply.result)
+                        except Exception as err:
+                            failed.append(f"{i}: {err!r}")
+                        await asyncio.sleep(0.2)
+                    url = agent.nc.connected_url
+                    moved_to = None if url is None else url.netloc
+                    view = hub.registry.agents.get(agent.agent_id)
+                    state = None if view is None else view.state
+                    during = list(seen)
+                finally:
+                    await _heal(relays, 1)
+        assert AgentState.LOST not in during, during
+        assert state is AgentState.ONLINE, state
+        # Every request of the cut served (the first may wait for the move: a few ms).
+        assert not failed, failed
+        assert len(served) >= 5, served
+        assert moved_to is not None and moved_to != nodes[1].url.split("//")[1], moved_to
+    finally:
+        for node in nodes:
+            node.stop()
