@@ -254,8 +254,8 @@ class _Connection(MessageGuard):
     #: Leaving its server on purpose, to join its siblings' (``_nats_together``): not a loss.
     moving: bool = False
     #: Called when its server tells it has lost its routes to most of its cluster
-    #: (``connect``'s ``leave_cut_off``); nothing is called when None.
-    on_cut_off: Callable[[], None] | None = None
+    #: (``connect``'s ``leave_cut_off``; true when it leaves); nothing is called when None.
+    on_cut_off: Callable[[], bool] | None = None
     #: The most client URLs its server's INFO listed (its own included) since it connected.
     _listed: int = 0
     #: The server (netloc) it is leaving because that one was cut off: tried last.
@@ -492,14 +492,14 @@ class _Watch:
             _LAME_DUCK_SPREAD,
         )
 
-    def cut_off(self) -> None:
+    def cut_off(self) -> bool:
         """The server lost its routes to most of its cluster (``_Connection``): leave it
         for another server of the pool, one on the side that elects leaders (nats-py tries the
         others first; a server that is down refuses, and one cut off too says so again). At
         once, not spread as from a lame duck: what it takes meanwhile, the streams it leads
-        propose and never commit. With no other server known, stay. Called on nats-py's
-        reader: nothing here awaits."""
-        self._leave(
+        propose and never commit. With no other server known, stay. True when it leaves.
+        Called on nats-py's reader: nothing here awaits."""
+        return self._leave(
             logging.WARNING,
             "lost its routes to most of its cluster (cut off: it lists fewer than half the "
             "servers it did)",
@@ -507,10 +507,10 @@ class _Watch:
             0.0,
         )
 
-    def _leave(self, level: int, why: str, staying: str, spread: float) -> None:
+    def _leave(self, level: int, why: str, staying: str, spread: float) -> bool:
         nc = self.nc
         if nc is None or not nc.is_connected:
-            return
+            return False
         here = nc.connected_url
         others = [u for u in nc.servers if here is None or u.netloc != here.netloc]
         if not others:
@@ -521,7 +521,7 @@ class _Watch:
                 why,
                 staying,
             )
-            return
+            return False
         log.log(
             level,
             "%s: NATS server %s %s: moving to another of %d",
@@ -532,6 +532,7 @@ class _Watch:
         )
         self._leaving = True
         _cut_if_open(getattr(nc, "_transport", None), random.uniform(0, spread))
+        return True
 
     async def disconnected(self) -> None:
         if not self.connected or self._down_since is not None:

@@ -22,6 +22,14 @@ goes where the others are*:
   no-responders and asked again by the SDK; a status event is read back from REACH_STATUS
   once the statuses connection is back, as after any gap). At most one move per connection
   per main (re)connection, and one more per ``REJOIN_INTERVAL`` while it stays apart.
+* When their server is cut off from most of its cluster (a partition between servers: its
+  INFO lists fewer than half the client URLs it did, ``_nats._Connection``), they all leave it
+  together (``connect``'s ``leave_cut_off``): the first connection told takes the others on
+  that server along, and none is sent back there by the first rule while they reconnect (the
+  server is left out of :meth:`Together.target` until they are together again). Staying, the
+  hub was blind (no quorum on its side: nobody declared LOST, no write stored), its proposals
+  went to stale leaders, and callers and agents, which leave such a server too, were on the
+  other side; leaving is a reconnection, as when its server dies.
 
 Nothing here runs per message: only on reconnections, and a check every ``REJOIN_INTERVAL``.
 A single server (nothing discovered either) makes all of it a no-op: every pick is that one.
@@ -38,6 +46,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 import nats.errors
@@ -158,11 +167,18 @@ class Together:
         self._stopped = False
         self._apart_lines = LineBudget(REJOIN_INTERVAL)
         self._ranks: dict[str, float] = {}
+        #: Per connection: how it leaves a server cut off (``_nats._Watch.cut_off``: true
+        #: when it leaves, false when it knows no other server and stays).
+        self._leaves: dict[str, Callable[[], bool]] = {}
+        #: Servers (netlocs) left as cut off, no target until the connections are together.
+        self._shunned: set[str] = set()
+        #: Connections leaving a cut-off server (until they are back).
+        self._leaving: set[str] = set()
 
     def options(self, name: str) -> dict[str, Any]:
         """``connect`` options of the connection ``name``."""
         pick = self._picks.setdefault(name, _Pick(self, name))
-        return {"reconnect_to_server_handler": pick}
+        return {"reconnect_to_server_handler": pick, "leave_cut_off": True}
 
     def add(self, name: str, nc: NATS) -> None:
         """``nc``, made with :meth:`options` of ``name``, is connected (the first added is the
@@ -172,6 +188,29 @@ class Together:
         reconnects = reconnects_of(nc)
         if reconnects is not None:
             reconnects.listeners.append(lambda: self._back(name))
+        leave = getattr(nc, "on_cut_off", None)
+        if leave is not None:
+            self._leaves[name] = leave
+            nc.on_cut_off = lambda: self._cut_off(name)  # type: ignore[attr-defined]
+
+    def _cut_off(self, name: str) -> bool:
+        """Connection ``name``'s server lost its routes to most of its cluster: it and every
+        connection on that server leave it (those that know another server), and it is no
+        target while they reconnect. True when ``name`` leaves. Called on nats-py's reader:
+        nothing here awaits."""
+        nc = self._conns.get(name)
+        here = server_id(nc)
+        if self._stopped or nc is None or here is None:
+            return False
+        for other, conn in self._conns.items():
+            url = conn.connected_url
+            leave = self._leaves.get(other)
+            if url is None or server_id(conn) != here or leave is None:
+                continue
+            if other not in self._leaving and leave():
+                self._leaving.add(other)
+                self._shunned.add(url.netloc)
+        return name in self._leaving
 
     def start(self) -> None:
         """Its connections made and subscribed: one that is not on the main one's server
@@ -216,7 +255,7 @@ class Together:
         )
         for nc in others:
             url = nc.connected_url
-            if url is not None:
+            if url is not None and url.netloc not in self._shunned:
                 return url.netloc
         return None
 
@@ -245,6 +284,10 @@ class Together:
                 self._tried_for[name] = ((here, count), time.monotonic())
         if pick is not None:
             pick.reset()
+        self._leaving.discard(name)
+        ids = {server_id(nc) for nc in self._conns.values()}
+        if len(ids) == 1 and None not in ids:
+            self._shunned.clear()  # (together again: wherever that is)
         if moved:
             # (Not before: a move decided while this reconnection ended has yet to happen.)
             self._moving.discard(name)

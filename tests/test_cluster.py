@@ -510,7 +510,9 @@ async def test_a_hub_cut_off_with_a_stream_leader_declares_nobody_lost(tmp_path:
     up and ran them again once healed. Now it asks the leader whether it heard from a quorum
     lately first, finds it has not, and is blind: the agent stays SUSPECT there."""
     relays: dict[tuple[int, int], Any] = {}
-    nodes = cluster_nodes(tmp_path, name="cutoff", route_relays=relays)
+    # Hub A knows node 0 alone (nothing advertised): cut off, it has no other server to go to
+    # and stays (one that knows another leaves: tests/test_cut_off_nodes.py).
+    nodes = cluster_nodes(tmp_path, name="cutoff", route_relays=relays, no_advertise=True)
     for relay in relays.values():
         await relay.start()
     try:
