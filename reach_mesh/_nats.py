@@ -258,8 +258,12 @@ class _Connection(MessageGuard):
     on_cut_off: Callable[[], bool] | None = None
     #: The most client URLs its server's INFO listed (its own included) since it connected.
     _listed: int = 0
-    #: The server (netloc) it is leaving because that one was cut off: tried last.
-    _left: str | None = None
+    #: The server (netlocs) it is leaving because that one was cut off: tried last.
+    _left: frozenset[str] = frozenset()
+    #: That server's ``server_id``, and the netlocs it was left under, until this connection
+    #: is up on another (``back_where_left``).
+    _left_id: str | None = None
+    _left_at: frozenset[str] = frozenset()
 
     async def _process_info(self, info: dict[str, Any], initial_connection: bool = False) -> None:
         await super()._process_info(info, initial_connection)
@@ -287,8 +291,30 @@ class _Connection(MessageGuard):
         if self.on_cut_off is not None:
             self._listed = len(urls)
             current = self._current_server
-            self._left = None if current is None else current.uri.netloc
+            self._left = self._left_at = (
+                frozenset() if current is None else frozenset({current.uri.netloc})
+            )
+            got = (self._server_info or {}).get("server_id")
+            self._left_id = got if isinstance(got, str) else None
             self.on_cut_off()
+
+    def back_where_left(self) -> bool:
+        """Reconnected: whether on the server it left as cut off, under a name it was not left
+        under — a server given under a host name is also in the pool under the address its
+        INFO advertises, and that one was tried first after the leave. Then that name goes
+        last too, and True: it leaves again. Under a name it was left under (nothing else took
+        the connection), or on another server, it stays and forgets the one it left."""
+        left = self._left_id
+        current = self._current_server
+        if left is None or current is None:
+            return False
+        if (self._server_info or {}).get("server_id") == left:
+            netloc = current.uri.netloc
+            if netloc not in self._left_at:
+                self._left = self._left_at = self._left_at | {netloc}
+                return True
+        self._left_id, self._left, self._left_at = None, frozenset(), frozenset()
+        return False
 
     async def _attempt_reconnect(self) -> None:
         _cut_if_open(self._transport, _CLOSE_DEAD)
@@ -297,9 +323,9 @@ class _Connection(MessageGuard):
     async def _select_next_server(self) -> None:
         # nats-py's round robin over a shuffled pool, with a server left because it was cut
         # off put last: it takes connections, and would take this one back at once.
-        left, self._left = self._left, None
-        if left is not None:
-            self._server_pool.sort(key=lambda s: s.uri.netloc == left)
+        left, self._left = self._left, frozenset()
+        if left:
+            self._server_pool.sort(key=lambda s: s.uri.netloc in left)
         await super()._select_next_server()
 
     # nats-py's awaits that swallow a cancellation (``reach_mesh._cancels``) raise it: its
@@ -555,6 +581,8 @@ class _Watch:
         if isinstance(self.nc, _Connection):
             self.nc.moving = False
             self.nc.reconnects.note()
+            if self.nc.back_where_left() and self.nc.on_cut_off is not None:
+                self.nc.on_cut_off()  # (the server it left, under another name: again)
         if self._down_since is None:
             return
         down = time.monotonic() - self._down_since

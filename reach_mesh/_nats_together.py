@@ -26,7 +26,9 @@ goes where the others are*:
   INFO lists fewer than half the client URLs it did, ``_nats._Connection``), they all leave it
   together (``connect``'s ``leave_cut_off``): the first connection told takes the others on
   that server along, and none is sent back there by the first rule while they reconnect (the
-  server is left out of :meth:`Together.target` until they are together again). Staying, the
+  server is left out of :meth:`Together.target`, and picked last, until they are together
+  on another; one that lands on it anyway under another name — a host name and an address —
+  leaves it again: ``_nats._Connection.back_where_left``). Staying, the
   hub was blind (no quorum on its side: nobody declared LOST, no write stored), its proposals
   went to stale leaders, and callers and agents, which leave such a server too, were on the
   other side; leaving is a reconnection, as when its server dies.
@@ -139,10 +141,11 @@ class _Pick:
         self._tried[netloc] = now + delay
         return chosen, delay
 
-    def _order(self, s: Server) -> tuple[float, bool, float]:
+    def _order(self, s: Server) -> tuple[float, bool, bool, float]:
         netloc = s.uri.netloc
         lost_last = (netloc == self._lost) != self.moving
-        return (self._tried.get(netloc, -math.inf), lost_last, self._together.rank(netloc))
+        shunned = self._together.shunned(netloc)
+        return (self._tried.get(netloc, -math.inf), shunned, lost_last, self._together.rank(netloc))
 
 
 class Together:
@@ -237,6 +240,11 @@ class Together:
             got = self._ranks[netloc] = random.random()
         return got
 
+    def shunned(self, netloc: str) -> bool:
+        """Whether ``netloc`` names a server the connections left as cut off (under any of
+        its names they were on: a host name, an address), not yet together elsewhere."""
+        return netloc in self._shunned
+
     def connection(self, name: str) -> NATS | None:
         return self._conns.get(name)
 
@@ -286,8 +294,14 @@ class Together:
             pick.reset()
         self._leaving.discard(name)
         ids = {server_id(nc) for nc in self._conns.values()}
-        if len(ids) == 1 and None not in ids:
-            self._shunned.clear()  # (together again: wherever that is)
+        url = self._conns[name].connected_url
+        if (
+            len(ids) == 1
+            and None not in ids
+            and url is not None
+            and url.netloc not in self._shunned
+        ):
+            self._shunned.clear()  # (together again, elsewhere)
         if moved:
             # (Not before: a move decided while this reconnection ended has yet to happen.)
             self._moving.discard(name)

@@ -179,9 +179,9 @@ async def test_an_agent_on_a_server_cut_off_from_its_cluster_moves_and_stays_onl
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("slow_sibling", [False, True])
+@pytest.mark.parametrize("case", ["plain", "slow_sibling", "two_names"])
 async def test_a_hub_on_a_server_cut_off_from_its_cluster_moves_with_its_three_connections(
-    tmp_path: Path, slow_sibling: bool
+    tmp_path: Path, case: str
 ) -> None:
     """The hub's server (n1) loses its routes to the other two, where the agent and the caller
     are. Before, the hub stayed on it with its three connections: blind there (no quorum on
@@ -194,11 +194,17 @@ async def test_a_hub_on_a_server_cut_off_from_its_cluster_moves_with_its_three_c
     ``slow_sibling``: the statuses connection leaves 50 ms after the others (as one still
     reading what its server sent before the cut would): the main one, leaving first, takes the
     server it is still on for its siblings' and is not sent back there (nor, then, the others
-    after it)."""
-    nodes, relays = await _cluster(tmp_path, f"cuthub{int(slow_sibling)}")
+    after it).
+
+    ``two_names``: the hub is given n1 as ``localhost``, and n1 advertises itself as
+    ``127.0.0.1``: that other name of the server left is made the first pick (its rank), as
+    it is by chance in a third of the hubs. It took the main connection back, and the others
+    after it; now landing there it leaves again, both names last."""
+    nodes, relays = await _cluster(tmp_path, f"cuthub{case[0]}")
     try:
         # Given the server to be cut off alone: the others are those its INFO told of.
-        hub_side = MeshSettings(nats_url=nodes[1].url, namespace="ch", **_FAST)
+        given = nodes[1].url if case != "two_names" else f"nats://localhost:{nodes[1].port}"
+        hub_side = MeshSettings(nats_url=given, namespace="ch", **_FAST)
         other_side = MeshSettings(nats_url=nodes[0].url, namespace="ch", **_FAST)
         agent = Agent("ch.echo.a1", settings=other_side)
 
@@ -215,16 +221,15 @@ async def test_a_hub_on_a_server_cut_off_from_its_cluster_moves_with_its_three_c
                 ),
                 timeout=10,
             )
-            cut = nodes[1].url.split("//")[1]
+            cut = "n1"
 
             def servers() -> set[str | None]:
-                return {
-                    None if nc is None or nc.connected_url is None else nc.connected_url.netloc
-                    for nc in hub._connections.values()
-                }
+                return set(hub.together.servers().values())  # (server names)
 
             assert servers() == {cut}
-            if slow_sibling:
+            if case == "two_names":
+                hub.together._ranks[f"127.0.0.1:{nodes[1].port}"] = -1.0
+            if case == "slow_sibling":
                 leave = hub.together._leaves["statuses"]
 
                 def later() -> bool:
@@ -285,5 +290,43 @@ async def test_a_hub_on_a_server_cut_off_from_its_cluster_moves_with_its_three_c
         (moved_in,) = moves
         assert moved_in < 1.0, moved_in  # (measured: 6-12 ms; 17-18 with a slow sibling)
     finally:
+        for node in nodes:
+            node.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_cut_off_server_known_under_two_names_is_not_taken_back_under_the_other(
+    tmp_path: Path,
+) -> None:
+    """A server given under a host name is also in the pool under the address its INFO
+    advertises (nats-py keeps both). Left because it was cut off, it was put last under the
+    name it was left under only: tried first under the other, it took the connection back,
+    whose next INFO lists its one URL — the new reference — and the connection stayed there for
+    the whole cut. Now a reconnection that lands on the server it left (the same
+    ``server_id``) under a name not yet tried leaves it again, both names last."""
+    from reach_mesh._nats import connect
+
+    nodes, relays = await _cluster(tmp_path, "alias")
+    cut = nodes[1]
+    other_name = f"127.0.0.1:{cut.port}"  # what the server advertises
+    nc = await connect(
+        f"nats://localhost:{cut.port}", name="alias", leave_cut_off=True, dont_randomize=True
+    )
+    try:
+        left_id = nc._server_info["server_id"]
+        await eventually(lambda: other_name in {s.uri.netloc for s in nc._server_pool})
+        # The worst order: the cut-off server's other name first (nothing shuffles it).
+        nc._server_pool.sort(key=lambda s: s.uri.netloc != other_name)
+
+        def elsewhere() -> bool:
+            return nc.is_connected and nc._server_info.get("server_id") != left_id
+
+        await _cut(relays, 1)
+        try:
+            await eventually(elsewhere, timeout=3.0)
+        finally:
+            await _heal(relays, 1)
+    finally:
+        await nc.close()
         for node in nodes:
             node.stop()
