@@ -287,7 +287,10 @@ class _Connection(MessageGuard):
         # entry to be a snapshot and peerstate", nats-server 2.15.1): cut off in turn, the
         # next node took the stream's quorum (16 s without submissions). Reproduced with 20
         # submissions/s: it caught up at once when the caller left at once, and not when it
-        # stayed (2 runs of 2) or left within a 0-1 s spread.
+        # stayed (2 runs of 2) or left within a 0-1 s spread. Not seen: connected while one
+        # server of three was down (2 URLs), the other two splitting (2 -> 1). The pool's size
+        # is no better reference: it mixes host names given and addresses advertised, and a
+        # server may advertise several — one peer restarting would look like a cut.
         if self.on_cut_off is not None:
             self._listed = len(urls)
             current = self._current_server
