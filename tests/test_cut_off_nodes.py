@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
-from reach_mesh.models import AgentState
+from reach_mesh.models import AgentState, TaskState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import Relay, cluster_nodes, eventually
+from .helpers import WF_FAST, Relay, cluster_nodes, eventually
 from .test_cluster import _js_ready
 
 pytestmark = pytest.mark.xdist_group("clusters")
@@ -328,5 +328,70 @@ async def test_a_cut_off_server_known_under_two_names_is_not_taken_back_under_th
             await _heal(relays, 1)
     finally:
         await nc.close()
+        for node in nodes:
+            node.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_durable_steps_running_on_an_agent_that_leaves_a_cut_off_server_end_once(
+    tmp_path: Path,
+) -> None:
+    """Workflow steps (JetStream work) running on the agent when its server (n1) is cut off:
+    it leaves n1 with the steps in hand, its statuses and acks go through the other side,
+    and every step ends SUCCEEDED from its one run — the reconnection its work consumer,
+    held steps and hedged status publishes already ride out when a server dies. Staying, its
+    final statuses were proposals to stale leaders and its lease lapsed at the hub."""
+    nodes, relays = await _cluster(tmp_path, "cutwork")
+    try:
+        fast = {**_FAST, **WF_FAST}
+        hub_side = MeshSettings(nats_url=nodes[0].url, namespace="cw", **fast)
+        agent_side = MeshSettings(nats_url=nodes[1].url, namespace="cw", **fast)
+        agent = Agent("cw.slow.a1", settings=agent_side, max_concurrency=8)
+        runs: dict[str, int] = {}
+        started = asyncio.Event()
+
+        @agent.handler("cw:slow:v1")
+        async def slow(task: Task[Any]) -> Any:
+            runs[task.task_id] = runs.get(task.task_id, 0) + 1
+            started.set()
+            await asyncio.sleep(1.0)
+            return task.payload
+
+        async with Hub(settings=hub_side, hub_id="hub-w") as hub, agent:
+            streams = [
+                f"KV_{protocol.KV_HEARTBEATS}",
+                f"KV_{protocol.KV_TASKS}",
+                f"KV_{protocol.KV_WORKFLOWS}",
+                protocol.STREAM_WF,
+                protocol.STREAM_WORK,
+                protocol.STREAM_STATUS,
+            ]
+            await _led_by_n0(hub, *streams)
+            await eventually(
+                lambda: (
+                    agent.agent_id in hub.registry.agents
+                    and hub.registry.agents[agent.agent_id].state is AgentState.ONLINE
+                ),
+                timeout=10,
+            )
+            seen: list[AgentState] = []
+            hub.registry.on_state_change(
+                lambda view, old, new: seen.append(new) if view.agent_id == agent.agent_id else None
+            )
+            async with Client(settings=hub_side) as client:
+                steps = [Step(capability="cw:slow:v1", payload=k) for k in range(4)]
+                wf_id = await client.submit_fanout(steps, timeout=30)
+                await asyncio.wait_for(started.wait(), 10)
+                await _cut(relays, 1)
+                try:
+                    result = await client.workflow(wf_id, timeout=_CUT)
+                    during = list(seen)
+                finally:
+                    await _heal(relays, 1)
+        assert result.state is TaskState.SUCCEEDED, result.error
+        assert result.result == [0, 1, 2, 3], result.result
+        assert AgentState.LOST not in during, during
+        assert sorted(runs.values()) == [1, 1, 1, 1], runs
+    finally:
         for node in nodes:
             node.stop()
