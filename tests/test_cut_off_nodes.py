@@ -333,19 +333,24 @@ async def test_a_cut_off_server_known_under_two_names_is_not_taken_back_under_th
 
 
 @pytest.mark.timeout(120)
-async def test_durable_steps_running_on_an_agent_that_leaves_a_cut_off_server_end_once(
-    tmp_path: Path,
+@pytest.mark.parametrize("on_n1", ["agent", "hub"])
+async def test_durable_steps_in_hand_when_a_server_is_cut_off_end_once(
+    tmp_path: Path, on_n1: str
 ) -> None:
-    """Workflow steps (JetStream work) running on the agent when its server (n1) is cut off:
-    it leaves n1 with the steps in hand, its statuses and acks go through the other side,
-    and every step ends SUCCEEDED from its one run — the reconnection its work consumer,
-    held steps and hedged status publishes already ride out when a server dies. Staying, its
-    final statuses were proposals to stale leaders and its lease lapsed at the hub."""
-    nodes, relays = await _cluster(tmp_path, "cutwork")
+    """Workflow steps (JetStream work) running on the agent when n1 is cut off, with the agent
+    (``agent``) or the hub that owns the workflow (``hub``) on n1, everything else on n0. The
+    one on n1 leaves it with the steps in hand — the agent its statuses and acks, the hub its
+    records and decisions going through the other side — and every step ends SUCCEEDED from
+    its one run: the reconnection a work consumer, held steps, hedged status publishes and a
+    hub's workflows already ride out when a server dies. Staying, the workflow had no result
+    for the whole cut (the agent's final statuses, or the hub's writes, proposals to stale
+    leaders)."""
+    nodes, relays = await _cluster(tmp_path, f"cutwork{on_n1[0]}")
     try:
         fast = {**_FAST, **WF_FAST}
-        hub_side = MeshSettings(nats_url=nodes[0].url, namespace="cw", **fast)
-        agent_side = MeshSettings(nats_url=nodes[1].url, namespace="cw", **fast)
+        n0 = MeshSettings(nats_url=nodes[0].url, namespace="cw", **fast)
+        n1 = MeshSettings(nats_url=nodes[1].url, namespace="cw", **fast)
+        hub_side, agent_side = (n0, n1) if on_n1 == "agent" else (n1, n0)
         agent = Agent("cw.slow.a1", settings=agent_side, max_concurrency=8)
         runs: dict[str, int] = {}
         started = asyncio.Event()
@@ -378,7 +383,7 @@ async def test_durable_steps_running_on_an_agent_that_leaves_a_cut_off_server_en
             hub.registry.on_state_change(
                 lambda view, old, new: seen.append(new) if view.agent_id == agent.agent_id else None
             )
-            async with Client(settings=hub_side) as client:
+            async with Client(settings=n0) as client:
                 steps = [Step(capability="cw:slow:v1", payload=k) for k in range(4)]
                 wf_id = await client.submit_fanout(steps, timeout=30)
                 await asyncio.wait_for(started.wait(), 10)
