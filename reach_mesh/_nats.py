@@ -293,13 +293,22 @@ class _Connection(MessageGuard):
         # server may advertise several — one peer restarting would look like a cut.
         if self.on_cut_off is not None:
             self._listed = len(urls)
-            current = self._current_server
-            self._left = self._left_at = (
-                frozenset() if current is None else frozenset({current.uri.netloc})
-            )
-            got = (self._server_info or {}).get("server_id")
-            self._left_id = got if isinstance(got, str) else None
+            self.leaving_cut_off()
             self.on_cut_off()
+
+    def leaving_cut_off(self) -> None:
+        """It leaves its server as cut off (its own INFO said so, or a sibling's did:
+        ``_nats_together``): that server (its ``server_id``, the name it is on) is tried last,
+        and left again if the reconnection lands on it under another name
+        (:meth:`back_where_left`). Left again (under another name), both names go last."""
+        current = self._current_server
+        here = frozenset() if current is None else frozenset({current.uri.netloc})
+        info_id = (self._server_info or {}).get("server_id")
+        left_id = info_id if isinstance(info_id, str) else None
+        if left_id is None or left_id != self._left_id:
+            self._left_at = frozenset()
+        self._left = self._left_at = self._left_at | here
+        self._left_id = left_id
 
     def back_where_left(self) -> bool:
         """Reconnected: whether on the server it left as cut off, under a name it was not left

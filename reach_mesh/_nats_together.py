@@ -27,8 +27,9 @@ goes where the others are*:
   together (``connect``'s ``leave_cut_off``): the first connection told takes the others on
   that server along, and none is sent back there by the first rule while they reconnect (the
   server is left out of :meth:`Together.target`, and picked last, until they are together
-  on another; one that lands on it anyway under another name — a host name and an address —
-  leaves it again: ``_nats._Connection.back_where_left``). Staying, the
+  on another — another ``server_id``: all up on it again under its other name is not that;
+  one that lands on it anyway under another name — a host name and an address — leaves it
+  again, the siblings it took along too: ``_nats._Connection.back_where_left``). Staying, the
   hub was blind (no quorum on its side: nobody declared LOST, no write stored), its proposals
   went to stale leaders, and callers and agents, which leave such a server too, were on the
   other side; leaving is a reconnection, as when its server dies.
@@ -56,7 +57,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.client import Server
 from nats.protocol import command as prot_command
 
-from reach_mesh._nats import flushed
+from reach_mesh._nats import _Connection, flushed
 from reach_mesh._nats_asking import reconnects_of
 from reach_mesh.logs import LineBudget
 
@@ -175,6 +176,9 @@ class Together:
         self._leaves: dict[str, Callable[[], bool]] = {}
         #: Servers (netlocs) left as cut off, no target until the connections are together.
         self._shunned: set[str] = set()
+        #: Those servers' ``server_id``: the same server under a name not left yet is no
+        #: target either, and being together on it is not being together again elsewhere.
+        self._left_ids: set[str] = set()
         #: Connections leaving a cut-off server (until they are back).
         self._leaving: set[str] = set()
 
@@ -211,8 +215,11 @@ class Together:
             if url is None or server_id(conn) != here or leave is None:
                 continue
             if other not in self._leaving and leave():
+                if isinstance(conn, _Connection):
+                    conn.leaving_cut_off()  # (told by a sibling: it may not have read its INFO)
                 self._leaving.add(other)
                 self._shunned.add(url.netloc)
+                self._left_ids.add(here)
         return name in self._leaving
 
     def start(self) -> None:
@@ -263,7 +270,11 @@ class Together:
         )
         for nc in others:
             url = nc.connected_url
-            if url is not None and url.netloc not in self._shunned:
+            if (
+                url is not None
+                and url.netloc not in self._shunned
+                and server_id(nc) not in self._left_ids
+            ):
                 return url.netloc
         return None
 
@@ -294,14 +305,12 @@ class Together:
             pick.reset()
         self._leaving.discard(name)
         ids = {server_id(nc) for nc in self._conns.values()}
-        url = self._conns[name].connected_url
-        if (
-            len(ids) == 1
-            and None not in ids
-            and url is not None
-            and url.netloc not in self._shunned
-        ):
-            self._shunned.clear()  # (together again, elsewhere)
+        if len(ids) == 1 and None not in ids and not ids & self._left_ids:
+            # Together again, elsewhere. (Not on the server left under another name, a host
+            # name and an address: forgetting it there sent them back under the first name,
+            # where they stayed through the cut.)
+            self._shunned.clear()
+            self._left_ids.clear()
         if moved:
             # (Not before: a move decided while this reconnection ended has yet to happen.)
             self._moving.discard(name)
