@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import time
 
-import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh._consume import ensure_workflow_resources
 
 from .harness import _after_write, _ran_out, ran_out_after_write
 from .workload import DriverStats
@@ -31,10 +31,11 @@ async def test_the_write_is_read_from_the_stored_final_record(
     nats_url: str, namespace: str, nc: NATS
 ) -> None:
     js = nc.jetstream()
-    try:
-        kv = await js.key_value(protocol.KV_WORKFLOWS)
-    except nats.js.errors.BucketNotFoundError:
-        kv = await js.create_key_value(bucket=protocol.KV_WORKFLOWS)
+    # The bucket as a hub makes it (direct gets allowed...): one made here with nats-py's
+    # defaults, when this test is the first on its server, answered every later direct get
+    # of it "no responders" — every workflow read of the tests after it (ci177).
+    await ensure_workflow_resources(js, MeshSettings(nats_url=nats_url))
+    kv = await js.key_value(protocol.KV_WORKFLOWS)
     before = time.time()
     await kv.put(
         protocol.workflow_key(namespace, "done"),
