@@ -623,3 +623,78 @@ async def test_an_unneeded_branchs_status_reads_are_made_at_once(
     unread: list[Exception] = []
     event, held = await engine._stored_outcome(wf, 1, rec, patient=False, held=False, unread=unread)
     assert event == success and not held and len(unread) == 2
+
+
+async def test_a_step_decided_for_the_new_owner_and_fenced_since_by_the_old_records_its_outcome(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``any`` fanout taken over from a hub that lost it without noticing. The new owner
+    adopted step 1's attempt (its record written again, ``_fence_taken``); right after, the old
+    owner — its policy decided on its own, its read of the workflow record unanswered and
+    taken for "still ours" — fenced step 1 ``cancelled`` as unneeded, a compare-and-set on the
+    revision the new owner had just written. Step 1's attempt had ended ``ok`` before that
+    stop: its stored success decides the step for the new owner, by its current attempt (no
+    record write), and the result keeps it — while the record said PENDING, ``cancelled``
+    (the task view showed the step stopped: chaos secure seed 209, ``node_stop``,
+    chaos-209-00780). A run that took the workflow over writes such a step's record with the
+    outcome it keeps before it stores the result."""
+    ns = wf_settings.namespace
+    engine = wf_hub.workflows
+    assert engine is not None
+    wf_id = "kept-fenced"
+    agent = echo_agent(fleet, "keptfence.a1", "wf:keptfence:v1")
+    await agent.start()
+    # Step 0 has no agent (its adopted attempt 1 is on one that is gone): only step 1 decides.
+    steps = [
+        Step(capability="wf:keptfence-none:v1", payload=0, timeout=10),
+        Step(capability="wf:keptfence:v1", payload=1, timeout=10),
+    ]
+    branch = f"{wf_id}-1"
+    key = protocol.task_key(ns, branch)
+    fenced: list[int] = []
+    fence_taken = engine._fence_taken
+
+    async def stale_stop_after(wf: Workflow, k: str, rec: TaskRecord, rev: int) -> int:
+        new = await fence_taken(wf, k, rec, rev)
+        if k == key:  # the old owner's stop lands on the revision the new owner wrote
+            stopped = rec.model_copy(deep=True)
+            stopped.cancelled = True
+            fenced.append(await tasks.update(k, protocol.encode(stopped), last=new))
+        return new
+
+    monkeypatch.setattr(engine, "_fence_taken", stale_stop_after)
+    async with Client(settings=wf_settings) as mesh:
+        spec = mesh._workflow_spec("fanout", steps, "any", 30, wf_id)
+        js = mesh.nc.jetstream()
+        record = WorkflowRecord(
+            spec=spec,
+            spec_digest=spec_digest(spec),
+            owner="hub-lost",
+            submitted_at=time.time(),
+            first_agents=["keptfence.gone", agent.agent_id],
+        )
+        wfs = await js.key_value(protocol.KV_WORKFLOWS)
+        await wfs.put(protocol.workflow_key(ns, wf_id), protocol.encode(record))
+        tasks = await js.key_value(protocol.KV_TASKS)
+        # Step 1's attempt 1 ended ok before the stop: its status is stored.
+        status = TaskStatusEvent(
+            task_id=branch,
+            attempt=1,
+            agent_id=agent.agent_id,
+            state=TaskState.SUCCEEDED,
+            workflow_id=wf_id,
+            step=1,
+            result="v1",
+        )
+        await js.publish(protocol.task_status(agent.agent_id, branch), protocol.encode(status))
+        # The submission comes back to a hub (JetStream redelivers it).
+        await mesh.submit_fanout(steps, policy="any", workflow_id=wf_id, timeout=30)
+        res = await mesh.workflow(wf_id, timeout=15)
+    assert fenced, "the stale stop did not land"
+    assert res.state is TaskState.SUCCEEDED, res
+    got = res.steps[1]
+    assert got.ok and not got.cancelled and got.decided_by == 1, res.steps
+    assert res.steps[0].cancelled, res.steps
+    rec = await task_record(wf_hub.nc, ns, branch)
+    assert rec is not None and rec.state is TaskState.SUCCEEDED and not rec.cancelled, rec
+    assert rec.decided_by == 1 and rec.result == "v1", rec

@@ -397,6 +397,9 @@ class WorkflowShapes(StepStopping):
             state = TaskState.TIMEOUT
         else:
             state = TaskState.FAILED
+        # A step kept as its current attempt decided it whose record a stale stop fenced
+        # since: the record says so too (a taken-over run only).
+        await self._record_kept(wf)
         steps = self._step_results(wf)
         return WorkflowResult(
             workflow_id=wf.id,

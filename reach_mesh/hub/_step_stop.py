@@ -50,6 +50,10 @@ _OWNER_WAIT: Final = 3.0
 #: replicas within this long (s): one cut off from them keeps leading, and answering from what
 #: it had, for some ten seconds.
 LEADER_HEARD: Final = 2.0
+#: How long (s) a taken-over fanout's run reads and rewrites the record of a step its current
+#: attempt decided that a stale stop fenced (``StepStopping._record_kept``): best effort, the
+#: result is not held up longer.
+_KEPT_WAIT: Final = 2.0
 
 
 class StepStopping(StepRunner):
@@ -199,6 +203,68 @@ class StepStopping(StepRunner):
         # (``_fanout`` raises it): the result must not be stored before the markers are.
         await self._remark(wf, rec)
         self._stop_others(rec, None)
+
+    async def _record_kept(self, wf: Workflow) -> None:
+        """Before a fanout run that took its workflow over stores the result: the record of
+        each step its current attempt decided (which writes nothing on the normal path: the
+        record stays as the attempt was sent), read at the leader, written with that outcome
+        when it was fenced ``cancelled`` since — a compare-and-set on the revision read.
+
+        The fence is a stop by a hub that had lost the workflow without noticing, written
+        after this run adopted the step's attempt (``_fence_taken``) and before that attempt
+        decided it: a read of the workflow record that did not answer is taken for "still
+        ours" (``_still_ours``), and a read-then-write is no lock. The success ended before
+        the stop and is kept (no valid result is thrown away), but the record — the task view,
+        the API, the agents' fence reads — said the step was stopped, against the stored
+        result (chaos secure seed 209, ``node_stop``, chaos-209-00780). Only a run that took
+        the workflow over can find such a fence (no other hub ran it before this one), so the
+        normal path reads nothing; a read or write that fails within ``_KEPT_WAIT`` s leaves
+        the record as it is (the result is right either way)."""
+        if not wf.taken_over:
+            return
+        kept = [
+            (index, rec)
+            for index, rec in sorted(wf.records.items())
+            if rec.state.final and not rec.cancelled and rec.decided_by == rec.attempt > 0
+        ]
+        if kept:
+            await asyncio.gather(*(self._record_kept_step(wf, i, rec) for i, rec in kept))
+
+    async def _record_kept_step(self, wf: Workflow, index: int, rec: TaskRecord) -> None:
+        """``_record_kept`` for step ``index``, decided by its current attempt (``rec``)."""
+        assert self._tasks_kv is not None
+        kv = self._tasks_kv
+        key = protocol.task_key(wf.ns, rec.task_id)
+        until = self._loop.time() + _KEPT_WAIT
+        try:
+            got = await _durable.retrying(
+                f"read {key}",
+                lambda: _durable.get_at_leader(kv, key),
+                until,
+                on_retry=self._infra_retry,
+            )
+            if got is None:
+                return
+            stored = TaskRecord.model_validate_json(got[0])
+            if (
+                not stored.is_step(wf.id, index)
+                or stored.state.final
+                or not stored.cancelled
+                or stored.attempt != rec.attempt
+            ):
+                return  # as this run left it (or final, or another attempt's: not ours)
+            await _durable.cas(
+                kv, key, protocol.encode(rec), got[1], until, on_retry=self._infra_retry
+            )
+        except Exception:
+            log.info("%s: its record, fenced after its success, not rewritten", key, exc_info=True)
+            return
+        log.info(
+            "%s: its record was fenced cancelled after attempt %d decided it; written %s",
+            key,
+            rec.attempt,
+            rec.state.value,
+        )
 
     async def _stop_again(
         self, wf: Workflow, index: int, task_id: str, carried: TaskStatusEvent | None, last: int
