@@ -247,6 +247,17 @@ class Together:
             got = self._ranks[netloc] = random.random()
         return got
 
+    def _staying(self, nc: NATS) -> bool:
+        """Whether ``nc``, up on a server the connections left as cut off, stays there: it is
+        on it under a name it left it under (nothing else took it), or it forgot that server
+        already (``_nats._Connection.back_where_left``)."""
+        url = nc.connected_url
+        if url is None:
+            return False
+        if isinstance(nc, _Connection):
+            return nc._left_id != server_id(nc) or url.netloc in nc._left_at
+        return url.netloc in self._shunned
+
     def shunned(self, netloc: str) -> bool:
         """Whether ``netloc`` names a server the connections left as cut off (under any of
         its names they were on: a host name, an address), not yet together elsewhere."""
@@ -305,10 +316,21 @@ class Together:
             pick.reset()
         self._leaving.discard(name)
         ids = {server_id(nc) for nc in self._conns.values()}
-        if len(ids) == 1 and None not in ids and not ids & self._left_ids:
+        if (
+            len(ids) == 1
+            and None not in ids
+            and (
+                not ids & self._left_ids
+                or (not self._leaving and all(map(self._staying, self._conns.values())))
+            )
+        ):
             # Together again, elsewhere. (Not on the server left under another name, a host
             # name and an address: forgetting it there sent them back under the first name,
-            # where they stayed through the cut.)
+            # where they stayed through the cut.) Or all back (none leaving still) on the
+            # server left, under a name each left it under: no other server took them, and
+            # they stay (``_nats._Connection.back_where_left``) — kept shunned, a sibling
+            # reconnecting alone later had no target and every rejoin sent it elsewhere:
+            # apart for good.
             self._shunned.clear()
             self._left_ids.clear()
         if moved:

@@ -75,3 +75,22 @@ def test_a_server_left_is_not_forgotten_when_all_land_on_it_under_its_other_name
         together._back(name)
     assert not together.shunned("localhost:4222") and not together.shunned("127.0.0.1:4222")
     assert together.target("routes") == "127.0.0.1:4223"
+
+
+def test_a_server_left_and_stayed_on_is_forgotten_once_all_are_back_on_it() -> None:
+    """All four leave N1, find no other server (the process is on the minority's side of the
+    cut too) and are all up on it again under the name they left it under: they stay there
+    (``_Connection.back_where_left``). Then it is no longer a server being left: a sibling
+    that reconnects alone later (a slow consumer cut, after the cut healed) must be sent back
+    to main's server. Kept shunned, the sibling's target was None, it went to another server
+    and every rejoin move sent it there again — the hub's connections apart for good."""
+    together, conns, leaves = _together()
+    assert together._cut_off("main")
+    assert sorted(leaves) == sorted(_NAMES)
+    for conn in conns.values():
+        conn.up("localhost:4222", "N1")  # (the same server, the same name: nothing else took it)
+    for name in _NAMES:
+        together._back(name)
+    assert not together.shunned("localhost:4222")
+    assert together.target("routes") == "localhost:4222"
+    assert together.target("main") == "localhost:4222"
