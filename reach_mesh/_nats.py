@@ -708,13 +708,45 @@ async def ensure_kv(
 
     async def bind_or_create() -> KeyValue:
         try:
-            return await js.key_value(bucket)
+            return await _with_direct_gets(js, await js.key_value(bucket))
         except BucketNotFoundError:
             pass
         try:
             return await js.create_key_value(cfg)
         except nats.js.errors.BadRequestError:
             # Another hub created it first with the same config (or a compatible one).
-            return await js.key_value(bucket)
+            return await _with_direct_gets(js, await js.key_value(bucket))
 
     return await set_up(f"bucket {bucket}", bind_or_create)
+
+
+async def _with_direct_gets(js: JetStreamContext, kv: KeyValue) -> KeyValue:
+    """``kv`` with direct gets allowed on its stream: every read of reach-mesh's buckets is one
+    (``$JS.API.DIRECT.GET``), and on a bucket made without them (by hand, by another tool, with
+    nats-py's defaults) each is answered "no responders" — every workflow view and caller
+    wait failed ``REACH_UNAVAILABLE`` (ci177: a test had made the record bucket so). Turned
+    on where this identity may update the stream (a hub); else said, and ``kv`` kept."""
+    if kv._direct:
+        return kv
+    stream = f"KV_{kv._name}"
+    try:
+        config = (await js.stream_info(stream)).config
+        config.allow_direct = True
+        await js.update_stream(config)
+        fixed = await js.key_value(kv._name)
+    except (TimeoutError, nats.errors.Error) as err:
+        log.error(
+            "bucket %s has direct gets off: every read of it will find no responders; "
+            "turn them on (nats stream edit %s --allow-direct) or delete it for a hub to "
+            "make it again (%r)",
+            kv._name,
+            stream,
+            err,
+        )
+        return kv
+    log.warning(
+        "bucket %s had direct gets off (made by hand or by another tool): turned on, as "
+        "every read of it needs them",
+        kv._name,
+    )
+    return fixed

@@ -18,10 +18,12 @@ from typing import Any
 
 import nats
 import pytest
+from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
 
 from reach_mesh import Client, MeshSettings, Step, protocol
 from reach_mesh._consume import PullConsumer
+from reach_mesh._nats import ensure_kv
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.hub import Hub
@@ -282,3 +284,26 @@ async def test_a_cancel_before_the_run_here_wrote_its_record_is_asked_again(
         finally:
             del engine._owning[("lost", "starting")]
             task.cancel()
+
+
+async def test_a_bucket_made_without_direct_gets_has_them_turned_on(
+    nc: NATS, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bucket that exists with direct gets off (made by hand, by another tool, with nats-py's
+    defaults: ci177, a test made the workflow record bucket so) answered every reach-mesh read
+    of it "no responders" — every workflow view and caller wait ``REACH_UNAVAILABLE``; the
+    hub that binds it turns them on, and says so."""
+    js = nc.jetstream()
+    bucket = f"direct-{namespace}"
+    await js.create_key_value(bucket=bucket)  # nats-py's defaults: no direct gets
+    try:
+        assert not (await js.stream_info(f"KV_{bucket}")).config.allow_direct
+        with caplog.at_level(logging.WARNING, logger="reach_mesh.nats"):
+            kv = await ensure_kv(js, bucket)
+        assert (await js.stream_info(f"KV_{bucket}")).config.allow_direct
+        await kv.put("k", b"v")
+        entry = await kv.get("k")  # a direct get now: answered
+        assert entry.value == b"v"
+        assert any("had direct gets off" in r.getMessage() for r in caplog.records)
+    finally:
+        await js.delete_key_value(bucket)
