@@ -713,9 +713,14 @@ async def ensure_kv(
             pass
         try:
             return await js.create_key_value(cfg)
-        except nats.js.errors.BadRequestError:
+        except nats.js.errors.BadRequestError as err:
             # Another hub created it first with the same config (or a compatible one).
-            return await _with_direct_gets(js, await js.key_value(bucket))
+            try:
+                return await _with_direct_gets(js, await js.key_value(bucket))
+            except BucketNotFoundError:
+                # Not there, and not made: a cluster without a quorum answers so (ci180:
+                # a hub starting then failed at once): an outage to wait out (``set_up``).
+                raise nats.errors.TimeoutError from err
 
     return await set_up(f"bucket {bucket}", bind_or_create)
 
