@@ -75,6 +75,28 @@ async def _led_by_n0(hub: Hub, *streams: str) -> None:
     await eventually(led, timeout=30, interval=0.5)
 
 
+def _echo_agent(agent_id: str, settings: MeshSettings, capability: str) -> Agent:
+    """An agent of ``capability`` that answers each task with its payload."""
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler(capability)
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    return agent
+
+
+async def _online(hub: Hub, agent: Agent) -> None:
+    """Until ``hub`` sees ``agent`` ONLINE (10 s)."""
+    await eventually(
+        lambda: (
+            agent.agent_id in hub.registry.agents
+            and hub.registry.agents[agent.agent_id].state is AgentState.ONLINE
+        ),
+        timeout=10,
+    )
+
+
 async def _requests_until(
     client: Client, capability: str, end: float
 ) -> tuple[list[Any], list[str]]:
@@ -122,21 +144,11 @@ async def test_an_agent_on_a_server_cut_off_from_its_cluster_moves_and_stays_onl
         hub_side = MeshSettings(nats_url=nodes[0].url, namespace="ca", **_FAST)
         # Given the server to be cut off alone: the others are those its INFO told of.
         agent_side = MeshSettings(nats_url=nodes[1].url, namespace="ca", **_FAST)
-        agent = Agent("ca.echo.a1", settings=agent_side)
-
-        @agent.handler("ca:echo:v1")
-        async def echo(task: Task[Any]) -> Any:
-            return task.payload
+        agent = _echo_agent("ca.echo.a1", agent_side, "ca:echo:v1")
 
         async with Hub(settings=hub_side, hub_id="hub-a") as hub, agent:
             await _led_by_n0(hub, f"KV_{protocol.KV_HEARTBEATS}")
-            await eventually(
-                lambda: (
-                    agent.agent_id in hub.registry.agents
-                    and hub.registry.agents[agent.agent_id].state is AgentState.ONLINE
-                ),
-                timeout=10,
-            )
+            await _online(hub, agent)
             cut = nodes[1].url.split("//")[1]
             assert agent.nc.connected_url is not None
             assert agent.nc.connected_url.netloc == cut
@@ -212,21 +224,11 @@ async def test_a_hub_on_a_server_cut_off_from_its_cluster_moves_with_its_connect
         given = nodes[1].url if case != "two_names" else f"nats://localhost:{nodes[1].port}"
         hub_side = MeshSettings(nats_url=given, namespace="ch", **_FAST)
         other_side = MeshSettings(nats_url=nodes[0].url, namespace="ch", **_FAST)
-        agent = Agent("ch.echo.a1", settings=other_side)
-
-        @agent.handler("ch:echo:v1")
-        async def echo(task: Task[Any]) -> Any:
-            return task.payload
+        agent = _echo_agent("ch.echo.a1", other_side, "ch:echo:v1")
 
         async with Hub(settings=hub_side, hub_id="hub-b") as hub, agent:
             await _led_by_n0(hub, f"KV_{protocol.KV_HEARTBEATS}")
-            await eventually(
-                lambda: (
-                    agent.agent_id in hub.registry.agents
-                    and hub.registry.agents[agent.agent_id].state is AgentState.ONLINE
-                ),
-                timeout=10,
-            )
+            await _online(hub, agent)
             cut = "n1"
 
             def servers() -> set[str | None]:
@@ -365,13 +367,7 @@ async def test_durable_steps_in_hand_when_a_server_is_cut_off_end_once(
                 protocol.STREAM_STATUS,
             ]
             await _led_by_n0(hub, *streams)
-            await eventually(
-                lambda: (
-                    agent.agent_id in hub.registry.agents
-                    and hub.registry.agents[agent.agent_id].state is AgentState.ONLINE
-                ),
-                timeout=10,
-            )
+            await _online(hub, agent)
             seen: list[AgentState] = []
             hub.registry.on_state_change(
                 lambda view, old, new: seen.append(new) if view.agent_id == agent.agent_id else None
