@@ -537,7 +537,9 @@ class ChaosRun:
             f"{_lags(self.stats.answer_lag)}",
             f"    of those over 1 s, after the record was written: {_lags(self.stats.after_write)}",
             "  waits that ran out after the record was written: "
-            + _ran_out(self.stats.ran_out_stored, self.stats.timed_out),
+            + _ran_out(
+                self.stats.ran_out_stored, self.stats.timed_out, self.stats.ran_out_announced
+            ),
             f"  cancels sent: {len(self.stats.cancels)}, errors (asked again): "
             f"{dict(self.stats.cancel_errors)}",
             f"  route errors (asked again with the task id): {dict(self.stats.route_errors)}",
@@ -553,10 +555,19 @@ class ChaosRun:
 async def _after_write(client: Client, ns: str, stats: DriverStats) -> None:
     """Fill ``stats.after_write``: for each answer over 1 s late, the time between the final
     record's write (its stream timestamp: the bucket keeps one message per key, and a final
-    record is written once) and the caller's answer; and ``stats.ran_out_stored``: the waits
-    that ran out after that write. (A write a cut-off leader took is stamped when it took it
-    and read only once it is committed, after the heal: a wait that ran out in between is
-    counted too, and an answer then looks late after the write.)"""
+    record is written once) and the caller's answer; ``stats.ran_out_stored``: the waits
+    that ran out after that write; and ``stats.ran_out_announced``: those that ran out after
+    the result's first ``.done`` too (captured in ``DONE_CAPTURE``).
+
+    The write's timestamp is when the stream's leader took it, not when it was committed and
+    could be read: a write that a leader took just before it was deposed (or while cut off)
+    keeps that timestamp and is committed, readable and acknowledged to its hub only once the
+    next leader is elected, seconds later (seed 210's ``partition``: three waits ran out
+    0.45-3.35 s "after the write", all before that election). A wait counted there ran out
+    with its result perhaps not stored yet; one that ran out after its ``.done`` — which the
+    hub sends only once its write is acknowledged — had its result stored: the caller missed
+    it. (A ``.done`` the capture lost counts no wait, and one it took late — held by a frozen
+    node — fewer.)"""
     js = client.nc.jetstream()
     stream = f"KV_{protocol.KV_WORKFLOWS}"
     written: dict[str, float] = {}
@@ -574,6 +585,16 @@ async def _after_write(client: Client, ns: str, stats: DriverStats) -> None:
         if lag > 1.0 and wf in written:
             stats.after_write[wf] = stats.answered_at[wf] - written[wf]
     stats.ran_out_stored = ran_out_after_write(stats.timed_out, written)
+    announced: dict[str, float] = {}
+    for wf in sorted(set(written) & set(stats.timed_out)):
+        try:
+            raw = await js.get_msg(DONE_CAPTURE, seq=1, subject=protocol.wf_done(ns, wf), next=True)
+        except Exception:
+            continue
+        if raw.time is not None:
+            announced[wf] = raw.time.timestamp()
+    stats.ran_out_announced = ran_out_after_write(stats.timed_out, announced)
+    stats.written, stats.announced = written, announced
 
 
 def _final(data: bytes | None) -> bool:
@@ -599,10 +620,16 @@ def ran_out_after_write(
     )
 
 
-def _ran_out(gaps: list[float], timed_out: dict[str, list[float]]) -> str:
-    """The waits that ran out with the result stored, of all that ran out."""
+def _ran_out(gaps: list[float], timed_out: dict[str, list[float]], announced: list[float]) -> str:
+    """The waits that ran out after the record's write, of all that ran out; and of those,
+    the ones that ran out after the result's ``.done`` (its store acknowledged)."""
     total = sum(len(ends) for ends in timed_out.values())
-    return f"{len(gaps)} of {total}" + (f" (max {gaps[-1]:.3f} s after the write)" if gaps else "")
+    return (
+        f"{len(gaps)} of {total}"
+        + (f" (max {gaps[-1]:.3f} s after the write)" if gaps else "")
+        + f"; after its first .done: {len(announced)}"
+        + (f" (max {announced[-1]:.3f} s after it)" if announced else "")
+    )
 
 
 def _lags(lags: dict[str, float]) -> str:
@@ -733,6 +760,10 @@ async def run_chaos(cfg: ChaosConfig, workdir: Path) -> ChaosRun:
                     "lag": lag,
                     "after_write": stats.after_write.get(wf),
                     "timed_out": stats.timed_out.get(wf, []),
+                    # Its final record's write (for an answer over 1 s late or a wait that
+                    # ran out) and its first captured .done (for a wait that ran out).
+                    "written": stats.written.get(wf),
+                    "announced": stats.announced.get(wf),
                 }
                 for wf, lag in stats.answer_lag.items()
             }

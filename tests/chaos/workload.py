@@ -183,9 +183,18 @@ class DriverStats:
     after_write: dict[str, float] = field(default_factory=dict)
     #: workflow id -> when (wall clock) each of its caller's waits ran out (``MeshTimeoutError``).
     timed_out: dict[str, list[float]] = field(default_factory=dict)
-    #: For each wait that ran out after its record's final write: how long after it (s) — a
-    #: stored result its caller did not have when its wait ended.
+    #: For each wait that ran out after its record's final write: how long after it (s). The
+    #: write's time is the stream's timestamp, when its leader took it: a write committed only
+    #: by the next leader (its leader deposed first) was not readable yet (``_after_write``).
     ran_out_stored: list[float] = field(default_factory=list)
+    #: For each wait that ran out after its result's first ``.done``: how long after it (s).
+    #: The hub announces only once its write is acknowledged: a stored result its caller did
+    #: not have when its wait ended.
+    ran_out_announced: list[float] = field(default_factory=list)
+    #: workflow id -> when its final record was written (the stream's timestamp), and when its
+    #: first ``.done`` was captured: for the workflows measured (``_after_write``).
+    written: dict[str, float] = field(default_factory=dict)
+    announced: dict[str, float] = field(default_factory=dict)
     #: Errors of routed requests (each asked again with its task id), by type.
     route_errors: Counter[str] = field(default_factory=Counter)
     #: task id -> its caller's answer (the fields the checker reads) or its last error.
