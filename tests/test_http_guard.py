@@ -4,7 +4,6 @@ the bearer token — as a pure check, against a real hub, and from pages in head
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
@@ -246,31 +245,44 @@ async def test_hub_refuses_cross_origin_rebinding_and_non_json_posts(
         assert got == 200 and b'"listChanged":true' in body, body
 
 
-async def _post_raw(port: int, path: str, body: bytes, *, chunked: bool) -> tuple[int, bytes]:
+async def _post_raw(
+    port: int,
+    path: str,
+    body: bytes,
+    *,
+    chunked: bool,
+    headers: str = "Content-Type: application/json\r\n",
+    pause: float = 0.0,
+) -> tuple[int, dict[bytes, bytes], bytes]:
     """One POST on a socket of its own: the body with its ``Content-Length``, or chunked (64 KiB
-    chunks, no length said); the status and body of the answer."""
+    chunks, no length said), ``pause`` seconds between its halves; the status, (lower-case)
+    headers and body of the answer."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
-        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        writer.write(f"{head}Content-Type: application/json\r\n{framing}\r\n\r\n".encode())
+        head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{headers}"
+        writer.write(f"{head}{framing}\r\n\r\n".encode())
         if chunked:
-            for i in range(0, len(body), 64 * 1024):
-                part = body[i : i + 64 * 1024]
-                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
-            writer.write(b"0\r\n\r\n")
-        else:
-            writer.write(body)
-        with contextlib.suppress(ConnectionError):  # refused before it was all sent: fine
-            await writer.drain()
-        status_line, _, rest = (await reader.readuntil(b"\r\n\r\n")).partition(b"\r\n")
-        headers = dict(
-            line.lower().split(b": ", 1) for line in rest.split(b"\r\n") if b": " in line
-        )
-        answer = await reader.readexactly(int(headers[b"content-length"]))
-        return int(status_line.split()[1]), answer
+            body = b"".join(
+                b"%x\r\n%s\r\n" % (len(part), part)
+                for part in (body[i : i + 64 * 1024] for i in range(0, len(body), 64 * 1024))
+            )
+            body += b"0\r\n\r\n"
+        half = len(body) // 2 if pause else len(body)
+        for part in (body[:half], body[half:]):
+            writer.write(part)
+            await writer.drain()  # a client still sending when it is reset: ConnectionError
+            await asyncio.sleep(pause)
+        return await _answer(reader)
     finally:
         writer.close()
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
+    status_line, _, rest = (await reader.readuntil(b"\r\n\r\n")).partition(b"\r\n")
+    headers = dict(line.lower().split(b": ", 1) for line in rest.split(b"\r\n") if b": " in line)
+    answer = await reader.readexactly(int(headers[b"content-length"]))
+    return int(status_line.split()[1]), headers, answer
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
@@ -295,7 +307,7 @@ async def test_a_body_over_the_bound_is_refused_before_any_route_reads_it(
             f"/a2a/{namespace}/",
         ]
         for path in paths:
-            status, answer = await _post_raw(hub.http.port, path, pad, chunked=chunked)
+            status, _, answer = await _post_raw(hub.http.port, path, pad, chunked=chunked)
             assert status == 413, (path, answer[:300])
             error = json.loads(answer)["error"]
             if path.startswith("/a2a/"):  # JSON-RPC's shape there: an invalid request
@@ -309,9 +321,82 @@ async def test_a_body_over_the_bound_is_refused_before_any_route_reads_it(
         # Within the bound, chunked or not, the route reads the body as sent.
         small = json.dumps({"reason": "within", "pad": "x" * 1000}).encode()
         path = f"/api/agents/{agent.agent_id}/cordon"
-        status, answer = await _post_raw(hub.http.port, path, small, chunked=chunked)
+        status, _, answer = await _post_raw(hub.http.port, path, small, chunked=chunked)
         assert status == 200, answer
         await eventually(lambda: view.state is AgentState.CORDONED)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+async def test_a_client_still_sending_a_refused_body_reads_the_answer(
+    settings: MeshSettings, namespace: str, chunked: bool
+) -> None:
+    """The guard answered a body over the bound before reading it, and uvicorn closed the
+    connection (the client said ``Connection: close``, as urllib does) with the body's bytes
+    unread under it: the client, still sending, got the connection reset instead of the 413
+    (ci179, the fuzz test). The refused body is now read and dropped before the answer — here
+    1 MiB over the bound, its second half sent after the first was refused — and every refusal
+    reaches the client, 413 or another (415), its connection closed cleanly after it."""
+    s = settings.model_copy(update={"http_port": 0, "max_payload": 4096})
+    async with Hub(settings=s) as hub:
+        limit = hub.http.guard.max_body
+        assert limit is not None
+        big = b"x" * (limit + (1 << 20))
+        cases = [
+            (f"/api/agents/{namespace}.w.a1/cordon", big, "application/json", 413),
+            (f"/a2a/{namespace}/", big, "application/json", 413),
+            (f"/api/agents/{namespace}.w.a1/cordon", big[: 1 << 20], "text/plain", 415),
+        ]
+        for path, body, media, status in cases:
+            got, headers, answer = await _post_raw(
+                hub.http.port,
+                path,
+                body,
+                chunked=chunked,
+                headers=f"Content-Type: {media}\r\nConnection: close\r\n",
+                pause=0.2,
+            )
+            assert got == status, (path, answer[:300])
+            assert headers[b"connection"] == b"close"
+            assert json.loads(answer)["error"], answer[:300]
+        # And as the fuzz test's client sends it (urllib: its body whole, then the answer).
+        for _ in range(20):
+            got, answer = await fetch(f"{hub.http_url}/a2a/{namespace}/", "POST", big)
+            assert got == 413 and json.loads(answer)["error"]["code"] == -32600, answer[:300]
+
+
+async def test_a_body_too_large_to_drop_is_answered_unread_and_its_connection_closed(
+    settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the guard does not read for nothing, it answers at once, saying
+    ``Connection: close`` (a client that goes on sending may then see a reset): a declared
+    length past ``DISCARD_MIN``; a body whose client waits for ``100 Continue`` (it sends
+    none when answered first); a body still coming after ``DISCARD_TIMEOUT``."""
+    from reach_mesh.hub import http
+
+    monkeypatch.setattr(http, "DISCARD_TIMEOUT", 0.3)
+    s = settings.model_copy(update={"http_port": 0, "max_payload": 4096})
+    async with Hub(settings=s) as hub:
+        limit = hub.http.guard.max_body
+        assert limit is not None
+        head = (
+            f"POST /api/agents/x.w.a1/cordon HTTP/1.1\r\nHost: 127.0.0.1:{hub.http.port}\r\n"
+            "Content-Type: application/json\r\n"
+        )
+        sends = {
+            "too large to drop": f"Content-Length: {http.DISCARD_MIN + 1}\r\n\r\n",
+            "expecting 100": f"Content-Length: {limit + 1}\r\nExpect: 100-continue\r\n\r\n",
+            "too slow": f"Content-Length: {limit + 1}\r\n\r\n" + "x" * 1000,
+        }
+        for case, rest in sends.items():
+            reader, writer = await asyncio.open_connection("127.0.0.1", hub.http.port)
+            try:
+                writer.write((head + rest).encode())
+                status, headers, answer = await asyncio.wait_for(_answer(reader), 5)
+                assert status == 413, (case, answer)
+                assert headers[b"connection"] == b"close", (case, headers)
+                assert await asyncio.wait_for(reader.read(), 5) == b"", case  # closed
+            finally:
+                writer.close()
 
 
 async def test_metrics_want_the_token_only_when_asked(settings: MeshSettings) -> None:

@@ -15,6 +15,7 @@ and route table; the endpoint is the same either way.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -54,6 +55,7 @@ __all__ = [
     "NamespaceQuery",
     "RouteEndpoint",
     "body_within",
+    "discard_body",
     "error_response",
     "read_body",
     "replay",
@@ -191,6 +193,26 @@ async def body_within(receive: Receive, guard: HttpGuard) -> bytes | Refusal | N
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def discard_body(receive: Receive, most: int, timeout: float) -> bool:
+    """Read the rest of a request body and drop it as it comes (nothing kept): True once all of
+    it is read; False when more than ``most`` bytes came, ``timeout`` seconds passed first, or
+    the client went away."""
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return False
+                if not message.get("more_body", False):
+                    return True
+                size += len(message.get("body", b""))
+                if size > most:
+                    return False
+    except TimeoutError:
+        return False
 
 
 def replay(body: bytes, receive: Receive) -> Receive:

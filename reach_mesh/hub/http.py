@@ -49,6 +49,7 @@ from reach_mesh.hub._gateway import (
     NamespaceQuery,
     RouteEndpoint,
     body_within,
+    discard_body,
     error_response,
     replay,
     route_contract,
@@ -80,6 +81,13 @@ _VERSION: Final = "0.1.0"
 #: Bytes of a request body past ``max_payload`` the guard lets through (``HttpGuard.max_body``):
 #: the largest envelope any route allows around a payload (MCP's and A2A's JSON-RPC).
 BODY_SLACK: Final = 64 * 1024
+#: A refused request's body is read and dropped before the answer, up to this many bytes (or
+#: four times ``max_body``, if more) and ``DISCARD_TIMEOUT`` seconds: uvicorn closes a
+#: connection with the body's bytes unread under it, and the client still sending them then
+#: gets the connection reset instead of the answer (ci179). Past them, the answer says
+#: ``Connection: close``.
+DISCARD_MIN: Final = 8 << 20
+DISCARD_TIMEOUT: Final = 10.0
 #: Paths behind the bearer token (when ``http_token`` is set).
 _GUARDED_PREFIXES: Final = ("/api/", "/mcp", "/a2a/")
 #: Path parameters carry their grammar, so the document says what is accepted.
@@ -125,6 +133,8 @@ class GuardMiddleware:
         self._posts: dict[str, ASGIApp] = {"/api/route": http.route}
         #: Paths behind the token when it is set (``/metrics`` only if asked).
         self._guarded = http.guarded_prefixes
+        #: Bytes of a refused body read and dropped before the answer, at most.
+        self._discard = max(DISCARD_MIN, 4 * (http.guard.max_body or 0))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -147,7 +157,11 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         guard = self.http.guard
         refusal = guard.check(scope["method"], path, headers, auth=path.startswith(self._guarded))
-        if refusal is None and "content-length" not in headers and "transfer-encoding" in headers:
+        # (the body read from: ``100 Continue`` sent, if the client waits for it)
+        asked = (
+            refusal is None and "transfer-encoding" in headers and "content-length" not in headers
+        )
+        if asked:
             # A chunked body says no length: read here, within the guard's bound, before any
             # route (each reads a body its own way, some with no bound at all).
             got = await body_within(receive, guard)
@@ -167,7 +181,25 @@ class GuardMiddleware:
             # mount answered it before the guard bounded every route (docs/protocol.md).
             body = rpc_error(None, -32600, refusal.error.message)
         response = JSONResponse(body, refusal.status, dict(refusal.headers))
+        if not await self._dropped(receive, headers, asked=asked):
+            response.headers["connection"] = "close"
         await response(scope, receive, send)
+
+    async def _dropped(self, receive: Receive, headers: dict[str, str], *, asked: bool) -> bool:
+        """Read and drop the rest of a refused request's body, within ``self._discard`` bytes
+        and ``DISCARD_TIMEOUT``: True once none is left unread (the connection may stay open);
+        False to close it after the answer. ``asked``: the body has been read from already
+        (``100 Continue`` sent, if the client waited for it)."""
+        declared = headers.get("content-length")
+        if declared == "0" or (declared is None and "transfer-encoding" not in headers):
+            return True  # no body
+        if not asked and headers.get("expect", "").lower() == "100-continue":
+            # The client waits to be asked before it sends the body: answered unasked, it
+            # sends none (RFC 9110 §10.1.1), and the connection has no body left in it.
+            return False
+        if declared is not None and not (declared.isdigit() and int(declared) <= self._discard):
+            return False  # too much to read for nothing: the client may see a reset
+        return await discard_body(receive, self._discard, DISCARD_TIMEOUT)
 
 
 class HubHttp:

@@ -23,10 +23,11 @@ The checks, in order (docs/security.md, "HTTP surface"):
   would act with the hub's rights for any local process. 401 ``REACH_UNAUTHORIZED`` too.
 - **Body size** — every request that passed the checks above: a ``Content-Length`` over
   ``max_body`` (the hub's ``max_payload`` and 64 KiB for a request's own fields: the most any
-  route takes) is refused before a byte of the body is read (the server drops the rest as it
-  comes, without keeping it). A chunked body, which declares no length, is read by the server's
-  middleware up to ``max_body`` (:meth:`HttpGuard.too_large` once it passes) before any route
-  runs. 413 ``REACH_PAYLOAD_TOO_LARGE``.
+  route takes) is refused before any route reads the body. A chunked body, which declares no
+  length, is read by the server's middleware up to ``max_body`` (:meth:`HttpGuard.too_large`
+  once it passes) before any route runs. The middleware reads and drops the rest of a refused
+  body, within bounds, before it answers: a client still sending reads the answer, not a
+  reset connection. 413 ``REACH_PAYLOAD_TOO_LARGE``.
 """
 
 from __future__ import annotations
