@@ -9,26 +9,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import logging
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
+from nats.js.api import StreamConfig
+from nats.js.kv import KeyValue
 
 from reach_mesh import Client, MeshSettings
 from reach_mesh._auth import AuthDir
+from reach_mesh._nats import ensure_kv
+from reach_mesh._starting import starting
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import MeshUnavailableError, NotPermittedError
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import cluster_nodes, freeze
+from .helpers import cluster_nodes, eventually, freeze
 
 # Clusters of nats-servers: one at a time (with the other cluster tests).
 pytestmark = pytest.mark.xdist_group("clusters")
@@ -136,6 +144,90 @@ async def test_a_hub_started_while_the_cluster_has_no_quorum_serves_once_it_has(
                 assert reply.result == 7
         finally:
             await hub.close()
+
+
+@contextlib.asynccontextmanager
+async def _leader_alone(base: Path, name: str) -> AsyncIterator[list[EmbeddedNats]]:
+    """A 3-node cluster whose JetStream meta leader (first in the list) saw its two peers shut
+    down (SIGTERM: each says so as it goes): it leads on, and until they are back answers a
+    replicated create "no suitable peers for placement, peer offline" (400, err_code 10005)
+    and a bind "not found" — what a lone node answered a starting hub in ci180. All stopped at
+    the end."""
+    nodes = cluster_nodes(base, name=name, http=True)
+    try:
+        for node in nodes:
+            await node.astart()
+        leader = await _meta_leader(nodes[0])
+        nodes.sort(key=lambda node: node.server_name != leader)
+        for node in nodes[1:]:
+            node.stop()
+        nc = await nats.connect(nodes[0].url)
+        try:
+            js = nc.jetstream(timeout=2.0)
+            for i in itertools.count():
+                config = StreamConfig(name=f"PROBE{i}", subjects=[f"probe.{i}"], num_replicas=3)
+                try:
+                    await js.add_stream(config)
+                except nats.js.errors.BadRequestError as err:
+                    if err.err_code == 10005:
+                        break
+                assert i < 50, "the leader still places replicated streams with no peer up"
+                await asyncio.sleep(0.2)
+        finally:
+            await nc.close()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def _meta_leader(node: EmbeddedNats) -> str:
+    """The name of the JetStream meta leader, as ``node``'s monitoring endpoint says, once
+    there is one."""
+
+    def ask() -> str | None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/jsz", timeout=2) as got:
+            leader: str | None = (json.load(got).get("meta_cluster") or {}).get("leader")
+            return leader
+
+    deadline = time.monotonic() + 15.0
+    while (leader := await asyncio.to_thread(ask)) is None:
+        assert time.monotonic() < deadline, "no JetStream meta leader"
+        await asyncio.sleep(0.2)
+    return leader
+
+
+async def test_a_bucket_no_peers_can_hold_yet_is_waited_for(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ci180: a replicated bucket asked of a meta leader whose peers are away was answered
+    "not found" (bind), "no suitable peers for placement, peer offline" (create, 400) and "not
+    found" again (bind): taken for a refusal, the start failed at once (``BadRequestError``:
+    "JetStream refused to set up bucket"). It is an outage: the start waits, and binds the
+    bucket once the peers are back."""
+    async with _leader_alone(tmp_path, "hplace") as nodes:
+        nc = await nats.connect(nodes[0].url)
+        try:
+            js = nc.jetstream(timeout=2.0)
+            caplog.set_level(logging.INFO, logger="reach_mesh.start")
+
+            async def start() -> KeyValue:
+                with starting("hub hub-placed", 60.0):
+                    return await ensure_kv(js, "reach_agents", replicas=3)
+
+            def waits() -> list[str]:
+                return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+            making = asyncio.create_task(start())
+            await eventually(lambda: making.done() or bool(waits()), timeout=30)
+            assert not making.done(), making  # (refused: failed at once)
+            assert "bucket reach_agents not set up yet" in waits()[0], caplog.text
+            for node in nodes[1:]:
+                await node.astart()
+            kv = await asyncio.wait_for(making, timeout=30)
+            assert (await js.stream_info(kv._stream)).config.num_replicas == 3
+        finally:
+            await nc.close()
 
 
 async def test_a_hub_gives_up_naming_what_it_could_not_set_up(tmp_path: Path) -> None:
