@@ -51,7 +51,7 @@ from reach_mesh._guard import matches, refuse
 from reach_mesh._nats import ensure_kv
 from reach_mesh._nats_intake import on_unreadable
 from reach_mesh._retry import describe
-from reach_mesh._starting import set_up
+from reach_mesh._starting import not_made, set_up
 from reach_mesh.config import MeshSettings
 
 __all__ = [
@@ -371,9 +371,14 @@ async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
             pass
         try:
             await js.add_stream(config)
-        except BadRequestError:
+        except BadRequestError as err:
             # Created meanwhile by another process (same name): use it as it is.
-            await js.stream_info(name)
+            try:
+                await js.stream_info(name)
+            except NotFoundError:
+                # Not there, and not made: the refusal says why (too few peers up to hold
+                # it: an outage; a stream that takes its subjects: not).
+                raise await not_made(js, err, (config.subjects or [name])[0]) from None
 
     await set_up(f"stream {name}", create_unless_there)
 

@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BadBucketError, BucketNotFoundError
 from nats.js.kv import KeyValue
 
 from reach_mesh._cancels import uncancelled
@@ -44,7 +44,7 @@ from reach_mesh._nats_urls import (
 from reach_mesh._nats_urls import (
     servers as _servers,
 )
-from reach_mesh._starting import set_up
+from reach_mesh._starting import not_made, set_up
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import BadRequestError, MeshUnavailableError, NotPermittedError
 from reach_mesh.logs import LineBudget
@@ -706,9 +706,17 @@ async def ensure_kv(
         direct=True,
     )
 
-    async def bind_or_create() -> KeyValue:
+    async def bind() -> KeyValue:
         try:
             return await _with_direct_gets(js, await js.key_value(bucket))
+        except BadBucketError as err:  # (says nothing of its own)
+            raise BadBucketError(
+                description=f"stream KV_{bucket} is not a key-value bucket"
+            ) from err
+
+    async def bind_or_create() -> KeyValue:
+        try:
+            return await bind()
         except BucketNotFoundError:
             pass
         try:
@@ -716,11 +724,11 @@ async def ensure_kv(
         except nats.js.errors.BadRequestError as err:
             # Another hub created it first with the same config (or a compatible one).
             try:
-                return await _with_direct_gets(js, await js.key_value(bucket))
+                return await bind()
             except BucketNotFoundError:
-                # Not there, and not made: a cluster without a quorum answers so (ci180:
-                # a hub starting then failed at once): an outage to wait out (``set_up``).
-                raise nats.errors.TimeoutError from err
+                # Not there, and not made: the refusal says why (too few peers up to hold
+                # it, ci180: an outage; a stream in the way: not).
+                raise await not_made(js, err, f"$KV.{bucket}.>") from None
 
     return await set_up(f"bucket {bucket}", bind_or_create)
 

@@ -33,6 +33,12 @@ _UNAVAILABLE_CODES: Final = frozenset({408, 429, 500, 503})
 #: in process" — a publish with the same ``Nats-Msg-Id`` is still being stored (its leader
 #: froze or changed while proposing it); asked again, it is stored or answered as a duplicate.
 _NOT_YET_ERR_CODES: Final = frozenset({10158})
+#: What JetStream answers a create it cannot place: 10005, "no suitable peers for placement".
+#: With the reason "peer offline" (too few of the servers that would hold it are up, or heard
+#: from since the meta leader was elected), an outage: a meta leader whose peers went away
+#: answers so until they are back (ci180). Its other reasons (too few servers at all, tags
+#: that no server has) are the cluster's shape, and no wait mends them.
+_NO_PEERS_ERR_CODE: Final = 10005
 #: What a "not found" of a message read says when the stream has no such message: 10037 ("no
 #: message found"), or nothing (nats-py's own 404 of a direct get). A stream that is not there
 #: (10059: being recovered, or gone) answers 404 too, and knows nothing.
@@ -73,6 +79,18 @@ def transient(err: BaseException) -> bool:
         getattr(err, "code", None) in _UNAVAILABLE_CODES
         or getattr(err, "err_code", None) in _NOT_YET_ERR_CODES
         or storage_full(err)  # (an account's limit is a 400: room comes back, as for a 503)
+        or _peers_offline(err)
+    )
+
+
+def _peers_offline(err: BaseException) -> bool:
+    """Whether JetStream refused to place a stream or consumer because too few of its peers are
+    up (:data:`_NO_PEERS_ERR_CODE`): they come back, or a meta leader is elected that hears
+    from them."""
+    return (
+        isinstance(err, nats.js.errors.APIError)
+        and getattr(err, "err_code", None) == _NO_PEERS_ERR_CODE
+        and "offline" in (getattr(err, "description", None) or "")
     )
 
 

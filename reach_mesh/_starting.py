@@ -8,8 +8,9 @@ the same streams, a JetStream request may time out or be answered 503: six chaos
 backoff until ``start_timeout``, saying what it waits for; then it fails naming that step.
 What no repeat can mend fails at once: a subject the server refuses this identity
 (:class:`~reach_mesh.errors.NotPermittedError`), JetStream not enabled for the account, a
-request JetStream refuses (a stream or consumer that exists with other settings):
-:class:`~reach_mesh.errors.BadRequestError`.
+request JetStream refuses (a stream or consumer that exists with other settings, a stream
+made by hand in the way of the mesh's own): :class:`~reach_mesh.errors.BadRequestError`. A
+create refused for want of peers up to hold it is an outage (:func:`not_made`).
 
 The scope is a context variable, not an argument: the steps are the parts' own ``ensure``
 functions, which also run after start (``hub/_resources.py`` creates again what was deleted),
@@ -29,12 +30,13 @@ from typing import Final, TypeVar
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from reach_mesh._nats_refusals import refusals_of, unless
 from reach_mesh._retry import RetriesExhausted, describe, retrying, storage_full, transient
 from reach_mesh.errors import BadRequestError, MeshUnavailableError, NotPermittedError
 
-__all__ = ["Starting", "set_up", "starting", "time_to_start"]
+__all__ = ["Starting", "not_made", "set_up", "starting", "time_to_start"]
 
 log = logging.getLogger("reach_mesh.start")
 
@@ -46,6 +48,9 @@ T = TypeVar("T")
 _NOT_ENABLED: Final = frozenset({10039, 10076})
 #: The JetStream API's subjects, as the server names a refused one (lower-cased).
 _JS_API: Final = "$js.api."
+#: JetStream's answer to a create whose subjects another stream takes ("subjects overlap with
+#: an existing stream").
+_SUBJECTS_OVERLAP: Final = 10065
 
 
 class Starting:
@@ -183,6 +188,26 @@ async def set_up(what: str, op: Callable[[], Awaitable[T]]) -> T:
     return got
 
 
+async def not_made(
+    js: JetStreamContext, err: nats.js.errors.BadRequestError, subject: str
+) -> nats.js.errors.APIError:
+    """Why a create was refused (``err``) of what is still not there after it, for
+    :func:`set_up` to judge: too few peers up to hold it is an outage, waited out (ci180: a
+    meta leader whose peers went away); a stream that takes its subjects (``subject``, one of
+    them) is in the way, and named, and the start fails at once."""
+    if err.err_code != _SUBJECTS_OVERLAP:
+        return err
+    try:
+        other = await js.find_stream_name_by_subject(subject)
+    except nats.errors.Error:
+        return err
+    return nats.js.errors.BadRequestError(
+        code=err.code,
+        err_code=err.err_code,
+        description=f"stream {other} takes its subjects ({subject})",
+    )
+
+
 def _not_enabled(err: BaseException) -> bool:
     return (
         isinstance(err, nats.js.errors.APIError) and getattr(err, "err_code", None) in _NOT_ENABLED
@@ -207,6 +232,10 @@ def _refused(start: Starting, what: str, err: nats.errors.Error) -> BadRequestEr
         why = "JetStream is not enabled for this account on the NATS servers"
     elif storage_full(err):
         why = "no room in JetStream's storage (raise max_file_store, or make room)"
+    elif isinstance(err, nats.js.errors.BadBucketError) or (
+        getattr(err, "err_code", None) == _SUBJECTS_OVERLAP
+    ):
+        why = "a stream made by hand or by another tool is in the way: remove it"
     else:
         why = "a stream or consumer of that name may exist with other settings"
     return BadRequestError(

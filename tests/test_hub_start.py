@@ -29,10 +29,11 @@ from nats.js.kv import KeyValue
 
 from reach_mesh import Client, MeshSettings
 from reach_mesh._auth import AuthDir
+from reach_mesh._consume import ensure_stream
 from reach_mesh._nats import ensure_kv
 from reach_mesh._starting import starting
 from reach_mesh.agent import Agent, Task
-from reach_mesh.errors import MeshUnavailableError, NotPermittedError
+from reach_mesh.errors import BadRequestError, MeshUnavailableError, NotPermittedError
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
 
@@ -197,35 +198,44 @@ async def _meta_leader(node: EmbeddedNats) -> str:
     return leader
 
 
-async def test_a_bucket_no_peers_can_hold_yet_is_waited_for(
+async def test_a_bucket_or_stream_no_peers_can_hold_yet_is_waited_for(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """ci180: a replicated bucket asked of a meta leader whose peers are away was answered
     "not found" (bind), "no suitable peers for placement, peer offline" (create, 400) and "not
     found" again (bind): taken for a refusal, the start failed at once (``BadRequestError``:
-    "JetStream refused to set up bucket"). It is an outage: the start waits, and binds the
-    bucket once the peers are back."""
+    "JetStream refused to set up bucket"). It is an outage: the start waits, saying why, and
+    binds the bucket once the peers are back. So for a stream, which 9dc583b left failing at
+    once ("stream not found")."""
     async with _leader_alone(tmp_path, "hplace") as nodes:
         nc = await nats.connect(nodes[0].url)
         try:
             js = nc.jetstream(timeout=2.0)
             caplog.set_level(logging.INFO, logger="reach_mesh.start")
 
-            async def start() -> KeyValue:
+            async def bucket() -> KeyValue:
                 with starting("hub hub-placed", 60.0):
                     return await ensure_kv(js, "reach_agents", replicas=3)
+
+            async def stream() -> None:
+                with starting("hub hub-placed", 60.0):
+                    config = StreamConfig(name="PLACED", subjects=["placed.>"], num_replicas=3)
+                    await ensure_stream(js, config)
 
             def waits() -> list[str]:
                 return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
-            making = asyncio.create_task(start())
-            await eventually(lambda: making.done() or bool(waits()), timeout=30)
-            assert not making.done(), making  # (refused: failed at once)
-            assert "bucket reach_agents not set up yet" in waits()[0], caplog.text
+            making = [asyncio.create_task(bucket()), asyncio.create_task(stream())]
+            await eventually(lambda: any(t.done() for t in making) or len(waits()) == 2, timeout=30)
+            assert not any(t.done() for t in making), making  # (refused: failed at once)
+            for what in ("bucket reach_agents", "stream PLACED"):
+                said = [w for w in waits() if f"{what} not set up yet" in w]
+                assert said and "peer offline" in said[0], caplog.text
             for node in nodes[1:]:
                 await node.astart()
-            kv = await asyncio.wait_for(making, timeout=30)
-            assert (await js.stream_info(kv._stream)).config.num_replicas == 3
+            await asyncio.wait_for(asyncio.gather(*making), timeout=30)
+            for name in ("KV_reach_agents", "PLACED"):
+                assert (await js.stream_info(name)).config.num_replicas == 3
         finally:
             await nc.close()
 
@@ -261,3 +271,41 @@ async def test_a_hub_refused_the_jetstream_api_fails_at_once(tmp_path: Path) -> 
             await hub.start()
         assert time.monotonic() - began < 5.0
         assert "$js.api." in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("stream", "said"),
+    [
+        (
+            StreamConfig(name="KV_reach_agents", subjects=["by.hand.>"]),
+            "stream KV_reach_agents is not a key-value bucket",
+        ),
+        (
+            StreamConfig(name="BY_HAND", subjects=["$KV.reach_agents.>"]),
+            "stream BY_HAND takes its subjects ($KV.reach_agents.>)",
+        ),
+    ],
+    ids=["plain stream of its name", "stream taking its subjects"],
+)
+async def test_a_hub_whose_bucket_clashes_with_a_stream_fails_at_once_naming_it(
+    tmp_path: Path, stream: StreamConfig, said: str
+) -> None:
+    """A stream made by hand where a bucket of the hub's goes — a plain stream of the bucket's
+    stream's name, or one that takes the bucket's subjects — is no outage: the start fails at
+    once (``REACH_BAD_REQUEST``) saying what is in the way, not at ``start_timeout``. (Taking
+    the bucket's subjects, the create is refused and the bind finds nothing, as when no peers
+    can hold it: 9dc583b waited that out to the deadline, saying "JetStream did not answer".)
+    A plain stream of its name said only ``BadBucketError()``."""
+    with EmbeddedNats(tmp_path / "store") as server:
+        nc = await nats.connect(server.url)
+        try:
+            await nc.jetstream().add_stream(stream)
+        finally:
+            await nc.close()
+        settings = MeshSettings(nats_url=server.url, namespace=NS, start_timeout=60.0, **FAST)
+        hub = Hub(settings=settings, hub_id="hub-clash")
+        with pytest.raises(BadRequestError) as caught:
+            await asyncio.wait_for(hub.start(), timeout=20)
+        message = caught.value.message
+        assert "cannot start" in message and "bucket reach_agents" in message, message
+        assert said in message, message
