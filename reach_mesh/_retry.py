@@ -39,6 +39,10 @@ _NOT_YET_ERR_CODES: Final = frozenset({10158})
 #: answers so until they are back (ci180). Its other reasons (too few servers at all, tags
 #: that no server has) are the cluster's shape, and no wait mends them.
 _NO_PEERS_ERR_CODE: Final = 10005
+#: JetStream error codes that come with a 500 but are the cluster's shape, not an outage:
+#: 10074, "replicas > 1 not supported in non-clustered mode" (``kv_replicas`` above 1 against
+#: one nats-server). Asked again, it says the same.
+SHAPE_ERR_CODES: Final = frozenset({10074})
 #: What a "not found" of a message read says when the stream has no such message: 10037 ("no
 #: message found"), or nothing (nats-py's own 404 of a direct get). A stream that is not there
 #: (10059: being recovered, or gone) answers 404 too, and knows nothing.
@@ -71,6 +75,8 @@ class RetriesExhausted(Exception):
 def transient(err: BaseException) -> bool:
     """True for errors of the infrastructure (retry), False for answers (act on them)."""
     if isinstance(err, KeyWrongLastSequenceError | KeyNotFoundError):
+        return False
+    if getattr(err, "err_code", None) in SHAPE_ERR_CODES:
         return False
     if isinstance(err, _TRANSIENT):
         return True

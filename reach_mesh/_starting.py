@@ -33,7 +33,14 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from reach_mesh._nats_refusals import refusals_of, unless
-from reach_mesh._retry import RetriesExhausted, describe, retrying, storage_full, transient
+from reach_mesh._retry import (
+    SHAPE_ERR_CODES,
+    RetriesExhausted,
+    describe,
+    retrying,
+    storage_full,
+    transient,
+)
 from reach_mesh.errors import BadRequestError, MeshUnavailableError, NotPermittedError
 
 __all__ = ["Starting", "not_made", "set_up", "starting", "time_to_start"]
@@ -232,6 +239,8 @@ def _refused(start: Starting, what: str, err: nats.errors.Error) -> BadRequestEr
         why = "JetStream is not enabled for this account on the NATS servers"
     elif storage_full(err):
         why = "no room in JetStream's storage (raise max_file_store, or make room)"
+    elif getattr(err, "err_code", None) in SHAPE_ERR_CODES:
+        why = "set kv_replicas to 1 for a single nats-server, or run a cluster"
     elif isinstance(err, nats.js.errors.BadBucketError) or (
         getattr(err, "err_code", None) == _SUBJECTS_OVERLAP
     ):

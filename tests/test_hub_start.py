@@ -309,3 +309,23 @@ async def test_a_hub_whose_bucket_clashes_with_a_stream_fails_at_once_naming_it(
         message = caught.value.message
         assert "cannot start" in message and "bucket reach_agents" in message, message
         assert said in message, message
+
+
+async def test_a_hub_asking_for_replicas_a_lone_server_cannot_hold_fails_at_once(
+    tmp_path: Path,
+) -> None:
+    """``kv_replicas: 3`` against one nats-server (not clustered) is a setting to mend, not an
+    outage: nats-server answers 500 "replicas > 1 not supported in non-clustered mode" (err_code
+    10074), which was asked again until ``start_timeout``. The start fails at once
+    (``REACH_BAD_REQUEST``) with the server's words."""
+    with EmbeddedNats(tmp_path / "store") as server:
+        settings = MeshSettings(
+            nats_url=server.url, namespace=NS, kv_replicas=3, start_timeout=60.0, **FAST
+        )
+        hub = Hub(settings=settings, hub_id="hub-replicas")
+        began = time.monotonic()
+        with pytest.raises(BadRequestError) as caught:
+            await asyncio.wait_for(hub.start(), timeout=20)
+        assert time.monotonic() - began < 10.0
+        message = caught.value.message
+        assert "non-clustered" in message and "kv_replicas" in message, message
