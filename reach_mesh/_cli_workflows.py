@@ -258,6 +258,12 @@ def _print_workflow(v: WorkflowView) -> None:
     took = "" if v.duration_ms is None else f" ({v.duration_ms:,.0f} ms)"
     print(f"  submitted {_when(v.submitted_at)}, finished {_when(v.finished_at)}{took}")
     owner = f"{v.owner or '-'}" + (" (answered live by its owner)" if v.live else "")
+    if v.owner_silent:
+        owner += (
+            " (did not answer: stopped, died, cut off or busy — reach-mesh hubs; a dead "
+            "owner's workflows are taken over by another hub within workflow_ack_wait, 30 s "
+            "by default)"
+        )
     print(f"  owner {owner}; trace {v.trace_id or '-'}")
     if v.error is not None:
         print(f"  error {_said(v.error)}")

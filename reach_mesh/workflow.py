@@ -596,6 +596,10 @@ class WorkflowView(_Wire):
     #: owner and added what only the owner knows (each attempt's state, why a step waits).
     hub_id: str | None = None
     live: bool = False
+    #: The owner the record names was asked for its live view and did not answer within a
+    #: second (stopped, died, cut off or busy): this view was built from the records. A dead
+    #: owner's workflows are taken over by another hub within ``workflow_ack_wait``.
+    owner_silent: bool = False
     #: What could not be read (a stream or bucket that did not answer): the view is partial.
     unreadable: list[str] = Field(default_factory=list)
 

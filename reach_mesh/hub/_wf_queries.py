@@ -25,6 +25,7 @@ from reach_mesh.hub._shapes import WorkflowShapes, final_result
 from reach_mesh.hub._steps import Workflow
 from reach_mesh.hub._wf_list import list_workflows
 from reach_mesh.hub._wf_view import VIEW_DEADLINE, workflow_view
+from reach_mesh.hub.registry import Registry
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import (
     CancelResult,
@@ -44,6 +45,7 @@ class WorkflowQueries(WorkflowShapes):
     attribute below)."""
 
     _js: JetStreamContext
+    _registry: Registry
     #: The workflows this hub runs, by (namespace, id), from when their record names it.
     _owning: dict[tuple[str, str], tuple[Workflow, asyncio.Task[Any]]]
 
@@ -69,9 +71,33 @@ class WorkflowQueries(WorkflowShapes):
             tracker=self._tracker,
             running_here=(ns, workflow_id) in self._owning,
             waiting=lambda index: self._waiting_steps.get((ns, workflow_id, index)),
+            silent_agent=self._silent_agent,
             charge=charge,
             ask_owner=ask_owner,
             within=within,
+        )
+
+    def _silent_agent(self, agent_id: str) -> str | None:
+        """Why a running step's agent may hold it up, as this hub's registry has it: its
+        heartbeats stopped past its lease (SUSPECT — hung, paused or cut off). The step's
+        attempt is asked about: a question that times out keeps it on the agent (it may be
+        running it), until the agent answers (back, with the step or without it) or is
+        declared LOST (lease_timeout + suspect_timeout after its last heartbeat), or the
+        workflow's deadline comes first. None while it beats."""
+        agent = self._registry.agents.get(agent_id)
+        if agent is None:
+            return None
+        silent = self._registry.now - agent.last_seen
+        lease = agent.record.lease_timeout
+        if silent <= lease:
+            return None
+        lost_in = lease + self._settings.suspect_timeout - silent
+        when = f"in about {lost_in:.0f} s" if lost_in >= 1 else "any moment now"
+        return (
+            f"its agent {agent_id} has sent no heartbeat for {silent:.0f} s (lease "
+            f"{lease:g} s: hung, paused or cut off); the step stays on it until it answers "
+            f"again, or goes to another agent when it is declared LOST, {when} (reach-mesh "
+            f"inspect {agent_id})"
         )
 
     async def list(

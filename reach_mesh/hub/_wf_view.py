@@ -163,13 +163,16 @@ async def workflow_view(
     tracker: StatusTracker,
     running_here: bool,
     waiting: Callable[[int], dict[str, Any] | None] = lambda index: None,
+    silent_agent: Callable[[str], str | None] = lambda agent_id: None,
     charge: Callable[[int], None] | None = None,
     ask_owner: Callable[[str, float], Awaitable[WorkflowView | None]] | None = None,
     within: float = VIEW_DEADLINE,
 ) -> WorkflowView:
     """The view of ``workflow_id`` in ``ns``, within ``within`` seconds. ``running_here``:
     this hub runs it (``tracker`` and ``waiting(step index)`` then hold its live state, used if
-    the record names this hub the owner). ``charge(steps)`` is called once the step count is
+    the record names this hub the owner). ``silent_agent(agent_id)``: why a running step's
+    agent may hold it up (its heartbeats stopped: ``WorkflowQueries._silent_agent``), or None.
+    ``charge(steps)`` is called once the step count is
     known, before any step is read (it may raise ``ThrottledError``). ``ask_owner(hub_id,
     end)``: the view of the running workflow's owner, asked before reading anything else
     (None: it did not answer by loop time ``end``; this hub reads the records then).
@@ -202,6 +205,7 @@ async def workflow_view(
     if charge is not None:
         charge(steps)
     owner = record.owner
+    owner_silent = False
     if (
         ask_owner is not None
         and record.result is None
@@ -213,6 +217,7 @@ async def workflow_view(
         seen = await ask_owner(owner, min(end - 1.0, asyncio.get_running_loop().time() + 1.0))
         if seen is not None and (seen.namespace, seen.workflow_id) == (ns, workflow_id):
             return seen
+        owner_silent = seen is None  # (it answered, about something else: not silent)
     view = WorkflowView(
         workflow_id=workflow_id,
         namespace=ns,
@@ -223,6 +228,7 @@ async def workflow_view(
         hub_id=hub_id,
         # A hub cut off from the stream may still run a workflow another hub took over.
         live=running_here and record.result is None and record.owner == hub_id,
+        owner_silent=owner_silent,
     )
     result = record.result
     if result is None and record.owner is None and record.cancel is not None:
@@ -272,6 +278,19 @@ async def workflow_view(
                 step.waiting = w.get("why")
                 left = float(w.get("retry_in_s") or 0.0) - (now - float(w.get("since") or now))
                 step.retry_in_s = round(max(0.0, left), 3)
+    if result is None:
+        # A step out to an agent whose heartbeats stopped (hung, paused, cut off) is held
+        # until that agent answers again or is declared LOST: said, or the step reads
+        # DELIVERED and nothing more for up to lease_timeout + suspect_timeout (45 s by
+        # default).
+        for step in view.steps:
+            if (
+                step.waiting is None
+                and step.agent_id is not None
+                and not (step.state.final or step.cancelled)
+            ):
+                step.waiting = silent_agent(step.agent_id)
+    unasked = "its owner did not answer" if owner_silent else "ask its owner"
     if view.kind == "chain" and result is None:
         for before, step in zip(view.steps, view.steps[1:], strict=False):
             if step.attempt > 0 or step.agent_id is not None or step.waiting is not None:
@@ -280,7 +299,7 @@ async def workflow_view(
                 continue  # what could not be read is not guessed at
             if before.state is TaskState.SUCCEEDED:
                 # Started, yet no agent has it: only its owner knows why (no match, backoff).
-                step.waiting = "no agent has it yet" + ("" if view.live else " (ask its owner)")
+                step.waiting = "no agent has it yet" + ("" if view.live else f" ({unasked})")
             else:
                 step.waiting = f"not started: step {before.index} has not succeeded yet"
     return view
