@@ -17,6 +17,7 @@ import ipaddress
 import json
 import shutil
 import textwrap
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Final, Literal, TypeVar
@@ -30,6 +31,7 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from reach_mesh import __version__, protocol
 from reach_mesh._cli_fleet import settings_of
+from reach_mesh._client_fleet import AgentList
 from reach_mesh._nats import has_identity, hosts, refused_first, shown
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
@@ -345,7 +347,8 @@ async def _agents(client: Client) -> Finding:
     asked = ((True, "every namespace"), (False, f"namespace {client.namespace!r}"))
     for every, of in asked:  # every namespace is the operator's list; else its own
         try:
-            infos = await client.agents(all_namespaces=every, attention=True, limit=5)
+            fleet = await client.fleet(all_namespaces=every, attention=True, limit=5)
+            infos = AgentList.of(fleet)
             scope = of
             break
         except NotPermittedError:
@@ -358,11 +361,12 @@ async def _agents(client: Client) -> Finding:
         return Finding("agents", "warn", "not checked: this identity may not list agents")
     states = {AgentState(s): n for s, n in infos.by_state.items() if n}
     total = sum(states.values())
+    lost = _recently_lost(fleet)
     if not total:
         return Finding(
             "agents",
             "warn",
-            f"no agent registered ({scope}): start one (reach-mesh agent module:attribute)",
+            f"no agent registered ({scope}): start one (reach-mesh agent module:attribute)" + lost,
         )
     detail = f"{total} in {scope}: " + ", ".join(
         f"{n} {s.value}" for s, n in sorted(states.items(), key=lambda kv: -kv[1])
@@ -380,11 +384,41 @@ async def _agents(client: Client) -> Finding:
             "agents",
             "warn",
             f"{detail}; {count} need attention: {shown} "
-            "(reach-mesh agents --attention; reach-mesh inspect AGENT_ID)",
+            "(reach-mesh agents --attention; reach-mesh inspect AGENT_ID)" + lost,
         )
     if not states.get(AgentState.ONLINE):
-        return Finding("agents", "warn", f"{detail}: none ONLINE, nothing can be routed")
+        return Finding("agents", "warn", f"{detail}: none ONLINE, nothing can be routed" + lost)
+    if lost:
+        return Finding("agents", "warn", detail + lost)
     return Finding("agents", "ok", detail)
+
+
+def _recently_lost(fleet: dict[str, Any]) -> str:
+    """The sentence on the agents the answering hub declared LOST lately and that did not
+    come back (``recently_lost``: no heartbeat for their lease and ``suspect_timeout``, no
+    goodbye — crashed, hung or cut off), or "" when none. They are in no listing but
+    ``reach-mesh agents``' recently LOST table: a process killed or hung since is otherwise
+    invisible to this check (it said OK 9 s after a hung agent was declared LOST)."""
+    entries = [e for e in fleet.get("recently_lost") or [] if isinstance(e, dict)]
+    total = fleet.get("recently_lost_total")
+    count = total if isinstance(total, int) and total >= len(entries) else len(entries)
+    if not count:
+        return ""
+    now = time.time()
+    named = []
+    for e in entries[:5]:
+        at = e.get("lost_at")
+        ago = ""
+        if isinstance(at, (int, float)):
+            secs = max(0.0, now - at)
+            ago = f" ({secs:.0f} s ago)" if secs < 120 else f" ({secs / 60:.0f} min ago)"
+        named.append(f"{e.get('agent_id')}{ago}")
+    more = f" and {count - 5} more" if count > 5 else ""
+    return (
+        f"; {count} declared LOST in the last 15 min and not back (no heartbeat, no goodbye: "
+        f"crashed, hung or cut off): {', '.join(named)}{more} — check their processes and "
+        "restart them if they should run (reach-mesh agents lists them)"
+    )
 
 
 async def _read(

@@ -19,7 +19,7 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats, find_nats_server
 
-from .helpers import free_port, run_cli
+from .helpers import FAST, eventually, free_port, heal, partition, run_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,6 +68,37 @@ async def test_no_hub_yet_fails_and_says_what_is_missing() -> None:
     assert checks["agents"].status == "warn" and "not checked" in checks["agents"].detail
     assert cli.returncode == 1, cli.stderr
     assert "FAIL  hubs" in cli.stdout and "1 failed" in cli.stdout
+
+
+async def test_an_agent_declared_lost_lately_is_a_warning() -> None:
+    """An agent that stopped heartbeating without a goodbye (hung, crashed) is declared LOST and
+    leaves every listing but the recently LOST table: the agents check still warns, naming it,
+    while it is not back (it said OK, the fleet's remaining agents all ONLINE); once it
+    registers again the warning goes."""
+    async with EmbeddedNats() as server:
+        s = MeshSettings(nats_url=server.url, namespace="doc", **FAST)
+        ok, hung = Agent("doc.ok.a1", settings=s), Agent("doc.hung.a1", settings=s)
+        for agent in (ok, hung):
+
+            @agent.handler("doc:echo:v1")
+            async def echo(task: Task[Any]) -> Any:
+                return task.payload
+
+        async with Hub(settings=s) as hub, ok, hung:
+            await partition(hung)  # no heartbeat, nothing on its ctl subject: hung
+            await eventually(lambda: bool(hub.registry.recently_lost("doc")), timeout=10)
+            found = _by_check(await diagnose(s))
+            cli = await run_cli(server.url, "doctor")
+            await heal(hung)
+            await eventually(lambda: not hub.registry.recently_lost("doc"), timeout=10)
+            back = _by_check(await diagnose(s))
+    agents = found["agents"]
+    assert agents.status == "warn", agents
+    assert agents.detail.startswith("1 in every namespace: 1 ONLINE; 1 declared LOST"), agents
+    assert "doc.hung.a1 (" in agents.detail and "s ago)" in agents.detail, agents
+    assert cli.returncode == 0, cli.stderr  # a warning
+    assert "WARN  agents" in cli.stdout, cli.stdout
+    assert back["agents"].status == "ok", back["agents"]
 
 
 async def test_a_stream_missing_is_named() -> None:
