@@ -426,6 +426,42 @@ async def test_pending_lists_a_step_no_agent_can_take(
         assert shown[lonely]["steps"][0]["task_id"] == f"{lonely}-0"
 
 
+async def test_a_step_its_agent_never_took_names_the_agent(
+    wf_settings: MeshSettings, namespace: str
+) -> None:
+    """A fanout's step sent to an agent that never takes it (hung; here its work consumer
+    stopped, its heartbeats going on) sends no status event, and a first attempt has no task
+    record: the panel names the agent and attempt 1 from the workflow record (it showed the
+    step PENDING, attempt 0, no agent — while ``reach-mesh workflow`` named the agent)."""
+    s = wf_settings.model_copy(update={"step_deliver_timeout": 30.0})
+    agent = Agent(f"{namespace}.stuck.a1", settings=s)
+
+    @agent.handler("work:stuck:v1")
+    async def run(task: Task[Any]) -> Any:
+        return task.payload
+
+    async with Hub(settings=s.model_copy(update={"http_port": 0})) as hub, agent:
+        assert agent.work is not None
+        await agent.work.stop()  # it takes no step any more; it still beats
+        m = Mesh(hub, s, [agent])
+        async with Client(settings=s) as client:
+            wf_id = await client.submit_fanout(
+                [Step(capability="work:stuck:v1", payload={})], timeout=4
+            )
+            shown: dict[str, Any] = {}
+
+            async def named() -> bool:
+                _, body = await m.get("workflows")
+                shown.update({w["workflow_id"]: w for w in body["workflows"]})
+                return wf_id in shown and shown[wf_id]["kind"] == "fanout"
+
+            await eventually(named, timeout=10)
+            (step,) = shown[wf_id]["steps"]
+            assert step["state"] == "PENDING" and step["attempts"] == 1, step
+            assert step["agent_id"] == agent.agent_id and step["task_id"] == f"{wf_id}-0", step
+            await client.cancel_workflow(wf_id, reason="test over")
+
+
 async def test_dashboard_api_wants_the_token_and_the_favicon_is_served(
     wf_settings: MeshSettings,
 ) -> None:

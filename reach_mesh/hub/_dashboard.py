@@ -480,6 +480,18 @@ class Dashboard:
                 del wf.steps[extra]
         else:
             wf.state = record.state.value
+            # The attempts sent when it started (a fanout's steps, a chain's first) have no
+            # task record: the workflow record names their agents. Without them a step sent
+            # to an agent that never took it (hung, paused) read PENDING, attempt 0, no agent
+            # — while ``reach-mesh workflow`` named the agent.
+            for i, agent in enumerate(record.first_agents):
+                step = wf.steps.get(i)
+                if agent is not None and record.spec is not None and i < len(record.spec.steps):
+                    if step is None:
+                        step = wf.steps[i] = _Step(i)
+                    if step.attempt == 0:
+                        step.task_id = step_task_id(wf.workflow_id, i, record.spec.steps[i])
+                        step.attempt, step.agent_id = 1, agent
             if record.spec is not None:
                 await self._read_steps(wf, record.spec)
 
