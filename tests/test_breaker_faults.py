@@ -16,7 +16,7 @@ import nats
 import pytest
 from pydantic import BaseModel
 
-from reach_mesh import Client, MeshSettings, protocol
+from reach_mesh import Client, MeshSettings, NoMatchError, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import (
@@ -246,6 +246,32 @@ async def test_dry_runs_never_take_the_half_open_probe(
             assert res.ok  # the probe went to the real request, and closed the breaker
             # cast: mypy keeps the narrowing from before the awaits above
             assert cast(BreakerState, view.breaker.state) is BreakerState.CLOSED
+
+
+async def test_the_explanation_says_why_a_breaker_is_open(
+    settings: MeshSettings, namespace: str
+) -> None:
+    """`reach --dry-run` (a route's explanation) and the NO_MATCH of a capability whose every
+    agent is quarantined say why each breaker opened, as `agents`/`inspect` do: it said
+    `state QUARANTINED` alone, in the one place an operator asks why an agent gets no work."""
+    async with (
+        Hub(settings=settings) as hub,
+        invoicer(f"{namespace}.billing.b1", settings) as bad,
+        invoicer(f"{namespace}.billing.b2", settings) as good,
+    ):
+        async with Client(settings=settings) as c:
+            await c.admin("quarantine", bad.agent_id)
+            decision = await c.route(capability="invoice:create:v1")
+            assert decision.chosen == good.agent_id
+            reasons = {f.agent_id: f.reason for f in decision.filtered}
+            assert reasons[bad.agent_id] == (
+                "state QUARANTINED (breaker open: operator quarantine)"
+            ), reasons
+            await c.admin("quarantine", good.agent_id)
+            with pytest.raises(NoMatchError) as no:
+                await c.route(capability="invoice:create:v1")
+            assert f"{good.agent_id}: state QUARANTINED (breaker open: " in str(no.value), no
+        assert hub.registry.agents[bad.agent_id].state is AgentState.QUARANTINED
 
 
 # --------------------------------------------------------------------------- direct + selector

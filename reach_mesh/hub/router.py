@@ -314,6 +314,10 @@ class Router:
                     )
                     filtered.append(FilteredAgent(agent_id=agent_id, reason=why))
             elif filtered is not None:
+                if view.state is AgentState.QUARANTINED and view.breaker.reason:
+                    # Why its breaker opened, as `agents`/`inspect` say it: the explanation
+                    # is where an operator asks why an agent gets no work.
+                    reason = f"{reason} (breaker open: {view.breaker.reason})"
                 filtered.append(FilteredAgent(agent_id=agent_id, reason=reason))
         if live:
             return live, None, filtered
