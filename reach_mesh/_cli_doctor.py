@@ -32,7 +32,9 @@ from nats.js.errors import NotFoundError, ServiceUnavailableError
 from reach_mesh import __version__, protocol
 from reach_mesh._cli_fleet import settings_of
 from reach_mesh._client_fleet import AgentList
-from reach_mesh._nats import has_identity, hosts, refused_first, shown
+from reach_mesh._nats import has_identity, hosts, refused_first
+from reach_mesh._nats_together import server_name
+from reach_mesh._nats_urls import servers
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NotPermittedError, ReachError
@@ -91,9 +93,19 @@ async def diagnose(settings: MeshSettings) -> list[Finding]:
 
 
 def _server(nc: NATS, url: str | None) -> Finding:
+    """The server this check is connected to — not the URLs given, which read as if every
+    one of them answered (a cluster with a node down said `connected to` all three) — and,
+    of several given, how many."""
     v = nc.connected_server_version
+    given = servers(url)
+    here = nc.connected_url  # (its user and password left out)
+    on = "?" if here is None else f"{here.scheme}://{here.hostname}:{here.port}"
+    name = server_name(nc)
+    if name is not None and name not in on:
+        on += f" (server {name})"
+    of = f", one of {len(given)} URLs given" if len(given) > 1 else ""
     return Finding(
-        "nats", "ok", f"connected to {shown(url)}, nats-server {v.major}.{v.minor}.{v.patch}"
+        "nats", "ok", f"connected to {on}{of}, nats-server {v.major}.{v.minor}.{v.patch}"
     )
 
 

@@ -101,6 +101,22 @@ async def test_an_agent_declared_lost_lately_is_a_warning() -> None:
     assert back["agents"].status == "ok", back["agents"]
 
 
+async def test_the_nats_line_names_the_server_it_is_on() -> None:
+    """Of several URLs given (a cluster, one node down), the line names the server the check
+    connected to, not the list: `connected to a,b,c` read as if every one answered."""
+    dead = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    async with EmbeddedNats(server_name="solo") as server:
+        found = _by_check(await diagnose(MeshSettings(nats_url=f"{dead},{server.url}")))
+        one = _by_check(await diagnose(MeshSettings(nats_url=server.url)))
+    nats_line = found["nats"]
+    assert nats_line.status == "ok", nats_line
+    assert nats_line.detail.startswith(
+        f"connected to {server.url} (server solo), one of 2 URLs given, nats-server "
+    ), nats_line
+    assert dead not in nats_line.detail, nats_line
+    assert one["nats"].detail.startswith(f"connected to {server.url} (server solo), nats-"), one
+
+
 async def test_a_stream_missing_is_named() -> None:
     """A hub made the streams, then one was deleted (by hand, or never made by an older hub):
     that one is named with what to do; the others are one line."""
