@@ -336,6 +336,35 @@ class JsClient:
             raise nats.errors.NoRespondersError
         return msg
 
+    @property
+    def reconnections(self) -> int:
+        """Reconnections of its connection so far (an answer sent meanwhile is lost), as
+        nats-py counts them: once made, before the connection's callbacks run."""
+        return int(self._nc.stats["reconnects"])
+
+    async def caught_up(self, timeout: float) -> bool:
+        """Whether this client has read every answer the server had for it until now: a
+        message it sends itself comes back through its reply subscription within
+        ``timeout`` (nats-server delivers it behind every message it had for the connection,
+        and the subscription reads them in order). Not nats-py's ``flush(timeout)``: a PONG
+        that comes after its timeout kills the connection's reader (its future, cancelled,
+        is set again: ``InvalidStateError``), and a hub behind its reading is the case here.
+        False when that cannot be shown (too slow, not connected)."""
+        if self._sub is None or self._later:
+            try:
+                await self._before_request()
+            except Exception:
+                return False
+        token, future, timer = self._expect(timeout)
+        try:
+            await self._nc.publish(self._prefix + token, b"")
+            await future
+        except Exception:
+            return False
+        finally:
+            self._forget(token, timer)
+        return True
+
     async def publish(
         self,
         subject: str,
