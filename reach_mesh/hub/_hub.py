@@ -148,6 +148,10 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._seeking_by_ns: dict[str, int] = {}
         self._pin_waits: dict[tuple[str, str], list[asyncio.Future[str]]] = {}
         self._back_waits: dict[str, list[asyncio.Future[None]]] = {}
+        # Expired attempts whose agent is being asked before it is charged (``_lateness.py``).
+        self._expiry_asks = 0
+        self._expiry_asks_by_ns: dict[str, int] = {}
+        self._expiry_checks: set[asyncio.Task[None]] = set()
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher
@@ -549,7 +553,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             if not self._inflight and self._ns_flights.total <= 0:
                 break
             await asyncio.sleep(0.01)
-        for task in list(self._inflight):
+        for task in [*self._inflight, *self._expiry_checks]:
             task.cancel()
         await self._end_held()  # (held again meanwhile)
         # Those still waiting for their agent end now, told so (counted, audited, their spans

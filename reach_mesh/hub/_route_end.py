@@ -35,6 +35,7 @@ from reach_mesh.errors import (
     UnknownAgentError,
 )
 from reach_mesh.hub._dashboard import Dashboard
+from reach_mesh.hub._lateness import LatenessMixin
 from reach_mesh.hub._wire import (
     _batch_subject,
     _reply_bytes,
@@ -148,9 +149,10 @@ class _Flight:
     finished: bool = False
 
 
-class RouteEndMixin:
+class RouteEndMixin(LatenessMixin):
     """The methods of ``Hub`` that end a route (which sets every attribute below in its
-    ``__init__`` and ``start``): the agent's reply, the deadline sweep, the answer."""
+    ``__init__`` and ``start``): the agent's reply, the deadline sweep, the answer (an
+    expiry is charged to the agent once it is asked: its base ``LatenessMixin``)."""
 
     settings: MeshSettings
     registry: Registry
@@ -500,9 +502,9 @@ class RouteEndMixin:
         view = flight.view
         assert view is not None
         view.outstanding -= 1
-        view.health.accept_timeout()
-        view.breaker.record(False)
-        self.registry.regrade(view)
+        # Charged once its agent says it did not answer in time: the answer may be waiting
+        # unread here, behind a flood of this hub's reply subjects (``hub/_lateness.py``).
+        self._check_expiry(flight)
         err = MeshTimeoutError(
             f"agent {view.agent_id} did not answer task {flight.task_id} "
             f"attempt {flight.attempt} within {flight.req.timeout:.3g}s",

@@ -192,6 +192,9 @@ class LoopHistogram(Collector):
 
 #: What a hub's seek for the holder of a resent route found (``reach_resend_seek_total``).
 RESEND_FOUND: Final = ("hub", "agent", "pin", "nobody", "lost", "lost_copy", "skipped")
+#: What became of a proxy attempt's expiry once its agent was asked about it
+#: (``reach_expiry_checks_total``, ``hub/_lateness.py``).
+EXPIRY_OUTCOMES: Final = ("charged", "answered", "behind", "skipped")
 
 
 class HubMetrics:
@@ -328,7 +331,8 @@ class HubMetrics:
             "to, or after the step was decided (a duplicate run).",
             registry=r,
         )
-        self.resend_seek_total = Counter(
+        self.resend_seek_total = _counter_by(
+            r,
             "reach_resend_seek",
             "Resent route requests (Reach-Resend) this hub had no pin to a registered agent "
             "for: by who named the agent holding the task (hub, agent, pin), nobody (routed "
@@ -336,11 +340,22 @@ class HubMetrics:
             "time: routed as new), lost_copy (finished by an agent declared LOST: answered "
             "with its stored reply), or skipped (too many asks at once: routed as if "
             "unmarked).",
-            ["found"],
-            registry=r,
+            "found",
+            RESEND_FOUND,
         )
-        for found in RESEND_FOUND:
-            self.resend_seek_total.labels(found)
+        self.expiry_checks_total = _counter_by(
+            r,
+            "reach_expiry_checks",
+            "Proxy attempts that timed out unanswered, by what their agent's ctl task_state "
+            "answer made of the expiry: charged (it did not answer in time, or nobody listens "
+            "on its ctl subject, or it was silent while this hub read in time: an accept "
+            "timeout and a breaker failure), answered (it had answered: this hub read the "
+            "answer late or lost it; charged as that answer says), behind (silent while this "
+            "hub could not show it read in time: not charged), skipped (too many asks at "
+            "once: not charged).",
+            "outcome",
+            EXPIRY_OUTCOMES,
+        )
         self.late_reply_total = Counter(
             "reach_late_reply",
             "Agent replies to a proxy attempt that had already timed out (answer dropped).",
@@ -557,6 +572,17 @@ class AgentMetrics:
 #: and per connection (``main``, a hub's ``routes``, ``statuses`` and ``agents``) its
 #: reconnections so far and whether it is up.
 ConnectionCounts = tuple[int, Mapping[str, tuple[int, bool]]]
+
+
+def _counter_by(
+    registry: CollectorRegistry, name: str, doc: str, label: str, values: Sequence[str]
+) -> Counter:
+    """A counter with one label whose every value (``values``, a closed set) has its series
+    from the start: a rate over it reads 0, not "no data", before the first increment."""
+    counter = Counter(name, doc, [label], registry=registry)
+    for value in values:
+        counter.labels(value)
+    return counter
 
 
 def connection_metrics(registry: CollectorRegistry, read: Callable[[], ConnectionCounts]) -> None:
