@@ -346,9 +346,10 @@ class JsClient:
         """Whether this client has read every answer the server had for it until now: a
         message it sends itself comes back through its reply subscription within
         ``timeout`` (nats-server delivers it behind every message it had for the connection,
-        and the subscription reads them in order). Not nats-py's ``flush(timeout)``: a PONG
-        that comes after its timeout kills the connection's reader (its future, cancelled,
-        is set again: ``InvalidStateError``), and a hub behind its reading is the case here.
+        and the subscription reads them in order). Not ``flush(timeout)``: its PONG shows
+        the read loop took every message before it, not that this subscription's callbacks
+        ran them; and nats-py's own connection (not ``_nats.connect``'s) loses its reader to a
+        PONG that comes after that timeout (``tests/test_nats_flush.py``).
         False when that cannot be shown (too slow, not connected)."""
         if self._sub is None or self._later:
             try:
