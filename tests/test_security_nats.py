@@ -41,6 +41,7 @@ from reach_mesh._auth import AuthDir
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
+from reach_mesh.hub import _pins as pins_module
 from reach_mesh.logs import AGENT_ID_IN_USE, LineBudget
 from reach_mesh.models import AgentState, FailureReport, Heartbeat, UnregisterRequest
 from reach_mesh.server import EmbeddedNats
@@ -52,6 +53,9 @@ NS = "sec"
 VICTIM = f"{NS}.victim.a1"
 ROGUE = f"{NS}.rogue.a1"
 CAP = "sec:work:v1"
+#: A tenant with an agent of its own that routes a lot (its pins: test_one_tenants_routes_...).
+FLOOD = "flood"
+FLOODER = f"{FLOOD}.f.a1"
 FAST = {
     "heartbeat_interval": 0.5,
     "lease_timeout": 3.0,
@@ -87,6 +91,8 @@ def auth_dir(tmp_path_factory: pytest.TempPathFactory) -> AuthDir:
     auth.add("agent", VICTIM)
     auth.add("agent", ROGUE)
     auth.add("caller", "other")
+    auth.add("caller", FLOOD)
+    auth.add("agent", FLOODER)
     return auth
 
 
@@ -435,6 +441,68 @@ async def test_a_caller_cannot_report_on_another_namespaces_agents(
     await eventually(lambda: rejected._value.get() >= count + 20)
     assert view.health.value == health and view.breaker.counts() == counts
     assert view.state is AgentState.ONLINE
+
+
+async def test_one_tenants_routes_push_out_its_own_pins_only(
+    mesh: Mesh, as_identity: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub remembers which agent each task id it routed went to (its pins), so that a
+    retry of the id by capability goes there — where the agent's idempotency table answers it
+    — rather than run again on another agent. It keeps ``PINS_KEPT`` of them (100,000; 2,000
+    here). One pool for every namespace let a tenant with one agent of its own push every
+    other tenant's pins out with routes of its own: direct-mode decisions (no agent asked),
+    64 a message, at the route rate the hub reads — measured 110,000 in 8-13 s on 2 cores —
+    and a retry of the victim's task id by another caller process went to whichever agent,
+    ``sticky: none``: it ran twice. Past the bound the namespace holding the most pins drops
+    its oldest now: the flood pushes out its own."""
+    monkeypatch.setattr(pins_module, "PINS_KEPT", 2_000)
+    flooder = Agent(FLOODER, settings=mesh.settings("agent", FLOODER))
+
+    @flooder.handler("flood:work:v1")
+    async def work(task: Task[Any]) -> Any:
+        return None
+
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        first = await c.request(capability=CAP, payload="pin me", task_id="pinned-order-1")
+    assert first.agent_id == VICTIM
+    assert mesh.hub._pins.get(NS, "pinned-order-1") == VICTIM
+    await flooder.start()
+    try:
+        conn = await as_identity("caller", FLOOD)
+        inbox = f"{mesh.settings('caller', FLOOD).nats_inbox_prefix}.flood"
+        answered = 0
+
+        async def on_answers(msg: Any) -> None:
+            nonlocal answered
+            answered += msg.data.count(b"\n") + 1
+
+        await conn.nc.subscribe(f"{inbox}.>", cb=on_answers)
+        traceparent = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"
+        sent = 0
+        while sent < 3 * pins_module.PINS_KEPT:
+            lines = []
+            for _ in range(64):
+                sent += 1
+                body = {"capability": "flood:work:v1", "mode": "direct", "task_id": f"f{sent}"}
+                lines.append(f"{inbox}.{sent} {traceparent} {json.dumps(body)}")
+            subject = protocol.hub_subject(FLOOD, "route_batch")
+            await conn.nc.publish(subject, "\n".join(lines).encode(), reply=f"{inbox}.batch")
+        await eventually(lambda: answered >= sent, timeout=20)
+        assert conn.errors == []
+        # The flood's own pins went (its oldest), and no other tenant's.
+        assert mesh.hub._pins.get(FLOOD, "f1") is None
+        assert mesh.hub._pins.get(FLOOD, f"f{sent}") == FLOODER
+        assert mesh.hub._pins.get(NS, "pinned-order-1") == VICTIM
+        # The victim's retry, from another process (unmarked: it never asked the id), goes to
+        # the agent that holds the task, and is answered from its idempotency table.
+        async with Client(settings=mesh.settings("caller", NS)) as again:
+            retry = await again.request(
+                capability=CAP, payload="pin me", task_id="pinned-order-1", explain=True
+            )
+        assert retry.decision is not None and retry.decision.sticky == "hit"
+        assert retry.agent_id == VICTIM and retry.cached
+    finally:
+        await flooder.close()
 
 
 async def test_answers_to_a_tenant_never_speak_of_another(mesh: Mesh, as_identity: Any) -> None:

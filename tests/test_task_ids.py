@@ -26,6 +26,7 @@ from reach_mesh import Client, MeshSettings, Step, TaskState, protocol
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
+from reach_mesh.hub import _pins as pins_module
 from reach_mesh.hub._pins import HUB_HEADER, TaskPins, decode_pins
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.logs import HANDLER_ABANDONED
@@ -434,6 +435,34 @@ def test_the_pins_sent_again_are_the_newest_of_the_hubs_own() -> None:
         "ns": [("t9", "ns.a.a1"), ("t8", "ns.a.a0"), ("p2", "ns.a.a9"), ("p1", "ns.a.a8")],
     }
     assert sum(len(v) for v in pins.recent(100).values()) == 13
+
+
+def test_a_busy_namespaces_pins_take_no_others_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``PINS_KEPT`` the namespace holding the most pins drops its oldest, of a hub's own
+    and of its peers' alike; and what a hub sends again to one that starts gives each
+    namespace its share (what one holding fewer leaves goes to the others), rather than the
+    newest of whoever routed most lately (tests/test_security_nats.py shows the flood)."""
+    monkeypatch.setattr(pins_module, "PINS_KEPT", 100)
+    pins = TaskPins()
+    pins.pin("quiet", "q1", "quiet.a.a1")
+    pins.learn("quiet", [("q2", "quiet.a.a2")])
+    for i in range(1_000):
+        pins.pin("busy", f"b{i}", "busy.a.a1")
+        pins.learn("busy", [(f"p{i}", "busy.a.a2")])
+    assert pins.get("quiet", "q1") == "quiet.a.a1" and pins.get("quiet", "q2") == "quiet.a.a2"
+    assert pins.get("busy", "b999") == "busy.a.a1" and pins.get("busy", "b0") is None
+    assert len(pins._own) <= 100 and len(pins._peers) <= 100
+    sent = pins.recent(10)
+    assert sent["quiet"] == [("q1", "quiet.a.a1"), ("q2", "quiet.a.a2")]
+    assert sent["busy"][:2] == [("b999", "busy.a.a1"), ("b998", "busy.a.a1")]
+    assert len(sent["busy"]) == 18  # 9 of its own and 9 of its peers'
+    # Namespaces holding about as much share the bound: each keeps some.
+    for ns in ("n1", "n2", "n3", "n4"):
+        for i in range(60):
+            pins.pin(ns, f"t{i}", f"{ns}.a.a1")
+    assert len(pins._own) <= 100
+    assert all(pins.get(ns, "t59") == f"{ns}.a.a1" for ns in ("n1", "n2", "n3", "n4"))
+    assert pins.get("quiet", "q1") == "quiet.a.a1"
 
 
 async def test_malformed_pins_from_a_hub_are_skipped_and_the_hub_routes_on(

@@ -49,7 +49,8 @@ __all__ = [
     "encode_pins",
 ]
 
-#: Task ids whose agent a hub remembers, at most, of its own routes and again of its peers'.
+#: Task ids whose agent a hub remembers, at most, of its own routes and again of its peers'
+#: (every namespace's together: past it, the namespace holding the most drops its oldest).
 PINS_KEPT: Final = 100_000
 #: Pairs in one ``reach.hubs.<ns>.pins`` message, at most (well under NATS' 1 MB payload).
 PINS_PER_MESSAGE: Final = 2_048
@@ -61,31 +62,102 @@ PINS_REPLAY: Final = 8 * PINS_PER_MESSAGE
 
 
 class _Generations:
-    """Two generations of plain dicts, each up to half of ``PINS_KEPT``: an insert and at most
-    two lookups (an LRU's bookkeeping cost several times that on the hot path); an entry lives
-    between half and all of ``PINS_KEPT`` inserts."""
+    """One namespace's pins: two generations of plain dicts, each up to half of ``PINS_KEPT``
+    (an insert and at most two lookups: an LRU's bookkeeping cost several times that on the
+    hot path); alone, an entry lives between half and all of ``PINS_KEPT`` inserts."""
 
     __slots__ = ("_new", "_old")
 
     def __init__(self) -> None:
-        self._new: dict[tuple[str, str], str] = {}
-        self._old: dict[tuple[str, str], str] = {}
+        self._new: dict[str, str] = {}
+        self._old: dict[str, str] = {}
 
-    def get(self, key: tuple[str, str]) -> str | None:
-        agent = self._new.get(key)
-        return self._old.get(key) if agent is None else agent
+    def __len__(self) -> int:
+        return len(self._new) + len(self._old)
 
-    def put(self, key: tuple[str, str], agent_id: str) -> None:
+    def get(self, task_id: str) -> str | None:
+        agent = self._new.get(task_id)
+        return self._old.get(task_id) if agent is None else agent
+
+    def put(self, task_id: str, agent_id: str) -> int:
+        """Pin ``task_id``; the change in the entries held (+1, 0, or less when the older
+        generation was dropped)."""
         new = self._new
-        new[key] = agent_id
+        before = len(new)
+        new[task_id] = agent_id
+        grown = len(new) - before
         if len(new) >= PINS_KEPT // 2:
+            grown -= len(self._old)
             self._old, self._new = new, {}
+        return grown
 
-    def newest(self, most: int) -> Iterator[tuple[tuple[str, str], str]]:
+    def shed(self) -> int:
+        """Drop the older half of the pins (the older generation, or the older half of the
+        only one); the entries dropped."""
+        if self._old:
+            dropped = len(self._old)
+            self._old, self._new = self._new, {}
+            return dropped
+        new = self._new
+        keep = dict(itertools.islice(new.items(), len(new) // 2, None))
+        self._new = keep
+        return len(new) - len(keep)
+
+    def newest(self, most: int) -> list[tuple[str, str]]:
         """The ``most`` newest entries, newest first."""
-        return itertools.islice(
-            itertools.chain(reversed(self._new.items()), reversed(self._old.items())), most
+        return list(
+            itertools.islice(
+                itertools.chain(reversed(self._new.items()), reversed(self._old.items())), most
+            )
         )
+
+
+class _Pinned:
+    """Pins of every namespace, ``PINS_KEPT`` at most in all: past it, the namespace holding
+    the most drops its older half — so one namespace's routes push out its own pins, never
+    another's. (One pool for all once let a tenant's stream of routes, direct-mode decisions
+    at that, which cost the hub no agent's answer, push every other tenant's pins out of
+    every hub within seconds: their retries then ran again on another agent.)"""
+
+    __slots__ = ("_by_ns", "_size")
+
+    def __init__(self) -> None:
+        self._by_ns: dict[str, _Generations] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def get(self, namespace: str, task_id: str) -> str | None:
+        kept = self._by_ns.get(namespace)
+        return None if kept is None else kept.get(task_id)
+
+    def put(self, namespace: str, task_id: str, agent_id: str) -> None:
+        kept = self._by_ns.get(namespace)
+        if kept is None:
+            kept = self._by_ns[namespace] = _Generations()
+        self._size += kept.put(task_id, agent_id)
+        if self._size > PINS_KEPT:
+            self._trim()
+
+    def _trim(self) -> None:
+        while self._size > PINS_KEPT:
+            namespace, most = max(self._by_ns.items(), key=lambda item: len(item[1]))
+            self._size -= most.shed()
+            if not most:
+                del self._by_ns[namespace]
+
+    def newest(self, most: int) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+        """The newest pins, ``most`` at most, by namespace: each namespace its share, and
+        what one holding fewer leaves goes to the others (a busy namespace's pins do not
+        crowd out the others' here either)."""
+        held = sorted(self._by_ns.items(), key=lambda item: len(item[1]))
+        left = most
+        for i, (namespace, kept) in enumerate(held):
+            share = min(len(kept), left // (len(held) - i))
+            if share > 0:
+                left -= share
+                yield namespace, kept.newest(share)
 
 
 class TaskPins:
@@ -95,21 +167,20 @@ class TaskPins:
     __slots__ = ("_out", "_own", "_peers")
 
     def __init__(self) -> None:
-        self._own = _Generations()
-        self._peers = _Generations()
+        self._own = _Pinned()
+        self._peers = _Pinned()
         self._out: dict[str, list[tuple[str, str]]] = {}
 
     def get(self, namespace: str, task_id: str) -> str | None:
         """The agent ``task_id`` of ``namespace`` was last routed to, as far as this hub knows."""
-        key = (namespace, task_id)
-        agent = self._own.get(key)
-        return self._peers.get(key) if agent is None else agent
+        agent = self._own.get(namespace, task_id)
+        return self._peers.get(namespace, task_id) if agent is None else agent
 
     def pin(self, namespace: str, task_id: str, agent_id: str) -> bool:
         """This hub routed ``task_id`` to ``agent_id``. True when it is the first pin to send
         since they were last taken (:meth:`outgoing`): the caller schedules the sending (until
         it takes them, later pins go with this one)."""
-        self._own.put((namespace, task_id), agent_id)
+        self._own.put(namespace, task_id, agent_id)
         first = not self._out
         self._out.setdefault(namespace, []).append((task_id, agent_id))
         return first
@@ -125,15 +196,15 @@ class TaskPins:
         (``pins_ask``) — a restarted hub lost its own, which its peers kept."""
         out: dict[str, list[tuple[str, str]]] = {}
         for kept in (self._own, self._peers):
-            for (namespace, task_id), agent_id in kept.newest(most):
-                out.setdefault(namespace, []).append((task_id, agent_id))
+            for namespace, pairs in kept.newest(most):
+                out.setdefault(namespace, []).extend(pairs)
         return out
 
     def learn(self, namespace: str, pairs: list[tuple[str, str]]) -> None:
         """Pins a peer made (:func:`decode_pins`)."""
         peers = self._peers
         for task_id, agent_id in pairs:
-            peers.put((namespace, task_id), agent_id)
+            peers.put(namespace, task_id, agent_id)
 
 
 def encode_pins(pairs: list[tuple[str, str]]) -> list[bytes]:
