@@ -1362,6 +1362,50 @@ async def test_an_agent_consumes_only_its_own_work_subject(mesh: Mesh, as_identi
     await rogue.publish_denied(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", body)
 
 
+async def test_no_tenant_rolls_up_or_schedules_into_a_shared_stream(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """What a caller (its submissions, ``REACH_WF``) and an agent (its statuses,
+    ``REACH_STATUS``) store may carry headers JetStream acts on, which no permission can
+    check: ``Nats-Rollup: all`` would purge the whole stream — every namespace's waiting
+    submissions, every agent's statuses — with one message of one's own subject, and a
+    ``Nats-Schedule`` would have the server publish into another subject of the stream
+    (another namespace's submit subject, another agent's status). The streams allow neither
+    (nor per-message TTLs, counters or atomic batches): each such publish is refused, and
+    nothing is purged (nats-server 2.15.1)."""
+    js = mesh.hub.nc.jetstream()
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        done = await c.fanout([Step(capability=CAP, payload="stored")], timeout=15)
+    assert done.state is TaskState.SUCCEEDED  # (its statuses are in REACH_STATUS)
+    stored = (await js.stream_info(protocol.STREAM_STATUS)).state.messages
+    assert stored > 0
+    caller = await as_identity("caller", "other")
+    rogue = await as_identity("agent", ROGUE)
+    headers: list[dict[str, str]] = [
+        {"Nats-Rollup": "all"},
+        {"Nats-Rollup": "sub"},
+        {"Nats-TTL": "1s"},
+        {"Nats-Incr": "1"},
+        {"Nats-Batch-Id": "b1", "Nats-Batch-Sequence": "1", "Nats-Batch-Commit": "1"},
+    ]
+    for conn, subject, other_subject in (
+        (caller, protocol.wf_submit("other"), protocol.wf_submit(NS)),
+        (rogue, protocol.task_status(ROGUE, "t1"), protocol.task_status(VICTIM, "t1")),
+    ):
+        schedule = {"Nats-Schedule": "@every 1s", "Nats-Schedule-Target": other_subject}
+        for h in (*headers, schedule):
+            answer = json.loads((await conn.nc.request(subject, b"{}", headers=h, timeout=5)).data)
+            assert answer.get("error", {}).get("err_code") in (10111, 10166, 10168, 10174, 10188), (
+                h,
+                answer,
+            )
+        assert conn.errors == []
+    assert (await js.stream_info(protocol.STREAM_STATUS)).state.messages >= stored  # none purged
+    for stream in (protocol.STREAM_WF, protocol.STREAM_STATUS):
+        config = (await js.stream_info(stream)).config
+        assert not config.allow_rollup_hdrs and not config.allow_msg_ttl
+
+
 async def test_a_jetstream_request_body_never_widens_what_its_subject_allows(
     mesh: Mesh, as_identity: Any
 ) -> None:
