@@ -646,6 +646,37 @@ async def test_audit_forgery_refused(mesh: Mesh, as_identity: Any) -> None:
     assert all(e.get("hub_id") != "hub-forged" for e in events)
 
 
+async def test_only_the_operator_reads_the_audit(mesh: Mesh, as_identity: Any) -> None:
+    """The audit stream (every namespace's registrations, routes, operator actions and
+    cancels, with who asked and why) is the operator's to read: an agent or a caller of any
+    namespace may neither subscribe to its subjects nor reach it through the JetStream API
+    (a consumer by name or not, its info, a direct or stored-message get), and the ``Client``
+    says so at once; the operator reads it."""
+    since = time.time()
+    async with Client(settings=mesh.settings("caller", NS)) as c:
+        assert (await c.request(capability=CAP, payload="audited")).ok
+    audit = protocol.STREAM_AUDIT
+    api = "$JS.API"
+    for role, name in wrong_identities():
+        conn = await as_identity(role, name)
+        await conn.subscribe_denied("reach.audit.>")
+        await conn.subscribe_denied(protocol.audit_subject(NS, "admin"))
+        for subject in (
+            f"{api}.CONSUMER.CREATE.{audit}",
+            f"{api}.CONSUMER.CREATE.{audit}.peek.reach.audit.{NS}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{audit}.peek",
+            f"{api}.STREAM.INFO.{audit}",
+            f"{api}.DIRECT.GET.{audit}",
+            f"{api}.DIRECT.GET.{audit}.{protocol.audit_subject(NS, 'admin')}",
+            f"{api}.STREAM.MSG.GET.{audit}",
+        ):
+            await conn.publish_denied(subject)
+        with pytest.raises(NotPermittedError):
+            async with Client(settings=mesh.settings(role, name)) as c:
+                await c.audit(namespace=NS, since=3600)
+    assert await audited(mesh, "route", since, 1)
+
+
 @pytest.mark.parametrize(
     ("bucket", "key"),
     [
