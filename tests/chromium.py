@@ -158,6 +158,66 @@ class Chromium:
         path.write_bytes(base64.b64decode(shot["data"]))
         return path
 
+    def click_in_frame(self, selector: str, wait: float = 5.0) -> bool:
+        """Click, as a user does, the middle of the first element ``selector`` finds in the
+        page's first child frame (of another origin too) once it is there, within ``wait``
+        seconds; False when it never is (a frame the browser refused to show holds no
+        document of its own). Not waited on: a dialog the click opens would hold it."""
+        self._call("Page.enable", session=True)
+        self._call(
+            "Emulation.setDeviceMetricsOverride",
+            session=True,
+            width=1440,
+            height=1000,
+            deviceScaleFactor=1,
+            mobile=False,
+        )
+        where = f"""(() => {{ const e = document.querySelector({json.dumps(selector)});
+          if (!e) return null; const r = e.getBoundingClientRect();
+          return [r.x + r.width / 2, r.y + r.height / 2]; }})()"""
+        deadline = time.monotonic() + wait
+        found = None
+        while found is None and time.monotonic() < deadline:
+            tree = self._call("Page.getFrameTree", session=True)["frameTree"]
+            for child in tree.get("childFrames", [])[:1]:
+                frame = child["frame"]
+                world = self._call("Page.createIsolatedWorld", session=True, frameId=frame["id"])
+                found = self._call(
+                    "Runtime.evaluate",
+                    session=True,
+                    contextId=world["executionContextId"],
+                    returnByValue=True,
+                    expression=where,
+                )["result"].get("value")
+            if found is None:
+                time.sleep(0.1)
+        if found is None:
+            return False
+        click = {"x": found[0], "y": found[1], "button": "left", "clickCount": 1}
+        self._call("Input.dispatchMouseEvent", session=True, type="mousePressed", **click)
+        self._send("Input.dispatchMouseEvent", {"type": "mouseReleased", **click}, self._session)
+        return True
+
+    def accept_dialog(self, wait: float = 5.0) -> str | None:
+        """Accept the JavaScript dialog the page opens within ``wait`` seconds (after
+        :meth:`click_in_frame`), as a user pressing Enter does (a prompt answered empty): its
+        message, or None when none opened."""
+        deadline = time.monotonic() + wait
+        while True:
+            opened = [e for e in self.events if e.get("method") == "Page.javascriptDialogOpening"]
+            if opened:
+                self._send(
+                    "Page.handleJavaScriptDialog", {"accept": True, "promptText": ""}, self._session
+                )
+                message: str = opened[0]["params"].get("message", "")
+                return message
+            try:
+                event = self._receive(deadline)
+            except TimeoutError:
+                return None
+            if "method" in event:
+                self.events.append(event)
+
     def evaluate(self, expression: str) -> Any:
         """Run ``expression`` in the page (awaiting a promise) and return its JSON value."""
         result = self._call(

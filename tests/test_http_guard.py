@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
@@ -432,15 +434,24 @@ async def test_metrics_want_the_token_only_when_asked(settings: MeshSettings) ->
 # --------------------------------------------------------------------------- a real browser
 
 
-async def _attacker_site() -> AsgiServer:
-    """Another origin on this machine: any page the operator happens to visit."""
+async def _attacker_site(framing: str | None = None) -> AsgiServer:
+    """Another origin on this machine: any page the operator happens to visit; ``framing``:
+    with that page in a frame all but transparent over a button of its own."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import HTMLResponse
     from starlette.routing import Route
 
+    bait = (
+        ""
+        if framing is None
+        else '<button style="position:absolute;left:0;top:0">claim your prize</button>'
+        f'<iframe src="{framing}" style="position:absolute;left:0;top:0;width:1400px;'
+        'height:1000px;opacity:0.05;border:0"></iframe>'
+    )
+
     async def page(request: Request) -> HTMLResponse:
-        return HTMLResponse("<!doctype html><title>cat pictures</title>")
+        return HTMLResponse(f"<!doctype html><title>cat pictures</title>{bait}")
 
     site = AsgiServer(Starlette(routes=[Route("/", page)]))
     await site.start("127.0.0.1", 0)
@@ -504,6 +515,61 @@ async def test_page_from_another_origin_cannot_act_on_the_hub(
             assert refused(open_hub, "REACH_FORBIDDEN_ORIGIN") == 3
     finally:
         await site.close()
+
+
+async def test_no_page_of_the_hub_may_be_framed(settings: MeshSettings) -> None:
+    """Every answer but the gateway's says no page may show it in a frame (``X-Frame-Options:
+    DENY``, CSP ``frame-ancestors 'none'``): the dashboard at ``/`` and at
+    ``/static/dashboard.html``, and the API's answers, refusals included."""
+    hub_settings = settings.model_copy(update={"http_port": 0, "http_token": TOKEN})
+
+    def headers_of(url: str) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return resp.status, resp.headers
+        except urllib.error.HTTPError as err:
+            return err.code, err.headers
+
+    async with Hub(settings=hub_settings) as hub:
+        for path in ("/", "/static/dashboard.html", "/healthz", "/api/agents"):
+            status, headers = await asyncio.to_thread(headers_of, f"{hub.http_url}{path}")
+            assert status in (200, 401), (path, status)
+            assert headers.get("X-Frame-Options") == "DENY", path
+            assert headers.get("Content-Security-Policy") == "frame-ancestors 'none'", path
+
+
+@needs_chromium
+async def test_a_page_of_another_origin_cannot_frame_the_dashboard(
+    settings: MeshSettings, namespace: str
+) -> None:
+    """Clickjacking: a page of another origin (here another port of the same host — the same
+    site, whose frames share the tab's storage) shows the dashboard in a frame of its own,
+    all but transparent over a button of its own, and the user's click lands on the
+    dashboard's ``cordon``; its prompt ("Cordon …? Why?") is answered with Enter. Before, the
+    frame held the dashboard, with the token the operator opened it with earlier in the same
+    tab (``sessionStorage``), and the agent was cordoned: the Origin, content-type and token
+    checks all pass for the dashboard's own request. The hub's pages may not be framed now."""
+    hub_settings = settings.model_copy(update={"http_port": 0, "http_token": TOKEN})
+    async with Hub(settings=hub_settings) as hub, echo_agent(f"{namespace}.w.a1", settings) as a:
+        view = hub.registry.agents[a.agent_id]
+        button = f'button[data-op="cordon"][data-agent="{a.agent_id}"]'
+        for page in ("/", "/static/dashboard.html"):
+            site = await _attacker_site(framing=f"{hub.http_url}{page}")
+            try:
+
+                def clickjack(port: int = site.port) -> tuple[bool, str | None]:
+                    with Chromium() as browser:
+                        browser.open(f"{hub.http_url}/#token={TOKEN}")  # earlier, in this tab
+                        browser.open(f"http://127.0.0.1:{port}/")
+                        clicked = browser.click_in_frame(button, wait=3.0)
+                        return clicked, browser.accept_dialog(2.0) if clicked else None
+
+                clicked, asked = await asyncio.to_thread(clickjack)
+                assert (clicked, asked) == (False, None), (page, asked)
+                await asyncio.sleep(0.2)
+                assert not view.record.cordoned and view.state is AgentState.ONLINE, page
+            finally:
+                await site.close()
 
 
 @needs_chromium

@@ -30,7 +30,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from reach_mesh import protocol
 from reach_mesh._asgi import AsgiServer
@@ -118,6 +118,25 @@ AttentionQuery = Annotated[
 
 log = logging.getLogger("reach_mesh.hub")
 
+#: On every answer but the gateway's (JSON for programs): no page may show the hub's in a
+#: frame. Framed, the dashboard acts for whoever clicks in it — with its tab's token — while
+#: another page lays its own bait over it (clickjacking; docs/security.md, "HTTP surface").
+_NEVER_FRAMED: Final = (
+    (b"x-frame-options", b"DENY"),
+    (b"content-security-policy", b"frame-ancestors 'none'"),
+)
+
+
+def _never_framed(send: Send) -> Send:
+    """``send`` with :data:`_NEVER_FRAMED` added to the response's headers."""
+
+    async def sent(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *_NEVER_FRAMED]}
+        await send(message)
+
+    return sent
+
 
 class GuardMiddleware:
     """Pure ASGI middleware (streams pass through untouched, as MCP's SSE needs): the guard's
@@ -148,6 +167,8 @@ class GuardMiddleware:
             return
         path: str = scope["path"]
         target = self._posts.get(path, self.app) if scope["method"] == "POST" else self.app
+        if target is self.app:
+            send = _never_framed(send)
         if target is self.app and not any(
             r.matches(scope)[0] is Match.FULL for r in self.http.app.router.routes
         ):
