@@ -463,6 +463,10 @@ def test_a_busy_namespaces_pins_take_no_others_place(monkeypatch: pytest.MonkeyP
     assert len(pins._own) <= 100
     assert all(pins.get(ns, "t59") == f"{ns}.a.a1" for ns in ("n1", "n2", "n3", "n4"))
     assert pins.get("quiet", "q1") == "quiet.a.a1"
+    # As many namespaces as the bound, one pin each: the oldest go, one by one.
+    for i in range(150):
+        pins.pin(f"one{i}", "t", f"one{i}.a.a1")
+    assert len(pins._own) <= 100 and pins.get("one149", "t") == "one149.a.a1"
 
 
 async def test_malformed_pins_from_a_hub_are_skipped_and_the_hub_routes_on(

@@ -93,13 +93,13 @@ class _Generations:
 
     def shed(self) -> int:
         """Drop the older half of the pins (the older generation, or the older half of the
-        only one); the entries dropped."""
+        only one, one pin at least); the entries dropped."""
         if self._old:
             dropped = len(self._old)
             self._old, self._new = self._new, {}
             return dropped
         new = self._new
-        keep = dict(itertools.islice(new.items(), len(new) // 2, None))
+        keep = dict(itertools.islice(new.items(), max(1, len(new) // 2), None))
         self._new = keep
         return len(new) - len(keep)
 
