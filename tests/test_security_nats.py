@@ -710,6 +710,24 @@ async def test_tenants_are_isolated(mesh: Mesh, as_identity: Any) -> None:
     await other.publish_denied(
         f"$JS.API.DIRECT.GET.KV_{protocol.KV_WORKFLOWS}.$KV.reach_workflows.{NS}.x"
     )
+    # Nor another namespace's workflow events or records by a consumer or a wider read: a
+    # consumer's filter is in the subject, its own namespace's only (nats-server holds the
+    # body to it: test_a_jetstream_request_body_never_widens_what_its_subject_allows).
+    events = f"$JS.API.CONSUMER.CREATE.{protocol.STREAM_WF_EVENTS}"
+    kv = f"KV_{protocol.KV_WORKFLOWS}"
+    for subject in (
+        f"{events}.peek.reach.wf.{NS}.>",
+        f"{events}.peek.reach.wf.>",
+        f"{events}.peek.reach.wf.*.x.event",
+        events,  # the filter in the body
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{protocol.STREAM_WF_EVENTS}.peek",
+        f"$JS.API.CONSUMER.CREATE.{kv}.peek.$KV.{protocol.KV_WORKFLOWS}.{NS}.>",
+        f"$JS.API.DIRECT.GET.{kv}.$KV.{protocol.KV_WORKFLOWS}.>",
+        f"$JS.API.DIRECT.GET.{kv}",  # by sequence or a batch, in the body
+        f"$JS.API.STREAM.MSG.GET.{kv}",
+        f"$JS.API.STREAM.MSG.GET.{protocol.STREAM_WF}",
+    ):
+        await other.publish_denied(subject)
     async with Client(settings=mesh.settings("caller", "other")) as c:
         assert await c.agents() == []
 
