@@ -170,7 +170,8 @@ class MeshSettings(BaseModel):
 
     #: Capabilities that get a series of their own in ``reach_task_duration_seconds`` (each
     #: costs 38 series: 36 buckets, sum, count); the ones a hub sees after them share
-    #: ``capability="other"``. Anyone may mint capabilities: the scrape stays bounded.
+    #: ``capability="other"``, but for a namespace that made fewer than another (by two): it
+    #: takes that one's oldest. Anyone may mint capabilities: the scrape stays bounded.
     metrics_capability_series: int = Field(default=64, ge=1, le=4096)
 
     # hub HTTP (metrics, REST, dashboard). 0 = pick a free port, None = off.

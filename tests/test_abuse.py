@@ -208,28 +208,61 @@ async def test_reports_on_other_namespaces_agents_are_dropped(
         await nc.close()
 
 
-async def test_capabilities_minted_past_a_bound_share_one_series(
-    hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _duration_series(hub: Hub) -> dict[str, float]:
+    """``reach_task_duration_seconds``'s series on ``hub``: capability -> observations."""
+    return {
+        s.labels["capability"]: s.value
+        for m in hub.metrics.task_duration_seconds.collect()
+        for s in m.samples
+        if s.name.endswith("_count")
+    }
+
+
+async def test_capabilities_minted_past_a_bound_share_one_series(settings: MeshSettings) -> None:
     """``reach_task_duration_seconds`` gets a series per capability only up to a bound
     (``metrics_capability_series``, 64 by default; 2 here): a tenant minting capabilities
     cannot grow the hub's /metrics without end."""
-    assert hub._capability_series == settings.metrics_capability_series == 64
-    monkeypatch.setattr(hub, "_capability_series", len(hub._duration_children) + 2)
-    agent = Agent(f"{namespace}.mint.a1", settings=settings)
-    for i in range(5):
-        agent.handler(f"mint:c{i}:v1")(_echo)
-    async with agent, Client(settings=settings) as c:
+    assert settings.metrics_capability_series == 64
+    hub_settings = settings.model_copy(update={"metrics_capability_series": 2})
+    async with Hub(settings=hub_settings) as own:
+        agent = Agent(f"{settings.namespace}.mint.a1", settings=settings)
         for i in range(5):
-            assert (await c.request(capability=f"mint:c{i}:v1", payload=i)).ok
-    series = {
-        s.labels["capability"]
-        for m in hub.metrics.task_duration_seconds.collect()
-        for s in m.samples
-        if s.labels.get("capability", "").startswith("mint:")
-        or s.labels.get("capability") == "other"
-    }
-    assert series == {"mint:c0:v1", "mint:c1:v1", "other"}
+            agent.handler(f"mint:c{i}:v1")(_echo)
+        async with agent, Client(settings=settings) as c:
+            await eventually(lambda: agent.agent_id in own.registry.agents)
+            for i in range(5):
+                assert (await c.request(capability=f"mint:c{i}:v1", payload=i)).ok
+            series = _duration_series(own)
+    assert series == {"mint:c0:v1": 1, "mint:c1:v1": 1, "other": 3}
+
+
+async def test_a_tenant_minting_capabilities_leaves_others_their_series(
+    settings: MeshSettings, namespace: str
+) -> None:
+    """The bound on capability series is no first-come prize: a tenant that routed to as many
+    capabilities as the bound (3 here) once took every series for the hub's life, and every
+    other tenant's capability was counted under ``other``. A namespace that made fewer series
+    than the one that made the most takes that one's oldest now, whose observations go to
+    ``other`` (the histogram's sum over series, which the dashboard reads, unchanged)."""
+    hub_settings = settings.model_copy(update={"metrics_capability_series": 3})
+    tenant = settings.model_copy(update={"namespace": f"{namespace}b"})
+    async with Hub(settings=hub_settings) as own:
+        minter = Agent(f"{namespace}.mint.a1", settings=settings)
+        for i in range(5):
+            minter.handler(f"mint:c{i}:v1")(_echo)
+        other = Agent(f"{tenant.namespace}.work.a1", settings=tenant)
+        other.handler("work:own:v1")(_echo)
+        async with minter, other:
+            await eventually(lambda: {minter.agent_id, other.agent_id} <= set(own.registry.agents))
+            async with Client(settings=settings) as c:
+                for i in range(5):
+                    assert (await c.request(capability=f"mint:c{i}:v1", payload=i)).ok
+            assert set(_duration_series(own)) == {"mint:c0:v1", "mint:c1:v1", "mint:c2:v1", "other"}
+            async with Client(settings=tenant) as c:
+                for i in range(2):
+                    assert (await c.request(capability="work:own:v1", payload=i)).ok
+            series = _duration_series(own)
+    assert series == {"mint:c1:v1": 1, "mint:c2:v1": 1, "work:own:v1": 2, "other": 3}
 
 
 async def _echo(task: Task[Any]) -> Any:

@@ -199,6 +199,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         # build per call, on every request.
         self._task_counters: dict[tuple[str, str, str], Any] = {}
         self._duration_children: dict[str, Any] = {}
+        self._series_made: dict[str, list[str]] = {}
         self._capability_series = self.settings.metrics_capability_series
         self._route_seconds = self.metrics.route_duration_seconds
         self._accepted_seconds = self.metrics.delivered_to_accepted_seconds

@@ -182,6 +182,8 @@ class RouteEndMixin(LatenessMixin):
     _task_counters: dict[tuple[str, str, str], Any]
     _duration_children: dict[str, Any]
     _capability_series: int
+    #: The capabilities each namespace made a series of, oldest first (``_duration_child``).
+    _series_made: dict[str, list[str]]
     _accepted_seconds: LoopHistogram
     #: Routes asked in this process (``_route_local``) awaiting their answer, by reply token.
     _local: dict[str, asyncio.Future[bytes]]
@@ -405,6 +407,34 @@ class RouteEndMixin(LatenessMixin):
             )
         await self._finish(flight, task=data, head=head)
 
+    def _duration_child(self, capability: str, namespace: str) -> Any:
+        """``capability``'s series of ``reach_task_duration_seconds``, made for it while fewer
+        than ``_capability_series`` are: agents name capabilities and callers route them, and
+        a tenant minting new ones must not grow /metrics (and its render on this loop) without
+        bound; past it, ``other``'s. The bound is shared: a namespace that made fewer series
+        than the one that made the most (by two) takes that one's oldest, whose observations
+        go to ``other`` — first come, one tenant's 64 capabilities once left every other
+        tenant's under ``other`` for the hub's life."""
+        made = self._series_made
+        children = self._duration_children
+        histogram = self.metrics.task_duration_seconds
+        if len(children) - (OTHER_CAPABILITY in children) >= self._capability_series:
+            mine = len(made.get(namespace, ()))
+            most = max(made, key=lambda ns: len(made[ns]), default=None)
+            if most is None or len(made[most]) <= mine + 1:
+                other = children.get(OTHER_CAPABILITY)
+                if other is None:
+                    other = children[OTHER_CAPABILITY] = histogram.labels(OTHER_CAPABILITY)
+                return other
+            given = made[most].pop(0)
+            if not made[most]:
+                del made[most]
+            del children[given]
+            children[OTHER_CAPABILITY] = histogram.merge((given,), (OTHER_CAPABILITY,))
+        child = children[capability] = histogram.labels(capability)
+        made.setdefault(namespace, []).append(capability)
+        return child
+
     def _read_reply(self, view: AgentView, flight: _Flight, data: bytes) -> _ReplyHead:
         """Parse an agent's reply for what the hub acts on, and feed its health, breaker and
         metrics; raise the typed error an error body carries."""
@@ -440,14 +470,7 @@ class RouteEndMixin(LatenessMixin):
             cap = capability or "-"
             child = self._duration_children.get(cap)
             if child is None:
-                if len(self._duration_children) >= self._capability_series:
-                    # Agents name capabilities and callers route them: a tenant minting new ones
-                    # must not grow /metrics (and its render on this loop) without bound.
-                    cap = OTHER_CAPABILITY
-                    child = self._duration_children.get(cap)
-                if child is None:
-                    child = self.metrics.task_duration_seconds.labels(cap)
-                    self._duration_children[cap] = child
+                child = self._duration_child(cap, flight.ns)
             if 0.0 <= head.duration_ms <= _MS_MAX:
                 child.observe(head.duration_ms / 1000)
         # The handler's own fault counts; a caller's bad payload (REACH_BAD_REQUEST) does not,

@@ -176,6 +176,16 @@ class LoopHistogram(Collector):
         """Observe ``value`` (a histogram without labels)."""
         self._children[()].observe(value)
 
+    def merge(self, values: Sequence[str], into: Sequence[str]) -> HistogramChild:
+        """Drop the series of label ``values``, its observations added to ``into``'s (made if
+        need be): the histogram's sum over its series is unchanged. ``into``'s child."""
+        target = self.labels(*into)
+        gone = self._children.pop(tuple(str(v) for v in values), None)
+        if gone is not None and gone is not target:
+            target.counts = [a + b for a, b in zip(target.counts, gone.counts, strict=True)]
+            target.total += gone.total
+        return target
+
     def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(
             self._name, self._documentation, labels=list(self._labelnames)
