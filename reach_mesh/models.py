@@ -655,7 +655,8 @@ class AgentInfo(_Wire):
     breaker: str
     session: str
     #: Why its breaker is not closed (open or half-open): ``N of its last M requests
-    #: failed``, ``its half-open probe failed``, ``operator quarantine``, or ``deaf: …``.
+    #: failed``, ``operator quarantine``, ``deaf: …``, or ``its half-open probe failed
+    #: (opened: <one of those>)``.
     breaker_reason: str | None = None
     unavailable: list[str] = Field(default_factory=list)
     tools: list[ToolSpec] = Field(default_factory=list)

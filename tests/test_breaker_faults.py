@@ -20,7 +20,9 @@ from reach_mesh import Client, MeshSettings, NoMatchError, protocol
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import (
+    CAUSE_MAX,
     NOT_AGENT_FAULTS,
+    PROBE_FAILED,
     BreakerState,
     CircuitBreaker,
     HealthScore,
@@ -272,6 +274,58 @@ async def test_the_explanation_says_why_a_breaker_is_open(
                 await c.route(capability="invoice:create:v1")
             assert f"{good.agent_id}: state QUARANTINED (breaker open: " in str(no.value), no
         assert hub.registry.agents[bad.agent_id].state is AgentState.QUARANTINED
+
+
+async def test_a_failed_probe_keeps_why_the_breaker_opened(
+    settings: MeshSettings, namespace: str
+) -> None:
+    """A breaker that opens again on its failed half-open probe says so, and keeps why it
+    opened: "its half-open probe failed" alone replaced "5 of its last 5 requests failed" in
+    `inspect`, `agents` and every explanation from the first failed probe on (the SRE
+    walkthrough), and an operator no longer saw why the agent was taken out. Probes failing
+    again do not pile up."""
+    s = settings.model_copy(update={"breaker_open_timeout": 0.3})
+    agent = Agent(f"{namespace}.billing.b1", settings=s)
+
+    @agent.handler("invoice:create:v1")
+    async def down(task: Task[Any]) -> None:
+        raise RuntimeError("database down")
+
+    async with Hub(settings=s) as hub, agent, Client(settings=s) as c:
+        view = hub.registry.agents[agent.agent_id]
+        for _ in range(5):
+            res = await c.request(agent_id=agent.agent_id, payload={})
+            assert res.error is not None
+        opened = "5 of its last 5 requests failed"
+        assert (await c.inspect(agent.agent_id)).breaker_reason == opened
+        for _ in range(2):  # two probes, each failing: the first reason stays, once
+            await eventually(lambda: view.breaker.state is BreakerState.HALF_OPEN)
+            await eventually(lambda: view.state is AgentState.ONLINE)
+            res = await c.request(agent_id=agent.agent_id, payload={})
+            assert res.error is not None and view.breaker.state is BreakerState.OPEN
+            why = f"its half-open probe failed (opened: {opened})"
+            assert (await c.inspect(agent.agent_id)).breaker_reason == why
+            listed = {i.agent_id: i.breaker_reason for i in await c.agents()}
+            assert listed[agent.agent_id] == why
+            with pytest.raises(NoMatchError) as no:
+                await c.route(capability="invoice:create:v1")
+            assert f"breaker open: {why})" in str(no.value), no
+
+
+def test_a_failed_probes_reason_is_bounded() -> None:
+    """What a failed probe keeps of why the breaker opened is at most ``CAUSE_MAX``
+    characters (an operator's words, say), and a probe failing again adds nothing."""
+    clock = FakeClock()
+    breaker = CircuitBreaker(open_timeout=30, clock=clock)
+    breaker.trip("x" * 500)
+    for _ in range(3):
+        clock.now += 31
+        assert breaker.allow()
+        breaker.record(False)
+        assert _state(breaker) is BreakerState.OPEN
+        assert breaker.why == f"{PROBE_FAILED} (opened: {'x' * (CAUSE_MAX - 1)}…)"
+    breaker.reset()
+    assert breaker.why == breaker.cause == ""
 
 
 # --------------------------------------------------------------------------- direct + selector

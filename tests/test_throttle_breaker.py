@@ -364,7 +364,9 @@ def test_breaker_says_why_it_opened() -> None:
     clock.advance(31)  # past open_timeout: half-open, and its probe fails
     assert breaker.allow()
     breaker.record(False)
-    assert _state(breaker) is BreakerState.OPEN and breaker.why == "its half-open probe failed"
+    assert _state(breaker) is BreakerState.OPEN and breaker.why == (
+        "its half-open probe failed (opened: 3 of its last 6 requests failed)"
+    )
     breaker.reset()
     breaker.trip()
     assert breaker.why == "operator quarantine"

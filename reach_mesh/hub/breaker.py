@@ -40,9 +40,11 @@ if TYPE_CHECKING:
     from reach_mesh.models import FailureReport
 
 __all__ = [
+    "CAUSE_MAX",
     "DEAF",
     "HEALTH_THRESHOLD",
     "NOT_AGENT_FAULTS",
+    "PROBE_FAILED",
     "BreakerState",
     "CircuitBreaker",
     "HealthScore",
@@ -53,6 +55,11 @@ __all__ = [
 
 #: Why a deaf agent is quarantined (its breaker's ``why``: the REACH-QUARANTINE line, inspect).
 DEAF: Final = "deaf: heard, but nobody listens on its ctl subject (its subscriptions are gone)"
+#: Why a breaker opened again: its half-open probe failed. Its ``why`` says so, with why it
+#: opened in the first place (``CAUSE_MAX`` characters of it at most): "its half-open probe
+#: failed" alone once hid, from the first failed probe on, what took the agent out.
+PROBE_FAILED: Final = "its half-open probe failed"
+CAUSE_MAX: Final = 160
 #: Below this health score an agent is not routable.
 HEALTH_THRESHOLD: Final = 60.0
 #: Reporters one breaker tells apart per window; reports from more share one budget.
@@ -108,6 +115,16 @@ def attempt_verdict(state: TaskState, code: str | None) -> bool | None:
     return None
 
 
+def _probe_failed(cause: str) -> str:
+    """A failed probe's ``why``: ``PROBE_FAILED (opened: <cause>)``, ``cause`` cut to
+    ``CAUSE_MAX`` characters (it is one of this module's reasons, or an operator's words)."""
+    if not cause:
+        return PROBE_FAILED
+    if len(cause) > CAUSE_MAX:
+        cause = cause[: CAUSE_MAX - 1] + "…"
+    return f"{PROBE_FAILED} (opened: {cause})"
+
+
 class BreakerState(enum.Enum):
     """``CLOSED``: traffic flows. ``OPEN``: quarantined. ``HALF_OPEN``: one probe may pass."""
 
@@ -149,8 +166,11 @@ class CircuitBreaker:
         self.open_timeout = open_timeout
         self.probe_timeout = probe_timeout
         self.report_budget = report_budget
-        #: Why it last opened, in words (for the ``REACH-QUARANTINE`` line).
+        #: Why it last opened, in words (for the ``REACH-QUARANTINE`` line): a failed probe's
+        #: names what opened it first (``cause``).
         self.why = ""
+        #: Why it opened from closed (or was tripped): what a failed probe's ``why`` keeps.
+        self.cause = ""
         #: Times it opened from closed or half-open: one quarantine each. A trip while it is
         #: open (the hub that took an operator's quarantine also gets its own broadcast)
         #: restarts the open time within the same opening.
@@ -240,10 +260,10 @@ class CircuitBreaker:
         if state is BreakerState.HALF_OPEN:
             if success:
                 self._state = BreakerState.CLOSED
-                self.why = ""  # (a deaf verdict too: its probe reached it)
+                self.why = self.cause = ""  # (a deaf verdict too: its probe reached it)
                 self._reset_window()
             elif witnessed:
-                self.why = "its half-open probe failed"
+                self.why = _probe_failed(self.cause)
                 self._open(now)
             return
         self._add(now, success, witnessed)
@@ -253,7 +273,7 @@ class CircuitBreaker:
             and total >= self.min_requests
             and self._failures >= self.failure_ratio * total
         ):
-            self.why = f"{self._failures} of its last {total} requests failed"
+            self.why = self.cause = f"{self._failures} of its last {total} requests failed"
             self._open(now)
 
     def counts(self) -> tuple[int, int]:
@@ -270,13 +290,13 @@ class CircuitBreaker:
     def trip(self, why: str = "operator quarantine") -> None:
         """Open the breaker now, for ``why`` (an operator quarantine, or an agent found deaf);
         it half-opens after ``open_timeout``."""
-        self.why = why
+        self.why = self.cause = why
         self._open(self._clock())
 
     def reset(self) -> None:
         """Close the breaker and forget the window (operator action)."""
         self._state = BreakerState.CLOSED
-        self.why = ""
+        self.why = self.cause = ""
         self._probe_at = None
         self._reset_window()
 
