@@ -34,6 +34,7 @@ __all__ = [
     "cmd_inspect",
     "cmd_snapshot",
     "cmd_tools",
+    "lease_cell",
     "print_table",
     "settings_of",
 ]
@@ -196,7 +197,7 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
             i.state.value,
             f"{i.load:.2f}",
             _inflight(i),
-            f"{i.lease_left:.1f}s",
+            lease_cell(i.lease_left),
             f"{i.health:g}",
         )
         why = (",".join(i.attention) or "-",) if concerned else ()
@@ -206,6 +207,15 @@ def _print_agents(infos: Sequence[AgentInfo]) -> None:
         rows.append((*row, *why, caps))
     if len(rows) > 1:
         print_table(rows)
+
+
+def lease_cell(lease_left: float) -> str:
+    """What is left of an agent's lease (``AgentInfo.lease_left``), as an operator reads it:
+    ``12.9s``; once it lapsed (a ``SUSPECT`` agent, or a cordoned or draining one that stopped
+    beating), ``lapsed 6.2s ago`` — a bare ``-6.2s`` read as a bug, or as time to go."""
+    if lease_left >= 0:
+        return f"{lease_left:.1f}s"
+    return f"lapsed {-lease_left:.1f}s ago"
 
 
 def _inflight(info: AgentInfo) -> str:

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from reach_mesh import protocol
 from reach_mesh._cli_doctor import diagnose
+from reach_mesh._cli_fleet import lease_cell
 from reach_mesh._nats import connect, shown
 from reach_mesh.agent import Agent, Task
 from reach_mesh.client import Client
@@ -278,7 +279,7 @@ async def run_demo(settings: MeshSettings, out: Callable[[str], None] = print) -
         for info in agents_info:
             out(
                 f"      {info.agent_id:<22} {info.state.value:<8} load {info.load:.2f} "
-                f"lease {info.lease_left:4.1f}s  {', '.join(info.capabilities)}"
+                f"lease {lease_cell(info.lease_left):>5}  {', '.join(info.capabilities)}"
             )
         # The whole mesh's health, as an operator checks it (`reach-mesh doctor`).
         found = await diagnose(settings)

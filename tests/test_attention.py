@@ -199,6 +199,29 @@ async def test_the_cli_says_how_many_need_a_look_and_lists_them(
     assert "need attention" not in only.stdout  # (the hint is for the unfiltered listing)
 
 
+async def test_a_lapsed_lease_is_said_so_not_shown_negative(fleet: Fleet, nats_url: str) -> None:
+    """``reach-mesh agents`` showed a SUSPECT agent's LEASE as ``-6.2s`` (the SRE
+    walkthrough: time to go, or a bug?): a lapsed lease reads ``lapsed 6.2s ago`` — for a
+    cordoned agent that stopped beating too, whose state does not show it. ``--json`` keeps
+    the number (negative: seconds since it lapsed)."""
+    plain = await run_cli(nats_url, "agents", "--namespace", fleet.ns)
+    assert plain.returncode == 0, plain.stderr
+    lines = plain.stdout.splitlines()
+    column = lines[0].index("LEASE")
+    for name in ("fine", *EXPECTED):
+        (row,) = [line for line in lines if f"{fleet.id(name)} " in line]
+        lease = row[column:].split("  ")[0]
+        if name in LATE:
+            assert re.fullmatch(r"lapsed \d+\.\ds ago", lease), row
+        else:
+            assert re.fullmatch(r"\d+\.\ds", lease), row
+    listed = await run_cli(nats_url, "agents", "--namespace", fleet.ns, "--json")
+    assert listed.returncode == 0, listed.stderr
+    left = {a["agent_id"]: a["lease_left"] for a in json.loads(listed.stdout)}
+    assert all(left[fleet.id(n)] < 0 for n in LATE), left
+    assert left[fleet.id("fine")] > 100, left
+
+
 async def test_an_agent_put_right_leaves_the_list(fleet: Fleet, nats_url: str) -> None:
     """Concerns are read as the agent stands: its next heartbeat clears what it reported."""
     aid = fleet.id("down")
@@ -224,6 +247,10 @@ async def test_the_dashboard_card_filters_the_fleet_to_them(fleet: Fleet) -> Non
             card = "document.querySelector('.card[data-filter=\"@attention\"]')"
             seen["card"] = browser.once(f"{card} && {card}.querySelector('b').textContent")
             seen["all"] = browser.once(f"(r => r.length === {len(EXPECTED) + 1} && r)({ROWS})")
+            seen["lease"] = browser.evaluate(
+                "Object.fromEntries([...document.querySelectorAll('#agents tr[data-agent]')]"
+                ".map(r => [r.dataset.agent, r.cells[4].textContent.trim()]))"
+            )
             browser.evaluate(f"{card}.click()")
             seen["picked"] = browser.once(f"(r => r.length === {len(EXPECTED)} && r)({ROWS})")
             seen["address"] = browser.evaluate("location.search")
@@ -244,6 +271,11 @@ async def test_the_dashboard_card_filters_the_fleet_to_them(fleet: Fleet) -> Non
     seen = await asyncio.to_thread(operate)
     assert seen["errors"] == [], seen["errors"]
     assert seen["card"] == str(len(EXPECTED))
+    # A lapsed lease is said so (it read "0.0 s", as if the lease were just running out).
+    for agent_id, lease in seen["lease"].items():
+        lapsed = agent_id in {fleet.id(n) for n in LATE}
+        pattern = r"lapsed \d+\.\d s ago" if lapsed else r"\d+\.\d s"
+        assert re.fullmatch(pattern, lease), seen["lease"]
     assert seen["picked"] == sorted(fleet.id(n) for n in EXPECTED)
     assert "attention=true" in seen["address"] and seen["box"] is True
     assert seen["why"] == {fleet.id(n): "".join(w) for n, w in EXPECTED.items()}
