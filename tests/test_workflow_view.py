@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import nats
@@ -26,7 +27,13 @@ from reach_mesh import (
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
 from reach_mesh.hub import Hub
-from reach_mesh.hub._control import VIEWS_AT_ONCE
+from reach_mesh.hub._control import (
+    LIST_CHARGE,
+    VIEW_RATE,
+    VIEWS_AT_ONCE,
+    VIEWS_PER_NAMESPACE,
+    ViewSlots,
+)
 from reach_mesh.hub._wf_view import VIEW_DEADLINE
 
 from .helpers import Fleet, echo_agent, eventually, fetch, run_cli
@@ -274,7 +281,8 @@ async def test_a_hub_reads_a_few_views_at_once_and_refuses_the_rest(
     wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Views that hang (a JetStream election) hold at most ``VIEWS_AT_ONCE`` of the hub's
-    request slots; the next are refused at once, not queued behind them."""
+    request slots, ``VIEWS_PER_NAMESPACE`` of them for one namespace; the next are refused
+    at once, not queued behind them."""
     engine = wf_hub.workflows
     assert engine is not None
     stuck = asyncio.Event()
@@ -288,20 +296,144 @@ async def test_a_hub_reads_a_few_views_at_once_and_refuses_the_rest(
     assert wf_settings.nats_url is not None
     nc = await nats.connect(wf_settings.nats_url)
     try:
-        subject = protocol.hub_subject(wf_settings.namespace, "workflow")
+        # Each namespace asks one more than its share; the hub's slots fill, then even a
+        # namespace holding none is refused.
+        spaces = [f"{wf_settings.namespace}n{i}" for i in range(VIEWS_AT_ONCE + 1)]
         asks = [
-            asyncio.ensure_future(nc.request(subject, b'{"workflow_id": "w2"}', timeout=10))
-            for _ in range(VIEWS_AT_ONCE + 4)
+            asyncio.ensure_future(
+                nc.request(protocol.hub_subject(ns, "workflow"), b'{"workflow_id": "w2"}', 10)
+            )
+            for ns in spaces
+            for _ in range(VIEWS_PER_NAMESPACE + 1)
         ]
-        await eventually(lambda: sum(a.done() for a in asks) == 4)
+        held = VIEWS_AT_ONCE
+        await eventually(lambda: sum(a.done() for a in asks) == len(asks) - held)
         refused = [json.loads(a.result().data)["error"] for a in asks if a.done()]
         assert {(e["code"], e["details"]["retry_after_ms"]) for e in refused} == {
             ("REACH_THROTTLED", 100)
         }, refused
+        assert wf_hub._views_running[False].busy == VIEWS_AT_ONCE
+        assert set(wf_hub._views_running[False].by_ns.values()) == {VIEWS_PER_NAMESPACE}
+        assert any("busy with other workflow views" in e["message"] for e in refused)
+        assert any("holds its share" in e["message"] for e in refused)
         stuck.set()
         codes = {json.loads((await a).data)["error"]["code"] for a in asks}
         assert codes == {"REACH_THROTTLED", "REACH_UNKNOWN_WORKFLOW"}
     finally:
+        await nc.close()
+
+
+async def test_one_namespace_listing_in_a_loop_leaves_the_others_their_views(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list lasts up to 2.5 s and costs ``LIST_CHARGE`` of its namespace's budget (burst:
+    four at once, then two a second): one tenant listing in a loop held five of a hub's
+    ``VIEWS_AT_ONCE`` view slots, all of them while its lists were slow (a JetStream
+    election), and every other tenant's views were ``REACH_THROTTLED``. It holds
+    ``VIEWS_PER_NAMESPACE`` now; another namespace's views are read."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    stuck = asyncio.Event()
+    real_list = engine.list
+
+    async def slow_list(*args: Any, **kw: Any) -> Any:
+        await stuck.wait()
+        return await real_list(*args, **kw)
+
+    monkeypatch.setattr(engine, "list", slow_list)
+    assert wf_settings.nats_url is not None
+    nc = await nats.connect(wf_settings.nats_url)
+    flood: list[asyncio.Future[Any]] = []
+    flooder = f"{wf_settings.namespace}flood"
+    try:
+        lists = protocol.hub_subject(flooder, "workflows")
+        # As fast as its budget lets it list, for long enough to take every slot but for it.
+        budget_lists = 2 * VIEW_RATE / LIST_CHARGE
+        rate = VIEW_RATE / LIST_CHARGE
+        until = time.monotonic() + (VIEWS_AT_ONCE - budget_lists) / rate + 0.5
+        while time.monotonic() < until:
+            flood.append(asyncio.ensure_future(nc.request(lists, b"{}", timeout=10)))
+            await asyncio.sleep(0.05)
+        # Another tenant: its views are read (the workflow is unknown — it was read).
+        view = protocol.hub_subject(wf_settings.namespace, "workflow")
+        for _ in range(3):
+            got = await nc.request(view, b'{"workflow_id": "w1"}', timeout=5)
+            assert json.loads(got.data)["error"]["code"] == "REACH_UNKNOWN_WORKFLOW", got.data
+        slots = wf_hub._views_running[False]
+        assert slots.by_ns == {flooder: VIEWS_PER_NAMESPACE}, slots.by_ns
+        refused = [json.loads(f.result().data)["error"] for f in flood if f.done()]
+        assert refused and all(e["code"] == "REACH_THROTTLED" for e in refused), refused
+        assert any("holds its share" in e["message"] for e in refused), refused
+    finally:
+        stuck.set()
+        await asyncio.gather(*flood, return_exceptions=True)
+        await nc.close()
+
+
+async def test_one_namespace_cannot_take_every_cancel_or_peer_view_slot(
+    wf_hub: Hub, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancels, and the views and cancels other hubs ask a workflow's owner for, have slots
+    of their own, shared alike: one namespace holds ``VIEWS_PER_NAMESPACE`` of each, and
+    another namespace's are still worked on."""
+    engine = wf_hub.workflows
+    assert engine is not None
+    stuck = asyncio.Event()
+    real_view, real_cancel = engine.view, engine.cancel
+
+    async def slow_view(ns: str, *args: Any, **kw: Any) -> Any:
+        if ns.endswith("flood"):
+            await stuck.wait()
+        return await real_view(ns, *args, **kw)
+
+    async def slow_cancel(ns: str, *args: Any, **kw: Any) -> Any:
+        if ns.endswith("flood"):
+            await stuck.wait()
+        return await real_cancel(ns, *args, **kw)
+
+    monkeypatch.setattr(engine, "view", slow_view)
+    monkeypatch.setattr(engine, "cancel", slow_cancel)
+    assert wf_settings.nats_url is not None
+    nc = await nats.connect(wf_settings.nats_url)
+    flood: list[asyncio.Future[Any]] = []
+    flooder, calm = f"{wf_settings.namespace}flood", wf_settings.namespace
+    # What each kind of question is asked on (a verb of the namespace's, or of the hub's
+    # peers), and the hub's slots it takes.
+    asked: dict[str, tuple[str, ViewSlots]] = {
+        "cancel": ("cancel", wf_hub._cancels_running[False]),
+        "peer view": ("workflow", wf_hub._views_running[True]),
+        "peer cancel": ("cancel", wf_hub._cancels_running[True]),
+    }
+
+    def subject(kind: str, ns: str) -> str:
+        verb = asked[kind][0]
+        peer = kind.startswith("peer")
+        return (
+            protocol.hub_peer(ns, verb, wf_hub.hub_id) if peer else protocol.hub_subject(ns, verb)
+        )
+
+    body = b'{"workflow_id": "w1", "within_s": 2}'
+    try:
+        for kind, (_, slots) in asked.items():
+            asks = [
+                asyncio.ensure_future(nc.request(subject(kind, flooder), body, timeout=10))
+                for _ in range(VIEWS_AT_ONCE)
+            ]
+            flood += asks
+
+            def settled(
+                asks: Sequence[asyncio.Future[Any]] = asks, slots: ViewSlots = slots
+            ) -> bool:
+                """Every ask answered (refused) or held."""
+                return sum(f.done() for f in asks) + slots.by_ns.get(flooder, 0) == len(asks)
+
+            await eventually(settled)
+            got = await nc.request(subject(kind, calm), body, timeout=5)
+            assert json.loads(got.data)["error"]["code"] == "REACH_UNKNOWN_WORKFLOW", (kind, got)
+            assert slots.by_ns == {flooder: VIEWS_PER_NAMESPACE}, (kind, slots.by_ns)
+    finally:
+        stuck.set()
+        await asyncio.gather(*flood, return_exceptions=True)
         await nc.close()
 
 

@@ -60,8 +60,10 @@ __all__ = [
     "QUARANTINE_CODE",
     "RELEASE_CODE",
     "VIEWS_AT_ONCE",
+    "VIEWS_PER_NAMESPACE",
     "VIEW_RATE",
     "ControlMixin",
+    "ViewSlots",
 ]
 
 log = logging.getLogger("reach_mesh.hub")
@@ -90,6 +92,11 @@ VIEW_RATE: Final = 20.0
 #: Workflow views one hub reads at once (each for at most ``_wf_view.VIEW_DEADLINE``); more
 #: are refused ``REACH_THROTTLED`` at once instead of holding the hub's request slots.
 VIEWS_AT_ONCE: Final = 8
+#: Of those, what one namespace's questions may hold (and as many of the cancels, and of the
+#: slots for other hubs' questions): one tenant listing in a loop (a list lasts up to 2.5 s,
+#: and its budget lets it start two a second) once held five of the eight and refused the
+#: others' views whenever it took them all.
+VIEWS_PER_NAMESPACE: Final = 2
 #: Views of a namespace's budget one list of its workflows costs (it reads up to
 #: ``_wf_list.SCAN_MAX`` records, in one of the ``VIEWS_AT_ONCE`` slots).
 LIST_CHARGE: Final = 10
@@ -98,6 +105,17 @@ LIST_CHARGE: Final = 10
 #: ``HeartbeatReply`` bodies by (state, lease): a beat's answer is one of a few.
 _HB_REPLIES: dict[tuple[AgentState, float], bytes] = {}
 _HB_REPLIES_MAX: Final = 1024
+
+
+class ViewSlots:
+    """Workflow views (or cancels) one hub works on now: ``VIEWS_AT_ONCE`` at most, of which
+    ``VIEWS_PER_NAMESPACE`` for one namespace (only namespaces holding any have an entry)."""
+
+    __slots__ = ("busy", "by_ns")
+
+    def __init__(self) -> None:
+        self.busy = 0
+        self.by_ns: dict[str, int] = {}
 
 
 def _heartbeat_reply(state: AgentState, lease_timeout: float) -> bytes:
@@ -128,10 +146,10 @@ class ControlMixin:
     #: Workflow views per namespace (``VIEW_RATE``), and those being read now: asked here
     #: (``False``), and asked by other hubs of a workflow this one owns (``True``).
     _workflow_view_throttle: Throttle
-    _views_running: dict[bool, int]
+    _views_running: dict[bool, ViewSlots]
     #: Cancels being worked on now (``_on_cancel``: asked here; ``_on_peer_cancel``: by
     #: another hub), ``VIEWS_AT_ONCE`` of each.
-    _cancels_running: dict[bool, int]
+    _cancels_running: dict[bool, ViewSlots]
     #: The cancel audit events let through per (namespace, requester, ``cancel_id``): the
     #: asks of one cancel are audited once per distinct answer.
     _cancel_repeats: Repeats
@@ -394,7 +412,7 @@ class ControlMixin:
     async def _on_workflow(self, msg: Msg, ns: str) -> bytes:
         """One workflow of ``ns`` as it stands (``hub/_wf_view.py``)."""
         engine, _, workflow_id = self._view_asked(msg.data)
-        with self._view_slot(peer=False):
+        with self._view_slot(ns, peer=False):
             self._charge_view(ns, 1)
             view = await engine.view(
                 ns,
@@ -418,7 +436,7 @@ class ControlMixin:
         states, limit, since_s = _list_asked(body)
         if self.workflows is None:
             raise MeshUnavailableError("this hub runs no workflow engine")
-        with self._view_slot(peer=False):
+        with self._view_slot(None if every else ns, peer=False):
             if not every:
                 self._charge_view(ns, LIST_CHARGE)
             listed = await self.workflows.list(
@@ -433,7 +451,7 @@ class ControlMixin:
         other hubs cannot crowd out this hub's own questions."""
         engine, body, workflow_id = self._view_asked(msg.data)
         within = _within_s(body, VIEW_DEADLINE)
-        with self._view_slot(peer=True):
+        with self._view_slot(ns, peer=True):
             return protocol.encode(await engine.view(ns, workflow_id, within=within))
 
     async def _on_cancel(self, msg: Msg, ns: str) -> bytes:
@@ -465,7 +483,7 @@ class ControlMixin:
         unknown_ns = before_start and not self.known_namespace(ns)
         answer: CancelResult | None = None
         code: str | None = None
-        with self._view_slot(peer=False, running=self._cancels_running):
+        with self._view_slot(ns, peer=False, running=self._cancels_running):
             self._charge_view(ns, 1)  # refused ones are not audited: the budget bounds these
             try:
                 try:
@@ -520,7 +538,7 @@ class ControlMixin:
         engine, body, workflow_id = self._view_asked(msg.data)
         reason = protocol.validate_reason(body.get("reason"))
         within = _within_s(body, protocol.CANCEL_WAIT)
-        with self._view_slot(peer=True, running=self._cancels_running):
+        with self._view_slot(ns, peer=True, running=self._cancels_running):
             return protocol.encode(
                 await engine.cancel(ns, workflow_id, reason, within=within, before_start=False)
             )
@@ -581,20 +599,35 @@ class ControlMixin:
         return self.workflows, body, workflow_id
 
     @contextlib.contextmanager
-    def _view_slot(self, *, peer: bool, running: dict[bool, int] | None = None) -> Iterator[None]:
+    def _view_slot(
+        self, ns: str | None, *, peer: bool, running: dict[bool, ViewSlots] | None = None
+    ) -> Iterator[None]:
         """One of the ``VIEWS_AT_ONCE`` views (or, with ``running=self._cancels_running``,
         cancels) this hub works on at once (asked here, or by another hub: each its own
-        slots), or ``REACH_THROTTLED`` at once."""
-        running = self._views_running if running is None else running
-        if running[peer] >= VIEWS_AT_ONCE:
+        slots), at most ``VIEWS_PER_NAMESPACE`` of them for ``ns`` (the subject's; None: an
+        operator's list of every namespace, no tenant's), or ``REACH_THROTTLED`` at once."""
+        slots = (self._views_running if running is None else running)[peer]
+        if slots.busy >= VIEWS_AT_ONCE:
             raise ThrottledError(
                 "this hub is busy with other workflow views or cancels", retry_after_ms=100
             )
-        running[peer] += 1
+        held = slots.by_ns
+        if ns is not None:
+            if held.get(ns, 0) >= VIEWS_PER_NAMESPACE:
+                raise ThrottledError(
+                    f"namespace {ns!r} holds its share of this hub's workflow views or cancels",
+                    retry_after_ms=100,
+                )
+            held[ns] = held.get(ns, 0) + 1
+        slots.busy += 1
         try:
             yield
         finally:
-            running[peer] -= 1
+            slots.busy -= 1
+            if ns is not None:
+                held[ns] -= 1
+                if not held[ns]:
+                    del held[ns]
 
     async def _ask_owner(
         self, ns: str, workflow_id: str, owner: str, end: float

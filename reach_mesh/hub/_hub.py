@@ -50,7 +50,7 @@ from reach_mesh.errors import (
     PayloadTooLargeError,
     ReachError,
 )
-from reach_mesh.hub._control import VIEW_RATE, ControlMixin
+from reach_mesh.hub._control import VIEW_RATE, ControlMixin, ViewSlots
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._pins import TaskPins
 from reach_mesh.hub._record_read import RecordReadMixin
@@ -172,8 +172,8 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._register_throttle = Throttle(s.register_rate, s.register_burst)
         self._agent_register_throttle = Throttle(1.0, 10.0)
         self._workflow_view_throttle = Throttle(VIEW_RATE, 2 * VIEW_RATE)
-        self._views_running = {False: 0, True: 0}
-        self._cancels_running = {False: 0, True: 0}
+        self._views_running = {False: ViewSlots(), True: ViewSlots()}
+        self._cancels_running = {False: ViewSlots(), True: ViewSlots()}
         self._record_reads = 0
         self._record_reads_by_ns: dict[str, int] = {}
         self._cancel_repeats = Repeats()
