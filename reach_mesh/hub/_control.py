@@ -60,6 +60,7 @@ __all__ = [
     "QUARANTINE_CODE",
     "RELEASE_CODE",
     "VIEWS_AT_ONCE",
+    "VIEWS_KEPT_FREE",
     "VIEWS_PER_NAMESPACE",
     "VIEW_RATE",
     "ControlMixin",
@@ -97,6 +98,10 @@ VIEWS_AT_ONCE: Final = 8
 #: and its budget lets it start two a second) once held five of the eight and refused the
 #: others' views whenever it took them all.
 VIEWS_PER_NAMESPACE: Final = 2
+#: A namespace may hold more than its share while this many slots stay free for the others
+#: (one tenant's burst of views, a script cancelling many workflows, is not cut to two at a
+#: time on an idle hub): at most ``VIEWS_AT_ONCE - VIEWS_KEPT_FREE`` then.
+VIEWS_KEPT_FREE: Final = 4
 #: Views of a namespace's budget one list of its workflows costs (it reads up to
 #: ``_wf_list.SCAN_MAX`` records, in one of the ``VIEWS_AT_ONCE`` slots).
 LIST_CHARGE: Final = 10
@@ -613,7 +618,9 @@ class ControlMixin:
             )
         held = slots.by_ns
         if ns is not None:
-            if held.get(ns, 0) >= VIEWS_PER_NAMESPACE:
+            if held.get(ns, 0) >= VIEWS_PER_NAMESPACE and (
+                VIEWS_AT_ONCE - slots.busy - 1 < VIEWS_KEPT_FREE
+            ):
                 raise ThrottledError(
                     f"namespace {ns!r} holds its share of this hub's workflow views or cancels",
                     retry_after_ms=100,
