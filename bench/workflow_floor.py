@@ -25,6 +25,13 @@ compare-and-set each), as the engine does for a step chosen when it starts: 11 s
 Streams are R1 file storage, as the bench's engine runs them. What the engine costs above this
 floor is its own Python.
 
+With ``--work-batch N`` (``run_floor(work_batch=N)``) the hub puts all the work it decides for
+one agent in one pass of its event loop into one work message (at most ``N`` steps, one line
+each, sent in the pass after), and an agent stores each step's final status (one message per
+step, as before) and acks the work message once all of them are stored: the ceiling of batched
+step delivery (issue 15). Under load a fanout(3) then stores 6 messages plus its share of the
+batches; alone, still 9.
+
 ``python bench/workflow_floor.py --quick`` prints one JSON object; the bench harness imports
 :func:`run_floor`.
 """
@@ -69,8 +76,10 @@ _STATUS = json.dumps({"state": "SUCCEEDED", "result": {"i": 0}, "pad": "p" * 200
 class _Names:
     """Subjects, streams and buckets of one run (``tag`` keeps runs apart)."""
 
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, work_batch: int = 0) -> None:
         self.tag = tag
+        #: At most this many steps in one work message (0: one step per message, no batching).
+        self.work_batch = work_batch
         self.submit_stream = f"FLOOR_SUBMIT_{tag}"
         self.work_stream = f"FLOOR_WORK_{tag}"
         self.status_stream = f"FLOOR_STATUS_{tag}"
@@ -175,9 +184,45 @@ async def _hub(nc: NATS, n: _Names, stop: asyncio.Future[None]) -> None:
         if fut is not None and not fut.done():
             fut.set_result(None)
 
+    #: Per agent, the steps decided in this pass and not sent yet (``work_batch``): their
+    #: lines, and the futures of the steps waiting for them to be stored.
+    lines: dict[int, list[bytes]] = {}
+    stored: dict[int, asyncio.Future[None]] = {}
+    sending: set[asyncio.Task[None]] = set()
+
+    async def send_batch(agent: int, batch: list[bytes], done: asyncio.Future[None]) -> None:
+        first = batch[0].split(b" ", 1)[0].decode()
+        try:
+            await jsc.publish(
+                n.work(agent), b"\n".join(batch), {"Nats-Msg-Id": f"{first}#1+{len(batch)}"}
+            )
+            done.set_result(None)
+        except Exception as err:  # the bench's callers count it as an error
+            done.set_exception(err)
+
+    def flush(agent: int) -> None:
+        batch = lines.pop(agent, None)
+        done = stored.pop(agent, None)
+        if batch and done is not None:
+            task = asyncio.ensure_future(send_batch(agent, batch, done))
+            sending.add(task)
+            task.add_done_callback(sending.discard)
+
     async def send(task_id: str, agent: int) -> asyncio.Future[None]:
         fut = waiting[task_id] = loop.create_future()
-        await jsc.publish(n.work(agent), _WORK.encode(), {"Nats-Msg-Id": f"{task_id}#1"})
+        if not n.work_batch:
+            await jsc.publish(n.work(agent), _WORK.encode(), {"Nats-Msg-Id": f"{task_id}#1"})
+            return fut
+        batch = lines.get(agent)
+        if batch is None:  # the first step for this agent in this pass: sent in the next one
+            batch = lines[agent] = []
+            stored[agent] = loop.create_future()
+            loop.call_soon(flush, agent)
+        done = stored[agent]
+        batch.append(f"{task_id} {_WORK}".encode())
+        if len(batch) >= n.work_batch:
+            flush(agent)
+        await asyncio.shield(done)
         return fut
 
     async def workflow(msg: Msg) -> None:
@@ -202,16 +247,25 @@ async def _hub(nc: NATS, n: _Names, stop: asyncio.Future[None]) -> None:
 async def _agent(nc: NATS, n: _Names, index: int, stop: asyncio.Future[None]) -> None:
     jsc = JsClient(nc)
 
-    async def step(msg: Msg) -> None:
-        task_id = (msg.headers or {}).get("Nats-Msg-Id", "").split("#", 1)[0]
+    async def one(task_id: str) -> None:
         await jsc.publish(n.status(task_id), _STATUS.encode(), {"Nats-Msg-Id": task_id})
+
+    async def step(msg: Msg) -> None:
+        if not n.work_batch:
+            await one((msg.headers or {}).get("Nats-Msg-Id", "").split("#", 1)[0])
+            return
+        steps = [line.split(b" ", 1) for line in msg.data.split(b"\n")]
+        # Each line as the engine would read it (a JSON object), then every status stored
+        # before the work message is acked (``_serve`` acks it when this returns).
+        ids = [task_id.decode() for task_id, body in steps if json.loads(body)]
+        await asyncio.gather(*(one(task_id) for task_id in ids))
 
     await _serve(nc, jsc, n.work_stream, f"a{index}", 256, step, stop)
 
 
-async def _child(role: str, nats_url: str, tag: str) -> None:
+async def _child(role: str, nats_url: str, tag: str, work_batch: int) -> None:
     """``--role hub|agents``: serve until stdin closes."""
-    names = _Names(tag)
+    names = _Names(tag, work_batch)
     stop = stdin_closed()
     conns = [await nats.connect(nats_url) for _ in range(1 if role == "hub" else AGENTS)]
     if role == "hub":
@@ -237,12 +291,14 @@ async def run_floor(
     n_seq: int | None = None,
     duration: float | None = None,
     rates: dict[str, float] | None = None,
+    work_batch: int = 0,
 ) -> dict[str, Any]:
     """Per kind (``fanout3``, ``chain3``): the bare exchanges' sequential latency (``n_seq``
     workflows), sustained rate (``concurrency`` in flight for ``duration`` s) with what a
     workflow costs there (``cost``, as ``bench.workflow_bench.measure_cost`` counts the
     engine's), and latency with CPU µs per workflow at fixed offered loads (``open_loop``):
-    100/s and ``rates[kind]`` (the engine's half rate, to compare at the same load)."""
+    100/s and ``rates[kind]`` (the engine's half rate, to compare at the same load).
+    ``work_batch``: at most this many steps per work message (0: one each, as the engine)."""
     # Imported here: bench.workflow_bench imports this module to run it after the engine.
     from bench.workflow_bench import (
         LOW_RATE,
@@ -255,7 +311,7 @@ async def run_floor(
     )
 
     tag = uuid.uuid4().hex[:8]
-    names = _Names(tag)
+    names = _Names(tag, work_batch)
     nc = await nats.connect(nats_url)
     await _setup(nc, names)
     jsc = JsClient(nc)
@@ -273,7 +329,9 @@ async def run_floor(
     duration = duration or (3.0 if quick else 10.0)
     out: dict[str, Any] = {}
     try:
-        async with child_processes(__file__, nats_url, ["--tag", tag]) as pids:
+        async with child_processes(
+            __file__, nats_url, ["--tag", tag, "--work-batch", str(work_batch)]
+        ) as pids:
             procs: dict[str, int | None] = {
                 **pids,
                 "caller": os.getpid(),
@@ -309,12 +367,16 @@ async def run_floor(
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     if args.nats:
-        return await run_floor(args.nats, args.quick)
+        return await run_floor(args.nats, args.quick, work_batch=args.work_batch)
     port = free_port()
     async with EmbeddedNats(http_port=port) as server:
         pid = server.proc.pid if server.proc is not None else None
         return await run_floor(
-            server.url, args.quick, server_pid=pid, monitor_url=f"http://127.0.0.1:{port}"
+            server.url,
+            args.quick,
+            server_pid=pid,
+            monitor_url=f"http://127.0.0.1:{port}",
+            work_batch=args.work_batch,
         )
 
 
@@ -324,9 +386,16 @@ def main() -> None:
     parser.add_argument("--nats", default=None, help="use this NATS URL instead of embedding")
     parser.add_argument("--role", choices=["hub", "agents"], help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--work-batch",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at most N steps per work message, decided in one loop pass (0: one each)",
+    )
     args = parser.parse_args()
     if args.role:
-        _runner.run(_child(args.role, args.nats, args.tag))
+        _runner.run(_child(args.role, args.nats, args.tag, args.work_batch))
         return
     print(json.dumps(_runner.run(_main(args)), indent=2))
 
