@@ -173,6 +173,11 @@ class PullConsumer:
                 await self._sub.unsubscribe()
             self._sub = None
 
+    def hold(self, more: int) -> None:
+        """The message just handed over counts as ``1 + more`` (a work batch of that many
+        steps, each released on its own): fewer are pulled meanwhile."""
+        self._held += max(0, more)
+
     def release(self) -> None:
         """One handed-over message is done (acked, nak'd or termed)."""
         self._held = max(0, self._held - 1)

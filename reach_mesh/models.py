@@ -182,6 +182,9 @@ class AgentCard(_Wire):
     durable_work: bool = True
     #: True: the agent also takes task batches on ``reach.agent.<id>.batch`` (see protocol.md).
     batch: bool = False
+    #: True: the agent takes several workflow steps in one work message (a work batch, see
+    #: protocol-workflows.md); hubs send batches only to such agents.
+    work_batch: bool = False
 
     @field_validator("agent_id")
     @classmethod

@@ -146,6 +146,9 @@ HDR_EXPECTED_STREAM: Final = "Nats-Expected-Stream"
 #: On a message of ``reach.work.<ns>.<agent_id>``: not a step but a fence marker — the hub gave
 #: up this attempt number of the task in its body (docs/protocol-workflows.md).
 HDR_FENCE: Final = "Reach-Fence"
+#: On a message of ``reach.work.<ns>.<agent_id>``: several steps, one line each — this many
+#: (``reach_mesh/_work_batch.py``; docs/protocol-workflows.md, "Work batches").
+HDR_WORK_BATCH: Final = "Reach-Work-Batch"
 #: On a route request: ``1`` — the caller sends again a request of this task id that it sent
 #: before and saw no answer to (docs/protocol.md, "Resends"; ``hub/_holders.py``).
 HDR_RESEND: Final = "Reach-Resend"

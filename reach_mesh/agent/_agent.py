@@ -357,6 +357,7 @@ class Agent(IdentityMixin, ServingMixin):
             version=self._version,
             durable_work=self.durable_work,
             batch=True,
+            work_batch=self.durable_work,
         )
 
     # ------------------------------------------------------------------ lifecycle

@@ -320,11 +320,14 @@ class Fences:
         they did not all arrive in time, or a delivery went missing: read the record."""
         if behind.result is not None:  # usually: they came in the same read from the socket
             return behind.result
-        waiter: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        behind.waiter = waiter
+        waiter = behind.waiter
+        if waiter is None:
+            waiter = behind.waiter = asyncio.get_running_loop().create_future()
         try:
             async with asyncio.timeout(_BEHIND_WAIT):
-                return await waiter
+                # Shielded: the steps of a work batch share it, and one's timeout is not
+                # another's.
+                return await asyncio.shield(waiter)
         except TimeoutError:
             return False
 

@@ -30,6 +30,7 @@ from reach_mesh._consume import PullConsumer
 from reach_mesh._jspub import JsClient
 from reach_mesh._retry import RetriesExhausted, describe, retrying, transient
 from reach_mesh.agent._results import _abandoned_error, _json_string
+from reach_mesh.agent._work_batches import ack_later
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import PayloadTooLargeError
 from reach_mesh.models import TaskEnvelope, TaskReply, TaskState
@@ -337,7 +338,7 @@ class HeldSteps:
             for m in msgs:
                 # The outcome is stored: the ack is not urgent (nothing waits on it), so it
                 # rides along with this connection's next JetStream request (``later``).
-                jsc.ack_later(m)
+                ack_later(jsc, m)
         self._release()
 
     def _final_msg_id(self, env: TaskEnvelope) -> str:

@@ -17,6 +17,9 @@ For every work message (one attempt ``task_id#n`` of one step) the SDK:
    (nothing is said of an attempt after its final status): on start the agent reads the last
    event of each of its subjects back to rebuild its idempotency table.
 
+A work batch (several steps in one message, header ``Reach-Work-Batch``: ``_work_batches.py``)
+is taken line by line, each line as a message of its own.
+
 Concurrency is the agent's own: the same semaphore and counters as request-reply tasks, and at
 most ``max_concurrency + max_queue`` work messages are held at once.
 
@@ -53,6 +56,7 @@ from reach_mesh.agent._fences import Behind, Delivery, Fences, delivery_of, supe
 from reach_mesh.agent._held import HeldSteps, _Held
 from reach_mesh.agent._leader_read import LeaderReads
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
+from reach_mesh.agent._work_batches import BatchIntake
 from reach_mesh.errors import NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, stored_record
@@ -81,7 +85,7 @@ _RECHECK_AFTER: Final = 0.25
 _REPLY_FIELDS: Final = set(TaskReply.model_fields)
 
 
-class WorkConsumer(HeldSteps):
+class WorkConsumer(HeldSteps, BatchIntake):
     """The agent's JetStream work consumer (created by :class:`~reach_mesh.agent.Agent`)."""
 
     def __init__(self, agent: Agent) -> None:
@@ -112,6 +116,7 @@ class WorkConsumer(HeldSteps):
         self.fenced = 0
         #: Later attempts answered from a stored result without running the handler.
         self.cached = 0
+        self.malformed_lines = 0
         #: Task records read before a first run (fences): only where the stream cannot tell
         #: (``Fences.fresh``).
         self.fence_reads = 0
@@ -364,9 +369,13 @@ class WorkConsumer(HeldSteps):
         # In stream order, before any task runs (``Fences.arrived``).
         delivery = delivery_of(msg.reply)
         behind: Behind | None = None
-        if msg.headers and protocol.HDR_FENCE in msg.headers:
+        headers = msg.headers
+        if headers and protocol.HDR_FENCE in headers:
             marker = self.fences.on_marker(msg)
             self._agent._spawn(self._settle_marker(msg, ok=marker), self._loop)
+        elif headers and protocol.HDR_WORK_BATCH in headers:
+            behind = self.fences.behind_of(delivery)
+            self._on_batch(msg, delivery, behind)
         else:
             behind = self.fences.behind_of(delivery)
             self._agent._spawn(self._handle(msg, delivery, behind), self._loop)
@@ -379,7 +388,11 @@ class WorkConsumer(HeldSteps):
             await msg.ack()
         self._release()
 
-    async def _handle(self, msg: Msg, delivery: Delivery | None, behind: Behind | None) -> None:
+    async def _handle(
+        self, msg: Msg, delivery: Delivery | None, behind: Behind | None, *, batch: bool = False
+    ) -> None:
+        """``batch``: ``msg`` is a part of a work batch, whose parts share ``behind`` (let go
+        of when the last part is settled: ``WorkBatch.on_end``)."""
         try:
             await self._handle_inner(msg, delivery, behind)
         except Exception:
@@ -388,7 +401,7 @@ class WorkConsumer(HeldSteps):
                 await msg.nak(delay=1.0)
             self._release()
         finally:
-            if behind is not None:
+            if behind is not None and not batch:
                 self.fences.forget_behind(behind)  # on every early return too
 
     async def _handle_inner(

@@ -21,10 +21,12 @@ from reach_mesh.hub._placing import StepPlacing
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._step_state import NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
+from reach_mesh.hub._work_out import WorkOut
 from reach_mesh.hub.registry import Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.throttle import Pacer
 from reach_mesh.models import TaskState
+from reach_mesh.tracing import inject
 from reach_mesh.workflow import TaskRecord
 
 __all__ = ["StepIO"]
@@ -60,6 +62,8 @@ class StepIO(StepPlacing):
     _replacing: Pacer
     #: JetStream operations repeated after an infrastructure error (never an outcome).
     infra_retry_total: int
+    #: The steps' work messages, batched per agent per pass of the loop.
+    _work_out: WorkOut
 
     # ------------------------------------------------------------------ infrastructure
 
@@ -110,6 +114,33 @@ class StepIO(StepPlacing):
             if past.agent_id is None or past.attempt == decided or past.state in _ENDED:
                 continue
             self._cancel_attempt(past.agent_id, rec, past.attempt)
+
+    async def _publish_work(
+        self, wf: Workflow, agent_id: str, task_id: str, attempt: int, envelope: bytes
+    ) -> None:
+        """Store the work message of attempt ``attempt`` of ``task_id`` for ``agent_id``:
+        retried through infrastructure errors, and, for an agent that takes work batches
+        (``card.work_batch``), with the other attempts this pass of the loop decides for it
+        (``hub/_work_out.py``). Its trace context is the current one."""
+        headers = inject({})
+        # The attempt's id: a repeat after an infrastructure error is dropped by JetStream.
+        headers[protocol.HDR_MSG_ID] = protocol.attempt_msg_id(wf.ns, task_id, attempt)
+        headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WORK
+        view = self._registry.agents.get(agent_id)
+        # A batch line carries one traceparent: richer trace context goes on its own.
+        limit = 1
+        if view is not None and view.record.card.work_batch and len(headers) == 3:
+            limit = view.record.card.max_concurrency
+        await self._work_out.send(
+            wf.ns,
+            agent_id,
+            task_id,
+            attempt,
+            envelope,
+            headers,
+            limit=limit,
+            until=self._io_deadline(wf.deadline),
+        )
 
     async def _mark(self, wf: Workflow, agent_id: str, task_id: str, attempt: int) -> None:
         """Store a fence marker for ``attempt`` on ``agent_id``'s work subject, after the

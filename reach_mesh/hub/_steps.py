@@ -41,7 +41,7 @@ from reach_mesh.hub._wire import _step_envelope_bytes
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.models import ErrorBody, RouteRequest, TaskState
-from reach_mesh.tracing import SPAN_STEP, SpanKind, inject, span
+from reach_mesh.tracing import SPAN_STEP, SpanKind, span
 from reach_mesh.workflow import (
     BACKOFF_MIN,
     INTERVAL_MIN,
@@ -573,16 +573,7 @@ class StepRunner(StepIO):
         body = _step_envelope_bytes(
             rec.task_id, rec.attempt, capability, payload, wf.ns, step.timeout, wf.id, index
         )
-        headers = inject({})
-        # The attempt's id: a repeat after an infrastructure error is dropped by JetStream.
-        headers[protocol.HDR_MSG_ID] = protocol.attempt_msg_id(wf.ns, rec.task_id, rec.attempt)
-        headers[protocol.HDR_EXPECTED_STREAM] = protocol.STREAM_WORK
-        subject = protocol.work_subject(wf.ns, rec.agent_id)
-        await self._io(
-            f"publish {subject}",
-            lambda: self._jsc.publish(subject, body, headers),
-            wf.deadline,
-        )
+        await self._publish_work(wf, rec.agent_id, rec.task_id, rec.attempt, body)
 
     async def _finish(
         self,

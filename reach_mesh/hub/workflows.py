@@ -60,6 +60,7 @@ from reach_mesh.hub._steps import REPLACE_BURST, REPLACE_RATE, NotOwnerError, Wo
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_keepalive import SubmissionKeepalive
 from reach_mesh.hub._wf_reject import WorkflowRefusals
+from reach_mesh.hub._work_out import WorkOut
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.hub.shares import Shares
@@ -178,6 +179,12 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
         self.orphans_adopted = 0
         self.orphans_deleted = 0
         self._bg: set[asyncio.Future[Any]] = set()
+        #: The steps' work messages, batched per agent per pass (``hub/_work_out.py``).
+        self._work_out = WorkOut(
+            self._jsc.publish,
+            lambda what, op, until: _durable.retrying(what, op, until, on_retry=self._infra_retry),
+            self._background,
+        )
         self._pending = 0
         self._waiting_steps = {}
         self._replacing = Pacer(REPLACE_RATE, REPLACE_BURST)

@@ -1,0 +1,351 @@
+"""Work batches: several steps for one agent in one message of its work subject, on a real
+nats-server (``reach_mesh/_work_batch.py``, ``hub/_work_out.py``, ``agent/_work_batches.py``).
+
+The agent side is driven with batches published by the test, as a hub would store them; the hub
+side with workflows started together."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.api import ConsumerInfo
+
+from reach_mesh import Client, MeshSettings, Step, TaskState, _work_batch, protocol
+from reach_mesh.agent import Agent, Task
+from reach_mesh.agent._work_batches import BatchPart, WorkBatch
+from reach_mesh.errors import BadRequestError
+from reach_mesh.hub import Hub
+from reach_mesh.models import AgentCard, TaskEnvelope
+
+from .helpers import Fleet, eventually, status_events
+
+pytestmark = pytest.mark.timeout(60)
+
+_TRACEPARENT = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+
+
+def _envelope(ns: str, task_id: str, workflow_id: str, step: int, cap: str = "wb:run:v1") -> bytes:
+    env = TaskEnvelope(
+        task_id=task_id,
+        capability=cap,
+        payload={"i": step},
+        namespace=ns,
+        timeout=10.0,
+        workflow_id=workflow_id,
+        step=step,
+        track=True,
+    )
+    return protocol.encode(env)
+
+
+async def _publish_batch(
+    nc: NATS, ns: str, agent_id: str, lines: list[bytes], count: int | None = None
+) -> None:
+    """Store ``lines`` as one work batch on ``agent_id``'s work subject, as a hub does."""
+    js = nc.jetstream()
+    headers = {
+        protocol.HDR_MSG_ID: f"{ns}.{uuid.uuid4().hex}+{len(lines)}",
+        protocol.HDR_EXPECTED_STREAM: protocol.STREAM_WORK,
+        protocol.HDR_WORK_BATCH: str(len(lines) if count is None else count),
+    }
+    await js.publish(protocol.work_subject(ns, agent_id), _work_batch.join(lines), headers=headers)
+
+
+def _steps(ns: str, n: int) -> tuple[str, list[str], list[bytes]]:
+    wf = "wb" + uuid.uuid4().hex[:12]
+    ids = [f"{wf}-{i}" for i in range(n)]
+    lines = [_work_batch.line(_TRACEPARENT, _envelope(ns, t, wf, i)) for i, t in enumerate(ids)]
+    return wf, ids, lines
+
+
+async def _final_states(nc: NATS, ns: str, task_id: str) -> list[TaskState]:
+    client = type("C", (), {"nc": nc})()
+    return [e.state for e in await status_events(client, ns, task_id) if e.state.final]
+
+
+async def _unacked(nc: NATS, agent_id: str) -> int:
+    info: ConsumerInfo = await nc.jetstream().consumer_info(
+        protocol.STREAM_WORK, protocol.work_consumer(agent_id)
+    )
+    return int(info.num_ack_pending or 0) + int(info.num_pending or 0)
+
+
+async def _all_acked(nc: NATS, agent_id: str) -> None:
+    """Wait until the agent's work consumer has nothing pending or unacked."""
+
+    async def acked() -> bool:
+        return await _unacked(nc, agent_id) == 0
+
+    await eventually(acked, timeout=10)
+
+
+async def _all_ran(runs: Counter[str], ids: list[str], times: int = 1) -> None:
+    await eventually(lambda: all(runs[t] == times for t in ids), timeout=10)
+
+
+async def _all_final(nc: NATS, ns: str, ids: list[str]) -> None:
+    async def final() -> bool:
+        return all([await _final_states(nc, ns, t) for t in ids])
+
+    await eventually(final, timeout=10)
+
+
+def _counting_agent(fleet: Fleet, name: str, runs: Counter[str], **kw: Any) -> Agent:
+    agent = fleet.agent(name, **kw)
+
+    @agent.handler("wb:run:v1")
+    async def run(task: Task[dict[str, int]]) -> dict[str, int]:
+        runs[task.task_id] += 1
+        return {"step": task.payload["i"]}
+
+    return agent
+
+
+async def _running_agent(fleet: Fleet, name: str) -> tuple[Agent, Counter[str]]:
+    """A started :func:`_counting_agent`, and its runs by task id."""
+    runs: Counter[str] = Counter()
+    agent = _counting_agent(fleet, name, runs)
+    await agent.start()
+    return agent, runs
+
+
+# --------------------------------------------------------------------------- the wire
+
+
+def test_split_takes_lines_and_refuses_what_is_no_batch() -> None:
+    body = _work_batch.join([_work_batch.line(_TRACEPARENT, b'{"a":1}'), b"nonsense", b""])
+    parts = _work_batch.split(body, "3")
+    assert parts[0] == (_TRACEPARENT, b'{"a":1}')
+    assert isinstance(parts[1], BadRequestError) and parts[1].details == {"line": 1}
+    assert isinstance(parts[2], BadRequestError) and parts[2].code == "REACH_BAD_REQUEST"
+    for count in (None, "", "0", "65", "x", "2"):
+        with pytest.raises(BadRequestError):
+            _work_batch.split(body, count)
+    assert _work_batch.batch_msg_id("ns", "t-1", 2, 5) == "ns.t-1#2+5"
+
+
+async def test_a_batch_message_is_settled_by_its_parts(nc: NATS) -> None:
+    """A part nak'd while others are held comes back alone (``retry``), not with the whole
+    message; once every part is acked the message is; a nak of the last part naks it (it is
+    delivered again)."""
+    js = nc.jetstream()
+    name = "WBT" + uuid.uuid4().hex[:8]
+    await js.add_stream(name=name, subjects=[f"wbt.{name}"])
+    try:
+        await js.publish(f"wbt.{name}", b"batch")
+        sub = await js.pull_subscribe(f"wbt.{name}", durable="c", stream=name)
+        tasks: set[asyncio.Future[None]] = set()
+
+        def spawn(coro: Any) -> None:
+            tasks.add(asyncio.ensure_future(coro))
+
+        async def delivered() -> tuple[WorkBatch, list[BatchPart]]:
+            (msg,) = await sub.fetch(1, timeout=5)
+            batch = WorkBatch(msg, 3, None, spawn)
+            return batch, [BatchPart(batch, _TRACEPARENT, b"{}") for _ in range(3)]
+
+        batch, parts = await delivered()
+        again: list[tuple[BatchPart, float]] = []
+        batch.retry = lambda part, delay: again.append((part, delay))
+        await parts[0].nak(delay=0.5)  # the two others are held
+        assert [d for _, d in again] == [0.5] and batch.unsettled == 3
+        await parts[1].ack()
+        await again[0][0].ack()  # taken again, and done
+        assert not batch.settled
+        await parts[2].term()
+        assert batch.settled
+        await asyncio.gather(*tasks)
+
+        async def acked() -> bool:
+            return (await sub.consumer_info()).num_ack_pending == 0
+
+        await eventually(acked)
+
+        await js.publish(f"wbt.{name}", b"batch 2")
+        batch, parts = await delivered()
+        batch.retry = lambda part, delay: again.append((part, delay))
+        await parts[0].ack()
+        await parts[1].ack()
+        await parts[2].nak(delay=0.1)  # the last one: the message is nak'd
+        await asyncio.gather(*tasks)
+        (back,) = await sub.fetch(1, timeout=5)
+        assert back.data == b"batch 2" and back.metadata.num_delivered == 2
+        await back.ack()
+    finally:
+        await js.delete_stream(name)
+
+
+# --------------------------------------------------------------------------- the agent side
+
+
+async def test_a_batch_runs_every_step_once_and_is_acked(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nc: NATS
+) -> None:
+    ns = wf_settings.namespace
+    agent, runs = await _running_agent(fleet, "wb.a1")
+    assert agent.card().work_batch
+    _, ids, lines = _steps(ns, 5)
+    await _publish_batch(nc, ns, agent.agent_id, lines)
+    await _all_ran(runs, ids)
+    for task_id in ids:
+        assert await _final_states(nc, ns, task_id) == [TaskState.SUCCEEDED]
+
+    await _all_acked(nc, agent.agent_id)
+    await asyncio.sleep(1.5)  # past work_ack_wait: nothing comes back
+    assert all(runs[t] == 1 for t in ids)
+
+
+async def test_a_batch_redelivered_after_its_agent_died_runs_nothing_finished_twice(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nc: NATS
+) -> None:
+    """Two steps of four finish, then the agent dies with the other two running: the batch is
+    not acked, and comes back to the agent started again with the same id. The two finished
+    steps are answered from its idempotency table (rebuilt from its final statuses), the other
+    two run; every step ends SUCCEEDED, its final status stored once per run."""
+    ns = wf_settings.namespace
+    _, ids, lines = _steps(ns, 4)
+    held = set(ids[2:])
+    runs: Counter[str] = Counter()
+    release = asyncio.Event()
+
+    def make(name: str) -> Agent:
+        agent = fleet.agent(name, drain_timeout=0.2)
+
+        @agent.handler("wb:run:v1")
+        async def run(task: Task[dict[str, int]]) -> dict[str, int]:
+            runs[task.task_id] += 1
+            if task.task_id in held and not release.is_set():
+                await asyncio.Event().wait()  # until the agent stops
+            return {"step": task.payload["i"]}
+
+        return agent
+
+    first = make("wb.a2")
+    await first.start()
+    await _publish_batch(nc, ns, first.agent_id, lines)
+    await _all_ran(runs, ids)
+    await _all_final(nc, ns, ids[:2])
+    await first.nc.close()  # abrupt: no final status of the two held, the batch not acked
+    release.set()
+    second = make("wb.a2")
+    await second.start()
+    await _all_ran(runs, ids[2:], 2)
+    await _all_final(nc, ns, ids)
+    assert runs[ids[0]] == runs[ids[1]] == 1  # finished before: not run again
+    for task_id in ids[2:]:
+        assert await _final_states(nc, ns, task_id) == [TaskState.SUCCEEDED]
+
+    await _all_acked(nc, second.agent_id)
+
+
+async def test_a_fenced_step_inside_a_batch_is_dropped_and_the_others_run(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nc: NATS
+) -> None:
+    """A hub gave up step 1's attempt after sending it: its fence marker is stored behind the
+    batch. The agent drops that step unrun (no status), runs the others, acks the batch."""
+    ns = wf_settings.namespace
+    runs: Counter[str] = Counter()
+    agent = _counting_agent(fleet, "wb.a3", runs)
+    wf, ids, lines = _steps(ns, 3)
+    await _publish_batch(nc, ns, agent.agent_id, lines)
+    await nc.jetstream().publish(
+        protocol.work_subject(ns, agent.agent_id),
+        protocol.dumps({"task_id": ids[1], "attempt": 1, "workflow_id": wf}),
+        headers={
+            protocol.HDR_MSG_ID: protocol.fence_msg_id(ns, ids[1], 1),
+            protocol.HDR_FENCE: "1",
+        },
+    )
+    await agent.start()
+    await _all_final(nc, ns, [ids[0], ids[2]])
+
+    await _all_acked(nc, agent.agent_id)
+    assert runs[ids[1]] == 0
+    assert await _final_states(nc, ns, ids[1]) == []
+    work = agent.work
+    # (Once, or again if the batch came back: a line nak'd while the agent was not in touch
+    # with a hub yet, just started, brings the whole batch again.)
+    assert work is not None and work.fenced >= 1
+
+
+async def test_malformed_lines_are_refused_and_the_rest_runs(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nc: NATS
+) -> None:
+    ns = wf_settings.namespace
+    agent, runs = await _running_agent(fleet, "wb.a4")
+    _, ids, lines = _steps(ns, 2)
+    await _publish_batch(nc, ns, agent.agent_id, [lines[0], b"no traceparent here", lines[1]])
+    # Not a batch at all (its count is not its number of lines): termed, nothing runs.
+    _, bad_ids, bad_lines = _steps(ns, 2)
+    await _publish_batch(nc, ns, agent.agent_id, bad_lines, count=3)
+    await _all_ran(runs, ids)
+
+    await _all_acked(nc, agent.agent_id)
+    work = agent.work
+    assert work is not None and work.malformed_lines == 1
+    assert not any(runs[t] for t in bad_ids)
+
+
+# --------------------------------------------------------------------------- the hub side
+
+
+class _OldAgent(Agent):
+    """An agent of an SDK that takes no work batches (its card does not say it does)."""
+
+    def card(self) -> AgentCard:
+        return super().card().model_copy(update={"work_batch": False})
+
+
+async def _started_together(settings: MeshSettings, agent_id: str, n: int) -> tuple[list[Any], Hub]:
+    """``n`` fanouts of one step for ``agent_id``, submitted while no hub runs, then a hub
+    started (the agents stay registered meanwhile: their leases hold): it takes them in
+    together (one read of its pull) and decides their steps in few passes of its loop. Their
+    results, and the hub (running)."""
+    async with Client(settings=settings) as mesh:
+        ids = [
+            await mesh.submit_fanout([Step(agent_id=agent_id, payload={"i": i})], timeout=30)
+            for i in range(n)
+        ]
+        hub = Hub(settings=settings)
+        await hub.start()
+        results = [await mesh.workflow(wf_id, timeout=30) for wf_id in ids]
+    return results, hub
+
+
+async def test_steps_decided_together_go_in_batches_only_to_agents_that_take_them(
+    wf_settings: MeshSettings, fleet: Fleet
+) -> None:
+    ns = wf_settings.namespace
+    runs: Counter[str] = Counter()
+    new = _counting_agent(fleet, "wb.new", runs)
+    old = _OldAgent(f"{ns}.wb.old", settings=wf_settings)
+    fleet.agents.append(old)
+
+    @old.handler("wb:run:v1")
+    async def run(task: Task[dict[str, int]]) -> dict[str, int]:
+        runs[task.task_id] += 1
+        return {"step": task.payload["i"]}
+
+    assert new.card().work_batch and not old.card().work_batch
+    async with Hub(settings=wf_settings):  # the streams, buckets, and the agents' registration
+        for agent in (new, old):
+            await agent.start()
+    for agent, batched in ((new, True), (old, False)):
+        results, hub = await _started_together(wf_settings, agent.agent_id, 40)
+        try:
+            assert [r.state for r in results] == [TaskState.SUCCEEDED] * 40
+            assert hub.workflows is not None
+            out = hub.workflows._work_out
+            if batched:
+                assert out.batches_total >= 1, "no two steps were decided in one pass"
+                assert out.sent_total < 40
+            else:
+                assert out.batches_total == 0 and out.sent_total == 40
+        finally:
+            await hub.close()
+    assert len(runs) == 80 and set(runs.values()) == {1}
