@@ -48,6 +48,9 @@ ROW = (
     "fanout_half_p99_ms",
     "chain_100_p50_ms",
     "chain_half_p99_ms",
+    # JetStream messages stored per workflow at full load (the server's own counts; issue 15).
+    "fanout_js_stored",
+    "chain_js_stored",
 )
 
 
@@ -79,6 +82,8 @@ def row_of(result: dict[str, Any]) -> dict[str, float | None]:
         "fanout_half_p99_ms": _open_loop(fan, "half_sustained", "p99_ms"),
         "chain_100_p50_ms": _open_loop(chain, "100", "p50_ms"),
         "chain_half_p99_ms": _open_loop(chain, "half_sustained", "p99_ms"),
+        "fanout_js_stored": fan.get("cost", {}).get("js_stored"),
+        "chain_js_stored": chain.get("cost", {}).get("js_stored"),
     }
 
 
