@@ -349,3 +349,52 @@ async def test_steps_decided_together_go_in_batches_only_to_agents_that_take_the
         finally:
             await hub.close()
     assert len(runs) == 80 and set(runs.values()) == {1}
+
+
+async def test_workflows_whose_steps_came_in_batches_all_end_when_their_agent_dies(
+    wf_settings: MeshSettings, fleet: Fleet
+) -> None:
+    """Twelve fanouts started together: their steps reach the one agent in batches. It
+    finishes the even ones and dies holding the odd ones (its batches never acked). Every
+    workflow ends SUCCEEDED: the odd steps on the agent started after it, the even ones from
+    their first run — none of them runs twice, none has two successes stored."""
+    ns = wf_settings.namespace
+    runs: Counter[str] = Counter()
+    held: list[str] = []
+
+    doomed = fleet.agent("wb.doomed", drain_timeout=0.2)
+
+    @doomed.handler("wb:die:v1")
+    async def half(task: Task[dict[str, int]]) -> dict[str, int]:
+        runs[task.task_id] += 1
+        if task.payload["i"] % 2:
+            held.append(task.task_id)
+            await asyncio.Event().wait()  # until the process would have died
+        return {"step": task.payload["i"]}
+
+    async with Hub(settings=wf_settings):  # the streams, buckets, and the registration
+        await doomed.start()
+    async with Client(settings=wf_settings) as mesh:
+        ids = [
+            await mesh.submit_fanout([Step(capability="wb:die:v1", payload={"i": i})], timeout=40)
+            for i in range(12)
+        ]
+        async with Hub(settings=wf_settings) as hub:
+            await eventually(lambda: len(held) == 6 and sum(runs.values()) == 12, timeout=15)
+            assert hub.workflows is not None and hub.workflows._work_out.batches_total >= 1
+            await doomed.nc.close()  # abrupt: no final status for the six held
+            survivor = fleet.agent("wb.survivor")
+
+            @survivor.handler("wb:die:v1")
+            async def run(task: Task[dict[str, int]]) -> dict[str, int]:
+                runs[task.task_id] += 1
+                return {"step": task.payload["i"]}
+
+            await survivor.start()
+            results = [await mesh.workflow(wf_id, timeout=40) for wf_id in ids]
+        assert [r.state for r in results] == [TaskState.SUCCEEDED] * 12, results
+        for i, res in enumerate(results):
+            (step,) = res.steps
+            assert runs[step.task_id] == (2 if i % 2 else 1), (i, runs)
+            events = await status_events(mesh, ns, step.task_id)
+            assert [e.state for e in events].count(TaskState.SUCCEEDED) == 1
