@@ -341,11 +341,18 @@ async def test_steps_decided_together_go_in_batches_only_to_agents_that_take_the
             assert [r.state for r in results] == [TaskState.SUCCEEDED] * 40
             assert hub.workflows is not None
             out = hub.workflows._work_out
+            sample = hub.metrics.registry.get_sample_value
+            batches = sample("reach_work_messages_total", {"kind": "batch"}) or 0.0
+            singles = sample("reach_work_messages_total", {"kind": "single"}) or 0.0
+            in_batches = sample("reach_work_batched_steps_total") or 0.0
             if batched:
                 assert out.batches_total >= 1, "no two steps were decided in one pass"
                 assert out.sent_total < 40
+                # /metrics tells an operator the same: every step stored once, in a batch or not
+                assert batches == out.batches_total and singles + in_batches == 40
             else:
                 assert out.batches_total == 0 and out.sent_total == 40
+                assert batches == 0 and in_batches == 0 and singles == 40
         finally:
             await hub.close()
     assert len(runs) == 80 and set(runs.values()) == {1}

@@ -24,6 +24,7 @@ from typing import Any
 
 from reach_mesh import _work_batch, protocol
 from reach_mesh._jspub import Ack
+from reach_mesh.tracing.metrics import HubMetrics
 
 __all__ = ["WorkOut"]
 
@@ -57,8 +58,10 @@ class WorkOut:
         publish: Callable[[str, bytes, dict[str, str]], Awaitable[Ack]],
         retrying: Retrying,
         background: Callable[[Awaitable[Any]], None],
+        metrics: HubMetrics | None = None,
     ) -> None:
         self._publish = publish
+        self._metrics = metrics
         self._retrying = retrying
         self._background = background
         self._boxes: dict[str, _Box] = {}
@@ -158,5 +161,11 @@ class WorkOut:
                 done.set_exception(err)
                 done.exception()  # (each step that waits raises it; none may be left)
             return
+        if self._metrics is not None:
+            if len(box.lines) == 1:
+                self._metrics.work_messages_total.labels("single").inc()
+            else:
+                self._metrics.work_messages_total.labels("batch").inc()
+                self._metrics.work_batched_steps_total.inc(len(box.lines))
         if not done.done():
             done.set_result(None)

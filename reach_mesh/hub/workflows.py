@@ -184,6 +184,7 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
             self._jsc.publish,
             lambda what, op, until: _durable.retrying(what, op, until, on_retry=self._infra_retry),
             self._background,
+            metrics,
         )
         self._pending = 0
         self._waiting_steps = {}

@@ -407,6 +407,19 @@ class HubMetrics:
             "was cut off), resuming them from the records.",
             registry=r,
         )
+        self.work_messages_total = Counter(
+            "reach_work_messages",
+            "Work messages this hub stored for workflow steps, by kind: single (one step) or "
+            "batch (the steps it decided for one agent in one pass of its loop).",
+            ["kind"],
+            registry=r,
+        )
+        self.work_batched_steps_total = Counter(
+            "reach_work_batched_steps",
+            "Steps this hub stored inside work batches (reach_work_messages_total{kind=batch} "
+            "messages): their ratio is the mean batch size.",
+            registry=r,
+        )
         self.workflow_cancelled_total = Counter(
             "reach_workflow_cancelled",
             "Workflows this hub stopped on a cancel request (also counted in reach_workflow_total "
