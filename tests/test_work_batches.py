@@ -7,12 +7,15 @@ side with workflows started together."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, _work_batch, protocol
@@ -129,16 +132,24 @@ def test_split_takes_lines_and_refuses_what_is_no_batch() -> None:
     assert _work_batch.batch_msg_id("ns", "t-1", 2, 5) == "ns.t-1#2+5"
 
 
-async def test_a_batch_message_is_settled_by_its_parts(nc: NATS) -> None:
-    """A part nak'd while others are held comes back alone (``retry``), not with the whole
-    message; once every part is acked the message is; a nak of the last part naks it (it is
-    delivered again)."""
+@contextlib.asynccontextmanager
+async def _a_stream(nc: NATS) -> AsyncIterator[tuple[JetStreamContext, str, Any]]:
+    """A stream of its own holding one message ``batch``, and a pull subscription on it."""
     js = nc.jetstream()
     name = "WBT" + uuid.uuid4().hex[:8]
     await js.add_stream(name=name, subjects=[f"wbt.{name}"])
     try:
         await js.publish(f"wbt.{name}", b"batch")
-        sub = await js.pull_subscribe(f"wbt.{name}", durable="c", stream=name)
+        yield js, name, await js.pull_subscribe(f"wbt.{name}", durable="c", stream=name)
+    finally:
+        await js.delete_stream(name)
+
+
+async def test_a_batch_message_is_settled_by_its_parts(nc: NATS) -> None:
+    """A part nak'd while others are held comes back alone (``retry``), not with the whole
+    message; once every part is acked the message is; a nak of the last part naks it (it is
+    delivered again)."""
+    async with _a_stream(nc) as (js, name, sub):
         tasks: set[asyncio.Future[None]] = set()
 
         def spawn(coro: Any) -> None:
@@ -176,8 +187,34 @@ async def test_a_batch_message_is_settled_by_its_parts(nc: NATS) -> None:
         (back,) = await sub.fetch(1, timeout=5)
         assert back.data == b"batch 2" and back.metadata.num_delivered == 2
         await back.ack()
-    finally:
-        await js.delete_stream(name)
+
+
+async def test_a_batch_whose_parts_all_nak_is_nakd_not_held_by_them(nc: NATS) -> None:
+    """Parts waiting to be taken again are not held: when every part of a batch naks (fences
+    unreadable, out of touch), the message is nak'd — JetStream brings it again after the
+    delay — rather than kept unsettled by parts that each wait for the others, until
+    ``ack_wait`` redelivers it (no part held, no ``+WPI``) and starts them all again beside
+    the ones still waiting."""
+    async with _a_stream(nc) as (_, _, sub):
+        tasks: set[asyncio.Future[None]] = set()
+        (msg,) = await sub.fetch(1, timeout=5)
+        batch = WorkBatch(msg, 3, None, lambda coro: tasks.add(asyncio.ensure_future(coro)))
+        parts = [BatchPart(batch, _TRACEPARENT, b"{}") for _ in range(3)]
+        again: list[BatchPart] = []
+        batch.retry = lambda part, delay: again.append(part)
+        await parts[0].nak(delay=0.2)  # two others held: taken again here
+        await parts[1].nak(delay=0.2)  # one other held: taken again here
+        assert len(again) == 2 and batch.unsettled == 3
+        await parts[2].nak(delay=0.2)  # the others wait to be taken again: none is held
+        assert len(again) == 2 and batch.unsettled == 2
+        for part in again:
+            part.taken()  # taken again (``BatchIntake._again``) ...
+            await part.nak(delay=0.2)  # ... and nak'd again: nothing else held
+        assert len(again) == 2 and batch.settled
+        await asyncio.gather(*tasks)
+        (back,) = await sub.fetch(1, timeout=5)
+        assert back.data == b"batch" and back.metadata.num_delivered == 2
+        await back.ack()
 
 
 # --------------------------------------------------------------------------- the agent side

@@ -14,9 +14,10 @@ settled (:class:`WorkBatch`):
   not stored) while other parts are still held: it is taken again here after the delay asked,
   as a redelivery would bring it (its fence read, never skipped), while the others run on —
   a nak of the whole message would hold it back until the slowest of them ends;
-- the last part nak'd: the message is nak'd with the longest delay asked. The redelivery runs
-  nothing that finished: each finished part is a duplicate then, answered from the idempotency
-  table (its final status published again);
+- a part nak'd with no other part held (each other one settled, or itself nak'd and waiting to
+  be taken again): settled so, and once every part is, the message is nak'd with the longest
+  delay asked. The redelivery runs nothing that finished: each finished part is a duplicate
+  then, answered from the idempotency table (its final status published again);
 - a part left unsettled (the agent stops while it waits or runs): the message is neither, and
   JetStream delivers it again after ``ack_wait``, as a single step's.
 
@@ -56,7 +57,17 @@ _WPI_EVERY: Final = 0.05
 class WorkBatch:
     """One work message holding ``parts`` steps: settled once each of them is."""
 
-    __slots__ = ("_jsc", "_left", "_nak", "_spawn", "_wpi_at", "msg", "on_end", "retry")
+    __slots__ = (
+        "_jsc",
+        "_left",
+        "_nak",
+        "_spawn",
+        "_wpi_at",
+        "msg",
+        "on_end",
+        "retry",
+        "waiting",
+    )
 
     def __init__(
         self,
@@ -78,6 +89,8 @@ class WorkBatch:
         #: Takes a part nak'd while others are held again after the delay (``nak``); None:
         #: every nak settles its part.
         self.retry: Callable[[BatchPart, float], None] | None = None
+        #: Parts nak'd and not yet taken again (``retry``): unsettled, but not held.
+        self.waiting = 0
 
     @property
     def settled(self) -> bool:
@@ -132,8 +145,17 @@ class BatchPart(Msg):
         super().__init__(_client=msg._client, subject=msg.subject, data=data, headers=headers)
         self.batch = batch
         self.traceparent = traceparent
+        #: Nak'd, waiting to be taken again (counted in ``WorkBatch.waiting``).
+        self._waiting = False
+
+    def taken(self) -> None:
+        """A part nak'd earlier is taken again now (``WorkBatch.retry``): held again."""
+        if self._waiting:
+            self._waiting = False
+            self.batch.waiting -= 1
 
     def _settle(self, nak: float | None) -> None:
+        self.taken()
         if not self._ackd:
             self._ackd = True
             self.batch.settle(nak)
@@ -148,10 +170,17 @@ class BatchPart(Msg):
         batch = self.batch
         if self._ackd:
             return
-        if batch.retry is not None and batch.unsettled > 1:
-            # Others are held: this one comes back here, not with the whole message.
+        if batch.retry is not None and batch.unsettled - batch.waiting > 1:
+            # Others are held: this one comes back here, not with the whole message. (Parts
+            # nak'd before and waiting to come back are not: were every part to wait so,
+            # none would settle, the message would never be nak'd, and each redelivery
+            # after ``ack_wait`` — no part held, no ``+WPI`` — would start them all again
+            # beside the ones still waiting.)
             self._ackd = True
-            batch.retry(BatchPart(batch, self.traceparent, self.data), delay or 0.0)
+            again = BatchPart(batch, self.traceparent, self.data)
+            again._waiting = True
+            batch.waiting += 1
+            batch.retry(again, delay or 0.0)
             return
         self._settle(float(delay or 0.0))
 
@@ -231,4 +260,5 @@ class BatchIntake:
 
     async def _again(self, part: BatchPart, delivery: Delivery | None, delay: float) -> None:
         await asyncio.sleep(delay)
+        part.taken()
         await self._handle(part, delivery, None, batch=True)
