@@ -45,3 +45,20 @@ def test_every_outcome_has_its_series_from_the_start() -> None:
     assert OUTCOMES == EXPIRY_OUTCOMES
     get = HubMetrics().registry.get_sample_value
     assert all(get("reach_expiry_checks_total", {"outcome": o}) == 0 for o in OUTCOMES)
+
+
+@pytest.mark.parametrize(
+    ("answer", "word"),
+    [
+        (_said(attempt=2, state="SUCCEEDED", queued_ms=50.0, duration_ms=900.0), _Word.SUCCEEDED),
+        # Made past the route's deadline by the agent's own clock: late, whatever it says.
+        (_said(attempt=2, state="SUCCEEDED", queued_ms=50.0, duration_ms=990.0), _Word.LATE),
+        (_said(attempt=2, state="SUCCEEDED", queued_ms=1200.0), _Word.LATE),
+        (_said(attempt=2, state="TIMEOUT", duration_ms=1500.0), _Word.LATE),
+        (_said(attempt=2, state="SUCCEEDED", duration_ms=True, queued_ms="x"), _Word.SUCCEEDED),
+    ],
+)
+def test_a_reply_made_past_the_routes_timeout_is_no_answer_in_time(
+    answer: bytes, word: _Word
+) -> None:
+    assert agent_word(answer, "ns.a.a1", "t1", 2, max_size=256, timeout=1.0) is word

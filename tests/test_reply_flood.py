@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -157,3 +158,34 @@ async def test_an_agent_silent_on_its_ctl_subject_is_charged_its_expiry(
             assert view.health.value < 100 and view.breaker.counts() == (0, 1)
     finally:
         await ctl.close()
+
+
+async def test_an_agent_that_answers_past_the_deadline_is_charged_its_expiry(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """An agent whose handler holds its event loop past the route's deadline answers the ask
+    only once the handler returned: its stored reply, SUCCEEDED, was made late by its own
+    clock (``queued_ms`` + ``duration_ms`` over the timeout) — charged as an expiry, not
+    counted a success (which kept a slow agent out of its breaker, healthy, while every
+    route to it timed out)."""
+    agent_id = f"{namespace}.slow.a1"
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler("work:slow:v1")
+    async def slow(task: Task[int]) -> int:
+        time.sleep(0.8)  # noqa: ASYNC251 (holds the event loop: the ask waits behind it)
+        return task.payload
+
+    async with agent, Client(settings=settings) as c:
+        before = _checks(hub)
+        with pytest.raises(MeshTimeoutError):
+            await c.request(agent_id=agent_id, payload=1, timeout=0.3)
+        view = hub.registry.agents[agent_id]
+
+        def checked() -> bool:
+            return sum(_checks(hub).values()) > sum(before.values())
+
+        await eventually(checked, timeout=5)
+        checks = _checks(hub)
+        assert checks["charged"] == before["charged"] + 1, checks
+        assert view.breaker.counts() == (0, 1) and view.health.value < 100

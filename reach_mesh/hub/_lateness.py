@@ -13,10 +13,13 @@ asks the agent — ctl ``task_state`` with ``route: true``, as for a resent rout
 (``hub/_holders.py``), on the asks' own subscription and unguessable reply subjects
 (``Registry.asks``) — and charges by its answer:
 
-- it finished the attempt (its stored reply, of that attempt or a later one): it answered,
-  and the hub read that late or lost it. The reply counts as if read in time (``_read_reply``:
-  a success, or a timeout or failure of its own on the breaker, a caller's bad payload
+- it finished the attempt (its stored reply, of that attempt or a later one) within the
+  route's timeout, by the reply's own ``queued_ms`` and ``duration_ms``: it answered, and the
+  hub read that late or lost it. The reply counts as if read in time (``_read_reply``: a
+  success, or a timeout or failure of its own on the breaker, a caller's bad payload
   nothing);
+- it finished it, but later than that (a handler that held the agent's event loop past the
+  deadline, the ask answered only after it returned): it did not answer in time;
 - it holds the attempt unfinished, never had it (``PENDING``), answers an error or something
   malformed or oversized: it did not answer in time — an accept timeout and a breaker failure,
   as before;
@@ -91,13 +94,23 @@ class _Word(enum.Enum):
     NEUTRAL = "neutral"
 
 
-def agent_word(data: bytes, agent_id: str, task_id: str, attempt: int, max_size: int) -> _Word:
+def agent_word(
+    data: bytes,
+    agent_id: str,
+    task_id: str,
+    attempt: int,
+    max_size: int,
+    timeout: float | None = None,
+) -> _Word:
     """What ``agent_id``'s answer ``data`` to ctl ``task_state`` (``route: true``) says of
     attempt ``attempt`` of ``task_id``, which expired unanswered on this hub: its final reply,
     for itself and that task, of that attempt or a later one, says it answered (and how: the
     reply's own verdict, ``attempt_verdict``); anything else — in hand unfinished, ``PENDING``,
     the final reply of an earlier attempt, an error answer, one malformed, over ``max_size``
-    bytes or speaking for another agent or task — that it did not answer in time."""
+    bytes or speaking for another agent or task — that it did not answer in time. So does a
+    final reply whose own ``queued_ms`` and ``duration_ms`` add up to more than ``timeout``
+    (the route's, seconds): the agent took the attempt after the route began, so it made
+    that reply past the route's deadline, by its own clock."""
     if len(data) > max_size:
         return _Word.LATE
     try:
@@ -115,12 +128,25 @@ def agent_word(data: bytes, agent_id: str, task_id: str, attempt: int, max_size:
         or answered < attempt
     ):
         return _Word.LATE
+    if timeout is not None and _took_ms(body) > timeout * 1000:
+        return _Word.LATE
     error = body.get("error")
     code = error.get("code") if isinstance(error, dict) else None
     verdict = attempt_verdict(state, code if isinstance(code, str) else None)
     if verdict is None:
         return _Word.NEUTRAL
     return _Word.SUCCEEDED if verdict else _Word.FAILED
+
+
+def _took_ms(body: dict[str, object]) -> float:
+    """How long (ms) a reply says its attempt took on its agent, from arrival to reply (what
+    it does not say, or not as a number, counts as nothing)."""
+    took = 0.0
+    for key in ("queued_ms", "duration_ms"):
+        value = body.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            took += value
+    return took
 
 
 class LatenessMixin:
@@ -149,14 +175,16 @@ class LatenessMixin:
         self._expiry_asks += 1
         by_ns[ns] = held + 1
         task = asyncio.get_running_loop().create_task(
-            self._ask_then_charge(view, ns, flight.task_id, flight.attempt)
+            self._ask_then_charge(view, ns, flight.task_id, flight.attempt, flight.req.timeout)
         )
         self._expiry_checks.add(task)
         task.add_done_callback(self._expiry_checks.discard)
 
-    async def _ask_then_charge(self, view: AgentView, ns: str, task_id: str, attempt: int) -> None:
+    async def _ask_then_charge(
+        self, view: AgentView, ns: str, task_id: str, attempt: int, timeout: float
+    ) -> None:
         try:
-            outcome = await self._ask_expired(view, task_id, attempt)
+            outcome = await self._ask_expired(view, task_id, attempt, timeout)
         except Exception:  # a bug, not the agent: nothing charged
             outcome = "behind"
         finally:
@@ -167,9 +195,12 @@ class LatenessMixin:
                 del by_ns[ns]
         self.metrics.expiry_checks_total.labels(outcome).inc()
 
-    async def _ask_expired(self, view: AgentView, task_id: str, attempt: int) -> str:
-        """Ask ``view``'s agent about the attempt that expired, charge it by the answer, and
-        say how it ended (an ``EXPIRY_OUTCOMES`` label)."""
+    async def _ask_expired(
+        self, view: AgentView, task_id: str, attempt: int, timeout: float
+    ) -> str:
+        """Ask ``view``'s agent about the attempt that expired (of a route of ``timeout``
+        seconds), charge it by the answer, and say how it ended (an ``EXPIRY_OUTCOMES``
+        label)."""
         asks = self.registry.asks
         body = protocol.dumps({"op": "task_state", "task_id": task_id, "route": True})
         reconnections = asks.reconnections
@@ -202,7 +233,12 @@ class LatenessMixin:
                 # closing: this hub's trouble, not the agent's.
                 return "behind"
             word = agent_word(
-                data, view.agent_id, task_id, attempt, self.settings.max_payload + _ANSWER_SLACK
+                data,
+                view.agent_id,
+                task_id,
+                attempt,
+                self.settings.max_payload + _ANSWER_SLACK,
+                timeout,
             )
             if self.registry.agents.get(view.agent_id) is view:
                 self.registry.answered_on_ctl(view)  # (any answer: not deaf)
