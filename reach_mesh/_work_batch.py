@@ -30,7 +30,8 @@ __all__ = [
 #: The most steps one work batch holds (a hub sends at most this many, and at most the agent's
 #: ``max_concurrency``: a batch is held whole, so it must not queue more than a slot each).
 BATCH_STEPS: Final = 64
-#: About the most bytes of envelopes one work batch holds (a step past it starts the next one).
+#: The most bytes of lines one work batch holds (a step past it starts the next one; less where
+#: the NATS server's ``max_payload`` is: ``WorkOut.send``).
 BATCH_BYTES: Final = 256 * 1024
 #: A W3C ``traceparent``: version, trace id, parent id, flags (lower-case hex).
 _TRACEPARENT_RE: Final = re.compile(rb"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")

@@ -11,6 +11,7 @@ import contextlib
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,9 +24,11 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.agent._work_batches import BatchPart, WorkBatch
 from reach_mesh.errors import BadRequestError
 from reach_mesh.hub import Hub
+from reach_mesh.hub._work_out import WorkOut
 from reach_mesh.models import AgentCard, TaskEnvelope
+from reach_mesh.server import EmbeddedNats
 
-from .helpers import Fleet, eventually, status_events
+from .helpers import WF_FAST, Fleet, eventually, status_events
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,7 +105,7 @@ def _counting_agent(fleet: Fleet, name: str, runs: Counter[str], **kw: Any) -> A
     agent = fleet.agent(name, **kw)
 
     @agent.handler("wb:run:v1")
-    async def run(task: Task[dict[str, int]]) -> dict[str, int]:
+    async def run(task: Task[dict[str, Any]]) -> dict[str, int]:
         runs[task.task_id] += 1
         return {"step": task.payload["i"]}
 
@@ -338,20 +341,38 @@ class _OldAgent(Agent):
         return super().card().model_copy(update={"work_batch": False})
 
 
-async def _started_together(settings: MeshSettings, agent_id: str, n: int) -> tuple[list[Any], Hub]:
-    """``n`` fanouts of one step for ``agent_id``, submitted while no hub runs, then a hub
-    started (the agents stay registered meanwhile: their leases hold): it takes them in
-    together (one read of its pull) and decides their steps in few passes of its loop. Their
-    results, and the hub (running)."""
+async def _started_together(
+    settings: MeshSettings, agent_id: str, n: int, pad: int = 0
+) -> tuple[list[Any], Hub]:
+    """``n`` fanouts of one step for ``agent_id`` (``pad`` bytes more in each step's input),
+    submitted while no hub runs, then a hub started (the agents stay registered meanwhile:
+    their leases hold): it takes them in together (one read of its pull) and decides their
+    steps in few passes of its loop. Their results, and the hub (running)."""
     async with Client(settings=settings) as mesh:
         ids = [
-            await mesh.submit_fanout([Step(agent_id=agent_id, payload={"i": i})], timeout=30)
+            await mesh.submit_fanout(
+                [Step(agent_id=agent_id, payload={"i": i, "pad": "x" * pad} if pad else {"i": i})],
+                timeout=30,
+            )
             for i in range(n)
         ]
         hub = Hub(settings=settings)
         await hub.start()
         results = [await mesh.workflow(wf_id, timeout=30) for wf_id in ids]
     return results, hub
+
+
+def _work_sent(hub: Hub) -> tuple[WorkOut, float, float, float]:
+    """``hub``'s work messages: its ``WorkOut``, and what /metrics says was stored — batches,
+    single steps, steps in batches."""
+    assert hub.workflows is not None
+    sample = hub.metrics.registry.get_sample_value
+    return (
+        hub.workflows._work_out,
+        sample("reach_work_messages_total", {"kind": "batch"}) or 0.0,
+        sample("reach_work_messages_total", {"kind": "single"}) or 0.0,
+        sample("reach_work_batched_steps_total") or 0.0,
+    )
 
 
 async def test_steps_decided_together_go_in_batches_only_to_agents_that_take_them(
@@ -376,12 +397,7 @@ async def test_steps_decided_together_go_in_batches_only_to_agents_that_take_the
         results, hub = await _started_together(wf_settings, agent.agent_id, 40)
         try:
             assert [r.state for r in results] == [TaskState.SUCCEEDED] * 40
-            assert hub.workflows is not None
-            out = hub.workflows._work_out
-            sample = hub.metrics.registry.get_sample_value
-            batches = sample("reach_work_messages_total", {"kind": "batch"}) or 0.0
-            singles = sample("reach_work_messages_total", {"kind": "single"}) or 0.0
-            in_batches = sample("reach_work_batched_steps_total") or 0.0
+            out, batches, singles, in_batches = _work_sent(hub)
             if batched:
                 assert out.batches_total >= 1, "no two steps were decided in one pass"
                 assert out.sent_total < 40
@@ -393,6 +409,34 @@ async def test_steps_decided_together_go_in_batches_only_to_agents_that_take_the
         finally:
             await hub.close()
     assert len(runs) == 80 and set(runs.values()) == {1}
+
+
+async def test_a_batch_holds_no_more_than_the_nats_server_takes(
+    tmp_path: Path, namespace: str
+) -> None:
+    """A NATS server whose ``max_payload`` (64 KiB here) is under ``BATCH_BYTES``: the batches
+    are cut to what it takes. (Before, sixteen steps of 6 KB went as one message of ~100 KB:
+    refused, every step in it failed — their workflows handed back, run again later.)"""
+    async with EmbeddedNats(str(tmp_path), max_payload=64 << 10) as server:
+        settings = MeshSettings(nats_url=server.url, namespace=namespace, **WF_FAST)
+        fleet = Fleet(settings)
+        try:
+            runs: Counter[str] = Counter()
+            agent = _counting_agent(fleet, "wb.small", runs)
+            async with Hub(settings=settings):  # the streams, buckets, its registration
+                await agent.start()
+            results, hub = await _started_together(settings, agent.agent_id, 24, pad=6_000)
+            try:
+                assert [r.state for r in results] == [TaskState.SUCCEEDED] * 24
+                out, batches, singles, in_batches = _work_sent(hub)
+                assert out.batches_total >= 1, "no two steps were decided in one pass"
+                # Every work message sent was stored: each step once, none sent again.
+                assert batches == out.batches_total and singles + in_batches == 24
+            finally:
+                await hub.close()
+            assert len(runs) == 24 and set(runs.values()) == {1}
+        finally:
+            await fleet.close()
 
 
 async def test_workflows_whose_steps_came_in_batches_all_end_when_their_agent_dies(

@@ -140,6 +140,8 @@ class StepIO(StepPlacing):
             headers,
             limit=limit,
             until=self._io_deadline(wf.deadline),
+            # What the server takes in one message, less room for the batch's headers.
+            max_bytes=self._nc.max_payload - protocol.MESSAGE_ROOM,
         )
 
     async def _mark(self, wf: Workflow, agent_id: str, task_id: str, attempt: int) -> None:

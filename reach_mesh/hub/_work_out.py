@@ -40,6 +40,9 @@ class _Box:
     namespace: str
     #: At most this many lines (the agent's ``max_concurrency``, at most ``BATCH_STEPS``).
     limit: int
+    #: At most this many bytes of lines (``BATCH_BYTES``, and what the NATS server
+    #: carries: ``WorkOut.send``'s ``max_bytes``).
+    max_bytes: int
     #: The first attempt as a message of its own (sent so when it stays alone).
     first: tuple[bytes, dict[str, str]]
     first_id: tuple[str, int]
@@ -81,20 +84,25 @@ class WorkOut:
         *,
         limit: int,
         until: float,
+        max_bytes: int = _work_batch.BATCH_BYTES,
     ) -> None:
         """Store the work message of attempt ``attempt`` of ``task_id`` for ``agent_id``: with
         the others this pass decides for that agent, in a batch of at most ``limit`` (1: on its
         own). ``headers``: its own (trace context, ``Nats-Msg-Id``, expected stream), used
         when it goes alone; in a batch its ``traceparent`` goes on its line, and a step whose
         trace context has more than a ``traceparent`` is never put in one (the caller sends
-        it with ``limit`` 1). Returns once it is stored; raises what the publish raised, past
-        ``until`` (loop time) and the other steps' deadlines."""
+        it with ``limit`` 1). ``max_bytes``: the most bytes of lines a batch may hold (the NATS
+        server's ``max_payload``, less room for the headers, may be under ``BATCH_BYTES``: a
+        batch it refused would fail every step in it, each of which fits alone). Returns once
+        it is stored; raises what the publish raised, past ``until`` (loop time) and the other
+        steps' deadlines."""
         subject = protocol.work_subject(namespace, agent_id)
         loop = asyncio.get_running_loop()
+        line = _work_batch.line(headers.get("traceparent", ""), envelope)
         box = self._boxes.get(subject)
         if box is not None and (
             len(box.lines) >= box.limit
-            or box.size + len(envelope) > _work_batch.BATCH_BYTES
+            or box.size + len(line) + 1 > min(box.max_bytes, max_bytes)
             or limit <= 1
         ):
             self._send_box(self._boxes.pop(subject))
@@ -104,6 +112,7 @@ class WorkOut:
                 subject,
                 namespace,
                 max(1, min(limit, _work_batch.BATCH_STEPS)),
+                min(max_bytes, _work_batch.BATCH_BYTES),
                 (envelope, headers),
                 (task_id, attempt),
                 done=loop.create_future(),
@@ -112,8 +121,8 @@ class WorkOut:
             if not self._flush_due:
                 self._flush_due = True
                 loop.call_soon(self._flush)
-        box.lines.append(_work_batch.line(headers.get("traceparent", ""), envelope))
-        box.size += len(envelope)
+        box.lines.append(line)
+        box.size += len(line) + 1  # (and its newline)
         box.until = max(box.until, until)
         done = box.done
         assert done is not None
