@@ -442,6 +442,18 @@ def echo_agent(fleet: Fleet, name: str, cap: str = "wf:echo:v1", **kw: Any) -> A
     return agent
 
 
+def payload_echo(agent_id: str, cap: str, settings: MeshSettings) -> Agent:
+    """An agent of its own (no ``Fleet``) whose ``cap`` handler answers each task with its
+    payload."""
+    agent = Agent(agent_id, settings=settings)
+
+    @agent.handler(cap)
+    async def echo(task: Task[Any]) -> Any:
+        return task.payload
+
+    return agent
+
+
 @contextlib.asynccontextmanager
 async def mcp_session(
     base_url: str, headers: dict[str, str] | None = None, namespace: str | None = None

@@ -23,7 +23,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState, TaskState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import WF_FAST, Relay, cluster_nodes, eventually
+from .helpers import WF_FAST, Relay, cluster_nodes, eventually, payload_echo
 from .test_cluster import _js_ready
 
 pytestmark = pytest.mark.xdist_group("clusters")
@@ -73,17 +73,6 @@ async def _led_by_n0(hub: Hub, *streams: str) -> None:
         return True
 
     await eventually(led, timeout=30, interval=0.5)
-
-
-def _echo_agent(agent_id: str, settings: MeshSettings, capability: str) -> Agent:
-    """An agent of ``capability`` that answers each task with its payload."""
-    agent = Agent(agent_id, settings=settings)
-
-    @agent.handler(capability)
-    async def echo(task: Task[Any]) -> Any:
-        return task.payload
-
-    return agent
 
 
 async def _online(hub: Hub, agent: Agent) -> None:
@@ -144,7 +133,7 @@ async def test_an_agent_on_a_server_cut_off_from_its_cluster_moves_and_stays_onl
         hub_side = MeshSettings(nats_url=nodes[0].url, namespace="ca", **_FAST)
         # Given the server to be cut off alone: the others are those its INFO told of.
         agent_side = MeshSettings(nats_url=nodes[1].url, namespace="ca", **_FAST)
-        agent = _echo_agent("ca.echo.a1", agent_side, "ca:echo:v1")
+        agent = payload_echo("ca.echo.a1", "ca:echo:v1", agent_side)
 
         async with Hub(settings=hub_side, hub_id="hub-a") as hub, agent:
             await _led_by_n0(hub, f"KV_{protocol.KV_HEARTBEATS}")
@@ -224,7 +213,7 @@ async def test_a_hub_on_a_server_cut_off_from_its_cluster_moves_with_its_connect
         given = nodes[1].url if case != "two_names" else f"nats://localhost:{nodes[1].port}"
         hub_side = MeshSettings(nats_url=given, namespace="ch", **_FAST)
         other_side = MeshSettings(nats_url=nodes[0].url, namespace="ch", **_FAST)
-        agent = _echo_agent("ch.echo.a1", other_side, "ch:echo:v1")
+        agent = payload_echo("ch.echo.a1", "ch:echo:v1", other_side)
 
         async with Hub(settings=hub_side, hub_id="hub-b") as hub, agent:
             await _led_by_n0(hub, f"KV_{protocol.KV_HEARTBEATS}")

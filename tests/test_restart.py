@@ -14,17 +14,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.models import AgentState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually, free_port, relayed
-
-
-def _agent(agent_id: str, cap: str, settings: MeshSettings) -> Agent:
-    agent = Agent(agent_id, settings=settings)
-
-    @agent.handler(cap)
-    async def echo(task: Task[Any]) -> Any:
-        return task.payload
-
-    return agent
+from .helpers import eventually, free_port, payload_echo, relayed
 
 
 async def test_server_restart(tmp_path: Path) -> None:
@@ -42,7 +32,7 @@ async def test_server_restart(tmp_path: Path) -> None:
     try:
         async with (
             Hub(settings=s) as hub,
-            _agent("rs.echo.a1", "rs:echo:v1", s),
+            payload_echo("rs.echo.a1", "rs:echo:v1", s),
             Client(settings=s) as c,
         ):
             assert (await c.request(capability="rs:echo:v1", payload=1)).result == 1
@@ -59,7 +49,7 @@ async def test_server_restart(tmp_path: Path) -> None:
             res = await c.request(capability="rs:echo:v1", payload=2, timeout=10)
             assert res.result == 2
             # The registry watch still delivers: a new agent becomes routable.
-            async with _agent("rs.echo.b1", "rs:other:v1", s):
+            async with payload_echo("rs.echo.b1", "rs:other:v1", s):
                 await eventually(lambda: "rs.echo.b1" in hub.registry.agents)
                 res = await c.request(capability="rs:other:v1", payload=3, timeout=10)
                 assert res.result == 3
@@ -88,7 +78,7 @@ async def test_outage_longer_than_the_lease_declares_nobody_lost(tmp_path: Path)
     )
     transitions: list[AgentState] = []
     try:
-        async with Hub(settings=s) as hub, _agent("blind.echo.a1", "blind:echo:v1", s):
+        async with Hub(settings=s) as hub, payload_echo("blind.echo.a1", "blind:echo:v1", s):
             hub.registry.on_state_change(lambda view, old, new: transitions.append(new))
             await eventually(lambda: "blind.echo.a1" in hub.registry.agents, timeout=5)
             server.kill()
