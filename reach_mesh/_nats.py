@@ -65,6 +65,7 @@ __all__ = [
     "refused_messages",
     "refused_since",
     "shown",
+    "slow_drops",
 ]
 
 T = TypeVar("T")
@@ -168,6 +169,7 @@ async def connect(
     nc = watch.nc = _Connection()
     nc.refusals = Refusals()
     nc.reconnects = Reconnects()
+    nc.slow_drops = {}
     if leave_cut_off:
         nc.on_cut_off = watch.cut_off
     if on_reconnect is not None:
@@ -191,6 +193,14 @@ async def connect(
         raise MeshUnavailableError(f"cannot connect to NATS at {shown(url)}: {cause}") from err
     watch.connected = True
     return nc
+
+
+def slow_drops(nc: NATS | None, sid: int) -> int:
+    """Messages nats-py dropped so far for subscription ``sid`` of ``nc`` as a slow consumer
+    (its pending limit reached; 0 for a connection not made by :func:`connect`). Counted in
+    the read loop as each is dropped, before it reads on: a message the subscription reads
+    after a drop is counted with it already."""
+    return nc.slow_drops.get(sid, 0) if isinstance(nc, _Connection) else 0
 
 
 def refused_messages(nc: NATS | None) -> int:
@@ -251,6 +261,9 @@ class _Connection(MessageGuard):
     refusals: Refusals
     #: Its reconnections (``connect`` sets it).
     reconnects: Reconnects
+    #: Messages dropped as a slow consumer, by subscription id (``connect`` sets it;
+    #: ``slow_drops``).
+    slow_drops: dict[int, int]
     #: Leaving its server on purpose, to join its siblings' (``_nats_together``): not a loss.
     moving: bool = False
     #: Called when its server tells it has lost its routes to most of its cluster
@@ -451,6 +464,11 @@ class _Watch:
             log.error("%s: a NATS message callback failed", self.name, exc_info=err)
             return
         if isinstance(err, nats.errors.SlowConsumerError):
+            # (nats-py awaits this callback in its read loop as it drops the message: counted
+            # before the next message of the connection is read — ``slow_drops``.)
+            nc = self.nc
+            if isinstance(nc, _Connection):
+                nc.slow_drops[err.sid] = nc.slow_drops.get(err.sid, 0) + 1
             self._slow_consumer(err.subject)
             return
         said = _said(err)

@@ -1,6 +1,7 @@
 """A flood of a hub's proxy-reply subjects holds every tenant's answers unread in the hub's
-queue past their deadlines; each expiry is charged to its agent only once the agent says it
-did not answer in time (``hub/_lateness.py``; docs/security.md, "Shared JetStream and bus").
+queue past their deadlines; each expiry is charged to its agent only once a marker the hub
+sends itself comes back with no reply of that attempt before it (``hub/_lateness.py``;
+docs/security.md, "Shared JetStream and bus").
 
 Against a real nats-server, in secure mode for the flood: the flooder is an agent of another
 namespace, with nothing but its own permissions (it may publish into every hub's inbox: it
@@ -9,6 +10,7 @@ answers there)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh._auth import AuthDir
@@ -24,11 +27,11 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
 from reach_mesh.hub.breaker import BreakerState
-from reach_mesh.models import AgentState
+from reach_mesh.models import AgentCard, AgentState, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.server import EmbeddedNats
 
-from .helpers import eventually
-from .test_flights import raw_agent
+from .helpers import eventually, register_by_hand
+from .test_flights import CAP
 
 #: ``reach_expiry_checks_total``'s outcomes (``tracing.metrics.EXPIRY_OUTCOMES``).
 OUTCOMES = ("charged", "answered", "behind", "skipped")
@@ -85,8 +88,9 @@ async def test_a_flood_of_a_hubs_proxy_replies_gets_no_other_tenants_agent_charg
 ) -> None:
     """An agent of namespace ``atk`` floods the hub's proxy-reply subjects with 100-byte
     messages: ``vic``'s agent answers six routes at once, its answers wait unread behind the
-    flood past their deadlines (the routes time out), and the hub asks it about each expiry
-    before charging it: it answered, so its breaker stays closed and its health whole.
+    flood past their deadlines (the routes time out), and read before the hub's marker (or
+    the marker not back in time) they are not charged: its breaker stays closed and its
+    health whole.
     Charged at once, as before, the expiries quarantined it (at least five failures to one
     or two successes; the audit: QUARANTINED in 18 of 22 samples of a 10 s flood)."""
     auth = AuthDir(tmp_path / "auth")
@@ -128,46 +132,86 @@ async def test_a_flood_of_a_hubs_proxy_replies_gets_no_other_tenants_agent_charg
 
                 await eventually(settled, timeout=15)
             checks = _checks(hub)
-            # The agent's word that it answered, or — its answer to the ask held up too —
-            # no word, which is no charge.
+            # Its answers read before the marker, or — the marker held up too, or the flood's
+            # messages dropped unread — the hub cannot tell, which is no charge.
             assert checks["answered"] + checks["behind"] == expired, checks
             assert checks["charged"] == checks["skipped"] == 0, checks
             assert view.state is AgentState.ONLINE and view.health.value == 100
             assert view.breaker.counts()[1] == 0  # (its answers count as read in time)
 
 
-async def test_an_agent_silent_on_its_ctl_subject_is_charged_its_expiry(
-    hub: Hub, settings: MeshSettings, namespace: str
+async def test_an_agent_that_never_answers_but_says_it_did_on_ctl_has_its_breaker_opened(
+    tmp_path: Path,
 ) -> None:
-    """The check keeps charging an agent that does not answer: one whose ctl subject is
-    subscribed but never answers (a hung process) is charged once this hub shows it reads
-    the asks' answers in time (nothing came back before a message it sent itself)."""
-    agent_id = f"{namespace}.hung.a1"
-    assert settings.nats_url is not None
-    ctl = await nats.connect(settings.nats_url)
-    try:
-        await ctl.subscribe(protocol.agent_ctl(agent_id))  # asked, never answering
-        await ctl.flush()
-        async with raw_agent(settings, agent_id, listen=True), Client(settings=settings) as c:
-            before = _checks(hub)
-            with pytest.raises(MeshTimeoutError):
-                await c.request(agent_id=agent_id, payload={"n": 1}, timeout=0.3)
-            view = hub.registry.agents[agent_id]
-            assert view.health.value == 100  # not yet: its agent is asked first
-            await eventually(lambda: _checks(hub)["charged"] == before["charged"] + 1, timeout=5)
-            assert view.health.value < 100 and view.breaker.counts() == (0, 1)
-    finally:
-        await ctl.close()
+    """An agent (secure mode: its own identity) takes its routes and never answers them, but
+    answers every ctl ``task_state`` with a made-up SUCCEEDED reply of that very attempt,
+    made within the route's timeout by its own figures. Its expiries are charged all the
+    same — the hub's marker came back, its reply not before it — and its breaker opens.
+    (When the hub charged by the agent's ``task_state`` answer, each expiry counted as a
+    success read late: the breaker never opened, every route to it timed out.)"""
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace="liar")
+    liar = "liar.work.a1"
+    auth.add("agent", liar)
+    async with EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server:
+
+        def settings(role: str, name: str) -> MeshSettings:
+            return auth.settings(role, name, nats_url=server.url, heartbeat_interval=0.5)
+
+        s = settings("agent", liar)
+        nc = await nats.connect(
+            server.url, nkeys_seed=s.nats_nkey_seed, inbox_prefix=s.nats_inbox_prefix or "_INBOX"
+        )
+        taken: list[int] = []
+
+        async def take(msg: Msg) -> None:  # in hand, never answered
+            taken.append(TaskEnvelope.model_validate_json(msg.data).attempt)
+
+        async def ctl(msg: Msg) -> None:  # "finished, in time" for any task asked about
+            ask = json.loads(msg.data)
+            made_up = TaskReply(
+                task_id=ask.get("task_id", ""),
+                attempt=max(taken, default=1),
+                agent_id=liar,
+                state=TaskState.SUCCEEDED,
+                result=0,
+                queued_ms=1.0,
+                duration_ms=1.0,
+            )
+            await nc.publish(msg.reply, protocol.encode(made_up))
+
+        try:
+            await nc.subscribe(protocol.agent_task(liar), cb=take)
+            await nc.subscribe(protocol.agent_ctl(liar), cb=ctl)
+            async with (
+                Hub(settings=settings("hub", "main")) as hub,
+                Client(settings=settings("caller", "liar")) as mesh,
+            ):
+                await register_by_hand(nc, AgentCard(agent_id=liar, capabilities=[CAP]))
+                await eventually(lambda: liar in hub.registry.agents)
+                view = hub.registry.agents[liar]
+                before = _checks(hub)
+                # Five at once: the breaker's least (``breaker_min_requests``), all failures.
+                routes = await asyncio.gather(
+                    *(mesh.request(agent_id=liar, payload=i, timeout=0.3) for i in range(5)),
+                    return_exceptions=True,
+                )
+                assert all(isinstance(r, MeshTimeoutError) for r in routes), routes
+                await eventually(lambda: view.breaker.state is BreakerState.OPEN, timeout=10)
+                checks = _checks(hub)
+                assert checks["charged"] == before["charged"] + 5, checks
+                assert checks["answered"] == before["answered"], checks
+                assert view.health.value < 100  # (its accept timeouts)
+        finally:
+            await nc.close()
 
 
 async def test_an_agent_that_answers_past_the_deadline_is_charged_its_expiry(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
-    """An agent whose handler holds its event loop past the route's deadline answers the ask
-    only once the handler returned: its stored reply, SUCCEEDED, was made late by its own
-    clock (``queued_ms`` + ``duration_ms`` over the timeout) — charged as an expiry, not
-    counted a success (which kept a slow agent out of its breaker, healthy, while every
-    route to it timed out)."""
+    """An agent whose handler holds its event loop past the route's deadline answers after
+    the hub's marker came back: charged as an expiry, not counted a success (which kept a
+    slow agent out of its breaker, healthy, while every route to it timed out)."""
     agent_id = f"{namespace}.slow.a1"
     agent = Agent(agent_id, settings=settings)
 

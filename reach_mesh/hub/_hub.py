@@ -22,6 +22,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import math
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
@@ -148,10 +149,13 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._seeking_by_ns: dict[str, int] = {}
         self._pin_waits: dict[tuple[str, str], list[asyncio.Future[str]]] = {}
         self._back_waits: dict[str, list[asyncio.Future[None]]] = {}
-        # Expired attempts whose agent is being asked before it is charged (``_lateness.py``).
-        self._expiry_asks = 0
-        self._expiry_asks_by_ns: dict[str, int] = {}
-        self._expiry_checks: set[asyncio.Task[None]] = set()
+        # Expired attempts awaiting this hub's marker before they are charged (``_lateness.py``).
+        self._late = {}
+        self._late_by_ns = {}
+        self._late_swept = []
+        self._markers = {}
+        self._losses_seen = 0
+        self._lost_at = -math.inf
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher
@@ -422,6 +426,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._reply_sub = await agents_nc.subscribe(
             self._reply_prefix + ">", cb=self._on_agent_reply, pending_msgs_limit=-1
         )
+        self._losses_seen = self._reply_losses()
         self._sweeper = asyncio.create_task(self._sweep_deadlines())
         for verb, on_route in (
             ("route", self._on_route_msg),
@@ -554,7 +559,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             if not self._inflight and self._ns_flights.total <= 0:
                 break
             await asyncio.sleep(0.01)
-        for task in [*self._inflight, *self._expiry_checks]:
+        for task in self._inflight:
             task.cancel()
         await self._end_held()  # (held again meanwhile)
         # Those still waiting for their agent end now, told so (counted, audited, their spans
@@ -575,6 +580,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         if self._sweeper is not None:
             self._sweeper.cancel()
             await within("route sweeper", self._sweeper, 2.0, log)
+        self._forget_late()
         if self._loop_watch is not None:
             self._loop_watch.cancel()
             await within("event loop watch", self._loop_watch, 2.0, log)

@@ -1,266 +1,242 @@
-"""Whose lateness an expired proxy attempt is: its agent is asked before it is charged
-(:class:`LatenessMixin`, a base of :class:`~reach_mesh.hub._route_end.RouteEndMixin`).
+"""Whose lateness an expired proxy attempt is: told by the order of the hub's own reading, not
+by the agent's word (:class:`LatenessMixin`, a base of
+:class:`~reach_mesh.hub._route_end.RouteEndMixin`).
 
 A proxy attempt whose deadline passes unanswered ends at once for its caller
 (``REACH_TIMEOUT``); what it costs its agent — an accept timeout on its health, a failure on
-its breaker — waits for the agent's own word. The hub reads the answers to its attempts, in
-the order they come, on reply subjects every agent may publish on (it answers there): an
-identity flooding them holds every tenant's answers unread in the hub's queue (or socket)
-past their deadlines, and an answer may also be lost with the connection. Charged at once,
+its breaker — waits. The hub reads the answers to its attempts, in the order they come, on
+reply subjects every agent may publish on (it answers there): an identity flooding them holds
+every tenant's answers unread in the hub's queue (or socket) past their deadlines, and an
+answer may also be lost with the connection or dropped as a slow consumer. Charged at once,
 each such expiry was the flood's doing charged to a healthy agent: another namespace's agent
-was QUARANTINED for most of a 10 s flood of 100-byte messages (docs/security.md). So the hub
-asks the agent — ctl ``task_state`` with ``route: true``, as for a resent route
-(``hub/_holders.py``), on the asks' own subscription and unguessable reply subjects
-(``Registry.asks``) — and charges by its answer:
+was QUARANTINED for most of a 10 s flood of 100-byte messages (docs/security.md).
 
-- it finished the attempt (its stored reply, of that attempt or a later one) within the
-  route's timeout, by the reply's own ``queued_ms`` and ``duration_ms``: it answered, and the
-  hub read that late or lost it. The reply counts as if read in time (``_read_reply``: a
-  success, or a timeout or failure of its own on the breaker, a caller's bad payload
-  nothing);
-- it finished it, but later than that (a handler that held the agent's event loop past the
-  deadline, the ask answered only after it returned): it did not answer in time;
-- it holds the attempt unfinished, never had it (``PENDING``), answers an error or something
-  malformed or oversized: it did not answer in time — an accept timeout and a breaker failure,
-  as before;
-- nobody listens on its ctl subject (NATS' "no responders"): the same;
-- no answer within ``EXPIRY_ASK_TIMEOUT``: the same only if this hub shows it reads the asks'
-  answers in time — a message it sends itself comes back through their subscription within
-  ``_CAUGHT_UP_WAIT`` (behind whatever the server had for it: ``JsClient.caught_up``), the
-  ask still unanswered then, and no reconnection since it was sent; else not charged (the
-  flood may be on the asks' reply subjects too).
+So the sweep that expires attempts keeps each one pending (``_late``) and, once per pass that
+expired any, publishes a *marker* — an empty message on a reply subject of its own, a fresh
+64-bit random token (``reply_token``: an agent may publish on the hub's reply subjects, and a
+guessable marker would let it end the wait early) — on the connection whose reply
+subscription reads the answers. nats-server delivers it behind every message it already had
+for that subscription, and the subscription's one callback reads them in order
+(``_on_agent_reply``, never concurrently). Then, for each attempt of that pass:
 
-Only the agent's own identity may subscribe to its ctl subject (secure mode), so the answer is
-the agent's; it may lie about its own tasks, as it may in its replies — and then only its own
-namespace's routes, which alone go to it, are misled.
+- its reply read before the marker was at the server by then, before the hub's expiry pass
+  published the marker (the server's order, not the agent's clock): it counts as if read in
+  time (``_read_reply``: a success, or a timeout or failure of its own on the breaker, a
+  caller's bad payload or a cached answer nothing; "no responders" nothing) — ``answered``;
+- the marker read and the reply not before it: it did not answer in time — an accept timeout
+  and a breaker failure, as before — ``charged``;
+- the marker not back within ``MARKER_WAIT``, or the connection reconnected, or a message of
+  the reply subscription dropped as a slow consumer (``_nats.slow_drops``: counted in the read
+  loop as it is dropped, so before the marker behind it is read) since the attempt's route
+  began: the reply may have been lost; neither charged nor credited — ``behind``.
 
-Bounded: ``EXPIRY_ASKS_PER_NAMESPACE`` asks at once per namespace and ``EXPIRY_ASKS_MOST`` per
-hub — a caller whose routes time out on purpose, or agents that never answer ctl, cannot
-make them an amplifier nor take every tenant's. An expiry past them is not charged (counted
-``skipped``): an expiry nobody checked proves nothing, and the checked ones of an agent that
-stopped answering still open its breaker, whose failure ratio an uncounted one leaves as it
-is. A route answered in time costs nothing of this.
+The agent's word is not asked: an agent that never answers its routes is charged whatever it
+says elsewhere. ``MARKER_WAIT`` (2 s, what the former ``task_state`` ask and its check waited
+at most): a marker comes back in a round trip when the hub reads in time; a hub two seconds
+behind its reading cannot tell, and the bound keeps the pending attempts' memory short-lived.
+
+Bounded: ``EXPIRY_PENDING_MOST`` attempts pending per hub and ``EXPIRY_PENDING_PER_NAMESPACE``
+of one namespace (a caller whose routes time out on purpose cannot take every tenant's
+share). An expiry past them is not charged (``skipped``): the checked ones of an agent that
+stopped answering still open its breaker. A reply read in time costs nothing of this; a late
+one a dict lookup.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
-import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
-from reach_mesh import protocol
-from reach_mesh.config import MeshSettings
+from reach_mesh._batch import reply_token
+from reach_mesh._nats import slow_drops
 from reach_mesh.errors import ReachError
-from reach_mesh.hub.breaker import attempt_verdict
 from reach_mesh.hub.registry import AgentView, Registry
-from reach_mesh.models import TaskState
 from reach_mesh.tracing.metrics import HubMetrics
 
 if TYPE_CHECKING:
-    from reach_mesh.hub._route_end import _Flight
+    from reach_mesh.hub._route_end import _Flight, _ReplyHead
 
 __all__ = [
-    "EXPIRY_ASKS_MOST",
-    "EXPIRY_ASKS_PER_NAMESPACE",
-    "EXPIRY_ASK_TIMEOUT",
+    "EXPIRY_PENDING_MOST",
+    "EXPIRY_PENDING_PER_NAMESPACE",
+    "MARKER_WAIT",
     "LatenessMixin",
 ]
 
-#: Expiries a hub asks agents about at once, at most, and of those for one namespace.
-EXPIRY_ASKS_MOST: Final = 128
-EXPIRY_ASKS_PER_NAMESPACE: Final = 16
-#: How long an agent's ``task_state`` answer is waited for (seconds) before the hub checks
-#: whether the silence is its own (``JsClient.caught_up``).
-EXPIRY_ASK_TIMEOUT: Final = 1.0
-#: How long that check may take (seconds): slower, this hub is behind its reading.
-_CAUGHT_UP_WAIT: Final = 0.5
-#: What an answer may take beyond ``max_payload`` (the stored reply's fields around its result).
-_ANSWER_SLACK: Final = 16 * 1024
+#: Expired attempts a hub keeps pending for their marker, at most, and of one namespace.
+EXPIRY_PENDING_MOST: Final = 1024
+EXPIRY_PENDING_PER_NAMESPACE: Final = 128
+#: How long a marker is waited for (seconds): not back by then, its attempts are ``behind``.
+MARKER_WAIT: Final = 2.0
 
 
-class _Word(enum.Enum):
-    """What an agent's ``task_state`` answer says of an attempt that expired unanswered."""
+@dataclass(slots=True, eq=False)
+class _Marker:
+    """A marker in flight: the expired attempts it decides, and the reply subscription's
+    losses (reconnections and slow-consumer drops) when its pass began."""
 
-    #: It did not answer in time (in hand unfinished, never had it, an error answer).
-    LATE = "late"
-    #: It answered SUCCEEDED.
-    SUCCEEDED = "succeeded"
-    #: It answered a timeout or a failure of its own.
-    FAILED = "failed"
-    #: It answered something that is no breaker matter (a caller's bad payload).
-    NEUTRAL = "neutral"
-
-
-def agent_word(
-    data: bytes,
-    agent_id: str,
-    task_id: str,
-    attempt: int,
-    max_size: int,
-    timeout: float | None = None,
-) -> _Word:
-    """What ``agent_id``'s answer ``data`` to ctl ``task_state`` (``route: true``) says of
-    attempt ``attempt`` of ``task_id``, which expired unanswered on this hub: its final reply,
-    for itself and that task, of that attempt or a later one, says it answered (and how: the
-    reply's own verdict, ``attempt_verdict``); anything else — in hand unfinished, ``PENDING``,
-    the final reply of an earlier attempt, an error answer, one malformed, over ``max_size``
-    bytes or speaking for another agent or task — that it did not answer in time. So does a
-    final reply whose own ``queued_ms`` and ``duration_ms`` add up to more than ``timeout``
-    (the route's, seconds): the agent took the attempt after the route began, so it made
-    that reply past the route's deadline, by its own clock."""
-    if len(data) > max_size:
-        return _Word.LATE
-    try:
-        body = protocol.loads_object(data)
-        state = TaskState(str(body.get("state")))
-    except (ReachError, ValueError):
-        return _Word.LATE
-    answered = body.get("attempt")
-    if (
-        not state.final
-        or body.get("agent_id") != agent_id
-        or body.get("task_id") != task_id
-        or isinstance(answered, bool)
-        or not isinstance(answered, int)
-        or answered < attempt
-    ):
-        return _Word.LATE
-    if timeout is not None and _took_ms(body) > timeout * 1000:
-        return _Word.LATE
-    error = body.get("error")
-    code = error.get("code") if isinstance(error, dict) else None
-    verdict = attempt_verdict(state, code if isinstance(code, str) else None)
-    if verdict is None:
-        return _Word.NEUTRAL
-    return _Word.SUCCEEDED if verdict else _Word.FAILED
-
-
-def _took_ms(body: dict[str, object]) -> float:
-    """How long (ms) a reply says its attempt took on its agent, from arrival to reply (what
-    it does not say, or not as a number, counts as nothing)."""
-    took = 0.0
-    for key in ("queued_ms", "duration_ms"):
-        value = body.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            took += value
-    return took
+    tokens: list[str]
+    losses: int
+    timer: asyncio.TimerHandle | None = None
 
 
 class LatenessMixin:
-    """The methods of ``Hub`` that charge an expired proxy attempt to its agent once asked
-    (``Hub`` sets every attribute below)."""
+    """The methods of ``Hub`` that charge an expired proxy attempt to its agent once ordered
+    against a marker (``Hub`` sets every attribute below)."""
 
-    settings: MeshSettings
     registry: Registry
     metrics: HubMetrics
-    #: Expiry asks in progress (``EXPIRY_ASKS_MOST``), per namespace
-    #: (``EXPIRY_ASKS_PER_NAMESPACE``; none kept at 0), and their tasks (cancelled at close).
-    _expiry_asks: int
-    _expiry_asks_by_ns: dict[str, int]
-    _expiry_checks: set[asyncio.Task[None]]
+    _agents_nc: NATS | None
+    _reply_sub: Subscription
+    _reply_prefix: str
+    #: Expired attempts awaiting their marker, by reply token, and their count per namespace
+    #: (none kept at 0).
+    _late: dict[str, _Flight]
+    _late_by_ns: dict[str, int]
+    #: Tokens expired in the sweep's current pass (one marker for them at its end).
+    _late_swept: list[str]
+    #: Markers in flight, by token.
+    _markers: dict[str, _Marker]
+    #: The reply subscription's losses as the sweep last saw them, and when (perf_counter)
+    #: it last saw them grow.
+    _losses_seen: int
+    _lost_at: float
+
+    if TYPE_CHECKING:
+
+        def _read_reply(self, view: AgentView, flight: _Flight, data: bytes) -> _ReplyHead: ...
+
+    def _reply_losses(self) -> int:
+        """Reconnections of the replies' connection and messages of the reply subscription
+        dropped as a slow consumer, so far: a reply may be lost with either."""
+        nc = self._agents_nc
+        if nc is None:
+            return 0
+        return int(nc.stats["reconnects"]) + slow_drops(nc, self._reply_sub._id)
+
+    def _note_losses(self) -> None:
+        """Called by the sweep before each pass expires anything: a loss seen now may have
+        taken a reply of any attempt whose route began before it."""
+        losses = self._reply_losses()
+        if losses != self._losses_seen:
+            self._losses_seen = losses
+            self._lost_at = time.perf_counter()
 
     def _check_expiry(self, flight: _Flight) -> None:
-        """``flight``'s attempt expired unanswered: ask its agent before charging it (module
-        docstring), within the asks' bounds; past them, nothing is charged."""
-        view, ns = flight.view, flight.ns
-        assert view is not None
-        by_ns = self._expiry_asks_by_ns
+        """``flight``'s attempt expired unanswered: keep it pending for this pass's marker
+        (module docstring), within the bounds; past them, nothing is charged."""
+        if flight.t0 <= self._lost_at:  # its reply may be lost already
+            self.metrics.expiry_checks_total.labels("behind").inc()
+            return
+        ns = flight.ns
+        by_ns = self._late_by_ns
         held = by_ns.get(ns, 0)
-        if self._expiry_asks >= EXPIRY_ASKS_MOST or held >= EXPIRY_ASKS_PER_NAMESPACE:
+        if len(self._late) >= EXPIRY_PENDING_MOST or held >= EXPIRY_PENDING_PER_NAMESPACE:
             self.metrics.expiry_checks_total.labels("skipped").inc()
             return
-        self._expiry_asks += 1
         by_ns[ns] = held + 1
-        task = asyncio.get_running_loop().create_task(
-            self._ask_then_charge(view, ns, flight.task_id, flight.attempt, flight.req.timeout)
-        )
-        self._expiry_checks.add(task)
-        task.add_done_callback(self._expiry_checks.discard)
+        self._late[flight.token] = flight
+        self._late_swept.append(flight.token)
 
-    async def _ask_then_charge(
-        self, view: AgentView, ns: str, task_id: str, attempt: int, timeout: float
-    ) -> None:
-        try:
-            outcome = await self._ask_expired(view, task_id, attempt, timeout)
-        except Exception:  # a bug, not the agent: nothing charged
-            outcome = "behind"
-        finally:
-            self._expiry_asks -= 1
-            by_ns = self._expiry_asks_by_ns
-            by_ns[ns] -= 1
-            if not by_ns[ns]:
-                del by_ns[ns]
-        self.metrics.expiry_checks_total.labels(outcome).inc()
-
-    async def _ask_expired(
-        self, view: AgentView, task_id: str, attempt: int, timeout: float
-    ) -> str:
-        """Ask ``view``'s agent about the attempt that expired (of a route of ``timeout``
-        seconds), charge it by the answer, and say how it ended (an ``EXPIRY_OUTCOMES``
-        label)."""
-        asks = self.registry.asks
-        body = protocol.dumps({"op": "task_state", "task_id": task_id, "route": True})
-        reconnections = asks.reconnections
-        # Kept waiting through the check of this hub's own reading below: an answer it finds
-        # unread is still taken.
-        ask = asyncio.ensure_future(
-            asks.ask(
-                protocol.agent_ctl(view.agent_id),
-                body,
-                timeout=EXPIRY_ASK_TIMEOUT + 2 * _CAUGHT_UP_WAIT,
-            )
-        )
-        try:
-            done, _ = await asyncio.wait({ask}, timeout=EXPIRY_ASK_TIMEOUT)
-            if not done:
-                # Silent so far: the agent's doing, or this hub's reading?
-                caught_up = await asks.caught_up(_CAUGHT_UP_WAIT)
-                if not ask.done():
-                    if caught_up and asks.reconnections == reconnections:
-                        self._charge(view, _Word.LATE)
-                        return "charged"
-                    return "behind"  # its answer may be waiting unread, or lost
-            try:
-                data = ask.result().data
-            except nats.errors.NoRespondersError:  # nobody listens on its ctl subject
-                self._charge(view, _Word.LATE)
-                return "charged"
-            except Exception:
-                # Timed out while this hub's loop was too slow to look, or a connection
-                # closing: this hub's trouble, not the agent's.
-                return "behind"
-            word = agent_word(
-                data,
-                view.agent_id,
-                task_id,
-                attempt,
-                self.settings.max_payload + _ANSWER_SLACK,
-                timeout,
-            )
-            if self.registry.agents.get(view.agent_id) is view:
-                self.registry.answered_on_ctl(view)  # (any answer: not deaf)
-            self._charge(view, word)
-            return "charged" if word is _Word.LATE else "answered"
-        finally:
-            if not ask.done():
-                ask.cancel()
-            with contextlib.suppress(BaseException):
-                await ask
-
-    def _charge(self, view: AgentView, word: _Word) -> None:
-        """Charge ``view`` as ``word`` says — if it is still the agent's registration here
-        (one that left meanwhile keeps what it had)."""
-        if self.registry.agents.get(view.agent_id) is not view or word is _Word.NEUTRAL:
+    async def _send_marker(self) -> None:
+        """The sweep's pass expired attempts (``_late_swept``): send their marker."""
+        tokens, self._late_swept = self._late_swept, []
+        if not tokens:
             return
-        if word is _Word.SUCCEEDED:
-            view.health.success()
-            view.breaker.record(True)
-        elif word is _Word.FAILED:
-            view.breaker.record(False)
-        else:
-            view.health.accept_timeout()
-            view.breaker.record(False)
+        token = reply_token()
+        marker = self._markers[token] = _Marker(tokens, self._losses_seen)
+        marker.timer = asyncio.get_running_loop().call_later(
+            MARKER_WAIT, self._marker_overdue, token
+        )
+        nc = self._agents_nc
+        try:
+            assert nc is not None
+            await nc.publish(self._reply_prefix + token, b"")
+        except Exception:  # (closing, or its buffer full): it cannot tell
+            self._marker_overdue(token)
+
+    def _late_reply(self, token: str, data: bytes, no_responders: bool) -> None:
+        """A reply on ``token``, whose attempt is no longer in flight: read before its marker,
+        it counts as if read in time (its caller was answered already)."""
+        self.metrics.late_reply_total.inc()
+        flight = self._late.pop(token, None)
+        if flight is None:
+            return
+        self._release(flight.ns)
+        view = flight.view
+        assert view is not None
+        if not no_responders and self.registry.agents.get(view.agent_id) is view:
+            # (A malformed reply is charged there, as in time; an error body raised.)
+            with contextlib.suppress(ReachError):
+                self._read_reply(view, flight, data)
+        self.metrics.expiry_checks_total.labels("answered").inc()
+
+    def _marker_back(self, token: str) -> bool:
+        """An empty message on a reply subject: if it is a marker in flight, what was not read
+        before it was not at the server by then. Whether it was one."""
+        marker = self._markers.pop(token, None)
+        if marker is None:
+            return False
+        if marker.timer is not None:
+            marker.timer.cancel()
+        lost = self._reply_losses() != marker.losses
+        lost_at = self._lost_at
+        late, checks = self._late, self.metrics.expiry_checks_total
+        for t in marker.tokens:
+            flight = late.pop(t, None)
+            if flight is None:  # answered before it
+                continue
+            self._release(flight.ns)
+            if lost or flight.t0 <= lost_at:
+                checks.labels("behind").inc()
+            else:
+                self._charge(flight)
+                checks.labels("charged").inc()
+        return True
+
+    def _marker_overdue(self, token: str) -> None:
+        """The marker did not come back in time (or could not be sent): this hub cannot tell
+        whether its attempts were answered."""
+        marker = self._markers.pop(token, None)
+        if marker is None:
+            return
+        if marker.timer is not None:
+            marker.timer.cancel()
+        for t in marker.tokens:
+            flight = self._late.pop(t, None)
+            if flight is not None:
+                self._release(flight.ns)
+                self.metrics.expiry_checks_total.labels("behind").inc()
+
+    def _forget_late(self) -> None:
+        """The hub closes: the markers' timers cancelled, nothing pending charged."""
+        for marker in self._markers.values():
+            if marker.timer is not None:
+                marker.timer.cancel()
+        self._markers.clear()
+        self._late.clear()
+        self._late_by_ns.clear()
+        self._late_swept.clear()
+
+    def _release(self, ns: str) -> None:
+        by_ns = self._late_by_ns
+        by_ns[ns] -= 1
+        if not by_ns[ns]:
+            del by_ns[ns]
+
+    def _charge(self, flight: _Flight) -> None:
+        """An accept timeout and a breaker failure on the agent of ``flight`` — if it is still
+        its registration here (one that left meanwhile keeps what it had)."""
+        view = flight.view
+        assert view is not None
+        if self.registry.agents.get(view.agent_id) is not view:
+            return
+        view.health.accept_timeout()
+        view.breaker.record(False)
         self.registry.regrade(view)

@@ -152,7 +152,8 @@ class _Flight:
 class RouteEndMixin(LatenessMixin):
     """The methods of ``Hub`` that end a route (which sets every attribute below in its
     ``__init__`` and ``start``): the agent's reply, the deadline sweep, the answer (an
-    expiry is charged to the agent once it is asked: its base ``LatenessMixin``)."""
+    expiry is charged to the agent once ordered against a marker: its base
+    ``LatenessMixin``)."""
 
     settings: MeshSettings
     registry: Registry
@@ -226,10 +227,12 @@ class RouteEndMixin(LatenessMixin):
         data = msg.data
         headers = msg.headers
         no_responders = not data and headers is not None and headers.get("Status") == "503"
+        # (Read one at a time, in the server's order — nats-py awaits this callback before it
+        # takes the next message —, which the expiry markers rely on: ``hub/_lateness.py``.)
         if "." in token:  # one attempt's own reply subject
             flight = self._flights.pop(token, None)
-            if flight is None:
-                self.metrics.late_reply_total.inc()  # that attempt timed out already
+            if flight is None:  # that attempt timed out already
+                self._late_reply(token, data, no_responders)
             elif no_responders:
                 await self._unreachable(flight)
             else:
@@ -237,15 +240,20 @@ class RouteEndMixin(LatenessMixin):
             return
         if no_responders:  # a whole batch found nobody
             for i in range(BATCH_ITEMS):
-                flight = self._flights.pop(f"{token}.{i}", None)
+                attempt_token = f"{token}.{i}"
+                flight = self._flights.pop(attempt_token, None)
                 if flight is not None:
                     await self._unreachable(flight)
+                elif attempt_token in self._late:
+                    self._late_reply(attempt_token, data, True)
+            return
+        if not data and self._marker_back(token):  # this hub's own expiry marker
             return
         # A batch of replies: one line each, "<reply subject> <TaskReply JSON>".
         for attempt_token, body in protocol.split_answers(data, self._reply_prefix_b):
             flight = self._flights.pop(attempt_token, None)
             if flight is None:
-                self.metrics.late_reply_total.inc()
+                self._late_reply(attempt_token, body, False)
             else:
                 await self._answered(flight, body)
         await asyncio.sleep(0)  # these answers leave before the next batch of replies is read
@@ -501,6 +509,7 @@ class RouteEndMixin(LatenessMixin):
                 await wake.wait()
                 heap = self._deadlines
             await asyncio.sleep(_SWEEP_INTERVAL)
+            self._note_losses()
             now = time.perf_counter()
             while heap and heap[0][0] <= now:
                 _, token = heapq.heappop(heap)
@@ -514,6 +523,8 @@ class RouteEndMixin(LatenessMixin):
                             await self._finish(
                                 flight, error=InternalError(f"internal error: {err!r}"[:200])
                             )
+            if self._late_swept:  # one marker for the attempts this pass expired
+                await self._send_marker()
             # Answered attempts leave their entry behind; drop them once they outnumber the
             # live ones, so the heap stays the size of what is in flight.
             if len(heap) > 2 * len(self._flights) + 1024:
@@ -525,8 +536,8 @@ class RouteEndMixin(LatenessMixin):
         view = flight.view
         assert view is not None
         view.outstanding -= 1
-        # Charged once its agent says it did not answer in time: the answer may be waiting
-        # unread here, behind a flood of this hub's reply subjects (``hub/_lateness.py``).
+        # Charged once this hub's own marker shows no answer was waiting unread here (behind
+        # a flood of this hub's reply subjects) when the pass ended (``hub/_lateness.py``).
         self._check_expiry(flight)
         err = MeshTimeoutError(
             f"agent {view.agent_id} did not answer task {flight.task_id} "

@@ -1,0 +1,213 @@
+"""An expired proxy attempt ordered against the marker its hub sends itself
+(``hub/_lateness.py``): a reply read before the marker is credited, one after it charged, and
+a reply the hub may have lost (a slow-consumer drop, a reconnection) neither.
+
+Deterministic: the hub's reply subscription is held (its callback waits on an event) while
+the test places messages in its queue, in the server's order, then let go."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from reach_mesh import Client, MeshSettings, TaskState, protocol
+from reach_mesh._nats import slow_drops
+from reach_mesh.errors import MeshTimeoutError
+from reach_mesh.hub import Hub
+from reach_mesh.models import TaskEnvelope, TaskReply
+from reach_mesh.tracing.metrics import EXPIRY_OUTCOMES, HubMetrics
+
+from .helpers import eventually
+from .test_flights import raw_agent
+from .test_reply_flood import OUTCOMES, _checks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_every_outcome_has_its_series_from_the_start() -> None:
+    assert OUTCOMES == EXPIRY_OUTCOMES
+    get = HubMetrics().registry.get_sample_value
+    assert all(get("reach_expiry_checks_total", {"outcome": o}) == 0 for o in OUTCOMES)
+
+
+def _held(hub: Hub) -> tuple[asyncio.Event, Callable[[], int]]:
+    """Hold ``hub``'s reply subscription: its callback waits for the event returned (nats-py
+    queues what comes meanwhile, in order); and how many messages it holds so far."""
+    go = asyncio.Event()
+    sub = hub._reply_sub
+    read: Callable[[Msg], Awaitable[None]] = sub._cb  # type: ignore[assignment]
+    taken: list[Msg] = []
+
+    async def held(msg: Msg) -> None:
+        if not go.is_set():
+            taken.append(msg)  # (nats-py's queue no longer counts it)
+        await go.wait()
+        await read(msg)
+
+    sub._cb = held
+    return go, lambda: len(taken) + sub.pending_msgs
+
+
+@asynccontextmanager
+async def _routed(
+    hub: Hub, settings: MeshSettings, agent_id: str
+) -> AsyncIterator[tuple[list[Msg], asyncio.Task[object], NATS]]:
+    """A hand-made agent that takes its task and does not answer, a route to it (0.5 s) under
+    way, and a plain connection for the test to publish with."""
+    assert settings.nats_url is not None
+    nc = await nats.connect(settings.nats_url)
+    try:
+        async with (
+            raw_agent(settings, agent_id, listen=True) as received,
+            Client(settings=settings) as c,
+        ):
+            route = asyncio.ensure_future(
+                c.request(agent_id=agent_id, payload={"n": 1}, timeout=0.5)
+            )
+            await eventually(lambda: len(received) == 1)
+            yield received, route, nc
+            route.cancel()
+    finally:
+        await nc.close()
+
+
+def _reply_to(task: Msg, agent_id: str) -> bytes:
+    env = TaskEnvelope.model_validate_json(task.data)
+    return protocol.encode(
+        TaskReply(
+            task_id=env.task_id, attempt=env.attempt, agent_id=agent_id, state=TaskState.SUCCEEDED
+        )
+    )
+
+
+def _decided(hub: Hub, before: dict[str, float], outcome: str, agent_id: str) -> tuple[int, int]:
+    """Assert that one expiry of ``hub`` ended ``outcome`` since ``before`` (and no other);
+    the breaker's ``(successes, failures)`` of ``agent_id`` then."""
+    checks = _checks(hub)
+    assert checks == {o: before[o] + (o == outcome) for o in OUTCOMES}, checks
+    return hub.registry.agents[agent_id].breaker.counts()
+
+
+def _health(hub: Hub, agent_id: str) -> float:
+    return hub.registry.agents[agent_id].health.value
+
+
+async def _timed_out(route: asyncio.Task[object]) -> None:
+    with pytest.raises(MeshTimeoutError):
+        await route
+
+
+async def test_a_reply_sent_in_time_read_after_the_expiry_but_before_the_marker_is_credited(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """The agent answers in time; the hub reads it only after the deadline passed (its
+    caller answered REACH_TIMEOUT) — but before its marker, which the server delivered
+    behind the reply: a success on its breaker, its health whole."""
+    agent_id = f"{namespace}.prompt.a1"
+    go, held = _held(hub)
+    async with _routed(hub, settings, agent_id) as (received, route, nc):
+        await nc.publish(received[0].reply, _reply_to(received[0], agent_id))
+        await nc.flush()
+        await _timed_out(route)
+        await eventually(lambda: held() >= 2)  # the reply, the marker
+        assert hub._markers
+        before = _checks(hub)
+        go.set()
+        await eventually(lambda: not hub._markers)
+        assert _decided(hub, before, "answered", agent_id) == (1, 0)
+        assert _health(hub, agent_id) == 100
+
+
+async def test_a_reply_sent_after_the_marker_is_charged(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """The agent answers once the hub's marker is at the server: behind it in the queue,
+    the reply is late — an accept timeout and a breaker failure, the reply counted late."""
+    agent_id = f"{namespace}.tardy.a1"
+    go, held = _held(hub)
+    async with _routed(hub, settings, agent_id) as (received, route, nc):
+        await _timed_out(route)
+        await eventually(lambda: held() >= 1)  # the marker
+        await nc.publish(received[0].reply, _reply_to(received[0], agent_id))
+        await nc.flush()
+        await eventually(lambda: held() >= 2)
+        before = _checks(hub)
+        late = hub.metrics.late_reply_total._value.get()
+        go.set()
+        await eventually(lambda: hub.metrics.late_reply_total._value.get() == late + 1)
+        assert _decided(hub, before, "charged", agent_id) == (0, 1)
+        assert _health(hub, agent_id) < 100
+
+
+async def test_a_reply_dropped_as_a_slow_consumer_before_the_expiry_charges_nothing(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """The agent's reply, sent in time, is dropped by nats-py (the reply subscription's
+    pending bytes full): the hub cannot tell it from silence — ``behind``, nothing charged,
+    though its marker comes back with nothing before it."""
+    agent_id = f"{namespace}.dropped.a1"
+    go, _ = _held(hub)
+    sub = hub._reply_sub
+    sub._pending_bytes_limit = 4096
+    async with _routed(hub, settings, agent_id) as (received, route, nc):
+        await nc.publish(hub._reply_prefix + "junk", b"x" * 4000)  # queued: 96 bytes left
+        await nc.publish(received[0].reply, _reply_to(received[0], agent_id))  # dropped
+        await nc.flush()
+        await eventually(lambda: slow_drops(hub._agents_nc, sub._id) == 1)
+        before = _checks(hub)
+        go.set()
+        await _timed_out(route)
+        await eventually(lambda: sum(_checks(hub).values()) > sum(before.values()))
+        await eventually(lambda: not hub._markers)
+        assert _decided(hub, before, "behind", agent_id) == (0, 0)
+        assert _health(hub, agent_id) == 100
+
+
+async def test_a_drop_between_the_marker_and_its_reading_charges_nothing(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """A message of the reply subscription dropped after the marker was sent but before it
+    was read: what was dropped may have been a reply — ``behind``, nothing charged."""
+    agent_id = f"{namespace}.dropafter.a1"
+    go, held = _held(hub)
+    sub = hub._reply_sub
+    async with _routed(hub, settings, agent_id) as (_, route, nc):
+        await _timed_out(route)
+        await eventually(lambda: held() >= 1)  # the marker
+        assert hub._markers
+        sub._pending_bytes_limit = 4096
+        await nc.publish(hub._reply_prefix + "junk", b"x" * 5000)  # dropped
+        await nc.flush()
+        await eventually(lambda: slow_drops(hub._agents_nc, sub._id) == 1)
+        before = _checks(hub)
+        go.set()
+        await eventually(lambda: not hub._markers)
+        assert _decided(hub, before, "behind", agent_id) == (0, 0)
+        assert _health(hub, agent_id) == 100
+
+
+async def test_a_reconnection_while_an_attempt_is_out_charges_nothing(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """The hub's agents connection is cut (its socket aborted, as nats-server cuts a slow
+    consumer) and comes back while an attempt is out: its reply may have been lost with the
+    connection — ``behind``, nothing charged, though the marker comes back."""
+    agent_id = f"{namespace}.cut.a1"
+    nc_agents = hub._agents_nc
+    assert nc_agents is not None
+    async with _routed(hub, settings, agent_id) as (_, route, _nc):
+        before = _checks(hub)
+        reconnects = nc_agents.stats["reconnects"]
+        nc_agents._transport._io_writer.transport.abort()  # type: ignore[union-attr]
+        await eventually(lambda: nc_agents.stats["reconnects"] > reconnects)
+        await _timed_out(route)
+        await eventually(lambda: sum(_checks(hub).values()) > sum(before.values()))
+        await asyncio.sleep(0.2)  # (a marker, had one been sent, back by now)
+        assert _decided(hub, before, "behind", agent_id) == (0, 0)
+        assert _health(hub, agent_id) == 100
