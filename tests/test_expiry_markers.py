@@ -8,6 +8,8 @@ the test places messages in its queue, in the server's order, then let go."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -56,10 +58,10 @@ def _held(hub: Hub) -> tuple[asyncio.Event, Callable[[], int]]:
 
 @asynccontextmanager
 async def _routed(
-    hub: Hub, settings: MeshSettings, agent_id: str
+    hub: Hub, settings: MeshSettings, agent_id: str, timeout: float = 0.5
 ) -> AsyncIterator[tuple[list[Msg], asyncio.Task[object], NATS]]:
-    """A hand-made agent that takes its task and does not answer, a route to it (0.5 s) under
-    way, and a plain connection for the test to publish with."""
+    """A hand-made agent that takes its task and does not answer, a route to it (``timeout``)
+    under way, and a plain connection for the test to publish with."""
     assert settings.nats_url is not None
     nc = await nats.connect(settings.nats_url)
     try:
@@ -68,7 +70,7 @@ async def _routed(
             Client(settings=settings) as c,
         ):
             route = asyncio.ensure_future(
-                c.request(agent_id=agent_id, payload={"n": 1}, timeout=0.5)
+                c.request(agent_id=agent_id, payload={"n": 1}, timeout=timeout)
             )
             await eventually(lambda: len(received) == 1)
             yield received, route, nc
@@ -209,5 +211,46 @@ async def test_a_reconnection_while_an_attempt_is_out_charges_nothing(
         await _timed_out(route)
         await eventually(lambda: sum(_checks(hub).values()) > sum(before.values()))
         await asyncio.sleep(0.2)  # (a marker, had one been sent, back by now)
+        assert _decided(hub, before, "behind", agent_id) == (0, 0)
+        assert _health(hub, agent_id) == 100
+
+
+async def test_a_reply_that_came_while_the_hubs_loop_was_behind_is_not_credited(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """The hub's event loop is held past an attempt's deadline while the agent answers (from
+    a thread, 0.1 s after the deadline): the late sweep's marker leaves behind the reply, but
+    the reply may have come after the deadline — ``behind``, neither credited nor charged.
+    (Credited, an agent answering late while its hub was busy counted as answering in
+    time.)"""
+    agent_id = f"{namespace}.lagged.a1"
+    go, held = _held(hub)
+    timeout = 0.5
+    async with _routed(hub, settings, agent_id, timeout) as (received, route, _):
+        publish_at = time.monotonic() + timeout + 0.1  # (the route began before: past it)
+        reply_to, body = received[0].reply, _reply_to(received[0], agent_id)
+        published = threading.Event()
+
+        def answer() -> None:
+            async def publish() -> None:
+                assert settings.nats_url is not None
+                nc = await nats.connect(settings.nats_url)
+                await asyncio.sleep(publish_at - time.monotonic())
+                await nc.publish(reply_to, body)
+                await nc.flush()
+                await nc.close()
+
+            asyncio.run(publish())
+            published.set()
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        assert published.wait(10)  # (holds this loop, the hub's, past the deadline)
+        thread.join()
+        await _timed_out(route)
+        await eventually(lambda: held() >= 2)  # the reply, the marker
+        before = _checks(hub)
+        go.set()
+        await eventually(lambda: not hub._markers)
         assert _decided(hub, before, "behind", agent_id) == (0, 0)
         assert _health(hub, agent_id) == 100

@@ -12,13 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import nats
-import pytest
 from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, protocol
@@ -204,32 +202,3 @@ async def test_an_agent_that_never_answers_but_says_it_did_on_ctl_has_its_breake
                 assert view.health.value < 100  # (its accept timeouts)
         finally:
             await nc.close()
-
-
-async def test_an_agent_that_answers_past_the_deadline_is_charged_its_expiry(
-    hub: Hub, settings: MeshSettings, namespace: str
-) -> None:
-    """An agent whose handler holds its event loop past the route's deadline answers after
-    the hub's marker came back: charged as an expiry, not counted a success (which kept a
-    slow agent out of its breaker, healthy, while every route to it timed out)."""
-    agent_id = f"{namespace}.slow.a1"
-    agent = Agent(agent_id, settings=settings)
-
-    @agent.handler("work:slow:v1")
-    async def slow(task: Task[int]) -> int:
-        time.sleep(0.8)  # noqa: ASYNC251 (holds the event loop: the ask waits behind it)
-        return task.payload
-
-    async with agent, Client(settings=settings) as c:
-        before = _checks(hub)
-        with pytest.raises(MeshTimeoutError):
-            await c.request(agent_id=agent_id, payload=1, timeout=0.3)
-        view = hub.registry.agents[agent_id]
-
-        def checked() -> bool:
-            return sum(_checks(hub).values()) > sum(before.values())
-
-        await eventually(checked, timeout=5)
-        checks = _checks(hub)
-        assert checks["charged"] == before["charged"] + 1, checks
-        assert view.breaker.counts() == (0, 1) and view.health.value < 100

@@ -23,6 +23,8 @@ for that subscription, and the subscription's one callback reads them in order
   published the marker (the server's order, not the agent's clock): it counts as if read in
   time (``_read_reply``: a success, or a timeout or failure of its own on the breaker, a
   caller's bad payload or a cached answer nothing; "no responders" nothing) — ``answered``;
+  unless it was read, or the marker left, more than ``_SWEEP_SLACK`` past the deadline
+  (this hub's loop behind): then the reply may have come after the deadline — ``behind``;
 - the marker read and the reply not before it: it did not answer in time — an accept timeout
   and a breaker failure, as before — ``charged``;
 - the marker not back within ``MARKER_WAIT``, or the connection reconnected, or a message of
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -74,6 +77,10 @@ EXPIRY_PENDING_MOST: Final = 1024
 EXPIRY_PENDING_PER_NAMESPACE: Final = 128
 #: How long a marker is waited for (seconds): not back by then, its attempts are ``behind``.
 MARKER_WAIT: Final = 2.0
+#: How far past an attempt's deadline (seconds) the sweep may expire it and still credit a
+#: reply read before the marker (the sweep runs every 5 ms): later, a reply at the server
+#: before the marker may have come after the deadline.
+_SWEEP_SLACK: Final = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -84,6 +91,14 @@ class _Marker:
     tokens: list[str]
     losses: int
     timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """An expired attempt awaiting its marker, and when (perf_counter) that marker left."""
+
+    flight: _Flight
+    marked_at: float = math.inf
 
 
 class LatenessMixin:
@@ -97,7 +112,7 @@ class LatenessMixin:
     _reply_prefix: str
     #: Expired attempts awaiting their marker, by reply token, and their count per namespace
     #: (none kept at 0).
-    _late: dict[str, _Flight]
+    _late: dict[str, _Pending]
     _late_by_ns: dict[str, int]
     #: Tokens expired in the sweep's current pass (one marker for them at its end).
     _late_swept: list[str]
@@ -141,7 +156,7 @@ class LatenessMixin:
             self.metrics.expiry_checks_total.labels("skipped").inc()
             return
         by_ns[ns] = held + 1
-        self._late[flight.token] = flight
+        self._late[flight.token] = _Pending(flight)
         self._late_swept.append(flight.token)
 
     async def _send_marker(self) -> None:
@@ -151,6 +166,11 @@ class LatenessMixin:
             return
         token = reply_token()
         marker = self._markers[token] = _Marker(tokens, self._losses_seen)
+        late, now = self._late, time.perf_counter()
+        for t in tokens:
+            pending = late.get(t)
+            if pending is not None:
+                pending.marked_at = now
         marker.timer = asyncio.get_running_loop().call_later(
             MARKER_WAIT, self._marker_overdue, token
         )
@@ -165,10 +185,16 @@ class LatenessMixin:
         """A reply on ``token``, whose attempt is no longer in flight: read before its marker,
         it counts as if read in time (its caller was answered already)."""
         self.metrics.late_reply_total.inc()
-        flight = self._late.pop(token, None)
-        if flight is None:
+        pending = self._late.pop(token, None)
+        if pending is None:
             return
+        flight = pending.flight
         self._release(flight.ns)
+        # At the server before the marker left, and before it was read: past the slack, it
+        # may have come after the deadline (this hub's loop behind): it cannot tell.
+        if min(pending.marked_at, time.perf_counter()) - flight.deadline > _SWEEP_SLACK:
+            self.metrics.expiry_checks_total.labels("behind").inc()
+            return
         view = flight.view
         assert view is not None
         if not no_responders and self.registry.agents.get(view.agent_id) is view:
@@ -189,9 +215,10 @@ class LatenessMixin:
         lost_at = self._lost_at
         late, checks = self._late, self.metrics.expiry_checks_total
         for t in marker.tokens:
-            flight = late.pop(t, None)
-            if flight is None:  # answered before it
+            pending = late.pop(t, None)
+            if pending is None:  # answered before it
                 continue
+            flight = pending.flight
             self._release(flight.ns)
             if lost or flight.t0 <= lost_at:
                 checks.labels("behind").inc()
@@ -209,9 +236,9 @@ class LatenessMixin:
         if marker.timer is not None:
             marker.timer.cancel()
         for t in marker.tokens:
-            flight = self._late.pop(t, None)
-            if flight is not None:
-                self._release(flight.ns)
+            pending = self._late.pop(t, None)
+            if pending is not None:
+                self._release(pending.flight.ns)
                 self.metrics.expiry_checks_total.labels("behind").inc()
 
     def _forget_late(self) -> None:
