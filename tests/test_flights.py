@@ -124,7 +124,7 @@ async def test_hung_agent_times_out_on_the_hub_and_its_late_reply_is_dropped(
         assert 0.3 <= elapsed < 0.3 + 0.25
         assert info.value.details.get("agent_id") == agent_id
         view = hub.registry.agents[agent_id]
-        # An accept timeout, once its ctl subject says nobody listens (hub/_lateness.py).
+        # An accept timeout, once the hub's marker came back before any reply (hub/_lateness.py).
         await eventually(lambda: view.health.value < 100)
         assert view.outstanding == 0
 

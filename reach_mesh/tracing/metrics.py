@@ -202,7 +202,7 @@ class LoopHistogram(Collector):
 
 #: What a hub's seek for the holder of a resent route found (``reach_resend_seek_total``).
 RESEND_FOUND: Final = ("hub", "agent", "pin", "nobody", "lost", "lost_copy", "skipped")
-#: What became of a proxy attempt's expiry once its agent was asked about it
+#: What became of a proxy attempt's expiry once ordered against the hub's marker
 #: (``reach_expiry_checks_total``, ``hub/_lateness.py``).
 EXPIRY_OUTCOMES: Final = ("charged", "answered", "behind", "skipped")
 
@@ -356,13 +356,14 @@ class HubMetrics:
         self.expiry_checks_total = _counter_by(
             r,
             "reach_expiry_checks",
-            "Proxy attempts that timed out unanswered, by what their agent's ctl task_state "
-            "answer made of the expiry: charged (it did not answer in time, or nobody listens "
-            "on its ctl subject, or it was silent while this hub read in time: an accept "
-            "timeout and a breaker failure), answered (it had answered: this hub read the "
-            "answer late or lost it; charged as that answer says), behind (silent while this "
-            "hub could not show it read in time: not charged), skipped (too many asks at "
-            "once: not charged).",
+            "Proxy attempts that timed out unanswered, by what a marker this hub sent itself "
+            "on its own reply subject after the expiry made of it: charged (the marker came "
+            "back, no reply of the attempt before it: an accept timeout and a breaker "
+            "failure), answered (its reply read before the marker: counted as if read in "
+            "time), behind (that reply read and the marker sent over 50 ms past the "
+            "deadline, or the marker not back within 2 s, or a reconnection or a "
+            "slow-consumer drop of the reply subscription since the route began: not "
+            "charged), skipped (too many pending: not charged).",
             "outcome",
             EXPIRY_OUTCOMES,
         )
