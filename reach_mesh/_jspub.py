@@ -342,30 +342,6 @@ class JsClient:
         nats-py counts them: once made, before the connection's callbacks run."""
         return int(self._nc.stats["reconnects"])
 
-    async def caught_up(self, timeout: float) -> bool:
-        """Whether this client has read every answer the server had for it until now: a
-        message it sends itself comes back through its reply subscription within
-        ``timeout`` (nats-server delivers it behind every message it had for the connection,
-        and the subscription reads them in order). Not ``flush(timeout)``: its PONG shows
-        the read loop took every message before it, not that this subscription's callbacks
-        ran them; and nats-py's own connection (not ``_nats.connect``'s) loses its reader to a
-        PONG that comes after that timeout (``tests/test_nats_flush.py``).
-        False when that cannot be shown (too slow, not connected)."""
-        if self._sub is None or self._later:
-            try:
-                await self._before_request()
-            except Exception:
-                return False
-        token, future, timer = self._expect(timeout)
-        try:
-            await self._nc.publish(self._prefix + token, b"")
-            await future
-        except Exception:
-            return False
-        finally:
-            self._forget(token, timer)
-        return True
-
     async def publish(
         self,
         subject: str,

@@ -230,29 +230,6 @@ async def test_ask_has_an_unguessable_reply_and_knows_no_responders(nats_url: st
         await nc.close()
 
 
-async def test_caught_up_tells_a_client_reading_in_time_from_one_behind(nats_url: str) -> None:
-    """``JsClient.caught_up``: a message the client sends itself comes back through its reply
-    subscription in time — unless what the server had for it before (a flood of its reply
-    subjects, read in order) holds it up. Closed, it cannot tell: False. Never nats-py's
-    ``flush(timeout)``, whose PONG after its timeout kills the connection's reader."""
-    from tests.test_abuse import _flood_from_a_thread
-
-    nc = await nats.connect(nats_url)
-    jsc = JsClient(nc, timeout=2.0)
-    await jsc.start()
-    try:
-        assert await jsc.caught_up(2.0)
-        flooding = _flood_from_a_thread(nats_url, jsc._prefix + "junk", b"x" * 100, 100_000)
-        flooding.join(60)  # the loop stalled: all of it is on its way to the client, unread
-        assert not await jsc.caught_up(0.01)
-        assert await jsc.caught_up(10.0)  # read since
-        assert nc.is_connected and jsc.reconnections == 0
-    finally:
-        await jsc.stop()
-        await nc.close()
-    assert not await jsc.caught_up(1.0)
-
-
 async def test_requests_time_out_at_their_deadlines_on_one_timer(nats_url: str) -> None:
     """Unanswered requests time out when their own timeouts run out, in order or not (a
     shorter one made after a longer one gets a timer of its own); answered ones leave the
