@@ -205,10 +205,11 @@ def load_agents(spec: str) -> list[Any]:
     sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
+    except (ImportError, TypeError) as err:  # TypeError: a relative name, "./myagents"
         hint = ""
-        if module_name.endswith(".py"):
-            hint = f" (a module name, not a file: {module_name.removesuffix('.py')}:{attr})"
+        if module_name.endswith(".py") or "/" in module_name or module_name.startswith("."):
+            dotted = module_name.removesuffix(".py").removeprefix("./").replace("/", ".")
+            hint = f" (a module name, not a file: {dotted}:{attr})"
         raise BadRequestError(f"cannot import {module_name!r}: {err}{hint}") from err
     try:
         obj = getattr(module, attr)

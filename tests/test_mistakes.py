@@ -712,6 +712,14 @@ def test_agent_spec_given_as_a_file_name_says_how_to_name_the_module(tmp_path: P
 
     with pytest.raises(BadRequestError, match=r"a module name, not a file: myagents:agent"):
         load_agents("myagents.py:agent")
+    # a path, as a shell completes it: the dotted name that imports, not a TypeError
+    for spec, named in [
+        ("./myagents.py:agent", "myagents:agent"),
+        ("agents/shop.py:agent", "agents.shop:agent"),
+        ("./agents/shop:agent", "agents.shop:agent"),
+    ]:
+        with pytest.raises(BadRequestError, match=rf"a module name, not a file: {named}\)$"):
+            load_agents(spec)
 
 
 async def test_a_zero_timeout_is_refused_not_taken_for_the_default(
