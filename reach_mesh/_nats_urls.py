@@ -133,16 +133,22 @@ async def diagnose(servers: list[str], err: BaseException) -> str:
             continue
         try:
             async with asyncio.timeout(1.0):
-                _, writer = await asyncio.open_connection(host, port)
+                reader, writer = await asyncio.open_connection(host, port)
         except ConnectionRefusedError:
             causes.append(f"{_REFUSED}: nothing listens on {host}:{port}")
             continue
         except (OSError, TimeoutError):
             causes.append(f"no answer from {host}:{port}")
             continue
-        writer.close()
-        with contextlib.suppress(Exception):
-            await writer.wait_closed()
+        try:
+            if parts.scheme in ("nats", "tls"):  # (a websocket port greets no one)
+                greeting = await _greeting(reader)
+                if not greeting.startswith(b"INFO"):
+                    causes.append(_not_nats(host, port, greeting))
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
     if not causes:
         # The port answers: the NATS handshake failed (TLS, authorization, not a NATS server).
         return str(err) or repr(err)
@@ -150,6 +156,27 @@ async def diagnose(servers: list[str], err: BaseException) -> str:
     if any(cause.startswith(_REFUSED) for cause in causes):
         said += f" ({_NO_SERVER_HINT})"
     return said
+
+
+async def _greeting(reader: asyncio.StreamReader) -> bytes:
+    """The first bytes a server sends on a new connection within a second (a NATS server's
+    ``INFO {...}`` comes at once), or nothing."""
+    try:
+        async with asyncio.timeout(1.0):
+            return await reader.read(16)
+    except (OSError, TimeoutError):
+        return b""
+
+
+def _not_nats(host: str, port: int, greeting: bytes) -> str:
+    """A port that takes connections but does not greet as a NATS server: the usual cause is
+    the hub's HTTP port (the dashboard's URL) given as the NATS one."""
+    said = f"it sent {greeting[:12]!r}" if greeting else "it sent nothing in 1s"
+    return (
+        f"{host}:{port} takes connections but is not a NATS server, or one too busy to answer "
+        f"({said}; a NATS server greets with INFO at once): is it the hub's HTTP port? The "
+        "NATS URL is the one `reach-mesh up` prints after `export REACH_NATS_URL=`"
+    )
 
 
 async def answering(servers: list[str]) -> bool:

@@ -130,6 +130,20 @@ def test_nothing_listening_says_what_to_do() -> None:
     )
 
 
+def test_a_port_that_is_not_a_nats_servers_says_so(busy_port: int) -> None:
+    """The dashboard's port given as the NATS one (it takes the connection and says nothing,
+    as the hub's HTTP server does): not a bare "no connection within 2s"."""
+    _fails_in_one_line(
+        ["agents", "--nats", f"nats://127.0.0.1:{busy_port}"],
+        _env(),
+        "REACH_UNAVAILABLE",
+        f"127.0.0.1:{busy_port} takes connections but is not a NATS server",
+        "it sent nothing in 1s",
+        "is it the hub's HTTP port?",
+        code=3,
+    )
+
+
 @pytest.mark.parametrize(
     ("url", "cause"),
     [
