@@ -1240,6 +1240,8 @@ async def test_an_agent_with_another_identity_is_not_permitted_at_once(
     assert code == 2, err
     assert "REACH_NOT_PERMITTED" in err and f"may not register agent id {stray}" in err, err
     assert "no hub answered" not in err, err
+    # The WARNING before it names the likely cause too, not an old auth.conf alone.
+    assert "an identity not issued for this agent id" in err, err
     assert took < 15, took
 
 

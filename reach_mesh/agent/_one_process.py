@@ -74,9 +74,12 @@ async def wait_for_other_process(nc: NATS, agent_id: str, settings: MeshSettings
             return
         except NotPermittedError:
             log.warning(
-                "cannot ask whether another process serves agent id %s: NATS refuses it its "
-                "own ctl subject (an auth.conf from before this version: rewrite it with "
-                "`reach-mesh auth add-agent %s`); starting without the check",
+                "cannot ask whether another process serves agent id %s: NATS refuses this "
+                "identity the id's ctl subject — an identity not issued for this agent id (run "
+                "it as REACH_CONFIG=<auth dir>/agent.%s.yaml), or an auth.conf from before this "
+                "version (rewrite it with `reach-mesh auth add-agent %s`); starting without the "
+                "check",
+                agent_id,
                 agent_id,
                 agent_id,
             )
