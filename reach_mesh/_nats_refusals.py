@@ -39,6 +39,26 @@ _REFUSED_HINT: Final = (
     "in its own namespace only: name it (reach-mesh agents --namespace <ns>; docs/security.md)"
 )
 
+#: A caller's own subjects of a namespace (routes, workflow submissions): refused, the
+#: identity is another namespace's caller, or no caller at all.
+_CALLER_SUBJECT_RE: Final = re.compile(
+    r"^reach\.(?:hub\.([a-z0-9_-]+)\.route(?:_batch)?|wf\.([a-z0-9_-]+)\.submit)$"
+)
+
+
+def _refused_hint(subject: str) -> str:
+    """What to do about a refused ``subject``: routes and submissions need a caller identity
+    of their namespace; anything else is most often an operator command."""
+    m = _CALLER_SUBJECT_RE.match(subject.lower())
+    if m is None:
+        return _REFUSED_HINT
+    ns = m.group(1) or m.group(2)
+    return (
+        f"a caller identity routes and submits workflows in its own namespace only: for "
+        f"namespace {ns!r}, run as its caller (REACH_CONFIG=<auth dir>/caller.{ns}.yaml; "
+        f"`reach-mesh auth add-caller {ns}` issues one; docs/security.md)"
+    )
+
 
 class Refusals:
     """The subjects the server refused this connection (NATS permissions, secure mode): a
@@ -146,7 +166,7 @@ def not_permitted(subject: str) -> NotPermittedError:
     """The error for a subject the server refused this identity."""
     return NotPermittedError(
         f"NATS refused this identity the subject {subject!r} (permissions violation): "
-        f"{_REFUSED_HINT}",
+        f"{_refused_hint(subject)}",
         subject=subject,
     )
 

@@ -413,9 +413,12 @@ async def test_a_refused_identity_is_told_at_once_not_timed_out(
     # at once all the same (it waited out its whole timeout).
     async with Client(settings=mesh.settings("caller", NS)) as caller:
         t0 = loop.time()
-        with pytest.raises(NotPermittedError, match=r"reach\.hub\.elsewhere\.route"):
+        with pytest.raises(NotPermittedError, match=r"reach\.hub\.elsewhere\.route") as err:
             await caller.request(agent_id="elsewhere.work.a1", payload=1, timeout=10)
         assert loop.time() - t0 < 2.0
+        # The identity it needs is that namespace's caller, not the operator's.
+        assert "REACH_CONFIG=<auth dir>/caller.elsewhere.yaml" in err.value.message
+        assert "operator" not in err.value.message
         with pytest.raises(NotPermittedError, match=r"(?i)\$JS\.API\.STREAM\.INFO"):
             await caller.audit(since=60)
         # Its own namespace's queries still work on the same connection.
