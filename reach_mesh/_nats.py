@@ -133,7 +133,8 @@ async def connect(
     """
     if not url:
         raise BadRequestError(
-            "no NATS URL: pass --nats URL / set REACH_NATS_URL, or run `reach-mesh up`"
+            "no NATS URL: pass --nats URL (CLI) or Client(url) / MeshSettings(nats_url=...) "
+            "(Python), or set REACH_NATS_URL to the one `reach-mesh up` prints"
         )
     if timeout is None:
         timeout = settings.connect_timeout if settings is not None else 2.0

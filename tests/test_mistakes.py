@@ -130,6 +130,18 @@ def test_nothing_listening_says_what_to_do() -> None:
     )
 
 
+async def test_a_client_without_a_url_says_how_to_give_one_in_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README's workflow script run without ``REACH_NATS_URL`` exported: the error names
+    the Python ways to give the URL, not only the CLI's ``--nats``."""
+    monkeypatch.delenv("REACH_NATS_URL", raising=False)
+    monkeypatch.delenv("REACH_CONFIG", raising=False)
+    with pytest.raises(BadRequestError, match=r"no NATS URL: .*Client\(url\).*REACH_NATS_URL"):
+        async with Client(namespace="demo"):
+            pass
+
+
 def test_a_port_that_is_not_a_nats_servers_says_so(busy_port: int) -> None:
     """The dashboard's port given as the NATS one (it takes the connection and says nothing,
     as the hub's HTTP server does): not a bare "no connection within 2s"."""
