@@ -114,6 +114,12 @@ async def test_no_match_explains_nearest(hub: Hub, settings: MeshSettings, names
         with pytest.raises(NoMatchError) as info:
             await c.request(selector="capability=work:echo:v1", payload=1)
         assert "did you mean cap=work:echo:v1?" in info.value.message, info.value.message
+        # Terms joined Kubernetes' way: one label value "cn-east,cap=work:echo:v1" here.
+        with pytest.raises(NoMatchError) as info:
+            await c.request(selector="region=cn-east,cap=work:echo:v1", payload=1)
+        assert info.value.message.endswith(
+            "terms are joined with AND, not a comma: region=cn-east AND cap=work:echo:v1"
+        ), info.value.message
         # An agent id with a typo: the registered ids of its namespace that are close.
         with pytest.raises(NoMatchError) as info:
             await c.request(agent_id=f"{namespace}.w.a9", payload=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -491,6 +492,10 @@ class Router:
         if isinstance(keys, dict) and keys and selector is not None:
             # A misspelled label key ("regin=eu-west"): no agent has it at all.
             msg += "; " + _key_hint(selector, keys)
+        if req.selector is not None and _COMMA_TERMS.search(req.selector):
+            # Kubernetes' "region=eu-west,gpu=true": one value with a comma in it, here.
+            joined = _COMMA_TERMS.sub(" AND ", req.selector)
+            msg += f"; terms are joined with AND, not a comma: {joined}"
         return NoMatchError(msg, decision=decision.model_dump(exclude_none=True), **nearest)
 
     def _unselected(
@@ -622,6 +627,13 @@ def _elsewhere_sentence(namespace: str, counts: dict[str, int]) -> str:
         f"no agent in namespace {namespace!r} matches; {where} "
         f"(ask namespace {top!r}: --namespace {top} / Client(namespace={top!r}))"
     )
+
+
+#: A comma followed by what reads as another term (``,gpu=true``, ``, mem_gte=8``,
+#: ``,gpu exists``): a bare value may hold commas, so the selector parsed, as one value.
+_COMMA_TERMS: Final = re.compile(
+    r"\s*,\s*(?=[a-z0-9][a-z0-9_.-]*(?:\s*!?=|\s+!?exists\b))", re.ASCII | re.IGNORECASE
+)
 
 
 def _key_hint(selector: Selector, keys: dict[str, list[str]]) -> str:
