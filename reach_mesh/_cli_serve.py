@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from reach_mesh import _runner
@@ -77,10 +77,37 @@ async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
         data_dir = _state_dir(port)
     server = EmbeddedNats(data_dir, port=port if port is not None else -1, auth_config=auth)
     await server.astart()
+    watching = None
+    if auth is not None:
+        watching = asyncio.create_task(_reload_on_change(server, auth.read_bytes))
     try:
         yield server.url
     finally:
+        if watching is not None:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
         await asyncio.to_thread(server.stop)
+
+
+#: How often ``up --secure`` looks at its auth.conf for identities added since it started.
+AUTH_POLL: Final = 1.0
+
+
+async def _reload_on_change(server: EmbeddedNats, read: Callable[[], bytes]) -> None:
+    """Reload ``server`` when the auth.conf ``read`` returns changes (``reach-mesh auth
+    add-agent`` and the others rewrite it), once the file reads the same twice in a row: it
+    is written in place, and a reload of a half-written file would fail."""
+    loaded = last = read()
+    while True:
+        await asyncio.sleep(AUTH_POLL)
+        with contextlib.suppress(OSError, RuntimeError):  # (a server gone: up is ending)
+            now = read()
+            if now == last and now != loaded:
+                await asyncio.to_thread(server.reload)
+                loaded = now
+                print("auth.conf changed: nats-server reloaded it", file=sys.stderr, flush=True)
+            last = now
 
 
 def _port_free(port: int) -> bool:

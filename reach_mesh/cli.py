@@ -240,7 +240,8 @@ async def cmd_auth(args: argparse.Namespace) -> int:
         issued = [auth.add(role, args.identity)]
         print(
             f"added to {auth.auth_conf}: reload each running server "
-            "(kill -HUP <pid>, or nats-server --signal reload=<pid>)"
+            "(kill -HUP <pid>, or nats-server --signal reload=<pid>; `reach-mesh up --secure` "
+            "reloads its own within seconds)"
         )
     for ident in issued:
         where = auth.settings_file(ident.role, ident.name)

@@ -1051,6 +1051,26 @@ async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
             await asyncio.wait_for(nats.connect(url, max_reconnect_attempts=0), 5)
         async with Client(settings=AuthDir(d).settings("caller", NS, nats_url=url)) as c:
             assert await c.agents() == []
+        # An identity added while it runs (`reach-mesh auth add-agent`) connects without a
+        # reload by hand: `up` reloads its server when auth.conf changes. (Before, it was
+        # refused "Authorization Violation" until the user found the nats-server's pid.)
+        added = f"{NS}.later.a1"
+        AuthDir(d).add("agent", added)
+
+        async def work(task: Task[Any]) -> Any:
+            return None
+
+        t0 = time.monotonic()
+        while True:
+            later = Agent(added, settings=AuthDir(d).settings("agent", added, nats_url=url))
+            later.handler(CAP)(work)
+            try:
+                await later.start()
+                break
+            except NotPermittedError:
+                assert time.monotonic() - t0 < 10, "the added identity is still refused"
+                await asyncio.sleep(0.5)
+        await later.close()
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 15)
