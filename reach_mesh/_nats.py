@@ -184,11 +184,21 @@ async def connect(
         if watch.refusal is not None:
             # Credentials the server does not know (or none where it wants some): trying
             # again cannot help, pointing at the settings file does.
-            raise NotPermittedError(
-                f"NATS at {shown(url)} refused this connection's credentials ({cause}): give "
-                "the ones it expects — in secure mode each process's own identity, "
+            hint = (
+                "give the ones it expects — in secure mode each process's own identity, "
                 "REACH_CONFIG=<auth dir>/<role>.<name>.yaml (`reach-mesh auth init` / "
-                "`auth add-*` issue them, docs/security.md); a token: REACH_NATS_TOKEN",
+                "`auth add-*` issue them, docs/security.md); a token: REACH_NATS_TOKEN"
+            )
+            if settings is not None and settings.nats_nkey_seed:
+                # An identity was given: the server does not know it (yet).
+                hint = (
+                    "the server does not know this identity — issued after it last loaded "
+                    "auth.conf (reload it: kill -HUP <nats-server pid>, or nats-server "
+                    "--signal reload=<pid>), or of another auth directory than the server's "
+                    "(docs/security.md)"
+                )
+            raise NotPermittedError(
+                f"NATS at {shown(url)} refused this connection's credentials ({cause}): {hint}",
                 url=shown(url),
             ) from err
         raise MeshUnavailableError(f"cannot connect to NATS at {shown(url)}: {cause}") from err

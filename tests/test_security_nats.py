@@ -786,7 +786,10 @@ async def test_cli_config_starts_nats_server_and_reloads(tmp_path: Path) -> None
             add = ["auth", "add-caller", "late", "--dir", str(d)]
             assert await asyncio.to_thread(main, add) == 0
             caller = auth.settings("caller", "late", nats_url=url, connect_timeout=1.0)
-            with pytest.raises(NotPermittedError, match="REACH_CONFIG="):  # not before the reload
+            # Not before the reload, and the error says so (it told the user to give the
+            # REACH_CONFIG=... that was given).
+            reload_it = r"issued after it last loaded auth\.conf \(reload it: kill -HUP"
+            with pytest.raises(NotPermittedError, match=reload_it):
                 async with Client(settings=caller) as c:
                     pass
             reload = await asyncio.to_thread(run, [binary, "--signal", f"reload={proc.pid}"])
