@@ -12,6 +12,10 @@ JS_STAMP := conformance/js/node_modules/.installed-stamp
         bench-soak install clean
 
 $(RUN_STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "reach-mesh needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) --version 2>/dev/null || \
+	  echo 'not found'): name one, e.g. make $(or $(MAKECMDGOALS),demo) PYTHON=python3.12" >&2; \
+	  exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e .

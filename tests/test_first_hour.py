@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from reach_mesh.errors import BadRequestError, NoMatchError
 from reach_mesh.hub import Hub
 
 pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Pair(BaseModel):
@@ -418,3 +421,30 @@ def test_an_unknown_command_like_none_points_at_the_help(
         build_parser().parse_args(["xyzzy"])
     err = capsys.readouterr().err
     assert "invalid choice: 'xyzzy'" in err and "reach-mesh --help says what each does" in err
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="no make")
+@pytest.mark.parametrize("python", ["old", "missing"])
+def test_make_demo_with_a_python_too_old_says_which_one_to_name(
+    tmp_path: Path, python: str
+) -> None:
+    """`make demo` on a machine whose python3 is 3.10 (Ubuntu 22.04): one line saying which
+    Python it found and how to name another, before a venv is made — not pip's "requires a
+    different Python" after a minute of creating one."""
+    fake = tmp_path / "python3.10"
+    says = '[ "$1" = --version ] && { echo "Python 3.10.12"; exit 0; }'
+    fake.write_text(f"#!/bin/sh\n{says}\nexit 1\n")
+    fake.chmod(0o755)
+    given = str(fake) if python == "old" else str(tmp_path / "nosuchpython")
+    venv = tmp_path / "venv"
+    run = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "demo", f"PYTHON={given}", f"VENV={venv}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode != 0, run.stdout
+    found = "Python 3.10.12" if python == "old" else "not found"
+    assert f"reach-mesh needs Python >= 3.11; {given} is {found}: name one" in run.stderr
+    assert "make demo PYTHON=python3.12" in run.stderr, run.stderr
+    assert not venv.exists()
