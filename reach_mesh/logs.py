@@ -221,10 +221,12 @@ class LineBudget:
 
     def warn(self, logger: logging.Logger, key: Hashable, msg: str, *args: object) -> None:
         """``logger.warning(msg, *args)`` when a line of ``key`` is due (:meth:`take`), saying
-        how many were held back since the last one."""
+        how many were held back since the last one when any were."""
         held = self.take(key)
-        if held is not None:
+        if held:
             logger.warning(msg + " (%d such lines held back)", *args, held)
+        elif held is not None:  # (the first, or none held back since the last: no "(0 ...)")
+            logger.warning(msg, *args)
 
 
 def _fields(record: logging.LogRecord) -> dict[str, Any]:

@@ -205,6 +205,26 @@ def test_line_budget_holds_back_and_counts(monkeypatch: pytest.MonkeyPatch) -> N
     assert budget.take("a") == 0
 
 
+def test_line_budget_warns_with_the_count_only_when_lines_were_held_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's first refusal line said "(0 such lines held back)": noise, read as a
+    count that matters."""
+    now = [100.0]
+    monkeypatch.setattr("reach_mesh.logs.time.monotonic", lambda: now[0])
+    budget = LineBudget(10.0)
+    logger = logging.getLogger("reach_mesh.test_budget")
+    with caplog.at_level(logging.WARNING, logger="reach_mesh.test_budget"):
+        for _ in range(3):
+            budget.warn(logger, "k", "refused %s", "x")
+        now[0] += 10.0
+        budget.warn(logger, "k", "refused %s", "x")
+        now[0] += 10.0
+        budget.warn(logger, "k", "refused %s", "x")
+    said = [r.getMessage() for r in caplog.records if r.name == "reach_mesh.test_budget"]
+    assert said == ["refused x", "refused x (2 such lines held back)", "refused x"]
+
+
 def test_line_budget_bounds_lines_of_new_keys_too(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr("reach_mesh.logs.time.monotonic", lambda: now[0])
