@@ -89,9 +89,14 @@ async def test_a_route_to_an_agent_that_stays_away_ends_with_its_timeout(
         await relay.cut()
         await eventually(lambda: not agent.nc.is_connected, timeout=5)
         t0 = time.monotonic()
-        with pytest.raises(UnknownAgentError, match="no subscriber"):
+        with pytest.raises(UnknownAgentError, match="no subscriber") as err:
             await c.request(capability=CAP, payload=1, timeout=1.5)
         assert 1.0 < time.monotonic() - t0 < 2.5
+        # Said in words a caller acts on, not NATS's alone: registered, and why nobody is there.
+        assert err.value.message.endswith(
+            "(registered, ONLINE; no process takes its tasks: its process is gone — crashed or "
+            "killed —, or reconnecting and not back within the request's timeout)"
+        ), err.value.message
         await relay.start()
     lines = [r for r in caplog.records if getattr(r, "event", None) == "REACH-AGENT-UNREACHABLE"]
     assert [(r.__dict__["agent_id"], r.__dict__["deaf"]) for r in lines] == [
@@ -150,8 +155,11 @@ async def test_a_route_stops_waiting_for_an_agent_heard_but_deaf(
         await deafen(agent)
         view = hub.registry.agents[agent.agent_id]
         t0 = time.monotonic()
-        with pytest.raises(UnknownAgentError, match="no subscriber"):
+        with pytest.raises(UnknownAgentError, match="no subscriber") as err:
             await c.request(agent_id=agent.agent_id, payload=1, timeout=8)
+        assert "listening to nothing: its subscriptions are gone — restart it" in (
+            err.value.message
+        ), err.value.message
         # Given up once a heartbeat (every 0.5 s) came after the first "no responders".
         assert time.monotonic() - t0 < 3
         deaf = [

@@ -283,8 +283,15 @@ class RouteEndMixin(LatenessMixin):
         if deaf:
             unreached[view.agent_id] = math.inf
             self._failed(view, delivery=True)
+        why = (
+            "heard from since, yet listening to nothing: its subscriptions are gone — restart it"
+            if deaf
+            else "no process takes its tasks: its process is gone — crashed or killed —, or "
+            "reconnecting and not back within the request's timeout"
+        )
         err = UnknownAgentError(
-            f"agent {view.agent_id} has no subscriber on {view.record.task_subject}",
+            f"agent {view.agent_id} has no subscriber on {view.record.task_subject} "
+            f"(registered, {view.state.value}; {why})",
             agent_id=view.agent_id,
         )
         held = self._unreached_lines.take((view.agent_id, deaf))
@@ -292,12 +299,7 @@ class RouteEndMixin(LatenessMixin):
             log_event(
                 log,
                 AGENT_UNREACHABLE,
-                err.message
-                + (
-                    ", though heard from since a route first found nobody: deaf"
-                    if deaf
-                    else ": reconnecting, or gone; routes wait for it within their timeouts"
-                ),
+                err.message + ("" if deaf else ": routes wait for it within their timeouts"),
                 agent_id=view.agent_id,
                 task_id=flight.task_id,
                 trace_id=flight.trace_id,
