@@ -294,6 +294,11 @@ class _Parser(argparse.ArgumentParser):
                 message = f"unknown command {wrong.group(1)!r}: did you mean `reach-mesh {meant}`?"
             else:
                 message += " (reach-mesh --help says what each does)"
+        elif "required: COMMAND" in message:
+            # `reach-mesh` alone: the commands, as --help lists them, rather than a bare
+            # "required" (a first-time user types the name to see what it does).
+            self.print_help(sys.stderr)
+            self.exit(2, "\nreach-mesh: a COMMAND is needed: start with `reach-mesh up --demo`\n")
         super().error(message)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -448,3 +449,17 @@ def test_make_demo_with_a_python_too_old_says_which_one_to_name(
     assert f"reach-mesh needs Python >= 3.11; {given} is {found}: name one" in run.stderr
     assert "make demo PYTHON=python3.12" in run.stderr, run.stderr
     assert not venv.exists()
+
+
+def test_the_command_alone_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    """`reach-mesh` with no command, as a new user first types it: the commands with what each
+    does and where to start (exit 2), not argparse's bare "required: COMMAND"."""
+    from reach_mesh.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"\bup\s+run the mesh until Ctrl-C", err), err
+    assert "doctor" in err and "cordon" in err
+    assert err.rstrip().endswith("start with `reach-mesh up --demo`"), err
