@@ -106,7 +106,12 @@ async def _reload_on_change(server: EmbeddedNats, read: Callable[[], bytes]) -> 
             if now == last and now != loaded:
                 await asyncio.to_thread(server.reload)
                 loaded = now
-                print("auth.conf changed: nats-server reloaded it", file=sys.stderr, flush=True)
+                print(
+                    "auth.conf changed: nats-server asked to reload it (a config it cannot read "
+                    f"is refused, the old one kept: {server.store_dir / 'nats.log'} says why)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             last = now
 
 

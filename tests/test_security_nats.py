@@ -1074,6 +1074,10 @@ async def test_up_secure_serves_only_known_identities(tmp_path: Path) -> None:
                 assert time.monotonic() - t0 < 10, "the added identity is still refused"
                 await asyncio.sleep(0.5)
         await later.close()
+        while not line.startswith(b"auth.conf changed: nats-server asked to reload it"):
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 10)
+            assert line, "up exited"
+        assert b"nats.log says why" in line, line
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.to_thread(proc.wait, 15)
