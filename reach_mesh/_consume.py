@@ -138,6 +138,8 @@ class PullConsumer:
         self._watchdog: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
         self._stopped = False
+        #: A message was put back for want of room: no pull until one is released.
+        self._full = False
 
     @property
     def held(self) -> int:
@@ -181,7 +183,16 @@ class PullConsumer:
     def release(self) -> None:
         """One handed-over message is done (acked, nak'd or termed)."""
         self._held = max(0, self._held - 1)
+        self._full = False
         self._maybe_pull()
+
+    def put_back(self) -> None:
+        """The message just handed over is given back unrun, for want of room (a work batch
+        larger than what is left of the capacity): released, and nothing more is pulled until
+        another message is (:meth:`release`; one is held, or there would have been room) —
+        the next message would most likely be put back too."""
+        self._held = max(0, self._held - 1)
+        self._full = True
 
     async def _cb(self, msg: Msg) -> None:
         self._last_seen = time.monotonic()
@@ -262,7 +273,7 @@ class PullConsumer:
             log.exception("checking the consumer behind %s failed", self._api)
 
     def _maybe_pull(self) -> None:
-        if self._stopped or self._sub is None:
+        if self._stopped or self._sub is None or self._full:
             return
         want = self.capacity - self._held - self._outstanding
         # Top up in chunks: one request per message would double the protocol traffic.

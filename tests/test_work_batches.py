@@ -331,6 +331,46 @@ async def test_malformed_lines_are_refused_and_the_rest_runs(
     assert not any(runs[t] for t in bad_ids)
 
 
+async def test_batches_never_hold_an_agent_past_its_capacity_in_steps(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nc: NATS
+) -> None:
+    """The pulls count messages, and each may be a batch: an agent with
+    ``max_concurrency + max_queue`` = 3 that pulled three batches of two would hold six steps,
+    three waiting for a slot where it promised at most one. A batch without room for all its
+    steps is nak'd unrun (it waits in the stream, where a hub sees it undelivered) and taken
+    once steps end; every step runs once."""
+    ns = wf_settings.namespace
+    release = asyncio.Event()
+    runs: Counter[str] = Counter()
+    agent = fleet.agent("wb.cap", max_concurrency=2, max_queue=1)
+
+    @agent.handler("wb:run:v1")
+    async def run(task: Task[dict[str, Any]]) -> dict[str, int]:
+        runs[task.task_id] += 1
+        await release.wait()
+        return {"step": task.payload["i"]}
+
+    await agent.start()
+    work = agent.work
+    assert work is not None
+    ids: list[str] = []
+    for _ in range(4):
+        _, batch_ids, lines = _steps(ns, 2)
+        ids += batch_ids
+        await _publish_batch(nc, ns, agent.agent_id, lines)
+    await eventually(lambda: agent._running == 2, timeout=10)
+    most = 0
+    for _ in range(50):  # (what it holds: its steps running or waiting for a slot)
+        most = max(most, len(work._held))
+        await asyncio.sleep(0.02)
+    assert most <= 3
+    assert work.batches_put_back >= 1
+    release.set()
+    await _all_ran(runs, ids)
+    await _all_final(nc, ns, ids)
+    await _all_acked(nc, agent.agent_id)
+
+
 # --------------------------------------------------------------------------- the hub side
 
 

@@ -21,7 +21,8 @@ A work batch (several steps in one message, header ``Reach-Work-Batch``: ``_work
 is taken line by line, each line as a message of its own.
 
 Concurrency is the agent's own: the same semaphore and counters as request-reply tasks, and at
-most ``max_concurrency + max_queue`` work messages are held at once.
+most ``max_concurrency + max_queue`` steps are held at once (a work batch counts its steps; one
+without room for all of them is nak'd unrun: ``_work_batches.py``).
 
 This module holds :class:`WorkConsumer`: its setup, the idempotency table it warms on start,
 the intake of work messages (1.: duplicates, stored results, promises, fence checks) and what
@@ -117,6 +118,7 @@ class WorkConsumer(HeldSteps, BatchIntake):
         #: Later attempts answered from a stored result without running the handler.
         self.cached = 0
         self.malformed_lines = 0
+        self.batches_put_back = 0
         #: Task records read before a first run (fences): only where the stream cannot tell
         #: (``Fences.fresh``).
         self.fence_reads = 0

@@ -22,6 +22,12 @@ settled (:class:`WorkBatch`):
   JetStream delivers it again after ``ack_wait``, as a single step's.
 
 ``+WPI`` for any held part keeps the whole message (sent at most once per ``_WPI_EVERY``).
+
+The pulls count messages (``PullConsumer``), and each may be a batch: a batch is taken only
+if the agent, holding it, holds at most ``max_concurrency + max_queue`` steps (or holds nothing
+else). One that arrives without room is nak'd unrun (``_NO_ROOM_DELAY``) — it waits in the
+stream, where the hub sees its steps undelivered, as a single step waits for a pull — and
+nothing more is pulled until a held message is done.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ log = logging.getLogger("reach_mesh.agent.work")
 #: ``+WPI`` on one batch message at most this often (s): the agent's ticker asks for every held
 #: part in one go.
 _WPI_EVERY: Final = 0.05
+#: A batch that arrives while the agent holds too many steps to take all of its own is nak'd
+#: with this delay (s): it waits in the stream, as a step does for a pull, not at the agent.
+_NO_ROOM_DELAY: Final = 0.2
 
 
 class WorkBatch:
@@ -207,6 +216,8 @@ class BatchIntake:
     fences: Fences
     #: Lines of work batches that were no step (``_work_batch.split``): refused unrun.
     malformed_lines: int
+    #: Work batches nak'd unrun: their steps would have held the agent past its capacity.
+    batches_put_back: int
 
     if TYPE_CHECKING:
 
@@ -234,8 +245,20 @@ class BatchIntake:
             if behind is not None:
                 self.fences.forget_behind(behind)
             return
-        if self._pull is not None:
-            self._pull.hold(len(lines) - 1)  # each part is released on its own
+        pull = self._pull
+        if pull is not None:
+            others = pull.held - 1  # (this message is counted already)
+            if others > 0 and others + len(lines) > pull.capacity:
+                # Its steps would take the agent past ``max_concurrency + max_queue`` (the
+                # pulls count messages, and each may bring a batch): left in the stream,
+                # unrun, and taken again once there is room for them.
+                self.batches_put_back += 1
+                pull.put_back()
+                self._agent._spawn(self._put_back(msg), self._loop)
+                if behind is not None:
+                    self.fences.forget_behind(behind)
+                return
+            pull.hold(len(lines) - 1)  # each part is released on its own
         batch = WorkBatch(msg, len(lines), self._jsc, self._agent._spawn)
         if behind is not None:
             batch.on_end = functools.partial(self.fences.forget_behind, behind)
@@ -249,6 +272,13 @@ class BatchIntake:
                 continue
             part = BatchPart(batch, *line)
             self._agent._spawn(self._handle(part, delivery, behind, batch=True), self._loop)
+
+    @staticmethod
+    async def _put_back(msg: Msg) -> None:
+        """Give a batch with no room here back to the stream, nothing of it run (the pulls
+        let go of it already: ``PullConsumer.put_back``)."""
+        with contextlib.suppress(Exception):
+            await msg.nak(delay=_NO_ROOM_DELAY)
 
     def _part_again(self, delivery: Delivery | None, part: BatchPart, delay: float) -> None:
         """Take ``part`` (nak'd while others of its batch are held) again after ``delay``, as
