@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -329,6 +330,49 @@ async def test_malformed_lines_are_refused_and_the_rest_runs(
     work = agent.work
     assert work is not None and work.malformed_lines == 1
     assert not any(runs[t] for t in bad_ids)
+
+
+def _line_of(line: bytes, **change: Any) -> bytes:
+    """``line`` (of :func:`_steps`) with fields of its envelope changed."""
+    traceparent, envelope = line.split(b" ", 1)
+    body = json.loads(envelope) | change
+    return _work_batch.line(traceparent.decode(), json.dumps(body, separators=(",", ":")).encode())
+
+
+async def test_hostile_lines_run_nothing_twice_and_lose_no_other_line(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nc: NATS
+) -> None:
+    """One batch holding a step twice, the same step's next attempt, a step of another
+    namespace (which would read that namespace's task record for its fence, and in secure mode
+    be nak'd again and again, its batch with it), JSON nested 5000 deep and an envelope of the
+    wrong types: the good steps run once each, the step of another namespace is refused
+    unrun (no status), and the batch is acked."""
+    ns = wf_settings.namespace
+    agent, runs = await _running_agent(fleet, "wb.hostile")
+    work = agent.work
+    assert work is not None
+    wf, ids, lines = _steps(ns, 3)
+    foreign = _line_of(lines[2], namespace="elsewhere", task_id=f"{wf}-x")
+    nested = b'{"task_id":"' + wf.encode() + b'-n","payload":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    batch = [
+        lines[0],
+        lines[0],
+        lines[1],
+        _line_of(lines[1], attempt=2),
+        foreign,
+        _work_batch.line(_TRACEPARENT, nested),
+        _work_batch.line(_TRACEPARENT, b'{"task_id":5,"attempt":"x"}'),
+        lines[2],
+    ]
+    await _publish_batch(nc, ns, agent.agent_id, batch)
+    await _all_ran(runs, ids)
+    await _all_final(nc, ns, ids)
+
+    await _all_acked(nc, agent.agent_id)
+    assert all(runs[t] == 1 for t in ids)
+    assert runs[f"{wf}-x"] == 0 and work.foreign == 1
+    assert await _final_states(nc, ns, f"{wf}-x") == []
+    assert await _final_states(nc, ns, ids[1]) == [TaskState.SUCCEEDED] * 2  # each attempt's
 
 
 async def test_batches_never_hold_an_agent_past_its_capacity_in_steps(

@@ -58,7 +58,7 @@ from reach_mesh.agent._held import HeldSteps, _Held
 from reach_mesh.agent._leader_read import LeaderReads
 from reach_mesh.agent._table import RESULT_CACHE, _Entry
 from reach_mesh.agent._work_batches import BatchIntake
-from reach_mesh.errors import NoHandlerError, ReachError
+from reach_mesh.errors import IdentityMismatchError, NoHandlerError, ReachError
 from reach_mesh.models import AgentState, ErrorBody, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.workflow import TaskRecord, TaskStatusEvent, stored_record
 
@@ -119,6 +119,8 @@ class WorkConsumer(HeldSteps, BatchIntake):
         self.cached = 0
         self.malformed_lines = 0
         self.batches_put_back = 0
+        #: Work messages (or batch lines) whose envelope names another namespace: refused.
+        self.foreign = 0
         #: Task records read before a first run (fences): only where the stream cannot tell
         #: (``Fences.fresh``).
         self.fence_reads = 0
@@ -418,6 +420,22 @@ class WorkConsumer(HeldSteps, BatchIntake):
             )
         except ReachError:
             log.warning("dropping a malformed work message on %s", msg.subject)
+            with contextlib.suppress(Exception):
+                await msg.term()
+            self._release()
+            return
+        if env.namespace != agent.namespace:
+            # Its subject is this agent's namespace's: a step of another would read that
+            # namespace's task record for its fence (in secure mode a read the server refuses:
+            # nak'd, again and again, its whole batch with it) and say its statuses there.
+            mismatch = IdentityMismatchError(
+                f"work message for namespace {env.namespace!r} on {agent.agent_id}",
+                field="namespace",
+                value=env.namespace,
+                expected=agent.namespace,
+            )
+            log.warning("dropping a work message on %s: %s", msg.subject, mismatch.message)
+            self.foreign += 1
             with contextlib.suppress(Exception):
                 await msg.term()
             self._release()
