@@ -35,6 +35,7 @@ from reach_mesh import (
     Step,
     TaskState,
     UnknownAgentError,
+    _work_batch,
     protocol,
 )
 from reach_mesh._auth import AuthDir
@@ -43,7 +44,13 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
 from reach_mesh.hub import _pins as pins_module
 from reach_mesh.logs import AGENT_ID_IN_USE, LineBudget
-from reach_mesh.models import AgentState, FailureReport, Heartbeat, UnregisterRequest
+from reach_mesh.models import (
+    AgentState,
+    FailureReport,
+    Heartbeat,
+    TaskEnvelope,
+    UnregisterRequest,
+)
 from reach_mesh.server import EmbeddedNats
 from reach_mesh.workflow import TaskStatusEvent
 
@@ -1441,6 +1448,53 @@ async def test_an_agent_consumes_only_its_own_work_subject(mesh: Mesh, as_identi
     await rogue.publish_denied(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.{victims}", body)
     await rogue.publish_denied(f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.reach.work.>", body)
     await rogue.publish_denied(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}", body)
+
+
+async def test_only_hubs_store_work_messages_and_batches(mesh: Mesh, as_identity: Any) -> None:
+    """A work message — a single step or a work batch (``Reach-Work-Batch``) — stored on an
+    agent's work subject is run by it: only hubs may store one. Another agent of its namespace
+    or of another, the agent itself (on its own subject), a caller of its namespace or of
+    another and the operator are refused by the server, and the victim runs nothing of it;
+    the same batch stored by the hub's identity runs (what the others were kept from)."""
+    wf = f"wbsec{time.time_ns()}"
+
+    def batch(payload: str) -> tuple[bytes, dict[str, str]]:
+        env = TaskEnvelope(
+            task_id=f"{wf}-{payload}",
+            capability=CAP,
+            payload=payload,
+            namespace=NS,
+            workflow_id=wf,
+            step=0,
+        )
+        traceparent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+        body = _work_batch.join([_work_batch.line(traceparent, protocol.encode(env))])
+        return body, {
+            protocol.HDR_MSG_ID: f"{NS}.{wf}-{payload}#1+1",
+            protocol.HDR_EXPECTED_STREAM: protocol.STREAM_WORK,
+            protocol.HDR_WORK_BATCH: "1",
+        }
+
+    victims = protocol.work_subject(NS, VICTIM)
+    body, headers = batch("forged")
+    single = {k: v for k, v in headers.items() if k != protocol.HDR_WORK_BATCH}
+    for role, name in [
+        *wrong_identities(),
+        ("agent", VICTIM),
+        ("agent", FLOODER),
+        ("operator", "admin"),
+    ]:
+        conn = await as_identity(role, name)
+        await conn.publish_denied(victims, body, headers)
+        await conn.publish_denied(victims, protocol.encode(TaskEnvelope(task_id=f"{wf}-s")), single)
+        if role == "agent":  # its own work subject too
+            own = protocol.work_subject(protocol.namespace_of(name), name)
+            await conn.publish_denied(own, body, headers)
+    hub = await as_identity("hub", "main")
+    body, headers = batch("by-hub")
+    await hub.nc.jetstream().publish(victims, body, headers=headers)
+    await eventually(lambda: "by-hub" in mesh.ran, timeout=10)
+    assert "forged" not in mesh.ran and hub.errors == []
 
 
 async def test_no_tenant_rolls_up_or_schedules_into_a_shared_stream(
