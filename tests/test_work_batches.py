@@ -28,6 +28,7 @@ from reach_mesh.hub import Hub
 from reach_mesh.hub._work_out import WorkOut
 from reach_mesh.models import AgentCard, TaskEnvelope
 from reach_mesh.server import EmbeddedNats
+from reach_mesh.workflow import TaskRecord
 
 from .helpers import WF_FAST, Fleet, eventually, status_events
 
@@ -373,6 +374,66 @@ async def test_hostile_lines_run_nothing_twice_and_lose_no_other_line(
     assert runs[f"{wf}-x"] == 0 and work.foreign == 1
     assert await _final_states(nc, ns, f"{wf}-x") == []
     assert await _final_states(nc, ns, ids[1]) == [TaskState.SUCCEEDED] * 2  # each attempt's
+
+
+@pytest.mark.parametrize("resent", ["batch", "single"])
+async def test_a_takeover_hubs_attempts_fence_the_old_owners_batches(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nc: NATS, resent: str
+) -> None:
+    """While the agent is away its old owner hub stores a batch of three steps; a takeover
+    hub gives attempt 1 of two of them up (their records say attempt 2, a fence marker each)
+    and sends attempt 2 — in a batch, or each alone — and the old owner, not yet aware,
+    stores attempt 1 of one of them again with the third step. The agent runs each step
+    once: the two at attempt 2 (no status of attempt 1: never applied), the third once (its
+    second copy a duplicate); every message is acked."""
+    ns = wf_settings.namespace
+    runs: Counter[str] = Counter()
+    agent = _counting_agent(fleet, "wb.takeover", runs)
+    wf, ids, lines = _steps(ns, 3)
+    js = nc.jetstream()
+    subject = protocol.work_subject(ns, agent.agent_id)
+    tasks = await js.key_value(protocol.KV_TASKS)
+    await _publish_batch(nc, ns, agent.agent_id, lines)  # the old owner's
+    for i, task_id in enumerate(ids[:2]):
+        record = TaskRecord(
+            task_id=task_id,
+            workflow_id=wf,
+            step=i,
+            namespace=ns,
+            attempt=2,
+            agent_id=agent.agent_id,
+        )
+        await tasks.put(protocol.task_key(ns, task_id), protocol.encode(record))
+        await js.publish(
+            subject,
+            protocol.dumps({"task_id": task_id, "attempt": 1, "workflow_id": wf}),
+            headers={
+                protocol.HDR_MSG_ID: protocol.fence_msg_id(ns, task_id, 1),
+                protocol.HDR_FENCE: "1",
+            },
+        )
+    again = [_line_of(line, attempt=2) for line in lines[:2]]
+    if resent == "batch":
+        await _publish_batch(nc, ns, agent.agent_id, again)
+    else:
+        for task_id, line in zip(ids[:2], again, strict=True):
+            await js.publish(
+                subject,
+                line.split(b" ", 1)[1],
+                headers={protocol.HDR_MSG_ID: protocol.attempt_msg_id(ns, task_id, 2)},
+            )
+    await _publish_batch(nc, ns, agent.agent_id, [lines[0], lines[2]])  # the old owner again
+    await agent.start()
+    await _all_final(nc, ns, ids)
+
+    await _all_acked(nc, agent.agent_id)
+    assert [runs[t] for t in ids] == [1, 1, 1]
+    client = type("C", (), {"nc": nc})()
+    for task_id in ids[:2]:
+        events = await status_events(client, ns, task_id)
+        assert {e.attempt for e in events} == {2}
+        assert [e.state for e in events if e.state.final] == [TaskState.SUCCEEDED]
+    assert await _final_states(nc, ns, ids[2]) == [TaskState.SUCCEEDED]
 
 
 async def test_batches_never_hold_an_agent_past_its_capacity_in_steps(
