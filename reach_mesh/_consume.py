@@ -99,6 +99,9 @@ PULL_ROOM: Final = protocol.MESSAGE_ROOM
 _GONE_AFTER: Final = 3
 #: Longest wait between two checks while the 503s go on (doubling from 1 s).
 _GONE_CHECK_MAX: Final = 30.0
+#: After a message is put back for want of room (``PullConsumer.put_back``), nothing is pulled
+#: until a held message is released — or for this long (s) at most.
+_FULL_FOR: Final = 1.0
 
 
 class PullConsumer:
@@ -138,8 +141,10 @@ class PullConsumer:
         self._watchdog: asyncio.Task[None] | None = None
         self._bg: set[asyncio.Task[None]] = set()
         self._stopped = False
-        #: A message was put back for want of room: no pull until one is released.
-        self._full = False
+        #: When a message was last put back for want of room (None: none since the last
+        #: release): no pull until one is released, or for ``_FULL_FOR`` at most (the
+        #: watchdog's tick pulls then, should a held message never be released).
+        self._full: float | None = None
 
     @property
     def held(self) -> int:
@@ -183,7 +188,7 @@ class PullConsumer:
     def release(self) -> None:
         """One handed-over message is done (acked, nak'd or termed)."""
         self._held = max(0, self._held - 1)
-        self._full = False
+        self._full = None
         self._maybe_pull()
 
     def put_back(self) -> None:
@@ -192,7 +197,7 @@ class PullConsumer:
         another message is (:meth:`release`; one is held, or there would have been room) —
         the next message would most likely be put back too."""
         self._held = max(0, self._held - 1)
-        self._full = True
+        self._full = time.monotonic()
 
     async def _cb(self, msg: Msg) -> None:
         self._last_seen = time.monotonic()
@@ -273,8 +278,12 @@ class PullConsumer:
             log.exception("checking the consumer behind %s failed", self._api)
 
     def _maybe_pull(self) -> None:
-        if self._stopped or self._sub is None or self._full:
+        if self._stopped or self._sub is None:
             return
+        if self._full is not None:
+            if time.monotonic() - self._full < _FULL_FOR:
+                return
+            self._full = None
         want = self.capacity - self._held - self._outstanding
         # Top up in chunks: one request per message would double the protocol traffic.
         if want <= 0 or (self._outstanding > 0 and want < max(1, self.capacity // 2)):

@@ -307,6 +307,56 @@ async def test_pull_consumer_takes_only_jetstream_deliveries(nats_url: str) -> N
         await nc.close()
 
 
+async def test_a_pull_consumer_pulls_nothing_after_a_put_back_until_room_frees(
+    nats_url: str,
+) -> None:
+    """A message given back for want of room (``put_back``: a work batch larger than what is
+    left) leaves the pulls stopped until a held message is released — the next one would
+    most likely be given back too, every pull — or, should none be, for ``_FULL_FOR``."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from reach_mesh._consume import _FULL_FOR, PullConsumer
+
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    name = f"PULL_{uuid.uuid4().hex[:8]}"
+    got: list[Msg] = []
+    pull = PullConsumer(nc, name, "c", got.append, 2)
+    try:
+        await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
+        await js.add_consumer(name, ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT))
+        await pull.start()
+        for body in (b"held", b"no room"):
+            await js.publish(f"{name.lower()}.a", body)
+        await eventually(lambda: len(got) == 2)
+        pull.put_back()  # "no room": given back (nak'd: it comes back)
+        await got[1].nak()
+        await js.publish(f"{name.lower()}.a", b"next")
+        await asyncio.sleep(0.6)  # (past a watchdog tick)
+        assert len(got) == 2
+        await got[0].ack()
+        pull.release()  # room: pulled again
+        await eventually(lambda: len(got) == 4)
+        assert sorted(m.data for m in got[2:]) == [b"next", b"no room"]
+        for msg in got[2:]:
+            await msg.ack()
+        pull.release()
+        pull.release()
+        # No release ever comes: the watchdog pulls again after _FULL_FOR all the same.
+        for body in (b"full", b"full too"):  # (what the open pulls bring)
+            await js.publish(f"{name.lower()}.a", body)
+        await eventually(lambda: len(got) == 6)
+        pull.put_back()
+        pull.put_back()
+        await js.publish(f"{name.lower()}.a", b"later")
+        await asyncio.sleep(_FULL_FOR / 2)
+        assert len(got) == 6
+        await eventually(lambda: len(got) == 7, timeout=_FULL_FOR + 2)
+    finally:
+        await pull.stop()
+        await nc.close()
+
+
 def test_a_publish_still_in_process_is_asked_again_not_an_answer() -> None:
     """JetStream's 409 "duplicate message id is in process" (err_code 10158): a publish with
     the same Nats-Msg-Id is still being stored — its stream leader froze or changed while it
