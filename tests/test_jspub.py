@@ -4,8 +4,10 @@ compare-and-set, and the errors ``_retry`` tells apart (an answer vs the infrast
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -14,7 +16,8 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import MaxPayloadError
-from nats.js.api import StreamConfig
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from nats.js.errors import (
     APIError,
     BadRequestError,
@@ -25,6 +28,7 @@ from nats.js.errors import (
 )
 
 from reach_mesh import _jspub
+from reach_mesh._consume import _FULL_FOR, PullConsumer
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import RetriesExhausted, no_message, transient
@@ -276,23 +280,33 @@ async def test_requests_time_out_at_their_deadlines_on_one_timer(nats_url: str) 
         await nc.close()
 
 
-async def test_pull_consumer_takes_only_jetstream_deliveries(nats_url: str) -> None:
-    """Its inbox is unguessable, and a message published into it (not a delivery: no
-    ``$JS.ACK`` reply subject) is dropped, never handed over nor acked."""
-    from nats.js.api import AckPolicy, ConsumerConfig
-
-    from reach_mesh._consume import PullConsumer
-    from reach_mesh._guard import refused_total
-
+@contextlib.asynccontextmanager
+async def _pulling(
+    nats_url: str, capacity: int
+) -> AsyncIterator[tuple[NATS, JetStreamContext, str, list[Msg], PullConsumer]]:
+    """A stream of its own with a durable ``c``, pulled by a started ``PullConsumer`` of
+    ``capacity`` that hands its messages to the list yielded."""
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     name = f"PULL_{uuid.uuid4().hex[:8]}"
     got: list[Msg] = []
-    pull = PullConsumer(nc, name, "c", got.append, 4)
+    pull = PullConsumer(nc, name, "c", got.append, capacity)
     try:
         await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
         await js.add_consumer(name, ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT))
         await pull.start()
+        yield nc, js, name, got, pull
+    finally:
+        await pull.stop()
+        await nc.close()
+
+
+async def test_pull_consumer_takes_only_jetstream_deliveries(nats_url: str) -> None:
+    """Its inbox is unguessable, and a message published into it (not a delivery: no
+    ``$JS.ACK`` reply subject) is dropped, never handed over nor acked."""
+    from reach_mesh._guard import refused_total
+
+    async with _pulling(nats_url, 4) as (nc, js, name, got, pull):
         inbox = pull._inbox
         assert len(inbox.rpartition(".")[2]) == 16
         refused = refused_total()
@@ -302,9 +316,6 @@ async def test_pull_consumer_takes_only_jetstream_deliveries(nats_url: str) -> N
         await eventually(lambda: len(got) == 1)
         assert got[0].data == b"real" and got[0].reply.startswith("$JS.ACK.")
         assert refused_total() == refused + 2
-    finally:
-        await pull.stop()
-        await nc.close()
 
 
 async def test_a_pull_consumer_pulls_nothing_after_a_put_back_until_room_frees(
@@ -313,19 +324,8 @@ async def test_a_pull_consumer_pulls_nothing_after_a_put_back_until_room_frees(
     """A message given back for want of room (``put_back``: a work batch larger than what is
     left) leaves the pulls stopped until a held message is released — the next one would
     most likely be given back too, every pull — or, should none be, for ``_FULL_FOR``."""
-    from nats.js.api import AckPolicy, ConsumerConfig
 
-    from reach_mesh._consume import _FULL_FOR, PullConsumer
-
-    nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    name = f"PULL_{uuid.uuid4().hex[:8]}"
-    got: list[Msg] = []
-    pull = PullConsumer(nc, name, "c", got.append, 2)
-    try:
-        await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
-        await js.add_consumer(name, ConsumerConfig(durable_name="c", ack_policy=AckPolicy.EXPLICIT))
-        await pull.start()
+    async with _pulling(nats_url, 2) as (_, js, name, got, pull):
         for body in (b"held", b"no room"):
             await js.publish(f"{name.lower()}.a", body)
         await eventually(lambda: len(got) == 2)
@@ -352,9 +352,6 @@ async def test_a_pull_consumer_pulls_nothing_after_a_put_back_until_room_frees(
         await asyncio.sleep(_FULL_FOR / 2)
         assert len(got) == 6
         await eventually(lambda: len(got) == 7, timeout=_FULL_FOR + 2)
-    finally:
-        await pull.stop()
-        await nc.close()
 
 
 def test_a_publish_still_in_process_is_asked_again_not_an_answer() -> None:
