@@ -1495,6 +1495,26 @@ async def test_only_hubs_store_work_messages_and_batches(mesh: Mesh, as_identity
     await hub.nc.jetstream().publish(victims, body, headers=headers)
     await eventually(lambda: "by-hub" in mesh.ran, timeout=10)
     assert "forged" not in mesh.ran and hub.errors == []
+    # A line naming another namespace (whose task records the victim may not read: it ran
+    # unfenced, a fresh delivery reading none) is refused; its batch is acked.
+    work = mesh.victim.work
+    assert work is not None
+    foreign = work.foreign
+    body, headers = batch("beside")
+    env = TaskEnvelope(task_id=f"{wf}-far", capability=CAP, payload="far", namespace=FLOOD)
+    headers[protocol.HDR_WORK_BATCH] = "2"
+    line = _work_batch.line("00-" + "ab" * 16 + "-" + "cd" * 8 + "-01", protocol.encode(env))
+    await hub.nc.jetstream().publish(victims, _work_batch.join([line, body]), headers=headers)
+    await eventually(lambda: "beside" in mesh.ran and work.foreign == foreign + 1, timeout=10)
+    js = mesh.hub.nc.jetstream()
+    durable = protocol.work_consumer(VICTIM)
+
+    async def acked() -> bool:
+        info = await js.consumer_info(protocol.STREAM_WORK, durable)
+        return not info.num_ack_pending and not info.num_pending
+
+    await eventually(acked, timeout=10)
+    assert "far" not in mesh.ran
 
 
 async def test_no_tenant_rolls_up_or_schedules_into_a_shared_stream(

@@ -344,8 +344,8 @@ async def test_hostile_lines_run_nothing_twice_and_lose_no_other_line(
     wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, nc: NATS
 ) -> None:
     """One batch holding a step twice, the same step's next attempt, a step of another
-    namespace (which would read that namespace's task record for its fence, and in secure mode
-    be nak'd again and again, its batch with it), JSON nested 5000 deep and an envelope of the
+    namespace (it ran, fenced by nothing: a fresh delivery reads no record), JSON nested 5000
+    deep and an envelope of the
     wrong types: the good steps run once each, the step of another namespace is refused
     unrun (no status), and the batch is acked."""
     ns = wf_settings.namespace

@@ -425,9 +425,10 @@ class WorkConsumer(HeldSteps, BatchIntake):
             self._release()
             return
         if env.namespace != agent.namespace:
-            # Its subject is this agent's namespace's: a step of another would read that
-            # namespace's task record for its fence (in secure mode a read the server refuses:
-            # nak'd, again and again, its whole batch with it) and say its statuses there.
+            # Its subject is this agent's namespace's: a step of another would run unfenced
+            # (a fresh delivery reads no record), or read that namespace's task record for
+            # its fence (in secure mode a read the server refuses: nak'd, again and again,
+            # its whole batch with it).
             mismatch = IdentityMismatchError(
                 f"work message for namespace {env.namespace!r} on {agent.agent_id}",
                 field="namespace",
