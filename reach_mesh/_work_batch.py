@@ -13,6 +13,7 @@ Pure: no I/O. ``split`` is fed by the wire: what it refuses is a :class:`BadRequ
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Final
 
@@ -48,11 +49,20 @@ def join(lines: list[bytes]) -> bytes:
     return b"\n".join(lines)
 
 
-def batch_msg_id(namespace: str, task_id: str, attempt: int, count: int) -> str:
-    """``<ns>.<task_id>#<n>+<count>`` — the ``Nats-Msg-Id`` of a batch whose first step is
-    attempt ``n`` of ``task_id``: a repeat of the batch (sent again after a lost ack) is
-    stored once. Never an attempt's own id (``<ns>.<task_id>#<n>``)."""
-    return f"{namespace}.{task_id}#{attempt}+{count}"
+def batch_msg_id(namespace: str, steps: list[tuple[str, int]]) -> str:
+    """``<ns>.<task_id>#<n>+<count>.<digest>`` — the ``Nats-Msg-Id`` of a batch of ``steps``
+    (``(task_id, attempt)`` in order) whose first is attempt ``n`` of ``task_id``: a repeat of
+    the batch (sent again after a lost ack) is stored once. ``<digest>``: 16 hex digits of
+    BLAKE2b over every step's ``<task_id>#<attempt>``, one per line — another batch that starts
+    with the same attempt and holds as many steps (should an attempt ever go out in two
+    batches: a hub sends one again only in the same batch, today) is another message, never
+    dropped as a repeat of this one. Never an attempt's own id
+    (``<ns>.<task_id>#<n>``)."""
+    task_id, attempt = steps[0]
+    digest = hashlib.blake2b(
+        "\n".join(f"{t}#{a}" for t, a in steps).encode(), digest_size=8
+    ).hexdigest()
+    return f"{namespace}.{task_id}#{attempt}+{len(steps)}.{digest}"
 
 
 def split(data: bytes, count: str | None) -> list[tuple[str, bytes] | BadRequestError]:

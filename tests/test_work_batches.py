@@ -134,7 +134,11 @@ def test_split_takes_lines_and_refuses_what_is_no_batch() -> None:
     for count in (None, "", "0", "65", "x", "2"):
         with pytest.raises(BadRequestError):
             _work_batch.split(body, count)
-    assert _work_batch.batch_msg_id("ns", "t-1", 2, 5) == "ns.t-1#2+5"
+    steps = [("t-1", 2), ("t-2", 1)]
+    msg_id = _work_batch.batch_msg_id("ns", steps)
+    assert msg_id.startswith("ns.t-1#2+2.") and msg_id == _work_batch.batch_msg_id("ns", steps)
+    # Another batch that starts with the same attempt, as long: another message.
+    assert _work_batch.batch_msg_id("ns", [("t-1", 2), ("t-3", 1)]) != msg_id
 
 
 @contextlib.asynccontextmanager

@@ -10,9 +10,10 @@ socket) a fanout(3)'s three work messages become a share of three batches, one p
 the agents ack one message per batch.
 
 A batch is sent, and sent again after an infrastructure error, as a whole with one
-``Nats-Msg-Id``: JetStream stores it once however often it is repeated, as it does a single
-attempt. Every step in it waits for that one publish; its error (past the latest of their
-deadlines) is each step's, as a publish of its own would have been.
+``Nats-Msg-Id`` (its first attempt, its size and a digest of all its attempts): JetStream
+stores it once however often it is repeated, as it does a single attempt, and never takes
+another batch for a repeat of it. Every step in it waits for that one publish; its error
+(past the latest of their deadlines) is each step's, as a publish of its own would have been.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class _Box:
     max_bytes: int
     #: The first attempt as a message of its own (sent so when it stays alone).
     first: tuple[bytes, dict[str, str]]
-    first_id: tuple[str, int]
     lines: list[bytes] = field(default_factory=list)
+    #: ``(task_id, attempt)`` of each line (the batch's ``Nats-Msg-Id`` names them all).
+    steps: list[tuple[str, int]] = field(default_factory=list)
     size: int = 0
     #: Until when (loop time) the publish is retried: the latest of its steps' deadlines.
     until: float = 0.0
@@ -114,7 +116,6 @@ class WorkOut:
                 max(1, min(limit, _work_batch.BATCH_STEPS)),
                 min(max_bytes, _work_batch.BATCH_BYTES),
                 (envelope, headers),
-                (task_id, attempt),
                 done=loop.create_future(),
             )
             self._boxes[subject] = box
@@ -122,6 +123,7 @@ class WorkOut:
                 self._flush_due = True
                 loop.call_soon(self._flush)
         box.lines.append(line)
+        box.steps.append((task_id, attempt))
         box.size += len(line) + 1  # (and its newline)
         box.until = max(box.until, until)
         done = box.done
@@ -146,12 +148,9 @@ class WorkOut:
         if len(box.lines) == 1:
             body, headers = box.first
         else:
-            task_id, attempt = box.first_id
             body = _work_batch.join(box.lines)
             headers = {
-                protocol.HDR_MSG_ID: _work_batch.batch_msg_id(
-                    box.namespace, task_id, attempt, len(box.lines)
-                ),
+                protocol.HDR_MSG_ID: _work_batch.batch_msg_id(box.namespace, box.steps),
                 protocol.HDR_EXPECTED_STREAM: protocol.STREAM_WORK,
                 protocol.HDR_WORK_BATCH: str(len(box.lines)),
             }
