@@ -29,6 +29,7 @@ from reach_mesh.workflow import (
     TaskRecord,
     TaskStatusEvent,
     WorkflowEvent,
+    WorkflowRecord,
     WorkflowResult,
     WorkflowSpec,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "kept_outcome",
     "new_record",
     "note",
+    "record_bytes",
     "refused",
     "retryable",
     "sent",
@@ -144,6 +146,9 @@ class Workflow:
     #: error): one that runs on through its cancellation (an await in it swallowed it) starts
     #: nothing more (:meth:`halted`).
     branches_stopped: bool = False
+    #: The result this hub stored as the workflow's final one (``WorkflowEngine._store``) and
+    #: its JSON, encoded once for the record and for ``.done``.
+    stored: tuple[WorkflowResult, bytes] | None = None
 
     def stopper(self) -> asyncio.Future[ErrorBody]:
         """The future a cancel sets (:attr:`stop`), made on first use."""
@@ -301,6 +306,19 @@ class TooLarge(Exception):
     def __init__(self, error: PayloadTooLargeError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+def record_bytes(record: WorkflowRecord, result_json: bytes) -> bytes:
+    """``protocol.encode(record)``, byte for byte, with its result encoded already
+    (``result_json``: ``protocol.encode(record.result)``, which ``.done`` sends too): the
+    result is the last field a final record writes (``submission_seq``, after it, is None
+    there). Encoding the result once instead of twice was ~1 % of a hub's CPU per workflow."""
+    assert record.result is not None and record.submission_seq is None
+    head = record.model_dump_json(exclude_none=True, exclude=_RESULT).encode()
+    return head[:-1] + (b',"result":' if len(head) > 2 else b'"result":') + result_json + b"}"
+
+
+_RESULT: Final = {"result"}
 
 
 def fit_result(

@@ -57,7 +57,11 @@ class WorkflowRefusals(WorkflowQueries):
     if TYPE_CHECKING:
 
         async def _publish_done(
-            self, ns: str, result: WorkflowResult, headers: dict[str, str]
+            self,
+            ns: str,
+            result: WorkflowResult,
+            headers: dict[str, str],
+            encoded: bytes | None = None,
         ) -> None: ...
 
         def _count_done(self, ns: str, kind: str, result: WorkflowResult) -> None: ...

@@ -55,7 +55,7 @@ from reach_mesh.errors import (
 from reach_mesh.hub import _durable
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._shapes import Resubmitted, SpecConflictError, final_result
-from reach_mesh.hub._step_state import TooLarge, fit_result
+from reach_mesh.hub._step_state import TooLarge, fit_result, record_bytes
 from reach_mesh.hub._steps import REPLACE_BURST, REPLACE_RATE, NotOwnerError, Workflow
 from reach_mesh.hub._tracking import StatusTracker
 from reach_mesh.hub._wf_keepalive import SubmissionKeepalive
@@ -482,7 +482,10 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
             result, stored = await self._run(wf)
             if not stored:
                 result = await self._store(wf, result)
-            await self._publish_done(wf.ns, result, wf.headers)
+            # The JSON of the result this hub stored, as its record holds it; None for one
+            # another hub stored (read back), encoded for ``.done``.
+            ours = wf.stored[1] if wf.stored is not None and wf.stored[0] is result else None
+            await self._publish_done(wf.ns, result, wf.headers, ours)
         except NotOwnerError:
             if await self._still_owner(wf):
                 # A task record moved under us while the workflow record is still ours: a hub
@@ -670,17 +673,19 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
             cancel=result.error if wf.cancel_won else None,
             result=result,
         )
-        data = protocol.encode(record)
+        result_json = protocol.encode(result)
+        data = record_bytes(record, result_json)
         limit = self._nc.max_payload - protocol.MESSAGE_ROOM
         if len(data) > limit:
             # Results too large for one record: stored without (some of) them, one final
             # answer either way — never a write that fails every time it is tried.
             whole = result
-            other = len(data) - len(protocol.encode(whole))
+            other = len(data) - len(result_json)
             for last_resort in (False, True):
                 result = fit_result(whole, limit, other, steps=last_resort)
                 record.result, record.state = result, result.state
-                data = protocol.encode(record)
+                result_json = protocol.encode(result)
+                data = record_bytes(record, result_json)
                 if len(data) <= limit:
                     break
         try:
@@ -692,17 +697,24 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
             if stored is None:
                 raise NotOwnerError(key) from err
             return stored
+        wf.stored = (result, result_json)
         return result
 
-    async def _publish_done(self, ns: str, result: WorkflowResult, headers: dict[str, str]) -> None:
+    async def _publish_done(
+        self,
+        ns: str,
+        result: WorkflowResult,
+        headers: dict[str, str],
+        encoded: bytes | None = None,
+    ) -> None:
         """Announce the stored final result on ``.done``: core NATS, not stored — the record
         written before it is the durable copy, which a caller that missed the announcement
         reads (``Client.workflow``). Sent before the submission's ack, on the same
         connection: a hub that dies before sending it never acks, and whoever takes the
-        submission finds the result stored and announces it again."""
-        await self._jsc.send(
-            protocol.wf_done(ns, result.workflow_id), protocol.encode(result), inject(dict(headers))
-        )
+        submission finds the result stored and announces it again. ``encoded``: the result's
+        JSON (``protocol.encode``) if the caller has it."""
+        body = protocol.encode(result) if encoded is None else encoded
+        await self._jsc.send(protocol.wf_done(ns, result.workflow_id), body, inject(dict(headers)))
 
     def _count_done(self, ns: str, kind: str, result: WorkflowResult) -> None:
         self.workflows_done += 1
