@@ -67,6 +67,9 @@ class WorkOut:
     ) -> None:
         self._publish = publish
         self._metrics = metrics
+        #: ``reach_work_messages_total``'s series by kind, each looked up once, when first
+        #: counted: ``labels()`` takes a lock and builds a tuple, per work message.
+        self._counted: dict[str, Any] = {}
         self._retrying = retrying
         self._background = background
         self._boxes: dict[str, _Box] = {}
@@ -170,10 +173,12 @@ class WorkOut:
                 done.exception()  # (each step that waits raises it; none may be left)
             return
         if self._metrics is not None:
-            if len(box.lines) == 1:
-                self._metrics.work_messages_total.labels("single").inc()
-            else:
-                self._metrics.work_messages_total.labels("batch").inc()
+            kind = "single" if len(box.lines) == 1 else "batch"
+            counter = self._counted.get(kind)
+            if counter is None:
+                counter = self._counted[kind] = self._metrics.work_messages_total.labels(kind)
+            counter.inc()
+            if kind == "batch":
                 self._metrics.work_batched_steps_total.inc(len(box.lines))
         if not done.done():
             done.set_result(None)
