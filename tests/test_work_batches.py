@@ -19,6 +19,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerInfo
+from prometheus_client.parser import text_string_to_metric_families
 
 from reach_mesh import Client, MeshSettings, Step, TaskState, _work_batch, protocol
 from reach_mesh.agent import Agent, Task
@@ -335,6 +336,20 @@ async def test_malformed_lines_are_refused_and_the_rest_runs(
     work = agent.work
     assert work is not None and work.malformed_lines == 1
     assert not any(runs[t] for t in bad_ids)
+    assert _dropped(agent, "malformed_line") == 1  # what an SRE sees of it
+
+
+def _metric(agent: Agent, name: str, **labels: str) -> float | None:
+    """The value of ``agent``'s exported sample ``name`` with ``labels`` (None: absent)."""
+    for family in text_string_to_metric_families(agent.metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return None
+
+
+def _dropped(agent: Agent, reason: str) -> float | None:
+    return _metric(agent, "reach_agent_steps_dropped_total", reason=reason)
 
 
 def _line_of(line: bytes, **change: Any) -> bytes:
@@ -376,6 +391,7 @@ async def test_hostile_lines_run_nothing_twice_and_lose_no_other_line(
     await _all_acked(nc, agent.agent_id)
     assert all(runs[t] == 1 for t in ids)
     assert runs[f"{wf}-x"] == 0 and work.foreign == 1
+    assert _dropped(agent, "foreign") == 1
     assert await _final_states(nc, ns, f"{wf}-x") == []
     assert await _final_states(nc, ns, ids[1]) == [TaskState.SUCCEEDED] * 2  # each attempt's
 
@@ -474,6 +490,8 @@ async def test_batches_never_hold_an_agent_past_its_capacity_in_steps(
         await asyncio.sleep(0.02)
     assert most <= 3
     assert work.batches_put_back >= 1
+    put_back = _metric(agent, "reach_agent_work_batches_put_back_total")
+    assert put_back == work.batches_put_back
     release.set()
     await _all_ran(runs, ids)
     await _all_final(nc, ns, ids)

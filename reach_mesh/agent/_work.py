@@ -130,11 +130,14 @@ class WorkConsumer(HeldSteps, BatchIntake):
     def counts(self) -> dict[str, int]:
         """The step counters (exported as ``reach_agent_steps_dropped_total``,
         ``reach_agent_fence_reads_total``, ``reach_agent_fence_markers_total`` and
-        ``reach_agent_leader_reads_total``)."""
+        ``reach_agent_leader_reads_total``, ``reach_agent_work_batches_put_back_total``)."""
         return {
             "fenced": self.fenced,
             "duplicate": self.duplicates,
             "cached": self.cached,
+            "foreign": self.foreign,
+            "malformed_line": self.malformed_lines,
+            "batches_put_back": self.batches_put_back,
             "fence_reads": self.fence_reads,
             "markers": self.fences.markers,
             "leader_reads_answered": self.leader_reads.answered,

@@ -702,7 +702,8 @@ class _Together(Collector):
 
 class _StepCounts(Collector):
     """``reach_agent_steps_dropped_total`` (by reason), ``reach_agent_fence_reads_total``,
-    ``reach_agent_fence_markers_total`` and ``reach_agent_leader_reads_total`` (by outcome)."""
+    ``reach_agent_fence_markers_total``, ``reach_agent_leader_reads_total`` (by outcome) and
+    ``reach_agent_work_batches_put_back_total``."""
 
     def __init__(self, read: Callable[[], dict[str, int]]) -> None:
         self._read = read
@@ -712,10 +713,12 @@ class _StepCounts(Collector):
         dropped = CounterMetricFamily(
             "reach_agent_steps_dropped",
             "Workflow step messages not run: fenced (the hub moved on), duplicate (an attempt "
-            "already in hand or finished), cached (answered from a stored result).",
+            "already in hand or finished), cached (answered from a stored result), foreign (its "
+            "envelope names another namespace: refused), malformed_line (a work-batch line "
+            "that could not be read: refused).",
             labels=["reason"],
         )
-        for reason in ("fenced", "duplicate", "cached"):
+        for reason in ("fenced", "duplicate", "cached", "foreign", "malformed_line"):
             dropped.add_metric([reason], counts.get(reason, 0))
         yield dropped
         yield CounterMetricFamily(
@@ -741,6 +744,12 @@ class _StepCounts(Collector):
         for outcome in ("answered", "unanswered"):
             leader.add_metric([outcome], counts.get(f"leader_reads_{outcome}", 0))
         yield leader
+        yield CounterMetricFamily(
+            "reach_agent_work_batches_put_back",
+            "Work batches given back unrun (nak'd) because their steps would have taken the "
+            "agent past max_concurrency + max_queue: redelivered once a held step ends.",
+            value=counts.get("batches_put_back", 0),
+        )
 
 
 async def serve_metrics(
