@@ -254,3 +254,141 @@ async def test_a_reply_that_came_while_the_hubs_loop_was_behind_is_not_credited(
         await eventually(lambda: not hub._markers)
         assert _decided(hub, before, "behind", agent_id) == (0, 0)
         assert _health(hub, agent_id) == 100
+
+
+async def _many_routed_and_held(
+    hub: Hub, c: Client, agent_id: str, n: int, timeout: float = 0.5
+) -> asyncio.Event:
+    """``n`` routes to ``agent_id`` at once, the hub's reply subscription held meanwhile: all
+    time out (whatever came for them waits unread). The hold (set it to let go)."""
+    go, _ = _held(hub)
+    routes = await asyncio.gather(
+        *(c.request(agent_id=agent_id, payload={"n": i}, timeout=timeout) for i in range(n)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(r, MeshTimeoutError) for r in routes), routes
+    return go
+
+
+async def test_batches_of_replies_read_before_the_marker_are_credited(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """A batch agent answers in time — a batch of replies to each batch of attempts, a reply
+    to each single one — on the subjects the hub gave it; the hub reads them only after the
+    deadlines, but before its marker: every expiry ``answered``, a success each, none
+    charged. (The same subscription reads both: the server's order holds for batches.)"""
+    agent_id = f"{namespace}.batchlate.a1"
+    n = 20
+    async with (
+        raw_agent(settings, agent_id, listen=True, batch=True) as received,
+        Client(settings=settings) as c,
+    ):
+        assert settings.nats_url is not None
+        nc = await nats.connect(settings.nats_url)
+        replied: set[int] = set()
+
+        async def answer_all() -> None:  # in time: as each task or batch comes
+            while True:
+                for k, msg in enumerate(list(received)):
+                    if k in replied:
+                        continue
+                    replied.add(k)
+                    if msg.subject == protocol.agent_batch(agent_id):
+                        lines = []
+                        for line in msg.data.split(b"\n"):
+                            subject, _, body = line.split(b" ", 2)
+                            env = TaskEnvelope.model_validate_json(body)
+                            reply = TaskReply(
+                                task_id=env.task_id,
+                                attempt=env.attempt,
+                                agent_id=agent_id,
+                                state=TaskState.SUCCEEDED,
+                            )
+                            lines.append(subject + b" " + protocol.encode(reply))
+                        await nc.publish(msg.reply, b"\n".join(lines))
+                    else:
+                        await nc.publish(msg.reply, _reply_to(msg, agent_id))
+                await nc.flush()
+                await asyncio.sleep(0.005)
+
+        answering = asyncio.ensure_future(answer_all())
+        try:
+            before = _checks(hub)
+            go = await _many_routed_and_held(hub, c, agent_id, n)
+            batches = [m for m in received if m.subject == protocol.agent_batch(agent_id)]
+            assert batches, "attempts decided in one pass go to a batch agent as one message"
+            await eventually(lambda: bool(hub._markers))
+            go.set()
+            await eventually(lambda: not hub._markers and not hub._late)
+            checks = _checks(hub)
+            assert checks["answered"] - before["answered"] == n, checks
+            assert checks["charged"] == before["charged"], checks
+            assert hub.registry.agents[agent_id].breaker.counts() == (n, 0)
+            assert _health(hub, agent_id) == 100
+        finally:
+            answering.cancel()
+            await nc.close()
+
+
+async def test_no_responders_read_before_the_marker_charge_nothing(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """A batch agent that listens to nothing: NATS answers "no responders" (status 503) to
+    each batch of attempts and each single one at once, but the hub reads them only after
+    the deadlines — before its marker: nothing charged (``answered``, counted as what they
+    say: nobody listened), the breaker untouched. Charged, each would be an accept timeout on
+    an agent that was never sent its task."""
+    agent_id = f"{namespace}.nobody.a1"
+    n = 20
+    async with (
+        raw_agent(settings, agent_id, listen=False, batch=True),
+        Client(settings=settings) as c,
+    ):
+        before = _checks(hub)
+        batch_503s: list[str] = []
+        read: Callable[[Msg], Awaitable[None]] = hub._reply_sub._cb  # type: ignore[assignment]
+
+        async def seen(msg: Msg) -> None:
+            if "." not in msg.subject[hub._reply_prefix_len :] and msg.headers:
+                batch_503s.append(msg.subject)
+            await read(msg)
+
+        hub._reply_sub._cb = seen
+        go = await _many_routed_and_held(hub, c, agent_id, n)
+        await eventually(lambda: bool(hub._markers))
+        go.set()
+        await eventually(lambda: not hub._markers and not hub._late)
+        assert batch_503s, "a no-responders status for a whole batch"
+        checks = _checks(hub)
+        assert checks["answered"] - before["answered"] == n, checks
+        assert checks["charged"] == before["charged"], checks
+        assert hub.registry.agents[agent_id].breaker.counts() == (0, 0)
+        assert _health(hub, agent_id) == 100
+
+
+async def test_an_agents_empty_message_on_its_batch_subject_is_no_marker(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """An agent may publish on the reply subjects it was given: an empty message on a batch
+    token's subject (where a marker would be) before its late reply does not end the wait —
+    the reply, behind it but before the hub's own marker, is still credited; and the hub's
+    marker, sent again after it came back, decides nothing (consumed once)."""
+    agent_id = f"{namespace}.fakemark.a1"
+    go, held = _held(hub)
+    async with _routed(hub, settings, agent_id) as (received, route, nc):
+        reply_to = received[0].reply
+        batch_subject = reply_to.rpartition(".")[0]  # <prefix><batch token>
+        await nc.publish(batch_subject, b"")
+        await nc.publish(reply_to, _reply_to(received[0], agent_id))
+        await nc.flush()
+        await _timed_out(route)
+        await eventually(lambda: held() >= 3)  # the empty message, the reply, the marker
+        (marker,) = hub._markers
+        before = _checks(hub)
+        go.set()
+        await eventually(lambda: not hub._markers)
+        assert _decided(hub, before, "answered", agent_id) == (1, 0)
+        await nc.publish(hub._reply_prefix + marker, b"")  # the marker again: nothing
+        await nc.flush()
+        await asyncio.sleep(0.1)
+        assert _checks(hub) == {o: before[o] + (o == "answered") for o in OUTCOMES}
