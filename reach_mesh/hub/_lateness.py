@@ -20,7 +20,9 @@ for that subscription, and the subscription's one callback reads them in order
 (``_on_agent_reply``, never concurrently). Then, for each attempt of that pass:
 
 - its reply read before the marker was at the server by then, before the hub's expiry pass
-  published the marker (the server's order, not the agent's clock): it counts as if read in
+  published the marker (the server's order, not the agent's clock; the hub's own server's
+  only: in a cluster a reply still in a route between servers then is read after the
+  marker, and charged — docs/security.md): it counts as if read in
   time (``_read_reply``: a success, or a timeout or failure of its own on the breaker, a
   caller's bad payload or a cached answer nothing; "no responders" nothing) — ``answered``;
   unless it was read, or the marker left, more than ``_SWEEP_SLACK`` past the deadline
