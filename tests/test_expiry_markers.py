@@ -22,6 +22,7 @@ from reach_mesh import Client, MeshSettings, TaskState, protocol
 from reach_mesh._nats import slow_drops
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
+from reach_mesh.hub._lateness import EXPIRY_PENDING_PER_NAMESPACE
 from reach_mesh.models import TaskEnvelope, TaskReply
 from reach_mesh.tracing.metrics import EXPIRY_OUTCOMES, HubMetrics
 
@@ -392,3 +393,37 @@ async def test_an_agents_empty_message_on_its_batch_subject_is_no_marker(
         await nc.flush()
         await asyncio.sleep(0.1)
         assert _checks(hub) == {o: before[o] + (o == "answered") for o in OUTCOMES}
+
+
+async def test_a_namespace_holds_at_most_its_share_of_pending_expiries(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """A caller whose routes all time out (its agent never answers), its hub's markers held
+    up: at most ``EXPIRY_PENDING_PER_NAMESPACE`` of its expiries wait for one, the rest are
+    ``skipped`` (not charged) — and another namespace's expiry still waits for its marker,
+    and is decided by it, its share untouched."""
+    hostile, other = f"{namespace}x", f"{namespace}y"
+    s_hostile = settings.model_copy(update={"namespace": hostile})
+    s_other = settings.model_copy(update={"namespace": other})
+    n = EXPIRY_PENDING_PER_NAMESPACE + 12
+    async with (
+        raw_agent(s_hostile, f"{hostile}.sink.a1", listen=True),
+        raw_agent(s_other, f"{other}.sink.a1", listen=True),
+        Client(settings=s_hostile) as c_hostile,
+        Client(settings=s_other) as c_other,
+    ):
+        before = _checks(hub)
+        go = await _many_routed_and_held(hub, c_hostile, f"{hostile}.sink.a1", n, timeout=0.3)
+        await eventually(
+            lambda: _checks(hub)["skipped"] - before["skipped"] == n - EXPIRY_PENDING_PER_NAMESPACE
+        )
+        with pytest.raises(MeshTimeoutError):
+            await c_other.request(agent_id=f"{other}.sink.a1", payload={}, timeout=0.3)
+        assert hub._late_by_ns == {hostile: EXPIRY_PENDING_PER_NAMESPACE, other: 1}
+        go.set()
+        await eventually(lambda: not hub._late and not hub._markers)
+        checks = _checks(hub)
+        assert checks["skipped"] - before["skipped"] == n - EXPIRY_PENDING_PER_NAMESPACE
+        decided = sum(checks[o] - before[o] for o in ("charged", "behind"))
+        assert decided == EXPIRY_PENDING_PER_NAMESPACE + 1, checks
+        assert hub._late_by_ns == {}
