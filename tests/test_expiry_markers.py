@@ -23,11 +23,11 @@ from reach_mesh._nats import slow_drops
 from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._lateness import EXPIRY_PENDING_PER_NAMESPACE
-from reach_mesh.models import TaskEnvelope, TaskReply
+from reach_mesh.models import AgentCard, TaskEnvelope, TaskReply
 from reach_mesh.tracing.metrics import EXPIRY_OUTCOMES, HubMetrics
 
-from .helpers import eventually
-from .test_flights import raw_agent
+from .helpers import eventually, register_by_hand
+from .test_flights import CAP, raw_agent
 from .test_reply_flood import OUTCOMES, _checks
 
 pytestmark = pytest.mark.timeout(60)
@@ -427,3 +427,29 @@ async def test_a_namespace_holds_at_most_its_share_of_pending_expiries(
         decided = sum(checks[o] - before[o] for o in ("charged", "behind"))
         assert decided == EXPIRY_PENDING_PER_NAMESPACE + 1, checks
         assert hub._late_by_ns == {}
+
+
+async def test_an_agent_registering_again_before_the_marker_is_charged_all_the_same(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """An agent that never answers registers again, under a new session, while its attempt
+    is out: its new registration keeps its breaker and health (``_registry_watch``), and the
+    expiry, its marker back with no reply before it, is charged to them — as it was when
+    charged at once. (Charged only if the registration was still the one the attempt went
+    to, a never-answering agent escaped every charge by registering again within each
+    route's timeout: its breaker never opened.)"""
+    agent_id = f"{namespace}.again.a1"
+    go, held = _held(hub)
+    async with _routed(hub, settings, agent_id) as (_, route, nc):
+        old = hub.registry.agents[agent_id]
+        await register_by_hand(nc, AgentCard(agent_id=agent_id, capabilities=[CAP]))
+        await eventually(lambda: hub.registry.agents[agent_id] is not old)
+        new = hub.registry.agents[agent_id]
+        assert new.breaker is old.breaker and new.health is old.health
+        await _timed_out(route)
+        await eventually(lambda: held() >= 1)  # the marker
+        before = _checks(hub)
+        go.set()
+        await eventually(lambda: not hub._markers)
+        assert _decided(hub, before, "charged", agent_id) == (0, 1)
+        assert _health(hub, agent_id) < 100

@@ -260,12 +260,16 @@ class LatenessMixin:
             del by_ns[ns]
 
     def _charge(self, flight: _Flight) -> None:
-        """An accept timeout and a breaker failure on the agent of ``flight`` — if it is still
-        its registration here (one that left meanwhile keeps what it had)."""
+        """An accept timeout and a breaker failure on the agent of ``flight``: on the health
+        and breaker of the registration its attempt went to, which the agent's next
+        registration keeps (under a new session too: ``_registry_watch``), as an expiry
+        charged at once was. (Charged only while that registration was still the agent's, a
+        never-answering agent escaped every charge by registering again within each route's
+        timeout.)"""
         view = flight.view
         assert view is not None
-        if self.registry.agents.get(view.agent_id) is not view:
-            return
         view.health.accept_timeout()
         view.breaker.record(False)
-        self.registry.regrade(view)
+        current = self.registry.agents.get(view.agent_id)
+        if current is not None:
+            self.registry.regrade(current)
