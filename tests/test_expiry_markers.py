@@ -279,7 +279,7 @@ async def test_batches_of_replies_read_before_the_marker_are_credited(
     deadlines, but before its marker: every expiry ``answered``, a success each, none
     charged. (The same subscription reads both: the server's order holds for batches.)"""
     agent_id = f"{namespace}.batchlate.a1"
-    n = 20
+    n = 50  # (at once: some are decided in one pass, a batch — test_flights)
     async with (
         raw_agent(settings, agent_id, listen=True, batch=True) as received,
         Client(settings=settings) as c,
@@ -340,7 +340,7 @@ async def test_no_responders_read_before_the_marker_charge_nothing(
     say: nobody listened), the breaker untouched. Charged, each would be an accept timeout on
     an agent that was never sent its task."""
     agent_id = f"{namespace}.nobody.a1"
-    n = 20
+    n = 50  # (at once: some are decided in one pass, a batch — test_flights)
     async with (
         raw_agent(settings, agent_id, listen=False, batch=True),
         Client(settings=settings) as c,
