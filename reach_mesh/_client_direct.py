@@ -22,6 +22,7 @@ from reach_mesh._client_base import HubAsks
 from reach_mesh._client_fields import _TASK_REPLY, _envelope, _parse, _RouteFields, _TaskReply
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
+    NOBODY_TAKES_ITS_TASKS,
     AgentBusyError,
     InternalError,
     MeshTimeoutError,
@@ -198,7 +199,17 @@ class DirectRoutes(HubAsks):
                 if isinstance(err, ReachError):
                     last, code = err, err.code
                 else:
-                    last = UnknownAgentError(f"{agent} has no subscriber on {target.subject}")
+                    # What the caller knows (it has no registry view, only the hub's
+                    # decision): a hub routed to the agent, so it is registered — not "no
+                    # such agent" —, and the reasons nobody may be there, as a hub says them
+                    # in proxy mode (``hub/_route_end.py``); its state now is the hubs'.
+                    last = UnknownAgentError(
+                        f"agent {agent} has no subscriber on {target.subject} (registered: a "
+                        f"hub routed this call to it; {NOBODY_TAKES_ITS_TASKS}, or deaf — "
+                        "heard from, yet listening to nothing: restart it; "
+                        f"`reach-mesh inspect {agent}` shows its state)",
+                        agent_id=agent,
+                    )
                     last.__cause__ = err
                     code = last.code  # reported as no fault: it may be reconnecting
                 tried.add(agent)

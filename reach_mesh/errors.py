@@ -156,6 +156,14 @@ class UnknownAgentError(ReachError):
     code = "REACH_UNKNOWN_AGENT"
 
 
+#: Why a registered agent takes no tasks when nobody listens on its task subject and it was not
+#: heard from since: said by a hub's route (proxy mode) and by a direct-mode ``Client`` alike.
+NOBODY_TAKES_ITS_TASKS = (
+    "no process takes its tasks: its process is gone — crashed or killed —, or reconnecting "
+    "and not back within the request's timeout"
+)
+
+
 class UnknownWorkflowError(ReachError):
     """No record of this workflow id in its namespace: never submitted, not taken by a hub
     yet, or finished longer ago than ``workflow_retention``."""

@@ -360,3 +360,27 @@ async def test_an_agent_starting_against_a_busy_server_keeps_trying(
         assert 2.0 < time.monotonic() - t0 < 15
         await eventually(lambda: agent.agent_id in hub.registry.agents)
     await relay.cut()
+
+
+async def test_a_direct_call_nobody_takes_says_the_agent_is_registered_and_why(
+    nats_url: str, namespace: str
+) -> None:
+    """Direct mode: the caller's own send finds nobody on the agent's task subject (its process
+    gone, reconnecting, or deaf — here deaf). The error says what the caller knows, as a hub's
+    does in proxy mode: a hub routed to the agent — it is registered — and why nobody takes its
+    tasks; not NATS's 'has no subscriber on <subject>' alone, read as 'no such agent'."""
+    s = _settings(nats_url, namespace)
+    agent, _ = recording_agent(f"{namespace}.echo.a1", s, CAP)
+    async with Hub(settings=s), agent, Client(settings=s) as c:
+        assert (await c.request(capability=CAP, payload=0, mode="direct")).result == 0
+        await deafen(agent)
+        with pytest.raises(UnknownAgentError, match="no subscriber") as err:
+            await c.request(agent_id=agent.agent_id, payload=1, timeout=1.0, mode="direct")
+        assert err.value.message == (
+            f"agent {agent.agent_id} has no subscriber on reach.agent.{agent.agent_id}.task "
+            "(registered: a hub routed this call to it; no process takes its tasks: its "
+            "process is gone — crashed or killed —, or reconnecting and not back within the "
+            "request's timeout, or deaf — heard from, yet listening to nothing: restart it; "
+            f"`reach-mesh inspect {agent.agent_id}` shows its state)"
+        ), err.value.message
+        assert err.value.details.get("agent_id") == agent.agent_id

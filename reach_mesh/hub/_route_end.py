@@ -26,6 +26,7 @@ from reach_mesh import protocol
 from reach_mesh._batch import BATCH_ITEMS, AnswerBatcher
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import (
+    NOBODY_TAKES_ITS_TASKS,
     AgentBusyError,
     IdentityMismatchError,
     InternalError,
@@ -286,8 +287,7 @@ class RouteEndMixin(LatenessMixin):
         why = (
             "heard from since, yet listening to nothing: its subscriptions are gone — restart it"
             if deaf
-            else "no process takes its tasks: its process is gone — crashed or killed —, or "
-            "reconnecting and not back within the request's timeout"
+            else NOBODY_TAKES_ITS_TASKS
         )
         err = UnknownAgentError(
             f"agent {view.agent_id} has no subscriber on {view.record.task_subject} "
