@@ -20,8 +20,11 @@ written, so a newer reach-mesh regenerates them consistently (``reach-mesh auth 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -336,13 +339,14 @@ class AuthDir:
             raise BadRequestError(f"{self.path} already holds identities: use auth add-*")
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         out = [self.add("hub", hub), self.add("operator", operator), self.add("caller", namespace)]
-        self.nats_conf.write_text(
+        _replace_file(
+            self.nats_conf,
             server_config(
                 host=host,
                 port=port,
                 store_dir=store_dir or str(self.path / "jetstream"),
                 include=_AUTH_CONF,
-            )
+            ),
         )
         return out
 
@@ -352,7 +356,7 @@ class AuthDir:
         without identities.json (an auth.conf written by hand, or elsewhere, stays)."""
         known = self.identities()
         if known:
-            self.auth_conf.write_text(auth_config(known))
+            _replace_file(self.auth_conf, auth_config(known))
 
     def add(self, role: str, name: str) -> Identity:
         """Issue (or return the existing) identity ``role``/``name`` and rewrite auth.conf."""
@@ -376,15 +380,18 @@ class AuthDir:
             ) from err
         with os.fdopen(fd, "wb") as f:
             f.write(seed + b"\n")
+            f.flush()
+            os.fsync(f.fileno())  # on disk before auth.conf names its public key
         ident = Identity(role, name, public)
         known.append(ident)
         self._write_identities(known)
         import yaml
 
-        self.settings_file(role, name).write_text(
-            yaml.safe_dump(settings_for(ident, seed_file, self.nats_url), sort_keys=False)
+        _replace_file(
+            self.settings_file(role, name),
+            yaml.safe_dump(settings_for(ident, seed_file, self.nats_url), sort_keys=False),
         )
-        self.auth_conf.write_text(auth_config(known))
+        _replace_file(self.auth_conf, auth_config(known))
         return ident
 
     def _write_identities(self, known: list[Identity]) -> None:
@@ -394,9 +401,36 @@ class AuthDir:
                 {"role": i.role, "name": i.name, "public_key": i.public_key} for i in known
             ],
         }
-        tmp = self.path / (_IDENTITIES + ".tmp")
-        tmp.write_text(json.dumps(body, indent=2) + "\n")
-        tmp.replace(self.path / _IDENTITIES)
+        _replace_file(self.path / _IDENTITIES, json.dumps(body, indent=2) + "\n")
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file in the same directory, synced, then
+    renamed over it. A running nats-server reloaded meanwhile (``up --secure`` polls auth.conf,
+    an operator's kill -HUP) reads the old file or the new one, never half of one, which would
+    refuse every identity. The file keeps its mode (0644 when new: no secrets in these files);
+    a link is written through to the file it names."""
+    path = path.resolve()
+    mode = 0o644
+    with contextlib.suppress(FileNotFoundError):
+        mode = stat.S_IMODE(path.stat().st_mode)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
 
 
 def auth_config(identities: list[Identity]) -> str:

@@ -96,8 +96,9 @@ AUTH_POLL: Final = 1.0
 
 async def _reload_on_change(server: EmbeddedNats, read: Callable[[], bytes]) -> None:
     """Reload ``server`` when the auth.conf ``read`` returns changes (``reach-mesh auth
-    add-agent`` and the others rewrite it), once the file reads the same twice in a row: it
-    is written in place, and a reload of a half-written file would fail."""
+    add-agent`` and the others rewrite it), once the file reads the same twice in a row:
+    ``reach-mesh auth`` replaces it whole (a rename), but a hand edit or a copy may write it
+    in place, and a reload of a half-written file would fail."""
     loaded = last = read()
     while True:
         await asyncio.sleep(AUTH_POLL)

@@ -1889,6 +1889,37 @@ def test_seeds_go_only_into_new_files_of_a_private_directory(tmp_path: Path) -> 
     assert all(i.name != VICTIM for i in auth.identities())
 
 
+def test_auth_conf_is_replaced_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auth add-* replaces auth.conf by a rename, never rewrites it in place: a server reading it
+    meanwhile (up --secure's poll, an operator's kill -HUP) sees the old file or the new one,
+    and a write that fails midway (a full disk) leaves the old one whole, no temporary behind."""
+    import os
+
+    from reach_mesh import _auth
+
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace=NS)
+    before = auth.auth_conf.read_text()
+    mode = os.stat(auth.auth_conf).st_mode
+    with auth.auth_conf.open() as reading:  # a reader that opened it just before the write
+        inode = os.stat(auth.auth_conf).st_ino
+        auth.add("agent", VICTIM)
+        assert reading.read() == before  # (written in place it read the new text, or none)
+    after = auth.auth_conf.read_text()
+    assert VICTIM in after and os.stat(auth.auth_conf).st_ino != inode
+    assert os.stat(auth.auth_conf).st_mode == mode
+    assert (auth.seed_file("agent", VICTIM).stat().st_mode & 0o777) == 0o600
+
+    def cannot_be_written(identities: list[_auth.Identity]) -> str:
+        return "half written\n\udc80"  # not encodable: the write fails after it began
+
+    monkeypatch.setattr(_auth, "auth_config", cannot_be_written)
+    with pytest.raises(UnicodeEncodeError):
+        auth.add("agent", f"{NS}.other.a")
+    assert auth.auth_conf.read_text() == after
+    assert not [p.name for p in auth.path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_agent_ids_never_share_a_consumer_name() -> None:
     """An agent's consumers are named after its id, and the name is all its permissions bind:
     two ids that made one name would let either agent delete or re-point the other's
