@@ -98,6 +98,29 @@ def test_every_alert_has_a_firing_unit_test() -> None:
     assert alerts <= fired, f"alerts never shown firing: {sorted(alerts - fired)}"
 
 
+def test_every_runbook_names_a_section_of_operations_md() -> None:
+    """An alert's runbook annotation is a link into docs/operations.md: its anchor must be one
+    of that file's headings, as GitHub makes them (lower case, punctuation but hyphens gone,
+    spaces as hyphens)."""
+    doc = ROOT / "docs" / "operations.md"
+    anchors = {
+        re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in doc.read_text().splitlines()
+        if line.startswith("#")
+    }
+    runbooks = {
+        rule["annotations"]["runbook"]
+        for path in RULES
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+        if "runbook" in rule.get("annotations", {})
+    }
+    assert runbooks, "no alert has a runbook"
+    linked = {r.partition("#")[2] for r in runbooks if r.startswith("docs/operations.md#")}
+    assert linked == {r.partition("#")[2] for r in runbooks}, "a runbook outside operations.md"
+    assert linked <= anchors, f"runbooks naming no section: {sorted(linked - anchors)}"
+
+
 def test_rules_select_jobs_that_prometheus_scrapes() -> None:
     """The seed shipped job ``reach-hubs`` and a rule on ``up{job="reach-hub"}``: the hub-down
     alert could never fire. Every job a rule names must be a scrape job."""
