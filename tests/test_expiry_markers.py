@@ -8,6 +8,7 @@ the test places messages in its queue, in the server's order, then let go."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +21,7 @@ from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, TaskState, protocol
 from reach_mesh._nats import slow_drops
-from reach_mesh.errors import MeshTimeoutError
+from reach_mesh.errors import MeshTimeoutError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._lateness import EXPIRY_PENDING_PER_NAMESPACE
 from reach_mesh.models import AgentCard, TaskEnvelope, TaskReply
@@ -454,3 +455,25 @@ async def test_an_agent_registering_again_before_the_marker_is_charged_all_the_s
         await eventually(lambda: not hub._markers)
         assert _decided(hub, before, "charged", agent_id) == (0, 1)
         assert _health(hub, agent_id) < 100
+
+
+async def test_a_breaker_opened_by_unanswered_routes_says_so(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """An agent that takes its routes and never answers: its charged expiries open its breaker,
+    and what an operator reads of it (inspect, agents, the dashboard, a NO_MATCH) says the
+    failures were routes it did not answer — its own metrics and logs show none of them."""
+    agent_id = f"{namespace}.silent.a1"
+    async with (
+        raw_agent(settings, agent_id, listen=True),
+        Client(settings=settings) as c,
+    ):
+        for n in range(5):
+            with pytest.raises(MeshTimeoutError):
+                await c.request(agent_id=agent_id, payload={"n": n}, timeout=0.3)
+        await eventually(lambda: hub.registry.agents[agent_id].breaker.openings == 1)
+        assert _checks(hub)["charged"] == 5
+        why = "5 of its last 5 requests failed (5 not answered within their timeout)"
+        assert (await c.inspect(agent_id)).breaker_reason == why
+        with pytest.raises(ReachError, match=re.escape(f"breaker open: {why}")):
+            await c.request(agent_id=agent_id, payload={}, timeout=0.3)

@@ -370,3 +370,21 @@ def test_breaker_says_why_it_opened() -> None:
     breaker.reset()
     breaker.trip()
     assert breaker.why == "operator quarantine"
+
+
+def test_breaker_counts_unanswered_routes_apart_in_its_reason() -> None:
+    """Routes the agent never answered (expiries charged) are failures its own metrics and logs
+    know nothing of: the reason says how many of the failures were those, within the window
+    (older ones, gone from it, are not named)."""
+    clock = FakeClock()
+    breaker = _breaker(clock)
+    breaker.record(False, unanswered=True)
+    clock.advance(61)  # out of the 60 s window
+    breaker.record(True)
+    breaker.record(False, unanswered=True)
+    breaker.record(True, unanswered=True)  # (a success is never unanswered)
+    breaker.record(False)  # (a handler's failure)
+    assert _state(breaker) is BreakerState.CLOSED
+    breaker.record(False, unanswered=True)
+    assert _state(breaker) is BreakerState.OPEN
+    assert breaker.why == "3 of its last 5 requests failed (2 not answered within their timeout)"

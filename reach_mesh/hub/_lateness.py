@@ -269,7 +269,7 @@ class LatenessMixin:
         view = flight.view
         assert view is not None
         view.health.accept_timeout()
-        view.breaker.record(False)
+        view.breaker.record(False, unanswered=True)
         current = self.registry.agents.get(view.agent_id)
         if current is not None:
             self.registry.regrade(current)

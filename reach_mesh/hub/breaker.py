@@ -177,12 +177,14 @@ class CircuitBreaker:
         self.openings = 0
         self._clock = clock
         self._nbuckets = max(1, round(window / bucket))
-        # [bucket index, successes, failures, witnessed failures], oldest first; totals kept
-        # alongside so a record is O(1) amortised instead of summing the window.
+        # [bucket index, successes, failures, witnessed failures, unanswered failures], oldest
+        # first; totals kept alongside so a record is O(1) amortised instead of summing the
+        # window.
         self._buckets: deque[list[int]] = deque()
         self._successes = 0
         self._failures = 0
         self._witnessed = 0
+        self._unanswered = 0
         # Reports counted per reporter in the current tumbling window (epoch).
         self._report_epoch = -1
         self._reporters: dict[str, int] = {}
@@ -228,11 +230,13 @@ class CircuitBreaker:
             return True
         return False
 
-    def record(self, success: bool) -> None:
+    def record(self, success: bool, *, unanswered: bool = False) -> None:
         """Record an outcome the hub witnessed. In ``HALF_OPEN`` any outcome counts as the
         probe's verdict; in ``OPEN`` outcomes (late replies from before it opened) are
-        ignored."""
-        self._outcome(success, witnessed=True)
+        ignored. ``unanswered``: a failure that is a route the agent did not answer within its
+        timeout (an expiry charged, ``hub/_lateness.py``), which the reason it opens for
+        counts apart: the agent's own metrics and logs show nothing of those."""
+        self._outcome(success, witnessed=True, unanswered=unanswered and not success)
 
     def report(self, success: bool | None, reporter: str) -> bool:
         """Record an outcome a caller reported; ``False`` when ``reporter`` has used up its
@@ -252,7 +256,7 @@ class CircuitBreaker:
             self._outcome(success, witnessed=False)
         return True
 
-    def _outcome(self, success: bool, *, witnessed: bool) -> None:
+    def _outcome(self, success: bool, *, witnessed: bool, unanswered: bool = False) -> None:
         state = self.state
         now = self._clock()
         if state is BreakerState.OPEN:
@@ -266,14 +270,17 @@ class CircuitBreaker:
                 self.why = _probe_failed(self.cause)
                 self._open(now)
             return
-        self._add(now, success, witnessed)
+        self._add(now, success, witnessed, unanswered)
         total = self._successes + self._failures
         if (
             self._witnessed
             and total >= self.min_requests
             and self._failures >= self.failure_ratio * total
         ):
-            self.why = self.cause = f"{self._failures} of its last {total} requests failed"
+            why = f"{self._failures} of its last {total} requests failed"
+            if self._unanswered:
+                why += f" ({self._unanswered} not answered within their timeout)"
+            self.why = self.cause = why
             self._open(now)
 
     def counts(self) -> tuple[int, int]:
@@ -310,23 +317,24 @@ class CircuitBreaker:
 
     def _reset_window(self) -> None:
         self._buckets.clear()
-        self._successes = self._failures = self._witnessed = 0
+        self._successes = self._failures = self._witnessed = self._unanswered = 0
 
     def _expire(self, index: int) -> None:
         buckets = self._buckets
         oldest = index - self._nbuckets
         while buckets and buckets[0][0] <= oldest:
-            _, ok, failed, witnessed = buckets.popleft()
+            _, ok, failed, witnessed, unanswered = buckets.popleft()
             self._successes -= ok
             self._failures -= failed
             self._witnessed -= witnessed
+            self._unanswered -= unanswered
 
-    def _add(self, now: float, success: bool, witnessed: bool) -> None:
+    def _add(self, now: float, success: bool, witnessed: bool, unanswered: bool) -> None:
         index = int(now // self.bucket)
         self._expire(index)
         buckets = self._buckets
         if not buckets or buckets[-1][0] < index:
-            buckets.append([index, 0, 0, 0])
+            buckets.append([index, 0, 0, 0, 0])
         # A clock that steps back lands in the newest bucket rather than reordering the deque.
         if success:
             buckets[-1][1] += 1
@@ -337,6 +345,9 @@ class CircuitBreaker:
             if witnessed:
                 buckets[-1][3] += 1
                 self._witnessed += 1
+            if unanswered:
+                buckets[-1][4] += 1
+                self._unanswered += 1
 
 
 class HealthScore:
