@@ -21,10 +21,12 @@ written, so a newer reach-mesh regenerates them consistently (``reach-mesh auth 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -55,6 +57,7 @@ ROLES: Final = ("hub", "agent", "caller", "operator")
 _IDENTITIES: Final = "identities.json"
 _AUTH_CONF: Final = "auth.conf"
 _NATS_CONF: Final = "nats.conf"
+_LOCK: Final = ".auth.lock"
 
 # JetStream API prefix and the streams / buckets of the mesh.
 _API: Final = "$JS.API"
@@ -335,10 +338,16 @@ class AuthDir:
         store_dir: str | None = None,
     ) -> list[Identity]:
         """A new directory with a hub, an operator and a caller for ``namespace``."""
-        if (self.path / _IDENTITIES).exists():
-            raise BadRequestError(f"{self.path} already holds identities: use auth add-*")
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        out = [self.add("hub", hub), self.add("operator", operator), self.add("caller", namespace)]
+        with self._locked():
+            if (self.path / _IDENTITIES).exists():
+                raise BadRequestError(f"{self.path} already holds identities: use auth add-*")
+            return self._init(hub, operator, namespace, host, port, store_dir)
+
+    def _init(
+        self, hub: str, operator: str, ns: str, host: str, port: int, store_dir: str | None
+    ) -> list[Identity]:
+        out = [self._add("hub", hub), self._add("operator", operator), self._add("caller", ns)]
         _replace_file(
             self.nats_conf,
             server_config(
@@ -354,6 +363,12 @@ class AuthDir:
         """Write auth.conf again from the identities issued: the permissions of this version
         of reach-mesh (they are computed from role and name, never stored). Nothing is written
         without identities.json (an auth.conf written by hand, or elsewhere, stays)."""
+        if not (self.path / _IDENTITIES).exists():
+            return
+        with self._locked():
+            self._rewrite()
+
+    def _rewrite(self) -> None:
         known = self.identities()
         if known:
             _replace_file(self.auth_conf, auth_config(known))
@@ -361,12 +376,32 @@ class AuthDir:
     def add(self, role: str, name: str) -> Identity:
         """Issue (or return the existing) identity ``role``/``name`` and rewrite auth.conf."""
         validate_identity(role, name)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with self._locked():
+            return self._add(role, name)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One writer of the directory at a time (``reach-mesh auth`` commands run at once, by
+        a provisioning script, say): each reads identities.json, adds to it and writes it and
+        auth.conf again — run together, an identity was lost from both (its seed file written:
+        refused by the server, and its add again refused as a seed that is no identity's)."""
+        fd = os.open(
+            self.path / _LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (the lock goes with it)
+
+    def _add(self, role: str, name: str) -> Identity:
+        validate_identity(role, name)
         known = self.identities()
         for ident in known:
             if ident.role == role and ident.name == name:
-                self.rewrite()
+                self._rewrite()
                 return ident
-        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         seed, public = new_seed()
         seed_file = self.seed_file(role, name)
         try:

@@ -1920,6 +1920,32 @@ def test_auth_conf_is_replaced_whole(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert not [p.name for p in auth.path.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_identities_added_at_once_are_all_issued(tmp_path: Path) -> None:
+    """auth add-* run at once (a provisioning script's jobs) each issue their identity: each
+    reads identities.json, adds to it and writes it and auth.conf again, so run together they
+    lost each other's (a seed file written, the server refusing it, and its add again refused
+    as a seed that is no identity's)."""
+    import threading
+
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace=NS)
+    ids = [f"{NS}.fleet.a{i}" for i in range(16)]
+    together = threading.Barrier(len(ids))
+
+    def add(agent_id: str) -> None:
+        together.wait()
+        AuthDir(auth.path).add("agent", agent_id)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(i.name for i in auth.identities() if i.role == "agent") == sorted(ids)
+    conf = auth.auth_conf.read_text()
+    assert all(f"# agent {i}\n" in conf for i in ids)
+
+
 def test_agent_ids_never_share_a_consumer_name() -> None:
     """An agent's consumers are named after its id, and the name is all its permissions bind:
     two ids that made one name would let either agent delete or re-point the other's
