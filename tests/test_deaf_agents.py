@@ -16,7 +16,9 @@ import asyncio
 import re
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -65,6 +67,30 @@ def _heard_since(hub: Hub, agent_id: str) -> Callable[[], bool]:
     """Whether ``hub`` has heard ``agent_id`` since this was called."""
     seen = hub.registry.agents[agent_id].last_seen
     return lambda: hub.registry.agents[agent_id].last_seen > seen
+
+
+def _nobody_found(monkeypatch: pytest.MonkeyPatch, *hubs: Hub) -> Counter[str]:
+    """Per agent, the probes of ``hubs``' steps that have found nobody on its ctl subject from
+    now on (each one's deaf rule applied): what a wait for "probes meanwhile" waits for, not a
+    fixed time — a loaded box's hub probes less often."""
+    found: Counter[str] = Counter()
+    for hub in hubs:
+        assert hub.workflows is not None
+        tracker = hub.workflows._tracker
+        real = tracker._no_responders
+
+        def counted(track: Any, agent_id: str, attempt: int, before: Any, real: Any = real) -> Any:
+            found[agent_id] += 1
+            return real(track, agent_id, attempt, before)
+
+        monkeypatch.setattr(tracker, "_no_responders", counted)
+    return found
+
+
+async def _found_more(nobody: Counter[str], agent_id: str, more: int) -> None:
+    """Wait until ``more`` probes more have found nobody on ``agent_id``'s ctl subject."""
+    until = nobody[agent_id] + more
+    await eventually(lambda: nobody[agent_id] >= until, timeout=20)
 
 
 async def _relayed_pair(
@@ -249,7 +275,11 @@ async def test_a_step_sent_before_the_breaker_opened_is_no_probe_verdict(
 
 
 async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(
-    wf_hub: Hub, fleet: Fleet, nats_url: str, wf_settings: MeshSettings
+    wf_hub: Hub,
+    fleet: Fleet,
+    nats_url: str,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A reconnecting agent is not deaf: cut off (its connection gone, so no heartbeats and
     nobody on its ctl subject) for several silence timeouts while its lease (10 s) holds, then
@@ -261,15 +291,16 @@ async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(
     relay, a, on_a, b, on_b = await _relayed_pair(fleet, nats_url, wf_settings, "cutoff", cap)
     assert wf_hub.workflows is not None
     tracker = wf_hub.workflows._tracker
+    nobody = _nobody_found(monkeypatch, wf_hub)
     async with Client(settings=wf_settings) as mesh:
         wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
         await asyncio.wait_for(on_a.started.wait(), 5)
         await b.start()
-        for away in (3.0, 2.0):
+        for probes in (3, 2):
             await relay.cut()
             await eventually(lambda: not a.nc.is_connected, timeout=5)
             # Silence timeout 0.8 s: every probe meanwhile finds nobody on A's ctl subject.
-            await asyncio.sleep(away)
+            await _found_more(nobody, a.agent_id, probes)
             assert tracker.lease_fresh(a.agent_id)  # only heartbeats can tell it from deaf
             await relay.start()
             await eventually(lambda: a.nc.is_connected, timeout=10)
@@ -286,7 +317,12 @@ async def test_an_agent_cut_off_for_several_probes_keeps_its_attempt(
 
 @pytest.mark.parametrize("path", ["watch", "leader_read"])
 async def test_a_beat_stored_before_a_cut_and_delivered_late_is_not_the_agent_heard(
-    wf_hub: Hub, fleet: Fleet, nats_url: str, wf_settings: MeshSettings, path: str
+    wf_hub: Hub,
+    fleet: Fleet,
+    nats_url: str,
+    wf_settings: MeshSettings,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Chaos secure seed 198 (``partition``): a hub cut off with a NATS node missed the last
     beats the agents of another node stored; it got them only seconds later — after those
@@ -302,6 +338,7 @@ async def test_a_beat_stored_before_a_cut_and_delivered_late_is_not_the_agent_he
         fleet, nats_url, wf_settings, f"latebeat{path}", cap
     )
     registry = wf_hub.registry
+    nobody = _nobody_found(monkeypatch, wf_hub)
     async with Client(settings=wf_settings) as mesh:
         wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
         await asyncio.wait_for(on_a.started.wait(), 5)
@@ -316,7 +353,8 @@ async def test_a_beat_stored_before_a_cut_and_delivered_late_is_not_the_agent_he
         )
         raw = await registry._js.get_msg(stream, subject=subject)
         assert raw.time is not None
-        await asyncio.sleep(2.0)  # probes (silence timeout 0.8 s) found nobody on A's ctl subject
+        # Probes (silence timeout 0.8 s) find nobody on A's ctl subject: two, not a fixed time.
+        await _found_more(nobody, a.agent_id, 2)
         view = registry.agents[a.agent_id]
         # This hub never applied it (as a hub cut off when it was stored): delivered now.
         view.hb_revision = view.hb_own_revision = 0
@@ -326,14 +364,19 @@ async def test_a_beat_stored_before_a_cut_and_delivered_late_is_not_the_agent_he
         else:
             await registry._confirm_overdue(view)
         assert view.hb_revision == raw.seq  # applied
-        await asyncio.sleep(2.0)  # more probes, each finding nobody
+        # More probes, each finding nobody: deaf at the next, were the beat heard now.
+        await _found_more(nobody, a.agent_id, 2)
         assert view.breaker.why != DEAF and view.breaker.state is BreakerState.CLOSED
         assert view.spoke_at <= spoke + 0.5  # (stored before the cut: the agent spoke then)
         await _decided_by_a(relay, a, on_a, on_b, mesh, wf_id)
 
 
 async def test_a_record_written_by_another_hub_is_not_the_agent_speaking(
-    wf_hub: Hub, fleet: Fleet, nats_url: str, wf_settings: MeshSettings
+    wf_hub: Hub,
+    fleet: Fleet,
+    nats_url: str,
+    wf_settings: MeshSettings,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An agent cut off while another hub rewrites its record (an operator's cordon) is not
     taken for deaf: the record moves the owner's ``last_seen``, but only the agent's own
@@ -341,6 +384,7 @@ async def test_a_record_written_by_another_hub_is_not_the_agent_speaking(
     cap = "wf:cordoned:v1"
     relay, a, on_a, b, on_b = await _relayed_pair(fleet, nats_url, wf_settings, "cordoned", cap)
     async with Hub(settings=wf_settings) as other, Client(settings=wf_settings) as mesh:
+        nobody = _nobody_found(monkeypatch, wf_hub, other)
         wf_id = await mesh.submit_fanout([Step(capability=cap)], timeout=30)
         await asyncio.wait_for(on_a.started.wait(), 5)
         await eventually(
@@ -351,13 +395,14 @@ async def test_a_record_written_by_another_hub_is_not_the_agent_speaking(
         await b.start()
         await relay.cut()
         await eventually(lambda: not a.nc.is_connected, timeout=5)
-        await asyncio.sleep(1.2)  # a probe found nobody on A's ctl subject
+        await _found_more(nobody, a.agent_id, 1)  # a probe found nobody on A's ctl subject
         heard = _heard_since(owner, a.agent_id)
         await writer.registry.set_cordon(
             a.agent_id, CordonRecord(reason="test", requester="test", cordoned_at=time.time())
         )
         await eventually(heard, timeout=5)  # the owner saw the record: last_seen moved
-        await asyncio.sleep(2.0)  # more probes, each finding nobody
+        # More probes, each finding nobody: deaf at the next, were the record the agent heard.
+        await _found_more(nobody, a.agent_id, 2)
         await _decided_by_a(relay, a, on_a, on_b, mesh, wf_id)
 
 
