@@ -120,13 +120,28 @@ def _dropped_overdue(mesh: _Mesh) -> None:
 
 
 async def _seer_said_lost(mesh: _Mesh, settings: MeshSettings, agent_id: str) -> bool:
-    """Whether the seer's audit says the agent went LOST."""
-    await asyncio.sleep(0.1)  # state events are added soon, not at once
+    """Whether the seer's audit says the agent went LOST, read once all the seer said so far
+    is stored: a marker event it publishes after it (one connection, in order) is. Its events
+    are published without an ack, and a loaded box stores them later than a first look: a
+    LOST not stored yet would read as none said."""
+    ns = settings.namespace
+    marker = f"{ns}.blind.marker-{uuid.uuid4().hex[:8]}"
+    mesh.seer.audit.add(ns, "state", {"agent_id": marker, "old": "ONLINE", "new": "ONLINE"})
     await mesh.seer.audit.flush()
-    async with Client(settings=settings) as c:
-        audit = await c.audit(namespace=settings.namespace, agent_id=agent_id, since=60)
+    audit: list[dict[str, Any]] = []
+
+    async def marker_stored() -> bool:
+        nonlocal audit
+        async with Client(settings=settings) as c:
+            audit = await c.audit(namespace=ns, since=60)
+        return any(e["kind"] == "state" and e["agent_id"] == marker for e in audit)
+
+    await eventually(marker_stored, timeout=10, interval=0.2)
     return any(
-        e["kind"] == "state" and e.get("new") == "LOST" and e.get("hub_id") == mesh.seer.hub_id
+        e["kind"] == "state"
+        and e["agent_id"] == agent_id
+        and e.get("new") == "LOST"
+        and e.get("hub_id") == mesh.seer.hub_id
         for e in audit
     )
 
@@ -145,11 +160,7 @@ async def test_a_hub_that_saw_the_delete_lists_the_agent_as_recently_lost(
         assert [a["agent_id"] for a in lost] == [agent_id]
         with pytest.raises(UnknownAgentError, match="was declared LOST"):
             mesh.seer.registry.require(agent_id)
-        # Its audit says so once the event is stored: published without an ack, after the
-        # state change (a loaded box stores it later than the first look).
-        await eventually(
-            lambda: _seer_said_lost(mesh, settings, agent_id), timeout=10, interval=0.2
-        )
+        assert await _seer_said_lost(mesh, settings, agent_id)  # and its audit says so
 
 
 async def test_a_blind_hub_does_not_count_a_delete_it_learns_of_as_a_loss(
@@ -229,9 +240,24 @@ async def test_a_hub_that_loads_slowly_declares_no_beating_agent_lost(
         first.registry.on_state_change(lambda v, old, new: seen.append((old, new)))
         revision = first.registry.agents[agent.agent_id].revision
         watch = Registry._watch_heartbeats
+        #: Whether the hub was loaded at each look at an overdue agent (a pass grading it),
+        #: and the agent's age on the hub's clock when its heartbeats are read at last.
+        looks: list[bool] = []
+        ages: list[float] = []
 
         async def late(self: Registry, loaded: asyncio.Event, after: asyncio.Event) -> None:
-            await asyncio.sleep(2.0)  # a busy node: the heartbeats are read late
+            look = self._quorum_heard
+
+            async def counted() -> float | None:
+                looks.append(self.loaded)
+                return await look()
+
+            monkeypatch.setattr(self, "_quorum_heard", counted)
+            await after.wait()  # the records are loaded: graded by their registration
+            # A busy node: the heartbeats are read late. Passes (0.1 s) due before this sleep
+            # ends run before it does, however late the loop: they graded, or did not.
+            await asyncio.sleep(2.0)
+            ages.append(self.now - self.agents[agent.agent_id].last_seen)
             await watch(self, loaded, after)
 
         monkeypatch.setattr(Registry, "_watch_heartbeats", late)
@@ -247,6 +273,10 @@ async def test_a_hub_that_loads_slowly_declares_no_beating_agent_lost(
             # the end state, not from the first hub, which saw it deleted and back).
             assert seen == []
             assert view.revision == revision
+            # No pass looked at it (graded it) while loading, although it was overdue (lease
+            # 0.8 s and grace 0.5 s) by the hub's clock then: one that graded would have.
+            assert False not in looks, looks
+            assert ages and ages[0] > 0.8 + 0.5, ages
 
 
 @asynccontextmanager
