@@ -319,9 +319,19 @@ async def test_an_agent_that_beats_while_its_pass_expires_another_is_not_expired
             return await real(key, *args, **kwargs)
 
         monkeypatch.setattr(registry._agents_kv, "delete", delete)
+        # Passes ended (each ends with its retries' check, ``_retry_soon``), counted from when
+        # the beat is applied: the pass that would expire it has ended once one more has.
+        ended: list[bool] = []
+        retry_soon = registry._retry_soon
+
+        def counted() -> None:
+            ended.append(bool(back))
+            retry_soon()
+
+        monkeypatch.setattr(registry, "_retry_soon", counted)
         await eventually(lambda: bool(back), timeout=10)
         other = back[0]
-        await asyncio.sleep(0.2)
+        await eventually(lambda: True in ended, timeout=10)  # not a fixed 0.2 s
         assert other in registry.agents, "expired although it beat"
         assert registry.agents[other].state is AgentState.ONLINE
         records = await nc.jetstream().key_value(protocol.KV_AGENTS)
