@@ -66,6 +66,11 @@ async def _held_lost(
     await heal(a1, beat=False)
 
 
+def _waits_for(hub: Hub, agent: Agent) -> bool:
+    """Whether a route of ``hub`` waits for ``agent``, a LOST holder, to register again."""
+    return bool(hub._back_waits.get(agent.agent_id))
+
+
 async def _held_until_back(
     hub: Hub,
     a1: Agent,
@@ -77,12 +82,14 @@ async def _held_until_back(
     """The caller's request ``again`` for ``task_id``, which ``a1`` holds (back on NATS, not
     registered), waits past the seek's ask without running anywhere; ``a1`` registers again
     with ``hub``, the handler is let go, and the answer is ``a1``'s: the task ran once."""
-    await asyncio.sleep(HOLDER_WAIT + 0.5)  # a run on a2 would have started by now
+    # The seek's ask done, the route waits for a1 (not a fixed time: a loaded box asks later);
+    # before, it went to a2 at once.
+    await eventually(lambda: _waits_for(hub, a1) or len(ran[task_id]) > 1, timeout=10)
     assert ran == {task_id: [a1.agent_id]}
     assert not again.done()
     a1._hb_task = asyncio.create_task(a1._heartbeat_loop())  # registers again
     await eventually(lambda: a1.agent_id in hub.registry.agents, timeout=10)
-    await asyncio.sleep(0.3)
+    await eventually(lambda: not _waits_for(hub, a1), timeout=10)  # the route woken: on to a1
     assert ran == {task_id: [a1.agent_id]}
     release.set()
     result = await again
@@ -190,7 +197,7 @@ async def test_a_lost_holder_whose_registration_was_refused_a_while_is_back_with
                 lambda: a1.agent_id in hub.registry.agents or len(ran["lh-late"]) > 1,
                 timeout=timeout,
             )
-            await asyncio.sleep(0.3)
+            await eventually(lambda: not _waits_for(hub, a1), timeout=timeout)  # woken: to a1
             assert ran == {"lh-late": [a1.agent_id]}
             release.set()
             result = await again
