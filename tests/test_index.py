@@ -240,3 +240,20 @@ def test_index_equals_brute_force(
     assert {k: (v.by_min, v.by_max, v.low, v.high) for k, v in fresh._quantities.items()} == {
         k: (v.by_min, v.by_max, v.low, v.high) for k, v in index._quantities.items()
     }
+
+
+def test_matches_ids_follow_a_slot_given_to_another_agent() -> None:
+    """The same bitmap names other agents once a freed slot is taken again: the ids a
+    ``Matches`` listed before (kept by bitmap for the next route) are not handed out then."""
+    index = AgentIndex()
+    index.upsert("ns.w.a", ["c"], {})
+    index.upsert("ns.w.b", ["c"], {})
+    assert list(index.capable("c", "ns")) == ["ns.w.a", "ns.w.b"]
+    assert index.capable("c", "ns").ids() is index.capable("c", "ns").ids()  # kept
+    index.remove("ns.w.a")
+    index.upsert("ns.w.z", ["c"], {})  # slot 0 again: the same bitmap as before
+    assert list(index.capable("c", "ns")) == ["ns.w.z", "ns.w.b"]
+    index.remove("ns.w.b")
+    index.remove("ns.w.z")
+    index.upsert("ns.w.y", ["c"], {})
+    assert list(index.capable("c", "ns")) == ["ns.w.y"]

@@ -46,6 +46,9 @@ _NONZERO_BYTE: Final = re.compile(rb"[^\x00]")
 _BYTE_BITS: Final = tuple(tuple(i for i in range(8) if byte >> i & 1) for byte in range(256))
 # Up to this many matches the byte scan beats writing out the whole bitmap (measured, 10k slots).
 _SPARSE_MAX: Final = 400
+# Lists of ids Matches.ids keeps by bitmap (AgentIndex._ids_cache) before it starts afresh:
+# a few targets routed over and over; a large fleet's lists are ~8 bytes an id each.
+_IDS_CACHED: Final = 64
 # Registration changes a numeric key's range bitmaps absorb per query before they are rebuilt.
 _DELTA_MAX: Final = 64
 
@@ -222,11 +225,12 @@ class Matches(Collection[str]):
     router does, within one synchronous decision), since freed slots are reused.
     """
 
-    __slots__ = ("_agents", "_bits", "_ids", "_len", "_slots")
+    __slots__ = ("_agents", "_bits", "_cache", "_ids", "_len", "_slots")
 
     def __init__(self, index: AgentIndex, bits: int) -> None:
         self._bits = bits
         self._agents = index._agents
+        self._cache = index._ids_cache
         self._slots = index._slots
         self._len = bits.bit_count()
         self._ids: list[str] | None = None
@@ -244,7 +248,14 @@ class Matches(Collection[str]):
     def ids(self) -> list[str]:
         """The matching ids, in slot order (a list shared by later calls: do not mutate)."""
         if self._ids is None:
-            self._ids = _ids_of(self._agents, self._bits)
+            # The index's lists of ids by bitmap (valid while no slot changes hands): a route
+            # by capability asks for the same bitmap decision after decision.
+            ids = self._cache.get(self._bits)
+            if ids is None:
+                if len(self._cache) >= _IDS_CACHED:
+                    self._cache.clear()
+                ids = self._cache[self._bits] = _ids_of(self._agents, self._bits)
+            self._ids = ids
         return self._ids
 
     def sample(self, rng: random.Random, k: int) -> list[str]:
@@ -314,6 +325,9 @@ class AgentIndex:
         self._agents: list[str] = []
         self._free: list[int] = []
         self._all = 0
+        # Matches.ids's lists by bitmap; emptied whenever a slot is taken or freed (the
+        # slot -> agent mapping they were read from changes then, and only then).
+        self._ids_cache: dict[int, list[str]] = {}
         # Every indexed agent of a namespace (the first token of its id): a route is answered
         # within its own namespace, never by scanning the others' agents.
         self._ns_bits: dict[str, int] = {}
@@ -378,6 +392,7 @@ class AgentIndex:
             slot = len(self._agents)
             self._agents.append(agent_id)
         self._slots[agent_id] = slot
+        self._ids_cache.clear()
         self._all |= 1 << slot
         ns = agent_id.partition(".")[0]
         self._ns_bits[ns] = self._ns_bits.get(ns, 0) | 1 << slot
@@ -385,6 +400,7 @@ class AgentIndex:
 
     def _release_slot(self, agent_id: str, slot: int) -> None:
         del self._slots[agent_id]
+        self._ids_cache.clear()
         self._all &= ~(1 << slot)
         _clear_bit(self._ns_bits, agent_id.partition(".")[0], ~(1 << slot))
         self._agents[slot] = ""
