@@ -3,6 +3,8 @@ of large candidate sets, the explain output's bounds, direct-mode alternates."""
 
 from __future__ import annotations
 
+import functools
+import operator
 import random
 from typing import Any
 
@@ -206,3 +208,48 @@ def test_a_named_agent_a_task_timed_out_on_is_routed_to_whatever_its_breaker_say
     registry.regrade(holder)
     with pytest.raises(NoMatchError):
         router.decide(retry, "ns", "r3")
+
+
+def test_least_loaded_choices_are_the_strategys_over_randomized_fleets() -> None:
+    """The engine's path (no explanation: ``Router._least_loaded``, no ``Candidate`` per agent)
+    chooses what ``LeastLoaded.choose`` over the candidates does (the explained path), decision
+    after decision over random fleets, each choice's load counted before the next (as
+    ``StepPlacing._choose`` does): the same scores, ties and draws from the router's rng."""
+    settings = MeshSettings(namespace="ns")
+    for seed in range(60):
+        rng = random.Random(seed)
+        clock = [100.0]
+        read = functools.partial(operator.getitem, clock, 0)
+        registry = Registry(None, None, settings, clock=read)  # type: ignore[arg-type]
+        for i in range(rng.choice((2, 3, 5, 30))):
+            add_agent(registry, f"ns.w.a{i:03d}", max_concurrency=rng.choice((1, 2, 4, 16)))
+        views = list(registry.agents.values())
+        explained = Router(registry, settings, "hub-test", rng=random.Random(seed))
+        engine = Router(registry, settings, "hub-test", rng=random.Random(seed))
+        for _ in range(40):
+            clock[0] += rng.random()
+            for view in rng.sample(views, k=min(3, len(views))):
+                view.inflight = rng.randrange(5)
+                view.queue_depth = rng.choice((0, 0, 1, 3))
+                view.pressure = rng.choice((0.0, 0.0, 0.3, 1.5))
+                view.recent, view.recent_at = rng.choice(((0.0, 0.0), (1.2, clock[0] - 0.4)))
+                view.state = rng.choice((AgentState.ONLINE,) * 4 + (AgentState.SUSPECT,))
+                if rng.random() < 0.1:
+                    view.health.overloaded()
+                    view.health.overloaded()
+            if rng.random() < 0.3:
+                view.outstanding = 0  # a step ended
+            exclude = frozenset(v.agent_id for v in views if rng.random() < 0.1)
+            try:
+                want = explained.decide(
+                    RouteRequest(capability=CAP, explain=True), "ns", "r", exclude=exclude
+                )
+            except NoMatchError:
+                with pytest.raises(NoMatchError):
+                    engine.decide(RouteRequest(capability=CAP), "ns", "r", exclude=exclude)
+                continue
+            got = engine.decide(RouteRequest(capability=CAP), "ns", "r", exclude=exclude)
+            assert got.view is want.view
+            assert got.decision is None and want.decision is not None
+            assert want.decision.chosen == got.view.agent_id
+            got.view.outstanding += 1  # counted at once, as a step's

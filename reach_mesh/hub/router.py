@@ -28,12 +28,15 @@ from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.hub.index import Matches
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.strategies import (
+    TIE_EPSILON,
     Candidate,
+    LeastLoaded,
     LoadWeights,
     Strategy,
     get_strategy,
     load_score,
     prefer_region,
+    raw_load_score,
 )
 from reach_mesh.models import AgentState, FilteredAgent, RouteDecision, RouteRequest
 from reach_mesh.selector import Selector
@@ -217,6 +220,8 @@ class Router:
         if chosen is None:
             if len(live) == 1 and not explain:
                 chosen = live[0]  # nothing to compare: skip building and scoring candidates
+            elif not explain and type(strategy) is LeastLoaded and not (req.region or req.zone):
+                chosen = self._least_loaded(live)  # the same choice, no Candidate per agent
             else:
                 now = reg.now
                 cands = [self._candidate(v, now) for v in live]
@@ -381,6 +386,26 @@ class Router:
         if view.busy >= card.max_concurrency:
             return _SATURATED
         return None
+
+    def _least_loaded(self, live: list[AgentView]) -> AgentView:
+        """:class:`LeastLoaded`'s choice among ``live`` (as ``strategy.choose`` over their
+        ``_candidate`` s: the same scores, ties, and draw from the router's rng), without a
+        :class:`Candidate` or a scores dict per agent — the engine's per-step path."""
+        now = self._registry.now
+        w = self._weights
+        scores = [
+            raw_load_score(
+                round(v.estimated_inflight(now)),
+                v.record.card.max_concurrency,
+                v.queue_depth,
+                v.pressure,
+                w,
+            )
+            for v in live
+        ]
+        best = min(scores)
+        tied = [v for v, score in zip(live, scores, strict=True) if score - best <= TIE_EPSILON]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
 
     def _alternates(
         self,

@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_STRATEGY",
     "SATURATION_PENALTY",
     "STRATEGIES",
+    "TIE_EPSILON",
     "Candidate",
     "ConsistentHash",
     "LeastLoaded",
@@ -41,6 +42,7 @@ __all__ = [
     "get_strategy",
     "load_score",
     "prefer_region",
+    "raw_load_score",
 ]
 
 DEFAULT_STRATEGY: Final = "least_loaded"
@@ -50,7 +52,7 @@ DEFAULT_STRATEGY: Final = "least_loaded"
 SATURATION_PENALTY: Final = 10.0
 # Scores closer than this are ties; float noise must not break the "identical agents share load"
 # promise of least_loaded.
-_TIE_EPSILON: Final = 1e-9
+TIE_EPSILON: Final = 1e-9
 _TWO_POW_64: Final = float(2**64)
 
 
@@ -93,10 +95,18 @@ def load_score(c: Candidate, w: LoadWeights) -> float:
     The penalty de-weights an agent *before* it is full, so traffic moves elsewhere while it
     still has headroom for in-flight bursts.
     """
-    capacity = c.max_concurrency if c.max_concurrency > 0 else 1
-    utilisation = c.inflight / capacity
-    pressure = 0.0 if c.pressure < 0.0 else 1.0 if c.pressure > 1.0 else c.pressure
-    score = w.inflight * utilisation + w.queue * c.queue_depth / capacity + w.pressure * pressure
+    return raw_load_score(c.inflight, c.max_concurrency, c.queue_depth, c.pressure, w)
+
+
+def raw_load_score(
+    inflight: int, max_concurrency: int, queue_depth: int, pressure: float, w: LoadWeights
+) -> float:
+    """:func:`load_score` of the fields themselves (the router's least-loaded path scores
+    agents with it without building a :class:`Candidate` each: the same arithmetic)."""
+    capacity = max_concurrency if max_concurrency > 0 else 1
+    utilisation = inflight / capacity
+    pressure = 0.0 if pressure < 0.0 else 1.0 if pressure > 1.0 else pressure
+    score = w.inflight * utilisation + w.queue * queue_depth / capacity + w.pressure * pressure
     if utilisation > w.saturation:
         score += SATURATION_PENALTY * (utilisation - w.saturation) / max(1.0 - w.saturation, 1e-9)
     return score
@@ -138,7 +148,7 @@ class LeastLoaded:
         _require(candidates)
         scores = {c.agent_id: load_score(c, weights) for c in candidates}
         best = min(scores.values())
-        tied = [c for c in candidates if scores[c.agent_id] - best <= _TIE_EPSILON]
+        tied = [c for c in candidates if scores[c.agent_id] - best <= TIE_EPSILON]
         chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
         return chosen, scores
 
