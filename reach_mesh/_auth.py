@@ -443,18 +443,25 @@ def _replace_file(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all: a temporary file in the same directory, synced, then
     renamed over it. A running nats-server reloaded meanwhile (``up --secure`` polls auth.conf,
     an operator's kill -HUP) reads the old file or the new one, never half of one, which would
-    refuse every identity. The file keeps its mode (0644 when new: no secrets in these files);
-    a link is written through to the file it names."""
+    refuse every identity. The file keeps its mode (0644 when new: no secrets in these files)
+    and, as far as this process may give them, its owner and group (an auth.conf of group
+    ``nats``, mode 0640, read by a nats-server running as that user: replaced by a file of
+    the writer's own group, the server's next reload could not read it); a link is written
+    through to the file it names."""
     path = path.resolve()
     mode = 0o644
+    owner: tuple[int, int] | None = None
     with contextlib.suppress(FileNotFoundError):
-        mode = stat.S_IMODE(path.stat().st_mode)
+        st = path.stat()
+        mode, owner = stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode())
             f.flush()
-            os.fchmod(f.fileno(), mode)
+            if owner is not None:
+                _keep_owner(f.fileno(), *owner)
+            os.fchmod(f.fileno(), mode)  # (after the owner: a chown may clear mode bits)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -466,6 +473,19 @@ def _replace_file(path: Path, text: str) -> None:
         os.fsync(dir_fd)  # the rename itself survives a crash
     finally:
         os.close(dir_fd)
+
+
+def _keep_owner(fd: int, uid: int, gid: int) -> None:
+    """Give the file ``fd`` the owner and group of the file it replaces: both as root, the
+    group alone as its owner (one of the user's groups), else nothing (it stays the writer's)."""
+    st = os.fstat(fd)
+    if (st.st_uid, st.st_gid) == (uid, gid):
+        return
+    try:
+        os.fchown(fd, uid, gid)
+    except PermissionError:
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, -1, gid)
 
 
 def auth_config(identities: list[Identity]) -> str:

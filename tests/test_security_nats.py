@@ -14,6 +14,8 @@ import hashlib
 import itertools
 import json
 import logging
+import os
+import stat
 import string
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -1918,6 +1920,28 @@ def test_auth_conf_is_replaced_whole(tmp_path: Path, monkeypatch: pytest.MonkeyP
         auth.add("agent", f"{NS}.other.a")
     assert auth.auth_conf.read_text() == after
     assert not [p.name for p in auth.path.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file another owner takes root")
+def test_replaced_auth_files_keep_their_owner(tmp_path: Path) -> None:
+    """A file auth add-* replaces keeps the owner and group of the one it replaces: an auth.conf
+    of group nats, mode 0640, read by a nats-server running as that user, was replaced by a
+    file of the writer's group (root's, by `sudo reach-mesh auth add-agent`), which that
+    server's next reload could not read — every identity added since refused."""
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace=NS)
+    theirs = (4321, 4322)  # (no such user needed: ids are what a file holds)
+    for f in (auth.auth_conf, auth.path / "identities.json"):
+        os.chown(f, *theirs)
+        os.chmod(f, 0o640)
+    auth.add("agent", VICTIM)
+    for f in (auth.auth_conf, auth.path / "identities.json"):
+        st = os.stat(f)
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (*theirs, 0o640), f
+    assert VICTIM in auth.auth_conf.read_text()
+    # A new file is the writer's, as before.
+    st = os.stat(auth.settings_file("agent", VICTIM))
+    assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid())
 
 
 def test_identities_added_at_once_are_all_issued(tmp_path: Path) -> None:
