@@ -98,13 +98,20 @@ async def _reload_on_change(server: EmbeddedNats, read: Callable[[], bytes]) -> 
     """Reload ``server`` when the auth.conf ``read`` returns changes (``reach-mesh auth
     add-agent`` and the others rewrite it), once the file reads the same twice in a row:
     ``reach-mesh auth`` replaces it whole (a rename), but a hand edit or a copy may write it
-    in place, and a reload of a half-written file would fail."""
-    loaded = last = read()
+    in place, and a reload of a half-written file would fail.
+
+    ``read`` runs in a thread: auth.conf grows ~1.6 kB an agent identity (16 MB for 10k), and
+    up's hubs share this event loop. A file gone or unreadable is said once (the server keeps
+    the identities it loaded; a reload now would find no file) and read again each second."""
+    loaded = last = await _read_auth(read, say=True)
     while True:
         await asyncio.sleep(AUTH_POLL)
-        with contextlib.suppress(OSError, RuntimeError):  # (a server gone: up is ending)
-            now = read()
-            if now == last and now != loaded:
+        now = await _read_auth(read, say=last is not None)
+        if now is None:
+            last = None
+            continue
+        if now == last and now != loaded:
+            with contextlib.suppress(OSError, RuntimeError):  # (a server gone: up is ending)
                 await asyncio.to_thread(server.reload)
                 loaded = now
                 print(
@@ -113,7 +120,23 @@ async def _reload_on_change(server: EmbeddedNats, read: Callable[[], bytes]) -> 
                     file=sys.stderr,
                     flush=True,
                 )
-            last = now
+        last = now
+
+
+async def _read_auth(read: Callable[[], bytes], *, say: bool) -> bytes | None:
+    """auth.conf's bytes (in a thread), or ``None`` when it cannot be read, which is said when
+    ``say`` (it read the time before: once per disappearance, not once a second)."""
+    try:
+        return await asyncio.to_thread(read)
+    except OSError as err:
+        if say:
+            print(
+                f"auth.conf cannot be read ({err.strerror or err}): nats-server keeps the "
+                "identities it loaded; up reloads it once the file reads again, changed",
+                file=sys.stderr,
+                flush=True,
+            )
+        return None
 
 
 def _port_free(port: int) -> bool:
