@@ -94,7 +94,10 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
     urls = [n.url for n in cluster]
     await _js_ready(urls[0])
     # Hub A talks to node 0 only; hub B and everything else to nodes 1 and 2 (node 0 dies).
-    s_a, s_b = _sides(urls, "ha")
+    # Leases outlive the election of the heartbeat bucket's leader node 0 may hold (beats are
+    # KV writes, which wait for it: 3 s ran out under a loaded CI, the agent SUSPECT), as the
+    # default 15 s does.
+    s_a, s_b = _sides(urls, "ha", lease_timeout=10.0, suspect_timeout=10.0)
 
     def make(agent_id: str) -> Agent:
         agent = Agent(agent_id, settings=s_b)
