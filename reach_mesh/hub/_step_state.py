@@ -146,9 +146,6 @@ class Workflow:
     #: error): one that runs on through its cancellation (an await in it swallowed it) starts
     #: nothing more (:meth:`halted`).
     branches_stopped: bool = False
-    #: The result this hub stored as the workflow's final one (``WorkflowEngine._store``) and
-    #: its JSON, encoded once for the record and for ``.done``.
-    stored: tuple[WorkflowResult, bytes] | None = None
 
     def stopper(self) -> asyncio.Future[ErrorBody]:
         """The future a cancel sets (:attr:`stop`), made on first use."""

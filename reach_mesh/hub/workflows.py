@@ -480,12 +480,10 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
         assert me is not None
         try:
             result, stored = await self._run(wf)
+            encoded = None
             if not stored:
-                result = await self._store(wf, result)
-            # The JSON of the result this hub stored, as its record holds it; None for one
-            # another hub stored (read back), encoded for ``.done``.
-            ours = wf.stored[1] if wf.stored is not None and wf.stored[0] is result else None
-            await self._publish_done(wf.ns, result, wf.headers, ours)
+                result, encoded = await self._store(wf, result)
+            await self._publish_done(wf.ns, result, wf.headers, encoded)
         except NotOwnerError:
             if await self._still_owner(wf):
                 # A task record moved under us while the workflow record is still ours: a hub
@@ -655,9 +653,12 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
             seq=seq,
         )
 
-    async def _store(self, wf: Workflow, result: WorkflowResult) -> WorkflowResult:
+    async def _store(
+        self, wf: Workflow, result: WorkflowResult
+    ) -> tuple[WorkflowResult, bytes | None]:
         """Make ``result`` the workflow's one final state: a CAS on our record. Returns the
-        result that is final — ours, or one another hub stored first.
+        result that is final — ours, with its JSON as the record holds it (encoded once, for
+        ``.done`` too), or one another hub stored first (None: not encoded here).
 
         Events of this workflow still held are dropped first (``_event``): ``result`` (and
         the ``.done`` made of it) says every step's outcome."""
@@ -696,9 +697,8 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
             stored = final_result(got)
             if stored is None:
                 raise NotOwnerError(key) from err
-            return stored
-        wf.stored = (result, result_json)
-        return result
+            return stored, None
+        return result, result_json
 
     async def _publish_done(
         self,
