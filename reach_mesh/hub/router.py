@@ -28,12 +28,12 @@ from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.hub.index import Matches
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.strategies import (
-    TIE_EPSILON,
     Candidate,
     LeastLoaded,
     LoadWeights,
     Strategy,
     get_strategy,
+    least_of,
     load_score,
     prefer_region,
     raw_load_score,
@@ -403,9 +403,7 @@ class Router:
             )
             for v in live
         ]
-        best = min(scores)
-        tied = [v for v, score in zip(live, scores, strict=True) if score - best <= TIE_EPSILON]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return least_of(live, scores, self._rng)
 
     def _alternates(
         self,

@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 from reach_mesh.errors import BadRequestError
 
@@ -30,7 +30,6 @@ __all__ = [
     "DEFAULT_STRATEGY",
     "SATURATION_PENALTY",
     "STRATEGIES",
-    "TIE_EPSILON",
     "Candidate",
     "ConsistentHash",
     "LeastLoaded",
@@ -40,6 +39,7 @@ __all__ = [
     "Strategy",
     "WeightedRandom",
     "get_strategy",
+    "least_of",
     "load_score",
     "prefer_region",
     "raw_load_score",
@@ -52,7 +52,8 @@ DEFAULT_STRATEGY: Final = "least_loaded"
 SATURATION_PENALTY: Final = 10.0
 # Scores closer than this are ties; float noise must not break the "identical agents share load"
 # promise of least_loaded.
-TIE_EPSILON: Final = 1e-9
+_TIE_EPSILON: Final = 1e-9
+_T = TypeVar("_T")
 _TWO_POW_64: Final = float(2**64)
 
 
@@ -147,10 +148,16 @@ class LeastLoaded:
     ) -> tuple[Candidate, dict[str, float]]:
         _require(candidates)
         scores = {c.agent_id: load_score(c, weights) for c in candidates}
-        best = min(scores.values())
-        tied = [c for c in candidates if scores[c.agent_id] - best <= TIE_EPSILON]
-        chosen = tied[0] if len(tied) == 1 else rng.choice(tied)
-        return chosen, scores
+        return least_of(candidates, list(scores.values()), rng), scores
+
+
+def least_of(items: Sequence[_T], scores: Sequence[float], rng: random.Random) -> _T:
+    """The item of ``items`` with the lowest of ``scores`` (one each, in order); scores within
+    ``_TIE_EPSILON`` of it are ties, one drawn from ``rng`` (none drawn without a tie): the
+    choice of :class:`LeastLoaded`, and of the router's path that scores agents directly."""
+    best = min(scores)
+    tied = [x for x, score in zip(items, scores, strict=True) if score - best <= _TIE_EPSILON]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
 class RoundRobin:
