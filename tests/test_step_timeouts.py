@@ -11,6 +11,7 @@ its timeouts). Both on a real nats-server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import pytest
 from reach_mesh import Client, MeshSettings, RetryPolicy, Step, TaskState
 from reach_mesh._cli_fleet import _print_agents
 from reach_mesh.agent import Agent, Task
-from reach_mesh.errors import AgentBusyError
+from reach_mesh.errors import AgentBusyError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub.workflows import WorkflowEngine
 from reach_mesh.workflow import step_task_id
@@ -361,3 +362,41 @@ async def test_a_final_status_the_hub_missed_before_the_deadline_is_no_timeout(
     s = wf_settings.model_copy(update={"step_silence_timeout": 10.0})
     step = Step(capability="wf:missedbydeadline:v1", payload=7, timeout=1.0, retries=0)
     await _final_missed(s, "wf:missedbydeadline:v1", step, timeout=2.5)
+
+
+async def test_a_handler_cancelled_after_a_freeze_gets_its_grace(settings: MeshSettings) -> None:
+    """An agent frozen past a running handler's deadline and its grace (SIGSTOP, a stalled VM)
+    cancels the handler when it wakes, and the handler's grace counts from then: one that
+    stops at its cancellation (a short async clean-up here) is answered TIMEOUT, not abandoned
+    as one that ignored it — which logged ``REACH-HANDLER-ABANDONED`` and counted
+    ``reach_agent_handlers_abandoned_total`` (alert ``ReachHandlersIgnoreTimeouts``, blaming
+    the handler's code for an hour) for every handler in flight through the freeze."""
+    s = settings.model_copy(update={"handler_abandon_grace": 0.5})
+    cap = "wf:polite:v1"
+    started = asyncio.Event()
+    stopped = asyncio.Event()
+    agent = Agent(f"{s.namespace}.polite.a1", settings=s)
+
+    @agent.handler(cap)
+    async def run(task: Task[Any]) -> str:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.01)  # closes what it holds, then stops
+            stopped.set()
+            raise
+        return "late"
+
+    async with Hub(settings=s), agent, Client(settings=s) as mesh:
+        asked = asyncio.create_task(mesh.request(capability=cap, payload={}, timeout=1.0))
+        await asyncio.wait_for(started.wait(), 5)
+        # The whole process frozen past the deadline (1 s) and the grace (0.5 s).
+        time.sleep(2.0)  # noqa: ASYNC251 - the point: a frozen event loop
+        await asyncio.wait_for(stopped.wait(), 5)
+        await eventually(lambda: handled(agent, cap, "TIMEOUT") == 1)
+        assert abandoned(agent, "request") == 0
+        assert agent.inflight == 0
+        asked.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ReachError):
+            await asked

@@ -76,7 +76,8 @@ class _Deadlines:
         self._dead = 0
         self._seq = itertools.count()
         #: Handlers past their deadline that have not returned yet (cancelled, and still
-        #: running: cleaning up, or ignoring the cancellation) -> when (loop time) it expired.
+        #: running: cleaning up, or ignoring the cancellation) -> when (loop time) they were
+        #: cancelled: their deadline, or later when the loop ran late.
         self.overdue: dict[_Alarm, float] = {}
 
     def stuck(self) -> int:
@@ -124,7 +125,8 @@ class _Deadlines:
         assert loop is not None
         # The loop ran the timer: its deadline counts as reached even if the clock (ms
         # resolution on uvloop) still reads a hair earlier.
-        limit = max(loop.time(), self._timer_at)
+        now = loop.time()
+        limit = max(now, self._timer_at)
         self._timer = None
         self._timer_at = math.inf
         heap = self._heap
@@ -139,9 +141,13 @@ class _Deadlines:
             heapq.heappop(heap)
             alarm.armed = False
             alarm.expired = True
-            self.overdue[alarm] = when
+            # The grace counts from the cancellation, not from the deadline: a loop that
+            # ran late (the process frozen: SIGSTOP, a stalled VM) cancels only now, and a
+            # handler that stops at once must not be taken for one that ignored it.
+            cancelled = max(when, now)
+            self.overdue[alarm] = cancelled
             if alarm.on_abandon is not None and self._grace < math.inf:
-                loop.call_at(when + self._grace, self._abandon, alarm)
+                loop.call_at(cancelled + self._grace, self._abandon, alarm)
             alarm.task.cancel()
         if heap:
             self._timer_at = heap[0][0]
