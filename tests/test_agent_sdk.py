@@ -22,6 +22,7 @@ from reach_mesh import (
     NoHandlerError,
     Step,
     TaskState,
+    __version__,
     protocol,
 )
 from reach_mesh.agent import Agent, Task, TaskFailed
@@ -98,6 +99,10 @@ async def test_agent_metrics_count_tasks_and_steps(
         assert samples[("reach_agent_failures_total", (*cap, ("code", "REACH_BAD_REQUEST")))] == 1
         assert samples[("reach_agent_handler_duration_seconds_count", cap)] == 7
         assert samples[("reach_agent_inflight", ())] == 0
+        # Which agent this target is (every other series names none): the alert rules join it
+        # on ``instance`` to name the agent and its namespace.
+        who = (("agent_id", agent.agent_id), ("namespace", namespace), ("version", __version__))
+        assert samples[("reach_agent_info", who)] == 1
         # The durable-step counters, as the work consumer keeps them (nothing dropped).
         for reason in ("fenced", "duplicate", "cached"):
             assert samples[("reach_agent_steps_dropped_total", (("reason", reason),))] == 0

@@ -133,7 +133,7 @@ def test_rules_select_jobs_that_prometheus_scrapes() -> None:
 def test_rules_use_only_metric_names_the_code_exports() -> None:
     from reach_mesh.tracing.metrics import AgentMetrics, HubMetrics, connection_metrics
 
-    agent = AgentMetrics()
+    agent = AgentMetrics("ns.svc.a1", "ns")  # (as every Agent makes it: with its id)
     agent.step_counts(dict)  # (exported by agents that take workflow steps)
     exported = set()
     for metrics in (HubMetrics(), agent):

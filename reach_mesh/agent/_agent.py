@@ -200,7 +200,7 @@ class Agent(IdentityMixin, ServingMixin):
         self._metrics_host = metrics_host
         self._metrics_server: AsgiServer | None = None
         #: Always kept (a few counter increments per task); served only with ``metrics_port``.
-        self.metrics = AgentMetrics()
+        self.metrics = AgentMetrics(self.agent_id, self.namespace)
         # Read at scrape time: no bookkeeping on the hot path, and never out of step.
         self.metrics.inflight.set_function(lambda: self._running)
         self._handlers: dict[str, _Handler] = {}

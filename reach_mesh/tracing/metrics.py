@@ -540,9 +540,23 @@ class HubMetrics:
 class AgentMetrics:
     """The metrics one agent process can export (the SDK updates them; serving is optional)."""
 
-    def __init__(self) -> None:
+    def __init__(self, agent_id: str | None = None, namespace: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        if agent_id is not None:
+            from reach_mesh import __version__  # (set at the end of the package's import)
+
+            # Which agent a scrape target is: every other series here is the process's alone
+            # and names no agent, so an alert on them would say only host:port. The alert
+            # rules join this on ``instance`` to label theirs with the agent and namespace.
+            info = Gauge(
+                "reach_agent_info",
+                "Always 1: the agent this /metrics belongs to (agent_id, namespace) and its "
+                "SDK version.",
+                ["agent_id", "namespace", "version"],
+                registry=r,
+            )
+            info.labels(agent_id, namespace or "", __version__).set(1)
         self.inflight = Gauge(
             "reach_agent_inflight",
             "Tasks the agent's handlers are running now.",
