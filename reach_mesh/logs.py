@@ -35,6 +35,7 @@ __all__ = [
     "ROUTE_LATENCY",
     "SELECT_EMPTY",
     "SUBSCRIPTION_REFUSED",
+    "THROTTLED",
     "WORKFLOW_INTERRUPTED",
     "HumanFormatter",
     "JsonFormatter",
@@ -90,6 +91,11 @@ AGENT_ID_IN_USE: Final = "REACH-AGENT-ID-IN-USE"
 """A starting agent found another live process serving its agent id (its ctl subject
 answered): it waits for that one to stop before it subscribes to anything (WARNING, at most one
 line per 30 s while it waits; ``agent/_one_process.py``)."""
+THROTTLED: Final = "REACH-THROTTLED"
+"""A hub refused route requests of a namespace with ``REACH_THROTTLED`` (WARNING, at most one
+line per namespace per 10 s): over its ``route_rate``, or holding its fair share of a full hub.
+Names the reply inbox of the request refused last — one caller's connection (in secure mode its
+identity, ``_INBOX.caller.<name>``), so a flood is told from its neighbours."""
 MESSAGE_REFUSED: Final = "REACH-MESSAGE-REFUSED"
 """A message was dropped unread: it named a reply subject outside ``_INBOX.``, or it was not a
 message of the subscription it came on (a JetStream push delivery; docs/security.md)."""
@@ -107,6 +113,7 @@ _EVENT_LEVELS: Final[Mapping[str, int]] = {
     SUBSCRIPTION_REFUSED: logging.ERROR,
     MESSAGE_REFUSED: logging.WARNING,
     AGENT_ID_IN_USE: logging.WARNING,
+    THROTTLED: logging.WARNING,
 }
 
 # Attributes every LogRecord has; anything else on a record came from ``extra=`` and is a field.

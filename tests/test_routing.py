@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 from typing import Any, cast
 
@@ -404,6 +405,35 @@ async def test_route_throttling_and_client_backoff(
             )
         assert all(r.ok for r in results)
         assert hub.metrics.throttled_total.labels(namespace)._value.get() > 0
+
+
+async def test_a_throttled_namespace_is_logged_naming_the_caller(
+    settings: MeshSettings, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Throttling is said, not only counted: one ``REACH-THROTTLED`` WARNING per namespace per
+    10 s, naming the reply inbox of the request it refused (the flooding caller's connection —
+    its own ``nats_inbox_prefix`` here, as a secure-mode identity has) and how many more were
+    held back. Before, a flood refused thousands of requests without a line in the hub's log,
+    and nothing told which caller of the namespace sent them (incident drill e)."""
+    caplog.set_level(logging.WARNING, logger="reach_mesh")
+    s = settings.model_copy(update={"route_rate": 20.0, "route_burst": 3.0})
+    flooder = s.model_copy(update={"nats_inbox_prefix": "_INBOX.flooder"})
+    async with Hub(settings=s) as hub, echo_agent(f"{namespace}.w.a1", s) as a:
+        async with Client(settings=flooder) as c:
+            results = await asyncio.gather(
+                *(c.request(agent_id=a.agent_id, payload=i, timeout=10) for i in range(30))
+            )
+        assert all(r.ok for r in results)  # the SDK retried them
+        refused = hub.metrics.throttled_total.labels(namespace)._value.get()
+        assert refused > 1
+    told = [r for r in caplog.records if getattr(r, "event", None) == "REACH-THROTTLED"]
+    assert len(told) == 1, told  # one line per namespace per 10 s, however many refused
+    line = told[0]
+    assert line.levelno == logging.WARNING
+    assert line.namespace == namespace  # type: ignore[attr-defined]
+    assert line.reason == "route_rate"  # type: ignore[attr-defined]
+    assert line.caller.startswith("_INBOX.flooder")  # type: ignore[attr-defined]
+    assert "route_rate (20/s, burst 3)" in line.getMessage()
 
 
 async def test_throttled_error_surfaces_past_deadline(

@@ -55,7 +55,7 @@ from reach_mesh.hub.breaker import DEAF
 from reach_mesh.hub.registry import AgentView
 from reach_mesh.hub.router import Choice, Router
 from reach_mesh.hub.throttle import Throttle
-from reach_mesh.logs import SELECT_EMPTY, LineBudget, log_event
+from reach_mesh.logs import SELECT_EMPTY, THROTTLED, LineBudget, log_event
 from reach_mesh.models import RouteRequest, TaskReply
 from reach_mesh.tracing import (
     SPAN_DELIVER,
@@ -79,6 +79,8 @@ DIRECT_ALTERNATES: Final = 3
 #: The one throttle bucket shared by route requests to namespaces that do not exist (an agent
 #: id in one may name an agent registered through another hub a moment ago).
 _UNKNOWN_NS: Final = "*"
+#: ``REACH-THROTTLED`` lines' key in the hub's line budget, beside the no-match lines'.
+_THROTTLED_KEY: Final = "throttled"
 #: Retry hint of a namespace over its fair share of a full hub: when one of its flights ends
 #: is unknown, so a short one (the SDK adds its own growing backoff).
 _FAIR_SHARE_RETRY_MS: Final = 100
@@ -188,7 +190,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         try:
             ns = self._namespace(subject)
             if not flights.admits(ns):
-                raise self._over_share(ns)
+                raise self._over_share(ns, reply)
             flight = self._admit(data, reply, headers, subject, ns)
         except ReachError as err:
             await self._answer(reply, protocol.encode_error(err), batch_reply)
@@ -227,7 +229,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         else:
             await self._attempt(flight)
 
-    def _over_share(self, ns: str) -> ThrottledError:
+    def _over_share(self, ns: str, reply: str) -> ThrottledError:
         """Fairness: the hub is full and ``ns`` holds its fair share of it, so the request is
         refused before anything is decoded (its retries cost little) while the other
         namespaces' requests are still read and served. Counted in ``reach_throttled_total``
@@ -235,6 +237,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         flights = self._ns_flights
         if self.known_namespace(ns):
             self.metrics.throttled_total.labels(ns).inc()
+            self._say_throttled(ns, reply, "fair_share")
         return ThrottledError(
             f"this hub is full and namespace {ns!r} holds its fair share of it "
             f"({flights.held(ns)} route requests in flight)",
@@ -262,6 +265,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             if known:
                 self.metrics.throttled_total.labels(ns).inc()
                 self._count(ns, req.mode, "THROTTLED")
+                self._say_throttled(ns, reply, "route_rate")
             raise ThrottledError(
                 f"namespace {ns!r} is over its route rate", retry_after_ms=int(retry * 1000) + 1
             )
@@ -713,6 +717,35 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             namespace=ns,
             target=req.capability or req.selector,
             unknown_namespace=True,
+            suppressed=held,
+        )
+
+    def _say_throttled(self, ns: str, reply: str, why: str) -> None:
+        """``REACH-THROTTLED``, once per namespace every 10 s: the refusals themselves are
+        counted (``reach_throttled_total``), and the line says who asked — the reply inbox of
+        the request refused now, which in a flood is most likely the flooder's (one connection;
+        in secure mode the caller identity's own prefix) — and how many were held back."""
+        held = self._no_match_lines.take((_THROTTLED_KEY, ns))
+        if held is None:
+            return
+        limit = (
+            f"over its route_rate ({self.settings.route_rate:g}/s, burst "
+            f"{self.settings.route_burst:g}) on this hub"
+            if why == "route_rate"
+            else "holding its fair share of this full hub (hub_concurrency)"
+        )
+        log_event(
+            log,
+            THROTTLED,
+            f"namespace {ns} is {limit}: route requests refused REACH_THROTTLED "
+            "(the SDK retries them until their timeout)",
+            namespace=ns,
+            reason=why,
+            caller=(
+                "this hub's HTTP API"
+                if reply.startswith(_LOCAL_REPLY)
+                else _clip(reply.rpartition(".")[0] or reply)
+            ),
             suppressed=held,
         )
 
