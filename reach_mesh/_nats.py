@@ -220,20 +220,25 @@ def refused_messages(nc: NATS | None) -> int:
     return nc.messages_refused if isinstance(nc, _Connection) else 0
 
 
-def connection_counts(named: Mapping[str, NATS | None]) -> tuple[int, dict[str, tuple[int, bool]]]:
+def connection_counts(
+    named: Mapping[str, NATS | None],
+) -> tuple[int, dict[str, tuple[int, bool, int | None]]]:
     """What ``tracing.metrics.connection_metrics`` exports of the ``named`` connections (a
     hub's three, an agent's one): the messages dropped unread on all of them, and per name the
     reconnections (none counted for a connection not made by :func:`connect`) and whether it
-    is up (not when None: not made yet)."""
+    is up (not when None: not made yet), and how many client URLs its server's last INFO
+    listed (None: not known — not connected yet, a server alone, or not made by
+    :func:`connect`)."""
     refused = 0
-    each: dict[str, tuple[int, bool]] = {}
+    each: dict[str, tuple[int, bool, int | None]] = {}
     for name, nc in named.items():
         if nc is None:
-            each[name] = (0, False)
+            each[name] = (0, False, None)
             continue
         reconnects = reconnects_of(nc)
         refused += refused_messages(nc)
-        each[name] = (0 if reconnects is None else reconnects.count, nc.is_connected)
+        listed = nc.listed_now if isinstance(nc, _Connection) else None
+        each[name] = (0 if reconnects is None else reconnects.count, nc.is_connected, listed)
     return refused, each
 
 
@@ -282,6 +287,10 @@ class _Connection(MessageGuard):
     on_cut_off: Callable[[], bool] | None = None
     #: The most client URLs its server's INFO listed (its own included) since it connected.
     _listed: int = 0
+    #: How many its server's last INFO listed (None until one listed any): the cluster's
+    #: nodes it has a route to, itself included — one fewer when a node is lost or cut off
+    #: (``reach_nats_cluster_urls``, alert ``ReachNatsNodeLost``).
+    listed_now: int | None = None
     #: The server (netlocs) it is leaving because that one was cut off: tried last.
     _left: frozenset[str] = frozenset()
     #: That server's ``server_id``, and the netlocs it was left under, until this connection
@@ -294,6 +303,7 @@ class _Connection(MessageGuard):
         urls = info.get("connect_urls")
         if not isinstance(urls, list) or not urls:
             return  # a server alone by design, or one that advertises no URLs
+        self.listed_now = len(urls)
         if initial_connection or 2 * len(urls) >= self._listed:
             self._listed = len(urls) if initial_connection else max(self._listed, len(urls))
             return

@@ -117,6 +117,13 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
                 assert (await c.request(capability="ha:echo:v1", payload=1)).result == 1
                 streams = {f.check: f for f in await diagnose(s_b)}["streams"]
                 assert streams.status == "ok" and "(R3)" in streams.detail, streams
+
+                def listed() -> float | None:  # as hub B's /metrics exports it
+                    return hub_b.metrics.registry.get_sample_value(
+                        "reach_nats_cluster_urls", {"connection": "main"}
+                    )
+
+                assert listed() == 3
                 cluster[0].kill()  # SIGKILL one node (possibly the raft leader) and hub A's link
                 # Routing is core NATS on the surviving nodes: it keeps working through the
                 # election; hub B answers alone.
@@ -157,6 +164,9 @@ async def test_node_loss_keeps_the_mesh_working(cluster: list[EmbeddedNats]) -> 
                     )
 
                 await eventually(told, timeout=30, interval=1)
+                # ... and the hubs' metric falls by one: the server hub B is on lists one
+                # server fewer (alert ReachNatsNodeLost; no alert said anything before).
+                assert listed() == 2
     finally:
         await hub_a.close()
 

@@ -138,7 +138,7 @@ def test_rules_use_only_metric_names_the_code_exports() -> None:
     exported = set()
     for metrics in (HubMetrics(), agent):
         # (exported by every hub and agent, from their connection)
-        connection_metrics(metrics.registry, lambda: (0, {"main": (0, True)}))
+        connection_metrics(metrics.registry, lambda: (0, {"main": (0, True, 3)}))
         for family in metrics.registry.collect():
             exported.add(family.name)
             for suffix in ("_total", "_bucket", "_count", "_sum", "_created"):

@@ -608,8 +608,9 @@ class AgentMetrics:
 
 #: What ``connection_metrics`` reads when scraped: the messages dropped unread (all connections),
 #: and per connection (``main``, a hub's ``routes``, ``statuses`` and ``agents``) its
-#: reconnections so far and whether it is up.
-ConnectionCounts = tuple[int, Mapping[str, tuple[int, bool]]]
+#: reconnections so far, whether it is up, and the client URLs its server last listed (None:
+#: not known).
+ConnectionCounts = tuple[int, Mapping[str, tuple[int, bool, int | None]]]
 
 
 def _counter_by(
@@ -659,11 +660,22 @@ class _Connection(Collector):
             "reconnects.",
             labels=["connection"],
         )
-        for name, (count, up) in named.items():
+        cluster = GaugeMetricFamily(
+            "reach_nats_cluster_urls",
+            "Client URLs the NATS server this connection is on listed in its last INFO: its "
+            "own and those of the servers it has a route to (one each, unless a server "
+            "advertises several). One fewer when a node of the cluster is lost or cut off "
+            "(alert ReachNatsNodeLost); not exported while unknown (a server alone).",
+            labels=["connection"],
+        )
+        for name, (count, up, listed) in named.items():
             reconnects.add_metric([name], count)
             connected.add_metric([name], 1 if up else 0)
+            if listed is not None:
+                cluster.add_metric([name], listed)
         yield reconnects
         yield connected
+        yield cluster
 
 
 #: What ``together_metrics`` reads when scraped: the server each of a hub's connections is on
