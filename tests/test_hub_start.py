@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -329,3 +330,60 @@ async def test_a_hub_asking_for_replicas_a_lone_server_cannot_hold_fails_at_once
         assert time.monotonic() - began < 10.0
         message = caught.value.message
         assert "non-clustered" in message and "kv_replicas" in message, message
+
+
+_FRESH_HUB = """
+import asyncio, json, sys
+from reach_mesh import MeshSettings
+from reach_mesh.hub import Hub, _hub
+
+joined = []  # for each connection the hub made: were the HTTP app's modules imported yet?
+connect = _hub.connect
+
+
+async def recording(*args, **kw):
+    joined.append("reach_mesh.hub.http" in sys.modules)
+    return await connect(*args, **kw)
+
+
+_hub.connect = recording
+
+
+async def main():
+    s = MeshSettings(nats_url=sys.argv[1], namespace=sys.argv[2], http_port=0)
+    async with Hub(settings=s) as hub:
+        await asyncio.sleep(0.3)
+        lag = hub.metrics.registry
+        count = lag.get_sample_value("reach_event_loop_lag_seconds_count")
+        within = lag.get_sample_value("reach_event_loop_lag_seconds_bucket", {"le": "1.0"})
+    print(json.dumps({"joined": joined, "count": count, "within_1s": within}))
+
+
+asyncio.run(main())
+"""
+
+
+async def test_a_hub_imports_its_http_app_before_it_joins_anything(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A hub with HTTP imports the HTTP app (FastAPI, MCP, A2A: 1-3 s of CPU here) before it
+    connects, not after it subscribed to heartbeats, registrations and workflows: that import
+    blocked the loop of a hub already serving, and its lag watch saw it — every hub start
+    fired ``ReachEventLoopStalls`` (incident drill a, a killed hub restarted). In a fresh
+    interpreter, as a restarted hub is (this process imported the app long ago)."""
+    script = tmp_path / "fresh_hub.py"
+    script.write_text(_FRESH_HUB)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(script),
+        nats_url,
+        namespace,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    said = json.loads(out.decode().strip().splitlines()[-1])
+    assert said["joined"] and all(said["joined"]), said  # imported before the first connect
+    # No lag sample over the alert's 1 s since the watch began (the import comes before it).
+    assert said["count"] >= 1 and said["within_1s"] == said["count"], said

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import importlib
 import itertools
 import logging
 import math
@@ -240,6 +241,13 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             raise RuntimeError(f"hub cannot start from state {self.state.value}")
         self.state = HubState.RUNNING
         tracing_from_env(HUB_SERVICE_NAME)  # OTEL_TRACES_EXPORTER, if the process set none up
+        # What the start imports late, imported before the hub joins anything: the HTTP app
+        # (FastAPI, MCP, A2A) takes 1-3 s of CPU to import, which blocked the loop of a hub
+        # already taking heartbeats, registrations and workflows — and, seen by the lag
+        # watch below, fired ReachEventLoopStalls after every hub start.
+        if self.settings.http_port is not None:
+            importlib.import_module("reach_mesh.hub.http")
+        importlib.import_module("reach_mesh.hub._micro")
         self._loop_watch = asyncio.create_task(
             watch_event_loop(self.metrics.event_loop_lag_seconds), name="reach-loop-lag"
         )
