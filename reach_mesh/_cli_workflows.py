@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from reach_mesh import protocol
 from reach_mesh._cli_fleet import cell, print_table, settings_of
 from reach_mesh.client import Client
-from reach_mesh.errors import BadRequestError, UnknownWorkflowError
+from reach_mesh.errors import BadRequestError, NotPermittedError, UnknownWorkflowError
 from reach_mesh.models import ErrorBody, TaskState
 from reach_mesh.workflow import WorkflowView
 
@@ -144,6 +144,8 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
             namespace=args.namespace,
             all_namespaces=every,
         )
+        owners = {w.owner for w in listed.workflows if w.state is TaskState.RUNNING and w.owner}
+        silent = await _silent(c, owners) if owners and not args.json else set()
     if args.json:
         print(listed.model_dump_json(indent=2))
         return 0
@@ -164,7 +166,7 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
             steps,
             _when(w.submitted_at),
             took,
-            w.owner or "-",
+            (w.owner or "-") + (" (not answering)" if w.owner in silent else ""),
             _said(w.error),
         )
         rows.append((w.namespace or "?", *row) if every else row)
@@ -178,6 +180,16 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
     final_only = bool(args.state) and all(TaskState(s.upper()).final for s in args.state)
     unfinished = "" if final_only else ", and unfinished ones"
     print(f"{listed.matched} workflow(s) of {whose} since {_when(listed.since)}{unfinished}{more}")
+    if silent:
+        orphans = sum(
+            1 for w in listed.workflows if w.state is TaskState.RUNNING and w.owner in silent
+        )
+        print(
+            f"  {orphans} running workflow(s) owned by {', '.join(sorted(silent))}, which did "
+            "not answer hub discovery (stopped, died, cut off or busy): another hub takes them "
+            "over within workflow_ack_wait (30 s) of their owner's last renewal, resuming "
+            "each from its records (reach-mesh hubs; docs/operations.md, 'A hub is lost')"
+        )
     if listed.truncated:
         print(
             f"  partial: {listed.scanned:,} records read, back to "
@@ -185,6 +197,21 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
             "from before it, were not read (narrow --since or --state)"
         )
     return 0
+
+
+async def _silent(c: Client, owners: set[str]) -> set[str]:
+    """The ``owners`` (hub ids) that do not answer NATS micro discovery within 0.5 s: dead,
+    stopped or cut off hubs whose running workflows wait for a takeover. Nothing when
+    discovery is not allowed (a caller identity in secure mode) or no hub answers at all
+    (then the list itself was not answered either)."""
+    from reach_mesh.hub._micro import discover_hubs
+
+    try:
+        hubs = await discover_hubs(c.nc, expected=True, fleet_ask=b'{"limit":0}')
+    except NotPermittedError:
+        return set()
+    answering = {str((hub.get("metadata") or {}).get("hub_id")) for hub in hubs}
+    return owners - answering if answering else set()
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:

@@ -143,6 +143,15 @@ async def test_an_owner_that_does_not_answer_is_said(
                 assert out.returncode == 0, out.stderr
                 assert "owner hub-a0000001 (did not answer: stopped, died" in out.stdout, out.stdout
                 assert "workflow_ack_wait" in out.stdout, out.stdout
+                # The list of running workflows marks the dead owner (it named it as any
+                # other, for the whole wait before the takeover), and says what comes next.
+                out = await run_cli(nats_url, "workflows", "--namespace", ns, "--state", "RUNNING")
+                assert out.returncode == 0, out.stderr
+                row = next(line for line in out.stdout.splitlines() if wf_id in line)
+                assert "hub-a0000001 (not answering)" in row, out.stdout
+                assert "1 running workflow(s) owned by hub-a0000001, which did not answer" in (
+                    out.stdout
+                ), out.stdout
     finally:
         await fleet.close()
         await hub_a.close()
