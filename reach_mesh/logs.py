@@ -94,8 +94,9 @@ line per 30 s while it waits; ``agent/_one_process.py``)."""
 THROTTLED: Final = "REACH-THROTTLED"
 """A hub refused route requests of a namespace with ``REACH_THROTTLED`` (WARNING, at most one
 line per namespace per 10 s): over its ``route_rate``, or holding its fair share of a full hub.
-Names the reply inbox of the request refused last — one caller's connection (in secure mode its
-identity, ``_INBOX.caller.<name>``), so a flood is told from its neighbours."""
+Names the caller of the request refused then, by the part of its reply subject that is the same
+for all its requests (in secure mode after its identity's ``_INBOX.caller.<name>``), so a flood
+is told from its neighbours."""
 MESSAGE_REFUSED: Final = "REACH-MESSAGE-REFUSED"
 """A message was dropped unread: it named a reply subject outside ``_INBOX.``, or it was not a
 message of the subscription it came on (a JetStream push delivery; docs/security.md)."""

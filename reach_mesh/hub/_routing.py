@@ -722,9 +722,9 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
 
     def _say_throttled(self, ns: str, reply: str, why: str) -> None:
         """``REACH-THROTTLED``, once per namespace every 10 s: the refusals themselves are
-        counted (``reach_throttled_total``), and the line says who asked — the reply inbox of
-        the request refused now, which in a flood is most likely the flooder's (one connection;
-        in secure mode the caller identity's own prefix) — and how many were held back."""
+        counted (``reach_throttled_total``), and the line says who asked — the caller of the
+        request refused now (``_caller``), which in a flood is most likely the flooder (in
+        secure mode after its identity's own prefix) — and how many were held back."""
         held = self._no_match_lines.take((_THROTTLED_KEY, ns))
         if held is None:
             return
@@ -741,11 +741,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             "(the SDK retries them until their timeout)",
             namespace=ns,
             reason=why,
-            caller=(
-                "this hub's HTTP API"
-                if reply.startswith(_LOCAL_REPLY)
-                else _clip(reply.rpartition(".")[0] or reply)
-            ),
+            caller="this hub's HTTP API" if reply.startswith(_LOCAL_REPLY) else _caller(reply),
             suppressed=held,
         )
 
@@ -765,3 +761,13 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             target=target,
             suppressed=held,
         )
+
+
+def _caller(reply: str) -> str | None:
+    """The part of a route request's reply subject that stays the same for one caller: the
+    SDK's are ``<inbox prefix>.<its Client's 64 random bits>.<batch>.<n>``, nats-py's own
+    requests' ``<inbox prefix>.<its connection's NUID>.<token>`` — the inbox prefix being
+    ``_INBOX``, or a secure-mode identity's ``_INBOX.<role>.<name>``."""
+    tokens = reply.split(".")
+    keep = len(tokens) - (2 if len(tokens) >= 4 else 1)
+    return _clip(".".join(tokens[: max(keep, 1)]))
