@@ -201,9 +201,17 @@ class JsClient:
         """Publish ``body`` to ``subject`` (core NATS, no answer) now, after everything
         :meth:`later` holds (so that it leaves behind them, in order). Raises what nats-py
         raises when the connection cannot take it (closed, draining, its buffer full while
-        reconnecting): unlike :meth:`later`'s, somebody depends on this one."""
+        reconnecting): unlike :meth:`later`'s, somebody depends on this one.
+
+        Returns once it is written to the socket, not merely queued: nats-py's flusher, woken
+        by the publish, writes in a later pass of the loop, and the caller's code after this
+        (a workflow's own end, the submission's ack) would otherwise run first, on the
+        critical path of whoever waits for the message. One pass is all it takes (the
+        flusher's wake-up is queued ahead of ours), unless the socket pushes back."""
         self.later(subject, body, headers)
         await self._flush(strict=True)
+        if self._nc.pending_data_size:
+            await asyncio.sleep(0)
 
     def ack_later(self, msg: Msg) -> None:
         """Ack a JetStream message (an empty publish on its reply subject, as ``msg.ack()``

@@ -182,8 +182,10 @@ async def test_send_leaves_now_behind_what_later_holds_and_raises_when_it_cannot
     nats_url: str,
 ) -> None:
     """``send`` (a workflow's ``.done``): out at once, after the messages ``later`` holds, in
-    order; unlike theirs, its failure is raised (the hub then hands the workflow back instead
-    of acking a result nobody was told)."""
+    order — written to the socket when it returns, not queued for nats-py's flusher to write
+    after the caller's code that follows (a workflow's caller waits on it); unlike theirs, its
+    failure is raised (the hub then hands the workflow back instead of acking a result nobody
+    was told)."""
     nc = await nats.connect(nats_url)
     pub = JsClient(nc, timeout=2.0, linger=5.0)
     await pub.start()
@@ -192,6 +194,7 @@ async def test_send_leaves_now_behind_what_later_holds_and_raises_when_it_cannot
     try:
         pub.later(subject, b"event")
         await pub.send(subject, b"done")
+        assert nc.pending_data_size == 0  # both written, not left for the flusher's pass
         assert [(await got.next_msg(timeout=2)).data for _ in range(2)] == [b"event", b"done"]
         await pub.stop()
         await nc.close()
