@@ -206,6 +206,35 @@ async def test_send_leaves_now_behind_what_later_holds_and_raises_when_it_cannot
         await nc.close()
 
 
+async def test_answers_are_taken_as_they_are_read(nats_url: str) -> None:
+    """A client's answers (acks, reads) wake their waiters from nats-py's reader, not from a
+    subscription task of their own a pass of the loop later: starting one starts no task. An
+    answer nobody waits for is dropped, and one whose handling fails leaves the reader
+    reading."""
+    nc = await nats.connect(nats_url)
+    pub = JsClient(nc, timeout=2.0)
+    before = asyncio.all_tasks()
+    await pub.start()
+    try:
+        assert asyncio.all_tasks() - before == set()
+        await nc.publish(pub._prefix + "nobody", b"stray")
+        name = f"JSANS_{uuid.uuid4().hex[:8]}"
+        js = nc.jetstream()
+        await js.add_stream(StreamConfig(name=name, subjects=[f"{name.lower()}.>"]))
+        assert (await pub.publish(f"{name.lower()}.a", b"x")).seq == 1
+        await js.delete_stream(name)
+    finally:
+        await pub.stop()
+        await nc.close()
+
+    def fail(msg: Msg) -> None:
+        raise RuntimeError(msg.subject)
+
+    failing = _jspub._Answers(fail)
+    failing.set_result(Msg(nc, subject="x"))  # logged, not raised into the reader
+    assert not failing.done() and not failing.cancelled()
+
+
 async def test_ask_has_an_unguessable_reply_and_knows_no_responders(nats_url: str) -> None:
     """``JsClient.ask``: a plain request whose reply subject carries 64 random bits (not a
     nats-py NUID); nobody listening is ``NoRespondersError``, not an empty answer."""
