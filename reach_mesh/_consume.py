@@ -48,6 +48,7 @@ from nats.js.kv import KeyValue
 from reach_mesh import protocol
 from reach_mesh._batch import private_inbox
 from reach_mesh._guard import matches, refuse
+from reach_mesh._inline import subscribe_inline
 from reach_mesh._nats import ensure_kv
 from reach_mesh._nats_intake import on_unreadable
 from reach_mesh._retry import describe
@@ -106,7 +107,8 @@ _FULL_FOR: Final = 1.0
 
 class PullConsumer:
     """Keeps pulls outstanding on ``durable`` of ``stream``; ``on_msg`` must not block and must
-    lead to exactly one :meth:`release` per message."""
+    lead to exactly one :meth:`release` per message. It is called in nats-py's reader, as the
+    delivery is read."""
 
     def __init__(
         self,
@@ -160,7 +162,9 @@ class PullConsumer:
         # Unguessable: other identities may publish into this connection's inbox space (agents
         # answer hubs there), and deliveries must come from JetStream only.
         self._inbox = private_inbox(self._nc)
-        self._sub = await self._nc.subscribe(self._inbox, cb=self._cb, pending_msgs_limit=-1)
+        # Each delivery is handed over as nats-py reads it (``reach_mesh/_inline.py``), not a
+        # pass of the loop later: ``on_msg`` must not block anyway.
+        self._sub = await subscribe_inline(self._nc, self._inbox, self._cb)
         on_unreadable(self._nc, self._sub._id, self._term_unreadable)
         self._watchdog = asyncio.create_task(self._watch(), name="reach-pull-watchdog")
         self._maybe_pull()
@@ -199,7 +203,7 @@ class PullConsumer:
         self._held = max(0, self._held - 1)
         self._full = time.monotonic()
 
-    async def _cb(self, msg: Msg) -> None:
+    def _cb(self, msg: Msg) -> None:
         self._last_seen = time.monotonic()
         headers = msg.headers
         if headers and not msg.data and _STATUS in headers:

@@ -28,7 +28,7 @@ from reach_mesh import protocol
 from reach_mesh._nats import _Connection
 from reach_mesh.logs import MESSAGE_REFUSED, LineBudget, get_logger, log_event
 
-__all__ = ["guarded", "matches", "refuse", "refuse_body", "refused_total"]
+__all__ = ["guarded", "guarded_inline", "matches", "refuse", "refuse_body", "refused_total"]
 
 log = get_logger(__name__)
 
@@ -131,18 +131,44 @@ def guarded(subscription: str, cb: Callback, *, answers: bool = True) -> Callbac
     may answer (``answers``) — whose reply subject, if any, is an inbox. Others are dropped,
     and so are the empty status messages (idle heartbeats, flow control) that a push consumer
     aimed at the subject would send."""
-    match = _matcher(subscription)
+    admits = _admission(subscription, answers=answers)
 
     async def on_msg(msg: Msg) -> None:
-        if not match(msg.subject):
-            refuse(msg, f"not a message of {subscription} (a JetStream push delivery)")
-            return
-        if answers and msg.reply and not protocol.is_inbox(msg.reply):
-            refuse(msg, f"reply subject {msg.reply[:80]!r} is not under _INBOX.")
-            return
-        if not msg.data and msg.headers and _STATUS in msg.headers:
-            refuse(msg, "a status message (a JetStream push consumer's)")
-            return
-        await cb(msg)
+        if admits(msg):
+            await cb(msg)
 
     return on_msg
+
+
+def guarded_inline(
+    subscription: str, take: Callable[[Msg], None], *, answers: bool = True
+) -> Callable[[Msg], None]:
+    """:func:`guarded` for a handler that does not wait: one for ``subscribe_inline``
+    (``reach_mesh/_inline.py``), called as nats-py reads the message."""
+    admits = _admission(subscription, answers=answers)
+
+    def on_msg(msg: Msg) -> None:
+        if admits(msg):
+            take(msg)
+
+    return on_msg
+
+
+def _admission(subscription: str, *, answers: bool) -> Callable[[Msg], bool]:
+    """Whether a message may reach the handler of ``subscription`` (:func:`guarded`); the
+    others are refused here."""
+    match = _matcher(subscription)
+
+    def admits(msg: Msg) -> bool:
+        if not match(msg.subject):
+            refuse(msg, f"not a message of {subscription} (a JetStream push delivery)")
+            return False
+        if answers and msg.reply and not protocol.is_inbox(msg.reply):
+            refuse(msg, f"reply subject {msg.reply[:80]!r} is not under _INBOX.")
+            return False
+        if not msg.data and msg.headers and _STATUS in msg.headers:
+            refuse(msg, "a status message (a JetStream push consumer's)")
+            return False
+        return True
+
+    return admits

@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import typing
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
@@ -46,6 +45,7 @@ from nats.js.errors import (
 from pydantic_core import from_json
 
 from reach_mesh._batch import private_inbox, reply_token
+from reach_mesh._inline import subscribe_inline
 from reach_mesh._kv import (
     entry_at_leader,
     entry_at_quorate_leader,
@@ -162,13 +162,11 @@ class JsClient:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        # The answers are handed over as they are read (``_Answers``), not through a
-        # subscription task of their own: one pass of the loop less between an ack and the
-        # code that waits on it, which is on a workflow's critical path (a record's write
-        # before its steps go out, a chain's task record before its next step).
-        self._sub = await self._nc.subscribe(
-            self._prefix + "*", future=typing.cast("asyncio.Future[Any]", _Answers(self._on_ack))
-        )
+        # Answers are taken as they are read (``reach_mesh/_inline.py``): one pass of the loop
+        # less between an ack and the code that waits on it, which is on a workflow's critical
+        # path (a record's write before its steps go out, a chain's task record before its
+        # next step).
+        self._sub = await subscribe_inline(self._nc, self._prefix + "*", self._on_ack)
         reconnects = self._reconnects
         if reconnects is not None:
             reconnects.listeners.append(self._on_reconnect)
@@ -653,34 +651,6 @@ class JsClient:
         future = self._futures.get(msg.subject[len(self._prefix) :])
         if future is not None and not future.done():
             future.set_result(msg)
-
-
-class _Answers:
-    """What nats-py takes for a subscription's one-answer future (``subscribe(future=...)``,
-    as its old-style requests use), standing for every answer to one client's requests.
-
-    nats-py resolves such a future in its reader, as the message is read (``_process_msg``:
-    ``cancelled()``, then ``set_result``), where a subscription with a callback queues the
-    message for a task of its own, which runs it in a later pass of the loop. This one is
-    never done: each answer goes to ``take`` at once, in the reader — which must not raise
-    (an exception would end nats-py's read loop), nor wait."""
-
-    __slots__ = ("_take",)
-
-    def __init__(self, take: Callable[[Msg], None]) -> None:
-        self._take = take
-
-    def cancelled(self) -> bool:
-        return False
-
-    def done(self) -> bool:
-        return False
-
-    def set_result(self, msg: Msg) -> None:
-        try:
-            self._take(msg)
-        except Exception:  # (never into nats-py's reader)
-            log.exception("handling the answer on %s failed", msg.subject)
 
 
 async def first_done(

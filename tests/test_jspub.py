@@ -29,6 +29,7 @@ from nats.js.errors import (
 
 from reach_mesh import _jspub
 from reach_mesh._consume import _FULL_FOR, PullConsumer
+from reach_mesh._inline import Inline
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import ensure_kv
 from reach_mesh._retry import RetriesExhausted, no_message, transient
@@ -230,7 +231,7 @@ async def test_answers_are_taken_as_they_are_read(nats_url: str) -> None:
     def fail(msg: Msg) -> None:
         raise RuntimeError(msg.subject)
 
-    failing = _jspub._Answers(fail)
+    failing = Inline(fail)
     failing.set_result(Msg(nc, subject="x"))  # logged, not raised into the reader
     assert not failing.done() and not failing.cancelled()
 

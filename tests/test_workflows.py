@@ -25,8 +25,10 @@ from reach_mesh import (
     TaskState,
     protocol,
 )
+from reach_mesh._jspub import JsClient
 from reach_mesh._nats import flushed
 from reach_mesh.agent import Agent, Task, TaskFailed
+from reach_mesh.agent._work import WorkConsumer
 from reach_mesh.hub import Hub, _shapes, workflows
 from reach_mesh.models import AgentState, TaskEnvelope
 from reach_mesh.workflow import TaskRecord, merge_payload
@@ -102,6 +104,46 @@ async def test_fanout_all(wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings) 
         )
     )
     assert res.workflow_id and res.kind == "fanout"
+
+
+async def test_a_workflows_messages_are_taken_as_nats_py_reads_them(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a workflow's critical path every message is handled in nats-py's reader as it is
+    read, not by a subscription task a pass of the loop later (``reach_mesh/_inline.py``): the
+    work an agent pulls, the acks of its statuses, and the statuses the hub takes."""
+    where: dict[str, set[str]] = {"work": set(), "ack": set(), "status": set()}
+
+    def reader() -> str:
+        task = asyncio.current_task()
+        return "?" if task is None else str(getattr(task.get_coro(), "__qualname__", "?"))
+
+    def noted(kind: str, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            where[kind].add(reader())
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(WorkConsumer, "_on_msg", noted("work", WorkConsumer._on_msg))
+    monkeypatch.setattr(JsClient, "_on_ack", noted("ack", JsClient._on_ack))
+    assert wf_hub.workflows is not None
+    tracker = wf_hub.workflows._tracker
+    monkeypatch.setattr(tracker, "on_status", noted("status", tracker.on_status))
+    agents = [echo_agent(fleet, f"inline.a{i}") for i in range(3)]
+    for agent in agents:
+        await agent.start()
+    async with Client(settings=wf_settings) as mesh:
+        res = await mesh.fanout(
+            [Step(agent_id=a.agent_id, payload={"i": i}) for i, a in enumerate(agents)],
+            timeout=10,
+        )
+    assert res.state is TaskState.SUCCEEDED, res
+    assert where == {
+        "work": {"Client._read_loop"},
+        "ack": {"Client._read_loop"},
+        "status": {"Client._read_loop"},
+    }
 
 
 async def test_a_workflow_in_a_namespace_that_does_not_exist_is_counted_as_unknown(

@@ -41,7 +41,8 @@ from reach_mesh._consume import (
     ensure_workflow_resources,
     stream_seq,
 )
-from reach_mesh._guard import guarded
+from reach_mesh._guard import guarded_inline
+from reach_mesh._inline import subscribe_inline
 from reach_mesh._jspub import JsClient
 from reach_mesh._nats import flushed
 from reach_mesh._nats_asking import Reconnected, or_reconnected, reconnects_of
@@ -247,8 +248,10 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
         self._tasks_kv = _durable.Bucket(protocol.KV_TASKS, self._jsc)
         self._wf_kv = _durable.Bucket(protocol.KV_WORKFLOWS, self._jsc)
         statuses = protocol.task_status("*.*.*", "*")
-        self._status_sub = await self._status_nc.subscribe(
-            statuses, cb=guarded(statuses, self._on_status, answers=False), pending_msgs_limit=-1
+        # Each status is taken as nats-py reads it (``reach_mesh/_inline.py``): a step's
+        # outcome a pass of the loop sooner, on the critical path of every fanout and chain.
+        self._status_sub = await subscribe_inline(
+            self._status_nc, statuses, guarded_inline(statuses, self._on_status, answers=False)
         )
         # The server has it before the first step is sent (pulled below): on another
         # connection, the SUB is not ordered before this one's publishes.
@@ -736,8 +739,8 @@ class WorkflowEngine(WorkflowRefusals, SubmissionKeepalive):
         if not self._stopping:
             self._background(self._tracker.after_gap())
 
-    async def _on_status(self, msg: Msg) -> None:
-        # On the subscription's reader: no awaits, no I/O — dictionary lookups and a parse.
+    def _on_status(self, msg: Msg) -> None:
+        # In nats-py's reader: no awaits, no I/O — dictionary lookups and a parse.
         self._tracker.on_status(msg)
 
     def _on_agent_state(self, view: AgentView, old: AgentState, new: AgentState) -> None:
