@@ -31,6 +31,7 @@ from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import MeshUnavailableError
 from reach_mesh.models import (
     AgentCard,
+    AgentRecord,
     AgentState,
     ErrorBody,
     RegisterReply,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from mcp.client.session import ClientSession
 
     from reach_mesh.hub import Hub
+    from reach_mesh.hub.registry import Registry
 
 
 #: Ports handed out by ``free_port`` in this process: never twice.
@@ -816,3 +818,25 @@ async def seed_owner(
     )
     kv = await mesh.nc.jetstream().key_value(protocol.KV_WORKFLOWS)
     await kv.put(protocol.workflow_key(mesh.namespace, wf_id), protocol.encode(record))
+
+
+def fed_agent(
+    registry: Registry,
+    agent_id: str,
+    capabilities: list[str],
+    *,
+    cordoned: bool = False,
+    **card: Any,
+) -> None:
+    """Register ``agent_id`` with ``capabilities`` (and ``card``'s other fields) in a registry
+    fed in memory (no KV), as its watch would."""
+    record = AgentRecord(
+        card=AgentCard(agent_id=agent_id, capabilities=capabilities, **card),
+        session="s",
+        heartbeat_interval=5.0,
+        lease_timeout=15.0,
+        task_subject=f"reach.agent.{agent_id}.task",
+        registered_at=0.0,
+        cordoned=cordoned,
+    )
+    registry.apply_record(record, 1, seen_at=registry.now)

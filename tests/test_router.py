@@ -14,22 +14,14 @@ from reach_mesh import MeshSettings, NoMatchError
 from reach_mesh.hub.breaker import DEAF, BreakerState
 from reach_mesh.hub.registry import Registry
 from reach_mesh.hub.router import EXPLAIN_CANDIDATES, SAMPLE_SIZE, Router
-from reach_mesh.models import AgentCard, AgentRecord, AgentState, RouteRequest
+from reach_mesh.models import AgentState, RouteRequest
+from tests.helpers import fed_agent
 
 CAP = "work:echo:v1"
 
 
 def add_agent(registry: Registry, agent_id: str, *, cordoned: bool = False, **card: Any) -> None:
-    record = AgentRecord(
-        card=AgentCard(agent_id=agent_id, capabilities=[CAP], **card),
-        session="s",
-        heartbeat_interval=5.0,
-        lease_timeout=15.0,
-        task_subject=f"reach.agent.{agent_id}.task",
-        registered_at=0.0,
-        cordoned=cordoned,
-    )
-    registry.apply_record(record, 1, seen_at=registry.now)
+    fed_agent(registry, agent_id, [CAP], cordoned=cordoned, **card)
 
 
 def fleet(n: int, **card: Any) -> tuple[Registry, Router]:

@@ -15,7 +15,7 @@ from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.hub.router import Router
 from reach_mesh.models import ErrorBody, RouteRequest, TaskState
 from reach_mesh.selector import Selector
-from reach_mesh.workflow import TaskRecord
+from reach_mesh.workflow import StepSpec, TaskRecord
 
 __all__ = ["StepPlacing"]
 
@@ -35,18 +35,44 @@ class StepPlacing(WorkflowEvents):
         a chain's step 0), before the workflow record names them (``first_agents``)."""
         starting = wf.spec.steps if wf.spec.kind == "fanout" else wf.spec.steps[:1]
         first: list[tuple[AgentView, str | None] | None] = []
-        for step in starting:
+        # Agents chosen ahead for the next steps of the same route (``_ahead``).
+        ahead: list[AgentView] = []
+        called: str | None = None  # their capability
+        for i, step in enumerate(starting):
             if step.task_id is not None:
                 # A caller-chosen task id may be another workflow's: its step is sent only
                 # after its record is created (the claim, ``_begin``), never at the start.
                 first.append(None)
                 continue
+            route = step_route(step)
+            if not ahead:
+                ahead, called = self._ahead(route, wf.ns, starting, i)
+            if ahead:
+                first.append((ahead.pop(0), called))
+                continue
             try:
-                view, capability = await self._choose(step_route(step), wf.ns, set())
+                view, capability = await self._choose(route, wf.ns, set())
             except Unroutable:
                 view = None  # refused when the step starts (``_step``)
             first.append(None if view is None else (view, capability))
         wf.first = first
+
+    def _ahead(
+        self, route: RouteRequest, ns: str, steps: list[StepSpec], start: int
+    ) -> tuple[list[AgentView], str | None]:
+        """The agents of ``steps[start]`` and the steps right after it that share its route
+        (and a hub-chosen task id), chosen in one router call (``Router.decide_many``: what
+        one ``_choose`` per step would choose, each load counted before the next), and the
+        capability they are called with; ``[]`` when there is only one such step or that
+        call does not apply (the steps are chosen one by one)."""
+        count = 1
+        for step in steps[start + 1 :]:
+            if step.task_id is not None or step_route(step) is not route:
+                break
+            count += 1
+        if count < 2:
+            return [], None
+        return self._router.decide_many(route, ns, count, exclude=frozenset(self._no_work))
 
     def _release_first(self, wf: Workflow) -> None:
         """Give back the load counted on first choices that will not be sent by this hub."""

@@ -150,27 +150,12 @@ class Router:
         """
         t0 = time.perf_counter()
         reg = self._registry
-        selector: Selector | None = None
-        capability = req.capability
         forced = req.agent_id is not None
-        ids: Collection[str]
-        if req.agent_id is not None:
-            ids = (req.agent_id,) if req.agent_id in reg.agents else ()
-        elif req.capability is not None:
-            # Bitmaps of the namespace's agents only: a request never scans (nor samples)
-            # another tenant's fleet. Counted and sampled below without a set of every match.
-            ids = reg.index.capable(req.capability, namespace)
-        else:
-            assert req.selector is not None
-            selector = Selector.parse(req.selector)  # parse results are cached (lru)
-            ids = reg.index.select(selector, namespace)
-            capability = selector.task_capability
+        ids, selector, capability = self._targets(req, namespace)
         if only is not None:
             ids = (only,) if only in ids else ()
         strategy_name = req.strategy or self._settings.default_strategy
-        strategy = self._strategies.get(strategy_name)
-        if strategy is None:
-            strategy = self._strategies[strategy_name] = get_strategy(strategy_name)
+        strategy = self._strategy(strategy_name)
         explain = req.explain or req.dry_run
 
         pool: Collection[str] = ids
@@ -253,6 +238,90 @@ class Router:
             decision.elapsed_us = elapsed
             choice.decision = decision
         return choice
+
+    def decide_many(
+        self,
+        req: RouteRequest,
+        namespace: str,
+        count: int,
+        *,
+        exclude: frozenset[str] = frozenset(),
+    ) -> tuple[list[AgentView], str | None]:
+        """Up to ``count`` agents for ``count`` tasks of ``req``, each counted at once
+        (``outstanding``, as ``StepPlacing._choose`` counts a step's), and the capability to
+        call: the agents ``count`` calls of :meth:`decide` would choose, one after another
+        with each choice counted before the next — the same filters, scores, ties and draws
+        from the router's rng — with the candidates looked up, admitted and scored once, and
+        only the chosen agent scored (and admitted) again after each choice.
+
+        For ``least_loaded`` without an explanation, region or zone, over a target that is
+        not sampled (at most :data:`SAMPLE_SIZE` matches) and whose routable agents all take
+        durable work (``card.durable_work``): otherwise, or when an agent the route names is
+        asked for, no agents and nothing counted — the caller decides one at a time. Fewer
+        than ``count`` when the routable tier runs out (the rest fall back to saturated or
+        SUSPECT agents, :meth:`decide`'s fallback tiers). Never raises for a route
+        :meth:`decide` refuses: no agents, and :meth:`decide` says why."""
+        if (
+            count < 1
+            or req.agent_id is not None
+            or req.explain
+            or req.dry_run
+            or req.region
+            or req.zone
+            or type(self._strategy(req.strategy or self._settings.default_strategy))
+            is not LeastLoaded
+        ):
+            return [], None
+        try:
+            ids, _, capability = self._targets(req, namespace)
+        except ReachError:
+            return [], None
+        if len(ids) > SAMPLE_SIZE:
+            return [], None
+        live, tier, _ = self._admit(ids, namespace, capability, False, exclude, False)
+        if tier is not None or not live or not all(v.record.card.durable_work for v in live):
+            return [], None
+        now = self._registry.now
+        scores = self._scores(live, now)
+        chosen: list[AgentView] = []
+        while len(chosen) < count:
+            view = live[0] if len(live) == 1 else least_of(live, scores, self._rng)
+            if view.breaker.state is BreakerState.HALF_OPEN:
+                view.breaker.allow()  # its single probe, as ``decide`` hands it out
+            view.outstanding += 1
+            chosen.append(view)
+            i = live.index(view)
+            if self._filter(view, namespace, capability, False, exclude) is None:
+                scores[i] = self._scores([view], now)[0]
+                continue
+            # Saturated by its new task, or its probe taken: no longer in the routable tier.
+            del live[i], scores[i]
+            if not live:
+                break
+        return chosen, capability
+
+    def _targets(
+        self, req: RouteRequest, namespace: str
+    ) -> tuple[Collection[str], Selector | None, str | None]:
+        """The agent ids ``req`` names or matches in ``namespace``, its parsed selector, and
+        the capability to call."""
+        reg = self._registry
+        if req.agent_id is not None:
+            return ((req.agent_id,) if req.agent_id in reg.agents else ()), None, req.capability
+        if req.capability is not None:
+            # Bitmaps of the namespace's agents only: a request never scans (nor samples)
+            # another tenant's fleet. Counted and sampled below without a set of every match.
+            return reg.index.capable(req.capability, namespace), None, req.capability
+        assert req.selector is not None
+        selector = Selector.parse(req.selector)  # parse results are cached (lru)
+        return reg.index.select(selector, namespace), selector, selector.task_capability
+
+    def _strategy(self, name: str) -> Strategy:
+        """The strategy instance of ``name`` (one per name: round_robin keeps its position)."""
+        strategy = self._strategies.get(name)
+        if strategy is None:
+            strategy = self._strategies[name] = get_strategy(name)
+        return strategy
 
     def _admit(
         self,
@@ -391,9 +460,13 @@ class Router:
         """:class:`LeastLoaded`'s choice among ``live`` (as ``strategy.choose`` over their
         ``_candidate`` s: the same scores, ties, and draw from the router's rng), without a
         :class:`Candidate` or a scores dict per agent — the engine's per-step path."""
-        now = self._registry.now
+        return least_of(live, self._scores(live, self._registry.now), self._rng)
+
+    def _scores(self, views: list[AgentView], now: float) -> list[float]:
+        """The least-loaded score of each of ``views`` at ``now`` (``load_score`` of its
+        ``_candidate``)."""
         w = self._weights
-        scores = [
+        return [
             raw_load_score(
                 round(v.estimated_inflight(now)),
                 v.record.card.max_concurrency,
@@ -401,9 +474,8 @@ class Router:
                 v.pressure,
                 w,
             )
-            for v in live
+            for v in views
         ]
-        return least_of(live, scores, self._rng)
 
     def _alternates(
         self,
