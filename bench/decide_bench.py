@@ -8,7 +8,9 @@ capability, the default ``least_loaded`` strategy, an exclusion set, no explanat
 chosen agent's ``outstanding`` counted and given back as a step's would be. Prints one JSON
 object: µs per decision for each fleet size, the best of ``--repeats`` runs of ``--decisions``
 decisions (the best run is the one the machine's other work disturbed least), and the same
-with ``explain`` (what ``reach --dry-run`` builds) for reference.
+with ``explain`` (what ``reach --dry-run`` builds) for reference; and µs to choose a
+fanout(3)'s three first agents, by three decisions each counted before the next, or by one
+``Router.decide_many`` (what ``StepPlacing._first_choices`` calls).
 """
 
 from __future__ import annotations
@@ -68,6 +70,30 @@ def per_decision_us(n: int, decisions: int, repeats: int, *, explain: bool) -> f
     return round(best, 2)
 
 
+def per_fanout_us(n: int, fanouts: int, repeats: int, *, one_call: bool) -> float:
+    """µs to choose the agents of a fanout(3)'s first attempts (one route): three
+    ``decide`` calls, or one ``decide_many`` (what ``StepPlacing._first_choices`` makes)."""
+    _, router = fleet(n, random.Random(n))
+    req = RouteRequest(capability=CAP)
+    skip = frozenset({"ns.w.gone"})
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(fanouts):
+            if one_call:
+                views = router.decide_many(req, "ns", 3, exclude=skip)[0]
+            else:
+                views = []
+                for _ in range(3):
+                    view = router.decide(req, "ns", "wf", exclude=skip).view
+                    view.outstanding += 1  # counted before the next, as a step's
+                    views.append(view)
+            for view in views:  # the steps end
+                view.outstanding -= 1
+        best = min(best, (time.perf_counter() - t0) / fanouts * 1e6)
+    return round(best, 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--agents", type=int, nargs="+", default=[3, 30])
@@ -79,6 +105,12 @@ def main() -> None:
         result[f"agents_{n}"] = {
             "us_per_decision": per_decision_us(n, args.decisions, args.repeats, explain=False),
             "us_per_explained": per_decision_us(n, 1_000, args.repeats, explain=True),
+            "us_per_fanout3_decide_x3": per_fanout_us(
+                n, args.decisions // 3, args.repeats, one_call=False
+            ),
+            "us_per_fanout3_decide_many": per_fanout_us(
+                n, args.decisions // 3, args.repeats, one_call=True
+            ),
         }
     print(json.dumps(result, indent=2))
 
