@@ -45,8 +45,10 @@ class Placing(StepPlacing):
 
 
 class CountingRouter(Router):
-    """A router that counts the ``decide_many`` calls that chose agents."""
+    """A router that counts the ``decide_many`` calls (``asked``) and those that chose
+    agents (``batched``)."""
 
+    asked = 0
     batched = 0
 
     def decide_many(
@@ -57,6 +59,7 @@ class CountingRouter(Router):
         *,
         exclude: frozenset[str] = frozenset(),
     ) -> tuple[list[AgentView], str | None]:
+        self.asked += 1
         chosen = super().decide_many(req, namespace, count, exclude=exclude)
         self.batched += bool(chosen[0])
         return chosen
@@ -157,3 +160,26 @@ def test_decide_many_leaves_a_route_it_does_not_serve_to_decide() -> None:
     ):
         assert router.decide_many(req, "ns", 3) == ([], None)
     assert {a: v.outstanding for a, v in registry.agents.items()} == before
+
+
+def test_a_run_of_steps_is_offered_to_decide_many_once() -> None:
+    """The router is asked once per run of steps of one route, however many of them it chose
+    ahead: the rest of the run is chosen one by one (a fanout of 256 steps whose route
+    ``decide_many`` does not serve asked it once per step, each over the steps left)."""
+    for strategy, max_concurrency, batched in (
+        ("round_robin", 16, 0),  # not served: every step one by one
+        ("least_loaded", 1, 1),  # three idle agents of one slot each, then the saturated tier
+        ("least_loaded", 256, 1),  # all 60 in one call
+    ):
+        registry = Registry(None, None, MeshSettings(namespace="ns"))  # type: ignore[arg-type]
+        for i in range(3):
+            fed_agent(registry, f"ns.w.a{i}", [CAP], max_concurrency=max_concurrency)
+        router = CountingRouter(registry, MeshSettings(namespace="ns"), "hub-test")
+        steps = [StepSpec(capability=CAP, strategy=strategy) for _ in range(60)]
+        spec = WorkflowSpec(workflow_id="wf", kind="fanout", steps=steps, namespace="ns")
+        wf = Workflow(spec, len(steps), 0.0, 0.0, {}, None, "digest")
+        asyncio.run(Placing(registry, router)._first_choices(wf))
+        assert all(c is not None for c in wf.first)
+        assert sum(v.outstanding for v in registry.agents.values()) == 60  # each counted once
+        assert router.asked == 1, strategy
+        assert router.batched == batched

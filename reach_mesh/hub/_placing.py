@@ -35,9 +35,12 @@ class StepPlacing(WorkflowEvents):
         a chain's step 0), before the workflow record names them (``first_agents``)."""
         starting = wf.spec.steps if wf.spec.kind == "fanout" else wf.spec.steps[:1]
         first: list[tuple[AgentView, str | None] | None] = []
-        # Agents chosen ahead for the next steps of the same route (``_ahead``).
+        # Agents chosen ahead for the next steps of the same route (``_ahead``), their
+        # capability, and where that run of steps ends (the steps of a run not chosen ahead
+        # are chosen one by one).
         ahead: list[AgentView] = []
-        called: str | None = None  # their capability
+        called: str | None = None
+        run_end = 0
         for i, step in enumerate(starting):
             if step.task_id is not None:
                 # A caller-chosen task id may be another workflow's: its step is sent only
@@ -45,8 +48,8 @@ class StepPlacing(WorkflowEvents):
                 first.append(None)
                 continue
             route = step_route(step)
-            if not ahead:
-                ahead, called = self._ahead(route, wf.ns, starting, i)
+            if i >= run_end:
+                ahead, called, run_end = self._ahead(wf.ns, starting, i)
             if ahead:
                 first.append((ahead.pop(0), called))
                 continue
@@ -58,21 +61,25 @@ class StepPlacing(WorkflowEvents):
         wf.first = first
 
     def _ahead(
-        self, route: RouteRequest, ns: str, steps: list[StepSpec], start: int
-    ) -> tuple[list[AgentView], str | None]:
+        self, ns: str, steps: list[StepSpec], start: int
+    ) -> tuple[list[AgentView], str | None, int]:
         """The agents of ``steps[start]`` and the steps right after it that share its route
         (and a hub-chosen task id), chosen in one router call (``Router.decide_many``: what
-        one ``_choose`` per step would choose, each load counted before the next), and the
-        capability they are called with; ``[]`` when there is only one such step or that
-        call does not apply (the steps are chosen one by one)."""
-        count = 1
-        for step in steps[start + 1 :]:
-            if step.task_id is not None or step_route(step) is not route:
-                break
-            count += 1
-        if count < 2:
-            return [], None
-        return self._router.decide_many(route, ns, count, exclude=frozenset(self._no_work))
+        one ``_choose`` per step would choose, each load counted before the next), the
+        capability they are called with, and the index past that run of steps. Fewer agents
+        than steps (none when the run is one step, or the call does not apply): the rest of
+        the run is chosen one by one, without asking again (a fanout of 256 steps would ask
+        256 times, each over the steps left)."""
+        route = step_route(steps[start])
+        end = start + 1
+        while end < len(steps) and steps[end].task_id is None and step_route(steps[end]) is route:
+            end += 1
+        if end - start < 2:
+            return [], None, end
+        views, capability = self._router.decide_many(
+            route, ns, end - start, exclude=frozenset(self._no_work)
+        )
+        return views, capability, end
 
     def _release_first(self, wf: Workflow) -> None:
         """Give back the load counted on first choices that will not be sent by this hub."""
