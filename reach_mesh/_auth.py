@@ -41,6 +41,7 @@ __all__ = [
     "AuthDir",
     "Identity",
     "auth_config",
+    "hub_replies",
     "inbox_prefix",
     "new_seed",
     "permissions",
@@ -78,6 +79,12 @@ class Identity:
     def inbox_prefix(self) -> str:
         """Its private reply subjects: ``_INBOX.<role>.<name>`` (nobody else may subscribe)."""
         return inbox_prefix(self.role, self.name)
+
+
+def hub_replies(ns: str) -> str:
+    """What an agent of ``ns`` may answer a hub on: ``_INBOX.hub.*.r.<ns>.>``, the reply
+    subjects every hub gives the requests it sends agents of ``ns`` (hub/_reply_boxes.py)."""
+    return inbox_prefix("hub", "*") + f".r.{ns}.>"
 
 
 def inbox_prefix(role: str, name: str) -> str:
@@ -165,9 +172,12 @@ def permissions(role: str, name: str) -> dict[str, Any]:
                 "allow": [
                     *(protocol.hub_agent_subject(agent_id, v) for v in protocol.AGENT_VERBS),
                     protocol.task_status(agent_id, "*"),
-                    # Answers to tasks and control requests: from hubs, and (direct mode)
-                    # from callers of its own namespace; never into another agent's inbox.
-                    inbox_prefix("hub", "*") + ".>",
+                    # Answers to tasks and control requests: from hubs, on the reply subjects
+                    # of its own namespace there (hub/_reply_boxes.py: another namespace's
+                    # are read on subscriptions of their own, which its flood must not
+                    # reach), and (direct mode) from callers of its own namespace; never into
+                    # another agent's inbox, nor a hub's own requests' replies.
+                    hub_replies(ns),
                     inbox_prefix("caller", ns) + ".>",
                     # At start, whether another process serves its id (agent/_one_process.py):
                     # a ping on its own ctl subject, answered into its own inbox.

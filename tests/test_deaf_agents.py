@@ -467,7 +467,9 @@ async def test_the_deaf_check_asks_with_a_reply_subject_nobody_can_guess(
     assert not await hub._nobody_on(view)  # somebody answered its ping
     await eventually(lambda: len(replies) >= 1)
     assert len(replies) == 1, replies  # the hub asked once; nobody else asks here
-    assert re.fullmatch(r"_INBOX\.[0-9a-f]{16}\.[0-9a-f]{16}", replies[0]), replies
+    # Under its namespace's reply subjects (hub/_reply_boxes.py): r.<ns>.<nonce>.<token>.
+    ns = re.escape(settings.namespace)
+    assert re.fullmatch(rf"_INBOX\.r\.{ns}\.[0-9a-f]{{16}}\.[0-9a-f]{{16}}", replies[0]), replies
 
 
 async def test_a_deaf_verdict_does_not_replace_an_operators_quarantine(

@@ -24,6 +24,7 @@ from reach_mesh._nats import slow_drops
 from reach_mesh.errors import MeshTimeoutError, ReachError
 from reach_mesh.hub import Hub
 from reach_mesh.hub._lateness import EXPIRY_PENDING_PER_NAMESPACE
+from reach_mesh.hub._reply_boxes import ReplyBox
 from reach_mesh.models import AgentCard, TaskEnvelope, TaskReply
 from reach_mesh.tracing.metrics import EXPIRY_OUTCOMES, HubMetrics
 
@@ -40,11 +41,21 @@ def test_every_outcome_has_its_series_from_the_start() -> None:
     assert all(get("reach_expiry_checks_total", {"outcome": o}) == 0 for o in OUTCOMES)
 
 
-def _held(hub: Hub) -> tuple[asyncio.Event, Callable[[], int]]:
-    """Hold ``hub``'s reply subscription: its callback waits for the event returned (nats-py
-    queues what comes meanwhile, in order); and how many messages it holds so far."""
+async def replies_of(hub: Hub, ns: str) -> ReplyBox:
+    """``hub``'s reply subjects for namespace ``ns``, their subscription made."""
+    box = hub._replies.of(ns)
+    await hub._replies.ready(box)
+    assert box.sub is not None
+    return box
+
+
+async def _held(hub: Hub, ns: str) -> tuple[asyncio.Event, Callable[[], int]]:
+    """Hold ``hub``'s reply subscription of namespace ``ns``: its callback waits for the
+    event returned (nats-py queues what comes meanwhile, in order); and how many messages it
+    holds so far."""
     go = asyncio.Event()
-    sub = hub._reply_sub
+    sub = (await replies_of(hub, ns)).sub
+    assert sub is not None
     read: Callable[[Msg], Awaitable[None]] = sub._cb  # type: ignore[assignment]
     taken: list[Msg] = []
 
@@ -114,7 +125,7 @@ async def test_a_reply_sent_in_time_read_after_the_expiry_but_before_the_marker_
     caller answered REACH_TIMEOUT) — but before its marker, which the server delivered
     behind the reply: a success on its breaker, its health whole."""
     agent_id = f"{namespace}.prompt.a1"
-    go, held = _held(hub)
+    go, held = await _held(hub, namespace)
     async with _routed(hub, settings, agent_id) as (received, route, nc):
         await nc.publish(received[0].reply, _reply_to(received[0], agent_id))
         await nc.flush()
@@ -134,7 +145,7 @@ async def test_a_reply_sent_after_the_marker_is_charged(
     """The agent answers once the hub's marker is at the server: behind it in the queue,
     the reply is late — an accept timeout and a breaker failure, the reply counted late."""
     agent_id = f"{namespace}.tardy.a1"
-    go, held = _held(hub)
+    go, held = await _held(hub, namespace)
     async with _routed(hub, settings, agent_id) as (received, route, nc):
         await _timed_out(route)
         await eventually(lambda: held() >= 1)  # the marker
@@ -156,11 +167,13 @@ async def test_a_reply_dropped_as_a_slow_consumer_before_the_expiry_charges_noth
     pending bytes full): the hub cannot tell it from silence — ``behind``, nothing charged,
     though its marker comes back with nothing before it."""
     agent_id = f"{namespace}.dropped.a1"
-    go, _ = _held(hub)
-    sub = hub._reply_sub
+    go, _ = await _held(hub, namespace)
+    replies = await replies_of(hub, namespace)
+    sub = replies.sub
+    assert sub is not None
     sub._pending_bytes_limit = 4096
     async with _routed(hub, settings, agent_id) as (received, route, nc):
-        await nc.publish(hub._reply_prefix + "junk", b"x" * 4000)  # queued: 96 bytes left
+        await nc.publish(replies.prefix + "junk", b"x" * 4000)  # queued: 96 bytes left
         await nc.publish(received[0].reply, _reply_to(received[0], agent_id))  # dropped
         await nc.flush()
         await eventually(lambda: slow_drops(hub._agents_nc, sub._id) == 1)
@@ -179,14 +192,16 @@ async def test_a_drop_between_the_marker_and_its_reading_charges_nothing(
     """A message of the reply subscription dropped after the marker was sent but before it
     was read: what was dropped may have been a reply — ``behind``, nothing charged."""
     agent_id = f"{namespace}.dropafter.a1"
-    go, held = _held(hub)
-    sub = hub._reply_sub
+    go, held = await _held(hub, namespace)
+    replies = await replies_of(hub, namespace)
+    sub = replies.sub
+    assert sub is not None
     async with _routed(hub, settings, agent_id) as (_, route, nc):
         await _timed_out(route)
         await eventually(lambda: held() >= 1)  # the marker
         assert hub._markers
         sub._pending_bytes_limit = 4096
-        await nc.publish(hub._reply_prefix + "junk", b"x" * 5000)  # dropped
+        await nc.publish(replies.prefix + "junk", b"x" * 5000)  # dropped
         await nc.flush()
         await eventually(lambda: slow_drops(hub._agents_nc, sub._id) == 1)
         before = _checks(hub)
@@ -227,7 +242,7 @@ async def test_a_reply_that_came_while_the_hubs_loop_was_behind_is_not_credited(
     (Credited, an agent answering late while its hub was busy counted as answering in
     time.)"""
     agent_id = f"{namespace}.lagged.a1"
-    go, held = _held(hub)
+    go, held = await _held(hub, namespace)
     timeout = 0.5
     async with _routed(hub, settings, agent_id, timeout) as (received, route, _):
         publish_at = time.monotonic() + timeout + 0.1  # (the route began before: past it)
@@ -264,7 +279,7 @@ async def _many_routed_and_held(
 ) -> asyncio.Event:
     """``n`` routes to ``agent_id`` at once, the hub's reply subscription held meanwhile: all
     time out (whatever came for them waits unread). The hold (set it to let go)."""
-    go, _ = _held(hub)
+    go, _ = await _held(hub, protocol.namespace_of(agent_id))
     routes = await asyncio.gather(
         *(c.request(agent_id=agent_id, payload={"n": i}, timeout=timeout) for i in range(n)),
         return_exceptions=True,
@@ -349,14 +364,17 @@ async def test_no_responders_read_before_the_marker_charge_nothing(
     ):
         before = _checks(hub)
         batch_503s: list[str] = []
-        read: Callable[[Msg], Awaitable[None]] = hub._reply_sub._cb  # type: ignore[assignment]
+        replies = await replies_of(hub, namespace)
+        sub = replies.sub
+        assert sub is not None
+        read: Callable[[Msg], Awaitable[None]] = sub._cb  # type: ignore[assignment]
 
         async def seen(msg: Msg) -> None:
-            if "." not in msg.subject[hub._reply_prefix_len :] and msg.headers:
+            if "." not in msg.subject[replies.prefix_len :] and msg.headers:
                 batch_503s.append(msg.subject)
             await read(msg)
 
-        hub._reply_sub._cb = seen
+        sub._cb = seen
         go = await _many_routed_and_held(hub, c, agent_id, n)
         await eventually(lambda: bool(hub._markers))
         go.set()
@@ -377,7 +395,7 @@ async def test_an_agents_empty_message_on_its_batch_subject_is_no_marker(
     the reply, behind it but before the hub's own marker, is still credited; and the hub's
     marker, sent again after it came back, decides nothing (consumed once)."""
     agent_id = f"{namespace}.fakemark.a1"
-    go, held = _held(hub)
+    go, held = await _held(hub, namespace)
     async with _routed(hub, settings, agent_id) as (received, route, nc):
         reply_to = received[0].reply
         batch_subject = reply_to.rpartition(".")[0]  # <prefix><batch token>
@@ -391,7 +409,9 @@ async def test_an_agents_empty_message_on_its_batch_subject_is_no_marker(
         go.set()
         await eventually(lambda: not hub._markers)
         assert _decided(hub, before, "answered", agent_id) == (1, 0)
-        await nc.publish(hub._reply_prefix + marker, b"")  # the marker again: nothing
+        await nc.publish(
+            (await replies_of(hub, namespace)).prefix + marker, b""
+        )  # the marker again: nothing
         await nc.flush()
         await asyncio.sleep(0.1)
         assert _checks(hub) == {o: before[o] + (o == "answered") for o in OUTCOMES}
@@ -419,10 +439,12 @@ async def test_a_namespace_holds_at_most_its_share_of_pending_expiries(
         await eventually(
             lambda: _checks(hub)["skipped"] - before["skipped"] == n - EXPIRY_PENDING_PER_NAMESPACE
         )
+        go_other, _ = await _held(hub, other)
         with pytest.raises(MeshTimeoutError):
             await c_other.request(agent_id=f"{other}.sink.a1", payload={}, timeout=0.3)
         assert hub._late_by_ns == {hostile: EXPIRY_PENDING_PER_NAMESPACE, other: 1}
         go.set()
+        go_other.set()
         await eventually(lambda: not hub._late and not hub._markers)
         checks = _checks(hub)
         assert checks["skipped"] - before["skipped"] == n - EXPIRY_PENDING_PER_NAMESPACE
@@ -441,7 +463,7 @@ async def test_an_agent_registering_again_before_the_marker_is_charged_all_the_s
     to, a never-answering agent escaped every charge by registering again within each
     route's timeout: its breaker never opened.)"""
     agent_id = f"{namespace}.again.a1"
-    go, held = _held(hub)
+    go, held = await _held(hub, namespace)
     async with _routed(hub, settings, agent_id) as (_, route, nc):
         old = hub.registry.agents[agent_id]
         await register_by_hand(nc, AgentCard(agent_id=agent_id, capabilities=[CAP]))

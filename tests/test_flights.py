@@ -416,7 +416,9 @@ async def test_sdk_agent_takes_batches_and_answers_them_together(
             # Copies of what goes to the agent's batch subject and to the hub's batch reply
             # subjects (one token after the hub's prefix; single replies have two).
             await nc.subscribe(protocol.agent_batch(agent_id), cb=watch_batches)
-            await nc.subscribe(hub._reply_prefix + "*", cb=watch_answers)
+            replies = hub._replies.of(namespace)
+            await hub._replies.ready(replies)
+            await nc.subscribe(replies.prefix + "*", cb=watch_answers)
             await nc.flush()
             results = await asyncio.gather(
                 *(c.request(capability=CAP, payload={"n": i}) for i in range(12))

@@ -6,7 +6,7 @@ subject (docs/security.md, "Shared JetStream and bus").
 The route and status floods are in ``test_abuse.py``; here every other subject a caller, an
 operator or an agent may send to a hub: the caller and operator requests, the agents' own
 verbs, and the hub's reply subjects an agent learns from the requests it serves (the proxied
-tasks' and the asks')."""
+tasks' and the asks': its namespace's)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,8 @@ TARGETS: dict[str, Target] = {
     "operator micro discovery": lambda hub, a: "$SRV.PING",
     "operator micro agents": lambda hub, a: protocol.micro_subject(hub.hub_id, "agents"),
     # An agent sees these in the reply subjects of the tasks and asks it is sent, and may
-    # publish into every hub's inbox (it answers there).
-    "agent proxy replies": lambda hub, a: hub._reply_prefix + "junk",
-    "agent ask replies": lambda hub, a: hub.registry.asks._prefix + "junk",
+    # publish on its own namespace's in every hub's inbox (it answers there).
+    "agent replies": lambda hub, a: hub._replies.of(a.namespace).prefix + "junk",
 }
 
 

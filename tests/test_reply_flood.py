@@ -1,39 +1,50 @@
-"""A flood of a hub's proxy-reply subjects holds every tenant's answers unread in the hub's
-queue past their deadlines; each expiry is charged to its agent only once a marker the hub
-sends itself comes back with no reply of that attempt before it (``hub/_lateness.py``;
-docs/security.md, "Shared JetStream and bus").
+"""A flood of a hub's proxy-reply subjects: an agent may publish only on its own namespace's
+(``hub/_reply_boxes.py``), read on a subscription of that namespace's own, so another
+namespace's routes through the hub answer in time all through it; the flood's own namespace's
+answers wait unread behind it past their deadlines, and each such expiry is charged to its
+agent only once a marker the hub sends itself comes back with no reply of that attempt before
+it (``hub/_lateness.py``; docs/security.md, "Shared JetStream and bus").
 
-Against a real nats-server, in secure mode for the flood: the flooder is an agent of another
-namespace, with nothing but its own permissions (it may publish into every hub's inbox: it
+Against a real nats-server, in secure mode: the flooder is an agent with nothing but its own
+permissions (it may publish into every hub's inbox under its namespace's reply subjects: it
 answers there)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import nats
+import nats.errors
+import pytest
 from nats.aio.msg import Msg
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh._auth import AuthDir
+from reach_mesh._nats import slow_drops
 from reach_mesh.agent import Agent, Task
 from reach_mesh.errors import MeshTimeoutError
-from reach_mesh.hub import Hub
+from reach_mesh.hub import Hub, _reply_boxes
+from reach_mesh.hub._reply_boxes import REPLY_PENDING_MOST
 from reach_mesh.hub.breaker import BreakerState
 from reach_mesh.models import AgentCard, AgentState, TaskEnvelope, TaskReply, TaskState
 from reach_mesh.server import EmbeddedNats
 
 from .helpers import eventually, register_by_hand
-from .test_flights import CAP
+from .test_flights import CAP, raw_agent
 
 #: ``reach_expiry_checks_total``'s outcomes (``tracing.metrics.EXPIRY_OUTCOMES``).
 OUTCOMES = ("charged", "answered", "behind", "skipped")
 VICTIM = "vic.echo.a1"
+#: An agent of the victim's namespace (the flood of its replies is its own namespace's), and
+#: one of another namespace.
+NEIGHBOUR = "vic.flood.a1"
 FLOODER = "atk.flood.a1"
 
 
@@ -47,27 +58,57 @@ def _checks(hub: Hub) -> dict[str, float]:
     return {o: get("reach_expiry_checks_total", {"outcome": o}) or 0.0 for o in OUTCOMES}
 
 
+Settings = Callable[[str, str], MeshSettings]
+
+
+@asynccontextmanager
+async def _secure(tmp_path: Path, *identities: tuple[str, str]) -> AsyncIterator[Settings]:
+    """A server in secure mode whose identities are a hub ``main``, a caller of ``vic`` and
+    ``identities`` (role, name): the settings of each (heartbeats every 0.5 s)."""
+    auth = AuthDir(tmp_path / "auth")
+    auth.init(namespace="vic")
+    for role, name in identities:
+        auth.add(role, name)
+    async with EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server:
+
+        def settings(role: str, name: str) -> MeshSettings:
+            return auth.settings(role, name, nats_url=server.url, heartbeat_interval=0.5)
+
+        yield settings
+
+
+def _echo_agent(settings: Settings) -> Agent:
+    agent = Agent(VICTIM, settings=settings("agent", VICTIM))
+    agent.handler("work:echo:v1")(_echo)
+    return agent
+
+
 @contextmanager
-def _flooding(url: str, s: MeshSettings, subject: str) -> Iterator[None]:
-    """100-byte messages on ``subject`` as fast as ``s``'s identity can send them, from a
-    thread of their own (its own event loop), until the block ends."""
+def _flooding(s: MeshSettings, subject: str, rate: float | None = None) -> Iterator[None]:
+    """100-byte messages on ``subject`` as fast as ``s``'s identity can send them (or
+    ``rate`` a second), from a thread of their own (its own event loop), until the block
+    ends."""
     stop = threading.Event()
 
     def flood() -> None:
         async def publish() -> None:
             nc = await nats.connect(
-                url,
+                s.nats_url or "",
                 nkeys_seed=s.nats_nkey_seed,
                 inbox_prefix=s.nats_inbox_prefix or "_INBOX",
                 pending_size=64 << 20,
             )
             body = b"x" * 100
+            sent, t0 = 0, time.perf_counter()
             while not stop.is_set():
                 for _ in range(10):
                     for _ in range(1000):
                         await nc.publish(subject, body)
                     await asyncio.sleep(0)
                 await nc.flush()  # (its buffer bounded: the server takes what it sends)
+                sent += 10_000
+                if rate is not None:
+                    await asyncio.sleep(max(0.0, t0 + sent / rate - time.perf_counter()))
             await nc.close()
 
         asyncio.run(publish())
@@ -81,61 +122,220 @@ def _flooding(url: str, s: MeshSettings, subject: str) -> Iterator[None]:
         thread.join(30)
 
 
-async def test_a_flood_of_a_hubs_proxy_replies_gets_no_other_tenants_agent_charged(
+async def test_a_flood_of_a_hubs_proxy_replies_gets_no_other_agent_charged(
     tmp_path: Path,
 ) -> None:
-    """An agent of namespace ``atk`` floods the hub's proxy-reply subjects with 100-byte
-    messages: ``vic``'s agent answers six routes at once, its answers wait unread behind the
-    flood past their deadlines (the routes time out), and read before the hub's marker (or
-    the marker not back in time) they are not charged: its breaker stays closed and its
-    health whole.
+    """Another agent of namespace ``vic`` floods the hub's proxy-reply subjects of ``vic``
+    with 100-byte messages: ``vic.echo.a1`` answers six routes at once, its answers wait
+    unread behind the flood past their deadlines (the routes time out), and read before the
+    hub's marker (or the marker not back in time, or the flood's messages dropped unread)
+    they are not charged: its breaker stays closed and its health whole.
     Charged at once, as before, the expiries quarantined it (at least five failures to one
     or two successes; the audit: QUARANTINED in 18 of 22 samples of a 10 s flood)."""
-    auth = AuthDir(tmp_path / "auth")
-    auth.init(namespace="vic")
-    auth.add("agent", VICTIM)
-    auth.add("agent", FLOODER)
-    async with EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server:
+    identities = ("agent", VICTIM), ("agent", NEIGHBOUR)
+    async with (
+        _secure(tmp_path, *identities) as settings,
+        Hub(settings=settings("hub", "main")) as hub,
+        _echo_agent(settings),
+        Client(settings=settings("caller", "vic")) as mesh,
+    ):
+        assert (await mesh.request(capability="work:echo:v1", payload=0)).result == 0
+        view = hub.registry.agents[VICTIM]
+        box = hub._replies.of("vic")
+        replies = box.sub
+        assert replies is not None
+        with _flooding(settings("agent", NEIGHBOUR), box.prefix + "junk"):
+            # Enough unread for the answers below to wait behind it past half a second
+            # (its queue holds at most ``REPLY_PENDING_MOST``: then it drops).
+            await eventually(lambda: replies.pending_msgs > 50_000, timeout=30)
+            routes = await asyncio.gather(
+                *(
+                    mesh.request(capability="work:echo:v1", payload=i, timeout=0.5)
+                    for i in range(1, 7)
+                ),
+                return_exceptions=True,
+            )
+            expired = sum(isinstance(r, MeshTimeoutError) for r in routes)
+            # (Five are enough to quarantine it when charged at once: 5 of 6 or 7 failed.)
+            assert expired >= 5, routes
 
-        def settings(role: str, name: str) -> MeshSettings:
-            return auth.settings(role, name, nats_url=server.url, heartbeat_interval=0.5)
+            def settled() -> bool:
+                assert view.breaker.state is BreakerState.CLOSED, view.breaker.why
+                return sum(_checks(hub).values()) >= expired
 
-        agent = Agent(VICTIM, settings=settings("agent", VICTIM))
-        agent.handler("work:echo:v1")(_echo)
-        async with (
-            Hub(settings=settings("hub", "main")) as hub,
-            agent,
-            Client(settings=settings("caller", "vic")) as mesh,
-        ):
-            assert (await mesh.request(capability="work:echo:v1", payload=0)).result == 0
-            view = hub.registry.agents[VICTIM]
-            replies = hub._reply_sub
-            with _flooding(server.url, settings("agent", FLOODER), hub._reply_prefix + "junk"):
-                # Enough unread for the answers below to wait behind it past half a second.
-                await eventually(lambda: replies.pending_msgs > 100_000, timeout=30)
-                routes = await asyncio.gather(
-                    *(
-                        mesh.request(capability="work:echo:v1", payload=i, timeout=0.5)
-                        for i in range(1, 7)
+            await eventually(settled, timeout=15)
+        checks = _checks(hub)
+        # Its answers read before the marker, or — the marker held up too, or the flood's
+        # messages dropped unread — the hub cannot tell, which is no charge.
+        assert checks["answered"] + checks["behind"] == expired, checks
+        assert checks["charged"] == checks["skipped"] == 0, checks
+        assert view.state is AgentState.ONLINE and view.health.value == 100
+        assert view.breaker.counts()[1] == 0  # (its answers count as read in time)
+
+
+@asynccontextmanager
+async def _by_hand(s: MeshSettings, agent_id: str) -> AsyncIterator[list[str]]:
+    """Agent ``agent_id`` (identity ``s``) speaking the wire protocol by hand: it registers,
+    answers each task with its payload, and yields the reply subjects it was given."""
+    assert s.nats_url is not None
+    nc = await nats.connect(
+        s.nats_url, nkeys_seed=s.nats_nkey_seed, inbox_prefix=s.nats_inbox_prefix or "_INBOX"
+    )
+    seen: list[str] = []
+
+    async def take(msg: Msg) -> None:
+        seen.append(msg.reply)
+        env = TaskEnvelope.model_validate_json(msg.data)
+        reply = TaskReply(
+            task_id=env.task_id,
+            attempt=env.attempt,
+            agent_id=agent_id,
+            state=TaskState.SUCCEEDED,
+            result=env.payload,
+        )
+        await nc.publish(msg.reply, protocol.encode(reply))
+
+    try:
+        await nc.subscribe(protocol.agent_task(agent_id), cb=take)
+        await register_by_hand(nc, AgentCard(agent_id=agent_id, capabilities=[CAP]))
+        yield seen
+    finally:
+        await nc.close()
+
+
+def _prefix_of(reply: str) -> str:
+    """The hub's reply prefix of a single attempt's reply subject (``<prefix><batch>.<i>``)."""
+    return reply.rsplit(".", 2)[0] + "."
+
+
+async def _served(mesh: Client, agent_id: str, seen: list[str]) -> str:
+    """Route one request to ``agent_id`` (answered by hand): the hub's reply prefix it saw."""
+    assert (await mesh.request(agent_id=agent_id, payload=7)).result == 7
+    return _prefix_of(seen[-1])
+
+
+async def test_an_agent_may_not_publish_on_another_namespaces_reply_subjects(
+    tmp_path: Path,
+) -> None:
+    """The hub gives the agents of each namespace reply subjects of that namespace's own, and
+    the server refuses an agent of ``atk`` a publish on ``vic``'s (seen by ``vic``'s agent in
+    its tasks) — while it may publish on its own. (With one prefix for every namespace, both
+    agents saw the same, and any agent could flood every tenant's answers.)"""
+    identities = ("caller", "atk"), ("agent", VICTIM), ("agent", FLOODER)
+    async with (
+        _secure(tmp_path, *identities) as settings,
+        Hub(settings=settings("hub", "main")) as hub,
+        _by_hand(settings("agent", VICTIM), VICTIM) as vic_seen,
+        _by_hand(settings("agent", FLOODER), FLOODER) as atk_seen,
+        Client(settings=settings("caller", "vic")) as c_vic,
+        Client(settings=settings("caller", "atk")) as c_atk,
+    ):
+        await eventually(lambda: {VICTIM, FLOODER} <= set(hub.registry.agents))
+        vic_prefix = await _served(c_vic, VICTIM, vic_seen)
+        atk_prefix = await _served(c_atk, FLOODER, atk_seen)
+        assert vic_prefix != atk_prefix
+        said: list[str] = []
+
+        async def on_error(err: Exception) -> None:
+            said.append(str(err))
+
+        s = settings("agent", FLOODER)
+        nc = await nats.connect(
+            s.nats_url or "",
+            nkeys_seed=s.nats_nkey_seed,
+            inbox_prefix=s.nats_inbox_prefix or "_INBOX",
+            error_cb=on_error,
+        )
+        try:
+            await nc.publish(vic_prefix + "junk", b"x")
+            await nc.publish(atk_prefix + "junk", b"x")
+            await nc.flush()  # (the server's -ERR for a publish comes before its PONG)
+            await eventually(lambda: bool(said))
+        finally:
+            await nc.close()
+        # (nats-py says it in lower case.)
+        refused = [m for m in said if "permissions violation" in m.lower()]
+        assert [m for m in refused if vic_prefix.lower() in m.lower()], said
+        assert not [m for m in said if atk_prefix.lower() in m.lower()], said
+
+
+async def test_a_flood_of_one_namespaces_replies_leaves_another_namespaces_routes_answered(
+    tmp_path: Path,
+) -> None:
+    """An agent of ``atk`` floods the hub's reply subjects it learned from its own tasks with
+    100-byte messages, faster than the hub reads them (modelled: the subscription they land on
+    is held, as a callback slower than the flood is — measured unheld, a flood of 60,000 a
+    second from another process did the same here). The flood fills that subscription's
+    queue and is dropped past its bound; ``vic``'s routes through the hub, all through the
+    flood, are answered, every one, within half a second: their replies are read on ``vic``'s
+    own subscription. (With one reply subscription for every namespace, ``vic``'s answers
+    waited unread behind the flood and every route timed out.)"""
+    identities = ("caller", "atk"), ("agent", VICTIM), ("agent", FLOODER)
+    async with (
+        _secure(tmp_path, *identities) as settings,
+        Hub(settings=settings("hub", "main")) as hub,
+        _echo_agent(settings),
+        _by_hand(settings("agent", FLOODER), FLOODER) as atk_seen,
+        Client(settings=settings("caller", "vic")) as mesh,
+        Client(settings=settings("caller", "atk")) as c_atk,
+    ):
+        assert (await mesh.request(capability="work:echo:v1", payload=0)).result == 0
+        await eventually(lambda: FLOODER in hub.registry.agents)
+        atk_prefix = await _served(c_atk, FLOODER, atk_seen)
+        agents_nc = hub._agents_nc
+        assert agents_nc is not None
+        # The subscription the flood lands on (whatever the hub's layout), held.
+        (flooded,) = [
+            sub
+            for sub in agents_nc._subs.values()
+            if sub.subject.endswith(">") and atk_prefix.startswith(sub.subject[:-1])
+        ]
+        go = asyncio.Event()
+        read: Callable[[Msg], Awaitable[None]] = flooded._cb  # type: ignore[assignment]
+
+        async def held(msg: Msg) -> None:
+            await go.wait()
+            await read(msg)
+
+        flooded._cb = held
+        try:
+            flood = _flooding(settings("agent", FLOODER), atk_prefix + "junk", rate=20_000)
+            with flood:
+                # A full queue of the flood, unread, and more of it coming.
+                await eventually(
+                    lambda: (
+                        flooded.pending_msgs + slow_drops(agents_nc, flooded._id)
+                        > REPLY_PENDING_MOST
                     ),
-                    return_exceptions=True,
+                    timeout=30,
                 )
-                expired = sum(isinstance(r, MeshTimeoutError) for r in routes)
-                # (Five are enough to quarantine it when charged at once: 5 of 6 or 7 failed.)
-                assert expired >= 5, routes
-
-                def settled() -> bool:
-                    assert view.breaker.state is BreakerState.CLOSED, view.breaker.why
-                    return sum(_checks(hub).values()) >= expired
-
-                await eventually(settled, timeout=15)
-            checks = _checks(hub)
-            # Its answers read before the marker, or — the marker held up too, or the flood's
-            # messages dropped unread — the hub cannot tell, which is no charge.
-            assert checks["answered"] + checks["behind"] == expired, checks
-            assert checks["charged"] == checks["skipped"] == 0, checks
-            assert view.state is AgentState.ONLINE and view.health.value == 100
-            assert view.breaker.counts()[1] == 0  # (its answers count as read in time)
+                before = int(agents_nc.stats["in_msgs"])
+                took: list[float] = []
+                for round_ in range(3):
+                    t0 = time.perf_counter()
+                    payloads = range(6 * round_, 6 * round_ + 6)
+                    routes = await asyncio.gather(
+                        *(
+                            mesh.request(capability="work:echo:v1", payload=i, timeout=0.5)
+                            for i in payloads
+                        ),
+                        return_exceptions=True,
+                    )
+                    took.append(time.perf_counter() - t0)
+                    assert [getattr(r, "result", r) for r in routes] == list(payloads), routes
+                flooded_meanwhile = int(agents_nc.stats["in_msgs"]) - before
+            # The flood went on all through the routes (the hub read it meanwhile), past
+            # its subscription's bound: dropped there, counted for that one alone.
+            assert flooded_meanwhile > 1_000, flooded_meanwhile
+            assert slow_drops(agents_nc, flooded._id) > 0
+            assert max(took) < 0.5, took
+        finally:
+            go.set()
+        view = hub.registry.agents[VICTIM]
+        assert view.breaker.state is BreakerState.CLOSED
+        assert view.health.value == 100
+        vic = hub._replies.of("vic")
+        assert vic.sub is not None and slow_drops(agents_nc, vic.sub._id) == 0
 
 
 async def test_an_agent_that_never_answers_but_says_it_did_on_ctl_has_its_breaker_opened(
@@ -202,3 +402,26 @@ async def test_an_agent_that_never_answers_but_says_it_did_on_ctl_has_its_breake
                 assert view.health.value < 100  # (its accept timeouts)
         finally:
             await nc.close()
+
+
+async def test_namespaces_past_the_bound_share_one_overflow_subscription(
+    hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``REPLY_NAMESPACES_MOST`` namespaces (here: no more than the hub has), each next
+    one gets reply subjects naming it under one shared overflow subscription
+    (``<inbox>.r.*.<nonce>.>``): its routes are answered as before, and a ctl ask of it too."""
+    monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", len(hub._replies.boxes()))
+    names = [f"{namespace}p", f"{namespace}q"]
+    async with contextlib.AsyncExitStack() as stack:
+        for ns in names:
+            s = settings.model_copy(update={"namespace": ns})
+            agent_id = f"{ns}.echo.a1"
+            await stack.enter_async_context(raw_agent(s, agent_id, listen=True, answer=True))
+            c = await stack.enter_async_context(Client(settings=s))
+            assert (await c.request(agent_id=agent_id, payload={"n": 1})).result == {"n": 1}
+        p, q = (hub._replies.of(ns) for ns in names)
+        assert p.sub is not None and p.sub is q.sub  # one subscription for both
+        assert p.sub.subject.endswith(".r.*." + p.prefix.split(".")[-2] + ".>"), p.sub.subject
+        assert p.prefix != q.prefix and f".r.{names[0]}." in p.prefix
+        with pytest.raises(nats.errors.NoRespondersError):  # asked, answered by NATS: nobody
+            await hub.registry.ask_agent(f"{names[1]}.nobody.a1", b"{}", timeout=2)

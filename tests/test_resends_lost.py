@@ -394,7 +394,10 @@ async def test_a_lost_holder_that_finished_the_task_answers_the_resend_with_its_
         assert len(asked) == 2  # a2 (registered) and a1 (LOST)
         nuid_prefix = (hub.nc._resp_sub_prefix or b"").decode()
         for reply in asked:
-            assert re.fullmatch(r"_INBOX\.[0-9a-f]{16}\.[0-9a-f]{16}", reply), reply
+            # Its namespace's reply subjects (hub/_reply_boxes.py): r.<ns>.<nonce>.<token>.
+            assert re.fullmatch(
+                rf"_INBOX\.r\.{re.escape(ns)}\.[0-9a-f]{{16}}\.[0-9a-f]{{16}}", reply
+            ), reply
             assert not nuid_prefix or not reply.startswith(nuid_prefix)
         assert len(set(asked)) == 2
     finally:

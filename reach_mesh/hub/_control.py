@@ -326,7 +326,7 @@ class ControlMixin:
             return False
         self._pinging.add(agent_id)
         try:
-            await self.registry.asks.ask(protocol.agent_ctl(agent_id), _PING, timeout=_PING_TIMEOUT)
+            await self.registry.ask_agent(agent_id, _PING, timeout=_PING_TIMEOUT)
         except nats.errors.NoRespondersError:
             return True
         except Exception:

@@ -277,9 +277,7 @@ class HoldersMixin:
             )
         )
         agent_asks: dict[asyncio.Future[Msg], str] = {
-            asyncio.ensure_future(
-                asks.ask(protocol.agent_ctl(agent_id), body, timeout=left)
-            ): agent_id
+            asyncio.ensure_future(self.registry.ask_agent(agent_id, body, timeout=left)): agent_id
             for agent_id in itertools.chain(
                 itertools.islice(candidates, HOLDER_ASK_MOST),
                 itertools.islice(lost, HOLDER_ASK_MOST),

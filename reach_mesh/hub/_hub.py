@@ -23,7 +23,6 @@ import enum
 import importlib
 import itertools
 import logging
-import math
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
@@ -36,7 +35,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from reach_mesh import protocol
-from reach_mesh._batch import AnswerBatcher, private_inbox
+from reach_mesh._batch import AnswerBatcher
 from reach_mesh._consume import apply_replicas, apply_workflow_retention
 from reach_mesh._guard import guarded
 from reach_mesh._nats import beside, connect, connection_counts, flushed, shown
@@ -56,6 +55,7 @@ from reach_mesh.hub._control import VIEW_RATE, ControlMixin, ViewSlots
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._pins import TaskPins
 from reach_mesh.hub._record_read import RecordReadMixin
+from reach_mesh.hub._reply_boxes import ReplyBoxes
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._routing import RoutingMixin
 from reach_mesh.hub.audit import AuditLog, Repeats
@@ -136,9 +136,6 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._held = {}
         self._deadlines: list[tuple[float, str]] = []
         self._sweep_wake = asyncio.Event()
-        self._reply_prefix = ""
-        self._reply_prefix_b = b""
-        self._reply_prefix_len = 0
         # Attempts decided in this pass of the event loop, per agent, and batches already full;
         # one task sends them all when the pass ends.
         self._outboxes = {}
@@ -155,8 +152,6 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._late_by_ns = {}
         self._late_swept = []
         self._markers = {}
-        self._losses_seen = 0
-        self._lost_at = -math.inf
         self._full = []
         # Answers to route requests that came in batches (made once connected).
         self._answers: AnswerBatcher
@@ -306,11 +301,12 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             # And a fourth for what agents send a hub on subjects they may publish to: their
             # own verbs (register, heartbeat, unregister, record), their answers to proxied
             # tasks and to this hub's asks (whose reply subjects they see: they may publish
-            # into every hub's inbox), and the tasks and asks those answer (NATS says "no
-            # responders" only to the connection that holds the reply subscription). A flood
-            # of tiny messages on any of them once cut the main connection, and with it every
-            # tenant's KV watches and pulls. The routes' connection likewise takes every
-            # subject a caller or an operator may send to (``_subscribe``).
+            # on their namespace's in every hub's inbox), and the tasks and asks those answer
+            # (NATS says "no responders" only to the connection that holds the reply
+            # subscription). A flood of tiny messages on any of them once cut the main
+            # connection, and with it every tenant's KV watches and pulls. The routes'
+            # connection likewise takes every subject a caller or an operator may send to
+            # (``_subscribe``).
             self._agents_nc = await connect(
                 self.nats_url,
                 name=f"{self.hub_id}-agents",
@@ -334,12 +330,16 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             )
             await self.audit.start()
             self.resources = Resources(self._js, counted=self.metrics.recreated_total.inc)
+            # Agents answer on their namespace's own reply subjects (``hub/_reply_boxes.py``),
+            # on the connection the attempts and asks leave on.
+            self._replies = ReplyBoxes(self._agents_nc, self._on_agent_reply)
             self.registry = Registry(
                 self._nc,
                 self._js,
                 self.settings,
                 resources=self.resources,
                 asks_nc=self._agents_nc,
+                agent_asks=self._replies,
             )
             self.registry.on_state_change(self._on_state_change)
             self.registry.on_state_change(self._holder_state)
@@ -424,17 +424,6 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             sub = await nc.subscribe(subject, queue=q, cb=cb, pending_msgs_limit=-1)
             self._subs.append(sub)
         self._answers = AnswerBatcher(self.nc)
-        # Agents answer proxy attempts on this hub's own reply subjects, on the connection the
-        # attempts leave on (``_task_nc``).
-        self._reply_prefix = private_inbox(agents_nc) + "."
-        self._reply_prefix_b = self._reply_prefix.encode()
-        self._reply_prefix_len = len(self._reply_prefix)
-        # Unguessable (64 random bits), and NATS' "no responders" status messages for a
-        # proxied attempt arrive here: not guarded like the request subjects.
-        self._reply_sub = await agents_nc.subscribe(
-            self._reply_prefix + ">", cb=self._on_agent_reply, pending_msgs_limit=-1
-        )
-        self._losses_seen = self._reply_losses()
         self._sweeper = asyncio.create_task(self._sweep_deadlines())
         for verb, on_route in (
             ("route", self._on_route_msg),

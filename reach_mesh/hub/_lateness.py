@@ -56,11 +56,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from nats.aio.client import Client as NATS
-from nats.aio.subscription import Subscription
 
 from reach_mesh._batch import reply_token
 from reach_mesh._nats import slow_drops
 from reach_mesh.errors import ReachError
+from reach_mesh.hub._reply_boxes import ReplyBox
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.tracing.metrics import HubMetrics
 
@@ -87,9 +87,11 @@ _SWEEP_SLACK: Final = 0.05
 
 @dataclass(slots=True, eq=False)
 class _Marker:
-    """A marker in flight: the expired attempts it decides, and the reply subscription's
-    losses (reconnections and slow-consumer drops) when its pass began."""
+    """A marker in flight: the reply subjects it went to, the expired attempts it decides,
+    and their subscription's losses (reconnections and slow-consumer drops) when its pass
+    began."""
 
+    replies: ReplyBox
     tokens: list[str]
     losses: int
     timer: asyncio.TimerHandle | None = None
@@ -110,45 +112,48 @@ class LatenessMixin:
     registry: Registry
     metrics: HubMetrics
     _agents_nc: NATS | None
-    _reply_sub: Subscription
-    _reply_prefix: str
     #: Expired attempts awaiting their marker, by reply token, and their count per namespace
     #: (none kept at 0).
     _late: dict[str, _Pending]
     _late_by_ns: dict[str, int]
-    #: Tokens expired in the sweep's current pass (one marker for them at its end).
-    _late_swept: list[str]
+    #: The namespaces' reply subjects with attempts expired in the sweep's current pass (in
+    #: their ``swept``: one marker each at its end, on the subscription their replies are
+    #: read on — the server's order holds within one subscription only).
+    _late_swept: list[ReplyBox]
     #: Markers in flight, by token.
     _markers: dict[str, _Marker]
-    #: The reply subscription's losses as the sweep last saw them, and when (perf_counter)
-    #: it last saw them grow.
-    _losses_seen: int
-    _lost_at: float
 
     if TYPE_CHECKING:
 
         def _read_reply(self, view: AgentView, flight: _Flight, data: bytes) -> _ReplyHead: ...
 
-    def _reply_losses(self) -> int:
-        """Reconnections of the replies' connection and messages of the reply subscription
-        dropped as a slow consumer, so far: a reply may be lost with either."""
+    def _reply_losses(self, replies: ReplyBox) -> int:
+        """Reconnections of the replies' connection and messages of ``replies``'
+        subscription dropped as a slow consumer, so far: a reply may be lost with either."""
         nc = self._agents_nc
         if nc is None:
             return 0
-        return int(nc.stats["reconnects"]) + slow_drops(nc, self._reply_sub._id)
+        sub = replies.sub
+        return int(nc.stats["reconnects"]) + (0 if sub is None else slow_drops(nc, sub._id))
 
-    def _note_losses(self) -> None:
-        """Called by the sweep before each pass expires anything: a loss seen now may have
-        taken a reply of any attempt whose route began before it."""
-        losses = self._reply_losses()
-        if losses != self._losses_seen:
-            self._losses_seen = losses
-            self._lost_at = time.perf_counter()
+    def _note_losses(self, replies: ReplyBox) -> None:
+        """Called by the sweep as it expires an attempt answered on ``replies``: a loss seen
+        now (not seen before) may have taken a reply of any attempt whose route began before
+        it."""
+        losses = self._reply_losses(replies)
+        if losses != replies.losses_seen:
+            replies.losses_seen = losses
+            replies.lost_at = time.perf_counter()
 
     def _check_expiry(self, flight: _Flight) -> None:
         """``flight``'s attempt expired unanswered: keep it pending for this pass's marker
         (module docstring), within the bounds; past them, nothing is charged."""
-        if flight.t0 <= self._lost_at:  # its reply may be lost already
+        replies = flight.replies
+        if replies is None:  # (never sent: there is nothing to be late)
+            self.metrics.expiry_checks_total.labels("behind").inc()
+            return
+        self._note_losses(replies)
+        if flight.t0 <= replies.lost_at:  # its reply may be lost already
             self.metrics.expiry_checks_total.labels("behind").inc()
             return
         ns = flight.ns
@@ -159,15 +164,23 @@ class LatenessMixin:
             return
         by_ns[ns] = held + 1
         self._late[flight.token] = _Pending(flight)
-        self._late_swept.append(flight.token)
+        if not replies.swept:
+            self._late_swept.append(replies)
+        replies.swept.append(flight.token)
 
-    async def _send_marker(self) -> None:
-        """The sweep's pass expired attempts (``_late_swept``): send their marker."""
-        tokens, self._late_swept = self._late_swept, []
+    async def _send_markers(self) -> None:
+        """The sweep's pass expired attempts (``_late_swept``): send a marker for each
+        namespace's, on that namespace's reply subjects."""
+        swept, self._late_swept = self._late_swept, []
+        for replies in swept:
+            await self._send_marker(replies)
+
+    async def _send_marker(self, replies: ReplyBox) -> None:
+        tokens, replies.swept = replies.swept, []
         if not tokens:
             return
         token = reply_token()
-        marker = self._markers[token] = _Marker(tokens, self._losses_seen)
+        marker = self._markers[token] = _Marker(replies, tokens, replies.losses_seen)
         late, now = self._late, time.perf_counter()
         for t in tokens:
             pending = late.get(t)
@@ -179,7 +192,7 @@ class LatenessMixin:
         nc = self._agents_nc
         try:
             assert nc is not None
-            await nc.publish(self._reply_prefix + token, b"")
+            await nc.publish(replies.prefix + token, b"")
         except Exception:  # (closing, or its buffer full): it cannot tell
             self._marker_overdue(token)
 
@@ -213,8 +226,9 @@ class LatenessMixin:
             return False
         if marker.timer is not None:
             marker.timer.cancel()
-        lost = self._reply_losses() != marker.losses
-        lost_at = self._lost_at
+        replies = marker.replies
+        lost = self._reply_losses(replies) != marker.losses
+        lost_at = replies.lost_at
         late, checks = self._late, self.metrics.expiry_checks_total
         for t in marker.tokens:
             pending = late.pop(t, None)
@@ -251,6 +265,8 @@ class LatenessMixin:
         self._markers.clear()
         self._late.clear()
         self._late_by_ns.clear()
+        for replies in self._late_swept:
+            replies.swept.clear()
         self._late_swept.clear()
 
     def _release(self, ns: str) -> None:

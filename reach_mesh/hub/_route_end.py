@@ -37,6 +37,7 @@ from reach_mesh.errors import (
 )
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._lateness import LatenessMixin
+from reach_mesh.hub._reply_boxes import ReplyBox
 from reach_mesh.hub._wire import (
     _batch_subject,
     _reply_bytes,
@@ -140,8 +141,10 @@ class _Flight:
     view: AgentView | None = None
     capability: str | None = None
     decision: RouteDecision | None = None
-    #: The reply-subject token of the attempt in flight.
+    #: The reply-subject token of the attempt in flight, and the reply subjects (of its
+    #: agent's namespace) it is under.
     token: str = ""
+    replies: ReplyBox | None = None
     #: Where the answer goes with others, if the request came in a batch.
     batch_reply: str | None = None
     span: Span | None = None
@@ -178,8 +181,6 @@ class RouteEndMixin(LatenessMixin):
     #: route slow: a line each would add to the load).
     _slow_lines: LineBudget
     _outage_lines: LineBudget
-    _reply_prefix_b: bytes
-    _reply_prefix_len: int
     _answers: AnswerBatcher
     _task_counters: dict[tuple[str, str, str], Any]
     _duration_children: dict[str, Any]
@@ -221,10 +222,11 @@ class RouteEndMixin(LatenessMixin):
             child = self._task_counters[key] = self.metrics.task_total.labels(ns, mode, state)
         child.inc()
 
-    async def _on_agent_reply(self, msg: Msg) -> None:
-        """Answers on this hub's reply subjects: an attempt's reply, a batch of replies, or
-        NATS saying nobody listens on an agent's subject (status 503, no data)."""
-        token = msg.subject[self._reply_prefix_len :]
+    async def _on_agent_reply(self, replies: ReplyBox, msg: Msg) -> None:
+        """Answers on the reply subjects of a namespace (``replies``): an attempt's reply, a
+        batch of replies, an answer to a ctl ask, or NATS saying nobody listens on an agent's
+        subject (status 503, no data)."""
+        token = msg.subject[replies.prefix_len :]
         data = msg.data
         headers = msg.headers
         no_responders = not data and headers is not None and headers.get("Status") == "503"
@@ -239,6 +241,12 @@ class RouteEndMixin(LatenessMixin):
             else:
                 await self._answered(flight, data)
             return
+        if replies.asks:  # a ctl ask's answer (``ReplyBoxes.ask``)?
+            asked = replies.asks.pop(token, None)
+            if asked is not None:
+                if not asked.done():
+                    asked.set_result(msg)
+                return
         if no_responders:  # a whole batch found nobody
             for i in range(BATCH_ITEMS):
                 attempt_token = f"{token}.{i}"
@@ -251,7 +259,7 @@ class RouteEndMixin(LatenessMixin):
         if not data and self._marker_back(token):  # this hub's own expiry marker
             return
         # A batch of replies: one line each, "<reply subject> <TaskReply JSON>".
-        for attempt_token, body in protocol.split_answers(data, self._reply_prefix_b):
+        for attempt_token, body in protocol.split_answers(data, replies.prefix_b):
             flight = self._flights.pop(attempt_token, None)
             if flight is None:
                 self._late_reply(attempt_token, body, False)
@@ -511,7 +519,6 @@ class RouteEndMixin(LatenessMixin):
                 await wake.wait()
                 heap = self._deadlines
             await asyncio.sleep(_SWEEP_INTERVAL)
-            self._note_losses()
             now = time.perf_counter()
             while heap and heap[0][0] <= now:
                 _, token = heapq.heappop(heap)
@@ -525,8 +532,8 @@ class RouteEndMixin(LatenessMixin):
                             await self._finish(
                                 flight, error=InternalError(f"internal error: {err!r}"[:200])
                             )
-            if self._late_swept:  # one marker for the attempts this pass expired
-                await self._send_marker()
+            if self._late_swept:  # a marker for the attempts this pass expired, per namespace
+                await self._send_markers()
             # Answered attempts leave their entry behind; drop them once they outnumber the
             # live ones, so the heap stays the size of what is in flight.
             if len(heap) > 2 * len(self._flights) + 1024:

@@ -45,6 +45,7 @@ from reach_mesh.hub._pins import (
     decode_pins,
     encode_pins,
 )
+from reach_mesh.hub._reply_boxes import ReplyBox, ReplyBoxes
 from reach_mesh.hub._route_end import _LOCAL_REPLY, RouteEndMixin, _clip, _Flight, _ReplyHead
 from reach_mesh.hub._wire import (
     _envelope_bytes,
@@ -98,6 +99,8 @@ class _Outbox:
 
     view: AgentView
     token: str
+    #: The reply subjects of the agent's namespace (``hub/_reply_boxes.py``).
+    replies: ReplyBox
     items: list[tuple[str, bytes, dict[str, str]]] = field(default_factory=list)
     size: int = 0
 
@@ -111,7 +114,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
     _no_match_lines: LineBudget
     _outage_lines: LineBudget
     _malformed_lines: LineBudget
-    _reply_prefix: str
+    _replies: ReplyBoxes
     _outboxes: dict[str, _Outbox]
     _full: list[_Outbox]
     _sender: asyncio.Task[None] | None
@@ -368,9 +371,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
         (chaos secure seed 198, ``partition``). Nobody there, or no answer within
         ``_DEAF_ASK_TIMEOUT``: still deaf, kept out."""
         with contextlib.suppress(Exception):  # nobody there, no answer: deaf still
-            await self.registry.asks.ask(
-                protocol.agent_ctl(view.agent_id), _PING, timeout=_DEAF_ASK_TIMEOUT
-            )
+            await self.registry.ask_agent(view.agent_id, _PING, timeout=_DEAF_ASK_TIMEOUT)
             if self.registry.agents.get(view.agent_id) is view:
                 self.registry.answered_on_ctl(view)
 
@@ -531,15 +532,18 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             self._full.append(box)
             box = None
         if box is None:
-            box = self._outboxes[view.agent_id] = _Outbox(view, reply_token())
+            replies = self._replies.of(protocol.namespace_of(view.agent_id))
+            box = self._outboxes[view.agent_id] = _Outbox(view, reply_token(), replies)
             if self._sender is None:
                 self._sender = asyncio.get_running_loop().create_task(self._send_outboxes())
-        # An attempt's reply subject is <inbox>.<batch token>.<index>: NATS' "no responders"
-        # for a whole batch (sent with reply subject <inbox>.<batch token>) finds its attempts.
+        # An attempt's reply subject is <prefix><batch token>.<index> (the prefix its agent's
+        # namespace's): NATS' "no responders" for a whole batch (sent with reply subject
+        # <prefix><batch token>) finds its attempts.
         token = f"{box.token}.{len(box.items)}"
         box.items.append((token, body, headers))
         box.size += len(body)
         flight.token = token
+        flight.replies = box.replies
         self._flights[token] = flight
         heapq.heappush(self._deadlines, (flight.deadline, token))
         if len(self._deadlines) == 1:
@@ -558,11 +562,14 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
 
     async def _send(self, box: _Outbox) -> None:
         view = box.view
-        prefix = self._reply_prefix
+        replies = box.replies
+        prefix = replies.prefix
         flights = self._flights
         # An attempt whose deadline passed before the pass ended has been answered already.
         items = [item for item in box.items if item[0] in flights]
         try:
+            if replies.sub is None:  # the namespace's first: its subscription before these
+                await self._replies.ready(replies)
             if len(items) > 1 and view.record.card.batch:
                 # A batch line carries one traceparent; richer trace context goes on its own.
                 lines = [
@@ -605,12 +612,11 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
                 repinned = self._pins.pin(flight.ns, req.task_id, view.agent_id) or repinned
         if repinned:
             await self._send_pins()
-        prefix = self._reply_prefix
         now = time.perf_counter()
         asked = 0
         for token, flight in pending:
-            view, remaining = flight.view, flight.deadline - now
-            if view is None or flight.finished or remaining <= 0:
+            view, remaining, replies = flight.view, flight.deadline - now, flight.replies
+            if view is None or replies is None or flight.finished or remaining <= 0:
                 continue
             flight.in_hand = view.agent_id  # it may have had this attempt before the drop
             body = _envelope_bytes(
@@ -625,7 +631,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             headers = inject_span(span) if span is not None else (flight.headers or {})
             try:
                 await self._task_nc.publish(
-                    view.record.task_subject, body, reply=prefix + token, headers=headers
+                    view.record.task_subject, body, reply=replies.prefix + token, headers=headers
                 )
             except Exception as err:  # down again: the next reconnection asks again
                 log.debug("asking agents again after a reconnection stopped: %r", err)

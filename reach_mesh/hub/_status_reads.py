@@ -591,9 +591,7 @@ class StatusReads:
             body["fence"] = fence
             if recorded is not None:
                 body["next"] = recorded
-        msg = await self._registry.asks.ask(
-            protocol.agent_ctl(agent_id), protocol.dumps(body), timeout=_CTL_TIMEOUT
-        )
+        msg = await self._registry.ask_agent(agent_id, protocol.dumps(body), timeout=_CTL_TIMEOUT)
         view = self._registry.agents.get(agent_id)
         if view is not None:
             self._registry.answered_on_ctl(view)

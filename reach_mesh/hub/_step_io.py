@@ -102,7 +102,7 @@ class StepIO(StepPlacing):
                 "workflow_id": rec.workflow_id,
             }
         )
-        self._background(self._registry.asks.ask(protocol.agent_ctl(agent_id), body, timeout=1.0))
+        self._background(self._registry.ask_agent(agent_id, body, timeout=1.0))
 
     def _stop_others(self, rec: TaskRecord, decided: int | None) -> None:
         """Ask the agent of every attempt of ``rec``'s step that may still run, but attempt

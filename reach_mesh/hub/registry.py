@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, Final
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
@@ -43,6 +44,7 @@ from reach_mesh.errors import MeshUnavailableError, SessionEndedError, UnknownAg
 from reach_mesh.hub._agent_view import AgentView, StateListener
 from reach_mesh.hub._liveness import _HB_STREAM, LOST_KEPT_S, LostEntry, Undeleted
 from reach_mesh.hub._registry_watch import RegistryWatch
+from reach_mesh.hub._reply_boxes import ReplyBoxes
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._server_clock import ServerClock, ask_server_time
 from reach_mesh.hub.breaker import CircuitBreaker, HealthScore
@@ -108,10 +110,13 @@ class Registry(RegistryWatch):
         clock: Callable[[], float] = time.monotonic,
         resources: Resources | None = None,
         asks_nc: NATS | None = None,
+        agent_asks: ReplyBoxes | None = None,
     ) -> None:
         self._nc = nc
         #: Where this hub asks agents (``asks``): the connection their answers come back on.
         self._asks_nc = asks_nc
+        #: Where this hub asks agents, answered on their namespace's reply subjects.
+        self._agent_asks = agent_asks
         self._js = js
         self._settings = settings
         self._clock = clock
@@ -202,14 +207,23 @@ class Registry(RegistryWatch):
     @property
     def asks(self) -> JsClient:
         """This hub's requests whose reply subjects carry 64 random bits (``JsClient.ask``),
-        for asks whose answer must come from the party asked: an agent sees the reply
-        subjects of the requests it serves and may publish on every hub's, so it must not be
-        able to guess the next one, as it could nats-py's (``hub/_holders.py``). On a
-        connection of their own when the hub gave one (``asks_nc``): an agent that learns the
-        reply prefix may flood it, and must not cut the connection of the registry's
-        JetStream with it. Once started."""
+        for asks whose answer must come from the party asked (other hubs': ``pin_of``; agents
+        are asked with :meth:`ask_agent`, on their namespace's reply subjects, where alone
+        they may answer). On a connection of their own when the hub gave one (``asks_nc``),
+        not the registry's JetStream's. Once started."""
         assert self._asks is not None, "registry not started"
         return self._asks
+
+    async def ask_agent(self, agent_id: str, body: bytes, *, timeout: float) -> Msg:
+        """Ask ``agent_id`` on its ctl subject (``task_state``, a ping) with a reply subject of
+        its own namespace carrying 64 random bits (``hub/_reply_boxes.py``): an agent sees the
+        reply subjects of what it is asked and may publish on its namespace's, so it must not
+        be able to guess the next one, as it could nats-py's (``hub/_holders.py``), and an
+        agent of another namespace may not publish there at all. ``NoRespondersError`` when
+        nobody listens on its ctl subject; ``nats.errors.TimeoutError`` without an answer."""
+        if self._agent_asks is None:  # (a registry without a hub's agents connection)
+            return await self.asks.ask(protocol.agent_ctl(agent_id), body, timeout=timeout)
+        return await self._agent_asks.ask(agent_id, body, timeout=timeout)
 
     async def start(self) -> None:
         await self.ensure_buckets()

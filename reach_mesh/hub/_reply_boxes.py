@@ -1,0 +1,178 @@
+"""Where agents answer a hub: reply subjects of their own namespace, read on a subscription of
+that namespace's own (:class:`ReplyBoxes`).
+
+Everything a hub sends agents of namespace ``ns`` that they answer — proxy attempts, alone or
+in batches, the hub's own expiry markers (``hub/_lateness.py``), and its ctl asks
+(``task_state``, pings: :meth:`ReplyBoxes.ask`) — carries a reply subject under
+
+    <inbox>.r.<ns>.<nonce>.<token>
+
+``<inbox>`` is the hub's connection's inbox prefix (``_INBOX.hub.<hub name>`` in secure mode,
+``_INBOX`` in open mode; the fixed token ``r`` is never nats-py's 22-character NUID), ``<nonce>``
+64 random bits drawn once per namespace and process, ``<token>`` the request's own. In secure
+mode an agent may publish under ``_INBOX.hub.*.r.<its namespace>.>`` only (``_auth.py``): an
+agent of one namespace flooding the reply subjects it learned floods its own namespace's
+subscription, and every other namespace's answers are read on theirs, in time.
+
+Each namespace's subscription is made (on the hub's agents connection, before the first
+request of that namespace is published on it: the server sees the SUB first) when the hub
+first sends it something, and kept for the hub's life. Its queue is bounded
+(:data:`REPLY_PENDING_MOST` messages): a flood past it is dropped as a slow consumer on that
+subscription only (``_nats.slow_drops``, counted per subscription: the lateness markers of that
+namespace alone count it as a possible loss).
+
+Bounded: past :data:`REPLY_NAMESPACES_MOST` namespaces, the next ones share one overflow
+subscription (``<inbox>.r.*.<overflow nonce>.>``; the subjects still name the namespace, so an
+agent may publish into its own namespace's only) — they are isolated from each other no more
+than all namespaces were before, and still from the first ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Final
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from reach_mesh import protocol
+from reach_mesh._batch import inbox_prefix, reply_token
+
+__all__ = [
+    "REPLY_NAMESPACES_MOST",
+    "REPLY_PENDING_MOST",
+    "ReplyBox",
+    "ReplyBoxes",
+]
+
+#: Namespaces with a reply subscription of their own per hub; the next ones share one.
+REPLY_NAMESPACES_MOST: Final = 256
+#: Messages one reply subscription holds unread before it drops the next (slow consumer).
+REPLY_PENDING_MOST: Final = 65_536
+
+
+@dataclass(slots=True, eq=False)
+class ReplyBox:
+    """One namespace's reply subjects on this hub, and what its lateness markers keep."""
+
+    ns: str
+    #: ``<inbox>.r.<ns>.<nonce>.``, as text and bytes, and its length.
+    prefix: str
+    prefix_b: bytes
+    prefix_len: int
+    #: Its subscription once made (shared by the overflow's namespaces), and the task making it.
+    sub: Subscription | None = None
+    ready: asyncio.Future[Subscription] | None = None
+    #: Ctl asks awaiting their answer, by reply token.
+    asks: dict[str, asyncio.Future[Msg]] = field(default_factory=dict)
+    #: Tokens of the attempts the sweep's current pass expired (one marker for them).
+    swept: list[str] = field(default_factory=list)
+    #: Its subscription's losses as the sweep last saw them, and when (perf_counter) it last
+    #: saw them grow.
+    losses_seen: int = 0
+    lost_at: float = -math.inf
+
+
+#: What reads a namespace's replies (the hub's ``_on_agent_reply``).
+OnReply = Callable[[ReplyBox, Msg], Awaitable[None]]
+
+
+class ReplyBoxes:
+    """The reply subjects of each namespace a hub sends requests to, on one connection."""
+
+    def __init__(self, nc: NATS, on_reply: OnReply) -> None:
+        self._nc = nc
+        self._on_reply = on_reply
+        #: ``<inbox>.r.``: what every namespace's prefix starts with.
+        self._base = inbox_prefix(nc) + ".r."
+        self._boxes: dict[str, ReplyBox] = {}
+        self._own = 0
+        self._overflow_nonce = reply_token()
+        self._overflow: asyncio.Future[Subscription] | None = None
+
+    def of(self, ns: str) -> ReplyBox:
+        """``ns``'s reply subjects; its subscription is being made if it was not (await
+        :meth:`ready` before publishing a request that names them)."""
+        box = self._boxes.get(ns)
+        if box is None:
+            box = self._boxes[ns] = self._make(ns)
+        return box
+
+    def boxes(self) -> list[ReplyBox]:
+        return list(self._boxes.values())
+
+    async def ready(self, box: ReplyBox) -> None:
+        """Wait for ``box``'s subscription (nothing to wait for once made). Raises what
+        subscribing raised (the connection closed); the next :meth:`of` tries again."""
+        if box.sub is not None:
+            return
+        assert box.ready is not None
+        try:
+            box.sub = await asyncio.shield(box.ready)
+        except Exception:
+            if self._boxes.get(box.ns) is box:
+                del self._boxes[box.ns]
+            raise
+
+    def _make(self, ns: str) -> ReplyBox:
+        loop = asyncio.get_running_loop()
+        if self._own < REPLY_NAMESPACES_MOST:
+            self._own += 1
+            prefix = f"{self._base}{ns}.{reply_token()}."
+            box = ReplyBox(ns, prefix, prefix.encode(), len(prefix))
+            read = partial(self._on_reply, box)
+            box.ready = loop.create_task(self._subscribe(prefix + ">", read))
+        else:
+            prefix = f"{self._base}{ns}.{self._overflow_nonce}."
+            box = ReplyBox(ns, prefix, prefix.encode(), len(prefix))
+            if self._overflow is None or (self._overflow.done() and self._overflow.exception()):
+                subject = f"{self._base}*.{self._overflow_nonce}.>"
+                self._overflow = loop.create_task(self._subscribe(subject, self._on_overflow))
+            box.ready = self._overflow
+        box.ready.add_done_callback(_retrieved)
+        return box
+
+    async def _subscribe(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
+        # Unguessable (64 random bits), and NATS' "no responders" status messages for an
+        # attempt or an ask arrive here: not guarded like the request subjects.
+        return await self._nc.subscribe(subject, cb=cb, pending_msgs_limit=REPLY_PENDING_MOST)
+
+    async def _on_overflow(self, msg: Msg) -> None:
+        """A reply on the overflow subscription: the namespace named in its subject."""
+        subject, base = msg.subject, len(self._base)
+        box = self._boxes.get(subject[base : subject.find(".", base)])
+        if box is not None and subject.startswith(box.prefix):
+            await self._on_reply(box, msg)
+
+    async def ask(self, agent_id: str, body: bytes, *, timeout: float) -> Msg:
+        """Ask ``agent_id`` on its ctl subject, answered on its namespace's reply subjects
+        with a fresh 64-bit token (an agent sees the reply subjects of what it is asked, and
+        must not guess the next one). ``NoRespondersError`` when nobody listens there,
+        ``nats.errors.TimeoutError`` without an answer in ``timeout`` seconds."""
+        box = self.of(protocol.namespace_of(agent_id))
+        await self.ready(box)
+        token = reply_token()
+        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        box.asks[token] = future
+        try:
+            await self._nc.publish(protocol.agent_ctl(agent_id), body, reply=box.prefix + token)
+            try:
+                msg = await asyncio.wait_for(future, timeout)
+            except TimeoutError:
+                raise nats.errors.TimeoutError from None
+        finally:
+            box.asks.pop(token, None)
+        if not msg.data and (msg.headers or {}).get("Status") == "503":
+            raise nats.errors.NoRespondersError
+        return msg
+
+
+def _retrieved(future: asyncio.Future[Subscription]) -> None:
+    if not future.cancelled():
+        future.exception()  # (raised again to whoever awaits it: not logged as lost)
