@@ -52,14 +52,15 @@ the route goes to it as for a pin; not back in time, it is routed as new (counte
 
 The stored reply is a result handed to a caller, so it must come from the holder. Only the
 holder's identity may subscribe to its ctl subject (secure mode, ``_auth.py``), so only it
-receives the ask; but every agent may publish on hubs' reply subjects (it answers hubs), so
-each ask's reply subject carries 64 random bits from the OS (``Registry.asks``, a
-``JsClient``), not nats-py's NUIDs — a registered agent asked in the same seek sees its own
-ask's reply subject and could follow the NUIDs to the LOST holder's, and answer it with a
-made-up result. An answer that speaks for another agent or task id, is not a final reply, is
-malformed or larger than ``max_payload`` + 16 KiB (dropped unread) is no copy. The holder may
-lie about its own result, as it may when a route is sent to it: it is asked only as an agent
-of the request's namespace whose registration the request matched.
+receives the ask; but every agent of its namespace may publish on that namespace's reply
+subjects of every hub (it answers hubs there), so each ask's reply subject carries 64 random
+bits from the OS (``Registry.ask_agent``, ``hub/_reply_boxes.py``), not nats-py's NUIDs — a
+registered agent asked in the same seek sees its own ask's reply subject and could follow the
+NUIDs to the LOST holder's, and answer it with a made-up result. An answer that speaks for
+another agent or task id, is not a final reply, is malformed or larger than ``max_payload`` +
+16 KiB (dropped unread) is no copy. The holder may lie about its own result, as it may when a
+route is sent to it: it is asked only as an agent of the request's namespace whose registration
+the request matched.
 
 Nobody claiming it, the hub waits the whole ``HOLDER_WAIT`` even when every agent said no, then
 routes it as new (or to a pin it made itself meanwhile): another copy of the same request may

@@ -5,18 +5,21 @@ by the agent's word (:class:`LatenessMixin`, a base of
 A proxy attempt whose deadline passes unanswered ends at once for its caller
 (``REACH_TIMEOUT``); what it costs its agent — an accept timeout on its health, a failure on
 its breaker — waits. The hub reads the answers to its attempts, in the order they come, on
-reply subjects every agent may publish on (it answers there): an identity flooding them holds
-every tenant's answers unread in the hub's queue (or socket) past their deadlines, and an
-answer may also be lost with the connection or dropped as a slow consumer. Charged at once,
-each such expiry was the flood's doing charged to a healthy agent: another namespace's agent
-was QUARANTINED for most of a 10 s flood of 100-byte messages (docs/security.md).
+reply subjects every agent of their namespace may publish on (it answers there:
+``hub/_reply_boxes.py``): an identity flooding them holds that namespace's answers unread in
+the hub's queue (or, faster than the hub reads, every namespace's in its socket) past their
+deadlines, and an answer may also be lost with the connection or dropped as a slow consumer.
+Charged at once, each such expiry was the flood's doing charged to a healthy agent: another
+namespace's agent was QUARANTINED for most of a 10 s flood of 100-byte messages, when every
+namespace shared one reply subscription (docs/security.md).
 
 So the sweep that expires attempts keeps each one pending (``_late``) and, once per pass that
-expired any, publishes a *marker* — an empty message on a reply subject of its own, a fresh
-64-bit random token (``reply_token``: an agent may publish on the hub's reply subjects, and a
-guessable marker would let it end the wait early) — on the connection whose reply
-subscription reads the answers. nats-server delivers it behind every message it already had
-for that subscription, and the subscription's one callback reads them in order
+expired any, publishes a *marker* per namespace of them — an empty message on a reply subject
+of that namespace's, a fresh 64-bit random token (``reply_token``: an agent may publish on its
+namespace's reply subjects, and a guessable marker would let it end the wait early) — on the
+connection whose reply subscription of that namespace reads the answers (the server's order
+holds within one subscription only). nats-server delivers it behind every message it already
+had for that subscription, and the subscription's one callback reads them in order
 (``_on_agent_reply``, never concurrently). Then, for each attempt of that pass:
 
 - its reply read before the marker was at the server by then, before the hub's expiry pass
@@ -30,9 +33,10 @@ for that subscription, and the subscription's one callback reads them in order
 - the marker read and the reply not before it: it did not answer in time — an accept timeout
   and a breaker failure, as before — ``charged``;
 - the marker not back within ``MARKER_WAIT``, or the connection reconnected, or a message of
-  the reply subscription dropped as a slow consumer (``_nats.slow_drops``: counted in the read
-  loop as it is dropped, so before the marker behind it is read) since the attempt's route
-  began: the reply may have been lost; neither charged nor credited — ``behind``.
+  that namespace's reply subscription dropped as a slow consumer (``_nats.slow_drops``: counted
+  in the read loop as it is dropped, so before the marker behind it is read) since the
+  attempt's route began: the reply may have been lost; neither charged nor credited —
+  ``behind``.
 
 The agent's word is not asked: an agent that never answers its routes is charged whatever it
 says elsewhere. ``MARKER_WAIT`` (2 s, what the former ``task_state`` ask and its check waited
