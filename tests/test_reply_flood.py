@@ -24,6 +24,7 @@ import nats
 import nats.errors
 import pytest
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh._auth import AuthDir
@@ -425,3 +426,36 @@ async def test_namespaces_past_the_bound_share_one_overflow_subscription(
         assert p.prefix != q.prefix and f".r.{names[0]}." in p.prefix
         with pytest.raises(nats.errors.NoRespondersError):  # asked, answered by NATS: nobody
             await hub.registry.ask_agent(f"{names[1]}.nobody.a1", b"{}", timeout=2)
+
+
+async def test_a_namespace_whose_subscription_failed_is_subscribed_again(
+    hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subscribing a namespace's reply subjects fails (as on a connection closing): the
+    attempts waiting for it end ``REACH_UNAVAILABLE``, and the namespace's next attempt (the
+    client's, asking again) subscribes again and is answered — its slot among the namespaces
+    with a subscription of their own not lost. (Kept, the failed subscription failed every
+    route of that namespace for the hub's life.)"""
+    replies = hub._replies
+    subscribe = replies._subscribe
+    subjects: list[str] = []
+
+    async def failing_once(subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
+        subjects.append(subject)
+        if len(subjects) == 1:
+            raise nats.errors.ConnectionClosedError
+        return await subscribe(subject, cb)
+
+    monkeypatch.setattr(replies, "_subscribe", failing_once)
+    s = settings.model_copy(update={"namespace": f"{namespace}s"})
+    agent_id = f"{namespace}s.echo.a1"
+    async with (
+        raw_agent(s, agent_id, listen=True, answer=True),
+        Client(settings=s) as c,
+    ):
+        # (Its first attempt ends REACH_UNAVAILABLE; the client asks again, as it does then.)
+        assert (await c.request(agent_id=agent_id, payload=1)).result == 1
+        assert (await c.request(agent_id=agent_id, payload=2)).result == 2
+    assert len(subjects) == 2, subjects
+    own = [b for b in replies.boxes() if not b.shared]
+    assert replies._own == len(own)

@@ -66,7 +66,9 @@ class ReplyBox:
     prefix: str
     prefix_b: bytes
     prefix_len: int
-    #: Its subscription once made (shared by the overflow's namespaces), and the task making it.
+    #: Its subscription once made (shared by the overflow's namespaces: ``shared``), and the
+    #: task making it.
+    shared: bool = False
     sub: Subscription | None = None
     ready: asyncio.Future[Subscription] | None = None
     #: Ctl asks awaiting their answer, by reply token.
@@ -118,6 +120,8 @@ class ReplyBoxes:
         except Exception:
             if self._boxes.get(box.ns) is box:
                 del self._boxes[box.ns]
+                if not box.shared:
+                    self._own -= 1
             raise
 
     def _make(self, ns: str) -> ReplyBox:
@@ -130,11 +134,15 @@ class ReplyBoxes:
             box.ready = loop.create_task(self._subscribe(prefix + ">", read))
         else:
             prefix = f"{self._base}{ns}.{self._overflow_nonce}."
-            box = ReplyBox(ns, prefix, prefix.encode(), len(prefix))
-            if self._overflow is None or (self._overflow.done() and self._overflow.exception()):
+            box = ReplyBox(ns, prefix, prefix.encode(), len(prefix), shared=True)
+            overflow = self._overflow
+            if overflow is None or (
+                overflow.done() and (overflow.cancelled() or overflow.exception() is not None)
+            ):
                 subject = f"{self._base}*.{self._overflow_nonce}.>"
-                self._overflow = loop.create_task(self._subscribe(subject, self._on_overflow))
-            box.ready = self._overflow
+                overflow = loop.create_task(self._subscribe(subject, self._on_overflow))
+                self._overflow = overflow
+            box.ready = overflow
         box.ready.add_done_callback(_retrieved)
         return box
 
