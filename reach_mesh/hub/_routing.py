@@ -494,7 +494,10 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             return
         remaining = flight.deadline - time.perf_counter()
         if remaining <= 0:
-            late = MeshTimeoutError(
+            # A try made after the deadline: a held route (``_hold``) woken late by a loaded
+            # loop. Its answer is what the tries before it met (the agent nobody listened for),
+            # as when the hold ends on time; a route never tried is not delivered.
+            late = flight.last_error or MeshTimeoutError(
                 f"task {flight.task_id} not delivered within {req.timeout:g}s",
                 task_id=flight.task_id,
             )
