@@ -789,7 +789,9 @@ async def test_a_namespaces_steps_are_placed_again_at_a_bounded_pace(
         async with Client(settings=wf_settings) as mesh, Client(settings=other) as theirs:
             steps = [Step(capability="wf:nobody:v1", retry=spin) for _ in range(40)]
             wf_id = await mesh.submit_fanout(steps, timeout=30)
-            await asyncio.sleep(0.5)  # all placed once and waiting
+            # All placed once and waiting (waited for, not slept: a loaded hub placing them
+            # after a fixed 0.5 s counted up to 40 first placements as placed again).
+            await eventually(lambda: tries[wf_settings.namespace] >= len(steps), timeout=10)
             placed = tries[wf_settings.namespace]
             t0 = time.monotonic()
             res = await theirs.fanout([Step(capability="wf:pace:v1") for _ in range(3)])
