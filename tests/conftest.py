@@ -9,6 +9,11 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+# The hubs' HTTP side (FastAPI, the MCP SDK), imported once here rather than by the first hub
+# a test starts with an HTTP port: that import holds the event loop for seconds (8.2 s in
+# Hub.start under a 2-process CPU load), and every hub and agent the test runs on that loop
+# meanwhile, its short leases with them, stalled too.
+import reach_mesh.hub.http  # noqa: F401
 from reach_mesh import MeshSettings
 from reach_mesh.hub import Hub
 from reach_mesh.server import EmbeddedNats
