@@ -8,6 +8,7 @@ a PONG held behind a backlog the loop has not read yet."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import nats
@@ -71,4 +72,35 @@ async def test_a_flush_that_timed_out_leaves_the_connection_reading(nats_url: st
         assert "flush.after" in got, f"read {got.count('flush.junk')} of the backlog, then none"
         await nc.flush(timeout=5)  # and the PINGs after it are answered
     finally:
+        await nc.close()
+
+
+async def test_a_publish_into_a_socket_closed_under_nats_py_goes_out_after_reconnecting(
+    nats_url: str,
+) -> None:
+    """The socket closes under a connection nats-py still calls connected: its flusher, writing
+    into it, ended on uvloop's ``RuntimeError`` (it breaks on that without a word), and its read
+    loop has not taken the close for a loss yet. nats-py then writes each publish into the
+    closed socket itself and raises that ``RuntimeError`` to the publisher — a hub's step took
+    it for a crash and failed its workflow (chaos secure seed 216, ``partition``). reach-mesh's
+    connection keeps the publish pending, reconnects, and sends it."""
+    nc = await connect(nats_url, name="socket-gone")
+    watcher = await nats.connect(nats_url)
+    try:
+        sub = await watcher.subscribe("gone.after")
+        await watcher.flush()
+        flusher = nc._flusher_task
+        assert flusher is not None
+        flusher.cancel()  # (as nats-py's flusher ends on the RuntimeError: the task done)
+        with contextlib.suppress(asyncio.CancelledError):
+            await flusher
+        assert nc.is_connected
+        nc._transport._io_writer.transport.abort()  # type: ignore[union-attr]
+        # No await between the close and the publish: the read loop has not seen it.
+        await nc.publish("gone.after", b"kept")
+        msg = await sub.next_msg(timeout=10)
+        assert msg.data == b"kept"
+        assert nc.is_connected and nc.stats["reconnects"] >= 1
+    finally:
+        await watcher.close()
         await nc.close()
