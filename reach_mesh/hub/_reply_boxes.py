@@ -171,7 +171,8 @@ class ReplyBoxes:
         try:
             await self._nc.publish(protocol.agent_ctl(agent_id), body, reply=box.prefix + token)
             try:
-                msg = await asyncio.wait_for(future, timeout)
+                async with asyncio.timeout(timeout):
+                    msg = await future
             except TimeoutError:
                 raise nats.errors.TimeoutError from None
         finally:
