@@ -59,6 +59,12 @@ def _holding(hub: Hub, held: asyncio.Event) -> Callable[[Msg], Coroutine[Any, An
     return on_pins_ask
 
 
+def _routed(hub: Hub) -> set[str]:
+    """The task ids of the routes ``hub`` has sent to an agent and waits on (a copy of a task
+    sent again is a route of its own)."""
+    return {flight.task_id for flight in hub._flights.values()}
+
+
 def _seeks(hub: Hub, found: str) -> float:
     """``reach_resend_seek_total{found=...}`` of ``hub``."""
     value = hub.metrics.registry.get_sample_value("reach_resend_seek_total", {"found": found})
@@ -124,8 +130,14 @@ async def test_a_resend_reaching_a_hub_without_its_pin_goes_to_the_agent_that_ha
                 await eventually(lambda: not mesh.nc.is_connected)
                 await caller_relay.start()
                 await eventually(lambda: mesh.nc.is_connected, timeout=10)
-                # Every task asked again has been routed by ``away`` (to whichever agent).
-                await eventually(lambda: len(away._flights) == 4, timeout=10)
+                # Every task asked again has been routed by ``away`` (to whichever agent), and
+                # no copy is still sought: by task id, not flights — ``first`` gone, a task may
+                # reach ``away`` twice (the caller's retry after REACH_UNAVAILABLE, out before
+                # the cut, and the same request asked again after the reconnection).
+                await eventually(
+                    lambda: _routed(away) == {f"rs-{n}" for n in range(4)} and not away._seeking,
+                    timeout=10,
+                )
                 await asyncio.sleep(0.2)  # a run on another agent would have started by now
                 assert {task_id: len(agents) for task_id, agents in ran.items()} == {
                     f"rs-{n}": 1 for n in range(4)
