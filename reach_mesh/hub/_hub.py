@@ -332,7 +332,9 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             self.resources = Resources(self._js, counted=self.metrics.recreated_total.inc)
             # Agents answer on their namespace's own reply subjects (``hub/_reply_boxes.py``),
             # on the connection the attempts and asks leave on.
-            self._replies = ReplyBoxes(self._agents_nc, self._on_agent_reply)
+            self._replies = ReplyBoxes(
+                self._agents_nc, self._on_agent_reply, self._reply_namespaces_in_use
+            )
             self.registry = Registry(
                 self._nc,
                 self._js,
@@ -463,6 +465,21 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         """The agents' connection is back: the answers to the attempts sent on it may have
         been lost meanwhile (``_ask_agents_again``)."""
         self._spawn(self._ask_agents_again())
+
+    def _reply_namespaces_in_use(self) -> set[str]:
+        """The namespaces whose reply subjects this hub still needs (``ReplyBoxes``): those
+        with a registered agent, and those an attempt waits on (sent, or about to be), an
+        expired attempt awaits its marker on, or a marker is out on."""
+        used = {protocol.namespace_of(agent_id) for agent_id in self.registry.agents}
+        for flight in self._flights.values():
+            if flight.replies is not None:
+                used.add(flight.replies.ns)
+        used.update(p.flight.replies.ns for p in self._late.values() if p.flight.replies)
+        used.update(m.replies.ns for m in self._markers.values())
+        used.update(r.ns for r in self._late_swept)
+        used.update(box.replies.ns for box in self._outboxes.values())
+        used.update(box.replies.ns for box in self._full)
+        return used
 
     @property
     def _task_nc(self) -> NATS:

@@ -16,7 +16,10 @@ subscription, and every other namespace's answers are read on theirs, in time.
 
 Each namespace's subscription is made (on the hub's agents connection, before the first
 request of that namespace is published on it: the server sees the SUB first) when the hub
-first sends it something, and kept for the hub's life. Its queue is bounded
+first sends it something, and kept while the namespace has a registered agent or anything in
+flight (``in_use``): a namespace gone gives it back, and its slot, once a new namespace wants
+one (:meth:`ReplyBoxes._let_go`; its next request subscribes again, with a new nonce). Its
+queue is bounded
 (:data:`REPLY_PENDING_MOST` messages): a flood past it is dropped as a slow consumer on that
 subscription only (``_nats.slow_drops``, counted per subscription: the lateness markers of that
 namespace alone count it as a possible loss).
@@ -30,8 +33,9 @@ than all namespaces were before, and still from the first ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Final
@@ -83,14 +87,20 @@ class ReplyBox:
 
 #: What reads a namespace's replies (the hub's ``_on_agent_reply``).
 OnReply = Callable[[ReplyBox, Msg], Awaitable[None]]
+#: The namespaces whose reply subjects the hub still needs: those with a registered agent, or
+#: with an attempt, a marker or an expired attempt awaiting its marker on them.
+InUse = Callable[[], Collection[str]]
 
 
 class ReplyBoxes:
     """The reply subjects of each namespace a hub sends requests to, on one connection."""
 
-    def __init__(self, nc: NATS, on_reply: OnReply) -> None:
+    def __init__(self, nc: NATS, on_reply: OnReply, in_use: InUse) -> None:
         self._nc = nc
         self._on_reply = on_reply
+        self._in_use = in_use
+        #: Unsubscribing the subscriptions of namespaces let go.
+        self._leaving: set[asyncio.Task[None]] = set()
         #: ``<inbox>.r.``: what every namespace's prefix starts with.
         self._base = inbox_prefix(nc) + ".r."
         self._boxes: dict[str, ReplyBox] = {}
@@ -126,6 +136,8 @@ class ReplyBoxes:
 
     def _make(self, ns: str) -> ReplyBox:
         loop = asyncio.get_running_loop()
+        if self._own >= REPLY_NAMESPACES_MOST:
+            self._let_go()
         if self._own < REPLY_NAMESPACES_MOST:
             self._own += 1
             prefix = f"{self._base}{ns}.{reply_token()}."
@@ -145,6 +157,23 @@ class ReplyBoxes:
             box.ready = overflow
         box.ready.add_done_callback(_retrieved)
         return box
+
+    def _let_go(self) -> None:
+        """Forget the namespaces the hub no longer needs (``in_use``; nor a ctl ask waiting,
+        nor a subscription being made): their subscriptions of their own unsubscribed, their
+        slots free. Called when a new namespace would go to the overflow: at most once per
+        new namespace past the bound, over the hub's agents and what it has in flight."""
+        keep = self._in_use()
+        for ns, box in list(self._boxes.items()):
+            if ns in keep or box.asks or box.sub is None:
+                continue
+            del self._boxes[ns]
+            if box.shared:
+                continue
+            self._own -= 1
+            task = asyncio.get_running_loop().create_task(_unsubscribe(box.sub))
+            self._leaving.add(task)
+            task.add_done_callback(self._leaving.discard)
 
     async def _subscribe(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
         # Unguessable (64 random bits), and NATS' "no responders" status messages for an
@@ -180,6 +209,11 @@ class ReplyBoxes:
         if not msg.data and (msg.headers or {}).get("Status") == "503":
             raise nats.errors.NoRespondersError
         return msg
+
+
+async def _unsubscribe(sub: Subscription) -> None:
+    with contextlib.suppress(Exception):  # (its connection closing: gone with it)
+        await sub.unsubscribe()
 
 
 def _retrieved(future: asyncio.Future[Subscription]) -> None:
