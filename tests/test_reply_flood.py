@@ -466,37 +466,53 @@ async def test_a_namespace_gone_gives_its_reply_subscription_back(
 ) -> None:
     """A namespace whose agents are all gone, with nothing of it in flight, gives back its
     reply subscription and its slot among the ``REPLY_NAMESPACES_MOST`` with one of their
-    own, when a new namespace needs one: kept, every namespace seen once held its slot for
-    the hub's life, and past that many every new one shared the overflow subscription (its
-    answers behind a neighbour's flood), its ``ReplyBox`` kept too however many came and
-    went. A namespace gone through the overflow is let go likewise."""
+    own, when a new namespace needs one — one whose agent is still registered keeps its own:
+    kept, every namespace seen once held its slot for the hub's life, and past that many
+    every new one shared the overflow subscription (its answers behind a neighbour's flood),
+    its ``ReplyBox`` kept too however many came and went. A namespace gone through the
+    overflow is let go likewise."""
     replies = hub._replies
-    monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", len(replies.boxes()) + 1)
+    subs = hub._agents_nc._subs  # type: ignore[union-attr]
+    monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", len(replies.boxes()) + 2)
 
     def box_of(ns: str) -> _reply_boxes.ReplyBox | None:
         return next((b for b in replies.boxes() if b.ns == ns), None)
 
-    async def visit(ns: str) -> _reply_boxes.ReplyBox:
-        """An agent of ``ns`` registers, is routed to once, and unregisters: its box."""
+    @asynccontextmanager
+    async def routed(ns: str) -> AsyncIterator[_reply_boxes.ReplyBox]:
+        """An agent of ``ns`` registers and is routed to once: its box; it unregisters as
+        the block ends."""
         s = settings.model_copy(update={"namespace": ns})
         agent_id = f"{ns}.echo.a1"
         async with raw_agent(s, agent_id, listen=True, answer=True), Client(settings=s) as c:
             assert (await c.request(agent_id=agent_id, payload=ns)).result == ns
             box = box_of(ns)
             assert box is not None and box.sub is not None
+            yield box
         await eventually(lambda: agent_id not in hub.registry.agents)
-        return box
 
-    first = await visit(f"{namespace}a")
-    assert not first.shared
-    first_sid = first.sub._id if first.sub is not None else -1
-    assert first_sid in hub._agents_nc._subs  # type: ignore[union-attr]
-    second = await visit(f"{namespace}b")
-    assert not second.shared, "the slot of a namespace gone was not given back"
-    assert box_of(f"{namespace}a") is None
-    await eventually(lambda: first_sid not in hub._agents_nc._subs)  # type: ignore[union-attr]
-    # Namespaces through the overflow come and go: their boxes do not pile up.
-    monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", 0)
-    for i in range(3):
-        assert (await visit(f"{namespace}o{i}")).shared
-    assert [b.ns for b in replies.boxes() if b.shared] == [f"{namespace}o2"]
+    async def visit(ns: str) -> _reply_boxes.ReplyBox:
+        async with routed(ns) as box:
+            return box
+
+    async with routed(f"{namespace}live") as live:
+        first = await visit(f"{namespace}a")
+        assert not live.shared and not first.shared
+        first_sid = first.sub._id if first.sub is not None else -1
+        assert first_sid in subs
+        second = await visit(f"{namespace}b")
+        assert not second.shared, "the slot of a namespace gone was not given back"
+        assert box_of(f"{namespace}a") is None
+        await eventually(lambda: first_sid not in subs)
+        assert box_of(f"{namespace}live") is live and live.sub is not None
+        # Namespaces through the overflow come and go: their boxes do not pile up.
+        monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", 0)
+        for i in range(3):
+            assert (await visit(f"{namespace}o{i}")).shared
+        assert [b.ns for b in replies.boxes()] == [f"{namespace}live", f"{namespace}o2"]
+        assert live.sub._id in subs
+        # The namespace still registered is still answered on its own subscription.
+        s = settings.model_copy(update={"namespace": f"{namespace}live"})
+        async with Client(settings=s) as c:
+            got = await c.request(agent_id=f"{namespace}live.echo.a1", payload=2)
+            assert got.result == 2
