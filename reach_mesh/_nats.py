@@ -66,6 +66,7 @@ __all__ = [
     "refused_since",
     "shown",
     "slow_drops",
+    "slow_drops_forget",
 ]
 
 T = TypeVar("T")
@@ -212,6 +213,12 @@ def slow_drops(nc: NATS | None, sid: int) -> int:
     the read loop as each is dropped, before it reads on: a message the subscription reads
     after a drop is counted with it already."""
     return nc.slow_drops.get(sid, 0) if isinstance(nc, _Connection) else 0
+
+
+def slow_drops_forget(nc: NATS | None, sid: int) -> None:
+    """Forget the drops of subscription ``sid`` of ``nc``, unsubscribed (none come after)."""
+    if isinstance(nc, _Connection):
+        nc.slow_drops.pop(sid, None)
 
 
 def refused_messages(nc: NATS | None) -> int:

@@ -516,3 +516,41 @@ async def test_a_namespace_gone_gives_its_reply_subscription_back(
         async with Client(settings=s) as c:
             got = await c.request(agent_id=f"{namespace}live.echo.a1", payload=2)
             assert got.result == 2
+
+
+async def test_a_namespace_let_go_leaves_no_count_of_its_drops(
+    hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slow-consumer drops counted for a namespace's reply subscription
+    (``_nats.slow_drops``) go with it when the namespace gives it back: kept, each
+    subscription of a namespace come and gone that ever dropped a message left its count in
+    the connection's table for the hub's life."""
+    replies = hub._replies
+    nc = hub._agents_nc
+    assert nc is not None
+    monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", len(replies.boxes()) + 1)
+    monkeypatch.setattr(_reply_boxes, "REPLY_PENDING_MOST", 1)
+    gone = f"{namespace}d"
+    s = settings.model_copy(update={"namespace": gone})
+    agent_id = f"{gone}.echo.a1"
+    async with raw_agent(s, agent_id, listen=True, answer=True), Client(settings=s) as c:
+        assert (await c.request(agent_id=agent_id, payload=1)).result == 1
+        box = next(b for b in replies.boxes() if b.ns == gone)
+        assert box.sub is not None
+        sid = box.sub._id
+        flooder = await nats.connect(settings.nats_url or "")
+        try:
+            for _ in range(200):  # past its one pending message: dropped
+                await flooder.publish(box.prefix + "x.0", b"x" * 100)
+            await flooder.flush()
+            await eventually(lambda: slow_drops(nc, sid) > 0)
+        finally:
+            await flooder.close()
+    await eventually(lambda: agent_id not in hub.registry.agents)
+    other = settings.model_copy(update={"namespace": f"{namespace}e"})
+    async with (
+        raw_agent(other, f"{namespace}e.echo.a1", listen=True, answer=True),
+        Client(settings=other) as c,
+    ):
+        assert (await c.request(agent_id=f"{namespace}e.echo.a1", payload=2)).result == 2
+    await eventually(lambda: sid not in nc.slow_drops)  # type: ignore[attr-defined]

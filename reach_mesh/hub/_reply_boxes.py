@@ -47,6 +47,7 @@ from nats.aio.subscription import Subscription
 
 from reach_mesh import protocol
 from reach_mesh._batch import inbox_prefix, reply_token
+from reach_mesh._nats import slow_drops_forget
 
 __all__ = [
     "REPLY_NAMESPACES_MOST",
@@ -171,7 +172,7 @@ class ReplyBoxes:
             if box.shared:
                 continue
             self._own -= 1
-            task = asyncio.get_running_loop().create_task(_unsubscribe(box.sub))
+            task = asyncio.get_running_loop().create_task(_unsubscribe(self._nc, box.sub))
             self._leaving.add(task)
             task.add_done_callback(self._leaving.discard)
 
@@ -211,9 +212,10 @@ class ReplyBoxes:
         return msg
 
 
-async def _unsubscribe(sub: Subscription) -> None:
+async def _unsubscribe(nc: NATS, sub: Subscription) -> None:
     with contextlib.suppress(Exception):  # (its connection closing: gone with it)
         await sub.unsubscribe()
+    slow_drops_forget(nc, sub._id)  # (what it dropped counted no more: no box reads it)
 
 
 def _retrieved(future: asyncio.Future[Subscription]) -> None:
