@@ -513,3 +513,26 @@ async def test_a_breaker_opened_by_unanswered_routes_says_so(
         assert (await c.inspect(agent_id)).breaker_reason == why
         with pytest.raises(ReachError, match=re.escape(f"breaker open: {why}")):
             await c.request(agent_id=agent_id, payload={}, timeout=0.3)
+
+
+async def test_an_expiry_after_a_reconnection_of_before_is_charged(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """The hub's agents connection was cut and came back before a namespace's first route:
+    that namespace's reply subscription, made after it, lost nothing, and its first
+    unanswered attempt is charged once its marker is back. (Each namespace's losses counted
+    from 0, the reconnection of before looked new to the first expiry of every namespace
+    whose subscription came after it: ``behind``, never charged.)"""
+    nc_agents = hub._agents_nc
+    assert nc_agents is not None
+    reconnects = nc_agents.stats["reconnects"]
+    nc_agents._transport._io_writer.transport.abort()  # type: ignore[union-attr]
+    await eventually(lambda: nc_agents.stats["reconnects"] > reconnects and nc_agents.is_connected)
+    agent_id = f"{namespace}.mute.a1"
+    async with _routed(hub, settings, agent_id) as (_, route, _nc):
+        before = _checks(hub)
+        await _timed_out(route)
+        await eventually(lambda: sum(_checks(hub).values()) > sum(before.values()))
+        await eventually(lambda: not hub._markers and not hub._late)
+        assert _decided(hub, before, "charged", agent_id) == (0, 1)
+        assert _health(hub, agent_id) < 100

@@ -62,9 +62,8 @@ from typing import TYPE_CHECKING, Final
 from nats.aio.client import Client as NATS
 
 from reach_mesh._batch import reply_token
-from reach_mesh._nats import slow_drops
 from reach_mesh.errors import ReachError
-from reach_mesh.hub._reply_boxes import ReplyBox
+from reach_mesh.hub._reply_boxes import ReplyBox, ReplyBoxes
 from reach_mesh.hub.registry import AgentView, Registry
 from reach_mesh.tracing.metrics import HubMetrics
 
@@ -116,6 +115,7 @@ class LatenessMixin:
     registry: Registry
     metrics: HubMetrics
     _agents_nc: NATS | None
+    _replies: ReplyBoxes
     #: Expired attempts awaiting their marker, by reply token, and their count per namespace
     #: (none kept at 0).
     _late: dict[str, _Pending]
@@ -134,11 +134,7 @@ class LatenessMixin:
     def _reply_losses(self, replies: ReplyBox) -> int:
         """Reconnections of the replies' connection and messages of ``replies``'
         subscription dropped as a slow consumer, so far: a reply may be lost with either."""
-        nc = self._agents_nc
-        if nc is None:
-            return 0
-        sub = replies.sub
-        return int(nc.stats["reconnects"]) + (0 if sub is None else slow_drops(nc, sub._id))
+        return self._replies.losses(replies)
 
     def _note_losses(self, replies: ReplyBox) -> None:
         """Called by the sweep as it expires an attempt answered on ``replies``: a loss seen

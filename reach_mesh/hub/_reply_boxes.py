@@ -47,7 +47,7 @@ from nats.aio.subscription import Subscription
 
 from reach_mesh import protocol
 from reach_mesh._batch import inbox_prefix, reply_token
-from reach_mesh._nats import slow_drops_forget
+from reach_mesh._nats import slow_drops, slow_drops_forget
 
 __all__ = [
     "REPLY_NAMESPACES_MOST",
@@ -80,8 +80,8 @@ class ReplyBox:
     asks: dict[str, asyncio.Future[Msg]] = field(default_factory=dict)
     #: Tokens of the attempts the sweep's current pass expired (one marker for them).
     swept: list[str] = field(default_factory=list)
-    #: Its subscription's losses as the sweep last saw them, and when (perf_counter) it last
-    #: saw them grow.
+    #: Its subscription's losses as the sweep last saw them (from when the subscription was
+    #: made: ``ReplyBoxes.ready``), and when (perf_counter) it last saw them grow.
     losses_seen: int = 0
     lost_at: float = -math.inf
 
@@ -127,13 +127,24 @@ class ReplyBoxes:
             return
         assert box.ready is not None
         try:
-            box.sub = await asyncio.shield(box.ready)
+            sub = await asyncio.shield(box.ready)
         except Exception:
             if self._boxes.get(box.ns) is box:
                 del self._boxes[box.ns]
                 if not box.shared:
                     self._own -= 1
             raise
+        if box.sub is None:
+            box.sub = sub
+            # Its losses count from here: one before (a reconnection) took no reply of it.
+            box.losses_seen = self.losses(box)
+
+    def losses(self, box: ReplyBox) -> int:
+        """Reconnections of the connection and messages of ``box``'s subscription dropped as
+        a slow consumer, so far: a reply on ``box`` may be lost with either."""
+        sub = box.sub
+        drops = 0 if sub is None else slow_drops(self._nc, sub._id)
+        return int(self._nc.stats["reconnects"]) + drops
 
     def _make(self, ns: str) -> ReplyBox:
         loop = asyncio.get_running_loop()
