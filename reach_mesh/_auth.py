@@ -390,6 +390,29 @@ class AuthDir:
         with self._locked():
             return self._add(role, name)
 
+    def revoke(self, role: str, name: str) -> Identity:
+        """Take the identity ``role``/``name`` out: from identities.json and auth.conf, and
+        its seed and settings files from this directory. The servers refuse it from their
+        next reload on, and cut off the connections that use it then. A new ``add`` of the
+        same role and name issues a new seed: that is how a credential is rotated."""
+        validate_identity(role, name)
+        with self._locked():
+            known = self.identities()
+            gone = [i for i in known if i.role == role and i.name == name]
+            if not gone:
+                issued = ", ".join(f"{i.role} {i.name}" for i in known) or "none"
+                raise BadRequestError(
+                    f"no identity {role} {name!r} issued in {self.path} (issued: {issued})"
+                )
+            known = [i for i in known if i not in gone]
+            # auth.conf first: once it names the key no more, the identity is out at the next
+            # reload, whatever happens to the files after it.
+            _replace_file(self.auth_conf, auth_config(known))
+            self._write_identities(known)
+            for f in (self.seed_file(role, name), self.settings_file(role, name)):
+                f.unlink(missing_ok=True)
+            return gone[0]
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """One writer of the directory at a time (``reach-mesh auth`` commands run at once, by

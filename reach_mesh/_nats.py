@@ -504,6 +504,8 @@ class _Watch:
         self._slow_timer: asyncio.TimerHandle | None = None
         #: When an error while connected was last logged (rate-limited like the gone ones).
         self._noted_at = -_GONE_LOG_INTERVAL
+        #: When it last said that the server refuses its credentials while reconnecting.
+        self._denied_at = -_GONE_LOG_INTERVAL
         #: Permissions violations: one line per refused subject per 30 s (a misconfigured
         #: agent is refused on every heartbeat, every publish).
         self._refused_lines = LineBudget(_GONE_LOG_INTERVAL)
@@ -535,11 +537,12 @@ class _Watch:
                 self._refused_lines.warn(log, subject, "NATS refused %s: %s", self.name, err)
             if subject is not None and refusals is not None:
                 refusals.note(subject)
-        if not self.connected and (
+        denied = (
             isinstance(err, nats.errors.AuthorizationError)
             # The handshake raises a plain nats Error with the server's -ERR text.
             or "authorization violation" in said.lower()
-        ):
+        )
+        if not self.connected and denied:
             self.refusal = err
             self.refused.set()
         if not self.connected:
@@ -555,6 +558,25 @@ class _Watch:
                 log.warning("%s: NATS error: %r", self.name, err)
             return
         self._failures += 1
+        if denied:
+            # Not unreachable: the server answers, and refuses who this is — its identity
+            # revoked (`reach-mesh auth revoke`) and the server reloaded, or an auth.conf
+            # without it. Said at once, not after 30 s of "unreachable".
+            if now - self._denied_at >= _GONE_LOG_INTERVAL:
+                self._denied_at = now
+                log.error(
+                    "%s: NATS at %s refuses this connection's credentials (%s; cut off %.0f s "
+                    "ago, %d attempts): its identity was revoked, or the server's auth.conf "
+                    "no longer holds it. Retrying every 0.25 s: stop this process if it was "
+                    "revoked on purpose; else give it its identity again (reach-mesh auth "
+                    "add-*, then reload the servers; docs/operations.md, 'Secure mode')",
+                    self.name,
+                    self.url,
+                    said or type(err).__name__,
+                    now - self._down_since,
+                    self._failures,
+                )
+            return
         if now - self._logged_at >= _GONE_LOG_INTERVAL:
             self._logged_at = now
             log.warning(

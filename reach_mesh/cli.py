@@ -220,7 +220,7 @@ def print_decision(d: RouteDecision, file: TextIO | None = None) -> None:
 
 async def cmd_auth(args: argparse.Namespace) -> int:
     """``auth init DIR`` / ``auth add-agent ID`` / ``auth add-caller NS`` / ``auth add-operator
-    NAME`` / ``auth add-hub NAME`` (docs/security.md)."""
+    NAME`` / ``auth add-hub NAME`` / ``auth revoke ROLE NAME`` (docs/security.md)."""
     # Only a URL given on this command line goes into the settings files, never
     # $REACH_NATS_URL: that is where this shell talks to, not where each identity will.
     nats_url = args.auth_nats or args.nats_flag
@@ -228,6 +228,17 @@ async def cmd_auth(args: argparse.Namespace) -> int:
     if args.auth_command == "init":
         issued = auth.init(namespace=args.namespace, host=args.host, port=args.port)
         print(f"server config: {auth.nats_conf} (includes {auth.auth_conf})")
+    elif args.auth_command == "revoke":
+        gone = auth.revoke(args.role, args.identity)
+        print(
+            f"revoked {gone.role} {gone.name} (public key {gone.public_key}) in "
+            f"{auth.auth_conf}; its seed and settings files here are deleted. Copy auth.conf "
+            "to every server and reload each (kill -HUP <pid>, or nats-server --signal "
+            "reload=<pid>; `reach-mesh up --secure` reloads its own within seconds): "
+            "connections that use it are cut off then, and refused from then on. To rotate "
+            f"it instead: `reach-mesh auth add-{gone.role} {gone.name}` issues a new seed"
+        )
+        return 0
     else:
         role = args.auth_command.removeprefix("add-")
         if not auth.identities():
@@ -418,6 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("hub", "credentials for one more hub instance", "NAME"),
     ):
         auth_cmd(f"add-{role}", what).add_argument("identity", metavar=metavar)
+    revoke = auth_cmd(
+        "revoke",
+        "take an identity out of auth.conf and delete its seed and settings files: the "
+        "servers refuse it from their next reload (add it again for a new seed: a rotation)",
+    )
+    revoke.add_argument("role", choices=("agent", "caller", "operator", "hub"))
+    revoke.add_argument("identity", metavar="NAME", help="agent id, namespace or name")
 
     hub = cmd("hub", "run one hub instance against an existing NATS")
     hub.add_argument(

@@ -2211,3 +2211,74 @@ async def test_a_second_process_of_an_agent_identity_waits_for_the_first(
         with contextlib.suppress(BaseException):
             await starting
         await twin.close()
+
+
+async def test_a_revoked_identity_is_cut_off_says_why_and_comes_back_rotated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``reach-mesh auth revoke agent ID`` takes the identity out of auth.conf (and its seed
+    and settings files out of the directory): at the server's reload its live connection is
+    cut off, and, reconnecting, says at once (ERROR) that the server refuses its credentials —
+    not, 30 s later, that NATS is "unreachable" (the drill's revoked agent did). A new
+    ``add-agent`` of the same id issues another seed (a rotation), which connects after the
+    next reload."""
+    import shutil
+
+    from reach_mesh._nats import connect
+    from reach_mesh.cli import main
+
+    d = tmp_path / "auth"
+    auth = AuthDir(d)
+    auth.init(namespace=NS)
+    agent_id = f"{NS}.revoked.r1"
+    old_key = auth.add("agent", agent_id).public_key
+    host_seed = tmp_path / "host.nk"  # the copy on the agent's host (step 3 of "Secure mode")
+    shutil.copy(auth.seed_file("agent", agent_id), host_seed)
+    with EmbeddedNats(tmp_path / "store", auth_config=auth.auth_conf) as server:
+        settings = auth.settings(
+            "agent", agent_id, nats_url=server.url, nats_nkey_seed=str(host_seed), **FAST
+        )
+        nc = await connect(server.url, name=agent_id, settings=settings)
+        try:
+            caplog.set_level(logging.WARNING, logger="reach_mesh.nats")
+            revoke = ["auth", "revoke", "agent", agent_id, "--dir", str(d)]
+            assert await asyncio.to_thread(main, revoke) == 0
+            assert old_key not in auth.auth_conf.read_text()
+            assert not auth.seed_file("agent", agent_id).exists()
+            assert not auth.settings_file("agent", agent_id).exists()
+            assert [i.name for i in auth.identities()] == ["main", "admin", NS]
+            # One not issued (any more): said, with what was (exit 2).
+            assert await asyncio.to_thread(main, revoke) == 2
+            server.reload()
+
+            def said() -> list[str]:
+                return [
+                    r.getMessage()
+                    for r in caplog.records
+                    if r.levelno == logging.ERROR
+                    and "refuses this connection's credentials" in r.getMessage()
+                ]
+
+            await eventually(lambda: bool(said()), timeout=10)
+            assert "revoked" in said()[0]
+            assert not nc.is_connected
+            assert not any("still unreachable" in r.getMessage() for r in caplog.records)
+            # Rotated: a new seed, copied where the process reads it; a process started
+            # with it connects (one running since before keeps the public key it began
+            # with — nats-py's — so it is restarted: docs/operations.md).
+            add = ["auth", "add-agent", agent_id, "--dir", str(d)]
+            assert await asyncio.to_thread(main, add) == 0
+            assert auth.identities()[-1].public_key != old_key
+            shutil.copy(auth.seed_file("agent", agent_id), host_seed)
+            server.reload()
+            for _ in range(50):
+                try:
+                    fresh = await connect(server.url, name=agent_id, settings=settings)
+                    break
+                except NotPermittedError:  # (the reload takes a moment)
+                    await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the rotated identity could not connect")
+            await fresh.close()
+        finally:
+            await nc.close()
