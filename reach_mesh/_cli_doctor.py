@@ -38,7 +38,8 @@ from reach_mesh._nats_urls import servers
 from reach_mesh.client import Client
 from reach_mesh.config import MeshSettings
 from reach_mesh.errors import NotPermittedError, ReachError
-from reach_mesh.models import AgentState
+from reach_mesh.models import AgentState, TaskState
+from reach_mesh.workflow import WorkflowSummary
 
 __all__ = ["Finding", "cmd_doctor", "diagnose"]
 
@@ -85,9 +86,12 @@ async def diagnose(settings: MeshSettings) -> list[Finding]:
             found.append(await _workflow_queue(nc))
         hubs, answering = await _hubs(nc)
         found.append(hubs)
-        if answering == 0:  # nobody to ask: a fleet query would wait out its deadline
+        if answering is not None and not answering:
+            # nobody to ask: a fleet query would wait out its deadline
             found.append(Finding("agents", "warn", "not checked: no hub answers"))
         else:
+            if answering:  # (None: discovery refused — who is alive cannot be told)
+                found.append(await _workflows(client, answering))
             found.append(await _agents(client))
     return found
 
@@ -288,8 +292,9 @@ async def _workflow_queue(nc: NATS) -> Finding:
     )
 
 
-async def _hubs(nc: NATS) -> tuple[Finding, int | None]:
-    """The hubs' finding, and how many answered micro discovery (None: not asked)."""
+async def _hubs(nc: NATS) -> tuple[Finding, set[str] | None]:
+    """The hubs' finding, and the ids of those that answered micro discovery (None: not
+    asked)."""
     from reach_mesh.hub._micro import discover_hubs
 
     try:
@@ -298,7 +303,7 @@ async def _hubs(nc: NATS) -> tuple[Finding, int | None]:
     except NotPermittedError:
         why = "not checked: this identity may not use micro discovery"
         return Finding("hubs", "warn", why), None
-    return _hubs_seen(hubs), len(hubs)
+    return _hubs_seen(hubs), {str((h.get("metadata") or {}).get("hub_id")) for h in hubs}
 
 
 def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
@@ -350,6 +355,59 @@ def _hubs_seen(hubs: list[dict[str, Any]]) -> Finding:
     if __version__ not in versions:
         return Finding("hubs", "ok", f"{detail} (this CLI is {__version__})")
     return Finding("hubs", "ok", detail)
+
+
+async def _workflows(client: Client, answering: set[str]) -> Finding:
+    """Running workflows whose owner hub did not answer discovery (``answering``): a dead,
+    stopped or cut-off hub's, which wait for another hub to take them over — for
+    ``workflow_ack_wait`` after their owner's last renewal, or for ever when no hub can
+    (``reach-mesh workflows`` marks their owner "(not answering)"; this said OK)."""
+    asked = ((True, "every namespace"), (False, f"namespace {client.namespace!r}"))
+    for every, of in asked:  # every namespace is the operator's list; else its own
+        try:
+            listed = await client.list_workflows(
+                state=TaskState.RUNNING, limit=protocol.WORKFLOW_LIST_MAX, all_namespaces=every
+            )
+            scope = of
+            break
+        except NotPermittedError:
+            continue
+        except ReachError as err:
+            return Finding(
+                "workflows", "warn", f"not checked: the list of running workflows: {err.code}"
+            )
+    else:
+        return Finding("workflows", "warn", "not checked: this identity may not list workflows")
+    running = [w for w in listed.workflows if w.state is TaskState.RUNNING]
+    cut = " (or more: the list was cut)" if listed.truncated else ""
+    orphans: dict[str, list[WorkflowSummary]] = {}
+    for w in running:
+        if w.owner and w.owner not in answering:
+            orphans.setdefault(w.owner, []).append(w)
+    if not orphans:
+        return Finding(
+            "workflows", "ok", f"{len(running)} running in {scope}{cut}, every owner answers"
+        )
+    now = time.time()
+    owners = []
+    for owner, ws in sorted(orphans.items()):
+        oldest = min(ws, key=lambda w: w.submitted_at or now)
+        ran = "" if oldest.submitted_at is None else f", running {now - oldest.submitted_at:.0f} s"
+        owners.append(
+            f"{owner} ({len(ws)}; e.g. {oldest.workflow_id} in {oldest.namespace or '?'}{ran})"
+        )
+    n = sum(len(ws) for ws in orphans.values())
+    return Finding(
+        "workflows",
+        "warn",
+        f"{len(running)} running in {scope}{cut}; {n} owned by hubs that do not answer "
+        f"discovery (stopped, died, cut off or busy): {'; '.join(owners)}. Another hub takes "
+        "each over within workflow_ack_wait (30 s by default) of its owner's last renewal and "
+        "resumes it from its records; still said a minute from now, no hub takes them: check "
+        "that the others run and are not full (reach-mesh hubs; the workflow queue line; "
+        "alert ReachWorkflowBacklog), then reach-mesh workflow ID --namespace NS "
+        "(docs/operations.md, 'A hub is lost')",
+    )
 
 
 async def _agents(client: Client) -> Finding:

@@ -41,7 +41,15 @@ async def test_a_healthy_mesh_is_ok(hub: Hub, settings: MeshSettings, namespace:
         found = _by_check(await diagnose(settings))
         assert settings.nats_url is not None
         cli = await run_cli(settings.nats_url, "doctor", "--json")
-    for check in ("nats", "security", "jetstream", "streams", "workflow queue", "hubs"):
+    for check in (
+        "nats",
+        "security",
+        "jetstream",
+        "streams",
+        "workflow queue",
+        "hubs",
+        "workflows",
+    ):
         assert found[check].status == "ok", found[check]
     assert found["streams"].detail.startswith(f"{len(STREAMS)} of {len(STREAMS)} ok")
     assert hub.hub_id in found["hubs"].detail

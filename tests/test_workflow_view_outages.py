@@ -21,6 +21,7 @@ from reach_mesh import (
     WorkflowView,
     protocol,
 )
+from reach_mesh._cli_doctor import diagnose
 from reach_mesh.agent import Task
 from reach_mesh.hub import Hub
 
@@ -152,6 +153,13 @@ async def test_an_owner_that_does_not_answer_is_said(
                 assert "1 running workflow(s) owned by hub-a0000001, which did not answer" in (
                     out.stdout
                 ), out.stdout
+                # So does the doctor (it said OK): a WARN naming the owner, one of its
+                # workflows, and what to do.
+                found = {f.check: f for f in await diagnose(s)}
+                assert found["workflows"].status == "warn", found
+                said = found["workflows"].detail
+                assert f"hub-a0000001 (1; e.g. {wf_id} in {ns}, running" in said, said
+                assert "workflow_ack_wait" in said and "A hub is lost" in said, said
     finally:
         await fleet.close()
         await hub_a.close()
@@ -161,5 +169,9 @@ async def test_an_owner_that_does_not_answer_is_said(
         nc = await nats.connect(nats_url)
         try:
             await nc.jetstream().purge_stream(protocol.STREAM_WF, subject=protocol.wf_submit(ns))
+            # And its record, RUNNING under a dead owner that nothing will take over now: a
+            # later test's doctor (every namespace) would warn of it.
+            kv = await nc.jetstream().key_value(protocol.KV_WORKFLOWS)
+            await kv.purge(protocol.workflow_key(ns, wf_id))
         finally:
             await nc.close()
