@@ -248,9 +248,18 @@ async def cmd_auth(args: argparse.Namespace) -> int:
                 f"no identities issued in {auth.path}: run `reach-mesh auth init DIR` first, "
                 f"and pass --dir DIR (or set REACH_AUTH_DIR) to add to it"
             )
+        before = {(i.role, i.name) for i in auth.identities()}
         issued = [auth.add(role, args.identity)]
+        done = f"added to {auth.auth_conf}"
+        if (role, args.identity) in before:
+            # (an add of an issued identity is how auth.conf is rewritten: say what it did)
+            done = (
+                f"{role} {args.identity} was issued already (its seed is unchanged; a new "
+                f"one: auth revoke {role} {args.identity}, then add it again): rewrote "
+                f"{auth.auth_conf} from identities.json"
+            )
         print(
-            f"added to {auth.auth_conf}: reload each running server "
+            f"{done}: reload each running server "
             "(kill -HUP <pid>, or nats-server --signal reload=<pid>; `reach-mesh up --secure` "
             "reloads its own within seconds)"
         )

@@ -277,7 +277,7 @@ async def test_agent_command_reads_the_config_file_it_is_given(
 
 
 def test_auth_writes_only_a_nats_url_given_on_its_command_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """$REACH_NATS_URL is where this shell talks to, not where each identity will run: the
     settings files carry a URL only when the auth command is given one."""
@@ -303,6 +303,14 @@ def test_auth_writes_only_a_nats_url_given_on_its_command_line(
     assert not (tmp_path / "d").exists()
     assert main(["auth", "add-operator", "alice", "--dir", str(tmp_path / "a")]) == 0
     assert (tmp_path / "a" / "operator.alice.yaml").exists()
+    # Again (the documented way to rewrite auth.conf): not "added", its seed kept.
+    seed = (tmp_path / "a" / "operator.alice.nk").read_bytes()
+    capsys.readouterr()
+    assert main(["auth", "add-operator", "alice", "--dir", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "operator alice was issued already (its seed is unchanged" in out, out
+    assert "added to" not in out, out
+    assert (tmp_path / "a" / "operator.alice.nk").read_bytes() == seed
 
 
 def test_reach_strategy_takes_the_names_the_hub_knows(capsys: pytest.CaptureFixture[str]) -> None:
