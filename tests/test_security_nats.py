@@ -2213,7 +2213,7 @@ async def test_a_second_process_of_an_agent_identity_waits_for_the_first(
         await twin.close()
 
 
-async def test_a_revoked_identity_is_cut_off_says_why_and_comes_back_rotated(
+async def test_a_revoked_identity_is_cut_off_and_says_why_a_rotated_one_connects(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``reach-mesh auth revoke agent ID`` takes the identity out of auth.conf (and its seed
