@@ -256,8 +256,11 @@ def load_agents(spec: str) -> list[Any]:
     from reach_mesh.agent import Agent
 
     module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
+    if not module_name:
         raise BadRequestError(f"expected module:attribute, got {spec!r}")
+    if not attr and module_name.endswith(".py"):
+        # `reach-mesh agent myagents.py`: the module that file is, asked for its Agents below.
+        module_name = module_name.removesuffix(".py").removeprefix("./").replace("/", ".")
     sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
@@ -265,12 +268,22 @@ def load_agents(spec: str) -> list[Any]:
         hint = ""
         if module_name.endswith(".py") or "/" in module_name or module_name.startswith("."):
             dotted = module_name.removesuffix(".py").removeprefix("./").replace("/", ".")
-            hint = f" (a module name, not a file: {dotted}:{attr})"
+            hint = f" (a module name, not a file: {dotted}:{attr or '<attribute>'})"
+        if not attr:
+            raise BadRequestError(f"expected module:attribute, got {spec!r}{hint}") from err
         raise BadRequestError(f"cannot import {module_name!r}: {err}{hint}") from err
-    try:
-        obj = getattr(module, attr)
-    except AttributeError as err:
-        raise BadRequestError(f"{module_name!r} has no attribute {attr!r}") from err
+    if not attr or not hasattr(module, attr):
+        # `reach-mesh agent myagents` or a misspelled attribute: name what the module holds.
+        named = _agents_in(module)
+        hint = f"; did you mean {module_name}:{named[0]}?" if len(named) == 1 else ""
+        if len(named) > 1:
+            hint = "; its Agents: " + ", ".join(f"{module_name}:{n}" for n in named)
+        if not attr:
+            raise BadRequestError(f"expected module:attribute, got {spec!r}{hint}")
+        if not named:
+            hint = " (nor any Agent, list of Agents or function at module level)"
+        raise BadRequestError(f"{module_name!r} has no attribute {attr!r}{hint}")
+    obj = getattr(module, attr)
     if callable(obj) and not isinstance(obj, Agent):
         try:
             inspect.signature(obj).bind()
@@ -286,6 +299,36 @@ def load_agents(spec: str) -> list[Any]:
     if not agents or not all(isinstance(a, Agent) for a in agents):
         raise BadRequestError(f"{spec!r} is not an Agent or a list of Agents")
     return agents
+
+
+def _agents_in(module: Any) -> list[str]:
+    """The names in ``module`` that ``reach-mesh agent module:NAME`` could mean: its
+    ``Agent`` objects and lists of them, else its public functions of no arguments."""
+    from reach_mesh.agent import Agent
+
+    names = sorted(n for n in vars(module) if not n.startswith("_"))
+    agents = [
+        n
+        for n in names
+        if isinstance(obj := getattr(module, n), Agent)
+        or (isinstance(obj, list | tuple) and obj and all(isinstance(a, Agent) for a in obj))
+    ]
+    if agents:
+        return agents
+    own = [
+        n
+        for n in names
+        if inspect.isfunction(obj := getattr(module, n)) and obj.__module__ == module.__name__
+    ]
+    return [n for n in own if _takes_no_arguments(getattr(module, n))]
+
+
+def _takes_no_arguments(fn: Any) -> bool:
+    try:
+        inspect.signature(fn).bind()
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 async def cmd_agent(args: argparse.Namespace) -> int:

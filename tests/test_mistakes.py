@@ -748,6 +748,44 @@ def test_agent_spec_given_as_a_file_name_says_how_to_name_the_module(tmp_path: P
             load_agents(spec)
 
 
+def test_agent_spec_without_its_attribute_names_the_agents_the_module_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`reach-mesh agent myagents` (or `myagents.py`, or `myagents:agnt`): the module imports,
+    and the error names the `module:attribute` to give, not only the grammar."""
+    from reach_mesh._cli_serve import load_agents
+
+    (tmp_path / "first_hour_one.py").write_text(
+        "from reach_mesh.agent import Agent\n"
+        "helper = 3\n"
+        "agent = Agent('shop.pricer.p1', capabilities=['shop:price:v1'])\n"
+    )
+    (tmp_path / "first_hour_two.py").write_text(
+        "from reach_mesh.agent import Agent\n"
+        "pricer = Agent('shop.pricer.p1', capabilities=['shop:price:v1'])\n"
+        "fleet = [Agent('shop.taxer.t1', capabilities=['shop:tax:v1'])]\n"
+    )
+    (tmp_path / "first_hour_none.py").write_text("def build(n):\n    return n\n")
+    monkeypatch.chdir(tmp_path)
+    for spec in ("first_hour_one", "first_hour_one.py", "./first_hour_one.py"):
+        with pytest.raises(
+            BadRequestError, match=r"module:attribute.*did you mean first_hour_one:agent\?$"
+        ):
+            load_agents(spec)
+    with pytest.raises(
+        BadRequestError,
+        match=r"'first_hour_one' has no attribute 'agnt'; did you mean first_hour_one:agent\?$",
+    ):
+        load_agents("first_hour_one:agnt")
+    with pytest.raises(
+        BadRequestError, match=r"its Agents: first_hour_two:fleet, first_hour_two:pricer$"
+    ):
+        load_agents("first_hour_two")
+    with pytest.raises(BadRequestError, match=r"has no attribute 'agent' \(nor any Agent"):
+        load_agents("first_hour_none:agent")
+    assert [a.agent_id for a in load_agents("first_hour_one:agent")] == ["shop.pricer.p1"]
+
+
 async def test_a_zero_timeout_is_refused_not_taken_for_the_default(
     hub: Hub, settings: MeshSettings
 ) -> None:
