@@ -278,10 +278,10 @@ class Selector:
         return all(term.matches(capabilities, labels) for term in self.terms)
 
 
-def _fail(text: str, position: int, expected: str) -> SelectorError:
+def _fail(text: str, position: int, expected: str, hint: str = "") -> SelectorError:
     found = repr(text[position : position + 12]) if position < len(text) else "end of selector"
     return SelectorError(
-        f"bad selector at position {position}: expected {expected}, found {found}",
+        f"bad selector at position {position}: expected {expected}, found {found}{hint}",
         position=position,
         expected=expected,
     )
@@ -329,6 +329,17 @@ def _keyword_at(text: str, pos: int, word: str) -> bool:
     return text[pos:end].lower() == word and (end >= len(text) or text[end] not in _KEY_CHARS)
 
 
+def _op_hint(text: str, start: int, pos: int) -> str:
+    """What a term missing its operator most likely meant: a bare capability (``--selector
+    email:send:v1``) or a label written with a colon (``region:eu-west``)."""
+    cap = CAPABILITY_RE.match(text, start)
+    if cap is not None and (cap.end() == len(text) or text[cap.end()] in _WS):
+        return f" (a capability is tested as cap={cap.group()})"
+    if text.startswith(":", pos):
+        return " (labels are tested as key=value, capabilities as cap=domain:action:vN)"
+    return ""
+
+
 def _parse_term(text: str, pos: int) -> tuple[Term, int]:
     start = pos
     m = KEY_RE.match(text, pos)
@@ -354,7 +365,7 @@ def _parse_term(text: str, pos: int) -> tuple[Term, int]:
         op = "exists"
         pos += 6
     else:
-        raise _fail(text, pos, _OP_EXPECTED)
+        raise _fail(text, pos, _OP_EXPECTED, hint=_op_hint(text, start, pos))
 
     if raw_key == CAPABILITY_KEY and op not in ("=", "!="):
         raise _fail(text, op_pos, "'=' or '!=' after 'cap'")

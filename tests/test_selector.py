@@ -118,6 +118,39 @@ def test_errors_name_position_and_expectation(
     assert err.code == "REACH_BAD_SELECTOR"
 
 
+_COLON_HINT = "(labels are tested as key=value, capabilities as cap=domain:action:vN)"
+
+
+@pytest.mark.parametrize(
+    ("text", "position", "hint"),
+    [
+        # `--selector shop:price:v1`, meant as `--capability`: the term it takes is named.
+        ("shop:price:v1", 4, "(a capability is tested as cap=shop:price:v1)"),
+        (
+            "cap=a:b:v1 AND email:send:v2 AND x=1",
+            20,
+            "(a capability is tested as cap=email:send:v2)",
+        ),
+        ("region:eu-west", 6, _COLON_HINT),
+        ("shop:price", 4, _COLON_HINT),
+    ],
+)
+def test_a_term_written_with_a_colon_says_how_it_is_written(
+    text: str, position: int, hint: str
+) -> None:
+    with pytest.raises(SelectorError) as info:
+        Selector.parse(text)
+    assert info.value.details["position"] == position
+    assert info.value.message.endswith(hint), info.value.message
+    assert info.value.details["expected"] == "'=', '!=', 'exists' or '!exists'"
+
+
+def test_a_term_without_an_operator_and_no_colon_gets_no_guess() -> None:
+    with pytest.raises(SelectorError) as info:
+        Selector.parse("gpu true")
+    assert info.value.message.endswith("found 'true'"), info.value.message
+
+
 def test_length_limit() -> None:
     ok = "a=" + "x" * (MAX_SELECTOR_LENGTH - 2)
     assert Selector.parse(ok).terms[0].value == "x" * (MAX_SELECTOR_LENGTH - 2)
