@@ -17,6 +17,7 @@ import re
 import sys
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NoReturn, TextIO
 
 from reach_mesh import __version__, _runner
@@ -126,13 +127,29 @@ def exit_code(err: BaseException) -> int:
 # ---------------------------------------------------------------------------- commands
 
 
+def _payload(given: str | None) -> Any:
+    """``--payload``: JSON text, ``@FILE`` (read from the file: a payload past the shell's
+    argument limit, ~128 KiB) or ``-`` (read from stdin). Neither can start JSON text."""
+    if not given:
+        return None
+    named = "--payload"
+    text = given
+    if given == "-" or given.startswith("@"):
+        named = "stdin" if given == "-" else f"--payload file {given[1:]}"
+        try:
+            text = sys.stdin.read() if given == "-" else Path(given[1:]).read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise BadRequestError(f"cannot read {named}: {err}") from err
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise BadRequestError(f"{named} is not valid JSON: {err}") from err
+
+
 async def cmd_reach(args: argparse.Namespace) -> int:
     if not (args.agent or args.selector or args.capability):
         raise BadRequestError("reach needs a target: --agent, --capability or --selector")
-    try:
-        payload = json.loads(args.payload) if args.payload else None
-    except ValueError as err:
-        raise BadRequestError(f"--payload is not valid JSON: {err}") from err
+    payload = _payload(args.payload)
     # A dry run prints its decision table; otherwise stdout is the JSON answer alone.
     table_to = sys.stdout if args.dry_run else sys.stderr
     with _explained(args.dry_run or args.show_decision, table_to):
@@ -541,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--agent", help="agent id (its namespace is the id's first segment)")
     target.add_argument("--selector", help="e.g. 'cap=email:send:v1 AND region=eu'")
     reach.add_argument("--capability", help="capability (alone, or the handler with --agent)")
-    reach.add_argument("--payload", help="JSON payload")
+    reach.add_argument("--payload", help="JSON payload; @FILE: read from FILE; -: read from stdin")
     reach.add_argument(
         "--timeout",
         type=float,

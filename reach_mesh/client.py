@@ -468,7 +468,8 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         if len(body) > self.settings.max_payload + 16 * 1024:
             raise PayloadTooLargeError(
                 f"request of {len(body)} bytes exceeds the maximum payload of "
-                f"{self.settings.max_payload} bytes",
+                f"{self.settings.max_payload} bytes (max_payload, set alike on every hub and "
+                "agent: pass large data by reference, a URL or an object-store key)",
                 size=len(body),
                 max_size=self.settings.max_payload,
             )

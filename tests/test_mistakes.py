@@ -367,6 +367,50 @@ async def test_exit_codes_end_to_end(hub: Hub, settings: MeshSettings, namespace
     assert code == 2 and b"invalid choice: 'p2c'" in err, err
 
 
+async def test_a_payload_read_from_a_file_or_stdin(
+    hub: Hub, settings: MeshSettings, namespace: str, tmp_path: Path
+) -> None:
+    """`reach --payload @FILE` / `--payload -`: a payload past the shell's argument limit
+    (~128 KiB) can be sent; one over max_payload is refused in one line naming the setting."""
+    from reach_mesh.agent import Agent, Task
+
+    agent = Agent(f"{namespace}.echo.e1", settings=settings)
+
+    @agent.handler("echo:len:v1")
+    async def length(task: Task[dict[str, str]]) -> int:
+        return len(task.payload["blob"])
+
+    nats = ("--nats", settings.nats_url or "")
+    to_echo = ("reach", *nats, "--agent", agent.agent_id, "--payload")
+    blob = tmp_path / "blob.json"
+    blob.write_text(json.dumps({"blob": "x" * 300_000}))  # past one argument's 128 KiB
+    async with agent:
+        code, out, err = await _cli(*to_echo, f"@{blob}")
+        assert code == 0, err
+        assert json.loads(out)["result"] == 300_000
+        proc = await asyncio.create_subprocess_exec(
+            *CLI, *to_echo, "-",
+            env=_env(), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(b'{"blob": "abc"}'), 60)
+        assert proc.returncode == 0, err
+        assert json.loads(out)["result"] == 3
+    blob.write_text(json.dumps({"blob": "x" * (2 << 20)}))
+    code, _, err = await _cli(*to_echo, f"@{blob}")
+    assert code == 2, err
+    assert err.startswith(b"error REACH_PAYLOAD_TOO_LARGE: request of "), err
+    assert b"(max_payload, set alike on every hub and agent" in err, err
+    code, _, err = await _cli(*to_echo, "@nowhere")
+    assert code == 2, err
+    assert err.startswith(b"error REACH_BAD_REQUEST: cannot read --payload file "), err
+    blob.write_text("sku: a1\n")
+    code, _, err = await _cli(*to_echo, f"@{blob}")
+    assert code == 2, err
+    not_json = f"error REACH_BAD_REQUEST: --payload file {blob} is not valid JSON"
+    assert err.startswith(not_json.encode()), err
+
+
 async def test_hubs_with_no_hub_answering_exits_3() -> None:
     """`reach-mesh hubs` is how a script asks "is a hub up?": none answering is an error."""
     async with EmbeddedNats() as server:
