@@ -7,7 +7,9 @@ order of precedence (lowest first): defaults < YAML < environment < explicit key
 from __future__ import annotations
 
 import difflib
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Final
 
@@ -261,6 +263,7 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         if env is not None:
             values[name] = env
             source[name] = f"{ENV_PREFIX}{name.upper()}"
+    _warn_misspelled_env()
     if os.environ.get(f"{ENV_PREFIX}NATS_URL") is not None and "nats_url" not in overrides:
         values["nats_url"] = os.environ[f"{ENV_PREFIX}NATS_URL"] or None
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -270,6 +273,27 @@ def load_settings(path: str | os.PathLike[str] | None = None, **overrides: Any) 
         return MeshSettings.model_validate(values)
     except ValidationError as err:
         raise BadRequestError(_explain(err, source)) from err
+
+
+#: Misspelled variables warned of already: once per process, not once per ``Client``.
+_warned_env: set[str] = set()
+
+
+def _warn_misspelled_env() -> None:
+    """A ``REACH_*`` variable that is no setting but nearly spells one (``REACH_REQUEST_TIMOUT``)
+    is ignored, as any other variable: say so, once, instead of running on the default. A
+    warning, not an error: other ``REACH_*`` variables (``REACH_CONFIG``, ``REACH_LOG_LEVEL``,
+    ``REACH_STATE_DIR``, ...) are no settings and spell none."""
+    names = [f"{ENV_PREFIX}{name.upper()}" for name in MeshSettings.model_fields]
+    for var in os.environ:
+        if not var.startswith(ENV_PREFIX) or var in names or var in _warned_env:
+            continue
+        close = difflib.get_close_matches(var, names, n=1, cutoff=0.9)
+        if close:
+            _warned_env.add(var)
+            logging.getLogger("reach_mesh.config").warning(
+                "%s is not a setting and is ignored: did you mean %s?", var, close[0]
+            )
 
 
 def _explain(err: ValidationError, source: dict[str, str]) -> str:
@@ -287,4 +311,15 @@ def _explain(err: ValidationError, source: dict[str, str]) -> str:
         need = (first.get("ctx") or {}).get("min_length")
         return f"{where} is too short: it needs at least {need} characters"
     more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"{where}: {first['msg']}{more}"
+    unit = ""
+    given = first.get("input")
+    if first["type"] in _NUMBER_ERRORS and isinstance(given, str) and _WITH_UNIT.match(given):
+        # ``request_timeout: 5s``, ``max_payload: 1MiB``: the settings take plain numbers.
+        unit = f" ({given!r}: a plain number, times in seconds and sizes in bytes)"
+    return f"{where}: {first['msg']}{unit}{more}"
+
+
+#: Pydantic's error types for a string that does not parse as a number.
+_NUMBER_ERRORS: Final = frozenset({"float_parsing", "int_parsing", "int_from_float"})
+#: A number followed by a unit: ``5s``, ``30 min``, ``1MiB``, ``1.5GB``.
+_WITH_UNIT: Final = re.compile(r"\s*[-+]?[0-9][0-9_.]*\s*[A-Za-z]+\s*$")

@@ -96,6 +96,51 @@ def test_bad_setting_value_names_the_variable(nats_url: str) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("given", "value"), [("REACH_REQUEST_TIMEOUT", "5s"), ("yaml max_payload", "1MiB")]
+)
+def test_a_setting_with_a_unit_says_settings_take_plain_numbers(
+    nats_url: str, tmp_path: Path, given: str, value: str
+) -> None:
+    """`request_timeout: 5s`, `max_payload: 1MiB`: the fix (seconds, bytes) is in the line."""
+    conf = tmp_path / "mesh.yaml"
+    conf.write_text(f"max_payload: {value}\n")
+    env = _env(REACH_NATS_URL=nats_url)
+    if given.startswith("REACH_"):
+        env[given] = value
+        conf.write_text("{}\n")
+    _fails_in_one_line(
+        ["--config", str(conf), "agents"],
+        env,
+        given.removeprefix("yaml "),
+        f"({value!r}: a plain number, times in seconds and sizes in bytes)",
+    )
+
+
+def test_a_misspelled_variable_is_warned_of_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`REACH_REQUEST_TIMOUT=5` is not a setting: it was ignored in silence, and the user ran
+    on the default 30 s. Now a warning names the variable meant (once per process); variables
+    that are no settings and spell none (REACH_CONFIG, REACH_LOG_LEVEL, ...) are left alone."""
+    from reach_mesh import config
+
+    for var in [v for v in os.environ if v.startswith("REACH_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setattr(config, "_warned_env", set())
+    monkeypatch.setenv("REACH_REQUEST_TIMOUT", "5")
+    monkeypatch.setenv("REACH_LOG_LEVEL", "INFO")
+    monkeypatch.setenv("REACH_STATE_DIR", "/tmp")
+    monkeypatch.setenv("REACH_AUTH_DIR", "/tmp")
+    with caplog.at_level(logging.WARNING, logger="reach_mesh.config"):
+        assert config.load_settings().request_timeout == 30.0
+        config.load_settings()
+    warned = [r.getMessage() for r in caplog.records if r.name == "reach_mesh.config"]
+    assert warned == [
+        "REACH_REQUEST_TIMOUT is not a setting and is ignored: did you mean REACH_REQUEST_TIMEOUT?"
+    ]
+
+
 def test_busy_http_port(nats_url: str, busy_port: int) -> None:
     _fails_in_one_line(
         ["hub", "--nats", nats_url, "--http-port", str(busy_port)],
