@@ -180,6 +180,10 @@ async def cmd_workflows(args: argparse.Namespace) -> int:
     final_only = bool(args.state) and all(TaskState(s.upper()).final for s in args.state)
     unfinished = "" if final_only else ", and unfinished ones"
     print(f"{listed.matched} workflow(s) of {whose} since {_when(listed.since)}{unfinished}{more}")
+    if not listed.matched and args.namespace is None and not every:
+        # Workflows run in their caller's namespace: a first list without --namespace is
+        # most likely asked of the wrong one.
+        print("  another namespace: --namespace NS, or -A for every namespace")
     if silent:
         orphans = sum(
             1 for w in listed.workflows if w.state is TaskState.RUNNING and w.owner in silent

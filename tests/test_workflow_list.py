@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from typing import Any
 
 import nats
@@ -25,7 +27,7 @@ from reach_mesh._nats import flushed
 from reach_mesh.agent import Task, TaskFailed
 from reach_mesh.hub import Hub, _wf_list
 
-from .helpers import Fleet, echo_agent, eventually, fetch, held_handler, run_cli
+from .helpers import Fleet, clean_env, echo_agent, eventually, fetch, held_handler, run_cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -491,3 +493,34 @@ async def test_the_cli_says_which_bound_a_bad_argument_misses(wf_settings: MeshS
     ]:
         run = await run_cli(url, "workflows", *args)
         assert run.returncode == 2 and said in run.stderr, (args, run.stderr)
+
+
+async def test_an_empty_list_asked_without_a_namespace_says_where_else_to_look(
+    wf_hub: Hub, fleet: Fleet, wf_settings: MeshSettings
+) -> None:
+    """`reach-mesh workflows` without --namespace lists $REACH_NAMESPACE's (else default's):
+    a new user whose workflows ran in their own namespace saw only '0 workflow(s) of
+    namespace default'. Empty, it names --namespace and -A; asked of a namespace, it does not."""
+    await echo_agent(fleet, "ok.a1", "wf:ok:v1").start()
+    async with Client(settings=wf_settings) as mesh:
+        assert (await mesh.fanout([Step(capability="wf:ok:v1", payload=1)], timeout=10)).ok
+    url = wf_settings.nats_url
+    assert url is not None
+    hint = "another namespace: --namespace NS, or -A for every namespace"
+
+    def listed(namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "reach_mesh.cli", "--nats", url, "workflows", *args]
+        env = {**clean_env(), "REACH_NAMESPACE": namespace}
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+
+    empty, named, found = await asyncio.gather(
+        asyncio.to_thread(listed, f"{wf_settings.namespace}-nobody"),
+        asyncio.to_thread(listed, "x", "--namespace", f"{wf_settings.namespace}-nobody"),
+        asyncio.to_thread(listed, wf_settings.namespace),
+    )
+    for run in (empty, named, found):
+        assert run.returncode == 0, run.stderr
+    assert empty.stdout.splitlines()[-1].strip() == hint, empty.stdout
+    assert empty.stdout.startswith(f"0 workflow(s) of namespace {wf_settings.namespace}-nobody")
+    assert hint not in named.stdout and named.stdout.startswith("0 workflow(s)"), named.stdout
+    assert hint not in found.stdout and "1 workflow(s) of namespace" in found.stdout, found.stdout
