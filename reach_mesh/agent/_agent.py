@@ -636,8 +636,15 @@ class Agent(IdentityMixin, ServingMixin):
                     await self._register()
                 if self.fault is not None:
                     return  # (replaced while registering again after a silence)
-            except (NoRespondersError, NatsTimeoutError, TimeoutError, ReachError) as err:
+            except NoRespondersError:
                 if self.nc.is_connected:  # else the connection says NATS is gone, once
+                    log.warning(
+                        "heartbeat of %s: no hub answered (none runs on this NATS, or each "
+                        "is starting: `reach-mesh hubs`); the next beats ask again",
+                        self.agent_id,
+                    )
+            except (NatsTimeoutError, TimeoutError, ReachError) as err:
+                if self.nc.is_connected:
                     log.warning("heartbeat of %s failed: %r", self.agent_id, err)
             except asyncio.CancelledError:
                 raise
