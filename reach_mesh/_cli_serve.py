@@ -52,15 +52,16 @@ DEFAULT_NATS_PORT = 4222
 
 
 @contextlib.asynccontextmanager
-async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
+async def _nats(args: argparse.Namespace) -> AsyncIterator[tuple[str, str | None]]:
     """The URL given with ``--nats``, else an embedded server for this run (with the identities
-    of ``--secure DIR``, when given).
+    of ``--secure DIR``, when given); and the directory that keeps the embedded server's
+    JetStream for the next run on its port (``None``: a temporary one, or no embedded server).
 
     ``$REACH_NATS_URL`` is not read here: the README has users export the URL ``up`` prints,
     and ``up`` in that same shell must start its server again, not look for itself."""
     url = args.nats_flag
     if url:
-        yield url
+        yield url, None
         return
     secure = getattr(args, "secure", None)
     auth = AuthDir(secure).auth_conf if secure else None
@@ -81,7 +82,7 @@ async def _nats(args: argparse.Namespace) -> AsyncIterator[str]:
     if auth is not None:
         watching = asyncio.create_task(_reload_on_change(server, auth.read_bytes))
     try:
-        yield server.url
+        yield server.url, data_dir if port is not None and port > 0 else None
     finally:
         if watching is not None:
             watching.cancel()
@@ -181,7 +182,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             "--demo runs agents without identities, which --secure refuses: "
             "give each agent its own with `reach-mesh auth add-agent ID` instead"
         )
-    async with _nats(args) as url, contextlib.AsyncExitStack() as stack:
+    async with _nats(args) as (url, kept), contextlib.AsyncExitStack() as stack:
         made_token = False
         if args.secure:  # the hubs connect as the hub identity of the auth directory
             settings = AuthDir(args.secure).settings("hub", args.hub_name, nats_url=url)
@@ -215,6 +216,13 @@ async def cmd_up(args: argparse.Namespace) -> int:
             op = AuthDir(args.secure).settings_file("operator", "admin")
             print(f"  secure: each process needs REACH_CONFIG=<identity>.yaml, e.g. {op}")
         await _until_signal()
+    if kept is not None:
+        # Stopped mid-workflow, a new user asks what became of the work: it is in JetStream.
+        print(
+            f"reach-mesh up: stopped; JetStream kept in {kept}: when up runs again on port "
+            f"{args.nats_port}, unfinished workflows go on and agents still running reconnect",
+            flush=True,
+        )
     return 0
 
 
@@ -364,7 +372,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
 async def cmd_demo(args: argparse.Namespace) -> int:
     from reach_mesh.demo import run_demo
 
-    async with _nats(args) as url:
+    async with _nats(args) as (url, _):
         failures = await run_demo(settings_of(args, nats_url=url))
     if not args.nats_flag:
         # The commands printed above need a mesh, and this one stopped with the demo.

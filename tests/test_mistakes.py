@@ -518,9 +518,11 @@ def test_ctrl_c_of_up_then_restart_lets_an_agent_reconnect(tmp_path: Path) -> No
                 return proc
         raise AssertionError("up did not start")
 
-    def stop(proc: subprocess.Popen[str]) -> None:
+    def stop(proc: subprocess.Popen[str]) -> str:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+        assert proc.stdout is not None
+        return proc.stdout.read()
 
     log = (tmp_path / "agent.log").open("w+")
     first = up()
@@ -534,7 +536,13 @@ def test_ctrl_c_of_up_then_restart_lets_an_agent_reconnect(tmp_path: Path) -> No
     )
     try:
         _wait_for(tmp_path / "agent.log", "serving back.echo.a1")
-        stop(first)
+        # Its last line says where the work is, and that it goes on at the next run.
+        said = stop(first).strip().splitlines()[-1]
+        kept = tmp_path / "state" / f"nats-{port}"
+        assert said == (
+            f"reach-mesh up: stopped; JetStream kept in {kept}: when up runs again on port "
+            f"{port}, unfinished workflows go on and agents still running reconnect"
+        ), said
         _wait_for(tmp_path / "agent.log", "lost NATS at")
         second = up()
         try:
