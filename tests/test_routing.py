@@ -133,6 +133,40 @@ async def test_no_match_explains_nearest(hub: Hub, settings: MeshSettings, names
         assert unknown.value.details["similar_agents"] == [a.agent_id]
 
 
+async def test_no_match_with_no_close_value_names_the_agents_one_term_away(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """`cap=work:echo:v1 AND tier=silver` where the agents are gold: no value is close enough
+    for a "did you mean", and the message said no more than "no agent … matches". It names
+    the agents of the namespace that fail that one term (an agent of another namespace that
+    would too is not one of them)."""
+    gold = echo_agent(f"{namespace}.w.g1", settings, labels={"tier": "gold", "zone": "a"})
+    free = echo_agent(f"{namespace}.w.f1", settings, labels={"tier": "silver", "zone": "b"})
+    other = settings.model_copy(update={"namespace": f"{namespace}x"})
+    away = echo_agent(f"{namespace}x.w.g1", other, labels={"tier": "gold", "zone": "a"})
+    await start_all(gold, free, away)
+    try:
+        async with Client(settings=settings) as c:
+            with pytest.raises(NoMatchError) as info:
+                await c.request(selector="cap=work:echo:v1 AND tier=bronze AND zone=a", payload=1)
+            assert info.value.message == (
+                f"no agent in namespace {namespace!r} matches cap=work:echo:v1 AND tier=bronze "
+                f"AND zone=a; nearest: {gold.agent_id} fails only tier=bronze"
+            )
+            with pytest.raises(NoMatchError) as info:
+                await c.request(selector="cap=work:echo:v1 AND tier=silver AND zone=a", payload=1)
+            assert info.value.message.endswith(
+                f"; nearest: {gold.agent_id} fails only tier=silver, {free.agent_id} fails "
+                "only zone=a"
+            ), info.value.message
+            # A hint of its own (a close value) stays the only one.
+            with pytest.raises(NoMatchError) as info:
+                await c.request(selector="cap=work:echo:v1 AND tier=golf", payload=1)
+            assert info.value.message.endswith("did you mean tier=gold?"), info.value.message
+    finally:
+        await close_all(gold, free, away)
+
+
 async def test_explained_decision_lists_filters_and_scores(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:

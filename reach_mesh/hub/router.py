@@ -547,14 +547,16 @@ class Router:
     ) -> NoMatchError:
         reg = self._registry
         nearest: dict[str, object] = {}
+        partial: list[tuple[str, str]] = []
         if selector is None and req.capability is not None:
             selector = Selector.parse(f"cap={req.capability}")
         if selector is not None:
             near = reg.index.nearest(
                 selector, namespace=None if self.across_namespaces else namespace
             )
+            partial = near.partial
             nearest = {
-                "partial": [{"agent_id": a, "failed": t} for a, t in near.partial],
+                "partial": [{"agent_id": a, "failed": t} for a, t in partial],
                 "similar_capabilities": near.similar_capabilities,
                 "similar_values": near.similar_values,
             }
@@ -587,6 +589,13 @@ class Router:
         if isinstance(keys, dict) and keys and selector is not None:
             # A misspelled label key ("regin=eu-west"): no agent has it at all.
             msg += "; " + _key_hint(selector, keys)
+        if msg.endswith(decision.target) and selector is not None:
+            # No hint yet ("tier=silver", values nothing like the agents'): the agents of this
+            # namespace that fail one term only, and which (``partial`` may be of every one).
+            if self.across_namespaces:
+                partial = reg.index.nearest(selector, limit=3, namespace=namespace).partial
+            if partial:
+                msg += "; nearest: " + ", ".join(f"{a} fails only {t}" for a, t in partial[:3])
         if req.selector is not None and _COMMA_TERMS.search(req.selector):
             # Kubernetes' "region=eu-west,gpu=true": one value with a comma in it, here.
             joined = _COMMA_TERMS.sub(" AND ", req.selector)
