@@ -959,6 +959,39 @@ def test_a_bad_log_level_or_audit_bound_is_one_line(capsys: pytest.CaptureFixtur
         assert f"argument {bad[0]}: {bad[1]} is not in" in capsys.readouterr().err
 
 
+async def test_an_agent_script_says_when_it_serves(
+    hub: Hub, nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """`python myagent.py` with ``reach_mesh.agent.run(agent)``: at WARNING, a script that
+    connected and registered printed nothing at all. It prints what `reach-mesh agent`
+    prints once registered."""
+    script = tmp_path / "serving_script.py"
+    script.write_text(
+        "import os\n"
+        "from reach_mesh import MeshSettings\n"
+        "from reach_mesh.agent import Agent, Task, run\n"
+        "settings = MeshSettings(nats_url=os.environ['URL'])\n"
+        "agent = Agent(os.environ['ID'], settings=settings)\n"
+        "@agent.handler('demo:echo:v1')\n"
+        "async def echo(task: Task[int]) -> int:\n"
+        "    return task.payload\n"
+        "run(agent)\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(script),
+        env=_env(URL=nats_url, ID=f"{namespace}.echo.a1"),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line == f"serving {namespace}.echo.a1\n".encode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+
+
 @pytest.mark.parametrize("own_logging", [False, True])
 def test_an_agent_script_logs_without_being_told_to(tmp_path: Path, own_logging: bool) -> None:
     """A script that starts its agent with ``reach_mesh.agent.run`` and sets up no logging: its

@@ -79,7 +79,8 @@ def run(*agents: Agent) -> None:
     when unset), with the first agent's service (``<namespace>.<service>.<instance>``) as the
     default service name. Logging, when the script set up none, goes to stderr as the CLI's
     does (``REACH_LOG_LEVEL``, default ``WARNING``): an agent with no hub, a lost NATS server,
-    handlers cancelled at the end of a drain are said, not silent."""
+    handlers cancelled at the end of a drain are said, not silent. Once every agent is
+    registered it prints ``serving <agent ids>`` on stdout, as ``reach-mesh agent`` does."""
     if not logging.getLogger().handlers:
         level = os.environ.get("REACH_LOG_LEVEL", "WARNING")
         try:
@@ -88,8 +89,14 @@ def run(*agents: Agent) -> None:
             configure_logging("WARNING")
             log.warning("unknown REACH_LOG_LEVEL %r: logging at WARNING", level)
     provider = configure_tracing(agents[0].agent_id.split(".")[1] if agents else "reach-mesh-agent")
+
+    def started() -> None:
+        # As `reach-mesh agent` says it: a script that runs quietly at WARNING otherwise
+        # gives no sign that it is connected and registered.
+        print("serving " + ", ".join(a.agent_id for a in agents), flush=True)
+
     try:
-        _runner.run(serve(*agents))
+        _runner.run(serve(*agents, started=started))
     finally:
         if provider is not None:
             provider.shutdown()
