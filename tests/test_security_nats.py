@@ -38,6 +38,7 @@ from reach_mesh import (
     Step,
     TaskState,
     UnknownAgentError,
+    WorkflowSpecError,
     _work_batch,
     protocol,
 )
@@ -2282,3 +2283,124 @@ async def test_a_revoked_identity_is_cut_off_and_says_why_a_rotated_one_connects
             await fresh.close()
         finally:
             await nc.close()
+
+
+# --------------------------------------------------------------------------- a hostile sweep
+
+# What an agent, a caller of the victim's namespace or of another one, and the operator try
+# against the JetStream API, the buckets, the hubs' own consumer and subjects, and every wide
+# subscription: refused by the server each time (docs/security.md, "Threat model").
+
+_API = "$JS.API"
+#: What changes, reads whole, or moves a stream: no role but the hub's has any of them.
+_STREAM_VERBS = (
+    "STREAM.MSG.DELETE",
+    "STREAM.PURGE",
+    "STREAM.DELETE",
+    "STREAM.UPDATE",
+    "STREAM.CREATE",
+    "STREAM.LEADER.STEPDOWN",
+    "STREAM.SNAPSHOT",
+    "STREAM.MSG.GET",
+    "DIRECT.GET",
+    "CONSUMER.NAMES",
+    "CONSUMER.LIST",
+)
+_HUBS = f"{protocol.STREAM_WF}.{protocol.CONSUMER_HUBS}"
+REFUSED_PUBLISH = (
+    *(f"{_API}.{verb}.{stream}" for stream in protocol.MESH_STREAMS for verb in _STREAM_VERBS),
+    # The hubs' submissions consumer: deleted, re-pointed, pulled from, acked, moved.
+    f"{_API}.CONSUMER.DELETE.{_HUBS}",
+    f"{_API}.CONSUMER.CREATE.{_HUBS}.{protocol.wf_submit('*')}",
+    f"{_API}.CONSUMER.MSG.NEXT.{_HUBS}",
+    f"{_API}.CONSUMER.LEADER.STEPDOWN.{_HUBS}",
+    f"$JS.ACK.{_HUBS}.1.1.1.1.0",
+    # An operator's cordon lifted, a sticky session moved, by a KV write.
+    f"$KV.{protocol.KV_CORDONS}.{VICTIM}",
+    f"$KV.{protocol.KV_SESSIONS}.somekey",
+    f"{_API}.STREAM.NAMES",
+    f"{_API}.STREAM.LIST",
+    f"{_API}.ACCOUNT.PURGE",
+    f"{_API}.SERVER.REMOVE",
+    f"{_API}.META.LEADER.STEPDOWN",
+    protocol.hub_broadcast(NS, "breaker"),
+    protocol.hub_broadcast(NS, "pins"),
+)
+#: Reading what others send: other tenants' routes and payloads, statuses, work, replies, API.
+REFUSED_SUBSCRIBE = (
+    ">",
+    "reach.hub.>",
+    "reach.hubs.>",
+    "reach.status.>",
+    "reach.work.>",
+    "reach.agent.>",
+    "reach.wf.>",
+    "reach.micro.>",
+    "_INBOX.>",
+    "_INBOX.hub.>",
+    "$JS.API.>",
+    "$JS.ACK.>",
+    "$KV.>",
+    "$SRV.>",
+)
+
+
+@pytest.mark.parametrize(
+    ("role", "name"),
+    [("agent", ROGUE), ("caller", NS), ("caller", "other"), ("operator", "admin")],
+)
+async def test_no_role_but_the_hub_changes_a_stream_or_reads_others_subjects(
+    mesh: Mesh, as_identity: Any, role: str, name: str
+) -> None:
+    """Each identity but the hub's: every stream's delete, purge, update, creation, leader
+    move, snapshot, whole reads and consumer lists; the hubs' submissions consumer deleted,
+    re-pointed, pulled from, acked or moved; a cordon lifted or a session moved by a KV write;
+    account and server verbs; the hubs' breaker and pins subjects; and every wide subscription
+    (other tenants' routes and payloads, statuses, work, replies, the API, the buckets)."""
+    conn: Conn = await as_identity(role, name)
+    for subject in REFUSED_PUBLISH:
+        await conn.nc.publish(subject, b"{}")
+    for subject in REFUSED_SUBSCRIBE:
+        await conn.nc.subscribe(subject)
+    await conn.nc.flush()
+    wanted = [f'publish to "{s.lower()}"' for s in REFUSED_PUBLISH]
+    wanted += [f'subscription to "{s.lower()}"' for s in REFUSED_SUBSCRIBE]
+
+    def missing() -> list[str]:
+        said = "\n".join(conn.errors)
+        return [w for w in wanted if w not in said]
+
+    try:
+        await eventually(lambda: not missing(), timeout=5.0)
+    except AssertionError:
+        raise AssertionError(f"{role} {name}: not refused: {missing()}") from None
+
+
+async def test_a_route_or_step_naming_another_namespaces_agent_is_refused_alike(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """A caller of ``other`` names the victim (namespace ``sec``) in a route — plain, dry run
+    with an explanation, or as the retry of a task that timed out there (``after_attempt``,
+    which admits an agent whatever its breaker or cordon say) — or in a workflow step: refused
+    by the hub, nothing runs, and the answer is the one a made-up id of ``sec`` gets (no word
+    of whether the agent exists, nor of its state)."""
+    other = await as_identity("caller", "other")
+    ran = len(mesh.ran)
+    subject = protocol.hub_subject("other", "route")
+    for extra in (
+        {"payload": "x"},
+        {"dry_run": True, "explain": True},
+        {"payload": "x", "task_id": "red-held", "after_attempt": 1},
+    ):
+        answers = []
+        for agent_id in (VICTIM, f"{NS}.nobody.a1"):
+            body = {"agent_id": agent_id, "capability": CAP, **extra}
+            out = await ask(other, subject, json.dumps(body).encode())
+            assert out["error"]["code"] == "REACH_BAD_REQUEST", out
+            answers.append(json.dumps(out).replace(agent_id, "<id>"))
+        assert answers[0] == answers[1], answers
+    async with Client(settings=mesh.settings("caller", "other")) as c:
+        with pytest.raises(WorkflowSpecError, match="not in namespace 'other'"):
+            await c.fanout([Step(agent_id=VICTIM, payload="x")], timeout=5)
+    await asyncio.sleep(0.2)
+    assert len(mesh.ran) == ran
