@@ -28,6 +28,7 @@ import nats
 import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
 
 from reach_mesh import (
     Client,
@@ -2404,3 +2405,58 @@ async def test_a_route_or_step_naming_another_namespaces_agent_is_refused_alike(
             await c.fanout([Step(agent_id=VICTIM, payload="x")], timeout=5)
     await asyncio.sleep(0.2)
     assert len(mesh.ran) == ran
+
+
+async def test_a_consumer_pushing_outside_every_inbox_is_deleted_by_the_hubs(
+    mesh: Mesh, as_identity: Any
+) -> None:
+    """A caller of ``other`` may create consumers of its own workflow events under any name,
+    and nats-server does not check their deliver subject: one whose idle heartbeats (100 ms
+    apart) go to the victim's ``.task``, an agent of ``sec`` it may not publish to, went on
+    after the caller left (measured: 201 of them, 2,000 messages a second, each read and
+    dropped by the victim). The hubs delete a consumer that pushes outside every inbox within
+    their sweep (``hub/_push_sweep.py``); one that pushes to an inbox stays."""
+    from reach_mesh._guard import refused_total
+    from reach_mesh.hub import _push_sweep
+
+    caller = await as_identity("caller", "other")
+    stream = protocol.STREAM_WF_EVENTS
+    filt = "reach.wf.other.>"
+    made = {
+        "red-flood": protocol.agent_task(VICTIM),
+        "red-inbox": f"{protocol.INBOX_PREFIX}caller.other.red",
+    }
+    for name, deliver in made.items():
+        config = {
+            "name": name,
+            "filter_subject": filt,
+            "deliver_subject": deliver,
+            "ack_policy": "none",
+            "idle_heartbeat": 100_000_000,
+            "inactive_threshold": 60_000_000_000,  # (the inbox one has nobody reading it)
+        }
+        if deliver == protocol.agent_task(VICTIM):
+            config["deliver_group"] = "reach-agent"
+        req = json.dumps({"stream_name": stream, "config": config}).encode()
+        subject = f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{filt}"
+        answer = json.loads((await caller.nc.request(subject, req, timeout=5)).data)
+        assert "error" not in answer, answer  # the server lets the caller make both
+    await caller.nc.close()  # the caller leaves
+    refused = refused_total()
+    await eventually(lambda: refused_total() > refused)  # the victim reads the heartbeats
+    js = mesh.hub.nc.jetstream()
+
+    async def names() -> set[str]:
+        return {c.name for c in await js.consumers_info(stream)}
+
+    async def swept() -> bool:
+        return "red-flood" not in await names()
+
+    await eventually(swept, timeout=_push_sweep.SWEEP_INTERVAL * 2 + 2)
+    assert "red-inbox" in await names()
+    await asyncio.sleep(0.3)  # (a heartbeat sent before the delete may still be on its way)
+    refused = refused_total()
+    await asyncio.sleep(1.0)
+    assert refused_total() == refused
+    with contextlib.suppress(NotFoundError):
+        await js.delete_consumer(stream, "red-inbox")

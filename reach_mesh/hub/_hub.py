@@ -54,6 +54,7 @@ from reach_mesh.errors import (
 from reach_mesh.hub._control import VIEW_RATE, ControlMixin, ViewSlots
 from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._pins import TaskPins
+from reach_mesh.hub._push_sweep import sweep_forever
 from reach_mesh.hub._record_read import RecordReadMixin
 from reach_mesh.hub._reply_boxes import ReplyBoxes
 from reach_mesh.hub._resources import Resources
@@ -157,6 +158,8 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._answers: AnswerBatcher
         self._sender: asyncio.Task[None] | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        #: Deletes the consumers that push outside every inbox (``_push_sweep.py``).
+        self._push_sweep: asyncio.Task[None] | None = None
         self._loop_watch: asyncio.Task[None] | None = None
         # Routes asked in this process (``route``) awaiting their answer, by reply token.
         self._local = {}
@@ -427,6 +430,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             self._subs.append(sub)
         self._answers = AnswerBatcher(self.nc)
         self._sweeper = asyncio.create_task(self._sweep_deadlines())
+        self._push_sweep = asyncio.create_task(sweep_forever(self.nc.jetstream()))
         for verb, on_route in (
             ("route", self._on_route_msg),
             ("route_batch", self._on_route_batch),
@@ -594,6 +598,9 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         if self._sweeper is not None:
             self._sweeper.cancel()
             await within("route sweeper", self._sweeper, 2.0, log)
+        if self._push_sweep is not None:
+            self._push_sweep.cancel()
+            await within("push consumer sweep", self._push_sweep, 2.0, log)
         self._forget_late()
         if self._loop_watch is not None:
             self._loop_watch.cancel()
