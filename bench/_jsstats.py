@@ -31,7 +31,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from bench._system import CpuSample, cpu_sample
+from bench._system import CpuSample, cpu_sample, proc_counts
 
 __all__ = ["COUNTER_NAME", "ClientMessages", "CpuCounter", "JsCounter", "free_port", "per_unit"]
 
@@ -129,14 +129,19 @@ class ClientMessages:
 
 
 class CpuCounter:
-    """CPU seconds (utime + stime) of named processes between :meth:`start` and :meth:`stop`."""
+    """CPU seconds (utime + stime) of named processes between :meth:`start` and :meth:`stop`,
+    and what else they did meanwhile (:attr:`counts`: ``bench._system.PROC_COUNTS``)."""
 
     def __init__(self, pids: dict[str, int | None]) -> None:
         self._pids = {k: v for k, v in pids.items() if v is not None}
         self._before: dict[str, CpuSample | None] = {}
+        self._counts_before: dict[str, dict[str, int] | None] = {}
+        #: Per process, after :meth:`stop`: system calls, bytes and context switches meanwhile.
+        self.counts: dict[str, dict[str, int]] = {}
 
     def start(self) -> None:
         self._before = {k: cpu_sample(pid) for k, pid in self._pids.items()}
+        self._counts_before = {k: proc_counts(pid) for k, pid in self._pids.items()}
 
     def stop(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -144,13 +149,21 @@ class CpuCounter:
             before, after = self._before.get(name), cpu_sample(pid)
             if before is not None and after is not None:
                 out[name] = round(after.cpu_s - before.cpu_s, 3)
+            then, now = self._counts_before.get(name), proc_counts(pid)
+            if then is not None and now is not None:
+                self.counts[name] = {k: now[k] - then[k] for k in now}
         return out
 
 
 def per_unit(
-    js: dict[str, Any], cpu_s: dict[str, float], units: int, client_msgs: int | None = None
+    js: dict[str, Any],
+    cpu_s: dict[str, float],
+    units: int,
+    client_msgs: int | None = None,
+    counts: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """JetStream operations, client messages, bytes kept and CPU µs per completed unit."""
+    """JetStream operations, client messages, bytes kept, CPU µs and (``counts``:
+    ``CpuCounter.counts``) system calls, bytes and context switches per completed unit."""
     n = max(units, 1)
     return {
         "units": units,
@@ -162,4 +175,7 @@ def per_unit(
         "js_stored_by_stream": {k: round(v["stored"] / n, 2) for k, v in js["streams"].items()},
         "js_bytes_by_stream": {k: round(v["bytes_kept"] / n, 1) for k, v in js["streams"].items()},
         "cpu_us": {k: round(v * 1e6 / n, 1) for k, v in cpu_s.items()},
+        "proc_counts": {
+            name: {k: round(v / n, 2) for k, v in c.items()} for name, c in (counts or {}).items()
+        },
     }

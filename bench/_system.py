@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["ChildProcess", "CpuSample", "cpu_sample", "machine_info", "rss_mb"]
 
@@ -85,6 +85,38 @@ def cpu_sample(pid: int) -> CpuSample | None:
     fields = raw.rsplit(")", 1)[1].split()
     # After the ")" of comm: state is fields[0]; utime, stime are stat fields 14, 15.
     return CpuSample((int(fields[11]) + int(fields[12])) / _TICK, time.perf_counter())
+
+
+#: What :func:`proc_counts` reads: /proc/PID/io's read and write system calls and bytes (the
+#: ``read``/``write`` family only: a socket written with ``send`` is not counted — uvloop and
+#: Go write sockets with ``write``/``writev``, asyncio's own loop with ``send``), and the
+#: context switches of every thread (voluntary: each wait for a message or a lock; the wake-ups).
+PROC_COUNTS: Final = ("syscr", "syscw", "rchar", "wchar", "ctxsw_vol", "ctxsw_invol")
+
+
+def proc_counts(pid: int) -> dict[str, int] | None:
+    """``pid``'s :data:`PROC_COUNTS` so far (None when it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/io").read_text()
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    out = {k: 0 for k in PROC_COUNTS}
+    for line in raw.splitlines():
+        key, _, value = line.partition(": ")
+        if key in out:
+            out[key] = int(value)
+    for thread in threads:
+        try:
+            status = (thread / "status").read_text()
+        except OSError:
+            continue  # (a thread that ended meanwhile)
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                out["ctxsw_vol"] += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                out["ctxsw_invol"] += int(line.split()[1])
+    return out
 
 
 def cpu_share(before: CpuSample | None, after: CpuSample | None) -> float | None:

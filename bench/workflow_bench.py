@@ -13,7 +13,8 @@ and measures, in the same run:
 * what one workflow costs, over the sustained phase (``cost``): JetStream operations counted
   from the server's own statistics (``$JS.API`` requests from the account info, messages stored
   per stream), JetStream bytes kept (for ``workflow_retention``), and CPU µs per process
-  (``bench/_jsstats.py``).
+  (``bench/_jsstats.py``), with each process's system calls, bytes and context switches
+  (``proc_counts``: ``bench._system.PROC_COUNTS``).
 
 ``python bench/workflow_bench.py --quick`` prints one JSON object. The bench harness imports
 :func:`run_workflow_bench`. With ``--split`` and ``BENCH_PROFILE_HUB=DIR`` in the environment,
@@ -178,7 +179,7 @@ async def measure_cost(
         sent = await msgs.stop() if msgs is not None else None
     finally:
         await nc.close()
-    return out, per_unit(js, cpu_s, int(out["completed"]), sent)
+    return out, per_unit(js, cpu_s, int(out["completed"]), sent, cpu.counts)
 
 
 async def _floor(nats_url: str, n: int) -> dict[str, Any]:

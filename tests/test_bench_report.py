@@ -12,6 +12,7 @@ import pytest
 from bench import report, routed
 from bench.__main__ import DOC, RESULTS, outputs
 from bench._jsstats import free_port
+from bench._system import PROC_COUNTS
 from bench.report_gateway import gateway_table
 from bench.report_workflows import workflow_section
 from bench.workflow_bench import measure_cost
@@ -80,6 +81,11 @@ async def test_the_cost_of_a_workflow_is_counted_by_the_server(wf_settings: Mesh
     assert cost["js_stored"] == pytest.approx(sum(by_stream.values()), abs=0.05)
     assert cost["js_bytes_kept"] > 1000  # records and events stay for workflow_retention
     assert cost["cpu_us"]["this_process"] > 0
+    # What else the process did per workflow: it waited for every answer (a voluntary context
+    # switch each time the loop slept), and the counters kept are the ones the bench names.
+    counted = cost["proc_counts"]["this_process"]
+    assert set(counted) == set(PROC_COUNTS)
+    assert counted["ctxsw_vol"] >= 1 and counted["rchar"] >= 0
     # The report shows them next to the workflow row, and the peer's ratios first.
     result = {
         "fanout3": {
