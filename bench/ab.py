@@ -51,6 +51,14 @@ ROW = (
     # JetStream messages stored per workflow at full load (the server's own counts; issue 15).
     "fanout_js_stored",
     "chain_js_stored",
+    # nats-server's CPU, and every process's summed: on two cores shared by all four, the sum
+    # per workflow is what bounds the sustained rate (issue 15).
+    "nats_us_per_fanout",
+    "all_us_per_fanout",
+    "nats_us_per_chain",
+    "all_us_per_chain",
+    # The machine's 1-minute load average as the run began (other sessions' work included).
+    "load1",
 )
 
 
@@ -84,7 +92,17 @@ def row_of(result: dict[str, Any]) -> dict[str, float | None]:
         "chain_half_p99_ms": _open_loop(chain, "half_sustained", "p99_ms"),
         "fanout_js_stored": fan.get("cost", {}).get("js_stored"),
         "chain_js_stored": chain.get("cost", {}).get("js_stored"),
+        "nats_us_per_fanout": cpu.get("nats_server"),
+        "all_us_per_fanout": _summed(cpu),
+        "nats_us_per_chain": chain_cpu.get("nats_server"),
+        "all_us_per_chain": _summed(chain_cpu),
+        "load1": result.get("load1"),
     }
+
+
+def _summed(cpu: dict[str, float]) -> float | None:
+    """The CPU µs of every process measured (None when none was)."""
+    return round(sum(cpu.values()), 1) if cpu else None
 
 
 def median_row(rows: list[dict[str, float | None]]) -> dict[str, float | None]:
@@ -133,6 +151,7 @@ def _clean_env() -> dict[str, str]:
 
 
 def _run(tree: Path) -> dict[str, Any]:
+    load1 = os.getloadavg()[0]
     out = subprocess.run(
         [sys.executable, "bench/workflow_bench.py", "--quick", "--split"],
         cwd=tree,
@@ -143,6 +162,7 @@ def _run(tree: Path) -> dict[str, Any]:
         check=True,
     )
     result: dict[str, Any] = json.loads(out.stdout)
+    result["load1"] = round(load1, 2)
     return result
 
 

@@ -282,3 +282,12 @@ def test_the_ab_table_alternates_two_commits_and_compares_medians() -> None:
     got = row_of(latency)
     assert (got["fanout_100_p50_ms"], got["fanout_half_p99_ms"]) == (3.5, 60.0)
     assert got["chain_100_p50_ms"] is None
+    # nats-server's CPU and every process's summed (what two shared cores bound), and the load.
+    assert (got["nats_us_per_fanout"], got["all_us_per_fanout"]) == (None, 1400.0)
+    loaded = run(700, 560, 1000)
+    loaded["fanout3"]["cost"]["cpu_us"]["nats_server"] = 250.0
+    loaded["load1"] = 3.5
+    got = row_of(loaded)
+    assert (got["nats_us_per_fanout"], got["all_us_per_fanout"]) == (250.0, 1650.0)
+    assert (got["all_us_per_chain"], got["load1"]) == (200.0, 3.5)
+    assert row_of({**loaded, "chain3": {"sustained": {"per_s": 1.0}}})["all_us_per_chain"] is None
