@@ -87,9 +87,9 @@ def _echo_agent(settings: Settings) -> Agent:
 
 @contextmanager
 def _flooding(s: MeshSettings, subject: str, rate: float | None = None) -> Iterator[None]:
-    """100-byte messages on ``subject`` as fast as ``s``'s identity can send them (or
-    ``rate`` a second), from a thread of their own (its own event loop), until the block
-    ends."""
+    """100-byte messages on ``subject`` as fast as ``s``'s identity can send them, 10,000 at a
+    time (or ``rate`` a second, evenly: a hundredth of a second's worth at a time), from a
+    thread of their own (its own event loop), until the block ends."""
     stop = threading.Event()
 
     def flood() -> None:
@@ -101,14 +101,18 @@ def _flooding(s: MeshSettings, subject: str, rate: float | None = None) -> Itera
                 pending_size=64 << 20,
             )
             body = b"x" * 100
+            # (At a rate, not 10,000 at once: a burst of them reaches the hub at the speed of
+            # the socket, faster than it reads, and waits there ahead of every namespace's
+            # answers while it is read: docs/security.md, "Not fixed".)
+            chunk = 10_000 if rate is None else max(1, round(rate / 100))
             sent, t0 = 0, time.perf_counter()
             while not stop.is_set():
-                for _ in range(10):
-                    for _ in range(1000):
+                for start in range(0, chunk, 1000):
+                    for _ in range(min(1000, chunk - start)):
                         await nc.publish(subject, body)
                     await asyncio.sleep(0)
                 await nc.flush()  # (its buffer bounded: the server takes what it sends)
-                sent += 10_000
+                sent += chunk
                 if rate is not None:
                     await asyncio.sleep(max(0.0, t0 + sent / rate - time.perf_counter()))
             await nc.close()
@@ -271,7 +275,11 @@ async def test_a_flood_of_one_namespaces_replies_leaves_another_namespaces_route
     queue and is dropped past its bound; ``vic``'s routes through the hub, all through the
     flood, are answered, every one, within half a second: their replies are read on ``vic``'s
     own subscription. (With one reply subscription for every namespace, ``vic``'s answers
-    waited unread behind the flood and every route timed out.)"""
+    waited unread behind the flood and every route timed out.) The flood comes evenly, 200
+    every 10 ms: sent 10,000 at a time, each burst waited in the hub's socket, ahead of
+    ``vic``'s answers, for as long as the hub took to read it (one connection for every
+    namespace: docs/security.md) — up to 0.24 s on a load of 3-4, every route of a round past
+    0.5 s once under more."""
     identities = ("caller", "atk"), ("agent", VICTIM), ("agent", FLOODER)
     async with (
         _secure(tmp_path, *identities) as settings,
@@ -314,8 +322,8 @@ async def test_a_flood_of_one_namespaces_replies_leaves_another_namespaces_route
                 before = int(agents_nc.stats["in_msgs"])
                 took: list[float] = []
                 # Three rounds at least, and on until the hub has read 1,000 of the flood
-                # meanwhile (3 s at most): at its rate the flood comes 10,000 at a time every
-                # 0.5 s, and three quick rounds fell between two of them once (3 read).
+                # meanwhile (3 s at most): three quick rounds once read 3 of it (it came
+                # 10,000 at a time then, every 0.5 s, and the rounds fell between two).
                 until = time.perf_counter() + 3.0
                 for round_ in itertools.count():
                     flooding = int(agents_nc.stats["in_msgs"]) - before > 1_000
