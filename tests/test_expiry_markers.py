@@ -251,20 +251,28 @@ async def test_a_reply_that_came_while_the_hubs_loop_was_behind_is_not_credited(
     a thread, 0.1 s after the deadline): the late sweep's marker leaves behind the reply, but
     the reply may have come after the deadline — ``behind``, neither credited nor charged.
     (Credited, an agent answering late while its hub was busy counted as answering in
-    time.)"""
+    time.)
+
+    The hold is a timer of the loop at 0.3 s before the hub's own deadline of the attempt: it
+    runs before any pass of the sweep that could expire it. (Held once the test saw the task
+    — the deadline 0.5 s after the route — a loaded box that brought the task, or the test,
+    0.5 s late let the sweep expire it on time first: its marker then went before the reply,
+    ``charged``.) The 2 s timeout is room for that: the hold is as short whatever it is."""
     agent_id = f"{namespace}.lagged.a1"
     go, held = await _held(hub, namespace)
-    timeout = 0.5
-    async with _routed(hub, settings, agent_id, timeout) as (received, route, _):
-        publish_at = time.monotonic() + timeout + 0.1  # (the route began before: past it)
+    box = await replies_of(hub, namespace)
+    async with _routed(hub, settings, agent_id, timeout=2.0) as (received, route, _):
         reply_to, body = received[0].reply, _reply_to(received[0], agent_id)
+        flight = hub._flights.get(reply_to[box.prefix_len :])
+        assert flight is not None, "the task came after its deadline"
+        deadline = flight.deadline  # (the hub's perf_counter)
         published = threading.Event()
 
         def answer() -> None:
             async def publish() -> None:
                 assert settings.nats_url is not None
                 nc = await nats.connect(settings.nats_url)
-                await asyncio.sleep(publish_at - time.monotonic())
+                await asyncio.sleep(deadline + 0.1 - time.perf_counter())
                 await nc.publish(reply_to, body)
                 await nc.flush()
                 await nc.close()
@@ -272,11 +280,19 @@ async def test_a_reply_that_came_while_the_hubs_loop_was_behind_is_not_credited(
             asyncio.run(publish())
             published.set()
 
+        in_flight_when_held: list[bool] = []
+
+        def hold() -> None:  # (holds this loop, the hub's, past the deadline)
+            in_flight_when_held.append(flight.token in hub._flights)
+            published.wait(10)
+
         thread = threading.Thread(target=answer)
         thread.start()
-        assert published.wait(10)  # (holds this loop, the hub's, past the deadline)
-        thread.join()
+        asyncio.get_running_loop().call_later(deadline - 0.3 - time.perf_counter(), hold)
         await _timed_out(route)
+        thread.join()
+        assert published.is_set()
+        assert in_flight_when_held == [True]  # (held before the sweep expired it)
         await eventually(lambda: held() >= 2)  # the reply, the marker
         before = _checks(hub)
         go.set()
