@@ -331,6 +331,8 @@ class RegisterReply(_Wire):
     #: long past a lapsed lease it waits before it declares an agent lost (seconds).
     max_payload: int | None = None
     suspect_timeout: float | None = None
+    #: Whether an operator cordoned this agent id (as :class:`HeartbeatReply`'s).
+    cordoned: bool = False
 
 
 #: The largest ``inflight`` / ``queue_depth`` a heartbeat may report (no agent runs or queues a
@@ -362,6 +364,11 @@ class Heartbeat(_Wire):
 class HeartbeatReply(_Wire):
     state: AgentState
     lease_timeout: float
+    #: Whether an operator cordoned this agent id, as the answering hub knows it (its
+    #: ``reach_cordons`` watch, or the agent's record). Only hubs answer heartbeats: the agent
+    #: takes it as the word on its cordon, and refuses new task ids while it is true (absent
+    #: from hubs before this field: ``state`` ``CORDONED`` says the same).
+    cordoned: bool = False
 
 
 class UnregisterRequest(_Wire):

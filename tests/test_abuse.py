@@ -289,7 +289,12 @@ async def test_an_agent_cannot_lift_an_operators_cordon_or_quarantine(
             assert out["removed"] is True and agent_id not in hub.registry.agents
             for session in ("s2", "s3"):  # after the goodbye, then under a new session
                 out = await _ask(nc, register, _register(agent_id, ["held:run:v1"], session))
-                assert out["state"] == "CORDONED", out
+                assert out["state"] == "CORDONED" and out["cordoned"] is True, out
+            # The hubs' word to the agent on its cordon (it refuses new task ids meanwhile).
+            beat = protocol.encode(Heartbeat(agent_id=agent_id, session="s3"))
+            heartbeat = protocol.hub_agent_subject(agent_id, "heartbeat")
+            out = await _ask(nc, heartbeat, beat)
+            assert out["state"] == "CORDONED" and out["cordoned"] is True, out
             # A record written without the flag (by a hub that had not seen the cordon yet,
             # or of an earlier version): graded by the cordon all the same.
             kv = await nc.jetstream().key_value(protocol.KV_AGENTS)
@@ -312,7 +317,9 @@ async def test_an_agent_cannot_lift_an_operators_cordon_or_quarantine(
             lifted = await c.admin("uncordon", agent_id)  # not registered: lifted all the same
             assert lifted["state"] == "LOST" and agent_id not in hub.registry.cordons
             out = await _ask(nc, register, _register(agent_id, ["held:run:v1"], "s4"))
-            assert out["state"] == "ONLINE", out
+            assert out["state"] == "ONLINE" and out["cordoned"] is False, out
+            beat = protocol.encode(Heartbeat(agent_id=agent_id, session="s4"))
+            assert (await _ask(nc, heartbeat, beat))["cordoned"] is False
             with pytest.raises(UnknownAgentError):
                 await c.admin("cordon", f"{namespace}.never.a1")
 

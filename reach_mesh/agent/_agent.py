@@ -209,6 +209,9 @@ class Agent(IdentityMixin, ServingMixin):
         self.unavailable: set[str] = set()
         self.pressure = 0.0
         self.state: AgentState | None = None
+        #: Cordoned by an operator, by the word of the hub that last answered a registration
+        #: or heartbeat (``HeartbeatReply.cordoned``): new task ids are refused meanwhile.
+        self.cordoned = False
         self._nc: NATS | None = None
         # Its own connection's (a hub in the same process exports the hub's).
         connection_metrics(self.metrics.registry, lambda: connection_counts({"main": self._nc}))
@@ -515,6 +518,7 @@ class Agent(IdentityMixin, ServingMixin):
                 msg = await refused_first(self.nc, subject, or_reconnected(self.nc, asked))
                 reply = protocol.parse_reply(msg.data, RegisterReply)
                 self.state = reply.state
+                self.cordoned = reply.cordoned or reply.state is AgentState.CORDONED
                 self._answered(sent)
                 self._heard_at = sent
                 self._registered.set()
@@ -678,6 +682,8 @@ class Agent(IdentityMixin, ServingMixin):
         msg = await self.nc.request(subject, protocol.encode(hb), timeout=timeout)
         reply = protocol.parse_reply(msg.data, HeartbeatReply)
         self.state = reply.state
+        # (``state`` alone from a hub of an earlier version: CORDONED outranks the others.)
+        self.cordoned = reply.cordoned or reply.state is AgentState.CORDONED
         self._answered(sent)  # the hub renewed the lease after this, not before
         self._heard_at = max(self._heard_at, sent)
 

@@ -83,6 +83,7 @@ class ServingMixin(AttemptsMixin):
 
     status: AgentStatus
     session: str
+    cordoned: bool
     max_concurrency: int
     max_queue: int
     handled: int
@@ -176,6 +177,22 @@ class ServingMixin(AttemptsMixin):
                 return
             self._copies += waits  # counted here: many copies may come in one read
             self._spawn(self._duplicate(req, env, entry, waits))
+            return
+        if entry is None and self.cordoned:
+            # An operator's cordon, as the hubs' heartbeat replies say it: no new task id,
+            # whoever sent it (a caller may publish here itself, and a route naming this agent
+            # with ``after_attempt`` is admitted whatever the cordon says). A task id held or
+            # finished here is answered above; a later attempt of one that failed here runs.
+            await self._respond(
+                req,
+                protocol.encode_error(
+                    AgentBusyError(
+                        f"{self.agent_id} is cordoned by an operator: it takes no new tasks",
+                        agent_id=self.agent_id,
+                        cordoned=True,
+                    )
+                ),
+            )
             return
         if self.status is not AgentStatus.RUNNING:
             await self._respond(

@@ -107,8 +107,8 @@ VIEWS_KEPT_FREE: Final = 4
 LIST_CHARGE: Final = 10
 
 
-#: ``HeartbeatReply`` bodies by (state, lease): a beat's answer is one of a few.
-_HB_REPLIES: dict[tuple[AgentState, float], bytes] = {}
+#: ``HeartbeatReply`` bodies by (state, lease, cordoned): a beat's answer is one of a few.
+_HB_REPLIES: dict[tuple[AgentState, float, bool], bytes] = {}
 _HB_REPLIES_MAX: Final = 1024
 
 
@@ -123,14 +123,14 @@ class ViewSlots:
         self.by_ns: dict[str, int] = {}
 
 
-def _heartbeat_reply(state: AgentState, lease_timeout: float) -> bytes:
-    key = (state, lease_timeout)
+def _heartbeat_reply(state: AgentState, lease_timeout: float, cordoned: bool) -> bytes:
+    key = (state, lease_timeout, cordoned)
     body = _HB_REPLIES.get(key)
     if body is None:
         if len(_HB_REPLIES) >= _HB_REPLIES_MAX:  # leases are the agents' to choose
             _HB_REPLIES.clear()
         body = _HB_REPLIES[key] = protocol.encode(
-            HeartbeatReply(state=state, lease_timeout=lease_timeout)
+            HeartbeatReply(state=state, lease_timeout=lease_timeout, cordoned=cordoned)
         )
     return body
 
@@ -221,6 +221,7 @@ class ControlMixin:
                 hub_id=self.hub_id,
                 max_payload=self.settings.max_payload,
                 suspect_timeout=self.settings.suspect_timeout,
+                cordoned=self.registry.cordoned(view.agent_id, view.record),
             )
         )
 
@@ -229,7 +230,13 @@ class ControlMixin:
         self._check_identity(msg.subject, "heartbeat", hb.agent_id)
         view = await self.registry.heartbeat(hb)
         self.metrics.heartbeat_total.inc()
-        return _heartbeat_reply(view.state, view.record.lease_timeout)
+        # The agent's word on its cordon (it refuses new task ids while cordoned: a caller
+        # may send it tasks past the hubs' routing, docs/security.md).
+        return _heartbeat_reply(
+            view.state,
+            view.record.lease_timeout,
+            self.registry.cordoned(view.agent_id, view.record),
+        )
 
     async def _on_unregister(self, msg: Msg, ns: str) -> bytes:
         req = protocol.decode(msg.data, UnregisterRequest, max_size=64 * 1024)
