@@ -390,7 +390,8 @@ def add_admin_commands(cmd: Callable[[str, str], argparse.ArgumentParser]) -> No
             "stop routing new work to an agent, until uncordon",
             "Work it holds runs on. Kept by agent id (the reach_cordons bucket: every hub "
             "follows, hubs started later too): it stays cordoned through its restarts, a clean "
-            "stop, remove or LOST, until uncordon.",
+            "stop, remove or LOST, until uncordon. From its next heartbeat the agent itself "
+            "refuses new tasks, also those a caller sends it directly.",
         ),
         (
             "uncordon",
