@@ -110,8 +110,13 @@ async def test_a_route_naming_a_cordoned_agent_after_an_attempt_runs_no_new_task
             assert first["task"]["state"] == "SUCCEEDED", first
             await _cordoned(c, agent)
 
-            routed = await _route(nc, namespace, retry("new-routed", "routed"))
-            assert _refused_for_cordon(routed), routed
+            for n in range(4):
+                routed = await _route(nc, namespace, retry(f"new-routed-{n}", "routed"))
+                assert _refused_for_cordon(routed), routed
+            # A cordon's refusal is no overload: the agent stays healthy on the hub, and is
+            # routed to as before once uncordoned (each refusal cost 20 of its 100 points, a
+            # heartbeat gives one back).
+            assert hub.registry.agents[agent.agent_id].health.healthy
             held = await _route(nc, namespace, retry("before-1", "kept"))
             task = held["task"]
             assert task["state"] == "SUCCEEDED" and task["result"] == "kept", held

@@ -469,7 +469,11 @@ class RouteEndMixin(LatenessMixin):
                     agent_id=view.agent_id,
                 )
         except AgentBusyError:
-            view.health.overloaded()
+            # A cordoned agent refusing a task id it never had is no overload: penalised,
+            # routes naming it with ``after_attempt`` (a caller's, each refused) left it
+            # unhealthy here for minutes after the uncordon (+1 a heartbeat).
+            if not self.registry.cordoned(view.agent_id, view.record):
+                view.health.overloaded()
             raise
         except ReachError:
             raise
