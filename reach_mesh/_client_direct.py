@@ -196,6 +196,12 @@ class DirectRoutes(HubAsks):
                     await asyncio.sleep(wait)
                     continue
                 held = None  # (it answers: not ours to wait for any more)
+                if (
+                    isinstance(err, AgentBusyError)
+                    and "agent_id" in fields
+                    and err.details.get("cordoned")
+                ):
+                    raise  # the agent asked for refuses until uncordoned: no other may
                 if isinstance(err, ReachError):
                     last, code = err, err.code
                 else:

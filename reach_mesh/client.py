@@ -406,6 +406,12 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
                     return await self._remembering(key, {**fields, "agent_id": agent}, ns, attempt)
                 except (NoMatchError, UnknownAgentError):
                     self._timed_out.pop(key, None)
+                except AgentBusyError as err:
+                    # Cordoned, and without the task (restarted since, say): it refuses it
+                    # as new for as long as the cordon holds. Routed as asked.
+                    if not err.details.get("cordoned"):
+                        raise
+                    self._timed_out.pop(key, None)
             elif fields["agent_id"] == agent:
                 after = attempt
         return await self._remembering(key, fields, ns, after)
@@ -451,7 +457,13 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         if resend:
             headers[protocol.HDR_RESEND] = "1"
         reply = await self._call_hub(
-            ns, "route", body, headers, deadline, timeout + _reply_slack(timeout)
+            ns,
+            "route",
+            body,
+            headers,
+            deadline,
+            timeout + _reply_slack(timeout),
+            named="agent_id" in fields,
         )
         route = _parse(_PROXY_REPLY, reply, "RouteReply")
         return self._result(route["task"], route["request_id"], route.get("decision"), trace_id, t0)
@@ -563,6 +575,7 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         timeout: float,
         *,
         repeatable: bool = True,
+        named: bool = False,
     ) -> bytes:
         """Request a hub; retry what is retryable until the deadline, then raise the last.
 
@@ -576,6 +589,8 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
         Back on NATS while it waits, a request is asked again at once (its answer may have
         been sent while this client was away, and lost), unless it is not ``repeatable`` (an
         operator's ``remove``). Routes are asked again by the batcher (``Batcher.resend``).
+        ``named``: a route naming its agent, whose refusal for a cordon is raised at once (it
+        holds until an operator lifts it, and no other agent may take the route).
         """
         self._check_usable()
         subject = protocol.hub_subject(ns, verb)
@@ -637,6 +652,8 @@ class Client(WorkflowsMixin, FleetMixin, DirectRoutes):
                         # in an agent's hands, and the next hub must look for it first.
                         headers = {**headers, protocol.HDR_RESEND: "1"}
                 except AgentBusyError as err:
+                    if named and err.details.get("cordoned"):
+                        raise
                     last, wait = err, delay / 2
                 else:
                     return data

@@ -8,14 +8,17 @@ idempotency table as before. Against a real nats-server."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import nats
+import pytest
 
 from reach_mesh import Client, MeshSettings, protocol
 from reach_mesh.agent import Agent
+from reach_mesh.errors import MeshTimeoutError
 from reach_mesh.hub import Hub
-from reach_mesh.models import TaskEnvelope
+from reach_mesh.models import Mode, TaskEnvelope
 
 from .helpers import eventually, recording_agent
 
@@ -124,3 +127,30 @@ async def test_a_route_naming_a_cordoned_agent_after_an_attempt_runs_no_new_task
             assert ran == ["kept"]
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize("mode", ["direct", "proxy"])
+async def test_a_clients_retry_pinned_to_a_cordoned_agent_that_lost_its_task_goes_elsewhere(
+    hub: Hub, settings: MeshSettings, namespace: str, mode: Mode
+) -> None:
+    """A task timed out on an agent (the ``Client`` pins its retry there, ``after_attempt``);
+    the operator cordons the agent and restarts it, so the new process has no record of the
+    task and refuses it as new. The retry goes to another agent at once — not refused
+    ``REACH_AGENT_BUSY`` over and over until its timeout (and every retry after it, the pin
+    kept) for as long as the cordon holds."""
+    a1, ran1 = recording_agent(f"{namespace}.w.a1", settings, CAP, delay=0.4)
+    a2, ran2 = recording_agent(f"{namespace}.w.a2", settings, CAP)
+    async with a2, Client(settings=settings) as c:
+        async with a1:
+            await eventually(lambda: len(hub.registry.agents) >= 2)
+            with pytest.raises(MeshTimeoutError):
+                await c.request(agent_id=a1.agent_id, payload=1, task_id="slow-c", timeout=0.2)
+            await c.admin("cordon", a1.agent_id)
+        again, ran_again = recording_agent(a1.agent_id, settings, CAP)
+        async with again:
+            await eventually(lambda: again.cordoned, timeout=5)
+            t0 = time.monotonic()
+            res = await c.request(capability=CAP, payload=1, task_id="slow-c", timeout=5, mode=mode)
+            assert res.agent_id == a2.agent_id and res.state == "SUCCEEDED", res
+            assert time.monotonic() - t0 < 2.5
+            assert ran1 == [1] and ran_again == [] and ran2 == [1]
