@@ -400,6 +400,41 @@ async def test_js_agent_writing_nulls_keeps_its_results(
         assert refused_messages(wf_hub.nc) == before
 
 
+async def test_js_agent_refuses_new_task_ids_while_cordoned(
+    hub: Hub, settings: MeshSettings, js_agents: JsAgents, nats_url: str, namespace: str
+) -> None:
+    """An agent written from protocol.md alone keeps an operator's cordon as its heartbeat
+    replies say it: a new task id sent straight to it is refused (``REACH_AGENT_BUSY``,
+    ``details.cordoned``), a task id it ran before is answered from its table, and after the
+    ``uncordon`` a new task id runs again."""
+    agent_id = f"{namespace}.jsupper.u1"
+    agent = await js_agents.start(agent_id, caps="text:upper:v1")
+    nc = await nats.connect(nats_url)
+
+    async def send(task_id: str, text: str) -> dict[str, Any]:
+        env = {"task_id": task_id, "capability": "text:upper:v1", "payload": {"text": text}}
+        msg = await nc.request(f"reach.agent.{agent_id}.task", json.dumps(env).encode(), 5)
+        out: dict[str, Any] = json.loads(msg.data)
+        return out
+
+    try:
+        async with Client(settings=settings) as mesh:
+            await online(mesh, agent_id)
+            assert (await send("js-before", "a"))["state"] == "SUCCEEDED"
+            await mesh.admin("cordon", agent_id)
+            await eventually(lambda: "cordoned: refusing" in agent.text(), timeout=5)
+            refused = await send("js-new", "b")
+            assert refused["error"]["code"] == "REACH_AGENT_BUSY", refused
+            assert refused["error"]["details"]["cordoned"] is True, refused
+            kept = await send("js-before", "a")
+            assert kept["state"] == "SUCCEEDED" and kept["cached"] is True, kept
+            await mesh.admin("uncordon", agent_id)
+            await eventually(lambda: "uncordoned" in agent.text(), timeout=5)
+            assert (await send("js-after", "c"))["result"]["text"] == "C"
+    finally:
+        await nc.close()
+
+
 async def test_js_caller_routes_retries_and_runs_workflows(
     wf_hub: Hub, wf_settings: MeshSettings, nats_url: str, namespace: str
 ) -> None:

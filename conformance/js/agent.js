@@ -141,6 +141,15 @@ let nc, js, jsm;
 let inflight = 0;
 let queued = 0;
 let draining = false;
+// An operator's cordon, as the hubs' register/heartbeat replies say it (protocol.md,
+// "Heartbeat"): while true, a new task id is refused REACH_AGENT_BUSY (details.cordoned).
+let cordoned = false;
+function heardCordon(r) {
+  if (!r || typeof r !== 'object') return;
+  const now = r.cordoned === true || r.state === 'CORDONED';
+  if (now !== cordoned) log(now ? 'cordoned: refusing new task ids' : 'uncordoned');
+  cordoned = now;
+}
 // request-reply idempotency: task_id -> {attempt, promise, reply}
 const rrTasks = new Map();
 // workflow steps: task_id -> {workflow_id, step, attempt, state, reply, running: {...}}
@@ -234,6 +243,8 @@ async function onTask(msg) {
       return respond({ ...known.reply, attempt, cached: true });
     }
     // later attempt of a failed/timed-out task: run again
+  } else if (cordoned) {
+    return respond(errorBody('REACH_AGENT_BUSY', `${AGENT_ID} is cordoned by an operator: it takes no new tasks`, { agent_id: AGENT_ID, cordoned: true, retryable: true }));
   }
   if (draining || inflight >= MAX_CONCURRENCY) {
     return respond(errorBody('REACH_AGENT_BUSY', draining ? 'draining' : 'at capacity', { retryable: true }));
@@ -351,6 +362,7 @@ async function register() {
     try {
       const r = await hubRequest(subj, { card: card(), session: SESSION, heartbeat_interval: HB_INTERVAL, lease_timeout: LEASE }, 2000);
       log('registered', JSON.stringify(r));
+      heardCordon(r);
       return r;
     } catch (e) {
       let wait = Math.min(5000, 200 * 2 ** i);
@@ -370,7 +382,7 @@ async function heartbeatOnce() {
   const waitMs = Math.max(50, (HB_INTERVAL * 1000) / 6);
   for (let i = 0; i < 3; i++) {
     try {
-      await hubRequest(subj, body, waitMs);
+      heardCordon(await hubRequest(subj, body, waitMs));
       return;
     } catch (e) {
       if (e.reach && e.reach.code === 'REACH_UNKNOWN_AGENT') {
