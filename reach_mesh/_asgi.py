@@ -3,21 +3,121 @@
 ``uvicorn.Server.serve()`` runs as one task of the running loop: no thread, no second loop, and
 no signal handlers (the library installs none; the process entry point does). Used by the hub
 (REST, OpenAPI, MCP, dashboard) and by an agent's optional ``/metrics`` endpoint.
+
+Each connection speaks HTTP/1.1 through :class:`_BoundedHeads`, uvicorn's httptools protocol with
+the two bounds it lacks on a request's head (its request line and headers), which arrives before
+any route, guard or token check: at most :data:`HEAD_MAX` bytes (431, typed) and
+:data:`HEAD_TIMEOUT` seconds from a connection's opening, or from a head's first byte on a
+kept-alive connection (408, typed; a connection that sent nothing is closed). Without them one
+connection of anyone who could reach the port, token or not, sent 160 MB of small headers and
+held the hub at 2.7 GB and its event loop up to 2.5 s late, and a connection that sent half a
+head stayed open for good (slowloris) (docs/security.md, "HTTP surface").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import Callable, Generator
 from typing import Any, Final
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["AsgiServer"]
+from reach_mesh.errors import MeshTimeoutError, PayloadTooLargeError, ReachError
+
+__all__ = ["HEAD_MAX", "HEAD_TIMEOUT", "AsgiServer"]
 
 _START_TIMEOUT: Final = 10.0
+#: Bytes of one request's head (request line and headers) at most; nginx's largest default is
+#: 32 KiB, and the hub's own requests take a few hundred bytes.
+HEAD_MAX: Final = 64 * 1024
+#: Seconds a request's head may take to arrive (from the connection's opening, for its first).
+HEAD_TIMEOUT: Final = 10.0
+
+
+class _BoundedHeads(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a request head bounded in bytes and in time (the
+    module docstring). httptools keeps every header (and a header's partial value) it has
+    read until the head ends, and uvicorn times only the wait between two requests of a
+    kept-alive connection."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        #: Within a request's head (its first byte read, not yet its end).
+        self._in_head = False
+        #: A head began in the data being parsed: that chunk is not counted (bounded by the
+        #: transport's read size; counted, the body after a pipelined head would be too).
+        self._began = False
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(
+            HEAD_TIMEOUT, self._head_late
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._began = False
+        super().data_received(data)
+        if self._in_head and not self._began and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > HEAD_MAX:
+                self._refuse(
+                    431,
+                    PayloadTooLargeError(
+                        f"request head (request line and headers) over {HEAD_MAX} bytes",
+                        size=self._head_bytes,
+                        max_size=HEAD_MAX,
+                    ),
+                )
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = self._began = True
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_late)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if not self._in_head:
+            self.transport.close()  # nothing sent: nobody to answer, as uvicorn's keep-alive
+            return
+        self._refuse(
+            408,
+            MeshTimeoutError(
+                f"request head (request line and headers) not received within {HEAD_TIMEOUT:g}s",
+                timeout_s=HEAD_TIMEOUT,
+            ),
+        )
+
+    def _refuse(self, status: int, err: ReachError) -> None:
+        """Answer ``err`` (typed JSON) and close: the rest of the head is never read."""
+        self._in_head = False
+        self._stop_head_timer()
+        body = json.dumps(err.to_wire(), separators=(",", ":")).encode()
+        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, reason, len(body), body)
+        )
+        self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -47,6 +147,7 @@ class AsgiServer:
             host=host,
             port=port,
             loop="none",
+            http=_BoundedHeads,
             lifespan="on",
             log_config=None,
             access_log=False,

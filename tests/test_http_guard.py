@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from reach_mesh import Client, MeshSettings
+from reach_mesh import Client, MeshSettings, _asgi
 from reach_mesh._asgi import AsgiServer
 from reach_mesh.agent import Agent, Task
 from reach_mesh.hub import Hub
@@ -399,6 +399,63 @@ async def test_a_body_too_large_to_drop_is_answered_unread_and_its_connection_cl
                 assert await asyncio.wait_for(reader.read(), 5) == b"", case  # closed
             finally:
                 writer.close()
+
+
+async def test_a_request_head_is_bounded_in_bytes_and_time(
+    settings: MeshSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's head (request line and headers) arrives before the guard and any token
+    check, and uvicorn's httptools protocol bounded it neither in bytes nor in time: one
+    connection, no token, sent 160 MB of small headers and held the hub at 2.7 GB (its
+    event loop up to 2.5 s late), and a connection with half a head, or none, stayed open for
+    good (slowloris). Past ``HEAD_MAX`` bytes: a typed 431; past ``HEAD_TIMEOUT``: a typed
+    408 (a connection that sent nothing is closed). A head within the bound, and a body of
+    any allowed size after it, still pass."""
+    monkeypatch.setattr(_asgi, "HEAD_TIMEOUT", 0.5)
+    s = settings.model_copy(update={"http_port": 0, "http_token": TOKEN})
+    async with Hub(settings=s) as hub:
+        port = hub.http.port
+        auth = f"Host: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+
+        async def head(lines: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(b"GET /api/agents HTTP/1.1\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.05)  # a read of its own: the bound counts what follows
+                writer.write(lines)
+                await writer.drain()
+                return await asyncio.wait_for(_answer(reader), 5)
+            finally:
+                writer.close()
+
+        filler = b"X-Filler: abcdefgh\r\n"
+        within = filler * (40_000 // len(filler))
+        status, _, _ = await head(auth.encode() + within + b"\r\n")
+        assert status == 200  # 40 KB of headers: within the bound
+        status, headers, body = await head(
+            auth.encode() + filler * (_asgi.HEAD_MAX // len(filler) + 100)
+        )
+        assert status == 431 and headers[b"connection"] == b"close"
+        assert json.loads(body)["error"]["code"] == "REACH_PAYLOAD_TOO_LARGE"
+        # Half a head, then nothing: answered when the time is up, not held open.
+        started = asyncio.get_running_loop().time()
+        status, _, body = await head(auth.encode())
+        assert status == 408 and json.loads(body)["error"]["code"] == "REACH_TIMEOUT"
+        assert asyncio.get_running_loop().time() - started < 3
+        # A connection that sends nothing at all is closed.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        # The bound is the head's: a body past it, on a connection of its own, still passes.
+        status, _, body = await _post_raw(
+            port,
+            f"/api/route?namespace={settings.namespace}",
+            json.dumps({"capability": "x:y:v1", "payload": "p" * 200_000}).encode(),
+            chunked=False,
+            headers=f"Content-Type: application/json\r\nAuthorization: Bearer {TOKEN}\r\n",
+        )
+        assert json.loads(body)["error"]["code"] == "REACH_NO_MATCH", (status, body)
 
 
 async def test_metrics_want_the_token_only_when_asked(settings: MeshSettings) -> None:
