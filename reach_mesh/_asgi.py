@@ -26,7 +26,12 @@ from typing import Any, Final
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from reach_mesh.errors import MeshTimeoutError, PayloadTooLargeError, ReachError
+from reach_mesh.errors import (
+    BadRequestError,
+    MeshTimeoutError,
+    PayloadTooLargeError,
+    ReachError,
+)
 
 __all__ = ["HEAD_MAX", "HEAD_TIMEOUT", "AsgiServer"]
 
@@ -87,6 +92,11 @@ class _BoundedHeads(HttpToolsProtocol):
         self._stop_head_timer()
         super().on_headers_complete()
 
+    def send_400_response(self, msg: str) -> None:
+        # What httptools cannot parse (no request line, a Content-Length that is no number,
+        # both Content-Length and Transfer-Encoding): uvicorn answers it in plain text.
+        self._refuse(400, BadRequestError(f"malformed HTTP request: {msg}"))
+
     def _stop_head_timer(self) -> None:
         if self._head_timer is not None:
             self._head_timer.cancel()
@@ -112,7 +122,11 @@ class _BoundedHeads(HttpToolsProtocol):
         self._in_head = False
         self._stop_head_timer()
         body = json.dumps(err.to_wire(), separators=(",", ":")).encode()
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        reason = {
+            400: b"Bad Request",
+            408: b"Request Timeout",
+            431: b"Request Header Fields Too Large",
+        }[status]
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, reason, len(body), body)
