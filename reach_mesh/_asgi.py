@@ -12,6 +12,14 @@ kept-alive connection (408, typed; a connection that sent nothing is closed). Wi
 connection of anyone who could reach the port, token or not, sent 160 MB of small headers and
 held the hub at 2.7 GB and its event loop up to 2.5 s late, and a connection that sent half a
 head stayed open for good (slowloris) (docs/security.md, "HTTP surface").
+
+A server also keeps at most :func:`connection_cap` connections open (:data:`CONNECTIONS_MAX`, or
+half the process's file-descriptor limit if less): past it, a new connection closes the one that
+has waited longest for a request's head (a legitimate client sends its head at once; a flood of
+idle connections pushes out its own), or is itself closed when every connection is in a
+request. Without it, 1,100 idle connections to a hub whose limit was 1,024 took every file
+descriptor: every HTTP request timed out and the loop logged 35,913 ``accept`` tracebacks in
+20 s.
 """
 
 from __future__ import annotations
@@ -20,11 +28,13 @@ import asyncio
 import contextlib
 import json
 import socket
+import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Final
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from reach_mesh.errors import (
     BadRequestError,
@@ -33,7 +43,7 @@ from reach_mesh.errors import (
     ReachError,
 )
 
-__all__ = ["HEAD_MAX", "HEAD_TIMEOUT", "AsgiServer"]
+__all__ = ["CONNECTIONS_MAX", "HEAD_MAX", "HEAD_TIMEOUT", "AsgiServer", "connection_cap"]
 
 _START_TIMEOUT: Final = 10.0
 #: Bytes of one request's head (request line and headers) at most; nginx's largest default is
@@ -41,6 +51,25 @@ _START_TIMEOUT: Final = 10.0
 HEAD_MAX: Final = 64 * 1024
 #: Seconds a request's head may take to arrive (from the connection's opening, for its first).
 HEAD_TIMEOUT: Final = 10.0
+#: Connections one server keeps open at most (:func:`connection_cap`).
+CONNECTIONS_MAX: Final = 4096
+#: Per server, its connections waiting for a request's head, longest-waiting first.
+_WAITING: weakref.WeakKeyDictionary[ServerState, dict[_BoundedHeads, None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def connection_cap() -> int:
+    """:data:`CONNECTIONS_MAX`, or half the process's soft file-descriptor limit if less (the
+    rest stays for NATS connections and files)."""
+    cap = CONNECTIONS_MAX
+    with contextlib.suppress(ImportError, OSError, ValueError):
+        import resource  # not on Windows
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY:
+            cap = min(cap, soft // 2)
+    return max(cap, 16)
 
 
 class _BoundedHeads(HttpToolsProtocol):
@@ -51,6 +80,15 @@ class _BoundedHeads(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._waiting = _WAITING.setdefault(self.server_state, {})
+        if len(self.connections) > connection_cap():
+            oldest = next(iter(self._waiting), None)
+            if oldest is None:
+                transport.close()  # every connection is in a request: this one goes
+            else:
+                del self._waiting[oldest]
+                oldest.transport.close()
+        self._waiting[self] = None
         #: Within a request's head (its first byte read, not yet its end).
         self._in_head = False
         #: A head began in the data being parsed: that chunk is not counted (bounded by the
@@ -63,6 +101,7 @@ class _BoundedHeads(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        self._waiting.pop(self, None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -89,8 +128,14 @@ class _BoundedHeads(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._waiting.pop(self, None)
         self._stop_head_timer()
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None:  # kept alive: waiting for the next head
+            self._waiting[self] = None
 
     def send_400_response(self, msg: str) -> None:
         # What httptools cannot parse (no request line, a Content-Length that is no number,
