@@ -19,7 +19,8 @@ has waited longest for a request's head (a legitimate client sends its head at o
 idle connections pushes out its own), or is itself closed when every connection is in a
 request. Without it, 1,100 idle connections to a hub whose limit was 1,024 took every file
 descriptor: every HTTP request timed out and the loop logged 35,913 ``accept`` tracebacks in
-20 s.
+20 s. A request's body that goes :data:`BODY_IDLE_TIMEOUT` without a byte has its connection
+closed (it held the connection and its route for good).
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ _START_TIMEOUT: Final = 10.0
 HEAD_MAX: Final = 64 * 1024
 #: Seconds a request's head may take to arrive (from the connection's opening, for its first).
 HEAD_TIMEOUT: Final = 10.0
+#: Seconds a request's body may go without a byte arriving (reading not paused by the server)
+#: before its connection is closed: the route reading it sees the client gone.
+BODY_IDLE_TIMEOUT: Final = 30.0
+#: Seconds between two sweeps of a server's connections for these two times.
+_SWEEP_EVERY: Final = 1.0
 #: Connections one server keeps open at most (:func:`connection_cap`).
 CONNECTIONS_MAX: Final = 4096
 #: Per server, its connections waiting for a request's head, longest-waiting first.
@@ -73,10 +79,12 @@ def connection_cap() -> int:
 
 
 class _BoundedHeads(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a request head bounded in bytes and in time (the
-    module docstring). httptools keeps every header (and a header's partial value) it has
-    read until the head ends, and uvicorn times only the wait between two requests of a
-    kept-alive connection."""
+    """uvicorn's httptools protocol with a request head bounded in bytes and in time, a body
+    that stops coming cut off, and connections capped (the module docstring). httptools keeps
+    every header (and a header's partial value) it has read until the head ends, and uvicorn
+    times only the wait between two requests of a kept-alive connection. The times are
+    judged by :func:`_sweep`, once every :data:`_SWEEP_EVERY` per server, not by a timer per
+    request: two timers a request cost the gateway's hot path about 5 µs."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -95,17 +103,19 @@ class _BoundedHeads(HttpToolsProtocol):
         #: transport's read size; counted, the body after a pipelined head would be too).
         self._began = False
         self._head_bytes = 0
-        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(
-            HEAD_TIMEOUT, self._head_late
-        )
+        #: Since when a head is awaited (None: none is, or uvicorn's keep-alive timer waits).
+        self._head_since: float | None = self.loop.time()
+        #: A request's body is still coming; when its last bytes came.
+        self._in_body = False
+        self._body_seen = 0.0
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_head_timer()
         self._waiting.pop(self, None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         self._began = False
+        self._body_seen = self.loop.time()
         super().data_received(data)
         if self._in_head and not self._began and not self.transport.is_closing():
             self._head_bytes += len(data)
@@ -123,14 +133,20 @@ class _BoundedHeads(HttpToolsProtocol):
         super().on_message_begin()
         self._in_head = self._began = True
         self._head_bytes = 0
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_late)
+        if self._head_since is None:
+            self._head_since = self._body_seen  # this data's arrival
+        self._in_body = False
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._head_since = None
         self._waiting.pop(self, None)
-        self._stop_head_timer()
         super().on_headers_complete()
+        self._in_body = True
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -142,30 +158,36 @@ class _BoundedHeads(HttpToolsProtocol):
         # both Content-Length and Transfer-Encoding): uvicorn answers it in plain text.
         self._refuse(400, BadRequestError(f"malformed HTTP request: {msg}"))
 
-    def _stop_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_late(self) -> None:
-        self._head_timer = None
+    def sweep(self, now: float) -> None:
+        """Judge this connection's times (:func:`_sweep`)."""
         if self.transport.is_closing():
             return
-        if not self._in_head:
-            self.transport.close()  # nothing sent: nobody to answer, as uvicorn's keep-alive
-            return
-        self._refuse(
-            408,
-            MeshTimeoutError(
-                f"request head (request line and headers) not received within {HEAD_TIMEOUT:g}s",
-                timeout_s=HEAD_TIMEOUT,
-            ),
-        )
+        if self._head_since is not None and now - self._head_since > HEAD_TIMEOUT:
+            self._head_since = None
+            if not self._in_head:
+                self.transport.close()  # nothing sent: nobody to answer, as uvicorn's keep-alive
+                return
+            self._refuse(
+                408,
+                MeshTimeoutError(
+                    "request head (request line and headers) not received within "
+                    f"{HEAD_TIMEOUT:g}s",
+                    timeout_s=HEAD_TIMEOUT,
+                ),
+            )
+        elif self._in_body and now - self._body_seen > BODY_IDLE_TIMEOUT:
+            if self.flow.read_paused:  # the server is not reading it: not the client's doing
+                self._body_seen = now
+                return
+            # A body that stopped coming (slow-body flood): the route waiting for it sees
+            # the client gone.
+            self._in_body = False
+            self.transport.close()
 
     def _refuse(self, status: int, err: ReachError) -> None:
-        """Answer ``err`` (typed JSON) and close: the rest of the head is never read."""
+        """Answer ``err`` (typed JSON) and close: the rest of the request is never read."""
         self._in_head = False
-        self._stop_head_timer()
+        self._head_since = None
         body = json.dumps(err.to_wire(), separators=(",", ":")).encode()
         reason = {
             400: b"Bad Request",
@@ -177,6 +199,18 @@ class _BoundedHeads(HttpToolsProtocol):
             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (status, reason, len(body), body)
         )
         self.transport.close()
+
+
+async def _sweep(state: ServerState) -> None:
+    """Every :data:`_SWEEP_EVERY` seconds, each connection's head and body times are judged
+    (:meth:`_BoundedHeads.sweep`): a timeout fires up to that much late."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(_SWEEP_EVERY)
+        now = loop.time()
+        for connection in list(state.connections):
+            if isinstance(connection, _BoundedHeads):
+                connection.sweep(now)
 
 
 class _Server(uvicorn.Server):
@@ -263,7 +297,12 @@ async def _bind(host: str, port: int) -> socket.socket:
 async def _serve(server: _Server, sock: socket.socket) -> None:
     # uvicorn answers a failed startup with sys.exit(); a SystemExit escaping a task would
     # stop the whole event loop, so it becomes an OSError of this task.
+    sweeper = asyncio.get_running_loop().create_task(
+        _sweep(server.server_state), name="reach-http-sweep"
+    )
     try:
         await server.serve(sockets=[sock])
     except SystemExit as err:
         raise OSError(f"uvicorn exited with {err.code}") from None
+    finally:
+        sweeper.cancel()

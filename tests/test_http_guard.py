@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, MutableMapping
@@ -498,6 +499,33 @@ async def test_idle_connections_past_the_cap_make_room_for_requests(
         finally:
             for _, writer in idle:
                 writer.close()
+
+
+async def test_a_body_that_stops_coming_has_its_connection_closed(
+    settings: MeshSettings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request whose body stopped coming held its connection, and the route reading it, for
+    good: a token holder (anyone, on a hub without a token) could fill the connection cap with
+    them. After ``BODY_IDLE_TIMEOUT`` without a byte the connection is closed; the route sees
+    the client gone and nothing is logged at ERROR."""
+    monkeypatch.setattr(_asgi, "BODY_IDLE_TIMEOUT", 0.5)
+    s = settings.model_copy(update={"http_port": 0, "http_token": TOKEN})
+    async with Hub(settings=s) as hub:
+        for path in ("/api/agents/x.y.z/cordon", f"/api/route?namespace={settings.namespace}"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", hub.http.port)
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
+                'Content-Length: 100\r\n\r\n{"reason":'.encode()
+            )
+            started = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(reader.read(), 5) == b"", path
+            assert asyncio.get_running_loop().time() - started < 3
+            writer.close()
+        await asyncio.sleep(0.1)
+        status, _ = await fetch(f"{hub.http_url}/healthz")
+        assert status == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_metrics_want_the_token_only_when_asked(settings: MeshSettings) -> None:
