@@ -1,11 +1,11 @@
 """A process's NATS connections kept on one server of a cluster, after reconnections too.
 
-A hub holds four connections (main; routes; statuses; agents: ``hub/_hub.py``). Spread over a
-cluster's servers, a partition between those servers lost every proxy route's answer (the
-request taken on one side, the task and the answer sent on the other). At connect the others
-list main's server first (``_nats_urls.beside``); after that, each connection reconnects on
-its own. :class:`Together` keeps them together from then on, with one rule — *a connection
-goes where the others are*:
+A hub holds eight connections (main; routes; statuses; agents; four for its agents' replies:
+``hub/_hub.py``). Spread over a cluster's servers, a partition between those servers lost every
+proxy route's answer (the request taken on one side, the task and the answer sent on the
+other). At connect the others list main's server first (``_nats_urls.beside``); after that,
+each connection reconnects on its own. :class:`Together` keeps them together from then on, with
+one rule — *a connection goes where the others are*:
 
 * When a connection reconnects (its server lost, a slow-consumer cut, a lame-duck notice), it
   tries the server its siblings are on first: the main one's for the others; for the

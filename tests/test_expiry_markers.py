@@ -187,7 +187,7 @@ async def test_a_reply_dropped_as_a_slow_consumer_before_the_expiry_charges_noth
         await nc.publish(replies.prefix + "junk", b"x" * 4000)  # queued: 96 bytes left
         await nc.publish(received[0].reply, _reply_to(received[0], agent_id))  # dropped
         await nc.flush()
-        await eventually(lambda: slow_drops(hub._agents_nc, sub._id) == 1)
+        await eventually(lambda: slow_drops(replies.nc, sub._id) == 1)
         before = _checks(hub)
         go.set()
         await _timed_out(route)
@@ -214,7 +214,7 @@ async def test_a_drop_between_the_marker_and_its_reading_charges_nothing(
         sub._pending_bytes_limit = 4096
         await nc.publish(replies.prefix + "junk", b"x" * 5000)  # dropped
         await nc.flush()
-        await eventually(lambda: slow_drops(hub._agents_nc, sub._id) == 1)
+        await eventually(lambda: slow_drops(replies.nc, sub._id) == 1)
         before = _checks(hub)
         go.set()
         await eventually(lambda: not hub._markers)
@@ -225,12 +225,12 @@ async def test_a_drop_between_the_marker_and_its_reading_charges_nothing(
 async def test_a_reconnection_while_an_attempt_is_out_charges_nothing(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
-    """The hub's agents connection is cut (its socket aborted, as nats-server cuts a slow
-    consumer) and comes back while an attempt is out: its reply may have been lost with the
-    connection — ``behind``, nothing charged, though the marker comes back."""
+    """The hub's connection the namespace's replies come on is cut (its socket aborted, as
+    nats-server cuts a slow consumer) and comes back while an attempt is out: its reply may
+    have been lost with the connection — ``behind``, nothing charged, though the marker comes
+    back."""
     agent_id = f"{namespace}.cut.a1"
-    nc_agents = hub._agents_nc
-    assert nc_agents is not None
+    nc_agents = (await replies_of(hub, namespace)).nc
     async with _routed(hub, settings, agent_id) as (_, route, _nc):
         before = _checks(hub)
         reconnects = nc_agents.stats["reconnects"]
@@ -534,16 +534,21 @@ async def test_a_breaker_opened_by_unanswered_routes_says_so(
 async def test_an_expiry_after_a_reconnection_of_before_is_charged(
     hub: Hub, settings: MeshSettings, namespace: str
 ) -> None:
-    """The hub's agents connection was cut and came back before a namespace's first route:
-    that namespace's reply subscription, made after it, lost nothing, and its first
-    unanswered attempt is charged once its marker is back. (Each namespace's losses counted
-    from 0, the reconnection of before looked new to the first expiry of every namespace
-    whose subscription came after it: ``behind``, never charged.)"""
-    nc_agents = hub._agents_nc
-    assert nc_agents is not None
-    reconnects = nc_agents.stats["reconnects"]
-    nc_agents._transport._io_writer.transport.abort()  # type: ignore[union-attr]
-    await eventually(lambda: nc_agents.stats["reconnects"] > reconnects and nc_agents.is_connected)
+    """The hub's reply connections were cut and came back before a namespace's first route:
+    that namespace's reply subscription, made after it on one of them, lost nothing, and its
+    first unanswered attempt is charged once its marker is back. (Each namespace's losses
+    counted from 0, the reconnection of before looked new to the first expiry of every
+    namespace whose subscription came after it: ``behind``, never charged.)"""
+    ncs = [nc for nc in hub._reply_ncs if nc is not None]
+    reconnects = [nc.stats["reconnects"] for nc in ncs]
+    for nc in ncs:
+        nc._transport._io_writer.transport.abort()  # type: ignore[union-attr]
+    await eventually(
+        lambda: all(
+            nc.stats["reconnects"] > was and nc.is_connected
+            for nc, was in zip(ncs, reconnects, strict=True)
+        )
+    )
     agent_id = f"{namespace}.mute.a1"
     async with _routed(hub, settings, agent_id) as (_, route, _nc):
         before = _checks(hub)

@@ -24,6 +24,7 @@ from pathlib import Path
 import nats
 import nats.errors
 import pytest
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -179,6 +180,19 @@ async def test_a_flood_of_a_hubs_proxy_replies_gets_no_other_agent_charged(
         assert view.breaker.counts()[1] == 0  # (its answers count as read in time)
 
 
+def _echoed(msg: Msg, agent_id: str) -> bytes:
+    """``agent_id``'s answer to the task ``msg``: SUCCEEDED, its payload as the result."""
+    env = TaskEnvelope.model_validate_json(msg.data)
+    reply = TaskReply(
+        task_id=env.task_id,
+        attempt=env.attempt,
+        agent_id=agent_id,
+        state=TaskState.SUCCEEDED,
+        result=env.payload,
+    )
+    return protocol.encode(reply)
+
+
 @asynccontextmanager
 async def _by_hand(s: MeshSettings, agent_id: str) -> AsyncIterator[list[str]]:
     """Agent ``agent_id`` (identity ``s``) speaking the wire protocol by hand: it registers,
@@ -191,15 +205,7 @@ async def _by_hand(s: MeshSettings, agent_id: str) -> AsyncIterator[list[str]]:
 
     async def take(msg: Msg) -> None:
         seen.append(msg.reply)
-        env = TaskEnvelope.model_validate_json(msg.data)
-        reply = TaskReply(
-            task_id=env.task_id,
-            attempt=env.attempt,
-            agent_id=agent_id,
-            state=TaskState.SUCCEEDED,
-            result=env.payload,
-        )
-        await nc.publish(msg.reply, protocol.encode(reply))
+        await nc.publish(msg.reply, _echoed(msg, agent_id))
 
     try:
         await nc.subscribe(protocol.agent_task(agent_id), cb=take)
@@ -265,21 +271,13 @@ async def test_an_agent_may_not_publish_on_another_namespaces_reply_subjects(
         assert not [m for m in said if atk_prefix.lower() in m.lower()], said
 
 
-async def test_a_flood_of_one_namespaces_replies_leaves_another_namespaces_routes_answered(
+@asynccontextmanager
+async def _vic_and_atk(
     tmp_path: Path,
-) -> None:
-    """An agent of ``atk`` floods the hub's reply subjects it learned from its own tasks with
-    100-byte messages, faster than the hub reads them (modelled: the subscription they land on
-    is held, as a callback slower than the flood is — measured unheld, a flood of 60,000 a
-    second from another process did the same here). The flood fills that subscription's
-    queue and is dropped past its bound; ``vic``'s routes through the hub, all through the
-    flood, are answered, every one, within half a second: their replies are read on ``vic``'s
-    own subscription. (With one reply subscription for every namespace, ``vic``'s answers
-    waited unread behind the flood and every route timed out.) The flood comes evenly, 200
-    every 10 ms: sent 10,000 at a time, each burst waited in the hub's socket, ahead of
-    ``vic``'s answers, for as long as the hub took to read it (one connection for every
-    namespace: docs/security.md) — up to 0.24 s on a load of 3-4, every route of a round past
-    0.5 s once under more."""
+) -> AsyncIterator[tuple[Settings, Hub, Client, str]]:
+    """A hub, ``vic``'s echo agent and a caller of ``vic`` that routed to it, and ``atk``'s
+    agent by hand, served once: the settings, the hub, ``vic``'s caller, and the hub's reply
+    prefix ``atk``'s agent saw."""
     identities = ("caller", "atk"), ("agent", VICTIM), ("agent", FLOODER)
     async with (
         _secure(tmp_path, *identities) as settings,
@@ -291,13 +289,62 @@ async def test_a_flood_of_one_namespaces_replies_leaves_another_namespaces_route
     ):
         assert (await mesh.request(capability="work:echo:v1", payload=0)).result == 0
         await eventually(lambda: FLOODER in hub.registry.agents)
-        atk_prefix = await _served(c_atk, FLOODER, atk_seen)
-        agents_nc = hub._agents_nc
-        assert agents_nc is not None
+        yield settings, hub, mesh, await _served(c_atk, FLOODER, atk_seen)
+
+
+def _whole(hub: Hub, agent_id: str) -> None:
+    """``agent_id`` is charged nothing on ``hub``: its breaker closed, its health whole."""
+    view = hub.registry.agents[agent_id]
+    assert view.breaker.state is BreakerState.CLOSED
+    assert view.health.value == 100
+
+
+async def _vic_routed(
+    mesh: Client, apart: float = 0.0, enough: Callable[[], bool] = lambda: True
+) -> list[float]:
+    """Rounds of six routes of ``vic`` at once (``apart`` seconds between rounds), each with a
+    timeout of 0.5 s, every one answered: how long each round took. Three rounds at least,
+    and on until ``enough`` (3 s at most): the flood test's until the hub has read 1,000 of
+    the flood meanwhile (three quick rounds once read 3 of it: it came 10,000 at a time then,
+    every 0.5 s, and the rounds fell between two)."""
+    took: list[float] = []
+    until = time.perf_counter() + 3.0
+    for round_ in itertools.count():
+        if round_ >= 3 and (enough() or time.perf_counter() > until):
+            break
+        t0 = time.perf_counter()
+        payloads = range(6 * round_, 6 * round_ + 6)
+        routes = await asyncio.gather(
+            *(mesh.request(capability="work:echo:v1", payload=i, timeout=0.5) for i in payloads),
+            return_exceptions=True,
+        )
+        took.append(time.perf_counter() - t0)
+        assert [getattr(r, "result", r) for r in routes] == list(payloads), routes
+        await asyncio.sleep(apart)
+    return took
+
+
+async def test_a_flood_of_one_namespaces_replies_leaves_another_namespaces_routes_answered(
+    tmp_path: Path,
+) -> None:
+    """An agent of ``atk`` floods the hub's reply subjects it learned from its own tasks with
+    100-byte messages, faster than the hub reads them (modelled: the subscription they land on
+    is held, as a callback slower than the flood is — measured unheld, a flood of 60,000 a
+    second from another process did the same here). The flood fills that subscription's
+    queue and is dropped past its bound; ``vic``'s routes through the hub, all through the
+    flood, are answered, every one, within half a second: their replies are read on ``vic``'s
+    own subscription. (With one reply subscription for every namespace, ``vic``'s answers
+    waited unread behind the flood and every route timed out.) The flood comes evenly, 200
+    every 10 ms: sent 10,000 at a time when every namespace's replies came on one connection,
+    each burst waited in the hub's socket, ahead of ``vic``'s answers, for as long as the hub
+    took to read it (docs/security.md) — up to 0.24 s on a load of 3-4, every route of a round
+    past 0.5 s once under more."""
+    async with _vic_and_atk(tmp_path) as (settings, hub, mesh, atk_prefix):
+        flooded_nc = hub._replies.of("atk").nc
         # The subscription the flood lands on (whatever the hub's layout), held.
         (flooded,) = [
             sub
-            for sub in agents_nc._subs.values()
+            for sub in flooded_nc._subs.values()
             if sub.subject.endswith(">") and atk_prefix.startswith(sub.subject[:-1])
         ]
         go = asyncio.Event()
@@ -314,45 +361,56 @@ async def test_a_flood_of_one_namespaces_replies_leaves_another_namespaces_route
                 # A full queue of the flood, unread, and more of it coming.
                 await eventually(
                     lambda: (
-                        flooded.pending_msgs + slow_drops(agents_nc, flooded._id)
+                        flooded.pending_msgs + slow_drops(flooded_nc, flooded._id)
                         > REPLY_PENDING_MOST
                     ),
                     timeout=30,
                 )
-                before = int(agents_nc.stats["in_msgs"])
-                took: list[float] = []
-                # Three rounds at least, and on until the hub has read 1,000 of the flood
-                # meanwhile (3 s at most): three quick rounds once read 3 of it (it came
-                # 10,000 at a time then, every 0.5 s, and the rounds fell between two).
-                until = time.perf_counter() + 3.0
-                for round_ in itertools.count():
-                    flooding = int(agents_nc.stats["in_msgs"]) - before > 1_000
-                    if round_ >= 3 and (flooding or time.perf_counter() > until):
-                        break
-                    t0 = time.perf_counter()
-                    payloads = range(6 * round_, 6 * round_ + 6)
-                    routes = await asyncio.gather(
-                        *(
-                            mesh.request(capability="work:echo:v1", payload=i, timeout=0.5)
-                            for i in payloads
-                        ),
-                        return_exceptions=True,
-                    )
-                    took.append(time.perf_counter() - t0)
-                    assert [getattr(r, "result", r) for r in routes] == list(payloads), routes
-                flooded_meanwhile = int(agents_nc.stats["in_msgs"]) - before
+                before = int(flooded_nc.stats["in_msgs"])
+
+                def flooding() -> bool:
+                    return int(flooded_nc.stats["in_msgs"]) - before > 1_000
+
+                took = await _vic_routed(mesh, enough=flooding)
+                flooded_meanwhile = int(flooded_nc.stats["in_msgs"]) - before
             # The flood went on all through the routes (the hub read it meanwhile), past
             # its subscription's bound: dropped there, counted for that one alone.
             assert flooded_meanwhile > 1_000, flooded_meanwhile
-            assert slow_drops(agents_nc, flooded._id) > 0
+            assert slow_drops(flooded_nc, flooded._id) > 0
             assert max(took) < 0.5, took
         finally:
             go.set()
-        view = hub.registry.agents[VICTIM]
-        assert view.breaker.state is BreakerState.CLOSED
-        assert view.health.value == 100
+        _whole(hub, VICTIM)
         vic = hub._replies.of("vic")
-        assert vic.sub is not None and slow_drops(agents_nc, vic.sub._id) == 0
+        assert vic.sub is not None and slow_drops(vic.nc, vic.sub._id) == 0
+
+
+async def test_a_flood_its_connection_cannot_read_backs_up_that_connection_alone(
+    tmp_path: Path,
+) -> None:
+    """An agent of ``atk`` floods the hub's reply subjects it learned, and the hub's connection
+    that reads them reads nothing (its socket's reading paused: modelled, a flood faster than
+    the hub reads — unmodelled, 100,000 a second from another process here — waits in that
+    socket and in the server's buffer for it, ahead of whatever else the connection carries).
+    ``vic``'s routes through the hub, all through the flood, are answered within half a second:
+    ``vic``'s replies come on another of the hub's reply connections (``hub/_reply_boxes.py``),
+    and its agent stays whole.
+    (With every namespace's replies on one connection, ``vic``'s waited behind the flood: every
+    route timed out.)"""
+    async with _vic_and_atk(tmp_path) as (settings, hub, mesh, atk_prefix):
+        flooded_nc = hub._replies.of("atk").nc
+        socket = flooded_nc._transport._io_writer.transport  # type: ignore[union-attr]
+        socket.pause_reading()
+        try:
+            with _flooding(settings("agent", FLOODER), atk_prefix + "junk", rate=20_000):
+                await asyncio.sleep(0.5)  # (the flood backs up)
+                read = int(flooded_nc.stats["in_msgs"])
+                took = await _vic_routed(mesh, apart=0.3)
+                assert int(flooded_nc.stats["in_msgs"]) == read  # (it read nothing meanwhile)
+            assert max(took) < 0.5, took
+        finally:
+            socket.resume_reading()
+        _whole(hub, VICTIM)
 
 
 async def test_an_agent_that_never_answers_but_says_it_did_on_ctl_has_its_breaker_opened(
@@ -456,11 +514,13 @@ async def test_a_namespace_whose_subscription_failed_is_subscribed_again(
     subscribe = replies._subscribe
     subjects: list[str] = []
 
-    async def failing_once(subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
+    async def failing_once(
+        nc: NATS, subject: str, cb: Callable[[Msg], Awaitable[None]]
+    ) -> Subscription:
         subjects.append(subject)
         if len(subjects) == 1:
             raise nats.errors.ConnectionClosedError
-        return await subscribe(subject, cb)
+        return await subscribe(nc, subject, cb)
 
     monkeypatch.setattr(replies, "_subscribe", failing_once)
     s = settings.model_copy(update={"namespace": f"{namespace}s"})
@@ -477,6 +537,26 @@ async def test_a_namespace_whose_subscription_failed_is_subscribed_again(
     assert replies._own == len(own)
 
 
+def _box_of(hub: Hub, ns: str) -> _reply_boxes.ReplyBox | None:
+    return next((b for b in hub._replies.boxes() if b.ns == ns), None)
+
+
+@asynccontextmanager
+async def _routed(
+    hub: Hub, settings: MeshSettings, ns: str
+) -> AsyncIterator[_reply_boxes.ReplyBox]:
+    """An agent of ``ns`` registers and is routed to once through ``hub``: its box; it
+    unregisters as the block ends."""
+    s = settings.model_copy(update={"namespace": ns})
+    agent_id = f"{ns}.echo.a1"
+    async with raw_agent(s, agent_id, listen=True, answer=True), Client(settings=s) as c:
+        assert (await c.request(agent_id=agent_id, payload=ns)).result == ns
+        box = _box_of(hub, ns)
+        assert box is not None and box.sub is not None
+        yield box
+    await eventually(lambda: agent_id not in hub.registry.agents)
+
+
 async def test_a_namespace_gone_gives_its_reply_subscription_back(
     hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -488,24 +568,13 @@ async def test_a_namespace_gone_gives_its_reply_subscription_back(
     its ``ReplyBox`` kept too however many came and went. A namespace gone through the
     overflow is let go likewise."""
     replies = hub._replies
-    subs = hub._agents_nc._subs  # type: ignore[union-attr]
     monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", len(replies.boxes()) + 2)
 
     def box_of(ns: str) -> _reply_boxes.ReplyBox | None:
-        return next((b for b in replies.boxes() if b.ns == ns), None)
+        return _box_of(hub, ns)
 
-    @asynccontextmanager
-    async def routed(ns: str) -> AsyncIterator[_reply_boxes.ReplyBox]:
-        """An agent of ``ns`` registers and is routed to once: its box; it unregisters as
-        the block ends."""
-        s = settings.model_copy(update={"namespace": ns})
-        agent_id = f"{ns}.echo.a1"
-        async with raw_agent(s, agent_id, listen=True, answer=True), Client(settings=s) as c:
-            assert (await c.request(agent_id=agent_id, payload=ns)).result == ns
-            box = box_of(ns)
-            assert box is not None and box.sub is not None
-            yield box
-        await eventually(lambda: agent_id not in hub.registry.agents)
+    def routed(ns: str) -> contextlib.AbstractAsyncContextManager[_reply_boxes.ReplyBox]:
+        return _routed(hub, settings, ns)
 
     async def visit(ns: str) -> _reply_boxes.ReplyBox:
         async with routed(ns) as box:
@@ -515,6 +584,7 @@ async def test_a_namespace_gone_gives_its_reply_subscription_back(
         first = await visit(f"{namespace}a")
         assert not live.shared and not first.shared
         first_sid = first.sub._id if first.sub is not None else -1
+        subs = first.nc._subs  # (its connection's)
         assert first_sid in subs
         second = await visit(f"{namespace}b")
         assert not second.shared, "the slot of a namespace gone was not given back"
@@ -526,7 +596,7 @@ async def test_a_namespace_gone_gives_its_reply_subscription_back(
         for i in range(3):
             assert (await visit(f"{namespace}o{i}")).shared
         assert [b.ns for b in replies.boxes()] == [f"{namespace}live", f"{namespace}o2"]
-        assert live.sub._id in subs
+        assert live.sub._id in live.nc._subs
         # The namespace still registered is still answered on its own subscription.
         s = settings.model_copy(update={"namespace": f"{namespace}live"})
         async with Client(settings=s) as c:
@@ -538,35 +608,108 @@ async def test_a_namespace_let_go_leaves_no_count_of_its_drops(
     hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The slow-consumer drops counted for a namespace's reply subscription
-    (``_nats.slow_drops``) go with it when the namespace gives it back: kept, each
+    (``_nats.slow_drops``, on the reply connection it is on: here not the first, another
+    namespace kept on that one) go with it when the namespace gives it back: kept, each
     subscription of a namespace come and gone that ever dropped a message left its count in
     the connection's table for the hub's life."""
     replies = hub._replies
-    nc = hub._agents_nc
-    assert nc is not None
-    monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", len(replies.boxes()) + 1)
+    monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", len(replies.boxes()) + 2)
     monkeypatch.setattr(_reply_boxes, "REPLY_PENDING_MOST", 1)
     gone = f"{namespace}d"
     s = settings.model_copy(update={"namespace": gone})
     agent_id = f"{gone}.echo.a1"
-    async with raw_agent(s, agent_id, listen=True, answer=True), Client(settings=s) as c:
-        assert (await c.request(agent_id=agent_id, payload=1)).result == 1
-        box = next(b for b in replies.boxes() if b.ns == gone)
-        assert box.sub is not None
-        sid = box.sub._id
-        flooder = await nats.connect(settings.nats_url or "")
-        try:
-            for _ in range(200):  # past its one pending message: dropped
-                await flooder.publish(box.prefix + "x.0", b"x" * 100)
-            await flooder.flush()
-            await eventually(lambda: slow_drops(nc, sid) > 0)
-        finally:
-            await flooder.close()
-    await eventually(lambda: agent_id not in hub.registry.agents)
-    other = settings.model_copy(update={"namespace": f"{namespace}e"})
+    async with _routed(hub, settings, f"{namespace}k") as kept:
+        async with raw_agent(s, agent_id, listen=True, answer=True), Client(settings=s) as c:
+            assert (await c.request(agent_id=agent_id, payload=1)).result == 1
+            box = next(b for b in replies.boxes() if b.ns == gone)
+            assert box.sub is not None and box.nc is not kept.nc
+            nc, sid = box.nc, box.sub._id
+            flooder = await nats.connect(settings.nats_url or "")
+            try:
+                for _ in range(200):  # past its one pending message: dropped
+                    await flooder.publish(box.prefix + "x.0", b"x" * 100)
+                await flooder.flush()
+                await eventually(lambda: slow_drops(nc, sid) > 0)
+            finally:
+                await flooder.close()
+        await eventually(lambda: agent_id not in hub.registry.agents)
+        other = settings.model_copy(update={"namespace": f"{namespace}e"})
+        async with (
+            raw_agent(other, f"{namespace}e.echo.a1", listen=True, answer=True),
+            Client(settings=other) as c,
+        ):
+            assert (await c.request(agent_id=f"{namespace}e.echo.a1", payload=2)).result == 2
+        assert _box_of(hub, gone) is None  # (let go)
+        await eventually(lambda: sid not in nc.slow_drops)  # type: ignore[attr-defined]
+
+
+async def test_a_new_namespace_takes_the_reply_connection_holding_the_fewest(
+    hub: Hub, settings: MeshSettings, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new namespace's reply subscription goes on the reply connection holding the fewest
+    namespaces' own, after one was let go too: ``l1`` and ``l2`` stay registered, ``g`` came
+    between them and went, and ``n``, past the bound, has ``g`` let go and takes a connection
+    none of the others is on — not ``l2``'s, as in turn by count (its slots in use modulo the
+    connections) it did: two namespaces on one connection, another connection with none."""
+    replies = hub._replies
+    assert not replies.boxes() and _reply_boxes.REPLY_CONNECTIONS >= 4
+    monkeypatch.setattr(_reply_boxes, "REPLY_NAMESPACES_MOST", 3)
+    async with _routed(hub, settings, f"{namespace}l1") as l1:
+        async with _routed(hub, settings, f"{namespace}g") as g:
+            pass
+        async with (
+            _routed(hub, settings, f"{namespace}l2") as l2,
+            _routed(hub, settings, f"{namespace}n") as n,
+        ):
+            assert _box_of(hub, g.ns) is None  # (let go)
+            assert not n.shared
+            on = [b.nc for b in (l1, l2, n)]
+            assert len({id(nc) for nc in on}) == 3, "two namespaces on one reply connection"
+            held = [sum(b.nc is nc for b in replies.boxes()) for nc in replies._ncs]
+            assert max(held) - min(held) <= 1, held
+
+
+async def test_a_reply_connection_back_sends_its_own_namespaces_attempts_again(
+    hub: Hub, settings: MeshSettings, namespace: str
+) -> None:
+    """Two namespaces answer on two of the hub's reply connections, each with a route out to
+    an agent that took its task and has not answered. The first's reply connection is cut (its
+    socket aborted, as nats-server cuts a slow consumer) and comes back: an answer sent
+    meanwhile is lost, so its attempt is sent again to its agent (the same task id and
+    attempt), whose answer then ends the route; the other's, on a connection that stayed up,
+    is not sent again."""
+    ns_a, ns_b = f"{namespace}ra", f"{namespace}rb"
+    id_a, id_b = f"{ns_a}.held.a1", f"{ns_b}.held.a1"
+    assert settings.nats_url is not None
+    answerer = await nats.connect(settings.nats_url)
     async with (
-        raw_agent(other, f"{namespace}e.echo.a1", listen=True, answer=True),
-        Client(settings=other) as c,
+        raw_agent(settings, id_a, listen=True) as got_a,
+        raw_agent(settings, id_b, listen=True) as got_b,
+        Client(settings=settings.model_copy(update={"namespace": ns_a})) as c_a,
+        Client(settings=settings.model_copy(update={"namespace": ns_b})) as c_b,
     ):
-        assert (await c.request(agent_id=f"{namespace}e.echo.a1", payload=2)).result == 2
-    await eventually(lambda: sid not in nc.slow_drops)  # type: ignore[attr-defined]
+        await eventually(lambda: {id_a, id_b} <= set(hub.registry.agents))
+        route_a = asyncio.create_task(c_a.request(agent_id=id_a, payload=1, timeout=10))
+        route_b = asyncio.create_task(c_b.request(agent_id=id_b, payload=2, timeout=10))
+        try:
+            await eventually(lambda: len(got_a) == 1 and len(got_b) == 1)
+            box_a, box_b = hub._replies.of(ns_a), hub._replies.of(ns_b)
+            cut = box_a.nc
+            assert cut is not box_b.nc
+            reconnects = cut.stats["reconnects"]
+            losses = hub._replies.losses(box_a), hub._replies.losses(box_b)
+            cut._transport._io_writer.transport.abort()  # type: ignore[union-attr]
+            await eventually(lambda: cut.stats["reconnects"] > reconnects)
+            # A possible loss for the namespace on the connection cut, not for the other's.
+            assert hub._replies.losses(box_a) == losses[0] + 1
+            assert hub._replies.losses(box_b) == losses[1]
+            await eventually(lambda: len(got_a) == 2)
+            first, again = (TaskEnvelope.model_validate_json(m.data) for m in got_a)
+            assert (again.task_id, again.attempt) == (first.task_id, first.attempt)
+            await answerer.publish(got_a[1].reply, _echoed(got_a[1], id_a))
+            assert (await route_a).result == 1
+            assert len(got_b) == 1
+        finally:
+            route_a.cancel()
+            route_b.cancel()
+            await answerer.close()

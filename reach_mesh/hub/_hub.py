@@ -25,6 +25,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from functools import partial
 from types import TracebackType
 from typing import Any, Final
 
@@ -56,7 +57,7 @@ from reach_mesh.hub._dashboard import Dashboard
 from reach_mesh.hub._pins import TaskPins
 from reach_mesh.hub._push_sweep import sweep_forever
 from reach_mesh.hub._record_read import RecordReadMixin
-from reach_mesh.hub._reply_boxes import ReplyBoxes
+from reach_mesh.hub._reply_boxes import REPLY_CONNECTIONS, ReplyBoxes
 from reach_mesh.hub._resources import Resources
 from reach_mesh.hub._routing import RoutingMixin
 from reach_mesh.hub.audit import AuditLog, Repeats
@@ -123,9 +124,12 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         #: ``start``).
         self._route_nc: NATS | None = None
         self._status_nc: NATS | None = None
-        #: And what agents send (their verbs, their answers), and what they answer.
+        #: And agents' own verbs.
         self._agents_nc: NATS | None = None
-        #: Keeps the four on the main one's server after reconnections (``_nats_together``).
+        #: And the agents' answers to the requests this hub sends them, each namespace's on
+        #: one of these (``hub/_reply_boxes.py``); the requests leave on it too.
+        self._reply_ncs: list[NATS | None] = [None] * REPLY_CONNECTIONS
+        #: Keeps them all on the main one's server after reconnections (``_nats_together``).
         self.together = Together(self.hub_id)
         self._js: JetStreamContext | None = None
         self._subs: list[Subscription] = []
@@ -301,21 +305,17 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
                 **self.together.options("statuses"),
             )
             self.together.add("statuses", self._status_nc)
-            # And a fourth for what agents send a hub on subjects they may publish to: their
-            # own verbs (register, heartbeat, unregister, record), their answers to proxied
-            # tasks and to this hub's asks (whose reply subjects they see: they may publish
-            # on their namespace's in every hub's inbox), and the tasks and asks those answer
-            # (NATS says "no responders" only to the connection that holds the reply
-            # subscription). A flood of tiny messages on any of them once cut the main
-            # connection, and with it every tenant's KV watches and pulls. The routes'
-            # connection likewise takes every subject a caller or an operator may send to
-            # (``_subscribe``).
+            # And a fourth for the verbs agents send a hub on subjects of their own (register,
+            # heartbeat, unregister, record); their answers to proxied tasks and to this hub's
+            # asks come on the reply connections below. A flood of tiny messages on any of
+            # them once cut the main connection, and with it every tenant's KV watches and
+            # pulls. The routes' connection likewise takes every subject a caller or an
+            # operator may send to (``_subscribe``).
             self._agents_nc = await connect(
                 self.nats_url,
                 name=f"{self.hub_id}-agents",
                 settings=self.settings,
                 patience=time_to_start(0.0),
-                on_reconnect=self._back_on_agents,
                 **beside(self._nc, self.nats_url),
                 **self.together.options("agents"),
             )
@@ -333,10 +333,28 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             )
             await self.audit.start()
             self.resources = Resources(self._js, counted=self.metrics.recreated_total.inc)
-            # Agents answer on their namespace's own reply subjects (``hub/_reply_boxes.py``),
-            # on the connection the attempts and asks leave on.
+            # Agents answer on their namespace's own reply subjects, read on one of
+            # REPLY_CONNECTIONS connections of their own, which the attempts and asks of that
+            # namespace leave on (``hub/_reply_boxes.py``): a namespace flooding its reply
+            # subjects faster than this hub reads them backs up in that connection's socket
+            # alone — not ahead of the heartbeats, nor of the other connections' namespaces.
+            for i in range(REPLY_CONNECTIONS):
+                name = f"replies-{i}"
+                reply_nc = await connect(
+                    self.nats_url,
+                    name=f"{self.hub_id}-{name}",
+                    settings=self.settings,
+                    patience=time_to_start(0.0),
+                    on_reconnect=partial(self._back_on_replies, i),
+                    **beside(self._nc, self.nats_url),
+                    **self.together.options(name),
+                )
+                self._reply_ncs[i] = reply_nc
+                self.together.add(name, reply_nc)
             self._replies = ReplyBoxes(
-                self._agents_nc, self._on_agent_reply, self._reply_namespaces_in_use
+                [nc for nc in self._reply_ncs if nc is not None],
+                self._on_agent_reply,
+                self._reply_namespaces_in_use,
             )
             self.registry = Registry(
                 self._nc,
@@ -465,10 +483,10 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         self._spawn(self._ask_agents_again())
         self._spawn(self._ask_pins())
 
-    def _back_on_agents(self) -> None:
-        """The agents' connection is back: the answers to the attempts sent on it may have
+    def _back_on_replies(self, i: int) -> None:
+        """Reply connection ``i`` is back: the answers to the attempts sent on it may have
         been lost meanwhile (``_ask_agents_again``)."""
-        self._spawn(self._ask_agents_again())
+        self._spawn(self._ask_agents_again(self._reply_ncs[i]))
 
     def _reply_namespaces_in_use(self) -> set[str]:
         """The namespaces whose reply subjects this hub still needs (``ReplyBoxes``): those
@@ -486,21 +504,15 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
         return used
 
     @property
-    def _task_nc(self) -> NATS:
-        """The connection proxied attempts leave on: the one their answers come back on."""
-        if self._agents_nc is None:
-            raise RuntimeError("hub is not started")
-        return self._agents_nc
-
-    @property
     def _connections(self) -> dict[str, NATS | None]:
         """The hub's NATS connections by the name its metrics give them: the main one,
-        routes', statuses', agents' (``start``)."""
+        routes', statuses', agents', and the agents' replies' (``start``)."""
         return {
             "main": self._nc,
             "routes": self._route_nc,
             "statuses": self._status_nc,
             "agents": self._agents_nc,
+            **{f"replies-{i}": nc for i, nc in enumerate(self._reply_ncs)},
         }
 
     @property
@@ -519,7 +531,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
 
     @property
     def nats_connected(self) -> bool:
-        """Whether all four of the hub's NATS connections are up (callers' requests, status
+        """Whether all of the hub's NATS connections are up (callers' requests, status
         events and what else agents send come on ones of their own: ``start``)."""
         return all(nc is not None and nc.is_connected for nc in self._connections.values())
 
@@ -612,7 +624,7 @@ class Hub(RoutingMixin, ControlMixin, RecordReadMixin):
             await within("audit flush", self.audit.close(), 5.0, log)
         if hasattr(self, "_answers"):
             await within("answer flush", self._answers.flush(), 5.0, log)
-        for nc in (self._agents_nc, self._status_nc, self._route_nc, self._nc):
+        for nc in (*self._reply_ncs, self._agents_nc, self._status_nc, self._route_nc, self._nc):
             if nc is not None:
                 await within("NATS drain", nc.drain(), 5.0, log)
                 await within("NATS close", nc.close(), 5.0, log)

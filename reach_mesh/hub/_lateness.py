@@ -7,11 +7,11 @@ A proxy attempt whose deadline passes unanswered ends at once for its caller
 its breaker — waits. The hub reads the answers to its attempts, in the order they come, on
 reply subjects every agent of their namespace may publish on (it answers there:
 ``hub/_reply_boxes.py``): an identity flooding them holds that namespace's answers unread in
-the hub's queue (or, faster than the hub reads, every namespace's in its socket) past their
-deadlines, and an answer may also be lost with the connection or dropped as a slow consumer.
-Charged at once, each such expiry was the flood's doing charged to a healthy agent: another
-namespace's agent was QUARANTINED for most of a 10 s flood of 100-byte messages, when every
-namespace shared one reply subscription (docs/security.md).
+the hub's queue (or, faster than the hub reads, those of every namespace on its connection in
+its socket) past their deadlines, and an answer may also be lost with the connection or dropped
+as a slow consumer. Charged at once, each such expiry was the flood's doing charged to a
+healthy agent: another namespace's agent was QUARANTINED for most of a 10 s flood of 100-byte
+messages, when every namespace shared one reply subscription (docs/security.md).
 
 So the sweep that expires attempts keeps each one pending (``_late``) and, once per pass that
 expired any, publishes a *marker* per namespace of them — an empty message on a reply subject
@@ -58,8 +58,6 @@ import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
-
-from nats.aio.client import Client as NATS
 
 from reach_mesh._batch import reply_token
 from reach_mesh.errors import ReachError
@@ -114,7 +112,6 @@ class LatenessMixin:
 
     registry: Registry
     metrics: HubMetrics
-    _agents_nc: NATS | None
     _replies: ReplyBoxes
     #: Expired attempts awaiting their marker, by reply token, and their count per namespace
     #: (none kept at 0).
@@ -189,10 +186,8 @@ class LatenessMixin:
         marker.timer = asyncio.get_running_loop().call_later(
             MARKER_WAIT, self._marker_overdue, token
         )
-        nc = self._agents_nc
         try:
-            assert nc is not None
-            await nc.publish(replies.prefix + token, b"")
+            await replies.nc.publish(replies.prefix + token, b"")
         except Exception:  # (closing, or its buffer full): it cannot tell
             self._marker_overdue(token)
 

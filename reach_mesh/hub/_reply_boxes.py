@@ -14,12 +14,22 @@ mode an agent may publish under ``_INBOX.hub.*.r.<its namespace>.>`` only (``_au
 agent of one namespace flooding the reply subjects it learned floods its own namespace's
 subscription, and every other namespace's answers are read on theirs, in time.
 
-Each namespace's subscription is made (on the hub's agents connection, before the first
-request of that namespace is published on it: the server sees the SUB first) when the hub
-first sends it something, and kept while the namespace has a registered agent or anything in
-flight (``in_use``): a namespace gone gives it back, and its slot, once a new namespace wants
-one (:meth:`ReplyBoxes._let_go`; its next request subscribes again, with a new nonce). Its
-queue is bounded
+Each namespace's subscription is made (before the first request of that namespace is
+published: the server sees the SUB first) when the hub first sends it something, on one of the
+hub's :data:`REPLY_CONNECTIONS` reply connections (``<hub_id>-replies-<i>``): the one holding
+the fewest namespaces' subscriptions of their own then. The namespace's requests leave on that
+connection too (nats-server says "no responders" only to the connection that holds the reply
+subscription). It is kept while the namespace has a registered agent or anything in flight
+(``in_use``): a namespace gone gives it back, and its slot, once a new namespace wants one
+(:meth:`ReplyBoxes._let_go`; its next request subscribes again, with a new nonce, on the
+connection with the fewest then). A flood faster than the hub reads its connection waits in
+that connection's socket and in nats-server's buffer for it, ahead of everything else the
+connection carries, until the server cuts it (a slow consumer, ``max_pending``): the other
+connections' namespaces are read in time meanwhile (a connection dropping what it reads is
+read a buffer at a time between turns of the event loop: ``_nats._Connection._read_loop``),
+and the agents' own verbs (heartbeats) come on the hub's agents connection, none of these. A
+namespace that shares the flooded connection (one in :data:`REPLY_CONNECTIONS`) waits behind
+it, as every namespace did when they shared one. Its queue is bounded
 (:data:`REPLY_PENDING_MOST` messages): a flood past it is dropped as a slow consumer on that
 subscription only (``_nats.slow_drops``, counted per subscription: the lateness markers of that
 namespace alone count it as a possible loss).
@@ -35,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Final
@@ -50,12 +60,16 @@ from reach_mesh._batch import inbox_prefix, reply_token
 from reach_mesh._nats import slow_drops, slow_drops_forget
 
 __all__ = [
+    "REPLY_CONNECTIONS",
     "REPLY_NAMESPACES_MOST",
     "REPLY_PENDING_MOST",
     "ReplyBox",
     "ReplyBoxes",
 ]
 
+#: Connections a hub reads its agents' replies on; a new namespace takes the one with the
+#: fewest namespaces' subscriptions of their own.
+REPLY_CONNECTIONS: Final = 4
 #: Namespaces with a reply subscription of their own per hub; the next ones share one.
 REPLY_NAMESPACES_MOST: Final = 256
 #: Messages one reply subscription holds unread before it drops the next (slow consumer).
@@ -67,6 +81,9 @@ class ReplyBox:
     """One namespace's reply subjects on this hub, and what its lateness markers keep."""
 
     ns: str
+    #: The connection its subscription is on, and its requests leave on (NATS' "no
+    #: responders" goes to the publishing connection's own subscription only).
+    nc: NATS
     #: ``<inbox>.r.<ns>.<nonce>.``, as text and bytes, and its length.
     prefix: str
     prefix_b: bytes
@@ -94,18 +111,23 @@ InUse = Callable[[], Collection[str]]
 
 
 class ReplyBoxes:
-    """The reply subjects of each namespace a hub sends requests to, on one connection."""
+    """The reply subjects of each namespace a hub sends requests to, each namespace's on one
+    of ``ncs``."""
 
-    def __init__(self, nc: NATS, on_reply: OnReply, in_use: InUse) -> None:
-        self._nc = nc
+    def __init__(self, ncs: Sequence[NATS], on_reply: OnReply, in_use: InUse) -> None:
+        assert ncs
+        self._ncs = tuple(ncs)
         self._on_reply = on_reply
         self._in_use = in_use
         #: Unsubscribing the subscriptions of namespaces let go.
         self._leaving: set[asyncio.Task[None]] = set()
-        #: ``<inbox>.r.``: what every namespace's prefix starts with.
-        self._base = inbox_prefix(nc) + ".r."
+        #: ``<inbox>.r.``: what every namespace's prefix starts with (the same on every
+        #: connection: made with one ``inbox_prefix``).
+        self._base = inbox_prefix(ncs[0]) + ".r."
         self._boxes: dict[str, ReplyBox] = {}
+        #: Namespaces with a subscription of their own, in all and on each of ``ncs``.
         self._own = 0
+        self._held = [0] * len(self._ncs)
         self._overflow_nonce = reply_token()
         self._overflow: asyncio.Future[Subscription] | None = None
 
@@ -131,8 +153,7 @@ class ReplyBoxes:
         except Exception:
             if self._boxes.get(box.ns) is box:
                 del self._boxes[box.ns]
-                if not box.shared:
-                    self._own -= 1
+                self._release(box)
             raise
         if box.sub is None:
             box.sub = sub
@@ -140,31 +161,36 @@ class ReplyBoxes:
             box.losses_seen = self.losses(box)
 
     def losses(self, box: ReplyBox) -> int:
-        """Reconnections of the connection and messages of ``box``'s subscription dropped as
-        a slow consumer, so far: a reply on ``box`` may be lost with either."""
-        sub = box.sub
-        drops = 0 if sub is None else slow_drops(self._nc, sub._id)
-        return int(self._nc.stats["reconnects"]) + drops
+        """Reconnections of ``box``'s connection and messages of its subscription dropped as a
+        slow consumer, so far: a reply on ``box`` may be lost with either."""
+        nc, sub = box.nc, box.sub
+        drops = 0 if sub is None else slow_drops(nc, sub._id)
+        return int(nc.stats["reconnects"]) + drops
 
     def _make(self, ns: str) -> ReplyBox:
         loop = asyncio.get_running_loop()
         if self._own >= REPLY_NAMESPACES_MOST:
             self._let_go()
         if self._own < REPLY_NAMESPACES_MOST:
+            # The connection with the fewest (namespaces spread evenly, after some let go too).
+            i = min(range(len(self._ncs)), key=self._held.__getitem__)
+            nc = self._ncs[i]
             self._own += 1
+            self._held[i] += 1
             prefix = f"{self._base}{ns}.{reply_token()}."
-            box = ReplyBox(ns, prefix, prefix.encode(), len(prefix))
+            box = ReplyBox(ns, nc, prefix, prefix.encode(), len(prefix))
             read = partial(self._on_reply, box)
-            box.ready = loop.create_task(self._subscribe(prefix + ">", read))
+            box.ready = loop.create_task(self._subscribe(nc, prefix + ">", read))
         else:
+            nc = self._ncs[0]
             prefix = f"{self._base}{ns}.{self._overflow_nonce}."
-            box = ReplyBox(ns, prefix, prefix.encode(), len(prefix), shared=True)
+            box = ReplyBox(ns, nc, prefix, prefix.encode(), len(prefix), shared=True)
             overflow = self._overflow
             if overflow is None or (
                 overflow.done() and (overflow.cancelled() or overflow.exception() is not None)
             ):
                 subject = f"{self._base}*.{self._overflow_nonce}.>"
-                overflow = loop.create_task(self._subscribe(subject, self._on_overflow))
+                overflow = loop.create_task(self._subscribe(nc, subject, self._on_overflow))
                 self._overflow = overflow
             box.ready = overflow
         box.ready.add_done_callback(_retrieved)
@@ -182,15 +208,25 @@ class ReplyBoxes:
             del self._boxes[ns]
             if box.shared:
                 continue
-            self._own -= 1
-            task = asyncio.get_running_loop().create_task(_unsubscribe(self._nc, box.sub))
+            self._release(box)
+            task = asyncio.get_running_loop().create_task(_unsubscribe(box.nc, box.sub))
             self._leaving.add(task)
             task.add_done_callback(self._leaving.discard)
 
-    async def _subscribe(self, subject: str, cb: Callable[[Msg], Awaitable[None]]) -> Subscription:
+    def _release(self, box: ReplyBox) -> None:
+        """``box``'s slot, and its place on its connection, free (its subscription gone, or
+        never made)."""
+        if not box.shared:
+            self._own -= 1
+            self._held[self._ncs.index(box.nc)] -= 1
+
+    @staticmethod
+    async def _subscribe(
+        nc: NATS, subject: str, cb: Callable[[Msg], Awaitable[None]]
+    ) -> Subscription:
         # Unguessable (64 random bits), and NATS' "no responders" status messages for an
         # attempt or an ask arrive here: not guarded like the request subjects.
-        return await self._nc.subscribe(subject, cb=cb, pending_msgs_limit=REPLY_PENDING_MOST)
+        return await nc.subscribe(subject, cb=cb, pending_msgs_limit=REPLY_PENDING_MOST)
 
     async def _on_overflow(self, msg: Msg) -> None:
         """A reply on the overflow subscription: the namespace named in its subject."""
@@ -210,7 +246,7 @@ class ReplyBoxes:
         future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
         box.asks[token] = future
         try:
-            await self._nc.publish(protocol.agent_ctl(agent_id), body, reply=box.prefix + token)
+            await box.nc.publish(protocol.agent_ctl(agent_id), body, reply=box.prefix + token)
             try:
                 async with asyncio.timeout(timeout):
                     msg = await future

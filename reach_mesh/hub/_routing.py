@@ -130,9 +130,6 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
 
         def _namespace(self, subject: str) -> str: ...
 
-        @property
-        def _task_nc(self) -> NATS: ...
-
     # ------------------------------------------------------------------ routing
     #
     # A route is a flight: the request's callback decides and publishes the task to the agent
@@ -582,14 +579,14 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
                 ]
                 if len(lines) > 1:
                     items = [item for item in items if len(item[2]) != 1]
-                    await self._task_nc.publish(
+                    await replies.nc.publish(
                         protocol.agent_batch(view.agent_id),
                         b"\n".join(lines),
                         reply=prefix + box.token,
                     )
             subject = view.record.task_subject
             for token, body, headers in items:
-                await self._task_nc.publish(subject, body, reply=prefix + token, headers=headers)
+                await replies.nc.publish(subject, body, reply=prefix + token, headers=headers)
         except Exception as err:  # the connection is closing or gone
             unavailable = MeshUnavailableError(f"cannot reach NATS: {type(err).__name__}")
             for token, _, _ in box.items:
@@ -599,11 +596,14 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
                     self._end_deliver(flight, unavailable)
                     await self._finish(flight, error=unavailable)
 
-    async def _ask_agents_again(self) -> None:
+    async def _ask_agents_again(self, nc: NATS | None = None) -> None:
         """Back on NATS after losing it: the agents' answers sent while this hub was away are
         lost (NATS keeps none), so every attempt still waiting for one is sent again, alone, to
         its own reply subject. Same task id and attempt: the agent's idempotency table answers
         from the run in hand or its result, and the first answer ends the flight.
+
+        With ``nc`` (a reply connection back: ``hub/_reply_boxes.py``), only the attempts
+        sent on it; all when the main connection is back.
 
         Their pins go to the other hubs again first: one made just before the connection was
         lost may not have reached them, and their callers, back too, ask again through any hub."""
@@ -621,6 +621,8 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             view, remaining, replies = flight.view, flight.deadline - now, flight.replies
             if view is None or replies is None or flight.finished or remaining <= 0:
                 continue
+            if nc is not None and replies.nc is not nc:  # (not sent on the one back)
+                continue
             flight.in_hand = view.agent_id  # it may have had this attempt before the drop
             body = _envelope_bytes(
                 flight.task_id,
@@ -633,7 +635,7 @@ class RoutingMixin(HoldersMixin, RouteEndMixin):
             span = flight.deliver_span
             headers = inject_span(span) if span is not None else (flight.headers or {})
             try:
-                await self._task_nc.publish(
+                await replies.nc.publish(
                     view.record.task_subject, body, reply=replies.prefix + token, headers=headers
                 )
             except Exception as err:  # down again: the next reconnection asks again
