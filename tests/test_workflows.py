@@ -139,11 +139,10 @@ async def test_a_workflows_messages_are_taken_as_nats_py_reads_them(
             timeout=10,
         )
     assert res.state is TaskState.SUCCEEDED, res
-    assert where == {
-        "work": {"Client._read_loop"},
-        "ack": {"Client._read_loop"},
-        "status": {"Client._read_loop"},
-    }
+    # nats-py's read loop, or reach-mesh's copy of it on the connections ``_nats.connect``
+    # makes (``_Connection._read_loop``: a turn of the loop after a full read that dropped).
+    readers = {"Client._read_loop", "_Connection._read_loop"}
+    assert all(seen and seen <= readers for seen in where.values()), where
 
 
 async def test_a_workflow_in_a_namespace_that_does_not_exist_is_counted_as_unknown(
