@@ -334,12 +334,9 @@ class _Connection(MessageGuard):
                     await self._process_op_err(err)
                     break
                 b = await self._transport.read(DEFAULT_BUFFER_SIZE)
-                if len(b) < DEFAULT_BUFFER_SIZE:
-                    await self._ps.parse(b)
-                    continue
                 drops = self.slow_drops_total
                 await self._ps.parse(b)
-                if self.slow_drops_total != drops:
+                if len(b) == DEFAULT_BUFFER_SIZE and self.slow_drops_total != drops:
                     await asyncio.sleep(0)
             except nats.errors.ProtocolError:
                 await self._process_op_err(nats.errors.ProtocolError())
