@@ -268,15 +268,14 @@ def load_agents(spec: str) -> list[Any]:
         raise BadRequestError(f"expected module:attribute, got {spec!r}")
     if not attr and module_name.endswith(".py"):
         # `reach-mesh agent myagents.py`: the module that file is, asked for its Agents below.
-        module_name = module_name.removesuffix(".py").removeprefix("./").replace("/", ".")
+        module_name = _dotted(module_name)
     sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except (ImportError, TypeError) as err:  # TypeError: a relative name, "./myagents"
         hint = ""
         if module_name.endswith(".py") or "/" in module_name or module_name.startswith("."):
-            dotted = module_name.removesuffix(".py").removeprefix("./").replace("/", ".")
-            hint = f" (a module name, not a file: {dotted}:{attr or '<attribute>'})"
+            hint = f" (a module name, not a file: {_dotted(module_name)}:{attr or '<attribute>'})"
         if not attr:
             raise BadRequestError(f"expected module:attribute, got {spec!r}{hint}") from err
         raise BadRequestError(f"cannot import {module_name!r}: {err}{hint}") from err
@@ -307,6 +306,11 @@ def load_agents(spec: str) -> list[Any]:
     if not agents or not all(isinstance(a, Agent) for a in agents):
         raise BadRequestError(f"{spec!r} is not an Agent or a list of Agents")
     return agents
+
+
+def _dotted(path: str) -> str:
+    """The module name a file path given for one most likely means (``./pkg/mod.py``)."""
+    return path.removesuffix(".py").removeprefix("./").replace("/", ".")
 
 
 def _agents_in(module: Any) -> list[str]:
