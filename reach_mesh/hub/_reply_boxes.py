@@ -125,8 +125,7 @@ class ReplyBoxes:
         #: connection: made with one ``inbox_prefix``).
         self._base = inbox_prefix(ncs[0]) + ".r."
         self._boxes: dict[str, ReplyBox] = {}
-        #: Namespaces with a subscription of their own, in all and on each of ``ncs``.
-        self._own = 0
+        #: Namespaces with a subscription of their own on each of ``ncs`` (their sum: in all).
         self._held = [0] * len(self._ncs)
         self._overflow_nonce = reply_token()
         self._overflow: asyncio.Future[Subscription] | None = None
@@ -169,13 +168,12 @@ class ReplyBoxes:
 
     def _make(self, ns: str) -> ReplyBox:
         loop = asyncio.get_running_loop()
-        if self._own >= REPLY_NAMESPACES_MOST:
+        if sum(self._held) >= REPLY_NAMESPACES_MOST:
             self._let_go()
-        if self._own < REPLY_NAMESPACES_MOST:
+        if sum(self._held) < REPLY_NAMESPACES_MOST:
             # The connection with the fewest (namespaces spread evenly, after some let go too).
             i = min(range(len(self._ncs)), key=self._held.__getitem__)
             nc = self._ncs[i]
-            self._own += 1
             self._held[i] += 1
             prefix = f"{self._base}{ns}.{reply_token()}."
             box = ReplyBox(ns, nc, prefix, prefix.encode(), len(prefix))
@@ -217,7 +215,6 @@ class ReplyBoxes:
         """``box``'s slot, and its place on its connection, free (its subscription gone, or
         never made)."""
         if not box.shared:
-            self._own -= 1
             self._held[self._ncs.index(box.nc)] -= 1
 
     @staticmethod
